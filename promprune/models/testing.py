@@ -1,0 +1,203 @@
+"""Tiny, offline, seeded VLMs built from the real transformers classes.
+
+`tiny_vlm(arch)` returns `(model, processor)` for arch in {"llava", "llava_next", "qwen2_5_vl"}:
+the genuine `LlavaForConditionalGeneration` / `LlavaNextForConditionalGeneration` /
+`Qwen2_5_VLForConditionalGeneration` with random weights (seed 0), and a processor whose tokenizer,
+image processor and chat template are constructed from code (no hub access).
+
+The structure is the paper's, the sizes are not:
+
+- LLaVA-1.5: CLIP ViT with a CLS token, `vision_feature_layer=-2`, "default" strategy (CLS dropped);
+  48 px images, 8 px patches -> a 6x6 grid = 36 visual tokens (the real model: 24x24 = 576).
+- LLaVA-NeXT: anyres with base view + crops, `image_newline`, unpadding; 32 px views, 8 px patches ->
+  4x4 = 16 tokens per view, grid pinpoints up to 64x64 (2x2 crops).
+- Qwen2.5-VL: 4 px patches, temporal patch 2, 2x2 merger, windowed attention with full-attention
+  blocks 1 and 3; images resized to multiples of 8 px between 16x16 and 48x48 px.
+
+The tokenizer is byte-level BPE without merges (one token per byte) plus the architecture's special
+tokens, so any text round-trips and nothing is ever unknown.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessor,
+    LlavaNextProcessor,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+)
+
+ARCHS = ("llava", "llava_next", "qwen2_5_vl")
+SEED = 0  # fixed so every process builds bit-identical tiny models
+
+# Chat templates in the style of the real checkpoints (LLaVA-1.5 "USER: <image>\n... ASSISTANT:",
+# NeXT-Mistral "[INST] <image>\n... [/INST]", Qwen ChatML with vision start/end markers).
+_LLAVA_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}USER: "
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %} {% else %}ASSISTANT: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+_NEXT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %} [/INST]{% else %} {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
+    "{% endfor %}"
+)
+_QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_tokenizer(special_tokens: list[str], **named) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: 256 byte tokens, then `special_tokens` (ids 256, 257, ...)."""
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(special_tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left", **named)
+
+
+def _text_sizes(vocab_size: int) -> dict:
+    """A 3-layer LLM: deep enough for FastV at layer 2 and SparseVLM's several pruning layers."""
+    return dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    )
+
+
+def _clip_vision(image_size: int) -> CLIPVisionConfig:
+    """CLIP ViT with CLS token: 3 layers so `vision_feature_layer=-2` is a middle layer."""
+    return CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=image_size, patch_size=8, projection_dim=32,
+    )
+
+
+def _clip_image_processor(cls, size: int, **extra):
+    return cls(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}, do_center_crop=True,
+        do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        **extra,
+    )
+
+
+def _seeded(build):
+    torch.manual_seed(SEED)
+    return build().eval()
+
+
+def _tiny_llava():
+    tok = _byte_level_tokenizer(["<s>", "</s>", "<pad>", "<image>"], bos_token="<s>", eos_token="</s>",
+                                pad_token="<pad>")
+    tok.image_token = "<image>"
+    image_size = 48
+    config = LlavaConfig(
+        vision_config=_clip_vision(image_size), text_config=LlamaConfig(**_text_sizes(len(tok)),
+                                                                        pad_token_id=tok.pad_token_id,
+                                                                        bos_token_id=tok.bos_token_id,
+                                                                        eos_token_id=tok.eos_token_id),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id,
+    )
+    model = _seeded(lambda: LlavaForConditionalGeneration(config))
+    processor = LlavaProcessor(
+        image_processor=_clip_image_processor(CLIPImageProcessor, image_size), tokenizer=tok, patch_size=8,
+        vision_feature_select_strategy="default", chat_template=_LLAVA_TEMPLATE, image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+    return model, processor
+
+
+def _tiny_llava_next():
+    tok = _byte_level_tokenizer(["<s>", "</s>", "<pad>", "<image>"], bos_token="<s>", eos_token="</s>",
+                                pad_token="<pad>")
+    tok.image_token = "<image>"
+    view = 32
+    pinpoints = [[view, 2 * view], [2 * view, view], [2 * view, 2 * view]]  # 1x2, 2x1, 2x2 crops
+    config = LlavaNextConfig(
+        vision_config=_clip_vision(view), text_config=LlamaConfig(**_text_sizes(len(tok)),
+                                                                  pad_token_id=tok.pad_token_id,
+                                                                  bos_token_id=tok.bos_token_id,
+                                                                  eos_token_id=tok.eos_token_id),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints, pad_token_id=tok.pad_token_id,
+    )
+    model = _seeded(lambda: LlavaNextForConditionalGeneration(config))
+    image_processor = _clip_image_processor(LlavaNextImageProcessor, view, image_grid_pinpoints=pinpoints,
+                                            do_pad=True)
+    processor = LlavaNextProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+        chat_template=_NEXT_TEMPLATE, image_token="<image>", num_additional_image_tokens=1,
+    )
+    return model, processor
+
+
+def _tiny_qwen2_5_vl():
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    tok = _byte_level_tokenizer(specials, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+    patch, merge = 4, 2
+    config = Qwen2_5_VLConfig(
+        text_config=dict(**_text_sizes(len(tok)), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [2, 3, 3]},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
+                           spatial_merge_size=merge, temporal_patch_size=2, window_size=16, out_hidden_size=64,
+                           fullatt_block_indexes=[1, 3]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    model = _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config))
+    factor = patch * merge
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=patch, merge_size=merge, temporal_patch_size=2,
+        min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,  # 2x2 .. 6x6 merged tokens' worth of pixels
+        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+    )
+    video_processor = Qwen2VLVideoProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2)  # unused
+    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                    chat_template=_QWEN_TEMPLATE)
+    return model, processor
+
+
+_BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl}
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(arch: str):
+    return _BUILDERS[arch]()
+
+
+def tiny_vlm(arch: str):
+    """`(model, processor)` for a tiny seeded random-weight VLM of architecture `arch`.
+
+    Built once per process and cached: callers must not mutate the weights (dtype changes included,
+    use `copy.deepcopy(model)` first).
+    """
+    if arch not in _BUILDERS:
+        raise ValueError(f"unknown tiny arch {arch!r}; valid: {', '.join(ARCHS)}")
+    return _cached(arch)
