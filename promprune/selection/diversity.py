@@ -1,0 +1,182 @@
+"""Stage-2 coverage selectors: greedy DPP MAP, farthest point sampling, facility location.
+
+Every selector has the same batched contract::
+
+    picks = selector(tokens, available, counts, anchor=None, conditional=False, fallback=None)
+
+- ``available [B, N]`` bool: candidates (tokens not taken by stage 1).
+- ``counts [B]`` long: how many tokens to pick per image (may differ per image).
+- ``anchor [B, N]`` bool or None: the stage-1 (salient) tokens already kept.
+- ``conditional``: make the picks diverse with respect to the anchor tokens too.
+- ``fallback [B, N]``: deterministic order used once every remaining gain is 0 (higher first); None = raster order.
+- returns ``picks [B, K]`` long in pick order, ``K = counts.max()``, padded with -1 past ``counts[b]``.
+
+A chosen token is never chosen twice. The loop runs over picks (inherently sequential); each step is a tensor op
+over the whole batch and all tokens.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .kernels import masked_argmax
+
+# Residual DPP gains at or below this are numerically zero: the kernel's rank is exhausted. Dividing by the square
+# root of such a gain would amplify float32 noise, so those steps fall back to the deterministic order instead.
+GAIN_EPS = 1e-6
+
+Selector = Callable[..., torch.Tensor]
+
+
+def _row(mat: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Row ``j[b]`` of each ``mat[b]``: ``[B, N, N], [B] -> [B, N]``."""
+    B, _, N = mat.shape
+    return mat.gather(1, j.view(B, 1, 1).expand(B, 1, N)).squeeze(1)
+
+
+def _fallback_score(fallback: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if fallback is not None:
+        return fallback.float()
+    B, N = like.shape
+    return -torch.arange(N, device=like.device, dtype=torch.float32).expand(B, N)  # raster order
+
+
+def _first_from_anchor(similarity: torch.Tensor, available: torch.Tensor, anchor: torch.Tensor):
+    """The available token whose largest similarity to any anchor token is smallest: ``-> (index [B], has_anchor [B])``."""
+    max_sim = similarity.masked_fill(~anchor[:, None, :], float("-inf")).amax(dim=2)  # [B, N]
+    index, _ = masked_argmax(-max_sim, available)
+    return index, anchor.any(dim=1)
+
+
+class _Picks:
+    """Bookkeeping shared by the greedy loops: the free mask and the padded pick matrix."""
+
+    def __init__(self, available: torch.Tensor, counts: torch.Tensor):
+        self.free = available.clone()
+        self.counts = counts
+        self.steps = int(counts.max()) if counts.numel() else 0
+        self.out = torch.full((available.shape[0], self.steps), -1, dtype=torch.long, device=available.device)
+
+    def take(self, k: int, j: torch.Tensor) -> torch.Tensor:
+        """Record pick ``j [B]`` at step ``k`` for the rows still picking; returns that row mask ``[B]``."""
+        active = k < self.counts
+        self.out[:, k] = torch.where(active, j, -1)
+        rows = active.nonzero().squeeze(1)
+        self.free[rows, j[rows]] = False
+        return active
+
+
+def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, *,
+               anchor: torch.Tensor | None = None, conditional: bool = False,
+               fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy MAP inference for a DPP (Chen, Zhang & Zhou, NeurIPS 2018), batched.
+
+    ``kernel [B, N, N]`` is PSD (the cosine-similarity kernel). Keeps an incremental Cholesky factor: picking j
+    adds the row ``e = (L_j - c_j^T C) / sqrt(d2_j)`` and lowers every residual gain ``d2 -= e^2`` (clamped at 0).
+    Exactly ``counts[b]`` picks, no early stop.
+
+    - Unconditional with a non-empty anchor (the released PromPrune code): the first pick is the available token
+      whose largest cosine similarity to the anchor tokens is smallest; after that, the largest residual gain.
+    - ``conditional=True``: the anchor tokens enter the Cholesky factor first, so gains are those of the Schur
+      complement of the kernel on the anchor set: picks are diverse with respect to the salient tokens as well.
+    - When every remaining gain is (numerically) 0, i.e. ``counts`` exceeds the kernel's rank, the rest is filled
+      by ``fallback`` (saliency, when the caller has it), else in raster order. Tokens are never repeated.
+    """
+    B, N, _ = kernel.shape
+    picks = _Picks(available, counts)
+    n_cond = int(anchor.sum(dim=1).max()) if (conditional and anchor is not None and anchor.numel()) else 0
+    factor = kernel.new_zeros(B, n_cond + picks.steps, N)  # incremental Cholesky rows
+    gains = kernel.diagonal(dim1=1, dim2=2).clone()  # [B, N] residual gains d2
+    order_fb = _fallback_score(fallback, available)
+
+    def extend(step: int, j: torch.Tensor, update: torch.Tensor) -> None:
+        c_j = factor[:, :step, :].gather(2, j.view(B, 1, 1).expand(B, step, 1))  # [B, step, 1]
+        e = (_row(kernel, j) - (c_j * factor[:, :step, :]).sum(dim=1))  # [B, N]
+        e = e / gains.gather(1, j[:, None]).clamp_min(GAIN_EPS).sqrt()
+        e = e * update[:, None]
+        factor[:, step, :] = e
+        gains.sub_(e * e).clamp_(min=0)
+
+    step = 0
+    if n_cond:
+        cond_order = torch.sort(anchor.to(torch.int8), dim=1, descending=True, stable=True).indices
+        for t in range(n_cond):
+            j = cond_order[:, t]
+            is_anchor = anchor.gather(1, j[:, None]).squeeze(1)
+            extend(step, j, is_anchor & (gains.gather(1, j[:, None]).squeeze(1) > GAIN_EPS))
+            step += 1
+
+    first = None
+    if anchor is not None and not conditional:
+        first = _first_from_anchor(kernel, available, anchor)
+
+    for k in range(picks.steps):
+        j, gain = masked_argmax(gains, picks.free)
+        if k == 0 and first is not None:
+            j = torch.where(first[1], first[0], j)
+            gain = gains.gather(1, j[:, None]).squeeze(1)
+        exhausted = gain <= GAIN_EPS
+        if bool(exhausted.any()):
+            j_fb, _ = masked_argmax(order_fb, picks.free)
+            j = torch.where(exhausted, j_fb, j)
+        active = picks.take(k, j)
+        extend(step, j, active & ~exhausted)
+        step += 1
+    return picks.out
+
+
+def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, *,
+                   anchor: torch.Tensor | None = None, conditional: bool = False,
+                   fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """Farthest point sampling (greedy max-min) on a distance matrix ``[B, N, N]`` (here ``1 - cos``).
+
+    Each pick is the available token whose smallest distance to the picked set is largest. The first pick is the
+    token farthest from the anchor set when there is one (the same rule as the DPP's first pick), otherwise the
+    token with the largest distance to its nearest available neighbour (DivPrune's rule). ``conditional=True``
+    keeps the anchor tokens in the picked set throughout. ``fallback`` is unused: ties resolve to the lowest index.
+    """
+    B, N, _ = distance.shape
+    picks = _Picks(available, counts)
+    inf = torch.tensor(float("inf"), device=distance.device)
+    if anchor is not None and bool(anchor.any()):
+        to_anchor = distance.masked_fill(~anchor[:, None, :], inf).amin(dim=2)  # [B, N]
+        has_anchor = anchor.any(dim=1)
+    else:
+        to_anchor, has_anchor = torch.full((B, N), float("inf"), device=distance.device), torch.zeros(B, dtype=torch.bool, device=distance.device)
+    eye = torch.eye(N, dtype=torch.bool, device=distance.device)
+    nn_dist = distance.masked_fill(eye | ~available[:, None, :], inf).amin(dim=2)  # [B, N] to nearest other
+    first_score = torch.where(has_anchor[:, None], to_anchor, nn_dist)
+    nearest = to_anchor.clone() if conditional else torch.full_like(to_anchor, float("inf"))
+    for k in range(picks.steps):
+        j, _ = masked_argmax(first_score if k == 0 else nearest, picks.free)
+        picks.take(k, j)
+        nearest = torch.minimum(nearest, _row(distance, j))
+    return picks.out
+
+
+def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, *,
+                      anchor: torch.Tensor | None = None, conditional: bool = False,
+                      fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy facility location: maximize ``F(S) = sum_i w_i max_{j in S} s_ij`` with uniform ``w``.
+
+    ``similarity [B, N, N]`` must lie in [0, 1] (here ``clip((cos + 1) / 2, 0, 1)``); every token of the image
+    is a client ``i``, candidates ``j`` are the available ones. The marginal gain of j is
+    ``sum_i max(0, s_ij - cover_i)``. ``conditional=True`` starts ``cover`` from the anchor tokens. Once every gain
+    is 0 the rest is filled by ``fallback`` (else raster order).
+    """
+    B, N, _ = similarity.shape
+    picks = _Picks(available, counts)
+    cover = similarity.new_zeros(B, N)
+    if conditional and anchor is not None:
+        cover = similarity.masked_fill(~anchor[:, None, :], 0.0).amax(dim=2)
+    order_fb = _fallback_score(fallback, available)
+    for k in range(picks.steps):
+        gain = (similarity - cover[:, :, None]).clamp_min(0).sum(dim=1)  # [B, N]: column j's gain
+        j, best = masked_argmax(gain, picks.free)
+        exhausted = best <= 0
+        if bool(exhausted.any()):
+            j = torch.where(exhausted, masked_argmax(order_fb, picks.free)[0], j)
+        picks.take(k, j)
+        cover = torch.maximum(cover, _row(similarity, j))
+    return picks.out

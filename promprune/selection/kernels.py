@@ -1,0 +1,58 @@
+"""Token geometry shared by the selectors: normalization, cosine Gram, masked arg-extrema.
+
+All functions take batched tensors: features ``[B, N, d]``, masks ``[B, N]``.
+"""
+from __future__ import annotations
+
+import torch
+
+# Entropy normalizes tokens with eps 1e-8 (reference implementation); the DPP / cosine kernels with eps 1e-6.
+ENTROPY_EPS = 1e-8
+KERNEL_EPS = 1e-6
+
+
+def unit_tokens(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:
+    """L2-normalize every token: ``[B, N, d] -> [B, N, d]``, norms floored at ``eps``."""
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
+
+
+def cosine_gram(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:
+    """Cosine-similarity kernel ``[B, N, N]`` of features ``[B, N, d]`` (float32 in, float32 out)."""
+    xn = unit_tokens(x, eps)
+    return xn @ xn.transpose(1, 2)
+
+
+def rescale_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float, eps_to: float) -> torch.Tensor:
+    """Turn a Gram of tokens normalized with ``eps_from`` into the Gram with ``eps_to``, exactly.
+
+    ``x / max(n, eps_to) = (x / max(n, eps_from)) * max(n, eps_from) / max(n, eps_to)``, so the Gram rescales by
+    an outer product of per-token factors; this lets one ``[B,N,d] x [B,d,N]`` product serve entropy and kernel.
+    ``gram``: ``[B, N, N]``; ``norms``: ``[B, N]``.
+    """
+    s = norms.clamp_min(eps_from) / norms.clamp_min(eps_to)  # [B, N]; 1 wherever n >= eps_to
+    if bool((s == 1).all()):
+        return gram
+    return gram * s[:, :, None] * s[:, None, :]
+
+
+def masked_argmax(score: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise argmax of ``score [B, N]`` over ``mask [B, N]`` (first index on ties).
+
+    Returns ``(index [B], value [B])``; value is ``-inf`` for a row with no admissible entry.
+    """
+    masked = score.masked_fill(~mask, float("-inf"))
+    value, index = masked.max(dim=1)
+    return index, value
+
+
+def stable_descending_order(score: torch.Tensor) -> torch.Tensor:
+    """Indices sorting ``score [B, N]`` high to low; ties keep raster order (lower index first)."""
+    return torch.sort(score, dim=1, descending=True, stable=True).indices
+
+
+def ranks_to_mask(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mask ``[B, N]`` of the first ``counts[b]`` entries of each row of ``order [B, N]``."""
+    B, N = order.shape
+    take = torch.arange(N, device=order.device)[None, :] < counts[:, None]  # [B, N], by rank
+    mask = torch.zeros(B, N, dtype=torch.bool, device=order.device)
+    return mask.scatter(1, order, take)

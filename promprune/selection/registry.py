@@ -1,0 +1,202 @@
+"""The method registry and ``select``, the one entry point every caller uses.
+
+A method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
+``@register_method(name, needs_saliency=..., options={...defaults})``. Adding a method touches one place.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .entropy import spectral_entropy, spectral_entropy_from_gram
+from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram
+
+
+@dataclass
+class Selection:
+    """Which visual tokens a VLM keeps.
+
+    - ``indices [B, T]`` long: kept token indices, ascending (raster order) unless ``order="selection"``.
+    - ``saliency_count [B]`` long: how many came from the saliency stage (0 for pure-diversity methods).
+    - ``entropy [B]`` or None: the prominence metric used for the budget split.
+    - ``features [B, T, d]`` or None: merged features aligned with ``indices`` (VisionZip), else None.
+    - ``salient [B, T]`` bool: which kept tokens the saliency stage chose (for overlays: red vs. cyan).
+    """
+
+    indices: torch.Tensor
+    saliency_count: torch.Tensor
+    entropy: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    salient: torch.Tensor | None = None
+
+
+class TokenSet:
+    """Validated float32 inputs of one ``select`` call plus the derived quantities, each computed once.
+
+    ``x [B, N, d]``; ``saliency [B, N]`` or None. The cosine Gram is shared by the spectral entropy and the
+    diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call.
+    """
+
+    def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None):
+        self.x = x
+        self.saliency = saliency
+        self.batch, self.n, self.dim = x.shape
+
+    @cached_property
+    def norms(self) -> torch.Tensor:  # [B, N]
+        return self.x.norm(dim=-1)
+
+    @cached_property
+    def unit_gram(self) -> torch.Tensor:
+        """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8)."""
+        xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
+        return xn @ xn.transpose(1, 2)
+
+    @cached_property
+    def cosine(self) -> torch.Tensor:
+        """Cosine-similarity kernel ``[B, N, N]`` (tokens normalized with eps 1e-6)."""
+        return rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
+
+    @cached_property
+    def spectral_entropy(self) -> torch.Tensor:  # [B]
+        if self.n <= self.dim:
+            return spectral_entropy_from_gram(self.unit_gram)
+        return spectral_entropy(self.x)
+
+    def require_saliency(self, method: str) -> torch.Tensor:
+        if self.saliency is None:
+            raise ValueError(f"method {method!r} needs saliency scores [B, N]; got saliency=None")
+        return self.saliency
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method: its function, whether it needs saliency / merges tokens, and its option defaults."""
+
+    name: str
+    fn: Callable[..., Selection]
+    needs_saliency: bool
+    merges: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+    choices: Mapping[str, tuple] = field(default_factory=dict)
+    description: str = ""
+
+    def resolve(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults overlaid with ``given``; an unknown option or a value outside its choices is a ValueError."""
+        unknown = sorted(set(given) - set(self.options))
+        if unknown:
+            hints = [f"{u!r}" + _did_you_mean(u, self.options) for u in unknown]
+            raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(hints)}; "
+                             f"valid options: {', '.join(sorted(self.options))}")
+        resolved = {**self.options, **given}
+        for key, allowed in self.choices.items():
+            if resolved[key] not in allowed:
+                raise ValueError(f"option {key!r} of method {self.name!r} must be one of {list(allowed)}, "
+                                 f"got {resolved[key]!r}")
+        return resolved
+
+
+# Options every method accepts.
+COMMON_OPTIONS = {"order": "ascending"}
+COMMON_CHOICES = {"order": ("ascending", "selection")}
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register_method(name: str, *, needs_saliency: bool, merges: bool = False,
+                    options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None):
+    """Decorator registering ``fn(tokens, budget, **options) -> Selection`` under ``name`` (unique)."""
+
+    def wrap(fn: Callable[..., Selection]) -> Callable[..., Selection]:
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is already registered")
+        _REGISTRY[name] = MethodSpec(
+            name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
+            options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
+            description=(fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+
+    return wrap
+
+
+def methods() -> list[str]:
+    """Names of the registered selection methods, sorted."""
+    return sorted(_REGISTRY)
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registered spec of ``name``; an unknown name is a ValueError listing the valid ones."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}{_did_you_mean(name, _REGISTRY)}; "
+                         f"registered methods: {', '.join(methods())}")
+    return _REGISTRY[name]
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = difflib.get_close_matches(str(word), list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(features, torch.Tensor) or features.dim() != 3:
+        shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+        raise ValueError(f"features must be a tensor [B, N, d], got {shape}")
+    if not features.is_floating_point():
+        raise ValueError(f"features must be a float tensor, got dtype {features.dtype}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ValueError(f"budget must be a positive int, got {budget!r}")
+    x = features.float()
+    B, N, _ = x.shape
+    if N == 0:
+        raise ValueError("features have no tokens (N = 0)")
+    _check_finite("features", x)
+    if saliency is None:
+        if spec.needs_saliency:
+            raise ValueError(f"method {spec.name!r} needs saliency scores [B, N] = [{B}, {N}]; got saliency=None")
+        return x, None
+    if not isinstance(saliency, torch.Tensor) or tuple(saliency.shape) != (B, N):
+        shape = tuple(saliency.shape) if isinstance(saliency, torch.Tensor) else type(saliency).__name__
+        raise ValueError(f"saliency must have shape [B, N] = [{B}, {N}] to match features, got {shape}")
+    s = saliency.to(device=x.device, dtype=torch.float32)
+    _check_finite("saliency", s)
+    return x, s
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    bad = ~torch.isfinite(t).flatten(1).all(dim=1)
+    if bool(bad.any()):
+        kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+        raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
+
+
+def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
+           method: str = "promprune", **options) -> Selection:
+    """Choose ``budget`` of the ``N`` visual tokens of each image.
+
+    ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
+    not use it, ``budget`` T shared by the batch (T >= N keeps every token). Returns a :class:`Selection`.
+    ``promprune.methods()`` lists the methods; an unknown method or option is a ValueError naming the valid ones.
+    """
+    spec = method_spec(method)
+    opts = spec.resolve(options)
+    order = opts.pop("order")
+    x, s = _validate(features, saliency, budget, spec)
+    tokens = TokenSet(x, s)
+    sel = spec.fn(tokens, min(budget, tokens.n), **opts)
+    if sel.features is not None:
+        sel.features = sel.features.to(features.dtype)
+    return _sorted(sel) if order == "ascending" else sel
+
+
+def _sorted(sel: Selection) -> Selection:
+    """Reorder a selection (and its aligned per-token fields) into ascending raster order."""
+    indices, perm = sel.indices.sort(dim=1)
+    feats = None
+    if sel.features is not None:
+        feats = sel.features.gather(1, perm[..., None].expand(-1, -1, sel.features.shape[-1]))
+    salient = sel.salient.gather(1, perm) if sel.salient is not None else None
+    return Selection(indices, sel.saliency_count, sel.entropy, feats, salient)
