@@ -1,0 +1,211 @@
+"""Efficiency metrics: analytic prefill FLOPs and KV-cache size, measured latency and peak memory.
+
+The analytic formulas follow the convention that reproduces the paper's Table 6 (LLaVA-NeXT-7B, Vicuna-7B text
+config: hidden 4096, 32 layers, intermediate 11008, 32 heads):
+
+- ``prefill_flops``: per decoder layer, multiply-accumulates of the q/k/v/o projections, the two attention
+  products over the full (non-causal) n x n score matrix, and the three SwiGLU matrices; FLOPs = 2 x MACs.
+  With the Vicuna-7B config and 62 text tokens this gives 42.6 TFLOPs with 2880 visual tokens and 5.02 T with 320
+  (the paper says "about 60" text tokens; 62 is the count that hits both published numbers after rounding).
+  Embedding lookup, norms, softmax, rotary embeddings and the LM head are not counted.
+- ``kv_cache_bytes``: K and V of every layer for ``n_tokens`` tokens. Table 6's KV column counts the visual tokens
+  only and prints MiB (2**20 bytes) as "MB": 2880 tokens x 2 x 32 layers x 4096 x 2 bytes = 1440.0 MiB, 320 -> 160.0.
+
+Measured numbers: ``Stopwatch`` times a region with CUDA events on a GPU (kernels are asynchronous, so a host clock
+would time the launch, not the work) and ``time.perf_counter`` on CPU; ``peak_memory_mb`` reads the CUDA allocator's
+high-water mark on a GPU and the process's peak resident set size on CPU.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MIB = 2**20  # Table 6 prints MiB and labels them "MB"
+
+_DTYPE_ALIASES = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """The decoder dimensions the formulas need, read from a transformers text config."""
+
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _field(config: Any, name: str) -> Any:
+    if isinstance(config, dict):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def text_shape(text_config: Any) -> TextShape:
+    """Read decoder dimensions from a text config (a transformers config object or a dict).
+
+    A full VLM config (one with a ``text_config``) is accepted too and its text part is used.
+    ``num_key_value_heads`` defaults to ``num_attention_heads`` (no GQA) and ``head_dim`` to hidden / heads,
+    as transformers' Llama-family configs do.
+    """
+    inner = _field(text_config, "text_config")
+    if inner is not None:
+        text_config = inner
+    required = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads")
+    missing = [name for name in required if _field(text_config, name) is None]
+    if missing:
+        raise ValueError(f"text_config lacks field(s) {missing}; need {list(required)}")
+    hidden = int(_field(text_config, "hidden_size"))
+    heads = int(_field(text_config, "num_attention_heads"))
+    kv_heads = _field(text_config, "num_key_value_heads")
+    head_dim = _field(text_config, "head_dim")
+    shape = TextShape(
+        hidden_size=hidden,
+        num_layers=int(_field(text_config, "num_hidden_layers")),
+        intermediate_size=int(_field(text_config, "intermediate_size")),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads) if kv_heads is not None else heads,
+        head_dim=int(head_dim) if head_dim is not None else hidden // heads,
+    )
+    for name, value in vars(shape).items():
+        if value <= 0:
+            raise ValueError(f"text_config field {name} must be positive, got {value}")
+    return shape
+
+
+def _check_tokens(n_tokens: int) -> int:
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+        raise ValueError(f"n_tokens must be a non-negative int, got {n_tokens!r}")
+    return n_tokens
+
+
+def prefill_flops(text_config: Any, n_tokens: int) -> float:
+    """FLOPs of one prefill pass over ``n_tokens`` tokens (visual + text), Table 6's convention.
+
+    Per layer, with n tokens, hidden d, query width d_q = heads * head_dim, key/value width d_kv, MLP width m:
+        MACs = n*d*(d_q + 2*d_kv)   q, k, v projections
+             + n*d_q*d              output projection
+             + 2*n*n*d_q            Q K^T and (softmax) V, full n x n
+             + 3*n*d*m              SwiGLU gate, up, down
+    FLOPs = 2 * MACs * layers. For a Llama/Vicuna config (d_q = d_kv = d) this is 2L(4nd^2 + 2n^2 d + 3ndm).
+    """
+    n = _check_tokens(n_tokens)
+    s = text_shape(text_config)
+    d, d_q, d_kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    macs_per_layer = (
+        n * d * (d_q + 2 * d_kv)  # q, k, v projections
+        + n * d_q * d  # output projection
+        + 2 * n * n * d_q  # attention scores and weighted values
+        + 3 * n * d * s.intermediate_size  # SwiGLU MLP
+    )
+    return float(2 * macs_per_layer * s.num_layers)
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a torch dtype or one of the names fp16/float16/bf16/bfloat16/fp32/float32."""
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key not in _DTYPE_ALIASES:
+            raise ValueError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_ALIASES)}")
+        dtype = _DTYPE_ALIASES[key]
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or a name, got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_cache_bytes(text_config: Any, n_tokens: int, dtype: torch.dtype | str = torch.float16) -> int:
+    """Bytes of the KV cache for ``n_tokens`` tokens: K and V, every layer, num_kv_heads * head_dim each.
+
+    Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16).
+    """
+    n = _check_tokens(n_tokens)
+    s = text_shape(text_config)
+    return 2 * s.num_layers * n * s.num_kv_heads * s.head_dim * dtype_bytes(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measured latency and memory
+
+
+def _is_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+class Stopwatch:
+    """Time a region in milliseconds: CUDA events on a CUDA device, ``time.perf_counter`` otherwise.
+
+    >>> with Stopwatch("cpu") as sw:
+    ...     work()
+    >>> sw.ms
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+        self.ms: float = float("nan")
+
+    def __enter__(self) -> "Stopwatch":
+        if _is_cuda(self.device):
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record(torch.cuda.current_stream(self.device))
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if _is_cuda(self.device):
+            self._end.record(torch.cuda.current_stream(self.device))
+            self._end.synchronize()
+            self.ms = float(self._start.elapsed_time(self._end))
+        else:
+            self.ms = (time.perf_counter() - self._t0) * 1e3
+
+
+def measure_ms(fn, *, device: torch.device | str | None = None, warmup: int = 1, repeats: int = 5) -> list[float]:
+    """Run ``fn()`` ``warmup`` times untimed, then ``repeats`` times timed; returns the timings in ms.
+
+    Warm-up runs absorb one-off costs (CUDA context and kernel selection, allocator growth) that are not part of
+    steady-state latency; report the median of the returned list.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        with Stopwatch(device) as sw:
+            fn()
+        times.append(sw.ms)
+    return times
+
+
+def reset_peak_memory(device: torch.device | str | None = None) -> None:
+    """Start a new peak-memory window on a CUDA device (no-op on CPU: the process peak RSS cannot be reset)."""
+    if _is_cuda(device) and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device | str | None = None) -> float:
+    """Peak memory in MiB: CUDA allocator high-water mark since the last reset, or the process peak RSS on CPU."""
+    if _is_cuda(device) and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(device) / MIB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux and in bytes on macOS
+    return peak / MIB if sys.platform == "darwin" else peak / 1024

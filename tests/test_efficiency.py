@@ -1,0 +1,116 @@
+"""Efficiency formulas against the paper's Table 6 and against independent counts on a real transformers model."""
+
+import time
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaModel
+
+from promprune.efficiency import (
+    MIB,
+    Stopwatch,
+    dtype_bytes,
+    kv_cache_bytes,
+    measure_ms,
+    peak_memory_mb,
+    prefill_flops,
+    text_shape,
+)
+
+# Vicuna-7B, the text model of LLaVA-NeXT-7B (Table 6)
+VICUNA_7B = LlamaConfig(
+    hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32, vocab_size=32000
+)
+# "about 60" text tokens in the paper; 62 is the count that reproduces both published FLOPs after rounding
+TABLE6_TEXT_TOKENS = 62
+
+
+@pytest.mark.parametrize("visual_tokens, tflops", [(2880, 42.6), (320, 5.02)])
+def test_prefill_flops_reproduce_table6(visual_tokens, tflops):
+    flops = prefill_flops(VICUNA_7B, visual_tokens + TABLE6_TEXT_TOKENS)
+    assert float(f"{flops / 1e12:.3g}") == tflops
+
+
+def test_prefill_flops_hand_worked_vicuna():
+    # 2L(4nd^2 + 2n^2 d + 3ndm) written out for n = 2942
+    n, d, m, L = 2942, 4096, 11008, 32
+    assert prefill_flops(VICUNA_7B, n) == 2 * L * (4 * n * d * d + 2 * n * n * d + 3 * n * d * m)
+
+
+@pytest.mark.parametrize("visual_tokens, mb", [(2880, 1440.0), (320, 160.0)])
+def test_kv_cache_reproduces_table6(visual_tokens, mb):
+    assert kv_cache_bytes(VICUNA_7B, visual_tokens, torch.float16) / MIB == mb
+    assert kv_cache_bytes(VICUNA_7B, visual_tokens, "fp16") == 2880 * 2 * 32 * 4096 * 2 * visual_tokens // 2880
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_prefill_flops_equal_torch_flop_counter_on_real_llama(kv_heads):
+    """torch's FlopCounterMode on a real (tiny) LlamaModel forward counts the same FLOPs, GQA included."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=kv_heads, vocab_size=100,
+    )
+    model = LlamaModel(cfg).eval()
+    n = 37
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, 100, (1, n)))
+    assert prefill_flops(cfg, n) == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_bytes_equal_real_cache(dtype):
+    """The bytes held by a real DynamicCache after a prefill equal the formula (GQA: 2 of 4 heads)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100,
+    )
+    model = LlamaModel(cfg).to(dtype).eval()
+    n = 11
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (1, n)), use_cache=True).past_key_values
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert kv_cache_bytes(cfg, n, dtype) == held
+
+
+def test_full_vlm_config_uses_its_text_config():
+    class VLMConfig:
+        text_config = VICUNA_7B
+
+    assert prefill_flops(VLMConfig(), 100) == prefill_flops(VICUNA_7B, 100)
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="intermediate_size"):
+        text_shape({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+    with pytest.raises(ValueError, match="n_tokens"):
+        prefill_flops(VICUNA_7B, -1)
+    with pytest.raises(ValueError, match="n_tokens"):
+        kv_cache_bytes(VICUNA_7B, 2.5)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dtype_bytes("fp12")
+    assert dtype_bytes("bf16") == 2 and dtype_bytes(torch.float32) == 4
+
+
+def test_stopwatch_and_measure_on_cpu():
+    with Stopwatch("cpu") as sw:
+        time.sleep(0.02)
+    assert 15 <= sw.ms < 2000
+    calls = []
+    times = measure_ms(lambda: calls.append(1), device="cpu", warmup=2, repeats=3)
+    assert len(times) == 3 and len(calls) == 5 and all(t >= 0 for t in times)
+    assert peak_memory_mb("cpu") > 10  # a Python process with torch loaded holds far more than 10 MiB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stopwatch_and_peak_memory_on_cuda():
+    from promprune.efficiency import reset_peak_memory
+
+    reset_peak_memory("cuda")
+    with Stopwatch("cuda") as sw:
+        x = torch.empty(256 * MIB // 4, device="cuda")
+        x.fill_(1.0)
+    assert sw.ms > 0
+    assert peak_memory_mb("cuda") >= 256
