@@ -1,0 +1,10 @@
+"""Model adapters: prune visual tokens of real transformers VLMs (LLaVA-1.5, LLaVA-NeXT, Qwen2.5-VL).
+
+``PrunedVLM(model, processor, method, budget, **options).generate(images, prompts) -> list[Generation]``;
+``PrunedVLM.from_pretrained(name_or_path, ...)`` also takes ``"tiny:<arch>"`` for the offline tiny models.
+"""
+from .methods import ADAPTER_OPTIONS, DEFAULT_MU, IN_LLM_METHODS, all_methods, validate_method
+from .vlm import Generation, PrunedVLM
+
+__all__ = ["PrunedVLM", "Generation", "all_methods", "validate_method", "IN_LLM_METHODS", "ADAPTER_OPTIONS",
+           "DEFAULT_MU"]

@@ -1,0 +1,265 @@
+"""Per-architecture glue: encode images into candidate visual tokens with saliency, and rebuild LLM inputs.
+
+Each adapter runs the model's own ``get_image_features`` (so the projected tokens are exactly the ones the
+unmodified model would consume) with a saliency hook on one vision layer, and describes the tokens as a
+:class:`VisualItem` per image. Pruning then keeps a subset of the candidates; the placeholder run in the prompt
+shrinks to match (``sequence.py``) and the kept features go to ``generate`` as ``mm_encoder_outputs``.
+
+LLaVA-NeXT ``image_newline`` treatment: the newline tokens are never candidates (they carry no image content).
+With ``image_newline="drop"`` (default) a pruned sequence has no newline tokens, so the LLM receives exactly the
+budget; with ``"rows"`` a row's newline is kept when any token of that row is kept, which restores the unpruned
+sequence at full budget. Unpruned (``method=None``) the model's own packed sequence is used unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from . import saliency as sal
+from .methods import DEFAULT_MU
+
+
+@dataclass
+class VisualItem:
+    """The visual tokens of one image.
+
+    - ``run [P, d]``: the complete unpruned placeholder run as the model builds it (NeXT: with newlines).
+    - ``features [N, d]``: the candidates (run tokens that may be selected), in run order; ``run_pos [N]`` their
+      positions in ``run``; ``grid_index [N]`` their index in the full visual token grid (NeXT: view * n + patch).
+    - ``saliency [N]`` or None; ``groups [N]``: view of each candidate (all 0 except LLaVA-NeXT).
+    - ``row_of_run [P]`` / ``newline [P]`` (NeXT only): row id of each run position (-1: no row) and newline flags.
+    """
+
+    run: torch.Tensor
+    features: torch.Tensor
+    run_pos: torch.Tensor
+    grid_index: torch.Tensor
+    saliency: torch.Tensor | None
+    groups: torch.Tensor
+    row_of_run: torch.Tensor | None = None
+    newline: torch.Tensor | None = None
+
+    def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline_rows: bool = False):
+        """LLM features for candidates ``kept [M]`` (ascending): ``(features [M', d], run positions [M'])``.
+
+        ``merged [M, d]`` replaces the kept candidates' features (token-merging methods). With ``newline_rows``
+        the newline of every row holding a kept token is inserted at its place (M' >= M).
+        """
+        pos = self.run_pos[kept]
+        feats = self.run.clone()
+        if merged is not None:
+            feats[pos] = merged.to(feats.dtype)
+        if newline_rows and self.newline is not None:
+            rows = self.row_of_run[pos].unique()
+            extra = (self.newline & torch.isin(self.row_of_run, rows)).nonzero().flatten()
+            pos = torch.cat([pos, extra]).sort().values
+        return feats[pos], pos
+
+
+def as_encoder_outputs(features: list[torch.Tensor]) -> dict:
+    """``mm_encoder_outputs`` for ``generate``: per-image visual features ``[M_i, d]`` of the LLM's input."""
+    return {"image": BaseModelOutputWithPooling(pooler_output=tuple(features))}
+
+
+class Adapter:
+    """Base: the conversation, processor call and generate kwargs shared by the architectures."""
+
+    encoder = "clip"
+
+    def __init__(self, model, processor, options: dict):
+        self.model, self.processor, self.options = model, processor, options
+
+    @property
+    def default_mu(self) -> float:
+        return DEFAULT_MU[self.encoder]
+
+    def prepare_images(self, images):
+        return images
+
+    def processor_kwargs(self) -> dict:
+        return {}
+
+    def encode(self, inputs, need_saliency: bool) -> list[VisualItem]:
+        raise NotImplementedError
+
+    def generate_kwargs(self, inputs, new_ids, new_mask, col_map, items, kept_pos) -> dict:
+        """Extra kwargs for ``generate`` on the rebuilt sequence (Qwen: 3D positions); ``kept_pos=None``: unpruned."""
+        return {}
+
+
+class LlavaAdapter(Adapter):
+    """LLaVA-1.5: CLS + patch grid; saliency = CLS attention at the layer ``vision_feature_layer`` reads."""
+
+    def _attn_module(self):
+        layer = self.model.config.vision_feature_layer
+        if not isinstance(layer, int):
+            layer = layer[-1]  # several feature layers: the deepest one's attention ranks the tokens
+        return sal.clip_attention_module(self.model.model.vision_tower, layer)
+
+    def _cls_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """CLS attention rows ``[V, S]`` -> per-token saliency ``[V, n]`` (drops the CLS column when it is dropped)."""
+        return rows[:, 1:] if self.model.config.vision_feature_select_strategy == "default" else rows
+
+    def encode(self, inputs, need_saliency):
+        sink: list = []
+        with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else _nothing():
+            out = self.model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True)
+        feats = list(out.pooler_output)  # B x [n, d]
+        scores = self._cls_rows(sink[0]) if need_saliency else None  # [B, n]
+        items = []
+        for b, f in enumerate(feats):
+            n = f.shape[0]
+            idx = torch.arange(n, device=f.device)
+            items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx,
+                                    saliency=None if scores is None else scores[b],
+                                    groups=torch.zeros_like(idx)))
+        return items
+
+
+class LlavaNextAdapter(LlavaAdapter):
+    """LLaVA-NeXT anyres: base view + crops, unpadding and ``image_newline`` (see the module docstring)."""
+
+    def encode(self, inputs, need_saliency):
+        core = self.model.model
+        sink: list = []
+        views: list = []
+        hook = core.multi_modal_projector.register_forward_hook(lambda m, a, out: views.append(out))
+        try:
+            with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else _nothing():
+                out = core.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
+                                              return_dict=True)
+        finally:
+            hook.remove()
+        n = views[0].shape[1]  # tokens per view
+        scores = self._cls_rows(sink[0]).reshape(-1) if need_saliency else None  # [sum V_i * n]
+        layouts = self._packed_layout(inputs["image_sizes"], [p.shape[0] for p in out.pooler_output], n)
+        items, offset = [], 0
+        for run, ids in zip(out.pooler_output, layouts):
+            items.append(self._item(run, ids.to(run.device), n, scores, offset))
+            offset += int(ids.max()) + 1 if (ids >= 0).any() else 0
+        return items
+
+    def _packed_layout(self, image_sizes, run_lengths, n) -> list[torch.Tensor]:
+        """For each image, ``ids [P]``: which (view * n + patch) each packed position holds, -1 for a newline.
+
+        Obtained by running the model's own ``pack_image_features`` on index tensors, so the unpad / newline
+        rules are transformers' and not a copy of them.
+        """
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        cfg = self.model.config
+        num_views = [image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+                     for s in image_sizes]
+        ids = [torch.arange(v * n, dtype=torch.float64).view(v, n, 1) for v in num_views]
+        packed, _ = self.model.model.pack_image_features(
+            ids, image_sizes.cpu(), cfg.vision_feature_select_strategy,
+            image_newline=torch.tensor([-1.0], dtype=torch.float64))
+        layouts = [p[:, 0].round().long() for p in packed]
+        for lay, length in zip(layouts, run_lengths):
+            assert lay.numel() == length, "packed layout does not match the model's packed features"
+        return layouts
+
+    def _item(self, run, ids, n, scores, offset) -> VisualItem:
+        newline = ids < 0
+        run_pos = (~newline).nonzero().flatten()
+        grid = ids[run_pos]
+        row = newline.long().cumsum(0) - newline.long()  # newlines strictly before each position
+        if int(grid.max()) >= n:  # several views: the base view (first n positions) has no newline rows
+            row[:n] = -1
+        return VisualItem(run=run, features=run[run_pos], run_pos=run_pos, grid_index=grid,
+                          saliency=None if scores is None else scores[offset + grid],
+                          groups=grid // n, row_of_run=row, newline=newline)
+
+
+class QwenAdapter(Adapter):
+    """Qwen2.5-VL: merged 2x2 tokens; saliency = received attention at a full-attention block, pooled per group."""
+
+    encoder = "qwen2_5_vl"
+
+    def _block(self) -> int:
+        vc = self.model.config.vision_config
+        full = list(vc.fullatt_block_indexes)
+        block = self.options.get("saliency_block")
+        block = full[-1] if block is None else block
+        if block not in full:
+            raise ValueError(f"saliency_block must be a full-attention block of the vision tower {full}, got {block}")
+        return block
+
+    def prepare_images(self, images):
+        n = self.options.get("image_tokens")
+        if n is None:
+            return images
+        side = int(round(n ** 0.5)) * self._factor()
+        return [img.resize((side, side)) for img in images]
+
+    def processor_kwargs(self) -> dict:
+        n = self.options.get("image_tokens")
+        if n is None:
+            return {}
+        pixels = n * self._factor() ** 2  # pin smart_resize to exactly the requested grid
+        return {"min_pixels": pixels, "max_pixels": pixels}
+
+    def _factor(self) -> int:
+        vc = self.model.config.vision_config
+        return vc.patch_size * vc.spatial_merge_size
+
+    def encode(self, inputs, need_saliency):
+        core, grid = self.model.model, inputs["image_grid_thw"]
+        sink: list = []
+        attn = core.visual.blocks[self._block()].attn
+        with sal.capture_received_attention(attn, sink) if need_saliency else _nothing():
+            out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
+        feats = list(out.pooler_output)
+        scores = sal.pool_to_merged(sink[0], grid, self.model.config.vision_config) if need_saliency else None
+        items, offset = [], 0
+        for f in feats:
+            idx = torch.arange(f.shape[0], device=f.device)
+            s = None if scores is None else scores[offset:offset + f.shape[0]]
+            items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
+                                    groups=torch.zeros_like(idx)))
+            offset += f.shape[0]
+        return items
+
+    def generate_kwargs(self, inputs, new_ids, new_mask, col_map, items, kept_pos):
+        """3D M-RoPE positions computed on the unpruned sequence, gathered at the kept columns.
+
+        Returns ``position_ids [4, B, L']``: row 0 the text positions of the new sequence (used by transformers
+        only for mask construction), rows 1-3 the original (t, h, w) positions of every kept column. ``generate``
+        continues each row with ``last + 1``, which is the unpruned model's ``rope_deltas`` rule; we also set
+        ``model.model.rope_deltas`` to the pruned sequence's deltas for callers that decode without positions.
+        """
+        if kept_pos is None:
+            return {}
+        core = self.model.model
+        full, _ = core.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                      image_grid_thw=inputs["image_grid_thw"],
+                                      attention_mask=inputs["attention_mask"])  # [3, B, L]
+        cols = col_map.clamp_min(0).to(full.device)  # [B, L']
+        spatial = full.gather(2, cols[None].expand(3, -1, -1))  # [3, B, L']
+        spatial = spatial.masked_fill((col_map < 0).to(full.device)[None], 0)  # pads: 0, as transformers
+        text = (new_mask.long().cumsum(-1) - 1).masked_fill(new_mask == 0, 0)  # as generate builds it
+        valid = new_mask.bool()
+        top = spatial.masked_fill(~valid[None], -1).amax(dim=(0, 2))  # [B]
+        core.rope_deltas = (top + 1 - valid.sum(-1)).unsqueeze(1)
+        return {"position_ids": torch.cat([text[None].to(spatial), spatial], dim=0)}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter}
+
+
+def adapter_for(model, processor, options) -> Adapter:
+    """The adapter of ``model``'s architecture (by ``config.model_type``)."""
+    kind = model.config.model_type
+    if kind not in ADAPTERS:
+        raise ValueError(f"unsupported model type {kind!r}; supported: {', '.join(ADAPTERS)}")
+    return ADAPTERS[kind](model, processor, options)

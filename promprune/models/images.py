@@ -1,0 +1,43 @@
+"""Turning user images into RGB PIL images, with an error that names the bad item."""
+from __future__ import annotations
+
+import io
+import os
+
+from PIL import Image
+
+
+def load_image(image, index: int) -> Image.Image:
+    """One image (PIL image, path, or encoded bytes) as a fully decoded RGB PIL image.
+
+    A corrupt, truncated or unreadable image is a ValueError naming batch item ``index``.
+    """
+    try:
+        if isinstance(image, Image.Image):
+            img = image
+        elif isinstance(image, (str, os.PathLike)):
+            img = Image.open(image)
+        elif isinstance(image, (bytes, bytearray)):
+            img = Image.open(io.BytesIO(image))
+        else:
+            raise TypeError(f"expected a PIL image, a path or bytes, got {type(image).__name__}")
+        img.load()  # decode now: truncated data fails here, not deep inside the processor
+        rgb = img.convert("RGB")
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError... for bad data
+        raise ValueError(f"image {index} is corrupt or unreadable: {type(err).__name__}: {err}") from err
+    if min(rgb.size) < 1:
+        raise ValueError(f"image {index} is empty (size {rgb.size})")
+    return rgb
+
+
+def load_images(images, prompts) -> list[Image.Image]:
+    """Validate a batch: one image per prompt; returns RGB PIL images."""
+    images, prompts = list(images), list(prompts)
+    if len(images) != len(prompts):
+        raise ValueError(f"got {len(images)} images but {len(prompts)} prompts; pass one image per prompt")
+    if not images:
+        raise ValueError("empty batch: pass at least one image and prompt")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise ValueError(f"prompt {i} must be a str, got {type(p).__name__}")
+    return [load_image(img, i) for i, img in enumerate(images)]

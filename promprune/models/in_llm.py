@@ -1,0 +1,3 @@
+"""placeholder"""
+def make(method, model, input_ids, budget, options):
+    raise NotImplementedError(method)

@@ -1,0 +1,107 @@
+"""Saliency captured with a hook on one vision-encoder layer, so the tower keeps SDPA / flash attention.
+
+The hook sees the attention module's input (the layer-normed hidden states) and recomputes only what saliency
+needs with the module's own projections:
+
+- CLIP (LLaVA, LLaVA-NeXT): the CLS query's attention row, softmax over all keys, mean over heads.
+- Qwen2.5-VL (no CLS): the attention each patch receives, averaged over queries and heads, within each image
+  (full-attention blocks attend per image), then averaged over each 2x2 group the merger joins.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from transformers.vision_utils import get_vision_window_index
+
+QUERY_CHUNK = 1024  # queries per block when summing Qwen attention: bounds memory to H x 1024 x n floats
+
+
+def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """CLS-to-all attention of a CLIPAttention module, head mean: ``hidden [B, S, C] -> [B, S]`` (float32)."""
+    B, S, _ = hidden.shape
+    H, hd = attn.num_heads, attn.head_dim
+    q = attn.q_proj(hidden[:, :1]).float().view(B, 1, H, hd).transpose(1, 2)  # [B, H, 1, hd]
+    k = attn.k_proj(hidden).float().view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scale, dim=-1)  # [B, H, 1, S]
+    return probs[:, :, 0].mean(dim=1)  # [B, S]
+
+
+@contextlib.contextmanager
+def capture_cls_attention(attn: torch.nn.Module, sink: list):
+    """While active, append ``cls_attention(attn, input) [B, S]`` to ``sink`` at every call of ``attn``."""
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        sink.append(cls_attention(module, hidden))
+
+    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield sink
+    finally:
+        handle.remove()
+
+
+def clip_attention_module(vision_tower: torch.nn.Module, feature_layer: int) -> torch.nn.Module:
+    """The self-attention of the CLIP encoder layer whose output is ``hidden_states[feature_layer]``.
+
+    ``hidden_states[0]`` is the embedding output and ``hidden_states[h]`` the output of layer ``h - 1``.
+    """
+    body = getattr(vision_tower, "vision_model", vision_tower)  # CLIPVisionModel or the bare transformer
+    layers = body.encoder.layers
+    h = feature_layer if feature_layer >= 0 else feature_layer + len(layers) + 1
+    if not 1 <= h <= len(layers):
+        raise ValueError(f"vision_feature_layer {feature_layer} does not name an encoder layer output "
+                         f"(the encoder has {len(layers)} layers)")
+    return layers[h - 1].self_attn
+
+
+def received_attention(attn: torch.nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
+                       position_embeddings) -> torch.Tensor:
+    """Mean attention each token receives within its image: Qwen2.5-VL vision attention, ``hidden [S, C] -> [S]``."""
+    S = hidden.shape[0]
+    rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision
+    q, k, _ = attn.qkv(hidden).reshape(S, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)  # [S, H, hd]
+    cos, sin = position_embeddings
+    q, k = rope(q, k, cos, sin)
+    q, k = q.float().transpose(0, 1), k.float().transpose(0, 1)  # [H, S, hd]
+    out = torch.zeros(S, dtype=torch.float32, device=hidden.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        n = end - start
+        kc = k[:, start:end]  # [H, n, hd]
+        for q0 in range(start, end, QUERY_CHUNK):
+            qc = q[:, q0:min(q0 + QUERY_CHUNK, end)]  # [H, c, hd]
+            probs = torch.softmax((qc @ kc.transpose(-1, -2)) * attn.scaling, dim=-1)  # [H, c, n]
+            out[start:end] += probs.sum(dim=(0, 1))
+        out[start:end] /= n * attn.num_heads
+    return out
+
+
+@contextlib.contextmanager
+def capture_received_attention(attn: torch.nn.Module, sink: list):
+    """While active, append ``received_attention [S]`` (window-permuted order) at every call of ``attn``."""
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        sink.append(received_attention(module, hidden, kwargs["cu_seqlens"], kwargs["position_embeddings"]))
+
+    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield sink
+    finally:
+        handle.remove()
+
+
+def pool_to_merged(received: torch.Tensor, grid_thw: torch.Tensor, vision_config) -> torch.Tensor:
+    """Average window-ordered patch scores ``[S]`` over each merge group; returns ``[S / m^2]`` in raster order.
+
+    Inside the Qwen2.5-VL tower the patches are permuted so each consecutive ``m^2`` form one merged token, in
+    window order; the merger output is put back into raster order with ``argsort(window_index)``. We do the same.
+    """
+    unit = vision_config.spatial_merge_size ** 2
+    window_index, _ = get_vision_window_index(grid_thw.cpu(), vision_config.spatial_merge_size,
+                                              vision_config.window_size, vision_config.patch_size)
+    pooled = received.view(-1, unit).mean(dim=1)  # [S / unit], window order
+    return pooled[torch.argsort(window_index).to(pooled.device)]

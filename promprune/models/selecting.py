@@ -1,0 +1,107 @@
+"""Calling ``promprune.select`` for a batch of images whose token counts and views differ.
+
+Each image (or, for LLaVA-NeXT per-view modes, each view) is one *unit*; units with equal token count and
+budget are stacked into one batched ``select`` call.
+
+LLaVA-NeXT budget modes: ``per_crop`` splits the budget evenly over the views (the released code, VisPruner);
+``global`` selects once over all views; ``adaptive_views`` gives each view a share proportional to its spectral
+entropy (spread-out views get more tokens), then selects per view. A view never gets more than it has; what
+it cannot take goes to the others, so every image keeps ``min(budget, N)`` tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import promprune
+
+from .adapters import VisualItem
+
+
+@dataclass
+class ItemSelection:
+    """``kept [M]`` candidate indices (ascending), ``merged [M, d]`` or None, ``saliency_count``, ``entropy``."""
+
+    kept: torch.Tensor
+    merged: torch.Tensor | None
+    saliency_count: int
+    entropy: float | None
+
+
+def split_budget(budget: int, counts: list[int], weights: list[float] | None = None) -> list[int]:
+    """Integer shares of ``budget`` over views with ``counts`` tokens, proportional to ``weights`` (even if None).
+
+    Largest-remainder rounding; shares are capped at the counts and the excess is re-split over the rest.
+    Sums to ``min(budget, sum(counts))``.
+    """
+    shares = [0] * len(counts)
+    open_ = [i for i, c in enumerate(counts) if c > 0]
+    left = min(budget, sum(counts))
+    while left > 0 and open_:
+        w = [max(float(weights[i]), 0.0) if weights is not None else 1.0 for i in open_]
+        w = w if sum(w) > 0 else [1.0] * len(open_)
+        total = sum(w)
+        exact = [left * wi / total for wi in w]
+        give = [int(e) for e in exact]
+        order = sorted(range(len(open_)), key=lambda j: (-(exact[j] - give[j]), j))
+        for j in order[:left - sum(give)]:
+            give[j] += 1
+        for j, i in enumerate(open_):
+            take = min(give[j], counts[i] - shares[i])
+            shares[i] += take
+            left -= take
+        open_ = [i for i in open_ if shares[i] < counts[i]]
+    return shares
+
+
+def _units(items: list[VisualItem], budget: int, mode: str):
+    """``(item, candidate indices [n], budget)`` for every selection unit."""
+    units = []
+    for b, item in enumerate(items):
+        views = item.groups.unique().tolist()
+        if mode == "global" or len(views) == 1:
+            units.append((b, torch.arange(item.features.shape[0], device=item.features.device), budget))
+            continue
+        members = [(item.groups == v).nonzero().flatten() for v in views]
+        weights = None
+        if mode == "adaptive_views":
+            weights = [float(promprune.spectral_entropy(item.features[m][None].float())[0]) for m in members]
+        for m, share in zip(members, split_budget(budget, [len(m) for m in members], weights)):
+            if share > 0:
+                units.append((b, m, share))
+    return units
+
+
+def select_items(items: list[VisualItem], budget: int, method: str, options: dict,
+                 mode: str = "per_crop") -> list[ItemSelection]:
+    """Run ``method`` on every image; returns one :class:`ItemSelection` per item."""
+    spec = promprune.method_spec(method)
+    units = _units(items, budget, mode)
+    results: dict[int, list] = {b: [] for b in range(len(items))}
+    buckets: dict[tuple, list] = {}
+    for unit in units:
+        buckets.setdefault((unit[1].numel(), unit[2]), []).append(unit)
+    for (n, share), group in buckets.items():
+        feats = torch.stack([items[b].features[idx] for b, idx, _ in group])  # [U, n, d]
+        sal = None
+        if spec.needs_saliency:
+            sal = torch.stack([items[b].saliency[idx] for b, idx, _ in group])  # [U, n]
+        sel = promprune.select(feats, sal, budget=share, method=method, **options)
+        for u, (b, idx, _) in enumerate(group):
+            merged = None if sel.features is None else sel.features[u]
+            ent = None if sel.entropy is None else float(sel.entropy[u])
+            results[b].append((idx[sel.indices[u].to(idx.device)], merged, int(sel.saliency_count[u]), ent))
+    return [_combine(results[b]) for b in range(len(items))]
+
+
+def _combine(parts) -> ItemSelection:
+    """Merge the units of one image into ascending kept indices (entropy: mean over views)."""
+    kept = torch.cat([p[0] for p in parts])
+    order = kept.argsort()
+    merged = None
+    if parts[0][1] is not None:
+        merged = torch.cat([p[1] for p in parts])[order]
+    ents = [p[3] for p in parts if p[3] is not None]
+    return ItemSelection(kept=kept[order], merged=merged, saliency_count=sum(p[2] for p in parts),
+                         entropy=sum(ents) / len(ents) if ents else None)

@@ -1,0 +1,43 @@
+"""Shrinking each prompt's image placeholder run to the kept visual tokens."""
+from __future__ import annotations
+
+import torch
+
+
+def placeholder_columns(input_ids: torch.Tensor, image_token_id: int) -> list[torch.Tensor]:
+    """Columns of the image placeholder run of each row: ``input_ids [B, L] -> B x [P_i]``.
+
+    One image per prompt, so the run is contiguous; anything else is a ValueError naming the row.
+    """
+    runs = []
+    for b, row in enumerate(input_ids):
+        cols = (row == image_token_id).nonzero().flatten()
+        if cols.numel() == 0 or int(cols[-1] - cols[0]) + 1 != cols.numel():
+            raise ValueError(f"prompt {b}: expected one contiguous image placeholder run, found {cols.numel()} "
+                             f"image tokens")
+        runs.append(cols)
+    return runs
+
+
+def shrink_placeholders(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
+                        kept_run_pos: list[torch.Tensor], pad_token_id: int):
+    """Keep only placeholders ``kept_run_pos[b] [M_b]`` (positions within row b's run); re-pad on the left.
+
+    Returns ``(input_ids [B, L'], attention_mask [B, L'], col_map [B, L'])`` where ``col_map`` holds each new
+    column's column in the old sequence (-1 for new padding). Text tokens and their order are untouched.
+    """
+    runs = placeholder_columns(input_ids, image_token_id)
+    kept_cols = []
+    for b, (run, pos) in enumerate(zip(runs, kept_run_pos)):
+        real = attention_mask[b].bool().clone()
+        real[run] = False
+        real[run[pos.to(run.device)]] = True
+        kept_cols.append(real.nonzero().flatten())
+    width = max(c.numel() for c in kept_cols)
+    B = input_ids.shape[0]
+    col_map = torch.full((B, width), -1, dtype=torch.long, device=input_ids.device)
+    for b, cols in enumerate(kept_cols):
+        col_map[b, width - cols.numel():] = cols
+    new_mask = (col_map >= 0).to(attention_mask.dtype)
+    new_ids = input_ids.gather(1, col_map.clamp_min(0)).masked_fill(col_map < 0, pad_token_id)
+    return new_ids, new_mask, col_map

@@ -1,0 +1,247 @@
+"""``PrunedVLM``: a transformers VLM that keeps ``budget`` visual tokens, and ``Generation``, one answer."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import in_llm
+from .adapters import adapter_for, as_encoder_outputs
+from .images import load_images
+from .methods import IN_LLM_METHODS, validate_method
+from .selecting import select_items
+from .sequence import placeholder_columns, shrink_placeholders
+
+
+@dataclass
+class Generation:
+    """One answer. Timings are wall-clock milliseconds of the whole batch the item was generated in."""
+
+    text: str
+    visual_tokens: int  # visual tokens the LLM received (in-LLM methods: after their last pruning layer)
+    saliency_count: int  # of those, chosen by a saliency stage (0 unpruned / pure-diversity methods)
+    entropy: float | None  # prominence metric of the split (NeXT per-view modes: mean over views)
+    kept: list[int] = field(default_factory=list)  # kept indices into the full visual token grid, ascending
+    vision_ms: float = 0.0  # vision tower + projector (+ saliency hook)
+    select_ms: float = 0.0  # token selection before the LLM
+    prefill_ms: float = 0.0  # first LLM forward
+    decode_ms: float = 0.0  # the remaining generate time
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Clock:
+    """Milliseconds of a block, synchronizing CUDA so asynchronous kernels are counted."""
+
+    def __init__(self, device):
+        self.device, self.ms = device, 0.0
+
+    def __enter__(self):
+        _sync(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        _sync(self.device)
+        self.ms = (time.perf_counter() - self.t0) * 1e3
+        return False
+
+
+class PrunedVLM:
+    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL that prunes visual tokens with a registered method.
+
+    ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens
+    of each image before the LLM; ``fastv`` / ``sparsevlm`` prune inside it. ``method_options`` are the method's
+    options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults per
+    vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL) unless given.
+    """
+
+    def __init__(self, model, processor, method: str | None = "promprune", budget: int | None = None,
+                 **method_options):
+        self.method_options, adapter_options = validate_method(method, budget, **method_options)
+        self.model, self.processor = model.eval(), processor
+        self.method, self.budget = method, budget
+        self.adapter = adapter_for(model, processor, adapter_options)
+        if method is not None and method not in IN_LLM_METHODS:
+            import promprune
+
+            self.spec = promprune.method_spec(method)
+            if "mu" in self.spec.options and "mu" not in self.method_options:
+                self.method_options["mu"] = self.adapter.default_mu
+        self.processor.tokenizer.padding_side = "left"  # batched generation appends on the right
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, method: str | None = "promprune", budget: int | None = None, *,
+                        dtype=None, device_map=None, attn_implementation=None, **method_options):
+        """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class).
+
+        ``name_or_path`` may be ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl) for the offline tiny
+        models of :mod:`promprune.models.testing` (a private copy, cast to ``dtype``).
+        """
+        validate_method(method, budget, **dict(method_options))  # fail before loading anything
+        if name_or_path.startswith("tiny:"):
+            model, processor = _tiny(name_or_path[len("tiny:"):], dtype, device_map, attn_implementation)
+        else:
+            model, processor = _load(name_or_path, dtype, device_map, attn_implementation)
+        return cls(model, processor, method=method, budget=budget, **method_options)
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def conversation(self, prompt: str) -> str:
+        """The chat-templated text of one user turn with one image, ready for generation."""
+        conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+
+    def inputs(self, images, prompts):
+        """Processor outputs for a batch (unpruned placeholders), on the model's device."""
+        images = self.adapter.prepare_images(load_images(images, prompts))
+        texts = [self.conversation(p) for p in prompts]
+        batch = self.processor(images=images, text=texts, return_tensors="pt", padding=True,
+                               **self.adapter.processor_kwargs())
+        batch = batch.to(self.device)
+        if "pixel_values" in batch and batch["pixel_values"].is_floating_point():
+            batch["pixel_values"] = batch["pixel_values"].to(self.model.dtype)
+        return batch
+
+    @torch.inference_mode()
+    def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
+        """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise."""
+        prompts = list(prompts)
+        batch = self.inputs(images, prompts)
+        pre_llm = self.method is not None and self.method not in IN_LLM_METHODS
+        need_sal = pre_llm and self.spec.needs_saliency
+        with _Clock(self.device) as vision:
+            items = self.adapter.encode(batch, need_saliency=need_sal)
+        with _Clock(self.device) as selecting:
+            plan = self._plan(batch, items) if pre_llm else None
+        ids, mask, feats, extra, stats = self._llm_inputs(batch, items, plan)
+        kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
+        pruner = in_llm.make(self.method, self.model, ids, self.budget, self.method_options) \
+            if self.method in IN_LLM_METHODS else None
+        with _Timer(self.model, self.device) as timer, (pruner or _Null()):
+            out = self.model.generate(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats),
+                                      **extra, **kwargs)
+        if pruner is not None:
+            stats = pruner.stats(items)
+        texts = self.processor.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        times = dict(vision_ms=vision.ms, select_ms=selecting.ms, prefill_ms=timer.prefill_ms,
+                     decode_ms=timer.decode_ms)
+        return [Generation(text=t.strip(), **s, **times) for t, s in zip(texts, stats)]
+
+    def _plan(self, batch, items):
+        """Selections of every item (pre-LLM methods)."""
+        return select_items(items, self.budget, self.method, self.method_options,
+                            mode=self.adapter.options["budget_mode"])
+
+    def _llm_inputs(self, batch, items, plan):
+        """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``."""
+        cfg = self.model.config
+        if plan is None:
+            feats = [it.run for it in items]
+            stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
+                          kept=sorted(it.grid_index.tolist())) for f, it in zip(feats, items)]
+            return batch["input_ids"], batch["attention_mask"], feats, {}, stats
+        rows = self.adapter.options["image_newline"] == "rows"
+        assembled = [it.assemble(p.kept, p.merged, newline_rows=rows) for it, p in zip(items, plan)]
+        feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
+        pad = self.processor.tokenizer.pad_token_id
+        ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"], cfg.image_token_id,
+                                                 run_pos, pad)
+        extra = self.adapter.generate_kwargs(batch, ids, mask, col_map, items, run_pos)
+        stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
+                      kept=sorted(it.grid_index[p.kept].tolist())) for f, p, it in zip(feats, plan, items)]
+        return ids, mask, feats, extra, stats
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Timer:
+    """Prefill = the first forward of ``generate``; decode = the rest of ``generate``'s wall time."""
+
+    def __init__(self, model, device):
+        self.model, self.device = model, device
+        self.calls, self.prefill_ms, self.decode_ms = 0, 0.0, 0.0
+
+    def _pre(self, module, args, kwargs):
+        if self.calls == 0:
+            _sync(self.device)
+            self.t_first = time.perf_counter()
+
+    def _post(self, module, args, kwargs, out):
+        if self.calls == 0:
+            _sync(self.device)
+            self.prefill_ms = (time.perf_counter() - self.t_first) * 1e3
+        self.calls += 1
+
+    def __enter__(self):
+        self.handles = [self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        self.model.register_forward_hook(self._post, with_kwargs=True)]
+        _sync(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        _sync(self.device)
+        total = (time.perf_counter() - self.t0) * 1e3
+        for h in self.handles:
+            h.remove()
+        self.decode_ms = max(total - self.prefill_ms, 0.0)
+        return False
+
+
+def _tiny(arch, dtype, device_map, attn_implementation):
+    import copy
+
+    from .testing import tiny_vlm
+
+    model, processor = tiny_vlm(arch)
+    model, processor = copy.deepcopy(model), copy.deepcopy(processor)
+    if dtype is not None:
+        model = model.to(_dtype(dtype))
+    if device_map not in (None, "cpu"):
+        model = model.to("cuda" if device_map == "auto" else device_map)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    return model, processor
+
+
+def _dtype(dtype):
+    if isinstance(dtype, str) and dtype != "auto":
+        return getattr(torch, dtype)
+    return dtype
+
+
+def _load(name_or_path, dtype, device_map, attn_implementation):
+    from transformers import AutoConfig, AutoProcessor
+
+    from .adapters import ADAPTERS
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    if config.model_type not in ADAPTERS:
+        raise ValueError(f"{name_or_path}: unsupported model type {config.model_type!r}; "
+                         f"supported: {', '.join(ADAPTERS)}")
+    model_cls = _model_class(config.model_type)
+    kwargs = {k: v for k, v in dict(dtype=_dtype(dtype), device_map=device_map,
+                                    attn_implementation=attn_implementation).items() if v is not None}
+    model = model_cls.from_pretrained(name_or_path, **kwargs)
+    return model, AutoProcessor.from_pretrained(name_or_path)
+
+
+def _model_class(model_type):
+    import transformers
+
+    return {"llava": transformers.LlavaForConditionalGeneration,
+            "llava_next": transformers.LlavaNextForConditionalGeneration,
+            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}[model_type]
