@@ -1,6 +1,8 @@
 """Pre-LLM baselines, each faithful to its paper and released code: DivPrune, VisPruner, VisionZip, random."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .diversity import farthest_point
@@ -33,19 +35,26 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
 
 
-def vispruner_diverse(unit: torch.Tensor, rest: torch.Tensor, keep: int) -> torch.Tensor:
+def _submatrix(mat: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``mat [B, N, N]`` at ``rows [B, R]`` x ``cols [B, C]`` -> ``[B, R, C]``."""
+    batch = torch.arange(mat.shape[0], device=mat.device)[:, None, None]
+    return mat[batch, rows[:, :, None], cols[:, None, :]]
+
+
+def vispruner_diverse(cosine: torch.Tensor, rest: torch.Tensor, keep: int) -> torch.Tensor:
     """VisPruner's duplicate removal: shrink the ordered candidates ``rest [B, R]`` to ``keep`` tokens.
 
     Each round splits the current list into even and odd positions, matches every even token to its most similar
     odd token (cosine), and drops the ``min(8, R - keep)`` even tokens with the highest match; the new list is the
-    surviving even tokens (by descending match) followed by the odd ones. ``unit [B, N, d]``: unit-norm tokens.
+    surviving even tokens (by descending match) followed by the odd ones. ``cosine [B, N, N]``: the token kernel,
+    computed once, so each round is a gather instead of a fresh ``[R/2, d] x [d, R/2]`` product.
     """
     if keep <= 0:
         return rest[:, :0]
     while rest.shape[1] > keep:
         drop = min(VISPRUNER_ROUND, rest.shape[1] - keep)
         even, odd = rest[:, 0::2], rest[:, 1::2]
-        match = (_gather_rows(unit, even) @ _gather_rows(unit, odd).transpose(1, 2)).amax(dim=2)  # [B, R_even]
+        match = _submatrix(cosine, even, odd).amax(dim=2)  # [B, R_even]
         survivors = stable_descending_order(match)[:, min(drop, even.shape[1]):]
         rest = torch.cat([even.gather(1, survivors), odd], dim=1)
     return rest
@@ -58,7 +67,7 @@ def vispruner(tokens: TokenSet, budget: int, *, important_ratio: float) -> Selec
         raise ValueError(f"option 'important_ratio' must be in [0, 1], got {important_ratio!r}")
     t_imp = int(budget * float(important_ratio))  # floor
     order = stable_descending_order(tokens.require_saliency("vispruner"))  # [B, N] descending saliency
-    diverse = vispruner_diverse(unit_tokens(tokens.x), order[:, t_imp:], budget - t_imp)
+    diverse = vispruner_diverse(tokens.cosine, order[:, t_imp:], budget - t_imp)
     indices = torch.cat([order[:, :t_imp], diverse], dim=1)
     salient = torch.arange(budget, device=indices.device)[None, :].expand(tokens.batch, budget) < t_imp
     return Selection(indices, torch.full((tokens.batch,), t_imp, device=indices.device), None, None, salient)
@@ -100,8 +109,25 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float) -> Sele
 
 @register_method("random", needs_saliency=False, options={"seed": 0})
 def random_tokens(tokens: TokenSet, budget: int, *, seed: int) -> Selection:
-    """T tokens uniformly at random, reproducible from ``seed`` (drawn on the CPU so every device agrees)."""
-    gen = torch.Generator().manual_seed(int(seed))
-    keys = torch.rand(tokens.batch, tokens.n, generator=gen)
-    indices = keys.argsort(dim=1)[:, :budget].to(tokens.x.device)
+    """T tokens uniformly at random, reproducible from ``seed`` and the image itself.
+
+    Each image draws from a CPU generator seeded by ``seed`` and a fingerprint of its own features, so an image
+    gets the same tokens whatever batch or shard it lands in, and every device agrees.
+    """
+    rows = []
+    for b in range(tokens.batch):
+        gen = torch.Generator().manual_seed(_fingerprint(tokens.x[b], int(seed)))
+        rows.append(torch.randperm(tokens.n, generator=gen)[:budget])
+    indices = torch.stack(rows).to(tokens.x.device)
     return Selection(indices, _no_saliency(tokens), None, None, torch.zeros_like(indices, dtype=torch.bool))
+
+
+# The fingerprint reads the first few channels of every token: cheap, and enough to tell images apart.
+_FINGERPRINT_CHANNELS = 16
+
+
+def _fingerprint(x: torch.Tensor, seed: int) -> int:
+    """A 63-bit seed from ``seed`` and the bytes of ``x [N, d]`` (first channels)."""
+    data = x[:, :_FINGERPRINT_CHANNELS].detach().float().cpu().contiguous().numpy().tobytes()
+    digest = hashlib.blake2b(data, digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -34,6 +34,8 @@ def minmax(s: torch.Tensor) -> torch.Tensor:
 def coverage_picks(tokens: TokenSet, available: torch.Tensor, counts: torch.Tensor, anchor: torch.Tensor | None,
                    *, diversity: str, conditional: bool) -> torch.Tensor:
     """Stage 2 over the ``available`` tokens: ``[B, K]`` picks (-1 padded) by the chosen diversity selector."""
+    if int(counts.max()) == 0:  # saliency-only split: no kernel needed
+        return counts.new_zeros(counts.shape[0], 0)
     fallback = tokens.saliency  # once gains hit 0, fill by saliency (raster order when there is none)
     if diversity == "dpp":
         return dpp_greedy(tokens.cosine, available, counts, anchor=anchor, conditional=conditional, fallback=fallback)

@@ -1,0 +1,67 @@
+"""Prominence metrics against independent numpy computations."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import promprune
+
+
+def numpy_spectral_entropy(x: np.ndarray) -> float:
+    """Reference: SVD of the centered, L2-normalized tokens (float64)."""
+    x = x.astype(np.float64)
+    xn = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-8)
+    xc = xn - xn.mean(axis=0, keepdims=True)
+    sv = np.linalg.svd(xc, compute_uv=False)  # min(N, d) singular values
+    lam = np.maximum(sv ** 2, 1e-12)
+    p = lam / lam.sum()
+    return float(-(p * np.log(p)).sum() / math.log(min(x.shape)))
+
+
+@pytest.mark.parametrize("N,d", [(40, 64), (64, 40), (30, 30)])
+def test_spectral_entropy_matches_numpy_svd(N, d):
+    g = torch.Generator().manual_seed(N * d)
+    low_rank = torch.randn(3, N, 4, generator=g) @ torch.randn(3, 4, d, generator=g)
+    x = low_rank + 0.3 * torch.randn(3, N, d, generator=g)
+    got = promprune.spectral_entropy(x)
+    want = [numpy_spectral_entropy(x[b].numpy()) for b in range(3)]
+    assert got.shape == (3,)
+    np.testing.assert_allclose(got.numpy(), want, atol=2e-4)
+
+
+def test_spectral_entropy_extremes_and_dtype():
+    # Tokens along two orthogonal directions, half each: centered rank 1 -> entropy 0.
+    x = torch.zeros(1, 8, 16)
+    x[0, :4, 0] = 1.0
+    x[0, 4:, 1] = 1.0
+    assert promprune.spectral_entropy(x).item() == pytest.approx(0.0, abs=1e-4)
+    iso = torch.eye(16)[None]  # 16 orthonormal tokens: flat spectrum over 15 of 16 eigenvalues
+    assert 0.9 < promprune.spectral_entropy(iso).item() <= 1.0
+    # bf16 input computes in float32
+    y = torch.randn(2, 20, 32)
+    np.testing.assert_allclose(promprune.spectral_entropy(y.bfloat16()).numpy(),
+                               promprune.spectral_entropy(y.bfloat16().float()).numpy(), atol=1e-6)
+
+
+def test_feature_norm_entropy_hand_values():
+    x = torch.zeros(2, 4, 3)
+    x[0, :, 0] = 2.0  # equal norms -> uniform -> 1
+    x[1, 0, 0] = 1.0  # one nonzero token -> 0
+    x[1, 1:, 0] = 0.0
+    got = promprune.feature_norm_entropy(x)
+    assert got[0].item() == pytest.approx(1.0, abs=1e-6)
+    assert got[1].item() == pytest.approx(0.0, abs=1e-6)
+    norms = np.array([1.0, 2.0, 3.0, 4.0])
+    p = norms / norms.sum()
+    z = torch.zeros(1, 4, 2)
+    z[0, :, 1] = torch.tensor(norms, dtype=torch.float32)
+    assert promprune.feature_norm_entropy(z).item() == pytest.approx(-(p * np.log(p)).sum() / math.log(4), abs=1e-6)
+
+
+def test_attention_entropy_hand_values():
+    s = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.5, 0.3, 0.2, 0.0]])
+    got = promprune.attention_entropy(s)
+    p = np.array([0.5, 0.3, 0.2])
+    assert got.tolist()[:2] == pytest.approx([1.0, 0.0], abs=1e-6)
+    assert got[2].item() == pytest.approx(-(p * np.log(p)).sum() / math.log(4), abs=1e-6)
