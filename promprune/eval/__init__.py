@@ -1,0 +1,42 @@
+"""The lmms-eval bridge: request rows out of lmms-eval tasks, generation over them, scoring back with lmms-eval.
+
+    rows = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=64)   # driver
+    predictions = run_requests(vlm, rows, batch_size=8)                 # actors (any sharding)
+    scores = score(predictions)                                         # driver: {task: {metric: value}}
+    rel = relative_score(scores, baseline_scores)                       # Rel., as the paper
+
+Submodules import lmms-eval lazily, so importing this package (as lmms-eval's plugin loader does) is cheap.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "build_requests": "promprune.eval.requests",
+    "run_requests": "promprune.eval.requests",
+    "REQUEST_FIELDS": "promprune.eval.requests",
+    "score": "promprune.eval.scoring",
+    "relative_score": "promprune.eval.scoring",
+    "primary_score": "promprune.eval.scoring",
+    "RESULT_FIELDS": "promprune.eval.generation",
+    "OFFLINE_TASKS": "promprune.eval.tasks",
+    "PAPER_TASKS": "promprune.eval.tasks",
+    "PRIMARY_METRICS": "promprune.eval.tasks",
+    "TaskUnavailableError": "promprune.eval.tasks",
+    "prepare_offline_tasks": "promprune.eval.tasks",
+    "judge_skip_reason": "promprune.eval.tasks",
+    "PromPruneLMM": "promprune.eval.lmms_plugin",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'promprune.eval' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

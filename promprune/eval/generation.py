@@ -1,0 +1,161 @@
+"""Generation for evaluation items: batching, lmms-eval generation kwargs, and failure isolation.
+
+Both the Ray path (``run_requests`` on request rows) and the lmms-eval plugin (``PromPruneLMM.generate_until``) turn
+their inputs into ``Item``s and call ``generate_items``. Every item yields exactly one result, in input order:
+a batch that raises is retried item by item, so one corrupt image or one failing generation becomes one failed
+result with its error message, never a crash and never a dropped sample.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from promprune.efficiency import peak_memory_mb, reset_peak_memory
+
+log = logging.getLogger(__name__)
+
+# lmms-eval generation_kwargs keys that map onto transformers' generate(); anything else (e.g. llava's
+# image_aspect_ratio) is a model-specific hint our adapters do not take, and is ignored.
+_SAMPLING_KEYS = ("temperature", "top_p")
+_STATS = ("entropy", "saliency_count", "visual_tokens", "kept", "vision_ms", "select_ms", "prefill_ms", "decode_ms")
+RESULT_FIELDS = ("prediction", "error", *_STATS, "peak_mem_mb")
+
+
+@dataclass
+class Item:
+    """One question about one image. ``error`` set means the input could not be prepared; it is not generated."""
+
+    prompt: str
+    image: Image.Image | None
+    gen_kwargs: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def decode_image(data: Any, name: str) -> Image.Image:
+    """PNG/JPEG bytes (or a PIL image) -> RGB PIL image, fully decoded; ValueError naming ``name`` if unreadable."""
+    if isinstance(data, Image.Image):
+        return data.convert("RGB")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{name}: image must be PNG/JPEG bytes or a PIL image, got {type(data).__name__}")
+    try:
+        image = Image.open(io.BytesIO(bytes(data)))
+        image.load()  # decode now: a truncated file fails here, not inside the model
+        return image.convert("RGB")
+    except Exception as exc:  # noqa: BLE001 - PIL raises several types for bad data
+        raise ValueError(f"{name}: unreadable image ({type(exc).__name__}: {exc})") from exc
+
+
+def image_to_png(image: Image.Image) -> bytes:
+    """Lossless PNG bytes of an image (what request rows carry across Ray)."""
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
+    """lmms-eval generation_kwargs -> (kwargs for ``vlm.generate``, stop strings).
+
+    Greedy unless ``do_sample`` is true (then temperature / top_p pass through). lmms-eval's ``until`` strings are
+    applied to the decoded text afterwards (cut at the first occurrence), as lmms-eval's own HF models do.
+    Keys whose value is None are ignored (rows read back from Arrow carry None for keys another task had).
+    """
+    gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
+    kwargs: dict[str, Any] = {}
+    if "max_new_tokens" in gen_kwargs:
+        kwargs["max_new_tokens"] = int(gen_kwargs["max_new_tokens"])
+    if "num_beams" in gen_kwargs:
+        kwargs["num_beams"] = int(gen_kwargs["num_beams"])
+    kwargs["do_sample"] = bool(gen_kwargs.get("do_sample", False))
+    if kwargs["do_sample"]:
+        kwargs.update({k: float(gen_kwargs[k]) for k in _SAMPLING_KEYS if k in gen_kwargs})
+    until = gen_kwargs.get("until") or []
+    until = [until] if isinstance(until, str) else list(until)
+    return kwargs, until
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """Text up to the first occurrence of any stop string."""
+    for stop in until:
+        if stop and stop in text:
+            text = text.split(stop, 1)[0]
+    return text
+
+
+def _failed(error: str) -> dict:
+    result = dict.fromkeys(RESULT_FIELDS)
+    result.update(prediction="", error=error)
+    return result
+
+
+def _stat(value: Any) -> Any:
+    """Plain Python values for rows that travel through Arrow/parquet: tensors -> numbers or lists."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 and value.dim() == 0 else value.tolist()
+    return value
+
+
+def _model_device(vlm) -> torch.device:
+    model = getattr(vlm, "model", None)
+    device = getattr(model, "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[dict]:
+    """Generate one batch (raises on failure); results carry the batch's peak memory."""
+    kwargs, until = generate_kwargs(gen_kwargs)
+    device = _model_device(vlm)
+    reset_peak_memory(device)
+    with torch.inference_mode():
+        generations = vlm.generate([it.image for it in items], [it.prompt for it in items], **kwargs)
+    if len(generations) != len(items):
+        raise RuntimeError(f"vlm.generate returned {len(generations)} generations for {len(items)} items")
+    peak = peak_memory_mb(device)
+    results = []
+    for gen in generations:
+        result = {name: _stat(getattr(gen, name, None)) for name in _STATS}
+        result.update(prediction=cut_at_stop(gen.text, until), error=None, peak_mem_mb=peak)
+        results.append(result)
+    return results
+
+
+def _run_isolated(vlm, items: list[Item], gen_kwargs: dict) -> list[dict]:
+    """Run a batch; if it fails, run its items one by one so only the failing ones fail."""
+    try:
+        return _run_batch(vlm, items, gen_kwargs)
+    except Exception as exc:  # noqa: BLE001 - isolation: the failure is recorded per item below
+        if len(items) == 1:
+            log.warning("generation failed: %s: %s", type(exc).__name__, exc)
+            return [_failed(f"{type(exc).__name__}: {exc}")]
+        log.warning("batch of %d failed (%s: %s); retrying item by item", len(items), type(exc).__name__, exc)
+        return [result for item in items for result in _run_isolated(vlm, [item], gen_kwargs)]
+
+
+def generate_items(vlm, items: list[Item], *, batch_size: int = 8) -> list[dict]:
+    """One result dict per item, in input order: the fields ``RESULT_FIELDS``.
+
+    Items are batched with others of identical generation kwargs (lmms-eval tasks may differ), ``batch_size`` at a
+    time. Items that arrive with an error are not generated; their result carries that error.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    results: list[dict | None] = [None] * len(items)
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        if item.error is not None:
+            results[i] = _failed(item.error)
+        else:
+            groups.setdefault(json.dumps(item.gen_kwargs, sort_keys=True, default=str), []).append(i)
+    for indices in groups.values():
+        gen_kwargs = items[indices[0]].gen_kwargs
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            for i, result in zip(chunk, _run_isolated(vlm, [items[i] for i in chunk], gen_kwargs)):
+                results[i] = result
+    return results  # type: ignore[return-value]

@@ -1,0 +1,123 @@
+"""lmms-eval model plugin: ``lmms-eval --model promprune --model_args pretrained=...,method=promprune,budget=64``.
+
+lmms-eval 0.7 discovers external models through the Python entry-point group ``lmms_eval.models``; each entry point
+is a ``ModelManifest`` (or an iterable of them, or a callable returning one). This package's is ``MANIFEST`` below:
+
+    [project.entry-points."lmms_eval.models"]
+    promprune = "promprune.eval.lmms_plugin:MANIFEST"
+
+``--model_args`` keys: ``pretrained`` (checkpoint path/name or ``tiny:llava`` / ``tiny:llava_next`` /
+``tiny:qwen2_5_vl``), ``method`` (a registered method; ``none`` for the unpruned model), ``budget``, ``dtype``
+(auto / float16 / bfloat16 / float32), ``device`` (cpu, cuda, cuda:1; default: cuda when available),
+``attn_implementation``, ``batch_size``; any other key is a method option (``mu=0.42,tau=0.02``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from lmms_eval.api.instance import Instance
+from lmms_eval.api.model import lmms
+from lmms_eval.models.registry_v2 import ModelManifest
+
+from promprune.eval.generation import Item, decode_image, generate_items
+
+log = logging.getLogger(__name__)
+
+MODEL_ID = "promprune"
+MANIFEST = ModelManifest(model_id=MODEL_ID, simple_class_path="promprune.eval.lmms_plugin.PromPruneLMM")
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float32": torch.float32, "fp32": torch.float32}
+_UNPRUNED = {"none", "null", "", "unpruned"}
+
+
+def _dtype(value):
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return value
+    if str(value).lower() not in _DTYPES:
+        raise ValueError(f"model_args dtype={value!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[str(value).lower()]
+
+
+def _method(value):
+    return None if value is None or str(value).lower() in _UNPRUNED else str(value)
+
+
+def _budget(value):
+    if value is None or str(value).lower() in _UNPRUNED:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or not number.is_integer() or number < 1:
+        raise ValueError(f"model_args budget={value!r} must be a positive integer")
+    return int(number)
+
+
+class PromPruneLMM(lmms):
+    """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image and one question per request).
+
+    Pass ``vlm=`` (an existing PrunedVLM) to wrap a loaded model instead of loading ``pretrained``. A request whose
+    image is unreadable or whose generation fails gets the empty answer (which lmms-eval's tasks score as wrong) and a
+    warning; ``self.failures`` lists them as (task, doc_id, error).
+    """
+
+    is_simple = True
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        method: str | None = "promprune",
+        budget: int | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        attn_implementation: str | None = None,
+        batch_size: int | str = 1,
+        vlm=None,
+        max_batch_size: int | None = None,  # passed by lmms-eval's CLI; unused (no automatic batch sizing)
+        **method_options,
+    ) -> None:
+        super().__init__()
+        if vlm is None:
+            if not pretrained:
+                raise ValueError("model_args needs pretrained=<checkpoint or tiny:llava|tiny:llava_next|tiny:qwen2_5_vl>")
+            from promprune.models import PrunedVLM
+
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            vlm = PrunedVLM.from_pretrained(
+                pretrained, method=_method(method), budget=_budget(budget), dtype=_dtype(dtype), device_map=device,
+                attn_implementation=attn_implementation, **method_options,
+            )
+        elif pretrained or method_options:
+            raise ValueError("pass either vlm= or pretrained= and method options, not both")
+        self.vlm = vlm
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
+        self.failures: list[tuple[str, int, str]] = []
+
+    def _item(self, request: Instance) -> Item:
+        context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
+        name = f"{task} doc {doc_id}"
+        try:
+            visuals = doc_to_visual(self.task_dict[task][split][doc_id])
+            if len(visuals) != 1:
+                raise ValueError(f"{name}: expected exactly one image, the task gives {len(visuals)}")
+            return Item(context, decode_image(visuals[0], name), dict(gen_kwargs))
+        except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
+            return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}")
+
+    def generate_until(self, requests: list[Instance]) -> list[str]:
+        results = generate_items(self.vlm, [self._item(r) for r in requests], batch_size=self.batch_size)
+        for request, result in zip(requests, results):
+            if result["error"]:
+                self.failures.append((request.task_name, request.doc_id, result["error"]))
+                log.warning("%s doc %s failed: %s", request.task_name, request.doc_id, result["error"])
+        return [result["prediction"] for result in results]
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError("promprune answers generate_until tasks only (no loglikelihood scoring)")
+
+    def generate_until_multi_round(self, requests):
+        raise NotImplementedError("promprune answers single-round generate_until tasks only")
