@@ -1,0 +1,298 @@
+"""Assemble a sweep's report: tables (markdown + CSV), figures (PNG), `report.md`; log them to the parent run.
+
+`build_report(sweep, out_dir)` decides what applies from the trials themselves (several budgets: trade-off
+curves; a fixed-ratio grid: the saliency-ratio figure and Table 4's matched split; a mu x tau grid: the heatmap;
+per-sample entropies: the histograms and overlays; published numbers shipped for the sweep: the deltas), so
+every spec in `sweeps/` gets its paper table or figure without per-spec code.
+"""
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+from . import figures, overlay, tables
+from .published import PAPER_DIR, load_published
+from .store import BASELINE_METHOD, Sweep, load_predictions
+
+ARTIFACT_DIR = "report"  # the report's folder among the parent run's artifacts
+MAX_OVERLAYS = 4  # token-selection overlays per report: one per benchmark, at most this many
+MAX_ENTROPY_CANDIDATES = 3  # PromPrune trials whose predictions are tried for the histograms before giving up
+CALIBRATION_MARK = "calibration"  # sweeps whose name contains this get the mu-calibration section
+
+ImageSource = Callable[[str, str], tuple[np.ndarray, str]]  # (task, doc_id) -> (image [H, W, 3] uint8, note)
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    files: list = field(default_factory=list)  # every file written, report.md first
+    markdown: str = ""
+    calibration: dict = field(default_factory=dict)  # metrics for the parent run: calibration/median_entropy, ...
+
+
+def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DIR,
+                 image_source: ImageSource | None = None) -> Report:
+    """Write every table and figure that applies to `sweep` under `out_dir`; return what was written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = Report(out_dir)
+    preds = _PredictionCache()
+    table = tables.build_score_table(sweep)
+    full_tokens = _full_tokens(sweep, preds)
+    sections = [_header(sweep, table)]
+    sections.append(_scores_section(table, full_tokens, out_dir, report))
+    sections.append(_efficiency_section(sweep, table, out_dir, report))
+    sections.append(_published_section(sweep, table, published_root, out_dir, report))
+    sections.append(_matched_split_section(sweep, table, preds, out_dir, report))
+    entropy_id = _entropy_trial(table, preds)
+    sections.append(_calibration_section(sweep, table, preds, entropy_id, report))
+    sections.append(_figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report,
+                                     image_source or task_image))
+    report.markdown = "\n".join(s for s in sections if s)
+    md_path = out_dir / "report.md"
+    md_path.write_text(report.markdown)
+    report.files.insert(0, md_path)
+    return report
+
+
+def log_report(sweep: Sweep, report: Report, client: MlflowClient | None = None) -> str:
+    """Log the report folder as artifacts of the sweep's parent run (and calibration results); return its URI."""
+    client = client or MlflowClient()
+    client.log_artifacts(sweep.run_id, str(report.out_dir), artifact_path=ARTIFACT_DIR)
+    for key, value in report.calibration.items():
+        client.log_metric(sweep.run_id, key, float(value))
+    if "calibration/chosen_mu" in report.calibration:
+        client.set_tag(sweep.run_id, "promprune.calibrated_mu", f"{report.calibration['calibration/chosen_mu']:g}")
+    return f"{client.get_run(sweep.run_id).info.artifact_uri}/{ARTIFACT_DIR}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sections
+
+
+def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
+    model = sweep.trials["model"].dropna().iloc[0] if "model" in sweep.trials and sweep.trials["model"].notna().any() \
+        else "?"
+    failed = sweep.metrics.get("samples/failed", pd.Series(dtype=float)).fillna(0).sum()
+    lines = [f"# Report: {sweep.name}", "",
+             f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get('promprune.spec_version', '?')}",
+             f"- model: `{model}`; trials: {len(sweep.trials)}; benchmarks: "
+             + ", ".join(f"{c.label} (`{c.task}`: {'+'.join(c.metrics)})" for c in table.columns),
+             f"- failed samples over all trials: {failed:.0f}"]
+    unfinished = sweep.trials[sweep.trials["status"] != "FINISHED"]
+    if len(unfinished):
+        lines.append(f"- trials not FINISHED (their numbers may be missing): {', '.join(unfinished['trial'])}")
+    return "\n".join(lines) + "\n"
+
+
+def _scores_section(table, full_tokens, out_dir, report) -> str:
+    _write_csv(tables.score_table_csv(table), out_dir / "scores.csv", report)
+    note = ("Rel.: each benchmark's score over the unpruned model's, averaged over benchmarks. "
+            "Bold: best per token budget. Units: MME points (perception + cognition), the rest percent.")
+    return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens)}"
+
+
+def _efficiency_section(sweep, table, out_dir, report) -> str:
+    eff = tables.efficiency_table(sweep, table)
+    if eff is None:
+        return ""
+    _write_csv(eff.reset_index(names="run_id"), out_dir / "efficiency.csv", report)
+    return f"## Efficiency\n\n{tables.efficiency_markdown(eff, sweep.baseline_id)}"
+
+
+def _published_section(sweep, table, root, out_dir, report) -> str:
+    published = load_published(sweep.name, root)
+    if published is None:
+        return (f"## Against the published numbers\n\nNo published numbers are shipped for `{sweep.name}` "
+                f"(see `pipelines/paper_results/README.md`).\n")
+    comp = tables.compare_published(sweep, table, published)
+    if comp.empty:
+        return (f"## Against the published numbers\n\n`{sweep.name}.csv` ships the paper's table structure, but "
+                "none of its numbers could be found (see `pipelines/paper_results/README.md`).\n")
+    _write_csv(comp, out_dir / "published_comparison.csv", report)
+    return f"## Against the published numbers\n\n{tables.comparison_markdown(comp, table)}"
+
+
+def _matched_split_section(sweep, table, preds, out_dir, report) -> str:
+    """Table 4, when the sweep has a fixed-ratio grid and an adaptive PromPrune trial at the same budget."""
+    if "saliency_ratio" not in sweep.option_names:
+        return ""
+    frame = table.frame.join(sweep.trials[["saliency_ratio"]])
+    parts = []
+    for budget, rows in frame[frame["method"] != BASELINE_METHOD].groupby("budget"):
+        fixed = rows[(rows["method"] == "fixed_ratio") & rows["saliency_ratio"].notna()]
+        adaptive = rows[rows["method"] == "promprune"]
+        if fixed["saliency_ratio"].nunique() < 2 or adaptive.empty:
+            continue
+        aid = adaptive.index[0]
+        t_sal, how = _mean_t_sal_per_task(sweep, table, preds, aid)
+        matched = tables.matched_split_table(table, aid, fixed, t_sal, budget)
+        if matched.empty:
+            continue
+        _write_csv(matched, out_dir / f"matched_split_b{budget:.0f}.csv", report)
+        parts.append(f"### {budget:.0f} tokens\n\nmean T_sal from {how}.\n\n{tables.matched_split_markdown(matched)}")
+    if not parts:
+        return ""
+    return "## Adaptive vs fixed split at each benchmark's mean T_sal (Table 4)\n\n" + "\n".join(parts)
+
+
+def _calibration_section(sweep, table, preds, entropy_id, report) -> str:
+    """mu calibration: the median spectral entropy, and (with a mu grid) the mu of the best Rel."""
+    if CALIBRATION_MARK not in sweep.name:
+        return ""
+    median = np.nan
+    if entropy_id is not None:
+        median = float(_ok(preds.get(entropy_id))["entropy"].median())
+    elif "entropy/median" in sweep.metrics:
+        median = float(sweep.metrics["entropy/median"].dropna().median())
+    lines = ["## mu calibration", ""]
+    if not np.isnan(median):
+        report.calibration["calibration/median_entropy"] = median
+        lines.append(f"- median spectral entropy over the calibration images: **{median:.4f}**")
+    chosen = choose_mu(table.frame.join(sweep.trials[["mu"]]) if "mu" in sweep.option_names else None, median)
+    if chosen is not None:
+        report.calibration["calibration/chosen_mu"] = chosen
+        lines.append(f"- mu with the best Rel. on the local grid: **{chosen:g}** (the paper: 0.42 for CLIP encoders)")
+    return "\n".join(lines) + "\n"
+
+
+def choose_mu(frame: pd.DataFrame | None, median: float) -> float | None:
+    """The PromPrune trial's mu with the highest Rel.; ties go to the mu closest to `median` (then the smaller)."""
+    if frame is None:
+        return None
+    rows = frame[(frame["method"] == "promprune") & frame["mu"].notna() & frame["rel"].notna()]
+    if rows["mu"].nunique() < 2:
+        return None
+    best = rows[rows["rel"] == rows["rel"].max()]["mu"].astype(float).sort_values().to_numpy()
+    if np.isnan(median):
+        return float(best[0])
+    return float(best[np.abs(best - median).argmin()])  # argmin: the first, i.e. smaller, mu on a tie
+
+
+def _figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report, image_source) -> str:
+    made = []
+    t_sal = sweep.metrics.get("t_sal/mean", pd.Series(np.nan, index=sweep.metrics.index))
+    options = sweep.trials[sweep.option_names]
+    made.append(figures.tradeoff_curves(table, out_dir / "tradeoff.png"))
+    if "saliency_ratio" in options:
+        made.append(figures.saliency_ratio_curves(table, options["saliency_ratio"].astype(float), t_sal,
+                                                  out_dir / "saliency_ratio.png"))
+    made.append(figures.mu_tau_heatmap(table, options, out_dir / "mu_tau_heatmap.png"))
+    made.append(figures.ablation_bars(table, out_dir / "ablation_bars.png"))
+    notes = []
+    if entropy_id is not None:
+        row = table.frame.loc[entropy_id]
+        ok = _ok(preds.get(entropy_id))
+        mu = sweep.trials.loc[entropy_id].get("mu") if "mu" in sweep.option_names else None
+        mu = None if mu is None or (isinstance(mu, float) and np.isnan(mu)) else float(mu)
+        made.append(figures.entropy_histograms(ok, out_dir / "entropy_histograms.png", mu,
+                                               f"{row['label']}, {row['budget']:.0f} tokens"))
+        overlays, note = _overlays(ok, full_tokens, out_dir, image_source, row["label"])
+        made += overlays
+        notes += note
+    made = [p for p in made if p is not None]
+    report.files += made
+    lines = ["## Figures", ""] + [f"![{p.stem}]({p.name})" for p in made] + ([""] + notes if notes else [])
+    return "\n".join(lines) + "\n"
+
+
+def _overlays(ok: pd.DataFrame, full_tokens, out_dir, image_source, label) -> tuple[list, list]:
+    if full_tokens is None or overlay.grid_side(full_tokens) is None:
+        return [], [f"Overlays skipped: the full visual token grid ({full_tokens}) is not one square view."]
+    made, notes = [], []
+    samples = ok[ok["kept"].map(lambda k: k is not None and len(k) > 0)].groupby("task", sort=False).head(1)
+    for _, sample in samples.head(MAX_OVERLAYS).iterrows():
+        image, note = image_source(sample["task"], str(sample["doc_id"]))
+        salient, coverage = overlay.token_roles(sample)
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{sample['task']}_{sample['doc_id']}")
+        path = overlay.draw_overlay(image, int(full_tokens), salient, coverage, out_dir / f"overlay_{safe}.png",
+                                    f"{label}: {sample['task']} doc {sample['doc_id']}{note}")
+        if path is not None:
+            made.append(path)
+        if coverage is None and not notes:
+            notes.append("Overlays: the predictions do not record which kept tokens the saliency stage chose "
+                         "(a `salient` column), so kept tokens are drawn in one colour.")
+    return made, notes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+class _PredictionCache:
+    """predictions.parquet per trial run, downloaded once."""
+
+    def __init__(self):
+        self._frames: dict[str, pd.DataFrame | None] = {}
+
+    def get(self, run_id: str) -> pd.DataFrame | None:
+        if run_id not in self._frames:
+            self._frames[run_id] = load_predictions(run_id)
+        return self._frames[run_id]
+
+
+def _ok(frame: pd.DataFrame | None) -> pd.DataFrame:
+    """Successful samples only (failed ones carry an error and no answer)."""
+    if frame is None:
+        return pd.DataFrame(columns=["task", "doc_id", "entropy", "saliency_count", "visual_tokens", "kept"])
+    if "error" not in frame:
+        return frame
+    return frame[frame["error"].isna() | (frame["error"].astype(str) == "")]
+
+
+def _entropy_trial(table: tables.ScoreTable, preds: _PredictionCache) -> str | None:
+    """The first PromPrune trial (paper order) whose predictions carry per-sample entropies."""
+    candidates = table.frame.index[table.frame["method"] == "promprune"][:MAX_ENTROPY_CANDIDATES]
+    for rid in candidates:
+        frame = _ok(preds.get(rid))
+        if "entropy" in frame and frame["entropy"].notna().any():
+            return rid
+    return None
+
+
+def _full_tokens(sweep: Sweep, preds: _PredictionCache) -> float | None:
+    """Visual tokens of the unpruned model (its `efficiency/visual_tokens`, else its predictions' maximum)."""
+    bid = sweep.baseline_id
+    if bid is None:
+        return None
+    value = sweep.metrics.loc[bid].get("efficiency/visual_tokens", np.nan)
+    if not np.isnan(value):
+        return float(value)
+    frame = _ok(preds.get(bid))
+    if "visual_tokens" in frame and frame["visual_tokens"].notna().any():
+        return float(frame["visual_tokens"].max())
+    return None
+
+
+def _mean_t_sal_per_task(sweep, table, preds, run_id) -> tuple[dict, str]:
+    frame = _ok(preds.get(run_id))
+    if "saliency_count" in frame and frame["saliency_count"].notna().any():
+        return frame.groupby("task")["saliency_count"].mean().to_dict(), "the adaptive trial's per-sample predictions"
+    overall = sweep.metrics.loc[run_id].get("t_sal/mean", np.nan)
+    return {c.task: overall for c in table.columns}, "the adaptive trial's `t_sal/mean` (all benchmarks pooled)"
+
+
+def _write_csv(frame: pd.DataFrame, path: Path, report: Report) -> None:
+    frame.to_csv(path, index=False)
+    report.files.append(path)
+
+
+def task_image(task: str, doc_id: str) -> tuple[np.ndarray, str]:
+    """The task's own image for doc `doc_id` via `promprune.eval` (offline tasks load locally), else a stand-in."""
+    try:
+        from PIL import Image
+
+        from promprune.eval.requests import build_requests
+
+        rows = build_requests([task], limit=int(doc_id) + 1)
+        row = next(r for r in rows if str(r["doc_id"]) == str(doc_id) and r["image"] is not None)
+        return np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB")), ""
+    except Exception as exc:  # noqa: BLE001 - any failure (hub task offline, missing doc) -> the labelled stand-in
+        return overlay.stand_in_image(), f" (stand-in image: task image unavailable, {type(exc).__name__})"

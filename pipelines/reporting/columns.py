@@ -1,0 +1,66 @@
+"""Which logged metric stands for each benchmark in a table, and how it is shown.
+
+The pipeline logs every lmms-eval metric as `<task>/<metric>`. A paper table shows one number per benchmark,
+in the paper's unit: MME as perception + cognition (points, up to 2800), the rest in percent. Rel. divides by
+the unpruned model's number, so the unit cancels there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class TaskColumn:
+    task: str  # lmms-eval task name, as in the spec's `tasks`
+    label: str  # the paper's column header
+    metrics: tuple  # logged metric names (without the task prefix), summed: MME is perception + cognition
+    scale: float = 100.0  # to the paper's unit: lmms-eval reports fractions for most tasks, the paper percent
+    decimals: int = 1
+
+
+# the paper's benchmarks (lmms-eval 0.7 names) and the offline ones; unknown tasks fall back to `guess_column`
+KNOWN_COLUMNS = {c.task: c for c in [
+    TaskColumn("mme", "MME", ("mme_perception_score", "mme_cognition_score"), scale=1.0, decimals=0),
+    TaskColumn("pope", "POPE", ("pope_f1_score",)),
+    TaskColumn("mmbench_en_dev_static", "MMB", ("gpt_eval_score",), scale=1.0),  # aggregation already in %
+    TaskColumn("mmbench_en_dev", "MMB", ("gpt_eval_score",), scale=1.0),
+    TaskColumn("textvqa_val", "TextVQA", ("exact_match",)),
+    TaskColumn("scienceqa_img", "SQA", ("exact_match",)),
+    TaskColumn("gqa", "GQA", ("exact_match",)),
+    TaskColumn("vqav2_val", "VQAv2", ("exact_match",)),
+    TaskColumn("vizwiz_vqa_val", "VizWiz", ("exact_match",)),
+    TaskColumn("mmvet", "MM-Vet", ("gpt_eval_score",), scale=1.0),  # aggregation already in %
+    TaskColumn("easyvqa_yesno", "EasyVQA yes/no", ("f1",)),  # POPE-style: F1, as promprune.eval's Rel.
+    TaskColumn("easyvqa_open", "EasyVQA open", ("exact_match",)),
+]}
+
+# for a task we do not know: the first of these that was logged (accuracy-like first), in percent
+FALLBACK_METRICS = ("accuracy", "exact_match", "f1", "anls", "relaxed_overall", "gpt_eval_score")
+
+
+def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
+    """The column of `task`; `logged_metrics` are the metric names seen for it (without the `task/` prefix)."""
+    known = KNOWN_COLUMNS.get(task)
+    if known is not None:
+        return known
+    for name in FALLBACK_METRICS:
+        if name in logged_metrics:
+            return TaskColumn(task, task, (name,))
+    if not logged_metrics:
+        raise ValueError(f"task {task!r}: no metric `{task}/...` was logged by any trial of this sweep")
+    return TaskColumn(task, task, (sorted(logged_metrics)[0],))
+
+
+def task_score(metrics: pd.DataFrame, column: TaskColumn) -> pd.Series:
+    """Per-trial raw score of one benchmark: the sum of its metrics; NaN where any is missing.
+
+    metrics: one row per trial, columns `<task>/<metric>`.
+    """
+    cols = [f"{column.task}/{m}" for m in column.metrics]
+    present = [c for c in cols if c in metrics.columns]
+    if len(present) < len(cols):
+        return pd.Series(np.nan, index=metrics.index)
+    return metrics[present].sum(axis=1, skipna=False)

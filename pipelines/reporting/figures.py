@@ -1,0 +1,207 @@
+"""Matplotlib figures (PNG) from the score table and the per-sample predictions.
+
+Each function takes plain frames, writes one PNG and returns its path, or returns None when the sweep does not
+have what the figure needs (e.g. a single budget for a trade-off curve).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; report machines have no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from .store import BASELINE_METHOD  # noqa: E402
+from .tables import METHOD_LABELS, ScoreTable  # noqa: E402
+
+DPI = 120  # readable in the MLflow UI's artifact viewer without multi-MB files
+MAX_BARS = 12  # more variants than this in one panel are unreadable as bars
+MAX_PANELS = 4  # budgets drawn side by side before a figure gets too wide
+
+
+def _pruned(table: ScoreTable) -> pd.DataFrame:
+    return table.frame[table.frame["method"] != BASELINE_METHOD]
+
+
+def _baseline_row(table: ScoreTable) -> pd.Series | None:
+    rows = table.frame[table.frame["method"] == BASELINE_METHOD]
+    return rows.iloc[0] if len(rows) else None
+
+
+def _relative(table: ScoreTable, rows: pd.DataFrame, task: str) -> tuple[pd.Series, str]:
+    """A task's scores as % of the unpruned model's when it ran, else in the paper's unit."""
+    base = _baseline_row(table)
+    if base is not None and base[task] and not np.isnan(base[task]):
+        return rows[task] / base[task] * 100.0, "% of unpruned"
+    return table.display(task, 1.0) * rows[task], "score"
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def tradeoff_curves(table: ScoreTable, path: Path) -> Path | None:
+    """Rel. (or mean score) against the token budget, one line per method/variant (Tables 1-3 at a glance)."""
+    pruned = _pruned(table).dropna(subset=["budget"])
+    if pruned["budget"].nunique() < 2:
+        return None
+    use_rel = pruned["rel"].notna().any()
+    tasks = [c.task for c in table.columns]
+    y_all = pruned["rel"] if use_rel else pruned[tasks].mean(axis=1)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    groups = pruned.assign(_y=y_all).groupby(["method", "variant"], sort=False)
+    for (method, variant), rows in groups:
+        rows = rows.sort_values("budget")
+        name = METHOD_LABELS.get(method, method) + (f" ({variant})" if variant else "")
+        style = dict(lw=2.4, zorder=3) if method == "promprune" else dict(lw=1.4)
+        ax.plot(rows["budget"], rows["_y"], marker="o", label=name, **style)
+    if use_rel:
+        ax.axhline(100.0, color="grey", ls=":", lw=1, label="unpruned")
+    budgets = sorted(pruned["budget"].unique())
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [f"{b:.0f}" for b in budgets])
+    ax.set_xlabel("visual tokens kept")
+    ax.set_ylabel("Rel. (%)" if use_rel else "mean score")
+    ax.set_title("Accuracy against token budget")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def saliency_ratio_curves(table: ScoreTable, ratios: pd.Series, t_sal_mean: pd.Series, path: Path) -> Path | None:
+    """Fig. 1a / A1: each benchmark's score against the fixed saliency ratio, one panel per budget.
+
+    ratios: saliency_ratio per trial (NaN for trials without one); t_sal_mean: the `t_sal/mean` metric per trial.
+    The adaptive PromPrune trial at the same budget is a dashed line per benchmark, and a star at its mean
+    T_sal / T on the x axis.
+    """
+    frame = _pruned(table).assign(_ratio=ratios.reindex(table.frame.index))
+    fixed = frame[(frame["method"] == "fixed_ratio") & frame["_ratio"].notna()]
+    if fixed["_ratio"].nunique() < 2:
+        return None
+    budgets = sorted(fixed["budget"].dropna().unique(), reverse=True)[:MAX_PANELS]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.2 * len(budgets), 4.0), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, budget in zip(axes[0], budgets):
+        rows = fixed[fixed["budget"] == budget].sort_values("_ratio")
+        adaptive = frame[(frame["method"] == "promprune") & (frame["budget"] == budget)]
+        for i, col in enumerate(table.columns):
+            color = colors[i % len(colors)]
+            y, unit = _relative(table, rows, col.task)
+            ax.plot(rows["_ratio"], y, marker="o", color=color, label=col.label)
+            if len(adaptive):
+                ya, _ = _relative(table, adaptive.iloc[:1], col.task)
+                ax.axhline(float(ya.iloc[0]), color=color, ls="--", lw=1)
+                x_star = t_sal_mean.get(adaptive.index[0], np.nan) / budget
+                if not np.isnan(x_star):
+                    ax.plot([x_star], [float(ya.iloc[0])], marker="*", ms=12, color=color)
+        ax.set_xlabel("saliency ratio T_sal / T (fixed split)")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{budget:.0f} tokens (dashed, star: adaptive PromPrune)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    return _save(fig, path)
+
+
+def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path | None:
+    """Fig. 6: Rel. (or mean score) of PromPrune over the mu x tau grid, VisPruner at the same budget as reference.
+
+    options: `mu` and `tau` per trial (index: run id). Cells that beat the reference are outlined.
+    """
+    if not {"mu", "tau"} <= set(options.columns):
+        return None
+    frame = _pruned(table).join(options[["mu", "tau"]])
+    grid = frame[(frame["method"] == "promprune") & frame["mu"].notna() & frame["tau"].notna()]
+    if grid["mu"].nunique() < 2 or grid["tau"].nunique() < 2:
+        return None
+    use_rel = grid["rel"].notna().any()
+    tasks = [c.task for c in table.columns]
+    frame = frame.assign(_y=frame["rel"] if use_rel else frame[tasks].mean(axis=1))
+    budgets = sorted(grid["budget"].dropna().unique(), reverse=True)[:MAX_PANELS]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.6 * len(budgets), 4.4), squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        cells = frame.loc[grid.index][grid["budget"] == budget]
+        pivot = cells.pivot_table(index="mu", columns="tau", values="_y", aggfunc="mean")
+        ref = frame[(frame["method"] == "vispruner") & (frame["budget"] == budget)]["_y"]
+        ref_value = float(ref.iloc[0]) if len(ref) else np.nan
+        image = ax.imshow(pivot.to_numpy(), cmap="viridis", aspect="auto", origin="lower")
+        fig.colorbar(image, ax=ax, label="Rel. (%)" if use_rel else "mean score")
+        ax.set_xticks(range(pivot.shape[1]), [f"{t:g}" for t in pivot.columns])
+        ax.set_yticks(range(pivot.shape[0]), [f"{m:g}" for m in pivot.index])
+        for (i, j), value in np.ndenumerate(pivot.to_numpy()):
+            if np.isnan(value):
+                continue
+            ax.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=7, color="white")
+            if not np.isnan(ref_value) and value > ref_value:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
+        ax.set_xlabel("tau")
+        ax.set_ylabel("mu")
+        ref_text = f"VisPruner {ref_value:.1f} (red: better)" if not np.isnan(ref_value) else "no VisPruner trial"
+        ax.set_title(f"{budget:.0f} tokens; {ref_text}", fontsize=9)
+    return _save(fig, path)
+
+
+def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
+    """Grouped bars per benchmark (and Rel.), one bar per trial, one panel per budget (Fig. 5, Tables 4-6)."""
+    pruned = _pruned(table)
+    budgets = [b for b, rows in pruned.groupby("budget") if 2 <= len(rows) <= MAX_BARS]
+    budgets = sorted(budgets, reverse=True)[:MAX_PANELS]
+    if not budgets:
+        return None
+    fig, axes = plt.subplots(1, len(budgets), figsize=(max(6.0, 1.2 * (len(table.columns) + 1)) * len(budgets), 4.2),
+                             squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        rows = pruned[pruned["budget"] == budget]
+        groups = [c.label for c in table.columns] + (["Rel."] if rows["rel"].notna().any() else [])
+        width = 0.8 / len(rows)
+        unit = "score"
+        for k, (rid, row) in enumerate(rows.iterrows()):
+            values = []
+            for col in table.columns:
+                v, unit = _relative(table, rows.loc[[rid]], col.task)
+                values.append(float(v.iloc[0]))
+            if len(groups) > len(table.columns):
+                values.append(row["rel"])
+            x = np.arange(len(groups)) + (k - (len(rows) - 1) / 2) * width
+            ax.bar(x, values, width=width, label=row["label"])
+        ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(unit)
+        ax.set_title(f"{budget:.0f} tokens")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def entropy_histograms(preds: pd.DataFrame, path: Path, mu: float | None, title: str) -> Path | None:
+    """Fig. C1: per benchmark, the spectral entropy histogram (mu and the median marked) and the saliency ratio.
+
+    preds: one row per sample with `task`, `entropy`, `saliency_count`, `visual_tokens` (failed samples removed).
+    """
+    preds = preds.dropna(subset=["entropy"])
+    if preds.empty:
+        return None
+    tasks = list(dict.fromkeys(preds["task"]))
+    fig, axes = plt.subplots(2, len(tasks), figsize=(3.6 * len(tasks), 5.6), squeeze=False)
+    for j, task in enumerate(tasks):
+        rows = preds[preds["task"] == task]
+        top, bottom = axes[0][j], axes[1][j]
+        top.hist(rows["entropy"], bins=20, color="tab:blue", alpha=0.8)
+        top.axvline(rows["entropy"].median(), color="black", ls=":", label=f"median {rows['entropy'].median():.3f}")
+        if mu is not None:
+            top.axvline(mu, color="tab:red", ls="--", label=f"mu {mu:g}")
+        top.set_title(task, fontsize=9)
+        top.set_xlabel("spectral entropy")
+        top.legend(fontsize=7)
+        ratio = rows["saliency_count"] / rows["visual_tokens"].where(rows["visual_tokens"] > 0)
+        bottom.hist(ratio.dropna(), bins=20, range=(0, 1), color="tab:red", alpha=0.8)
+        bottom.set_xlabel("saliency ratio T_sal / T")
+    axes[0][0].set_ylabel("images")
+    axes[1][0].set_ylabel("images")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)

@@ -1,0 +1,173 @@
+"""Find a sweep in the MLflow store and load its trials (params, metrics) and per-sample predictions.
+
+The schema is the one `pipelines/sweep.py` writes: a parent run per sweep (tags `promprune.role=sweep`,
+`promprune.sweep=<name>`), a child run per trial (tags `mlflow.parentRunId`, `promprune.role=trial`,
+`promprune.trial=<id>`), params `model`, `method` ("none" for the unpruned baseline), `budget`, `tasks` and every
+method option, metrics `<task>/<metric>`, `rel`, `efficiency/...`, `entropy/...`, `t_sal/...`, and the artifact
+`predictions.parquet`.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import mlflow
+import numpy as np
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # what the pipeline writes and `mlflow ui` opens by default
+BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
+PREDICTIONS_ARTIFACT = "predictions.parquet"
+
+# params that describe a method's behaviour (shown in labels when they vary); model, tasks, ids are not options
+STATIC_OPTION_NAMES = {
+    "mu", "tau", "metric", "diversity", "rounding", "saliency_ratio_range", "order", "conditional",
+    "saliency_ratio", "important_ratio", "seed", "K", "layer", "budget_mode", "max_pixels", "min_pixels",
+}
+
+
+@dataclass
+class Sweep:
+    """One sweep: its parent run and its trials, one row per trial (index = trial run id)."""
+
+    run_id: str
+    name: str
+    tags: dict
+    trials: pd.DataFrame  # columns: trial, method, budget (float, NaN for the baseline), status, + option columns
+    metrics: pd.DataFrame  # same index; columns are metric keys (`pope/pope_f1_score`, `rel`, ...)
+    option_names: list = field(default_factory=list)  # option columns present in `trials`
+
+    @property
+    def baseline_id(self) -> str | None:
+        ids = self.trials.index[self.trials["method"] == BASELINE_METHOD]
+        return ids[0] if len(ids) else None
+
+    def tasks(self) -> list[str]:
+        """Benchmarks in logged order: the `tasks` param if logged, else every `<task>/` metric prefix."""
+        if "tasks" in self.trials.columns:
+            for value in self.trials["tasks"].dropna():
+                names = parse_task_list(value)
+                if names:
+                    return names
+        prefixes = [c.split("/", 1)[0] for c in self.metrics.columns if "/" in c]
+        skip = {"efficiency", "entropy", "t_sal", "samples", "calibration"}
+        return list(dict.fromkeys(p for p in prefixes if p not in skip))
+
+
+def tracking_uri(uri: str | None = None) -> str:
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def parse_task_list(value) -> list[str]:
+    """`tasks` param as logged: "['mme', 'pope']", "mme,pope" or a list."""
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    text = str(value).strip().strip("[]")
+    return [t.strip().strip("'\"") for t in text.split(",") if t.strip().strip("'\"")]
+
+
+def find_sweep_run(ref: str | None = None) -> pd.Series:
+    """The parent run of sweep `ref` (a run id, or a sweep name: its latest run), or the latest sweep."""
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`promprune.role` = 'sweep'",
+                              order_by=["attributes.start_time DESC"], output_format="pandas")
+    if runs.empty:
+        raise LookupError(f"no sweep runs (tag promprune.role=sweep) in the MLflow store {mlflow.get_tracking_uri()}; "
+                          "run `python pipelines/sweep.py` first")
+    if ref is None:
+        return runs.iloc[0]
+    by_id = runs[runs["run_id"] == ref]
+    if len(by_id):
+        return by_id.iloc[0]
+    names = runs.get("tags.promprune.sweep", pd.Series(dtype=str)).fillna(runs.get("tags.mlflow.runName"))
+    by_name = runs[names == ref]
+    if len(by_name):
+        return by_name.iloc[0]
+    known = ", ".join(sorted(set(names.dropna())))
+    raise LookupError(f"--sweep {ref!r}: no sweep run with that name or run id; sweeps in the store: {known}")
+
+
+def load_sweep(ref: str | None = None) -> Sweep:
+    """The sweep `ref` (see `find_sweep_run`) with its trials; a retried trial counts once (its latest finished run)."""
+    parent = find_sweep_run(ref)
+    runs = mlflow.search_runs(experiment_ids=[parent["experiment_id"]],
+                              filter_string=f"tags.`mlflow.parentRunId` = '{parent['run_id']}'",
+                              order_by=["attributes.start_time DESC"], output_format="pandas")
+    if "tags.promprune.role" in runs.columns:
+        runs = runs[runs["tags.promprune.role"].fillna("trial") == "trial"]
+    runs = _latest_per_trial(runs)
+    tags = {k[len("tags."):]: v for k, v in parent.items() if k.startswith("tags.") and isinstance(v, str)}
+    name = tags.get("promprune.sweep") or tags.get("mlflow.runName") or parent["run_id"]
+    trials, metrics, options = _split_columns(runs)
+    return Sweep(parent["run_id"], name, tags, trials, metrics, options)
+
+
+def _latest_per_trial(runs: pd.DataFrame) -> pd.DataFrame:
+    """One run per `promprune.trial` tag: the newest FINISHED one, else the newest (runs come newest first)."""
+    if runs.empty or "tags.promprune.trial" not in runs.columns:
+        return runs
+    runs = runs.assign(_finished=(runs["status"] == "FINISHED").astype(int))
+    runs = runs.sort_values(["_finished", "start_time"], ascending=[False, False], kind="stable")
+    trial_key = runs["tags.promprune.trial"].fillna(runs["run_id"])
+    return runs[~trial_key.duplicated()].drop(columns="_finished")
+
+
+def _split_columns(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list]:
+    """search_runs' flat frame -> (trials: ids, method, budget, options; metrics: `metrics.` prefix removed)."""
+    runs = runs.set_index("run_id")
+    params = {c[len("params."):]: runs[c] for c in runs.columns if c.startswith("params.")}
+    metrics = pd.DataFrame({c[len("metrics."):]: runs[c].astype(float)
+                            for c in runs.columns if c.startswith("metrics.")}, index=runs.index)
+    if "method" not in params:
+        raise ValueError("trial runs have no `method` param: is this store written by pipelines/sweep.py?")
+    trials = pd.DataFrame(index=runs.index)
+    trials["trial"] = runs.get("tags.promprune.trial", pd.Series(runs.index, index=runs.index))
+    trials["status"] = runs["status"]
+    trials["method"] = params["method"].fillna(BASELINE_METHOD)
+    trials["budget"] = pd.to_numeric(params.get("budget", pd.Series(np.nan, index=runs.index)), errors="coerce")
+    for key in ("model", "tasks"):
+        if key in params:
+            trials[key] = params[key]
+    options = sorted(k for k in params if k in _option_names())
+    for key in options:
+        trials[key] = params[key].map(parse_param)
+    return trials, metrics, options
+
+
+def _option_names() -> set:
+    """Static option names plus every option the selection library registers (when it is importable)."""
+    names = set(STATIC_OPTION_NAMES)
+    try:
+        import promprune
+        for method in promprune.methods():
+            names |= set(promprune.method_spec(method).options)
+    except (ImportError, AttributeError):
+        pass  # the report still works on the static names (e.g. a report machine without torch)
+    return names
+
+
+def parse_param(value):
+    """MLflow params are strings: numbers back to float, "None"/"" to None, True/False to bool, else the string."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    text = str(value).strip()
+    if text in ("", "None", "null"):
+        return None
+    if text in ("True", "true", "False", "false"):
+        return text in ("True", "true")
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def load_predictions(run_id: str) -> pd.DataFrame | None:
+    """The trial's `predictions.parquet` artifact, or None when it has none."""
+    client = MlflowClient()
+    names = {a.path for a in client.list_artifacts(run_id)}
+    if PREDICTIONS_ARTIFACT not in names:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=PREDICTIONS_ARTIFACT, dst_path=tmp)
+        return pd.read_parquet(path)

@@ -1,0 +1,331 @@
+"""Paper-style tables from a loaded sweep: scores with Rel. (best per budget in bold), efficiency, Table 4's
+matched split, the calibration summary, and our numbers against the published ones with deltas.
+
+Every table is a pandas DataFrame (written as CSV) plus a markdown rendering.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .columns import TaskColumn, column_for, task_score
+from .store import BASELINE_METHOD, Sweep
+
+METHOD_LABELS = {
+    "none": "Upper bound", "promprune": "PromPrune", "fastv": "FastV", "sparsevlm": "SparseVLM",
+    "visionzip": "VisionZip", "vispruner": "VisPruner", "divprune": "DivPrune", "fixed_ratio": "Fixed split",
+    "saliency_only": "Saliency only", "coverage_only": "Coverage only", "random": "Random",
+}
+# the paper's row order: the unpruned model, the baselines, ours last
+METHOD_ORDER = ["none", "random", "fastv", "sparsevlm", "visionzip", "vispruner", "divprune",
+                "saliency_only", "coverage_only", "fixed_ratio", "promprune"]
+REL_FRACTION_MAX = 1.5  # a logged `rel` at or below this is a fraction (x100 for display); above, already percent
+
+EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
+    ("efficiency/visual_tokens", "Visual tokens", 0),
+    ("efficiency/prefill_tflops", "Prefill TFLOPs", 2),
+    ("efficiency/kv_cache_mb", "KV cache (MB)", 1),
+    ("efficiency/prefill_ms", "Prefill (ms)", 1),
+    ("efficiency/peak_mem_mb", "Peak memory (MB)", 0),
+]
+
+
+@dataclass
+class ScoreTable:
+    """One row per trial in paper order; raw task scores (lmms-eval units), `rel` in percent."""
+
+    frame: pd.DataFrame  # index: trial run id; columns: method, budget, variant, label, <task>..., rel
+    columns: list  # TaskColumn per task column, in order
+
+    def display(self, task: str, raw: float) -> float:
+        """A raw score in the paper's unit."""
+        col = next(c for c in self.columns if c.task == task)
+        return raw * col.scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# labels and order
+
+
+def varying_options(sweep: Sweep) -> dict[str, list[str]]:
+    """Per method, the options that take more than one value among its trials (they name its rows)."""
+    out = {}
+    for method, rows in sweep.trials.groupby("method"):
+        out[method] = [o for o in sweep.option_names if rows[o].dropna().map(str).nunique() > 1]
+    return out
+
+
+def fmt_value(v) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def variant_of(row: pd.Series, options: list[str]) -> str:
+    """`diversity=fps, mu=0.4` from the row's varying options (missing ones skipped)."""
+    parts = [f"{o}={fmt_value(row[o])}" for o in options if row.get(o) is not None and not _isnan(row.get(o))]
+    return ", ".join(parts)
+
+
+def _isnan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def ordered_trials(sweep: Sweep) -> pd.DataFrame:
+    """Trials with `variant` and `label`, baseline first, then budgets descending, then the paper's method order."""
+    vary = varying_options(sweep)
+    trials = sweep.trials.copy()
+    trials["variant"] = [variant_of(row, vary.get(row["method"], [])) for _, row in trials.iterrows()]
+    names = trials["method"].map(lambda m: METHOD_LABELS.get(m, m))
+    trials["label"] = [f"{n} ({v})" if v else n for n, v in zip(names, trials["variant"])]
+    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
+    trials["_is_base"] = (trials["method"] != BASELINE_METHOD).astype(int)
+    trials["_budget"] = -trials["budget"].fillna(np.inf)
+    trials["_rank"] = trials["method"].map(lambda m: rank.get(m, len(rank)))
+    trials["_opts"] = [tuple(_sort_key(row[o]) for o in vary.get(row["method"], [])) for _, row in trials.iterrows()]
+    trials = trials.sort_values(["_is_base", "_budget", "_rank", "_opts", "label"], kind="stable")
+    return trials.drop(columns=["_is_base", "_budget", "_rank", "_opts"])
+
+
+def _sort_key(v):
+    if v is None or _isnan(v):
+        return (0, 0.0, "")
+    return (1, v, "") if isinstance(v, (int, float)) else (2, 0.0, str(v))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scores and Rel.
+
+
+def build_score_table(sweep: Sweep) -> ScoreTable:
+    trials = ordered_trials(sweep)
+    metrics = sweep.metrics.loc[trials.index]
+    columns = []
+    for task in sweep.tasks():
+        logged = [c.split("/", 1)[1] for c in metrics.columns if c.startswith(f"{task}/")]
+        columns.append(column_for(task, logged))
+    frame = trials[["method", "budget", "variant", "label"]].copy()
+    for col in columns:
+        frame[col.task] = task_score(metrics, col)
+    frame["rel"] = relative_scores(frame[[c.task for c in columns]], sweep.baseline_id, metrics.get("rel"))
+    return ScoreTable(frame, columns)
+
+
+def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: pd.Series | None) -> pd.Series:
+    """Rel. in percent: each benchmark's score over the unpruned model's, averaged over benchmarks (the paper's).
+
+    scores: [trials x tasks] raw scores. Without a baseline trial in the sweep, the pipeline's logged `rel`.
+    Benchmarks the baseline or the trial lacks are left out of that trial's average.
+    """
+    if baseline_id is not None and not scores.empty:
+        base = scores.loc[baseline_id].where(scores.loc[baseline_id] != 0)  # a 0 baseline score: no ratio
+        return scores.div(base, axis=1).mean(axis=1, skipna=True) * 100.0
+    if logged_rel is None:
+        return pd.Series(np.nan, index=scores.index)
+    return logged_rel.where(logged_rel > REL_FRACTION_MAX, logged_rel * 100.0)
+
+
+def best_per_budget(table: ScoreTable, decimals: dict[str, int]) -> set[tuple[str, str]]:
+    """(run id, column) cells that are the best (highest, at display precision) among their budget's trials.
+
+    The baseline is not a competitor; a budget with a single trial has no best; ties are all best.
+    """
+    frame = table.frame[table.frame["method"] != BASELINE_METHOD]
+    best = set()
+    for _, group in frame.groupby("budget", dropna=False):
+        if len(group) < 2:
+            continue
+        for col, dec in decimals.items():
+            shown = _display_series(table, group, col).round(dec)
+            if shown.notna().sum() < 2:
+                continue
+            best |= {(rid, col) for rid in shown.index[shown == shown.max()]}
+    return best
+
+
+def _display_series(table: ScoreTable, rows: pd.DataFrame, col: str) -> pd.Series:
+    return rows[col] if col == "rel" else rows[col] * table.display(col, 1.0)
+
+
+def score_table_csv(table: ScoreTable) -> pd.DataFrame:
+    """The score table in the paper's units (MME points, percent), unrounded, with the run ids."""
+    out = table.frame[["method", "budget", "variant", "label"]].copy()
+    for col in table.columns:
+        out[col.label] = table.frame[col.task] * col.scale
+    out["Rel. (%)"] = table.frame["rel"]
+    out.index.name = "run_id"
+    return out.reset_index()
+
+
+def score_table_markdown(table: ScoreTable, full_tokens: float | None = None) -> str:
+    decimals = {c.task: c.decimals for c in table.columns} | {"rel": 1}
+    best = best_per_budget(table, decimals)
+    header = ["Method", "Tokens"] + [c.label for c in table.columns] + ["Rel."]
+    rows = []
+    for rid, row in table.frame.iterrows():
+        tokens = _tokens_cell(row, full_tokens)
+        cells = [row["label"], tokens]
+        for col in table.columns:
+            cells.append(_cell(row[col.task] * col.scale, col.decimals, (rid, col.task) in best))
+        cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%"))
+        rows.append(cells)
+    return markdown_table(header, rows)
+
+
+def _tokens_cell(row: pd.Series, full_tokens: float | None) -> str:
+    if row["method"] == BASELINE_METHOD:
+        return f"all ({full_tokens:.0f})" if full_tokens and not _isnan(full_tokens) else "all"
+    return "" if _isnan(row["budget"]) else f"{row['budget']:.0f}"
+
+
+def _cell(value, decimals: int, bold: bool = False, suffix: str = "") -> str:
+    if value is None or _isnan(float(value)):
+        return "–"
+    text = f"{value:.{decimals}f}{suffix}"
+    return f"**{text}**" if bold else text
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# efficiency (Table 6)
+
+
+def efficiency_table(sweep: Sweep, table: ScoreTable) -> pd.DataFrame | None:
+    """Efficiency metrics per trial (paper order), with Rel.; None when no trial logged any."""
+    keys = [k for k, _, _ in EFFICIENCY_COLUMNS if k in sweep.metrics.columns]
+    if not keys:
+        return None
+    out = table.frame[["method", "budget", "variant", "label"]].copy()
+    for key in keys:
+        out[key] = sweep.metrics.loc[out.index, key]
+    out["rel"] = table.frame["rel"]
+    return out
+
+
+def efficiency_markdown(eff: pd.DataFrame, baseline_id: str | None) -> str:
+    """Efficiency table; TFLOPs and KV cache also as the reduction from the unpruned model when it ran."""
+    cols = [(k, h, d) for k, h, d in EFFICIENCY_COLUMNS if k in eff.columns]
+    header = ["Method", "Tokens"] + [h for _, h, _ in cols] + ["Rel."]
+    rows = []
+    for rid, row in eff.iterrows():
+        cells = [row["label"], _tokens_cell(row, None)]
+        for key, _, dec in cols:
+            text = _cell(row[key], dec)
+            if baseline_id is not None and rid != baseline_id and key in ("efficiency/prefill_tflops",
+                                                                          "efficiency/kv_cache_mb"):
+                base = eff.loc[baseline_id, key]
+                if base and not _isnan(base) and not _isnan(row[key]):
+                    text += f" (−{(1 - row[key] / base) * 100:.1f}%)"
+            cells.append(text)
+        cells.append(_cell(row["rel"], 1, suffix="%"))
+        rows.append(cells)
+    return markdown_table(header, rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ours against the published numbers
+
+
+def compare_published(sweep: Sweep, table: ScoreTable, published: pd.DataFrame) -> pd.DataFrame:
+    """Long table: one row per published cell that has a number: ours, paper, delta (ours - paper), source.
+
+    Matching is on (method, budget, variant); the baseline matches on method "none" alone. Our value is in the
+    paper's unit: a task column's score x its scale, `rel` in percent, any other column the logged metric.
+    A published row whose trial did not run keeps ours and delta empty.
+    """
+    from .published import value_columns
+
+    records = []
+    for _, prow in published.iterrows():
+        rid = _match_trial(table.frame, prow)
+        for col in value_columns(published):
+            paper = prow[col]
+            if _isnan(float(paper)):
+                continue
+            ours = np.nan if rid is None else _our_value(sweep, table, rid, col)
+            records.append({"method": prow["method"], "budget": prow["budget"], "variant": prow["variant"],
+                            "column": col, "ours": ours, "paper": float(paper), "delta": ours - float(paper),
+                            "source": prow["source"]})
+    return pd.DataFrame(records, columns=["method", "budget", "variant", "column", "ours", "paper", "delta",
+                                          "source"])
+
+
+def _match_trial(frame: pd.DataFrame, prow: pd.Series) -> str | None:
+    if prow["method"] == BASELINE_METHOD:
+        hits = frame.index[frame["method"] == BASELINE_METHOD]
+    else:
+        hits = frame.index[(frame["method"] == prow["method"]) & (frame["budget"] == prow["budget"])
+                           & (frame["variant"] == prow["variant"])]
+    return hits[0] if len(hits) else None
+
+
+def _our_value(sweep: Sweep, table: ScoreTable, rid: str, col: str) -> float:
+    if col == "rel":
+        return float(table.frame.loc[rid, "rel"])
+    if col in table.frame.columns and col not in ("method", "budget", "variant", "label"):
+        return float(table.display(col, table.frame.loc[rid, col]))
+    if col in sweep.metrics.columns:
+        return float(sweep.metrics.loc[rid, col])
+    return np.nan
+
+
+def comparison_markdown(comp: pd.DataFrame, table: ScoreTable) -> str:
+    labels = {c.task: c.label for c in table.columns} | {"rel": "Rel. (%)"}
+    labels |= {k: h for k, h, _ in EFFICIENCY_COLUMNS}
+    rows = []
+    for _, r in comp.iterrows():
+        budget = "all" if r["method"] == BASELINE_METHOD else f"{r['budget']:.0f}"
+        name = METHOD_LABELS.get(r["method"], r["method"]) + (f" ({r['variant']})" if r["variant"] else "")
+        delta = "–" if _isnan(r["delta"]) else f"{r['delta']:+.2f}"
+        rows.append([name, budget, labels.get(r["column"], r["column"]), _cell(r["ours"], 2),
+                     f"{r['paper']:.2f}", delta, r["source"]])
+    return markdown_table(["Method", "Tokens", "Metric", "Ours", "Paper", "Δ (ours − paper)", "Source"], rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Table 4: the adaptive split against a fixed split at each benchmark's mean T_sal
+
+
+def matched_split_table(table: ScoreTable, adaptive_id: str, fixed: pd.DataFrame,
+                        mean_t_sal: dict[str, float], budget: float) -> pd.DataFrame:
+    """Per benchmark: adaptive score vs the fixed split's score at ratio mean(T_sal) / budget.
+
+    fixed: rows of `table.frame` for the fixed-ratio trials at `budget`, with a `saliency_ratio` column.
+    The fixed score at the matched ratio is linearly interpolated between the two neighbouring grid ratios
+    (clamped at the grid's ends); the nearest grid ratio and its score are given beside it.
+    """
+    fixed = fixed.sort_values("saliency_ratio")
+    ratios = fixed["saliency_ratio"].to_numpy(dtype=float)
+    records = []
+    for col in table.columns:
+        t_sal = mean_t_sal.get(col.task, np.nan)
+        adaptive = table.frame.loc[adaptive_id, col.task] * col.scale
+        scores = fixed[col.task].to_numpy(dtype=float) * col.scale
+        ok = ~np.isnan(scores)
+        if _isnan(t_sal) or not ok.any():
+            continue
+        ratio = t_sal / budget
+        interp = float(np.interp(ratio, ratios[ok], scores[ok]))
+        nearest = int(np.argmin(np.abs(ratios[ok] - ratio)))
+        records.append({"task": col.task, "benchmark": col.label, "mean_t_sal": t_sal, "ratio": ratio,
+                        "adaptive": adaptive, "fixed_interp": interp, "nearest_ratio": ratios[ok][nearest],
+                        "fixed_nearest": scores[ok][nearest], "delta": adaptive - interp})
+    return pd.DataFrame(records)
+
+
+def matched_split_markdown(frame: pd.DataFrame) -> str:
+    rows = [[r["benchmark"], f"{r['mean_t_sal']:.1f}", f"{r['ratio']:.3f}", f"{r['adaptive']:.2f}",
+             f"{r['fixed_interp']:.2f}", f"{r['fixed_nearest']:.2f} @ {r['nearest_ratio']:g}", f"{r['delta']:+.2f}"]
+            for _, r in frame.iterrows()]
+    return markdown_table(["Benchmark", "mean T_sal", "ratio", "Adaptive", "Fixed (matched)",
+                           "Fixed (nearest grid)", "Δ adaptive − fixed"], rows)
