@@ -151,3 +151,17 @@ def test_cuda_matches_cpu(method):
     cpu = promprune.select(x, s, budget=12, method=method)
     gpu = promprune.select(x.cuda(), s.cuda(), budget=12, method=method)
     assert torch.equal(gpu.indices.cpu(), cpu.indices)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_and_duplicate_tokens_are_handled(method):
+    # padding-like all-zero tokens and exact duplicates: no NaN, still T unique tokens
+    x, s = inputs(B=2, N=20)
+    x[:, :5] = 0.0
+    x[:, 5:10] = x[:, 10:11]
+    sel = promprune.select(x, s, budget=15, method=method)
+    assert all(len(set(r)) == 15 for r in sel.indices.tolist())
+    if sel.features is not None:
+        assert torch.isfinite(sel.features).all()
+    if sel.entropy is not None:
+        assert torch.isfinite(sel.entropy).all()
