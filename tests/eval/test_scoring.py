@@ -1,0 +1,146 @@
+"""Scoring: lmms-eval's own POPE / MME / easy-vqa scoring, fed from shards, against hand-worked values."""
+
+import io
+import random
+from pathlib import Path
+
+import datasets
+import lmms_eval
+import pytest
+from PIL import Image
+
+from promprune.eval import build_requests, relative_score, score
+from promprune.eval.tasks import load_task
+
+LMMS_TASKS = Path(lmms_eval.__file__).parent / "tasks"
+
+
+def _png() -> dict:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buffer, format="PNG")
+    return {"bytes": buffer.getvalue(), "path": None}
+
+
+def _local_copy(root: Path, name: str, base_yaml: Path, docs: dict) -> None:
+    """lmms-eval's own task YAML, unchanged but for its data: hand-made docs in a local parquet."""
+    docs = {**docs, "image": [_png() for _ in next(iter(docs.values()))]}
+    features = datasets.Features({k: datasets.Value("string") for k in docs if k != "image"} | {"image": datasets.Image()})
+    datasets.Dataset.from_dict(docs, features=features).to_parquet(str(root / f"{name}.parquet"))
+    (root / f"{name}.yaml").write_text(
+        f"include: {base_yaml}\ntask: {name}\ndataset_path: parquet\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {root / f'{name}.parquet'}\n"
+    )
+
+
+# POPE: ground truth and predictions; the last one is a failed sample on a "no" question: its text would be right,
+# but a failed sample is scored as the empty answer, i.e. wrong
+POPE_GT = ["yes", "yes", "yes", "no", "no", "no"]
+POPE_PRED = ["yes", "Yes", "no", "yes", "no", "no"]
+# MME: (question_id, category, answer, prediction); each image has a yes and a no question
+MME = [
+    ("existence/1.jpg", "existence", "Yes", "Yes"),  # pair 1: both right -> acc 100 + acc+ 100 = 200
+    ("existence/1.jpg", "existence", "No", "No"),
+    ("existence/2.jpg", "existence", "Yes", "Yes"),  # pair 2: one right -> acc 50 + acc+ 0 = 50
+    ("existence/2.jpg", "existence", "No", "yes"),
+    ("code/1.png", "code_reasoning", "Yes", "no"),  # cognition pair: one right -> 50
+    ("code/1.png", "code_reasoning", "No", "No"),
+]
+
+
+@pytest.fixture(scope="module")
+def handmade_tasks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lmms_tasks")
+    n = len(POPE_GT)
+    _local_copy(root, "pope_handmade", LMMS_TASKS / "pope" / "pope.yaml", {
+        "question_id": [str(i) for i in range(n)], "question": [f"Is there a thing {i}?" for i in range(n)],
+        "answer": POPE_GT, "category": ["adversarial"] * n,
+    })
+    _local_copy(root, "mme_handmade", LMMS_TASKS / "mme" / "mme.yaml", {
+        "question_id": [m[0] for m in MME], "question": [f"Is it? Please answer yes or no." for _ in MME],
+        "answer": [m[2] for m in MME], "category": [m[1] for m in MME],
+    })
+    return str(root)
+
+
+def _rows(task, predictions, errors=None):
+    errors = errors or [None] * len(predictions)
+    return [
+        {"task": task, "doc_id": i, "n_docs": len(predictions), "prediction": p, "error": e}
+        for i, (p, e) in enumerate(zip(predictions, errors))
+    ]
+
+
+def test_pope_hand_worked(handmade_tasks):
+    rows = _rows("pope_handmade", POPE_PRED, [None] * 5 + ["ValueError: corrupt image"])
+    random.Random(0).shuffle(rows)  # shards arrive in any order
+    result = score(rows, include_path=handmade_tasks)["pope_handmade"]
+    # lmms-eval's POPE: exact (lower-cased) match; tp=2 ("yes","Yes"), fp=1, fn=1; the failed sample is wrong
+    assert result["pope_accuracy"] == pytest.approx(3 / 6)
+    assert result["pope_precision"] == pytest.approx(2 / 3)
+    assert result["pope_recall"] == pytest.approx(2 / 3)
+    assert result["pope_f1_score"] == pytest.approx(2 / 3)
+    assert result["pope_yes_ratio"] == pytest.approx(3 / 6)  # lmms-eval's is the ground truth's yes share
+    assert result["n_samples"] == 6 and result["n_failed"] == 1
+
+
+def test_mme_pairs_both_answers_across_shards(handmade_tasks):
+    rows = _rows("mme_handmade", [m[3] for m in MME])
+    shards = [rows[1::2], rows[0::2]]  # each question's two answers land in different shards
+    result = score(shards[0] + shards[1], include_path=handmade_tasks)["mme_handmade"]
+    assert result["mme_perception_score"] == pytest.approx((200 + 50) / 2)
+    assert result["mme_cognition_score"] == pytest.approx(50)
+    assert result["n_failed"] == 0
+
+
+def test_duplicates_missing_and_malformed_rows_raise(handmade_tasks):
+    rows = _rows("pope_handmade", ["yes"] * 6)
+    with pytest.raises(ValueError, match=r"'pope_handmade', doc_id=2\) appears twice"):
+        score(rows + [rows[2]], include_path=handmade_tasks)
+    with pytest.raises(ValueError, match=r"missing \[4\]"):
+        score(rows[:4] + rows[5:], include_path=handmade_tasks)
+    with pytest.raises(ValueError, match=r"lacks field\(s\) \['prediction'\]"):
+        score([{k: v for k, v in rows[0].items() if k != "prediction"}], include_path=handmade_tasks)
+    with pytest.raises(ValueError, match="n_docs"):
+        score([rows[0], {**rows[1], "n_docs": 7}], include_path=handmade_tasks)
+
+
+def test_easyvqa_scores_against_naive_count():
+    requests = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=12)
+    yesno_gt = load_task("easyvqa_yesno").eval_docs_no_media["answer"][:12]
+    open_gt = load_task("easyvqa_open").eval_docs_no_media["answer"][:12]
+    rng = random.Random(1)
+    yesno_pred = [rng.choice(["Yes.", "no", "maybe", " NO,"]) for _ in yesno_gt]
+    open_pred = [a.upper() + "." if rng.random() < 0.5 else "square" for a in open_gt]
+    preds = {("easyvqa_yesno", i): p for i, p in enumerate(yesno_pred)}
+    preds.update({("easyvqa_open", i): p for i, p in enumerate(open_pred)})
+    rows = [{**{k: v for k, v in r.items() if k != "image"}, "prediction": preds[r["task"], r["doc_id"]]} for r in requests]
+    rows[3]["error"] = "RuntimeError: generation failed"  # a failed yes/no sample counts as wrong
+    result = score(rows[::-1])
+
+    norm = ["yes" if p.strip().lower().startswith("yes") else "no" if p.strip().lower().startswith("no") else "other"
+            for p in yesno_pred]
+    norm[3] = "other"
+    tp = sum(p == g == "yes" for p, g in zip(norm, yesno_gt))
+    fp = sum(p == "yes" and g == "no" for p, g in zip(norm, yesno_gt))
+    fn = sum(p != "yes" and g == "yes" for p, g in zip(norm, yesno_gt))
+    yesno = result["easyvqa_yesno"]
+    assert yesno["accuracy"] == pytest.approx(sum(p == g for p, g in zip(norm, yesno_gt)) / 12)
+    assert yesno["precision"] == pytest.approx(tp / (tp + fp))
+    assert yesno["recall"] == pytest.approx(tp / (tp + fn))
+    assert yesno["yes_ratio"] == pytest.approx(norm.count("yes") / 12)
+    assert yesno["n_failed"] == 1 and yesno["n_samples"] == 12
+    assert result["easyvqa_open"]["exact_match"] == pytest.approx(
+        sum(p.rstrip(".").lower() == g for p, g in zip(open_pred, open_gt)) / 12
+    )
+
+
+def test_relative_score_hand_worked():
+    ours = {"mme": {"mme_perception_score": 125.0, "mme_cognition_score": 50.0}, "pope": {"pope_f1_score": 0.8}}
+    base = {"mme": {"mme_perception_score": 150.0, "mme_cognition_score": 100.0}, "pope": {"pope_f1_score": 0.9}}
+    assert relative_score(ours, base) == pytest.approx((175 / 250 + 0.8 / 0.9) / 2)
+    assert relative_score(base, base) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"lacks task\(s\) \['pope'\]"):
+        relative_score(ours, {"mme": base["mme"]})
+    with pytest.raises(ValueError, match="no primary metric"):
+        relative_score({"mystery": {"x": 1.0}}, {"mystery": {"x": 1.0}})
+    assert relative_score({"mystery": {"x": 1.0}}, {"mystery": {"x": 2.0}}, primary={"mystery": ("x",)}) == 0.5

@@ -1,0 +1,92 @@
+"""Offline easy-vqa tasks and request rows, checked against the easy-vqa package read directly."""
+
+import io
+import json
+from pathlib import Path
+
+import easy_vqa
+import numpy as np
+import pytest
+from PIL import Image
+
+from promprune.eval import OFFLINE_TASKS, build_requests, judge_skip_reason, prepare_offline_tasks
+from promprune.eval.tasks import load_task
+
+POST_PROMPT = "\nAnswer the question using a single word or phrase."
+
+
+@pytest.fixture(scope="module")
+def easyvqa_questions():
+    """(question, answer, image_id) of the test split, read from the package's JSON without its helpers."""
+    root = Path(easy_vqa.__file__).parent / "data" / "test"
+    return json.loads((root / "questions.json").read_text()), root / "images"
+
+
+def test_prepare_is_idempotent_and_writes_both_tasks():
+    first = prepare_offline_tasks()
+    stamps = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
+    assert prepare_offline_tasks() == first
+    assert {p.name: p.stat().st_mtime_ns for p in first.iterdir()} == stamps  # nothing rebuilt or rewritten
+    assert {f"{t}.yaml" for t in OFFLINE_TASKS} | {f"{t}.parquet" for t in OFFLINE_TASKS} <= set(stamps)
+
+
+def test_tasks_partition_the_test_split(easyvqa_questions):
+    questions, _ = easyvqa_questions
+    yesno, open_ = load_task("easyvqa_yesno"), load_task("easyvqa_open")
+    n_yes_no = sum(a in ("yes", "no") for _, a, _ in questions)
+    assert len(yesno.eval_docs) == n_yes_no
+    assert len(open_.eval_docs) == len(questions) - n_yes_no
+    assert set(yesno.eval_docs_no_media["answer"]) == {"yes", "no"}
+    assert not set(open_.eval_docs_no_media["answer"]) & {"yes", "no"}
+
+
+def test_request_rows_match_the_source(easyvqa_questions):
+    questions, image_dir = easyvqa_questions
+    rows = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=5)
+    assert [(r["task"], r["doc_id"]) for r in rows] == [("easyvqa_yesno", i) for i in range(5)] + [
+        ("easyvqa_open", i) for i in range(5)
+    ]
+    yesno_source = [q for q in questions if q[1] in ("yes", "no")]
+    open_source = [q for q in questions if q[1] not in ("yes", "no")]
+    for row in rows:
+        question, _, image_id = (yesno_source if row["task"] == "easyvqa_yesno" else open_source)[row["doc_id"]]
+        assert row["prompt"] == question + POST_PROMPT
+        assert row["n_docs"] == 5 and row["error"] is None
+        assert row["gen_kwargs"]["max_new_tokens"] == 8 and row["gen_kwargs"]["do_sample"] is False
+        ours = np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB"))
+        source = np.asarray(Image.open(image_dir / f"{image_id}.png").convert("RGB"))
+        np.testing.assert_array_equal(ours, source)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="limit"):
+        build_requests(["easyvqa_open"], limit=0)
+    with pytest.raises(ValueError, match="tasks"):
+        build_requests("easyvqa_open")
+    with pytest.raises(ValueError, match="twice"):
+        build_requests(["easyvqa_open", "easyvqa_open"])
+    with pytest.raises(ValueError, match="easyvqa_yesno"):  # the suggestion names the near miss
+        build_requests(["easyvqa_yesnoo"], limit=1)
+
+
+def test_judge_task_without_key_is_skipped(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("API_TYPE", raising=False)
+    assert "OPENAI_API_KEY" in judge_skip_reason("mmvet")
+    assert judge_skip_reason("pope") is None
+    with pytest.warns(UserWarning, match="mmvet.*OPENAI_API_KEY"):
+        rows = build_requests(["easyvqa_open", "mmvet"], limit=2)
+    assert {r["task"] for r in rows} == {"easyvqa_open"}
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    assert judge_skip_reason("mmvet") is None
+
+
+@pytest.mark.slow
+def test_hub_task_without_network_fails_clearly(monkeypatch):
+    """Hub benchmarks load unchanged from lmms-eval; with no network the error says what and what to do instead."""
+    from promprune.eval import TaskUnavailableError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(TaskUnavailableError, match=r"'pope'.*Hugging Face hub.*easyvqa_yesno"):
+        build_requests(["pope"], limit=1)
