@@ -1,0 +1,65 @@
+"""A real SQLite MLflow store in a temp dir, and a logger that writes sweeps in the pipeline's schema.
+
+The runs are written with MLflow's own client (the real component), independently of `pipelines/tracking.py`,
+so these tests pin the schema the report reads rather than whatever the pipeline happens to write.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+_clock = itertools.count()  # strictly increasing start times: "latest sweep" must not depend on timer resolution
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """(client, experiment id) on a fresh sqlite store; MLFLOW_TRACKING_URI points at it."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("promprune", artifact_location=(tmp_path / "artifacts").as_uri())
+    yield client, exp
+    mlflow.set_tracking_uri(None)
+
+
+def trial(method, budget, metrics, *, options=None, predictions=None, status="FINISHED", tid=None):
+    """One trial to log: method "none" is the unpruned baseline (budget None)."""
+    options = dict(options or {})
+    if tid is None:
+        tid = "baseline" if method == "none" else "-".join([method, f"b{budget}"] +
+                                                             [f"{k}={v}" for k, v in sorted(options.items())])
+    return {"method": method, "budget": budget, "options": options, "metrics": metrics,
+            "predictions": predictions, "status": status, "id": tid}
+
+
+def log_sweep(client, exp, name, trials, *, tasks, model="tiny:llava", version=1, tmp: Path) -> str:
+    """Parent run + one child run per trial, as the pipeline's schema says; returns the parent run id."""
+    now = int(time.time() * 1000)
+    parent = client.create_run(exp, run_name=name, start_time=now + next(_clock),
+                               tags={"promprune.role": "sweep", "promprune.sweep": name,
+                                     "promprune.spec_version": str(version)}).info.run_id
+    client.log_text(parent, f"name: {name}\nversion: {version}\n", "spec.yaml")
+    for t in trials:
+        run = client.create_run(exp, run_name=t["id"], start_time=now + next(_clock),
+                                tags={"mlflow.parentRunId": parent, "promprune.role": "trial",
+                                      "promprune.sweep": name, "promprune.trial": t["id"]}).info.run_id
+        params = {"model": model, "method": t["method"], "budget": "none" if t["budget"] is None else t["budget"],
+                  "tasks": ",".join(tasks), **t["options"]}
+        for key, value in params.items():
+            client.log_param(run, key, str(value))
+        client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in t["metrics"].items()])
+        if t["predictions"] is not None:
+            path = tmp / "predictions.parquet"
+            pd.DataFrame(t["predictions"]).to_parquet(path, index=False)
+            client.log_artifact(run, str(path))
+        client.set_terminated(run, status=t["status"])
+    client.set_terminated(parent)
+    return parent

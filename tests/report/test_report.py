@@ -1,0 +1,185 @@
+"""The report against hand-worked values, on sweeps logged to a real SQLite MLflow store."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from pipelines import report as report_cli
+from pipelines.reporting import tables
+from pipelines.reporting.build import build_report, log_report
+from pipelines.reporting.published import load_published
+from pipelines.reporting.store import load_sweep
+
+from .conftest import log_sweep, trial
+
+TASKS = ["mme", "pope", "gqa"]
+GRID = 576  # LLaVA-1.5's 24 x 24 visual tokens
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def scores(perception, cognition, pope_f1, gqa):
+    return {"mme/mme_perception_score": perception, "mme/mme_cognition_score": cognition,
+            "pope/pope_f1_score": pope_f1, "gqa/exact_match": gqa}
+
+
+def grey_image(task, doc_id):
+    return np.full((48, 64, 3), 128, dtype=np.uint8), ""
+
+
+def predictions(rows):
+    """rows: (task, doc_id, entropy, saliency_count, error); kept = 64 spread-out tokens, salient = the first ones."""
+    out = []
+    for task, doc, entropy, n_sal, error in rows:
+        kept = list(range(0, GRID, GRID // 64))  # 64 tokens, every 9th
+        out.append({"task": task, "doc_id": str(doc), "prediction": None if error else "yes", "error": error,
+                    "entropy": entropy, "saliency_count": None if error else float(n_sal),
+                    "visual_tokens": None if error else 64.0, "kept": None if error else kept,
+                    "salient": None if error else kept[:n_sal], "timings": "{}"})
+    return out
+
+
+# MME = perception + cognition. Baseline: MME 1800, POPE F1 0.80, GQA 0.60.
+# Rel. = mean of the three ratios: promprune@64 (1620/1800, .80/.80, .57/.60) = (.90 + 1 + .95)/3 = 95.0 %;
+# divprune@64 (.95, .95, 1) = 96.67 %; promprune@32 (.85, .90, .90) = 88.33 %; divprune@32 (.80, .90, .85) = 85.0 %.
+TABLE_TRIALS = [
+    trial("none", None, scores(1500, 300, 0.80, 0.60) | {"efficiency/visual_tokens": GRID}),
+    trial("promprune", 64, scores(1350, 270, 0.80, 0.57) | {"t_sal/mean": 32},
+          predictions=predictions([("pope", 0, 0.40, 40, None), ("pope", 1, 0.44, 24, None),
+                                   ("gqa", 0, 0.46, 20, None), ("gqa", 1, 0.38, 20, None),
+                                   ("gqa", 2, None, 0, "gqa doc 2: corrupt image")])),
+    trial("divprune", 64, scores(1420, 290, 0.76, 0.60)),
+    trial("promprune", 32, scores(1260, 270, 0.72, 0.54)),
+    trial("divprune", 32, scores(1200, 240, 0.72, 0.51)),
+]
+
+
+@pytest.fixture
+def table_sweep(store, tmp_path):
+    client, exp = store
+    parent = log_sweep(client, exp, "table_demo", TABLE_TRIALS, tasks=TASKS, tmp=tmp_path)
+    return client, parent
+
+
+@pytest.fixture
+def published_root(tmp_path):
+    root = tmp_path / "paper"
+    root.mkdir()
+    (root / "table_demo.csv").write_text(
+        "method,budget,variant,mme,pope,gqa,rel,source\n"
+        "none,,,1862,,,,Table X row 1\n"
+        "promprune,64,,,81.5,,96.0,Table X row 5\n"
+        "divprune,32,,,,,,not found\n"
+        "fastv,64,,,70.0,,,Table X row 2\n")
+    return root
+
+
+def test_rel_and_scores_match_hand_computation(table_sweep):
+    _, parent = table_sweep
+    table = tables.build_score_table(load_sweep(parent))
+    frame = table.frame.set_index(["method", table.frame["budget"].fillna(0)])
+    assert list(zip(table.frame["method"], table.frame["budget"].fillna(0))) == [
+        ("none", 0), ("divprune", 64), ("promprune", 64), ("divprune", 32), ("promprune", 32)]
+    assert frame.loc[("promprune", 64), "rel"] == pytest.approx(95.0)
+    assert frame.loc[("divprune", 64), "rel"] == pytest.approx(290 / 3)
+    assert frame.loc[("promprune", 32), "rel"] == pytest.approx(265 / 3)
+    assert frame.loc[("divprune", 32), "rel"] == pytest.approx(85.0)
+    assert frame.loc[("none", 0), "rel"] == pytest.approx(100.0)
+    assert frame.loc[("promprune", 64), "mme"] == pytest.approx(1620)  # perception + cognition
+
+
+def test_markdown_bolds_the_best_per_budget(table_sweep, tmp_path):
+    _, parent = table_sweep
+    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
+    section = report.markdown.split("## Scores", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip() + "@" + line.split("|")[2].strip(): line
+            for line in section.splitlines() if line.startswith("| ") and "Method" not in line}
+    assert rows["Upper bound@all (576)"] == "| Upper bound | all (576) | 1800 | 80.0 | 60.0 | 100.0% |"
+    assert rows["DivPrune@64"] == "| DivPrune | 64 | **1710** | 76.0 | **60.0** | **96.7%** |"
+    assert rows["PromPrune@64"] == "| PromPrune | 64 | 1620 | **80.0** | 57.0 | 95.0% |"
+    assert rows["DivPrune@32"] == "| DivPrune | 32 | 1440 | **72.0** | 51.0 | 85.0% |"  # POPE tie: both bold
+    assert rows["PromPrune@32"] == "| PromPrune | 32 | **1530** | **72.0** | **54.0** | **88.3%** |"
+    csv = pd.read_csv(tmp_path / "out" / "scores.csv")
+    assert csv.loc[csv["label"] == "PromPrune", "POPE"].tolist() == pytest.approx([80.0, 72.0])
+
+
+def test_deltas_against_published(table_sweep, tmp_path, published_root):
+    _, parent = table_sweep
+    build_report(load_sweep(parent), tmp_path / "out", published_root=published_root, image_source=grey_image)
+    comp = pd.read_csv(tmp_path / "out" / "published_comparison.csv")
+    got = {(r.method, r.column): (r.ours, r.paper, r.delta) for r in comp.itertuples()}
+    assert got[("none", "mme")] == pytest.approx((1800, 1862, -62))
+    assert got[("promprune", "pope")] == pytest.approx((80.0, 81.5, -1.5))
+    assert got[("promprune", "rel")] == pytest.approx((95.0, 96.0, -1.0))
+    ours, paper, delta = got[("fastv", "pope")]  # published, but the sweep did not run FastV
+    assert math.isnan(ours) and paper == 70.0 and math.isnan(delta)
+    assert len(comp) == 4  # divprune@32's row has no number: nothing to compare
+
+
+def test_figures_are_pngs_and_logged_to_the_parent_run(table_sweep, tmp_path):
+    client, parent = table_sweep
+    sweep = load_sweep(parent)
+    report = build_report(sweep, tmp_path / "out", image_source=grey_image)
+    names = {p.name for p in report.files}
+    assert {"report.md", "scores.csv", "tradeoff.png", "ablation_bars.png", "entropy_histograms.png",
+            "overlay_pope_0.png", "overlay_gqa_0.png"} <= names
+    for path in report.files:
+        if path.suffix == ".png":
+            assert path.read_bytes()[:8] == PNG_MAGIC
+            with Image.open(path) as img:
+                img.verify()
+    uri = log_report(sweep, report, client)
+    logged = {a.path for a in client.list_artifacts(parent, "report")}
+    assert {f"report/{n}" for n in names} <= logged
+    assert uri.endswith("/report")
+
+
+def test_failed_samples_stay_out_of_the_histograms(table_sweep, tmp_path):
+    """The gqa doc 2 row failed: T_sal means use the 4 good rows only (pope 32, gqa 20)."""
+    _, parent = table_sweep
+    sweep = load_sweep(parent)
+    from pipelines.reporting import build as build_mod
+
+    t_sal, how = build_mod._mean_t_sal_per_task(sweep, tables.build_score_table(sweep),
+                                                build_mod._PredictionCache(), TABLE_TRIALS_ID(sweep, "promprune", 64))
+    assert t_sal == {"gqa": 20.0, "pope": 32.0} and "per-sample" in how
+
+
+def TABLE_TRIALS_ID(sweep, method, budget):
+    t = sweep.trials
+    return t.index[(t["method"] == method) & (t["budget"] == budget)][0]
+
+
+def test_cli_defaults_to_the_latest_sweep_and_prints_where(store, tmp_path, capsys):
+    client, exp = store
+    log_sweep(client, exp, "older", TABLE_TRIALS[:2], tasks=TASKS, tmp=tmp_path)
+    latest = log_sweep(client, exp, "newer", [TABLE_TRIALS[0], TABLE_TRIALS[2]], tasks=TASKS, tmp=tmp_path)
+    assert report_cli.main(["--out", str(tmp_path / "cli")]) == 0
+    out = capsys.readouterr().out
+    assert "# Report: newer" in out and str((tmp_path / "cli").resolve()) in out and "logged to the parent run" in out
+    assert any(a.path == "report" for a in client.list_artifacts(latest))
+    assert report_cli.main(["--sweep", latest, "--out", str(tmp_path / "byid"), "--no-log"]) == 0
+    assert report_cli.main(["--sweep", "nope", "--no-log"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "newer" in err and "older" in err
+
+
+def test_a_retried_trial_counts_once(store, tmp_path):
+    client, exp = store
+    failed = trial("promprune", 64, scores(0, 0, 0.0, 0.0), status="FAILED")
+    parent = log_sweep(client, exp, "retry", [TABLE_TRIALS[0], failed, TABLE_TRIALS[1]], tasks=TASKS, tmp=tmp_path)
+    sweep = load_sweep(parent)
+    assert len(sweep.trials) == 2
+    assert sweep.metrics.loc[TABLE_TRIALS_ID(sweep, "promprune", 64), "pope/pope_f1_score"] == pytest.approx(0.80)
+
+
+def test_malformed_published_csv_names_the_problem(tmp_path):
+    (tmp_path / "bad.csv").write_text("method,budget,variant,pope,source\npromprune,64,,high,x\n")
+    with pytest.raises(ValueError, match=r"bad\.csv.*'pope'"):
+        load_published("bad", tmp_path)
+    (tmp_path / "nosource.csv").write_text("method,budget,pope\npromprune,64,80\n")
+    with pytest.raises(ValueError, match=r"nosource\.csv.*missing column"):
+        load_published("nosource", tmp_path)
