@@ -4,7 +4,7 @@
 ``PrunedVLM.from_pretrained(name_or_path, ...)`` also takes ``"tiny:<arch>"`` for the offline tiny models.
 """
 from .methods import ADAPTER_OPTIONS, DEFAULT_MU, IN_LLM_METHODS, all_methods, validate_method
-from .vlm import Generation, PrunedVLM
+from .vlm import Generation, Prepared, PrunedVLM
 
-__all__ = ["PrunedVLM", "Generation", "all_methods", "validate_method", "IN_LLM_METHODS", "ADAPTER_OPTIONS",
+__all__ = ["PrunedVLM", "Generation", "Prepared", "all_methods", "validate_method", "IN_LLM_METHODS", "ADAPTER_OPTIONS",
            "DEFAULT_MU"]

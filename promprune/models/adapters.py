@@ -84,8 +84,11 @@ class Adapter:
     def encode(self, inputs, need_saliency: bool) -> list[VisualItem]:
         raise NotImplementedError
 
-    def generate_kwargs(self, inputs, new_ids, new_mask, col_map, items, kept_pos) -> dict:
-        """Extra kwargs for ``generate`` on the rebuilt sequence (Qwen: 3D positions); ``kept_pos=None``: unpruned."""
+    def generate_kwargs(self, inputs, new_ids, new_mask, col_map) -> dict:
+        """Extra kwargs for ``generate`` on the rebuilt sequence (Qwen: 3D positions).
+
+        ``col_map [B, L']``: the old column of each new column (-1: new padding).
+        """
         return {}
 
 
@@ -222,7 +225,7 @@ class QwenAdapter(Adapter):
             offset += f.shape[0]
         return items
 
-    def generate_kwargs(self, inputs, new_ids, new_mask, col_map, items, kept_pos):
+    def generate_kwargs(self, inputs, new_ids, new_mask, col_map):
         """3D M-RoPE positions computed on the unpruned sequence, gathered at the kept columns.
 
         Returns ``position_ids [4, B, L']``: row 0 the text positions of the new sequence (used by transformers
@@ -230,8 +233,6 @@ class QwenAdapter(Adapter):
         continues each row with ``last + 1``, which is the unpruned model's ``rope_deltas`` rule; we also set
         ``model.model.rope_deltas`` to the pruned sequence's deltas for callers that decode without positions.
         """
-        if kept_pos is None:
-            return {}
         core = self.model.model
         full, _ = core.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                       image_grid_thw=inputs["image_grid_thw"],

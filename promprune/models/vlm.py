@@ -27,6 +27,18 @@ class Generation:
     select_ms: float = 0.0  # token selection before the LLM
     prefill_ms: float = 0.0  # first LLM forward
     decode_ms: float = 0.0  # the remaining generate time
+    token_ids: list[int] = field(default_factory=list)  # generated token ids (padding after EOS included)
+
+
+@dataclass
+class Prepared:
+    """A batch ready for the LLM: ``model_kwargs`` for ``generate`` / forward, per-item stats and timings."""
+
+    model_kwargs: dict
+    stats: list[dict]
+    items: list
+    vision_ms: float
+    select_ms: float
 
 
 def _sync(device) -> None:
@@ -110,29 +122,46 @@ class PrunedVLM:
         return batch
 
     @torch.inference_mode()
-    def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
-        """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise."""
+    def prepare(self, images, prompts) -> "Prepared":
+        """Encode, select and rebuild the LLM inputs of a batch, without running the LLM.
+
+        ``Prepared.model_kwargs`` are the kwargs for ``model.generate`` or a plain ``model(...)`` forward:
+        ``input_ids`` / ``attention_mask`` with shrunk placeholder runs, ``mm_encoder_outputs`` holding the kept
+        features, and for Qwen2.5-VL the gathered 3D ``position_ids``.
+        """
         prompts = list(prompts)
         batch = self.inputs(images, prompts)
         pre_llm = self.method is not None and self.method not in IN_LLM_METHODS
-        need_sal = pre_llm and self.spec.needs_saliency
         with _Clock(self.device) as vision:
-            items = self.adapter.encode(batch, need_saliency=need_sal)
+            items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency)
         with _Clock(self.device) as selecting:
             plan = self._plan(batch, items) if pre_llm else None
         ids, mask, feats, extra, stats = self._llm_inputs(batch, items, plan)
+        kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats), **extra)
+        return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
+
+    def pruning(self, prepared: "Prepared"):
+        """Context manager active around the LLM call: the in-LLM method's hooks, or nothing."""
+        if self.method not in IN_LLM_METHODS:
+            return _Null()
+        return in_llm.make(self.method, self.model, prepared.model_kwargs["input_ids"], self.budget,
+                           self.method_options)
+
+    @torch.inference_mode()
+    def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
+        """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise."""
+        prep = self.prepare(images, prompts)
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
-        pruner = in_llm.make(self.method, self.model, ids, self.budget, self.method_options) \
-            if self.method in IN_LLM_METHODS else None
-        with _Timer(self.model, self.device) as timer, (pruner or _Null()):
-            out = self.model.generate(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats),
-                                      **extra, **kwargs)
-        if pruner is not None:
-            stats = pruner.stats(items)
-        texts = self.processor.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
-        times = dict(vision_ms=vision.ms, select_ms=selecting.ms, prefill_ms=timer.prefill_ms,
+        pruner = self.pruning(prep)
+        with _Timer(self.model, self.device) as timer, pruner:
+            out = self.model.generate(**prep.model_kwargs, **kwargs)
+        stats = pruner.stats(prep.items) if isinstance(pruner, in_llm.InLLMPruner) else prep.stats
+        new = out[:, prep.model_kwargs["input_ids"].shape[1]:]
+        texts = self.processor.batch_decode(new, skip_special_tokens=True)
+        times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=timer.prefill_ms,
                      decode_ms=timer.decode_ms)
-        return [Generation(text=t.strip(), **s, **times) for t, s in zip(texts, stats)]
+        return [Generation(text=t.strip(), **s, **times, token_ids=row.tolist())
+                for t, s, row in zip(texts, stats, new)]
 
     def _plan(self, batch, items):
         """Selections of every item (pre-LLM methods)."""
@@ -146,14 +175,16 @@ class PrunedVLM:
             feats = [it.run for it in items]
             stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
                           kept=sorted(it.grid_index.tolist())) for f, it in zip(feats, items)]
-            return batch["input_ids"], batch["attention_mask"], feats, {}, stats
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            return ids, mask, feats, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
         rows = self.adapter.options["image_newline"] == "rows"
         assembled = [it.assemble(p.kept, p.merged, newline_rows=rows) for it, p in zip(items, plan)]
         feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
         pad = self.processor.tokenizer.pad_token_id
         ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"], cfg.image_token_id,
                                                  run_pos, pad)
-        extra = self.adapter.generate_kwargs(batch, ids, mask, col_map, items, run_pos)
+        extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
                       kept=sorted(it.grid_index[p.kept].tolist())) for f, p, it in zip(feats, plan, items)]
         return ids, mask, feats, extra, stats

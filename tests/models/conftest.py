@@ -1,0 +1,38 @@
+"""Fixtures for the model-adapter tests: tiny offline models, two differently sized images."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+ARCHS = ("llava", "llava_next", "qwen2_5_vl")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Other engineers share the 2 cores; tiny models do not need more than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_image(height: int, width: int, seed: int) -> Image.Image:
+    """Smooth random colour field (not pure noise, so features have structure)."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.BILINEAR)
+
+
+@pytest.fixture
+def images():
+    """A landscape and a portrait image: different anyres grids (NeXT) and token counts (Qwen)."""
+    return [make_image(40, 56, 0), make_image(64, 30, 1)]
+
+
+@pytest.fixture
+def prompts():
+    return ["What is in the picture?", "Colour?"]

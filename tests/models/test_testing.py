@@ -1,0 +1,44 @@
+"""The tiny models are the real transformers classes with the paper's structure, built offline and fast."""
+import pytest
+import torch
+import transformers
+
+from promprune.models.testing import tiny_vlm
+
+from .conftest import ARCHS
+
+
+@pytest.mark.parametrize("arch,cls", [("llava", transformers.LlavaForConditionalGeneration),
+                                      ("llava_next", transformers.LlavaNextForConditionalGeneration),
+                                      ("qwen2_5_vl", transformers.Qwen2_5_VLForConditionalGeneration)])
+def test_real_classes_cached(arch, cls):
+    model, processor = tiny_vlm(arch)
+    assert type(model) is cls
+    assert tiny_vlm(arch)[0] is model  # built once per process
+
+
+def test_paper_structure():
+    llava, _ = tiny_vlm("llava")
+    assert llava.config.vision_feature_layer == -2 and llava.config.vision_feature_select_strategy == "default"
+    nxt, _ = tiny_vlm("llava_next")
+    assert nxt.model.image_newline.shape == (nxt.config.text_config.hidden_size,)
+    qwen, _ = tiny_vlm("qwen2_5_vl")
+    assert qwen.config.vision_config.spatial_merge_size == 2 and qwen.config.vision_config.fullatt_block_indexes
+
+
+def test_unknown_arch():
+    with pytest.raises(ValueError, match="llava_next"):
+        tiny_vlm("llava2")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_processor_and_generate_work_offline(arch, images, prompts):
+    model, processor = tiny_vlm(arch)
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                          {"type": "text", "text": p}]}],
+                                           add_generation_prompt=True, tokenize=False) for p in prompts]
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 8
