@@ -195,6 +195,8 @@ def entropy_histograms(preds: pd.DataFrame, path: Path, mu: float | None, title:
         top.axvline(rows["entropy"].median(), color="black", ls=":", label=f"median {rows['entropy'].median():.3f}")
         if mu is not None:
             top.axvline(mu, color="tab:red", ls="--", label=f"mu {mu:g}")
+        else:
+            top.plot([], [], " ", label="mu: adapter default (not logged)")
         top.set_title(task, fontsize=9)
         top.set_xlabel("spectral entropy")
         top.legend(fontsize=7)

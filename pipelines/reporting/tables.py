@@ -203,8 +203,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def efficiency_table(sweep: Sweep, table: ScoreTable) -> pd.DataFrame | None:
     """Efficiency metrics per trial (paper order), with Rel.; None when no trial logged any."""
     keys = [k for k, _, _ in EFFICIENCY_COLUMNS if k in sweep.metrics.columns]
-    if not keys:
-        return None
+    if not [k for k in keys if k != "efficiency/visual_tokens"]:
+        return None  # token counts alone are in the score table already
     out = table.frame[["method", "budget", "variant", "label"]].copy()
     for key in keys:
         out[key] = sweep.metrics.loc[out.index, key]

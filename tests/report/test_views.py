@@ -1,0 +1,94 @@
+"""Sweep-shape-specific parts: Table 4's matched split, Fig. 1a's ratio curves, Fig. 6's heatmap, mu calibration,
+Table 6 against the shipped published numbers."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from pipelines.reporting.build import build_report, choose_mu, log_report
+from pipelines.reporting.published import PAPER_DIR
+from pipelines.reporting.store import load_sweep
+
+from .conftest import log_sweep, trial
+
+
+def grey_image(task, doc_id):
+    import numpy as np
+
+    return np.full((32, 32, 3), 128, dtype=np.uint8), ""
+
+
+def pred(task, doc, entropy, n_sal):
+    return {"task": task, "doc_id": str(doc), "prediction": "yes", "error": None, "entropy": entropy,
+            "saliency_count": float(n_sal), "visual_tokens": 64.0, "kept": list(range(64)), "timings": "{}"}
+
+
+def test_table4_matched_split_interpolates_at_each_benchmarks_mean_t_sal(store, tmp_path):
+    client, exp = store
+    fixed = {0.25: (0.70, 0.50), 0.5: (0.80, 0.60), 0.75: (0.78, 0.58)}  # ratio -> (pope F1, gqa EM)
+    trials = [trial("fixed_ratio", 64, {"pope/pope_f1_score": p, "gqa/exact_match": g},
+                    options={"saliency_ratio": r}) for r, (p, g) in fixed.items()]
+    # adaptive: pope T_sal 40 and 24 -> mean 32 -> ratio 0.5 (a grid point); gqa 20, 20 -> ratio 0.3125
+    trials.append(trial("promprune", 64, {"pope/pope_f1_score": 0.81, "gqa/exact_match": 0.56, "t_sal/mean": 26},
+                        predictions=[pred("pope", 0, 0.4, 40), pred("pope", 1, 0.4, 24),
+                                     pred("gqa", 0, 0.5, 20), pred("gqa", 1, 0.5, 20)]))
+    parent = log_sweep(client, exp, "table4_demo", trials, tasks=["pope", "gqa"], tmp=tmp_path)
+    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
+    matched = pd.read_csv(tmp_path / "out" / "matched_split_b64.csv").set_index("task")
+    assert matched.loc["pope", "ratio"] == pytest.approx(0.5)
+    assert matched.loc["pope", "fixed_interp"] == pytest.approx(80.0)
+    assert matched.loc["pope", "delta"] == pytest.approx(1.0)
+    # gqa: 0.3125 is a quarter of the way from 0.25 (50.0) to 0.5 (60.0): 52.5; nearest grid ratio 0.25
+    assert matched.loc["gqa", "ratio"] == pytest.approx(0.3125)
+    assert matched.loc["gqa", "fixed_interp"] == pytest.approx(52.5)
+    assert matched.loc["gqa", "nearest_ratio"] == pytest.approx(0.25)
+    assert matched.loc["gqa", "delta"] == pytest.approx(56.0 - 52.5)
+    assert "saliency_ratio.png" in {p.name for p in report.files}
+    assert "Fixed split (saliency_ratio=0.25)" in report.markdown  # rows named by the varying option
+
+
+def test_mu_tau_heatmap_and_calibration_logged_on_the_parent(store, tmp_path):
+    client, exp = store
+    # Rel. per (mu, tau): the best, 100 %, is reached at mu 0.40 and 0.44; the median entropy is 0.43, so 0.44 wins
+    rel = {(0.40, 0.01): 1.00, (0.40, 0.02): 0.90, (0.42, 0.01): 0.95, (0.42, 0.02): 0.95,
+           (0.44, 0.01): 0.90, (0.44, 0.02): 1.00}
+    trials = [trial("none", None, {"pope/pope_f1_score": 0.80})]
+    for (mu, tau), r in rel.items():
+        preds = [pred("pope", d, e, 30) for d, e in enumerate([0.41, 0.43, 0.45])]
+        trials.append(trial("promprune", 64, {"pope/pope_f1_score": 0.80 * r},
+                            options={"mu": mu, "tau": tau}, predictions=preds))
+    trials.append(trial("vispruner", 64, {"pope/pope_f1_score": 0.76}))  # Rel. 95 %: the heatmap's reference
+    parent = log_sweep(client, exp, "mu_calibration_grid", trials, tasks=["pope"], tmp=tmp_path)
+    sweep = load_sweep(parent)
+    report = build_report(sweep, tmp_path / "out", image_source=grey_image)
+    assert {"mu_tau_heatmap.png", "entropy_histograms.png"} <= {p.name for p in report.files}
+    assert report.calibration["calibration/median_entropy"] == pytest.approx(0.43)
+    assert report.calibration["calibration/chosen_mu"] == pytest.approx(0.44)
+    log_report(sweep, report, client)
+    run = client.get_run(parent)
+    assert run.data.metrics["calibration/chosen_mu"] == pytest.approx(0.44)
+    assert run.data.tags["promprune.calibrated_mu"] == "0.44"
+
+
+def test_choose_mu_tie_break_without_a_median_takes_the_smaller():
+    frame = pd.DataFrame({"method": ["promprune"] * 3, "mu": [0.44, 0.40, 0.42], "rel": [99.0, 99.0, 90.0]})
+    assert choose_mu(frame, float("nan")) == pytest.approx(0.40)
+    assert choose_mu(frame, 0.445) == pytest.approx(0.44)
+    assert choose_mu(frame.iloc[:1], 0.4) is None  # one mu: nothing was searched
+
+
+def test_table6_against_the_shipped_published_numbers(store, tmp_path):
+    client, exp = store
+    eff = lambda n, tf, kv, ms: {"efficiency/visual_tokens": n, "efficiency/prefill_tflops": tf,  # noqa: E731
+                                 "efficiency/kv_cache_mb": kv, "efficiency/prefill_ms": ms}
+    trials = [trial("none", None, {"pope/pope_f1_score": 0.86} | eff(2880, 42.6, 1440.0, 200.0)),
+              trial("promprune", 320, {"pope/pope_f1_score": 0.85} | eff(320, 5.10, 160.0, 150.0))]
+    parent = log_sweep(client, exp, "table6_efficiency", trials, tasks=["pope"], tmp=tmp_path)
+    report = build_report(load_sweep(parent), tmp_path / "out", published_root=PAPER_DIR, image_source=grey_image)
+    assert "5.10 (−88.0%)" in report.markdown  # 1 - 5.10 / 42.6 = 0.8803
+    comp = pd.read_csv(tmp_path / "out" / "published_comparison.csv")
+    got = {(r.method, r.column): (r.ours, r.paper, r.delta) for r in comp.itertuples()}
+    assert got[("none", "efficiency/prefill_tflops")] == pytest.approx((42.6, 42.6, 0.0))
+    assert got[("promprune", "efficiency/prefill_tflops")] == pytest.approx((5.10, 5.02, 0.08))
+    assert got[("promprune", "efficiency/kv_cache_mb")] == pytest.approx((160.0, 160.0, 0.0))
+    assert not [k for k in got if k[0] == "fastv"]  # the paper's FastV cells were not found: nothing to compare
