@@ -137,15 +137,16 @@ class LlavaNextAdapter(LlavaAdapter):
             hook.remove()
         n = views[0].shape[1]  # tokens per view
         scores = self._cls_rows(sink[0]).reshape(-1) if need_saliency else None  # [sum V_i * n]
-        layouts = self._packed_layout(inputs["image_sizes"], [p.shape[0] for p in out.pooler_output], n)
+        layouts, num_views = self._packed_layout(inputs["image_sizes"], [p.shape[0] for p in out.pooler_output], n)
         items, offset = [], 0
-        for run, ids in zip(out.pooler_output, layouts):
+        for run, ids, views in zip(out.pooler_output, layouts, num_views):
             items.append(self._item(run, ids.to(run.device), n, scores, offset))
-            offset += int(ids.max()) + 1 if (ids >= 0).any() else 0
+            offset += views * n  # scores hold every view's full grid, unpadding or not
         return items
 
-    def _packed_layout(self, image_sizes, run_lengths, n) -> list[torch.Tensor]:
-        """For each image, ``ids [P]``: which (view * n + patch) each packed position holds, -1 for a newline.
+    def _packed_layout(self, image_sizes, run_lengths, n) -> tuple[list[torch.Tensor], list[int]]:
+        """For each image, ``ids [P]``: which (view * n + patch) each packed position holds, -1 for a newline;
+        and the number of views of each image.
 
         Obtained by running the model's own ``pack_image_features`` on index tensors, so the unpad / newline
         rules are transformers' and not a copy of them.
@@ -162,7 +163,7 @@ class LlavaNextAdapter(LlavaAdapter):
         layouts = [p[:, 0].round().long() for p in packed]
         for lay, length in zip(layouts, run_lengths):
             assert lay.numel() == length, "packed layout does not match the model's packed features"
-        return layouts
+        return layouts, num_views
 
     def _item(self, run, ids, n, scores, offset) -> VisualItem:
         newline = ids < 0
