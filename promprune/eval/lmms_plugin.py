@@ -34,7 +34,10 @@ _UNPRUNED = {"none", "null", "", "unpruned"}
 
 
 def _dtype(value):
-    if value is None or value == "auto" or isinstance(value, torch.dtype):
+    """None (the loader's default, i.e. the checkpoint's dtype) for auto."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, torch.dtype):
         return value
     if str(value).lower() not in _DTYPES:
         raise ValueError(f"model_args dtype={value!r} is not one of auto, {', '.join(_DTYPES)}")
