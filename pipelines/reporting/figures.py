@@ -20,6 +20,7 @@ from .tables import METHOD_LABELS, ScoreTable  # noqa: E402
 DPI = 120  # readable in the MLflow UI's artifact viewer without multi-MB files
 MAX_BARS = 12  # more variants than this in one panel are unreadable as bars
 MAX_PANELS = 4  # budgets drawn side by side before a figure gets too wide
+ZOOM = 0.9  # bar charts start at 90 % of the lowest bar, so a few points' difference is visible
 
 
 def _pruned(table: ScoreTable) -> pd.DataFrame:
@@ -160,7 +161,7 @@ def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
         rows = pruned[pruned["budget"] == budget]
         groups = [c.label for c in table.columns] + (["Rel."] if rows["rel"].notna().any() else [])
         width = 0.8 / len(rows)
-        unit = "score"
+        unit, lowest = "score", np.inf
         for k, (rid, row) in enumerate(rows.iterrows()):
             values = []
             for col in table.columns:
@@ -170,11 +171,14 @@ def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
                 values.append(row["rel"])
             x = np.arange(len(groups)) + (k - (len(rows) - 1) / 2) * width
             ax.bar(x, values, width=width, label=row["label"])
+            lowest = min(lowest, np.nanmin(values)) if not np.all(np.isnan(values)) else lowest
+        if np.isfinite(lowest) and lowest > 0:
+            ax.set_ylim(bottom=ZOOM * lowest)  # ablations differ by a few points: zoom onto them
         ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(unit)
         ax.set_title(f"{budget:.0f} tokens")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
