@@ -203,7 +203,7 @@ class QwenAdapter(Adapter):
         if n is None:
             return {}
         pixels = n * self._factor() ** 2  # pin smart_resize to exactly the requested grid
-        return {"min_pixels": pixels, "max_pixels": pixels}
+        return {"size": {"shortest_edge": pixels, "longest_edge": pixels}}  # min = max pixels
 
     def _factor(self) -> int:
         vc = self.model.config.vision_config
