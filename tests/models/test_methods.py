@@ -1,0 +1,99 @@
+"""Every registered method runs through every adapter; names and options are validated up front."""
+import io
+
+import pytest
+import torch
+
+import promprune
+from promprune.models import IN_LLM_METHODS, PrunedVLM, all_methods, validate_method
+from promprune.models.testing import tiny_vlm
+
+from .conftest import ARCHS
+
+BUDGET = 6
+
+
+def test_all_methods_is_registry_plus_in_llm():
+    assert set(all_methods()) == set(promprune.methods()) | {"fastv", "sparsevlm"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", all_methods())
+def test_every_method_runs_through_every_adapter(arch, method, images, prompts):
+    model, processor = tiny_vlm(arch)
+    out = PrunedVLM(model, processor, method=method, budget=BUDGET).generate(images, prompts, max_new_tokens=3)
+    assert len(out) == 2
+    for g in out:
+        assert isinstance(g.text, str) and len(g.token_ids) == 3
+        assert g.visual_tokens == BUDGET
+        if method not in IN_LLM_METHODS:  # NeXT in-LLM methods may keep image_newline placeholders
+            assert len(g.kept) == BUDGET
+        assert len(set(g.kept)) == len(g.kept) and g.kept == sorted(g.kept)
+        assert 0 <= g.saliency_count <= BUDGET
+        assert min(g.vision_ms, g.select_ms, g.prefill_ms, g.decode_ms) >= 0
+
+
+def test_mu_defaults_per_encoder_unless_given():
+    llava, p1 = tiny_vlm("llava")
+    qwen, p2 = tiny_vlm("qwen2_5_vl")
+    assert PrunedVLM(llava, p1, budget=4).method_options["mu"] == 0.42
+    assert PrunedVLM(qwen, p2, budget=4).method_options["mu"] == 0.5744
+    assert PrunedVLM(qwen, p2, budget=4, mu=0.3).method_options["mu"] == 0.3
+    assert "mu" not in PrunedVLM(qwen, p2, method="divprune", budget=4).method_options
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: validate_method("promprun", 4), "did you mean 'promprune'"),
+    (lambda: validate_method("promprune", 4, muu=0.3), "unknown option.*'muu'.*valid options"),
+    (lambda: validate_method("promprune", None), "budget must be a positive int"),
+    (lambda: validate_method("fastv", 0), "budget must be a positive int"),
+    (lambda: validate_method("fastv", 4, layer=0), "'layer' of fastv"),
+    (lambda: validate_method("sparsevlm", 4, recycle_ratio=2), "'recycle_ratio'"),
+    (lambda: validate_method("promprune", 4, diversity="kmeans"), "diversity"),
+    (lambda: validate_method("promprune", 4, budget_mode="per_view"), "budget_mode"),
+    (lambda: validate_method("promprune", 4, image_tokens=10), "image_tokens"),
+    (lambda: validate_method(None, 4), "takes no budget"),
+])
+def test_bad_method_or_options_fail_early(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_from_pretrained_validates_before_loading():
+    with pytest.raises(ValueError, match="unknown method"):
+        PrunedVLM.from_pretrained("/nonexistent/checkpoint", method="nope", budget=4)
+
+
+def test_from_pretrained_tiny_and_checkpoint_dir(tmp_path, images, prompts):
+    """``tiny:<arch>`` and a saved checkpoint directory load through the same ordinary path."""
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method="divprune", budget=4)
+    model, processor = vlm.model, vlm.processor
+    assert model is not tiny_vlm("llava")[0]  # a private copy
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded = PrunedVLM.from_pretrained(str(tmp_path), method="divprune", budget=4)
+    a = vlm.generate(images, prompts, max_new_tokens=3)
+    b = loaded.generate(images, prompts, max_new_tokens=3)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+
+def test_corrupt_image_names_the_item(images, prompts):
+    model, processor = tiny_vlm("llava")
+    buf = io.BytesIO()
+    images[0].save(buf, format="PNG")
+    truncated = buf.getvalue()[: len(buf.getvalue()) // 2]
+    vlm = PrunedVLM(model, processor, method="divprune", budget=4)
+    with pytest.raises(ValueError, match="image 1 is corrupt or unreadable"):
+        vlm.generate([images[0], truncated], prompts)
+    with pytest.raises(ValueError, match="image 0 is corrupt or unreadable"):
+        vlm.generate(["/nonexistent.png", images[1]], prompts)
+    with pytest.raises(ValueError, match="2 images but 1 prompts"):
+        vlm.generate(images, prompts[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["promprune", "fastv"])
+def test_half_precision(dtype, method, images, prompts):
+    vlm = PrunedVLM.from_pretrained("tiny:qwen2_5_vl", method=method, budget=5, dtype=dtype)
+    out = vlm.generate(images, prompts, max_new_tokens=2)
+    assert vlm.model.dtype == dtype and [g.visual_tokens for g in out] == [5, 5]
