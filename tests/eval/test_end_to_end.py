@@ -1,0 +1,81 @@
+"""The offline tasks end to end on a tiny model: our sharded path against lmms-eval's own evaluator and plugin path."""
+
+import random
+
+import pytest
+from lmms_eval.evaluator import simple_evaluate
+from lmms_eval.models.registry_v2 import ModelRegistryV2
+
+from promprune.eval import OFFLINE_TASKS, PromPruneLMM, build_requests, run_requests, score
+from promprune.eval.lmms_plugin import MANIFEST
+from promprune.eval.tasks import task_manager
+from promprune.models import PrunedVLM
+
+LIMIT = 6  # documents per task: enough for several batches and shards, small enough for a 2-core CPU
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    return PrunedVLM.from_pretrained("tiny:llava", method="promprune", budget=8)
+
+
+def _sharded(vlm, rows, n_shards=3, seed=0):
+    """What the pipeline does: shuffle, split into shards, generate each, gather in arbitrary order."""
+    rows = rows[:]
+    random.Random(seed).shuffle(rows)
+    shards = [rows[i::n_shards] for i in range(n_shards)]
+    return [p for shard in reversed(shards) for p in run_requests(vlm, shard, batch_size=1)]
+
+
+@pytest.mark.slow
+def test_sharded_scores_equal_lmms_eval_evaluator(vlm):
+    tasks = list(OFFLINE_TASKS)
+    ours = _sharded(vlm, build_requests(tasks, limit=LIMIT))
+    ours_scores = score(ours)
+
+    lm = PromPruneLMM(vlm=vlm, batch_size=1)
+    reference = simple_evaluate(
+        model=lm, tasks=tasks, limit=LIMIT, task_manager=task_manager(tasks), bootstrap_iters=0, log_samples=True
+    )
+    for task in tasks:
+        samples = {s["doc_id"]: s for s in reference["samples"][task]}
+        mine = {p["doc_id"]: p for p in ours if p["task"] == task}
+        assert sorted(mine) == sorted(samples) == list(range(LIMIT))
+        for doc_id, sample in samples.items():
+            # the prompt and generation kwargs lmms-eval built for this doc are the ones our row carried ...
+            assert sample["arguments"][:2] == [mine[doc_id]["prompt"], mine[doc_id]["gen_kwargs"]]
+            # ... and the same inputs gave the same generation
+            assert sample["filtered_resps"][0] == mine[doc_id]["prediction"]
+        # and the same numbers
+        expected = {k.split(",")[0]: v for k, v in reference["results"][task].items()
+                    if "," in k and "_stderr" not in k}
+        assert {k: v for k, v in ours_scores[task].items() if k not in ("n_samples", "n_failed")} == expected
+        assert ours_scores[task]["n_samples"] == LIMIT and ours_scores[task]["n_failed"] == 0
+
+
+@pytest.mark.slow
+def test_corrupt_image_counts_as_a_failed_wrong_sample(vlm):
+    rows = build_requests(["easyvqa_yesno"], limit=LIMIT)
+    rows[1]["image"] = rows[1]["image"][: len(rows[1]["image"]) // 3]
+    predictions = _sharded(vlm, rows)
+    failed = [p for p in predictions if p["error"]]
+    assert len(predictions) == LIMIT and len(failed) == 1
+    assert failed[0]["doc_id"] == 1 and "easyvqa_yesno doc 1: unreadable image" in failed[0]["error"]
+    assert score(predictions)["easyvqa_yesno"]["n_failed"] == 1
+
+
+def test_plugin_resolves_through_lmms_eval_registry():
+    """The manifest the entry point exports is accepted by lmms-eval's registry and yields the plugin class."""
+    registry = ModelRegistryV2()
+    for manifest in registry._coerce_payload_to_manifests(MANIFEST):  # what load_entrypoint_manifests does
+        registry.register_manifest(manifest)
+    cls = registry.get_model_class("promprune")
+    assert cls is PromPruneLMM
+    lm = cls.create_from_arg_string("pretrained=tiny:llava,method=none,budget=none", {"batch_size": 2})
+    assert lm.vlm.method is None and lm.vlm.budget is None and lm.batch_size == 2
+    lm = cls.create_from_arg_string("pretrained=tiny:llava,method=promprune,budget=8,tau=0.05")
+    assert lm.vlm.budget == 8 and lm.vlm.method_options["tau"] == 0.05
+    with pytest.raises(ValueError, match="budget"):
+        cls.create_from_arg_string("pretrained=tiny:llava,budget=sixty")
+    with pytest.raises(ValueError, match="pretrained"):
+        cls.create_from_arg_string("method=promprune")
