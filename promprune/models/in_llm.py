@@ -66,7 +66,7 @@ def _decoder_layers(model):
 
 
 class Stage:
-    """Prune before decoder layer ``layer`` down to ``target`` visual tokens (None: set from a schedule)."""
+    """Prune before decoder layer ``layer`` down to ``target`` visual tokens (None: per-row geometric schedule)."""
 
     def __init__(self, layer, target, queries, recycle=0.0, merge=0.0):
         self.layer, self.target, self.queries, self.recycle, self.merge = layer, target, queries, recycle, merge
@@ -81,13 +81,19 @@ class InLLMPruner:
         self.visual = input_ids == model.config.image_token_id  # [B, L]
         self.prompt_len = input_ids.shape[1]
         self.budget = budget
-        counts = self.visual.sum(1)
-        n0 = int(counts.max())
-        for s, stage in enumerate(stages, start=1):  # geometric schedule from n0 to budget
-            if stage.target is None:
-                stage.target = budget if s == len(stages) else max(budget, round(n0 * (budget / n0) ** (s / len(stages))))
+        counts = self.visual.sum(1).tolist()  # visual tokens of each row
+        for s, stage in enumerate(stages, start=1):
+            stage.targets = [self._schedule(budget, n, s, len(stages)) if stage.target is None else stage.target
+                             for n in counts]
         self.first = stages[0].layer
         self.handles = []
+
+    @staticmethod
+    def _schedule(budget: int, n: int, s: int, stages: int) -> int:
+        """Tokens a row with ``n`` visual tokens keeps after stage ``s`` of ``stages``: geometric from n to budget."""
+        if s == stages or n <= budget:
+            return budget
+        return max(budget, round(n * (budget / n) ** (s / stages)))
 
     # ---- context manager -------------------------------------------------------------------------------
     def __enter__(self):
@@ -204,7 +210,7 @@ class InLLMPruner:
         for b in range(B):
             cand = vis_alive[b].nonzero().flatten()
             ranked = cand[scores[b, cand].argsort(descending=True, stable=True)]
-            n_keep = min(stage.target, ranked.numel())
+            n_keep = min(stage.targets[b], ranked.numel())
             kept, dropped = self._recycle(stage, hidden[b], ranked, n_keep, b)
             others = (~vis_alive[b]).nonzero().flatten()
             keep_rel.append((torch.cat([others, kept]), dropped))

@@ -1,0 +1,68 @@
+"""FastV / SparseVLM inside the LLM: the right tokens, dropped at the right layer."""
+import copy
+
+import pytest
+import torch
+
+from promprune.models import PrunedVLM
+from promprune.models.in_llm import sparsevlm_layers
+from promprune.models.testing import tiny_vlm
+
+K = 2  # FastV's default pruning layer
+BUDGET = 5
+
+
+def test_fastv_keeps_top_tokens_by_last_token_attention(images, prompts):
+    """Kept = top-budget visual tokens by layer K-1's last-token attention (head mean) of an eager forward."""
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="fastv", budget=BUDGET)
+    got = vlm.generate(images[:1], prompts[:1], max_new_tokens=1)[0]
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    inputs = vlm.inputs(images[:1], prompts[:1])
+    with torch.inference_mode():
+        att = twin(**inputs, output_attentions=True).attentions[K - 1]  # [1, H, L, L]
+    run = (inputs["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
+    scores = att[0, :, -1, run].mean(0)  # [N]
+    assert got.kept == sorted(scores.topk(BUDGET).indices.tolist())
+
+
+@pytest.mark.parametrize("method", ["fastv", "sparsevlm"])
+def test_layers_after_pruning_see_fewer_tokens(method, images, prompts):
+    model, processor = tiny_vlm("llava")
+    layers = model.model.language_model.layers
+    seen = {}
+
+    def recorder(i):
+        def hook(module, args, kwargs):
+            seen.setdefault(i, kwargs["hidden_states"].shape[1])  # first call = prefill
+        return hook
+
+    hooks = [layers[i].self_attn.register_forward_pre_hook(recorder(i), with_kwargs=True)
+             for i in range(len(layers))]
+    try:
+        PrunedVLM(model, processor, method=method, budget=BUDGET).generate(images[:1], prompts[:1],
+                                                                           max_new_tokens=2)
+    finally:
+        for h in hooks:
+            h.remove()
+    full = seen[0]
+    n_visual = 36
+    at = [K] if method == "fastv" else sparsevlm_layers(len(layers))
+    assert all(seen[i] == full for i in range(at[0]))
+    assert all(seen[i] == full - n_visual + BUDGET for i in range(at[-1], len(layers)))
+    lengths = [seen[i] for i in range(len(layers))]
+    assert lengths == sorted(lengths, reverse=True)  # stages only ever drop tokens
+
+
+def test_sparsevlm_layers_scale_with_depth():
+    assert sparsevlm_layers(32) == [2, 6, 15]
+    assert sparsevlm_layers(4) == [1, 2]
+    assert sparsevlm_layers(28) == [2, 5, 13]
+
+
+def test_in_llm_rejects_flash_attention():
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method="fastv", budget=4)
+    vlm.model.config.text_config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="sdpa' or 'eager'"):
+        vlm.pruning(vlm.prepare([__import__("PIL.Image").Image.new("RGB", (8, 8))], ["q"]))
