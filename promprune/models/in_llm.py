@@ -118,6 +118,9 @@ class InLLMPruner:
         embeds = kwargs.get("inputs_embeds")
         cache = kwargs.get("past_key_values")
         past = cache.get_seq_length() if cache is not None else 0
+        if embeds.shape[0] != self.visual.shape[0]:
+            raise ValueError("fastv / sparsevlm run one sequence per prompt: use num_beams=1 and "
+                             "num_return_sequences=1")
         self.q_len = embeds.shape[1]
         self.prefill = past == 0
         mask2d = kwargs.get("attention_mask")

@@ -85,3 +85,19 @@ def test_split_budget_hand_worked():
     assert split_budget(100, [3, 4]) == [3, 4]  # never more than available
     assert split_budget(6, [16, 16], weights=[0.75, 0.25]) == [5, 1]  # 4.5 / 1.5 -> ties go to the first
     assert split_budget(0, [4, 4]) == [0, 0]
+
+
+def test_merging_method_feeds_merged_features(images, prompts):
+    """VisionZip's merged contextual tokens, not the raw ones, reach the LLM."""
+    import promprune
+
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="visionzip", budget=8)
+    prep = vlm.prepare(images, prompts)
+    feats = prep.model_kwargs["mm_encoder_outputs"]["image"].pooler_output
+    items = prep.items
+    sel = promprune.select(torch.stack([it.features for it in items]), torch.stack([it.saliency for it in items]),
+                           budget=8, method="visionzip")
+    for b in range(len(items)):
+        torch.testing.assert_close(feats[b], sel.features[b])
+        assert prep.stats[b]["kept"] == sel.indices[b].tolist()

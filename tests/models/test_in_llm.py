@@ -66,3 +66,10 @@ def test_in_llm_rejects_flash_attention():
     vlm.model.config.text_config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa' or 'eager'"):
         vlm.pruning(vlm.prepare([__import__("PIL.Image").Image.new("RGB", (8, 8))], ["q"]))
+
+
+def test_in_llm_rejects_beam_search(images, prompts):
+    model, processor = tiny_vlm("llava")
+    with pytest.raises(ValueError, match="num_beams=1"):
+        PrunedVLM(model, processor, method="fastv", budget=4).generate(images, prompts, max_new_tokens=2,
+                                                                       num_beams=2)
