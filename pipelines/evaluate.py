@@ -1,0 +1,365 @@
+"""One evaluation on Ray Data: (model, method, budget, options, tasks) -> predictions, scores, metrics.
+
+    python pipelines/evaluate.py --model tiny:llava --method promprune --budget 16 \
+        --tasks easyvqa_yesno easyvqa_open --limit 8
+
+Setup -> run -> cleanup:
+
+1. rows: `promprune.eval.build_requests(tasks, limit=...)` on the driver (task, doc_id, prompt, image bytes,
+   gen_kwargs); each row is pickled into one `payload` cell so any row schema travels unchanged.
+2. `ray.data.from_items(rows).map_batches(VLMPredictor, compute=ActorPoolStrategy(size=workers), num_gpus=...,
+   batch_size=...)`: every actor loads a `PrunedVLM` once in `__init__` (one GPU each when the cluster has GPUs,
+   CPU otherwise) and answers batches under `torch.inference_mode()`. `DataContext.wait_for_min_actors_s` is
+   finite, so a pool that cannot be scheduled fails instead of hanging. Actors restart and their tasks retry
+   when a node dies; the output is checked to hold every sample exactly once (nothing is de-duplicated silently).
+3. Central scoring: `promprune.eval.score(predictions)` aggregates once over all shards.
+
+Run as a script it also logs one MLflow run (role `evaluation`) with the same metrics and artifacts as a sweep
+trial. `pipelines/sweep.py` calls `evaluate()` inside each Ray Tune trial.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pickle
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as `python pipelines/evaluate.py`: make `pipelines` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pandas as pd
+import ray
+
+from pipelines.weights import ModelSource
+
+# The prediction columns kept in predictions.parquet (the MLflow schema; pipelines/report.py reads them).
+PREDICTION_COLUMNS = ("task", "doc_id", "prediction", "error", "entropy", "saliency_count", "visual_tokens", "kept",
+                      "timings", "text_tokens", "prefill_flops", "kv_cache_bytes", "peak_mem_mb")
+TIMING_FIELDS = ("vision_ms", "select_ms", "prefill_ms", "decode_ms")  # per-sample ms (of the sample's batch)
+BYTES_PER_MB = 2 ** 20  # the paper's Table 6 reports KV cache in MiB (1440.0 MB = 2880 tokens x 0.5 MiB)
+FLOPS_PER_TFLOP = 1e12
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation: what to run and on how many actors."""
+
+    model: ModelSource = field(default_factory=ModelSource)
+    method: str | None = None  # None: the unpruned model
+    budget: int | None = None
+    options: dict = field(default_factory=dict)  # method options (mu, tau, diversity, ...)
+    tasks: list = field(default_factory=lambda: ["easyvqa_yesno", "easyvqa_open"])  # the offline benchmarks
+    limit: int | None = None  # per-task sample cap
+    generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: the task's own
+    workers: int = 1  # actors in the pool
+    gpus_per_worker: float = 1  # used only when the cluster declares GPUs
+    cpus_per_worker: float = 1  # one core per actor: the processor and image decoding are light
+    batch_size: int = 8  # rows per actor call and per generate()
+    actor_wait_s: float = 600  # finite: an unschedulable pool fails after this long instead of hanging
+
+
+@dataclass
+class EvalResult:
+    predictions: list[dict]  # one per request row
+    scores: dict  # {task: {metric: value}}
+    metrics: dict  # flat MLflow metrics: <task>/<metric>, samples/*, efficiency/*, entropy/*, t_sal/*
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rows
+
+
+def build_rows(tasks: list[str], limit: int | None, generation: dict) -> list[dict]:
+    """Request rows from the eval bridge, with the spec's generation kwargs laid over each task's own."""
+    from promprune.eval import build_requests
+
+    rows = build_requests(tasks, limit=limit)
+    for row in rows:
+        row["gen_kwargs"] = {**(row.get("gen_kwargs") or {}), **generation}
+    return rows
+
+
+def sample_key(row: dict) -> str:
+    return f"{row['task']}/{row['doc_id']}"
+
+
+def encode_rows(rows: list[dict]) -> list[dict]:
+    """Rows -> Ray Data items {key, payload}; the payload is the pickled row (bytes survive Arrow intact)."""
+    keys = [sample_key(r) for r in rows]
+    dupes = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) != len(keys) else []
+    if dupes:
+        raise ValueError(f"request rows: duplicate (task, doc_id): {dupes[:5]}")
+    return [{"key": k, "payload": pickle.dumps(r)} for k, r in zip(keys, rows)]
+
+
+def decode_predictions(records: list[dict]) -> list[dict]:
+    return [pickle.loads(rec["payload"]) for rec in records]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the actor
+
+
+def default_run_requests(vlm, rows: list[dict], batch_size: int) -> list[dict]:
+    from promprune.eval import run_requests
+
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+class VLMPredictor:
+    """Ray Data callable class: loads a PrunedVLM once, then answers batches of pickled request rows.
+
+    `run_fn(vlm, rows, batch_size) -> predictions` is injectable (tests slow it down to kill nodes mid-run);
+    the default is `promprune.eval.run_requests`.
+    """
+
+    def __init__(self, source: ModelSource, method: str | None, budget: int | None, options: dict,
+                 batch_size: int, run_fn: Callable | None = None):
+        import torch
+
+        torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+        self.vlm = source.load(method=method, budget=budget, options=options)
+        self.batch_size = batch_size
+        self.run_fn = run_fn or default_run_requests
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        """batch: DataFrame[key, payload (pickled row)] -> DataFrame[key, payload (pickled prediction)]."""
+        import torch
+
+        rows = [pickle.loads(p) for p in batch["payload"]]
+        with torch.inference_mode():
+            preds = self.run_fn(self.vlm, rows, self.batch_size)
+        if len(preds) != len(rows):
+            raise RuntimeError(f"run_requests returned {len(preds)} predictions for {len(rows)} rows")
+        preds = [add_efficiency(self.vlm, p) for p in preds]
+        return pd.DataFrame({"key": [sample_key(p) for p in preds], "payload": [pickle.dumps(p) for p in preds]})
+
+
+def add_efficiency(vlm, pred: dict) -> dict:
+    """Per-sample prefill FLOPs and visual KV-cache bytes, under the paper's Table 6 convention.
+
+    FLOPs count the whole prefill: the visual tokens the LLM received plus the prompt's text tokens (the chat
+    template tokenized, image placeholders not counted). The KV cache counts the visual tokens only, as Table 6
+    does (1440.0 MB for LLaVA-NeXT-7B's 2880 tokens in fp16).
+    """
+    from promprune import efficiency
+
+    visual = pred.get("visual_tokens")
+    if visual is None or pred.get("error"):
+        return {**pred, "text_tokens": None, "prefill_flops": None, "kv_cache_bytes": None}
+    text_config = vlm.model.config.get_text_config()
+    text = text_tokens(vlm, pred["prompt"])
+    return {**pred, "text_tokens": text,
+            "prefill_flops": float(efficiency.prefill_flops(text_config, int(visual) + text)),
+            "kv_cache_bytes": float(efficiency.kv_cache_bytes(text_config, int(visual), vlm.model.dtype))}
+
+
+def text_tokens(vlm, prompt: str) -> int:
+    """Tokens of the chat-templated prompt other than image placeholders (which become the visual tokens)."""
+    ids = vlm.processor.tokenizer(vlm.conversation(prompt), add_special_tokens=False)["input_ids"]
+    config = vlm.model.config
+    image_id = getattr(config, "image_token_id", None)
+    if image_id is None:
+        image_id = getattr(config, "image_token_index", None)
+    return sum(1 for i in ids if i != image_id)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ray Data
+
+
+def cluster_gpus() -> float:
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
+def predict(cfg: EvalConfig, rows: list[dict], *, run_fn: Callable | None = None) -> list[dict]:
+    """Shard `rows` over an actor pool holding the model; one prediction per row, in no particular order."""
+    from ray.data import ActorPoolStrategy, DataContext
+
+    items = encode_rows(rows)
+    ctx = DataContext.get_current()
+    ctx.wait_for_min_actors_s = cfg.actor_wait_s
+    ctx.enable_progress_bars = True
+    num_gpus = cfg.gpus_per_worker if cluster_gpus() > 0 else 0
+    n_blocks = max(1, math.ceil(len(items) / cfg.batch_size))  # one block per batch: idle actors can take work
+    ds = ray.data.from_items(items, override_num_blocks=n_blocks)
+    out = ds.map_batches(
+        VLMPredictor,
+        fn_constructor_kwargs=dict(source=cfg.model, method=cfg.method, budget=cfg.budget, options=cfg.options,
+                                   batch_size=cfg.batch_size, run_fn=run_fn),
+        compute=ActorPoolStrategy(size=cfg.workers),
+        batch_size=cfg.batch_size,
+        batch_format="pandas",
+        num_gpus=num_gpus,
+        num_cpus=cfg.cpus_per_worker,
+        max_restarts=-1,  # an actor lost with its node is restarted elsewhere ...
+        max_task_retries=-1,  # ... and its unfinished batches are retried there
+    )
+    preds = decode_predictions(out.take_all())
+    check_exactly_once(rows, preds)
+    return preds
+
+
+def check_exactly_once(rows: list[dict], preds: list[dict]) -> None:
+    """Every request row has exactly one prediction: raise naming the duplicated or missing samples."""
+    want = {sample_key(r) for r in rows}
+    got = [sample_key(p) for p in preds]
+    seen: set[str] = set()
+    dupes = sorted({k for k in got if k in seen or seen.add(k)})
+    missing = sorted(want - seen)
+    extra = sorted(seen - want)
+    if dupes or missing or extra:
+        raise RuntimeError(f"predictions are not one per sample: duplicated {dupes[:5]} ({len(dupes)}), "
+                           f"missing {missing[:5]} ({len(missing)}), unexpected {extra[:5]} ({len(extra)})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring and summaries
+
+
+def evaluate(cfg: EvalConfig, rows: list[dict] | None = None, *, run_fn: Callable | None = None,
+             score_fn: Callable | None = None) -> EvalResult:
+    """Rows (built here unless given) -> predictions on Ray Data -> scores (once, centrally) -> metrics."""
+    if rows is None:
+        rows = build_rows(cfg.tasks, cfg.limit, cfg.generation)
+    preds = predict(cfg, rows, run_fn=run_fn)
+    if score_fn is None:
+        from promprune.eval import score as score_fn
+    scores = score_fn(preds)
+    return EvalResult(predictions=preds, scores=scores, metrics=summarize(preds, scores))
+
+
+def _mean(values: list) -> float:
+    values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _median(values: list) -> float:
+    values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(preds: list[dict], scores: dict) -> dict[str, float]:
+    """Flat metrics of one evaluation (the MLflow schema); means over the samples that did not fail."""
+    ok = [p for p in preds if not p.get("error")]
+    metrics = {f"{task}/{name}": float(v) for task, ms in scores.items() for name, v in ms.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics.update({
+        "samples/total": float(len(preds)),
+        "samples/failed": float(len(preds) - len(ok)),
+        "efficiency/prefill_tflops": _mean([p.get("prefill_flops") for p in ok]) / FLOPS_PER_TFLOP,
+        "efficiency/kv_cache_mb": _mean([p.get("kv_cache_bytes") for p in ok]) / BYTES_PER_MB,
+        "efficiency/prefill_ms": _mean([p.get("prefill_ms") for p in ok]),
+        "efficiency/peak_mem_mb": max([float(p["peak_mem_mb"]) for p in ok if p.get("peak_mem_mb") is not None],
+                                      default=float("nan")),
+        "efficiency/visual_tokens": _mean([p.get("visual_tokens") for p in ok]),
+        "entropy/mean": _mean([p.get("entropy") for p in ok]),
+        "entropy/median": _median([p.get("entropy") for p in ok]),
+        "t_sal/mean": _mean([p.get("saliency_count") for p in ok]),
+        "t_sal/median": _median([p.get("saliency_count") for p in ok]),
+    })
+    return metrics
+
+
+def predictions_frame(preds: list[dict]) -> pd.DataFrame:
+    """One row per sample with the PREDICTION_COLUMNS; timings {vision,select,prefill,decode}_ms as a JSON string,
+    kept as a list of ints; sorted by (task, doc_id)."""
+    def one(p: dict) -> dict:
+        kept = p.get("kept")
+        if kept is not None and hasattr(kept, "tolist"):
+            kept = kept.tolist()
+        return {"task": p["task"], "doc_id": p["doc_id"], "prediction": p.get("prediction"),
+                "error": p.get("error"), "entropy": _opt_float(p.get("entropy")),
+                "saliency_count": _opt_float(p.get("saliency_count")),
+                "visual_tokens": _opt_float(p.get("visual_tokens")), "kept": _flat_ints(kept),
+                "timings": json.dumps({k: p.get(k) for k in TIMING_FIELDS}, sort_keys=True, default=float),
+                "text_tokens": _opt_float(p.get("text_tokens")), "prefill_flops": _opt_float(p.get("prefill_flops")),
+                "kv_cache_bytes": _opt_float(p.get("kv_cache_bytes")),
+                "peak_mem_mb": _opt_float(p.get("peak_mem_mb"))}
+
+    frame = pd.DataFrame([one(p) for p in preds], columns=list(PREDICTION_COLUMNS))
+    return frame.sort_values(["task", "doc_id"], kind="stable").reset_index(drop=True)
+
+
+def _opt_float(v: Any) -> float | None:
+    if v is None:
+        return None
+    return float(v.item() if hasattr(v, "item") else v)
+
+
+def _flat_ints(kept: Any) -> list[int] | None:
+    """kept indices as a flat int list (per-crop nesting of LLaVA-NeXT is flattened in order)."""
+    if kept is None:
+        return None
+    out: list[int] = []
+    stack = [kept]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        else:
+            out.append(int(x))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny:llava", help="checkpoint name/path or tiny:<arch> (default: tiny:llava)")
+    p.add_argument("--method", default=None, help="pruning method; omit for the unpruned model")
+    p.add_argument("--budget", type=int, default=None, help="visual tokens kept")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="method option, value parsed as YAML (repeatable), e.g. --option mu=0.4")
+    p.add_argument("--tasks", nargs="+", default=["easyvqa_yesno", "easyvqa_open"])
+    p.add_argument("--limit", type=int, default=8, help="samples per task (default 8: a smoke run)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
+    p.add_argument("--no-mlflow", action="store_true", help="print the results only")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import yaml
+
+    from pipelines import tracking
+
+    args = parse_args(argv)
+    options = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        options[key] = yaml.safe_load(value)
+    if args.method is not None:
+        from promprune.models import validate_method
+
+        validate_method(args.method, args.budget, **options)
+    cfg = EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
+                     budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
+                     generation={"max_new_tokens": args.max_new_tokens}, workers=args.workers,
+                     batch_size=args.batch_size)
+    ray.init(address=args.address, ignore_reinit_error=True)
+    t0 = time.perf_counter()
+    result = evaluate(cfg)
+    print(f"evaluated {len(result.predictions)} samples in {time.perf_counter() - t0:.1f}s")
+    for key, value in sorted(result.metrics.items()):
+        print(f"  {key:32s} {value:.4g}")
+    if not args.no_mlflow:
+        run_id = tracking.log_evaluation(cfg, result)
+        print(f"MLflow run {run_id}; open the UI with:\n  {tracking.ui_command()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

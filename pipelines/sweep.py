@@ -1,0 +1,434 @@
+"""Run a sweep spec on Ray Tune; every trial is one Ray Data evaluation; results go to MLflow.
+
+    python pipelines/sweep.py                                   # sweeps/quickstart.yaml, offline, local Ray
+    python pipelines/sweep.py --config sweeps/table1_llava15.yaml --set limit=20
+    python pipelines/sweep.py --config sweeps/quickstart.yaml --resume          # finish an interrupted sweep
+    ray job submit --working-dir . -- python pipelines/sweep.py --config sweeps/nightly.yaml \
+        --regression-threshold 0.02
+
+Setup -> run -> cleanup:
+
+1. setup: validate the spec completely (no model load), connect to Ray, build the request rows once on the driver,
+   publish the model weights to the object store once (see pipelines/weights.py), open the MLflow parent run.
+2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list; random search
+   draws from the grid with a seed), at most as many at once as the GPUs allow, retrying failed trials
+   (`FailureConfig`). Each trial evaluates on its own Ray Data actor pool and hands predictions back as a Tune
+   checkpoint. The driver (and only the driver) logs each finished trial as an MLflow child run.
+3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table and the
+   command that opens the MLflow UI.
+
+`--resume` restores the Tune experiment: finished trials are not run again, unfinished and errored ones are,
+and the same MLflow parent run continues.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as `python pipelines/sweep.py`: make `pipelines` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pandas as pd
+import ray
+from ray import tune
+
+from pipelines import spec as specs
+from pipelines import tracking
+from pipelines.evaluate import EvalConfig, build_rows, evaluate, predictions_frame
+from pipelines.weights import ModelSource, share
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
+STATE_DIR = Path("outputs") / "sweeps"  # driver-side record: Tune experiment dir <-> MLflow parent run
+TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
+EXIT_TRIALS_FAILED, EXIT_REGRESSION = 2, 3
+
+
+@dataclass
+class Plan:
+    """How many actors per evaluation and trials at once."""
+
+    workers: int
+    concurrency: int
+    gpus_per_worker: float
+    cluster_gpus: float
+
+
+def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) -> Plan:
+    """auto workers/concurrency: spread the GPUs over the trials (one actor each when trials outnumber GPUs).
+
+    With no GPU: one actor and one trial at a time (the actors would only fight over the cores).
+    """
+    r, t = spec.resources, spec.tune
+    if cluster_gpus > 0 and r.gpus_per_worker > 0:
+        slots = max(1, int(cluster_gpus // r.gpus_per_worker))  # actors that fit on the cluster at once
+        workers = r.workers if r.workers != specs.AUTO else max(1, slots // max(1, n_trials))
+        concurrency = t.max_concurrent_trials if t.max_concurrent_trials != specs.AUTO else max(1, slots // workers)
+    else:
+        workers = r.workers if r.workers != specs.AUTO else 1
+        concurrency = t.max_concurrent_trials if t.max_concurrent_trials != specs.AUTO else 1
+    return Plan(workers=workers, concurrency=max(1, min(concurrency, n_trials)),
+                gpus_per_worker=r.gpus_per_worker, cluster_gpus=cluster_gpus)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the trial (runs in a Tune trial actor)
+
+
+def run_trial(config: dict, *, source: ModelSource, rows: list[dict], settings: dict,
+              run_fn: Callable | None = None) -> None:
+    """Evaluate one trial on Ray Data and report metrics plus a checkpoint holding predictions and scores."""
+    trial = specs.Trial.from_dict(config["trial"])
+    started = time.time()
+    cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
+    result = evaluate(cfg, rows, run_fn=run_fn)
+    with tempfile.TemporaryDirectory() as d:
+        predictions_frame(result.predictions).to_parquet(Path(d) / "predictions.parquet", index=False)
+        (Path(d) / "scores.json").write_text(json.dumps(result.scores, default=float))
+        metrics = {**result.metrics, "trial/started_at": started, "trial/wall_s": time.time() - started}
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# driver-side logging (a Tune callback runs in the driver process: the only MLflow writer)
+
+
+_LIVE_RECORDERS: dict[str, "SweepRecorder"] = {}  # parent run id -> this driver's recorder
+
+
+class RecorderHook(tune.Callback):
+    """The Tune callback: a picklable forwarder to the driver's live SweepRecorder.
+
+    Tune pickles its callbacks with the experiment state and unpickles them on `--resume`; the hook carries only
+    the parent run id and finds the (new) driver's recorder by it, so MLflow clients never get pickled.
+    """
+
+    def __init__(self, parent_id: str):
+        self.parent_id = parent_id
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info):
+        recorder = _LIVE_RECORDERS.get(self.parent_id)
+        if recorder is not None:
+            recorder.record(trial.config["trial"], trial.last_result, trial.checkpoint)
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info):
+        recorder = _LIVE_RECORDERS.get(self.parent_id)
+        if recorder is not None:
+            recorder.record_error(trial.config["trial"], _error_text(trial))
+
+
+def _error_text(trial) -> str:
+    path = getattr(trial, "error_file", None)
+    try:
+        return Path(path).read_text()[-2000:] if path else "trial failed"
+    except OSError:
+        return f"trial failed (see {path})"
+
+
+class SweepRecorder:
+    """Logs each finished trial as an MLflow child run (once), with Rel. as soon as the baseline is known."""
+
+    def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int):
+        self.sweep, self.parent_id, self.n_trials = sweep, parent_id, n_trials
+        self.client = tracking.client()
+        self.logged: dict[str, str] = {tid: r.info.run_id for tid, r in tracking.trial_runs(self.client,
+                                                                                            parent_id).items()}
+        self.records: dict[str, dict] = {}
+        self.baseline_scores: dict | None = None
+        self.rel_warned = False
+
+    def record(self, trial: dict, metrics: dict, checkpoint) -> dict:
+        tid = trial["trial_id"]
+        if tid in self.records:
+            return self.records[tid]
+        with checkpoint.as_directory() as d:
+            frame = pd.read_parquet(Path(d) / "predictions.parquet")
+            scores = json.loads((Path(d) / "scores.json").read_text())
+        rec = {"trial": trial, "metrics": {k: v for k, v in metrics.items() if _is_metric(k, v)},
+               "scores": scores, "frame": frame, "error": None}
+        if trial["method"] is None and trial.get("repeat", 0) == 0:
+            self.baseline_scores = scores
+        self._add_rel(rec)
+        self.records[tid] = rec
+        if tid not in self.logged:
+            self.logged[tid] = tracking.log_trial(
+                self.client, self.parent_id, self.sweep.name, self.sweep.version, trial, self._params(trial),
+                rec["metrics"], frame)
+        elif "rel" in rec["metrics"]:
+            tracking.log_metrics(self.client, self.logged[tid], {"rel": rec["metrics"]["rel"]})
+        self._progress(rec)
+        return rec
+
+    def record_error(self, trial: dict, error: str) -> None:
+        tid = trial["trial_id"]
+        self.records[tid] = {"trial": trial, "metrics": {}, "scores": {}, "frame": None, "error": error}
+        if tid not in self.logged:
+            tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version, trial,
+                               self._params(trial), {}, None, status="FAILED", error=error)
+        print(f"[trial failed] {tid}: {error}", flush=True)
+
+    def finalize_rel(self) -> None:
+        """Rel. for trials that finished before the baseline did."""
+        for tid, rec in self.records.items():
+            if rec["error"] is None and "rel" not in rec["metrics"] and self._add_rel(rec) and tid in self.logged:
+                tracking.log_metrics(self.client, self.logged[tid], {"rel": rec["metrics"]["rel"]})
+
+    def _add_rel(self, rec: dict) -> bool:
+        """Rel. vs the baseline; undefined (not logged, said once) when a baseline score is 0."""
+        if self.baseline_scores is None:
+            return False
+        from promprune.eval import relative_score
+
+        try:
+            rec["metrics"]["rel"] = float(relative_score(rec["scores"], self.baseline_scores))
+        except ValueError as e:
+            if not self.rel_warned:
+                print(f"note: Rel. is not defined for this sweep: {e}", flush=True)
+                self.rel_warned = True
+            return False
+        return True
+
+    def _params(self, trial: dict) -> dict:
+        return tracking.trial_params(self.sweep.model.pretrained, trial, self.sweep.tasks, self.sweep.model.options)
+
+    def _progress(self, rec: dict) -> None:
+        done = len(self.records)
+        m = rec["metrics"]
+        shown = " ".join(f"{k}={m[k]:.3f}" for k in _headline_keys(self.sweep.tasks, m) + ["rel"] if k in m)
+        print(f"[{done}/{self.n_trials}] {rec['trial']['trial_id']}: {shown} "
+              f"({m.get('trial/wall_s', float('nan')):.1f}s)", flush=True)
+
+
+def _is_metric(key: str, value: Any) -> bool:
+    return "/" in key and isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _headline_keys(tasks: list[str], metrics: dict) -> list[str]:
+    """Each task's primary metric(s) (`promprune.eval.PRIMARY_METRICS`, what Rel. uses), else its first metric."""
+    from promprune.eval import PRIMARY_METRICS
+
+    keys = []
+    for task in tasks:
+        primary = [f"{task}/{m}" for m in PRIMARY_METRICS.get(task, ())]
+        keys += [k for k in primary if k in metrics] or [k for k in metrics if k.startswith(f"{task}/")][:1]
+    return keys
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# setup
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Run a sweep spec on Ray Tune and log it to MLflow.")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep spec (default: sweeps/quickstart.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override a spec field, value parsed as YAML (repeatable): --set limit=8 "
+                        "--set grid.budget=[16,8]")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="STATE",
+                   help="resume the latest interrupted run of this spec (or the given outputs/sweeps/*.json)")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--regression-threshold", type=float, default=None,
+                   help="nightly: fail (exit 3) and tag the run when a trial's Rel. drops more than this "
+                        "below the previous finished run of the same spec")
+    p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")
+    return p.parse_args(argv)
+
+
+def worker_env() -> dict:
+    """runtime_env that lets Ray workers import `pipelines` and `promprune` from this checkout.
+
+    Needed for a local Ray or a cluster sharing this filesystem (tests); `ray job submit --working-dir .` puts the
+    uploaded checkout on the workers' path itself, and cluster.yaml installs the project on every node.
+    """
+    import os
+
+    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+
+
+def connect(address: str | None) -> None:
+    import os
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
+
+    if ray.is_initialized():
+        return
+    if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: keep the job's runtime_env
+        ray.init(address=address)
+    elif address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, runtime_env=worker_env())
+    else:  # a local Ray: no dashboard needed (faster start on a laptop)
+        ray.init(include_dashboard=False, runtime_env=worker_env())
+
+
+def state_file(name: str, resume: str | None) -> tuple[Path, dict | None]:
+    """(state path, saved state or None). Resume 'latest': the newest state file of this spec name."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    if resume is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        return STATE_DIR / f"{name}-{stamp}.json", None
+    if resume == "latest":
+        found = sorted(STATE_DIR.glob(f"{name}-*.json"))
+        if not found:
+            raise SystemExit(f"--resume: no earlier run of {name!r} under {STATE_DIR}/")
+        path = found[-1]
+    else:
+        path = Path(resume)
+    return path, json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# run
+
+
+@dataclass
+class SweepOutcome:
+    parent_run_id: str
+    records: dict  # trial id -> {trial, metrics, scores, frame, error}
+    regressions: list
+    experiment_path: str
+
+    @property
+    def failed(self) -> list[str]:
+        return [tid for tid, r in self.records.items() if r["error"] is not None]
+
+
+def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Callable | None = None,
+              regression_threshold: float | None = None, rows: list[dict] | None = None) -> SweepOutcome:
+    """Setup -> Tune -> MLflow; Ray must already be initialized. `run_fn`/`rows` replace the model call/rows."""
+    trials = specs.expand(spec)
+    plan = plan_resources(spec, len(trials), float(ray.cluster_resources().get("GPU", 0)))
+    print(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.workers} actor(s) per trial, "
+          f"{plan.concurrency} trial(s) at once, {plan.cluster_gpus:g} GPU(s)", flush=True)
+    rows = rows if rows is not None else build_rows(spec.tasks, spec.limit, spec.generation)
+    source = ModelSource(spec.model.pretrained, spec.model.dtype, spec.model.attn_implementation, spec.model.options)
+    if spec.resources.share_weights:
+        t0 = time.perf_counter()
+        source = share(source, on_gpu=plan.cluster_gpus > 0)
+        print(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)", flush=True)
+    client = tracking.client()
+    state_path, state = state_file(spec.name, resume)
+    if state is None:
+        parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
+                                         {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
+                                          "limit": spec.limit, "trials": len(trials)})
+        storage = spec.tune.storage_path or str((Path.cwd() / "outputs" / "tune").resolve())
+        state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": state_path.stem}
+        state_path.write_text(json.dumps(state, indent=2))
+    else:
+        parent_id = state["parent_run_id"]
+        tracking.reopen(client, parent_id)
+    recorder = SweepRecorder(spec, parent_id, len(trials))
+    _LIVE_RECORDERS[parent_id] = recorder
+    trainable = _trainable(source, rows, spec, plan, run_fn)
+    exp_path = f"{state['storage_path']}/{state['experiment']}"
+    try:
+        tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=state_path if resume else None)
+        grid = tuner.fit()
+        _reconcile(recorder, grid)
+        recorder.finalize_rel()
+        regressions = []
+        if regression_threshold is not None:
+            regressions = tracking.regression_check(client, parent_id, spec.name, spec.version, regression_threshold)
+        tracking.log_metrics(client, parent_id, {"trials/total": len(trials),
+                                                 "trials/failed": sum(r["error"] is not None
+                                                                      for r in recorder.records.values())})
+        tracking.finish(client, parent_id)
+    except BaseException:
+        tracking.finish(client, parent_id, status="KILLED")
+        raise
+    finally:
+        _LIVE_RECORDERS.pop(parent_id, None)
+    return SweepOutcome(parent_id, recorder.records, regressions, exp_path)
+
+
+def _trainable(source: ModelSource, rows: list[dict], spec: specs.SweepSpec, plan: Plan, run_fn):
+    settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, workers=plan.workers,
+                    gpus_per_worker=plan.gpus_per_worker, cpus_per_worker=spec.resources.cpus_per_worker,
+                    batch_size=spec.resources.batch_size, actor_wait_s=spec.resources.actor_wait_s)
+    fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn)
+    return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
+
+
+def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: dict, recorder, resume):
+    storage, name = state["storage_path"], state["experiment"]
+    if resume is not None and tune.Tuner.can_restore(f"{storage}/{name}"):
+        print(f"resuming {storage}/{name}: finished trials are kept", flush=True)
+        return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
+    run_config = tune.RunConfig(
+        name=name, storage_path=storage, callbacks=[RecorderHook(recorder.parent_id)], verbose=1,
+        failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
+    )
+    return tune.Tuner(trainable, param_space={"trial": tune.grid_search([t.to_dict() for t in trials])},
+                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.concurrency, num_samples=1),
+                      run_config=run_config)
+
+
+def _reconcile(recorder: SweepRecorder, grid) -> None:
+    """Log any trial the callback did not see (finished before an interruption, restored by --resume)."""
+    for result in grid:
+        trial = result.config["trial"]
+        if trial["trial_id"] in recorder.records and recorder.records[trial["trial_id"]]["error"] is None:
+            continue
+        if result.error is not None or result.checkpoint is None:
+            recorder.record_error(trial, str(result.error or "no result"))
+        else:
+            recorder.record(trial, result.metrics, result.checkpoint)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cleanup
+
+
+def summary_table(spec: specs.SweepSpec, records: dict) -> str:
+    """Plain-text table: one row per trial, the headline metric per task, Rel., efficiency."""
+    rows = []
+    for tid, rec in records.items():
+        m, t = rec["metrics"], rec["trial"]
+        row = {"trial": tid, "method": t["method"] or "none", "budget": t["budget"] if t["budget"] else "-"}
+        for key in _headline_keys(spec.tasks, m):
+            row[key] = round(m[key], 4)
+        row["rel"] = round(m["rel"], 4) if "rel" in m else "-"
+        row["vis.tok"] = _fmt(m.get("efficiency/visual_tokens"))
+        row["prefill ms"] = _fmt(m.get("efficiency/prefill_ms"))
+        row["failed"] = "ERROR" if rec["error"] else int(m.get("samples/failed", 0))
+        rows.append(row)
+    return pd.DataFrame(rows).fillna("-").to_string(index=False) if rows else "(no trials)"
+
+
+def _fmt(v: Any) -> Any:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else round(float(v), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = specs.load(args.config, args.overrides)  # fails at once, every problem listed, before Ray starts
+    if args.validate_only:
+        print("\n".join(t.trial_id for t in specs.expand(spec)))
+        return 0
+    connect(args.address)
+    t0 = time.perf_counter()
+    outcome = run_sweep(spec, resume=args.resume, regression_threshold=args.regression_threshold)
+    print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
+          f"(MLflow parent run {outcome.parent_run_id})\n")
+    print(summary_table(spec, outcome.records))
+    print(f"\nOpen the results:\n  {tracking.ui_command()}")
+    if outcome.regressions:
+        print("\nREGRESSION (Rel. fell beyond the threshold):\n  " + "\n  ".join(outcome.regressions))
+        return EXIT_REGRESSION
+    return EXIT_TRIALS_FAILED if outcome.failed else 0
+
+
+if __name__ == "__main__":
+    from pipelines.sweep import main as _main  # classes pickled by Tune must live in `pipelines.sweep`, not __main__
+
+    sys.exit(_main())

@@ -1,0 +1,181 @@
+"""Where an actor's model comes from, and how a sweep loads each checkpoint's weights only once.
+
+Loading a 7B checkpoint (`from_pretrained`: read ~14 GB of safetensors, build the module, copy the weights in)
+takes tens of seconds per actor, and a sweep starts `trials x workers` actors. Pruning never changes the weights:
+every trial of a sweep uses the same model and only wraps it differently (`PrunedVLM(model, processor, method,
+budget, ...)`). So the sweep loads each checkpoint once, in one Ray task, and publishes it to the object store:
+
+- `share(source)`: a task loads the model (on CPU, in the dtype the actors will use), copies every parameter and
+  buffer into numpy arrays (bfloat16 as an int16 view: numpy has no bf16) and returns `(recipe, processor,
+  arrays)`, the recipe being the model class, its config and where each array goes. Ray stores the arrays in
+  shared memory, once per node that needs them.
+- `ModelSource.load(...)` in an actor with `shared` set: `ray.get` maps the arrays zero-copy from the node's
+  object store, the model class is built on the meta device (no memory, no random init) and the arrays become
+  its tensors (tied weights stay tied), the model moves to the GPU, and a `PrunedVLM` wraps it. No file is read
+  and no weight is initialized. On CPU the actors of one node even share a single copy of the weights.
+
+`benchmarks/model_loading.py` measures both paths. Without sharing (`resources.share_weights: false`) every
+actor calls `PrunedVLM.from_pretrained` itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def resolve_dtype(dtype: str, on_gpu: bool) -> str:
+    """'auto' -> bfloat16 on GPU (the 7B checkpoints' training dtype), float32 on CPU (no fast bf16 matmul)."""
+    if dtype == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
+    return dtype
+
+
+def local_device() -> str:
+    """The device this process may use: CUDA when Ray gave it a GPU that torch can see."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    try:
+        import ray
+
+        if ray.is_initialized() and not ray.get_gpu_ids():
+            return "cpu"
+    except Exception:  # outside a Ray worker there is no assignment to respect
+        pass
+    return "cuda"
+
+
+@dataclass
+class ModelSource:
+    """A checkpoint and how to load it; picklable, sent to every actor."""
+
+    pretrained: str = "tiny:llava"  # the offline tiny LLaVA
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    attn_implementation: str = "sdpa"  # saliency comes from hooks, so SDPA stays on everywhere
+    options: dict = field(default_factory=dict)  # adapter kwargs (budget_mode, max_pixels, ...)
+    shared: Any = None  # ObjectRef from share(): weights published once per sweep; None: from_pretrained per actor
+
+    def load(self, *, method: str | None, budget: int | None, options: dict | None = None):
+        """A PrunedVLM on this process's device (CUDA if assigned, else CPU)."""
+        from promprune.models import PrunedVLM
+
+        device = local_device()
+        opts = {**self.options, **(options or {})}
+        if self.shared is not None:
+            import ray
+
+            model, processor = materialize(ray.get(self.shared), device)
+            return PrunedVLM(model, processor, method=method, budget=budget, **opts)
+        dtype = resolve_dtype(self.dtype, device == "cuda")
+        return PrunedVLM.from_pretrained(self.pretrained, method=method, budget=budget, dtype=dtype,
+                                         device_map=device, attn_implementation=self.attn_implementation, **opts)
+
+    def with_shared(self, ref: Any) -> "ModelSource":
+        return dataclasses.replace(self, shared=ref)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tensors out of a module and back in
+
+
+def extract(model) -> tuple[dict, list[np.ndarray]]:
+    """Every parameter and buffer of `model` as numpy arrays, plus what rebuilds the module around them.
+
+    Returns (recipe, arrays): recipe = {cls, config, generation_config, layout}, where layout lists
+    `(qualified name, "param" | "buffer", array index, torch dtype name)`; a tensor reachable under several names
+    (tied embeddings) is stored once and stays shared after `restore`. Buffers that are not in the state dict
+    (rotary `inv_freq`) are included, so the rebuilt module holds exactly the loaded values.
+    """
+    arrays: list[np.ndarray] = []
+    index_of: dict[int, int] = {}
+    layout: list[tuple] = []
+    for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, tensor in named:
+            key = id(tensor)
+            if key not in index_of:
+                index_of[key] = len(arrays)
+                arrays.append(_to_numpy(tensor.detach().cpu()))
+            layout.append((name, kind, index_of[key], str(tensor.dtype).removeprefix("torch.")))
+    recipe = {"cls": type(model), "config": model.config, "layout": layout,
+              "generation_config": getattr(model, "generation_config", None)}
+    return recipe, arrays
+
+
+def _to_numpy(t) -> np.ndarray:
+    import torch
+
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
+def restore(recipe: dict, arrays: list[np.ndarray]):
+    """Rebuild the module on the meta device (its own __init__ runs, no memory, no weight init) and put the
+    arrays in (zero-copy on CPU: object-store arrays are read-only, and inference never writes to weights)."""
+    import torch
+
+    with torch.device("meta"):
+        model = recipe["cls"](recipe["config"])
+    tensors: dict[int, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended, see docstring
+        for name, kind, idx, dtype_name in recipe["layout"]:
+            if idx not in tensors:
+                t = torch.from_numpy(arrays[idx])
+                tensors[idx] = t.view(torch.bfloat16) if dtype_name == "bfloat16" else t
+            path, _, leaf = name.rpartition(".")
+            module = model.get_submodule(path)
+            if kind == "param":
+                module._parameters[leaf] = torch.nn.Parameter(tensors[idx], requires_grad=False)
+            else:
+                module._buffers[leaf] = tensors[idx]
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"restore: tensors missing from the published weights: {left[:5]}")
+    if recipe.get("generation_config") is not None:
+        model.generation_config = recipe["generation_config"]
+    return model
+
+
+def materialize(published: tuple, device: str):
+    """(recipe, processor, arrays) from the object store -> (model on `device`, processor)."""
+    recipe, processor, arrays = published
+    model = restore(recipe, arrays)
+    if device != "cpu":
+        model = model.to(device)
+    return model.eval(), processor
+
+
+def load_for_sharing(source: ModelSource, on_gpu: bool) -> tuple:
+    """Load the checkpoint once on CPU, in the dtype the actors will run, and strip it for the object store."""
+    from promprune.models import PrunedVLM
+
+    dtype = resolve_dtype(source.dtype, on_gpu)
+    vlm = PrunedVLM.from_pretrained(source.pretrained, method=None, budget=None, dtype=dtype, device_map="cpu",
+                                    attn_implementation=source.attn_implementation, **source.options)
+    recipe, arrays = extract(vlm.model)
+    return (recipe, vlm.processor, arrays), sum(a.nbytes for a in arrays)
+
+
+def share(source: ModelSource, on_gpu: bool):
+    """Publish `source`'s weights to the object store from one Ray task; returns the source with `shared` set.
+
+    The task's result is owned by the caller (the sweep driver) and lives in the object store of the node that
+    ran the task; other nodes pull it once. If that node dies, Ray re-runs the task (lineage reconstruction).
+    """
+    import ray
+
+    task = ray.remote(num_cpus=1, max_retries=3, num_returns=2)(load_for_sharing)
+    ref, n_bytes = task.remote(dataclasses.replace(source, shared=None), on_gpu)
+    ray.get(n_bytes)  # small: raises load errors here, before any trial starts; the weights stay remote
+    return source.with_shared(ref)
