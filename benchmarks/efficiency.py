@@ -1,0 +1,131 @@
+"""Efficiency of visual-token pruning: the paper's Table 6 (analytic) and measured latency / memory on a model.
+
+    python benchmarks/efficiency.py                                  # tiny offline LLaVA-NeXT on this machine
+    python benchmarks/efficiency.py --model llava-hf/llava-v1.6-vicuna-7b-hf --dtype float16 \
+        --budgets none,640,320,160                                   # Table 6's setting, on a GPU
+
+Part 1 prints prefill TFLOPs and KV-cache MiB of LLaVA-NeXT-7B's text model (Vicuna-7B) from
+``promprune.efficiency`` next to the published Table 6 numbers. Part 2 loads ``--model`` once, wraps it with each
+budget, and reports per budget: visual tokens the LLM received, the analytic FLOPs / KV for that model's own text
+config, and the measured median vision, selection and prefill time, full generate time and peak memory (CUDA events
+and the allocator's high-water mark on a GPU; perf_counter and the process's peak RSS on CPU). A printed table,
+never an assertion: timings depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from promprune.efficiency import MIB, kv_cache_bytes, peak_memory_mb, prefill_flops, reset_peak_memory
+
+# Vicuna-7B (the text model of llava-v1.6-vicuna-7b), the dimensions Table 6 uses
+VICUNA_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32)
+TABLE6_TEXT_TOKENS = 62  # "about 60" in the paper; the count that reproduces both published FLOPs
+TABLE6_PUBLISHED = {2880: (42.6, 1440.0), 320: (5.02, 160.0)}  # visual tokens -> (TFLOPs, KV MB)
+
+
+def table6_analytic(visual_tokens=(2880, 640, 320, 160)) -> None:
+    print("## Table 6, analytic (LLaVA-NeXT-7B / Vicuna-7B, fp16, 62 text tokens)\n")
+    print("| visual tokens | prefill TFLOPs | published | KV cache MiB (visual) | published |")
+    print("|---:|---:|---:|---:|---:|")
+    for n in visual_tokens:
+        tflops = prefill_flops(VICUNA_7B, n + TABLE6_TEXT_TOKENS) / 1e12
+        kv = kv_cache_bytes(VICUNA_7B, n, torch.float16) / MIB
+        pub_f, pub_kv = TABLE6_PUBLISHED.get(n, ("", ""))
+        print(f"| {n} | {tflops:.3g} | {pub_f} | {kv:.1f} | {pub_kv} |")
+    print()
+
+
+def sample_images(n: int) -> list[Image.Image]:
+    """Real photographs bundled with scikit-image (offline), cycled to ``n``."""
+    from skimage import data
+
+    photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    return [Image.fromarray(np.asarray(photos[i % len(photos)])).convert("RGB") for i in range(n)]
+
+
+def _budget(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
+    """Median timings over ``repeats`` generations of a batch (after one warm-up) and the peak memory."""
+    prompts = [prompt] * len(images)
+    vlm.generate(images, prompts, max_new_tokens=max_new_tokens)  # warm-up: kernels, allocator, caches
+    device = vlm.model.device
+    reset_peak_memory(device)
+    runs = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        gens = vlm.generate(images, prompts, max_new_tokens=max_new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        runs.append((gens, (time.perf_counter() - start) * 1e3))
+    median = lambda values: statistics.median(values)  # noqa: E731
+    return {
+        "visual_tokens": median([g.visual_tokens for gens, _ in runs for g in gens]),
+        "vision_ms": median([gens[0].vision_ms for gens, _ in runs]),
+        "select_ms": median([gens[0].select_ms for gens, _ in runs]),
+        "prefill_ms": median([gens[0].prefill_ms for gens, _ in runs]),
+        "total_ms": median([ms for _, ms in runs]),
+        "peak_mem_mb": peak_memory_mb(device),
+    }
+
+
+def measured(args) -> None:
+    from promprune.models import PrunedVLM
+
+    base = PrunedVLM.from_pretrained(args.model, method=None, dtype=args.dtype, device_map=args.device)
+    text_config = base.model.config.text_config
+    images = sample_images(args.batch)
+    prompt = "Describe the image briefly."
+    n_text = len(base.processor.tokenizer(base.conversation(prompt)).input_ids)  # placeholders included, see below
+    print(f"## Measured: {args.model}, method {args.method}, batch {args.batch}, {args.repeats} repeats, "
+          f"device {base.model.device}, dtype {base.model.dtype}\n")
+    print("| budget | visual tokens | prefill TFLOPs | KV MiB (visual) | vision ms | select ms | prefill ms "
+          "| generate ms | peak MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for budget in args.budgets:
+        method = None if budget is None else args.method
+        vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget)
+        m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+        n_vis = int(m["visual_tokens"])
+        # the tokenized conversation holds one placeholder per image before expansion; the LLM sees n_vis instead
+        tflops = prefill_flops(text_config, n_vis + n_text - 1) / 1e12
+        kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
+        print(f"| {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.2f} | {m['vision_ms']:.1f} | "
+              f"{m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {m['total_ms']:.1f} | {m['peak_mem_mb']:.0f} |")
+    print()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny:llava_next", help="checkpoint, or tiny:<arch> (offline)")
+    parser.add_argument("--method", default="promprune")
+    parser.add_argument("--budgets", default=None, type=lambda s: [_budget(b) for b in s.split(",")],
+                        help="comma list, 'none' = unpruned (default: none,640,320,160; tiny models none,40,20,10)")
+    parser.add_argument("--dtype", default=None, help="float16 / bfloat16 / float32 (default: the checkpoint's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=1, help="images per generate call")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--skip-measured", action="store_true", help="only the analytic Table 6")
+    args = parser.parse_args(argv)
+    if args.budgets is None:
+        args.budgets = [None, 40, 20, 10] if args.model.startswith("tiny:") else [None, 640, 320, 160]
+    torch.manual_seed(0)
+    table6_analytic()
+    if not args.skip_measured:
+        measured(args)
+
+
+if __name__ == "__main__":
+    main()
