@@ -79,3 +79,41 @@ def test_plugin_resolves_through_lmms_eval_registry():
         cls.create_from_arg_string("pretrained=tiny:llava,budget=sixty")
     with pytest.raises(ValueError, match="pretrained"):
         cls.create_from_arg_string("method=promprune")
+
+
+def _installed_entry_point():
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="lmms_eval.models") if ep.name == "promprune"]
+    if not found:
+        pytest.skip("promprune is not installed with its lmms_eval.models entry point (pip install -e .)")
+    return found[0]
+
+
+def test_installed_entry_point_is_a_manifest_lmms_eval_accepts():
+    """lmms-eval calls a callable payload with no arguments: the entry point must name MANIFEST, not the class."""
+    payload = _installed_entry_point().load()
+    assert ModelRegistryV2()._coerce_payload_to_manifests(payload) == [MANIFEST]
+
+
+@pytest.mark.slow
+def test_lmms_eval_command_line_runs_the_plugin(tmp_path):
+    """`lmms-eval --model promprune ...` as a user types it, on an offline task."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from promprune.eval import prepare_offline_tasks
+
+    _installed_entry_point()
+    cli = Path(sys.executable).with_name("lmms-eval")
+    cmd = [str(cli), "--model", "promprune", "--model_args", "pretrained=tiny:llava,method=promprune,budget=8",
+           "--tasks", "easyvqa_yesno", "--include_path", str(prepare_offline_tasks()), "--limit", "3",
+           "--output_path", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in tmp_path.rglob("*results*.json")]
+    assert results, "lmms-eval wrote no results:\n" + done.stdout[-2000:] + done.stderr[-3000:]
+    assert results[0]["results"]["easyvqa_yesno"]["accuracy,none"] >= 0
+    assert results[0]["n-samples"]["easyvqa_yesno"]["effective"] == 3
