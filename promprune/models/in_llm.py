@@ -209,7 +209,7 @@ class InLLMPruner:
         B, L, D = hidden.shape
         scores = stage.scores
         vis_alive = self.vis.gather(1, self.keep) & self.alive  # [B, L]
-        keep_rel, alive_rel, hidden = [], [], hidden.clone()
+        keep_rel, hidden = [], hidden.clone()
         for b in range(B):
             cand = vis_alive[b].nonzero().flatten()
             ranked = cand[scores[b, cand].argsort(descending=True, stable=True)]

@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+import promprune
+
 from . import in_llm
 from .adapters import adapter_for, as_encoder_outputs
 from .images import load_images
 from .methods import IN_LLM_METHODS, validate_method
 from .selecting import select_items
-from .sequence import placeholder_columns, shrink_placeholders
+from .sequence import shrink_placeholders
 
 
 @dataclass
@@ -79,8 +81,6 @@ class PrunedVLM:
         self.method, self.budget = method, budget
         self.adapter = adapter_for(model, processor, adapter_options)
         if method is not None and method not in IN_LLM_METHODS:
-            import promprune
-
             self.spec = promprune.method_spec(method)
             if "mu" in self.spec.options and "mu" not in self.method_options:
                 self.method_options["mu"] = self.adapter.default_mu
@@ -135,8 +135,11 @@ class PrunedVLM:
         with _Clock(self.device) as vision:
             items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency)
         with _Clock(self.device) as selecting:
-            plan = self._plan(batch, items) if pre_llm else None
-        ids, mask, feats, extra, stats = self._llm_inputs(batch, items, plan)
+            plan = self._plan(items) if pre_llm else None
+        if plan is None:
+            ids, mask, feats, extra, stats = self._unpruned_inputs(batch, items)
+        else:
+            ids, mask, feats, extra, stats = self._pruned_inputs(batch, items, plan)
         kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats), **extra)
         return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
 
@@ -163,27 +166,28 @@ class PrunedVLM:
         return [Generation(text=t.strip(), **s, **times, token_ids=row.tolist())
                 for t, s, row in zip(texts, stats, new)]
 
-    def _plan(self, batch, items):
+    def _plan(self, items):
         """Selections of every item (pre-LLM methods)."""
         return select_items(items, self.budget, self.method, self.method_options,
                             mode=self.adapter.options["budget_mode"])
 
-    def _llm_inputs(self, batch, items, plan):
-        """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``."""
-        cfg = self.model.config
-        if plan is None:
-            feats = [it.run for it in items]
-            stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
-                          kept=sorted(it.grid_index.tolist())) for f, it in zip(feats, items)]
-            ids, mask = batch["input_ids"], batch["attention_mask"]
-            col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-            return ids, mask, feats, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
+    def _unpruned_inputs(self, batch, items):
+        """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``, all kept."""
+        feats = [it.run for it in items]
+        stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
+                      kept=sorted(it.grid_index.tolist())) for f, it in zip(feats, items)]
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
+        return ids, mask, feats, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
+
+    def _pruned_inputs(self, batch, items, plan):
+        """Like :meth:`_unpruned_inputs` for the kept tokens of ``plan``: placeholder runs shrink to match."""
         rows = self.adapter.options["image_newline"] == "rows"
         assembled = [it.assemble(p.kept, p.merged, newline_rows=rows) for it, p in zip(items, plan)]
         feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
-        pad = self.processor.tokenizer.pad_token_id
-        ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"], cfg.image_token_id,
-                                                 run_pos, pad)
+        ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"],
+                                                 self.model.config.image_token_id, run_pos,
+                                                 self.processor.tokenizer.pad_token_id)
         extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
                       kept=sorted(it.grid_index[p.kept].tolist())) for f, p, it in zip(feats, plan, items)]
