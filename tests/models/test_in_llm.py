@@ -73,3 +73,20 @@ def test_in_llm_rejects_beam_search(images, prompts):
     with pytest.raises(ValueError, match="num_beams=1"):
         PrunedVLM(model, processor, method="fastv", budget=4).generate(images, prompts, max_new_tokens=2,
                                                                        num_beams=2)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("method", ["fastv", "sparsevlm"])
+def test_eager_llm_full_budget_and_pruned_match_sdpa(arch, method, images, prompts):
+    """The masks handed to later layers work for eager (additive float) as for SDPA (boolean)."""
+    sdpa = PrunedVLM.from_pretrained(f"tiny:{arch}", method=method, budget=BUDGET)
+    eager = PrunedVLM.from_pretrained(f"tiny:{arch}", method=method, budget=BUDGET, attn_implementation="eager")
+    logits = []
+    for vlm in (sdpa, eager):
+        prep = vlm.prepare(images, prompts)
+        with torch.inference_mode(), vlm.pruning(prep):
+            logits.append(vlm.model(**prep.model_kwargs).logits[:, -1])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-4)
+    a = sdpa.generate(images, prompts, max_new_tokens=4)
+    b = eager.generate(images, prompts, max_new_tokens=4)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
