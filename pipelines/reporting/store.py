@@ -80,7 +80,10 @@ def find_sweep_run(ref: str | None = None) -> pd.Series:
     by_id = runs[runs["run_id"] == ref]
     if len(by_id):
         return by_id.iloc[0]
-    names = runs.get("tags.promprune.sweep", pd.Series(dtype=str)).fillna(runs.get("tags.mlflow.runName"))
+    names = pd.Series(pd.NA, index=runs.index, dtype=object)
+    for tag in ("tags.promprune.sweep", "tags.mlflow.runName"):  # the sweep tag, else the run name
+        if tag in runs.columns:
+            names = names.fillna(runs[tag])
     by_name = runs[names == ref]
     if len(by_name):
         return by_name.iloc[0]
@@ -97,6 +100,8 @@ def load_sweep(ref: str | None = None) -> Sweep:
     if "tags.promprune.role" in runs.columns:
         runs = runs[runs["tags.promprune.role"].fillna("trial") == "trial"]
     runs = _latest_per_trial(runs)
+    if runs.empty:
+        raise LookupError(f"sweep run {parent['run_id']} has no trial runs yet (is the sweep still starting?)")
     tags = {k[len("tags."):]: v for k, v in parent.items() if k.startswith("tags.") and isinstance(v, str)}
     name = tags.get("promprune.sweep") or tags.get("mlflow.runName") or parent["run_id"]
     trials, metrics, options = _split_columns(runs)
