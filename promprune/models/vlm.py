@@ -243,10 +243,12 @@ def _tiny(arch, dtype, device_map, attn_implementation):
 
     model, processor = tiny_vlm(arch)
     model, processor = copy.deepcopy(model), copy.deepcopy(processor)
-    if dtype is not None:
+    if dtype not in (None, "auto"):  # "auto": the tiny weights' own dtype (float32)
         model = model.to(_dtype(dtype))
-    if device_map not in (None, "cpu"):
-        model = model.to("cuda" if device_map == "auto" else device_map)
+    if device_map == "auto":
+        device_map = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_map is not None:
+        model = model.to(device_map)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     return model, processor

@@ -97,3 +97,9 @@ def test_half_precision(dtype, method, images, prompts):
     vlm = PrunedVLM.from_pretrained("tiny:qwen2_5_vl", method=method, budget=5, dtype=dtype)
     out = vlm.generate(images, prompts, max_new_tokens=2)
     assert vlm.model.dtype == dtype and [g.visual_tokens for g in out] == [5, 5]
+
+
+def test_tiny_from_pretrained_accepts_auto_and_strings():
+    vlm = PrunedVLM.from_pretrained("tiny:qwen2_5_vl", method=None, dtype="auto", device_map="auto")
+    assert vlm.model.dtype == torch.float32
+    assert PrunedVLM.from_pretrained("tiny:llava", method=None, dtype="bfloat16").model.dtype == torch.bfloat16
