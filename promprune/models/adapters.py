@@ -182,6 +182,10 @@ class QwenAdapter(Adapter):
 
     encoder = "qwen2_5_vl"
 
+    def __init__(self, model, processor, options: dict):
+        super().__init__(model, processor, options)
+        self.block = self._block()  # fail at construction, not at the first batch
+
     def _block(self) -> int:
         vc = self.model.config.vision_config
         full = list(vc.fullatt_block_indexes)
@@ -212,7 +216,7 @@ class QwenAdapter(Adapter):
     def encode(self, inputs, need_saliency):
         core, grid = self.model.model, inputs["image_grid_thw"]
         sink: list = []
-        attn = core.visual.blocks[self._block()].attn
+        attn = core.visual.blocks[self.block].attn
         with sal.capture_received_attention(attn, sink) if need_saliency else _nothing():
             out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
         feats = list(out.pooler_output)

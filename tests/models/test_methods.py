@@ -103,3 +103,11 @@ def test_tiny_from_pretrained_accepts_auto_and_strings():
     vlm = PrunedVLM.from_pretrained("tiny:qwen2_5_vl", method=None, dtype="auto", device_map="auto")
     assert vlm.model.dtype == torch.float32
     assert PrunedVLM.from_pretrained("tiny:llava", method=None, dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+def test_qwen_saliency_block_must_be_full_attention():
+    model, processor = tiny_vlm("qwen2_5_vl")
+    assert PrunedVLM(model, processor, budget=4, saliency_block=1).adapter.block == 1
+    assert PrunedVLM(model, processor, budget=4).adapter.block == 3  # default: the last full-attention block
+    with pytest.raises(ValueError, match=r"full-attention block of the vision tower \[1, 3\]"):
+        PrunedVLM(model, processor, budget=4, saliency_block=0)
