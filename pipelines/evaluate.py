@@ -63,6 +63,7 @@ class EvalConfig:
     cpus_per_worker: float = 1  # one core per actor: the processor and image decoding are light
     batch_size: int = 8  # rows per actor call and per generate()
     actor_wait_s: float = 600  # finite: an unschedulable pool fails after this long instead of hanging
+    progress_bars: bool = True  # Ray Data's bars; sweeps turn them off and print one line per trial instead
 
 
 @dataclass
@@ -186,7 +187,8 @@ def predict(cfg: EvalConfig, rows: list[dict], *, run_fn: Callable | None = None
     items = encode_rows(rows)
     ctx = DataContext.get_current()
     ctx.wait_for_min_actors_s = cfg.actor_wait_s
-    ctx.enable_progress_bars = True
+    ctx.enable_progress_bars = cfg.progress_bars
+    ctx.enable_operator_progress_bars = cfg.progress_bars
     num_gpus = cfg.gpus_per_worker if cluster_gpus() > 0 else 0
     n_blocks = max(1, math.ceil(len(items) / cfg.batch_size))  # one block per batch: idle actors can take work
     ds = ray.data.from_items(items, override_num_blocks=n_blocks)
@@ -199,8 +201,8 @@ def predict(cfg: EvalConfig, rows: list[dict], *, run_fn: Callable | None = None
         batch_format="pandas",
         num_gpus=num_gpus,
         num_cpus=cfg.cpus_per_worker,
-        max_restarts=-1,  # an actor lost with its node is restarted elsewhere ...
-        max_task_retries=-1,  # ... and its unfinished batches are retried there
+        # Ray Data's actor defaults (max_restarts=-1, max_task_retries=-1) restart an actor lost with its node
+        # elsewhere and retry its unfinished batches there; check_exactly_once() below verifies the outcome.
     )
     preds = decode_predictions(out.take_all())
     check_exactly_once(rows, preds)

@@ -51,6 +51,7 @@ DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 STATE_DIR = Path("outputs") / "sweeps"  # driver-side record: Tune experiment dir <-> MLflow parent run
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
 EXIT_TRIALS_FAILED, EXIT_REGRESSION = 2, 3
+QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
 
 
 @dataclass
@@ -114,6 +115,9 @@ class RecorderHook(tune.Callback):
 
     def __init__(self, parent_id: str):
         self.parent_id = parent_id
+
+    def on_trial_start(self, iteration: int, trials: list, trial, **info):
+        print(f"[start] {trial.config['trial']['trial_id']}", flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
@@ -252,7 +256,7 @@ def worker_env() -> dict:
     import os
 
     paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}}
 
 
 def connect(address: str | None) -> None:
@@ -354,7 +358,8 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
 def _trainable(source: ModelSource, rows: list[dict], spec: specs.SweepSpec, plan: Plan, run_fn):
     settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, workers=plan.workers,
                     gpus_per_worker=plan.gpus_per_worker, cpus_per_worker=spec.resources.cpus_per_worker,
-                    batch_size=spec.resources.batch_size, actor_wait_s=spec.resources.actor_wait_s)
+                    batch_size=spec.resources.batch_size, actor_wait_s=spec.resources.actor_wait_s,
+                    progress_bars=False)
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn)
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
@@ -365,7 +370,8 @@ def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: di
         print(f"resuming {storage}/{name}: finished trials are kept", flush=True)
         return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
     run_config = tune.RunConfig(
-        name=name, storage_path=storage, callbacks=[RecorderHook(recorder.parent_id)], verbose=1,
+        name=name, storage_path=storage, callbacks=[RecorderHook(recorder.parent_id)],
+        verbose=0,  # Tune's tables are wide; RecorderHook prints one line per trial start and end instead
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
     return tune.Tuner(trainable, param_space={"trial": tune.grid_search([t.to_dict() for t in trials])},
@@ -410,6 +416,10 @@ def _fmt(v: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
     args = parse_args(argv)
     spec = specs.load(args.config, args.overrides)  # fails at once, every problem listed, before Ray starts
     if args.validate_only:
