@@ -42,6 +42,14 @@ def _fallback_score(fallback: torch.Tensor | None, like: torch.Tensor) -> torch.
     return -torch.arange(N, device=like.device, dtype=torch.float32).expand(B, N)  # raster order
 
 
+def _argmax_tiebreak(score: torch.Tensor, mask: torch.Tensor, order: torch.Tensor):
+    """Masked row-wise argmax of ``score [B, N]``; exact ties go to the highest ``order`` (then lowest index)."""
+    _, best = masked_argmax(score, mask)
+    tied = mask & (score == best[:, None])
+    index, _ = masked_argmax(order, tied)
+    return index, best
+
+
 def _first_from_anchor(similarity: torch.Tensor, available: torch.Tensor, anchor: torch.Tensor):
     """The available token whose largest similarity to any anchor token is smallest: ``-> (index [B], has_anchor [B])``."""
     max_sim = similarity.masked_fill(~anchor[:, None, :], float("-inf")).amax(dim=2)  # [B, N]
@@ -112,7 +120,7 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
         first = _first_from_anchor(kernel, available, anchor)
 
     for k in range(picks.steps):
-        j, gain = masked_argmax(gains, picks.free)
+        j, gain = _argmax_tiebreak(gains, picks.free, order_fb)
         if k == 0 and first is not None:
             j = torch.where(first[1], first[0], j)
             gain = gains.gather(1, j[:, None]).squeeze(1)

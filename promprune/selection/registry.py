@@ -58,8 +58,17 @@ class TokenSet:
 
     @cached_property
     def cosine(self) -> torch.Tensor:
-        """Cosine-similarity kernel ``[B, N, N]`` (tokens normalized with eps 1e-6)."""
-        return rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
+        """Cosine-similarity kernel ``[B, N, N]`` (tokens normalized with eps 1e-6).
+
+        The diagonal is set to its exact value (1 for every token with norm >= eps): rounding noise there would
+        otherwise decide the first pick of a diversity selector, which differs between attention backends and
+        devices.
+        """
+        kernel = rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
+        kernel = kernel.clone() if kernel is self.unit_gram else kernel
+        exact = (self.norms / self.norms.clamp_min(KERNEL_EPS)).square()  # [B, N]
+        kernel.diagonal(dim1=1, dim2=2).copy_(exact)
+        return kernel
 
     @cached_property
     def spectral_entropy(self) -> torch.Tensor:  # [B]

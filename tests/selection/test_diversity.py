@@ -143,3 +143,14 @@ def test_coverage_only_fps_equals_divprune():
     a = promprune.select(x, budget=9, method="coverage_only", diversity="fps").indices
     b = promprune.select(x, budget=9, method="divprune").indices
     assert torch.equal(a, b)
+
+
+def test_dpp_without_anchor_starts_from_the_most_salient_token():
+    # Every token's initial gain is exactly 1 (the cosine kernel's diagonal): the tie goes to saliency, not to
+    # rounding noise, so attention backends and devices agree.
+    x, s = torch.randn(3, 40, 16), torch.rand(3, 40)
+    sel = promprune.select(x, s, budget=6, method="promprune", mu=-5.0, order="selection")  # T_sal = 0
+    assert sel.saliency_count.tolist() == [0, 0, 0]
+    assert sel.indices[:, 0].tolist() == s.argmax(dim=1).tolist()
+    # without saliency: the lowest index
+    assert promprune.select(x, budget=6, method="coverage_only", order="selection").indices[:, 0].tolist() == [0] * 3
