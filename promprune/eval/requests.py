@@ -21,6 +21,7 @@ import logging
 import warnings
 
 from promprune.eval.generation import Item, decode_image, generate_items, image_to_png
+from promprune.eval.scoring import failed
 from promprune.eval.tasks import judge_skip_reason, load_task
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def _item(row: dict, index: int) -> Item:
     if missing:
         raise ValueError(f"request row {index} lacks field(s) {missing}")
     name = f"{row['task']} doc {row['doc_id']}"
-    if row.get("error"):
+    if failed(row):
         return Item(row["prompt"], None, row["gen_kwargs"] or {}, error=row["error"])
     try:
         image = decode_image(row["image"], name)

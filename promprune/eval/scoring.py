@@ -79,12 +79,16 @@ def _group(predictions: list[dict]) -> dict[str, dict[int, dict]]:
     return by_task
 
 
+def failed(row: dict) -> bool:
+    """A row failed when ``error`` holds a message (None, "" and a pandas NaN for a null all mean it did not)."""
+    error = row.get("error")
+    return isinstance(error, str) and error != ""
+
+
 def _answer(row: dict) -> str:
     """The text scored for a row: its prediction, or "" (a wrong answer) when it failed."""
-    if row.get("error"):
-        return ""
     prediction = row["prediction"]
-    return "" if prediction is None else str(prediction)
+    return "" if failed(row) or not isinstance(prediction, str) else prediction
 
 
 def _metrics(task_results: dict) -> dict[str, float]:
@@ -122,7 +126,7 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str)
         )
     metrics = _metrics(results["results"][name])
     metrics["n_samples"] = len(rows)
-    metrics["n_failed"] = sum(bool(r.get("error")) for r in rows.values())
+    metrics["n_failed"] = sum(failed(r) for r in rows.values())
     return metrics
 
 

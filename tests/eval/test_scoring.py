@@ -144,3 +144,15 @@ def test_relative_score_hand_worked():
     with pytest.raises(ValueError, match="no primary metric"):
         relative_score({"mystery": {"x": 1.0}}, {"mystery": {"x": 1.0}})
     assert relative_score({"mystery": {"x": 1.0}}, {"mystery": {"x": 2.0}}, primary={"mystery": ("x",)}) == 0.5
+
+
+def test_rows_read_back_from_parquet_score_the_same(handmade_tasks, tmp_path):
+    """Prediction rows go through Arrow/pandas in the pipeline: nulls come back as None or NaN, ints as numpy."""
+    import pandas as pd
+
+    rows = _rows("pope_handmade", POPE_PRED, [None] * 5 + ["ValueError: corrupt image"])
+    pd.DataFrame(rows).to_parquet(tmp_path / "preds.parquet")
+    frame = pd.read_parquet(tmp_path / "preds.parquet")
+    frame.loc[0, "error"] = float("nan")  # a null as pandas may hand it over
+    back = frame.to_dict("records")
+    assert score(back, include_path=handmade_tasks) == score(rows, include_path=handmade_tasks)
