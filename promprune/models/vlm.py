@@ -153,6 +153,9 @@ class PrunedVLM:
     @torch.inference_mode()
     def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise."""
+        if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
+            raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
+                             f"{generation_kwargs['num_return_sequences']!r}")
         prep = self.prepare(images, prompts)
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
         pruner = self.pruning(prep)

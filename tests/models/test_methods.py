@@ -111,3 +111,10 @@ def test_qwen_saliency_block_must_be_full_attention():
     assert PrunedVLM(model, processor, budget=4).adapter.block == 3  # default: the last full-attention block
     with pytest.raises(ValueError, match=r"full-attention block of the vision tower \[1, 3\]"):
         PrunedVLM(model, processor, budget=4, saliency_block=0)
+
+
+def test_several_return_sequences_are_refused(images, prompts):
+    # one Generation per item: several sequences per prompt would mislabel answers across items
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method=None)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        vlm.generate(images, prompts, num_beams=2, num_return_sequences=2, max_new_tokens=2)
