@@ -1,0 +1,179 @@
+"""Pipeline pieces without Ray: resource planning, metric summaries, MLflow regression check, shared weights."""
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from pipelines import evaluate, spec as specs, tracking, weights
+from pipelines.sweep import plan_resources
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resource planning
+
+
+def _spec(**kw) -> specs.SweepSpec:
+    s = specs.SweepSpec(name="t", version=1)
+    for key, value in kw.items():
+        section, _, field = key.partition("__")
+        setattr(getattr(s, section), field, value)
+    return s
+
+
+@pytest.mark.parametrize("gpus,n_trials,kw,expect", [
+    (0, 9, {}, (1, 1)),  # CPU: one actor, one trial at a time
+    (8, 9, {}, (1, 8)),  # more trials than GPUs: one GPU actor per trial, 8 trials at once
+    (8, 2, {}, (4, 2)),  # fewer trials: the GPUs are spread over them
+    (8, 9, {"resources__gpus_per_worker": 2}, (1, 4)),  # 2-GPU actors: 4 fit
+    (8, 9, {"resources__workers": 2}, (2, 4)),
+    (8, 9, {"tune__max_concurrent_trials": 3}, (1, 3)),
+    (4, 2, {"tune__max_concurrent_trials": 10}, (2, 2)),  # never more than the trials
+])
+def test_plan_resources(gpus, n_trials, kw, expect):
+    plan = plan_resources(_spec(**kw), n_trials, gpus)
+    assert (plan.workers, plan.concurrency) == expect
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# summaries
+
+
+def test_summarize_hand_values():
+    preds = [
+        {"task": "a", "doc_id": 0, "entropy": 0.2, "saliency_count": 4, "visual_tokens": 8, "prefill_ms": 10.0,
+         "peak_mem_mb": 100.0, "prefill_flops": 2e12, "kv_cache_bytes": 2 * 2 ** 20, "error": None},
+        {"task": "a", "doc_id": 1, "entropy": 0.6, "saliency_count": 2, "visual_tokens": 8, "prefill_ms": 30.0,
+         "peak_mem_mb": 300.0, "prefill_flops": 4e12, "kv_cache_bytes": 4 * 2 ** 20, "error": None},
+        {"task": "a", "doc_id": 2, "entropy": 0.4, "saliency_count": 6, "visual_tokens": 8, "prefill_ms": 20.0,
+         "peak_mem_mb": 200.0, "prefill_flops": 3e12, "kv_cache_bytes": 3 * 2 ** 20, "error": None},
+        {"task": "a", "doc_id": 3, "prediction": "", "error": "ValueError: corrupt image"},
+    ]
+    m = evaluate.summarize(preds, {"a": {"accuracy": 0.5, "n_samples": 4}})
+    assert m["a/accuracy"] == 0.5 and m["samples/total"] == 4 and m["samples/failed"] == 1
+    assert m["entropy/mean"] == pytest.approx(0.4) and m["entropy/median"] == pytest.approx(0.4)
+    assert m["t_sal/mean"] == 4 and m["t_sal/median"] == 4
+    assert m["efficiency/prefill_tflops"] == pytest.approx(3.0) and m["efficiency/kv_cache_mb"] == pytest.approx(3.0)
+    assert m["efficiency/prefill_ms"] == 20.0 and m["efficiency/peak_mem_mb"] == 300.0
+    assert m["efficiency/visual_tokens"] == 8
+
+
+def test_unpruned_summary_has_no_entropy():
+    m = evaluate.summarize([{"task": "a", "doc_id": 0, "entropy": None, "saliency_count": 0, "visual_tokens": 36,
+                             "error": None}], {"a": {"accuracy": 1.0}})
+    assert math.isnan(m["entropy/mean"])
+
+
+def test_exactly_once_names_duplicates_and_missing():
+    rows = [{"task": "a", "doc_id": i} for i in range(3)]
+    evaluate.check_exactly_once(rows, [{"task": "a", "doc_id": i} for i in (2, 0, 1)])
+    with pytest.raises(RuntimeError, match=r"duplicated \['a/1'\].*missing \['a/2'\]"):
+        evaluate.check_exactly_once(rows, [{"task": "a", "doc_id": i} for i in (0, 1, 1)])
+
+
+def test_predictions_frame_schema():
+    frame = evaluate.predictions_frame([
+        {"task": "b", "doc_id": 1, "prediction": "no", "error": None, "entropy": 0.5, "saliency_count": 3,
+         "visual_tokens": 8, "kept": [1, 2], "vision_ms": 1.0, "select_ms": 2.0, "prefill_ms": 3.0, "decode_ms": 4.0},
+        {"task": "a", "doc_id": 0, "prediction": "", "error": "boom"},
+    ])
+    assert list(frame.columns) == list(evaluate.PREDICTION_COLUMNS)
+    assert list(frame["task"]) == ["a", "b"]  # sorted by (task, doc_id)
+    assert frame.loc[1, "kept"] == [1, 2] and frame.loc[0, "error"] == "boom"
+    assert frame.loc[1, "timings"] == '{"decode_ms": 4.0, "prefill_ms": 3.0, "select_ms": 2.0, "vision_ms": 1.0}'
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MLflow: the nightly regression check, on a real SQLite store
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test")
+    return tracking.client()
+
+
+def _night(c, rels: dict, version: int = 1, name: str = "nightly") -> str:
+    parent = tracking.start_sweep(c, name, version, "name: nightly\n", {})
+    for tid, rel in rels.items():
+        trial = {"trial_id": tid, "method": tid.split("-")[0], "budget": 8, "options": {}}
+        tracking.log_trial(c, parent, name, version, trial, {"method": trial["method"]}, {"rel": rel}, None)
+    return parent
+
+
+def test_regression_check_against_the_previous_night(mlflow_store):
+    c = mlflow_store
+    first = _night(c, {"promprune-b8": 0.95, "divprune-b8": 0.90})
+    assert tracking.regression_check(c, first, "nightly", 1, 0.02) == []
+    assert c.get_run(first).data.tags[tracking.REGRESSION] == "no-previous"
+    tracking.finish(c, first)
+    _night(c, {"promprune-b8": 0.10}, version=2)  # another spec version: not comparable, must be skipped
+    second = _night(c, {"promprune-b8": 0.94, "divprune-b8": 0.85})  # -0.01 ok, -0.05 regression
+    found = tracking.regression_check(c, second, "nightly", 1, 0.02)
+    assert len(found) == 1 and found[0].startswith("divprune-b8: rel 0.9000 -> 0.8500")
+    tags = c.get_run(second).data.tags
+    assert tags[tracking.REGRESSION] == "true" and tags[f"{tracking.REGRESSION}.previous_run"] == first
+
+
+def test_trial_run_schema(mlflow_store):
+    c = mlflow_store
+    parent = tracking.start_sweep(c, "s", 3, "name: s\n", {"model": "tiny:llava"})
+    trial = {"trial_id": "promprune-b8-mu=0.4", "method": "promprune", "budget": 8, "options": {"mu": 0.4}}
+    params = tracking.trial_params("tiny:llava", trial, ["easyvqa_yesno"], {})
+    run_id = tracking.log_trial(c, parent, "s", 3, trial, params, {"x/y": 1.0, "bad": float("nan")}, None)
+    run = c.get_run(run_id)
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags[tracking.TRIAL] == trial["trial_id"]
+    assert run.data.params == {"model": "tiny:llava", "method": "promprune", "budget": "8",
+                               "tasks": "easyvqa_yesno", "repeat": "0", "mu": "0.4"}
+    assert run.data.metrics == {"x/y": 1.0}  # NaN = not measured, never logged
+    assert c.get_run(parent).data.tags[tracking.VERSION] == "3"
+    assert list(tracking.trial_runs(c, parent)) == ["promprune-b8-mu=0.4"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared weights: extract -> object-store bytes -> restore gives the same model
+
+
+def _logits(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    size = cfg.vision_config.image_size
+    ids = torch.randint(3, 100, (1, 6), generator=g)
+    pixel = torch.randn(1, 3, size, size, generator=g)
+    n_img = (size // cfg.vision_config.patch_size) ** 2
+    image_ids = torch.full((1, n_img), cfg.image_token_id)
+    input_ids = torch.cat([ids[:, :2], image_ids, ids[:, 2:]], dim=1)
+    with torch.inference_mode():
+        return model(input_ids=input_ids, pixel_values=pixel.to(model.dtype)).logits.float()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_restore_reproduces_the_model(dtype):
+    torch.set_num_threads(1)
+    from promprune.models.testing import tiny_vlm
+
+    model, _ = tiny_vlm("llava")
+    model = model.to(getattr(torch, dtype)).eval()
+    expected = _logits(model)
+    recipe, arrays = weights.extract(model)
+    recipe, arrays = pickle.loads(pickle.dumps((recipe, arrays)))  # what the object store does
+    for a in arrays:
+        a.setflags(write=False)  # object-store arrays are read-only
+    restored = weights.restore(recipe, arrays)
+    assert restored is not model and restored.dtype == getattr(torch, dtype)
+    torch.testing.assert_close(_logits(restored), expected, rtol=0, atol=0)
+    n_unique = len({id(t) for t in list(model.parameters()) + list(model.buffers())})
+    assert len(arrays) == n_unique  # shared tensors are shipped once
+    tied_src = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    tied_dst = restored.get_input_embeddings().weight is restored.get_output_embeddings().weight
+    assert tied_src == tied_dst
+
+
+def test_resolve_dtype():
+    assert weights.resolve_dtype("auto", on_gpu=True) == "bfloat16"
+    assert weights.resolve_dtype("auto", on_gpu=False) == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        weights.resolve_dtype("fp8", on_gpu=True)
