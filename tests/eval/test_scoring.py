@@ -21,14 +21,16 @@ def _png() -> dict:
     return {"bytes": buffer.getvalue(), "path": None}
 
 
-def _local_copy(root: Path, name: str, base_yaml: Path, docs: dict) -> None:
+def _local_copy(root: Path, name: str, base_yaml: Path, docs: dict, split: str = "test") -> None:
     """lmms-eval's own task YAML, unchanged but for its data: hand-made docs in a local parquet."""
     docs = {**docs, "image": [_png() for _ in next(iter(docs.values()))]}
-    features = datasets.Features({k: datasets.Value("string") for k in docs if k != "image"} | {"image": datasets.Image()})
+    kind = lambda values: "int64" if isinstance(values[0], int) else "string"  # noqa: E731
+    features = datasets.Features({k: datasets.Value(kind(v)) for k, v in docs.items() if k != "image"}
+                                 | {"image": datasets.Image()})
     datasets.Dataset.from_dict(docs, features=features).to_parquet(str(root / f"{name}.parquet"))
     (root / f"{name}.yaml").write_text(
         f"include: {base_yaml}\ntask: {name}\ndataset_path: parquet\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {root / f'{name}.parquet'}\n"
+        f"dataset_kwargs:\n  data_files:\n    {split}: {root / f'{name}.parquet'}\n"
     )
 
 
@@ -59,6 +61,12 @@ def handmade_tasks(tmp_path_factory):
         "question_id": [m[0] for m in MME], "question": [f"Is it? Please answer yes or no." for _ in MME],
         "answer": [m[2] for m in MME], "category": [m[1] for m in MME],
     })
+    _local_copy(root, "mmbench_handmade", LMMS_TASKS / "mmbench" / "mmbench_en_dev_static.yaml", {
+        "index": list(range(4)), "question": ["Which colour is the shape?"] * 4, "hint": ["nan"] * 4,
+        "A": ["red"] * 4, "B": ["green"] * 4, "C": ["blue"] * 4, "D": ["yellow"] * 4, "answer": list("ABCD"),
+        "category": ["attribute_recognition"] * 4, "L2-category": ["finegrained_perception"] * 4,
+        "source": ["handmade"] * 4, "split": ["dev"] * 4,
+    }, split="dev")
     return str(root)
 
 
@@ -90,6 +98,15 @@ def test_mme_pairs_both_answers_across_shards(handmade_tasks):
     assert result["mme_perception_score"] == pytest.approx((200 + 50) / 2)
     assert result["mme_cognition_score"] == pytest.approx(50)
     assert result["n_failed"] == 0
+
+
+def test_mmbench_static_regex_scoring_writes_its_files_to_output_dir(handmade_tasks, tmp_path):
+    # the letter (hit), a wrong letter, the option's text (hit: lmms-eval matches it to C), a failed sample
+    rows = _rows("mmbench_handmade", ["A", "C", "The shape is blue.", "D"], [None, None, None, "OSError: truncated"])
+    result = score(rows, include_path=handmade_tasks, output_dir=str(tmp_path))["mmbench_handmade"]
+    assert result["gpt_eval_score"] == pytest.approx(50.0)  # lmms-eval reports MMBench in percent
+    assert result["n_failed"] == 1
+    assert (tmp_path / "submissions" / "mmbench_en_dev_static_results.json").exists()
 
 
 def test_duplicates_missing_and_malformed_rows_raise(handmade_tasks):
