@@ -43,12 +43,13 @@ def _image_of(doc_to_visual, doc, name: str) -> tuple[bytes | None, str | None]:
         return None, str(exc)
 
 
-def _task_rows(name: str, limit: int | None, include_path) -> list[dict]:
+def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int]) -> list[dict]:
     task = load_task(name, include_path)
-    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    task.build_all_requests(limit=limit, rank=0, world_size=1)  # prompts only: cheap; images are encoded below
     instances = task.instances
+    index, count = shard
     rows = []
-    for inst in instances:
+    for inst in instances[index::count]:
         context, gen_kwargs, doc_to_visual, doc_id, task_name, split = inst.args
         doc = task.dataset[split][doc_id]
         image, error = _image_of(doc_to_visual, doc, f"{task_name} doc {doc_id}")
@@ -66,12 +67,33 @@ def _task_rows(name: str, limit: int | None, include_path) -> list[dict]:
     return rows
 
 
-def build_requests(tasks: list[str], *, limit: int | None = None, include_path: str | list[str] | None = None) -> list[dict]:
+def _check_shard(shard) -> tuple[int, int]:
+    if shard is None:
+        return 0, 1
+    try:
+        index, count = (int(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ValueError(f"shard must be (index, count), got {shard!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"shard must satisfy 0 <= index < count, got {shard!r}")
+    return index, count
+
+
+def build_requests(
+    tasks: list[str],
+    *,
+    limit: int | None = None,
+    include_path: str | list[str] | None = None,
+    shard: tuple[int, int] | None = None,
+) -> list[dict]:
     """Request rows for the first ``limit`` documents (all when None) of each task, in task then doc order.
 
     ``tasks`` are lmms-eval task names: the offline ``easyvqa_yesno`` / ``easyvqa_open``, or hub tasks (``mme``,
     ``pope``, ...), which need network access (here they raise TaskUnavailableError saying so). Judge-scored tasks
     without an API key (MM-Vet) are skipped with a warning. ``include_path``: extra lmms-eval task directories.
+    ``shard=(i, k)``: only every k-th document starting at the i-th (rows keep the evaluation's full ``n_docs``), so
+    large benchmarks (VQAv2-val: 214k images) can be built in parallel pieces instead of all in driver memory; the
+    union of the k shards is exactly the unsharded result.
     """
     if isinstance(tasks, str) or not tasks:
         raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
@@ -79,6 +101,7 @@ def build_requests(tasks: list[str], *, limit: int | None = None, include_path: 
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks lists a task twice: {tasks}")
+    shard = _check_shard(shard)
     rows: list[dict] = []
     for name in tasks:
         reason = judge_skip_reason(name)
@@ -86,7 +109,7 @@ def build_requests(tasks: list[str], *, limit: int | None = None, include_path: 
             warnings.warn(reason, stacklevel=2)
             log.warning(reason)
             continue
-        rows.extend(_task_rows(name, limit, include_path))
+        rows.extend(_task_rows(name, limit, include_path, shard))
     return rows
 
 

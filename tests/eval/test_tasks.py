@@ -58,11 +58,24 @@ def test_request_rows_match_the_source(easyvqa_questions):
         np.testing.assert_array_equal(ours, source)
 
 
+def test_shards_partition_the_rows():
+    full = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=7)
+    shards = [build_requests(["easyvqa_yesno", "easyvqa_open"], limit=7, shard=(i, 3)) for i in range(3)]
+    key = lambda r: (r["task"], r["doc_id"])  # noqa: E731
+    assert sorted(map(key, (r for s in shards for r in s))) == sorted(map(key, full))
+    assert sum(map(len, shards)) == len(full) == 14
+    assert all(r["n_docs"] == 7 for s in shards for r in s)
+    by_key = {key(r): r for r in full}
+    assert all(r == by_key[key(r)] for s in shards for r in s)
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="limit"):
         build_requests(["easyvqa_open"], limit=0)
     with pytest.raises(ValueError, match="tasks"):
         build_requests("easyvqa_open")
+    with pytest.raises(ValueError, match="shard"):
+        build_requests(["easyvqa_open"], shard=(3, 3))
     with pytest.raises(ValueError, match="twice"):
         build_requests(["easyvqa_open", "easyvqa_open"])
     with pytest.raises(ValueError, match="easyvqa_yesno"):  # the suggestion names the near miss
