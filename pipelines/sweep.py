@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 STATE_DIR = Path("outputs") / "sweeps"  # driver-side record: Tune experiment dir <-> MLflow parent run
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
-EXIT_TRIALS_FAILED, EXIT_REGRESSION = 2, 3
+EXIT_TRIALS_FAILED, EXIT_REGRESSION, EXIT_INTERRUPTED = 2, 3, 130  # 130: the shell's code for Ctrl-C
 QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
 
 
@@ -338,7 +338,7 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     try:
         tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=state_path if resume else None)
         grid = tuner.fit()
-        _reconcile(recorder, grid)
+        _reconcile(recorder, grid, trials)
         recorder.finalize_rel()
         regressions = []
         if regression_threshold is not None:
@@ -379,16 +379,26 @@ def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: di
                       run_config=run_config)
 
 
-def _reconcile(recorder: SweepRecorder, grid) -> None:
-    """Log any trial the callback did not see (finished before an interruption, restored by --resume)."""
+class SweepInterrupted(RuntimeError):
+    """Tune stopped before every trial finished (Ctrl-C, SIGTERM): the state is saved, `--resume` continues."""
+
+
+def _reconcile(recorder: SweepRecorder, grid, trials: list) -> None:
+    """Log any trial the callback did not see (finished before an interruption, restored by --resume).
+
+    A trial without a result (never started, or stopped without error or checkpoint) means Tune was interrupted.
+    """
     for result in grid:
         trial = result.config["trial"]
         if trial["trial_id"] in recorder.records and recorder.records[trial["trial_id"]]["error"] is None:
             continue
-        if result.error is not None or result.checkpoint is None:
-            recorder.record_error(trial, str(result.error or "no result"))
-        else:
+        if result.error is not None:
+            recorder.record_error(trial, str(result.error))
+        elif result.checkpoint is not None:
             recorder.record(trial, result.metrics, result.checkpoint)
+    unfinished = [t.trial_id for t in trials if t.trial_id not in recorder.records]
+    if unfinished:
+        raise SweepInterrupted(f"{len(unfinished)} trial(s) did not finish: {', '.join(unfinished)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -427,7 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     connect(args.address)
     t0 = time.perf_counter()
-    outcome = run_sweep(spec, resume=args.resume, regression_threshold=args.regression_threshold)
+    try:
+        outcome = run_sweep(spec, resume=args.resume, regression_threshold=args.regression_threshold)
+    except SweepInterrupted as e:
+        print(f"\ninterrupted: {e}\nfinish it with:\n  python pipelines/sweep.py --config {args.config} --resume",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))

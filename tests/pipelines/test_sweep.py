@@ -1,0 +1,194 @@
+"""End to end on a local Ray: a sweep of the tiny LLaVA on easy-vqa lands in MLflow in the agreed schema, its
+predictions equal plain (non-Ray) generation, Rel. is computed against the baseline, and an interrupted sweep
+resumes without redoing finished trials."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import ray
+import torch
+import yaml
+
+from pipelines import spec as specs
+from pipelines import sweep, tracking
+from pipelines.evaluate import build_rows
+
+REPO = Path(__file__).resolve().parents[2]
+LIMIT = 2  # samples per task: enough to shard over batches, small enough for 2 cores
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=sweep.worker_env())
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    return tmp_path
+
+
+def small_spec(**overrides) -> specs.SweepSpec:
+    raw = {"name": "e2e", "version": 2, "model": {"pretrained": "tiny:llava"},
+           "tasks": ["easyvqa_yesno", "easyvqa_open"], "limit": LIMIT, "baseline": True,
+           "grid": {"method": ["promprune", "divprune"], "budget": [8]},
+           "generation": {"max_new_tokens": 3}, "resources": {"batch_size": 1}}
+    raw.update(overrides)
+    return specs.parse(raw)
+
+
+def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
+    spec = small_spec()
+    outcome = sweep.run_sweep(spec)
+    assert outcome.failed == []
+
+    c = tracking.client()
+    parent = c.get_run(outcome.parent_run_id)
+    assert parent.info.run_name == "e2e" and parent.info.status == "FINISHED"
+    assert {k: parent.data.tags[k] for k in (tracking.ROLE, tracking.SWEEP, tracking.VERSION)} == \
+        {tracking.ROLE: "sweep", tracking.SWEEP: "e2e", tracking.VERSION: "2"}
+    spec_yaml = Path(c.download_artifacts(outcome.parent_run_id, "spec.yaml", str(workdir)))
+    assert yaml.safe_load(spec_yaml.read_text()) == yaml.safe_load(specs.dump_resolved(spec))
+
+    children = tracking.trial_runs(c, outcome.parent_run_id)
+    assert sorted(children) == ["baseline", "divprune-b8", "promprune-b8"]
+    rows = build_rows(spec.tasks, LIMIT, spec.generation)
+    for tid, run in children.items():
+        tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
+        assert tags[tracking.ROLE] == "trial" and tags[tracking.SWEEP] == "e2e" and tags[tracking.TRIAL] == tid
+        assert params["model"] == "tiny:llava" and params["tasks"] == "easyvqa_yesno,easyvqa_open"
+        method = None if tid == "baseline" else params["method"]
+        assert params["method"] == (method or "none") and params["budget"] == ("none" if method is None else "8")
+        assert metrics["samples/total"] == 2 * LIMIT and metrics["samples/failed"] == 0
+        for key in ("easyvqa_yesno/accuracy", "easyvqa_yesno/f1", "easyvqa_open/exact_match",
+                    "efficiency/prefill_tflops", "efficiency/kv_cache_mb", "efficiency/prefill_ms",
+                    "efficiency/peak_mem_mb", "efficiency/visual_tokens", "t_sal/mean", "t_sal/median"):
+            assert key in metrics, (tid, key)
+        assert metrics["efficiency/visual_tokens"] == (36 if method is None else 8)  # tiny LLaVA: 6x6 grid
+        assert ("entropy/mean" in metrics) == (method == "promprune")  # only PromPrune measures prominence
+
+        frame = pd.read_parquet(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir)))
+        assert len(frame) == 2 * LIMIT and not frame.duplicated(["task", "doc_id"]).any()
+        assert {"task", "doc_id", "prediction", "error", "entropy", "saliency_count", "visual_tokens", "kept",
+                "timings"} <= set(frame.columns)
+        _check_against_plain_generation(frame, rows, method)
+        _check_kv_cache_by_hand(metrics, method)
+
+
+def _check_against_plain_generation(frame: pd.DataFrame, rows: list[dict], method: str | None) -> None:
+    """Independent path: the same PrunedVLM in this process, no Ray, no object-store weights."""
+    from promprune.eval import run_requests
+    from promprune.models import PrunedVLM
+
+    torch.set_num_threads(1)
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method=method, budget=None if method is None else 8,
+                                    dtype="float32")
+    plain = {(p["task"], p["doc_id"]): p for p in run_requests(vlm, rows, batch_size=1)}
+    for rec in frame.to_dict("records"):
+        ref = plain[(rec["task"], rec["doc_id"])]
+        assert rec["prediction"] == ref["prediction"]
+        assert list(rec["kept"]) == list(ref["kept"])
+
+
+def _check_kv_cache_by_hand(metrics: dict, method: str | None) -> None:
+    """KV cache of the visual tokens: 2 (K and V) x layers x kv heads x head dim x 4 bytes (fp32) per token."""
+    from promprune.models.testing import tiny_vlm
+
+    cfg = tiny_vlm("llava")[0].config.text_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    tokens = 36 if method is None else 8
+    assert metrics["efficiency/kv_cache_mb"] == pytest.approx(per_token * tokens / 2 ** 20)
+
+
+def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
+    """Rel. = mean over tasks of score / baseline score (pope F1 0.6 / 0.8 and MME (600+200) / (800+200))."""
+    from ray import tune
+
+    spec = small_spec(tasks=["pope", "mme"])
+    c = tracking.client()
+    parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {})
+    recorder = sweep.SweepRecorder(spec, parent, n_trials=2)
+
+    def checkpoint(name: str, scores: dict):
+        d = tmp_path / name
+        d.mkdir()
+        pd.DataFrame({"task": ["pope"], "doc_id": [0]}).to_parquet(d / "predictions.parquet")
+        (d / "scores.json").write_text(json.dumps(scores))
+        return tune.Checkpoint.from_directory(str(d))
+
+    pruned = specs.Trial("promprune", 8, {}).to_dict()
+    base = specs.Trial(None, None, {}).to_dict()
+    recorder.record(pruned, {"pope/pope_f1_score": 0.6}, checkpoint("p", {
+        "pope": {"pope_f1_score": 0.6}, "mme": {"mme_perception_score": 600.0, "mme_cognition_score": 200.0}}))
+    recorder.record(base, {"pope/pope_f1_score": 0.8}, checkpoint("b", {
+        "pope": {"pope_f1_score": 0.8}, "mme": {"mme_perception_score": 800.0, "mme_cognition_score": 200.0}}))
+    recorder.finalize_rel()  # the pruned trial finished before the baseline
+    runs = tracking.trial_runs(c, parent)
+    assert runs["promprune-b8"].data.metrics["rel"] == pytest.approx((0.6 / 0.8 + 800 / 1000) / 2)
+    assert runs["baseline"].data.metrics["rel"] == pytest.approx(1.0)
+
+
+def _spawn_sweep(spec_path: Path, cwd: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(spec_path),
+                             *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    out, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        out.append(line)
+        if marker in line:
+            return "".join(out)
+    proc.kill()
+    raise AssertionError(f"{marker!r} not seen:\n{''.join(out)[-3000:]}")
+
+
+def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
+    spec_path = tmp_path / "resume.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "resume", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 2, "grid": {"method": ["promprune", "divprune"], "budget": [8]},
+        "generation": {"max_new_tokens": 2}}))
+    first = _spawn_sweep(spec_path, tmp_path)
+    head = _read_until(first, "[1/3] baseline", timeout=300)  # the baseline finished and was logged
+    first.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops
+    rest, _ = first.communicate(timeout=180)
+    assert first.returncode == sweep.EXIT_INTERRUPTED, head + rest
+    assert "--resume" in rest
+
+    second = _spawn_sweep(spec_path, tmp_path, "--resume")
+    out, _ = second.communicate(timeout=400)
+    assert second.returncode == 0, out[-3000:]
+    assert "resuming" in out and "[start] baseline" not in out  # the finished trial was not run again
+    assert "[start] divprune-b8" in out
+
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parents = c.search_runs([c.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id],
+                            filter_string="tags.`promprune.role` = 'sweep'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"  # the same parent run continued
+    children = c.search_runs([parents[0].info.experiment_id],
+                             filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    ids = sorted(r.data.tags[tracking.TRIAL] for r in children)
+    assert ids == ["baseline", "divprune-b8", "promprune-b8"]  # each trial logged exactly once
