@@ -47,9 +47,11 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     table = tables.build_score_table(sweep)
     full_tokens = _full_tokens(sweep, preds)
     sections = [_header(sweep, table)]
-    sections.append(_scores_section(table, full_tokens, out_dir, report))
+    published = load_published(sweep.name, published_root)
+    comparison = None if published is None else tables.compare_published(sweep, table, published)
+    sections.append(_scores_section(table, full_tokens, comparison, out_dir, report))
     sections.append(_efficiency_section(sweep, table, out_dir, report))
-    sections.append(_published_section(sweep, table, published_root, out_dir, report))
+    sections.append(_published_section(sweep, table, published, comparison, out_dir, report))
     sections.append(_matched_split_section(sweep, table, preds, out_dir, report))
     entropy_id = _entropy_trial(table, preds)
     sections.append(_calibration_section(sweep, table, preds, entropy_id, report))
@@ -92,11 +94,12 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _scores_section(table, full_tokens, out_dir, report) -> str:
+def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
     _write_csv(tables.score_table_csv(table), out_dir / "scores.csv", report)
     note = ("Rel.: each benchmark's score over the unpruned model's, averaged over benchmarks. "
-            "Bold: best per token budget. Units: MME points (perception + cognition), the rest percent.")
-    return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens)}"
+            "Bold: best per token budget. Units: MME points (perception + cognition), the rest percent. "
+            "Rows marked ↳ paper: the published numbers, with our delta.")
+    return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"
 
 
 def _efficiency_section(sweep, table, out_dir, report) -> str:
@@ -107,12 +110,10 @@ def _efficiency_section(sweep, table, out_dir, report) -> str:
     return f"## Efficiency\n\n{tables.efficiency_markdown(eff, sweep.baseline_id)}"
 
 
-def _published_section(sweep, table, root, out_dir, report) -> str:
-    published = load_published(sweep.name, root)
+def _published_section(sweep, table, published, comp, out_dir, report) -> str:
     if published is None:
         return (f"## Against the published numbers\n\nNo published numbers are shipped for `{sweep.name}` "
                 f"(see `pipelines/paper_results/README.md`).\n")
-    comp = tables.compare_published(sweep, table, published)
     if comp.empty:
         return (f"## Against the published numbers\n\n`{sweep.name}.csv` ships the paper's table structure, but "
                 "none of its numbers could be found (see `pipelines/paper_results/README.md`).\n")

@@ -133,7 +133,8 @@ def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: p
 def best_per_budget(table: ScoreTable, decimals: dict[str, int]) -> set[tuple[str, str]]:
     """(run id, column) cells that are the best (highest, at display precision) among their budget's trials.
 
-    The baseline is not a competitor; a budget with a single trial has no best; ties are all best.
+    The baseline is not a competitor; a budget with a single trial, or where all trials tie, has no best; ties
+    for the best among different values are all best.
     """
     frame = table.frame[table.frame["method"] != BASELINE_METHOD]
     best = set()
@@ -142,8 +143,8 @@ def best_per_budget(table: ScoreTable, decimals: dict[str, int]) -> set[tuple[st
             continue
         for col, dec in decimals.items():
             shown = _display_series(table, group, col).round(dec)
-            if shown.notna().sum() < 2:
-                continue
+            if shown.notna().sum() < 2 or shown.nunique() < 2:
+                continue  # one value, or all equal: nothing stands out
             best |= {(rid, col) for rid in shown.index[shown == shown.max()]}
     return best
 
@@ -162,7 +163,10 @@ def score_table_csv(table: ScoreTable) -> pd.DataFrame:
     return out.reset_index()
 
 
-def score_table_markdown(table: ScoreTable, full_tokens: float | None = None) -> str:
+def score_table_markdown(table: ScoreTable, full_tokens: float | None = None,
+                         comparison: pd.DataFrame | None = None) -> str:
+    """The paper-style table; with `comparison` (from `compare_published`), a "paper (Δ)" row under each of our
+    rows that has published numbers."""
     decimals = {c.task: c.decimals for c in table.columns} | {"rel": 1}
     best = best_per_budget(table, decimals)
     header = ["Method", "Tokens"] + [c.label for c in table.columns] + ["Rel."]
@@ -174,7 +178,32 @@ def score_table_markdown(table: ScoreTable, full_tokens: float | None = None) ->
             cells.append(_cell(row[col.task] * col.scale, col.decimals, (rid, col.task) in best))
         cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%"))
         rows.append(cells)
+        paper = _paper_row(table, row, comparison, decimals)
+        if paper:
+            rows.append(["↳ paper (Δ ours − paper)", tokens] + paper)
     return markdown_table(header, rows)
+
+
+def _paper_row(table: ScoreTable, row: pd.Series, comparison: pd.DataFrame | None, decimals: dict) -> list | None:
+    """Cells "81.5 (−1.5)" for the published numbers of our row, or None when the paper has none for it."""
+    if comparison is None or comparison.empty:
+        return None
+    same = comparison[(comparison["method"] == row["method"]) & (comparison["variant"] == row["variant"])]
+    if row["method"] != BASELINE_METHOD:
+        same = same[same["budget"] == row["budget"]]
+    values = {r["column"]: r for _, r in same.iterrows()}
+    keys = [c.task for c in table.columns] + ["rel"]
+    if not any(k in values for k in keys):
+        return None
+    cells = []
+    for key in keys:
+        if key not in values:
+            cells.append("")
+            continue
+        r, dec = values[key], decimals[key]
+        delta = "" if _isnan(r["delta"]) else f" ({r['delta']:+.{dec}f})"
+        cells.append(f"{r['paper']:.{dec}f}{'%' if key == 'rel' else ''}{delta}")
+    return cells
 
 
 def _tokens_cell(row: pd.Series, full_tokens: float | None) -> str:
@@ -186,7 +215,8 @@ def _tokens_cell(row: pd.Series, full_tokens: float | None) -> str:
 def _cell(value, decimals: int, bold: bool = False, suffix: str = "") -> str:
     if value is None or _isnan(float(value)):
         return "–"
-    text = f"{value:.{decimals}f}{suffix}"
+    tiny = value != 0 and abs(value) < 0.5 * 10 ** -decimals  # e.g. a tiny test model's TFLOPs: 2 significant digits
+    text = f"{value:.2g}{suffix}" if tiny else f"{value:.{decimals}f}{suffix}"
     return f"**{text}**" if bold else text
 
 

@@ -54,6 +54,9 @@ TABLE_TRIALS = [
     trial("divprune", 64, scores(1420, 290, 0.76, 0.60)),
     trial("promprune", 32, scores(1260, 270, 0.72, 0.54)),
     trial("divprune", 32, scores(1200, 240, 0.72, 0.51)),
+    # random@32: (1300/1800, .70/.80, .45/.60) = (.7222, .875, .75) -> 78.24 %; a third row, so the POPE tie at
+    # 72.0 between divprune and promprune is a tie for the best, not "all equal"
+    trial("random", 32, scores(1100, 200, 0.70, 0.45)),
 ]
 
 
@@ -82,11 +85,12 @@ def test_rel_and_scores_match_hand_computation(table_sweep):
     table = tables.build_score_table(load_sweep(parent))
     frame = table.frame.set_index(["method", table.frame["budget"].fillna(0)])
     assert list(zip(table.frame["method"], table.frame["budget"].fillna(0))) == [
-        ("none", 0), ("divprune", 64), ("promprune", 64), ("divprune", 32), ("promprune", 32)]
+        ("none", 0), ("divprune", 64), ("promprune", 64), ("random", 32), ("divprune", 32), ("promprune", 32)]
     assert frame.loc[("promprune", 64), "rel"] == pytest.approx(95.0)
     assert frame.loc[("divprune", 64), "rel"] == pytest.approx(290 / 3)
     assert frame.loc[("promprune", 32), "rel"] == pytest.approx(265 / 3)
     assert frame.loc[("divprune", 32), "rel"] == pytest.approx(85.0)
+    assert frame.loc[("random", 32), "rel"] == pytest.approx((1300 / 1800 + 0.875 + 0.75) / 3 * 100)
     assert frame.loc[("none", 0), "rel"] == pytest.approx(100.0)
     assert frame.loc[("promprune", 64), "mme"] == pytest.approx(1620)  # perception + cognition
 
@@ -102,6 +106,7 @@ def test_markdown_bolds_the_best_per_budget(table_sweep, tmp_path):
     assert rows["PromPrune@64"] == "| PromPrune | 64 | 1620 | **80.0** | 57.0 | 95.0% |"
     assert rows["DivPrune@32"] == "| DivPrune | 32 | 1440 | **72.0** | 51.0 | 85.0% |"  # POPE tie: both bold
     assert rows["PromPrune@32"] == "| PromPrune | 32 | **1530** | **72.0** | **54.0** | **88.3%** |"
+    assert rows["Random@32"] == "| Random | 32 | 1300 | 70.0 | 45.0 | 78.2% |"
     csv = pd.read_csv(tmp_path / "out" / "scores.csv")
     assert csv.loc[csv["label"] == "PromPrune", "POPE"].tolist() == pytest.approx([80.0, 72.0])
 
@@ -117,6 +122,29 @@ def test_deltas_against_published(table_sweep, tmp_path, published_root):
     ours, paper, delta = got[("fastv", "pope")]  # published, but the sweep did not run FastV
     assert math.isnan(ours) and paper == 70.0 and math.isnan(delta)
     assert len(comp) == 4  # divprune@32's row has no number: nothing to compare
+
+
+def test_paper_rows_sit_under_ours_in_the_score_table(table_sweep, tmp_path, published_root):
+    _, parent = table_sweep
+    report = build_report(load_sweep(parent), tmp_path / "out", published_root=published_root, image_source=grey_image)
+    lines = report.markdown.split("## Scores", 1)[1].split("\n## ", 1)[0].splitlines()
+    ours = lines.index("| PromPrune | 64 | 1620 | **80.0** | 57.0 | 95.0% |")
+    assert lines[ours + 1] == "| ↳ paper (Δ ours − paper) | 64 |  | 81.5 (-1.5) |  | 96.0% (-1.0) |"
+    base = next(i for i, line in enumerate(lines) if line.startswith("| Upper bound"))
+    assert lines[base + 1] == "| ↳ paper (Δ ours − paper) | all (576) | 1862 (-62) |  |  |  |"
+    assert sum(line.startswith("| ↳ paper") for line in lines) == 2  # fastv@64 did not run; divprune@32 has no numbers
+
+
+def test_all_equal_scores_are_not_bold(store, tmp_path):
+    """A random-weight model scores 0 everywhere (the offline quickstart): nothing is "best"."""
+    client, exp = store
+    zero = scores(0, 0, 0.0, 0.0)
+    trials = [trial("none", None, zero), trial("promprune", 16, zero), trial("divprune", 16, zero)]
+    parent = log_sweep(client, exp, "zeros", trials, tasks=TASKS, tmp=tmp_path)
+    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
+    section = report.markdown.split("## Scores", 1)[1].split("\n## ", 1)[0]
+    assert "**" not in section
+    assert "| PromPrune | 16 | 0 | 0.0 | 0.0 | – |" in section  # Rel. undefined: the baseline scored 0
 
 
 def test_figures_are_pngs_and_logged_to_the_parent_run(table_sweep, tmp_path):
