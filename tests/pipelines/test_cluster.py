@@ -1,0 +1,110 @@
+"""Reliability on a real multi-node Ray cluster on one machine (`ray.cluster_utils.Cluster`): a CPU head and three
+worker nodes declaring one GPU each (scheduling only; the tiny model runs on their CPUs).
+
+- A worker node killed mid-evaluation: the sweep still finishes, every sample scored exactly once.
+- An actor pool that cannot be scheduled fails after `actor_wait_s` instead of hanging.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from pipelines import spec as specs
+from pipelines import sweep, tracking
+from pipelines.evaluate import EvalConfig, build_rows, evaluate
+from pipelines.weights import ModelSource
+
+pytestmark = pytest.mark.slow
+
+NODE_OBJECT_STORE = 150 * 2 ** 20  # four object stores on one machine: keep each small
+SAMPLES = 6  # one per batch: enough batches that the kill lands mid-run
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_OBJECT_STORE})
+    for _ in range(3):
+        c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)
+    c.wait_for_nodes()
+    ray.init(address=c.address, runtime_env=sweep.worker_env())
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def slow_run(vlm, rows, batch_size, *, marker_dir: str):
+    """The real run_requests, slowed so the test can kill a node while batches are in flight; leaves a marker."""
+    from promprune.eval import run_requests
+
+    time.sleep(2.0)
+    preds = run_requests(vlm, rows, batch_size=batch_size)
+    for p in preds:
+        (Path(marker_dir) / f"{p['task']}-{p['doc_id']}-{time.time_ns()}").touch()
+    return preds
+
+
+def _actors(class_fragment: str) -> list:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if class_fragment in a.class_name]
+
+
+def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    spec = specs.parse({
+        "name": "nodekill", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": SAMPLES, "baseline": False, "grid": {"method": ["promprune"], "budget": [8]},
+        "generation": {"max_new_tokens": 2},
+        "resources": {"workers": 2, "gpus_per_worker": 1, "batch_size": 1, "actor_wait_s": 180},
+        "tune": {"max_failures": 2}})
+    outcome = {}
+    run_fn = functools.partial(slow_run, marker_dir=str(markers))
+    driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(spec, run_fn=run_fn)))
+    driver.start()
+
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(markers.iterdir()):
+        time.sleep(0.5)
+    done_before_kill = len(list(markers.iterdir()))
+    assert 0 < done_before_kill < SAMPLES, "the kill must land mid-evaluation"
+    trial_nodes = {a.node_id for a in _actors("ImplicitFunc")}
+    victims = [a.node_id for a in _actors("MapWorker") if a.node_id not in trial_nodes]
+    assert victims, "no actor on a node without the trial driver"
+    node = next(n for n in cluster.worker_nodes if n.node_id == victims[0])
+    cluster.remove_node(node, allow_graceful=False)
+
+    driver.join(timeout=400)
+    assert not driver.is_alive(), "the sweep did not finish after losing a node"
+    result = outcome["r"]
+    assert result.failed == []
+    frame = result.records["promprune-b8"]["frame"]
+    assert len(frame) == SAMPLES and not frame.duplicated(["task", "doc_id"]).any()
+    assert sorted(frame["doc_id"]) == list(range(SAMPLES))
+    assert frame["error"].isna().all()
+    run = tracking.trial_runs(tracking.client(), result.parent_run_id)["promprune-b8"]
+    assert run.data.metrics["samples/total"] == SAMPLES and run.data.metrics["samples/failed"] == 0
+
+    cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)  # back to 3 GPU nodes
+    cluster.wait_for_nodes()
+
+
+def test_unschedulable_pool_fails_instead_of_hanging(cluster):
+    rows = build_rows(["easyvqa_yesno"], 1, {"max_new_tokens": 1})
+    cfg = EvalConfig(model=ModelSource("tiny:llava"), workers=1, gpus_per_worker=2, batch_size=1,
+                     actor_wait_s=5, progress_bars=False)  # no node has 2 GPUs
+    start = time.time()
+    with pytest.raises(Exception, match="(?i)actor"):
+        evaluate(cfg, rows)
+    assert time.time() - start < 120
