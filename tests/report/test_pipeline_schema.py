@@ -1,0 +1,49 @@
+"""The report reads what the pipeline's own MLflow writer (`pipelines/tracking.py`) and predictions frame write.
+
+The other tests log runs by hand from the schema; this one goes through the pipeline's functions, so a drift
+between writer and reader (param spelling, the baseline's budget, list columns in parquet) fails here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tracking = pytest.importorskip("pipelines.tracking")
+evaluate = pytest.importorskip("pipelines.evaluate")
+
+from pipelines.reporting.build import build_report  # noqa: E402
+from pipelines.reporting.store import load_sweep  # noqa: E402
+
+TASKS = ["easyvqa_yesno", "easyvqa_open"]
+GRID = 36  # the tiny LLaVA's 6 x 6 visual tokens
+
+
+def preds(n_sal):
+    return evaluate.predictions_frame([
+        {"task": task, "doc_id": doc, "prediction": "yes", "error": None, "entropy": 0.2 + 0.01 * doc,
+         "saliency_count": n_sal, "visual_tokens": 16, "kept": np.arange(0, 32, 2), "timings": {"prefill_ms": 1.0}}
+        for task in TASKS for doc in range(3)])
+
+
+def test_report_on_runs_written_by_the_pipeline(store, tmp_path):
+    client, _ = store
+    c = tracking.client()
+    parent = tracking.start_sweep(c, "pipe_demo", 2, "name: pipe_demo\nversion: 2\n", {})
+    runs = [({"method": None, "budget": None, "options": {}, "trial_id": "baseline"},
+             {"easyvqa_yesno/f1": 0.5, "easyvqa_open/exact_match": 0.25, "efficiency/visual_tokens": GRID}, None),
+            ({"method": "promprune", "budget": 16, "options": {"mu": 0.42, "tau": 0.02}, "trial_id": "promprune-b16"},
+             {"easyvqa_yesno/f1": 0.4, "easyvqa_open/exact_match": 0.25, "efficiency/visual_tokens": 16}, preds(10))]
+    for trial, metrics, frame in runs:
+        params = tracking.trial_params("tiny:llava", trial, TASKS, {})
+        tracking.log_trial(c, parent, "pipe_demo", 2, trial, params, metrics, frame)
+    tracking.finish(c, parent)
+
+    sweep = load_sweep()  # the latest sweep: this one
+    assert sweep.name == "pipe_demo" and sweep.tags["promprune.spec_version"] == "2"
+    assert sweep.tasks() == TASKS
+    base = sweep.trials.loc[sweep.baseline_id]
+    assert base["method"] == "none" and np.isnan(base["budget"])
+    report = build_report(sweep, tmp_path / "out", image_source=lambda t, d: (np.zeros((24, 24, 3), np.uint8), ""))
+    assert "| PromPrune | 16 | 40.0 | 25.0 | 90.0% |" in report.markdown  # Rel. = (0.4/0.5 + 0.25/0.25) / 2
+    names = {p.name for p in report.files}
+    assert {"entropy_histograms.png", "overlay_easyvqa_yesno_0.png", "overlay_easyvqa_open_0.png"} <= names
