@@ -92,3 +92,18 @@ def test_table6_against_the_shipped_published_numbers(store, tmp_path):
     assert got[("promprune", "efficiency/prefill_tflops")] == pytest.approx((5.10, 5.02, 0.08))
     assert got[("promprune", "efficiency/kv_cache_mb")] == pytest.approx((160.0, 160.0, 0.0))
     assert not [k for k in got if k[0] == "fastv"]  # the paper's FastV cells were not found: nothing to compare
+
+
+def test_categorical_ablation_rows_are_named_and_compared_per_budget(store, tmp_path):
+    """Table 5's shape: one method, a string option varying, several budgets."""
+    client, exp = store
+    f1 = {("dpp", 64): 0.80, ("fps", 64): 0.78, ("facility_location", 64): 0.79,
+          ("dpp", 32): 0.74, ("fps", 32): 0.75, ("facility_location", 32): 0.70}
+    trials = [trial("none", None, {"pope/pope_f1_score": 0.85})]
+    trials += [trial("promprune", b, {"pope/pope_f1_score": v}, options={"diversity": d}) for (d, b), v in f1.items()]
+    parent = log_sweep(client, exp, "table5_demo", trials, tasks=["pope"], tmp=tmp_path)
+    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
+    assert "| PromPrune (diversity=dpp) | 64 | **80.0** | **94.1%** |" in report.markdown  # 0.80 / 0.85
+    assert "| PromPrune (diversity=fps) | 32 | **75.0** | **88.2%** |" in report.markdown
+    assert "| PromPrune (diversity=fps) | 64 | 78.0 | 91.8% |" in report.markdown
+    assert {"tradeoff.png", "ablation_bars.png"} <= {p.name for p in report.files}
