@@ -80,8 +80,8 @@ def log_report(sweep: Sweep, report: Report, client: MlflowClient | None = None)
 
 
 def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
-    model = sweep.trials["model"].dropna().iloc[0] if "model" in sweep.trials and sweep.trials["model"].notna().any() \
-        else "?"
+    models = sweep.trials["model"].dropna() if "model" in sweep.trials else pd.Series(dtype=str)
+    model = models.iloc[0] if len(models) else "?"
     failed = sweep.metrics.get("samples/failed", pd.Series(dtype=float)).fillna(0).sum()
     lines = [f"# Report: {sweep.name}", "",
              f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get('promprune.spec_version', '?')}",
