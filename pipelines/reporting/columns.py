@@ -51,7 +51,7 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
             return TaskColumn(task, task, (name,))
     if not logged_metrics:
         raise ValueError(f"task {task!r}: no metric `{task}/...` was logged by any trial of this sweep")
-    return TaskColumn(task, task, (sorted(logged_metrics)[0],))
+    return TaskColumn(task, task, (min(logged_metrics),))
 
 
 def task_score(metrics: pd.DataFrame, column: TaskColumn) -> pd.Series:

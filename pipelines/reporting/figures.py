@@ -60,7 +60,7 @@ def tradeoff_curves(table: ScoreTable, path: Path) -> Path | None:
     for (method, variant), rows in groups:
         rows = rows.sort_values("budget")
         name = METHOD_LABELS.get(method, method) + (f" ({variant})" if variant else "")
-        style = dict(lw=2.4, zorder=3) if method == "promprune" else dict(lw=1.4)
+        style = {"lw": 2.4, "zorder": 3} if method == "promprune" else {"lw": 1.4}
         ax.plot(rows["budget"], rows["_y"], marker="o", label=name, **style)
     if use_rel:
         ax.axhline(100.0, color="grey", ls=":", lw=1, label="unpruned")

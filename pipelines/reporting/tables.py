@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .columns import TaskColumn, column_for, task_score
+from .columns import column_for, task_score
 from .store import BASELINE_METHOD, Sweep
 
 METHOD_LABELS = {

@@ -79,8 +79,11 @@ def test_choose_mu_tie_break_without_a_median_takes_the_smaller():
 
 def test_table6_against_the_shipped_published_numbers(store, tmp_path):
     client, exp = store
-    eff = lambda n, tf, kv, ms: {"efficiency/visual_tokens": n, "efficiency/prefill_tflops": tf,  # noqa: E731
-                                 "efficiency/kv_cache_mb": kv, "efficiency/prefill_ms": ms}
+
+    def eff(n, tf, kv, ms):
+        return {"efficiency/visual_tokens": n, "efficiency/prefill_tflops": tf, "efficiency/kv_cache_mb": kv,
+                "efficiency/prefill_ms": ms}
+
     trials = [trial("none", None, {"pope/pope_f1_score": 0.86} | eff(2880, 42.6, 1440.0, 200.0)),
               trial("promprune", 320, {"pope/pope_f1_score": 0.85} | eff(320, 5.10, 160.0, 150.0))]
     parent = log_sweep(client, exp, "table6_efficiency", trials, tasks=["pope"], tmp=tmp_path)
