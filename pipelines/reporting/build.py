@@ -196,7 +196,8 @@ def _figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, repo
         mu = None if mu is None or (isinstance(mu, float) and np.isnan(mu)) else float(mu)
         made.append(figures.entropy_histograms(ok, out_dir / "entropy_histograms.png", mu,
                                                f"{row['label']}, {row['budget']:.0f} tokens"))
-        overlays, note = _overlays(ok, full_tokens, out_dir, image_source, row["label"])
+        model = sweep.trials.loc[entropy_id].get("model") if "model" in sweep.trials else None
+        overlays, note = _overlays(ok, full_tokens, out_dir, image_source, row["label"], overlay.fit_for(model))
         made += overlays
         notes += note
     made = [p for p in made if p is not None]
@@ -205,7 +206,7 @@ def _figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, repo
     return "\n".join(lines) + "\n"
 
 
-def _overlays(ok: pd.DataFrame, full_tokens, out_dir, image_source, label) -> tuple[list, list]:
+def _overlays(ok: pd.DataFrame, full_tokens, out_dir, image_source, label, fit) -> tuple[list, list]:
     if full_tokens is None or overlay.grid_side(full_tokens) is None:
         return [], [f"Overlays skipped: the full visual token grid ({full_tokens}) is not one square view."]
     made, notes = [], []
@@ -215,7 +216,7 @@ def _overlays(ok: pd.DataFrame, full_tokens, out_dir, image_source, label) -> tu
         salient, coverage = overlay.token_roles(sample)
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{sample['task']}_{sample['doc_id']}")
         path = overlay.draw_overlay(image, int(full_tokens), salient, coverage, out_dir / f"overlay_{safe}.png",
-                                    f"{label}: {sample['task']} doc {sample['doc_id']}{note}")
+                                    f"{label}: {sample['task']} doc {sample['doc_id']}{note}", fit)
         if path is not None:
             made.append(path)
         if coverage is None and not notes:

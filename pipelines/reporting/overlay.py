@@ -2,7 +2,8 @@
 
 A token index i of a square g x g grid covers row i // g, column i % g of the image as the encoder saw it.
 CLIP-style processors (LLaVA-1.5) resize the shortest side and center-crop a square, so the grid is laid over
-the image's central square. Non-square grids (LLaVA-NeXT's several views) are not drawn.
+the image's central square (fit "crop"); Qwen2.5-VL at a fixed token count resizes the whole image to a square
+(fit "stretch"). Non-square grids (LLaVA-NeXT's several views) are not drawn.
 
 Which kept tokens came from the saliency stage: a `salient` column (list of kept indices) in the predictions,
 or, when the predictions say `kept_order == "selection"`, the first `saliency_count` of `kept`. Without either the
@@ -54,19 +55,27 @@ def square_crop(image: np.ndarray) -> np.ndarray:
     return image[top:top + side, left:left + side]
 
 
+def fit_for(model: str | None) -> str:
+    """How the model's processor maps the image onto its square token grid: "stretch" for Qwen, else "crop"."""
+    return "stretch" if model and "qwen" in model.lower() else "crop"
+
+
 def draw_overlay(image: np.ndarray, n_tokens: int, salient: list[int], coverage: list[int] | None,
-                 path: Path, title: str) -> Path | None:
-    """Write the overlay PNG. image: [H, W, 3] uint8; n_tokens: the full grid's token count (g * g)."""
+                 path: Path, title: str, fit: str = "crop") -> Path | None:
+    """Write the overlay PNG. image: [H, W, 3] uint8; n_tokens: the full grid's token count (g * g);
+    fit: "crop" (central square, CLIP) or "stretch" (the whole image squeezed to a square, Qwen fixed tokens)."""
+    if fit not in ("crop", "stretch"):
+        raise ValueError(f"fit must be 'crop' or 'stretch', got {fit!r}")
     side = grid_side(n_tokens)
     if side is None:
         return None
     bad = [i for i in list(salient) + list(coverage or []) if not 0 <= i < n_tokens]
     if bad:
         raise ValueError(f"kept token indices {bad[:5]} are outside the {n_tokens}-token grid")
-    square = square_crop(np.asarray(image))
-    cell = square.shape[0] / side
+    square = square_crop(np.asarray(image)) if fit == "crop" else np.asarray(image)
+    cell = 1.0  # draw in token units: the image is stretched over the g x g extent
     fig, ax = plt.subplots(figsize=(4.6, 4.9))
-    ax.imshow(square, extent=(0, side * cell, side * cell, 0))
+    ax.imshow(square, extent=(0, side, side, 0), aspect="auto")
     groups = [(salient, SALIENT_COLOR if coverage is not None else UNKNOWN_COLOR), (coverage or [], COVERAGE_COLOR)]
     for indices, color in groups:
         for i in indices:

@@ -52,3 +52,18 @@ def test_square_crop_keeps_the_centre():
     img = np.arange(6 * 10).reshape(6, 10, 1)
     assert overlay.square_crop(img).shape == (6, 6, 1)
     assert overlay.square_crop(img)[0, 0, 0] == 2  # (10 - 6) / 2 columns cut on the left
+
+
+def test_stretch_fit_covers_the_whole_image(tmp_path):
+    """Qwen at a fixed token count squeezes the whole (non-square) image onto the grid. A 40 x 80 image in three
+    bands, grey 50 | black | grey 200 (columns 0-20, 20-60, 60-80): stretched, the outer bands reach the edges of
+    the drawing; a centre crop (columns 20-60) would show black at both edges."""
+    img = np.zeros((40, 80, 3), dtype=np.uint8)
+    img[:, :20], img[:, 60:] = 50, 200
+    for fit, left, right in (("stretch", 50, 200), ("crop", 0, 0)):
+        path = overlay.draw_overlay(img, 4, [], [1], tmp_path / f"{fit}.png", "t", fit=fit)
+        assert np.abs(_pixel(path, 0.05, 0.75) - left).max() < 6, fit
+        assert np.abs(_pixel(path, 0.95, 0.75) - right).max() < 6, fit
+    with pytest.raises(ValueError, match="fit"):
+        overlay.draw_overlay(img, 4, [], [], tmp_path / "x.png", "t", fit="pad")
+    assert overlay.fit_for("Qwen/Qwen2.5-VL-7B-Instruct") == "stretch" and overlay.fit_for("tiny:llava") == "crop"
