@@ -211,3 +211,19 @@ def test_malformed_published_csv_names_the_problem(tmp_path):
     (tmp_path / "nosource.csv").write_text("method,budget,pope\npromprune,64,80\n")
     with pytest.raises(ValueError, match=r"nosource\.csv.*missing column"):
         load_published("nosource", tmp_path)
+
+
+def test_runs_as_a_script_from_any_directory(table_sweep, tmp_path):
+    """`python pipelines/report.py` as the README says: the script finds its package without installation."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(report_cli.__file__)
+    out = tmp_path / "script_out"
+    proc = subprocess.run([sys.executable, str(script), "--sweep", "table_demo", "--out", str(out), "--no-log"],
+                          cwd=tmp_path, env=os.environ.copy(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "report.md").is_file() and (out / "tradeoff.png").is_file()
+    assert str(out.resolve()) in proc.stdout
