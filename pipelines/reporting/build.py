@@ -8,6 +8,7 @@ every spec in `sweeps/` gets its paper table or figure without per-spec code.
 from __future__ import annotations
 
 import io
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -293,7 +294,10 @@ def task_image(task: str, doc_id: str) -> tuple[np.ndarray, str]:
         from PIL import Image
 
         from promprune.eval.requests import build_requests
+        from promprune.eval.tasks import OFFLINE_TASKS
 
+        if os.environ.get("HF_HUB_OFFLINE") == "1" and task not in OFFLINE_TASKS:
+            raise LookupError(f"{task} is a hub task and HF_HUB_OFFLINE=1")  # skip lmms-eval's slow task indexing
         rows = build_requests([task], limit=int(doc_id) + 1)
         row = next(r for r in rows if str(r["doc_id"]) == str(doc_id) and r["image"] is not None)
         return np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB")), ""
