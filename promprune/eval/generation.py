@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 # lmms-eval generation_kwargs keys that map onto transformers' generate(); anything else (e.g. llava's
 # image_aspect_ratio) is a model-specific hint our adapters do not take, and is ignored.
 _SAMPLING_KEYS = ("temperature", "top_p")
-_STATS = ("entropy", "saliency_count", "visual_tokens", "kept", "vision_ms", "select_ms", "prefill_ms", "decode_ms")
+_STATS = ("entropy", "saliency_count", "visual_tokens", "kept", "salient", "vision_ms", "select_ms", "prefill_ms",
+          "decode_ms")
 RESULT_FIELDS = ("prediction", "error", *_STATS, "peak_mem_mb")
 
 

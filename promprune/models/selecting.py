@@ -21,12 +21,14 @@ from .adapters import VisualItem
 
 @dataclass
 class ItemSelection:
-    """``kept [M]`` candidate indices (ascending), ``merged [M, d]`` or None, ``saliency_count``, ``entropy``."""
+    """``kept [M]`` candidate indices (ascending), ``merged [M, d]`` or None, ``saliency_count``, ``entropy``,
+    ``salient [S]``: the kept candidates the saliency stage chose (ascending; ``S == saliency_count``)."""
 
     kept: torch.Tensor
     merged: torch.Tensor | None
     saliency_count: int
     entropy: float | None
+    salient: torch.Tensor | None = None
 
 
 def split_budget(budget: int, counts: list[int], weights: list[float] | None = None) -> list[int]:
@@ -91,7 +93,9 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
         for u, (b, idx, _) in enumerate(group):
             merged = None if sel.features is None else sel.features[u]
             ent = None if sel.entropy is None else float(sel.entropy[u])
-            results[b].append((idx[sel.indices[u].to(idx.device)], merged, int(sel.saliency_count[u]), ent))
+            chosen = sel.indices[u].to(idx.device)
+            salient = idx[chosen[sel.salient[u].to(idx.device)]] if sel.salient is not None else idx[:0]
+            results[b].append((idx[chosen], merged, int(sel.saliency_count[u]), ent, salient))
     return [_combine(results[b]) for b in range(len(items))]
 
 
@@ -104,4 +108,5 @@ def _combine(parts) -> ItemSelection:
         merged = torch.cat([p[1] for p in parts])[order]
     ents = [p[3] for p in parts if p[3] is not None]
     return ItemSelection(kept=kept[order], merged=merged, saliency_count=sum(p[2] for p in parts),
-                         entropy=sum(ents) / len(ents) if ents else None)
+                         entropy=sum(ents) / len(ents) if ents else None,
+                         salient=torch.cat([p[4] for p in parts]).sort().values)

@@ -25,6 +25,7 @@ class Generation:
     saliency_count: int  # of those, chosen by a saliency stage (0 unpruned / pure-diversity methods)
     entropy: float | None  # prominence metric of the split (NeXT per-view modes: mean over views)
     kept: list[int] = field(default_factory=list)  # kept indices into the full visual token grid, ascending
+    salient: list[int] = field(default_factory=list)  # the subset of ``kept`` the saliency stage chose (overlays)
     vision_ms: float = 0.0  # vision tower + projector (+ saliency hook)
     select_ms: float = 0.0  # token selection before the LLM
     prefill_ms: float = 0.0  # first LLM forward
@@ -193,7 +194,8 @@ class PrunedVLM:
                                                  self.processor.tokenizer.pad_token_id)
         extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
-                      kept=sorted(it.grid_index[p.kept].tolist())) for f, p, it in zip(feats, plan, items)]
+                      kept=sorted(it.grid_index[p.kept].tolist()), salient=sorted(it.grid_index[p.salient].tolist()))
+                 for f, p, it in zip(feats, plan, items)]
         return ids, mask, feats, extra, stats
 
 

@@ -118,3 +118,16 @@ def test_several_return_sequences_are_refused(images, prompts):
     vlm = PrunedVLM.from_pretrained("tiny:llava", method=None)
     with pytest.raises(ValueError, match="num_return_sequences"):
         vlm.generate(images, prompts, num_beams=2, num_return_sequences=2, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generation_reports_which_kept_tokens_are_salient(arch, images, prompts):
+    for method, options in [("fixed_ratio", {"saliency_ratio": 0.5}), ("saliency_only", {}), ("divprune", {})]:
+        vlm = PrunedVLM.from_pretrained(f"tiny:{arch}", method=method, budget=8, **options)
+        for g in vlm.generate(images, prompts, max_new_tokens=1):
+            assert set(g.salient) <= set(g.kept)
+            assert len(g.salient) == g.saliency_count
+            if method == "saliency_only":
+                assert g.salient == g.kept
+            if method == "divprune":
+                assert g.salient == []
