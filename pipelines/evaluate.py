@@ -20,7 +20,6 @@ trial. `pipelines/sweep.py` calls `evaluate()` inside each Ray Tune trial.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import pickle

@@ -445,7 +445,7 @@ class MethodCatalog:
         """(the known adapter options, errors naming unknown ones and bad values)."""
         known = getattr(self._models, "ADAPTER_OPTIONS", None) if self._models is not None else None
         if known is None:
-            return {}, [f"model.options: cannot check adapter options, promprune.models is not importable"] \
+            return {}, ["model.options: cannot check adapter options, promprune.models is not importable"] \
                 if options else []
         errors = [f"model.options.{k}: unknown adapter option{_did_you_mean(str(k), list(known))}"
                   for k in options if k not in known]

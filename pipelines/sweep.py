@@ -23,9 +23,9 @@ and the same MLflow parent run continues.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -51,6 +51,7 @@ DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 STATE_DIR = Path("outputs") / "sweeps"  # driver-side record: Tune experiment dir <-> MLflow parent run
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
 EXIT_TRIALS_FAILED, EXIT_REGRESSION, EXIT_INTERRUPTED = 2, 3, 130  # 130: the shell's code for Ctrl-C
+STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
 QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
 
 
@@ -253,15 +254,12 @@ def worker_env() -> dict:
     Needed for a local Ray or a cluster sharing this filesystem (tests); `ray job submit --working-dir .` puts the
     uploaded checkout on the workers' path itself, and cluster.yaml installs the project on every node.
     """
-    import os
 
     paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}}
 
 
 def connect(address: str | None) -> None:
-    import os
-
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
 
     if ray.is_initialized():
@@ -325,7 +323,7 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
                                           "limit": spec.limit, "trials": len(trials)})
-        storage = spec.tune.storage_path or str((Path.cwd() / "outputs" / "tune").resolve())
+        storage = spec.tune.storage_path or os.environ.get(STORAGE_ENV) or str((Path.cwd() / "outputs" / "tune").resolve())
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": state_path.stem}
         state_path.write_text(json.dumps(state, indent=2))
     else:
@@ -426,8 +424,6 @@ def _fmt(v: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import ray
 from ray.cluster_utils import Cluster

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The real entry point, end to end: a Ray head on loopback, then
+#   ray job submit --working-dir . -- python pipelines/sweep.py ...
+# runs a small offline sweep (the quickstart spec, shrunk) as a Ray job, and its runs must land in MLflow.
+#
+#   scripts/job_submit_smoke.sh            # from the repository root, with the project's environment active
+#
+# Starts its own head (own temp dir, free ports, so it never touches another Ray on the machine) and stops exactly
+# that head on exit. SMOKE_KEEP=1 keeps the work dir (MLflow store, Ray logs) for inspection.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# free ports for everything `ray start --head` would otherwise take from its fixed defaults
+read -r PORT DASHBOARD_PORT AGENT_PORT CLIENT_PORT < <(python - <<'PY'
+import socket
+socks = [socket.socket() for _ in range(4)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))
+PY
+)
+WORK=$(mktemp -d /tmp/pp-smoke.XXXXXX)   # short: Ray's unix sockets live under --temp-dir
+ADDRESS="http://127.0.0.1:${DASHBOARD_PORT}"
+export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1
+# Ray 2.60 token auth, with a throwaway token shared by this head and this script's clients only
+export RAY_AUTH_MODE=token
+RAY_AUTH_TOKEN=$(python -c "import secrets; print(secrets.token_hex(32))")
+export RAY_AUTH_TOKEN
+
+ray start --head --block --node-ip-address=127.0.0.1 --port="$PORT" --dashboard-host=127.0.0.1 \
+    --dashboard-port="$DASHBOARD_PORT" --dashboard-agent-listen-port="$AGENT_PORT" \
+    --ray-client-server-port="$CLIENT_PORT" --num-cpus=2 --temp-dir="$WORK/ray" --disable-usage-stats \
+    > "$WORK/head.log" 2>&1 &
+HEAD_PID=$!
+cleanup() {
+    kill "$HEAD_PID" 2>/dev/null || true   # `ray start --block` stops the processes it started
+    wait "$HEAD_PID" 2>/dev/null || true
+    [ "${SMOKE_KEEP:-0}" = 1 ] && echo "kept $WORK" || rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+for _ in $(seq 1 60); do   # the job server needs the dashboard: wait up to ~2 minutes for it
+    if ray job list --address "$ADDRESS" > /dev/null 2>&1; then break; fi
+    if ! kill -0 "$HEAD_PID" 2>/dev/null; then cat "$WORK/head.log"; exit 1; fi
+    sleep 2
+done
+
+RUNTIME_ENV=$(printf '{"env_vars": {"MLFLOW_TRACKING_URI": "sqlite:///%s/mlflow.db", "HF_HUB_OFFLINE": "1"}}' "$WORK")
+ray job submit --address "$ADDRESS" --submission-id "smoke-$(date +%s)" --working-dir . \
+    --runtime-env-json "$RUNTIME_ENV" -- \
+    python pipelines/sweep.py --config sweeps/quickstart.yaml \
+        --set limit=1 --set "grid.method=[promprune]" --set "grid.budget=[8]" --set tasks=[easyvqa_yesno]
+
+MLFLOW_TRACKING_URI="sqlite:///$WORK/mlflow.db" python - <<'PY'
+import os
+from mlflow.tracking import MlflowClient
+
+c = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+exp = c.get_experiment_by_name(os.environ.get("MLFLOW_EXPERIMENT_NAME", "promprune"))
+assert exp is not None, "no MLflow experiment: the job logged nothing"
+parents = c.search_runs([exp.experiment_id], filter_string="tags.`promprune.role` = 'sweep'")
+assert len(parents) == 1 and parents[0].info.status == "FINISHED", parents
+children = c.search_runs([exp.experiment_id],
+                         filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+trials = sorted(r.data.tags["promprune.trial"] for r in children)
+assert trials == ["baseline", "promprune-b8"], trials
+print(f"smoke OK: sweep run {parents[0].info.run_id} with trials {trials}")
+PY
