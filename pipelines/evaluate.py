@@ -40,7 +40,7 @@ from pipelines.weights import ModelSource
 
 # The prediction columns kept in predictions.parquet (the MLflow schema; pipelines/report.py reads them).
 PREDICTION_COLUMNS = ("task", "doc_id", "prediction", "error", "entropy", "saliency_count", "visual_tokens", "kept",
-                      "timings", "text_tokens", "prefill_flops", "kv_cache_bytes", "peak_mem_mb")
+                      "salient", "timings", "text_tokens", "prefill_flops", "kv_cache_bytes", "peak_mem_mb")
 TIMING_FIELDS = ("vision_ms", "select_ms", "prefill_ms", "decode_ms")  # per-sample ms (of the sample's batch)
 BYTES_PER_MB = 2 ** 20  # the paper's Table 6 reports KV cache in MiB (1440.0 MB = 2880 tokens x 0.5 MiB)
 FLOPS_PER_TFLOP = 1e12
@@ -271,7 +271,8 @@ def summarize(preds: list[dict], scores: dict) -> dict[str, float]:
 
 def predictions_frame(preds: list[dict]) -> pd.DataFrame:
     """One row per sample with the PREDICTION_COLUMNS; timings {vision,select,prefill,decode}_ms as a JSON string,
-    kept as a list of ints; sorted by (task, doc_id)."""
+    kept (kept token indices) and salient (those the saliency stage chose) as int lists; sorted by (task, doc_id).
+    """
     def one(p: dict) -> dict:
         kept = p.get("kept")
         if kept is not None and hasattr(kept, "tolist"):
@@ -280,6 +281,7 @@ def predictions_frame(preds: list[dict]) -> pd.DataFrame:
                 "error": p.get("error"), "entropy": _opt_float(p.get("entropy")),
                 "saliency_count": _opt_float(p.get("saliency_count")),
                 "visual_tokens": _opt_float(p.get("visual_tokens")), "kept": _flat_ints(kept),
+                "salient": _flat_ints(p.get("salient")),
                 "timings": json.dumps({k: p.get(k) for k in TIMING_FIELDS}, sort_keys=True, default=float),
                 "text_tokens": _opt_float(p.get("text_tokens")), "prefill_flops": _opt_float(p.get("prefill_flops")),
                 "kv_cache_bytes": _opt_float(p.get("kv_cache_bytes")),
