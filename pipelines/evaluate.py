@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pickle
 import statistics
 import sys
@@ -42,6 +43,8 @@ from pipelines.weights import ModelSource
 PREDICTION_COLUMNS = ("task", "doc_id", "prediction", "error", "entropy", "saliency_count", "visual_tokens", "kept",
                       "salient", "timings", "text_tokens", "prefill_flops", "kv_cache_bytes", "peak_mem_mb")
 TIMING_FIELDS = ("vision_ms", "select_ms", "prefill_ms", "decode_ms")  # per-sample ms (of the sample's batch)
+REPO = Path(__file__).resolve().parents[1]
+QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
 BYTES_PER_MB = 2 ** 20  # the paper's Table 6 reports KV cache in MiB (1440.0 MB = 2880 tokens x 0.5 MiB)
 FLOPS_PER_TFLOP = 1e12
 
@@ -313,6 +316,34 @@ def _flat_ints(kept: Any) -> list[int] | None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# connecting to Ray
+
+
+def worker_env() -> dict:
+    """runtime_env that lets Ray workers import `pipelines` and `promprune` from this checkout.
+
+    Needed for a local Ray or a cluster sharing this filesystem (tests); `ray job submit --working-dir .` puts the
+    uploaded checkout on the workers' path itself, and cluster.yaml installs the project on every node.
+    """
+
+    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}}
+
+
+def connect(address: str | None) -> None:
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
+
+    if ray.is_initialized():
+        return
+    if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: keep the job's runtime_env
+        ray.init(address=address)
+    elif address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, runtime_env=worker_env())
+    else:  # a local Ray: no dashboard needed (faster start on a laptop)
+        ray.init(include_dashboard=False, runtime_env=worker_env())
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -339,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipelines import tracking
 
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
     args = parse_args(argv)
     options = {}
     for item in args.option:
@@ -352,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
                      generation={"max_new_tokens": args.max_new_tokens}, workers=args.workers,
                      batch_size=args.batch_size)
-    ray.init(address=args.address, ignore_reinit_error=True)
+    connect(args.address)
     t0 = time.perf_counter()
     result = evaluate(cfg)
     print(f"evaluated {len(result.predictions)} samples in {time.perf_counter() - t0:.1f}s")
@@ -365,4 +398,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipelines.evaluate import main as _main  # pickled classes must live in `pipelines.evaluate`, not __main__
+
+    sys.exit(_main())

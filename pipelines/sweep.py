@@ -43,7 +43,8 @@ from ray import tune
 
 from pipelines import spec as specs
 from pipelines import tracking
-from pipelines.evaluate import EvalConfig, build_rows, evaluate, predictions_frame
+from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
+    QUIET_ENV, EvalConfig, build_rows, connect, evaluate, predictions_frame, worker_env)
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,6 @@ STATE_DIR = Path("outputs") / "sweeps"  # driver-side record: Tune experiment di
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
 EXIT_TRIALS_FAILED, EXIT_REGRESSION, EXIT_INTERRUPTED = 2, 3, 130  # 130: the shell's code for Ctrl-C
 STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
-QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
 
 
 @dataclass
@@ -246,30 +246,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "below the previous finished run of the same spec")
     p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")
     return p.parse_args(argv)
-
-
-def worker_env() -> dict:
-    """runtime_env that lets Ray workers import `pipelines` and `promprune` from this checkout.
-
-    Needed for a local Ray or a cluster sharing this filesystem (tests); `ray job submit --working-dir .` puts the
-    uploaded checkout on the workers' path itself, and cluster.yaml installs the project on every node.
-    """
-
-    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}}
-
-
-def connect(address: str | None) -> None:
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
-
-    if ray.is_initialized():
-        return
-    if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: keep the job's runtime_env
-        ray.init(address=address)
-    elif address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, runtime_env=worker_env())
-    else:  # a local Ray: no dashboard needed (faster start on a laptop)
-        ray.init(include_dashboard=False, runtime_env=worker_env())
 
 
 def state_file(name: str, resume: str | None) -> tuple[Path, dict | None]:
