@@ -192,3 +192,34 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
                              filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     ids = sorted(r.data.tags[tracking.TRIAL] for r in children)
     assert ids == ["baseline", "divprune-b8", "promprune-b8"]  # each trial logged exactly once
+
+
+def flaky_run(vlm, rows, batch_size, *, marker: str):
+    """Fails the first attempt of the trial (an OOM or a lost GPU, say), then behaves."""
+    from promprune.eval import run_requests
+
+    path = Path(marker)
+    if not path.exists():
+        path.write_text("failed once")
+        raise RuntimeError("injected failure: first attempt")
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+def test_failed_trial_is_retried(local_ray, workdir):
+    import functools
+
+    marker = workdir / "attempt"
+    spec = small_spec(baseline=False, grid={"method": ["divprune"], "budget": [4]}, tasks=["easyvqa_yesno"],
+                      tune={"max_failures": 1})
+    outcome = sweep.run_sweep(spec, run_fn=functools.partial(flaky_run, marker=str(marker)))
+    assert marker.read_text() == "failed once"  # the first attempt did fail
+    assert outcome.failed == [] and len(outcome.records["divprune-b4"]["frame"]) == LIMIT
+    assert list(tracking.trial_runs(tracking.client(), outcome.parent_run_id)) == ["divprune-b4"]
+
+    marker.unlink()
+    no_retry = specs.parse({**yaml.safe_load(specs.dump_resolved(spec)), "name": "noretry",
+                            "tune": {"max_failures": 0}})
+    outcome = sweep.run_sweep(no_retry, run_fn=functools.partial(flaky_run, marker=str(marker)))
+    assert outcome.failed == ["divprune-b4"]  # without retries the same failure is reported, not hidden
+    run = tracking.trial_runs(tracking.client(), outcome.parent_run_id)
+    assert run == {}  # trial_runs lists FINISHED runs only: the failed trial's run is marked FAILED
