@@ -49,7 +49,7 @@ from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
-STATE_DIR = Path("outputs") / "sweeps"  # driver-side record: Tune experiment dir <-> MLflow parent run
+STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
 EXIT_TRIALS_FAILED, EXIT_REGRESSION, EXIT_INTERRUPTED = 2, 3, 130  # 130: the shell's code for Ctrl-C
 STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
@@ -238,8 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override a spec field, value parsed as YAML (repeatable): --set limit=8 "
                         "--set grid.budget=[16,8]")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="STATE",
-                   help="resume the latest interrupted run of this spec (or the given outputs/sweeps/*.json)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="EXPERIMENT",
+                   help="resume the latest run of this spec (or the named one, e.g. quickstart-20261121-080000): "
+                        "finished trials are kept, the same MLflow parent run continues")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--regression-threshold", type=float, default=None,
                    help="nightly: fail (exit 3) and tag the run when a trial's Rel. drops more than this "
@@ -248,20 +249,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def state_file(name: str, resume: str | None) -> tuple[Path, dict | None]:
-    """(state path, saved state or None). Resume 'latest': the newest state file of this spec name."""
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    if resume is None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        return STATE_DIR / f"{name}-{stamp}.json", None
-    if resume == "latest":
-        found = sorted(STATE_DIR.glob(f"{name}-*.json"))
-        if not found:
-            raise SystemExit(f"--resume: no earlier run of {name!r} under {STATE_DIR}/")
-        path = found[-1]
-    else:
-        path = Path(resume)
-    return path, json.loads(path.read_text())
+def storage_root(spec: specs.SweepSpec) -> str:
+    """Tune's storage: the spec's tune.storage_path, else $PROMPRUNE_STORAGE, else ./outputs/tune (local runs)."""
+    return spec.tune.storage_path or os.environ.get(STORAGE_ENV) or str((Path.cwd() / "outputs" / "tune").resolve())
+
+
+def _state_fs(storage: str):
+    """(pyarrow filesystem, directory) of the sweep state records: local paths, s3://, gs://, ... alike."""
+    import pyarrow.fs
+
+    fs, root = pyarrow.fs.FileSystem.from_uri(storage)
+    return fs, f"{root.rstrip('/')}/{STATE_DIR}"
+
+
+def save_state(storage: str, state: dict) -> None:
+    fs, d = _state_fs(storage)
+    fs.create_dir(d, recursive=True)
+    with fs.open_output_stream(f"{d}/{state['experiment']}.json") as f:
+        f.write(json.dumps(state, indent=2).encode())
+
+
+def load_state(storage: str, name: str, resume: str) -> dict:
+    """The saved state of run `resume` (an experiment name like quickstart-20261121-080000), or with 'latest' the
+    newest run of spec `name`. Kept beside Tune's state, so a resumed `ray job` finds it too."""
+    import pyarrow.fs
+
+    fs, d = _state_fs(storage)
+    found = sorted(info.base_name[:-len(".json")] for info in fs.get_file_info(pyarrow.fs.FileSelector(
+        d, allow_not_found=True)) if info.base_name.startswith(f"{name}-") and info.base_name.endswith(".json"))
+    experiment = found[-1] if resume == "latest" and found else resume
+    if experiment not in found:
+        raise SystemExit(f"--resume: no run {experiment!r} of sweep {name!r} under {storage}/{STATE_DIR} "
+                         f"(found: {', '.join(found) or 'none'})")
+    with fs.open_input_stream(f"{d}/{experiment}.json") as f:
+        return json.loads(f.read().decode())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -294,15 +315,16 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
         source = share(source, on_gpu=plan.cluster_gpus > 0)
         print(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)", flush=True)
     client = tracking.client()
-    state_path, state = state_file(spec.name, resume)
-    if state is None:
+    storage = storage_root(spec)
+    if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
                                           "limit": spec.limit, "trials": len(trials)})
-        storage = spec.tune.storage_path or os.environ.get(STORAGE_ENV) or str((Path.cwd() / "outputs" / "tune").resolve())
-        state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": state_path.stem}
-        state_path.write_text(json.dumps(state, indent=2))
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": f"{spec.name}-{stamp}"}
+        save_state(storage, state)
     else:
+        state = load_state(storage, spec.name, resume)
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
     recorder = SweepRecorder(spec, parent_id, len(trials))
@@ -310,7 +332,7 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     trainable = _trainable(source, rows, spec, plan, run_fn)
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     try:
-        tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=state_path if resume else None)
+        tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=resume is not None)
         grid = tuner.fit()
         _reconcile(recorder, grid, trials)
         recorder.finalize_rel()
@@ -338,9 +360,9 @@ def _trainable(source: ModelSource, rows: list[dict], spec: specs.SweepSpec, pla
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 
-def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: dict, recorder, resume):
+def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: dict, recorder, resume: bool):
     storage, name = state["storage_path"], state["experiment"]
-    if resume is not None and tune.Tuner.can_restore(f"{storage}/{name}"):
+    if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
         print(f"resuming {storage}/{name}: finished trials are kept", flush=True)
         return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
     run_config = tune.RunConfig(

@@ -177,3 +177,18 @@ def test_resolve_dtype():
     assert weights.resolve_dtype("auto", on_gpu=False) == "float32"
     with pytest.raises(ValueError, match="dtype"):
         weights.resolve_dtype("fp8", on_gpu=True)
+
+
+def test_sweep_state_records(tmp_path):
+    from pipelines.sweep import load_state, save_state
+
+    storage = str(tmp_path / "tune")
+    for stamp in ("20261120-020000", "20261121-020000"):
+        save_state(storage, {"experiment": f"nightly-{stamp}", "parent_run_id": stamp, "storage_path": storage})
+    save_state(storage, {"experiment": "other-20261122-020000", "parent_run_id": "x", "storage_path": storage})
+    assert load_state(storage, "nightly", "latest")["parent_run_id"] == "20261121-020000"
+    assert load_state(storage, "nightly", "nightly-20261120-020000")["parent_run_id"] == "20261120-020000"
+    with pytest.raises(SystemExit, match="no run 'nightly-1999' of sweep 'nightly'"):
+        load_state(storage, "nightly", "nightly-1999")
+    with pytest.raises(SystemExit, match="found: none"):
+        load_state(str(tmp_path / "empty"), "nightly", "latest")
