@@ -8,7 +8,6 @@ result with its error message, never a crash and never a dropped sample.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -16,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from PIL import Image, ImageFile
+from PIL import Image
 
 from promprune.efficiency import peak_memory_mb, reset_peak_memory
+from promprune.models.images import strict_decoding
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +40,6 @@ class Item:
     error: str | None = None
 
 
-@contextlib.contextmanager
-def _strict_decoding():
-    """Make PIL fail on truncated files. lmms-eval's task module sets ``ImageFile.LOAD_TRUNCATED_IMAGES = True``
-    process-wide, under which a cut-off PNG/JPEG silently decodes as a partly grey image and the model answers
-    about a picture nobody asked about; a corrupt request image must be a failed sample instead."""
-    saved = ImageFile.LOAD_TRUNCATED_IMAGES
-    ImageFile.LOAD_TRUNCATED_IMAGES = False
-    try:
-        yield
-    finally:
-        ImageFile.LOAD_TRUNCATED_IMAGES = saved
-
-
 def decode_image(data: Any, name: str) -> Image.Image:
     """PNG/JPEG bytes (or a PIL image) -> RGB PIL image, fully decoded; ValueError naming ``name`` if unreadable."""
     if isinstance(data, Image.Image):
@@ -60,7 +47,7 @@ def decode_image(data: Any, name: str) -> Image.Image:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"{name}: image must be PNG/JPEG bytes or a PIL image, got {type(data).__name__}")
     try:
-        with _strict_decoding():
+        with strict_decoding():
             image = Image.open(io.BytesIO(bytes(data)))
             image.load()  # decode now: a truncated file fails here, not inside the model
         return image.convert("RGB")

@@ -1,10 +1,26 @@
 """Turning user images into RGB PIL images, with an error that names the bad item."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 
-from PIL import Image
+from PIL import Image, ImageFile
+
+
+@contextlib.contextmanager
+def strict_decoding():
+    """Make PIL fail on truncated files inside the block.
+
+    lmms-eval's task module sets ``ImageFile.LOAD_TRUNCATED_IMAGES = True`` process-wide; under it a cut-off
+    PNG/JPEG silently decodes as a partly grey image and the model answers about a picture nobody asked about.
+    """
+    saved = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = saved
 
 
 def load_image(image, index: int) -> Image.Image:
@@ -21,7 +37,8 @@ def load_image(image, index: int) -> Image.Image:
             img = Image.open(io.BytesIO(image))
         else:
             raise TypeError(f"expected a PIL image, a path or bytes, got {type(image).__name__}")
-        img.load()  # decode now: truncated data fails here, not deep inside the processor
+        with strict_decoding():
+            img.load()  # decode now: truncated data fails here, not deep inside the processor
         rgb = img.convert("RGB")
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError... for bad data
         raise ValueError(f"image {index} is corrupt or unreadable: {type(err).__name__}: {err}") from err

@@ -131,3 +131,16 @@ def test_generation_reports_which_kept_tokens_are_salient(arch, images, prompts)
                 assert g.salient == g.kept
             if method == "divprune":
                 assert g.salient == []
+
+
+def test_truncated_image_fails_even_when_pil_is_lenient(images, prompts, monkeypatch):
+    # lmms-eval switches PIL to lenient decoding process-wide; the adapter must still refuse a cut-off file
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    buf = io.BytesIO()
+    images[0].save(buf, format="PNG")
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method="divprune", budget=4)
+    with pytest.raises(ValueError, match="image 0 is corrupt or unreadable"):
+        vlm.generate([buf.getvalue()[:200], images[1]], prompts)
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # restored afterwards
