@@ -5,9 +5,10 @@
 
 Setup -> run -> cleanup:
 
-1. rows: `promprune.eval.build_requests(tasks, limit=...)` on the driver (task, doc_id, prompt, image bytes,
-   gen_kwargs); each row is pickled into one `payload` cell so any row schema travels unchanged.
-2. `ray.data.from_items(rows).map_batches(VLMPredictor, compute=ActorPoolStrategy(size=workers), num_gpus=...,
+1. rows: `promprune.eval.build_requests(tasks, limit=...)` (task, doc_id, prompt, image bytes, gen_kwargs), on the
+   driver for small evaluations or in parallel shards as Ray tasks for large ones, materialized once in the object
+   store; each row is pickled into one `payload` cell so any row schema travels unchanged.
+2. `dataset.map_batches(VLMPredictor, compute=ActorPoolStrategy(size=workers), num_gpus=...,
    batch_size=...)`: every actor loads a `PrunedVLM` once in `__init__` (one GPU each when the cluster has GPUs,
    CPU otherwise) and answers batches under `torch.inference_mode()`. `DataContext.wait_for_min_actors_s` is
    finite, so a pool that cannot be scheduled fails instead of hanging. Actors restart and their tasks retry
@@ -79,14 +80,57 @@ class EvalResult:
 # rows
 
 
-def build_rows(tasks: list[str], limit: int | None, generation: dict) -> list[dict]:
-    """Request rows from the eval bridge, with the spec's generation kwargs laid over each task's own."""
+def build_rows(tasks: list[str], limit: int | None, generation: dict,
+               shard: tuple[int, int] | None = None) -> list[dict]:
+    """Request rows from the eval bridge, with the spec's generation kwargs laid over each task's own.
+
+    shard=(i, k): every k-th document from the i-th (the union of the k shards is the full set)."""
     from promprune.eval import build_requests
 
-    rows = build_requests(tasks, limit=limit)
+    rows = build_requests(tasks, limit=limit, shard=shard)
     for row in rows:
         row["gen_kwargs"] = {**(row.get("gen_kwargs") or {}), **generation}
     return rows
+
+
+@dataclass
+class Requests:
+    """An evaluation's request rows as a materialized Ray dataset of {key, payload} (payload = pickled row),
+    plus every key a prediction must come back for. Built once per sweep, shared by all its trials."""
+
+    dataset: Any  # ray.data.MaterializedDataset, one block per batch
+    keys: list[str]
+
+
+DRIVER_BUILD_MAX_ROWS = 2000  # up to this many rows the driver builds them itself (a few hundred MB of PNGs)
+
+
+def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict, batch_size: int,
+                           shards: int | None = None) -> Requests:
+    """Rows built on the driver (small evaluations) or in `shards` parallel Ray tasks (large benchmarks: VQAv2's
+    214k images never sit in driver memory); either way materialized once in the object store.
+
+    shards None: the driver builds when `limit` caps the rows at DRIVER_BUILD_MAX_ROWS, else one shard per CPU.
+    """
+    if shards is None:
+        small = limit is not None and limit * len(tasks) <= DRIVER_BUILD_MAX_ROWS
+        shards = 1 if small else max(2, int(ray.cluster_resources().get("CPU", 2)))
+    if shards == 1:
+        items = encode_rows(build_rows(tasks, limit, generation))
+        ds = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / batch_size)))
+        return Requests(ds.materialize(), [it["key"] for it in items])
+    seeds = ray.data.from_items([{"shard": i} for i in range(shards)], override_num_blocks=shards)
+    built = seeds.flat_map(_build_shard, fn_kwargs=dict(tasks=tasks, limit=limit, generation=generation,
+                                                        shards=shards)).materialize()
+    keys = [r["key"] for r in built.select_columns(["key"]).take_all()]
+    if len(set(keys)) != len(keys):
+        raise ValueError("request shards overlap: a (task, doc_id) was built twice")
+    ds = built.repartition(max(1, math.ceil(len(keys) / batch_size)))  # one block per batch: actors share work
+    return Requests(ds.materialize(), keys)
+
+
+def _build_shard(seed: dict, *, tasks: list[str], limit: int | None, generation: dict, shards: int) -> list[dict]:
+    return encode_rows(build_rows(tasks, limit, generation, shard=(int(seed["shard"]), shards)))
 
 
 def sample_key(row: dict) -> str:
@@ -182,19 +226,20 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0))
 
 
-def predict(cfg: EvalConfig, rows: list[dict], *, run_fn: Callable | None = None) -> list[dict]:
-    """Shard `rows` over an actor pool holding the model; one prediction per row, in no particular order."""
+def predict(cfg: EvalConfig, rows: list[dict] | Requests, *, run_fn: Callable | None = None) -> list[dict]:
+    """Shard the rows over an actor pool holding the model; one prediction per row, in no particular order."""
     from ray.data import ActorPoolStrategy, DataContext
 
-    items = encode_rows(rows)
+    if not isinstance(rows, Requests):
+        items = encode_rows(rows)
+        n_blocks = max(1, math.ceil(len(items) / cfg.batch_size))  # one block per batch: idle actors take work
+        rows = Requests(ray.data.from_items(items, override_num_blocks=n_blocks), [it["key"] for it in items])
     ctx = DataContext.get_current()
     ctx.wait_for_min_actors_s = cfg.actor_wait_s
     ctx.enable_progress_bars = cfg.progress_bars
     ctx.enable_operator_progress_bars = cfg.progress_bars
     num_gpus = cfg.gpus_per_worker if cluster_gpus() > 0 else 0
-    n_blocks = max(1, math.ceil(len(items) / cfg.batch_size))  # one block per batch: idle actors can take work
-    ds = ray.data.from_items(items, override_num_blocks=n_blocks)
-    out = ds.map_batches(
+    out = rows.dataset.map_batches(
         VLMPredictor,
         fn_constructor_kwargs=dict(source=cfg.model, method=cfg.method, budget=cfg.budget, options=cfg.options,
                                    batch_size=cfg.batch_size, run_fn=run_fn),
@@ -207,13 +252,14 @@ def predict(cfg: EvalConfig, rows: list[dict], *, run_fn: Callable | None = None
         # elsewhere and retry its unfinished batches there; check_exactly_once() below verifies the outcome.
     )
     preds = decode_predictions(out.take_all())
-    check_exactly_once(rows, preds)
+    check_exactly_once(rows.keys, preds)
     return preds
 
 
-def check_exactly_once(rows: list[dict], preds: list[dict]) -> None:
-    """Every request row has exactly one prediction: raise naming the duplicated or missing samples."""
-    want = {sample_key(r) for r in rows}
+def check_exactly_once(keys: list[str] | list[dict], preds: list[dict]) -> None:
+    """Every request (a key `task/doc_id` or a row) has exactly one prediction: raise naming the duplicated or
+    missing samples."""
+    want = {k if isinstance(k, str) else sample_key(k) for k in keys}
     got = [sample_key(p) for p in preds]
     seen: set[str] = set()
     dupes = sorted({k for k in got if k in seen or seen.add(k)})
@@ -228,11 +274,11 @@ def check_exactly_once(rows: list[dict], preds: list[dict]) -> None:
 # scoring and summaries
 
 
-def evaluate(cfg: EvalConfig, rows: list[dict] | None = None, *, run_fn: Callable | None = None,
+def evaluate(cfg: EvalConfig, rows: list[dict] | Requests | None = None, *, run_fn: Callable | None = None,
              score_fn: Callable | None = None) -> EvalResult:
     """Rows (built here unless given) -> predictions on Ray Data -> scores (once, centrally) -> metrics."""
     if rows is None:
-        rows = build_rows(cfg.tasks, cfg.limit, cfg.generation)
+        rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.batch_size)
     preds = predict(cfg, rows, run_fn=run_fn)
     if score_fn is None:
         from promprune.eval import score as score_fn

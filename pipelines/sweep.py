@@ -44,7 +44,7 @@ from ray import tune
 from pipelines import spec as specs
 from pipelines import tracking
 from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
-    QUIET_ENV, EvalConfig, build_rows, connect, evaluate, predictions_frame, worker_env)
+    QUIET_ENV, EvalConfig, Requests, build_requests_dataset, connect, evaluate, predictions_frame, worker_env)
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) ->
 # the trial (runs in a Tune trial actor)
 
 
-def run_trial(config: dict, *, source: ModelSource, rows: list[dict], settings: dict,
+def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict], settings: dict,
               run_fn: Callable | None = None) -> None:
     """Evaluate one trial on Ray Data and report metrics plus a checkpoint holding predictions and scores."""
     trial = specs.Trial.from_dict(config["trial"])
@@ -302,13 +302,17 @@ class SweepOutcome:
 
 
 def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Callable | None = None,
-              regression_threshold: float | None = None, rows: list[dict] | None = None) -> SweepOutcome:
+              regression_threshold: float | None = None, rows: Requests | list[dict] | None = None) -> SweepOutcome:
     """Setup -> Tune -> MLflow; Ray must already be initialized. `run_fn`/`rows` replace the model call/rows."""
     trials = specs.expand(spec)
     plan = plan_resources(spec, len(trials), float(ray.cluster_resources().get("GPU", 0)))
     print(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.workers} actor(s) per trial, "
           f"{plan.concurrency} trial(s) at once, {plan.cluster_gpus:g} GPU(s)", flush=True)
-    rows = rows if rows is not None else build_rows(spec.tasks, spec.limit, spec.generation)
+    t0 = time.perf_counter()
+    rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
+                                                                spec.resources.batch_size)
+    n_rows = len(rows.keys) if isinstance(rows, Requests) else len(rows)
+    print(f"{n_rows} request rows built once for all trials ({time.perf_counter() - t0:.1f}s)", flush=True)
     source = ModelSource(spec.model.pretrained, spec.model.dtype, spec.model.attn_implementation, spec.model.options)
     if spec.resources.share_weights:
         t0 = time.perf_counter()
@@ -351,7 +355,7 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path)
 
 
-def _trainable(source: ModelSource, rows: list[dict], spec: specs.SweepSpec, plan: Plan, run_fn):
+def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn):
     settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, workers=plan.workers,
                     gpus_per_worker=plan.gpus_per_worker, cpus_per_worker=spec.resources.cpus_per_worker,
                     batch_size=spec.resources.batch_size, actor_wait_s=spec.resources.actor_wait_s,

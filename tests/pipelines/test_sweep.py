@@ -223,3 +223,25 @@ def test_failed_trial_is_retried(local_ray, workdir):
     assert outcome.failed == ["divprune-b4"]  # without retries the same failure is reported, not hidden
     run = tracking.trial_runs(tracking.client(), outcome.parent_run_id)
     assert run == {}  # trial_runs lists FINISHED runs only: the failed trial's run is marked FAILED
+
+
+def test_requests_built_in_shards_equal_the_driver_build(local_ray):
+    """Large benchmarks build their rows in parallel Ray tasks; the result must be exactly the plain build."""
+    import pickle
+
+    from promprune.eval import build_requests
+
+    from pipelines.evaluate import EvalConfig, Requests, build_requests_dataset, predict
+    from pipelines.weights import ModelSource
+
+    tasks, gen = ["easyvqa_yesno", "easyvqa_open"], {"max_new_tokens": 2}
+    plain = {f"{r['task']}/{r['doc_id']}": {**r, "gen_kwargs": {**r["gen_kwargs"], **gen}}
+             for r in build_requests(tasks, limit=3)}
+    sharded = build_requests_dataset(tasks, 3, gen, batch_size=2, shards=3)
+    assert isinstance(sharded, Requests) and sorted(sharded.keys) == sorted(plain)
+    built = {rec["key"]: pickle.loads(rec["payload"]) for rec in sharded.dataset.take_all()}
+    assert built == plain  # same prompts, same image bytes, same doc ids and n_docs
+
+    preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, batch_size=2,
+                               progress_bars=False), sharded)
+    assert sorted(f"{p['task']}/{p['doc_id']}" for p in preds) == sorted(plain)
