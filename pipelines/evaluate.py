@@ -98,8 +98,11 @@ class Requests:
     """An evaluation's request rows as a materialized Ray dataset of {key, payload} (payload = pickled row),
     plus every key a prediction must come back for. Built once per sweep, shared by all its trials."""
 
-    dataset: Any  # ray.data.MaterializedDataset, one block per batch
-    keys: list[str]
+    dataset: Any = field(repr=False)  # ray.data.MaterializedDataset, one block per batch (its repr reads blocks)
+    keys: list[str] = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"Requests({len(self.keys)} rows)"
 
 
 DRIVER_BUILD_MAX_ROWS = 2000  # up to this many rows the driver builds them itself (a few hundred MB of PNGs)
@@ -228,16 +231,12 @@ def cluster_gpus() -> float:
 
 def predict(cfg: EvalConfig, rows: list[dict] | Requests, *, run_fn: Callable | None = None) -> list[dict]:
     """Shard the rows over an actor pool holding the model; one prediction per row, in no particular order."""
-    from ray.data import ActorPoolStrategy, DataContext
+    from ray.data import ActorPoolStrategy
 
     if not isinstance(rows, Requests):
         items = encode_rows(rows)
         n_blocks = max(1, math.ceil(len(items) / cfg.batch_size))  # one block per batch: idle actors take work
         rows = Requests(ray.data.from_items(items, override_num_blocks=n_blocks), [it["key"] for it in items])
-    ctx = DataContext.get_current()
-    ctx.wait_for_min_actors_s = cfg.actor_wait_s
-    ctx.enable_progress_bars = cfg.progress_bars
-    ctx.enable_operator_progress_bars = cfg.progress_bars
     num_gpus = cfg.gpus_per_worker if cluster_gpus() > 0 else 0
     out = rows.dataset.map_batches(
         VLMPredictor,
@@ -251,9 +250,17 @@ def predict(cfg: EvalConfig, rows: list[dict] | Requests, *, run_fn: Callable | 
         # Ray Data's actor defaults (max_restarts=-1, max_task_retries=-1) restart an actor lost with its node
         # elsewhere and retry its unfinished batches there; check_exactly_once() below verifies the outcome.
     )
+    _configure(out.context, cfg)  # a dataset runs with the DataContext captured when it was created
     preds = decode_predictions(out.take_all())
     check_exactly_once(rows.keys, preds)
     return preds
+
+
+def _configure(ctx, cfg: EvalConfig) -> None:
+    """Finite wait for the actor pool (an unschedulable pool fails instead of hanging), progress bars on/off."""
+    ctx.wait_for_min_actors_s = cfg.actor_wait_s
+    ctx.enable_progress_bars = cfg.progress_bars
+    ctx.enable_operator_progress_bars = cfg.progress_bars
 
 
 def check_exactly_once(keys: list[str] | list[dict], preds: list[dict]) -> None:

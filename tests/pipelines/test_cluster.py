@@ -17,7 +17,7 @@ from ray.cluster_utils import Cluster
 
 from pipelines import spec as specs
 from pipelines import sweep, tracking
-from pipelines.evaluate import EvalConfig, build_rows, evaluate
+from pipelines.evaluate import EvalConfig, build_requests_dataset, build_rows, evaluate
 from pipelines.weights import ModelSource
 
 pytestmark = pytest.mark.slow
@@ -99,8 +99,12 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
     cluster.wait_for_nodes()
 
 
-def test_unschedulable_pool_fails_instead_of_hanging(cluster):
+@pytest.mark.parametrize("prebuilt", [False, True], ids=["rows", "sweep-dataset"])
+def test_unschedulable_pool_fails_instead_of_hanging(cluster, prebuilt):
+    """Also when the rows arrive as the sweep's prebuilt dataset (built before the wait was configured)."""
     rows = build_rows(["easyvqa_yesno"], 1, {"max_new_tokens": 1})
+    if prebuilt:
+        rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
     cfg = EvalConfig(model=ModelSource("tiny:llava"), workers=1, gpus_per_worker=2, batch_size=1,
                      actor_wait_s=5, progress_bars=False)  # no node has 2 GPUs
     start = time.time()
