@@ -7,6 +7,7 @@ worker nodes declaring one GPU each (scheduling only; the tiny model runs on the
 from __future__ import annotations
 
 import functools
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,10 +27,18 @@ NODE_OBJECT_STORE = 150 * 2 ** 20  # four object stores on one machine: keep eac
 SAMPLES = 6  # one per batch: enough batches that the kill lands mid-run
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def cluster():
+    # the state API (list_actors) needs the dashboard; a free port keeps it clear of any other Ray on the machine
     c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_OBJECT_STORE})
+                head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_OBJECT_STORE,
+                                "dashboard_port": _free_port()})
     for _ in range(3):
         c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)
     c.wait_for_nodes()
