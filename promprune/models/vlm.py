@@ -93,11 +93,14 @@ class PrunedVLM:
         """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class).
 
         ``name_or_path`` may be ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl) for the offline tiny
-        models of :mod:`promprune.models.testing` (a private copy, cast to ``dtype``).
+        models of :mod:`promprune.models.testing` (a private copy, cast to ``dtype``), or ``"tiny-easyvqa:llava"``: the
+        same tiny LLaVA trained on easy-vqa's train split (:mod:`promprune.models.easyvqa_train`; trained into
+        ``$PROMPRUNE_CACHE`` on first use, ~1-2 minutes on CPU, loaded from there afterwards).
         """
         validate_method(method, budget, **dict(method_options))  # fail before loading anything
-        if name_or_path.startswith("tiny:"):
-            model, processor = _tiny(name_or_path[len("tiny:"):], dtype, device_map, attn_implementation)
+        if name_or_path.startswith(("tiny:", "tiny-easyvqa:")):
+            prefix, arch = name_or_path.split(":", 1)
+            model, processor = _tiny(arch, dtype, device_map, attn_implementation, trained=prefix == "tiny-easyvqa")
         else:
             model, processor = _load(name_or_path, dtype, device_map, attn_implementation)
         return cls(model, processor, method=method, budget=budget, **method_options)
@@ -241,13 +244,20 @@ class _Timer:
         return False
 
 
-def _tiny(arch, dtype, device_map, attn_implementation):
+def _tiny(arch, dtype, device_map, attn_implementation, trained=False):
     import copy
 
     from .testing import tiny_vlm
 
-    model, processor = tiny_vlm(arch)
-    model, processor = copy.deepcopy(model), copy.deepcopy(processor)
+    if trained:  # tiny-easyvqa:<arch>: only llava is trained; a fresh private copy from the cache
+        from . import easyvqa_train
+
+        if arch != easyvqa_train.ARCH:
+            raise ValueError(f"unknown tiny-easyvqa arch {arch!r}; valid: {easyvqa_train.ARCH}")
+        model, processor = easyvqa_train.load_or_train()
+    else:
+        model, processor = tiny_vlm(arch)
+        model, processor = copy.deepcopy(model), copy.deepcopy(processor)
     if dtype not in (None, "auto"):  # "auto": the tiny weights' own dtype (float32)
         model = model.to(_dtype(dtype))
     if device_map == "auto":
