@@ -52,7 +52,7 @@ def test_request_rows_match_the_source(easyvqa_questions):
         question, _, image_id = (yesno_source if row["task"] == "easyvqa_yesno" else open_source)[row["doc_id"]]
         assert row["prompt"] == question + POST_PROMPT
         assert row["n_docs"] == 5 and row["error"] is None
-        assert row["gen_kwargs"]["max_new_tokens"] == 8 and row["gen_kwargs"]["do_sample"] is False
+        assert row["gen_kwargs"]["max_new_tokens"] == 16 and row["gen_kwargs"]["do_sample"] is False
         ours = np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB"))
         source = np.asarray(Image.open(image_dir / f"{image_id}.png").convert("RGB"))
         np.testing.assert_array_equal(ours, source)
