@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from promprune.eval.tasks import PRIMARY_METRICS
+
 
 @dataclass(frozen=True)
 class TaskColumn:
@@ -21,21 +23,24 @@ class TaskColumn:
     decimals: int = 1
 
 
-# the paper's benchmarks (lmms-eval 0.7 names) and the offline ones; unknown tasks fall back to `guess_column`
-KNOWN_COLUMNS = {c.task: c for c in [
-    TaskColumn("mme", "MME", ("mme_perception_score", "mme_cognition_score"), scale=1.0, decimals=0),
-    TaskColumn("pope", "POPE", ("pope_f1_score",)),
-    TaskColumn("mmbench_en_dev_static", "MMB", ("gpt_eval_score",), scale=1.0),  # aggregation already in %
-    TaskColumn("mmbench_en_dev", "MMB", ("gpt_eval_score",), scale=1.0),
-    TaskColumn("textvqa_val", "TextVQA", ("exact_match",)),
-    TaskColumn("scienceqa_img", "SQA", ("exact_match",)),
-    TaskColumn("gqa", "GQA", ("exact_match",)),
-    TaskColumn("vqav2_val", "VQAv2", ("exact_match",)),
-    TaskColumn("vizwiz_vqa_val", "VizWiz", ("exact_match",)),
-    TaskColumn("mmvet", "MM-Vet", ("gpt_eval_score",), scale=1.0),  # aggregation already in %
-    TaskColumn("easyvqa_yesno", "EasyVQA yes/no", ("f1",)),  # POPE-style: F1, as promprune.eval's Rel.
-    TaskColumn("easyvqa_open", "EasyVQA open", ("exact_match",)),
-]}
+# The paper's column header, unit scale and decimals per benchmark (lmms-eval 0.7 names, and the offline ones).
+# Which metric stands for a benchmark comes from promprune.eval's PRIMARY_METRICS, the same choice its Rel. uses.
+_DISPLAY = {
+    "mme": ("MME", 1.0, 0),
+    "pope": ("POPE", 100.0, 1),
+    "mmbench_en_dev_static": ("MMB", 1.0, 1),  # aggregation already in %
+    "mmbench_en_dev": ("MMB", 1.0, 1),
+    "textvqa_val": ("TextVQA", 100.0, 1),
+    "scienceqa_img": ("SQA", 100.0, 1),
+    "gqa": ("GQA", 100.0, 1),
+    "vqav2_val": ("VQAv2", 100.0, 1),
+    "vizwiz_vqa_val": ("VizWiz", 100.0, 1),
+    "mmvet": ("MM-Vet", 1.0, 1),  # aggregation already in %
+    "easyvqa_yesno": ("EasyVQA yes/no", 100.0, 1),  # POPE-style: F1
+    "easyvqa_open": ("EasyVQA open", 100.0, 1),
+}
+KNOWN_COLUMNS = {task: TaskColumn(task, label, PRIMARY_METRICS[task], scale=scale, decimals=decimals)
+                 for task, (label, scale, decimals) in _DISPLAY.items()}
 
 # for a task we do not know: the first of these that was logged (accuracy-like first), in percent
 FALLBACK_METRICS = ("accuracy", "exact_match", "f1", "anls", "relaxed_overall", "gpt_eval_score")

@@ -46,6 +46,7 @@ PRIMARY_METRICS: dict[str, tuple[str, ...]] = {
     "mme": ("mme_perception_score", "mme_cognition_score"),
     "pope": ("pope_f1_score",),
     "mmbench_en_dev_static": ("gpt_eval_score",),
+    "mmbench_en_dev": ("gpt_eval_score",),
     "textvqa_val": ("exact_match",),
     "scienceqa_img": ("exact_match",),
     "gqa": ("exact_match",),
