@@ -79,11 +79,25 @@ def _byte_level_tokenizer(special_tokens: list[str], **named) -> PreTrainedToken
 
 
 def _text_sizes(vocab_size: int) -> dict:
-    """A 3-layer LLM: deep enough for FastV at layer 2 and SparseVLM's several pruning layers."""
+    """A 4-layer LLM: deep enough for FastV at layer 2 and SparseVLM's several pruning layers."""
     return dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
     )
+
+
+def _llava_tokenizer():
+    """The byte-level tokenizer of both tiny LLaVAs, with LLaVA's special tokens."""
+    tok = _byte_level_tokenizer(["<s>", "</s>", "<pad>", "<image>"], bos_token="<s>", eos_token="</s>",
+                                pad_token="<pad>")
+    tok.image_token = "<image>"
+    return tok
+
+
+def _llama_text(tok) -> LlamaConfig:
+    """The tiny Llama text config, wired to ``tok``'s special tokens."""
+    return LlamaConfig(**_text_sizes(len(tok)), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                       eos_token_id=tok.eos_token_id)
 
 
 def _clip_vision(image_size: int) -> CLIPVisionConfig:
@@ -109,15 +123,10 @@ def _seeded(build):
 
 
 def _tiny_llava():
-    tok = _byte_level_tokenizer(["<s>", "</s>", "<pad>", "<image>"], bos_token="<s>", eos_token="</s>",
-                                pad_token="<pad>")
-    tok.image_token = "<image>"
+    tok = _llava_tokenizer()
     image_size = 48
     config = LlavaConfig(
-        vision_config=_clip_vision(image_size), text_config=LlamaConfig(**_text_sizes(len(tok)),
-                                                                        pad_token_id=tok.pad_token_id,
-                                                                        bos_token_id=tok.bos_token_id,
-                                                                        eos_token_id=tok.eos_token_id),
+        vision_config=_clip_vision(image_size), text_config=_llama_text(tok),
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id,
     )
@@ -131,16 +140,11 @@ def _tiny_llava():
 
 
 def _tiny_llava_next():
-    tok = _byte_level_tokenizer(["<s>", "</s>", "<pad>", "<image>"], bos_token="<s>", eos_token="</s>",
-                                pad_token="<pad>")
-    tok.image_token = "<image>"
+    tok = _llava_tokenizer()
     view = 32
     pinpoints = [[view, 2 * view], [2 * view, view], [2 * view, 2 * view]]  # 1x2, 2x1, 2x2 crops
     config = LlavaNextConfig(
-        vision_config=_clip_vision(view), text_config=LlamaConfig(**_text_sizes(len(tok)),
-                                                                  pad_token_id=tok.pad_token_id,
-                                                                  bos_token_id=tok.bos_token_id,
-                                                                  eos_token_id=tok.eos_token_id),
+        vision_config=_clip_vision(view), text_config=_llama_text(tok),
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints, pad_token_id=tok.pad_token_id,
     )
