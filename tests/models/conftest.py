@@ -36,3 +36,15 @@ def images():
 @pytest.fixture
 def prompts():
     return ["What is in the picture?", "Colour?"]
+
+
+def plain_generate(model, processor, images, prompts, new_tokens: int):
+    """Reference: the processor and model.generate exactly as transformers' docs use them."""
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                          {"type": "text", "text": p}]}],
+                                           add_generation_prompt=True, tokenize=False) for p in prompts]
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    return out[:, inputs["input_ids"].shape[1]:].tolist(), inputs

@@ -5,27 +5,15 @@ import torch
 from promprune.models import PrunedVLM
 from promprune.models.testing import tiny_vlm
 
-from .conftest import ARCHS
+from .conftest import ARCHS, plain_generate
 
 NEW_TOKENS = 6
-
-
-def plain_generate(model, processor, images, prompts):
-    """Reference: the processor and model.generate exactly as transformers' docs use them."""
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                          {"type": "text", "text": p}]}],
-                                           add_generation_prompt=True, tokenize=False) for p in prompts]
-    processor.tokenizer.padding_side = "left"
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[:, inputs["input_ids"].shape[1]:].tolist(), inputs
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unpruned_generates_plain_tokens(arch, images, prompts):
     model, processor = tiny_vlm(arch)
-    expected, inputs = plain_generate(model, processor, images, prompts)
+    expected, inputs = plain_generate(model, processor, images, prompts, NEW_TOKENS)
     got = PrunedVLM(model, processor, method=None).generate(images, prompts, max_new_tokens=NEW_TOKENS)
     assert [g.token_ids for g in got] == expected
     n_image = (inputs["input_ids"] == model.config.image_token_id).sum(1).tolist()
@@ -61,7 +49,7 @@ def test_full_budget_matches_unpruned_logits(arch, method, images, prompts):
 def test_full_budget_generates_unpruned_tokens(arch, images, prompts):
     """Decoding through the pruning path (Qwen: explicit gathered positions) continues exactly as unpruned."""
     model, processor = tiny_vlm(arch)
-    expected, _ = plain_generate(model, processor, images, prompts)
+    expected, _ = plain_generate(model, processor, images, prompts, NEW_TOKENS)
     got = PrunedVLM(model, processor, method="promprune", budget=10_000, image_newline="rows").generate(
         images, prompts, max_new_tokens=NEW_TOKENS)
     assert [g.token_ids for g in got] == expected

@@ -1,11 +1,10 @@
 """The tiny models are the real transformers classes with the paper's structure, built offline and fast."""
 import pytest
-import torch
 import transformers
 
 from promprune.models.testing import tiny_vlm
 
-from .conftest import ARCHS
+from .conftest import ARCHS, plain_generate
 
 
 @pytest.mark.parametrize("arch,cls", [("llava", transformers.LlavaForConditionalGeneration),
@@ -34,11 +33,5 @@ def test_unknown_arch():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_processor_and_generate_work_offline(arch, images, prompts):
     model, processor = tiny_vlm(arch)
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                          {"type": "text", "text": p}]}],
-                                           add_generation_prompt=True, tokenize=False) for p in prompts]
-    processor.tokenizer.padding_side = "left"
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    assert out.shape[1] == inputs["input_ids"].shape[1] + 8
+    new, _ = plain_generate(model, processor, images, prompts, 8)
+    assert all(len(row) == 8 for row in new)
