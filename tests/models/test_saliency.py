@@ -16,11 +16,16 @@ def eager_copy(model):
     return twin
 
 
-def test_llava_cls_attention_matches_eager(images, prompts):
-    model, processor = tiny_vlm("llava")
+def encoded(arch, images, prompts):
+    """``(model, processor batch, adapter items with hook saliency)`` for a tiny model of ``arch``."""
+    model, processor = tiny_vlm(arch)
     vlm = PrunedVLM(model, processor, method="saliency_only", budget=4)
     batch = vlm.inputs(images, prompts)
-    items = vlm.adapter.encode(batch, need_saliency=True)
+    return model, batch, vlm.adapter.encode(batch, need_saliency=True)
+
+
+def test_llava_cls_attention_matches_eager(images, prompts):
+    model, batch, items = encoded("llava", images, prompts)
     assert model.config.vision_config._attn_implementation == "sdpa"  # the hook did not force eager
     with torch.inference_mode():
         out = eager_copy(model).model.vision_tower(batch["pixel_values"], output_attentions=True)
@@ -31,10 +36,7 @@ def test_llava_cls_attention_matches_eager(images, prompts):
 
 
 def test_llava_next_views_match_eager(images, prompts):
-    model, processor = tiny_vlm("llava_next")
-    vlm = PrunedVLM(model, processor, method="saliency_only", budget=4)
-    batch = vlm.inputs(images, prompts)
-    items = vlm.adapter.encode(batch, need_saliency=True)
+    model, batch, items = encoded("llava_next", images, prompts)
     twin = eager_copy(model)
     for b, item in enumerate(items):
         views = int(item.groups.max()) + 1
@@ -47,10 +49,7 @@ def test_llava_next_views_match_eager(images, prompts):
 
 
 def test_qwen_received_attention_matches_eager(images, prompts):
-    model, processor = tiny_vlm("qwen2_5_vl")
-    vlm = PrunedVLM(model, processor, method="saliency_only", budget=4)
-    batch = vlm.inputs(images, prompts)
-    items = vlm.adapter.encode(batch, need_saliency=True)
+    model, batch, items = encoded("qwen2_5_vl", images, prompts)
 
     twin = eager_copy(model)
     target = twin.model.visual.blocks[twin.config.vision_config.fullatt_block_indexes[-1]].attn
