@@ -3,12 +3,15 @@
     python benchmarks/efficiency.py                                  # tiny offline LLaVA-NeXT on this machine
     python benchmarks/efficiency.py --model llava-hf/llava-v1.6-vicuna-7b-hf --dtype float16 \
         --budgets none,640,320,160                                   # Table 6's setting, on a GPU
+    python benchmarks/efficiency.py --model shape:llava_next_7b --budgets none,320 \
+        --methods vispruner,divprune,promprune                       # Table 6's shape, random weights, no download
 
 Part 1 prints prefill TFLOPs and KV-cache MiB of LLaVA-NeXT-7B's text model (Vicuna-7B) from
 ``promprune.efficiency`` next to the published Table 6 numbers. Part 2 loads ``--model`` once, wraps it with each
-budget, and reports per budget: visual tokens the LLM received, the analytic FLOPs / KV for that model's own text
-config, and the measured median vision, selection and prefill time, full generate time and peak memory (CUDA events
-and the allocator's high-water mark on a GPU; perf_counter and the process's peak RSS on CPU). A printed table,
+method and budget, and reports per arm: visual tokens the LLM received, the analytic FLOPs / KV for that model's own
+text config, and the measured median vision, selection and LLM prefill time, their sum (Table 6's "prefill"), the
+full generate time and peak memory (synchronized wall clock; the CUDA allocator's high-water mark on a GPU, the
+process's peak RSS on CPU). A printed table,
 never an assertion: timings depend on the machine.
 """
 
@@ -80,36 +83,53 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
     }
 
 
+def _arms(args) -> list[tuple[str | None, int | None]]:
+    """(method, budget) pairs to measure: the unpruned model once, then every method at every budget."""
+    arms = [(None, None)] if None in args.budgets else []
+    return arms + [(m, b) for b in args.budgets if b is not None for m in args.methods]
+
+
 def measured(args) -> None:
     from promprune.models import PrunedVLM
 
     base = PrunedVLM.from_pretrained(args.model, method=None, dtype=args.dtype, device_map=args.device)
+    options = {}
+    if args.model.startswith("shape:"):
+        from promprune.models.shapes import default_options
+
+        options = default_options(args.model.split(":", 1)[1])
     text_config = base.model.config.text_config
     images = sample_images(args.batch)
     prompt = "Describe the image briefly."
     n_text = len(base.processor.tokenizer(base.conversation(prompt)).input_ids)  # placeholders included, see below
-    print(f"## Measured: {args.model}, method {args.method}, batch {args.batch}, {args.repeats} repeats, "
-          f"device {base.model.device}, dtype {base.model.dtype}\n")
-    print("| budget | visual tokens | prefill TFLOPs | KV MiB (visual) | vision ms | select ms | prefill ms "
-          "| generate ms | peak MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for budget in args.budgets:
-        method = None if budget is None else args.method
-        vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget)
+    device = base.model.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"## Measured: {args.model}, batch {args.batch}, {args.repeats} repeats, device {device} ({name}), "
+          f"dtype {base.model.dtype}, torch {torch.__version__}\n")
+    print("| method | budget | visual tokens | prefill TFLOPs | KV MiB (visual) | vision ms | select ms "
+          "| LLM prefill ms | total prefill ms | generate ms | peak GB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for method, budget in _arms(args):
+        vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget, **options)
         m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
         n_vis = int(m["visual_tokens"])
         # the tokenized conversation holds one placeholder per image before expansion; the LLM sees n_vis instead
         tflops = prefill_flops(text_config, n_vis + n_text - 1) / 1e12
         kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
-        print(f"| {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.2f} | {m['vision_ms']:.1f} | "
-              f"{m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {m['total_ms']:.1f} | {m['peak_mem_mb']:.0f} |")
+        total = m["vision_ms"] + m["select_ms"] + m["prefill_ms"]  # Table 6's prefill: vision + selection + LLM
+        print(f"| {method or 'unpruned'} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | "
+              f"{m['vision_ms']:.1f} | {m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {total:.1f} | "
+              f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
+    print(f"\ntext tokens per prompt: {n_text - 1} (placeholder excluded); timings are medians per batch of "
+          f"{args.batch}; peak GB is the allocator's high-water mark (GiB) on a GPU, peak RSS on CPU")
     print()
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny:llava_next", help="checkpoint, or tiny:<arch> (offline)")
-    parser.add_argument("--method", default="promprune")
+    parser.add_argument("--methods", default="promprune", type=lambda s: s.split(","),
+                        help="comma list of methods measured at every budget (Table 6: vispruner,divprune,promprune)")
     parser.add_argument("--budgets", default=None, type=lambda s: [_budget(b) for b in s.split(",")],
                         help="comma list, 'none' = unpruned (default: none,640,320,160; tiny models none,40,20,10)")
     parser.add_argument("--dtype", default=None, help="float16 / bfloat16 / float32 (default: the checkpoint's)")
@@ -118,11 +138,13 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--skip-measured", action="store_true", help="only the analytic Table 6")
+    parser.add_argument("--skip-analytic", action="store_true", help="only the measured table")
     args = parser.parse_args(argv)
     if args.budgets is None:
         args.budgets = [None, 40, 20, 10] if args.model.startswith("tiny:") else [None, 640, 320, 160]
     torch.manual_seed(0)
-    table6_analytic()
+    if not args.skip_analytic:
+        table6_analytic()
     if not args.skip_measured:
         measured(args)
 

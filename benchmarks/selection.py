@@ -1,10 +1,12 @@
 """Median selection time of every registered method at the paper's shapes, and its ratio to DivPrune.
 
-    python benchmarks/selection.py [--repeats 7] [--device cpu|cuda] [--threads N]
+    python benchmarks/selection.py [--repeats 7] [--device cpu|cuda] [--threads N] [--dtype float16] [--batch 8]
 
-Shapes: LLaVA-1.5 (B=1, N=576, d=4096, T=64), LLaVA-NeXT (B=5 crops x 576, d=4096, T=64 per crop),
-Qwen2.5-VL (B=1, N=1296, d=3584, T=128). Inputs are random features with a smooth low-rank structure plus noise
-(so spectral entropy lands in the paper's range) and random saliency. Target: promprune <= 2.5x divprune.
+Shapes: LLaVA-1.5 (B=1, N=576, d=4096, T=64), LLaVA-NeXT (B=5 crops x 576, d=4096, T=64 per crop = 320),
+Qwen2.5-VL (B=1, N=1296, d=3584, T=128), each times ``--batch`` images. Inputs are random features with a smooth
+low-rank structure plus noise (so spectral entropy lands in the paper's range) and random saliency, in ``--dtype``
+(selection itself computes in float32, as the adapters feed it the model's dtype). Target: promprune <= 2.5x
+divprune.
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ SHAPES = {  # name: (B, N, d, T)
 }
 
 
-def make_inputs(B: int, N: int, d: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_inputs(B: int, N: int, d: int, device: str, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     basis = torch.randn(B, 32, d, generator=g)
     mix = torch.randn(B, N, 32, generator=g)
     x = mix @ basis + 0.5 * torch.randn(B, N, d, generator=g)
-    return x.to(device), torch.rand(B, N, generator=g).softmax(dim=1).to(device)
+    return x.to(device, dtype), torch.rand(B, N, generator=g).softmax(dim=1).to(device)
 
 
 def time_method(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> float:
@@ -51,17 +54,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="dtype of the features handed to select (the model's dtype)")
+    ap.add_argument("--batch", type=int, default=1, help="images per call (NeXT: 5 crops each)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     names = promprune.methods()
-    print(f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats} torch={torch.__version__}")
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"device={args.device} ({device_name}) dtype={args.dtype} batch={args.batch} "
+          f"threads={torch.get_num_threads()} repeats={args.repeats} torch={torch.__version__}")
     header = f"{'method':<16}" + "".join(f"{shape:>26}" for shape in SHAPES)
     print(header)
     print(f"{'':<16}" + "".join(f"{'median ms (x divprune)':>26}" for _ in SHAPES))
     results: dict[str, dict[str, float]] = {m: {} for m in names}
     for shape, (B, N, d, T) in SHAPES.items():
-        x, s = make_inputs(B, N, d, args.device)
+        x, s = make_inputs(B * args.batch, N, d, args.device, dtype=getattr(torch, args.dtype))
         for m in names:
             results[m][shape] = time_method(m, x, s, T, args.repeats)
     for m in names:

@@ -86,7 +86,7 @@ def _text_sizes(vocab_size: int) -> dict:
     )
 
 
-def _llava_tokenizer():
+def llava_tokenizer():
     """The byte-level tokenizer of both tiny LLaVAs, with LLaVA's special tokens."""
     tok = _byte_level_tokenizer(["<s>", "</s>", "<pad>", "<image>"], bos_token="<s>", eos_token="</s>",
                                 pad_token="<pad>")
@@ -122,8 +122,18 @@ def _seeded(build):
     return build().eval()
 
 
+def llava_processor(cls, tok, image_size: int, patch: int, template: str, **image_extra):
+    """A LLaVA / LLaVA-NeXT processor around ``tok`` with a CLIP image processor of ``image_size`` px views."""
+    image_cls = LlavaNextImageProcessor if cls is LlavaNextProcessor else CLIPImageProcessor
+    return cls(
+        image_processor=_clip_image_processor(image_cls, image_size, **image_extra), tokenizer=tok, patch_size=patch,
+        vision_feature_select_strategy="default", chat_template=template, image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+
+
 def _tiny_llava():
-    tok = _llava_tokenizer()
+    tok = llava_tokenizer()
     image_size = 48
     config = LlavaConfig(
         vision_config=_clip_vision(image_size), text_config=_llama_text(tok),
@@ -131,16 +141,11 @@ def _tiny_llava():
         vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id,
     )
     model = _seeded(lambda: LlavaForConditionalGeneration(config))
-    processor = LlavaProcessor(
-        image_processor=_clip_image_processor(CLIPImageProcessor, image_size), tokenizer=tok, patch_size=8,
-        vision_feature_select_strategy="default", chat_template=_LLAVA_TEMPLATE, image_token="<image>",
-        num_additional_image_tokens=1,
-    )
-    return model, processor
+    return model, llava_processor(LlavaProcessor, tok, image_size, 8, _LLAVA_TEMPLATE)
 
 
 def _tiny_llava_next():
-    tok = _llava_tokenizer()
+    tok = llava_tokenizer()
     view = 32
     pinpoints = [[view, 2 * view], [2 * view, view], [2 * view, 2 * view]]  # 1x2, 2x1, 2x2 crops
     config = LlavaNextConfig(
@@ -149,43 +154,55 @@ def _tiny_llava_next():
         vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints, pad_token_id=tok.pad_token_id,
     )
     model = _seeded(lambda: LlavaNextForConditionalGeneration(config))
-    image_processor = _clip_image_processor(LlavaNextImageProcessor, view, image_grid_pinpoints=pinpoints,
-                                            do_pad=True)
-    processor = LlavaNextProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
-        chat_template=_NEXT_TEMPLATE, image_token="<image>", num_additional_image_tokens=1,
-    )
-    return model, processor
+    return model, llava_processor(LlavaNextProcessor, tok, view, 8, _NEXT_TEMPLATE, image_grid_pinpoints=pinpoints,
+                                  do_pad=True)
 
 
-def _tiny_qwen2_5_vl():
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
-    tok = _byte_level_tokenizer(specials, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
-    patch, merge = 4, 2
-    config = Qwen2_5_VLConfig(
-        text_config=dict(**_text_sizes(len(tok)), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                   "mrope_section": [2, 3, 3]},
-                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=ids["<|endoftext|>"]),
-        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
-                           spatial_merge_size=merge, temporal_patch_size=2, window_size=16, out_hidden_size=64,
-                           fullatt_block_indexes=[1, 3]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )
-    model = _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config))
-    factor = patch * merge
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+
+
+def qwen_tokenizer():
+    """The byte-level tokenizer with Qwen's special tokens."""
+    return _byte_level_tokenizer(QWEN_SPECIALS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def qwen_token_ids(tok) -> dict:
+    """Config fields that name ``tok``'s special tokens (top level and text config)."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                text=dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                          pad_token_id=ids["<|endoftext|>"]))
+
+
+def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int):
+    """A Qwen2.5-VL processor around ``tok`` (CLIP normalisation, as the released processor)."""
     image_processor = Qwen2VLImageProcessor(
-        patch_size=patch, merge_size=merge, temporal_patch_size=2,
-        min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,  # 2x2 .. 6x6 merged tokens' worth of pixels
+        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
         image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
     )
     video_processor = Qwen2VLVideoProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2)  # unused
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                                    chat_template=_QWEN_TEMPLATE)
-    return model, processor
+    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                               chat_template=_QWEN_TEMPLATE)
+
+
+def _tiny_qwen2_5_vl():
+    tok = qwen_tokenizer()
+    ids = qwen_token_ids(tok)
+    patch, merge = 4, 2
+    config = Qwen2_5_VLConfig(
+        text_config=dict(**_text_sizes(len(tok)), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [2, 3, 3]}, **ids.pop("text")),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
+                           spatial_merge_size=merge, temporal_patch_size=2, window_size=16, out_hidden_size=64,
+                           fullatt_block_indexes=[1, 3]),
+        **ids,
+    )
+    model = _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config))
+    factor = patch * merge
+    # 2x2 .. 6x6 merged tokens' worth of pixels
+    return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
 
 
 _BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl}

@@ -95,10 +95,23 @@ class PrunedVLM:
         ``name_or_path`` may be ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl) for the offline tiny
         models of :mod:`promprune.models.testing` (a private copy, cast to ``dtype``), or ``"tiny-easyvqa:llava"``: the
         same tiny LLaVA trained on easy-vqa's train split (:mod:`promprune.models.easyvqa_train`; trained into
-        ``$PROMPRUNE_CACHE`` on first use, ~1-2 minutes on CPU, loaded from there afterwards).
+        ``$PROMPRUNE_CACHE`` on first use, ~1-2 minutes on CPU, loaded from there afterwards), or
+        ``"shape:<name>"``: a published 7B architecture with random weights (:mod:`promprune.models.shapes`; for
+        latency / memory benchmarks, fp16 unless ``dtype`` says otherwise), with that model's paper settings as
+        default adapter options.
         """
         validate_method(method, budget, **dict(method_options))  # fail before loading anything
-        if name_or_path.startswith(("tiny:", "tiny-easyvqa:")):
+        if name_or_path.startswith("shape:"):
+            from .shapes import default_options, shape_vlm
+
+            name = name_or_path.split(":", 1)[1]
+            device = "cuda" if device_map == "auto" and torch.cuda.is_available() else (device_map or "cpu")
+            model, processor = shape_vlm(name, dtype=_dtype(dtype) if dtype not in (None, "auto") else torch.float16,
+                                         device="cpu" if device == "auto" else device)
+            if attn_implementation is not None:
+                model.set_attn_implementation(attn_implementation)
+            method_options = {**default_options(name), **method_options}
+        elif name_or_path.startswith(("tiny:", "tiny-easyvqa:")):
             prefix, arch = name_or_path.split(":", 1)
             model, processor = _tiny(arch, dtype, device_map, attn_implementation, trained=prefix == "tiny-easyvqa")
         else:

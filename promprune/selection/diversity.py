@@ -70,8 +70,9 @@ class _Picks:
         """Record pick ``j [B]`` at step ``k`` for the rows still picking; returns that row mask ``[B]``."""
         active = k < self.counts
         self.out[:, k] = torch.where(active, j, -1)
-        rows = active.nonzero().squeeze(1)
-        self.free[rows, j[rows]] = False
+        # free[b, j[b]] &= ~active[b], without a host sync (a GPU loop must not wait on every step)
+        still = self.free.gather(1, j[:, None]) & ~active[:, None]
+        self.free.scatter_(1, j[:, None], still)
         return active
 
 
@@ -99,8 +100,9 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
     order_fb = _fallback_score(fallback, available)
 
     def extend(step: int, j: torch.Tensor, update: torch.Tensor) -> None:
-        c_j = factor[:, :step, :].gather(2, j.view(B, 1, 1).expand(B, step, 1))  # [B, step, 1]
-        e = (_row(kernel, j) - (c_j * factor[:, :step, :]).sum(dim=1))  # [B, N]
+        rows = factor[:, :step, :]  # [B, step, N]
+        c_j = rows.gather(2, j.view(B, 1, 1).expand(B, step, 1))  # [B, step, 1]
+        e = _row(kernel, j) - torch.bmm(c_j.transpose(1, 2), rows).squeeze(1)  # [B, N]
         e = e / gains.gather(1, j[:, None]).clamp_min(GAIN_EPS).sqrt()
         e = e * update[:, None]
         factor[:, step, :] = e
@@ -125,9 +127,7 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
             j = torch.where(first[1], first[0], j)
             gain = gains.gather(1, j[:, None]).squeeze(1)
         exhausted = gain <= GAIN_EPS
-        if bool(exhausted.any()):
-            j_fb, _ = masked_argmax(order_fb, picks.free)
-            j = torch.where(exhausted, j_fb, j)
+        j = torch.where(exhausted, masked_argmax(order_fb, picks.free)[0], j)  # no `if`: no host sync per step
         active = picks.take(k, j)
         extend(step, j, active & ~exhausted)
         step += 1
@@ -182,9 +182,7 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     for k in range(picks.steps):
         gain = (similarity - cover[:, :, None]).clamp_min(0).sum(dim=1)  # [B, N]: column j's gain
         j, best = masked_argmax(gain, picks.free)
-        exhausted = best <= 0
-        if bool(exhausted.any()):
-            j = torch.where(exhausted, masked_argmax(order_fb, picks.free)[0], j)
+        j = torch.where(best <= 0, masked_argmax(order_fb, picks.free)[0], j)  # exhausted rows: fallback order
         picks.take(k, j)
         cover = torch.maximum(cover, _row(similarity, j))
     return picks.out

@@ -44,7 +44,9 @@ def plain_generate(model, processor, images, prompts, new_tokens: int):
                                                                           {"type": "text", "text": p}]}],
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     processor.tokenizer.padding_side = "left"
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True).to(model.device)
+    if inputs["pixel_values"].is_floating_point():
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
     return out[:, inputs["input_ids"].shape[1]:].tolist(), inputs

@@ -1,0 +1,64 @@
+"""Where to compute the spectral entropy's eigenvalues: median ms of the candidate routes at the paper's shapes.
+
+    python benchmarks/spectrum.py [--device cuda] [--repeats 9]
+
+The spectrum of the centered N x N Gram (N = 576 for CLIP views, 1296 for Qwen2.5-VL) is the one step of PromPrune
+that DivPrune does not have. A GPU eigensolver runs one matrix at a time (cuSOLVER's batched Jacobi solver only
+takes matrices up to 32 x 32), so a batch of views costs a batch of solves. Routes: ``eigvalsh`` on the device in
+float32 / float64, and on the host CPU after a copy (the copy is timed too). Printed, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.selection import make_inputs
+
+SHAPES = {"llava-1.5 (1x576)": (1, 576, 4096), "llava-next (5x576)": (5, 576, 4096),
+          "next batch 8 (40x576)": (40, 576, 4096), "qwen2.5-vl (1x1296)": (1, 1296, 3584)}
+
+
+def centered_gram(x: torch.Tensor) -> torch.Tensor:
+    xn = torch.nn.functional.normalize(x.float(), dim=-1)
+    xc = xn - xn.mean(dim=1, keepdim=True)
+    return xc @ xc.transpose(1, 2)
+
+
+ROUTES = {
+    "device fp32": lambda g: torch.linalg.eigvalsh(g),
+    "device fp64": lambda g: torch.linalg.eigvalsh(g.double()),
+    "host fp32": lambda g: torch.linalg.eigvalsh(g.cpu()),
+    "host fp64": lambda g: torch.linalg.eigvalsh(g.double().cpu()),
+}
+
+
+def timed(fn, g, repeats: int) -> float:
+    fn(g)
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize() if g.is_cuda else None
+        t0 = time.perf_counter()
+        fn(g)
+        torch.cuda.synchronize() if g.is_cuda else None
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"| shape | {' | '.join(ROUTES)} |\n|---|{'---:|' * len(ROUTES)}")
+    for name, (B, N, d) in SHAPES.items():
+        g = centered_gram(make_inputs(B, N, d, args.device)[0])
+        cells = [f"{timed(fn, g, args.repeats):.1f}" for fn in ROUTES.values()]
+        print(f"| {name} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

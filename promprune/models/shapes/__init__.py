@@ -1,0 +1,114 @@
+"""The published 7B shapes without their weights: random-weight VLMs at the paper's real sizes.
+
+``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna) or Qwen2.5-VL-7B from the sizes in this folder's
+JSON files (copied from the checkpoints' ``config.json``) with random weights, and an offline processor with the
+checkpoint's image settings (336 px CLIP views and anyres pinpoints; Qwen's 14 px patches and 2x2 merge). Latency,
+memory, FLOPs and token counts do not depend on weight values, so these stand in for the checkpoints wherever those
+cannot be downloaded (``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized
+(one token per byte), so a prompt has more text tokens than under the real tokenizer; the vocabulary size, and so
+the embedding and LM-head shapes, stay the published ones.
+
+``text_layers`` / ``vision_layers`` shorten the stacks at full width (tests build one or two layers on CPU).
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import torch
+from transformers import (
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextProcessor,
+    LlavaProcessor,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
+
+from .. import testing
+
+SEED = 0
+
+
+def shapes() -> list[str]:
+    """Names of the shipped shapes (the JSON files of this folder)."""
+    return sorted(p.name.removesuffix(".json") for p in resources.files(__package__).iterdir()
+                  if p.name.endswith(".json"))
+
+
+def shape_spec(name: str) -> dict:
+    """The published sizes of ``name`` as a dict (``model_type``, ``text_config``, ``vision_config``, ...)."""
+    if name not in shapes():
+        raise ValueError(f"unknown shape {name!r}; shipped shapes: {', '.join(shapes())}")
+    return json.loads(resources.files(__package__).joinpath(f"{name}.json").read_text())
+
+
+def _llava(spec: dict, text_layers, vision_layers):
+    tok = testing.llava_tokenizer()
+    vision = dict(spec["vision_config"])
+    if vision_layers is not None:
+        vision["num_hidden_layers"] = vision_layers
+    text = dict(spec["text_config"], pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id)
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    common = dict(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                  vision_feature_layer=spec["vision_feature_layer"], pad_token_id=tok.pad_token_id,
+                  vision_feature_select_strategy=spec["vision_feature_select_strategy"],
+                  projector_hidden_act=spec["projector_hidden_act"])
+    size, patch = spec["image_size"], vision["patch_size"]
+    if spec["model_type"] == "llava":
+        config = LlavaConfig(**common)
+        processor = testing.llava_processor(LlavaProcessor, tok, size, patch, testing._LLAVA_TEMPLATE)
+        return LlavaForConditionalGeneration, config, processor
+    pinpoints = spec["image_grid_pinpoints"]
+    config = LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)
+    # the Vicuna NeXT checkpoint chats like LLaVA-1.5 ("USER: <image>\n... ASSISTANT:")
+    processor = testing.llava_processor(LlavaNextProcessor, tok, size, patch, testing._LLAVA_TEMPLATE,
+                                        image_grid_pinpoints=pinpoints, do_pad=True)
+    return LlavaNextForConditionalGeneration, config, processor
+
+
+def _qwen(spec: dict, text_layers, vision_layers):
+    tok = testing.qwen_tokenizer()
+    ids = testing.qwen_token_ids(tok)
+    text = dict(spec["text_config"], **ids.pop("text"))
+    vision = dict(spec["vision_config"])
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    if vision_layers is not None:  # keep the full-attention blocks that still exist (at least the last one)
+        vision["depth"] = vision_layers
+        full = [b for b in vision["fullatt_block_indexes"] if b < vision_layers]
+        vision["fullatt_block_indexes"] = full or [vision_layers - 1]
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    factor = vision["patch_size"] * vision["spatial_merge_size"]
+    # the released processor's pixel range (4 .. 16384 merged tokens); the adapter's image_tokens pins 1296
+    processor = testing.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
+                                       min_pixels=4 * factor**2, max_pixels=16384 * factor**2)
+    return Qwen2_5_VLForConditionalGeneration, config, processor
+
+
+def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int | None = None,
+              vision_layers: int | None = None):
+    """``(model, processor)``: ``name``'s published architecture with seeded random weights on ``device``.
+
+    The weights are created directly on ``device`` in ``dtype`` (a 7B model in fp16 needs ~14 GB there);
+    ``device="meta"`` builds the module tree without memory (shapes, configs, placeholder counts).
+    """
+    spec = shape_spec(name)
+    build = _qwen if spec["model_type"] == "qwen2_5_vl" else _llava
+    model_cls, config, processor = build(spec, text_layers, vision_layers)
+    torch.manual_seed(SEED)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device(device):
+        model = model_cls._from_config(config, dtype=dtype)
+    return model.eval(), processor
+
+
+def default_options(name: str) -> dict:
+    """Adapter options the paper used with this shape (Qwen2.5-VL: a fixed 1296-token grid)."""
+    spec = shape_spec(name)
+    return {"image_tokens": spec["image_tokens"]} if "image_tokens" in spec else {}

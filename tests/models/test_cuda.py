@@ -1,0 +1,73 @@
+"""The adapters on a CUDA device in fp16 / bf16 / fp32, against plain transformers and against the CPU.
+
+Skipped without CUDA (the suite never needs a GPU); run on a GPU machine with ``pytest -k cuda``.
+"""
+import copy
+
+import pytest
+import torch
+
+from promprune.models import PrunedVLM
+from promprune.models.testing import tiny_vlm
+
+from .conftest import ARCHS, plain_generate
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+NEW_TOKENS = 6
+HALF = [torch.float16, torch.bfloat16]
+
+
+def on_cuda(arch, dtype):
+    model, processor = tiny_vlm(arch)
+    return copy.deepcopy(model).to("cuda", dtype), processor
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_unpruned_generates_plain_tokens(arch, dtype, images, prompts):
+    model, processor = on_cuda(arch, dtype)
+    expected, _ = plain_generate(model, processor, images, prompts, NEW_TOKENS)
+    got = PrunedVLM(model, processor, method=None).generate(images, prompts, max_new_tokens=NEW_TOKENS)
+    assert [g.token_ids for g in got] == expected
+
+
+@pytest.mark.parametrize("method", ["promprune", "divprune", "vispruner"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_full_budget_generates_unpruned_tokens(arch, dtype, method, images, prompts):
+    model, processor = on_cuda(arch, dtype)
+    expected, _ = plain_generate(model, processor, images, prompts, NEW_TOKENS)
+    got = PrunedVLM(model, processor, method=method, budget=10_000, image_newline="rows").generate(
+        images, prompts, max_new_tokens=NEW_TOKENS)
+    assert [g.token_ids for g in got] == expected
+
+
+def kept_sets(model, processor, method, images, prompts, budget=8):
+    gens = PrunedVLM(model, processor, method=method, budget=budget).generate(images, prompts, max_new_tokens=2)
+    return [set(g.kept) for g in gens], gens
+
+
+@pytest.mark.parametrize("method", ["promprune", "divprune", "vispruner"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_float32_selects_what_the_cpu_selects(arch, method, images, prompts):
+    cpu_model, processor = tiny_vlm(arch)
+    want, _ = kept_sets(cpu_model, processor, method, images, prompts)
+    model, _ = on_cuda(arch, torch.float32)
+    got, gens = kept_sets(model, processor, method, images, prompts)
+    assert got == want
+    assert all(g.visual_tokens == 8 for g in gens) or arch == "llava_next"  # NeXT: budget split over views
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_half_precision_selection_stays_close_to_float32(arch, dtype, images, prompts):
+    """Half-precision features perturb near-ties only: most kept tokens agree with the float32 CPU run."""
+    cpu_model, processor = tiny_vlm(arch)
+    want, _ = kept_sets(cpu_model, processor, "promprune", images, prompts)
+    model, _ = on_cuda(arch, dtype)
+    got, gens = kept_sets(model, processor, "promprune", images, prompts)
+    for g, w in zip(got, want):
+        assert len(g) == len(w)
+        assert len(g & w) / len(w) >= 0.6, (sorted(g), sorted(w))
+    assert all(0.0 <= g.entropy <= 1.0 for g in gens)
