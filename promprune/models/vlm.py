@@ -127,13 +127,16 @@ class PrunedVLM:
         conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
 
-    def inputs(self, images, prompts):
-        """Processor outputs for a batch (unpruned placeholders), on the model's device."""
+    def processed(self, images, prompts):
+        """Processor outputs for a batch (unpruned placeholders), on the CPU: no model weights involved."""
         images = self.adapter.prepare_images(load_images(images, prompts))
         texts = [self.conversation(p) for p in prompts]
-        batch = self.processor(images=images, text=texts, return_tensors="pt", padding=True,
-                               **self.adapter.processor_kwargs())
-        batch = batch.to(self.device)
+        return self.processor(images=images, text=texts, return_tensors="pt", padding=True,
+                              **self.adapter.processor_kwargs())
+
+    def inputs(self, images, prompts):
+        """Processor outputs for a batch (unpruned placeholders), on the model's device."""
+        batch = self.processed(images, prompts).to(self.device)
         if "pixel_values" in batch and batch["pixel_values"].is_floating_point():
             batch["pixel_values"] = batch["pixel_values"].to(self.model.dtype)
         return batch

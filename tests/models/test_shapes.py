@@ -1,0 +1,89 @@
+"""The published 7B architectures without weights (``promprune.models.shapes``), built on the meta device.
+
+Checked against facts independent of our code: the checkpoints' published parameter counts, the paper's visual
+token counts (576; 2880 + 48 newlines for a square anyres image; 1296), Qwen2-VL's M-RoPE rule worked by hand, and
+Table 6's TFLOPs and KV cache.
+"""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import promprune
+from promprune.efficiency import MIB, kv_cache_bytes, prefill_flops
+from promprune.models import PrunedVLM
+from promprune.models.sequence import shrink_placeholders
+from promprune.models.shapes import default_options, shape_spec, shape_vlm, shapes
+
+from .test_qwen_positions import hand_positions
+
+# parameters of the released checkpoints (the hub's safetensors totals)
+PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_168, "qwen2_5_vl_7b": 8_292_166_656}
+# visual tokens of one square image: LLaVA-1.5 24x24; NeXT base view + 2x2 crops of 24x24 plus one newline per row
+# of the 48-row grid; Qwen2.5-VL at the paper's fixed 36x36 merged grid
+VISUAL_TOKENS = {"llava_1_5_7b": 576, "llava_next_7b": 5 * 576 + 48, "qwen2_5_vl_7b": 1296}
+
+
+@pytest.fixture(scope="module")
+def meta_models():
+    return {name: shape_vlm(name, device="meta") for name in shapes()}
+
+
+def square_image(side=512, seed=0):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+
+
+def test_every_published_shape_ships():
+    assert shapes() == sorted(PUBLISHED_PARAMS)
+    with pytest.raises(ValueError, match="shipped shapes"):
+        shape_spec("llava_13b")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_parameter_count_is_the_checkpoints(meta_models, name):
+    model, _ = meta_models[name]
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMS[name]
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(VISUAL_TOKENS))
+def test_placeholder_counts_through_the_pruned_vlm(meta_models, name):
+    model, processor = meta_models[name]
+    vlm = PrunedVLM(model, processor, method="promprune", budget=64, **default_options(name))
+    batch = vlm.processed([square_image()], ["Describe the image briefly."])
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) == VISUAL_TOKENS[name]
+
+
+def test_qwen_positions_of_a_pruned_real_sequence(meta_models):
+    """128 of 1296 kept: each keeps its (t, h, w) position on the 36 x 36 grid, text after continues at s + 36."""
+    model, processor = meta_models["qwen2_5_vl_7b"]
+    vlm = PrunedVLM(model, processor, method="divprune", budget=128, image_tokens=1296)
+    batch = vlm.processed([square_image()], ["Describe the image briefly."])
+    kept = sorted(torch.randperm(1296, generator=torch.Generator().manual_seed(0))[:128].tolist())
+    ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"],
+                                             model.config.image_token_id, [torch.tensor(kept)],
+                                             processor.tokenizer.pad_token_id)
+    pos = vlm.adapter.generate_kwargs(batch, ids, mask, col_map)["position_ids"]
+    expected = hand_positions(ids[0], mask[0], model.config.image_token_id, (36, 36), kept)
+    torch.testing.assert_close(pos[1:, 0][:, mask[0].bool()], expected)
+
+
+@pytest.mark.parametrize("name, budget", [("llava_1_5_7b", 64), ("qwen2_5_vl_7b", 128)])
+def test_selection_at_the_real_token_count(name, budget):
+    spec = shape_spec(name)
+    d = spec["text_config"]["hidden_size"]
+    n = VISUAL_TOKENS[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, n, 32, generator=g) @ torch.randn(32, d, generator=g) + 0.5 * torch.randn(1, n, d, generator=g)
+    sel = promprune.select(x, torch.rand(1, n, generator=g), budget=budget)
+    assert sel.indices.shape == (1, budget) and len(set(sel.indices[0].tolist())) == budget
+    assert 0.0 < float(sel.entropy) < 1.0
+
+
+def test_table6_from_the_shipped_llava_next_config():
+    text = shape_spec("llava_next_7b")["text_config"]
+    assert float(f"{prefill_flops(text, 2880 + 62) / 1e12:.3g}") == 42.6
+    assert float(f"{prefill_flops(text, 320 + 62) / 1e12:.3g}") == 5.02
+    assert kv_cache_bytes(text, 2880, torch.float16) / MIB == 1440.0
+    assert kv_cache_bytes(text, 320, "fp16") / MIB == 160.0
