@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
 
 def build_checkpoint(path: Path, layers: int, hidden: int) -> float:

@@ -32,9 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run as `python pipelines/evaluate.py`: make `pipelines` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import pandas as pd
 import ray
 

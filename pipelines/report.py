@@ -13,14 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `pipelines` importable
-    sys.path.insert(0, str(ROOT))
+import mlflow
 
-import mlflow  # noqa: E402
-
-from pipelines.reporting.build import build_report, log_report  # noqa: E402
-from pipelines.reporting.store import load_sweep, tracking_uri  # noqa: E402
+from pipelines.reporting.build import build_report, log_report
+from pipelines.reporting.store import load_sweep, tracking_uri
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -34,9 +34,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run as `python pipelines/sweep.py`: make `pipelines` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import pandas as pd
 import ray
 from ray import tune

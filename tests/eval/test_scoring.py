@@ -58,7 +58,7 @@ def handmade_tasks(tmp_path_factory):
         "answer": POPE_GT, "category": ["adversarial"] * n,
     })
     _local_copy(root, "mme_handmade", LMMS_TASKS / "mme" / "mme.yaml", {
-        "question_id": [m[0] for m in MME], "question": [f"Is it? Please answer yes or no." for _ in MME],
+        "question_id": [m[0] for m in MME], "question": ["Is it? Please answer yes or no." for _ in MME],
         "answer": [m[2] for m in MME], "category": [m[1] for m in MME],
     })
     _local_copy(root, "mmbench_handmade", LMMS_TASKS / "mmbench" / "mmbench_en_dev_static.yaml", {
