@@ -35,6 +35,7 @@ from typing import Any, Callable
 import pandas as pd
 import ray
 
+from pipelines import tracking
 from pipelines.weights import ModelSource
 
 # The prediction columns kept in predictions.parquet (the MLflow schema; pipelines/report.py reads them).
@@ -418,8 +419,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from pipelines import tracking
-
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)
@@ -442,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in sorted(result.metrics.items()):
         print(f"  {key:32s} {value:.4g}")
     if not args.no_mlflow:
-        run_id = tracking.log_evaluation(cfg, result)
+        run_id = tracking.log_evaluation(cfg, result, predictions_frame(result.predictions))
         print(f"MLflow run {run_id}; open the UI with:\n  {tracking.ui_command()}")
     return 0
 

@@ -38,8 +38,10 @@ import pandas as pd
 import ray
 from ray import tune
 
+from pipelines import schema
 from pipelines import spec as specs
 from pipelines import tracking
+from pipelines.schema import REL
 from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
     QUIET_ENV, EvalConfig, Requests, build_requests_dataset, connect, evaluate, predictions_frame, worker_env)
 from pipelines.weights import ModelSource, share
@@ -91,8 +93,8 @@ def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict],
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
     result = evaluate(cfg, rows, run_fn=run_fn)
     with tempfile.TemporaryDirectory() as d:
-        predictions_frame(result.predictions).to_parquet(Path(d) / "predictions.parquet", index=False)
-        (Path(d) / "scores.json").write_text(json.dumps(result.scores, default=float))
+        predictions_frame(result.predictions).to_parquet(Path(d) / schema.PREDICTIONS_ARTIFACT, index=False)
+        (Path(d) / schema.SCORES_ARTIFACT).write_text(json.dumps(result.scores, default=float))
         metrics = {**result.metrics, "trial/started_at": started, "trial/wall_s": time.time() - started}
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
@@ -153,8 +155,8 @@ class SweepRecorder:
         if tid in self.records:
             return self.records[tid]
         with checkpoint.as_directory() as d:
-            frame = pd.read_parquet(Path(d) / "predictions.parquet")
-            scores = json.loads((Path(d) / "scores.json").read_text())
+            frame = pd.read_parquet(Path(d) / schema.PREDICTIONS_ARTIFACT)
+            scores = json.loads((Path(d) / schema.SCORES_ARTIFACT).read_text())
         rec = {"trial": trial, "metrics": {k: v for k, v in metrics.items() if _is_metric(k, v)},
                "scores": scores, "frame": frame, "error": None}
         if trial["method"] is None and trial.get("repeat", 0) == 0:
@@ -165,8 +167,8 @@ class SweepRecorder:
             self.logged[tid] = tracking.log_trial(
                 self.client, self.parent_id, self.sweep.name, self.sweep.version, trial, self._params(trial),
                 rec["metrics"], frame)
-        elif "rel" in rec["metrics"]:
-            tracking.log_metrics(self.client, self.logged[tid], {"rel": rec["metrics"]["rel"]})
+        elif REL in rec["metrics"]:
+            tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
         self._progress(rec)
         return rec
 
@@ -181,8 +183,8 @@ class SweepRecorder:
     def finalize_rel(self) -> None:
         """Rel. for trials that finished before the baseline did."""
         for tid, rec in self.records.items():
-            if rec["error"] is None and "rel" not in rec["metrics"] and self._add_rel(rec) and tid in self.logged:
-                tracking.log_metrics(self.client, self.logged[tid], {"rel": rec["metrics"]["rel"]})
+            if rec["error"] is None and REL not in rec["metrics"] and self._add_rel(rec) and tid in self.logged:
+                tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
 
     def _add_rel(self, rec: dict) -> bool:
         """Rel. vs the baseline; undefined (not logged, said once) when a baseline score is 0."""
@@ -191,7 +193,7 @@ class SweepRecorder:
         from promprune.eval import relative_score
 
         try:
-            rec["metrics"]["rel"] = float(relative_score(rec["scores"], self.baseline_scores))
+            rec["metrics"][REL] = float(relative_score(rec["scores"], self.baseline_scores))
         except ValueError as e:
             if not self.rel_warned:
                 print(f"note: Rel. is not defined for this sweep: {e}", flush=True)
@@ -205,7 +207,7 @@ class SweepRecorder:
     def _progress(self, rec: dict) -> None:
         done = len(self.records)
         m = rec["metrics"]
-        shown = " ".join(f"{k}={m[k]:.3f}" for k in _headline_keys(self.sweep.tasks, m) + ["rel"] if k in m)
+        shown = " ".join(f"{k}={m[k]:.3f}" for k in _headline_keys(self.sweep.tasks, m) + [REL] if k in m)
         print(f"[{done}/{self.n_trials}] {rec['trial']['trial_id']}: {shown} "
               f"({m.get('trial/wall_s', float('nan')):.1f}s)", flush=True)
 
@@ -410,7 +412,7 @@ def summary_table(spec: specs.SweepSpec, records: dict) -> str:
         row = {"trial": tid, "method": t["method"] or "none", "budget": t["budget"] if t["budget"] else "-"}
         for key in _headline_keys(spec.tasks, m):
             row[key] = round(m[key], 4)
-        row["rel"] = round(m["rel"], 4) if "rel" in m else "-"
+        row["rel"] = round(m[REL], 4) if REL in m else "-"
         row["vis.tok"] = _fmt(m.get("efficiency/visual_tokens"))
         row["prefill ms"] = _fmt(m.get("efficiency/prefill_ms"))
         row["failed"] = "ERROR" if rec["error"] else int(m.get("samples/failed", 0))

@@ -1,36 +1,21 @@
-"""MLflow tracking: the schema every run follows (pipelines/report.py reads exactly this).
+"""MLflow tracking: writes runs in the schema of `pipelines.schema` (pipelines/report.py reads exactly that).
 
-- Parent run per sweep: run name = spec name; tags `promprune.role=sweep`, `promprune.sweep=<name>`,
-  `promprune.spec_version=<version>`; artifact `spec.yaml` (the resolved spec).
-- Child run per trial: tags `mlflow.parentRunId`, `promprune.role=trial`, `promprune.sweep`, `promprune.trial`;
-  params model, method ("none" = unpruned), budget, tasks, and every option of the trial; metrics `<task>/<metric>`,
-  `rel`, `samples/*`, `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet`.
-- Tracking URI: `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db` (what `mlflow ui` opens in that
-  directory). Only the driver process writes; trials hand their results back through Ray Tune.
+Only the driver process writes; trials hand their results back through Ray Tune.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
-DEFAULT_EXPERIMENT = "promprune"  # one experiment for every sweep; the sweep tag tells them apart
-ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
-REGRESSION = "promprune.regression"
-
-
-def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-def ui_command() -> str:
-    return f"mlflow ui --backend-store-uri {tracking_uri()}"
+from pipelines import schema
+from pipelines.spec import trial_id
+from pipelines.schema import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
 
 
 def client():
@@ -42,7 +27,7 @@ def client():
 
 
 def experiment_id(c) -> str:
-    name = os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+    name = schema.experiment_name()
     exp = c.get_experiment_by_name(name)
     return exp.experiment_id if exp is not None else c.create_experiment(name)
 
@@ -53,8 +38,8 @@ def experiment_id(c) -> str:
 
 def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict) -> str:
     run = c.create_run(experiment_id(c), run_name=name,
-                       tags={ROLE: "sweep", SWEEP: name, VERSION: str(version)})
-    c.log_text(run.info.run_id, resolved_yaml, "spec.yaml")
+                       tags={ROLE: schema.ROLE_SWEEP, SWEEP: name, VERSION: str(version)})
+    c.log_text(run.info.run_id, resolved_yaml, schema.SPEC_ARTIFACT)
     for key, value in params.items():
         c.log_param(run.info.run_id, key, _param(value))
     return run.info.run_id
@@ -76,13 +61,13 @@ def reopen(c, run_id: str) -> None:
 def trial_runs(c, parent_id: str) -> dict[str, Any]:
     """{trial id: latest FINISHED child run} of a parent run."""
     runs = c.search_runs([c.get_run(parent_id).info.experiment_id],
-                         filter_string=f"tags.mlflow.parentRunId = '{parent_id}'", max_results=5000,
+                         filter_string=schema.tag_filter(schema.PARENT, parent_id), max_results=5000,
                          order_by=["attributes.start_time ASC"])
     return {r.data.tags.get(TRIAL): r for r in runs if r.info.status == "FINISHED"}
 
 
 def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict) -> dict[str, str]:
-    params = {"model": model, "method": trial["method"] or "none",
+    params = {"model": model, "method": trial["method"] or schema.BASELINE_METHOD,
               "budget": "none" if trial["budget"] is None else trial["budget"], "tasks": ",".join(tasks),
               "repeat": trial.get("repeat", 0)}
     params.update(trial.get("options") or {})
@@ -93,19 +78,25 @@ def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict)
 
 def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: dict, metrics: dict,
               predictions: pd.DataFrame | None, status: str = "FINISHED", error: str | None = None) -> str:
-    """One child run: tags, params, finite metrics, predictions.parquet; returns its run id."""
-    exp = c.get_run(parent_id).info.experiment_id
-    tags = {"mlflow.parentRunId": parent_id, ROLE: "trial", SWEEP: sweep, TRIAL: trial["trial_id"],
+    """One child run of a sweep: tags, params, finite metrics, predictions.parquet; returns its run id."""
+    tags = {schema.PARENT: parent_id, ROLE: schema.ROLE_TRIAL, SWEEP: sweep, TRIAL: trial["trial_id"],
             VERSION: str(version)}
     if error:
-        tags["promprune.error"] = error[:4000]  # MLflow caps tag values; the full trace is in Ray's logs
-    run_id = c.create_run(exp, run_name=trial["trial_id"], tags=tags).info.run_id
+        tags[schema.ERROR] = error[:4000]  # MLflow caps tag values; the full trace is in Ray's logs
+    return log_run(c, c.get_run(parent_id).info.experiment_id, trial["trial_id"], tags, params, metrics,
+                   predictions, status)
+
+
+def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: dict,
+            predictions: pd.DataFrame | None, status: str = "FINISHED") -> str:
+    """Create a run with its tags, params, finite metrics and predictions artifact, then end it."""
+    run_id = c.create_run(experiment, run_name=name, tags=tags).info.run_id
     for key, value in params.items():
         c.log_param(run_id, key, value)
     log_metrics(c, run_id, metrics)
     if predictions is not None:
         with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / "predictions.parquet"
+            path = Path(d) / schema.PREDICTIONS_ARTIFACT
             predictions.to_parquet(path, index=False)
             c.log_artifact(run_id, str(path))
     c.set_terminated(run_id, status=status)
@@ -115,7 +106,6 @@ def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: 
 def log_metrics(c, run_id: str, metrics: dict) -> None:
     """Finite numeric metrics only (NaN means "not measured", e.g. no entropy for the unpruned model)."""
     from mlflow.entities import Metric
-    import time
 
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, 0) for k, v in metrics.items()
@@ -138,8 +128,9 @@ def previous_sweep(c, name: str, version: int, current_id: str):
     """The latest FINISHED parent run of the same sweep name and spec version before `current_id`, or None."""
     current = c.get_run(current_id)
     runs = c.search_runs([current.info.experiment_id],
-                         filter_string=f"tags.`{ROLE}` = 'sweep' and tags.`{SWEEP}` = '{name}' "
-                                       f"and tags.`{VERSION}` = '{version}'",
+                         filter_string=" and ".join([schema.tag_filter(ROLE, schema.ROLE_SWEEP),
+                                                     schema.tag_filter(SWEEP, name),
+                                                     schema.tag_filter(VERSION, str(version))]),
                          order_by=["attributes.start_time DESC"], max_results=200)
     for run in runs:
         if run.info.run_id != current_id and run.info.status == "FINISHED" \
@@ -149,7 +140,8 @@ def previous_sweep(c, name: str, version: int, current_id: str):
 
 
 def rel_by_trial(c, parent_id: str) -> dict[str, float]:
-    return {tid: r.data.metrics["rel"] for tid, r in trial_runs(c, parent_id).items() if "rel" in r.data.metrics}
+    return {tid: r.data.metrics[schema.REL] for tid, r in trial_runs(c, parent_id).items()
+            if schema.REL in r.data.metrics}
 
 
 def regression_check(c, parent_id: str, name: str, version: int, threshold: float) -> list[str]:
@@ -160,16 +152,16 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     """
     prev = previous_sweep(c, name, version, parent_id)
     if prev is None:
-        c.set_tag(parent_id, REGRESSION, "no-previous")
+        c.set_tag(parent_id, schema.REGRESSION, "no-previous")
         return []
     now, before = rel_by_trial(c, parent_id), rel_by_trial(c, prev.info.run_id)
     found = [f"{tid}: rel {before[tid]:.4f} -> {now[tid]:.4f} ({now[tid] - before[tid]:+.4f})"
              for tid in sorted(set(now) & set(before)) if before[tid] - now[tid] > threshold]
-    c.set_tag(parent_id, f"{REGRESSION}.previous_run", prev.info.run_id)
-    c.set_tag(parent_id, f"{REGRESSION}.threshold", str(threshold))
-    c.set_tag(parent_id, REGRESSION, "true" if found else "false")
+    c.set_tag(parent_id, f"{schema.REGRESSION}.previous_run", prev.info.run_id)
+    c.set_tag(parent_id, f"{schema.REGRESSION}.threshold", str(threshold))
+    c.set_tag(parent_id, schema.REGRESSION, "true" if found else "false")
     if found:
-        c.set_tag(parent_id, f"{REGRESSION}.detail", "; ".join(found)[:4000])
+        c.set_tag(parent_id, f"{schema.REGRESSION}.detail", "; ".join(found)[:4000])
     return found
 
 
@@ -177,21 +169,11 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
 # standalone evaluations (pipelines/evaluate.py)
 
 
-def log_evaluation(cfg, result) -> str:
-    """One run (role `evaluation`) for a single `pipelines/evaluate.py` call."""
-    from pipelines.evaluate import predictions_frame
-    from pipelines.spec import trial_id
-
+def log_evaluation(cfg, result, predictions: pd.DataFrame) -> str:
+    """One run (role `evaluation`, no parent) for a single `pipelines/evaluate.py` call."""
     c = client()
     tid = trial_id(cfg.method, cfg.budget, cfg.options)
-    run_id = c.create_run(experiment_id(c), run_name=tid, tags={ROLE: "evaluation", TRIAL: tid}).info.run_id
     trial = {"method": cfg.method, "budget": cfg.budget, "options": cfg.options, "trial_id": tid}
-    for key, value in trial_params(cfg.model.pretrained, trial, cfg.tasks, cfg.model.options).items():
-        c.log_param(run_id, key, value)
-    log_metrics(c, run_id, result.metrics)
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "predictions.parquet"
-        predictions_frame(result.predictions).to_parquet(path, index=False)
-        c.log_artifact(run_id, str(path))
-    c.set_terminated(run_id)
-    return run_id
+    params = trial_params(cfg.model.pretrained, trial, cfg.tasks, cfg.model.options)
+    return log_run(c, experiment_id(c), tid, {ROLE: schema.ROLE_EVALUATION, TRIAL: tid}, params, result.metrics,
+                   predictions)

@@ -18,11 +18,13 @@ import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
+from pipelines import schema
+
 from . import figures, overlay, tables
 from .published import PAPER_DIR, load_published
 from .store import BASELINE_METHOD, Sweep, load_predictions
 
-ARTIFACT_DIR = "report"  # the report's folder among the parent run's artifacts
+ARTIFACT_DIR = schema.REPORT_DIR  # the report's folder among the parent run's artifacts
 MAX_OVERLAYS = 4  # token-selection overlays per report: one per benchmark, at most this many
 MAX_ENTROPY_CANDIDATES = 3  # PromPrune trials whose predictions are tried for the histograms before giving up
 CALIBRATION_MARK = "calibration"  # sweeps whose name contains this get the mu-calibration section
@@ -72,7 +74,7 @@ def log_report(sweep: Sweep, report: Report, client: MlflowClient | None = None)
     for key, value in report.calibration.items():
         client.log_metric(sweep.run_id, key, float(value))
     if "calibration/chosen_mu" in report.calibration:
-        client.set_tag(sweep.run_id, "promprune.calibrated_mu", f"{report.calibration['calibration/chosen_mu']:g}")
+        client.set_tag(sweep.run_id, schema.CALIBRATED_MU, f"{report.calibration['calibration/chosen_mu']:g}")
     return f"{client.get_run(sweep.run_id).info.artifact_uri}/{ARTIFACT_DIR}"
 
 
@@ -85,7 +87,7 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
     model = models.iloc[0] if len(models) else "?"
     failed = sweep.metrics.get("samples/failed", pd.Series(dtype=float)).fillna(0).sum()
     lines = [f"# Report: {sweep.name}", "",
-             f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get('promprune.spec_version', '?')}",
+             f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get(schema.VERSION, '?')}",
              f"- model: `{model}`; trials: {len(sweep.trials)}; benchmarks: "
              + ", ".join(f"{c.label} (`{c.task}`: {'+'.join(c.metrics)})" for c in table.columns),
              f"- failed samples over all trials: {failed:.0f}"]

@@ -1,14 +1,9 @@
 """Find a sweep in the MLflow store and load its trials (params, metrics) and per-sample predictions.
 
-The schema is the one `pipelines/sweep.py` writes: a parent run per sweep (tags `promprune.role=sweep`,
-`promprune.sweep=<name>`), a child run per trial (tags `mlflow.parentRunId`, `promprune.role=trial`,
-`promprune.trial=<id>`), params `model`, `method` ("none" for the unpruned baseline), `budget`, `tasks` and every
-method option, metrics `<task>/<metric>`, `rel`, `efficiency/...`, `entropy/...`, `t_sal/...`, and the artifact
-`predictions.parquet`.
+The schema is `pipelines.schema`, the one `pipelines/sweep.py` writes through `pipelines.tracking`.
 """
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass, field
 
@@ -17,9 +12,8 @@ import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # what the pipeline writes and `mlflow ui` opens by default
-BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
-PREDICTIONS_ARTIFACT = "predictions.parquet"
+from pipelines import schema
+from pipelines.schema import BASELINE_METHOD, PREDICTIONS_ARTIFACT, tracking_uri  # noqa: F401 - re-exported
 
 # params that describe a method's behaviour (shown in labels when they vary); model, tasks, ids are not options
 STATIC_OPTION_NAMES = {
@@ -52,12 +46,7 @@ class Sweep:
                 if names:
                     return names
         prefixes = [c.split("/", 1)[0] for c in self.metrics.columns if "/" in c]
-        skip = {"efficiency", "entropy", "t_sal", "samples", "calibration"}
-        return list(dict.fromkeys(p for p in prefixes if p not in skip))
-
-
-def tracking_uri(uri: str | None = None) -> str:
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        return list(dict.fromkeys(p for p in prefixes if p not in schema.NON_TASK_PREFIXES))
 
 
 def parse_task_list(value) -> list[str]:
@@ -70,10 +59,11 @@ def parse_task_list(value) -> list[str]:
 
 def find_sweep_run(ref: str | None = None) -> pd.Series:
     """The parent run of sweep `ref` (a run id, or a sweep name: its latest run), or the latest sweep."""
-    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`promprune.role` = 'sweep'",
+    runs = mlflow.search_runs(search_all_experiments=True,
+                              filter_string=schema.tag_filter(schema.ROLE, schema.ROLE_SWEEP),
                               order_by=["attributes.start_time DESC"], output_format="pandas")
     if runs.empty:
-        raise LookupError(f"no sweep runs (tag promprune.role=sweep) in the MLflow store {mlflow.get_tracking_uri()}; "
+        raise LookupError(f"no sweep runs (tag {schema.ROLE}={schema.ROLE_SWEEP}) in the MLflow store {mlflow.get_tracking_uri()}; "
                           "run `python pipelines/sweep.py` first")
     if ref is None:
         return runs.iloc[0]
@@ -81,7 +71,7 @@ def find_sweep_run(ref: str | None = None) -> pd.Series:
     if len(by_id):
         return by_id.iloc[0]
     names = pd.Series(pd.NA, index=runs.index, dtype=object)
-    for tag in ("tags.promprune.sweep", "tags.mlflow.runName"):  # the sweep tag, else the run name
+    for tag in (schema.tag_column(schema.SWEEP), schema.tag_column(schema.RUN_NAME)):  # the sweep tag, else the name
         if tag in runs.columns:
             names = names.fillna(runs[tag])
     by_name = runs[names == ref]
@@ -95,26 +85,28 @@ def load_sweep(ref: str | None = None) -> Sweep:
     """The sweep `ref` (see `find_sweep_run`) with its trials; a retried trial counts once (its latest finished run)."""
     parent = find_sweep_run(ref)
     runs = mlflow.search_runs(experiment_ids=[parent["experiment_id"]],
-                              filter_string=f"tags.`mlflow.parentRunId` = '{parent['run_id']}'",
+                              filter_string=schema.tag_filter(schema.PARENT, parent["run_id"]),
                               order_by=["attributes.start_time DESC"], output_format="pandas")
-    if "tags.promprune.role" in runs.columns:
-        runs = runs[runs["tags.promprune.role"].fillna("trial") == "trial"]
+    role = schema.tag_column(schema.ROLE)
+    if role in runs.columns:
+        runs = runs[runs[role].fillna(schema.ROLE_TRIAL) == schema.ROLE_TRIAL]
     runs = _latest_per_trial(runs)
     if runs.empty:
         raise LookupError(f"sweep run {parent['run_id']} has no trial runs yet (is the sweep still starting?)")
     tags = {k[len("tags."):]: v for k, v in parent.items() if k.startswith("tags.") and isinstance(v, str)}
-    name = tags.get("promprune.sweep") or tags.get("mlflow.runName") or parent["run_id"]
+    name = tags.get(schema.SWEEP) or tags.get(schema.RUN_NAME) or parent["run_id"]
     trials, metrics, options = _split_columns(runs)
     return Sweep(parent["run_id"], name, tags, trials, metrics, options)
 
 
 def _latest_per_trial(runs: pd.DataFrame) -> pd.DataFrame:
     """One run per `promprune.trial` tag: the newest FINISHED one, else the newest (runs come newest first)."""
-    if runs.empty or "tags.promprune.trial" not in runs.columns:
+    trial = schema.tag_column(schema.TRIAL)
+    if runs.empty or trial not in runs.columns:
         return runs
     runs = runs.assign(_finished=(runs["status"] == "FINISHED").astype(int))
     runs = runs.sort_values(["_finished", "start_time"], ascending=[False, False], kind="stable")
-    trial_key = runs["tags.promprune.trial"].fillna(runs["run_id"])
+    trial_key = runs[trial].fillna(runs["run_id"])
     return runs[~trial_key.duplicated()].drop(columns="_finished")
 
 
@@ -127,7 +119,7 @@ def _split_columns(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list
     if "method" not in params:
         raise ValueError("trial runs have no `method` param: is this store written by pipelines/sweep.py?")
     trials = pd.DataFrame(index=runs.index)
-    trials["trial"] = runs.get("tags.promprune.trial", pd.Series(runs.index, index=runs.index))
+    trials["trial"] = runs.get(schema.tag_column(schema.TRIAL), pd.Series(runs.index, index=runs.index))
     trials["status"] = runs["status"]
     trials["method"] = params["method"].fillna(BASELINE_METHOD)
     trials["budget"] = pd.to_numeric(params.get("budget", pd.Series(np.nan, index=runs.index)), errors="coerce")

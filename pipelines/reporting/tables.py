@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from pipelines import schema
+
 from .columns import column_for, task_score
 from .store import BASELINE_METHOD, Sweep
 
@@ -22,7 +24,6 @@ METHOD_LABELS = {
 # the paper's row order: the unpruned model, the baselines, ours last
 METHOD_ORDER = ["none", "random", "fastv", "sparsevlm", "visionzip", "vispruner", "divprune",
                 "saliency_only", "coverage_only", "fixed_ratio", "promprune"]
-REL_FRACTION_MAX = 1.5  # a logged `rel` at or below this is a fraction (x100 for display); above, already percent
 
 EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
     ("efficiency/visual_tokens", "Visual tokens", 0),
@@ -119,15 +120,16 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
 def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: pd.Series | None) -> pd.Series:
     """Rel. in percent: each benchmark's score over the unpruned model's, averaged over benchmarks (the paper's).
 
-    scores: [trials x tasks] raw scores. Without a baseline trial in the sweep, the pipeline's logged `rel`.
+    scores: [trials x tasks] raw scores. Without a baseline trial in the sweep, the pipeline's logged `rel` (a
+    fraction, see `pipelines.schema`).
     Benchmarks the baseline or the trial lacks are left out of that trial's average.
     """
     if baseline_id is not None and not scores.empty:
         base = scores.loc[baseline_id].where(scores.loc[baseline_id] != 0)  # a 0 baseline score: no ratio
-        return scores.div(base, axis=1).mean(axis=1, skipna=True) * 100.0
+        return schema.rel_percent(scores.div(base, axis=1).mean(axis=1, skipna=True))
     if logged_rel is None:
         return pd.Series(np.nan, index=scores.index)
-    return logged_rel.where(logged_rel > REL_FRACTION_MAX, logged_rel * 100.0)
+    return schema.rel_percent(logged_rel)
 
 
 def best_per_budget(table: ScoreTable, decimals: dict[str, int]) -> set[tuple[str, str]]:

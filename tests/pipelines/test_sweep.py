@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from pipelines import spec as specs
-from pipelines import sweep, tracking
+from pipelines import schema, sweep, tracking
 from pipelines.evaluate import build_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,8 +59,8 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
     c = tracking.client()
     parent = c.get_run(outcome.parent_run_id)
     assert parent.info.run_name == "e2e" and parent.info.status == "FINISHED"
-    assert {k: parent.data.tags[k] for k in (tracking.ROLE, tracking.SWEEP, tracking.VERSION)} == \
-        {tracking.ROLE: "sweep", tracking.SWEEP: "e2e", tracking.VERSION: "2"}
+    assert {k: parent.data.tags[k] for k in (schema.ROLE, schema.SWEEP, schema.VERSION)} == \
+        {schema.ROLE: "sweep", schema.SWEEP: "e2e", schema.VERSION: "2"}
     spec_yaml = Path(c.download_artifacts(outcome.parent_run_id, "spec.yaml", str(workdir)))
     assert yaml.safe_load(spec_yaml.read_text()) == yaml.safe_load(specs.dump_resolved(spec))
 
@@ -69,7 +69,7 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
     rows = build_rows(spec.tasks, LIMIT, spec.generation)
     for tid, run in children.items():
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
-        assert tags[tracking.ROLE] == "trial" and tags[tracking.SWEEP] == "e2e" and tags[tracking.TRIAL] == tid
+        assert tags[schema.ROLE] == "trial" and tags[schema.SWEEP] == "e2e" and tags[schema.TRIAL] == tid
         assert params["model"] == "tiny:llava" and params["tasks"] == "easyvqa_yesno,easyvqa_open"
         method = None if tid == "baseline" else params["method"]
         assert params["method"] == (method or "none") and params["budget"] == ("none" if method is None else "8")
@@ -185,12 +185,12 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    parents = c.search_runs([c.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id],
+    parents = c.search_runs([c.get_experiment_by_name(schema.DEFAULT_EXPERIMENT).experiment_id],
                             filter_string="tags.`promprune.role` = 'sweep'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"  # the same parent run continued
     children = c.search_runs([parents[0].info.experiment_id],
                              filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
-    ids = sorted(r.data.tags[tracking.TRIAL] for r in children)
+    ids = sorted(r.data.tags[schema.TRIAL] for r in children)
     assert ids == ["baseline", "divprune-b8", "promprune-b8"]  # each trial logged exactly once
 
 

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from pipelines import evaluate, spec as specs, tracking, weights
+from pipelines import evaluate, schema, spec as specs, tracking, weights
 from pipelines.sweep import plan_resources
 
 
@@ -108,14 +108,14 @@ def test_regression_check_against_the_previous_night(mlflow_store):
     c = mlflow_store
     first = _night(c, {"promprune-b8": 0.95, "divprune-b8": 0.90})
     assert tracking.regression_check(c, first, "nightly", 1, 0.02) == []
-    assert c.get_run(first).data.tags[tracking.REGRESSION] == "no-previous"
+    assert c.get_run(first).data.tags[schema.REGRESSION] == "no-previous"
     tracking.finish(c, first)
     _night(c, {"promprune-b8": 0.10}, version=2)  # another spec version: not comparable, must be skipped
     second = _night(c, {"promprune-b8": 0.94, "divprune-b8": 0.85})  # -0.01 ok, -0.05 regression
     found = tracking.regression_check(c, second, "nightly", 1, 0.02)
     assert len(found) == 1 and found[0].startswith("divprune-b8: rel 0.9000 -> 0.8500")
     tags = c.get_run(second).data.tags
-    assert tags[tracking.REGRESSION] == "true" and tags[f"{tracking.REGRESSION}.previous_run"] == first
+    assert tags[schema.REGRESSION] == "true" and tags[f"{schema.REGRESSION}.previous_run"] == first
 
 
 def test_trial_run_schema(mlflow_store):
@@ -125,11 +125,11 @@ def test_trial_run_schema(mlflow_store):
     params = tracking.trial_params("tiny:llava", trial, ["easyvqa_yesno"], {})
     run_id = tracking.log_trial(c, parent, "s", 3, trial, params, {"x/y": 1.0, "bad": float("nan")}, None)
     run = c.get_run(run_id)
-    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags[tracking.TRIAL] == trial["trial_id"]
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags[schema.TRIAL] == trial["trial_id"]
     assert run.data.params == {"model": "tiny:llava", "method": "promprune", "budget": "8",
                                "tasks": "easyvqa_yesno", "repeat": "0", "mu": "0.4"}
     assert run.data.metrics == {"x/y": 1.0}  # NaN = not measured, never logged
-    assert c.get_run(parent).data.tags[tracking.VERSION] == "3"
+    assert c.get_run(parent).data.tags[schema.VERSION] == "3"
     assert list(tracking.trial_runs(c, parent)) == ["promprune-b8-mu=0.4"]
 
 

@@ -1,0 +1,72 @@
+"""The MLflow schema of the pipeline, in one place: tracking writes through it, reporting reads through it.
+
+- **Store.** `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db` (what `mlflow ui` opens in that directory);
+  experiment `promprune`, or `MLFLOW_EXPERIMENT_NAME`.
+- **Parent run per sweep:** run name = spec name; tags `promprune.role=sweep`, `promprune.sweep=<name>`,
+  `promprune.spec_version=<version>`; artifact `spec.yaml` (the resolved spec); the report under `report/`.
+- **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
+  parent): tags `mlflow.parentRunId`, `promprune.sweep`, `promprune.trial=<id>`; params model, method (`none` =
+  unpruned), budget, tasks and every option of the trial; metrics `<task>/<metric>`, `rel`, `samples/*`,
+  `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
+  `promprune.eval.records.PREDICTION_SCHEMA`).
+- **Rel.** is a fraction everywhere data is stored or compared (1.0 = the unpruned model's scores; the nightly
+  regression threshold is in the same unit); tables and figures show it as a percent through `rel_percent`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
+DEFAULT_EXPERIMENT = "promprune"  # one experiment for every sweep; the sweep tag tells them apart
+
+# tags
+PARENT = "mlflow.parentRunId"
+RUN_NAME = "mlflow.runName"
+ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
+ERROR = "promprune.error"
+REGRESSION = "promprune.regression"
+CALIBRATED_MU = "promprune.calibrated_mu"
+ROLE_SWEEP, ROLE_TRIAL, ROLE_EVALUATION = "sweep", "trial", "evaluation"
+
+# params
+BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
+
+# artifacts
+SPEC_ARTIFACT = "spec.yaml"
+PREDICTIONS_ARTIFACT = "predictions.parquet"
+SCORES_ARTIFACT = "scores.json"  # in a trial's Tune checkpoint, beside predictions.parquet
+REPORT_DIR = "report"
+
+# metrics
+REL = "rel"  # a fraction: 1.0 = the unpruned model
+NON_TASK_PREFIXES = ("efficiency", "entropy", "t_sal", "samples", "trial", "calibration")
+
+
+def tracking_uri(uri: str | None = None) -> str:
+    """The store to use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db`` of the working directory."""
+    return uri or os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def ui_command(uri: str | None = None) -> str:
+    return f"mlflow ui --backend-store-uri {tracking_uri(uri)}"
+
+
+def experiment_name() -> str:
+    return os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+
+
+def rel_percent(fraction):
+    """Rel. for display: a fraction (1.0 = unpruned) as a percent (100.0). Works on floats and pandas objects."""
+    return fraction * 100.0
+
+
+def tag_filter(tag: str, value: str) -> str:
+    """An MLflow search filter on one tag (backquoted: our tag names contain dots)."""
+    return f"tags.`{tag}` = '{value}'"
+
+
+def tag_column(tag: str) -> str:
+    """The column of ``tag`` in ``mlflow.search_runs``'s frame."""
+    return f"tags.{tag}"
