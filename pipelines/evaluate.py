@@ -5,12 +5,13 @@
 
 Setup -> run -> cleanup:
 
-1. rows: `promprune.eval.build_requests(tasks, limit=...)` (task, doc_id, prompt, image bytes, gen_kwargs), on the
-   driver for small evaluations or in parallel shards as Ray tasks for large ones, materialized once in the object
-   store; each row is pickled into one `payload` cell so any row schema travels unchanged.
+1. rows: `promprune.eval.build_requests(tasks, limit=...)` (`promprune.records.Request`: task, doc_id, prompt,
+   PNG bytes, gen_kwargs), on the driver for small evaluations or in parallel shards as Ray tasks for large ones,
+   materialized once in the object store as typed Arrow columns (`arrow_schema(Request)`).
 2. `dataset.map_batches(VLMPredictor, compute=ActorPoolStrategy(size=workers), num_gpus=...,
-   batch_size=...)`: every actor loads a `PrunedVLM` once in `__init__` (one GPU each when the cluster has GPUs,
-   CPU otherwise) and answers batches under `torch.inference_mode()`. `DataContext.wait_for_min_actors_s` is
+   batch_size=..., batch_format="pyarrow")`: every actor loads a `PrunedVLM` once in `__init__` (one GPU each when
+   the cluster has GPUs, CPU otherwise) and turns an Arrow batch of requests into an Arrow batch of
+   `promprune.records.Prediction`s under `torch.inference_mode()`. `DataContext.wait_for_min_actors_s` is
    finite, so a pool that cannot be scheduled fails instead of hanging. Actors restart and their tasks retry
    when a node dies; the output is checked to hold every sample exactly once (nothing is de-duplicated silently).
 3. Central scoring: `promprune.eval.score(predictions)` aggregates once over all shards.
@@ -21,10 +22,9 @@ trial. `pipelines/sweep.py` calls `evaluate()` inside each Ray Tune trial.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import math
 import os
-import pickle
 import statistics
 import sys
 import time
@@ -33,15 +33,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
+import pyarrow as pa
 import ray
+
+from promprune.records import Prediction, Request, arrow_schema, from_arrow, sample_key, to_arrow
 
 from pipelines import tracking
 from pipelines.weights import ModelSource
 
-# The prediction columns kept in predictions.parquet (the MLflow schema; pipelines/report.py reads them).
-PREDICTION_COLUMNS = ("task", "doc_id", "prediction", "error", "entropy", "saliency_count", "visual_tokens", "kept",
-                      "salient", "timings", "text_tokens", "prefill_flops", "kv_cache_bytes", "peak_mem_mb")
-TIMING_FIELDS = ("vision_ms", "select_ms", "prefill_ms", "decode_ms")  # per-sample ms (of the sample's batch)
 REPO = Path(__file__).resolve().parents[1]
 QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
 BYTES_PER_MB = 2 ** 20  # the paper's Table 6 reports KV cache in MiB (1440.0 MB = 2880 tokens x 0.5 MiB)
@@ -69,7 +68,7 @@ class EvalConfig:
 
 @dataclass
 class EvalResult:
-    predictions: list[dict]  # one per request row
+    predictions: list[Prediction]  # one per request
     scores: dict  # {task: {metric: value}}
     metrics: dict  # flat MLflow metrics: <task>/<metric>, samples/*, efficiency/*, entropy/*, t_sal/*
 
@@ -79,22 +78,22 @@ class EvalResult:
 
 
 def build_rows(tasks: list[str], limit: int | None, generation: dict,
-               shard: tuple[int, int] | None = None) -> list[dict]:
-    """Request rows from the eval bridge, with the spec's generation kwargs laid over each task's own.
+               shard: tuple[int, int] | None = None) -> list[Request]:
+    """Requests from the eval bridge, with the spec's generation kwargs laid over each task's own.
 
     shard=(i, k): every k-th document from the i-th (the union of the k shards is the full set)."""
     from promprune.eval import build_requests
 
     rows = build_requests(tasks, limit=limit, shard=shard)
     for row in rows:
-        row["gen_kwargs"] = {**(row.get("gen_kwargs") or {}), **generation}
+        row.gen_kwargs = {**row.gen_kwargs, **generation}
     return rows
 
 
 @dataclass
 class Requests:
-    """An evaluation's request rows as a materialized Ray dataset of {key, payload} (payload = pickled row),
-    plus every key a prediction must come back for. Built once per sweep, shared by all its trials."""
+    """An evaluation's requests as a materialized Ray dataset with `arrow_schema(Request)`, plus every key a
+    prediction must come back for. Built once per sweep, shared by all its trials."""
 
     dataset: Any = field(repr=False)  # ray.data.MaterializedDataset, one block per batch (its repr reads blocks)
     keys: list[str] = field(repr=False)
@@ -104,6 +103,14 @@ class Requests:
 
 
 DRIVER_BUILD_MAX_ROWS = 2000  # up to this many rows the driver builds them itself (a few hundred MB of PNGs)
+
+
+def requests_dataset(rows: list[Request], batch_size: int) -> Requests:
+    """Requests -> a materialized dataset, one block per batch (idle actors take work block by block)."""
+    table = requests_table(rows)
+    blocks = max(1, math.ceil(len(rows) / batch_size))
+    ds = ray.data.from_arrow([table.slice(i * batch_size, batch_size) for i in range(blocks)])
+    return Requests(ds.materialize(), [r.key for r in rows])
 
 
 def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict, batch_size: int,
@@ -117,54 +124,50 @@ def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict
         small = limit is not None and limit * len(tasks) <= DRIVER_BUILD_MAX_ROWS
         shards = 1 if small else max(2, int(ray.cluster_resources().get("CPU", 2)))
     if shards == 1:
-        items = encode_rows(build_rows(tasks, limit, generation))
-        ds = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / batch_size)))
-        return Requests(ds.materialize(), [it["key"] for it in items])
+        return requests_dataset(build_rows(tasks, limit, generation), batch_size)
     seeds = ray.data.from_items([{"shard": i} for i in range(shards)], override_num_blocks=shards)
-    built = seeds.flat_map(_build_shard, fn_kwargs=dict(tasks=tasks, limit=limit, generation=generation,
-                                                        shards=shards)).materialize()
-    keys = [r["key"] for r in built.select_columns(["key"]).take_all()]
+    built = seeds.map_batches(_build_shard, batch_size=1, batch_format="pyarrow",
+                              fn_kwargs=dict(tasks=tasks, limit=limit, generation=generation,
+                                             shards=shards)).materialize()
+    keys = [sample_key(t, d) for t, d in zip(_column(built, "task"), _column(built, "doc_id"))]
     if len(set(keys)) != len(keys):
         raise ValueError("request shards overlap: a (task, doc_id) was built twice")
     ds = built.repartition(max(1, math.ceil(len(keys) / batch_size)))  # one block per batch: actors share work
     return Requests(ds.materialize(), keys)
 
 
-def _build_shard(seed: dict, *, tasks: list[str], limit: int | None, generation: dict, shards: int) -> list[dict]:
-    return encode_rows(build_rows(tasks, limit, generation, shard=(int(seed["shard"]), shards)))
+def _column(ds, name: str) -> list:
+    return pa.concat_tables(ray.get(ds.select_columns([name]).to_arrow_refs())).column(name).to_pylist()
 
 
-def sample_key(row: dict) -> str:
-    return f"{row['task']}/{row['doc_id']}"
+def _build_shard(seed: pa.Table, *, tasks: list[str], limit: int | None, generation: dict, shards: int) -> pa.Table:
+    (index,) = seed.column("shard").to_pylist()
+    return requests_table(build_rows(tasks, limit, generation, shard=(int(index), shards)))
 
 
-def encode_rows(rows: list[dict]) -> list[dict]:
-    """Rows -> Ray Data items {key, payload}; the payload is the pickled row (bytes survive Arrow intact)."""
-    keys = [sample_key(r) for r in rows]
-    dupes = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) != len(keys) else []
-    if dupes:
-        raise ValueError(f"request rows: duplicate (task, doc_id): {dupes[:5]}")
-    return [{"key": k, "payload": pickle.dumps(r)} for k, r in zip(keys, rows)]
-
-
-def decode_predictions(records: list[dict]) -> list[dict]:
-    return [pickle.loads(rec["payload"]) for rec in records]
+def requests_table(rows: list[Request]) -> pa.Table:
+    """Requests -> an Arrow table with `arrow_schema(Request)`; a duplicated (task, doc_id) is an error."""
+    keys = [r.key for r in rows]
+    if len(set(keys)) != len(keys):
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"requests: duplicate (task, doc_id): {dupes[:5]}")
+    return to_arrow(rows, Request)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the actor
 
 
-def default_run_requests(vlm, rows: list[dict], batch_size: int) -> list[dict]:
+def default_run_requests(vlm, rows: list[Request], batch_size: int) -> list[Prediction]:
     from promprune.eval import run_requests
 
     return run_requests(vlm, rows, batch_size=batch_size)
 
 
 class VLMPredictor:
-    """Ray Data callable class: loads a PrunedVLM once, then answers batches of pickled request rows.
+    """Ray Data callable class: loads a PrunedVLM once, then answers Arrow batches of requests.
 
-    `run_fn(vlm, rows, batch_size) -> predictions` is injectable (tests slow it down to kill nodes mid-run);
+    `run_fn(vlm, requests, batch_size) -> predictions` is injectable (tests slow it down to kill nodes mid-run);
     the default is `promprune.eval.run_requests`.
     """
 
@@ -177,20 +180,19 @@ class VLMPredictor:
         self.batch_size = batch_size
         self.run_fn = run_fn or default_run_requests
 
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        """batch: DataFrame[key, payload (pickled row)] -> DataFrame[key, payload (pickled prediction)]."""
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        """batch: `arrow_schema(Request)` -> `arrow_schema(Prediction)`, one row per request."""
         import torch
 
-        rows = [pickle.loads(p) for p in batch["payload"]]
+        rows = from_arrow(batch, Request)
         with torch.inference_mode():
             preds = self.run_fn(self.vlm, rows, self.batch_size)
         if len(preds) != len(rows):
             raise RuntimeError(f"run_requests returned {len(preds)} predictions for {len(rows)} rows")
-        preds = [add_efficiency(self.vlm, p) for p in preds]
-        return pd.DataFrame({"key": [sample_key(p) for p in preds], "payload": [pickle.dumps(p) for p in preds]})
+        return to_arrow([add_efficiency(self.vlm, p) for p in preds], Prediction)
 
 
-def add_efficiency(vlm, pred: dict) -> dict:
+def add_efficiency(vlm, pred: Prediction) -> Prediction:
     """Per-sample prefill FLOPs and visual KV-cache bytes, under the paper's Table 6 convention.
 
     FLOPs count the whole prefill: the visual tokens the LLM received plus the prompt's text tokens (the chat
@@ -199,14 +201,14 @@ def add_efficiency(vlm, pred: dict) -> dict:
     """
     from promprune import efficiency
 
-    visual = pred.get("visual_tokens")
-    if visual is None or pred.get("error"):
-        return {**pred, "text_tokens": None, "prefill_flops": None, "kv_cache_bytes": None}
+    if pred.visual_tokens is None or pred.failed:
+        return pred
     text_config = vlm.model.config.get_text_config()
-    text = text_tokens(vlm, pred["prompt"])
-    return {**pred, "text_tokens": text,
-            "prefill_flops": float(efficiency.prefill_flops(text_config, int(visual) + text)),
-            "kv_cache_bytes": float(efficiency.kv_cache_bytes(text_config, int(visual), vlm.model.dtype))}
+    text = text_tokens(vlm, pred.prompt)
+    return dataclasses.replace(
+        pred, text_tokens=text,
+        prefill_flops=float(efficiency.prefill_flops(text_config, int(pred.visual_tokens) + text)),
+        kv_cache_bytes=float(efficiency.kv_cache_bytes(text_config, int(pred.visual_tokens), vlm.model.dtype)))
 
 
 def text_tokens(vlm, prompt: str) -> int:
@@ -227,14 +229,12 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0))
 
 
-def predict(cfg: EvalConfig, rows: list[dict] | Requests, *, run_fn: Callable | None = None) -> list[dict]:
-    """Shard the rows over an actor pool holding the model; one prediction per row, in no particular order."""
+def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable | None = None) -> list[Prediction]:
+    """Shard the requests over an actor pool holding the model; one prediction per request, in no particular order."""
     from ray.data import ActorPoolStrategy
 
     if not isinstance(rows, Requests):
-        items = encode_rows(rows)
-        n_blocks = max(1, math.ceil(len(items) / cfg.batch_size))  # one block per batch: idle actors take work
-        rows = Requests(ray.data.from_items(items, override_num_blocks=n_blocks), [it["key"] for it in items])
+        rows = requests_dataset(rows, cfg.batch_size)
     num_gpus = cfg.gpus_per_worker if cluster_gpus() > 0 else 0
     out = rows.dataset.map_batches(
         VLMPredictor,
@@ -242,14 +242,15 @@ def predict(cfg: EvalConfig, rows: list[dict] | Requests, *, run_fn: Callable | 
                                    batch_size=cfg.batch_size, run_fn=run_fn),
         compute=ActorPoolStrategy(size=cfg.workers),
         batch_size=cfg.batch_size,
-        batch_format="pandas",
+        batch_format="pyarrow",
         num_gpus=num_gpus,
         num_cpus=cfg.cpus_per_worker,
         # Ray Data's actor defaults (max_restarts=-1, max_task_retries=-1) restart an actor lost with its node
         # elsewhere and retry its unfinished batches there; check_exactly_once() below verifies the outcome.
     )
     _configure(out.context, cfg)  # a dataset runs with the DataContext captured when it was created
-    preds = decode_predictions(out.take_all())
+    tables = ray.get(out.to_arrow_refs())
+    preds = [p for t in tables for p in from_arrow(t, Prediction)]
     check_exactly_once(rows.keys, preds)
     return preds
 
@@ -261,13 +262,12 @@ def _configure(ctx, cfg: EvalConfig) -> None:
     ctx.enable_operator_progress_bars = cfg.progress_bars
 
 
-def check_exactly_once(keys: list[str] | list[dict], preds: list[dict]) -> None:
-    """Every request (a key `task/doc_id` or a row) has exactly one prediction: raise naming the duplicated or
-    missing samples."""
-    want = {k if isinstance(k, str) else sample_key(k) for k in keys}
-    got = [sample_key(p) for p in preds]
+def check_exactly_once(keys: list[str], preds: list[Prediction]) -> None:
+    """Every request key (`task/doc_id`) has exactly one prediction: raise naming the duplicated or missing
+    samples."""
+    want = set(keys)
     seen: set[str] = set()
-    dupes = sorted({k for k in got if k in seen or seen.add(k)})
+    dupes = sorted({p.key for p in preds if p.key in seen or seen.add(p.key)})
     missing = sorted(want - seen)
     extra = sorted(seen - want)
     if dupes or missing or extra:
@@ -279,9 +279,9 @@ def check_exactly_once(keys: list[str] | list[dict], preds: list[dict]) -> None:
 # scoring and summaries
 
 
-def evaluate(cfg: EvalConfig, rows: list[dict] | Requests | None = None, *, run_fn: Callable | None = None,
+def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, run_fn: Callable | None = None,
              score_fn: Callable | None = None) -> EvalResult:
-    """Rows (built here unless given) -> predictions on Ray Data -> scores (once, centrally) -> metrics."""
+    """Requests (built here unless given) -> predictions on Ray Data -> scores (once, centrally) -> metrics."""
     if rows is None:
         rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.batch_size)
     preds = predict(cfg, rows, run_fn=run_fn)
@@ -291,79 +291,52 @@ def evaluate(cfg: EvalConfig, rows: list[dict] | Requests | None = None, *, run_
     return EvalResult(predictions=preds, scores=scores, metrics=summarize(preds, scores))
 
 
+def _finite(values: list) -> list[float]:
+    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
+
+
 def _mean(values: list) -> float:
-    values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    values = _finite(values)
     return statistics.fmean(values) if values else float("nan")
 
 
 def _median(values: list) -> float:
-    values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    values = _finite(values)
     return statistics.median(values) if values else float("nan")
 
 
-def summarize(preds: list[dict], scores: dict) -> dict[str, float]:
+def summarize(preds: list[Prediction], scores: dict) -> dict[str, float]:
     """Flat metrics of one evaluation (the MLflow schema); means over the samples that did not fail."""
-    ok = [p for p in preds if not p.get("error")]
+    ok = [p for p in preds if not p.failed]
     metrics = {f"{task}/{name}": float(v) for task, ms in scores.items() for name, v in ms.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics.update({
         "samples/total": float(len(preds)),
         "samples/failed": float(len(preds) - len(ok)),
-        "efficiency/prefill_tflops": _mean([p.get("prefill_flops") for p in ok]) / FLOPS_PER_TFLOP,
-        "efficiency/kv_cache_mb": _mean([p.get("kv_cache_bytes") for p in ok]) / BYTES_PER_MB,
-        "efficiency/prefill_ms": _mean([p.get("prefill_ms") for p in ok]),
-        "efficiency/peak_mem_mb": max([float(p["peak_mem_mb"]) for p in ok if p.get("peak_mem_mb") is not None],
-                                      default=float("nan")),
-        "efficiency/visual_tokens": _mean([p.get("visual_tokens") for p in ok]),
-        "entropy/mean": _mean([p.get("entropy") for p in ok]),
-        "entropy/median": _median([p.get("entropy") for p in ok]),
-        "t_sal/mean": _mean([p.get("saliency_count") for p in ok]),
-        "t_sal/median": _median([p.get("saliency_count") for p in ok]),
+        "efficiency/prefill_tflops": _mean([p.prefill_flops for p in ok]) / FLOPS_PER_TFLOP,
+        "efficiency/kv_cache_mb": _mean([p.kv_cache_bytes for p in ok]) / BYTES_PER_MB,
+        "efficiency/prefill_ms": _mean([p.prefill_ms for p in ok]),
+        "efficiency/peak_mem_mb": max(_finite([p.peak_mem_mb for p in ok]), default=float("nan")),
+        "efficiency/visual_tokens": _mean([p.visual_tokens for p in ok]),
+        "entropy/mean": _mean([p.entropy for p in ok]),
+        "entropy/median": _median([p.entropy for p in ok]),
+        "t_sal/mean": _mean([p.saliency_count for p in ok]),
+        "t_sal/median": _median([p.saliency_count for p in ok]),
     })
     return metrics
 
 
-def predictions_frame(preds: list[dict]) -> pd.DataFrame:
-    """One row per sample with the PREDICTION_COLUMNS; timings {vision,select,prefill,decode}_ms as a JSON string,
-    kept (kept token indices) and salient (those the saliency stage chose) as int lists; sorted by (task, doc_id).
-    """
-    def one(p: dict) -> dict:
-        kept = p.get("kept")
-        if kept is not None and hasattr(kept, "tolist"):
-            kept = kept.tolist()
-        return {"task": p["task"], "doc_id": p["doc_id"], "prediction": p.get("prediction"),
-                "error": p.get("error"), "entropy": _opt_float(p.get("entropy")),
-                "saliency_count": _opt_float(p.get("saliency_count")),
-                "visual_tokens": _opt_float(p.get("visual_tokens")), "kept": _flat_ints(kept),
-                "salient": _flat_ints(p.get("salient")),
-                "timings": json.dumps({k: p.get(k) for k in TIMING_FIELDS}, sort_keys=True, default=float),
-                "text_tokens": _opt_float(p.get("text_tokens")), "prefill_flops": _opt_float(p.get("prefill_flops")),
-                "kv_cache_bytes": _opt_float(p.get("kv_cache_bytes")),
-                "peak_mem_mb": _opt_float(p.get("peak_mem_mb"))}
-
-    frame = pd.DataFrame([one(p) for p in preds], columns=list(PREDICTION_COLUMNS))
-    return frame.sort_values(["task", "doc_id"], kind="stable").reset_index(drop=True)
+def predictions_table(preds: list[Prediction]) -> pa.Table:
+    """The `predictions.parquet` artifact: `arrow_schema(Prediction)`, one row per sample, sorted by (task, doc_id)."""
+    return to_arrow(sorted(preds, key=lambda p: (p.task, p.doc_id)), Prediction)
 
 
-def _opt_float(v: Any) -> float | None:
-    if v is None:
-        return None
-    return float(v.item() if hasattr(v, "item") else v)
+def predictions_frame(preds: list[Prediction]) -> pd.DataFrame:
+    """`predictions_table` as a DataFrame (what the report reads back from the parquet artifact)."""
+    return predictions_table(preds).to_pandas()
 
 
-def _flat_ints(kept: Any) -> list[int] | None:
-    """kept indices as a flat int list (per-crop nesting of LLaVA-NeXT is flattened in order)."""
-    if kept is None:
-        return None
-    out: list[int] = []
-    stack = [kept]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
-        else:
-            out.append(int(x))
-    return out
+PREDICTION_SCHEMA = arrow_schema(Prediction)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -441,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in sorted(result.metrics.items()):
         print(f"  {key:32s} {value:.4g}")
     if not args.no_mlflow:
-        run_id = tracking.log_evaluation(cfg, result, predictions_frame(result.predictions))
+        run_id = tracking.log_evaluation(cfg, result, predictions_table(result.predictions))
         print(f"MLflow run {run_id}; open the UI with:\n  {tracking.ui_command()}")
     return 0
 

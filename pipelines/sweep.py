@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
+import pyarrow.parquet as pq
 import ray
 from ray import tune
 
@@ -43,7 +44,7 @@ from pipelines import spec as specs
 from pipelines import tracking
 from pipelines.schema import REL
 from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
-    QUIET_ENV, EvalConfig, Requests, build_requests_dataset, connect, evaluate, predictions_frame, worker_env)
+    QUIET_ENV, EvalConfig, Requests, build_requests_dataset, connect, evaluate, predictions_table, worker_env)
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict],
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
     result = evaluate(cfg, rows, run_fn=run_fn)
     with tempfile.TemporaryDirectory() as d:
-        predictions_frame(result.predictions).to_parquet(Path(d) / schema.PREDICTIONS_ARTIFACT, index=False)
+        pq.write_table(predictions_table(result.predictions), Path(d) / schema.PREDICTIONS_ARTIFACT)
         (Path(d) / schema.SCORES_ARTIFACT).write_text(json.dumps(result.scores, default=float))
         metrics = {**result.metrics, "trial/started_at": started, "trial/wall_s": time.time() - started}
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
@@ -155,10 +156,10 @@ class SweepRecorder:
         if tid in self.records:
             return self.records[tid]
         with checkpoint.as_directory() as d:
-            frame = pd.read_parquet(Path(d) / schema.PREDICTIONS_ARTIFACT)
+            table = pq.read_table(Path(d) / schema.PREDICTIONS_ARTIFACT)
             scores = json.loads((Path(d) / schema.SCORES_ARTIFACT).read_text())
         rec = {"trial": trial, "metrics": {k: v for k, v in metrics.items() if _is_metric(k, v)},
-               "scores": scores, "frame": frame, "error": None}
+               "scores": scores, "frame": table.to_pandas(), "error": None}
         if trial["method"] is None and trial.get("repeat", 0) == 0:
             self.baseline_scores = scores
         self._add_rel(rec)
@@ -166,7 +167,7 @@ class SweepRecorder:
         if tid not in self.logged:
             self.logged[tid] = tracking.log_trial(
                 self.client, self.parent_id, self.sweep.name, self.sweep.version, trial, self._params(trial),
-                rec["metrics"], frame)
+                rec["metrics"], table)
         elif REL in rec["metrics"]:
             tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
         self._progress(rec)

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipelines import schema
 from pipelines.spec import trial_id
@@ -77,7 +78,7 @@ def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict)
 
 
 def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: dict, metrics: dict,
-              predictions: pd.DataFrame | None, status: str = "FINISHED", error: str | None = None) -> str:
+              predictions: pa.Table | None, status: str = "FINISHED", error: str | None = None) -> str:
     """One child run of a sweep: tags, params, finite metrics, predictions.parquet; returns its run id."""
     tags = {schema.PARENT: parent_id, ROLE: schema.ROLE_TRIAL, SWEEP: sweep, TRIAL: trial["trial_id"],
             VERSION: str(version)}
@@ -88,7 +89,7 @@ def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: 
 
 
 def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: dict,
-            predictions: pd.DataFrame | None, status: str = "FINISHED") -> str:
+            predictions: pa.Table | None, status: str = "FINISHED") -> str:
     """Create a run with its tags, params, finite metrics and predictions artifact, then end it."""
     run_id = c.create_run(experiment, run_name=name, tags=tags).info.run_id
     for key, value in params.items():
@@ -97,7 +98,7 @@ def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: di
     if predictions is not None:
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / schema.PREDICTIONS_ARTIFACT
-            predictions.to_parquet(path, index=False)
+            pq.write_table(predictions, path)  # arrow_schema(Prediction), as the actors produced it
             c.log_artifact(run_id, str(path))
     c.set_terminated(run_id, status=status)
     return run_id
@@ -169,7 +170,7 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
 # standalone evaluations (pipelines/evaluate.py)
 
 
-def log_evaluation(cfg, result, predictions: pd.DataFrame) -> str:
+def log_evaluation(cfg, result, predictions: pa.Table) -> str:
     """One run (role `evaluation`, no parent) for a single `pipelines/evaluate.py` call."""
     c = client()
     tid = trial_id(cfg.method, cfg.budget, cfg.options)

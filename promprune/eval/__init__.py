@@ -1,7 +1,7 @@
 """The lmms-eval bridge: request rows out of lmms-eval tasks, generation over them, scoring back with lmms-eval.
 
-    rows = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=64)   # driver
-    predictions = run_requests(vlm, rows, batch_size=8)                 # actors (any sharding)
+    requests = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=64)   # driver: promprune.records.Request
+    predictions = run_requests(vlm, requests, batch_size=8)                 # actors (any sharding): Prediction
     scores = score(predictions)                                         # driver: {task: {metric: value}}
     rel = relative_score(scores, baseline_scores)                       # Rel., as the paper
 
@@ -13,11 +13,9 @@ import importlib
 _EXPORTS = {
     "build_requests": "promprune.eval.requests",
     "run_requests": "promprune.eval.requests",
-    "REQUEST_FIELDS": "promprune.eval.requests",
     "score": "promprune.eval.scoring",
     "relative_score": "promprune.eval.scoring",
     "primary_score": "promprune.eval.scoring",
-    "RESULT_FIELDS": "promprune.eval.generation",
     "OFFLINE_TASKS": "promprune.eval.tasks",
     "PAPER_TASKS": "promprune.eval.tasks",
     "PRIMARY_METRICS": "promprune.eval.tasks",

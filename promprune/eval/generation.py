@@ -1,9 +1,9 @@
 """Generation for evaluation items: batching, lmms-eval generation kwargs, and failure isolation.
 
-Both the Ray path (``run_requests`` on request rows) and the lmms-eval plugin (``PromPruneLMM.generate_until``) turn
-their inputs into ``Item``s and call ``generate_items``. Every item yields exactly one result, in input order:
+Both the Ray path (``run_requests`` on ``Request``s) and the lmms-eval plugin (``PromPruneLMM.generate_until``) turn
+their inputs into ``Item``s and call ``generate_items``. Every item yields exactly one ``Answer``, in input order:
 a batch that raises is retried item by item, so one corrupt image or one failing generation becomes one failed
-result with its error message, never a crash and never a dropped sample.
+answer with its error message, never a crash and never a dropped sample.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from PIL import Image
 
 from promprune.efficiency import peak_memory_mb, reset_peak_memory
 from promprune.models.images import strict_decoding
+from promprune.records import Answer, SampleStats, values
 
 log = logging.getLogger(__name__)
 
 # lmms-eval generation_kwargs keys that map onto transformers' generate(); anything else (e.g. llava's
 # image_aspect_ratio) is a model-specific hint our adapters do not take, and is ignored.
 _SAMPLING_KEYS = ("temperature", "top_p")
-_STATS = ("entropy", "saliency_count", "visual_tokens", "kept", "salient", "vision_ms", "select_ms", "prefill_ms",
-          "decode_ms")
-RESULT_FIELDS = ("prediction", "error", *_STATS, "peak_mem_mb")
 
 
 @dataclass
@@ -91,14 +89,8 @@ def cut_at_stop(text: str, until: list[str]) -> str:
     return text
 
 
-def _failed(error: str) -> dict:
-    result = dict.fromkeys(RESULT_FIELDS)
-    result.update(prediction="", error=error)
-    return result
-
-
-def _stat(value: Any) -> Any:
-    """Plain Python values for rows that travel through Arrow/parquet: tensors -> numbers or lists."""
+def _plain(value: Any) -> Any:
+    """Plain Python values for records that travel through Arrow/parquet: tensors -> numbers or lists."""
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 and value.dim() == 0 else value.tolist()
     return value
@@ -110,7 +102,7 @@ def _model_device(vlm) -> torch.device:
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
-def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[dict]:
+def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
     """Generate one batch (raises on failure); results carry the batch's peak memory."""
     kwargs, until = generate_kwargs(gen_kwargs)
     device = _model_device(vlm)
@@ -120,39 +112,35 @@ def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[dict]:
     if len(generations) != len(items):
         raise RuntimeError(f"vlm.generate returned {len(generations)} generations for {len(items)} items")
     peak = peak_memory_mb(device)
-    results = []
-    for gen in generations:
-        result = {name: _stat(getattr(gen, name, None)) for name in _STATS}
-        result.update(prediction=cut_at_stop(gen.text, until), error=None, peak_mem_mb=peak)
-        results.append(result)
-    return results
+    return [Answer(**{k: _plain(v) for k, v in values(gen, SampleStats).items()},
+                   prediction=cut_at_stop(gen.text, until), peak_mem_mb=peak) for gen in generations]
 
 
-def _run_isolated(vlm, items: list[Item], gen_kwargs: dict) -> list[dict]:
+def _run_isolated(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
     """Run a batch; if it fails, run its items one by one so only the failing ones fail."""
     try:
         return _run_batch(vlm, items, gen_kwargs)
     except Exception as exc:  # noqa: BLE001 - isolation: the failure is recorded per item below
         if len(items) == 1:
             log.warning("generation failed: %s: %s", type(exc).__name__, exc)
-            return [_failed(f"{type(exc).__name__}: {exc}")]
+            return [Answer(error=f"{type(exc).__name__}: {exc}")]
         log.warning("batch of %d failed (%s: %s); retrying item by item", len(items), type(exc).__name__, exc)
         return [result for item in items for result in _run_isolated(vlm, [item], gen_kwargs)]
 
 
-def generate_items(vlm, items: list[Item], *, batch_size: int = 8) -> list[dict]:
-    """One result dict per item, in input order: the fields ``RESULT_FIELDS``.
+def generate_items(vlm, items: list[Item], *, batch_size: int = 8) -> list[Answer]:
+    """One :class:`~promprune.records.Answer` per item, in input order.
 
     Items are batched with others of identical generation kwargs (lmms-eval tasks may differ), ``batch_size`` at a
     time. Items that arrive with an error are not generated; their result carries that error.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    results: list[dict | None] = [None] * len(items)
+    results: list[Answer | None] = [None] * len(items)
     groups: dict[str, list[int]] = {}
     for i, item in enumerate(items):
         if item.error is not None:
-            results[i] = _failed(item.error)
+            results[i] = Answer(error=item.error)
         else:
             groups.setdefault(json.dumps(item.gen_kwargs, sort_keys=True, default=str), []).append(i)
     for indices in groups.values():

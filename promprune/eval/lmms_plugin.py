@@ -114,10 +114,10 @@ class PromPruneLMM(lmms):
     def generate_until(self, requests: list[Instance]) -> list[str]:
         results = generate_items(self.vlm, [self._item(r) for r in requests], batch_size=self.batch_size)
         for request, result in zip(requests, results):
-            if result["error"]:
-                self.failures.append((request.task_name, request.doc_id, result["error"]))
-                log.warning("%s doc %s failed: %s", request.task_name, request.doc_id, result["error"])
-        return [result["prediction"] for result in results]
+            if result.failed:
+                self.failures.append((request.task_name, request.doc_id, result.error))
+                log.warning("%s doc %s failed: %s", request.task_name, request.doc_id, result.error)
+        return [result.prediction for result in results]
 
     def loglikelihood(self, requests):
         raise NotImplementedError("promprune answers generate_until tasks only (no loglikelihood scoring)")

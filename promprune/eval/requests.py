@@ -1,18 +1,8 @@
-"""Request rows out of lmms-eval tasks (on the driver) and generation over them (in each actor).
+"""Requests out of lmms-eval tasks (on the driver) and generation over them (in each actor).
 
-A request row is a plain dict that survives Arrow / parquet / Ray:
-
-    task      str    lmms-eval task name
-    doc_id    int    the document's index in the task's evaluation split (how scoring finds the doc again)
-    n_docs    int    how many documents of this task the evaluation covers (doc_ids 0..n_docs-1; lets scoring
-                     notice a missing one)
-    prompt    str    the question text the model gets (the task's doc_to_text, lmms-eval's prompt kwargs)
-    image     bytes  PNG of the task's image, or None when it could not be produced (then ``error`` says why)
-    gen_kwargs dict  the task's generation_kwargs (lmms-eval's, ``until`` included)
-    error     str | None
-
-A prediction row is the request row without ``image``, plus ``RESULT_FIELDS``: prediction, error, entropy,
-saliency_count, visual_tokens, kept, vision_ms, select_ms, prefill_ms, decode_ms, peak_mem_mb.
+A request is a :class:`promprune.records.Request` (task, doc_id, n_docs, prompt, PNG image, gen_kwargs, error); its
+answer is a :class:`promprune.records.Prediction` (the request without the image, plus the answer and its stats).
+Both are plain records with an Arrow schema, so they survive Arrow / parquet / Ray Data unchanged.
 """
 
 from __future__ import annotations
@@ -21,13 +11,10 @@ import logging
 import warnings
 
 from promprune.eval.generation import Item, decode_image, generate_items, image_to_png
-from promprune.eval.scoring import failed
 from promprune.eval.tasks import judge_skip_reason, load_task
+from promprune.records import Prediction, Request
 
 log = logging.getLogger(__name__)
-
-REQUEST_FIELDS = ("task", "doc_id", "n_docs", "prompt", "image", "gen_kwargs", "error")
-
 
 def _image_of(doc_to_visual, doc, name: str) -> tuple[bytes | None, str | None]:
     """PNG bytes of the doc's single image, or (None, reason)."""
@@ -43,7 +30,7 @@ def _image_of(doc_to_visual, doc, name: str) -> tuple[bytes | None, str | None]:
         return None, str(exc)
 
 
-def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int]) -> list[dict]:
+def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int]) -> list[Request]:
     task = load_task(name, include_path)
     task.build_all_requests(limit=limit, rank=0, world_size=1)  # prompts only: cheap; images are encoded below
     instances = task.instances
@@ -53,17 +40,8 @@ def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int
         context, gen_kwargs, doc_to_visual, doc_id, task_name, split = inst.args
         doc = task.dataset[split][doc_id]
         image, error = _image_of(doc_to_visual, doc, f"{task_name} doc {doc_id}")
-        rows.append(
-            {
-                "task": task_name,
-                "doc_id": int(doc_id),
-                "n_docs": len(instances),
-                "prompt": context,
-                "image": image,
-                "gen_kwargs": dict(gen_kwargs),
-                "error": error,
-            }
-        )
+        rows.append(Request(task=task_name, doc_id=int(doc_id), n_docs=len(instances), prompt=context, image=image,
+                            gen_kwargs=dict(gen_kwargs), error=error))
     return rows
 
 
@@ -85,8 +63,8 @@ def build_requests(
     limit: int | None = None,
     include_path: str | list[str] | None = None,
     shard: tuple[int, int] | None = None,
-) -> list[dict]:
-    """Request rows for the first ``limit`` documents (all when None) of each task, in task then doc order.
+) -> list[Request]:
+    """Requests for the first ``limit`` documents (all when None) of each task, in task then doc order.
 
     ``tasks`` are lmms-eval task names: the offline ``easyvqa_yesno`` / ``easyvqa_open``, or hub tasks (``mme``,
     ``pope``, ...), which need network access (here they raise TaskUnavailableError saying so). Judge-scored tasks
@@ -102,7 +80,7 @@ def build_requests(
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks lists a task twice: {tasks}")
     shard = _check_shard(shard)
-    rows: list[dict] = []
+    rows: list[Request] = []
     for name in tasks:
         reason = judge_skip_reason(name)
         if reason:
@@ -113,32 +91,26 @@ def build_requests(
     return rows
 
 
-def _item(row: dict, index: int) -> Item:
-    """A request row -> Item; a missing field is a ValueError naming it, an unreadable image a failed item."""
-    missing = [k for k in ("task", "doc_id", "prompt", "image", "gen_kwargs") if k not in row]
-    if missing:
-        raise ValueError(f"request row {index} lacks field(s) {missing}")
-    name = f"{row['task']} doc {row['doc_id']}"
-    if failed(row):
-        return Item(row["prompt"], None, row["gen_kwargs"] or {}, error=row["error"])
+def _item(request: Request) -> Item:
+    """A request -> Item; an unreadable image or a request that arrived failed becomes a failed item."""
+    if request.error:
+        return Item(request.prompt, None, request.gen_kwargs, error=request.error)
     try:
-        image = decode_image(row["image"], name)
+        image = decode_image(request.image, f"{request.task} doc {request.doc_id}")
     except ValueError as exc:
-        return Item(row["prompt"], None, row["gen_kwargs"] or {}, error=str(exc))
-    return Item(row["prompt"], image, row["gen_kwargs"] or {})
+        return Item(request.prompt, None, request.gen_kwargs, error=str(exc))
+    return Item(request.prompt, image, request.gen_kwargs)
 
 
-def run_requests(vlm, rows: list[dict], *, batch_size: int = 8) -> list[dict]:
-    """Generate an answer for every request row with ``vlm`` (a ``PrunedVLM``): one prediction row per input row.
+def run_requests(vlm, requests: list[Request], *, batch_size: int = 8) -> list[Prediction]:
+    """Answer every request with ``vlm`` (a ``PrunedVLM``): one prediction per request, in order.
 
-    Output rows keep the request's fields (all but the image bytes) and add ``RESULT_FIELDS``. A corrupt image or a
-    failing generation gives ``prediction=""`` and ``error`` set; the other rows of its batch are unaffected.
+    A corrupt image or a failing generation gives ``prediction=""`` and ``error`` set; the other requests of its
+    batch are unaffected.
     """
-    items = [_item(row, i) for i, row in enumerate(rows)]
-    results = generate_items(vlm, items, batch_size=batch_size)
-    out = []
-    for row, result in zip(rows, results):
-        merged = {k: v for k, v in row.items() if k != "image"}
-        merged.update(result)
-        out.append(merged)
-    return out
+    bad = [i for i, r in enumerate(requests) if not isinstance(r, Request)]
+    if bad:
+        raise TypeError(f"run_requests takes promprune.records.Request objects; item {bad[0]} is "
+                        f"{type(requests[bad[0]]).__name__}")
+    answers = generate_items(vlm, [_item(r) for r in requests], batch_size=batch_size)
+    return [Prediction.answering(r, a) for r, a in zip(requests, answers)]

@@ -19,6 +19,7 @@ import tempfile
 from typing import Any
 
 from promprune.eval.tasks import PRIMARY_METRICS, load_task, single_process
+from promprune.records import Prediction, values
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +136,14 @@ def score(
 ) -> dict[str, dict[str, float]]:
     """Score prediction rows (from any number of shards, in any order): {task: {metric: value, n_samples, n_failed}}.
 
-    Each row needs ``task``, ``doc_id``, ``n_docs`` (as ``build_requests`` made them), ``prediction`` and optionally
-    ``error``. A (task, doc_id) given twice, a doc_id missing from 0..n_docs-1, or a malformed row is a ValueError.
+    Each row is a :class:`promprune.records.Prediction` or a dict with ``task``, ``doc_id``, ``n_docs`` (as
+    ``build_requests`` made them), ``prediction`` and optionally ``error``. A (task, doc_id) given twice, a doc_id missing from 0..n_docs-1, or a malformed row is a ValueError.
     Metrics are lmms-eval's names without the ',none' filter suffix (e.g. ``pope_f1_score``, ``exact_match``).
     ``output_dir``: where tasks that write submission files (MMBench) put them; a temporary directory by default.
     """
     if not isinstance(predictions, list) or not predictions:
         raise ValueError("predictions must be a non-empty list of prediction rows")
-    by_task = _group(predictions)
+    by_task = _group([values(p) if isinstance(p, Prediction) else p for p in predictions])
     with tempfile.TemporaryDirectory(prefix="promprune-score-") as tmp:
         return {name: _score_task(name, rows, include_path, output_dir or tmp) for name, rows in by_task.items()}
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 import promprune
+from promprune.records import SampleStats
 
 from . import in_llm
 from .adapters import adapter_for, as_encoder_outputs
@@ -16,20 +17,11 @@ from .selecting import select_items
 from .sequence import shrink_placeholders
 
 
-@dataclass
-class Generation:
-    """One answer. Timings are wall-clock milliseconds of the whole batch the item was generated in."""
+@dataclass(kw_only=True)
+class Generation(SampleStats):
+    """One answer: the sample's stats (:class:`promprune.records.SampleStats`), the text and the token ids."""
 
     text: str
-    visual_tokens: int  # visual tokens the LLM received (in-LLM methods: after their last pruning layer)
-    saliency_count: int  # of those, chosen by a saliency stage (0 unpruned / pure-diversity methods)
-    entropy: float | None  # prominence metric of the split (NeXT per-view modes: mean over views)
-    kept: list[int] = field(default_factory=list)  # kept indices into the full visual token grid, ascending
-    salient: list[int] = field(default_factory=list)  # the subset of ``kept`` the saliency stage chose (overlays)
-    vision_ms: float = 0.0  # vision tower + projector (+ saliency hook)
-    select_ms: float = 0.0  # token selection before the LLM
-    prefill_ms: float = 0.0  # first LLM forward
-    decode_ms: float = 0.0  # the remaining generate time
     token_ids: list[int] = field(default_factory=list)  # generated token ids (padding after EOS included)
 
 
@@ -198,7 +190,7 @@ class PrunedVLM:
         """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``, all kept."""
         feats = [it.run for it in items]
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
-                      kept=sorted(it.grid_index.tolist())) for f, it in zip(feats, items)]
+                      kept=sorted(it.grid_index.tolist()), salient=[]) for f, it in zip(feats, items)]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
         return ids, mask, feats, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats

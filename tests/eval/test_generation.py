@@ -1,13 +1,15 @@
 """Generation over request rows: kwargs mapping, stop strings, corrupt images and failing generations isolated."""
 
+import dataclasses
 import io
 
 import pytest
 from PIL import Image
 
-from promprune.eval import RESULT_FIELDS, run_requests
+from promprune.eval import run_requests
 from promprune.eval.generation import cut_at_stop, decode_image, generate_kwargs
 from promprune.models import PrunedVLM
+from promprune.records import Prediction, Request
 
 
 def _png(color, size=(24, 24)) -> bytes:
@@ -19,8 +21,8 @@ def _png(color, size=(24, 24)) -> bytes:
 def _rows(n=5):
     colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (200, 200, 0), (0, 90, 200), (10, 10, 10)]
     return [
-        {"task": "t", "doc_id": i, "n_docs": n, "prompt": f"what colour is shape {i}?", "image": _png(colors[i]),
-         "gen_kwargs": {"max_new_tokens": 4, "temperature": 0, "do_sample": False, "until": ["\n\n"]}, "error": None}
+        Request(task="t", doc_id=i, n_docs=n, prompt=f"what colour is shape {i}?", image=_png(colors[i]),
+                gen_kwargs={"max_new_tokens": 4, "temperature": 0, "do_sample": False, "until": ["\n\n"]})
         for i in range(n)
     ]
 
@@ -61,43 +63,43 @@ def test_decode_image_names_the_item():
 def test_every_row_yields_one_result_in_order(tiny_llava):
     rows = _rows()
     out = run_requests(tiny_llava, rows, batch_size=2)
-    assert [(r["task"], r["doc_id"]) for r in out] == [(r["task"], r["doc_id"]) for r in rows]
+    assert [(r.task, r.doc_id) for r in out] == [(r.task, r.doc_id) for r in rows]
     for row in out:
-        assert set(RESULT_FIELDS) <= set(row) and "image" not in row
-        assert row["error"] is None and isinstance(row["prediction"], str)
-        assert row["visual_tokens"] == 8 and len(row["kept"]) == 8
-        assert row["prefill_ms"] > 0 and row["peak_mem_mb"] > 0
+        assert isinstance(row, Prediction) and "image" not in {f.name for f in dataclasses.fields(row)}
+        assert row.error is None and isinstance(row.prediction, str)
+        assert row.visual_tokens == 8 and len(row.kept) == 8
+        assert row.prefill_ms > 0 and row.peak_mem_mb > 0
 
 
 def test_corrupt_image_becomes_one_failed_sample(tiny_llava):
     rows = _rows()
     clean = run_requests(tiny_llava, rows, batch_size=1)
-    rows[2]["image"] = rows[2]["image"][:50]
+    rows[2].image = rows[2].image[:50]
     out = run_requests(tiny_llava, rows, batch_size=1)
-    assert out[2]["prediction"] == "" and "t doc 2: unreadable image" in out[2]["error"]
-    assert [r["prediction"] for i, r in enumerate(out) if i != 2] == [r["prediction"] for i, r in enumerate(clean) if i != 2]
-    assert all(r["error"] is None for i, r in enumerate(out) if i != 2)
+    assert out[2].prediction == "" and "t doc 2: unreadable image" in out[2].error
+    assert [r.prediction for i, r in enumerate(out) if i != 2] == [r.prediction for i, r in enumerate(clean) if i != 2]
+    assert all(r.error is None for i, r in enumerate(out) if i != 2)
 
 
 def test_failing_batch_is_retried_item_by_item():
     vlm = FailOnPrompt.from_pretrained("tiny:llava", method="promprune", budget=8)
     rows = _rows(6)
     reference = run_requests(vlm, rows, batch_size=1)
-    rows[4]["prompt"] = "FAIL here"
+    rows[4].prompt = "FAIL here"
     out = run_requests(vlm, rows, batch_size=3)  # the second batch (3, 4, 5) fails as a whole, then item by item
     assert len(out) == 6
-    assert out[4]["prediction"] == "" and "RuntimeError: CUDA error" in out[4]["error"]
+    assert out[4].prediction == "" and "RuntimeError: CUDA error" in out[4].error
     for i in (0, 1, 2, 3, 5):
-        assert out[i]["error"] is None
+        assert out[i].error is None
     # items retried alone (3, 5) generate exactly what they generate alone
-    assert out[3]["prediction"] == reference[3]["prediction"] and out[5]["prediction"] == reference[5]["prediction"]
+    assert out[3].prediction == reference[3].prediction and out[5].prediction == reference[5].prediction
 
 
 def test_rows_with_an_error_from_the_driver_are_not_generated(tiny_llava):
     rows = _rows(2)
-    rows[0].update(image=None, error="t doc 0: expected exactly one image, the task gives 2")
+    rows[0] = dataclasses.replace(rows[0], image=None, error="t doc 0: expected exactly one image, the task gives 2")
     out = run_requests(tiny_llava, rows)
-    assert out[0]["error"].startswith("t doc 0: expected exactly one image") and out[0]["prediction"] == ""
-    assert out[1]["error"] is None
-    with pytest.raises(ValueError, match=r"request row 0 lacks field\(s\) \['prompt'\]"):
-        run_requests(tiny_llava, [{k: v for k, v in rows[1].items() if k != "prompt"}])
+    assert out[0].error.startswith("t doc 0: expected exactly one image") and out[0].prediction == ""
+    assert out[1].error is None
+    with pytest.raises(TypeError, match="item 0 is dict"):
+        run_requests(tiny_llava, [{"task": "t", "doc_id": 0}])

@@ -43,17 +43,17 @@ def test_tasks_partition_the_test_split(easyvqa_questions):
 def test_request_rows_match_the_source(easyvqa_questions):
     questions, image_dir = easyvqa_questions
     rows = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=5)
-    assert [(r["task"], r["doc_id"]) for r in rows] == [("easyvqa_yesno", i) for i in range(5)] + [
+    assert [(r.task, r.doc_id) for r in rows] == [("easyvqa_yesno", i) for i in range(5)] + [
         ("easyvqa_open", i) for i in range(5)
     ]
     yesno_source = [q for q in questions if q[1] in ("yes", "no")]
     open_source = [q for q in questions if q[1] not in ("yes", "no")]
     for row in rows:
-        question, _, image_id = (yesno_source if row["task"] == "easyvqa_yesno" else open_source)[row["doc_id"]]
-        assert row["prompt"] == question + POST_PROMPT
-        assert row["n_docs"] == 5 and row["error"] is None
-        assert row["gen_kwargs"]["max_new_tokens"] == 16 and row["gen_kwargs"]["do_sample"] is False
-        ours = np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB"))
+        question, _, image_id = (yesno_source if row.task == "easyvqa_yesno" else open_source)[row.doc_id]
+        assert row.prompt == question + POST_PROMPT
+        assert row.n_docs == 5 and row.error is None
+        assert row.gen_kwargs["max_new_tokens"] == 16 and row.gen_kwargs["do_sample"] is False
+        ours = np.asarray(Image.open(io.BytesIO(row.image)).convert("RGB"))
         source = np.asarray(Image.open(image_dir / f"{image_id}.png").convert("RGB"))
         np.testing.assert_array_equal(ours, source)
 
@@ -61,10 +61,10 @@ def test_request_rows_match_the_source(easyvqa_questions):
 def test_shards_partition_the_rows():
     full = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=7)
     shards = [build_requests(["easyvqa_yesno", "easyvqa_open"], limit=7, shard=(i, 3)) for i in range(3)]
-    key = lambda r: (r["task"], r["doc_id"])  # noqa: E731
+    key = lambda r: (r.task, r.doc_id)  # noqa: E731
     assert sorted(map(key, (r for s in shards for r in s))) == sorted(map(key, full))
     assert sum(map(len, shards)) == len(full) == 14
-    assert all(r["n_docs"] == 7 for s in shards for r in s)
+    assert all(r.n_docs == 7 for s in shards for r in s)
     by_key = {key(r): r for r in full}
     assert all(r == by_key[key(r)] for s in shards for r in s)
 
@@ -89,7 +89,7 @@ def test_judge_task_without_key_is_skipped(monkeypatch):
     assert judge_skip_reason("pope") is None
     with pytest.warns(UserWarning, match="mmvet.*OPENAI_API_KEY"):
         rows = build_requests(["easyvqa_open", "mmvet"], limit=2)
-    assert {r["task"] for r in rows} == {"easyvqa_open"}
+    assert {r.task for r in rows} == {"easyvqa_open"}
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     assert judge_skip_reason("mmvet") is None
 

@@ -55,7 +55,7 @@ def slow_run(vlm, rows, batch_size, *, marker_dir: str):
     time.sleep(2.0)
     preds = run_requests(vlm, rows, batch_size=batch_size)
     for p in preds:
-        (Path(marker_dir) / f"{p['task']}-{p['doc_id']}-{time.time_ns()}").touch()
+        (Path(marker_dir) / f"{p.task}-{p.doc_id}-{time.time_ns()}").touch()
     return preds
 
 

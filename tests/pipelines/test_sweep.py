@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -19,7 +20,7 @@ import yaml
 
 from pipelines import spec as specs
 from pipelines import schema, sweep, tracking
-from pipelines.evaluate import build_rows
+from pipelines.evaluate import PREDICTION_SCHEMA, build_rows
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT = 2  # samples per task: enough to shard over batches, small enough for 2 cores
@@ -83,13 +84,14 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
 
         frame = pd.read_parquet(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir)))
         assert len(frame) == 2 * LIMIT and not frame.duplicated(["task", "doc_id"]).any()
-        assert {"task", "doc_id", "prediction", "error", "entropy", "saliency_count", "visual_tokens", "kept",
-                "timings"} <= set(frame.columns)
+        assert list(frame.columns) == PREDICTION_SCHEMA.names  # the records' schema, declared once
+        assert pq.read_schema(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir))) \
+            .remove_metadata() == PREDICTION_SCHEMA
         _check_against_plain_generation(frame, rows, method)
         _check_kv_cache_by_hand(metrics, method)
 
 
-def _check_against_plain_generation(frame: pd.DataFrame, rows: list[dict], method: str | None) -> None:
+def _check_against_plain_generation(frame: pd.DataFrame, rows: list, method: str | None) -> None:
     """Independent path: the same PrunedVLM in this process, no Ray, no object-store weights."""
     from promprune.eval import run_requests
     from promprune.models import PrunedVLM
@@ -97,11 +99,11 @@ def _check_against_plain_generation(frame: pd.DataFrame, rows: list[dict], metho
     torch.set_num_threads(1)
     vlm = PrunedVLM.from_pretrained("tiny:llava", method=method, budget=None if method is None else 8,
                                     dtype="float32")
-    plain = {(p["task"], p["doc_id"]): p for p in run_requests(vlm, rows, batch_size=1)}
+    plain = {(p.task, p.doc_id): p for p in run_requests(vlm, rows, batch_size=1)}
     for rec in frame.to_dict("records"):
         ref = plain[(rec["task"], rec["doc_id"])]
-        assert rec["prediction"] == ref["prediction"]
-        assert list(rec["kept"]) == list(ref["kept"])
+        assert rec["prediction"] == ref.prediction
+        assert list(rec["kept"]) == list(ref.kept)
 
 
 def _check_kv_cache_by_hand(metrics: dict, method: str | None) -> None:
@@ -227,21 +229,24 @@ def test_failed_trial_is_retried(local_ray, workdir):
 
 def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     """Large benchmarks build their rows in parallel Ray tasks; the result must be exactly the plain build."""
-    import pickle
+    import dataclasses
+
+    import pyarrow as pa
 
     from promprune.eval import build_requests
+    from promprune.records import Request, from_arrow
 
     from pipelines.evaluate import EvalConfig, Requests, build_requests_dataset, predict
     from pipelines.weights import ModelSource
 
     tasks, gen = ["easyvqa_yesno", "easyvqa_open"], {"max_new_tokens": 2}
-    plain = {f"{r['task']}/{r['doc_id']}": {**r, "gen_kwargs": {**r["gen_kwargs"], **gen}}
-             for r in build_requests(tasks, limit=3)}
+    plain = {r.key: dataclasses.replace(r, gen_kwargs={**r.gen_kwargs, **gen}) for r in build_requests(tasks, limit=3)}
     sharded = build_requests_dataset(tasks, 3, gen, batch_size=2, shards=3)
     assert isinstance(sharded, Requests) and sorted(sharded.keys) == sorted(plain)
-    built = {rec["key"]: pickle.loads(rec["payload"]) for rec in sharded.dataset.take_all()}
+    table = pa.concat_tables(ray.get(sharded.dataset.to_arrow_refs()))
+    built = {r.key: r for r in from_arrow(table, Request)}
     assert built == plain  # same prompts, same image bytes, same doc ids and n_docs
 
     preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, batch_size=2,
                                progress_bars=False), sharded)
-    assert sorted(f"{p['task']}/{p['doc_id']}" for p in preds) == sorted(plain)
+    assert sorted(p.key for p in preds) == sorted(plain)

@@ -7,6 +7,8 @@ import pickle
 import pytest
 import torch
 
+from promprune.records import Prediction, from_arrow
+
 from pipelines import evaluate, schema, spec as specs, tracking, weights
 from pipelines.sweep import plan_resources
 
@@ -43,13 +45,13 @@ def test_plan_resources(gpus, n_trials, kw, expect):
 
 def test_summarize_hand_values():
     preds = [
-        {"task": "a", "doc_id": 0, "entropy": 0.2, "saliency_count": 4, "visual_tokens": 8, "prefill_ms": 10.0,
-         "peak_mem_mb": 100.0, "prefill_flops": 2e12, "kv_cache_bytes": 2 * 2 ** 20, "error": None},
-        {"task": "a", "doc_id": 1, "entropy": 0.6, "saliency_count": 2, "visual_tokens": 8, "prefill_ms": 30.0,
-         "peak_mem_mb": 300.0, "prefill_flops": 4e12, "kv_cache_bytes": 4 * 2 ** 20, "error": None},
-        {"task": "a", "doc_id": 2, "entropy": 0.4, "saliency_count": 6, "visual_tokens": 8, "prefill_ms": 20.0,
-         "peak_mem_mb": 200.0, "prefill_flops": 3e12, "kv_cache_bytes": 3 * 2 ** 20, "error": None},
-        {"task": "a", "doc_id": 3, "prediction": "", "error": "ValueError: corrupt image"},
+        _pred("a", 0, entropy=0.2, saliency_count=4, visual_tokens=8, prefill_ms=10.0, peak_mem_mb=100.0,
+              prefill_flops=2e12, kv_cache_bytes=2 * 2 ** 20),
+        _pred("a", 1, entropy=0.6, saliency_count=2, visual_tokens=8, prefill_ms=30.0, peak_mem_mb=300.0,
+              prefill_flops=4e12, kv_cache_bytes=4 * 2 ** 20),
+        _pred("a", 2, entropy=0.4, saliency_count=6, visual_tokens=8, prefill_ms=20.0, peak_mem_mb=200.0,
+              prefill_flops=3e12, kv_cache_bytes=3 * 2 ** 20),
+        _pred("a", 3, prediction="", error="ValueError: corrupt image"),
     ]
     m = evaluate.summarize(preds, {"a": {"accuracy": 0.5, "n_samples": 4}})
     assert m["a/accuracy"] == 0.5 and m["samples/total"] == 4 and m["samples/failed"] == 1
@@ -61,28 +63,39 @@ def test_summarize_hand_values():
 
 
 def test_unpruned_summary_has_no_entropy():
-    m = evaluate.summarize([{"task": "a", "doc_id": 0, "entropy": None, "saliency_count": 0, "visual_tokens": 36,
-                             "error": None}], {"a": {"accuracy": 1.0}})
+    m = evaluate.summarize([_pred("a", 0, entropy=None, saliency_count=0, visual_tokens=36)], {"a": {"accuracy": 1.0}})
     assert math.isnan(m["entropy/mean"])
 
 
 def test_exactly_once_names_duplicates_and_missing():
-    rows = [{"task": "a", "doc_id": i} for i in range(3)]
-    evaluate.check_exactly_once(rows, [{"task": "a", "doc_id": i} for i in (2, 0, 1)])
+    keys = [f"a/{i}" for i in range(3)]
+    evaluate.check_exactly_once(keys, [_pred("a", i) for i in (2, 0, 1)])
     with pytest.raises(RuntimeError, match=r"duplicated \['a/1'\].*missing \['a/2'\]"):
-        evaluate.check_exactly_once(rows, [{"task": "a", "doc_id": i} for i in (0, 1, 1)])
+        evaluate.check_exactly_once(keys, [_pred("a", i) for i in (0, 1, 1)])
 
 
-def test_predictions_frame_schema():
-    frame = evaluate.predictions_frame([
-        {"task": "b", "doc_id": 1, "prediction": "no", "error": None, "entropy": 0.5, "saliency_count": 3,
-         "visual_tokens": 8, "kept": [1, 2], "vision_ms": 1.0, "select_ms": 2.0, "prefill_ms": 3.0, "decode_ms": 4.0},
-        {"task": "a", "doc_id": 0, "prediction": "", "error": "boom"},
+def _pred(task, doc_id, **fields):
+    return Prediction(task=task, doc_id=doc_id, n_docs=3, prompt="q?", **fields)
+
+
+def test_predictions_table_schema():
+    """Columns, order and types come from the Prediction declaration; rows sorted by (task, doc_id)."""
+    table = evaluate.predictions_table([
+        _pred("b", 1, prediction="no", entropy=0.5, saliency_count=3, visual_tokens=8, kept=[1, 2], vision_ms=1.0,
+              gen_kwargs={"until": ["\n"]}),
+        _pred("a", 0, error="boom"),
     ])
-    assert list(frame.columns) == list(evaluate.PREDICTION_COLUMNS)
-    assert list(frame["task"]) == ["a", "b"]  # sorted by (task, doc_id)
-    assert frame.loc[1, "kept"] == [1, 2] and frame.loc[0, "error"] == "boom"
-    assert frame.loc[1, "timings"] == '{"decode_ms": 4.0, "prefill_ms": 3.0, "select_ms": 2.0, "vision_ms": 1.0}'
+    assert table.schema == evaluate.PREDICTION_SCHEMA
+    assert table.schema.names[:2] == ["task", "doc_id"] and "image" not in table.schema.names
+    assert str(table.schema.field("kept").type) == "list<item: int64>"
+    assert str(table.schema.field("visual_tokens").type) == "int64"
+    rows = table.to_pylist()
+    assert [r["task"] for r in rows] == ["a", "b"]
+    assert rows[1]["kept"] == [1, 2] and rows[0]["error"] == "boom" and rows[0]["visual_tokens"] is None
+    assert rows[1]["gen_kwargs"] == '{"until": ["\\n"]}'  # dicts travel as JSON text
+    assert from_arrow(table, Prediction)[1] == _pred("b", 1, prediction="no", entropy=0.5, saliency_count=3,
+                                                     visual_tokens=8, kept=[1, 2], vision_ms=1.0,
+                                                     gen_kwargs={"until": ["\n"]})
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import pytest
 tracking = pytest.importorskip("pipelines.tracking")
 evaluate = pytest.importorskip("pipelines.evaluate")
 
+from promprune.records import Prediction  # noqa: E402
+
 from pipelines.reporting.build import build_report  # noqa: E402
 from pipelines.reporting.store import load_sweep  # noqa: E402
 
@@ -19,9 +21,9 @@ GRID = 36  # the tiny LLaVA's 6 x 6 visual tokens
 
 
 def preds(n_sal):
-    return evaluate.predictions_frame([
-        {"task": task, "doc_id": doc, "prediction": "yes", "error": None, "entropy": 0.2 + 0.01 * doc,
-         "saliency_count": n_sal, "visual_tokens": 16, "kept": np.arange(0, 32, 2), "timings": {"prefill_ms": 1.0}}
+    return evaluate.predictions_table([
+        Prediction(task=task, doc_id=doc, n_docs=3, prompt="q?", prediction="yes", entropy=0.2 + 0.01 * doc,
+                   saliency_count=n_sal, visual_tokens=16, kept=list(range(0, 32, 2)), prefill_ms=1.0)
         for task in TASKS for doc in range(3)])
 
 
