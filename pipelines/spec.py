@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import hashlib
 import itertools
 import json
@@ -25,7 +24,10 @@ from typing import Any
 
 import yaml
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+from promprune.naming import AUTO as AUTO_DTYPE
+from promprune.naming import CANONICAL_DTYPES, did_you_mean
+
+DTYPES = (AUTO_DTYPE, *CANONICAL_DTYPES)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 SEARCHES = ("grid", "random")
 # generate() kwargs a spec may set; a typo such as `max_new_token` must fail before any model loads
@@ -251,9 +253,7 @@ def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) 
 
 
 def _did_you_mean(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{hint}; valid: {', '.join(sorted(valid))}"
+    return f"{did_you_mean(key, valid)}; valid: {', '.join(sorted(valid))}"
 
 
 def _check_keys(mapping: dict, valid: list[str], prefix: str, errors: list[str]) -> None:
@@ -410,43 +410,26 @@ def _parse_trials(spec: SweepSpec, raw: dict, errors: list[str]) -> None:
 
 
 class MethodCatalog:
-    """What promprune knows about methods: names, accepted options, and value checks (no model load).
+    """What promprune's one method registry knows: names, accepted options, value checks (no model load).
 
-    Pre-LLM methods and options: `promprune.methods()` / `promprune.method_spec(name).options`; the in-LLM ones
-    (fastv, sparsevlm) and the adapter options: `promprune.models` (`all_methods`, `IN_LLM_METHODS`,
-    `validate_method`, which also checks values).
+    Methods (pre-LLM and in-LLM alike): `promprune.methods(None)` / `promprune.method_spec(name)`; adapter options
+    and the combined check: `promprune.models` (`ADAPTER_OPTIONS`, `validate_method`).
     """
 
     def __init__(self):
         import promprune
+        import promprune.models as models
 
-        self._pp = promprune
-        try:
-            import promprune.models as models
-        except ImportError:  # without the adapters the pre-LLM methods still check fully
-            models = None
-        self._models = models
-        names = set(promprune.methods())
-        if models is not None:
-            names |= set(models.all_methods())
-        self.names = sorted(names)
+        self._pp, self._models = promprune, models
+        self.names = promprune.methods(None)
 
     def options(self, method: str) -> set[str] | None:
-        """Option names `method` accepts, or None when the registry cannot say (then validate() decides)."""
-        in_llm = getattr(self._models, "IN_LLM_METHODS", {}) if self._models is not None else {}
-        if method in in_llm:
-            return set(in_llm[method])
-        try:
-            return set(self._pp.method_spec(method).options)
-        except (ValueError, KeyError):
-            return None
+        """Option names `method` accepts, or None for an unknown method (validate() reports it)."""
+        return set(self._pp.method_spec(method).options) if method in self.names else None
 
     def check_adapter_options(self, options: dict) -> tuple[dict, list[str]]:
         """(the known adapter options, errors naming unknown ones and bad values)."""
-        known = getattr(self._models, "ADAPTER_OPTIONS", None) if self._models is not None else None
-        if known is None:
-            return {}, ["model.options: cannot check adapter options, promprune.models is not importable"] \
-                if options else []
+        known = self._models.ADAPTER_OPTIONS
         errors = [f"model.options.{k}: unknown adapter option{_did_you_mean(str(k), list(known))}"
                   for k in options if k not in known]
         valid = {k: v for k, v in options.items() if k in known}
@@ -458,10 +441,7 @@ class MethodCatalog:
     def validate(self, method: str | None, budget: int | None, options: dict, adapter_options: dict) -> str | None:
         """None if promprune accepts the combination, else its error message."""
         try:
-            if self._models is not None:
-                self._models.validate_method(method, budget, **options, **adapter_options)
-            elif method is not None:
-                self._pp.method_spec(method).resolve(options)
+            self._models.validate_method(method, budget, **options, **adapter_options)
         except (ValueError, TypeError) as e:
             return str(e)
         return None
@@ -469,10 +449,7 @@ class MethodCatalog:
 
 def check_trials(spec: SweepSpec) -> list[str]:
     """Method names, option names and values of every grid combination and explicit trial (all errors)."""
-    try:
-        catalog = MethodCatalog()
-    except ImportError as e:
-        return [f"grid: cannot check methods, promprune is not importable ({e})"]
+    catalog = MethodCatalog()
     errors: list[str] = []
     grid_methods = _as_list(spec.grid.get("method", []))
     for m in grid_methods:

@@ -26,16 +26,16 @@ from typing import Any
 
 import numpy as np
 
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-
-
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:
     """'auto' -> bfloat16 on GPU (the 7B checkpoints' training dtype), float32 on CPU (no fast bf16 matmul)."""
-    if dtype == "auto":
+    from promprune.naming import AUTO, dtype_name
+
+    if dtype == AUTO:
         return "bfloat16" if on_gpu else "float32"
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
-    return dtype
+    try:
+        return dtype_name(dtype)
+    except ValueError as exc:
+        raise ValueError(f"dtype: {exc}") from None
 
 
 def local_device() -> str:

@@ -26,18 +26,9 @@ from typing import Any
 
 import torch
 
-MIB = 2**20  # Table 6 prints MiB and labels them "MB"
+from promprune.naming import parse_dtype
 
-_DTYPE_ALIASES = {
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
+MIB = 2**20  # Table 6 prints MiB and labels them "MB"
 
 
 @dataclass(frozen=True)
@@ -120,14 +111,7 @@ def prefill_flops(text_config: Any, n_tokens: int) -> float:
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
     """Bytes per element of a torch dtype or one of the names fp16/float16/bf16/bfloat16/fp32/float32."""
-    if isinstance(dtype, str):
-        key = dtype.lower().removeprefix("torch.")
-        if key not in _DTYPE_ALIASES:
-            raise ValueError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_DTYPE_ALIASES)}")
-        dtype = _DTYPE_ALIASES[key]
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or a name, got {dtype!r}")
-    return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=parse_dtype(dtype)).element_size()
 
 
 def kv_cache_bytes(text_config: Any, n_tokens: int, dtype: torch.dtype | str = torch.float16) -> int:

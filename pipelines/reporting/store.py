@@ -15,11 +15,6 @@ from mlflow.tracking import MlflowClient
 from pipelines import schema
 from pipelines.schema import BASELINE_METHOD, PREDICTIONS_ARTIFACT, tracking_uri  # noqa: F401 - re-exported
 
-# params that describe a method's behaviour (shown in labels when they vary); model, tasks, ids are not options
-STATIC_OPTION_NAMES = {
-    "mu", "tau", "metric", "diversity", "rounding", "saliency_ratio_range", "order", "conditional",
-    "saliency_ratio", "important_ratio", "seed", "K", "layer", "budget_mode", "max_pixels", "min_pixels",
-}
 
 
 @dataclass
@@ -133,15 +128,12 @@ def _split_columns(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list
 
 
 def _option_names() -> set:
-    """Static option names plus every option the selection library registers (when it is importable)."""
-    names = set(STATIC_OPTION_NAMES)
-    try:
-        import promprune
-        for method in promprune.methods():
-            names |= set(promprune.method_spec(method).options)
-    except (ImportError, AttributeError):
-        pass  # the report still works on the static names (e.g. a report machine without torch)
-    return names
+    """Params that describe a method's behaviour (shown in labels when they vary): every option of every
+    registered method and the adapter options. Model, tasks and ids are not options."""
+    import promprune
+    from promprune.models import ADAPTER_OPTIONS
+
+    return set(ADAPTER_OPTIONS).union(*(promprune.method_spec(m).options for m in promprune.methods(None)))
 
 
 def parse_param(value):

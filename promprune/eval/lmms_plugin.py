@@ -22,26 +22,23 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 
 from promprune.eval.generation import Item, decode_image, generate_items
+from promprune.naming import AUTO, parse_dtype
 
 log = logging.getLogger(__name__)
 
 MODEL_ID = "promprune"
 MANIFEST = ModelManifest(model_id=MODEL_ID, simple_class_path="promprune.eval.lmms_plugin.PromPruneLMM")
 
-_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float32": torch.float32, "fp32": torch.float32}
 _UNPRUNED = {"none", "null", "", "unpruned"}
 
 
 def _dtype(value):
     """None (the loader's default, i.e. the checkpoint's dtype) for auto."""
-    if value is None or value == "auto":
-        return None
-    if isinstance(value, torch.dtype):
-        return value
-    if str(value).lower() not in _DTYPES:
-        raise ValueError(f"model_args dtype={value!r} is not one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[str(value).lower()]
+    try:
+        dtype = parse_dtype(value, allow_auto=True)
+    except ValueError as exc:
+        raise ValueError(f"model_args dtype: {exc}") from None
+    return None if dtype == AUTO else dtype
 
 
 def _method(value):

@@ -3,8 +3,8 @@
 ``PrunedVLM(model, processor, method, budget, **options).generate(images, prompts) -> list[Generation]``;
 ``PrunedVLM.from_pretrained(name_or_path, ...)`` also takes ``"tiny:<arch>"`` for the offline tiny models.
 """
-from .methods import ADAPTER_OPTIONS, DEFAULT_MU, IN_LLM_METHODS, all_methods, validate_method
+from .methods import ADAPTER_OPTIONS, DEFAULT_MU, all_methods, is_in_llm, validate_method
 from .vlm import Generation, Prepared, PrunedVLM
 
-__all__ = ["PrunedVLM", "Generation", "Prepared", "all_methods", "validate_method", "IN_LLM_METHODS", "ADAPTER_OPTIONS",
+__all__ = ["PrunedVLM", "Generation", "Prepared", "all_methods", "validate_method", "is_in_llm", "ADAPTER_OPTIONS",
            "DEFAULT_MU"]

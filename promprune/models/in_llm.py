@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from .methods import IN_LLM_METHODS
+import promprune
 
 # Pruning layers of SparseVLM's released code on LLaMA-based LLaVA (32 layers), kept as fractions of the depth.
 SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
@@ -38,7 +38,7 @@ SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
 
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
     """A context manager that prunes inside ``model``'s LLM during ``generate`` on ``input_ids [B, L]``."""
-    opts = {**IN_LLM_METHODS[method], **options}
+    opts = promprune.method_spec(method).resolve(options)
     layers = _decoder_layers(model)
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):

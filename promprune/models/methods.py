@@ -1,29 +1,15 @@
 """Method names and options the adapters accept, validated without loading a model.
 
-Three kinds of names and options meet here:
-
-- pre-LLM methods: everything in ``promprune.methods()``; their options are ``promprune.method_spec(m).options``;
-- in-LLM methods: ``fastv`` and ``sparsevlm`` (pruning inside the language model, see ``in_llm.py``);
-- adapter options, valid with every method: how LLaVA-NeXT spreads the budget over views, what happens to its
-  ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen token count.
+Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the
+pre-LLM methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``) that prune inside the language model.
+Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over views, what
+happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen token count.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import promprune
-
-# In-LLM methods and their option defaults.
-IN_LLM_METHODS: dict[str, dict[str, Any]] = {
-    # FastV (Chen et al., ECCV 2024): K = 2 is the paper's default pruning layer; the attention of layer K - 1
-    # (the last token's row, head mean) ranks the visual tokens.
-    "fastv": {"layer": 2},
-    # SparseVLM (Zhang et al., ICML 2025): the released code prunes at LLaMA layers 2, 6 and 15 of 32; on other
-    # depths we keep those fractions. 30% of each stage's deleted tokens are recycled into merged tokens, one merged
-    # token per 10 recycled (its paper's tau and theta).
-    "sparsevlm": {"layers": None, "recycle_ratio": 0.3, "merge_ratio": 0.1},
-}
 
 # Adapter options, valid with every method (ignored by architectures they do not concern).
 ADAPTER_OPTIONS: dict[str, Any] = {
@@ -45,13 +31,13 @@ DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744}
 
 
 def all_methods() -> list[str]:
-    """Every method name an adapter runs: ``promprune.methods()`` (pre-LLM) plus the in-LLM ones."""
-    return sorted(promprune.methods()) + sorted(IN_LLM_METHODS)
+    """Every method name an adapter runs: the whole registry, pre-LLM and in-LLM."""
+    return promprune.methods(stage=None)
 
 
-def _did_you_mean(word: str, options) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+def is_in_llm(method: str | None) -> bool:
+    """Whether ``method`` prunes inside the LLM (False for None, the unpruned model)."""
+    return method is not None and promprune.method_spec(method).stage == promprune.IN_LLM
 
 
 def validate_method(method: str | None, budget: int | None = None, **options) -> tuple[dict, dict]:
@@ -73,21 +59,10 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
             raise ValueError(f"method=None (unpruned) takes no budget or method options; got budget={budget!r}, "
                              f"options={sorted(options)}")
         return {}, adapter
-    valid = all_methods()
-    if method not in valid:
-        raise ValueError(f"unknown method {method!r}{_did_you_mean(method, valid)}; valid methods: {', '.join(valid)}")
+    spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget must be a positive int for method {method!r}, got {budget!r}")
-    defaults = IN_LLM_METHODS[method] if method in IN_LLM_METHODS else promprune.method_spec(method).options
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        valid_opts = sorted(set(defaults) | set(ADAPTER_OPTIONS))
-        hints = ", ".join(f"{u!r}{_did_you_mean(u, valid_opts)}" for u in unknown)
-        raise ValueError(f"unknown option(s) for method {method!r}: {hints}; valid options: {', '.join(valid_opts)}")
-    if method in IN_LLM_METHODS:
-        _check_in_llm(method, {**defaults, **options})
-    else:
-        promprune.method_spec(method).resolve(options)  # value checks (choices) by the core library
+    spec.resolve(options, also_valid=ADAPTER_OPTIONS)  # names, choices and the method's own checks
     return dict(options), adapter
 
 
@@ -97,15 +72,3 @@ def _check_image_tokens(n) -> None:
     side = int(round(n ** 0.5)) if isinstance(n, int) and n > 0 else 0
     if isinstance(n, bool) or side * side != n:
         raise ValueError(f"option 'image_tokens' must be a positive perfect square (e.g. 1296 = 36^2), got {n!r}")
-
-
-def _check_in_llm(method: str, opts: dict) -> None:
-    if method == "fastv" and (not isinstance(opts["layer"], int) or opts["layer"] < 1):
-        raise ValueError(f"option 'layer' of fastv must be an int >= 1, got {opts['layer']!r}")
-    if method == "sparsevlm":
-        layers = opts["layers"]
-        if layers is not None and (not layers or any(not isinstance(x, int) or x < 1 for x in layers)):
-            raise ValueError(f"option 'layers' of sparsevlm must be None or a list of ints >= 1, got {layers!r}")
-        for key in ("recycle_ratio", "merge_ratio"):
-            if not 0.0 <= float(opts[key]) <= 1.0:
-                raise ValueError(f"option {key!r} of sparsevlm must be in [0, 1], got {opts[key]!r}")

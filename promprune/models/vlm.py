@@ -1,18 +1,20 @@
 """``PrunedVLM``: a transformers VLM that keeps ``budget`` visual tokens, and ``Generation``, one answer."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 import promprune
+from promprune.naming import parse_dtype
 from promprune.records import SampleStats
 
 from . import in_llm
 from .adapters import adapter_for, as_encoder_outputs
 from .images import load_images
-from .methods import IN_LLM_METHODS, validate_method
+from .methods import is_in_llm, validate_method
 from .selecting import select_items
 from .sequence import shrink_placeholders
 
@@ -73,7 +75,7 @@ class PrunedVLM:
         self.model, self.processor = model.eval(), processor
         self.method, self.budget = method, budget
         self.adapter = adapter_for(model, processor, adapter_options)
-        if method is not None and method not in IN_LLM_METHODS:
+        if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             if "mu" in self.spec.options and "mu" not in self.method_options:
                 self.method_options["mu"] = self.adapter.default_mu
@@ -143,7 +145,7 @@ class PrunedVLM:
         """
         prompts = list(prompts)
         batch = self.inputs(images, prompts)
-        pre_llm = self.method is not None and self.method not in IN_LLM_METHODS
+        pre_llm = self.method is not None and not is_in_llm(self.method)
         with _Clock(self.device) as vision:
             items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency)
         with _Clock(self.device) as selecting:
@@ -157,10 +159,10 @@ class PrunedVLM:
 
     def pruning(self, prepared: "Prepared"):
         """Context manager active around the LLM call: the in-LLM method's hooks, or nothing."""
-        if self.method not in IN_LLM_METHODS:
-            return _Null()
-        return in_llm.make(self.method, self.model, prepared.model_kwargs["input_ids"], self.budget,
-                           self.method_options)
+        if not is_in_llm(self.method):
+            return contextlib.nullcontext()
+        return promprune.method_spec(self.method).fn(self.model, prepared.model_kwargs["input_ids"], self.budget,
+                                                     self.method_options)
 
     @torch.inference_mode()
     def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
@@ -208,14 +210,6 @@ class PrunedVLM:
                       kept=sorted(it.grid_index[p.kept].tolist()), salient=sorted(it.grid_index[p.salient].tolist()))
                  for f, p, it in zip(feats, plan, items)]
         return ids, mask, feats, extra, stats
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _Timer:
@@ -278,9 +272,8 @@ def _tiny(arch, dtype, device_map, attn_implementation, trained=False):
 
 
 def _dtype(dtype):
-    if isinstance(dtype, str) and dtype != "auto":
-        return getattr(torch, dtype)
-    return dtype
+    """A torch dtype for a name; None / "auto" stay (the checkpoint's own dtype)."""
+    return parse_dtype(dtype, allow_auto=True)
 
 
 def _load(name_or_path, dtype, device_map, attn_implementation):

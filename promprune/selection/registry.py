@@ -1,17 +1,20 @@
-"""The method registry and ``select``, the one entry point every caller uses.
+"""The method registry (every pruning method, wherever it prunes) and ``select``, the pre-LLM entry point.
 
-A method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
-``@register_method(name, needs_saliency=..., options={...defaults})``. Adding a method touches one place.
+A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
+``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
+(``stage="in_llm"``: FastV, SparseVLM) registers the same way; its ``fn`` builds the hooks that prune inside the
+language model (``promprune.models.in_llm``). Adding a method touches one place; the tests parametrize over
+``methods()``.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
 import torch
 
+from ..naming import did_you_mean
 from .entropy import spectral_entropy, spectral_entropy_from_gram
 from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram
 
@@ -82,72 +85,84 @@ class TokenSet:
         return self.saliency
 
 
+PRE_LLM, IN_LLM = "pre_llm", "in_llm"
+STAGES = (PRE_LLM, IN_LLM)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its function, whether it needs saliency / merges tokens, and its option defaults."""
+    """A registered method: its function, where it prunes, whether it needs saliency / merges tokens, its option
+    defaults, the allowed values of some options, and a check of the resolved options (raises ValueError)."""
 
     name: str
-    fn: Callable[..., Selection]
-    needs_saliency: bool
+    fn: Callable[..., Any]
+    needs_saliency: bool = False
     merges: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
     choices: Mapping[str, tuple] = field(default_factory=dict)
     description: str = ""
+    stage: str = PRE_LLM  # PRE_LLM: select() before the LLM; IN_LLM: hooks inside the LLM (promprune.models)
+    check: Callable[[dict], None] | None = None
 
-    def resolve(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """Defaults overlaid with ``given``; an unknown option or a value outside its choices is a ValueError."""
+    def resolve(self, given: Mapping[str, Any], *, also_valid=()) -> dict[str, Any]:
+        """Defaults overlaid with ``given``; an unknown option, a value outside its choices or one the method's
+        check refuses is a ValueError. ``also_valid``: other option names the caller accepts (listed in the
+        message of an unknown option, e.g. the adapter options)."""
         unknown = sorted(set(given) - set(self.options))
         if unknown:
-            hints = [f"{u!r}" + _did_you_mean(u, self.options) for u in unknown]
+            valid = sorted(set(self.options) | set(also_valid))
+            hints = [f"{u!r}" + did_you_mean(u, valid) for u in unknown]
             raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(hints)}; "
-                             f"valid options: {', '.join(sorted(self.options))}")
+                             f"valid options: {', '.join(valid)}")
         resolved = {**self.options, **given}
         for key, allowed in self.choices.items():
             if resolved[key] not in allowed:
                 raise ValueError(f"option {key!r} of method {self.name!r} must be one of {list(allowed)}, "
                                  f"got {resolved[key]!r}")
+        if self.check is not None:
+            self.check(resolved)
         return resolved
 
 
-# Options every method accepts.
+# Options every pre-LLM method accepts.
 COMMON_OPTIONS = {"order": "ascending"}
 COMMON_CHOICES = {"order": ("ascending", "selection")}
 
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
-def register_method(name: str, *, needs_saliency: bool, merges: bool = False,
-                    options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None):
-    """Decorator registering ``fn(tokens, budget, **options) -> Selection`` under ``name`` (unique)."""
+def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
+                    options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
+                    stage: str = PRE_LLM, check: Callable[[dict], None] | None = None):
+    """Decorator registering ``fn`` under ``name`` (unique): ``fn(tokens, budget, **options) -> Selection`` for a
+    pre-LLM method, the hook builder for an in-LLM one."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    common = (COMMON_OPTIONS, COMMON_CHOICES) if stage == PRE_LLM else ({}, {})
 
-    def wrap(fn: Callable[..., Selection]) -> Callable[..., Selection]:
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
         _REGISTRY[name] = MethodSpec(
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
-            options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
-            description=(fn.__doc__ or "").strip().split("\n")[0])
+            options={**common[0], **(options or {})}, choices={**common[1], **(choices or {})},
+            description=(fn.__doc__ or "").strip().split("\n")[0], stage=stage, check=check)
         return fn
 
     return wrap
 
 
-def methods() -> list[str]:
-    """Names of the registered selection methods, sorted."""
-    return sorted(_REGISTRY)
+def methods(stage: str | None = PRE_LLM) -> list[str]:
+    """Names of the registered methods of ``stage`` (default: the pre-LLM ones ``select`` runs; None: all), sorted."""
+    return sorted(name for name, spec in _REGISTRY.items() if stage is None or spec.stage == stage)
 
 
 def method_spec(name: str) -> MethodSpec:
     """The registered spec of ``name``; an unknown name is a ValueError listing the valid ones."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown method {name!r}{_did_you_mean(name, _REGISTRY)}; "
-                         f"registered methods: {', '.join(methods())}")
+        raise ValueError(f"unknown method {name!r}{did_you_mean(name, _REGISTRY)}; "
+                         f"registered methods: {', '.join(methods(None))}")
     return _REGISTRY[name]
-
-
-def _did_you_mean(word: str, options) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -191,6 +206,9 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     ``promprune.methods()`` lists the methods; an unknown method or option is a ValueError naming the valid ones.
     """
     spec = method_spec(method)
+    if spec.stage != PRE_LLM:
+        raise ValueError(f"method {method!r} prunes inside the LLM; run it through promprune.models.PrunedVLM, "
+                         f"select() runs the pre-LLM methods: {', '.join(methods())}")
     opts = spec.resolve(options)
     order = opts.pop("order")
     x, s = _validate(features, saliency, budget, spec)

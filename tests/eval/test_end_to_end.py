@@ -39,13 +39,13 @@ def test_sharded_scores_equal_lmms_eval_evaluator(vlm):
     )
     for task in tasks:
         samples = {s["doc_id"]: s for s in reference["samples"][task]}
-        mine = {p["doc_id"]: p for p in ours if p["task"] == task}
+        mine = {p.doc_id: p for p in ours if p.task == task}
         assert sorted(mine) == sorted(samples) == list(range(LIMIT))
         for doc_id, sample in samples.items():
             # the prompt and generation kwargs lmms-eval built for this doc are the ones our row carried ...
-            assert sample["arguments"][:2] == [mine[doc_id]["prompt"], mine[doc_id]["gen_kwargs"]]
+            assert sample["arguments"][:2] == [mine[doc_id].prompt, mine[doc_id].gen_kwargs]
             # ... and the same inputs gave the same generation
-            assert sample["filtered_resps"][0] == mine[doc_id]["prediction"]
+            assert sample["filtered_resps"][0] == mine[doc_id].prediction
         # and the same numbers
         expected = {k.split(",")[0]: v for k, v in reference["results"][task].items()
                     if "," in k and "_stderr" not in k}
@@ -56,11 +56,11 @@ def test_sharded_scores_equal_lmms_eval_evaluator(vlm):
 @pytest.mark.slow
 def test_corrupt_image_counts_as_a_failed_wrong_sample(vlm):
     rows = build_requests(["easyvqa_yesno"], limit=LIMIT)
-    rows[1]["image"] = rows[1]["image"][: len(rows[1]["image"]) // 3]
+    rows[1].image = rows[1].image[: len(rows[1].image) // 3]
     predictions = _sharded(vlm, rows)
-    failed = [p for p in predictions if p["error"]]
+    failed = [p for p in predictions if p.error]
     assert len(predictions) == LIMIT and len(failed) == 1
-    assert failed[0]["doc_id"] == 1 and "easyvqa_yesno doc 1: unreadable image" in failed[0]["error"]
+    assert failed[0].doc_id == 1 and "easyvqa_yesno doc 1: unreadable image" in failed[0].error
     assert score(predictions)["easyvqa_yesno"]["n_failed"] == 1
 
 

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from promprune.eval import build_requests, relative_score, score
+from promprune.records import Answer, Prediction
 from promprune.eval.tasks import load_task
 
 LMMS_TASKS = Path(lmms_eval.__file__).parent / "tasks"
@@ -130,8 +131,8 @@ def test_easyvqa_scores_against_naive_count():
     open_pred = [a.upper() + "." if rng.random() < 0.5 else "square" for a in open_gt]
     preds = {("easyvqa_yesno", i): p for i, p in enumerate(yesno_pred)}
     preds.update({("easyvqa_open", i): p for i, p in enumerate(open_pred)})
-    rows = [{**{k: v for k, v in r.items() if k != "image"}, "prediction": preds[r["task"], r["doc_id"]]} for r in requests]
-    rows[3]["error"] = "RuntimeError: generation failed"  # a failed yes/no sample counts as wrong
+    rows = [Prediction.answering(r, Answer(prediction=preds[r.task, r.doc_id])) for r in requests]
+    rows[3].error = "RuntimeError: generation failed"  # a failed yes/no sample counts as wrong
     result = score(rows[::-1])
 
     norm = ["yes" if p.strip().lower().startswith("yes") else "no" if p.strip().lower().startswith("no") else "other"

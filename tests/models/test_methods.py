@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import promprune
-from promprune.models import IN_LLM_METHODS, PrunedVLM, all_methods, validate_method
+from promprune.models import PrunedVLM, all_methods, is_in_llm, validate_method
 from promprune.models.testing import tiny_vlm
 
 from .conftest import ARCHS
@@ -15,6 +15,8 @@ BUDGET = 6
 
 def test_all_methods_is_registry_plus_in_llm():
     assert set(all_methods()) == set(promprune.methods()) | {"fastv", "sparsevlm"}
+    assert promprune.methods(promprune.IN_LLM) == ["fastv", "sparsevlm"]
+    assert [m for m in all_methods() if is_in_llm(m)] == ["fastv", "sparsevlm"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -26,7 +28,7 @@ def test_every_method_runs_through_every_adapter(arch, method, images, prompts):
     for g in out:
         assert isinstance(g.text, str) and len(g.token_ids) == 3
         assert g.visual_tokens == BUDGET
-        if method not in IN_LLM_METHODS:  # NeXT in-LLM methods may keep image_newline placeholders
+        if not is_in_llm(method):  # NeXT in-LLM methods may keep image_newline placeholders
             assert len(g.kept) == BUDGET
         assert len(set(g.kept)) == len(g.kept) and g.kept == sorted(g.kept)
         assert 0 <= g.saliency_count <= BUDGET

@@ -13,6 +13,12 @@ def inputs(B=3, N=48, d=24, seed=0):
     return x, torch.rand(B, N, generator=g)
 
 
+def test_select_refuses_in_llm_methods_by_name():
+    x, s = inputs()
+    with pytest.raises(ValueError, match="'fastv' prunes inside the LLM.*PrunedVLM"):
+        promprune.select(x, s, budget=4, method="fastv")
+
+
 def test_registry_lists_the_paper_methods():
     assert set(METHODS) >= {"promprune", "fixed_ratio", "saliency_only", "coverage_only", "divprune", "vispruner",
                             "visionzip", "random"}

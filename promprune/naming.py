@@ -1,0 +1,42 @@
+"""Names users type: the one did-you-mean helper and the one dtype vocabulary of the project."""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+import torch
+
+
+def did_you_mean(word, options: Iterable) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options`` to ``word``, or "" when nothing is close."""
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# dtype names a user may write (specs, CLI flags, lmms-eval model_args, benchmarks) -> torch dtype
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+CANONICAL_DTYPES = ("float32", "float16", "bfloat16")  # what specs and docs spell
+AUTO = "auto"  # the checkpoint's own dtype (from_pretrained); pipelines: bfloat16 on GPU, float32 on CPU
+
+
+def parse_dtype(name, *, allow_auto: bool = False):
+    """A torch dtype from a dtype or a name in ``DTYPES`` (``"torch.float16"`` too); ``None``/``"auto"`` stay as they
+    are when ``allow_auto``. An unknown name is a ValueError listing the valid ones."""
+    if isinstance(name, torch.dtype):
+        return name
+    if allow_auto and name in (None, AUTO):
+        return name
+    key = str(name).lower().removeprefix("torch.")
+    if key not in DTYPES:
+        valid = ([AUTO] if allow_auto else []) + sorted(DTYPES)
+        raise ValueError(f"unknown dtype {name!r}{did_you_mean(key, DTYPES)}; use one of {', '.join(valid)}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype) -> str:
+    """The canonical name (float32 / float16 / bfloat16) of a dtype or any accepted alias."""
+    return str(parse_dtype(dtype)).removeprefix("torch.")
