@@ -39,6 +39,7 @@ import ray
 from promprune.records import Prediction, Request, arrow_schema, from_arrow, sample_key, to_arrow
 
 from pipelines import tracking
+from pipelines.config import Resources
 from pipelines.weights import ModelSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,11 +59,7 @@ class EvalConfig:
     tasks: list = field(default_factory=lambda: ["easyvqa_yesno", "easyvqa_open"])  # the offline benchmarks
     limit: int | None = None  # per-task sample cap
     generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: the task's own
-    workers: int = 1  # actors in the pool
-    gpus_per_worker: float = 1  # used only when the cluster declares GPUs
-    cpus_per_worker: float = 1  # one core per actor: the processor and image decoding are light
-    batch_size: int = 8  # rows per actor call and per generate()
-    actor_wait_s: float = 600  # finite: an unschedulable pool fails after this long instead of hanging
+    resources: Resources = field(default_factory=Resources)  # actors, GPUs and CPUs per actor, batch size, wait
     progress_bars: bool = True  # Ray Data's bars; sweeps turn them off and print one line per trial instead
 
 
@@ -234,17 +231,17 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
     from ray.data import ActorPoolStrategy
 
     if not isinstance(rows, Requests):
-        rows = requests_dataset(rows, cfg.batch_size)
-    num_gpus = cfg.gpus_per_worker if cluster_gpus() > 0 else 0
+        rows = requests_dataset(rows, cfg.resources.batch_size)
+    res = cfg.resources
     out = rows.dataset.map_batches(
         VLMPredictor,
         fn_constructor_kwargs=dict(source=cfg.model, method=cfg.method, budget=cfg.budget, options=cfg.options,
-                                   batch_size=cfg.batch_size, run_fn=run_fn),
-        compute=ActorPoolStrategy(size=cfg.workers),
-        batch_size=cfg.batch_size,
+                                   batch_size=res.batch_size, run_fn=run_fn),
+        compute=ActorPoolStrategy(size=res.actors),
+        batch_size=res.batch_size,
         batch_format="pyarrow",
-        num_gpus=num_gpus,
-        num_cpus=cfg.cpus_per_worker,
+        num_gpus=res.gpus_per_worker if cluster_gpus() > 0 else 0,
+        num_cpus=res.cpus_per_worker,
         # Ray Data's actor defaults (max_restarts=-1, max_task_retries=-1) restart an actor lost with its node
         # elsewhere and retry its unfinished batches there; check_exactly_once() below verifies the outcome.
     )
@@ -257,7 +254,7 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
 
 def _configure(ctx, cfg: EvalConfig) -> None:
     """Finite wait for the actor pool (an unschedulable pool fails instead of hanging), progress bars on/off."""
-    ctx.wait_for_min_actors_s = cfg.actor_wait_s
+    ctx.wait_for_min_actors_s = cfg.resources.actor_wait_s
     ctx.enable_progress_bars = cfg.progress_bars
     ctx.enable_operator_progress_bars = cfg.progress_bars
 
@@ -283,7 +280,7 @@ def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, r
              score_fn: Callable | None = None) -> EvalResult:
     """Requests (built here unless given) -> predictions on Ray Data -> scores (once, centrally) -> metrics."""
     if rows is None:
-        rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.batch_size)
+        rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size)
     preds = predict(cfg, rows, run_fn=run_fn)
     if score_fn is None:
         from promprune.eval import score as score_fn
@@ -405,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         validate_method(args.method, args.budget, **options)
     cfg = EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
-                     generation={"max_new_tokens": args.max_new_tokens}, workers=args.workers,
-                     batch_size=args.batch_size)
+                     generation={"max_new_tokens": args.max_new_tokens},
+                     resources=Resources(workers=args.workers, batch_size=args.batch_size))
     connect(args.address)
     t0 = time.perf_counter()
     result = evaluate(cfg)

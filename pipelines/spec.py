@@ -27,12 +27,14 @@ import yaml
 from promprune.naming import AUTO as AUTO_DTYPE
 from promprune.naming import CANONICAL_DTYPES, did_you_mean
 
+from pipelines.config import AUTO, Resources
+from pipelines.weights import ModelSource
+
 DTYPES = (AUTO_DTYPE, *CANONICAL_DTYPES)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 SEARCHES = ("grid", "random")
 # generate() kwargs a spec may set; a typo such as `max_new_token` must fail before any model loads
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "num_beams", "repetition_penalty")
-AUTO = "auto"
 
 
 class SpecError(ValueError):
@@ -46,24 +48,6 @@ class SpecError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------------------
 # schema
-
-
-@dataclass
-class ModelSpec:
-    pretrained: str = "tiny:llava"  # the offline tiny LLaVA: the only model this machine can load without a hub
-    dtype: str = AUTO  # auto: bfloat16 on GPU, float32 on CPU (CPUs lack fast bf16 matmuls)
-    attn_implementation: str = "sdpa"  # SDPA everywhere; saliency is captured by hooks, never eager attention
-    options: dict = field(default_factory=dict)  # adapter kwargs (budget_mode, max_pixels, ...), passed through
-
-
-@dataclass
-class ResourcesSpec:
-    workers: int | str = AUTO  # actors per evaluation; auto: spread the GPUs over the trials, 1 on CPU
-    gpus_per_worker: float = 1  # a 7B model in bf16 fits one 24+ GB GPU; ignored when the cluster has no GPU
-    cpus_per_worker: float = 1  # image decoding and the processor are light; one core keeps 2-core laptops usable
-    batch_size: int = 8  # rows per map_batches call and per generate(); 8 fits a 7B model on a 24 GB GPU
-    actor_wait_s: float = 600  # DataContext.wait_for_min_actors_s: an unschedulable pool fails after this long
-    share_weights: bool = True  # publish the weights to the object store once per sweep (see README: weight loading)
 
 
 @dataclass
@@ -81,21 +65,28 @@ class SweepSpec:
     name: str
     version: int
     description: str = ""
-    model: ModelSpec = field(default_factory=ModelSpec)
+    model: ModelSource = field(default_factory=ModelSource)  # the loader itself: pretrained, dtype, attention, options
     tasks: list = field(default_factory=lambda: ["easyvqa_yesno", "easyvqa_open"])  # the offline benchmarks
     limit: int | None = None  # per-task sample cap; None: the full benchmark
     baseline: bool = True  # also run the unpruned model once: Rel. divides by it
     grid: dict = field(default_factory=dict)
     trials: list = field(default_factory=list)
     generation: dict = field(default_factory=lambda: {"max_new_tokens": 16})  # short answers: VQA is one word
-    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    resources: Resources = field(default_factory=Resources)
     tune: TuneSpec = field(default_factory=TuneSpec)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The spec as plain data (what `dump_resolved` writes): component fields that are not spec fields, such as
+        a ModelSource's published weights, are left out."""
+        out = dataclasses.asdict(self)
+        for section, cls in SECTIONS.items():
+            for f in dataclasses.fields(cls):
+                if not f.metadata.get("spec", True):
+                    out[section].pop(f.name, None)
+        return out
 
 
-SECTIONS = {"model": ModelSpec, "resources": ResourcesSpec, "tune": TuneSpec}
+SECTIONS = {"model": ModelSource, "resources": Resources, "tune": TuneSpec}
 TOP_LEVEL = [f.name for f in dataclasses.fields(SweepSpec)] + ["include"]
 REQUIRED = ("name", "version")
 
@@ -285,7 +276,7 @@ def _parse_section(value: Any, cls: type, name: str, errors: list[str]):
     if not isinstance(value, dict):
         errors.append(f"{name}: expected a mapping, got {value!r}")
         return obj
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("spec", True)}
     _check_keys(value, list(fields), f"{name}.", errors)
     for key, v in value.items():
         if key in fields:
@@ -293,7 +284,7 @@ def _parse_section(value: Any, cls: type, name: str, errors: list[str]):
     return obj
 
 
-def _check_model(m: ModelSpec, errors: list[str]) -> None:
+def _check_model(m: ModelSource, errors: list[str]) -> None:
     if not isinstance(m.pretrained, str) or not m.pretrained.strip():
         errors.append(f"model.pretrained: expected a checkpoint name or path, got {m.pretrained!r}")
     if m.dtype not in DTYPES:
@@ -309,7 +300,7 @@ def _auto_or_positive(value: Any, typ: type) -> bool:
     return value == AUTO or (_type_ok(value, typ) and value >= 1)
 
 
-def _check_resources(r: ResourcesSpec, errors: list[str]) -> None:
+def _check_resources(r: Resources, errors: list[str]) -> None:
     if not _auto_or_positive(r.workers, int):
         errors.append(f"resources.workers: expected an int >= 1 or 'auto', got {r.workers!r}")
     for key in ("gpus_per_worker", "cpus_per_worker"):

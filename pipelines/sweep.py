@@ -23,6 +23,7 @@ and the same MLflow parent run continues.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -313,7 +314,7 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
                                                                 spec.resources.batch_size)
     n_rows = len(rows.keys) if isinstance(rows, Requests) else len(rows)
     print(f"{n_rows} request rows built once for all trials ({time.perf_counter() - t0:.1f}s)", flush=True)
-    source = ModelSource(spec.model.pretrained, spec.model.dtype, spec.model.attn_implementation, spec.model.options)
+    source = spec.model
     if spec.resources.share_weights:
         t0 = time.perf_counter()
         source = share(source, on_gpu=plan.cluster_gpus > 0)
@@ -356,10 +357,8 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
 
 
 def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn):
-    settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, workers=plan.workers,
-                    gpus_per_worker=plan.gpus_per_worker, cpus_per_worker=spec.resources.cpus_per_worker,
-                    batch_size=spec.resources.batch_size, actor_wait_s=spec.resources.actor_wait_s,
-                    progress_bars=False)
+    settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, progress_bars=False,
+                    resources=dataclasses.replace(spec.resources, workers=plan.workers))
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn)
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 

@@ -62,7 +62,8 @@ class ModelSource:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attn_implementation: str = "sdpa"  # saliency comes from hooks, so SDPA stays on everywhere
     options: dict = field(default_factory=dict)  # adapter kwargs (budget_mode, max_pixels, ...)
-    shared: Any = None  # ObjectRef from share(): weights published once per sweep; None: from_pretrained per actor
+    # ObjectRef from share(): weights published once per sweep; None: from_pretrained per actor. Not a spec field.
+    shared: Any = field(default=None, metadata={"spec": False})
 
     def load(self, *, method: str | None, budget: int | None, options: dict | None = None):
         """A PrunedVLM on this process's device (CUDA if assigned, else CPU)."""

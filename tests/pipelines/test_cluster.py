@@ -19,6 +19,7 @@ from ray.cluster_utils import Cluster
 from pipelines import spec as specs
 from pipelines import sweep, tracking
 from pipelines.evaluate import EvalConfig, build_requests_dataset, build_rows, evaluate
+from pipelines.config import Resources
 from pipelines.weights import ModelSource
 
 pytestmark = pytest.mark.slow
@@ -114,8 +115,8 @@ def test_unschedulable_pool_fails_instead_of_hanging(cluster, prebuilt):
     rows = build_rows(["easyvqa_yesno"], 1, {"max_new_tokens": 1})
     if prebuilt:
         rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
-    cfg = EvalConfig(model=ModelSource("tiny:llava"), workers=1, gpus_per_worker=2, batch_size=1,
-                     actor_wait_s=5, progress_bars=False)  # no node has 2 GPUs
+    cfg = EvalConfig(model=ModelSource("tiny:llava"), progress_bars=False,
+                     resources=Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5))  # no 2-GPU node
     start = time.time()
     with pytest.raises(Exception, match="(?i)actor"):
         evaluate(cfg, rows)

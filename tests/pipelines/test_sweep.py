@@ -237,6 +237,7 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     from promprune.records import Request, from_arrow
 
     from pipelines.evaluate import EvalConfig, Requests, build_requests_dataset, predict
+    from pipelines.config import Resources
     from pipelines.weights import ModelSource
 
     tasks, gen = ["easyvqa_yesno", "easyvqa_open"], {"max_new_tokens": 2}
@@ -247,6 +248,6 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     built = {r.key: r for r in from_arrow(table, Request)}
     assert built == plain  # same prompts, same image bytes, same doc ids and n_docs
 
-    preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, batch_size=2,
-                               progress_bars=False), sharded)
+    preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, progress_bars=False,
+                               resources=Resources(batch_size=2)), sharded)
     assert sorted(p.key for p in preds) == sorted(plain)
