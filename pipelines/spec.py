@@ -381,7 +381,7 @@ def _parse_trials(spec: SweepSpec, raw: dict, errors: list[str]) -> None:
     if trials is None:
         return
     if not isinstance(trials, list):
-        errors.append(f"trials: expected a list of mappings like {{method: fastv, budget: 64, K: 2}}, got {trials!r}")
+        errors.append(f"trials: expected a list of mappings like {{method: fastv, budget: 64, layer: 2}}, got {trials!r}")
         return
     for i, t in enumerate(trials):
         if not isinstance(t, dict):

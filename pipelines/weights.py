@@ -61,7 +61,7 @@ class ModelSource:
     pretrained: str = "tiny:llava"  # the offline tiny LLaVA
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attn_implementation: str = "sdpa"  # saliency comes from hooks, so SDPA stays on everywhere
-    options: dict = field(default_factory=dict)  # adapter kwargs (budget_mode, max_pixels, ...)
+    options: dict = field(default_factory=dict)  # adapter options (budget_mode, image_tokens, ...)
     # ObjectRef from share(): weights published once per sweep; None: from_pretrained per actor. Not a spec field.
     shared: Any = field(default=None, metadata={"spec": False})
 

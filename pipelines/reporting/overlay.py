@@ -5,9 +5,9 @@ CLIP-style processors (LLaVA-1.5) resize the shortest side and center-crop a squ
 the image's central square (fit "crop"); Qwen2.5-VL at a fixed token count resizes the whole image to a square
 (fit "stretch"). Non-square grids (LLaVA-NeXT's several views) are not drawn.
 
-Which kept tokens came from the saliency stage: a `salient` column (list of kept indices) in the predictions,
-or, when the predictions say `kept_order == "selection"`, the first `saliency_count` of `kept`. Without either the
-split is unknown and every kept token is drawn in one neutral colour, said in the title.
+Which kept tokens came from the saliency stage: the `salient` column (list of kept indices) of the predictions.
+Where it is null (the in-LLM methods do not record it) the split is unknown and every kept token is drawn in one
+neutral colour, said in the title.
 """
 from __future__ import annotations
 
@@ -41,9 +41,6 @@ def token_roles(row: pd.Series) -> tuple[list[int], list[int] | None]:
     if salient is not None and not (isinstance(salient, float) and math.isnan(salient)):
         chosen = {int(i) for i in salient}
         return sorted(chosen), [i for i in kept if i not in chosen]
-    if row.get("kept_order") == "selection":
-        n_sal = int(row["saliency_count"])
-        return sorted(kept[:n_sal]), sorted(kept[n_sal:])
     return kept, None
 
 

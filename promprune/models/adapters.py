@@ -12,6 +12,7 @@ sequence at full budget. Unpruned (``method=None``) the model's own packed seque
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,7 @@ class LlavaAdapter(Adapter):
 
     def encode(self, inputs, need_saliency):
         sink: list = []
-        with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else _nothing():
+        with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else contextlib.nullcontext():
             out = self.model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True)
         feats = list(out.pooler_output)  # B x [n, d]
         scores = self._cls_rows(sink[0]) if need_saliency else None  # [B, n]
@@ -130,7 +131,7 @@ class LlavaNextAdapter(LlavaAdapter):
         views: list = []
         hook = core.multi_modal_projector.register_forward_hook(lambda m, a, out: views.append(out))
         try:
-            with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else _nothing():
+            with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else contextlib.nullcontext():
                 out = core.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
                                               return_dict=True)
         finally:
@@ -217,7 +218,7 @@ class QwenAdapter(Adapter):
         core, grid = self.model.model, inputs["image_grid_thw"]
         sink: list = []
         attn = core.visual.blocks[self.block].attn
-        with sal.capture_received_attention(attn, sink) if need_saliency else _nothing():
+        with sal.capture_received_attention(attn, sink) if need_saliency else contextlib.nullcontext():
             out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
         feats = list(out.pooler_output)
         scores = sal.pool_to_merged(sink[0], grid, self.model.config.vision_config) if need_saliency else None
@@ -250,14 +251,6 @@ class QwenAdapter(Adapter):
         top = spatial.masked_fill(~valid[None], -1).amax(dim=(0, 2))  # [B]
         core.rope_deltas = (top + 1 - valid.sum(-1)).unsqueeze(1)
         return {"position_ids": torch.cat([text[None].to(spatial), spatial], dim=0)}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter}

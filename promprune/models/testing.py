@@ -19,6 +19,7 @@ tokens, so any text round-trips and nothing is ever unknown.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -41,6 +42,8 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
 )
+
+from .factories import place
 
 ARCHS = ("llava", "llava_next", "qwen2_5_vl")
 SEED = 0  # fixed so every process builds bit-identical tiny models
@@ -211,6 +214,13 @@ _BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl":
 @functools.lru_cache(maxsize=None)
 def _cached(arch: str):
     return _BUILDERS[arch]()
+
+
+def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
+    """The ``tiny:<arch>`` model factory: a private copy of ``tiny_vlm(arch)``, placed like ``from_pretrained``."""
+    model, processor = tiny_vlm(arch)
+    model = place(copy.deepcopy(model), dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
+    return model, copy.deepcopy(processor), {}
 
 
 def tiny_vlm(arch: str):

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 import promprune
+from promprune.efficiency import Stopwatch
 from promprune.naming import parse_dtype
 from promprune.records import SampleStats
 
 from . import in_llm
 from .adapters import adapter_for, as_encoder_outputs
+from .factories import find_model_factory
 from .images import load_images
 from .methods import is_in_llm, validate_method
 from .selecting import select_items
@@ -43,23 +45,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Clock:
-    """Milliseconds of a block, synchronizing CUDA so asynchronous kernels are counted."""
-
-    def __init__(self, device):
-        self.device, self.ms = device, 0.0
-
-    def __enter__(self):
-        _sync(self.device)
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        _sync(self.device)
-        self.ms = (time.perf_counter() - self.t0) * 1e3
-        return False
-
-
 class PrunedVLM:
     """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL that prunes visual tokens with a registered method.
 
@@ -84,30 +69,26 @@ class PrunedVLM:
     @classmethod
     def from_pretrained(cls, name_or_path: str, method: str | None = "promprune", budget: int | None = None, *,
                         dtype=None, device_map=None, attn_implementation=None, **method_options):
-        """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class).
+        """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class), or build a model
+        by factory name (:mod:`promprune.models.factories`):
 
-        ``name_or_path`` may be ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl) for the offline tiny
-        models of :mod:`promprune.models.testing` (a private copy, cast to ``dtype``), or ``"tiny-easyvqa:llava"``: the
-        same tiny LLaVA trained on easy-vqa's train split (:mod:`promprune.models.easyvqa_train`; trained into
-        ``$PROMPRUNE_CACHE`` on first use, ~1-2 minutes on CPU, loaded from there afterwards), or
-        ``"shape:<name>"``: a published 7B architecture with random weights (:mod:`promprune.models.shapes`; for
-        latency / memory benchmarks, fp16 unless ``dtype`` says otherwise), with that model's paper settings as
-        default adapter options.
+        - ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl): the offline random-weight tiny models of
+          :mod:`promprune.models.testing` (a private copy, cast to ``dtype``);
+        - ``"tiny-easyvqa:llava"``: the same tiny LLaVA trained on easy-vqa's train split
+          (:mod:`promprune.training.easyvqa`; trained into ``$PROMPRUNE_CACHE`` on first use, ~1-2 minutes on CPU,
+          loaded from there afterwards);
+        - ``"shape:<name>"``: a published 7B architecture with random weights (:mod:`promprune.models.shapes`; for
+          latency / memory benchmarks, fp16 unless ``dtype`` says otherwise).
+
+        A factory may bring default adapter options (the paper's settings of that model); given options win.
         """
         validate_method(method, budget, **dict(method_options))  # fail before loading anything
-        if name_or_path.startswith("shape:"):
-            from .shapes import default_options, shape_vlm
-
-            name = name_or_path.split(":", 1)[1]
-            device = "cuda" if device_map == "auto" and torch.cuda.is_available() else (device_map or "cpu")
-            model, processor = shape_vlm(name, dtype=_dtype(dtype) if dtype not in (None, "auto") else torch.float16,
-                                         device="cpu" if device == "auto" else device)
-            if attn_implementation is not None:
-                model.set_attn_implementation(attn_implementation)
-            method_options = {**default_options(name), **method_options}
-        elif name_or_path.startswith(("tiny:", "tiny-easyvqa:")):
-            prefix, arch = name_or_path.split(":", 1)
-            model, processor = _tiny(arch, dtype, device_map, attn_implementation, trained=prefix == "tiny-easyvqa")
+        found = find_model_factory(name_or_path)
+        if found is not None:
+            factory, name = found
+            model, processor, defaults = factory(name, dtype=dtype, device_map=device_map,
+                                                 attn_implementation=attn_implementation)
+            method_options = {**defaults, **method_options}
         else:
             model, processor = _load(name_or_path, dtype, device_map, attn_implementation)
         return cls(model, processor, method=method, budget=budget, **method_options)
@@ -146,9 +127,9 @@ class PrunedVLM:
         prompts = list(prompts)
         batch = self.inputs(images, prompts)
         pre_llm = self.method is not None and not is_in_llm(self.method)
-        with _Clock(self.device) as vision:
+        with Stopwatch(self.device) as vision:
             items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency)
-        with _Clock(self.device) as selecting:
+        with Stopwatch(self.device) as selecting:
             plan = self._plan(items) if pre_llm else None
         if plan is None:
             ids, mask, feats, extra, stats = self._unpruned_inputs(batch, items)
@@ -161,8 +142,8 @@ class PrunedVLM:
         """Context manager active around the LLM call: the in-LLM method's hooks, or nothing."""
         if not is_in_llm(self.method):
             return contextlib.nullcontext()
-        return promprune.method_spec(self.method).fn(self.model, prepared.model_kwargs["input_ids"], self.budget,
-                                                     self.method_options)
+        return in_llm.make(self.method, self.model, prepared.model_kwargs["input_ids"], self.budget,
+                           self.method_options)
 
     @torch.inference_mode()
     def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
@@ -244,31 +225,6 @@ class _Timer:
             h.remove()
         self.decode_ms = max(total - self.prefill_ms, 0.0)
         return False
-
-
-def _tiny(arch, dtype, device_map, attn_implementation, trained=False):
-    import copy
-
-    from .testing import tiny_vlm
-
-    if trained:  # tiny-easyvqa:<arch>: only llava is trained; a fresh private copy from the cache
-        from . import easyvqa_train
-
-        if arch != easyvqa_train.ARCH:
-            raise ValueError(f"unknown tiny-easyvqa arch {arch!r}; valid: {easyvqa_train.ARCH}")
-        model, processor = easyvqa_train.load_or_train()
-    else:
-        model, processor = tiny_vlm(arch)
-        model, processor = copy.deepcopy(model), copy.deepcopy(processor)
-    if dtype not in (None, "auto"):  # "auto": the tiny weights' own dtype (float32)
-        model = model.to(_dtype(dtype))
-    if device_map == "auto":
-        device_map = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_map is not None:
-        model = model.to(device_map)
-    if attn_implementation is not None:
-        model.set_attn_implementation(attn_implementation)
-    return model, processor
 
 
 def _dtype(dtype):

@@ -16,8 +16,6 @@ over the whole batch and all tokens.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from .kernels import masked_argmax
@@ -26,7 +24,6 @@ from .kernels import masked_argmax
 # root of such a gain would amplify float32 noise, so those steps fall back to the deterministic order instead.
 GAIN_EPS = 1e-6
 
-Selector = Callable[..., torch.Tensor]
 
 
 def _row(mat: torch.Tensor, j: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,11 @@
 """Registry entries of the in-LLM baselines, FastV and SparseVLM: their options and checks.
 
-They prune inside the language model, so ``select`` does not run them: their ``fn`` builds the decoder-layer hooks
-of ``promprune.models.in_llm`` (imported when a model is at hand; this module stays free of model code).
+They prune inside the language model, so ``select`` does not run them; their decoder-layer hooks are
+``promprune.models.in_llm``'s (this module stays free of model code).
 """
 from __future__ import annotations
 
-from .registry import IN_LLM, register_method
-
-
-def _builder(name: str):
-    def build(model, input_ids, budget: int, options: dict):
-        """The context manager that prunes inside ``model``'s LLM during ``generate``."""
-        from promprune.models import in_llm
-
-        return in_llm.make(name, model, input_ids, budget, options)
-
-    build.__doc__ = f"{name}: hooks on the language model's decoder layers (promprune.models.in_llm)"
-    return build
+from .registry import register_in_llm_method
 
 
 def _check_fastv(opts: dict) -> None:
@@ -38,10 +27,12 @@ def _check_sparsevlm(opts: dict) -> None:
 
 # FastV (Chen et al., ECCV 2024): K = 2 is the paper's default pruning layer; the attention of layer K - 1
 # (the last token's row, head mean) ranks the visual tokens.
-register_method("fastv", stage=IN_LLM, options={"layer": 2}, check=_check_fastv)(_builder("fastv"))
+register_in_llm_method("fastv", options={"layer": 2}, check=_check_fastv,
+                       description="FastV: drop visual tokens after layer K by the last token's attention")
 
 # SparseVLM (Zhang et al., ICML 2025): the released code prunes at LLaMA layers 2, 6 and 15 of 32; on other depths
 # we keep those fractions (layers=None). 30% of each stage's deleted tokens are recycled into merged tokens, one
 # merged token per 10 recycled (its paper's tau and theta).
-register_method("sparsevlm", stage=IN_LLM, options={"layers": None, "recycle_ratio": 0.3, "merge_ratio": 0.1},
-                check=_check_sparsevlm)(_builder("sparsevlm"))
+register_in_llm_method("sparsevlm", options={"layers": None, "recycle_ratio": 0.3, "merge_ratio": 0.1},
+                       check=_check_sparsevlm,
+                       description="SparseVLM: text-guided pruning at several layers with token recycling")

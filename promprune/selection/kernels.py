@@ -16,12 +16,6 @@ def unit_tokens(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
 
 
-def cosine_gram(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:
-    """Cosine-similarity kernel ``[B, N, N]`` of features ``[B, N, d]`` (float32 in, float32 out)."""
-    xn = unit_tokens(x, eps)
-    return xn @ xn.transpose(1, 2)
-
-
 def rescale_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float, eps_to: float) -> torch.Tensor:
     """Turn a Gram of tokens normalized with ``eps_from`` into the Gram with ``eps_to``, exactly.
 

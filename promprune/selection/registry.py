@@ -2,9 +2,8 @@
 
 A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
 ``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
-(``stage="in_llm"``: FastV, SparseVLM) registers the same way; its ``fn`` builds the hooks that prune inside the
-language model (``promprune.models.in_llm``). Adding a method touches one place; the tests parametrize over
-``methods()``.
+(``stage="in_llm"``: FastV, SparseVLM) registers its options and checks with ``register_in_llm_method``; the hooks
+that prune inside the language model are ``promprune.models.in_llm``'s. The tests parametrize over ``methods()``.
 """
 from __future__ import annotations
 
@@ -95,7 +94,7 @@ class MethodSpec:
     defaults, the allowed values of some options, and a check of the resolved options (raises ValueError)."""
 
     name: str
-    fn: Callable[..., Any]
+    fn: Callable[..., Any] | None  # the pre-LLM selection function; None for in-LLM methods (see promprune.models)
     needs_saliency: bool = False
     merges: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -133,23 +132,28 @@ _REGISTRY: dict[str, MethodSpec] = {}
 
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
                     options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
-                    stage: str = PRE_LLM, check: Callable[[dict], None] | None = None):
-    """Decorator registering ``fn`` under ``name`` (unique): ``fn(tokens, budget, **options) -> Selection`` for a
-    pre-LLM method, the hook builder for an in-LLM one."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    common = (COMMON_OPTIONS, COMMON_CHOICES) if stage == PRE_LLM else ({}, {})
+                    check: Callable[[dict], None] | None = None):
+    """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
         _REGISTRY[name] = MethodSpec(
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
-            options={**common[0], **(options or {})}, choices={**common[1], **(choices or {})},
-            description=(fn.__doc__ or "").strip().split("\n")[0], stage=stage, check=check)
+            options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
+            description=(fn.__doc__ or "").strip().split("\n")[0], check=check)
         return fn
 
     return wrap
+
+
+def register_in_llm_method(name: str, *, description: str, options: Mapping[str, Any] | None = None,
+                           check: Callable[[dict], None] | None = None) -> None:
+    """Register an in-LLM method's options and checks (its hooks live in ``promprune.models.in_llm``)."""
+    if name in _REGISTRY:
+        raise ValueError(f"method {name!r} is already registered")
+    _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), description=description,
+                                 stage=IN_LLM, check=check)
 
 
 def methods(stage: str | None = PRE_LLM) -> list[str]:

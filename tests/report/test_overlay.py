@@ -32,12 +32,10 @@ def test_cells_follow_raster_order_and_colours(tmp_path):
         assert abs(px[0] - 128) < 6 and abs(px[1] - 128) < 6 and abs(px[2] - 128) < 6  # untouched grey
 
 
-def test_roles_from_salient_column_or_selection_order():
+def test_roles_from_salient_column():
     row = pd.Series({"kept": [1, 5, 7, 9], "salient": [7, 1], "saliency_count": 2.0})
     assert overlay.token_roles(row) == ([1, 7], [5, 9])
-    row = pd.Series({"kept": [9, 5, 1, 7], "saliency_count": 2.0, "kept_order": "selection"})
-    assert overlay.token_roles(row) == ([5, 9], [1, 7])
-    row = pd.Series({"kept": [1, 5], "saliency_count": 1.0})
+    row = pd.Series({"kept": [1, 5], "salient": None, "saliency_count": 1.0})
     assert overlay.token_roles(row) == ([1, 5], None)  # split not recorded
 
 

@@ -27,7 +27,10 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
+from promprune.naming import AUTO, parse_dtype
+
 from .. import testing
+from ..factories import place
 
 SEED = 0
 
@@ -106,6 +109,17 @@ def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int 
     with torch.device(device):
         model = model_cls._from_config(config, dtype=dtype)
     return model.eval(), processor
+
+
+def load(name: str, *, dtype=None, device_map=None, attn_implementation=None):
+    """The ``shape:<name>`` model factory: random weights built directly on the device (fp16 unless ``dtype``
+    says otherwise), with the paper's adapter options for that model."""
+    dtype = parse_dtype(dtype, allow_auto=True)
+    device = device_map or "cpu"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, processor = shape_vlm(name, dtype=torch.float16 if dtype in (None, AUTO) else dtype, device=device)
+    return place(model, attn_implementation=attn_implementation), processor, default_options(name)
 
 
 def default_options(name: str) -> dict:

@@ -22,6 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import LlavaForConditionalGeneration
+
+from promprune.eval.tasks import cache_dir
+from promprune.models import PrunedVLM
+from promprune.models.factories import place
+from promprune.models.testing import tiny_vlm
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +41,16 @@ BATCH_SIZE = 32
 LR = 3e-3
 
 
-def cache_path() -> Path:
-    from promprune.eval.tasks import cache_dir
+def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
+    """The ``tiny-easyvqa:<arch>`` model factory (only ``llava`` is trained): loaded from the cache, trained into it
+    on first use."""
+    if arch != ARCH:
+        raise ValueError(f"unknown tiny-easyvqa arch {arch!r}; valid: {ARCH}")
+    model, processor = load_or_train()
+    return place(model, dtype=dtype, device_map=device_map, attn_implementation=attn_implementation), processor, {}
 
+
+def cache_path() -> Path:
     return cache_dir() / CACHE_NAME
 
 
@@ -97,8 +110,6 @@ def train(steps: int = STEPS, *, batch_size: int = BATCH_SIZE, lr: float = LR, s
     Deterministic for a given ``(steps, batch_size, lr, seed)``: seeded shuffling and initialisation, CPU only.
     ``threads``: torch threads while training (default: the CPUs this process may use), restored afterwards.
     """
-    from .testing import tiny_vlm
-    from .vlm import PrunedVLM
 
     base_model, base_processor = tiny_vlm(ARCH)
     model, processor = copy.deepcopy(base_model), copy.deepcopy(base_processor)
@@ -175,10 +186,6 @@ def _complete(directory: Path) -> bool:
 def load_or_train(directory: str | Path | None = None, **train_kwargs):
     """``(model, processor)`` of ``tiny-easyvqa:llava``: loaded from ``directory`` (default :func:`cache_path`),
     trained into it first when it is missing. ``train_kwargs`` go to :func:`train` (tests: few ``steps``)."""
-    from transformers import LlavaForConditionalGeneration
-
-    from .testing import tiny_vlm
-
     directory = Path(directory) if directory is not None else cache_path()
     if not _complete(directory):
         with _locked(directory.with_name(f".{directory.name}.lock")):

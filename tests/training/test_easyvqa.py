@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from promprune.models import PrunedVLM, easyvqa_train
+from promprune.models import PrunedVLM
+from promprune.training import easyvqa as easyvqa_train
 
 STEPS = 12
 
