@@ -1,6 +1,7 @@
 """Pipeline pieces without Ray: resource planning, metric summaries, MLflow regression check, shared weights."""
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 
@@ -169,7 +170,7 @@ def test_restore_reproduces_the_model(dtype):
     from promprune.models.testing import tiny_vlm
 
     model, _ = tiny_vlm("llava")
-    model = model.to(getattr(torch, dtype)).eval()
+    model = copy.deepcopy(model).to(getattr(torch, dtype)).eval()  # the cached model is shared: never cast it
     expected = _logits(model)
     recipe, arrays = weights.extract(model)
     recipe, arrays = pickle.loads(pickle.dumps((recipe, arrays)))  # what the object store does
