@@ -351,17 +351,62 @@ def worker_env() -> dict:
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}}
 
 
+class RayUnreachable(RuntimeError):
+    """The Ray cluster the user named does not answer."""
+
+
+def _answers(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether a Ray head's GCS accepts a TCP connection at ``host:port`` within a few seconds."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _recorded_head() -> str | None:
+    """The head a plain ``ray.init()`` would join: the address `ray start` recorded in Ray's temp dir."""
+    from ray._common.utils import get_ray_address_file
+
+    try:
+        return Path(get_ray_address_file(None)).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def connect(address: str | None) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else the head `ray start` recorded, else start a
+    local Ray. A named head that does not answer is a RayUnreachable in seconds (Ray itself would wait for
+    minutes); a recorded head that died without `ray stop` is skipped with a note."""
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
 
     if ray.is_initialized():
         return
     if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: keep the job's runtime_env
         ray.init(address=address)
-    elif address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, runtime_env=worker_env())
-    else:  # a local Ray: no dashboard needed (faster start on a laptop)
-        ray.init(include_dashboard=False, runtime_env=worker_env())
+        return
+    named = address or os.environ.get("RAY_ADDRESS")
+    if named and named not in ("auto", "local") and not named.startswith("ray://"):
+        if not _answers(named):
+            source = "--address" if address else "RAY_ADDRESS"
+            raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
+                                 f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
+        ray.init(address=named, runtime_env=worker_env())
+    elif named:
+        ray.init(address=named, runtime_env=worker_env())
+    else:
+        recorded = _recorded_head()
+        if recorded and _answers(recorded):
+            ray.init(runtime_env=worker_env())  # the head `ray start` left running
+            return
+        if recorded:
+            print(f"note: the Ray head recorded at {recorded} (a `ray start` that ended without `ray stop`) does not "
+                  "answer; starting a local Ray instead (`ray stop --force` clears the record)", flush=True)
+        # a local Ray: no dashboard needed (faster start on a laptop)
+        ray.init(address="local", include_dashboard=False, runtime_env=worker_env())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -396,15 +441,30 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.option:
         key, _, value = item.partition("=")
         options[key] = yaml.safe_load(value)
-    if args.method is not None:
-        from promprune.models import validate_method
+    from pipelines import preflight
+    from promprune.models import validate_method
 
+    errors = []  # a user's mistakes: one message listing all of them, no traceback, before Ray starts
+    try:
         validate_method(args.method, args.budget, **options)
+    except ValueError as exc:
+        errors.append(f"method: {exc}")
+    errors += preflight.check_tasks(args.tasks)
+    errors += preflight.check_model(args.model, {}, {"this evaluation": args.budget} if args.budget else {})
+    if not args.no_mlflow:
+        errors += preflight.check_store(tracking.tracking_uri())
+    if errors:
+        print("error: " + "\n  - ".join(["pipelines/evaluate.py:", *errors]), file=sys.stderr)
+        return 2
     cfg = EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
                      generation={"max_new_tokens": args.max_new_tokens},
                      resources=Resources(workers=args.workers, batch_size=args.batch_size))
-    connect(args.address)
+    try:
+        connect(args.address)
+    except RayUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     result = evaluate(cfg)
     print(f"evaluated {len(result.predictions)} samples in {time.perf_counter() - t0:.1f}s")

@@ -10,6 +10,7 @@ where they are. Published numbers shipped under `pipelines/paper_results/` appea
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -29,6 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def safe_dir_name(name: str) -> str:
+    """A sweep name (an MLflow tag anyone with store access can write) as one harmless directory name: no path
+    separators, no leading dots, nothing but letters, digits, '-', '_' and '.'."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).lstrip(".")
+    return cleaned[:120] or "sweep"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mlflow.set_tracking_uri(tracking_uri(args.tracking_uri))
@@ -37,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except LookupError as err:
         print(f"report: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path("reports") / sweep.name
+    out = Path(args.out) if args.out else Path("reports") / safe_dir_name(sweep.name)
     report = build_report(sweep, out)
     print(report.markdown)
     print(f"report for sweep {sweep.name!r} (parent run {sweep.run_id}): {len(report.files)} files in {out.resolve()}")

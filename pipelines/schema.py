@@ -26,6 +26,7 @@ PARENT = "mlflow.parentRunId"
 RUN_NAME = "mlflow.runName"
 ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
 ERROR = "promprune.error"
+INTERRUPTED = "promprune.interrupted"  # on a parent run whose driver died: what happened, how to resume
 REGRESSION = "promprune.regression"
 CALIBRATED_MU = "promprune.calibrated_mu"
 ROLE_SWEEP, ROLE_TRIAL, ROLE_EVALUATION = "sweep", "trial", "evaluation"

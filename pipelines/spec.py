@@ -157,8 +157,17 @@ def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
 def _load_with_includes(path: Path, seen: tuple) -> dict:
     if path.resolve() in seen:
         raise SpecError([f"include cycle: {' -> '.join(str(p) for p in seen + (path,))}"], str(path))
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"not UTF-8 text (byte {exc.start}: {exc.reason}); save the spec as UTF-8"], str(path)) \
+            from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f"line {where.line + 1}, column {where.column + 1}: " if where is not None else ""
+        raise SpecError([f"malformed YAML: {line}{getattr(exc, 'problem', None) or exc}"], str(path)) from None
+    except OSError as exc:
+        raise SpecError([f"cannot read the spec ({exc.strerror})"], str(path)) from None
     if not isinstance(data, dict):
         raise SpecError([f"top level must be a mapping, got {type(data).__name__}"], str(path))
     include = data.pop("include", None)
@@ -190,12 +199,17 @@ def _apply_override(raw: dict, item: str, source: str) -> None:
         raise SpecError([f"override {item!r}: expected key=value, e.g. limit=8 or grid.budget=[8,4]"], source)
     key, value = item.split("=", 1)
     keys = key.strip().split(".")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise SpecError([f"override {item!r}: the value is not valid YAML; quote strings with special characters"],
+                        source) from None
     node = raw
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise SpecError([f"override {item!r}: {k} is not a mapping"], source)
-    node[keys[-1]] = yaml.safe_load(value)
+    node[keys[-1]] = parsed
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,14 +244,21 @@ def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) 
             setattr(spec, section, _parse_section(raw[section], cls, section, errors))
     _check_model(spec.model, errors)
     _check_resources(spec.resources, errors)
+    n_before_tune = len(errors)
     _check_tune(spec.tune, errors)
+    tune_ok = len(errors) == n_before_tune
     _parse_generation(spec, raw, errors)
+    n_before_grid = len(errors)
     _parse_grid(spec, raw, errors)
     _parse_trials(spec, raw, errors)
-    if not errors and not spec.grid and not spec.trials and not spec.baseline:
+    grid_ok = len(errors) == n_before_grid
+    if grid_ok and not spec.grid and not spec.trials and not spec.baseline:
         errors.append("grid/trials: the spec runs nothing (empty grid, no trials, baseline: false)")
-    if not errors and check_methods:
-        errors.extend(check_trials(spec))
+    if grid_ok and check_methods:  # reported with the other sections' problems, not after they are fixed
+        checked = spec if tune_ok else dataclasses.replace(spec, tune=TuneSpec())
+        if not isinstance(checked.model.options, dict):
+            checked = dataclasses.replace(checked, model=dataclasses.replace(checked.model, options={}))
+        errors.extend(check_trials(checked))
     if errors:
         raise SpecError(errors, source)
     return spec

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import shlex
+import socket
 import sys
 import tempfile
 import time
@@ -38,21 +41,27 @@ from typing import Any, Callable
 import pandas as pd
 import pyarrow.parquet as pq
 import ray
+import yaml
 from ray import tune
 
-from pipelines import schema
+from promprune.records import Request
+
+from pipelines import preflight, schema
 from pipelines import spec as specs
 from pipelines import tracking
 from pipelines.schema import REL
 from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
-    QUIET_ENV, EvalConfig, Requests, build_requests_dataset, connect, evaluate, predictions_table, worker_env)
+    QUIET_ENV, EvalConfig, RayUnreachable, Requests, build_requests_dataset, connect, evaluate, predictions_table,
+    worker_env)
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
-EXIT_TRIALS_FAILED, EXIT_REGRESSION, EXIT_INTERRUPTED = 2, 3, 130  # 130: the shell's code for Ctrl-C
+# exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
+# 130 interrupted (the shell's code for Ctrl-C)
+EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_INTERRUPTED = 1, 2, 3, 130
 STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
 
 
@@ -177,10 +186,10 @@ class SweepRecorder:
     def record_error(self, trial: dict, error: str) -> None:
         tid = trial["trial_id"]
         self.records[tid] = {"trial": trial, "metrics": {}, "scores": {}, "frame": None, "error": error}
-        if tid not in self.logged:
-            tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version, trial,
-                               self._params(trial), {}, None, status="FAILED", error=error)
-        print(f"[trial failed] {tid}: {error}", flush=True)
+        if tid not in self.logged:  # once: the Tune callback and the final reconcile both report a failure
+            self.logged[tid] = tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version,
+                                                  trial, self._params(trial), {}, None, status="FAILED", error=error)
+            print(f"[trial failed] {tid}: {error}", flush=True)
 
     def finalize_rel(self) -> None:
         """Rel. for trials that finished before the baseline did."""
@@ -270,20 +279,120 @@ def save_state(storage: str, state: dict) -> None:
         f.write(json.dumps(state, indent=2).encode())
 
 
-def load_state(storage: str, name: str, resume: str) -> dict:
-    """The saved state of run `resume` (an experiment name like quickstart-20261121-080000), or with 'latest' the
-    newest run of spec `name`. Kept beside Tune's state, so a resumed `ray job` finds it too."""
+def _state_names(storage: str, name: str) -> list[str]:
     import pyarrow.fs
 
     fs, d = _state_fs(storage)
-    found = sorted(info.base_name[:-len(".json")] for info in fs.get_file_info(pyarrow.fs.FileSelector(
+    return sorted(info.base_name[:-len(".json")] for info in fs.get_file_info(pyarrow.fs.FileSelector(
         d, allow_not_found=True)) if info.base_name.startswith(f"{name}-") and info.base_name.endswith(".json"))
-    experiment = found[-1] if resume == "latest" and found else resume
-    if experiment not in found:
-        raise SystemExit(f"--resume: no run {experiment!r} of sweep {name!r} under {storage}/{STATE_DIR} "
-                         f"(found: {', '.join(found) or 'none'})")
+
+
+def _read_state(storage: str, experiment: str) -> dict:
+    fs, d = _state_fs(storage)
     with fs.open_input_stream(f"{d}/{experiment}.json") as f:
         return json.loads(f.read().decode())
+
+
+def load_state(storage: str, name: str, resume: str) -> dict:
+    """The saved state of run `resume` (an experiment name like quickstart-20261121-080000), or with 'latest' the
+    newest run of spec `name`. Kept beside Tune's state, so a resumed `ray job` finds it too."""
+    found = _state_names(storage, name)
+    experiment = found[-1] if resume == "latest" and found else resume
+    if experiment not in found:
+        raise specs.SpecError([f"no run {experiment!r} of sweep {name!r} under {storage}/{STATE_DIR} (found: "
+                               f"{', '.join(found) or 'none'}); start it without --resume"], "--resume")
+    return _read_state(storage, experiment)
+
+
+def check_trusted_storage(storage: str, experiment: str) -> None:
+    """`--resume` unpickles Tune's saved state, so whoever can write it can run code in this driver. On a local
+    file system refuse state that another user owns or that others may write; remote stores (s3://, gs://) must be
+    writable by you alone (bucket policy), which cannot be checked from here."""
+    import stat
+
+    if "://" in storage and not storage.startswith("file://"):
+        return
+    root = Path(storage.removeprefix("file://"))
+    for path in (root, root / STATE_DIR, root / experiment):
+        if not path.exists():
+            continue
+        info = path.stat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise specs.SpecError([f"{path} is owned by another user or writable by others, and resuming unpickles "
+                                   "the Tune state kept there (whoever can write it can run code in this process); "
+                                   f"fix its ownership/permissions (chmod go-w {path}) or start a new sweep"],
+                                  "--resume")
+
+
+def fingerprint(spec: specs.SweepSpec) -> str:
+    """What a resumed sweep must match: the hash of the fully resolved spec."""
+    return hashlib.sha256(specs.dump_resolved(spec).encode()).hexdigest()
+
+
+def check_resume(spec: specs.SweepSpec, state: dict) -> None:
+    """A resumed sweep must be the sweep it resumes: any difference in the resolved spec would mix two experiments
+    in one parent run. Raises SpecError naming every changed field and the command that resumes the original."""
+    if state.get("fingerprint") == fingerprint(spec):
+        return
+    before = _flat(yaml.safe_load(state.get("spec_yaml") or "{}"))
+    now = _flat(yaml.safe_load(specs.dump_resolved(spec)))
+    changed = [f"{k}: {before.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
+               for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    raise specs.SpecError(changed + [f"resume the original with: {resume_command(state)}"],
+                          f"--resume {state['experiment']}: the spec differs from the one that run started with")
+
+
+def _flat(d, prefix: str = "") -> dict:
+    out = {}
+    for key, value in (d or {}).items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resume_command(state: dict) -> str:
+    """The command that resumes the run of `state`, with the spec file and every --set override it started with."""
+    cmd = state.get("command") or {}
+    parts = ["python", "pipelines/sweep.py", "--config", cmd.get("config", "<spec.yaml>")]
+    for item in cmd.get("overrides", []):
+        parts += ["--set", item]
+    return " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
+
+
+def _driver_alive(driver: dict | None) -> bool | None:
+    """Whether the driver process that wrote a state is alive (None: not this host, cannot tell)."""
+    if not driver or driver.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(driver["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def mark_dead_runs(client, storage: str, name: str) -> list[str]:
+    """Parent runs of sweep `name` still RUNNING in MLflow although their driver died (SIGKILL, a lost node): mark
+    them KILLED with a tag saying so, so the MLflow UI does not show them as live. Returns their experiments."""
+    marked = []
+    for experiment in _state_names(storage, name):
+        state = _read_state(storage, experiment)
+        if _driver_alive(state.get("driver")) is not False:
+            continue
+        try:
+            run = client.get_run(state["parent_run_id"])
+        except Exception:  # noqa: BLE001 - a run deleted from the store, another store: nothing to mark
+            continue
+        if run.info.status == "RUNNING":
+            client.set_tag(run.info.run_id, schema.INTERRUPTED,
+                           f"driver pid {state['driver']['pid']} on {state['driver']['host']} died without "
+                           f"finishing; resume with: {resume_command(state)}")
+            tracking.finish(client, run.info.run_id, status="KILLED")
+            marked.append(experiment)
+    return marked
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,8 +412,18 @@ class SweepOutcome:
 
 
 def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Callable | None = None,
-              regression_threshold: float | None = None, rows: Requests | list[dict] | None = None) -> SweepOutcome:
-    """Setup -> Tune -> MLflow; Ray must already be initialized. `run_fn`/`rows` replace the model call/rows."""
+              regression_threshold: float | None = None, rows: Requests | list[Request] | None = None,
+              command: dict | None = None) -> SweepOutcome:
+    """Setup -> Tune -> MLflow; Ray must already be initialized. `run_fn`/`rows` replace the model call/rows.
+
+    `command`: the spec file and --set overrides the sweep was started with (what the printed resume command
+    repeats). A resumed sweep must resolve to exactly the spec it started with (SpecError otherwise)."""
+    storage = storage_root(spec)
+    state = None
+    if resume is not None:  # before any expensive work: a changed spec is refused at once
+        state = load_state(storage, spec.name, resume)
+        check_trusted_storage(storage, state["experiment"])
+        check_resume(spec, state)
     trials = specs.expand(spec)
     plan = plan_resources(spec, len(trials), float(ray.cluster_resources().get("GPU", 0)))
     print(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.workers} actor(s) per trial, "
@@ -320,18 +439,22 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
         source = share(source, on_gpu=plan.cluster_gpus > 0)
         print(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)", flush=True)
     client = tracking.client()
-    storage = storage_root(spec)
+    for experiment in mark_dead_runs(client, storage, spec.name):
+        print(f"note: the earlier run {experiment} of this sweep died without finishing; its MLflow parent run is "
+              "now marked KILLED", flush=True)
+    driver = {"host": socket.gethostname(), "pid": os.getpid()}
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
                                           "limit": spec.limit, "trials": len(trials)})
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": f"{spec.name}-{stamp}"}
-        save_state(storage, state)
+        state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": f"{spec.name}-{stamp}",
+                 "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
+                 "command": command or {}}
     else:
-        state = load_state(storage, spec.name, resume)
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
+    save_state(storage, {**state, "driver": driver})
     recorder = SweepRecorder(spec, parent_id, len(trials))
     _LIVE_RECORDERS[parent_id] = recorder
     trainable = _trainable(source, rows, spec, plan, run_fn)
@@ -339,7 +462,10 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     try:
         tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=resume is not None)
         grid = tuner.fit()
-        _reconcile(recorder, grid, trials)
+        try:
+            _reconcile(recorder, grid, trials)
+        except SweepInterrupted as e:
+            raise SweepInterrupted(str(e), resume_command(state)) from None
         recorder.finalize_rel()
         regressions = []
         if regression_threshold is not None:
@@ -381,6 +507,10 @@ def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: di
 class SweepInterrupted(RuntimeError):
     """Tune stopped before every trial finished (Ctrl-C, SIGTERM): the state is saved, `--resume` continues."""
 
+    def __init__(self, message: str, resume: str = ""):
+        super().__init__(message)
+        self.resume = resume  # the command that finishes the sweep
+
 
 def _reconcile(recorder: SweepRecorder, grid, trials: list) -> None:
     """Log any trial the callback did not see (finished before an interruption, restored by --resume).
@@ -388,6 +518,8 @@ def _reconcile(recorder: SweepRecorder, grid, trials: list) -> None:
     A trial without a result (never started, or stopped without error or checkpoint) means Tune was interrupted.
     """
     for result in grid:
+        if not result.config or "trial" not in result.config:  # a trial Tune never started (interrupted early)
+            continue
         trial = result.config["trial"]
         if trial["trial_id"] in recorder.records and recorder.records[trial["trial_id"]]["error"] is None:
             continue
@@ -428,17 +560,30 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)
-    spec = specs.load(args.config, args.overrides)  # fails at once, every problem listed, before Ray starts
+    try:  # everything a user can get wrong, in seconds, before Ray starts and before any MLflow run exists
+        spec = specs.load(args.config, args.overrides)
+        preflight.check_or_raise(spec, args.config)
+        if args.resume is not None:
+            state = load_state(storage_root(spec), spec.name, args.resume)
+            check_trusted_storage(storage_root(spec), state["experiment"])
+            check_resume(spec, state)
+    except specs.SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.validate_only:
         print("\n".join(t.trial_id for t in specs.expand(spec)))
         return 0
-    connect(args.address)
+    try:
+        connect(args.address)
+    except RayUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     t0 = time.perf_counter()
     try:
-        outcome = run_sweep(spec, resume=args.resume, regression_threshold=args.regression_threshold)
+        outcome = run_sweep(spec, resume=args.resume, regression_threshold=args.regression_threshold,
+                            command={"config": args.config, "overrides": args.overrides})
     except SweepInterrupted as e:
-        print(f"\ninterrupted: {e}\nfinish it with:\n  python pipelines/sweep.py --config {args.config} --resume",
-              file=sys.stderr)
+        print(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")

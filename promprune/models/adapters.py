@@ -262,3 +262,22 @@ def adapter_for(model, processor, options) -> Adapter:
     if kind not in ADAPTERS:
         raise ValueError(f"unsupported model type {kind!r}; supported: {', '.join(ADAPTERS)}")
     return ADAPTERS[kind](model, processor, options)
+
+
+def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
+    """The most visual tokens one image gives the LLM under this config (what a budget must stay below to prune):
+    LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
+    pinpoint), newlines not counted; Qwen2.5-VL the fixed ``image_tokens`` when set, else None (it depends on the
+    image's resolution)."""
+    options = adapter_options or {}
+    kind = getattr(config, "model_type", None)
+    if kind == "qwen2_5_vl":
+        return options.get("image_tokens")
+    if kind not in ("llava", "llava_next"):
+        return None
+    vision = config.vision_config
+    per_view = (vision.image_size // vision.patch_size) ** 2
+    if kind == "llava":
+        return per_view
+    crops = max(h // vision.image_size * (w // vision.image_size) for h, w in config.image_grid_pinpoints)
+    return per_view * (1 + crops)

@@ -2,13 +2,16 @@
 
 ``PrunedVLM.from_pretrained("<prefix>:<name>")`` looks ``prefix`` up here; anything else loads the ordinary way
 (``from_pretrained`` of the checkpoint). A factory is ``fn(name, *, dtype, device_map, attn_implementation) ->
-(model, processor, adapter_defaults)``. Factories are found through the ``promprune.model_factories`` entry-point
+(model, processor, adapter_defaults)``; it may carry ``fn.config(name)``, the model's config without building it
+(validation uses it: token counts, an unknown name). Factories are found through the ``promprune.model_factories`` entry-point
 group (this package declares ``tiny``, ``tiny-easyvqa`` and ``shape`` in ``pyproject.toml``, so the adapters never
 import the modules that build or train them) and through :func:`register_model_factory` at run time.
 """
 from __future__ import annotations
 
+import os
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -66,3 +69,69 @@ def place(model, *, dtype=None, device_map=None, attn_implementation=None):
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     return model.eval()
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local directory rather than a hub id (``org/name``)."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
+        os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def model_config(name_or_path: str):
+    """The transformers config of a model name, factory name or path, without loading weights.
+
+    ValueError with a message saying what is wrong and how to fix it: an unknown factory or name, a local path
+    that does not exist or holds no ``config.json``, a hub id that is not in the local cache while offline (or does
+    not exist). None when a factory cannot say.
+    """
+    found = find_model_factory(name_or_path)
+    if found is not None:
+        factory, name = found
+        return factory.config(name) if hasattr(factory, "config") else None
+    from transformers import AutoConfig
+
+    if _looks_like_path(name_or_path):
+        path = Path(name_or_path).expanduser()
+        if not (path / "config.json").is_file():
+            what = "does not exist" if not path.exists() else "holds no config.json"
+            raise ValueError(f"model {name_or_path!r}: the local path {what}; give the directory a checkpoint was "
+                             "saved to (save_pretrained), a hub id such as llava-hf/llava-1.5-7b-hf, or tiny:llava")
+        return AutoConfig.from_pretrained(path)
+    try:  # the local cache first: no network, and enough when the model was downloaded before
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached: decide below
+        pass
+    if hub_offline():
+        raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                         f"download it once with `huggingface-cli download {name_or_path}` where there is network "
+                         "access, or give a local path")
+    if not _hub_reachable():
+        raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and the hub "
+                         f"({_hub_endpoint()}) is not reachable from here; download it where there is network access "
+                         "or give a local path")
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except Exception as exc:  # noqa: BLE001 - transformers raises several types; the cause goes in the message
+        raise ValueError(f"model {name_or_path!r}: the hub has no such model or refused it "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+
+
+def _hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """A TCP connection to the hub within a few seconds (transformers itself retries for half a minute)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(_hub_endpoint())
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s):
+            return True
+    except OSError:
+        return False

@@ -223,6 +223,9 @@ def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
     return model, copy.deepcopy(processor), {}
 
 
+load.config = lambda arch: tiny_vlm(arch)[0].config  # noqa: E731 - the factory's config, for validation
+
+
 def tiny_vlm(arch: str):
     """`(model, processor)` for a tiny seeded random-weight VLM of architecture `arch`.
 

@@ -7,7 +7,7 @@ import torch
 
 from .diversity import farthest_point
 from .kernels import stable_descending_order, unit_tokens
-from .registry import Selection, TokenSet, register_method
+from .registry import Selection, TokenSet, in_range, register_method
 
 # VisPruner removes at most this many near-duplicate tokens per round (its released code).
 VISPRUNER_ROUND = 8
@@ -60,11 +60,10 @@ def vispruner_diverse(cosine: torch.Tensor, rest: torch.Tensor, keep: int) -> to
     return rest
 
 
-@register_method("vispruner", needs_saliency=True, options={"important_ratio": 0.5})
+@register_method("vispruner", needs_saliency=True, options={"important_ratio": 0.5},
+                 check=in_range("important_ratio", 0.0, 1.0))
 def vispruner(tokens: TokenSet, budget: int, *, important_ratio: float) -> Selection:
     """VisPruner: floor(T r) tokens by saliency, the rest by iterative near-duplicate removal."""
-    if not 0.0 <= float(important_ratio) <= 1.0:
-        raise ValueError(f"option 'important_ratio' must be in [0, 1], got {important_ratio!r}")
     t_imp = int(budget * float(important_ratio))  # floor
     order = stable_descending_order(tokens.require_saliency("vispruner"))  # [B, N] descending saliency
     diverse = vispruner_diverse(tokens.cosine, order[:, t_imp:], budget - t_imp)
@@ -73,7 +72,8 @@ def vispruner(tokens: TokenSet, budget: int, *, important_ratio: float) -> Selec
     return Selection(indices, torch.full((tokens.batch,), t_imp, device=indices.device), None, None, salient)
 
 
-@register_method("visionzip", needs_saliency=True, merges=True, options={"contextual_ratio": VISIONZIP_CONTEXTUAL})
+@register_method("visionzip", needs_saliency=True, merges=True, options={"contextual_ratio": VISIONZIP_CONTEXTUAL},
+                 check=in_range("contextual_ratio", 0.0, 1.0))
 def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float) -> Selection:
     """VisionZip: dominant tokens by attention + contextual tokens merged by similarity (merged features out).
 
@@ -83,8 +83,6 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float) -> Sele
     see) and each target becomes the mean of its group, itself included. Indices report the targets' positions.
     """
     B, N, d = tokens.x.shape
-    if not 0.0 <= float(contextual_ratio) <= 1.0:
-        raise ValueError(f"option 'contextual_ratio' must be in [0, 1], got {contextual_ratio!r}")
     n_ctx = min(round(budget * float(contextual_ratio)), budget)
     n_dom = budget - n_ctx
     order = stable_descending_order(tokens.require_saliency("visionzip"))

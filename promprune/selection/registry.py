@@ -7,6 +7,7 @@ that prune inside the language model are ``promprune.models.in_llm``'s. The test
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Mapping
@@ -114,6 +115,8 @@ class MethodSpec:
             raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(hints)}; "
                              f"valid options: {', '.join(valid)}")
         resolved = {**self.options, **given}
+        for key, value in given.items():
+            _check_type(self.name, key, self.options[key], value)
         for key, allowed in self.choices.items():
             if resolved[key] not in allowed:
                 raise ValueError(f"option {key!r} of method {self.name!r} must be one of {list(allowed)}, "
@@ -121,6 +124,49 @@ class MethodSpec:
         if self.check is not None:
             self.check(resolved)
         return resolved
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_type(method: str, key: str, default, value) -> None:
+    """A given option value must have its default's type: numbers for numbers (finite; an int where an int is
+    expected), true/false for flags, a same-length sequence of numbers for pairs. A None default takes anything
+    (the method's check decides)."""
+    if default is None:
+        return
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an int"
+    elif isinstance(default, float):
+        ok, want = _is_number(value), "a finite number"
+    elif isinstance(default, (tuple, list)):
+        ok = isinstance(value, (tuple, list)) and len(value) == len(default) and all(map(_is_number, value))
+        want = f"a list of {len(default)} numbers"
+    else:
+        ok, want = isinstance(value, type(default)), type(default).__name__
+    if not ok:
+        raise ValueError(f"option {key!r} of method {method!r} must be {want}, got {value!r}")
+
+
+def in_range(key: str, low: float, high: float, *, low_open: bool = False):
+    """A ``check`` that option ``key`` lies in [low, high] ((low, high] with ``low_open``)."""
+    def check(opts: dict) -> None:
+        value = opts[key]
+        if not (low < value <= high if low_open else low <= value <= high):
+            bracket = "(" if low_open else "["
+            raise ValueError(f"option {key!r} must be in {bracket}{low:g}, {high:g}], got {value!r}")
+    return check
+
+
+def all_of(*checks):
+    """One ``check`` running several."""
+    def check(opts: dict) -> None:
+        for c in checks:
+            c(opts)
+    return check
 
 
 # Options every pre-LLM method accepts.

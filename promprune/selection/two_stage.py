@@ -5,13 +5,15 @@ Registered here: ``promprune`` (adaptive split from a prominence metric), ``fixe
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .budget import fixed_split, split_budget
 from .diversity import dpp_greedy, facility_location, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
 from .kernels import ranks_to_mask, stable_descending_order
-from .registry import Selection, TokenSet, register_method
+from .registry import Selection, TokenSet, in_range, register_method
 
 # mu = 0.42 was calibrated for CLIP encoders on the spectral entropy (Qwen2.5-VL's encoder: 0.5744, set by its
 # adapter); tau = 0.02 makes the sigmoid go from 12% to 88% coverage over H in mu +- 0.04.
@@ -81,12 +83,11 @@ def prominence(tokens: TokenSet, metric: str) -> torch.Tensor:
     "promprune", needs_saliency=True,
     options={"mu": DEFAULT_MU, "tau": DEFAULT_TAU, "metric": "spectral", "rounding": "half_even",
              "saliency_ratio_range": (0.0, 1.0), **_STAGE_OPTIONS},
-    choices={"metric": METRICS, "rounding": ("half_even", "floor"), **_STAGE_CHOICES})
+    choices={"metric": METRICS, "rounding": ("half_even", "floor"), **_STAGE_CHOICES},
+    check=lambda o: (in_range("tau", 0.0, math.inf, low_open=True)(o), _ratio_range(o["saliency_ratio_range"])))
 def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: str, rounding: str,
               saliency_ratio_range, diversity: str, conditional: bool) -> Selection:
     """PromPrune: split the budget by spectral entropy, then saliency top-k + DPP coverage."""
-    if not tau > 0:
-        raise ValueError(f"option 'tau' must be > 0, got {tau!r}")
     kr_min, kr_max = _ratio_range(saliency_ratio_range)
     entropy = prominence(tokens, metric)
     t_sal = split_budget(entropy, budget, mu=mu, tau=tau, ratio_range=(kr_min, kr_max), rounding=rounding)
@@ -105,14 +106,12 @@ def _ratio_range(value) -> tuple[float, float]:
 
 
 def _fixed(tokens: TokenSet, budget: int, ratio: float, method: str, diversity: str, conditional: bool) -> Selection:
-    if not 0.0 <= float(ratio) <= 1.0:
-        raise ValueError(f"option 'saliency_ratio' must be in [0, 1], got {ratio!r}")
     t_sal = fixed_split(tokens.batch, budget, float(ratio), tokens.x.device)
     return two_stage(tokens, budget, t_sal, diversity=diversity, conditional=conditional, method=method)
 
 
 @register_method("fixed_ratio", needs_saliency=True, options={"saliency_ratio": 0.5, **_STAGE_OPTIONS},
-                 choices=_STAGE_CHOICES)
+                 choices=_STAGE_CHOICES, check=in_range("saliency_ratio", 0.0, 1.0))
 def fixed_ratio(tokens: TokenSet, budget: int, *, saliency_ratio: float, diversity: str,
                 conditional: bool) -> Selection:
     """Fixed split: round(saliency_ratio * T) salient tokens, the rest by the diversity selector."""

@@ -50,6 +50,15 @@ def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
     return place(model, dtype=dtype, device_map=device_map, attn_implementation=attn_implementation), processor, {}
 
 
+def _config(arch: str):
+    if arch != ARCH:
+        raise ValueError(f"unknown tiny-easyvqa arch {arch!r}; valid: {ARCH}")
+    return tiny_vlm(ARCH)[0].config  # the trained model keeps the tiny LLaVA's config
+
+
+load.config = _config
+
+
 def cache_path() -> Path:
     return cache_dir() / CACHE_NAME
 

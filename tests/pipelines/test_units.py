@@ -202,7 +202,7 @@ def test_sweep_state_records(tmp_path):
     save_state(storage, {"experiment": "other-20261122-020000", "parent_run_id": "x", "storage_path": storage})
     assert load_state(storage, "nightly", "latest")["parent_run_id"] == "20261121-020000"
     assert load_state(storage, "nightly", "nightly-20261120-020000")["parent_run_id"] == "20261120-020000"
-    with pytest.raises(SystemExit, match="no run 'nightly-1999' of sweep 'nightly'"):
+    with pytest.raises(specs.SpecError, match="no run 'nightly-1999' of sweep 'nightly'"):
         load_state(storage, "nightly", "nightly-1999")
     with pytest.raises(SystemExit, match="found: none"):
         load_state(str(tmp_path / "empty"), "nightly", "latest")

@@ -122,6 +122,14 @@ def load(name: str, *, dtype=None, device_map=None, attn_implementation=None):
     return place(model, attn_implementation=attn_implementation), processor, default_options(name)
 
 
+def _config(name: str):
+    spec = shape_spec(name)
+    return (_qwen if spec["model_type"] == "qwen2_5_vl" else _llava)(spec, None, None)[1]
+
+
+load.config = _config
+
+
 def default_options(name: str) -> dict:
     """Adapter options the paper used with this shape (Qwen2.5-VL: a fixed 1296-token grid)."""
     spec = shape_spec(name)

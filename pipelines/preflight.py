@@ -1,0 +1,101 @@
+"""Checks of a sweep against the world it will run in, before Ray starts and before any MLflow run exists.
+
+`specs.parse` checks a spec by itself (fields, types, methods and option values). `preflight(spec)` checks what
+the spec names: that every task exists, that the model resolves (a factory name, a local checkpoint directory, a
+hub id in the cache or on a reachable hub), that every budget prunes (stays below the visual tokens the model gives
+an image), and that the MLflow store answers and can be written. All problems come back together, in seconds; the
+entry scripts print them as one message without a traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from pipelines import schema
+from pipelines.spec import SpecError, SweepSpec, expand
+
+
+def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
+    """Every problem found, one message each (empty: good to go)."""
+    errors = check_tasks(spec.tasks)
+    errors += check_model(spec.model.pretrained, spec.model.options,
+                          {t.trial_id: t.budget for t in expand(spec) if t.budget is not None})
+    errors += check_store(tracking_uri or schema.tracking_uri())
+    return errors
+
+
+def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = None) -> None:
+    errors = preflight(spec, tracking_uri=tracking_uri)
+    if errors:
+        raise SpecError(errors, source)
+
+
+def check_tasks(tasks: list[str]) -> list[str]:
+    from promprune.eval.tasks import task_manager
+
+    try:
+        task_manager(list(tasks))
+    except ValueError as exc:
+        return [f"tasks: {exc}"]
+    return []
+
+
+def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int]) -> list[str]:
+    """The model resolves, and every budget (by trial id) is below the visual tokens it gives one image."""
+    from promprune.models.adapters import visual_token_capacity
+    from promprune.models.factories import model_config
+
+    try:
+        config = model_config(pretrained)
+    except ValueError as exc:
+        return [f"model.pretrained: {exc}"]
+    capacity = None if config is None else visual_token_capacity(config, adapter_options)
+    if capacity is None:
+        return []
+    return [f"budget: trial {tid} keeps {budget} of the {capacity} visual tokens {pretrained} gives an image, so it "
+            "would run unpruned; use budgets below that" for tid, budget in budgets.items() if budget >= capacity]
+
+
+@contextlib.contextmanager
+def _fail_fast_http():
+    """MLflow retries a dead server for minutes; a probe wants an answer in seconds."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def check_store(uri: str) -> list[str]:
+    """The MLflow store at ``uri`` answers and, for a SQLite file, can be written."""
+    from mlflow.tracking import MlflowClient
+
+    fix = ("set MLFLOW_TRACKING_URI to a store you can write (e.g. sqlite:///mlflow.db in a writable directory) or "
+           "start the server it names (`mlflow server --backend-store-uri sqlite:///mlflow.db`)")
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite":
+        path = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+        if path is not None:
+            target = path if path.exists() else path.parent
+            if not target.exists():
+                return [f"MLflow store {uri}: the directory {path.parent} does not exist; {fix}"]
+            if not os.access(target, os.W_OK):
+                return [f"MLflow store {uri}: {target} is not writable; {fix}"]
+            if not path.exists():
+                return []  # a new store: the directory takes it; checking by opening would create the file
+    elif parsed.scheme in ("", "file"):
+        return [f"MLflow store {uri}: plain file stores are refused by MLflow 3; {fix}"]
+    try:
+        with _fail_fast_http():
+            MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as exc:  # noqa: BLE001 - any failure is reported with its cause
+        first = str(exc).splitlines()[0][:240] if str(exc) else type(exc).__name__
+        return [f"MLflow store {uri} does not answer ({type(exc).__name__}: {first}); {fix}"]
+    return []

@@ -1,0 +1,111 @@
+"""Resuming, interruptions and failures never mix or lose results (reliability scenarios 1, 3, 5 and the SIGKILL
+case): a changed spec is refused on --resume, the printed resume command reproduces the original, a failed trial is
+logged once, an interrupted Tune result without a config does not crash, a dead driver's run is marked KILLED."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from pipelines import schema, sweep, tracking
+from pipelines import spec as specs
+
+from .conftest import assert_clean_error
+
+
+def _state_for(spec: specs.SweepSpec, storage, experiment: str, parent_id: str = "run0", **extra) -> dict:
+    state = {"parent_run_id": parent_id, "storage_path": str(storage), "experiment": experiment,
+             "fingerprint": sweep.fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
+             "command": {"config": "sweeps/rel.yaml", "overrides": ["limit=4", "grid.budget=[8]"]}, **extra}
+    sweep.save_state(str(storage), state)
+    return state
+
+
+def test_resume_refuses_a_changed_spec_and_names_the_changes(scratch, tmp_path, run_main):
+    path = scratch()
+    original = specs.load(path)
+    _state_for(original, tmp_path / "outputs" / "tune", "rel-20261122-000000")
+    proc, _ = run_main("--config", str(path), "--set", "limit=6", "--set", "tasks=[easyvqa_open]",
+                      "--resume", "rel-20261122-000000")
+    assert_clean_error(proc, "the spec differs from the one that run started with", "limit: 4 -> 6",
+                       "tasks: ['easyvqa_yesno'] -> ['easyvqa_open']",
+                       "resume the original with: python pipelines/sweep.py --config sweeps/rel.yaml "
+                       "--set limit=4 --set 'grid.budget=[8]' --resume rel-20261122-000000")
+    assert not (tmp_path / "mlflow.db").exists()  # refused before any MLflow run was touched
+
+
+def test_the_same_spec_resumes(scratch, tmp_path):
+    spec = specs.load(scratch())
+    state = _state_for(spec, tmp_path / "store", "rel-1")
+    sweep.check_resume(spec, state)  # no error
+    changed = specs.load(scratch(), ["grid.mu=[0.3]"])
+    with pytest.raises(specs.SpecError, match=r"grid.mu: '\(unset\)' -> \[0.3\]"):
+        sweep.check_resume(changed, state)
+
+
+def test_a_failed_trial_is_logged_once(scratch):
+    spec = specs.load(scratch())
+    client = tracking.client()
+    parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
+    recorder = sweep.SweepRecorder(spec, parent, 1)
+    trial = specs.expand(spec)[1].to_dict()
+    recorder.record_error(trial, "RuntimeError: boom")  # Tune's callback ...
+    recorder.record_error(trial, "RuntimeError: boom")  # ... and the final reconcile
+    runs = client.search_runs([client.get_run(parent).info.experiment_id],
+                              filter_string=schema.tag_filter(schema.PARENT, parent))
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_reconcile_skips_results_tune_never_started():
+    """Ctrl-C under load once ended in TypeError: 'NoneType' object is not subscriptable."""
+    recorder = SimpleNamespace(records={})
+    trial = {"trial_id": "t1", "method": None, "budget": None, "options": {}}
+    grid = [SimpleNamespace(config=None, error=None, checkpoint=None),
+            SimpleNamespace(config={}, error=None, checkpoint=None)]
+    with pytest.raises(sweep.SweepInterrupted, match="1 trial\\(s\\) did not finish: baseline"):
+        sweep._reconcile(recorder, grid, [specs.Trial.from_dict(trial)])
+
+
+def test_a_dead_drivers_run_is_marked_killed_on_the_next_start(scratch, tmp_path):
+    spec = specs.load(scratch())
+    client = tracking.client()
+    parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free again: a driver that was SIGKILLed
+    storage = tmp_path / "store"
+    _state_for(spec, storage, "rel-1", parent, driver={"host": socket.gethostname(), "pid": dead.pid})
+    alive_parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
+    _state_for(spec, storage, "rel-2", alive_parent, driver={"host": socket.gethostname(), "pid": 1})
+
+    assert sweep.mark_dead_runs(client, str(storage), spec.name) == ["rel-1"]
+    run = client.get_run(parent)
+    assert run.info.status == "KILLED"
+    assert "died without finishing" in run.data.tags[schema.INTERRUPTED]
+    assert "--resume rel-1" in run.data.tags[schema.INTERRUPTED]
+    assert client.get_run(alive_parent).info.status == "RUNNING"  # pid 1 is alive: left alone
+    assert sweep.mark_dead_runs(client, str(storage), spec.name) == []  # once
+
+
+def test_state_records_what_resume_needs(scratch, tmp_path):
+    spec = specs.load(scratch())
+    state = _state_for(spec, tmp_path / "store", "rel-9")
+    saved = json.loads((tmp_path / "store" / sweep.STATE_DIR / "rel-9.json").read_text())
+    assert saved["fingerprint"] == sweep.fingerprint(spec) and saved["command"] == state["command"]
+    assert sweep.resume_command(saved).endswith("--resume rel-9")
+
+
+def test_stale_ray_address_fails_in_seconds(monkeypatch, tmp_path):
+    from pipelines import evaluate
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(evaluate.RayUnreachable, match="127.0.0.1:1 \\(RAY_ADDRESS\\) does not answer"):
+        evaluate.connect(None)
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    assert evaluate._recorded_head() == "127.0.0.1:1" and not evaluate._answers("127.0.0.1:1")
