@@ -204,5 +204,5 @@ def test_sweep_state_records(tmp_path):
     assert load_state(storage, "nightly", "nightly-20261120-020000")["parent_run_id"] == "20261120-020000"
     with pytest.raises(specs.SpecError, match="no run 'nightly-1999' of sweep 'nightly'"):
         load_state(storage, "nightly", "nightly-1999")
-    with pytest.raises(SystemExit, match="found: none"):
+    with pytest.raises(specs.SpecError, match="found: none"):
         load_state(str(tmp_path / "empty"), "nightly", "latest")
