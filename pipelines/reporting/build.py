@@ -100,7 +100,7 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
 def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
     _write_csv(tables.score_table_csv(table), out_dir / "scores.csv", report)
     note = ("Rel.: each benchmark's score over the unpruned model's, averaged over benchmarks. "
-            "Bold: best per token budget. Units: MME points (perception + cognition), the rest percent.")
+            "Bold: best per token budget. Units: MME points (perception), the rest percent.")
     if comparison is not None and not comparison.empty:
         note += " Rows marked ↳ paper: the published numbers, with our delta."
     return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"

@@ -1,7 +1,7 @@
 """Which logged metric stands for each benchmark in a table, and how it is shown.
 
 The pipeline logs every lmms-eval metric as `<task>/<metric>`. A paper table shows one number per benchmark,
-in the paper's unit: MME as perception + cognition (points, up to 2800), the rest in percent. Rel. divides by
+in the paper's unit: MME as its perception score (points, up to 2000), the rest in percent. Rel. divides by
 the unpruned model's number, so the unit cancels there.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from promprune.eval.tasks import PRIMARY_METRICS
 class TaskColumn:
     task: str  # lmms-eval task name, as in the spec's `tasks`
     label: str  # the paper's column header
-    metrics: tuple  # logged metric names (without the task prefix), summed: MME is perception + cognition
+    metrics: tuple  # logged metric names (without the task prefix), summed (one for every paper benchmark)
     scale: float = 100.0  # to the paper's unit: lmms-eval reports fractions for most tasks, the paper percent
     decimals: int = 1
 

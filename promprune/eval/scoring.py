@@ -149,7 +149,8 @@ def score(
 
 
 def primary_score(task: str, metrics: dict[str, float], primary: dict | None = None) -> float:
-    """The number a paper table shows for ``task``: the sum of its primary metrics (MME: perception + cognition)."""
+    """The number a paper table shows for ``task``: the sum of its primary metrics (one metric for every paper task;
+    MME is its perception score)."""
     names = (primary or PRIMARY_METRICS).get(task)
     if names is None:
         raise ValueError(f"no primary metric known for task {task!r}; pass primary={{{task!r}: (metric,)}}")

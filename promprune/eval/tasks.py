@@ -30,7 +30,8 @@ _YESNO = ("yes", "no")
 
 # The paper's benchmarks -> lmms-eval task names, and the metric each one reports (Rel. averages their ratios).
 # MMBench: the regex-scored `_static` dev variant (the plain one needs a GPT judge). POPE: F1, as LLaVA-1.5 and the
-# token-pruning papers report it (85.9 for LLaVA-1.5-7B). MME: perception + cognition, summed.
+# token-pruning papers report it (85.9 for LLaVA-1.5-7B). MME: the perception score, as the paper's tables print it
+# (LLaVA-1.5-7B: 1507.0); cognition is logged beside it but is not part of the table or of Rel.
 PAPER_TASKS = {
     "MME": "mme",
     "POPE": "pope",
@@ -43,7 +44,7 @@ PAPER_TASKS = {
     "MM-Vet": "mmvet",
 }
 PRIMARY_METRICS: dict[str, tuple[str, ...]] = {
-    "mme": ("mme_perception_score", "mme_cognition_score"),
+    "mme": ("mme_perception_score",),
     "pope": ("pope_f1_score",),
     "mmbench_en_dev_static": ("gpt_eval_score",),
     "mmbench_en_dev": ("gpt_eval_score",),

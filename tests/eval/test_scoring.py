@@ -155,7 +155,7 @@ def test_easyvqa_scores_against_naive_count():
 def test_relative_score_hand_worked():
     ours = {"mme": {"mme_perception_score": 125.0, "mme_cognition_score": 50.0}, "pope": {"pope_f1_score": 0.8}}
     base = {"mme": {"mme_perception_score": 150.0, "mme_cognition_score": 100.0}, "pope": {"pope_f1_score": 0.9}}
-    assert relative_score(ours, base) == pytest.approx((175 / 250 + 0.8 / 0.9) / 2)
+    assert relative_score(ours, base) == pytest.approx((125 / 150 + 0.8 / 0.9) / 2)  # MME: perception only
     assert relative_score(base, base) == pytest.approx(1.0)
     with pytest.raises(ValueError, match=r"lacks task\(s\) \['pope'\]"):
         relative_score(ours, {"mme": base["mme"]})
