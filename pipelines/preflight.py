@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from pipelines import schema
+from pipelines.calibration import check_source, metrics_to_calibrate
 from pipelines.spec import SpecError, SweepSpec, expand
 
 
@@ -23,6 +24,9 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
     errors += check_model(spec.model.pretrained, spec.model.options,
                           {t.trial_id: t.budget for t in expand(spec) if t.budget is not None})
     errors += check_store(tracking_uri or schema.tracking_uri())
+    if metrics_to_calibrate(expand(spec)):
+        problem = check_source(spec.calibration.images)
+        errors += [problem] if problem else []
     return errors
 
 

@@ -27,6 +27,7 @@ import yaml
 from promprune.naming import AUTO as AUTO_DTYPE
 from promprune.naming import CANONICAL_DTYPES, did_you_mean
 
+from pipelines.calibration import CALIBRATE, Calibration, metrics_to_calibrate
 from pipelines.config import AUTO, Resources
 from pipelines.weights import ModelSource
 
@@ -73,6 +74,7 @@ class SweepSpec:
     trials: list = field(default_factory=list)
     generation: dict = field(default_factory=lambda: {"max_new_tokens": 16})  # short answers: VQA is one word
     resources: Resources = field(default_factory=Resources)
+    calibration: Calibration = field(default_factory=Calibration)  # images for trials with mu: calibrate
     tune: TuneSpec = field(default_factory=TuneSpec)
 
     def to_dict(self) -> dict:
@@ -86,7 +88,7 @@ class SweepSpec:
         return out
 
 
-SECTIONS = {"model": ModelSource, "resources": Resources, "tune": TuneSpec}
+SECTIONS = {"model": ModelSource, "resources": Resources, "tune": TuneSpec, "calibration": Calibration}
 TOP_LEVEL = [f.name for f in dataclasses.fields(SweepSpec)] + ["include"]
 REQUIRED = ("name", "version")
 
@@ -99,21 +101,25 @@ class Trial:
     budget: int | None
     options: dict = field(default_factory=dict)
     repeat: int = 0  # grid search with num_samples > 1 runs each trial several times
+    tasks: tuple | None = None  # an explicit trial may run on a subset of the spec's tasks (Table 4); None: all
 
     @property
     def trial_id(self) -> str:
-        return trial_id(self.method, self.budget, self.options, self.repeat)
+        return trial_id(self.method, self.budget, self.options, self.repeat, self.tasks)
 
     def to_dict(self) -> dict:
         return {"method": self.method, "budget": self.budget, "options": dict(self.options), "repeat": self.repeat,
-                "trial_id": self.trial_id}
+                "tasks": None if self.tasks is None else list(self.tasks), "trial_id": self.trial_id}
 
     @staticmethod
     def from_dict(d: dict) -> "Trial":
-        return Trial(d["method"], d["budget"], dict(d.get("options") or {}), int(d.get("repeat", 0)))
+        tasks = d.get("tasks")
+        return Trial(d["method"], d["budget"], dict(d.get("options") or {}), int(d.get("repeat", 0)),
+                     None if tasks is None else tuple(tasks))
 
 
-def trial_id(method: str | None, budget: int | None, options: dict, repeat: int = 0) -> str:
+def trial_id(method: str | None, budget: int | None, options: dict, repeat: int = 0,
+             tasks: tuple | None = None) -> str:
     """Stable readable id, e.g. `promprune-b16-mu=0.4-tau=0.02`; `baseline` for the unpruned model.
 
     The same configuration gets the same id in every sweep, so nightly runs can be compared trial by trial.
@@ -123,12 +129,15 @@ def trial_id(method: str | None, budget: int | None, options: dict, repeat: int 
         parts = ["baseline"]
     else:
         parts = [method, f"b{budget}"] + [f"{k}={_short(v)}" for k, v in sorted(options.items())]
+    if tasks:
+        parts.append(f"on={'+'.join(tasks)}")
     if repeat:
         parts.append(f"r{repeat}")
     tid = "-".join(parts)
     max_len = 80  # MLflow tag values are fine with more, but run names and Tune dirs stay readable
     if len(tid) > max_len:
-        digest = hashlib.sha1(json.dumps([method, budget, options, repeat], sort_keys=True, default=str).encode())
+        key = [method, budget, options, repeat] + ([list(tasks)] if tasks else [])
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode())
         tid = f"{tid[:max_len - 9]}-{digest.hexdigest()[:8]}"
     return tid
 
@@ -414,6 +423,15 @@ def _parse_trials(spec: SweepSpec, raw: dict, errors: list[str]) -> None:
         for key in ("method", "budget"):
             if isinstance(t.get(key), (list, dict)):
                 errors.append(f"trials[{i}].{key}: explicit trials take one value, got {t[key]!r} (use grid: for lists)")
+        if "tasks" in t:
+            sub_tasks = t["tasks"]
+            if not isinstance(sub_tasks, list) or not sub_tasks or not all(isinstance(x, str) for x in sub_tasks):
+                errors.append(f"trials[{i}].tasks: expected a non-empty list of the spec's task names, got {sub_tasks!r}")
+            else:
+                extra = [x for x in sub_tasks if x not in spec.tasks]
+                if extra:
+                    errors.append(f"trials[{i}].tasks: {extra} not in the spec's tasks {spec.tasks} (a trial runs on "
+                                  "a subset of them)")
     spec.trials = list(trials)
 
 
@@ -486,9 +504,19 @@ def check_trials(spec: SweepSpec) -> list[str]:
         if trial.method is not None and (not _type_ok(trial.budget, int) or trial.budget < 1):
             errors.append(f"budget: expected an int >= 1, got {trial.budget!r} (trial {trial.trial_id})")
             continue
-        problem = catalog.validate(trial.method, trial.budget, trial.options, adapter_options)
+        options = dict(trial.options)
+        if options.get("mu") == CALIBRATE:  # a number after calibration: check the rest with a stand-in
+            options["mu"] = 0.5
+        problem = catalog.validate(trial.method, trial.budget, options, adapter_options)
         if problem:
             errors.append(f"trial {trial.trial_id}: {problem}")
+    if metrics_to_calibrate(expand(spec, catalog=catalog)):
+        cal = spec.calibration
+        if not cal.images or not isinstance(cal.images, str):
+            errors.append("calibration.images: required when a trial sets mu: calibrate (a folder of images, or "
+                          "hf:<dataset id>)")
+        if not isinstance(cal.n, int) or isinstance(cal.n, bool) or cal.n < 1:
+            errors.append(f"calibration.n: expected an int >= 1, got {cal.n!r}")
     return list(dict.fromkeys(errors))  # one adapter-option problem repeats in every trial: report it once
 
 
@@ -517,10 +545,11 @@ def expand(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> list[Tri
     candidates = [dict(c) for c in combos] + [dict(t) for t in spec.trials]
     for combo in candidates:
         method, budget = combo.pop("method"), combo.pop("budget")
+        tasks = combo.pop("tasks", None)
         accepted = catalog.options(method)
         options = {k: v for k, v in combo.items() if accepted is None or k in accepted}
         for r in range(repeats):
-            trial = Trial(method, budget, options, r)
+            trial = Trial(method, budget, options, r, None if tasks is None else tuple(tasks))
             if trial.trial_id not in seen:
                 seen.add(trial.trial_id)
                 out.append(trial)

@@ -46,7 +46,7 @@ from ray import tune
 
 from promprune.records import Request
 
-from pipelines import preflight, schema
+from pipelines import calibration, preflight, schema
 from pipelines import spec as specs
 from pipelines import tracking
 from pipelines.schema import REL
@@ -97,9 +97,12 @@ def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) ->
 
 
 def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict], settings: dict,
-              run_fn: Callable | None = None) -> None:
+              run_fn: Callable | None = None, calibrated: dict | None = None) -> None:
     """Evaluate one trial on Ray Data and report metrics plus a checkpoint holding predictions and scores."""
     trial = specs.Trial.from_dict(config["trial"])
+    trial = dataclasses.replace(trial, options=calibration.apply(trial.options, calibrated or {}))
+    if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
+        rows = rows.only(trial.tasks) if isinstance(rows, Requests) else [r for r in rows if r.task in trial.tasks]
     started = time.time()
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
     result = evaluate(cfg, rows, run_fn=run_fn)
@@ -152,8 +155,9 @@ def _error_text(trial) -> str:
 class SweepRecorder:
     """Logs each finished trial as an MLflow child run (once), with Rel. as soon as the baseline is known."""
 
-    def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int):
+    def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int, calibrated: dict | None = None):
         self.sweep, self.parent_id, self.n_trials = sweep, parent_id, n_trials
+        self.calibrated = calibrated or {}
         self.client = tracking.client()
         self.logged: dict[str, str] = {tid: r.info.run_id for tid, r in tracking.trial_runs(self.client,
                                                                                             parent_id).items()}
@@ -213,7 +217,12 @@ class SweepRecorder:
         return True
 
     def _params(self, trial: dict) -> dict:
-        return tracking.trial_params(self.sweep.model.pretrained, trial, self.sweep.tasks, self.sweep.model.options)
+        options = trial.get("options") or {}
+        used = calibration.apply(options, self.calibrated)
+        if used is not options:  # the mu the trial actually used, and where it came from
+            trial = {**trial, "options": {**used, "mu_source": "calibration"}}
+        return tracking.trial_params(self.sweep.model.pretrained, trial, trial.get("tasks") or self.sweep.tasks,
+                                     self.sweep.model.options)
 
     def _progress(self, rec: dict) -> None:
         done = len(self.records)
@@ -454,10 +463,12 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     else:
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
+    if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
+        state["calibrated"] = calibrate(spec, trials, source, plan, client, parent_id)
     save_state(storage, {**state, "driver": driver})
-    recorder = SweepRecorder(spec, parent_id, len(trials))
+    recorder = SweepRecorder(spec, parent_id, len(trials), calibrated=state["calibrated"])
     _LIVE_RECORDERS[parent_id] = recorder
-    trainable = _trainable(source, rows, spec, plan, run_fn)
+    trainable = _trainable(source, rows, spec, plan, run_fn, state["calibrated"])
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     try:
         tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=resume is not None)
@@ -482,10 +493,32 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path)
 
 
-def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn):
+def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: Plan, client, parent_id: str) -> dict:
+    """The median of each prominence metric that a `mu: calibrate` trial needs, measured with the sweep's model on
+    the calibration images (one Ray task, on a GPU when the cluster has one); logged on the parent run."""
+    metrics = calibration.metrics_to_calibrate(trials)
+    if not metrics:
+        return {}
+    t0 = time.perf_counter()
+    budget = min(t.budget for t in trials if t.options.get("mu") == calibration.CALIBRATE)
+    task = ray.remote(num_cpus=1, num_gpus=plan.gpus_per_worker if plan.cluster_gpus > 0 else 0)(calibration.run)
+    found = ray.get(task.remote(source, spec.calibration, metrics, budget))
+    medians = {m: round(float(r["median"]), 4) for m, r in found.items()}
+    tracking.log_metrics(client, parent_id, {f"calibration/median_{m}": v for m, v in medians.items()})
+    client.log_param(parent_id, "calibration_images", f"{spec.calibration.images} (n={spec.calibration.n}, "
+                                                      f"seed={spec.calibration.seed})")
+    client.log_dict(parent_id, {m: r["values"] for m, r in found.items()}, "calibration_values.json")
+    print(f"mu calibrated on {found[metrics[0]]['n']} images ({time.perf_counter() - t0:.1f}s): "
+          + ", ".join(f"{m} median {v:.4f}" for m, v in medians.items()), flush=True)
+    return medians
+
+
+def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn,
+               calibrated: dict):
     settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, progress_bars=False,
                     resources=dataclasses.replace(spec.resources, workers=plan.workers))
-    fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn)
+    fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn,
+                              calibrated=calibrated)
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 

@@ -29,8 +29,8 @@ EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
     ("efficiency/visual_tokens", "Visual tokens", 0),
     ("efficiency/prefill_tflops", "Prefill TFLOPs", 2),
     ("efficiency/kv_cache_mb", "KV cache (MB)", 1),
-    ("efficiency/prefill_ms", "Prefill (ms)", 1),
-    ("efficiency/peak_mem_mb", "Peak memory (MB)", 0),
+    ("efficiency/prefill_ms", "Prefill (ms, vision + selection + LLM)", 1),
+    ("efficiency/peak_mem_gb", "Peak memory (GB)", 2),
 ]
 
 

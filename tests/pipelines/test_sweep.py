@@ -77,7 +77,8 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
         assert metrics["samples/total"] == 2 * LIMIT and metrics["samples/failed"] == 0
         for key in ("easyvqa_yesno/accuracy", "easyvqa_yesno/f1", "easyvqa_open/exact_match",
                     "efficiency/prefill_tflops", "efficiency/kv_cache_mb", "efficiency/prefill_ms",
-                    "efficiency/peak_mem_mb", "efficiency/visual_tokens", "t_sal/mean", "t_sal/median"):
+                    "efficiency/peak_mem_gb", "efficiency/visual_tokens", "t_sal/mean", "t_sal/median",
+                    "efficiency/vision_ms", "efficiency/select_ms", "efficiency/llm_prefill_ms"):
             assert key in metrics, (tid, key)
         assert metrics["efficiency/visual_tokens"] == (36 if method is None else 8)  # tiny LLaVA: 6x6 grid
         assert ("entropy/mean" in metrics) == (method == "promprune")  # only PromPrune measures prominence
@@ -87,6 +88,8 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
         assert list(frame.columns) == PREDICTION_SCHEMA.names  # the records' schema, declared once
         assert pq.read_schema(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir))) \
             .remove_metadata() == PREDICTION_SCHEMA
+        total = (frame["vision_ms"] + frame["select_ms"] + frame["prefill_ms"]).mean()  # Table 6's prefill
+        assert metrics["efficiency/prefill_ms"] == pytest.approx(total)
         _check_against_plain_generation(frame, rows, method)
         _check_kv_cache_by_hand(metrics, method)
 

@@ -59,7 +59,8 @@ def test_summarize_hand_values():
     assert m["entropy/mean"] == pytest.approx(0.4) and m["entropy/median"] == pytest.approx(0.4)
     assert m["t_sal/mean"] == 4 and m["t_sal/median"] == 4
     assert m["efficiency/prefill_tflops"] == pytest.approx(3.0) and m["efficiency/kv_cache_mb"] == pytest.approx(3.0)
-    assert m["efficiency/prefill_ms"] == 20.0 and m["efficiency/peak_mem_mb"] == 300.0
+    assert m["efficiency/llm_prefill_ms"] == 20.0 and m["efficiency/peak_mem_gb"] == pytest.approx(300 / 1024)
+    assert math.isnan(m["efficiency/prefill_ms"])  # vision and selection times not given: no total
     assert m["efficiency/visual_tokens"] == 8
 
 

@@ -13,9 +13,11 @@ TABLE1_TASKS = ["mme", "pope", "mmbench_en_dev_static", "textvqa_val", "scienceq
                 "vizwiz_vqa_val", "mmvet"]
 TABLE2_TASKS = ["mme", "pope", "mmbench_en_dev_static", "scienceqa_img", "gqa"]
 PAPER_SPECS = ["table1_llava15", "table2_llava_next", "table3_qwen25vl", "table4_adaptive_vs_fixed",
-               "fig5_entropy_metric", "table5_diversity", "fig6_mu_tau", "fig1a_saliency_ratio",
-               "figA1_saliency_ratio_budgets", "table6_efficiency", "figC1_entropy_distribution",
-               "mu_calibration_entropy", "mu_calibration_grid"]
+               "fig4_entropy_metric", "table5_diversity", "fig5_mu_tau", "fig1a_saliency_ratio",
+               "figA1_saliency_ratio", "table6_efficiency", "figC1_entropy_distribution", "mu_calibration",
+               "mu_calibration_grid", "table2_llava_next_extended", "table3_qwen25vl_extended",
+               "table5_diversity_extended", "table6_efficiency_extended"]
+PAPER_BASELINES = ["vispruner", "divprune"]  # what Tables 2, 3 and 6 compare PromPrune with
 
 
 def trials_of(name):
@@ -34,15 +36,18 @@ def test_spec_validates_and_is_named_after_its_file(name):
     assert loaded.name == name and trials
 
 
-@pytest.mark.parametrize("name,model,tasks,budgets", [
-    ("table1_llava15", "llava-hf/llava-1.5-7b-hf", TABLE1_TASKS, [128, 64, 32]),
-    ("table2_llava_next", "llava-hf/llava-v1.6-vicuna-7b-hf", TABLE2_TASKS, [640, 320, 160]),
-    ("table3_qwen25vl", "Qwen/Qwen2.5-VL-7B-Instruct", TABLE2_TASKS, [512, 256, 128]),
+@pytest.mark.parametrize("name,model,tasks,budgets,methods", [
+    ("table1_llava15", "llava-hf/llava-1.5-7b-hf", TABLE1_TASKS, [128, 64, 32], BASELINES),
+    ("table2_llava_next", "llava-hf/llava-v1.6-vicuna-7b-hf", TABLE2_TASKS, [640, 320, 160], PAPER_BASELINES),
+    ("table3_qwen25vl", "Qwen/Qwen2.5-VL-7B-Instruct", TABLE2_TASKS, [512, 256, 128], PAPER_BASELINES),
+    ("table2_llava_next_extended", "llava-hf/llava-v1.6-vicuna-7b-hf", TABLE2_TASKS, [640, 320, 160], BASELINES),
+    ("table3_qwen25vl_extended", "Qwen/Qwen2.5-VL-7B-Instruct", TABLE2_TASKS, [512, 256, 128], BASELINES),
 ])
-def test_main_tables_compare_promprune_with_every_baseline(name, model, tasks, budgets):
+def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets, methods):
     loaded, trials = trials_of(name)
     assert loaded.model.pretrained == model and loaded.tasks == tasks and loaded.baseline
-    for method in ["promprune"] + BASELINES:
+    assert {t.method for t in trials if t.method} == {"promprune", *methods}
+    for method in ["promprune"] + methods:
         assert grid(trials, method) == {(b, ()) for b in budgets}, method
     assert sum(t.method is None for t in trials) == 1
 
@@ -52,22 +57,44 @@ def test_qwen_runs_at_a_fixed_1296_tokens():
     assert loaded.model.options == {"image_tokens": 1296}
 
 
-def test_ablations():
-    _, t4 = trials_of("table4_adaptive_vs_fixed")
-    assert grid(t4, "promprune") == {(64, ())}
-    assert len(grid(t4, "fixed_ratio")) == 19
-    _, f5 = trials_of("fig5_entropy_metric")
-    assert {dict(o)["metric"] for _, o in grid(f5, "promprune")} == {"spectral", "feature_norm", "attention"}
-    _, t5 = trials_of("table5_diversity")
+def test_table4_runs_each_benchmark_at_its_own_mean_t_sal():
+    loaded, trials = trials_of("table4_adaptive_vs_fixed")
+    assert loaded.tasks == ["mmbench_en_dev_static", "textvqa_val", "gqa", "scienceqa_img", "pope"] and loaded.baseline
+    assert grid(trials, "promprune") == {(64, ())}
+    fixed = {t.tasks: t.options["saliency_ratio"] * 64 for t in trials if t.method == "fixed_ratio"}
+    assert fixed == {("mmbench_en_dev_static",): 33, ("textvqa_val",): 17, ("gqa",): 13, ("scienceqa_img",): 40,
+                     ("pope",): 12}  # the paper's printed mean T_sal per benchmark
+
+
+def test_ablations_run_the_papers_settings():
+    loaded, t5 = trials_of("table5_diversity")
+    assert loaded.tasks == ["pope", "mme", "scienceqa_img", "mmbench_en_dev_static", "gqa"] and not loaded.baseline
     assert {(b, dict(o)["diversity"]) for b, o in grid(t5, "promprune")} == {
-        (b, d) for b in (128, 64, 32) for d in ("dpp", "fps", "facility_location")}
-    _, f6 = trials_of("fig6_mu_tau")
-    assert len(grid(f6, "promprune")) == 7 * 4 and grid(f6, "vispruner") == {(64, ())}
-    _, f1 = trials_of("fig1a_saliency_ratio")
-    assert sorted(dict(o)["saliency_ratio"] for _, o in grid(f1, "fixed_ratio")) == pytest.approx(
-        [0.1 * k for k in range(1, 10)])
+        (64, d) for d in ("dpp", "fps", "facility_location")}
+    loaded, f4 = trials_of("fig4_entropy_metric")
+    assert loaded.tasks == ["mme", "pope", "gqa"]
+    arms = {dict(o).get("metric", "spectral"): dict(o).get("mu") for _, o in grid(f4, "promprune")}
+    assert arms == {"spectral": None, "feature_norm": "calibrate", "attention": "calibrate"}  # per-metric mu
+    assert loaded.calibration.images and loaded.calibration.n == 1000
+    loaded, f5 = trials_of("fig5_mu_tau")
+    assert loaded.tasks == ["scienceqa_img", "pope", "gqa"]
+    assert len(grid(f5, "promprune")) == 7 * 4 and grid(f5, "vispruner") == {(64, ())}
+    for name, tasks in [("fig1a_saliency_ratio", ["pope", "scienceqa_img"]),
+                        ("figA1_saliency_ratio", ["mmbench_en_dev_static", "textvqa_val", "gqa"])]:
+        loaded, f1 = trials_of(name)
+        assert loaded.tasks == tasks
+        assert sorted(dict(o)["saliency_ratio"] for _, o in grid(f1, "fixed_ratio")) == pytest.approx(
+            [0.1 * k for k in range(1, 10)])
+        assert {b for b, _ in grid(f1, "fixed_ratio")} == {64} and grid(f1, "promprune") == {(64, ())}
     _, t6 = trials_of("table6_efficiency")
+    assert {t.method for t in t6} == {None, "promprune", "vispruner", "divprune"}
     assert {t.budget for t in t6 if t.method} == {320}
+
+
+def test_mu_is_calibrated_on_pretraining_images_not_benchmarks():
+    loaded, trials = trials_of("mu_calibration")
+    assert {t.options.get("mu") for t in trials if t.method == "promprune"} == {"calibrate"}
+    assert loaded.calibration.images and loaded.calibration.n == 1000
 
 
 def test_table6_measures_latency_one_sample_at_a_time():

@@ -1,0 +1,81 @@
+"""mu: calibrate — the median prominence over calibration images, measured with the sweep's model."""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipelines import calibration
+from pipelines import spec as specs
+from pipelines.weights import ModelSource
+from promprune.models.testing import tiny_vlm
+from promprune.selection.entropy import feature_norm_entropy, spectral_entropy
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    """Real photographs from scikit-image (offline) plus a nested one and a non-image file."""
+    from skimage import data
+
+    folder = tmp_path / "pretrain"
+    (folder / "part2").mkdir(parents=True)
+    photos = {"astronaut": data.astronaut(), "coffee": data.coffee(), "chelsea": data.chelsea(),
+              "rocket": data.rocket(), "hubble": data.hubble_deep_field()}
+    for i, (name, pixels) in enumerate(photos.items()):
+        target = folder / "part2" if i == 4 else folder
+        Image.fromarray(np.asarray(pixels)).convert("RGB").save(target / f"{name}.jpg")
+    (folder / "README.txt").write_text("not an image")
+    return folder
+
+
+def _reference(images, metric):
+    """Independent of PrunedVLM: the processor, plain get_image_features (LLaVA drops CLS: 'default'), the metric."""
+    model, processor = tiny_vlm("llava")
+    values = []
+    for image in images:
+        pixels = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            feats = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+        feats = feats[0][None]  # one image: [1, 36, d]
+        fn = spectral_entropy if metric == "spectral" else feature_norm_entropy
+        values.append(float(fn(feats)[0]))
+    return values
+
+
+@pytest.mark.parametrize("metric", ["spectral", "feature_norm"])
+def test_median_equals_an_independent_computation(image_folder, metric):
+    cal = calibration.Calibration(images=str(image_folder), n=1000, batch_size=2)
+    found = calibration.run(ModelSource("tiny:llava"), cal, [metric], budget=8)[metric]
+    expected = _reference(calibration.load_images(cal), metric)
+    assert found["n"] == 5
+    np.testing.assert_allclose(found["values"], expected, rtol=1e-5, atol=1e-6)
+    assert found["median"] == pytest.approx(statistics.median(expected))
+
+
+def test_images_are_sampled_reproducibly(image_folder):
+    a = calibration.load_images(calibration.Calibration(images=str(image_folder), n=3, seed=1))
+    b = calibration.load_images(calibration.Calibration(images=str(image_folder), n=3, seed=1))
+    assert len(a) == 3 and [np.asarray(x).sum() for x in a] == [np.asarray(x).sum() for x in b]
+
+
+def test_apply_replaces_only_calibrate():
+    assert calibration.apply({"mu": "calibrate", "metric": "attention"}, {"attention": 0.81}) == {
+        "mu": 0.81, "metric": "attention"}
+    assert calibration.apply({"mu": 0.42}, {"spectral": 0.5}) == {"mu": 0.42}
+    with pytest.raises(ValueError, match="measured \\['spectral'\\]"):
+        calibration.apply({"mu": "calibrate", "metric": "attention"}, {"spectral": 0.5})
+
+
+def test_spec_needs_images_when_a_trial_calibrates(image_folder, tmp_path):
+    raw = {"name": "c", "version": 1, "grid": {"method": "promprune", "budget": 8, "mu": "calibrate"}}
+    with pytest.raises(specs.SpecError, match="calibration.images: required"):
+        specs.parse(raw)
+    parsed = specs.parse({**raw, "calibration": {"images": str(image_folder), "n": 4}})
+    assert calibration.metrics_to_calibrate(specs.expand(parsed)) == ["spectral"]
+    assert calibration.check_source(str(image_folder)) is None
+    assert "is not a folder" in calibration.check_source(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    assert "holds no image" in calibration.check_source(str(tmp_path / "empty"))
