@@ -43,7 +43,7 @@ class VisualItem:
     newline: torch.Tensor | None = None
 
     def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline_rows: bool = False):
-        """LLM features for candidates ``kept [M]`` (ascending): ``(features [M', d], run positions [M'])``.
+        """LLM features for candidates ``kept [M]`` in that order: ``(features [M', d], run positions [M'])``.
 
         ``merged [M, d]`` replaces the kept candidates' features (token-merging methods). With ``newline_rows``
         the newline of every row holding a kept token is inserted at its place (M' >= M).

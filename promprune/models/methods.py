@@ -23,8 +23,29 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # Qwen2.5-VL: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a square.
     # None keeps the processor's resolution-dependent count.
     "image_tokens": None,
+    # The order of the kept tokens in the LLM's input (pre-LLM methods; each token keeps its own position embedding
+    # on Qwen2.5-VL, its place in the sequence on LLaVA): "raster" (ascending grid index: spatial order), "selection"
+    # (as picked: salient by descending saliency, then coverage in pick order), "stages" (salient tokens ascending,
+    # then the rest ascending), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
+    "token_order": "raster",
 }
-ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views"), "image_newline": ("drop", "rows")}
+ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views"), "image_newline": ("drop", "rows"),
+                   "token_order": ("raster", "selection", "stages", "released")}
+
+# The token order of each method's released code (read in the authors' repositories; README: "What each method
+# feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip
+# emits its dominant tokens in index order, then its contextual ones; DivPrune, VisPruner, FastV and SparseVLM
+# re-sort to index order. Methods not listed (our ablations of PromPrune's stages) follow PromPrune.
+RELEASED_ORDER = {"promprune": "selection", "fixed_ratio": "selection", "saliency_only": "selection",
+                  "coverage_only": "selection", "visionzip": "stages", "divprune": "raster", "vispruner": "raster",
+                  "random": "raster"}
+
+
+def token_order(method: str | None, option: str) -> str:
+    """The order the adapter feeds the kept tokens in: ``option``, with "released" resolved for ``method``."""
+    if option != "released":
+        return option
+    return RELEASED_ORDER.get(method, "raster")
 
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
 DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744}
@@ -54,6 +75,9 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         if adapter[key] not in allowed:
             raise ValueError(f"option {key!r} must be one of {list(allowed)}, got {adapter[key]!r}")
     _check_image_tokens(adapter["image_tokens"])
+    if adapter["image_newline"] == "rows" and token_order(method, adapter["token_order"]) != "raster":
+        raise ValueError("option image_newline='rows' places each row's newline after the row's kept tokens, which "
+                         "needs token_order 'raster'; use image_newline='drop' with another token order")
     if method is None:
         if budget is not None or options:
             raise ValueError(f"method=None (unpruned) takes no budget or method options; got budget={budget!r}, "

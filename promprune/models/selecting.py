@@ -21,7 +21,7 @@ from .adapters import VisualItem
 
 @dataclass
 class ItemSelection:
-    """``kept [M]`` candidate indices (ascending), ``merged [M, d]`` or None, ``saliency_count``, ``entropy``,
+    """``kept [M]`` candidate indices (in the LLM's order), ``merged [M, d]`` or None, ``saliency_count``, ``entropy``,
     ``salient [S]``: the kept candidates the saliency stage chose (ascending; ``S == saliency_count``)."""
 
     kept: torch.Tensor
@@ -76,9 +76,12 @@ def _units(items: list[VisualItem], budget: int, mode: str):
 
 
 def select_items(items: list[VisualItem], budget: int, method: str, options: dict,
-                 mode: str = "per_crop") -> list[ItemSelection]:
-    """Run ``method`` on every image; returns one :class:`ItemSelection` per item."""
+                 mode: str = "per_crop", order: str = "raster") -> list[ItemSelection]:
+    """Run ``method`` on every image; returns one :class:`ItemSelection` per item, its ``kept`` in ``order``
+    ("raster": ascending; "selection": as picked; "stages": salient ascending, then the rest ascending; the views
+    of LLaVA-NeXT follow each other in view order)."""
     spec = promprune.method_spec(method)
+    options = {**options, "order": "ascending" if order == "raster" else "selection"}
     units = _units(items, budget, mode)
     results: dict[int, list] = {b: [] for b in range(len(items))}
     buckets: dict[tuple, list] = {}
@@ -94,15 +97,23 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
             merged = None if sel.features is None else sel.features[u]
             ent = None if sel.entropy is None else float(sel.entropy[u])
             chosen = sel.indices[u].to(idx.device)
-            salient = idx[chosen[sel.salient[u].to(idx.device)]] if sel.salient is not None else idx[:0]
+            is_salient = sel.salient[u].to(idx.device) if sel.salient is not None else torch.zeros_like(chosen,
+                                                                                                          dtype=bool)
+            if order == "stages":  # salient ascending, then the rest ascending (VisionZip's released order)
+                rank = chosen + (~is_salient).long() * (int(chosen.max()) + 1 if chosen.numel() else 0)
+                perm = rank.argsort()
+                chosen, is_salient = chosen[perm], is_salient[perm]
+                merged = None if merged is None else merged[perm]
+            salient = idx[chosen[is_salient]]
             results[b].append((idx[chosen], merged, int(sel.saliency_count[u]), ent, salient))
-    return [_combine(results[b]) for b in range(len(items))]
+    return [_combine(results[b], keep_order=order != "raster") for b in range(len(items))]
 
 
-def _combine(parts) -> ItemSelection:
-    """Merge the units of one image into ascending kept indices (entropy: mean over views)."""
+def _combine(parts, keep_order: bool = False) -> ItemSelection:
+    """Merge the units of one image into one kept list: ascending, or (``keep_order``) the units' own orders one
+    after the other (entropy: mean over views)."""
     kept = torch.cat([p[0] for p in parts])
-    order = kept.argsort()
+    order = torch.arange(kept.numel(), device=kept.device) if keep_order else kept.argsort()
     merged = None
     if parts[0][1] is not None:
         merged = torch.cat([p[1] for p in parts])[order]

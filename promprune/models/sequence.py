@@ -20,19 +20,26 @@ def placeholder_columns(input_ids: torch.Tensor, image_token_id: int) -> list[to
 
 
 def shrink_placeholders(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
-                        kept_run_pos: list[torch.Tensor], pad_token_id: int):
+                        kept_run_pos: list[torch.Tensor], pad_token_id: int, keep_order: bool = False):
     """Keep only placeholders ``kept_run_pos[b] [M_b]`` (positions within row b's run); re-pad on the left.
 
     Returns ``(input_ids [B, L'], attention_mask [B, L'], col_map [B, L'])`` where ``col_map`` holds each new
-    column's column in the old sequence (-1 for new padding). Text tokens and their order are untouched.
+    column's column in the old sequence (-1 for new padding). Text tokens and their order are untouched. The kept
+    placeholders stay where the run was; with ``keep_order`` the i-th of them maps to the column of the i-th kept
+    position as given (the features fill the run in that order, so each keeps its own original position, e.g.
+    Qwen2.5-VL's 3D M-RoPE), else in ascending column order.
     """
     runs = placeholder_columns(input_ids, image_token_id)
     kept_cols = []
     for b, (run, pos) in enumerate(zip(runs, kept_run_pos)):
         real = attention_mask[b].bool().clone()
         real[run] = False
-        real[run[pos.to(run.device)]] = True
-        kept_cols.append(real.nonzero().flatten())
+        chosen = run[pos.to(run.device)]
+        real[chosen] = True
+        cols = real.nonzero().flatten()
+        if keep_order:
+            cols[torch.isin(cols, run)] = chosen  # the run's slots are contiguous: reorder within them
+        kept_cols.append(cols)
     width = max(c.numel() for c in kept_cols)
     B = input_ids.shape[0]
     col_map = torch.full((B, width), -1, dtype=torch.long, device=input_ids.device)

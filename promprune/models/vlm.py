@@ -16,7 +16,7 @@ from . import in_llm
 from .adapters import adapter_for, as_encoder_outputs
 from .factories import find_model_factory
 from .images import load_images
-from .methods import is_in_llm, validate_method
+from .methods import is_in_llm, token_order, validate_method
 from .selecting import select_items
 from .sequence import shrink_placeholders
 
@@ -60,6 +60,7 @@ class PrunedVLM:
         self.model, self.processor = model.eval(), processor
         self.method, self.budget = method, budget
         self.adapter = adapter_for(model, processor, adapter_options)
+        self.token_order = token_order(method, adapter_options["token_order"])  # "released" resolved per method
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             if "mu" in self.spec.options and "mu" not in self.method_options:
@@ -167,7 +168,7 @@ class PrunedVLM:
     def _plan(self, items):
         """Selections of every item (pre-LLM methods)."""
         return select_items(items, self.budget, self.method, self.method_options,
-                            mode=self.adapter.options["budget_mode"])
+                            mode=self.adapter.options["budget_mode"], order=self.token_order)
 
     def _unpruned_inputs(self, batch, items):
         """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``, all kept."""
@@ -185,10 +186,11 @@ class PrunedVLM:
         feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
         ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"],
                                                  self.model.config.image_token_id, run_pos,
-                                                 self.processor.tokenizer.pad_token_id)
+                                                 self.processor.tokenizer.pad_token_id,
+                                                 keep_order=self.token_order != "raster")
         extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
-                      kept=sorted(it.grid_index[p.kept].tolist()), salient=sorted(it.grid_index[p.salient].tolist()))
+                      kept=it.grid_index[p.kept].tolist(), salient=sorted(it.grid_index[p.salient].tolist()))
                  for f, p, it in zip(feats, plan, items)]
         return ids, mask, feats, extra, stats
 
