@@ -27,7 +27,9 @@ class SampleStats:
     visual_tokens: int | None = None  # visual tokens the LLM received (in-LLM methods: after their last layer)
     saliency_count: int | None = None  # of those, chosen by a saliency stage (0 unpruned / pure-diversity methods)
     entropy: float | None = None  # prominence metric of the split (NeXT per-view modes: mean over views)
-    kept: list[int] | None = None  # kept indices into the full visual token grid, in the LLM's input order
+    # kept indices into the full visual token grid, in the LLM's input order (LLaVA-NeXT in raster order: the packed
+    # sequence's layout, the base view first, then the crops row by row)
+    kept: list[int] | None = None
     salient: list[int] | None = None  # the subset of ``kept`` the saliency stage chose (overlays)
     vision_ms: float | None = None  # vision tower + projector (+ saliency hook)
     select_ms: float | None = None  # token selection before the LLM

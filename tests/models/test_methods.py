@@ -30,7 +30,9 @@ def test_every_method_runs_through_every_adapter(arch, method, images, prompts):
         assert g.visual_tokens == BUDGET
         if not is_in_llm(method):  # NeXT in-LLM methods may keep image_newline placeholders
             assert len(g.kept) == BUDGET
-        assert len(set(g.kept)) == len(g.kept) and g.kept == sorted(g.kept)
+        assert len(set(g.kept)) == len(g.kept)
+        if arch != "llava_next":  # raster order is grid order (NeXT: the packed sequence's layout instead)
+            assert g.kept == sorted(g.kept)
         assert 0 <= g.saliency_count <= BUDGET
         assert min(g.vision_ms, g.select_ms, g.prefill_ms, g.decode_ms) >= 0
 
