@@ -16,7 +16,8 @@ In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens 
 
 SparseVLM, as implemented here (simplifications of its paper and released code, documented):
 pruning at the configured layers (default: LLaMA-32's 2, 6, 15 as fractions of the depth) to a geometric
-schedule ending at ``budget``; raters are the text tokens after the image whose attention to the visual tokens is
+schedule ending at ``budget`` (option ``schedule="released"``: the released code's per-layer counts, where a budget
+is a layer-averaged count, e.g. 64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to the visual tokens is
 at least their mean; a visual token's score is its attention from the raters (head and rater mean), computed
 from the layer before each pruning layer. Recycling: of each stage's deleted tokens the top ``recycle_ratio`` by
 score are grouped around the ``ceil(merge_ratio * n)`` best of them by cosine similarity of hidden states, and
@@ -31,6 +32,7 @@ import sys
 import torch
 
 import promprune
+from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
 # Pruning layers of SparseVLM's released code on LLaMA-based LLaVA (32 layers), kept as fractions of the depth.
 SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
@@ -38,7 +40,7 @@ SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
 
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
     """A context manager that prunes inside ``model``'s LLM during ``generate`` on ``input_ids [B, L]``."""
-    opts = promprune.method_spec(method).resolve(options)
+    opts = promprune.method_spec(method).resolve(options, budget=budget)
     layers = _decoder_layers(model)
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
@@ -51,8 +53,14 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
         at = opts["layers"] or sparsevlm_layers(len(layers))
         if max(at) >= len(layers):
             raise ValueError(f"sparsevlm option 'layers' must be < {len(layers)} (LLM depth), got {at}")
-        stages = [Stage(layer, None, queries="raters", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
-                  for layer in sorted(set(at))]
+        targets = [None] * len(set(at))  # None: the geometric schedule
+        if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
+            if len(set(at)) != 3:
+                raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
+                                 f"LLM gives {sorted(set(at))}: pass option 'layers' with three layers")
+            targets = list(SPARSEVLM_RELEASED[budget])
+        stages = [Stage(layer, target, queries="raters", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
+                  for layer, target in zip(sorted(set(at)), targets)]
     return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager")
 
 

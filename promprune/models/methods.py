@@ -86,7 +86,7 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget must be a positive int for method {method!r}, got {budget!r}")
-    spec.resolve(options, also_valid=ADAPTER_OPTIONS)  # names, choices and the method's own checks
+    spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's own checks
     return dict(options), adapter
 
 

@@ -8,14 +8,26 @@ from __future__ import annotations
 from .registry import register_in_llm_method
 
 
-def _check_fastv(opts: dict) -> None:
+def _check_fastv(opts: dict, budget: int | None = None) -> None:
     layer = opts["layer"]
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
         raise ValueError(f"option 'layer' of fastv must be an int >= 1, got {layer!r}")
 
 
-def _check_sparsevlm(opts: dict) -> None:
+# SparseVLM's released schedule (Gumpest/SparseVLMs, score.py): visual tokens kept after each of its three pruning
+# layers (2, 6, 15 of LLaMA's 32) for each budget it ships. A budget is the layer-averaged token count, not the count
+# after the last layer (64 ends at 17 tokens). There is no 32-token schedule.
+SPARSEVLM_RELEASED = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
+
+
+def _check_sparsevlm(opts: dict, budget: int | None = None) -> None:
     layers = opts["layers"]
+    if opts["schedule"] == "released":
+        if layers is not None and len(layers) != 3:
+            raise ValueError(f"sparsevlm's released schedule prunes at three layers; option 'layers' has {layers!r}")
+        if budget is not None and budget not in SPARSEVLM_RELEASED:
+            raise ValueError(f"sparsevlm's released schedule has budgets {sorted(SPARSEVLM_RELEASED)}, not {budget}; "
+                             "use schedule='geometric' for other budgets")
     if layers is not None and (not isinstance(layers, (list, tuple)) or not layers
                                or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in layers)):
         raise ValueError(f"option 'layers' of sparsevlm must be None or a list of ints >= 1, got {layers!r}")
@@ -33,6 +45,9 @@ register_in_llm_method("fastv", options={"layer": 2}, check=_check_fastv,
 # SparseVLM (Zhang et al., ICML 2025): the released code prunes at LLaMA layers 2, 6 and 15 of 32; on other depths
 # we keep those fractions (layers=None). 30% of each stage's deleted tokens are recycled into merged tokens, one
 # merged token per 10 recycled (its paper's tau and theta).
-register_in_llm_method("sparsevlm", options={"layers": None, "recycle_ratio": 0.3, "merge_ratio": 0.1},
-                       check=_check_sparsevlm,
+# schedule "geometric" (ours): from all tokens to exactly `budget` after the last pruning layer, geometric in between
+# (a stronger baseline than the released one at equal budget); "released": SPARSEVLM_RELEASED.
+register_in_llm_method("sparsevlm", options={"layers": None, "recycle_ratio": 0.3, "merge_ratio": 0.1,
+                                             "schedule": "geometric"},
+                       choices={"schedule": ("geometric", "released")}, check=_check_sparsevlm,
                        description="SparseVLM: text-guided pruning at several layers with token recycling")

@@ -102,9 +102,9 @@ class MethodSpec:
     choices: Mapping[str, tuple] = field(default_factory=dict)
     description: str = ""
     stage: str = PRE_LLM  # PRE_LLM: select() before the LLM; IN_LLM: hooks inside the LLM (promprune.models)
-    check: Callable[[dict], None] | None = None
+    check: Callable[[dict, int | None], None] | None = None  # check(resolved options, budget or None)
 
-    def resolve(self, given: Mapping[str, Any], *, also_valid=()) -> dict[str, Any]:
+    def resolve(self, given: Mapping[str, Any], *, also_valid=(), budget: int | None = None) -> dict[str, Any]:
         """Defaults overlaid with ``given``; an unknown option, a value outside its choices or one the method's
         check refuses is a ValueError. ``also_valid``: other option names the caller accepts (listed in the
         message of an unknown option, e.g. the adapter options)."""
@@ -122,7 +122,7 @@ class MethodSpec:
                 raise ValueError(f"option {key!r} of method {self.name!r} must be one of {list(allowed)}, "
                                  f"got {resolved[key]!r}")
         if self.check is not None:
-            self.check(resolved)
+            self.check(resolved, budget)
         return resolved
 
 
@@ -153,19 +153,11 @@ def _check_type(method: str, key: str, default, value) -> None:
 
 def in_range(key: str, low: float, high: float, *, low_open: bool = False):
     """A ``check`` that option ``key`` lies in [low, high] ((low, high] with ``low_open``)."""
-    def check(opts: dict) -> None:
+    def check(opts: dict, budget: int | None = None) -> None:
         value = opts[key]
         if not (low < value <= high if low_open else low <= value <= high):
             bracket = "(" if low_open else "["
             raise ValueError(f"option {key!r} must be in {bracket}{low:g}, {high:g}], got {value!r}")
-    return check
-
-
-def all_of(*checks):
-    """One ``check`` running several."""
-    def check(opts: dict) -> None:
-        for c in checks:
-            c(opts)
     return check
 
 
@@ -194,12 +186,13 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
 
 
 def register_in_llm_method(name: str, *, description: str, options: Mapping[str, Any] | None = None,
+                           choices: Mapping[str, tuple] | None = None,
                            check: Callable[[dict], None] | None = None) -> None:
     """Register an in-LLM method's options and checks (its hooks live in ``promprune.models.in_llm``)."""
     if name in _REGISTRY:
         raise ValueError(f"method {name!r} is already registered")
-    _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), description=description,
-                                 stage=IN_LLM, check=check)
+    _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), choices=dict(choices or {}),
+                                 description=description, stage=IN_LLM, check=check)
 
 
 def methods(stage: str | None = PRE_LLM) -> list[str]:
@@ -259,7 +252,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     if spec.stage != PRE_LLM:
         raise ValueError(f"method {method!r} prunes inside the LLM; run it through promprune.models.PrunedVLM, "
                          f"select() runs the pre-LLM methods: {', '.join(methods())}")
-    opts = spec.resolve(options)
+    opts = spec.resolve(options, budget=budget)
     order = opts.pop("order")
     x, s = _validate(features, saliency, budget, spec)
     tokens = TokenSet(x, s)

@@ -84,7 +84,8 @@ def prominence(tokens: TokenSet, metric: str) -> torch.Tensor:
     options={"mu": DEFAULT_MU, "tau": DEFAULT_TAU, "metric": "spectral", "rounding": "half_even",
              "saliency_ratio_range": (0.0, 1.0), **_STAGE_OPTIONS},
     choices={"metric": METRICS, "rounding": ("half_even", "floor"), **_STAGE_CHOICES},
-    check=lambda o: (in_range("tau", 0.0, math.inf, low_open=True)(o), _ratio_range(o["saliency_ratio_range"])))
+    check=lambda o, budget=None: (in_range("tau", 0.0, math.inf, low_open=True)(o),
+                                  _ratio_range(o["saliency_ratio_range"])))
 def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: str, rounding: str,
               saliency_ratio_range, diversity: str, conditional: bool) -> Selection:
     """PromPrune: split the budget by spectral entropy, then saliency top-k + DPP coverage."""

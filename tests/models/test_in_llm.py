@@ -90,3 +90,15 @@ def test_eager_llm_full_budget_and_pruned_match_sdpa(arch, method, images, promp
     a = sdpa.generate(images, prompts, max_new_tokens=4)
     b = eager.generate(images, prompts, max_new_tokens=4)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+
+def test_sparsevlm_released_schedule_keeps_the_released_counts(images, prompts):
+    """64 -> 66 / 30 / 17 tokens after SparseVLM's three pruning layers (its score.py); the tiny LLaVA has 36."""
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="sparsevlm", budget=64, schedule="released", layers=[1, 2, 3],
+                    recycle_ratio=0.0)
+    out = vlm.generate(images, prompts, max_new_tokens=2)
+    assert [g.visual_tokens for g in out] == [17, 17]
+    with pytest.raises(ValueError, match="released schedule has budgets \\[64, 96, 128, 192\\], not 32"):
+        PrunedVLM(model, processor, method="sparsevlm", budget=32, schedule="released",
+                  layers=[1, 2, 3]).generate(images, prompts, max_new_tokens=1)
