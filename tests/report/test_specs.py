@@ -47,14 +47,18 @@ def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets
     loaded, trials = trials_of(name)
     assert loaded.model.pretrained == model and loaded.tasks == tasks and loaded.baseline
     assert {t.method for t in trials if t.method} == {"promprune", *methods}
-    for method in ["promprune"] + methods:
+    assert loaded.model.options["token_order"] == "released"  # each method feeds its LLM as released
+    for method in ["promprune"] + [m for m in methods if m != "sparsevlm"]:
         assert grid(trials, method) == {(b, ()) for b in budgets}, method
+    if "sparsevlm" in methods and name == "table1_llava15":  # the released schedule where one ships (no 32)
+        assert grid(trials, "sparsevlm") == {(128, (("schedule", "released"),)), (64, (("schedule", "released"),)),
+                                             (32, (("schedule", "geometric"),))}
     assert sum(t.method is None for t in trials) == 1
 
 
 def test_qwen_runs_at_a_fixed_1296_tokens():
     loaded, _ = trials_of("table3_qwen25vl")
-    assert loaded.model.options == {"image_tokens": 1296}
+    assert loaded.model.options == {"image_tokens": 1296, "token_order": "released"}
 
 
 def test_table4_runs_each_benchmark_at_its_own_mean_t_sal():
