@@ -40,6 +40,7 @@ from promprune.records import Prediction, Request, arrow_schema, from_arrow, sam
 
 from pipelines import tracking
 from pipelines.config import Resources
+from pipelines.console import say
 from pipelines.weights import ModelSource
 
 REPO = Path(__file__).resolve().parents[1]
@@ -393,7 +394,7 @@ def _recorded_head() -> str | None:
         return None
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, *, log_to_driver: bool = True) -> None:
     """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else the head `ray start` recorded, else start a
     local Ray. A named head that does not answer is a RayUnreachable in seconds (Ray itself would wait for
     minutes); a recorded head that died without `ray stop` is skipped with a note."""
@@ -402,7 +403,7 @@ def connect(address: str | None) -> None:
     if ray.is_initialized():
         return
     if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: keep the job's runtime_env
-        ray.init(address=address)
+        ray.init(address=address, log_to_driver=log_to_driver)
         return
     named = address or os.environ.get("RAY_ADDRESS")
     if named and named not in ("auto", "local") and not named.startswith("ray://"):
@@ -410,19 +411,19 @@ def connect(address: str | None) -> None:
             source = "--address" if address else "RAY_ADDRESS"
             raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
                                  f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
-        ray.init(address=named, runtime_env=worker_env())
+        ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
     elif named:
-        ray.init(address=named, runtime_env=worker_env())
+        ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
     else:
         recorded = _recorded_head()
         if recorded and _answers(recorded):
-            ray.init(runtime_env=worker_env())  # the head `ray start` left running
+            ray.init(runtime_env=worker_env(), log_to_driver=log_to_driver)  # the head `ray start` left running
             return
         if recorded:
-            print(f"note: the Ray head recorded at {recorded} (a `ray start` that ended without `ray stop`) does not "
-                  "answer; starting a local Ray instead (`ray stop --force` clears the record)", flush=True)
+            say(f"note: the Ray head recorded at {recorded} (a `ray start` that ended without `ray stop`) does not "
+                "answer; starting a local Ray instead (`ray stop --force` clears the record)")
         # a local Ray: no dashboard needed (faster start on a laptop)
-        ray.init(address="local", include_dashboard=False, runtime_env=worker_env())
+        ray.init(address="local", include_dashboard=False, runtime_env=worker_env(), log_to_driver=log_to_driver)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -431,7 +432,9 @@ def connect(address: str | None) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny:llava", help="checkpoint name/path or tiny:<arch> (default: tiny:llava)")
+    p.add_argument("--model", default="tiny-easyvqa:llava",
+                   help="checkpoint name/path, or a factory name: tiny-easyvqa:llava (default; trained on easy-vqa, "
+                        "so its scores mean something), tiny:<arch> (random weights), shape:<name>")
     p.add_argument("--method", default=None, help="pruning method; omit for the unpruned model")
     p.add_argument("--budget", type=int, default=None, help="visual tokens kept")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -447,6 +450,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def random_weights_note(model: str) -> None:
+    """Say so when a model has random weights: its scores are noise (0 on the offline tasks), by construction."""
+    if model.startswith(("tiny:", "shape:")):
+        say(f"note: {model} has random weights, so its answers and scores are noise (tiny-easyvqa:llava is trained "
+            "offline and answers the easy-vqa tasks)")
+
+
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
@@ -460,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines import preflight
     from promprune.models import validate_method
 
+    random_weights_note(args.model)
     errors = []  # a user's mistakes: one message listing all of them, no traceback, before Ray starts
     try:
         validate_method(args.method, args.budget, **options)

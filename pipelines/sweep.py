@@ -23,6 +23,7 @@ and the same MLflow parent run continues.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -47,12 +48,13 @@ from ray import tune
 from promprune.records import Request
 
 from pipelines import calibration, preflight, schema
+from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines import tracking
 from pipelines.schema import REL
 from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
     QUIET_ENV, EvalConfig, RayUnreachable, Requests, build_requests_dataset, connect, evaluate, predictions_table,
-    worker_env)
+    random_weights_note, worker_env)
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +133,7 @@ class RecorderHook(tune.Callback):
         self.parent_id = parent_id
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
-        print(f"[start] {trial.config['trial']['trial_id']}", flush=True)
+        say(f"[start] {trial.config['trial']['trial_id']}")
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
@@ -158,6 +160,7 @@ class SweepRecorder:
     def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int, calibrated: dict | None = None):
         self.sweep, self.parent_id, self.n_trials = sweep, parent_id, n_trials
         self.calibrated = calibrated or {}
+        self.bar, self.samples = None, 0  # the sweep's progress bar (set while Tune runs)
         self.client = tracking.client()
         self.logged: dict[str, str] = {tid: r.info.run_id for tid, r in tracking.trial_runs(self.client,
                                                                                             parent_id).items()}
@@ -172,7 +175,10 @@ class SweepRecorder:
         with checkpoint.as_directory() as d:
             table = pq.read_table(Path(d) / schema.PREDICTIONS_ARTIFACT)
             scores = json.loads((Path(d) / schema.SCORES_ARTIFACT).read_text())
-        rec = {"trial": trial, "metrics": {k: v for k, v in metrics.items() if _is_metric(k, v)},
+        started = metrics.get("trial/started_at")
+        span = None if started is None else (float(started), float(started) + float(metrics.get("trial/wall_s", 0)))
+        rec = {"trial": trial, "metrics": {k: v for k, v in metrics.items()
+                                           if _is_metric(k, v) and k != "trial/started_at"},
                "scores": scores, "frame": table.to_pandas(), "error": None}
         if trial["method"] is None and trial.get("repeat", 0) == 0:
             self.baseline_scores = scores
@@ -181,7 +187,7 @@ class SweepRecorder:
         if tid not in self.logged:
             self.logged[tid] = tracking.log_trial(
                 self.client, self.parent_id, self.sweep.name, self.sweep.version, trial, self._params(trial),
-                rec["metrics"], table)
+                rec["metrics"], table, span=span)
         elif REL in rec["metrics"]:
             tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
         self._progress(rec)
@@ -193,7 +199,7 @@ class SweepRecorder:
         if tid not in self.logged:  # once: the Tune callback and the final reconcile both report a failure
             self.logged[tid] = tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version,
                                                   trial, self._params(trial), {}, None, status="FAILED", error=error)
-            print(f"[trial failed] {tid}: {error}", flush=True)
+            say(f"[trial failed] {tid}: {error}")
 
     def finalize_rel(self) -> None:
         """Rel. for trials that finished before the baseline did."""
@@ -211,7 +217,7 @@ class SweepRecorder:
             rec["metrics"][REL] = float(relative_score(rec["scores"], self.baseline_scores))
         except ValueError as e:
             if not self.rel_warned:
-                print(f"note: Rel. is not defined for this sweep: {e}", flush=True)
+                say(f"note: Rel. is not defined for this sweep: {e}")
                 self.rel_warned = True
             return False
         return True
@@ -228,8 +234,12 @@ class SweepRecorder:
         done = len(self.records)
         m = rec["metrics"]
         shown = " ".join(f"{k}={m[k]:.3f}" for k in _headline_keys(self.sweep.tasks, m) + [REL] if k in m)
-        print(f"[{done}/{self.n_trials}] {rec['trial']['trial_id']}: {shown} "
-              f"({m.get('trial/wall_s', float('nan')):.1f}s)", flush=True)
+        say(f"[{done}/{self.n_trials}] {rec['trial']['trial_id']}: {shown} "
+            f"({m.get('trial/wall_s', float('nan')):.1f}s)")
+        if self.bar is not None:
+            self.samples += int(m.get("samples/total", 0))
+            self.bar.set_postfix_str(f"{self.samples} samples", refresh=False)
+            self.bar.update(1)
 
 
 def _is_metric(key: str, value: Any) -> bool:
@@ -265,6 +275,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="nightly: fail (exit 3) and tag the run when a trial's Rel. drops more than this "
                         "below the previous finished run of the same spec")
     p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray, Tune and lmms-eval output here instead of in outputs/logs/<sweep>-<time>.log")
     return p.parse_args(argv)
 
 
@@ -427,6 +439,7 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
 
     `command`: the spec file and --set overrides the sweep was started with (what the printed resume command
     repeats). A resumed sweep must resolve to exactly the spec it started with (SpecError otherwise)."""
+    began = time.time()  # the parent run spans the whole sweep, setup (rows, weights, first-use training) included
     storage = storage_root(spec)
     state = None
     if resume is not None:  # before any expensive work: a changed spec is refused at once
@@ -435,27 +448,27 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
         check_resume(spec, state)
     trials = specs.expand(spec)
     plan = plan_resources(spec, len(trials), float(ray.cluster_resources().get("GPU", 0)))
-    print(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.workers} actor(s) per trial, "
-          f"{plan.concurrency} trial(s) at once, {plan.cluster_gpus:g} GPU(s)", flush=True)
+    say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.workers} actor(s) per trial, "
+        f"{plan.concurrency} trial(s) at once, {plan.cluster_gpus:g} GPU(s)")
     t0 = time.perf_counter()
     rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
                                                                 spec.resources.batch_size)
     n_rows = len(rows.keys) if isinstance(rows, Requests) else len(rows)
-    print(f"{n_rows} request rows built once for all trials ({time.perf_counter() - t0:.1f}s)", flush=True)
+    say(f"{n_rows} request rows built once for all trials ({time.perf_counter() - t0:.1f}s)")
     source = spec.model
     if spec.resources.share_weights:
         t0 = time.perf_counter()
         source = share(source, on_gpu=plan.cluster_gpus > 0)
-        print(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)", flush=True)
+        say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
     client = tracking.client()
     for experiment in mark_dead_runs(client, storage, spec.name):
-        print(f"note: the earlier run {experiment} of this sweep died without finishing; its MLflow parent run is "
-              "now marked KILLED", flush=True)
+        say(f"note: the earlier run {experiment} of this sweep died without finishing; its MLflow parent run is "
+            "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
-                                          "limit": spec.limit, "trials": len(trials)})
+                                          "limit": spec.limit, "trials": len(trials)}, started=began)
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": f"{spec.name}-{stamp}",
                  "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
@@ -472,7 +485,9 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     try:
         tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=resume is not None)
-        grid = tuner.fit()
+        with progress(len(trials), spec.name) as bar:
+            recorder.bar = bar
+            grid = tuner.fit()
         try:
             _reconcile(recorder, grid, trials)
         except SweepInterrupted as e:
@@ -508,8 +523,8 @@ def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: Pl
     client.log_param(parent_id, "calibration_images", f"{spec.calibration.images} (n={spec.calibration.n}, "
                                                       f"seed={spec.calibration.seed})")
     client.log_dict(parent_id, {m: r["values"] for m, r in found.items()}, "calibration_values.json")
-    print(f"mu calibrated on {found[metrics[0]]['n']} images ({time.perf_counter() - t0:.1f}s): "
-          + ", ".join(f"{m} median {v:.4f}" for m, v in medians.items()), flush=True)
+    say(f"mu calibrated on {found[metrics[0]]['n']} images ({time.perf_counter() - t0:.1f}s): "
+        + ", ".join(f"{m} median {v:.4f}" for m, v in medians.items()))
     return medians
 
 
@@ -525,7 +540,7 @@ def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.Swe
 def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: dict, recorder, resume: bool):
     storage, name = state["storage_path"], state["experiment"]
     if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
-        print(f"resuming {storage}/{name}: finished trials are kept", flush=True)
+        say(f"resuming {storage}/{name}: finished trials are kept")
         return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
     run_config = tune.RunConfig(
         name=name, storage_path=storage, callbacks=[RecorderHook(recorder.parent_id)],
@@ -589,6 +604,16 @@ def _fmt(v: Any) -> Any:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else round(float(v), 1)
 
 
+def prepare_model(name: str) -> None:
+    """First-use work of a factory-built model (e.g. training tiny-easyvqa:llava), here in the driver with its
+    progress bar on the terminal, before Ray starts; nothing for checkpoints."""
+    from promprune.models.factories import find_model_factory
+
+    found = find_model_factory(name)
+    if found is not None and hasattr(found[0], "prepare"):
+        found[0].prepare(found[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
@@ -606,18 +631,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate_only:
         print("\n".join(t.trial_id for t in specs.expand(spec)))
         return 0
-    try:
-        connect(args.address)
-    except RayUnreachable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     t0 = time.perf_counter()
-    try:
-        outcome = run_sweep(spec, resume=args.resume, regression_threshold=args.regression_threshold,
-                            command={"config": args.config, "overrides": args.overrides})
-    except SweepInterrupted as e:
-        print(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    random_weights_note(spec.model.pretrained)
+    prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
+    log_path = Path("outputs") / "logs" / f"{spec.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.log"
+    if not args.verbose:
+        print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
+    with contextlib.nullcontext() if args.verbose else quiet(log_path):
+        try:
+            connect(args.address, log_to_driver=args.verbose)
+            outcome = run_sweep(spec, resume=args.resume, regression_threshold=args.regression_threshold,
+                                command={"config": args.config, "overrides": args.overrides})
+        except RayUnreachable as e:
+            say(f"error: {e}")
+            return EXIT_BAD_INPUT
+        except SweepInterrupted as e:
+            say(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}")
+            return EXIT_INTERRUPTED
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))

@@ -28,18 +28,25 @@ def client():
 
 
 def experiment_id(c) -> str:
+    """The experiment's id (created on first use), marked as a model-development experiment so MLflow 3's UI opens
+    it on its runs rather than on the GenAI overview."""
     name = schema.experiment_name()
     exp = c.get_experiment_by_name(name)
-    return exp.experiment_id if exp is not None else c.create_experiment(name)
+    exp_id = exp.experiment_id if exp is not None else c.create_experiment(name)
+    if exp is None or exp.tags.get(schema.EXPERIMENT_KIND) != schema.MODEL_DEVELOPMENT:
+        c.set_experiment_tag(exp_id, schema.EXPERIMENT_KIND, schema.MODEL_DEVELOPMENT)
+    return exp_id
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # parent runs
 
 
-def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict) -> str:
-    run = c.create_run(experiment_id(c), run_name=name,
-                       tags={ROLE: schema.ROLE_SWEEP, SWEEP: name, VERSION: str(version)})
+def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, started: float | None = None) -> str:
+    """The sweep's parent run; ``started`` (epoch seconds): when the sweep began (setup included)."""
+    run = c.create_run(experiment_id(c), run_name=name, start_time=_ms(started),
+                       tags={ROLE: schema.ROLE_SWEEP, SWEEP: name, VERSION: str(version),
+                             schema.STARTED_AT: _iso(started or time.time())})
     c.log_text(run.info.run_id, resolved_yaml, schema.SPEC_ARTIFACT)
     for key, value in params.items():
         c.log_param(run.info.run_id, key, _param(value))
@@ -47,7 +54,18 @@ def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict) ->
 
 
 def finish(c, run_id: str, status: str = "FINISHED") -> None:
+    c.set_tag(run_id, schema.FINISHED_AT, _iso(time.time()))
     c.set_terminated(run_id, status=status)
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else int(seconds * 1000)
+
+
+def _iso(seconds: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
 
 
 def reopen(c, run_id: str) -> None:
@@ -78,20 +96,26 @@ def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict)
 
 
 def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: dict, metrics: dict,
-              predictions: pa.Table | None, status: str = "FINISHED", error: str | None = None) -> str:
-    """One child run of a sweep: tags, params, finite metrics, predictions.parquet; returns its run id."""
+              predictions: pa.Table | None, status: str = "FINISHED", error: str | None = None,
+              span: tuple[float, float] | None = None) -> str:
+    """One child run of a sweep: tags, params, finite metrics, predictions.parquet; returns its run id.
+
+    ``span``: the trial's (start, end) in epoch seconds, so the run shows the trial's real duration."""
     tags = {schema.PARENT: parent_id, ROLE: schema.ROLE_TRIAL, SWEEP: sweep, TRIAL: trial["trial_id"],
             VERSION: str(version)}
     if error:
         tags[schema.ERROR] = error[:4000]  # MLflow caps tag values; the full trace is in Ray's logs
     return log_run(c, c.get_run(parent_id).info.experiment_id, trial["trial_id"], tags, params, metrics,
-                   predictions, status)
+                   predictions, status, span)
 
 
 def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: dict,
-            predictions: pa.Table | None, status: str = "FINISHED") -> str:
-    """Create a run with its tags, params, finite metrics and predictions artifact, then end it."""
-    run_id = c.create_run(experiment, run_name=name, tags=tags).info.run_id
+            predictions: pa.Table | None, status: str = "FINISHED", span: tuple[float, float] | None = None) -> str:
+    """Create a run with its tags, params, finite metrics and predictions artifact, then end it (at ``span``'s
+    start and end when given, else now)."""
+    if span is not None:
+        tags = {**tags, schema.STARTED_AT: _iso(span[0]), schema.FINISHED_AT: _iso(span[1])}
+    run_id = c.create_run(experiment, run_name=name, tags=tags, start_time=_ms(span and span[0])).info.run_id
     for key, value in params.items():
         c.log_param(run_id, key, value)
     log_metrics(c, run_id, metrics)
@@ -100,7 +124,7 @@ def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: di
             path = Path(d) / schema.PREDICTIONS_ARTIFACT
             pq.write_table(predictions, path)  # arrow_schema(Prediction), as the actors produced it
             c.log_artifact(run_id, str(path))
-    c.set_terminated(run_id, status=status)
+    c.set_terminated(run_id, status=status, end_time=_ms(span and span[1]))
     return run_id
 
 

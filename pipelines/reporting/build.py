@@ -63,8 +63,34 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     report.markdown = "\n".join(s for s in sections if s)
     md_path = out_dir / "report.md"
     md_path.write_text(report.markdown)
-    report.files.insert(0, md_path)
+    html_path = out_dir / "report.html"
+    html_path.write_text(render_html(report.markdown, out_dir, title=f"Report: {sweep.name}"))
+    report.files[:0] = [md_path, html_path]
     return report
+
+
+def render_html(markdown: str, out_dir: Path, title: str) -> str:
+    """The report as one self-contained HTML page (MLflow's artifact viewer shows .md as text but renders .html):
+    tables rendered, every figure of ``out_dir`` inlined as a data URI."""
+    import base64
+    import html
+
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark").enable("table").render(markdown)
+
+    def inline(match: re.Match) -> str:
+        path = out_dir / match.group(1)
+        if not path.is_file() or path.suffix.lower() != ".png":
+            return match.group(0)
+        return f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"'
+
+    body = re.sub(r'src="([^"/]+)"', inline, body)
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;"
+             "text-align:right}td:first-child,th:first-child{text-align:left}img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{body}</body></html>")
 
 
 def log_report(sweep: Sweep, report: Report, client: MlflowClient | None = None) -> str:
@@ -213,9 +239,7 @@ def _overlays(ok: pd.DataFrame, full_tokens, out_dir, image_source, label, fit) 
     if full_tokens is None or overlay.grid_side(full_tokens) is None:
         return [], [f"Overlays skipped: the full visual token grid ({full_tokens}) is not one square view."]
     made, notes = [], []
-    samples = ok[ok["kept"].map(lambda k: k is not None and len(k) > 0)].groupby("task", sort=False).head(1)
-    for _, sample in samples.head(MAX_OVERLAYS).iterrows():
-        image, note = image_source(sample["task"], str(sample["doc_id"]))
+    for sample, (image, note) in _overlay_samples(ok, image_source)[:MAX_OVERLAYS]:
         salient, coverage = overlay.token_roles(sample)
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{sample['task']}_{sample['doc_id']}")
         path = overlay.draw_overlay(image, int(full_tokens), salient, coverage, out_dir / f"overlay_{safe}.png",
@@ -226,6 +250,32 @@ def _overlays(ok: pd.DataFrame, full_tokens, out_dir, image_source, label, fit) 
             notes.append("Overlays: the predictions do not record which kept tokens the saliency stage chose "
                          "(a `salient` column), so kept tokens are drawn in one colour.")
     return made, notes
+
+
+OVERLAY_TRIES = 6  # candidates per task looked at for an image no earlier overlay shows
+
+
+def _overlay_samples(ok: pd.DataFrame, image_source) -> list[tuple[pd.Series, tuple]]:
+    """One (sample, (image, note)) per task: one that shows both stages when any does (0 < T_sal < kept), and an
+    image no other task's overlay already shows (tasks built from one dataset share images)."""
+    import hashlib
+
+    has_kept = ok["kept"].map(lambda k: k is not None and len(k) > 0)
+    both = ok["saliency_count"].between(1, ok["visual_tokens"] - 1, inclusive="both")
+    chosen, seen = [], set()
+    for _, rows in ok[has_kept].groupby("task", sort=False):
+        ranked = pd.concat([rows[both.loc[rows.index]], rows[~both.loc[rows.index]]])
+        first = None
+        for _, sample in ranked.head(OVERLAY_TRIES).iterrows():
+            loaded = image_source(sample["task"], str(sample["doc_id"]))
+            digest = hashlib.sha1(np.ascontiguousarray(loaded[0]).tobytes()).hexdigest()
+            first = first or (sample, loaded, digest)
+            if digest not in seen:
+                first = (sample, loaded, digest)
+                break
+        seen.add(first[2])
+        chosen.append(first[:2])
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------------------------

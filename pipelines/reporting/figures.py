@@ -20,7 +20,8 @@ from .tables import METHOD_LABELS, ScoreTable  # noqa: E402
 DPI = 120  # readable in the MLflow UI's artifact viewer without multi-MB files
 MAX_BARS = 12  # more variants than this in one panel are unreadable as bars
 MAX_PANELS = 4  # budgets drawn side by side before a figure gets too wide
-ZOOM = 0.9  # bar charts start at 90 % of the lowest bar, so a few points' difference is visible
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")  # each line its own shape: ties stay visible
+DODGE = 0.035  # tied lines are shifted sideways by this fraction of a budget doubling, so none hides another
 
 
 def _pruned(table: ScoreTable) -> pd.DataFrame:
@@ -56,12 +57,14 @@ def tradeoff_curves(table: ScoreTable, path: Path) -> Path | None:
     tasks = [c.task for c in table.columns]
     y_all = pruned["rel"] if use_rel else pruned[tasks].mean(axis=1)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    groups = pruned.assign(_y=y_all).groupby(["method", "variant"], sort=False)
-    for (method, variant), rows in groups:
+    groups = list(pruned.assign(_y=y_all).groupby(["method", "variant"], sort=False))
+    for k, ((method, variant), rows) in enumerate(groups):
         rows = rows.sort_values("budget")
         name = METHOD_LABELS.get(method, method) + (f" ({variant})" if variant else "")
         style = {"lw": 2.4, "zorder": 3} if method == "promprune" else {"lw": 1.4}
-        ax.plot(rows["budget"], rows["_y"], marker="o", label=name, **style)
+        shift = 2 ** ((k - (len(groups) - 1) / 2) * DODGE)  # multiplicative: the x axis is log2
+        ax.plot(rows["budget"] * shift, rows["_y"], marker=MARKERS[k % len(MARKERS)], ms=7, mfc="none", label=name,
+                **style)
     if use_rel:
         ax.axhline(100.0, color="grey", ls=":", lw=1, label="unpruned")
     budgets = sorted(pruned["budget"].unique())
@@ -69,8 +72,9 @@ def tradeoff_curves(table: ScoreTable, path: Path) -> Path | None:
     ax.set_xticks(budgets, [f"{b:.0f}" for b in budgets])
     ax.set_xlabel("visual tokens kept")
     ax.set_ylabel("Rel. (%)" if use_rel else "mean score")
-    ax.set_title("Accuracy against token budget")
-    ax.legend(fontsize=8)
+    what = "Rel. (mean score / unpruned's)" if use_rel else "mean benchmark score"
+    ax.set_title(f"{what} against the token budget", fontsize=10)
+    ax.legend(fontsize=8, title="markers offset slightly so ties stay visible", title_fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -172,11 +176,13 @@ def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
             x = np.arange(len(groups)) + (k - (len(rows) - 1) / 2) * width
             ax.bar(x, values, width=width, label=row["label"])
             lowest = min(lowest, np.nanmin(values)) if not np.all(np.isnan(values)) else lowest
-        if np.isfinite(lowest) and lowest > 0:
-            ax.set_ylim(bottom=ZOOM * lowest)  # ablations differ by a few points: zoom onto them
+        ax.set_ylim(bottom=0)  # honest bars start at zero; the values are printed on them
+        for container in ax.containers:
+            ax.bar_label(container, fmt="%.1f", fontsize=6, rotation=90, padding=2)
         ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(unit)
-        ax.set_title(f"{budget:.0f} tokens")
+        ax.set_title(f"{budget:.0f} tokens: each benchmark ({unit}) and Rel.", fontsize=9)
+        ax.margins(y=0.15)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)

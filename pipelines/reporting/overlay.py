@@ -79,10 +79,11 @@ def draw_overlay(image: np.ndarray, n_tokens: int, salient: list[int], coverage:
             r, c = divmod(i, side)
             ax.add_patch(plt.Rectangle((c * cell, r * cell), cell, cell, color=color, alpha=ALPHA, lw=0))
     ax.set_axis_off()
+    dropped = n_tokens - len(salient) - len(coverage or [])
     if coverage is None:
-        legend = f"{len(salient)} kept (saliency/coverage split not recorded)"
+        legend = f"yellow: {len(salient)} kept (saliency/coverage split not recorded), plain: {dropped} dropped"
     else:
-        legend = f"red: {len(salient)} saliency, cyan: {len(coverage)} coverage"
+        legend = f"red: {len(salient)} saliency, cyan: {len(coverage)} coverage, plain: {dropped} dropped"
     ax.set_title(f"{title}\n{legend}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)

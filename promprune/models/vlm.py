@@ -76,7 +76,7 @@ class PrunedVLM:
         - ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl): the offline random-weight tiny models of
           :mod:`promprune.models.testing` (a private copy, cast to ``dtype``);
         - ``"tiny-easyvqa:llava"``: the same tiny LLaVA trained on easy-vqa's train split
-          (:mod:`promprune.training.easyvqa`; trained into ``$PROMPRUNE_CACHE`` on first use, ~1-2 minutes on CPU,
+          (:mod:`promprune.training.easyvqa`; trained into ``$PROMPRUNE_CACHE`` on first use, ~3 minutes on 2 CPU cores,
           loaded from there afterwards);
         - ``"shape:<name>"``: a published 7B architecture with random weights (:mod:`promprune.models.shapes`; for
           latency / memory benchmarks, fp16 unless ``dtype`` says otherwise).

@@ -59,6 +59,7 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
 
     c = tracking.client()
     parent = c.get_run(outcome.parent_run_id)
+    assert c.get_experiment(parent.info.experiment_id).tags[schema.EXPERIMENT_KIND] == "custom_model_development"
     assert parent.info.run_name == "e2e" and parent.info.status == "FINISHED"
     assert {k: parent.data.tags[k] for k in (schema.ROLE, schema.SWEEP, schema.VERSION)} == \
         {schema.ROLE: "sweep", schema.SWEEP: "e2e", schema.VERSION: "2"}
@@ -81,6 +82,9 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
                     "efficiency/vision_ms", "efficiency/select_ms", "efficiency/llm_prefill_ms"):
             assert key in metrics, (tid, key)
         assert metrics["efficiency/visual_tokens"] == (36 if method is None else 8)  # tiny LLaVA: 6x6 grid
+        # the run spans the trial's real start and end (not the moment the driver logged it); times are tags
+        assert (run.info.end_time - run.info.start_time) / 1000 == pytest.approx(metrics["trial/wall_s"], abs=0.01)
+        assert "trial/started_at" not in metrics and tags[schema.STARTED_AT] < tags[schema.FINISHED_AT]
         assert ("entropy/mean" in metrics) == (method == "promprune")  # only PromPrune measures prominence
 
         frame = pd.read_parquet(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir)))

@@ -159,6 +159,11 @@ def test_figures_are_pngs_and_logged_to_the_parent_run(table_sweep, tmp_path):
             assert path.read_bytes()[:8] == PNG_MAGIC
             with Image.open(path) as img:
                 img.verify()
+    # report.html: the same report, tables rendered, every figure inline (MLflow renders .html, not .md)
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<table>" in page and 'src="tradeoff.png"' not in page
+    figures = [p for p in report.files if p.suffix == ".png" and f"]({p.name})" in report.markdown]
+    assert figures and page.count("data:image/png;base64,") == len(figures)
     uri = log_report(sweep, report, client)
     logged = {a.path for a in client.list_artifacts(parent, "report")}
     assert {f"report/{n}" for n in names} <= logged
