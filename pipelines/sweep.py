@@ -548,7 +548,8 @@ def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: di
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
     return tune.Tuner(trainable, param_space={"trial": tune.grid_search([t.to_dict() for t in trials])},
-                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.concurrency, num_samples=1),
+                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.concurrency, num_samples=1,
+                                                  reuse_actors=True),
                       run_config=run_config)
 
 
