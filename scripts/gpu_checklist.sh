@@ -20,6 +20,9 @@ for stage in "$@"; do
     parity)
       { env_line; python3 -m pytest -q -p no:cacheprovider -k cuda tests/models tests/selection \
           tests/test_efficiency.py; } 2>&1 | tee "$OUT/parity.log" ;;
+    library)  # the whole library suite (CPU and CUDA tests) on the device's torch / transformers
+      { env_line; python3 -m pytest -q -p no:cacheprovider tests/models tests/selection tests/test_efficiency.py \
+          tests/test_architecture.py; } 2>&1 | tee "$OUT/library.log" ;;
     selection)
       { env_line
         for dt in float32 float16; do for b in 1 8; do
@@ -56,6 +59,6 @@ PY
         python3 benchmarks/efficiency.py --model shape:qwen2_5_vl_7b --dtype bfloat16 --device cuda --skip-analytic \
           --budgets none,128 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8; } \
         2>&1 | tee "$OUT/shapes.log" ;;
-    *) echo "unknown stage $stage (parity|selection|speed|table6|shapes)"; exit 2 ;;
+    *) echo "unknown stage $stage (parity|library|selection|speed|table6|shapes)"; exit 2 ;;
   esac
 done

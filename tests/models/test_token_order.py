@@ -3,6 +3,8 @@
 A hook on the language model records the input embeddings; they are compared with the vision features computed
 independently by plain transformers (`get_image_features`), gathered in the order the Generation reports.
 """
+import copy
+
 import pytest
 import torch
 
@@ -33,15 +35,23 @@ def plain_features(model, processor, vlm, images, prompts):
     """Per image ``[N, d]`` projected features in grid order, from transformers alone (no adapter code)."""
     batch = vlm.processed(images, prompts)
     kwargs = {"image_grid_thw": batch["image_grid_thw"]} if "image_grid_thw" in batch else {}
+    batch = batch.to(model.device)
+    kwargs = {k: v.to(model.device) for k, v in kwargs.items()}
     with torch.inference_mode():
         out = model.model.get_image_features(pixel_values=batch["pixel_values"], return_dict=True, **kwargs)
     return list(out.pooler_output)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["raster", "selection", "stages"])
 @pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
-def test_the_llm_receives_the_kept_tokens_in_order(arch, order, images, prompts):
+def test_the_llm_receives_the_kept_tokens_in_order(arch, order, device, images, prompts):
     model, processor = tiny_vlm(arch)
+    if device != "cpu":
+        model = copy.deepcopy(model).to(device)
     vlm = PrunedVLM(model, processor, method="promprune", budget=8, token_order=order, saliency_ratio_range=(0.3, 0.7))
     prep = vlm.prepare(images, prompts)
     embeds = llm_input(model, prep)
