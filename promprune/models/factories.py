@@ -21,6 +21,12 @@ from promprune.naming import did_you_mean, parse_dtype
 GROUP = "promprune.model_factories"
 Factory = Callable[..., tuple]
 
+# This package's own factories, by module path (imported on first use, so the adapters never import the modules
+# that build or train models). Also declared as entry points; listed here so a source checkout on PYTHONPATH,
+# without `pip install`, resolves them too. Other packages add theirs through the entry-point group.
+BUILTIN = {"tiny": "promprune.models.testing:load", "tiny-easyvqa": "promprune.training.easyvqa:load",
+           "shape": "promprune.models.shapes:load"}
+
 _RUNTIME: dict[str, Factory] = {}
 
 
@@ -32,7 +38,17 @@ def register_model_factory(prefix: str, factory: Factory) -> None:
 
 
 def _declared() -> dict:
-    return {ep.name: ep for ep in entry_points(group=GROUP)}
+    """prefix -> a loader: this package's own, then other packages' entry points."""
+    found = {ep.name: ep.load for ep in entry_points(group=GROUP)}
+    found.update({name: (lambda target=target: _import(target)) for name, target in BUILTIN.items()})
+    return found
+
+
+def _import(target: str):
+    import importlib
+
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def model_factories() -> list[str]:
@@ -49,7 +65,7 @@ def find_model_factory(name_or_path: str) -> tuple[Factory, str] | None:
         return _RUNTIME[prefix], name
     declared = _declared()
     if prefix in declared:
-        return declared[prefix].load(), name
+        return declared[prefix](), name
     if "/" not in prefix and "\\" not in prefix:  # looks like a factory name, not a path or URL
         raise ValueError(f"unknown model factory {prefix!r} in {name_or_path!r}{did_you_mean(prefix, model_factories())}"
                          f"; registered: {', '.join(model_factories())} (or give a checkpoint name or path)")
