@@ -110,8 +110,9 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     n_rows = len(rows.keys)
     work = n_trials * n_rows * costs.sample_s
     ideal = work / gpus + costs.load_s
+    plan = sweep.plan_resources(spec, n_trials, gpus)
     return {"wall": wall, "ideal": ideal, "loads": len(list(counter.iterdir())), "rows": n_rows,
-            "trials": n_trials, "failed": len(outcome.failed)}
+            "trials": n_trials, "failed": len(outcome.failed), "workers": plan.workers}
 
 
 def shell_loop(gpus: int, trials: int, samples: int, costs: Costs, startup_s: float) -> dict:
@@ -131,16 +132,20 @@ A100_LOAD_S = 30.0  # a 7B checkpoint from local disk; from the object store abo
 SHELL_STARTUP_S = 60.0  # one lmms-eval process: imports, task indexing, dataset preparation
 
 
-def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float, float]:
-    """(pipeline wall, shell-loop wall, ideal) of Table 1 at full size, in hours: trial-level scheduling in waves
-    for both; the pipeline pays `overhead_s` (measured here) plus an object-store load per trial, the shell loop a
-    process start and a disk load."""
+def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float, float, int]:
+    """(pipeline wall, shell-loop wall, ideal, actors per trial) of Table 1 at full size, in hours. The pipeline
+    runs the plan `plan_resources` makes (w actors share each trial's samples, trials in waves of gpus // w) and pays
+    `overhead_s` (measured here) plus an object-store load per wave; the shell loop runs one process per trial per
+    GPU in waves and pays a process start and a disk load per trial."""
+    from pipelines.sweep import plan_resources
+
     work = sum(TABLE1_SAMPLES.values()) * A100_SAMPLE_S
-    waves = math.ceil(trials / gpus)
-    pipeline = waves * (work + overhead_s + A100_LOAD_S / 3)
-    shell = waves * (work + SHELL_STARTUP_S + A100_LOAD_S)
+    plan = plan_resources(table1_spec(1, 8), trials, gpus)
+    waves = math.ceil(trials / plan.concurrency)
+    pipeline = waves * (work / plan.workers + overhead_s + A100_LOAD_S / 3)
+    shell = math.ceil(trials / gpus) * (work + SHELL_STARTUP_S + A100_LOAD_S)
     ideal = trials * work / gpus + A100_LOAD_S / 3
-    return pipeline / 3600, shell / 3600, ideal / 3600
+    return pipeline / 3600, shell / 3600, ideal / 3600, plan.workers
 
 
 def main() -> None:
@@ -148,7 +153,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--samples-per-task", type=int, default=32, help="two offline tasks: 2x this per trial")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--sample-s", type=float, default=0.5, help="stand-in cost per sample (scaled)")
+    ap.add_argument("--sample-s", type=float, default=0.25, help="stand-in cost per sample (scaled)")
     ap.add_argument("--load-s", type=float, default=1.0, help="stand-in model load (scaled)")
     ap.add_argument("--startup-s", type=float, default=1.0, help="shell loop: process start + data load (scaled)")
     args = ap.parse_args()
@@ -157,31 +162,34 @@ def main() -> None:
           f"stand-in model: {args.sample_s:g} s per sample, {args.load_s:g} s per load (a 7B model on an A100, "
           "scaled: real trials run far more samples per load); shell loop: +"
           f"{args.startup_s:g} s per process. Ray's own overheads are real, so efficiency is a lower bound.\n")
-    print("| GPUs | pipeline wall s | ideal s | efficiency | model loads | rows built | shell-loop wall s | "
-          "shell-loop efficiency | shell-loop loads |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| GPUs | actors per trial | pipeline wall s | ideal s | efficiency | model loads | rows built | "
+          "shell-loop wall s | shell-loop efficiency | shell-loop loads |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     last = None
     with tempfile.TemporaryDirectory(prefix="sweep-scaling-") as tmp:
         for gpus in args.gpus:
             r = run_pipeline(gpus, costs, args.samples_per_task, args.batch_size, Path(tmp))
             s = shell_loop(gpus, r["trials"], r["rows"], costs, args.startup_s)
             eff = r["ideal"] / r["wall"]
-            print(f"| {gpus} | {r['wall']:.1f} | {r['ideal']:.1f} | {eff:.2f} | {r['loads']} | {r['rows']} | "
+            print(f"| {gpus} | {r['workers']} | {r['wall']:.1f} | {r['ideal']:.1f} | {eff:.2f} | {r['loads']} | "
+                  f"{r['rows']} | "
                   f"{s['wall']:.1f} | {s['ideal'] / s['wall']:.2f} | {s['loads']} |", flush=True)
             last = (gpus, eff)
-            if gpus == min(args.gpus):
-                overhead = (r["wall"] - r["trials"] * r["rows"] * costs.sample_s / gpus) / math.ceil(
-                    r["trials"] / gpus)
+            if gpus == min(args.gpus):  # per wave of trials, beyond their samples
+                plan_waves = math.ceil(r["trials"] / max(1, gpus // r["workers"]))
+                overhead = (r["wall"] - r["trials"] * r["rows"] * costs.sample_s / gpus) / plan_waves
     print(f"\nmeasured per-trial overhead of the pipeline here (trial start, actor pool start, scoring, MLflow): "
           f"{overhead:.1f} s\n")
     print(f"Table 1 at full size ({sum(TABLE1_SAMPLES.values())} samples per trial, {A100_SAMPLE_S} s each on an "
           "A100), projected with that overhead:\n")
-    print("| GPUs | pipeline h | shell loop h | ideal h | pipeline efficiency | shell-loop efficiency |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| GPUs | actors per trial | pipeline h | shell loop h | ideal h | pipeline efficiency | "
+          "shell-loop efficiency |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for gpus in args.gpus:
-        p, s, i = projection(gpus, len(METHODS) * len(BUDGETS) + 1, overhead)
-        print(f"| {gpus} | {p:.1f} | {s:.1f} | {i:.1f} | {i / p:.2f} | {i / s:.2f} |")
-    print("\n(both schedule whole trials: 19 trials on 8 GPUs run in 3 waves, the last with 3 busy GPUs)")
+        p, s, i, w = projection(gpus, len(METHODS) * len(BUDGETS) + 1, overhead)
+        print(f"| {gpus} | {w} | {p:.2f} | {s:.2f} | {i:.2f} | {i / p:.2f} | {i / s:.2f} |")
+    print("\n(the shell loop runs whole trials in waves: 19 trials on 8 GPUs take 3, the last with 3 GPUs busy; the "
+          "pipeline shares each trial's samples among the actors plan_resources gives it)")
     print(f"\nefficiency {last[1]:.2f} at {last[0]} GPUs")
 
 

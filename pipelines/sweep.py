@@ -77,16 +77,34 @@ class Plan:
     cluster_gpus: float
 
 
-def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) -> Plan:
-    """auto workers/concurrency: spread the GPUs over the trials (one actor each when trials outnumber GPUs).
+def makespan(n_trials: int, slots: int, workers: int, max_concurrent: int | None = None) -> float:
+    """Time to run ``n_trials`` equal trials on ``slots`` GPU actors with ``workers`` actors per trial, in units of
+    one trial on one actor: whole trials run in waves of ``slots // workers`` (or fewer, ``max_concurrent``), and a
+    trial's samples are shared by its actors (Ray Data)."""
+    at_once = max(1, slots // workers)
+    if max_concurrent is not None:
+        at_once = min(at_once, max_concurrent)
+    return math.ceil(n_trials / at_once) / workers
 
-    With no GPU: one actor and one trial at a time (the actors would only fight over the cores).
+
+def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) -> Plan:
+    """auto workers: the actors per trial that finish the sweep soonest when its trials cost about the same.
+
+    Whole trials run in waves, so 19 trials on 8 GPUs with one actor each take 3 waves with 3 GPUs busy in the
+    last (79% of ideal); with all 8 actors on each trial, one trial after the other, nothing idles (the price:
+    more model loads, seconds each against hours of samples). Ties go to fewer actors per trial (fewer loads).
+    auto concurrency: as many trials as the actors allow. With no GPU: one actor and one trial at a time (the
+    actors would only fight over the cores).
     """
     r, t = spec.resources, spec.tune
     if cluster_gpus > 0 and r.gpus_per_worker > 0:
         slots = max(1, int(cluster_gpus // r.gpus_per_worker))  # actors that fit on the cluster at once
-        workers = r.workers if r.workers != specs.AUTO else max(1, slots // max(1, n_trials))
-        concurrency = t.max_concurrent_trials if t.max_concurrent_trials != specs.AUTO else max(1, slots // workers)
+        cap = None if t.max_concurrent_trials == specs.AUTO else t.max_concurrent_trials
+        workers = r.workers if r.workers != specs.AUTO else min(
+            range(1, slots + 1), key=lambda w: (makespan(n_trials, slots, w, cap), w))
+        concurrency = max(1, slots // workers)  # trials whose actors fit at once; a set cap lowers it
+        if cap is not None:
+            concurrency = min(concurrency, cap)
     else:
         workers = r.workers if r.workers != specs.AUTO else 1
         concurrency = t.max_concurrent_trials if t.max_concurrent_trials != specs.AUTO else 1

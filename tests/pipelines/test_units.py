@@ -11,6 +11,7 @@ import torch
 from promprune.records import Prediction, from_arrow
 
 from pipelines import evaluate, schema, spec as specs, tracking, weights
+from pipelines.sweep import makespan as sweep_makespan
 from pipelines.sweep import plan_resources
 
 
@@ -28,16 +29,26 @@ def _spec(**kw) -> specs.SweepSpec:
 
 @pytest.mark.parametrize("gpus,n_trials,kw,expect", [
     (0, 9, {}, (1, 1)),  # CPU: one actor, one trial at a time
-    (8, 9, {}, (1, 8)),  # more trials than GPUs: one GPU actor per trial, 8 trials at once
+    # 9 trials on 8 GPUs: one actor each takes 2 waves (the second with 1 GPU busy): 2.0 trial-times; all 8 actors
+    # on each trial, one after the other: 9/8 = 1.125
+    (8, 9, {}, (8, 1)),
+    (8, 16, {}, (1, 8)),  # 16 trials: two full waves of one-actor trials, the best there is (2.0), fewest loads
+    (8, 19, {}, (8, 1)),  # Table 1: 3 waves (79% busy) with one actor each vs 19/8 with eight
     (8, 2, {}, (4, 2)),  # fewer trials: the GPUs are spread over them
-    (8, 9, {"resources__gpus_per_worker": 2}, (1, 4)),  # 2-GPU actors: 4 fit
-    (8, 9, {"resources__workers": 2}, (2, 4)),
-    (8, 9, {"tune__max_concurrent_trials": 3}, (1, 3)),
+    (8, 9, {"resources__gpus_per_worker": 2}, (4, 1)),  # 2-GPU actors: 4 fit
+    (8, 9, {"resources__workers": 2}, (2, 4)),  # explicit workers win
+    (8, 9, {"tune__max_concurrent_trials": 3}, (8, 1)),  # a cap on trials at once is a maximum
     (4, 2, {"tune__max_concurrent_trials": 10}, (2, 2)),  # never more than the trials
 ])
 def test_plan_resources(gpus, n_trials, kw, expect):
     plan = plan_resources(_spec(**kw), n_trials, gpus)
     assert (plan.workers, plan.concurrency) == expect
+
+
+def test_makespan_by_hand():
+    assert sweep_makespan(19, 8, 1) == 3  # waves of 8, 8, 3
+    assert sweep_makespan(19, 8, 8) == pytest.approx(19 / 8)
+    assert sweep_makespan(9, 8, 2, max_concurrent=3) == pytest.approx(3 / 2)  # ceil(9 / 3) waves of half a trial
 
 
 # ----------------------------------------------------------------------------------------------------------------
