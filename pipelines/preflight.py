@@ -8,10 +8,11 @@ entry scripts print them as one message without a traceback.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from urllib.parse import urlparse
+
+from promprune.env import temporary_env
 
 from pipelines import schema
 from pipelines.calibration import check_source, metrics_to_calibrate
@@ -62,19 +63,9 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
             "would run unpruned; use budgets below that" for tid, budget in budgets.items() if budget >= capacity]
 
 
-@contextlib.contextmanager
 def _fail_fast_http():
     """MLflow retries a dead server for minutes; a probe wants an answer in seconds."""
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return temporary_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
 
 
 def check_store(uri: str) -> list[str]:

@@ -14,11 +14,12 @@ Hub tasks (MME, POPE, ...) are lmms-eval's own definitions, unchanged; their dat
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 from pathlib import Path
+
+from promprune.env import temporary_env
 
 log = logging.getLogger(__name__)
 
@@ -176,21 +177,10 @@ def judge_skip_reason(task: str) -> str | None:
     return f"task {task!r} is scored by an LLM judge (lmms-eval API_TYPE={api_type!r}) and {key} is not set; skipping it"
 
 
-@contextlib.contextmanager
 def single_process():
     """lmms-eval reads RANK / WORLD_SIZE from the environment and shards documents by them; the bridge always wants
     every document (sharding is Ray's job), so pin a single-process view while lmms-eval runs."""
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-    saved = {n: os.environ.get(n) for n in names}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return temporary_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
 def load_task(name: str, include_path: str | list[str] | None = None):
