@@ -1,0 +1,149 @@
+"""What every trained offline model shares: teacher-forcing batches built the way ``PrunedVLM.generate`` prompts,
+the answer-only LM loss, the optimiser and schedule, a progress bar, and a once-only, process-safe cache.
+
+A cached model is trained once into a directory under ``$PROMPRUNE_CACHE``: a file lock keeps concurrent processes
+(Ray actors) from training twice, and an atomic rename keeps them from reading half a checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def threads() -> int:
+    """The CPUs this process may use."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run with ``n`` torch threads (default :func:`threads`), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def teacher_forcing(vlm, images, prompts, answers):
+    """Teacher-forcing batch: ``PrunedVLM.inputs`` (left-padded prompts) + answer + EOS, right-padded.
+
+    Returns model kwargs (with the positions ``generate`` derives from the attention mask) and the labels (-100
+    everywhere but the answer tokens and EOS).
+    """
+    tok = vlm.processor.tokenizer
+    batch = vlm.inputs(list(images), list(prompts))
+    answers = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in answers]
+    width = max(len(a) for a in answers)
+    n = len(answers)
+    tail = torch.full((n, width), tok.pad_token_id, dtype=torch.long)
+    tail_mask = torch.zeros((n, width), dtype=torch.long)
+    for row, ids in enumerate(answers):
+        tail[row, :len(ids)] = torch.tensor(ids)
+        tail_mask[row, :len(ids)] = 1
+    ids = torch.cat([batch["input_ids"], tail], dim=1)
+    mask = torch.cat([batch["attention_mask"], tail_mask], dim=1)
+    labels = torch.full_like(ids, -100)
+    labels[:, batch["input_ids"].shape[1]:] = torch.where(tail_mask.bool(), tail, -100)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, pixel_values=batch["pixel_values"])
+    return kwargs, labels
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy over the labelled positions."""
+    logits = logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def optimizer(params, steps: int, lr: float):
+    """AdamW with a linear warm-up over 5% of the steps and a linear decay to 0."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(steps // 20, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(steps - warmup, 1))))
+    return opt, schedule
+
+
+def step(loss: torch.Tensor, params, opt, schedule) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    schedule.step()
+    return loss.item()
+
+
+class Progress:
+    """One tqdm bar for a training run, refreshed about 20 times (Ray logs print each refresh as a line)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, disable=not enabled, mininterval=0)
+        self.every, self.total, self.losses = max(total // 20, 1), total, []
+
+    def update(self, step_index: int, loss: float) -> None:
+        self.losses.append(loss)
+        if (step_index + 1) % self.every == 0 or step_index + 1 == self.total:
+            recent = self.losses[-self.every:]
+            self.bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", refresh=False)
+            self.bar.update(step_index + 1 - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive advisory lock on ``path`` (POSIX ``flock``; other platforms: no lock)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def complete(directory: Path) -> bool:
+    return (directory / "config.json").exists() and any(directory.glob("model*.safetensors"))
+
+
+def train_once(directory: Path, train: Callable[[], tuple], what: str) -> None:
+    """Make sure ``directory`` holds a finished checkpoint: ``train()`` -> ``(model, processor)`` saved into it once.
+
+    Concurrent callers wait for the one that trains; a leftover half-written directory is replaced.
+    """
+    directory = Path(directory)
+    if complete(directory):
+        return
+    with locked(directory.with_name(f".{directory.name}.lock")):
+        if complete(directory):  # another process finished while we waited
+            return
+        log.warning("%s not found: training %s (once)", directory, what)
+        model, processor = train()
+        tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        shutil.rmtree(directory, ignore_errors=True)  # an incomplete leftover, never a finished one
+        os.replace(tmp, directory)
