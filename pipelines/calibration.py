@@ -8,7 +8,9 @@ with the sweep's own model, and use the median as that trial's mu. The value act
 
 ``calibration.images`` is a local folder of images (searched recursively; the paper used 1,000 images of LLaVA's
 pretraining data: download e.g. ``liuhaotian/LLaVA-Pretrain``'s images once and point here), or
-``hf:<dataset id>[:<split>[:<image column>]]`` for a Hugging Face dataset read in streaming mode.
+``hf:<dataset id>[:<split>[:<image column>]]`` for a Hugging Face dataset read in streaming mode, or
+``testbed:<split>`` for rendered scenes of the prominence testbed (``testbed:train``: its training scenes, never
+the evaluation ones).
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ def check_source(images: str | None) -> str | None:
         return "calibration.images: required when a trial sets mu: calibrate (a folder of images, or hf:<dataset>)"
     if images.startswith("hf:"):
         return None if images[3:].split(":")[0] else f"calibration.images: {images!r} names no dataset"
+    if images.startswith("testbed:"):
+        from promprune.testbed.scenes import SPLITS
+
+        split = images.split(":", 1)[1]
+        return None if split in SPLITS else (f"calibration.images: {images!r}: the testbed has the splits "
+                                             f"{', '.join(SPLITS)} (calibrate on testbed:train)")
     folder = Path(images).expanduser()
     if not folder.is_dir():
         return f"calibration.images: {images!r} is not a folder (give a folder of images, or hf:<dataset id>)"
@@ -71,6 +79,12 @@ def load_images(cal: Calibration) -> list:
         name, split, column = (cal.images[3:].split(":") + ["train", "image"])[:3]
         stream = datasets.load_dataset(name, split=split, streaming=True).shuffle(seed=cal.seed, buffer_size=10_000)
         return [row[column].convert("RGB") for row in stream.take(cal.n)]
+    if cal.images.startswith("testbed:"):
+        from promprune.testbed import scenes
+
+        rng = random.Random(cal.seed)
+        return [scenes.render(scenes.make_scene(cal.images.split(":", 1)[1], rng.randrange(10 ** 9)))
+                for _ in range(cal.n)]
     paths = sorted(p for p in Path(cal.images).expanduser().rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if len(paths) > cal.n:
         paths = sorted(random.Random(cal.seed).sample(paths, cal.n))

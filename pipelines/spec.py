@@ -70,6 +70,7 @@ class SweepSpec:
     tasks: list = field(default_factory=lambda: ["easyvqa_yesno", "easyvqa_open"])  # the offline benchmarks
     limit: int | None = None  # per-task sample cap; None: the full benchmark
     baseline: bool = True  # also run the unpruned model once: Rel. divides by it
+    bootstrap: int = 0  # resamples for 95% confidence intervals of each task's primary metrics; 0: none
     grid: dict = field(default_factory=dict)
     trials: list = field(default_factory=list)
     generation: dict = field(default_factory=lambda: {"max_new_tokens": 16})  # short answers: VQA is one word
@@ -245,6 +246,8 @@ def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) 
     _set_scalar(spec, raw, "version", int, errors, check=lambda v: v >= 1, why="an int >= 1")
     _set_scalar(spec, raw, "description", str, errors)
     _set_scalar(spec, raw, "baseline", bool, errors)
+    _set_scalar(spec, raw, "bootstrap", int, errors, check=lambda v: v == 0 or 100 <= v <= 100_000,
+                why="0 (no confidence intervals) or a number of resamples in 100..100000")
     if "limit" in raw and raw["limit"] is not None:
         _set_scalar(spec, raw, "limit", int, errors, check=lambda v: v >= 1, why="an int >= 1 or null")
     _parse_tasks(spec, raw, errors)

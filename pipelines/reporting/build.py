@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines import schema
 
-from . import figures, overlay, tables
+from . import figures, overlay, prominence, tables
 from .published import PAPER_DIR, load_published
 from .store import BASELINE_METHOD, Sweep, load_predictions
 
@@ -41,7 +41,8 @@ class Report:
 
 
 def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DIR,
-                 image_source: ImageSource | None = None) -> Report:
+                 image_source: ImageSource | None = None,
+                 truth_source: prominence.TruthSource | None = None) -> Report:
     """Write every table and figure that applies to `sweep` under `out_dir`; return what was written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,8 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     sections.append(_calibration_section(sweep, table, preds, entropy_id, report))
     sections.append(_figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report,
                                      image_source or task_image))
+    sections.append(_prominence_section(sweep, table, preds, out_dir, report,
+                                        truth_source or prominence.testbed_truth))
     report.markdown = "\n".join(s for s in sections if s)
     md_path = out_dir / "report.md"
     md_path.write_text(report.markdown)
@@ -70,8 +73,9 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
 
 
 def render_html(markdown: str, out_dir: Path, title: str) -> str:
-    """The report as one self-contained HTML page (MLflow's artifact viewer shows .md as text but renders .html):
-    tables rendered, every figure of ``out_dir`` inlined as a data URI."""
+    """The report as one self-contained HTML page (MLflow 3.17's artifact viewer renders .md but shows its relative
+    images as ``[name](file.png)`` text; it renders .html whole): tables rendered, every figure of ``out_dir``
+    inlined as a data URI."""
     import base64
     import html
 
@@ -125,8 +129,15 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
 
 def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
     _write_csv(tables.score_table_csv(table), out_dir / "scores.csv", report)
-    note = ("Rel.: each benchmark's score over the unpruned model's, averaged over benchmarks. "
-            "Bold: best per token budget. Units: MME points (perception), the rest percent.")
+    note = "Rel.: each benchmark's score over the unpruned model's, averaged over benchmarks."
+    decimals = {c.task: c.decimals for c in table.columns} | {"rel": 1}
+    if tables.best_per_budget(table, decimals):
+        note += " Bold: best per token budget."
+    has_mme = any(c.task == "mme" for c in table.columns)
+    note += " Units: MME points (perception), the rest percent." if has_mme else " Units: percent."
+    if any(col.endswith(tables.CI_LOW) for col in table.frame.columns):
+        note += (" In parentheses: the 95% percentile-bootstrap interval over the benchmark's documents"
+                 " (the spec's `bootstrap` resamples).")
     if comparison is not None and not comparison.empty:
         note += " Rows marked ↳ paper: the published numbers, with our delta."
     return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"
@@ -231,7 +242,9 @@ def _figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, repo
         notes += note
     made = [p for p in made if p is not None]
     report.files += made
-    lines = ["## Figures", ""] + [f"![{p.stem}]({p.name})" for p in made] + ([""] + notes if notes else [])
+    where = ["PNG files beside this report; `report.html` shows them inline (MLflow's viewer of `report.md` shows "
+             "only their names).", ""] if made else []
+    lines = ["## Figures", ""] + where + [f"![{p.stem}]({p.name})\n" for p in made] + (notes if notes else [])
     return "\n".join(lines) + "\n"
 
 
@@ -292,6 +305,41 @@ class _PredictionCache:
         if run_id not in self._frames:
             self._frames[run_id] = load_predictions(run_id)
         return self._frames[run_id]
+
+
+MAX_PROMINENCE_ARMS = 6
+
+
+def _prominence_section(sweep, table, preds, out_dir, report, truth_source) -> str:
+    """Entropy vs the testbed's ground truth, per PromPrune trial (one per metric when several were run)."""
+    arms, seen = {}, set()
+    options = sweep.trials[sweep.option_names] if sweep.option_names else pd.DataFrame(index=sweep.trials.index)
+    for rid, row in table.frame[table.frame["method"] == "promprune"].iterrows():
+        metric = options.loc[rid].get("metric") if "metric" in options else None
+        metric = prominence.DEFAULT_METRIC if metric is None or (isinstance(metric, float) and np.isnan(metric)) \
+            else str(metric)
+        if metric in seen or len(arms) >= MAX_PROMINENCE_ARMS:
+            continue  # one arm per metric: the first in paper order
+        frame = prominence.joined(_ok(preds.get(rid)), truth_source)
+        if not frame.empty:
+            seen.add(metric)
+            arms[f"{metric} entropy ({row['label']}, {row['budget']:.0f} tokens)"] = frame
+    if not arms:
+        return ""
+    corr = prominence.correlation_table(arms)
+    _write_csv(corr, out_dir / "prominence.csv", report)
+    path = prominence.figure(arms, out_dir / "prominence.png")
+    if path is not None:
+        report.files.append(path)
+    rows = [[r["arm"], f"{r['samples']:.0f}", f"{r['rho_entropy_num_objects']:+.2f}", f"{r['rho_entropy_spread']:+.2f}",
+             f"{r['rho_t_sal_share_num_objects']:+.2f}"] for _, r in corr.iterrows()]
+    text = tables.markdown_table(["Metric (trial)", "Samples", "ρ(entropy, objects)", "ρ(entropy, spread)",
+                                  "ρ(T_sal/T, objects)"], rows)
+    figure = f"\n![prominence](prominence.png)\n" if path is not None else ""
+    return ("## Prominence against ground truth\n\nSpearman correlations over the testbed's documents, whose scenes "
+            "know their number of objects and their spread (the offline counterpart of the paper's Fig. 2). A "
+            "metric that tracks how spread out the meaning is correlates positively with both; PromPrune's split "
+            "then gives spread-out scenes fewer saliency tokens (negative ρ for T_sal/T).\n\n" + text + figure)
 
 
 def _ok(frame: pd.DataFrame | None) -> pd.DataFrame:

@@ -38,6 +38,15 @@ _DISPLAY = {
     "mmvet": ("MM-Vet", 1.0, 1),  # aggregation already in %
     "easyvqa_yesno": ("EasyVQA yes/no", 100.0, 1),  # POPE-style: F1
     "easyvqa_open": ("EasyVQA open", 100.0, 1),
+    # the prominence testbed (promprune.testbed): yes/no tasks by F1, the others by exact match
+    "testbed_exist": ("Exist", 100.0, 1),
+    "testbed_count": ("Count", 100.0, 1),
+    "testbed_attribute": ("Attribute", 100.0, 1),
+    "testbed_relation": ("Relation", 100.0, 1),
+    "testbed_exist_concentrated": ("Exist (1-3 obj.)", 100.0, 1),
+    "testbed_exist_spread": ("Exist (9-12 obj.)", 100.0, 1),
+    "testbed_count_concentrated": ("Count (1-3 obj.)", 100.0, 1),
+    "testbed_count_spread": ("Count (9-12 obj.)", 100.0, 1),
 }
 KNOWN_COLUMNS = {task: TaskColumn(task, label, PRIMARY_METRICS[task], scale=scale, decimals=decimals)
                  for task, (label, scale, decimals) in _DISPLAY.items()}
@@ -57,6 +66,19 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
     if not logged_metrics:
         raise ValueError(f"task {task!r}: no metric `{task}/...` was logged by any trial of this sweep")
     return TaskColumn(task, task, (min(logged_metrics),))
+
+
+CI_SUFFIXES = ("_ci_low", "_ci_high")  # as promprune.eval.scoring logs them beside a metric
+
+
+def task_interval(metrics: pd.DataFrame, column: TaskColumn) -> tuple[pd.Series, pd.Series] | None:
+    """Per-trial (low, high) 95% bootstrap bounds of a one-metric column, raw units; None when none were logged."""
+    if len(column.metrics) != 1:
+        return None
+    cols = [f"{column.task}/{column.metrics[0]}{suffix}" for suffix in CI_SUFFIXES]
+    if not all(c in metrics.columns for c in cols):
+        return None
+    return metrics[cols[0]], metrics[cols[1]]
 
 
 def task_score(metrics: pd.DataFrame, column: TaskColumn) -> pd.Series:

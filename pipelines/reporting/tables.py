@@ -13,7 +13,7 @@ import pandas as pd
 
 from pipelines import schema
 
-from .columns import column_for, task_score
+from .columns import column_for, task_interval, task_score
 from .store import BASELINE_METHOD, Sweep
 
 METHOD_LABELS = {
@@ -32,6 +32,9 @@ EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
     ("efficiency/prefill_ms", "Prefill (ms, vision + selection + LLM)", 1),
     ("efficiency/peak_mem_gb", "Peak memory (GB)", 2),
 ]
+
+
+CI_LOW, CI_HIGH = ":ci_low", ":ci_high"  # ScoreTable.frame columns of a task's bootstrap bounds (raw units)
 
 
 @dataclass
@@ -113,6 +116,9 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
     frame = trials[["method", "budget", "variant", "label"]].copy()
     for col in columns:
         frame[col.task] = task_score(metrics, col)
+        interval = task_interval(metrics, col)
+        if interval is not None:
+            frame[f"{col.task}{CI_LOW}"], frame[f"{col.task}{CI_HIGH}"] = interval
     frame["rel"] = relative_scores(frame[[c.task for c in columns]], sweep.baseline_id, metrics.get("rel"))
     return ScoreTable(frame, columns)
 
@@ -160,6 +166,9 @@ def score_table_csv(table: ScoreTable) -> pd.DataFrame:
     out = table.frame[["method", "budget", "variant", "label"]].copy()
     for col in table.columns:
         out[col.label] = table.frame[col.task] * col.scale
+        for suffix, name in ((CI_LOW, "CI low"), (CI_HIGH, "CI high")):
+            if f"{col.task}{suffix}" in table.frame:
+                out[f"{col.label} {name}"] = table.frame[f"{col.task}{suffix}"] * col.scale
     out["Rel. (%)"] = table.frame["rel"]
     out.index.name = "run_id"
     return out.reset_index()
@@ -177,7 +186,11 @@ def score_table_markdown(table: ScoreTable, full_tokens: float | None = None,
         tokens = _tokens_cell(row, full_tokens)
         cells = [row["label"], tokens]
         for col in table.columns:
-            cells.append(_cell(row[col.task] * col.scale, col.decimals, (rid, col.task) in best))
+            cell = _cell(row[col.task] * col.scale, col.decimals, (rid, col.task) in best)
+            low, high = row.get(f"{col.task}{CI_LOW}"), row.get(f"{col.task}{CI_HIGH}")
+            if low is not None and high is not None and not _isnan(low) and not _isnan(high):
+                cell += f" ({low * col.scale:.{col.decimals}f}–{high * col.scale:.{col.decimals}f})"
+            cells.append(cell)
         cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%"))
         rows.append(cells)
         paper = _paper_row(table, row, comparison, decimals)

@@ -17,6 +17,8 @@ _EXPORTS = {
     "relative_score": "promprune.eval.scoring",
     "primary_score": "promprune.eval.scoring",
     "OFFLINE_TASKS": "promprune.eval.tasks",
+    "EASYVQA_TASKS": "promprune.eval.tasks",
+    "TESTBED_TASKS": "promprune.eval.tasks",
     "PAPER_TASKS": "promprune.eval.tasks",
     "PRIMARY_METRICS": "promprune.eval.tasks",
     "TaskUnavailableError": "promprune.eval.tasks",

@@ -1,17 +1,19 @@
-"""``python -m promprune.eval prepare``: build the offline easy-vqa tasks and print lmms-eval's --include_path."""
+"""``python -m promprune.eval prepare``: build the offline tasks (easy-vqa, the prominence testbed) and print the
+lmms-eval ``--include_path`` of each suite."""
 
 import argparse
 
-from promprune.eval.tasks import OFFLINE_TASKS, prepare_offline_tasks
+from promprune.eval.tasks import SUITES, prepare_offline_tasks
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m promprune.eval", description=__doc__)
-    parser.add_argument("command", choices=["prepare"], help="prepare: convert easy-vqa once, print the include path")
+    parser.add_argument("command", choices=["prepare"], help="prepare: write the offline tasks once, print include paths")
     parser.parse_args(argv)
-    path = prepare_offline_tasks()
-    print(path)
-    print(f"# tasks {', '.join(OFFLINE_TASKS)}: lmms-eval ... --tasks {OFFLINE_TASKS[0]} --include_path {path}")
+    for suite, (tasks, _) in SUITES.items():
+        path = prepare_offline_tasks(suite)
+        print(path)
+        print(f"# {suite} tasks {', '.join(tasks)}: lmms-eval ... --tasks {tasks[0]} --include_path {path}")
 
 
 if __name__ == "__main__":

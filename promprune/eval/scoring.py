@@ -103,7 +103,51 @@ def _metrics(task_results: dict) -> dict[str, float]:
     return out
 
 
-def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str) -> dict[str, float]:
+CI_LEVEL = 0.95
+CI_SUFFIXES = ("_ci_low", "_ci_high")
+
+
+def bootstrap_ci(items: list, aggregate, iters: int, *, seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``aggregate(items)``: ``iters`` resamples of the documents with replacement.
+
+    ``items`` are the per-document values lmms-eval's ``process_results`` produced and ``aggregate`` the task's own
+    aggregation (a mean, or e.g. POPE-style F1 over records), so any task's metric gets an interval.
+    """
+    import numpy as np
+
+    if not items:
+        raise ValueError("no items to resample")
+    rng = np.random.default_rng(seed)
+    n = len(items)
+    draws = rng.integers(0, n, size=(iters, n))
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items) and aggregate_is_mean(aggregate):
+        stats = np.asarray(items, dtype=float)[draws].mean(axis=1)
+    else:
+        stats = np.array([float(aggregate([items[i] for i in row])) for row in draws])
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(stats, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def aggregate_is_mean(fn) -> bool:
+    from lmms_eval.api.metrics import mean
+
+    return fn is mean
+
+
+def _intervals(task, samples: list[dict], metrics: dict[str, float], iters: int) -> dict[str, float]:
+    """``<metric>_ci_low`` / ``_ci_high`` for every metric of the task's PRIMARY_METRICS with per-document values."""
+    out = {}
+    aggregations = task.aggregation()
+    for metric in PRIMARY_METRICS.get(task.config.task, ()):
+        if metric not in aggregations or metric not in metrics or not all(metric in s for s in samples):
+            continue  # e.g. MME's perception score is aggregated from another per-document field
+        low, high = bootstrap_ci([s[metric] for s in samples], aggregations[metric], iters)
+        out[metric + CI_SUFFIXES[0]], out[metric + CI_SUFFIXES[1]] = low, high
+    return out
+
+
+def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str, bootstrap: int = 0) -> dict[str, float]:
     from lmms_eval.evaluator import evaluate
 
     task = load_task(name, include_path)
@@ -118,21 +162,24 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str)
             lm=replay,
             task_dict={name: task},
             limit=limit,
-            bootstrap_iters=0,  # point estimates only; stderr is not reported
-            log_samples=False,
+            bootstrap_iters=0,  # lmms-eval's stderr is not reported; intervals are ours (bootstrap_ci), on request
+            log_samples=bootstrap > 0,
             distributed_executor_backend="torchrun",  # single process: no accelerate state to set up
             cli_args=cli_args,
             process_docs_parallel=1,
             verbosity="WARNING",
         )
     metrics = _metrics(results["results"][name])
+    if bootstrap:
+        metrics.update(_intervals(task, results["samples"][name], metrics, bootstrap))
     metrics["n_samples"] = len(rows)
     metrics["n_failed"] = sum(failed(r) for r in rows.values())
     return metrics
 
 
 def score(
-    predictions: list[dict], *, include_path: str | list[str] | None = None, output_dir: str | None = None
+    predictions: list[dict], *, include_path: str | list[str] | None = None, output_dir: str | None = None,
+    bootstrap: int = 0,
 ) -> dict[str, dict[str, float]]:
     """Score prediction rows (from any number of shards, in any order): {task: {metric: value, n_samples, n_failed}}.
 
@@ -140,12 +187,15 @@ def score(
     ``build_requests`` made them), ``prediction`` and optionally ``error``. A (task, doc_id) given twice, a doc_id missing from 0..n_docs-1, or a malformed row is a ValueError.
     Metrics are lmms-eval's names without the ',none' filter suffix (e.g. ``pope_f1_score``, ``exact_match``).
     ``output_dir``: where tasks that write submission files (MMBench) put them; a temporary directory by default.
+    ``bootstrap``: resamples for 95% percentile-bootstrap intervals of each task's primary metrics (added as
+    ``<metric>_ci_low`` / ``<metric>_ci_high``); 0 (default): point estimates only.
     """
     if not isinstance(predictions, list) or not predictions:
         raise ValueError("predictions must be a non-empty list of prediction rows")
     by_task = _group([values(p) if isinstance(p, Prediction) else p for p in predictions])
     with tempfile.TemporaryDirectory(prefix="promprune-score-") as tmp:
-        return {name: _score_task(name, rows, include_path, output_dir or tmp) for name, rows in by_task.items()}
+        return {name: _score_task(name, rows, include_path, output_dir or tmp, bootstrap)
+                for name, rows in by_task.items()}
 
 
 def primary_score(task: str, metrics: dict[str, float], primary: dict | None = None) -> float:

@@ -4,7 +4,7 @@
 (``from_pretrained`` of the checkpoint). A factory is ``fn(name, *, dtype, device_map, attn_implementation) ->
 (model, processor, adapter_defaults)``; it may carry ``fn.config(name)``, the model's config without building it
 (validation uses it: token counts, an unknown name). Factories are found through the ``promprune.model_factories`` entry-point
-group (this package declares ``tiny``, ``tiny-easyvqa`` and ``shape`` in ``pyproject.toml``, so the adapters never
+group (this package declares ``tiny``, ``tiny-easyvqa``, ``testbed`` and ``shape`` in ``pyproject.toml``, so the adapters never
 import the modules that build or train them) and through :func:`register_model_factory` at run time.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ Factory = Callable[..., tuple]
 # that build or train models). Also declared as entry points; listed here so a source checkout on PYTHONPATH,
 # without `pip install`, resolves them too. Other packages add theirs through the entry-point group.
 BUILTIN = {"tiny": "promprune.models.testing:load", "tiny-easyvqa": "promprune.training.easyvqa:load",
-           "shape": "promprune.models.shapes:load"}
+           "shape": "promprune.models.shapes:load", "testbed": "promprune.testbed.training:load"}
 
 _RUNTIME: dict[str, Factory] = {}
 

@@ -64,10 +64,10 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def config(tok=None) -> LlavaConfig:
     tok = tok or tokenizer()
-    vision = CLIPVisionConfig(hidden_size=96, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=96)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=64)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     return LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
                        vision_feature_layer=-2, vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id)

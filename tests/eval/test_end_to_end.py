@@ -6,7 +6,7 @@ import pytest
 from lmms_eval.evaluator import simple_evaluate
 from lmms_eval.models.registry_v2 import ModelRegistryV2
 
-from promprune.eval import OFFLINE_TASKS, PromPruneLMM, build_requests, run_requests, score
+from promprune.eval import EASYVQA_TASKS, PromPruneLMM, build_requests, run_requests, score
 from promprune.eval.lmms_plugin import MANIFEST
 from promprune.eval.tasks import task_manager
 from promprune.models import PrunedVLM
@@ -29,7 +29,7 @@ def _sharded(vlm, rows, n_shards=3, seed=0):
 
 @pytest.mark.slow
 def test_sharded_scores_equal_lmms_eval_evaluator(vlm):
-    tasks = list(OFFLINE_TASKS)
+    tasks = list(EASYVQA_TASKS)
     ours = _sharded(vlm, build_requests(tasks, limit=LIMIT))
     ours_scores = score(ours)
 

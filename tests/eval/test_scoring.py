@@ -174,3 +174,54 @@ def test_rows_read_back_from_parquet_score_the_same(handmade_tasks, tmp_path):
     frame.loc[0, "error"] = float("nan")  # a null as pandas may hand it over
     back = frame.to_dict("records")
     assert score(back, include_path=handmade_tasks) == score(rows, include_path=handmade_tasks)
+
+
+def _naive_percentile_bootstrap(values, statistic, iters=3000, seed=7):
+    """Resample with Python's own RNG (independent of the code under test), 2.5th and 97.5th percentiles."""
+    rng = random.Random(seed)
+    stats = sorted(statistic([values[rng.randrange(len(values))] for _ in values]) for _ in range(iters))
+    return stats[int(0.025 * iters)], stats[int(0.975 * iters) - 1]
+
+
+def test_bootstrap_intervals_match_a_naive_resampler():
+    n = 40
+    requests = build_requests(["easyvqa_yesno", "easyvqa_open"], limit=n)
+    yesno_gt = load_task("easyvqa_yesno").eval_docs_no_media["answer"][:n]
+    open_gt = load_task("easyvqa_open").eval_docs_no_media["answer"][:n]
+    rng = random.Random(3)
+    yesno_pred = [g if rng.random() < 0.7 else rng.choice(["yes", "no"]) for g in yesno_gt]
+    open_pred = [g if rng.random() < 0.5 else "circle" for g in open_gt]
+    preds = {("easyvqa_yesno", i): p for i, p in enumerate(yesno_pred)}
+    preds.update({("easyvqa_open", i): p for i, p in enumerate(open_pred)})
+    rows = [Prediction.answering(r, Answer(prediction=preds[r.task, r.doc_id])) for r in requests]
+    result = score(rows, bootstrap=2000)
+
+    hits = [float(p == g) for p, g in zip(open_pred, open_gt)]
+    low, high = _naive_percentile_bootstrap(hits, lambda v: sum(v) / len(v))
+    em = result["easyvqa_open"]
+    assert em["exact_match_ci_low"] <= em["exact_match"] <= em["exact_match_ci_high"]
+    assert em["exact_match_ci_low"] == pytest.approx(low, abs=0.04)
+    assert em["exact_match_ci_high"] == pytest.approx(high, abs=0.04)
+
+    def f1(pairs):  # "yes" is the positive class
+        tp = sum(p == g == "yes" for p, g in pairs)
+        fp = sum(p == "yes" and g == "no" for p, g in pairs)
+        fn = sum(p != "yes" and g == "yes" for p, g in pairs)
+        return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+    low, high = _naive_percentile_bootstrap(list(zip(yesno_pred, yesno_gt)), f1)
+    yn = result["easyvqa_yesno"]
+    assert yn["f1"] == pytest.approx(f1(list(zip(yesno_pred, yesno_gt))))
+    assert yn["f1_ci_low"] == pytest.approx(low, abs=0.04) and yn["f1_ci_high"] == pytest.approx(high, abs=0.04)
+    assert "accuracy_ci_low" not in yn  # intervals for the primary metric only
+    assert "f1_ci_low" not in score(rows)["easyvqa_yesno"]  # off by default
+
+
+def test_bootstrap_of_a_constant_is_a_point():
+    from lmms_eval.api.metrics import mean
+
+    from promprune.eval.scoring import bootstrap_ci
+
+    assert bootstrap_ci([1.0] * 30, mean, 500) == (1.0, 1.0)
+    low, high = bootstrap_ci([0.0, 1.0] * 200, mean, 4000)  # p = 0.5, n = 400: +-1.96 * 0.025
+    assert low == pytest.approx(0.5 - 0.049, abs=0.006) and high == pytest.approx(0.5 + 0.049, abs=0.006)

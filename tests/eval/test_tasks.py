@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from promprune.eval import OFFLINE_TASKS, build_requests, judge_skip_reason, prepare_offline_tasks
+from promprune.eval.tasks import TESTBED_TASKS
+from promprune.eval import EASYVQA_TASKS, build_requests, judge_skip_reason, prepare_offline_tasks
 from promprune.eval.tasks import load_task
 
 POST_PROMPT = "\nAnswer the question using a single word or phrase."
@@ -27,7 +28,11 @@ def test_prepare_is_idempotent_and_writes_both_tasks():
     stamps = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
     assert prepare_offline_tasks() == first
     assert {p.name: p.stat().st_mtime_ns for p in first.iterdir()} == stamps  # nothing rebuilt or rewritten
-    assert {f"{t}.yaml" for t in OFFLINE_TASKS} | {f"{t}.parquet" for t in OFFLINE_TASKS} <= set(stamps)
+    assert {f"{t}.yaml" for t in EASYVQA_TASKS} | {f"{t}.parquet" for t in EASYVQA_TASKS} <= set(stamps)
+    testbed = prepare_offline_tasks("testbed")
+    assert testbed != first and {f"{t}.yaml" for t in TESTBED_TASKS} <= {p.name for p in testbed.iterdir()}
+    with pytest.raises(ValueError, match="unknown offline task suite 'nope'; valid: easyvqa, testbed"):
+        prepare_offline_tasks("nope")
 
 
 def test_tasks_partition_the_test_split(easyvqa_questions):

@@ -1,84 +1,19 @@
 """Prompting and scoring of the offline easy-vqa tasks (loaded by lmms-eval through `!function utils.<name>`).
 
-lmms-eval imports this file by path, so it is self-contained: no package-relative imports.
-
-Docs have the columns question_id, image_id, question, answer and image (decoded to PIL by `datasets`).
-An empty prediction (what a failed sample is scored as) never matches an answer, so it counts as wrong.
+lmms-eval imports this file by path; the functions live in promprune.eval.offline_metrics (shared with the
+prominence testbed's tasks). Docs have the columns question_id, image_id, question, answer and image.
 """
 
-import re
-
-_WORD = re.compile(r"[a-z0-9]+")
-_ARTICLES = {"a", "an", "the"}
-
-
-def easyvqa_doc_to_visual(doc):
-    return [doc["image"].convert("RGB")]
-
-
-def easyvqa_doc_to_text(doc, lmms_eval_specific_kwargs=None):
-    kwargs = lmms_eval_specific_kwargs or {}
-    return f"{kwargs.get('pre_prompt', '')}{doc['question'].strip()}{kwargs.get('post_prompt', '')}"
-
-
-def normalize_yesno(text):
-    """'Yes.' / ' yes, it is' -> 'yes'; 'No' -> 'no'; anything else (empty included) -> 'other'."""
-    words = _WORD.findall(str(text).lower())
-    first = words[0] if words else ""
-    return first if first in ("yes", "no") else "other"
-
-
-def normalize_open(text):
-    """Lower-case words without punctuation or articles: 'A Circle.' -> 'circle'."""
-    return " ".join(w for w in _WORD.findall(str(text).lower()) if w not in _ARTICLES)
-
-
-# ---- yes/no: POPE-style metrics, "yes" is the positive class ----
-
-
-def yesno_process_results(doc, results):
-    record = {
-        "question_id": doc["question_id"],
-        "prediction": normalize_yesno(results[0]),
-        "answer": doc["answer"].strip().lower(),
-    }
-    return {name: record for name in ("accuracy", "precision", "recall", "f1", "yes_ratio")}
-
-
-def _counts(records):
-    tp = sum(r["prediction"] == "yes" and r["answer"] == "yes" for r in records)
-    fp = sum(r["prediction"] == "yes" and r["answer"] == "no" for r in records)
-    fn = sum(r["prediction"] != "yes" and r["answer"] == "yes" for r in records)
-    return tp, fp, fn
-
-
-def yesno_accuracy(records):
-    return sum(r["prediction"] == r["answer"] for r in records) / len(records)
-
-
-def yesno_precision(records):
-    tp, fp, _ = _counts(records)
-    return tp / (tp + fp) if tp + fp else 0.0
-
-
-def yesno_recall(records):
-    """An 'other' answer to a yes-question is a miss (a false negative), as a wrong answer should be."""
-    tp, _, fn = _counts(records)
-    return tp / (tp + fn) if tp + fn else 0.0
-
-
-def yesno_f1(records):
-    p, r = yesno_precision(records), yesno_recall(records)
-    return 2 * p * r / (p + r) if p + r else 0.0
-
-
-def yesno_yes_ratio(records):
-    """Share of predictions that say yes (the POPE paper's yes-ratio)."""
-    return sum(r["prediction"] == "yes" for r in records) / len(records)
-
-
-# ---- open answers ----
-
-
-def open_process_results(doc, results):
-    return {"exact_match": float(normalize_open(results[0]) == normalize_open(doc["answer"]))}
+from promprune.eval.offline_metrics import (  # noqa: F401 - re-exported for the task YAMLs
+    doc_to_text as easyvqa_doc_to_text,
+    doc_to_visual as easyvqa_doc_to_visual,
+    normalize_open,
+    normalize_yesno,
+    open_process_results,
+    yesno_accuracy,
+    yesno_f1,
+    yesno_precision,
+    yesno_process_results,
+    yesno_recall,
+    yesno_yes_ratio,
+)

@@ -1,0 +1,62 @@
+"""The testbed VLM: real LLaVA classes at 144 visual tokens with CLS saliency; its tokenizer; a short training run
+through the factory and the once-only cache."""
+import pytest
+import torch
+
+from promprune.models import PrunedVLM
+from promprune.testbed import model as testbed_model
+from promprune.testbed import scenes, training
+
+
+def test_tokenizer_round_trips_every_prompt_and_answer():
+    tok = testbed_model.tokenizer()
+    unk = tok.convert_tokens_to_ids("<unk>")
+    for family, post in training.POST_PROMPTS.items():
+        for index in range(20):
+            for q in scenes.questions(scenes.make_scene("test", index), family):
+                ids = tok(q.question + post, add_special_tokens=False)["input_ids"]
+                assert unk not in ids, q.question  # the vocabulary covers every question the testbed asks
+                assert tok.decode(tok(q.answer, add_special_tokens=False)["input_ids"]) == q.answer
+    assert tok("Describe the image.", add_special_tokens=False)["input_ids"][0] == unk  # unknown words -> <unk>
+
+
+def test_architecture_and_placeholders():
+    model, processor = testbed_model.untrained()
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert model.config.vision_feature_layer == -2 and model.config.vision_feature_select_strategy == "default"
+    image = scenes.render(scenes.make_scene("test", 0))
+    vlm = PrunedVLM(model, processor, method=None)
+    batch = vlm.inputs([image], ["How many objects are there?"])
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) == 144  # 12 x 12 patches, CLS dropped
+
+
+def test_patch_labels_hand_worked():
+    obj = scenes.Obj("red", "square", "large", 0, 0, 0, 0)  # centre (8, 8), 14 px: covers x, y in [1, 15]
+    labels = training.patch_labels(scenes.Scene("test", 0, (obj,), "plain", 0)).view(12, 12)
+    kind = 1 + scenes.KINDS.index(("red", "square"))
+    assert labels[:2, :2].eq(kind).all() and labels.sum() == 4 * kind  # patch centres 4 and 12 px: 2x2 patches
+
+
+def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMPRUNE_CACHE", str(tmp_path))
+    kwargs = dict(vision_steps=6, steps=8, batch_size=6, vision_batch_size=8, threads=1, progress=False)
+    model_a, _, losses_a = training.train(**kwargs)
+    model_b, _, losses_b = training.train(**kwargs)
+    assert losses_a == losses_b and len(losses_a) == 14
+    assert all(torch.equal(a, b) for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()))
+    assert min(losses_a[:6][-2:]) < losses_a[0]  # the vision objectives go down
+    assert sum(losses_a[-2:]) / 2 < sum(losses_a[6:8]) / 2  # and the answer loss
+
+    calls = []
+    real = training.train
+    monkeypatch.setattr(training, "train", lambda **kw: calls.append(kw) or real(**{**kwargs, **kw}))
+    vlm = PrunedVLM.from_pretrained("testbed:llava", method="promprune", budget=16)
+    again = PrunedVLM.from_pretrained("testbed:llava", method=None)
+    assert len(calls) == 1  # trained once into the cache, loaded from there the second time
+    assert (tmp_path / training.CACHE_NAME / "config.json").exists()
+    images = [scenes.render(scenes.make_scene("test", i)) for i in range(2)]
+    out = vlm.generate(images, ["How many objects are there?\nAnswer with a number."] * 2, max_new_tokens=2)
+    assert [g.visual_tokens for g in out] == [16, 16] and all(g.salient is not None for g in out)
+    assert again.model.config.vision_config.image_size == 96
+    with pytest.raises(ValueError, match="unknown testbed arch 'qwen'"):
+        PrunedVLM.from_pretrained("testbed:qwen", method=None)

@@ -1,0 +1,83 @@
+"""The testbed's scenes and questions: deterministic, ground truth consistent with the pixels, questions answerable."""
+import collections
+import math
+
+import numpy as np
+import pytest
+
+from promprune.testbed import scenes, tasks
+
+
+def test_scenes_are_deterministic_and_splits_disjoint():
+    a, b = scenes.make_scene("test", 7), scenes.make_scene("test", 7)
+    assert a == b and np.array_equal(np.asarray(scenes.render(a)), np.asarray(scenes.render(b)))
+    train = {scenes.make_scene("train", i).objects for i in range(300)}
+    test = {scenes.make_scene("test", i).objects for i in range(300)}
+    assert not train & test  # no test scene is a training scene
+    with pytest.raises(ValueError, match="unknown split"):
+        scenes.make_scene("val", 0)
+
+
+def test_ground_truth_hand_worked():
+    two = scenes.Scene("test", 0, (scenes.Obj("red", "square", "large", 0, 0, 0, 0),
+                                   scenes.Obj("blue", "circle", "small", 0, 2, 0, 0)), "plain", 1)
+    # centres (8, 8) and (40, 8): centroid (24, 8), each 16 px away -> RMS 16 px = 1/6 of 96
+    assert two.spread == pytest.approx(16 / 96)
+    assert two.coverage == pytest.approx((14 ** 2 + 9 ** 2) / 96 ** 2)
+    assert scenes.make_scene("test", 3, num_objects=1).spread == 0.0
+
+
+def test_rendered_pixels_match_the_objects():
+    scene = scenes.make_scene("test", 11, num_objects=6, background="plain")
+    pixels = np.asarray(scenes.render(scene)).astype(int)
+    for obj in scene.objects:
+        cx, cy = (int(v) for v in obj.center)
+        assert tuple(pixels[cy, cx]) == scenes.COLORS[obj.color], obj  # each object's centre has its colour
+    occupied = {(o.row, o.col) for o in scene.objects}
+    for r in range(scenes.GRID):
+        for c in range(scenes.GRID):
+            if (r, c) not in occupied:  # empty cells keep the plain background colour
+                centre = pixels[r * 16 + 8, c * 16 + 8]
+                assert tuple(centre) not in scenes.COLORS.values()
+
+
+def test_questions_answers_follow_from_the_scene():
+    for index in range(60):
+        scene = scenes.make_scene("test", index)
+        present = {(o.color, o.shape) for o in scene.objects}
+        for q in scenes.questions(scene, "exist"):
+            words = q.question.split()
+            assert (q.answer == "yes") == ((words[3], words[4]) in present)
+            if q.answer == "no" and q.category == "adversarial":
+                assert any(words[3] == c or words[4] == s for c, s in present)
+        (count,) = scenes.questions(scene, "count")
+        assert count.answer == str(len(scene.objects))
+        for q in scenes.questions(scene, "attribute"):
+            region = q.question.split(" at the ")[1].rstrip("?")
+            (obj,) = [o for o in scene.objects if o.region == region]  # exactly one object there
+            assert q.answer == (obj.color if q.category == "color" else obj.shape)
+        for q in scenes.questions(scene, "relation"):
+            a, b = ({o.name: o for o in scene.objects}[n] for n in _names(q.question))
+            (ax, ay), (bx, by) = a.center, b.center
+            truth = {"left of": ax < bx, "right of": ax > bx, "above": ay < by, "below": ay > by}[q.category]
+            assert (q.answer == "yes") == truth
+
+
+def _names(question):
+    body = question[len("Is the "):-1]
+    for relation in scenes.RELATIONS:
+        if f" {relation} the " in body:
+            a, b = body.split(f" {relation} the ")
+            return a, b
+    raise AssertionError(question)
+
+
+def test_task_tables_balanced_and_regimes_hold():
+    exist = tasks.table("exist", n=60)
+    assert collections.Counter(exist["answer"]) == {"yes": 60, "no": 60}
+    assert set(exist["category"]) == set(scenes.POPE_CATEGORIES)
+    spread = tasks.table("count", "_spread", n=20)
+    concentrated = tasks.table("count", "_concentrated", n=20)
+    assert min(spread["num_objects"]) >= 9 and max(concentrated["num_objects"]) <= 3
+    assert np.mean(spread["spread"]) > np.mean(concentrated["spread"])
+    assert not math.isnan(sum(spread["coverage"]))
