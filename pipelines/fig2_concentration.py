@@ -1,0 +1,320 @@
+"""Fig. 2 of the paper: do the entropy metrics track how concentrated an image's meaning is?
+
+The paper sampled 100 images from each of GQA, SQA, POPE, MME, MM-Vet, MMBench and TextVQA (700 in all), had
+GPT-4o rate each image's semantic concentration from 1 (highly distributed) to 5 (highly concentrated) with the
+prompt of its Fig. B1, and plotted, per rating, the mean of three normalized entropies of LLaVA-1.5-7B's projected
+visual tokens: spectral (the method's), feature-norm and attention entropy. This script does the same:
+
+1. setup: the spec (``sweeps/fig2_concentration.yaml``), the judge's key (missing: exit 2 at once, nothing
+   loaded), the tasks, model and MLflow store (``pipelines.preflight``); the ratings cached by earlier runs (the
+   latest ``fig2_concentration`` run's ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
+2. images: ``limit`` documents of each task, every k-th from a seeded start (``calibration.seed``), so they span
+   the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``);
+3. ratings: one Chat Completions request per image not in the cache (``promprune.judge``), the cache saved after
+   each; so a rerun asks nothing;
+4. entropies: the three metrics per image with the spec's model (``pipelines.calibration.prominence``: the vision
+   encoder and the split only, no generation);
+5. MLflow: a parent run (tags ``promprune.role=figure``, ``promprune.sweep=<spec name>``) with the resolved spec,
+   ``judge/ratings.json`` (the cache), ``fig2_concentration.csv`` (task, doc_id, rating, spectral, feature_norm,
+   attention, the judge's reply), and ``report/`` (the figure, per-rating means, report.md); metrics
+   ``fig2/<metric>/rating_<r>``, ``fig2/n/rating_<r>``, ``fig2/spearman/<metric>``, ``judge/requests``. The same
+   files go to ``--out`` (default ``reports/<spec name>/``).
+
+    python pipelines/fig2_concentration.py                       # the paper's setting (needs OPENAI_API_KEY, a GPU)
+    ray job submit --entrypoint-num-gpus 1 --working-dir . -- python pipelines/fig2_concentration.py
+    # offline try-out against any OpenAI-compatible server (e.g. a local vLLM serving a vision model):
+    python pipelines/fig2_concentration.py --model tiny-easyvqa:llava --tasks easyvqa_yesno --n 8 \\
+        --judge-base-url http://127.0.0.1:8000/v1 --judge-model Qwen/Qwen2.5-VL-7B-Instruct
+
+Key and endpoint as for MM-Vet's judge: ``API_TYPE`` (openai | azure...) picks ``OPENAI_API_KEY`` or
+``AZURE_API_KEY``; ``OPENAI_BASE_URL`` (or ``--judge-base-url``) the endpoint (``promprune/judge.py``).
+Exit codes: 0 done; 1 the judge failed for good midway (what was rated is cached); 2 bad input (no key, a key
+the endpoint refuses, a bad spec, task, model or store).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipelines import preflight, schema
+from pipelines import spec as specs
+from promprune import judge as judging
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "sweeps" / "fig2_concentration.yaml"
+EXIT_JUDGE_FAILED, EXIT_BAD_INPUT = 1, 2
+ROLE_FIGURE = "figure"  # promprune.role of this script's runs: never mistaken for a sweep by pipelines/report.py
+METRICS = ("spectral", "feature_norm", "attention")
+CACHE_ARTIFACT_DIR, CACHE_NAME = "judge", "ratings.json"
+TABLE_NAME, FIGURE_NAME, SUMMARY_NAME = "fig2_concentration.csv", "fig2_concentration.png", "fig2_by_rating.csv"
+QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # as pipelines/evaluate.py: lmms-eval logs every request build at DEBUG
+FALLBACK_BUDGET_SHARE = 2  # a spec budget the model cannot prune to becomes capacity // 2 (entropy ignores it)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="spec (default: sweeps/fig2_concentration.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override a spec field, value parsed as YAML (repeatable)")
+    p.add_argument("--model", help="model.pretrained, e.g. tiny-easyvqa:llava")
+    p.add_argument("--tasks", help="comma-separated lmms-eval tasks, e.g. easyvqa_yesno")
+    p.add_argument("--n", type=int, help="images per task (the spec's limit; the paper: 100)")
+    p.add_argument("--seed", type=int, help="which documents (the spec's calibration.seed)")
+    p.add_argument("--judge-model", default=judging.DEFAULT_MODEL, help="model name sent to the endpoint "
+                   "(default gpt-4o, the paper's; for Azure: the deployment)")
+    p.add_argument("--judge-base-url", default=None, help="API root of an OpenAI-compatible endpoint "
+                   "(default: $OPENAI_BASE_URL, else https://api.openai.com/v1)")
+    p.add_argument("--judge-workers", type=int, default=4, help="requests in flight at once")
+    p.add_argument("--cache", default=None, help="local rating cache, saved after every new rating "
+                   "(default: outputs/<spec name>/judge_ratings.json); merged with the latest run's artifact")
+    p.add_argument("--out", default=None, help="folder for the CSV, figure and report (default reports/<spec name>)")
+    return p.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The shortcuts as spec overrides (JSON is YAML), after the explicit ``--set`` ones."""
+    extra = []
+    if args.model:
+        extra.append(f"model.pretrained={json.dumps(args.model)}")
+    if args.tasks:
+        extra.append(f"tasks={json.dumps([t.strip() for t in args.tasks.split(',') if t.strip()])}")
+    if args.n is not None:
+        extra.append(f"limit={args.n}")
+    if args.seed is not None:
+        extra.append(f"calibration.seed={args.seed}")
+    return list(args.overrides) + extra
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# setup
+
+
+def setup(args: argparse.Namespace):
+    """(spec, judge, budget), or raises SpecError listing every problem found; nothing is loaded."""
+    try:
+        judge = judging.ConcentrationJudge.from_env(model=args.judge_model, base_url=args.judge_base_url)
+    except judging.JudgeError as exc:
+        raise specs.SpecError([str(exc)], "judge") from None
+    spec = specs.load(args.config, overrides(args))
+    problems = []
+    if not spec.limit or spec.limit < 1:
+        problems.append("limit: images per task; must be a positive int (the paper: 100)")
+    budget, note = pick_budget(spec)
+    problems += [note] if note else []
+    problems += preflight.check_tasks(spec.tasks)
+    problems += preflight.check_model(spec.model.pretrained, spec.model.options, {"fig2": budget})
+    problems += preflight.check_store(schema.tracking_uri())
+    if problems:
+        raise specs.SpecError(problems, args.config)
+    return spec, judge, budget
+
+
+def pick_budget(spec) -> tuple[int, str | None]:
+    """PromPrune's budget for the model that measures the entropies: the spec's (the split needs one; the entropies
+    do not depend on it), halved to fit a model with fewer visual tokens (the tiny test models)."""
+    from promprune.models.adapters import visual_token_capacity
+    from promprune.models.factories import model_config
+
+    budgets = [t.budget for t in specs.expand(spec) if t.method == "promprune"]
+    if not budgets:
+        return 0, "grid: needs method promprune (its entropies are what Fig. 2 measures)"
+    try:
+        capacity = visual_token_capacity(model_config(spec.model.pretrained), spec.model.options)
+    except (ValueError, AttributeError):
+        capacity = None  # preflight.check_model names the problem
+    budget = budgets[0]
+    if capacity is not None and budget >= capacity:
+        budget = max(1, capacity // FALLBACK_BUDGET_SHARE)
+    return budget, None
+
+
+def previous_cache(client, experiment: str, name: str) -> tuple[judging.RatingCache, str | None]:
+    """The rating cache of the latest run of this figure that logged one (every run logs the union of what it
+    found and what it added, so the latest is the most complete), and that run's id."""
+    runs = client.search_runs([experiment], filter_string=f"tags.`{schema.ROLE}` = '{ROLE_FIGURE}' and "
+                                                          f"tags.`{schema.SWEEP}` = '{name}'",
+                              order_by=["attributes.start_time DESC"], max_results=20)
+    for run in runs:
+        with tempfile.TemporaryDirectory(prefix="fig2-cache-") as d:
+            try:
+                path = client.download_artifacts(run.info.run_id, f"{CACHE_ARTIFACT_DIR}/{CACHE_NAME}", d)
+            except Exception as exc:  # noqa: BLE001 - a run killed before logging its cache: try the one before
+                print(f"(run {run.info.run_id} has no rating cache: {type(exc).__name__})", file=sys.stderr)
+                continue
+            return judging.RatingCache.load(path), run.info.run_id
+    return judging.RatingCache(), None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# run
+
+
+@contextlib.contextmanager
+def lmms_eval_silenced():
+    """lmms-eval's loguru messages off while tasks build (with LOGURU_LEVEL unset it logs a traceback at DEBUG for
+    every request cache miss, which reads like a crash); its exceptions still propagate."""
+    try:
+        from loguru import logger
+    except ImportError:  # lmms-eval without loguru: nothing to silence
+        yield
+        return
+    logger.disable("lmms_eval")
+    try:
+        yield
+    finally:
+        logger.enable("lmms_eval")
+
+
+def sample_requests(task: str, n: int, seed: int) -> list:
+    """``n`` documents of ``task``: every k-th (k = documents // n) from a start drawn with ``seed``, in doc order.
+
+    A one-document shard tells the task's size without decoding its images; the second call decodes only the
+    chosen ones. The paper's sample was "random" with no seed or list published, so the exact 700 cannot be
+    matched; a systematic sample spans each benchmark's parts evenly."""
+    from promprune.eval import build_requests
+
+    with lmms_eval_silenced():
+        probe = build_requests([task], shard=(0, 2 ** 31))
+        if not probe:
+            return []
+        k = max(1, probe[0].n_docs // n)
+        start = random.Random(f"{seed}/{task}").randrange(k)
+        return build_requests([task], shard=(start, k))[:n]
+
+
+def entropies(spec, budget: int, images: list) -> dict[str, list[float]]:
+    """The three normalized entropies of every image with the spec's model (loaded once, on CUDA when here)."""
+    from pipelines.calibration import prominence
+    from promprune.models import PrunedVLM
+
+    base = spec.model.load(method=None, budget=None)
+
+    def factory(metric):
+        return PrunedVLM(base.model, base.processor, method="promprune", budget=budget, metric=metric,
+                         **spec.model.options)
+
+    return prominence(factory, list(METRICS), images, spec.resources.batch_size)
+
+
+def table(requests: list, ratings: list, values: dict[str, list[float]]):
+    import pandas as pd
+
+    rows = [{"task": q.task, "doc_id": q.doc_id, "rating": r.rating,
+             **{m: values[m][i] for m in METRICS},
+             "judge_reply": r.reply, "judge_error": r.error, "answered_by": r.answered_by, "image_sha": r.image_sha}
+            for i, (q, r) in enumerate(zip(requests, ratings))]
+    frame = pd.DataFrame(rows)
+    frame["rating"] = frame["rating"].astype("Int64")
+    return frame
+
+
+def log_outputs(client, run_id: str, frame, out: Path, spec, judge) -> Path | None:
+    """CSV, per-rating table, figure and report.md into ``out`` and onto the run; the metrics."""
+    from pipelines import tracking
+    from pipelines.reporting import concentration
+
+    out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out / TABLE_NAME, index=False)
+    client.log_artifact(run_id, str(out / TABLE_NAME))
+    summary = concentration.summary(frame)
+    summary.to_csv(out / SUMMARY_NAME)
+    figure = concentration.figure(frame, out / FIGURE_NAME,
+                                  title=f"{spec.model.pretrained}, judge {judge.model}, {len(frame)} images")
+    text = concentration.markdown(frame, FIGURE_NAME if figure else None, model=spec.model.pretrained,
+                                  judge=judge.model, tasks=list(spec.tasks))
+    (out / "report.md").write_text(text)
+    for name in [SUMMARY_NAME, "report.md"] + ([FIGURE_NAME] if figure else []):
+        client.log_artifact(run_id, str(out / name), schema.REPORT_DIR)
+    metrics = {f"fig2/spearman/{m}": v for m, v in concentration.correlations(frame).items()}
+    for r in summary.index:
+        metrics[f"fig2/n/rating_{r}"] = float(summary.loc[r, "n"])  # plain floats: numpy scalars are not logged
+        metrics.update({f"fig2/{m}/rating_{r}": float(summary.loc[r, f"{m}_mean"]) for m in METRICS})
+    tracking.log_metrics(client, run_id, metrics)
+    return figure
+
+
+def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
+    from pipelines import tracking
+    from promprune.eval.generation import decode_image
+
+    client = tracking.client()
+    experiment = tracking.experiment_id(client)
+    cache_path = Path(args.cache or Path("outputs") / spec.name / "judge_ratings.json")
+    found, source_run = previous_cache(client, experiment, spec.name)
+    cache = judging.RatingCache.load(cache_path).merge(found)
+    print(f"rating cache: {len(cache)} ratings ({cache_path}"
+          f"{', and run ' + source_run + ' in MLflow' if source_run else ''})", flush=True)
+
+    requests = [q for task in spec.tasks for q in sample_requests(task, spec.limit, spec.calibration.seed)]
+    broken = [q for q in requests if q.error]
+    requests = [q for q in requests if not q.error]
+    for q in broken:
+        print(f"skipped {q.task} doc {q.doc_id}: {q.error}", file=sys.stderr)
+    started = time.time()
+    run_id = client.create_run(experiment, run_name=spec.name, tags={
+        schema.ROLE: ROLE_FIGURE, schema.SWEEP: spec.name, schema.VERSION: str(spec.version),
+        schema.STARTED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}).info.run_id
+    client.log_text(run_id, specs.dump_resolved(spec), schema.SPEC_ARTIFACT)
+    params = {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks), "n_per_task": spec.limit,
+              "seed": spec.calibration.seed, "budget": budget, "judge_model": judge.model,
+              "judge_url": judge.url.split("?")[0], "prompt_sha256": judge.prompt_sha, "cache_from_run": source_run}
+    for key, value in params.items():
+        client.log_param(run_id, key, str(value))
+    status, code = "FAILED", EXIT_JUDGE_FAILED
+    try:
+        print(f"rating {len(requests)} images with {judge.model} at {judge.url.split('?')[0]}", flush=True)
+        ratings = judging.rate_images(judge, cache, [(q.task, q.doc_id, q.image) for q in requests],
+                                      workers=args.judge_workers, on_new=lambda _: cache.save(cache_path))
+        print(f"measuring the entropies with {spec.model.pretrained}", flush=True)
+        images = [decode_image(q.image, f"{q.task} doc {q.doc_id}") for q in requests]
+        values = entropies(spec, budget, images)
+        frame = table(requests, ratings, values)
+        out = Path(args.out or Path("reports") / spec.name)
+        figure = log_outputs(client, run_id, frame, out, spec, judge)
+        counts = {"judge/cached": sum(r.cached for r in ratings),
+                  "judge/unparsable": sum(r.rating is None and r.error is None for r in ratings),
+                  "judge/failed": sum(r.error is not None for r in ratings), "samples/images": len(requests),
+                  "samples/skipped": len(broken)}
+        tracking.log_metrics(client, run_id, counts)
+        print((out / "report.md").read_text())
+        print(f"judge requests: {judge.requests_sent} ({counts['judge/cached']} of {len(requests)} ratings from the "
+              f"cache); files in {out.resolve()}{' (figure: ' + str(figure) + ')' if figure else ''}; "
+              f"MLflow run {run_id}")
+        status, code = "FINISHED", 0
+    except judging.JudgeAuthError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        client.set_tag(run_id, schema.ERROR, str(exc)[:4000])
+        code = EXIT_BAD_INPUT
+    except judging.JudgeError as exc:
+        print(f"error: {exc}\n(the ratings made so far are cached: rerun to continue)", file=sys.stderr)
+        client.set_tag(run_id, schema.ERROR, str(exc)[:4000])
+    finally:  # the cache goes up whatever happened: what was paid for is never asked again
+        cache.save(cache_path)
+        with tempfile.TemporaryDirectory() as d:
+            client.log_artifact(run_id, str(cache.save(Path(d) / CACHE_NAME)), CACHE_ARTIFACT_DIR)
+        tracking.log_metrics(client, run_id, {"judge/requests": judge.requests_sent})
+        client.set_terminated(run_id, status=status)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    args = parse_args(argv)
+    try:
+        spec, judge, budget = setup(args)
+    except specs.SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run(spec, judge, budget, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The Fig. 2 judge against a Chat Completions server on loopback: ratings, the cache, retries, key errors."""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from promprune import judge as judging
+from promprune.eval.tasks import JUDGE_TASKS, judge_skip_reason
+from tests.eval.fake_openai import FakeOpenAI, rating_of
+
+PAPER = Path("/work/shared/paper/promprune.tex")
+KEYS = ("OPENAI_API_KEY", "AZURE_API_KEY", "API_TYPE", "OPENAI_BASE_URL", "OPENAI_API_URL", "AZURE_ENDPOINT")
+
+
+def png(color=(200, 30, 30), size=(24, 16)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """No key or endpoint from the machine; returns monkeypatch to set them."""
+    for name in KEYS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def server(env):
+    with FakeOpenAI(key="test-key", model="gpt-4o") as fake:
+        env.setenv("OPENAI_API_KEY", "test-key")
+        env.setenv("OPENAI_BASE_URL", fake.base_url)
+        yield fake
+
+
+def make_judge(**options) -> judging.ConcentrationJudge:
+    return judging.ConcentrationJudge.from_env(sleep=lambda s: None, **options)
+
+
+def test_the_prompt_is_the_papers_fig_b1():
+    assert judging.PROMPT.startswith("Task Description:\nRate semantic concentration in the image")
+    assert judging.PROMPT.endswith("Output format:\nOutput only one integer (1-5).")
+    if not PAPER.exists():
+        pytest.skip("the paper's source is not on this machine")
+    box = PAPER.read_text().split(r"\small\sffamily", 1)[1].split(r"\end{tcolorbox}", 1)[0]
+    text = re.sub(r"\\textbf\{([^}]*)\}", r"\1", box)
+    text = re.sub(r"\s*\\vspace\{[^}]*\}\s*", "\n\n", text).replace("\\\\\n", "\n").replace("--", "-")
+    assert judging.PROMPT == text.strip()
+
+
+@pytest.mark.parametrize("reply,rating", [
+    ("4", 4), ("4.", 4), ("**2**", 2), ("Score: 5", 5), ("I would rate it 3/5.", 3), ("1 out of 5", 1),
+    ("Many units spread out (more than 10). Score: 1", 1), ("0", None), ("7", None), ("3.5", None),
+    ("3 or 4", None), ("", None), ("I cannot see the image.", None),
+])
+def test_ratings_are_parsed_or_none(reply, rating):
+    assert judging.parse_rating(reply) == rating
+
+
+def test_a_rating_comes_back_and_the_request_is_what_the_api_expects(server):
+    judge = make_judge()
+    image = png()
+    reply = judge.ask(image)
+    assert reply.rating == rating_of(image) and reply.text == str(rating_of(image))
+    assert reply.model == "gpt-4o-2024-11-20" and reply.attempts == 1
+    sent = server.requests[0]
+    assert sent["path"] == "/v1/chat/completions" and sent["headers"]["Authorization"] == "Bearer test-key"
+    body = json.loads(sent["body"])
+    assert body["temperature"] == 0 and body["model"] == "gpt-4o"
+    assert body["messages"][0]["content"][0] == {"type": "text", "text": judging.PROMPT}
+
+
+def test_the_cache_saves_a_second_request_and_survives_a_file(server, tmp_path):
+    judge, cache = make_judge(), judging.RatingCache()
+    items = [("pope", 3, png((1, 2, 3))), ("mme", 7, png((9, 9, 9)))]
+    first = judging.rate_images(judge, cache, items)
+    assert server.count == 2 and [r.cached for r in first] == [False, False]
+    cache.save(tmp_path / "ratings.json")
+    again = judging.rate_images(make_judge(), judging.RatingCache.load(tmp_path / "ratings.json"), items)
+    assert server.count == 2  # nothing asked
+    assert [r.rating for r in again] == [r.rating for r in first] and all(r.cached for r in again)
+    # another prompt or model is another key; a changed image is not a hit
+    judging.rate_images(make_judge(prompt=judging.PROMPT + " "), cache, items[:1])
+    judging.rate_images(judge, cache, [("pope", 3, png((4, 5, 6)))])
+    assert server.count == 4
+
+
+def test_one_request_per_distinct_image(server):
+    same = png((50, 60, 70))
+    ratings = judging.rate_images(make_judge(), judging.RatingCache(), [("pope", 0, same), ("pope", 1, same),
+                                                                        ("gqa", 5, png((0, 0, 0)))])
+    assert server.count == 2 and ratings[0].rating == ratings[1].rating == rating_of(same)
+
+
+def test_429_and_503_are_retried_after_backoff(server):
+    slept = []
+    server.script = [(429, "Rate limit reached for gpt-4o", {"Retry-After": "7"}), (503, "overloaded", {})]
+    judge = judging.ConcentrationJudge.from_env(sleep=slept.append, backoff=0.5)
+    reply = judge.ask(png())
+    assert reply.rating == rating_of(png()) and reply.attempts == 3 and server.count == 3
+    assert slept[0] == 7.0 and 0.25 <= slept[1] <= 1.0  # Retry-After honoured, then the jittered schedule
+
+
+def test_a_persistent_failure_is_recorded_not_cached_and_many_stop_the_run(server):
+    server.script = [(500, "boom", {})] * 3
+    cache = judging.RatingCache()
+    [rating] = judging.rate_images(make_judge(max_retries=2), cache, [("pope", 0, png())])
+    assert rating.rating is None and "HTTP 500 after 3 attempts" in rating.error and len(cache) == 0
+    server.script = [(500, "boom", {})] * 20
+    items = [("pope", i, png((i, i, i))) for i in range(4)]
+    with pytest.raises(judging.JudgeError, match="2 judge requests in a row failed"):
+        judging.rate_images(make_judge(max_retries=1), cache, items, workers=1, max_consecutive_failures=2)
+
+
+def test_401_names_the_key_variable(server, env):
+    env.setenv("OPENAI_API_KEY", "wrong")
+    with pytest.raises(judging.JudgeAuthError) as err:
+        judging.rate_images(make_judge(), judging.RatingCache(), [("pope", i, png((i, 0, 0))) for i in range(3)],
+                            workers=1)
+    message = str(err.value)
+    assert "HTTP 401" in message and "OPENAI_API_KEY" in message and "OPENAI_BASE_URL" in message
+    assert "sk-abc123" not in message and "wrong" not in message
+    assert server.count == 1  # a bad key stops at the first answer
+
+
+def test_azure_sends_its_key_header_and_names_its_variable(env):
+    with FakeOpenAI(key="az-key", model="gpt-4o", azure=True) as fake:
+        env.setenv("API_TYPE", "azure")
+        env.setenv("AZURE_API_KEY", "az-key")
+        assert make_judge(base_url=fake.base_url).ask(png()).rating == rating_of(png())
+        env.setenv("AZURE_API_KEY", "bad")
+        with pytest.raises(judging.JudgeAuthError, match="AZURE_API_KEY"):
+            make_judge(base_url=fake.base_url).ask(png())
+    env.setenv("AZURE_ENDPOINT", "https://res.openai.azure.com/")
+    assert make_judge().url == ("https://res.openai.azure.com/openai/deployments/gpt-4o/chat/completions"
+                                f"?api-version={judging.AZURE_API_VERSION}")
+
+
+def test_unparsable_replies_are_recorded_as_none(server):
+    server.reply = lambda image: "The image shows several things; it is hard to say."
+    cache = judging.RatingCache()
+    [rating] = judging.rate_images(make_judge(), cache, [("mmvet", 0, png())])
+    assert rating.rating is None and rating.error is None and rating.reply.startswith("The image shows")
+    assert len(cache) == 1  # temperature 0: asking again would get the same text
+
+
+@pytest.mark.parametrize("api_type", [None, "openai", "azure", "azure_openai"])
+def test_missing_key_matches_mmvets_rule(env, api_type):
+    if api_type:
+        env.setenv("API_TYPE", api_type)
+    key = judging.api_key_env()
+    assert key in judge_skip_reason(JUDGE_TASKS[0])  # the variable MM-Vet's skip names
+    with pytest.raises(judging.JudgeAuthError, match=key):
+        judging.ConcentrationJudge.from_env()
+    env.setenv(key, "x")
+    assert judge_skip_reason(JUDGE_TASKS[0]) is None and judging.missing_key_message() is None
+
+
+def test_endpoint_from_the_environment(env):
+    env.setenv("OPENAI_API_KEY", "k")
+    assert make_judge().url == "https://api.openai.com/v1/chat/completions"
+    env.setenv("OPENAI_API_URL", "http://lmms:1/v1/")  # lmms-eval's name
+    assert make_judge().url == "http://lmms:1/v1/chat/completions"
+    env.setenv("OPENAI_BASE_URL", "http://sdk:2/v1")  # the OpenAI SDK's name wins
+    assert make_judge().url == "http://sdk:2/v1/chat/completions"
+    assert make_judge(base_url="http://arg:3/v1").url == "http://arg:3/v1/chat/completions"

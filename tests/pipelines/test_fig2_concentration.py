@@ -1,0 +1,110 @@
+"""pipelines/fig2_concentration.py end to end: tiny:llava, easyvqa_yesno, a Chat Completions server on loopback,
+a fresh SQLite MLflow store; the ratings cache makes a rerun free; a missing or refused key fails fast."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from pipelines import fig2_concentration as fig2
+from pipelines import schema
+from pipelines.weights import ModelSource
+from tests.eval.fake_openai import FakeOpenAI, rating_of
+from tests.reliability.conftest import assert_clean_error
+from tests.report.conftest import store  # noqa: F401 - the fixture: a fresh SQLite store, MLFLOW_TRACKING_URI set
+
+ENV = ("OPENAI_API_KEY", "AZURE_API_KEY", "API_TYPE", "OPENAI_BASE_URL", "OPENAI_API_URL", "MLFLOW_EXPERIMENT_NAME")
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """``run(*args)`` -> CompletedProcess-like (returncode, stdout, stderr) of ``main`` in this process, in a scratch
+    directory (tests that reach MLflow also take ``store``)."""
+    import subprocess
+
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args):
+        code = fig2.main(["--model", "tiny:llava", "--tasks", "easyvqa_yesno", "--n", "4",
+                          "--cache", str(tmp_path / "cache.json"), "--out", str(tmp_path / "out"), *args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    return run
+
+
+def figure_runs(client, exp):
+    return client.search_runs([exp], filter_string=f"tags.`{schema.ROLE}` = 'figure'",
+                              order_by=["attributes.start_time ASC"])
+
+
+@pytest.mark.slow
+def test_figure_artifacts_and_a_free_rerun(cli, store, tmp_path, monkeypatch):  # noqa: F811
+    client, exp = store
+    with FakeOpenAI(key="test-key") as server:
+        monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+        first = cli("--judge-base-url", server.base_url)
+        assert first.returncode == 0, first.stderr
+        assert server.count == 4
+        (tmp_path / "cache.json").unlink()  # the MLflow artifact alone must make the rerun free
+        second = cli("--judge-base-url", server.base_url)
+        assert second.returncode == 0, second.stderr
+        assert server.count == 4, "the rerun asked the judge again"
+    runs = figure_runs(client, exp)
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    run = runs[1]
+    assert run.data.tags[schema.SWEEP] == "fig2_concentration" and run.data.params["judge_model"] == "gpt-4o"
+    assert run.data.metrics["judge/requests"] == 0 and run.data.metrics["judge/cached"] == 4
+    assert runs[0].data.metrics["judge/requests"] == 4
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    names |= {a.path for folder in ("judge", "report") for a in client.list_artifacts(run.info.run_id, folder)}
+    assert {"spec.yaml", "fig2_concentration.csv", "judge/ratings.json", "report/fig2_concentration.png",
+            "report/fig2_by_rating.csv", "report/report.md"} <= names
+    frame = pd.read_csv(client.download_artifacts(run.info.run_id, "fig2_concentration.csv", str(tmp_path)))
+    assert list(frame.columns[:6]) == ["task", "doc_id", "rating", "spectral", "feature_norm", "attention"]
+    assert len(frame) == 4 and frame["rating"].between(1, 5).all()
+    assert frame[["spectral", "feature_norm", "attention"]].apply(lambda c: c.between(0, 1)).all().all()
+    assert (tmp_path / "out" / "fig2_concentration.png").stat().st_size > 1000
+    assert sum(run.data.metrics[f"fig2/n/rating_{r}"] for r in range(1, 6)) == 4
+
+
+def test_a_missing_key_fails_before_anything_loads(cli, monkeypatch):
+    monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    proc = cli("--judge-base-url", "http://127.0.0.1:9/v1")
+    assert_clean_error(proc, "OPENAI_API_KEY is not set")
+    monkeypatch.setenv("API_TYPE", "azure")
+    assert_clean_error(cli(), "AZURE_API_KEY is not set")
+
+
+def test_a_refused_key_fails_before_the_model_loads(cli, store, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with FakeOpenAI(key="right") as server:
+        monkeypatch.setenv("OPENAI_API_KEY", "wrong")
+        proc = cli("--judge-base-url", server.base_url, "--judge-workers", "1")
+        assert server.count == 1
+    assert_clean_error(proc, "HTTP 401", "OPENAI_API_KEY")
+    [run] = figure_runs(*store)
+    assert run.info.status == "FAILED" and "401" in run.data.tags[schema.ERROR]
+
+
+def test_unparsable_ratings_are_left_out_of_the_figure_not_fatal(tmp_path):
+    from pipelines.reporting import concentration
+
+    frame = pd.DataFrame({"task": ["a"] * 5, "doc_id": range(5), "rating": pd.array([1, 2, None, 5, 5], "Int64"),
+                          "spectral": [0.9, 0.7, 0.5, 0.2, 0.3], "feature_norm": [0.99] * 5,
+                          "attention": [0.8, 0.9, 0.7, 0.85, 0.8]})
+    table = concentration.summary(frame)
+    assert table["n"].tolist() == [1, 1, 0, 0, 2] and table.loc[5, "spectral_mean"] == pytest.approx(0.25)
+    assert concentration.correlations(frame)["spectral"] < -0.9
+    assert concentration.figure(frame, tmp_path / "f.png").stat().st_size > 1000
+    assert "| 3 | 0 | - | - | - |" in concentration.markdown(frame, "f.png", model="m", judge="j", tasks=["a"])
+
+
+def test_samples_span_the_task_and_follow_the_seed():
+    a = fig2.sample_requests("easyvqa_yesno", 4, seed=0)
+    c = fig2.sample_requests("easyvqa_yesno", 4, seed=1)
+    ids = [q.doc_id for q in a]
+    assert ids != [q.doc_id for q in c] and len(set(ids)) == 4 and ids == sorted(ids)
+    assert ids[-1] > a[0].n_docs // 2  # spread over the task, not its first documents
+    assert rating_of(a[0].image) in range(1, 6)
