@@ -9,12 +9,16 @@
   unpruned), budget, tasks and every option of the trial; metrics `<task>/<metric>`, `rel`, `samples/*`,
   `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
   `promprune.eval.records.PREDICTION_SCHEMA`).
+- **A saved view per sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>`, the runs page's "Views"
+  menu): the sweep's trials with each task's primary metric, `rel` and `efficiency/visual_tokens` as columns;
+  `ui_url` links to it.
 - **Rel.** is a fraction everywhere data is stored or compared (1.0 = the unpruned model's scores; the nightly
   regression threshold is in the same unit); tables and figures show it as a percent through `rel_percent`.
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
@@ -26,9 +30,12 @@ PARENT = "mlflow.parentRunId"
 RUN_NAME = "mlflow.runName"
 ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
 ERROR = "promprune.error"
-INTERRUPTED = "promprune.interrupted"
+INTERRUPTED = "promprune.interrupted"  # on a parent run whose driver died: what happened, how to resume
 STARTED_AT, FINISHED_AT = "promprune.started_at", "promprune.finished_at"  # ISO 8601 UTC, as tags (not metrics)
-EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"  # MLflow 3's UI: runs view  # on a parent run whose driver died: what happened, how to resume
+EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"  # what the experiment is;
+# MLflow 3.17's UI ignores it when choosing the page: the browser's GenAI / Model training switch decides (default
+# GenAI, whose overview has no runs), so links carry `workflowType=machine_learning` (ui_url)
+SAVED_VIEW = "mlflow.sharedViewState."  # experiment tag prefix of the runs page's saved views (its "Views" menu)
 REGRESSION = "promprune.regression"
 CALIBRATED_MU = "promprune.calibrated_mu"
 ROLE_SWEEP, ROLE_TRIAL, ROLE_EVALUATION = "sweep", "trial", "evaluation"
@@ -54,6 +61,18 @@ def tracking_uri(uri: str | None = None) -> str:
 
 def ui_command(uri: str | None = None) -> str:
     return f"mlflow ui --backend-store-uri {tracking_uri(uri)}"
+
+
+def view_key(sweep: str) -> str:
+    """The id of a sweep's saved runs-page view (tag ``SAVED_VIEW + key``, URL parameter ``viewStateShareKey``)."""
+    return "promprune-" + (re.sub(r"[^A-Za-z0-9_.-]+", "_", sweep)[:100] or "sweep")
+
+
+def ui_url(experiment_id: str, view: str | None = None, base: str = "http://127.0.0.1:5000") -> str:
+    """The experiment's runs in `mlflow ui` (its default address): the Model-training side of MLflow 3's UI, and
+    the saved view ``view`` (a ``view_key``) when given."""
+    url = f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    return url + (f"&viewStateShareKey={view}" if view else "")
 
 
 def experiment_name() -> str:

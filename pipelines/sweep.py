@@ -670,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))
-    print(f"\nOpen the results:\n  {tracking.ui_command()}")
+    url = tracking.ui_url(spec.name)
+    print(f"\nOpen the results:\n  {tracking.ui_command()}" + (f"\n  then {url}" if url else ""))
     if outcome.regressions:
         print("\nREGRESSION (Rel. fell beyond the threshold):\n  " + "\n  ".join(outcome.regressions))
         return EXIT_REGRESSION

@@ -50,7 +50,52 @@ def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, st
     c.log_text(run.info.run_id, resolved_yaml, schema.SPEC_ARTIFACT)
     for key, value in params.items():
         c.log_param(run.info.run_id, key, _param(value))
+    tasks = params.get("tasks", [])
+    save_sweep_view(c, run.info.experiment_id, name, tasks.split(",") if isinstance(tasks, str) else list(tasks))
     return run.info.run_id
+
+
+def headline_metrics(tasks: list[str]) -> list[str]:
+    """The metrics a reader looks at first: each task's primary metric(s) (what Rel. uses), Rel., visual tokens."""
+    from promprune.eval import PRIMARY_METRICS
+
+    return [f"{t}/{m}" for t in tasks for m in PRIMARY_METRICS.get(t, ())] + [schema.REL, "efficiency/visual_tokens"]
+
+
+def save_sweep_view(c, exp_id: str, sweep: str, tasks: list[str]) -> str:
+    """Save the runs-page view of a sweep in the experiment (MLflow 3's "Views" menu; ``ui_url`` opens it): its
+    trials, one row each, with the headline metrics as columns. Returns the view's key.
+
+    MLflow's default runs table shows no metric column and a sweep as one collapsed parent row; a saved view cannot
+    keep rows expanded, so it groups the sweep's runs by the sweep tag (a group lists its runs flat)."""
+    metrics = headline_metrics(tasks)
+    columns = [f"metrics.`{m}`" for m in metrics]
+    widths = {"attributes.`Run Name`": 250, "runDateAndNestInfo": 120, "duration": 80}
+    widths |= {col: max(100, min(220, int(7.5 * len(m)) + 20)) for col, m in zip(columns, metrics)}
+    state = {"searchFilter": "" if "'" in sweep or "`" in sweep else schema.tag_filter(SWEEP, sweep),
+             "orderByKey": "attributes.start_time", "orderByAsc": False, "startTime": "ALL",
+             "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
+             "selectedColumns": columns, "columnOrder": list(widths), "columnWidths": widths,
+             "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": SWEEP}]},
+             "groupsExpanded": {}}
+    key = schema.view_key(sweep)
+    now = int(time.time() * 1000)
+    c.set_experiment_tag(exp_id, schema.SAVED_VIEW + key, json.dumps(
+        {"name": sweep, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
+    return key
+
+
+def ui_url(sweep: str | None = None) -> str | None:
+    """The page to open in `mlflow ui`: the experiment's runs (the sweep's saved view when given); None when the
+    store has no such experiment (or does not answer)."""
+    try:
+        exp = client().get_experiment_by_name(schema.experiment_name())
+    except Exception:  # noqa: BLE001 - a hint to print, never a reason to fail
+        return None
+    if exp is None:
+        return None
+    view = schema.view_key(sweep) if sweep and schema.SAVED_VIEW + schema.view_key(sweep) in exp.tags else None
+    return schema.ui_url(exp.experiment_id, view)
 
 
 def finish(c, run_id: str, status: str = "FINISHED") -> None:

@@ -1,0 +1,268 @@
+"""Screenshots of the MLflow UI as a researcher sees it after a sweep, for the README (and a check that it works).
+
+    python scripts/ui_screenshots.py [--tracking-uri URI] [--sweep NAME] [--out docs/screenshots]
+
+Starts `mlflow ui` on the store (default: the pipeline's, `$MLFLOW_TRACKING_URI` or ./mlflow.db) on 127.0.0.1 and
+a free port, opens it in headless Chromium through Playwright, and saves:
+
+  1_runs.png         the experiment's runs page through the link the sweep prints (its saved view: one row per
+                     trial, the headline metrics as columns)
+  2_trial.png        one trial run's page (metrics, duration, tags)
+  3_report_md.png    the sweep's parent run, artifacts, report/report.md (tables)
+  4_report_html.png  report/report.html scrolled to its figures
+
+Before each screenshot it checks the page in the DOM (the trial names in the runs table, the run's name and
+duration, the report's title and figures) and fails when one is missing. The server is stopped afterwards.
+Needs `pip install -c constraints.txt -e ".[ui]"` (Playwright) and a Chromium: Debian's (`apt-get install chromium`,
+/usr/bin/chromium) or `--chromium PATH`; Playwright's own browser download is not needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pipelines import schema  # noqa: E402
+
+VIEWPORT = {"width": 1400, "height": 900}
+# what a returning user sees: the MLflow Assistant panel (opened by itself on a first visit) closed
+BROWSER_STATE = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true", "mlflow.assistant.panelOpen_v1": "false"}
+
+
+class Problem(Exception):
+    """Something the user can fix; printed as one paragraph, no traceback."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI or "
+                                                         "sqlite:///mlflow.db in the working directory)")
+    p.add_argument("--sweep", default=None, help="sweep name (its latest finished run); default: the latest sweep")
+    p.add_argument("--out", default=str(REPO / "docs" / "screenshots"), help="folder for the PNGs")
+    p.add_argument("--chromium", default=None, help="Chromium executable (default: /usr/bin/chromium or chromium "
+                                                    "on PATH)")
+    p.add_argument("--timeout", type=float, default=120, help="seconds to wait for the server and for each page")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what to show
+
+
+def find_runs(uri: str, sweep: str | None) -> dict:
+    """The experiment, the sweep's parent run, one trial run and whether the parent has a report."""
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise Problem(f"no MLflow store at {uri}: run a sweep first (python pipelines/sweep.py) in this directory, "
+                      "or pass --tracking-uri")
+    c = MlflowClient(uri)
+    name = schema.experiment_name()
+    try:
+        exp = c.get_experiment_by_name(name)
+    except Exception as e:  # noqa: BLE001 - an unreadable store is the user's to fix
+        raise Problem(f"cannot read the MLflow store {uri}: {e}") from None
+    if exp is None:
+        raise Problem(f"the MLflow store {uri} has no experiment {name!r}: run a sweep first "
+                      "(python pipelines/sweep.py) or pass --tracking-uri")
+    filters = [schema.tag_filter(schema.ROLE, schema.ROLE_SWEEP)] + ([schema.tag_filter(schema.SWEEP, sweep)]
+                                                                      if sweep else [])
+    parents = [r for r in c.search_runs([exp.experiment_id], " and ".join(filters),
+                                        order_by=["attributes.start_time DESC"], max_results=50)
+               if r.info.status == "FINISHED"]
+    if not parents:
+        raise Problem(f"experiment {name!r} in {uri} has no finished sweep"
+                      + (f" named {sweep!r}" if sweep else "") + ": run python pipelines/sweep.py first")
+    parent = parents[0]
+    trials = c.search_runs([exp.experiment_id], schema.tag_filter(schema.PARENT, parent.info.run_id),
+                           order_by=["attributes.start_time ASC"], max_results=1000)
+    trials = [r for r in trials if r.info.status == "FINISHED"]
+    if not trials:
+        raise Problem(f"sweep {parent.info.run_name!r} ({parent.info.run_id}) has no finished trial run")
+    shown = next((r for r in trials if r.data.params.get("method") == "promprune"), None) or trials[-1]
+    report = {a.path for a in c.list_artifacts(parent.info.run_id, schema.REPORT_DIR)}
+    key = schema.view_key(parent.data.tags.get(schema.SWEEP, parent.info.run_name))
+    return {"experiment": exp.experiment_id, "parent": parent, "trials": trials, "shown": shown,
+            "report": report, "view": key if schema.SAVED_VIEW + key in exp.tags else None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mlflow ui` in its own process group (it starts workers), stopped as a group."""
+
+    def __init__(self, uri: str, timeout: float):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="mlflow-ui-", suffix=".log", delete=False)
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: a faster start
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._wait(timeout)
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise Problem(f"mlflow ui exited with code {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise Problem(f"mlflow ui did not answer on {self.url} within {timeout:.0f}s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return " | ".join(Path(self.log.name).read_text(errors="replace").strip().splitlines()[-5:])
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(wait)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the browser
+
+
+def chromium_path(given: str | None) -> str:
+    path = given or ("/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else shutil.which("chromium"))
+    if not path or not os.access(path, os.X_OK):
+        raise Problem("no Chromium found" + (f" at {given}" if given else " (/usr/bin/chromium or chromium on "
+                                             "PATH)") + ": install Debian's with `apt-get install chromium`, or "
+                      "pass --chromium PATH")
+    return path
+
+
+def require_playwright() -> None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        raise Problem("Playwright is not installed: pip install -c constraints.txt -e \".[ui]\" "
+                      "(its browser download is not needed; Debian's Chromium is used)") from None
+
+
+def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> list[Path]:
+    from playwright.sync_api import sync_playwright
+
+    ms = timeout * 1000
+    exp, parent, shown = runs["experiment"], runs["parent"], runs["shown"]
+    q = "?workflowType=machine_learning"
+    saved = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium)
+        ctx = browser.new_context(viewport=VIEWPORT)
+        ctx.add_init_script("".join(f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});"
+                                    for k, v in BROWSER_STATE.items()))
+        page = ctx.new_page()
+
+        def save(name: str) -> None:
+            page.wait_for_timeout(800)  # let the last layout pass and fonts settle
+            path = out / name
+            page.screenshot(path=str(path))
+            saved.append(path)
+
+        # what a bare experiment link opens on (MLflow 3.17's default GenAI side ignores mlflow.experimentKind)
+        page.goto(f"{base}/#/experiments/{exp}")
+        page.wait_for_url(lambda u: "/overview" in u or "/runs" in u or "/traces" in u, timeout=ms)
+        bare = page.url.split("#", 1)[1].split("?")[0]
+        # 1: the runs, as the link printed by the sweep opens them
+        page.goto(schema.ui_url(exp, runs["view"], base=base))
+        for trial in runs["trials"]:
+            page.get_by_text(trial.info.run_name, exact=True).first.wait_for(timeout=ms)
+        save("1_runs.png")
+        # 2: one trial run
+        page.goto(f"{base}/#/experiments/{exp}/runs/{shown.info.run_id}{q}")
+        page.get_by_role("heading", name=shown.info.run_name).first.wait_for(timeout=ms)
+        page.get_by_text("Duration", exact=True).first.wait_for(timeout=ms)
+        save("2_trial.png")
+        report = f"{base}/#/experiments/{exp}/runs/{parent.info.run_id}/artifacts/{schema.REPORT_DIR}"
+        has_md = f"{schema.REPORT_DIR}/report.md" in runs["report"]
+        if has_md:
+            page.goto(f"{report}/report.md{q}")
+            page.get_by_role("heading", name=f"Report: {parent.info.run_name}").first.wait_for(timeout=ms)
+            save("3_report_md.png")
+        if f"{schema.REPORT_DIR}/report.html" in runs["report"]:
+            if has_md:  # as a user does: a click in the artifact tree (a changed URL alone keeps report.md shown)
+                page.get_by_text("report.html", exact=True).first.click()
+            else:
+                page.goto(f"{report}/report.html{q}")
+            frame = page.frame_locator("iframe").first
+            frame.locator("h2", has_text="Figures").wait_for(timeout=ms)
+            figure = frame.locator("img").first
+            figure.wait_for(timeout=ms)
+            figure.evaluate("img => img.scrollIntoView({block: 'center'})")
+            if not figure.evaluate("img => img.complete && img.naturalWidth > 0"):
+                raise Problem("report.html shows no figure in MLflow's artifact viewer")
+            save("4_report_html.png")
+        browser.close()
+    print(f"a bare experiment link (#/experiments/{exp}) opens on #{bare} in a fresh browser")
+    return saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    uri = schema.tracking_uri(args.tracking_uri)
+    out = Path(args.out)
+    server = None
+    try:
+        chromium = chromium_path(args.chromium)
+        require_playwright()
+        runs = find_runs(uri, args.sweep)
+        out.mkdir(parents=True, exist_ok=True)
+        server = Server(uri, args.timeout)
+        saved = shoot(runs, server.url, out, chromium, args.timeout)
+    except Problem as e:
+        print(f"ui_screenshots: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a page that never showed what it should: say which, briefly
+        print(f"ui_screenshots: the UI check failed: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"mlflow ui ran on {server.url} and is stopped")
+    parent = runs["parent"]
+    print(f"sweep {parent.info.run_name!r} (parent run {parent.info.run_id}), {len(runs['trials'])} trial runs "
+          f"shown in the runs table; saved view: {runs['view'] or 'none (a sweep from before saved views)'}")
+    if not runs["report"]:
+        print("no report/ artifacts: run python pipelines/report.py for the report screenshots")
+    for path in saved:
+        print(f"{path} ({path.stat().st_size // 1024} KB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

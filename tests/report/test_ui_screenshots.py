@@ -1,0 +1,123 @@
+"""scripts/ui_screenshots.py: the MLflow UI in a real browser on a store written by the pipeline's own writer.
+
+The browser test needs Playwright and Debian's Chromium (/usr/bin/chromium), which CI does not install: it is
+skipped there. The saved view and the script's error messages are checked without a browser.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipelines import schema, tracking
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "ui_screenshots.py"
+CHROMIUM = "/usr/bin/chromium"
+TASKS = ["easyvqa_yesno", "easyvqa_open"]
+
+
+def _sweep(client, tmp_path: Path, name: str = "ui_demo") -> tuple[str, list[str]]:
+    """A finished two-trial sweep through pipelines.tracking, with a report (md + html with one inline figure)."""
+    t0 = time.time() - 60
+    parent = tracking.start_sweep(client, name, 1, f"name: {name}\n",
+                                  {"model": "tiny:llava", "tasks": ",".join(TASKS), "limit": 4, "trials": 2},
+                                  started=t0)
+    names = []
+    for i, (method, budget) in enumerate([("none", None), ("promprune", 8)]):
+        trial = {"method": method, "budget": budget, "options": {"mu": 0.006} if budget else {},
+                 "trial_id": "baseline" if budget is None else "promprune-b8-mu=0.006"}
+        metrics = {"easyvqa_yesno/f1": 0.8 - 0.1 * i, "easyvqa_yesno/accuracy": 0.75, "easyvqa_open/exact_match": 0.25,
+                   "rel": 1.0 - 0.05 * i, "efficiency/visual_tokens": budget or 36, "samples/total": 8}
+        tracking.log_trial(client, parent, name, 1, trial, tracking.trial_params("tiny:llava", trial, TASKS, {}),
+                           metrics, None, span=(t0 + 10 * i, t0 + 10 * i + 7.5))
+        names.append(trial["trial_id"])
+    tracking.finish(client, parent)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot([8, 36], [95, 100], marker="o")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    png = base64.b64encode(buf.getvalue()).decode()
+    client.log_text(parent, f"# Report: {name}\n\n## Figures\n\n![tradeoff](tradeoff.png)\n", "report/report.md")
+    client.log_text(parent, f"<html><body><h1>Report: {name}</h1><h2>Figures</h2>"
+                            f"<img src='data:image/png;base64,{png}'></body></html>", "report/report.html")
+    return parent, names
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=os.environ.copy(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_sweep_saves_its_runs_view(store, tmp_path):
+    """start_sweep saves the view the printed link opens: the sweep's runs, grouped (so each trial is a row), the
+    headline metrics as columns; the link opens the Model-training side of MLflow 3's UI."""
+    client, exp = store
+    _sweep(client, tmp_path)
+    tags = client.get_experiment(exp).tags
+    envelope = json.loads(tags[schema.SAVED_VIEW + "promprune-ui_demo"])
+    state = json.loads(envelope["state"])
+    assert envelope["name"] == "ui_demo"
+    assert state["selectedColumns"] == ["metrics.`easyvqa_yesno/f1`", "metrics.`easyvqa_open/exact_match`",
+                                        "metrics.`rel`", "metrics.`efficiency/visual_tokens`"]
+    assert state["searchFilter"] == "tags.`promprune.sweep` = 'ui_demo'"
+    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": schema.SWEEP}]
+    assert tracking.ui_url("ui_demo") == (f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
+                                          "?workflowType=machine_learning&viewStateShareKey=promprune-ui_demo")
+    assert tracking.ui_url("no_such_sweep").endswith("?workflowType=machine_learning")
+
+
+def test_clear_errors_without_a_browser(store, tmp_path):
+    """No Chromium, no store, a store without a sweep: one paragraph on stderr, exit 2, no traceback, nothing
+    created. (The store is checked before any browser starts: any executable passes for --chromium there.)"""
+    cases = [(["--chromium", str(tmp_path / "no-chromium")], "no Chromium found"),
+             (["--chromium", "/bin/sh", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"], "no MLflow store at"),
+             (["--chromium", "/bin/sh", "--tracking-uri", os.environ[schema.TRACKING_URI_ENV]],
+              "has no finished sweep")]
+    for args, says in cases:
+        proc = _run(*args, "--out", str(tmp_path / "shots"))
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "none.db").exists() and not (tmp_path / "shots").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_screenshots_show_the_runs(store, tmp_path):
+    """The script starts `mlflow ui`, finds every trial name in the runs table of the saved view, the trial's page
+    and the report with its figure, writes four valid 1400x900 PNGs and stops the server."""
+    pytest.importorskip("playwright.sync_api")
+    from PIL import Image
+
+    client, _ = store
+    parent, names = _sweep(client, tmp_path)
+    out = tmp_path / "shots"
+    proc = _run("--tracking-uri", os.environ[schema.TRACKING_URI_ENV], "--out", str(out), "--timeout", "120")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"(parent run {parent}), 2 trial runs shown in the runs table" in proc.stdout
+    assert "saved view: promprune-ui_demo" in proc.stdout
+    assert "opens on #/experiments/" in proc.stdout
+    shots = sorted(p.name for p in out.glob("*.png"))
+    assert shots == ["1_runs.png", "2_trial.png", "3_report_md.png", "4_report_html.png"]
+    for name in shots:
+        with Image.open(out / name) as img:
+            img.verify()
+            assert img.format == "PNG" and img.size == (1400, 900)
+        assert (out / name).stat().st_size < 300_000
+    url = proc.stdout.split("mlflow ui ran on ")[1].split()[0]
+    with pytest.raises(OSError):  # the server is gone when the script returns
+        urllib.request.urlopen(f"{url}/health", timeout=5)
