@@ -5,15 +5,26 @@ unmodified model would consume) with a saliency hook on one vision layer, and de
 :class:`VisualItem` per image. Pruning then keeps a subset of the candidates; the placeholder run in the prompt
 shrinks to match (``sequence.py``) and the kept features go to ``generate`` as ``mm_encoder_outputs``.
 
-LLaVA-NeXT ``image_newline`` treatment: the newline tokens are never candidates (they carry no image content).
-With ``image_newline="drop"`` (default) a pruned sequence has no newline tokens, so the LLM receives exactly the
-budget; with ``"rows"`` a row's newline is kept when any token of that row is kept, which restores the unpruned
-sequence at full budget. Unpruned (``method=None``) the model's own packed sequence is used unchanged.
+LLaVA-NeXT ``image_newline`` treatment: the newline tokens are no candidates (they carry no image content) except
+under ``budget_mode="packed"`` (DivPrune's released code selects over the whole packed sequence). With
+``image_newline="drop"`` (default) a pruned sequence has no newline tokens, so the LLM receives exactly the budget;
+with ``"rows"`` a row's newline is kept when any token of that row is kept, which restores the unpruned sequence at
+full budget; ``"all"`` keeps every newline token (VisPruner's released code). Unpruned (``method=None``) the model's
+own packed sequence is used unchanged.
+
+The vision tower's own features (``need_vision``; LLaVA and LLaVA-NeXT): the hidden states the projector reads,
+the attention keys of that layer (head mean) and the CLS token's hidden state, for the methods whose released code
+reads them (``promprune.VisionFeatures``). The projector brings what such a method builds in that space (VisionZip's
+merged tokens, its CLS token) into the LLM's. The CLS reaches the LLM only through VisionZip: the "default"
+feature-select strategy drops it from the placeholder run, so a kept CLS is projected by the model's own
+``multi_modal_projector`` and fed first, in a slot the pruning freed (LLaVA numbers the sequence itself, so the
+slot carries no position of its own).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -28,9 +39,14 @@ class VisualItem:
 
     - ``run [P, d]``: the complete unpruned placeholder run as the model builds it (NeXT: with newlines).
     - ``features [N, d]``: the candidates (run tokens that may be selected), in run order; ``run_pos [N]`` their
-      positions in ``run``; ``grid_index [N]`` their index in the full visual token grid (NeXT: view * n + patch).
+      positions in ``run`` (-1: a token the model's unpadding drops, in ``full`` only); ``grid_index [N]`` their
+      index in the full visual token grid (NeXT: view * n + patch; -1: a newline token, in ``packed()`` only).
     - ``saliency [N]`` or None; ``groups [N]``: view of each candidate (all 0 except LLaVA-NeXT).
     - ``row_of_run [P]`` / ``newline [P]`` (NeXT only): row id of each run position (-1: no row) and newline flags.
+    - ``vision [N, dv]`` / ``keys [N, dk]`` or None: the vision tower's hidden states of the candidates before the
+      projector, and the attention keys (head mean) of that layer; ``cls [V, dv]`` or None: each view's CLS hidden
+      state; ``project``: the model's projector (vision space -> ``d``, float32 out).
+    - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included.
     """
 
     run: torch.Tensor
@@ -41,22 +57,55 @@ class VisualItem:
     groups: torch.Tensor
     row_of_run: torch.Tensor | None = None
     newline: torch.Tensor | None = None
+    vision: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    cls: torch.Tensor | None = None
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None
+    full: VisualItem | None = None
 
-    def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline_rows: bool = False):
+    def packed(self) -> VisualItem:
+        """The same image with every run position a candidate, newline tokens included (no saliency, no vision
+        features): ``budget_mode="packed"``."""
+        P = self.run.shape[0]
+        pos = torch.arange(P, device=self.run.device)
+        grid = torch.full((P,), -1, dtype=torch.long, device=self.run.device)
+        grid[self.run_pos] = self.grid_index
+        return VisualItem(run=self.run, features=self.run, run_pos=pos, grid_index=grid, saliency=None,
+                          groups=torch.zeros_like(pos), row_of_run=self.row_of_run, newline=self.newline)
+
+    def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline: str = "drop",
+                 prefix: torch.Tensor | None = None):
         """LLM features for candidates ``kept [M]`` in that order: ``(features [M', d], run positions [M'])``.
 
-        ``merged [M, d]`` replaces the kept candidates' features (token-merging methods). With ``newline_rows``
-        the newline of every row holding a kept token is inserted at its place (M' >= M).
+        ``merged [M, d]`` replaces the kept candidates' features (token-merging methods). ``newline`` "rows": the
+        newline of every row holding a kept token is inserted at its place; "all": every newline (M' >= M).
+        ``prefix [K, d]``: tokens fed first that have no place in the run (VisionZip's CLS tokens); each takes a
+        run position no kept token uses, which only sets the placeholder count (LLaVA numbers the sequence itself).
         """
         pos = self.run_pos[kept]
+        if bool((pos < 0).any()):
+            raise ValueError("kept tokens the model's unpadding drops cannot be fed")
         feats = self.run.clone()
         if merged is not None:
             feats[pos] = merged.to(feats.dtype)
-        if newline_rows and self.newline is not None:
-            rows = self.row_of_run[pos].unique()
-            extra = (self.newline & torch.isin(self.row_of_run, rows)).nonzero().flatten()
-            pos = torch.cat([pos, extra]).sort().values
-        return feats[pos], pos
+        if newline != "drop" and self.newline is not None:
+            if newline == "rows":
+                rows = self.row_of_run[pos].unique()
+                extra = (self.newline & torch.isin(self.row_of_run, rows)).nonzero().flatten()
+            else:  # "all"
+                extra = self.newline.nonzero().flatten()
+            pos = torch.cat([pos, extra]).unique()  # ascending
+        out = feats[pos]
+        if prefix is not None and prefix.shape[0]:
+            free = torch.ones(self.run.shape[0], dtype=torch.bool, device=pos.device)
+            free[pos] = False
+            slots = free.nonzero().flatten()[:prefix.shape[0]]
+            if slots.numel() < prefix.shape[0]:
+                raise ValueError(f"{prefix.shape[0]} CLS tokens need as many placeholder slots beside the "
+                                 f"{pos.numel()} kept tokens; the run has {self.run.shape[0]}: lower the budget")
+            out = torch.cat([prefix.to(out.dtype), out])
+            pos = torch.cat([slots, pos])
+        return out, pos
 
 
 def as_encoder_outputs(features: list[torch.Tensor]) -> dict:
@@ -82,7 +131,9 @@ class Adapter:
     def processor_kwargs(self) -> dict:
         return {}
 
-    def encode(self, inputs, need_saliency: bool) -> list[VisualItem]:
+    def encode(self, inputs, need_saliency: bool, need_vision: bool = False) -> list[VisualItem]:
+        """Candidate tokens of every image; ``need_vision``: with the vision tower's own features where the
+        architecture has them (``VisualItem.vision``)."""
         raise NotImplementedError
 
     def generate_kwargs(self, inputs, new_ids, new_mask, col_map) -> dict:
@@ -106,43 +157,80 @@ class LlavaAdapter(Adapter):
         """CLS attention rows ``[V, S]`` -> per-token saliency ``[V, n]`` (drops the CLS column when it is dropped)."""
         return rows[:, 1:] if self.model.config.vision_feature_select_strategy == "default" else rows
 
-    def encode(self, inputs, need_saliency):
-        sink: list = []
-        with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else contextlib.nullcontext():
+    @contextlib.contextmanager
+    def _captures(self, need_saliency: bool, need_vision: bool):
+        """``(saliency sink, keys sink)`` filled by hooks on the saliency layer's attention during the block."""
+        attn, sink, keys = self._attn_module(), [], []
+        with contextlib.ExitStack() as stack:
+            if need_saliency:
+                stack.enter_context(sal.capture_cls_attention(attn, sink))
+            if need_vision:
+                stack.enter_context(sal.capture_keys(attn, keys))
+            yield sink, keys
+
+    def _vision(self, out, keys: list):
+        """``(hidden [V, n, dv], keys [V, n, dk], cls [V, dv] or None)`` of every view: the hidden states the
+        projector reads (several feature layers concatenated, as ``get_image_features`` does) and the CLS, which
+        the "default" strategy drops (with "full" it is one of the tokens)."""
+        cfg = self.model.config
+        if out.hidden_states is None:
+            raise RuntimeError("the vision tower returned no hidden states")
+        layers = [cfg.vision_feature_layer] if isinstance(cfg.vision_feature_layer, int) else cfg.vision_feature_layer
+        hidden = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)  # [V, S, dv]
+        if cfg.vision_feature_select_strategy == "default":
+            return hidden[:, 1:], keys[0][:, 1:], hidden[:, 0]
+        return hidden, keys[0], None
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's projector on vision-space rows ``[..., dv]`` -> ``[..., d]`` float32."""
+        proj = self.model.model.multi_modal_projector
+        return proj(hidden.to(next(proj.parameters()).dtype)).float()
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        with self._captures(need_saliency, need_vision) as (sink, keys):
             out = self.model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True)
         feats = list(out.pooler_output)  # B x [n, d]
         scores = self._cls_rows(sink[0]) if need_saliency else None  # [B, n]
+        hidden, key, cls = self._vision(out, keys) if need_vision else (None, None, None)
         items = []
         for b, f in enumerate(feats):
             n = f.shape[0]
             idx = torch.arange(n, device=f.device)
             items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx,
                                     saliency=None if scores is None else scores[b],
-                                    groups=torch.zeros_like(idx)))
+                                    groups=torch.zeros_like(idx), vision=None if hidden is None else hidden[b],
+                                    keys=None if key is None else key[b],
+                                    cls=None if cls is None else cls[b:b + 1],
+                                    project=self.project if need_vision else None))
         return items
 
 
 class LlavaNextAdapter(LlavaAdapter):
     """LLaVA-NeXT anyres: base view + crops, unpadding and ``image_newline`` (see the module docstring)."""
 
-    def encode(self, inputs, need_saliency):
+    def encode(self, inputs, need_saliency, need_vision=False):
         core = self.model.model
-        sink: list = []
-        views: list = []
-        hook = core.multi_modal_projector.register_forward_hook(lambda m, a, out: views.append(out))
+        grids: list = []
+        hook = core.multi_modal_projector.register_forward_hook(lambda m, a, out: grids.append(out))
         try:
-            with sal.capture_cls_attention(self._attn_module(), sink) if need_saliency else contextlib.nullcontext():
+            with self._captures(need_saliency, need_vision) as (sink, keys):
                 out = core.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
                                               return_dict=True)
         finally:
             hook.remove()
-        n = views[0].shape[1]  # tokens per view
+        n = grids[0].shape[1]  # tokens per view
+        flat = grids[0].reshape(-1, grids[0].shape[-1])  # [sum V_i * n, d]: every view's whole grid, projected
         scores = self._cls_rows(sink[0]).reshape(-1) if need_saliency else None  # [sum V_i * n]
+        vision = (None, None, None)
+        if need_vision:
+            hidden, key, cls = self._vision(out, keys)
+            vision = (hidden.reshape(-1, hidden.shape[-1]), key.reshape(-1, key.shape[-1]), cls)
         layouts, num_views = self._packed_layout(inputs["image_sizes"], [p.shape[0] for p in out.pooler_output], n)
-        items, offset = [], 0
+        items, offset, first = [], 0, 0
         for run, ids, views in zip(out.pooler_output, layouts, num_views):
-            items.append(self._item(run, ids.to(run.device), n, scores, offset))
+            items.append(self._item(run, ids.to(run.device), n, views, flat, scores, vision, offset, first))
             offset += views * n  # scores hold every view's full grid, unpadding or not
+            first += views
         return items
 
     def _packed_layout(self, image_sizes, run_lengths, n) -> tuple[list[torch.Tensor], list[int]]:
@@ -166,16 +254,32 @@ class LlavaNextAdapter(LlavaAdapter):
             assert lay.numel() == length, "packed layout does not match the model's packed features"
         return layouts, num_views
 
-    def _item(self, run, ids, n, scores, offset) -> VisualItem:
+    def _item(self, run, ids, n, views, flat, scores, vision, offset, first) -> VisualItem:
+        """One image's item from its packed layout ``ids``; ``flat`` / ``scores`` / ``vision`` hold every view's
+        whole grid from ``offset`` (views from ``first``); ``full``: the same with the whole grids as candidates."""
         newline = ids < 0
         run_pos = (~newline).nonzero().flatten()
         grid = ids[run_pos]
         row = newline.long().cumsum(0) - newline.long()  # newlines strictly before each position
         if int(grid.max()) >= n:  # several views: the base view (first n positions) has no newline rows
             row[:n] = -1
-        return VisualItem(run=run, features=run[run_pos], run_pos=run_pos, grid_index=grid,
-                          saliency=None if scores is None else scores[offset + grid],
-                          groups=grid // n, row_of_run=row, newline=newline)
+        hidden, key, cls = vision
+        whole = torch.arange(views * n, device=run.device)
+        run_of_grid = torch.full_like(whole, -1)
+        run_of_grid[grid] = run_pos  # -1: dropped by the model's unpadding
+
+        def at(t, index):
+            return None if t is None else t[offset + index]
+
+        def span(t):  # this image's whole grids: a view of the tensor, no copy
+            return None if t is None else t[offset:offset + views * n]
+
+        shared = dict(run=run, row_of_run=row, newline=newline, cls=None if cls is None else cls[first:first + views],
+                      project=self.project if hidden is not None else None)
+        full = VisualItem(features=span(flat), run_pos=run_of_grid, grid_index=whole, saliency=span(scores),
+                          groups=whole // n, vision=span(hidden), keys=span(key), **shared)
+        return VisualItem(features=run[run_pos], run_pos=run_pos, grid_index=grid, saliency=at(scores, grid),
+                          groups=grid // n, vision=at(hidden, grid), keys=at(key, grid), full=full, **shared)
 
 
 class QwenAdapter(Adapter):
@@ -214,7 +318,8 @@ class QwenAdapter(Adapter):
         vc = self.model.config.vision_config
         return vc.patch_size * vc.spatial_merge_size
 
-    def encode(self, inputs, need_saliency):
+    def encode(self, inputs, need_saliency, need_vision=False):
+        """No ``vision`` for Qwen2.5-VL: no released VisPruner / VisionZip path for it to follow."""
         core, grid = self.model.model, inputs["image_grid_thw"]
         sink: list = []
         attn = core.visual.blocks[self.block].attn
@@ -264,6 +369,14 @@ def adapter_for(model, processor, options) -> Adapter:
     return ADAPTERS[kind](model, processor, options)
 
 
+def max_views(config) -> int:
+    """The most views one image gives: LLaVA-NeXT 1 + the most crops of any grid pinpoint (5 on llava-v1.6), else 1."""
+    if getattr(config, "model_type", None) != "llava_next":
+        return 1
+    size = config.vision_config.image_size
+    return 1 + max(h // size * (w // size) for h, w in config.image_grid_pinpoints)
+
+
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
     """The most visual tokens one image gives the LLM under this config (what a budget must stay below to prune):
     LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
@@ -279,5 +392,4 @@ def visual_token_capacity(config, adapter_options: dict | None = None) -> int | 
     per_view = (vision.image_size // vision.patch_size) ** 2
     if kind == "llava":
         return per_view
-    crops = max(h // vision.image_size * (w // vision.image_size) for h, w in config.image_grid_pinpoints)
-    return per_view * (1 + crops)
+    return per_view * max_views(config)

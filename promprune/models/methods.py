@@ -13,10 +13,21 @@ import promprune
 
 # Adapter options, valid with every method (ignored by architectures they do not concern).
 ADAPTER_OPTIONS: dict[str, Any] = {
-    # LLaVA-NeXT: "per_crop" splits the budget evenly over the views like the released code and VisPruner.
+    # LLaVA-NeXT: how the budget meets the views (the base view and the crops).
+    # "per_crop": split evenly over the image's views (our choice for PromPrune: its released code has no working
+    #   NeXT path); "global": one selection over every view; "adaptive_views": shares by each view's entropy;
+    # "view_quota": every view gets budget // (1 + the most crops of any grid pinpoint), budget 160 -> 32 per view
+    #   on llava-v1.6 (5 views), whatever the image's view count, selected on the view's full grid, padding
+    #   included, then the model's unpadding drops the picks in the padding (VisPruner's released code: its
+    #   `visual_token_num` is per view; VisionZip's also counts per view but feeds the padding, unpadding nothing);
+    # "packed": one selection over the whole packed sequence, image_newline tokens included as candidates
+    #   (DivPrune's released code; for methods that need neither saliency nor the vision tower's features);
+    # "released": each method's released NeXT layout (RELEASED_NEXT), "per_crop" for methods without one.
     "budget_mode": "per_crop",
     # LLaVA-NeXT: "drop" feeds no image_newline tokens once pruned (so the LLM gets exactly `budget` visual tokens);
-    # "rows" keeps a row's newline when any token of that row is kept (extra tokens, not counted by the budget).
+    # "rows" keeps a row's newline when any token of that row is kept; "all" keeps every newline token, as the
+    # unpruned sequence has them (VisPruner's released code); both extra tokens, not counted by the budget.
+    # budget_mode "packed" selects among the newline tokens instead, and "released" sets this per method.
     "image_newline": "drop",
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
     "saliency_block": None,
@@ -29,7 +40,8 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # then the rest ascending), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
     "token_order": "raster",
 }
-ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views"), "image_newline": ("drop", "rows"),
+ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
+                   "image_newline": ("drop", "rows", "all"),
                    "token_order": ("raster", "selection", "stages", "released")}
 
 # The token order of each method's released code (read in the authors' repositories; README: "What each method
@@ -46,6 +58,25 @@ def token_order(method: str | None, option: str) -> str:
     if option != "released":
         return option
     return RELEASED_ORDER.get(method, "raster")
+
+
+# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; README: "What each method feeds
+# the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the sequence's
+# length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads, and
+# keeps every newline. VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's
+# released code has no working NeXT path, so PromPrune (and every method not listed) splits the budget per view:
+# "per_crop", our choice, with the image_newline option as given.
+RELEASED_NEXT = {"divprune": ("packed", "drop"), "vispruner": ("view_quota", "all"),
+                 "visionzip": ("view_quota", "drop")}
+
+
+def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tuple[str, str]:
+    """``(budget_mode, image_newline)`` the adapter uses: the options, with budget_mode "released" resolved for
+    ``method`` (it then sets image_newline too where the method's released code has a NeXT path)."""
+    if budget_mode != "released":
+        return budget_mode, image_newline
+    return RELEASED_NEXT.get(method, ("per_crop", image_newline))
+
 
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
 DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744}
@@ -75,9 +106,11 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         if adapter[key] not in allowed:
             raise ValueError(f"option {key!r} must be one of {list(allowed)}, got {adapter[key]!r}")
     _check_image_tokens(adapter["image_tokens"])
-    if adapter["image_newline"] == "rows" and token_order(method, adapter["token_order"]) != "raster":
-        raise ValueError("option image_newline='rows' places each row's newline after the row's kept tokens, which "
-                         "needs token_order 'raster'; use image_newline='drop' with another token order")
+    mode, newline = next_layout(method, adapter["budget_mode"], adapter["image_newline"])
+    order = token_order(method, adapter["token_order"])
+    if newline in ("rows", "all") and mode != "packed" and order != "raster":
+        raise ValueError(f"option image_newline={newline!r} places each row's newline after the row's kept tokens, "
+                         "which needs token_order 'raster'; use image_newline='drop' with another token order")
     if method is None:
         if budget is not None or options:
             raise ValueError(f"method=None (unpruned) takes no budget or method options; got budget={budget!r}, "
@@ -87,6 +120,10 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget must be a positive int for method {method!r}, got {budget!r}")
     spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's own checks
+    if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision):
+        raise ValueError(f"budget_mode 'packed' selects among LLaVA-NeXT's image_newline tokens, which have no "
+                         f"saliency and no vision-tower features; method {method!r} needs them: use another "
+                         "budget_mode (packed suits divprune and random)")
     return dict(options), adapter
 
 

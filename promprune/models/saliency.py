@@ -3,7 +3,8 @@
 The hook sees the attention module's input (the layer-normed hidden states) and recomputes only what saliency
 needs with the module's own projections:
 
-- CLIP (LLaVA, LLaVA-NeXT): the CLS query's attention row, softmax over all keys, mean over heads.
+- CLIP (LLaVA, LLaVA-NeXT): the CLS query's attention row, softmax over all keys, mean over heads (and, for
+  VisionZip, the same layer's keys, mean over heads).
 - Qwen2.5-VL (no CLS): the attention each patch receives, averaged over queries and heads, within each image
   (full-attention blocks attend per image), then averaged over each 2x2 group the merger joins.
 """
@@ -35,6 +36,30 @@ def capture_cls_attention(attn: torch.nn.Module, sink: list):
     def hook(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         sink.append(cls_attention(module, hidden))
+
+    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield sink
+    finally:
+        handle.remove()
+
+
+def attention_keys(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The keys of a CLIPAttention module, mean over heads: ``hidden [B, S, C] -> [B, S, head_dim]`` (float32).
+
+    VisionZip's released code merges its contextual tokens by the similarity of these (its CLIP layer -2).
+    """
+    B, S, _ = hidden.shape
+    return attn.k_proj(hidden).float().view(B, S, attn.num_heads, attn.head_dim).mean(dim=2)
+
+
+@contextlib.contextmanager
+def capture_keys(attn: torch.nn.Module, sink: list):
+    """While active, append ``attention_keys(attn, input) [B, S, hd]`` to ``sink`` at every call of ``attn``."""
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        sink.append(attention_keys(module, hidden))
 
     handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
     try:

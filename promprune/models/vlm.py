@@ -13,10 +13,10 @@ from promprune.naming import parse_dtype
 from promprune.records import SampleStats
 
 from . import in_llm
-from .adapters import adapter_for, as_encoder_outputs
+from .adapters import adapter_for, as_encoder_outputs, max_views
 from .factories import find_model_factory
 from .images import load_images
-from .methods import is_in_llm, token_order, validate_method
+from .methods import is_in_llm, next_layout, token_order, validate_method
 from .selecting import select_items
 from .sequence import shrink_placeholders
 
@@ -61,10 +61,20 @@ class PrunedVLM:
         self.method, self.budget = method, budget
         self.adapter = adapter_for(model, processor, adapter_options)
         self.token_order = token_order(method, adapter_options["token_order"])  # "released" resolved per method
+        # LLaVA-NeXT: how the budget meets the views and the newline tokens ("released" resolved per method)
+        self.budget_mode, self.image_newline = next_layout(method, adapter_options["budget_mode"],
+                                                           adapter_options["image_newline"])
+        self.view_budget = None
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             if "mu" in self.spec.options and "mu" not in self.method_options:
                 self.method_options["mu"] = self.adapter.default_mu
+            if self.budget_mode == "view_quota":
+                views = max_views(model.config)
+                self.view_budget = budget // views
+                if self.view_budget < 1:
+                    raise ValueError(f"budget_mode 'view_quota' gives each of up to {views} views budget // {views} "
+                                     f"tokens: budget {budget} gives none; use a budget of at least {views}")
         self.processor.tokenizer.padding_side = "left"  # batched generation appends on the right
 
     @classmethod
@@ -129,13 +139,15 @@ class PrunedVLM:
         batch = self.inputs(images, prompts)
         pre_llm = self.method is not None and not is_in_llm(self.method)
         with Stopwatch(self.device) as vision:
-            items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency)
+            items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency,
+                                        need_vision=pre_llm and self.spec.reads_vision)
         with Stopwatch(self.device) as selecting:
-            plan = self._plan(items) if pre_llm else None
+            candidates = [self._candidates(it) for it in items] if pre_llm else None
+            plan = self._plan(candidates) if pre_llm else None
         if plan is None:
             ids, mask, feats, extra, stats = self._unpruned_inputs(batch, items)
         else:
-            ids, mask, feats, extra, stats = self._pruned_inputs(batch, items, plan)
+            ids, mask, feats, extra, stats = self._pruned_inputs(batch, candidates, plan)
         kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats), **extra)
         return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
 
@@ -165,10 +177,19 @@ class PrunedVLM:
         return [Generation(text=t.strip(), **s, **times, token_ids=row.tolist())
                 for t, s, row in zip(texts, stats, new)]
 
+    def _candidates(self, item):
+        """The tokens the budget mode selects among: LLaVA-NeXT's whole view grids ("view_quota"), its packed
+        sequence with the newline tokens ("packed"), else the item's own candidates."""
+        if self.budget_mode == "view_quota" and item.full is not None:
+            return item.full
+        if self.budget_mode == "packed":
+            return item.packed()
+        return item
+
     def _plan(self, items):
         """Selections of every item (pre-LLM methods)."""
-        return select_items(items, self.budget, self.method, self.method_options,
-                            mode=self.adapter.options["budget_mode"], order=self.token_order)
+        return select_items(items, self.budget, self.method, self.method_options, mode=self.budget_mode,
+                            order=self.token_order, view_budget=self.view_budget)
 
     def _unpruned_inputs(self, batch, items):
         """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``, all kept."""
@@ -181,8 +202,8 @@ class PrunedVLM:
 
     def _pruned_inputs(self, batch, items, plan):
         """Like :meth:`_unpruned_inputs` for the kept tokens of ``plan``: placeholder runs shrink to match."""
-        rows = self.adapter.options["image_newline"] == "rows"
-        assembled = [it.assemble(p.kept, p.merged, newline_rows=rows) for it, p in zip(items, plan)]
+        newline = "drop" if self.budget_mode == "packed" else self.image_newline  # packed: newlines were candidates
+        assembled = [it.assemble(p.kept, p.merged, newline=newline, prefix=p.cls) for it, p in zip(items, plan)]
         feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
         ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"],
                                                  self.model.config.image_token_id, run_pos,
@@ -190,7 +211,8 @@ class PrunedVLM:
                                                  keep_order=self.token_order != "raster")
         extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
-                      kept=it.grid_index[p.kept].tolist(), salient=sorted(it.grid_index[p.salient].tolist()))
+                      kept=[g for g in it.grid_index[p.kept].tolist() if g >= 0],  # newline tokens have no grid index
+                      salient=sorted(it.grid_index[p.salient].tolist()))
                  for f, p, it in zip(feats, plan, items)]
         return ids, mask, feats, extra, stats
 

@@ -1,4 +1,5 @@
-"""Pre-LLM baselines, each faithful to its paper and released code: DivPrune, VisPruner, VisionZip, random."""
+"""Pre-LLM baselines: DivPrune, VisPruner and VisionZip as their released code selects (what still differs: README,
+"What each method feeds the LLM"), and random."""
 from __future__ import annotations
 
 import hashlib
@@ -61,30 +62,51 @@ def vispruner_diverse(cosine: torch.Tensor, rest: torch.Tensor, keep: int) -> to
 
 
 @register_method("vispruner", needs_saliency=True, options={"important_ratio": 0.5},
-                 check=in_range("important_ratio", 0.0, 1.0))
+                 check=in_range("important_ratio", 0.0, 1.0), reads_vision=True)
 def vispruner(tokens: TokenSet, budget: int, *, important_ratio: float) -> Selection:
-    """VisPruner: floor(T r) tokens by saliency, the rest by iterative near-duplicate removal."""
+    """VisPruner: floor(T r) tokens by saliency, the rest by iterative near-duplicate removal.
+
+    The duplicates are measured on the vision tower's hidden states when ``vision`` is given (its released code
+    compares the CLIP features before the projector), else on ``features``.
+    """
     t_imp = int(budget * float(important_ratio))  # floor
     order = stable_descending_order(tokens.require_saliency("vispruner"))  # [B, N] descending saliency
-    diverse = vispruner_diverse(tokens.cosine, order[:, t_imp:], budget - t_imp)
+    kernel = tokens.vision_cosine if tokens.vision is not None else tokens.cosine
+    diverse = vispruner_diverse(kernel, order[:, t_imp:], budget - t_imp)
     indices = torch.cat([order[:, :t_imp], diverse], dim=1)
     salient = torch.arange(budget, device=indices.device)[None, :].expand(tokens.batch, budget) < t_imp
     return Selection(indices, torch.full((tokens.batch,), t_imp, device=indices.device), None, None, salient)
 
 
-@register_method("visionzip", needs_saliency=True, merges=True, options={"contextual_ratio": VISIONZIP_CONTEXTUAL},
-                 check=in_range("contextual_ratio", 0.0, 1.0))
-def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float) -> Selection:
+def _project(tokens: TokenSet, x: torch.Tensor) -> torch.Tensor:
+    """Vision-space rows ``[B, M, dv]`` -> the features' space with ``vision.project``."""
+    if tokens.vision.project is None:
+        raise ValueError("visionzip merges the vision tower's hidden states: vision.project (the model's projector) "
+                         "must bring them into the features' space")
+    return tokens.vision.project(x).float()
+
+
+@register_method("visionzip", needs_saliency=True, merges=True,
+                 options={"contextual_ratio": VISIONZIP_CONTEXTUAL, "keep_cls": True},
+                 check=in_range("contextual_ratio", 0.0, 1.0), reads_vision=True)
+def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cls: bool) -> Selection:
     """VisionZip: dominant tokens by attention + contextual tokens merged by similarity (merged features out).
 
-    The ``n_ctx = round(T * contextual_ratio)`` contextual tokens are targets spaced evenly (step ``R // n_ctx``)
-    through the remaining tokens in raster order; every other remaining token joins its most similar target
-    (cosine of the features; VisionZip uses the encoder's attention keys, which a projected-feature API does not
-    see) and each target becomes the mean of its group, itself included. Indices report the targets' positions.
+    ``n_ctx = round(T * contextual_ratio)`` contextual tokens, the other ``T - n_ctx`` dominant. With ``vision``
+    carrying a CLS token and ``keep_cls`` (the released code on LLaVA) the CLS is one of the dominant tokens
+    (``Selection.cls``, projected), so ``T - n_ctx - 1`` tokens are taken by saliency. The remaining tokens, in
+    raster order, give ``n_ctx`` targets spaced evenly (step ``R // n_ctx``); every other remaining token joins
+    the target it is most similar to (cosine of ``vision.keys``, else ``vision.hidden``, else ``features``), and
+    each contextual token is its target plus the mean of the tokens that joined it (the released rule; a target
+    nobody joined stays as it is). With ``vision`` the merge runs on the vision tower's hidden states and
+    ``vision.project`` brings the merged tokens and the CLS into the features' space; dominant tokens are
+    ``features`` rows. Indices report the dominant tokens, then the targets' positions.
     """
-    B, N, d = tokens.x.shape
-    n_ctx = min(round(budget * float(contextual_ratio)), budget)
-    n_dom = budget - n_ctx
+    B = tokens.batch
+    vision = tokens.vision
+    with_cls = bool(keep_cls) and vision is not None and vision.cls is not None
+    n_ctx = min(round(budget * float(contextual_ratio)), budget - int(with_cls))
+    n_dom = budget - n_ctx - int(with_cls)  # dominant tokens among the N
     order = stable_descending_order(tokens.require_saliency("visionzip"))
     dominant = order[:, :n_dom]
     rest = order[:, n_dom:].sort(dim=1).values  # [B, R] remaining tokens in raster order
@@ -93,16 +115,23 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float) -> Sele
     is_target = torch.zeros(R, dtype=torch.bool, device=rest.device)
     is_target[slots] = True
     targets, others = rest[:, is_target], rest[:, ~is_target]
-    merged = _gather_rows(tokens.x, targets)  # [B, n_ctx, d]
+    space = vision.hidden if vision is not None else tokens.x  # what is merged
+    metric = vision.keys if vision is not None and vision.keys is not None else space  # what decides who joins
+    merged = _gather_rows(space, targets)  # [B, n_ctx, d or dv]
     if others.shape[1] and n_ctx:
-        unit = unit_tokens(tokens.x)
+        unit = unit_tokens(metric)
         sim = _gather_rows(unit, others) @ _gather_rows(unit, targets).transpose(1, 2)  # [B, R - n_ctx, n_ctx]
         assign = torch.nn.functional.one_hot(sim.argmax(dim=2), n_ctx).to(merged.dtype)  # [B, R - n_ctx, n_ctx]
-        merged = (merged + assign.transpose(1, 2) @ _gather_rows(tokens.x, others)) / (1 + assign.sum(dim=1))[..., None]
+        joined = assign.transpose(1, 2) @ _gather_rows(space, others)  # [B, n_ctx, .] sums
+        merged = merged + joined / assign.sum(dim=1).clamp_min(1)[..., None]
+    if vision is not None:
+        merged = _project(tokens, merged)
+    cls = _project(tokens, vision.cls[:, None])[:, 0] if with_cls else None
     indices = torch.cat([dominant, targets], dim=1)
     features = torch.cat([_gather_rows(tokens.x, dominant), merged], dim=1)
-    salient = torch.arange(budget, device=indices.device)[None, :].expand(B, budget) < n_dom
-    return Selection(indices, torch.full((B,), n_dom, device=indices.device), None, features, salient)
+    kept = indices.shape[1]
+    salient = torch.arange(kept, device=indices.device)[None, :].expand(B, kept) < n_dom
+    return Selection(indices, torch.full((B,), n_dom, device=indices.device), None, features, salient, cls)
 
 
 @register_method("random", needs_saliency=False, options={"seed": 0})

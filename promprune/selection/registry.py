@@ -16,7 +16,7 @@ import torch
 
 from ..naming import did_you_mean
 from .entropy import spectral_entropy, spectral_entropy_from_gram
-from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram
+from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
 
 
 @dataclass
@@ -28,6 +28,8 @@ class Selection:
     - ``entropy [B]`` or None: the prominence metric used for the budget split.
     - ``features [B, T, d]`` or None: merged features aligned with ``indices`` (VisionZip), else None.
     - ``salient [B, T]`` bool: which kept tokens the saliency stage chose (for overlays: red vs. cyan).
+    - ``cls [B, d]`` or None: a kept token that is none of the ``N`` (VisionZip keeps the vision tower's CLS token,
+      projected into the features' space); it counts in the budget, so ``indices`` then holds ``T - 1`` tokens.
     """
 
     indices: torch.Tensor
@@ -35,18 +37,42 @@ class Selection:
     entropy: torch.Tensor | None = None
     features: torch.Tensor | None = None
     salient: torch.Tensor | None = None
+    cls: torch.Tensor | None = None
+
+
+@dataclass
+class VisionFeatures:
+    """What the vision tower computed for the same ``N`` tokens before the projector mapped them into the LLM's
+    space (``promprune.models`` adapters pass it for LLaVA / LLaVA-NeXT). Methods whose released code reads the
+    tower's own features use it: VisPruner removes duplicates on ``hidden``; VisionZip merges ``hidden`` by the
+    similarity of ``keys`` and keeps ``cls``. Methods that do not read it ignore it.
+
+    - ``hidden [B, N, dv]``: the tower's hidden states of the tokens at the layer the projector reads.
+    - ``keys [B, N, dk]`` or None: the attention keys of that layer (its ``k_proj``), mean over heads.
+    - ``cls [B, dv]`` or None: the CLS token's hidden state at that layer (None: the tower has none, or it is one
+      of the ``N``).
+    - ``project``: the model's projector, ``[..., dv] -> [..., d]`` (float32 in, float32 out), which brings merged
+      tokens and the CLS into the space of ``features``; None when no method needs it.
+    """
+
+    hidden: torch.Tensor
+    keys: torch.Tensor | None = None
+    cls: torch.Tensor | None = None
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class TokenSet:
     """Validated float32 inputs of one ``select`` call plus the derived quantities, each computed once.
 
-    ``x [B, N, d]``; ``saliency [B, N]`` or None. The cosine Gram is shared by the spectral entropy and the
-    diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call.
+    ``x [B, N, d]``; ``saliency [B, N]`` or None; ``vision``: the vision tower's view of the same tokens
+    (:class:`VisionFeatures`, float32) or None. The cosine Gram is shared by the spectral entropy and the diversity
+    kernels: one ``[B, N, d] x [B, d, N]`` product per call.
     """
 
-    def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None):
+    def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None):
         self.x = x
         self.saliency = saliency
+        self.vision = vision
         self.batch, self.n, self.dim = x.shape
 
     @cached_property
@@ -74,6 +100,12 @@ class TokenSet:
         return kernel
 
     @cached_property
+    def vision_cosine(self) -> torch.Tensor:
+        """Cosine similarity ``[B, N, N]`` of the vision tower's hidden states (``vision.hidden``)."""
+        unit = unit_tokens(self.vision.hidden)
+        return unit @ unit.transpose(1, 2)
+
+    @cached_property
     def spectral_entropy(self) -> torch.Tensor:  # [B]
         if self.n <= self.dim:
             return spectral_entropy_from_gram(self.unit_gram)
@@ -91,8 +123,9 @@ STAGES = (PRE_LLM, IN_LLM)
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its function, where it prunes, whether it needs saliency / merges tokens, its option
-    defaults, the allowed values of some options, and a check of the resolved options (raises ValueError)."""
+    """A registered method: its function, where it prunes, whether it needs saliency / merges tokens / reads the
+    vision tower's own features (:class:`VisionFeatures`, when given), its option defaults, the allowed values of
+    some options, and a check of the resolved options (raises ValueError)."""
 
     name: str
     fn: Callable[..., Any] | None  # the pre-LLM selection function; None for in-LLM methods (see promprune.models)
@@ -103,6 +136,7 @@ class MethodSpec:
     description: str = ""
     stage: str = PRE_LLM  # PRE_LLM: select() before the LLM; IN_LLM: hooks inside the LLM (promprune.models)
     check: Callable[[dict, int | None], None] | None = None  # check(resolved options, budget or None)
+    reads_vision: bool = False  # uses select(..., vision=VisionFeatures) when given (VisPruner, VisionZip)
 
     def resolve(self, given: Mapping[str, Any], *, also_valid=(), budget: int | None = None) -> dict[str, Any]:
         """Defaults overlaid with ``given``; an unknown option, a value outside its choices or one the method's
@@ -170,7 +204,7 @@ _REGISTRY: dict[str, MethodSpec] = {}
 
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
                     options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
-                    check: Callable[[dict], None] | None = None):
+                    check: Callable[[dict], None] | None = None, reads_vision: bool = False):
     """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -179,7 +213,7 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
         _REGISTRY[name] = MethodSpec(
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
             options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
-            description=(fn.__doc__ or "").strip().split("\n")[0], check=check)
+            description=(fn.__doc__ or "").strip().split("\n")[0], check=check, reads_vision=reads_vision)
         return fn
 
     return wrap
@@ -233,6 +267,34 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
     return x, s
 
 
+def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
+    """``vision`` checked against ``x [B, N, d]`` and copied to float32 on ``x``'s device."""
+    if vision is None:
+        return None
+    if not isinstance(vision, VisionFeatures):
+        raise ValueError(f"vision must be a promprune.VisionFeatures or None, got {type(vision).__name__}")
+    B, N, _ = x.shape
+    out = {}
+    for name, want in (("hidden", 3), ("keys", 3), ("cls", 2)):
+        t = getattr(vision, name)
+        if t is None:
+            if name == "hidden":
+                raise ValueError("vision.hidden is required: the vision tower's features [B, N, dv]")
+            out[name] = None
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != want \
+                or tuple(t.shape[:want - 1]) != (B, N)[:want - 1]:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            need = "[B, N, ...]" if want == 3 else "[B, dv]"
+            raise ValueError(f"vision.{name} must be a float tensor {need} matching features [{B}, {N}, d], "
+                             f"got {shape}")
+        out[name] = t.to(device=x.device, dtype=torch.float32)
+        _check_finite(f"vision.{name}", out[name])
+    if vision.project is not None and not callable(vision.project):
+        raise ValueError(f"vision.project must be callable, got {type(vision.project).__name__}")
+    return VisionFeatures(out["hidden"], out["keys"], out["cls"], vision.project)
+
+
 def _check_finite(name: str, t: torch.Tensor) -> None:
     bad = ~torch.isfinite(t).flatten(1).all(dim=1)
     if bool(bad.any()):
@@ -241,12 +303,15 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
-           method: str = "promprune", **options) -> Selection:
+           method: str = "promprune", vision: VisionFeatures | None = None, **options) -> Selection:
     """Choose ``budget`` of the ``N`` visual tokens of each image.
 
     ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
-    not use it, ``budget`` T shared by the batch (T >= N keeps every token). Returns a :class:`Selection`.
-    ``promprune.methods()`` lists the methods; an unknown method or option is a ValueError naming the valid ones.
+    not use it, ``budget`` T shared by the batch (T >= N keeps every token). ``vision``: the vision tower's own
+    features of the same tokens (:class:`VisionFeatures`), read by the methods whose released code reads them
+    (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. Returns a
+    :class:`Selection`. ``promprune.methods()`` lists the methods; an unknown method or option is a ValueError
+    naming the valid ones.
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:
@@ -255,10 +320,12 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     opts = spec.resolve(options, budget=budget)
     order = opts.pop("order")
     x, s = _validate(features, saliency, budget, spec)
-    tokens = TokenSet(x, s)
+    tokens = TokenSet(x, s, _validate_vision(vision, x) if spec.reads_vision else None)
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)
+    if sel.cls is not None:
+        sel.cls = sel.cls.to(features.dtype)
     return _sorted(sel) if order == "ascending" else sel
 
 
@@ -269,4 +336,4 @@ def _sorted(sel: Selection) -> Selection:
     if sel.features is not None:
         feats = sel.features.gather(1, perm[..., None].expand(-1, -1, sel.features.shape[-1]))
     salient = sel.salient.gather(1, perm) if sel.salient is not None else None
-    return Selection(indices, sel.saliency_count, sel.entropy, feats, salient)
+    return Selection(indices, sel.saliency_count, sel.entropy, feats, salient, sel.cls)

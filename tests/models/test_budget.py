@@ -88,7 +88,8 @@ def test_split_budget_hand_worked():
 
 
 def test_merging_method_feeds_merged_features(images, prompts):
-    """VisionZip's merged contextual tokens, not the raw ones, reach the LLM."""
+    """VisionZip's merged contextual tokens, not the raw ones, reach the LLM, after its projected CLS
+    (tests/models/test_vision_features.py recomputes them from the vision tower)."""
     import promprune
 
     model, processor = tiny_vlm("llava")
@@ -96,8 +97,11 @@ def test_merging_method_feeds_merged_features(images, prompts):
     prep = vlm.prepare(images, prompts)
     feats = prep.model_kwargs["mm_encoder_outputs"]["image"].pooler_output
     items = prep.items
+    vision = promprune.VisionFeatures(hidden=torch.stack([it.vision for it in items]),
+                                      keys=torch.stack([it.keys for it in items]),
+                                      cls=torch.cat([it.cls for it in items]), project=items[0].project)
     sel = promprune.select(torch.stack([it.features for it in items]), torch.stack([it.saliency for it in items]),
-                           budget=8, method="visionzip")
+                           budget=8, method="visionzip", vision=vision)
     for b in range(len(items)):
-        torch.testing.assert_close(feats[b], sel.features[b])
-        assert prep.stats[b]["kept"] == sel.indices[b].tolist()
+        torch.testing.assert_close(feats[b], torch.cat([sel.cls[b][None], sel.features[b]]))
+        assert prep.stats[b]["kept"] == sel.indices[b].tolist() and prep.stats[b]["visual_tokens"] == 8

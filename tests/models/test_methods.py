@@ -29,7 +29,8 @@ def test_every_method_runs_through_every_adapter(arch, method, images, prompts):
         assert isinstance(g.text, str) and len(g.token_ids) == 3
         assert g.visual_tokens == BUDGET
         if not is_in_llm(method):  # NeXT in-LLM methods may keep image_newline placeholders
-            assert len(g.kept) == BUDGET
+            cls_tokens = BUDGET - len(g.kept)  # VisionZip also feeds each view's CLS, which has no grid index
+            assert cls_tokens == 0 or method == "visionzip" and arch != "qwen2_5_vl" and cls_tokens >= 1
         assert len(set(g.kept)) == len(g.kept)
         if arch != "llava_next":  # raster order is grid order (NeXT: the packed sequence's layout instead)
             assert g.kept == sorted(g.kept)

@@ -1,0 +1,270 @@
+"""VisPruner and VisionZip read the vision tower's own features, and LLaVA-NeXT's budget modes, through the real
+adapters of the tiny models: each selection is recomputed here by a naive transcription of the released algorithm
+from plain transformers outputs (an eager twin of the vision tower for attention, hidden states and keys), and the
+LLM's input embeddings (a hook on the language model) hold exactly the tokens that selection keeps.
+"""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+from promprune.models import PrunedVLM
+from promprune.models.adapters import max_views
+from promprune.models.methods import next_layout
+from promprune.models.testing import tiny_vlm
+
+from .test_token_order import llm_input
+
+
+# ---- naive references -------------------------------------------------------------------------------------------
+def tower(model, pixel_values):
+    """``(hidden [V, S, dv], keys [V, S, dk], saliency [V, S - 1])`` at the layer the projector reads (-2), from an
+    eager twin of the vision tower: its hidden states, that layer's keys (k_proj of its layer-normed input, head
+    mean) and the CLS row of its attention (head mean, CLS column dropped)."""
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    vt = twin.model.vision_tower
+    with torch.inference_mode():
+        out = vt(pixel_values, output_attentions=True, output_hidden_states=True)
+        body = getattr(vt, "vision_model", vt)  # CLIPVisionModel or the bare transformer
+        layer = body.encoder.layers[-2]  # hidden_states[-2] is its output
+        k = layer.self_attn.k_proj(layer.layer_norm1(out.hidden_states[-3]))
+    V, S, _ = k.shape
+    heads = layer.self_attn.num_heads
+    keys = k.view(V, S, heads, -1).mean(dim=2)
+    return out.hidden_states[-2], keys, out.attentions[-2][:, :, 0, 1:].mean(dim=1)
+
+
+def cos(a, b):
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def naive_vispruner(saliency, feats, budget, ratio=0.5):
+    """VisPruner's released selection, sorted: floor(T r) by saliency; the rest shrinks by rounds that drop the
+    min(8, R - keep) even-position tokens most similar to an odd-position one."""
+    t_imp = int(budget * ratio)
+    order = sorted(range(len(saliency)), key=lambda i: -float(saliency[i]))
+    important, rest = order[:t_imp], order[t_imp:]
+    keep = budget - t_imp
+    while keep > 0 and len(rest) > keep:
+        drop = min(8, len(rest) - keep)
+        even, odd = rest[0::2], rest[1::2]
+        score = [max(cos(feats[e], feats[o]) for o in odd) for e in even]
+        survivors = sorted(range(len(even)), key=lambda i: -score[i])[drop:]
+        rest = [even[i] for i in survivors] + odd
+    return sorted(important + (rest if keep > 0 else []))
+
+
+def naive_visionzip(saliency, hidden, keys, budget, ratio=10 / 64):
+    """VisionZip's released tokens in its order, in the vision space ``[T, dv]``, and their patch indices.
+
+    ``hidden`` / ``keys`` ``[S, .]`` with the CLS at row 0; ``saliency [S - 1]`` over the patches. The CLS and the
+    top ``T - n_ctx - 1`` patches by saliency are dominant (CLS first, then ascending); the remaining patches, in
+    index order, give ``n_ctx`` targets every ``R // n_ctx``; each other one joins the target whose key is most
+    similar; a contextual token is its target plus the mean of those that joined it.
+    """
+    n_ctx = round(budget * ratio)
+    top = sorted(range(len(saliency)), key=lambda i: -float(saliency[i]))[:budget - n_ctx - 1]
+    dominant = sorted(top)
+    remaining = [i for i in range(len(saliency)) if i not in dominant]
+    step = max(1, len(remaining) // n_ctx) if n_ctx else 1
+    targets = remaining[0::step][:n_ctx]
+    groups = {t: [] for t in targets}
+    for i in remaining:
+        if i not in groups:
+            groups[max(targets, key=lambda t: cos(keys[1 + i], keys[1 + t]))].append(i)
+    rows = [hidden[0]] + [hidden[1 + i] for i in dominant]
+    for t in targets:
+        joined = groups[t]
+        rows.append(hidden[1 + t] + (torch.stack([hidden[1 + i] for i in joined]).mean(0) if joined else 0))
+    return torch.stack(rows), dominant + targets
+
+
+def naive_divprune(feats, budget):
+    """DivPrune's released max-min selection on 1 - cos, sorted: first the token farthest from its nearest
+    neighbour, then each time the token farthest from the picked set."""
+    unit = feats / feats.norm(dim=-1, keepdim=True)
+    dist = 1 - unit @ unit.T
+    n = feats.shape[0]
+    first = max(range(n), key=lambda j: min(float(dist[i, j]) for i in range(n) if i != j))
+    picks = [first]
+    while len(picks) < budget:
+        picks.append(max((j for j in range(n) if j not in picks), key=lambda j: min(float(dist[p, j]) for p in picks)))
+    return sorted(picks)
+
+
+def projector(model, rows):
+    with torch.inference_mode():
+        return model.model.multi_modal_projector(rows)
+
+
+def packed_layout(model, image_size, views, n):
+    """Which grid token (view * n + patch) each packed position of one image holds, -1 for image_newline:
+    transformers' own packing run on index tensors."""
+    ids = [torch.arange(views * n, dtype=torch.float64).view(views, n, 1)]
+    packed, _ = model.model.pack_image_features(ids, image_size[None].cpu(), "default",
+                                                image_newline=torch.tensor([-1.0], dtype=torch.float64))
+    return packed[0][:, 0].round().long().tolist()
+
+
+def image_rows(model, prep, b):
+    """The LLM's input embeddings at row ``b``'s image placeholders."""
+    embeds = llm_input(model, prep)
+    ids = prep.model_kwargs["input_ids"][b]
+    return embeds[b][ids == model.config.image_token_id]
+
+
+# ---- LLaVA-1.5 --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [6, 12])
+def test_vispruner_removes_duplicates_on_the_vision_towers_features(budget, images, prompts):
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="vispruner", budget=budget, token_order="released")
+    prep = vlm.prepare(images, prompts)
+    batch = vlm.inputs(images, prompts)
+    hidden, _, saliency = tower(model, batch["pixel_values"])
+    plain = projector(model, hidden[:, 1:])
+    for b, stats in enumerate(prep.stats):
+        want = naive_vispruner(saliency[b], hidden[b, 1:], budget)
+        assert stats["kept"] == want and stats["visual_tokens"] == budget
+        torch.testing.assert_close(image_rows(model, prep, b), plain[b][want], rtol=1e-5, atol=1e-5)
+
+
+def test_vispruner_on_projected_features_would_differ(images, prompts):
+    """The check above can tell the two feature spaces apart on these images."""
+    model, processor = tiny_vlm("llava")
+    batch = PrunedVLM(model, processor, method="vispruner", budget=12).inputs(images, prompts)
+    hidden, _, saliency = tower(model, batch["pixel_values"])
+    plain = projector(model, hidden[:, 1:])
+    assert any(naive_vispruner(saliency[b], hidden[b, 1:], 12) != naive_vispruner(saliency[b], plain[b], 12)
+               for b in range(len(images)))
+
+
+@pytest.mark.parametrize("budget", [8, 13])
+def test_visionzip_merges_vision_states_by_keys_and_feeds_the_cls_first(budget, images, prompts):
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="visionzip", budget=budget, token_order="released")
+    prep = vlm.prepare(images, prompts)
+    hidden, keys, saliency = tower(model, vlm.inputs(images, prompts)["pixel_values"])
+    for b, stats in enumerate(prep.stats):
+        rows, kept = naive_visionzip(saliency[b], hidden[b], keys[b], budget)
+        got = image_rows(model, prep, b)
+        assert got.shape[0] == budget == stats["visual_tokens"]
+        assert stats["kept"] == kept  # the CLS is fed but has no grid index
+        torch.testing.assert_close(got, projector(model, rows), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], projector(model, hidden[b, 0]), rtol=1e-5, atol=1e-5)  # the CLS
+
+
+def test_other_methods_do_not_read_the_vision_features(images, prompts):
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="promprune", budget=8)
+    assert not vlm.spec.reads_vision
+    assert all(it.vision is None and it.cls is None for it in vlm.prepare(images, prompts).items)
+
+
+# ---- LLaVA-NeXT -------------------------------------------------------------------------------------------------
+def next_setup(method, budget, images, prompts, **options):
+    """The tiny LLaVA-NeXT's prepared batch and, from plain transformers, each image's packed run, view count and
+    packed layout."""
+    model, processor = tiny_vlm("llava_next")
+    vlm = PrunedVLM(model, processor, method=method, budget=budget, token_order="released", **options)
+    batch = vlm.inputs(images, prompts)
+    with torch.inference_mode():
+        runs = model.model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"],
+                                              return_dict=True).pooler_output
+    n = (model.config.vision_config.image_size // model.config.vision_config.patch_size) ** 2
+    views = [image_size_to_num_patches(s, model.config.image_grid_pinpoints, model.config.vision_config.image_size)
+             for s in batch["image_sizes"]]
+    layouts = [packed_layout(model, s, v, n) for s, v in zip(batch["image_sizes"], views)]
+    return SimpleNamespace(model=model, vlm=vlm, prep=vlm.prepare(images, prompts), batch=batch, runs=runs, n=n,
+                           views=views, layouts=layouts)
+
+
+def test_released_next_layouts():
+    assert next_layout("divprune", "released", "drop") == ("packed", "drop")
+    assert next_layout("vispruner", "released", "drop") == ("view_quota", "all")
+    assert next_layout("visionzip", "released", "rows") == ("view_quota", "drop")
+    assert next_layout("promprune", "released", "rows") == ("per_crop", "rows")  # ours: no released NeXT path
+    assert next_layout("vispruner", "global", "drop") == ("global", "drop")  # an explicit mode wins
+    assert max_views(tiny_vlm("llava_next")[0].config) == 5 and max_views(tiny_vlm("llava")[0].config) == 1
+
+
+def test_next_vispruner_released_quota_per_view_padding_unpadded_and_every_newline(images, prompts):
+    """Every view gets budget // 5 tokens on its whole grid (padding included); the unpadding drops the picks in
+    the padding; every image_newline token stays, in the packed order."""
+    budget = 15  # 3 per view
+    t = next_setup("vispruner", budget, images, prompts, budget_mode="released")
+    model, n = t.model, t.n
+    assert t.vlm.view_budget == 3
+    dropped_any = False
+    for b, stats in enumerate(t.prep.stats):
+        hidden, _, saliency = tower(model, t.batch["pixel_values"][b, :t.views[b]])
+        picks = [v * n + p for v in range(t.views[b]) for p in naive_vispruner(saliency[v], hidden[v, 1:], 3)]
+        layout = t.layouts[b]
+        fed = [g for g in picks if g in layout]
+        dropped_any |= len(fed) < len(picks)
+        keep = [pos for pos, g in enumerate(layout) if g < 0 or g in fed]
+        assert stats["kept"] == [layout[pos] for pos in keep if layout[pos] >= 0]
+        assert stats["visual_tokens"] == len(fed) + layout.count(-1) == len(keep)
+        torch.testing.assert_close(image_rows(model, t.prep, b), t.runs[b][keep], rtol=1e-5, atol=1e-5)
+    assert dropped_any  # the landscape / portrait images have padding, and picks there are not fed
+
+
+def test_next_divprune_released_selects_over_the_packed_sequence(images, prompts):
+    budget = 9
+    t = next_setup("divprune", budget, images, prompts, budget_mode="released")
+    for b, stats in enumerate(t.prep.stats):
+        picks = naive_divprune(t.runs[b].float(), budget)  # newline tokens are candidates too
+        assert stats["visual_tokens"] == budget
+        assert stats["kept"] == [t.layouts[b][p] for p in picks if t.layouts[b][p] >= 0]
+        torch.testing.assert_close(image_rows(t.model, t.prep, b), t.runs[b][picks], rtol=1e-5, atol=1e-5)
+
+
+def test_next_visionzip_released_per_view_cls_and_quota(images, prompts):
+    budget = 20  # 4 per view: the view's CLS + 3 patches (n_ctx = round(4 * 10 / 64) = 1)
+    t = next_setup("visionzip", budget, images, prompts, budget_mode="released")
+    model, n = t.model, t.n
+    for b, stats in enumerate(t.prep.stats):
+        views = t.views[b]
+        hidden, keys, saliency = tower(model, t.batch["pixel_values"][b, :views])
+        got = image_rows(model, t.prep, b)
+        cls = projector(model, hidden[:, 0])  # [V, d]: every view's CLS, fed first in view order
+        torch.testing.assert_close(got[:views], cls, rtol=1e-5, atol=1e-5)
+        rows, kept = [], []
+        for v in range(views):
+            r, k = naive_visionzip(saliency[v], hidden[v], keys[v], 4)
+            fed = [i for i, g in enumerate(k) if v * n + g in t.layouts[b]]  # unpadding drops the padding's picks
+            rows.append(r[1:][fed])
+            kept += [v * n + k[i] for i in fed]
+        assert stats["kept"] == kept and stats["visual_tokens"] == views + len(kept)
+        torch.testing.assert_close(got[views:], projector(model, torch.cat(rows)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,newline", [("view_quota", "drop"), ("view_quota", "all"), ("packed", "drop")])
+def test_next_budget_mode_counts(mode, newline, images, prompts):
+    """view_quota: at most budget // 5 per view whatever the image's view count (fewer where the padding's picks
+    are dropped), plus every newline with "all"; packed: exactly the budget, newlines counted in it."""
+    budget = 10
+    t = next_setup("random", budget, images, prompts, budget_mode=mode, image_newline=newline)
+    for b, stats in enumerate(t.prep.stats):
+        per_view = torch.bincount(torch.tensor(stats["kept"]) // t.n, minlength=t.views[b]).tolist()
+        newlines = t.layouts[b].count(-1)
+        if mode == "packed":
+            assert stats["visual_tokens"] == budget
+        else:
+            assert max(per_view) <= 2 and per_view[0] == 2  # the base view has no padding
+            assert stats["visual_tokens"] == sum(per_view) + (newlines if newline == "all" else 0)
+        assert image_rows(t.model, t.prep, b).shape[0] == stats["visual_tokens"]
+
+
+def test_packed_refuses_methods_that_need_saliency_or_vision():
+    from promprune.models import validate_method
+
+    for method in ("promprune", "vispruner", "visionzip"):
+        with pytest.raises(ValueError, match="budget_mode 'packed'"):
+            validate_method(method, 8, budget_mode="packed")
+    validate_method("divprune", 8, budget_mode="packed")
+    model, processor = tiny_vlm("llava_next")
+    with pytest.raises(ValueError, match="view_quota"):
+        PrunedVLM(model, processor, method="vispruner", budget=4, budget_mode="view_quota")
