@@ -48,6 +48,8 @@ def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets
     assert loaded.model.pretrained == model and loaded.tasks == tasks and loaded.baseline
     assert {t.method for t in trials if t.method} == {"promprune", *methods}
     assert loaded.model.options["token_order"] == "released"  # each method feeds its LLM as released
+    if "llava_next" in name:  # and meets LLaVA-NeXT's views and newline tokens as released
+        assert loaded.model.options["budget_mode"] == "released"
     for method in ["promprune"] + [m for m in methods if m != "sparsevlm"]:
         assert grid(trials, method) == {(b, ()) for b in budgets}, method
     if "sparsevlm" in methods and name == "table1_llava15":  # the released schedule where one ships (no 32)
@@ -103,4 +105,4 @@ def test_mu_is_calibrated_on_pretraining_images_not_benchmarks():
 
 def test_table6_measures_latency_one_sample_at_a_time():
     loaded, _ = trials_of("table6_efficiency")
-    assert loaded.resources.batch_size == 1 and loaded.model.options["budget_mode"] == "per_crop"
+    assert loaded.resources.batch_size == 1 and loaded.model.options["budget_mode"] == "released"
