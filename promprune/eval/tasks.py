@@ -190,11 +190,12 @@ def judge_skip_reason(task: str) -> str | None:
     """Why ``task`` must be skipped here (its LLM judge has no API key), or None when it can run."""
     if task not in JUDGE_TASKS:
         return None
-    api_type = os.environ.get("API_TYPE", "openai")
-    key = "AZURE_API_KEY" if api_type.startswith("azure") else "OPENAI_API_KEY"
+    from promprune.judge import api_key_env, api_type  # one rule for every LLM judge's key
+
+    key = api_key_env()
     if os.environ.get(key):
         return None
-    return f"task {task!r} is scored by an LLM judge (lmms-eval API_TYPE={api_type!r}) and {key} is not set; skipping it"
+    return f"task {task!r} is scored by an LLM judge (lmms-eval API_TYPE={api_type()!r}) and {key} is not set; skipping it"
 
 
 def single_process():

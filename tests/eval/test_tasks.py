@@ -92,6 +92,8 @@ def test_judge_task_without_key_is_skipped(monkeypatch):
     monkeypatch.delenv("API_TYPE", raising=False)
     assert "OPENAI_API_KEY" in judge_skip_reason("mmvet")
     assert judge_skip_reason("pope") is None
+    import lmms_eval.tasks  # noqa: F401 - importing lmms-eval resets warning filters: do it before pytest.warns
+
     with pytest.warns(UserWarning, match="mmvet.*OPENAI_API_KEY"):
         rows = build_requests(["easyvqa_open", "mmvet"], limit=2)
     assert {r.task for r in rows} == {"easyvqa_open"}
