@@ -14,6 +14,9 @@ Setup -> run -> cleanup:
    `promprune.records.Prediction`s under `torch.inference_mode()`. `DataContext.wait_for_min_actors_s` is
    finite, so a pool that cannot be scheduled fails instead of hanging. Actors restart and their tasks retry
    when a node dies; the output is checked to hold every sample exactly once (nothing is de-duplicated silently).
+   A sweep instead starts one `PredictorPool` for all its trials (actors that load the model once and take each
+   trial's method, budget and options per call) and passes it to `evaluate(..., pool=)`; the same restart and
+   exactly-once guarantees hold.
 3. Central scoring: `promprune.eval.score(predictions)` aggregates once over all shards.
 
 Run as a script it also logs one MLflow run (role `evaluation`) with the same metrics and artifacts as a sweep
@@ -197,6 +200,121 @@ class VLMPredictor:
         return to_arrow([add_efficiency(self.vlm, p) for p in preds], Prediction)
 
 
+class PooledPredictor(VLMPredictor):
+    """One actor of a sweep's shared pool (`PredictorPool`): loads the model once, unpruned, and serves every trial
+    of the sweep; each call names its trial's method, budget and options, and the actor wraps the loaded model in a
+    `PrunedVLM` for them (pruning never changes the weights, so the same tensors serve all trials)."""
+
+    def __init__(self, source: ModelSource, batch_size: int, run_fn: Callable | None = None):
+        super().__init__(source, None, None, {}, batch_size, run_fn)
+        self.base = self.vlm
+        self.wrapped: dict[str, Any] = {}  # (method, budget, options) -> PrunedVLM around self.base's model
+
+    def ready(self) -> bool:
+        return True
+
+    def predict(self, method: str | None, budget: int | None, options: dict, batch: pa.Table) -> pa.Table:
+        import json
+
+        from promprune.models import PrunedVLM
+
+        key = json.dumps([method, budget, options], sort_keys=True, default=str)
+        if key not in self.wrapped:
+            if len(self.wrapped) >= 16:  # a few trials at once per actor; wrappers are small, the model is shared
+                self.wrapped.clear()
+            self.wrapped[key] = self.base if method is None and not options else PrunedVLM(
+                self.base.model, self.base.processor, method=method, budget=budget,
+                **{**self.base.adapter.options, **options})
+        self.vlm = self.wrapped[key]
+        return self(batch)
+
+
+@dataclass
+class PredictorPool:
+    """A sweep's actors, started once and shared by all its trials (instead of an actor pool per trial): a trial no
+    longer pays actor processes starting and models loading, and while one trial scores and logs, the next one's
+    batches keep the actors busy. An actor lost with its node restarts where resources allow; its unfinished
+    batches go to the other actors meanwhile, as Ray Data's pools do."""
+
+    actors: list = field(repr=False)
+
+    IN_FLIGHT_PER_ACTOR = 2  # calls one trial keeps queued on an actor: the next batch is there when one ends
+
+    @classmethod
+    def start(cls, source: ModelSource, size: int, resources: Resources, on_gpu: bool,
+              run_fn: Callable | None = None) -> "PredictorPool":
+        """Start `size` actors and wait until each has loaded the model (`resources.actor_wait_s` at most: a pool
+        that cannot be scheduled fails instead of hanging)."""
+        actor = ray.remote(PooledPredictor).options(
+            num_gpus=resources.gpus_per_worker if on_gpu else 0, num_cpus=resources.cpus_per_worker,
+            max_restarts=-1, max_task_retries=0)  # map() sends a lost actor's blocks to the others
+        pool = cls([actor.remote(source, resources.batch_size, run_fn) for _ in range(max(1, size))])
+        try:
+            ray.get([a.ready.remote() for a in pool.actors], timeout=resources.actor_wait_s)
+        except ray.exceptions.GetTimeoutError:
+            pool.shutdown()
+            raise RuntimeError(f"the sweep's {size} predictor actor(s) did not all start within "
+                               f"actor_wait_s={resources.actor_wait_s:g}s: the cluster lacks the resources "
+                               f"({resources.gpus_per_worker:g} GPU, {resources.cpus_per_worker:g} CPU per actor)"
+                               ) from None
+        except BaseException:
+            pool.shutdown()
+            raise
+        return pool
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone (Ray shut down, its node lost): nothing to stop
+                pass
+
+    def map(self, cfg: "EvalConfig", blocks: list) -> list[pa.Table]:
+        """Every block through the pool, least-loaded actor first; returns the output tables.
+
+        An actor lost with its node: its unfinished blocks go to the other actors at once (its calls are not
+        retried on it), and it takes work again when its restart answers (Ray restarts it where resources allow).
+        With no actor left for `actor_wait_s`, this fails instead of hanging."""
+        from collections import deque
+
+        pending, queued = deque(blocks), [0] * len(self.actors)
+        alive = set(range(len(self.actors)))
+        running: dict = {}  # output ref -> (actor index, input block)
+        probes: dict = {}  # ready() ref -> index of an actor being restarted
+        tables: list = []
+        while pending or running:
+            while pending and alive:
+                i = min(alive, key=queued.__getitem__)
+                if queued[i] >= self.IN_FLIGHT_PER_ACTOR:
+                    break
+                block = pending.popleft()
+                ref = self.actors[i].predict.remote(cfg.method, cfg.budget, cfg.options, block)
+                running[ref], queued[i] = (i, block), queued[i] + 1
+            wait_s = None if alive else cfg.resources.actor_wait_s
+            ready, _ = ray.wait(list(running) + list(probes), num_returns=1, timeout=wait_s)
+            if not ready:
+                raise RuntimeError(f"no predictor actor answered for actor_wait_s={wait_s:g}s after losing them all")
+            for ref in ready:
+                if ref in probes:
+                    i = probes.pop(ref)
+                    try:
+                        ray.get(ref)
+                        alive.add(i)
+                    except ray.exceptions.RayActorError:
+                        probes[self.actors[i].ready.remote()] = i
+                    continue
+                i, block = running.pop(ref)
+                queued[i] -= 1
+                try:
+                    tables.append(ray.get(ref))
+                except ray.exceptions.RayActorError:  # the actor died (its node, say): the block goes elsewhere
+                    pending.appendleft(block)
+                    if i in alive:
+                        alive.discard(i)
+                        probes[self.actors[i].ready.remote()] = i
+        return tables
+
+
 def add_efficiency(vlm, pred: Prediction) -> Prediction:
     """Per-sample prefill FLOPs and visual KV-cache bytes, under the paper's Table 6 convention.
 
@@ -234,12 +352,20 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0))
 
 
-def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable | None = None) -> list[Prediction]:
-    """Shard the requests over an actor pool holding the model; one prediction per request, in no particular order."""
+def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable | None = None,
+            pool: PredictorPool | None = None) -> list[Prediction]:
+    """Shard the requests over an actor pool holding the model; one prediction per request, in no particular order.
+
+    pool: a sweep's shared actors (they carry their own run_fn); None: a Ray Data actor pool for this call."""
     from ray.data import ActorPoolStrategy
 
     if not isinstance(rows, Requests):
         rows = requests_dataset(rows, cfg.resources.batch_size)
+    if pool is not None:
+        tables = pool.map(cfg, rows.dataset.to_arrow_refs())
+        preds = [p for t in tables for p in from_arrow(t, Prediction)]
+        check_exactly_once(rows.keys, preds)
+        return preds
     res = cfg.resources
     out = rows.dataset.map_batches(
         VLMPredictor,
@@ -285,11 +411,12 @@ def check_exactly_once(keys: list[str], preds: list[Prediction]) -> None:
 
 
 def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, run_fn: Callable | None = None,
-             score_fn: Callable | None = None) -> EvalResult:
-    """Requests (built here unless given) -> predictions on Ray Data -> scores (once, centrally) -> metrics."""
+             score_fn: Callable | None = None, pool: PredictorPool | None = None) -> EvalResult:
+    """Requests (built here unless given) -> predictions on Ray Data (or a sweep's `pool`) -> scores (once,
+    centrally) -> metrics."""
     if rows is None:
         rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size)
-    preds = predict(cfg, rows, run_fn=run_fn)
+    preds = predict(cfg, rows, run_fn=run_fn, pool=pool)
     if score_fn is None:
         from promprune.eval import score as score_fn
     scores = score_fn(preds)

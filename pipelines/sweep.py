@@ -12,8 +12,10 @@ Setup -> run -> cleanup:
    publish the model weights to the object store once (see pipelines/weights.py), open the MLflow parent run.
 2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list; random search
    draws from the grid with a seed), at most as many at once as the GPUs allow, retrying failed trials
-   (`FailureConfig`). Each trial evaluates on its own Ray Data actor pool and hands predictions back as a Tune
-   checkpoint. The driver (and only the driver) logs each finished trial as an MLflow child run.
+   (`FailureConfig`). The sweep starts its actors once (`PredictorPool`: each loads the model once) and every
+   trial sends its batches to them, a trial or two queued behind the running ones so that one trial's scoring and
+   logging never leaves the actors idle; a trial hands predictions back as a Tune checkpoint. The driver (and
+   only the driver) logs each finished trial as an MLflow child run.
 3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table and the
    command that opens the MLflow UI.
 
@@ -53,14 +55,15 @@ from pipelines import spec as specs
 from pipelines import tracking
 from pipelines.schema import REL
 from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
-    QUIET_ENV, EvalConfig, RayUnreachable, Requests, build_requests_dataset, connect, evaluate, predictions_table,
-    random_weights_note, worker_env)
+    QUIET_ENV, EvalConfig, PredictorPool, RayUnreachable, Requests, build_requests_dataset, connect, evaluate,
+    predictions_table, random_weights_note, worker_env)
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
+QUEUED_TRIALS = 2  # trials running beyond those the actors serve at once: their batches fill the others' gaps
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
 # 130 interrupted (the shell's code for Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -69,12 +72,21 @@ STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., 
 
 @dataclass
 class Plan:
-    """How many actors per evaluation and trials at once."""
+    """How many actors per evaluation and trials at once.
+
+    The sweep starts `workers x concurrency` actors once (`PredictorPool`) and its trials share them; Tune runs
+    `in_flight` trials at once, more than `concurrency` by the trials queued behind them, so that while a trial
+    scores, checkpoints and is logged, the next one's batches keep the actors busy."""
 
     workers: int
     concurrency: int
     gpus_per_worker: float
     cluster_gpus: float
+    in_flight: int = 1
+
+    @property
+    def actors(self) -> int:
+        return self.workers * self.concurrency
 
 
 def makespan(n_trials: int, slots: int, workers: int, max_concurrent: int | None = None) -> float:
@@ -91,10 +103,10 @@ def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) ->
     """auto workers: the actors per trial that finish the sweep soonest when its trials cost about the same.
 
     Whole trials run in waves, so 19 trials on 8 GPUs with one actor each take 3 waves with 3 GPUs busy in the
-    last (79% of ideal); with all 8 actors on each trial, one trial after the other, nothing idles (the price:
-    more model loads, seconds each against hours of samples). Ties go to fewer actors per trial (fewer loads).
-    auto concurrency: as many trials as the actors allow. With no GPU: one actor and one trial at a time (the
-    actors would only fight over the cores).
+    last (79% of ideal); with all 8 actors on each trial, one trial after the other, nothing idles. Ties go to
+    fewer actors per trial. auto concurrency: as many trials as the actors allow. With no GPU: one actor and one
+    trial at a time (the actors would only fight over the cores). The actors are the sweep's, loaded once
+    (`PredictorPool`); on GPUs `in_flight` adds QUEUED_TRIALS trials behind the running ones (a set cap bounds it).
     """
     r, t = spec.resources, spec.tune
     if cluster_gpus > 0 and r.gpus_per_worker > 0:
@@ -108,8 +120,12 @@ def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) ->
     else:
         workers = r.workers if r.workers != specs.AUTO else 1
         concurrency = t.max_concurrent_trials if t.max_concurrent_trials != specs.AUTO else 1
-    return Plan(workers=workers, concurrency=max(1, min(concurrency, n_trials)),
-                gpus_per_worker=r.gpus_per_worker, cluster_gpus=cluster_gpus)
+    concurrency = max(1, min(concurrency, n_trials))
+    in_flight = concurrency + (QUEUED_TRIALS if cluster_gpus > 0 else 0)  # CPU: the trials would fight for cores
+    if t.max_concurrent_trials != specs.AUTO:
+        in_flight = min(in_flight, t.max_concurrent_trials)
+    return Plan(workers=workers, concurrency=concurrency, gpus_per_worker=r.gpus_per_worker,
+                cluster_gpus=cluster_gpus, in_flight=max(1, min(in_flight, n_trials)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,15 +133,17 @@ def plan_resources(spec: specs.SweepSpec, n_trials: int, cluster_gpus: float) ->
 
 
 def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict], settings: dict,
-              run_fn: Callable | None = None, calibrated: dict | None = None) -> None:
-    """Evaluate one trial on Ray Data and report metrics plus a checkpoint holding predictions and scores."""
+              run_fn: Callable | None = None, calibrated: dict | None = None,
+              pool: PredictorPool | None = None) -> None:
+    """Evaluate one trial on the sweep's actors (`pool`; None: a Ray Data actor pool of its own) and report metrics
+    plus a checkpoint holding predictions and scores."""
     trial = specs.Trial.from_dict(config["trial"])
     trial = dataclasses.replace(trial, options=calibration.apply(trial.options, calibrated or {}))
     if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
         rows = rows.only(trial.tasks) if isinstance(rows, Requests) else [r for r in rows if r.task in trial.tasks]
     started = time.time()
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
-    result = evaluate(cfg, rows, run_fn=run_fn)
+    result = evaluate(cfg, rows, run_fn=run_fn, pool=pool)
     with tempfile.TemporaryDirectory() as d:
         pq.write_table(predictions_table(result.predictions), Path(d) / schema.PREDICTIONS_ARTIFACT)
         (Path(d) / schema.SCORES_ARTIFACT).write_text(json.dumps(result.scores, default=float))
@@ -466,8 +484,8 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
         check_resume(spec, state)
     trials = specs.expand(spec)
     plan = plan_resources(spec, len(trials), float(ray.cluster_resources().get("GPU", 0)))
-    say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.workers} actor(s) per trial, "
-        f"{plan.concurrency} trial(s) at once, {plan.cluster_gpus:g} GPU(s)")
+    say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.actors} actor(s) shared by up to "
+        f"{plan.in_flight} trial(s) at once ({plan.workers} per trial), {plan.cluster_gpus:g} GPU(s)")
     t0 = time.perf_counter()
     rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
                                                                 spec.resources.batch_size)
@@ -499,9 +517,13 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     save_state(storage, {**state, "driver": driver})
     recorder = SweepRecorder(spec, parent_id, len(trials), calibrated=state["calibrated"])
     _LIVE_RECORDERS[parent_id] = recorder
-    trainable = _trainable(source, rows, spec, plan, run_fn, state["calibrated"])
     exp_path = f"{state['storage_path']}/{state['experiment']}"
+    pool = None
     try:
+        t0 = time.perf_counter()  # after calibration, whose task needs a GPU the actors would hold
+        pool = PredictorPool.start(source, plan.actors, spec.resources, on_gpu=plan.cluster_gpus > 0, run_fn=run_fn)
+        say(f"{plan.actors} actor(s) loaded the model once for all trials ({time.perf_counter() - t0:.1f}s)")
+        trainable = _trainable(source, rows, spec, plan, run_fn, state["calibrated"], pool)
         tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=resume is not None)
         with progress(len(trials), spec.name) as bar:
             recorder.bar = bar
@@ -523,6 +545,8 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
         raise
     finally:
         _LIVE_RECORDERS.pop(parent_id, None)
+        if pool is not None:
+            pool.shutdown()
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path)
 
 
@@ -547,11 +571,11 @@ def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: Pl
 
 
 def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn,
-               calibrated: dict):
+               calibrated: dict, pool: PredictorPool | None = None):
     settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, progress_bars=False,
                     resources=dataclasses.replace(spec.resources, workers=plan.workers))
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn,
-                              calibrated=calibrated)
+                              calibrated=calibrated, pool=pool)
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 
@@ -566,7 +590,7 @@ def _tuner(trainable, spec: specs.SweepSpec, trials: list, plan: Plan, state: di
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
     return tune.Tuner(trainable, param_space={"trial": tune.grid_search([t.to_dict() for t in trials])},
-                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.concurrency, num_samples=1,
+                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.in_flight, num_samples=1,
                                                   reuse_actors=True),
                       run_config=run_config)
 

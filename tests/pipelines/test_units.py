@@ -45,6 +45,15 @@ def test_plan_resources(gpus, n_trials, kw, expect):
     assert (plan.workers, plan.concurrency) == expect
 
 
+def test_plan_shares_the_actors_with_queued_trials():
+    plan = plan_resources(_spec(), 19, 8)
+    assert (plan.actors, plan.in_flight) == (8, 3)  # 8 actors loaded once; 2 trials queued behind the running one
+    assert plan_resources(_spec(), 16, 8).in_flight == 10  # 8 one-actor trials at once, 2 queued
+    assert plan_resources(_spec(tune__max_concurrent_trials=1), 19, 8).in_flight == 1  # a set cap is a maximum
+    assert plan_resources(_spec(), 2, 8).in_flight == 2  # never more than the trials
+    assert plan_resources(_spec(), 9, 0).in_flight == 1  # CPU: one trial at a time, as before
+
+
 def test_makespan_by_hand():
     assert sweep_makespan(19, 8, 1) == 3  # waves of 8, 8, 3
     assert sweep_makespan(19, 8, 8) == pytest.approx(19 / 8)
