@@ -66,6 +66,7 @@ class EvalConfig:
     generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: the task's own
     resources: Resources = field(default_factory=Resources)  # actors, GPUs and CPUs per actor, batch size, wait
     progress_bars: bool = True  # Ray Data's bars; sweeps turn them off and print one line per trial instead
+    bootstrap: int = 0  # resamples for 95% CIs of each task's primary metrics (<metric>_ci_low/_ci_high); 0: none
 
 
 @dataclass
@@ -419,7 +420,7 @@ def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, r
     preds = predict(cfg, rows, run_fn=run_fn, pool=pool)
     if score_fn is None:
         from promprune.eval import score as score_fn
-    scores = score_fn(preds)
+    scores = score_fn(preds, bootstrap=cfg.bootstrap) if cfg.bootstrap else score_fn(preds)
     return EvalResult(predictions=preds, scores=scores, metrics=summarize(preds, scores))
 
 

@@ -573,6 +573,7 @@ def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: Pl
 def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn,
                calibrated: dict, pool: PredictorPool | None = None):
     settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, progress_bars=False,
+                    bootstrap=spec.bootstrap,
                     resources=dataclasses.replace(spec.resources, workers=plan.workers))
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn,
                               calibrated=calibrated, pool=pool)
