@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines import schema
 
-from . import figures, overlay, prominence, tables
+from . import figures, overlay, prominence, side_by_side, tables
 from .published import PAPER_DIR, load_published
 from .store import BASELINE_METHOD, Sweep, load_predictions
 
@@ -61,6 +61,8 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     sections.append(_calibration_section(sweep, table, preds, entropy_id, report))
     sections.append(_figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report,
                                      image_source or task_image))
+    sections.append(_side_by_side_section(sweep, table, preds, full_tokens, out_dir, report,
+                                          image_source or task_image))
     sections.append(_prominence_section(sweep, table, preds, out_dir, report,
                                         truth_source or prominence.testbed_truth))
     report.markdown = "\n".join(s for s in sections if s)
@@ -263,6 +265,35 @@ def _overlays(ok: pd.DataFrame, full_tokens, out_dir, image_source, label, fit) 
             notes.append("Overlays: the predictions do not record which kept tokens the saliency stage chose "
                          "(a `salient` column), so kept tokens are drawn in one colour.")
     return made, notes
+
+
+def _side_by_side_section(sweep, table, preds, full_tokens, out_dir, report, image_source) -> str:
+    """Fig. E1: saliency-only, coverage-only, fixed split and PromPrune on the same documents at one budget."""
+    def has_tokens(rid):
+        frame = _ok(preds.get(rid))
+        return "kept" in frame and bool(frame["kept"].map(lambda k: k is not None and len(k) > 0).any())
+
+    picked = side_by_side.comparison_trials(table.frame, has_tokens)
+    if picked is None:
+        return ""
+    budget, trials = picked
+    head = f"## Token selections side by side (Fig. E1), {budget:.0f} tokens\n\n"
+    if full_tokens is None or overlay.grid_side(full_tokens) is None:
+        return head + f"Skipped: the full visual token grid ({full_tokens}) is not one square view.\n"
+    docs = side_by_side.panels_by_document({m: _ok(preds.get(rid)) for m, rid in trials.items()},
+                                           {m: table.frame.loc[rid, "label"] for m, rid in trials.items()})
+    rows = side_by_side.pick_rows(docs, image_source)
+    model = sweep.trials.loc[next(iter(trials.values()))].get("model") if "model" in sweep.trials else None
+    path = side_by_side.draw(rows, docs, int(full_tokens), out_dir / side_by_side.FILENAME, overlay.fit_for(model))
+    if path is None:
+        return head + "Skipped: no document has kept tokens recorded by every compared trial.\n"
+    report.files.append(path)
+    why = ("the documents where PromPrune's split differs most from the others'" if "promprune" in trials
+           else "the documents where the methods' kept tokens differ most")
+    return (head + f"The same images under {', '.join(table.frame.loc[r, 'label'] for r in trials.values())}: red = "
+            "saliency stage, cyan = coverage stage, dimmed = dropped; titles give each method's T_sal/T on the image "
+            f"and the image's prominence entropy H. Rows: {why}, one per benchmark first.\n\n"
+            f"![figE1_overlays]({path.name})\n")
 
 
 OVERLAY_TRIES = 6  # candidates per task looked at for an image no earlier overlay shows

@@ -16,7 +16,7 @@ PAPER_SPECS = ["table1_llava15", "table2_llava_next", "table3_qwen25vl", "table4
                "fig4_entropy_metric", "table5_diversity", "fig5_mu_tau", "fig1a_saliency_ratio",
                "figA1_saliency_ratio", "table6_efficiency", "figC1_entropy_distribution", "mu_calibration",
                "mu_calibration_grid", "table2_llava_next_extended", "table3_qwen25vl_extended",
-               "table5_diversity_extended", "table6_efficiency_extended"]
+               "table5_diversity_extended", "table6_efficiency_extended", "figE1_overlays"]
 PAPER_BASELINES = ["vispruner", "divprune"]  # what Tables 2, 3 and 6 compare PromPrune with
 
 
@@ -106,3 +106,12 @@ def test_mu_is_calibrated_on_pretraining_images_not_benchmarks():
 def test_table6_measures_latency_one_sample_at_a_time():
     loaded, _ = trials_of("table6_efficiency")
     assert loaded.resources.batch_size == 1 and loaded.model.options["budget_mode"] == "released"
+
+
+def test_fig_e1_compares_the_stages_at_64_tokens_on_llava15():
+    loaded, trials = trials_of("figE1_overlays")
+    assert loaded.model.pretrained == "llava-hf/llava-1.5-7b-hf" and loaded.baseline  # the grid the overlays use
+    for method in ("saliency_only", "coverage_only", "promprune"):  # each at the paper's T = 64, defaults
+        assert grid(trials, method) == {(64, ())}, method
+    assert {t.method for t in trials if t.method} == {"saliency_only", "coverage_only", "promprune"}
+    assert loaded.limit and loaded.limit <= 16  # a figure needs a few documents, not the benchmarks
