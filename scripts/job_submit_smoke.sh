@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real entry point, end to end: a Ray head on loopback, then
 #   ray job submit --working-dir . -- python pipelines/sweep.py ...
-# runs a small offline sweep (the quickstart spec, shrunk) as a Ray job, and its runs must land in MLflow.
+# runs a small offline sweep (the easy-vqa quickstart spec, shrunk) as a Ray job, and its runs must land in MLflow.
 #
 #   scripts/job_submit_smoke.sh            # from the repository root, with the project's environment active
 #
@@ -48,7 +48,7 @@ done
 RUNTIME_ENV=$(printf '{"env_vars": {"MLFLOW_TRACKING_URI": "sqlite:///%s/mlflow.db", "HF_HUB_OFFLINE": "1"}}' "$WORK")
 ray job submit --address "$ADDRESS" --submission-id "smoke-$(date +%s)" --working-dir . \
     --runtime-env-json "$RUNTIME_ENV" -- \
-    python pipelines/sweep.py --config sweeps/quickstart.yaml \
+    python pipelines/sweep.py --config sweeps/easyvqa_quickstart.yaml \
         --set limit=1 --set "grid.method=[promprune]" --set "grid.budget=[8]" --set tasks=[easyvqa_yesno] \
         --set model.pretrained=tiny:llava   # the random-weight model: nothing to train, this checks the job path
 

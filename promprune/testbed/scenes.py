@@ -176,6 +176,7 @@ class Question:
     question: str
     answer: str
     category: str = ""  # exist: the POPE negative category; attribute: color|shape; relation: the relation
+    refs: tuple = ()  # indices (in Scene.objects) of the objects the question is about: its grounding
 
 
 def exist_question(kind: tuple[str, str]) -> str:
@@ -198,14 +199,16 @@ def questions(scene: Scene, family: str, *, per_image: int = 2) -> list[Question
     """Up to ``per_image`` questions of ``family`` about ``scene`` (deterministic; yes/no families balanced)."""
     rng = random.Random(_seed(scene.split, scene.index, family))
     if family == "count":
-        return [Question("count", "How many objects are there?", str(scene.num_objects))]
+        return [Question("count", "How many objects are there?", str(scene.num_objects), "",
+                         tuple(range(scene.num_objects)))]
     if family == "exist":
         category = POPE_CATEGORIES[scene.index % len(POPE_CATEGORIES)]
         out, used = [], set()
         for i in range(per_image):
             if i % 2 == 0:
-                obj = rng.choice(scene.objects)
-                out.append(Question("exist", exist_question((obj.color, obj.shape)), "yes", category))
+                index = rng.randrange(len(scene.objects))
+                obj = scene.objects[index]
+                out.append(Question("exist", exist_question((obj.color, obj.shape)), "yes", category, (index,)))
             else:
                 kind = _negative(scene, category, rng, used)
                 if kind is not None:
@@ -222,7 +225,7 @@ def questions(scene: Scene, family: str, *, per_image: int = 2) -> list[Question
         for i, obj in enumerate(alone[:per_image]):
             what = ("color", "shape")[(scene.index + i) % 2]
             out.append(Question("attribute", f"What {what} is the object at the {obj.region}?",
-                                obj.color if what == "color" else obj.shape, what))
+                                obj.color if what == "color" else obj.shape, what, (scene.objects.index(obj),)))
         return out
     if family == "relation":
         pairs = [(a, b) for a in scene.objects for b in scene.objects if a is not b]
@@ -242,7 +245,7 @@ def questions(scene: Scene, family: str, *, per_image: int = 2) -> list[Question
             opposite = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
             relation = truth if want_yes else opposite[truth]
             out.append(Question("relation", f"Is the {a.name} {relation} the {b.name}?", "yes" if want_yes else "no",
-                                relation))
+                                relation, (scene.objects.index(a), scene.objects.index(b))))
         return out
     raise ValueError(f"unknown question family {family!r}; valid: {', '.join(FAMILIES)}")
 

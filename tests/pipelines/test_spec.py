@@ -42,12 +42,15 @@ def test_every_shipped_spec_validates(path):
     assert spec.name == path.stem, "the spec's name is its file name (the MLflow sweep id)"
 
 
-def test_quickstart_is_offline_and_has_at_least_four_trials():
+def test_quickstart_is_offline_and_compares_methods():
+    from promprune.eval.tasks import OFFLINE_TASKS
+
     spec = specs.load(REPO / "sweeps" / "quickstart.yaml")
-    assert spec.model.pretrained.startswith(("tiny:", "tiny-easyvqa:"))  # offline tiny models (random / trained)
-    assert set(spec.tasks) <= {"easyvqa_yesno", "easyvqa_open"}
+    assert spec.model.pretrained == "testbed:llava"  # offline: trained once into the cache on first use
+    assert set(spec.tasks) <= set(OFFLINE_TASKS) and spec.baseline
     pruned = [t for t in specs.expand(spec) if t.method is not None]
-    assert len(pruned) >= 4
+    assert len({t.method for t in pruned}) >= 3
+    assert spec.calibration.images == "testbed:train"  # mu from train scenes, never the evaluation's
 
 
 def test_defaults_fill_in(tmp_path):

@@ -60,3 +60,4 @@ def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     assert again.model.config.vision_config.image_size == 96
     with pytest.raises(ValueError, match="unknown testbed arch 'qwen'"):
         PrunedVLM.from_pretrained("testbed:qwen", method=None)
+

@@ -81,3 +81,22 @@ def test_task_tables_balanced_and_regimes_hold():
     assert min(spread["num_objects"]) >= 9 and max(concentrated["num_objects"]) <= 3
     assert np.mean(spread["spread"]) > np.mean(concentrated["spread"])
     assert not math.isnan(sum(spread["coverage"]))
+
+
+def test_questions_name_the_objects_they_are_about():
+    for index in range(40):
+        scene = scenes.make_scene("test", index)
+        for family in scenes.FAMILIES:
+            for q in scenes.questions(scene, family):
+                named = [scene.objects[i] for i in q.refs]
+                if family == "count":
+                    assert len(named) == scene.num_objects
+                elif family == "exist":
+                    assert (q.answer == "yes") == (len(named) == 1)
+                    assert all(o.name in q.question for o in named)
+                elif family == "attribute":
+                    (obj,) = named
+                    assert obj.region in q.question
+                else:
+                    a, b = named
+                    assert q.question.startswith(f"Is the {a.name} ") and q.question.endswith(f" the {b.name}?")
