@@ -366,7 +366,7 @@ def _prominence_section(sweep, table, preds, out_dir, report, truth_source) -> s
              f"{r['rho_t_sal_share_num_objects']:+.2f}"] for _, r in corr.iterrows()]
     text = tables.markdown_table(["Metric (trial)", "Samples", "ρ(entropy, objects)", "ρ(entropy, spread)",
                                   "ρ(T_sal/T, objects)"], rows)
-    figure = f"\n![prominence](prominence.png)\n" if path is not None else ""
+    figure = "\n![prominence](prominence.png)\n" if path is not None else ""
     return ("## Prominence against ground truth\n\nSpearman correlations over the testbed's documents, whose scenes "
             "know their number of objects and their spread (the offline counterpart of the paper's Fig. 2). A "
             "metric that tracks how spread out the meaning is correlates positively with both; PromPrune's split "

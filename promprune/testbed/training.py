@@ -17,8 +17,8 @@ takes a model this small far more steps than 2 CPU cores give in minutes (also t
 as well, and grounding supervision of the visual tokens; neither moved them in 1,200 steps).
 
 One torch thread by default: CPU results depend on the thread count, and one thread gives every machine the same
-weights (about 10 minutes on an idle core). Trained once into ``$PROMPRUNE_CACHE/testbed-llava-v1``, loaded from
-there afterwards.
+weights (12-14 minutes measured on a 2-core machine). Trained once into ``$PROMPRUNE_CACHE/testbed-llava-v1``,
+loaded from there afterwards.
 """
 from __future__ import annotations
 
@@ -189,6 +189,7 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
     """``(model, processor)`` of ``testbed:llava``: loaded from ``directory`` (default :func:`cache_path`),
     trained into it first when it is missing. ``train_kwargs`` go to :func:`train` (tests: few ``steps``)."""
     directory = Path(directory) if directory is not None else cache_path()
-    common.train_once(directory, lambda: train(**train_kwargs)[:2], "testbed:llava on testbed train scenes (~10 min)")
+    common.train_once(directory, lambda: train(**train_kwargs)[:2],
+                      "testbed:llava on testbed train scenes (12-14 min on 2 CPU cores)")
     model = LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
     return model, copy.deepcopy(testbed_model.untrained()[1])
