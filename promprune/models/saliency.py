@@ -30,18 +30,23 @@ def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def capture_cls_attention(attn: torch.nn.Module, sink: list):
-    """While active, append ``cls_attention(attn, input) [B, S]`` to ``sink`` at every call of ``attn``."""
+def capture(attn: torch.nn.Module, sink: list, measure):
+    """While active, append ``measure(attn, input hidden states)`` to ``sink`` at every call of ``attn``."""
 
     def hook(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        sink.append(cls_attention(module, hidden))
+        sink.append(measure(module, hidden))
 
     handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         yield sink
     finally:
         handle.remove()
+
+
+def capture_cls_attention(attn: torch.nn.Module, sink: list):
+    """While active, append ``cls_attention(attn, input) [B, S]`` to ``sink`` at every call of ``attn``."""
+    return capture(attn, sink, cls_attention)
 
 
 def attention_keys(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -53,19 +58,9 @@ def attention_keys(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return attn.k_proj(hidden).float().view(B, S, attn.num_heads, attn.head_dim).mean(dim=2)
 
 
-@contextlib.contextmanager
 def capture_keys(attn: torch.nn.Module, sink: list):
     """While active, append ``attention_keys(attn, input) [B, S, hd]`` to ``sink`` at every call of ``attn``."""
-
-    def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        sink.append(attention_keys(module, hidden))
-
-    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield sink
-    finally:
-        handle.remove()
+    return capture(attn, sink, attention_keys)
 
 
 def clip_attention_module(vision_tower: torch.nn.Module, feature_layer: int) -> torch.nn.Module:

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlavaForConditionalGeneration
 
 from promprune.eval.tasks import cache_dir
 from promprune.models import PrunedVLM
@@ -189,7 +188,6 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
     """``(model, processor)`` of ``testbed:llava``: loaded from ``directory`` (default :func:`cache_path`),
     trained into it first when it is missing. ``train_kwargs`` go to :func:`train` (tests: few ``steps``)."""
     directory = Path(directory) if directory is not None else cache_path()
-    common.train_once(directory, lambda: train(**train_kwargs)[:2],
-                      "testbed:llava on testbed train scenes (12-14 min on 2 CPU cores)")
-    model = LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+    model = common.load_trained(directory, lambda: train(**train_kwargs)[:2],
+                                "testbed:llava on testbed train scenes (12-14 min on 2 CPU cores)")
     return model, copy.deepcopy(testbed_model.untrained()[1])

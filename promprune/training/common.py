@@ -128,6 +128,15 @@ def complete(directory: Path) -> bool:
     return (directory / "config.json").exists() and any(directory.glob("model*.safetensors"))
 
 
+def load_trained(directory: Path, train: Callable[[], tuple], what: str):
+    """The ``LlavaForConditionalGeneration`` cached in ``directory`` (float32, eval), trained into it first by
+    :func:`train_once` when it is missing."""
+    from transformers import LlavaForConditionalGeneration
+
+    train_once(directory, train, what)
+    return LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+
+
 def train_once(directory: Path, train: Callable[[], tuple], what: str) -> None:
     """Make sure ``directory`` holds a finished checkpoint: ``train()`` -> ``(model, processor)`` saved into it once.
 
