@@ -60,6 +60,9 @@ PRIMARY_METRICS: dict[str, tuple[str, ...]] = {
     "vqav2_val": ("exact_match",),
     "vizwiz_vqa_val": ("exact_match",),
     "mmvet": ("gpt_eval_score",),
+    # held-out benchmarks none of the paper's tables report: where sweeps/mu_calibration_grid.yaml scores its grid
+    "ok_vqa_val2014": ("exact_match",),
+    "realworldqa": ("exact_match",),
     "easyvqa_yesno": ("f1",),
     "easyvqa_open": ("exact_match",),
     **{t: ("f1",) if t.startswith("testbed_exist") else ("exact_match",) for t in TESTBED_TASKS},

@@ -115,3 +115,13 @@ def test_fig_e1_compares_the_stages_at_64_tokens_on_llava15():
         assert grid(trials, method) == {(64, ())}, method
     assert {t.method for t in trials if t.method} == {"saliency_only", "coverage_only", "promprune"}
     assert loaded.limit and loaded.limit <= 16  # a figure needs a few documents, not the benchmarks
+
+
+def test_mu_grid_never_scores_documents_a_table_or_figure_evaluates():
+    grid_tasks = set(spec.load(SWEEPS / "mu_calibration_grid.yaml").tasks)
+    evaluated = set()
+    for path in SWEEPS.glob("*.yaml"):
+        if path.stem.startswith(("table", "fig", "nightly")):
+            loaded, trials = trials_of(path.stem)
+            evaluated |= set(loaded.tasks) | {t for trial in trials for t in (trial.tasks or [])}
+    assert grid_tasks and not grid_tasks & evaluated, grid_tasks & evaluated
