@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         chromium = chromium_path(args.chromium)
+        runs = find_runs(uri, args.sweep)  # the user's inputs first, then what to install
         require_playwright()
-        runs = find_runs(uri, args.sweep)
         out.mkdir(parents=True, exist_ok=True)
         server = Server(uri, args.timeout)
         saved = shoot(runs, server.url, out, chromium, args.timeout)

@@ -95,8 +95,17 @@ def test_clear_errors_without_a_browser(store, tmp_path):
     assert not (tmp_path / "none.db").exists() and not (tmp_path / "shots").exists()
 
 
+def _has_playwright() -> bool:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="needs Debian's Chromium at /usr/bin/chromium")
+@pytest.mark.skipif(not _has_playwright(), reason="needs Playwright (pip install -e '.[ui]')")
 def test_screenshots_show_the_runs(store, tmp_path):
     """The script starts `mlflow ui`, finds every trial name in the runs table of the saved view, the trial's page
     and the report with its figure, writes four valid 1400x900 PNGs and stops the server."""
