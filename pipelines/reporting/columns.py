@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from promprune.eval.scoring import CI_SUFFIXES  # how scoring names a metric's bootstrap bounds
 from promprune.eval.tasks import PRIMARY_METRICS
 
 
@@ -68,7 +69,6 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
     return TaskColumn(task, task, (min(logged_metrics),))
 
 
-CI_SUFFIXES = ("_ci_low", "_ci_high")  # as promprune.eval.scoring logs them beside a metric
 
 
 def task_interval(metrics: pd.DataFrame, column: TaskColumn) -> tuple[pd.Series, pd.Series] | None:

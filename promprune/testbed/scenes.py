@@ -100,7 +100,7 @@ class Scene:
     @property
     def coverage(self) -> float:
         """Share of the canvas the objects' bounding boxes cover."""
-        return sum(_extent(o) ** 2 for o in self.objects) / CANVAS ** 2
+        return sum(extent(o) ** 2 for o in self.objects) / CANVAS ** 2
 
     def truth(self) -> dict:
         """The scene's ground truth as plain columns."""
@@ -109,7 +109,8 @@ class Scene:
                 "objects": ";".join(f"{o.color} {o.shape} {o.size} r{o.row}c{o.col}" for o in self.objects)}
 
 
-def _extent(obj: Obj) -> int:
+def extent(obj: Obj) -> int:
+    """Side of the object's bounding box, px."""
     return 14 if obj.size == "large" else 9
 
 
@@ -155,7 +156,7 @@ def render(scene: Scene) -> Image.Image:
                 draw.line((x, y, x + rng.randint(-12, 12), y + rng.randint(-12, 12)), fill=tone, width=2)
     for obj in scene.objects:
         cx, cy = obj.center
-        h = _extent(obj) / 2
+        h = extent(obj) / 2
         box = (cx - h, cy - h, cx + h, cy + h)
         fill = COLORS[obj.color]
         if obj.shape == "circle":

@@ -49,10 +49,9 @@ def table(family: str, regime: str = "", n: int = IMAGES) -> dict:
         "question_id", "image_id", "question", "answer", "image", "family", "category", "num_objects", "spread",
         "coverage", "background", "objects")}
     for scene in task_scenes(family, regime, n):
-        png = None
+        png, truth = None, scene.truth()
         for q in scenes.questions(scene, family):
             png = png or _png(scene)
-            truth = scene.truth()
             row = {"question_id": len(columns["question_id"]), "image_id": scene.index, "question": q.question,
                    "answer": q.answer, "image": {"bytes": png, "path": None}, "family": q.family,
                    "category": q.category, **truth}

@@ -94,7 +94,7 @@ def example(index: int, rng: random.Random):
 def object_patches(obj: scenes.Obj) -> list[int]:
     """Raster indices of the patches whose centre lies inside the object's box."""
     cx, cy = obj.center
-    h, step = scenes._extent(obj) / 2, testbed_model.PATCH
+    h, step = scenes.extent(obj) / 2, testbed_model.PATCH
     return [r * GRID + c for r in range(GRID) for c in range(GRID)
             if abs(c * step + step / 2 - cx) <= h and abs(r * step + step / 2 - cy) <= h]
 
