@@ -65,3 +65,41 @@ def test_attention_entropy_hand_values():
     p = np.array([0.5, 0.3, 0.2])
     assert got.tolist()[:2] == pytest.approx([1.0, 0.0], abs=1e-6)
     assert got[2].item() == pytest.approx(-(p * np.log(p)).sum() / math.log(4), abs=1e-6)
+
+
+def test_cpu_eigensolver_route_selects_what_torch_eigvalsh_selects(monkeypatch):
+    """The spectral entropy's CPU eigensolver (SciPy's LAPACK syevd) against torch.linalg.eigvalsh: eigenvalues to
+    float32 accuracy of a float64 reference, and the same PromPrune selection on every input, with mu placed at each
+    input's own entropy (where the split is most sensitive to the last digits of H)."""
+    from promprune.selection import entropy as E
+
+    g = torch.Generator().manual_seed(7)
+    sym = torch.randn(3, 50, 50, generator=g)
+    sym = sym @ sym.transpose(1, 2)
+    want = np.linalg.eigvalsh(sym.double().numpy())
+    np.testing.assert_allclose(E.symmetric_eigenvalues(sym.clone()).numpy(), want, rtol=1e-5, atol=1e-4)
+
+    cases = []
+    for seed in range(24):
+        g = torch.Generator().manual_seed(seed)
+        N, d = [(64, 96), (144, 256), (96, 48)][seed % 3]
+        x = (torch.randn(2, N, 4, generator=g) @ torch.randn(2, 4, d, generator=g)
+             + 0.5 * torch.randn(2, N, d, generator=g)) * torch.rand(2, N, 1, generator=g)
+        s = torch.rand(2, N, generator=g).softmax(dim=1)
+        cases.append((x, s))
+
+    def selections():
+        out = []
+        for x, s in cases:
+            h = promprune.spectral_entropy(x)
+            out.append((h, [promprune.select(x, s, budget=32, method="promprune", mu=float(h[b]), tau=0.02).indices
+                            for b in range(2)]))
+        return out
+
+    fast = selections()
+    monkeypatch.setattr(E, "_scipy_eigh", lambda: None)  # torch.linalg.eigvalsh everywhere
+    reference = selections()
+    for (h_fast, sel_fast), (h_ref, sel_ref) in zip(fast, reference):
+        np.testing.assert_allclose(h_fast.numpy(), h_ref.numpy(), atol=1e-6)
+        for a, b in zip(sel_fast, sel_ref):
+            assert torch.equal(a, b)
