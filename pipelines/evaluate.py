@@ -238,30 +238,56 @@ class PredictorPool:
     batches go to the other actors meanwhile, as Ray Data's pools do."""
 
     actors: list = field(repr=False)
+    ready_refs: list = field(repr=False)  # each actor's first `ready()` call: resolved once its model is loaded
 
     IN_FLIGHT_PER_ACTOR = 2  # calls one trial keeps queued on an actor: the next batch is there when one ends
 
     @classmethod
     def start(cls, source: ModelSource, size: int, resources: Resources, on_gpu: bool,
               run_fn: Callable | None = None) -> "PredictorPool":
-        """Start `size` actors and wait until each has loaded the model (`resources.actor_wait_s` at most: a pool
-        that cannot be scheduled fails instead of hanging)."""
+        """Start `size` actors and return once the first has loaded the model; the others join the trials' work as
+        they finish loading (a slow node, a model load that takes longer on one disk, an autoscaler bringing GPU nodes
+        up one by one: the work starts with what is there). No actor up within `resources.actor_wait_s`: the pool
+        cannot be scheduled, and this fails instead of hanging."""
         actor = ray.remote(PooledPredictor).options(
             num_gpus=resources.gpus_per_worker if on_gpu else 0, num_cpus=resources.cpus_per_worker,
             max_restarts=-1, max_task_retries=0)  # map() sends a lost actor's blocks to the others
-        pool = cls([actor.remote(source, resources.batch_size, run_fn) for _ in range(max(1, size))])
+        actors = [actor.remote(source, resources.batch_size, run_fn) for _ in range(max(1, size))]
+        pool = cls(actors, [a.ready.remote() for a in actors])
         try:
-            ray.get([a.ready.remote() for a in pool.actors], timeout=resources.actor_wait_s)
-        except ray.exceptions.GetTimeoutError:
-            pool.shutdown()
-            raise RuntimeError(f"the sweep's {size} predictor actor(s) did not all start within "
-                               f"actor_wait_s={resources.actor_wait_s:g}s: the cluster lacks the resources "
-                               f"({resources.gpus_per_worker:g} GPU, {resources.cpus_per_worker:g} CPU per actor)"
-                               ) from None
+            first = pool.wait_first(resources.actor_wait_s)
         except BaseException:
             pool.shutdown()
             raise
+        if first is None:
+            pool.shutdown()
+            raise RuntimeError(f"none of the sweep's {size} predictor actor(s) started within "
+                               f"actor_wait_s={resources.actor_wait_s:g}s: the cluster lacks the resources "
+                               f"({resources.gpus_per_worker:g} GPU, {resources.cpus_per_worker:g} CPU per actor)")
         return pool
+
+    def wait_first(self, timeout_s: float) -> float | None:
+        """Seconds until the first actor answered `ready` (None: none within `timeout_s`). An actor whose model
+        failed to load raises its error here when every actor failed; one failure among others only loses that
+        actor."""
+        t0, pending = time.perf_counter(), list(self.ready_refs)
+        while pending:
+            left = timeout_s - (time.perf_counter() - t0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left))
+            if not done:
+                return None
+            try:
+                ray.get(done[0])
+                return time.perf_counter() - t0
+            except ray.exceptions.RayActorError:
+                if not pending:
+                    raise
+        return None
+
+    def ready_count(self) -> int:
+        """Actors that have answered `ready` so far (a non-blocking look)."""
+        done, _ = ray.wait(list(self.ready_refs), num_returns=len(self.ready_refs), timeout=0)
+        return len(done)
 
     def shutdown(self) -> None:
         for a in self.actors:
@@ -273,15 +299,17 @@ class PredictorPool:
     def map(self, cfg: "EvalConfig", blocks: list) -> list[pa.Table]:
         """Every block through the pool, least-loaded actor first; returns the output tables.
 
-        An actor lost with its node: its unfinished blocks go to the other actors at once (its calls are not
-        retried on it), and it takes work again when its restart answers (Ray restarts it where resources allow).
+        Actors still loading the model take work as soon as they answer. An actor lost with its node: its
+        unfinished blocks go to the other actors at once (its calls are not retried on it), and it takes work again
+        when its restart answers (Ray restarts it where resources allow).
         With no actor left for `actor_wait_s`, this fails instead of hanging."""
         from collections import deque
 
         pending, queued = deque(blocks), [0] * len(self.actors)
-        alive = set(range(len(self.actors)))
+        loaded, _ = ray.wait(list(self.ready_refs), num_returns=len(self.ready_refs), timeout=0)
+        alive = {i for i, ref in enumerate(self.ready_refs) if ref in loaded}  # the others are still loading:
         running: dict = {}  # output ref -> (actor index, input block)
-        probes: dict = {}  # ready() ref -> index of an actor being restarted
+        probes: dict = {ref: i for i, ref in enumerate(self.ready_refs) if i not in alive}  # they join when ready
         tables: list = []
         while pending or running:
             while pending and alive:

@@ -522,7 +522,10 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     try:
         t0 = time.perf_counter()  # after calibration, whose task needs a GPU the actors would hold
         pool = PredictorPool.start(source, plan.actors, spec.resources, on_gpu=plan.cluster_gpus > 0, run_fn=run_fn)
-        say(f"{plan.actors} actor(s) loaded the model once for all trials ({time.perf_counter() - t0:.1f}s)")
+        waited = time.perf_counter() - t0
+        say(f"1 actor loaded the model once for all trials ({waited:.1f}s)" if plan.actors == 1 else
+            f"{plan.actors} actors load the model once for all trials: the first was ready after {waited:.1f}s; "
+            "trials start now and the others join as they finish loading")
         trainable = _trainable(source, rows, spec, plan, run_fn, state["calibrated"], pool)
         tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=resume is not None)
         with progress(len(trials), spec.name) as bar:

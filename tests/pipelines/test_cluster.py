@@ -3,6 +3,7 @@ worker nodes declaring one GPU each (scheduling only; the tiny model runs on the
 
 - A worker node killed mid-evaluation: the sweep still finishes, every sample scored exactly once.
 - An actor pool that cannot be scheduled fails after `actor_wait_s` instead of hanging.
+- A sweep's shared pool starts work when its first actor has loaded; the others join as they finish loading.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ray.cluster_utils import Cluster
 
 from pipelines import spec as specs
 from pipelines import sweep, tracking
-from pipelines.evaluate import EvalConfig, build_requests_dataset, build_rows, evaluate
+from pipelines.evaluate import EvalConfig, PredictorPool, build_requests_dataset, build_rows, evaluate, predict
 from pipelines.config import Resources
 from pipelines.weights import ModelSource
 
@@ -122,3 +123,79 @@ def test_unschedulable_pool_fails_instead_of_hanging(cluster, prebuilt):
     with pytest.raises(Exception, match="(?i)actor"):
         evaluate(cfg, rows)
     assert time.time() - start < 120
+
+
+def staggered_source(claim: str, slow_s: float) -> ModelSource:
+    """tiny:llava, loaded at once by the first actor to claim the file `claim` and after `slow_s` by the others
+    (a slow disk, a node the autoscaler brings up late). Defined here so cloudpickle ships it by value."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Staggered(ModelSource):
+        claim: str = ""
+        slow_s: float = 0.0
+
+        def load(self, **kwargs):
+            import os
+
+            try:
+                os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                time.sleep(self.slow_s)
+            return super().load(**kwargs)
+
+    return Staggered("tiny:llava", claim=claim, slow_s=slow_s)
+
+
+def pid_run(vlm, rows, batch_size, *, marker_dir: str):
+    """The real run_requests; leaves a marker naming the actor process that answered."""
+    import os
+
+    from promprune.eval import run_requests
+
+    preds = run_requests(vlm, rows, batch_size=batch_size)
+    for p in preds:
+        Path(marker_dir, f"{p.doc_id}-{os.getpid()}-{time.monotonic_ns()}").touch()
+    return preds
+
+
+def test_pool_starts_work_before_every_actor_has_loaded(cluster, tmp_path):
+    slow_s = 25.0
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    resources = Resources(workers=3, gpus_per_worker=1, batch_size=1, actor_wait_s=180)
+    t0 = time.monotonic()
+    pool = PredictorPool.start(staggered_source(str(tmp_path / "claim"), slow_s), 3, resources, on_gpu=True,
+                               run_fn=functools.partial(pid_run, marker_dir=str(markers)))
+    try:
+        waited = time.monotonic() - t0
+        assert pool.ready_count() < 3, f"start() waited for every actor ({waited:.1f}s)"
+        cfg = EvalConfig(model=ModelSource("tiny:llava"), method="promprune", budget=8, progress_bars=False,
+                         resources=resources)
+        rows = build_requests_dataset(["easyvqa_yesno"], 4, {"max_new_tokens": 1}, batch_size=1)
+        preds = predict(cfg, rows, pool=pool)  # exactly once per request, checked inside
+        assert sorted(p.doc_id for p in preds) == [0, 1, 2, 3] and not any(p.failed for p in preds)
+        early = {m.name.split("-")[1] for m in markers.iterdir()}
+        assert len(early) == 1, "only the actor that had loaded can have answered so far"
+
+        deadline = time.monotonic() + 120
+        while pool.ready_count() < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool.ready_count() == 3, "the slow actors never finished loading"
+        for m in markers.iterdir():
+            m.unlink()
+        rows = build_requests_dataset(["easyvqa_yesno"], 12, {"max_new_tokens": 1}, batch_size=1)
+        preds = predict(cfg, rows, pool=pool)
+        assert sorted(p.doc_id for p in preds) == list(range(12))
+        late = {m.name.split("-")[1] for m in markers.iterdir()}
+        assert len(late) >= 2, "the actors that loaded late never took work"
+    finally:
+        pool.shutdown()
+
+
+def test_pool_that_cannot_be_scheduled_fails_with_the_resources_named(cluster):
+    resources = Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5)  # no 2-GPU node
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"actor_wait_s=5s.*2 GPU"):
+        PredictorPool.start(ModelSource("tiny:llava"), 2, resources, on_gpu=True)
+    assert time.monotonic() - start < 60
