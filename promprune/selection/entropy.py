@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -35,32 +34,7 @@ def spectral_entropy_from_gram(gram: torch.Tensor) -> torch.Tensor:
     g = r.mean(dim=1)  # [B]
     centered = gram - r[:, :, None] - r[:, None, :] + g[:, None, None]
     centered = 0.5 * (centered + centered.transpose(1, 2))  # exact symmetry for the eigensolver
-    return _entropy_of_spectrum(symmetric_eigenvalues(centered))
-
-
-def symmetric_eigenvalues(mat: torch.Tensor) -> torch.Tensor:
-    """Eigenvalues (ascending) of symmetric ``mat [B, K, K]`` -> ``[B, K]``; ``mat`` may be overwritten.
-
-    On the CPU, LAPACK's divide-and-conquer ``syevd`` through SciPy (its OpenBLAS build): at K = 1296 it takes 80 ms
-    where ``torch.linalg.eigvalsh`` (the same LAPACK routine in torch's build) takes 134 ms on the 2-core machine
-    (``benchmarks/spectrum.py``). Elsewhere ``torch.linalg.eigvalsh``. Both are float32 eigensolvers of the same
-    accuracy; the entropies they give differ in the seventh digit.
-    """
-    if mat.device.type != "cpu" or mat.dtype not in (torch.float32, torch.float64) or _scipy_eigh() is None:
-        return torch.linalg.eigvalsh(mat)
-    eigh = _scipy_eigh()
-    arrays = mat.detach().contiguous().numpy()
-    return torch.stack([torch.from_numpy(eigh(a, eigvals_only=True, driver="evd", lower=True, check_finite=False,
-                                                overwrite_a=True)) for a in arrays])
-
-
-@functools.lru_cache(maxsize=1)
-def _scipy_eigh():
-    try:
-        from scipy.linalg import eigh
-    except ImportError:  # scipy is a dependency; a stripped install falls back to torch's solver
-        return None
-    return eigh
+    return _entropy_of_spectrum(torch.linalg.eigvalsh(centered))
 
 
 def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:
@@ -83,7 +57,7 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
         return spectral_entropy_from_gram(xn @ xn.transpose(1, 2))
     xc = xn - xn.mean(dim=1, keepdim=True)
     cov = xc.transpose(1, 2) @ xc  # [B, d, d]
-    return _entropy_of_spectrum(symmetric_eigenvalues(0.5 * (cov + cov.transpose(1, 2))))
+    return _entropy_of_spectrum(torch.linalg.eigvalsh(0.5 * (cov + cov.transpose(1, 2))))
 
 
 def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:
