@@ -116,12 +116,86 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
 
 
 def shell_loop(gpus: int, trials: int, samples: int, costs: Costs, startup_s: float) -> dict:
-    """One lmms-eval process per trial, `gpus` at a time, longest first (all equal here): each pays the process
-    start and data loading, the model load, then its samples."""
+    """The shell loop in arithmetic: one lmms-eval process per trial, `gpus` at a time (all trials equal here): each
+    pays `startup_s` for the process and its data, the model load, then its samples. (`--shell measured` runs the
+    processes instead.)"""
     per_trial = startup_s + costs.load_s + samples * costs.sample_s
     waves = math.ceil(trials / gpus)
     ideal = trials * samples * costs.sample_s / gpus + costs.load_s
     return {"wall": waves * per_trial, "ideal": ideal, "loads": trials, "rows": trials * samples}
+
+
+def shell_trial(method: str, budget: str, tasks: str, limit: int, batch_size: int, load_s: float, sample_s: float,
+                include_path: str, output_path: str) -> None:
+    """One trial of the shell loop, as a user would run it: the `lmms-eval` command line with this package's plugin
+    (`--model promprune`), which imports lmms-eval, indexes and loads the tasks' data, loads the model, answers and
+    scores. The stand-in costs are injected as in the pipeline: the model load sleeps `load_s` before loading the
+    tiny model, each sample sleeps `sample_s` and answers "yes" without computing."""
+    import sys
+
+    from lmms_eval.cli.dispatch import main as lmms_eval_main
+    from lmms_eval.models import get_model  # lmms-eval finds the plugin's entry point first, then it is patched
+
+    import promprune.eval.lmms_plugin as plugin
+    from promprune.models import PrunedVLM
+    from promprune.records import Answer
+
+    load = PrunedVLM.from_pretrained.__func__
+
+    def slow_load(cls, *args, **kwargs):
+        time.sleep(load_s)
+        return load(cls, *args, **kwargs)
+
+    def stand_in_generate(vlm, items, *, batch_size=8):
+        time.sleep(sample_s * len(items))
+        return [Answer(prediction="yes") for _ in items]
+
+    PrunedVLM.from_pretrained = classmethod(slow_load)
+    plugin.generate_items = stand_in_generate
+    model_args = "pretrained=tiny:llava" + ("" if method == "none" else f",method={method},budget={budget}")
+    sys.argv = ["lmms-eval", "--model", "promprune", "--model_args", model_args, "--tasks", tasks,
+                "--include_path", include_path, "--limit", str(limit), "--batch_size", str(batch_size),
+                "--output_path", output_path]
+    code = lmms_eval_main()
+    if code:
+        raise SystemExit(code)
+
+
+def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs: Costs, workdir: Path) -> dict:
+    """The shell loop run for real on this machine: `gpus` lanes, each running its trials' `lmms-eval` processes one
+    after another (a GPU each), trials dealt round-robin (all are equal). Wall time from the first process start to
+    the last exit."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from promprune.eval import prepare_offline_tasks
+
+    include = str(prepare_offline_tasks())
+    trials = [("none", "0")] + [(m, str(b)) for m in METHODS for b in BUDGETS]
+    root = Path(__file__).resolve().parent.parent
+
+    def lane(index: int) -> int:
+        done = 0
+        for method, budget in trials[index::gpus]:
+            out = workdir / f"shell-{gpus}-{method}-{budget}"
+            code = (f"from benchmarks.sweep_scaling import shell_trial; shell_trial({method!r}, {budget!r}, "
+                    f"'easyvqa_yesno,easyvqa_open', {samples_per_task}, {batch_size}, {costs.load_s}, "
+                    f"{costs.sample_s}, {include!r}, {str(out)!r})")
+            run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(root)})
+            if run.returncode != 0:
+                raise RuntimeError(f"shell-loop trial {method}-{budget} failed:\n{run.stderr[-3000:]}")
+            done += 1
+        return done
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(gpus) as pool:
+        ran = sum(pool.map(lane, range(gpus)))
+    wall = time.perf_counter() - start
+    samples = 2 * samples_per_task
+    ideal = ran * samples * costs.sample_s / gpus + costs.load_s
+    return {"wall": wall, "ideal": ideal, "loads": ran, "rows": ran * samples}
 
 
 # Table 1 at full size: documents per benchmark (lmms-eval's splits) -> samples per trial on LLaVA-1.5-7B
@@ -155,13 +229,18 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--sample-s", type=float, default=0.25, help="stand-in cost per sample (scaled)")
     ap.add_argument("--load-s", type=float, default=1.0, help="stand-in model load (scaled)")
-    ap.add_argument("--startup-s", type=float, default=1.0, help="shell loop: process start + data load (scaled)")
+    ap.add_argument("--startup-s", type=float, default=1.0,
+                    help="arithmetic shell loop: process start + data load (scaled)")
+    ap.add_argument("--shell", choices=["measured", "arithmetic"], default="measured",
+                    help="run the shell loop's lmms-eval processes on this machine (default), or only compute it")
     args = ap.parse_args()
     costs = Costs(args.load_s, args.sample_s)
     print(f"Table-1-shaped sweep: {len(METHODS) * len(BUDGETS) + 1} trials x {2 * args.samples_per_task} samples; "
           f"stand-in model: {args.sample_s:g} s per sample, {args.load_s:g} s per load (a 7B model on an A100, "
-          "scaled: real trials run far more samples per load); shell loop: +"
-          f"{args.startup_s:g} s per process. Ray's own overheads are real, so efficiency is a lower bound.\n")
+          "scaled: real trials run far more samples per load); shell loop: "
+          + ("lmms-eval processes run on this machine under the same injected costs" if args.shell == "measured"
+             else f"+{args.startup_s:g} s per process") + ". Ray's and the processes' own overheads are real "
+          "(process starts, imports, data loading, scoring), on a 2-core machine for up to 8 simulated GPUs.\n")
     print("| GPUs | actors per trial | pipeline wall s | ideal s | efficiency | model loads | rows built | "
           "shell-loop wall s | shell-loop efficiency | shell-loop loads |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -169,7 +248,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sweep-scaling-") as tmp:
         for gpus in args.gpus:
             r = run_pipeline(gpus, costs, args.samples_per_task, args.batch_size, Path(tmp))
-            s = shell_loop(gpus, r["trials"], r["rows"], costs, args.startup_s)
+            if args.shell == "measured":
+                s = shell_loop_measured(gpus, args.samples_per_task, args.batch_size, costs, Path(tmp))
+            else:
+                s = shell_loop(gpus, r["trials"], r["rows"], costs, args.startup_s)
             eff = r["ideal"] / r["wall"]
             print(f"| {gpus} | {r['workers']} | {r['wall']:.1f} | {r['ideal']:.1f} | {eff:.2f} | {r['loads']} | "
                   f"{r['rows']} | "
