@@ -134,7 +134,7 @@ def shell_trial(method: str, budget: str, tasks: str, limit: int, batch_size: in
     import sys
 
     from lmms_eval.cli.dispatch import main as lmms_eval_main
-    from lmms_eval.models import get_model  # lmms-eval finds the plugin's entry point first, then it is patched
+    from lmms_eval.models import get_model  # noqa: F401 - lmms-eval finds the plugin first; then it is patched
 
     import promprune.eval.lmms_plugin as plugin
     from promprune.models import PrunedVLM
