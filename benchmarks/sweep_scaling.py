@@ -1,6 +1,6 @@
 """Sweep scheduling efficiency on a simulated GPU cluster: the pipeline against a shell loop of lmms-eval runs.
 
-    python benchmarks/sweep_scaling.py                    # 1, 4 and 8 GPUs; ~15 minutes on a 2-core machine
+    python benchmarks/sweep_scaling.py                    # 1, 4 and 8 GPUs; ~33 minutes on a 2-core machine
     python benchmarks/sweep_scaling.py --gpus 8 --sample-s 0.25
 
 A Table-1-shaped sweep (6 methods x 3 budgets + the baseline = 19 trials) runs through the real pipeline
@@ -13,11 +13,13 @@ rounding error there, and here it is scaled down with the work). Every sample st
 exactly-once check, scoring and MLflow.
 
 Printed per GPU count: wall time, ideal time (sum of sample costs / GPUs + one model load), efficiency =
-ideal / wall, model loads, rows built; and the shell loop under the same costs: one `lmms-eval` process per
-(method, budget) per GPU, each loading the model and the data again (`--startup-s` for the process and dataset),
-trials dealt to GPUs longest-first. Ray's own overheads (process start, scheduling) are real here while the work
-is scaled down, so the measured efficiency is a lower bound of a real cluster's. Last line: `efficiency <value> at
-<max> GPUs`.
+ideal / wall, model loads, rows built; and the shell loop under the same costs, run for real (`--shell measured`,
+the default): one `lmms-eval --model promprune` process per (method, budget), `gpus` of them at a time, each
+importing lmms-eval, loading the tasks' data and the model again, answering with the same injected costs and
+scoring (`--shell arithmetic` only computes it, charging `--startup-s` per process). Process starts, imports and
+scheduling are real for both while the work is scaled down, and up to 8 simulated GPU nodes share this machine's
+cores, so the measured efficiency is a lower bound of a real cluster's. Last line: `efficiency <value> at <max>
+GPUs`.
 """
 from __future__ import annotations
 
