@@ -34,35 +34,34 @@ def make_inputs(B: int, N: int, d: int, device: str, seed: int = 0,
     return x.to(device, dtype), torch.rand(B, N, generator=g).softmax(dim=1).to(device)
 
 
-def time_method(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> float:
-    def run():
-        promprune.select(x, s, budget=budget, method=method)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-
-    run()  # warm-up
+def median_ms(fn, arg, repeats: int) -> float:
+    """Median wall ms of ``fn(arg)`` over ``repeats`` calls after one warm-up (CUDA synchronized around each)."""
+    sync = torch.cuda.synchronize if getattr(arg, "is_cuda", False) else (lambda: None)
+    fn(arg)
     samples = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
-        run()
+        fn(arg)
+        sync()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
 
 
-def time_eigensolve(x: torch.Tensor, repeats: int) -> float:
-    """Median ms of the spectral entropy's eigensolve alone on these inputs' centered Gram (the selection's route)."""
+def time_method(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> float:
+    return median_ms(lambda features: promprune.select(features, s, budget=budget, method=method), x, repeats)
+
+
+def centered_gram(x: torch.Tensor) -> torch.Tensor:
+    """The N x N Gram of the L2-normalized, centered tokens: the matrix whose spectrum the entropy reads."""
     xn = torch.nn.functional.normalize(x.float(), dim=-1)
     xc = xn - xn.mean(dim=1, keepdim=True)
-    gram = xc @ xc.transpose(1, 2)
-    samples = []
-    for _ in range(repeats + 1):
-        g = gram.clone()
-        t0 = time.perf_counter()
-        torch.linalg.eigvalsh(g)
-        if g.is_cuda:
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples[1:])
+    return xc @ xc.transpose(1, 2)
+
+
+def time_eigensolve(x: torch.Tensor, repeats: int) -> float:
+    """Median ms of the spectral entropy's eigensolve alone on these inputs' centered Gram."""
+    return median_ms(torch.linalg.eigvalsh, centered_gram(x), repeats)
 
 
 def main() -> None:
@@ -101,8 +100,8 @@ def main() -> None:
             "remainder": lambda sh: results["promprune"][sh] - results["divprune"][sh] - eig_ms[sh]}
     for name, cell in rows.items():
         print(f"{name:<16}" + "".join(f"{cell(sh):>26.1f}" for sh in SHAPES))
-    print(f"{'floor (x div)':<16}" + "".join(f"{(results['divprune'][sh] + eig_ms[sh]) / results['divprune'][sh]:>25.2f}x"
-                                             for sh in SHAPES))
+    floor = {sh: (results["divprune"][sh] + eig_ms[sh]) / results["divprune"][sh] for sh in SHAPES}
+    print(f"{'floor (x div)':<16}" + "".join(f"{floor[sh]:>25.2f}x" for sh in SHAPES))
     print("(remainder: PromPrune's time beyond DivPrune's and the eigensolve: centering, saliency order, the DPP "
           "loop vs DivPrune's; floor: DivPrune + the eigensolve alone, the best an exact PromPrune can do)")
     worst = max(results["promprune"][sh] / results["divprune"][sh] for sh in SHAPES)

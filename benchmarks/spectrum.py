@@ -11,12 +11,10 @@ Printed, never asserted.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from benchmarks.selection import make_inputs
+from benchmarks.selection import centered_gram, make_inputs, median_ms
 
 
 def host_scipy(g: torch.Tensor) -> list:
@@ -26,35 +24,18 @@ def host_scipy(g: torch.Tensor) -> list:
 
     return [eigh(m, eigvals_only=True, driver="evd", check_finite=False) for m in g.cpu().numpy()]
 
+
 SHAPES = {"llava-1.5 (1x576)": (1, 576, 4096), "llava-next (5x576)": (5, 576, 4096),
           "next batch 8 (40x576)": (40, 576, 4096), "qwen2.5-vl (1x1296)": (1, 1296, 3584)}
 
 
-def centered_gram(x: torch.Tensor) -> torch.Tensor:
-    xn = torch.nn.functional.normalize(x.float(), dim=-1)
-    xc = xn - xn.mean(dim=1, keepdim=True)
-    return xc @ xc.transpose(1, 2)
-
-
 ROUTES = {
     "device fp32": lambda g: torch.linalg.eigvalsh(g),
-    "host SciPy syevd fp32": lambda g: host_scipy(g),
+    "host SciPy syevd fp32": host_scipy,
     "device fp64": lambda g: torch.linalg.eigvalsh(g.double()),
     "host fp32": lambda g: torch.linalg.eigvalsh(g.cpu()),
     "host fp64": lambda g: torch.linalg.eigvalsh(g.double().cpu()),
 }
-
-
-def timed(fn, g, repeats: int) -> float:
-    fn(g)
-    out = []
-    for _ in range(repeats):
-        torch.cuda.synchronize() if g.is_cuda else None
-        t0 = time.perf_counter()
-        fn(g)
-        torch.cuda.synchronize() if g.is_cuda else None
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -66,7 +47,7 @@ def main() -> None:
     print(f"| shape | {' | '.join(ROUTES)} |\n|---|{'---:|' * len(ROUTES)}")
     for name, (B, N, d) in SHAPES.items():
         g = centered_gram(make_inputs(B, N, d, args.device)[0])
-        cells = [f"{timed(fn, g, args.repeats):.1f}" for fn in ROUTES.values()]
+        cells = [f"{median_ms(fn, g, args.repeats):.1f}" for fn in ROUTES.values()]
         print(f"| {name} | {' | '.join(cells)} |", flush=True)
 
 

@@ -36,6 +36,7 @@ from ray.cluster_utils import Cluster
 
 METHODS = ["promprune", "fastv", "sparsevlm", "visionzip", "vispruner", "divprune"]
 BUDGETS = [128, 64, 32]
+TASKS = ["easyvqa_yesno", "easyvqa_open"]  # offline; the pipeline and the shell loop run the same
 
 
 @dataclass
@@ -76,7 +77,7 @@ def table1_spec(samples_per_task: int, batch_size: int):
 
     return specs.parse({
         "name": "sweep_scaling", "version": 1, "model": {"pretrained": "tiny:llava"},
-        "tasks": ["easyvqa_yesno", "easyvqa_open"], "limit": samples_per_task, "baseline": True,
+        "tasks": TASKS, "limit": samples_per_task, "baseline": True,
         "grid": {"method": METHODS, "budget": BUDGETS}, "generation": {"max_new_tokens": 1},
         "resources": {"workers": "auto", "gpus_per_worker": 1, "batch_size": batch_size, "actor_wait_s": 900},
         "tune": {"max_failures": 0}})
@@ -182,7 +183,7 @@ def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs
         for method, budget in trials[index::gpus]:
             out = workdir / f"shell-{gpus}-{method}-{budget}"
             code = (f"from benchmarks.sweep_scaling import shell_trial; shell_trial({method!r}, {budget!r}, "
-                    f"'easyvqa_yesno,easyvqa_open', {samples_per_task}, {batch_size}, {costs.load_s}, "
+                    f"{','.join(TASKS)!r}, {samples_per_task}, {batch_size}, {costs.load_s}, "
                     f"{costs.sample_s}, {include!r}, {str(out)!r})")
             run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                                  env={**os.environ, "PYTHONPATH": str(root)})
@@ -195,7 +196,7 @@ def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs
     with ThreadPoolExecutor(gpus) as pool:
         ran = sum(pool.map(lane, range(gpus)))
     wall = time.perf_counter() - start
-    samples = 2 * samples_per_task
+    samples = len(TASKS) * samples_per_task
     ideal = ran * samples * costs.sample_s / gpus + costs.load_s
     return {"wall": wall, "ideal": ideal, "loads": ran, "rows": ran * samples}
 
@@ -227,7 +228,8 @@ def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--samples-per-task", type=int, default=32, help="two offline tasks: 2x this per trial")
+    ap.add_argument("--samples-per-task", type=int, default=32,
+                    help="samples per task (every trial runs each of TASKS)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--sample-s", type=float, default=0.25, help="stand-in cost per sample (scaled)")
     ap.add_argument("--load-s", type=float, default=1.0, help="stand-in model load (scaled)")
@@ -237,7 +239,8 @@ def main() -> None:
                     help="run the shell loop's lmms-eval processes on this machine (default), or only compute it")
     args = ap.parse_args()
     costs = Costs(args.load_s, args.sample_s)
-    print(f"Table-1-shaped sweep: {len(METHODS) * len(BUDGETS) + 1} trials x {2 * args.samples_per_task} samples; "
+    print(f"Table-1-shaped sweep: {len(METHODS) * len(BUDGETS) + 1} trials x "
+          f"{len(TASKS) * args.samples_per_task} samples; "
           f"stand-in model: {args.sample_s:g} s per sample, {args.load_s:g} s per load (a 7B model on an A100, "
           "scaled: real trials run far more samples per load); shell loop: "
           + ("lmms-eval processes run on this machine under the same injected costs" if args.shell == "measured"

@@ -255,39 +255,40 @@ class PredictorPool:
         actors = [actor.remote(source, resources.batch_size, run_fn) for _ in range(max(1, size))]
         pool = cls(actors, [a.ready.remote() for a in actors])
         try:
-            first = pool.wait_first(resources.actor_wait_s)
+            started = pool.wait_first(resources.actor_wait_s)
         except BaseException:
             pool.shutdown()
             raise
-        if first is None:
+        if not started:
             pool.shutdown()
             raise RuntimeError(f"none of the sweep's {size} predictor actor(s) started within "
                                f"actor_wait_s={resources.actor_wait_s:g}s: the cluster lacks the resources "
                                f"({resources.gpus_per_worker:g} GPU, {resources.cpus_per_worker:g} CPU per actor)")
         return pool
 
-    def wait_first(self, timeout_s: float) -> float | None:
-        """Seconds until the first actor answered `ready` (None: none within `timeout_s`). An actor whose model
-        failed to load raises its error here when every actor failed; one failure among others only loses that
-        actor."""
-        t0, pending = time.perf_counter(), list(self.ready_refs)
+    def wait_first(self, timeout_s: float) -> bool:
+        """Whether an actor answered `ready` within `timeout_s`. An actor whose model failed to load raises its
+        error here when every actor failed; one failure among others only loses that actor."""
+        deadline, pending = time.perf_counter() + timeout_s, list(self.ready_refs)
         while pending:
-            left = timeout_s - (time.perf_counter() - t0)
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left))
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
             if not done:
-                return None
+                return False
             try:
                 ray.get(done[0])
-                return time.perf_counter() - t0
+                return True
             except ray.exceptions.RayActorError:
                 if not pending:
                     raise
-        return None
+        return False
+
+    def loaded(self) -> set[int]:
+        """Indices of the actors that have answered `ready` so far (a non-blocking look)."""
+        done, _ = ray.wait(list(self.ready_refs), num_returns=len(self.ready_refs), timeout=0)
+        return {i for i, ref in enumerate(self.ready_refs) if ref in done}
 
     def ready_count(self) -> int:
-        """Actors that have answered `ready` so far (a non-blocking look)."""
-        done, _ = ray.wait(list(self.ready_refs), num_returns=len(self.ready_refs), timeout=0)
-        return len(done)
+        return len(self.loaded())
 
     def shutdown(self) -> None:
         for a in self.actors:
@@ -306,10 +307,9 @@ class PredictorPool:
         from collections import deque
 
         pending, queued = deque(blocks), [0] * len(self.actors)
-        loaded, _ = ray.wait(list(self.ready_refs), num_returns=len(self.ready_refs), timeout=0)
-        alive = {i for i, ref in enumerate(self.ready_refs) if ref in loaded}  # the others are still loading:
+        alive = self.loaded()  # the others are still loading: their `ready` refs are probed like a restart's
         running: dict = {}  # output ref -> (actor index, input block)
-        probes: dict = {ref: i for i, ref in enumerate(self.ready_refs) if i not in alive}  # they join when ready
+        probes: dict = {ref: i for i, ref in enumerate(self.ready_refs) if i not in alive}
         tables: list = []
         while pending or running:
             while pending and alive:

@@ -69,8 +69,6 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
     return TaskColumn(task, task, (min(logged_metrics),))
 
 
-
-
 def task_interval(metrics: pd.DataFrame, column: TaskColumn) -> tuple[pd.Series, pd.Series] | None:
     """Per-trial (low, high) 95% bootstrap bounds of a one-metric column, raw units; None when none were logged."""
     if len(column.metrics) != 1:
