@@ -600,7 +600,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap on generated tokens (default: each task's own, as lmms-eval runs it)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--no-mlflow", action="store_true", help="print the results only")
     return p.parse_args(argv)
@@ -632,16 +633,19 @@ def main(argv: list[str] | None = None) -> int:
         validate_method(args.method, args.budget, **options)
     except ValueError as exc:
         errors.append(f"method: {exc}")
-    errors += preflight.check_tasks(args.tasks)
+    errors += preflight.check_tasks(args.tasks, args.limit)
+    errors += preflight.check_judges(args.tasks)
     errors += preflight.check_model(args.model, {}, {"this evaluation": args.budget} if args.budget else {})
     if not args.no_mlflow:
         errors += preflight.check_store(tracking.tracking_uri())
     if errors:
         print("error: " + "\n  - ".join(["pipelines/evaluate.py:", *errors]), file=sys.stderr)
         return 2
+    for note in preflight.judge_notes(args.tasks):
+        print(note)
     cfg = EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
-                     generation={"max_new_tokens": args.max_new_tokens},
+                     generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
                      resources=Resources(workers=args.workers, batch_size=args.batch_size))
     try:
         connect(args.address)

@@ -73,7 +73,7 @@ class SweepSpec:
     bootstrap: int = 0  # resamples for 95% confidence intervals of each task's primary metrics; 0: none
     grid: dict = field(default_factory=dict)
     trials: list = field(default_factory=list)
-    generation: dict = field(default_factory=lambda: {"max_new_tokens": 16})  # short answers: VQA is one word
+    generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: lmms-eval's per task
     resources: Resources = field(default_factory=Resources)
     calibration: Calibration = field(default_factory=Calibration)  # images for trials with mu: calibrate
     tune: TuneSpec = field(default_factory=TuneSpec)

@@ -11,7 +11,7 @@ import logging
 import warnings
 
 from promprune.eval.generation import Item, decode_image, generate_items, image_to_png
-from promprune.eval.tasks import judge_skip_reason, load_task
+from promprune.eval.tasks import check_limit, judge_skip_reason, load_task
 from promprune.records import Prediction, Request
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ def build_requests(
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks lists a task twice: {tasks}")
     shard = _check_shard(shard)
+    problems = [p for p in (check_limit(t, limit) for t in tasks) if p]
+    if problems:
+        raise ValueError("; ".join(problems))
     rows: list[Request] = []
     for name in tasks:
         reason = judge_skip_reason(name)
