@@ -49,7 +49,7 @@ def pooling_matrix(rows: int, cols: int, budget: int, device=None) -> tuple[torc
     return weights, centres
 
 
-@register_method("downsample", merges=True)
+@register_method("downsample", merges=True, needs_grid=True)
 def downsample(tokens: TokenSet, budget: int) -> Selection:
     """Downsampling control: the token grid average-pooled to exactly T cells (no selection)."""
     rows, cols = tokens.grid

@@ -170,6 +170,7 @@ class MethodSpec:
     check: Callable[[dict, int | None], None] | None = None  # check(resolved options, budget or None)
     reads_vision: bool = False  # uses select(..., vision=VisionFeatures) when given (VisPruner, VisionZip)
     needs_instruction: bool = False  # needs select(..., instruction=Instruction) (CDPruner): one selection per question
+    needs_grid: bool = False  # reads select(..., grid=(rows, cols)): the tokens must form one raster grid (downsample)
 
     def resolve(self, given: Mapping[str, Any], *, also_valid=(), budget: int | None = None) -> dict[str, Any]:
         """Defaults overlaid with ``given``; an unknown option, a value outside its choices or one the method's
@@ -238,7 +239,7 @@ _REGISTRY: dict[str, MethodSpec] = {}
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
                     options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
                     check: Callable[[dict], None] | None = None, reads_vision: bool = False,
-                    needs_instruction: bool = False):
+                    needs_instruction: bool = False, needs_grid: bool = False):
     """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -248,7 +249,7 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
             options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
             description=(fn.__doc__ or "").strip().split("\n")[0], check=check, reads_vision=reads_vision,
-            needs_instruction=needs_instruction)
+            needs_instruction=needs_instruction, needs_grid=needs_grid)
         return fn
 
     return wrap
