@@ -137,6 +137,34 @@ def pyramid_ratio_for_average(n: int, budget: int, at: list[int], depth: int) ->
     return low
 
 
+def dart_keep(key_norms: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor, text: torch.Tensor, n_img: int,
+              n_txt: int, n_keep: int) -> torch.Tensor:
+    """DART's rule: which ``n_keep`` of the visual columns ``cand`` stay. ``key_norms [L]``: L1 norm of each column's
+    keys; ``hidden [L, D]``: the states compared (DART: through the LLM's final norm); ``text``: the text columns
+    after the image.
+
+    Image pivots: the ``n_img`` candidates with the largest key norm; text pivots: the ``n_txt`` text columns with
+    the largest key norm. The pivots, in column order, each take the remaining candidates least cosine-similar to
+    them, ``n_keep - n_img`` picks shared out as evenly as possible (earlier pivots take the remainder). Returns the
+    image pivots, then each pivot's picks.
+    """
+    img = cand[key_norms[cand].topk(min(n_img, n_keep, cand.numel())).indices]
+    txt = text[key_norms[text].topk(min(n_txt, text.numel())).indices]
+    pivots = torch.cat([img, txt]).sort().values
+    left = torch.zeros(hidden.shape[0], dtype=torch.bool, device=cand.device)
+    left[cand] = True
+    left[img] = False
+    unit = torch.nn.functional.normalize(hidden.float(), dim=-1)
+    picks, need = [img], n_keep - img.numel()
+    for p, pivot in enumerate(pivots.tolist()):
+        share = need // len(pivots) + (1 if p < need % len(pivots) else 0)
+        pool = left.nonzero().flatten()
+        take = pool[(-(unit[pool] @ unit[pivot])).topk(min(share, pool.numel())).indices]
+        left[take] = False
+        picks.append(take)
+    return torch.cat(picks)
+
+
 def _mrope(model) -> bool:
     return getattr(model.config, "model_type", None) == "qwen2_5_vl"
 
@@ -347,32 +375,8 @@ class InLLMPruner:
         return self.model.model.language_model.norm(hidden).float()
 
     def _dart_keep(self, stage, b, normed_b, cand, n_keep) -> torch.Tensor:
-        """DART's kept visual columns of row ``b`` (relative to the current columns), ``n_keep`` of ``cand``.
-
-        Image pivots: the ``pivot_image`` candidates with the largest key L1 norm; text pivots: the ``pivot_text``
-        live text columns after the image with the largest key L1 norm. The pivots, in column order, each take the
-        remaining candidates least cosine-similar to them (``normed_b``: final-norm hidden states); the picks are
-        shared out as evenly as possible (earlier pivots take the remainder). Returns the image pivots and picks.
-        """
-        n_img, n_txt = stage.pivots
-        keys = stage.keys[b]
-        img = cand[keys[cand].topk(min(n_img, n_keep, cand.numel())).indices]
-        text_cols = self._query_rows(b, "raters")
-        txt = text_cols[keys[text_cols].topk(min(n_txt, text_cols.numel())).indices]
-        pivots = torch.cat([img, txt]).sort().values
-        left = torch.ones(normed_b.shape[0], dtype=torch.bool, device=cand.device)
-        left[img] = False
-        is_cand = torch.zeros_like(left)
-        is_cand[cand] = True
-        unit = torch.nn.functional.normalize(normed_b, dim=-1)
-        picks, need = [img], n_keep - img.numel()
-        for p, pivot in enumerate(pivots.tolist()):
-            share = need // len(pivots) + (1 if p < need % len(pivots) else 0)
-            pool = (left & is_cand).nonzero().flatten()
-            take = pool[(-(unit[pool] @ unit[pivot])).topk(min(share, pool.numel())).indices]
-            left[take] = False
-            picks.append(take)
-        return torch.cat(picks)
+        """DART's kept visual columns of row ``b`` (:func:`dart_keep` on the current columns)."""
+        return dart_keep(stage.keys[b], normed_b, cand, self._query_rows(b, "raters"), *stage.pivots, n_keep)
 
     def _recycle(self, stage, hidden_b, ranked, n_keep, b):
         """``(kept, dropped)`` relative columns; recycled groups are merged into their centre's hidden state."""
