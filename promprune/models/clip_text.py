@@ -57,8 +57,12 @@ def load(name: str, vision_config) -> ClipText:
     if name == "tiny":
         from .testing import tiny_clip_text
 
-        return tiny_clip_text(vision_config)
-    from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPVisionModelWithProjection
+        return ClipText(*tiny_clip_text(vision_config))
+    from transformers import (
+        AutoTokenizer,
+        CLIPTextModelWithProjection,
+        CLIPVisionModelWithProjection,
+    )
 
     vision = CLIPVisionModelWithProjection.from_pretrained(name)
     return ClipText(AutoTokenizer.from_pretrained(name), CLIPTextModelWithProjection.from_pretrained(name),

@@ -1,10 +1,11 @@
-"""In-LLM pruning baselines, FastV and SparseVLM, as hooks on the language model's decoder layers.
+"""In-LLM pruning baselines, FastV, SparseVLM, DART and PyramidDrop, as hooks on the language model's decoder layers.
 
 The language model is not forked: forward pre-hooks on its decoder layers shrink the sequence between layers.
 
 - A hook on the self-attention of layer ``l - 1`` recomputes the attention rows the method ranks by (queries:
   FastV the last token; SparseVLM the text raters after the image) with the module's own projections and rotary
-  embedding, so the LLM keeps SDPA everywhere.
+  embedding, so the LLM keeps SDPA everywhere; for DART it takes the L1 norms of that layer's keys instead.
+  PyramidDrop ranks inside layer ``l``'s own hook, with layer ``l``'s projections on its input-normed states.
 - A hook on layer ``l`` drops visual tokens from the hidden states, gathers the rotary embeddings at the kept
   columns (positions stay the original ones, as FastV's code does), and hands every later layer a mask built for
   the kept columns. The KV cache of layers ``>= l`` therefore holds only kept tokens; during decoding the same
@@ -71,9 +72,9 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
             if len(at) != 3:
                 raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
                                  f"LLM gives {at}: pass option 'layers' with three layers")
-            plan = lambda n: list(SPARSEVLM_RELEASED[budget])  # noqa: E731
+            plan = lambda n: list(SPARSEVLM_RELEASED[budget])
         else:
-            plan = lambda n: [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]  # noqa: E731
+            plan = lambda n: [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
         stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
     return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact)
@@ -351,7 +352,7 @@ class InLLMPruner:
             n_keep = min(stage.targets[b], cand.numel())
             if stage.kind == "dart":
                 kept = self._dart_keep(stage, b, normed[b], cand, n_keep)
-                kept, dropped = kept, cand[~torch.isin(cand, kept)]
+                dropped = cand[~torch.isin(cand, kept)]
             else:
                 ranked = cand[scores[b, cand].argsort(descending=True, stable=True)]
                 kept, dropped = self._recycle(stage, hidden[b], ranked, n_keep, b)

@@ -1,7 +1,7 @@
 """Method names and options the adapters accept, validated without loading a model.
 
 Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the
-pre-LLM methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``) that prune inside the language model.
+pre-LLM methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``, ``dart``, ``pyramiddrop``) that prune inside the language model.
 Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over views, what
 happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen token count.
 """

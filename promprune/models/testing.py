@@ -138,10 +138,9 @@ def llava_processor(cls, tok, image_size: int, patch: int, template: str, **imag
 
 
 def tiny_clip_text(vision_config):
-    """A seeded random CLIP text tower + visual projection matching ``vision_config`` (CDPruner on tiny LLaVAs):
-    byte-level tokens between CLIP's start / end markers, 16-token windows (so long questions take several)."""
-    from .clip_text import ClipText
-
+    """``(tokenizer, text model, visual projection)``: a seeded random CLIP text tower matching ``vision_config``
+    (CDPruner on the tiny LLaVAs; :func:`promprune.models.clip_text.load` with "tiny"): byte-level tokens between
+    CLIP's start / end markers, 16-token windows (so long questions take several)."""
     tok = _byte_level_tokenizer(["<|startoftext|>", "<|endoftext|>"], bos_token="<|startoftext|>",
                                 eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     bos, eos = tok.bos_token_id, tok.eos_token_id
@@ -153,7 +152,7 @@ def tiny_clip_text(vision_config):
     torch.manual_seed(SEED)
     text = CLIPTextModelWithProjection(config).eval()
     projection = torch.nn.Linear(vision_config.hidden_size, vision_config.projection_dim, bias=False)
-    return ClipText(tok, text, projection)
+    return tok, text, projection
 
 
 def _tiny_llava():

@@ -49,7 +49,7 @@ class PrunedVLM:
     """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL that prunes visual tokens with a registered method.
 
     ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens
-    of each image before the LLM; ``fastv`` / ``sparsevlm`` prune inside it. ``method_options`` are the method's
+    of each image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are the method's
     options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults per
     vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL) unless given.
     """

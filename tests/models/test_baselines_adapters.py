@@ -20,13 +20,13 @@ def test_cdpruner_on_llava_uses_clips_text_tower_as_released(images, prompts):
     with torch.inference_mode():
         tower = model.model.vision_tower(inputs["pixel_values"], output_hidden_states=True)
         feats = model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).pooler_output[0]
-        clip = tiny_clip_text(model.config.vision_config)
-        tokens = clip.visual_projection(model.model.vision_tower.post_layernorm(tower.hidden_states[-2][:, 1:]))
-        ids = clip.tokenizer("What is in the picture?")["input_ids"]  # 25 tokens: two 16-token windows
+        tokenizer, text_model, visual_projection = tiny_clip_text(model.config.vision_config)
+        tokens = visual_projection(model.model.vision_tower.post_layernorm(tower.hidden_states[-2][:, 1:]))
+        ids = tokenizer("What is in the picture?")["input_ids"]  # 25 tokens: two 16-token windows
         assert len(ids) == 25
         windows = torch.tensor(ids + [0] * 7).view(2, 16)
         mask = torch.tensor([1] * 25 + [0] * 7).view(2, 16)
-        emb = clip.text_model(input_ids=windows, attention_mask=mask).text_embeds
+        emb = text_model(input_ids=windows, attention_mask=mask).text_embeds
         query = torch.nn.functional.normalize(emb, dim=-1).mean(0, keepdim=True)
     want = promprune.select(feats[None], budget=7, method="cdpruner",
                             instruction=promprune.Instruction(query=query, tokens=tokens))
@@ -60,7 +60,7 @@ def test_downsample_pools_qwens_merged_grid(images, prompts):
     vlm = PrunedVLM(model, processor, method="downsample", budget=4)
     for image, prompt in zip(images, prompts):
         got = vlm.generate([image], [prompt], max_new_tokens=1)[0]
-        t, h, w = vlm.inputs([image], [prompt])["image_grid_thw"][0].tolist()
+        _, h, w = vlm.inputs([image], [prompt])["image_grid_thw"][0].tolist()
         _, centres = pooling_matrix(h // 2, w // 2, 4)
         assert got.kept == centres.tolist() and got.visual_tokens == 4
 

@@ -7,7 +7,12 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from promprune.models import PrunedVLM
-from promprune.models.in_llm import dart_keep, make, pyramid_average, pyramid_ratio_for_average
+from promprune.models.in_llm import (
+    dart_keep,
+    make,
+    pyramid_average,
+    pyramid_ratio_for_average,
+)
 from promprune.models.testing import tiny_vlm
 
 N_VISUAL = 36  # the tiny LLaVA's 6 x 6 grid
@@ -69,7 +74,7 @@ def test_dart_keeps_what_a_plain_forward_gives(budget, images, prompts):
 
 def test_dart_released_count():
     # max_num_trunction = budget: pivot_image + (pivot_image + pivot_text) * (budget // (pivot_image + pivot_text))
-    model, processor = tiny_vlm("llava")
+    model, _ = tiny_vlm("llava")
     ids = torch.full((1, 50), 5)
     ids[0, 3:3 + N_VISUAL] = model.config.image_token_id
     pruner = make("dart", model, ids, 13, {"budget_semantics": "released", "pivot_image": 2, "pivot_text": 2})
@@ -78,7 +83,7 @@ def test_dart_released_count():
 
 
 def test_pyramiddrop_stage_counts_by_hand():
-    model, processor = tiny_vlm("llava")  # 4 layers: the released 8, 16, 24 of 32 become 1, 2, 3
+    model, _ = tiny_vlm("llava")  # 4 layers: the released 8, 16, 24 of 32 become 1, 2, 3
     ids = torch.full((1, 50), 5)
     ids[0, 3:3 + N_VISUAL] = model.config.image_token_id
     exact = make("pyramiddrop", model, ids, 5, {})
