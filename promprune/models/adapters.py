@@ -47,6 +47,10 @@ class VisualItem:
       projector, and the attention keys (head mean) of that layer; ``cls [V, dv]`` or None: each view's CLS hidden
       state; ``project``: the model's projector (vision space -> ``d``, float32 out).
     - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included.
+    - ``grid_shape``: ``(rows, cols)`` of one view's whole token grid (Qwen2.5-VL: the merged-patch grid); a
+      candidate's place in it is ``grid_index % (rows * cols)`` in raster order.
+    - ``text_query [c]`` / ``text_tokens [N, c]`` or None: the instruction's embedding and the candidates in its
+      space (CDPruner; :meth:`Adapter.attach_instruction`), ``text_source`` "clip" or "llm".
     """
 
     run: torch.Tensor
@@ -62,6 +66,10 @@ class VisualItem:
     cls: torch.Tensor | None = None
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
     full: VisualItem | None = None
+    grid_shape: tuple[int, int] | None = None
+    text_query: torch.Tensor | None = None
+    text_tokens: torch.Tensor | None = None
+    text_source: str | None = None
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision
@@ -71,7 +79,8 @@ class VisualItem:
         grid = torch.full((P,), -1, dtype=torch.long, device=self.run.device)
         grid[self.run_pos] = self.grid_index
         return VisualItem(run=self.run, features=self.run, run_pos=pos, grid_index=grid, saliency=None,
-                          groups=torch.zeros_like(pos), row_of_run=self.row_of_run, newline=self.newline)
+                          groups=torch.zeros_like(pos), row_of_run=self.row_of_run, newline=self.newline,
+                          grid_shape=self.grid_shape)
 
     def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline: str = "drop",
                  prefix: torch.Tensor | None = None):
@@ -135,6 +144,54 @@ class Adapter:
         """Candidate tokens of every image; ``need_vision``: with the vision tower's own features where the
         architecture has them (``VisualItem.vision``)."""
         raise NotImplementedError
+
+    def instruction_source(self, option: str) -> str:
+        """CDPruner's text source for option ``text_source``: "released" is "clip" on CLIP-based models, "llm" else."""
+        if option == "released":
+            return "clip" if self.encoder == "clip" else "llm"
+        if option == "clip" and self.encoder != "clip":
+            raise ValueError(f"text_source 'clip' needs a CLIP vision tower; this {self.encoder} model has none: "
+                             "use text_source 'llm' (or 'released')")
+        return option
+
+    def attach_instruction(self, items: list[VisualItem], prompts: list[str], source: str) -> None:
+        """Set ``text_query`` / ``text_tokens`` of every item (and its ``full`` twin) from its prompt's question.
+
+        "clip": CLIP's text embedding of the question vs. the vision tower's hidden states of the candidates through
+        ``post_layernorm`` and CLIP's ``visual_projection`` (needs ``VisualItem.vision``); "llm": the mean of the
+        LLM's input embeddings of the question's tokens vs. the candidates' projected features.
+        """
+        from .clip_text import question_text
+
+        for item, prompt in zip(items, prompts):
+            text = question_text(prompt)
+            query = self._clip().embed(text) if source == "clip" else self._llm_query(text)
+            for it in (item, item.full) if item.full is not None else (item,):
+                if source == "clip":
+                    it.text_tokens = self._clip().project(it.vision, self.model.model.vision_tower.post_layernorm)
+                else:
+                    it.text_tokens = it.features.float()
+                it.text_query, it.text_source = query.to(it.text_tokens.device), source
+
+    def _clip(self):
+        """CDPruner's CLIP text tower, loaded once (adapter option ``clip_text``; None: the model's own setting,
+        else the released openai/clip-vit-large-patch14-336)."""
+        if getattr(self, "_clip_text", None) is None:
+            from . import clip_text
+
+            name = self.options.get("clip_text") or getattr(self.model.config, "promprune_clip_text", None) \
+                or clip_text.RELEASED_CLIP
+            tower = self.model.model.vision_tower
+            param = next(tower.parameters())
+            self._clip_text = clip_text.load(name, self.model.config.vision_config).to(param.device, param.dtype)
+        return self._clip_text
+
+    @torch.inference_mode()
+    def _llm_query(self, text: str) -> torch.Tensor:
+        """``[d]``: the mean of the LLM's input embeddings of ``text``'s tokens (no special tokens)."""
+        ids = self.processor.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        embed = self.model.get_input_embeddings()
+        return embed(ids.to(embed.weight.device))[0].float().mean(dim=0)
 
     def generate_kwargs(self, inputs, new_ids, new_mask, col_map) -> dict:
         """Extra kwargs for ``generate`` on the rebuilt sequence (Qwen: 3D positions).
@@ -201,8 +258,14 @@ class LlavaAdapter(Adapter):
                                     groups=torch.zeros_like(idx), vision=None if hidden is None else hidden[b],
                                     keys=None if key is None else key[b],
                                     cls=None if cls is None else cls[b:b + 1],
-                                    project=self.project if need_vision else None))
+                                    project=self.project if need_vision else None, grid_shape=self._grid_shape()))
         return items
+
+    def _grid_shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of one view's patch grid."""
+        vc = self.model.config.vision_config
+        side = vc.image_size // vc.patch_size
+        return side, side
 
 
 class LlavaNextAdapter(LlavaAdapter):
@@ -275,7 +338,7 @@ class LlavaNextAdapter(LlavaAdapter):
             return None if t is None else t[offset:offset + views * n]
 
         shared = dict(run=run, row_of_run=row, newline=newline, cls=None if cls is None else cls[first:first + views],
-                      project=self.project if hidden is not None else None)
+                      project=self.project if hidden is not None else None, grid_shape=self._grid_shape())
         full = VisualItem(features=span(flat), run_pos=run_of_grid, grid_index=whole, saliency=span(scores),
                           groups=whole // n, vision=span(hidden), keys=span(key), **shared)
         return VisualItem(features=run[run_pos], run_pos=run_pos, grid_index=grid, saliency=at(scores, grid),
@@ -328,11 +391,12 @@ class QwenAdapter(Adapter):
         feats = list(out.pooler_output)
         scores = sal.pool_to_merged(sink[0], grid, self.model.config.vision_config) if need_saliency else None
         items, offset = [], 0
-        for f in feats:
+        merge = self.model.config.vision_config.spatial_merge_size
+        for f, (t, h, w) in zip(feats, grid.tolist()):
             idx = torch.arange(f.shape[0], device=f.device)
             s = None if scores is None else scores[offset:offset + f.shape[0]]
             items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
-                                    groups=torch.zeros_like(idx)))
+                                    groups=torch.zeros_like(idx), grid_shape=(t * h // merge, w // merge)))
             offset += f.shape[0]
         return items
 

@@ -1,7 +1,7 @@
 """Method names and options the adapters accept, validated without loading a model.
 
 Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the
-pre-LLM methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``) that prune inside the language model.
+pre-LLM methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``, ``dart``, ``pyramiddrop``) that prune inside the language model.
 Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over views, what
 happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen token count.
 """
@@ -31,6 +31,10 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     "image_newline": "drop",
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
     "saliency_block": None,
+    # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
+    # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
+    # CLIP sized to their vision tower), else openai/clip-vit-large-patch14-336 (the released code's).
+    "clip_text": None,
     # Qwen2.5-VL: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a square.
     # None keeps the processor's resolution-dependent count.
     "image_tokens": None,
@@ -47,10 +51,11 @@ ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view
 # The token order of each method's released code (read in the authors' repositories; README: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip
 # emits its dominant tokens in index order, then its contextual ones; DivPrune, VisPruner, FastV and SparseVLM
-# re-sort to index order. Methods not listed (our ablations of PromPrune's stages) follow PromPrune.
+# re-sort to index order, and so does CDPruner; the downsampling control feeds its cells in raster order. Methods not
+# listed (our ablations of PromPrune's stages) follow PromPrune.
 RELEASED_ORDER = {"promprune": "selection", "fixed_ratio": "selection", "saliency_only": "selection",
                   "coverage_only": "selection", "visionzip": "stages", "divprune": "raster", "vispruner": "raster",
-                  "random": "raster"}
+                  "random": "raster", "cdpruner": "raster", "downsample": "raster"}
 
 
 def token_order(method: str | None, option: str) -> str:
@@ -63,11 +68,12 @@ def token_order(method: str | None, option: str) -> str:
 # The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; README: "What each method feeds
 # the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the sequence's
 # length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads, and
-# keeps every newline. VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's
+# keeps every newline; so does CDPruner (its `visual_token_num` is per view; one DPP per view on the full grid).
+# VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's
 # released code has no working NeXT path, so PromPrune (and every method not listed) splits the budget per view:
 # "per_crop", our choice, with the image_newline option as given.
 RELEASED_NEXT = {"divprune": ("packed", "drop"), "vispruner": ("view_quota", "all"),
-                 "visionzip": ("view_quota", "drop")}
+                 "visionzip": ("view_quota", "drop"), "cdpruner": ("view_quota", "all")}
 
 
 def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tuple[str, str]:
@@ -120,9 +126,10 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget must be a positive int for method {method!r}, got {budget!r}")
     spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's own checks
-    if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision):
+    if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision
+                                                                  or spec.needs_instruction or spec.needs_grid):
         raise ValueError(f"budget_mode 'packed' selects among LLaVA-NeXT's image_newline tokens, which have no "
-                         f"saliency and no vision-tower features; method {method!r} needs them: use another "
+                         f"saliency, vision-tower features or grid place; method {method!r} needs them: use another "
                          "budget_mode (packed suits divprune and random)")
     return dict(options), adapter
 

@@ -23,9 +23,11 @@ import copy
 import functools
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     CLIPImageProcessor,
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
     CLIPVisionConfig,
     LlamaConfig,
     LlavaConfig,
@@ -135,6 +137,24 @@ def llava_processor(cls, tok, image_size: int, patch: int, template: str, **imag
     )
 
 
+def tiny_clip_text(vision_config):
+    """``(tokenizer, text model, visual projection)``: a seeded random CLIP text tower matching ``vision_config``
+    (CDPruner on the tiny LLaVAs; :func:`promprune.models.clip_text.load` with "tiny"): byte-level tokens between
+    CLIP's start / end markers, 16-token windows (so long questions take several)."""
+    tok = _byte_level_tokenizer(["<|startoftext|>", "<|endoftext|>"], bos_token="<|startoftext|>",
+                                eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", bos), ("<|endoftext|>", eos)])
+    config = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=16, projection_dim=vision_config.projection_dim,
+                            bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(SEED)
+    text = CLIPTextModelWithProjection(config).eval()
+    projection = torch.nn.Linear(vision_config.hidden_size, vision_config.projection_dim, bias=False)
+    return tok, text, projection
+
+
 def _tiny_llava():
     tok = llava_tokenizer()
     image_size = 48
@@ -143,6 +163,7 @@ def _tiny_llava():
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id,
     )
+    config.promprune_clip_text = "tiny"  # CDPruner's CLIP text tower: tiny_clip_text (promprune.models.clip_text)
     model = _seeded(lambda: LlavaForConditionalGeneration(config))
     return model, llava_processor(LlavaProcessor, tok, image_size, 8, _LLAVA_TEMPLATE)
 
@@ -156,6 +177,7 @@ def _tiny_llava_next():
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints, pad_token_id=tok.pad_token_id,
     )
+    config.promprune_clip_text = "tiny"  # CDPruner's CLIP text tower: tiny_clip_text (promprune.models.clip_text)
     model = _seeded(lambda: LlavaNextForConditionalGeneration(config))
     return model, llava_processor(LlavaNextProcessor, tok, view, 8, _NEXT_TEMPLATE, image_grid_pinpoints=pinpoints,
                                   do_pad=True)

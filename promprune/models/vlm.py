@@ -49,7 +49,7 @@ class PrunedVLM:
     """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL that prunes visual tokens with a registered method.
 
     ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens
-    of each image before the LLM; ``fastv`` / ``sparsevlm`` prune inside it. ``method_options`` are the method's
+    of each image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are the method's
     options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults per
     vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL) unless given.
     """
@@ -67,6 +67,7 @@ class PrunedVLM:
         self.view_budget = None
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
+            self._text_source()  # fail now on a text source the model has no tower for
             if "mu" in self.spec.options and "mu" not in self.method_options:
                 self.method_options["mu"] = self.adapter.default_mu
             if self.budget_mode == "view_quota":
@@ -138,9 +139,12 @@ class PrunedVLM:
         prompts = list(prompts)
         batch = self.inputs(images, prompts)
         pre_llm = self.method is not None and not is_in_llm(self.method)
+        text_source = self._text_source() if pre_llm else None
         with Stopwatch(self.device) as vision:
             items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency,
-                                        need_vision=pre_llm and self.spec.reads_vision)
+                                        need_vision=pre_llm and (self.spec.reads_vision or text_source == "clip"))
+            if text_source is not None:  # one selection per question: the instruction's embedding
+                self.adapter.attach_instruction(items, prompts, text_source)
         with Stopwatch(self.device) as selecting:
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
@@ -150,6 +154,12 @@ class PrunedVLM:
             ids, mask, feats, extra, stats = self._pruned_inputs(batch, candidates, plan)
         kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats), **extra)
         return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
+
+    def _text_source(self) -> str | None:
+        """Where the instruction's embedding comes from ("clip" / "llm"), for methods that need one, else None."""
+        if not self.spec.needs_instruction:
+            return None
+        return self.adapter.instruction_source(self.method_options.get("text_source", "released"))
 
     def pruning(self, prepared: "Prepared"):
         """Context manager active around the LLM call: the in-LLM method's hooks, or nothing."""

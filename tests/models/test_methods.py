@@ -14,9 +14,10 @@ BUDGET = 6
 
 
 def test_all_methods_is_registry_plus_in_llm():
-    assert set(all_methods()) == set(promprune.methods()) | {"fastv", "sparsevlm"}
-    assert promprune.methods(promprune.IN_LLM) == ["fastv", "sparsevlm"]
-    assert [m for m in all_methods() if is_in_llm(m)] == ["fastv", "sparsevlm"]
+    in_llm = ["dart", "fastv", "pyramiddrop", "sparsevlm"]
+    assert set(all_methods()) == set(promprune.methods()) | set(in_llm)
+    assert promprune.methods(promprune.IN_LLM) == in_llm
+    assert [m for m in all_methods() if is_in_llm(m)] == in_llm
 
 
 @pytest.mark.parametrize("arch", ARCHS)
