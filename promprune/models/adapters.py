@@ -47,6 +47,8 @@ class VisualItem:
       projector, and the attention keys (head mean) of that layer; ``cls [V, dv]`` or None: each view's CLS hidden
       state; ``project``: the model's projector (vision space -> ``d``, float32 out).
     - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included.
+    - ``deepstack`` (Qwen3-VL only): per DeepStack layer, the features ``[P, d]`` added to the hidden state of each
+      run position at that LLM layer; pruning feeds the rows of the kept run positions.
     """
 
     run: torch.Tensor
@@ -62,6 +64,7 @@ class VisualItem:
     cls: torch.Tensor | None = None
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
     full: VisualItem | None = None
+    deepstack: list[torch.Tensor] | None = None
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision
@@ -135,6 +138,11 @@ class Adapter:
         """Candidate tokens of every image; ``need_vision``: with the vision tower's own features where the
         architecture has them (``VisualItem.vision``)."""
         raise NotImplementedError
+
+    def encoder_outputs(self, items: list[VisualItem], feats: list[torch.Tensor], run_pos: list[torch.Tensor]):
+        """``mm_encoder_outputs`` for ``generate``: the fed features ``feats[i] [M_i, d]`` of each image, which sit
+        at run positions ``run_pos[i] [M_i]`` of ``items[i]`` (Qwen3-VL also gathers its DeepStack rows there)."""
+        return as_encoder_outputs(feats)
 
     def generate_kwargs(self, inputs, new_ids, new_mask, col_map) -> dict:
         """Extra kwargs for ``generate`` on the rebuilt sequence (Qwen: 3D positions).
@@ -358,7 +366,59 @@ class QwenAdapter(Adapter):
         return {"position_ids": torch.cat([text[None].to(spatial), spatial], dim=0)}
 
 
-ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter}
+class Qwen3Adapter(QwenAdapter):
+    """Qwen3-VL: merged 2x2 tokens plus DeepStack features; saliency = received attention at one vision block.
+
+    No CLS token, so saliency is the Qwen2.5-VL rule: the mean attention each patch receives (queries and heads
+    averaged, within its image), pooled over the 2x2 group the merger joins. Every block attends over the whole
+    image; ``saliency_block`` picks one (default: the last, whose output the main merger projects).
+    DeepStack: the vision blocks of ``deepstack_visual_indexes`` feed their own mergers, whose tokens are added to
+    the hidden states of the image positions after the first LLM layers; a pruned image feeds the DeepStack rows
+    of its kept tokens, in the order of the kept tokens (a merging method's merged token takes its kept token's
+    DeepStack rows unmerged). The 3D M-RoPE positions of the kept tokens are gathered as for Qwen2.5-VL.
+    """
+
+    encoder = "qwen3_vl"
+
+    def _block(self) -> int:
+        depth = self.model.config.vision_config.depth
+        block = self.options.get("saliency_block")
+        block = depth - 1 if block is None else block
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
+            raise ValueError(f"saliency_block must be a block of the vision tower (0 .. {depth - 1}), got {block!r}")
+        return block
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        """No ``vision`` for Qwen3-VL (as Qwen2.5-VL); every item carries its DeepStack features."""
+        core, grid = self.model.model, inputs["image_grid_thw"]
+        sink: list = []
+        attn = core.visual.blocks[self.block].attn
+        with sal.capture_received_attention(attn, sink) if need_saliency else contextlib.nullcontext():
+            out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
+        scores = sal.pool_groups(sink[0], self.model.config.vision_config) if need_saliency else None
+        items, offset = [], 0
+        for i, f in enumerate(out.pooler_output):
+            idx = torch.arange(f.shape[0], device=f.device)
+            s = None if scores is None else scores[offset:offset + f.shape[0]]
+            items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
+                                    groups=torch.zeros_like(idx),
+                                    deepstack=[layer[i] for layer in out.deepstack_features]))
+            offset += f.shape[0]
+        return items
+
+    def encoder_outputs(self, items, feats, run_pos):
+        """Image features and, per DeepStack layer, each image's rows at the fed run positions."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        layers = len(items[0].deepstack)
+        deepstack = [tuple(it.deepstack[l][pos.to(it.deepstack[l].device)] for it, pos in zip(items, run_pos))
+                     for l in range(layers)]
+        return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=tuple(feats),
+                                                              deepstack_features=deepstack)}
+
+
+ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter,
+            "qwen3_vl": Qwen3Adapter}
 
 
 def adapter_for(model, processor, options) -> Adapter:
@@ -380,11 +440,11 @@ def max_views(config) -> int:
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
     """The most visual tokens one image gives the LLM under this config (what a budget must stay below to prune):
     LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
-    pinpoint), newlines not counted; Qwen2.5-VL the fixed ``image_tokens`` when set, else None (it depends on the
+    pinpoint), newlines not counted; Qwen2.5-VL / Qwen3-VL the fixed ``image_tokens`` when set, else None (it depends on the
     image's resolution)."""
     options = adapter_options or {}
     kind = getattr(config, "model_type", None)
-    if kind == "qwen2_5_vl":
+    if kind in ("qwen2_5_vl", "qwen3_vl"):
         return options.get("image_tokens")
     if kind not in ("llava", "llava_next"):
         return None

@@ -7,6 +7,8 @@ needs with the module's own projections:
   VisionZip, the same layer's keys, mean over heads).
 - Qwen2.5-VL (no CLS): the attention each patch receives, averaged over queries and heads, within each image
   (full-attention blocks attend per image), then averaged over each 2x2 group the merger joins.
+- Qwen3-VL (no CLS, every block attends over the whole image, no window permutation): the same received attention,
+  pooled over each 2x2 group, already in raster order.
 """
 from __future__ import annotations
 
@@ -125,3 +127,12 @@ def pool_to_merged(received: torch.Tensor, grid_thw: torch.Tensor, vision_config
                                               vision_config.window_size, vision_config.patch_size)
     pooled = received.view(-1, unit).mean(dim=1)  # [S / unit], window order
     return pooled[torch.argsort(window_index).to(pooled.device)]
+
+
+def pool_groups(received: torch.Tensor, vision_config) -> torch.Tensor:
+    """Average patch scores ``[S]`` over each merge group of ``m^2`` consecutive patches: ``[S / m^2]``.
+
+    Qwen3-VL's processor lays the patches out so each consecutive ``m^2`` form one merged token, in the merged
+    tokens' raster order, and its tower keeps that order (no window permutation).
+    """
+    return received.view(-1, vision_config.spatial_merge_size ** 2).mean(dim=1)

@@ -1,6 +1,6 @@
 """Tiny, offline, seeded VLMs built from the real transformers classes.
 
-`tiny_vlm(arch)` returns `(model, processor)` for arch in {"llava", "llava_next", "qwen2_5_vl"}:
+`tiny_vlm(arch)` returns `(model, processor)` for arch in `ARCHS` ({"llava", "llava_next", "qwen2_5_vl", ...}):
 the genuine `LlavaForConditionalGeneration` / `LlavaNextForConditionalGeneration` /
 `Qwen2_5_VLForConditionalGeneration` with random weights (seed 0), and a processor whose tokenizer,
 image processor and chat template are constructed from code (no hub access).
@@ -13,6 +13,8 @@ The structure is the paper's, the sizes are not:
   4x4 = 16 tokens per view, grid pinpoints up to 64x64 (2x2 crops).
 - Qwen2.5-VL: 4 px patches, temporal patch 2, 2x2 merger, windowed attention with full-attention
   blocks 1 and 3; images resized to multiples of 8 px between 16x16 and 48x48 px.
+- Qwen3-VL: the same patching and pixel range, full attention in every block, a 4x4 learned position grid
+  and DeepStack features from vision blocks 0-2 added after LLM layers 0-2.
 
 The tokenizer is byte-level BPE without merges (one token per byte) plus the architecture's special
 tokens, so any text round-trips and nothing is ever unknown.
@@ -41,11 +43,15 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 
 from .factories import place
 
-ARCHS = ("llava", "llava_next", "qwen2_5_vl")
+ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl")
 SEED = 0  # fixed so every process builds bit-identical tiny models
 
 # Chat templates in the style of the real checkpoints (LLaVA-1.5 "USER: <image>\n... ASSISTANT:",
@@ -208,7 +214,37 @@ def _tiny_qwen2_5_vl():
     return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
 
 
-_BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl}
+def qwen3_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int):
+    """A Qwen3-VL processor around ``tok`` (mean = std = 0.5, as the released processor)."""
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    video_processor = Qwen3VLVideoProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2)  # unused
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                            chat_template=_QWEN_TEMPLATE)
+
+
+def _tiny_qwen3_vl():
+    tok = qwen_tokenizer()
+    ids = qwen_token_ids(tok)
+    patch, merge = 4, 2
+    text = dict(**_text_sizes(len(tok)), head_dim=16, **ids.pop("text"),
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    # DeepStack: blocks 0, 1, 2 feed LLM layers 0, 1, 2 (the released model: blocks 8, 16, 24 of 27), so FastV
+    # (layer 2) and SparseVLM (layers 1, 2) prune before some DeepStack additions
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
+                  spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1, 2])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    model = _seeded(lambda: Qwen3VLForConditionalGeneration(config))
+    factor = patch * merge
+    return model, qwen3_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
+
+
+_BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl,
+             "qwen3_vl": _tiny_qwen3_vl}
 
 
 @functools.lru_cache(maxsize=None)
