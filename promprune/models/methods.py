@@ -83,7 +83,8 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
 # The newer encoders have no published value: Qwen3-VL borrows Qwen2.5-VL's (the same merged-token design);
 # recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744}
+# LLaVA-OneVision's SigLIP borrows CLIP's.
+DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42}
 
 
 def all_methods() -> list[str]:

@@ -279,4 +279,5 @@ def _model_class(model_type):
     return {"llava": transformers.LlavaForConditionalGeneration,
             "llava_next": transformers.LlavaNextForConditionalGeneration,
             "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[model_type]
+            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+            "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration}[model_type]

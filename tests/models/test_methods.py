@@ -32,7 +32,7 @@ def test_every_method_runs_through_every_adapter(arch, method, images, prompts):
             cls_tokens = BUDGET - len(g.kept)  # VisionZip also feeds each view's CLS, which has no grid index
             assert cls_tokens == 0 or method == "visionzip" and "qwen" not in arch and cls_tokens >= 1
         assert len(set(g.kept)) == len(g.kept)
-        if arch != "llava_next":  # raster order is grid order (NeXT: the packed sequence's layout instead)
+        if arch not in ("llava_next", "llava_onevision"):  # raster order is grid order (anyres: the packed layout)
             assert g.kept == sorted(g.kept)
         assert 0 <= g.saliency_count <= BUDGET
         assert min(g.vision_ms, g.select_ms, g.prefill_ms, g.decode_ms) >= 0
@@ -47,6 +47,8 @@ def test_mu_defaults_per_encoder_unless_given():
     assert "mu" not in PrunedVLM(qwen, p2, method="divprune", budget=4).method_options
     qwen3, p3 = tiny_vlm("qwen3_vl")
     assert PrunedVLM(qwen3, p3, budget=4).method_options["mu"] == 0.5744  # borrowed from Qwen2.5-VL (uncalibrated)
+    onevision, p4 = tiny_vlm("llava_onevision")
+    assert PrunedVLM(onevision, p4, budget=4).method_options["mu"] == 0.42  # SigLIP borrows CLIP's (uncalibrated)
 
 
 @pytest.mark.parametrize("call,match", [

@@ -1,9 +1,10 @@
 """The published 7B shapes without their weights: random-weight VLMs at the paper's real sizes.
 
-``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B or Qwen3-VL-8B (...) from the sizes
+``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B or LLaVA-OneVision-7B from the sizes
 in this folder's JSON files (copied from the checkpoints' ``config.json``; each file's ``_source`` says where from)
 with random weights, and an offline processor with the checkpoint's image settings (336 px CLIP views and anyres
-pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5 mean / std). Latency,
+pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5 mean / std; OneVision's 384 px SigLIP views, 6x6 pinpoints and
+anyres_max_9). Latency,
 memory, FLOPs and token counts do not depend on weight values, so these stand in for the checkpoints wherever those
 cannot be downloaded (``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized
 (one token per byte), so a prompt has more text tokens than under the real tokenizer; the vocabulary size, and so
@@ -23,11 +24,15 @@ from transformers import (
     LlavaNextConfig,
     LlavaNextForConditionalGeneration,
     LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
     LlavaProcessor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    SiglipVisionConfig,
 )
 
 from promprune.naming import AUTO, parse_dtype
@@ -115,7 +120,33 @@ def _qwen3(spec: dict, text_layers, vision_layers):
     return Qwen3VLForConditionalGeneration, config, processor
 
 
-_BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3}
+def _onevision(spec: dict, text_layers, vision_layers):
+    tok = testing.onevision_tokenizer()
+    vision = dict(spec["vision_config"])
+    vision.pop("model_type")
+    if vision_layers is not None:
+        vision["num_hidden_layers"] = vision_layers
+    text = dict(spec["text_config"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    text.pop("model_type")
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    pinpoints = spec["image_grid_pinpoints"]
+    config = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(**vision), text_config=Qwen2Config(**text),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), video_token_index=tok.convert_tokens_to_ids("<video>"),
+        vision_feature_layer=spec["vision_feature_layer"],
+        vision_feature_select_strategy=spec["vision_feature_select_strategy"],
+        projector_hidden_act=spec["projector_hidden_act"], image_grid_pinpoints=pinpoints,
+        vision_aspect_ratio=spec["vision_aspect_ratio"], tie_word_embeddings=spec["tie_word_embeddings"],
+        pad_token_id=tok.pad_token_id)
+    norm = spec["processor"]
+    processor = testing.onevision_processor(tok, spec["image_size"], vision["patch_size"], pinpoints,
+                                            spec["vision_aspect_ratio"], norm["image_mean"], norm["image_std"])
+    return LlavaOnevisionForConditionalGeneration, config, processor
+
+
+_BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "llava_onevision": _onevision}
 
 
 def _builder(spec: dict):
