@@ -51,6 +51,8 @@ class VisualItem:
       candidate's place in it is ``grid_index % (rows * cols)`` in raster order.
     - ``text_query [c]`` / ``text_tokens [N, c]`` or None: the instruction's embedding and the candidates in its
       space (CDPruner; :meth:`Adapter.attach_instruction`), ``text_source`` "clip" or "llm".
+    - ``deepstack`` (Qwen3-VL only): per DeepStack layer, the features ``[P, d]`` added to the hidden state of each
+      run position at that LLM layer; pruning feeds the rows of the kept run positions.
     """
 
     run: torch.Tensor
@@ -70,6 +72,7 @@ class VisualItem:
     text_query: torch.Tensor | None = None
     text_tokens: torch.Tensor | None = None
     text_source: str | None = None
+    deepstack: list[torch.Tensor] | None = None
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision
@@ -192,6 +195,11 @@ class Adapter:
         ids = self.processor.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         embed = self.model.get_input_embeddings()
         return embed(ids.to(embed.weight.device))[0].float().mean(dim=0)
+
+    def encoder_outputs(self, items: list[VisualItem], feats: list[torch.Tensor], run_pos: list[torch.Tensor]):
+        """``mm_encoder_outputs`` for ``generate``: the fed features ``feats[i] [M_i, d]`` of each image, which sit
+        at run positions ``run_pos[i] [M_i]`` of ``items[i]`` (Qwen3-VL also gathers its DeepStack rows there)."""
+        return as_encoder_outputs(feats)
 
     def generate_kwargs(self, inputs, new_ids, new_mask, col_map) -> dict:
         """Extra kwargs for ``generate`` on the rebuilt sequence (Qwen: 3D positions).
@@ -422,7 +430,149 @@ class QwenAdapter(Adapter):
         return {"position_ids": torch.cat([text[None].to(spatial), spatial], dim=0)}
 
 
-ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter}
+class Qwen3Adapter(QwenAdapter):
+    """Qwen3-VL: merged 2x2 tokens plus DeepStack features; saliency = received attention at one vision block.
+
+    No CLS token, so saliency is the Qwen2.5-VL rule: the mean attention each patch receives (queries and heads
+    averaged, within its image), pooled over the 2x2 group the merger joins. Every block attends over the whole
+    image; ``saliency_block`` picks one (default: the last, whose output the main merger projects).
+    DeepStack: the vision blocks of ``deepstack_visual_indexes`` feed their own mergers, whose tokens are added to
+    the hidden states of the image positions after the first LLM layers; a pruned image feeds the DeepStack rows
+    of its kept tokens, in the order of the kept tokens (a merging method's merged token takes its kept token's
+    DeepStack rows unmerged). The 3D M-RoPE positions of the kept tokens are gathered as for Qwen2.5-VL.
+    """
+
+    encoder = "qwen3_vl"
+
+    def _block(self) -> int:
+        depth = self.model.config.vision_config.depth
+        block = self.options.get("saliency_block")
+        block = depth - 1 if block is None else block
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
+            raise ValueError(f"saliency_block must be a block of the vision tower (0 .. {depth - 1}), got {block!r}")
+        return block
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        """No ``vision`` for Qwen3-VL (as Qwen2.5-VL); every item carries its DeepStack features."""
+        core, grid = self.model.model, inputs["image_grid_thw"]
+        sink: list = []
+        attn = core.visual.blocks[self.block].attn
+        with sal.capture_received_attention(attn, sink) if need_saliency else contextlib.nullcontext():
+            out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
+        scores = sal.pool_groups(sink[0], self.model.config.vision_config) if need_saliency else None
+        items, offset = [], 0
+        for i, f in enumerate(out.pooler_output):
+            idx = torch.arange(f.shape[0], device=f.device)
+            s = None if scores is None else scores[offset:offset + f.shape[0]]
+            items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
+                                    groups=torch.zeros_like(idx),
+                                    deepstack=[layer[i] for layer in out.deepstack_features]))
+            offset += f.shape[0]
+        return items
+
+    def encoder_outputs(self, items, feats, run_pos):
+        """Image features and, per DeepStack layer, each image's rows at the fed run positions."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        layers = len(items[0].deepstack)
+        deepstack = [tuple(it.deepstack[l][pos.to(it.deepstack[l].device)] for it, pos in zip(items, run_pos))
+                     for l in range(layers)]
+        return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=tuple(feats),
+                                                              deepstack_features=deepstack)}
+
+
+class OnevisionAdapter(Adapter):
+    """LLaVA-OneVision (images): SigLIP views (base + anyres crops), unpadding, anyres-max resizing, newlines.
+
+    SigLIP has no CLS token (the "full" strategy feeds every patch), so saliency is the no-CLS rule of Qwen2.5-VL:
+    the mean attention each patch receives (queries and heads averaged, within its view) at the layer whose output
+    the projector reads (``vision_feature_layer``, -1 on the released model, whose tower the conversion cut to 26
+    layers). The candidates are the packed tokens that are not ``image_newline``; where anyres-max resizes the crop
+    grid (bilinear, ``vision_aspect_ratio``), a candidate is the resized token the LLM would see, its saliency the
+    same bilinear blend of the patch saliencies, its grid index / view those of the patch nearest its sampling point.
+    The budget modes are LLaVA-NeXT's over the views (base view = group 0, crop k = group k); ``view_quota`` gives
+    each view ``budget // (1 + the most crops of any pinpoint)`` of its fed tokens (no padding is ever a candidate).
+    No vision-tower features (``need_vision``): VisPruner / VisionZip work on the projected features, as on Qwen.
+    """
+
+    encoder = "siglip"
+
+    def _attn_module(self):
+        layer = self.model.config.vision_feature_layer
+        layer = layer if isinstance(layer, int) else layer[-1]
+        return sal.clip_attention_module(self.model.model.vision_tower, layer)
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        core, cfg = self.model.model, self.model.config
+        sink: list = []
+        ctx = sal.capture(self._attn_module(), sink, sal.view_received_attention) if need_saliency \
+            else contextlib.nullcontext()
+        with ctx:
+            out = core.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
+                                          batch_num_images=inputs.get("batch_num_images"), return_dict=True)
+        side = cfg.vision_config.image_size // cfg.vision_config.patch_size
+        n = side * side  # tokens per view
+        scores = sink[0] if need_saliency else None  # [sum V_i, n]
+        items, first = [], 0
+        for run, size in zip(out.pooler_output, inputs["image_sizes"]):
+            views, rows, cols = self._views(size)
+            sal_views = None if scores is None else scores[first:first + views]
+            items.append(self._item(run, size, views, rows, cols, side, sal_views))
+            first += views
+        return items
+
+    def _views(self, size) -> tuple[int, int, int]:
+        """``(views, crop rows, crop cols)`` of an image of ``size`` (H, W): base view + rows x cols crops."""
+        from transformers.models.llava_onevision.modeling_llava_onevision import (
+            get_anyres_image_grid_shape,
+            image_size_to_num_patches,
+        )
+
+        cfg = self.model.config
+        views = image_size_to_num_patches(size, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+        rows, cols = get_anyres_image_grid_shape(size, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+        return views, rows, cols
+
+    def _layout(self, size, views, cols, side, saliency) -> torch.Tensor:
+        """The model's own ``pack_image_features`` run on ``(row, col, saliency)`` per patch: ``[P, 3]`` float64 with
+        each packed position's (fractional, after anyres-max resizing) source row / column in its grid (the base
+        view's own, or the stitched crops') and its saliency; newline positions are all -1."""
+        v = torch.arange(views, dtype=torch.float64)[:, None, None]  # [V, 1, 1]
+        r = torch.arange(side, dtype=torch.float64)[None, :, None].expand(views, side, side)
+        c = torch.arange(side, dtype=torch.float64)[None, None, :].expand(views, side, side)
+        crop = (v - 1).clamp_min(0)  # crop k (view k + 1) sits at row k // cols, column k % cols of the crop grid
+        gr = torch.where(v > 0, (crop // cols) * side + r, r)
+        gc = torch.where(v > 0, (crop % cols) * side + c, c)
+        s = torch.zeros(views, side, side, dtype=torch.float64) if saliency is None else \
+            saliency.detach().double().cpu().view(views, side, side)
+        coords = torch.stack([gr, gc, s], dim=-1).view(views, side * side, 3)
+        packed, _ = self.model.model.pack_image_features(
+            [coords], size[None].cpu(), image_newline=torch.full((3,), -1.0, dtype=torch.float64),
+            vision_aspect_ratio=self.model.config.vision_aspect_ratio)
+        return packed[0]
+
+    def _item(self, run, size, views, rows, cols, side, saliency) -> VisualItem:
+        n = side * side
+        lay = self._layout(size, views, cols, side, saliency).to(run.device)
+        assert lay.shape[0] == run.shape[0], "packed layout does not match the model's packed features"
+        newline = lay[:, 0] < 0
+        run_pos = (~newline).nonzero().flatten()
+        r, c = lay[run_pos, 0].round().long(), lay[run_pos, 1].round().long()
+        view = torch.zeros_like(r)
+        if views > 1:  # positions from n on are crop tokens: view from their source crop
+            view[n:] = 1 + (r[n:] // side) * cols + c[n:] // side
+        grid = view * n + (r % side) * side + c % side
+        assert grid.unique().numel() == grid.numel(), "two packed tokens map to one source patch"
+        row = newline.long().cumsum(0) - newline.long()  # newlines strictly before each position
+        if views > 1:
+            row[:n] = -1  # the base view has no newline rows
+        return VisualItem(run=run, features=run[run_pos], run_pos=run_pos, grid_index=grid,
+                          saliency=None if saliency is None else lay[run_pos, 2].float(), groups=view,
+                          row_of_run=row, newline=newline)
+
+
+ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter,
+            "qwen3_vl": Qwen3Adapter, "llava_onevision": OnevisionAdapter}
 
 
 def adapter_for(model, processor, options) -> Adapter:
@@ -434,8 +584,9 @@ def adapter_for(model, processor, options) -> Adapter:
 
 
 def max_views(config) -> int:
-    """The most views one image gives: LLaVA-NeXT 1 + the most crops of any grid pinpoint (5 on llava-v1.6), else 1."""
-    if getattr(config, "model_type", None) != "llava_next":
+    """The most views one image gives: LLaVA-NeXT / LLaVA-OneVision 1 + the most crops of any grid pinpoint (5 on
+    llava-v1.6, 37 on llava-onevision), else 1."""
+    if getattr(config, "model_type", None) not in ("llava_next", "llava_onevision"):
         return 1
     size = config.vision_config.image_size
     return 1 + max(h // size * (w // size) for h, w in config.image_grid_pinpoints)
@@ -444,13 +595,14 @@ def max_views(config) -> int:
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
     """The most visual tokens one image gives the LLM under this config (what a budget must stay below to prune):
     LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
-    pinpoint), newlines not counted; Qwen2.5-VL the fixed ``image_tokens`` when set, else None (it depends on the
+    pinpoint), newlines not counted (LLaVA-OneVision: the same, an upper bound as anyres-max resizes large crop grids
+    down); Qwen2.5-VL / Qwen3-VL the fixed ``image_tokens`` when set, else None (it depends on the
     image's resolution)."""
     options = adapter_options or {}
     kind = getattr(config, "model_type", None)
-    if kind == "qwen2_5_vl":
+    if kind in ("qwen2_5_vl", "qwen3_vl"):
         return options.get("image_tokens")
-    if kind not in ("llava", "llava_next"):
+    if kind not in ("llava", "llava_next", "llava_onevision"):
         return None
     vision = config.vision_config
     per_view = (vision.image_size // vision.patch_size) ** 2

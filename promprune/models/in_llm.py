@@ -11,6 +11,9 @@ The language model is not forked: forward pre-hooks on its decoder layers shrink
   the kept columns. The KV cache of layers ``>= l`` therefore holds only kept tokens; during decoding the same
   hooks give those layers masks over their own kept columns plus the generated tokens.
 
+Qwen3-VL's DeepStack adds visual features to the image positions' hidden states after its first LLM layers; once
+a layer has pruned, the addition goes to the kept image columns only (each gets its own rows).
+
 Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5-VL); all rows keep the same
 sequence length, padded with masked "dead" tokens that nobody attends to.
 In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens included, as visual tokens.
@@ -184,6 +187,16 @@ def _decoder_layers(model):
     return model.model.language_model.layers
 
 
+class _Unwrap:
+    """A handle that removes an instance attribute set over a method (restoring the class's method)."""
+
+    def __init__(self, obj, name):
+        self.obj, self.name = obj, name
+
+    def remove(self):
+        self.obj.__dict__.pop(self.name, None)
+
+
 class Stage:
     """Prune before decoder layer ``layer``; ``kind`` says how tokens are ranked: "fastv" (the last token's attention
     at layer - 1), "sparsevlm" (the raters' attention at layer - 1, with recycling), "pdrop" (the last token's
@@ -224,6 +237,9 @@ class InLLMPruner:
             self.handles.append(attn.register_forward_pre_hook(self._scorer(stage), with_kwargs=True))
         for idx in range(self.first, len(self.layers)):
             self.handles.append(self.layers[idx].register_forward_pre_hook(self._on_layer(idx), with_kwargs=True))
+        if hasattr(lm, "_deepstack_process"):  # Qwen3-VL: a method, not a module, so no hook: wrap it meanwhile
+            lm._deepstack_process = self._deepstack(lm._deepstack_process)
+            self.handles.append(_Unwrap(lm, "_deepstack_process"))
         return self
 
     def __exit__(self, *exc):
@@ -231,6 +247,20 @@ class InLLMPruner:
             h.remove()
         self.handles = []
         return False
+
+    def _deepstack(self, original):
+        """Qwen3-VL's DeepStack addition on the current (maybe pruned) columns: ``visual_pos_masks [B, L]`` and
+        ``embeds [V, d]`` (one row per image column, row-major) are cut to the kept, live image columns."""
+
+        def process(hidden, visual_pos_masks, embeds):
+            if not self.prefill:  # decoding steps carry no image columns
+                return original(hidden, visual_pos_masks, embeds)
+            masks = visual_pos_masks.to(self.keep.device)
+            row = (masks.flatten().long().cumsum(0) - 1).view_as(masks)  # [B, L]: each image column's embeds row
+            kept = masks.gather(1, self.keep) & self.alive  # [B, L_cur]: kept, live image columns
+            return original(hidden, kept, embeds[row.gather(1, self.keep)[kept].to(embeds.device)])
+
+        return process
 
     # ---- per forward ---------------------------------------------------------------------------------
     def _on_lm(self, module, args, kwargs):

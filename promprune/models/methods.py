@@ -30,12 +30,14 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # budget_mode "packed" selects among the newline tokens instead, and "released" sets this per method.
     "image_newline": "drop",
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
+    # Qwen3-VL (every block attends over the whole image): any block index; None = the last one.
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
     # CLIP sized to their vision tower), else openai/clip-vit-large-patch14-336 (the released code's).
     "clip_text": None,
-    # Qwen2.5-VL: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a square.
+    # Qwen2.5-VL / Qwen3-VL: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a
+    # square.
     # None keeps the processor's resolution-dependent count.
     "image_tokens": None,
     # The order of the kept tokens in the LLM's input (pre-LLM methods; each token keeps its own position embedding
@@ -85,7 +87,10 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
 
 
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744}
+# The newer encoders have no published value: Qwen3-VL borrows Qwen2.5-VL's (the same merged-token design);
+# recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
+# LLaVA-OneVision's SigLIP borrows CLIP's.
+DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42}
 
 
 def all_methods() -> list[str]:

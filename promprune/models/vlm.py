@@ -13,7 +13,7 @@ from promprune.naming import parse_dtype
 from promprune.records import SampleStats
 
 from . import in_llm
-from .adapters import adapter_for, as_encoder_outputs, max_views
+from .adapters import adapter_for, max_views
 from .factories import find_model_factory
 from .images import load_images
 from .methods import is_in_llm, next_layout, token_order, validate_method
@@ -46,12 +46,12 @@ def _sync(device) -> None:
 
 
 class PrunedVLM:
-    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL that prunes visual tokens with a registered method.
+    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL / Qwen3-VL (...) that prunes visual tokens with a registered method.
 
     ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens
     of each image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are the method's
     options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults per
-    vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL) unless given.
+    vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL; :data:`promprune.models.methods.DEFAULT_MU`) unless given.
     """
 
     def __init__(self, model, processor, method: str | None = "promprune", budget: int | None = None,
@@ -84,7 +84,7 @@ class PrunedVLM:
         """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class), or build a model
         by factory name (:mod:`promprune.models.factories`):
 
-        - ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl): the offline random-weight tiny models of
+        - ``"tiny:<arch>"`` (arch in :data:`promprune.models.testing.ARCHS`): the offline random-weight tiny models of
           :mod:`promprune.models.testing` (a private copy, cast to ``dtype``);
         - ``"tiny-easyvqa:llava"``: the same tiny LLaVA trained on easy-vqa's train split
           (:mod:`promprune.training.easyvqa`; trained into ``$PROMPRUNE_CACHE`` on first use, ~3 minutes on 2 CPU cores,
@@ -134,7 +134,7 @@ class PrunedVLM:
 
         ``Prepared.model_kwargs`` are the kwargs for ``model.generate`` or a plain ``model(...)`` forward:
         ``input_ids`` / ``attention_mask`` with shrunk placeholder runs, ``mm_encoder_outputs`` holding the kept
-        features, and for Qwen2.5-VL the gathered 3D ``position_ids``.
+        features, and for Qwen2.5-VL / Qwen3-VL the gathered 3D ``position_ids``.
         """
         prompts = list(prompts)
         batch = self.inputs(images, prompts)
@@ -149,10 +149,10 @@ class PrunedVLM:
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
         if plan is None:
-            ids, mask, feats, extra, stats = self._unpruned_inputs(batch, items)
+            ids, mask, encoded, extra, stats = self._unpruned_inputs(batch, items)
         else:
-            ids, mask, feats, extra, stats = self._pruned_inputs(batch, candidates, plan)
-        kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats), **extra)
+            ids, mask, encoded, extra, stats = self._pruned_inputs(batch, candidates, plan)
+        kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
         return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
 
     def _text_source(self) -> str | None:
@@ -202,13 +202,14 @@ class PrunedVLM:
                             order=self.token_order, view_budget=self.view_budget)
 
     def _unpruned_inputs(self, batch, items):
-        """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``, all kept."""
+        """``(input_ids, attention_mask, mm_encoder_outputs, extra generate kwargs, per-item stats)``, all kept."""
         feats = [it.run for it in items]
+        encoded = self.adapter.encoder_outputs(items, feats, [torch.arange(f.shape[0]) for f in feats])
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
                       kept=sorted(it.grid_index.tolist()), salient=[]) for f, it in zip(feats, items)]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
-        return ids, mask, feats, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
+        return ids, mask, encoded, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
 
     def _pruned_inputs(self, batch, items, plan):
         """Like :meth:`_unpruned_inputs` for the kept tokens of ``plan``: placeholder runs shrink to match."""
@@ -224,7 +225,7 @@ class PrunedVLM:
                       kept=[g for g in it.grid_index[p.kept].tolist() if g >= 0],  # newline tokens have no grid index
                       salient=sorted(it.grid_index[p.salient].tolist()))
                  for f, p, it in zip(feats, plan, items)]
-        return ids, mask, feats, extra, stats
+        return ids, mask, self.adapter.encoder_outputs(items, feats, run_pos), extra, stats
 
 
 class _Timer:
@@ -287,4 +288,6 @@ def _model_class(model_type):
 
     return {"llava": transformers.LlavaForConditionalGeneration,
             "llava_next": transformers.LlavaNextForConditionalGeneration,
-            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}[model_type]
+            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+            "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration}[model_type]
