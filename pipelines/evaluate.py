@@ -175,8 +175,9 @@ def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict
     if shards == 1:
         return requests_dataset(build_rows(tasks, limit, generation), batch_size)
     calls = [_build_shard.remote(tasks, limit, generation, (i, shards), batch_size) for i in range(shards)]
-    blocks = [ref for call in calls for ref in call]  # streamed blocks are owned here: they outlive their task
-    keys = [k for ks in ray.get([_keys.remote(b) for b in blocks]) for k in ks]
+    streamed = [list(call) for call in calls]  # streamed blocks are owned here: they outlive their task
+    blocks = [ref for refs in streamed for ref in refs[:-1]]
+    keys = [k for ks in ray.get([refs[-1] for refs in streamed]) for k in ks]  # each shard's last item: its keys
     if len(set(keys)) != len(keys):
         raise ValueError("request shards overlap: a (task, doc_id) was built twice")
     return Requests(blocks, keys)
@@ -184,14 +185,11 @@ def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict
 
 @ray.remote(num_returns="streaming")
 def _build_shard(tasks: list[str], limit: int | None, generation: dict, shard: tuple[int, int], batch_size: int):
-    """One shard's requests, yielded block by block."""
-    for block in request_blocks(build_rows(tasks, limit, generation, shard=shard, contiguous=True), batch_size):
+    """One shard's requests, yielded block by block, then the list of their keys."""
+    rows = build_rows(tasks, limit, generation, shard=shard, contiguous=True)
+    for block in request_blocks(rows, batch_size):
         yield block  # (not `yield from`: Ray's streaming generator sends into it)
-
-
-@ray.remote(num_cpus=0)
-def _keys(block: pa.Table) -> list[str]:
-    return [sample_key(t, d) for t, d in zip(block.column("task").to_pylist(), block.column("doc_id").to_pylist())]
+    yield [r.key for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------------------------
