@@ -248,3 +248,19 @@ def test_a_score_with_failed_samples_carries_their_count(store, tmp_path):
     assert "80.0 [5 failed]" in row and "57.0 [" not in row  # GQA had none
     csv = tables.score_table_csv(table)
     assert csv.loc[csv["method"] == "promprune", "POPE failed samples"].item() == 5
+
+
+def test_the_default_image_source_draws_the_tasks_own_image():
+    """The production default (no image_source): an offline task's real image, not the labelled stand-in (issue 24:
+    it indexed Request records as dicts, and a broad except turned that into a stand-in on every report)."""
+    from promprune.eval import build_requests
+
+    from pipelines.reporting.build import task_image
+
+    image, note = task_image("easyvqa_yesno", "3")
+    assert note == ""
+    (row,) = [r for r in build_requests(["easyvqa_yesno"], limit=4) if r.doc_id == 3]
+    expected = np.asarray(Image.open(__import__("io").BytesIO(row.image)).convert("RGB"))
+    assert image.shape == expected.shape and (image == expected).all()
+    stand_in, note = task_image("easyvqa_yesno", "999999")
+    assert "stand-in image" in note
