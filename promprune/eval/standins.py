@@ -20,9 +20,9 @@ own builder: a local copy of the hub repository (a README with the hub's ``confi
 the same paths) is prepared by the parquet builder into a staging cache, and the result moved under the hub
 repository's ``<org>___`` name, the only part of the path a local repository lacks.
 
-In-process use after ``datasets`` was imported: it read ``HF_DATASETS_CACHE`` at import, and lmms-eval's GQA loads
-its images without a ``cache_dir``, so point ``datasets.config.HF_DATASETS_CACHE`` at ``hf_home/datasets`` too
-(:func:`standin_env` gives the environment for a fresh process).
+A fresh process needs only the environment of :func:`standin_env`. Inside a process that already imported
+``datasets`` or loaded an lmms-eval task, use ``with serving(hf_home):``: both libraries read some of that
+environment once per process, and it sets those values too.
 """
 
 from __future__ import annotations
@@ -566,16 +566,30 @@ def build_standins(hf_home: Path, tasks=STANDIN_TASKS, docs_per_task: int = 8, s
 def standin_env(hf_home: Path) -> dict[str, str]:
     """The environment under which a fresh process loads the stand-ins as the hub datasets (offline)."""
     hf_home = Path(hf_home)
-    return {"HF_HOME": str(hf_home), "HF_DATASETS_CACHE": str(hf_home / "datasets"), "HF_DATASETS_OFFLINE": "1",
-            "HF_HUB_OFFLINE": "1"}
+    cache = str(hf_home / "datasets")
+    # lmms-eval loads from LMMS_EVAL_DATASETS_CACHE when it is set, else from HF_DATASETS_CACHE
+    return {"HF_HOME": str(hf_home), "HF_DATASETS_CACHE": cache, "LMMS_EVAL_DATASETS_CACHE": cache,
+            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _forget_lmms_eval_cache_dir() -> None:
+    """lmms-eval 0.7.3 resolves its datasets cache directory once per process (an lru_cache on
+    ``lmms_eval.api.task._resolve_hf_datasets_cache_dir``); forget it so the next task load reads the environment."""
+    try:
+        from lmms_eval.api import task
+    except ImportError:
+        return
+    resolve = getattr(task, "_resolve_hf_datasets_cache_dir", None)
+    if hasattr(resolve, "cache_clear"):
+        resolve.cache_clear()
 
 
 @contextlib.contextmanager
 def serving(hf_home: Path):
     """Inside the block, this process loads the stand-ins in ``hf_home`` as the hub datasets, offline: the
-    environment of :func:`standin_env`, plus the values ``datasets`` and ``huggingface_hub`` read from it once, at
-    import (the datasets cache, which lmms-eval's GQA images load from without a ``cache_dir``; offline mode).
-    Everything is restored afterwards."""
+    environment of :func:`standin_env`, plus what ``datasets`` and ``huggingface_hub`` read from it once, at import
+    (the datasets cache, where lmms-eval's GQA utils load images without a ``cache_dir``; offline mode), and
+    lmms-eval's once-per-process choice of its cache directory. Everything is restored afterwards."""
     import datasets.config
     import huggingface_hub.constants
 
@@ -589,7 +603,9 @@ def serving(hf_home: Path):
         for module, name, value in patched:
             setattr(module, name, value)
         with temporary_env(**env):
+            _forget_lmms_eval_cache_dir()
             yield Path(hf_home)
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+        _forget_lmms_eval_cache_dir()
