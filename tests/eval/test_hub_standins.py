@@ -5,6 +5,7 @@ task YAMLs name the repositories, its ``download()`` loads them, its utils build
 """
 import collections
 import io
+import json
 
 import pytest
 from PIL import Image
@@ -14,21 +15,18 @@ from promprune.eval.standins import STANDIN_TASKS, serving
 from promprune.eval.tasks import PAPER_TASKS, PRIMARY_METRICS, load_task
 from tests.eval.conftest import STANDIN_DOCS
 
-NO_JUDGE = pytest.mark.skip(reason="MM-Vet is scored by an LLM judge (lmms-eval's mmvet utils); none is reachable "
-                                   "here. Its requests are built and checked; scoring needs an OpenAI-compatible "
-                                   "endpoint (issue 21 item 5 settles which variable names it)")
-
-
-def _marked(xfail_mmbench):
-    """Every paper task as a parameter: MM-Vet skipped (no judge), MMBench with ``xfail_mmbench``'s mark."""
-    marks = {"mmvet": NO_JUDGE, "mmbench_en_dev_static": xfail_mmbench}
-    return [pytest.param(t, marks=marks[t]) if marks.get(t) else t for t in STANDIN_TASKS]
-
 # MME's ten perception subtasks (Fu et al., 2023); the other four are cognition
 MME_PERCEPTION = {"existence", "count", "position", "color", "posters", "celebrity", "scene", "landmark", "artwork",
                   "OCR"}
 BOOTSTRAP_ARGS = pytest.mark.xfail(strict=False, raises=TypeError, reason="issue 21 item 3 (lead): bootstrap calls "
                                                                           "MMBench's aggregation without its args")
+
+
+def _marked(xfail_mmbench):
+    """Every paper task as a parameter, MMBench with ``xfail_mmbench``'s mark."""
+    return [pytest.param(t, marks=xfail_mmbench) if xfail_mmbench and t.startswith("mmbench") else t
+            for t in STANDIN_TASKS]
+
 
 # The hub datasets' fields, as their dataset cards give them (lmms-lab/<name>; lmms-eval 0.7.3 reads the
 # lmms-lab-encoder/ copies): (dataset_path, dataset_name or None, split) -> "field:type ..."
@@ -65,6 +63,67 @@ HUB_SCHEMAS = {
     ("lmms-lab-encoder/MMVet", None, "test"): "question_id:string image:image question:string answer:string "
                                               "image_source:string capability:string",
 }
+
+
+class LoopbackJudge:
+    """MM-Vet's judge on loopback: an OpenAI-compatible Chat Completions endpoint that grades lmms-eval's MM-Vet
+    prompt (its last row: ``question | ground truth | prediction |``) 1.0 when the prediction holds every
+    ``<AND>`` part of the ground truth, else 0.0. Counts its requests."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        judge = self
+        self.requests = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                judge.requests += 1
+                grade = judge.grade(body["messages"][-1]["content"])
+                reply = {"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": grade}}]}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def grade(prompt: str) -> str:
+        last_row = prompt.split("| 1.0\n")[-1].strip()  # after the template's last worked example
+        _, truth, prediction = last_row.removesuffix("|").split(" | ", 2)
+        parts = [p.strip().lower() for p in truth.split("<AND>")]
+        return "1.0" if all(p in prediction.lower() for p in parts) else "0.0"
+
+
+@pytest.fixture(scope="module")
+def judge():
+    server = LoopbackJudge()
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+@pytest.fixture
+def judged(judge, monkeypatch):
+    """MM-Vet's judge settings (lmms-eval 0.7.3's openai provider reads OPENAI_API_URL) pointing at ``judge``."""
+    for name, value in {"API_TYPE": "openai", "OPENAI_API_KEY": "sk-test", "OPENAI_API_URL": judge.url,
+                        "OPENAI_BASE_URL": judge.url}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MODEL_VERSION", raising=False)
+    judge.requests = 0
+    return judge
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -135,15 +194,17 @@ def _correct(task: str, doc: dict) -> str:
         return collections.Counter(doc["answers"]).most_common(1)[0][0]  # the ten annotators' majority
     if task == "vqav2_val":
         return collections.Counter(a["answer"] for a in doc["answers"]).most_common(1)[0][0]
+    if task == "mmvet":
+        return doc["answer"].replace("<AND>", " and ")  # every part of the ground truth, in words
     return doc["answer"]  # MME Yes/No, POPE yes/no, MMBench's letter, GQA's word
 
 
 def _maximum(task: str, docs) -> dict[str, float]:
-    """Each primary metric's best value on these documents (lmms-eval's scales: fractions, MMBench percent, MME
+    """Each primary metric's best value on these documents (lmms-eval's scales: fractions, MMBench and MM-Vet percent, MME
     points: 100 accuracy + 100 accuracy+ per subtask, summed over the perception subtasks present)."""
     if task == "mme":
         return {"mme_perception_score": 200.0 * len({d["category"] for d in docs} & MME_PERCEPTION)}
-    return {metric: 100.0 if task.startswith("mmbench") else 1.0 for metric in PRIMARY_METRICS[task]}
+    return {metric: 100.0 if task.startswith(("mmbench", "mmvet")) else 1.0 for metric in PRIMARY_METRICS[task]}
 
 
 def _replayed(task: str):
@@ -153,9 +214,10 @@ def _replayed(task: str):
 
 
 @pytest.mark.parametrize("task", _marked(BOOTSTRAP_ARGS))
-def test_correct_answers_reach_each_metrics_maximum(task):
+def test_correct_answers_reach_each_metrics_maximum(task, judged):
     docs, rows = _replayed(task)
     result = score(rows, bootstrap=20)[task]
+    assert judged.requests == (len(docs) if task == "mmvet" else 0)  # MM-Vet: one judge call per answer
     best = _maximum(task, docs)
     assert {m: result[m] for m in best} == best
     assert result["n_samples"] == len(docs) and result["n_failed"] == 0
@@ -165,18 +227,22 @@ def test_correct_answers_reach_each_metrics_maximum(task):
 
 
 @pytest.mark.parametrize("task", _marked(None))
-def test_correct_answers_reach_each_metrics_maximum_without_bootstrap(task):
+def test_correct_answers_reach_each_metrics_maximum_without_bootstrap(task, judged):
     """As above, without intervals: passes for MMBench too while its bootstrap (issue 21 item 3) is being fixed."""
     docs, rows = _replayed(task)
     result = score(rows)[task]
     assert {m: result[m] for m in _maximum(task, docs)} == _maximum(task, docs)
 
 
-def test_a_wrong_answer_costs_its_share():
-    """The maximum is not a constant: one wrong VQAv2 answer (of STANDIN_DOCS) lowers exact_match by 1/n."""
-    docs, rows = _replayed("vqav2_val")
+@pytest.mark.parametrize("task", ["vqav2_val", "mmvet"])
+def test_a_wrong_answer_costs_its_share(task, judged):
+    """The maximum is no constant: one wrong answer of n lowers VQAv2's exact match, and the judge's MM-Vet score,
+    by 1/n of the maximum."""
+    docs, rows = _replayed(task)
     rows[0]["prediction"] = "zebra"
-    assert score(rows)["vqav2_val"]["exact_match"] == pytest.approx(1 - 1 / len(docs))
+    best = _maximum(task, docs)
+    (metric,) = best
+    assert score(rows)[task][metric] == pytest.approx(best[metric] * (1 - 1 / len(docs)))
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +254,7 @@ def vlm():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", _marked(None))
-def test_each_task_builds_generates_and_scores_on_a_tiny_model(task, vlm):
+def test_each_task_builds_generates_and_scores_on_a_tiny_model(task, vlm, judged):
     docs = load_task(task).eval_docs
     rows = build_requests([task])
     for row in rows:  # a random model rarely stops by itself; a short answer keeps the test quick
