@@ -186,6 +186,14 @@ def test_each_task_builds_one_request_per_document_with_its_image(task, monkeypa
         assert doc["question"].split("?")[0].lower() in row.prompt.lower()
 
 
+
+@pytest.mark.parametrize("task", ["gqa", "mme"])  # GQA joins two datasets in process_docs; MME shares images
+def test_shards_build_the_same_requests(task):
+    whole = build_requests([task])
+    shards = [r for i in range(3) for r in build_requests([task], shard=(i, 3))]
+    assert sorted((r.doc_id, r.prompt, r.image) for r in shards) == [(r.doc_id, r.prompt, r.image) for r in whole]
+
+
 def _correct(task: str, doc: dict) -> str:
     """The answer a perfect model gives, read from the document as each benchmark defines its ground truth."""
     if task == "scienceqa_img":
