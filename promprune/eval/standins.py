@@ -8,7 +8,8 @@ Each stand-in has the hub dataset's repository (as lmms-eval 0.7.3's task YAML n
 config, split, field names and feature types (from the datasets' cards), a few documents, and images drawn
 procedurally (a seeded scene of coloured shapes and words over a crop of one of scikit-image's bundled photos) and
 stored as the hub stores them: encoded JPEG or PNG bytes, in modes RGB, L, RGBA and P. The questions are about what
-was drawn, so every stored answer is correct. Structure that lmms-eval's code relies on is kept: MME's two questions
+was drawn, so the stored answers are right (a colour question on a grey image, as the hub's COCO photos have them,
+is right about the scene only). Structure that lmms-eval's code relies on is kept: MME's two questions
 per image (yes, no), MMBench's circular variants (index + k*1e6, options rotated), GQA's questions in one config and
 images in another joined by ``imageId``, VQAv2's several questions per image with ten ``answers``.
 
@@ -28,6 +29,7 @@ environment once per process, and it sets those values too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import shutil
@@ -85,10 +87,7 @@ class Painter:
         self.rng = np.random.default_rng(seed)
 
     def _background(self, size: tuple[int, int]) -> Image.Image:
-        import skimage.data
-
-        photo = np.asarray(getattr(skimage.data, PHOTOS[self.rng.integers(len(PHOTOS))])())
-        photo = np.stack([photo] * 3, axis=-1) if photo.ndim == 2 else photo[..., :3]
+        photo = _photo(PHOTOS[self.rng.integers(len(PHOTOS))])
         H, W, _ = photo.shape
         h, w = self.rng.integers(H // 3, H + 1), self.rng.integers(W // 3, W + 1)
         top, left = self.rng.integers(0, H - h + 1), self.rng.integers(0, W - w + 1)
@@ -118,6 +117,15 @@ class Painter:
 
     def choice(self, options):
         return options[self.rng.integers(len(options))]
+
+
+@functools.lru_cache(maxsize=len(PHOTOS))
+def _photo(name: str) -> np.ndarray:
+    """One of scikit-image's bundled photos as H x W x 3 uint8 (grey ones stacked, alpha dropped)."""
+    import skimage.data
+
+    photo = np.asarray(getattr(skimage.data, name)())
+    return np.stack([photo] * 3, axis=-1) if photo.ndim == 2 else photo[..., :3]
 
 
 def _draw_thing(draw: ImageDraw.ImageDraw, thing: Thing, centre: tuple[float, float], r: int) -> None:
@@ -350,7 +358,8 @@ GQA_QUESTIONS_PER_IMAGE = 3
 
 def gqa(painter: Painter, n: int) -> list[Table]:
     """lmms-lab GQA: config testdev_balanced_instructions (questions, ``imageId``) and testdev_balanced_images
-    (``id``, image), both split testdev; utils.gqa_process_docs joins them."""
+    (``id``, image), both split testdev; utils.gqa_process_docs joins them. lmms-eval reads id, imageId, question
+    and answer; the other fields follow GQA's question records as the lmms-lab conversion stores them."""
     datasets, s, img = _f()
     struct = lambda *names: {k: s for k in names}
     questions = Table("lmms-lab-encoder/GQA", "testdev_balanced_instructions", "testdev",
