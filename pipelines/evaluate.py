@@ -532,11 +532,6 @@ def predictions_table(preds: list[Prediction]) -> pa.Table:
     return to_arrow(sorted(preds, key=lambda p: (p.task, p.doc_id)), Prediction)
 
 
-def predictions_frame(preds: list[Prediction]) -> pd.DataFrame:
-    """`predictions_table` as a DataFrame (what the report reads back from the parquet artifact)."""
-    return predictions_table(preds).to_pandas()
-
-
 PREDICTION_SCHEMA = arrow_schema(Prediction)
 
 

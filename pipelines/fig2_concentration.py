@@ -46,12 +46,12 @@ from pathlib import Path
 from pipelines import preflight, schema
 from pipelines import spec as specs
 from promprune import judge as judging
+from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "fig2_concentration.yaml"
 EXIT_JUDGE_FAILED, EXIT_BAD_INPUT = 1, 2
 ROLE_FIGURE = "figure"  # promprune.role of this script's runs: never mistaken for a sweep by pipelines/report.py
-METRICS = ("spectral", "feature_norm", "attention")
 CACHE_ARTIFACT_DIR, CACHE_NAME = "judge", "ratings.json"
 TABLE_NAME, FIGURE_NAME, SUMMARY_NAME = "fig2_concentration.csv", "fig2_concentration.png", "fig2_by_rating.csv"
 QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # as pipelines/evaluate.py: lmms-eval logs every request build at DEBUG

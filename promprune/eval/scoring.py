@@ -35,7 +35,6 @@ from promprune.records import Prediction, values
 
 log = logging.getLogger(__name__)
 
-COUNT_KEYS = ("n_samples", "n_failed")
 # characters openpyxl refuses in a cell (C0 controls except tab, newline, carriage return): openpyxl's own rule
 SPREADSHEET_ILLEGAL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 

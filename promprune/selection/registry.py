@@ -150,7 +150,6 @@ def squarest_grid(n: int) -> tuple[int, int]:
 
 
 PRE_LLM, IN_LLM = "pre_llm", "in_llm"
-STAGES = (PRE_LLM, IN_LLM)
 
 
 @dataclass(frozen=True)
