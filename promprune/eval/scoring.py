@@ -160,16 +160,61 @@ def aggregate_is_mean(fn) -> bool:
 
 
 def _intervals(task, samples: list[dict], metrics: dict[str, float], iters: int) -> dict[str, float]:
-    """``<metric>_ci_low`` / ``_ci_high`` for every metric of the task's PRIMARY_METRICS with per-document values."""
+    """``<metric>_ci_low`` / ``_ci_high`` for every metric of the task's PRIMARY_METRICS, resampling the documents
+    that carry it (MME: perception documents only), and for paired tasks whole question pairs."""
     out = {}
     aggregations = task.aggregation()
-    for metric in PRIMARY_METRICS.get(task.config.task, ()):
-        if metric not in aggregations or metric not in metrics or not all(metric in s for s in samples):
-            continue  # e.g. MME's perception score is aggregated from another per-document field
-        low, high = bootstrap_ci([s[metric] for s in samples], aggregations[metric], iters,
-                                 args=getattr(task, "args", None))
+    name = task.config.task
+    for metric in PRIMARY_METRICS.get(name, ()):
+        items = [s[metric] for s in samples if metric in s]
+        if metric not in aggregations or metric not in metrics or not items:
+            continue
+        grouping = _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
+        if grouping:
+            low, high = _grouped_bootstrap(items, aggregations[metric], iters, *grouping,
+                                           args=getattr(task, "args", None))
+        else:
+            low, high = bootstrap_ci(items, aggregations[metric], iters, args=getattr(task, "args", None))
         out[metric + CI_SUFFIXES[0]], out[metric + CI_SUFFIXES[1]] = low, high
     return out
+
+
+def _grouped_bootstrap(records: list[dict], aggregate, iters: int, group_of, relabel, stratum_of, *, args=None,
+                       seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:
+    """An interval for aggregations that score groups of documents together: each resample draws whole groups
+    (``group_of(record)``) within each stratum (``stratum_of(record)``), as many as the stratum has, and a group
+    drawn twice enters under two labels (``relabel(record, k)``), so the aggregation sees two groups, not one
+    group of four."""
+    import numpy as np
+
+    strata: dict = {}
+    for record in records:
+        strata.setdefault(stratum_of(record), {}).setdefault(group_of(record), []).append(record)
+    rng = np.random.default_rng(seed)
+    stats = []
+    for _ in range(iters):
+        drawn, k = [], 0
+        for groups in strata.values():
+            units = list(groups.values())
+            for i in rng.integers(0, len(units), size=len(units)):
+                drawn += [relabel(r, k) for r in units[i]]
+                k += 1
+        stats.append(float(aggregate_with(aggregate, drawn, args)))
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(stats, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+_CIRCULAR = 1_000_000  # MMBench: the circular copies of question i have index i + c * 1e6
+# task (or family prefix) -> (group of a record, relabel a record for its k-th draw, stratum of a record)
+_GROUPED = {
+    # MME: the two questions about one image (shared question_id), within each subtask (its score sums subtasks)
+    "mme": (lambda r: r["question_id"], lambda r, k: {**r, "question_id": f"{r['question_id']}#{k}"},
+            lambda r: r["category"]),
+    # MMBench: a question with its circular copies (scored together), one stratum
+    "mmbench": (lambda r: int(r["index"]) % _CIRCULAR,
+                lambda r, k: {**r, "index": k + int(r["index"]) // _CIRCULAR * _CIRCULAR}, lambda r: 0),
+}
 
 
 def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir: str, log_samples: bool) -> dict:

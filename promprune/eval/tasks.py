@@ -273,9 +273,9 @@ def load_task(name: str, include_path: str | list[str] | None = None):
 
     manager = task_manager([name], include_path)
     if name in JUDGE_TASKS:
-        problem = align_judge_endpoint()  # lmms-eval's judge reads the endpoint when its task module is imported
+        problem = align_judge_endpoint() or judge_skip_reason(name)  # the judge is built when its module is imported
         if problem:
-            raise ValueError(problem)
+            raise TaskUnavailableError(problem)
     try:
         with single_process():
             task_dict = get_task_dict([name], manager)
