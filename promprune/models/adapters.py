@@ -47,8 +47,11 @@ class VisualItem:
       projector, and the attention keys (head mean) of that layer; ``cls [V, dv]`` or None: each view's CLS hidden
       state; ``project``: the model's projector (vision space -> ``d``, float32 out).
     - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included.
-    - ``grid_shape``: ``(rows, cols)`` of one view's whole token grid (Qwen2.5-VL: the merged-patch grid); a
-      candidate's place in it is ``grid_index % (rows * cols)`` in raster order.
+    - ``grid_shape``: ``(rows, cols)`` of one view's whole token grid (Qwen2.5-VL / Qwen3-VL: the merged-patch
+      grid); a candidate's place in it is ``grid_index % (rows * cols)`` in raster order.
+    - ``cells [N, 2]`` or None: each candidate's (row, col) in the grid its view is FED as, where that is not its
+      source grid (LLaVA-OneVision: the base view's own grid, or the crops' stitched grid after unpadding and
+      anyres-max resizing); when set, it places the candidates for grid methods instead of ``grid_shape``.
     - ``text_query [c]`` / ``text_tokens [N, c]`` or None: the instruction's embedding and the candidates in its
       space (CDPruner; :meth:`Adapter.attach_instruction`), ``text_source`` "clip" or "llm".
     - ``deepstack`` (Qwen3-VL only): per DeepStack layer, the features ``[P, d]`` added to the hidden state of each
@@ -69,6 +72,7 @@ class VisualItem:
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
     full: VisualItem | None = None
     grid_shape: tuple[int, int] | None = None
+    cells: torch.Tensor | None = None
     text_query: torch.Tensor | None = None
     text_tokens: torch.Tensor | None = None
     text_source: str | None = None
@@ -149,7 +153,9 @@ class Adapter:
         raise NotImplementedError
 
     def instruction_source(self, option: str) -> str:
-        """CDPruner's text source for option ``text_source``: "released" is "clip" on CLIP-based models, "llm" else."""
+        """CDPruner's text source for option ``text_source``: "released" is "clip" on CLIP-based models (LLaVA,
+        LLaVA-NeXT), "llm" else (Qwen2.5-VL, Qwen3-VL; LLaVA-OneVision, whose checkpoints ship no SigLIP text
+        tower); "clip" on a non-CLIP model is a ValueError at construction."""
         if option == "released":
             return "clip" if self.encoder == "clip" else "llm"
         if option == "clip" and self.encoder != "clip":
@@ -439,7 +445,10 @@ class Qwen3Adapter(QwenAdapter):
     DeepStack: the vision blocks of ``deepstack_visual_indexes`` feed their own mergers, whose tokens are added to
     the hidden states of the image positions after the first LLM layers; a pruned image feeds the DeepStack rows
     of its kept tokens, in the order of the kept tokens (a merging method's merged token takes its kept token's
-    DeepStack rows unmerged). The 3D M-RoPE positions of the kept tokens are gathered as for Qwen2.5-VL.
+    DeepStack rows unmerged; ``downsample``: its bin centre's rows). The 3D M-RoPE positions of the kept tokens
+    are gathered as for Qwen2.5-VL. In-LLM methods (FastV, SparseVLM, DART, PyramidDrop) rank with the attention's
+    own ``q_norm`` / ``k_norm``, keep the original 3D positions (PyramidDrop does not renumber on M-RoPE) and add
+    the DeepStack rows to the surviving image columns only (``in_llm.py``).
     """
 
     encoder = "qwen3_vl"
@@ -461,11 +470,12 @@ class Qwen3Adapter(QwenAdapter):
             out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
         scores = sal.pool_groups(sink[0], self.model.config.vision_config) if need_saliency else None
         items, offset = [], 0
-        for i, f in enumerate(out.pooler_output):
+        merge = self.model.config.vision_config.spatial_merge_size
+        for i, (f, (t, h, w)) in enumerate(zip(out.pooler_output, grid.tolist())):
             idx = torch.arange(f.shape[0], device=f.device)
             s = None if scores is None else scores[offset:offset + f.shape[0]]
             items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
-                                    groups=torch.zeros_like(idx),
+                                    groups=torch.zeros_like(idx), grid_shape=(t * h // merge, w // merge),
                                     deepstack=[layer[i] for layer in out.deepstack_features]))
             offset += f.shape[0]
         return items
@@ -493,6 +503,11 @@ class OnevisionAdapter(Adapter):
     The budget modes are LLaVA-NeXT's over the views (base view = group 0, crop k = group k); ``view_quota`` gives
     each view ``budget // (1 + the most crops of any pinpoint)`` of its fed tokens (no padding is ever a candidate).
     No vision-tower features (``need_vision``): VisPruner / VisionZip work on the projected features, as on Qwen.
+    Grid methods (``downsample``) pool each view's FED grid (``VisualItem.cells``): the base view's, and each crop's
+    rectangle of the stitched crop grid after unpadding and anyres-max resizing (under ``per_crop`` /
+    ``adaptive_views`` / ``view_quota``). CDPruner's instruction: real SigLIP checkpoints have a text tower, but the
+    llava-onevision checkpoints ship only the vision tower, so ``text_source`` "released" (default) is "llm" here
+    (the LLM's input embeddings of the question vs. the projected tokens); "clip" is refused.
     """
 
     encoder = "siglip"
@@ -568,7 +583,21 @@ class OnevisionAdapter(Adapter):
             row[:n] = -1  # the base view has no newline rows
         return VisualItem(run=run, features=run[run_pos], run_pos=run_pos, grid_index=grid,
                           saliency=None if saliency is None else lay[run_pos, 2].float(), groups=view,
-                          row_of_run=row, newline=newline)
+                          row_of_run=row, newline=newline, cells=self._fed_cells(run_pos, row, n, side))
+
+    @staticmethod
+    def _fed_cells(run_pos, row, n, side) -> torch.Tensor:
+        """``[N, 2]``: each candidate's (row, col) in the grid the LLM is fed: the base view's ``side x side`` grid
+        (its first ``n`` positions), else the crops' stitched grid after unpadding and anyres-max resizing, whose
+        rows are the runs between ``image_newline`` tokens (``row [P]``: newlines before each position)."""
+        cells = torch.stack([run_pos // side, run_pos % side], dim=-1)  # [N, 2] base view (and a single view)
+        crop = run_pos >= n
+        if bool(crop.any()):
+            r = row[run_pos[crop]]  # [Nc] fed row, non-decreasing
+            counts = torch.bincount(r)
+            start = counts.cumsum(0) - counts  # first candidate of each fed row
+            cells[crop] = torch.stack([r, torch.arange(r.numel(), device=r.device) - start[r]], dim=-1)
+        return cells
 
 
 ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter,

@@ -170,7 +170,20 @@ def dart_keep(key_norms: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor,
 
 
 def _mrope(model) -> bool:
-    return getattr(model.config, "model_type", None) == "qwen2_5_vl"
+    """3D M-RoPE positions (Qwen2.5-VL, Qwen3-VL): kept tokens keep them (no contiguous renumbering)."""
+    return getattr(model.config, "model_type", None) in ("qwen2_5_vl", "qwen3_vl")
+
+
+def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention module's own queries ``[B, H, L, hd]`` and keys ``[B, Hkv, L, hd]`` of ``hidden [B, L, D]``,
+    after its per-head norms where it has them (Qwen3-VL's ``q_norm`` / ``k_norm``) and the rotary embedding."""
+    B, L, _ = hidden.shape
+    apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q = attn.q_proj(hidden).view(B, L, -1, attn.head_dim)
+    k = attn.k_proj(hidden).view(B, L, -1, attn.head_dim)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q.transpose(1, 2), k.transpose(1, 2), *rope)
 
 
 def scaled_layers(depth: int, of_32) -> list[int]:
@@ -304,22 +317,13 @@ class InLLMPruner:
     @staticmethod
     def _key_norms(attn, hidden, rope) -> torch.Tensor:
         """L1 norm of every column's attention keys (after the rotary embedding, all KV heads): ``[B, L]``."""
-        B, L, _ = hidden.shape
-        apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        q = attn.q_proj(hidden).view(B, L, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(hidden).view(B, L, -1, attn.head_dim).transpose(1, 2)  # [B, Hkv, L, hd]
-        _, k = apply_rope(q, k, *rope)
+        _, k = _queries_keys(attn, hidden, rope)  # [B, Hkv, L, hd]
         return k.float().abs().sum(dim=(1, 3))
 
     def _received(self, attn, hidden, rope, queries):
         """Attention each current column receives from the method's queries, ``[B, L_cur]`` (float32)."""
         B, L, _ = hidden.shape
-        apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        hd = attn.head_dim
-        q = attn.q_proj(hidden).view(B, L, -1, hd).transpose(1, 2)  # [B, H, L, hd]
-        k = attn.k_proj(hidden).view(B, L, -1, hd).transpose(1, 2)  # [B, Hkv, L, hd]
-        cos, sin = rope
-        q, k = apply_rope(q, k, cos, sin)
+        q, k = _queries_keys(attn, hidden, rope)  # [B, H, L, hd], [B, Hkv, L, hd]
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
         allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, L, L] causal
         out = torch.zeros(B, L, device=hidden.device)

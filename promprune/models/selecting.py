@@ -111,21 +111,33 @@ def _instruction(items: list[VisualItem], group) -> promprune.Instruction:
     return promprune.Instruction(query=query, tokens=tokens, source=first.text_source)
 
 
+NOT_A_RECTANGLE = ("this method pools one view's token grid: the candidates of a selection unit must fill one rectangle "
+                   "of one view (LLaVA-NeXT / LLaVA-OneVision: use budget_mode 'per_crop', 'adaptive_views' or "
+                   "'view_quota', not 'global' or 'packed')")
+
+
 def unit_grid(item: VisualItem, idx: torch.Tensor) -> tuple[int, int]:
     """``(rows, cols)`` of the candidates ``idx`` of one unit, which must fill a rectangle of one view's grid in raster
-    order (LLaVA's image, a LLaVA-NeXT view after unpadding, Qwen2.5-VL's merged grid)."""
-    rows, cols = item.grid_shape
+    order (LLaVA's image, a LLaVA-NeXT view after unpadding, Qwen2.5-VL's / Qwen3-VL's merged grid, a LLaVA-OneVision
+    view as fed: ``VisualItem.cells``)."""
     grid = item.grid_index[idx]
-    cell = grid % (rows * cols)
-    r, c = cell // cols, cell % cols
+    if not bool((grid >= 0).all()):  # newline tokens (packed) have no place in a view
+        raise ValueError(NOT_A_RECTANGLE)
+    if item.cells is not None:  # (row, col) in the grid the view is fed as
+        r, c = item.cells[idx].unbind(-1)
+        same_view = bool((item.groups[idx] == item.groups[idx[0]]).all())
+    elif item.grid_shape is not None:
+        rows, cols = item.grid_shape
+        cell = grid % (rows * cols)
+        r, c = cell // cols, cell % cols
+        same_view = bool((grid // (rows * cols) == grid[0] // (rows * cols)).all())
+    else:
+        raise ValueError("this method pools a token grid: the adapter gives no grid for these tokens")
     height, width = int(r.max() - r.min()) + 1, int(c.max() - c.min()) + 1
     raster = (r - r.min()) * width + (c - c.min())
-    same_view = bool((grid // (rows * cols) == grid[0] // (rows * cols)).all()) and bool((grid >= 0).all())
     if not same_view or height * width != idx.numel() or not torch.equal(raster, torch.arange(idx.numel(),
                                                                                                device=raster.device)):
-        raise ValueError("this method pools one view's token grid: the candidates of a selection unit must fill one "
-                         "rectangle of one view (LLaVA-NeXT: use budget_mode 'per_crop', 'adaptive_views' or "
-                         "'view_quota', not 'global' or 'packed')")
+        raise ValueError(NOT_A_RECTANGLE)
     return height, width
 
 

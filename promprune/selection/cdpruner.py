@@ -17,9 +17,11 @@ we do:
 
 The question text is the prompt with lmms-eval's / LLaVA's short-answer suffix removed, as the released evaluation
 scripts pass it. Which embeddings the :class:`Instruction` holds is the adapters' business (option ``text_source``):
-"clip" as released; "llm" for models without a CLIP (Qwen2.5-VL): the mean of the LLM's input embeddings of the
-question's tokens vs. the projected visual tokens, not negated (no released path; a positive cosine there means
-related). "released": "clip" on CLIP-based models (LLaVA, LLaVA-NeXT), "llm" on Qwen2.5-VL.
+"clip" as released; "llm" for models without a CLIP (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision): the mean of the LLM's
+input embeddings of the question's tokens vs. the projected visual tokens, not negated (no released path; a positive
+cosine there means related). "released": "clip" on CLIP-based models (LLaVA, LLaVA-NeXT), "llm" on the others. Real
+SigLIP checkpoints have a text tower, but the llava-onevision checkpoints ship only SigLIP's vision tower, so
+LLaVA-OneVision takes "llm" too (and refuses "clip").
 """
 from __future__ import annotations
 

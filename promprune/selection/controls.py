@@ -12,8 +12,10 @@ so this control pools the TOKEN grid instead, which works alike on every model a
   ``[floor(i n / m), ceil((i + 1) n / m))`` along each axis), i.e. the LLM-space features are averaged;
 - a cell is fed at the place (LLaVA: sequence slot; Qwen2.5-VL: 3D position) of its bin's centre token.
 
-On Qwen2.5-VL the grid is the merged-patch grid of the image; on LLaVA-NeXT each view's grid (after unpadding)
-is pooled on its own (budget modes that split the budget per view). The adapter option ``image_tokens`` of
+On Qwen2.5-VL / Qwen3-VL the grid is the merged-patch grid of the image (Qwen3-VL's DeepStack rows: the bin centre's);
+on LLaVA-NeXT each view's grid (after unpadding) is pooled on its own (budget modes that split the budget per view);
+on LLaVA-OneVision each view's grid as the LLM is fed it (a crop's rectangle of the stitched crop grid after
+unpadding and anyres-max resizing). The adapter option ``image_tokens`` of
 Qwen2.5-VL is the image-level variant (the processor resizes the image to a fixed token count).
 """
 from __future__ import annotations

@@ -17,7 +17,8 @@ PAPER_SPECS = ["table1_llava15", "table2_llava_next", "table3_qwen25vl", "table4
                "fig4_entropy_metric", "table5_diversity", "fig5_mu_tau", "fig1a_saliency_ratio",
                "figA1_saliency_ratio", "table6_efficiency", "figC1_entropy_distribution", "mu_calibration",
                "mu_calibration_grid", "table2_llava_next_extended", "table3_qwen25vl_extended",
-               "table5_diversity_extended", "table6_efficiency_extended", "figE1_overlays", "table1_llava15_extended"]
+               "table5_diversity_extended", "table6_efficiency_extended", "figE1_overlays", "table1_llava15_extended",
+               "extended_models", "extended_models_llava_onevision"]
 PAPER_BASELINES = ["vispruner", "divprune"]  # what Tables 2, 3 and 6 compare PromPrune with
 
 
@@ -45,6 +46,9 @@ def test_spec_validates_and_is_named_after_its_file(name):
     ("table2_llava_next_extended", "llava-hf/llava-v1.6-vicuna-7b-hf", TABLE2_TASKS, [640, 320, 160],
      BASELINES + RIVALS),
     ("table3_qwen25vl_extended", "Qwen/Qwen2.5-VL-7B-Instruct", TABLE2_TASKS, [512, 256, 128], BASELINES + RIVALS),
+    ("extended_models", "Qwen/Qwen3-VL-8B-Instruct", TABLE2_TASKS, [512, 256, 128], BASELINES + RIVALS),
+    ("extended_models_llava_onevision", "llava-hf/llava-onevision-qwen2-7b-ov-hf", TABLE2_TASKS, [640, 320, 160],
+     BASELINES + RIVALS),
 ])
 def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets, methods):
     loaded, trials = trials_of(name)
