@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import pandas as pd
 import pyarrow as pa
 import ray
 
-from promprune.records import Prediction, Request, arrow_schema, from_arrow, sample_key, to_arrow
+from promprune.records import Prediction, Request, arrow_schema, from_arrow, to_arrow
 
 from pipelines import tracking
 from pipelines.config import Resources

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pandas as pd
 
 TRUTH_COLUMNS = ("num_objects", "spread")
