@@ -324,7 +324,7 @@ class PredictorPool:
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone (Ray shut down, its node lost): nothing to stop
+            except (ray.exceptions.RayError, ValueError):  # already gone (Ray shut down, its node lost)
                 pass
 
     def map(self, cfg: "EvalConfig", blocks: list) -> list[pa.Table]:

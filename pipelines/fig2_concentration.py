@@ -138,6 +138,8 @@ def pick_budget(spec) -> tuple[int, str | None]:
 def previous_cache(client, experiment: str, name: str) -> tuple[judging.RatingCache, str | None]:
     """The rating cache of the latest run of this figure that logged one (every run logs the union of what it
     found and what it added, so the latest is the most complete), and that run's id."""
+    from mlflow.exceptions import MlflowException
+
     runs = client.search_runs([experiment], filter_string=f"tags.`{schema.ROLE}` = '{ROLE_FIGURE}' and "
                                                           f"tags.`{schema.SWEEP}` = '{name}'",
                               order_by=["attributes.start_time DESC"], max_results=20)
@@ -145,7 +147,7 @@ def previous_cache(client, experiment: str, name: str) -> tuple[judging.RatingCa
         with tempfile.TemporaryDirectory(prefix="fig2-cache-") as d:
             try:
                 path = client.download_artifacts(run.info.run_id, f"{CACHE_ARTIFACT_DIR}/{CACHE_NAME}", d)
-            except Exception as exc:  # noqa: BLE001 - a run killed before logging its cache: try the one before
+            except (MlflowException, OSError) as exc:  # a run killed before logging its cache: try the one before
                 print(f"(run {run.info.run_id} has no rating cache: {type(exc).__name__})", file=sys.stderr)
                 continue
             return judging.RatingCache.load(path), run.info.run_id

@@ -436,6 +436,8 @@ def _driver_alive(driver: dict | None) -> bool | None:
 def mark_dead_runs(client, storage: str, name: str) -> list[str]:
     """Parent runs of sweep `name` still RUNNING in MLflow although their driver died (SIGKILL, a lost node): mark
     them KILLED with a tag saying so, so the MLflow UI does not show them as live. Returns their experiments."""
+    from mlflow.exceptions import MlflowException
+
     marked = []
     for experiment in _state_names(storage, name):
         state = _read_state(storage, experiment)
@@ -443,7 +445,7 @@ def mark_dead_runs(client, storage: str, name: str) -> list[str]:
             continue
         try:
             run = client.get_run(state["parent_run_id"])
-        except Exception:  # noqa: BLE001 - a run deleted from the store, another store: nothing to mark
+        except MlflowException:  # a run deleted from the store, another store: nothing to mark
             continue
         if run.info.status == "RUNNING":
             client.set_tag(run.info.run_id, schema.INTERRUPTED,

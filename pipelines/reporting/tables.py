@@ -135,8 +135,11 @@ def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: p
     Benchmarks the baseline or the trial lacks are left out of that trial's average.
     """
     if baseline_id is not None and not scores.empty:
-        base = scores.loc[baseline_id].where(scores.loc[baseline_id] != 0)  # a 0 baseline score: no ratio
-        return schema.rel_percent(scores.div(base, axis=1).mean(axis=1, skipna=True))
+        from promprune.eval.scoring import mean_ratio
+
+        base = scores.loc[baseline_id].to_dict()
+        rel = scores.apply(lambda row: mean_ratio(row.to_dict(), base), axis=1)
+        return schema.rel_percent(rel)
     if logged_rel is None:
         return pd.Series(np.nan, index=scores.index)
     return schema.rel_percent(logged_rel)

@@ -236,20 +236,16 @@ def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir
         )
 
 
-def _is_spreadsheet_refusal(exc: BaseException) -> bool:
-    """openpyxl's IllegalCharacterError, raised by a task aggregation that writes an xlsx file (MMBench)."""
-    return type(exc).__name__ == "IllegalCharacterError"
-
-
 def _evaluate_answers(task, name: str, answers: dict, limit, output_dir: str, log_samples: bool) -> tuple[dict, int]:
     """(lmms-eval's results, answers cleaned): when the task's spreadsheet writer refuses a control character, the
     answers holding one lose those characters and the task is scored again (one stray byte costs at most its own
     sample, never the trial)."""
+    from openpyxl.utils.exceptions import IllegalCharacterError  # lmms-eval's xlsx writer (MMBench) uses openpyxl
+
     try:
         return _run_lmms_eval(task, name, answers, limit, output_dir, log_samples), 0
-    except Exception as exc:  # noqa: BLE001 - only the writer's refusal is handled; anything else propagates
-        if not _is_spreadsheet_refusal(exc):
-            raise
+    except IllegalCharacterError:
+        pass
     dirty = {key for key, text in answers.items() if SPREADSHEET_ILLEGAL.search(text)}
     log.warning("%s: the task's spreadsheet writer refused control characters in %d answer(s); scoring them "
                 "without those characters", name, len(dirty))
@@ -353,10 +349,18 @@ def relative_score(
     missing = sorted(set(scores) - set(baseline_scores))
     if missing:
         raise ValueError(f"baseline_scores lacks task(s) {missing}")
-    ratios = []
-    for task, metrics in scores.items():
-        base = primary_score(task, baseline_scores[task], primary)
-        if base == 0:
-            raise ValueError(f"task {task!r}: the baseline's primary score is 0, Rel. is undefined")
-        ratios.append(primary_score(task, metrics, primary) / base)
-    return sum(ratios) / len(ratios)
+    ours = {task: primary_score(task, metrics, primary) for task, metrics in scores.items()}
+    base = {task: primary_score(task, baseline_scores[task], primary) for task in scores}
+    zero = [task for task, value in base.items() if value == 0]
+    if zero:
+        raise ValueError(f"task {zero[0]!r}: the baseline's primary score is 0, Rel. is undefined")
+    return mean_ratio(ours, base)
+
+
+def mean_ratio(ours: dict[str, float], base: dict[str, float]) -> float:
+    """The mean over tasks of ``ours[task] / base[task]``, over the tasks where that ratio is defined (both scores
+    present and not NaN, the baseline's not 0); NaN when none is. The one rule of Rel.: ``relative_score`` checks
+    its inputs first and raises instead; the report's tables leave undefined tasks out of a row's average."""
+    ratios = [ours[t] / base[t] for t in ours
+              if t in base and base[t] == base[t] and ours[t] == ours[t] and base[t] != 0]
+    return sum(ratios) / len(ratios) if ratios else float("nan")

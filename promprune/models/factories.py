@@ -119,7 +119,7 @@ def model_config(name_or_path: str):
         return AutoConfig.from_pretrained(path)
     try:  # the local cache first: no network, and enough when the model was downloaded before
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not cached: decide below
+    except OSError:  # not cached (transformers raises OSError for a missing file): decide below
         pass
     if hub_offline():
         raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
