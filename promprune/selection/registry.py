@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..naming import did_you_mean
+from . import accel
 from .entropy import spectral_entropy, spectral_entropy_from_gram
 from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
 
@@ -66,13 +67,16 @@ class TokenSet:
 
     ``x [B, N, d]``; ``saliency [B, N]`` or None; ``vision``: the vision tower's view of the same tokens
     (:class:`VisionFeatures`, float32) or None. The cosine Gram is shared by the spectral entropy and the diversity
-    kernels: one ``[B, N, d] x [B, d, N]`` product per call.
+    kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the features as given (any float dtype);
+    on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with fp32 accumulation.
     """
 
-    def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None):
+    def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
+                 source: torch.Tensor | None = None):
         self.x = x
         self.saliency = saliency
         self.vision = vision
+        self.source = source
         self.batch, self.n, self.dim = x.shape
 
     @cached_property
@@ -82,6 +86,11 @@ class TokenSet:
     @cached_property
     def unit_gram(self) -> torch.Tensor:
         """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8)."""
+        half = self.source is not None and self.source.dtype in (torch.float16, torch.bfloat16)
+        if half and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation and output
+            raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
+            inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
+            return raw * inv[:, :, None] * inv[:, None, :]
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
         return xn @ xn.transpose(1, 2)
 
@@ -320,7 +329,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     opts = spec.resolve(options, budget=budget)
     order = opts.pop("order")
     x, s = _validate(features, saliency, budget, spec)
-    tokens = TokenSet(x, s, _validate_vision(vision, x) if spec.reads_vision else None)
+    tokens = TokenSet(x, s, _validate_vision(vision, x) if spec.reads_vision else None, source=features)
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)
