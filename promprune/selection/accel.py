@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -35,7 +35,7 @@ def disabled():
         _STATE["on"] = before
 
 
-@lru_cache(maxsize=None)
+@cache
 def has_triton() -> bool:
     """Triton is importable (the CUDA builds of torch ship it)."""
     return importlib.util.find_spec("triton") is not None

@@ -12,7 +12,7 @@ reads uninitialized workspace in this routine).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ class CusolverLib:
     types: dict  # torch dtype -> cudaDataType
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_nvmath() -> CusolverLib | None:
     """nvmath-python's cuSOLVER binding, or None when it is not installed (the CPU-only default)."""
     try:
@@ -70,7 +70,7 @@ def eigvalsh(sym: torch.Tensor) -> torch.Tensor:
     return w
 
 
-@lru_cache(maxsize=None)
+@cache
 def _solver(device_index: int) -> tuple[int, int]:
     """A cuSOLVER handle and params (algorithm pinned) for one device, created once."""
     lib = load_nvmath()

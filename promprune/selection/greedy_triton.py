@@ -73,13 +73,13 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
     step = tl.program_id(0) * 0  # an int32 tensor 0: rows of F kept so far
     if CONDITIONAL:  # the anchor tokens enter the factor first, in raster order
         left = tl.load(anchor + b * N + offs, mask=inb, other=0) != 0
-        for _ in range(0, tl.sum(left.to(tl.int32), axis=0)):
+        for _ in range(tl.sum(left.to(tl.int32), axis=0)):
             j = tl.min(tl.where(left, offs, BLOCK_N), axis=0)
             left = left & (offs != j)
             gains, step = _dpp_extend(Kb, Fb, gains, offs, inb, j, _at(gains, offs, j) > GAIN_EPS, step, N,
                                       GAIN_EPS, BLOCK_S)
     count = tl.minimum(tl.load(counts + b), OUT_W)
-    for k in range(0, count):
+    for k in range(count):
         j, best = _masked_argmax(gains, free, offs, BLOCK_N)
         tied = free & (gains == best)
         j, _ = _masked_argmax(fb, tied, offs, BLOCK_N)  # exact ties: highest fallback order, then lowest index
@@ -107,7 +107,7 @@ def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, BLOCK_N: 
     first = tl.load(first_score + b * N + offs, mask=inb, other=float("-inf"))
     near = tl.load(nearest + b * N + offs, mask=inb, other=float("-inf"))
     count = tl.minimum(tl.load(counts + b), OUT_W)
-    for k in range(0, count):
+    for k in range(count):
         j, _ = _masked_argmax(tl.where(k == 0, first, near), free, offs, BLOCK_N)
         tl.store(out + b * OUT_W + k, j.to(tl.int64))
         free = free & (offs != j)
@@ -127,7 +127,7 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
     free = tl.load(avail + b * N + offs, mask=inb, other=0) != 0
     fb = tl.load(order + b * N + offs, mask=inb, other=float("-inf"))
     count = tl.minimum(tl.load(counts + b), OUT_W)
-    for k in range(0, count):
+    for k in range(count):
         gain = tl.zeros([BLOCK_N], dtype=tl.float32)  # column j: sum_i max(0, s_ij - cover_i)
         for i0 in range(0, N, BLOCK_I):
             rows = i0 + tl.arange(0, BLOCK_I)

@@ -39,7 +39,7 @@ def _check(name: str, result: dict) -> None:
 def interpreted() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_cases.py"))], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"triton_cases.py under TRITON_INTERPRET=1 failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout)
 
