@@ -73,7 +73,7 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
     step = tl.program_id(0) * 0  # an int32 tensor 0: rows of F kept so far
     if CONDITIONAL:  # the anchor tokens enter the factor first, in raster order
         left = tl.load(anchor + b * N + offs, mask=inb, other=0) != 0
-        for _ in range(tl.sum(left.to(tl.int32), axis=0)):
+        for _t in range(tl.sum(left.to(tl.int32), axis=0)):
             j = tl.min(tl.where(left, offs, BLOCK_N), axis=0)
             left = left & (offs != j)
             gains, step = _dpp_extend(Kb, Fb, gains, offs, inb, j, _at(gains, offs, j) > GAIN_EPS, step, N,
@@ -82,14 +82,14 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
     for k in range(count):
         j, best = _masked_argmax(gains, free, offs, BLOCK_N)
         tied = free & (gains == best)
-        j, _ = _masked_argmax(fb, tied, offs, BLOCK_N)  # exact ties: highest fallback order, then lowest index
+        j, _tie = _masked_argmax(fb, tied, offs, BLOCK_N)  # exact ties: highest fallback order, then lowest index
         if USE_FIRST:
             f = tl.load(first + b)
             use = (k == 0) & (f >= 0)
             j = tl.where(use, f, j)
             best = tl.where(use, _at(gains, offs, j), best)
         exhausted = best <= GAIN_EPS
-        j_fb, _ = _masked_argmax(fb, free, offs, BLOCK_N)
+        j_fb, _fb = _masked_argmax(fb, free, offs, BLOCK_N)
         j = tl.where(exhausted, j_fb, j)
         tl.store(out + b * OUT_W + k, j.to(tl.int64))
         free = free & (offs != j)
@@ -108,7 +108,7 @@ def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, BLOCK_N: 
     near = tl.load(nearest + b * N + offs, mask=inb, other=float("-inf"))
     count = tl.minimum(tl.load(counts + b), OUT_W)
     for k in range(count):
-        j, _ = _masked_argmax(tl.where(k == 0, first, near), free, offs, BLOCK_N)
+        j, _best = _masked_argmax(tl.where(k == 0, first, near), free, offs, BLOCK_N)
         tl.store(out + b * OUT_W + k, j.to(tl.int64))
         free = free & (offs != j)
         row = tl.load(D + b * N * N + j * N + offs, mask=inb, other=float("-inf"))
@@ -136,7 +136,7 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
             c = tl.load(Cb + rows, mask=live, other=0.0)
             gain += tl.sum(tl.maximum(tile - c[:, None], 0.0), axis=0)
         j, best = _masked_argmax(gain, free, offs, BLOCK_N)
-        j_fb, _ = _masked_argmax(fb, free, offs, BLOCK_N)
+        j_fb, _fb = _masked_argmax(fb, free, offs, BLOCK_N)
         j = tl.where(best <= 0, j_fb, j)
         tl.store(out + b * OUT_W + k, j.to(tl.int64))
         free = free & (offs != j)
