@@ -55,3 +55,37 @@ def test_interpreted_kernel_matches_reference(interpreted, name):
 def test_cuda_kernel_matches_reference(name):
     got, want = triton_cases.cases()[name]("cuda")
     _check(name, {"match": bool(torch.equal(got, want)), "got": got.tolist(), "want": want.tolist()})
+
+
+def _kernels():
+    """Each kernel specialization ``select`` can launch: (kernel, signature, constexprs)."""
+    from promprune.selection import greedy_triton as g
+
+    dpp = {"K": "*fp32", "avail": "*i8", "anchor": "*i8", "order": "*fp32", "first": "*i64", "counts": "*i32",
+           "F": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32", "S_ROWS": "i32"}
+    fps = {"D": "*fp32", "first_score": "*fp32", "nearest": "*fp32", "avail": "*i8", "counts": "*i32",
+           "out": "*i64", "N": "i32", "OUT_W": "i32"}
+    fl = {"S": "*fp32", "cover": "*fp32", "avail": "*i8", "order": "*fp32", "counts": "*i32", "out": "*i64",
+          "N": "i32", "OUT_W": "i32"}
+    out = []
+    for conditional, first in ((False, True), (True, False), (False, False)):
+        consts = {"GAIN_EPS": 1e-6, "CONDITIONAL": conditional, "USE_FIRST": first, "BLOCK_N": 1024, "BLOCK_S": 16}
+        out.append((g._dpp_kernel, dpp, consts))
+    out.append((g._fps_kernel, fps, {"BLOCK_N": 2048}))
+    out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
+    return out
+
+
+@needs_triton
+def test_kernels_compile_for_an_h100_without_one():
+    """The interpreter is lenient about types; the compiler (Triton's bundled ptxas, sm_90) is not."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for fn, signature, consts in _kernels():
+        source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 8, "enable_fp_fusion": False})
+        assert "cubin" in compiled.asm, fn.__name__
