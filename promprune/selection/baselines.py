@@ -27,7 +27,7 @@ def divprune(tokens: TokenSet, budget: int) -> Selection:
     distance = (1.0 - tokens.cosine).clamp_min(0)
     every = torch.ones(B, N, dtype=torch.bool, device=tokens.x.device)
     counts = torch.full((B,), budget, dtype=torch.long, device=tokens.x.device)
-    picks = farthest_point(distance, every, counts)
+    picks = farthest_point(distance, every, counts, steps=budget)
     return Selection(picks, _no_saliency(tokens), None, None, torch.zeros_like(picks, dtype=torch.bool))
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..naming import did_you_mean
+from . import accel
 from .entropy import spectral_entropy, spectral_entropy_from_gram
 from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
 
@@ -82,16 +83,20 @@ class TokenSet:
 
     ``x [B, N, d]``; ``saliency [B, N]`` or None; ``vision``: the vision tower's view of the same tokens
     (:class:`VisionFeatures`, float32) or None; ``instruction``: :class:`Instruction` or None; ``grid``: ``(rows,
-    cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared by the spectral entropy and the diversity
-    kernels: one ``[B, N, d] x [B, d, N]`` product per call.
+    cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared by
+    the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
+    features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with
+    fp32 accumulation.
     """
 
     def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
-                 instruction: Instruction | None = None, grid: tuple[int, int] | None = None):
+                 instruction: Instruction | None = None, grid: tuple[int, int] | None = None,
+                 source: torch.Tensor | None = None):
         self.x = x
         self.saliency = saliency
         self.vision = vision
         self.instruction = instruction
+        self.source = source
         self.batch, self.n, self.dim = x.shape
         self.grid = grid if grid is not None else squarest_grid(self.n)
 
@@ -102,6 +107,11 @@ class TokenSet:
     @cached_property
     def unit_gram(self) -> torch.Tensor:
         """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8)."""
+        half = self.source is not None and self.source.dtype in (torch.float16, torch.bfloat16)
+        if half and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation and output
+            raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
+            inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
+            return raw * inv[:, :, None] * inv[:, None, :]
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
         return xn @ xn.transpose(1, 2)
 
@@ -393,7 +403,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
                          "instruction=promprune.Instruction(query [B, c], tokens [B, N, c])")
     text = _validate_instruction(instruction, x, method) if spec.needs_instruction else None
     tokens = TokenSet(x, s, _validate_vision(vision, x) if spec.reads_vision else None, text,
-                      _validate_grid(grid, x.shape[1]))
+                      _validate_grid(grid, x.shape[1]), source=features)
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)
