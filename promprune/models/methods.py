@@ -50,7 +50,7 @@ ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view
                    "image_newline": ("drop", "rows", "all"),
                    "token_order": ("raster", "selection", "stages", "released")}
 
-# The token order of each method's released code (read in the authors' repositories; README: "What each method
+# The token order of each method's released code (read in the authors' repositories; docs/methods.md: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip
 # emits its dominant tokens in index order, then its contextual ones; DivPrune, VisPruner, FastV and SparseVLM
 # re-sort to index order, and so does CDPruner; the downsampling control feeds its cells in raster order. Methods not
@@ -67,7 +67,7 @@ def token_order(method: str | None, option: str) -> str:
     return RELEASED_ORDER.get(method, "raster")
 
 
-# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; README: "What each method feeds
+# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; docs/methods.md: "What each method feeds
 # the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the sequence's
 # length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads, and
 # keeps every newline; so does CDPruner (its `visual_token_num` is per view; one DPP per view on the full grid).

@@ -1,4 +1,4 @@
-"""Pre-LLM baselines: DivPrune, VisPruner and VisionZip as their released code selects (what still differs: README,
+"""Pre-LLM baselines: DivPrune, VisPruner and VisionZip as their released code selects (what still differs: docs/methods.md,
 "What each method feeds the LLM"), and random."""
 from __future__ import annotations
 
