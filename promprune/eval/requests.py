@@ -123,32 +123,28 @@ def build_requests(
 
 
 def pack_requests(rows: list[Request], batch_size: int) -> list[list[Request]]:
-    """Requests -> blocks of ``batch_size`` rows (the last may be shorter) in which every image is stored once.
+    """Requests -> blocks of about ``batch_size`` rows in which every image is stored once.
 
-    The questions about one image (same ``image_key``, in any task) are put side by side, in the order their images
-    first appear, and cut into blocks of ``batch_size`` rows; in each block only the first question about an image
-    keeps its PNG bytes, the others refer to it by key (:func:`share_images` restores them where the block is
-    answered). So a block is complete by itself, actors get work in ``batch_size`` steps as before, and an image is
-    stored once per block its questions span: once for VQAv2's ~5 questions at batch size 8, 3 times for POPE's 18
-    instead of 18. Rows without a key keep their bytes.
+    The questions about one image (same ``image_key``, in any task) go into one block, together; only the first of
+    them keeps the PNG bytes, the others refer to it by key (:func:`share_images` restores them where the block is
+    answered). A group never spans two blocks, so a block is always complete by itself; a group larger than
+    ``batch_size`` (GQA asks ~30 questions per image) is one block of its own size. Rows without a key keep their
+    bytes.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    groups: dict = {}
+    groups: dict[tuple, list[Request]] = {}
     for i, row in enumerate(rows):
-        groups.setdefault(row.image_key or i, []).append(row)
-    ordered = [row for group in groups.values() for row in group]
-    blocks = []
-    for start in range(0, len(ordered), batch_size):
-        seen: set[str] = set()
-        block = []
-        for row in ordered[start:start + batch_size]:
-            if row.image_key and row.image_key in seen:
-                row = dataclasses.replace(row, image=None)
-            seen.add(row.image_key)
-            block.append(row)
-        blocks.append(block)
-    return blocks
+        key = row.image_key or i
+        groups.setdefault(key, []).append(row)
+    blocks: list[list[Request]] = [[]]
+    for group in groups.values():
+        if blocks[-1] and len(blocks[-1]) + len(group) > batch_size:
+            blocks.append([])
+        first, *rest = group
+        blocks[-1].append(first)
+        blocks[-1].extend(dataclasses.replace(r, image=None) if r.image_key else r for r in rest)
+    return [b for b in blocks if b]
 
 
 def share_images(rows: list[Request]) -> list[Request]:

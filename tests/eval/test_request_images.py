@@ -32,24 +32,25 @@ def test_image_key_follows_pixels_not_files():
     assert image_key(Image.fromarray(pixels.reshape(2, 8, 3))) != image_key(a)
 
 
-def test_pack_stores_each_image_once_per_block():
+def test_pack_stores_each_image_once_and_keeps_groups_whole():
     # seeds: image A asked 3 times (two tasks), B twice, C once, one request without a key
     rows = [_request("t1", 0, 1), _request("t1", 1, 2), _request("t2", 2, 1), _request("t1", 3, 3),
             _request("t1", 4, 1), _request("t1", 5, 2), _request("t1", 6, None)]
     blocks = pack_requests(rows, batch_size=3)
-    # questions side by side in the order their images first appear (A A A | B B C | keyless), cut every 3 rows
+    # groups in first-appearance order: A (3 rows) | B (2) + C (1) | no-key (1); a group never spans blocks
     assert [[r.doc_id for r in b] for b in blocks] == [[0, 2, 4], [1, 5, 3], [6]]
-    assert [[r.image is not None for r in b] for b in blocks] == [[True, False, False], [True, False, True], [True]]
+    for block in blocks:
+        carried = [r.image_key for r in block if r.image is not None and r.image_key]
+        assert len(carried) == len(set(carried))  # one stored copy per image and block
+    assert sum(r.image is not None for b in blocks for r in b) == 4  # A, B, C and the keyless one
     restored = {r.key: r for b in blocks for r in share_images(b)}
     assert restored == {r.key: r for r in rows}
 
 
-def test_an_image_whose_questions_span_blocks_is_stored_in_each():
+def test_a_group_larger_than_a_batch_is_one_block():
     rows = [_request("gqa", i, 7) for i in range(5)] + [_request("gqa", 5, 8)]
     blocks = pack_requests(rows, batch_size=2)
-    assert [len(b) for b in blocks] == [2, 2, 2]  # actors still get batch_size rows per call
-    assert [[r.image is not None for r in b] for b in blocks] == [[True, False], [True, False], [True, True]]
-    assert {r.key: r for b in blocks for r in share_images(b)} == {r.key: r for r in rows}
+    assert [len(b) for b in blocks] == [5, 1]
 
 
 def test_an_image_missing_from_its_block_is_a_named_failed_sample():
@@ -77,8 +78,7 @@ def test_build_requests_encodes_each_image_once():
     # and the stored form round-trips: pack, drop nothing, restore every image
     blocks = pack_requests(rows, batch_size=8)
     stored = sum(r.image is not None for b in blocks for r in b)
-    spans = sum(-(-len(g) // 8) for g in by_key.values())  # blocks each image's questions can span, at most
-    assert len(by_key) <= stored <= spans + len(blocks) and stored < len(rows)
+    assert stored == len(by_key)
     assert {r.key: r for b in blocks for r in share_images(b)} == {r.key: r for r in rows}
 
 
