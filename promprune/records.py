@@ -89,7 +89,8 @@ class Prediction(Answer):
     @classmethod
     def answering(cls, request: Request, answer: Answer, **extra) -> "Prediction":
         """The prediction for ``request``: its fields (not the image) plus every field of ``answer``."""
-        own = {f.name: getattr(request, f.name) for f in dataclasses.fields(Request) if f.name not in ("image", "image_key", "error")}
+        own = {f.name: getattr(request, f.name) for f in dataclasses.fields(Request)
+               if f.name not in ("image", "image_key", "error")}
         return cls(**own, **values(answer), **extra)
 
 

@@ -36,7 +36,8 @@ def main(argv=None) -> None:
                              "standins: write hub-dataset stand-ins into --out (an HF_HOME)")
     parser.add_argument("--out", type=Path, help="standins: the HF_HOME to write (a fresh directory)")
     parser.add_argument("--tasks", nargs="+", default=list(STANDIN_TASKS), choices=STANDIN_TASKS, metavar="TASK",
-                        help=f"standins: lmms-eval tasks whose data to write (default: all of {', '.join(STANDIN_TASKS)})")
+                        help="standins: lmms-eval tasks whose data to write "
+                             f"(default: all of {', '.join(STANDIN_TASKS)})")
     parser.add_argument("--docs", type=int, default=8, help="standins: documents per task (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="standins: seed of the drawn images and questions")
     args = parser.parse_args(argv)

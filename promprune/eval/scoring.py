@@ -274,7 +274,8 @@ def _aggregate_without(task, samples: list[dict], skip: set[int], metrics: dict[
     return out
 
 
-def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str, bootstrap: int = 0) -> dict[str, float]:
+def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
+                bootstrap: int = 0) -> dict[str, float]:
     task = load_task(name, include_path)
     n_docs = len(task.eval_docs)
     if len(rows) > n_docs:
@@ -309,7 +310,8 @@ def score(
     """Score prediction rows (from any number of shards, in any order): {task: {metric: value, n_samples, n_failed}}.
 
     Each row is a :class:`promprune.records.Prediction` or a dict with ``task``, ``doc_id``, ``n_docs`` (as
-    ``build_requests`` made them), ``prediction`` and optionally ``error``. A (task, doc_id) given twice, a doc_id missing from 0..n_docs-1, or a malformed row is a ValueError.
+    ``build_requests`` made them), ``prediction`` and optionally ``error``. A (task, doc_id) given twice, a doc_id
+    missing from 0..n_docs-1, or a malformed row is a ValueError.
     Metrics are lmms-eval's names without the ',none' filter suffix (e.g. ``pope_f1_score``, ``exact_match``).
     ``output_dir``: where tasks that write submission files (MMBench) put them; a temporary directory by default.
     ``bootstrap``: resamples for 95% percentile-bootstrap intervals of each task's primary metrics (added as

@@ -361,7 +361,10 @@ def gqa(painter: Painter, n: int) -> list[Table]:
     (``id``, image), both split testdev; utils.gqa_process_docs joins them. lmms-eval reads id, imageId, question
     and answer; the other fields follow GQA's question records as the lmms-lab conversion stores them."""
     datasets, s, img = _f()
-    struct = lambda *names: {k: s for k in names}
+
+    def struct(*names):
+        return {k: s for k in names}
+
     questions = Table("lmms-lab-encoder/GQA", "testdev_balanced_instructions", "testdev",
                       {"id": s, "imageId": s, "question": s, "answer": s, "fullAnswer": s,
                        "isBalanced": datasets.Value("bool"), "groups": struct("global", "local"), "entailed": s,
@@ -420,7 +423,8 @@ def vqav2(painter: Painter, n: int) -> list[Table]:
                  ("what color is the", f"What color is the {b.shape} on the right?", b.color, "other"),
                  ("is the", f"Is the {a.shape} left of the {b.shape}?", "yes", "yes/no")]
         for k, (qtype, question, answer, atype) in enumerate(asked[: min(VQAV2_QUESTIONS_PER_IMAGE, n - len(table))]):
-            alternatives = {"other": ["pink", "brown"], "number": ["3", "4"], "yes/no": ["yes" if answer == "no" else "no"]}
+            alternatives = {"other": ["pink", "brown"], "number": ["3", "4"],
+                            "yes/no": ["yes" if answer == "no" else "no"]}
             answers = _ten_answers(answer, alternatives[atype], painter)
             table.add(question_type=qtype, multiple_choice_answer=answer,
                       answers=[{"answer": x, "answer_confidence": "yes" if x == answer else "maybe", "answer_id": j + 1}
@@ -535,7 +539,8 @@ def _check_replaceable(hf_home: Path, repos: list[str]) -> dict:
         if (hf_home / "datasets" / snake_dir(repo)).exists() and repo not in built["datasets"]:
             raise FileExistsError(
                 f"{hf_home / 'datasets' / snake_dir(repo)} exists and was not written by build_standins (no entry "
-                f"for {repo} in {marker}); it may be the real dataset's cache. Build the stand-ins into a fresh HF_HOME.")
+                f"for {repo} in {marker}); it may be the real dataset's cache. Build the stand-ins into a fresh "
+                "HF_HOME.")
     return built
 
 

@@ -99,7 +99,8 @@ def _easyvqa_tables():
 
     texts, answers, image_ids = easy_vqa.get_test_questions()
     paths = easy_vqa.get_test_image_paths()
-    tables = {name: {"question_id": [], "image_id": [], "question": [], "answer": [], "image": []} for name in EASYVQA_TASKS}
+    tables = {name: {"question_id": [], "image_id": [], "question": [], "answer": [], "image": []}
+              for name in EASYVQA_TASKS}
     for qid, (text, answer, image_id) in enumerate(zip(texts, answers, image_ids)):
         table = tables["easyvqa_yesno" if answer in _YESNO else "easyvqa_open"]
         table["question_id"].append(qid)
@@ -163,7 +164,7 @@ def prepare_offline_tasks(suite: str = "easyvqa") -> Path:
         text = _task_yaml(suite, task, parquets[task])
         target = root / f"{task}.yaml"
         if not target.exists() or target.read_text() != text:
-            _write_atomic(target, lambda tmp: tmp.write_text(text))
+            _write_atomic(target, lambda tmp, text=text: tmp.write_text(text))
     return root
 
 
@@ -172,7 +173,8 @@ def _task_manager(include_paths: tuple[str, ...], include_defaults: bool):
     from lmms_eval.tasks import TaskManager
 
     # model_name picks each task's lmms_eval_specific_kwargs; "promprune" has no entry, so tasks use "default"
-    return TaskManager("WARNING", include_path=list(include_paths), include_defaults=include_defaults, model_name="promprune")
+    return TaskManager("WARNING", include_path=list(include_paths), include_defaults=include_defaults,
+                       model_name="promprune")
 
 
 def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
@@ -190,7 +192,8 @@ def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
         import difflib
 
         hints = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
-        raise ValueError(f"unknown lmms-eval task(s) {unknown}; did you mean {hints}? Offline tasks: {list(OFFLINE_TASKS)}")
+        raise ValueError(f"unknown lmms-eval task(s) {unknown}; did you mean {hints}? "
+                         f"Offline tasks: {list(OFFLINE_TASKS)}")
     return manager
 
 
@@ -258,7 +261,8 @@ def judge_skip_reason(task: str) -> str | None:
     key = api_key_env()
     if os.environ.get(key):
         return None
-    return f"task {task!r} is scored by an LLM judge (lmms-eval API_TYPE={api_type()!r}) and {key} is not set; skipping it"
+    return (f"task {task!r} is scored by an LLM judge (lmms-eval API_TYPE={api_type()!r}) and {key} is not set; "
+            "skipping it")
 
 
 def single_process():

@@ -485,8 +485,8 @@ class Qwen3Adapter(QwenAdapter):
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
         layers = len(items[0].deepstack)
-        deepstack = [tuple(it.deepstack[l][pos.to(it.deepstack[l].device)] for it, pos in zip(items, run_pos))
-                     for l in range(layers)]
+        deepstack = [tuple(it.deepstack[layer][pos.to(it.deepstack[layer].device)] for it, pos in zip(items, run_pos))
+                     for layer in range(layers)]
         return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=tuple(feats),
                                                               deepstack_features=deepstack)}
 
@@ -526,8 +526,7 @@ class OnevisionAdapter(Adapter):
             out = core.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
                                           batch_num_images=inputs.get("batch_num_images"), return_dict=True)
         side = cfg.vision_config.image_size // cfg.vision_config.patch_size
-        n = side * side  # tokens per view
-        scores = sink[0] if need_saliency else None  # [sum V_i, n]
+        scores = sink[0] if need_saliency else None  # [sum V_i, side * side]
         items, first = [], 0
         for run, size in zip(out.pooler_output, inputs["image_sizes"]):
             views, rows, cols = self._views(size)

@@ -47,7 +47,8 @@ class ClipText:
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor, post_layernorm) -> torch.Tensor:
-        """Vision-tower hidden states ``[N, dv]`` -> CLIP's joint space ``[N, c]`` (post_layernorm, visual_projection)."""
+        """Vision-tower hidden states ``[N, dv]`` -> CLIP's joint space ``[N, c]`` (post_layernorm,
+        visual_projection)."""
         weight = self.visual_projection.weight
         return self.visual_projection(post_layernorm(hidden).to(weight.dtype)).float()
 

@@ -18,15 +18,15 @@ Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5
 sequence length, padded with masked "dead" tokens that nobody attends to.
 In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens included, as visual tokens.
 
-SparseVLM, as implemented here (simplifications of its paper and released code, documented):
-pruning at the configured layers (default: LLaMA-32's 2, 6, 15 as fractions of the depth) to a geometric
-schedule ending at ``budget`` (option ``schedule="released"``: the released code's per-layer counts, where a budget
-is a layer-averaged count, e.g. 64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to the visual tokens is
-at least their mean; a visual token's score is its attention from the raters (head and rater mean), computed
-from the layer before each pruning layer. Recycling: of each stage's deleted tokens the top ``recycle_ratio`` by
-score are grouped around the ``ceil(merge_ratio * n)`` best of them by cosine similarity of hidden states, and
-each group's mean replaces its centre token's hidden state (the centre keeps its position); recycled tokens
-count toward the stage's budget. Its paper clusters with density-peak kNN; we use best-score centres.
+SparseVLM, as implemented here (simplifications of its paper and released code, documented): pruning at the configured
+layers (default: LLaMA-32's 2, 6, 15 as fractions of the depth) to a geometric schedule ending at ``budget`` (option
+``schedule="released"``: the released code's per-layer counts, where a budget is a layer-averaged count, e.g.
+64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to the visual tokens is at least
+their mean; a visual token's score is its attention from the raters (head and rater mean), computed from the layer
+before each pruning layer. Recycling: of each stage's deleted tokens the top ``recycle_ratio`` by score are grouped
+around the ``ceil(merge_ratio * n)`` best of them by cosine similarity of hidden states, and each group's mean replaces
+its centre token's hidden state (the centre keeps its position); recycled tokens count toward the stage's budget. Its
+paper clusters with density-peak kNN; we use best-score centres.
 """
 from __future__ import annotations
 
@@ -75,9 +75,11 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
             if len(at) != 3:
                 raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
                                  f"LLM gives {at}: pass option 'layers' with three layers")
-            plan = lambda n: list(SPARSEVLM_RELEASED[budget])
+            def plan(n):
+                return list(SPARSEVLM_RELEASED[budget])
         else:
-            plan = lambda n: [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
+            def plan(n):
+                return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
         stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
     return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact)
@@ -188,7 +190,7 @@ def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch
 
 def scaled_layers(depth: int, of_32) -> list[int]:
     """Layers given for a 32-layer LLM scaled to ``depth`` layers (each >= 1, unique, ascending)."""
-    return sorted({min(max(1, round(l * depth / 32)), depth - 1) for l in of_32})
+    return sorted({min(max(1, round(layer * depth / 32)), depth - 1) for layer in of_32})
 
 
 def sparsevlm_layers(depth: int) -> list[int]:

@@ -1,9 +1,10 @@
 """Method names and options the adapters accept, validated without loading a model.
 
-Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the
-pre-LLM methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``, ``dart``, ``pyramiddrop``) that prune inside the language model.
-Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over views, what
-happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen token count.
+Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the pre-LLM
+methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``, ``dart``, ``pyramiddrop``) that prune inside the
+language model. Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over
+views, what happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen
+token count.
 """
 from __future__ import annotations
 
@@ -67,13 +68,13 @@ def token_order(method: str | None, option: str) -> str:
     return RELEASED_ORDER.get(method, "raster")
 
 
-# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; docs/methods.md: "What each method feeds
-# the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the sequence's
-# length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads, and
-# keeps every newline; so does CDPruner (its `visual_token_num` is per view; one DPP per view on the full grid).
-# VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's
-# released code has no working NeXT path, so PromPrune (and every method not listed) splits the budget per view:
-# "per_crop", our choice, with the image_newline option as given.
+# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; docs/methods.md: "What each method
+# feeds the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the
+# sequence's length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads,
+# and keeps every newline; so does CDPruner (its `visual_token_num` is per view; one DPP per view on the full grid).
+# VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's released code has no
+# working NeXT path, so PromPrune (and every method not listed) splits the budget per view: "per_crop", our choice, with
+# the image_newline option as given.
 RELEASED_NEXT = {"divprune": ("packed", "drop"), "vispruner": ("view_quota", "all"),
                  "visionzip": ("view_quota", "drop"), "cdpruner": ("view_quota", "all")}
 

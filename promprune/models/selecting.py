@@ -111,9 +111,9 @@ def _instruction(items: list[VisualItem], group) -> promprune.Instruction:
     return promprune.Instruction(query=query, tokens=tokens, source=first.text_source)
 
 
-NOT_A_RECTANGLE = ("this method pools one view's token grid: the candidates of a selection unit must fill one rectangle "
-                   "of one view (LLaVA-NeXT / LLaVA-OneVision: use budget_mode 'per_crop', 'adaptive_views' or "
-                   "'view_quota', not 'global' or 'packed')")
+NOT_A_RECTANGLE = ("this method pools one view's token grid: the candidates of a selection unit must fill one "
+                   "rectangle of one view (LLaVA-NeXT / LLaVA-OneVision: use budget_mode 'per_crop', "
+                   "'adaptive_views' or 'view_quota', not 'global' or 'packed')")
 
 
 def unit_grid(item: VisualItem, idx: torch.Tensor) -> tuple[int, int]:
@@ -155,7 +155,7 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
     for unit in units:
         grid = unit_grid(items[unit[0]], unit[1]) if spec.needs_grid else None
         buckets.setdefault((unit[1].numel(), unit[2], grid), []).append(unit)
-    for (n, share, grid), group in buckets.items():
+    for (_n, share, grid), group in buckets.items():
         feats = torch.stack([items[b].features[idx] for b, idx, _, _ in group])  # [U, n, d]
         sal = None
         if spec.needs_saliency:

@@ -168,7 +168,8 @@ def tiny_clip_text(vision_config):
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", bos), ("<|endoftext|>", eos)])
     config = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, max_position_embeddings=16, projection_dim=vision_config.projection_dim,
+                            num_attention_heads=4, max_position_embeddings=16,
+                            projection_dim=vision_config.projection_dim,
                             bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(SEED)
     text = CLIPTextModelWithProjection(config).eval()

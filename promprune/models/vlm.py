@@ -46,12 +46,13 @@ def _sync(device) -> None:
 
 
 class PrunedVLM:
-    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL / Qwen3-VL (...) that prunes visual tokens with a registered method.
+    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL / Qwen3-VL (...) that prunes visual tokens with a registered
+    method.
 
-    ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens
-    of each image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are the method's
-    options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults per
-    vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL; :data:`promprune.models.methods.DEFAULT_MU`) unless given.
+    ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens of each
+    image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are
+    the method's options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults
+    per vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL; :data:`promprune.models.methods.DEFAULT_MU`) unless given.
     """
 
     def __init__(self, model, processor, method: str | None = "promprune", budget: int | None = None,

@@ -1,5 +1,5 @@
-"""Pre-LLM baselines: DivPrune, VisPruner and VisionZip as their released code selects (what still differs: docs/methods.md,
-"What each method feeds the LLM"), and random."""
+"""Pre-LLM baselines: DivPrune, VisPruner and VisionZip as their released code selects (what still differs:
+docs/methods.md, "What each method feeds the LLM"), and random."""
 from __future__ import annotations
 
 import hashlib

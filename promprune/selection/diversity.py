@@ -62,7 +62,8 @@ def _argmax_tiebreak(score: torch.Tensor, mask: torch.Tensor, order: torch.Tenso
 
 
 def _first_from_anchor(similarity: torch.Tensor, available: torch.Tensor, anchor: torch.Tensor):
-    """The available token whose largest similarity to any anchor token is smallest: ``-> (index [B], has_anchor [B])``."""
+    """The available token whose largest similarity to any anchor token is smallest:
+    ``-> (index [B], has_anchor [B])``."""
     max_sim = similarity.masked_fill(~anchor[:, None, :], float("-inf")).amax(dim=2)  # [B, N]
     index, _ = masked_argmax(-max_sim, available)
     return index, anchor.any(dim=1)

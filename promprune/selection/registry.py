@@ -2,8 +2,9 @@
 
 A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
 ``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
-(``stage="in_llm"``: FastV, SparseVLM, DART, PyramidDrop) registers its options and checks with ``register_in_llm_method``; the hooks
-that prune inside the language model are ``promprune.models.in_llm``'s. The tests parametrize over ``methods()``.
+(``stage="in_llm"``: FastV, SparseVLM, DART, PyramidDrop) registers its options and checks with
+``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.in_llm``'s. The tests
+parametrize over ``methods()``.
 """
 from __future__ import annotations
 

@@ -204,8 +204,8 @@ def _correct(task: str, doc: dict) -> str:
 
 
 def _maximum(task: str, docs) -> dict[str, float]:
-    """Each primary metric's best value on these documents (lmms-eval's scales: fractions, MMBench and MM-Vet percent, MME
-    points: 100 accuracy + 100 accuracy+ per subtask, summed over the perception subtasks present)."""
+    """Each primary metric's best value on these documents (lmms-eval's scales: fractions, MMBench and MM-Vet percent,
+    MME points: 100 accuracy + 100 accuracy+ per subtask, summed over the perception subtasks present)."""
     if task == "mme":
         return {"mme_perception_score": 200.0 * len({d["category"] for d in docs} & MME_PERCEPTION)}
     return {metric: 100.0 if task.startswith(("mmbench", "mmvet")) else 1.0 for metric in PRIMARY_METRICS[task]}
@@ -213,7 +213,8 @@ def _maximum(task: str, docs) -> dict[str, float]:
 
 def _replayed(task: str):
     docs = load_task(task).eval_docs
-    rows = [{"task": task, "doc_id": i, "n_docs": len(docs), "prediction": _correct(task, d)} for i, d in enumerate(docs)]
+    rows = [{"task": task, "doc_id": i, "n_docs": len(docs), "prediction": _correct(task, d)}
+            for i, d in enumerate(docs)]
     return docs, rows
 
 
@@ -342,7 +343,8 @@ def test_the_command_line_writes_them_and_a_fresh_process_loads_them(tmp_path):
                           "scienceqa_img", "--docs", "3"], capture_output=True, text=True, check=True).stdout
     env = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines() if line.startswith("export "))
     assert env["HF_HOME"] == str(tmp_path) and env["HF_DATASETS_OFFLINE"] == "1"
-    load = "import datasets; print(len(datasets.load_dataset('lmms-lab-encoder/ScienceQA', 'ScienceQA-IMG', split='test')))"
+    load = ("import datasets; "
+            "print(len(datasets.load_dataset('lmms-lab-encoder/ScienceQA', 'ScienceQA-IMG', split='test')))")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LMMS_EVAL"))}
     got = subprocess.run([sys.executable, "-c", load], env={**clean, **env}, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "3"

@@ -100,7 +100,7 @@ def test_in_llm_deepstack_follows_the_surviving_columns(method, images, prompts)
     ids = prep.model_kwargs["input_ids"]
     runs = [(row == model.config.image_token_id).nonzero().flatten() for row in ids]
     assert len(calls) == 3 and calls[-1][0] < ids.shape[1]  # the last addition (after layer 2) follows a pruning
-    for layer, (length, masks, embeds) in enumerate(calls):
+    for layer, (_length, masks, embeds) in enumerate(calls):
         keep, alive, _ = pruner.layer_cols.get(layer, (None, None, None)) if layer >= pruner.first else (None,) * 3
         expected = []
         for b, run in enumerate(runs):
