@@ -13,7 +13,7 @@ from PIL import Image
 from promprune.eval import build_requests, run_requests, score
 from promprune.eval.standins import STANDIN_TASKS, serving
 from promprune.eval.tasks import PAPER_TASKS, PRIMARY_METRICS, load_task
-from tests.eval.conftest import STANDIN_DOCS
+from tests.conftest import STANDIN_DOCS
 
 # MME's ten perception subtasks (Fu et al., 2023); the other four are cognition
 MME_PERCEPTION = {"existence", "count", "position", "color", "posters", "celebrity", "scene", "landmark", "artwork",
