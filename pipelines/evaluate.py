@@ -1,4 +1,4 @@
-"""One evaluation on Ray Data: (model, method, budget, options, tasks) -> predictions, scores, metrics.
+"""One evaluation on Ray: (model, method, budget, options, tasks) -> predictions, scores, metrics.
 
     python pipelines/evaluate.py --model tiny:llava --method promprune --budget 16 \
         --tasks easyvqa_yesno easyvqa_open --limit 8
@@ -6,17 +6,15 @@
 Setup -> run -> cleanup:
 
 1. rows: `promprune.eval.build_requests(tasks, limit=...)` (`promprune.records.Request`: task, doc_id, prompt,
-   PNG bytes, gen_kwargs), on the driver for small evaluations or in parallel shards as Ray tasks for large ones,
-   materialized once in the object store as typed Arrow columns (`arrow_schema(Request)`).
-2. `dataset.map_batches(VLMPredictor, compute=ActorPoolStrategy(size=workers), num_gpus=...,
-   batch_size=..., batch_format="pyarrow")`: every actor loads a `PrunedVLM` once in `__init__` (one GPU each when
-   the cluster has GPUs, CPU otherwise) and turns an Arrow batch of requests into an Arrow batch of
-   `promprune.records.Prediction`s under `torch.inference_mode()`. `DataContext.wait_for_min_actors_s` is
-   finite, so a pool that cannot be scheduled fails instead of hanging. Actors restart and their tasks retry
-   when a node dies; the output is checked to hold every sample exactly once (nothing is de-duplicated silently).
-   A sweep instead starts one `PredictorPool` for all its trials (actors that load the model once and take each
-   trial's method, budget and options per call) and passes it to `evaluate(..., pool=)`; the same restart and
-   exactly-once guarantees hold.
+   PNG bytes, image key, gen_kwargs), on the driver for small evaluations or in parallel shards as Ray tasks for
+   large ones, stored once in the object store as Arrow blocks (`arrow_schema(Request)`) in which the questions
+   about one image sit together and its PNG is stored once (`promprune.eval.requests.pack_requests`).
+2. A `PredictorPool`: actors that each load the model once (one GPU each when the cluster has GPUs, CPU
+   otherwise) and turn a block of requests into a block of `promprune.records.Prediction`s under
+   `torch.inference_mode()`, taking each call's method, budget and options. A sweep starts one pool for all its
+   trials and passes it to `evaluate(..., pool=)`; a single evaluation starts its own. A pool that cannot be
+   scheduled fails within `actor_wait_s` instead of hanging; an actor lost with its node restarts and its blocks go
+   to the others; the output is checked to hold every sample exactly once (nothing is de-duplicated silently).
 3. Central scoring: `promprune.eval.score(predictions)` aggregates once over all shards.
 
 Run as a script it also logs one MLflow run (role `evaluation`) with the same metrics and artifacts as a sweep
@@ -64,7 +62,7 @@ class EvalConfig:
     limit: int | None = None  # per-task sample cap
     generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: the task's own
     resources: Resources = field(default_factory=Resources)  # actors, GPUs and CPUs per actor, batch size, wait
-    progress_bars: bool = True  # Ray Data's bars; sweeps turn them off and print one line per trial instead
+    progress_bars: bool = True  # kept for callers; the pool prints no bars (sweeps print one line per trial)
     bootstrap: int = 0  # resamples for 95% CIs of each task's primary metrics (<metric>_ci_low/_ci_high); 0: none
 
 
@@ -202,7 +200,7 @@ def default_run_requests(vlm, rows: list[Request], batch_size: int) -> list[Pred
 
 
 class VLMPredictor:
-    """Ray Data callable class: loads a PrunedVLM once, then answers Arrow batches of requests.
+    """An actor's model: loads a PrunedVLM once, then answers Arrow blocks of requests.
 
     `run_fn(vlm, requests, batch_size) -> predictions` is injectable (tests slow it down to kill nodes mid-run);
     the default is `promprune.eval.run_requests`.
@@ -265,7 +263,7 @@ class PredictorPool:
     """A sweep's actors, started once and shared by all its trials (instead of an actor pool per trial): a trial no
     longer pays actor processes starting and models loading, and while one trial scores and logs, the next one's
     batches keep the actors busy. An actor lost with its node restarts where resources allow; its unfinished
-    batches go to the other actors meanwhile, as Ray Data's pools do."""
+    batches go to the other actors meanwhile."""
 
     actors: list = field(repr=False)
     ready_refs: list = field(repr=False)  # each actor's first `ready()` call: resolved once its model is loaded
@@ -404,7 +402,7 @@ def text_tokens(vlm, prompt: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Ray Data
+# predicting on the actors
 
 
 def cluster_gpus() -> float:
@@ -413,43 +411,24 @@ def cluster_gpus() -> float:
 
 def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable | None = None,
             pool: PredictorPool | None = None) -> list[Prediction]:
-    """Shard the requests over an actor pool holding the model; one prediction per request, in no particular order.
-
-    pool: a sweep's shared actors (they carry their own run_fn); None: a Ray Data actor pool for this call."""
-    from ray.data import ActorPoolStrategy
-
+    """Share the request blocks out over actors holding the model; one prediction per request, in no particular
+    order. pool: a sweep's shared actors (they carry their own run_fn); None: a pool started for this call alone
+    (`resources.actors` actors, one GPU each when the cluster has GPUs) and shut down after it: one inference path
+    for sweeps and single evaluations."""
     if not isinstance(rows, Requests):
         rows = requests_dataset(rows, cfg.resources.batch_size)
-    if pool is not None:
+    own = pool is None
+    if own:
+        pool = PredictorPool.start(cfg.model, cfg.resources.actors, cfg.resources, on_gpu=cluster_gpus() > 0,
+                                   run_fn=run_fn)
+    try:
         tables = pool.map(cfg, rows.blocks)
-        preds = [p for t in tables for p in from_arrow(t, Prediction)]
-        check_exactly_once(rows.keys, preds)
-        return preds
-    res = cfg.resources
-    out = rows.dataset.map_batches(
-        VLMPredictor,
-        fn_constructor_kwargs=dict(source=cfg.model, method=cfg.method, budget=cfg.budget, options=cfg.options,
-                                   batch_size=res.batch_size, run_fn=run_fn),
-        compute=ActorPoolStrategy(size=res.actors),
-        batch_size=None,  # a whole block per call: its questions share the images it stores once
-        batch_format="pyarrow",
-        num_gpus=res.gpus_per_worker if cluster_gpus() > 0 else 0,
-        num_cpus=res.cpus_per_worker,
-        # Ray Data's actor defaults (max_restarts=-1, max_task_retries=-1) restart an actor lost with its node
-        # elsewhere and retry its unfinished batches there; check_exactly_once() below verifies the outcome.
-    )
-    _configure(out.context, cfg)  # a dataset runs with the DataContext captured when it was created
-    tables = ray.get(out.to_arrow_refs())
+    finally:
+        if own:
+            pool.shutdown()
     preds = [p for t in tables for p in from_arrow(t, Prediction)]
     check_exactly_once(rows.keys, preds)
     return preds
-
-
-def _configure(ctx, cfg: EvalConfig) -> None:
-    """Finite wait for the actor pool (an unschedulable pool fails instead of hanging), progress bars on/off."""
-    ctx.wait_for_min_actors_s = cfg.resources.actor_wait_s
-    ctx.enable_progress_bars = cfg.progress_bars
-    ctx.enable_operator_progress_bars = cfg.progress_bars
 
 
 def check_exactly_once(keys: list[str], preds: list[Prediction]) -> None:
@@ -471,8 +450,8 @@ def check_exactly_once(keys: list[str], preds: list[Prediction]) -> None:
 
 def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, run_fn: Callable | None = None,
              score_fn: Callable | None = None, pool: PredictorPool | None = None) -> EvalResult:
-    """Requests (built here unless given) -> predictions on Ray Data (or a sweep's `pool`) -> scores (once,
-    centrally) -> metrics."""
+    """Requests (built here unless given) -> predictions on a pool of actors (a sweep's `pool`, or one of its
+    own) -> scores (once, centrally) -> metrics."""
     if rows is None:
         rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size)
     preds = predict(cfg, rows, run_fn=run_fn, pool=pool)

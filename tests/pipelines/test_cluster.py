@@ -94,8 +94,8 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
     done_before_kill = len(list(markers.iterdir()))
     assert 0 < done_before_kill < SAMPLES, "the kill must land mid-evaluation"
     trial_nodes = {a.node_id for a in _actors("ImplicitFunc")}
-    # the sweep's shared predictor actors (PredictorPool); MapWorker: a Ray Data pool of a plain evaluate()
-    victims = [a.node_id for a in _actors("PooledPredictor") + _actors("MapWorker") if a.node_id not in trial_nodes]
+    # the sweep's shared predictor actors (PredictorPool)
+    victims = [a.node_id for a in _actors("PooledPredictor") if a.node_id not in trial_nodes]
     assert victims, "no actor on a node without the trial driver"
     node = next(n for n in cluster.worker_nodes if n.node_id == victims[0])
     cluster.remove_node(node, allow_graceful=False)
