@@ -41,7 +41,7 @@ import ray
 
 from promprune.records import Prediction, Request, arrow_schema, from_arrow, sample_key, to_arrow
 
-from pipelines import tracking
+from pipelines import timeline, tracking
 from pipelines.config import Resources
 from pipelines.console import say
 from pipelines.weights import ModelSource
@@ -207,7 +207,12 @@ class PooledPredictor(VLMPredictor):
     `PrunedVLM` for them (pruning never changes the weights, so the same tensors serve all trials)."""
 
     def __init__(self, source: ModelSource, batch_size: int, run_fn: Callable | None = None):
+        if timeline.enabled():
+            timeline.tag(node=ray.get_runtime_context().get_node_id()[:8])
+            timeline.mark("actor_process", "actor", t=timeline.process_started())
+            timeline.mark("actor_init", "actor")
         super().__init__(source, None, None, {}, batch_size, run_fn)
+        timeline.mark("actor_ready", "actor")
         self.base = self.vlm
         self.wrapped: dict[str, Any] = {}  # (method, budget, options) -> PrunedVLM around self.base's model
 
@@ -227,7 +232,11 @@ class PooledPredictor(VLMPredictor):
                 self.base.model, self.base.processor, method=method, budget=budget,
                 **{**self.base.adapter.options, **options})
         self.vlm = self.wrapped[key]
-        return self(batch)
+        call = f"{method}/{budget}"
+        timeline.mark("predict_start", "actor", call=call, rows=batch.num_rows)
+        out = self(batch)
+        timeline.mark("predict_end", "actor", call=call, rows=batch.num_rows)
+        return out
 
 
 @dataclass
@@ -391,7 +400,9 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
     if not isinstance(rows, Requests):
         rows = requests_dataset(rows, cfg.resources.batch_size)
     if pool is not None:
+        timeline.mark("first_request", "trial")
         tables = pool.map(cfg, rows.dataset.to_arrow_refs())
+        timeline.mark("last_answer", "trial")
         preds = [p for t in tables for p in from_arrow(t, Prediction)]
         check_exactly_once(rows.keys, preds)
         return preds
@@ -449,6 +460,7 @@ def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, r
     if score_fn is None:
         from promprune.eval import score as score_fn
     scores = score_fn(preds, bootstrap=cfg.bootstrap) if cfg.bootstrap else score_fn(preds)
+    timeline.mark("trial_scored", "trial")
     return EvalResult(predictions=preds, scores=scores, metrics=summarize(preds, scores))
 
 
