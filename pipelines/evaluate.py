@@ -313,16 +313,21 @@ class PredictorPool:
         unfinished blocks go to the other actors at once (its calls are not retried on it), and it takes work again
         when its restart answers (Ray restarts it where resources allow).
         With no actor left for `actor_wait_s`, this fails instead of hanging."""
+        import random
         from collections import deque
 
         pending, queued = deque(blocks), [0] * len(self.actors)
+        # ties (actors equally loaded by this call) go round from a random actor: the trials run in separate
+        # processes and each counts only its own calls, so breaking ties by index sent every trial's first block to
+        # actor 0 (a trial of one block never reached the others)
+        first = random.randrange(len(self.actors))
         alive = self.loaded()  # the others are still loading: their `ready` refs are probed like a restart's
         running: dict = {}  # output ref -> (actor index, input block)
         probes: dict = {ref: i for i, ref in enumerate(self.ready_refs) if i not in alive}
         tables: list = []
         while pending or running:
             while pending and alive:
-                i = min(alive, key=queued.__getitem__)
+                i = min(alive, key=lambda j: (queued[j], (j - first) % len(self.actors)))
                 if queued[i] >= self.IN_FLIGHT_PER_ACTOR:
                     break
                 block = pending.popleft()
