@@ -20,13 +20,15 @@
 #       -> the trained quickstart model (~1 MB; without it the sweep stage trains it there on one CPU thread)
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
-#   2. carry [".whl2", ".testbed"]  bash scripts/gpu_checklist.sh --install-batch 2 deps sweep table6-pipeline ~7 min
+#   2. carry [".whl2", ".testbed"]  bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
+#      (installing the last batch checks every requirement against the versions there: install.log)
 #   3. carry []                     bash scripts/gpu_checklist.sh scaling                                      ~7 min
-#      (SCALING_GPUS="8 4" by default; the 1-GPU point, ~6 min more, in a 4th call if time is left:
+#      (SCALING_GPUS="4 8" by default; the 1-GPU point, ~6 min more, in a 4th call if time is left:
 #       SCALING_GPUS=1 SCALING_SHELL=arithmetic bash scripts/gpu_checklist.sh scaling)
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
 # this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2", ".testbed"] `--install-batch 2 ...`.
-# CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S (60) left is skipped
+# At most 8 files come back per call: call 2 writes 7 (install, sweep and table6-pipeline logs, their GPU-utilization
+# CSVs and reports). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S (60) left is skipped
 # with a note, and a running stage is stopped at the budget, so its log still comes back.
 set -uo pipefail
 OUT="${OUT:-gpu-logs}"; mkdir -p "$OUT"
@@ -64,7 +66,9 @@ install_batch() {  # .whlN -> .site/whlN, once per machine (a stamp of the batch
   python3 scripts/device_wheels.py dist-info --target "$SITE/promprune" >/dev/null
   echo "batch $n: $(ls "$src"/*.whl | wc -l) wheels installed into .site/whl$n in $((SECONDS - t0)) s"
   set_path
-  if [ -f "$SITE/REQUIREMENTS.json" ]; then  # the image's versions against what the closure asks of them
+  if python3 -c "import ray, mlflow, lmms_eval" 2>/dev/null; then  # the last batch: every requirement, real versions
+    python3 scripts/device_wheels.py check-installed --site "$SITE"
+  elif [ -f "$SITE/REQUIREMENTS.json" ]; then  # so far: the image's versions against what the closure asks of them
     python3 scripts/device_wheels.py check-installed --site "$SITE" --image-only "$SITE/REQUIREMENTS.json"
   fi
 }
@@ -198,7 +202,7 @@ PY
     scaling)  # CPU only: simulated GPU nodes on this machine's cores; the timeline says where the time went
       need_pipeline || return 1
       nproc; python3 -c "import ray; print('ray', ray.__version__)"
-      OMP_NUM_THREADS=1 python3 benchmarks/sweep_scaling.py --gpus ${SCALING_GPUS:-8 4} \
+      OMP_NUM_THREADS=1 python3 benchmarks/sweep_scaling.py --gpus ${SCALING_GPUS:-4 8} \
         --shell "${SCALING_SHELL:-measured}" --timeline "$OUT/scaling-timeline.csv" ${SCALING_ARGS:-} ;;
     *) echo "unknown stage $1 (install|parity|library|selection|speed|table6|shapes|deps|sweep|table6-pipeline|" \
             "scaling|plan)"; return 2 ;;

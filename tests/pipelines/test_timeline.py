@@ -75,6 +75,7 @@ def test_write_csv_and_json_with_seconds_since_each_runs_begin(tmp_path):
               {"run": 4, "t": 11.0, "event": "sweep_end", "where": "driver", "pid": 3}]
     timeline.write(events, tmp_path / "t.csv")
     timeline.write(events, tmp_path / "t.json")
-    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    with open(tmp_path / "t.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
     assert [float(r["s"]) for r in rows] == [0.0, 2.5, 0.0, 1.0]
     assert [e["s"] for e in json.loads((tmp_path / "t.json").read_text())] == [0.0, 2.5, 0.0, 1.0]
