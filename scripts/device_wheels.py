@@ -44,7 +44,8 @@ from packaging.version import Version
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
 BATCH_LIMIT = 60 * MIB  # one call sends 64 MiB; the tracked tree (~2 MiB) travels beside the batch
-EXTRAS = ("pipeline",)  # pyproject extras the device needs (pipeline includes eval)
+# pyproject extras the device needs: pipeline (includes eval); cuda (the batched cuSOLVER eigensolve) where defined
+EXTRAS = ("pipeline", "cuda")
 # files dropped from a wheel (fnmatch patterns; RECORD follows): Java parts nothing on the machine runs
 STRIP = {"ray": ("ray/jars/*",),  # Ray's Java workers: Ray's wheel 79 -> 47 MB
          # METEOR / SPICE / the PTB tokenizer call `java` (captioning metrics; none of our tasks): 104 -> 0.1 MB
@@ -54,9 +55,14 @@ STRIP = {"ray": ("ray/jars/*",),  # Ray's Java workers: Ray's wheel 79 -> 47 MB
 # required by lmms-eval's metadata but never imported by the pipeline, its tests or `lmms-eval --model promprune`
 # (checked: an import watcher over tests/eval/test_end_to_end.py and a sweep test saw only availability probes of
 # wandb: accelerate's is_wandb_available and Ray Tune's optional W&B callback); leaving them halves the transfer
+# (4 batches -> 2)
 LEAVE = {"wandb": "W&B logging (lmms-eval --wandb_args), 24 MB", "av": "video decoding (video tasks), 38 MB",
          "ruff": "a linter lmms-eval lists as a dependency, 10 MB", "pre-commit": "a git-hook tool, with virtualenv",
-         "yt-dlp": "video download (video tasks)", "hf-transfer": "faster hub downloads; the machine has no network"}
+         "yt-dlp": "video download (video tasks)", "hf-transfer": "faster hub downloads; the machine has no network",
+         # Ray's `default` extra: a pip runtime_env imports virtualenv, the dashboard's profiling button runs py-spy
+         "virtualenv": "Ray's pip runtime_env only (no network there), 5.5 MB",
+         "py-spy": "the Ray dashboard's profiler, 2.9 MB"}
+FIRST = ("transformers", "nvmath-python")  # batch 1: what call 1's GPU stages need (parity, selection, table6)
 REQUIREMENTS_FILE = "REQUIREMENTS.json"  # in batch 1: the closure's requirements on image packages
 PY = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
       "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
@@ -96,9 +102,12 @@ def read_image(path: Path) -> dict[str, str | None]:
 
 
 def project_roots(pyproject: Path, extras=EXTRAS) -> list[Requirement]:
-    """This project's requirements with `extras`, its self-references (`promprune[eval]`) expanded."""
+    """This project's requirements with `extras` (those of EXTRAS that pyproject.toml defines; others named are an
+    error), its self-references (`promprune[eval]`) expanded."""
     project = tomllib.loads(pyproject.read_text())["project"]
     own, optional = name_of(project["name"]), project.get("optional-dependencies", {})
+    if extras is EXTRAS:
+        extras = [e for e in EXTRAS if e in optional]
     roots, todo, seen = [], list(extras), set()
     for text in project["dependencies"]:
         roots.append(Requirement(text))
@@ -278,11 +287,23 @@ def pack(sizes: dict[str, int], limit: int, first: tuple[str, ...] = ()) -> list
 
 # ---------------------------------------------------------------------------------------------------- build
 
+def exact_pins(roots: list[Requirement]) -> dict[str, str]:
+    """{name: version} of the roots pinned with `==` in pyproject.toml itself (nvmath-python==1.0.0)."""
+    pins = {}
+    for req in roots:
+        specs = list(req.specifier)
+        if len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version:
+            pins[name_of(req.name)] = specs[0].version
+    return pins
+
+
 def plan_closure(roots, pins, image, cache: Path, carry: set[str]) -> tuple[Walk, dict[str, Path]]:
     """Download the closure's wheels into `cache`. Image packages travel only when named in `carry` or when their
-    known version fails a requirement (found by walking again until nothing changes)."""
+    known version fails a requirement (found by walking again until nothing changes). Versions: constraints.txt,
+    else an exact pin in pyproject.toml."""
     wheels: dict[str, Path] = {}
     carry = set(carry)
+    pins = {**exact_pins(roots), **pins}
 
     def resolve(name: str) -> Dist | None:
         if name in image and name not in carry:
@@ -308,9 +329,9 @@ def plan_closure(roots, pins, image, cache: Path, carry: set[str]) -> tuple[Walk
 
 def build(args) -> None:
     pins, image = read_pins(REPO / "constraints.txt"), read_image(REPO / "scripts" / "device_image.txt")
-    roots = project_roots(REPO / "pyproject.toml")
+    roots = project_roots(REPO / "pyproject.toml", args.extras.split(",") if args.extras else EXTRAS)
     cache = REPO / ".whl-cache"
-    print(f"closure of promprune[{','.join(EXTRAS)}] beyond the image, pinned by constraints.txt:")
+    print(f"closure of promprune[{args.extras or ','.join(EXTRAS)}] beyond the image, pinned by constraints.txt:")
     w, wheels = plan_closure(roots, pins, image, cache / "pypi", {name_of(n) for n in args.carry})
     problems = [f"missing (no pin, not in the image): {r}  <- {by}" for r, by in w.missing]
     problems += [f"unmet: {r}  <- {by}  (found {v})" for r, by, v in w.unmet]
@@ -327,7 +348,7 @@ def build(args) -> None:
                       f"({path.stat().st_size / MIB:.1f} -> {stripped.stat().st_size / MIB:.1f} MiB)")
             path = stripped
         files[path.name] = path
-    first = tuple(p.name for n, p in ((n, files.get(wheels[n].name)) for n in ("transformers",) if n in wheels) if p)
+    first = tuple(files[wheels[n].name].name for n in FIRST if n in wheels)
     batches = pack({k: p.stat().st_size for k, p in files.items()}, int(args.limit_mib * MIB), first)
     for old in REPO.glob(".whl[0-9]*"):
         shutil.rmtree(old)
@@ -477,6 +498,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("build", help="download the closure, strip Ray, write the batches")
     b.add_argument("--limit-mib", type=float, default=BATCH_LIMIT / MIB, help="batch size limit")
     b.add_argument("--carry", nargs="*", default=[], help="image packages to carry anyway (another version)")
+    b.add_argument("--extras", default=None, help="pyproject extras, comma-separated (default: pipeline, and cuda "
+                   "where pyproject.toml defines it)")
     sub.add_parser("check", help="the batches + the image list meet every requirement of the closure")
     c = sub.add_parser("check-installed", help="on the machine: the closure against what is importable there")
     c.add_argument("--image-only", metavar="REQUIREMENTS_JSON", help="only batch 1's list of image requirements")

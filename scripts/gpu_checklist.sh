@@ -15,7 +15,8 @@
 #
 # PLAN. Here first (PyPI reachable; minutes):
 #   python scripts/device_wheels.py build && python scripts/device_wheels.py check
-#       -> .whl1 (Ray without ray/jars, transformers 5.23: 60 MiB), .whl2 (MLflow, lmms-eval, datasets, ...: 56 MiB)
+#       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23, nvmath-python), Ray
+#          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~112 MiB in all)
 #   mkdir -p .testbed && cp -r "${PROMPRUNE_CACHE:-$HOME/.cache/promprune}/testbed-llava-v1" .testbed/
 #       -> the trained quickstart model (~1 MB; without it the sweep stage trains it there on one CPU thread)
 # Then three device calls, back to back (each line: run's carry, then its command):
