@@ -5,6 +5,9 @@
         --budgets none,640,320,160                                   # Table 6's setting, on a GPU
     python benchmarks/efficiency.py --model shape:llava_next_7b --budgets none,320 \
         --methods vispruner,divprune,promprune                       # Table 6's shape, random weights, no download
+    python benchmarks/efficiency.py --model shape:qwen3_vl_8b --dtype float16 \
+        --budgets none,512,256,128                                   # also shape:qwen2_5_vl_7b,
+                                                                     # shape:llava_onevision_7b
 
 Part 1 prints prefill TFLOPs and KV-cache MiB of LLaVA-NeXT-7B's text model (Vicuna-7B) from
 ``promprune.efficiency`` next to the published Table 6 numbers. Part 2 loads ``--model`` once, wraps it with each
@@ -127,7 +130,8 @@ def measured(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny:llava_next", help="checkpoint, or tiny:<arch> (offline)")
+    parser.add_argument("--model", default="tiny:llava_next",
+                        help="checkpoint, tiny:<arch> or shape:<name> (offline; promprune.models.shapes.shapes())")
     parser.add_argument("--methods", default="promprune", type=lambda s: s.split(","),
                         help="comma list of methods measured at every budget (Table 6: vispruner,divprune,promprune)")
     parser.add_argument("--budgets", default=None, type=lambda s: [_budget(b) for b in s.split(",")],

@@ -15,6 +15,7 @@ import argparse
 import torch
 
 from benchmarks.selection import centered_gram, make_inputs, median_ms
+from promprune.selection import eigensolve
 
 
 def host_scipy(g: torch.Tensor) -> list:
@@ -36,6 +37,8 @@ ROUTES = {
     "host fp32": lambda g: torch.linalg.eigvalsh(g.cpu()),
     "host fp64": lambda g: torch.linalg.eigvalsh(g.double().cpu()),
 }
+if eigensolve.load_nvmath() is not None:  # pip install ".[cuda]": one cusolverDnXsyevBatched call per batch
+    ROUTES["device batched cuSOLVER fp64"] = lambda g: eigensolve.eigvalsh(g.double())
 
 
 def main() -> None:
@@ -43,6 +46,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
+    if not args.device.startswith("cuda"):
+        ROUTES.pop("device batched cuSOLVER fp64", None)
     print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}")
     print(f"| shape | {' | '.join(ROUTES)} |\n|---|{'---:|' * len(ROUTES)}")
     for name, (B, N, d) in SHAPES.items():

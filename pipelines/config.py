@@ -17,7 +17,8 @@ class Resources:
     cpus_per_worker: float = 1  # image decoding and the processor are light; one core keeps 2-core laptops usable
     batch_size: int = 8  # rows per map_batches call and per generate(); 8 fits a 7B model on a 24 GB GPU
     actor_wait_s: float = 600  # DataContext.wait_for_min_actors_s: an unschedulable pool fails after this long
-    share_weights: bool = True  # publish the weights to the object store once per sweep (see README: weight loading)
+    # publish the weights to the object store once per sweep (see docs/pipeline.md: weight loading)
+    share_weights: bool = True
 
     @property
     def actors(self) -> int:

@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import pandas as pd
 import pyarrow as pa
 import ray
 
-from promprune.records import Prediction, Request, arrow_schema, from_arrow, sample_key, to_arrow
+from promprune.records import Prediction, Request, arrow_schema, from_arrow, to_arrow
 
 from pipelines import timeline, tracking
 from pipelines.config import Resources
@@ -81,13 +80,14 @@ class EvalResult:
 
 
 def build_rows(tasks: list[str], limit: int | None, generation: dict,
-               shard: tuple[int, int] | None = None) -> list[Request]:
+               shard: tuple[int, int] | None = None, contiguous: bool = False) -> list[Request]:
     """Requests from the eval bridge, with the spec's generation kwargs laid over each task's own.
 
-    shard=(i, k): every k-th document from the i-th (the union of the k shards is the full set)."""
+    shard=(i, k): every k-th document from the i-th, or with `contiguous` the i-th of k consecutive runs (the union
+    of the k shards is the full set either way)."""
     from promprune.eval import build_requests
 
-    rows = build_requests(tasks, limit=limit, shard=shard)
+    rows = build_requests(tasks, limit=limit, shard=shard, contiguous=contiguous)
     for row in rows:
         row.gen_kwargs = {**row.gen_kwargs, **generation}
     return rows
@@ -95,72 +95,100 @@ def build_rows(tasks: list[str], limit: int | None, generation: dict,
 
 @dataclass
 class Requests:
-    """An evaluation's requests as a materialized Ray dataset with `arrow_schema(Request)`, plus every key a
-    prediction must come back for. Built once per sweep, shared by all its trials."""
+    """An evaluation's requests in the object store, built once per sweep and shared by all its trials: Arrow blocks
+    with `arrow_schema(Request)` made by `promprune.eval.requests.pack_requests` (each block holds whole groups of
+    questions about one image and stores each image once), plus every key a prediction must come back for."""
 
-    dataset: Any = field(repr=False)  # ray.data.MaterializedDataset, one block per batch (its repr reads blocks)
+    blocks: list = field(repr=False)  # ObjectRefs of pyarrow Tables, one block per actor call
     keys: list[str] = field(repr=False)
 
     def __repr__(self) -> str:
-        return f"Requests({len(self.keys)} rows)"
+        return f"Requests({len(self.keys)} rows in {len(self.blocks)} blocks)"
+
+    @property
+    def dataset(self):
+        """The blocks as a Ray dataset (block for block)."""
+        return ray.data.from_arrow_refs(self.blocks)
 
     def only(self, tasks) -> "Requests":
         """The requests of ``tasks`` alone (an explicit trial that runs on a subset of the sweep's tasks)."""
-        wanted = set(tasks)
+        wanted = sorted(set(tasks))
         keys = [k for k in self.keys if k.rsplit("/", 1)[0] in wanted]
-        return Requests(self.dataset.filter(lambda row: row["task"] in wanted).materialize(), keys)
+        calls = [_only_tasks.remote(block, wanted) for block in self.blocks]
+        sizes = ray.get([n for n, _ in calls])
+        return Requests([ref for n, (_, ref) in zip(sizes, calls) if n], keys)
+
+    def nbytes(self) -> int:
+        """Bytes the blocks take in the object store (Arrow buffers)."""
+        return int(sum(ray.get([_nbytes.remote(block) for block in self.blocks])))
 
 
-DRIVER_BUILD_MAX_ROWS = 2000  # up to this many rows the driver builds them itself (a few hundred MB of PNGs)
+@ray.remote(num_cpus=0, num_returns=2)
+def _only_tasks(block: pa.Table, tasks: list[str]) -> tuple[int, pa.Table]:
+    """(rows kept, the filtered block): the block's rows of ``tasks``, each image stored once again (the row that
+    carried an image may belong to another task). Two returns, so the block is owned by the caller."""
+    from promprune.eval.requests import pack_requests, share_images
+
+    rows = [r for r in share_images(from_arrow(block, Request)) if r.task in tasks]
+    return len(rows), to_arrow([r for b in pack_requests(rows, max(1, len(rows))) for r in b], Request)
+
+
+@ray.remote(num_cpus=0)
+def _nbytes(block: pa.Table) -> int:
+    return block.nbytes
+
+
+DRIVER_BUILD_MAX_ROWS = 2000  # up to this many rows the driver builds them itself (distinct images, PNG, in memory)
+
+
+def request_blocks(rows: list[Request], batch_size: int) -> list[pa.Table]:
+    """Requests -> Arrow blocks of about `batch_size` rows, each image stored once per block (`pack_requests`);
+    a duplicated (task, doc_id) is an error."""
+    from promprune.eval.requests import pack_requests
+
+    keys = [r.key for r in rows]
+    if len(set(keys)) != len(keys):
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"requests: duplicate (task, doc_id): {dupes[:5]}")
+    return [to_arrow(block, Request) for block in pack_requests(rows, batch_size)]
 
 
 def requests_dataset(rows: list[Request], batch_size: int) -> Requests:
-    """Requests -> a materialized dataset, one block per batch (idle actors take work block by block)."""
-    table = requests_table(rows)
-    blocks = max(1, math.ceil(len(rows) / batch_size))
-    ds = ray.data.from_arrow([table.slice(i * batch_size, batch_size) for i in range(blocks)])
-    return Requests(ds.materialize(), [r.key for r in rows])
+    """Requests -> blocks in the object store (idle actors take work block by block)."""
+    return Requests([ray.put(b) for b in request_blocks(rows, batch_size)], [r.key for r in rows])
 
 
 def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict, batch_size: int,
                            shards: int | None = None) -> Requests:
     """Rows built on the driver (small evaluations) or in `shards` parallel Ray tasks (large benchmarks: VQAv2's
-    214k images never sit in driver memory); either way materialized once in the object store.
+    214k questions never sit in driver memory); either way stored once in the object store, each distinct image
+    once per block.
 
     shards None: the driver builds when `limit` caps the rows at DRIVER_BUILD_MAX_ROWS, else one shard per CPU.
+    Shards take consecutive runs of documents, so the questions about one image (neighbours in the benchmarks'
+    order) are built, and stored, together.
     """
     if shards is None:
         small = limit is not None and limit * len(tasks) <= DRIVER_BUILD_MAX_ROWS
         shards = 1 if small else max(2, int(ray.cluster_resources().get("CPU", 2)))
     if shards == 1:
         return requests_dataset(build_rows(tasks, limit, generation), batch_size)
-    seeds = ray.data.from_items([{"shard": i} for i in range(shards)], override_num_blocks=shards)
-    built = seeds.map_batches(_build_shard, batch_size=1, batch_format="pyarrow",
-                              fn_kwargs=dict(tasks=tasks, limit=limit, generation=generation,
-                                             shards=shards)).materialize()
-    keys = [sample_key(t, d) for t, d in zip(_column(built, "task"), _column(built, "doc_id"))]
+    calls = [_build_shard.remote(tasks, limit, generation, (i, shards), batch_size) for i in range(shards)]
+    streamed = [list(call) for call in calls]  # streamed blocks are owned here: they outlive their task
+    blocks = [ref for refs in streamed for ref in refs[:-1]]
+    keys = [k for ks in ray.get([refs[-1] for refs in streamed]) for k in ks]  # each shard's last item: its keys
     if len(set(keys)) != len(keys):
         raise ValueError("request shards overlap: a (task, doc_id) was built twice")
-    ds = built.repartition(max(1, math.ceil(len(keys) / batch_size)))  # one block per batch: actors share work
-    return Requests(ds.materialize(), keys)
+    return Requests(blocks, keys)
 
 
-def _column(ds, name: str) -> list:
-    return pa.concat_tables(ray.get(ds.select_columns([name]).to_arrow_refs())).column(name).to_pylist()
-
-
-def _build_shard(seed: pa.Table, *, tasks: list[str], limit: int | None, generation: dict, shards: int) -> pa.Table:
-    (index,) = seed.column("shard").to_pylist()
-    return requests_table(build_rows(tasks, limit, generation, shard=(int(index), shards)))
-
-
-def requests_table(rows: list[Request]) -> pa.Table:
-    """Requests -> an Arrow table with `arrow_schema(Request)`; a duplicated (task, doc_id) is an error."""
-    keys = [r.key for r in rows]
-    if len(set(keys)) != len(keys):
-        dupes = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"requests: duplicate (task, doc_id): {dupes[:5]}")
-    return to_arrow(rows, Request)
+@ray.remote(num_returns="streaming")
+def _build_shard(tasks: list[str], limit: int | None, generation: dict, shard: tuple[int, int], batch_size: int):
+    """One shard's requests, yielded block by block, then the list of their keys."""
+    rows = build_rows(tasks, limit, generation, shard=shard, contiguous=True)
+    for block in request_blocks(rows, batch_size):
+        yield block  # (not `yield from`: Ray's streaming generator sends into it)
+    yield [r.key for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,7 +221,9 @@ class VLMPredictor:
         """batch: `arrow_schema(Request)` -> `arrow_schema(Prediction)`, one row per request."""
         import torch
 
-        rows = from_arrow(batch, Request)
+        from promprune.eval.requests import share_images
+
+        rows = share_images(from_arrow(batch, Request))  # a block stores each image once: every row gets its own
         with torch.inference_mode():
             preds = self.run_fn(self.vlm, rows, self.batch_size)
         if len(preds) != len(rows):
@@ -303,7 +333,7 @@ class PredictorPool:
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone (Ray shut down, its node lost): nothing to stop
+            except (ray.exceptions.RayError, ValueError):  # already gone (Ray shut down, its node lost)
                 pass
 
     def map(self, cfg: "EvalConfig", blocks: list) -> list[pa.Table]:
@@ -406,7 +436,7 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
         rows = requests_dataset(rows, cfg.resources.batch_size)
     if pool is not None:
         timeline.mark("first_request", "trial")
-        tables = pool.map(cfg, rows.dataset.to_arrow_refs())
+        tables = pool.map(cfg, rows.blocks)
         timeline.mark("last_answer", "trial")
         preds = [p for t in tables for p in from_arrow(t, Prediction)]
         check_exactly_once(rows.keys, preds)
@@ -417,7 +447,7 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
         fn_constructor_kwargs=dict(source=cfg.model, method=cfg.method, budget=cfg.budget, options=cfg.options,
                                    batch_size=res.batch_size, run_fn=run_fn),
         compute=ActorPoolStrategy(size=res.actors),
-        batch_size=res.batch_size,
+        batch_size=None,  # a whole block per call: its questions share the images it stores once
         batch_format="pyarrow",
         num_gpus=res.gpus_per_worker if cluster_gpus() > 0 else 0,
         num_cpus=res.cpus_per_worker,
@@ -518,11 +548,6 @@ def predictions_table(preds: list[Prediction]) -> pa.Table:
     return to_arrow(sorted(preds, key=lambda p: (p.task, p.doc_id)), Prediction)
 
 
-def predictions_frame(preds: list[Prediction]) -> pd.DataFrame:
-    """`predictions_table` as a DataFrame (what the report reads back from the parquet artifact)."""
-    return predictions_table(preds).to_pandas()
-
-
 PREDICTION_SCHEMA = arrow_schema(Prediction)
 
 
@@ -617,7 +642,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap on generated tokens (default: each task's own, as lmms-eval runs it)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--no-mlflow", action="store_true", help="print the results only")
     return p.parse_args(argv)
@@ -649,16 +675,19 @@ def main(argv: list[str] | None = None) -> int:
         validate_method(args.method, args.budget, **options)
     except ValueError as exc:
         errors.append(f"method: {exc}")
-    errors += preflight.check_tasks(args.tasks)
+    errors += preflight.check_tasks(args.tasks, args.limit)
+    errors += preflight.check_judges(args.tasks)
     errors += preflight.check_model(args.model, {}, {"this evaluation": args.budget} if args.budget else {})
     if not args.no_mlflow:
         errors += preflight.check_store(tracking.tracking_uri())
     if errors:
         print("error: " + "\n  - ".join(["pipelines/evaluate.py:", *errors]), file=sys.stderr)
         return 2
+    for note in preflight.judge_notes(args.tasks):
+        print(note)
     cfg = EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
-                     generation={"max_new_tokens": args.max_new_tokens},
+                     generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
                      resources=Resources(workers=args.workers, batch_size=args.batch_size))
     try:
         connect(args.address)

@@ -46,12 +46,12 @@ from pathlib import Path
 from pipelines import preflight, schema
 from pipelines import spec as specs
 from promprune import judge as judging
+from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "fig2_concentration.yaml"
 EXIT_JUDGE_FAILED, EXIT_BAD_INPUT = 1, 2
 ROLE_FIGURE = "figure"  # promprune.role of this script's runs: never mistaken for a sweep by pipelines/report.py
-METRICS = ("spectral", "feature_norm", "attention")
 CACHE_ARTIFACT_DIR, CACHE_NAME = "judge", "ratings.json"
 TABLE_NAME, FIGURE_NAME, SUMMARY_NAME = "fig2_concentration.csv", "fig2_concentration.png", "fig2_by_rating.csv"
 QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # as pipelines/evaluate.py: lmms-eval logs every request build at DEBUG
@@ -138,6 +138,8 @@ def pick_budget(spec) -> tuple[int, str | None]:
 def previous_cache(client, experiment: str, name: str) -> tuple[judging.RatingCache, str | None]:
     """The rating cache of the latest run of this figure that logged one (every run logs the union of what it
     found and what it added, so the latest is the most complete), and that run's id."""
+    from mlflow.exceptions import MlflowException
+
     runs = client.search_runs([experiment], filter_string=f"tags.`{schema.ROLE}` = '{ROLE_FIGURE}' and "
                                                           f"tags.`{schema.SWEEP}` = '{name}'",
                               order_by=["attributes.start_time DESC"], max_results=20)
@@ -145,7 +147,7 @@ def previous_cache(client, experiment: str, name: str) -> tuple[judging.RatingCa
         with tempfile.TemporaryDirectory(prefix="fig2-cache-") as d:
             try:
                 path = client.download_artifacts(run.info.run_id, f"{CACHE_ARTIFACT_DIR}/{CACHE_NAME}", d)
-            except Exception as exc:  # noqa: BLE001 - a run killed before logging its cache: try the one before
+            except (MlflowException, OSError) as exc:  # a run killed before logging its cache: try the one before
                 print(f"(run {run.info.run_id} has no rating cache: {type(exc).__name__})", file=sys.stderr)
                 continue
             return judging.RatingCache.load(path), run.info.run_id

@@ -21,7 +21,8 @@ from pipelines.spec import SpecError, SweepSpec, expand
 
 def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
     """Every problem found, one message each (empty: good to go)."""
-    errors = check_tasks(spec.tasks)
+    errors = check_tasks(spec.tasks, spec.limit)
+    errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options,
                           {t.trial_id: t.budget for t in expand(spec) if t.budget is not None})
     errors += check_store(tracking_uri or schema.tracking_uri())
@@ -37,14 +38,63 @@ def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = N
         raise SpecError(errors, source)
 
 
-def check_tasks(tasks: list[str]) -> list[str]:
-    from promprune.eval.tasks import task_manager
+def check_tasks(tasks: list[str], limit: int | None = None) -> list[str]:
+    from promprune.eval.tasks import check_limit, task_manager
 
     try:
         task_manager(list(tasks))
     except ValueError as exc:
         return [f"tasks: {exc}"]
-    return []
+    return [f"limit: {problem}" for problem in (check_limit(t, limit) for t in tasks) if problem]
+
+
+JUDGE_PROBE_TIMEOUT_S = 15.0  # one short request; lmms-eval's own judge would retry for minutes per document
+
+
+def judge_notes(tasks: list[str]) -> list[str]:
+    """Console notes for judge-scored tasks that will be skipped for want of an API key."""
+    from promprune.eval.tasks import judge_skip_reason
+
+    return [f"note: {reason}" for reason in (judge_skip_reason(t) for t in tasks) if reason]
+
+
+def check_judges(tasks: list[str]) -> list[str]:
+    """Every judge-scored task that will run (its key is set) has a judge that answers one request now, through
+    the client lmms-eval's judge itself builds from the environment: a wrong endpoint or key stops the sweep in
+    seconds instead of costing minutes of retries per document and scoring answers 0."""
+    from promprune.eval.tasks import JUDGE_TASKS, align_judge_endpoint, judge_skip_reason
+
+    judged = [t for t in tasks if t in JUDGE_TASKS and judge_skip_reason(t) is None]
+    if not judged:
+        return []
+    problem = align_judge_endpoint()
+    if problem:
+        return [f"judge: {problem}"]
+    error = probe_judge()
+    return [f"judge: {', '.join(judged)} {error}"] if error else []
+
+
+def probe_judge() -> str | None:
+    """Send the judge one tiny chat request; None when it answered, else what went wrong and what to set."""
+    from lmms_eval.llm_judge import ServerConfig, get_server
+
+    from promprune.judge import api_key_env, api_type
+
+    model = os.environ.get("MODEL_VERSION", "gpt-4o-2024-11-20")  # lmms-eval MM-Vet's judge model and its default
+    try:
+        server = get_server(server_name=api_type(), config=ServerConfig(model_name=model, max_tokens=4))
+        client = server.client.with_options(timeout=JUDGE_PROBE_TIMEOUT_S, max_retries=0)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Reply with: 1"}],
+                                       max_tokens=4, temperature=0)
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe is the user's to fix; reported with its cause
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:240]
+        where = (f"AZURE_ENDPOINT={os.environ.get('AZURE_ENDPOINT', '')!r}" if api_type().startswith("azure") else
+                 f"OPENAI_BASE_URL / OPENAI_API_URL={os.environ.get('OPENAI_API_URL') or 'unset (api.openai.com)'}")
+        return (f"is scored by an LLM judge that did not answer a test request ({type(exc).__name__}: {first}). "
+                f"The judge is reached at {where} with the key in {api_key_env()}, model {model!r} (MODEL_VERSION). "
+                f"Point the endpoint at a live OpenAI-compatible server and set a key it accepts, or unset "
+                f"{api_key_env()} to skip the judge-scored task(s)")
+    return None
 
 
 def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int]) -> list[str]:

@@ -8,7 +8,7 @@
   parent): tags `mlflow.parentRunId`, `promprune.sweep`, `promprune.trial=<id>`; params model, method (`none` =
   unpruned), budget, tasks and every option of the trial; metrics `<task>/<metric>`, `rel`, `samples/*`,
   `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
-  `promprune.eval.records.PREDICTION_SCHEMA`).
+  `promprune.records.arrow_schema(Prediction)`, `pipelines.evaluate.PREDICTION_SCHEMA`).
 - **A saved view per sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>`, the runs page's "Views"
   menu): the sweep's trials with each task's primary metric, `rel` and `efficiency/visual_tokens` as columns;
   `ui_url` links to it.

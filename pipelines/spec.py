@@ -73,7 +73,7 @@ class SweepSpec:
     bootstrap: int = 0  # resamples for 95% confidence intervals of each task's primary metrics; 0: none
     grid: dict = field(default_factory=dict)
     trials: list = field(default_factory=list)
-    generation: dict = field(default_factory=lambda: {"max_new_tokens": 16})  # short answers: VQA is one word
+    generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: lmms-eval's per task
     resources: Resources = field(default_factory=Resources)
     calibration: Calibration = field(default_factory=Calibration)  # images for trials with mu: calibrate
     tune: TuneSpec = field(default_factory=TuneSpec)
@@ -414,7 +414,8 @@ def _parse_trials(spec: SweepSpec, raw: dict, errors: list[str]) -> None:
     if trials is None:
         return
     if not isinstance(trials, list):
-        errors.append(f"trials: expected a list of mappings like {{method: fastv, budget: 64, layer: 2}}, got {trials!r}")
+        errors.append("trials: expected a list of mappings like {method: fastv, budget: 64, layer: 2}, "
+                      f"got {trials!r}")
         return
     for i, t in enumerate(trials):
         if not isinstance(t, dict):
@@ -425,11 +426,13 @@ def _parse_trials(spec: SweepSpec, raw: dict, errors: list[str]) -> None:
                 errors.append(f"trials[{i}].{key}: required field missing")
         for key in ("method", "budget"):
             if isinstance(t.get(key), (list, dict)):
-                errors.append(f"trials[{i}].{key}: explicit trials take one value, got {t[key]!r} (use grid: for lists)")
+                errors.append(f"trials[{i}].{key}: explicit trials take one value, got {t[key]!r} "
+                              "(use grid: for lists)")
         if "tasks" in t:
             sub_tasks = t["tasks"]
             if not isinstance(sub_tasks, list) or not sub_tasks or not all(isinstance(x, str) for x in sub_tasks):
-                errors.append(f"trials[{i}].tasks: expected a non-empty list of the spec's task names, got {sub_tasks!r}")
+                errors.append(f"trials[{i}].tasks: expected a non-empty list of the spec's task names, "
+                              f"got {sub_tasks!r}")
             else:
                 extra = [x for x in sub_tasks if x not in spec.tasks]
                 if extra:

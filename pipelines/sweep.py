@@ -276,6 +276,8 @@ class SweepRecorder:
         done = len(self.records)
         m = rec["metrics"]
         shown = " ".join(f"{k}={m[k]:.3f}" for k in _headline_keys(self.sweep.tasks, m) + [REL] if k in m)
+        failed = int(m.get("samples/failed", 0))
+        shown += f" FAILED SAMPLES={failed} (scored as the empty answer)" if failed else ""
         say(f"[{done}/{self.n_trials}] {rec['trial']['trial_id']}: {shown} "
             f"({m.get('trial/wall_s', float('nan')):.1f}s)")
         if self.bar is not None:
@@ -440,6 +442,8 @@ def _driver_alive(driver: dict | None) -> bool | None:
 def mark_dead_runs(client, storage: str, name: str) -> list[str]:
     """Parent runs of sweep `name` still RUNNING in MLflow although their driver died (SIGKILL, a lost node): mark
     them KILLED with a tag saying so, so the MLflow UI does not show them as live. Returns their experiments."""
+    from mlflow.exceptions import MlflowException
+
     marked = []
     for experiment in _state_names(storage, name):
         state = _read_state(storage, experiment)
@@ -447,7 +451,7 @@ def mark_dead_runs(client, storage: str, name: str) -> list[str]:
             continue
         try:
             run = client.get_run(state["parent_run_id"])
-        except Exception:  # noqa: BLE001 - a run deleted from the store, another store: nothing to mark
+        except MlflowException:  # a run deleted from the store, another store: nothing to mark
             continue
         if run.info.status == "RUNNING":
             client.set_tag(run.info.run_id, schema.INTERRUPTED,
@@ -673,6 +677,21 @@ def _fmt(v: Any) -> Any:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else round(float(v), 1)
 
 
+def generation_plan(spec: specs.SweepSpec) -> str:
+    """What each task will generate with: its lmms-eval generation_kwargs, the spec's `generation` laid over them,
+    and the bridge's default for what neither sets (what --validate-only shows)."""
+    from promprune.eval.generation import generate_kwargs
+    from promprune.eval.tasks import task_config
+
+    lines = ["generation per task (the task's lmms-eval generation_kwargs, the spec's `generation` over them):"]
+    for task in spec.tasks:
+        own = task_config(task).get("generation_kwargs") or {}
+        kwargs, until = generate_kwargs({**own, **spec.generation})
+        shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        lines.append(f"  {task}: {shown}" + (f", stop at {until}" if until else ""))
+    return "\n".join(lines)
+
+
 def prepare_model(name: str) -> None:
     """First-use work of a factory-built model (e.g. training tiny-easyvqa:llava), here in the driver with its
     progress bar on the terminal, before Ray starts; nothing for checkpoints."""
@@ -697,8 +716,11 @@ def main(argv: list[str] | None = None) -> int:
     except specs.SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    for note in preflight.judge_notes(spec.tasks):
+        print(note, flush=True)  # on the console, not only in the log: the task is left out of every trial
     if args.validate_only:
         print("\n".join(t.trial_id for t in specs.expand(spec)))
+        print(generation_plan(spec))
         return 0
     t0 = time.perf_counter()
     random_weights_note(spec.model.pretrained)

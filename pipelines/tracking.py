@@ -88,9 +88,11 @@ def save_sweep_view(c, exp_id: str, sweep: str, tasks: list[str]) -> str:
 def ui_url(sweep: str | None = None) -> str | None:
     """The page to open in `mlflow ui`: the experiment's runs (the sweep's saved view when given); None when the
     store has no such experiment (or does not answer)."""
+    from mlflow.exceptions import MlflowException
+
     try:
         exp = client().get_experiment_by_name(schema.experiment_name())
-    except Exception:  # noqa: BLE001 - a hint to print, never a reason to fail
+    except (MlflowException, OSError):  # a hint to print, never a reason to fail
         return None
     if exp is None:
         return None

@@ -44,13 +44,10 @@ def local_device() -> str:
 
     if not torch.cuda.is_available():
         return "cpu"
-    try:
-        import ray
+    import ray
 
-        if ray.is_initialized() and not ray.get_gpu_ids():
-            return "cpu"
-    except Exception:  # outside a Ray worker there is no assignment to respect
-        pass
+    if ray.is_initialized() and not ray.get_gpu_ids():  # a Ray worker without a GPU assigned keeps off the GPU
+        return "cpu"
     return "cuda"
 
 

@@ -3,7 +3,7 @@
     SampleStats   what the model reports about one sample: visual tokens, split, entropy, kept tokens, timings
     Generation    SampleStats + the generated text and token ids (``PrunedVLM.generate``; promprune.models)
     Answer        SampleStats + the answer as scored (stop strings applied) or the error, and the batch's peak memory
-    Request       one question of one benchmark document, image as PNG bytes (driver -> actors)
+    Request       one question of one benchmark document, image as PNG bytes and its key (driver -> actors)
     Prediction    Answer + the request it answers (minus the image) + per-sample efficiency (actors -> driver ->
                   MLflow's ``predictions.parquet``)
 
@@ -58,7 +58,9 @@ class Request:
     doc_id: int  # the document's index in the task's evaluation split (how scoring finds it again)
     n_docs: int  # documents of this task the evaluation covers (doc_ids 0..n_docs-1: scoring notices a gap)
     prompt: str  # the question as the model gets it (the task's doc_to_text with lmms-eval's prompt kwargs)
-    image: bytes | None = None  # PNG of the document's image; None when it could not be produced (see error)
+    image: bytes | None = None  # PNG of the document's image; None when it could not be produced (see error) or
+    # when another request of the same block carries it (same image_key: see promprune.eval.requests.pack_requests)
+    image_key: str | None = None  # the image's identity (a hash of its pixels): requests about one image share it
     gen_kwargs: dict = field(default_factory=dict)  # the task's generation_kwargs (``until`` included)
     error: str | None = None  # why the request cannot be answered; then the sample fails without generating
 
@@ -87,7 +89,8 @@ class Prediction(Answer):
     @classmethod
     def answering(cls, request: Request, answer: Answer, **extra) -> "Prediction":
         """The prediction for ``request``: its fields (not the image) plus every field of ``answer``."""
-        own = {f.name: getattr(request, f.name) for f in dataclasses.fields(Request) if f.name not in ("image", "error")}
+        own = {f.name: getattr(request, f.name) for f in dataclasses.fields(Request)
+               if f.name not in ("image", "image_key", "error")}
         return cls(**own, **values(answer), **extra)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refresh constraints.txt on purpose: resolve pyproject.toml's ranges afresh in a throwaway virtualenv and freeze
 # every installed version. Run it when you mean to move to newer releases, then run the tests and regenerate the
-# README's numbers (README "Reproducibility") before committing the new lock.
+# README's numbers (README "Reproducibility" and benchmarks/RESULTS.md) before committing the new lock.
 #   bash scripts/lock.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

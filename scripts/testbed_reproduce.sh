@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full prominence-testbed study (README, "Prominence testbed"), offline on a 2-core machine in about
+# The full prominence-testbed study (docs/testbed.md), offline on a 2-core machine in about
 # half an hour: trains `testbed:llava` on first use, then three sweeps, each followed by its report.
 #   bash scripts/testbed_reproduce.sh            # MLflow store: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
 # Reports land in reports/<sweep>/ (report.md, CSVs, PNGs) and on each sweep's MLflow parent run.

@@ -420,17 +420,20 @@ def _write_csv(frame: pd.DataFrame, path: Path, report: Report) -> None:
 
 
 def task_image(task: str, doc_id: str) -> tuple[np.ndarray, str]:
-    """The task's own image for doc `doc_id` via `promprune.eval` (offline tasks load locally), else a stand-in."""
+    """The task's own image for doc `doc_id` via `promprune.eval` (offline tasks load locally), else a labelled
+    stand-in when the task's data cannot be had here (a hub task offline, a doc the task does not have)."""
+    from PIL import Image
+
+    from promprune.eval.requests import build_requests
+    from promprune.eval.tasks import OFFLINE_TASKS, TaskUnavailableError
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and task not in OFFLINE_TASKS:
+        return overlay.stand_in_image(), f" (stand-in image: {task} is a hub task and HF_HUB_OFFLINE=1)"
     try:
-        from PIL import Image
-
-        from promprune.eval.requests import build_requests
-        from promprune.eval.tasks import OFFLINE_TASKS
-
-        if os.environ.get("HF_HUB_OFFLINE") == "1" and task not in OFFLINE_TASKS:
-            raise LookupError(f"{task} is a hub task and HF_HUB_OFFLINE=1")  # skip lmms-eval's slow task indexing
         rows = build_requests([task], limit=int(doc_id) + 1)
-        row = next(r for r in rows if str(r["doc_id"]) == str(doc_id) and r["image"] is not None)
-        return np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB")), ""
-    except Exception as exc:  # noqa: BLE001 - any failure (hub task offline, missing doc) -> the labelled stand-in
+    except (TaskUnavailableError, ValueError) as exc:  # data not here, an unknown task or doc id
         return overlay.stand_in_image(), f" (stand-in image: task image unavailable, {type(exc).__name__})"
+    row = next((r for r in rows if r.doc_id == int(doc_id) and r.image is not None), None)
+    if row is None:
+        return overlay.stand_in_image(), f" (stand-in image: {task} doc {doc_id} has no readable image)"
+    return np.asarray(Image.open(io.BytesIO(row.image)).convert("RGB")), ""

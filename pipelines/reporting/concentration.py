@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-METRICS = ("spectral", "feature_norm", "attention")  # promprune.selection.two_stage.METRICS
+from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
+
+from .prominence import spearman
+
 LABELS = {"spectral": "Spectral", "feature_norm": "Norm", "attention": "Attn"}  # the paper's legend
 RATINGS = (1, 2, 3, 4, 5)
 DPI = 120
@@ -47,9 +50,7 @@ def correlations(frame: pd.DataFrame) -> dict[str, float]:
     ok = rated(frame)
     out = {}
     for m in METRICS:
-        pair = ok[["rating", m]].dropna()
-        varied = len(pair) >= 3 and pair["rating"].nunique() > 1 and pair[m].nunique() > 1
-        out[m] = float(pair["rating"].rank().corr(pair[m].rank())) if varied else float("nan")
+        out[m] = spearman(ok["rating"], ok[m])
     return out
 
 

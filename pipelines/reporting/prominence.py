@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pandas as pd
 
 TRUTH_COLUMNS = ("num_objects", "spread")
@@ -46,11 +45,18 @@ def joined(preds: pd.DataFrame, truth_source: TruthSource) -> pd.DataFrame:
 
 
 def spearman(x: pd.Series, y: pd.Series) -> float:
-    """Spearman's rank correlation (average ranks for ties); NaN when either side is constant."""
-    rx, ry = x.rank(), y.rank()
-    if rx.std() == 0 or ry.std() == 0:
+    """Spearman's rank correlation (scipy's: average ranks for ties) over the pairs where both are present; NaN
+    with fewer than 3 pairs or when either side is constant."""
+    import warnings
+
+    from scipy.stats import spearmanr
+
+    pair = pd.concat([pd.Series(x).reset_index(drop=True), pd.Series(y).reset_index(drop=True)], axis=1).dropna()
+    if len(pair) < 3 or pair.iloc[:, 0].nunique() < 2 or pair.iloc[:, 1].nunique() < 2:
         return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(spearmanr(pair.iloc[:, 0], pair.iloc[:, 1]).statistic)
 
 
 def correlation_table(arms: dict[str, pd.DataFrame]) -> pd.DataFrame:

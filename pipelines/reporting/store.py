@@ -58,7 +58,8 @@ def find_sweep_run(ref: str | None = None) -> pd.Series:
                               filter_string=schema.tag_filter(schema.ROLE, schema.ROLE_SWEEP),
                               order_by=["attributes.start_time DESC"], output_format="pandas")
     if runs.empty:
-        raise LookupError(f"no sweep runs (tag {schema.ROLE}={schema.ROLE_SWEEP}) in the MLflow store {mlflow.get_tracking_uri()}; "
+        raise LookupError(f"no sweep runs (tag {schema.ROLE}={schema.ROLE_SWEEP}) in the MLflow store "
+                          f"{mlflow.get_tracking_uri()}; "
                           "run `python pipelines/sweep.py` first")
     if ref is None:
         return runs.iloc[0]

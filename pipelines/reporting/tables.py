@@ -35,6 +35,7 @@ EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
 
 
 CI_LOW, CI_HIGH = ":ci_low", ":ci_high"  # ScoreTable.frame columns of a task's bootstrap bounds (raw units)
+FAILED = ":n_failed"  # ScoreTable.frame column of a task's failed samples (scored as the empty answer)
 
 
 @dataclass
@@ -116,6 +117,9 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
     frame = trials[["method", "budget", "variant", "label"]].copy()
     for col in columns:
         frame[col.task] = task_score(metrics, col)
+        failed = metrics.get(f"{col.task}/n_failed")
+        if failed is not None:
+            frame[f"{col.task}{FAILED}"] = failed.fillna(0)
         interval = task_interval(metrics, col)
         if interval is not None:
             frame[f"{col.task}{CI_LOW}"], frame[f"{col.task}{CI_HIGH}"] = interval
@@ -131,8 +135,11 @@ def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: p
     Benchmarks the baseline or the trial lacks are left out of that trial's average.
     """
     if baseline_id is not None and not scores.empty:
-        base = scores.loc[baseline_id].where(scores.loc[baseline_id] != 0)  # a 0 baseline score: no ratio
-        return schema.rel_percent(scores.div(base, axis=1).mean(axis=1, skipna=True))
+        from promprune.eval.scoring import mean_ratio
+
+        base = scores.loc[baseline_id].to_dict()
+        rel = scores.apply(lambda row: mean_ratio(row.to_dict(), base), axis=1)
+        return schema.rel_percent(rel)
     if logged_rel is None:
         return pd.Series(np.nan, index=scores.index)
     return schema.rel_percent(logged_rel)
@@ -169,6 +176,8 @@ def score_table_csv(table: ScoreTable) -> pd.DataFrame:
         for suffix, name in ((CI_LOW, "CI low"), (CI_HIGH, "CI high")):
             if f"{col.task}{suffix}" in table.frame:
                 out[f"{col.label} {name}"] = table.frame[f"{col.task}{suffix}"] * col.scale
+        if f"{col.task}{FAILED}" in table.frame:
+            out[f"{col.label} failed samples"] = table.frame[f"{col.task}{FAILED}"]
     out["Rel. (%)"] = table.frame["rel"]
     out.index.name = "run_id"
     return out.reset_index()
@@ -190,6 +199,7 @@ def score_table_markdown(table: ScoreTable, full_tokens: float | None = None,
             low, high = row.get(f"{col.task}{CI_LOW}"), row.get(f"{col.task}{CI_HIGH}")
             if low is not None and high is not None and not _isnan(low) and not _isnan(high):
                 cell += f" ({low * col.scale:.{col.decimals}f}–{high * col.scale:.{col.decimals}f})"
+            cell += failed_note(row.get(f"{col.task}{FAILED}"))
             cells.append(cell)
         cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%"))
         rows.append(cells)
@@ -225,6 +235,13 @@ def _tokens_cell(row: pd.Series, full_tokens: float | None) -> str:
     if row["method"] == BASELINE_METHOD:
         return f"all ({full_tokens:.0f})" if full_tokens and not _isnan(full_tokens) else "all"
     return "" if _isnan(row["budget"]) else f"{row['budget']:.0f}"
+
+
+def failed_note(count) -> str:
+    """" [3 failed]" after a score some of whose samples failed (they were scored as the empty answer)."""
+    if count is None or _isnan(float(count)) or int(count) == 0:
+        return ""
+    return f" [{int(count)} failed]"
 
 
 def _cell(value, decimals: int, bold: bool = False, suffix: str = "") -> str:

@@ -25,6 +25,7 @@ _EXPORTS = {
     "prepare_offline_tasks": "promprune.eval.tasks",
     "judge_skip_reason": "promprune.eval.tasks",
     "PromPruneLMM": "promprune.eval.lmms_plugin",
+    "build_standins": "promprune.eval.standins",
 }
 
 __all__ = sorted(_EXPORTS)

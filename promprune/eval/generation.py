@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 # lmms-eval generation_kwargs keys that map onto transformers' generate(); anything else (e.g. llava's
 # image_aspect_ratio) is a model-specific hint our adapters do not take, and is ignored.
 _SAMPLING_KEYS = ("temperature", "top_p")
+# a task that sets no max_new_tokens (TextVQA, VizWiz) gets what lmms-eval's own HF LLaVA model gives it, not
+# transformers' default of 20 (which would cut long answers)
+DEFAULT_MAX_NEW_TOKENS = 1024
 
 
 @dataclass
@@ -63,14 +66,13 @@ def image_to_png(image: Image.Image) -> bytes:
 def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
     """lmms-eval generation_kwargs -> (kwargs for ``vlm.generate``, stop strings).
 
-    Greedy unless ``do_sample`` is true (then temperature / top_p pass through). lmms-eval's ``until`` strings are
+    Greedy unless ``do_sample`` is true (then temperature / top_p pass through); ``max_new_tokens`` defaults to
+    lmms-eval's (:data:`DEFAULT_MAX_NEW_TOKENS`) when the task sets none. lmms-eval's ``until`` strings are
     applied to the decoded text afterwards (cut at the first occurrence), as lmms-eval's own HF models do.
     Keys whose value is None are ignored (rows read back from Arrow carry None for keys another task had).
     """
     gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
-    kwargs: dict[str, Any] = {}
-    if "max_new_tokens" in gen_kwargs:
-        kwargs["max_new_tokens"] = int(gen_kwargs["max_new_tokens"])
+    kwargs: dict[str, Any] = {"max_new_tokens": int(gen_kwargs.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))}
     if "num_beams" in gen_kwargs:
         kwargs["num_beams"] = int(gen_kwargs["num_beams"])
     kwargs["do_sample"] = bool(gen_kwargs.get("do_sample", False))

@@ -83,7 +83,8 @@ class PromPruneLMM(lmms):
         super().__init__()
         if vlm is None:
             if not pretrained:
-                raise ValueError("model_args needs pretrained=<checkpoint or tiny:llava|tiny:llava_next|tiny:qwen2_5_vl>")
+                raise ValueError("model_args needs "
+                                 "pretrained=<checkpoint or tiny:llava|tiny:llava_next|tiny:qwen2_5_vl>")
             from promprune.models import PrunedVLM
 
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")

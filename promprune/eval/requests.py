@@ -7,41 +7,63 @@ Both are plain records with an Arrow schema, so they survive Arrow / parquet / R
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import warnings
 
 from promprune.eval.generation import Item, decode_image, generate_items, image_to_png
-from promprune.eval.tasks import judge_skip_reason, load_task
+from promprune.eval.tasks import check_limit, judge_skip_reason, load_task
 from promprune.records import Prediction, Request
 
 log = logging.getLogger(__name__)
 
-def _image_of(doc_to_visual, doc, name: str) -> tuple[bytes | None, str | None]:
-    """PNG bytes of the doc's single image, or (None, reason)."""
+def _image_of(doc_to_visual, doc, name: str, pngs: dict[str, bytes]) -> tuple[bytes | None, str | None, str | None]:
+    """(PNG bytes, image key, None) of the doc's single image, or (None, None, reason).
+
+    ``pngs`` maps image keys to the PNG already encoded: a benchmark asks several questions about one image
+    (VQAv2 ~5, POPE 18, GQA ~30), and each distinct image is encoded, and later stored, once."""
     try:
         visuals = doc_to_visual(doc)
     except Exception as exc:  # noqa: BLE001 - a broken doc becomes a failed sample, reported
-        return None, f"{name}: doc_to_visual failed ({type(exc).__name__}: {exc})"
+        return None, None, f"{name}: doc_to_visual failed ({type(exc).__name__}: {exc})"
     if len(visuals) != 1:
-        return None, f"{name}: expected exactly one image, the task gives {len(visuals)}"
+        return None, None, f"{name}: expected exactly one image, the task gives {len(visuals)}"
     try:
-        return image_to_png(decode_image(visuals[0], name)), None
+        image = decode_image(visuals[0], name)
     except ValueError as exc:
-        return None, str(exc)
+        return None, None, str(exc)
+    key = image_key(image)
+    if key not in pngs:
+        pngs[key] = image_to_png(image)
+    return pngs[key], key, None
 
 
-def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int]) -> list[Request]:
+def image_key(image) -> str:
+    """An RGB image's identity: a hash of its size and pixels (equal pictures from different files share it)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{image.size[0]}x{image.size[1]}".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int], contiguous: bool,
+               pngs: dict[str, bytes]) -> list[Request]:
     task = load_task(name, include_path)
     task.build_all_requests(limit=limit, rank=0, world_size=1)  # prompts only: cheap; images are encoded below
     instances = task.instances
     index, count = shard
+    if contiguous:  # the index-th of count consecutive runs: the questions of one image usually stay together
+        mine = instances[len(instances) * index // count: len(instances) * (index + 1) // count]
+    else:
+        mine = instances[index::count]
     rows = []
-    for inst in instances[index::count]:
+    for inst in mine:
         context, gen_kwargs, doc_to_visual, doc_id, task_name, split = inst.args
         doc = task.dataset[split][doc_id]
-        image, error = _image_of(doc_to_visual, doc, f"{task_name} doc {doc_id}")
+        image, key, error = _image_of(doc_to_visual, doc, f"{task_name} doc {doc_id}", pngs)
         rows.append(Request(task=task_name, doc_id=int(doc_id), n_docs=len(instances), prompt=context, image=image,
-                            gen_kwargs=dict(gen_kwargs), error=error))
+                            image_key=key, gen_kwargs=dict(gen_kwargs), error=error))
     return rows
 
 
@@ -63,6 +85,7 @@ def build_requests(
     limit: int | None = None,
     include_path: str | list[str] | None = None,
     shard: tuple[int, int] | None = None,
+    contiguous: bool = False,
 ) -> list[Request]:
     """Requests for the first ``limit`` documents (all when None) of each task, in task then doc order.
 
@@ -70,8 +93,12 @@ def build_requests(
     ``pope``, ...), which need network access (here they raise TaskUnavailableError saying so). Judge-scored tasks
     without an API key (MM-Vet) are skipped with a warning. ``include_path``: extra lmms-eval task directories.
     ``shard=(i, k)``: only every k-th document starting at the i-th (rows keep the evaluation's full ``n_docs``), so
-    large benchmarks (VQAv2-val: 214k images) can be built in parallel pieces instead of all in driver memory; the
-    union of the k shards is exactly the unsharded result.
+    large benchmarks (VQAv2-val: 214k questions) can be built in parallel pieces instead of all in driver memory;
+    the union of the k shards is exactly the unsharded result. ``contiguous=True``: the i-th of k consecutive runs of
+    documents instead (the questions of one image, usually neighbours, then land in one shard).
+
+    Each distinct image is encoded once: requests about the same picture share its PNG bytes (the same object) and
+    its ``image_key``, which :func:`pack_requests` uses to store it once per block.
     """
     if isinstance(tasks, str) or not tasks:
         raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
@@ -80,25 +107,77 @@ def build_requests(
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks lists a task twice: {tasks}")
     shard = _check_shard(shard)
+    problems = [p for p in (check_limit(t, limit) for t in tasks) if p]
+    if problems:
+        raise ValueError("; ".join(problems))
     rows: list[Request] = []
+    pngs: dict[str, bytes] = {}  # image key -> PNG, shared by the tasks (POPE and others reuse COCO images)
     for name in tasks:
         reason = judge_skip_reason(name)
         if reason:
             warnings.warn(reason, stacklevel=2)
             log.warning(reason)
             continue
-        rows.extend(_task_rows(name, limit, include_path, shard))
+        rows.extend(_task_rows(name, limit, include_path, shard, contiguous, pngs))
     return rows
 
 
-def _item(request: Request) -> Item:
-    """A request -> Item; an unreadable image or a request that arrived failed becomes a failed item."""
+def pack_requests(rows: list[Request], batch_size: int) -> list[list[Request]]:
+    """Requests -> blocks of about ``batch_size`` rows in which every image is stored once.
+
+    The questions about one image (same ``image_key``, in any task) go into one block, together; only the first of
+    them keeps the PNG bytes, the others refer to it by key (:func:`share_images` restores them where the block is
+    answered). A group never spans two blocks, so a block is always complete by itself; a group larger than
+    ``batch_size`` (GQA asks ~30 questions per image) is one block of its own size. Rows without a key keep their
+    bytes.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    groups: dict[tuple, list[Request]] = {}
+    for i, row in enumerate(rows):
+        key = row.image_key or i
+        groups.setdefault(key, []).append(row)
+    blocks: list[list[Request]] = [[]]
+    for group in groups.values():
+        if blocks[-1] and len(blocks[-1]) + len(group) > batch_size:
+            blocks.append([])
+        first, *rest = group
+        blocks[-1].append(first)
+        blocks[-1].extend(dataclasses.replace(r, image=None) if r.image_key else r for r in rest)
+    return [b for b in blocks if b]
+
+
+def share_images(rows: list[Request]) -> list[Request]:
+    """The rows of one block with every image restored from the row of the same ``image_key`` that carries it
+    (:func:`pack_requests` stores each once). A row whose image is in no row of the block fails, named."""
+    carried = {r.image_key: r.image for r in rows if r.image_key and r.image is not None}
+    out = []
+    for r in rows:
+        if r.image is not None or not r.image_key or r.error:
+            out.append(r)
+        elif r.image_key in carried:
+            out.append(dataclasses.replace(r, image=carried[r.image_key]))
+        else:
+            out.append(dataclasses.replace(r, error=f"{r.task} doc {r.doc_id}: its image {r.image_key} is in no "
+                                                   "request of its block (blocks must come from pack_requests)"))
+    return out
+
+
+def _item(request: Request, last: dict) -> Item:
+    """A request -> Item; an unreadable image or a request that arrived failed becomes a failed item.
+    ``last``: the previous request's decoded image by key (the questions about one image are neighbours in a packed
+    block, so each image is decoded once while memory holds one decoded image at a time)."""
     if request.error:
         return Item(request.prompt, None, request.gen_kwargs, error=request.error)
+    key = request.image_key
     try:
-        image = decode_image(request.image, f"{request.task} doc {request.doc_id}")
+        image = last[key] if key and key in last else decode_image(request.image,
+                                                                   f"{request.task} doc {request.doc_id}")
     except ValueError as exc:
         return Item(request.prompt, None, request.gen_kwargs, error=str(exc))
+    if key and key not in last:
+        last.clear()
+        last[key] = image
     return Item(request.prompt, image, request.gen_kwargs)
 
 
@@ -106,11 +185,13 @@ def run_requests(vlm, requests: list[Request], *, batch_size: int = 8) -> list[P
     """Answer every request with ``vlm`` (a ``PrunedVLM``): one prediction per request, in order.
 
     A corrupt image or a failing generation gives ``prediction=""`` and ``error`` set; the other requests of its
-    batch are unaffected.
+    batch are unaffected. Requests packed by :func:`pack_requests` (an image stored once per block) are answered
+    as they are.
     """
     bad = [i for i, r in enumerate(requests) if not isinstance(r, Request)]
     if bad:
         raise TypeError(f"run_requests takes promprune.records.Request objects; item {bad[0]} is "
                         f"{type(requests[bad[0]]).__name__}")
-    answers = generate_items(vlm, [_item(r) for r in requests], batch_size=batch_size)
+    last: dict = {}
+    answers = generate_items(vlm, [_item(r, last) for r in share_images(requests)], batch_size=batch_size)
     return [Prediction.answering(r, a) for r, a in zip(requests, answers)]

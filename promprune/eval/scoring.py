@@ -5,25 +5,38 @@ lmms-eval's ``evaluator.evaluate`` with a replay model that answers each request
 filters, ``process_results`` and the aggregations are exactly lmms-eval's (MME pairs both answers of a question
 inside its aggregation), and everything is aggregated once, over all shards together.
 
-Failed samples (``error`` set) are scored as the empty answer "", which every supported task scores as wrong: they
-lower the score like any wrong answer and are never dropped. Each task's result also reports ``n_samples`` and
-``n_failed``.
+Failed samples (``error`` set) are replayed as the empty answer "" and never dropped. Accuracy-style metrics
+(exact match, MME, MMBench, POPE's accuracy) count "" as wrong; lmms-eval's POPE precision, recall and F1 count only
+answers that are yes or no, so there a failed sample drops out of the ratio instead. Each task's result therefore
+carries ``n_samples`` and ``n_failed`` (which every score shown to a person prints beside it).
+
+Two things lmms-eval's own loop would turn into a lost trial or a silent number are handled here:
+
+- a spreadsheet writer (MMBench's xlsx submission) refusing an answer's control character: the answers the writer
+  cannot hold are cleaned of those characters, the task is scored again, and ``n_cleaned`` counts them;
+- an LLM judge (MM-Vet) that gave no grade: lmms-eval records 0.0; here the sample counts as failed
+  (``n_judge_failed``, included in ``n_failed``) and the task's metrics are aggregated over the graded samples only.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import inspect
+import io
 import logging
+import re
 import tempfile
 from typing import Any
 
-from promprune.eval.tasks import PRIMARY_METRICS, load_task, single_process
+from promprune.eval.tasks import JUDGE_GRADES, PRIMARY_METRICS, load_task, single_process
 from promprune.records import Prediction, values
 
 log = logging.getLogger(__name__)
 
-COUNT_KEYS = ("n_samples", "n_failed")
+# characters openpyxl refuses in a cell (C0 controls except tab, newline, carriage return): openpyxl's own rule
+SPREADSHEET_ILLEGAL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
 def _replay_model(predictions: dict[tuple[str, int], str]):
@@ -107,11 +120,22 @@ CI_LEVEL = 0.95
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 
 
-def bootstrap_ci(items: list, aggregate, iters: int, *, seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:
+def aggregate_with(aggregate, items: list, args=None) -> float:
+    """``aggregate(items)`` as lmms-eval calls a task's aggregation: with ``args=`` when its signature takes it
+    (MMBench's aggregations write a submission file under ``args.output_path``). Their console prints are muted."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        if "args" in inspect.signature(aggregate).parameters:
+            return aggregate(items, args=args)
+        return aggregate(items)
+
+
+def bootstrap_ci(items: list, aggregate, iters: int, *, seed: int = 0, level: float = CI_LEVEL,
+                 args=None) -> tuple[float, float]:
     """Percentile bootstrap interval of ``aggregate(items)``: ``iters`` resamples of the documents with replacement.
 
     ``items`` are the per-document values lmms-eval's ``process_results`` produced and ``aggregate`` the task's own
-    aggregation (a mean, or e.g. POPE-style F1 over records), so any task's metric gets an interval.
+    aggregation (a mean, or e.g. POPE-style F1 over records), so any task's metric gets an interval. ``args``: the
+    task's ``args`` (lmms-eval's CLI namespace), passed to aggregations that take it.
     """
     import numpy as np
 
@@ -123,7 +147,7 @@ def bootstrap_ci(items: list, aggregate, iters: int, *, seed: int = 0, level: fl
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items) and aggregate_is_mean(aggregate):
         stats = np.asarray(items, dtype=float)[draws].mean(axis=1)
     else:
-        stats = np.array([float(aggregate([items[i] for i in row])) for row in draws])
+        stats = np.array([float(aggregate_with(aggregate, [items[i] for i in row], args)) for row in draws])
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(stats, [tail, 100 - tail])
     return float(low), float(high)
@@ -136,44 +160,146 @@ def aggregate_is_mean(fn) -> bool:
 
 
 def _intervals(task, samples: list[dict], metrics: dict[str, float], iters: int) -> dict[str, float]:
-    """``<metric>_ci_low`` / ``_ci_high`` for every metric of the task's PRIMARY_METRICS with per-document values."""
+    """``<metric>_ci_low`` / ``_ci_high`` for every metric of the task's PRIMARY_METRICS, resampling the documents
+    that carry it (MME: perception documents only), and for paired tasks whole question pairs."""
     out = {}
     aggregations = task.aggregation()
-    for metric in PRIMARY_METRICS.get(task.config.task, ()):
-        if metric not in aggregations or metric not in metrics or not all(metric in s for s in samples):
-            continue  # e.g. MME's perception score is aggregated from another per-document field
-        low, high = bootstrap_ci([s[metric] for s in samples], aggregations[metric], iters)
+    name = task.config.task
+    for metric in PRIMARY_METRICS.get(name, ()):
+        items = [s[metric] for s in samples if metric in s]
+        if metric not in aggregations or metric not in metrics or not items:
+            continue
+        grouping = _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
+        if grouping:
+            low, high = _grouped_bootstrap(items, aggregations[metric], iters, *grouping,
+                                           args=getattr(task, "args", None))
+        else:
+            low, high = bootstrap_ci(items, aggregations[metric], iters, args=getattr(task, "args", None))
         out[metric + CI_SUFFIXES[0]], out[metric + CI_SUFFIXES[1]] = low, high
     return out
 
 
-def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str, bootstrap: int = 0) -> dict[str, float]:
+def _grouped_bootstrap(records: list[dict], aggregate, iters: int, group_of, relabel, stratum_of, *, args=None,
+                       seed: int = 0, level: float = CI_LEVEL) -> tuple[float, float]:
+    """An interval for aggregations that score groups of documents together: each resample draws whole groups
+    (``group_of(record)``) within each stratum (``stratum_of(record)``), as many as the stratum has, and a group
+    drawn twice enters under two labels (``relabel(record, k)``), so the aggregation sees two groups, not one
+    group of four."""
+    import numpy as np
+
+    strata: dict = {}
+    for record in records:
+        strata.setdefault(stratum_of(record), {}).setdefault(group_of(record), []).append(record)
+    rng = np.random.default_rng(seed)
+    stats = []
+    for _ in range(iters):
+        drawn, k = [], 0
+        for groups in strata.values():
+            units = list(groups.values())
+            for i in rng.integers(0, len(units), size=len(units)):
+                drawn += [relabel(r, k) for r in units[i]]
+                k += 1
+        stats.append(float(aggregate_with(aggregate, drawn, args)))
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(stats, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+_CIRCULAR = 1_000_000  # MMBench: the circular copies of question i have index i + c * 1e6
+# task (or family prefix) -> (group of a record, relabel a record for its k-th draw, stratum of a record)
+_GROUPED = {
+    # MME: the two questions about one image (shared question_id), within each subtask (its score sums subtasks)
+    "mme": (lambda r: r["question_id"], lambda r, k: {**r, "question_id": f"{r['question_id']}#{k}"},
+            lambda r: r["category"]),
+    # MMBench: a question with its circular copies (scored together), one stratum
+    "mmbench": (lambda r: int(r["index"]) % _CIRCULAR,
+                lambda r, k: {**r, "index": k + int(r["index"]) // _CIRCULAR * _CIRCULAR}, lambda r: 0),
+}
+
+
+def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir: str, log_samples: bool) -> dict:
+    """lmms-eval's ``evaluate`` over one task, the replay model answering ``answers`` ({(task, doc_id): text})."""
     from lmms_eval.evaluator import evaluate
 
-    task = load_task(name, include_path)
-    n_docs = len(task.eval_docs)
-    if len(rows) > n_docs:
-        raise ValueError(f"task {name!r} has {n_docs} documents, the predictions cover {len(rows)}")
-    limit = None if len(rows) == n_docs else len(rows)  # build_requests took the first n_docs documents
-    replay = _replay_model({(name, doc_id): _answer(row) for doc_id, row in rows.items()})
     cli_args = argparse.Namespace(process_with_media=False, output_path=output_dir)
     with single_process():
-        results = evaluate(
-            lm=replay,
+        return evaluate(
+            lm=_replay_model(answers),
             task_dict={name: task},
             limit=limit,
             bootstrap_iters=0,  # lmms-eval's stderr is not reported; intervals are ours (bootstrap_ci), on request
-            log_samples=bootstrap > 0,
+            log_samples=log_samples,
             distributed_executor_backend="torchrun",  # single process: no accelerate state to set up
             cli_args=cli_args,
             process_docs_parallel=1,
             verbosity="WARNING",
         )
+
+
+def _evaluate_answers(task, name: str, answers: dict, limit, output_dir: str, log_samples: bool) -> tuple[dict, int]:
+    """(lmms-eval's results, answers cleaned): when the task's spreadsheet writer refuses a control character, the
+    answers holding one lose those characters and the task is scored again (one stray byte costs at most its own
+    sample, never the trial)."""
+    from openpyxl.utils.exceptions import IllegalCharacterError  # lmms-eval's xlsx writer (MMBench) uses openpyxl
+
+    try:
+        return _run_lmms_eval(task, name, answers, limit, output_dir, log_samples), 0
+    except IllegalCharacterError:
+        pass
+    dirty = {key for key, text in answers.items() if SPREADSHEET_ILLEGAL.search(text)}
+    log.warning("%s: the task's spreadsheet writer refused control characters in %d answer(s); scoring them "
+                "without those characters", name, len(dirty))
+    cleaned = {key: SPREADSHEET_ILLEGAL.sub("", text) if key in dirty else text for key, text in answers.items()}
+    return _run_lmms_eval(task, name, cleaned, limit, output_dir, log_samples), len(dirty)
+
+
+def _judge_failures(name: str, samples: list[dict]) -> set[int]:
+    """doc_ids whose LLM-judge grade is missing: lmms-eval's MM-Vet records score 0.0 with no ``eval_model`` when
+    its judge never answered."""
+    grade = JUDGE_GRADES.get(name)
+    if grade is None:
+        return set()
+    return {int(s["doc_id"]) for s in samples if isinstance(s.get(grade), dict) and not s[grade].get("eval_model")}
+
+
+def _aggregate_without(task, samples: list[dict], skip: set[int], metrics: dict[str, float]) -> dict[str, float]:
+    """The task's metrics aggregated again over the samples not in ``skip`` (NaN when none is left)."""
+    kept = [s for s in samples if int(s["doc_id"]) not in skip]
+    out = dict(metrics)
+    for metric, aggregate in task.aggregation().items():
+        if metric in out and kept and all(metric in s for s in kept):
+            out[metric] = float(aggregate_with(aggregate, [s[metric] for s in kept], getattr(task, "args", None)))
+        elif metric in out:
+            out[metric] = float("nan")
+    return out
+
+
+def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
+                bootstrap: int = 0) -> dict[str, float]:
+    task = load_task(name, include_path)
+    n_docs = len(task.eval_docs)
+    if len(rows) > n_docs:
+        raise ValueError(f"task {name!r} has {n_docs} documents, the predictions cover {len(rows)}")
+    limit = None if len(rows) == n_docs else len(rows)  # build_requests took the first n_docs documents
+    answers = {(name, doc_id): _answer(row) for doc_id, row in rows.items()}
+    judged = name in JUDGE_GRADES
+    results, n_cleaned = _evaluate_answers(task, name, answers, limit, output_dir, bootstrap > 0 or judged)
     metrics = _metrics(results["results"][name])
-    if bootstrap:
-        metrics.update(_intervals(task, results["samples"][name], metrics, bootstrap))
+    samples = results.get("samples", {}).get(name, [])
+    unjudged = _judge_failures(name, samples) - {d for d, r in rows.items() if failed(r)}
+    if unjudged:
+        log.warning("%s: the LLM judge gave no grade for %d sample(s); they count as failed, not as 0", name,
+                    len(unjudged))
+        metrics = _aggregate_without(task, samples, unjudged, metrics)
+        samples = [s for s in samples if int(s["doc_id"]) not in unjudged]
+    if bootstrap and samples:
+        metrics.update(_intervals(task, samples, metrics, bootstrap))
     metrics["n_samples"] = len(rows)
-    metrics["n_failed"] = sum(failed(r) for r in rows.values())
+    metrics["n_failed"] = sum(failed(r) for r in rows.values()) + len(unjudged)
+    if judged:
+        metrics["n_judge_failed"] = len(unjudged)
+    if n_cleaned:
+        metrics["n_cleaned"] = n_cleaned
     return metrics
 
 
@@ -184,7 +310,8 @@ def score(
     """Score prediction rows (from any number of shards, in any order): {task: {metric: value, n_samples, n_failed}}.
 
     Each row is a :class:`promprune.records.Prediction` or a dict with ``task``, ``doc_id``, ``n_docs`` (as
-    ``build_requests`` made them), ``prediction`` and optionally ``error``. A (task, doc_id) given twice, a doc_id missing from 0..n_docs-1, or a malformed row is a ValueError.
+    ``build_requests`` made them), ``prediction`` and optionally ``error``. A (task, doc_id) given twice, a doc_id
+    missing from 0..n_docs-1, or a malformed row is a ValueError.
     Metrics are lmms-eval's names without the ',none' filter suffix (e.g. ``pope_f1_score``, ``exact_match``).
     ``output_dir``: where tasks that write submission files (MMBench) put them; a temporary directory by default.
     ``bootstrap``: resamples for 95% percentile-bootstrap intervals of each task's primary metrics (added as
@@ -224,10 +351,18 @@ def relative_score(
     missing = sorted(set(scores) - set(baseline_scores))
     if missing:
         raise ValueError(f"baseline_scores lacks task(s) {missing}")
-    ratios = []
-    for task, metrics in scores.items():
-        base = primary_score(task, baseline_scores[task], primary)
-        if base == 0:
-            raise ValueError(f"task {task!r}: the baseline's primary score is 0, Rel. is undefined")
-        ratios.append(primary_score(task, metrics, primary) / base)
-    return sum(ratios) / len(ratios)
+    ours = {task: primary_score(task, metrics, primary) for task, metrics in scores.items()}
+    base = {task: primary_score(task, baseline_scores[task], primary) for task in scores}
+    zero = [task for task, value in base.items() if value == 0]
+    if zero:
+        raise ValueError(f"task {zero[0]!r}: the baseline's primary score is 0, Rel. is undefined")
+    return mean_ratio(ours, base)
+
+
+def mean_ratio(ours: dict[str, float], base: dict[str, float]) -> float:
+    """The mean over tasks of ``ours[task] / base[task]``, over the tasks where that ratio is defined (both scores
+    present and not NaN, the baseline's not 0); NaN when none is. The one rule of Rel.: ``relative_score`` checks
+    its inputs first and raises instead; the report's tables leave undefined tasks out of a row's average."""
+    ratios = [ours[t] / base[t] for t in ours
+              if t in base and base[t] == base[t] and ours[t] == ours[t] and base[t] != 0]
+    return sum(ratios) / len(ratios) if ratios else float("nan")

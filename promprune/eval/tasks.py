@@ -70,6 +70,11 @@ PRIMARY_METRICS: dict[str, tuple[str, ...]] = {
 # tasks whose scoring calls an LLM judge: the environment variable that must hold its key (lmms-eval's API_TYPE
 # picks the provider: openai -> OPENAI_API_KEY, azure -> AZURE_API_KEY)
 JUDGE_TASKS = ("mmvet",)
+# judge-scored task -> its per-document grade record (lmms-eval leaves ``eval_model`` empty when the judge never
+# answered and records 0.0: scoring counts such a sample as failed instead)
+JUDGE_GRADES = {"mmvet": "gpt_eval_score"}
+# tasks whose aggregation needs both documents of each question pair (MME: the "+" accuracy of each image)
+PAIRED_TASKS = ("mme",)
 
 
 class TaskUnavailableError(RuntimeError):
@@ -94,7 +99,8 @@ def _easyvqa_tables():
 
     texts, answers, image_ids = easy_vqa.get_test_questions()
     paths = easy_vqa.get_test_image_paths()
-    tables = {name: {"question_id": [], "image_id": [], "question": [], "answer": [], "image": []} for name in EASYVQA_TASKS}
+    tables = {name: {"question_id": [], "image_id": [], "question": [], "answer": [], "image": []}
+              for name in EASYVQA_TASKS}
     for qid, (text, answer, image_id) in enumerate(zip(texts, answers, image_ids)):
         table = tables["easyvqa_yesno" if answer in _YESNO else "easyvqa_open"]
         table["question_id"].append(qid)
@@ -158,7 +164,7 @@ def prepare_offline_tasks(suite: str = "easyvqa") -> Path:
         text = _task_yaml(suite, task, parquets[task])
         target = root / f"{task}.yaml"
         if not target.exists() or target.read_text() != text:
-            _write_atomic(target, lambda tmp: tmp.write_text(text))
+            _write_atomic(target, lambda tmp, text=text: tmp.write_text(text))
     return root
 
 
@@ -167,7 +173,8 @@ def _task_manager(include_paths: tuple[str, ...], include_defaults: bool):
     from lmms_eval.tasks import TaskManager
 
     # model_name picks each task's lmms_eval_specific_kwargs; "promprune" has no entry, so tasks use "default"
-    return TaskManager("WARNING", include_path=list(include_paths), include_defaults=include_defaults, model_name="promprune")
+    return TaskManager("WARNING", include_path=list(include_paths), include_defaults=include_defaults,
+                       model_name="promprune")
 
 
 def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
@@ -185,8 +192,64 @@ def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
         import difflib
 
         hints = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
-        raise ValueError(f"unknown lmms-eval task(s) {unknown}; did you mean {hints}? Offline tasks: {list(OFFLINE_TASKS)}")
+        raise ValueError(f"unknown lmms-eval task(s) {unknown}; did you mean {hints}? "
+                         f"Offline tasks: {list(OFFLINE_TASKS)}")
     return manager
+
+
+def _yaml_config(path: Path) -> dict:
+    """A task YAML as plain data, its ``include:`` files merged under it; ``!function`` tags read as None (importing
+    a task's utils can need an API key or network, and the keys read here never name functions)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    config = yaml.load(path.read_text(), Loader=Loader) or {}
+    include = config.pop("include", None)
+    if include is None:
+        return config
+    base = _yaml_config(path.parent / include if not Path(include).is_absolute() else Path(include))
+    return {**base, **config}
+
+
+def task_config(name: str, include_path: str | list[str] | None = None) -> dict:
+    """The task's YAML configuration (data source, splits, ``generation_kwargs``), read without loading its code
+    or data: what a validation can show in seconds."""
+    manager = task_manager([name], include_path)
+    entry = manager._task_index.get(name) or {}
+    path = entry.get("yaml_path")
+    if not path or path == -1:
+        raise ValueError(f"task {name!r} has no YAML definition lmms-eval indexed")
+    return _yaml_config(Path(path))
+
+
+def check_limit(task: str, limit: int | None) -> str | None:
+    """Why ``limit`` cannot score ``task`` (None when it can): MME scores question pairs (two questions per image,
+    consecutive documents), so an odd limit would cut the last pair and fail only after everything is generated."""
+    if task in PAIRED_TASKS and limit is not None and limit % 2:
+        return (f"task {task!r} scores question pairs (two questions per image) and limit {limit} would cut the last "
+                f"pair; use an even limit such as {limit + 1}")
+    return None
+
+
+# where a judge's OpenAI-compatible endpoint is named: the OpenAI SDK's variable, and the one lmms-eval's judges read
+ENDPOINT_ENVS = ("OPENAI_BASE_URL", "OPENAI_API_URL")
+
+
+def align_judge_endpoint() -> str | None:
+    """Make one endpoint setting reach every judge: lmms-eval 0.7's MM-Vet reads ``OPENAI_API_URL``, the OpenAI SDK
+    (and our README) ``OPENAI_BASE_URL``; whichever is set is copied to the other, so MM-Vet never falls back to the
+    public endpoint while the user's server was named. Returns a problem when both are set and disagree."""
+    sdk, lmms = (os.environ.get(name) or None for name in ENDPOINT_ENVS)
+    if sdk and lmms and sdk.rstrip("/") != lmms.rstrip("/"):
+        return (f"OPENAI_BASE_URL={sdk!r} and OPENAI_API_URL={lmms!r} name different judge endpoints; set one of them "
+                "(both judges read either)")
+    if sdk or lmms:
+        for name in ENDPOINT_ENVS:
+            os.environ[name] = sdk or lmms
+    return None
 
 
 def judge_skip_reason(task: str) -> str | None:
@@ -198,7 +261,8 @@ def judge_skip_reason(task: str) -> str | None:
     key = api_key_env()
     if os.environ.get(key):
         return None
-    return f"task {task!r} is scored by an LLM judge (lmms-eval API_TYPE={api_type()!r}) and {key} is not set; skipping it"
+    return (f"task {task!r} is scored by an LLM judge (lmms-eval API_TYPE={api_type()!r}) and {key} is not set; "
+            "skipping it")
 
 
 def single_process():
@@ -212,6 +276,10 @@ def load_task(name: str, include_path: str | list[str] | None = None):
     from lmms_eval.tasks import get_task_dict
 
     manager = task_manager([name], include_path)
+    if name in JUDGE_TASKS:
+        problem = align_judge_endpoint() or judge_skip_reason(name)  # the judge is built when its module is imported
+        if problem:
+            raise TaskUnavailableError(problem)
     try:
         with single_process():
             task_dict = get_task_dict([name], manager)

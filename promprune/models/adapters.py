@@ -47,6 +47,15 @@ class VisualItem:
       projector, and the attention keys (head mean) of that layer; ``cls [V, dv]`` or None: each view's CLS hidden
       state; ``project``: the model's projector (vision space -> ``d``, float32 out).
     - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included.
+    - ``grid_shape``: ``(rows, cols)`` of one view's whole token grid (Qwen2.5-VL / Qwen3-VL: the merged-patch
+      grid); a candidate's place in it is ``grid_index % (rows * cols)`` in raster order.
+    - ``cells [N, 2]`` or None: each candidate's (row, col) in the grid its view is FED as, where that is not its
+      source grid (LLaVA-OneVision: the base view's own grid, or the crops' stitched grid after unpadding and
+      anyres-max resizing); when set, it places the candidates for grid methods instead of ``grid_shape``.
+    - ``text_query [c]`` / ``text_tokens [N, c]`` or None: the instruction's embedding and the candidates in its
+      space (CDPruner; :meth:`Adapter.attach_instruction`), ``text_source`` "clip" or "llm".
+    - ``deepstack`` (Qwen3-VL only): per DeepStack layer, the features ``[P, d]`` added to the hidden state of each
+      run position at that LLM layer; pruning feeds the rows of the kept run positions.
     """
 
     run: torch.Tensor
@@ -62,6 +71,12 @@ class VisualItem:
     cls: torch.Tensor | None = None
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
     full: VisualItem | None = None
+    grid_shape: tuple[int, int] | None = None
+    cells: torch.Tensor | None = None
+    text_query: torch.Tensor | None = None
+    text_tokens: torch.Tensor | None = None
+    text_source: str | None = None
+    deepstack: list[torch.Tensor] | None = None
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision
@@ -71,7 +86,8 @@ class VisualItem:
         grid = torch.full((P,), -1, dtype=torch.long, device=self.run.device)
         grid[self.run_pos] = self.grid_index
         return VisualItem(run=self.run, features=self.run, run_pos=pos, grid_index=grid, saliency=None,
-                          groups=torch.zeros_like(pos), row_of_run=self.row_of_run, newline=self.newline)
+                          groups=torch.zeros_like(pos), row_of_run=self.row_of_run, newline=self.newline,
+                          grid_shape=self.grid_shape)
 
     def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline: str = "drop",
                  prefix: torch.Tensor | None = None):
@@ -135,6 +151,61 @@ class Adapter:
         """Candidate tokens of every image; ``need_vision``: with the vision tower's own features where the
         architecture has them (``VisualItem.vision``)."""
         raise NotImplementedError
+
+    def instruction_source(self, option: str) -> str:
+        """CDPruner's text source for option ``text_source``: "released" is "clip" on CLIP-based models (LLaVA,
+        LLaVA-NeXT), "llm" else (Qwen2.5-VL, Qwen3-VL; LLaVA-OneVision, whose checkpoints ship no SigLIP text
+        tower); "clip" on a non-CLIP model is a ValueError at construction."""
+        if option == "released":
+            return "clip" if self.encoder == "clip" else "llm"
+        if option == "clip" and self.encoder != "clip":
+            raise ValueError(f"text_source 'clip' needs a CLIP vision tower; this {self.encoder} model has none: "
+                             "use text_source 'llm' (or 'released')")
+        return option
+
+    def attach_instruction(self, items: list[VisualItem], prompts: list[str], source: str) -> None:
+        """Set ``text_query`` / ``text_tokens`` of every item (and its ``full`` twin) from its prompt's question.
+
+        "clip": CLIP's text embedding of the question vs. the vision tower's hidden states of the candidates through
+        ``post_layernorm`` and CLIP's ``visual_projection`` (needs ``VisualItem.vision``); "llm": the mean of the
+        LLM's input embeddings of the question's tokens vs. the candidates' projected features.
+        """
+        from .clip_text import question_text
+
+        for item, prompt in zip(items, prompts):
+            text = question_text(prompt)
+            query = self._clip().embed(text) if source == "clip" else self._llm_query(text)
+            for it in (item, item.full) if item.full is not None else (item,):
+                if source == "clip":
+                    it.text_tokens = self._clip().project(it.vision, self.model.model.vision_tower.post_layernorm)
+                else:
+                    it.text_tokens = it.features.float()
+                it.text_query, it.text_source = query.to(it.text_tokens.device), source
+
+    def _clip(self):
+        """CDPruner's CLIP text tower, loaded once (adapter option ``clip_text``; None: the model's own setting,
+        else the released openai/clip-vit-large-patch14-336)."""
+        if getattr(self, "_clip_text", None) is None:
+            from . import clip_text
+
+            name = self.options.get("clip_text") or getattr(self.model.config, "promprune_clip_text", None) \
+                or clip_text.RELEASED_CLIP
+            tower = self.model.model.vision_tower
+            param = next(tower.parameters())
+            self._clip_text = clip_text.load(name, self.model.config.vision_config).to(param.device, param.dtype)
+        return self._clip_text
+
+    @torch.inference_mode()
+    def _llm_query(self, text: str) -> torch.Tensor:
+        """``[d]``: the mean of the LLM's input embeddings of ``text``'s tokens (no special tokens)."""
+        ids = self.processor.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        embed = self.model.get_input_embeddings()
+        return embed(ids.to(embed.weight.device))[0].float().mean(dim=0)
+
+    def encoder_outputs(self, items: list[VisualItem], feats: list[torch.Tensor], run_pos: list[torch.Tensor]):
+        """``mm_encoder_outputs`` for ``generate``: the fed features ``feats[i] [M_i, d]`` of each image, which sit
+        at run positions ``run_pos[i] [M_i]`` of ``items[i]`` (Qwen3-VL also gathers its DeepStack rows there)."""
+        return as_encoder_outputs(feats)
 
     def generate_kwargs(self, inputs, new_ids, new_mask, col_map) -> dict:
         """Extra kwargs for ``generate`` on the rebuilt sequence (Qwen: 3D positions).
@@ -201,8 +272,14 @@ class LlavaAdapter(Adapter):
                                     groups=torch.zeros_like(idx), vision=None if hidden is None else hidden[b],
                                     keys=None if key is None else key[b],
                                     cls=None if cls is None else cls[b:b + 1],
-                                    project=self.project if need_vision else None))
+                                    project=self.project if need_vision else None, grid_shape=self._grid_shape()))
         return items
+
+    def _grid_shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of one view's patch grid."""
+        vc = self.model.config.vision_config
+        side = vc.image_size // vc.patch_size
+        return side, side
 
 
 class LlavaNextAdapter(LlavaAdapter):
@@ -275,7 +352,7 @@ class LlavaNextAdapter(LlavaAdapter):
             return None if t is None else t[offset:offset + views * n]
 
         shared = dict(run=run, row_of_run=row, newline=newline, cls=None if cls is None else cls[first:first + views],
-                      project=self.project if hidden is not None else None)
+                      project=self.project if hidden is not None else None, grid_shape=self._grid_shape())
         full = VisualItem(features=span(flat), run_pos=run_of_grid, grid_index=whole, saliency=span(scores),
                           groups=whole // n, vision=span(hidden), keys=span(key), **shared)
         return VisualItem(features=run[run_pos], run_pos=run_pos, grid_index=grid, saliency=at(scores, grid),
@@ -328,11 +405,12 @@ class QwenAdapter(Adapter):
         feats = list(out.pooler_output)
         scores = sal.pool_to_merged(sink[0], grid, self.model.config.vision_config) if need_saliency else None
         items, offset = [], 0
-        for f in feats:
+        merge = self.model.config.vision_config.spatial_merge_size
+        for f, (t, h, w) in zip(feats, grid.tolist()):
             idx = torch.arange(f.shape[0], device=f.device)
             s = None if scores is None else scores[offset:offset + f.shape[0]]
             items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
-                                    groups=torch.zeros_like(idx)))
+                                    groups=torch.zeros_like(idx), grid_shape=(t * h // merge, w // merge)))
             offset += f.shape[0]
         return items
 
@@ -358,7 +436,171 @@ class QwenAdapter(Adapter):
         return {"position_ids": torch.cat([text[None].to(spatial), spatial], dim=0)}
 
 
-ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter}
+class Qwen3Adapter(QwenAdapter):
+    """Qwen3-VL: merged 2x2 tokens plus DeepStack features; saliency = received attention at one vision block.
+
+    No CLS token, so saliency is the Qwen2.5-VL rule: the mean attention each patch receives (queries and heads
+    averaged, within its image), pooled over the 2x2 group the merger joins. Every block attends over the whole
+    image; ``saliency_block`` picks one (default: the last, whose output the main merger projects).
+    DeepStack: the vision blocks of ``deepstack_visual_indexes`` feed their own mergers, whose tokens are added to
+    the hidden states of the image positions after the first LLM layers; a pruned image feeds the DeepStack rows
+    of its kept tokens, in the order of the kept tokens (a merging method's merged token takes its kept token's
+    DeepStack rows unmerged; ``downsample``: its bin centre's rows). The 3D M-RoPE positions of the kept tokens
+    are gathered as for Qwen2.5-VL. In-LLM methods (FastV, SparseVLM, DART, PyramidDrop) rank with the attention's
+    own ``q_norm`` / ``k_norm``, keep the original 3D positions (PyramidDrop does not renumber on M-RoPE) and add
+    the DeepStack rows to the surviving image columns only (``in_llm.py``).
+    """
+
+    encoder = "qwen3_vl"
+
+    def _block(self) -> int:
+        depth = self.model.config.vision_config.depth
+        block = self.options.get("saliency_block")
+        block = depth - 1 if block is None else block
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
+            raise ValueError(f"saliency_block must be a block of the vision tower (0 .. {depth - 1}), got {block!r}")
+        return block
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        """No ``vision`` for Qwen3-VL (as Qwen2.5-VL); every item carries its DeepStack features."""
+        core, grid = self.model.model, inputs["image_grid_thw"]
+        sink: list = []
+        attn = core.visual.blocks[self.block].attn
+        with sal.capture_received_attention(attn, sink) if need_saliency else contextlib.nullcontext():
+            out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
+        scores = sal.pool_groups(sink[0], self.model.config.vision_config) if need_saliency else None
+        items, offset = [], 0
+        merge = self.model.config.vision_config.spatial_merge_size
+        for i, (f, (t, h, w)) in enumerate(zip(out.pooler_output, grid.tolist())):
+            idx = torch.arange(f.shape[0], device=f.device)
+            s = None if scores is None else scores[offset:offset + f.shape[0]]
+            items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
+                                    groups=torch.zeros_like(idx), grid_shape=(t * h // merge, w // merge),
+                                    deepstack=[layer[i] for layer in out.deepstack_features]))
+            offset += f.shape[0]
+        return items
+
+    def encoder_outputs(self, items, feats, run_pos):
+        """Image features and, per DeepStack layer, each image's rows at the fed run positions."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        layers = len(items[0].deepstack)
+        deepstack = [tuple(it.deepstack[layer][pos.to(it.deepstack[layer].device)] for it, pos in zip(items, run_pos))
+                     for layer in range(layers)]
+        return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=tuple(feats),
+                                                              deepstack_features=deepstack)}
+
+
+class OnevisionAdapter(Adapter):
+    """LLaVA-OneVision (images): SigLIP views (base + anyres crops), unpadding, anyres-max resizing, newlines.
+
+    SigLIP has no CLS token (the "full" strategy feeds every patch), so saliency is the no-CLS rule of Qwen2.5-VL:
+    the mean attention each patch receives (queries and heads averaged, within its view) at the layer whose output
+    the projector reads (``vision_feature_layer``, -1 on the released model, whose tower the conversion cut to 26
+    layers). The candidates are the packed tokens that are not ``image_newline``; where anyres-max resizes the crop
+    grid (bilinear, ``vision_aspect_ratio``), a candidate is the resized token the LLM would see, its saliency the
+    same bilinear blend of the patch saliencies, its grid index / view those of the patch nearest its sampling point.
+    The budget modes are LLaVA-NeXT's over the views (base view = group 0, crop k = group k); ``view_quota`` gives
+    each view ``budget // (1 + the most crops of any pinpoint)`` of its fed tokens (no padding is ever a candidate).
+    No vision-tower features (``need_vision``): VisPruner / VisionZip work on the projected features, as on Qwen.
+    Grid methods (``downsample``) pool each view's FED grid (``VisualItem.cells``): the base view's, and each crop's
+    rectangle of the stitched crop grid after unpadding and anyres-max resizing (under ``per_crop`` /
+    ``adaptive_views`` / ``view_quota``). CDPruner's instruction: real SigLIP checkpoints have a text tower, but the
+    llava-onevision checkpoints ship only the vision tower, so ``text_source`` "released" (default) is "llm" here
+    (the LLM's input embeddings of the question vs. the projected tokens); "clip" is refused.
+    """
+
+    encoder = "siglip"
+
+    def _attn_module(self):
+        layer = self.model.config.vision_feature_layer
+        layer = layer if isinstance(layer, int) else layer[-1]
+        return sal.clip_attention_module(self.model.model.vision_tower, layer)
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        core, cfg = self.model.model, self.model.config
+        sink: list = []
+        ctx = sal.capture(self._attn_module(), sink, sal.view_received_attention) if need_saliency \
+            else contextlib.nullcontext()
+        with ctx:
+            out = core.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
+                                          batch_num_images=inputs.get("batch_num_images"), return_dict=True)
+        side = cfg.vision_config.image_size // cfg.vision_config.patch_size
+        scores = sink[0] if need_saliency else None  # [sum V_i, side * side]
+        items, first = [], 0
+        for run, size in zip(out.pooler_output, inputs["image_sizes"]):
+            views, rows, cols = self._views(size)
+            sal_views = None if scores is None else scores[first:first + views]
+            items.append(self._item(run, size, views, rows, cols, side, sal_views))
+            first += views
+        return items
+
+    def _views(self, size) -> tuple[int, int, int]:
+        """``(views, crop rows, crop cols)`` of an image of ``size`` (H, W): base view + rows x cols crops."""
+        from transformers.models.llava_onevision.modeling_llava_onevision import (
+            get_anyres_image_grid_shape,
+            image_size_to_num_patches,
+        )
+
+        cfg = self.model.config
+        views = image_size_to_num_patches(size, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+        rows, cols = get_anyres_image_grid_shape(size, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+        return views, rows, cols
+
+    def _layout(self, size, views, cols, side, saliency) -> torch.Tensor:
+        """The model's own ``pack_image_features`` run on ``(row, col, saliency)`` per patch: ``[P, 3]`` float64 with
+        each packed position's (fractional, after anyres-max resizing) source row / column in its grid (the base
+        view's own, or the stitched crops') and its saliency; newline positions are all -1."""
+        v = torch.arange(views, dtype=torch.float64)[:, None, None]  # [V, 1, 1]
+        r = torch.arange(side, dtype=torch.float64)[None, :, None].expand(views, side, side)
+        c = torch.arange(side, dtype=torch.float64)[None, None, :].expand(views, side, side)
+        crop = (v - 1).clamp_min(0)  # crop k (view k + 1) sits at row k // cols, column k % cols of the crop grid
+        gr = torch.where(v > 0, (crop // cols) * side + r, r)
+        gc = torch.where(v > 0, (crop % cols) * side + c, c)
+        s = torch.zeros(views, side, side, dtype=torch.float64) if saliency is None else \
+            saliency.detach().double().cpu().view(views, side, side)
+        coords = torch.stack([gr, gc, s], dim=-1).view(views, side * side, 3)
+        packed, _ = self.model.model.pack_image_features(
+            [coords], size[None].cpu(), image_newline=torch.full((3,), -1.0, dtype=torch.float64),
+            vision_aspect_ratio=self.model.config.vision_aspect_ratio)
+        return packed[0]
+
+    def _item(self, run, size, views, rows, cols, side, saliency) -> VisualItem:
+        n = side * side
+        lay = self._layout(size, views, cols, side, saliency).to(run.device)
+        assert lay.shape[0] == run.shape[0], "packed layout does not match the model's packed features"
+        newline = lay[:, 0] < 0
+        run_pos = (~newline).nonzero().flatten()
+        r, c = lay[run_pos, 0].round().long(), lay[run_pos, 1].round().long()
+        view = torch.zeros_like(r)
+        if views > 1:  # positions from n on are crop tokens: view from their source crop
+            view[n:] = 1 + (r[n:] // side) * cols + c[n:] // side
+        grid = view * n + (r % side) * side + c % side
+        assert grid.unique().numel() == grid.numel(), "two packed tokens map to one source patch"
+        row = newline.long().cumsum(0) - newline.long()  # newlines strictly before each position
+        if views > 1:
+            row[:n] = -1  # the base view has no newline rows
+        return VisualItem(run=run, features=run[run_pos], run_pos=run_pos, grid_index=grid,
+                          saliency=None if saliency is None else lay[run_pos, 2].float(), groups=view,
+                          row_of_run=row, newline=newline, cells=self._fed_cells(run_pos, row, n, side))
+
+    @staticmethod
+    def _fed_cells(run_pos, row, n, side) -> torch.Tensor:
+        """``[N, 2]``: each candidate's (row, col) in the grid the LLM is fed: the base view's ``side x side`` grid
+        (its first ``n`` positions), else the crops' stitched grid after unpadding and anyres-max resizing, whose
+        rows are the runs between ``image_newline`` tokens (``row [P]``: newlines before each position)."""
+        cells = torch.stack([run_pos // side, run_pos % side], dim=-1)  # [N, 2] base view (and a single view)
+        crop = run_pos >= n
+        if bool(crop.any()):
+            r = row[run_pos[crop]]  # [Nc] fed row, non-decreasing
+            counts = torch.bincount(r)
+            start = counts.cumsum(0) - counts  # first candidate of each fed row
+            cells[crop] = torch.stack([r, torch.arange(r.numel(), device=r.device) - start[r]], dim=-1)
+        return cells
+
+
+ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter,
+            "qwen3_vl": Qwen3Adapter, "llava_onevision": OnevisionAdapter}
 
 
 def adapter_for(model, processor, options) -> Adapter:
@@ -370,8 +612,9 @@ def adapter_for(model, processor, options) -> Adapter:
 
 
 def max_views(config) -> int:
-    """The most views one image gives: LLaVA-NeXT 1 + the most crops of any grid pinpoint (5 on llava-v1.6), else 1."""
-    if getattr(config, "model_type", None) != "llava_next":
+    """The most views one image gives: LLaVA-NeXT / LLaVA-OneVision 1 + the most crops of any grid pinpoint (5 on
+    llava-v1.6, 37 on llava-onevision), else 1."""
+    if getattr(config, "model_type", None) not in ("llava_next", "llava_onevision"):
         return 1
     size = config.vision_config.image_size
     return 1 + max(h // size * (w // size) for h, w in config.image_grid_pinpoints)
@@ -380,13 +623,14 @@ def max_views(config) -> int:
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
     """The most visual tokens one image gives the LLM under this config (what a budget must stay below to prune):
     LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
-    pinpoint), newlines not counted; Qwen2.5-VL the fixed ``image_tokens`` when set, else None (it depends on the
+    pinpoint), newlines not counted (LLaVA-OneVision: the same, an upper bound as anyres-max resizes large crop grids
+    down); Qwen2.5-VL / Qwen3-VL the fixed ``image_tokens`` when set, else None (it depends on the
     image's resolution)."""
     options = adapter_options or {}
     kind = getattr(config, "model_type", None)
-    if kind == "qwen2_5_vl":
+    if kind in ("qwen2_5_vl", "qwen3_vl"):
         return options.get("image_tokens")
-    if kind not in ("llava", "llava_next"):
+    if kind not in ("llava", "llava_next", "llava_onevision"):
         return None
     vision = config.vision_config
     per_view = (vision.image_size // vision.patch_size) ** 2

@@ -3,9 +3,10 @@
 ``PrunedVLM.from_pretrained("<prefix>:<name>")`` looks ``prefix`` up here; anything else loads the ordinary way
 (``from_pretrained`` of the checkpoint). A factory is ``fn(name, *, dtype, device_map, attn_implementation) ->
 (model, processor, adapter_defaults)``; it may carry ``fn.config(name)``, the model's config without building it
-(validation uses it: token counts, an unknown name). Factories are found through the ``promprune.model_factories`` entry-point
-group (this package declares ``tiny``, ``tiny-easyvqa``, ``testbed`` and ``shape`` in ``pyproject.toml``, so the adapters never
-import the modules that build or train them) and through :func:`register_model_factory` at run time.
+(validation uses it: token counts, an unknown name). Factories are found through the
+``promprune.model_factories`` entry-point group (this package declares ``tiny``, ``tiny-easyvqa``, ``testbed`` and
+``shape`` in ``pyproject.toml``, so the adapters never import the modules that build or train them) and through
+:func:`register_model_factory` at run time.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def find_model_factory(name_or_path: str) -> tuple[Factory, str] | None:
     if prefix in declared:
         return declared[prefix](), name
     if "/" not in prefix and "\\" not in prefix:  # looks like a factory name, not a path or URL
-        raise ValueError(f"unknown model factory {prefix!r} in {name_or_path!r}{did_you_mean(prefix, model_factories())}"
+        raise ValueError(f"unknown model factory {prefix!r} in {name_or_path!r}"
+                         f"{did_you_mean(prefix, model_factories())}"
                          f"; registered: {', '.join(model_factories())} (or give a checkpoint name or path)")
     return None
 
@@ -119,10 +121,11 @@ def model_config(name_or_path: str):
         return AutoConfig.from_pretrained(path)
     try:  # the local cache first: no network, and enough when the model was downloaded before
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not cached: decide below
+    except OSError:  # not cached (transformers raises OSError for a missing file): decide below
         pass
     if hub_offline():
-        raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+        raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                         "is set; "
                          f"download it once with `huggingface-cli download {name_or_path}` where there is network "
                          "access, or give a local path")
     if not _hub_reachable():

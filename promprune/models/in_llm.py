@@ -1,28 +1,32 @@
-"""In-LLM pruning baselines, FastV and SparseVLM, as hooks on the language model's decoder layers.
+"""In-LLM pruning baselines, FastV, SparseVLM, DART and PyramidDrop, as hooks on the language model's decoder layers.
 
 The language model is not forked: forward pre-hooks on its decoder layers shrink the sequence between layers.
 
 - A hook on the self-attention of layer ``l - 1`` recomputes the attention rows the method ranks by (queries:
   FastV the last token; SparseVLM the text raters after the image) with the module's own projections and rotary
-  embedding, so the LLM keeps SDPA everywhere.
+  embedding, so the LLM keeps SDPA everywhere; for DART it takes the L1 norms of that layer's keys instead.
+  PyramidDrop ranks inside layer ``l``'s own hook, with layer ``l``'s projections on its input-normed states.
 - A hook on layer ``l`` drops visual tokens from the hidden states, gathers the rotary embeddings at the kept
   columns (positions stay the original ones, as FastV's code does), and hands every later layer a mask built for
   the kept columns. The KV cache of layers ``>= l`` therefore holds only kept tokens; during decoding the same
   hooks give those layers masks over their own kept columns plus the generated tokens.
 
+Qwen3-VL's DeepStack adds visual features to the image positions' hidden states after its first LLM layers; once
+a layer has pruned, the addition goes to the kept image columns only (each gets its own rows).
+
 Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5-VL); all rows keep the same
 sequence length, padded with masked "dead" tokens that nobody attends to.
 In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens included, as visual tokens.
 
-SparseVLM, as implemented here (simplifications of its paper and released code, documented):
-pruning at the configured layers (default: LLaMA-32's 2, 6, 15 as fractions of the depth) to a geometric
-schedule ending at ``budget`` (option ``schedule="released"``: the released code's per-layer counts, where a budget
-is a layer-averaged count, e.g. 64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to the visual tokens is
-at least their mean; a visual token's score is its attention from the raters (head and rater mean), computed
-from the layer before each pruning layer. Recycling: of each stage's deleted tokens the top ``recycle_ratio`` by
-score are grouped around the ``ceil(merge_ratio * n)`` best of them by cosine similarity of hidden states, and
-each group's mean replaces its centre token's hidden state (the centre keeps its position); recycled tokens
-count toward the stage's budget. Its paper clusters with density-peak kNN; we use best-score centres.
+SparseVLM, as implemented here (simplifications of its paper and released code, documented): pruning at the configured
+layers (default: LLaMA-32's 2, 6, 15 as fractions of the depth) to a geometric schedule ending at ``budget`` (option
+``schedule="released"``: the released code's per-layer counts, where a budget is a layer-averaged count, e.g.
+64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to the visual tokens is at least
+their mean; a visual token's score is its attention from the raters (head and rater mean), computed from the layer
+before each pruning layer. Recycling: of each stage's deleted tokens the top ``recycle_ratio`` by score are grouped
+around the ``ceil(merge_ratio * n)`` best of them by cosine similarity of hidden states, and each group's mean replaces
+its centre token's hidden state (the centre keeps its position); recycled tokens count toward the stage's budget. Its
+paper clusters with density-peak kNN; we use best-score centres.
 """
 from __future__ import annotations
 
@@ -34,8 +38,10 @@ import torch
 import promprune
 from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
-# Pruning layers of SparseVLM's released code on LLaMA-based LLaVA (32 layers), kept as fractions of the depth.
+# Pruning layers of SparseVLM's / PyramidDrop's released code on LLaMA-based LLaVA (32 layers), kept as fractions of
+# the depth.
 SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
+PYRAMIDDROP_LAYERS_OF_32 = (8, 16, 24)
 
 
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
@@ -45,73 +51,210 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
-    if method == "fastv":
+    compact = False
+    if method in ("fastv", "dart"):
         if not 1 <= opts["layer"] < len(layers):
-            raise ValueError(f"fastv option 'layer' must be in [1, {len(layers) - 1}], got {opts['layer']}")
-        stages = [Stage(opts["layer"], budget, queries="last")]
+            raise ValueError(f"{method} option 'layer' must be in [1, {len(layers) - 1}], got {opts['layer']}")
+        stages = [Stage(opts["layer"], None, kind=method)]
+        plan = (lambda n: [budget]) if method == "fastv" else _dart_plan(budget, opts)
+        if method == "dart":
+            stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
+    elif method == "pyramiddrop":
+        at = sorted(set(opts["layers"] or scaled_layers(len(layers), PYRAMIDDROP_LAYERS_OF_32)))
+        if max(at) >= len(layers):
+            raise ValueError(f"pyramiddrop option 'layers' must be < {len(layers)} (LLM depth), got {at}")
+        stages = [Stage(layer, None, kind="pdrop") for layer in at]
+        plan = _pyramid_plan(budget, opts, at, len(layers))
+        compact = opts["positions"] == "released" and not _mrope(model)
     else:
         at = opts["layers"] or sparsevlm_layers(len(layers))
         if max(at) >= len(layers):
             raise ValueError(f"sparsevlm option 'layers' must be < {len(layers)} (LLM depth), got {at}")
-        targets = [None] * len(set(at))  # None: the geometric schedule
+        at = sorted(set(at))
         if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
-            if len(set(at)) != 3:
+            if len(at) != 3:
                 raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
-                                 f"LLM gives {sorted(set(at))}: pass option 'layers' with three layers")
-            targets = list(SPARSEVLM_RELEASED[budget])
-        stages = [Stage(layer, target, queries="raters", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
-                  for layer, target in zip(sorted(set(at)), targets)]
-    return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager")
+                                 f"LLM gives {at}: pass option 'layers' with three layers")
+            def plan(n):
+                return list(SPARSEVLM_RELEASED[budget])
+        else:
+            def plan(n):
+                return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
+        stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
+                  for layer in at]
+    return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact)
+
+
+def geometric(budget: int, n: int, s: int, stages: int) -> int:
+    """Tokens a row with ``n`` visual tokens keeps after stage ``s`` of ``stages``: geometric from n to budget."""
+    if s == stages or n <= budget:
+        return budget
+    return max(budget, round(n * (budget / n) ** (s / stages)))
+
+
+def _dart_plan(budget: int, opts: dict):
+    """DART's kept count for ``n`` visual tokens: ``budget`` ("exact") or the released count (see the registry)."""
+    group = opts["pivot_image"] + opts["pivot_text"]
+
+    def plan(n: int) -> list[int]:
+        if opts["budget_semantics"] == "exact":
+            return [min(budget, n)]
+        return [min(n, opts["pivot_image"] + group * (budget // group))]
+    return plan
+
+
+def _pyramid_plan(budget: int, opts: dict, at: list[int], depth: int):
+    """PyramidDrop's per-stage kept counts for ``n`` visual tokens (see the registry's comment)."""
+    S = len(at)
+
+    def exact(n: int) -> list[int]:
+        counts, prev = [], n
+        for s in range(1, S + 1):
+            prev = min(prev, max(budget, round(budget / opts["ratio"] ** (S - s))))
+            counts.append(prev)
+        return counts
+
+    def released(n: int) -> list[int]:
+        lam = pyramid_ratio_for_average(n, budget, at, depth)
+        return [int(n * lam ** s) for s in range(1, S + 1)]
+
+    return exact if opts["budget_semantics"] == "exact" else released
+
+
+def pyramid_average(n: int, lam: float, at: list[int], depth: int) -> float:
+    """Visual tokens averaged over all ``depth`` layers when stage s (before layer ``at[s-1]``) keeps int(n lam^s)."""
+    bounds = [0, *at, depth]
+    return sum(int(n * lam ** s) * (bounds[s + 1] - bounds[s]) for s in range(len(at) + 1)) / depth
+
+
+def pyramid_ratio_for_average(n: int, budget: int, at: list[int], depth: int) -> float:
+    """The largest lambda in (0, 1] whose layer-averaged count (:func:`pyramid_average`) is at most ``budget``."""
+    if pyramid_average(n, 1.0, at, depth) <= budget:
+        return 1.0
+    floor = n * at[0] / depth  # lambda -> 0: only the layers before the first stage see tokens
+    if budget < floor:
+        raise ValueError(f"pyramiddrop's released budget semantics average the visual tokens over the LLM's layers: "
+                         f"with {n} tokens and the first stage at layer {at[0]} of {depth} the average is at least "
+                         f"{floor:g}, above the budget {budget}; use budget_semantics='exact' or earlier 'layers'")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if pyramid_average(n, mid, at, depth) <= budget else (low, mid)
+    return low
+
+
+def dart_keep(key_norms: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor, text: torch.Tensor, n_img: int,
+              n_txt: int, n_keep: int) -> torch.Tensor:
+    """DART's rule: which ``n_keep`` of the visual columns ``cand`` stay. ``key_norms [L]``: L1 norm of each column's
+    keys; ``hidden [L, D]``: the states compared (DART: through the LLM's final norm); ``text``: the text columns
+    after the image.
+
+    Image pivots: the ``n_img`` candidates with the largest key norm; text pivots: the ``n_txt`` text columns with
+    the largest key norm. The pivots, in column order, each take the remaining candidates least cosine-similar to
+    them, ``n_keep - n_img`` picks shared out as evenly as possible (earlier pivots take the remainder). Returns the
+    image pivots, then each pivot's picks.
+    """
+    img = cand[key_norms[cand].topk(min(n_img, n_keep, cand.numel())).indices]
+    txt = text[key_norms[text].topk(min(n_txt, text.numel())).indices]
+    pivots = torch.cat([img, txt]).sort().values
+    left = torch.zeros(hidden.shape[0], dtype=torch.bool, device=cand.device)
+    left[cand] = True
+    left[img] = False
+    unit = torch.nn.functional.normalize(hidden.float(), dim=-1)
+    picks, need = [img], n_keep - img.numel()
+    for p, pivot in enumerate(pivots.tolist()):
+        share = need // len(pivots) + (1 if p < need % len(pivots) else 0)
+        pool = left.nonzero().flatten()
+        take = pool[(-(unit[pool] @ unit[pivot])).topk(min(share, pool.numel())).indices]
+        left[take] = False
+        picks.append(take)
+    return torch.cat(picks)
+
+
+def _mrope(model) -> bool:
+    """3D M-RoPE positions (Qwen2.5-VL, Qwen3-VL): kept tokens keep them (no contiguous renumbering)."""
+    return getattr(model.config, "model_type", None) in ("qwen2_5_vl", "qwen3_vl")
+
+
+def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention module's own queries ``[B, H, L, hd]`` and keys ``[B, Hkv, L, hd]`` of ``hidden [B, L, D]``,
+    after its per-head norms where it has them (Qwen3-VL's ``q_norm`` / ``k_norm``) and the rotary embedding."""
+    B, L, _ = hidden.shape
+    apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q = attn.q_proj(hidden).view(B, L, -1, attn.head_dim)
+    k = attn.k_proj(hidden).view(B, L, -1, attn.head_dim)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q.transpose(1, 2), k.transpose(1, 2), *rope)
+
+
+def scaled_layers(depth: int, of_32) -> list[int]:
+    """Layers given for a 32-layer LLM scaled to ``depth`` layers (each >= 1, unique, ascending)."""
+    return sorted({min(max(1, round(layer * depth / 32)), depth - 1) for layer in of_32})
 
 
 def sparsevlm_layers(depth: int) -> list[int]:
     """SparseVLM's pruning layers scaled from 32 to ``depth`` layers (each >= 1, unique, ascending)."""
-    return sorted({min(max(1, round(l * depth / 32)), depth - 1) for l in SPARSEVLM_LAYERS_OF_32})
+    return scaled_layers(depth, SPARSEVLM_LAYERS_OF_32)
 
 
 def _decoder_layers(model):
     return model.model.language_model.layers
 
 
-class Stage:
-    """Prune before decoder layer ``layer`` down to ``target`` visual tokens (None: per-row geometric schedule)."""
+class _Unwrap:
+    """A handle that removes an instance attribute set over a method (restoring the class's method)."""
 
-    def __init__(self, layer, target, queries, recycle=0.0, merge=0.0):
-        self.layer, self.target, self.queries, self.recycle, self.merge = layer, target, queries, recycle, merge
+    def __init__(self, obj, name):
+        self.obj, self.name = obj, name
+
+    def remove(self):
+        self.obj.__dict__.pop(self.name, None)
+
+
+class Stage:
+    """Prune before decoder layer ``layer``; ``kind`` says how tokens are ranked: "fastv" (the last token's attention
+    at layer - 1), "sparsevlm" (the raters' attention at layer - 1, with recycling), "pdrop" (the last token's
+    attention with layer ``layer``'s own projections), "dart" (pivots; see :meth:`InLLMPruner._dart_keep`).
+    ``targets`` (per row) come from the method's plan."""
+
+    def __init__(self, layer, target, kind, recycle=0.0, merge=0.0):
+        self.layer, self.target, self.kind, self.recycle, self.merge = layer, target, kind, recycle, merge
+        self.queries = "raters" if kind == "sparsevlm" else "last"
         self.scores = None  # [B, L_cur] attention received by each current column (set by the hook at layer-1)
+        self.keys = None  # DART: [B, L_cur] L1 norm of layer-1's keys per current column
+        self.pivots = (0, 0)  # DART: (image pivots, text pivots)
 
 
 class InLLMPruner:
     """Hooks that prune visual tokens inside the LLM; use as ``with pruner: model.generate(...)``."""
 
-    def __init__(self, model, layers, input_ids, budget, stages, eager):
+    def __init__(self, model, layers, input_ids, budget, stages, eager, plan, compact=False):
         self.model, self.layers, self.stages, self.eager = model, layers, stages, eager
         self.visual = input_ids == model.config.image_token_id  # [B, L]
         self.prompt_len = input_ids.shape[1]
         self.budget = budget
-        counts = self.visual.sum(1).tolist()  # visual tokens of each row
-        for s, stage in enumerate(stages, start=1):
-            stage.targets = [self._schedule(budget, n, s, len(stages)) if stage.target is None else stage.target
-                             for n in counts]
+        self.compact = compact  # renumber kept tokens contiguously (PyramidDrop's released positions)
+        plans = [plan(n) for n in self.visual.sum(1).tolist()]  # per row: kept visual tokens after each stage
+        for s, stage in enumerate(stages):
+            stage.targets = [p[s] for p in plans]
         self.first = stages[0].layer
         self.handles = []
-
-    @staticmethod
-    def _schedule(budget: int, n: int, s: int, stages: int) -> int:
-        """Tokens a row with ``n`` visual tokens keeps after stage ``s`` of ``stages``: geometric from n to budget."""
-        if s == stages or n <= budget:
-            return budget
-        return max(budget, round(n * (budget / n) ** (s / stages)))
 
     # ---- context manager -------------------------------------------------------------------------------
     def __enter__(self):
         lm = self.model.model.language_model
         self.handles.append(lm.register_forward_pre_hook(self._on_lm, with_kwargs=True))
         for stage in self.stages:
+            if stage.kind == "pdrop":  # scored inside the layer's own hook
+                continue
             attn = self.layers[stage.layer - 1].self_attn
             self.handles.append(attn.register_forward_pre_hook(self._scorer(stage), with_kwargs=True))
         for idx in range(self.first, len(self.layers)):
             self.handles.append(self.layers[idx].register_forward_pre_hook(self._on_layer(idx), with_kwargs=True))
+        if hasattr(lm, "_deepstack_process"):  # Qwen3-VL: a method, not a module, so no hook: wrap it meanwhile
+            lm._deepstack_process = self._deepstack(lm._deepstack_process)
+            self.handles.append(_Unwrap(lm, "_deepstack_process"))
         return self
 
     def __exit__(self, *exc):
@@ -120,6 +263,20 @@ class InLLMPruner:
         self.handles = []
         return False
 
+    def _deepstack(self, original):
+        """Qwen3-VL's DeepStack addition on the current (maybe pruned) columns: ``visual_pos_masks [B, L]`` and
+        ``embeds [V, d]`` (one row per image column, row-major) are cut to the kept, live image columns."""
+
+        def process(hidden, visual_pos_masks, embeds):
+            if not self.prefill:  # decoding steps carry no image columns
+                return original(hidden, visual_pos_masks, embeds)
+            masks = visual_pos_masks.to(self.keep.device)
+            row = (masks.flatten().long().cumsum(0) - 1).view_as(masks)  # [B, L]: each image column's embeds row
+            kept = masks.gather(1, self.keep) & self.alive  # [B, L_cur]: kept, live image columns
+            return original(hidden, kept, embeds[row.gather(1, self.keep)[kept].to(embeds.device)])
+
+        return process
+
     # ---- per forward ---------------------------------------------------------------------------------
     def _on_lm(self, module, args, kwargs):
         """Remember the 2D padding mask and whether this forward is the prefill."""
@@ -127,7 +284,7 @@ class InLLMPruner:
         cache = kwargs.get("past_key_values")
         past = cache.get_seq_length() if cache is not None else 0
         if embeds.shape[0] != self.visual.shape[0]:
-            raise ValueError("fastv / sparsevlm run one sequence per prompt: use num_beams=1 and "
+            raise ValueError("in-LLM methods run one sequence per prompt: use num_beams=1 and "
                              "num_return_sequences=1")
         self.q_len = embeds.shape[1]
         self.prefill = past == 0
@@ -152,19 +309,23 @@ class InLLMPruner:
             if not self.prefill:
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            stage.scores = self._received(attn, hidden, kwargs["position_embeddings"], stage.queries)
+            if stage.kind == "dart":
+                stage.keys = self._key_norms(attn, hidden, kwargs["position_embeddings"])
+            else:
+                stage.scores = self._received(attn, hidden, kwargs["position_embeddings"], stage.queries)
             return None
         return hook
+
+    @staticmethod
+    def _key_norms(attn, hidden, rope) -> torch.Tensor:
+        """L1 norm of every column's attention keys (after the rotary embedding, all KV heads): ``[B, L]``."""
+        _, k = _queries_keys(attn, hidden, rope)  # [B, Hkv, L, hd]
+        return k.float().abs().sum(dim=(1, 3))
 
     def _received(self, attn, hidden, rope, queries):
         """Attention each current column receives from the method's queries, ``[B, L_cur]`` (float32)."""
         B, L, _ = hidden.shape
-        apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        hd = attn.head_dim
-        q = attn.q_proj(hidden).view(B, L, -1, hd).transpose(1, 2)  # [B, H, L, hd]
-        k = attn.k_proj(hidden).view(B, L, -1, hd).transpose(1, 2)  # [B, Hkv, L, hd]
-        cos, sin = rope
-        q, k = apply_rope(q, k, cos, sin)
+        q, k = _queries_keys(attn, hidden, rope)  # [B, H, L, hd], [B, Hkv, L, hd]
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
         allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, L, L] causal
         out = torch.zeros(B, L, device=hidden.device)
@@ -200,8 +361,11 @@ class InLLMPruner:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             if self.prefill:
                 if stage is not None:
+                    if stage.kind == "pdrop":
+                        normed = layer.input_layernorm(hidden)
+                        stage.scores = self._received(layer.self_attn, normed, self._rope(kwargs, hidden), "last")
                     hidden = self._prune(stage, hidden)
-                self.layer_cols[idx] = (self.keep, self.alive)
+                self.layer_cols[idx] = (self.keep, self.alive, self._gone().sum(1))
                 kwargs = self._prefill_kwargs(kwargs, hidden)
             else:
                 kwargs = self._decode_kwargs(idx, kwargs, hidden)
@@ -218,11 +382,16 @@ class InLLMPruner:
         scores = stage.scores
         vis_alive = self.vis.gather(1, self.keep) & self.alive  # [B, L]
         keep_rel, hidden = [], hidden.clone()
+        normed = self._final_norm(hidden) if stage.kind == "dart" else None
         for b in range(B):
             cand = vis_alive[b].nonzero().flatten()
-            ranked = cand[scores[b, cand].argsort(descending=True, stable=True)]
-            n_keep = min(stage.targets[b], ranked.numel())
-            kept, dropped = self._recycle(stage, hidden[b], ranked, n_keep, b)
+            n_keep = min(stage.targets[b], cand.numel())
+            if stage.kind == "dart":
+                kept = self._dart_keep(stage, b, normed[b], cand, n_keep)
+                dropped = cand[~torch.isin(cand, kept)]
+            else:
+                ranked = cand[scores[b, cand].argsort(descending=True, stable=True)]
+                kept, dropped = self._recycle(stage, hidden[b], ranked, n_keep, b)
             others = (~vis_alive[b]).nonzero().flatten()
             keep_rel.append((torch.cat([others, kept]), dropped))
         width = max(k.numel() for k, _ in keep_rel)
@@ -237,6 +406,14 @@ class InLLMPruner:
         self.keep = self.keep.gather(1, rel)
         self.alive = alive
         return hidden.gather(1, rel[..., None].expand(-1, -1, D))
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LLM's final norm applied to ``hidden`` (DART compares tokens on these states)."""
+        return self.model.model.language_model.norm(hidden).float()
+
+    def _dart_keep(self, stage, b, normed_b, cand, n_keep) -> torch.Tensor:
+        """DART's kept visual columns of row ``b`` (:func:`dart_keep` on the current columns)."""
+        return dart_keep(stage.keys[b], normed_b, cand, self._query_rows(b, "raters"), *stage.pivots, n_keep)
 
     def _recycle(self, stage, hidden_b, ranked, n_keep, b):
         """``(kept, dropped)`` relative columns; recycled groups are merged into their centre's hidden state."""
@@ -266,20 +443,44 @@ class InLLMPruner:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)
 
+    def _gone(self) -> torch.Tensor:
+        """``[B, L_prompt]`` bool: the non-padding prompt columns pruned so far."""
+        gone = self.mask2d[:, :self.prompt_len].clone()
+        alive = torch.zeros_like(gone)
+        alive.scatter_(1, self.keep, self.alive)  # dead fillers are gone too
+        return gone & ~alive
+
+    def _removed(self) -> torch.Tensor:
+        """``[B, L_prompt]`` long: how many pruned prompt columns precede each column."""
+        gone = self._gone().long()
+        return gone.cumsum(1) - gone
+
+    def _rope(self, kwargs, hidden):
+        """Rotary ``(cos, sin)`` of the current columns: their original positions, or (``compact``) renumbered
+        contiguously, as PyramidDrop's released code does."""
+        cos, sin = kwargs["position_embeddings"]  # [B or 1, L, hd] for the full prompt
+        if self.compact:
+            pos = kwargs["position_ids"].expand(self.keep.shape[0], -1).gather(1, self.keep)  # [B, L_cur]
+            pos = pos - self._removed().gather(1, self.keep)
+            return self.model.model.language_model.rotary_emb(hidden, position_ids=pos)
+        idx = self.keep[..., None].expand(-1, -1, cos.shape[-1])
+        return (cos.expand(self.keep.shape[0], -1, -1).gather(1, idx),
+                sin.expand(self.keep.shape[0], -1, -1).gather(1, idx))
+
     def _prefill_kwargs(self, kwargs, hidden):
         allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, q, kv]
         kwargs["attention_mask"] = self._as_mask(allowed[:, None], hidden.dtype)
-        cos, sin = kwargs["position_embeddings"]  # [B or 1, L, hd] for the full prompt
-        idx = self.keep[..., None].expand(-1, -1, cos.shape[-1])
-        kwargs["position_embeddings"] = (cos.expand(self.keep.shape[0], -1, -1).gather(1, idx),
-                                         sin.expand(self.keep.shape[0], -1, -1).gather(1, idx))
+        kwargs["position_embeddings"] = self._rope(kwargs, hidden)
         pos = kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.shape[-1] == self.q_len:
             kwargs["position_ids"] = pos.expand(self.keep.shape[0], -1).gather(1, self.keep)
         return kwargs
 
     def _decode_kwargs(self, idx, kwargs, hidden):
-        keep, alive = self.layer_cols[idx]
+        keep, alive, removed = self.layer_cols[idx]
+        if self.compact:  # generated tokens continue the renumbered sequence of this layer
+            pos = kwargs["position_ids"].expand(hidden.shape[0], -1) - removed[:, None]
+            kwargs["position_embeddings"] = self.model.model.language_model.rotary_emb(hidden, position_ids=pos)
         B, q = hidden.shape[:2]
         past_new = self.mask2d.shape[1] - self.prompt_len  # generated tokens incl. this step's
         new_cols = torch.arange(self.prompt_len, self.prompt_len + past_new, device=hidden.device)
@@ -295,7 +496,7 @@ class InLLMPruner:
     def stats(self, items) -> list[dict]:
         """Per-row Generation fields after the last pruning layer."""
         out = []
-        final_keep, final_alive = self.layer_cols[max(self.layer_cols)]
+        final_keep, final_alive, _ = self.layer_cols[max(self.layer_cols)]
         for b, item in enumerate(items):
             run = self.visual[b].nonzero().flatten().to(final_keep.device)
             kept_cols = final_keep[b][final_alive[b] & self.vis[b, final_keep[b]]]

@@ -1,9 +1,10 @@
 """Method names and options the adapters accept, validated without loading a model.
 
-Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the
-pre-LLM methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``) that prune inside the language model.
-Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over views, what
-happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen token count.
+Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the pre-LLM
+methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``, ``dart``, ``pyramiddrop``) that prune inside the
+language model. Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over
+views, what happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen
+token count.
 """
 from __future__ import annotations
 
@@ -30,8 +31,14 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # budget_mode "packed" selects among the newline tokens instead, and "released" sets this per method.
     "image_newline": "drop",
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
+    # Qwen3-VL (every block attends over the whole image): any block index; None = the last one.
     "saliency_block": None,
-    # Qwen2.5-VL: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a square.
+    # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
+    # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
+    # CLIP sized to their vision tower), else openai/clip-vit-large-patch14-336 (the released code's).
+    "clip_text": None,
+    # Qwen2.5-VL / Qwen3-VL: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a
+    # square.
     # None keeps the processor's resolution-dependent count.
     "image_tokens": None,
     # The order of the kept tokens in the LLM's input (pre-LLM methods; each token keeps its own position embedding
@@ -44,13 +51,14 @@ ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view
                    "image_newline": ("drop", "rows", "all"),
                    "token_order": ("raster", "selection", "stages", "released")}
 
-# The token order of each method's released code (read in the authors' repositories; README: "What each method
+# The token order of each method's released code (read in the authors' repositories; docs/methods.md: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip
 # emits its dominant tokens in index order, then its contextual ones; DivPrune, VisPruner, FastV and SparseVLM
-# re-sort to index order. Methods not listed (our ablations of PromPrune's stages) follow PromPrune.
+# re-sort to index order, and so does CDPruner; the downsampling control feeds its cells in raster order. Methods not
+# listed (our ablations of PromPrune's stages) follow PromPrune.
 RELEASED_ORDER = {"promprune": "selection", "fixed_ratio": "selection", "saliency_only": "selection",
                   "coverage_only": "selection", "visionzip": "stages", "divprune": "raster", "vispruner": "raster",
-                  "random": "raster"}
+                  "random": "raster", "cdpruner": "raster", "downsample": "raster"}
 
 
 def token_order(method: str | None, option: str) -> str:
@@ -60,14 +68,15 @@ def token_order(method: str | None, option: str) -> str:
     return RELEASED_ORDER.get(method, "raster")
 
 
-# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; README: "What each method feeds
-# the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the sequence's
-# length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads, and
-# keeps every newline. VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's
-# released code has no working NeXT path, so PromPrune (and every method not listed) splits the budget per view:
-# "per_crop", our choice, with the image_newline option as given.
+# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; docs/methods.md: "What each method
+# feeds the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the
+# sequence's length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads,
+# and keeps every newline; so does CDPruner (its `visual_token_num` is per view; one DPP per view on the full grid).
+# VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's released code has no
+# working NeXT path, so PromPrune (and every method not listed) splits the budget per view: "per_crop", our choice, with
+# the image_newline option as given.
 RELEASED_NEXT = {"divprune": ("packed", "drop"), "vispruner": ("view_quota", "all"),
-                 "visionzip": ("view_quota", "drop")}
+                 "visionzip": ("view_quota", "drop"), "cdpruner": ("view_quota", "all")}
 
 
 def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tuple[str, str]:
@@ -79,7 +88,10 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
 
 
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744}
+# The newer encoders have no published value: Qwen3-VL borrows Qwen2.5-VL's (the same merged-token design);
+# recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
+# LLaVA-OneVision's SigLIP borrows CLIP's.
+DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42}
 
 
 def all_methods() -> list[str]:
@@ -120,9 +132,10 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget must be a positive int for method {method!r}, got {budget!r}")
     spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's own checks
-    if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision):
+    if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision
+                                                                  or spec.needs_instruction or spec.needs_grid):
         raise ValueError(f"budget_mode 'packed' selects among LLaVA-NeXT's image_newline tokens, which have no "
-                         f"saliency and no vision-tower features; method {method!r} needs them: use another "
+                         f"saliency, vision-tower features or grid place; method {method!r} needs them: use another "
                          "budget_mode (packed suits divprune and random)")
     return dict(options), adapter
 

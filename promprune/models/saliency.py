@@ -7,6 +7,10 @@ needs with the module's own projections:
   VisionZip, the same layer's keys, mean over heads).
 - Qwen2.5-VL (no CLS): the attention each patch receives, averaged over queries and heads, within each image
   (full-attention blocks attend per image), then averaged over each 2x2 group the merger joins.
+- LLaVA-OneVision's SigLIP (no CLS): the attention each patch receives at the layer the projector reads, averaged
+  over queries and heads, within each view.
+- Qwen3-VL (no CLS, every block attends over the whole image, no window permutation): the same received attention,
+  pooled over each 2x2 group, already in raster order.
 """
 from __future__ import annotations
 
@@ -42,6 +46,20 @@ def capture(attn: torch.nn.Module, sink: list, measure):
         yield sink
     finally:
         handle.remove()
+
+
+def view_received_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Mean attention each token receives within its view (queries and heads averaged) of a CLIP / SigLIP attention
+    module: ``hidden [B, S, C] -> [B, S]`` (float32), one view at a time to bound memory to H x S x S floats."""
+    B, S, _ = hidden.shape
+    H, hd = attn.num_heads, attn.head_dim
+    out = torch.empty(B, S, dtype=torch.float32, device=hidden.device)
+    for b in range(B):
+        q = attn.q_proj(hidden[b]).float().view(S, H, hd).transpose(0, 1)  # [H, S, hd]
+        k = attn.k_proj(hidden[b]).float().view(S, H, hd).transpose(0, 1)  # [H, S, hd]
+        probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scale, dim=-1)  # [H, S, S]
+        out[b] = probs.mean(dim=(0, 1))
+    return out
 
 
 def capture_cls_attention(attn: torch.nn.Module, sink: list):
@@ -125,3 +143,12 @@ def pool_to_merged(received: torch.Tensor, grid_thw: torch.Tensor, vision_config
                                               vision_config.window_size, vision_config.patch_size)
     pooled = received.view(-1, unit).mean(dim=1)  # [S / unit], window order
     return pooled[torch.argsort(window_index).to(pooled.device)]
+
+
+def pool_groups(received: torch.Tensor, vision_config) -> torch.Tensor:
+    """Average patch scores ``[S]`` over each merge group of ``m^2`` consecutive patches: ``[S / m^2]``.
+
+    Qwen3-VL's processor lays the patches out so each consecutive ``m^2`` form one merged token, in the merged
+    tokens' raster order, and its tower keeps that order (no window permutation).
+    """
+    return received.view(-1, vision_config.spatial_merge_size ** 2).mean(dim=1)

@@ -100,6 +100,47 @@ def _vision(items: list[VisualItem], group) -> promprune.VisionFeatures | None:
     return promprune.VisionFeatures(hidden=hidden, keys=keys, cls=cls, project=first.project)
 
 
+def _instruction(items: list[VisualItem], group) -> promprune.Instruction:
+    """The instruction of a bucket of units: each unit's question embedding and its candidates in that space."""
+    first = items[group[0][0]]
+    if first.text_tokens is None:
+        raise ValueError("this method weighs tokens by the instruction: the adapter attaches it "
+                         "(Adapter.attach_instruction), which was not called")
+    query = torch.stack([items[b].text_query for b, _, _, _ in group])  # [U, c]
+    tokens = torch.stack([items[b].text_tokens[idx] for b, idx, _, _ in group])  # [U, n, c]
+    return promprune.Instruction(query=query, tokens=tokens, source=first.text_source)
+
+
+NOT_A_RECTANGLE = ("this method pools one view's token grid: the candidates of a selection unit must fill one "
+                   "rectangle of one view (LLaVA-NeXT / LLaVA-OneVision: use budget_mode 'per_crop', "
+                   "'adaptive_views' or 'view_quota', not 'global' or 'packed')")
+
+
+def unit_grid(item: VisualItem, idx: torch.Tensor) -> tuple[int, int]:
+    """``(rows, cols)`` of the candidates ``idx`` of one unit, which must fill a rectangle of one view's grid in raster
+    order (LLaVA's image, a LLaVA-NeXT view after unpadding, Qwen2.5-VL's / Qwen3-VL's merged grid, a LLaVA-OneVision
+    view as fed: ``VisualItem.cells``)."""
+    grid = item.grid_index[idx]
+    if not bool((grid >= 0).all()):  # newline tokens (packed) have no place in a view
+        raise ValueError(NOT_A_RECTANGLE)
+    if item.cells is not None:  # (row, col) in the grid the view is fed as
+        r, c = item.cells[idx].unbind(-1)
+        same_view = bool((item.groups[idx] == item.groups[idx[0]]).all())
+    elif item.grid_shape is not None:
+        rows, cols = item.grid_shape
+        cell = grid % (rows * cols)
+        r, c = cell // cols, cell % cols
+        same_view = bool((grid // (rows * cols) == grid[0] // (rows * cols)).all())
+    else:
+        raise ValueError("this method pools a token grid: the adapter gives no grid for these tokens")
+    height, width = int(r.max() - r.min()) + 1, int(c.max() - c.min()) + 1
+    raster = (r - r.min()) * width + (c - c.min())
+    if not same_view or height * width != idx.numel() or not torch.equal(raster, torch.arange(idx.numel(),
+                                                                                               device=raster.device)):
+        raise ValueError(NOT_A_RECTANGLE)
+    return height, width
+
+
 def select_items(items: list[VisualItem], budget: int, method: str, options: dict,
                  mode: str = "per_crop", order: str = "raster", view_budget: int | None = None) -> list[ItemSelection]:
     """Run ``method`` on every image; returns one :class:`ItemSelection` per item, its ``kept`` in ``order``
@@ -112,14 +153,17 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
     results: dict[int, list] = {b: [] for b in range(len(items))}
     buckets: dict[tuple, list] = {}
     for unit in units:
-        buckets.setdefault((unit[1].numel(), unit[2]), []).append(unit)
-    for (n, share), group in buckets.items():
+        grid = unit_grid(items[unit[0]], unit[1]) if spec.needs_grid else None
+        buckets.setdefault((unit[1].numel(), unit[2], grid), []).append(unit)
+    for (_n, share, grid), group in buckets.items():
         feats = torch.stack([items[b].features[idx] for b, idx, _, _ in group])  # [U, n, d]
         sal = None
         if spec.needs_saliency:
             sal = torch.stack([items[b].saliency[idx] for b, idx, _, _ in group])  # [U, n]
         vision = _vision(items, group) if spec.reads_vision else None
-        sel = promprune.select(feats, sal, budget=share, method=method, vision=vision, **options)
+        text = _instruction(items, group) if spec.needs_instruction else None
+        sel = promprune.select(feats, sal, budget=share, method=method, vision=vision, instruction=text, grid=grid,
+                               **options)
         for u, (b, idx, _, _) in enumerate(group):
             merged = None if sel.features is None else sel.features[u]
             ent = None if sel.entropy is None else float(sel.entropy[u])

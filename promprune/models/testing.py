@@ -1,6 +1,6 @@
 """Tiny, offline, seeded VLMs built from the real transformers classes.
 
-`tiny_vlm(arch)` returns `(model, processor)` for arch in {"llava", "llava_next", "qwen2_5_vl"}:
+`tiny_vlm(arch)` returns `(model, processor)` for arch in `ARCHS` ({"llava", "llava_next", "qwen2_5_vl", ...}):
 the genuine `LlavaForConditionalGeneration` / `LlavaNextForConditionalGeneration` /
 `Qwen2_5_VLForConditionalGeneration` with random weights (seed 0), and a processor whose tokenizer,
 image processor and chat template are constructed from code (no hub access).
@@ -13,6 +13,11 @@ The structure is the paper's, the sizes are not:
   4x4 = 16 tokens per view, grid pinpoints up to 64x64 (2x2 crops).
 - Qwen2.5-VL: 4 px patches, temporal patch 2, 2x2 merger, windowed attention with full-attention
   blocks 1 and 3; images resized to multiples of 8 px between 16x16 and 48x48 px.
+- Qwen3-VL: the same patching and pixel range, full attention in every block, a 4x4 learned position grid
+  and DeepStack features from vision blocks 0-2 added after LLM layers 0-2.
+- LLaVA-OneVision: SigLIP without CLS (all patches fed, "full" strategy, the last layer's output), 32 px views of
+  8 px patches (16 tokens), anyres crops up to 2x2 with newlines, and anyres_max_2, so a 2x2 crop grid is resized
+  down to 5x5 tokens (the released model: anyres_max_9 over 384 px views, up to 6x6 crops).
 
 The tokenizer is byte-level BPE without merges (one token per byte) plus the architecture's special
 tokens, so any text round-trips and nothing is ever unknown.
@@ -23,9 +28,11 @@ import copy
 import functools
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     CLIPImageProcessor,
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
     CLIPVisionConfig,
     LlamaConfig,
     LlavaConfig,
@@ -34,18 +41,29 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     LlavaNextImageProcessor,
     LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessor,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
     LlavaProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
+    Qwen2Config,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
+    SiglipVisionConfig,
 )
 
 from .factories import place
 
-ARCHS = ("llava", "llava_next", "qwen2_5_vl")
+ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision")
 SEED = 0  # fixed so every process builds bit-identical tiny models
 
 # Chat templates in the style of the real checkpoints (LLaVA-1.5 "USER: <image>\n... ASSISTANT:",
@@ -61,6 +79,11 @@ _NEXT_TEMPLATE = (
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}"
     "{% endfor %} [/INST]{% else %} {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
     "{% endfor %}"
+)
+_ONEVISION_TEMPLATE = (  # ChatML with LLaVA's <image> placeholder, as llava-onevision-qwen2's template
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -135,6 +158,25 @@ def llava_processor(cls, tok, image_size: int, patch: int, template: str, **imag
     )
 
 
+def tiny_clip_text(vision_config):
+    """``(tokenizer, text model, visual projection)``: a seeded random CLIP text tower matching ``vision_config``
+    (CDPruner on the tiny LLaVAs; :func:`promprune.models.clip_text.load` with "tiny"): byte-level tokens between
+    CLIP's start / end markers, 16-token windows (so long questions take several)."""
+    tok = _byte_level_tokenizer(["<|startoftext|>", "<|endoftext|>"], bos_token="<|startoftext|>",
+                                eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", bos), ("<|endoftext|>", eos)])
+    config = CLIPTextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=16,
+                            projection_dim=vision_config.projection_dim,
+                            bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(SEED)
+    text = CLIPTextModelWithProjection(config).eval()
+    projection = torch.nn.Linear(vision_config.hidden_size, vision_config.projection_dim, bias=False)
+    return tok, text, projection
+
+
 def _tiny_llava():
     tok = llava_tokenizer()
     image_size = 48
@@ -143,6 +185,7 @@ def _tiny_llava():
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id,
     )
+    config.promprune_clip_text = "tiny"  # CDPruner's CLIP text tower: tiny_clip_text (promprune.models.clip_text)
     model = _seeded(lambda: LlavaForConditionalGeneration(config))
     return model, llava_processor(LlavaProcessor, tok, image_size, 8, _LLAVA_TEMPLATE)
 
@@ -156,6 +199,7 @@ def _tiny_llava_next():
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints, pad_token_id=tok.pad_token_id,
     )
+    config.promprune_clip_text = "tiny"  # CDPruner's CLIP text tower: tiny_clip_text (promprune.models.clip_text)
     model = _seeded(lambda: LlavaNextForConditionalGeneration(config))
     return model, llava_processor(LlavaNextProcessor, tok, view, 8, _NEXT_TEMPLATE, image_grid_pinpoints=pinpoints,
                                   do_pad=True)
@@ -208,7 +252,79 @@ def _tiny_qwen2_5_vl():
     return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
 
 
-_BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl}
+def qwen3_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int):
+    """A Qwen3-VL processor around ``tok`` (mean = std = 0.5, as the released processor)."""
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    video_processor = Qwen3VLVideoProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2)  # unused
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                            chat_template=_QWEN_TEMPLATE)
+
+
+def _tiny_qwen3_vl():
+    tok = qwen_tokenizer()
+    ids = qwen_token_ids(tok)
+    patch, merge = 4, 2
+    text = dict(**_text_sizes(len(tok)), head_dim=16, **ids.pop("text"),
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    # DeepStack: blocks 0, 1, 2 feed LLM layers 0, 1, 2 (the released model: blocks 8, 16, 24 of 27), so FastV
+    # (layer 2) and SparseVLM (layers 1, 2) prune before some DeepStack additions
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
+                  spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1, 2])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    model = _seeded(lambda: Qwen3VLForConditionalGeneration(config))
+    factor = patch * merge
+    return model, qwen3_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
+
+
+ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
+
+
+def onevision_tokenizer():
+    """The byte-level tokenizer with Qwen2's chat tokens and LLaVA-OneVision's image / video placeholders."""
+    tok = _byte_level_tokenizer(ONEVISION_SPECIALS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.image_token, tok.video_token = "<image>", "<video>"
+    return tok
+
+
+def onevision_processor(tok, view: int, patch: int, pinpoints, aspect: str, mean, std):
+    """A LLaVA-OneVision processor around ``tok``: ``view`` px SigLIP views, anyres ``pinpoints``, ``aspect`` (the
+    anyres-max rule: crop grids above max x 1.1^2 views' worth of tokens are resized down)."""
+    kwargs = dict(size={"height": view, "width": view}, image_grid_pinpoints=pinpoints, do_pad=True,
+                  image_mean=mean, image_std=std)
+    return LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(**kwargs), tokenizer=tok,
+        video_processor=LlavaOnevisionVideoProcessor(size={"height": view, "width": view}, image_mean=mean,
+                                                     image_std=std),
+        num_image_tokens=(view // patch) ** 2, vision_feature_select_strategy="full", chat_template=_ONEVISION_TEMPLATE,
+        vision_aspect_ratio=aspect)
+
+
+def _tiny_llava_onevision():
+    tok = onevision_tokenizer()
+    view, patch = 32, 8
+    pinpoints = [[view, 2 * view], [2 * view, view], [2 * view, 2 * view]]  # 1x2, 2x1, 2x2 crops
+    aspect = "anyres_max_2"  # a 2x2 crop grid (64 tokens) is resized to 5x5 = 25 (> 2 x 16 x 1.21 tokens)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                image_size=view, patch_size=patch, vision_use_head=False)
+    text = Qwen2Config(**_text_sizes(len(tok)), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    config = LlavaOnevisionConfig(
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        video_token_index=tok.convert_tokens_to_ids("<video>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="full", image_grid_pinpoints=pinpoints, vision_aspect_ratio=aspect,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = _seeded(lambda: LlavaOnevisionForConditionalGeneration(config))
+    return model, onevision_processor(tok, view, patch, pinpoints, aspect, [0.5] * 3, [0.5] * 3)
+
+
+_BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl,
+             "qwen3_vl": _tiny_qwen3_vl, "llava_onevision": _tiny_llava_onevision}
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ from promprune.naming import parse_dtype
 from promprune.records import SampleStats
 
 from . import in_llm
-from .adapters import adapter_for, as_encoder_outputs, max_views
+from .adapters import adapter_for, max_views
 from .factories import find_model_factory
 from .images import load_images
 from .methods import is_in_llm, next_layout, token_order, validate_method
@@ -46,12 +46,13 @@ def _sync(device) -> None:
 
 
 class PrunedVLM:
-    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL that prunes visual tokens with a registered method.
+    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL / Qwen3-VL (...) that prunes visual tokens with a registered
+    method.
 
-    ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens
-    of each image before the LLM; ``fastv`` / ``sparsevlm`` prune inside it. ``method_options`` are the method's
-    options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults per
-    vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL) unless given.
+    ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens of each
+    image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are
+    the method's options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults
+    per vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL; :data:`promprune.models.methods.DEFAULT_MU`) unless given.
     """
 
     def __init__(self, model, processor, method: str | None = "promprune", budget: int | None = None,
@@ -67,6 +68,7 @@ class PrunedVLM:
         self.view_budget = None
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
+            self._text_source()  # fail now on a text source the model has no tower for
             if "mu" in self.spec.options and "mu" not in self.method_options:
                 self.method_options["mu"] = self.adapter.default_mu
             if self.budget_mode == "view_quota":
@@ -83,7 +85,7 @@ class PrunedVLM:
         """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class), or build a model
         by factory name (:mod:`promprune.models.factories`):
 
-        - ``"tiny:<arch>"`` (arch in llava, llava_next, qwen2_5_vl): the offline random-weight tiny models of
+        - ``"tiny:<arch>"`` (arch in :data:`promprune.models.testing.ARCHS`): the offline random-weight tiny models of
           :mod:`promprune.models.testing` (a private copy, cast to ``dtype``);
         - ``"tiny-easyvqa:llava"``: the same tiny LLaVA trained on easy-vqa's train split
           (:mod:`promprune.training.easyvqa`; trained into ``$PROMPRUNE_CACHE`` on first use, ~3 minutes on 2 CPU cores,
@@ -133,23 +135,32 @@ class PrunedVLM:
 
         ``Prepared.model_kwargs`` are the kwargs for ``model.generate`` or a plain ``model(...)`` forward:
         ``input_ids`` / ``attention_mask`` with shrunk placeholder runs, ``mm_encoder_outputs`` holding the kept
-        features, and for Qwen2.5-VL the gathered 3D ``position_ids``.
+        features, and for Qwen2.5-VL / Qwen3-VL the gathered 3D ``position_ids``.
         """
         prompts = list(prompts)
         batch = self.inputs(images, prompts)
         pre_llm = self.method is not None and not is_in_llm(self.method)
+        text_source = self._text_source() if pre_llm else None
         with Stopwatch(self.device) as vision:
             items = self.adapter.encode(batch, need_saliency=pre_llm and self.spec.needs_saliency,
-                                        need_vision=pre_llm and self.spec.reads_vision)
+                                        need_vision=pre_llm and (self.spec.reads_vision or text_source == "clip"))
+            if text_source is not None:  # one selection per question: the instruction's embedding
+                self.adapter.attach_instruction(items, prompts, text_source)
         with Stopwatch(self.device) as selecting:
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
         if plan is None:
-            ids, mask, feats, extra, stats = self._unpruned_inputs(batch, items)
+            ids, mask, encoded, extra, stats = self._unpruned_inputs(batch, items)
         else:
-            ids, mask, feats, extra, stats = self._pruned_inputs(batch, candidates, plan)
-        kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=as_encoder_outputs(feats), **extra)
+            ids, mask, encoded, extra, stats = self._pruned_inputs(batch, candidates, plan)
+        kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
         return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
+
+    def _text_source(self) -> str | None:
+        """Where the instruction's embedding comes from ("clip" / "llm"), for methods that need one, else None."""
+        if not self.spec.needs_instruction:
+            return None
+        return self.adapter.instruction_source(self.method_options.get("text_source", "released"))
 
     def pruning(self, prepared: "Prepared"):
         """Context manager active around the LLM call: the in-LLM method's hooks, or nothing."""
@@ -192,13 +203,14 @@ class PrunedVLM:
                             order=self.token_order, view_budget=self.view_budget)
 
     def _unpruned_inputs(self, batch, items):
-        """``(input_ids, attention_mask, per-image features, extra generate kwargs, per-item stats)``, all kept."""
+        """``(input_ids, attention_mask, mm_encoder_outputs, extra generate kwargs, per-item stats)``, all kept."""
         feats = [it.run for it in items]
+        encoded = self.adapter.encoder_outputs(items, feats, [torch.arange(f.shape[0]) for f in feats])
         stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
                       kept=sorted(it.grid_index.tolist()), salient=[]) for f, it in zip(feats, items)]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
-        return ids, mask, feats, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
+        return ids, mask, encoded, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
 
     def _pruned_inputs(self, batch, items, plan):
         """Like :meth:`_unpruned_inputs` for the kept tokens of ``plan``: placeholder runs shrink to match."""
@@ -214,7 +226,7 @@ class PrunedVLM:
                       kept=[g for g in it.grid_index[p.kept].tolist() if g >= 0],  # newline tokens have no grid index
                       salient=sorted(it.grid_index[p.salient].tolist()))
                  for f, p, it in zip(feats, plan, items)]
-        return ids, mask, feats, extra, stats
+        return ids, mask, self.adapter.encoder_outputs(items, feats, run_pos), extra, stats
 
 
 class _Timer:
@@ -277,4 +289,6 @@ def _model_class(model_type):
 
     return {"llava": transformers.LlavaForConditionalGeneration,
             "llava_next": transformers.LlavaNextForConditionalGeneration,
-            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}[model_type]
+            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+            "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration}[model_type]

@@ -1,5 +1,5 @@
-"""Pre-LLM baselines: DivPrune, VisPruner and VisionZip as their released code selects (what still differs: README,
-"What each method feeds the LLM"), and random."""
+"""Pre-LLM baselines: DivPrune, VisPruner and VisionZip as their released code selects (what still differs:
+docs/methods.md, "What each method feeds the LLM"), and random."""
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +27,7 @@ def divprune(tokens: TokenSet, budget: int) -> Selection:
     distance = (1.0 - tokens.cosine).clamp_min(0)
     every = torch.ones(B, N, dtype=torch.bool, device=tokens.x.device)
     counts = torch.full((B,), budget, dtype=torch.long, device=tokens.x.device)
-    picks = farthest_point(distance, every, counts)
+    picks = farthest_point(distance, every, counts, steps=budget)
     return Selection(picks, _no_saliency(tokens), None, None, torch.zeros_like(picks, dtype=torch.bool))
 
 

@@ -42,7 +42,11 @@ def split_budget(entropy: torch.Tensor, budget: int, *, mu: float, tau: float,
     return t_sal.clamp(0, budget).long()
 
 
+def fixed_count(budget: int, ratio: float) -> int:
+    """The saliency-stage count of a fixed split: ``round_half_even(ratio * T)`` clipped to [0, T]."""
+    return min(max(round(ratio * budget), 0), budget)  # Python's round is half-to-even too
+
+
 def fixed_split(batch: int, budget: int, ratio: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``T_sal [B]`` for a fixed saliency ratio: ``round_half_even(ratio * T)`` for every image."""
-    t_sal = round(ratio * budget)  # Python's round is half-to-even too
-    return torch.full((batch,), min(max(t_sal, 0), budget), dtype=torch.long, device=device)
+    """``T_sal [B]`` for a fixed saliency ratio: ``fixed_count(T, ratio)`` for every image."""
+    return torch.full((batch,), fixed_count(budget, ratio), dtype=torch.long, device=device)

@@ -9,15 +9,19 @@ Every selector has the same batched contract::
 - ``anchor [B, N]`` bool or None: the stage-1 (salient) tokens already kept.
 - ``conditional``: make the picks diverse with respect to the anchor tokens too.
 - ``fallback [B, N]``: deterministic order used once every remaining gain is 0 (higher first); None = raster order.
-- returns ``picks [B, K]`` long in pick order, ``K = counts.max()``, padded with -1 past ``counts[b]``.
+- ``steps``: a host-known bound on ``counts.max()``, the width K of the result; None: ``counts.max()`` (read from
+  the device).
+- returns ``picks [B, K]`` long in pick order, padded with -1 past ``counts[b]``.
 
 A chosen token is never chosen twice. The loop runs over picks (inherently sequential); each step is a tensor op
-over the whole batch and all tokens.
+over the whole batch and all tokens. On CUDA (``accel.active``) each selector runs as one Triton kernel instead
+(``greedy_triton``: the same steps, no launch per pick) and nothing waits on the device when ``steps`` is given.
 """
 from __future__ import annotations
 
 import torch
 
+from . import accel
 from .kernels import masked_argmax
 
 # Residual DPP gains at or below this are numerically zero: the kernel's rank is exhausted. Dividing by the square
@@ -25,6 +29,16 @@ from .kernels import masked_argmax
 GAIN_EPS = 1e-6
 
 
+def _fused(t: torch.Tensor) -> bool:
+    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable)."""
+    return accel.active(t) and accel.has_triton()
+
+
+def _width(counts: torch.Tensor, steps: int | None) -> int:
+    """Columns of the pick matrix: ``steps`` when the caller knows it, else ``counts.max()`` (a host sync)."""
+    if steps is not None:
+        return steps
+    return int(counts.max()) if counts.numel() else 0
 
 def _row(mat: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     """Row ``j[b]`` of each ``mat[b]``: ``[B, N, N], [B] -> [B, N]``."""
@@ -48,7 +62,8 @@ def _argmax_tiebreak(score: torch.Tensor, mask: torch.Tensor, order: torch.Tenso
 
 
 def _first_from_anchor(similarity: torch.Tensor, available: torch.Tensor, anchor: torch.Tensor):
-    """The available token whose largest similarity to any anchor token is smallest: ``-> (index [B], has_anchor [B])``."""
+    """The available token whose largest similarity to any anchor token is smallest:
+    ``-> (index [B], has_anchor [B])``."""
     max_sim = similarity.masked_fill(~anchor[:, None, :], float("-inf")).amax(dim=2)  # [B, N]
     index, _ = masked_argmax(-max_sim, available)
     return index, anchor.any(dim=1)
@@ -57,10 +72,10 @@ def _first_from_anchor(similarity: torch.Tensor, available: torch.Tensor, anchor
 class _Picks:
     """Bookkeeping shared by the greedy loops: the free mask and the padded pick matrix."""
 
-    def __init__(self, available: torch.Tensor, counts: torch.Tensor):
+    def __init__(self, available: torch.Tensor, counts: torch.Tensor, steps: int | None = None):
         self.free = available.clone()
         self.counts = counts
-        self.steps = int(counts.max()) if counts.numel() else 0
+        self.steps = _width(counts, steps)
         self.out = torch.full((available.shape[0], self.steps), -1, dtype=torch.long, device=available.device)
 
     def take(self, k: int, j: torch.Tensor) -> torch.Tensor:
@@ -75,7 +90,7 @@ class _Picks:
 
 def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, *,
                anchor: torch.Tensor | None = None, conditional: bool = False,
-               fallback: torch.Tensor | None = None) -> torch.Tensor:
+               fallback: torch.Tensor | None = None, steps: int | None = None) -> torch.Tensor:
     """Greedy MAP inference for a DPP (Chen, Zhang & Zhou, NeurIPS 2018), batched.
 
     ``kernel [B, N, N]`` is PSD (the cosine-similarity kernel). Keeps an incremental Cholesky factor: picking j
@@ -89,8 +104,10 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
     - When every remaining gain is (numerically) 0, i.e. ``counts`` exceeds the kernel's rank, the rest is filled
       by ``fallback`` (saliency, when the caller has it), else in raster order. Tokens are never repeated.
     """
+    if _fused(kernel):
+        return _dpp_fused(kernel, available, counts, anchor, conditional, fallback, steps)
     B, N, _ = kernel.shape
-    picks = _Picks(available, counts)
+    picks = _Picks(available, counts, steps)
     n_cond = int(anchor.sum(dim=1).max()) if (conditional and anchor is not None and anchor.numel()) else 0
     factor = kernel.new_zeros(B, n_cond + picks.steps, N)  # incremental Cholesky rows
     gains = kernel.diagonal(dim1=1, dim2=2).clone()  # [B, N] residual gains d2
@@ -131,9 +148,21 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
     return picks.out
 
 
+def _dpp_fused(kernel, available, counts, anchor, conditional, fallback, steps) -> torch.Tensor:
+    """``dpp_greedy`` as one Triton launch; the first pick from the anchor is found here, in torch."""
+    from . import greedy_triton
+
+    first = None
+    if anchor is not None and not conditional:
+        index, has_anchor = _first_from_anchor(kernel, available, anchor)
+        first = torch.where(has_anchor, index, -1)
+    return greedy_triton.dpp_greedy(kernel, available, counts, _fallback_score(fallback, available), first,
+                                    anchor if conditional else None, _width(counts, steps), GAIN_EPS)
+
+
 def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, *,
                    anchor: torch.Tensor | None = None, conditional: bool = False,
-                   fallback: torch.Tensor | None = None) -> torch.Tensor:
+                   fallback: torch.Tensor | None = None, steps: int | None = None) -> torch.Tensor:
     """Farthest point sampling (greedy max-min) on a distance matrix ``[B, N, N]`` (here ``1 - cos``).
 
     Each pick is the available token whose smallest distance to the picked set is largest. The first pick is the
@@ -141,18 +170,13 @@ def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torc
     token with the largest distance to its nearest available neighbour (DivPrune's rule). ``conditional=True``
     keeps the anchor tokens in the picked set throughout. ``fallback`` is unused: ties resolve to the lowest index.
     """
-    B, N, _ = distance.shape
-    picks = _Picks(available, counts)
-    inf = torch.tensor(float("inf"), device=distance.device)
-    if anchor is not None and bool(anchor.any()):
-        to_anchor = distance.masked_fill(~anchor[:, None, :], inf).amin(dim=2)  # [B, N]
-        has_anchor = anchor.any(dim=1)
-    else:
-        to_anchor, has_anchor = torch.full((B, N), float("inf"), device=distance.device), torch.zeros(B, dtype=torch.bool, device=distance.device)
-    eye = torch.eye(N, dtype=torch.bool, device=distance.device)
-    nn_dist = distance.masked_fill(eye | ~available[:, None, :], inf).amin(dim=2)  # [B, N] to nearest other
-    first_score = torch.where(has_anchor[:, None], to_anchor, nn_dist)
-    nearest = to_anchor.clone() if conditional else torch.full_like(to_anchor, float("inf"))
+    fused = _fused(distance)
+    first_score, nearest = _fps_start(distance, available, anchor, conditional, sync=not fused)
+    if fused:
+        from . import greedy_triton
+
+        return greedy_triton.farthest_point(distance, available, counts, first_score, nearest, _width(counts, steps))
+    picks = _Picks(available, counts, steps)
     for k in range(picks.steps):
         j, _ = masked_argmax(first_score if k == 0 else nearest, picks.free)
         picks.take(k, j)
@@ -160,9 +184,30 @@ def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torc
     return picks.out
 
 
+def _fps_start(distance: torch.Tensor, available: torch.Tensor, anchor: torch.Tensor | None, conditional: bool,
+               sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Farthest point sampling's first-pick score and initial distance to the picked set, both ``[B, N]``.
+
+    ``sync=False`` skips the host-side test for an empty anchor (the result is the same, computed either way).
+    """
+    B, N, _ = distance.shape
+    inf = torch.tensor(float("inf"), device=distance.device)
+    if anchor is not None and (not sync or bool(anchor.any())):
+        to_anchor = distance.masked_fill(~anchor[:, None, :], inf).amin(dim=2)  # [B, N]
+        has_anchor = anchor.any(dim=1)
+    else:
+        to_anchor = torch.full((B, N), float("inf"), device=distance.device)
+        has_anchor = torch.zeros(B, dtype=torch.bool, device=distance.device)
+    eye = torch.eye(N, dtype=torch.bool, device=distance.device)
+    nn_dist = distance.masked_fill(eye | ~available[:, None, :], inf).amin(dim=2)  # [B, N] to nearest other
+    first_score = torch.where(has_anchor[:, None], to_anchor, nn_dist)
+    nearest = to_anchor.clone() if conditional else torch.full_like(to_anchor, float("inf"))
+    return first_score, nearest
+
+
 def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, *,
                       anchor: torch.Tensor | None = None, conditional: bool = False,
-                      fallback: torch.Tensor | None = None) -> torch.Tensor:
+                      fallback: torch.Tensor | None = None, steps: int | None = None) -> torch.Tensor:
     """Greedy facility location: maximize ``F(S) = sum_i w_i max_{j in S} s_ij`` with uniform ``w``.
 
     ``similarity [B, N, N]`` must lie in [0, 1] (here ``clip((cos + 1) / 2, 0, 1)``); every token of the image
@@ -171,11 +216,15 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     is 0 the rest is filled by ``fallback`` (else raster order).
     """
     B, N, _ = similarity.shape
-    picks = _Picks(available, counts)
     cover = similarity.new_zeros(B, N)
     if conditional and anchor is not None:
         cover = similarity.masked_fill(~anchor[:, None, :], 0.0).amax(dim=2)
     order_fb = _fallback_score(fallback, available)
+    if _fused(similarity):
+        from . import greedy_triton
+
+        return greedy_triton.facility_location(similarity, available, counts, cover, order_fb, _width(counts, steps))
+    picks = _Picks(available, counts, steps)
     for k in range(picks.steps):
         gain = (similarity - cover[:, :, None]).clamp_min(0).sum(dim=1)  # [B, N]: column j's gain
         j, best = masked_argmax(gain, picks.free)

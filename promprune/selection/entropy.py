@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from . import eigensolve
 from .kernels import ENTROPY_EPS
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
@@ -29,12 +30,17 @@ def spectral_entropy_from_gram(gram: torch.Tensor) -> torch.Tensor:
     ``r = G 1 / N`` and ``g = 1^T G 1 / N^2``. The N x N centered Gram has the same nonzero spectrum as the
     d x d covariance, so the eigenvalue count is N = min(N, d).
     """
-    B, N, _ = gram.shape
+    gram = gram.to(eigensolve.solve_dtype(gram))  # float64 for the batched cuSOLVER path; else unchanged
     r = gram.mean(dim=2)  # [B, N]
     g = r.mean(dim=1)  # [B]
     centered = gram - r[:, :, None] - r[:, None, :] + g[:, None, None]
-    centered = 0.5 * (centered + centered.transpose(1, 2))  # exact symmetry for the eigensolver
-    return _entropy_of_spectrum(torch.linalg.eigvalsh(centered))
+    return _entropy_of_symmetric(centered)
+
+
+def _entropy_of_symmetric(mat: torch.Tensor) -> torch.Tensor:
+    """Normalized entropy of the spectrum of ``mat [B, K, K]`` (made exactly symmetric first) -> ``[B]`` float32."""
+    mat = 0.5 * (mat + mat.transpose(1, 2))  # exact symmetry for the eigensolver
+    return _entropy_of_spectrum(eigensolve.eigvalsh(mat)).float()
 
 
 def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:
@@ -57,7 +63,7 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
         return spectral_entropy_from_gram(xn @ xn.transpose(1, 2))
     xc = xn - xn.mean(dim=1, keepdim=True)
     cov = xc.transpose(1, 2) @ xc  # [B, d, d]
-    return _entropy_of_spectrum(torch.linalg.eigvalsh(0.5 * (cov + cov.transpose(1, 2))))
+    return _entropy_of_symmetric(cov.to(eigensolve.solve_dtype(cov)))
 
 
 def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:

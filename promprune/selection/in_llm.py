@@ -1,4 +1,4 @@
-"""Registry entries of the in-LLM baselines, FastV and SparseVLM: their options and checks.
+"""Registry entries of the in-LLM baselines, FastV, SparseVLM, DART and PyramidDrop: their options and checks.
 
 They prune inside the language model, so ``select`` does not run them; their decoder-layer hooks are
 ``promprune.models.in_llm``'s (this module stays free of model code).
@@ -51,3 +51,56 @@ register_in_llm_method("sparsevlm", options={"layers": None, "recycle_ratio": 0.
                                              "schedule": "geometric"},
                        choices={"schedule": ("geometric", "released")}, check=_check_sparsevlm,
                        description="SparseVLM: text-guided pruning at several layers with token recycling")
+
+
+BUDGET_SEMANTICS = ("exact", "released")
+
+
+def _check_int(method: str, key: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"option {key!r} of {method} must be an int >= {low}, got {value!r}")
+
+
+def _check_dart(opts: dict, budget: int | None = None) -> None:
+    _check_int("dart", "layer", opts["layer"], 1)
+    _check_int("dart", "pivot_image", opts["pivot_image"], 1)
+    _check_int("dart", "pivot_text", opts["pivot_text"], 0)
+    if budget is not None and budget < opts["pivot_image"]:
+        raise ValueError(f"dart keeps its {opts['pivot_image']} image pivots: budget {budget} is smaller; lower "
+                         "option 'pivot_image'")
+
+
+# DART (Wen et al., EMNLP 2025; ZichenWen1/DART, LLaVA scripts: K=2, 4 image + 4 text pivots): at layer K, pivot
+# tokens are the visual tokens and the text tokens after the image with the largest L1 norm of their keys (layer
+# K-1's attention, after the rotary embedding); each pivot in turn takes the not yet kept visual tokens least
+# cosine-similar to it (hidden states through the LLM's final norm). Kept tokens keep their positions (FastV-like).
+# budget_semantics "exact": image pivots + picks = budget; "released": the released count for max_num_trunction =
+# budget, i.e. pivot_image + (pivot_image + pivot_text) * (budget // (pivot_image + pivot_text)) (132 at 128).
+register_in_llm_method("dart", options={"layer": 2, "pivot_image": 4, "pivot_text": 4, "budget_semantics": "exact"},
+                       choices={"budget_semantics": BUDGET_SEMANTICS}, check=_check_dart,
+                       description="DART: keep the visual tokens least similar to pivot tokens at layer K")
+
+
+def _check_pyramiddrop(opts: dict, budget: int | None = None) -> None:
+    layers, ratio = opts["layers"], opts["ratio"]
+    if layers is not None and (not isinstance(layers, (list, tuple)) or not layers
+                               or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in layers)):
+        raise ValueError(f"option 'layers' of pyramiddrop must be None or a list of ints >= 1, got {layers!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+        raise ValueError(f"option 'ratio' of pyramiddrop (lambda) must be a number in (0, 1), got {ratio!r}")
+
+
+# PyramidDrop (Xing et al., CVPR 2025; Cooperx521/PyramidDrop, LLaVA-1.5: layer_list [8, 16, 24] of 32, lambda 0.5):
+# after each stage layer the visual tokens are ranked by the attention the last instruction token pays them
+# (computed with the NEXT layer's query/key projections on its input-normed hidden states) and the top ones kept.
+# layers=None: 8, 16, 24 as fractions of the depth. budget_semantics "exact": lambda-geometric counts ending at exactly
+# `budget` after the last stage (budget / lambda^(S - s) after stage s, capped at N); "released": the released rule
+# int(N lambda^s) with lambda set so that the visual-token count averaged over all layers equals the budget (the way
+# PyramidDrop and SparseVLM report budgets; the option 'ratio' is then not used). positions "released": the released
+# code renumbers the kept sequence contiguously (LLaMA's 1D RoPE); on Qwen2.5-VL's / Qwen3-VL's M-RoPE (no released
+# path) tokens keep their original positions; "original": keep them everywhere (FastV-like).
+register_in_llm_method("pyramiddrop", options={"layers": None, "ratio": 0.5, "budget_semantics": "exact",
+                                               "positions": "released"},
+                       choices={"budget_semantics": BUDGET_SEMANTICS, "positions": ("released", "original")},
+                       check=_check_pyramiddrop,
+                       description="PyramidDrop: staged dropping by the last instruction token's attention")

@@ -2,8 +2,9 @@
 
 A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
 ``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
-(``stage="in_llm"``: FastV, SparseVLM) registers its options and checks with ``register_in_llm_method``; the hooks
-that prune inside the language model are ``promprune.models.in_llm``'s. The tests parametrize over ``methods()``.
+(``stage="in_llm"``: FastV, SparseVLM, DART, PyramidDrop) registers its options and checks with
+``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.in_llm``'s. The tests
+parametrize over ``methods()``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..naming import did_you_mean
+from . import accel
 from .entropy import spectral_entropy, spectral_entropy_from_gram
 from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
 
@@ -61,19 +63,43 @@ class VisionFeatures:
     project: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
+@dataclass
+class Instruction:
+    """The instruction of the question and the visual tokens in one embedding space (CDPruner's relevance).
+
+    - ``query [B, c]``: the instruction's embedding; with several text segments (CLIP's 77-token windows), the mean
+      of the segments' unit embeddings, so that ``unit(token) . query`` is the mean cosine over segments.
+    - ``tokens [B, N, c]``: the same ``N`` visual tokens in that space.
+    - ``source``: where the embeddings come from: "clip" (CLIP's text tower vs. the vision tower's tokens in CLIP's
+      joint space, CDPruner's released code) or "llm" (the LLM's input embeddings vs. the projected tokens).
+    """
+
+    query: torch.Tensor
+    tokens: torch.Tensor
+    source: str = "clip"
+
+
 class TokenSet:
     """Validated float32 inputs of one ``select`` call plus the derived quantities, each computed once.
 
     ``x [B, N, d]``; ``saliency [B, N]`` or None; ``vision``: the vision tower's view of the same tokens
-    (:class:`VisionFeatures`, float32) or None. The cosine Gram is shared by the spectral entropy and the diversity
-    kernels: one ``[B, N, d] x [B, d, N]`` product per call.
+    (:class:`VisionFeatures`, float32) or None; ``instruction``: :class:`Instruction` or None; ``grid``: ``(rows,
+    cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared by
+    the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
+    features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with
+    fp32 accumulation.
     """
 
-    def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None):
+    def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
+                 instruction: Instruction | None = None, grid: tuple[int, int] | None = None,
+                 source: torch.Tensor | None = None):
         self.x = x
         self.saliency = saliency
         self.vision = vision
+        self.instruction = instruction
+        self.source = source
         self.batch, self.n, self.dim = x.shape
+        self.grid = grid if grid is not None else squarest_grid(self.n)
 
     @cached_property
     def norms(self) -> torch.Tensor:  # [B, N]
@@ -82,6 +108,11 @@ class TokenSet:
     @cached_property
     def unit_gram(self) -> torch.Tensor:
         """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8)."""
+        half = self.source is not None and self.source.dtype in (torch.float16, torch.bfloat16)
+        if half and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation and output
+            raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
+            inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
+            return raw * inv[:, :, None] * inv[:, None, :]
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
         return xn @ xn.transpose(1, 2)
 
@@ -111,14 +142,25 @@ class TokenSet:
             return spectral_entropy_from_gram(self.unit_gram)
         return spectral_entropy(self.x)
 
+    def require_instruction(self, method: str) -> Instruction:
+        if self.instruction is None:
+            raise ValueError(f"method {method!r} weighs tokens by their relevance to the instruction: pass "
+                             "instruction=promprune.Instruction(query [B, c], tokens [B, N, c])")
+        return self.instruction
+
     def require_saliency(self, method: str) -> torch.Tensor:
         if self.saliency is None:
             raise ValueError(f"method {method!r} needs saliency scores [B, N]; got saliency=None")
         return self.saliency
 
 
+def squarest_grid(n: int) -> tuple[int, int]:
+    """``(rows, cols)`` with ``rows * cols == n`` and rows the largest divisor of n not above sqrt(n)."""
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return rows, n // rows
+
+
 PRE_LLM, IN_LLM = "pre_llm", "in_llm"
-STAGES = (PRE_LLM, IN_LLM)
 
 
 @dataclass(frozen=True)
@@ -137,6 +179,8 @@ class MethodSpec:
     stage: str = PRE_LLM  # PRE_LLM: select() before the LLM; IN_LLM: hooks inside the LLM (promprune.models)
     check: Callable[[dict, int | None], None] | None = None  # check(resolved options, budget or None)
     reads_vision: bool = False  # uses select(..., vision=VisionFeatures) when given (VisPruner, VisionZip)
+    needs_instruction: bool = False  # needs select(..., instruction=Instruction) (CDPruner): one selection per question
+    needs_grid: bool = False  # reads select(..., grid=(rows, cols)): the tokens must form one raster grid (downsample)
 
     def resolve(self, given: Mapping[str, Any], *, also_valid=(), budget: int | None = None) -> dict[str, Any]:
         """Defaults overlaid with ``given``; an unknown option, a value outside its choices or one the method's
@@ -204,7 +248,8 @@ _REGISTRY: dict[str, MethodSpec] = {}
 
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
                     options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
-                    check: Callable[[dict], None] | None = None, reads_vision: bool = False):
+                    check: Callable[[dict], None] | None = None, reads_vision: bool = False,
+                    needs_instruction: bool = False, needs_grid: bool = False):
     """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -213,7 +258,8 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
         _REGISTRY[name] = MethodSpec(
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
             options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
-            description=(fn.__doc__ or "").strip().split("\n")[0], check=check, reads_vision=reads_vision)
+            description=(fn.__doc__ or "").strip().split("\n")[0], check=check, reads_vision=reads_vision,
+            needs_instruction=needs_instruction, needs_grid=needs_grid)
         return fn
 
     return wrap
@@ -295,6 +341,38 @@ def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
     return VisionFeatures(out["hidden"], out["keys"], out["cls"], vision.project)
 
 
+def _validate_instruction(instruction, x: torch.Tensor, method: str) -> Instruction | None:
+    """``instruction`` checked against ``x [B, N, d]`` and copied to float32 on ``x``'s device."""
+    if instruction is None:
+        return None
+    if not isinstance(instruction, Instruction):
+        raise ValueError(f"instruction must be a promprune.Instruction or None, got {type(instruction).__name__}")
+    B, N, _ = x.shape
+    q, t = instruction.query, instruction.tokens
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.shape[0] != B:
+        raise ValueError(f"instruction.query must be a tensor [B, c] with B = {B}, got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[:2]) != (B, N) or t.shape[2] != q.shape[1]:
+        raise ValueError(f"instruction.tokens must be a tensor [B, N, c] = [{B}, {N}, {q.shape[1]}] (c of the "
+                         f"query) for method {method!r}, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    out = Instruction(q.to(device=x.device, dtype=torch.float32), t.to(device=x.device, dtype=torch.float32),
+                      instruction.source)
+    _check_finite("instruction.query", out.query)
+    _check_finite("instruction.tokens", out.tokens)
+    return out
+
+
+def _validate_grid(grid, n: int) -> tuple[int, int] | None:
+    if grid is None:
+        return None
+    if (not isinstance(grid, (tuple, list)) or len(grid) != 2 or any(isinstance(g, bool) or not isinstance(g, int)
+                                                                     or g < 1 for g in grid)
+            or grid[0] * grid[1] != n):
+        raise ValueError(f"grid must be (rows, cols) of positive ints with rows * cols = N = {n}, got {grid!r}")
+    return int(grid[0]), int(grid[1])
+
+
 def _check_finite(name: str, t: torch.Tensor) -> None:
     bad = ~torch.isfinite(t).flatten(1).all(dim=1)
     if bool(bad.any()):
@@ -303,7 +381,8 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
-           method: str = "promprune", vision: VisionFeatures | None = None, **options) -> Selection:
+           method: str = "promprune", vision: VisionFeatures | None = None, instruction: Instruction | None = None,
+           grid: tuple[int, int] | None = None, **options) -> Selection:
     """Choose ``budget`` of the ``N`` visual tokens of each image.
 
     ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
@@ -320,7 +399,12 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     opts = spec.resolve(options, budget=budget)
     order = opts.pop("order")
     x, s = _validate(features, saliency, budget, spec)
-    tokens = TokenSet(x, s, _validate_vision(vision, x) if spec.reads_vision else None)
+    if spec.needs_instruction and instruction is None:
+        raise ValueError(f"method {method!r} weighs tokens by their relevance to the instruction: pass "
+                         "instruction=promprune.Instruction(query [B, c], tokens [B, N, c])")
+    text = _validate_instruction(instruction, x, method) if spec.needs_instruction else None
+    tokens = TokenSet(x, s, _validate_vision(vision, x) if spec.reads_vision else None, text,
+                      _validate_grid(grid, x.shape[1]), source=features)
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from .budget import fixed_split, split_budget
+from . import accel
+from .budget import fixed_count, fixed_split, split_budget
 from .diversity import dpp_greedy, facility_location, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
 from .kernels import ranks_to_mask, stable_descending_order
@@ -34,36 +35,48 @@ def minmax(s: torch.Tensor) -> torch.Tensor:
 
 
 def coverage_picks(tokens: TokenSet, available: torch.Tensor, counts: torch.Tensor, anchor: torch.Tensor | None,
-                   *, diversity: str, conditional: bool) -> torch.Tensor:
-    """Stage 2 over the ``available`` tokens: ``[B, K]`` picks (-1 padded) by the chosen diversity selector."""
-    if int(counts.max()) == 0:  # saliency-only split: no kernel needed
+                   *, diversity: str, conditional: bool, width: int) -> torch.Tensor:
+    """Stage 2 over the ``available`` tokens: ``[B, width]`` picks (-1 padded) by the chosen diversity selector;
+    ``width`` >= ``counts.max()``."""
+    if width == 0:  # saliency-only split: no kernel needed
         return counts.new_zeros(counts.shape[0], 0)
     fallback = tokens.saliency  # once gains hit 0, fill by saliency (raster order when there is none)
+    stage = {"anchor": anchor, "conditional": conditional, "steps": width}
     if diversity == "dpp":
-        return dpp_greedy(tokens.cosine, available, counts, anchor=anchor, conditional=conditional, fallback=fallback)
+        return dpp_greedy(tokens.cosine, available, counts, fallback=fallback, **stage)
     if diversity == "fps":
         distance = (1.0 - tokens.cosine).clamp_min(0)
-        return farthest_point(distance, available, counts, anchor=anchor, conditional=conditional)
+        return farthest_point(distance, available, counts, **stage)
     similarity = ((tokens.cosine + 1.0) / 2.0).clamp(0.0, 1.0)
-    return facility_location(similarity, available, counts, anchor=anchor, conditional=conditional, fallback=fallback)
+    return facility_location(similarity, available, counts, fallback=fallback, **stage)
 
 
 def two_stage(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversity: str, conditional: bool,
-              method: str, entropy: torch.Tensor | None = None) -> Selection:
+              method: str, entropy: torch.Tensor | None = None, fixed: int | None = None) -> Selection:
     """Keep the ``t_sal[b]`` most salient tokens, then ``budget - t_sal[b]`` coverage tokens from the rest.
 
+    ``fixed``: the ``t_sal`` every image shares when the host knows it (fixed splits), else None. On the GPU fast path
+    the stage sizes are then bounded from what the host knows (``budget``) instead of read from the device.
     Returns indices in selection order: salient tokens by descending saliency, then coverage picks in pick order.
     """
     B, N = tokens.batch, tokens.n
     pos = torch.arange(budget, device=tokens.x.device)[None, :]  # [1, T]
-    if int(t_sal.max()) > 0:
+    if fixed is not None:
+        sal_max, cov_max = fixed, budget - fixed
+    elif accel.active(tokens.x):  # no host sync: the widest the stages can be
+        sal_max, cov_max = budget, budget
+    else:
+        sal_max = int(t_sal.max())
+        cov_max = int((budget - t_sal).max())
+    if sal_max > 0:
         sal_order = stable_descending_order(minmax(tokens.require_saliency(method)))  # [B, N]
         anchor = ranks_to_mask(sal_order, t_sal)  # [B, N] stage-1 tokens
     else:
         sal_order = torch.arange(N, device=tokens.x.device).expand(B, N)
         anchor = torch.zeros(B, N, dtype=torch.bool, device=tokens.x.device)
     counts = budget - t_sal
-    picks = coverage_picks(tokens, ~anchor, counts, anchor, diversity=diversity, conditional=conditional)
+    picks = coverage_picks(tokens, ~anchor, counts, anchor, diversity=diversity, conditional=conditional,
+                           width=cov_max)
     from_cov = picks.gather(1, (pos - t_sal[:, None]).clamp(0, max(picks.shape[1] - 1, 0))) if picks.numel() else pos
     salient = pos < t_sal[:, None]  # [B, T]
     indices = torch.where(salient, sal_order[:, :budget], from_cov)
@@ -108,7 +121,8 @@ def _ratio_range(value) -> tuple[float, float]:
 
 def _fixed(tokens: TokenSet, budget: int, ratio: float, method: str, diversity: str, conditional: bool) -> Selection:
     t_sal = fixed_split(tokens.batch, budget, float(ratio), tokens.x.device)
-    return two_stage(tokens, budget, t_sal, diversity=diversity, conditional=conditional, method=method)
+    return two_stage(tokens, budget, t_sal, diversity=diversity, conditional=conditional, method=method,
+                     fixed=fixed_count(budget, float(ratio)))
 
 
 @register_method("fixed_ratio", needs_saliency=True, options={"saliency_ratio": 0.5, **_STAGE_OPTIONS},

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
 
@@ -250,8 +250,3 @@ def questions(scene: Scene, family: str, *, per_image: int = 2) -> list[Question
         return out
     raise ValueError(f"unknown question family {family!r}; valid: {', '.join(FAMILIES)}")
 
-
-def scene_record(scene: Scene) -> dict:
-    """JSON-able description of a scene (for inspection and tests)."""
-    return {"split": scene.split, "index": scene.index, "background": scene.background,
-            "objects": [asdict(o) for o in scene.objects], **{k: v for k, v in scene.truth().items() if k != "objects"}}

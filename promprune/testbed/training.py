@@ -11,12 +11,12 @@ a pretrained CLIP tower:
 2. The tower frozen (LLaVA-1.5's recipe), the projector and the LLM on the questions: the LM loss on the answer
    tokens and EOS, prompts built exactly as :meth:`PrunedVLM.generate` builds them.
 
-What it learns in this budget (README, "Prominence testbed"): counting, well; the existence, attribute and relation
+What it learns in this budget (docs/testbed.md): counting, well; the existence, attribute and relation
 questions stay at chance (it answers every yes/no question "yes"): binding a question's words to the visual tokens
 takes a model this small far more steps than 2 CPU cores give in minutes (also tried: the question before the image
 as well, and grounding supervision of the visual tokens; neither moved them in 1,200 steps; nor did aligning the
 projector to the colour and shape words first, a few-objects-first curriculum, or supervising LLM attention onto the
-objects a question names: README, "Prominence testbed").
+objects a question names: docs/testbed.md).
 
 One torch thread by default: CPU results depend on the thread count, and one thread gives every machine the same
 weights (12-14 minutes measured on a 2-core machine). Trained once into ``$PROMPRUNE_CACHE/testbed-llava-v1``,

@@ -23,8 +23,9 @@ class FakeOpenAI:
     every valid request gets 200 with ``reply(png)`` (default: the digit of :func:`rating_of`). ``azure=True``
     expects the key in an ``api-key`` header instead of ``Authorization: Bearer``."""
 
-    def __init__(self, key: str = "test-key", model: str = "gpt-4o", reply=None, azure: bool = False):
-        self.key, self.model, self.azure = key, model, azure
+    def __init__(self, key: str = "test-key", model: str = "gpt-4o", reply=None, azure: bool = False,
+                 require_image: bool = True):
+        self.key, self.model, self.azure, self.require_image = key, model, azure, require_image
         self.reply = reply or (lambda png: str(rating_of(png)))
         self.script: list[tuple[int, str, dict]] = []
         self.requests: list[dict] = []  # every request received: {"path", "headers", "body"}
@@ -79,6 +80,8 @@ class FakeOpenAI:
         try:
             body = json.loads(raw)
             parts = body["messages"][0]["content"]
+            if isinstance(parts, str):  # a plain text message (MM-Vet's judge, the preflight probe)
+                parts = [{"type": "text", "text": parts}]
             text = [p["text"] for p in parts if p["type"] == "text"]
             urls = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
@@ -87,11 +90,14 @@ class FakeOpenAI:
             return 404, _error(f"The model `{body.get('model')}` does not exist"), {}
         if body.get("temperature") != 0 or not text:
             return 400, _error("expected temperature 0 and a text part"), {}
-        if len(urls) != 1 or not urls[0].startswith("data:image/png;base64,"):
+        if not self.require_image and not urls:
+            png = b""
+        elif len(urls) != 1 or not urls[0].startswith("data:image/png;base64,"):
             return 400, _error("expected one data:image/png;base64 image part"), {}
-        png = base64.b64decode(urls[0].split(",", 1)[1])
-        if not png.startswith(PNG_MAGIC):
-            return 400, _error("the image part is not a PNG"), {}
+        else:
+            png = base64.b64decode(urls[0].split(",", 1)[1])
+            if not png.startswith(PNG_MAGIC):
+                return 400, _error("the image part is not a PNG"), {}
         if scripted is not None:
             status, content, extra = scripted
             if status != 200:

@@ -47,7 +47,8 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
     assert kwargs == {"max_new_tokens": 16, "num_beams": 1, "do_sample": False}  # greedy: no sampling knobs
     assert until == ["\n\n"]
     kwargs, until = generate_kwargs({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "until": None})
-    assert kwargs == {"do_sample": True, "temperature": 0.7, "top_p": 0.9} and until == []
+    # a task without max_new_tokens (TextVQA, VizWiz) gets lmms-eval's HF LLaVA default, not transformers' 20
+    assert kwargs == {"max_new_tokens": 1024, "do_sample": True, "temperature": 0.7, "top_p": 0.9} and until == []
     assert cut_at_stop("yes\n\nUSER: more", ["\n\n"]) == "yes"
     assert cut_at_stop("a.b;c", [";", "."]) == "a"
 

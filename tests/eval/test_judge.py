@@ -170,3 +170,64 @@ def test_endpoint_from_the_environment(env):
     env.setenv("OPENAI_BASE_URL", "http://sdk:2/v1")  # the OpenAI SDK's name wins
     assert make_judge().url == "http://sdk:2/v1/chat/completions"
     assert make_judge(base_url="http://arg:3/v1").url == "http://arg:3/v1/chat/completions"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MM-Vet's judge (lmms-eval's own client): one endpoint setting, probed before any generation (issue 21)
+
+
+def test_one_endpoint_setting_reaches_both_judges(env):
+    from promprune.eval.tasks import align_judge_endpoint
+
+    env.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+    assert align_judge_endpoint() is None
+    import os
+
+    assert os.environ["OPENAI_API_URL"] == "http://127.0.0.1:9/v1"  # what lmms-eval 0.7's MM-Vet reads
+    env.delenv("OPENAI_BASE_URL")
+    env.setenv("OPENAI_API_URL", "http://127.0.0.1:8/v1")
+    assert align_judge_endpoint() is None and os.environ["OPENAI_BASE_URL"] == "http://127.0.0.1:8/v1"
+    env.setenv("OPENAI_BASE_URL", "http://127.0.0.1:7/v1")
+    problem = align_judge_endpoint()
+    assert "OPENAI_BASE_URL" in problem and "OPENAI_API_URL" in problem
+
+
+def test_the_mmvet_judge_is_probed_once_through_lmms_evals_client(env):
+    from pipelines.preflight import check_judges
+
+    with FakeOpenAI(key="test-key", model="gpt-4o-2024-11-20", require_image=False) as fake:
+        env.setenv("OPENAI_API_KEY", "test-key")
+        env.setenv("OPENAI_BASE_URL", fake.base_url)  # the SDK's name: must reach lmms-eval's judge too
+        assert check_judges(["mmvet", "pope"]) == []
+        assert fake.count == 1
+        assert check_judges(["pope"]) == [] and fake.count == 1  # no judge-scored task: no request
+
+
+def test_a_wrong_judge_key_or_a_dead_endpoint_stops_in_seconds_naming_the_variables(env):
+    import socket
+    import time
+
+    from pipelines.preflight import check_judges
+
+    with FakeOpenAI(key="right-key", model="gpt-4o-2024-11-20", require_image=False) as fake:
+        env.setenv("OPENAI_API_KEY", "wrong-key")
+        env.setenv("OPENAI_BASE_URL", fake.base_url)
+        (error,) = check_judges(["mmvet"])
+        assert "mmvet" in error and "OPENAI_API_KEY" in error and "AuthenticationError" in error
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env.setenv("OPENAI_API_KEY", "k")
+    env.setenv("OPENAI_BASE_URL", f"http://127.0.0.1:{port}/v1")
+    start = time.perf_counter()
+    (error,) = check_judges(["mmvet"])
+    assert time.perf_counter() - start < 20
+    assert f"127.0.0.1:{port}" in error and "OPENAI_BASE_URL" in error
+
+
+def test_a_skipped_judge_task_is_said_on_the_console(env):
+    from pipelines.preflight import check_judges, judge_notes
+
+    (note,) = judge_notes(["mmvet", "pope"])
+    assert note.startswith("note:") and "OPENAI_API_KEY" in note and "mmvet" in note
+    assert check_judges(["mmvet"]) == []  # skipped, so nothing to probe

@@ -14,9 +14,10 @@ BUDGET = 6
 
 
 def test_all_methods_is_registry_plus_in_llm():
-    assert set(all_methods()) == set(promprune.methods()) | {"fastv", "sparsevlm"}
-    assert promprune.methods(promprune.IN_LLM) == ["fastv", "sparsevlm"]
-    assert [m for m in all_methods() if is_in_llm(m)] == ["fastv", "sparsevlm"]
+    in_llm = ["dart", "fastv", "pyramiddrop", "sparsevlm"]
+    assert set(all_methods()) == set(promprune.methods()) | set(in_llm)
+    assert promprune.methods(promprune.IN_LLM) == in_llm
+    assert [m for m in all_methods() if is_in_llm(m)] == in_llm
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -30,9 +31,9 @@ def test_every_method_runs_through_every_adapter(arch, method, images, prompts):
         assert g.visual_tokens == BUDGET
         if not is_in_llm(method):  # NeXT in-LLM methods may keep image_newline placeholders
             cls_tokens = BUDGET - len(g.kept)  # VisionZip also feeds each view's CLS, which has no grid index
-            assert cls_tokens == 0 or method == "visionzip" and arch != "qwen2_5_vl" and cls_tokens >= 1
+            assert cls_tokens == 0 or method == "visionzip" and "qwen" not in arch and cls_tokens >= 1
         assert len(set(g.kept)) == len(g.kept)
-        if arch != "llava_next":  # raster order is grid order (NeXT: the packed sequence's layout instead)
+        if arch not in ("llava_next", "llava_onevision"):  # raster order is grid order (anyres: the packed layout)
             assert g.kept == sorted(g.kept)
         assert 0 <= g.saliency_count <= BUDGET
         assert min(g.vision_ms, g.select_ms, g.prefill_ms, g.decode_ms) >= 0
@@ -45,6 +46,10 @@ def test_mu_defaults_per_encoder_unless_given():
     assert PrunedVLM(qwen, p2, budget=4).method_options["mu"] == 0.5744
     assert PrunedVLM(qwen, p2, budget=4, mu=0.3).method_options["mu"] == 0.3
     assert "mu" not in PrunedVLM(qwen, p2, method="divprune", budget=4).method_options
+    qwen3, p3 = tiny_vlm("qwen3_vl")
+    assert PrunedVLM(qwen3, p3, budget=4).method_options["mu"] == 0.5744  # borrowed from Qwen2.5-VL (uncalibrated)
+    onevision, p4 = tiny_vlm("llava_onevision")
+    assert PrunedVLM(onevision, p4, budget=4).method_options["mu"] == 0.42  # SigLIP borrows CLIP's (uncalibrated)
 
 
 @pytest.mark.parametrize("call,match", [
@@ -116,6 +121,14 @@ def test_qwen_saliency_block_must_be_full_attention():
     assert PrunedVLM(model, processor, budget=4).adapter.block == 3  # default: the last full-attention block
     with pytest.raises(ValueError, match=r"full-attention block of the vision tower \[1, 3\]"):
         PrunedVLM(model, processor, budget=4, saliency_block=0)
+
+
+def test_qwen3_saliency_block_is_any_vision_block():
+    model, processor = tiny_vlm("qwen3_vl")  # 4 blocks, every one attends over the whole image
+    assert PrunedVLM(model, processor, budget=4).adapter.block == 3  # default: the last block
+    assert PrunedVLM(model, processor, budget=4, saliency_block=0).adapter.block == 0
+    with pytest.raises(ValueError, match=r"saliency_block must be a block of the vision tower \(0 \.\. 3\)"):
+        PrunedVLM(model, processor, budget=4, saliency_block=4)
 
 
 def test_several_return_sequences_are_refused(images, prompts):

@@ -18,10 +18,16 @@ from promprune.models.shapes import default_options, shape_spec, shape_vlm, shap
 from .test_qwen_positions import hand_positions
 
 # parameters of the released checkpoints (the hub's safetensors totals)
-PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_168, "qwen2_5_vl_7b": 8_292_166_656}
+PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_168, "qwen2_5_vl_7b": 8_292_166_656,
+                    "qwen3_vl_8b": 8_767_123_696,
+                    # not the hub's exact total (unverifiable offline): our config's count, which the hub card's
+                    # rounded "8.03B" agrees with
+                    "llava_onevision_7b": 8_030_807_584}
 # visual tokens of one square image: LLaVA-1.5 24x24; NeXT base view + 2x2 crops of 24x24 plus one newline per row
-# of the 48-row grid; Qwen2.5-VL at the paper's fixed 36x36 merged grid
-VISUAL_TOKENS = {"llava_1_5_7b": 576, "llava_next_7b": 5 * 576 + 48, "qwen2_5_vl_7b": 1296}
+# of the 48-row grid; Qwen2.5-VL at the paper's fixed 36x36 merged grid, Qwen3-VL at the same grid (our choice)
+# OneVision (512 px square): the 27x27 base view + 2x2 crops (54x54, under anyres_max_9's resize limit) + 54 newlines
+VISUAL_TOKENS = {"llava_1_5_7b": 576, "llava_next_7b": 5 * 576 + 48, "qwen2_5_vl_7b": 1296, "qwen3_vl_8b": 1296,
+                 "llava_onevision_7b": 729 + 54 * 54 + 54}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +61,10 @@ def test_placeholder_counts_through_the_pruned_vlm(meta_models, name):
     assert int((batch["input_ids"] == model.config.image_token_id).sum()) == VISUAL_TOKENS[name]
 
 
-def test_qwen_positions_of_a_pruned_real_sequence(meta_models):
+@pytest.mark.parametrize("name", ["qwen2_5_vl_7b", "qwen3_vl_8b"])
+def test_qwen_positions_of_a_pruned_real_sequence(meta_models, name):
     """128 of 1296 kept: each keeps its (t, h, w) position on the 36 x 36 grid, text after continues at s + 36."""
-    model, processor = meta_models["qwen2_5_vl_7b"]
+    model, processor = meta_models[name]
     vlm = PrunedVLM(model, processor, method="divprune", budget=128, image_tokens=1296)
     batch = vlm.processed([square_image()], ["Describe the image briefly."])
     kept = sorted(torch.randperm(1296, generator=torch.Generator().manual_seed(0))[:128].tolist())
@@ -69,7 +76,7 @@ def test_qwen_positions_of_a_pruned_real_sequence(meta_models):
     torch.testing.assert_close(pos[1:, 0][:, mask[0].bool()], expected)
 
 
-@pytest.mark.parametrize("name, budget", [("llava_1_5_7b", 64), ("qwen2_5_vl_7b", 128)])
+@pytest.mark.parametrize("name, budget", [("llava_1_5_7b", 64), ("qwen2_5_vl_7b", 128), ("qwen3_vl_8b", 128)])
 def test_selection_at_the_real_token_count(name, budget):
     spec = shape_spec(name)
     d = spec["text_config"]["hidden_size"]

@@ -9,7 +9,9 @@ from .conftest import ARCHS, plain_generate
 
 @pytest.mark.parametrize("arch,cls", [("llava", transformers.LlavaForConditionalGeneration),
                                       ("llava_next", transformers.LlavaNextForConditionalGeneration),
-                                      ("qwen2_5_vl", transformers.Qwen2_5_VLForConditionalGeneration)])
+                                      ("qwen2_5_vl", transformers.Qwen2_5_VLForConditionalGeneration),
+                                      ("qwen3_vl", transformers.Qwen3VLForConditionalGeneration),
+                                      ("llava_onevision", transformers.LlavaOnevisionForConditionalGeneration)])
 def test_real_classes_cached(arch, cls):
     model, processor = tiny_vlm(arch)
     assert type(model) is cls
@@ -23,6 +25,9 @@ def test_paper_structure():
     assert nxt.model.image_newline.shape == (nxt.config.text_config.hidden_size,)
     qwen, _ = tiny_vlm("qwen2_5_vl")
     assert qwen.config.vision_config.spatial_merge_size == 2 and qwen.config.vision_config.fullatt_block_indexes
+    qwen3, _ = tiny_vlm("qwen3_vl")
+    assert qwen3.config.vision_config.spatial_merge_size == 2
+    assert len(qwen3.config.vision_config.deepstack_visual_indexes) == 3  # as the released 8B (blocks 8, 16, 24)
 
 
 def test_unknown_arch():

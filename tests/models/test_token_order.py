@@ -47,7 +47,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["raster", "selection", "stages"])
-@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl"])
 def test_the_llm_receives_the_kept_tokens_in_order(arch, order, device, images, prompts):
     model, processor = tiny_vlm(arch)
     if device != "cpu":
@@ -73,9 +73,10 @@ def test_the_llm_receives_the_kept_tokens_in_order(arch, order, device, images, 
             assert torch.all(saliency[:-1] >= saliency[1:])
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("order", ["raster", "selection"])
-def test_qwen_tokens_keep_their_own_positions_in_any_order(order, images, prompts):
-    model, processor = tiny_vlm("qwen2_5_vl")
+def test_qwen_tokens_keep_their_own_positions_in_any_order(arch, order, images, prompts):
+    model, processor = tiny_vlm(arch)
     vlm = PrunedVLM(model, processor, method="promprune", budget=7, token_order=order)
     prep = vlm.prepare(images, prompts)
     kw = prep.model_kwargs

@@ -7,6 +7,7 @@ worker nodes declaring one GPU each (scheduling only; the tiny model runs on the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 import threading
@@ -81,7 +82,10 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
         "tune": {"max_failures": 2}})
     outcome = {}
     run_fn = functools.partial(slow_run, marker_dir=str(markers))
-    driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(spec, run_fn=run_fn)))
+    # rows without image keys: one request per block (batch_size 1), so the kill lands between blocks; with keys,
+    # easy-vqa's questions about one image would share a block
+    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(["easyvqa_yesno"], SAMPLES, spec.generation)]
+    driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(spec, run_fn=run_fn, rows=rows)))
     driver.start()
 
     deadline = time.time() + 300

@@ -241,6 +241,7 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     import pyarrow as pa
 
     from promprune.eval import build_requests
+    from promprune.eval.requests import share_images
     from promprune.records import Request, from_arrow
 
     from pipelines.evaluate import EvalConfig, Requests, build_requests_dataset, predict
@@ -252,8 +253,8 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     sharded = build_requests_dataset(tasks, 3, gen, batch_size=2, shards=3)
     assert isinstance(sharded, Requests) and sorted(sharded.keys) == sorted(plain)
     table = pa.concat_tables(ray.get(sharded.dataset.to_arrow_refs()))
-    built = {r.key: r for r in from_arrow(table, Request)}
-    assert built == plain  # same prompts, same image bytes, same doc ids and n_docs
+    built = {r.key: r for r in share_images(from_arrow(table, Request))}
+    assert built == plain  # same prompts, same image bytes and keys, same doc ids and n_docs
 
     preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, progress_bars=False,
                                resources=Resources(batch_size=2)), sharded)

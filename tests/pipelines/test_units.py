@@ -227,3 +227,18 @@ def test_sweep_state_records(tmp_path):
         load_state(storage, "nightly", "nightly-1999")
     with pytest.raises(specs.SpecError, match="found: none"):
         load_state(str(tmp_path / "empty"), "nightly", "latest")
+
+
+def test_validate_only_shows_what_each_task_generates_with():
+    """A task without max_new_tokens (TextVQA) gets lmms-eval's 1024, not transformers' 20; the spec's generation
+    lies over every task's own (issue 21)."""
+    from pipelines.sweep import generation_plan
+
+    spec = specs.parse({"name": "g", "version": 1, "tasks": ["easyvqa_yesno", "textvqa_val", "mme"],
+                        "grid": {"method": ["promprune"], "budget": [8]}})
+    lines = generation_plan(spec).splitlines()[1:]
+    assert lines[0].startswith("  easyvqa_yesno: max_new_tokens=16,")
+    assert lines[1].startswith("  textvqa_val: max_new_tokens=1024,") and "ASSISTANT:" in lines[1]
+    assert lines[2].startswith("  mme: max_new_tokens=16,")
+    spec.generation = {"max_new_tokens": 3}
+    assert all("max_new_tokens=3," in line for line in generation_plan(spec).splitlines()[1:])

@@ -26,7 +26,8 @@ def test_a_bad_option_value_fails_validation_not_every_sample(scratch, run_main)
 def test_option_types_are_those_of_the_defaults(option, value, message):
     with pytest.raises(specs.SpecError, match=message):
         specs.parse({"name": "t", "version": 1, "grid": {"method": "promprune", "budget": 8, option: value}})
-    specs.parse({"name": "t", "version": 1, "grid": {"method": "promprune", "budget": 8, "mu": 0}})  # an int is a number
+    # an int is a number
+    specs.parse({"name": "t", "version": 1, "grid": {"method": "promprune", "budget": 8, "mu": 0}})
 
 
 def test_store_unreachable_is_named_in_seconds(scratch, run_main):

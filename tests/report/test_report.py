@@ -232,3 +232,35 @@ def test_runs_as_a_script_from_any_directory(table_sweep, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "report.md").is_file() and (out / "tradeoff.png").is_file()
     assert str(out.resolve()) in proc.stdout
+
+
+def test_a_score_with_failed_samples_carries_their_count(store, tmp_path):
+    """A failed sample is replayed as the empty answer, which POPE's F1 leaves out: every score shown to a person
+    says how many of its samples failed (issue 21)."""
+    client, exp = store
+    trials = [trial("none", None, scores(1800, 300, 0.80, 0.60)),
+              trial("promprune", 64, scores(1620, 270, 0.80, 0.57) | {"pope/n_failed": 5, "gqa/n_failed": 0})]
+    parent = log_sweep(client, exp, "failed_demo", trials, tasks=TASKS, tmp=tmp_path)
+    table = tables.build_score_table(load_sweep(parent))
+    markdown = tables.score_table_markdown(table)
+    (row,) = [line for line in markdown.splitlines() if line.startswith("| PromPrune") or "promprune" in line.lower()
+              and "64" in line]
+    assert "80.0 [5 failed]" in row and "57.0 [" not in row  # GQA had none
+    csv = tables.score_table_csv(table)
+    assert csv.loc[csv["method"] == "promprune", "POPE failed samples"].item() == 5
+
+
+def test_the_default_image_source_draws_the_tasks_own_image():
+    """The production default (no image_source): an offline task's real image, not the labelled stand-in (issue 24:
+    it indexed Request records as dicts, and a broad except turned that into a stand-in on every report)."""
+    from promprune.eval import build_requests
+
+    from pipelines.reporting.build import task_image
+
+    image, note = task_image("easyvqa_yesno", "3")
+    assert note == ""
+    (row,) = [r for r in build_requests(["easyvqa_yesno"], limit=4) if r.doc_id == 3]
+    expected = np.asarray(Image.open(__import__("io").BytesIO(row.image)).convert("RGB"))
+    assert image.shape == expected.shape and (image == expected).all()
+    stand_in, note = task_image("easyvqa_yesno", "999999")
+    assert "stand-in image" in note

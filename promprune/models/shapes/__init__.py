@@ -1,12 +1,14 @@
 """The published 7B shapes without their weights: random-weight VLMs at the paper's real sizes.
 
-``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna) or Qwen2.5-VL-7B from the sizes in this folder's
-JSON files (copied from the checkpoints' ``config.json``) with random weights, and an offline processor with the
-checkpoint's image settings (336 px CLIP views and anyres pinpoints; Qwen's 14 px patches and 2x2 merge). Latency,
-memory, FLOPs and token counts do not depend on weight values, so these stand in for the checkpoints wherever those
-cannot be downloaded (``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized
-(one token per byte), so a prompt has more text tokens than under the real tokenizer; the vocabulary size, and so
-the embedding and LM-head shapes, stay the published ones.
+``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B or LLaVA-OneVision-7B from
+the sizes in this folder's JSON files (copied from the checkpoints' ``config.json``; each file's ``_source`` says where
+from) with random weights, and an offline processor with the checkpoint's image settings (336 px CLIP views and anyres
+pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5 mean / std; OneVision's
+384 px SigLIP views, 6x6 pinpoints and anyres_max_9). Latency, memory, FLOPs and token counts do not depend on weight
+values, so these stand in for the checkpoints wherever those cannot be downloaded
+(``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized (one token per byte), so a
+prompt has more text tokens than under the real tokenizer; the vocabulary size, and so the embedding and LM-head shapes,
+stay the published ones.
 
 ``text_layers`` / ``vision_layers`` shorten the stacks at full width (tests build one or two layers on CPU).
 """
@@ -22,9 +24,15 @@ from transformers import (
     LlavaNextConfig,
     LlavaNextForConditionalGeneration,
     LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
     LlavaProcessor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    SiglipVisionConfig,
 )
 
 from promprune.naming import AUTO, parse_dtype
@@ -93,6 +101,58 @@ def _qwen(spec: dict, text_layers, vision_layers):
     return Qwen2_5_VLForConditionalGeneration, config, processor
 
 
+def _qwen3(spec: dict, text_layers, vision_layers):
+    tok = testing.qwen_tokenizer()
+    ids = testing.qwen_token_ids(tok)
+    text = dict(spec["text_config"], **ids.pop("text"))
+    vision = dict(spec["vision_config"])
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    if vision_layers is not None:  # keep the DeepStack blocks that still exist (at least the last block)
+        vision["depth"] = vision_layers
+        kept = [b for b in vision["deepstack_visual_indexes"] if b < vision_layers]
+        vision["deepstack_visual_indexes"] = kept or [vision_layers - 1]
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
+                           **ids)
+    pixels = spec["processor"]
+    processor = testing.qwen3_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
+                                        min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"])
+    return Qwen3VLForConditionalGeneration, config, processor
+
+
+def _onevision(spec: dict, text_layers, vision_layers):
+    tok = testing.onevision_tokenizer()
+    vision = dict(spec["vision_config"])
+    vision.pop("model_type")
+    if vision_layers is not None:
+        vision["num_hidden_layers"] = vision_layers
+    text = dict(spec["text_config"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    text.pop("model_type")
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    pinpoints = spec["image_grid_pinpoints"]
+    config = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(**vision), text_config=Qwen2Config(**text),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), video_token_index=tok.convert_tokens_to_ids("<video>"),
+        vision_feature_layer=spec["vision_feature_layer"],
+        vision_feature_select_strategy=spec["vision_feature_select_strategy"],
+        projector_hidden_act=spec["projector_hidden_act"], image_grid_pinpoints=pinpoints,
+        vision_aspect_ratio=spec["vision_aspect_ratio"], tie_word_embeddings=spec["tie_word_embeddings"],
+        pad_token_id=tok.pad_token_id)
+    norm = spec["processor"]
+    processor = testing.onevision_processor(tok, spec["image_size"], vision["patch_size"], pinpoints,
+                                            spec["vision_aspect_ratio"], norm["image_mean"], norm["image_std"])
+    return LlavaOnevisionForConditionalGeneration, config, processor
+
+
+_BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "llava_onevision": _onevision}
+
+
+def _builder(spec: dict):
+    return _BUILDERS.get(spec["model_type"], _llava)
+
+
 def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int | None = None,
               vision_layers: int | None = None):
     """``(model, processor)``: ``name``'s published architecture with seeded random weights on ``device``.
@@ -101,8 +161,7 @@ def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int 
     ``device="meta"`` builds the module tree without memory (shapes, configs, placeholder counts).
     """
     spec = shape_spec(name)
-    build = _qwen if spec["model_type"] == "qwen2_5_vl" else _llava
-    model_cls, config, processor = build(spec, text_layers, vision_layers)
+    model_cls, config, processor = _builder(spec)(spec, text_layers, vision_layers)
     torch.manual_seed(SEED)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -124,13 +183,14 @@ def load(name: str, *, dtype=None, device_map=None, attn_implementation=None):
 
 def _config(name: str):
     spec = shape_spec(name)
-    return (_qwen if spec["model_type"] == "qwen2_5_vl" else _llava)(spec, None, None)[1]
+    return _builder(spec)(spec, None, None)[1]
 
 
 load.config = _config
 
 
 def default_options(name: str) -> dict:
-    """Adapter options the paper used with this shape (Qwen2.5-VL: a fixed 1296-token grid)."""
+    """Adapter options the paper used with this shape (Qwen2.5-VL: a fixed 1296-token grid; Qwen3-VL: the same, our
+    choice)."""
     spec = shape_spec(name)
     return {"image_tokens": spec["image_tokens"]} if "image_tokens" in spec else {}

@@ -1,0 +1,62 @@
+"""Controls without selection: the token grid pooled down to the budget (``downsample``).
+
+VTC-Bench (Liao et al., 2025) downsamples the IMAGE: its Qwen2-VL evaluation resizes each image to 1/3 of its
+width and height (bicubic) before the processor, so a native-resolution encoder emits about 1/9 of the tokens.
+A fixed-resolution encoder (CLIP in LLaVA) would resize the small image back up and emit as many tokens as before,
+so this control pools the TOKEN grid instead, which works alike on every model and meets the budget exactly:
+
+- ``h = round(sqrt(T * rows / cols))`` rows of cells (clamped to ``[ceil(T / cols), min(rows, T)]``); row band i
+  gets ``floor((i + 1) T / h) - floor(i T / h)`` cells, so the cell counts sum to exactly T (a regular h x w grid
+  whenever T = h * w, e.g. 24 x 24 -> 8 x 8 at T = 64; otherwise rows differ by one cell);
+- every cell is the mean of the projected tokens in its bin (the bins of adaptive average pooling:
+  ``[floor(i n / m), ceil((i + 1) n / m))`` along each axis), i.e. the LLM-space features are averaged;
+- a cell is fed at the place (LLaVA: sequence slot; Qwen2.5-VL: 3D position) of its bin's centre token.
+
+On Qwen2.5-VL / Qwen3-VL the grid is the merged-patch grid of the image (Qwen3-VL's DeepStack rows: the bin centre's);
+on LLaVA-NeXT each view's grid (after unpadding) is pooled on its own (budget modes that split the budget per view);
+on LLaVA-OneVision each view's grid as the LLM is fed it (a crop's rectangle of the stitched crop grid after
+unpadding and anyres-max resizing). The adapter option ``image_tokens`` of
+Qwen2.5-VL is the image-level variant (the processor resizes the image to a fixed token count).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .registry import Selection, TokenSet, register_method
+
+
+def pooled_cells(rows: int, cols: int, budget: int) -> list[tuple[int, int, int, int]]:
+    """The ``budget`` pooling bins ``(r0, r1, c0, c1)`` (end-exclusive) of a ``rows x cols`` grid, in raster order."""
+    h = min(max(round(math.sqrt(budget * rows / cols)), math.ceil(budget / cols), 1), rows, budget)
+    cells = []
+    for i in range(h):
+        r0, r1 = (i * rows) // h, -((-(i + 1) * rows) // h)
+        n_i = ((i + 1) * budget) // h - (i * budget) // h
+        for j in range(n_i):
+            cells.append((r0, r1, (j * cols) // n_i, -((-(j + 1) * cols) // n_i)))
+    return cells
+
+
+def pooling_matrix(rows: int, cols: int, budget: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, N], centres [T])``: cell t is ``weights[t] @ tokens``; ``centres[t]`` its bin's centre token."""
+    cells = pooled_cells(rows, cols, budget)
+    weights = torch.zeros(len(cells), rows * cols, device=device)
+    centres = torch.empty(len(cells), dtype=torch.long, device=device)
+    for t, (r0, r1, c0, c1) in enumerate(cells):
+        members = (torch.arange(r0, r1)[:, None] * cols + torch.arange(c0, c1)[None, :]).flatten()
+        weights[t, members.to(weights.device)] = 1.0 / members.numel()
+        centres[t] = ((r0 + r1 - 1) // 2) * cols + (c0 + c1 - 1) // 2
+    return weights, centres
+
+
+@register_method("downsample", merges=True, needs_grid=True)
+def downsample(tokens: TokenSet, budget: int) -> Selection:
+    """Downsampling control: the token grid average-pooled to exactly T cells (no selection)."""
+    rows, cols = tokens.grid
+    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device)
+    features = torch.einsum("tn,bnd->btd", weights, tokens.x)  # [B, T, d]
+    indices = centres[None].expand(tokens.batch, -1).clone()  # [B, T], ascending
+    zeros = torch.zeros(tokens.batch, dtype=torch.long, device=indices.device)
+    return Selection(indices, zeros, None, features, torch.zeros_like(indices, dtype=torch.bool))

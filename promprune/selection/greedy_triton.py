@@ -1,0 +1,204 @@
+"""The greedy selectors as Triton kernels: one program per view runs every pick of a call, no launch per step.
+
+The torch loops of ``diversity`` issue ~20-30 small kernels per pick; on a GPU they are launch-bound (2,333 launches
+per LLaVA-1.5 call). Here one launch does the whole greedy loop of every view in the batch; counts, masks and
+fallback orders are read on the device, so the host never waits. Each kernel follows its torch counterpart step for
+step (the same masked argmax, tie rule, GAIN_EPS test and fallback), in float32, with IEEE division and square root
+and no fused multiply-add, so float32 selections match the CPU reference; what can differ is the summation order of
+the DPP's dot products (ulps), which moves a pick only at a near-tie.
+
+Callers (``diversity``) prepare the inputs in torch (the first pick's scores, the fallback order) and pass host-known
+widths, so nothing here syncs. Tested on the CPU under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Registers per program: a [BLOCK_S, BLOCK_N] tile of Cholesky rows is read at once.
+_TILE_ELEMENTS = 16384
+
+
+@triton.jit
+def _masked_argmax(score, mask, offs, BLOCK_N: tl.constexpr):
+    """``masked_argmax``: first index of the max of ``score`` over ``mask`` (index 0 when the mask is empty)."""
+    masked = tl.where(mask, score, float("-inf"))
+    best = tl.max(masked, axis=0)
+    return tl.min(tl.where(masked == best, offs, BLOCK_N), axis=0), best
+
+
+@triton.jit
+def _at(vec, offs, j):
+    """``vec[j]`` of a register vector (exact: one nonzero term)."""
+    return tl.sum(tl.where(offs == j, vec, 0.0), axis=0)
+
+
+@triton.jit
+def _dpp_extend(Kb, Fb, gains, offs, inb, j, upd, step, N, GAIN_EPS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Add token ``j``'s row ``e = (K_j - c_j^T F) / sqrt(d2_j)`` to the Cholesky rows ``Fb`` (when ``upd``) and
+    lower the residual gains ``d2 -= e^2``. Returns ``(gains, step)``; rows that would be zero are not kept."""
+    acc = tl.zeros_like(gains)
+    for s0 in range(0, step, BLOCK_S):
+        rows = s0 + tl.arange(0, BLOCK_S)
+        live = rows < step
+        tile = tl.load(Fb + rows[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :], other=0.0)
+        c_j = tl.load(Fb + rows * N + j, mask=live, other=0.0)  # column j of the rows so far
+        acc += tl.sum(c_j[:, None] * tile, axis=0)
+    k_j = tl.load(Kb + j * N + offs, mask=inb, other=0.0)
+    d2_j = tl.maximum(_at(gains, offs, j), GAIN_EPS)
+    e = tl.div_rn(k_j - acc, tl.sqrt_rn(d2_j))
+    e = tl.where(upd, e, 0.0)
+    tl.store(Fb + step * N + offs, e, mask=inb)
+    tl.debug_barrier()  # the row is read back by every thread of the program at the next step
+    gains = tl.maximum(gains - e * e, 0.0)
+    return gains, step + upd.to(tl.int32)
+
+
+@triton.jit
+def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS,
+                GAIN_EPS: tl.constexpr, CONDITIONAL: tl.constexpr, USE_FIRST: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One view of ``diversity.dpp_greedy``: ``K [B, N, N]``, ``avail/anchor [B, N]`` int8, ``order [B, N]`` the
+    fallback score, ``first [B]`` the first pick (-1: none), ``counts [B]``, scratch ``F [B, S_ROWS, N]``, ``out [B,
+    OUT_W]`` prefilled with -1."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    inb = offs < N
+    Kb = K + b * N * N
+    Fb = F + b * S_ROWS * N
+    gains = tl.load(Kb + offs * (N + 1), mask=inb, other=0.0)  # the diagonal: residual gains d2
+    free = tl.load(avail + b * N + offs, mask=inb, other=0) != 0
+    fb = tl.load(order + b * N + offs, mask=inb, other=float("-inf"))
+    step = tl.program_id(0) * 0  # an int32 tensor 0: rows of F kept so far
+    if CONDITIONAL:  # the anchor tokens enter the factor first, in raster order
+        left = tl.load(anchor + b * N + offs, mask=inb, other=0) != 0
+        for _t in range(tl.sum(left.to(tl.int32), axis=0)):
+            j = tl.min(tl.where(left, offs, BLOCK_N), axis=0)
+            left = left & (offs != j)
+            gains, step = _dpp_extend(Kb, Fb, gains, offs, inb, j, _at(gains, offs, j) > GAIN_EPS, step, N,
+                                      GAIN_EPS, BLOCK_S)
+    count = tl.minimum(tl.load(counts + b), OUT_W)
+    for k in range(count):
+        j, best = _masked_argmax(gains, free, offs, BLOCK_N)
+        tied = free & (gains == best)
+        j, _tie = _masked_argmax(fb, tied, offs, BLOCK_N)  # exact ties: highest fallback order, then lowest index
+        if USE_FIRST:
+            f = tl.load(first + b)
+            use = (k == 0) & (f >= 0)
+            j = tl.where(use, f, j)
+            best = tl.where(use, _at(gains, offs, j), best)
+        exhausted = best <= GAIN_EPS
+        j_fb, _fb = _masked_argmax(fb, free, offs, BLOCK_N)
+        j = tl.where(exhausted, j_fb, j)
+        tl.store(out + b * OUT_W + k, j.to(tl.int64))
+        free = free & (offs != j)
+        gains, step = _dpp_extend(Kb, Fb, gains, offs, inb, j, best > GAIN_EPS, step, N, GAIN_EPS, BLOCK_S)
+
+
+@triton.jit
+def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, BLOCK_N: tl.constexpr):
+    """One view of ``diversity.farthest_point``: ``D [B, N, N]``, the first pick's ``first_score [B, N]``, the
+    initial distance to the picked set ``nearest [B, N]``, ``avail [B, N]`` int8, ``counts [B]``, ``out`` (-1)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    inb = offs < N
+    free = tl.load(avail + b * N + offs, mask=inb, other=0) != 0
+    first = tl.load(first_score + b * N + offs, mask=inb, other=float("-inf"))
+    near = tl.load(nearest + b * N + offs, mask=inb, other=float("-inf"))
+    count = tl.minimum(tl.load(counts + b), OUT_W)
+    for k in range(count):
+        j, _best = _masked_argmax(tl.where(k == 0, first, near), free, offs, BLOCK_N)
+        tl.store(out + b * OUT_W + k, j.to(tl.int64))
+        free = free & (offs != j)
+        row = tl.load(D + b * N * N + j * N + offs, mask=inb, other=float("-inf"))
+        near = tl.minimum(near, row)
+
+
+@triton.jit
+def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    """One view of ``diversity.facility_location``: ``S [B, N, N]`` in [0, 1], ``cover [B, N]`` (updated in place),
+    ``avail [B, N]`` int8, fallback ``order [B, N]``, ``counts [B]``, ``out`` (-1)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    inb = offs < N
+    Sb = S + b * N * N
+    Cb = cover + b * N
+    free = tl.load(avail + b * N + offs, mask=inb, other=0) != 0
+    fb = tl.load(order + b * N + offs, mask=inb, other=float("-inf"))
+    count = tl.minimum(tl.load(counts + b), OUT_W)
+    for k in range(count):
+        gain = tl.zeros([BLOCK_N], dtype=tl.float32)  # column j: sum_i max(0, s_ij - cover_i)
+        for i0 in range(0, N, BLOCK_I):
+            rows = i0 + tl.arange(0, BLOCK_I)
+            live = rows < N
+            tile = tl.load(Sb + rows[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :], other=0.0)
+            c = tl.load(Cb + rows, mask=live, other=0.0)
+            gain += tl.sum(tl.maximum(tile - c[:, None], 0.0), axis=0)
+        j, best = _masked_argmax(gain, free, offs, BLOCK_N)
+        j_fb, _fb = _masked_argmax(fb, free, offs, BLOCK_N)
+        j = tl.where(best <= 0, j_fb, j)
+        tl.store(out + b * OUT_W + k, j.to(tl.int64))
+        free = free & (offs != j)
+        row = tl.load(Sb + j * N + offs, mask=inb, other=0.0)
+        tl.store(Cb + offs, tl.maximum(tl.load(Cb + offs, mask=inb, other=0.0), row), mask=inb)
+        tl.debug_barrier()  # cover is read back by rows at the next step
+
+
+def _blocks(N: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_S, num_warps)`` for N tokens per view."""
+    block_n = triton.next_power_of_2(max(N, 16))
+    return block_n, max(1, _TILE_ELEMENTS // block_n), 8 if block_n >= 1024 else 4
+
+
+def _picks(B: int, width: int, device) -> torch.Tensor:
+    return torch.full((B, width), -1, dtype=torch.long, device=device)
+
+
+def _flags(mask: torch.Tensor) -> torch.Tensor:
+    return mask.to(torch.int8).contiguous()
+
+
+def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, order: torch.Tensor,
+               first: torch.Tensor | None, anchor: torch.Tensor | None, width: int, gain_eps: float) -> torch.Tensor:
+    """``diversity.dpp_greedy`` in one launch: ``kernel [B, N, N]`` float32, ``available [B, N]`` bool, ``counts
+    [B]``, fallback ``order [B, N]`` float32, ``first [B]`` long (-1: argmax of the gains) or None, ``anchor [B, N]``
+    bool for the conditional DPP or None; ``width`` >= counts.max() (host-known). Returns picks ``[B, width]``."""
+    B, N, _ = kernel.shape
+    block_n, block_s, warps = _blocks(N)
+    rows = min(N, width + (N if anchor is not None else 0)) + 1  # kept Cholesky rows: distinct tokens, plus a spare
+    factor = kernel.new_empty(B, rows, N)
+    out = _picks(B, width, kernel.device)
+    anchor_flags = _flags(anchor) if anchor is not None else _flags(available)  # unread unless conditional
+    first_idx = first if first is not None else counts  # unread unless USE_FIRST
+    _dpp_kernel[(B,)](kernel.contiguous(), _flags(available), anchor_flags, order.float().contiguous(),
+                      first_idx.contiguous(), counts.to(torch.int32).contiguous(), factor, out, N, width, rows,
+                      GAIN_EPS=gain_eps, CONDITIONAL=anchor is not None, USE_FIRST=first is not None,
+                      BLOCK_N=block_n, BLOCK_S=block_s, num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
+def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, first_score: torch.Tensor,
+                   nearest: torch.Tensor, width: int) -> torch.Tensor:
+    """``diversity.farthest_point``'s loop in one launch: ``distance [B, N, N]``, the first pick's ``first_score``
+    and the initial ``nearest`` distances ``[B, N]``; ``width`` >= counts.max(). Returns picks ``[B, width]``."""
+    B, N, _ = distance.shape
+    block_n, _, warps = _blocks(N)
+    out = _picks(B, width, distance.device)
+    _fps_kernel[(B,)](distance.contiguous(), first_score.float().contiguous(), nearest.float().contiguous(),
+                      _flags(available), counts.to(torch.int32).contiguous(), out, N, width,
+                      BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
+def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, cover: torch.Tensor,
+                      order: torch.Tensor, width: int) -> torch.Tensor:
+    """``diversity.facility_location``'s loop in one launch: ``similarity [B, N, N]`` in [0, 1], the initial
+    ``cover [B, N]``, fallback ``order [B, N]``; ``width`` >= counts.max(). Returns picks ``[B, width]``."""
+    B, N, _ = similarity.shape
+    block_n, block_i, warps = _blocks(N)
+    out = _picks(B, width, similarity.device)
+    _fl_kernel[(B,)](similarity.contiguous(), cover.float().clone().contiguous(), _flags(available),
+                     order.float().contiguous(), counts.to(torch.int32).contiguous(), out, N, width,
+                     BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps, enable_fp_fusion=False)
+    return out

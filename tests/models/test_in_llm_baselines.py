@@ -1,0 +1,155 @@
+"""DART and PyramidDrop inside the LLM: pivots, stage counts and positions, worked by hand and against plain
+transformers forwards."""
+import copy
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from promprune.models import PrunedVLM
+from promprune.models.in_llm import (
+    dart_keep,
+    make,
+    pyramid_average,
+    pyramid_ratio_for_average,
+)
+from promprune.models.testing import tiny_vlm
+
+N_VISUAL = 36  # the tiny LLaVA's 6 x 6 grid
+
+
+def test_dart_pivots_and_least_similar_picks_by_hand():
+    # columns 0..7: 1-5 visual, 6-7 text after the image; states on the unit circle at the given angles (degrees)
+    angles = torch.tensor([0.0, 0, 10, 90, 100, 180, 85, 170])
+    hidden = torch.stack([torch.cos(torch.deg2rad(angles)), torch.sin(torch.deg2rad(angles))], dim=1)
+    keys = torch.tensor([0.0, 1, 5, 2, 3, 1, 4, 9])  # L1 key norms
+    cand, text = torch.arange(1, 6), torch.tensor([6, 7])
+    # image pivot: column 2 (norm 5); text pivot: column 7 (norm 9); pivots in column order: 2, then 7;
+    # 2 picks, one each: least similar to 2 (10 deg) among {1, 3, 4, 5} is 5 (180 deg); to 7 (170 deg) among
+    # {1, 3, 4}: 1 (0 deg)
+    assert dart_keep(keys, hidden, cand, text, 1, 1, 3).tolist() == [2, 5, 1]
+    # 4 kept: 3 picks, the first pivot takes the remainder: 2 -> {5, 4 (100 deg)}, 7 -> {1}
+    assert dart_keep(keys, hidden, cand, text, 1, 1, 4).tolist() == [2, 5, 4, 1]
+
+
+def _reference_dart(model, inputs, layer, n_img, n_txt, n_keep):
+    """DART's kept grid indices from a plain forward: keys of layer - 1 (k_proj + rotary of the unpruned sequence)
+    and the input of ``layer`` through the final norm; the pivot loop as the released code writes it (sets)."""
+    twin = copy.deepcopy(model)
+    keys = []
+    attn = twin.model.language_model.layers[layer - 1].self_attn
+    hook = attn.k_proj.register_forward_hook(lambda m, a, out: keys.append(out))
+    with torch.inference_mode():
+        out = twin(**inputs, output_hidden_states=True)
+    hook.remove()
+    L = inputs["input_ids"].shape[1]
+    k = keys[0].view(1, L, -1, attn.head_dim).transpose(1, 2)
+    cos, sin = twin.model.language_model.rotary_emb(k, torch.arange(L)[None])
+    _, k = apply_rotary_pos_emb(k, k, cos, sin)
+    norms = k[0].abs().sum(dim=(0, 2))  # [L]
+    states = twin.model.language_model.norm(out.hidden_states[layer][0])  # [L, D]
+    run = (inputs["input_ids"][0] == model.config.image_token_id).nonzero().flatten().tolist()
+    text = list(range(run[-1] + 1, L))
+    img = sorted(run, key=lambda c: -norms[c].item())[:n_img]
+    txt = sorted(text, key=lambda c: -norms[c].item())[:n_txt]
+    kept, left = set(img), [c for c in run if c not in img]
+    need, pivots = n_keep - n_img, sorted(img + txt)
+    for p, pivot in enumerate(pivots):
+        share = need // len(pivots) + (1 if p < need % len(pivots) else 0)
+        sims = {c: torch.nn.functional.cosine_similarity(states[c], states[pivot], dim=0).item() for c in left}
+        take = sorted(left, key=lambda c: sims[c])[:share]
+        kept |= set(take)
+        left = [c for c in left if c not in take]
+    return sorted(run.index(c) for c in kept)
+
+
+@pytest.mark.parametrize("budget", [6, 9])
+def test_dart_keeps_what_a_plain_forward_gives(budget, images, prompts):
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="dart", budget=budget, pivot_image=2, pivot_text=2)
+    got = vlm.generate(images[:1], prompts[:1], max_new_tokens=1)[0]
+    assert got.visual_tokens == budget
+    assert got.kept == _reference_dart(model, vlm.inputs(images[:1], prompts[:1]), 2, 2, 2, budget)
+
+
+def test_dart_released_count():
+    # max_num_trunction = budget: pivot_image + (pivot_image + pivot_text) * (budget // (pivot_image + pivot_text))
+    model, _ = tiny_vlm("llava")
+    ids = torch.full((1, 50), 5)
+    ids[0, 3:3 + N_VISUAL] = model.config.image_token_id
+    pruner = make("dart", model, ids, 13, {"budget_semantics": "released", "pivot_image": 2, "pivot_text": 2})
+    assert pruner.stages[0].targets == [2 + 4 * 3]  # 14 tokens for a budget of 13 (132 for 128 on LLaVA-1.5)
+    assert make("dart", model, ids, 13, {}).stages[0].targets == [13]
+
+
+def test_pyramiddrop_stage_counts_by_hand():
+    model, _ = tiny_vlm("llava")  # 4 layers: the released 8, 16, 24 of 32 become 1, 2, 3
+    ids = torch.full((1, 50), 5)
+    ids[0, 3:3 + N_VISUAL] = model.config.image_token_id
+    exact = make("pyramiddrop", model, ids, 5, {})
+    assert [s.layer for s in exact.stages] == [1, 2, 3]
+    assert [s.targets[0] for s in exact.stages] == [20, 10, 5]  # 5 / 0.5^2, 5 / 0.5, 5
+    assert [s.targets[0] for s in make("pyramiddrop", model, ids, 12, {}).stages] == [36, 24, 12]  # capped at N
+    # released: int(N lambda^s), lambda set so that the layer average is the budget
+    assert pyramid_average(576, 0.5, [8, 16, 24], 32) == (576 + 288 + 144 + 72) / 4 == 270
+    lam = pyramid_ratio_for_average(576, 270, [8, 16, 24], 32)  # the largest lambda giving these counts
+    assert [int(576 * lam ** s) for s in (1, 2, 3)] == [288, 144, 72]
+    released = make("pyramiddrop", model, ids, 18, {"budget_semantics": "released"})
+    counts = [s.targets[0] for s in released.stages]
+    assert (N_VISUAL + sum(counts)) / 4 <= 18 and counts == sorted(counts, reverse=True)
+    with pytest.raises(ValueError, match="at least 9"):
+        make("pyramiddrop", model, ids, 8, {"budget_semantics": "released"})
+
+
+def test_pyramiddrop_ranks_by_the_last_tokens_attention_with_the_next_layers_projections(images, prompts):
+    """Stage 1 (before layer 1) keeps the top 20 by layer 1's own attention of the last token (head mean): the
+    unpruned eager forward's ``attentions[1]``."""
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="pyramiddrop", budget=5)
+    prep = vlm.prepare(images[:1], prompts[:1])
+    with torch.inference_mode(), vlm.pruning(prep) as pruner:
+        vlm.model(**prep.model_kwargs)
+    keep, alive, _ = pruner.layer_cols[1]
+    ids = prep.model_kwargs["input_ids"][0]
+    run = (ids == model.config.image_token_id).nonzero().flatten()
+    kept = sorted(run.tolist().index(c) for c in keep[0][alive[0]].tolist() if c in run.tolist())
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    with torch.inference_mode():
+        att = twin(**vlm.inputs(images[:1], prompts[:1]), output_attentions=True).attentions[1]
+    scores = att[0, :, -1, run].mean(0)
+    assert kept == sorted(scores.topk(20).indices.tolist())
+
+
+@pytest.mark.parametrize("positions", ["released", "original"])
+def test_pyramiddrop_positions(positions, images, prompts):
+    """Released: the kept sequence is renumbered 0..L_l - 1 at every layer and decoding continues from L_l;
+    original: kept tokens keep their prompt positions (FastV's rule)."""
+    model, processor = tiny_vlm("llava")
+    layers = model.model.language_model.layers
+    rope = model.model.language_model.rotary_emb
+    seen = {}
+
+    def recorder(i):
+        def hook(module, args, kwargs):
+            seen.setdefault(i, []).append((kwargs["hidden_states"].shape[1], kwargs["position_embeddings"][0]))
+        return hook
+
+    hooks = [layers[i].self_attn.register_forward_pre_hook(recorder(i), with_kwargs=True) for i in range(4)]
+    try:
+        PrunedVLM(model, processor, method="pyramiddrop", budget=5, positions=positions).generate(
+            images[:1], prompts[:1], max_new_tokens=3)
+    finally:
+        for h in hooks:
+            h.remove()
+    full = seen[0][0][0]
+    for i in range(4):
+        length, cos = seen[i][0]
+        assert length == full - N_VISUAL + [36, 20, 10, 5][i]
+        if positions == "released":
+            want = rope(cos, torch.arange(length)[None])[0]
+            torch.testing.assert_close(cos, want)
+            for step, (_, cos_step) in enumerate(seen[i][1:]):  # decoding: position L_i + step
+                torch.testing.assert_close(cos_step, rope(cos, torch.tensor([[length + step]]))[0])
+        elif i > 0:
+            assert not torch.allclose(cos, rope(cos, torch.arange(length)[None])[0])

@@ -1,0 +1,98 @@
+"""LLaVA-OneVision (images): hook saliency == eager attention, the anyres-max resized crop grid, budget modes.
+
+References come from plain transformers (an eager twin of the SigLIP tower) and from torch's own bilinear
+interpolation of the stitched crop grid, not from the adapter's layout code.
+"""
+import copy
+
+import pytest
+import torch
+
+from promprune.models import PrunedVLM
+from promprune.models.selecting import split_budget
+from promprune.models.testing import tiny_vlm
+
+from .conftest import make_image
+
+SIDE, N = 4, 16  # tiny: 32 px views of 8 px patches
+
+
+def eager_saliency(model, pixel_values):
+    """``[V, N]``: mean attention each patch receives at the last SigLIP layer (the one the projector reads), from an
+    eager twin's attention weights (heads and queries averaged)."""
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    with torch.inference_mode():
+        out = twin.model.vision_tower(pixel_values, output_attentions=True)
+    return out.attentions[-1].mean(dim=(1, 2))
+
+
+def encoded(images, prompts):
+    model, processor = tiny_vlm("llava_onevision")
+    vlm = PrunedVLM(model, processor, method="saliency_only", budget=4)
+    batch = vlm.inputs(images, prompts)
+    return model, batch, vlm.adapter.encode(batch, need_saliency=True)
+
+
+def stitched(sal, rows, cols):
+    """The crop views' ``[1 + rows * cols, SIDE, SIDE]`` saliency laid out as the crop grid ``[rows * SIDE, ...]``."""
+    return torch.cat([torch.cat(list(sal[1 + r * cols:1 + (r + 1) * cols]), dim=1) for r in range(rows)], dim=0)
+
+
+def bilinear(grid, size):
+    return torch.nn.functional.interpolate(grid[None, None].double(), size, mode="bilinear")[0, 0].flatten().float()
+
+
+def test_received_attention_matches_eager(images, prompts):
+    """The portrait image (2x1 crops, an 8x4 grid: neither unpadded nor resized) matches the eager saliency token for
+    token; the landscape one (2x2 crops, 8x8, unpadded to rows 1..6 by hand: 40 / 56 x 8 = 5.7 -> 5 rows, 1 of
+    padding each side; 48 tokens > 2 x 16 x 1.21, so resized to 4x6) matches on its base view and as torch's
+    bilinear resize on its crops."""
+    model, batch, items = encoded(images, prompts)
+    assert model.config.vision_config._attn_implementation == "sdpa"  # the hook did not force eager
+    portrait, landscape = items[1], items[0]
+    ref = eager_saliency(model, batch["pixel_values"][1, :3]).flatten()  # [3 * 16], view-major
+    assert portrait.features.shape[0] == 48 and int(portrait.newline.sum()) == 8
+    torch.testing.assert_close(portrait.saliency, ref[portrait.grid_index], atol=1e-6, rtol=1e-5)
+    sal = eager_saliency(model, batch["pixel_values"][0, :5]).view(5, SIDE, SIDE)
+    assert landscape.features.shape[0] == 16 + 24 and int(landscape.newline.sum()) == 4
+    torch.testing.assert_close(landscape.saliency[:16], sal[0].flatten(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(landscape.saliency[16:], bilinear(stitched(sal, 2, 2)[1:7], [4, 6]), atol=1e-6,
+                               rtol=1e-5)
+
+
+def test_anyres_max_resizes_the_crop_grid():
+    """A square 64 px image: base view + 2x2 crops (an 8x8 grid, no padding) above anyres_max_2's limit, so the model
+    resizes the grid to 5x5 (+ 5 newlines): the candidates carry torch's bilinear resize of the stitched saliency,
+    and each its nearest source patch's view."""
+    model, batch, items = encoded([make_image(64, 64, 2)], ["q"])
+    item = items[0]
+    assert item.run.shape[0] == 16 + 25 + 5 and item.features.shape[0] == 16 + 25
+    sal = eager_saliency(model, batch["pixel_values"][0, :5]).view(5, SIDE, SIDE)
+    torch.testing.assert_close(item.saliency[:16], sal[0].flatten(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(item.saliency[16:], bilinear(stitched(sal, 2, 2), [5, 5]), atol=1e-6, rtol=1e-5)
+    # resized token (i, j) samples the 8x8 grid at ((i + 0.5) * 8 / 5 - 0.5, ...): its view is that point's crop
+    src = ((torch.arange(5) + 0.5) * 8 / 5 - 0.5).round().long()
+    views = 1 + (src[:, None] // SIDE) * 2 + src[None, :] // SIDE
+    assert item.groups[16:].tolist() == views.flatten().tolist()
+    assert item.grid_index.unique().numel() == 41
+
+
+@pytest.mark.parametrize("mode", ["per_crop", "global", "adaptive_views", "view_quota"])
+def test_budget_modes(mode, images, prompts):
+    model, processor = tiny_vlm("llava_onevision")
+    budget = 9
+    vlm = PrunedVLM(model, processor, method="saliency_only", budget=budget, budget_mode=mode)
+    prep = vlm.prepare(images, prompts)
+    for b, item in enumerate(prep.items):
+        kept = torch.tensor(prep.stats[b]["kept"])
+        views = int(item.groups.max()) + 1
+        per_view = torch.bincount(kept // N, minlength=views).tolist()
+        counts = [int((item.groups == v).sum()) for v in range(views)]
+        if mode == "per_crop":
+            assert per_view == split_budget(budget, counts)
+        elif mode == "global":  # one top-k over every view's candidates
+            assert sorted(kept.tolist()) == sorted(item.grid_index[item.saliency.topk(budget).indices].tolist())
+        elif mode == "view_quota":  # budget // (1 + 4 crops) = 1 per view
+            assert per_view == [1] * views
+        assert prep.stats[b]["visual_tokens"] == (views if mode == "view_quota" else budget)

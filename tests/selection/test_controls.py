@@ -1,0 +1,57 @@
+"""The downsampling control: the token grid average-pooled to exactly the budget, worked by hand."""
+import pytest
+import torch
+
+import promprune
+from promprune.selection.controls import pooled_cells
+
+
+def grid_tokens(rows, cols):
+    """Token t = (t, 10 t): easy means by hand. ``[1, rows * cols, 2]``."""
+    t = torch.arange(rows * cols, dtype=torch.float32)
+    return torch.stack([t, 10 * t], dim=-1)[None]
+
+
+def test_square_grid_pools_blocks_and_feeds_each_block_at_its_centre():
+    # 4 x 4 grid, budget 4 -> 2 x 2 cells of 2 x 2 tokens: {0,1,4,5}, {2,3,6,7}, {8,9,12,13}, {10,11,14,15}
+    sel = promprune.select(grid_tokens(4, 4), budget=4, method="downsample")
+    assert sel.indices.tolist() == [[0, 2, 8, 10]]  # each bin's centre token (upper-left of the middle)
+    assert sel.features[0, :, 0].tolist() == [2.5, 4.5, 10.5, 12.5]
+    assert sel.features[0, :, 1].tolist() == [25.0, 45.0, 105.0, 125.0]
+    assert sel.saliency_count.tolist() == [0] and not sel.salient.any()
+
+
+def test_budget_without_a_regular_grid_gives_rows_of_unequal_cells():
+    # 4 x 4, budget 5: h = round(sqrt(5)) = 2 row bands of 2 and 3 cells
+    assert pooled_cells(4, 4, 5) == [(0, 2, 0, 2), (0, 2, 2, 4), (2, 4, 0, 2), (2, 4, 1, 3), (2, 4, 2, 4)]
+    sel = promprune.select(grid_tokens(4, 4), budget=5, method="downsample")
+    # second band: columns [0, 2), [1, 3) (adaptive-pooling bins overlap by one), [2, 4) of rows 2-3
+    assert sel.features[0, :, 0].tolist() == [2.5, 4.5, 10.5, 11.5, 12.5]
+    assert sel.indices.tolist() == [[0, 2, 8, 9, 10]]
+
+
+def test_grid_shape_is_given_or_the_most_square_one():
+    x = grid_tokens(2, 6)  # 12 tokens: default grid 3 x 4, given grid 2 x 6
+    assert pooled_cells(2, 6, 3) == [(0, 2, 0, 2), (0, 2, 2, 4), (0, 2, 4, 6)]  # one band of three 2 x 2 cells
+    given = promprune.select(x, budget=3, method="downsample", grid=(2, 6))
+    assert given.features[0, :, 0].tolist() == [3.5, 5.5, 7.5]
+    default = promprune.select(x, budget=3, method="downsample")  # 3 x 4 -> h = round(sqrt(2.25)) = 2 bands
+    assert default.indices.shape == (1, 3)
+    with pytest.raises(ValueError, match="rows \\* cols = N = 12"):
+        promprune.select(x, budget=3, method="downsample", grid=(5, 3))
+
+
+@pytest.mark.parametrize("rows,cols", [(24, 24), (36, 36), (17, 23), (1, 9)])
+@pytest.mark.parametrize("budget", [1, 7, 64, 128, 192])
+def test_every_budget_is_met_exactly_with_disjoint_rows(rows, cols, budget):
+    budget = min(budget, rows * cols)
+    cells = pooled_cells(rows, cols, budget)
+    assert len(cells) == budget
+    assert all(r1 > r0 and c1 > c0 for r0, r1, c0, c1 in cells)
+    sel = promprune.select(torch.randn(1, rows * cols, 3), budget=budget, method="downsample", grid=(rows, cols))
+    assert len(set(sel.indices[0].tolist())) == budget
+
+
+def test_regular_grid_when_the_budget_allows():
+    assert len({(r0, r1) for r0, r1, _, _ in pooled_cells(24, 24, 64)}) == 8  # 8 x 8
+    assert len({(r0, r1) for r0, r1, _, _ in pooled_cells(24, 24, 144)}) == 12  # 12 x 12

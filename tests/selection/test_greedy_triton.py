@@ -1,0 +1,91 @@
+"""The Triton greedy kernels (``greedy_triton``) select exactly what the torch loops of ``diversity`` select.
+
+On the CPU they run under Triton's interpreter (``TRITON_INTERPRET=1``, set in a subprocess: it must be set before
+Triton is imported, and must not leak into other tests); on a GPU, compiled, against the CPU reference
+(``-k cuda``). The corpus and its reasons live in ``triton_cases.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.selection import triton_cases
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = sorted(triton_cases.cases())
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (it ships with the CUDA builds of torch)")
+
+
+def _check(name: str, result: dict) -> None:
+    got, want = torch.tensor(result["got"]), torch.tensor(result["want"])
+    if name in triton_cases.NOISY:  # decided by rounding noise: a valid selection of the same size
+        assert torch.equal(got == -1, want == -1), name
+        for row in got:
+            kept = row[row >= 0]
+            assert kept.unique().numel() == kept.numel(), f"{name}: a token picked twice: {row.tolist()}"
+        return
+    assert result["match"], f"{name}: kernel {result['got']} != reference {result['want']}"
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_cases.py"))], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, f"triton_cases.py under TRITON_INTERPRET=1 failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", NAMES)
+def test_interpreted_kernel_matches_reference(interpreted, name):
+    _check(name, interpreted[name])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_kernel_matches_reference(name):
+    got, want = triton_cases.cases()[name]("cuda")
+    _check(name, {"match": bool(torch.equal(got, want)), "got": got.tolist(), "want": want.tolist()})
+
+
+def _kernels():
+    """Each kernel specialization ``select`` can launch: (kernel, signature, constexprs)."""
+    from promprune.selection import greedy_triton as g
+
+    dpp = {"K": "*fp32", "avail": "*i8", "anchor": "*i8", "order": "*fp32", "first": "*i64", "counts": "*i32",
+           "F": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32", "S_ROWS": "i32"}
+    fps = {"D": "*fp32", "first_score": "*fp32", "nearest": "*fp32", "avail": "*i8", "counts": "*i32",
+           "out": "*i64", "N": "i32", "OUT_W": "i32"}
+    fl = {"S": "*fp32", "cover": "*fp32", "avail": "*i8", "order": "*fp32", "counts": "*i32", "out": "*i64",
+          "N": "i32", "OUT_W": "i32"}
+    out = []
+    for conditional, first in ((False, True), (True, False), (False, False)):
+        consts = {"GAIN_EPS": 1e-6, "CONDITIONAL": conditional, "USE_FIRST": first, "BLOCK_N": 1024, "BLOCK_S": 16}
+        out.append((g._dpp_kernel, dpp, consts))
+    out.append((g._fps_kernel, fps, {"BLOCK_N": 2048}))
+    out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
+    return out
+
+
+@needs_triton
+def test_kernels_compile_for_an_h100_without_one():
+    """The interpreter is lenient about types; the compiler (Triton's bundled ptxas, sm_90) is not."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for fn, signature, consts in _kernels():
+        source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 8, "enable_fp_fusion": False})
+        assert "cubin" in compiled.asm, fn.__name__
