@@ -160,10 +160,10 @@ stage() {
     library)  # the whole library suite (CPU and CUDA tests) on the device's torch / transformers
       env_line; python3 -m pytest -q -p no:cacheprovider tests/models tests/selection tests/test_efficiency.py \
           tests/test_architecture.py ;;
-    selection)
-      env_line
-      for dt in float32 float16; do for b in 1 8; do
-        python3 benchmarks/selection.py --device cuda --dtype $dt --batch $b --repeats 9; echo; done; done ;;
+    selection)  # issue 22's measurements; nvmath-python (batch 1) gives the batched cuSOLVER eigensolve
+      env_line; python3 -c "from promprune.selection import eigensolve; print('nvmath:', eigensolve.load_nvmath())"
+      for dt in float16 float32; do
+        python3 benchmarks/selection.py --device cuda --dtype $dt --batch 1 8 --repeats 9; echo; done ;;
     speed)
       env_line; python3 -m benchmarks.spectrum --device cuda
       python3 - <<'PY'
@@ -181,8 +181,8 @@ for method in ("divprune", "promprune"):
     print(f"### {method}, llava-1.5 shape, fp16, T=64")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=40))
 PY
-      for dt in float16 float32; do for b in 1 8; do
-        python3 benchmarks/selection.py --device cuda --dtype $dt --batch $b --repeats 9; echo; done; done ;;
+      for dt in float16 float32; do
+        python3 benchmarks/selection.py --device cuda --dtype $dt --batch 1 8 --repeats 9; echo; done ;;
     table6)
       env_line; python3 benchmarks/efficiency.py --model shape:llava_next_7b --dtype float16 --device cuda \
           --budgets none,320 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8 ;;
