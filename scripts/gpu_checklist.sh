@@ -18,7 +18,8 @@
 #       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23, nvmath-python), Ray
 #          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~112 MiB in all)
 #   mkdir -p .testbed && cp -r "${PROMPRUNE_CACHE:-$HOME/.cache/promprune}/testbed-llava-v1" .testbed/
-#       -> the trained quickstart model (~1 MB; without it the sweep stage trains it there on one CPU thread)
+#       -> the trained quickstart model (2.3 MB; without it the sweep stage first trains it there, on one CPU
+#          thread: 12-14 min on the 2-core machine)
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
 #   2. carry [".whl2", ".testbed"]  bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
@@ -29,8 +30,8 @@
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
 # this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2", ".testbed"] `--install-batch 2 ...`.
 # At most 8 files come back per call: call 2 writes 7 (install, sweep and table6-pipeline logs, their GPU-utilization
-# CSVs and reports). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S (60) left is skipped
-# with a note, and a running stage is stopped at the budget, so its log still comes back.
+# CSVs and reports). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S
+# (60) left is skipped with a note, and a running stage is stopped at the budget, so its log still comes back.
 set -uo pipefail
 OUT="${OUT:-gpu-logs}"; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"; cd "$ROOT"
