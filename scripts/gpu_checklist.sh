@@ -138,7 +138,8 @@ PY
 run_stage() {
   local stage="$1" left=$((CALL_BUDGET_S - (SECONDS - START)))
   if [ "$left" -lt "$STAGE_MIN_S" ]; then
-    echo "SKIPPED $stage: ${left}s left of this call's ${CALL_BUDGET_S}s; run it in the next call" | tee -a "$OUT/skipped.log"
+    echo "SKIPPED $stage: ${left}s left of this call's ${CALL_BUDGET_S}s; run it in the next call" \
+      | tee -a "$OUT/skipped.log"
     return 0
   fi
   echo "=== $stage (${left}s left in this call)"
