@@ -20,6 +20,10 @@ scoring (`--shell arithmetic` only computes it, charging `--startup-s` per proce
 scheduling are real for both while the work is scaled down, and up to 8 simulated GPU nodes share this machine's
 cores, so the measured efficiency is a lower bound of a real cluster's. Last line: `efficiency <value> at <max>
 GPUs`.
+
+`--timeline PATH` (.csv or .json) records every process's events (trial start/end, actor start/ready, first request,
+last answer: `pipelines/timeline.py`) and prints where each run's time went; `--smoke` is a seconds-long check of
+this script (2 GPUs, 4 samples per task, a few ms per sample, the shell loop computed).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
+
+from pipelines import timeline
 
 METHODS = ["promprune", "fastv", "sparsevlm", "visionzip", "vispruner", "divprune"]
 BUDGETS = [128, 64, 32]
@@ -83,11 +89,17 @@ def table1_spec(samples_per_task: int, batch_size: int):
         "tune": {"max_failures": 0}})
 
 
-def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int, workdir: Path) -> dict:
+def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int, workdir: Path,
+                 timeline_dir: Path | None = None) -> dict:
     import functools
 
     from pipelines import sweep
 
+    env = sweep.worker_env()
+    if timeline_dir is not None:  # before the nodes start, so that their processes inherit it too
+        timeline_dir.mkdir(parents=True)
+        os.environ[timeline.ENV] = str(timeline_dir)
+        env["env_vars"][timeline.ENV] = str(timeline_dir)
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 2, "num_gpus": 0, "object_store_memory": 200 * 2**20})
     for _ in range(gpus):
@@ -96,7 +108,7 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     counter = workdir / f"loads-{gpus}"
     counter.mkdir()
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{workdir / 'mlflow.db'}"
-    ray.init(address=cluster.address, runtime_env=sweep.worker_env(), log_to_driver=False)
+    ray.init(address=cluster.address, runtime_env=env, log_to_driver=False)
     try:
         spec = table1_spec(samples_per_task, batch_size)
         spec.model = stand_in_source(costs, str(counter))
@@ -109,6 +121,7 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     finally:
         ray.shutdown()
         cluster.shutdown()
+        os.environ.pop(timeline.ENV, None)
     n_trials = len(outcome.records)
     n_rows = len(rows.keys)
     work = n_trials * n_rows * costs.sample_s
@@ -237,7 +250,13 @@ def main() -> None:
                     help="arithmetic shell loop: process start + data load (scaled)")
     ap.add_argument("--shell", choices=["measured", "arithmetic"], default="measured",
                     help="run the shell loop's lmms-eval processes on this machine (default), or only compute it")
+    ap.add_argument("--timeline", metavar="PATH", help="write every run's events here (.csv or .json) and print "
+                    "where the time went")
+    ap.add_argument("--smoke", action="store_true", help="a quick check of this script: 2 GPUs, 4 samples per task, "
+                    "0.02 s per sample, 0.1 s per load, the shell loop computed")
     args = ap.parse_args()
+    if args.smoke:
+        args.gpus, args.samples_per_task, args.sample_s, args.load_s, args.shell = [2], 4, 0.02, 0.1, "arithmetic"
     costs = Costs(args.load_s, args.sample_s)
     print(f"Table-1-shaped sweep: {len(METHODS) * len(BUDGETS) + 1} trials x "
           f"{len(TASKS) * args.samples_per_task} samples; "
@@ -249,10 +268,15 @@ def main() -> None:
     print("| GPUs | actors per trial | pipeline wall s | ideal s | efficiency | model loads | rows built | "
           "shell-loop wall s | shell-loop efficiency | shell-loop loads |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    last = None
+    last, events, where = None, [], []
     with tempfile.TemporaryDirectory(prefix="sweep-scaling-") as tmp:
         for gpus in args.gpus:
-            r = run_pipeline(gpus, costs, args.samples_per_task, args.batch_size, Path(tmp))
+            folder = Path(tmp, f"timeline-{gpus}") if args.timeline else None
+            r = run_pipeline(gpus, costs, args.samples_per_task, args.batch_size, Path(tmp), folder)
+            if folder is not None:
+                run = [{"run": gpus, **e} for e in timeline.read(folder)]
+                events += run
+                where += [f"{gpus} GPU(s): " + line for line in timeline.summary(run)]
             if args.shell == "measured":
                 s = shell_loop_measured(gpus, args.samples_per_task, args.batch_size, costs, Path(tmp))
             else:
@@ -265,6 +289,9 @@ def main() -> None:
             if gpus == min(args.gpus):  # per wave of trials, beyond their samples
                 plan_waves = math.ceil(r["trials"] / max(1, gpus // r["workers"]))
                 overhead = (r["wall"] - r["trials"] * r["rows"] * costs.sample_s / gpus) / plan_waves
+    if args.timeline:
+        timeline.write(events, args.timeline)
+        print("\n" + "\n".join(where) + f"\n({len(events)} events in {args.timeline})")
     print(f"\nmeasured per-trial overhead of the pipeline here (trial start, actor pool start, scoring, MLflow): "
           f"{overhead:.1f} s\n")
     print(f"Table 1 at full size ({sum(TABLE1_SAMPLES.values())} samples per trial, {A100_SAMPLE_S} s each on an "

@@ -38,7 +38,7 @@ import ray
 
 from promprune.records import Prediction, Request, arrow_schema, from_arrow, to_arrow
 
-from pipelines import tracking
+from pipelines import timeline, tracking
 from pipelines.config import Resources
 from pipelines.console import say
 from pipelines.weights import ModelSource
@@ -235,7 +235,12 @@ class PooledPredictor(VLMPredictor):
     `PrunedVLM` for them (pruning never changes the weights, so the same tensors serve all trials)."""
 
     def __init__(self, source: ModelSource, batch_size: int, run_fn: Callable | None = None):
+        if timeline.enabled():
+            timeline.tag(node=ray.get_runtime_context().get_node_id()[:8])
+            timeline.mark("actor_process", "actor", t=timeline.process_started())
+            timeline.mark("actor_init", "actor")
         super().__init__(source, None, None, {}, batch_size, run_fn)
+        timeline.mark("actor_ready", "actor")
         self.base = self.vlm
         self.wrapped: dict[str, Any] = {}  # (method, budget, options) -> PrunedVLM around self.base's model
 
@@ -255,7 +260,11 @@ class PooledPredictor(VLMPredictor):
                 self.base.model, self.base.processor, method=method, budget=budget,
                 **{**self.base.adapter.options, **options})
         self.vlm = self.wrapped[key]
-        return self(batch)
+        call = f"{method}/{budget}"
+        timeline.mark("predict_start", "actor", call=call, rows=batch.num_rows)
+        out = self(batch)
+        timeline.mark("predict_end", "actor", call=call, rows=batch.num_rows)
+        return out
 
 
 @dataclass
@@ -332,16 +341,21 @@ class PredictorPool:
         unfinished blocks go to the other actors at once (its calls are not retried on it), and it takes work again
         when its restart answers (Ray restarts it where resources allow).
         With no actor left for `actor_wait_s`, this fails instead of hanging."""
+        import random
         from collections import deque
 
         pending, queued = deque(blocks), [0] * len(self.actors)
+        # ties (actors equally loaded by this call) go round from a random actor: the trials run in separate
+        # processes and each counts only its own calls, so breaking ties by index sent every trial's first block to
+        # actor 0 (a trial of one block never reached the others)
+        first = random.randrange(len(self.actors))
         alive = self.loaded()  # the others are still loading: their `ready` refs are probed like a restart's
         running: dict = {}  # output ref -> (actor index, input block)
         probes: dict = {ref: i for i, ref in enumerate(self.ready_refs) if i not in alive}
         tables: list = []
         while pending or running:
             while pending and alive:
-                i = min(alive, key=queued.__getitem__)
+                i = min(alive, key=lambda j: (queued[j], (j - first) % len(self.actors)))
                 if queued[i] >= self.IN_FLIGHT_PER_ACTOR:
                     break
                 block = pending.popleft()
@@ -422,7 +436,9 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
         pool = PredictorPool.start(cfg.model, cfg.resources.actors, cfg.resources, on_gpu=cluster_gpus() > 0,
                                    run_fn=run_fn)
     try:
+        timeline.mark("first_request", "trial")
         tables = pool.map(cfg, rows.blocks)
+        timeline.mark("last_answer", "trial")
     finally:
         if own:
             pool.shutdown()
@@ -458,6 +474,7 @@ def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, r
     if score_fn is None:
         from promprune.eval import score as score_fn
     scores = score_fn(preds, bootstrap=cfg.bootstrap) if cfg.bootstrap else score_fn(preds)
+    timeline.mark("trial_scored", "trial")
     return EvalResult(predictions=preds, scores=scores, metrics=summarize(preds, scores))
 
 

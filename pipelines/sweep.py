@@ -52,7 +52,7 @@ from promprune.records import Request
 from pipelines import calibration, preflight, schema
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
-from pipelines import tracking
+from pipelines import timeline, tracking
 from pipelines.schema import REL
 from pipelines.evaluate import (  # noqa: F401 - worker_env: re-exported for tests and scripts
     QUIET_ENV, EvalConfig, PredictorPool, RayUnreachable, Requests, build_requests_dataset, connect, evaluate,
@@ -142,6 +142,8 @@ def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict],
     if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
         rows = rows.only(trial.tasks) if isinstance(rows, Requests) else [r for r in rows if r.task in trial.tasks]
     started = time.time()
+    timeline.tag(trial=trial.trial_id)
+    timeline.mark("trial_begin", "trial")
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
     result = evaluate(cfg, rows, run_fn=run_fn, pool=pool)
     with tempfile.TemporaryDirectory() as d:
@@ -149,6 +151,8 @@ def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict],
         (Path(d) / schema.SCORES_ARTIFACT).write_text(json.dumps(result.scores, default=float))
         metrics = {**result.metrics, "trial/started_at": started, "trial/wall_s": time.time() - started}
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+    timeline.mark("trial_reported", "trial")
+    timeline.tag(trial=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,12 +173,14 @@ class RecorderHook(tune.Callback):
         self.parent_id = parent_id
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
+        timeline.mark("trial_start", "driver", trial=trial.config["trial"]["trial_id"])
         say(f"[start] {trial.config['trial']['trial_id']}")
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
         if recorder is not None:
             recorder.record(trial.config["trial"], trial.last_result, trial.checkpoint)
+        timeline.mark("trial_recorded", "driver", trial=trial.config["trial"]["trial_id"])
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
@@ -480,6 +486,16 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     `command`: the spec file and --set overrides the sweep was started with (what the printed resume command
     repeats). A resumed sweep must resolve to exactly the spec it started with (SpecError otherwise)."""
     began = time.time()  # the parent run spans the whole sweep, setup (rows, weights, first-use training) included
+    timeline.mark("sweep_begin", "driver", t=began)
+    try:
+        return _run_sweep(spec, began, resume=resume, run_fn=run_fn, regression_threshold=regression_threshold,
+                          rows=rows, command=command)
+    finally:
+        timeline.mark("sweep_end", "driver")
+
+
+def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regression_threshold, rows,
+               command) -> SweepOutcome:
     storage = storage_root(spec)
     state = None
     if resume is not None:  # before any expensive work: a changed spec is refused at once
@@ -495,11 +511,13 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
                                                                 spec.resources.batch_size)
     n_rows = len(rows.keys) if isinstance(rows, Requests) else len(rows)
     say(f"{n_rows} request rows built once for all trials ({time.perf_counter() - t0:.1f}s)")
+    timeline.mark("rows_built", "driver")
     source = spec.model
     if spec.resources.share_weights:
         t0 = time.perf_counter()
         source = share(source, on_gpu=plan.cluster_gpus > 0)
         say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
+        timeline.mark("weights_published", "driver")
     client = tracking.client()
     for experiment in mark_dead_runs(client, storage, spec.name):
         say(f"note: the earlier run {experiment} of this sweep died without finishing; its MLflow parent run is "
@@ -525,8 +543,10 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
     pool = None
     try:
         t0 = time.perf_counter()  # after calibration, whose task needs a GPU the actors would hold
+        timeline.mark("pool_start", "driver")
         pool = PredictorPool.start(source, plan.actors, spec.resources, on_gpu=plan.cluster_gpus > 0, run_fn=run_fn)
         waited = time.perf_counter() - t0
+        timeline.mark("pool_first_ready", "driver")
         say(f"1 actor loaded the model once for all trials ({waited:.1f}s)" if plan.actors == 1 else
             f"{plan.actors} actors load the model once for all trials: the first was ready after {waited:.1f}s; "
             "trials start now and the others join as they finish loading")
@@ -534,7 +554,9 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | None = None, run_fn: Calla
         tuner = _tuner(trainable, spec, trials, plan, state, recorder, resume=resume is not None)
         with progress(len(trials), spec.name) as bar:
             recorder.bar = bar
+            timeline.mark("tune_start", "driver")
             grid = tuner.fit()
+            timeline.mark("tune_end", "driver")
         try:
             _reconcile(recorder, grid, trials)
         except SweepInterrupted as e:

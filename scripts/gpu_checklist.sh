@@ -1,36 +1,174 @@
 #!/usr/bin/env bash
-# The GPU checklist (../shared/GPU_CHECKLIST.md) on a lent GPU machine, one stage per call:
-#   bash scripts/gpu_checklist.sh parity|selection|speed|table6|shapes
-# Logs go to $OUT (or ./gpu-logs). The machine has torch but no network: wheels the project needs beyond its
-# image (transformers >= 5.23) travel in .whl/ and install into /tmp/site.
+# The GPU checklist (../shared/GPU_CHECKLIST.md) and issue 23's pipeline runs on a lent GPU machine: one command per
+# device call, each stage's log tee'd into $OUT (or ./gpu-logs), so logs come back even when a call hits its limit.
+#
+#   bash scripts/gpu_checklist.sh [--install-batch N]... STAGE...
+#
+# Stages: install (every .whlN here) | parity | library | selection | speed | table6 | shapes | deps | sweep |
+#         table6-pipeline | scaling | plan.   --install-batch N installs .whlN only (one batch travels per call).
+#
+# The machine (Python 3.12, torch 2.11 CUDA 13, transformers 5.17) has no network and no Ray, MLflow or lmms-eval;
+# a call sends at most 64 MiB, runs at most 10 min (2,000-character command), 30 device-minutes in all, and the
+# machine is given back 30 s after a call (then everything installed is gone): send the calls back to back.
+# Batch N installs into .site/whlN of the working tree (git-ignored), which stays while the machine is kept; a
+# stage that needs a batch not installed says so and which call to repeat.
+#
+# PLAN. Here first (PyPI reachable; minutes):
+#   python scripts/device_wheels.py build && python scripts/device_wheels.py check
+#       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23, nvmath-python), Ray
+#          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~112 MiB in all)
+#   mkdir -p .testbed && cp -r "${PROMPRUNE_CACHE:-$HOME/.cache/promprune}/testbed-llava-v1" .testbed/
+#       -> the trained quickstart model (2.3 MB; without it the sweep stage first trains it there, on one CPU
+#          thread: 12-14 min on the 2-core machine)
+# Then three device calls, back to back (each line: run's carry, then its command):
+#   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
+#   2. carry [".whl2", ".testbed"]  bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
+#      (installing the last batch checks every requirement against the versions there: install.log)
+#   3. carry []                     bash scripts/gpu_checklist.sh scaling                                      ~7 min
+#      (SCALING_GPUS="4 8" by default; the 1-GPU point, ~6 min more, in a 4th call if time is left:
+#       SCALING_GPUS=1 SCALING_SHELL=arithmetic bash scripts/gpu_checklist.sh scaling)
+# A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
+# this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2", ".testbed"] `--install-batch 2 ...`.
+# At most 8 files come back per call: call 2 writes 7 (install, sweep and table6-pipeline logs, their GPU-utilization
+# CSVs and reports). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S
+# (60) left is skipped with a note, and a running stage is stopped at the budget, so its log still comes back.
 set -uo pipefail
 OUT="${OUT:-gpu-logs}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ -d .whl ] && [ ! -d /tmp/site/transformers ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH="/tmp/site:$PWD"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"; cd "$ROOT"
+SITE="$ROOT/.site"
+START=$SECONDS
+CALL_BUDGET_S="${CALL_BUDGET_S:-570}"
+STAGE_MIN_S="${STAGE_MIN_S:-60}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAY_USAGE_STATS_ENABLED=0 MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$ROOT/mlflow.db}"
+[ -d "$ROOT/.testbed" ] && export PROMPRUNE_CACHE="$ROOT/.testbed"
+
+set_path() {  # the working tree first (the code), then this project's entry points, then each installed batch
+  local pp="$ROOT" d
+  for d in "$SITE/promprune" "$SITE"/whl[0-9]*; do
+    [ -f "$d/.installed" ] || [ "$d" = "$SITE/promprune" ] && [ -d "$d" ] && pp="$pp:$d"
+    [ -d "$d/bin" ] && PATH="$d/bin:$PATH"
+  done
+  export PYTHONPATH="$pp" PATH
+}
+
+install_batch() {  # .whlN -> .site/whlN, once per machine (a stamp of the batch's file names marks it done)
+  local n="$1" src="$ROOT/.whl$1" dst="$SITE/whl$1" stamp
+  if [ ! -d "$src" ]; then
+    echo "batch $n: no .whl$n in this call's tree: name it in the call's carry (python scripts/device_wheels.py build)"
+    return 1
+  fi
+  stamp="$(ls "$src" | sha1sum | cut -c1-16)"
+  if [ "$(cat "$dst/.installed" 2>/dev/null)" = "$stamp" ]; then echo "batch $n: already installed"; return 0; fi
+  rm -rf "$dst"; mkdir -p "$SITE"
+  local t0=$SECONDS
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$dst" "$src"/*.whl || return 1
+  echo "$stamp" > "$dst/.installed"
+  [ -f "$src/REQUIREMENTS.json" ] && cp "$src/REQUIREMENTS.json" "$SITE/"
+  python3 scripts/device_wheels.py dist-info --target "$SITE/promprune" >/dev/null
+  echo "batch $n: $(ls "$src"/*.whl | wc -l) wheels installed into .site/whl$n in $((SECONDS - t0)) s"
+  set_path
+  if python3 -c "import ray, mlflow, lmms_eval" 2>/dev/null; then  # the last batch: every requirement, real versions
+    python3 scripts/device_wheels.py check-installed --site "$SITE"
+  elif [ -f "$SITE/REQUIREMENTS.json" ]; then  # so far: the image's versions against what the closure asks of them
+    python3 scripts/device_wheels.py check-installed --site "$SITE" --image-only "$SITE/REQUIREMENTS.json"
+  fi
+}
+
+need_pipeline() {  # Ray, MLflow and lmms-eval importable, or say which call to repeat
+  python3 -c "import ray, mlflow, lmms_eval" 2>/dev/null && return 0
+  echo "the pipeline's packages are not installed on this machine (fresh machine?): installed batches:" \
+       "$(ls -d "$SITE"/whl* 2>/dev/null | xargs -n1 basename 2>/dev/null | tr '\n' ' ')- repeat the calls that" \
+       "carry .whl1 and .whl2 with --install-batch 1 / 2"
+  return 1
+}
+
 env_line() {
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import ray, mlflow, lmms_eval; print('ray', ray.__version__, 'mlflow', mlflow.__version__)" 2>/dev/null
 }
-for stage in "$@"; do
-  case "$stage" in
+
+gpu_watch() {  # GPU utilization once a second into $OUT/$1 until gpu_unwatch
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 1 > "$OUT/$1" 2>&1 &
+  WATCH_PID=$!
+}
+gpu_unwatch() {
+  kill "$WATCH_PID" 2>/dev/null; wait "$WATCH_PID" 2>/dev/null
+  python3 - "$OUT/$1" <<'PY'
+import sys
+rows = [l.split(", ") for l in open(sys.argv[1]).read().splitlines()[1:] if l.count(",") == 2]
+util = [float(r[1].split()[0]) for r in rows if r[1].split()[0].replace(".", "").isdigit()]
+busy = [u for u in util if u > 0]
+if util:
+    print(f"GPU utilization over {len(util)} s: mean {sum(util) / len(util):.1f}%, max {max(util):.0f}%, "
+          f"mean while nonzero {sum(busy) / max(1, len(busy)):.1f}% ({len(busy)} s nonzero)")
+PY
+}
+
+pipeline_sweep() {  # $1 name for the logs, then pipelines/sweep.py's arguments; the GPU watched, the report made
+  local name="$1"; shift
+  need_pipeline || return 1
+  env_line
+  gpu_watch "gpu-util-$name.csv"
+  local t0=$SECONDS rc
+  python3 pipelines/sweep.py "$@"; rc=$?
+  echo "sweep.py exit $rc after $((SECONDS - t0)) s"
+  gpu_unwatch "gpu-util-$name.csv"
+  if [ $rc -ne 0 ]; then
+    local log; log="$(ls -t outputs/logs/*.log 2>/dev/null | head -1)"
+    [ -n "$log" ] && { echo "--- last 150 lines of $log"; tail -150 "$log"; }
+  fi
+  local sweep; sweep="$(python3 -c "from pipelines import spec; import sys; \
+print(spec.load(sys.argv[1], sys.argv[2:]).name)" "${@:2:1}" 2>/dev/null)"
+  python3 pipelines/report.py ${sweep:+--sweep "$sweep"} --out "reports/$name" && cp "reports/$name/report.md" \
+    "$OUT/report-$name.md"
+  python3 - <<'PY'
+import mlflow
+runs = mlflow.search_runs(search_all_experiments=True)
+print(f"MLflow: {len(runs)} runs in {mlflow.get_tracking_uri()}")
+cols = [c for c in runs.columns if c.startswith("metrics.samples/") or c.startswith("metrics.efficiency/")]
+if len(runs) and cols:
+    print(runs[["tags.mlflow.runName", *cols]].to_string(max_colwidth=40))
+PY
+  return $rc
+}
+
+run_stage() {
+  local stage="$1" left=$((CALL_BUDGET_S - (SECONDS - START)))
+  if [ "$left" -lt "$STAGE_MIN_S" ]; then
+    echo "SKIPPED $stage: ${left}s left of this call's ${CALL_BUDGET_S}s; run it in the next call" \
+      | tee -a "$OUT/skipped.log"
+    return 0
+  fi
+  echo "=== $stage (${left}s left in this call)"
+  # each stage runs in its own bash under `timeout`, so the call ends inside its limit with every log written
+  STAGE_LEFT="$left" timeout --signal=INT --kill-after=20 "$left" bash "$0" --stage-only "$stage" 2>&1 \
+    | tee "$OUT/$stage.log"
+  echo "=== $stage done (exit ${PIPESTATUS[0]}, $((SECONDS - START))s into the call)"
+}
+
+stage() {
+  case "$1" in
+    plan) sed -n '2,/^set -uo/p' "$0" | sed '$d' ;;
+    install)
+      for src in "$ROOT"/.whl[0-9]*; do install_batch "${src##*.whl}" || return 1; done ;;
+    deps)  # every requirement of the closure against what this machine imports
+      env_line; python3 scripts/device_wheels.py check-installed --site "$SITE" ;;
     parity)
-      { env_line; python3 -m pytest -q -p no:cacheprovider -k cuda tests/models tests/selection \
-          tests/test_efficiency.py; } 2>&1 | tee "$OUT/parity.log" ;;
+      env_line; python3 -m pytest -q -p no:cacheprovider -k cuda tests/models tests/selection \
+          tests/test_efficiency.py ;;
     library)  # the whole library suite (CPU and CUDA tests) on the device's torch / transformers
-      { env_line; python3 -m pytest -q -p no:cacheprovider tests/models tests/selection tests/test_efficiency.py \
-          tests/test_architecture.py; } 2>&1 | tee "$OUT/library.log" ;;
-    selection)
-      { env_line
-        for dt in float32 float16; do for b in 1 8; do
-          python3 benchmarks/selection.py --device cuda --dtype $dt --batch $b --repeats 9; echo; done; done
-      } 2>&1 | tee "$OUT/selection.log" ;;
+      env_line; python3 -m pytest -q -p no:cacheprovider tests/models tests/selection tests/test_efficiency.py \
+          tests/test_architecture.py ;;
+    selection)  # issue 22's measurements; nvmath-python (batch 1) gives the batched cuSOLVER eigensolve
+      env_line; python3 -c "from promprune.selection import eigensolve; print('nvmath:', eigensolve.load_nvmath())"
+      for dt in float16 float32; do
+        python3 benchmarks/selection.py --device cuda --dtype $dt --batch 1 8 --repeats 9; echo; done ;;
     speed)
-      { env_line; python3 -m benchmarks.spectrum --device cuda
-        python3 - <<'PY'
+      env_line; python3 -m benchmarks.spectrum --device cuda
+      python3 - <<'PY'
 import torch
 from torch.profiler import ProfilerActivity, profile
 import promprune
@@ -45,20 +183,44 @@ for method in ("divprune", "promprune"):
     print(f"### {method}, llava-1.5 shape, fp16, T=64")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=40))
 PY
-        for dt in float16 float32; do for b in 1 8; do
-          python3 benchmarks/selection.py --device cuda --dtype $dt --batch $b --repeats 9; echo; done; done
-      } 2>&1 | tee "$OUT/speed.log" ;;
+      for dt in float16 float32; do
+        python3 benchmarks/selection.py --device cuda --dtype $dt --batch 1 8 --repeats 9; echo; done ;;
     table6)
-      { env_line; python3 benchmarks/efficiency.py --model shape:llava_next_7b --dtype float16 --device cuda \
-          --budgets none,320 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8; } \
-        2>&1 | tee "$OUT/table6.log" ;;
+      env_line; python3 benchmarks/efficiency.py --model shape:llava_next_7b --dtype float16 --device cuda \
+          --budgets none,320 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8 ;;
     shapes)
-      { env_line
-        python3 benchmarks/efficiency.py --model shape:llava_1_5_7b --dtype float16 --device cuda --skip-analytic \
-          --budgets none,64 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8
-        python3 benchmarks/efficiency.py --model shape:qwen2_5_vl_7b --dtype bfloat16 --device cuda --skip-analytic \
-          --budgets none,128 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8; } \
-        2>&1 | tee "$OUT/shapes.log" ;;
-    *) echo "unknown stage $stage (parity|library|selection|speed|table6|shapes)"; exit 2 ;;
+      env_line
+      python3 benchmarks/efficiency.py --model shape:llava_1_5_7b --dtype float16 --device cuda --skip-analytic \
+        --budgets none,64 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8
+      python3 benchmarks/efficiency.py --model shape:qwen2_5_vl_7b --dtype bfloat16 --device cuda --skip-analytic \
+        --budgets none,128 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8 ;;
+    sweep)  # the quickstart (testbed) sweep, its actors on the GPU
+      [ -d "${PROMPRUNE_CACHE:-/nonexistent}/testbed-llava-v1" ] || echo "note: no .testbed/testbed-llava-v1:" \
+        "the testbed model trains here first, on one CPU thread"
+      pipeline_sweep quickstart --config sweeps/quickstart.yaml ${SWEEP_SET:-} ;;
+    table6-pipeline)  # Table 6 through the pipeline: random LLaVA-NeXT-7B weights, easy-vqa yes/no for POPE
+      pipeline_sweep table6 --config sweeps/table6_efficiency.yaml --set model.pretrained=shape:llava_next_7b \
+        --set model.dtype=float16 --set "tasks=[easyvqa_yesno]" --set limit="${TABLE6_LIMIT:-50}" \
+        --set resources.share_weights=false ${TABLE6_SET:-} ;;
+    scaling)  # CPU only: simulated GPU nodes on this machine's cores; the timeline says where the time went
+      need_pipeline || return 1
+      nproc; python3 -c "import ray; print('ray', ray.__version__)"
+      OMP_NUM_THREADS=1 python3 benchmarks/sweep_scaling.py --gpus ${SCALING_GPUS:-4 8} \
+        --shell "${SCALING_SHELL:-measured}" --timeline "$OUT/scaling-timeline.csv" ${SCALING_ARGS:-} ;;
+    *) echo "unknown stage $1 (install|parity|library|selection|speed|table6|shapes|deps|sweep|table6-pipeline|" \
+            "scaling|plan)"; return 2 ;;
+  esac
+}
+
+set_path
+if [ "${1:-}" = "--stage-only" ]; then stage "$2"; exit $?; fi
+stages=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --install-batch) { install_batch "$2" 2>&1 | tee -a "$OUT/install.log"; } ; set_path; shift 2 ;;
+    install) { stage install 2>&1 | tee -a "$OUT/install.log"; }; set_path; shift ;;
+    *) stages+=("$1"); shift ;;
   esac
 done
+for s in "${stages[@]}"; do run_stage "$s"; done
+echo "call done in $((SECONDS - START)) s; logs in $OUT: $(ls "$OUT" | tr '\n' ' ')"

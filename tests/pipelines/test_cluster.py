@@ -197,6 +197,31 @@ def test_pool_starts_work_before_every_actor_has_loaded(cluster, tmp_path):
         pool.shutdown()
 
 
+def test_trials_of_one_block_are_spread_over_the_pool(cluster, tmp_path):
+    """Each trial counts only its own calls, so equally loaded actors are a tie on every trial's first block; ties
+    broken by index sent every one-block trial to actor 0 (the 2-GPU sweep_scaling smoke: 19 of 19 calls on one
+    actor). 12 one-block calls on 3 loaded actors all landing on one: (1/3)^11 if ties are spread at random."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    resources = Resources(workers=3, gpus_per_worker=1, batch_size=1, actor_wait_s=180)
+    pool = PredictorPool.start(ModelSource("tiny:llava"), 3, resources, on_gpu=True,
+                               run_fn=functools.partial(pid_run, marker_dir=str(markers)))
+    try:
+        deadline = time.monotonic() + 120
+        while pool.ready_count() < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool.ready_count() == 3
+        cfg = EvalConfig(model=ModelSource("tiny:llava"), method="promprune", budget=8, progress_bars=False,
+                         resources=resources)
+        rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
+        for _ in range(12):
+            assert len(predict(cfg, rows, pool=pool)) == 1
+        answered = {m.name.split("-")[1] for m in markers.iterdir()}
+        assert len(answered) >= 2, "every one-block call went to the same actor"
+    finally:
+        pool.shutdown()
+
+
 def test_pool_that_cannot_be_scheduled_fails_with_the_resources_named(cluster):
     resources = Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5)  # no 2-GPU node
     start = time.monotonic()

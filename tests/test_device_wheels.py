@@ -1,0 +1,127 @@
+"""scripts/device_wheels.py: the wheels that carry the pipeline to the GPU machine (stripped, batched, checked).
+
+Synthetic wheels only (no download): stripping keeps a wheel pip installs (RECORD rewritten, the executable bit
+kept), the batcher's first-fit-decreasing split is the hand-worked one, the requirement walk follows markers and
+extras as pip would on CPython 3.12 Linux, and the project's metadata-only dist-info carries its entry points.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import stat
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("device_wheels", REPO / "scripts" / "device_wheels.py")
+dw = sys.modules.setdefault("device_wheels", importlib.util.module_from_spec(spec))
+spec.loader.exec_module(dw)
+
+
+def _hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def make_wheel(folder: Path, files: dict[str, bytes], executable: tuple[str, ...] = ()) -> Path:
+    """A valid pure wheel `toy-1.0` holding `files`, with METADATA, WHEEL and a RECORD of every file."""
+    info = "toy-1.0.dist-info"
+    files = {**files, f"{info}/METADATA": b"Metadata-Version: 2.1\nName: toy\nVersion: 1.0\n",
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{name},{_hash(data)},{len(data)}\n" for name, data in files.items()) + f"{info}/RECORD,,\n"
+    path = folder / "toy-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in {**files, f"{info}/RECORD": record.encode()}.items():
+            zi = zipfile.ZipInfo(name)
+            zi.external_attr = ((0o755 if name in executable else 0o644) | stat.S_IFREG) << 16
+            zi.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(zi, data)
+    return path
+
+
+def test_strip_drops_the_files_and_their_record_lines_and_pip_installs_the_rest(tmp_path):
+    src_dir, out_dir = tmp_path / "src", tmp_path / "out"
+    src_dir.mkdir(), out_dir.mkdir()
+    src = make_wheel(src_dir, {"toy/__init__.py": b"X = 1\n", "toy/jars/big.jar": b"\0" * 5000,
+                               "toy/jars/more/other.jar": b"j", "toy/bin/tool": b"#!/bin/sh\necho hi\n",
+                               "toy/data/keep.jar.txt": b"not a jar dir"}, executable=("toy/bin/tool",))
+    dst = out_dir / src.name
+    assert dw.strip_wheel(src, dst, ("toy/jars/*",)) == 2
+    with zipfile.ZipFile(dst) as zf:
+        names = set(zf.namelist())
+        record = zf.read("toy-1.0.dist-info/RECORD").decode().splitlines()
+        # every RECORD line but its own names a file in the wheel with that file's hash and size
+        listed = {}
+        for line in record:
+            name, digest, size = line.split(",")
+            listed[name] = (digest, size)
+            if name != "toy-1.0.dist-info/RECORD":
+                data = zf.read(name)
+                assert (digest, size) == (_hash(data), str(len(data)))
+        assert set(listed) == names
+        assert not any(n.startswith("toy/jars/") for n in names)
+        assert (zf.getinfo("toy/bin/tool").external_attr >> 16) & 0o111
+    target = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                          "--target", str(target), str(dst)], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert (target / "toy" / "__init__.py").read_text() == "X = 1\n"
+    assert (target / "toy" / "data" / "keep.jar.txt").exists() and not (target / "toy" / "jars").exists()
+    assert (target / "toy" / "bin" / "tool").stat().st_mode & stat.S_IXUSR
+
+
+def test_pack_is_first_fit_decreasing_with_the_first_files_in_batch_one():
+    sizes = {"a": 50, "b": 40, "c": 30, "d": 20, "e": 10}
+    # decreasing: a -> 1; b -> 2; c -> 3; d fits 2 (40+20); e fits 1 (50+10)
+    assert dw.pack(sizes, 60) == [["a", "e"], ["b", "d"], ["c"]]
+    # c first in batch 1; a, b open batches 2 and 3; d and e fill batch 1 (30+20+10)
+    assert dw.pack(sizes, 60, first=("c",)) == [["c", "d", "e"], ["a"], ["b"]]
+    with pytest.raises(ValueError, match="a \\(0.0 MiB\\)"):
+        dw.pack(sizes, 45)
+
+
+def test_walk_follows_markers_and_requested_extras_and_flags_old_versions(monkeypatch):
+    monkeypatch.setattr(dw, "LEAVE", {"big": "not imported"})
+    dists = {
+        "app": dw.Dist("1.0", ["lib[fast]>=2", "tool; extra == 'cli'", "old; python_version < '3.12'",
+                               "linuxonly; sys_platform == 'linux'", "big"], "wheel"),
+        "lib": dw.Dist("2.1", ["speedup; extra == 'fast'", "slowdown; extra == 'slow'", "img>=3"], "wheel"),
+        "speedup": dw.Dist("0.1", [], "wheel"), "linuxonly": dw.Dist("1", [], "wheel"),
+        "img": dw.Dist("2.0", None, "image"),  # an image package whose version is too old
+    }
+    w = dw.walk([Requirement("app")], dists.get)
+    assert set(w.needed) == {"app", "lib", "speedup", "linuxonly", "img"}
+    assert w.needed["lib"] == {"fast"}
+    assert w.unmet == [("img>=3", "lib==2.1[fast]", "2.0")]
+    assert w.left == [("big", "app==1.0")] and w.missing == []
+    # asking for the extra later follows its requirements too
+    w = dw.walk([Requirement("app"), Requirement("lib[slow]")], dists.get)
+    assert w.missing == [('slowdown; extra == "slow"', "lib==2.1[slow]")] and w.needed["lib"] == {"fast", "slow"}
+
+
+def test_project_roots_expand_the_self_referencing_extras():
+    roots = {dw.name_of(r.name) for r in dw.project_roots(REPO / "pyproject.toml")}
+    assert {"torch", "transformers", "ray", "mlflow", "lmms-eval", "easy-vqa", "scikit-image"} <= roots
+    assert "promprune" not in roots and "pytest" not in roots  # dev is not asked for
+
+
+def test_dist_info_gives_importlib_the_projects_entry_points(tmp_path):
+    dw.main(["dist-info", "--target", str(tmp_path / "meta")])
+    (dist,) = [d for d in metadata.distributions(path=[str(tmp_path / "meta")])]
+    assert dist.metadata["Name"] == "promprune"
+    eps = {(ep.group, ep.name): ep.value for ep in dist.entry_points}
+    assert eps[("lmms_eval.models", "promprune")] == "promprune.eval.lmms_plugin:MANIFEST"
+    assert eps[("promprune.model_factories", "testbed")] == "promprune.testbed.training:load"
+
+
+def test_the_image_list_and_constraints_parse():
+    image = dw.read_image(REPO / "scripts" / "device_image.txt")
+    pins = dw.read_pins(REPO / "constraints.txt")
+    assert image["torch"] == "2.11.0" and image["huggingface-hub"] == "1.33.0" and image["pandas"] is None
+    assert pins["ray"] == "2.60.0" and pins["lmms-eval"] == "0.7.3"
