@@ -25,9 +25,12 @@ def png(color=(200, 30, 30), size=(24, 16)) -> bytes:
 
 @pytest.fixture
 def env(monkeypatch):
-    """No key or endpoint from the machine; returns monkeypatch to set them."""
+    """No key or endpoint from the machine; returns monkeypatch to set them. Each variable is registered with
+    monkeypatch (set, then deleted), so what the code under test writes into os.environ itself (the endpoint
+    alignment) is undone afterwards too."""
     for name in KEYS:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 

@@ -26,7 +26,7 @@ def judge():
 def hub_ray(hub_standins, judge):
     """A local Ray whose workers see the stand-ins and MM-Vet's loopback judge, as a cluster's would see the hub."""
     env = {**standin_env(hub_standins), "API_TYPE": "openai", "OPENAI_API_KEY": "sk-test",
-           "OPENAI_BASE_URL": judge.url}
+           "OPENAI_BASE_URL": judge.url, "OPENAI_API_URL": judge.url}
     base = sweep.worker_env()
     with serving(hub_standins), pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
