@@ -223,15 +223,24 @@ def qwen_token_ids(tok) -> dict:
                           pad_token_id=ids["<|endoftext|>"]))
 
 
-def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int):
-    """A Qwen2.5-VL processor around ``tok`` (CLIP normalisation, as the released processor)."""
+# the released processors' normalisation: Qwen2.5-VL CLIP's mean / std, Qwen3-VL 0.5 / 0.5
+_QWEN_NORM = {"qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
+              "qwen3_vl": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])}
+
+
+def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int, family: str = "qwen2_5_vl"):
+    """A Qwen2.5-VL (or, ``family="qwen3_vl"``, Qwen3-VL) processor around ``tok`` with the released processor's
+    normalisation; the video processor is built because the processor class requires one, and unused."""
+    mean, std = _QWEN_NORM[family]
     image_processor = Qwen2VLImageProcessor(
         patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
-        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        image_mean=mean, image_std=std,
     )
-    video_processor = Qwen2VLVideoProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2)  # unused
-    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                               chat_template=_QWEN_TEMPLATE)
+    processor_cls, video_cls = ((Qwen2_5_VLProcessor, Qwen2VLVideoProcessor) if family == "qwen2_5_vl" else
+                                (Qwen3VLProcessor, Qwen3VLVideoProcessor))
+    video_processor = video_cls(patch_size=patch, merge_size=merge, temporal_patch_size=2)
+    return processor_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                         chat_template=_QWEN_TEMPLATE)
 
 
 def _tiny_qwen2_5_vl():
@@ -252,17 +261,6 @@ def _tiny_qwen2_5_vl():
     return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
 
 
-def qwen3_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int):
-    """A Qwen3-VL processor around ``tok`` (mean = std = 0.5, as the released processor)."""
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    )
-    video_processor = Qwen3VLVideoProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2)  # unused
-    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                            chat_template=_QWEN_TEMPLATE)
-
-
 def _tiny_qwen3_vl():
     tok = qwen_tokenizer()
     ids = qwen_token_ids(tok)
@@ -278,7 +276,8 @@ def _tiny_qwen3_vl():
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     model = _seeded(lambda: Qwen3VLForConditionalGeneration(config))
     factor = patch * merge
-    return model, qwen3_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
+    return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,
+                                 family="qwen3_vl")
 
 
 ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]

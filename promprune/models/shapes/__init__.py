@@ -115,8 +115,9 @@ def _qwen3(spec: dict, text_layers, vision_layers):
     config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
                            **ids)
     pixels = spec["processor"]
-    processor = testing.qwen3_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
-                                        min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"])
+    processor = testing.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
+                                       min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"],
+                                       family="qwen3_vl")
     return Qwen3VLForConditionalGeneration, config, processor
 
 
