@@ -94,6 +94,13 @@ class LoopbackJudge:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
     @staticmethod
     def grade(prompt: str) -> str:
         last_row = prompt.split("| 1.0\n")[-1].strip()  # after the template's last worked example
@@ -104,10 +111,8 @@ class LoopbackJudge:
 
 @pytest.fixture(scope="module")
 def judge():
-    server = LoopbackJudge()
-    yield server
-    server.server.shutdown()
-    server.server.server_close()
+    with LoopbackJudge() as server:
+        yield server
 
 
 @pytest.fixture

@@ -16,10 +16,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def judge():
-    server = LoopbackJudge()
-    yield server
-    server.server.shutdown()
-    server.server.server_close()
+    with LoopbackJudge() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -82,17 +82,24 @@ def _llava(spec: dict, text_layers, vision_layers):
     return LlavaNextForConditionalGeneration, config, processor
 
 
-def _qwen(spec: dict, text_layers, vision_layers):
+def _qwen_parts(spec: dict, text_layers, vision_layers, blocks_key: str):
+    """(tokenizer, token ids, text config, vision config) of a Qwen shape, shrunk to the layer counts asked for;
+    ``blocks_key`` names the vision blocks the model reads specially (Qwen2.5-VL's full-attention blocks, Qwen3-VL's
+    DeepStack blocks): those that still exist are kept, at least the last block."""
     tok = testing.qwen_tokenizer()
     ids = testing.qwen_token_ids(tok)
     text = dict(spec["text_config"], **ids.pop("text"))
     vision = dict(spec["vision_config"])
     if text_layers is not None:
         text["num_hidden_layers"] = text_layers
-    if vision_layers is not None:  # keep the full-attention blocks that still exist (at least the last one)
+    if vision_layers is not None:
         vision["depth"] = vision_layers
-        full = [b for b in vision["fullatt_block_indexes"] if b < vision_layers]
-        vision["fullatt_block_indexes"] = full or [vision_layers - 1]
+        vision[blocks_key] = [b for b in vision[blocks_key] if b < vision_layers] or [vision_layers - 1]
+    return tok, ids, text, vision
+
+
+def _qwen(spec: dict, text_layers, vision_layers):
+    tok, ids, text, vision = _qwen_parts(spec, text_layers, vision_layers, "fullatt_block_indexes")
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     factor = vision["patch_size"] * vision["spatial_merge_size"]
     # the released processor's pixel range (4 .. 16384 merged tokens); the adapter's image_tokens pins 1296
@@ -102,16 +109,7 @@ def _qwen(spec: dict, text_layers, vision_layers):
 
 
 def _qwen3(spec: dict, text_layers, vision_layers):
-    tok = testing.qwen_tokenizer()
-    ids = testing.qwen_token_ids(tok)
-    text = dict(spec["text_config"], **ids.pop("text"))
-    vision = dict(spec["vision_config"])
-    if text_layers is not None:
-        text["num_hidden_layers"] = text_layers
-    if vision_layers is not None:  # keep the DeepStack blocks that still exist (at least the last block)
-        vision["depth"] = vision_layers
-        kept = [b for b in vision["deepstack_visual_indexes"] if b < vision_layers]
-        vision["deepstack_visual_indexes"] = kept or [vision_layers - 1]
+    tok, ids, text, vision = _qwen_parts(spec, text_layers, vision_layers, "deepstack_visual_indexes")
     config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
                            **ids)
     pixels = spec["processor"]
