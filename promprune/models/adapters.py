@@ -144,6 +144,10 @@ class Adapter:
     def prepare_images(self, images):
         return images
 
+    def max_views(self) -> int:
+        """The most views (crops, tiles) one image gives under this model and processor: ``view_quota``'s divisor."""
+        return max_views(self.model.config)
+
     def processor_kwargs(self) -> dict:
         return {}
 
@@ -611,10 +615,17 @@ def adapter_for(model, processor, options) -> Adapter:
     return ADAPTERS[kind](model, processor, options)
 
 
+INTERNVL_MAX_TILES = 12  # InternVL3's released preprocessor: max_patches 12 (GotOcr2ImageProcessor's default too)
+
+
 def max_views(config) -> int:
     """The most views one image gives: LLaVA-NeXT / LLaVA-OneVision 1 + the most crops of any grid pinpoint (5 on
-    llava-v1.6, 37 on llava-onevision), else 1."""
-    if getattr(config, "model_type", None) not in ("llava_next", "llava_onevision"):
+    llava-v1.6, 37 on llava-onevision); InternVL 1 + the released processor's 12 tiles (the thumbnail; the adapter
+    reads its own processor's ``max_patches``); else 1."""
+    kind = getattr(config, "model_type", None)
+    if kind == "internvl":
+        return 1 + INTERNVL_MAX_TILES
+    if kind not in ("llava_next", "llava_onevision"):
         return 1
     size = config.vision_config.image_size
     return 1 + max(h // size * (w // size) for h, w in config.image_grid_pinpoints)
@@ -625,9 +636,11 @@ def visual_token_capacity(config, adapter_options: dict | None = None) -> int | 
     LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
     pinpoint), newlines not counted (LLaVA-OneVision: the same, an upper bound as anyres-max resizes large crop grids
     down); Qwen2.5-VL / Qwen3-VL the fixed ``image_tokens`` when set, else None (it depends on the
-    image's resolution)."""
+    image's resolution); InternVL ``image_seq_length`` (256) per tile times 13 tiles (the released tiling)."""
     options = adapter_options or {}
     kind = getattr(config, "model_type", None)
+    if kind == "internvl":
+        return config.image_seq_length * max_views(config)
     if kind in ("qwen2_5_vl", "qwen3_vl"):
         return options.get("image_tokens")
     if kind not in ("llava", "llava_next", "llava_onevision"):

@@ -14,7 +14,8 @@ import promprune
 
 # Adapter options, valid with every method (ignored by architectures they do not concern).
 ADAPTER_OPTIONS: dict[str, Any] = {
-    # LLaVA-NeXT: how the budget meets the views (the base view and the crops).
+    # LLaVA-NeXT: how the budget meets the views (the base view and the crops); LLaVA-OneVision the same; InternVL
+    # with its tiles (thumbnail included) as the views.
     # "per_crop": split evenly over the image's views (our choice for PromPrune: its released code has no working
     #   NeXT path); "global": one selection over every view; "adaptive_views": shares by each view's entropy;
     # "view_quota": every view gets budget // (1 + the most crops of any grid pinpoint), budget 160 -> 32 per view
@@ -32,6 +33,7 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     "image_newline": "drop",
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
     # Qwen3-VL (every block attends over the whole image): any block index; None = the last one.
+    # InternVL: any InternViT layer (CLS attention); None = the layer vision_feature_layer reads (the last).
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
@@ -90,8 +92,8 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
 # The newer encoders have no published value: Qwen3-VL borrows Qwen2.5-VL's (the same merged-token design);
 # recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
-# LLaVA-OneVision's SigLIP borrows CLIP's.
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42}
+# LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's.
+DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42}
 
 
 def all_methods() -> list[str]:

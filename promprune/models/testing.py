@@ -18,6 +18,9 @@ The structure is the paper's, the sizes are not:
 - LLaVA-OneVision: SigLIP without CLS (all patches fed, "full" strategy, the last layer's output), 32 px views of
   8 px patches (16 tokens), anyres crops up to 2x2 with newlines, and anyres_max_2, so a 2x2 crop grid is resized
   down to 5x5 tokens (the released model: anyres_max_9 over 384 px views, up to 6x6 crops).
+- InternVL3: InternViT with a CLS token (dropped, "default" strategy; the last layer's output), 32 px tiles of 4 px
+  patches (8x8) pixel-shuffled to 4x4 = 16 tokens per tile, the released tiling (up to 12 tiles plus a thumbnail;
+  the released model: 448 px tiles of 14 px patches, 256 tokens per tile), a Qwen2 LLM.
 
 The tokenizer is byte-level BPE without merges (one token per byte) plus the architecture's special
 tokens, so any text round-trips and nothing is ever unknown.
@@ -34,6 +37,12 @@ from transformers import (
     CLIPTextConfig,
     CLIPTextModelWithProjection,
     CLIPVisionConfig,
+    GotOcr2ImageProcessor,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLProcessor,
+    InternVLVideoProcessor,
+    InternVLVisionConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -63,7 +72,7 @@ from transformers import (
 
 from .factories import place
 
-ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision")
+ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl")
 SEED = 0  # fixed so every process builds bit-identical tiny models
 
 # Chat templates in the style of the real checkpoints (LLaVA-1.5 "USER: <image>\n... ASSISTANT:",
@@ -84,6 +93,12 @@ _ONEVISION_TEMPLATE = (  # ChatML with LLaVA's <image> placeholder, as llava-one
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_INTERNVL_TEMPLATE = (  # ChatML with InternVL's <IMG_CONTEXT> placeholder, as the -hf checkpoints' template (less
+    # its default system prompt)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<IMG_CONTEXT>\n{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -322,8 +337,48 @@ def _tiny_llava_onevision():
     return model, onevision_processor(tok, view, patch, pinpoints, aspect, [0.5] * 3, [0.5] * 3)
 
 
+INTERNVL_SPECIALS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                     "video_token": "<video>"}
+
+
+def internvl_tokenizer():
+    """The byte-level tokenizer with Qwen2's chat tokens and InternVL's image tokens, named as the processor reads
+    them (``start_image_token``, ``context_image_token``, ...)."""
+    return _byte_level_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", *INTERNVL_SPECIALS.values()],
+                                 eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 extra_special_tokens=dict(INTERNVL_SPECIALS))
+
+
+def internvl_processor(tok, tile: int, tokens_per_tile: int, max_tiles: int, mean, std):
+    """An InternVL processor around ``tok``: ``tile`` px tiles, up to ``max_tiles`` of them plus a thumbnail (the
+    processor's own ``crop_to_patches``), ``tokens_per_tile`` placeholders per tile."""
+    size = {"height": tile, "width": tile}
+    image_processor = GotOcr2ImageProcessor(size=size, crop_to_patches=False, min_patches=1, max_patches=max_tiles,
+                                            image_mean=mean, image_std=std)
+    return InternVLProcessor(image_processor=image_processor, tokenizer=tok,
+                             video_processor=InternVLVideoProcessor(size=size, image_mean=mean, image_std=std),
+                             image_seq_length=tokens_per_tile, chat_template=_INTERNVL_TEMPLATE)
+
+
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # InternVL's normalisation
+
+
+def _tiny_internvl():
+    tok = internvl_tokenizer()
+    tile, patch = 32, 4  # 8x8 patches + CLS per tile; the 2x2 pixel shuffle -> 16 tokens
+    vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                  image_size=tile, patch_size=patch, attention_bias=True)
+    text = Qwen2Config(**_text_sizes(len(tok)), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    config = InternVLConfig(vision_config=vision, text_config=text, image_token_id=tok.context_image_token_id,
+                            image_seq_length=16, downsample_ratio=0.5, vision_feature_layer=-1,
+                            vision_feature_select_strategy="default", tie_word_embeddings=False)
+    model = _seeded(lambda: InternVLForConditionalGeneration(config))
+    return model, internvl_processor(tok, tile, 16, 12, IMAGENET_MEAN, IMAGENET_STD)
+
+
 _BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl,
-             "qwen3_vl": _tiny_qwen3_vl, "llava_onevision": _tiny_llava_onevision}
+             "qwen3_vl": _tiny_qwen3_vl, "llava_onevision": _tiny_llava_onevision, "internvl": _tiny_internvl}
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ from promprune.naming import parse_dtype
 from promprune.records import SampleStats
 
 from . import in_llm
-from .adapters import adapter_for, max_views
+from .adapters import adapter_for
 from .factories import find_model_factory
 from .images import load_images
 from .methods import is_in_llm, next_layout, token_order, validate_method
@@ -72,7 +72,7 @@ class PrunedVLM:
             if "mu" in self.spec.options and "mu" not in self.method_options:
                 self.method_options["mu"] = self.adapter.default_mu
             if self.budget_mode == "view_quota":
-                views = max_views(model.config)
+                views = self.adapter.max_views()
                 self.view_budget = budget // views
                 if self.view_budget < 1:
                     raise ValueError(f"budget_mode 'view_quota' gives each of up to {views} views budget // {views} "
@@ -291,4 +291,5 @@ def _model_class(model_type):
             "llava_next": transformers.LlavaNextForConditionalGeneration,
             "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
             "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-            "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration}[model_type]
+            "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration,
+            "internvl": transformers.InternVLForConditionalGeneration}[model_type]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision")
+ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,130 @@
+"""InternVL3 (``InternVLForConditionalGeneration``): dynamic tiles plus a thumbnail, pixel shuffle, CLS saliency.
+
+The processor cuts an image into a grid of ``1 .. max_patches`` tiles (the grid whose aspect ratio is closest to the
+image's) and, when there is more than one, adds a thumbnail of the whole image as the last tile; each tile is one
+448 px InternViT view (1024 patches of 14 px and a CLS token). The model drops the CLS ("default" strategy), reads
+the layer ``vision_feature_layer`` names (-1: the last of 24), pixel-shuffles each 2x2 block of patches into one
+token (``downsample_ratio`` 0.5: 256 tokens per tile) and projects it. The prompt holds ``<img>``, 256 x tiles
+``<IMG_CONTEXT>`` placeholders and ``</img>``; the LLM (Qwen2.5) numbers the sequence itself (1D positions), so a
+pruned run is numbered as LLaVA's.
+
+Saliency: InternViT keeps a CLS token, so as on LLaVA it is the CLS query's attention row (softmax over the tile's
+CLS and patches, head mean) at the layer whose output the projector reads, captured by a hook on that layer's
+attention (SDPA / flash attention stay on); ``saliency_block`` picks another encoder layer. An LLM token's saliency
+is the SUM of the CLS attention of the 2x2 patches the pixel shuffle merges into it (the attention mass of its
+region; the same ranking as their mean, since every token merges 4 patches). Each tile has its own CLS, so a
+token's saliency is relative to its own tile (the thumbnail included).
+
+Budget over tiles (``budget_mode``, the LLaVA-NeXT modes with a tile as a view; group 0 is the first tile, the
+thumbnail the last group): ``per_crop`` (default) splits the budget evenly over the image's tiles, thumbnail
+included; ``global`` selects once over every tile's tokens; ``adaptive_views`` gives each tile a share proportional
+to its spectral entropy; ``view_quota`` gives every tile ``budget // (1 + max_patches)`` whatever the image's tile
+count. No newline tokens, so ``packed`` is ``global`` for the methods it admits. No vision-tower features
+(``need_vision``): VisPruner / VisionZip / CDPruner work on the projected tokens (the pixel-shuffled rows have no
+CLS counterpart for VisionZip to feed), as on Qwen and LLaVA-OneVision; CDPruner's instruction is the LLM's input
+embeddings of the question.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from . import saliency as sal
+from .adapters import ADAPTERS, INTERNVL_MAX_TILES, Adapter, VisualItem
+
+
+def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """CLS-to-all attention of an ``InternVLVisionAttention`` (its q / k norms applied), head mean:
+    ``hidden [T, S, C] -> [T, S]`` float32, one row per tile."""
+    T, S, _ = hidden.shape
+    H, hd = attn.num_heads, attn.head_dim
+    q = attn.q_norm(attn.q_proj(hidden[:, :1])).float().view(T, 1, H, hd).transpose(1, 2)  # [T, H, 1, hd]
+    k = attn.k_norm(attn.k_proj(hidden)).float().view(T, S, H, hd).transpose(1, 2)  # [T, H, S, hd]
+    probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scale, dim=-1)  # [T, H, 1, S]
+    return probs[:, :, 0].mean(dim=1)  # [T, S]
+
+
+class InternVLAdapter(Adapter):
+    """InternVL3: tiles + thumbnail, 2x2 pixel shuffle; saliency = CLS attention summed over each token's 4 patches
+    (see the module docstring)."""
+
+    encoder = "internvit"
+
+    def __init__(self, model, processor, options: dict):
+        super().__init__(model, processor, options)
+        cfg = model.config
+        if cfg.vision_feature_select_strategy != "default":
+            raise ValueError("the InternVL adapter needs vision_feature_select_strategy 'default' (the CLS dropped, "
+                             f"as the released checkpoints); got {cfg.vision_feature_select_strategy!r}")
+        self.layer = self._layer()  # fail at construction, not at the first batch
+        self.members = self._shuffle_members()  # [n, 4]: the patches merged into each token
+
+    def _layer(self) -> int:
+        """Index of the encoder layer whose attention gives saliency: ``saliency_block``, else the one whose output
+        ``vision_feature_layer`` reads (several: the deepest)."""
+        depth = self.model.config.vision_config.num_hidden_layers
+        block = self.options.get("saliency_block")
+        if block is None:
+            layer = self.model.config.vision_feature_layer
+            layer = layer if isinstance(layer, int) else layer[-1]
+            return (layer if layer >= 0 else layer + depth + 1) - 1  # hidden_states[h] is layer h - 1's output
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
+            raise ValueError(f"saliency_block must be a layer of the vision tower (0 .. {depth - 1}), got {block!r}")
+        return block
+
+    def _side(self) -> int:
+        """Patches per side of one tile."""
+        vc = self.model.config.vision_config
+        size, patch = vc.image_size, vc.patch_size
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+        return size // patch
+
+    def _shuffle_members(self) -> torch.Tensor:
+        """``[n, k]``: the raster indices of the ``k`` patches the model's own ``pixel_shuffle`` merges into each of a
+        tile's ``n`` tokens (run on an index grid, so the layout is transformers', not a copy of it)."""
+        side = self._side()
+        grid = torch.arange(side * side, dtype=torch.float64).view(1, side, side, 1)
+        shuffled = self.model.model.pixel_shuffle(grid, scale_factor=self.model.config.downsample_ratio)
+        return shuffled.reshape(-1, shuffled.shape[-1]).round().long()
+
+    def max_views(self) -> int:
+        """The most tiles one image gives: ``max_patches`` of the processor's tiling plus the thumbnail."""
+        return 1 + int(getattr(self.processor.image_processor, "max_patches", INTERNVL_MAX_TILES))
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        """One item per image: all its tiles' tokens, tile by tile (``groups``: the tile; thumbnail last)."""
+        core = self.model.model
+        sink: list = []
+        attn = core.vision_tower.encoder.layer[self.layer].attention
+        with sal.capture(attn, sink, cls_attention) if need_saliency else contextlib.nullcontext():
+            out = core.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True)
+        tiles = out.pooler_output  # [T, n, d]: every image's tiles, image after image
+        T, n, d = tiles.shape
+        per_image = (inputs["input_ids"] == self.model.config.image_token_id).sum(1) // n  # [B] tiles
+        if int(per_image.sum()) != T:
+            raise ValueError(f"the prompts hold placeholders for {int(per_image.sum())} tiles of {n} tokens, the "
+                             f"images gave {T} tiles")
+        scores = None
+        if need_saliency:
+            members = self.members.to(sink[0].device)
+            scores = sink[0][:, 1:][:, members].sum(dim=-1)  # [T, n]: CLS column dropped, summed per token
+        items, first = [], 0
+        grid = (self._side() * self.model.config.downsample_ratio,) * 2
+        for count in per_image.tolist():
+            run = tiles[first:first + count].reshape(-1, d)  # [count * n, d]
+            idx = torch.arange(run.shape[0], device=run.device)
+            s = None if scores is None else scores[first:first + count].reshape(-1)
+            items.append(VisualItem(run=run, features=run, run_pos=idx, grid_index=idx, saliency=s, groups=idx // n,
+                                    grid_shape=tuple(int(g) for g in grid)))
+            first += count
+        return items
+
+    def encoder_outputs(self, items, feats, run_pos):
+        """InternVL scatters one tensor into the placeholders (no per-image tuple): ``[1, sum M_i, d]``."""
+        return {"image": BaseModelOutputWithPooling(pooler_output=torch.cat(feats)[None])}
+
+
+ADAPTERS["internvl"] = InternVLAdapter
