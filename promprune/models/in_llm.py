@@ -302,7 +302,7 @@ class InLLMPruner:
             vis[:, :self.prompt_len] = self.visual.to(embeds.device)[:, :L]
             self.vis = vis
             self.layer_cols = {}  # layer idx -> (keep [B, L_l], alive [B, L_l]) for decoding
-            self.merged = [0] * B
+            self.merged = [set() for _ in range(B)]  # absolute columns holding a recycled (merged) group
 
     def _scorer(self, stage: Stage):
         def hook(attn, args, kwargs):
@@ -430,7 +430,7 @@ class InLLMPruner:
         assign[:n_centres] = torch.arange(n_centres, device=assign.device)
         for c in range(n_centres):
             hidden_b[centres[c]] = hidden_b[pool[assign == c]].mean(dim=0)
-        self.merged[b] += n_centres
+        self.merged[b].update(self.keep[b, centres].tolist())  # relative -> absolute columns
         kept = torch.cat([ranked[:n_keep - n_centres], centres])
         dropped = torch.cat([ranked[n_keep - n_centres:n_keep], pool[n_centres:], deleted[pool.numel():]])
         return kept, dropped
@@ -505,6 +505,7 @@ class InLLMPruner:
             grid_of_run[item.run_pos.to(run.device)] = item.grid_index.to(run.device)
             grid = grid_of_run[run_pos]
             out.append(dict(visual_tokens=int(kept_cols.numel()),
-                            saliency_count=int(kept_cols.numel()) - self.merged[b], entropy=None,
+                            saliency_count=int(kept_cols.numel()) - len(self.merged[b] & set(kept_cols.tolist())),
+                            entropy=None,
                             kept=sorted(grid[grid >= 0].tolist())))
         return out

@@ -22,12 +22,16 @@ PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_16
                     "qwen3_vl_8b": 8_767_123_696,
                     # not the hub's exact total (unverifiable offline): our config's count, which the hub card's
                     # rounded "8.03B" agrees with
-                    "llava_onevision_7b": 8_030_807_584}
+                    "llava_onevision_7b": 8_030_807_584,
+                    # also our config's count (from memory, unverifiable offline), as the hub card's rounded "7.94B"
+                    "internvl3_8b": 7_944_373_760}
 # visual tokens of one square image: LLaVA-1.5 24x24; NeXT base view + 2x2 crops of 24x24 plus one newline per row
 # of the 48-row grid; Qwen2.5-VL at the paper's fixed 36x36 merged grid, Qwen3-VL at the same grid (our choice)
 # OneVision (512 px square): the 27x27 base view + 2x2 crops (54x54, under anyres_max_9's resize limit) + 54 newlines
+# InternVL3 (512 px square): one 448 px tile of 16 x 16 tokens, no thumbnail (a 2x2 grid would cover more than twice
+# the image)
 VISUAL_TOKENS = {"llava_1_5_7b": 576, "llava_next_7b": 5 * 576 + 48, "qwen2_5_vl_7b": 1296, "qwen3_vl_8b": 1296,
-                 "llava_onevision_7b": 729 + 54 * 54 + 54}
+                 "llava_onevision_7b": 729 + 54 * 54 + 54, "internvl3_8b": 256}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from .conftest import ARCHS, plain_generate
                                       ("llava_next", transformers.LlavaNextForConditionalGeneration),
                                       ("qwen2_5_vl", transformers.Qwen2_5_VLForConditionalGeneration),
                                       ("qwen3_vl", transformers.Qwen3VLForConditionalGeneration),
-                                      ("llava_onevision", transformers.LlavaOnevisionForConditionalGeneration)])
+                                      ("llava_onevision", transformers.LlavaOnevisionForConditionalGeneration),
+                                      ("internvl", transformers.InternVLForConditionalGeneration)])
 def test_real_classes_cached(arch, cls):
     model, processor = tiny_vlm(arch)
     assert type(model) is cls

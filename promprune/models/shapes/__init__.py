@@ -1,10 +1,10 @@
 """The published 7B shapes without their weights: random-weight VLMs at the paper's real sizes.
 
-``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B or LLaVA-OneVision-7B from
+``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B, LLaVA-OneVision-7B or InternVL3-8B from
 the sizes in this folder's JSON files (copied from the checkpoints' ``config.json``; each file's ``_source`` says where
 from) with random weights, and an offline processor with the checkpoint's image settings (336 px CLIP views and anyres
 pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5 mean / std; OneVision's
-384 px SigLIP views, 6x6 pinpoints and anyres_max_9). Latency, memory, FLOPs and token counts do not depend on weight
+384 px SigLIP views, 6x6 pinpoints and anyres_max_9; InternVL3's 448 px tiles, up to 12 plus a thumbnail). Latency, memory, FLOPs and token counts do not depend on weight
 values, so these stand in for the checkpoints wherever those cannot be downloaded
 (``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized (one token per byte), so a
 prompt has more text tokens than under the real tokenizer; the vocabulary size, and so the embedding and LM-head shapes,
@@ -29,6 +29,9 @@ from transformers import (
     LlavaProcessor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLVisionConfig,
     Qwen2Config,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
@@ -145,7 +148,28 @@ def _onevision(spec: dict, text_layers, vision_layers):
     return LlavaOnevisionForConditionalGeneration, config, processor
 
 
-_BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "llava_onevision": _onevision}
+def _internvl(spec: dict, text_layers, vision_layers):
+    tok = testing.internvl_tokenizer()
+    vision = dict(spec["vision_config"])
+    if vision_layers is not None:
+        vision["num_hidden_layers"] = vision_layers
+    text = dict(spec["text_config"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    config = InternVLConfig(
+        vision_config=InternVLVisionConfig(**vision), text_config=Qwen2Config(**text),
+        image_token_id=tok.context_image_token_id, image_seq_length=spec["image_seq_length"],
+        downsample_ratio=spec["downsample_ratio"], vision_feature_layer=spec["vision_feature_layer"],
+        vision_feature_select_strategy=spec["vision_feature_select_strategy"],
+        projector_hidden_act=spec["projector_hidden_act"], tie_word_embeddings=spec["tie_word_embeddings"])
+    p = spec["processor"]
+    processor = testing.internvl_processor(tok, p["tile"], spec["image_seq_length"], p["max_patches"],
+                                           p["image_mean"], p["image_std"])
+    return InternVLForConditionalGeneration, config, processor
+
+
+_BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "llava_onevision": _onevision, "internvl": _internvl}
 
 
 def _builder(spec: dict):
