@@ -13,6 +13,7 @@ from promprune.models import PrunedVLM
 from promprune.models.adapters import visual_token_capacity
 from promprune.models.selecting import split_budget
 from promprune.models.testing import tiny_vlm
+from promprune.selection.controls import pooling_matrix
 
 from .conftest import make_image
 
@@ -112,3 +113,23 @@ def test_view_quota_reads_the_processors_tiling():
 def test_mu_borrows_clips():
     model, processor = tiny_vlm("internvl")
     assert PrunedVLM(model, processor, budget=4).method_options["mu"] == 0.42  # uncalibrated for InternViT
+
+
+def test_downsample_pools_each_tiles_grid(images, prompts):
+    """Per tile (``per_crop``), the 4 x 4 token grid of each tile is pooled to its share: plain
+    ``get_image_features`` rows times the pooling weights, tile after tile."""
+    model, processor = tiny_vlm("internvl")
+    budget = 7  # over 3 tiles: 3, 2, 2
+    vlm = PrunedVLM(model, processor, method="downsample", budget=budget)
+    prep = vlm.prepare(images[1:], prompts[1:])
+    batch = vlm.inputs(images[1:], prompts[1:])
+    with torch.inference_mode():
+        plain = model.model.get_image_features(pixel_values=batch["pixel_values"], return_dict=True).pooler_output
+    expected, kept = [], []
+    for tile, share in enumerate(split_budget(budget, [N] * 3)):
+        weights, centres = pooling_matrix(4, 4, share)
+        expected.append(weights @ plain[tile].float())
+        kept += (tile * N + centres).tolist()
+    fed = prep.model_kwargs["mm_encoder_outputs"]["image"].pooler_output[0]
+    torch.testing.assert_close(fed.float(), torch.cat(expected), atol=1e-6, rtol=1e-5)
+    assert prep.stats[0]["kept"] == kept

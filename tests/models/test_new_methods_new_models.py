@@ -1,4 +1,5 @@
-"""The issue-25 methods (CDPruner, downsample, DART, PyramidDrop) on the issue-26 models (Qwen3-VL, LLaVA-OneVision),
+"""The issue-25 methods (CDPruner, downsample, DART, PyramidDrop) on the issue-26 models (Qwen3-VL, LLaVA-OneVision,
+InternVL3),
 each checked against an independent computation: plain transformers attention / keys, torch's adaptive pooling
 geometry worked by hand, the LLM's own input embeddings."""
 import copy
@@ -30,7 +31,7 @@ def _run(vlm, prep):
     return pruner
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "llava_onevision"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "llava_onevision", "internvl"])
 def test_fastv_and_pyramiddrop_rank_by_the_models_own_attention(arch, images, prompts):
     """The last token's attention the in-LLM hooks recompute equals the eager forward's ``attentions`` (Qwen3-VL's
     attention normalizes queries and keys per head before RoPE: ``q_norm`` / ``k_norm``)."""
@@ -50,7 +51,7 @@ def test_fastv_and_pyramiddrop_rank_by_the_models_own_attention(arch, images, pr
     torch.testing.assert_close(first.scores[0], att[1][0, :, -1].mean(0).float(), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "llava_onevision"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "llava_onevision", "internvl"])
 def test_dart_key_norms_are_the_models_own_keys(arch, images, prompts):
     """DART's L1 key norms at layer K - 1 equal those of the keys the model's attention receives (recorded through a
     custom attention function, after Qwen3-VL's ``k_norm`` and the rotary embedding)."""
@@ -114,7 +115,7 @@ def test_in_llm_deepstack_follows_the_surviving_columns(method, images, prompts)
 def test_pyramiddrop_keeps_qwen3s_3d_positions(images, prompts):
     """No contiguous renumbering on M-RoPE (Qwen2.5-VL and Qwen3-VL); the 1D-RoPE LLM of LLaVA-OneVision renumbers as
     the released code does."""
-    for arch, compact in (("qwen3_vl", False), ("qwen2_5_vl", False), ("llava_onevision", True)):
+    for arch, compact in (("qwen3_vl", False), ("qwen2_5_vl", False), ("llava_onevision", True), ("internvl", True)):
         model, _ = tiny_vlm(arch)
         ids = torch.full((1, 40), 5)
         ids[0, 3:23] = model.config.image_token_id
@@ -203,13 +204,13 @@ def test_downsample_pools_each_onevision_view_as_fed(image):
         PrunedVLM(model, processor, method="downsample", budget=budget, budget_mode="global").prepare([image], ["q"])
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "llava_onevision"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "llava_onevision", "internvl"])
 def test_cdpruner_uses_the_llms_input_embeddings(arch, images, prompts):
     """No CLIP text tower (Qwen3-VL; llava-onevision checkpoints ship only SigLIP's vision tower): the question's
     mean LLM input embedding vs. the projected tokens; ``text_source: clip`` is refused at construction."""
     model, processor = tiny_vlm(arch)
     vlm = PrunedVLM(model, processor, method="cdpruner", budget=5, budget_mode="global") \
-        if arch == "llava_onevision" else PrunedVLM(model, processor, method="cdpruner", budget=5)
+        if arch in ("llava_onevision", "internvl") else PrunedVLM(model, processor, method="cdpruner", budget=5)
     prep = vlm.prepare(images[:1], prompts[:1])
     feats = prep.items[0].features.float()
     with torch.inference_mode():
