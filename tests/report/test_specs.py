@@ -18,7 +18,7 @@ PAPER_SPECS = ["table1_llava15", "table2_llava_next", "table3_qwen25vl", "table4
                "figA1_saliency_ratio", "table6_efficiency", "figC1_entropy_distribution", "mu_calibration",
                "mu_calibration_grid", "table2_llava_next_extended", "table3_qwen25vl_extended",
                "table5_diversity_extended", "table6_efficiency_extended", "figE1_overlays", "table1_llava15_extended",
-               "extended_models", "extended_models_llava_onevision"]
+               "extended_models", "extended_models_llava_onevision", "extended_models_internvl"]
 PAPER_BASELINES = ["vispruner", "divprune"]  # what Tables 2, 3 and 6 compare PromPrune with
 
 
@@ -49,6 +49,7 @@ def test_spec_validates_and_is_named_after_its_file(name):
     ("extended_models", "Qwen/Qwen3-VL-8B-Instruct", TABLE2_TASKS, [512, 256, 128], BASELINES + RIVALS),
     ("extended_models_llava_onevision", "llava-hf/llava-onevision-qwen2-7b-ov-hf", TABLE2_TASKS, [640, 320, 160],
      BASELINES + RIVALS),
+    ("extended_models_internvl", "OpenGVLab/InternVL3-8B-hf", TABLE2_TASKS, [640, 320, 160], BASELINES + RIVALS),
 ])
 def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets, methods):
     loaded, trials = trials_of(name)
