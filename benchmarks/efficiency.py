@@ -7,7 +7,7 @@
         --methods vispruner,divprune,promprune                       # Table 6's shape, random weights, no download
     python benchmarks/efficiency.py --model shape:qwen3_vl_8b --dtype float16 \
         --budgets none,512,256,128                                   # also shape:qwen2_5_vl_7b,
-                                                                     # shape:llava_onevision_7b
+                                                                     # shape:llava_onevision_7b, shape:internvl3_8b
 
 Part 1 prints prefill TFLOPs and KV-cache MiB of LLaVA-NeXT-7B's text model (Vicuna-7B) from
 ``promprune.efficiency`` next to the published Table 6 numbers. Part 2 loads ``--model`` once, wraps it with each
