@@ -15,7 +15,6 @@ from promprune.models.selecting import split_budget
 from promprune.models.testing import tiny_vlm
 from promprune.selection.controls import pooling_matrix
 
-from .conftest import make_image
 
 SIDE, N = 8, 16  # tiny: 32 px tiles of 4 px patches (8x8), pixel-shuffled to 4x4 tokens
 # tiles of the conftest images, hand-worked from the released tiling rule (the grid of at most 12 tiles whose

@@ -1,11 +1,12 @@
 """The published 7B shapes without their weights: random-weight VLMs at the paper's real sizes.
 
-``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B, LLaVA-OneVision-7B or InternVL3-8B from
-the sizes in this folder's JSON files (copied from the checkpoints' ``config.json``; each file's ``_source`` says where
-from) with random weights, and an offline processor with the checkpoint's image settings (336 px CLIP views and anyres
-pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5 mean / std; OneVision's
-384 px SigLIP views, 6x6 pinpoints and anyres_max_9; InternVL3's 448 px tiles, up to 12 plus a thumbnail). Latency, memory, FLOPs and token counts do not depend on weight
-values, so these stand in for the checkpoints wherever those cannot be downloaded
+``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B, LLaVA-OneVision-7B or
+InternVL3-8B from the sizes in this folder's JSON files (copied from the checkpoints' ``config.json``; each file's
+``_source`` says where from) with random weights, and an offline processor with the checkpoint's image settings (336 px
+CLIP views and anyres pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5
+mean / std; OneVision's 384 px SigLIP views, 6x6 pinpoints and anyres_max_9; InternVL3's 448 px tiles, up to 12 plus a
+thumbnail). Latency, memory, FLOPs and token counts do not depend on weight values, so these stand in for the
+checkpoints wherever those cannot be downloaded
 (``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized (one token per byte), so a
 prompt has more text tokens than under the real tokenizer; the vocabulary size, and so the embedding and LM-head shapes,
 stay the published ones.
