@@ -132,3 +132,22 @@ def test_downsample_pools_each_tiles_grid(images, prompts):
     fed = prep.model_kwargs["mm_encoder_outputs"]["image"].pooler_output[0]
     torch.testing.assert_close(fed.float(), torch.cat(expected), atol=1e-6, rtol=1e-5)
     assert prep.stats[0]["kept"] == kept
+
+
+def test_the_published_shape_tiles_a_photo_into_13_tiles():
+    """shape:internvl3_8b (meta device): a 640 x 480 photo is 4 x 3 tiles + the thumbnail = 13 x 256 placeholders, the
+    most an image gives (``visual_token_capacity``); each token merges the 2 x 2 patch block at its place in the 32 x 32
+    patch grid; ``view_quota`` at 640 gives every tile 640 // 13 = 49."""
+    from PIL import Image
+
+    from promprune.models.shapes import shape_vlm
+
+    model, processor = shape_vlm("internvl3_8b", device="meta")
+    vlm = PrunedVLM(model, processor, method="promprune", budget=640, budget_mode="view_quota")
+    batch = vlm.processed([Image.new("RGB", (640, 480))], ["Describe the image."])
+    assert batch["pixel_values"].shape == (13, 3, 448, 448)
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) == 13 * 256
+    assert visual_token_capacity(model.config) == 13 * 256 and vlm.view_budget == 49
+    r, c = torch.arange(16).repeat_interleave(16), torch.arange(16).repeat(16)  # token (r, c), raster order
+    block = torch.stack([(2 * r + i) * 32 + 2 * c + j for i in (0, 1) for j in (0, 1)], dim=1)  # [256, 4]
+    assert torch.equal(vlm.adapter.members.sort(dim=1).values, block)
