@@ -10,7 +10,7 @@ visual tokens: spectral (the method's), feature-norm and attention entropy. This
    latest ``fig2_concentration`` run's ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
 2. images: ``limit`` documents of each task, every k-th from a seeded start (``calibration.seed``), so they span
    the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``);
-3. ratings: one Chat Completions request per image not in the cache (``promprune.judge``), the cache saved after
+3. ratings: one Chat Completions request per image not in the cache (``pipelines/judge.py``), the cache saved after
    each; so a rerun asks nothing;
 4. entropies: the three metrics per image with the spec's model (``pipelines.calibration.prominence``: the vision
    encoder and the split only, no generation);
@@ -27,7 +27,7 @@ visual tokens: spectral (the method's), feature-norm and attention entropy. This
         --judge-base-url http://127.0.0.1:8000/v1 --judge-model Qwen/Qwen2.5-VL-7B-Instruct
 
 Key and endpoint as for MM-Vet's judge: ``API_TYPE`` (openai | azure...) picks ``OPENAI_API_KEY`` or
-``AZURE_API_KEY``; ``OPENAI_BASE_URL`` (or ``--judge-base-url``) the endpoint (``promprune/judge.py``).
+``AZURE_API_KEY``; ``OPENAI_BASE_URL`` (or ``--judge-base-url``) the endpoint (``pipelines/judge.py``).
 Exit codes: 0 done; 1 the judge failed for good midway (what was rated is cached); 2 bad input (no key, a key
 the endpoint refuses, a bad spec, task, model or store).
 """
@@ -43,9 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipelines import judge as judging
 from pipelines import preflight, schema
 from pipelines import spec as specs
-from promprune import judge as judging
 from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
 REPO = Path(__file__).resolve().parents[1]

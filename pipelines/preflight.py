@@ -78,7 +78,7 @@ def probe_judge() -> str | None:
     """Send the judge one tiny chat request; None when it answered, else what went wrong and what to set."""
     from lmms_eval.llm_judge import ServerConfig, get_server
 
-    from promprune.judge import api_key_env, api_type
+    from promprune.eval.tasks import api_key_env, api_type
 
     model = os.environ.get("MODEL_VERSION", "gpt-4o-2024-11-20")  # lmms-eval MM-Vet's judge model and its default
     try:

@@ -20,6 +20,7 @@ import pandas as pd
 from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
 from .prominence import spearman
+from .tables import markdown_table
 
 LABELS = {"spectral": "Spectral", "feature_norm": "Norm", "attention": "Attn"}  # the paper's legend
 RATINGS = (1, 2, 3, 4, 5)
@@ -96,12 +97,10 @@ def markdown(frame: pd.DataFrame, image: str | None, *, model: str, judge: str, 
         "## Fig. 2: entropy metrics vs judged semantic concentration", "",
         (f"{len(frame)} images ({', '.join(tasks)}), rated 1-5 by {judge} with the paper's Fig. B1 prompt "
          f"({unrated} without a usable rating); normalized entropies from {model}."), "",
-        "| rating | n | " + " | ".join(LABELS[m] for m in METRICS) + " |",
-        "|---|---|" + "---|" * len(METRICS),
+        markdown_table(["rating", "n"] + [LABELS[m] for m in METRICS],
+                       [[r, table.loc[r, "n"]] + [f"{table.loc[r, f'{m}_mean']:.4f}" if table.loc[r, "n"] else "-"
+                                                  for m in METRICS] for r in RATINGS]).rstrip("\n"),
     ]
-    for r in RATINGS:
-        cells = [f"{table.loc[r, f'{m}_mean']:.4f}" if table.loc[r, "n"] else "-" for m in METRICS]
-        lines.append(f"| {r} | {table.loc[r, 'n']} | " + " | ".join(cells) + " |")
     lines += ["", "Spearman rho (rating vs entropy): " +
               ", ".join(f"{LABELS[m]} {rho[m]:+.3f}" for m in METRICS) +
               ". The paper: spectral entropy falls as concentration rises; Norm and Attn show no consistent trend."]

@@ -253,6 +253,9 @@ def _cell(value, decimals: int, bold: bool = False, suffix: str = "") -> str:
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub-style pipe table of already formatted cells, unpadded (``| a | b |``), every report's one writer.
+    Not ``DataFrame.to_markdown``: that needs ``tabulate`` (here only through lmms-eval's sacrebleu) and pads
+    every column to its widest cell."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"

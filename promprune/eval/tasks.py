@@ -19,6 +19,7 @@ import logging
 import os
 from pathlib import Path
 
+from promprune.atomic import atomic_path
 from promprune.env import temporary_env
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PROMPRUNE_CACHE") or Path.home() / ".cache" / "promprune")
 
 
-def _write_atomic(path: Path, write) -> None:
-    """Write via a temporary file and rename, so concurrent preparers never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _easyvqa_tables():
     """The easy-vqa test split as two column dicts: yes/no questions and open questions (in the package's order)."""
     import easy_vqa
@@ -125,7 +119,8 @@ def _write_parquet(columns: dict, path: Path) -> None:
         return datasets.Value("string")
 
     features = datasets.Features({name: feature(name, values) for name, values in columns.items()})
-    _write_atomic(path, lambda tmp: datasets.Dataset.from_dict(columns, features=features).to_parquet(str(tmp)))
+    with atomic_path(path) as tmp:  # concurrent preparers never see half a file
+        datasets.Dataset.from_dict(columns, features=features).to_parquet(str(tmp))
 
 
 def _task_yaml(suite: str, task: str, parquet: Path) -> str:
@@ -164,7 +159,8 @@ def prepare_offline_tasks(suite: str = "easyvqa") -> Path:
         text = _task_yaml(suite, task, parquets[task])
         target = root / f"{task}.yaml"
         if not target.exists() or target.read_text() != text:
-            _write_atomic(target, lambda tmp, text=text: tmp.write_text(text))
+            with atomic_path(target) as tmp:
+                tmp.write_text(text)
     return root
 
 
@@ -238,6 +234,24 @@ def check_limit(task: str, limit: int | None) -> str | None:
 ENDPOINT_ENVS = ("OPENAI_BASE_URL", "OPENAI_API_URL")
 
 
+# The key rule every LLM judge shares (MM-Vet's in lmms-eval's worker, the Fig. 2 judge in pipelines/judge.py):
+# lmms-eval's API_TYPE picks the provider, and with it the variable that holds the key.
+
+
+def api_type() -> str:
+    return os.environ.get("API_TYPE", "openai")
+
+
+def is_azure() -> bool:
+    return api_type().startswith("azure")
+
+
+def api_key_env() -> str:
+    """The environment variable holding a judge's key: ``AZURE_API_KEY`` when API_TYPE starts with ``azure``, else
+    ``OPENAI_API_KEY`` (lmms-eval's providers read the same)."""
+    return "AZURE_API_KEY" if is_azure() else "OPENAI_API_KEY"
+
+
 def align_judge_endpoint() -> str | None:
     """Make one endpoint setting reach every judge: lmms-eval 0.7's MM-Vet reads ``OPENAI_API_URL``, the OpenAI SDK
     (and our README) ``OPENAI_BASE_URL``; whichever is set is copied to the other, so MM-Vet never falls back to the
@@ -256,8 +270,6 @@ def judge_skip_reason(task: str) -> str | None:
     """Why ``task`` must be skipped here (its LLM judge has no API key), or None when it can run."""
     if task not in JUDGE_TASKS:
         return None
-    from promprune.judge import api_key_env, api_type  # one rule for every LLM judge's key
-
     key = api_key_env()
     if os.environ.get(key):
         return None

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
+from filelock import FileLock
+
+from promprune.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -107,21 +109,11 @@ class Progress:
         self.bar.close()
 
 
-@contextlib.contextmanager
-def locked(path: Path):
-    """An exclusive advisory lock on ``path`` (POSIX ``flock``; other platforms: no lock)."""
+def locked(path: Path) -> FileLock:
+    """An exclusive lock on ``path`` across processes and threads (``filelock``: ``flock`` on POSIX, ``msvcrt`` on
+    Windows); use as ``with locked(path):``. Waits as long as the holder needs (training takes minutes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows
-            yield
-            return
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return FileLock(path)
 
 
 def complete(directory: Path) -> bool:
@@ -150,9 +142,6 @@ def train_once(directory: Path, train: Callable[[], tuple], what: str) -> None:
             return
         log.warning("%s not found: training %s (once)", directory, what)
         model, processor = train()
-        tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        shutil.rmtree(directory, ignore_errors=True)  # an incomplete leftover, never a finished one
-        os.replace(tmp, directory)
+        with atomic_path(directory) as tmp:  # replaces an incomplete leftover, never a finished one
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)

@@ -8,7 +8,7 @@ import pytest
 from pipelines import fig2_concentration as fig2
 from pipelines import schema
 from pipelines.weights import ModelSource
-from tests.eval.fake_openai import FakeOpenAI, rating_of
+from tests.pipelines.fake_openai import FakeOpenAI, rating_of
 from tests.reliability.conftest import assert_clean_error
 from tests.report.conftest import store  # noqa: F401 - the fixture: a fresh SQLite store, MLFLOW_TRACKING_URI set
 

@@ -11,19 +11,23 @@ normalized entropy of each prominence metric per rating. This module is the judg
     ratings = rate_images(judge, cache, [("pope", 0, png_bytes), ...])
     cache.save("ratings.json")
 
-Configuration, by environment variable as for lmms-eval's judge-scored tasks (MM-Vet):
+Configuration, by environment variable as for lmms-eval's judge-scored tasks (MM-Vet; the key rule is
+``promprune.eval.tasks.api_key_env``):
 
-- ``API_TYPE`` (default ``openai``): ``openai`` -> key in ``OPENAI_API_KEY``, sent as ``Authorization: Bearer``;
-  ``azure...`` -> key in ``AZURE_API_KEY``, sent as ``api-key``, to ``$AZURE_ENDPOINT/openai/deployments/<model>/
-  chat/completions?api-version=$API_VERSION`` (lmms-eval's URL scheme).
+- ``API_TYPE`` (default ``openai``): ``openai`` -> key in ``OPENAI_API_KEY``, an ``openai.OpenAI`` client;
+  ``azure...`` -> key in ``AZURE_API_KEY``, an ``openai.AzureOpenAI`` client on ``$AZURE_ENDPOINT`` with
+  ``api_version=$API_VERSION`` (as lmms-eval's Azure provider builds it): requests go to
+  ``<endpoint>/openai/deployments/<model>/chat/completions?api-version=...``.
 - ``OPENAI_BASE_URL`` (the OpenAI SDK's name; lmms-eval's ``OPENAI_API_URL`` is read too): the API root, default
-  ``https://api.openai.com/v1``; requests go to ``<root>/chat/completions``.
+  ``https://api.openai.com/v1``; requests go to ``<root>/chat/completions``. The SDK's other settings
+  (``OPENAI_ORG_ID``, ``OPENAI_PROJECT_ID``, proxies through ``HTTPS_PROXY``) apply as usual.
 
-Only the standard library is used (``urllib``). One request per image: the prompt as a text part, the image as a
-``data:image/png;base64,...`` ``image_url`` part, temperature 0. 429, 5xx, timeouts and dropped connections are
-retried with exponential backoff (``Retry-After`` honoured); 401/403 raise :class:`JudgeAuthError`, whose message
-names the environment variable the key came from; a reply without a parsable 1-5 rating is recorded with rating
-None and its text, never raised.
+The client is the ``openai`` SDK's. One request per image: the prompt as a text part, the image as a
+``data:image/png;base64,...`` ``image_url`` part, temperature 0. The SDK retries 408, 409, 429, 5xx, timeouts and
+dropped connections ``max_retries`` times with its exponential backoff (0.5 s doubling to 8 s, jittered; a
+server's ``Retry-After`` / ``retry-after-ms`` up to 2 minutes honoured); 401/403 raise :class:`JudgeAuthError`,
+whose message names the environment variable the key came from; a reply without a parsable 1-5 rating is recorded
+with rating None and its text, never raised.
 """
 from __future__ import annotations
 
@@ -31,16 +35,17 @@ import base64
 import hashlib
 import json
 import os
-import random
 import re
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import openai
+
+from promprune.atomic import atomic_path
+from promprune.eval.tasks import ENDPOINT_ENVS, api_key_env, api_type, is_azure
 
 # The prompt of the paper's Fig. B1 ("Prompt Used for GPT-4o-based Semantic Prominence Annotation"), word for word.
 # The paper typesets it in a box; rendered to plain text here: bold headings and line breaks as plain lines, a blank
@@ -92,10 +97,8 @@ Output only one integer (1-5)."""
 RATINGS = (1, 2, 3, 4, 5)  # 1 = highly distributed ... 5 = highly concentrated (Fig. B1)
 DEFAULT_MODEL = "gpt-4o"  # the paper's annotator; a dated snapshot (gpt-4o-2024-11-20) pins it further
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-BASE_URL_ENVS = ("OPENAI_BASE_URL", "OPENAI_API_URL")  # the OpenAI SDK's name first, then lmms-eval's
 AZURE_API_VERSION = "2024-02-15-preview"  # lmms-eval's default for API_VERSION
-RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504)  # worth another try; any other 5xx is retried too
-CACHE_FORMAT = "promprune.judge.ratings/1"
+CACHE_FORMAT = "promprune.judge.ratings/1"  # the name when this module lived in promprune/; kept: caches stay valid
 
 
 def prompt_sha(prompt: str = PROMPT) -> str:
@@ -111,20 +114,6 @@ def image_sha(png: bytes) -> str:
 # key and endpoint (the rule of promprune.eval.tasks.judge_skip_reason: lmms-eval's API_TYPE picks the provider)
 
 
-def api_type() -> str:
-    return os.environ.get("API_TYPE", "openai")
-
-
-def is_azure() -> bool:
-    return api_type().startswith("azure")
-
-
-def api_key_env() -> str:
-    """The environment variable holding the judge's key: ``AZURE_API_KEY`` when API_TYPE starts with ``azure``,
-    else ``OPENAI_API_KEY``: the variable ``judge_skip_reason`` checks for MM-Vet (a test keeps the two in step)."""
-    return "AZURE_API_KEY" if is_azure() else "OPENAI_API_KEY"
-
-
 def missing_key_message() -> str | None:
     """What to set when the judge has no key (None when it has one): one paragraph for a person to act on."""
     env = api_key_env()
@@ -138,7 +127,7 @@ def missing_key_message() -> str | None:
 
 
 def base_url_from_env() -> str:
-    for name in BASE_URL_ENVS:
+    for name in ENDPOINT_ENVS:  # the OpenAI SDK's name first, then lmms-eval's
         if os.environ.get(name):
             return os.environ[name]
     return DEFAULT_BASE_URL
@@ -203,55 +192,77 @@ class Reply:
 
 @dataclass
 class ConcentrationJudge:
-    """A Chat Completions client asking :data:`PROMPT` about one image at a time (temperature 0).
+    """An ``openai`` SDK client asking :data:`PROMPT` about one image at a time (temperature 0).
 
-    ``url`` is the full ``.../chat/completions`` address; :meth:`from_env` builds it as lmms-eval does. Retries:
-    ``max_retries`` more attempts after the first on 429 / 5xx / timeouts / dropped connections, sleeping
-    ``backoff * 2**attempt`` seconds (capped at ``max_backoff``, jittered, or the server's ``Retry-After``).
-    """
+    ``base_url``: the API root (``.../v1``; for Azure, the SDK's ``.../openai`` root) or None for
+    ``azure_endpoint``; :meth:`from_env` fills both as lmms-eval does. ``timeout`` and ``max_retries`` are the
+    SDK's (module docstring). ``requests_sent`` counts HTTP requests, retries included."""
 
-    url: str
     api_key: str
+    base_url: str | None = None
     key_env: str = "OPENAI_API_KEY"  # named in errors: where the key came from
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # for Azure: the deployment
     prompt: str = PROMPT
-    azure: bool = False  # send the key as `api-key` instead of `Authorization: Bearer`
+    azure: bool = False  # an AzureOpenAI client: the key as `api-key`, the deployment in the path
+    azure_endpoint: str | None = None  # Azure: the resource root (https://<resource>.openai.azure.com)
+    api_version: str = AZURE_API_VERSION  # Azure only
     timeout: float = 60.0  # seconds per request
-    max_retries: int = 6
-    backoff: float = 2.0
-    max_backoff: float = 60.0
+    max_retries: int = 6  # more attempts after the first, by the SDK
     max_tokens: int | None = None  # None: not sent (the prompt asks for one integer; some models reject the field)
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)  # tests pass a no-op
-    requests_sent: int = field(default=0, init=False)  # HTTP requests, retries included
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    requests_sent: int = field(default=0, init=False)
+    client: openai.OpenAI = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._lock, self._local = threading.Lock(), threading.local()
+        http = openai.DefaultHttpxClient(event_hooks={"request": [self._count]})  # sees every retry too
+        common = {"api_key": self.api_key, "timeout": self.timeout, "max_retries": self.max_retries,
+                  "http_client": http}
+        if self.azure:
+            self.client = openai.AzureOpenAI(api_version=self.api_version, base_url=self.base_url,
+                                             azure_endpoint=None if self.base_url else self.azure_endpoint, **common)
+        else:
+            self.client = openai.OpenAI(base_url=self.base_url or DEFAULT_BASE_URL, **common)
+
+    def _count(self, request) -> None:
+        with self._lock:
+            self.requests_sent += 1
+        self._local.attempts = getattr(self._local, "attempts", 0) + 1  # this thread's current ask()
 
     @classmethod
     def from_env(cls, *, model: str = DEFAULT_MODEL, base_url: str | None = None, **options) -> ConcentrationJudge:
         """The judge as the environment configures it (module docstring); ``base_url`` overrides the endpoint's
-        API root. Raises :class:`JudgeAuthError` with :func:`missing_key_message` when the key is not set."""
+        API root (with Azure, the SDK's ``.../openai`` root, under which it adds ``deployments/<model>/...``).
+        Raises :class:`JudgeAuthError` with :func:`missing_key_message` when the key is not set."""
         problem = missing_key_message()
         if problem:
             raise JudgeAuthError(problem)
         env, azure = api_key_env(), is_azure()
-        if base_url:
-            url = base_url.rstrip("/") + "/chat/completions"
-        elif azure:
+        endpoint = None
+        if azure and not base_url:
             endpoint = os.environ.get("AZURE_ENDPOINT", "").rstrip("/")
             if not endpoint:
                 raise JudgeError("API_TYPE selects Azure OpenAI but AZURE_ENDPOINT is not set (e.g. "
                                  "https://<resource>.openai.azure.com); set it, or pass the API root as base_url")
-            version = os.environ.get("API_VERSION", AZURE_API_VERSION)
-            url = f"{endpoint}/openai/deployments/{model}/chat/completions?api-version={version}"
-        else:
-            url = base_url_from_env().rstrip("/") + "/chat/completions"
-        return cls(url=url, api_key=os.environ[env], key_env=env, model=model, azure=azure, **options)
+            options.setdefault("api_version", os.environ.get("API_VERSION", AZURE_API_VERSION))
+        elif not azure:
+            base_url = base_url or base_url_from_env()
+        return cls(api_key=os.environ[env], base_url=base_url, key_env=env, model=model, azure=azure,
+                   azure_endpoint=endpoint, **options)
+
+    @property
+    def url(self) -> str:
+        """Where the requests go (for messages and the run's params)."""
+        root = str(self.client.base_url).rstrip("/")
+        if self.azure:
+            return f"{root}/deployments/{self.model}/chat/completions?api-version={self.api_version}"
+        return f"{root}/chat/completions"
 
     @property
     def prompt_sha(self) -> str:
         return prompt_sha(self.prompt)
 
     def body(self, png: bytes) -> dict:
-        """The request body for one image."""
+        """The request's arguments for one image (``chat.completions.create(**body)``)."""
         data_url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
         content = [{"type": "text", "text": self.prompt}, {"type": "image_url", "image_url": {"url": data_url}}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}], "temperature": 0}
@@ -261,45 +272,26 @@ class ConcentrationJudge:
 
     def ask(self, png: bytes) -> Reply:
         """Rate one PNG image. Raises :class:`JudgeAuthError` (401/403) or :class:`JudgeError` (any other failure
-        that retrying did not fix, or a response that is not a Chat Completion)."""
-        data = json.dumps(self.body(png)).encode("utf-8")
-        headers = {"Content-Type": "application/json",
-                   **({"api-key": self.api_key} if self.azure else {"Authorization": f"Bearer {self.api_key}"})}
-        for attempt in range(self.max_retries + 1):
-            request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
-            with self._lock:
-                self.requests_sent += 1
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    payload = response.read()
-            except urllib.error.HTTPError as exc:
-                detail = _error_detail(exc)
-                if exc.code in (401, 403):
-                    raise JudgeAuthError(self._auth_message(exc.code, detail), exc.code) from None
-                if (exc.code in RETRY_STATUS or exc.code >= 500) and attempt < self.max_retries:
-                    self.sleep(self._delay(attempt, exc.headers.get("Retry-After")))
-                    continue
-                raise JudgeError(f"the judge endpoint {self.url} answered HTTP {exc.code}"
-                                 f"{' after ' + str(attempt + 1) + ' attempts' if attempt else ''}: {detail}",
-                                 exc.code) from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-                if attempt < self.max_retries:
-                    self.sleep(self._delay(attempt, None))
-                    continue
-                reason = getattr(exc, "reason", exc)
-                raise JudgeError(f"the judge endpoint {self.url} could not be reached after {attempt + 1} attempts "
-                                 f"({type(exc).__name__}: {reason})") from None
-            text, model = _completion_text(payload, self.url)
-            return Reply(text=text, rating=parse_rating(text), model=model or self.model, attempts=attempt + 1)
-        raise AssertionError("unreachable")  # the loop returns or raises
-
-    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        that the SDK's retries did not fix, or a response that is not a Chat Completion)."""
+        self._local.attempts = 0
         try:
-            if retry_after is not None:
-                return min(float(retry_after), self.max_backoff)
-        except ValueError:
-            pass  # an HTTP date: use the exponential schedule instead
-        return min(self.backoff * 2 ** attempt, self.max_backoff) * (0.5 + random.random() / 2)
+            completion = self.client.chat.completions.create(**self.body(png))
+        except openai.APIStatusError as exc:
+            status, detail, attempts = exc.status_code, _error_detail(exc), self._local.attempts
+            if status in (401, 403):
+                raise JudgeAuthError(self._auth_message(status, detail), status) from None
+            raise JudgeError(f"the judge endpoint {self.url} answered HTTP {status}"
+                             f"{' after ' + str(attempts) + ' attempts' if attempts > 1 else ''}: {detail}",
+                             status) from None
+        except openai.APIConnectionError as exc:  # timeouts included
+            reason = exc.__cause__ or exc
+            raise JudgeError(f"the judge endpoint {self.url} could not be reached after {self._local.attempts} "
+                             f"attempts ({type(reason).__name__}: {reason})") from None
+        except openai.APIError as exc:  # a 2xx body the SDK could not read
+            raise JudgeError(f"the judge endpoint {self.url} did not return a Chat Completion: {exc}") from None
+        text, answered_by = _completion_text(completion, self.url)
+        return Reply(text=text, rating=parse_rating(text), model=answered_by or self.model,
+                     attempts=self._local.attempts)
 
     def _auth_message(self, status: int, detail: str) -> str:
         what = "refused the API key" if status == 401 else "does not let this API key use the model"
@@ -310,30 +302,26 @@ class ConcentrationJudge:
                 "belongs.")
 
 
-def _error_detail(exc: urllib.error.HTTPError) -> str:
-    """The server's error message (OpenAI: ``{"error": {"message": ...}}``), short, without echoing a key."""
-    try:
-        raw = exc.read().decode("utf-8", "replace")
-    except Exception:  # noqa: BLE001 - the status alone still says enough
-        return exc.reason or "no detail"
-    try:
-        message = json.loads(raw)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = raw
-    message = re.sub(r"sk-[A-Za-z0-9_-]{6,}", "sk-***", str(message)).strip()
-    return message[:300] or str(exc.reason)
+def _error_detail(exc: openai.APIStatusError) -> str:
+    """The server's error message (OpenAI: ``{"error": {"message": ...}}``, which the SDK unwraps into ``body``),
+    short, without echoing a key."""
+    body = exc.body
+    message = body.get("message") if isinstance(body, dict) else body
+    message = re.sub(r"sk-[A-Za-z0-9_-]{6,}", "sk-***", str(message or "")).strip()
+    return message[:300] or exc.response.reason_phrase or "no detail"
 
 
-def _completion_text(payload: bytes, url: str) -> tuple[str, str | None]:
-    """(reply text, answering model) of a Chat Completions response; JudgeError when it is not one."""
+def _completion_text(completion, url: str) -> tuple[str, str | None]:
+    """(reply text, answering model) of a Chat Completion; JudgeError when it is not one (the SDK builds its
+    response objects without validating them)."""
     try:
-        data = json.loads(payload)
-        content = data["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise JudgeError(f"the judge endpoint {url} did not return a Chat Completion: {payload[:200]!r}") from None
+        content = completion.choices[0].message.content
+    except (AttributeError, IndexError, KeyError, TypeError):
+        shown = str(completion)[:200]
+        raise JudgeError(f"the judge endpoint {url} did not return a Chat Completion: {shown}") from None
     if isinstance(content, list):  # some servers answer with content parts
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return (content or "").strip(), data.get("model")
+    return (content or "").strip(), getattr(completion, "model", None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -420,10 +408,8 @@ class RatingCache:
     def save(self, path: str | Path) -> Path:
         """Write atomically (a temporary file, then a rename): a kill never leaves half a cache."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(self.to_json(), encoding="utf-8")
         return path
 
 

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,7 +29,7 @@ class FakeOpenAI:
         self.key, self.model, self.azure, self.require_image = key, model, azure, require_image
         self.reply = reply or (lambda png: str(rating_of(png)))
         self.script: list[tuple[int, str, dict]] = []
-        self.requests: list[dict] = []  # every request received: {"path", "headers", "body"}
+        self.requests: list[dict] = []  # every request: {"path", "headers" (lower-case names), "body", "time"}
         self.lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}/v1"
@@ -57,7 +58,8 @@ class FakeOpenAI:
                 length = int(self.headers.get("Content-Length", 0))
                 raw = self.rfile.read(length)
                 with fake.lock:
-                    fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": raw})
+                    headers = {k.lower(): v for k, v in self.headers.items()}
+                    fake.requests.append({"path": self.path, "headers": headers, "body": raw, "time": time.monotonic()})
                     scripted = fake.script.pop(0) if fake.script else None
                 status, payload, headers = fake._answer(self.path, self.headers, raw, scripted)
                 data = json.dumps(payload).encode()

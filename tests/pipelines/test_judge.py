@@ -1,4 +1,5 @@
-"""The Fig. 2 judge against a Chat Completions server on loopback: ratings, the cache, retries, key errors."""
+"""The Fig. 2 judge (pipelines/judge.py, the openai SDK) against a Chat Completions server on loopback: ratings, the
+cache, the SDK's retries, key errors; and MM-Vet's judge endpoint and probe (promprune.eval.tasks, preflight)."""
 from __future__ import annotations
 
 import io
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from promprune import judge as judging
-from promprune.eval.tasks import JUDGE_TASKS, judge_skip_reason
-from tests.eval.fake_openai import FakeOpenAI, rating_of
+from pipelines import judge as judging
+from promprune.eval.tasks import JUDGE_TASKS, api_key_env, judge_skip_reason
+from tests.pipelines.fake_openai import FakeOpenAI, rating_of
 
 PAPER = Path("/work/shared/paper/promprune.tex")
 KEYS = ("OPENAI_API_KEY", "AZURE_API_KEY", "API_TYPE", "OPENAI_BASE_URL", "OPENAI_API_URL", "AZURE_ENDPOINT")
@@ -43,7 +44,10 @@ def server(env):
 
 
 def make_judge(**options) -> judging.ConcentrationJudge:
-    return judging.ConcentrationJudge.from_env(sleep=lambda s: None, **options)
+    return judging.ConcentrationJudge.from_env(**options)
+
+
+FAST_RETRY = {"retry-after-ms": "10"}  # the server's own wait, which the SDK honours: failing tests stay quick
 
 
 def test_the_prompt_is_the_papers_fig_b1():
@@ -73,7 +77,7 @@ def test_a_rating_comes_back_and_the_request_is_what_the_api_expects(server):
     assert reply.rating == rating_of(image) and reply.text == str(rating_of(image))
     assert reply.model == "gpt-4o-2024-11-20" and reply.attempts == 1
     sent = server.requests[0]
-    assert sent["path"] == "/v1/chat/completions" and sent["headers"]["Authorization"] == "Bearer test-key"
+    assert sent["path"] == "/v1/chat/completions" and sent["headers"]["authorization"] == "Bearer test-key"
     body = json.loads(sent["body"])
     assert body["temperature"] == 0 and body["model"] == "gpt-4o"
     assert body["messages"][0]["content"][0] == {"type": "text", "text": judging.PROMPT}
@@ -102,23 +106,45 @@ def test_one_request_per_distinct_image(server):
 
 
 def test_429_and_503_are_retried_after_backoff(server):
-    slept = []
-    server.script = [(429, "Rate limit reached for gpt-4o", {"Retry-After": "7"}), (503, "overloaded", {})]
-    judge = judging.ConcentrationJudge.from_env(sleep=slept.append, backoff=0.5)
+    server.script = [(429, "Rate limit reached for gpt-4o", {"Retry-After": "1.5"}), (503, "overloaded", {})]
+    judge = make_judge()
     reply = judge.ask(png())
-    assert reply.rating == rating_of(png()) and reply.attempts == 3 and server.count == 3
-    assert slept[0] == 7.0 and 0.25 <= slept[1] <= 1.0  # Retry-After honoured, then the jittered schedule
+    assert reply.rating == rating_of(png()) and reply.attempts == 3 and server.count == 3 == judge.requests_sent
+    t = [r["time"] for r in server.requests]
+    # Retry-After honoured (the SDK's own first wait is at most 0.5 s), then its schedule: 1 s less up to 25 % jitter
+    assert t[1] - t[0] >= 1.5 and t[2] - t[1] >= 0.75
 
 
 def test_a_persistent_failure_is_recorded_not_cached_and_many_stop_the_run(server):
-    server.script = [(500, "boom", {})] * 3
+    server.script = [(500, "boom", FAST_RETRY)] * 3
     cache = judging.RatingCache()
     [rating] = judging.rate_images(make_judge(max_retries=2), cache, [("pope", 0, png())])
-    assert rating.rating is None and "HTTP 500 after 3 attempts" in rating.error and len(cache) == 0
-    server.script = [(500, "boom", {})] * 20
+    assert rating.rating is None and "HTTP 500 after 3 attempts: boom" in rating.error and len(cache) == 0
+    server.script = [(500, "boom", FAST_RETRY)] * 20
     items = [("pope", i, png((i, i, i))) for i in range(4)]
     with pytest.raises(judging.JudgeError, match="2 judge requests in a row failed"):
         judging.rate_images(make_judge(max_retries=1), cache, items, workers=1, max_consecutive_failures=2)
+
+
+def test_a_request_the_server_rejects_is_not_retried(server):
+    judge = make_judge(model="gpt-5")  # the server has no such model: 404, which no retry fixes
+    with pytest.raises(judging.JudgeError, match="answered HTTP 404: The model `gpt-5` does not exist") as err:
+        judge.ask(png())
+    assert err.value.status == 404 and server.count == 1 and "attempts" not in str(err.value)
+
+
+def test_a_dead_endpoint_is_retried_then_named(env):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env.setenv("OPENAI_API_KEY", "k")
+    judge = make_judge(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1)
+    with pytest.raises(judging.JudgeError, match=f"127.0.0.1:{port}/v1/chat/completions could not be reached "
+                                                 "after 2 attempts"):
+        judge.ask(png())
+    assert judge.requests_sent == 2
 
 
 def test_401_names_the_key_variable(server, env):
@@ -137,6 +163,9 @@ def test_azure_sends_its_key_header_and_names_its_variable(env):
         env.setenv("API_TYPE", "azure")
         env.setenv("AZURE_API_KEY", "az-key")
         assert make_judge(base_url=fake.base_url).ask(png()).rating == rating_of(png())
+        sent = fake.requests[0]  # the SDK's Azure scheme under the given root: the deployment in the path
+        assert sent["path"] == f"/v1/deployments/gpt-4o/chat/completions?api-version={judging.AZURE_API_VERSION}"
+        assert sent["headers"]["api-key"] == "az-key" and "authorization" not in sent["headers"]
         env.setenv("AZURE_API_KEY", "bad")
         with pytest.raises(judging.JudgeAuthError, match="AZURE_API_KEY"):
             make_judge(base_url=fake.base_url).ask(png())
@@ -157,7 +186,7 @@ def test_unparsable_replies_are_recorded_as_none(server):
 def test_missing_key_matches_mmvets_rule(env, api_type):
     if api_type:
         env.setenv("API_TYPE", api_type)
-    key = judging.api_key_env()
+    key = api_key_env()
     assert key in judge_skip_reason(JUDGE_TASKS[0])  # the variable MM-Vet's skip names
     with pytest.raises(judging.JudgeAuthError, match=key):
         judging.ConcentrationJudge.from_env()

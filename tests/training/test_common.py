@@ -1,0 +1,56 @@
+"""The once-only training cache of promprune.training.common: the file lock (filelock) and the atomic directory."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from filelock import Timeout
+
+from promprune.training.common import complete, locked, train_once
+
+
+class Saved:
+    """Stands in for a model or processor: ``save_pretrained`` writes what :func:`complete` looks for, slowly."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def save_pretrained(self, directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        time.sleep(0.05)
+        (directory / self.name).write_text("x")
+
+
+def test_the_lock_excludes_another_holder(tmp_path):
+    path = tmp_path / "deep" / ".model.lock"
+    with locked(path):
+        with pytest.raises(Timeout):
+            locked(path).acquire(timeout=0.1)  # a second lock object on the same file: as another process
+    with locked(path).acquire(timeout=0.1):
+        pass
+
+
+def test_concurrent_callers_train_once_and_see_a_whole_checkpoint(tmp_path):
+    target, calls = tmp_path / "model-v1", []
+
+    def train():
+        calls.append(1)
+        time.sleep(0.2)
+        return Saved("model.safetensors"), Saved("config.json")
+
+    threads = [threading.Thread(target=train_once, args=(target, train, "a test model")) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and complete(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model-v1.lock", "model-v1"]  # no temporary left
+
+
+def test_an_incomplete_leftover_is_replaced(tmp_path):
+    target = tmp_path / "model-v1"
+    target.mkdir()
+    (target / "config.json").write_text("half")  # a killed run: no weights
+    train_once(target, lambda: (Saved("model.safetensors"), Saved("config.json")), "a test model")
+    assert complete(target) and (target / "config.json").read_text() == "x"
