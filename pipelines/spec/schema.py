@@ -12,10 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, StrictStr, TypeAdapter, ValidationError, \
-    ValidationInfo, WrapValidator, with_config
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, \
+    ValidationError, ValidationInfo, WrapValidator, with_config
 from pydantic_core import InitErrorDetails
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from pipelines.calibration import Calibration
 from pipelines.config import AUTO, SECTION, PositiveOrAuto, Resources, expect, one_of, problem
@@ -26,6 +26,7 @@ SEARCHES = ("grid", "random")
 # generate() kwargs a spec may set; a typo such as `max_new_token` must fail before any model loads
 GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "num_beams", "repetition_penalty")
 REQUIRED = ("name", "version")
+DEFAULT_TASKS = ("easyvqa_yesno", "easyvqa_open")  # the offline benchmarks
 
 
 def mapping(what: str = "a mapping", kind: type = dict) -> WrapValidator:
@@ -124,36 +125,33 @@ def _check_grid(grid: dict, info: ValidationInfo) -> dict:
     return grid
 
 
-def _check_trial(i: int, trial: dict, tasks: list | None, catalog) -> list[tuple[tuple, str, Any]]:
-    problems = [((i, key), "required field missing", None) for key in ("method", "budget") if key not in trial]
-    for key in ("method", "budget"):
-        if isinstance(trial.get(key), (list, dict)):
-            problems.append(((i, key), f"explicit trials take one value, got {trial[key]!r} (use grid: for lists)",
-                             trial[key]))
-    if "method" in trial and not isinstance(trial["method"], (list, dict)):
-        problems += [((i, "method"), text, trial["method"]) for text in [_method_problem(trial["method"], catalog)]
-                     if text]
-    if "tasks" in trial:
-        sub = trial["tasks"]
-        if not isinstance(sub, list) or not sub or not all(isinstance(x, str) for x in sub):
-            problems.append(((i, "tasks"), f"expected a non-empty list of the spec's task names, got {sub!r}", sub))
-        elif tasks is not None and (extra := [x for x in sub if x not in tasks]):
-            problems.append(((i, "tasks"), f"{extra} not in the spec's tasks {tasks} (a trial runs on a subset of "
-                             "them)", sub))
-    return problems
+def _one_value(value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        raise problem(f"explicit trials take one value, got {value!r} (use grid: for lists)")
+    return value
 
 
-def _check_trials(trials: list, info: ValidationInfo) -> list:
-    catalog = (info.context or {}).get("catalog")
-    tasks = info.data.get("tasks")  # None when the spec's own tasks are invalid (reported there)
-    problems = []
-    for i, trial in enumerate(trials):
-        if not isinstance(trial, dict):
-            problems.append(((i,), f"expected a mapping, got {trial!r}", trial))
-        else:
-            problems += _check_trial(i, trial, tasks, catalog)
-    _raise(problems, "trials")
-    return trials
+def _known_method(method: Any, info: ValidationInfo) -> Any:
+    if text := _method_problem(method, (info.context or {}).get("catalog")):
+        raise problem(text)
+    return method
+
+
+def _in_the_spec(tasks: list[str], info: ValidationInfo) -> list[str]:
+    spec_tasks = (info.context or {}).get("tasks")  # None when the spec's own tasks are invalid (reported there)
+    if spec_tasks is not None and (extra := [t for t in tasks if t not in spec_tasks]):
+        raise problem(f"{extra} not in the spec's tasks {spec_tasks} (a trial runs on a subset of them)")
+    return tasks
+
+
+class ExplicitTrial(TypedDict):
+    """One entry of `trials:`: a method, a budget, the method's options, and optionally a subset of the tasks."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # the method's options (their values: `check_trials`)
+    method: Annotated[Any, AfterValidator(_one_value), AfterValidator(_known_method)]
+    budget: Annotated[Any, AfterValidator(_one_value)]
+    tasks: NotRequired[Annotated[list[StrictStr], Field(min_length=1),
+                                 expect("a non-empty list of the spec's task names"), AfterValidator(_in_the_spec)]]
 
 
 TaskList = Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1),
@@ -168,9 +166,9 @@ class SweepSpec:
     version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
     description: Annotated[StrictStr, expect("str")] = ""
     # the loader itself: pretrained, dtype, attention, options
-    model: Annotated[ModelSource, mapping()] = field(default_factory=ModelSource)
+    model: ModelSource = field(default_factory=ModelSource)
     # the offline benchmarks
-    tasks: TaskList = field(default_factory=lambda: ["easyvqa_yesno", "easyvqa_open"])
+    tasks: TaskList = field(default_factory=lambda: list(DEFAULT_TASKS))
     # per-task sample cap; None: the full benchmark
     limit: Annotated[Annotated[StrictInt, Field(ge=1)] | None, expect("an int >= 1 or null")] = None
     baseline: Annotated[bool, Field(strict=True), expect("bool")] = True  # also run the unpruned model once
@@ -179,15 +177,16 @@ class SweepSpec:
                          expect("0 (no confidence intervals) or a number of resamples in 100..100000")] = 0
     grid: Annotated[dict, mapping("a mapping of field -> value or list of values"),
                     AfterValidator(_check_grid)] = field(default_factory=dict)
-    trials: Annotated[list, mapping("a list of mappings like {method: fastv, budget: 64, layer: 2}", list),
-                      AfterValidator(_check_trials)] = field(default_factory=list)
+    trials: Annotated[list[ExplicitTrial], WrapValidator(_as_written),
+                      mapping("a list of mappings like {method: fastv, budget: 64, layer: 2}", list)] = field(
+        default_factory=list)
     # generate() kwargs over each task's own; {}: lmms-eval's per task
     generation: Annotated[Generation, mapping("a mapping of generate() kwargs"),
                           WrapValidator(_as_written)] = field(default_factory=dict)
-    resources: Annotated[Resources, mapping()] = field(default_factory=Resources)
+    resources: Resources = field(default_factory=Resources)
     # images for trials with mu: calibrate
-    calibration: Annotated[Calibration, mapping()] = field(default_factory=Calibration)
-    tune: Annotated[TuneSpec, mapping()] = field(default_factory=TuneSpec)
+    calibration: Calibration = field(default_factory=Calibration)
+    tune: TuneSpec = field(default_factory=TuneSpec)
 
     def to_dict(self) -> dict:
         """The spec as plain data (what `dump_resolved` writes): component fields that are not spec fields, such as
@@ -207,7 +206,16 @@ VALID_KEYS = {(): TOP_LEVEL, ("generation",): list(GENERATION_KEYS)} | {
     (section,): [f.name for f in dataclasses.fields(cls) if f.metadata.get("spec", True)]
     for section, cls in SECTIONS.items()}
 SCHEMA = TypeAdapter(SweepSpec)
+TASKS = TypeAdapter(TaskList)
 PLACEHOLDERS = {"name": "?", "version": 1}  # stand in for a missing or bad required field in `validate`'s repair
+
+
+def _spec_tasks(raw: dict) -> list[str] | None:
+    """The spec's tasks, for the explicit trials' subsets (validated first); None if they are invalid."""
+    try:
+        return TASKS.validate_python(raw["tasks"]) if "tasks" in raw else list(DEFAULT_TASKS)
+    except ValidationError:
+        return None
 
 
 def validate(raw: dict, catalog=None) -> tuple[SweepSpec | None, list[str]]:
@@ -215,7 +223,7 @@ def validate(raw: dict, catalog=None) -> tuple[SweepSpec | None, list[str]]:
     left at its default, so the checks that need a whole spec (option values) still run and report with the
     others; None when the grid or the trials themselves are bad (nothing to expand)."""
     raw = {k: v for k, v in raw.items() if k != "include"}
-    context = {"catalog": catalog}
+    context = {"catalog": catalog, "tasks": _spec_tasks(raw)}
     try:
         return SCHEMA.validate_python(raw, context=context), []
     except ValidationError as exc:
