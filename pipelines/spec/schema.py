@@ -23,8 +23,6 @@ from pipelines.spec.errors import reword, unknown
 from pipelines.weights import ModelSource
 
 SEARCHES = ("grid", "random")
-# generate() kwargs a spec may set; a typo such as `max_new_token` must fail before any model loads
-GENERATION_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "num_beams", "repetition_penalty")
 REQUIRED = ("name", "version")
 DEFAULT_TASKS = ("easyvqa_yesno", "easyvqa_open")  # the offline benchmarks
 
@@ -58,7 +56,8 @@ def _bootstrap(n: int) -> int:
 
 
 class Generation(TypedDict, total=False):
-    """generate() kwargs over each task's own (only max_new_tokens has a rule here; the model checks the rest)."""
+    """generate() kwargs a spec may set over each task's own: a typo such as `max_new_token` must fail before any
+    model loads (only max_new_tokens has a rule here; generate() checks the rest)."""
 
     __pydantic_config__ = SECTION
     max_new_tokens: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
@@ -70,13 +69,16 @@ class Generation(TypedDict, total=False):
     repetition_penalty: Any
 
 
-assert tuple(Generation.__annotations__) == GENERATION_KEYS
+GENERATION_KEYS = tuple(Generation.__annotations__)
+
+
+Search = one_of(*SEARCHES)
 
 
 @with_config(SECTION)
 @dataclass
 class TuneSpec:
-    search: one_of(*SEARCHES) = "grid"  # grid: every combination; random: num_samples seeded draws from the grid
+    search: Search = "grid"  # grid: every combination; random: num_samples seeded draws from the grid
     # grid: repeats of every trial; random: number of draws
     num_samples: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 1
     max_concurrent_trials: PositiveOrAuto = AUTO  # auto: as many as the GPUs allow (1 on a CPU machine)
