@@ -23,7 +23,6 @@ from pipelines.spec.errors import reword, unknown
 from pipelines.weights import ModelSource
 
 SEARCHES = ("grid", "random")
-REQUIRED = ("name", "version")
 DEFAULT_TASKS = ("easyvqa_yesno", "easyvqa_open")  # the offline benchmarks
 
 
@@ -164,6 +163,8 @@ TaskList = Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_
 @with_config(SECTION)
 @dataclass
 class SweepSpec:
+    """A whole spec, validated (`validate`); `name` and `version` are required, everything else has a default."""
+
     name: Annotated[StrictStr, Field(pattern=r"^[^/]*[^/\s][^/]*$"), expect("a non-empty name without '/'")]
     version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
     description: Annotated[StrictStr, expect("str")] = ""
@@ -233,7 +234,7 @@ def validate(raw: dict, catalog=None) -> tuple[SweepSpec | None, list[str]]:
         bad = [tuple(e["loc"]) for e in exc.errors()]
     if any(loc[0] in ("grid", "trials") for loc in bad):
         return None, errors
-    repaired = {**PLACEHOLDERS, **raw}
+    repaired = dict(raw)
     for loc in bad:
         section = repaired.get(loc[0])
         if len(loc) > 1 and isinstance(section, dict):
