@@ -18,20 +18,27 @@ import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, StrictInt, StrictStr, with_config
+
+from pipelines.config import SECTION, expect
 
 CALIBRATE = "calibrate"  # the option value that asks for a calibrated mu
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 DEFAULT_METRIC = "spectral"
 
 
+@with_config(SECTION)
 @dataclass
 class Calibration:
     """The spec's ``calibration:`` section."""
 
-    images: str | None = None  # folder, or hf:<dataset id>[:<split>[:<column>]]; required when a trial calibrates mu
-    n: int = 1000  # images (the paper: 1,000)
-    seed: int = 0  # which images, when the source holds more than n
-    batch_size: int = 8
+    # folder, or hf:<dataset id>[:<split>[:<column>]]; required when a trial calibrates mu
+    images: Annotated[StrictStr | None, expect("a folder of images, hf:<dataset id> or testbed:<split>")] = None
+    n: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 1000  # images (the paper: 1,000)
+    seed: Annotated[StrictInt, expect("an int")] = 0  # which images, when the source holds more than n
+    batch_size: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 8
 
 
 def metrics_to_calibrate(trials) -> list[str]:

@@ -22,9 +22,22 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import AfterValidator, Field, StrictStr, with_config
+from pydantic_core import PydanticCustomError
+
+from promprune.naming import AUTO as AUTO_DTYPE
+from promprune.naming import CANONICAL_DTYPES
+
+from pipelines.config import SECTION, expect, one_of
+
+DTYPES = (AUTO_DTYPE, *CANONICAL_DTYPES)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+Dtype = one_of(*DTYPES)
+AttnImplementation = one_of(*ATTN_IMPLEMENTATIONS)
+
 
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:
     """'auto' -> bfloat16 on GPU (the 7B checkpoints' training dtype), float32 on CPU (no fast bf16 matmul)."""
@@ -51,16 +64,24 @@ def local_device() -> str:
     return "cuda"
 
 
+def _not_a_spec_field(value: Any) -> Any:
+    raise PydanticCustomError("extra_forbidden", "not a spec field")
+
+
+@with_config(SECTION)
 @dataclass
 class ModelSource:
-    """A checkpoint and how to load it; picklable, sent to every actor."""
+    """A checkpoint and how to load it; picklable, sent to every actor. The spec's ``model:`` section."""
 
-    pretrained: str = "tiny:llava"  # the offline tiny LLaVA
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    attn_implementation: str = "sdpa"  # saliency comes from hooks, so SDPA stays on everywhere
-    options: dict = field(default_factory=dict)  # adapter options (budget_mode, image_tokens, ...)
+    # the offline tiny LLaVA
+    pretrained: Annotated[StrictStr, Field(pattern=r"\S"), expect("a checkpoint name or path")] = "tiny:llava"
+    dtype: Dtype = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    # saliency comes from hooks, so SDPA stays on everywhere
+    attn_implementation: AttnImplementation = "sdpa"
+    # adapter options (budget_mode, image_tokens, ...); checked against promprune.models by pipelines.spec
+    options: Annotated[dict, expect("a mapping of adapter kwargs")] = field(default_factory=dict)
     # ObjectRef from share(): weights published once per sweep; None: from_pretrained per actor. Not a spec field.
-    shared: Any = field(default=None, metadata={"spec": False})
+    shared: Annotated[Any, AfterValidator(_not_a_spec_field)] = field(default=None, metadata={"spec": False})
 
     def load(self, *, method: str | None, budget: int | None, options: dict | None = None):
         """A PrunedVLM on this process's device (CUDA if assigned, else CPU)."""

@@ -1,0 +1,55 @@
+"""Sweep specs: load a `sweeps/*.yaml` file, validate it completely, expand it into trials.
+
+A spec is YAML (see sweeps/README.md for every field). Loading is three steps:
+
+1. `load_raw(path)` (`loading.py`): read the file, resolve `include:` (deep merge, the including file wins), apply
+   `--set` overrides (`key.sub=value`, the value parsed as YAML).
+2. `parse(raw)`: check every field against the schema (`schema.py`, pydantic); unknown or mistyped fields, bad
+   types and bad method names/options are collected and raised together as one `SpecError` (`errors.py`, with
+   "did you mean" hints). No model is loaded and no GPU is needed: methods and their options are checked through
+   `promprune`'s registry.
+3. `expand(spec)` (`trials.py`): the cartesian product of every list in `grid`, plus the explicit `trials`, plus
+   the unpruned baseline, as `Trial`s with stable, human-readable ids (the same config gives the same id every
+   night).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pipelines.config import AUTO
+from pipelines.spec.errors import SpecError
+from pipelines.spec.loading import deep_merge, load_raw
+from pipelines.spec.schema import GENERATION_KEYS, SEARCHES, SECTIONS, TOP_LEVEL, SweepSpec, TuneSpec, validate
+from pipelines.spec.trials import MethodCatalog, Trial, check_trials, expand, trial_id
+from pipelines.weights import ATTN_IMPLEMENTATIONS, DTYPES
+
+__all__ = ["ATTN_IMPLEMENTATIONS", "AUTO", "DTYPES", "GENERATION_KEYS", "SEARCHES", "SECTIONS", "TOP_LEVEL",
+           "MethodCatalog", "SpecError", "SweepSpec", "Trial", "TuneSpec", "check_trials", "deep_merge",
+           "dump_resolved", "expand", "load", "load_raw", "parse", "trial_id"]
+
+
+def load(path: str | Path, overrides: list[str] | None = None, *, check_methods: bool = True) -> SweepSpec:
+    """Read, merge, override and validate a spec file; raises SpecError listing every problem."""
+    return parse(load_raw(path, overrides), source=str(path), check_methods=check_methods)
+
+
+def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) -> SweepSpec:
+    """Validate a raw spec mapping (after include/overrides) into a SweepSpec; all errors at once."""
+    catalog = MethodCatalog() if check_methods else None
+    spec, errors = validate(raw, catalog)
+    if spec is not None:  # the checks of a whole spec, reported with the fields' problems, not after they are fixed
+        if not spec.grid and not spec.trials and not spec.baseline:
+            errors.append("grid/trials: the spec runs nothing (empty grid, no trials, baseline: false)")
+        elif catalog is not None:  # a field left at its default by `validate` was reported already
+            reported = {e.split(": ", 1)[0] for e in errors}
+            errors += [e for e in check_trials(spec, catalog) if e.split(": ", 1)[0] not in reported]
+    if errors:
+        raise SpecError(errors, source)
+    return spec
+
+
+def dump_resolved(spec: SweepSpec) -> str:
+    """The fully resolved spec (includes merged, overrides applied, defaults filled) as YAML."""
+    return yaml.safe_dump(spec.to_dict(), sort_keys=False)

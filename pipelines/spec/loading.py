@@ -1,0 +1,78 @@
+"""Reading a spec file: YAML, `include:` chains (deep merge, the including file wins) and `--set` overrides."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from pipelines.spec.errors import SpecError
+
+
+def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """The spec file as a dict, `include:` chains merged (this file wins), `--set` overrides applied."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError([f"spec file not found: {path}"], str(path))
+    raw = _load_with_includes(path, seen=())
+    for item in overrides or []:
+        _apply_override(raw, item, str(path))
+    return raw
+
+
+def _load_with_includes(path: Path, seen: tuple) -> dict:
+    if path.resolve() in seen:
+        raise SpecError([f"include cycle: {' -> '.join(str(p) for p in seen + (path,))}"], str(path))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"not UTF-8 text (byte {exc.start}: {exc.reason}); save the spec as UTF-8"], str(path)) \
+            from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f"line {where.line + 1}, column {where.column + 1}: " if where is not None else ""
+        raise SpecError([f"malformed YAML: {line}{getattr(exc, 'problem', None) or exc}"], str(path)) from None
+    except OSError as exc:
+        raise SpecError([f"cannot read the spec ({exc.strerror})"], str(path)) from None
+    if not isinstance(data, dict):
+        raise SpecError([f"top level must be a mapping, got {type(data).__name__}"], str(path))
+    include = data.pop("include", None)
+    if include is None:
+        return data
+    if not isinstance(include, str):
+        raise SpecError([f"include: must be a file path string, got {include!r}"], str(path))
+    base_path = (path.parent / include)
+    if not base_path.is_file():
+        raise SpecError([f"include: file not found: {base_path}"], str(path))
+    base = _load_with_includes(base_path, seen + (path.resolve(),))
+    return deep_merge(base, data)
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """Recursive merge of mappings; `top` wins; lists and scalars are replaced, not concatenated."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _apply_override(raw: dict, item: str, source: str) -> None:
+    """`grid.budget=[8,4]` sets raw["grid"]["budget"] = [8, 4] (value parsed as YAML)."""
+    if "=" not in item:
+        raise SpecError([f"override {item!r}: expected key=value, e.g. limit=8 or grid.budget=[8,4]"], source)
+    key, value = item.split("=", 1)
+    keys = key.strip().split(".")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise SpecError([f"override {item!r}: the value is not valid YAML; quote strings with special characters"],
+                        source) from None
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise SpecError([f"override {item!r}: {k} is not a mapping"], source)
+    node[keys[-1]] = parsed

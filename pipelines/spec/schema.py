@@ -1,0 +1,248 @@
+"""The sweep spec's schema: every field, its type, its rule and its default, declared once (pydantic).
+
+`SweepSpec` and `TuneSpec` are plain dataclasses like the sections they hold (`ModelSource`, `Resources`,
+`Calibration`: the components' own config objects, whose fields carry their rules the same way). `validate` runs
+pydantic over a raw spec mapping and returns the problems in our words (`errors.reword`). Method names in `grid`
+and `trials` are checked through promprune's registry (the `catalog` in pydantic's validation context); option
+values need the expanded trials and are checked afterwards (`trials.check_trials`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, \
+    ValidationError, ValidationInfo, WrapValidator, with_config
+from pydantic_core import InitErrorDetails
+from typing_extensions import NotRequired, TypedDict
+
+from pipelines.calibration import Calibration
+from pipelines.config import AUTO, SECTION, PositiveOrAuto, Resources, expect, one_of, problem
+from pipelines.spec.errors import reword, unknown
+from pipelines.weights import ModelSource
+
+SEARCHES = ("grid", "random")
+DEFAULT_TASKS = ("easyvqa_yesno", "easyvqa_open")  # the offline benchmarks
+
+
+def mapping(what: str = "a mapping", kind: type = dict) -> WrapValidator:
+    """A section must be a mapping (``expected <what>, got ...``); its own fields report their own problems."""
+    def check(value: Any, handler):
+        if not isinstance(value, kind):
+            raise problem(f"expected {what}, got {value!r}")
+        return handler(value)
+
+    return WrapValidator(check)
+
+
+def _as_written(value: Any, handler) -> Any:
+    handler(value)  # checked; kept in the order and form the user wrote it (dump_resolved, trial configs)
+    return value
+
+
+def _no_duplicates(tasks: list[str]) -> list[str]:
+    dupes = sorted({t for t in tasks if tasks.count(t) > 1})
+    if dupes:
+        raise problem(f"listed more than once: {', '.join(dupes)}")
+    return tasks
+
+
+def _bootstrap(n: int) -> int:
+    if 0 < n < 100:
+        raise ValueError(n)
+    return n
+
+
+class Generation(TypedDict, total=False):
+    """generate() kwargs a spec may set over each task's own: a typo such as `max_new_token` must fail before any
+    model loads (only max_new_tokens has a rule here; generate() checks the rest)."""
+
+    __pydantic_config__ = SECTION
+    max_new_tokens: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
+    do_sample: Any
+    temperature: Any
+    top_p: Any
+    top_k: Any
+    num_beams: Any
+    repetition_penalty: Any
+
+
+GENERATION_KEYS = tuple(Generation.__annotations__)
+
+
+Search = one_of(*SEARCHES)
+
+
+@with_config(SECTION)
+@dataclass
+class TuneSpec:
+    search: Search = "grid"  # grid: every combination; random: num_samples seeded draws from the grid
+    # grid: repeats of every trial; random: number of draws
+    num_samples: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 1
+    max_concurrent_trials: PositiveOrAuto = AUTO  # auto: as many as the GPUs allow (1 on a CPU machine)
+    # Tune retries of a failed trial (node loss, OOM) before the trial counts as errored
+    max_failures: Annotated[StrictInt, Field(ge=-1), expect("an int >= 0 (or -1: unlimited)")] = 2
+    seed: Annotated[StrictInt, expect("an int")] = 0  # random search draws
+    # Tune's experiment dir; None: ./outputs/tune (needs shared storage on clusters)
+    storage_path: Annotated[StrictStr | None, expect("a path or URI string")] = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# grid and explicit trials: open mappings (method options), checked as a whole, each problem at its own path
+
+
+def _raise(problems: list[tuple[tuple, str, Any]], title: str) -> None:
+    """Several problems of one field at once, each at its own location under it."""
+    if problems:
+        raise ValidationError.from_exception_data(title, [
+            InitErrorDetails(type=problem(text), loc=loc, input=value) for loc, text, value in problems])
+
+
+def _method_problem(method: Any, catalog) -> str | None:
+    if catalog is None or method in catalog.names:
+        return None
+    return f"unknown method {method!r}{unknown(method, catalog.names)}"
+
+
+def _check_grid(grid: dict, info: ValidationInfo) -> dict:
+    catalog = (info.context or {}).get("catalog")
+    problems = [((key,), "empty list", value) for key, value in grid.items() if isinstance(value, list) and not value]
+    if grid and "method" not in grid:
+        problems.append((("method",), "required when grid is set (a method name or a list of them)", None))
+    if grid and "budget" not in grid:
+        problems.append((("budget",), "required when grid is set (an int or a list of them)", None))
+    methods = grid.get("method", [])
+    methods = methods if isinstance(methods, list) else [methods]
+    problems += [(("method",), text, m) for m in methods if (text := _method_problem(m, catalog))]
+    known = [m for m in methods if catalog is not None and m in catalog.names]
+    if known:
+        all_options = sorted(set().union(*[catalog.options(m) for m in catalog.names]))
+        for key in grid:
+            if key not in ("method", "budget") and not any(key in catalog.options(m) for m in known):
+                problems.append(((key,), "no method in grid.method accepts this option"
+                                 f"{unknown(key, all_options)}", grid[key]))
+    _raise(problems, "grid")
+    return grid
+
+
+def _one_value(value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        raise problem(f"explicit trials take one value, got {value!r} (use grid: for lists)")
+    return value
+
+
+def _known_method(method: Any, info: ValidationInfo) -> Any:
+    if text := _method_problem(method, (info.context or {}).get("catalog")):
+        raise problem(text)
+    return method
+
+
+def _in_the_spec(tasks: list[str], info: ValidationInfo) -> list[str]:
+    spec_tasks = (info.context or {}).get("tasks")  # None when the spec's own tasks are invalid (reported there)
+    if spec_tasks is not None and (extra := [t for t in tasks if t not in spec_tasks]):
+        raise problem(f"{extra} not in the spec's tasks {spec_tasks} (a trial runs on a subset of them)")
+    return tasks
+
+
+class ExplicitTrial(TypedDict):
+    """One entry of `trials:`: a method, a budget, the method's options, and optionally a subset of the tasks."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # the method's options (their values: `check_trials`)
+    method: Annotated[Any, AfterValidator(_one_value), AfterValidator(_known_method)]
+    budget: Annotated[Any, AfterValidator(_one_value)]
+    tasks: NotRequired[Annotated[list[StrictStr], Field(min_length=1),
+                                 expect("a non-empty list of the spec's task names"), AfterValidator(_in_the_spec)]]
+
+
+TaskList = Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1),
+                     BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
+                     expect("a non-empty list of lmms-eval task names"), AfterValidator(_no_duplicates)]
+
+
+@with_config(SECTION)
+@dataclass
+class SweepSpec:
+    """A whole spec, validated (`validate`); `name` and `version` are required, everything else has a default."""
+
+    name: Annotated[StrictStr, Field(pattern=r"^[^/]*[^/\s][^/]*$"), expect("a non-empty name without '/'")]
+    version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
+    description: Annotated[StrictStr, expect("str")] = ""
+    # the loader itself: pretrained, dtype, attention, options
+    model: ModelSource = field(default_factory=ModelSource)
+    # the offline benchmarks
+    tasks: TaskList = field(default_factory=lambda: list(DEFAULT_TASKS))
+    # per-task sample cap; None: the full benchmark
+    limit: Annotated[Annotated[StrictInt, Field(ge=1)] | None, expect("an int >= 1 or null")] = None
+    baseline: Annotated[bool, Field(strict=True), expect("bool")] = True  # also run the unpruned model once
+    # resamples for 95% confidence intervals of each task's primary metrics; 0: none
+    bootstrap: Annotated[StrictInt, Field(ge=0, le=100_000), AfterValidator(_bootstrap),
+                         expect("0 (no confidence intervals) or a number of resamples in 100..100000")] = 0
+    grid: Annotated[dict, mapping("a mapping of field -> value or list of values"),
+                    AfterValidator(_check_grid)] = field(default_factory=dict)
+    trials: Annotated[list[ExplicitTrial], WrapValidator(_as_written),
+                      mapping("a list of mappings like {method: fastv, budget: 64, layer: 2}", list)] = field(
+        default_factory=list)
+    # generate() kwargs over each task's own; {}: lmms-eval's per task
+    generation: Annotated[Generation, mapping("a mapping of generate() kwargs"),
+                          WrapValidator(_as_written)] = field(default_factory=dict)
+    resources: Resources = field(default_factory=Resources)
+    # images for trials with mu: calibrate
+    calibration: Calibration = field(default_factory=Calibration)
+    tune: TuneSpec = field(default_factory=TuneSpec)
+
+    def to_dict(self) -> dict:
+        """The spec as plain data (what `dump_resolved` writes): component fields that are not spec fields, such as
+        a ModelSource's published weights, are left out."""
+        out = dataclasses.asdict(self)
+        for section, cls in SECTIONS.items():
+            for f in dataclasses.fields(cls):
+                if not f.metadata.get("spec", True):
+                    out[section].pop(f.name, None)
+        return out
+
+
+SECTIONS = {"model": ModelSource, "resources": Resources, "tune": TuneSpec, "calibration": Calibration}
+TOP_LEVEL = [f.name for f in dataclasses.fields(SweepSpec)] + ["include"]
+# the names a user may write in each mapping, for "unknown field" problems
+VALID_KEYS = {(): TOP_LEVEL, ("generation",): list(GENERATION_KEYS)} | {
+    (section,): [f.name for f in dataclasses.fields(cls) if f.metadata.get("spec", True)]
+    for section, cls in SECTIONS.items()}
+SCHEMA = TypeAdapter(SweepSpec)
+TASKS = TypeAdapter(TaskList)
+PLACEHOLDERS = {"name": "?", "version": 1}  # stand in for a missing or bad required field in `validate`'s repair
+
+
+def _spec_tasks(raw: dict) -> list[str] | None:
+    """The spec's tasks, for the explicit trials' subsets (validated first); None if they are invalid."""
+    try:
+        return TASKS.validate_python(raw["tasks"]) if "tasks" in raw else list(DEFAULT_TASKS)
+    except ValidationError:
+        return None
+
+
+def validate(raw: dict, catalog=None) -> tuple[SweepSpec | None, list[str]]:
+    """(the spec, every schema problem in our words). With problems, the spec is the raw one with each bad field
+    left at its default, so the checks that need a whole spec (option values) still run and report with the
+    others; None when the grid or the trials themselves are bad (nothing to expand)."""
+    raw = {k: v for k, v in raw.items() if k != "include"}
+    context = {"catalog": catalog, "tasks": _spec_tasks(raw)}
+    try:
+        return SCHEMA.validate_python(raw, context=context), []
+    except ValidationError as exc:
+        errors = reword(exc, VALID_KEYS)
+        bad = [tuple(e["loc"]) for e in exc.errors()]
+    if any(loc[0] in ("grid", "trials") for loc in bad):
+        return None, errors
+    repaired = dict(raw)
+    for loc in bad:
+        section = repaired.get(loc[0])
+        if len(loc) > 1 and isinstance(section, dict):
+            repaired[loc[0]] = {k: v for k, v in section.items() if k != loc[1]}
+        else:
+            repaired.pop(loc[0], None)
+    repaired = {**PLACEHOLDERS, **repaired}
+    try:
+        return SCHEMA.validate_python(repaired, context=context), errors
+    except ValidationError:  # a problem the repair does not remove: report what we have
+        return None, errors

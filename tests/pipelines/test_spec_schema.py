@@ -1,0 +1,106 @@
+"""The pydantic schema of sweep specs: every problem at once under its dotted path, strict numbers, and trial ids
+that stay byte-identical across the rewrite (they key nightly comparisons)."""
+from __future__ import annotations
+
+import pytest
+
+from pipelines import spec as specs
+
+BASE = {"name": "t", "version": 1, "grid": {"method": "promprune", "budget": 8}}
+
+
+def problems(**fields) -> list[str]:
+    with pytest.raises(specs.SpecError) as e:
+        specs.parse({**BASE, **fields})
+    return e.value.errors
+
+
+def test_trial_ids_are_those_computed_before_the_schema_rewrite():
+    """Hard-coded from pipelines/spec.py at 84c32cb (the hand-written validation), not recomputed here."""
+    raw = {"name": "t", "version": 1, "calibration": {"images": "testbed:train"}, "tune": {"num_samples": 2},
+           "grid": {"method": ["promprune", "divprune"], "budget": [16, 8], "mu": [0.4, "calibrate"], "tau": [0.02],
+                    "metric": ["spectral", "feature_norm"]},
+           "trials": [{"method": "fastv", "budget": 4, "layer": 3},
+                      {"method": "promprune", "budget": 64, "tasks": ["easyvqa_open"],
+                       "saliency_ratio_range": [0.1, 0.9]}]}
+    ids = [t.trial_id for t in specs.expand(specs.parse(raw))]
+    assert ids[:4] == ["baseline", "baseline-r1", "promprune-b16-metric=spectral-mu=0.4-tau=0.02",
+                       "promprune-b16-metric=spectral-mu=0.4-tau=0.02-r1"]
+    assert ids[8] == "promprune-b16-metric=feature_norm-mu=calibrate-tau=0.02"
+    assert ids[-6:] == ["divprune-b8", "divprune-b8-r1", "fastv-b4-layer=3", "fastv-b4-layer=3-r1",
+                        "promprune-b64-saliency_ratio_range=0.1,0.9-on=easyvqa_open",
+                        "promprune-b64-saliency_ratio_range=0.1,0.9-on=easyvqa_open-r1"]
+    assert len(ids) == 26
+
+    random = {"name": "t", "version": 1, "baseline": False, "tune": {"search": "random", "num_samples": 4, "seed": 7},
+              "grid": {"method": "promprune", "budget": [32, 16, 8], "mu": [0.3, 0.4, 0.5], "tau": [0.01, 0.02]}}
+    assert [t.trial_id for t in specs.expand(specs.parse(random))] == [
+        "promprune-b16-mu=0.5-tau=0.01", "promprune-b32-mu=0.5-tau=0.01", "promprune-b8-mu=0.3-tau=0.01",
+        "promprune-b32-mu=0.3-tau=0.02"]
+    assert specs.trial_id("promprune", 64, {f"opt{i}": "x" * 10 for i in range(10)}) == \
+        "promprune-b64-opt0=xxxxxxxxxx-opt1=xxxxxxxxxx-opt2=xxxxxxxxxx-opt3=xxxx-4514c5c7"
+    assert specs.trial_id("promprune", 64, {f"opt{i}": [1.5, "y"] for i in range(8)}, 2, ("a", "b")) == \
+        "promprune-b64-opt0=1.5,y-opt1=1.5,y-opt2=1.5,y-opt3=1.5,y-opt4=1.5,y-op-338ca308"
+
+
+def test_five_mistakes_in_five_places_come_back_together_by_dotted_path():
+    errors = problems(version=0, tune={"max_failures": -5}, model={"dtpye": "float32"},
+                      trials=[{"method": "fastv", "budget": 4}, {"method": "fastvv", "budget": 4}],
+                      generation={"max_new_tokens": 0})
+    assert sorted(errors) == sorted([
+        "version: expected an int >= 1, got 0",
+        "tune.max_failures: expected an int >= 0 (or -1: unlimited), got -5",
+        "model.dtpye: unknown field (did you mean 'dtype'?); valid: attn_implementation, dtype, options, pretrained",
+        "trials[1].method: unknown method 'fastvv' (did you mean 'fastv'?); valid: "
+        + ", ".join(sorted(specs.MethodCatalog().names)),
+        "generation.max_new_tokens: expected an int >= 1, got 0"])
+
+
+def test_option_values_are_checked_with_the_other_fields_problems():
+    errors = problems(tune={"search": "bayes"}, resources={"batch_size": 0},
+                      grid={"method": "promprune", "budget": 8, "mu": "abc"})
+    assert errors[:2] == ["resources.batch_size: expected an int >= 1, got 0",
+                          "tune.search: 'bayes' is not one of grid, random"]
+    assert errors[2].startswith("trial promprune-b8-mu=abc: option 'mu' of method 'promprune' must be a finite")
+    assert len(errors) == 3
+
+
+@pytest.mark.parametrize("where, field", [
+    ((), "version"), ((), "limit"), ((), "bootstrap"), (("resources",), "workers"),
+    (("resources",), "gpus_per_worker"), (("resources",), "batch_size"), (("resources",), "actor_wait_s"),
+    (("tune",), "num_samples"), (("tune",), "max_concurrent_trials"), (("tune",), "max_failures"),
+    (("tune",), "seed"), (("calibration",), "n"), (("generation",), "max_new_tokens")])
+def test_a_bool_is_not_a_number(where, field):
+    raw = {field: True} if not where else {where[0]: {field: True}}
+    (error,) = problems(**raw)
+    assert error.startswith(".".join(where + (field,)) + ": expected ") and error.endswith(", got True")
+
+
+@pytest.mark.parametrize("where, field", [
+    ((), "version"), ((), "limit"), (("resources",), "workers"), (("resources",), "batch_size"),
+    (("tune",), "num_samples"), (("tune",), "max_failures"), (("calibration",), "batch_size")])
+def test_a_float_is_not_an_int(where, field):
+    raw = {field: 2.0} if not where else {where[0]: {field: 2.0}}
+    (error,) = problems(**raw)
+    assert error.startswith(".".join(where + (field,)) + ": expected ") and error.endswith(", got 2.0")
+
+
+def test_numbers_stay_as_written_and_must_be_finite():
+    spec = specs.parse({**BASE, "resources": {"gpus_per_worker": 2, "cpus_per_worker": 0.5}})
+    assert type(spec.resources.gpus_per_worker) is int and spec.resources.cpus_per_worker == 0.5
+    for bad in (float("nan"), float("inf")):
+        (error,) = problems(resources={"actor_wait_s": bad})
+        assert error == f"resources.actor_wait_s: expected a number of seconds > 0 (finite), got {bad!r}"
+
+
+def test_sections_are_the_components_own_objects():
+    from pipelines.calibration import Calibration
+    from pipelines.config import Resources
+    from pipelines.weights import ModelSource
+
+    spec = specs.parse({**BASE, "model": {"dtype": "float32"}, "generation": {"temperature": 0, "max_new_tokens": 3}})
+    assert type(spec.model) is ModelSource and type(spec.resources) is Resources
+    assert type(spec.calibration) is Calibration and type(spec.tune) is specs.TuneSpec
+    assert list(spec.generation) == ["temperature", "max_new_tokens"]  # as written (dump_resolved, fingerprints)
+    assert problems(model={"shared": 1}) == [
+        "model.shared: unknown field; valid: attn_implementation, dtype, options, pretrained"]
