@@ -82,12 +82,14 @@ _NEXT_TEMPLATE = (
 )
 _ONEVISION_TEMPLATE = (  # ChatML with LLaVA's <image> placeholder, as llava-onevision-qwen2's template
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'video' %}<video>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -230,7 +232,8 @@ _QWEN_NORM = {"qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0
 
 def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int, family: str = "qwen2_5_vl"):
     """A Qwen2.5-VL (or, ``family="qwen3_vl"``, Qwen3-VL) processor around ``tok`` with the released processor's
-    normalisation; the video processor is built because the processor class requires one, and unused."""
+    normalisation, and its video processor (clips, ``promprune.models.video``) with the same per-frame pixel range
+    (Qwen3-VL's bounds a whole clip's pixels: up to 8 frames at ``max_pixels``)."""
     mean, std = _QWEN_NORM[family]
     image_processor = Qwen2VLImageProcessor(
         patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -238,7 +241,9 @@ def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int
     )
     processor_cls, video_cls = ((Qwen2_5_VLProcessor, Qwen2VLVideoProcessor) if family == "qwen2_5_vl" else
                                 (Qwen3VLProcessor, Qwen3VLVideoProcessor))
-    video_processor = video_cls(patch_size=patch, merge_size=merge, temporal_patch_size=2)
+    frames = 1 if family == "qwen2_5_vl" else 8
+    video_processor = video_cls(patch_size=patch, merge_size=merge, temporal_patch_size=2, image_mean=mean,
+                                image_std=std, size={"shortest_edge": min_pixels, "longest_edge": frames * max_pixels})
     return processor_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                          chat_template=_QWEN_TEMPLATE)
 
