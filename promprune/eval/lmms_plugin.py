@@ -22,6 +22,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 
 from promprune.eval.generation import Item, decode_image, generate_items
+from promprune.models.video import Clip, decode_video, is_video_path
 from promprune.naming import AUTO, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ def _budget(value):
 
 
 class PromPruneLMM(lmms):
-    """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image and one question per request).
+    """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image, or one video file, and one question
+    per request).
 
     Pass ``vlm=`` (an existing PrunedVLM) to wrap a loaded model instead of loading ``pretrained``. A request whose
     image is unreadable or whose generation fails gets the empty answer (which lmms-eval's tasks score as wrong) and a
@@ -105,6 +107,8 @@ class PromPruneLMM(lmms):
             visuals = doc_to_visual(self.task_dict[task][split][doc_id])
             if len(visuals) != 1:
                 raise ValueError(f"{name}: expected exactly one image, the task gives {len(visuals)}")
+            if is_video_path(visuals[0]):  # a video task: frames sampled from the file (PrunedVLM.generate_video)
+                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visuals[0])))
             return Item(context, decode_image(visuals[0], name), dict(gen_kwargs))
         except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
             return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}")

@@ -25,8 +25,10 @@ over the clip keeps the sum of those saliency counts.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,6 +53,32 @@ VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl")
 FRAME_MODES = {"per_frame": "per_crop", "clip": "global", "adaptive_frames": "adaptive_views"}
 DEFAULT_FRAMES = 8  # frames sampled uniformly from a video file (lmms-eval's video models default to 8-32)
 DEFAULT_FPS = 1.0  # the sampled frames' rate when the caller gives none (Qwen's timestamps / temporal positions)
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v", ".mpg", ".mpeg", ".gif")
+
+
+@dataclass
+class Clip:
+    """Decoded frames ``[F, H, W, 3]`` uint8 and their rate (None: unknown)."""
+
+    frames: np.ndarray
+    fps: float | None = None
+
+    def to_bytes(self) -> bytes:
+        """Lossless bytes (an ``.npz`` of the frames and the rate): what a request row carries across Ray."""
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, frames=self.frames, fps=np.float64(np.nan if self.fps is None else self.fps))
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Clip":
+        with np.load(io.BytesIO(bytes(data))) as npz:
+            fps = float(npz["fps"])
+            return cls(frames=npz["frames"], fps=None if math.isnan(fps) else fps)
+
+
+def is_video_path(value) -> bool:
+    """Whether ``value`` names a video file (by its suffix): what lmms-eval's video tasks' ``doc_to_visual`` gives."""
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value).lower().endswith(VIDEO_SUFFIXES)
 
 
 # ---- clips -------------------------------------------------------------------------------------------------------
@@ -73,9 +101,13 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
 
 
 def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float | None]:
-    """One clip as ``(frames [F, H, W, 3] uint8, fps or None)``: a video file's path (``frames`` sampled), an array
-    ``[F, H, W, 3]``, or a sequence of frames (PIL images, paths, encoded bytes, ``[H, W, 3]`` arrays) of one size.
-    A clip that cannot be read is a ValueError naming batch item ``index``."""
+    """One clip as ``(frames [F, H, W, 3] uint8, fps or None)``: a :class:`Clip`, a video file's path (``frames``
+    sampled), an array ``[F, H, W, 3]``, or a sequence of frames (PIL images, paths, encoded bytes, ``[H, W, 3]``
+    arrays) of one size. A clip that cannot be read is a ValueError naming batch item ``index``."""
+    if isinstance(clip, Clip):
+        clip, fps = clip.frames, clip.fps
+        array, _ = load_clip(clip, index, frames)
+        return array, fps
     try:
         if isinstance(clip, (str, os.PathLike)):
             return decode_video(clip, frames)
