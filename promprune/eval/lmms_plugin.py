@@ -22,7 +22,6 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 
 from promprune.eval.generation import Item, decode_image, generate_items
-from promprune.models.video import Clip, decode_video, is_video_path
 from promprune.naming import AUTO, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -101,6 +100,8 @@ class PromPruneLMM(lmms):
         self.failures: list[tuple[str, int, str]] = []
 
     def _item(self, request: Instance) -> Item:
+        from promprune.models.video import Clip, decode_video, is_video_path
+
         context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
         name = f"{task} doc {doc_id}"
         try:
