@@ -248,7 +248,7 @@ def test_qwen_kept_tokens_keep_their_3d_positions(arch, order, clips):
     vlm = vlm_for(arch, "promprune", 12, token_order=order)
     prep = vlm.prepare_video(clips, PROMPTS)
     ids, pos = prep.model_kwargs["input_ids"], prep.model_kwargs["position_ids"]  # [B, L'], [4, B, L']
-    for b, (item, stats) in enumerate(zip(prep.items, prep.stats)):
+    for b, stats in enumerate(prep.stats):
         video_cols = (inputs["input_ids"][b] == model.config.video_token_id).nonzero().flatten()  # grid index order
         fed = (ids[b] == model.config.video_token_id).nonzero().flatten()
         got = pos[1:, b, fed]  # [3, 12]
