@@ -4,6 +4,7 @@ References: plain transformers ``generate`` on the clip (the processor and model
 logits, hand-worked per-frame shares, a numpy SVD spectral entropy with the split formula written out, and
 transformers' own ``get_rope_index`` / ``get_video_features``.
 """
+import copy
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from promprune.models import PrunedVLM
 from promprune.models.methods import all_methods, is_in_llm
 from promprune.models.testing import tiny_vlm
 from promprune.models.video import decode_video
+from promprune.models.video import inputs as video_inputs
 from promprune.testbed.clips import scene_clip, velocities
 from promprune.testbed.scenes import make_scene
 
@@ -292,3 +294,40 @@ def test_every_method_on_a_clip(arch, method, clips):
         else:
             assert g.visual_tokens == budget
             assert len(set(g.kept)) == budget
+
+
+# ---- saliency ------------------------------------------------------------------------------------------------------
+
+
+def test_onevision_frame_saliency_is_pooled_eager_attention(clips):
+    """A frame's token saliency is the mean attention each patch receives at the layer the projector reads (an eager
+    twin's attention weights), pooled 4x4 -> 2x2 by torch's bilinear interpolation, as the model pools the tokens."""
+    model = tiny_vlm("llava_onevision")[0]
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    vlm = vlm_for("llava_onevision", "saliency_only", 4)
+    prep = vlm.prepare_video(clips, PROMPTS)
+    pixels = video_inputs(vlm, clips, PROMPTS)["pixel_values_videos"]  # [B, F, 3, 32, 32]
+    with torch.inference_mode():
+        out = twin.model.vision_tower(pixels.flatten(0, 1), output_attentions=True)
+    received = out.attentions[-1].mean(dim=(1, 2)).view(-1, 1, 4, 4)  # [B * F, 1, 4, 4]
+    pooled = torch.nn.functional.interpolate(received, size=[2, 2], mode="bilinear").view(2, FRAMES * 4)
+    for b, item in enumerate(prep.items):
+        torch.testing.assert_close(item.saliency, pooled[b], atol=1e-6, rtol=1e-5)
+        assert item.groups.tolist() == [f for f in range(FRAMES) for _ in range(4)]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_clip_of_one_still_image_is_that_image(arch):
+    """Qwen's image path feeds an image as a temporal patch of two equal frames, so a clip of those two frames gives
+    the image's tokens, saliency (and DeepStack rows) exactly: the video path adds nothing of its own to them."""
+    image = scene_clip(index=5, frames=1)[0].resize((48, 48))
+    vlm = vlm_for(arch, "saliency_only", 4)
+    image_item = vlm.prepare([image], ["q"]).items[0]
+    clip_item = vlm.prepare_video([[image, image]], ["q"]).items[0]
+    torch.testing.assert_close(clip_item.features, image_item.features)
+    torch.testing.assert_close(clip_item.saliency, image_item.saliency)
+    assert clip_item.grid_shape == image_item.grid_shape == (6, 6)
+    if arch == "qwen3_vl":
+        for a, b in zip(clip_item.deepstack, image_item.deepstack):
+            torch.testing.assert_close(a, b)
