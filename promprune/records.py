@@ -3,7 +3,8 @@
     SampleStats   what the model reports about one sample: visual tokens, split, entropy, kept tokens, timings
     Generation    SampleStats + the generated text and token ids (``PrunedVLM.generate``; promprune.models)
     Answer        SampleStats + the answer as scored (stop strings applied) or the error, and the batch's peak memory
-    Request       one question of one benchmark document, image as PNG bytes and its key (driver -> actors)
+    Request       one question of one benchmark document, image as PNG bytes and its key, or a video task's
+                  clip as frame bytes (driver -> actors)
     Prediction    Answer + the request it answers (minus the image) + per-sample efficiency (actors -> driver ->
                   MLflow's ``predictions.parquet``)
 
@@ -63,6 +64,8 @@ class Request:
     image_key: str | None = None  # the image's identity (a hash of its pixels): requests about one image share it
     gen_kwargs: dict = field(default_factory=dict)  # the task's generation_kwargs (``until`` included)
     error: str | None = None  # why the request cannot be answered; then the sample fails without generating
+    video: bytes | None = None  # a video task's clip instead of an image: its sampled frames and their rate
+    # (promprune.models.video.Clip.to_bytes); None for image tasks
 
     @property
     def key(self) -> str:
@@ -90,7 +93,7 @@ class Prediction(Answer):
     def answering(cls, request: Request, answer: Answer, **extra) -> "Prediction":
         """The prediction for ``request``: its fields (not the image) plus every field of ``answer``."""
         own = {f.name: getattr(request, f.name) for f in dataclasses.fields(Request)
-               if f.name not in ("image", "image_key", "error")}
+               if f.name not in ("image", "image_key", "error", "video")}
         return cls(**own, **values(answer), **extra)
 
 

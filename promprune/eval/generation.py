@@ -33,12 +33,14 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 
 @dataclass
 class Item:
-    """One question about one image. ``error`` set means the input could not be prepared; it is not generated."""
+    """One question about one image, or (``video`` set, ``image`` None) about one clip
+    (:class:`promprune.models.video.Clip`). ``error`` set means the input could not be prepared; it is not generated."""
 
     prompt: str
     image: Image.Image | None
     gen_kwargs: dict = field(default_factory=dict)
     error: str | None = None
+    video: Any = None
 
 
 def decode_image(data: Any, name: str) -> Image.Image:
@@ -109,8 +111,12 @@ def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
     kwargs, until = generate_kwargs(gen_kwargs)
     device = _model_device(vlm)
     reset_peak_memory(device)
+    prompts = [it.prompt for it in items]
     with torch.inference_mode():
-        generations = vlm.generate([it.image for it in items], [it.prompt for it in items], **kwargs)
+        if items[0].video is not None:  # generate_items never mixes clips and images in a batch
+            generations = vlm.generate_video([it.video for it in items], prompts, **kwargs)
+        else:
+            generations = vlm.generate([it.image for it in items], prompts, **kwargs)
     if len(generations) != len(items):
         raise RuntimeError(f"vlm.generate returned {len(generations)} generations for {len(items)} items")
     peak = peak_memory_mb(device)
@@ -133,8 +139,9 @@ def _run_isolated(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
 def generate_items(vlm, items: list[Item], *, batch_size: int = 8) -> list[Answer]:
     """One :class:`~promprune.records.Answer` per item, in input order.
 
-    Items are batched with others of identical generation kwargs (lmms-eval tasks may differ), ``batch_size`` at a
-    time. Items that arrive with an error are not generated; their result carries that error.
+    Items are batched with others of identical generation kwargs (lmms-eval tasks may differ) and of the same kind
+    (image or clip), ``batch_size`` at a time. Items that arrive with an error are not generated; their result
+    carries that error.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -144,7 +151,8 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8) -> list[Answe
         if item.error is not None:
             results[i] = Answer(error=item.error)
         else:
-            groups.setdefault(json.dumps(item.gen_kwargs, sort_keys=True, default=str), []).append(i)
+            kind = json.dumps([item.video is not None, item.gen_kwargs], sort_keys=True, default=str)
+            groups.setdefault(kind, []).append(i)
     for indices in groups.values():
         gen_kwargs = items[indices[0]].gen_kwargs
         for start in range(0, len(indices), batch_size):

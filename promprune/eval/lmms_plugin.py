@@ -58,7 +58,8 @@ def _budget(value):
 
 
 class PromPruneLMM(lmms):
-    """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image and one question per request).
+    """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image, or one video file, and one question
+    per request).
 
     Pass ``vlm=`` (an existing PrunedVLM) to wrap a loaded model instead of loading ``pretrained``. A request whose
     image is unreadable or whose generation fails gets the empty answer (which lmms-eval's tasks score as wrong) and a
@@ -99,12 +100,16 @@ class PromPruneLMM(lmms):
         self.failures: list[tuple[str, int, str]] = []
 
     def _item(self, request: Instance) -> Item:
+        from promprune.models.video import Clip, decode_video, is_video_path
+
         context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
         name = f"{task} doc {doc_id}"
         try:
             visuals = doc_to_visual(self.task_dict[task][split][doc_id])
             if len(visuals) != 1:
                 raise ValueError(f"{name}: expected exactly one image, the task gives {len(visuals)}")
+            if is_video_path(visuals[0]):  # a video task: frames sampled from the file (PrunedVLM.generate_video)
+                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visuals[0])))
             return Item(context, decode_image(visuals[0], name), dict(gen_kwargs))
         except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
             return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}")

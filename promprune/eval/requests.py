@@ -1,7 +1,8 @@
 """Requests out of lmms-eval tasks (on the driver) and generation over them (in each actor).
 
-A request is a :class:`promprune.records.Request` (task, doc_id, n_docs, prompt, PNG image, gen_kwargs, error); its
-answer is a :class:`promprune.records.Prediction` (the request without the image, plus the answer and its stats).
+A request is a :class:`promprune.records.Request` (task, doc_id, n_docs, prompt, PNG image or a video task's clip,
+gen_kwargs, error); its answer is a :class:`promprune.records.Prediction` (the request without the image, plus the
+answer and its stats).
 Both are plain records with an Arrow schema, so they survive Arrow / parquet / Ray Data unchanged.
 """
 
@@ -23,12 +24,9 @@ def _image_of(doc_to_visual, doc, name: str, pngs: dict[str, bytes]) -> tuple[by
 
     ``pngs`` maps image keys to the PNG already encoded: a benchmark asks several questions about one image
     (VQAv2 ~5, POPE 18, GQA ~30), and each distinct image is encoded, and later stored, once."""
-    try:
-        visuals = doc_to_visual(doc)
-    except Exception as exc:  # noqa: BLE001 - a broken doc becomes a failed sample, reported
-        return None, None, f"{name}: doc_to_visual failed ({type(exc).__name__}: {exc})"
-    if len(visuals) != 1:
-        return None, None, f"{name}: expected exactly one image, the task gives {len(visuals)}"
+    visuals, error = _visuals(doc_to_visual, doc, name)
+    if error:
+        return None, None, error
     try:
         image = decode_image(visuals[0], name)
     except ValueError as exc:
@@ -37,6 +35,43 @@ def _image_of(doc_to_visual, doc, name: str, pngs: dict[str, bytes]) -> tuple[by
     if key not in pngs:
         pngs[key] = image_to_png(image)
     return pngs[key], key, None
+
+
+def _visuals(doc_to_visual, doc, name: str) -> tuple[list | None, str | None]:
+    """(the doc's single visual in a list, None), or (None, reason)."""
+    try:
+        visuals = doc_to_visual(doc)
+    except Exception as exc:  # noqa: BLE001 - a broken doc becomes a failed sample, reported
+        return None, f"{name}: doc_to_visual failed ({type(exc).__name__}: {exc})"
+    if len(visuals) != 1:
+        return None, f"{name}: expected exactly one image, the task gives {len(visuals)}"
+    return visuals, None
+
+
+def _clip_of(doc_to_visual, doc, name: str) -> tuple[bytes | None, str | None]:
+    """(the clip's bytes, None) of a video task's doc (its visual a video file's path: ``DEFAULT_FRAMES`` frames
+    sampled uniformly, :func:`promprune.models.video.decode_video`), or (None, reason)."""
+    from promprune.models.video import Clip, decode_video
+
+    visuals, error = _visuals(doc_to_visual, doc, name)
+    if error:
+        return None, error
+    try:
+        frames, fps = decode_video(visuals[0])
+    except Exception as exc:  # noqa: BLE001 - PyAV raises many types for missing / broken files
+        return None, f"{name}: unreadable video {visuals[0]} ({type(exc).__name__}: {exc})"
+    return Clip(frames, fps).to_bytes(), None
+
+
+def _is_video_task(doc_to_visual, doc) -> bool:
+    """Whether a task's documents are clips: its first document's visual names a video file."""
+    from promprune.models.video import is_video_path
+
+    try:
+        visuals = doc_to_visual(doc)
+    except Exception:  # noqa: BLE001 - a broken doc is reported by _image_of for its own row
+        return False
+    return len(visuals) == 1 and is_video_path(visuals[0])
 
 
 def image_key(image) -> str:
@@ -58,12 +93,17 @@ def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int
     else:
         mine = instances[index::count]
     rows = []
+    video = bool(mine) and _is_video_task(mine[0].args[2], task.dataset[mine[0].args[5]][mine[0].args[3]])
     for inst in mine:
         context, gen_kwargs, doc_to_visual, doc_id, task_name, split = inst.args
-        doc = task.dataset[split][doc_id]
-        image, key, error = _image_of(doc_to_visual, doc, f"{task_name} doc {doc_id}", pngs)
+        doc, name = task.dataset[split][doc_id], f"{task_name} doc {doc_id}"
+        if video:  # the sampled frames travel in the row (each clip once: no shared key)
+            clip, error = _clip_of(doc_to_visual, doc, name)
+            image, key = None, None
+        else:
+            clip, (image, key, error) = None, _image_of(doc_to_visual, doc, name, pngs)
         rows.append(Request(task=task_name, doc_id=int(doc_id), n_docs=len(instances), prompt=context, image=image,
-                            image_key=key, gen_kwargs=dict(gen_kwargs), error=error))
+                            image_key=key, gen_kwargs=dict(gen_kwargs), error=error, video=clip))
     return rows
 
 
@@ -169,6 +209,10 @@ def _item(request: Request, last: dict) -> Item:
     block, so each image is decoded once while memory holds one decoded image at a time)."""
     if request.error:
         return Item(request.prompt, None, request.gen_kwargs, error=request.error)
+    if request.video is not None:
+        from promprune.models.video import Clip
+
+        return Item(request.prompt, None, request.gen_kwargs, video=Clip.from_bytes(request.video))
     key = request.image_key
     try:
         image = last[key] if key and key in last else decode_image(request.image,

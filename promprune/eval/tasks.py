@@ -29,10 +29,12 @@ EASYVQA_TASKS = ("easyvqa_yesno", "easyvqa_open")
 TESTBED_TASKS = ("testbed_exist", "testbed_count", "testbed_attribute", "testbed_relation",
                  "testbed_exist_concentrated", "testbed_exist_spread", "testbed_count_concentrated",
                  "testbed_count_spread")
-OFFLINE_TASKS = EASYVQA_TASKS + TESTBED_TASKS
+# short-video multiple choice on procedural clips (promprune.testbed.video_tasks): MVBench's moving_direction offline
+VIDEO_TASKS = ("testbed_video_direction",)
+OFFLINE_TASKS = EASYVQA_TASKS + TESTBED_TASKS + VIDEO_TASKS
 _LMMS_TASKS = Path(__file__).parent / "lmms_tasks"
 # suite -> (its tasks, cache version: bump when the data changes, so stale caches are rebuilt instead of reused)
-SUITES = {"easyvqa": (EASYVQA_TASKS, "v1"), "testbed": (TESTBED_TASKS, "v1")}
+SUITES = {"easyvqa": (EASYVQA_TASKS, "v1"), "testbed": (TESTBED_TASKS, "v1"), "testbed_video": (VIDEO_TASKS, "v1")}
 _YESNO = ("yes", "no")
 
 # The paper's benchmarks -> lmms-eval task names, and the metric each one reports (Rel. averages their ratios).
@@ -67,6 +69,9 @@ PRIMARY_METRICS: dict[str, tuple[str, ...]] = {
     "easyvqa_yesno": ("f1",),
     "easyvqa_open": ("exact_match",),
     **{t: ("f1",) if t.startswith("testbed_exist") else ("exact_match",) for t in TESTBED_TASKS},
+    # video (issue 26): MVBench's accuracy (%), on its tasks and on the offline stand-in
+    **{t: ("mvbench_accuracy",) for t in ("testbed_video_direction", "mvbench_moving_direction",
+                                          "mvbench_action_sequence", "mvbench_object_interaction")},
 }
 # tasks whose scoring calls an LLM judge: the environment variable that must hold its key (lmms-eval's API_TYPE
 # picks the provider: openai -> OPENAI_API_KEY, azure -> AZURE_API_KEY)
@@ -135,9 +140,13 @@ def _task_yaml(suite: str, task: str, parquet: Path) -> str:
     )
 
 
-def _tables(suite: str) -> dict:
+def _tables(suite: str, root: Path) -> dict:
     if suite == "easyvqa":
         return _easyvqa_tables()
+    if suite == "testbed_video":  # the clips are files next to the parquet (the documents name their paths)
+        from promprune.testbed.video_tasks import tables as video_tables
+
+        return video_tables(root)
     from promprune.testbed.tasks import tables
 
     return tables()
@@ -153,7 +162,7 @@ def prepare_offline_tasks(suite: str = "easyvqa") -> Path:
     parquets = {task: root / f"{task}.parquet" for task in tasks}
     if not all(p.exists() for p in parquets.values()):
         log.info("writing the %s tasks' data as parquet under %s (once)", suite, root)
-        for task, columns in _tables(suite).items():
+        for task, columns in _tables(suite, root).items():
             _write_parquet(columns, parquets[task])
     for task in tasks:
         text = _task_yaml(suite, task, parquets[task])

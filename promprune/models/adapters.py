@@ -427,8 +427,8 @@ class QwenAdapter(Adapter):
         ``model.model.rope_deltas`` to the pruned sequence's deltas for callers that decode without positions.
         """
         core = self.model.model
-        full, _ = core.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                      image_grid_thw=inputs["image_grid_thw"],
+        grids = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in inputs}
+        full, _ = core.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], **grids,
                                       attention_mask=inputs["attention_mask"])  # [3, B, L]
         cols = col_map.clamp_min(0).to(full.device)  # [B, L']
         spatial = full.gather(2, cols[None].expand(3, -1, -1))  # [3, B, L']

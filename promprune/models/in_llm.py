@@ -231,7 +231,8 @@ class InLLMPruner:
 
     def __init__(self, model, layers, input_ids, budget, stages, eager, plan, compact=False):
         self.model, self.layers, self.stages, self.eager = model, layers, stages, eager
-        self.visual = input_ids == model.config.image_token_id  # [B, L]
+        video = getattr(model.config, "video_token_id", None)  # a clip's tokens (promprune.models.video)
+        self.visual = (input_ids == model.config.image_token_id) | (input_ids == (-1 if video is None else video))
         self.prompt_len = input_ids.shape[1]
         self.budget = budget
         self.compact = compact  # renumber kept tokens contiguously (PyramidDrop's released positions)

@@ -48,10 +48,21 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # (as picked: salient by descending saliency, then coverage in pick order), "stages" (salient tokens ascending,
     # then the rest ascending), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
     "token_order": "raster",
+    # Video (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL; promprune.models.video): how the budget meets a clip's frames
+    # (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame one selection);
+    # "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's spectral entropy.
+    "video_budget": "per_frame",
+    # Video, PromPrune: where its entropy and saliency/coverage split come from. "unit": each selection of
+    # video_budget (per frame, or over the clip); "clip": the clip's entropy splits every frame's share (with
+    # video_budget per_frame / adaptive_frames); "per_frame": each frame's entropy splits its even share of the budget
+    # and the clip's saliency count is their sum, selected over the clip (with video_budget "clip").
+    "video_split": "unit",
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
-                   "token_order": ("raster", "selection", "stages", "released")}
+                   "token_order": ("raster", "selection", "stages", "released"),
+                   "video_budget": ("per_frame", "clip", "adaptive_frames"),
+                   "video_split": ("unit", "per_frame", "clip")}
 
 # The token order of each method's released code (read in the authors' repositories; docs/methods.md: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip

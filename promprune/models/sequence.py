@@ -4,15 +4,16 @@ from __future__ import annotations
 import torch
 
 
-def placeholder_columns(input_ids: torch.Tensor, image_token_id: int) -> list[torch.Tensor]:
+def placeholder_columns(input_ids: torch.Tensor, image_token_id: int, contiguous: bool = True) -> list[torch.Tensor]:
     """Columns of the image placeholder run of each row: ``input_ids [B, L] -> B x [P_i]``.
 
-    One image per prompt, so the run is contiguous; anything else is a ValueError naming the row.
+    One image per prompt, so the run is contiguous; anything else is a ValueError naming the row. ``contiguous=False``:
+    the placeholders may come in several runs (Qwen3-VL's clip: one run per temporal patch, timestamps between).
     """
     runs = []
     for b, row in enumerate(input_ids):
         cols = (row == image_token_id).nonzero().flatten()
-        if cols.numel() == 0 or int(cols[-1] - cols[0]) + 1 != cols.numel():
+        if cols.numel() == 0 or contiguous and int(cols[-1] - cols[0]) + 1 != cols.numel():
             raise ValueError(f"prompt {b}: expected one contiguous image placeholder run, found {cols.numel()} "
                              f"image tokens")
         runs.append(cols)
@@ -20,16 +21,17 @@ def placeholder_columns(input_ids: torch.Tensor, image_token_id: int) -> list[to
 
 
 def shrink_placeholders(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
-                        kept_run_pos: list[torch.Tensor], pad_token_id: int, keep_order: bool = False):
+                        kept_run_pos: list[torch.Tensor], pad_token_id: int, keep_order: bool = False,
+                        contiguous: bool = True):
     """Keep only placeholders ``kept_run_pos[b] [M_b]`` (positions within row b's run); re-pad on the left.
 
     Returns ``(input_ids [B, L'], attention_mask [B, L'], col_map [B, L'])`` where ``col_map`` holds each new
     column's column in the old sequence (-1 for new padding). Text tokens and their order are untouched. The kept
     placeholders stay where the run was; with ``keep_order`` the i-th of them maps to the column of the i-th kept
     position as given (the features fill the run in that order, so each keeps its own original position, e.g.
-    Qwen2.5-VL's 3D M-RoPE), else in ascending column order.
+    Qwen2.5-VL's 3D M-RoPE), else in ascending column order. ``contiguous``: as :func:`placeholder_columns`.
     """
-    runs = placeholder_columns(input_ids, image_token_id)
+    runs = placeholder_columns(input_ids, image_token_id, contiguous)
     kept_cols = []
     for b, (run, pos) in enumerate(zip(runs, kept_run_pos)):
         real = attention_mask[b].bool().clone()

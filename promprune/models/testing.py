@@ -91,8 +91,9 @@ _NEXT_TEMPLATE = (
 )
 _ONEVISION_TEMPLATE = (  # ChatML with LLaVA's <image> placeholder, as llava-onevision-qwen2's template
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'video' %}<video>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _INTERNVL_TEMPLATE = (  # ChatML with InternVL's <IMG_CONTEXT> placeholder, as the -hf checkpoints' template (less
     # its default system prompt)
@@ -103,6 +104,7 @@ _INTERNVL_TEMPLATE = (  # ChatML with InternVL's <IMG_CONTEXT> placeholder, as t
 _QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -243,9 +245,11 @@ _QWEN_NORM = {"qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0
               "qwen3_vl": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])}
 
 
-def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int, family: str = "qwen2_5_vl"):
+def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int, family: str = "qwen2_5_vl",
+                   video_size: dict | None = None):
     """A Qwen2.5-VL (or, ``family="qwen3_vl"``, Qwen3-VL) processor around ``tok`` with the released processor's
-    normalisation; the video processor is built because the processor class requires one, and unused."""
+    normalisation, and its video processor (clips, ``promprune.models.video``): ``video_size`` its pixel range
+    (``{"shortest_edge", "longest_edge"}``; None: the released video processor's)."""
     mean, std = _QWEN_NORM[family]
     image_processor = Qwen2VLImageProcessor(
         patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -253,7 +257,9 @@ def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int
     )
     processor_cls, video_cls = ((Qwen2_5_VLProcessor, Qwen2VLVideoProcessor) if family == "qwen2_5_vl" else
                                 (Qwen3VLProcessor, Qwen3VLVideoProcessor))
-    video_processor = video_cls(patch_size=patch, merge_size=merge, temporal_patch_size=2)
+    sized = {} if video_size is None else {"size": video_size}
+    video_processor = video_cls(patch_size=patch, merge_size=merge, temporal_patch_size=2, image_mean=mean,
+                                image_std=std, **sized)
     return processor_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                          chat_template=_QWEN_TEMPLATE)
 
@@ -272,8 +278,9 @@ def _tiny_qwen2_5_vl():
     )
     model = _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config))
     factor = patch * merge
-    # 2x2 .. 6x6 merged tokens' worth of pixels
-    return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2)
+    # 2x2 .. 6x6 merged tokens' worth of pixels (per image, and per video frame)
+    return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,
+                                 video_size={"shortest_edge": (2 * factor) ** 2, "longest_edge": (6 * factor) ** 2})
 
 
 def _tiny_qwen3_vl():
@@ -291,8 +298,10 @@ def _tiny_qwen3_vl():
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     model = _seeded(lambda: Qwen3VLForConditionalGeneration(config))
     factor = patch * merge
+    # a clip's pixels are bounded as a whole (Qwen3-VL's video processor): up to 8 frames of 6x6 merged tokens
     return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,
-                                 family="qwen3_vl")
+                                 family="qwen3_vl",
+                                 video_size={"shortest_edge": (2 * factor) ** 2, "longest_edge": 8 * (6 * factor) ** 2})
 
 
 ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]

@@ -172,10 +172,24 @@ class PrunedVLM:
     @torch.inference_mode()
     def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise."""
-        if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
-            raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
-                             f"{generation_kwargs['num_return_sequences']!r}")
-        prep = self.prepare(images, prompts)
+        _one_sequence(generation_kwargs)
+        return self._generate(self.prepare(images, prompts), generation_kwargs)
+
+    @torch.inference_mode()
+    def prepare_video(self, clips, prompts, fps: float | None = None) -> "Prepared":
+        """:meth:`prepare` for clips (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL; :mod:`promprune.models.video`): each clip
+        a video file's path or its frames; the adapter options ``video_budget`` / ``video_split`` spread the budget."""
+        from . import video
+
+        return video.prepare(self, clips, prompts, fps)
+
+    @torch.inference_mode()
+    def generate_video(self, clips, prompts, fps: float | None = None, **generation_kwargs) -> list[Generation]:
+        """Answer ``prompts[i]`` about clip ``clips[i]`` (see :meth:`prepare_video`); greedy unless told otherwise."""
+        _one_sequence(generation_kwargs)
+        return self._generate(self.prepare_video(clips, prompts, fps), generation_kwargs)
+
+    def _generate(self, prep: "Prepared", generation_kwargs: dict) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
         pruner = self.pruning(prep)
         with _Timer(self.model, self.device) as timer, pruner:
@@ -227,6 +241,12 @@ class PrunedVLM:
                       salient=sorted(it.grid_index[p.salient].tolist()))
                  for f, p, it in zip(feats, plan, items)]
         return ids, mask, self.adapter.encoder_outputs(items, feats, run_pos), extra, stats
+
+
+def _one_sequence(generation_kwargs: dict) -> None:
+    if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
+        raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
+                         f"{generation_kwargs['num_return_sequences']!r}")
 
 
 class _Timer:

@@ -1,0 +1,57 @@
+"""A clip's visual tokens and PromPrune's selection time per video budget mode, on the published shapes (a printed
+table, never an assertion).
+
+    python benchmarks/video.py                                   # CPU: 1 text / 2 vision layers at full width
+    python benchmarks/video.py --frames 16 --size 384 --budget 392 --device cuda --full
+
+The clip is a procedural testbed clip (``promprune.testbed.clips``) resized to ``--size`` px; the processors are the
+shapes' (the released checkpoints' image / video settings), so the token counts are the released models'. Times are
+the median of ``--repeats`` ``prepare_video`` calls after one warm-up (vision tower + saliency hook; selection).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from promprune.models import PrunedVLM
+from promprune.models.shapes import shape_vlm
+from promprune.testbed.clips import scene_clip
+
+SHAPES = ("llava_onevision_7b", "qwen2_5_vl_7b", "qwen3_vl_8b")
+MODES = (("per_frame", "unit"), ("clip", "unit"), ("per_frame", "clip"), ("clip", "per_frame"))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=8)
+    parser.add_argument("--size", type=int, default=384, help="frame side in px")
+    parser.add_argument("--budget", type=int, default=196)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--full", action="store_true", help="every layer (default: 1 text / 2 vision layers)")
+    args = parser.parse_args(argv)
+    clip = [f.resize((args.size, args.size)) for f in scene_clip(index=3, frames=args.frames)]
+    layers = {} if args.full else {"text_layers": 1, "vision_layers": 2}
+    dtype = torch.float16 if args.device.startswith("cuda") else torch.bfloat16
+    print("| model | video_budget | video_split | candidates | frames (views) | fed | salient | vision ms | "
+          "select ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in SHAPES:
+        model, processor = shape_vlm(name, dtype=dtype, device=args.device, **layers)
+        for budget_mode, split in MODES:
+            vlm = PrunedVLM(model, processor, method="promprune", budget=args.budget, video_budget=budget_mode,
+                            video_split=split)
+            vlm.prepare_video([clip], ["What moves?"])  # warm-up
+            runs = [vlm.prepare_video([clip], ["What moves?"]) for _ in range(args.repeats)]
+            item, stats = runs[0].items[0], runs[0].stats[0]
+            print(f"| {name} | {budget_mode} | {split} | {item.features.shape[0]} | {item.groups.unique().numel()} | "
+                  f"{stats['visual_tokens']} | {stats['saliency_count']} | "
+                  f"{statistics.median(r.vision_ms for r in runs):.0f} | "
+                  f"{statistics.median(r.select_ms for r in runs):.1f} |", flush=True)
+        del model
+
+
+if __name__ == "__main__":
+    main()

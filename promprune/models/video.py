@@ -1,0 +1,329 @@
+"""Video through the adapters: LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL answer about a clip, its visual tokens pruned.
+
+A clip is one :class:`~promprune.models.adapters.VisualItem` whose views are its frames, so the selection code is the
+images' (``select_items`` over views):
+
+- LLaVA-OneVision: every frame is one SigLIP view, its patch grid bilinearly pooled to ``ceil(side / 2)^2`` tokens by
+  the model's own ``apply_pooling`` (the released model: 27x27 -> 14x14 = 196 per frame); one ``image_newline`` closes
+  the clip. Saliency: each patch's received attention within its frame (as for images), pooled by the same
+  ``apply_pooling``. The newline is no candidate; ``image_newline`` "drop" / "rows" / "all" as for images (the clip
+  is one row, so "rows" keeps it when any token is kept, which restores the unpruned sequence at full budget).
+- Qwen2.5-VL / Qwen3-VL: the tower joins 2 frames per temporal patch; a "frame" here is one temporal patch (its
+  ``h/2 x w/2`` merged grid). The image path runs unchanged on the clip's patches (same tower, same saliency hook: the
+  vision attention is within each temporal patch); the kept tokens keep their 3D M-RoPE positions (computed on the
+  unpruned sequence with ``video_grid_thw``, gathered at the kept columns) and Qwen3-VL's DeepStack rows. Qwen3-VL's
+  processor writes each temporal patch as its own placeholder run after a timestamp, so a clip has several runs.
+
+Budget over a clip (adapter options ``video_budget`` / ``video_split``;
+:data:`promprune.models.methods.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
+remainder), ``clip`` selects once over all frames, ``adaptive_frames`` shares it by each frame's spectral entropy.
+PromPrune's entropy and split follow the selection unit (``video_split="unit"``), or ``"clip"``: the clip's prominence
+gives one saliency ratio, applied to every frame's share (``fixed_ratio`` per frame, counts rounded half to even); or
+``"per_frame"`` under ``video_budget="clip"``: each frame's entropy splits its even share, and one two-stage selection
+over the clip keeps the sum of those saliency counts.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+import promprune
+from promprune.efficiency import Stopwatch
+from promprune.selection.budget import saliency_ratio
+from promprune.selection.budget import split_budget as split_count
+from promprune.selection.registry import TokenSet
+from promprune.selection.two_stage import prominence
+
+from . import saliency as sal
+from .adapters import VisualItem
+from .images import load_image
+from .selecting import select_items
+from .selecting import split_budget as split_shares
+from .sequence import shrink_placeholders
+
+VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl")
+# video_budget -> the selecting.py budget mode over views (a clip's frames are its views)
+FRAME_MODES = {"per_frame": "per_crop", "clip": "global", "adaptive_frames": "adaptive_views"}
+DEFAULT_FRAMES = 8  # frames sampled uniformly from a video file (lmms-eval's video models default to 8-32)
+DEFAULT_FPS = 1.0  # the sampled frames' rate when the caller gives none (Qwen's timestamps / temporal positions)
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v", ".mpg", ".mpeg", ".gif")
+
+
+@dataclass
+class Clip:
+    """Decoded frames ``[F, H, W, 3]`` uint8 and their rate (None: unknown)."""
+
+    frames: np.ndarray
+    fps: float | None = None
+
+    def to_bytes(self) -> bytes:
+        """Lossless bytes (an ``.npz`` of the frames and the rate): what a request row carries across Ray."""
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, frames=self.frames, fps=np.float64(np.nan if self.fps is None else self.fps))
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Clip":
+        with np.load(io.BytesIO(bytes(data))) as npz:
+            fps = float(npz["fps"])
+            return cls(frames=npz["frames"], fps=None if math.isnan(fps) else fps)
+
+
+def is_video_path(value) -> bool:
+    """Whether ``value`` names a video file (by its suffix): what lmms-eval's video tasks' ``doc_to_visual`` gives."""
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value).lower().endswith(VIDEO_SUFFIXES)
+
+
+# ---- clips -------------------------------------------------------------------------------------------------------
+
+
+def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]:
+    """``(frames [F, H, W, 3] uint8, fps of the sampled frames)``: ``frames`` frames at uniformly spaced indices
+    (first to last, rounded) of a video file, decoded with PyAV."""
+    import av
+
+    with av.open(os.fspath(path)) as container:
+        stream = container.streams.video[0]
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        rate = float(stream.average_rate) if stream.average_rate else None
+    if not decoded:
+        raise ValueError(f"{path}: no video frames decoded")
+    picks = np.linspace(0, len(decoded) - 1, min(frames, len(decoded))).round().astype(int)
+    fps = DEFAULT_FPS if rate is None or len(picks) < 2 else rate * (len(picks) - 1) / max(picks[-1] - picks[0], 1)
+    return np.stack([decoded[i] for i in picks]), fps
+
+
+def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float | None]:
+    """One clip as ``(frames [F, H, W, 3] uint8, fps or None)``: a :class:`Clip`, a video file's path (``frames``
+    sampled), an array ``[F, H, W, 3]``, or a sequence of frames (PIL images, paths, encoded bytes, ``[H, W, 3]``
+    arrays) of one size. A clip that cannot be read is a ValueError naming batch item ``index``."""
+    if isinstance(clip, Clip):
+        clip, fps = clip.frames, clip.fps
+        array, _ = load_clip(clip, index, frames)
+        return array, fps
+    try:
+        if isinstance(clip, (str, os.PathLike)):
+            return decode_video(clip, frames)
+        if isinstance(clip, np.ndarray):
+            array = clip
+        else:
+            array = np.stack([np.asarray(f) if isinstance(f, np.ndarray) else np.asarray(load_image(f, index))
+                              for f in clip])
+    except Exception as err:  # PyAV / PIL / numpy raise many types for bad data
+        raise ValueError(f"clip {index} is unreadable: {type(err).__name__}: {err}") from err
+    if array.ndim != 4 or array.shape[-1] != 3 or array.shape[0] < 1:
+        raise ValueError(f"clip {index}: expected frames [F, H, W, 3] (RGB, F >= 1), got shape {tuple(array.shape)}")
+    return array.astype(np.uint8, copy=False), None
+
+
+def conversation(vlm, prompt: str) -> str:
+    """The chat-templated text of one user turn with one clip."""
+    conv = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+    return vlm.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+
+
+def processed(vlm, clips, prompts, fps: float | None = None):
+    """Processor outputs for a batch of clips (unpruned placeholders), on the CPU. The frames are fed as given (no
+    resampling); ``fps`` (else the decoded file's, else 1) dates them for Qwen's timestamps / temporal positions."""
+    check_video_model(vlm.model)
+    clips, prompts = list(clips), list(prompts)
+    if len(clips) != len(prompts) or not clips:
+        raise ValueError(f"got {len(clips)} clips and {len(prompts)} prompts; pass one clip per prompt (at least one)")
+    loaded = [load_clip(c, i) for i, c in enumerate(clips)]
+    arrays = [a for a, _ in loaded]
+    kwargs: dict = {"do_sample_frames": False}
+    rates = [fps or rate or DEFAULT_FPS for _, rate in loaded]
+    kind = vlm.model.config.model_type
+    if kind == "qwen3_vl":  # timestamps in the prompt: the frames' indices and rate
+        from transformers.video_utils import VideoMetadata
+
+        kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(a), fps=r, frames_indices=list(range(len(a))))
+                                    for a, r in zip(arrays, rates)]
+    elif kind == "qwen2_5_vl":
+        if len(set(rates)) > 1:
+            raise ValueError(f"Qwen2.5-VL takes one frame rate per batch; the clips have {sorted(set(rates))}")
+        kwargs["fps"] = rates[0]  # second_per_grid_ts = temporal_patch_size / fps
+    texts = [conversation(vlm, p) for p in prompts]
+    return vlm.processor(text=texts, videos=arrays, return_tensors="pt", padding=True, **kwargs)
+
+
+def inputs(vlm, clips, prompts, fps: float | None = None):
+    batch = processed(vlm, clips, prompts, fps).to(vlm.device)
+    if batch["pixel_values_videos"].is_floating_point():
+        batch["pixel_values_videos"] = batch["pixel_values_videos"].to(vlm.model.dtype)
+    return batch
+
+
+def check_video_model(model) -> None:
+    kind = model.config.model_type
+    if kind not in VIDEO_ARCHS:
+        raise ValueError(f"video needs one of {', '.join(VIDEO_ARCHS)}; this model is {kind!r}")
+
+
+# ---- candidates ----------------------------------------------------------------------------------------------------
+
+
+def encode(adapter, batch, need_saliency: bool) -> list[VisualItem]:
+    """One item per clip: its frames are its views (``groups``), each frame's tokens a raster grid (``grid_shape``)."""
+    if adapter.model.config.model_type == "llava_onevision":
+        return _onevision_items(adapter, batch, need_saliency)
+    return _qwen_items(adapter, batch, need_saliency)
+
+
+def _qwen_items(adapter, batch, need_saliency: bool) -> list[VisualItem]:
+    """The image path on the clip's patches (``get_video_features`` is ``get_image_features`` on them); then each
+    temporal patch is a view of ``h/m x w/m`` merged tokens."""
+    grid = batch["video_grid_thw"]  # [B, 3]: (temporal patches, patch rows, patch cols)
+    items = adapter.encode({"pixel_values": batch["pixel_values_videos"], "image_grid_thw": grid}, need_saliency)
+    merge = adapter.model.config.vision_config.spatial_merge_size
+    for it, (_t, h, w) in zip(items, grid.tolist()):
+        it.grid_shape = (h // merge, w // merge)
+        it.groups = it.grid_index // (it.grid_shape[0] * it.grid_shape[1])
+    return items
+
+
+def _onevision_items(adapter, batch, need_saliency: bool) -> list[VisualItem]:
+    core, cfg = adapter.model.model, adapter.model.config
+    pv = batch["pixel_values_videos"]  # [B, F, C, H, W]
+    B, F = pv.shape[:2]
+    sink: list = []
+    ctx = sal.capture(adapter._attn_module(), sink, sal.view_received_attention) if need_saliency \
+        else contextlib.nullcontext()
+    with ctx:
+        runs = core.get_video_features(pv, return_dict=True).pooler_output  # [B, F * p + 1, d]: frames, newline
+    side = cfg.vision_config.image_size // cfg.vision_config.patch_size
+    pooled = math.ceil(side / 2)
+    p = pooled * pooled  # tokens per frame
+    scores = None
+    if need_saliency:  # [B * F, side^2] -> the model's own bilinear pooling -> [B, F * p]
+        scores = core.apply_pooling(sink[0].view(B * F, side * side, 1)).reshape(B, F * p)
+    items = []
+    for b in range(B):
+        run = runs[b]
+        idx = torch.arange(F * p, device=run.device)
+        newline = torch.zeros(F * p + 1, dtype=torch.bool, device=run.device)
+        newline[-1] = True
+        items.append(VisualItem(run=run, features=run[:F * p], run_pos=idx, grid_index=idx,
+                                saliency=None if scores is None else scores[b].float(), groups=idx // p,
+                                row_of_run=torch.zeros_like(newline, dtype=torch.long), newline=newline,
+                                grid_shape=(pooled, pooled)))
+    return items
+
+
+def encoder_outputs(adapter, items, feats, run_pos) -> dict:
+    """``mm_encoder_outputs`` for ``generate``: the fed features of each clip under the "video" key (OneVision: one
+    ``[1, sum M_i, d]`` tensor, which its forward flattens; Qwen: the image path's outputs, DeepStack rows included)."""
+    if adapter.model.config.model_type == "llava_onevision":
+        return {"video": BaseModelOutputWithPooling(pooler_output=torch.cat(feats)[None])}
+    return {"video": adapter.encoder_outputs(items, feats, run_pos)["image"]}
+
+
+# ---- budget over a clip --------------------------------------------------------------------------------------------
+
+
+def check_options(vlm) -> tuple[str, str]:
+    """``(video_budget, video_split)``; a split other than "unit" needs PromPrune (the one adaptive split)."""
+    budget, split = vlm.adapter.options["video_budget"], vlm.adapter.options["video_split"]
+    if split != "unit" and vlm.method != "promprune":
+        raise ValueError(f"option video_split={split!r} sets PromPrune's entropy / split; method {vlm.method!r} has "
+                         "none: use video_split='unit'")
+    return budget, split
+
+
+def plan(vlm, items: list[VisualItem], budget_option: str, split: str):
+    """Selections of every clip (pre-LLM methods)."""
+    mode = FRAME_MODES[budget_option]
+    natural = split == "unit" or (split == "clip") == (budget_option == "clip")
+    if natural:  # the method's own entropy / split on each selection unit
+        return select_items(items, vlm.budget, vlm.method, vlm.method_options, mode=mode, order=vlm.token_order)
+    return [_split_across(vlm, item, mode, split) for item in items]
+
+
+def _prominence(item: VisualItem, idx: torch.Tensor, metric: str) -> torch.Tensor:
+    """PromPrune's prominence metric of the tokens ``idx`` of ``item``: a 0-d tensor."""
+    s = None if item.saliency is None else item.saliency[idx][None].float()
+    return prominence(TokenSet(item.features[idx][None].float(), s), metric)[0]
+
+
+def _split_across(vlm, item: VisualItem, mode: str, split: str):
+    """PromPrune with the split computed at the other scale than the selection: ``fixed_ratio`` runs the stages."""
+    opts = promprune.method_spec("promprune").resolve(vlm.method_options, budget=vlm.budget)
+    stage = {"diversity": opts["diversity"], "conditional": opts["conditional"]}
+    curve = dict(mu=opts["mu"], tau=opts["tau"], ratio_range=tuple(opts["saliency_ratio_range"]))
+    every = torch.arange(item.features.shape[0], device=item.features.device)
+    if split == "clip":  # the clip's ratio on every frame's share
+        h = _prominence(item, every, opts["metric"])
+        ratio = float(saliency_ratio(h[None], **curve)[0])
+        sel = select_items([item], vlm.budget, "fixed_ratio", {"saliency_ratio": ratio, **stage}, mode=mode,
+                           order=vlm.token_order)[0]
+        sel.entropy = float(h)
+        return sel
+    frames = [(item.groups == g).nonzero().flatten() for g in item.groups.unique().tolist()]
+    shares = split_shares(vlm.budget, [f.numel() for f in frames])
+    ents = [_prominence(item, f, opts["metric"]) for f in frames]
+    t_sal = sum(int(split_count(h[None], s, rounding=opts["rounding"], **curve)[0]) for h, s in zip(ents, shares))
+    total = min(vlm.budget, every.numel())
+    sel = select_items([item], total, "fixed_ratio", {"saliency_ratio": t_sal / total, **stage}, mode="global",
+                       order=vlm.token_order)[0]
+    sel.entropy = float(torch.stack(ents).mean())
+    return sel
+
+
+# ---- the LLM's inputs ----------------------------------------------------------------------------------------------
+
+
+def _stats(feats, items, plan_=None) -> list[dict]:
+    if plan_ is None:
+        return [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
+                     kept=sorted(it.grid_index.tolist()), salient=[]) for f, it in zip(feats, items)]
+    return [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
+                 kept=sorted(it.grid_index[p.kept].tolist()), salient=sorted(it.grid_index[p.salient].tolist()))
+            for f, p, it in zip(feats, plan_, items)]
+
+
+def _llm_inputs(vlm, batch, items, plan_):
+    """``(input_ids, attention_mask, mm_encoder_outputs, extra generate kwargs, per-clip stats)``: every token
+    (``plan_`` None) or the kept ones, the placeholder runs shrunk to match."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if plan_ is None:
+        feats = [it.run for it in items]
+        run_pos = [torch.arange(f.shape[0], device=f.device) for f in feats]
+        col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
+    else:
+        newline = vlm.adapter.options["image_newline"]  # OneVision's closing newline; Qwen has none
+        assembled = [it.assemble(p.kept, p.merged, newline=newline, prefix=p.cls) for it, p in zip(items, plan_)]
+        feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
+        ids, mask, col_map = shrink_placeholders(ids, mask, vlm.model.config.video_token_id, run_pos,
+                                                 vlm.processor.tokenizer.pad_token_id,
+                                                 keep_order=vlm.token_order != "raster", contiguous=False)
+    extra = vlm.adapter.generate_kwargs(batch, ids, mask, col_map)
+    return ids, mask, encoder_outputs(vlm.adapter, items, feats, run_pos), extra, _stats(feats, items, plan_)
+
+
+@torch.inference_mode()
+def prepare(vlm, clips, prompts, fps: float | None = None):
+    """:meth:`PrunedVLM.prepare` for clips: encode, select per ``video_budget`` / ``video_split``, rebuild."""
+    from .methods import is_in_llm
+    from .vlm import Prepared
+
+    prompts = list(prompts)
+    batch = inputs(vlm, clips, prompts, fps)
+    pre_llm = vlm.method is not None and not is_in_llm(vlm.method)
+    budget_option, split = check_options(vlm) if pre_llm else (None, None)
+    text_source = vlm._text_source() if pre_llm else None
+    with Stopwatch(vlm.device) as vision:
+        items = encode(vlm.adapter, batch, need_saliency=pre_llm and vlm.spec.needs_saliency)
+        if text_source is not None:
+            vlm.adapter.attach_instruction(items, prompts, text_source)
+    with Stopwatch(vlm.device) as selecting:
+        chosen = plan(vlm, items, budget_option, split) if pre_llm else None
+    ids, mask, encoded, extra, stats = _llm_inputs(vlm, batch, items, chosen)
+    kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
+    return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)

@@ -1,0 +1,59 @@
+"""The offline video task end to end: requests carrying clips, our path against lmms-eval's evaluator and plugin."""
+import numpy as np
+import pytest
+from lmms_eval.evaluator import simple_evaluate
+
+from promprune.eval import PromPruneLMM, build_requests, run_requests, score
+from promprune.eval.tasks import VIDEO_TASKS, load_task, task_manager
+from promprune.models import PrunedVLM
+from promprune.models.video import DEFAULT_FRAMES, Clip, decode_video
+from promprune.records import Prediction, Request, arrow_schema, from_arrow, to_arrow
+from promprune.testbed.video_tasks import FRAMES, direction
+
+TASK = VIDEO_TASKS[0]
+LIMIT = 4
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return build_requests([TASK], limit=LIMIT)
+
+
+def test_requests_carry_the_sampled_clip(rows):
+    """Each row carries its clip (the frames decode_video samples from the document's mp4, losslessly) and no
+    image; the prompt is MVBench's; the answer is one of the options and names the asked object's direction."""
+    task = load_task(TASK)
+    docs = task.dataset["test"]
+    assert len(rows) == LIMIT and all(r.image is None and r.image_key is None and r.error is None for r in rows)
+    for row in rows:
+        doc = docs[row.doc_id]
+        clip = Clip.from_bytes(row.video)
+        frames, fps = decode_video(doc["video"])
+        assert clip.frames.shape == (min(DEFAULT_FRAMES, FRAMES), 96, 96, 3)
+        assert np.array_equal(clip.frames, frames) and clip.fps == pytest.approx(fps)
+        assert row.prompt.startswith(f"Question:{doc['question']}\nOption:\n(A) ")
+        assert doc["answer"] in doc["candidates"].split("|")
+    assert direction(3, -1) == "right" and direction(0, -2) == "up" and direction(2, -2) is None
+
+
+def test_video_requests_survive_arrow(rows):
+    assert "video" in arrow_schema(Request).names and "video" not in arrow_schema(Prediction).names
+    back = from_arrow(to_arrow(rows, Request), Request)
+    assert [r.video for r in back] == [r.video for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava_onevision"])
+def test_video_task_matches_lmms_eval_evaluator(arch, rows):
+    """Our request path (clips in rows, batched) and lmms-eval's evaluator through the plugin (the video file's path)
+    give the same answers and the same MVBench accuracy."""
+    vlm = PrunedVLM.from_pretrained(f"tiny:{arch}", method="promprune", budget=8)
+    ours = run_requests(vlm, rows, batch_size=2)
+    assert all(p.error is None and p.visual_tokens == 8 for p in ours)
+    reference = simple_evaluate(model=PromPruneLMM(vlm=vlm, batch_size=2), tasks=[TASK], limit=LIMIT,
+                                task_manager=task_manager([TASK]), bootstrap_iters=0, log_samples=True)
+    samples = {s["doc_id"]: s for s in reference["samples"][TASK]}
+    assert {p.doc_id: p.prediction for p in ours} == {d: s["filtered_resps"][0] for d, s in samples.items()}
+    mine = score(ours)[TASK]
+    assert mine["mvbench_accuracy"] == reference["results"][TASK]["mvbench_accuracy,none"]
+    assert mine["n_samples"] == LIMIT and mine["n_failed"] == 0

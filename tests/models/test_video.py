@@ -1,0 +1,333 @@
+"""Video through the adapters (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL) on a procedural clip.
+
+References: plain transformers ``generate`` on the clip (the processor and model as their docs use them), the unpruned
+logits, hand-worked per-frame shares, a numpy SVD spectral entropy with the split formula written out, and
+transformers' own ``get_rope_index`` / ``get_video_features``.
+"""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from promprune.models import PrunedVLM
+from promprune.models.methods import all_methods, is_in_llm
+from promprune.models.testing import tiny_vlm
+from promprune.models.video import decode_video
+from promprune.models.video import inputs as video_inputs
+from promprune.testbed.clips import scene_clip, velocities
+from promprune.testbed.scenes import make_scene
+
+VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl")
+FRAMES = 4
+# tokens per "frame" (OneVision: a 32 px view's 4x4 patches pooled to 2x2; Qwen: one temporal patch of 2 frames, the
+# 96 px frames resized to 48 px (Qwen2.5-VL: 6x6 merged) or, the clip's pixels bounded, 64 px (Qwen3-VL: 8x8))
+PER_FRAME = {"llava_onevision": 4, "qwen2_5_vl": 36, "qwen3_vl": 64}
+VIEWS = {"llava_onevision": FRAMES, "qwen2_5_vl": FRAMES // 2, "qwen3_vl": FRAMES // 2}
+
+
+@pytest.fixture(scope="module")
+def clips():
+    return [scene_clip(index=3, frames=FRAMES), scene_clip(index=8, frames=FRAMES)]
+
+
+PROMPTS = ["What moves?", "How many objects?"]
+
+
+def plain_generate(arch, clips, prompts, new_tokens):
+    """Reference: the processor and ``model.generate`` as transformers' docs use them, frames fed as given."""
+    model, processor = tiny_vlm(arch)
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                          {"type": "text", "text": p}]}],
+                                           add_generation_prompt=True, tokenize=False) for p in prompts]
+    videos = [np.stack([np.asarray(f) for f in clip]) for clip in clips]
+    kwargs = {"do_sample_frames": False}
+    if arch == "qwen3_vl":
+        from transformers.video_utils import VideoMetadata
+
+        kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v), fps=1.0, frames_indices=list(range(len(v))))
+                                    for v in videos]
+    if arch == "qwen2_5_vl":
+        kwargs["fps"] = 1.0
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=texts, videos=videos, return_tensors="pt", padding=True, **kwargs)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    return out[:, inputs["input_ids"].shape[1]:].tolist(), inputs
+
+
+def vlm_for(arch, method=None, budget=None, **options):
+    model, processor = tiny_vlm(arch)
+    return PrunedVLM(model, processor, method=method, budget=budget, **options)
+
+
+def last_logits(vlm, prep):
+    with torch.inference_mode(), vlm.pruning(prep):
+        return vlm.model(**prep.model_kwargs).logits[:, -1]
+
+
+def spectral_entropy_np(x: np.ndarray) -> float:
+    """Normalized spectral entropy by numpy SVD: rows L2-normalized and centred, squared singular values (floored at
+    1e-12) as a distribution, entropy / log(min(N, d))."""
+    x = x.astype(np.float64)
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-8)
+    x = x - x.mean(axis=0, keepdims=True)
+    lam = np.maximum(np.linalg.svd(x, compute_uv=False) ** 2, 1e-12)
+    p = lam / lam.sum()
+    return float(-(p * np.log(p)).sum() / math.log(min(x.shape)))
+
+
+def salient_count(h: float, share: int, mu: float, tau: float) -> int:
+    """PromPrune's saliency count (released rounding): round_half_even((1 - sigmoid((H - mu) / tau)) * T)."""
+    return round((1.0 - 1.0 / (1.0 + math.exp(-(h - mu) / tau))) * share)
+
+
+# ---- the clip ------------------------------------------------------------------------------------------------------
+
+
+def test_procedural_clip_moves_its_objects():
+    """Frames differ only where objects moved: frame t is the scene with every object shifted t times its velocity."""
+    clip = scene_clip(index=3, frames=FRAMES, step=2, background="plain")
+    arrays = [np.asarray(f, dtype=np.int16) for f in clip]
+    assert len(clip) == FRAMES and clip[0].size == (96, 96)
+    assert any(v != (0, 0) for v in velocities(make_scene("test", 3), 2))
+    assert all(np.abs(b - a).sum() > 0 for a, b in zip(arrays, arrays[1:]))
+    still = scene_clip(index=3, frames=3, step=0, background="plain")
+    assert all(np.array_equal(np.asarray(still[0]), np.asarray(f)) for f in still)
+    assert np.array_equal(np.asarray(still[0]), arrays[0])  # frame 0 is the scene itself
+
+
+def test_decode_video_samples_frames_uniformly(tmp_path):
+    """A clip written to an mp4 file decodes back to uniformly sampled frames, close to the originals (lossy)."""
+    import av
+
+    clip = scene_clip(index=3, frames=8, step=3)
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 96, "yuv420p"
+        for img in clip:
+            for packet in stream.encode(av.VideoFrame.from_image(img)):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    frames, fps = decode_video(path, frames=4)
+    picks = [0, 2, 5, 7]  # linspace(0, 7, 4) = 0, 2.33, 4.67, 7 rounded
+    assert frames.shape == (4, 96, 96, 3)
+    assert fps == pytest.approx(8 * 3 / 7)
+    for got, i in zip(frames, picks):
+        assert np.abs(got.astype(float) - np.asarray(clip[i], dtype=float)).mean() < 12
+
+
+# ---- unpruned and full budget --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", VIDEO_ARCHS)
+def test_unpruned_matches_plain_generate(arch, clips):
+    ref, inputs = plain_generate(arch, clips, PROMPTS, 4)
+    got = vlm_for(arch).generate_video(clips, PROMPTS, max_new_tokens=4)
+    assert [g.token_ids for g in got] == ref
+    video_id = tiny_vlm(arch)[0].config.video_token_id
+    assert [g.visual_tokens for g in got] == (inputs["input_ids"] == video_id).sum(1).tolist()
+
+
+@pytest.mark.parametrize("arch", VIDEO_ARCHS)
+@pytest.mark.parametrize("video_budget", ["per_frame", "clip"])
+def test_full_budget_equals_unpruned_logits(arch, video_budget, clips):
+    """Keeping every candidate in raster order (OneVision: the closing newline restored by image_newline="rows")
+    rebuilds the unpruned sequence: identical logits (Qwen: identical 3D positions; Qwen3-VL: DeepStack rows)."""
+    n = PER_FRAME[arch] * VIEWS[arch]
+    base = vlm_for(arch)
+    ref = last_logits(base, base.prepare_video(clips, PROMPTS))
+    vlm = vlm_for(arch, "promprune", n, video_budget=video_budget, image_newline="rows", token_order="raster")
+    prep = vlm.prepare_video(clips, PROMPTS)
+    assert [s["visual_tokens"] for s in prep.stats] == [n + (arch == "llava_onevision")] * 2
+    torch.testing.assert_close(last_logits(vlm, prep), ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- budget modes --------------------------------------------------------------------------------------------------
+
+
+# budget 10 over the frames: OneVision 4 frames of 4 tokens -> 3, 3, 2, 2; Qwen 2 temporal patches -> 5, 5
+SHARES = {"llava_onevision": [3, 3, 2, 2], "qwen2_5_vl": [5, 5], "qwen3_vl": [5, 5]}
+
+
+@pytest.mark.parametrize("arch", VIDEO_ARCHS)
+@pytest.mark.parametrize("video_budget", ["per_frame", "clip", "adaptive_frames"])
+@pytest.mark.parametrize("method", ["promprune", "divprune", "random"])
+def test_exact_visual_token_counts(arch, video_budget, method, clips):
+    vlm = vlm_for(arch, method, 10, video_budget=video_budget)
+    out = vlm.generate_video(clips, PROMPTS, max_new_tokens=1)
+    assert [g.visual_tokens for g in out] == [10, 10]
+    prep = vlm.prepare_video(clips, PROMPTS)
+    video_id = vlm.model.config.video_token_id
+    assert (prep.model_kwargs["input_ids"] == video_id).sum(1).tolist() == [10, 10]
+    for stats in prep.stats:
+        per_frame = np.bincount(np.array(stats["kept"]) // PER_FRAME[arch], minlength=VIEWS[arch]).tolist()
+        assert sum(per_frame) == 10
+        if video_budget == "per_frame":
+            assert per_frame == SHARES[arch]
+
+
+def test_onevision_newline_rows_and_all_add_the_clip_newline(clips):
+    for newline, extra in [("drop", 0), ("rows", 1), ("all", 1)]:
+        vlm = vlm_for("llava_onevision", "divprune", 6, image_newline=newline)
+        assert [g["visual_tokens"] for g in vlm.prepare_video(clips, PROMPTS).stats] == [6 + extra] * 2
+
+
+def _entropies(arch, clips):
+    """Each clip's tokens by frame (grid order) from the unpruned encoder; numpy entropies of the clip / frames."""
+    vlm = vlm_for(arch, "promprune", 8)
+    items = vlm.prepare_video(clips, PROMPTS).items
+    p = PER_FRAME[arch]
+    out = []
+    for it in items:
+        x = it.features.float().numpy()
+        out.append((spectral_entropy_np(x), [spectral_entropy_np(x[f * p:(f + 1) * p]) for f in range(VIEWS[arch])]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llava_onevision", "qwen2_5_vl"])
+def test_video_split_clip_and_per_frame(arch, clips):
+    """The three PromPrune splits, each against the formula on numpy entropies: per frame on each frame's share; the
+    clip's ratio on every frame's share; each frame's split of its share summed, selected over the clip."""
+    budget, tau = 10, 0.1
+    (h_clip, h_frames), _ = _entropies(arch, clips)
+    mu = (h_clip + float(np.mean(h_frames))) / 2  # between the clip's and the frames' entropies: no count saturates
+    shares = SHARES[arch]
+    opts = dict(mu=mu, tau=tau)
+
+    per = vlm_for(arch, "promprune", budget, video_budget="per_frame", **opts).prepare_video(clips, PROMPTS).stats[0]
+    expected = [salient_count(h, s, mu, tau) for h, s in zip(h_frames, shares)]
+    salient = np.bincount(np.array(per["salient"], dtype=int) // PER_FRAME[arch], minlength=len(shares)).tolist()
+    assert salient == expected and per["saliency_count"] == sum(expected)
+    assert per["entropy"] == pytest.approx(np.mean(h_frames), abs=1e-4)
+
+    clip_ratio = 1.0 - 1.0 / (1.0 + math.exp(-(h_clip - mu) / tau))
+    got = vlm_for(arch, "promprune", budget, video_budget="per_frame", video_split="clip",
+                  **opts).prepare_video(clips, PROMPTS).stats[0]
+    assert got["saliency_count"] == sum(round(clip_ratio * s) for s in shares)
+    assert got["entropy"] == pytest.approx(h_clip, abs=1e-4) and got["visual_tokens"] == budget
+    salient = np.bincount(np.array(got["salient"], dtype=int) // PER_FRAME[arch], minlength=len(shares)).tolist()
+    assert salient == [round(clip_ratio * s) for s in shares]
+    assert 0 < sum(salient) < budget and 0 < sum(expected) < budget  # the splits are not all-saliency / all-coverage
+
+    got = vlm_for(arch, "promprune", budget, video_budget="clip", video_split="per_frame",
+                  **opts).prepare_video(clips, PROMPTS).stats[0]
+    assert got["saliency_count"] == sum(expected) and got["visual_tokens"] == budget
+    assert got["entropy"] == pytest.approx(np.mean(h_frames), abs=1e-4)
+
+    whole = vlm_for(arch, "promprune", budget, video_budget="clip", **opts).prepare_video(clips, PROMPTS).stats[0]
+    assert whole["saliency_count"] == salient_count(h_clip, budget, mu, tau)
+    assert whole["entropy"] == pytest.approx(h_clip, abs=1e-4)
+
+
+def test_video_split_needs_promprune():
+    with pytest.raises(ValueError, match="video_split='clip'.*'divprune'"):
+        vlm_for("qwen2_5_vl", "divprune", 6, video_split="clip").prepare_video([scene_clip(frames=2)], ["q"])
+    with pytest.raises(ValueError, match="video_budget"):
+        vlm_for("qwen2_5_vl", "divprune", 6, video_budget="frames")
+
+
+def test_video_needs_a_video_model():
+    with pytest.raises(ValueError, match="video needs one of llava_onevision"):
+        vlm_for("llava").prepare_video([scene_clip(frames=2)], ["q"])
+
+
+# ---- Qwen: 3D positions and DeepStack ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("order", ["raster", "selection"])
+def test_qwen_kept_tokens_keep_their_3d_positions(arch, order, clips):
+    """Each fed video token carries the (t, h, w) position transformers gives its grid index on the unpruned clip."""
+    model = tiny_vlm(arch)[0]
+    _, inputs = plain_generate(arch, clips, PROMPTS, 1)
+    grids = {k: inputs[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in inputs}
+    full, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], **grids,
+                                         attention_mask=inputs["attention_mask"])  # [3, B, L]
+    vlm = vlm_for(arch, "promprune", 12, token_order=order)
+    prep = vlm.prepare_video(clips, PROMPTS)
+    ids, pos = prep.model_kwargs["input_ids"], prep.model_kwargs["position_ids"]  # [B, L'], [4, B, L']
+    for b, stats in enumerate(prep.stats):
+        video_cols = (inputs["input_ids"][b] == model.config.video_token_id).nonzero().flatten()  # grid index order
+        fed = (ids[b] == model.config.video_token_id).nonzero().flatten()
+        got = pos[1:, b, fed]  # [3, 12]
+        expected = full[:, b, video_cols[torch.tensor(sorted(stats["kept"]))]]
+        if order == "raster":
+            assert torch.equal(got, expected)
+        else:  # the same positions, in the selection's order
+            assert sorted(map(tuple, got.T.tolist())) == sorted(map(tuple, expected.T.tolist()))
+
+
+def test_qwen3_deepstack_rows_follow_the_kept_tokens(clips):
+    model = tiny_vlm("qwen3_vl")[0]
+    _, inputs = plain_generate("qwen3_vl", clips, PROMPTS, 1)
+    with torch.inference_mode():
+        ref = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                             return_dict=True)
+    vlm = vlm_for("qwen3_vl", "divprune", 12)
+    prep = vlm.prepare_video(clips, PROMPTS)
+    out = prep.model_kwargs["mm_encoder_outputs"]["video"]
+    for b, stats in enumerate(prep.stats):
+        kept = torch.tensor(stats["kept"])
+        torch.testing.assert_close(out.pooler_output[b], ref.pooler_output[b][kept])
+        for layer, rows in enumerate(out.deepstack_features):
+            torch.testing.assert_close(rows[b], ref.deepstack_features[layer][b][kept])
+
+
+# ---- every method --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", VIDEO_ARCHS)
+@pytest.mark.parametrize("method", all_methods())
+def test_every_method_on_a_clip(arch, method, clips):
+    budget = 8
+    vlm = vlm_for(arch, method, budget)
+    out = vlm.generate_video(clips, PROMPTS, max_new_tokens=2)
+    assert len(out) == 2 and all(len(g.token_ids) == 2 for g in out)
+    n = PER_FRAME[arch] * VIEWS[arch] + (arch == "llava_onevision")
+    for g in out:
+        if is_in_llm(method):
+            assert 0 < g.visual_tokens <= n
+        else:
+            assert g.visual_tokens == budget
+            assert len(set(g.kept)) == budget
+
+
+# ---- saliency ------------------------------------------------------------------------------------------------------
+
+
+def test_onevision_frame_saliency_is_pooled_eager_attention(clips):
+    """A frame's token saliency is the mean attention each patch receives at the layer the projector reads (an eager
+    twin's attention weights), pooled 4x4 -> 2x2 by torch's bilinear interpolation, as the model pools the tokens."""
+    model = tiny_vlm("llava_onevision")[0]
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    vlm = vlm_for("llava_onevision", "saliency_only", 4)
+    prep = vlm.prepare_video(clips, PROMPTS)
+    pixels = video_inputs(vlm, clips, PROMPTS)["pixel_values_videos"]  # [B, F, 3, 32, 32]
+    with torch.inference_mode():
+        out = twin.model.vision_tower(pixels.flatten(0, 1), output_attentions=True)
+    received = out.attentions[-1].mean(dim=(1, 2)).view(-1, 1, 4, 4)  # [B * F, 1, 4, 4]
+    pooled = torch.nn.functional.interpolate(received, size=[2, 2], mode="bilinear").view(2, FRAMES * 4)
+    for b, item in enumerate(prep.items):
+        torch.testing.assert_close(item.saliency, pooled[b], atol=1e-6, rtol=1e-5)
+        assert item.groups.tolist() == [f for f in range(FRAMES) for _ in range(4)]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_clip_of_one_still_image_is_that_image(arch):
+    """Qwen's image path feeds an image as a temporal patch of two equal frames, so a clip of those two frames gives
+    the image's tokens, saliency (and DeepStack rows) exactly: the video path adds nothing of its own to them."""
+    image = scene_clip(index=5, frames=1)[0].resize((48, 48))
+    vlm = vlm_for(arch, "saliency_only", 4)
+    image_item = vlm.prepare([image], ["q"]).items[0]
+    clip_item = vlm.prepare_video([[image, image]], ["q"]).items[0]
+    torch.testing.assert_close(clip_item.features, image_item.features)
+    torch.testing.assert_close(clip_item.saliency, image_item.saliency)
+    assert clip_item.grid_shape == image_item.grid_shape == (6, 6)
+    if arch == "qwen3_vl":
+        for a, b in zip(clip_item.deepstack, image_item.deepstack):
+            torch.testing.assert_close(a, b)
