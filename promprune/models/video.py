@@ -309,9 +309,11 @@ def _llm_inputs(vlm, batch, items, plan_):
 
 @torch.inference_mode()
 def prepare(vlm, clips, prompts, fps: float | None = None):
-    """:meth:`PrunedVLM.prepare` for clips: encode, select per ``video_budget`` / ``video_split``, rebuild."""
+    """:meth:`PrunedVLM.prepare` for clips: encode, select per ``video_budget`` / ``video_split``, rebuild.
+
+    Returns the fields of a ``Prepared`` (model kwargs, stats, items, vision and selection ms); ``PrunedVLM``
+    builds it, so this module never imports ``vlm``."""
     from .methods import is_in_llm
-    from .vlm import Prepared
 
     prompts = list(prompts)
     batch = inputs(vlm, clips, prompts, fps)
@@ -326,4 +328,4 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
         chosen = plan(vlm, items, budget_option, split) if pre_llm else None
     ids, mask, encoded, extra, stats = _llm_inputs(vlm, batch, items, chosen)
     kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
-    return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
+    return dict(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)

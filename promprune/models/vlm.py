@@ -181,7 +181,7 @@ class PrunedVLM:
         a video file's path or its frames; the adapter options ``video_budget`` / ``video_split`` spread the budget."""
         from . import video
 
-        return video.prepare(self, clips, prompts, fps)
+        return Prepared(**video.prepare(self, clips, prompts, fps))
 
     @torch.inference_mode()
     def generate_video(self, clips, prompts, fps: float | None = None, **generation_kwargs) -> list[Generation]:
