@@ -155,6 +155,27 @@ class ExplicitTrial(TypedDict):
                                  expect("a non-empty list of the spec's task names"), AfterValidator(_in_the_spec)]]
 
 
+def _accepted_options(trial: dict, info: ValidationInfo) -> dict:
+    """An explicit trial's options must be its method's: one it does not take is refused (the grid drops them, since
+    a grid crosses methods; a trial names one). Adapter options (`video_budget`, `budget_mode`, ...) belong in
+    `model.options`, which applies to every trial."""
+    catalog = (info.context or {}).get("catalog")
+    method = trial.get("method")
+    if catalog is None or method not in catalog.names:
+        return trial
+    accepted = catalog.options(method)
+    adapter = catalog.adapter_option_names
+    problems = []
+    for key in trial:
+        if key in ("method", "budget", "tasks") or key in accepted:
+            continue
+        hint = (" (an adapter option: set it in model.options, or in a spec of its own)" if key in adapter
+                else unknown(key, sorted(accepted)))
+        problems.append(((key,), f"{method} takes no option {key!r}{hint}", trial[key]))
+    _raise(problems, "trial")
+    return trial
+
+
 TaskList = Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1),
                      BeforeValidator(lambda v: [v] if isinstance(v, str) else v),
                      expect("a non-empty list of lmms-eval task names"), AfterValidator(_no_duplicates)]
@@ -180,7 +201,7 @@ class SweepSpec:
                          expect("0 (no confidence intervals) or a number of resamples in 100..100000")] = 0
     grid: Annotated[dict, mapping("a mapping of field -> value or list of values"),
                     AfterValidator(_check_grid)] = field(default_factory=dict)
-    trials: Annotated[list[ExplicitTrial], WrapValidator(_as_written),
+    trials: Annotated[list[Annotated[ExplicitTrial, AfterValidator(_accepted_options)]], WrapValidator(_as_written),
                       mapping("a list of mappings like {method: fastv, budget: 64, layer: 2}", list)] = field(
         default_factory=list)
     # generate() kwargs over each task's own; {}: lmms-eval's per task

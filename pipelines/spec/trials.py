@@ -87,6 +87,10 @@ class MethodCatalog:
         """Option names `method` accepts, or None for an unknown method (validate() reports it)."""
         return set(self._pp.method_spec(method).options) if method in self.names else None
 
+    @property
+    def adapter_option_names(self) -> set[str]:
+        return set(self._models.ADAPTER_OPTIONS)
+
     def check_adapter_options(self, options: dict) -> tuple[dict, list[str]]:
         """(the known adapter options, errors naming unknown ones and bad values)."""
         known = self._models.ADAPTER_OPTIONS

@@ -104,3 +104,23 @@ def test_sections_are_the_components_own_objects():
     assert list(spec.generation) == ["temperature", "max_new_tokens"]  # as written (dump_resolved, fingerprints)
     assert problems(model={"shared": 1}) == [
         "model.shared: unknown field; valid: attn_implementation, dtype, options, pretrained"]
+
+
+def test_an_explicit_trial_option_its_method_does_not_take_is_refused_not_dropped():
+    """The grid drops options a crossed method does not take (mu for divprune); an explicit trial names one method,
+    so an option it does not take (an adapter option, a misspelling, a nested `options:`) is an error, not a
+    silently different trial."""
+    raw = {"name": "t", "version": 1, "model": {"pretrained": "tiny:llava"},
+           "trials": [{"method": "promprune", "budget": 8, "video_budget": "clip"},
+                      {"method": "divprune", "budget": 8, "mu": 0.5},
+                      {"method": "promprune", "budget": 8, "options": {"mu": 0.5}},
+                      {"method": "promprune", "budget": 8, "mu": 0.5}]}
+    with pytest.raises(specs.SpecError) as err:
+        specs.parse(raw)
+    assert err.value.errors == [
+        "trials[0].video_budget: promprune takes no option 'video_budget' (an adapter option: set it in "
+        "model.options, or in a spec of its own)",
+        "trials[1].mu: divprune takes no option 'mu'" + err.value.errors[1].split("'mu'", 1)[1],
+        "trials[2].options: promprune takes no option 'options'" + err.value.errors[2].split("'options'", 1)[1],
+    ]
+    assert "did you mean" not in err.value.errors[0]
