@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pyarrow as pa
+
 from promprune.records import Request
 
 from pipelines import timeline, tracking
@@ -61,7 +63,7 @@ class EvalConfig:
 
 
 def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable | None = None,
-            pool: PredictorPool | None = None):
+            pool: PredictorPool | None = None) -> pa.Table:
     """Share the request blocks out over actors holding the model: the predictions table (`PREDICTION_SCHEMA`),
     one row per request, sorted by (task, doc_id). pool: a sweep's shared actors (they carry their own run_fn);
     None: a pool started for this call alone (`resources.actors` actors, one GPU each when the cluster has GPUs)

@@ -225,6 +225,22 @@ def test_trial_run_schema(mlflow_store):
         tracking.log_trial(c, parent, "s", 3, trial, params, {}, "/tmp/preds.parquet")
 
 
+def test_a_standalone_evaluation_logs_its_trial_result(mlflow_store, tmp_path):
+    """`pipelines/evaluate.py`'s run: role evaluation, the trial's params and metrics, the TrialResult file."""
+    from pipelines.evaluate import EvalConfig
+
+    c = mlflow_store
+    table = result.predictions_table([_pred("a", 0, prediction="yes")])
+    done = result.TrialResult(table, {"a": {"accuracy": 1.0}}, {"a/accuracy": 1.0, "entropy/mean": float("nan")})
+    cfg = EvalConfig(model=weights.ModelSource("tiny:llava"), method="promprune", budget=8, options={"mu": 0.4},
+                     tasks=["a"])
+    run = c.get_run(tracking.log_evaluation(cfg, done))
+    assert run.data.tags[schema.ROLE] == "evaluation" and run.data.tags[schema.TRIAL] == "promprune-b8-mu=0.4"
+    assert run.data.params["mu"] == "0.4" and run.data.metrics == {"a/accuracy": 1.0}
+    back = result.TrialResult.read(c.download_artifacts(run.info.run_id, schema.PREDICTIONS_ARTIFACT, str(tmp_path)))
+    assert back.predictions.equals(table) and back.scores == done.scores
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # shared weights: extract -> object-store bytes -> restore gives the same model
 
