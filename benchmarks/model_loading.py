@@ -106,7 +106,7 @@ def main() -> None:
                         "as for fp16 hub checkpoints run in bf16)")
     args = p.parse_args()
 
-    from pipelines.sweep import worker_env
+    from pipelines.run.ray_connect import worker_env
 
     ray.init(num_cpus=2, include_dashboard=False, runtime_env=worker_env())
     with tempfile.TemporaryDirectory() as d:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from pipelines.evaluate import worker_env
+    from pipelines.run.ray_connect import worker_env
 
     with tempfile.TemporaryDirectory(prefix="promprune-ray-") as tmp:
         ray.init(address="local", include_dashboard=False, log_to_driver=False, runtime_env=worker_env(),

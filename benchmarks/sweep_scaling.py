@@ -94,8 +94,9 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     import functools
 
     from pipelines import sweep
+    from pipelines.run.ray_connect import worker_env
 
-    env = sweep.worker_env()
+    env = worker_env()
     if timeline_dir is not None:  # before the nodes start, so that their processes inherit it too
         timeline_dir.mkdir(parents=True)
         os.environ[timeline.ENV] = str(timeline_dir)

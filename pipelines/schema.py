@@ -8,7 +8,8 @@
   parent): tags `mlflow.parentRunId`, `promprune.sweep`, `promprune.trial=<id>`; params model, method (`none` =
   unpruned), budget, tasks and every option of the trial; metrics `<task>/<metric>`, `rel`, `samples/*`,
   `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
-  `promprune.records.arrow_schema(Prediction)`, `pipelines.evaluate.PREDICTION_SCHEMA`).
+  `promprune.records.arrow_schema(Prediction)`, `pipelines.run.result.PREDICTION_SCHEMA`; the file is the trial's
+  `TrialResult` as its Tune checkpoint held it: per-task scores and metrics as JSON in the schema metadata).
 - **A saved view per sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>`, the runs page's "Views"
   menu): the sweep's trials with each task's primary metric, `rel` and `efficiency/visual_tokens` as columns;
   `ui_url` links to it.
@@ -46,7 +47,6 @@ BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
 # artifacts
 SPEC_ARTIFACT = "spec.yaml"
 PREDICTIONS_ARTIFACT = "predictions.parquet"
-SCORES_ARTIFACT = "scores.json"  # in a trial's Tune checkpoint, beside predictions.parquet
 REPORT_DIR = "report"
 
 # metrics

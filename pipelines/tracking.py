@@ -11,9 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from pipelines import schema
 from pipelines.spec import trial_id
 from pipelines.schema import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
@@ -143,9 +140,9 @@ def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict)
 
 
 def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: dict, metrics: dict,
-              predictions: pa.Table | None, status: str = "FINISHED", error: str | None = None,
+              predictions: str | Path | None, status: str = "FINISHED", error: str | None = None,
               span: tuple[float, float] | None = None) -> str:
-    """One child run of a sweep: tags, params, finite metrics, predictions.parquet; returns its run id.
+    """One child run of a sweep: tags, params, finite metrics, the predictions.parquet file; returns its run id.
 
     ``span``: the trial's (start, end) in epoch seconds, so the run shows the trial's real duration."""
     tags = {schema.PARENT: parent_id, ROLE: schema.ROLE_TRIAL, SWEEP: sweep, TRIAL: trial["trial_id"],
@@ -157,9 +154,15 @@ def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: 
 
 
 def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: dict,
-            predictions: pa.Table | None, status: str = "FINISHED", span: tuple[float, float] | None = None) -> str:
+            predictions: str | Path | None, status: str = "FINISHED", span: tuple[float, float] | None = None) -> str:
     """Create a run with its tags, params, finite metrics and predictions artifact, then end it (at ``span``'s
-    start and end when given, else now)."""
+    start and end when given, else now).
+
+    ``predictions``: a file named `predictions.parquet` (a trial's `TrialResult` file, its Tune checkpoint),
+    uploaded as it is."""
+    if predictions is not None and Path(predictions).name != schema.PREDICTIONS_ARTIFACT:
+        raise ValueError(f"predictions: {predictions} must be named {schema.PREDICTIONS_ARTIFACT} (the artifact "
+                         "name the reports read)")
     if span is not None:
         tags = {**tags, schema.STARTED_AT: _iso(span[0]), schema.FINISHED_AT: _iso(span[1])}
     run_id = c.create_run(experiment, run_name=name, tags=tags, start_time=_ms(span and span[0])).info.run_id
@@ -167,10 +170,7 @@ def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: di
         c.log_param(run_id, key, value)
     log_metrics(c, run_id, metrics)
     if predictions is not None:
-        with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / schema.PREDICTIONS_ARTIFACT
-            pq.write_table(predictions, path)  # arrow_schema(Prediction), as the actors produced it
-            c.log_artifact(run_id, str(path))
+        c.log_artifact(run_id, str(predictions))
     c.set_terminated(run_id, status=status, end_time=_ms(span and span[1]))
     return run_id
 
@@ -241,11 +241,14 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
 # standalone evaluations (pipelines/evaluate.py)
 
 
-def log_evaluation(cfg, result, predictions: pa.Table) -> str:
-    """One run (role `evaluation`, no parent) for a single `pipelines/evaluate.py` call."""
+def log_evaluation(cfg, result) -> str:
+    """One run (role `evaluation`, no parent) for a single `pipelines/evaluate.py` call; ``result``: its
+    `TrialResult`, written to `predictions.parquet` once and uploaded."""
     c = client()
     tid = trial_id(cfg.method, cfg.budget, cfg.options)
     trial = {"method": cfg.method, "budget": cfg.budget, "options": cfg.options, "trial_id": tid}
     params = trial_params(cfg.model.pretrained, trial, cfg.tasks, cfg.model.options)
-    return log_run(c, experiment_id(c), tid, {ROLE: schema.ROLE_EVALUATION, TRIAL: tid}, params, result.metrics,
-                   predictions)
+    with tempfile.TemporaryDirectory() as d:
+        path = result.write(Path(d) / schema.PREDICTIONS_ARTIFACT)
+        return log_run(c, experiment_id(c), tid, {ROLE: schema.ROLE_EVALUATION, TRIAL: tid}, params,
+                       result.metrics, path)

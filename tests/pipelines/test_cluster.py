@@ -20,7 +20,10 @@ from ray.cluster_utils import Cluster
 
 from pipelines import spec as specs
 from pipelines import sweep, tracking
-from pipelines.evaluate import EvalConfig, PredictorPool, build_requests_dataset, build_rows, evaluate, predict
+from pipelines.evaluate import EvalConfig, evaluate, predict
+from pipelines.run.pool import PredictorPool
+from pipelines.run.ray_connect import worker_env
+from pipelines.run.requests import build_requests_dataset, build_rows
 from pipelines.config import Resources
 from pipelines.weights import ModelSource
 
@@ -45,7 +48,7 @@ def cluster():
     for _ in range(3):
         c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)
     c.wait_for_nodes()
-    ray.init(address=c.address, runtime_env=sweep.worker_env())
+    ray.init(address=c.address, runtime_env=worker_env())
     yield c
     ray.shutdown()
     c.shutdown()
@@ -104,7 +107,7 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
     assert not driver.is_alive(), "the sweep did not finish after losing a node"
     result = outcome["r"]
     assert result.failed == []
-    frame = result.records["promprune-b8"]["frame"]
+    frame = result.records["promprune-b8"]["predictions"].to_pandas()
     assert len(frame) == SAMPLES and not frame.duplicated(["task", "doc_id"]).any()
     assert sorted(frame["doc_id"]) == list(range(SAMPLES))
     assert frame["error"].isna().all()
@@ -177,8 +180,8 @@ def test_pool_starts_work_before_every_actor_has_loaded(cluster, tmp_path):
         cfg = EvalConfig(model=ModelSource("tiny:llava"), method="promprune", budget=8, progress_bars=False,
                          resources=resources)
         rows = build_requests_dataset(["easyvqa_yesno"], 4, {"max_new_tokens": 1}, batch_size=1)
-        preds = predict(cfg, rows, pool=pool)  # exactly once per request, checked inside
-        assert sorted(p.doc_id for p in preds) == [0, 1, 2, 3] and not any(p.failed for p in preds)
+        preds = predict(cfg, rows, pool=pool)  # exactly once per request, checked inside; sorted
+        assert preds.column("doc_id").to_pylist() == [0, 1, 2, 3] and not any(preds.column("error").to_pylist())
         early = {m.name.split("-")[1] for m in markers.iterdir()}
         assert len(early) == 1, "only the actor that had loaded can have answered so far"
 
@@ -190,7 +193,7 @@ def test_pool_starts_work_before_every_actor_has_loaded(cluster, tmp_path):
             m.unlink()
         rows = build_requests_dataset(["easyvqa_yesno"], 12, {"max_new_tokens": 1}, batch_size=1)
         preds = predict(cfg, rows, pool=pool)
-        assert sorted(p.doc_id for p in preds) == list(range(12))
+        assert preds.column("doc_id").to_pylist() == list(range(12))
         late = {m.name.split("-")[1] for m in markers.iterdir()}
         assert len(late) >= 2, "the actors that loaded late never took work"
     finally:
@@ -215,7 +218,7 @@ def test_trials_of_one_block_are_spread_over_the_pool(cluster, tmp_path):
                          resources=resources)
         rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
         for _ in range(12):
-            assert len(predict(cfg, rows, pool=pool)) == 1
+            assert predict(cfg, rows, pool=pool).num_rows == 1
         answered = {m.name.split("-")[1] for m in markers.iterdir()}
         assert len(answered) >= 2, "every one-block call went to the same actor"
     finally:

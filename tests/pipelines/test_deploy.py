@@ -15,6 +15,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 from pipelines import spec as specs
 from pipelines import sweep
+from pipelines.run.state import STORAGE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +81,7 @@ def test_kuberay_manifest():
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1" and workers["minReplicas"] <= workers["maxReplicas"]
     env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
-    assert "MLFLOW_TRACKING_URI" in env and sweep.STORAGE_ENV in env
+    assert "MLFLOW_TRACKING_URI" in env and STORAGE_ENV in env
     cron = kinds["CronJob"]["spec"]
     assert len(cron["schedule"].split()) == 5 and cron["concurrencyPolicy"] == "Forbid"
 

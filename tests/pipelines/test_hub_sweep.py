@@ -7,6 +7,7 @@ import ray
 
 from pipelines import spec as specs
 from pipelines import sweep, tracking
+from pipelines.run.ray_connect import worker_env
 from promprune.eval.standins import STANDIN_TASKS, serving, standin_env
 from tests.conftest import STANDIN_DOCS
 from tests.eval.test_hub_standins import LoopbackJudge
@@ -25,7 +26,7 @@ def hub_ray(hub_standins, judge):
     """A local Ray whose workers see the stand-ins and MM-Vet's loopback judge, as a cluster's would see the hub."""
     env = {**standin_env(hub_standins), "API_TYPE": "openai", "OPENAI_API_KEY": "sk-test",
            "OPENAI_BASE_URL": judge.url, "OPENAI_API_URL": judge.url}
-    base = sweep.worker_env()
+    base = worker_env()
     with serving(hub_standins), pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)

@@ -3,7 +3,6 @@ predictions equal plain (non-Ray) generation, Rel. is computed against the basel
 resumes without redoing finished trials."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,9 +17,14 @@ import ray
 import torch
 import yaml
 
+from promprune.records import Prediction
+
 from pipelines import spec as specs
 from pipelines import schema, sweep, tracking
-from pipelines.evaluate import PREDICTION_SCHEMA, build_rows
+from pipelines.run.ray_connect import worker_env
+from pipelines.run.recorder import SweepRecorder
+from pipelines.run.requests import build_rows
+from pipelines.run.result import PREDICTION_SCHEMA, TrialResult, predictions_table
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT = 2  # samples per task: enough to shard over batches, small enough for 2 cores
@@ -30,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=sweep.worker_env())
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=worker_env())
     yield
     ray.shutdown()
 
@@ -68,6 +72,7 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
 
     children = tracking.trial_runs(c, outcome.parent_run_id)
     assert sorted(children) == ["baseline", "divprune-b8", "promprune-b8"]
+    checkpoints = {p.read_bytes() for p in Path(outcome.experiment_path).rglob(schema.PREDICTIONS_ARTIFACT)}
     rows = build_rows(spec.tasks, LIMIT, spec.generation)
     for tid, run in children.items():
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
@@ -87,7 +92,12 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
         assert "trial/started_at" not in metrics and tags[schema.STARTED_AT] < tags[schema.FINISHED_AT]
         assert ("entropy/mean" in metrics) == (method == "promprune")  # only PromPrune measures prominence
 
-        frame = pd.read_parquet(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir)))
+        artifact = Path(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir)))
+        # the trial's checkpoint file, uploaded as it is: the same bytes, the whole TrialResult
+        assert artifact.read_bytes() in checkpoints
+        logged = TrialResult.read(artifact)
+        assert logged.metrics["samples/total"] == metrics["samples/total"] and set(logged.scores) == set(spec.tasks)
+        frame = pd.read_parquet(artifact)
         assert len(frame) == 2 * LIMIT and not frame.duplicated(["task", "doc_id"]).any()
         assert list(frame.columns) == PREDICTION_SCHEMA.names  # the records' schema, declared once
         assert pq.read_schema(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir))) \
@@ -131,20 +141,21 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     spec = small_spec(tasks=["pope", "mme"])
     c = tracking.client()
     parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {})
-    recorder = sweep.SweepRecorder(spec, parent, n_trials=2)
+    recorder = SweepRecorder(spec, parent, n_trials=2)
 
     def checkpoint(name: str, scores: dict):
         d = tmp_path / name
         d.mkdir()
-        pd.DataFrame({"task": ["pope"], "doc_id": [0]}).to_parquet(d / "predictions.parquet")
-        (d / "scores.json").write_text(json.dumps(scores))
+        table = predictions_table([Prediction(task="pope", doc_id=0, n_docs=1, prompt="q?", prediction="yes")])
+        metrics = {"pope/pope_f1_score": scores["pope"]["pope_f1_score"]}
+        TrialResult(table, scores, metrics).write(d / "predictions.parquet")
         return tune.Checkpoint.from_directory(str(d))
 
     pruned = specs.Trial("promprune", 8, {}).to_dict()
     base = specs.Trial(None, None, {}).to_dict()
-    recorder.record(pruned, {"pope/pope_f1_score": 0.6}, checkpoint("p", {
+    recorder.record(pruned, checkpoint("p", {
         "pope": {"pope_f1_score": 0.6}, "mme": {"mme_perception_score": 600.0, "mme_cognition_score": 200.0}}))
-    recorder.record(base, {"pope/pope_f1_score": 0.8}, checkpoint("b", {
+    recorder.record(base, checkpoint("b", {
         "pope": {"pope_f1_score": 0.8}, "mme": {"mme_perception_score": 800.0, "mme_cognition_score": 200.0}}))
     recorder.finalize_rel()  # the pruned trial finished before the baseline
     runs = tracking.trial_runs(c, parent)
@@ -222,7 +233,7 @@ def test_failed_trial_is_retried(local_ray, workdir):
                       tune={"max_failures": 1})
     outcome = sweep.run_sweep(spec, run_fn=functools.partial(flaky_run, marker=str(marker)))
     assert marker.read_text() == "failed once"  # the first attempt did fail
-    assert outcome.failed == [] and len(outcome.records["divprune-b4"]["frame"]) == LIMIT
+    assert outcome.failed == [] and outcome.records["divprune-b4"]["predictions"].num_rows == LIMIT
     assert list(tracking.trial_runs(tracking.client(), outcome.parent_run_id)) == ["divprune-b4"]
 
     marker.unlink()
@@ -244,7 +255,8 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     from promprune.eval.requests import share_images
     from promprune.records import Request, from_arrow
 
-    from pipelines.evaluate import EvalConfig, Requests, build_requests_dataset, predict
+    from pipelines.evaluate import EvalConfig, predict
+    from pipelines.run.requests import Requests, build_requests_dataset
     from pipelines.config import Resources
     from pipelines.weights import ModelSource
 
@@ -258,4 +270,5 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
 
     preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, progress_bars=False,
                                resources=Resources(batch_size=2)), sharded)
-    assert sorted(p.key for p in preds) == sorted(plain)
+    assert [f"{t}/{d}" for t, d in zip(preds.column("task").to_pylist(), preds.column("doc_id").to_pylist())] \
+        == sorted(plain, key=lambda k: (k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])))  # once each, sorted

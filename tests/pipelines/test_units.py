@@ -5,14 +5,16 @@ import copy
 import math
 import pickle
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from promprune.records import Prediction, from_arrow
 
-from pipelines import evaluate, schema, spec as specs, tracking, weights
-from pipelines.sweep import makespan as sweep_makespan
-from pipelines.sweep import plan_resources
+from pipelines import schema, spec as specs, sweep, tracking, weights
+from pipelines.run import result
+from pipelines.run.resources import makespan as sweep_makespan
+from pipelines.run.resources import plan_resources
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -74,7 +76,7 @@ def test_summarize_hand_values():
               prefill_flops=3e12, kv_cache_bytes=3 * 2 ** 20),
         _pred("a", 3, prediction="", error="ValueError: corrupt image"),
     ]
-    m = evaluate.summarize(preds, {"a": {"accuracy": 0.5, "n_samples": 4}})
+    m = result.summarize(result.predictions_table(preds), {"a": {"accuracy": 0.5, "n_samples": 4}})
     assert m["a/accuracy"] == 0.5 and m["samples/total"] == 4 and m["samples/failed"] == 1
     assert m["entropy/mean"] == pytest.approx(0.4) and m["entropy/median"] == pytest.approx(0.4)
     assert m["t_sal/mean"] == 4 and m["t_sal/median"] == 4
@@ -85,15 +87,16 @@ def test_summarize_hand_values():
 
 
 def test_unpruned_summary_has_no_entropy():
-    m = evaluate.summarize([_pred("a", 0, entropy=None, saliency_count=0, visual_tokens=36)], {"a": {"accuracy": 1.0}})
+    table = result.predictions_table([_pred("a", 0, entropy=None, saliency_count=0, visual_tokens=36)])
+    m = result.summarize(table, {"a": {"accuracy": 1.0}})
     assert math.isnan(m["entropy/mean"])
 
 
 def test_exactly_once_names_duplicates_and_missing():
     keys = [f"a/{i}" for i in range(3)]
-    evaluate.check_exactly_once(keys, [_pred("a", i) for i in (2, 0, 1)])
+    result.check_exactly_once(keys, result.predictions_table([_pred("a", i) for i in (2, 0, 1)]))
     with pytest.raises(RuntimeError, match=r"duplicated \['a/1'\].*missing \['a/2'\]"):
-        evaluate.check_exactly_once(keys, [_pred("a", i) for i in (0, 1, 1)])
+        result.check_exactly_once(keys, result.predictions_table([_pred("a", i) for i in (0, 1, 1)]))
 
 
 def _pred(task, doc_id, **fields):
@@ -102,12 +105,12 @@ def _pred(task, doc_id, **fields):
 
 def test_predictions_table_schema():
     """Columns, order and types come from the Prediction declaration; rows sorted by (task, doc_id)."""
-    table = evaluate.predictions_table([
+    table = result.predictions_table([
         _pred("b", 1, prediction="no", entropy=0.5, saliency_count=3, visual_tokens=8, kept=[1, 2], vision_ms=1.0,
               gen_kwargs={"until": ["\n"]}),
         _pred("a", 0, error="boom"),
     ])
-    assert table.schema == evaluate.PREDICTION_SCHEMA
+    assert table.schema == result.PREDICTION_SCHEMA
     assert table.schema.names[:2] == ["task", "doc_id"] and "image" not in table.schema.names
     assert str(table.schema.field("kept").type) == "list<item: int64>"
     assert str(table.schema.field("visual_tokens").type) == "int64"
@@ -118,6 +121,58 @@ def test_predictions_table_schema():
     assert from_arrow(table, Prediction)[1] == _pred("b", 1, prediction="no", entropy=0.5, saliency_count=3,
                                                      visual_tokens=8, kept=[1, 2], vision_ms=1.0,
                                                      gen_kwargs={"until": ["\n"]})
+
+
+def test_trial_result_is_one_parquet_file(tmp_path):
+    """The file a trial checkpoints and the driver uploads: predictions as written, scores and metrics (NaN kept)."""
+    table = result.predictions_table([_pred("a", 1, prediction="no", kept=[3]), _pred("a", 0, error="boom")])
+    scores = {"a": {"accuracy": 0.5, "n_samples": 2, "n_failed": 1}}
+    metrics = {"a/accuracy": 0.5, "entropy/mean": float("nan"), "trial/wall_s": 1.25}
+    path = result.TrialResult(table, scores, metrics).write(tmp_path / schema.PREDICTIONS_ARTIFACT)
+    back = result.TrialResult.read(path)
+    assert back.predictions.equals(table) and back.predictions.schema.metadata is None
+    assert back.scores == scores and back.metrics["trial/wall_s"] == 1.25 and math.isnan(back.metrics["entropy/mean"])
+    assert pq.read_schema(path).remove_metadata() == result.PREDICTION_SCHEMA  # what the reports read is unchanged
+    pq.write_table(table, tmp_path / "bare.parquet")
+    with pytest.raises(ValueError, match="bare.parquet holds predictions but no trial result"):
+        result.TrialResult.read(tmp_path / "bare.parquet")
+
+
+def test_assembled_predictions_are_sorted_and_checked_once():
+    """The actors' blocks arrive in any order; assembled they are one table sorted by (task, doc_id)."""
+    blocks = [result.predictions_table([_pred("b", 0), _pred("a", 2)]),
+              result.predictions_table([_pred("a", 10), _pred("a", 1)])]
+    keys = ["a/1", "a/2", "a/10", "b/0"]
+    table = result.assemble_predictions(keys, blocks)
+    assert list(zip(table.column("task").to_pylist(), table.column("doc_id").to_pylist())) == [
+        ("a", 1), ("a", 2), ("a", 10), ("b", 0)]
+    with pytest.raises(RuntimeError, match=r"unexpected \['b/0'\]"):
+        result.assemble_predictions(keys[:3], blocks)
+
+
+def test_scored_result_replays_the_rows_scoring_reads():
+    seen = []
+    table = result.predictions_table([_pred("a", 0, prediction="yes", visual_tokens=4)])
+    got = result.TrialResult.scored(table, lambda rows: seen.extend(rows) or {"a": {"accuracy": 1.0}})
+    assert seen == [{"task": "a", "doc_id": 0, "n_docs": 3, "prediction": "yes", "error": None}]
+    assert got.metrics["a/accuracy"] == 1.0 and got.metrics["efficiency/visual_tokens"] == 4
+
+
+def test_calibrated_mu_is_applied_once_on_the_driver():
+    """Tune's config holds the options the trial runs with; the id stays the spec's; the run's params say where mu
+    came from."""
+    from pipelines.run.recorder import SweepRecorder
+
+    trial = specs.Trial("promprune", 8, {"mu": "calibrate", "metric": "attention"})
+    config = sweep.tune_trial(trial, {"attention": 0.81})
+    assert config["options"] == {"mu": 0.81, "metric": "attention"} and config["mu_source"] == "calibration"
+    assert config["trial_id"] == trial.trial_id == "promprune-b8-metric=attention-mu=calibrate"
+    plain = specs.Trial("promprune", 8, {"mu": 0.4})
+    assert sweep.tune_trial(plain, {"attention": 0.81}) == plain.to_dict()
+    recorder = SweepRecorder.__new__(SweepRecorder)  # _params needs the spec only
+    recorder.sweep = specs.SweepSpec(name="t", version=1)
+    params = recorder._params(config)
+    assert params["mu"] == "0.81" and params["mu_source"] == "calibration" and params["metric"] == "attention"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -166,6 +221,24 @@ def test_trial_run_schema(mlflow_store):
     assert run.data.metrics == {"x/y": 1.0}  # NaN = not measured, never logged
     assert c.get_run(parent).data.tags[schema.VERSION] == "3"
     assert list(tracking.trial_runs(c, parent)) == ["promprune-b8-mu=0.4"]
+    with pytest.raises(ValueError, match="must be named predictions.parquet"):
+        tracking.log_trial(c, parent, "s", 3, trial, params, {}, "/tmp/preds.parquet")
+
+
+def test_a_standalone_evaluation_logs_its_trial_result(mlflow_store, tmp_path):
+    """`pipelines/evaluate.py`'s run: role evaluation, the trial's params and metrics, the TrialResult file."""
+    from pipelines.evaluate import EvalConfig
+
+    c = mlflow_store
+    table = result.predictions_table([_pred("a", 0, prediction="yes")])
+    done = result.TrialResult(table, {"a": {"accuracy": 1.0}}, {"a/accuracy": 1.0, "entropy/mean": float("nan")})
+    cfg = EvalConfig(model=weights.ModelSource("tiny:llava"), method="promprune", budget=8, options={"mu": 0.4},
+                     tasks=["a"])
+    run = c.get_run(tracking.log_evaluation(cfg, done))
+    assert run.data.tags[schema.ROLE] == "evaluation" and run.data.tags[schema.TRIAL] == "promprune-b8-mu=0.4"
+    assert run.data.params["mu"] == "0.4" and run.data.metrics == {"a/accuracy": 1.0}
+    back = result.TrialResult.read(c.download_artifacts(run.info.run_id, schema.PREDICTIONS_ARTIFACT, str(tmp_path)))
+    assert back.predictions.equals(table) and back.scores == done.scores
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,7 +288,7 @@ def test_resolve_dtype():
 
 
 def test_sweep_state_records(tmp_path):
-    from pipelines.sweep import load_state, save_state
+    from pipelines.run.state import load_state, save_state
 
     storage = str(tmp_path / "tune")
     for stamp in ("20261120-020000", "20261121-020000"):

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from pipelines import schema, sweep, tracking
+from pipelines.run import ray_connect, state as states
+from pipelines.run.recorder import SweepRecorder
 from pipelines import spec as specs
 
 from .conftest import assert_clean_error
@@ -19,9 +21,9 @@ from .conftest import assert_clean_error
 
 def _state_for(spec: specs.SweepSpec, storage, experiment: str, parent_id: str = "run0", **extra) -> dict:
     state = {"parent_run_id": parent_id, "storage_path": str(storage), "experiment": experiment,
-             "fingerprint": sweep.fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
+             "fingerprint": states.fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
              "command": {"config": "sweeps/rel.yaml", "overrides": ["limit=4", "grid.budget=[8]"]}, **extra}
-    sweep.save_state(str(storage), state)
+    states.save_state(str(storage), state)
     return state
 
 
@@ -41,17 +43,17 @@ def test_resume_refuses_a_changed_spec_and_names_the_changes(scratch, tmp_path, 
 def test_the_same_spec_resumes(scratch, tmp_path):
     spec = specs.load(scratch())
     state = _state_for(spec, tmp_path / "store", "rel-1")
-    sweep.check_resume(spec, state)  # no error
+    states.check_resume(spec, state)  # no error
     changed = specs.load(scratch(), ["grid.mu=[0.3]"])
     with pytest.raises(specs.SpecError, match=r"grid.mu: '\(unset\)' -> \[0.3\]"):
-        sweep.check_resume(changed, state)
+        states.check_resume(changed, state)
 
 
 def test_a_failed_trial_is_logged_once(scratch):
     spec = specs.load(scratch())
     client = tracking.client()
     parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
-    recorder = sweep.SweepRecorder(spec, parent, 1)
+    recorder = SweepRecorder(spec, parent, 1)
     trial = specs.expand(spec)[1].to_dict()
     recorder.record_error(trial, "RuntimeError: boom")  # Tune's callback ...
     recorder.record_error(trial, "RuntimeError: boom")  # ... and the final reconcile
@@ -81,31 +83,29 @@ def test_a_dead_drivers_run_is_marked_killed_on_the_next_start(scratch, tmp_path
     alive_parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
     _state_for(spec, storage, "rel-2", alive_parent, driver={"host": socket.gethostname(), "pid": 1})
 
-    assert sweep.mark_dead_runs(client, str(storage), spec.name) == ["rel-1"]
+    assert states.mark_dead_runs(client, str(storage), spec.name) == ["rel-1"]
     run = client.get_run(parent)
     assert run.info.status == "KILLED"
     assert "died without finishing" in run.data.tags[schema.INTERRUPTED]
     assert "--resume rel-1" in run.data.tags[schema.INTERRUPTED]
     assert client.get_run(alive_parent).info.status == "RUNNING"  # pid 1 is alive: left alone
-    assert sweep.mark_dead_runs(client, str(storage), spec.name) == []  # once
+    assert states.mark_dead_runs(client, str(storage), spec.name) == []  # once
 
 
 def test_state_records_what_resume_needs(scratch, tmp_path):
     spec = specs.load(scratch())
     state = _state_for(spec, tmp_path / "store", "rel-9")
-    saved = json.loads((tmp_path / "store" / sweep.STATE_DIR / "rel-9.json").read_text())
-    assert saved["fingerprint"] == sweep.fingerprint(spec) and saved["command"] == state["command"]
-    assert sweep.resume_command(saved).endswith("--resume rel-9")
+    saved = json.loads((tmp_path / "store" / states.STATE_DIR / "rel-9.json").read_text())
+    assert saved["fingerprint"] == states.fingerprint(spec) and saved["command"] == state["command"]
+    assert states.resume_command(saved).endswith("--resume rel-9")
 
 
 def test_stale_ray_address_fails_in_seconds(monkeypatch, tmp_path):
-    from pipelines import evaluate
-
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
-    with pytest.raises(evaluate.RayUnreachable, match="127.0.0.1:1 \\(RAY_ADDRESS\\) does not answer"):
-        evaluate.connect(None)
+    with pytest.raises(ray_connect.RayUnreachable, match="127.0.0.1:1 \\(RAY_ADDRESS\\) does not answer"):
+        ray_connect.connect(None)
     monkeypatch.delenv("RAY_ADDRESS")
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
-    assert evaluate._recorded_head() == "127.0.0.1:1" and not evaluate._answers("127.0.0.1:1")
+    assert ray_connect._recorded_head() == "127.0.0.1:1" and not ray_connect._answers("127.0.0.1:1")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import report, sweep
+from pipelines import report
+from pipelines.run import state
 from pipelines import spec as specs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,9 +59,9 @@ def test_report_folder_stays_inside_reports(name, expected, tmp_path):
 
 def test_resume_refuses_state_others_can_write(tmp_path):
     storage = tmp_path / "tune"
-    (storage / sweep.STATE_DIR).mkdir(parents=True)
-    sweep.check_trusted_storage(str(storage), "rel-1")  # private: fine
+    (storage / state.STATE_DIR).mkdir(parents=True)
+    state.check_trusted_storage(str(storage), "rel-1")  # private: fine
     os.chmod(storage, 0o777)
     with pytest.raises(specs.SpecError, match="writable by others.*unpickles"):
-        sweep.check_trusted_storage(str(storage), "rel-1")
-    sweep.check_trusted_storage("s3://bucket/tune", "rel-1")  # remote: the bucket policy's job (README)
+        state.check_trusted_storage(str(storage), "rel-1")
+    state.check_trusted_storage("s3://bucket/tune", "rel-1")  # remote: the bucket policy's job (README)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 tracking = pytest.importorskip("pipelines.tracking")
-evaluate = pytest.importorskip("pipelines.evaluate")
+result = pytest.importorskip("pipelines.run.result")
 
 from promprune.records import Prediction  # noqa: E402
 
@@ -20,11 +20,14 @@ TASKS = ["easyvqa_yesno", "easyvqa_open"]
 GRID = 36  # the tiny LLaVA's 6 x 6 visual tokens
 
 
-def preds(n_sal):
-    return evaluate.predictions_table([
+def preds(n_sal, folder):
+    """The trial's `TrialResult` file, as its Tune checkpoint holds it and the driver uploads it."""
+    table = result.predictions_table([
         Prediction(task=task, doc_id=doc, n_docs=3, prompt="q?", prediction="yes", entropy=0.2 + 0.01 * doc,
                    saliency_count=n_sal, visual_tokens=16, kept=list(range(0, 32, 2)), prefill_ms=1.0)
         for task in TASKS for doc in range(3)])
+    folder.mkdir()
+    return result.TrialResult(table, {}, {}).write(folder / "predictions.parquet")
 
 
 def test_report_on_runs_written_by_the_pipeline(store, tmp_path):
@@ -34,7 +37,8 @@ def test_report_on_runs_written_by_the_pipeline(store, tmp_path):
     runs = [({"method": None, "budget": None, "options": {}, "trial_id": "baseline"},
              {"easyvqa_yesno/f1": 0.5, "easyvqa_open/exact_match": 0.25, "efficiency/visual_tokens": GRID}, None),
             ({"method": "promprune", "budget": 16, "options": {"mu": 0.42, "tau": 0.02}, "trial_id": "promprune-b16"},
-             {"easyvqa_yesno/f1": 0.4, "easyvqa_open/exact_match": 0.25, "efficiency/visual_tokens": 16}, preds(10))]
+             {"easyvqa_yesno/f1": 0.4, "easyvqa_open/exact_match": 0.25, "efficiency/visual_tokens": 16},
+             preds(10, tmp_path / "trial"))]
     for trial, metrics, frame in runs:
         params = tracking.trial_params("tiny:llava", trial, TASKS, {})
         tracking.log_trial(c, parent, "pipe_demo", 2, trial, params, metrics, frame)

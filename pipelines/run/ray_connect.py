@@ -1,0 +1,83 @@
+"""Connecting to Ray: join the named cluster (failing in seconds when it does not answer), the head `ray start`
+recorded, or a local Ray; with a runtime_env that lets workers import this checkout."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+from pipelines.console import say
+
+REPO = Path(__file__).resolve().parents[2]
+QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
+
+
+def worker_env() -> dict:
+    """runtime_env that lets Ray workers import `pipelines` and `promprune` from this checkout.
+
+    Needed for a local Ray or a cluster sharing this filesystem (tests); `ray job submit --working-dir .` puts the
+    uploaded checkout on the workers' path itself, and cluster.yaml installs the project on every node.
+    """
+
+    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}}
+
+
+class RayUnreachable(RuntimeError):
+    """The Ray cluster the user named does not answer."""
+
+
+def _answers(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether a Ray head's GCS accepts a TCP connection at ``host:port`` within a few seconds."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _recorded_head() -> str | None:
+    """The head a plain ``ray.init()`` would join: the address `ray start` recorded in Ray's temp dir."""
+    from ray._common.utils import get_ray_address_file
+
+    try:
+        return Path(get_ray_address_file(None)).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def connect(address: str | None, *, log_to_driver: bool = True) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else the head `ray start` recorded, else start a
+    local Ray. A named head that does not answer is a RayUnreachable in seconds (Ray itself would wait for
+    minutes); a recorded head that died without `ray stop` is skipped with a note."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
+
+    if ray.is_initialized():
+        return
+    if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: keep the job's runtime_env
+        ray.init(address=address, log_to_driver=log_to_driver)
+        return
+    named = address or os.environ.get("RAY_ADDRESS")
+    if named and named not in ("auto", "local") and not named.startswith("ray://"):
+        if not _answers(named):
+            source = "--address" if address else "RAY_ADDRESS"
+            raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
+                                 f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
+        ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
+    elif named:
+        ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
+    else:
+        recorded = _recorded_head()
+        if recorded and _answers(recorded):
+            ray.init(runtime_env=worker_env(), log_to_driver=log_to_driver)  # the head `ray start` left running
+            return
+        if recorded:
+            say(f"note: the Ray head recorded at {recorded} (a `ray start` that ended without `ray stop`) does not "
+                "answer; starting a local Ray instead (`ray stop --force` clears the record)")
+        # a local Ray: no dashboard needed (faster start on a laptop)
+        ray.init(address="local", include_dashboard=False, runtime_env=worker_env(), log_to_driver=log_to_driver)
+

@@ -1,0 +1,177 @@
+"""Driver-side logging of a sweep's trials (a Tune callback runs in the driver process: the only MLflow writer):
+each finished trial's checkpoint (a `TrialResult` file) becomes an MLflow child run, its file uploaded as it is;
+Rel. follows as soon as the baseline is known; one progress line per trial and the summary table at the end."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from ray import tune
+
+from pipelines import schema, timeline, tracking
+from pipelines import spec as specs
+from pipelines.console import say
+from pipelines.run.result import TrialResult
+from pipelines.schema import REL
+
+_LIVE_RECORDERS: dict[str, "SweepRecorder"] = {}  # parent run id -> this driver's recorder
+
+
+class RecorderHook(tune.Callback):
+    """The Tune callback: a picklable forwarder to the driver's live SweepRecorder.
+
+    Tune pickles its callbacks with the experiment state and unpickles them on `--resume`; the hook carries only
+    the parent run id and finds the (new) driver's recorder by it, so MLflow clients never get pickled.
+    """
+
+    def __init__(self, parent_id: str):
+        self.parent_id = parent_id
+
+    def on_trial_start(self, iteration: int, trials: list, trial, **info):
+        timeline.mark("trial_start", "driver", trial=trial.config["trial"]["trial_id"])
+        say(f"[start] {trial.config['trial']['trial_id']}")
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info):
+        recorder = _LIVE_RECORDERS.get(self.parent_id)
+        if recorder is not None:
+            recorder.record(trial.config["trial"], trial.checkpoint)
+        timeline.mark("trial_recorded", "driver", trial=trial.config["trial"]["trial_id"])
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info):
+        recorder = _LIVE_RECORDERS.get(self.parent_id)
+        if recorder is not None:
+            recorder.record_error(trial.config["trial"], _error_text(trial))
+
+
+def _error_text(trial) -> str:
+    path = getattr(trial, "error_file", None)
+    try:
+        return Path(path).read_text()[-2000:] if path else "trial failed"
+    except OSError:
+        return f"trial failed (see {path})"
+
+
+class SweepRecorder:
+    """Logs each finished trial as an MLflow child run (once), with Rel. as soon as the baseline is known."""
+
+    def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int):
+        self.sweep, self.parent_id, self.n_trials = sweep, parent_id, n_trials
+        self.bar, self.samples = None, 0  # the sweep's progress bar (set while Tune runs)
+        self.client = tracking.client()
+        self.logged: dict[str, str] = {tid: r.info.run_id for tid, r in tracking.trial_runs(self.client,
+                                                                                            parent_id).items()}
+        self.records: dict[str, dict] = {}
+        self.baseline_scores: dict | None = None
+        self.rel_warned = False
+
+    def record(self, trial: dict, checkpoint) -> dict:
+        """Log a finished trial from its checkpoint: the `TrialResult` file is read for the metrics and scores and
+        uploaded as it is as the run's `predictions.parquet`."""
+        tid = trial["trial_id"]
+        if tid in self.records:
+            return self.records[tid]
+        with checkpoint.as_directory() as d:
+            path = Path(d) / schema.PREDICTIONS_ARTIFACT
+            result = TrialResult.read(path)
+            metrics = dict(result.metrics)
+            started = metrics.pop("trial/started_at", None)
+            span = None if started is None else (float(started), float(started) + float(metrics.get("trial/wall_s", 0)))
+            rec = {"trial": trial, "metrics": metrics, "scores": result.scores, "predictions": result.predictions,
+                   "error": None}
+            if trial["method"] is None and trial.get("repeat", 0) == 0:
+                self.baseline_scores = result.scores
+            self._add_rel(rec)
+            self.records[tid] = rec
+            if tid not in self.logged:
+                self.logged[tid] = tracking.log_trial(
+                    self.client, self.parent_id, self.sweep.name, self.sweep.version, trial, self._params(trial),
+                    rec["metrics"], path, span=span)
+            elif REL in rec["metrics"]:
+                tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
+        self._progress(rec)
+        return rec
+
+    def record_error(self, trial: dict, error: str) -> None:
+        tid = trial["trial_id"]
+        self.records[tid] = {"trial": trial, "metrics": {}, "scores": {}, "predictions": None, "error": error}
+        if tid not in self.logged:  # once: the Tune callback and the final reconcile both report a failure
+            self.logged[tid] = tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version,
+                                                  trial, self._params(trial), {}, None, status="FAILED", error=error)
+            say(f"[trial failed] {tid}: {error}")
+
+    def finalize_rel(self) -> None:
+        """Rel. for trials that finished before the baseline did."""
+        for tid, rec in self.records.items():
+            if rec["error"] is None and REL not in rec["metrics"] and self._add_rel(rec) and tid in self.logged:
+                tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
+
+    def _add_rel(self, rec: dict) -> bool:
+        """Rel. vs the baseline; undefined (not logged, said once) when a baseline score is 0."""
+        if self.baseline_scores is None:
+            return False
+        from promprune.eval import relative_score
+
+        try:
+            rec["metrics"][REL] = float(relative_score(rec["scores"], self.baseline_scores))
+        except ValueError as e:
+            if not self.rel_warned:
+                say(f"note: Rel. is not defined for this sweep: {e}")
+                self.rel_warned = True
+            return False
+        return True
+
+    def _params(self, trial: dict) -> dict:
+        """The run's params: the trial's options as it ran them (a calibrated mu, with `mu_source`, see
+        `sweep.tune_trial`)."""
+        if "mu_source" in trial:
+            trial = {**trial, "options": {**trial["options"], "mu_source": trial["mu_source"]}}
+        return tracking.trial_params(self.sweep.model.pretrained, trial, trial.get("tasks") or self.sweep.tasks,
+                                     self.sweep.model.options)
+
+    def _progress(self, rec: dict) -> None:
+        done = len(self.records)
+        m = rec["metrics"]
+        shown = " ".join(f"{k}={m[k]:.3f}" for k in headline_keys(self.sweep.tasks, m) + [REL] if k in m)
+        failed = int(m.get("samples/failed", 0))
+        shown += f" FAILED SAMPLES={failed} (scored as the empty answer)" if failed else ""
+        say(f"[{done}/{self.n_trials}] {rec['trial']['trial_id']}: {shown} "
+            f"({m.get('trial/wall_s', float('nan')):.1f}s)")
+        if self.bar is not None:
+            self.samples += int(m.get("samples/total", 0))
+            self.bar.set_postfix_str(f"{self.samples} samples", refresh=False)
+            self.bar.update(1)
+
+
+def headline_keys(tasks: list[str], metrics: dict) -> list[str]:
+    """Each task's primary metric(s) (`promprune.eval.PRIMARY_METRICS`, what Rel. uses), else its first metric."""
+    from promprune.eval import PRIMARY_METRICS
+
+    keys = []
+    for task in tasks:
+        primary = [f"{task}/{m}" for m in PRIMARY_METRICS.get(task, ())]
+        keys += [k for k in primary if k in metrics] or [k for k in metrics if k.startswith(f"{task}/")][:1]
+    return keys
+
+
+
+def summary_table(spec: specs.SweepSpec, records: dict) -> str:
+    """Plain-text table: one row per trial, the headline metric per task, Rel., efficiency."""
+    rows = []
+    for tid, rec in records.items():
+        m, t = rec["metrics"], rec["trial"]
+        row = {"trial": tid, "method": t["method"] or "none", "budget": t["budget"] if t["budget"] else "-"}
+        for key in headline_keys(spec.tasks, m):
+            row[key] = round(m[key], 4)
+        row["rel"] = round(m[REL], 4) if REL in m else "-"
+        row["vis.tok"] = _fmt(m.get("efficiency/visual_tokens"))
+        row["prefill ms"] = _fmt(m.get("efficiency/prefill_ms"))
+        row["failed"] = "ERROR" if rec["error"] else int(m.get("samples/failed", 0))
+        rows.append(row)
+    return pd.DataFrame(rows).fillna("-").to_string(index=False) if rows else "(no trials)"
+
+
+def _fmt(v: Any) -> Any:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else round(float(v), 1)
+
