@@ -98,7 +98,7 @@ def load_images(cal: Calibration) -> list:
     return [Image.open(p).convert("RGB") for p in paths]
 
 
-def prominence(vlm_factory, metrics: list[str], images: list, batch_size: int = 8) -> dict[str, list[float]]:
+def image_entropies(vlm_factory, metrics: list[str], images: list, batch_size: int = 8) -> dict[str, list[float]]:
     """Each metric's value on each image: the number PromPrune compares with mu (``Generation.entropy``), from
     ``vlm.prepare`` (vision encoder and split only; nothing is generated). ``vlm_factory(metric)`` returns a
     PromPrune ``PrunedVLM`` using that metric."""
@@ -129,5 +129,5 @@ def run(source, cal: Calibration, metrics: list[str], budget: int) -> dict[str, 
         return PrunedVLM(base.model, base.processor, method="promprune", budget=budget, metric=metric,
                          **source.options)
 
-    values = prominence(factory, metrics, images, cal.batch_size)
+    values = image_entropies(factory, metrics, images, cal.batch_size)
     return {m: {"median": statistics.median(v), "n": len(v), "values": v} for m, v in values.items()}

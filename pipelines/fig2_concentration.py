@@ -12,7 +12,7 @@ visual tokens: spectral (the method's), feature-norm and attention entropy. This
    the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``);
 3. ratings: one Chat Completions request per image not in the cache (``pipelines/judge.py``), the cache saved after
    each; so a rerun asks nothing;
-4. entropies: the three metrics per image with the spec's model (``pipelines.calibration.prominence``: the vision
+4. entropies: the three metrics per image with the spec's model (``pipelines.calibration.image_entropies``: the vision
    encoder and the split only, no generation);
 5. MLflow: a parent run (tags ``promprune.role=figure``, ``promprune.sweep=<spec name>``) with the resolved spec,
    ``judge/ratings.json`` (the cache), ``fig2_concentration.csv`` (task, doc_id, rating, spectral, feature_norm,
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from pipelines import judge as judging
-from pipelines import preflight, schema
+from pipelines import preflight, mlflow_layout
 from pipelines import spec as specs
 from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
@@ -110,7 +110,7 @@ def setup(args: argparse.Namespace):
     problems += [note] if note else []
     problems += preflight.check_tasks(spec.tasks)
     problems += preflight.check_model(spec.model.pretrained, spec.model.options, {"fig2": budget})
-    problems += preflight.check_store(schema.tracking_uri())
+    problems += preflight.check_store(mlflow_layout.tracking_uri())
     if problems:
         raise specs.SpecError(problems, args.config)
     return spec, judge, budget
@@ -140,8 +140,8 @@ def previous_cache(client, experiment: str, name: str) -> tuple[judging.RatingCa
     found and what it added, so the latest is the most complete), and that run's id."""
     from mlflow.exceptions import MlflowException
 
-    runs = client.search_runs([experiment], filter_string=f"tags.`{schema.ROLE}` = '{ROLE_FIGURE}' and "
-                                                          f"tags.`{schema.SWEEP}` = '{name}'",
+    runs = client.search_runs([experiment], filter_string=f"tags.`{mlflow_layout.ROLE}` = '{ROLE_FIGURE}' and "
+                                                          f"tags.`{mlflow_layout.SWEEP}` = '{name}'",
                               order_by=["attributes.start_time DESC"], max_results=20)
     for run in runs:
         with tempfile.TemporaryDirectory(prefix="fig2-cache-") as d:
@@ -193,7 +193,7 @@ def sample_requests(task: str, n: int, seed: int) -> list:
 
 def entropies(spec, budget: int, images: list) -> dict[str, list[float]]:
     """The three normalized entropies of every image with the spec's model (loaded once, on CUDA when here)."""
-    from pipelines.calibration import prominence
+    from pipelines.calibration import image_entropies
     from promprune.models import PrunedVLM
 
     base = spec.model.load(method=None, budget=None)
@@ -202,7 +202,7 @@ def entropies(spec, budget: int, images: list) -> dict[str, list[float]]:
         return PrunedVLM(base.model, base.processor, method="promprune", budget=budget, metric=metric,
                          **spec.model.options)
 
-    return prominence(factory, list(METRICS), images, spec.resources.batch_size)
+    return image_entropies(factory, list(METRICS), images, spec.resources.batch_size)
 
 
 def table(requests: list, ratings: list, values: dict[str, list[float]]):
@@ -233,7 +233,7 @@ def log_outputs(client, run_id: str, frame, out: Path, spec, judge) -> Path | No
                                   judge=judge.model, tasks=list(spec.tasks))
     (out / "report.md").write_text(text)
     for name in [SUMMARY_NAME, "report.md"] + ([FIGURE_NAME] if figure else []):
-        client.log_artifact(run_id, str(out / name), schema.REPORT_DIR)
+        client.log_artifact(run_id, str(out / name), mlflow_layout.REPORT_DIR)
     metrics = {f"fig2/spearman/{m}": v for m, v in concentration.correlations(frame).items()}
     for r in summary.index:
         metrics[f"fig2/n/rating_{r}"] = float(summary.loc[r, "n"])  # plain floats: numpy scalars are not logged
@@ -261,9 +261,9 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
         print(f"skipped {q.task} doc {q.doc_id}: {q.error}", file=sys.stderr)
     started = time.time()
     run_id = client.create_run(experiment, run_name=spec.name, tags={
-        schema.ROLE: ROLE_FIGURE, schema.SWEEP: spec.name, schema.VERSION: str(spec.version),
-        schema.STARTED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}).info.run_id
-    client.log_text(run_id, specs.dump_resolved(spec), schema.SPEC_ARTIFACT)
+        mlflow_layout.ROLE: ROLE_FIGURE, mlflow_layout.SWEEP: spec.name, mlflow_layout.VERSION: str(spec.version),
+        mlflow_layout.STARTED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}).info.run_id
+    client.log_text(run_id, specs.dump_resolved(spec), mlflow_layout.SPEC_ARTIFACT)
     params = {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks), "n_per_task": spec.limit,
               "seed": spec.calibration.seed, "budget": budget, "judge_model": judge.model,
               "judge_url": judge.url.split("?")[0], "prompt_sha256": judge.prompt_sha, "cache_from_run": source_run}
@@ -292,11 +292,11 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
         status, code = "FINISHED", 0
     except judging.JudgeAuthError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        client.set_tag(run_id, schema.ERROR, str(exc)[:4000])
+        client.set_tag(run_id, mlflow_layout.ERROR, str(exc)[:4000])
         code = EXIT_BAD_INPUT
     except judging.JudgeError as exc:
         print(f"error: {exc}\n(the ratings made so far are cached: rerun to continue)", file=sys.stderr)
-        client.set_tag(run_id, schema.ERROR, str(exc)[:4000])
+        client.set_tag(run_id, mlflow_layout.ERROR, str(exc)[:4000])
     finally:  # the cache goes up whatever happened: what was paid for is never asked again
         cache.save(cache_path)
         with tempfile.TemporaryDirectory() as d:

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from promprune.env import temporary_env
 
-from pipelines import schema
+from pipelines import mlflow_layout
 from pipelines.calibration import check_source, metrics_to_calibrate
 from pipelines.spec import SpecError, SweepSpec, expand
 
@@ -25,7 +25,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options,
                           {t.trial_id: t.budget for t in expand(spec) if t.budget is not None})
-    errors += check_store(tracking_uri or schema.tracking_uri())
+    errors += check_store(tracking_uri or mlflow_layout.tracking_uri())
     if metrics_to_calibrate(expand(spec)):
         problem = check_source(spec.calibration.images)
         errors += [problem] if problem else []

@@ -47,7 +47,7 @@ from ray import tune
 
 from promprune.records import Request
 
-from pipelines import calibration, preflight, schema
+from pipelines import calibration, preflight, mlflow_layout
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines import timeline, tracking
@@ -97,7 +97,7 @@ def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict],
     result = evaluate(cfg, rows, run_fn=run_fn, pool=pool)
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started})
     with tempfile.TemporaryDirectory() as d:
-        result.write(Path(d) / schema.PREDICTIONS_ARTIFACT)
+        result.write(Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT)
         tune.report(result.metrics, checkpoint=tune.Checkpoint.from_directory(d))
     timeline.mark("trial_reported", "trial")
     timeline.tag(trial=None)

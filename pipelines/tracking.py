@@ -1,4 +1,4 @@
-"""MLflow tracking: writes runs in the schema of `pipelines.schema` (pipelines/report.py reads exactly that).
+"""MLflow tracking: writes runs in the schema of `pipelines.mlflow_layout` (pipelines/report.py reads exactly that).
 
 Only the driver process writes; trials hand their results back through Ray Tune.
 """
@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipelines import schema
+from pipelines import mlflow_layout
 from pipelines.spec import trial_id
-from pipelines.schema import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
+from pipelines.mlflow_layout import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
 
 
 def client():
@@ -27,11 +27,11 @@ def client():
 def experiment_id(c) -> str:
     """The experiment's id (created on first use), marked as a model-development experiment so MLflow 3's UI opens
     it on its runs rather than on the GenAI overview."""
-    name = schema.experiment_name()
+    name = mlflow_layout.experiment_name()
     exp = c.get_experiment_by_name(name)
     exp_id = exp.experiment_id if exp is not None else c.create_experiment(name)
-    if exp is None or exp.tags.get(schema.EXPERIMENT_KIND) != schema.MODEL_DEVELOPMENT:
-        c.set_experiment_tag(exp_id, schema.EXPERIMENT_KIND, schema.MODEL_DEVELOPMENT)
+    if exp is None or exp.tags.get(mlflow_layout.EXPERIMENT_KIND) != mlflow_layout.MODEL_DEVELOPMENT:
+        c.set_experiment_tag(exp_id, mlflow_layout.EXPERIMENT_KIND, mlflow_layout.MODEL_DEVELOPMENT)
     return exp_id
 
 
@@ -42,9 +42,9 @@ def experiment_id(c) -> str:
 def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, started: float | None = None) -> str:
     """The sweep's parent run; ``started`` (epoch seconds): when the sweep began (setup included)."""
     run = c.create_run(experiment_id(c), run_name=name, start_time=_ms(started),
-                       tags={ROLE: schema.ROLE_SWEEP, SWEEP: name, VERSION: str(version),
-                             schema.STARTED_AT: _iso(started or time.time())})
-    c.log_text(run.info.run_id, resolved_yaml, schema.SPEC_ARTIFACT)
+                       tags={ROLE: mlflow_layout.ROLE_SWEEP, SWEEP: name, VERSION: str(version),
+                             mlflow_layout.STARTED_AT: _iso(started or time.time())})
+    c.log_text(run.info.run_id, resolved_yaml, mlflow_layout.SPEC_ARTIFACT)
     for key, value in params.items():
         c.log_param(run.info.run_id, key, _param(value))
     tasks = params.get("tasks", [])
@@ -56,7 +56,8 @@ def headline_metrics(tasks: list[str]) -> list[str]:
     """The metrics a reader looks at first: each task's primary metric(s) (what Rel. uses), Rel., visual tokens."""
     from promprune.eval import PRIMARY_METRICS
 
-    return [f"{t}/{m}" for t in tasks for m in PRIMARY_METRICS.get(t, ())] + [schema.REL, "efficiency/visual_tokens"]
+    primary = [f"{t}/{m}" for t in tasks for m in PRIMARY_METRICS.get(t, ())]
+    return primary + [mlflow_layout.REL, "efficiency/visual_tokens"]
 
 
 def save_sweep_view(c, exp_id: str, sweep: str, tasks: list[str]) -> str:
@@ -69,15 +70,15 @@ def save_sweep_view(c, exp_id: str, sweep: str, tasks: list[str]) -> str:
     columns = [f"metrics.`{m}`" for m in metrics]
     widths = {"attributes.`Run Name`": 250, "runDateAndNestInfo": 120, "duration": 80}
     widths |= {col: max(100, min(220, int(7.5 * len(m)) + 20)) for col, m in zip(columns, metrics)}
-    state = {"searchFilter": "" if "'" in sweep or "`" in sweep else schema.tag_filter(SWEEP, sweep),
+    state = {"searchFilter": "" if "'" in sweep or "`" in sweep else mlflow_layout.tag_filter(SWEEP, sweep),
              "orderByKey": "attributes.start_time", "orderByAsc": False, "startTime": "ALL",
              "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
              "selectedColumns": columns, "columnOrder": list(widths), "columnWidths": widths,
              "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": SWEEP}]},
              "groupsExpanded": {}}
-    key = schema.view_key(sweep)
+    key = mlflow_layout.view_key(sweep)
     now = int(time.time() * 1000)
-    c.set_experiment_tag(exp_id, schema.SAVED_VIEW + key, json.dumps(
+    c.set_experiment_tag(exp_id, mlflow_layout.SAVED_VIEW + key, json.dumps(
         {"name": sweep, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
     return key
 
@@ -88,17 +89,18 @@ def ui_url(sweep: str | None = None) -> str | None:
     from mlflow.exceptions import MlflowException
 
     try:
-        exp = client().get_experiment_by_name(schema.experiment_name())
+        exp = client().get_experiment_by_name(mlflow_layout.experiment_name())
     except (MlflowException, OSError):  # a hint to print, never a reason to fail
         return None
     if exp is None:
         return None
-    view = schema.view_key(sweep) if sweep and schema.SAVED_VIEW + schema.view_key(sweep) in exp.tags else None
-    return schema.ui_url(exp.experiment_id, view)
+    saved = sweep and mlflow_layout.SAVED_VIEW + mlflow_layout.view_key(sweep) in exp.tags
+    view = mlflow_layout.view_key(sweep) if saved else None
+    return mlflow_layout.ui_url(exp.experiment_id, view)
 
 
 def finish(c, run_id: str, status: str = "FINISHED") -> None:
-    c.set_tag(run_id, schema.FINISHED_AT, _iso(time.time()))
+    c.set_tag(run_id, mlflow_layout.FINISHED_AT, _iso(time.time()))
     c.set_terminated(run_id, status=status)
 
 
@@ -124,13 +126,13 @@ def reopen(c, run_id: str) -> None:
 def trial_runs(c, parent_id: str) -> dict[str, Any]:
     """{trial id: latest FINISHED child run} of a parent run."""
     runs = c.search_runs([c.get_run(parent_id).info.experiment_id],
-                         filter_string=schema.tag_filter(schema.PARENT, parent_id), max_results=5000,
+                         filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent_id), max_results=5000,
                          order_by=["attributes.start_time ASC"])
     return {r.data.tags.get(TRIAL): r for r in runs if r.info.status == "FINISHED"}
 
 
 def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict) -> dict[str, str]:
-    params = {"model": model, "method": trial["method"] or schema.BASELINE_METHOD,
+    params = {"model": model, "method": trial["method"] or mlflow_layout.BASELINE_METHOD,
               "budget": "none" if trial["budget"] is None else trial["budget"], "tasks": ",".join(tasks),
               "repeat": trial.get("repeat", 0)}
     params.update(trial.get("options") or {})
@@ -145,10 +147,10 @@ def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: 
     """One child run of a sweep: tags, params, finite metrics, the predictions.parquet file; returns its run id.
 
     ``span``: the trial's (start, end) in epoch seconds, so the run shows the trial's real duration."""
-    tags = {schema.PARENT: parent_id, ROLE: schema.ROLE_TRIAL, SWEEP: sweep, TRIAL: trial["trial_id"],
+    tags = {mlflow_layout.PARENT: parent_id, ROLE: mlflow_layout.ROLE_TRIAL, SWEEP: sweep, TRIAL: trial["trial_id"],
             VERSION: str(version)}
     if error:
-        tags[schema.ERROR] = error[:4000]  # MLflow caps tag values; the full trace is in Ray's logs
+        tags[mlflow_layout.ERROR] = error[:4000]  # MLflow caps tag values; the full trace is in Ray's logs
     return log_run(c, c.get_run(parent_id).info.experiment_id, trial["trial_id"], tags, params, metrics,
                    predictions, status, span)
 
@@ -160,11 +162,11 @@ def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: di
 
     ``predictions``: a file named `predictions.parquet` (a trial's `TrialResult` file, its Tune checkpoint),
     uploaded as it is."""
-    if predictions is not None and Path(predictions).name != schema.PREDICTIONS_ARTIFACT:
-        raise ValueError(f"predictions: {predictions} must be named {schema.PREDICTIONS_ARTIFACT} (the artifact "
+    if predictions is not None and Path(predictions).name != mlflow_layout.PREDICTIONS_ARTIFACT:
+        raise ValueError(f"predictions: {predictions} must be named {mlflow_layout.PREDICTIONS_ARTIFACT} (the artifact "
                          "name the reports read)")
     if span is not None:
-        tags = {**tags, schema.STARTED_AT: _iso(span[0]), schema.FINISHED_AT: _iso(span[1])}
+        tags = {**tags, mlflow_layout.STARTED_AT: _iso(span[0]), mlflow_layout.FINISHED_AT: _iso(span[1])}
     run_id = c.create_run(experiment, run_name=name, tags=tags, start_time=_ms(span and span[0])).info.run_id
     for key, value in params.items():
         c.log_param(run_id, key, value)
@@ -200,9 +202,9 @@ def previous_sweep(c, name: str, version: int, current_id: str):
     """The latest FINISHED parent run of the same sweep name and spec version before `current_id`, or None."""
     current = c.get_run(current_id)
     runs = c.search_runs([current.info.experiment_id],
-                         filter_string=" and ".join([schema.tag_filter(ROLE, schema.ROLE_SWEEP),
-                                                     schema.tag_filter(SWEEP, name),
-                                                     schema.tag_filter(VERSION, str(version))]),
+                         filter_string=" and ".join([mlflow_layout.tag_filter(ROLE, mlflow_layout.ROLE_SWEEP),
+                                                     mlflow_layout.tag_filter(SWEEP, name),
+                                                     mlflow_layout.tag_filter(VERSION, str(version))]),
                          order_by=["attributes.start_time DESC"], max_results=200)
     for run in runs:
         if run.info.run_id != current_id and run.info.status == "FINISHED" \
@@ -212,8 +214,8 @@ def previous_sweep(c, name: str, version: int, current_id: str):
 
 
 def rel_by_trial(c, parent_id: str) -> dict[str, float]:
-    return {tid: r.data.metrics[schema.REL] for tid, r in trial_runs(c, parent_id).items()
-            if schema.REL in r.data.metrics}
+    return {tid: r.data.metrics[mlflow_layout.REL] for tid, r in trial_runs(c, parent_id).items()
+            if mlflow_layout.REL in r.data.metrics}
 
 
 def regression_check(c, parent_id: str, name: str, version: int, threshold: float) -> list[str]:
@@ -224,16 +226,16 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     """
     prev = previous_sweep(c, name, version, parent_id)
     if prev is None:
-        c.set_tag(parent_id, schema.REGRESSION, "no-previous")
+        c.set_tag(parent_id, mlflow_layout.REGRESSION, "no-previous")
         return []
     now, before = rel_by_trial(c, parent_id), rel_by_trial(c, prev.info.run_id)
     found = [f"{tid}: rel {before[tid]:.4f} -> {now[tid]:.4f} ({now[tid] - before[tid]:+.4f})"
              for tid in sorted(set(now) & set(before)) if before[tid] - now[tid] > threshold]
-    c.set_tag(parent_id, f"{schema.REGRESSION}.previous_run", prev.info.run_id)
-    c.set_tag(parent_id, f"{schema.REGRESSION}.threshold", str(threshold))
-    c.set_tag(parent_id, schema.REGRESSION, "true" if found else "false")
+    c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.previous_run", prev.info.run_id)
+    c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.threshold", str(threshold))
+    c.set_tag(parent_id, mlflow_layout.REGRESSION, "true" if found else "false")
     if found:
-        c.set_tag(parent_id, f"{schema.REGRESSION}.detail", "; ".join(found)[:4000])
+        c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.detail", "; ".join(found)[:4000])
     return found
 
 
@@ -249,6 +251,6 @@ def log_evaluation(cfg, result) -> str:
     trial = {"method": cfg.method, "budget": cfg.budget, "options": cfg.options, "trial_id": tid}
     params = trial_params(cfg.model.pretrained, trial, cfg.tasks, cfg.model.options)
     with tempfile.TemporaryDirectory() as d:
-        path = result.write(Path(d) / schema.PREDICTIONS_ARTIFACT)
-        return log_run(c, experiment_id(c), tid, {ROLE: schema.ROLE_EVALUATION, TRIAL: tid}, params,
+        path = result.write(Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT)
+        return log_run(c, experiment_id(c), tid, {ROLE: mlflow_layout.ROLE_EVALUATION, TRIAL: tid}, params,
                        result.metrics, path)

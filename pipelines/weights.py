@@ -28,8 +28,8 @@ import numpy as np
 from pydantic import AfterValidator, Field, StrictStr, with_config
 from pydantic_core import PydanticCustomError
 
-from promprune.naming import AUTO as AUTO_DTYPE
-from promprune.naming import CANONICAL_DTYPES
+from promprune.dtypes import AUTO as AUTO_DTYPE
+from promprune.dtypes import CANONICAL_DTYPES
 
 from pipelines.config import SECTION, expect, one_of
 
@@ -41,7 +41,7 @@ AttnImplementation = one_of(*ATTN_IMPLEMENTATIONS)
 
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:
     """'auto' -> bfloat16 on GPU (the 7B checkpoints' training dtype), float32 on CPU (no fast bf16 matmul)."""
-    from promprune.naming import AUTO, dtype_name
+    from promprune.dtypes import AUTO, dtype_name
 
     if dtype == AUTO:
         return "bfloat16" if on_gpu else "float32"

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from promprune.naming import parse_dtype
+from promprune.dtypes import parse_dtype
 
 MIB = 2**20  # Table 6 prints MiB and labels them "MB"
 

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipelines import schema  # noqa: E402
+from pipelines import mlflow_layout  # noqa: E402
 
 VIEWPORT = {"width": 1400, "height": 900}
 # what a returning user sees: the MLflow Assistant panel (opened by itself on a first visit) closed
@@ -69,7 +69,7 @@ def find_runs(uri: str, sweep: str | None) -> dict:
         raise Problem(f"no MLflow store at {uri}: run a sweep first (python pipelines/sweep.py) in this directory, "
                       "or pass --tracking-uri")
     c = MlflowClient(uri)
-    name = schema.experiment_name()
+    name = mlflow_layout.experiment_name()
     try:
         exp = c.get_experiment_by_name(name)
     except Exception as e:  # noqa: BLE001 - an unreadable store is the user's to fix
@@ -77,8 +77,8 @@ def find_runs(uri: str, sweep: str | None) -> dict:
     if exp is None:
         raise Problem(f"the MLflow store {uri} has no experiment {name!r}: run a sweep first "
                       "(python pipelines/sweep.py) or pass --tracking-uri")
-    filters = [schema.tag_filter(schema.ROLE, schema.ROLE_SWEEP)] + ([schema.tag_filter(schema.SWEEP, sweep)]
-                                                                      if sweep else [])
+    filters = [mlflow_layout.tag_filter(mlflow_layout.ROLE, mlflow_layout.ROLE_SWEEP)]
+    filters += [mlflow_layout.tag_filter(mlflow_layout.SWEEP, sweep)] if sweep else []
     parents = [r for r in c.search_runs([exp.experiment_id], " and ".join(filters),
                                         order_by=["attributes.start_time DESC"], max_results=50)
                if r.info.status == "FINISHED"]
@@ -86,16 +86,16 @@ def find_runs(uri: str, sweep: str | None) -> dict:
         raise Problem(f"experiment {name!r} in {uri} has no finished sweep"
                       + (f" named {sweep!r}" if sweep else "") + ": run python pipelines/sweep.py first")
     parent = parents[0]
-    trials = c.search_runs([exp.experiment_id], schema.tag_filter(schema.PARENT, parent.info.run_id),
+    trials = c.search_runs([exp.experiment_id], mlflow_layout.tag_filter(mlflow_layout.PARENT, parent.info.run_id),
                            order_by=["attributes.start_time ASC"], max_results=1000)
     trials = [r for r in trials if r.info.status == "FINISHED"]
     if not trials:
         raise Problem(f"sweep {parent.info.run_name!r} ({parent.info.run_id}) has no finished trial run")
     shown = next((r for r in trials if r.data.params.get("method") == "promprune"), None) or trials[-1]
-    report = {a.path for a in c.list_artifacts(parent.info.run_id, schema.REPORT_DIR)}
-    key = schema.view_key(parent.data.tags.get(schema.SWEEP, parent.info.run_name))
+    report = {a.path for a in c.list_artifacts(parent.info.run_id, mlflow_layout.REPORT_DIR)}
+    key = mlflow_layout.view_key(parent.data.tags.get(mlflow_layout.SWEEP, parent.info.run_name))
     return {"experiment": exp.experiment_id, "parent": parent, "trials": trials, "shown": shown,
-            "report": report, "view": key if schema.SAVED_VIEW + key in exp.tags else None}
+            "report": report, "view": key if mlflow_layout.SAVED_VIEW + key in exp.tags else None}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         page.wait_for_url(lambda u: "/overview" in u or "/runs" in u or "/traces" in u, timeout=ms)
         bare = page.url.split("#", 1)[1].split("?")[0]
         # 1: the runs, as the link printed by the sweep opens them
-        page.goto(schema.ui_url(exp, runs["view"], base=base))
+        page.goto(mlflow_layout.ui_url(exp, runs["view"], base=base))
         for trial in runs["trials"]:
             page.get_by_text(trial.info.run_name, exact=True).first.wait_for(timeout=ms)
         save("1_runs.png")
@@ -208,13 +208,13 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         page.get_by_role("heading", name=shown.info.run_name).first.wait_for(timeout=ms)
         page.get_by_text("Duration", exact=True).first.wait_for(timeout=ms)
         save("2_trial.png")
-        report = f"{base}/#/experiments/{exp}/runs/{parent.info.run_id}/artifacts/{schema.REPORT_DIR}"
-        has_md = f"{schema.REPORT_DIR}/report.md" in runs["report"]
+        report = f"{base}/#/experiments/{exp}/runs/{parent.info.run_id}/artifacts/{mlflow_layout.REPORT_DIR}"
+        has_md = f"{mlflow_layout.REPORT_DIR}/report.md" in runs["report"]
         if has_md:
             page.goto(f"{report}/report.md{q}")
             page.get_by_role("heading", name=f"Report: {parent.info.run_name}").first.wait_for(timeout=ms)
             save("3_report_md.png")
-        if f"{schema.REPORT_DIR}/report.html" in runs["report"]:
+        if f"{mlflow_layout.REPORT_DIR}/report.html" in runs["report"]:
             if has_md:  # as a user does: a click in the artifact tree (a changed URL alone keeps report.md shown)
                 page.get_by_text("report.html", exact=True).first.click()
             else:
@@ -234,7 +234,7 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    uri = schema.tracking_uri(args.tracking_uri)
+    uri = mlflow_layout.tracking_uri(args.tracking_uri)
     out = Path(args.out)
     server = None
     try:

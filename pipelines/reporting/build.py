@@ -18,13 +18,13 @@ import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from pipelines import schema
+from pipelines import mlflow_layout
 
-from . import figures, overlay, prominence, side_by_side, tables
+from . import figures, ground_truth, overlay, side_by_side, tables
 from .published import PAPER_DIR, load_published
 from .store import BASELINE_METHOD, Sweep, load_predictions
 
-ARTIFACT_DIR = schema.REPORT_DIR  # the report's folder among the parent run's artifacts
+ARTIFACT_DIR = mlflow_layout.REPORT_DIR  # the report's folder among the parent run's artifacts
 MAX_OVERLAYS = 4  # token-selection overlays per report: one per benchmark, at most this many
 MAX_ENTROPY_CANDIDATES = 3  # PromPrune trials whose predictions are tried for the histograms before giving up
 CALIBRATION_MARK = "calibration"  # sweeps whose name contains this get the mu-calibration section
@@ -42,7 +42,7 @@ class Report:
 
 def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DIR,
                  image_source: ImageSource | None = None,
-                 truth_source: prominence.TruthSource | None = None) -> Report:
+                 truth_source: ground_truth.TruthSource | None = None) -> Report:
     """Write every table and figure that applies to `sweep` under `out_dir`; return what was written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -64,7 +64,7 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     sections.append(_side_by_side_section(sweep, table, preds, full_tokens, out_dir, report,
                                           image_source or task_image))
     sections.append(_prominence_section(sweep, table, preds, out_dir, report,
-                                        truth_source or prominence.testbed_truth))
+                                        truth_source or ground_truth.testbed_truth))
     report.markdown = "\n".join(s for s in sections if s)
     md_path = out_dir / "report.md"
     md_path.write_text(report.markdown)
@@ -106,7 +106,7 @@ def log_report(sweep: Sweep, report: Report, client: MlflowClient | None = None)
     for key, value in report.calibration.items():
         client.log_metric(sweep.run_id, key, float(value))
     if "calibration/chosen_mu" in report.calibration:
-        client.set_tag(sweep.run_id, schema.CALIBRATED_MU, f"{report.calibration['calibration/chosen_mu']:g}")
+        client.set_tag(sweep.run_id, mlflow_layout.CALIBRATED_MU, f"{report.calibration['calibration/chosen_mu']:g}")
     return f"{client.get_run(sweep.run_id).info.artifact_uri}/{ARTIFACT_DIR}"
 
 
@@ -119,7 +119,7 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
     model = models.iloc[0] if len(models) else "?"
     failed = sweep.metrics.get("samples/failed", pd.Series(dtype=float)).fillna(0).sum()
     lines = [f"# Report: {sweep.name}", "",
-             f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get(schema.VERSION, '?')}",
+             f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get(mlflow_layout.VERSION, '?')}",
              f"- model: `{model}`; trials: {len(sweep.trials)}; benchmarks: "
              + ", ".join(f"{c.label} (`{c.task}`: {'+'.join(c.metrics)})" for c in table.columns),
              f"- failed samples over all trials: {failed:.0f}"]
@@ -347,19 +347,19 @@ def _prominence_section(sweep, table, preds, out_dir, report, truth_source) -> s
     options = sweep.trials[sweep.option_names] if sweep.option_names else pd.DataFrame(index=sweep.trials.index)
     for rid, row in table.frame[table.frame["method"] == "promprune"].iterrows():
         metric = options.loc[rid].get("metric") if "metric" in options else None
-        metric = prominence.DEFAULT_METRIC if metric is None or (isinstance(metric, float) and np.isnan(metric)) \
+        metric = ground_truth.DEFAULT_METRIC if metric is None or (isinstance(metric, float) and np.isnan(metric)) \
             else str(metric)
         if metric in seen or len(arms) >= MAX_PROMINENCE_ARMS:
             continue  # one arm per metric: the first in paper order
-        frame = prominence.joined(_ok(preds.get(rid)), truth_source)
+        frame = ground_truth.joined(_ok(preds.get(rid)), truth_source)
         if not frame.empty:
             seen.add(metric)
             arms[f"{metric} entropy ({row['label']}, {row['budget']:.0f} tokens)"] = frame
     if not arms:
         return ""
-    corr = prominence.correlation_table(arms)
+    corr = ground_truth.correlation_table(arms)
     _write_csv(corr, out_dir / "prominence.csv", report)
-    path = prominence.figure(arms, out_dir / "prominence.png")
+    path = ground_truth.figure(arms, out_dir / "prominence.png")
     if path is not None:
         report.files.append(path)
     rows = [[r["arm"], f"{r['samples']:.0f}", f"{r['rho_entropy_num_objects']:+.2f}", f"{r['rho_entropy_spread']:+.2f}",

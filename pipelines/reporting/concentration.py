@@ -19,7 +19,7 @@ import pandas as pd
 
 from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
-from .prominence import spearman
+from .ground_truth import spearman
 from .tables import markdown_table
 
 LABELS = {"spectral": "Spectral", "feature_norm": "Norm", "attention": "Attn"}  # the paper's legend

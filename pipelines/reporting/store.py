@@ -1,6 +1,6 @@
 """Find a sweep in the MLflow store and load its trials (params, metrics) and per-sample predictions.
 
-The schema is `pipelines.schema`, the one `pipelines/sweep.py` writes through `pipelines.tracking`.
+The schema is `pipelines.mlflow_layout`, the one `pipelines/sweep.py` writes through `pipelines.tracking`.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from pipelines import schema
-from pipelines.schema import BASELINE_METHOD, PREDICTIONS_ARTIFACT, tracking_uri  # noqa: F401 - re-exported
+from pipelines import mlflow_layout
+from pipelines.mlflow_layout import BASELINE_METHOD, PREDICTIONS_ARTIFACT, tracking_uri  # noqa: F401 - re-exported
 
 
 
@@ -41,7 +41,7 @@ class Sweep:
                 if names:
                     return names
         prefixes = [c.split("/", 1)[0] for c in self.metrics.columns if "/" in c]
-        return list(dict.fromkeys(p for p in prefixes if p not in schema.NON_TASK_PREFIXES))
+        return list(dict.fromkeys(p for p in prefixes if p not in mlflow_layout.NON_TASK_PREFIXES))
 
 
 def parse_task_list(value) -> list[str]:
@@ -55,10 +55,10 @@ def parse_task_list(value) -> list[str]:
 def find_sweep_run(ref: str | None = None) -> pd.Series:
     """The parent run of sweep `ref` (a run id, or a sweep name: its latest run), or the latest sweep."""
     runs = mlflow.search_runs(search_all_experiments=True,
-                              filter_string=schema.tag_filter(schema.ROLE, schema.ROLE_SWEEP),
+                              filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, mlflow_layout.ROLE_SWEEP),
                               order_by=["attributes.start_time DESC"], output_format="pandas")
     if runs.empty:
-        raise LookupError(f"no sweep runs (tag {schema.ROLE}={schema.ROLE_SWEEP}) in the MLflow store "
+        raise LookupError(f"no sweep runs (tag {mlflow_layout.ROLE}={mlflow_layout.ROLE_SWEEP}) in the MLflow store "
                           f"{mlflow.get_tracking_uri()}; "
                           "run `python pipelines/sweep.py` first")
     if ref is None:
@@ -67,7 +67,8 @@ def find_sweep_run(ref: str | None = None) -> pd.Series:
     if len(by_id):
         return by_id.iloc[0]
     names = pd.Series(pd.NA, index=runs.index, dtype=object)
-    for tag in (schema.tag_column(schema.SWEEP), schema.tag_column(schema.RUN_NAME)):  # the sweep tag, else the name
+    # the sweep tag, else the name
+    for tag in (mlflow_layout.tag_column(mlflow_layout.SWEEP), mlflow_layout.tag_column(mlflow_layout.RUN_NAME)):
         if tag in runs.columns:
             names = names.fillna(runs[tag])
     by_name = runs[names == ref]
@@ -81,23 +82,23 @@ def load_sweep(ref: str | None = None) -> Sweep:
     """The sweep `ref` (see `find_sweep_run`) with its trials; a retried trial counts once (its latest finished run)."""
     parent = find_sweep_run(ref)
     runs = mlflow.search_runs(experiment_ids=[parent["experiment_id"]],
-                              filter_string=schema.tag_filter(schema.PARENT, parent["run_id"]),
+                              filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent["run_id"]),
                               order_by=["attributes.start_time DESC"], output_format="pandas")
-    role = schema.tag_column(schema.ROLE)
+    role = mlflow_layout.tag_column(mlflow_layout.ROLE)
     if role in runs.columns:
-        runs = runs[runs[role].fillna(schema.ROLE_TRIAL) == schema.ROLE_TRIAL]
+        runs = runs[runs[role].fillna(mlflow_layout.ROLE_TRIAL) == mlflow_layout.ROLE_TRIAL]
     runs = _latest_per_trial(runs)
     if runs.empty:
         raise LookupError(f"sweep run {parent['run_id']} has no trial runs yet (is the sweep still starting?)")
     tags = {k[len("tags."):]: v for k, v in parent.items() if k.startswith("tags.") and isinstance(v, str)}
-    name = tags.get(schema.SWEEP) or tags.get(schema.RUN_NAME) or parent["run_id"]
+    name = tags.get(mlflow_layout.SWEEP) or tags.get(mlflow_layout.RUN_NAME) or parent["run_id"]
     trials, metrics, options = _split_columns(runs)
     return Sweep(parent["run_id"], name, tags, trials, metrics, options)
 
 
 def _latest_per_trial(runs: pd.DataFrame) -> pd.DataFrame:
     """One run per `promprune.trial` tag: the newest FINISHED one, else the newest (runs come newest first)."""
-    trial = schema.tag_column(schema.TRIAL)
+    trial = mlflow_layout.tag_column(mlflow_layout.TRIAL)
     if runs.empty or trial not in runs.columns:
         return runs
     runs = runs.assign(_finished=(runs["status"] == "FINISHED").astype(int))
@@ -115,7 +116,7 @@ def _split_columns(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list
     if "method" not in params:
         raise ValueError("trial runs have no `method` param: is this store written by pipelines/sweep.py?")
     trials = pd.DataFrame(index=runs.index)
-    trials["trial"] = runs.get(schema.tag_column(schema.TRIAL), pd.Series(runs.index, index=runs.index))
+    trials["trial"] = runs.get(mlflow_layout.tag_column(mlflow_layout.TRIAL), pd.Series(runs.index, index=runs.index))
     trials["status"] = runs["status"]
     trials["method"] = params["method"].fillna(BASELINE_METHOD)
     trials["budget"] = pd.to_numeric(params.get("budget", pd.Series(np.nan, index=runs.index)), errors="coerce")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from pipelines import schema
+from pipelines import mlflow_layout
 
 from .columns import column_for, task_interval, task_score
 from .store import BASELINE_METHOD, Sweep
@@ -131,7 +131,7 @@ def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: p
     """Rel. in percent: each benchmark's score over the unpruned model's, averaged over benchmarks (the paper's).
 
     scores: [trials x tasks] raw scores. Without a baseline trial in the sweep, the pipeline's logged `rel` (a
-    fraction, see `pipelines.schema`).
+    fraction, see `pipelines.mlflow_layout`).
     Benchmarks the baseline or the trial lacks are left out of that trial's average.
     """
     if baseline_id is not None and not scores.empty:
@@ -139,10 +139,10 @@ def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: p
 
         base = scores.loc[baseline_id].to_dict()
         rel = scores.apply(lambda row: mean_ratio(row.to_dict(), base), axis=1)
-        return schema.rel_percent(rel)
+        return mlflow_layout.rel_percent(rel)
     if logged_rel is None:
         return pd.Series(np.nan, index=scores.index)
-    return schema.rel_percent(logged_rel)
+    return mlflow_layout.rel_percent(logged_rel)
 
 
 def best_per_budget(table: ScoreTable, decimals: dict[str, int]) -> set[tuple[str, str]]:

@@ -10,11 +10,11 @@ from typing import Any
 import pandas as pd
 from ray import tune
 
-from pipelines import schema, timeline, tracking
+from pipelines import mlflow_layout, timeline, tracking
 from pipelines import spec as specs
 from pipelines.console import say
 from pipelines.run.result import TrialResult
-from pipelines.schema import REL
+from pipelines.mlflow_layout import REL
 
 _LIVE_RECORDERS: dict[str, "SweepRecorder"] = {}  # parent run id -> this driver's recorder
 
@@ -73,7 +73,7 @@ class SweepRecorder:
         if tid in self.records:
             return self.records[tid]
         with checkpoint.as_directory() as d:
-            path = Path(d) / schema.PREDICTIONS_ARTIFACT
+            path = Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT
             result = TrialResult.read(path)
             metrics = dict(result.metrics)
             started = metrics.pop("trial/started_at", None)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import schema, tracking
+from pipelines import mlflow_layout, tracking
 from pipelines import spec as specs
 
 STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
@@ -160,7 +160,7 @@ def mark_dead_runs(client, storage: str, name: str) -> list[str]:
         except MlflowException:  # a run deleted from the store, another store: nothing to mark
             continue
         if run.info.status == "RUNNING":
-            client.set_tag(run.info.run_id, schema.INTERRUPTED,
+            client.set_tag(run.info.run_id, mlflow_layout.INTERRUPTED,
                            f"driver pid {state['driver']['pid']} on {state['driver']['host']} died without "
                            f"finishing; resume with: {resume_command(state)}")
             tracking.finish(client, run.info.run_id, status="KILLED")

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from promprune.naming import did_you_mean
+from promprune.suggest import did_you_mean
 
 UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")  # a TypedDict's extra key; a dataclass's
 NOT_A_MAPPING = ("dataclass_type", "dict_type", "model_type")

@@ -22,7 +22,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 
 from promprune.eval.generation import Item, decode_image, generate_items
-from promprune.naming import AUTO, parse_dtype
+from promprune.dtypes import AUTO, parse_dtype
 
 log = logging.getLogger(__name__)
 

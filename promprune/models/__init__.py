@@ -4,7 +4,7 @@
 ``PrunedVLM.from_pretrained(name_or_path, ...)`` also takes ``"tiny:<arch>"`` for the offline tiny models.
 """
 from . import internvl  # noqa: F401 - registers the InternVL adapter (adapters.ADAPTERS)
-from .methods import ADAPTER_OPTIONS, DEFAULT_MU, all_methods, is_in_llm, validate_method
+from .options import ADAPTER_OPTIONS, DEFAULT_MU, all_methods, is_in_llm, validate_method
 from .vlm import Generation, Prepared, PrunedVLM
 
 __all__ = ["PrunedVLM", "Generation", "Prepared", "all_methods", "validate_method", "is_in_llm", "ADAPTER_OPTIONS",

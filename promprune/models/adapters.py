@@ -30,7 +30,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import saliency as sal
-from .methods import DEFAULT_MU
+from .options import DEFAULT_MU
 
 
 @dataclass
@@ -452,7 +452,7 @@ class Qwen3Adapter(QwenAdapter):
     DeepStack rows unmerged; ``downsample``: its bin centre's rows). The 3D M-RoPE positions of the kept tokens
     are gathered as for Qwen2.5-VL. In-LLM methods (FastV, SparseVLM, DART, PyramidDrop) rank with the attention's
     own ``q_norm`` / ``k_norm``, keep the original 3D positions (PyramidDrop does not renumber on M-RoPE) and add
-    the DeepStack rows to the surviving image columns only (``in_llm.py``).
+    the DeepStack rows to the surviving image columns only (``llm_hooks.py``).
     """
 
     encoder = "qwen3_vl"

@@ -3,7 +3,7 @@
 LLaVA checkpoints ship only CLIP's vision tower. CDPruner's released code loads the text tower
 (``CLIPTextModelWithProjection``) and the ``visual_projection`` of the same CLIP (openai/clip-vit-large-patch14-336)
 separately; :func:`load` does the same from any CLIP checkpoint, or (``"tiny"``) builds a seeded random one sized to
-the model's vision tower (the offline tiny models, :mod:`promprune.models.testing`).
+the model's vision tower (the offline tiny models, :mod:`promprune.models.tiny`).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class ClipText:
 def load(name: str, vision_config) -> ClipText:
     """The text tower and visual projection of CLIP checkpoint ``name`` ("tiny": seeded, sized to ``vision_config``)."""
     if name == "tiny":
-        from .testing import tiny_clip_text
+        from .tiny import tiny_clip_text
 
         return ClipText(*tiny_clip_text(vision_config))
     from transformers import (

@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from promprune.naming import did_you_mean, parse_dtype
+from promprune.dtypes import parse_dtype
+from promprune.suggest import did_you_mean
 
 GROUP = "promprune.model_factories"
 Factory = Callable[..., tuple]
@@ -25,7 +26,7 @@ Factory = Callable[..., tuple]
 # This package's own factories, by module path (imported on first use, so the adapters never import the modules
 # that build or train models). Also declared as entry points; listed here so a source checkout on PYTHONPATH,
 # without `pip install`, resolves them too. Other packages add theirs through the entry-point group.
-BUILTIN = {"tiny": "promprune.models.testing:load", "tiny-easyvqa": "promprune.training.easyvqa:load",
+BUILTIN = {"tiny": "promprune.models.tiny:load", "tiny-easyvqa": "promprune.training.easyvqa:load",
            "shape": "promprune.models.shapes:load", "testbed": "promprune.testbed.training:load"}
 
 _RUNTIME: dict[str, Factory] = {}

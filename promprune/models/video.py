@@ -15,7 +15,7 @@ images' (``select_items`` over views):
   processor writes each temporal patch as its own placeholder run after a timestamp, so a clip has several runs.
 
 Budget over a clip (adapter options ``video_budget`` / ``video_split``;
-:data:`promprune.models.methods.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
+:data:`promprune.models.options.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
 remainder), ``clip`` selects once over all frames, ``adaptive_frames`` shares it by each frame's spectral entropy.
 PromPrune's entropy and split follow the selection unit (``video_split="unit"``), or ``"clip"``: the clip's prominence
 gives one saliency ratio, applied to every frame's share (``fixed_ratio`` per frame, counts rounded half to even); or
@@ -44,12 +44,12 @@ from promprune.selection.two_stage import prominence
 from . import saliency as sal
 from .adapters import VisualItem
 from .images import load_image
-from .selecting import select_items
-from .selecting import split_budget as split_shares
+from .batched_select import select_items
+from .batched_select import split_budget as split_shares
 from .sequence import shrink_placeholders
 
 VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl")
-# video_budget -> the selecting.py budget mode over views (a clip's frames are its views)
+# video_budget -> the batched_select.py budget mode over views (a clip's frames are its views)
 FRAME_MODES = {"per_frame": "per_crop", "clip": "global", "adaptive_frames": "adaptive_views"}
 DEFAULT_FRAMES = 8  # frames sampled uniformly from a video file (lmms-eval's video models default to 8-32)
 DEFAULT_FPS = 1.0  # the sampled frames' rate when the caller gives none (Qwen's timestamps / temporal positions)
@@ -313,7 +313,7 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
 
     Returns the fields of a ``Prepared`` (model kwargs, stats, items, vision and selection ms); ``PrunedVLM``
     builds it, so this module never imports ``vlm``."""
-    from .methods import is_in_llm
+    from .options import is_in_llm
 
     prompts = list(prompts)
     batch = inputs(vlm, clips, prompts, fps)

@@ -9,15 +9,15 @@ import torch
 
 import promprune
 from promprune.efficiency import Stopwatch
-from promprune.naming import parse_dtype
+from promprune.dtypes import parse_dtype
 from promprune.records import SampleStats
 
-from . import in_llm
+from . import llm_hooks
 from .adapters import adapter_for
 from .factories import find_model_factory
 from .images import load_images
-from .methods import is_in_llm, next_layout, token_order, validate_method
-from .selecting import select_items
+from .options import is_in_llm, next_layout, token_order, validate_method
+from .batched_select import select_items
 from .sequence import shrink_placeholders
 
 
@@ -51,8 +51,8 @@ class PrunedVLM:
 
     ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens of each
     image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are
-    the method's options plus the adapter options of :data:`promprune.models.methods.ADAPTER_OPTIONS`. ``mu`` defaults
-    per vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL; :data:`promprune.models.methods.DEFAULT_MU`) unless given.
+    the method's options plus the adapter options of :data:`promprune.models.options.ADAPTER_OPTIONS`. ``mu`` defaults
+    per vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL; :data:`promprune.models.options.DEFAULT_MU`) unless given.
     """
 
     def __init__(self, model, processor, method: str | None = "promprune", budget: int | None = None,
@@ -85,8 +85,8 @@ class PrunedVLM:
         """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class), or build a model
         by factory name (:mod:`promprune.models.factories`):
 
-        - ``"tiny:<arch>"`` (arch in :data:`promprune.models.testing.ARCHS`): the offline random-weight tiny models of
-          :mod:`promprune.models.testing` (a private copy, cast to ``dtype``);
+        - ``"tiny:<arch>"`` (arch in :data:`promprune.models.tiny.ARCHS`): the offline random-weight tiny models of
+          :mod:`promprune.models.tiny` (a private copy, cast to ``dtype``);
         - ``"tiny-easyvqa:llava"``: the same tiny LLaVA trained on easy-vqa's train split
           (:mod:`promprune.training.easyvqa`; trained into ``$PROMPRUNE_CACHE`` on first use, ~3 minutes on 2 CPU cores,
           loaded from there afterwards);
@@ -166,7 +166,7 @@ class PrunedVLM:
         """Context manager active around the LLM call: the in-LLM method's hooks, or nothing."""
         if not is_in_llm(self.method):
             return contextlib.nullcontext()
-        return in_llm.make(self.method, self.model, prepared.model_kwargs["input_ids"], self.budget,
+        return llm_hooks.make(self.method, self.model, prepared.model_kwargs["input_ids"], self.budget,
                            self.method_options)
 
     @torch.inference_mode()
@@ -194,7 +194,7 @@ class PrunedVLM:
         pruner = self.pruning(prep)
         with _Timer(self.model, self.device) as timer, pruner:
             out = self.model.generate(**prep.model_kwargs, **kwargs)
-        stats = pruner.stats(prep.items) if isinstance(pruner, in_llm.InLLMPruner) else prep.stats
+        stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
         new = out[:, prep.model_kwargs["input_ids"].shape[1]:]
         texts = self.processor.batch_decode(new, skip_special_tokens=True)
         times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=timer.prefill_ms,

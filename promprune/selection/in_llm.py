@@ -1,7 +1,7 @@
 """Registry entries of the in-LLM baselines, FastV, SparseVLM, DART and PyramidDrop: their options and checks.
 
 They prune inside the language model, so ``select`` does not run them; their decoder-layer hooks are
-``promprune.models.in_llm``'s (this module stays free of model code).
+``promprune.models.llm_hooks``'s (this module stays free of model code).
 """
 from __future__ import annotations
 

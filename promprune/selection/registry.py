@@ -3,8 +3,8 @@
 A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
 ``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
 (``stage="in_llm"``: FastV, SparseVLM, DART, PyramidDrop) registers its options and checks with
-``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.in_llm``'s. The tests
-parametrize over ``methods()``.
+``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.llm_hooks``'s.
+The tests parametrize over ``methods()``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..naming import did_you_mean
+from ..suggest import did_you_mean
 from . import accel
 from .entropy import spectral_entropy, spectral_entropy_from_gram
 from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
@@ -268,7 +268,7 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
 def register_in_llm_method(name: str, *, description: str, options: Mapping[str, Any] | None = None,
                            choices: Mapping[str, tuple] | None = None,
                            check: Callable[[dict], None] | None = None) -> None:
-    """Register an in-LLM method's options and checks (its hooks live in ``promprune.models.in_llm``)."""
+    """Register an in-LLM method's options and checks (its hooks live in ``promprune.models.llm_hooks``)."""
     if name in _REGISTRY:
         raise ValueError(f"method {name!r} is already registered")
     _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), choices=dict(choices or {}),

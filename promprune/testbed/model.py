@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
 
-from promprune.models.testing import _LLAVA_TEMPLATE
+from promprune.models.tiny import _LLAVA_TEMPLATE
 from promprune.testbed import scenes
 
 IMAGE_SIZE = scenes.CANVAS

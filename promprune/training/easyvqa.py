@@ -1,4 +1,4 @@
-"""``tiny-easyvqa:llava``: the tiny LLaVA of :mod:`promprune.models.testing`, trained on easy-vqa's TRAIN split.
+"""``tiny-easyvqa:llava``: the tiny LLaVA of :mod:`promprune.models.tiny`, trained on easy-vqa's TRAIN split.
 
 The random-weight ``tiny:llava`` answers garbage, so every score of the offline quickstart is 0 and Rel. is undefined.
 This module trains the same architecture and processor (whole model, AdamW, CPU, seeded) with teacher forcing on
@@ -23,7 +23,7 @@ import torch
 from promprune.eval.tasks import cache_dir
 from promprune.models import PrunedVLM
 from promprune.models.factories import place
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 from promprune.training import common
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ import torch
 import promprune
 from promprune.models import PrunedVLM
 from promprune.models.clip_text import question_text
-from promprune.models.testing import tiny_clip_text, tiny_vlm
+from promprune.models.tiny import tiny_clip_text, tiny_vlm
 from promprune.selection.controls import pooling_matrix
 
 

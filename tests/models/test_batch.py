@@ -2,7 +2,7 @@
 import pytest
 
 from promprune.models import PrunedVLM
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 from .conftest import ARCHS
 

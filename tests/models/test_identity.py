@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 from .conftest import ARCHS, plain_generate
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.models.in_llm import sparsevlm_layers
-from promprune.models.testing import tiny_vlm
+from promprune.models.llm_hooks import sparsevlm_layers
+from promprune.models.tiny import tiny_vlm
 
 K = 2  # FastV's default pruning layer
 BUDGET = 5

@@ -7,13 +7,13 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from promprune.models import PrunedVLM
-from promprune.models.in_llm import (
+from promprune.models.llm_hooks import (
     dart_keep,
     make,
     pyramid_average,
     pyramid_ratio_for_average,
 )
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 N_VISUAL = 36  # the tiny LLaVA's 6 x 6 grid
 

@@ -11,8 +11,8 @@ import torch
 
 from promprune.models import PrunedVLM
 from promprune.models.adapters import visual_token_capacity
-from promprune.models.selecting import split_budget
-from promprune.models.testing import tiny_vlm
+from promprune.models.batched_select import split_budget
+from promprune.models.tiny import tiny_vlm
 from promprune.selection.controls import pooling_matrix
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.models.selecting import split_budget
-from promprune.models.testing import tiny_vlm
+from promprune.models.batched_select import split_budget
+from promprune.models.tiny import tiny_vlm
 
 from .conftest import make_image
 

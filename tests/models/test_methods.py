@@ -6,7 +6,7 @@ import torch
 
 import promprune
 from promprune.models import PrunedVLM, all_methods, is_in_llm, validate_method
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 from .conftest import ARCHS
 

@@ -12,9 +12,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import promprune
 from promprune.models import PrunedVLM
-from promprune.models.in_llm import make
-from promprune.models.selecting import split_budget
-from promprune.models.testing import tiny_vlm
+from promprune.models.llm_hooks import make
+from promprune.models.batched_select import split_budget
+from promprune.models.tiny import tiny_vlm
 from promprune.selection.controls import pooling_matrix
 
 from .conftest import make_image

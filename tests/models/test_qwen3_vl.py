@@ -8,7 +8,7 @@ from transformers import AttentionInterface
 from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_mod
 
 from promprune.models import PrunedVLM
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 from .test_qwen_positions import hand_positions
 

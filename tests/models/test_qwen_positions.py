@@ -2,7 +2,7 @@
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 
 def hand_positions(row_ids, row_mask, image_token_id, grid_hw, kept):

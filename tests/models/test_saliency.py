@@ -7,7 +7,7 @@ from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen_mod
 from transformers.vision_utils import get_vision_window_index
 
 from promprune.models import PrunedVLM
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 
 def eager_copy(model):

@@ -2,7 +2,7 @@
 import pytest
 import transformers
 
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 
 from .conftest import ARCHS, plain_generate
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.models.methods import RELEASED_ORDER, token_order
-from promprune.models.testing import tiny_vlm
+from promprune.models.options import RELEASED_ORDER, token_order
+from promprune.models.tiny import tiny_vlm
 
 from .test_qwen_positions import hand_positions
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.models.methods import all_methods, is_in_llm
-from promprune.models.testing import tiny_vlm
+from promprune.models.options import all_methods, is_in_llm
+from promprune.models.tiny import tiny_vlm
 from promprune.models.video import decode_video
 from promprune.models.video import inputs as video_inputs
 from promprune.testbed.clips import scene_clip, velocities

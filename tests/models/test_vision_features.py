@@ -12,8 +12,8 @@ from transformers.models.llava_next.modeling_llava_next import image_size_to_num
 
 from promprune.models import PrunedVLM
 from promprune.models.adapters import max_views
-from promprune.models.methods import next_layout
-from promprune.models.testing import tiny_vlm
+from promprune.models.options import next_layout
+from promprune.models.tiny import tiny_vlm
 
 from .test_token_order import llm_input
 

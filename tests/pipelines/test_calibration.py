@@ -11,7 +11,7 @@ from PIL import Image
 from pipelines import calibration
 from pipelines import spec as specs
 from pipelines.weights import ModelSource
-from promprune.models.testing import tiny_vlm
+from promprune.models.tiny import tiny_vlm
 from promprune.selection.entropy import feature_norm_entropy, spectral_entropy
 
 

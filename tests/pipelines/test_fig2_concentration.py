@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from pipelines import fig2_concentration as fig2
-from pipelines import schema
+from pipelines import mlflow_layout
 from pipelines.weights import ModelSource
 from tests.pipelines.fake_openai import FakeOpenAI, rating_of
 from tests.reliability.conftest import assert_clean_error
@@ -35,7 +35,7 @@ def cli(tmp_path, monkeypatch, capsys):
 
 
 def figure_runs(client, exp):
-    return client.search_runs([exp], filter_string=f"tags.`{schema.ROLE}` = 'figure'",
+    return client.search_runs([exp], filter_string=f"tags.`{mlflow_layout.ROLE}` = 'figure'",
                               order_by=["attributes.start_time ASC"])
 
 
@@ -54,7 +54,7 @@ def test_figure_artifacts_and_a_free_rerun(cli, store, tmp_path, monkeypatch):  
     runs = figure_runs(client, exp)
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
     run = runs[1]
-    assert run.data.tags[schema.SWEEP] == "fig2_concentration" and run.data.params["judge_model"] == "gpt-4o"
+    assert run.data.tags[mlflow_layout.SWEEP] == "fig2_concentration" and run.data.params["judge_model"] == "gpt-4o"
     assert run.data.metrics["judge/requests"] == 0 and run.data.metrics["judge/cached"] == 4
     assert runs[0].data.metrics["judge/requests"] == 4
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -85,7 +85,7 @@ def test_a_refused_key_fails_before_the_model_loads(cli, store, monkeypatch):  #
         assert server.count == 1
     assert_clean_error(proc, "HTTP 401", "OPENAI_API_KEY")
     [run] = figure_runs(*store)
-    assert run.info.status == "FAILED" and "401" in run.data.tags[schema.ERROR]
+    assert run.info.status == "FAILED" and "401" in run.data.tags[mlflow_layout.ERROR]
 
 
 def test_unparsable_ratings_are_left_out_of_the_figure_not_fatal(tmp_path):

@@ -20,7 +20,7 @@ import yaml
 from promprune.records import Prediction
 
 from pipelines import spec as specs
-from pipelines import schema, sweep, tracking
+from pipelines import mlflow_layout, sweep, tracking
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.recorder import SweepRecorder
 from pipelines.run.requests import build_rows
@@ -63,20 +63,21 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
 
     c = tracking.client()
     parent = c.get_run(outcome.parent_run_id)
-    assert c.get_experiment(parent.info.experiment_id).tags[schema.EXPERIMENT_KIND] == "custom_model_development"
+    assert c.get_experiment(parent.info.experiment_id).tags[mlflow_layout.EXPERIMENT_KIND] == "custom_model_development"
     assert parent.info.run_name == "e2e" and parent.info.status == "FINISHED"
-    assert {k: parent.data.tags[k] for k in (schema.ROLE, schema.SWEEP, schema.VERSION)} == \
-        {schema.ROLE: "sweep", schema.SWEEP: "e2e", schema.VERSION: "2"}
+    assert {k: parent.data.tags[k] for k in (mlflow_layout.ROLE, mlflow_layout.SWEEP, mlflow_layout.VERSION)} == \
+        {mlflow_layout.ROLE: "sweep", mlflow_layout.SWEEP: "e2e", mlflow_layout.VERSION: "2"}
     spec_yaml = Path(c.download_artifacts(outcome.parent_run_id, "spec.yaml", str(workdir)))
     assert yaml.safe_load(spec_yaml.read_text()) == yaml.safe_load(specs.dump_resolved(spec))
 
     children = tracking.trial_runs(c, outcome.parent_run_id)
     assert sorted(children) == ["baseline", "divprune-b8", "promprune-b8"]
-    checkpoints = {p.read_bytes() for p in Path(outcome.experiment_path).rglob(schema.PREDICTIONS_ARTIFACT)}
+    checkpoints = {p.read_bytes() for p in Path(outcome.experiment_path).rglob(mlflow_layout.PREDICTIONS_ARTIFACT)}
     rows = build_rows(spec.tasks, LIMIT, spec.generation)
     for tid, run in children.items():
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
-        assert tags[schema.ROLE] == "trial" and tags[schema.SWEEP] == "e2e" and tags[schema.TRIAL] == tid
+        assert tags[mlflow_layout.ROLE] == "trial" and tags[mlflow_layout.SWEEP] == "e2e"
+        assert tags[mlflow_layout.TRIAL] == tid
         assert params["model"] == "tiny:llava" and params["tasks"] == "easyvqa_yesno,easyvqa_open"
         method = None if tid == "baseline" else params["method"]
         assert params["method"] == (method or "none") and params["budget"] == ("none" if method is None else "8")
@@ -89,7 +90,7 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
         assert metrics["efficiency/visual_tokens"] == (36 if method is None else 8)  # tiny LLaVA: 6x6 grid
         # the run spans the trial's real start and end (not the moment the driver logged it); times are tags
         assert (run.info.end_time - run.info.start_time) / 1000 == pytest.approx(metrics["trial/wall_s"], abs=0.01)
-        assert "trial/started_at" not in metrics and tags[schema.STARTED_AT] < tags[schema.FINISHED_AT]
+        assert "trial/started_at" not in metrics and tags[mlflow_layout.STARTED_AT] < tags[mlflow_layout.FINISHED_AT]
         assert ("entropy/mean" in metrics) == (method == "promprune")  # only PromPrune measures prominence
 
         artifact = Path(c.download_artifacts(run.info.run_id, "predictions.parquet", str(workdir)))
@@ -125,7 +126,7 @@ def _check_against_plain_generation(frame: pd.DataFrame, rows: list, method: str
 
 def _check_kv_cache_by_hand(metrics: dict, method: str | None) -> None:
     """KV cache of the visual tokens: 2 (K and V) x layers x kv heads x head dim x 4 bytes (fp32) per token."""
-    from promprune.models.testing import tiny_vlm
+    from promprune.models.tiny import tiny_vlm
 
     cfg = tiny_vlm("llava")[0].config.text_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -205,12 +206,12 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    parents = c.search_runs([c.get_experiment_by_name(schema.DEFAULT_EXPERIMENT).experiment_id],
+    parents = c.search_runs([c.get_experiment_by_name(mlflow_layout.DEFAULT_EXPERIMENT).experiment_id],
                             filter_string="tags.`promprune.role` = 'sweep'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"  # the same parent run continued
     children = c.search_runs([parents[0].info.experiment_id],
                              filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
-    ids = sorted(r.data.tags[schema.TRIAL] for r in children)
+    ids = sorted(r.data.tags[mlflow_layout.TRIAL] for r in children)
     assert ids == ["baseline", "divprune-b8", "promprune-b8"]  # each trial logged exactly once
 
 

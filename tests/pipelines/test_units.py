@@ -11,7 +11,7 @@ import torch
 
 from promprune.records import Prediction, from_arrow
 
-from pipelines import schema, spec as specs, sweep, tracking, weights
+from pipelines import mlflow_layout, spec as specs, sweep, tracking, weights
 from pipelines.run import result
 from pipelines.run.resources import makespan as sweep_makespan
 from pipelines.run.resources import plan_resources
@@ -128,7 +128,7 @@ def test_trial_result_is_one_parquet_file(tmp_path):
     table = result.predictions_table([_pred("a", 1, prediction="no", kept=[3]), _pred("a", 0, error="boom")])
     scores = {"a": {"accuracy": 0.5, "n_samples": 2, "n_failed": 1}}
     metrics = {"a/accuracy": 0.5, "entropy/mean": float("nan"), "trial/wall_s": 1.25}
-    path = result.TrialResult(table, scores, metrics).write(tmp_path / schema.PREDICTIONS_ARTIFACT)
+    path = result.TrialResult(table, scores, metrics).write(tmp_path / mlflow_layout.PREDICTIONS_ARTIFACT)
     back = result.TrialResult.read(path)
     assert back.predictions.equals(table) and back.predictions.schema.metadata is None
     assert back.scores == scores and back.metrics["trial/wall_s"] == 1.25 and math.isnan(back.metrics["entropy/mean"])
@@ -198,14 +198,14 @@ def test_regression_check_against_the_previous_night(mlflow_store):
     c = mlflow_store
     first = _night(c, {"promprune-b8": 0.95, "divprune-b8": 0.90})
     assert tracking.regression_check(c, first, "nightly", 1, 0.02) == []
-    assert c.get_run(first).data.tags[schema.REGRESSION] == "no-previous"
+    assert c.get_run(first).data.tags[mlflow_layout.REGRESSION] == "no-previous"
     tracking.finish(c, first)
     _night(c, {"promprune-b8": 0.10}, version=2)  # another spec version: not comparable, must be skipped
     second = _night(c, {"promprune-b8": 0.94, "divprune-b8": 0.85})  # -0.01 ok, -0.05 regression
     found = tracking.regression_check(c, second, "nightly", 1, 0.02)
     assert len(found) == 1 and found[0].startswith("divprune-b8: rel 0.9000 -> 0.8500")
     tags = c.get_run(second).data.tags
-    assert tags[schema.REGRESSION] == "true" and tags[f"{schema.REGRESSION}.previous_run"] == first
+    assert tags[mlflow_layout.REGRESSION] == "true" and tags[f"{mlflow_layout.REGRESSION}.previous_run"] == first
 
 
 def test_trial_run_schema(mlflow_store):
@@ -215,11 +215,11 @@ def test_trial_run_schema(mlflow_store):
     params = tracking.trial_params("tiny:llava", trial, ["easyvqa_yesno"], {})
     run_id = tracking.log_trial(c, parent, "s", 3, trial, params, {"x/y": 1.0, "bad": float("nan")}, None)
     run = c.get_run(run_id)
-    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags[schema.TRIAL] == trial["trial_id"]
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags[mlflow_layout.TRIAL] == trial["trial_id"]
     assert run.data.params == {"model": "tiny:llava", "method": "promprune", "budget": "8",
                                "tasks": "easyvqa_yesno", "repeat": "0", "mu": "0.4"}
     assert run.data.metrics == {"x/y": 1.0}  # NaN = not measured, never logged
-    assert c.get_run(parent).data.tags[schema.VERSION] == "3"
+    assert c.get_run(parent).data.tags[mlflow_layout.VERSION] == "3"
     assert list(tracking.trial_runs(c, parent)) == ["promprune-b8-mu=0.4"]
     with pytest.raises(ValueError, match="must be named predictions.parquet"):
         tracking.log_trial(c, parent, "s", 3, trial, params, {}, "/tmp/preds.parquet")
@@ -235,9 +235,11 @@ def test_a_standalone_evaluation_logs_its_trial_result(mlflow_store, tmp_path):
     cfg = EvalConfig(model=weights.ModelSource("tiny:llava"), method="promprune", budget=8, options={"mu": 0.4},
                      tasks=["a"])
     run = c.get_run(tracking.log_evaluation(cfg, done))
-    assert run.data.tags[schema.ROLE] == "evaluation" and run.data.tags[schema.TRIAL] == "promprune-b8-mu=0.4"
+    assert run.data.tags[mlflow_layout.ROLE] == "evaluation"
+    assert run.data.tags[mlflow_layout.TRIAL] == "promprune-b8-mu=0.4"
     assert run.data.params["mu"] == "0.4" and run.data.metrics == {"a/accuracy": 1.0}
-    back = result.TrialResult.read(c.download_artifacts(run.info.run_id, schema.PREDICTIONS_ARTIFACT, str(tmp_path)))
+    path = c.download_artifacts(run.info.run_id, mlflow_layout.PREDICTIONS_ARTIFACT, str(tmp_path))
+    back = result.TrialResult.read(path)
     assert back.predictions.equals(table) and back.scores == done.scores
 
 
@@ -261,7 +263,7 @@ def _logits(model, seed=0):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_restore_reproduces_the_model(dtype):
     torch.set_num_threads(1)
-    from promprune.models.testing import tiny_vlm
+    from promprune.models.tiny import tiny_vlm
 
     model, _ = tiny_vlm("llava")
     model = copy.deepcopy(model).to(getattr(torch, dtype)).eval()  # the cached model is shared: never cast it

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipelines import schema, sweep, tracking
+from pipelines import mlflow_layout, sweep, tracking
 from pipelines.run import ray_connect, state as states
 from pipelines.run.recorder import SweepRecorder
 from pipelines import spec as specs
@@ -58,7 +58,7 @@ def test_a_failed_trial_is_logged_once(scratch):
     recorder.record_error(trial, "RuntimeError: boom")  # Tune's callback ...
     recorder.record_error(trial, "RuntimeError: boom")  # ... and the final reconcile
     runs = client.search_runs([client.get_run(parent).info.experiment_id],
-                              filter_string=schema.tag_filter(schema.PARENT, parent))
+                              filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent))
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
@@ -86,8 +86,8 @@ def test_a_dead_drivers_run_is_marked_killed_on_the_next_start(scratch, tmp_path
     assert states.mark_dead_runs(client, str(storage), spec.name) == ["rel-1"]
     run = client.get_run(parent)
     assert run.info.status == "KILLED"
-    assert "died without finishing" in run.data.tags[schema.INTERRUPTED]
-    assert "--resume rel-1" in run.data.tags[schema.INTERRUPTED]
+    assert "died without finishing" in run.data.tags[mlflow_layout.INTERRUPTED]
+    assert "--resume rel-1" in run.data.tags[mlflow_layout.INTERRUPTED]
     assert client.get_run(alive_parent).info.status == "RUNNING"  # pid 1 is alive: left alone
     assert states.mark_dead_runs(client, str(storage), spec.name) == []  # once
 

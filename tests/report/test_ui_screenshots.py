@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import schema, tracking
+from pipelines import mlflow_layout, tracking
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "ui_screenshots.py"
@@ -69,13 +69,13 @@ def test_a_sweep_saves_its_runs_view(store, tmp_path):
     client, exp = store
     _sweep(client, tmp_path)
     tags = client.get_experiment(exp).tags
-    envelope = json.loads(tags[schema.SAVED_VIEW + "promprune-ui_demo"])
+    envelope = json.loads(tags[mlflow_layout.SAVED_VIEW + "promprune-ui_demo"])
     state = json.loads(envelope["state"])
     assert envelope["name"] == "ui_demo"
     assert state["selectedColumns"] == ["metrics.`easyvqa_yesno/f1`", "metrics.`easyvqa_open/exact_match`",
                                         "metrics.`rel`", "metrics.`efficiency/visual_tokens`"]
     assert state["searchFilter"] == "tags.`promprune.sweep` = 'ui_demo'"
-    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": schema.SWEEP}]
+    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": mlflow_layout.SWEEP}]
     assert tracking.ui_url("ui_demo") == (f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
                                           "?workflowType=machine_learning&viewStateShareKey=promprune-ui_demo")
     assert tracking.ui_url("no_such_sweep").endswith("?workflowType=machine_learning")
@@ -86,7 +86,7 @@ def test_clear_errors_without_a_browser(store, tmp_path):
     created. (The store is checked before any browser starts: any executable passes for --chromium there.)"""
     cases = [(["--chromium", str(tmp_path / "no-chromium")], "no Chromium found"),
              (["--chromium", "/bin/sh", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"], "no MLflow store at"),
-             (["--chromium", "/bin/sh", "--tracking-uri", os.environ[schema.TRACKING_URI_ENV]],
+             (["--chromium", "/bin/sh", "--tracking-uri", os.environ[mlflow_layout.TRACKING_URI_ENV]],
               "has no finished sweep")]
     for args, says in cases:
         proc = _run(*args, "--out", str(tmp_path / "shots"))
@@ -115,7 +115,7 @@ def test_screenshots_show_the_runs(store, tmp_path):
     client, _ = store
     parent, names = _sweep(client, tmp_path)
     out = tmp_path / "shots"
-    proc = _run("--tracking-uri", os.environ[schema.TRACKING_URI_ENV], "--out", str(out), "--timeout", "120")
+    proc = _run("--tracking-uri", os.environ[mlflow_layout.TRACKING_URI_ENV], "--out", str(out), "--timeout", "120")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"(parent run {parent}), 2 trial runs shown in the runs table" in proc.stdout
     assert "saved view: promprune-ui_demo" in proc.stdout

@@ -39,7 +39,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from promprune.naming import AUTO, parse_dtype
+from promprune.dtypes import AUTO, parse_dtype
 
 from .. import testing
 from ..factories import place

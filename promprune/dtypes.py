@@ -1,16 +1,9 @@
-"""Names users type: the one did-you-mean helper and the one dtype vocabulary of the project."""
+"""The one dtype vocabulary of the project: the names specs, CLI flags, lmms-eval model_args and benchmarks accept."""
 from __future__ import annotations
-
-import difflib
-from collections.abc import Iterable
 
 import torch
 
-
-def did_you_mean(word, options: Iterable) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``options`` to ``word``, or "" when nothing is close."""
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+from promprune.suggest import did_you_mean
 
 
 # dtype names a user may write (specs, CLI flags, lmms-eval model_args, benchmarks) -> torch dtype

@@ -3,7 +3,7 @@
 Each image (or, for LLaVA-NeXT per-view modes, each view) is one *unit*; units with equal token count and
 budget are stacked into one batched ``select`` call.
 
-LLaVA-NeXT budget modes (``promprune.models.methods.ADAPTER_OPTIONS``): ``per_crop`` splits the budget evenly over
+LLaVA-NeXT budget modes (``promprune.models.options.ADAPTER_OPTIONS``): ``per_crop`` splits the budget evenly over
 the image's views; ``global`` selects once over all views; ``adaptive_views`` gives each view a share proportional
 to its spectral entropy (spread-out views get more tokens), then selects per view. In these three a view never gets
 more than it has; what it cannot take goes to the others, so every image keeps ``min(budget, N)`` tokens.
