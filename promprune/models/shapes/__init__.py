@@ -41,7 +41,7 @@ from transformers import (
 
 from promprune.dtypes import AUTO, parse_dtype
 
-from .. import testing
+from .. import tiny
 from ..factories import place
 
 SEED = 0
@@ -61,7 +61,7 @@ def shape_spec(name: str) -> dict:
 
 
 def _llava(spec: dict, text_layers, vision_layers):
-    tok = testing.llava_tokenizer()
+    tok = tiny.llava_tokenizer()
     vision = dict(spec["vision_config"])
     if vision_layers is not None:
         vision["num_hidden_layers"] = vision_layers
@@ -76,12 +76,12 @@ def _llava(spec: dict, text_layers, vision_layers):
     size, patch = spec["image_size"], vision["patch_size"]
     if spec["model_type"] == "llava":
         config = LlavaConfig(**common)
-        processor = testing.llava_processor(LlavaProcessor, tok, size, patch, testing._LLAVA_TEMPLATE)
+        processor = tiny.llava_processor(LlavaProcessor, tok, size, patch, tiny._LLAVA_TEMPLATE)
         return LlavaForConditionalGeneration, config, processor
     pinpoints = spec["image_grid_pinpoints"]
     config = LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)
     # the Vicuna NeXT checkpoint chats like LLaVA-1.5 ("USER: <image>\n... ASSISTANT:")
-    processor = testing.llava_processor(LlavaNextProcessor, tok, size, patch, testing._LLAVA_TEMPLATE,
+    processor = tiny.llava_processor(LlavaNextProcessor, tok, size, patch, tiny._LLAVA_TEMPLATE,
                                         image_grid_pinpoints=pinpoints, do_pad=True)
     return LlavaNextForConditionalGeneration, config, processor
 
@@ -90,8 +90,8 @@ def _qwen_parts(spec: dict, text_layers, vision_layers, blocks_key: str):
     """(tokenizer, token ids, text config, vision config) of a Qwen shape, shrunk to the layer counts asked for;
     ``blocks_key`` names the vision blocks the model reads specially (Qwen2.5-VL's full-attention blocks, Qwen3-VL's
     DeepStack blocks): those that still exist are kept, at least the last block."""
-    tok = testing.qwen_tokenizer()
-    ids = testing.qwen_token_ids(tok)
+    tok = tiny.qwen_tokenizer()
+    ids = tiny.qwen_token_ids(tok)
     text = dict(spec["text_config"], **ids.pop("text"))
     vision = dict(spec["vision_config"])
     if text_layers is not None:
@@ -107,7 +107,7 @@ def _qwen(spec: dict, text_layers, vision_layers):
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     factor = vision["patch_size"] * vision["spatial_merge_size"]
     # the released processor's pixel range (4 .. 16384 merged tokens); the adapter's image_tokens pins 1296
-    processor = testing.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
+    processor = tiny.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
                                        min_pixels=4 * factor**2, max_pixels=16384 * factor**2)
     return Qwen2_5_VLForConditionalGeneration, config, processor
 
@@ -117,14 +117,14 @@ def _qwen3(spec: dict, text_layers, vision_layers):
     config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
                            **ids)
     pixels = spec["processor"]
-    processor = testing.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
+    processor = tiny.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
                                        min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"],
                                        family="qwen3_vl")
     return Qwen3VLForConditionalGeneration, config, processor
 
 
 def _onevision(spec: dict, text_layers, vision_layers):
-    tok = testing.onevision_tokenizer()
+    tok = tiny.onevision_tokenizer()
     vision = dict(spec["vision_config"])
     vision.pop("model_type")
     if vision_layers is not None:
@@ -144,13 +144,13 @@ def _onevision(spec: dict, text_layers, vision_layers):
         vision_aspect_ratio=spec["vision_aspect_ratio"], tie_word_embeddings=spec["tie_word_embeddings"],
         pad_token_id=tok.pad_token_id)
     norm = spec["processor"]
-    processor = testing.onevision_processor(tok, spec["image_size"], vision["patch_size"], pinpoints,
+    processor = tiny.onevision_processor(tok, spec["image_size"], vision["patch_size"], pinpoints,
                                             spec["vision_aspect_ratio"], norm["image_mean"], norm["image_std"])
     return LlavaOnevisionForConditionalGeneration, config, processor
 
 
 def _internvl(spec: dict, text_layers, vision_layers):
-    tok = testing.internvl_tokenizer()
+    tok = tiny.internvl_tokenizer()
     vision = dict(spec["vision_config"])
     if vision_layers is not None:
         vision["num_hidden_layers"] = vision_layers
@@ -165,7 +165,7 @@ def _internvl(spec: dict, text_layers, vision_layers):
         vision_feature_select_strategy=spec["vision_feature_select_strategy"],
         projector_hidden_act=spec["projector_hidden_act"], tie_word_embeddings=spec["tie_word_embeddings"])
     p = spec["processor"]
-    processor = testing.internvl_processor(tok, p["tile"], spec["image_seq_length"], p["max_patches"],
+    processor = tiny.internvl_processor(tok, p["tile"], spec["image_seq_length"], p["max_patches"],
                                            p["image_mean"], p["image_std"])
     return InternVLForConditionalGeneration, config, processor
 
