@@ -1,31 +1,33 @@
-"""``testbed:llava``: the testbed VLM (:mod:`promprune.testbed.model`) trained on the testbed's TRAIN scenes.
+"""``testbed:llava``'s recipe: the testbed VLM (:mod:`promprune.testbed.model`) trained on the testbed's TRAIN scenes.
+
+The result is shipped (:mod:`promprune.testbed.shipped`, ``promprune/testbed/weights/``): ``testbed:llava`` loads it
+and trains nothing. ``python -m promprune.testbed.shipped --out DIR`` (or ``--retrain``, into the cache) runs this
+recipe; ``$PROMPRUNE_TESTBED_RETRAIN=1`` makes ``testbed:llava`` use the recipe's cache instead of the shipped file.
 
 Every step draws fresh scenes from the train seed stream (an endless, deterministic supply; the evaluation tasks
-use the test stream) and one question each, of a family drawn with fixed weights. Two stages, as LLaVA is built on
+use the test stream) and one question each, the four families evenly. Recipe v2, three stages, as LLaVA is built on
 a pretrained CLIP tower:
 
-1. The vision tower alone, on the objectives that stand in for the pretraining a real CLIP tower comes with: each
-   patch token of the layer LLaVA reads predicts the object kind under it (or background), and the CLS token after
-   the last layer predicts which kinds are present and how many objects there are (which is what makes CLS
-   attention, the methods' saliency, pick out objects). The heads are discarded afterwards.
-2. The tower frozen (LLaVA-1.5's recipe), the projector and the LLM on the questions: the LM loss on the answer
-   tokens and EOS, prompts built exactly as :meth:`PrunedVLM.generate` builds them.
+1. The vision tower alone, on objectives that stand in for the pretraining a real CLIP tower comes with: each patch
+   token of the layer LLaVA reads predicts the object kind under it (local) and the whole scene (the kinds present,
+   the count, each region's lone object, each kind's centre: context from the whole image, as CLIP's tokens carry);
+   the CLS token after the last layer predicts the kinds present and the count (which is what makes CLS attention,
+   the methods' saliency, pick out objects). The heads are discarded afterwards.
+2. LLaVA's alignment stage in small: the projector alone maps each object patch towards the LLM's word embeddings
+   of its colour and shape.
+3. The tower frozen (LLaVA-1.5's recipe), the projector and the LLM on the questions: the LM loss on the answer
+   tokens and EOS, prompts built exactly as :meth:`PrunedVLM.generate` builds them; the first quarter of the steps
+   on scenes of 1-4 objects (a curriculum).
 
-What it learns in this budget (docs/testbed.md): counting, well; the existence, attribute and relation
-questions stay at chance (it answers every yes/no question "yes"): binding a question's words to the visual tokens
-takes a model this small far more steps than 2 CPU cores give in minutes (also tried: the question before the image
-as well, and grounding supervision of the visual tokens; neither moved them in 1,200 steps; nor did aligning the
-projector to the colour and shape words first, a few-objects-first curriculum, or supervising LLM attention onto the
-objects a question names: docs/testbed.md).
-
-One torch thread by default: CPU results depend on the thread count, and one thread gives every machine the same
-weights (12-14 minutes measured on a 2-core machine). Trained once into ``$PROMPRUNE_CACHE/testbed-llava-v1``,
-loaded from there afterwards.
+v1 (500 + 1,200 steps, local patch targets only) learned to count, by the share of object tokens, and nothing else
+(docs/testbed.md). One torch thread: the same weights on machines of one CPU type (not across CPU types).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -42,18 +44,21 @@ from promprune.training import common
 log = logging.getLogger(__name__)
 
 ARCH = "llava"
-CACHE_NAME = "testbed-llava-v1"  # bump the suffix when the recipe changes, so stale caches are not reused
+RECIPE = "v2"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
+CACHE_NAME = f"testbed-llava-{RECIPE}"  # so a stale cache is never reused
 SEED = 0
-VISION_STEPS = 500
+VISION_STEPS = 1000
 VISION_BATCH_SIZE = 32
-STEPS = 1200
-BATCH_SIZE = 24
+ALIGN_STEPS = 200
+STEPS = 5000
+BATCH_SIZE = 16
+CURRICULUM = 0.25  # share of the LLM steps on scenes of 1-4 objects
 LR = 2e-3
 THREADS = 1  # torch threads while training: the same weights on every machine
 # the prompt suffix per question family (the testbed's lmms-eval tasks use the same)
 POST_PROMPTS = {"exist": "\nAnswer with yes or no.", "relation": "\nAnswer with yes or no.",
                 "count": "\nAnswer with a number.", "attribute": "\nAnswer with one word."}
-FAMILY_WEIGHTS = {"exist": 0.25, "count": 0.3, "attribute": 0.25, "relation": 0.2}
+FAMILY_WEIGHTS = {"exist": 0.25, "count": 0.25, "attribute": 0.25, "relation": 0.25}  # v2: evenly
 GRID = testbed_model.IMAGE_SIZE // testbed_model.PATCH  # 12 patches per side
 
 
@@ -82,9 +87,11 @@ def cache_path() -> Path:
     return cache_dir() / CACHE_NAME
 
 
-def example(index: int, rng: random.Random):
-    """Train example ``index``: (scene, question), the family drawn from FAMILY_WEIGHTS (deterministic)."""
-    scene = scenes.make_scene("train", index)
+def example(index: int, rng: random.Random, max_objects: int | None = None):
+    """Train example ``index``: (scene, question), the family drawn from FAMILY_WEIGHTS (deterministic).
+    ``max_objects``: the curriculum's bound (the scene holds 1 + index % max_objects objects)."""
+    k = None if max_objects is None else 1 + index % max_objects
+    scene = scenes.make_scene("train", index, num_objects=k)
     families = list(FAMILY_WEIGHTS)
     for family in rng.choices(families, [FAMILY_WEIGHTS[f] for f in families], k=4) + ["count"]:
         found = scenes.questions(scene, family)
@@ -109,27 +116,79 @@ def patch_labels(scene: scenes.Scene) -> torch.Tensor:
     return labels
 
 
-class AuxHeads(torch.nn.Module):
-    """The vision tower's training objectives: patch -> kind, CLS -> kinds present + object count."""
+NONE = 0  # region target: no object, or several (the attribute questions ask only about regions holding one)
 
-    def __init__(self, width: int):
+
+def scene_targets(scene: scenes.Scene) -> dict[str, torch.Tensor]:
+    """What a patch token is trained to carry about the WHOLE scene (recipe v2): the kinds present, the object
+    count, the colour and shape of the lone object of each 3x3 region, and each present kind's centre."""
+    present = torch.zeros(len(scenes.KINDS))
+    position = torch.zeros(len(scenes.KINDS), 2)  # (x, y) / canvas side; 0 where absent (masked by present)
+    by_region: dict[str, list[scenes.Obj]] = {}
+    for obj in scene.objects:
+        kind = scenes.KINDS.index((obj.color, obj.shape))
+        present[kind] = 1.0
+        position[kind] = torch.tensor(obj.center) / scenes.CANVAS
+        by_region.setdefault(obj.region, []).append(obj)
+    colors, shapes = list(scenes.COLORS), list(scenes.SHAPES)
+    region_color = torch.zeros(len(scenes.REGIONS), dtype=torch.long)
+    region_shape = torch.zeros(len(scenes.REGIONS), dtype=torch.long)
+    for r, name in enumerate(scenes.REGIONS):
+        objs = by_region.get(name, [])
+        if len(objs) == 1:
+            region_color[r] = 1 + colors.index(objs[0].color)
+            region_shape[r] = 1 + shapes.index(objs[0].shape)
+    return {"present": present, "position": position, "count": torch.tensor(scene.num_objects - 1),
+            "region_color": region_color, "region_shape": region_shape}
+
+
+class AuxHeads(torch.nn.Module):
+    """The vision tower's training objectives (what stands in for CLIP's pretraining).
+
+    - every patch token of the layer LLaVA reads: the object kind under it (local), and the scene around it
+      (:func:`scene_targets`: kinds present, count, each region's lone object, each kind's centre), as CLIP's
+      tokens carry context from the whole image (recipe v2; v1 had only the local target);
+    - the CLS token after the last layer: the kinds present and the count (what makes CLS attention, the methods'
+      saliency, pick out objects).
+    """
+
+    def __init__(self, width: int, context: bool = True):
         super().__init__()
-        self.patch = torch.nn.Linear(width, 1 + len(scenes.KINDS))
-        self.cls = torch.nn.Sequential(torch.nn.LayerNorm(width),
-                                       torch.nn.Linear(width, len(scenes.KINDS) + scenes.MAX_OBJECTS))
+        k, n, regions = len(scenes.KINDS), scenes.MAX_OBJECTS, len(scenes.REGIONS)
+        self.sizes = {"present": k, "count": n, "region_color": regions * (1 + len(scenes.COLORS)),
+                      "region_shape": regions * (1 + len(scenes.SHAPES)), "position": 2 * k}
+        self.context = context
+        self.patch = torch.nn.Linear(width, 1 + k)
+        self.scene = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, sum(self.sizes.values())))
+        self.cls = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, k + n))
+
+    def _scene_loss(self, logits: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        """logits [B, P, sum(sizes)] (P tokens each predicting its scene); targets batched per scene ([B, ...])."""
+        f = torch.nn.functional
+        parts = dict(zip(self.sizes, logits.split(list(self.sizes.values()), dim=-1)))
+        b, p = logits.shape[:2]
+        each = lambda t: t.unsqueeze(1).expand(b, p, *t.shape[1:])  # noqa: E731 - the scene target of every token
+        present = each(targets["present"])
+        loss = f.binary_cross_entropy_with_logits(parts["present"], present)
+        loss = loss + f.cross_entropy(parts["count"].flatten(0, 1), each(targets["count"]).flatten())
+        regions = len(scenes.REGIONS)
+        for name in ("region_color", "region_shape"):
+            loss = loss + f.cross_entropy(parts[name].reshape(b * p * regions, -1), each(targets[name]).flatten())
+        error = (parts["position"].view(b, p, -1, 2) - each(targets["position"])).pow(2).sum(-1)  # [B, P, K]
+        return loss + 20 * (error * present).sum() / present.sum().clamp(min=1)
 
     def loss(self, vision_out, batch_scenes) -> torch.Tensor:
-        patches = vision_out.hidden_states[-2][:, 1:]  # the layer LLaVA reads, CLS dropped
+        f = torch.nn.functional
+        patches = vision_out.hidden_states[-2][:, 1:]  # [B, 144, width] the layer LLaVA reads, CLS dropped
         dense = torch.stack([patch_labels(s) for s in batch_scenes])
-        loss = torch.nn.functional.cross_entropy(self.patch(patches).flatten(0, 1), dense.flatten())
+        loss = f.cross_entropy(self.patch(patches).flatten(0, 1), dense.flatten())
+        targets = {k: torch.stack([t[k] for t in map(scene_targets, batch_scenes)]) for k in self.sizes}
+        if self.context:
+            loss = loss + self._scene_loss(self.scene(patches), targets)
         pooled = self.cls(vision_out.last_hidden_state[:, 0])  # the CLS token after the last layer
-        present = torch.zeros(len(batch_scenes), len(scenes.KINDS))
-        for row, s in enumerate(batch_scenes):
-            for o in s.objects:
-                present[row, scenes.KINDS.index((o.color, o.shape))] = 1.0
-        count = torch.tensor([s.num_objects - 1 for s in batch_scenes])
-        loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(pooled[:, :len(scenes.KINDS)], present)
-        return loss + torch.nn.functional.cross_entropy(pooled[:, len(scenes.KINDS):], count)
+        k = len(scenes.KINDS)
+        loss = loss + f.binary_cross_entropy_with_logits(pooled[:, :k], targets["present"])
+        return loss + f.cross_entropy(pooled[:, k:], targets["count"])
 
 
 def _prompts(drawn) -> tuple[list, list, list]:
@@ -137,23 +196,64 @@ def _prompts(drawn) -> tuple[list, list, list]:
             [q.answer for _, q in drawn])
 
 
+def recipe() -> dict:
+    """The recipe's hyper-parameters (what :func:`train` uses by default; recorded with the shipped weights)."""
+    return {"vision_steps": VISION_STEPS, "vision_batch_size": VISION_BATCH_SIZE, "align_steps": ALIGN_STEPS,
+            "steps": STEPS, "batch_size": BATCH_SIZE, "curriculum": CURRICULUM, "lr": LR, "seed": SEED,
+            "threads": THREADS, "family_weights": FAMILY_WEIGHTS}
+
+
+def align_loss(model, vision_out, batch_scenes) -> torch.Tensor:
+    """LLaVA's alignment stage in small: the projected token of every object patch points the way of the word
+    embeddings of its object's colour and shape (cosine), so the LLM meets visual tokens in its own word space."""
+    tok_ids = _WORD_IDS()
+    embed = model.get_input_embeddings().weight.detach()
+    tokens = model.model.multi_modal_projector(vision_out.hidden_states[-2][:, 1:])  # [B, 144, text width]
+    targets = torch.zeros_like(tokens)
+    mask = torch.zeros(tokens.shape[:2], dtype=torch.bool)
+    for row, scene in enumerate(batch_scenes):
+        for obj in scene.objects:
+            cells = object_patches(obj)
+            targets[row, cells] = embed[tok_ids[obj.color]] + embed[tok_ids[obj.shape]]
+            mask[row, cells] = True
+    cos = torch.nn.functional.cosine_similarity(tokens[mask], targets[mask], dim=-1)
+    return (1 - cos).mean()
+
+
+@functools.lru_cache(maxsize=1)
+def _WORD_IDS() -> dict[str, int]:  # noqa: N802 - a constant, computed once
+    tok = testbed_model.tokenizer()
+    return {w: tok.convert_tokens_to_ids(w) for w in [*scenes.COLORS, *scenes.SHAPES]}
+
+
 def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: int = BATCH_SIZE,
-          vision_batch_size: int = VISION_BATCH_SIZE, lr: float = LR, seed: int = SEED, threads: int | None = THREADS,
-          progress: bool = True):
+          vision_batch_size: int = VISION_BATCH_SIZE, align_steps: int = ALIGN_STEPS, curriculum: float = CURRICULUM,
+          lr: float = LR, seed: int = SEED, threads: int | None = THREADS, context: bool = True,
+          progress: bool = True, on_step=None):
     """Train a fresh testbed VLM; returns ``(model, processor, losses)``. Deterministic for given arguments (CPU).
 
-    Two stages, as LLaVA is built on a pretrained CLIP: ``vision_steps`` train the vision tower alone on its own
-    objectives (:class:`AuxHeads`), then ``steps`` train the projector and the LLM on the questions with the tower
-    frozen (LLaVA-1.5's recipe). ``losses``: one per step of both stages.
+    Three stages, as LLaVA is built on a pretrained CLIP:
+
+    1. ``vision_steps``: the vision tower alone on its own objectives (:class:`AuxHeads`: each patch token its own
+       object and, with ``context``, the whole scene; the CLS token the kinds present and the count);
+    2. ``align_steps``: the projector alone (tower frozen), aligned to the LLM's word embeddings (:func:`align_loss`);
+    3. ``steps``: the projector and the LLM on the questions (families evenly), the tower frozen (LLaVA-1.5's
+       recipe); the first ``curriculum`` share of these steps on scenes of 1-4 objects.
+
+    ``losses``: one per step of every stage. ``on_step(stage, step, model)``, if given, is called after each step
+    (progress reports; it must not touch the random state).
     """
     model, processor = testbed_model.untrained()
     vlm = PrunedVLM(model, processor, method=None)
     tower = model.model.vision_tower
-    heads = AuxHeads(model.config.vision_config.hidden_size)
+    heads = AuxHeads(model.config.vision_config.hidden_size, context)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    bar = common.Progress(vision_steps + steps, f"training {CACHE_NAME} (once)", progress)
+    bar = common.Progress(vision_steps + align_steps + steps, f"training {CACHE_NAME}", progress)
+    hook = on_step or (lambda stage, step, model: None)
+    pixels = lambda drawn: processor.image_processor(  # noqa: E731
+        [scenes.render(s) for s, _ in drawn], return_tensors="pt")["pixel_values"]
     with common.torch_threads(threads):
         try:
             # stage 1: the vision tower (what a pretrained CLIP would bring)
@@ -162,34 +262,68 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
             tower.train()
             for step in range(vision_steps):
                 drawn = [example(step * vision_batch_size + i, rng) for i in range(vision_batch_size)]
-                pixels = processor.image_processor([scenes.render(s) for s, _ in drawn], return_tensors="pt")
-                out = tower(pixels["pixel_values"], output_hidden_states=True)
+                out = tower(pixels(drawn), output_hidden_states=True)
                 bar.update(step, common.step(heads.loss(out, [s for s, _ in drawn]), params, opt, schedule))
-            # stage 2: projector + LLM on the questions, the tower frozen
+                hook("vision", step, model)
             tower.eval().requires_grad_(False)
+            offset = vision_steps * vision_batch_size
+            # stage 2: the projector, aligned to the word embeddings
+            params = list(model.model.multi_modal_projector.parameters())
+            opt, schedule = common.optimizer(params, max(align_steps, 1), lr)
+            for step in range(align_steps):
+                drawn = [example(offset + step * vision_batch_size + i, rng) for i in range(vision_batch_size)]
+                with torch.no_grad():
+                    out = tower(pixels(drawn), output_hidden_states=True)
+                loss = align_loss(model, out, [s for s, _ in drawn])
+                bar.update(vision_steps + step, common.step(loss, params, opt, schedule))
+                hook("align", step, model)
+            offset += align_steps * vision_batch_size
+            # stage 3: projector + LLM on the questions, the tower frozen
             params = [p for p in model.parameters() if p.requires_grad]
             opt, schedule = common.optimizer(params, steps, lr)
             model.train()
-            offset = vision_steps * vision_batch_size
+            easy = int(steps * curriculum)
             for step in range(steps):
-                drawn = [example(offset + step * batch_size + i, rng) for i in range(batch_size)]
+                bound = 4 if step < easy else None
+                drawn = [example(offset + step * batch_size + i, rng, bound) for i in range(batch_size)]
                 kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
                 loss = common.lm_loss(model(**kwargs).logits, labels)
-                bar.update(vision_steps + step, common.step(loss, params, opt, schedule))
+                bar.update(vision_steps + align_steps + step, common.step(loss, params, opt, schedule))
+                hook("llm", step, model)
         finally:
             bar.close()
             model.eval().requires_grad_(True)
     losses = bar.losses
-    log.info("trained %s: %d + %d steps in %.0f s, loss %.3f -> %.3f", CACHE_NAME, vision_steps, steps,
-             time.perf_counter() - t0, losses[vision_steps] if len(losses) > vision_steps else float("nan"),
+    log.info("trained %s: %d + %d + %d steps in %.0f s, loss %.3f -> %.3f", CACHE_NAME, vision_steps, align_steps,
+             steps, time.perf_counter() - t0, losses[0] if losses else float("nan"),
              losses[-1] if losses else float("nan"))
     return model, processor, losses
 
 
+RETRAIN_ENV = "PROMPRUNE_TESTBED_RETRAIN"  # "1": testbed:llava trained from the recipe into the cache, not shipped
+WEIGHTS_ENV = "PROMPRUNE_TESTBED_WEIGHTS"  # a directory made by ``python -m promprune.testbed.shipped --out DIR``
+
+
 def load_or_train(directory: str | Path | None = None, **train_kwargs):
-    """``(model, processor)`` of ``testbed:llava``: loaded from ``directory`` (default :func:`cache_path`),
-    trained into it first when it is missing. ``train_kwargs`` go to :func:`train` (tests: few ``steps``)."""
+    """``(model, processor)`` of ``testbed:llava``.
+
+    By default the shipped weights (:mod:`promprune.testbed.shipped`, checksum verified; no training). With
+    ``directory`` or ``$PROMPRUNE_TESTBED_RETRAIN=1``: loaded from ``directory`` (default :func:`cache_path`, whose
+    name carries the recipe version), trained into it first with the recipe when it is missing (``train_kwargs`` go
+    to :func:`train`; tests: few steps). ``$PROMPRUNE_TESTBED_WEIGHTS``: weights made by ``shipped --out DIR``.
+    """
+    from promprune.testbed import shipped
+
+    processor = copy.deepcopy(testbed_model.untrained()[1])
+    if directory is None and os.environ.get(WEIGHTS_ENV):
+        return shipped.load(Path(os.environ[WEIGHTS_ENV])), processor
+    retrain = os.environ.get(RETRAIN_ENV, "").strip().lower() in ("1", "true", "yes")
+    if directory is None and not retrain:
+        if shipped.available():
+            return shipped.load(), processor
+        log.warning("no shipped testbed weights in %s: training from the recipe", shipped.WEIGHTS_DIR)
     directory = Path(directory) if directory is not None else cache_path()
     model = common.load_trained(directory, lambda: train(**train_kwargs)[:2],
-                                "testbed:llava on testbed train scenes (12-14 min on 2 CPU cores)")
-    return model, copy.deepcopy(testbed_model.untrained()[1])
+                                f"testbed:llava recipe {RECIPE} on testbed train scenes (about an hour of one CPU "
+                                "thread)")
+    return model, processor

@@ -37,15 +37,34 @@ def test_patch_labels_hand_worked():
     assert labels[:2, :2].eq(kind).all() and labels.sum() == 4 * kind  # patch centres 4 and 12 px: 2x2 patches
 
 
+def test_scene_targets_hand_worked():
+    # a red square alone in the top-left region (cells r0c0), two objects sharing the bottom-right region (r4c4, r5c5)
+    objs = (scenes.Obj("red", "square", "large", 0, 0, 0, 0), scenes.Obj("blue", "circle", "small", 4, 4, 1, 0),
+            scenes.Obj("white", "triangle", "small", 5, 5, 0, -1))
+    t = training.scene_targets(scenes.Scene("test", 0, objs, "plain", 0))
+    assert t["present"].sum() == 3 and t["present"][scenes.KINDS.index(("blue", "circle"))] == 1
+    assert int(t["count"]) == 2  # class index: 3 objects
+    x, y = t["position"][scenes.KINDS.index(("blue", "circle"))].tolist()  # centre of cell r4c4, 1 px right
+    assert (x, y) == pytest.approx(((4 * 16 + 8 + 1) / 96, (4 * 16 + 8) / 96))
+    top_left, bottom_right = list(scenes.REGIONS).index("top left"), list(scenes.REGIONS).index("bottom right")
+    assert int(t["region_color"][top_left]) == 1 + list(scenes.COLORS).index("red")
+    assert int(t["region_shape"][top_left]) == 1 + list(scenes.SHAPES).index("square")
+    assert int(t["region_color"][bottom_right]) == training.NONE  # two objects: no lone object to ask about
+    assert int(t["region_color"].ne(0).sum()) == 1
+
+
 def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMPRUNE_CACHE", str(tmp_path))
-    kwargs = dict(vision_steps=6, steps=8, batch_size=6, vision_batch_size=8, threads=1, progress=False)
+    monkeypatch.setenv(training.RETRAIN_ENV, "1")  # the recipe, not the shipped weights (tests/testbed/test_shipped)
+    kwargs = dict(vision_steps=6, align_steps=4, steps=8, batch_size=6, vision_batch_size=8, threads=1,
+                  progress=False)
     model_a, _, losses_a = training.train(**kwargs)
     model_b, _, losses_b = training.train(**kwargs)
-    assert losses_a == losses_b and len(losses_a) == 14
+    assert losses_a == losses_b and len(losses_a) == 18
     assert all(torch.equal(a, b) for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()))
     assert min(losses_a[:6][-2:]) < losses_a[0]  # the vision objectives go down
-    assert sum(losses_a[-2:]) / 2 < sum(losses_a[6:8]) / 2  # and the answer loss
+    assert losses_a[9] < losses_a[6]  # the projector's alignment
+    assert sum(losses_a[-2:]) / 2 < sum(losses_a[10:12]) / 2  # and the answer loss
 
     calls = []
     real = training.train
@@ -53,7 +72,7 @@ def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     vlm = PrunedVLM.from_pretrained("testbed:llava", method="promprune", budget=16)
     again = PrunedVLM.from_pretrained("testbed:llava", method=None)
     assert len(calls) == 1  # trained once into the cache, loaded from there the second time
-    assert (tmp_path / training.CACHE_NAME / "config.json").exists()
+    assert (tmp_path / training.CACHE_NAME / "config.json").exists() and training.CACHE_NAME.endswith(training.RECIPE)
     images = [scenes.render(scenes.make_scene("test", i)) for i in range(2)]
     out = vlm.generate(images, ["How many objects are there?\nAnswer with a number."] * 2, max_new_tokens=2)
     assert [g.visual_tokens for g in out] == [16, 16] and all(g.salient is not None for g in out)

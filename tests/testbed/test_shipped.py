@@ -1,0 +1,62 @@
+"""The shipped testbed:llava weights: checksum, recipe version, and the answers recorded when they were made; the
+recipe shrunken to a few steps makes a loadable, verified model the same way (what CI can afford)."""
+import json
+
+import pytest
+import torch
+
+from promprune.models import PrunedVLM
+from promprune.testbed import scenes, scores, shipped, training
+
+pytestmark = pytest.mark.skipif(not shipped.available(), reason="no shipped weights in promprune/testbed/weights")
+
+
+def test_shipped_file_matches_its_manifest():
+    meta = shipped.manifest()
+    assert shipped.sha256(shipped.WEIGHTS_DIR / shipped.WEIGHTS_FILE) == meta["sha256"]
+    assert (shipped.WEIGHTS_DIR / shipped.WEIGHTS_FILE).stat().st_size == meta["bytes"] <= 25 * 2 ** 20
+    assert meta["recipe"] == training.RECIPE and meta["hyperparameters"]["seed"] == meta["seed"]
+    assert meta["command"].startswith("python -m promprune.testbed.shipped --out")
+    for family in scenes.FAMILIES:  # every score is recorded with its chance level
+        assert meta["scores"]["unpruned"][family]["chance"] == round(scores.CHANCE[family], 4)
+
+
+def test_testbed_llava_loads_the_shipped_weights_and_answers_as_recorded(monkeypatch):
+    monkeypatch.delenv(training.RETRAIN_ENV, raising=False)
+    monkeypatch.delenv(training.WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(training, "train", lambda **kw: pytest.fail("testbed:llava must not train"))
+    vlm = PrunedVLM.from_pretrained("testbed:llava", method=None)
+    recorded = shipped.manifest()["fixed_answers"]
+    drawn = shipped.fixed_questions()
+    assert [q.question for _, q in drawn] == [r["question"] for r in recorded]
+    with torch.inference_mode():
+        assert scores.answers(vlm, drawn) == [r["answer"] for r in recorded]
+
+
+def test_a_corrupted_or_stale_file_is_refused(tmp_path):
+    for name in (shipped.WEIGHTS_FILE, "config.json", shipped.MANIFEST):
+        (tmp_path / name).write_bytes((shipped.WEIGHTS_DIR / name).read_bytes())
+    data = bytearray((tmp_path / shipped.WEIGHTS_FILE).read_bytes())
+    data[-1] ^= 1
+    (tmp_path / shipped.WEIGHTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="does not match the manifest"):
+        shipped.load(tmp_path)
+    meta = json.loads((tmp_path / shipped.MANIFEST).read_text())
+    (tmp_path / shipped.MANIFEST).write_text(json.dumps({**meta, "recipe": "v0"}))
+    with pytest.raises(ValueError, match="recipe 'v0'"):
+        shipped.load(tmp_path)
+
+
+def test_the_recipe_shrunken_makes_a_loadable_verified_model(tmp_path, monkeypatch):
+    out = tmp_path / "weights"
+    meta = shipped.make(out, eval_n=4, vision_steps=2, align_steps=2, steps=3, batch_size=4, vision_batch_size=4,
+                        progress=False)
+    assert meta["sha256"] == shipped.sha256(out / shipped.WEIGHTS_FILE)
+    assert meta["hyperparameters"]["steps"] == 3 and len(meta["fixed_answers"]) == 2 * len(scenes.FAMILIES)
+    assert set(meta["scores"]) == {"n_per_family", "budget", "unpruned", "random@16", "divprune@16",
+                                   "vispruner@16", "promprune@16"}
+    monkeypatch.setenv(training.WEIGHTS_ENV, str(out))
+    vlm = PrunedVLM.from_pretrained("testbed:llava", method="promprune", budget=16)
+    with torch.inference_mode():
+        assert scores.answers(vlm.__class__(vlm.model, vlm.processor, method=None), shipped.fixed_questions()) == [
+            r["answer"] for r in meta["fixed_answers"]]
