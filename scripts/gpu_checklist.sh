@@ -17,18 +17,16 @@
 #   python scripts/device_wheels.py build && python scripts/device_wheels.py check
 #       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23, nvmath-python), Ray
 #          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~112 MiB in all)
-#   mkdir -p .testbed && cp -r "${PROMPRUNE_CACHE:-$HOME/.cache/promprune}/testbed-llava-v1" .testbed/
-#       -> the trained quickstart model (2.3 MB; without it the sweep stage first trains it there, on one CPU
-#          thread: 12-14 min on the 2-core machine)
+#   (the quickstart's testbed model is shipped in the tree: promprune/testbed/weights/, nothing to carry for it)
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
-#   2. carry [".whl2", ".testbed"]  bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
+#   2. carry [".whl2"]              bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
 #      (installing the last batch checks every requirement against the versions there: install.log)
 #   3. carry []                     bash scripts/gpu_checklist.sh scaling                                      ~7 min
 #      (SCALING_GPUS="4 8" by default; the 1-GPU point, ~6 min more, in a 4th call if time is left:
 #       SCALING_GPUS=1 SCALING_SHELL=arithmetic bash scripts/gpu_checklist.sh scaling)
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
-# this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2", ".testbed"] `--install-batch 2 ...`.
+# this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2"] `--install-batch 2 ...`.
 # At most 8 files come back per call: call 2 writes 7 (install, sweep and table6-pipeline logs, their GPU-utilization
 # CSVs and reports). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S
 # (60) left is skipped with a note, and a running stage is stopped at the budget, so its log still comes back.
@@ -41,7 +39,6 @@ CALL_BUDGET_S="${CALL_BUDGET_S:-570}"
 STAGE_MIN_S="${STAGE_MIN_S:-60}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RAY_USAGE_STATS_ENABLED=0 MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$ROOT/mlflow.db}"
-[ -d "$ROOT/.testbed" ] && export PROMPRUNE_CACHE="$ROOT/.testbed"
 
 set_path() {  # the working tree first (the code), then this project's entry points, then each installed batch
   local pp="$ROOT" d
@@ -195,8 +192,6 @@ PY
       python3 benchmarks/efficiency.py --model shape:qwen2_5_vl_7b --dtype bfloat16 --device cuda --skip-analytic \
         --budgets none,128 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8 ;;
     sweep)  # the quickstart (testbed) sweep, its actors on the GPU
-      [ -d "${PROMPRUNE_CACHE:-/nonexistent}/testbed-llava-v1" ] || echo "note: no .testbed/testbed-llava-v1:" \
-        "the testbed model trains here first, on one CPU thread"
       pipeline_sweep quickstart --config sweeps/quickstart.yaml ${SWEEP_SET:-} ;;
     table6-pipeline)  # Table 6 through the pipeline: random LLaVA-NeXT-7B weights, easy-vqa yes/no for POPE
       pipeline_sweep table6 --config sweeps/table6_efficiency.yaml --set model.pretrained=shape:llava_next_7b \
