@@ -165,7 +165,7 @@ def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
         rows = pruned[pruned["budget"] == budget]
         groups = [c.label for c in table.columns] + (["Rel."] if rows["rel"].notna().any() else [])
         width = 0.8 / len(rows)
-        unit, lowest = "score", np.inf
+        unit, highest = "score", 0.0
         for k, (rid, row) in enumerate(rows.iterrows()):
             values = []
             for col in table.columns:
@@ -175,14 +175,15 @@ def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
                 values.append(row["rel"])
             x = np.arange(len(groups)) + (k - (len(rows) - 1) / 2) * width
             ax.bar(x, values, width=width, label=row["label"])
-            lowest = min(lowest, np.nanmin(values)) if not np.all(np.isnan(values)) else lowest
-        ax.set_ylim(bottom=0)  # honest bars start at zero; the values are printed on them
+            if not np.all(np.isnan(values)):
+                highest = max(highest, float(np.nanmax(values)))
+        # honest bars start at zero; the values are printed on them, above the bar, so leave room for the labels
+        ax.set_ylim(0, highest * 1.15 if highest > 0 else 1.0)
         for container in ax.containers:
             ax.bar_label(container, fmt="%.1f", fontsize=6, rotation=90, padding=2)
         ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(unit)
         ax.set_title(f"{budget:.0f} tokens: each benchmark ({unit}) and Rel.", fontsize=9)
-        ax.margins(y=0.15)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
