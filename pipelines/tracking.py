@@ -111,7 +111,8 @@ def _ms(seconds: float | None) -> int | None:
 def _iso(seconds: float) -> str:
     from datetime import datetime, timezone
 
-    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
+    # milliseconds: a trial shorter than a second still has its start before its end
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds")
 
 
 def reopen(c, run_id: str) -> None:

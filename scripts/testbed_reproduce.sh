@@ -18,7 +18,7 @@ if [[ "${1:-}" == "--retrain" ]]; then
 elif [[ -n "${1:-}" ]]; then
     echo "usage: $0 [--retrain]" >&2; exit 2
 fi
-python -c "from promprune.testbed.training import load_or_train; load_or_train()"   # fails early on a bad file
+python -c "from promprune.testbed.zoo import load_or_train; load_or_train()"   # fails early on a bad file
 stamp "model ready"
 for spec in testbed_methods testbed_saliency_ratio testbed_prominence; do
     python pipelines/sweep.py --config "sweeps/$spec.yaml"

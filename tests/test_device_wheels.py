@@ -117,7 +117,7 @@ def test_dist_info_gives_importlib_the_projects_entry_points(tmp_path):
     assert dist.metadata["Name"] == "promprune"
     eps = {(ep.group, ep.name): ep.value for ep in dist.entry_points}
     assert eps[("lmms_eval.models", "promprune")] == "promprune.eval.lmms_plugin:MANIFEST"
-    assert eps[("promprune.model_factories", "testbed")] == "promprune.testbed.training:load"
+    assert eps[("promprune.model_factories", "testbed")] == "promprune.testbed.zoo:load"
 
 
 def test_the_image_list_and_constraints_parse():

@@ -27,7 +27,7 @@ Factory = Callable[..., tuple]
 # that build or train models). Also declared as entry points; listed here so a source checkout on PYTHONPATH,
 # without `pip install`, resolves them too. Other packages add theirs through the entry-point group.
 BUILTIN = {"tiny": "promprune.models.tiny:load", "tiny-easyvqa": "promprune.training.easyvqa:load",
-           "shape": "promprune.models.shapes:load", "testbed": "promprune.testbed.training:load"}
+           "shape": "promprune.models.shapes:load", "testbed": "promprune.testbed.zoo:load"}
 
 _RUNTIME: dict[str, Factory] = {}
 

@@ -24,10 +24,8 @@ v1 (500 + 1,200 steps, local patch targets only) learned to count, by the share 
 """
 from __future__ import annotations
 
-import copy
 import functools
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -36,7 +34,6 @@ import torch
 
 from promprune.eval.tasks import cache_dir
 from promprune.models import PrunedVLM
-from promprune.models.factories import place
 from promprune.testbed import model as testbed_model
 from promprune.testbed import scenes
 from promprune.training import common
@@ -62,25 +59,9 @@ FAMILY_WEIGHTS = {"exist": 0.25, "count": 0.25, "attribute": 0.25, "relation": 0
 GRID = testbed_model.IMAGE_SIZE // testbed_model.PATCH  # 12 patches per side
 
 
-def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
-    """The ``testbed:<arch>`` model factory (only ``llava``): loaded from the cache, trained into it on first use."""
-    _check(arch)
-    model, processor = load_or_train()
-    return place(model, dtype=dtype, device_map=device_map, attn_implementation=attn_implementation), processor, {}
-
-
-def _check(arch: str) -> None:
+def check_arch(arch: str) -> None:
     if arch != ARCH:
         raise ValueError(f"unknown testbed arch {arch!r}; valid: {ARCH}")
-
-
-def _config(arch: str):
-    _check(arch)
-    return testbed_model.config()
-
-
-load.config = _config
-load.prepare = lambda arch: (_check(arch), load_or_train())  # first use: train, in the caller
 
 
 def cache_path() -> Path:
@@ -298,32 +279,3 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
              steps, time.perf_counter() - t0, losses[0] if losses else float("nan"),
              losses[-1] if losses else float("nan"))
     return model, processor, losses
-
-
-RETRAIN_ENV = "PROMPRUNE_TESTBED_RETRAIN"  # "1": testbed:llava trained from the recipe into the cache, not shipped
-WEIGHTS_ENV = "PROMPRUNE_TESTBED_WEIGHTS"  # a directory made by ``python -m promprune.testbed.shipped --out DIR``
-
-
-def load_or_train(directory: str | Path | None = None, **train_kwargs):
-    """``(model, processor)`` of ``testbed:llava``.
-
-    By default the shipped weights (:mod:`promprune.testbed.shipped`, checksum verified; no training). With
-    ``directory`` or ``$PROMPRUNE_TESTBED_RETRAIN=1``: loaded from ``directory`` (default :func:`cache_path`, whose
-    name carries the recipe version), trained into it first with the recipe when it is missing (``train_kwargs`` go
-    to :func:`train`; tests: few steps). ``$PROMPRUNE_TESTBED_WEIGHTS``: weights made by ``shipped --out DIR``.
-    """
-    from promprune.testbed import shipped
-
-    processor = copy.deepcopy(testbed_model.untrained()[1])
-    if directory is None and os.environ.get(WEIGHTS_ENV):
-        return shipped.load(Path(os.environ[WEIGHTS_ENV])), processor
-    retrain = os.environ.get(RETRAIN_ENV, "").strip().lower() in ("1", "true", "yes")
-    if directory is None and not retrain:
-        if shipped.available():
-            return shipped.load(), processor
-        log.warning("no shipped testbed weights in %s: training from the recipe", shipped.WEIGHTS_DIR)
-    directory = Path(directory) if directory is not None else cache_path()
-    model = common.load_trained(directory, lambda: train(**train_kwargs)[:2],
-                                f"testbed:llava recipe {RECIPE} on testbed train scenes (about an hour of one CPU "
-                                "thread)")
-    return model, processor

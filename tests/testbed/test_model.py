@@ -5,7 +5,7 @@ import torch
 
 from promprune.models import PrunedVLM
 from promprune.testbed import model as testbed_model
-from promprune.testbed import scenes, training
+from promprune.testbed import scenes, training, zoo
 
 
 def test_tokenizer_round_trips_every_prompt_and_answer():
@@ -55,7 +55,7 @@ def test_scene_targets_hand_worked():
 
 def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMPRUNE_CACHE", str(tmp_path))
-    monkeypatch.setenv(training.RETRAIN_ENV, "1")  # the recipe, not the shipped weights (tests/testbed/test_shipped)
+    monkeypatch.setenv(zoo.RETRAIN_ENV, "1")  # the recipe, not the shipped weights (tests/testbed/test_shipped)
     kwargs = dict(vision_steps=6, align_steps=4, steps=8, batch_size=6, vision_batch_size=8, threads=1,
                   progress=False)
     model_a, _, losses_a = training.train(**kwargs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.testbed import scenes, scores, shipped, training
+from promprune.testbed import scenes, scores, shipped, training, zoo
 
 pytestmark = pytest.mark.skipif(not shipped.available(), reason="no shipped weights in promprune/testbed/weights")
 
@@ -22,8 +22,8 @@ def test_shipped_file_matches_its_manifest():
 
 
 def test_testbed_llava_loads_the_shipped_weights_and_answers_as_recorded(monkeypatch):
-    monkeypatch.delenv(training.RETRAIN_ENV, raising=False)
-    monkeypatch.delenv(training.WEIGHTS_ENV, raising=False)
+    monkeypatch.delenv(zoo.RETRAIN_ENV, raising=False)
+    monkeypatch.delenv(zoo.WEIGHTS_ENV, raising=False)
     monkeypatch.setattr(training, "train", lambda **kw: pytest.fail("testbed:llava must not train"))
     vlm = PrunedVLM.from_pretrained("testbed:llava", method=None)
     recorded = shipped.manifest()["fixed_answers"]
@@ -55,7 +55,7 @@ def test_the_recipe_shrunken_makes_a_loadable_verified_model(tmp_path, monkeypat
     assert meta["hyperparameters"]["steps"] == 3 and len(meta["fixed_answers"]) == 2 * len(scenes.FAMILIES)
     assert set(meta["scores"]) == {"n_per_family", "budget", "unpruned", "random@16", "divprune@16",
                                    "vispruner@16", "promprune@16"}
-    monkeypatch.setenv(training.WEIGHTS_ENV, str(out))
+    monkeypatch.setenv(zoo.WEIGHTS_ENV, str(out))
     vlm = PrunedVLM.from_pretrained("testbed:llava", method="promprune", budget=16)
     with torch.inference_mode():
         assert scores.answers(vlm.__class__(vlm.model, vlm.processor, method=None), shipped.fixed_questions()) == [

@@ -1,11 +1,12 @@
 """The once-only training cache of promprune.training.common: the file lock (filelock) and the atomic directory."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
-import pytest
-from filelock import Timeout
 
 from promprune.training.common import complete, locked, train_once
 
@@ -22,13 +23,31 @@ class Saved:
         (directory / self.name).write_text("x")
 
 
-def test_the_lock_excludes_another_holder(tmp_path):
+_TRY_LOCK = """
+import sys
+from filelock import Timeout
+from promprune.training.common import locked
+try:
+    with locked(__import__("pathlib").Path(sys.argv[1])).acquire(timeout=0.2):
+        print("acquired")
+except Timeout:
+    print("timeout")
+"""
+
+
+def _other_process_tries(path) -> str:
+    out = subprocess.run([sys.executable, "-c", _TRY_LOCK, str(path)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_lock_excludes_another_process(tmp_path):
+    """What the lock is for: a second process (another trial, another test worker) waits while one trains."""
     path = tmp_path / "deep" / ".model.lock"
     with locked(path):
-        with pytest.raises(Timeout):
-            locked(path).acquire(timeout=0.1)  # a second lock object on the same file: as another process
-    with locked(path).acquire(timeout=0.1):
-        pass
+        assert _other_process_tries(path) == "timeout"
+    assert _other_process_tries(path) == "acquired"
 
 
 def test_concurrent_callers_train_once_and_see_a_whole_checkpoint(tmp_path):
