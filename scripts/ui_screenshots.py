@@ -48,7 +48,7 @@ class Problem(Exception):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI or "
-                                                         "sqlite:///mlflow.db in the working directory)")
+                   "sqlite:///mlflow.db in the working directory)")
     p.add_argument("--sweep", default=None, help="sweep name (its latest finished run); default: the latest sweep")
     p.add_argument("--out", default=str(REPO / "docs" / "screenshots"), help="folder for the PNGs")
     p.add_argument("--chromium", default=None, help="Chromium executable (default: /usr/bin/chromium or chromium "

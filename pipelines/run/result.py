@@ -86,7 +86,7 @@ def check_exactly_once(keys: list[str], predictions: pa.Table) -> None:
     want = set(keys)
     seen: set[str] = set()
     got = [sample_key(t, d) for t, d in zip(predictions.column("task").to_pylist(),
-                                           predictions.column("doc_id").to_pylist())]
+                                            predictions.column("doc_id").to_pylist())]
     dupes = sorted({k for k in got if k in seen or seen.add(k)})
     missing = sorted(want - seen)
     extra = sorted(seen - want)

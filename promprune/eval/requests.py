@@ -199,7 +199,7 @@ def share_images(rows: list[Request]) -> list[Request]:
             out.append(dataclasses.replace(r, image=carried[r.image_key]))
         else:
             out.append(dataclasses.replace(r, error=f"{r.task} doc {r.doc_id}: its image {r.image_key} is in no "
-                                                   "request of its block (blocks must come from pack_requests)"))
+                                           "request of its block (blocks must come from pack_requests)"))
     return out
 
 

@@ -136,7 +136,7 @@ def unit_grid(item: VisualItem, idx: torch.Tensor) -> tuple[int, int]:
     height, width = int(r.max() - r.min()) + 1, int(c.max() - c.min()) + 1
     raster = (r - r.min()) * width + (c - c.min())
     if not same_view or height * width != idx.numel() or not torch.equal(raster, torch.arange(idx.numel(),
-                                                                                               device=raster.device)):
+                                                                                              device=raster.device)):
         raise ValueError(NOT_A_RECTANGLE)
     return height, width
 
@@ -169,7 +169,7 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
             ent = None if sel.entropy is None else float(sel.entropy[u])
             chosen = sel.indices[u].to(idx.device)
             is_salient = sel.salient[u].to(idx.device) if sel.salient is not None else torch.zeros_like(chosen,
-                                                                                                          dtype=bool)
+                                                                                                        dtype=bool)
             count = int(sel.saliency_count[u])
             fed = items[b].run_pos[idx[chosen]] >= 0
             if not bool(fed.all()):  # picks in the padding: the model's unpadding drops them

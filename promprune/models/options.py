@@ -146,7 +146,7 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         raise ValueError(f"budget must be a positive int for method {method!r}, got {budget!r}")
     spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's own checks
     if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision
-                                                                  or spec.needs_instruction or spec.needs_grid):
+                                                                 or spec.needs_instruction or spec.needs_grid):
         raise ValueError(f"budget_mode 'packed' selects among LLaVA-NeXT's image_newline tokens, which have no "
                          f"saliency, vision-tower features or grid place; method {method!r} needs them: use another "
                          "budget_mode (packed suits divprune and random)")

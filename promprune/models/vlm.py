@@ -167,7 +167,7 @@ class PrunedVLM:
         if not is_in_llm(self.method):
             return contextlib.nullcontext()
         return llm_hooks.make(self.method, self.model, prepared.model_kwargs["input_ids"], self.budget,
-                           self.method_options)
+                              self.method_options)
 
     @torch.inference_mode()
     def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:

@@ -34,7 +34,7 @@ def moving_scene(scene: Scene, frames: int = 6, step: int = 2) -> list[Image.Ima
     clip = []
     for t in range(frames):
         moved = tuple(dataclasses.replace(o, dx=o.dx + t * vx, dy=o.dy + t * vy) for o, (vx, vy) in zip(scene.objects,
-                                                                                                     moves))
+                                                                                                        moves))
         clip.append(render(dataclasses.replace(scene, objects=moved)))
     return clip
 

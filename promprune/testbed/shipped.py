@@ -173,7 +173,7 @@ def main(argv=None) -> None:
     if out is None:
         parser.error("give --out DIR (promprune/testbed/weights to remake the shipped file) or --retrain")
     kwargs = {name: getattr(args, name) for name in ("steps", "vision_steps", "align_steps", "batch_size",
-                                                        "vision_batch_size", "seed") if getattr(args, name) is not None}
+                                                     "vision_batch_size", "seed") if getattr(args, name) is not None}
     logging.basicConfig(level=logging.INFO)
     command = "python -m promprune.testbed.shipped " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = make(out, eval_n=args.eval_n, report_every=args.report_every, command=command, **kwargs)

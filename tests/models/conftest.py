@@ -41,7 +41,7 @@ def prompts():
 def plain_generate(model, processor, images, prompts, new_tokens: int):
     """Reference: the processor and model.generate exactly as transformers' docs use them."""
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                          {"type": "text", "text": p}]}],
+                                                                         {"type": "text", "text": p}]}],
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     processor.tokenizer.padding_side = "left"
     inputs = processor(images=images, text=texts, return_tensors="pt", padding=True).to(model.device)

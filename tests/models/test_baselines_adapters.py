@@ -74,4 +74,4 @@ def test_downsample_pools_each_llava_next_view(images, prompts):
     assert len(views) == len(prep.items[0].groups.unique())  # every view pooled, none skipped
     with pytest.raises(ValueError, match="one rectangle of one view"):
         PrunedVLM(model, processor, method="downsample", budget=10, budget_mode="global").prepare(images[:1],
-                                                                                                 prompts[:1])
+                                                                                                  prompts[:1])

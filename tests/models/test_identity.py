@@ -24,7 +24,7 @@ def unpruned_logits(model, processor, images, prompts):
     """Logits of one plain forward on the processor's inputs (pixel values in, no adapter)."""
     processor.tokenizer.padding_side = "left"
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                          {"type": "text", "text": p}]}],
+                                                                         {"type": "text", "text": p}]}],
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
     with torch.inference_mode():

@@ -39,7 +39,7 @@ def plain_generate(arch, clips, prompts, new_tokens):
     """Reference: the processor and ``model.generate`` as transformers' docs use them, frames fed as given."""
     model, processor = tiny_vlm(arch)
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "video"},
-                                                                          {"type": "text", "text": p}]}],
+                                                                         {"type": "text", "text": p}]}],
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     videos = [np.stack([np.asarray(f) for f in clip]) for clip in clips]
     kwargs = {"do_sample_frames": False}

@@ -82,7 +82,7 @@ def _llava(spec: dict, text_layers, vision_layers):
     config = LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)
     # the Vicuna NeXT checkpoint chats like LLaVA-1.5 ("USER: <image>\n... ASSISTANT:")
     processor = tiny.llava_processor(LlavaNextProcessor, tok, size, patch, tiny._LLAVA_TEMPLATE,
-                                        image_grid_pinpoints=pinpoints, do_pad=True)
+                                     image_grid_pinpoints=pinpoints, do_pad=True)
     return LlavaNextForConditionalGeneration, config, processor
 
 
@@ -108,7 +108,7 @@ def _qwen(spec: dict, text_layers, vision_layers):
     factor = vision["patch_size"] * vision["spatial_merge_size"]
     # the released processor's pixel range (4 .. 16384 merged tokens); the adapter's image_tokens pins 1296
     processor = tiny.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
-                                       min_pixels=4 * factor**2, max_pixels=16384 * factor**2)
+                                    min_pixels=4 * factor**2, max_pixels=16384 * factor**2)
     return Qwen2_5_VLForConditionalGeneration, config, processor
 
 
@@ -118,8 +118,8 @@ def _qwen3(spec: dict, text_layers, vision_layers):
                            **ids)
     pixels = spec["processor"]
     processor = tiny.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
-                                       min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"],
-                                       family="qwen3_vl")
+                                    min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"],
+                                    family="qwen3_vl")
     return Qwen3VLForConditionalGeneration, config, processor
 
 
@@ -145,7 +145,7 @@ def _onevision(spec: dict, text_layers, vision_layers):
         pad_token_id=tok.pad_token_id)
     norm = spec["processor"]
     processor = tiny.onevision_processor(tok, spec["image_size"], vision["patch_size"], pinpoints,
-                                            spec["vision_aspect_ratio"], norm["image_mean"], norm["image_std"])
+                                         spec["vision_aspect_ratio"], norm["image_mean"], norm["image_std"])
     return LlavaOnevisionForConditionalGeneration, config, processor
 
 
@@ -166,7 +166,7 @@ def _internvl(spec: dict, text_layers, vision_layers):
         projector_hidden_act=spec["projector_hidden_act"], tie_word_embeddings=spec["tie_word_embeddings"])
     p = spec["processor"]
     processor = tiny.internvl_processor(tok, p["tile"], spec["image_seq_length"], p["max_patches"],
-                                           p["image_mean"], p["image_std"])
+                                        p["image_mean"], p["image_std"])
     return InternVLForConditionalGeneration, config, processor
 
 
