@@ -406,17 +406,25 @@ class QwenAdapter(Adapter):
         attn = core.visual.blocks[self.block].attn
         with sal.capture_received_attention(attn, sink) if need_saliency else contextlib.nullcontext():
             out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
-        feats = list(out.pooler_output)
-        scores = sal.pool_to_merged(sink[0], grid, self.model.config.vision_config) if need_saliency else None
+        scores = self._merged_saliency(sink[0], grid) if need_saliency else None
         items, offset = [], 0
         merge = self.model.config.vision_config.spatial_merge_size
-        for f, (t, h, w) in zip(feats, grid.tolist()):
+        for i, (f, (t, h, w)) in enumerate(zip(out.pooler_output, grid.tolist())):
             idx = torch.arange(f.shape[0], device=f.device)
             s = None if scores is None else scores[offset:offset + f.shape[0]]
             items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
-                                    groups=torch.zeros_like(idx), grid_shape=(t * h // merge, w // merge)))
+                                    groups=torch.zeros_like(idx), grid_shape=(t * h // merge, w // merge),
+                                    **self._item_extras(out, i)))
             offset += f.shape[0]
         return items
+
+    def _merged_saliency(self, received, grid):
+        """Attention each merged token received (the chosen block's rows pooled over its 2x2 group)."""
+        return sal.pool_to_merged(received, grid, self.model.config.vision_config)
+
+    def _item_extras(self, out, i: int) -> dict:
+        """Further ``VisualItem`` fields of image ``i`` from the tower's output (none for Qwen2.5-VL)."""
+        return {}
 
     def generate_kwargs(self, inputs, new_ids, new_mask, col_map):
         """3D M-RoPE positions computed on the unpruned sequence, gathered at the kept columns.
@@ -465,24 +473,13 @@ class Qwen3Adapter(QwenAdapter):
             raise ValueError(f"saliency_block must be a block of the vision tower (0 .. {depth - 1}), got {block!r}")
         return block
 
-    def encode(self, inputs, need_saliency, need_vision=False):
-        """No ``vision`` for Qwen3-VL (as Qwen2.5-VL); every item carries its DeepStack features."""
-        core, grid = self.model.model, inputs["image_grid_thw"]
-        sink: list = []
-        attn = core.visual.blocks[self.block].attn
-        with sal.capture_received_attention(attn, sink) if need_saliency else contextlib.nullcontext():
-            out = core.get_image_features(inputs["pixel_values"], grid, return_dict=True)
-        scores = sal.pool_groups(sink[0], self.model.config.vision_config) if need_saliency else None
-        items, offset = [], 0
-        merge = self.model.config.vision_config.spatial_merge_size
-        for i, (f, (t, h, w)) in enumerate(zip(out.pooler_output, grid.tolist())):
-            idx = torch.arange(f.shape[0], device=f.device)
-            s = None if scores is None else scores[offset:offset + f.shape[0]]
-            items.append(VisualItem(run=f, features=f, run_pos=idx, grid_index=idx, saliency=s,
-                                    groups=torch.zeros_like(idx), grid_shape=(t * h // merge, w // merge),
-                                    deepstack=[layer[i] for layer in out.deepstack_features]))
-            offset += f.shape[0]
-        return items
+    # encode: QwenAdapter's; no ``vision`` for Qwen3-VL either, and every item carries its DeepStack features
+
+    def _merged_saliency(self, received, grid):
+        return sal.pool_groups(received, self.model.config.vision_config)
+
+    def _item_extras(self, out, i: int) -> dict:
+        return {"deepstack": [layer[i] for layer in out.deepstack_features]}
 
     def encoder_outputs(self, items, feats, run_pos):
         """Image features and, per DeepStack layer, each image's rows at the fed run positions."""
