@@ -60,15 +60,19 @@ def shape_spec(name: str) -> dict:
     return json.loads(resources.files(__package__).joinpath(f"{name}.json").read_text())
 
 
+def _section(spec: dict, name: str, layers: int | None, key: str = "num_hidden_layers", **extra) -> dict:
+    """A copy of ``spec[name]`` (a sub-config) with ``extra`` over it, shrunk to ``layers`` when given."""
+    section = dict(spec[name], **extra)
+    if layers is not None:
+        section[key] = layers
+    return section
+
+
 def _llava(spec: dict, text_layers, vision_layers):
     tok = tiny.llava_tokenizer()
-    vision = dict(spec["vision_config"])
-    if vision_layers is not None:
-        vision["num_hidden_layers"] = vision_layers
-    text = dict(spec["text_config"], pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id)
-    if text_layers is not None:
-        text["num_hidden_layers"] = text_layers
+    vision = _section(spec, "vision_config", vision_layers)
+    text = _section(spec, "text_config", text_layers, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id)
     common = dict(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
                   vision_feature_layer=spec["vision_feature_layer"], pad_token_id=tok.pad_token_id,
                   vision_feature_select_strategy=spec["vision_feature_select_strategy"],
@@ -92,12 +96,9 @@ def _qwen_parts(spec: dict, text_layers, vision_layers, blocks_key: str):
     DeepStack blocks): those that still exist are kept, at least the last block."""
     tok = tiny.qwen_tokenizer()
     ids = tiny.qwen_token_ids(tok)
-    text = dict(spec["text_config"], **ids.pop("text"))
-    vision = dict(spec["vision_config"])
-    if text_layers is not None:
-        text["num_hidden_layers"] = text_layers
+    text = _section(spec, "text_config", text_layers, **ids.pop("text"))
+    vision = _section(spec, "vision_config", vision_layers, key="depth")
     if vision_layers is not None:
-        vision["depth"] = vision_layers
         vision[blocks_key] = [b for b in vision[blocks_key] if b < vision_layers] or [vision_layers - 1]
     return tok, ids, text, vision
 
@@ -125,15 +126,11 @@ def _qwen3(spec: dict, text_layers, vision_layers):
 
 def _onevision(spec: dict, text_layers, vision_layers):
     tok = tiny.onevision_tokenizer()
-    vision = dict(spec["vision_config"])
+    vision = _section(spec, "vision_config", vision_layers)
     vision.pop("model_type")
-    if vision_layers is not None:
-        vision["num_hidden_layers"] = vision_layers
-    text = dict(spec["text_config"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    text = _section(spec, "text_config", text_layers, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                    bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
     text.pop("model_type")
-    if text_layers is not None:
-        text["num_hidden_layers"] = text_layers
     pinpoints = spec["image_grid_pinpoints"]
     config = LlavaOnevisionConfig(
         vision_config=SiglipVisionConfig(**vision), text_config=Qwen2Config(**text),
@@ -151,13 +148,9 @@ def _onevision(spec: dict, text_layers, vision_layers):
 
 def _internvl(spec: dict, text_layers, vision_layers):
     tok = tiny.internvl_tokenizer()
-    vision = dict(spec["vision_config"])
-    if vision_layers is not None:
-        vision["num_hidden_layers"] = vision_layers
-    text = dict(spec["text_config"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
-    if text_layers is not None:
-        text["num_hidden_layers"] = text_layers
+    vision = _section(spec, "vision_config", vision_layers)
+    text = _section(spec, "text_config", text_layers, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                    bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
     config = InternVLConfig(
         vision_config=InternVLVisionConfig(**vision), text_config=Qwen2Config(**text),
         image_token_id=tok.context_image_token_id, image_seq_length=spec["image_seq_length"],
