@@ -36,6 +36,9 @@ class SampleStats:
     select_ms: float | None = None  # token selection before the LLM
     prefill_ms: float | None = None  # first LLM forward
     decode_ms: float | None = None  # the rest of generate
+    # prompt tokens the LLM read other than the visual placeholders (the chat template, the question, and what the
+    # processor inserts around images and frames, such as Qwen3-VL's per-frame timestamps)
+    text_tokens: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -81,7 +84,6 @@ class Prediction(Answer):
     n_docs: int
     prompt: str
     gen_kwargs: dict = field(default_factory=dict)
-    text_tokens: int | None = None  # prompt tokens other than image placeholders
     prefill_flops: float | None = None  # whole prefill (visual + text tokens), Table 6's convention
     kv_cache_bytes: float | None = None  # K and V of the visual tokens, Table 6's convention
 

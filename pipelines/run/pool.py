@@ -219,30 +219,19 @@ class PredictorPool:
 def add_efficiency(vlm, pred: Prediction) -> Prediction:
     """Per-sample prefill FLOPs and visual KV-cache bytes, under the paper's Table 6 convention.
 
-    FLOPs count the whole prefill: the visual tokens the LLM received plus the prompt's text tokens (the chat
-    template tokenized, image placeholders not counted). The KV cache counts the visual tokens only, as Table 6
-    does (1440.0 MB for LLaVA-NeXT-7B's 2880 tokens in fp16).
+    FLOPs count the whole prefill: the visual tokens the LLM received plus the prompt's text tokens as the model
+    read them (``Prediction.text_tokens``: the processor's prompt without its visual placeholders, so a video's
+    per-frame timestamps count). The KV cache counts the visual tokens only, as Table 6 does (1440.0 MB for
+    LLaVA-NeXT-7B's 2880 tokens in fp16).
     """
     from promprune import efficiency
 
-    if pred.visual_tokens is None or pred.failed:
+    if pred.visual_tokens is None or pred.text_tokens is None or pred.failed:
         return pred
     text_config = vlm.model.config.get_text_config()
-    text = text_tokens(vlm, pred.prompt)
     return dataclasses.replace(
-        pred, text_tokens=text,
-        prefill_flops=float(efficiency.prefill_flops(text_config, int(pred.visual_tokens) + text)),
+        pred, prefill_flops=float(efficiency.prefill_flops(text_config, int(pred.visual_tokens) + pred.text_tokens)),
         kv_cache_bytes=float(efficiency.kv_cache_bytes(text_config, int(pred.visual_tokens), vlm.model.dtype)))
-
-
-def text_tokens(vlm, prompt: str) -> int:
-    """Tokens of the chat-templated prompt other than image placeholders (which become the visual tokens)."""
-    ids = vlm.processor.tokenizer(vlm.conversation(prompt), add_special_tokens=False)["input_ids"]
-    config = vlm.model.config
-    image_id = getattr(config, "image_token_id", None)
-    if image_id is None:
-        image_id = getattr(config, "image_token_index", None)
-    return sum(1 for i in ids if i != image_id)
 
 
 def cluster_gpus() -> float:

@@ -195,12 +195,23 @@ class PrunedVLM:
         with _Timer(self.model, self.device) as timer, pruner:
             out = self.model.generate(**prep.model_kwargs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
+        stats = [{**s, "text_tokens": n} for s, n in zip(stats, self._text_tokens(prep.model_kwargs))]
         new = out[:, prep.model_kwargs["input_ids"].shape[1]:]
         texts = self.processor.batch_decode(new, skip_special_tokens=True)
         times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=timer.prefill_ms,
                      decode_ms=timer.decode_ms)
         return [Generation(text=t.strip(), **s, **times, token_ids=row.tolist())
                 for t, s, row in zip(texts, stats, new)]
+
+    def _text_tokens(self, model_kwargs: dict) -> list[int]:
+        """Per row, the prompt tokens the LLM reads that are not visual placeholders: what the processor built (chat
+        template, question, and anything it inserts around images or frames), padding excluded."""
+        ids, mask = model_kwargs["input_ids"], model_kwargs["attention_mask"]
+        config = self.model.config
+        placeholders = {getattr(config, name, None)
+                        for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index")}
+        visual = torch.isin(ids, torch.tensor(sorted(p for p in placeholders if p is not None), device=ids.device))
+        return (mask.bool() & ~visual).sum(dim=1).tolist()
 
     def _candidates(self, item):
         """The tokens the budget mode selects among: LLaVA-NeXT's whole view grids ("view_quota"), its packed

@@ -42,6 +42,25 @@ def test_video_requests_survive_arrow(rows):
     assert [r.video for r in back] == [r.video for r in rows]
 
 
+def test_video_prefill_flops_count_the_text_the_llm_read(rows):
+    """A video sample's prefill FLOPs (the actors' add_efficiency) count the visual tokens kept plus the text tokens
+    of the prompt the processor built, Qwen3-VL's per-frame timestamps included (counted here from the processor's
+    own output, the clip given as the request carries it)."""
+    from pipelines.run.pool import add_efficiency
+    from promprune.efficiency import prefill_flops
+    from promprune.models.video import inputs as video_inputs
+
+    vlm = PrunedVLM.from_pretrained("tiny:qwen3_vl", method="promprune", budget=8)
+    preds = [add_efficiency(vlm, p) for p in run_requests(vlm, rows[:2], batch_size=2)]
+    clips = [Clip.from_bytes(r.video) for r in rows[:2]]
+    batch = video_inputs(vlm, [c.frames for c in clips], [r.prompt for r in rows[:2]], clips[0].fps)
+    video_id = vlm.model.config.video_token_id
+    text = ((batch["attention_mask"] == 1) & (batch["input_ids"] != video_id)).sum(1).tolist()
+    assert [p.text_tokens for p in preds] == text
+    config = vlm.model.config.get_text_config()
+    assert [p.prefill_flops for p in preds] == [float(prefill_flops(config, 8 + t)) for t in text]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava_onevision"])
 def test_video_task_matches_lmms_eval_evaluator(arch, rows):

@@ -18,6 +18,7 @@ def test_unpruned_generates_plain_tokens(arch, images, prompts):
     assert [g.token_ids for g in got] == expected
     n_image = (inputs["input_ids"] == model.config.image_token_id).sum(1).tolist()
     assert [g.visual_tokens for g in got] == n_image
+    assert [g.text_tokens for g in got] == (inputs["attention_mask"].sum(1) - torch.tensor(n_image)).tolist()
 
 
 def unpruned_logits(model, processor, images, prompts):

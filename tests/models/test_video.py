@@ -130,6 +130,20 @@ def test_unpruned_matches_plain_generate(arch, clips):
     assert [g.token_ids for g in got] == ref
     video_id = tiny_vlm(arch)[0].config.video_token_id
     assert [g.visual_tokens for g in got] == (inputs["input_ids"] == video_id).sum(1).tolist()
+    # text tokens: what the processor built, minus the placeholders and padding (Qwen3-VL: with its timestamps)
+    text = ((inputs["attention_mask"] == 1) & (inputs["input_ids"] != video_id)).sum(1).tolist()
+    assert [g.text_tokens for g in got] == text
+
+
+def test_qwen3_video_text_tokens_count_the_frame_timestamps(clips):
+    """Qwen3-VL's processor writes a timestamp before every temporal patch: the text the LLM reads is longer than
+    the image conversation's template (which the pipeline once counted, so a video's prefill FLOPs missed them)."""
+    vlm = vlm_for("qwen3_vl")
+    got = vlm.generate_video(clips, PROMPTS, max_new_tokens=1)
+    tok, image_id = vlm.processor.tokenizer, vlm.model.config.image_token_id
+    template = [sum(i != image_id for i in tok(vlm.conversation(p), add_special_tokens=False)["input_ids"])
+                for p in PROMPTS]
+    assert all(g.text_tokens > t for g, t in zip(got, template))
 
 
 @pytest.mark.parametrize("arch", VIDEO_ARCHS)
@@ -160,6 +174,8 @@ def test_exact_visual_token_counts(arch, video_budget, method, clips):
     vlm = vlm_for(arch, method, 10, video_budget=video_budget)
     out = vlm.generate_video(clips, PROMPTS, max_new_tokens=1)
     assert [g.visual_tokens for g in out] == [10, 10]
+    unpruned = vlm_for(arch).generate_video(clips, PROMPTS, max_new_tokens=1)
+    assert [g.text_tokens for g in out] == [g.text_tokens for g in unpruned]  # pruning removes visual tokens only
     prep = vlm.prepare_video(clips, PROMPTS)
     video_id = vlm.model.config.video_token_id
     assert (prep.model_kwargs["input_ids"] == video_id).sum(1).tolist() == [10, 10]
