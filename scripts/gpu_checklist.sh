@@ -23,8 +23,10 @@
 #   2. carry [".whl2"]              bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
 #      (installing the last batch checks every requirement against the versions there: install.log)
 #   3. carry []                     bash scripts/gpu_checklist.sh scaling                                      ~7 min
-#      (SCALING_GPUS="4 8" by default; the 1-GPU point, ~6 min more, in a 4th call if time is left:
+#      (SCALING_GPUS="4 8" by default; the 1-GPU point, ~6 min more, in a later call if time is left:
 #       SCALING_GPUS=1 SCALING_SHELL=arithmetic bash scripts/gpu_checklist.sh scaling)
+#   4. carry []                     bash scripts/gpu_checklist.sh shapes                                       ~6 min
+#      (efficiency at LLaVA-1.5, Qwen2.5-VL and issue 26's Qwen3-VL-8B, OneVision-7B, InternVL3-8B shapes)
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
 # this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2"] `--install-batch 2 ...`.
 # At most 8 files come back per call: call 2 writes 7 (install, sweep and table6-pipeline logs, their GPU-utilization
@@ -190,7 +192,12 @@ PY
       python3 benchmarks/efficiency.py --model shape:llava_1_5_7b --dtype float16 --device cuda --skip-analytic \
         --budgets none,64 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8
       python3 benchmarks/efficiency.py --model shape:qwen2_5_vl_7b --dtype bfloat16 --device cuda --skip-analytic \
-        --budgets none,128 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8 ;;
+        --budgets none,128 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8
+      # issue 26's models (needs batch 1: transformers 5.23)
+      for m in qwen3_vl_8b:bfloat16:128 llava_onevision_7b:float16:320 internvl3_8b:bfloat16:64; do
+        IFS=: read -r name dt budget <<< "$m"
+        python3 benchmarks/efficiency.py --model shape:$name --dtype $dt --device cuda --skip-analytic \
+          --budgets none,$budget --methods divprune,promprune --repeats 5 --max-new-tokens 8; done ;;
     sweep)  # the quickstart (testbed) sweep, its actors on the GPU
       pipeline_sweep quickstart --config sweeps/quickstart.yaml ${SWEEP_SET:-} ;;
     table6-pipeline)  # Table 6 through the pipeline: random LLaVA-NeXT-7B weights, easy-vqa yes/no for POPE
