@@ -56,6 +56,7 @@ class EvalConfig:
     options: dict = field(default_factory=dict)  # method options (mu, tau, diversity, ...)
     tasks: list = field(default_factory=lambda: ["easyvqa_yesno", "easyvqa_open"])  # the offline benchmarks
     limit: int | None = None  # per-task sample cap
+    video_frames: int = 8  # frames sampled from each clip of a video task (promprune.models.video.DEFAULT_FRAMES)
     generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: the task's own
     resources: Resources = field(default_factory=Resources)  # actors, GPUs and CPUs per actor, batch size, wait
     progress_bars: bool = True  # kept for callers; the pool prints no bars (sweeps print one line per trial)
@@ -89,7 +90,8 @@ def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, r
     """Requests (built here unless given) -> predictions on a pool of actors (a sweep's `pool`, or one of its
     own) -> scores (once, centrally) -> metrics: one `TrialResult`."""
     if rows is None:
-        rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size)
+        rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size,
+                                      video_frames=cfg.video_frames)
     result = TrialResult.scored(predict(cfg, rows, run_fn=run_fn, pool=pool), score_fn, bootstrap=cfg.bootstrap)
     timeline.mark("trial_scored", "trial")
     return result
@@ -110,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="method option, value parsed as YAML (repeatable), e.g. --option mu=0.4")
     p.add_argument("--tasks", nargs="+", default=["easyvqa_yesno", "easyvqa_open"])
     p.add_argument("--limit", type=int, default=8, help="samples per task (default 8: a smoke run)")
+    p.add_argument("--video-frames", type=int, default=8,
+                   help="frames sampled uniformly from each clip of a video task (default 8)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="auto")
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         errors.append(f"method: {exc}")
     errors += preflight.check_tasks(args.tasks, args.limit)
+    if args.video_frames < 1:
+        errors.append(f"--video-frames: expected an int >= 1, got {args.video_frames}")
     errors += preflight.check_judges(args.tasks)
     errors += preflight.check_model(args.model, {}, {"this evaluation": args.budget} if args.budget else {})
     if not args.no_mlflow:
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     cfg = EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
-                     generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
+                     video_frames=args.video_frames, generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
                      resources=Resources(workers=args.workers, batch_size=args.batch_size))
     try:
         connect(args.address)

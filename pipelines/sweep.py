@@ -170,7 +170,8 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
         f"{plan.in_flight} trial(s) at once ({plan.workers} per trial), {plan.cluster_gpus:g} GPU(s)")
     t0 = time.perf_counter()
     rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
-                                                                spec.resources.batch_size)
+                                                                spec.resources.batch_size,
+                                                                video_frames=spec.video_frames)
     n_rows = len(rows.keys) if isinstance(rows, Requests) else len(rows)
     say(f"{n_rows} request rows built once for all trials ({time.perf_counter() - t0:.1f}s)")
     timeline.mark("rows_built", "driver")
@@ -264,7 +265,8 @@ def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: Pl
 
 def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn,
                pool: PredictorPool | None = None):
-    settings = dict(tasks=spec.tasks, limit=spec.limit, generation=spec.generation, progress_bars=False,
+    settings = dict(tasks=spec.tasks, limit=spec.limit, video_frames=spec.video_frames,
+                    generation=spec.generation, progress_bars=False,
                     bootstrap=spec.bootstrap,
                     resources=dataclasses.replace(spec.resources, workers=plan.workers))
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn, pool=pool)

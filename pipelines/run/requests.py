@@ -15,14 +15,17 @@ from promprune.records import Request, from_arrow, to_arrow
 
 
 def build_rows(tasks: list[str], limit: int | None, generation: dict,
-               shard: tuple[int, int] | None = None, contiguous: bool = False) -> list[Request]:
-    """Requests from the eval bridge, with the spec's generation kwargs laid over each task's own.
+               shard: tuple[int, int] | None = None, contiguous: bool = False,
+               video_frames: int | None = None) -> list[Request]:
+    """Requests from the eval bridge, with the spec's generation kwargs laid over each task's own; a video task's
+    clips sampled to `video_frames` frames (None: the bridge's default).
 
     shard=(i, k): every k-th document from the i-th, or with `contiguous` the i-th of k consecutive runs (the union
     of the k shards is the full set either way)."""
     from promprune.eval import build_requests
 
-    rows = build_requests(tasks, limit=limit, shard=shard, contiguous=contiguous)
+    frames = {} if video_frames is None else {"video_frames": video_frames}
+    rows = build_requests(tasks, limit=limit, shard=shard, contiguous=contiguous, **frames)
     for row in rows:
         row.gen_kwargs = {**row.gen_kwargs, **generation}
     return rows
@@ -90,7 +93,7 @@ def requests_dataset(rows: list[Request], batch_size: int) -> Requests:
 
 
 def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict, batch_size: int,
-                           shards: int | None = None) -> Requests:
+                           shards: int | None = None, video_frames: int | None = None) -> Requests:
     """Rows built on the driver (small evaluations) or in `shards` parallel Ray tasks (large benchmarks: VQAv2's
     214k questions never sit in driver memory); either way stored once in the object store, each distinct image
     once per block.
@@ -103,8 +106,9 @@ def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict
         small = limit is not None and limit * len(tasks) <= DRIVER_BUILD_MAX_ROWS
         shards = 1 if small else max(2, int(ray.cluster_resources().get("CPU", 2)))
     if shards == 1:
-        return requests_dataset(build_rows(tasks, limit, generation), batch_size)
-    calls = [_build_shard.remote(tasks, limit, generation, (i, shards), batch_size) for i in range(shards)]
+        return requests_dataset(build_rows(tasks, limit, generation, video_frames=video_frames), batch_size)
+    calls = [_build_shard.remote(tasks, limit, generation, (i, shards), batch_size, video_frames)
+             for i in range(shards)]
     streamed = [list(call) for call in calls]  # streamed blocks are owned here: they outlive their task
     blocks = [ref for refs in streamed for ref in refs[:-1]]
     keys = [k for ks in ray.get([refs[-1] for refs in streamed]) for k in ks]  # each shard's last item: its keys
@@ -112,9 +116,10 @@ def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict
 
 
 @ray.remote(num_returns="streaming")
-def _build_shard(tasks: list[str], limit: int | None, generation: dict, shard: tuple[int, int], batch_size: int):
+def _build_shard(tasks: list[str], limit: int | None, generation: dict, shard: tuple[int, int], batch_size: int,
+                 video_frames: int | None):
     """One shard's requests, yielded block by block, then the list of their keys."""
-    rows = build_rows(tasks, limit, generation, shard=shard, contiguous=True)
+    rows = build_rows(tasks, limit, generation, shard=shard, contiguous=True, video_frames=video_frames)
     for block in request_blocks(rows, batch_size):
         yield block  # (not `yield from`: Ray's streaming generator sends into it)
     yield [r.key for r in rows]

@@ -196,6 +196,9 @@ class SweepSpec:
     # per-task sample cap; None: the full benchmark
     limit: Annotated[Annotated[StrictInt, Field(ge=1)] | None, expect("an int >= 1 or null")] = None
     baseline: Annotated[bool, Field(strict=True), expect("bool")] = True  # also run the unpruned model once
+    # frames sampled uniformly from each clip of a video task (image tasks ignore it; promprune.models.video's
+    # DEFAULT_FRAMES, written out so validating a spec imports no torch)
+    video_frames: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 8
     # resamples for 95% confidence intervals of each task's primary metrics; 0: none
     bootstrap: Annotated[StrictInt, Field(ge=0, le=100_000), AfterValidator(_bootstrap),
                          expect("0 (no confidence intervals) or a number of resamples in 100..100000")] = 0

@@ -57,6 +57,17 @@ def _budget(value):
     return int(number)
 
 
+def _video_frames(value) -> int:
+    """model_args ``video_frames`` (a string from lmms-eval's CLI): a positive int; None: the default."""
+    from promprune.models.video import DEFAULT_FRAMES
+
+    if value is None:
+        return DEFAULT_FRAMES
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+        raise ValueError(f"model_args video_frames={value!r} must be a positive integer")
+    return int(value)
+
+
 class PromPruneLMM(lmms):
     """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image, or one video file, and one question
     per request).
@@ -79,6 +90,7 @@ class PromPruneLMM(lmms):
         batch_size: int | str = 1,
         vlm=None,
         max_batch_size: int | None = None,  # passed by lmms-eval's CLI; unused (no automatic batch sizing)
+        video_frames: int | str | None = None,  # frames sampled from each clip of a video task (default 8)
         **method_options,
     ) -> None:
         super().__init__()
@@ -97,6 +109,7 @@ class PromPruneLMM(lmms):
             raise ValueError("pass either vlm= or pretrained= and method options, not both")
         self.vlm = vlm
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
+        self.video_frames = _video_frames(video_frames)
         self.failures: list[tuple[str, int, str]] = []
 
     def _item(self, request: Instance) -> Item:
@@ -109,7 +122,7 @@ class PromPruneLMM(lmms):
             if len(visuals) != 1:
                 raise ValueError(f"{name}: expected exactly one image, the task gives {len(visuals)}")
             if is_video_path(visuals[0]):  # a video task: frames sampled from the file (PrunedVLM.generate_video)
-                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visuals[0])))
+                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visuals[0], self.video_frames)))
             return Item(context, decode_image(visuals[0], name), dict(gen_kwargs))
         except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
             return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}")

@@ -15,6 +15,7 @@ import warnings
 
 from promprune.eval.generation import Item, decode_image, generate_items, image_to_png
 from promprune.eval.tasks import check_limit, judge_skip_reason, load_task
+from promprune.models.video import DEFAULT_FRAMES
 from promprune.records import Prediction, Request
 
 log = logging.getLogger(__name__)
@@ -48,19 +49,19 @@ def _visuals(doc_to_visual, doc, name: str) -> tuple[list | None, str | None]:
     return visuals, None
 
 
-def _clip_of(doc_to_visual, doc, name: str) -> tuple[bytes | None, str | None]:
-    """(the clip's bytes, None) of a video task's doc (its visual a video file's path: ``DEFAULT_FRAMES`` frames
-    sampled uniformly, :func:`promprune.models.video.decode_video`), or (None, reason)."""
+def _clip_of(doc_to_visual, doc, name: str, frames: int) -> tuple[bytes | None, str | None]:
+    """(the clip's bytes, None) of a video task's doc (its visual a video file's path: ``frames`` frames sampled
+    uniformly, :func:`promprune.models.video.decode_video`), or (None, reason)."""
     from promprune.models.video import Clip, decode_video
 
     visuals, error = _visuals(doc_to_visual, doc, name)
     if error:
         return None, error
     try:
-        frames, fps = decode_video(visuals[0])
+        sampled, fps = decode_video(visuals[0], frames)
     except Exception as exc:  # noqa: BLE001 - PyAV raises many types for missing / broken files
         return None, f"{name}: unreadable video {visuals[0]} ({type(exc).__name__}: {exc})"
-    return Clip(frames, fps).to_bytes(), None
+    return Clip(sampled, fps).to_bytes(), None
 
 
 def _is_video_task(doc_to_visual, doc) -> bool:
@@ -83,7 +84,7 @@ def image_key(image) -> str:
 
 
 def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int], contiguous: bool,
-               pngs: dict[str, bytes]) -> list[Request]:
+               pngs: dict[str, bytes], video_frames: int) -> list[Request]:
     task = load_task(name, include_path)
     task.build_all_requests(limit=limit, rank=0, world_size=1)  # prompts only: cheap; images are encoded below
     instances = task.instances
@@ -98,7 +99,7 @@ def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int
         context, gen_kwargs, doc_to_visual, doc_id, task_name, split = inst.args
         doc, name = task.dataset[split][doc_id], f"{task_name} doc {doc_id}"
         if video:  # the sampled frames travel in the row (each clip once: no shared key)
-            clip, error = _clip_of(doc_to_visual, doc, name)
+            clip, error = _clip_of(doc_to_visual, doc, name, video_frames)
             image, key = None, None
         else:
             clip, (image, key, error) = None, _image_of(doc_to_visual, doc, name, pngs)
@@ -126,6 +127,7 @@ def build_requests(
     include_path: str | list[str] | None = None,
     shard: tuple[int, int] | None = None,
     contiguous: bool = False,
+    video_frames: int = DEFAULT_FRAMES,
 ) -> list[Request]:
     """Requests for the first ``limit`` documents (all when None) of each task, in task then doc order.
 
@@ -136,6 +138,7 @@ def build_requests(
     large benchmarks (VQAv2-val: 214k questions) can be built in parallel pieces instead of all in driver memory;
     the union of the k shards is exactly the unsharded result. ``contiguous=True``: the i-th of k consecutive runs of
     documents instead (the questions of one image, usually neighbours, then land in one shard).
+    ``video_frames``: frames sampled uniformly from each clip of a video task (MVBench, ...); image tasks ignore it.
 
     Each distinct image is encoded once: requests about the same picture share its PNG bytes (the same object) and
     its ``image_key``, which :func:`pack_requests` uses to store it once per block.
@@ -144,6 +147,8 @@ def build_requests(
         raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+    if isinstance(video_frames, bool) or not isinstance(video_frames, int) or video_frames < 1:
+        raise ValueError(f"video_frames must be a positive int, got {video_frames!r}")
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks lists a task twice: {tasks}")
     shard = _check_shard(shard)
@@ -158,7 +163,7 @@ def build_requests(
             warnings.warn(reason, stacklevel=2)
             log.warning(reason)
             continue
-        rows.extend(_task_rows(name, limit, include_path, shard, contiguous, pngs))
+        rows.extend(_task_rows(name, limit, include_path, shard, contiguous, pngs, video_frames))
     return rows
 
 

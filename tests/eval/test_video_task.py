@@ -36,6 +36,23 @@ def test_requests_carry_the_sampled_clip(rows):
     assert direction(3, -1) == "right" and direction(0, -2) == "up" and direction(2, -2) is None
 
 
+def test_video_frames_sets_how_many_frames_each_clip_carries():
+    """``video_frames`` samples that many frames from each document's file (as decode_video does), and the lmms-eval
+    plugin's ``video_frames`` model_arg is read the same way; a count below 1 is refused by name."""
+    from promprune.eval.lmms_plugin import _video_frames
+
+    docs = load_task(TASK).dataset["test"]
+    four = build_requests([TASK], limit=2, video_frames=4)
+    for row in four:
+        frames, _ = decode_video(docs[row.doc_id]["video"], 4)
+        assert np.array_equal(Clip.from_bytes(row.video).frames, frames) and len(frames) == 4
+    with pytest.raises(ValueError, match="video_frames must be a positive int, got 0"):
+        build_requests([TASK], limit=2, video_frames=0)
+    assert _video_frames(None) == DEFAULT_FRAMES and _video_frames("4") == 4
+    with pytest.raises(ValueError, match="video_frames='0' must be a positive integer"):
+        _video_frames("0")
+
+
 def test_video_requests_survive_arrow(rows):
     assert "video" in arrow_schema(Request).names and "video" not in arrow_schema(Prediction).names
     back = from_arrow(to_arrow(rows, Request), Request)

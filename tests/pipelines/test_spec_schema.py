@@ -124,3 +124,12 @@ def test_an_explicit_trial_option_its_method_does_not_take_is_refused_not_droppe
         "trials[2].options: promprune takes no option 'options'" + err.value.errors[2].split("'options'", 1)[1],
     ]
     assert "did you mean" not in err.value.errors[0]
+
+
+def test_video_frames_defaults_to_the_bridge_and_refuses_non_positive_counts():
+    from promprune.models.video import DEFAULT_FRAMES
+
+    assert specs.parse(BASE).video_frames == DEFAULT_FRAMES
+    assert specs.parse({**BASE, "video_frames": 32}).video_frames == 32
+    assert problems(video_frames=0) == ["video_frames: expected an int >= 1, got 0"]
+    assert problems(video_frames="16") == ["video_frames: expected an int >= 1, got '16'"]
