@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     cfg = EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
-                     video_frames=args.video_frames, generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
+                     video_frames=args.video_frames,
+                     generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
                      resources=Resources(workers=args.workers, batch_size=args.batch_size))
     try:
         connect(args.address)
