@@ -200,3 +200,11 @@ def test_cli_rejects_a_bad_spec_before_starting_ray(tmp_path):
     assert "tune.serach: unknown field (did you mean 'search'?)" in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_evaluate_cli_refuses_a_bad_video_frames_before_starting_ray(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "pipelines" / "evaluate.py"), "--video-frames", "0",
+                           "--no-mlflow"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "--video-frames: expected an int >= 1, got 0" in proc.stderr and "Traceback" not in proc.stderr
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
