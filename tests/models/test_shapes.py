@@ -98,3 +98,19 @@ def test_table6_from_the_shipped_llava_next_config():
     assert float(f"{prefill_flops(text, 320 + 62) / 1e12:.3g}") == 5.02
     assert kv_cache_bytes(text, 2880, torch.float16) / MIB == 1440.0
     assert kv_cache_bytes(text, 320, "fp16") / MIB == 160.0
+
+
+def test_onevision_vision_side_is_transformers_own_default_for_the_7b():
+    """LlavaOnevisionConfig's defaults are documented as llava-onevision-qwen2-7b-ov-hf's: our from-memory vision
+    tower, pinpoints and feature settings must equal them (an independent source for the part that sets the visual
+    token counts; the text side's defaults are Qwen2's generic ones, not the 7B's)."""
+    from transformers import LlavaOnevisionConfig
+
+    default, ours = LlavaOnevisionConfig(), shape_spec("llava_onevision_7b")
+    assert "llava-onevision-qwen2-7b-ov-hf" in LlavaOnevisionConfig.__doc__
+    vision = default.vision_config.to_dict()
+    assert {k: vision[k] for k in ours["vision_config"] if k in vision} == \
+        {k: v for k, v in ours["vision_config"].items() if k in vision}
+    for key in ("image_grid_pinpoints", "vision_feature_layer", "vision_feature_select_strategy",
+                "vision_aspect_ratio"):
+        assert getattr(default, key) == ours[key], key
