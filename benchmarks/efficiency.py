@@ -78,6 +78,7 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
     median = lambda values: statistics.median(values)  # noqa: E731
     return {
         "visual_tokens": median([g.visual_tokens for gens, _ in runs for g in gens]),
+        "text_tokens": median([g.text_tokens for gens, _ in runs for g in gens]),
         "vision_ms": median([gens[0].vision_ms for gens, _ in runs]),
         "select_ms": median([gens[0].select_ms for gens, _ in runs]),
         "prefill_ms": median([gens[0].prefill_ms for gens, _ in runs]),
@@ -104,7 +105,6 @@ def measured(args) -> None:
     text_config = base.model.config.text_config
     images = sample_images(args.batch)
     prompt = "Describe the image briefly."
-    n_text = len(base.processor.tokenizer(base.conversation(prompt)).input_ids)  # placeholders included, see below
     device = base.model.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"## Measured: {args.model}, batch {args.batch}, {args.repeats} repeats, device {device} ({name}), "
@@ -115,16 +115,15 @@ def measured(args) -> None:
     for method, budget in _arms(args):
         vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget, **options)
         m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
-        n_vis = int(m["visual_tokens"])
-        # the tokenized conversation holds one placeholder per image before expansion; the LLM sees n_vis instead
-        tflops = prefill_flops(text_config, n_vis + n_text - 1) / 1e12
+        n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read
+        tflops = prefill_flops(text_config, n_vis + n_text) / 1e12
         kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
         total = m["vision_ms"] + m["select_ms"] + m["prefill_ms"]  # Table 6's prefill: vision + selection + LLM
         print(f"| {method or 'unpruned'} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | "
               f"{m['vision_ms']:.1f} | {m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {total:.1f} | "
               f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
-    print(f"\ntext tokens per prompt: {n_text - 1} (placeholder excluded); timings are medians per batch of "
-          f"{args.batch}; peak GB is the allocator's high-water mark (GiB) on a GPU, peak RSS on CPU")
+    print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); "
+          f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a GPU, peak RSS on CPU")
     print()
 
 
