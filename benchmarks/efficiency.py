@@ -123,7 +123,8 @@ def measured(args) -> None:
               f"{m['vision_ms']:.1f} | {m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {total:.1f} | "
               f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
     print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); "
-          f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a GPU, peak RSS on CPU")
+          f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a "
+          "GPU, peak RSS on CPU")
     print()
 
 
