@@ -19,6 +19,10 @@ a pretrained CLIP tower:
    tokens and EOS, prompts built exactly as :meth:`PrunedVLM.generate` builds them; the first quarter of the steps
    on scenes of 1-4 objects (a curriculum).
 
+``turns`` and ``scene_targets`` (``python -m promprune.testbed.shipped --turns 8 --scene-targets present,count
+--vision-steps 2400 --steps 3000``) reproduce the v3 candidate: multi-turn supervision, a tower trained on fewer scene
+targets; measured and not shipped (docs/testbed.md).
+
 v1 (500 + 1,200 steps, local patch targets only) learned to count, by the share of object tokens, and nothing else
 (docs/testbed.md). One torch thread: the same weights on machines of one CPU type (not across CPU types).
 """
@@ -56,6 +60,9 @@ THREADS = 1  # torch threads while training: the same weights on every machine
 POST_PROMPTS = {"exist": "\nAnswer with yes or no.", "relation": "\nAnswer with yes or no.",
                 "count": "\nAnswer with a number.", "attribute": "\nAnswer with one word."}
 FAMILY_WEIGHTS = {"exist": 0.25, "count": 0.25, "attribute": 0.25, "relation": 0.25}  # v2: evenly
+TURNS = 1  # questions per scene in one training sequence (> 1: a multi-turn conversation; tried for v3, not shipped)
+# what every patch token is trained to carry about the whole scene (v2: all five; the v3 candidate: present, count)
+SCENE_TARGETS = ("present", "count", "region_color", "region_shape", "position")
 GRID = testbed_model.IMAGE_SIZE // testbed_model.PATCH  # 12 patches per side
 
 
@@ -133,11 +140,15 @@ class AuxHeads(torch.nn.Module):
       saliency, pick out objects).
     """
 
-    def __init__(self, width: int, context: bool = True):
+    def __init__(self, width: int, context: bool = True, targets=SCENE_TARGETS):
         super().__init__()
         k, n, regions = len(scenes.KINDS), scenes.MAX_OBJECTS, len(scenes.REGIONS)
-        self.sizes = {"present": k, "count": n, "region_color": regions * (1 + len(scenes.COLORS)),
-                      "region_shape": regions * (1 + len(scenes.SHAPES)), "position": 2 * k}
+        sizes = {"present": k, "count": n, "region_color": regions * (1 + len(scenes.COLORS)),
+                 "region_shape": regions * (1 + len(scenes.SHAPES)), "position": 2 * k}
+        unknown = set(targets) - set(sizes) or not {"present", "count"} <= set(targets)
+        if unknown:
+            raise ValueError(f"scene targets {tuple(targets)}: need present and count, from {', '.join(sizes)}")
+        self.sizes = {name: sizes[name] for name in sizes if name in targets}
         self.context = context
         self.patch = torch.nn.Linear(width, 1 + k)
         self.scene = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, sum(self.sizes.values())))
@@ -154,9 +165,13 @@ class AuxHeads(torch.nn.Module):
         loss = loss + f.cross_entropy(parts["count"].flatten(0, 1), each(targets["count"]).flatten())
         regions = len(scenes.REGIONS)
         for name in ("region_color", "region_shape"):
-            loss = loss + f.cross_entropy(parts[name].reshape(b * p * regions, -1), each(targets[name]).flatten())
-        error = (parts["position"].view(b, p, -1, 2) - each(targets["position"])).pow(2).sum(-1)  # [B, P, K]
-        return loss + 20 * (error * present).sum() / present.sum().clamp(min=1)
+            if name in parts:
+                loss = loss + f.cross_entropy(parts[name].reshape(b * p * regions, -1),
+                                              each(targets[name]).flatten())
+        if "position" in parts:
+            error = (parts["position"].view(b, p, -1, 2) - each(targets["position"])).pow(2).sum(-1)  # [B, P, K]
+            loss = loss + 20 * (error * present).sum() / present.sum().clamp(min=1)
+        return loss
 
     def loss(self, vision_out, batch_scenes) -> torch.Tensor:
         f = torch.nn.functional
@@ -177,11 +192,53 @@ def _prompts(drawn) -> tuple[list, list, list]:
             [q.answer for _, q in drawn])
 
 
+def conversation(index: int, rng: random.Random, turns: int, max_objects: int | None = None):
+    """Train scene ``index`` and ``turns`` questions about it, the families in turn (a family with nothing to ask
+    about the scene asks a count), in a random order; ``max_objects`` as in :func:`example`."""
+    k = None if max_objects is None else 1 + index % max_objects
+    scene = scenes.make_scene("train", index, num_objects=k)
+    families = list(FAMILY_WEIGHTS)
+    asked = [rng.choice(scenes.questions(scene, families[t % len(families)]) or scenes.questions(scene, "count"))
+             for t in range(turns)]
+    rng.shuffle(asked)
+    return scene, asked
+
+
+def teacher_forcing_turns(vlm, drawn):
+    """Teacher forcing over multi-turn conversations (recipe v3): row ``i`` is scene ``i``'s first question exactly as
+    :meth:`PrunedVLM.generate` prompts it, its answer and EOS, then each further question as the chat template
+    continues a conversation (``USER: q ASSISTANT:``) with its answer and EOS; every answer and EOS is labelled.
+    Left-padded like the prompts, positions from the mask. ``drawn``: [(scene, [questions])]."""
+    tok = vlm.processor.tokenizer
+    first = [(s, qs[0]) for s, qs in drawn]
+    kwargs, labels = common.teacher_forcing(vlm, *_prompts(first))
+    rows = []
+    for row, (_, asked) in enumerate(drawn):
+        keep = kwargs["attention_mask"][row].bool()
+        ids, lab = kwargs["input_ids"][row][keep].tolist(), labels[row][keep].tolist()
+        for q in asked[1:]:
+            turn = tok(f"USER: {q.question}{POST_PROMPTS[q.family]} ASSISTANT:", add_special_tokens=False)["input_ids"]
+            answer = tok(q.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids, lab = ids + turn + answer, lab + [-100] * len(turn) + answer
+        rows.append((ids, lab))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    out_labels = torch.full_like(input_ids, -100)
+    for row, (ids, lab) in enumerate(rows):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+        out_labels[row, width - len(ids):] = torch.tensor(lab)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                pixel_values=kwargs["pixel_values"]), out_labels
+
+
 def recipe() -> dict:
     """The recipe's hyper-parameters (what :func:`train` uses by default; recorded with the shipped weights)."""
     return {"vision_steps": VISION_STEPS, "vision_batch_size": VISION_BATCH_SIZE, "align_steps": ALIGN_STEPS,
-            "steps": STEPS, "batch_size": BATCH_SIZE, "curriculum": CURRICULUM, "lr": LR, "seed": SEED,
-            "threads": THREADS, "family_weights": FAMILY_WEIGHTS}
+            "steps": STEPS, "batch_size": BATCH_SIZE, "turns": TURNS, "scene_targets": list(SCENE_TARGETS),
+            "curriculum": CURRICULUM, "lr": LR, "seed": SEED, "threads": THREADS, "family_weights": FAMILY_WEIGHTS}
 
 
 def align_loss(model, vision_out, batch_scenes) -> torch.Tensor:
@@ -210,7 +267,7 @@ def _WORD_IDS() -> dict[str, int]:  # noqa: N802 - a constant, computed once
 def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: int = BATCH_SIZE,
           vision_batch_size: int = VISION_BATCH_SIZE, align_steps: int = ALIGN_STEPS, curriculum: float = CURRICULUM,
           lr: float = LR, seed: int = SEED, threads: int | None = THREADS, context: bool = True,
-          progress: bool = True, on_step=None):
+          turns: int = TURNS, scene_targets=SCENE_TARGETS, progress: bool = True, on_step=None):
     """Train a fresh testbed VLM; returns ``(model, processor, losses)``. Deterministic for given arguments (CPU).
 
     Three stages, as LLaVA is built on a pretrained CLIP:
@@ -227,7 +284,7 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
     model, processor = testbed_model.untrained()
     vlm = PrunedVLM(model, processor, method=None)
     tower = model.model.vision_tower
-    heads = AuxHeads(model.config.vision_config.hidden_size, context)
+    heads = AuxHeads(model.config.vision_config.hidden_size, context, scene_targets)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
@@ -266,8 +323,13 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
             easy = int(steps * curriculum)
             for step in range(steps):
                 bound = 4 if step < easy else None
-                drawn = [example(offset + step * batch_size + i, rng, bound) for i in range(batch_size)]
-                kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
+                if turns == 1:  # one question per scene (v2)
+                    drawn = [example(offset + step * batch_size + i, rng, bound) for i in range(batch_size)]
+                    kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
+                else:  # a conversation of `turns` questions per scene
+                    drawn = [conversation(offset + step * batch_size + i, rng, turns, bound)
+                             for i in range(batch_size)]
+                    kwargs, labels = teacher_forcing_turns(vlm, drawn)
                 loss = common.lm_loss(model(**kwargs).logits, labels)
                 bar.update(vision_steps + align_steps + step, common.step(loss, params, opt, schedule))
                 hook("llm", step, model)

@@ -80,3 +80,48 @@ def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown testbed arch 'qwen'"):
         PrunedVLM.from_pretrained("testbed:qwen", method=None)
 
+
+
+def test_multi_turn_batch_is_the_chat_template_conversation():
+    """Recipe v3's teacher forcing: each row, unpadded, is the processor's chat template applied to the whole
+    conversation (image, question, answer, question, answer, ...); exactly the answers and their EOS are labelled;
+    the first turn is the prompt generate builds."""
+    import random
+
+    model, processor = testbed_model.untrained()
+    vlm = PrunedVLM(model, processor, method=None)
+    rng = random.Random(0)
+    drawn = [training.conversation(i, rng, 3) for i in range(2)]
+    kwargs, labels = training.teacher_forcing_turns(vlm, drawn)
+    tok = processor.tokenizer
+    for row, (scene, asked) in enumerate(drawn):
+        messages = []
+        for t, q in enumerate(asked):
+            text = {"type": "text", "text": q.question + training.POST_PROMPTS[q.family]}
+            messages += [{"role": "user", "content": [{"type": "image"}, text] if t == 0 else [text]},
+                         {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
+        expected = processor(images=[scenes.render(scene)], text=processor.apply_chat_template(messages),
+                             return_tensors="pt")["input_ids"][0]
+        keep = kwargs["attention_mask"][row].bool()
+        assert kwargs["input_ids"][row][keep].tolist() == expected.tolist()
+        answers = [i for q in asked for i in tok(q.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+        assert [int(i) for i in labels[row] if i != -100] == answers
+        assert kwargs["position_ids"][row][keep].tolist() == list(range(int(keep.sum())))
+    first = vlm.inputs([scenes.render(s) for s, _ in drawn],
+                       [qs[0].question + training.POST_PROMPTS[qs[0].family] for _, qs in drawn])
+    for row in range(2):
+        prompt = first["input_ids"][row][first["attention_mask"][row].bool()].tolist()
+        assert kwargs["input_ids"][row][kwargs["attention_mask"][row].bool()].tolist()[:len(prompt)] == prompt
+
+
+def test_multi_turn_recipe_option_trains_deterministically_and_scene_targets_are_checked():
+    kwargs = dict(vision_steps=3, align_steps=2, steps=3, batch_size=4, vision_batch_size=4, threads=1,
+                  turns=4, scene_targets=("present", "count"), progress=False)
+    model_a, _, losses_a = training.train(**kwargs)
+    model_b, _, losses_b = training.train(**kwargs)
+    assert losses_a == losses_b and len(losses_a) == 8
+    assert all(torch.equal(a, b) for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()))
+    heads = training.AuxHeads(64, targets=("present", "count"))
+    assert list(heads.sizes) == ["present", "count"]
+    with pytest.raises(ValueError, match="need present and count"):
+        training.AuxHeads(64, targets=("present", "colour"))
