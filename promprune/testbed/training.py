@@ -75,11 +75,15 @@ def cache_path() -> Path:
     return cache_dir() / CACHE_NAME
 
 
+def train_scene(index: int, max_objects: int | None = None) -> scenes.Scene:
+    """Train scene ``index``; ``max_objects``: the curriculum's bound (it then holds 1 + index % max_objects)."""
+    return scenes.make_scene("train", index, num_objects=None if max_objects is None else 1 + index % max_objects)
+
+
 def example(index: int, rng: random.Random, max_objects: int | None = None):
-    """Train example ``index``: (scene, question), the family drawn from FAMILY_WEIGHTS (deterministic).
-    ``max_objects``: the curriculum's bound (the scene holds 1 + index % max_objects objects)."""
-    k = None if max_objects is None else 1 + index % max_objects
-    scene = scenes.make_scene("train", index, num_objects=k)
+    """Train example ``index``: (:func:`train_scene`, question), the family drawn from FAMILY_WEIGHTS
+    (deterministic)."""
+    scene = train_scene(index, max_objects)
     families = list(FAMILY_WEIGHTS)
     for family in rng.choices(families, [FAMILY_WEIGHTS[f] for f in families], k=4) + ["count"]:
         found = scenes.questions(scene, family)
@@ -145,8 +149,7 @@ class AuxHeads(torch.nn.Module):
         k, n, regions = len(scenes.KINDS), scenes.MAX_OBJECTS, len(scenes.REGIONS)
         sizes = {"present": k, "count": n, "region_color": regions * (1 + len(scenes.COLORS)),
                  "region_shape": regions * (1 + len(scenes.SHAPES)), "position": 2 * k}
-        unknown = set(targets) - set(sizes) or not {"present", "count"} <= set(targets)
-        if unknown:
+        if not {"present", "count"} <= set(targets) <= set(sizes):
             raise ValueError(f"scene targets {tuple(targets)}: need present and count, from {', '.join(sizes)}")
         self.sizes = {name: sizes[name] for name in sizes if name in targets}
         self.context = context
@@ -194,9 +197,8 @@ def _prompts(drawn) -> tuple[list, list, list]:
 
 def conversation(index: int, rng: random.Random, turns: int, max_objects: int | None = None):
     """Train scene ``index`` and ``turns`` questions about it, the families in turn (a family with nothing to ask
-    about the scene asks a count), in a random order; ``max_objects`` as in :func:`example`."""
-    k = None if max_objects is None else 1 + index % max_objects
-    scene = scenes.make_scene("train", index, num_objects=k)
+    about the scene asks a count), in a random order; ``max_objects`` as in :func:`train_scene`."""
+    scene = train_scene(index, max_objects)
     families = list(FAMILY_WEIGHTS)
     asked = [rng.choice(scenes.questions(scene, families[t % len(families)]) or scenes.questions(scene, "count"))
              for t in range(turns)]

@@ -38,6 +38,11 @@ def prompts():
     return ["What is in the picture?", "Colour?"]
 
 
+def kept_per_view(stats: dict, tokens_per_view: int, views: int) -> list[int]:
+    """How many of a sample's kept grid indices fall in each view (views of ``tokens_per_view`` tokens, in order)."""
+    return torch.bincount(torch.tensor(stats["kept"]) // tokens_per_view, minlength=views).tolist()
+
+
 def plain_generate(model, processor, images, prompts, new_tokens: int):
     """Reference: the processor and model.generate exactly as transformers' docs use them."""
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},

@@ -15,6 +15,8 @@ from promprune.models.batched_select import split_budget
 from promprune.models.tiny import tiny_vlm
 from promprune.selection.controls import pooling_matrix
 
+from .conftest import kept_per_view
+
 
 SIDE, N = 8, 16  # tiny: 32 px tiles of 4 px patches (8x8), pixel-shuffled to 4x4 tokens
 # tiles of the conftest images, hand-worked from the released tiling rule (the grid of at most 12 tiles whose
@@ -89,7 +91,7 @@ def test_budget_modes_over_tiles(mode, images, prompts):
     prep = vlm.prepare(images, prompts)
     for b, item in enumerate(prep.items):
         kept = torch.tensor(prep.stats[b]["kept"])
-        per_tile = torch.bincount(kept // N, minlength=TILES[b]).tolist()
+        per_tile = kept_per_view(prep.stats[b], N, TILES[b])
         if mode == "per_crop":  # 26 over 13 tiles: 2 each; over 3 tiles: 9, 9, 8
             assert per_tile == split_budget(budget, [N] * TILES[b]) == ([2] * 13 if b == 0 else [9, 9, 8])
         elif mode == "global":  # one top-k over every tile's tokens

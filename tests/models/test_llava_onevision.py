@@ -12,7 +12,7 @@ from promprune.models import PrunedVLM
 from promprune.models.batched_select import split_budget
 from promprune.models.tiny import tiny_vlm
 
-from .conftest import make_image
+from .conftest import kept_per_view, make_image
 
 SIDE, N = 4, 16  # tiny: 32 px views of 8 px patches
 
@@ -87,7 +87,7 @@ def test_budget_modes(mode, images, prompts):
     for b, item in enumerate(prep.items):
         kept = torch.tensor(prep.stats[b]["kept"])
         views = int(item.groups.max()) + 1
-        per_view = torch.bincount(kept // N, minlength=views).tolist()
+        per_view = kept_per_view(prep.stats[b], N, views)
         counts = [int((item.groups == v).sum()) for v in range(views)]
         if mode == "per_crop":
             assert per_view == split_budget(budget, counts)
