@@ -66,7 +66,7 @@ class Heads(torch.nn.Module):
         count = torch.tensor([s.num_objects - 1 for s in batch])
         if self.count_context:
             loss = loss + F.cross_entropy(self.count(p).flatten(0, 1), count.repeat_interleave(144))
-        present = torch.stack([training.scene_targets(s)["present"] for s in batch])
+        present = torch.stack([training.present_kinds(s) for s in batch])
         c = self.cls(out.last_hidden_state[:, 0])
         return loss + F.binary_cross_entropy_with_logits(c[:, :K], present) + F.cross_entropy(c[:, K:], count)
 

@@ -5,7 +5,9 @@ Two stages, run separately so one tower serves several LLM experiments:
     python scripts/testbed_v5_probe.py tower --steps 4000 --save /tmp/v5/tower64.pt
     python scripts/testbed_v5_probe.py llm --tower /tmp/v5/tower64.pt --steps 3000
 
-An experiment, not the recipe: what works here moves into promprune/testbed/training.py.
+An experiment, not the recipe: what worked here (the tower stage and the LLM stage with --gather --probe
+--sink-after) is recipe v5 in promprune/testbed/training.py. The multi-turn (--turns) and curriculum (--curriculum)
+options the L2 run used went with v2's code; they are in this file's git history.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ class Heads(torch.nn.Module):
         loss = loss + 20 * ((self.where(p) - where).pow(2).sum(-1) * m).sum() / m.sum().clamp(min=1)
         count = torch.tensor([s.num_objects - 1 for s in batch])
         loss = loss + F.cross_entropy(self.count(p).flatten(0, 1), count.repeat_interleave(144))
-        present = torch.stack([training.scene_targets(s)["present"] for s in batch])
+        present = torch.stack([training.present_kinds(s) for s in batch])
         c = self.cls(out.last_hidden_state[:, 0])
         return loss + F.binary_cross_entropy_with_logits(c[:, :K], present) + F.cross_entropy(c[:, K:], count)
 
@@ -76,8 +78,9 @@ class Heads(torch.nn.Module):
         count = torch.tensor([s.num_objects - 1 for s in batch])
         m = kind > 0
         acc = lambda head, t: round((head(p).argmax(-1) == t)[m].float().mean().item(), 3)  # noqa: E731
+        bg = round((self.kind(p).argmax(-1) == 0)[~m].float().mean().item(), 3)
         return {"kind": acc(self.kind, kind), "color": acc(self.color, color), "shape": acc(self.shape, shape),
-                "region": acc(self.region, region), "bg": round((self.kind(p).argmax(-1) == 0)[~m].float().mean().item(), 3),
+                "region": acc(self.region, region), "bg": bg,
                 "count_tok": round((self.count(p).argmax(-1) == count[:, None]).float().mean().item(), 3)}
 
 
@@ -206,9 +209,8 @@ class Probe(torch.nn.Module):
 
     def __init__(self, width):
         super().__init__()
-        self.heads = torch.nn.ModuleList([torch.nn.Linear(width, 1 + len(COLORS)), torch.nn.Linear(width, 1 + len(SHAPES)),
-                                          torch.nn.Linear(width, 1 + len(COLORS)), torch.nn.Linear(width, 1 + len(SHAPES)),
-                                          torch.nn.Linear(width, 1 + R)])
+        sizes = [len(COLORS), len(SHAPES), len(COLORS), len(SHAPES), R]
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(width, 1 + n) for n in sizes])
 
     @staticmethod
     def targets(q):
@@ -278,14 +280,8 @@ def llm_stage(args):
     model.train()
     image_id = model.config.image_token_id
     for step in range(args.steps):
-        bound = 4 if step < args.steps * args.curriculum else None
-        if args.turns == 1:
-            drawn = [training.example(offset + step * args.batch_size + i, rng, bound) for i in range(args.batch_size)]
-            kwargs, labels = common.teacher_forcing(vlm, *training._prompts(drawn))
-        else:
-            drawn = [training.conversation(offset + step * args.batch_size + i, rng, args.turns, bound)
-                     for i in range(args.batch_size)]
-            kwargs, labels = training.teacher_forcing_turns(vlm, drawn)
+        drawn = [training.example(offset + step * args.batch_size + i, rng) for i in range(args.batch_size)]
+        kwargs, labels = common.teacher_forcing(vlm, *training._prompts(drawn))
         out = model(**kwargs, output_attentions=True, output_hidden_states=probe is not None)
         lm = common.lm_loss(out.logits, labels)
         masses = {} if (step + 1) % 250 == 0 else None
@@ -326,8 +322,6 @@ def main():
     ap.add_argument("--tower", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--align-steps", type=int, default=200)
-    ap.add_argument("--turns", type=int, default=1)
-    ap.add_argument("--curriculum", type=float, default=0.0)
     ap.add_argument("--find-layer", type=int, default=1)
     ap.add_argument("--gather", action="store_true")
     ap.add_argument("--gather-layer", type=int, default=0)

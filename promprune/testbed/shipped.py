@@ -168,15 +168,14 @@ def main(argv=None) -> None:
     parser.add_argument("--report-every", type=int, default=0, help="log per-family scores every N LLM steps")
     for name in ("steps", "vision_steps", "align_steps", "batch_size", "vision_batch_size", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    parser.add_argument("--turns", type=int, default=None, help="questions per scene in one training sequence")
-    parser.add_argument("--scene-targets", type=lambda text: tuple(text.split(",")), default=None,
-                        help="the tower's per-token scene targets, comma-separated (present and count required)")
+    parser.add_argument("--sink-after", type=float, default=None,
+                        help="share of the LLM steps before an existence 'no' is taught to look at the sink")
     args = parser.parse_args(argv)
     out = args.out or (training.cache_path() if args.retrain else None)
     if out is None:
         parser.error("give --out DIR (promprune/testbed/weights to remake the shipped file) or --retrain")
     kwargs = {name: getattr(args, name) for name in ("steps", "vision_steps", "align_steps", "batch_size",
-                                                     "vision_batch_size", "seed", "turns", "scene_targets")
+                                                     "vision_batch_size", "seed", "sink_after")
               if getattr(args, name) is not None}
     logging.basicConfig(level=logging.INFO)
     command = "python -m promprune.testbed.shipped " + " ".join(argv if argv is not None else sys.argv[1:])

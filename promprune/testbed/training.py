@@ -5,26 +5,34 @@ and trains nothing. ``python -m promprune.testbed.shipped --out DIR`` (or ``--re
 recipe; ``$PROMPRUNE_TESTBED_RETRAIN=1`` makes ``testbed:llava`` use the recipe's cache instead of the shipped file.
 
 Every step draws fresh scenes from the train seed stream (an endless, deterministic supply; the evaluation tasks
-use the test stream) and one question each, the four families evenly. Recipe v2, three stages, as LLaVA is built on
-a pretrained CLIP tower:
+use the test stream). Recipe v5, three stages, as LLaVA is built on a pretrained CLIP tower:
 
-1. The vision tower alone, on objectives that stand in for the pretraining a real CLIP tower comes with: each patch
-   token of the layer LLaVA reads predicts the object kind under it (local) and the whole scene (the kinds present,
-   the count, each region's lone object, each kind's centre: context from the whole image, as CLIP's tokens carry);
-   the CLS token after the last layer predicts the kinds present and the count (which is what makes CLS attention,
-   the methods' saliency, pick out objects). The heads are discarded afterwards.
+1. The vision tower alone, on objectives that stand in for the pretraining a real CLIP tower comes with
+   (:class:`TowerHeads`): each patch token of the layer LLaVA reads says what lies under it (the object kind, its
+   colour, its shape, its region, its centre: :func:`local_targets`) and how many objects the whole image holds
+   (context from the whole image, as CLIP's tokens carry); the CLS token after the last layer predicts the kinds
+   present and the count (which is what makes CLS attention, the methods' saliency, pick out objects).
 2. LLaVA's alignment stage in small: the projector alone maps each object patch towards the LLM's word embeddings
    of its colour and shape.
-3. The tower frozen (LLaVA-1.5's recipe), the projector and the LLM on the questions: the LM loss on the answer
-   tokens and EOS, prompts built exactly as :meth:`PrunedVLM.generate` builds them; the first quarter of the steps
-   on scenes of 1-4 objects (a curriculum).
+3. The tower frozen (LLaVA-1.5's recipe), the projector and the LLM on one question per scene, the four families
+   evenly: the LM loss on the answer tokens and EOS (prompts built exactly as :meth:`PrunedVLM.generate` builds
+   them), plus two supervisions of *where to look* that a 4-layer LLM trained for minutes does not find by itself
+   (docs/testbed.md, v4 and the v5 probes):
 
-``turns`` and ``scene_targets`` (``python -m promprune.testbed.shipped --turns 8 --scene-targets present,count
---vision-steps 2400 --steps 3000``) reproduce the v3 candidate: multi-turn supervision, a tower trained on fewer scene
-targets; measured and not shipped (docs/testbed.md).
+   - attention (:func:`attention_targets`): at the position that predicts the answer, two heads of layer
+     ``FIND_LAYER`` attend to the visual tokens of the objects the question names (a relation: one head each
+     object; a count: every object; an existence question whose answer is "no": the first prompt token, a sink,
+     from ``SINK_AFTER`` of the steps on), and two heads of layer ``GATHER_LAYER`` to the question's words that
+     name them (the colour and shape; the region for an attribute question);
+   - a question probe (:class:`QuestionProbe`): linear read-outs of the named colours, shapes and region from the
+     residual stream entering layer ``FIND_LAYER`` at that position, so the gathered words are there for the
+     find heads' queries.
 
-v1 (500 + 1,200 steps, local patch targets only) learned to count, by the share of object tokens, and nothing else
-(docs/testbed.md). One torch thread: the same weights on machines of one CPU type (not across CPU types).
+   The probe and the attention losses shape training only; inference is the plain LLaVA forward pass.
+
+Earlier recipes (docs/testbed.md): v1 (local patch targets only) learned to count by the share of object tokens and
+nothing else; v2 (patch tokens carrying the whole scene) counted and stayed at chance on the rest. One torch thread:
+the same weights on machines of one CPU type (not across CPU types).
 """
 from __future__ import annotations
 
@@ -43,27 +51,28 @@ from promprune.testbed import scenes
 from promprune.training import common
 
 log = logging.getLogger(__name__)
+F = torch.nn.functional
 
 ARCH = "llava"
-RECIPE = "v2"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
+RECIPE = "v5"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
 CACHE_NAME = f"testbed-llava-{RECIPE}"  # so a stale cache is never reused
 SEED = 0
-VISION_STEPS = 1000
+VISION_STEPS = 4000
 VISION_BATCH_SIZE = 32
 ALIGN_STEPS = 200
 STEPS = 5000
-BATCH_SIZE = 16
-CURRICULUM = 0.25  # share of the LLM steps on scenes of 1-4 objects
+BATCH_SIZE = 32
 LR = 2e-3
+SINK_AFTER = 0.5  # share of the LLM steps before an existence "no" is taught to look at the sink
+FIND_LAYER, FIND_HEADS = 1, (0, 1)  # the heads that look at the objects a question names
+GATHER_LAYER, GATHER_HEADS = 0, (2, 3)  # the heads that read the words naming them
 THREADS = 1  # torch threads while training: the same weights on every machine
 # the prompt suffix per question family (the testbed's lmms-eval tasks use the same)
 POST_PROMPTS = {"exist": "\nAnswer with yes or no.", "relation": "\nAnswer with yes or no.",
                 "count": "\nAnswer with a number.", "attribute": "\nAnswer with one word."}
-FAMILY_WEIGHTS = {"exist": 0.25, "count": 0.25, "attribute": 0.25, "relation": 0.25}  # v2: evenly
-TURNS = 1  # questions per scene in one training sequence (> 1: a multi-turn conversation; tried for v3, not shipped)
-# what every patch token is trained to carry about the whole scene (v2: all five; the v3 candidate: present, count)
-SCENE_TARGETS = ("present", "count", "region_color", "region_shape", "position")
+FAMILY_WEIGHTS = {"exist": 0.25, "count": 0.25, "attribute": 0.25, "relation": 0.25}  # evenly
 GRID = testbed_model.IMAGE_SIZE // testbed_model.PATCH  # 12 patches per side
+COLORS, SHAPES, REGIONS = list(scenes.COLORS), list(scenes.SHAPES), list(scenes.REGIONS)
 
 
 def check_arch(arch: str) -> None:
@@ -75,15 +84,14 @@ def cache_path() -> Path:
     return cache_dir() / CACHE_NAME
 
 
-def train_scene(index: int, max_objects: int | None = None) -> scenes.Scene:
-    """Train scene ``index``; ``max_objects``: the curriculum's bound (it then holds 1 + index % max_objects)."""
-    return scenes.make_scene("train", index, num_objects=None if max_objects is None else 1 + index % max_objects)
+def train_scene(index: int) -> scenes.Scene:
+    return scenes.make_scene("train", index)
 
 
-def example(index: int, rng: random.Random, max_objects: int | None = None):
+def example(index: int, rng: random.Random):
     """Train example ``index``: (:func:`train_scene`, question), the family drawn from FAMILY_WEIGHTS
     (deterministic)."""
-    scene = train_scene(index, max_objects)
+    scene = train_scene(index)
     families = list(FAMILY_WEIGHTS)
     for family in rng.choices(families, [FAMILY_WEIGHTS[f] for f in families], k=4) + ["count"]:
         found = scenes.questions(scene, family)
@@ -100,94 +108,67 @@ def object_patches(obj: scenes.Obj) -> list[int]:
             if abs(c * step + step / 2 - cx) <= h and abs(r * step + step / 2 - cy) <= h]
 
 
+def local_targets(scene: scenes.Scene) -> dict[str, torch.Tensor]:
+    """What each of the GRID*GRID patch tokens is trained to say about what lies under it: the object ``kind``
+    (1 + index in KINDS), its ``color``, ``shape`` and ``region`` (each 1 + index; 0 for background) and its
+    ``center`` (x, y) / canvas side (0 for background)."""
+    n = GRID * GRID
+    out = {name: torch.zeros(n, dtype=torch.long) for name in ("kind", "color", "shape", "region")}
+    out["center"] = torch.zeros(n, 2)
+    for obj in scene.objects:
+        cells = object_patches(obj)
+        out["kind"][cells] = 1 + scenes.KINDS.index((obj.color, obj.shape))
+        out["color"][cells] = 1 + COLORS.index(obj.color)
+        out["shape"][cells] = 1 + SHAPES.index(obj.shape)
+        out["region"][cells] = 1 + REGIONS.index(obj.region)
+        out["center"][cells] = torch.tensor(obj.center) / scenes.CANVAS
+    return out
+
+
 def patch_labels(scene: scenes.Scene) -> torch.Tensor:
     """[GRID*GRID] object kind under each patch centre (1 + index in KINDS), 0 for background."""
-    labels = torch.zeros(GRID * GRID, dtype=torch.long)
-    for obj in scene.objects:
-        labels[object_patches(obj)] = 1 + scenes.KINDS.index((obj.color, obj.shape))
-    return labels
+    return local_targets(scene)["kind"]
 
 
-NONE = 0  # region target: no object, or several (the attribute questions ask only about regions holding one)
-
-
-def scene_targets(scene: scenes.Scene) -> dict[str, torch.Tensor]:
-    """What a patch token is trained to carry about the WHOLE scene (recipe v2): the kinds present, the object
-    count, the colour and shape of the lone object of each 3x3 region, and each present kind's centre."""
+def present_kinds(scene: scenes.Scene) -> torch.Tensor:
+    """[len(KINDS)] 1.0 for each kind the scene holds."""
     present = torch.zeros(len(scenes.KINDS))
-    position = torch.zeros(len(scenes.KINDS), 2)  # (x, y) / canvas side; 0 where absent (masked by present)
-    by_region: dict[str, list[scenes.Obj]] = {}
     for obj in scene.objects:
-        kind = scenes.KINDS.index((obj.color, obj.shape))
-        present[kind] = 1.0
-        position[kind] = torch.tensor(obj.center) / scenes.CANVAS
-        by_region.setdefault(obj.region, []).append(obj)
-    colors, shapes = list(scenes.COLORS), list(scenes.SHAPES)
-    region_color = torch.zeros(len(scenes.REGIONS), dtype=torch.long)
-    region_shape = torch.zeros(len(scenes.REGIONS), dtype=torch.long)
-    for r, name in enumerate(scenes.REGIONS):
-        objs = by_region.get(name, [])
-        if len(objs) == 1:
-            region_color[r] = 1 + colors.index(objs[0].color)
-            region_shape[r] = 1 + shapes.index(objs[0].shape)
-    return {"present": present, "position": position, "count": torch.tensor(scene.num_objects - 1),
-            "region_color": region_color, "region_shape": region_shape}
+        present[scenes.KINDS.index((obj.color, obj.shape))] = 1.0
+    return present
 
 
-class AuxHeads(torch.nn.Module):
-    """The vision tower's training objectives (what stands in for CLIP's pretraining).
+class TowerHeads(torch.nn.Module):
+    """The vision tower's training objectives (what stands in for CLIP's pretraining), discarded after stage 1:
+    every patch token of the layer LLaVA reads predicts :func:`local_targets` and the scene's object count; the CLS
+    token after the last layer the kinds present and the count."""
 
-    - every patch token of the layer LLaVA reads: the object kind under it (local), and the scene around it
-      (:func:`scene_targets`: kinds present, count, each region's lone object, each kind's centre), as CLIP's
-      tokens carry context from the whole image (recipe v2; v1 had only the local target);
-    - the CLS token after the last layer: the kinds present and the count (what makes CLS attention, the methods'
-      saliency, pick out objects).
-    """
-
-    def __init__(self, width: int, context: bool = True, targets=SCENE_TARGETS):
+    def __init__(self, width: int):
         super().__init__()
-        k, n, regions = len(scenes.KINDS), scenes.MAX_OBJECTS, len(scenes.REGIONS)
-        sizes = {"present": k, "count": n, "region_color": regions * (1 + len(scenes.COLORS)),
-                 "region_shape": regions * (1 + len(scenes.SHAPES)), "position": 2 * k}
-        if not {"present", "count"} <= set(targets) <= set(sizes):
-            raise ValueError(f"scene targets {tuple(targets)}: need present and count, from {', '.join(sizes)}")
-        self.sizes = {name: sizes[name] for name in sizes if name in targets}
-        self.context = context
-        self.patch = torch.nn.Linear(width, 1 + k)
-        self.scene = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, sum(self.sizes.values())))
+        k, n = len(scenes.KINDS), scenes.MAX_OBJECTS
+        self.kind = torch.nn.Linear(width, 1 + k)
+        self.color = torch.nn.Linear(width, 1 + len(COLORS))
+        self.shape = torch.nn.Linear(width, 1 + len(SHAPES))
+        self.region = torch.nn.Linear(width, 1 + len(REGIONS))
+        self.center = torch.nn.Linear(width, 2)
+        self.count = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, n))
         self.cls = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, k + n))
 
-    def _scene_loss(self, logits: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
-        """logits [B, P, sum(sizes)] (P tokens each predicting its scene); targets batched per scene ([B, ...])."""
-        f = torch.nn.functional
-        parts = dict(zip(self.sizes, logits.split(list(self.sizes.values()), dim=-1)))
-        b, p = logits.shape[:2]
-        each = lambda t: t.unsqueeze(1).expand(b, p, *t.shape[1:])  # noqa: E731 - the scene target of every token
-        present = each(targets["present"])
-        loss = f.binary_cross_entropy_with_logits(parts["present"], present)
-        loss = loss + f.cross_entropy(parts["count"].flatten(0, 1), each(targets["count"]).flatten())
-        regions = len(scenes.REGIONS)
-        for name in ("region_color", "region_shape"):
-            if name in parts:
-                loss = loss + f.cross_entropy(parts[name].reshape(b * p * regions, -1),
-                                              each(targets[name]).flatten())
-        if "position" in parts:
-            error = (parts["position"].view(b, p, -1, 2) - each(targets["position"])).pow(2).sum(-1)  # [B, P, K]
-            loss = loss + 20 * (error * present).sum() / present.sum().clamp(min=1)
-        return loss
-
     def loss(self, vision_out, batch_scenes) -> torch.Tensor:
-        f = torch.nn.functional
         patches = vision_out.hidden_states[-2][:, 1:]  # [B, 144, width] the layer LLaVA reads, CLS dropped
-        dense = torch.stack([patch_labels(s) for s in batch_scenes])
-        loss = f.cross_entropy(self.patch(patches).flatten(0, 1), dense.flatten())
-        targets = {k: torch.stack([t[k] for t in map(scene_targets, batch_scenes)]) for k in self.sizes}
-        if self.context:
-            loss = loss + self._scene_loss(self.scene(patches), targets)
+        t = {name: torch.stack([local[name] for local in map(local_targets, batch_scenes)])
+             for name in ("kind", "color", "shape", "region", "center")}
+        loss = sum(F.cross_entropy(getattr(self, name)(patches).flatten(0, 1), t[name].flatten())
+                   for name in ("kind", "color", "shape", "region"))
+        on = (t["kind"] > 0).float()
+        error = (self.center(patches) - t["center"]).pow(2).sum(-1)
+        loss = loss + 20 * (error * on).sum() / on.sum().clamp(min=1)
+        count = torch.tensor([s.num_objects - 1 for s in batch_scenes])
+        loss = loss + F.cross_entropy(self.count(patches).flatten(0, 1), count.repeat_interleave(patches.shape[1]))
         pooled = self.cls(vision_out.last_hidden_state[:, 0])  # the CLS token after the last layer
         k = len(scenes.KINDS)
-        loss = loss + f.binary_cross_entropy_with_logits(pooled[:, :k], targets["present"])
-        return loss + f.cross_entropy(pooled[:, k:], targets["count"])
+        present = torch.stack([present_kinds(s) for s in batch_scenes])
+        return loss + F.binary_cross_entropy_with_logits(pooled[:, :k], present) + F.cross_entropy(pooled[:, k:], count)
 
 
 def _prompts(drawn) -> tuple[list, list, list]:
@@ -195,52 +176,13 @@ def _prompts(drawn) -> tuple[list, list, list]:
             [q.answer for _, q in drawn])
 
 
-def conversation(index: int, rng: random.Random, turns: int, max_objects: int | None = None):
-    """Train scene ``index`` and ``turns`` questions about it, the families in turn (a family with nothing to ask
-    about the scene asks a count), in a random order; ``max_objects`` as in :func:`train_scene`."""
-    scene = train_scene(index, max_objects)
-    families = list(FAMILY_WEIGHTS)
-    asked = [rng.choice(scenes.questions(scene, families[t % len(families)]) or scenes.questions(scene, "count"))
-             for t in range(turns)]
-    rng.shuffle(asked)
-    return scene, asked
-
-
-def teacher_forcing_turns(vlm, drawn):
-    """Teacher forcing over multi-turn conversations (recipe v3): row ``i`` is scene ``i``'s first question exactly as
-    :meth:`PrunedVLM.generate` prompts it, its answer and EOS, then each further question as the chat template
-    continues a conversation (``USER: q ASSISTANT:``) with its answer and EOS; every answer and EOS is labelled.
-    Left-padded like the prompts, positions from the mask. ``drawn``: [(scene, [questions])]."""
-    tok = vlm.processor.tokenizer
-    first = [(s, qs[0]) for s, qs in drawn]
-    kwargs, labels = common.teacher_forcing(vlm, *_prompts(first))
-    rows = []
-    for row, (_, asked) in enumerate(drawn):
-        keep = kwargs["attention_mask"][row].bool()
-        ids, lab = kwargs["input_ids"][row][keep].tolist(), labels[row][keep].tolist()
-        for q in asked[1:]:
-            turn = tok(f"USER: {q.question}{POST_PROMPTS[q.family]} ASSISTANT:", add_special_tokens=False)["input_ids"]
-            answer = tok(q.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            ids, lab = ids + turn + answer, lab + [-100] * len(turn) + answer
-        rows.append((ids, lab))
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    out_labels = torch.full_like(input_ids, -100)
-    for row, (ids, lab) in enumerate(rows):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        mask[row, width - len(ids):] = 1
-        out_labels[row, width - len(ids):] = torch.tensor(lab)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                pixel_values=kwargs["pixel_values"]), out_labels
-
-
 def recipe() -> dict:
     """The recipe's hyper-parameters (what :func:`train` uses by default; recorded with the shipped weights)."""
     return {"vision_steps": VISION_STEPS, "vision_batch_size": VISION_BATCH_SIZE, "align_steps": ALIGN_STEPS,
-            "steps": STEPS, "batch_size": BATCH_SIZE, "turns": TURNS, "scene_targets": list(SCENE_TARGETS),
-            "curriculum": CURRICULUM, "lr": LR, "seed": SEED, "threads": THREADS, "family_weights": FAMILY_WEIGHTS}
+            "steps": STEPS, "batch_size": BATCH_SIZE, "lr": LR, "sink_after": SINK_AFTER,
+            "find": {"layer": FIND_LAYER, "heads": list(FIND_HEADS)},
+            "gather": {"layer": GATHER_LAYER, "heads": list(GATHER_HEADS)},
+            "seed": SEED, "threads": THREADS, "family_weights": FAMILY_WEIGHTS}
 
 
 def align_loss(model, vision_out, batch_scenes) -> torch.Tensor:
@@ -256,44 +198,145 @@ def align_loss(model, vision_out, batch_scenes) -> torch.Tensor:
             cells = object_patches(obj)
             targets[row, cells] = embed[tok_ids[obj.color]] + embed[tok_ids[obj.shape]]
             mask[row, cells] = True
-    cos = torch.nn.functional.cosine_similarity(tokens[mask], targets[mask], dim=-1)
+    cos = F.cosine_similarity(tokens[mask], targets[mask], dim=-1)
     return (1 - cos).mean()
 
 
 @functools.lru_cache(maxsize=1)
 def _WORD_IDS() -> dict[str, int]:  # noqa: N802 - a constant, computed once
     tok = testbed_model.tokenizer()
-    return {w: tok.convert_tokens_to_ids(w) for w in [*scenes.COLORS, *scenes.SHAPES]}
+    return {w: tok.convert_tokens_to_ids(w) for w in testbed_model.vocabulary()}
+
+
+# ---- stage 3's supervision of where to look ----------------------------------------------------------------------
+
+
+def answer_positions(labels: torch.Tensor) -> list[int]:
+    """Per row, the position whose next token is the first labelled one (the position that predicts the answer)."""
+    labelled = labels != -100
+    first = labelled[:, 1:] & ~labelled[:, :-1]
+    return [int(row.nonzero()[0]) for row in first]
+
+
+def named_kinds(q: scenes.Question) -> list[tuple[str, str]]:
+    """The (colour, shape) kinds the question names, in order (an existence question one, a relation two)."""
+    words = q.question.lower().rstrip("?").split()
+    return [(a, b) for a, b in zip(words, words[1:]) if a in COLORS and b in SHAPES]
+
+
+def question_words(q: scenes.Question) -> tuple[list[str], list[str]]:
+    """The words each of the two gather heads reads: the colour and shape of the first and the last kind named
+    (one kind: the same twice); for an attribute question the region, twice; a count names nothing."""
+    if q.family == "attribute":
+        region = q.question.lower().rstrip("?").split(" at the ")[1].split()
+        return region, region
+    kinds = named_kinds(q)
+    if not kinds:
+        return [], []
+    return list(kinds[0]), list(kinds[-1])
+
+
+def question_region(q: scenes.Question) -> str | None:
+    return q.question.lower().rstrip("?").split(" at the ")[1] if q.family == "attribute" else None
+
+
+def attention_targets(input_ids, attention_mask, labels, drawn, image_token_id: int, sink: bool = True):
+    """The attention supervision of one batch: [(role, row, head, query position, key positions)].
+
+    ``role`` "find" (layer FIND_LAYER, FIND_HEADS): the visual tokens of the objects the question is about
+    (``Question.refs``; a relation: the first head its first object, the second head its second); an existence
+    question without refs (answer "no"), when ``sink``: the row's first prompt token. ``role`` "gather" (layer
+    GATHER_LAYER, GATHER_HEADS): the question's words that name them (:func:`question_words`; the first
+    occurrence after the image for the first head, the last occurrence for the second)."""
+    out = []
+    ids_of = _WORD_IDS()
+    for row, ((scene, q), pos) in enumerate(zip(drawn, answer_positions(labels))):
+        ids = input_ids[row]
+        image = (ids == image_token_id).nonzero().flatten()
+        groups = [q.refs[:1], q.refs[1:]] if q.family == "relation" else [q.refs, q.refs]
+        for head, refs in zip(FIND_HEADS, groups):
+            if refs:
+                cells = sorted({c for i in refs for c in object_patches(scene.objects[i])})
+                out.append(("find", row, head, pos, image[cells]))
+            elif sink and q.family == "exist":
+                out.append(("find", row, head, pos, attention_mask[row].nonzero()[:1].flatten()))
+        start = int(image[-1]) + 1
+        span = ids[start:pos + 1]
+        for which, (head, words) in enumerate(zip(GATHER_HEADS, question_words(q))):
+            hits = [(span == ids_of[w]).nonzero().flatten() for w in words]
+            if hits and all(len(h) for h in hits):
+                out.append(("gather", row, head, pos, start + torch.stack([h[-which] for h in hits])))
+    return out
+
+
+def attention_loss(attentions, targets) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean of -log(attention mass on the targets) over ``targets`` (:func:`attention_targets`), and the mean mass
+    per role (what the training log prints)."""
+    layers = {"find": FIND_LAYER, "gather": GATHER_LAYER}
+    masses = {"find": [], "gather": []}
+    total = attentions[0].new_zeros(())
+    for role, row, head, pos, keys in targets:
+        mass = attentions[layers[role]][row, head, pos, keys].sum()
+        total = total - torch.log(mass + 1e-6)
+        masses[role].append(mass.detach())
+    mean = {role: float(torch.stack(m).mean()) for role, m in masses.items() if m}
+    return total / max(len(targets), 1), mean
+
+
+class QuestionProbe(torch.nn.Module):
+    """Linear read-outs, from the residual stream entering layer FIND_LAYER at the answer-predicting position, of
+    what the question names: the colour and shape of the first and of the last kind, and the region (each 1 + index,
+    0 for none). Training only."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        sizes = [len(COLORS), len(SHAPES), len(COLORS), len(SHAPES), len(REGIONS)]
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(width, 1 + n) for n in sizes])
+
+    @staticmethod
+    def targets(q: scenes.Question) -> list[int]:
+        kinds = named_kinds(q)
+        out = []
+        for kind in (kinds[0], kinds[-1]) if kinds else (None, None):
+            out += [1 + COLORS.index(kind[0]), 1 + SHAPES.index(kind[1])] if kind else [0, 0]
+        region = question_region(q)
+        return out + [1 + REGIONS.index(region) if region else 0]
+
+    def loss(self, hidden: torch.Tensor, positions: list[int], drawn) -> torch.Tensor:
+        h = hidden[torch.arange(len(positions)), positions]
+        t = torch.tensor([self.targets(q) for _, q in drawn])
+        return sum(F.cross_entropy(head(h), t[:, i]) for i, head in enumerate(self.heads))
 
 
 def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: int = BATCH_SIZE,
-          vision_batch_size: int = VISION_BATCH_SIZE, align_steps: int = ALIGN_STEPS, curriculum: float = CURRICULUM,
-          lr: float = LR, seed: int = SEED, threads: int | None = THREADS, context: bool = True,
-          turns: int = TURNS, scene_targets=SCENE_TARGETS, progress: bool = True, on_step=None):
+          vision_batch_size: int = VISION_BATCH_SIZE, align_steps: int = ALIGN_STEPS, lr: float = LR,
+          sink_after: float = SINK_AFTER, seed: int = SEED, threads: int | None = THREADS, progress: bool = True,
+          on_step=None):
     """Train a fresh testbed VLM; returns ``(model, processor, losses)``. Deterministic for given arguments (CPU).
 
     Three stages, as LLaVA is built on a pretrained CLIP:
 
-    1. ``vision_steps``: the vision tower alone on its own objectives (:class:`AuxHeads`: each patch token its own
-       object and, with ``context``, the whole scene; the CLS token the kinds present and the count);
+    1. ``vision_steps``: the vision tower alone on its own objectives (:class:`TowerHeads`);
     2. ``align_steps``: the projector alone (tower frozen), aligned to the LLM's word embeddings (:func:`align_loss`);
     3. ``steps``: the projector and the LLM on the questions (families evenly), the tower frozen (LLaVA-1.5's
-       recipe); the first ``curriculum`` share of these steps on scenes of 1-4 objects.
+       recipe): LM loss + attention supervision (:func:`attention_targets`; the existence "no" sink from
+       ``sink_after`` of the steps on) + the question probe (:class:`QuestionProbe`).
 
-    ``losses``: one per step of every stage. ``on_step(stage, step, model)``, if given, is called after each step
-    (progress reports; it must not touch the random state).
+    ``losses``: one per step of every stage (stage 3: the sum of the three). ``on_step(stage, step, model)``, if
+    given, is called after each step (progress reports; it must not touch the random state).
     """
     model, processor = testbed_model.untrained()
     vlm = PrunedVLM(model, processor, method=None)
     tower = model.model.vision_tower
-    heads = AuxHeads(model.config.vision_config.hidden_size, context, scene_targets)
     rng = random.Random(seed)
     torch.manual_seed(seed)
+    heads = TowerHeads(model.config.vision_config.hidden_size)
+    probe = QuestionProbe(model.config.text_config.hidden_size)
     t0 = time.perf_counter()
     bar = common.Progress(vision_steps + align_steps + steps, f"training {CACHE_NAME}", progress)
     hook = on_step or (lambda stage, step, model: None)
-    pixels = lambda drawn: processor.image_processor(  # noqa: E731
-        [scenes.render(s) for s, _ in drawn], return_tensors="pt")["pixel_values"]
+    pixels = lambda batch: processor.image_processor(  # noqa: E731
+        [scenes.render(s) for s in batch], return_tensors="pt")["pixel_values"]
     with common.torch_threads(threads):
         try:
             # stage 1: the vision tower (what a pretrained CLIP would bring)
@@ -301,9 +344,9 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
             opt, schedule = common.optimizer(params, vision_steps, lr)
             tower.train()
             for step in range(vision_steps):
-                drawn = [example(step * vision_batch_size + i, rng) for i in range(vision_batch_size)]
-                out = tower(pixels(drawn), output_hidden_states=True)
-                bar.update(step, common.step(heads.loss(out, [s for s, _ in drawn]), params, opt, schedule))
+                batch = [train_scene(step * vision_batch_size + i) for i in range(vision_batch_size)]
+                out = tower(pixels(batch), output_hidden_states=True)
+                bar.update(step, common.step(heads.loss(out, batch), params, opt, schedule))
                 hook("vision", step, model)
             tower.eval().requires_grad_(False)
             offset = vision_steps * vision_batch_size
@@ -311,32 +354,36 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
             params = list(model.model.multi_modal_projector.parameters())
             opt, schedule = common.optimizer(params, max(align_steps, 1), lr)
             for step in range(align_steps):
-                drawn = [example(offset + step * vision_batch_size + i, rng) for i in range(vision_batch_size)]
+                batch = [train_scene(offset + step * vision_batch_size + i) for i in range(vision_batch_size)]
                 with torch.no_grad():
-                    out = tower(pixels(drawn), output_hidden_states=True)
-                loss = align_loss(model, out, [s for s, _ in drawn])
-                bar.update(vision_steps + step, common.step(loss, params, opt, schedule))
+                    out = tower(pixels(batch), output_hidden_states=True)
+                bar.update(vision_steps + step, common.step(align_loss(model, out, batch), params, opt, schedule))
                 hook("align", step, model)
             offset += align_steps * vision_batch_size
-            # stage 3: projector + LLM on the questions, the tower frozen
-            params = [p for p in model.parameters() if p.requires_grad]
+            # stage 3: projector + LLM on the questions, the tower frozen; eager attention, whose weights the
+            # attention supervision needs
+            model.set_attn_implementation("eager")
+            params = [p for p in model.parameters() if p.requires_grad] + list(probe.parameters())
             opt, schedule = common.optimizer(params, steps, lr)
             model.train()
-            easy = int(steps * curriculum)
             for step in range(steps):
-                bound = 4 if step < easy else None
-                if turns == 1:  # one question per scene (v2)
-                    drawn = [example(offset + step * batch_size + i, rng, bound) for i in range(batch_size)]
-                    kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
-                else:  # a conversation of `turns` questions per scene
-                    drawn = [conversation(offset + step * batch_size + i, rng, turns, bound)
-                             for i in range(batch_size)]
-                    kwargs, labels = teacher_forcing_turns(vlm, drawn)
-                loss = common.lm_loss(model(**kwargs).logits, labels)
-                bar.update(vision_steps + align_steps + step, common.step(loss, params, opt, schedule))
+                drawn = [example(offset + step * batch_size + i, rng) for i in range(batch_size)]
+                kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
+                out = model(**kwargs, output_attentions=True, output_hidden_states=True)
+                lm = common.lm_loss(out.logits, labels)
+                targets = attention_targets(kwargs["input_ids"], kwargs["attention_mask"], labels, drawn,
+                                            model.config.image_token_id, sink=step >= int(steps * sink_after))
+                looked, mass = attention_loss(out.attentions, targets)
+                probed = probe.loss(out.hidden_states[FIND_LAYER], answer_positions(labels), drawn)
+                loss = common.step(lm + looked + probed, params, opt, schedule)
+                bar.update(vision_steps + align_steps + step, loss)
+                if (step + 1) % 250 == 0:
+                    log.info("LLM step %d: lm %.3f, attention %.3f (mass %s), probe %.3f", step + 1, lm.item(),
+                             looked.item(), {r: round(m, 2) for r, m in mass.items()}, probed.item())
                 hook("llm", step, model)
         finally:
             bar.close()
+            model.set_attn_implementation("sdpa")
             model.eval().requires_grad_(True)
     losses = bar.losses
     log.info("trained %s: %d + %d + %d steps in %.0f s, loss %.3f -> %.3f", CACHE_NAME, vision_steps, align_steps,

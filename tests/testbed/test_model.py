@@ -6,6 +6,7 @@ import torch
 from promprune.models import PrunedVLM
 from promprune.testbed import model as testbed_model
 from promprune.testbed import scenes, training, zoo
+from promprune.training import common
 
 
 def test_tokenizer_round_trips_every_prompt_and_answer():
@@ -37,20 +38,69 @@ def test_patch_labels_hand_worked():
     assert labels[:2, :2].eq(kind).all() and labels.sum() == 4 * kind  # patch centres 4 and 12 px: 2x2 patches
 
 
-def test_scene_targets_hand_worked():
-    # a red square alone in the top-left region (cells r0c0), two objects sharing the bottom-right region (r4c4, r5c5)
-    objs = (scenes.Obj("red", "square", "large", 0, 0, 0, 0), scenes.Obj("blue", "circle", "small", 4, 4, 1, 0),
-            scenes.Obj("white", "triangle", "small", 5, 5, 0, -1))
-    t = training.scene_targets(scenes.Scene("test", 0, objs, "plain", 0))
-    assert t["present"].sum() == 3 and t["present"][scenes.KINDS.index(("blue", "circle"))] == 1
-    assert int(t["count"]) == 2  # class index: 3 objects
-    x, y = t["position"][scenes.KINDS.index(("blue", "circle"))].tolist()  # centre of cell r4c4, 1 px right
-    assert (x, y) == pytest.approx(((4 * 16 + 8 + 1) / 96, (4 * 16 + 8) / 96))
-    top_left, bottom_right = list(scenes.REGIONS).index("top left"), list(scenes.REGIONS).index("bottom right")
-    assert int(t["region_color"][top_left]) == 1 + list(scenes.COLORS).index("red")
-    assert int(t["region_shape"][top_left]) == 1 + list(scenes.SHAPES).index("square")
-    assert int(t["region_color"][bottom_right]) == training.NONE  # two objects: no lone object to ask about
-    assert int(t["region_color"].ne(0).sum()) == 1
+def test_local_targets_hand_worked():
+    # a red square alone in the top-left region (cell r0c0), a blue circle in cell r4c4 shifted 1 px right
+    objs = (scenes.Obj("red", "square", "large", 0, 0, 0, 0), scenes.Obj("blue", "circle", "small", 4, 4, 1, 0))
+    scene = scenes.Scene("test", 0, objs, "plain", 0)
+    t = training.local_targets(scene)
+    # the circle: centre (73, 72), 9 px across -> patch centres within 4.5 px: x 76 (column 9; 68 is 5 px off),
+    # y 68 and 76 (rows 8, 9)
+    circle = [8 * 12 + 9, 9 * 12 + 9]
+    assert t["kind"][circle].eq(1 + scenes.KINDS.index(("blue", "circle"))).all()
+    assert t["color"][[0, 1, 12, 13]].eq(1 + list(scenes.COLORS).index("red")).all()
+    assert t["shape"][circle].eq(1 + list(scenes.SHAPES).index("circle")).all()
+    assert t["region"][[0, 1, 12, 13]].eq(1 + list(scenes.REGIONS).index("top left")).all()
+    assert t["region"][circle].eq(1 + list(scenes.REGIONS).index("bottom right")).all()
+    assert t["kind"].ne(0).sum() == 6 and t["center"][t["kind"] == 0].abs().sum() == 0
+    assert t["center"][circle[0]].tolist() == pytest.approx([73 / 96, 72 / 96])
+    present = training.present_kinds(scene)
+    assert present.sum() == 2 and present[scenes.KINDS.index(("red", "square"))] == 1
+
+
+def _batch(drawn):
+    model, processor = testbed_model.untrained()
+    vlm = PrunedVLM(model, processor, method=None)
+    kwargs, labels = common.teacher_forcing(vlm, *training._prompts(drawn))
+    return model, processor, kwargs, labels
+
+
+def test_attention_targets_point_at_the_named_objects_and_words():
+    """Hand-worked: the image tokens of each object's patches (raster order after the prompt's first image token),
+    the question's own words, and the first prompt token for an existence question answered "no"."""
+    objs = (scenes.Obj("red", "square", "large", 0, 0, 0, 0), scenes.Obj("blue", "circle", "small", 4, 4, 1, 0))
+    scene = scenes.Scene("test", 0, objs, "plain", 0)
+    red, blue = [0, 1, 12, 13], [105, 117]  # as in test_local_targets_hand_worked
+    drawn = [(scene, scenes.Question("relation", "Is the red square above the blue circle?", "yes", "above", (0, 1))),
+             (scene, scenes.Question("exist", "Is there a white triangle in the image?", "no", "random")),
+             (scene, scenes.Question("attribute", "What color is the object at the top left?", "red", "color", (0,))),
+             (scene, scenes.Question("count", "How many objects are there?", "2", "", (0, 1)))]
+    model, processor, kwargs, labels = _batch(drawn)
+    ids, tok = kwargs["input_ids"], processor.tokenizer
+    found = training.attention_targets(ids, kwargs["attention_mask"], labels, drawn, model.config.image_token_id)
+    by = {(role, row, head): keys.tolist() for role, row, head, _, keys in found}
+    for _, row, _, pos, _ in found:
+        assert labels[row, pos + 1] != -100 and labels[row, pos] == -100  # the position that predicts the answer
+    first_image = [int((ids[r] == model.config.image_token_id).nonzero()[0]) for r in range(4)]
+    assert by[("find", 0, 0)] == [first_image[0] + c for c in red]
+    assert by[("find", 0, 1)] == [first_image[0] + c for c in blue]
+    words = lambda row, keys: tok.convert_ids_to_tokens(ids[row, keys].tolist())  # noqa: E731
+    assert words(0, by[("gather", 0, 2)]) == ["red", "square"] and words(0, by[("gather", 0, 3)]) == ["blue", "circle"]
+    first_token = int(kwargs["attention_mask"][1].nonzero()[0])
+    assert by[("find", 1, 0)] == by[("find", 1, 1)] == [first_token] and words(1, [first_token]) == ["user"]
+    assert words(1, by[("gather", 1, 2)]) == ["white", "triangle"]
+    assert by[("find", 2, 0)] == [first_image[2] + c for c in red] and words(2, by[("gather", 2, 3)]) == ["top", "left"]
+    assert by[("find", 3, 1)] == sorted(first_image[3] + c for c in red + blue) and ("gather", 3, 2) not in by
+    assert len(found) == 4 * 2 + 3 * 2  # find heads in every row, gather heads where the question names something
+    no_sink = training.attention_targets(ids, kwargs["attention_mask"], labels, drawn, model.config.image_token_id,
+                                         sink=False)
+    plain = lambda targets: [(*t[:4], t[4].tolist()) for t in targets]  # noqa: E731
+    assert plain(t for t in found if t[1] != 1 or t[0] != "find") == plain(no_sink)
+
+    colors, shapes, regions = list(scenes.COLORS), list(scenes.SHAPES), list(scenes.REGIONS)
+    assert training.QuestionProbe.targets(drawn[0][1]) == [1 + colors.index("red"), 1 + shapes.index("square"),
+                                                            1 + colors.index("blue"), 1 + shapes.index("circle"), 0]
+    assert training.QuestionProbe.targets(drawn[2][1]) == [0, 0, 0, 0, 1 + regions.index("top left")]
+    assert training.QuestionProbe.targets(drawn[3][1]) == [0] * 5
 
 
 def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
@@ -79,49 +129,3 @@ def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     assert again.model.config.vision_config.image_size == 96
     with pytest.raises(ValueError, match="unknown testbed arch 'qwen'"):
         PrunedVLM.from_pretrained("testbed:qwen", method=None)
-
-
-
-def test_multi_turn_batch_is_the_chat_template_conversation():
-    """Recipe v3's teacher forcing: each row, unpadded, is the processor's chat template applied to the whole
-    conversation (image, question, answer, question, answer, ...); exactly the answers and their EOS are labelled;
-    the first turn is the prompt generate builds."""
-    import random
-
-    model, processor = testbed_model.untrained()
-    vlm = PrunedVLM(model, processor, method=None)
-    rng = random.Random(0)
-    drawn = [training.conversation(i, rng, 3) for i in range(2)]
-    kwargs, labels = training.teacher_forcing_turns(vlm, drawn)
-    tok = processor.tokenizer
-    for row, (scene, asked) in enumerate(drawn):
-        messages = []
-        for t, q in enumerate(asked):
-            text = {"type": "text", "text": q.question + training.POST_PROMPTS[q.family]}
-            messages += [{"role": "user", "content": [{"type": "image"}, text] if t == 0 else [text]},
-                         {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
-        expected = processor(images=[scenes.render(scene)], text=processor.apply_chat_template(messages),
-                             return_tensors="pt")["input_ids"][0]
-        keep = kwargs["attention_mask"][row].bool()
-        assert kwargs["input_ids"][row][keep].tolist() == expected.tolist()
-        answers = [i for q in asked for i in tok(q.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
-        assert [int(i) for i in labels[row] if i != -100] == answers
-        assert kwargs["position_ids"][row][keep].tolist() == list(range(int(keep.sum())))
-    first = vlm.inputs([scenes.render(s) for s, _ in drawn],
-                       [qs[0].question + training.POST_PROMPTS[qs[0].family] for _, qs in drawn])
-    for row in range(2):
-        prompt = first["input_ids"][row][first["attention_mask"][row].bool()].tolist()
-        assert kwargs["input_ids"][row][kwargs["attention_mask"][row].bool()].tolist()[:len(prompt)] == prompt
-
-
-def test_multi_turn_recipe_option_trains_deterministically_and_scene_targets_are_checked():
-    kwargs = dict(vision_steps=3, align_steps=2, steps=3, batch_size=4, vision_batch_size=4, threads=1,
-                  turns=4, scene_targets=("present", "count"), progress=False)
-    model_a, _, losses_a = training.train(**kwargs)
-    model_b, _, losses_b = training.train(**kwargs)
-    assert losses_a == losses_b and len(losses_a) == 8
-    assert all(torch.equal(a, b) for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()))
-    heads = training.AuxHeads(64, targets=("present", "count"))
-    assert list(heads.sizes) == ["present", "count"]
-    with pytest.raises(ValueError, match="need present and count"):
-        training.AuxHeads(64, targets=("present", "colour"))
