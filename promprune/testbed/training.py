@@ -66,6 +66,7 @@ LR = 2e-3
 SINK_AFTER = 0.5  # share of the LLM steps before an existence "no" is taught to look at the sink
 FIND_LAYER, FIND_HEADS = 1, (0, 1)  # the heads that look at the objects a question names
 GATHER_LAYER, GATHER_HEADS = 0, (2, 3)  # the heads that read the words naming them
+TOWER_CHECK_SCENES = 64  # test scenes the log's tower accuracies are measured on (no training effect)
 THREADS = 1  # torch threads while training: the same weights on every machine
 # the prompt suffix per question family (the testbed's lmms-eval tasks use the same)
 POST_PROMPTS = {"exist": "\nAnswer with yes or no.", "relation": "\nAnswer with yes or no.",
@@ -169,6 +170,20 @@ class TowerHeads(torch.nn.Module):
         k = len(scenes.KINDS)
         present = torch.stack([present_kinds(s) for s in batch_scenes])
         return loss + F.binary_cross_entropy_with_logits(pooled[:, :k], present) + F.cross_entropy(pooled[:, k:], count)
+
+    @torch.no_grad()
+    def accuracy(self, vision_out, batch_scenes) -> dict[str, float]:
+        """What the training log reports after stage 1: on object patches, how often each local head is right;
+        ``background``: background patches called background; ``count``: patch tokens that tell the object count."""
+        patches = vision_out.hidden_states[-2][:, 1:]
+        t = {name: torch.stack([local[name] for local in map(local_targets, batch_scenes)])
+             for name in ("kind", "color", "shape", "region")}
+        on = t["kind"] > 0
+        out = {name: (getattr(self, name)(patches).argmax(-1) == t[name])[on].float().mean().item() for name in t}
+        out["background"] = (self.kind(patches).argmax(-1) == 0)[~on].float().mean().item()
+        count = torch.tensor([s.num_objects - 1 for s in batch_scenes])
+        out["count"] = (self.count(patches).argmax(-1) == count[:, None]).float().mean().item()
+        return {name: round(value, 3) for name, value in out.items()}
 
 
 def _prompts(drawn) -> tuple[list, list, list]:
@@ -349,6 +364,9 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
                 bar.update(step, common.step(heads.loss(out, batch), params, opt, schedule))
                 hook("vision", step, model)
             tower.eval().requires_grad_(False)
+            held_out = [scenes.make_scene("test", 10_000 + i) for i in range(TOWER_CHECK_SCENES)]
+            log.info("tower after %d steps, on %d test scenes: %s", vision_steps, len(held_out),
+                     heads.accuracy(tower(pixels(held_out), output_hidden_states=True), held_out))
             offset = vision_steps * vision_batch_size
             # stage 2: the projector, aligned to the word embeddings
             params = list(model.model.multi_modal_projector.parameters())
