@@ -112,23 +112,36 @@ def progress_report(every: int, n: int = 48):
     processor = testbed_model.untrained()[1]
 
     def hook(stage: str, step: int, model) -> None:
-        if stage == "llm" and every and (step + 1) % every == 0:
+        if stage in ("llm", "relation") and every and (step + 1) % every == 0:
             with torch.inference_mode():
                 found = scores.family_scores(PrunedVLM(model, processor, method=None), n)
             model.train()
-            log.info("LLM step %d: %s", step + 1, {f: v["score"] for f, v in found.items()})
+            log.info("%s step %d: %s", stage, step + 1, {f: v["score"] for f, v in found.items()})
     return hook
 
 
 def make(out: Path, *, eval_n: int = 200, budget: int = 16, report_every: int = 0, command: str | None = None,
-         **train_kwargs) -> dict:
-    """Train with the recipe (``train_kwargs`` override it), save into ``out`` with its manifest; the manifest."""
+         init: Path | None = None, **train_kwargs) -> dict:
+    """Train with the recipe (``train_kwargs`` override it), save into ``out`` with its manifest; the manifest.
+
+    ``init``: a directory saved by this recipe's stages 1-3 (a run with ``relation_steps=0``): only stage 4 runs on
+    it (:func:`training.train`'s ``init``), which gives the weights a whole run would; the manifest records it."""
+    from transformers import LlavaForConditionalGeneration
+
     from promprune.testbed import model as testbed_model
     from promprune.testbed import training
 
     out = Path(out)
     t0 = time.perf_counter()
-    model, _, losses = training.train(on_step=progress_report(report_every), **train_kwargs)
+    start = None
+    if init is not None:
+        init = Path(init)
+        start = LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
+        earlier = manifest(init)
+        init_meta = {"path": str(init), "sha256": sha256(init / WEIGHTS_FILE), "command": earlier.get("command"),
+                     "train_seconds": earlier.get("train_seconds"),
+                     "hyperparameters": earlier.get("hyperparameters")}
+    model, _, losses = training.train(on_step=progress_report(report_every), init=start, **train_kwargs)
     seconds = time.perf_counter() - t0
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -145,6 +158,9 @@ def make(out: Path, *, eval_n: int = 200, budget: int = 16, report_every: int = 
             "train_seconds": round(seconds), "final_llm_loss": round(sum(tail) / max(len(tail), 1), 4),
             "made_with": {"torch": torch.__version__, "python": platform.python_version(),
                           "machine": platform.machine(), "processor": platform.processor() or "unknown"}}
+    if init is not None:
+        meta["stages_1_to_3"] = init_meta
+        meta["train_seconds"] = round(seconds + (init_meta["train_seconds"] or 0))
     with torch.inference_mode():
         meta["fixed_answers"] = fixed_answers(model, processor)
         meta["scores"] = {"n_per_family": eval_n, "budget": budget, **evaluate(model, processor, eval_n, budget)}
@@ -166,7 +182,9 @@ def main(argv=None) -> None:
                              "PROMPRUNE_TESTBED_RETRAIN=1) instead of shipping")
     parser.add_argument("--eval-n", type=int, default=200, help="test questions per family for the manifest")
     parser.add_argument("--report-every", type=int, default=0, help="log per-family scores every N LLM steps")
-    for name in ("steps", "vision_steps", "align_steps", "batch_size", "vision_batch_size", "seed"):
+    parser.add_argument("--init", type=Path, default=None,
+                        help="a directory saved by stages 1-3 of this recipe (--relation-steps 0): run stage 4 on it")
+    for name in ("steps", "vision_steps", "align_steps", "relation_steps", "batch_size", "vision_batch_size", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--sink-after", type=float, default=None,
                         help="share of the LLM steps before an existence 'no' is taught to look at the sink")
@@ -174,12 +192,12 @@ def main(argv=None) -> None:
     out = args.out or (training.cache_path() if args.retrain else None)
     if out is None:
         parser.error("give --out DIR (promprune/testbed/weights to remake the shipped file) or --retrain")
-    kwargs = {name: getattr(args, name) for name in ("steps", "vision_steps", "align_steps", "batch_size",
-                                                     "vision_batch_size", "seed", "sink_after")
+    kwargs = {name: getattr(args, name) for name in ("steps", "vision_steps", "align_steps", "relation_steps",
+                                                     "batch_size", "vision_batch_size", "seed", "sink_after")
               if getattr(args, name) is not None}
     logging.basicConfig(level=logging.INFO)
     command = "python -m promprune.testbed.shipped " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = make(out, eval_n=args.eval_n, report_every=args.report_every, command=command, **kwargs)
+    meta = make(out, eval_n=args.eval_n, report_every=args.report_every, command=command, init=args.init, **kwargs)
     print(json.dumps({k: meta[k] for k in ("recipe", "sha256", "train_seconds", "scores")}, indent=1))
 
 

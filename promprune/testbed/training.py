@@ -36,6 +36,7 @@ the same weights on machines of one CPU type (not across CPU types).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import random
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 F = torch.nn.functional
 
 ARCH = "llava"
-RECIPE = "v5"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
+RECIPE = "v6"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
 CACHE_NAME = f"testbed-llava-{RECIPE}"  # so a stale cache is never reused
 SEED = 0
 VISION_STEPS = 4000
@@ -64,6 +65,10 @@ STEPS = 5000
 BATCH_SIZE = 32
 LR = 2e-3
 SINK_AFTER = 0.5  # share of the LLM steps before an existence "no" is taught to look at the sink
+RELATION_STEPS = 800  # stage 4: what stage 3 leaves at chance (relations), on top of the same mix
+RELATION_LR = 1e-3
+WORD_LAYER, WORD_HEAD = 0, 0  # stage 4: the head that reads a relation question's relation word
+FACTS_LAYER = 2  # stage 4: the residual entering this layer says where the first object lies against the second
 FIND_LAYER, FIND_HEADS = 1, (0, 1)  # the heads that look at the objects a question names
 GATHER_LAYER, GATHER_HEADS = 0, (2, 3)  # the heads that read the words naming them
 TOWER_CHECK_SCENES = 64  # test scenes the log's tower accuracies are measured on (no training effect)
@@ -195,8 +200,10 @@ def recipe() -> dict:
     """The recipe's hyper-parameters (what :func:`train` uses by default; recorded with the shipped weights)."""
     return {"vision_steps": VISION_STEPS, "vision_batch_size": VISION_BATCH_SIZE, "align_steps": ALIGN_STEPS,
             "steps": STEPS, "batch_size": BATCH_SIZE, "lr": LR, "sink_after": SINK_AFTER,
+            "relation_steps": RELATION_STEPS, "relation_lr": RELATION_LR,
             "find": {"layer": FIND_LAYER, "heads": list(FIND_HEADS)},
             "gather": {"layer": GATHER_LAYER, "heads": list(GATHER_HEADS)},
+            "relation_word": {"layer": WORD_LAYER, "head": WORD_HEAD}, "facts_layer": FACTS_LAYER,
             "seed": SEED, "threads": THREADS, "family_weights": FAMILY_WEIGHTS}
 
 
@@ -323,23 +330,141 @@ class QuestionProbe(torch.nn.Module):
         return sum(F.cross_entropy(head(h), t[:, i]) for i, head in enumerate(self.heads))
 
 
+# ---- stage 4: relations ---------------------------------------------------------------------------------------
+
+
+RELATIONS = list(scenes.RELATIONS)
+
+
+def relation_facts(scene: scenes.Scene, q: scenes.Question) -> list[int]:
+    """What a relation question's answer rests on: [the first object named lies left of the second (0/1), it lies
+    above the second (0/1), the relation asked (index in scenes.RELATIONS)]."""
+    (ax, ay), (bx, by) = (scene.objects[i].center for i in q.refs)
+    return [int(ax < bx), int(ay < by), RELATIONS.index(q.category)]
+
+
+def relation_example(index: int, rng: random.Random):
+    """A relation question about the first train scene from ``index`` on that has one: (scene, question)."""
+    while True:
+        scene = train_scene(index)
+        found = scenes.questions(scene, "relation")
+        if found:
+            return scene, rng.choice(found)
+        index += 1
+
+
+class RelationFacts(torch.nn.Module):
+    """Linear read-outs of :func:`relation_facts` from the residual entering layer FACTS_LAYER at the position that
+    predicts a relation question's answer. Training only."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(width, n) for n in (2, 2, len(RELATIONS))])
+
+    def loss(self, hidden: torch.Tensor, positions: list[int], drawn) -> torch.Tensor:
+        rows = [i for i, (_, q) in enumerate(drawn) if q.family == "relation"]
+        if not rows:
+            return hidden.new_zeros(())
+        h = hidden[rows, [positions[i] for i in rows]]
+        t = torch.tensor([relation_facts(*drawn[i]) for i in rows])
+        return sum(F.cross_entropy(head(h), t[:, k]) for k, head in enumerate(self.heads))
+
+
+def relation_word_targets(input_ids, labels, drawn) -> list:
+    """Attention supervision of stage 4, as :func:`attention_targets`' tuples: on a relation question, head WORD_HEAD
+    of layer WORD_LAYER at the answer-predicting position attends to the relation's first word ("left", "right",
+    "above", "below"; role "word")."""
+    ids_of = _WORD_IDS()
+    out = []
+    for row, ((_, q), pos) in enumerate(zip(drawn, answer_positions(labels))):
+        if q.family == "relation":
+            hits = (input_ids[row, :pos + 1] == ids_of[q.category.split()[0]]).nonzero().flatten()
+            out.append(("word", row, WORD_HEAD, pos, hits[-1:]))
+    return out
+
+
+def relation_stage(model, processor, steps: int = RELATION_STEPS, *, lr: float = RELATION_LR,
+                   batch_size: int = BATCH_SIZE, seed: int = SEED, bar=None, hook=None) -> None:
+    """Stage 4 on a model that has been through stages 1-3 (in place; tower frozen; eager attention while it runs):
+    batches half relation questions, half the stage-3 mix; stage 3's losses plus :func:`relation_word_targets` and
+    :class:`RelationFacts`. Depends only on the weights it is given and ``seed`` (its own generators), so stages
+    1-3, a save and a load, then this stage give the same weights as one :func:`train`."""
+    torch.manual_seed(seed + 4)
+    rng = random.Random(seed + 4)
+    vlm = PrunedVLM(model, processor, method=None)
+    width = model.config.text_config.hidden_size
+    probe, facts = QuestionProbe(width), RelationFacts(width)
+    model.set_attn_implementation("eager")
+    model.requires_grad_(True)
+    model.model.vision_tower.eval().requires_grad_(False)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad] + list(probe.parameters()) + list(facts.parameters())
+    opt, schedule = common.optimizer(params, max(steps, 1), lr)
+    first = bar.total - steps if bar is not None else 0
+    offset = 10 ** 9  # train scenes far from those stages 1-3 drew
+    try:
+        for step in range(steps):
+            start = offset + step * batch_size * 4
+            half = batch_size // 2
+            drawn = [relation_example(start + 2 * i, rng) for i in range(half)]
+            drawn += [example(start + 2 * batch_size + i, rng) for i in range(batch_size - half)]
+            kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
+            out = model(**kwargs, output_attentions=True, output_hidden_states=True)
+            lm = common.lm_loss(out.logits, labels)
+            positions = answer_positions(labels)
+            targets = attention_targets(kwargs["input_ids"], kwargs["attention_mask"], labels, drawn,
+                                        model.config.image_token_id)
+            looked, mass = attention_loss(out.attentions, targets)
+            word = relation_word_targets(kwargs["input_ids"], labels, drawn)
+            read = -torch.stack([out.attentions[WORD_LAYER][r, h, p, k].sum() for _, r, h, p, k in word]).add(
+                1e-6).log().mean() if word else lm.new_zeros(())
+            extra = (probe.loss(out.hidden_states[FIND_LAYER], positions, drawn)
+                     + facts.loss(out.hidden_states[FACTS_LAYER], positions, drawn))
+            loss = common.step(lm + looked + read + extra, params, opt, schedule)
+            if bar is not None:
+                bar.update(first + step, loss)
+            if (step + 1) % 100 == 0:
+                log.info("relation step %d: lm %.3f, attention %.3f (mass %s), relation word %.3f, read-outs %.3f",
+                         step + 1, lm.item(), looked.item(), {r: round(m, 2) for r, m in mass.items()},
+                         read.item(), extra.item())
+            if hook is not None:
+                hook("relation", step, model)
+    finally:
+        model.set_attn_implementation("sdpa")
+        model.eval().requires_grad_(True)
+
+
 def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: int = BATCH_SIZE,
           vision_batch_size: int = VISION_BATCH_SIZE, align_steps: int = ALIGN_STEPS, lr: float = LR,
-          sink_after: float = SINK_AFTER, seed: int = SEED, threads: int | None = THREADS, progress: bool = True,
-          on_step=None):
+          sink_after: float = SINK_AFTER, relation_steps: int = RELATION_STEPS, relation_lr: float = RELATION_LR,
+          seed: int = SEED, threads: int | None = THREADS, progress: bool = True, on_step=None, init=None):
     """Train a fresh testbed VLM; returns ``(model, processor, losses)``. Deterministic for given arguments (CPU).
 
-    Three stages, as LLaVA is built on a pretrained CLIP:
+    Four stages, as LLaVA is built on a pretrained CLIP:
 
     1. ``vision_steps``: the vision tower alone on its own objectives (:class:`TowerHeads`);
     2. ``align_steps``: the projector alone (tower frozen), aligned to the LLM's word embeddings (:func:`align_loss`);
     3. ``steps``: the projector and the LLM on the questions (families evenly), the tower frozen (LLaVA-1.5's
        recipe): LM loss + attention supervision (:func:`attention_targets`; the existence "no" sink from
-       ``sink_after`` of the steps on) + the question probe (:class:`QuestionProbe`).
+       ``sink_after`` of the steps on) + the question probe (:class:`QuestionProbe`);
+    4. ``relation_steps``: :func:`relation_stage`, half the batches relation questions, which stage 3 leaves at
+       chance.
 
-    ``losses``: one per step of every stage (stage 3: the sum of the three). ``on_step(stage, step, model)``, if
-    given, is called after each step (progress reports; it must not touch the random state).
+    ``init``: a model that has been through stages 1-3 (saved by an earlier run of this recipe): only stage 4 runs,
+    on a copy, and the result is the same as a whole run's. ``losses``: one per step of every stage run (stages 3-4:
+    the sum of their losses). ``on_step(stage, step, model)``, if given, is called after each step (progress
+    reports; it must not touch the random state).
     """
+    if init is not None:
+        model, processor = copy.deepcopy(init), testbed_model.untrained()[1]
+        bar = common.Progress(relation_steps, f"training {CACHE_NAME} (stage 4)", progress)
+        with common.torch_threads(threads):
+            try:
+                relation_stage(model, processor, relation_steps, lr=relation_lr, batch_size=batch_size, seed=seed,
+                               bar=bar, hook=on_step)
+            finally:
+                bar.close()
+        return model, processor, bar.losses
     model, processor = testbed_model.untrained()
     vlm = PrunedVLM(model, processor, method=None)
     tower = model.model.vision_tower
@@ -348,7 +473,7 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
     heads = TowerHeads(model.config.vision_config.hidden_size)
     probe = QuestionProbe(model.config.text_config.hidden_size)
     t0 = time.perf_counter()
-    bar = common.Progress(vision_steps + align_steps + steps, f"training {CACHE_NAME}", progress)
+    bar = common.Progress(vision_steps + align_steps + steps + relation_steps, f"training {CACHE_NAME}", progress)
     hook = on_step or (lambda stage, step, model: None)
     pixels = lambda batch: processor.image_processor(  # noqa: E731
         [scenes.render(s) for s in batch], return_tensors="pt")["pixel_values"]
@@ -399,12 +524,14 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
                     log.info("LLM step %d: lm %.3f, attention %.3f (mass %s), probe %.3f", step + 1, lm.item(),
                              looked.item(), {r: round(m, 2) for r, m in mass.items()}, probed.item())
                 hook("llm", step, model)
+            relation_stage(model, processor, relation_steps, lr=relation_lr, batch_size=batch_size, seed=seed,
+                           bar=bar, hook=hook)
         finally:
             bar.close()
             model.set_attn_implementation("sdpa")
             model.eval().requires_grad_(True)
     losses = bar.losses
-    log.info("trained %s: %d + %d + %d steps in %.0f s, loss %.3f -> %.3f", CACHE_NAME, vision_steps, align_steps,
-             steps, time.perf_counter() - t0, losses[0] if losses else float("nan"),
+    log.info("trained %s: %d + %d + %d + %d steps in %.0f s, loss %.3f -> %.3f", CACHE_NAME, vision_steps,
+             align_steps, steps, relation_steps, time.perf_counter() - t0, losses[0] if losses else float("nan"),
              losses[-1] if losses else float("nan"))
     return model, processor, losses

@@ -106,15 +106,15 @@ def test_attention_targets_point_at_the_named_objects_and_words():
 def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMPRUNE_CACHE", str(tmp_path))
     monkeypatch.setenv(zoo.RETRAIN_ENV, "1")  # the recipe, not the shipped weights (tests/testbed/test_shipped)
-    kwargs = dict(vision_steps=6, align_steps=4, steps=8, batch_size=6, vision_batch_size=8, threads=1,
-                  progress=False)
+    kwargs = dict(vision_steps=6, align_steps=4, steps=8, relation_steps=2, batch_size=6, vision_batch_size=8,
+                  threads=1, progress=False)
     model_a, _, losses_a = training.train(**kwargs)
     model_b, _, losses_b = training.train(**kwargs)
-    assert losses_a == losses_b and len(losses_a) == 18
+    assert losses_a == losses_b and len(losses_a) == 6 + 4 + 8 + 2
     assert all(torch.equal(a, b) for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()))
     assert min(losses_a[:6][-2:]) < losses_a[0]  # the vision objectives go down
     assert losses_a[9] < losses_a[6]  # the projector's alignment
-    assert sum(losses_a[-2:]) / 2 < sum(losses_a[10:12]) / 2  # and the answer loss
+    assert sum(losses_a[16:18]) / 2 < sum(losses_a[10:12]) / 2  # and the answer loss
 
     calls = []
     real = training.train
@@ -129,3 +129,45 @@ def test_short_training_is_deterministic_and_learns(tmp_path, monkeypatch):
     assert again.model.config.vision_config.image_size == 96
     with pytest.raises(ValueError, match="unknown testbed arch 'qwen'"):
         PrunedVLM.from_pretrained("testbed:qwen", method=None)
+
+
+def test_relation_stage_targets_hand_worked():
+    """Stage 4's read-out targets and its relation-word attention target, on the hand-worked scene above."""
+    objs = (scenes.Obj("red", "square", "large", 0, 0, 0, 0), scenes.Obj("blue", "circle", "small", 4, 4, 1, 0))
+    scene = scenes.Scene("test", 0, objs, "plain", 0)
+    drawn = [(scene, scenes.Question("relation", "Is the red square above the blue circle?", "yes", "above", (0, 1))),
+             (scene, scenes.Question("relation", "Is the blue circle left of the red square?", "no", "left of", (1, 0))),
+             (scene, scenes.Question("count", "How many objects are there?", "2", "", (0, 1)))]
+    # red square centre (8, 8), blue circle (73, 72): the square is left of and above the circle
+    assert training.relation_facts(*drawn[0]) == [1, 1, list(scenes.RELATIONS).index("above")]
+    assert training.relation_facts(*drawn[1]) == [0, 0, list(scenes.RELATIONS).index("left of")]
+    model, processor, kwargs, labels = _batch(drawn)
+    found = training.relation_word_targets(kwargs["input_ids"], labels, drawn)
+    assert [(role, row, head) for role, row, head, _, _ in found] == [("word", 0, training.WORD_HEAD),
+                                                                     ("word", 1, training.WORD_HEAD)]
+    words = [processor.tokenizer.convert_ids_to_tokens(kwargs["input_ids"][row, keys].tolist())
+             for _, row, _, _, keys in found]
+    assert words == [["above"], ["left"]]
+    positions = training.answer_positions(labels)
+    assert [pos for _, _, _, pos, _ in found] == positions[:2]
+
+
+def test_stage_four_on_saved_stages_one_to_three_gives_a_whole_runs_weights(tmp_path):
+    """What lets the shipped file be made by stage 4 on a saved stage-3 model: the same weights, to the bit, as one
+    run of all four stages (same machine, one thread)."""
+    from transformers import LlavaForConditionalGeneration
+
+    kwargs = dict(vision_steps=2, align_steps=2, steps=3, batch_size=4, vision_batch_size=4, threads=1,
+                  progress=False)
+    whole, _, _ = training.train(relation_steps=3, **kwargs)
+    first, _, _ = training.train(relation_steps=0, **kwargs)
+    first.save_pretrained(tmp_path)
+    loaded = LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    resumed, _, losses = training.train(relation_steps=3, init=loaded, **kwargs)
+    assert len(losses) == 3
+    names = list(whole.state_dict())
+    assert all(torch.equal(whole.state_dict()[n], resumed.state_dict()[n]) for n in names)
+    llm = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(whole.state_dict()[llm], first.state_dict()[llm])  # stage 4 did train
+    tower = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
+    assert torch.equal(whole.state_dict()[tower], first.state_dict()[tower])  # with the tower frozen

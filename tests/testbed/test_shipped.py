@@ -49,8 +49,8 @@ def test_a_corrupted_or_stale_file_is_refused(tmp_path):
 
 def test_the_recipe_shrunken_makes_a_loadable_verified_model(tmp_path, monkeypatch):
     out = tmp_path / "weights"
-    meta = shipped.make(out, eval_n=4, vision_steps=2, align_steps=2, steps=3, batch_size=4, vision_batch_size=4,
-                        progress=False)
+    meta = shipped.make(out, eval_n=4, vision_steps=2, align_steps=2, steps=3, relation_steps=2, batch_size=4,
+                        vision_batch_size=4, progress=False)
     assert meta["sha256"] == shipped.sha256(out / shipped.WEIGHTS_FILE)
     assert meta["hyperparameters"]["steps"] == 3 and len(meta["fixed_answers"]) == 2 * len(scenes.FAMILIES)
     assert set(meta["scores"]) == {"n_per_family", "budget", "unpruned", "random@16", "divprune@16",
