@@ -186,6 +186,8 @@ def main(argv=None) -> None:
                         help="a directory saved by stages 1-3 of this recipe (--relation-steps 0): run stage 4 on it")
     for name in ("steps", "vision_steps", "align_steps", "relation_steps", "batch_size", "vision_batch_size", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    parser.add_argument("--relation-answer", action="store_true", default=None,
+                        help="stage 4 also reads the relation's answer out of the residual entering layer 3")
     parser.add_argument("--sink-after", type=float, default=None,
                         help="share of the LLM steps before an existence 'no' is taught to look at the sink")
     args = parser.parse_args(argv)
@@ -193,7 +195,8 @@ def main(argv=None) -> None:
     if out is None:
         parser.error("give --out DIR (promprune/testbed/weights to remake the shipped file) or --retrain")
     kwargs = {name: getattr(args, name) for name in ("steps", "vision_steps", "align_steps", "relation_steps",
-                                                     "batch_size", "vision_batch_size", "seed", "sink_after")
+                                                     "batch_size", "vision_batch_size", "seed", "sink_after",
+                                                     "relation_answer")
               if getattr(args, name) is not None}
     logging.basicConfig(level=logging.INFO)
     command = "python -m promprune.testbed.shipped " + " ".join(argv if argv is not None else sys.argv[1:])
