@@ -3,7 +3,7 @@
 # `testbed:llava` weights (promprune/testbed/weights/, checksum-verified; nothing is trained), each followed by
 # its report.
 #   bash scripts/testbed_reproduce.sh            # MLflow store: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
-#   bash scripts/testbed_reproduce.sh --retrain  # first train the model from the recipe (about an hour of one CPU
+#   bash scripts/testbed_reproduce.sh --retrain  # first train the model from the recipe (about 1.5 hours of one CPU
 #                                                # thread) into $PROMPRUNE_CACHE/testbed-llava-<recipe>, and use that
 # Reports land in reports/<sweep>/ (report.md, CSVs, PNGs) and on each sweep's MLflow parent run.
 set -euo pipefail

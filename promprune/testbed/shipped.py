@@ -6,7 +6,7 @@ committed (``promprune/testbed/weights/``), as a model zoo ships its checkpoints
 sha256, the per-family scores (with chance levels) unpruned and pruned, and a few fixed questions with the greedy
 answers the weights gave when they were made (the tests check both the checksum and the answers).
 
-Reproduce (about an hour of one CPU thread; one thread gives the same weights on one CPU type, not across them)::
+Reproduce (about 1.5 hours of one CPU thread; one thread gives the same weights on one CPU type, not across them)::
 
     python -m promprune.testbed.shipped --out promprune/testbed/weights
 """

@@ -5,7 +5,7 @@ and trains nothing. ``python -m promprune.testbed.shipped --out DIR`` (or ``--re
 recipe; ``$PROMPRUNE_TESTBED_RETRAIN=1`` makes ``testbed:llava`` use the recipe's cache instead of the shipped file.
 
 Every step draws fresh scenes from the train seed stream (an endless, deterministic supply; the evaluation tasks
-use the test stream). Recipe v5, three stages, as LLaVA is built on a pretrained CLIP tower:
+use the test stream). Recipe v6, four stages, as LLaVA is built on a pretrained CLIP tower:
 
 1. The vision tower alone, on objectives that stand in for the pretraining a real CLIP tower comes with
    (:class:`TowerHeads`): each patch token of the layer LLaVA reads says what lies under it (the object kind, its
@@ -28,11 +28,17 @@ use the test stream). Recipe v5, three stages, as LLaVA is built on a pretrained
      residual stream entering layer ``FIND_LAYER`` at that position, so the gathered words are there for the
      find heads' queries.
 
-   The probe and the attention losses shape training only; inference is the plain LLaVA forward pass.
+4. Relations (:func:`relation_stage`), which stage 3 leaves at chance: half of each batch relation questions, half
+   stage 3's mix; stage 3's losses plus a head of layer ``WORD_LAYER`` on the relation's word, read-outs of where
+   the first object lies against the second entering layer ``FACTS_LAYER`` (:class:`RelationFacts`) and of the
+   answer entering layer ``ANSWER_LAYER`` (:class:`RelationAnswer`).
+
+   The read-outs and the attention losses shape training only; inference is the plain LLaVA forward pass.
 
 Earlier recipes (docs/testbed.md): v1 (local patch targets only) learned to count by the share of object tokens and
-nothing else; v2 (patch tokens carrying the whole scene) counted and stayed at chance on the rest. One torch thread:
-the same weights on machines of one CPU type (not across CPU types).
+nothing else; v2 (patch tokens carrying the whole scene) counted and stayed at chance on the rest; v5 (stages 1-3)
+answered everything but relations. One torch thread: the same weights on machines of one CPU type (not across CPU
+types).
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ log = logging.getLogger(__name__)
 F = torch.nn.functional
 
 ARCH = "llava"
-RECIPE = "v5"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
+RECIPE = "v6"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
 CACHE_NAME = f"testbed-llava-{RECIPE}"  # so a stale cache is never reused
 SEED = 0
 VISION_STEPS = 4000
@@ -65,12 +71,12 @@ STEPS = 5000
 BATCH_SIZE = 32
 LR = 2e-3
 SINK_AFTER = 0.5  # share of the LLM steps before an existence "no" is taught to look at the sink
-RELATION_STEPS = 0  # stage 4 (relations), off: tried at 1,000 steps, relations stayed at chance (docs/testbed.md)
+RELATION_STEPS = 1500  # stage 4: relations, which stage 3 leaves at chance, on top of stage 3's mix
 RELATION_LR = 1e-3
 WORD_LAYER, WORD_HEAD = 0, 0  # stage 4: the head that reads a relation question's relation word
 FACTS_LAYER = 2  # stage 4: the residual entering this layer says where the first object lies against the second
 ANSWER_LAYER = 3  # stage 4, with relation_answer: the residual entering this layer says whether the relation holds
-RELATION_ANSWER = False
+RELATION_ANSWER = True  # without it, 1,000 steps left relations at chance (docs/testbed.md)
 FIND_LAYER, FIND_HEADS = 1, (0, 1)  # the heads that look at the objects a question names
 GATHER_LAYER, GATHER_HEADS = 0, (2, 3)  # the heads that read the words naming them
 TOWER_CHECK_SCENES = 64  # test scenes the log's tower accuracies are measured on (no training effect)

@@ -37,7 +37,7 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
         log.warning("no shipped testbed weights in %s: training from the recipe", shipped.WEIGHTS_DIR)
     directory = Path(directory) if directory is not None else training.cache_path()
     model = common.load_trained(directory, lambda: training.train(**train_kwargs)[:2],
-                                f"testbed:llava recipe {training.RECIPE} on testbed train scenes (about an hour of "
+                                f"testbed:llava recipe {training.RECIPE} on testbed train scenes (about 1.5 hours of "
                                 "one CPU thread)")
     return model, processor
 

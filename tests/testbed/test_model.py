@@ -135,8 +135,9 @@ def test_relation_stage_targets_hand_worked():
     """Stage 4's read-out targets and its relation-word attention target, on the hand-worked scene above."""
     objs = (scenes.Obj("red", "square", "large", 0, 0, 0, 0), scenes.Obj("blue", "circle", "small", 4, 4, 1, 0))
     scene = scenes.Scene("test", 0, objs, "plain", 0)
-    drawn = [(scene, scenes.Question("relation", "Is the red square above the blue circle?", "yes", "above", (0, 1))),
-             (scene, scenes.Question("relation", "Is the blue circle left of the red square?", "no", "left of", (1, 0))),
+    ask = lambda text, answer, relation, refs: (scene, scenes.Question("relation", text, answer, relation, refs))  # noqa: E731
+    drawn = [ask("Is the red square above the blue circle?", "yes", "above", (0, 1)),
+             ask("Is the blue circle left of the red square?", "no", "left of", (1, 0)),
              (scene, scenes.Question("count", "How many objects are there?", "2", "", (0, 1)))]
     # red square centre (8, 8), blue circle (73, 72): the square is left of and above the circle
     assert training.relation_facts(*drawn[0]) == [1, 1, list(scenes.RELATIONS).index("above")]
