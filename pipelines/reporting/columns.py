@@ -39,7 +39,7 @@ _DISPLAY = {
     "mmvet": ("MM-Vet", 1.0, 1),  # aggregation already in %
     "easyvqa_yesno": ("EasyVQA yes/no", 100.0, 1),  # POPE-style: F1
     "easyvqa_open": ("EasyVQA open", 100.0, 1),
-    # the prominence testbed (promprune.testbed): yes/no tasks by F1, the others by exact match
+    # the prominence testbed (promprune.testbed): existence by F1, relations by accuracy, the others by exact match
     "testbed_exist": ("Exist", 100.0, 1),
     "testbed_count": ("Count", 100.0, 1),
     "testbed_attribute": ("Attribute", 100.0, 1),

@@ -110,3 +110,18 @@ def test_hub_task_without_network_fails_clearly(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(TaskUnavailableError, match=r"'pope'.*Hugging Face hub.*easyvqa_yesno"):
         build_requests(["pope"], limit=1)
+
+
+def test_every_testbed_tasks_primary_metric_is_one_its_yaml_declares():
+    """The report's column for a testbed task reads PRIMARY_METRICS; a name the task never logs shows as "-"
+    (testbed_relation logged accuracy while the table asked for exact_match)."""
+    import re
+    from pathlib import Path
+
+    from promprune.eval.tasks import PRIMARY_METRICS, TESTBED_TASKS
+
+    folder = Path(__file__).resolve().parents[2] / "promprune" / "eval" / "lmms_tasks" / "testbed"
+    for task in TESTBED_TASKS:
+        declared = set(re.findall(r"- metric: (\w+)", (folder / f"_{task}_yaml").read_text()))
+        assert set(PRIMARY_METRICS[task]) <= declared, (task, PRIMARY_METRICS[task], declared)
+    assert PRIMARY_METRICS["testbed_relation"] == ("accuracy",)
