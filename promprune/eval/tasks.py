@@ -69,8 +69,8 @@ PRIMARY_METRICS: dict[str, tuple[str, ...]] = {
     "easyvqa_yesno": ("f1",),
     "easyvqa_open": ("exact_match",),
     # the testbed: existence by F1 (POPE's headline), relations (balanced yes/no) by accuracy, the rest exact match
-    **{t: ("f1",) if t.startswith("testbed_exist") else ("exact_match",) for t in TESTBED_TASKS},
-    "testbed_relation": ("accuracy",),
+    **{t: ("f1",) if t.startswith("testbed_exist") else ("accuracy",) if t == "testbed_relation" else ("exact_match",)
+       for t in TESTBED_TASKS},
     # video (issue 26): MVBench's accuracy (%), on its tasks and on the offline stand-in
     **{t: ("mvbench_accuracy",) for t in ("testbed_video_direction", "mvbench_moving_direction",
                                           "mvbench_action_sequence", "mvbench_object_interaction")},

@@ -186,8 +186,9 @@ def main(argv=None) -> None:
                         help="a directory saved by stages 1-3 of this recipe (--relation-steps 0): run stage 4 on it")
     for name in ("steps", "vision_steps", "align_steps", "relation_steps", "batch_size", "vision_batch_size", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    parser.add_argument("--relation-answer", action="store_true", default=None,
-                        help="stage 4 also reads the relation's answer out of the residual entering layer 3")
+    parser.add_argument("--relation-answer", action=argparse.BooleanOptionalAction, default=None,
+                        help="stage 4 also reads the relation's answer out of the residual entering layer 3 "
+                             "(the recipe's default: on)")
     parser.add_argument("--sink-after", type=float, default=None,
                         help="share of the LLM steps before an existence 'no' is taught to look at the sink")
     args = parser.parse_args(argv)

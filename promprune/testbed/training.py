@@ -361,6 +361,13 @@ def relation_example(index: int, rng: random.Random):
         index += 1
 
 
+def relation_rows(hidden: torch.Tensor, positions: list[int], drawn) -> tuple[list[int], torch.Tensor | None]:
+    """The batch rows asking a relation question, and ``hidden`` [B, T, width] at their answer-predicting
+    ``positions`` ([rows, width]; None without such a row): what stage 4's read-outs read."""
+    rows = [i for i, (_, q) in enumerate(drawn) if q.family == "relation"]
+    return rows, hidden[rows, [positions[i] for i in rows]] if rows else None
+
+
 class RelationFacts(torch.nn.Module):
     """Linear read-outs of :func:`relation_facts` from the residual entering layer FACTS_LAYER at the position that
     predicts a relation question's answer. Training only."""
@@ -370,10 +377,9 @@ class RelationFacts(torch.nn.Module):
         self.heads = torch.nn.ModuleList([torch.nn.Linear(width, n) for n in (2, 2, len(RELATIONS))])
 
     def loss(self, hidden: torch.Tensor, positions: list[int], drawn) -> torch.Tensor:
-        rows = [i for i, (_, q) in enumerate(drawn) if q.family == "relation"]
+        rows, h = relation_rows(hidden, positions, drawn)
         if not rows:
             return hidden.new_zeros(())
-        h = hidden[rows, [positions[i] for i in rows]]
         t = torch.tensor([relation_facts(*drawn[i]) for i in rows])
         return sum(F.cross_entropy(head(h), t[:, k]) for k, head in enumerate(self.heads))
 
@@ -387,11 +393,11 @@ class RelationAnswer(torch.nn.Module):
         self.head = torch.nn.Linear(width, 2)
 
     def loss(self, hidden: torch.Tensor, positions: list[int], drawn) -> torch.Tensor:
-        rows = [i for i, (_, q) in enumerate(drawn) if q.family == "relation"]
+        rows, h = relation_rows(hidden, positions, drawn)
         if not rows:
             return hidden.new_zeros(())
         t = torch.tensor([int(drawn[i][1].answer == "yes") for i in rows])
-        return F.cross_entropy(self.head(hidden[rows, [positions[i] for i in rows]]), t)
+        return F.cross_entropy(self.head(h), t)
 
 
 def relation_word_targets(input_ids, labels, drawn) -> list:
