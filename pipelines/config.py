@@ -55,25 +55,39 @@ def one_of(*choices: str) -> Any:
 PositiveOrAuto = Annotated[Annotated[StrictInt, Field(ge=1)] | Literal["auto"], expect("an int >= 1 or 'auto'")]
 
 
+Device = one_of("auto", "gpu", "cpu")
+
+
 @with_config(SECTION)
 @dataclass
 class Resources:
-    """How an evaluation runs on the cluster (the spec's ``resources:`` section)."""
+    """How an evaluation runs on the cluster (the spec's ``resources:`` section; `pipelines/run/resources.py` plans
+    with it)."""
 
-    # actors per evaluation; auto: spread the GPUs over the trials, 1 on CPU
+    # most actors one evaluation's pool grows to; auto: as many as its blocks and the cluster allow
     workers: PositiveOrAuto = AUTO
-    # a 7B model in bf16 fits one 24+ GB GPU; ignored when the cluster has no GPU
-    gpus_per_worker: Annotated[Number, Field(ge=0), expect("a number >= 0")] = 1
+    # gpu: actors need GPUs (a sweep waits actor_wait_s for them, then exits 2); cpu: actors on CPUs; auto: gpu on a
+    # cluster the sweep joins or a machine with GPUs, cpu on a local Ray without GPUs (said on the console)
+    device: Device = "auto"
+    # a 7B model in bf16 fits one 24+ GB GPU (device gpu)
+    gpus_per_worker: Annotated[Number, Field(gt=0), expect("a number > 0")] = 1
     # image decoding and the processor are light; one core keeps 2-core laptops usable
     cpus_per_worker: Annotated[Number, Field(ge=0), expect("a number >= 0")] = 1
-    # rows per map_batches call and per generate(); 8 fits a 7B model on a 24 GB GPU
+    # GPUs a sweep may grow to (it asks the autoscaler for them); auto: all it can use
+    max_gpus: PositiveOrAuto = AUTO
+    # requests per actor call (one sealed block) and per generate(); 8 fits a 7B model on a 24 GB GPU
     batch_size: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 8
-    # DataContext.wait_for_min_actors_s: an unschedulable pool fails after this long
+    # a sweep that wants GPUs on a cluster with none waits this long for the first GPU node, then exits 2
     actor_wait_s: Annotated[Number, Field(gt=0), expect("a number of seconds > 0 (finite)")] = 600
+    # attempts of a block whose actor dies on it (or hangs past block_timeout_s); then its samples fail
+    block_attempts: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 3
+    # one block's generation past this is a hung actor: it is restarted and the block retried; a block of 8
+    # long answers (1024 tokens) of a 7B model takes about a minute on an A100
+    block_timeout_s: Annotated[Number, Field(gt=0), expect("a number of seconds > 0 (finite)")] = 1800
     # publish the weights to the object store once per sweep (see docs/pipeline.md: weight loading)
     share_weights: Annotated[bool, Field(strict=True), expect("true/false")] = True
 
     @property
-    def actors(self) -> int:
-        """The actor pool's size (``auto`` outside a sweep's plan: one actor)."""
-        return 1 if self.workers == AUTO else int(self.workers)
+    def actors(self) -> int | None:
+        """The most actors of one evaluation's pool (None: ``auto``, as many as it can use)."""
+        return None if self.workers == AUTO else int(self.workers)

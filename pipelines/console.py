@@ -58,11 +58,12 @@ def quiet(log_path: Path):
 
 @contextlib.contextmanager
 def progress(total: int, description: str):
-    """The sweep's one progress bar (trials done, samples, ETA) on the terminal; a no-op when not a terminal."""
+    """The sweep's one progress bar (samples answered over all trials, trials done, ETA) on the terminal; a no-op
+    when not a terminal."""
     global _bar
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc=description, unit="trial", file=terminal(), dynamic_ncols=True,
+    bar = tqdm(total=total, desc=description, unit="sample", file=terminal(), dynamic_ncols=True,
                disable=not terminal().isatty())
     _bar = None if bar.disable else bar
     try:

@@ -7,21 +7,19 @@ Setup -> run -> cleanup:
 
 1. rows (`pipelines/run/requests.py`): `promprune.eval.build_requests(tasks, limit=...)` (`promprune.records.Request`:
    task, doc_id, prompt, PNG bytes, image key, gen_kwargs), on the driver for small evaluations or in parallel
-   shards as Ray tasks for large ones, stored once in the object store as Arrow blocks (`arrow_schema(Request)`) in
-   which the questions about one image sit together and its PNG is stored once
-   (`promprune.eval.requests.pack_requests`).
-2. A `PredictorPool` (`pipelines/run/pool.py`): actors that each load the model once (one GPU each when the cluster
-   has GPUs, CPU otherwise) and turn a block of requests into a block of `promprune.records.Prediction`s under
-   `torch.inference_mode()`, taking each call's method, budget and options. A sweep starts one pool for all its
-   trials and passes it to `evaluate(..., pool=)`; a single evaluation starts its own. A pool that cannot be
-   scheduled fails within `actor_wait_s` instead of hanging; an actor lost with its node restarts and its blocks go
-   to the others.
+   shards as Ray tasks for large ones, stored once in the object store as sealed blocks (the questions about one
+   image together, its PNG once), one row of a Ray Dataset each.
+2. The engine (`pipelines/run/engine.py`): Ray Data maps the blocks over an autoscaling pool of actors that each load
+   the model once (on GPUs, or on CPUs on a machine without them: `pipelines/run/resources.py`) and stream the
+   predictions back; Ray restarts lost actors and retries their blocks (`resources.block_attempts`), a hung block is
+   retried after `resources.block_timeout_s`, and a block out of attempts becomes failed samples.
 3. The result (`pipelines/run/result.py`): the blocks assembled into one predictions table, checked to hold every
    sample exactly once (nothing is de-duplicated silently), scored once centrally (`promprune.eval.score`) and
    summarized: a `TrialResult`.
 
 Run as a script it also logs one MLflow run (role `evaluation`) with the same metrics and artifacts as a sweep
-trial. `pipelines/sweep.py` calls `evaluate()` inside each Ray Tune trial.
+trial. `pipelines/sweep.py` calls `evaluate()` inside each Ray Tune trial, with the sweep's plan and the trial's
+saved blocks.
 """
 from __future__ import annotations
 
@@ -39,10 +37,12 @@ from promprune.records import Request
 from pipelines import timeline, tracking
 from pipelines.config import Resources
 from pipelines.console import say
-from pipelines.run.pool import PredictorPool, cluster_gpus
+from pipelines.run import engine
+from pipelines.run import resources as planning
+from pipelines.run.checkpoints import BlockStore
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
-from pipelines.run.result import TrialResult, assemble_predictions
+from pipelines.run.result import TrialResult
 from pipelines.weights import ModelSource
 
 
@@ -58,41 +58,48 @@ class EvalConfig:
     limit: int | None = None  # per-task sample cap
     video_frames: int = 8  # frames sampled from each clip of a video task (promprune.models.video.DEFAULT_FRAMES)
     generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: the task's own
-    resources: Resources = field(default_factory=Resources)  # actors, GPUs and CPUs per actor, batch size, wait
-    progress_bars: bool = True  # kept for callers; the pool prints no bars (sweeps print one line per trial)
+    resources: Resources = field(default_factory=Resources)  # actors, GPUs and CPUs per actor, batch size, failover
+    progress_bars: bool = True  # kept for callers; the engine prints no bars (sweeps print one line per trial)
     bootstrap: int = 0  # resamples for 95% CIs of each task's primary metrics (<metric>_ci_low/_ci_high); 0: none
+
+    def job(self, run_fn: Callable | None = None) -> engine.Job:
+        return engine.Job(self.model, self.method, self.budget, self.options, self.resources.batch_size, run_fn)
+
+    def failover(self) -> engine.Failover:
+        return engine.Failover(self.resources.block_attempts, self.resources.block_timeout_s)
 
 
 def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable | None = None,
-            pool: PredictorPool | None = None) -> pa.Table:
-    """Share the request blocks out over actors holding the model: the predictions table (`PREDICTION_SCHEMA`),
-    one row per request, sorted by (task, doc_id). pool: a sweep's shared actors (they carry their own run_fn);
-    None: a pool started for this call alone (`resources.actors` actors, one GPU each when the cluster has GPUs)
-    and shut down after it: one inference path for sweeps and single evaluations."""
+            plan: planning.Plan | None = None, store: BlockStore | None = None,
+            on_block: Callable | None = None) -> pa.Table:
+    """The blocks through the engine: the predictions table (`PREDICTION_SCHEMA`), one row per request, sorted by
+    (task, doc_id). ``plan``: a sweep's (its driver waited for capacity and asked the autoscaler); None: this
+    evaluation plans for itself, asks for its actors and waits up to ``resources.actor_wait_s`` for the first GPU
+    (`planning.NoCapacity` otherwise). ``store`` / ``on_block``: see `engine.run`."""
     if not isinstance(rows, Requests):
         rows = requests_dataset(rows, cfg.resources.batch_size)
-    own = pool is None
-    if own:
-        pool = PredictorPool.start(cfg.model, cfg.resources.actors, cfg.resources, on_gpu=cluster_gpus() > 0,
-                                   run_fn=run_fn)
-    try:
-        timeline.mark("first_request", "trial")
-        tables = pool.map(rows.blocks, cfg.method, cfg.budget, cfg.options, cfg.resources.actor_wait_s)
-        timeline.mark("last_answer", "trial")
-    finally:
-        if own:
-            pool.shutdown()
-    return assemble_predictions(rows.keys, tables)
+    timeline.mark("first_request", "trial")
+    if plan is not None:
+        return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block)
+    plan = planning.plan(cfg.resources, 1, len(rows.blocks))
+    if plan.note:
+        say(plan.note)
+    with planning.Demand(plan):
+        if plan.on_gpu:
+            planning.wait_for_capacity(plan, cfg.resources.actor_wait_s)
+        return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block)
 
 
 def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, run_fn: Callable | None = None,
-             score_fn: Callable | None = None, pool: PredictorPool | None = None) -> TrialResult:
-    """Requests (built here unless given) -> predictions on a pool of actors (a sweep's `pool`, or one of its
-    own) -> scores (once, centrally) -> metrics: one `TrialResult`."""
+             score_fn: Callable | None = None, plan: planning.Plan | None = None, store: BlockStore | None = None,
+             on_block: Callable | None = None) -> TrialResult:
+    """Requests (built here unless given) -> predictions from the engine -> scores (once, centrally) -> metrics:
+    one `TrialResult`."""
     if rows is None:
         rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size,
                                       video_frames=cfg.video_frames)
-    result = TrialResult.scored(predict(cfg, rows, run_fn=run_fn, pool=pool), score_fn, bootstrap=cfg.bootstrap)
+    predictions = predict(cfg, rows, run_fn=run_fn, plan=plan, store=store, on_block=on_block)
+    result = TrialResult.scored(predictions, score_fn, bootstrap=cfg.bootstrap)
     timeline.mark("trial_scored", "trial")
     return result
 
@@ -114,7 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=8, help="samples per task (default 8: a smoke run)")
     p.add_argument("--video-frames", type=int, default=8,
                    help="frames sampled uniformly from each clip of a video task (default 8)")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=None, help="most actors (default: as many as the blocks and the "
+                   "cluster allow)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-new-tokens", type=int, default=None,
@@ -166,14 +174,19 @@ def main(argv: list[str] | None = None) -> int:
                      budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
                      video_frames=args.video_frames,
                      generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
-                     resources=Resources(workers=args.workers, batch_size=args.batch_size))
+                     resources=Resources(workers="auto" if args.workers is None else args.workers,
+                                         batch_size=args.batch_size))
     try:
         connect(args.address)
     except RayUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    result = evaluate(cfg)
+    try:
+        result = evaluate(cfg)
+    except planning.NoCapacity as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"evaluated {result.predictions.num_rows} samples in {time.perf_counter() - t0:.1f}s")
     for key, value in sorted(result.metrics.items()):
         print(f"  {key:32s} {value:.4g}")

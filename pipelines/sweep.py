@@ -8,30 +8,34 @@
 
 Setup -> run -> cleanup:
 
-1. setup: validate the spec completely (no model load), connect to Ray, build the request rows once on the driver,
-   publish the model weights to the object store once (see pipelines/weights.py), open the MLflow parent run.
+1. setup: validate the spec completely (no model load), connect to Ray, plan the resources
+   (`pipelines/run/resources.py`: GPU or CPU, how far each trial's actor pool may grow, trials at once) and ask the
+   autoscaler for them, build the request rows once on the driver, wait for the first GPU node when the spec wants
+   GPUs (exit 2 after `resources.actor_wait_s`), publish the model weights to the object store once (see
+   pipelines/weights.py), open the MLflow parent run.
 2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list; random search
-   draws from the grid with a seed), at most as many at once as the GPUs allow, retrying failed trials
-   (`FailureConfig`). The sweep starts its actors once (`PredictorPool`: each loads the model once) and every
-   trial sends its batches to them, a trial or two queued behind the running ones so that one trial's scoring and
-   logging never leaves the actors idle; a trial hands its `TrialResult` (one parquet file: predictions, scores,
-   metrics) back as its Tune checkpoint. The driver (and only the driver) logs each finished trial as an MLflow
-   child run, uploading that file as it is.
+   draws from the grid with a seed), `plan.trials_at_once` at a time, retrying failed trials (`FailureConfig`).
+   A trial is one Ray Data evaluation (`pipelines/run/engine.py`): its blocks mapped over an autoscaling pool of
+   actors that load the published weights, predictions streamed back and saved block by block beside the Tune
+   experiment (`pipelines/run/checkpoints.py`), progress (samples done, running scores) reported to Tune as they
+   come; a retried or resumed trial generates only the blocks it has not saved. Its `TrialResult` (one parquet file:
+   predictions, scores, metrics) is its final Tune checkpoint; the driver (and only the driver) logs each finished
+   trial as an MLflow child run, uploading that file as it is.
 3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table and the
-   command that opens the MLflow UI.
+   command that opens the MLflow UI; the autoscaler request is withdrawn.
 
-`--resume` restores the Tune experiment: finished trials are not run again, unfinished and errored ones are,
-and the same MLflow parent run continues.
+`--resume` restores the Tune experiment: finished trials are not run again, unfinished and errored ones continue
+from their saved blocks, and the same MLflow parent run continues.
 
-The parts live in `pipelines/run/`: requests.py (the requests in the object store), pool.py (the actors),
-result.py (TrialResult), ray_connect.py, resources.py (actors and trials at once), state.py (sweep state and
---resume), recorder.py (the driver's MLflow logging); this file is the trial, the Tune run and the CLI.
+The parts live in `pipelines/run/`: requests.py (the requests as a Ray Dataset of sealed blocks), engine.py (the
+actors and the Ray Data evaluation), checkpoints.py (a trial's saved blocks), result.py (TrialResult),
+ray_connect.py, resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and --resume),
+recorder.py (the driver's MLflow logging); this file is the trial, the Tune run and the CLI.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import socket
 import sys
@@ -52,17 +56,19 @@ from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines import timeline, tracking
 from pipelines.evaluate import EvalConfig, evaluate, random_weights_note
-from pipelines.run.pool import PredictorPool
+from pipelines.run import resources as planning
+from pipelines.run.checkpoints import BlockStore, sweep_dir, trial_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, summary_table
 from pipelines.run.requests import Requests, build_requests_dataset
-from pipelines.run.resources import Plan, plan_resources
 from pipelines.run.state import fingerprint, mark_dead_runs, resume_command, resumed_state, save_state, storage_root
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
+# a running score (lmms-eval over the samples answered so far) at most this often, besides the scheduler's milestones
+SCORE_EVERY_S = 30.0
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
 # 130 interrupted (the shell's code for Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -82,20 +88,55 @@ def tune_trial(trial: specs.Trial, calibrated: dict) -> dict:
     return config
 
 
-def run_trial(config: dict, *, source: ModelSource, rows: Requests | list[dict], settings: dict,
-              run_fn: Callable | None = None, pool: PredictorPool | None = None) -> None:
-    """Evaluate one trial (``config["trial"]``: `tune_trial`) on the sweep's actors (`pool`; None: a pool of its
-    own) and report its metrics, with the `TrialResult` file as the checkpoint."""
+class TrialProgress:
+    """What a running trial reports to Tune after each block: ``samples/done`` (of ``samples/total``), and running
+    scores (``<task>/<metric>`` over the samples answered so far, the same keys as the final report) when the
+    samples reach one of ``score_at`` (a scheduler's milestones) or `SCORE_EVERY_S` has passed since the last."""
+
+    def __init__(self, total: int, score_at: list[int] | None = None, score_every_s: float = SCORE_EVERY_S):
+        self.total, self.score_at = total, sorted(score_at or [])
+        self.every, self.last = score_every_s, time.monotonic()
+
+    def __call__(self, done: int, tables: list) -> None:
+        metrics = {"samples/done": float(done), "samples/total": float(self.total)}
+        due = [m for m in self.score_at if m <= done]
+        if done < self.total and (due or time.monotonic() - self.last >= self.every):
+            self.score_at = [m for m in self.score_at if m > done]
+            metrics.update(running_scores(tables))
+            self.last = time.monotonic()
+        tune.report(metrics)
+
+
+def running_scores(tables: list) -> dict[str, float]:
+    """lmms-eval's metrics over the predictions so far (`promprune.eval.score(partial=True)`), flat."""
+    import pyarrow as pa
+
+    from pipelines.run.result import SCORED_COLUMNS
+    from promprune.eval import score
+
+    rows = pa.concat_tables(tables).select(SCORED_COLUMNS).to_pylist()
+    return {f"{task}/{name}": float(v) for task, ms in score(rows, partial=True).items() for name, v in ms.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def run_trial(config: dict, *, source: ModelSource, rows: Requests, settings: dict, plan: planning.Plan,
+              blocks: str, run_fn: Callable | None = None) -> None:
+    """Evaluate one trial (``config["trial"]``: `tune_trial`) with the engine, saving its blocks under ``blocks``
+    (`checkpoints.trial_dir`) and resuming from them, reporting progress, and finally its metrics with the
+    `TrialResult` file as the checkpoint."""
     tid = config["trial"]["trial_id"]
     trial = specs.Trial.from_dict(config["trial"])
     if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
-        rows = rows.only(trial.tasks) if isinstance(rows, Requests) else [r for r in rows if r.task in trial.tasks]
+        rows = rows.only(trial.tasks)
     started = time.time()
     timeline.tag(trial=tid)
     timeline.mark("trial_begin", "trial")
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
-    result = evaluate(cfg, rows, run_fn=run_fn, pool=pool)
-    result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started})
+    store = BlockStore(trial_dir(blocks, tid))
+    result = evaluate(cfg, rows, run_fn=run_fn, plan=plan, store=store,
+                      on_block=TrialProgress(len(rows.keys), config.get("score_at")))
+    result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
+                           "samples/done": float(result.predictions.num_rows)})
     with tempfile.TemporaryDirectory() as d:
         result.write(Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT)
         tune.report(result.metrics, checkpoint=tune.Checkpoint.from_directory(d))
@@ -165,20 +206,41 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     storage = storage_root(spec)
     state = resumed_state(spec, resume) if isinstance(resume, str) else resume  # before any expensive work
     trials = specs.expand(spec)
-    plan = plan_resources(spec, len(trials), float(ray.cluster_resources().get("GPU", 0)))
-    say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.actors} actor(s) shared by up to "
-        f"{plan.in_flight} trial(s) at once ({plan.workers} per trial), {plan.cluster_gpus:g} GPU(s)")
-    t0 = time.perf_counter()
-    rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
-                                                                spec.resources.batch_size,
-                                                                video_frames=spec.video_frames)
-    n_rows = len(rows.keys) if isinstance(rows, Requests) else len(rows)
-    say(f"{n_rows} request rows built once for all trials ({time.perf_counter() - t0:.1f}s)")
-    timeline.mark("rows_built", "driver")
+    # a first plan (the blocks are not built yet): the autoscaler starts adding nodes while the rows are built
+    plan = planning.plan(spec.resources, len(trials), planning.MAX_DEMAND, spec.tune.max_concurrent_trials)
+    if plan.note:
+        say(plan.note)
+    with planning.Demand(plan) as demand:
+        t0 = time.perf_counter()
+        rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
+                                                                    spec.resources.batch_size,
+                                                                    video_frames=spec.video_frames)
+        if not isinstance(rows, Requests):
+            from pipelines.run.requests import requests_dataset
+
+            rows = requests_dataset(rows, spec.resources.batch_size)
+        say(f"{len(rows.keys)} request rows in {len(rows.blocks)} blocks, built once for all trials "
+            f"({time.perf_counter() - t0:.1f}s)")
+        timeline.mark("rows_built", "driver")
+        plan = demand.update(planning.plan(spec.resources, len(trials), len(rows.blocks),
+                                           spec.tune.max_concurrent_trials))
+        say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.trials_at_once} at a time, each on up "
+            f"to {plan.max_actors} actor(s) " + (f"with {plan.gpus:g} GPU each (the autoscaler is asked for "
+                                                 f"{plan.demand})" if plan.on_gpu else "on the CPU"))
+        if plan.on_gpu:
+            waited = planning.wait_for_capacity(plan, spec.resources.actor_wait_s)
+            if waited >= 1:
+                say(f"the first GPU node joined after {waited:.0f}s")
+        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
+                         command)
+
+
+def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
+              command) -> SweepOutcome:
     source = spec.model
     if spec.resources.share_weights:
         t0 = time.perf_counter()
-        source = share(source, on_gpu=plan.cluster_gpus > 0)
+        source = share(source, on_gpu=plan.on_gpu)
         say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
         timeline.mark("weights_published", "driver")
     client = tracking.client()
@@ -200,23 +262,16 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
         state["calibrated"] = calibrate(spec, trials, source, plan, client, parent_id)
     save_state(storage, {**state, "driver": driver})
-    recorder = SweepRecorder(spec, parent_id, len(trials))
+    blocks = sweep_dir(state["storage_path"], state["experiment"])
+    recorder = SweepRecorder(spec, parent_id, len(trials), samples=_samples_per_trial(rows, trials),
+                             blocks=blocks)
     _LIVE_RECORDERS[parent_id] = recorder
     exp_path = f"{state['storage_path']}/{state['experiment']}"
-    pool = None
     try:
-        t0 = time.perf_counter()  # after calibration, whose task needs a GPU the actors would hold
-        timeline.mark("pool_start", "driver")
-        pool = PredictorPool.start(source, plan.actors, spec.resources, on_gpu=plan.cluster_gpus > 0, run_fn=run_fn)
-        waited = time.perf_counter() - t0
-        timeline.mark("pool_first_ready", "driver")
-        say(f"1 actor loaded the model once for all trials ({waited:.1f}s)" if plan.actors == 1 else
-            f"{plan.actors} actors load the model once for all trials: the first was ready after {waited:.1f}s; "
-            "trials start now and the others join as they finish loading")
-        trainable = _trainable(source, rows, spec, plan, run_fn, pool)
+        trainable = _trainable(source, rows, spec, plan, blocks, run_fn)
         tuner = _tuner(trainable, spec, [tune_trial(t, state["calibrated"]) for t in trials], plan, state, recorder,
                        resume=resume is not None)
-        with progress(len(trials), spec.name) as bar:
+        with progress(sum(recorder.samples_of.values()), spec.name) as bar:
             recorder.bar = bar
             timeline.mark("tune_start", "driver")
             grid = tuner.fit()
@@ -233,25 +288,34 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
                                                  "trials/failed": sum(r["error"] is not None
                                                                       for r in recorder.records.values())})
         tracking.finish(client, parent_id)
+        recorder.clear_blocks()  # every trial is in MLflow and in its Tune checkpoint now
     except BaseException:
         tracking.finish(client, parent_id, status="KILLED")
         raise
     finally:
         _LIVE_RECORDERS.pop(parent_id, None)
-        if pool is not None:
-            pool.shutdown()
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path)
 
 
-def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: Plan, client, parent_id: str) -> dict:
+def _samples_per_trial(rows: Requests, trials: list) -> dict[str, int]:
+    """Each trial's samples (an explicit trial may run on a subset of the tasks)."""
+    per_task: dict[str, int] = {}
+    for key in rows.keys:
+        task = key.rsplit("/", 1)[0]
+        per_task[task] = per_task.get(task, 0) + 1
+    return {t.trial_id: sum(n for task, n in per_task.items() if not t.tasks or task in t.tasks) for t in trials}
+
+
+def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: planning.Plan, client,
+              parent_id: str) -> dict:
     """The median of each prominence metric that a `mu: calibrate` trial needs, measured with the sweep's model on
-    the calibration images (one Ray task, on a GPU when the cluster has one); logged on the parent run."""
+    the calibration images (one Ray task, on a GPU when the sweep's actors use GPUs); logged on the parent run."""
     metrics = calibration.metrics_to_calibrate(trials)
     if not metrics:
         return {}
     t0 = time.perf_counter()
     budget = min(t.budget for t in trials if t.options.get("mu") == calibration.CALIBRATE)
-    task = ray.remote(num_cpus=1, num_gpus=plan.gpus_per_worker if plan.cluster_gpus > 0 else 0)(calibration.run)
+    task = ray.remote(num_cpus=1, num_gpus=plan.gpus)(calibration.run)
     found = ray.get(task.remote(source, spec.calibration, metrics, budget))
     medians = {m: round(float(r["median"]), 4) for m, r in found.items()}
     tracking.log_metrics(client, parent_id, {f"calibration/median_{m}": v for m, v in medians.items()})
@@ -263,21 +327,22 @@ def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: Pl
     return medians
 
 
-def _trainable(source: ModelSource, rows: Requests | list[dict], spec: specs.SweepSpec, plan: Plan, run_fn,
-               pool: PredictorPool | None = None):
+def _trainable(source: ModelSource, rows: Requests, spec: specs.SweepSpec, plan: planning.Plan, blocks: str,
+               run_fn):
     settings = dict(tasks=spec.tasks, limit=spec.limit, video_frames=spec.video_frames,
-                    generation=spec.generation, progress_bars=False,
-                    bootstrap=spec.bootstrap,
-                    resources=dataclasses.replace(spec.resources, workers=plan.workers))
-    fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, run_fn=run_fn, pool=pool)
+                    generation=spec.generation, progress_bars=False, bootstrap=spec.bootstrap,
+                    resources=spec.resources)
+    fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, plan=plan, blocks=blocks,
+                              run_fn=run_fn)
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 
-def _tuner(trainable, spec: specs.SweepSpec, trials: list[dict], plan: Plan, state: dict, recorder, resume: bool):
+def _tuner(trainable, spec: specs.SweepSpec, trials: list[dict], plan: planning.Plan, state: dict, recorder,
+           resume: bool):
     """trials: Tune's configs (`tune_trial`); a resumed experiment keeps the ones it started with."""
     storage, name = state["storage_path"], state["experiment"]
     if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
-        say(f"resuming {storage}/{name}: finished trials are kept")
+        say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
         return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
     run_config = tune.RunConfig(
         name=name, storage_path=storage, callbacks=[RecorderHook(recorder.parent_id)],
@@ -285,7 +350,7 @@ def _tuner(trainable, spec: specs.SweepSpec, trials: list[dict], plan: Plan, sta
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
     return tune.Tuner(trainable, param_space={"trial": tune.grid_search(trials)},
-                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.in_flight, num_samples=1,
+                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.trials_at_once, num_samples=1,
                                                   reuse_actors=True),
                       run_config=run_config)
 
@@ -375,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             connect(args.address, log_to_driver=args.verbose)
             outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                 command={"config": args.config, "overrides": args.overrides})
-        except RayUnreachable as e:
+        except (RayUnreachable, planning.NoCapacity) as e:
             say(f"error: {e}")
             return EXIT_BAD_INPUT
         except SweepInterrupted as e:

@@ -86,6 +86,7 @@ class Prediction(Answer):
     gen_kwargs: dict = field(default_factory=dict)
     prefill_flops: float | None = None  # whole prefill (visual + text tokens), Table 6's convention
     kv_cache_bytes: float | None = None  # K and V of the visual tokens, Table 6's convention
+    node: str | None = None  # where it was answered (the pipeline's actors: their Ray node id); None elsewhere
 
     @property
     def key(self) -> str:

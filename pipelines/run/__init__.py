@@ -1,11 +1,12 @@
 """The parts of a sweep and of one evaluation, by concern (the entry points are `pipelines/sweep.py` and
 `pipelines/evaluate.py`):
 
-    requests.py      the requests in Ray's object store as Arrow blocks (built on the driver or in shards)
-    pool.py          the predictor actors and the pool a sweep shares among its trials
+    requests.py      the requests as a Ray Dataset of sealed blocks (built on the driver or in shards)
+    engine.py        the evaluation engine: Ray Data over an autoscaling actor pool, failover, streaming
+    checkpoints.py   a trial's answered blocks, saved as they come back (resume, retries)
     result.py        TrialResult: a trial's predictions, scores and metrics, one parquet file from trial to MLflow
     ray_connect.py   joining (or starting) Ray, the workers' runtime_env
-    resources.py     actors per trial and trials at once, from the cluster's GPUs
+    resources.py     GPU or CPU, pool sizes, trials at once, the autoscaler request, waiting for GPUs
     state.py         a sweep's saved state and --resume
     recorder.py      the driver's MLflow logging of finished trials, the summary table
 """

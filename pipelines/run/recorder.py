@@ -31,7 +31,16 @@ class RecorderHook(tune.Callback):
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
         timeline.mark("trial_start", "driver", trial=trial.config["trial"]["trial_id"])
-        say(f"[start] {trial.config['trial']['trial_id']}")
+        recorder = _LIVE_RECORDERS.get(self.parent_id)
+        if recorder is not None:
+            recorder.started(trial.config["trial"])
+        else:
+            say(f"[start] {trial.config['trial']['trial_id']}")
+
+    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
+        recorder = _LIVE_RECORDERS.get(self.parent_id)
+        if recorder is not None and "samples/done" in result:
+            recorder.advanced(trial.config["trial"]["trial_id"], int(result["samples/done"]))
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
@@ -56,15 +65,52 @@ def _error_text(trial) -> str:
 class SweepRecorder:
     """Logs each finished trial as an MLflow child run (once), with Rel. as soon as the baseline is known."""
 
-    def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int):
+    def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int, samples: dict[str, int] | None = None,
+                 blocks: str | None = None):
         self.sweep, self.parent_id, self.n_trials = sweep, parent_id, n_trials
-        self.bar, self.samples = None, 0  # the sweep's progress bar (set while Tune runs)
+        self.bar = None  # the sweep's progress bar, in samples (set while Tune runs)
+        self.samples_of = samples or {}  # trial id -> its samples
+        self.blocks = blocks  # where trials save their answered blocks (checkpoints.sweep_dir)
+        self.shown: dict[str, int] = {}  # trial id -> samples counted on the bar
         self.client = tracking.client()
         self.logged: dict[str, str] = {tid: r.info.run_id for tid, r in tracking.trial_runs(self.client,
                                                                                             parent_id).items()}
         self.records: dict[str, dict] = {}
         self.baseline_scores: dict | None = None
         self.rel_warned = False
+
+    def started(self, trial: dict) -> None:
+        """A trial (re)started: one line, saying how much of it was already done (saved blocks of an earlier run or
+        attempt), which it does not generate again."""
+        tid = trial["trial_id"]
+        done = self._saved(tid)
+        if done:
+            say(f"[resume] {tid}: {done} of {self.samples_of.get(tid, '?')} samples already done")
+            self.advanced(tid, done)
+        else:
+            say(f"[start] {tid}")
+
+    def _saved(self, tid: str) -> int:
+        if self.blocks is None:
+            return 0
+        from pipelines.run.checkpoints import BlockStore, trial_dir
+
+        return BlockStore(trial_dir(self.blocks, tid)).load().num_rows
+
+    def advanced(self, tid: str, done: int) -> None:
+        """A trial's samples done so far (its progress reports): the bar moves by the new ones."""
+        new = done - self.shown.get(tid, 0)
+        if new > 0:
+            self.shown[tid] = done
+            if self.bar is not None:
+                self.bar.update(new)
+
+    def clear_blocks(self) -> None:
+        """Remove the sweep's saved blocks (every trial's result is in its checkpoint and in MLflow)."""
+        if self.blocks is not None:
+            from pipelines.run.checkpoints import remove
+
+            remove(self.blocks)
 
     def record(self, trial: dict, checkpoint) -> dict:
         """Log a finished trial from its checkpoint: the `TrialResult` file is read for the metrics and scores and
@@ -138,10 +184,9 @@ class SweepRecorder:
         shown += f" FAILED SAMPLES={failed} (scored as the empty answer)" if failed else ""
         say(f"[{done}/{self.n_trials}] {rec['trial']['trial_id']}: {shown} "
             f"({m.get('trial/wall_s', float('nan')):.1f}s)")
+        self.advanced(rec["trial"]["trial_id"], int(m.get("samples/total", 0)))
         if self.bar is not None:
-            self.samples += int(m.get("samples/total", 0))
-            self.bar.set_postfix_str(f"{self.samples} samples", refresh=False)
-            self.bar.update(1)
+            self.bar.set_postfix_str(f"{done}/{self.n_trials} trials", refresh=True)
 
 
 def headline_keys(tasks: list[str], metrics: dict) -> list[str]:

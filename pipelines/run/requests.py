@@ -1,9 +1,20 @@
-"""An evaluation's requests in Ray's object store: built once (on the driver, or in parallel shards as Ray tasks for
-large benchmarks) and stored as Arrow blocks (`arrow_schema(Request)`) in which the questions about one image sit
-together and its PNG is stored once (`promprune.eval.requests.pack_requests`). A sweep builds them once for all its
-trials."""
+"""An evaluation's requests in Ray's object store, as the rows of a Ray Dataset: built once (on the driver, or in
+parallel shards as Ray tasks for large benchmarks) and shared by every trial of a sweep.
+
+A *block* is a group of requests answered by one actor call: `promprune.eval.requests.pack_requests` puts the
+questions about one image together and stores its PNG once. Ray Data re-batches rows freely (it splits and joins
+blocks to reach a `batch_size`, which it requires when actors hold GPUs), and a split would separate an image from
+the questions that refer to it by key. So each block travels *sealed*: one dataset row, an "envelope" holding the
+block's Arrow IPC bytes, its id and its size (`ENVELOPE`); the engine maps batches of one envelope
+(`pipelines/run/engine.py`). Envelopes are ordered round-robin over the tasks, so the first blocks a trial answers
+cover every task (a running score over them means something).
+
+A block's id is a hash of its sample keys: the same spec builds the same blocks, which is how a resumed or retried
+trial finds the blocks it has already answered (`pipelines/run/checkpoints.py`).
+"""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -11,6 +22,38 @@ import ray
 
 from promprune.records import Request, from_arrow, to_arrow
 
+ENVELOPE = pa.schema([("block_id", pa.string()), ("n_rows", pa.int64()), ("requests", pa.binary())])
+
+
+def block_id(keys: list[str]) -> str:
+    """A block's id: 16 hex digits of the sha256 of its sample keys (order-independent)."""
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:16]
+
+
+def seal(block: pa.Table) -> pa.Table:
+    """A request block (`arrow_schema(Request)`) -> its one-row envelope (`ENVELOPE`)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, block.schema) as writer:
+        writer.write_table(block)
+    keys = _keys(block)
+    return pa.table({"block_id": [block_id(keys)], "n_rows": [block.num_rows],
+                     "requests": [sink.getvalue().to_pybytes()]}, schema=ENVELOPE)
+
+
+def unseal(envelope: pa.Table) -> list[tuple[str, pa.Table]]:
+    """Envelope rows -> [(block id, request block)]."""
+    out = []
+    for bid, data in zip(envelope.column("block_id").to_pylist(), envelope.column("requests").to_pylist()):
+        with pa.ipc.open_stream(pa.py_buffer(data)) as reader:
+            out.append((bid, reader.read_all()))
+    return out
+
+
+def _keys(block: pa.Table) -> list[str]:
+    return [f"{t}/{d}" for t, d in zip(block.column("task").to_pylist(), block.column("doc_id").to_pylist())]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # rows
 
 
@@ -33,47 +76,72 @@ def build_rows(tasks: list[str], limit: int | None, generation: dict,
 
 @dataclass
 class Requests:
-    """An evaluation's requests in the object store, built once per sweep and shared by all its trials: Arrow blocks
-    with `arrow_schema(Request)` made by `promprune.eval.requests.pack_requests` (each block holds whole groups of
-    questions about one image and stores each image once), plus every key a prediction must come back for."""
+    """An evaluation's sealed blocks in the object store (ObjectRefs of one-row `ENVELOPE` tables), each block's
+    sample keys, in the order the engine feeds them (round-robin over tasks). Built once per sweep, shared by all its
+    trials."""
 
-    blocks: list = field(repr=False)  # ObjectRefs of pyarrow Tables, one block per actor call
-    keys: list[str] = field(repr=False)
+    blocks: list = field(repr=False)
+    block_keys: list[list[str]] = field(repr=False)
+
+    def __post_init__(self):
+        if len(self.blocks) != len(self.block_keys):
+            raise ValueError(f"{len(self.blocks)} blocks but {len(self.block_keys)} key lists")
 
     def __repr__(self) -> str:
         return f"Requests({len(self.keys)} rows in {len(self.blocks)} blocks)"
 
     @property
-    def dataset(self):
-        """The blocks as a Ray dataset (block for block)."""
-        return ray.data.from_arrow_refs(self.blocks)
+    def keys(self) -> list[str]:
+        """Every sample key, once, in block order."""
+        return [k for keys in self.block_keys for k in keys]
+
+    @property
+    def block_ids(self) -> list[str]:
+        return [block_id(keys) for keys in self.block_keys]
+
+    def dataset(self, skip: set[str] | frozenset = frozenset()):
+        """The envelopes as a Ray Dataset (one row per block), without the blocks whose samples are all in
+        ``skip``; a block answered in part (it cannot be here: blocks are answered whole) would be run whole."""
+        refs = [ref for ref, keys in zip(self.blocks, self.block_keys) if not set(keys) <= skip]
+        return ray.data.from_arrow_refs(refs) if refs else None
+
+    def pending(self, skip: set[str] | frozenset = frozenset()) -> int:
+        """Blocks with at least one sample not in ``skip``."""
+        return sum(not set(keys) <= skip for keys in self.block_keys)
+
+    def requests_of(self, keys: set[str]) -> list[Request]:
+        """The requests of ``keys`` (read back from their blocks; for samples that must be recorded as failed)."""
+        wanted = [ref for ref, ks in zip(self.blocks, self.block_keys) if keys & set(ks)]
+        rows = [r for env in ray.get(wanted) for _, block in unseal(env) for r in from_arrow(block, Request)]
+        return [r for r in rows if r.key in keys]
 
     def only(self, tasks) -> "Requests":
         """The requests of ``tasks`` alone (an explicit trial that runs on a subset of the sweep's tasks)."""
         wanted = sorted(set(tasks))
-        keys = [k for k in self.keys if k.rsplit("/", 1)[0] in wanted]
-        calls = [_only_tasks.remote(block, wanted) for block in self.blocks]
-        sizes = ray.get([n for n, _ in calls])
-        return Requests([ref for n, (_, ref) in zip(sizes, calls) if n], keys)
+        calls = [_only_tasks.remote(block, wanted) for block, keys in zip(self.blocks, self.block_keys)
+                 if any(k.rsplit("/", 1)[0] in wanted for k in keys)]
+        found = ray.get([keys for keys, _ in calls])
+        return Requests([ref for ks, (_, ref) in zip(found, calls) if ks], [ks for ks in found if ks])
 
     def nbytes(self) -> int:
-        """Bytes the blocks take in the object store (Arrow buffers)."""
+        """Bytes the envelopes take in the object store (Arrow buffers)."""
         return int(sum(ray.get([_nbytes.remote(block) for block in self.blocks])))
 
 
 @ray.remote(num_cpus=0, num_returns=2)
-def _only_tasks(block: pa.Table, tasks: list[str]) -> tuple[int, pa.Table]:
-    """(rows kept, the filtered block): the block's rows of ``tasks``, each image stored once again (the row that
-    carried an image may belong to another task). Two returns, so the block is owned by the caller."""
+def _only_tasks(envelope: pa.Table, tasks: list[str]) -> tuple[list[str], pa.Table]:
+    """(keys kept, the filtered envelope): the block's rows of ``tasks``, each image stored once again (the row that
+    carried an image may belong to another task). Two returns, so the envelope is owned by the caller."""
     from promprune.eval.requests import pack_requests, share_images
 
-    rows = [r for r in share_images(from_arrow(block, Request)) if r.task in tasks]
-    return len(rows), to_arrow([r for b in pack_requests(rows, max(1, len(rows))) for r in b], Request)
+    rows = [r for _, block in unseal(envelope) for r in share_images(from_arrow(block, Request)) if r.task in tasks]
+    packed = to_arrow([r for b in pack_requests(rows, max(1, len(rows))) for r in b], Request)
+    return [r.key for r in rows], seal(packed)
 
 
 @ray.remote(num_cpus=0)
-def _nbytes(block: pa.Table) -> int:
-    return block.nbytes
+def _nbytes(envelope: pa.Table) -> int:
+    return envelope.nbytes
 
 
 DRIVER_BUILD_MAX_ROWS = 2000  # up to this many rows the driver builds them itself (distinct images, PNG, in memory)
@@ -87,9 +155,23 @@ def request_blocks(rows: list[Request], batch_size: int) -> list[pa.Table]:
     return [to_arrow(block, Request) for block in pack_requests(rows, batch_size)]
 
 
+def interleaved(envelopes: list, block_keys: list[list[str]]) -> tuple[list, list[list[str]]]:
+    """The blocks interleaved over their tasks (a block's task: its first sample's) in proportion to each task's
+    blocks, each task's blocks in their own order: any prefix of the work covers every task in proportion."""
+    by_task: dict[str, list[int]] = {}
+    for i, keys in enumerate(block_keys):
+        by_task.setdefault(keys[0].rsplit("/", 1)[0] if keys else "", []).append(i)
+    # the j-th of a task's n blocks sits at (j + 0.5) / n of the way through the work
+    placed = sorted(((j + 0.5) / len(q), t, i) for t, q in enumerate(by_task.values()) for j, i in enumerate(q))
+    order = [i for _, _, i in placed]
+    return [envelopes[i] for i in order], [block_keys[i] for i in order]
+
+
 def requests_dataset(rows: list[Request], batch_size: int) -> Requests:
-    """Requests -> blocks in the object store (idle actors take work block by block)."""
-    return Requests([ray.put(b) for b in request_blocks(rows, batch_size)], [r.key for r in rows])
+    """Requests -> sealed blocks in the object store, interleaved over tasks."""
+    blocks = request_blocks(rows, batch_size)
+    refs, keys = interleaved([ray.put(seal(b)) for b in blocks], [_keys(b) for b in blocks])
+    return Requests(refs, keys)
 
 
 def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict, batch_size: int,
@@ -111,16 +193,17 @@ def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict
              for i in range(shards)]
     streamed = [list(call) for call in calls]  # streamed blocks are owned here: they outlive their task
     blocks = [ref for refs in streamed for ref in refs[:-1]]
-    keys = [k for ks in ray.get([refs[-1] for refs in streamed]) for k in ks]  # each shard's last item: its keys
-    return Requests(blocks, keys)
+    keys = [ks for shard_keys in ray.get([refs[-1] for refs in streamed]) for ks in shard_keys]  # per block
+    return Requests(*interleaved(blocks, keys))
 
 
 @ray.remote(num_returns="streaming")
 def _build_shard(tasks: list[str], limit: int | None, generation: dict, shard: tuple[int, int], batch_size: int,
                  video_frames: int | None):
-    """One shard's requests, yielded block by block, then the list of their keys."""
+    """One shard's sealed blocks, yielded one by one, then the list of each block's keys."""
     rows = build_rows(tasks, limit, generation, shard=shard, contiguous=True, video_frames=video_frames)
+    keys = []
     for block in request_blocks(rows, batch_size):
-        yield block  # (not `yield from`: Ray's streaming generator sends into it)
-    yield [r.key for r in rows]
-
+        keys.append(_keys(block))
+        yield seal(block)  # (not `yield from`: Ray's streaming generator sends into it)
+    yield keys

@@ -70,8 +70,9 @@ def _check_row(row: Any, index: int) -> tuple[str, int]:
         raise ValueError(f"prediction {index}: doc_id must be an int, got {row['doc_id']!r}") from None
 
 
-def _group(predictions: list[dict]) -> dict[str, dict[int, dict]]:
-    """{task: {doc_id: row}}; raises on a duplicate (task, doc_id), a missing doc or inconsistent n_docs."""
+def _group(predictions: list[dict], partial: bool = False) -> dict[str, dict[int, dict]]:
+    """{task: {doc_id: row}}; raises on a duplicate (task, doc_id), a missing doc (unless ``partial``) or
+    inconsistent n_docs."""
     by_task: dict[str, dict[int, dict]] = collections.defaultdict(dict)
     for i, row in enumerate(predictions):
         task, doc_id = _check_row(row, i)
@@ -83,7 +84,7 @@ def _group(predictions: list[dict]) -> dict[str, dict[int, dict]]:
         if len(sizes) != 1:
             raise ValueError(f"task {task!r}: predictions disagree on n_docs ({sorted(sizes)})")
         (n_docs,) = sizes
-        missing = sorted(set(range(n_docs)) - set(rows))
+        missing = [] if partial else sorted(set(range(n_docs)) - set(rows))
         extra = sorted(set(rows) - set(range(n_docs)))
         if missing or extra:
             raise ValueError(
@@ -278,14 +279,20 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
                 bootstrap: int = 0) -> dict[str, float]:
     task = load_task(name, include_path)
     n_docs = len(task.eval_docs)
-    if len(rows) > n_docs:
-        raise ValueError(f"task {name!r} has {n_docs} documents, the predictions cover {len(rows)}")
-    limit = None if len(rows) == n_docs else len(rows)  # build_requests took the first n_docs documents
-    answers = {(name, doc_id): _answer(row) for doc_id, row in rows.items()}
+    covered = int(next(iter(rows.values()))["n_docs"])  # build_requests took the first n_docs documents
+    if covered > n_docs:
+        raise ValueError(f"task {name!r} has {n_docs} documents, the predictions cover {covered}")
+    limit = None if covered == n_docs else covered
+    absent = set(range(covered)) - set(rows)  # a partial score: the documents not answered yet
+    answers = {(name, doc_id): _answer(rows[doc_id]) if doc_id in rows else "" for doc_id in range(covered)}
     judged = name in JUDGE_GRADES
-    results, n_cleaned = _evaluate_answers(task, name, answers, limit, output_dir, bootstrap > 0 or judged)
+    results, n_cleaned = _evaluate_answers(task, name, answers, limit, output_dir,
+                                           bootstrap > 0 or judged or bool(absent))
     metrics = _metrics(results["results"][name])
     samples = results.get("samples", {}).get(name, [])
+    if absent:
+        metrics = _aggregate_without(task, samples, absent, metrics)
+        samples = [s for s in samples if int(s["doc_id"]) not in absent]
     unjudged = _judge_failures(name, samples) - {d for d, r in rows.items() if failed(r)}
     if unjudged:
         log.warning("%s: the LLM judge gave no grade for %d sample(s); they count as failed, not as 0", name,
@@ -305,7 +312,7 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
 
 def score(
     predictions: list[dict], *, include_path: str | list[str] | None = None, output_dir: str | None = None,
-    bootstrap: int = 0,
+    bootstrap: int = 0, partial: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Score prediction rows (from any number of shards, in any order): {task: {metric: value, n_samples, n_failed}}.
 
@@ -316,10 +323,13 @@ def score(
     ``output_dir``: where tasks that write submission files (MMBench) put them; a temporary directory by default.
     ``bootstrap``: resamples for 95% percentile-bootstrap intervals of each task's primary metrics (added as
     ``<metric>_ci_low`` / ``<metric>_ci_high``); 0 (default): point estimates only.
+    ``partial``: score the documents answered so far (a running score while an evaluation streams in): documents
+    missing from 0..n_docs-1 are left out of every aggregation instead of being an error; ``n_samples`` counts the
+    answered ones.
     """
     if not isinstance(predictions, list) or not predictions:
         raise ValueError("predictions must be a non-empty list of prediction rows")
-    by_task = _group([values(p) if isinstance(p, Prediction) else p for p in predictions])
+    by_task = _group([values(p) if isinstance(p, Prediction) else p for p in predictions], partial)
     with tempfile.TemporaryDirectory(prefix="promprune-score-") as tmp:
         return {name: _score_task(name, rows, include_path, output_dir or tmp, bootstrap)
                 for name, rows in by_task.items()}
