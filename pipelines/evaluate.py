@@ -73,9 +73,9 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
             plan: planning.Plan | None = None, store: BlockStore | None = None,
             on_block: Callable | None = None) -> pa.Table:
     """The blocks through the engine: the predictions table (`PREDICTION_SCHEMA`), one row per request, sorted by
-    (task, doc_id). ``plan``: a sweep's (its driver waited for capacity and asked the autoscaler); None: this
-    evaluation plans for itself, asks for its actors and waits up to ``resources.actor_wait_s`` for the first GPU
-    (`planning.NoCapacity` otherwise). ``store`` / ``on_block``: see `engine.run`."""
+    (task, doc_id). ``plan``: a sweep's (its driver waited for the first GPU); None: this evaluation plans for
+    itself and waits up to ``resources.actor_wait_s`` for the first GPU when it wants GPUs (`planning.NoCapacity`
+    otherwise). ``store`` / ``on_block``: see `engine.run`."""
     if not isinstance(rows, Requests):
         rows = requests_dataset(rows, cfg.resources.batch_size)
     timeline.mark("first_request", "trial")
@@ -84,10 +84,8 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
     plan = planning.plan(cfg.resources, 1, len(rows.blocks))
     if plan.note:
         say(plan.note)
-    with planning.Demand(plan):
-        if plan.on_gpu:
-            planning.wait_for_capacity(plan, cfg.resources.actor_wait_s)
-        return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block)
+    planning.wait_for_capacity(plan, cfg.resources.actor_wait_s)
+    return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block)
 
 
 def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, run_fn: Callable | None = None,

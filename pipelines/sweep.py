@@ -60,7 +60,7 @@ from pipelines.run import resources as planning
 from pipelines.run.checkpoints import BlockStore, sweep_dir, trial_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, summary_table
-from pipelines.run.requests import Requests, build_requests_dataset
+from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
 from pipelines.run.state import fingerprint, mark_dead_runs, resume_command, resumed_state, save_state, storage_root
 from pipelines.weights import ModelSource, share
 
@@ -206,33 +206,26 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     storage = storage_root(spec)
     state = resumed_state(spec, resume) if isinstance(resume, str) else resume  # before any expensive work
     trials = specs.expand(spec)
-    # a first plan (the blocks are not built yet): the autoscaler starts adding nodes while the rows are built
-    plan = planning.plan(spec.resources, len(trials), planning.MAX_DEMAND, spec.tune.max_concurrent_trials)
-    if plan.note:
-        say(plan.note)
-    with planning.Demand(plan) as demand:
-        t0 = time.perf_counter()
-        rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
-                                                                    spec.resources.batch_size,
-                                                                    video_frames=spec.video_frames)
-        if not isinstance(rows, Requests):
-            from pipelines.run.requests import requests_dataset
-
-            rows = requests_dataset(rows, spec.resources.batch_size)
-        say(f"{len(rows.keys)} request rows in {len(rows.blocks)} blocks, built once for all trials "
-            f"({time.perf_counter() - t0:.1f}s)")
-        timeline.mark("rows_built", "driver")
-        plan = demand.update(planning.plan(spec.resources, len(trials), len(rows.blocks),
-                                           spec.tune.max_concurrent_trials))
-        say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.trials_at_once} at a time, each on up "
-            f"to {plan.max_actors} actor(s) " + (f"with {plan.gpus:g} GPU each (the autoscaler is asked for "
-                                                 f"{plan.demand})" if plan.on_gpu else "on the CPU"))
-        if plan.on_gpu:
-            waited = planning.wait_for_capacity(plan, spec.resources.actor_wait_s)
-            if waited >= 1:
-                say(f"the first GPU node joined after {waited:.0f}s")
-        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
-                         command)
+    # the device is known before the blocks: a GPU node the autoscaler must add boots while the rows are built
+    capacity = planning.Capacity(planning.plan(spec.resources, len(trials), 1, spec.tune.max_concurrent_trials))
+    if capacity.plan.note:
+        say(capacity.plan.note)
+    t0 = time.perf_counter()
+    rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
+                                                                spec.resources.batch_size,
+                                                                video_frames=spec.video_frames)
+    if not isinstance(rows, Requests):
+        rows = requests_dataset(rows, spec.resources.batch_size)
+    say(f"{len(rows.keys)} request rows in {len(rows.blocks)} blocks, built once for all trials "
+        f"({time.perf_counter() - t0:.1f}s)")
+    timeline.mark("rows_built", "driver")
+    plan = planning.plan(spec.resources, len(trials), len(rows.blocks), spec.tune.max_concurrent_trials)
+    say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.trials_at_once} at a time, each asking for "
+        f"{plan.max_actors} actor(s) " + (f"of {plan.gpus:g} GPU" if plan.on_gpu else "on the CPU"))
+    waited = capacity.wait(spec.resources.actor_wait_s)
+    if waited >= 1:
+        say(f"the first GPU node joined after {waited:.0f}s")
+    return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold, command)
 
 
 def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,

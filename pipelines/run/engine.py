@@ -6,9 +6,10 @@ the pruned VLM, and streams the predictions back as they are answered.
 
 Everything about scheduling and failure is Ray's:
 
-- *Elastic.* The pool starts with one actor and Ray Data adds actors while blocks wait and the cluster has room
-  (`DataContext.autoscaling_config`: a pool whose every actor is busy grows); GPU nodes that join mid-evaluation
-  are used as they arrive. The sweep's `resources.Demand` asks the autoscaler for the nodes.
+- *Elastic.* The pool asks for every actor the evaluation can use (`resources.Plan.max_actors`: one per block, at
+  most `max_gpus`); it starts on the first that is up, and the ones the cluster cannot place yet are pending, which
+  is what an autoscaler adds nodes for. GPU nodes that join mid-evaluation take their pending actors. When the
+  evaluation ends its actors go, and with them the demand.
 - *Failover.* An actor that dies (its node lost, a segfault, host memory exhausted by one odd image) is restarted
   by Ray (`max_restarts=-1`) and the block it held is retried (`max_task_retries`), at most
   `resources.block_attempts` times in all; one block in flight per actor, so a block that kills its actor is the only
@@ -125,20 +126,26 @@ class Predictor:
         return to_arrow(out, Prediction)
 
     def answer(self, block: pa.Table) -> list[Prediction]:
-        """One block's predictions, one per request; an exception out of the whole block fails its requests."""
+        """One block's predictions, one per request. The model isolates failing samples itself; an exception out of
+        the whole block (an out-of-memory error, say) is retried here, up to `Failover.attempts` tries in all, and
+        then fails the block's requests with its message."""
         import torch
 
         from promprune.eval.requests import share_images
 
         rows = share_images(from_arrow(block, Request))  # a block stores each image once: every row gets its own
-        try:
-            with torch.inference_mode():
-                preds = self.run_fn(self.vlm, rows, self.job.batch_size)
-            if len(preds) != len(rows):
-                raise RuntimeError(f"run_requests returned {len(preds)} predictions for {len(rows)} rows")
-        except Exception as exc:  # noqa: BLE001 - recorded: every request of the block fails with this message
-            return failed(rows, f"the block failed as a whole: {type(exc).__name__}: {exc}", self.node)
-        return [dataclasses.replace(add_efficiency(self.vlm, p), node=self.node) for p in preds]
+        for attempt in range(1, self.failover.attempts + 1):
+            try:
+                with torch.inference_mode():
+                    preds = self.run_fn(self.vlm, rows, self.job.batch_size)
+                if len(preds) != len(rows):
+                    raise RuntimeError(f"run_requests returned {len(preds)} predictions for {len(rows)} rows")
+                return [dataclasses.replace(add_efficiency(self.vlm, p), node=self.node) for p in preds]
+            except Exception as exc:  # noqa: BLE001 - retried, then recorded on every request of the block
+                error = f"the block failed as a whole, {attempt} time(s): {type(exc).__name__}: {exc}"
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        return failed(rows, error, self.node)
 
 
 def failed(rows: list[Request], error: str, node: str | None = None) -> list[Prediction]:
@@ -173,15 +180,12 @@ def add_efficiency(vlm, pred: Prediction) -> Prediction:
 def configure_data_context(wait_s: float) -> None:
     """This process's Ray Data settings for evaluations (the trial process runs the Ray Data executor):
 
-    - a pool grows as soon as all its actors are busy with blocks waiting (one block in flight per actor, so the
-      default threshold of 175% utilization would never be reached);
     - blocks out of attempts are dropped by the error budget and recorded as failed samples (`stream`), instead
       of failing the evaluation;
     - no progress bars or execution banners (the sweep prints its own lines)."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
-    ctx.autoscaling_config.actor_pool_util_upscaling_threshold = 1.0
     ctx.max_errored_blocks = -1
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -199,16 +203,17 @@ def stream(requests: Requests, job: Job, plan: Plan, failover: Failover,
 
     from pipelines.run.requests import block_id
 
+    configure_data_context(wait_s)  # before the dataset exists: a dataset keeps the context it was created under
     ds = requests.dataset(skip)
     if ds is None:
         return
-    configure_data_context(wait_s)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # max_restarts / max_task_retries go through ray_remote_args (2.60: no names)
         ds = ds.map_batches(
             Predictor, fn_constructor_kwargs={"job": job, "failover": failover},
             batch_size=1, batch_format="pyarrow", zero_copy_batch=True,
-            compute=ActorPoolStrategy(min_size=1, max_size=plan.max_actors, max_tasks_in_flight_per_actor=1),
+            # a fixed size: the actors that do not fit yet are pending (the autoscaler's demand), never given up
+            compute=ActorPoolStrategy(size=plan.max_actors, max_tasks_in_flight_per_actor=1),
             num_gpus=plan.gpus if plan.on_gpu else None, num_cpus=plan.cpus,
             max_restarts=-1, max_task_retries=max(0, failover.attempts - 1))
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):

@@ -1,10 +1,12 @@
-"""Resource planning for an elastic cluster: where the actors run (GPU or CPU), how far each evaluation's actor pool
-may grow, how many trials run at once, what the sweep asks the autoscaler for, and waiting for the first GPU.
+"""Resource planning for an elastic cluster: where the actors run (GPU or CPU), how many actors each evaluation
+asks for, how many trials run at once, and waiting for the first GPU.
 
 Nothing here is sized from the cluster as it is at the start: a sweep on `cluster.yaml` starts with the one GPU
 node `min_workers` keeps (or none) and grows to what its work can use, up to `resources.max_gpus`. Each
-evaluation's pool starts with one actor and adds actors while blocks are waiting and the cluster has room (Ray
-Data's actor autoscaling); the sweep's standing request (`Demand`) makes the autoscaler add the nodes for them.
+evaluation asks for every actor it can use at once (one per block, at most `max_actors`); the ones the cluster
+cannot place yet are pending, and pending actors are what the autoscaler adds nodes for. The evaluation starts on
+the first actor that is up, and the others join as their nodes do. When the evaluation ends its actors go, and
+with them the demand: nothing is left asking the autoscaler for anything.
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from pipelines.config import AUTO, Resources
 # Trials a sweep runs at once when `tune.max_concurrent_trials` is auto, at most: each is a process on the head
 # holding lmms-eval's scorers and its predictions (~0.5 GB); beyond this their pools' actors are what matters.
 MAX_AUTO_TRIALS = 8
-# The most actors a sweep asks the autoscaler for with `max_gpus: auto`: beyond any cluster we expect (the
-# autoscaler launches up to its own max_workers anyway); a larger cluster sets resources.max_gpus.
-MAX_DEMAND = 256
+# The most actors one evaluation asks for with `max_gpus: auto`: beyond any cluster we expect (the autoscaler
+# launches up to its own max_workers anyway; the rest stay pending); a larger cluster sets resources.max_gpus.
+MAX_ACTORS = 256
 
 
 class NoCapacity(RuntimeError):
@@ -33,8 +35,9 @@ class Plan:
     """How a sweep (or one evaluation) uses the cluster.
 
     - ``device``: "gpu" or "cpu"; ``gpus`` / ``cpus``: per actor (``gpus`` 0 on CPU).
-    - ``max_actors``: the most actors one evaluation's pool grows to (it starts with one).
-    - ``trials_at_once``: trials Tune runs together; ``demand``: actors the sweep asks the autoscaler for.
+    - ``max_actors``: the actors one evaluation asks for (those the cluster cannot place yet are pending: the
+      autoscaler's demand).
+    - ``trials_at_once``: trials Tune runs together.
     - ``note``: why this device, when it was chosen automatically.
     """
 
@@ -43,7 +46,6 @@ class Plan:
     cpus: float
     max_actors: int
     trials_at_once: int
-    demand: int
     note: str = ""
 
     @property
@@ -73,76 +75,38 @@ def choose_device(resources: Resources, local: bool, cluster_gpus: float) -> tup
 
 
 def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurrent: int | str = AUTO,
-         local: bool | None = None, cluster_gpus: float | None = None) -> Plan:
-    """The plan for ``n_trials`` evaluations of ``blocks_per_trial`` blocks each.
+         local: bool | None = None, cluster: dict | None = None) -> Plan:
+    """The plan for ``n_trials`` evaluations of ``blocks_per_trial`` blocks each (``local``: the Ray was started
+    here, `started_here`; ``cluster``: its resources now, ``ray.cluster_resources()``; both read from Ray if None).
 
     A pool never has more actors than blocks (``workers`` caps it further, and on GPUs so does ``max_gpus``). On
     GPUs, enough trials run at once that their pools can fill every GPU the sweep may use, plus one so that a
-    trial's last blocks and the next trial's first overlap; the demand is what those pools can use. On a CPU
-    machine one trial runs at a time, its pool on the cores (``cpus_per_worker`` each), unless the spec says more.
+    trial's last blocks and the next trial's first overlap (at most `MAX_AUTO_TRIALS`). On CPUs one trial runs at a
+    time, its pool on the cores (``cpus_per_worker`` each). A set ``max_concurrent`` (the spec's
+    ``tune.max_concurrent_trials``) decides the trials at once.
     """
     local = started_here() if local is None else local
-    cluster_gpus = float(ray.cluster_resources().get("GPU", 0)) if cluster_gpus is None else cluster_gpus
-    device, note = choose_device(resources, local, cluster_gpus)
-    per_trial, cap = max(1, blocks_per_trial), 0
+    cluster = ray.cluster_resources() if cluster is None else cluster
+    device, note = choose_device(resources, local, float(cluster.get("GPU", 0)))
+    per_trial = max(1, blocks_per_trial)
     if resources.actors is not None:
         per_trial = min(per_trial, resources.actors)
     if device == "gpu":
-        cap = MAX_DEMAND if resources.max_gpus == AUTO else max(1, int(resources.max_gpus // resources.gpus_per_worker))
+        cap = MAX_ACTORS if resources.max_gpus == AUTO else max(1, int(resources.max_gpus // resources.gpus_per_worker))
         per_trial = min(per_trial, cap)
-        at_once = min(n_trials, math.ceil(cap / per_trial) + 1, MAX_AUTO_TRIALS)
+        at_once = min(math.ceil(cap / per_trial) + 1, MAX_AUTO_TRIALS)
     else:
-        cpus = float(ray.cluster_resources().get("CPU", 1))
-        per_trial = min(per_trial, max(1, int(cpus // max(resources.cpus_per_worker, 1))))
+        per_trial = min(per_trial, max(1, int(float(cluster.get("CPU", 1)) // max(resources.cpus_per_worker, 1))))
         at_once = 1
     if max_concurrent != AUTO:
         at_once = int(max_concurrent)
     at_once = max(1, min(at_once, n_trials))
-    demand = min(at_once * per_trial, cap)  # 0 on CPU: nothing to ask the autoscaler for
     return Plan(device=device, gpus=resources.gpus_per_worker if device == "gpu" else 0.0,
-                cpus=resources.cpus_per_worker, max_actors=per_trial, trials_at_once=at_once, demand=demand,
-                note=note)
+                cpus=resources.cpus_per_worker, max_actors=per_trial, trials_at_once=at_once, note=note)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the autoscaler
-
-
-class Demand:
-    """The sweep's standing request to the autoscaler (`ray.autoscaler.sdk.request_resources`): ``plan.demand``
-    actors' resources while the sweep runs, nothing once it ends (``with Demand(plan): ...``). Harmless without an
-    autoscaler."""
-
-    def __init__(self, plan: Plan):
-        self.plan, self.requested = plan, False
-
-    def _ask(self, plan: Plan) -> None:
-        if plan.demand > 0 or self.requested:
-            _request([plan.bundle()] * plan.demand)
-            self.requested = plan.demand > 0
-
-    def __enter__(self) -> "Demand":
-        self._ask(self.plan)
-        return self
-
-    def update(self, plan: Plan) -> Plan:
-        """Replace the request with ``plan``'s (once the blocks are known); returns ``plan``."""
-        if plan.demand != self.plan.demand or plan.bundle() != self.plan.bundle():
-            self._ask(plan)
-        self.plan = plan
-        return plan
-
-    def __exit__(self, *exc) -> bool:
-        if self.requested:
-            _request([])
-            self.requested = False
-        return False
-
-
-def _request(bundles: list[dict]) -> None:
-    from ray.autoscaler.sdk import request_resources
-
-    request_resources(bundles=bundles)
+# waiting for the first GPU
 
 
 def fits(plan: Plan) -> bool:
@@ -154,15 +118,37 @@ def fits(plan: Plan) -> bool:
     return False
 
 
-def wait_for_capacity(plan: Plan, wait_s: float, poll_s: float = 1.0) -> float:
-    """Block until a node can hold one actor (the autoscaler, asked by `Demand`, may be adding it); returns the
-    seconds waited. Raises NoCapacity after ``wait_s`` with the paragraph a user needs."""
-    start = time.monotonic()
-    while not fits(plan):
-        if time.monotonic() - start >= wait_s:
-            raise NoCapacity(_no_capacity_message(plan, wait_s))
-        time.sleep(poll_s)
-    return time.monotonic() - start
+class Capacity:
+    """Waiting for the first place one actor fits (``plan.on_gpu``: a GPU node). Created early, it submits a probe
+    task asking for one actor's resources, which is pending work an autoscaler adds a node for, so the node boots
+    while the sweep builds its requests; `wait` then blocks until the probe ran (or it fits already)."""
+
+    def __init__(self, plan: Plan):
+        self.plan, self.start = plan, time.monotonic()
+        self.probe = None
+        if plan.on_gpu and not fits(plan):
+            self.probe = ray.remote(_probe).options(num_gpus=plan.gpus, num_cpus=plan.cpus, max_retries=0).remote()
+
+    def wait(self, wait_s: float) -> float:
+        """Seconds waited since the probe started (0 when an actor fitted at once). Raises NoCapacity after
+        ``wait_s`` in all, with the paragraph a user needs; the probe is cancelled, so no demand is left behind."""
+        if self.probe is None:
+            return 0.0
+        left = max(0.0, wait_s - (time.monotonic() - self.start))
+        ready, _ = ray.wait([self.probe], timeout=left)
+        if not ready:
+            ray.cancel(self.probe, force=True)
+            raise NoCapacity(_no_capacity_message(self.plan, wait_s))
+        return time.monotonic() - self.start
+
+
+def wait_for_capacity(plan: Plan, wait_s: float) -> float:
+    """`Capacity(plan).wait(wait_s)`: block until one actor fits; NoCapacity after ``wait_s``."""
+    return Capacity(plan).wait(wait_s)
+
+
+def _probe() -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 def _no_capacity_message(plan: Plan, wait_s: float) -> str:

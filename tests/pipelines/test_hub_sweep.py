@@ -30,7 +30,7 @@ def hub_ray(hub_standins, judge):
     with serving(hub_standins), pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)
-        ray.init(num_cpus=2, include_dashboard=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
                  runtime_env={**base, "env_vars": {**base["env_vars"], **env}})
         try:
             yield

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=worker_env())
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
     yield
     ray.shutdown()
 
@@ -215,49 +215,54 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     assert ids == ["baseline", "divprune-b8", "promprune-b8"]  # each trial logged exactly once
 
 
-def flaky_run(vlm, rows, batch_size, *, marker: str):
-    """Fails the first attempt of the trial (an OOM or a lost GPU, say), then behaves."""
+def flaky_run(vlm, rows, batch_size, *, marker: str, times: int):
+    """Fails the first ``times`` calls (an out-of-memory error, a lost GPU), then behaves."""
     from promprune.eval import run_requests
 
     path = Path(marker)
-    if not path.exists():
-        path.write_text("failed once")
-        raise RuntimeError("injected failure: first attempt")
+    failed = int(path.read_text()) if path.exists() else 0
+    if failed < times:
+        path.write_text(str(failed + 1))
+        raise RuntimeError(f"injected failure {failed + 1}")
     return run_requests(vlm, rows, batch_size=batch_size)
 
 
-def test_failed_trial_is_retried(local_ray, workdir):
+def test_a_failing_block_is_retried_then_recorded(local_ray, workdir):
+    """A block whose whole call raises is tried again (resources.block_attempts); one that keeps raising becomes
+    failed samples carrying the error, and the trial finishes: never a crashed sweep, never a dropped sample."""
     import functools
 
-    marker = workdir / "attempt"
+    marker = workdir / "attempts"
     spec = small_spec(baseline=False, grid={"method": ["divprune"], "budget": [4]}, tasks=["easyvqa_yesno"],
-                      tune={"max_failures": 1})
-    outcome = sweep.run_sweep(spec, run_fn=functools.partial(flaky_run, marker=str(marker)))
-    assert marker.read_text() == "failed once"  # the first attempt did fail
-    assert outcome.failed == [] and outcome.records["divprune-b4"]["predictions"].num_rows == LIMIT
-    assert list(tracking.trial_runs(tracking.client(), outcome.parent_run_id)) == ["divprune-b4"]
+                      resources={"batch_size": LIMIT, "block_attempts": 2})
+    outcome = sweep.run_sweep(spec, run_fn=functools.partial(flaky_run, marker=str(marker), times=1))
+    assert marker.read_text() == "1"  # the first attempt did fail
+    frame = outcome.records["divprune-b4"]["predictions"].to_pandas()
+    assert outcome.failed == [] and len(frame) == LIMIT and frame["error"].isna().all()
 
     marker.unlink()
-    no_retry = specs.parse({**yaml.safe_load(specs.dump_resolved(spec)), "name": "noretry",
-                            "tune": {"max_failures": 0}})
-    outcome = sweep.run_sweep(no_retry, run_fn=functools.partial(flaky_run, marker=str(marker)))
-    assert outcome.failed == ["divprune-b4"]  # without retries the same failure is reported, not hidden
-    run = tracking.trial_runs(tracking.client(), outcome.parent_run_id)
-    assert run == {}  # trial_runs lists FINISHED runs only: the failed trial's run is marked FAILED
+    always = specs.parse({**yaml.safe_load(specs.dump_resolved(spec)), "name": "always"})
+    outcome = sweep.run_sweep(always, run_fn=functools.partial(flaky_run, marker=str(marker), times=10))
+    assert marker.read_text() == "2"  # block_attempts tries, no more
+    assert outcome.failed == []  # the trial finished ...
+    frame = outcome.records["divprune-b4"]["predictions"].to_pandas()
+    assert len(frame) == LIMIT  # ... with every sample, each failed with the error that failed it
+    assert frame["error"].str.contains("2 time\\(s\\): RuntimeError: injected failure 2").all()
+    run = tracking.trial_runs(tracking.client(), outcome.parent_run_id)["divprune-b4"]
+    assert run.data.metrics["samples/failed"] == LIMIT
 
 
 def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     """Large benchmarks build their rows in parallel Ray tasks; the result must be exactly the plain build."""
     import dataclasses
 
-    import pyarrow as pa
 
     from promprune.eval import build_requests
     from promprune.eval.requests import share_images
     from promprune.records import Request, from_arrow
 
     from pipelines.evaluate import EvalConfig, predict
-    from pipelines.run.requests import Requests, build_requests_dataset
+    from pipelines.run.requests import Requests, build_requests_dataset, unseal
     from pipelines.config import Resources
     from pipelines.weights import ModelSource
 
@@ -265,8 +270,8 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     plain = {r.key: dataclasses.replace(r, gen_kwargs={**r.gen_kwargs, **gen}) for r in build_requests(tasks, limit=3)}
     sharded = build_requests_dataset(tasks, 3, gen, batch_size=2, shards=3)
     assert isinstance(sharded, Requests) and sorted(sharded.keys) == sorted(plain)
-    table = pa.concat_tables(ray.get(sharded.dataset.to_arrow_refs()))
-    built = {r.key: r for r in share_images(from_arrow(table, Request))}
+    blocks = [b for env in ray.get(sharded.blocks) for _, b in unseal(env)]
+    built = {r.key: r for b in blocks for r in share_images(from_arrow(b, Request))}
     assert built == plain  # same prompts, same image bytes and keys, same doc ids and n_docs
 
     preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, progress_bars=False,

@@ -13,8 +13,8 @@ from promprune.records import Prediction, from_arrow
 
 from pipelines import mlflow_layout, spec as specs, sweep, tracking, weights
 from pipelines.run import result
-from pipelines.run.resources import makespan as sweep_makespan
-from pipelines.run.resources import plan_resources
+from pipelines.config import Resources
+from pipelines.run import resources as planning
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -29,37 +29,45 @@ def _spec(**kw) -> specs.SweepSpec:
     return s
 
 
-@pytest.mark.parametrize("gpus,n_trials,kw,expect", [
-    (0, 9, {}, (1, 1)),  # CPU: one actor, one trial at a time
-    # 9 trials on 8 GPUs: one actor each takes 2 waves (the second with 1 GPU busy): 2.0 trial-times; all 8 actors
-    # on each trial, one after the other: 9/8 = 1.125
-    (8, 9, {}, (8, 1)),
-    (8, 16, {}, (1, 8)),  # 16 trials: two full waves of one-actor trials, the best there is (2.0), fewest loads
-    (8, 19, {}, (8, 1)),  # Table 1: 3 waves (79% busy) with one actor each vs 19/8 with eight
-    (8, 2, {}, (4, 2)),  # fewer trials: the GPUs are spread over them
-    (8, 9, {"resources__gpus_per_worker": 2}, (4, 1)),  # 2-GPU actors: 4 fit
-    (8, 9, {"resources__workers": 2}, (2, 4)),  # explicit workers win
-    (8, 9, {"tune__max_concurrent_trials": 3}, (8, 1)),  # a cap on trials at once is a maximum
-    (4, 2, {"tune__max_concurrent_trials": 10}, (2, 2)),  # never more than the trials
+GPU8 = {"GPU": 8, "CPU": 64}
+
+
+@pytest.mark.parametrize("n_trials,blocks,kw,cluster,expect", [
+    # (device, actors each evaluation asks for, trials at once)
+    (9, 100, {}, {"CPU": 2}, ("cpu", 2, 1)),  # a laptop: one trial at a time on both cores
+    (9, 1, {}, {"CPU": 2}, ("cpu", 1, 1)),  # never more actors than blocks
+    (9, 100, {"cpus_per_worker": 2}, {"CPU": 2}, ("cpu", 1, 1)),
+    # GPUs, max_gpus auto: an evaluation asks for an actor per block (at most MAX_ACTORS); two trials overlap
+    (19, 3000, {}, GPU8, ("gpu", planning.MAX_ACTORS, 2)),
+    # small trials: enough at once to fill 8 GPUs (8 / 2 + 1 = 5 trials of 2 blocks)
+    (19, 2, {"max_gpus": 8}, GPU8, ("gpu", 2, 5)),
+    (19, 3000, {"max_gpus": 8}, GPU8, ("gpu", 8, 2)),  # Table 1 on 8 GPUs: 8 actors per trial, one overlapping
+    (19, 3000, {"max_gpus": 8, "gpus_per_worker": 2}, GPU8, ("gpu", 4, 2)),  # 2-GPU actors: 4 fit
+    (19, 3000, {"max_gpus": 8, "workers": 2}, GPU8, ("gpu", 2, 5)),  # explicit workers cap each pool
+    (3, 2, {"max_gpus": 64}, GPU8, ("gpu", 2, 3)),  # never more trials than there are
+    (200, 1, {}, GPU8, ("gpu", 1, planning.MAX_AUTO_TRIALS)),  # the head's memory bounds the trials at once
 ])
-def test_plan_resources(gpus, n_trials, kw, expect):
-    plan = plan_resources(_spec(**kw), n_trials, gpus)
-    assert (plan.workers, plan.concurrency) == expect
+def test_plan(n_trials, blocks, kw, cluster, expect):
+    laptop = "GPU" not in cluster  # a local Ray on a machine without GPUs
+    plan = planning.plan(Resources(**kw), n_trials, blocks, local=laptop, cluster=cluster)
+    assert (plan.device, plan.max_actors, plan.trials_at_once) == expect
+    assert plan.gpus == (Resources(**kw).gpus_per_worker if plan.on_gpu else 0)
 
 
-def test_plan_shares_the_actors_with_queued_trials():
-    plan = plan_resources(_spec(), 19, 8)
-    assert (plan.actors, plan.in_flight) == (8, 3)  # 8 actors loaded once; 2 trials queued behind the running one
-    assert plan_resources(_spec(), 16, 8).in_flight == 10  # 8 one-actor trials at once, 2 queued
-    assert plan_resources(_spec(tune__max_concurrent_trials=1), 19, 8).in_flight == 1  # a set cap is a maximum
-    assert plan_resources(_spec(), 2, 8).in_flight == 2  # never more than the trials
-    assert plan_resources(_spec(), 9, 0).in_flight == 1  # CPU: one trial at a time, as before
+def test_plan_device_is_never_a_silent_cpu_run():
+    # a cluster the sweep joined whose GPU nodes have not joined yet: still GPUs (the sweep waits for them)
+    assert planning.plan(Resources(), 4, 10, local=False, cluster={"CPU": 8}).device == "gpu"
+    local_cpu = planning.plan(Resources(), 4, 10, local=True, cluster={"CPU": 2})
+    assert local_cpu.device == "cpu" and "no GPU" in local_cpu.note  # a laptop: CPU, and said
+    assert planning.plan(Resources(), 4, 10, local=True, cluster={"CPU": 2, "GPU": 1}).device == "gpu"
+    assert planning.plan(Resources(device="gpu"), 4, 10, local=True, cluster={"CPU": 2}).device == "gpu"
+    assert planning.plan(Resources(device="cpu"), 4, 10, local=False, cluster=GPU8).device == "cpu"
 
 
-def test_makespan_by_hand():
-    assert sweep_makespan(19, 8, 1) == 3  # waves of 8, 8, 3
-    assert sweep_makespan(19, 8, 8) == pytest.approx(19 / 8)
-    assert sweep_makespan(9, 8, 2, max_concurrent=3) == pytest.approx(3 / 2)  # ceil(9 / 3) waves of half a trial
+def test_plan_takes_a_set_cap_on_trials_at_once():
+    assert planning.plan(Resources(), 19, 2, 3, local=False, cluster=GPU8).trials_at_once == 3
+    assert planning.plan(Resources(), 19, 2, 3, local=True, cluster={"CPU": 2}).trials_at_once == 3
+    assert planning.plan(Resources(), 2, 2, 10, local=True, cluster={"CPU": 2}).trials_at_once == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,185 @@
+"""The evaluation engine at cluster scale, on real Ray: a sweep that grows with an autoscaling cluster, a block that
+kills its actor or hangs, and a driver killed mid-trial whose sweep resumes without losing finished blocks."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from pipelines import spec as specs
+from pipelines import sweep, timeline, tracking
+from pipelines.run.fake_cluster import FakeAutoscalingCluster, worker_nodes
+from pipelines.run.ray_connect import worker_env
+from pipelines.run.requests import build_rows
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    return tmp_path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# elastic: the sweep grows with the cluster
+
+
+def test_a_sweep_grows_with_an_autoscaling_cluster(workdir, monkeypatch):
+    """Ray's fake autoscaler: GPU worker nodes ({"CPU": 1, "GPU": 1}), min 0, max 3, none up at the start. Six trials
+    of six blocks ask for their actors; pending actors are the demand; the cluster grows to three nodes, the work
+    spreads over them, every sample comes back once, and once the sweep is done nothing asks for nodes any more:
+    the idle nodes go."""
+    from benchmarks.sweep_scaling import Costs, stand_in_run, stand_in_source
+
+    cluster = FakeAutoscalingCluster(workdir / "cluster", max_workers=3, idle_timeout_s=2)
+    for key, value in cluster.env().items():
+        monkeypatch.setenv(key, value)
+    with cluster:
+        ray.init(address=cluster.address, runtime_env=worker_env(), log_to_driver=False)
+        try:
+            assert worker_nodes() == []
+            (workdir / "loads").mkdir()
+            spec = specs.parse({
+                "name": "elastic", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+                "limit": 6, "baseline": False, "grid": {"method": ["promprune", "divprune", "vispruner"],
+                                                         "budget": [8, 4]},
+                "generation": {"max_new_tokens": 1},
+                "resources": {"batch_size": 1, "actor_wait_s": 300}, "tune": {"max_failures": 0}})
+            spec.model = stand_in_source(Costs(load_s=0.0, sample_s=1.0), str(workdir / "loads"))
+            outcome = sweep.run_sweep(spec, run_fn=functools.partial(stand_in_run, sample_s=1.0))
+            assert outcome.failed == [] and len(outcome.records) == 6
+            nodes = set()
+            for rec in outcome.records.values():
+                frame = rec["predictions"].to_pandas()
+                assert sorted(frame["doc_id"]) == list(range(6))  # every sample once (assemble checks it too)
+                nodes |= set(frame["node"])
+            assert len(nodes) >= 3, f"predictions came from {len(nodes)} node(s)"
+            deadline = time.monotonic() + 90  # idle nodes leave once nothing is pending
+            while worker_nodes() and time.monotonic() < deadline:
+                time.sleep(1)
+            assert worker_nodes() == [], "worker nodes stayed up: some demand outlived the sweep"
+        finally:
+            ray.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# failover: a block that kills its actor, a block that hangs
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def deadly_run(vlm, rows, batch_size, *, poison: int, marker_dir: str, how: str):
+    """The real model, except that the request with doc_id ``poison`` kills its actor (``how`` "exit": a segfault or
+    an exhausted host; "hang": a deadlock) and leaves a marker per attempt."""
+    from promprune.eval import run_requests
+
+    if any(r.doc_id == poison for r in rows):
+        Path(marker_dir, f"attempt-{time.monotonic_ns()}").touch()
+        if how == "exit":
+            os._exit(11)
+        time.sleep(3600)
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_block_that_kills_or_hangs_its_actor_becomes_failed_samples(local_ray, workdir, how):
+    markers = workdir / "markers"
+    markers.mkdir()
+    spec = specs.parse({
+        "name": f"poison-{how}", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 4, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 1},
+        "resources": {"batch_size": 1, "block_attempts": 2, "block_timeout_s": 8}})
+    # without image keys every request is a block of its own (easy-vqa asks several questions about one image,
+    # and the questions about one image share a block)
+    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+    poison = 2
+    started = time.monotonic()
+    outcome = sweep.run_sweep(spec, rows=rows, run_fn=functools.partial(
+        deadly_run, poison=poison, marker_dir=str(markers), how=how))
+    assert time.monotonic() - started < 600  # the sweep ends
+    assert len(list(markers.iterdir())) == 2  # block_attempts tries of the poison block, no more
+    assert outcome.failed == []  # the trial finished
+    frame = outcome.records["divprune-b4"]["predictions"].to_pandas().set_index("doc_id")
+    assert sorted(frame.index) == [0, 1, 2, 3]
+    assert "died or hung" in frame.loc[poison, "error"] and "resources.block_attempts" in frame.loc[poison, "error"]
+    assert frame.drop(index=poison)["error"].isna().all()  # the other blocks were not charged for it
+    run = tracking.trial_runs(tracking.client(), outcome.parent_run_id)["divprune-b4"]
+    assert run.data.metrics["samples/failed"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nothing finished is lost: SIGKILL of the driver, then --resume
+
+
+def _answered(folder: Path) -> int:
+    """Samples the actors generated, over every run that wrote this timeline folder."""
+    return sum(e.get("rows", 0) for e in timeline.read(folder) if e["event"] == "predict_end")
+
+
+def test_a_killed_driver_resumes_from_its_saved_blocks(workdir):
+    spec_path = workdir / "kill.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "kill", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 16, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 24}, "resources": {"batch_size": 1}}))
+    events = workdir / "events"
+    events.mkdir()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}", timeline.ENV: str(events),
+           "RAY_TMPDIR": str(workdir / "raytmp"), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(spec_path)]
+    first = subprocess.Popen(cmd, cwd=workdir, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    saved = str(workdir / "outputs" / "tune" / "_promprune_blocks" / "kill-*" / "*" / "*.parquet")
+    deadline = time.monotonic() + 300
+    while len(glob.glob(saved)) < 4 and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.2)
+    done_before = len(glob.glob(saved))
+    assert 4 <= done_before < 16, f"the kill must land mid-trial ({done_before} blocks saved)"
+    os.killpg(first.pid, signal.SIGKILL)  # the driver and everything it started: no cleanup, no Ctrl-C
+    first.wait(timeout=60)
+    generated_before = _answered(events)
+
+    second = subprocess.run(cmd + ["--resume"], cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    resumed = [line for line in out.splitlines() if line.startswith("[resume] divprune-b4: ")]
+    assert resumed and int(resumed[0].split(": ")[1].split()[0]) >= done_before, out[-3000:]
+    generated = _answered(events)
+    assert generated <= 16 + 2, f"{generated} samples generated for 16 (+ one block per actor at most)"
+    assert generated - generated_before <= 16 - done_before + 2
+
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    parents = c.search_runs([c.get_experiment_by_name("promprune").experiment_id],
+                            filter_string="tags.`promprune.role` = 'sweep'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = tracking.trial_runs(c, parents[0].info.run_id)
+    assert list(children) == ["divprune-b4"]  # one run for the trial
+    artifact = Path(c.download_artifacts(children["divprune-b4"].info.run_id, "predictions.parquet", str(workdir)))
+    import pandas as pd
+
+    frame = pd.read_parquet(artifact)
+    assert sorted(frame["doc_id"]) == list(range(16)) and frame["error"].isna().all()  # every sample once
