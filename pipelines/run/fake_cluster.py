@@ -10,10 +10,12 @@ ends every Ray process on the machine, and reads a config its wheel does not shi
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +39,7 @@ class FakeAutoscalingCluster:
         self.head_cpus, self.idle_timeout_s, self.object_store_mb = head_cpus, idle_timeout_s, object_store_mb
         self.port = _free_port()
         self.proc: subprocess.Popen | None = None
+        self.ray_tmp: str | None = None  # Ray's temp dir: short, AF_UNIX socket paths must stay under 108 bytes
 
     @property
     def address(self) -> str:
@@ -59,9 +62,10 @@ class FakeAutoscalingCluster:
             "head_start_ray_commands": [], "worker_start_ray_commands": []}
 
     def env(self) -> dict:
-        """The environment a process needs to join this cluster: Ray 2.60 enforces token auth on a head once
-        ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one)."""
-        return {"RAY_AUTH_MODE": "token"}
+        """The head's environment beyond this process's: Ray 2.60 turns token auth on for a head once
+        ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one), and a process that imported Ray before
+        could not join it; this loopback-only test cluster runs without."""
+        return {"RAY_AUTH_MODE": "disabled"}
 
     def start(self, timeout_s: float = 90) -> "FakeAutoscalingCluster":
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -69,18 +73,18 @@ class FakeAutoscalingCluster:
         path.write_text(yaml.safe_dump(self.config()))
         ray_bin = str(Path(sys.executable).parent / "ray")
         env = {**os.environ, **self.env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        self.ray_tmp = tempfile.mkdtemp(prefix="rfc-", dir="/tmp")
         self.proc = subprocess.Popen(
             [ray_bin, "start", "--head", "--block", f"--port={self.port}", f"--autoscaling-config={path}",
-             f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.tmp / 'ray'}",
+             f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.ray_tmp}",
              "--include-dashboard=false", f"--object-store-memory={self.object_store_mb * 2 ** 20}"],
             env=env, start_new_session=True, stdout=open(self.tmp / "head.log", "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the fake cluster's head exited: {(self.tmp / 'head.log').read_text()[-2000:]}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return self
+            if "Ray runtime started" in (self.tmp / "head.log").read_text():  # `ray start` says so when it is up
+                return self
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"the fake cluster's head did not listen on {self.address} within {timeout_s:g}s")
@@ -99,6 +103,9 @@ class FakeAutoscalingCluster:
             except subprocess.TimeoutExpired:
                 continue
         self.proc = None
+        if self.ray_tmp is not None:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+            self.ray_tmp = None
 
     def __enter__(self) -> "FakeAutoscalingCluster":
         return self.start()
