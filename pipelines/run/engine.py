@@ -11,11 +11,12 @@ Everything about scheduling and failure is Ray's:
   is what an autoscaler adds nodes for. GPU nodes that join mid-evaluation take their pending actors. When the
   evaluation ends its actors go, and with them the demand.
 - *Failover.* An actor that dies (its node lost, a segfault, host memory exhausted by one odd image) is restarted
-  by Ray (`max_restarts=-1`) and the block it held is retried (`max_task_retries`), at most
-  `resources.block_attempts` times in all; one block in flight per actor, so a block that kills its actor is the only
-  one charged. A block that hangs past `resources.block_timeout_s` makes its actor exit (a watchdog), which is the
-  same case. A block out of attempts is dropped by Ray Data's error budget (`max_errored_blocks`) and its samples
-  are recorded as failed samples, named, and the evaluation finishes.
+  by Ray (`max_restarts=-1`) and the block it held is sent again (`max_task_retries=-1`). A `Ledger` counts the
+  attempts that started: the attempt after `resources.block_attempts` returns the block's requests as failed
+  samples, named, instead of running it, and the evaluation finishes. One block in flight per actor, so a block
+  that kills its actor is the only one charged. A block that hangs past `resources.block_timeout_s` makes its actor
+  exit (a watchdog), which is the same case. Should Ray Data give a block up anyway, its error budget
+  (`max_errored_blocks`) drops it and its samples are recorded as lost.
 - A sample that fails by itself (an unreadable image, a failed generation) is a failed prediction from the model's
   own isolation (`promprune.eval.generation`); an exception out of a whole block becomes failed predictions with its
   message. Nothing is dropped silently: `assemble` checks every sample is there exactly once.
@@ -97,11 +98,27 @@ class Watchdog:
         return False
 
 
+class Ledger:
+    """How many times each block has been started, over every actor of one evaluation (a small Ray actor the
+    evaluation's process owns): an actor that restarts after dying on a block, wherever Ray restarts it, sees that
+    block's earlier attempts and gives it up after `Failover.attempts`."""
+
+    def __init__(self):
+        self.started: dict[str, int] = {}
+
+    def begin(self, block: str) -> int:
+        """Count one more attempt of ``block``; returns its number (1 for the first)."""
+        self.started[block] = self.started.get(block, 0) + 1
+        return self.started[block]
+
+
 class Predictor:
     """A Ray Data actor: loads the PrunedVLM once (`ModelSource.load`: from the weights a sweep published to the
-    object store, or `from_pretrained`), then answers one sealed block per call under `torch.inference_mode()`."""
+    object store, or `from_pretrained`), then answers one sealed block per call under `torch.inference_mode()`.
+    A block that has already been started `Failover.attempts` times (its actor died or hung on it each time, see
+    `Ledger`) is not run again: its requests become failed samples saying so."""
 
-    def __init__(self, job: Job, failover: Failover):
+    def __init__(self, job: Job, failover: Failover, ledger=None):
         import torch
 
         if timeline.enabled():
@@ -109,7 +126,7 @@ class Predictor:
             timeline.mark("actor_process", "actor", t=timeline.process_started())
             timeline.mark("actor_init", "actor")
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
-        self.job, self.failover = job, failover
+        self.job, self.failover, self.ledger = job, failover, ledger
         self.vlm = job.source.load(method=job.method, budget=job.budget, options=job.options)
         self.run_fn = job.run_fn or default_run_requests
         self.node = ray.get_runtime_context().get_node_id()
@@ -119,6 +136,10 @@ class Predictor:
         """Envelope rows (`requests.ENVELOPE`) -> their predictions (`arrow_schema(Prediction)`)."""
         out = []
         for bid, block in unseal(envelopes):
+            attempt = 1 if self.ledger is None else ray.get(self.ledger.begin.remote(bid))
+            if attempt > self.failover.attempts:
+                out += failed(from_arrow(block, Request), lost_reason(self.failover), self.node)
+                continue
             timeline.mark("predict_start", "actor", call=bid, rows=block.num_rows)
             with Watchdog(self.failover.timeout_s, f"block {bid} ({block.num_rows} requests)"):
                 out += self.answer(block)
@@ -207,27 +228,31 @@ def stream(requests: Requests, job: Job, plan: Plan, failover: Failover,
     ds = requests.dataset(skip)
     if ds is None:
         return
+    ledger = ray.remote(Ledger).options(num_cpus=0).remote()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # max_restarts / max_task_retries go through ray_remote_args (2.60: no names)
         ds = ds.map_batches(
-            Predictor, fn_constructor_kwargs={"job": job, "failover": failover},
+            Predictor, fn_constructor_kwargs={"job": job, "failover": failover, "ledger": ledger},
             batch_size=1, batch_format="pyarrow", zero_copy_batch=True,
             # a fixed size: the actors that do not fit yet are pending (the autoscaler's demand), never given up
             compute=ActorPoolStrategy(size=plan.max_actors, max_tasks_in_flight_per_actor=1),
-            num_gpus=plan.gpus if plan.on_gpu else None, num_cpus=plan.cpus,
-            max_restarts=-1, max_task_retries=max(0, failover.attempts - 1))
+            # Ray restarts a lost actor and resends its block for as long as it takes (a node lost is no reason to
+            # give a block up); the Ledger counts the attempts that actually started
+            num_gpus=plan.gpus if plan.on_gpu else None, num_cpus=plan.cpus, max_restarts=-1, max_task_retries=-1)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         if batch.num_rows:
             keys = [f"{t}/{d}" for t, d in zip(batch.column("task").to_pylist(), batch.column("doc_id").to_pylist())]
             yield block_id(keys), batch
 
 
+def lost_reason(failover: Failover) -> str:
+    return (f"lost: the actor answering this sample's block died or hung (block_timeout_s={failover.timeout_s:g}s) "
+            f"on it {failover.attempts} time(s) (resources.block_attempts); the Ray logs of the actors say why")
+
+
 def lost(requests: Requests, missing: set[str], failover: Failover) -> list[Prediction]:
-    """Failed predictions for samples no block brought back: their block ran out of attempts."""
-    reason = (f"lost: the actor answering this sample's block died or hung (block_timeout_s="
-              f"{failover.timeout_s:g}s) on it {failover.attempts} time(s) (resources.block_attempts); the Ray "
-              "logs of the actors say why")
-    return failed(requests.requests_of(missing), reason)
+    """Failed predictions for samples no block brought back (Ray Data gave their block up: it counts as lost)."""
+    return failed(requests.requests_of(missing), lost_reason(failover))
 
 
 def run(requests: Requests, job: Job, plan: Plan, failover: Failover, wait_s: float | None = None,

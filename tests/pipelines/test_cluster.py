@@ -2,8 +2,8 @@
 worker nodes declaring one GPU each (scheduling only; the tiny model runs on their CPUs).
 
 - A worker node killed mid-evaluation: the sweep still finishes, every sample scored exactly once.
-- An actor pool that cannot be scheduled fails after `actor_wait_s` instead of hanging.
-- A sweep's shared pool starts work when its first actor has loaded; the others join as they finish loading.
+- Actors that cannot be placed anywhere fail after `actor_wait_s`, naming the resources, instead of hanging.
+- An evaluation starts on its first loaded actor; the others join as they finish loading.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster
 from pipelines import spec as specs
 from pipelines import sweep, tracking
 from pipelines.evaluate import EvalConfig, evaluate, predict
-from pipelines.run.pool import PredictorPool
+from pipelines.run import resources as planning
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.requests import build_requests_dataset, build_rows
 from pipelines.config import Resources
@@ -97,8 +97,8 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
     done_before_kill = len(list(markers.iterdir()))
     assert 0 < done_before_kill < SAMPLES, "the kill must land mid-evaluation"
     trial_nodes = {a.node_id for a in _actors("ImplicitFunc")}
-    # the sweep's shared predictor actors (PredictorPool)
-    victims = [a.node_id for a in _actors("PooledPredictor") if a.node_id not in trial_nodes]
+    # the trial's Ray Data actors holding the model
+    victims = [a.node_id for a in _actors("MapBatches(Predictor)") if a.node_id not in trial_nodes]
     assert victims, "no actor on a node without the trial driver"
     node = next(n for n in cluster.worker_nodes if n.node_id == victims[0])
     cluster.remove_node(node, allow_graceful=False)
@@ -119,17 +119,18 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("prebuilt", [False, True], ids=["rows", "sweep-dataset"])
-def test_unschedulable_pool_fails_instead_of_hanging(cluster, prebuilt):
-    """Also when the rows arrive as the sweep's prebuilt dataset (built before the wait was configured)."""
+def test_unplaceable_actors_fail_instead_of_hanging(cluster, prebuilt):
+    """Also when the rows arrive as the sweep's prebuilt dataset."""
     rows = build_rows(["easyvqa_yesno"], 1, {"max_new_tokens": 1})
     if prebuilt:
         rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
     cfg = EvalConfig(model=ModelSource("tiny:llava"), progress_bars=False,
                      resources=Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5))  # no 2-GPU node
     start = time.time()
-    with pytest.raises(Exception, match="(?i)actor"):
+    with pytest.raises(planning.NoCapacity, match=r"actor_wait_s=5s.*at most 1 GPU\(s\) on one node"):
         evaluate(cfg, rows)
-    assert time.time() - start < 120
+    assert time.time() - start < 60
+    assert not [a for a in _actors("_probe")], "the probe's demand outlived the wait"
 
 
 def staggered_source(claim: str, slow_s: float) -> ModelSource:
@@ -154,80 +155,35 @@ def staggered_source(claim: str, slow_s: float) -> ModelSource:
     return Staggered("tiny:llava", claim=claim, slow_s=slow_s)
 
 
-def pid_run(vlm, rows, batch_size, *, marker_dir: str):
-    """The real run_requests; leaves a marker naming the actor process that answered."""
+def pid_run(vlm, rows, batch_size, *, marker_dir: str, sleep_s: float = 0.0):
+    """The real run_requests (after ``sleep_s``: a bigger model); leaves a marker naming the actor process that
+    answered, and when."""
     import os
 
     from promprune.eval import run_requests
 
+    time.sleep(sleep_s)
     preds = run_requests(vlm, rows, batch_size=batch_size)
     for p in preds:
         Path(marker_dir, f"{p.doc_id}-{os.getpid()}-{time.monotonic_ns()}").touch()
     return preds
 
 
-def test_pool_starts_work_before_every_actor_has_loaded(cluster, tmp_path):
-    slow_s = 25.0
+def test_work_starts_on_the_first_loaded_actor_and_the_others_join(cluster, tmp_path):
+    """Three actors asked for, one loads at once and two after 20 s: the first answers blocks while the others load,
+    and the late ones take blocks once they are up (nodes that join mid-evaluation are used). 24 blocks of 2 s: 48 s
+    of work for one actor."""
+    slow_s = 20.0
     markers = tmp_path / "markers"
     markers.mkdir()
     resources = Resources(workers=3, gpus_per_worker=1, batch_size=1, actor_wait_s=180)
-    t0 = time.monotonic()
-    pool = PredictorPool.start(staggered_source(str(tmp_path / "claim"), slow_s), 3, resources, on_gpu=True,
-                               run_fn=functools.partial(pid_run, marker_dir=str(markers)))
-    try:
-        waited = time.monotonic() - t0
-        assert pool.ready_count() < 3, f"start() waited for every actor ({waited:.1f}s)"
-        cfg = EvalConfig(model=ModelSource("tiny:llava"), method="promprune", budget=8, progress_bars=False,
-                         resources=resources)
-        rows = build_requests_dataset(["easyvqa_yesno"], 4, {"max_new_tokens": 1}, batch_size=1)
-        preds = predict(cfg, rows, pool=pool)  # exactly once per request, checked inside; sorted
-        assert preds.column("doc_id").to_pylist() == [0, 1, 2, 3] and not any(preds.column("error").to_pylist())
-        early = {m.name.split("-")[1] for m in markers.iterdir()}
-        assert len(early) == 1, "only the actor that had loaded can have answered so far"
-
-        deadline = time.monotonic() + 120
-        while pool.ready_count() < 3 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert pool.ready_count() == 3, "the slow actors never finished loading"
-        for m in markers.iterdir():
-            m.unlink()
-        rows = build_requests_dataset(["easyvqa_yesno"], 12, {"max_new_tokens": 1}, batch_size=1)
-        preds = predict(cfg, rows, pool=pool)
-        assert preds.column("doc_id").to_pylist() == list(range(12))
-        late = {m.name.split("-")[1] for m in markers.iterdir()}
-        assert len(late) >= 2, "the actors that loaded late never took work"
-    finally:
-        pool.shutdown()
-
-
-def test_trials_of_one_block_are_spread_over_the_pool(cluster, tmp_path):
-    """Each trial counts only its own calls, so equally loaded actors are a tie on every trial's first block; ties
-    broken by index sent every one-block trial to actor 0 (the 2-GPU sweep_scaling smoke: 19 of 19 calls on one
-    actor). 12 one-block calls on 3 loaded actors all landing on one: (1/3)^11 if ties are spread at random."""
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    resources = Resources(workers=3, gpus_per_worker=1, batch_size=1, actor_wait_s=180)
-    pool = PredictorPool.start(ModelSource("tiny:llava"), 3, resources, on_gpu=True,
-                               run_fn=functools.partial(pid_run, marker_dir=str(markers)))
-    try:
-        deadline = time.monotonic() + 120
-        while pool.ready_count() < 3 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert pool.ready_count() == 3
-        cfg = EvalConfig(model=ModelSource("tiny:llava"), method="promprune", budget=8, progress_bars=False,
-                         resources=resources)
-        rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
-        for _ in range(12):
-            assert predict(cfg, rows, pool=pool).num_rows == 1
-        answered = {m.name.split("-")[1] for m in markers.iterdir()}
-        assert len(answered) >= 2, "every one-block call went to the same actor"
-    finally:
-        pool.shutdown()
-
-
-def test_pool_that_cannot_be_scheduled_fails_with_the_resources_named(cluster):
-    resources = Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5)  # no 2-GPU node
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"actor_wait_s=5s.*2 GPU"):
-        PredictorPool.start(ModelSource("tiny:llava"), 2, resources, on_gpu=True)
-    assert time.monotonic() - start < 60
+    cfg = EvalConfig(model=staggered_source(str(tmp_path / "claim"), slow_s), method="promprune", budget=8,
+                     progress_bars=False, resources=resources)
+    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(["easyvqa_yesno"], 24, {"max_new_tokens": 8})]
+    preds = predict(cfg, rows, run_fn=functools.partial(pid_run, marker_dir=str(markers), sleep_s=2.0))
+    assert preds.column("doc_id").to_pylist() == list(range(24)) and not any(preds.column("error").to_pylist())
+    answered = sorted((int(m.name.split("-")[2]), m.name.split("-")[1]) for m in markers.iterdir())  # monotonic ns
+    first_t, first_pid = answered[0]
+    early = {pid for t, pid in answered if t - first_t < slow_s * 1e9 / 2}
+    assert early == {first_pid}, "only the actor that had loaded can have answered at first"
+    assert len({pid for _, pid in answered}) >= 2, "the actors that loaded late never took work"
