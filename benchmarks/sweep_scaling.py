@@ -24,6 +24,10 @@ GPUs`.
 `--timeline PATH` (.csv or .json) records every process's events (trial start/end, actor start/ready, first request,
 last answer: `pipelines/timeline.py`) and prints where each run's time went; `--smoke` is a seconds-long check of
 this script (2 GPUs, 4 samples per task, a few ms per sample, the shell loop computed).
+
+`--autoscale [MAX_NODES]` runs the sweep on Ray's fake autoscaler instead (GPU worker nodes from none up to MAX_NODES,
+default 3; `pipelines/run/fake_cluster.py`) and ends with the line `autoscaled to N of M GPU nodes; predictions from K
+nodes; every sample once`; `--autoscale --smoke` is its minutes-long check.
 """
 from __future__ import annotations
 
@@ -94,6 +98,7 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     import functools
 
     from pipelines import sweep
+    from pipelines.run import resources as planning
     from pipelines.run.ray_connect import worker_env
 
     env = worker_env()
@@ -127,9 +132,10 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     n_rows = len(rows.keys)
     work = n_trials * n_rows * costs.sample_s
     ideal = work / gpus + costs.load_s
-    plan = sweep.plan_resources(spec, n_trials, gpus)
+    plan = planning.plan(spec.resources, n_trials, len(rows.blocks), local=False, cluster={"GPU": gpus})
     return {"wall": wall, "ideal": ideal, "loads": len(list(counter.iterdir())), "rows": n_rows,
-            "trials": n_trials, "failed": len(outcome.failed), "workers": plan.workers}
+            "trials": n_trials, "failed": len(outcome.failed), "workers": min(plan.max_actors, gpus),
+            "at_once": plan.trials_at_once}
 
 
 def shell_loop(gpus: int, trials: int, samples: int, costs: Costs, startup_s: float) -> dict:
@@ -225,18 +231,76 @@ SHELL_STARTUP_S = 60.0  # one lmms-eval process: imports, task indexing, dataset
 
 def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float, float, int]:
     """(pipeline wall, shell-loop wall, ideal, actors per trial) of Table 1 at full size, in hours. The pipeline
-    runs the plan `plan_resources` makes (w actors share each trial's samples, trials in waves of gpus // w) and pays
-    `overhead_s` (measured here) plus an object-store load per wave; the shell loop runs one process per trial per
-    GPU in waves and pays a process start and a disk load per trial."""
-    from pipelines.sweep import plan_resources
+    runs the plan `pipelines.run.resources.plan` makes for a spec with ``max_gpus: gpus``: every trial asks for an
+    actor per GPU (its blocks outnumber them), and the next trial's actors start when the last one's release their
+    GPUs, each loading the weights from the object store; per trial it pays that load and `overhead_s` (measured
+    here). The shell loop runs one process per trial per GPU in waves and pays a process start and a disk load per
+    trial."""
+    from pipelines.config import Resources
+    from pipelines.run import resources as planning
 
     work = sum(TABLE1_SAMPLES.values()) * A100_SAMPLE_S
-    plan = plan_resources(table1_spec(1, 8), trials, gpus)
-    waves = math.ceil(trials / plan.concurrency)
-    pipeline = waves * (work / plan.workers + overhead_s + A100_LOAD_S / 3)
+    blocks = math.ceil(sum(TABLE1_SAMPLES.values()) / 8)
+    plan = planning.plan(Resources(max_gpus=gpus), trials, blocks, local=False, cluster={"GPU": gpus})
+    pipeline = trials * (work / plan.max_actors + overhead_s + A100_LOAD_S / 3)
     shell = math.ceil(trials / gpus) * (work + SHELL_STARTUP_S + A100_LOAD_S)
     ideal = trials * work / gpus + A100_LOAD_S / 3
-    return pipeline / 3600, shell / 3600, ideal / 3600, plan.workers
+    return pipeline / 3600, shell / 3600, ideal / 3600, plan.max_actors
+
+
+def run_autoscaled(max_nodes: int, costs: Costs, samples_per_task: int, batch_size: int, workdir: Path,
+                   methods: list[str], budgets: list[int]) -> dict:
+    """The sweep on Ray's fake autoscaler (`pipelines.run.fake_cluster`): GPU worker nodes of {"CPU": 1, "GPU": 1},
+    min 0, max ``max_nodes``, none up at the start. Returns the most worker nodes seen at once, the nodes the
+    predictions name, whether every sample came back once per trial, and how long the nodes took to leave after."""
+    import functools
+    import threading
+
+    from pipelines import spec as specs
+    from pipelines import sweep
+    from pipelines.run.fake_cluster import FakeAutoscalingCluster, worker_nodes
+    from pipelines.run.ray_connect import worker_env
+
+    counter = workdir / "loads-autoscale"
+    counter.mkdir()
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{workdir / 'mlflow.db'}"
+    with FakeAutoscalingCluster(workdir / "cluster", max_workers=max_nodes, idle_timeout_s=2) as cluster:
+        ray.init(address=cluster.address, runtime_env=worker_env(), log_to_driver=False)
+        seen, stop = [0], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                seen[0] = max(seen[0], len(worker_nodes()))
+                stop.wait(0.5)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            spec = specs.parse({
+                "name": "sweep_scaling_autoscale", "version": 1, "model": {"pretrained": "tiny:llava"},
+                "tasks": TASKS, "limit": samples_per_task, "baseline": False,
+                "grid": {"method": methods, "budget": budgets}, "generation": {"max_new_tokens": 1},
+                "resources": {"batch_size": batch_size, "actor_wait_s": 600}, "tune": {"max_failures": 0}})
+            spec.model = stand_in_source(costs, str(counter))
+            spec.tune.storage_path = str(workdir / "tune-autoscale")
+            start = time.perf_counter()
+            outcome = sweep.run_sweep(spec, run_fn=functools.partial(stand_in_run, sample_s=costs.sample_s))
+            wall = time.perf_counter() - start
+            nodes, once = set(), not outcome.failed
+            for rec in outcome.records.values():
+                frame = rec["predictions"].to_pandas()
+                nodes |= set(frame["node"].dropna())
+                once &= not frame.duplicated(["task", "doc_id"]).any() and len(frame) == len(TASKS) * samples_per_task
+            t0 = time.monotonic()
+            while worker_nodes() and time.monotonic() - t0 < 120:  # nothing pending: idle nodes leave
+                time.sleep(1)
+            released = None if worker_nodes() else time.monotonic() - t0
+        finally:
+            stop.set()
+            watcher.join()
+            ray.shutdown()
+    return {"max_nodes": seen[0], "nodes": len(nodes), "once": once, "wall": wall, "released_s": released,
+            "trials": len(outcome.records)}
 
 
 def main() -> None:
@@ -255,7 +319,12 @@ def main() -> None:
                     "where the time went")
     ap.add_argument("--smoke", action="store_true", help="a quick check of this script: 2 GPUs, 4 samples per task, "
                     "0.02 s per sample, 0.1 s per load, the shell loop computed")
+    ap.add_argument("--autoscale", type=int, nargs="?", const=3, default=None, metavar="MAX_NODES",
+                    help="instead: the sweep on Ray's fake autoscaler, GPU nodes from 0 up to MAX_NODES (default 3)")
     args = ap.parse_args()
+    if args.autoscale is not None:
+        autoscale_main(args)
+        return
     if args.smoke:
         args.gpus, args.samples_per_task, args.sample_s, args.load_s, args.shell = [2], 4, 0.02, 0.1, "arithmetic"
     costs = Costs(args.load_s, args.sample_s)
@@ -287,9 +356,8 @@ def main() -> None:
                   f"{r['rows']} | "
                   f"{s['wall']:.1f} | {s['ideal'] / s['wall']:.2f} | {s['loads']} |", flush=True)
             last = (gpus, eff)
-            if gpus == min(args.gpus):  # per wave of trials, beyond their samples
-                plan_waves = math.ceil(r["trials"] / max(1, gpus // r["workers"]))
-                overhead = (r["wall"] - r["trials"] * r["rows"] * costs.sample_s / gpus) / plan_waves
+            if gpus == min(args.gpus):  # per trial, beyond its samples (trials overlap: the sweep's wall time)
+                overhead = (r["wall"] - r["trials"] * r["rows"] * costs.sample_s / gpus) / r["trials"]
     if args.timeline:
         timeline.write(events, args.timeline)
         print("\n" + "\n".join(where) + f"\n({len(events)} events in {args.timeline})")
@@ -304,8 +372,24 @@ def main() -> None:
         p, s, i, w = projection(gpus, len(METHODS) * len(BUDGETS) + 1, overhead)
         print(f"| {gpus} | {w} | {p:.2f} | {s:.2f} | {i:.2f} | {i / p:.2f} | {i / s:.2f} |")
     print("\n(the shell loop runs whole trials in waves: 19 trials on 8 GPUs take 3, the last with 3 GPUs busy; the "
-          "pipeline shares each trial's samples among the actors plan_resources gives it)")
+          "pipeline gives each trial an actor per GPU, one trial after the other)")
     print(f"\nefficiency {last[1]:.2f} at {last[0]} GPUs")
+
+
+def autoscale_main(args) -> None:
+    """`--autoscale`: the grow-and-release check (with `--smoke`: 6 trials of 2 x 4 samples, 0.5 s per sample)."""
+    methods, budgets = (METHODS[:3], BUDGETS[:2]) if args.smoke else (METHODS, BUDGETS)
+    samples = 4 if args.smoke else args.samples_per_task
+    sample_s = 0.5 if args.smoke else args.sample_s
+    print(f"{len(methods) * len(budgets)} trials x {len(TASKS) * samples} samples on Ray's fake autoscaler: GPU "
+          f"nodes from 0 up to {args.autoscale}; stand-in model: {sample_s:g} s per sample")
+    with tempfile.TemporaryDirectory(prefix="sweep-autoscale-") as tmp:
+        r = run_autoscaled(args.autoscale, Costs(0.0, sample_s), samples, 1 if args.smoke else args.batch_size,
+                           Path(tmp), methods, budgets)
+    released = "never" if r["released_s"] is None else f"{r['released_s']:.0f} s after the sweep"
+    print(f"wall {r['wall']:.1f} s for {r['trials']} trials; worker nodes released {released}")
+    print(f"autoscaled to {r['max_nodes']} of {args.autoscale} GPU nodes; predictions from {r['nodes']} nodes; "
+          + ("every sample once" if r["once"] else "NOT every sample once"))
 
 
 if __name__ == "__main__":

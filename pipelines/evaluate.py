@@ -71,7 +71,7 @@ class EvalConfig:
 
 def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable | None = None,
             plan: planning.Plan | None = None, store: BlockStore | None = None,
-            on_block: Callable | None = None) -> pa.Table:
+            on_block: Callable | None = None, ledger=None) -> pa.Table:
     """The blocks through the engine: the predictions table (`PREDICTION_SCHEMA`), one row per request, sorted by
     (task, doc_id). ``plan``: a sweep's (its driver waited for the first GPU); None: this evaluation plans for
     itself and waits up to ``resources.actor_wait_s`` for the first GPU when it wants GPUs (`planning.NoCapacity`
@@ -80,23 +80,24 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
         rows = requests_dataset(rows, cfg.resources.batch_size)
     timeline.mark("first_request", "trial")
     if plan is not None:
-        return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block)
+        return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block,
+                          ledger=ledger)
     plan = planning.plan(cfg.resources, 1, len(rows.blocks))
     if plan.note:
         say(plan.note)
     planning.wait_for_capacity(plan, cfg.resources.actor_wait_s)
-    return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block)
+    return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block, ledger=ledger)
 
 
 def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, run_fn: Callable | None = None,
              score_fn: Callable | None = None, plan: planning.Plan | None = None, store: BlockStore | None = None,
-             on_block: Callable | None = None) -> TrialResult:
+             on_block: Callable | None = None, ledger=None) -> TrialResult:
     """Requests (built here unless given) -> predictions from the engine -> scores (once, centrally) -> metrics:
     one `TrialResult`."""
     if rows is None:
         rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size,
                                       video_frames=cfg.video_frames)
-    predictions = predict(cfg, rows, run_fn=run_fn, plan=plan, store=store, on_block=on_block)
+    predictions = predict(cfg, rows, run_fn=run_fn, plan=plan, store=store, on_block=on_block, ledger=ledger)
     result = TrialResult.scored(predictions, score_fn, bootstrap=cfg.bootstrap)
     timeline.mark("trial_scored", "trial")
     return result

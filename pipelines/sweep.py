@@ -56,6 +56,7 @@ from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines import timeline, tracking
 from pipelines.evaluate import EvalConfig, evaluate, random_weights_note
+from pipelines.run import engine
 from pipelines.run import resources as planning
 from pipelines.run.checkpoints import BlockStore, sweep_dir, trial_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
@@ -120,7 +121,7 @@ def running_scores(tables: list) -> dict[str, float]:
 
 
 def run_trial(config: dict, *, source: ModelSource, rows: Requests, settings: dict, plan: planning.Plan,
-              blocks: str, run_fn: Callable | None = None) -> None:
+              blocks: str, ledger=None, run_fn: Callable | None = None) -> None:
     """Evaluate one trial (``config["trial"]``: `tune_trial`) with the engine, saving its blocks under ``blocks``
     (`checkpoints.trial_dir`) and resuming from them, reporting progress, and finally its metrics with the
     `TrialResult` file as the checkpoint."""
@@ -133,7 +134,7 @@ def run_trial(config: dict, *, source: ModelSource, rows: Requests, settings: di
     timeline.mark("trial_begin", "trial")
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
     store = BlockStore(trial_dir(blocks, tid))
-    result = evaluate(cfg, rows, run_fn=run_fn, plan=plan, store=store,
+    result = evaluate(cfg, rows, run_fn=run_fn, plan=plan, store=store, ledger=ledger,
                       on_block=TrialProgress(len(rows.keys), config.get("score_at")))
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
                            "samples/done": float(result.predictions.num_rows)})
@@ -326,7 +327,7 @@ def _trainable(source: ModelSource, rows: Requests, spec: specs.SweepSpec, plan:
                     generation=spec.generation, progress_bars=False, bootstrap=spec.bootstrap,
                     resources=spec.resources)
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, plan=plan, blocks=blocks,
-                              run_fn=run_fn)
+                              ledger=engine.new_ledger(), run_fn=run_fn)  # one Ledger for every trial's blocks
     return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
 
 

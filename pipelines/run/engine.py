@@ -99,17 +99,22 @@ class Watchdog:
 
 
 class Ledger:
-    """How many times each block has been started, over every actor of one evaluation (a small Ray actor the
-    evaluation's process owns): an actor that restarts after dying on a block, wherever Ray restarts it, sees that
-    block's earlier attempts and gives it up after `Failover.attempts`."""
+    """How many times each block of each evaluation has been started, over every actor (one small Ray actor per
+    sweep, or per evaluation run alone): an actor that restarts after dying on a block, wherever Ray restarts it,
+    sees that block's earlier attempts and gives it up after `Failover.attempts`."""
 
     def __init__(self):
         self.started: dict[str, int] = {}
 
-    def begin(self, block: str) -> int:
-        """Count one more attempt of ``block``; returns its number (1 for the first)."""
-        self.started[block] = self.started.get(block, 0) + 1
-        return self.started[block]
+    def begin(self, key: str) -> int:
+        """Count one more attempt of ``key`` (evaluation/block); returns its number (1 for the first)."""
+        self.started[key] = self.started.get(key, 0) + 1
+        return self.started[key]
+
+
+def new_ledger():
+    """A `Ledger` actor (no CPU reserved); its owner's lifetime is its own."""
+    return ray.remote(Ledger).options(num_cpus=0).remote()
 
 
 class Predictor:
@@ -118,7 +123,7 @@ class Predictor:
     A block that has already been started `Failover.attempts` times (its actor died or hung on it each time, see
     `Ledger`) is not run again: its requests become failed samples saying so."""
 
-    def __init__(self, job: Job, failover: Failover, ledger=None):
+    def __init__(self, job: Job, failover: Failover, ledger=None, evaluation: str = ""):
         import torch
 
         if timeline.enabled():
@@ -126,7 +131,7 @@ class Predictor:
             timeline.mark("actor_process", "actor", t=timeline.process_started())
             timeline.mark("actor_init", "actor")
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
-        self.job, self.failover, self.ledger = job, failover, ledger
+        self.job, self.failover, self.ledger, self.evaluation = job, failover, ledger, evaluation
         self.vlm = job.source.load(method=job.method, budget=job.budget, options=job.options)
         self.run_fn = job.run_fn or default_run_requests
         self.node = ray.get_runtime_context().get_node_id()
@@ -136,7 +141,7 @@ class Predictor:
         """Envelope rows (`requests.ENVELOPE`) -> their predictions (`arrow_schema(Prediction)`)."""
         out = []
         for bid, block in unseal(envelopes):
-            attempt = 1 if self.ledger is None else ray.get(self.ledger.begin.remote(bid))
+            attempt = 1 if self.ledger is None else ray.get(self.ledger.begin.remote(f"{self.evaluation}/{bid}"))
             if attempt > self.failover.attempts:
                 out += failed(from_arrow(block, Request), lost_reason(self.failover), self.node)
                 continue
@@ -216,10 +221,13 @@ def configure_data_context(wait_s: float) -> None:
 
 
 def stream(requests: Requests, job: Job, plan: Plan, failover: Failover,
-           skip: set[str] | frozenset = frozenset(), wait_s: float | None = None) -> Iterator[tuple[str, pa.Table]]:
+           skip: set[str] | frozenset = frozenset(), wait_s: float | None = None,
+           ledger=None) -> Iterator[tuple[str, pa.Table]]:
     """Answer every block with a sample not in ``skip``; yields ``(block id, predictions)`` as blocks come back,
-    in no particular order. Blocks out of attempts yield nothing (see `assemble`). ``wait_s``: how long the pool may
-    wait for its first actor (None: as long as it takes, e.g. behind other trials' actors)."""
+    in no particular order. ``wait_s``: how long the pool may wait for its first actor (None: as long as it takes,
+    e.g. behind other trials' actors). ``ledger``: a sweep's `Ledger` (None: one for this evaluation)."""
+    import uuid
+
     from ray.data import ActorPoolStrategy
 
     from pipelines.run.requests import block_id
@@ -228,11 +236,13 @@ def stream(requests: Requests, job: Job, plan: Plan, failover: Failover,
     ds = requests.dataset(skip)
     if ds is None:
         return
-    ledger = ray.remote(Ledger).options(num_cpus=0).remote()
+    ledger = new_ledger() if ledger is None else ledger
+    evaluation = uuid.uuid4().hex  # this run's blocks in the ledger (a retried trial starts its attempts afresh)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # max_restarts / max_task_retries go through ray_remote_args (2.60: no names)
         ds = ds.map_batches(
-            Predictor, fn_constructor_kwargs={"job": job, "failover": failover, "ledger": ledger},
+            Predictor, fn_constructor_kwargs={"job": job, "failover": failover, "ledger": ledger,
+                                              "evaluation": evaluation},
             batch_size=1, batch_format="pyarrow", zero_copy_batch=True,
             # a fixed size: the actors that do not fit yet are pending (the autoscaler's demand), never given up
             compute=ActorPoolStrategy(size=plan.max_actors, max_tasks_in_flight_per_actor=1),
@@ -256,7 +266,8 @@ def lost(requests: Requests, missing: set[str], failover: Failover) -> list[Pred
 
 
 def run(requests: Requests, job: Job, plan: Plan, failover: Failover, wait_s: float | None = None,
-        store: BlockStore | None = None, on_block: Callable[[int, pa.Table], None] | None = None) -> pa.Table:
+        store: BlockStore | None = None, on_block: Callable[[int, pa.Table], None] | None = None,
+        ledger=None) -> pa.Table:
     """One evaluation: every block answered (or recorded as lost), as one predictions table.
 
     ``store``: the trial's saved blocks; blocks already there are not generated again, and each new block is saved
@@ -268,7 +279,7 @@ def run(requests: Requests, job: Job, plan: Plan, failover: Failover, wait_s: fl
     wanted = set(requests.keys)
     tables = [] if store is None else [_only(store.load(), wanted)]
     done = sum(t.num_rows for t in tables)
-    for bid, table in stream(requests, job, plan, failover, skip=_keys_of(tables), wait_s=wait_s):
+    for bid, table in stream(requests, job, plan, failover, skip=_keys_of(tables), wait_s=wait_s, ledger=ledger):
         if store is not None:
             store.save(bid, table)
         tables.append(table)
