@@ -259,6 +259,19 @@ def task_config(name: str, include_path: str | list[str] | None = None) -> dict:
     return _yaml_config(Path(path))
 
 
+def primary_metrics(task: str, include_path: str | list[str] | None = None) -> tuple[str, ...]:
+    """What ``task`` is compared by (Rel., the headline columns, bootstrap intervals): ``PRIMARY_METRICS``'s choice,
+    else the first metric of the task's own ``metric_list`` (a benchmark of one's own); () when there is none."""
+    if task in PRIMARY_METRICS:
+        return PRIMARY_METRICS[task]
+    try:
+        listed = task_config(task, include_path).get("metric_list") or []
+    except ValueError:  # not a task lmms-eval knows here
+        return ()
+    first = listed[0].get("metric") if isinstance(listed, list) and listed and isinstance(listed[0], dict) else None
+    return (first,) if isinstance(first, str) else ()
+
+
 def check_limit(task: str, limit: int | None) -> str | None:
     """Why ``limit`` cannot score ``task`` (None when it can): MME scores question pairs (two questions per image,
     consecutive documents), so an odd limit would cut the last pair and fail only after everything is generated."""
