@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     random_weights_note(args.model)
     given = plugins.resolve_paths({"plugins": args.plugin, "include_path": args.include_path}, Path.cwd())
     errors = plugins.load(given["plugins"])  # a user's mistakes: one message listing all of them, before Ray starts
+    if errors:  # without its plugins the method cannot be checked: these are the problems
+        print("error: " + "\n  - ".join(["pipelines/evaluate.py:", *errors]), file=sys.stderr)
+        return 2
     plugins.activate(given["plugins"], given["include_path"])  # here and in every Ray worker started after this
     try:
         validate_method(args.method, args.budget, **options)

@@ -46,13 +46,19 @@ def _absolute(entry: str, base: Path) -> str:
 
 
 def load(entries: list[str] | None) -> list[str]:
-    """Import the ``promprune.methods`` entry points and every plugin here; returns one problem per failure (a
-    plugin that fails to import names itself and the error; empty: all imported)."""
+    """Import the ``promprune.methods`` entry points, what ``$PROMPRUNE_PLUGINS`` names and every plugin of
+    ``entries`` here; returns one problem per failure (a plugin that fails to import names itself and the error;
+    empty: all imported)."""
     problems = []
     try:
         library.load_entry_points()
     except library.PluginError as exc:
         problems.append(f"plugins: {exc}")
+    for entry in library.env_entries():
+        try:
+            library.import_plugin(entry)
+        except library.PluginError as exc:
+            problems.append(f"${library.ENV}: {exc}")
     for i, entry in enumerate(entries or []):
         try:
             library.import_plugin(entry)

@@ -165,6 +165,13 @@ def test_plugin_names_that_cannot_work_are_refused(tmp_path, isolated, monkeypat
     assert len(problems) == 1 and needle in problems[0], problems
 
 
+def test_a_broken_plugin_named_by_the_environment_is_a_problem_too(tmp_path, isolated, monkeypatch):
+    monkeypatch.setenv(library.ENV, str(write(tmp_path / "env_broken.py", "1/0\n")))
+    problems = plugins.load([])
+    assert problems == [f"$PROMPRUNE_PLUGINS: plugin '{tmp_path / 'env_broken.py'}' could not be imported: "
+                        f"ZeroDivisionError: division by zero ({tmp_path / 'env_broken.py'}:1)"]
+
+
 def test_a_module_name_that_is_not_importable_says_how_to_name_a_file(isolated):
     problems = plugins.load(["largest_nrm"])
     assert "name a file or package directory by its path instead, e.g. plugins: [largest_nrm.py]" in problems[0]
@@ -267,3 +274,25 @@ def test_preflight_looks_for_tasks_in_the_include_path(tmp_path):
     assert "unknown lmms-eval task(s) ['own_task_cc']" in problems[0] and "own_task_c" in problems[0]
     assert preflight.check_tasks(["own_task_c"], 2, [str(tmp_path / "nope")]) == [
         f"include_path: {tmp_path / 'nope'} is not a directory (relative paths in a spec are from its directory)"]
+
+
+def test_evaluate_takes_plugins_and_task_directories(tmp_path, isolated, monkeypatch, capsys):
+    """`pipelines/evaluate.py --plugin --include-path`: the plugin's method and its options and the directory's task
+    are checked before Ray starts (a bad --video-frames is the only problem found, so nothing starts); a plugin that
+    fails to import is the one problem."""
+    from pipelines import evaluate
+
+    write(tmp_path / "norm_e.py", METHOD.format(name="norm_e"))
+    write(tmp_path / "broken.py", "raise RuntimeError('broken on purpose')\n")
+    write(tmp_path / "mine" / "own_task.yaml", TASK.format(name="own_task_e"))
+    monkeypatch.chdir(tmp_path)  # relative paths on the command line: from the working directory
+    args = ["--include-path", "mine", "--method", "norm_e", "--budget", "8", "--tasks", "own_task_e",
+            "--model", "tiny:llava", "--no-mlflow", "--video-frames", "0"]
+    assert evaluate.main(["--plugin", "norm_e.py", "--option", "p=1.0", *args]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == ["  - --video-frames: expected an int >= 1, got 0"]
+    assert evaluate.main(["--plugin", "norm_e.py", "--option", "pp=1.0", *args]) == 2
+    assert "unknown option(s) for method 'norm_e': 'pp' (did you mean 'p'?)" in capsys.readouterr().err
+    assert evaluate.main(["--plugin", "norm_e.py", "--plugin", "broken.py", *args]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        f"  - plugins[1]: plugin '{tmp_path / 'broken.py'}' could not be imported: RuntimeError: broken on purpose "
+        f"({tmp_path / 'broken.py'}:1)"]
