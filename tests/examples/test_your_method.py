@@ -46,7 +46,7 @@ def _run(args: list[str], cwd: Path, env: dict, timeout: int) -> subprocess.Comp
 @pytest.mark.slow
 def test_a_sweep_of_an_outside_method_and_benchmark_from_outside_the_repository(tmp_path):
     work = tmp_path / "your_method"
-    shutil.copytree(EXAMPLE, work)
+    shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("outputs", "reports", "mlflow.db", "__pycache__"))
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "RAY_TMPDIR": ray_dir,
            "PYTHONUNBUFFERED": "1"}
