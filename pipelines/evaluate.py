@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
@@ -117,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, value parsed as YAML (repeatable), e.g. --option mu=0.4")
     p.add_argument("--tasks", nargs="+", default=["easyvqa_yesno", "easyvqa_open"])
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="an lmms-eval task directory of your own, searched for --tasks (repeatable)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
+                   help="a module, .py file or package directory that registers methods (repeatable)")
     p.add_argument("--limit", type=int, default=8, help="samples per task (default 8: a smoke run)")
     p.add_argument("--video-frames", type=int, default=8,
                    help="frames sampled uniformly from each clip of a video task (default 8)")
@@ -148,16 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.option:
         key, _, value = item.partition("=")
         options[key] = yaml.safe_load(value)
-    from pipelines import preflight
+    from pipelines import plugins, preflight
     from promprune.models import validate_method
 
     random_weights_note(args.model)
-    errors = []  # a user's mistakes: one message listing all of them, no traceback, before Ray starts
+    given = plugins.resolve_paths({"plugins": args.plugin, "include_path": args.include_path}, Path.cwd())
+    errors = plugins.load(given["plugins"])  # a user's mistakes: one message listing all of them, before Ray starts
+    if errors:  # without its plugins the method cannot be checked: these are the problems
+        print("error: " + "\n  - ".join(["pipelines/evaluate.py:", *errors]), file=sys.stderr)
+        return 2
+    plugins.activate(given["plugins"], given["include_path"])  # here and in every Ray worker started after this
     try:
         validate_method(args.method, args.budget, **options)
     except ValueError as exc:
         errors.append(f"method: {exc}")
-    errors += preflight.check_tasks(args.tasks, args.limit)
+    errors += preflight.check_tasks(args.tasks, args.limit, given["include_path"])
     if args.video_frames < 1:
         errors.append(f"--video-frames: expected an int >= 1, got {args.video_frames}")
     errors += preflight.check_judges(args.tasks)

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from pipelines import judge as judging
-from pipelines import preflight, mlflow_layout
+from pipelines import mlflow_layout, plugins, preflight
 from pipelines import spec as specs
 from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
@@ -103,12 +103,13 @@ def setup(args: argparse.Namespace):
     except judging.JudgeError as exc:
         raise specs.SpecError([str(exc)], "judge") from None
     spec = specs.load(args.config, overrides(args))
+    plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
     problems = []
     if not spec.limit or spec.limit < 1:
         problems.append("limit: images per task; must be a positive int (the paper: 100)")
     budget, note = pick_budget(spec)
     problems += [note] if note else []
-    problems += preflight.check_tasks(spec.tasks)
+    problems += preflight.check_tasks(spec.tasks, include_path=spec.include_path)
     problems += preflight.check_model(spec.model.pretrained, spec.model.options, {"fig2": budget})
     problems += preflight.check_store(mlflow_layout.tracking_uri())
     if problems:

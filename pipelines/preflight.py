@@ -1,9 +1,10 @@
 """Checks of a sweep against the world it will run in, before Ray starts and before any MLflow run exists.
 
 `specs.parse` checks a spec by itself (fields, types, methods and option values). `preflight(spec)` checks what
-the spec names: that every task exists, that the model resolves (a factory name, a local checkpoint directory, a
-hub id in the cache or on a reachable hub), that every budget prunes (stays below the visual tokens the model gives
-an image), and that the MLflow store answers and can be written. All problems come back together, in seconds; the
+the spec names: that every task exists (lmms-eval's, an offline one, or in a directory of the spec's
+`include_path`), that the model resolves (a factory name, a local checkpoint directory, a hub id in the cache or
+on a reachable hub), that every budget prunes (stays below the visual tokens the model gives an image), and that
+the MLflow store answers and can be written. All problems come back together, in seconds; the
 entry scripts print them as one message without a traceback.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pipelines.spec import SpecError, SweepSpec, expand
 
 def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
     """Every problem found, one message each (empty: good to go)."""
-    errors = check_tasks(spec.tasks, spec.limit)
+    errors = check_tasks(spec.tasks, spec.limit, spec.include_path)
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options,
                           {t.trial_id: t.budget for t in expand(spec) if t.budget is not None})
@@ -38,11 +39,17 @@ def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = N
         raise SpecError(errors, source)
 
 
-def check_tasks(tasks: list[str], limit: int | None = None) -> list[str]:
+def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[str] | None = None) -> list[str]:
+    """Every task is lmms-eval's, an offline one or in a directory of ``include_path`` (each must exist), and
+    ``limit`` can score it."""
     from promprune.eval.tasks import check_limit, task_manager
 
+    missing = [f"include_path: {p} is not a directory (relative paths in a spec are from its directory)"
+               for p in include_path or [] if not Path(p).is_dir()]
+    if missing:
+        return missing
     try:
-        task_manager(list(tasks))
+        task_manager(list(tasks), list(include_path or []))
     except ValueError as exc:
         return [f"tasks: {exc}"]
     return [f"limit: {problem}" for problem in (check_limit(t, limit) for t in tasks) if problem]

@@ -51,7 +51,7 @@ from ray import tune
 
 from promprune.records import Request
 
-from pipelines import calibration, preflight, mlflow_layout
+from pipelines import calibration, mlflow_layout, plugins, preflight
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines import timeline, tracking
@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     args = parse_args(argv)
     try:  # everything a user can get wrong, in seconds, before Ray starts and before any MLflow run exists
-        spec = specs.load(args.config, args.overrides)
+        spec = specs.load(args.config, args.overrides)  # imports the spec's plugins (their methods are checked)
+        plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
         preflight.check_or_raise(spec, args.config)
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
     except specs.SpecError as e:

@@ -54,9 +54,9 @@ def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, st
 
 def headline_metrics(tasks: list[str]) -> list[str]:
     """The metrics a reader looks at first: each task's primary metric(s) (what Rel. uses), Rel., visual tokens."""
-    from promprune.eval import PRIMARY_METRICS
+    from promprune.eval.tasks import primary_metrics
 
-    primary = [f"{t}/{m}" for t in tasks for m in PRIMARY_METRICS.get(t, ())]
+    primary = [f"{t}/{m}" for t in tasks for m in primary_metrics(t)]
     return primary + [mlflow_layout.REL, "efficiency/visual_tokens"]
 
 

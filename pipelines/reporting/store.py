@@ -123,19 +123,12 @@ def _split_columns(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list
     for key in ("model", "tasks"):
         if key in params:
             trials[key] = params[key]
-    options = sorted(k for k in params if k in _option_names())
+    # params that describe a method's behaviour (shown in labels when they vary): every param but the model, tasks,
+    # ids and such, so the options of a method registered outside promprune (a sweep's plugins) count too
+    options = sorted(k for k in params if k not in mlflow_layout.NON_OPTION_PARAMS)
     for key in options:
         trials[key] = params[key].map(parse_param)
     return trials, metrics, options
-
-
-def _option_names() -> set:
-    """Params that describe a method's behaviour (shown in labels when they vary): every option of every
-    registered method and the adapter options. Model, tasks and ids are not options."""
-    import promprune
-    from promprune.models import ADAPTER_OPTIONS
-
-    return set(ADAPTER_OPTIONS).union(*(promprune.method_spec(m).options for m in promprune.methods(None)))
 
 
 def parse_param(value):

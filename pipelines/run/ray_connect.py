@@ -7,6 +7,7 @@ from pathlib import Path
 
 import ray
 
+from pipelines import plugins
 from pipelines.console import say
 
 REPO = Path(__file__).resolve().parents[2]
@@ -14,14 +15,16 @@ QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at
 
 
 def worker_env() -> dict:
-    """runtime_env that lets Ray workers import `pipelines` and `promprune` from this checkout.
+    """runtime_env that lets Ray workers import `pipelines` and `promprune` from this checkout, and the sweep's
+    plugins and task directories (`pipelines.plugins.runtime_env`: shipped as py_modules, named in the workers'
+    environment).
 
     Needed for a local Ray or a cluster sharing this filesystem (tests); `ray job submit --working-dir .` puts the
     uploaded checkout on the workers' path itself, and cluster.yaml installs the project on every node.
     """
 
     paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}}
+    return plugins.runtime_env({"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}})
 
 
 class RayUnreachable(RuntimeError):
@@ -58,8 +61,9 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
 
     if ray.is_initialized():
         return
-    if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: keep the job's runtime_env
-        ray.init(address=address, log_to_driver=log_to_driver)
+    if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: the job's runtime_env, plus plugins
+        extra = plugins.runtime_env({})  # Ray merges it into the job's (a field set in both is refused)
+        ray.init(address=address, log_to_driver=log_to_driver, **({"runtime_env": extra} if extra else {}))
         return
     named = address or os.environ.get("RAY_ADDRESS")
     if named and named not in ("auto", "local") and not named.startswith("ray://"):

@@ -190,12 +190,13 @@ class SweepRecorder:
 
 
 def headline_keys(tasks: list[str], metrics: dict) -> list[str]:
-    """Each task's primary metric(s) (`promprune.eval.PRIMARY_METRICS`, what Rel. uses), else its first metric."""
-    from promprune.eval import PRIMARY_METRICS
+    """Each task's primary metric(s) (`promprune.eval.tasks.primary_metrics`, what Rel. uses), else its first
+    metric."""
+    from promprune.eval.tasks import primary_metrics
 
     keys = []
     for task in tasks:
-        primary = [f"{task}/{m}" for m in PRIMARY_METRICS.get(task, ())]
+        primary = [f"{task}/{m}" for m in primary_metrics(task)]
         keys += [k for k in primary if k in metrics] or [k for k in metrics if k.startswith(f"{task}/")][:1]
     return keys
 

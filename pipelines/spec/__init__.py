@@ -4,10 +4,10 @@ A spec is YAML (see sweeps/README.md for every field). Loading is three steps:
 
 1. `load_raw(path)` (`loading.py`): read the file, resolve `include:` (deep merge, the including file wins), apply
    `--set` overrides (`key.sub=value`, the value parsed as YAML).
-2. `parse(raw)`: check every field against the schema (`schema.py`, pydantic); unknown or mistyped fields, bad
-   types and bad method names/options are collected and raised together as one `SpecError` (`errors.py`, with
-   "did you mean" hints). No model is loaded and no GPU is needed: methods and their options are checked through
-   `promprune`'s registry.
+2. `parse(raw)`: import the spec's `plugins` (`pipelines/plugins.py`), then check every field against the schema
+   (`schema.py`, pydantic); unknown or mistyped fields, bad types and bad method names/options are collected and
+   raised together as one `SpecError` (`errors.py`, with "did you mean" hints). No model is loaded and no GPU is
+   needed: methods and their options are checked through `promprune`'s registry.
 3. `expand(spec)` (`trials.py`): the cartesian product of every list in `grid`, plus the explicit `trials`, plus
    the unpruned baseline, as `Trial`s with stable, human-readable ids (the same config gives the same id every
    night).
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from pipelines import plugins
 from pipelines.config import AUTO
 from pipelines.spec.errors import SpecError
 from pipelines.spec.loading import deep_merge, load_raw
@@ -36,7 +37,14 @@ def load(path: str | Path, overrides: list[str] | None = None, *, check_methods:
 
 
 def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) -> SweepSpec:
-    """Validate a raw spec mapping (after include/overrides) into a SweepSpec; all errors at once."""
+    """Validate a raw spec mapping (after include/overrides) into a SweepSpec; all errors at once. The spec's
+    `plugins` are imported first (the methods they register are checked like ours); one that fails to import is
+    the only problem reported, since the methods cannot be checked without it."""
+    entries = [raw["plugins"]] if isinstance(raw.get("plugins"), str) else raw.get("plugins")
+    if check_methods and isinstance(entries, list) and all(isinstance(p, str) for p in entries):
+        problems = plugins.load(entries)  # other shapes: the schema reports them
+        if problems:
+            raise SpecError(problems, source)
     catalog = MethodCatalog() if check_methods else None
     spec, errors = validate(raw, catalog)
     if spec is not None:  # the checks of a whole spec, reported with the fields' problems, not after they are fixed

@@ -1,4 +1,5 @@
-"""Reading a spec file: YAML, `include:` chains (deep merge, the including file wins) and `--set` overrides."""
+"""Reading a spec file: YAML, `include:` chains (deep merge, the including file wins) and `--set` overrides; the
+relative paths of `plugins` and `include_path` resolved against the directory of the file that names them."""
 from __future__ import annotations
 
 import copy
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from pipelines.plugins import resolve_paths
 from pipelines.spec.errors import SpecError
 
 
@@ -17,7 +19,7 @@ def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
     raw = _load_with_includes(path, seen=())
     for item in overrides or []:
         _apply_override(raw, item, str(path))
-    return raw
+    return resolve_paths(raw, Path.cwd())  # what --set gave, relative to where the command runs
 
 
 def _load_with_includes(path: Path, seen: tuple) -> dict:
@@ -36,6 +38,7 @@ def _load_with_includes(path: Path, seen: tuple) -> dict:
         raise SpecError([f"cannot read the spec ({exc.strerror})"], str(path)) from None
     if not isinstance(data, dict):
         raise SpecError([f"top level must be a mapping, got {type(data).__name__}"], str(path))
+    data = resolve_paths(data, path.resolve().parent)  # plugins, include_path: relative to the file that names them
     include = data.pop("include", None)
     if include is None:
         return data

@@ -181,6 +181,13 @@ TaskList = Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_
                      expect("a non-empty list of lmms-eval task names"), AfterValidator(_no_duplicates)]
 
 
+def _paths(what: str):
+    """A list of non-empty strings (one string is a list of one), each once: `plugins`, `include_path`."""
+    return Annotated[list[Annotated[StrictStr, Field(min_length=1)]],
+                     BeforeValidator(lambda v: [v] if isinstance(v, str) else v), expect(what),
+                     AfterValidator(_no_duplicates)]
+
+
 @with_config(SECTION)
 @dataclass
 class SweepSpec:
@@ -189,6 +196,12 @@ class SweepSpec:
     name: Annotated[StrictStr, Field(pattern=r"^[^/]*[^/\s][^/]*$"), expect("a non-empty name without '/'")]
     version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
     description: Annotated[StrictStr, expect("str")] = ""
+    # modules that register methods (promprune.register_method), imported before the methods are checked and in
+    # every Ray worker: module names, .py files or package directories (relative paths: from the spec's directory)
+    plugins: _paths("a list of module names, .py files or package directories") = field(default_factory=list)
+    # lmms-eval task directories of one's own, searched for `tasks` here and in every Ray worker (relative paths:
+    # from the spec's directory)
+    include_path: _paths("a list of task directories") = field(default_factory=list)
     # the loader itself: pretrained, dtype, attention, options
     model: ModelSource = field(default_factory=ModelSource)
     # the offline benchmarks

@@ -30,7 +30,7 @@ import re
 import tempfile
 from typing import Any
 
-from promprune.eval.tasks import JUDGE_GRADES, PRIMARY_METRICS, load_task, single_process
+from promprune.eval.tasks import JUDGE_GRADES, load_task, primary_metrics, single_process
 from promprune.records import Prediction, values
 
 log = logging.getLogger(__name__)
@@ -161,12 +161,12 @@ def aggregate_is_mean(fn) -> bool:
 
 
 def _intervals(task, samples: list[dict], metrics: dict[str, float], iters: int) -> dict[str, float]:
-    """``<metric>_ci_low`` / ``_ci_high`` for every metric of the task's PRIMARY_METRICS, resampling the documents
-    that carry it (MME: perception documents only), and for paired tasks whole question pairs."""
+    """``<metric>_ci_low`` / ``_ci_high`` for every primary metric of the task (``primary_metrics``), resampling the
+    documents that carry it (MME: perception documents only), and for paired tasks whole question pairs."""
     out = {}
     aggregations = task.aggregation()
     name = task.config.task
-    for metric in PRIMARY_METRICS.get(name, ()):
+    for metric in primary_metrics(name):
         items = [s[metric] for s in samples if metric in s]
         if metric not in aggregations or metric not in metrics or not items:
             continue
@@ -336,9 +336,10 @@ def score(
 
 
 def primary_score(task: str, metrics: dict[str, float], primary: dict | None = None) -> float:
-    """The number a paper table shows for ``task``: the sum of its primary metrics (one metric for every paper task;
-    MME is its perception score)."""
-    names = (primary or PRIMARY_METRICS).get(task)
+    """The number a paper table shows for ``task``: the sum of its primary metrics (``primary``, else
+    ``promprune.eval.tasks.primary_metrics``: one metric for every paper task, MME its perception score; a task of
+    one's own, the first metric of its ``metric_list``)."""
+    names = primary.get(task) if primary else (primary_metrics(task) or None)
     if names is None:
         raise ValueError(f"no primary metric known for task {task!r}; pass primary={{{task!r}: (metric,)}}")
     names = (names,) if isinstance(names, str) else tuple(names)
@@ -354,7 +355,7 @@ def relative_score(
     """Rel. as the paper computes it: per task, primary score / the unpruned baseline's, averaged over tasks.
 
     Returns a fraction (1.0 = the baseline's accuracy; the paper prints it x100 as a percentage). Every task in
-    ``scores`` must be in ``baseline_scores``. ``primary`` overrides ``PRIMARY_METRICS`` ({task: (metric, ...)}).
+    ``scores`` must be in ``baseline_scores``. ``primary`` overrides ``primary_metrics`` ({task: (metric, ...)}).
     """
     if not scores:
         raise ValueError("scores is empty")

@@ -175,7 +175,7 @@ def prepare_offline_tasks(suite: str = "easyvqa") -> Path:
     return root
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)  # an index without lmms-eval's own tasks and one with them, per set of paths
 def _task_manager(include_paths: tuple[str, ...], include_defaults: bool):
     from lmms_eval.tasks import TaskManager
 
@@ -184,23 +184,50 @@ def _task_manager(include_paths: tuple[str, ...], include_defaults: bool):
                        model_name="promprune")
 
 
-def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
-    """A (cached) lmms-eval TaskManager that knows the offline tasks, lmms-eval's own tasks and ``include_path``.
+INCLUDE_PATH_ENV = "PROMPRUNE_INCLUDE_PATH"
 
-    Indexing lmms-eval's ~2,000 task files takes seconds, so a request for offline tasks only skips it.
+
+def env_include_paths() -> list[str]:
+    """The task directories ``$PROMPRUNE_INCLUDE_PATH`` names (``os.pathsep``-separated; how a sweep's
+    ``include_path:`` reaches its Ray workers), each as found here: the path itself, else a directory of the same
+    name on ``sys.path`` (the copy Ray's runtime environment shipped to a node that lacks the path). ValueError
+    naming a directory found neither way."""
+    import sys
+
+    found = []
+    for entry in [e for e in os.environ.get(INCLUDE_PATH_ENV, "").split(os.pathsep) if e.strip()]:
+        path = Path(entry).expanduser()
+        copies = [Path(p) / path.name for p in sys.path if p and (Path(p) / path.name).is_dir()]
+        if not path.is_dir() and not copies:
+            raise ValueError(f"task directory {entry!r} (${INCLUDE_PATH_ENV}) is not on this machine, and no copy "
+                             "of it is on sys.path; put it on a filesystem every node sees, or ship it with Ray's "
+                             "runtime environment (a sweep's include_path does)")
+        found.append(str(path if path.is_dir() else copies[0]))
+    return found
+
+
+def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
+    """A (cached) lmms-eval TaskManager that knows the offline tasks, ``include_path`` and ``$PROMPRUNE_INCLUDE_PATH``
+    (task directories of one's own), and lmms-eval's own tasks.
+
+    Indexing lmms-eval's ~2,000 task files takes seconds, so it is skipped when the offline tasks and the include
+    paths hold every task asked for.
     """
     extra = [include_path] if isinstance(include_path, str) else list(include_path or [])
+    extra = list(dict.fromkeys([str(Path(p).expanduser()) for p in extra] + env_include_paths()))
     suites = [name for name, (members, _) in SUITES.items() if set(members) & set(tasks)] or ["easyvqa"]
     paths = tuple(str(p) for p in [*(prepare_offline_tasks(name) for name in suites), *extra])
-    defaults = not (set(tasks) <= set(OFFLINE_TASKS) and not extra)
-    manager = _task_manager(paths, defaults)
+    manager = _task_manager(paths, False)
+    if not set(tasks) <= set(manager.all_tasks):
+        manager = _task_manager(paths, True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         import difflib
 
         hints = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
+        where = f" Task directories searched besides lmms-eval's own: {extra}." if extra else ""
         raise ValueError(f"unknown lmms-eval task(s) {unknown}; did you mean {hints}? "
-                         f"Offline tasks: {list(OFFLINE_TASKS)}")
+                         f"Offline tasks: {list(OFFLINE_TASKS)}.{where}")
     return manager
 
 
@@ -230,6 +257,19 @@ def task_config(name: str, include_path: str | list[str] | None = None) -> dict:
     if not path or path == -1:
         raise ValueError(f"task {name!r} has no YAML definition lmms-eval indexed")
     return _yaml_config(Path(path))
+
+
+def primary_metrics(task: str, include_path: str | list[str] | None = None) -> tuple[str, ...]:
+    """What ``task`` is compared by (Rel., the headline columns, bootstrap intervals): ``PRIMARY_METRICS``'s choice,
+    else the first metric of the task's own ``metric_list`` (a benchmark of one's own); () when there is none."""
+    if task in PRIMARY_METRICS:
+        return PRIMARY_METRICS[task]
+    try:
+        listed = task_config(task, include_path).get("metric_list") or []
+    except ValueError:  # not a task lmms-eval knows here
+        return ()
+    first = listed[0].get("metric") if isinstance(listed, list) and listed and isinstance(listed[0], dict) else None
+    return (first,) if isinstance(first, str) else ()
 
 
 def check_limit(task: str, limit: int | None) -> str | None:

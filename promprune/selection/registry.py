@@ -4,7 +4,8 @@ A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) ->
 ``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
 (``stage="in_llm"``: FastV, SparseVLM, DART, PyramidDrop) registers its options and checks with
 ``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.llm_hooks``'s.
-The tests parametrize over ``methods()``.
+The tests parametrize over ``methods()``. Methods registered outside this package (a ``promprune.methods`` entry
+point, ``$PROMPRUNE_PLUGINS``: ``promprune.plugins``) are imported the first time the registry is asked.
 """
 from __future__ import annotations
 
@@ -275,13 +276,23 @@ def register_in_llm_method(name: str, *, description: str, options: Mapping[str,
                                  description=description, stage=IN_LLM, check=check)
 
 
+def _load_plugins() -> None:
+    """Methods from outside the package: the ``promprune.methods`` entry points and ``$PROMPRUNE_PLUGINS``
+    (``promprune.plugins``), imported the first time the registry is asked."""
+    from promprune import plugins
+
+    plugins.ensure_loaded()
+
+
 def methods(stage: str | None = PRE_LLM) -> list[str]:
     """Names of the registered methods of ``stage`` (default: the pre-LLM ones ``select`` runs; None: all), sorted."""
+    _load_plugins()
     return sorted(name for name, spec in _REGISTRY.items() if stage is None or spec.stage == stage)
 
 
 def method_spec(name: str) -> MethodSpec:
     """The registered spec of ``name``; an unknown name is a ValueError listing the valid ones."""
+    _load_plugins()
     if name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}{did_you_mean(name, _REGISTRY)}; "
                          f"registered methods: {', '.join(methods(None))}")
@@ -388,7 +399,8 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
     not use it, ``budget`` T shared by the batch (T >= N keeps every token). ``vision``: the vision tower's own
     features of the same tokens (:class:`VisionFeatures`), read by the methods whose released code reads them
-    (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. Returns a
+    (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. ``saliency`` reaches
+    only the methods that declare ``needs_saliency`` (the others get None, as in the model adapters). Returns a
     :class:`Selection`. ``promprune.methods()`` lists the methods; an unknown method or option is a ValueError
     naming the valid ones.
     """
@@ -403,7 +415,10 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
         raise ValueError(f"method {method!r} weighs tokens by their relevance to the instruction: pass "
                          "instruction=promprune.Instruction(query [B, c], tokens [B, N, c])")
     text = _validate_instruction(instruction, x, method) if spec.needs_instruction else None
-    tokens = TokenSet(x, s, _validate_vision(vision, x) if spec.reads_vision else None, text,
+    # saliency reaches only the methods that declare it, as in the model adapters: a selection never depends on
+    # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
+    tokens = TokenSet(x, s if spec.needs_saliency else None,
+                      _validate_vision(vision, x) if spec.reads_vision else None, text,
                       _validate_grid(grid, x.shape[1]), source=features)
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:

@@ -82,3 +82,14 @@ def test_malformed_and_non_utf8_specs_name_the_file(scratch, tmp_path, run_main)
     assert_clean_error(proc, str(latin), "not UTF-8")
     proc, _ = run_main("--config", str(tmp_path / "missing.yaml"), "--validate-only")
     assert_clean_error(proc, "spec file not found")
+
+
+def test_a_plugin_that_fails_to_import_stops_the_sweep_before_any_work(scratch, tmp_path, run_main):
+    """One problem naming the plugin and its error, exit 2, no traceback, no Ray, no MLflow run (the store file is
+    never created)."""
+    (tmp_path / "my_method.py").write_text("import torch\nfrom promprune import no_such_name\n")
+    spec = scratch(SPEC + "plugins: [my_method.py]\n")
+    proc, _ = run_main("--config", str(spec))
+    assert_clean_error(proc, f"plugins[0]: plugin '{tmp_path / 'my_method.py'}' could not be imported: ImportError: "
+                             "cannot import name 'no_such_name' from 'promprune'", f"({tmp_path / 'my_method.py'}:2)")
+    assert proc.stderr.count("\n  - ") == 1 and not (tmp_path / "mlflow.db").exists()

@@ -264,3 +264,21 @@ def test_the_default_image_source_draws_the_tasks_own_image():
     assert image.shape == expected.shape and (image == expected).all()
     stand_in, note = task_image("easyvqa_yesno", "999999")
     assert "stand-in image" in note
+
+
+def test_a_method_from_outside_is_reported_with_its_options(store, tmp_path):
+    """A sweep's plugins are not imported where the report runs; its method's rows are still told apart by their
+    options (every trial param but the model, tasks and such is an option)."""
+    import promprune
+
+    client, exp = store
+    trials = [trial("none", None, scores(1800, 300, 0.80, 0.60)),
+              trial("largest_norm", 64, scores(1620, 270, 0.80, 0.57), options={"p": 1.0}),
+              trial("largest_norm", 64, scores(1530, 270, 0.72, 0.54), options={"p": 2.0})]
+    sweep = load_sweep(log_sweep(client, exp, "outside", trials, tasks=TASKS, tmp=tmp_path))
+    assert "largest_norm" not in promprune.methods(None) and sweep.option_names == ["p"]
+    frame = tables.build_score_table(sweep).frame
+    assert sorted(frame.loc[frame["method"] == "largest_norm", "variant"]) == ["p=1", "p=2"]
+    assert sorted(frame.loc[frame["method"] == "largest_norm", "rel"].round(2)) == [
+        pytest.approx(round((1530 / 1800 + 0.72 / 0.80 + 0.54 / 0.60) / 3 * 100, 2)),
+        pytest.approx(round((1620 / 1800 + 1 + 0.57 / 0.60) / 3 * 100, 2))]

@@ -1,0 +1,298 @@
+"""Methods and benchmarks from outside the repository (`pipelines/plugins.py`, `promprune/plugins.py`): paths in a
+spec resolve against its file, plugins are imported before the spec's methods are checked and fail as one problem
+naming themselves, the runtime environment ships them, and promprune itself finds them in a fresh process through
+`$PROMPRUNE_PLUGINS`, the `promprune.methods` entry points and `$PROMPRUNE_INCLUDE_PATH`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipelines import plugins
+from pipelines import spec as specs
+from promprune import plugins as library
+from promprune.eval import tasks
+from promprune.selection import registry
+
+REPO = Path(__file__).resolve().parents[2]
+
+METHOD = '''
+import torch
+import promprune
+
+@promprune.register_method("{name}", options={{"p": 2.0}})
+def fn(tokens, budget, *, p):
+    """Largest norm."""
+    kept = tokens.x.norm(p=p, dim=-1).argsort(dim=1, descending=True, stable=True)[:, :budget]
+    return promprune.Selection(kept, torch.zeros(tokens.batch, dtype=torch.long),
+                               salient=torch.zeros_like(kept, dtype=torch.bool))
+'''
+
+TASK = """
+task: {name}
+dataset_path: parquet
+dataset_kwargs: {{data_files: {{test: data.parquet}}}}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function utils.doc_to_visual
+doc_to_text: !function utils.doc_to_text
+doc_to_target: answer
+process_results: !function utils.process_results
+metric_list:
+  - {{metric: hits, aggregation: mean, higher_is_better: true}}
+  - {{metric: accuracy, aggregation: mean, higher_is_better: true}}
+"""
+
+UTILS = """
+def doc_to_visual(doc):
+    return []
+def doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    return doc["question"]
+def process_results(doc, results):
+    return {"hits": 1.0, "accuracy": 1.0}
+"""
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def isolated(monkeypatch):
+    """Methods and modules a test registers or imports are gone afterwards; the plugin variables are restored."""
+    names, modules = set(registry._REGISTRY), set(sys.modules)
+    for variable in (library.ENV, tasks.INCLUDE_PATH_ENV):  # set, then unset: restored after the test either way
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+    yield
+    for name in set(registry._REGISTRY) - names:
+        registry._REGISTRY.pop(name)
+    for name in set(sys.modules) - modules:
+        sys.modules.pop(name)
+
+
+def spec_text(name: str, method: str, extra: str = "") -> str:
+    return f"""
+    name: {name}
+    version: 1
+    grid: {{method: [{method}], budget: [8]}}
+    baseline: false
+    {extra}
+    """
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# paths
+
+
+def test_relative_paths_resolve_against_the_file_that_names_them(tmp_path, monkeypatch):
+    base = write(tmp_path / "shared" / "base.yaml", """
+        name: base
+        version: 1
+        plugins: [methods/a.py, some_package.methods]
+        include_path: [tasks]
+        """)
+    top = write(tmp_path / "exp" / "top.yaml", f"""
+        include: {base}
+        name: top
+        """)
+    raw = specs.load_raw(top)
+    assert raw["plugins"] == [str(tmp_path / "shared" / "methods" / "a.py"), "some_package.methods"]  # a module
+    assert raw["include_path"] == [str(tmp_path / "shared" / "tasks")]                                # name stays
+    monkeypatch.chdir(tmp_path)  # --set values: relative to where the command runs
+    raw = specs.load_raw(top, ["include_path=[here, /abs/there]", "plugins=b.py"])
+    assert raw["include_path"] == [str(tmp_path / "here"), "/abs/there"] and raw["plugins"] == [str(tmp_path / "b.py")]
+
+
+def test_path_fields_are_validated(tmp_path):
+    with pytest.raises(specs.SpecError) as err:
+        specs.parse({"name": "t", "version": 1, "include_path": [3], "plugins": {"a": 1}})
+    assert err.value.errors == [
+        "plugins: expected a list of module names, .py files or package directories, got {'a': 1}",
+        "include_path: expected a list of task directories, got [3]"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading on the driver
+
+
+def test_a_plugins_method_is_checked_like_ours(tmp_path, isolated):
+    write(tmp_path / "norm_a.py", METHOD.format(name="norm_a"))
+    spec = specs.load(write(tmp_path / "s.yaml", spec_text("s", "norm_a", "plugins: [norm_a.py]")))
+    assert [t.trial_id for t in specs.expand(spec)] == ["norm_a-b8"]
+    assert spec.plugins == [str(tmp_path / "norm_a.py")]
+    bad = write(tmp_path / "bad.yaml", spec_text("s", "norm_a", "plugins: [norm_a.py]"))
+    bad.write_text(bad.read_text() + "trials: [{method: norm_a, budget: 8, pp: 1.0}]\n")
+    with pytest.raises(specs.SpecError, match=r"trials\[0\]\.pp: norm_a takes no option 'pp' \(did you mean 'p'\?\)"):
+        specs.load(bad)
+    with pytest.raises(specs.SpecError, match="unknown method 'norm_b'"):
+        specs.load(write(tmp_path / "c.yaml", spec_text("s", "norm_b")))
+
+
+@pytest.mark.parametrize("source,needle", [
+    ("import not_a_module_anywhere\n", "ModuleNotFoundError: No module named 'not_a_module_anywhere' ("),
+    ("def broken(:\n", "SyntaxError"),
+    ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here ("),
+])
+def test_a_plugin_that_fails_to_import_is_the_one_problem(tmp_path, isolated, source, needle):
+    write(tmp_path / "failing.py", source)
+    with pytest.raises(specs.SpecError) as err:
+        specs.load(write(tmp_path / "s.yaml", spec_text("s", "norm_x", "plugins: [failing.py]")))
+    assert err.value.errors == [err.value.errors[0]] and err.value.errors[0].startswith(
+        f"plugins[0]: plugin '{tmp_path / 'failing.py'}' could not be imported: ")
+    assert needle in err.value.errors[0]
+    assert "failing" not in sys.modules  # a failed import leaves nothing half-imported behind
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: write(d / "json.py", "X = 1\n"), "a different module named 'json' is already imported"),
+    (lambda d: write(d / "elsewhere" / "t_taken.py", "X = 1\n") and write(d / "t_taken.py", "X = 2\n"),
+     "its name 't_taken' is also the name of another module"),
+    (lambda d: write(d / "my-method.py", "X = 1\n"), "not a valid Python module name"),
+    (lambda d: d / "absent.py", "no such file or directory"),
+    (lambda d: (d / "pkg").mkdir() or d / "pkg", "needs an __init__.py"),
+])
+def test_plugin_names_that_cannot_work_are_refused(tmp_path, isolated, monkeypatch, make, needle):
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))  # where an importable module of the same name lives
+    path = make(tmp_path)
+    problems = plugins.load([str(path)])
+    assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_a_broken_plugin_named_by_the_environment_is_a_problem_too(tmp_path, isolated, monkeypatch):
+    monkeypatch.setenv(library.ENV, str(write(tmp_path / "env_broken.py", "1/0\n")))
+    problems = plugins.load([])
+    assert problems == [f"$PROMPRUNE_PLUGINS: plugin '{tmp_path / 'env_broken.py'}' could not be imported: "
+                        f"ZeroDivisionError: division by zero ({tmp_path / 'env_broken.py'}:1)"]
+
+
+def test_a_module_name_that_is_not_importable_says_how_to_name_a_file(isolated):
+    problems = plugins.load(["largest_nrm"])
+    assert "name a file or package directory by its path instead, e.g. plugins: [largest_nrm.py]" in problems[0]
+
+
+def test_a_package_directory_plugin_imports_its_own_modules(tmp_path, isolated):
+    write(tmp_path / "normpkg" / "__init__.py", "from . import methods  # noqa\n")
+    write(tmp_path / "normpkg" / "methods.py", METHOD.format(name="norm_pkg"))
+    assert plugins.load([str(tmp_path / "normpkg")]) == []
+    import promprune
+
+    assert "norm_pkg" in promprune.methods()
+    assert plugins.load([str(tmp_path / "normpkg")]) == []  # again: the module already imported
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the workers' side
+
+
+def test_runtime_env_ships_what_was_activated(tmp_path, isolated):
+    base = {"env_vars": {"PYTHONPATH": "/repo"}}
+    assert plugins.runtime_env(base) == base  # nothing activated: unchanged
+    plugin, task_dir = write(tmp_path / "m.py", "X = 1\n"), tmp_path / "tasks"
+    plugins.activate([str(plugin), "installed.module"], [str(task_dir)])
+    env = plugins.runtime_env(base)
+    assert env["py_modules"] == [str(plugin), str(task_dir)]  # files and directories; a module name is installed
+    assert env["env_vars"] == {"PYTHONPATH": "/repo", library.ENV: os.pathsep.join([str(plugin), "installed.module"]),
+                               tasks.INCLUDE_PATH_ENV: str(task_dir)}
+    plugins.activate([str(plugin)], [])  # again: each entry once
+    assert os.environ[library.ENV] == os.pathsep.join([str(plugin), "installed.module"])
+
+
+def _python(code: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=cwd, capture_output=True,
+                           text=True, timeout=120)
+
+
+def test_a_fresh_process_finds_plugins_and_entry_points(tmp_path):
+    """What a Ray worker does: nothing but `promprune.methods()`, with the variable the sweep set, and an installed
+    package's entry point (a dist-info directory on sys.path, as pip writes it)."""
+    write(tmp_path / "plug" / "norm_env.py", METHOD.format(name="norm_env"))
+    site = tmp_path / "site"
+    write(site / "normdist" / "__init__.py", METHOD.format(name="norm_ep"))
+    write(site / "normdist-1.0.dist-info" / "METADATA", "Metadata-Version: 2.1\nName: normdist\nVersion: 1.0\n")
+    write(site / "normdist-1.0.dist-info" / "entry_points.txt", "[promprune.methods]\nnorm = normdist\n")
+    code = f"""
+        import sys; sys.path.append({str(site)!r})
+        import promprune
+        print(sorted(set(promprune.methods()) - {{'cdpruner', 'coverage_only', 'divprune', 'downsample',
+              'fixed_ratio', 'promprune', 'random', 'saliency_only', 'visionzip', 'vispruner'}}))
+        """
+    proc = _python(code, {library.ENV: str(tmp_path / "plug" / "norm_env.py")}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['norm_env', 'norm_ep']"
+    write(site / "normdist" / "__init__.py", "import not_installed_dependency\n")
+    proc = _python(code, {}, tmp_path)
+    assert "PluginError: entry point 'norm' = 'normdist' (group promprune.methods, package 'normdist') could not be " \
+           "imported: ModuleNotFoundError: No module named 'not_installed_dependency'" in proc.stderr
+
+
+def test_a_shipped_copy_is_imported_by_its_name_when_the_path_is_not_here(tmp_path):
+    """A node without the driver's filesystem: the path in $PROMPRUNE_PLUGINS does not exist, Ray's copy (a
+    directory on sys.path) does."""
+    write(tmp_path / "copy" / "norm_far.py", METHOD.format(name="norm_far"))
+    code = f"""
+        import sys; sys.path.append({str(tmp_path / 'copy')!r})
+        import promprune
+        print('norm_far' in promprune.methods(), sys.modules['norm_far'].__file__)
+        """
+    proc = _python(code, {library.ENV: "/driver/only/norm_far.py"}, tmp_path)
+    assert proc.stdout.split() == ["True", str(tmp_path / "copy" / "norm_far.py")], proc.stderr
+
+
+def test_include_path_variable_finds_tasks_and_their_shipped_copies(tmp_path, monkeypatch):
+    write(tmp_path / "mine" / "own_task.yaml", TASK.format(name="own_task_a"))
+    write(tmp_path / "mine" / "utils.py", UTILS)
+    with pytest.raises(ValueError, match="unknown lmms-eval task"):
+        tasks.task_manager(["own_task_a"])
+    monkeypatch.setenv(tasks.INCLUDE_PATH_ENV, str(tmp_path / "mine"))
+    assert "own_task_a" in tasks.task_manager(["own_task_a"]).all_tasks
+    assert tasks.primary_metrics("own_task_a") == ("hits",)  # a task of one's own: its first metric
+    assert tasks.primary_metrics("pope") == ("pope_f1_score",)
+    # the driver's path is not on this node; Ray's copy of the directory is on sys.path
+    write(tmp_path / "shipped" / "theirs" / "own_task.yaml", TASK.format(name="own_task_b"))
+    monkeypatch.setenv(tasks.INCLUDE_PATH_ENV, "/driver/only/theirs")
+    with pytest.raises(ValueError, match="'/driver/only/theirs' .* is not on this machine"):
+        tasks.task_manager(["own_task_b"])
+    monkeypatch.syspath_prepend(str(tmp_path / "shipped"))
+    assert tasks.env_include_paths() == [str(tmp_path / "shipped" / "theirs")]
+    assert "own_task_b" in tasks.task_manager(["own_task_b"]).all_tasks
+
+
+def test_preflight_looks_for_tasks_in_the_include_path(tmp_path):
+    from pipelines import preflight
+
+    write(tmp_path / "mine" / "own_task.yaml", TASK.format(name="own_task_c"))
+    assert preflight.check_tasks(["own_task_c"], 2, [str(tmp_path / "mine")]) == []
+    problems = preflight.check_tasks(["own_task_cc"], 2, [str(tmp_path / "mine")])
+    assert "unknown lmms-eval task(s) ['own_task_cc']" in problems[0] and "own_task_c" in problems[0]
+    assert preflight.check_tasks(["own_task_c"], 2, [str(tmp_path / "nope")]) == [
+        f"include_path: {tmp_path / 'nope'} is not a directory (relative paths in a spec are from its directory)"]
+
+
+def test_evaluate_takes_plugins_and_task_directories(tmp_path, isolated, monkeypatch, capsys):
+    """`pipelines/evaluate.py --plugin --include-path`: the plugin's method and its options and the directory's task
+    are checked before Ray starts (a bad --video-frames is the only problem found, so nothing starts); a plugin that
+    fails to import is the one problem."""
+    from pipelines import evaluate
+
+    write(tmp_path / "norm_e.py", METHOD.format(name="norm_e"))
+    write(tmp_path / "broken.py", "raise RuntimeError('broken on purpose')\n")
+    write(tmp_path / "mine" / "own_task.yaml", TASK.format(name="own_task_e"))
+    monkeypatch.chdir(tmp_path)  # relative paths on the command line: from the working directory
+    args = ["--include-path", "mine", "--method", "norm_e", "--budget", "8", "--tasks", "own_task_e",
+            "--model", "tiny:llava", "--no-mlflow", "--video-frames", "0"]
+    assert evaluate.main(["--plugin", "norm_e.py", "--option", "p=1.0", *args]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == ["  - --video-frames: expected an int >= 1, got 0"]
+    assert evaluate.main(["--plugin", "norm_e.py", "--option", "pp=1.0", *args]) == 2
+    assert "unknown option(s) for method 'norm_e': 'pp' (did you mean 'p'?)" in capsys.readouterr().err
+    assert evaluate.main(["--plugin", "norm_e.py", "--plugin", "broken.py", *args]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        f"  - plugins[1]: plugin '{tmp_path / 'broken.py'}' could not be imported: RuntimeError: broken on purpose "
+        f"({tmp_path / 'broken.py'}:1)"]
