@@ -67,7 +67,9 @@ from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
-TRIAL_CPUS = 0.25  # a trial only drives Ray Data and scores; its actors reserve the real cores and GPUs
+# a trial only drives Ray Data and scores: it reserves no core, so that its actors have the machine's (the plan's
+# trials_at_once, Tune's max_concurrent_trials, bounds how many run), only memory for lmms-eval and its predictions
+TRIAL_RESOURCES = {"cpu": 0, "memory": 256 * 2 ** 20}
 # a running score (lmms-eval over the samples answered so far) at most this often, besides the scheduler's milestones
 SCORE_EVERY_S = 30.0
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
@@ -328,7 +330,7 @@ def _trainable(source: ModelSource, rows: Requests, spec: specs.SweepSpec, plan:
                     resources=spec.resources)
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, plan=plan, blocks=blocks,
                               ledger=engine.new_ledger(), run_fn=run_fn)  # one Ledger for every trial's blocks
-    return tune.with_resources(fn, {"cpu": TRIAL_CPUS})
+    return tune.with_resources(fn, TRIAL_RESOURCES)
 
 
 def _tuner(trainable, spec: specs.SweepSpec, trials: list[dict], plan: planning.Plan, state: dict, recorder,

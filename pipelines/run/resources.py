@@ -81,8 +81,9 @@ def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurr
 
     A pool never has more actors than blocks (``workers`` caps it further, and on GPUs so does ``max_gpus``). On
     GPUs, enough trials run at once that their pools can fill every GPU the sweep may use, plus one so that a
-    trial's last blocks and the next trial's first overlap (at most `MAX_AUTO_TRIALS`). On CPUs one trial runs at a
-    time, its pool on the cores (``cpus_per_worker`` each). A set ``max_concurrent`` (the spec's
+    trial's last blocks and the next trial's first overlap (at most `MAX_AUTO_TRIALS`). On CPUs the cores are shared
+    out (``cpus_per_worker`` each): one trial per core with one actor each (a trial's actor starts while another's
+    computes), or one trial's actors on all of them when it runs alone. A set ``max_concurrent`` (the spec's
     ``tune.max_concurrent_trials``) decides the trials at once.
     """
     local = started_here() if local is None else local
@@ -95,9 +96,10 @@ def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurr
         cap = MAX_ACTORS if resources.max_gpus == AUTO else max(1, int(resources.max_gpus // resources.gpus_per_worker))
         per_trial = min(per_trial, cap)
         at_once = min(math.ceil(cap / per_trial) + 1, MAX_AUTO_TRIALS)
-    else:
-        per_trial = min(per_trial, max(1, int(float(cluster.get("CPU", 1)) // max(resources.cpus_per_worker, 1))))
-        at_once = 1
+    else:  # one actor per core (cpus_per_worker each); as many trials at once as there are actors to share
+        slots = max(1, int(float(cluster.get("CPU", 1)) // max(resources.cpus_per_worker, 1)))
+        at_once = slots if max_concurrent == AUTO else int(max_concurrent)
+        per_trial = min(per_trial, max(1, slots // max(1, min(at_once, n_trials))))
     if max_concurrent != AUTO:
         at_once = int(max_concurrent)
     at_once = max(1, min(at_once, n_trials))

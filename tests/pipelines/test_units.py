@@ -34,9 +34,10 @@ GPU8 = {"GPU": 8, "CPU": 64}
 
 @pytest.mark.parametrize("n_trials,blocks,kw,cluster,expect", [
     # (device, actors each evaluation asks for, trials at once)
-    (9, 100, {}, {"CPU": 2}, ("cpu", 2, 1)),  # a laptop: one trial at a time on both cores
-    (9, 1, {}, {"CPU": 2}, ("cpu", 1, 1)),  # never more actors than blocks
-    (9, 100, {"cpus_per_worker": 2}, {"CPU": 2}, ("cpu", 1, 1)),
+    (9, 100, {}, {"CPU": 2}, ("cpu", 1, 2)),  # a laptop: two trials at a time, one actor (core) each
+    (1, 100, {}, {"CPU": 2}, ("cpu", 2, 1)),  # one evaluation alone: both cores
+    (1, 1, {}, {"CPU": 2}, ("cpu", 1, 1)),  # never more actors than blocks
+    (9, 100, {"cpus_per_worker": 2}, {"CPU": 2}, ("cpu", 1, 1)),  # one 2-core actor
     # GPUs, max_gpus auto: an evaluation asks for an actor per block (at most MAX_ACTORS); two trials overlap
     (19, 3000, {}, GPU8, ("gpu", planning.MAX_ACTORS, 2)),
     # small trials: enough at once to fill 8 GPUs (8 / 2 + 1 = 5 trials of 2 blocks)
@@ -68,6 +69,8 @@ def test_plan_takes_a_set_cap_on_trials_at_once():
     assert planning.plan(Resources(), 19, 2, 3, local=False, cluster=GPU8).trials_at_once == 3
     assert planning.plan(Resources(), 19, 2, 3, local=True, cluster={"CPU": 2}).trials_at_once == 3
     assert planning.plan(Resources(), 2, 2, 10, local=True, cluster={"CPU": 2}).trials_at_once == 2
+    one = planning.plan(Resources(), 9, 100, 1, local=True, cluster={"CPU": 2})
+    assert (one.trials_at_once, one.max_actors) == (1, 2)  # one trial at a time: both cores for it
 
 
 # ----------------------------------------------------------------------------------------------------------------
