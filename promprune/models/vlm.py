@@ -66,6 +66,8 @@ class PrunedVLM:
         self.budget_mode, self.image_newline = next_layout(method, adapter_options["budget_mode"],
                                                            adapter_options["image_newline"])
         self.view_budget = None
+        if is_in_llm(method):
+            llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             self._text_source()  # fail now on a text source the model has no tower for
