@@ -92,3 +92,37 @@ def test_clip_keys_hold_across_dtypes_and_batches():
         assert [s["kept"] for s in vlm.prepare_video(clips[1:], prompts[1:]).stats] == got[dtype][1:]
     assert got[torch.float32] == got[torch.bfloat16]
     assert got[torch.float32][0] != got[torch.float32][1]
+
+
+_KEPT_SCRIPT = """
+import json, sys, torch
+from promprune.models import PrunedVLM
+from tests.models.conftest import make_image
+torch.set_num_threads(1)
+vlm = PrunedVLM.from_pretrained("tiny:llava", method="random", budget=6)
+prep = vlm.prepare([make_image(40, 56, 0), make_image(64, 30, 1)], ["What?", "Colour?"])
+json.dump({"kept": [s["kept"] for s in prep.stats], "features": prep.items[0].features[:, :8].tolist()}, sys.stdout)
+"""
+
+
+@pytest.mark.slow  # two fresh interpreters load torch, transformers and the tiny model (~10-20 s)
+def test_random_keeps_its_tokens_under_another_cpu_kernel_set():
+    """The same model and images with torch's CPU kernels for another instruction set (ATEN_CPU_CAPABILITY=default,
+    no AVX; MKL and oneDNN held to SSE4): the features differ in their last bits, the kept tokens do not."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    runs = []
+    for extra in ({}, {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                       "ONEDNN_MAX_CPU_ISA": "SSE41"}):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), **extra}
+        out = subprocess.run([sys.executable, "-c", _KEPT_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                             check=True)
+        runs.append(json.loads(out.stdout))
+    assert runs[0]["kept"] == runs[1]["kept"]
+    if runs[0]["features"] == runs[1]["features"]:
+        pytest.skip("this CPU computes the same bits under both kernel sets (the kept tokens agree anyway)")
