@@ -162,8 +162,8 @@ def draw_seed(key: int, seed: int) -> int:
 # units of the features' RMS, rounded to this step. Each mean is computed in float64 over N tokens, so a drift of a
 # few ulps per value (CPU types, devices) moves it by ~1e-7 steps: a key changes only when a mean sits that close to
 # a rounding boundary. A cast to a half dtype is coarser: on 300 random [576, 64] feature sets a float16 round trip
-# changed 0.7% of the keys, a bfloat16 one 7%. Pass keys for a guarantee. Two different images share a fingerprint
-# only if all 16 means agree to 1/64 of the RMS.
+# changed 0.7% of the keys, a bfloat16 one 7% (benchmarks/random_fingerprint.py). Pass keys for a guarantee. Two
+# different images share a fingerprint only if all 16 means agree to 1/64 of the RMS.
 _FINGERPRINT_CHANNELS = 16
 _FINGERPRINT_STEP = 2.0 ** -6
 
