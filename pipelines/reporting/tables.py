@@ -56,10 +56,12 @@ class ScoreTable:
 
 
 def varying_options(sweep: Sweep) -> dict[str, list[str]]:
-    """Per method, the options that take more than one value among its trials (they name its rows)."""
+    """Per method, the options that take more than one value among its trials (they name its rows); a trial that
+    leaves an option at its default counts as one more value (``fastv`` beside ``fastv, layer: 2``)."""
     out = {}
     for method, rows in sweep.trials.groupby("method"):
-        out[method] = [o for o in sweep.option_names if rows[o].dropna().map(str).nunique() > 1]
+        out[method] = [o for o in sweep.option_names
+                       if rows[o].map(lambda v: "" if v is None or _isnan(v) else str(v)).nunique() > 1]
     return out
 
 

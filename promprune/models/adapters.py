@@ -56,6 +56,8 @@ class VisualItem:
       space (CDPruner; :meth:`Adapter.attach_instruction`), ``text_source`` "clip" or "llm".
     - ``deepstack`` (Qwen3-VL only): per DeepStack layer, the features ``[P, d]`` added to the hidden state of each
       run position at that LLM layer; pruning feeds the rows of the kept run positions.
+    - ``key`` or None: the image's identity, a hash of its pixels (:func:`promprune.models.images.pixel_key`; a clip:
+      of its frames), set by :func:`attach_keys`; methods that draw at random seed the draw from it.
     """
 
     run: torch.Tensor
@@ -77,6 +79,7 @@ class VisualItem:
     text_tokens: torch.Tensor | None = None
     text_source: str | None = None
     deepstack: list[torch.Tensor] | None = None
+    key: int | None = None
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision
@@ -87,7 +90,7 @@ class VisualItem:
         grid[self.run_pos] = self.grid_index
         return VisualItem(run=self.run, features=self.run, run_pos=pos, grid_index=grid, saliency=None,
                           groups=torch.zeros_like(pos), row_of_run=self.row_of_run, newline=self.newline,
-                          grid_shape=self.grid_shape)
+                          grid_shape=self.grid_shape, key=self.key)
 
     def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline: str = "drop",
                  prefix: torch.Tensor | None = None):
@@ -122,6 +125,17 @@ class VisualItem:
             out = torch.cat([prefix.to(out.dtype), out])
             pos = torch.cat([slots, pos])
         return out, pos
+
+
+def attach_keys(items: list[VisualItem], keys: list[int]) -> list[VisualItem]:
+    """Give each item (and its LLaVA-NeXT ``full`` twin) its image's key, in place; returns ``items``."""
+    if len(keys) != len(items):
+        raise ValueError(f"{len(keys)} image keys for {len(items)} items: one key per image")
+    for item, key in zip(items, keys):
+        item.key = int(key)
+        if item.full is not None:
+            item.full.key = int(key)
+    return items
 
 
 def as_encoder_outputs(features: list[torch.Tensor]) -> dict:

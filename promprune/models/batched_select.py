@@ -13,6 +13,7 @@ each view's whole grid (``VisualItem.full``): picks the model's unpadding drops 
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,21 @@ def _instruction(items: list[VisualItem], group) -> promprune.Instruction:
     return promprune.Instruction(query=query, tokens=tokens, source=first.text_source)
 
 
+def unit_key(key: int | None, view: int | None) -> int | None:
+    """The key of one selection unit: the image's key (a unit of the whole image, ``view`` None), or it combined
+    with the view's index (blake2b), so that each view of an image draws on its own."""
+    if key is None or view is None:
+        return key
+    digest = hashlib.blake2b(f"{key}:view{view}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _keys(items: list[VisualItem], group) -> list[int] | None:
+    """The units' keys of a bucket (None when an item has no key: ``select`` then fingerprints the features)."""
+    keys = [unit_key(items[b].key, v) for b, _, _, v in group]
+    return None if any(k is None for k in keys) else keys
+
+
 NOT_A_RECTANGLE = ("this method pools one view's token grid: the candidates of a selection unit must fill one "
                    "rectangle of one view (LLaVA-NeXT / LLaVA-OneVision: use budget_mode 'per_crop', "
                    "'adaptive_views' or 'view_quota', not 'global' or 'packed')")
@@ -163,7 +179,7 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
         vision = _vision(items, group) if spec.reads_vision else None
         text = _instruction(items, group) if spec.needs_instruction else None
         sel = promprune.select(feats, sal, budget=share, method=method, vision=vision, instruction=text, grid=grid,
-                               **options)
+                               keys=_keys(items, group), **options)
         for u, (b, idx, _, _) in enumerate(group):
             merged = None if sel.features is None else sel.features[u]
             ent = None if sel.entropy is None else float(sel.entropy[u])

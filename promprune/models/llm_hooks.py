@@ -30,6 +30,7 @@ paper clusters with density-peak kNN; we use best-score centres.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 
@@ -42,20 +43,29 @@ from promprune.selection.in_llm import SPARSEVLM_RELEASED
 # the depth.
 SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
 PYRAMIDDROP_LAYERS_OF_32 = (8, 16, 24)
+# What the hooks read from the language model's forward: the KV cache (to tell the prefill from a decoding step), under
+# either of its names (transformers 5.24 renamed past_key_values to cache; the old name is accepted until 5.40), and
+# the input embeddings and padding mask.
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+LM_ARGUMENTS = ("inputs_embeds", "attention_mask")
+# FastV's K = 2 of LLaMA's 32 layers (its paper's default), scaled the same way unless option 'layer' gives K.
+FASTV_LAYER_OF_32 = (2,)
 
 
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
     """A context manager that prunes inside ``model``'s LLM during ``generate`` on ``input_ids [B, L]``."""
     opts = promprune.method_spec(method).resolve(options, budget=budget)
+    check_llm(model, method)
     layers = _decoder_layers(model)
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
     compact = False
     if method in ("fastv", "dart"):
-        if not 1 <= opts["layer"] < len(layers):
-            raise ValueError(f"{method} option 'layer' must be in [1, {len(layers) - 1}], got {opts['layer']}")
-        stages = [Stage(opts["layer"], None, kind=method)]
+        layer = opts["layer"] if opts["layer"] is not None else fastv_layer(len(layers))
+        if not 1 <= layer < len(layers):
+            raise ValueError(f"{method} option 'layer' must be in [1, {len(layers) - 1}], got {layer}")
+        stages = [Stage(layer, None, kind=method)]
         plan = (lambda n: [budget]) if method == "fastv" else _dart_plan(budget, opts)
         if method == "dart":
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
@@ -82,7 +92,8 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
                 return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
         stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
-    return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact)
+    return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact,
+                       method=method)
 
 
 def geometric(budget: int, n: int, s: int, stages: int) -> int:
@@ -193,9 +204,43 @@ def scaled_layers(depth: int, of_32) -> list[int]:
     return sorted({min(max(1, round(layer * depth / 32)), depth - 1) for layer in of_32})
 
 
+def fastv_layer(depth: int) -> int:
+    """FastV's K = 2 of 32 layers scaled to ``depth`` layers (:func:`scaled_layers`): 2 for 28-36 layers, 1 for 4."""
+    return scaled_layers(depth, FASTV_LAYER_OF_32)[0]
+
+
 def sparsevlm_layers(depth: int) -> list[int]:
     """SparseVLM's pruning layers scaled from 32 to ``depth`` layers (each >= 1, unique, ascending)."""
     return scaled_layers(depth, SPARSEVLM_LAYERS_OF_32)
+
+
+def check_llm(model, method: str) -> None:
+    """Fail now, in one paragraph, when the language model's forward does not take the arguments the hooks read
+    (:data:`CACHE_ARGUMENTS`, :data:`LM_ARGUMENTS`): a release that renames them would otherwise make every decoding
+    step look like a prefill (nothing pruned, or a crash mid-run)."""
+    lm = model.model.language_model
+    params = inspect.signature(lm.forward).parameters
+    missing = [name for name in LM_ARGUMENTS if name not in params]
+    if not any(name in params for name in CACHE_ARGUMENTS):
+        missing.insert(0, " / ".join(repr(n) for n in CACHE_ARGUMENTS))
+    if missing:
+        import transformers
+
+        raise ValueError(
+            f"in-LLM method {method!r} cannot hook this language model: {type(lm).__name__}.forward (transformers "
+            f"{transformers.__version__}) takes no argument {', '.join(missing)} (its arguments: "
+            f"{', '.join(p for p in params if p not in ('self', 'kwargs'))}). The hooks read the KV cache under "
+            f"{' or '.join(CACHE_ARGUMENTS)} to tell the prefill from decoding steps; this transformers release "
+            "renamed it. Install a transformers release inside the range pyproject.toml allows (constraints.txt "
+            "pins the tested one), or run a pre-LLM method.")
+
+
+def _cache_of(kwargs: dict):
+    """The KV cache the LLM's forward was called with, under either name (None: no cache)."""
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
 
 
 def _decoder_layers(model):
@@ -229,8 +274,9 @@ class Stage:
 class InLLMPruner:
     """Hooks that prune visual tokens inside the LLM; use as ``with pruner: model.generate(...)``."""
 
-    def __init__(self, model, layers, input_ids, budget, stages, eager, plan, compact=False):
+    def __init__(self, model, layers, input_ids, budget, stages, eager, plan, compact=False, method="in-LLM"):
         self.model, self.layers, self.stages, self.eager = model, layers, stages, eager
+        self.method = method  # named in errors
         video = getattr(model.config, "video_token_id", None)  # a clip's tokens (promprune.models.video)
         self.visual = (input_ids == model.config.image_token_id) | (input_ids == (-1 if video is None else video))
         self.prompt_len = input_ids.shape[1]
@@ -244,6 +290,7 @@ class InLLMPruner:
 
     # ---- context manager -------------------------------------------------------------------------------
     def __enter__(self):
+        check_llm(self.model, self.method)
         lm = self.model.model.language_model
         self.handles.append(lm.register_forward_pre_hook(self._on_lm, with_kwargs=True))
         for stage in self.stages:
@@ -282,13 +329,17 @@ class InLLMPruner:
     def _on_lm(self, module, args, kwargs):
         """Remember the 2D padding mask and whether this forward is the prefill."""
         embeds = kwargs.get("inputs_embeds")
-        cache = kwargs.get("past_key_values")
+        cache = _cache_of(kwargs)
         past = cache.get_seq_length() if cache is not None else 0
         if embeds.shape[0] != self.visual.shape[0]:
             raise ValueError("in-LLM methods run one sequence per prompt: use num_beams=1 and "
                              "num_return_sequences=1")
         self.q_len = embeds.shape[1]
         self.prefill = past == 0
+        if self.prefill and self.q_len != self.prompt_len:  # a decoding step whose cache the hook did not find
+            raise RuntimeError(f"the language model ran {self.q_len} new tokens without a cache the hooks can read "
+                               f"(the prompt has {self.prompt_len}): it was passed under a name other than "
+                               f"{' or '.join(CACHE_ARGUMENTS)}; see promprune.models.llm_hooks.check_llm")
         mask2d = kwargs.get("attention_mask")
         B = embeds.shape[0]
         total = past + self.q_len

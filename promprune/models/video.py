@@ -25,6 +25,7 @@ over the clip keeps the sum of those saliency counts.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import math
 import os
@@ -42,7 +43,7 @@ from promprune.selection.registry import TokenSet
 from promprune.selection.two_stage import prominence
 
 from . import saliency as sal
-from .adapters import VisualItem
+from .adapters import VisualItem, attach_keys
 from .images import load_image
 from .batched_select import select_items
 from .batched_select import split_budget as split_shares
@@ -121,6 +122,14 @@ def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarra
     if array.ndim != 4 or array.shape[-1] != 3 or array.shape[0] < 1:
         raise ValueError(f"clip {index}: expected frames [F, H, W, 3] (RGB, F >= 1), got shape {tuple(array.shape)}")
     return array.astype(np.uint8, copy=False), None
+
+
+def clip_key(frames: np.ndarray) -> int:
+    """A 63-bit identity of a clip: blake2b of its frames' shape and bytes (``[F, H, W, 3]`` uint8), the same on every
+    machine, device and dtype (:func:`promprune.models.images.pixel_key` for a clip)."""
+    digest = hashlib.blake2b(f"clip:{'x'.join(map(str, frames.shape))}:".encode(), digest_size=8)
+    digest.update(np.ascontiguousarray(frames).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def conversation(vlm, prompt: str) -> str:
@@ -316,6 +325,7 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
     from .options import is_in_llm
 
     prompts = list(prompts)
+    clips = [Clip(*load_clip(c, i)) for i, c in enumerate(clips)]  # decoded once: the processor and the keys
     batch = inputs(vlm, clips, prompts, fps)
     pre_llm = vlm.method is not None and not is_in_llm(vlm.method)
     budget_option, split = check_options(vlm) if pre_llm else (None, None)
@@ -325,6 +335,7 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
         if text_source is not None:
             vlm.adapter.attach_instruction(items, prompts, text_source)
     with Stopwatch(vlm.device) as selecting:
+        attach_keys(items, [clip_key(clip.frames) for clip in clips])  # random draws per clip and frame
         chosen = plan(vlm, items, budget_option, split) if pre_llm else None
     ids, mask, encoded, extra, stats = _llm_inputs(vlm, batch, items, chosen)
     kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)

@@ -13,9 +13,9 @@ from promprune.dtypes import parse_dtype
 from promprune.records import SampleStats
 
 from . import llm_hooks
-from .adapters import adapter_for
+from .adapters import adapter_for, attach_keys
 from .factories import find_model_factory
-from .images import load_images
+from .images import load_images, pixel_key
 from .options import is_in_llm, next_layout, token_order, validate_method
 from .batched_select import select_items
 from .sequence import shrink_placeholders
@@ -66,6 +66,8 @@ class PrunedVLM:
         self.budget_mode, self.image_newline = next_layout(method, adapter_options["budget_mode"],
                                                            adapter_options["image_newline"])
         self.view_budget = None
+        if is_in_llm(method):
+            llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             self._text_source()  # fail now on a text source the model has no tower for
@@ -138,6 +140,7 @@ class PrunedVLM:
         features, and for Qwen2.5-VL / Qwen3-VL the gathered 3D ``position_ids``.
         """
         prompts = list(prompts)
+        images = load_images(images, prompts)  # decoded once: the processor and the images' keys read these pixels
         batch = self.inputs(images, prompts)
         pre_llm = self.method is not None and not is_in_llm(self.method)
         text_source = self._text_source() if pre_llm else None
@@ -147,6 +150,7 @@ class PrunedVLM:
             if text_source is not None:  # one selection per question: the instruction's embedding
                 self.adapter.attach_instruction(items, prompts, text_source)
         with Stopwatch(self.device) as selecting:
+            attach_keys(items, [pixel_key(image) for image in images])  # random draws per image, not per float
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
         if plan is None:

@@ -138,23 +138,42 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cl
 def random_tokens(tokens: TokenSet, budget: int, *, seed: int) -> Selection:
     """T tokens uniformly at random, reproducible from ``seed`` and the image itself.
 
-    Each image draws from a CPU generator seeded by ``seed`` and a fingerprint of its own features, so an image
-    gets the same tokens whatever batch or shard it lands in, and every device agrees.
+    Each row draws from a CPU generator seeded by ``seed`` and the row's key (``select(..., keys=...)``: PrunedVLM
+    passes a hash of the image's pixels, and of the view), so an image gets the same tokens whatever batch, shard,
+    device or dtype it meets. Without keys, the key is a coarse fingerprint of the row's features
+    (:func:`feature_key`). The draw is a permutation's first T: a smaller budget keeps a subset of a larger one's.
     """
     rows = []
     for b in range(tokens.batch):
-        gen = torch.Generator().manual_seed(_fingerprint(tokens.x[b], int(seed)))
+        key = tokens.keys[b] if tokens.keys is not None else feature_key(tokens.x[b])
+        gen = torch.Generator().manual_seed(draw_seed(key, int(seed)))
         rows.append(torch.randperm(tokens.n, generator=gen)[:budget])
     indices = torch.stack(rows).to(tokens.x.device)
     return Selection(indices, _no_saliency(tokens), None, None, torch.zeros_like(indices, dtype=torch.bool))
 
 
-# The fingerprint reads the first few channels of every token: cheap, and enough to tell images apart.
+def draw_seed(key: int, seed: int) -> int:
+    """A 63-bit generator seed from a row's ``key`` and the method's ``seed`` (blake2b of both)."""
+    digest = hashlib.blake2b(str(key).encode(), digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+# The features' fingerprint (the key of a row given without one): the means over tokens of the first channels, in
+# units of the features' RMS, rounded to this step. Each mean is computed in float64 over N tokens, so a drift of a
+# few ulps per value (CPU types, devices) moves it by ~1e-7 steps: a key changes only when a mean sits that close to
+# a rounding boundary. A cast to a half dtype is coarser: on 300 random [576, 64] feature sets a float16 round trip
+# changed 0.7% of the keys, a bfloat16 one 7% (benchmarks/random_fingerprint.py). Pass keys for a guarantee. Two
+# different images share a fingerprint only if all 16 means agree to 1/64 of the RMS.
 _FINGERPRINT_CHANNELS = 16
+_FINGERPRINT_STEP = 2.0 ** -6
 
 
-def _fingerprint(x: torch.Tensor, seed: int) -> int:
-    """A 63-bit seed from ``seed`` and the bytes of ``x [N, d]`` (first channels)."""
-    data = x[:, :_FINGERPRINT_CHANNELS].detach().float().cpu().contiguous().numpy().tobytes()
-    digest = hashlib.blake2b(data, digest_size=8, key=str(seed).encode()).digest()
+def feature_key(x: torch.Tensor) -> int:
+    """A 63-bit key for the tokens ``x [N, d]`` that does not change with the last bits of their values."""
+    N, d = x.shape
+    x64 = x.detach().to(device="cpu", dtype=torch.float64)
+    rms = x64.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    means = x64[:, :_FINGERPRINT_CHANNELS].mean(dim=0) / rms  # [C] in units of the RMS
+    quantized = torch.round(means / _FINGERPRINT_STEP).long().tolist()
+    digest = hashlib.blake2b(f"{N}x{d}:{quantized}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -10,8 +10,9 @@ from .registry import register_in_llm_method
 
 def _check_fastv(opts: dict, budget: int | None = None) -> None:
     layer = opts["layer"]
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
-        raise ValueError(f"option 'layer' of fastv must be an int >= 1, got {layer!r}")
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
+        raise ValueError(f"option 'layer' of fastv must be None (the paper's K = 2 of 32 layers scaled to the LLM's "
+                         f"depth) or an int >= 1 (an absolute K), got {layer!r}")
 
 
 # SparseVLM's released schedule (Gumpest/SparseVLMs, score.py): visual tokens kept after each of its three pruning
@@ -37,9 +38,11 @@ def _check_sparsevlm(opts: dict, budget: int | None = None) -> None:
             raise ValueError(f"option {key!r} of sparsevlm must be a number in [0, 1], got {value!r}")
 
 
-# FastV (Chen et al., ECCV 2024): K = 2 is the paper's default pruning layer; the attention of layer K - 1
-# (the last token's row, head mean) ranks the visual tokens.
-register_in_llm_method("fastv", options={"layer": 2}, check=_check_fastv,
+# FastV (Chen et al., ECCV 2024): K = 2 of LLaMA's 32 layers is the paper's default pruning layer; the attention of
+# layer K - 1 (the last token's row, head mean) ranks the visual tokens. layer=None keeps that fraction of the depth,
+# as SparseVLM's and PyramidDrop's layers do (round(2 * depth / 32), at least 1: K = 2 on every 7B LLM here, 28-36
+# layers; K = 1 on the testbed's 4); an int is an absolute K (the released K on any depth: layer=2).
+register_in_llm_method("fastv", options={"layer": None}, check=_check_fastv,
                        description="FastV: drop visual tokens after layer K by the last token's attention")
 
 # SparseVLM (Zhang et al., ICML 2025): the released code prunes at LLaMA layers 2, 6 and 15 of 32; on other depths

@@ -88,13 +88,15 @@ class TokenSet:
     cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared by
     the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
     features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with
-    fp32 accumulation.
+    fp32 accumulation. ``keys``: one int per row naming what the row's tokens come from (an image, or one view of
+    it; ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
     """
 
     def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
                  instruction: Instruction | None = None, grid: tuple[int, int] | None = None,
-                 source: torch.Tensor | None = None):
+                 source: torch.Tensor | None = None, keys: tuple[int, ...] | None = None):
         self.x = x
+        self.keys = keys
         self.saliency = saliency
         self.vision = vision
         self.instruction = instruction
@@ -384,6 +386,23 @@ def _validate_grid(grid, n: int) -> tuple[int, int] | None:
     return int(grid[0]), int(grid[1])
 
 
+def _validate_keys(keys, batch: int) -> tuple[int, ...] | None:
+    """``keys``: None, or one int per batch row (a sequence of ints or a 1-D integer tensor)."""
+    if keys is None:
+        return None
+    if isinstance(keys, torch.Tensor):
+        if keys.dim() != 1 or keys.is_floating_point() or keys.is_complex() or keys.dtype == torch.bool:
+            raise ValueError(f"keys must be one int per batch row ([B] = [{batch}] integer tensor), got a tensor of "
+                             f"shape {tuple(keys.shape)} and dtype {keys.dtype}")
+        keys = keys.tolist()
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__"):
+        raise ValueError(f"keys must be a sequence of {batch} ints (one per batch row), got {type(keys).__name__}")
+    keys = tuple(keys)
+    if len(keys) != batch or any(isinstance(k, bool) or not isinstance(k, int) for k in keys):
+        raise ValueError(f"keys must be {batch} ints (one per batch row of features), got {list(keys)!r}")
+    return keys
+
+
 def _check_finite(name: str, t: torch.Tensor) -> None:
     bad = ~torch.isfinite(t).flatten(1).all(dim=1)
     if bool(bad.any()):
@@ -393,16 +412,18 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
            method: str = "promprune", vision: VisionFeatures | None = None, instruction: Instruction | None = None,
-           grid: tuple[int, int] | None = None, **options) -> Selection:
+           grid: tuple[int, int] | None = None, keys=None, **options) -> Selection:
     """Choose ``budget`` of the ``N`` visual tokens of each image.
 
     ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
     not use it, ``budget`` T shared by the batch (T >= N keeps every token). ``vision``: the vision tower's own
     features of the same tokens (:class:`VisionFeatures`), read by the methods whose released code reads them
     (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. ``saliency`` reaches
-    only the methods that declare ``needs_saliency`` (the others get None, as in the model adapters). Returns a
-    :class:`Selection`. ``promprune.methods()`` lists the methods; an unknown method or option is a ValueError
-    naming the valid ones.
+    only the methods that declare ``needs_saliency`` (the others get None, as in the model adapters). ``keys``: one
+    int per batch row naming the image (or view) the row comes from, e.g. a hash of its pixels; ``random`` draws each
+    row's tokens from ``seed`` and its key, so the draw does not depend on the last bits of the features (None: from
+    a coarse fingerprint of the features; docs/methods.md). Returns a :class:`Selection`. ``promprune.methods()``
+    lists the methods; an unknown method or option is a ValueError naming the valid ones.
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:
@@ -419,7 +440,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
     tokens = TokenSet(x, s if spec.needs_saliency else None,
                       _validate_vision(vision, x) if spec.reads_vision else None, text,
-                      _validate_grid(grid, x.shape[1]), source=features)
+                      _validate_grid(grid, x.shape[1]), source=features, keys=_validate_keys(keys, x.shape[0]))
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)

@@ -1,14 +1,16 @@
 """FastV / SparseVLM inside the LLM: the right tokens, dropped at the right layer."""
 import copy
+import inspect
 
 import pytest
 import torch
+import transformers
 
 from promprune.models import PrunedVLM
-from promprune.models.llm_hooks import sparsevlm_layers
+from promprune.models.llm_hooks import CACHE_ARGUMENTS, fastv_layer, sparsevlm_layers
 from promprune.models.tiny import tiny_vlm
 
-K = 2  # FastV's default pruning layer
+K = 1  # FastV's default pruning layer on the tiny 4-layer LLMs: the paper's 2 of 32, scaled
 BUDGET = 5
 
 
@@ -27,8 +29,8 @@ def test_fastv_keeps_top_tokens_by_last_token_attention(images, prompts):
     assert got.kept == sorted(scores.topk(BUDGET).indices.tolist())
 
 
-@pytest.mark.parametrize("method", ["fastv", "sparsevlm"])
-def test_layers_after_pruning_see_fewer_tokens(method, images, prompts):
+@pytest.mark.parametrize("method, options", [("fastv", {}), ("fastv", {"layer": 2}), ("sparsevlm", {})])
+def test_layers_after_pruning_see_fewer_tokens(method, options, images, prompts):
     model, processor = tiny_vlm("llava")
     layers = model.model.language_model.layers
     seen = {}
@@ -41,18 +43,35 @@ def test_layers_after_pruning_see_fewer_tokens(method, images, prompts):
     hooks = [layers[i].self_attn.register_forward_pre_hook(recorder(i), with_kwargs=True)
              for i in range(len(layers))]
     try:
-        PrunedVLM(model, processor, method=method, budget=BUDGET).generate(images[:1], prompts[:1],
-                                                                           max_new_tokens=2)
+        PrunedVLM(model, processor, method=method, budget=BUDGET, **options).generate(images[:1], prompts[:1],
+                                                                                      max_new_tokens=2)
     finally:
         for h in hooks:
             h.remove()
     full = seen[0]
     n_visual = 36
-    at = [K] if method == "fastv" else sparsevlm_layers(len(layers))
+    at = [options.get("layer", K)] if method == "fastv" else sparsevlm_layers(len(layers))
     assert all(seen[i] == full for i in range(at[0]))
     assert all(seen[i] == full - n_visual + BUDGET for i in range(at[-1], len(layers)))
     lengths = [seen[i] for i in range(len(layers))]
     assert lengths == sorted(lengths, reverse=True)  # stages only ever drop tokens
+
+
+def test_fastv_layer_scales_with_depth():
+    """K = 2 of 32 as a fraction of the depth, rounded half to even: 2 on the 7B LLMs (LLaMA 32, Qwen2 28, Qwen3 36)
+    and LLaVA-1.5-13B's 40 (2.5 -> 2), 1 on the tiny and testbed 4-layer LLMs."""
+    assert [fastv_layer(d) for d in (32, 28, 36, 40, 24, 16, 4, 2)] == [2, 2, 2, 2, 2, 1, 1, 1]
+
+
+def test_fastv_explicit_layer_is_absolute(images, prompts):
+    model, processor = tiny_vlm("llava")
+    default = PrunedVLM(model, processor, method="fastv", budget=BUDGET)
+    explicit = PrunedVLM(model, processor, method="fastv", budget=BUDGET, layer=2)
+    for vlm, layer in ((default, K), (explicit, 2)):
+        assert vlm.pruning(vlm.prepare(images[:1], prompts[:1])).stages[0].layer == layer
+    with pytest.raises(ValueError, match=r"fastv option 'layer' must be in \[1, 3\], got 4"):
+        PrunedVLM(model, processor, method="fastv", budget=BUDGET, layer=4).generate(images[:1], prompts[:1],
+                                                                                    max_new_tokens=1)
 
 
 def test_sparsevlm_layers_scale_with_depth():
@@ -102,3 +121,81 @@ def test_sparsevlm_released_schedule_keeps_the_released_counts(images, prompts):
     with pytest.raises(ValueError, match="released schedule has budgets \\[64, 96, 128, 192\\], not 32"):
         PrunedVLM(model, processor, method="sparsevlm", budget=32, schedule="released",
                   layers=[1, 2, 3]).generate(images, prompts, max_new_tokens=1)
+
+
+# ---- the LLM's cache argument: past_key_values (transformers <= 5.23) or cache (5.24 on) ---------------------------
+
+
+def _renamer(dst: str):
+    """A forward pre-hook passing the LLM's KV cache on under the name ``dst``, whatever name it came under."""
+    def hook(module, args, kwargs):
+        for name in [*CACHE_ARGUMENTS, "kv_cache"]:
+            if name in kwargs and name != dst:
+                kwargs[dst] = kwargs.pop(name)
+        return args, kwargs
+    return hook
+
+
+def _generate_with_cache_named(vlm, prep, name: str, new_tokens: int):
+    """``generate`` with the pruning hooks seeing the cache under ``name`` (as a transformers release that passes it
+    so would call them); the LLM's own forward gets it back under the name its signature takes."""
+    lm = vlm.model.model.language_model
+    own = next(n for n in CACHE_ARGUMENTS if n in inspect.signature(lm.forward).parameters)
+    pruner = vlm.pruning(prep)
+    before = lm.register_forward_pre_hook(_renamer(name), with_kwargs=True)  # runs before the pruner's hook
+    try:
+        with torch.inference_mode(), pruner:
+            after = lm.register_forward_pre_hook(_renamer(own), with_kwargs=True)
+            try:
+                out = vlm.model.generate(**prep.model_kwargs, max_new_tokens=new_tokens, do_sample=False)
+            finally:
+                after.remove()
+    finally:
+        before.remove()
+    return pruner.stats(prep.items), out[:, prep.model_kwargs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("name", CACHE_ARGUMENTS)
+@pytest.mark.parametrize("method", ["fastv", "sparsevlm", "dart", "pyramiddrop"])
+def test_hooks_read_the_cache_under_either_name(name, method, images, prompts):
+    """transformers 5.24 passes the LLM's cache as ``cache``, 5.23 as ``past_key_values``: the kept tokens, their
+    count and the answer are the same under both (5.24 under the old hook: visual_tokens 0 / a crash in SparseVLM)."""
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method=method, budget=BUDGET)
+    want = vlm.generate(images, prompts, max_new_tokens=3)
+    stats, tokens = _generate_with_cache_named(vlm, vlm.prepare(images, prompts), name, 3)
+    assert [s["visual_tokens"] for s in stats] == [g.visual_tokens for g in want] == [BUDGET, BUDGET]
+    assert [s["kept"] for s in stats] == [g.kept for g in want]
+    assert tokens == [g.token_ids for g in want]
+
+
+def test_a_cache_under_an_unknown_name_fails_at_the_first_decoding_step(images, prompts):
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="fastv", budget=BUDGET)
+    with pytest.raises(RuntimeError, match="1 new tokens without a cache the hooks can read"):
+        _generate_with_cache_named(vlm, vlm.prepare(images, prompts), "kv_cache", 2)
+
+
+def test_an_llm_forward_without_a_known_cache_argument_is_refused_at_once(images, prompts, monkeypatch):
+    """A release whose LLM forward takes neither name: PrunedVLM, make() and entering the hooks refuse it in one
+    paragraph naming the transformers version, the class and the argument."""
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="fastv", budget=BUDGET)
+    prep = vlm.prepare(images[:1], prompts[:1])
+    pruner = vlm.pruning(prep)
+    lm = model.model.language_model
+
+    def forward(inputs_embeds=None, attention_mask=None, kv_state=None, **kwargs):  # a future signature
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(lm, "forward", forward)
+    want = (rf"in-LLM method 'fastv' cannot hook this language model: LlamaModel.forward \(transformers "
+            rf"{transformers.__version__}\) takes no argument 'cache' / 'past_key_values'")
+    with pytest.raises(ValueError, match=want):
+        PrunedVLM(model, processor, method="fastv", budget=BUDGET)
+    with pytest.raises(ValueError, match=want):
+        vlm.pruning(prep)
+    with pytest.raises(ValueError, match="kv_state"):  # its arguments are listed
+        pruner.__enter__()
+    assert not pruner.handles
+    PrunedVLM(model, processor, method="divprune", budget=BUDGET)  # pre-LLM methods do not hook the LLM

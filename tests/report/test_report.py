@@ -111,6 +111,18 @@ def test_markdown_bolds_the_best_per_budget(table_sweep, tmp_path):
     assert csv.loc[csv["label"] == "PromPrune", "POPE"].tolist() == pytest.approx([80.0, 72.0])
 
 
+def test_a_trial_that_sets_an_option_others_leave_at_default_is_named(store, tmp_path):
+    """fastv beside fastv with layer: 2 (the testbed spec): two rows that must not share a label."""
+    client, exp = store
+    parent = log_sweep(client, exp, "label_demo", [
+        trial("none", None, scores(1800, 300, 0.80, 0.60)),
+        trial("fastv", 16, scores(1700, 300, 0.70, 0.50)),
+        trial("fastv", 16, scores(1750, 300, 0.75, 0.55), options={"layer": 2}),
+        trial("divprune", 16, scores(1600, 300, 0.70, 0.50))], tasks=TASKS, tmp=tmp_path)
+    labels = tables.ordered_trials(load_sweep(parent))["label"].tolist()
+    assert labels == ["Upper bound", "FastV", "FastV (layer=2)", "DivPrune"]
+
+
 def test_deltas_against_published(table_sweep, tmp_path, published_root):
     _, parent = table_sweep
     build_report(load_sweep(parent), tmp_path / "out", published_root=published_root, image_source=grey_image)

@@ -1,9 +1,12 @@
-"""VisPruner and VisionZip on tiny hand-made examples."""
+"""VisPruner and VisionZip on tiny hand-made examples; Random's draw."""
+import hashlib
 import math
 
+import pytest
 import torch
 
 import promprune
+from promprune.selection.baselines import feature_key
 
 
 def unit2d(degrees):
@@ -108,3 +111,98 @@ def test_random_is_seeded():
     a = promprune.select(x, budget=10, method="random", seed=3).indices
     assert torch.equal(a, promprune.select(x, budget=10, method="random", seed=3).indices)
     assert not torch.equal(a, promprune.select(x, budget=10, method="random", seed=4).indices)
+
+
+# ---- random: the draw depends on the image (its key) and the seed, not on the features' last bits ----------------
+
+
+def reference_draw(key: int, seed: int, n: int, budget: int) -> list[int]:
+    """The documented draw, written out: the first T of ``randperm(N)`` from a CPU generator seeded with
+    blake2b(str(key), key=str(seed)) (8 bytes, little-endian, top bit dropped)."""
+    digest = hashlib.blake2b(str(key).encode(), digest_size=8, key=str(seed).encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.randperm(n, generator=gen)[:budget].tolist()
+
+
+def few_ulps(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """``x`` with every value moved by -4..4 ulps (float32), as another CPU type or the GPU computes it."""
+    g = torch.Generator().manual_seed(seed)
+    steps = torch.randint(-4, 5, x.shape, generator=g).float()
+    return x + steps * torch.finfo(torch.float32).eps * x.abs()
+
+
+def random_rows(x, keys=None, budget=12, seed=0):
+    return promprune.select(x, budget=budget, method="random", seed=seed, keys=keys, order="selection").indices
+
+
+def test_random_with_keys_is_the_documented_draw():
+    x = torch.randn(3, 50, 8)
+    keys = [7, 2**62 + 5, 123456789]
+    got = random_rows(x, keys, budget=12, seed=4)
+    assert got.tolist() == [reference_draw(k, 4, 50, 12) for k in keys]
+
+
+def test_random_with_keys_ignores_the_features_last_bits_and_dtype():
+    x = torch.randn(2, 64, 16)
+    keys = [11, 12]
+    want = random_rows(x, keys)
+    assert not torch.equal(few_ulps(x), x)
+    for same_image in (few_ulps(x), x.half().float(), x.bfloat16().float(), x.half(), x.bfloat16()):
+        assert torch.equal(random_rows(same_image, keys), want)
+
+
+def test_random_with_keys_two_images_draw_differently_and_batching_does_not_matter():
+    x = torch.randn(4, 64, 16)
+    keys = [101, 102, 103, 104]
+    batched = random_rows(x, keys)
+    assert len({tuple(r) for r in batched.tolist()}) == 4
+    for b in range(4):  # alone, and in another batch at another place
+        assert torch.equal(random_rows(x[b:b + 1], keys[b:b + 1])[0], batched[b])
+        others = torch.cat([x[(b + 1) % 4:(b + 1) % 4 + 1], x[b:b + 1]])
+        assert torch.equal(random_rows(others, [keys[(b + 1) % 4], keys[b]])[1], batched[b])
+
+
+def test_random_smaller_budget_keeps_a_subset():
+    x = torch.randn(2, 64, 16)
+    small = random_rows(x, [1, 2], budget=8)
+    large = random_rows(x, [1, 2], budget=24)
+    assert torch.equal(large[:, :8], small)
+
+
+def test_random_without_keys_ignores_ulp_noise_and_tells_images_apart():
+    """The fallback fingerprint: stable under a few ulps of drift on every one of 40 images, distinct draws."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 576, 32, generator=g) * 0.5 + torch.randn(40, 1, 32, generator=g) * 0.3
+    want = random_rows(x)
+    for seed in range(3):
+        assert torch.equal(random_rows(few_ulps(x, seed)), want)
+    assert len({tuple(r) for r in want.tolist()}) == 40
+    assert torch.equal(random_rows(x[5:6])[0], want[5])  # batch placement does not matter
+
+
+def test_feature_key_is_the_quantized_channel_means():
+    # 16 channel means of 0.5 in units of the RMS (1.0) -> round(0.5 * 64) = 32 each; channel 17 is not read
+    x = torch.zeros(4, 20)
+    x[:, :16] = 0.5
+    x[:, 16:] = math.sqrt((20 - 16 * 0.25) / 4)  # total mean square 1
+    digest = hashlib.blake2b(f"4x20:{[32] * 16}".encode(), digest_size=8).digest()
+    assert feature_key(x) == int.from_bytes(digest, "little") >> 1
+    y = x.clone()
+    y[:, 17] *= 1.0 + 1e-6
+    assert feature_key(y) == feature_key(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_random_on_cuda_draws_what_the_cpu_draws():
+    x = torch.randn(3, 64, 16)
+    assert torch.equal(random_rows(x.cuda(), [1, 2, 3]).cpu(), random_rows(x, [1, 2, 3]))
+    assert torch.equal(random_rows(x.cuda()).cpu(), random_rows(x))
+
+
+@pytest.mark.parametrize("keys, fragment", [([1], "2 ints"), ([1, 2.0], "2 ints"), ([1, True], "2 ints"),
+                                             ("ab", "sequence of 2 ints"),
+                                             (torch.tensor([1.0, 2.0]), "integer tensor")])
+def test_bad_keys_are_named(keys, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        promprune.select(torch.randn(2, 10, 4), budget=3, method="random", keys=keys)
+    assert random_rows(torch.randn(2, 10, 4), torch.tensor([1, 2]), budget=3).shape == (2, 3)
