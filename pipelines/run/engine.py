@@ -15,8 +15,9 @@ Everything about scheduling and failure is Ray's:
   attempts that started: the attempt after `resources.block_attempts` returns the block's requests as failed
   samples, named, instead of running it, and the evaluation finishes. One block in flight per actor, so a block
   that kills its actor is the only one charged. A block that hangs past `resources.block_timeout_s` makes its actor
-  exit (a watchdog), which is the same case. Should Ray Data give a block up anyway, its error budget
-  (`max_errored_blocks`) drops it and its samples are recorded as lost.
+  exit (a watchdog), which is the same case. Should Ray Data give a block up anyway (an actor lost with its node
+  can fail its task instead of resending it), its error budget (`max_errored_blocks`) drops it, and `run` starts a
+  new pass for the blocks that did not come back (at most `block_attempts` passes; the Ledger keeps counting).
 - A sample that fails by itself (an unreadable image, a failed generation) is a failed prediction from the model's
   own isolation (`promprune.eval.generation`); an exception out of a whole block becomes failed predictions with its
   message. Nothing is dropped silently: `assemble` checks every sample is there exactly once.
@@ -27,6 +28,7 @@ import dataclasses
 import os
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -113,8 +115,13 @@ class Ledger:
 
 
 def new_ledger():
-    """A `Ledger` actor (no CPU reserved); its owner's lifetime is its own."""
-    return ray.remote(Ledger).options(num_cpus=0).remote()
+    """A `Ledger` actor (no CPU reserved) on this process's node (the driver's: a worker node lost must not take the
+    counts with it), restarted (empty) should that node go too; it lives as long as its owner."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=here, max_restarts=-1,
+                                      max_task_retries=-1).remote()
 
 
 class Predictor:
@@ -141,7 +148,7 @@ class Predictor:
         """Envelope rows (`requests.ENVELOPE`) -> their predictions (`arrow_schema(Prediction)`)."""
         out = []
         for bid, block in unseal(envelopes):
-            attempt = 1 if self.ledger is None else ray.get(self.ledger.begin.remote(f"{self.evaluation}/{bid}"))
+            attempt = self._attempt(bid)
             if attempt > self.failover.attempts:
                 out += failed(from_arrow(block, Request), lost_reason(self.failover), self.node)
                 continue
@@ -150,6 +157,15 @@ class Predictor:
                 out += self.answer(block)
             timeline.mark("predict_end", "actor", call=bid, rows=block.num_rows)
         return to_arrow(out, Prediction)
+
+    def _attempt(self, bid: str) -> int:
+        """This block's attempt number from the Ledger (1 without one, or when the Ledger is out of reach)."""
+        if self.ledger is None:
+            return 1
+        try:
+            return ray.get(self.ledger.begin.remote(f"{self.evaluation}/{bid}"))
+        except ray.exceptions.RayActorError:  # the ledger's node is gone: run the block uncounted
+            return 1
 
     def answer(self, block: pa.Table) -> list[Prediction]:
         """One block's predictions, one per request. The model isolates failing samples itself; an exception out of
@@ -222,11 +238,11 @@ def configure_data_context(wait_s: float) -> None:
 
 def stream(requests: Requests, job: Job, plan: Plan, failover: Failover,
            skip: set[str] | frozenset = frozenset(), wait_s: float | None = None,
-           ledger=None) -> Iterator[tuple[str, pa.Table]]:
+           ledger=None, evaluation: str | None = None) -> Iterator[tuple[str, pa.Table]]:
     """Answer every block with a sample not in ``skip``; yields ``(block id, predictions)`` as blocks come back,
     in no particular order. ``wait_s``: how long the pool may wait for its first actor (None: as long as it takes,
-    e.g. behind other trials' actors). ``ledger``: a sweep's `Ledger` (None: one for this evaluation)."""
-    import uuid
+    e.g. behind other trials' actors). ``ledger``: a sweep's `Ledger` (None: one for this evaluation), counting
+    attempts under ``evaluation`` (None: a new id, attempts start afresh)."""
 
     from ray.data import ActorPoolStrategy
 
@@ -237,7 +253,7 @@ def stream(requests: Requests, job: Job, plan: Plan, failover: Failover,
     if ds is None:
         return
     ledger = new_ledger() if ledger is None else ledger
-    evaluation = uuid.uuid4().hex  # this run's blocks in the ledger (a retried trial starts its attempts afresh)
+    evaluation = evaluation or uuid.uuid4().hex
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # max_restarts / max_task_retries go through ray_remote_args (2.60: no names)
         ds = ds.map_batches(
@@ -279,15 +295,21 @@ def run(requests: Requests, job: Job, plan: Plan, failover: Failover, wait_s: fl
     wanted = set(requests.keys)
     tables = [] if store is None else [_only(store.load(), wanted)]
     done = sum(t.num_rows for t in tables)
-    for bid, table in stream(requests, job, plan, failover, skip=_keys_of(tables), wait_s=wait_s, ledger=ledger):
-        if store is not None:
-            store.save(bid, table)
-        tables.append(table)
-        done += table.num_rows
-        if on_block is not None:
-            on_block(done, tables)
-    missing = wanted - _keys_of(tables)
-    if missing:
+    ledger = new_ledger() if ledger is None else ledger
+    evaluation = uuid.uuid4().hex  # this run's attempts in the ledger (a retried trial starts afresh)
+    for _ in range(failover.attempts):  # a pass again for blocks Ray Data gave up (an actor lost with its node)
+        for bid, table in stream(requests, job, plan, failover, skip=_keys_of(tables), wait_s=wait_s,
+                                 ledger=ledger, evaluation=evaluation):
+            if store is not None:
+                store.save(bid, table)
+            tables.append(table)
+            done += table.num_rows
+            if on_block is not None:
+                on_block(done, tables)
+        missing = wanted - _keys_of(tables)
+        if not missing:
+            break
+    if missing:  # each pass started them again: the Ledger fails them once they are out of attempts
         tables.append(to_arrow(lost(requests, missing, failover), Prediction))
     timeline.mark("last_answer", "trial", s=time.perf_counter() - started)
     return assemble_predictions(requests.keys, tables)

@@ -30,7 +30,7 @@ from pipelines.weights import ModelSource
 pytestmark = pytest.mark.slow
 
 NODE_OBJECT_STORE = 150 * 2 ** 20  # four object stores on one machine: keep each small
-SAMPLES = 6  # one per batch: enough batches that the kill lands mid-run
+SAMPLES = 10  # one per block, 2 s each: enough blocks that the kill lands mid-run
 
 
 def _free_port() -> int:
@@ -91,15 +91,17 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
     driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(spec, run_fn=run_fn, rows=rows)))
     driver.start()
 
-    deadline = time.time() + 300
+    # the trial's Ray Data actors holding the model: both up, one on a node without the trial's driver
+    victims, deadline = [], time.time() + 300
+    while not victims and time.time() < deadline:
+        trial_nodes = {a.node_id for a in _actors("ImplicitFunc")}
+        victims = [a.node_id for a in _actors("MapBatches(Predictor)") if a.node_id not in trial_nodes]
+        time.sleep(0.2)
+    assert victims, "no actor on a node without the trial driver"
     while time.time() < deadline and not any(markers.iterdir()):
-        time.sleep(0.5)
+        time.sleep(0.2)
     done_before_kill = len(list(markers.iterdir()))
     assert 0 < done_before_kill < SAMPLES, "the kill must land mid-evaluation"
-    trial_nodes = {a.node_id for a in _actors("ImplicitFunc")}
-    # the trial's Ray Data actors holding the model
-    victims = [a.node_id for a in _actors("MapBatches(Predictor)") if a.node_id not in trial_nodes]
-    assert victims, "no actor on a node without the trial driver"
     node = next(n for n in cluster.worker_nodes if n.node_id == victims[0])
     cluster.remove_node(node, allow_graceful=False)
 

@@ -191,7 +191,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
         "limit": 2, "grid": {"method": ["promprune", "divprune"], "budget": [8]},
         "generation": {"max_new_tokens": 2}}))
     first = _spawn_sweep(spec_path, tmp_path)
-    head = _read_until(first, "[1/3] baseline", timeout=300)  # the baseline finished and was logged
+    head = _read_until(first, "] baseline: ", timeout=300)  # the baseline finished and was logged
     first.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops
     rest, _ = first.communicate(timeout=180)
     assert first.returncode == sweep.EXIT_INTERRUPTED, head + rest
@@ -201,7 +201,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     out, _ = second.communicate(timeout=400)
     assert second.returncode == 0, out[-3000:]
     assert "resuming" in out and "[start] baseline" not in out  # the finished trial was not run again
-    assert "[start] divprune-b8" in out
+    assert "[start] divprune-b8" in out or "[resume] divprune-b8" in out  # (it may have saved blocks before)
 
     from mlflow.tracking import MlflowClient
 
