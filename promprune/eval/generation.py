@@ -5,10 +5,11 @@ their inputs into ``Item``s and call ``generate_items``. Every item yields exact
 a batch that raises is retried item by item, so one corrupt image or one failing generation becomes one failed
 answer with its error message, never a crash and never a dropped sample.
 
-Two options share the work of an image's questions (items with one ``key``) when the model's kept tokens do not
-depend on the question (``PrunedVLM.shares_images``): ``vision_once`` preprocesses, encodes and selects each image
-once, ``prefix_cache`` also prefills the prompt up to the end of its visual tokens once (``promprune.models.sharing``,
-``promprune.models.prefix``). They are arguments, and an item's generation kwargs may set them (a sweep spec's
+Two options share the work of an image's questions (items with one ``key``) where the method allows:
+``vision_once`` preprocesses, encodes and selects each image once (``PrunedVLM.shares_vision``: all but CDPruner, which
+selects per question), ``prefix_cache`` also prefills the prompt up to the end of its visual tokens once
+(``PrunedVLM.shares_prefix``: not the question-dependent methods, the in-LLM ones and CDPruner);
+``promprune.models.sharing``, ``promprune.models.prefix``. They are arguments, and an item's generation kwargs may set them (a sweep spec's
 ``generation.vision_once`` / ``generation.prefix_cache``); they never reach ``generate``'s kwargs.
 """
 

@@ -109,6 +109,10 @@ class PromPruneLMM(lmms):
         **method_options,
     ) -> None:
         super().__init__()
+        self.vision_once, self.prefix_cache = _flag("vision_once", vision_once), _flag("prefix_cache", prefix_cache)
+        if self.prefix_cache and not self.vision_once:
+            raise ValueError("model_args prefix_cache=true needs vision_once=true (the prefix continues the shared "
+                             "encoding of each image)")
         if vlm is None:
             if not pretrained:
                 raise ValueError("model_args needs "
@@ -125,10 +129,6 @@ class PromPruneLMM(lmms):
         self.vlm = vlm
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
         self.video_frames = _video_frames(video_frames)
-        self.vision_once, self.prefix_cache = _flag("vision_once", vision_once), _flag("prefix_cache", prefix_cache)
-        if self.prefix_cache and not self.vision_once:
-            raise ValueError("model_args prefix_cache=true needs vision_once=true (the prefix continues the shared "
-                             "encoding of each image)")
         self.failures: list[tuple[str, int, str]] = []
 
     def _item(self, request: Instance) -> Item:

@@ -239,10 +239,10 @@ def run_requests(vlm, requests: list[Request], *, batch_size: int = 8, vision_on
     as they are.
 
     The questions about one image (one ``image_key``) share its work where the method allows
-    (``PrunedVLM.shares_images``): ``vision_once`` encodes and selects it once, ``prefix_cache`` also prefills its
-    prompt prefix once (:func:`promprune.eval.generation.generate_items`). Both are on, as in accuracy sweeps; a
-    request's ``gen_kwargs`` may set either (a sweep spec's ``generation``: efficiency trials measure each sample's
-    own latency with both off).
+    (``PrunedVLM.shares_vision`` / ``shares_prefix``): ``vision_once`` encodes and selects it once, ``prefix_cache``
+    also prefills its prompt prefix once (:func:`promprune.eval.generation.generate_items`). Both are on, as in
+    accuracy sweeps; a request's ``gen_kwargs`` may set either (a sweep spec's ``generation``: efficiency trials
+    measure each sample's own latency with both off).
     """
     bad = [i for i, r in enumerate(requests) if not isinstance(r, Request)]
     if bad:

@@ -2,7 +2,7 @@
 
 Every chat template we support puts the image before the question, so the prompts of one image's questions share
 their beginning up to the end of its visual tokens (LLaVA-1.5: ``USER: `` and the kept visual tokens, 70-95% of the
-prompt). When the kept tokens do not depend on the question (``PrunedVLM.shares_images``), that *prefix* is
+prompt). When the kept tokens do not depend on the question (``PrunedVLM.shares_prefix``), that *prefix* is
 prefilled once per image, its KV cache kept in the :class:`~promprune.models.sharing.ImageCache`, and each batch
 of questions prefills only its *suffixes* (the question and the template's tail) on top of it, then decodes.
 

@@ -1,9 +1,10 @@
 """Vision once: an image asked several questions is preprocessed, encoded and selected once.
 
-A benchmark asks several questions about each image (VQAv2 ~5, POPE 18, GQA ~30). When the kept tokens do not
-depend on the question (``PrunedVLM.shares_images``: unpruned, or any method that is not question dependent), the
-rows of a batch that share an image key need one run of the image processor, the vision tower and the selection;
-an :class:`ImageCache` keeps the result (:class:`SharedImage`) for the image's questions in later batches.
+A benchmark asks several questions about each image (VQAv2 ~5, POPE 18, GQA ~30). When what enters the LLM does not
+depend on the question (``PrunedVLM.shares_vision``: unpruned, an in-LLM method, which prunes inside the LLM, or a
+pre-LLM method that is not question dependent), the rows of a batch that share an image key need one run of the image
+processor, the vision tower and the selection; an :class:`ImageCache` keeps the result (:class:`SharedImage`) for the
+image's questions in later batches.
 
 Each row's prompt is then built without the image processor: the processor's output for the image's first question
 holds the image's expanded placeholder *segment* (the tokens that replace the one placeholder of the chat template:
@@ -57,6 +58,7 @@ class ImageCache:
 def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache):
     """:meth:`PrunedVLM.prepare` with each distinct key's image encoded and selected once (those in ``cache`` not
     at all); returns a ``Prepared`` whose model kwargs equal the unshared path's."""
+    from .options import is_in_llm
     from .vlm import Prepared
 
     if len(keys) != len(prompts) or len(images) != len(prompts):
@@ -80,7 +82,7 @@ def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache):
     if batch is None:  # the template does not fit the splice: the processor builds the rows (images again)
         batch = vlm.inputs(images, prompts)
     fed = [s.fed for s in shared]
-    kwargs = vlm._llm_inputs(batch, fed, pruned=vlm.method is not None)
+    kwargs = vlm._llm_inputs(batch, fed, pruned=vlm.method is not None and not is_in_llm(vlm.method))
     return Prepared(model_kwargs=kwargs, stats=[dict(f.stats) for f in fed], items=[s.item for s in shared],
                     vision_ms=vision_ms, select_ms=select_ms, fed=fed, keys=list(keys))
 

@@ -146,11 +146,16 @@ class PrunedVLM:
         return batch
 
     @property
-    def shares_images(self) -> bool:
-        """Whether an image's kept tokens are the same whatever it is asked: unpruned, or a method that is not
-        question dependent (``promprune.method_spec(m).question_dependent``: the in-LLM methods and CDPruner are).
-        Then one encoding, selection and prompt prefix of an image serve all its questions (:meth:`prepare`'s
-        ``keys``, :meth:`generate`'s ``prefix_cache``)."""
+    def shares_vision(self) -> bool:
+        """Whether one encoding of an image (and its selection) serves all its questions (vision once): unpruned, an
+        in-LLM method (the LLM gets the whole image; it prunes inside, per question), or a pre-LLM method that is not
+        question dependent (``promprune.method_spec(m).question_dependent``: CDPruner is, it selects per question)."""
+        return self.method is None or is_in_llm(self.method) or not self.spec.question_dependent
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the prompt up to the end of an image's visual tokens is the same for all its questions (prefix
+        once): unpruned, or a method that is not question dependent (the in-LLM methods and CDPruner are)."""
         return self.method is None or not promprune.method_spec(self.method).question_dependent
 
     @torch.inference_mode()
@@ -162,12 +167,12 @@ class PrunedVLM:
         features, and for Qwen2.5-VL / Qwen3-VL the gathered 3D ``position_ids``.
 
         ``keys`` (one per row: the image's identity, e.g. ``Request.image_key``): rows with one key are one image, and
-        when :attr:`shares_images` it is preprocessed, encoded and selected once (vision once), its results kept in
+        when :attr:`shares_vision` it is preprocessed, encoded and selected once (vision once), its results kept in
         ``cache`` (a :class:`promprune.models.sharing.ImageCache`; None: for this call only) for later calls. The
         model kwargs are the same as without keys (:mod:`promprune.models.sharing`).
         """
         prompts = list(prompts)
-        if keys is not None and self.shares_images:
+        if keys is not None and self.shares_vision:
             from . import sharing
 
             return sharing.prepare(self, images, prompts, list(keys), cache if cache is not None
@@ -212,7 +217,7 @@ class PrunedVLM:
         """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise.
 
         ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
-        :attr:`shares_images` and one beam): the prompt up to the end of an image's visual tokens is prefilled once
+        :attr:`shares_prefix` and one beam): the prompt up to the end of an image's visual tokens is prefilled once
         and its KV cache reused by every question about that image, here and in later calls with the same ``cache``
         (:mod:`promprune.models.prefix`); otherwise ignored.
         """
@@ -239,7 +244,7 @@ class PrunedVLM:
                   prefix_cache: bool = False) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
         inputs, prefix_ms = prep.model_kwargs, 0.0
-        if prefix_cache and prep.keys is not None and int(kwargs["num_beams"]) == 1:
+        if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1:
             from . import prefix, sharing
 
             with Stopwatch(self.device) as prefilling:

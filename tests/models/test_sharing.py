@@ -176,25 +176,32 @@ def test_the_cached_prefix_continues_the_whole_prompt(arch, rows):
 
 
 @pytest.mark.parametrize("method", [m for m in all_methods() if promprune.method_spec(m).question_dependent])
-def test_question_dependent_methods_keep_the_per_question_path(method, rows):
-    """The in-LLM methods and CDPruner select per question: keys are ignored, every row is encoded."""
-    budget = 8
-    vlm = vlm_for("llava", method, budget)
-    assert not vlm.shares_images
+def test_question_dependent_methods_keep_their_per_question_work(method, rows):
+    """The in-LLM methods prune inside the LLM per question: the image is encoded once, every prompt prefilled whole;
+    CDPruner selects per question: keys are ignored, every row is encoded."""
+    vlm = vlm_for("llava", method, 8)
+    in_llm = promprune.method_spec(method).stage == promprune.IN_LLM
+    assert not vlm.shares_prefix and vlm.shares_vision is in_llm
     cache = ImageCache()
     with TowerCalls(vlm) as tower:
         shared = vlm.generate(rows, PROMPTS, keys=KEYS, cache=cache, prefix_cache=True, max_new_tokens=NEW_TOKENS)
-    assert len(cache) == 0 and not cache.prefixes and len(tower.calls) == 1  # one call on all five rows
-    assert tokens(shared) == tokens(vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS))
+    assert len(tower.calls) == 1 and not cache.prefixes  # one call: on the two images (in-LLM), on all five rows
+    assert len(cache) == (2 if in_llm else 0)
+    reference = vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert tokens(shared) == tokens(reference)
+    assert [(g.visual_tokens, g.kept) for g in shared] == [(g.visual_tokens, g.kept) for g in reference]
 
 
-def test_shares_images_follows_the_registry():
-    assert PrunedVLM.from_pretrained("tiny:llava", method=None).shares_images
+def test_sharing_follows_the_registry():
+    unpruned = PrunedVLM.from_pretrained("tiny:llava", method=None)
+    assert unpruned.shares_vision and unpruned.shares_prefix
     for method in all_methods():
         spec = promprune.method_spec(method)
-        expected = not (spec.stage == promprune.IN_LLM or spec.needs_instruction)
-        assert spec.question_dependent is not expected
-        assert vlm_for("llava", method, 8).shares_images is expected
+        dependent = spec.stage == promprune.IN_LLM or spec.needs_instruction
+        assert spec.question_dependent is dependent
+        vlm = vlm_for("llava", method, 8)
+        assert vlm.shares_prefix is not dependent
+        assert vlm.shares_vision is (spec.stage == promprune.IN_LLM or not dependent)
 
 
 def test_a_prompt_without_a_suffix_falls_back(rows):
