@@ -82,7 +82,8 @@ TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
     "{% else %}ASSISTANT: {% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{{ c['text'] }}{% endfor %}{% endif %}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    "{{ c['text'] }}{% endfor %}{% endif %}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
 

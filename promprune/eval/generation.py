@@ -8,9 +8,9 @@ answer with its error message, never a crash and never a dropped sample.
 Two options share the work of an image's questions (items with one ``key``) where the method allows:
 ``vision_once`` preprocesses, encodes and selects each image once (``PrunedVLM.shares_vision``: all but CDPruner, which
 selects per question), ``prefix_cache`` also prefills the prompt up to the end of its visual tokens once
-(``PrunedVLM.shares_prefix``: not the question-dependent methods, the in-LLM ones and CDPruner);
-``promprune.models.sharing``, ``promprune.models.prefix``. They are arguments, and an item's generation kwargs may set them (a sweep spec's
-``generation.vision_once`` / ``generation.prefix_cache``); they never reach ``generate``'s kwargs.
+(``PrunedVLM.shares_prefix``: not the question-dependent methods, the in-LLM ones and CDPruner); see
+``promprune.models.sharing`` and ``promprune.models.prefix``. They are arguments, and an item's generation kwargs may
+set them (a sweep spec's ``generation.vision_once`` / ``generation.prefix_cache``); they never reach ``generate``.
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
     Items are batched with others of identical generation kwargs (lmms-eval tasks may differ) and of the same kind
     (image or clip), ``batch_size`` at a time. Items that arrive with an error are not generated; their result
     carries that error. ``vision_once`` / ``prefix_cache`` (an item's generation kwargs may override them:
-    :func:`sharing_options`): image items are batched by their ``key`` (an item without one is an image of its own) and each
-    image's shared work is kept until its last question is answered.
+    :func:`sharing_options`): image items are batched by their ``key`` (an item without one is an image of its own)
+    and each image's shared work is kept until its last question is answered.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
