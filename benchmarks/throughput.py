@@ -1,7 +1,7 @@
 """Samples per second of an accuracy sweep against one lmms-eval run per configuration: vision once, prefix once.
 
-    python benchmarks/throughput.py            # about 6 minutes on a 2-core machine
-    python benchmarks/throughput.py --smoke    # a quick check of the script (fewer questions), about 2 minutes
+    python benchmarks/throughput.py            # about 8 minutes on a 2-core machine, one torch thread
+    python benchmarks/throughput.py --smoke    # a quick check of the script (fewer questions), about 3 minutes
 
 One checkpoint, saved to a directory so that lmms-eval's own ``llava_hf`` model loads it: LLaVA-1.5-7B's architecture
 (``shape:llava_1_5_7b``, random weights, bf16) with both towers shrunk alike so that a CPU runs it, 3 of CLIP's 24
@@ -89,10 +89,12 @@ TEMPLATE = (
 
 @dataclass
 class Run:
-    """One path on one task: seconds per configuration (answering), fixed seconds, samples, predictions."""
+    """One path on one task: wall and CPU seconds per configuration (answering), fixed seconds, samples, answers."""
 
     answer_s: dict = field(default_factory=dict)
+    cpu_s: dict = field(default_factory=dict)
     fixed_s: float = 0.0
+    fixed_cpu_s: float = 0.0
     samples: int = 0
     predictions: dict = field(default_factory=dict)
 
@@ -103,6 +105,29 @@ class Run:
     @property
     def rate(self) -> float:
         return self.samples / self.total_s
+
+    @property
+    def cpu_rate(self) -> float:
+        return self.samples / (self.fixed_cpu_s + sum(self.cpu_s.values()))
+
+
+class Clock:
+    """Wall and CPU seconds of a block: this process's threads and the child processes it waited for."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), _cpu()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, _cpu() - self.cpu
+        return False
+
+
+def _cpu() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,8 +175,8 @@ def build_data(hf_home: Path, smoke: bool) -> Path:
 # (a): one lmms-eval process per configuration
 
 
-def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_home: Path, out: Path) -> float:
-    """Wall seconds of one ``lmms-eval`` process answering ``limit`` documents of ``task`` (raises on failure)."""
+def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_home: Path, out: Path) -> Clock:
+    """Wall and CPU seconds of one ``lmms-eval`` process answering ``limit`` documents of ``task``."""
     from promprune.eval.standins import standin_env
 
     if method is None:
@@ -164,22 +189,23 @@ def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_h
                "--output_path", str(out)]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **standin_env(hf_home), "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
-    start = time.perf_counter()
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+    with Clock() as clock:
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if run.returncode != 0:
         hint = ("\nlmms-eval's llava_hf imports decord: pip install decord" if "decord" in run.stderr else "")
         raise RuntimeError(f"lmms-eval {model} on {task.name} failed:\n{run.stderr[-3000:]}{hint}")
-    return seconds
+    return clock
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # (b)-(d): our path
 
 
-def our_runs(checkpoint: Path, task: Task, limit: int, hf_home: Path) -> tuple[dict[str, Run], list]:
-    """Paths (b), (c), (d) on ``task`` and the requests: requests built once, the model loaded once, every
-    configuration's blocks answered by ``run_requests`` and scored."""
+def run_task(checkpoint: Path, task: Task, limit: int, hf_home: Path, work: Path) -> tuple[dict[str, Run], list,
+                                                                                           list]:
+    """Every path on ``task`` (and the requests and their blocks), configuration by configuration: its lmms-eval
+    process (a), then (b), (c), (d), so that the load of a shared machine falls on all of them alike. Ours: the
+    requests built once, the model loaded once, every block answered by ``run_requests`` and scored."""
     import torch
 
     from promprune.eval import build_requests, run_requests, score
@@ -188,30 +214,29 @@ def our_runs(checkpoint: Path, task: Task, limit: int, hf_home: Path) -> tuple[d
     from promprune.models import PrunedVLM
 
     with serving(hf_home):
-        start = time.perf_counter()
-        base = PrunedVLM.from_pretrained(str(checkpoint), method=None, dtype=DTYPE)
-        load_s = time.perf_counter() - start
-        start = time.perf_counter()
-        rows = build_requests([task.name], limit=limit)
-        for row in rows:  # as a sweep spec's generation: {max_new_tokens: ...} is laid over the task's own
-            row.gen_kwargs = {**row.gen_kwargs, "max_new_tokens": task.new_tokens}
-        blocks = pack_requests(rows, BATCH_SIZE)
-        build_s = time.perf_counter() - start
-        runs = {}
-        for path, (vision_once, prefix_cache) in PATHS.items():
-            run = Run(fixed_s=load_s + build_s, samples=len(rows) * len(CONFIGS))
-            for label, method, budget in CONFIGS:
-                vlm = base if method is None else PrunedVLM(base.model, base.processor, method=method, budget=budget)
-                start = time.perf_counter()
-                with torch.inference_mode():
+        with Clock() as load:
+            base = PrunedVLM.from_pretrained(str(checkpoint), method=None, dtype=DTYPE)
+        with Clock() as build:
+            rows = build_requests([task.name], limit=limit)
+            for row in rows:  # as a sweep spec's generation: {max_new_tokens: ...} is laid over the task's own
+                row.gen_kwargs = {**row.gen_kwargs, "max_new_tokens": task.new_tokens}
+            blocks = pack_requests(rows, BATCH_SIZE)
+        runs = {"a": Run(samples=limit * len(CONFIGS))}
+        runs.update({path: Run(fixed_s=load.wall + build.wall, fixed_cpu_s=load.cpu + build.cpu,
+                               samples=limit * len(CONFIGS)) for path in PATHS})
+        for label, method, budget in CONFIGS:
+            clock = lmms_eval_run(checkpoint, task, limit, method, budget, hf_home, work / f"lmms-{task.name}-{label}")
+            runs["a"].answer_s[label], runs["a"].cpu_s[label] = clock.wall, clock.cpu
+            vlm = base if method is None else PrunedVLM(base.model, base.processor, method=method, budget=budget)
+            for path, (vision_once, prefix_cache) in PATHS.items():
+                with Clock() as clock, torch.inference_mode():
                     preds = [p for block in blocks for p in run_requests(vlm, block, batch_size=BATCH_SIZE,
                                                                          vision_once=vision_once,
                                                                          prefix_cache=prefix_cache)]
                     score(preds)
-                run.answer_s[label] = time.perf_counter() - start
-                run.predictions[label] = preds
-            runs[path] = run
-    return runs, rows
+                runs[path].answer_s[label], runs[path].cpu_s[label] = clock.wall, clock.cpu
+                runs[path].predictions[label] = preds
+    return runs, rows, blocks
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -256,38 +281,57 @@ def flops(config, preds, keys: dict, path: str, new_tokens: int, head: int) -> f
 # run and report
 
 
+def model_seconds(preds: list, blocks: list) -> float:
+    """The model's seconds over ``preds`` (in block order): every batch of ``BATCH_SIZE`` rows of a block reports its
+    vision, selection, prefill and decode milliseconds on each of its rows; count them once per batch."""
+    total, at = 0.0, 0
+    for block in blocks:
+        for start in range(0, len(block), BATCH_SIZE):
+            p = preds[at + start]
+            total += (p.vision_ms or 0) + (p.select_ms or 0) + (p.prefill_ms or 0) + (p.decode_ms or 0)
+        at += len(block)
+    return total / 1e3
+
+
 def agreement(a: list, b: list) -> str:
     same = sum(x.prediction == y.prediction for x, y in zip(a, b))
     return f"{same}/{len(a)}"
 
 
-def report(task: Task, limit: int, a: Run, ours: dict[str, Run], config, keys: dict, head: int) -> float:
+def report(task: Task, limit: int, runs: dict[str, Run], config, keys: dict, head: int, blocks: list) -> float:
     """Print the task's tables; returns (d)'s throughput over (a)'s."""
-    images = limit // task.per_image
-    print(f"\n## {task.label}: lmms-eval `{task.name}` on stand-ins, {limit} questions over {images} images "
-          f"({task.per_image} per image), answers of {task.new_tokens} tokens, 2 configurations\n")
-    print("| path | unpruned s | promprune-64 s | fixed s | samples/s | vs (a) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for key, run in (("a", a), *ours.items()):
+    a = runs["a"]
+    print(f"\n## {task.label}: lmms-eval `{task.name}` on stand-ins, {limit} questions over {limit // task.per_image} "
+          f"images ({task.per_image} per image), answers of {task.new_tokens} tokens, 2 configurations\n")
+    print("| path | unpruned s | promprune-64 s | fixed s | samples/s | vs (a) | CPU s | vs (a), CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for key, run in runs.items():
         cells = " | ".join(f"{run.answer_s[label]:.1f}" for label, _, _ in CONFIGS)
-        print(f"| {PATH_NAMES[key]} | {cells} | {run.fixed_s:.1f} | {run.rate:.2f} | {run.rate / a.rate:.1f}x |")
+        cpu = run.fixed_cpu_s + sum(run.cpu_s.values())
+        print(f"| {PATH_NAMES[key]} | {cells} | {run.fixed_s:.1f} | {run.rate:.2f} | {run.rate / a.rate:.1f}x | "
+              f"{cpu:.0f} | {run.cpu_rate / a.cpu_rate:.1f}x |")
     print("\n(a): each process's wall time (its imports, data, model load and scoring included; fixed: 0); (b)-(d): "
-          "answering and scoring per configuration, fixed = model load + request build, once.")
+          "answering and scoring per configuration, fixed = model load + request build, once. CPU s: user + system "
+          "seconds of all threads (what a shared machine's load does not inflate).")
     print("\nanswers equal to (b)'s (bf16): " + ", ".join(
-        f"{k} {label} {agreement(ours['b'].predictions[label], ours[k].predictions[label])}"
+        f"{k} {label} {agreement(runs['b'].predictions[label], runs[k].predictions[label])}"
         for k in ("c", "d") for label, _, _ in CONFIGS))
-    print("\n| FLOP model vs measured answering time | TFLOP | s | (b) / path, FLOPs | (b) / path, time | "
-          "difference |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| FLOP model vs measured answering | TFLOP | s | CPU s | model s | (b) / path: FLOPs | s | CPU s | "
+          "model s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ours = {k: runs[k] for k in PATHS}
     model = {k: sum(flops(config, r.predictions[label], keys, k, task.new_tokens, head) for label, _, _ in CONFIGS)
              for k, r in ours.items()}
-    for key, run in ours.items():
-        seconds = sum(run.answer_s.values())
-        predicted = model["b"] / model[key]
-        measured = sum(ours["b"].answer_s.values()) / seconds
-        print(f"| {PATH_NAMES[key]} | {model[key] / 1e12:.2f} | {seconds:.1f} | {predicted:.2f} | {measured:.2f} | "
-              f"{(measured - predicted) / predicted:+.0%} |")
-    return ours["d"].rate / a.rate
+    wall = {k: sum(r.answer_s.values()) for k, r in ours.items()}
+    cpu = {k: sum(r.cpu_s.values()) for k, r in ours.items()}
+    inside = {k: sum(model_seconds(r.predictions[label], blocks) for label, _, _ in CONFIGS) for k, r in ours.items()}
+    for key in ours:
+        print(f"| {PATH_NAMES[key]} | {model[key] / 1e12:.2f} | {wall[key]:.1f} | {cpu[key]:.0f} | "
+              f"{inside[key]:.1f} | {model['b'] / model[key]:.2f} | {wall['b'] / wall[key]:.2f} | "
+              f"{cpu['b'] / cpu[key]:.2f} | {inside['b'] / inside[key]:.2f} |")
+    print("\nmodel s: the model's own time (vision tower, selection, prefill, decode: each batch's stopwatches), "
+          "without the image processor, the prompts and Python around them.")
+    return runs["d"].rate / a.rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,10 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="fewer questions (a check of the script, ~2 minutes)")
     p.add_argument("--workdir", type=Path, default=None, help="checkpoint, stand-ins and lmms-eval output (default: "
                                                                  "a temporary directory)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every path, lmms-eval's processes included (default 1: on a shared machine "
+                        "two threads wait on each other's barriers whenever another job holds a core)")
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # lmms-eval's processes inherit it
     import torch
     from transformers import AutoConfig
+
+    torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory(prefix="promprune-throughput-") as tmp:
         work = args.workdir or Path(tmp)
@@ -306,19 +356,15 @@ def main(argv: list[str] | None = None) -> int:
         hf_home = build_data(work / "hf", args.smoke)
         small, full = cost_ratios(checkpoint)
         print(f"# throughput: LLaVA-1.5-7B shape, {VISION_LAYERS}/24 CLIP and {TEXT_LAYERS}/32 LLM layers, widths / "
-              f"{WIDTH_DIVISOR}, {DTYPE}, random weights; {torch.get_num_threads()} CPU threads")
+              f"{WIDTH_DIVISOR}, {DTYPE}, random weights; {torch.get_num_threads()} torch thread(s) per path")
         print(f"vision tower / LLM prefill FLOPs of an unpruned sample: {small:.3f} here, {full:.3f} on the 7B")
         config = AutoConfig.from_pretrained(checkpoint)
         ratios = []
         for task in TASKS:
             limit = task.limit(args.smoke)
-            a = Run(samples=limit * len(CONFIGS))
-            for label, method, budget in CONFIGS:
-                a.answer_s[label] = lmms_eval_run(checkpoint, task, limit, method, budget, hf_home,
-                                                  work / f"lmms-{task.name}-{label}")
-            ours, rows = our_runs(checkpoint, task, limit, hf_home)
+            runs, rows, blocks = run_task(checkpoint, task, limit, hf_home, work)
             keys = {(r.task, r.doc_id): r.image_key for r in rows}
-            ratios.append(report(task, limit, a, ours, config, keys, head_tokens(checkpoint, rows[0].prompt)))
+            ratios.append(report(task, limit, runs, config, keys, head_tokens(checkpoint, rows[0].prompt), blocks))
     print(json.dumps({t.label: round(r, 2) for t, r in zip(TASKS, ratios)}))
     print(f"throughput vs one lmms-eval run per configuration: {ratios[0]:.1f}x {TASKS[0].label}, "
           f"{ratios[1]:.1f}x {TASKS[1].label}")

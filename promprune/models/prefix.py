@@ -12,7 +12,9 @@ to the batch's longest, the suffixes left-padded to theirs, and the attention ma
 the tokens from the mask (cumsum), so every real token keeps the position it has in the unpadded prompt; Qwen's 3D
 M-RoPE positions (computed on the whole prompt as without the cache) are moved with their columns. The prefixes
 missing from the cache are prefilled together, left-padded, in one forward of the language model (with the image
-features; Qwen3-VL's DeepStack rows enter there), and stored unpadded per image.
+features; Qwen3-VL's DeepStack rows enter there), and stored unpadded per image until its last question is answered
+(``ImageCache.release``). Memory: the stored prefixes of a batch's images beside the batch's own cache, which holds
+what the unshared path's does; a batch of images asked once each, none cached, runs the unshared way.
 
 The greedy answers are those of the unshared path up to floating-point rounding: the prefix's keys and values are
 the same function of the same tokens and positions, computed in another batch shape (tests/models: the same tokens on
@@ -76,8 +78,12 @@ def inputs(vlm, prep, cache) -> dict | None:
     """``generate`` kwargs that continue each row of ``prep`` from its image's cached prefix (prefilling the missing
     ones into ``cache.prefixes``): ``input_ids`` / ``attention_mask`` laid out ``[pad][prefix][pad][suffix]``,
     ``past_key_values`` holding the prefixes, and the moved ``position_ids`` where the adapter gives them. None
-    when a row cannot be split (:func:`split`): then the batch runs without the prefix cache."""
+    when a row cannot be split (:func:`split`), or when every row is about another image and none is cached (one
+    question per image, as VizWiz or ScienceQA: a stored prefix would only double the batch's KV memory): then the
+    batch runs without the prefix cache."""
     kwargs = prep.model_kwargs
+    if len(set(prep.keys)) == len(prep.keys) and not any(k in cache.prefixes for k in prep.keys):
+        return None  # every image asked once here and none cached: a prefix would be prefilled for nothing
     ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
     parts = split(ids, mask, visual_ids(vlm.model.config))
     if parts is None:

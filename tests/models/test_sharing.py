@@ -213,3 +213,17 @@ def test_a_prompt_without_a_suffix_falls_back(rows):
     assert prefix.split(ids, mask, torch.tensor([9])) is None
     parts = prefix.split(ids[1:], mask[1:], torch.tensor([9]))
     assert parts.prefix[0].tolist() == [1, 2] and parts.suffix[0].tolist() == [3]
+
+
+def test_images_asked_once_each_are_not_prefilled_apart(rows):
+    """A batch whose images are each asked once, none cached, runs the unshared way (nothing to reuse); once an
+    image's prefix is cached, a batch asking it again continues it."""
+    from promprune.models import prefix
+
+    vlm = vlm_for("llava", "promprune", 8)
+    cache = ImageCache()
+    once = vlm.prepare(rows[1:3], PROMPTS[1:3], keys=["a", "b"], cache=cache)
+    assert prefix.inputs(vlm, once, cache) is None and not cache.prefixes
+    twice = vlm.prepare(rows[:2], PROMPTS[:2], keys=["a", "a"], cache=cache)
+    assert prefix.inputs(vlm, twice, cache) is not None and list(cache.prefixes) == ["a"]
+    assert prefix.inputs(vlm, once, cache) is not None  # "a" is cached now: the batch continues it
