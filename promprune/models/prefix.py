@@ -153,6 +153,15 @@ def _prefill(vlm, prep, parts: Split, rows: list[int], cache) -> None:
         cache.prefixes.setdefault(prep.keys[b], []).append(Prefix(ids=ids, layers=layers))
 
 
+def _rows_of(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-row ``[1, H, P_b, D]`` -> ``[B, H, width, D]``, each row right-aligned (zeros before: masked padding)."""
+    first = tensors[0]
+    out = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+    for b, t in enumerate(tensors):
+        out[b, :, width - t.shape[2]:] = t[0]
+    return out
+
+
 def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> dict:
     """The batch's ``generate`` kwargs on top of its rows' cached prefixes (see the module docstring)."""
     from transformers import DynamicCache
@@ -160,15 +169,13 @@ def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> di
     B = len(prefixes)
     width = max(p.length for p in prefixes)
     cache = DynamicCache(config=vlm.model.config)
+    one = all(p is prefixes[0] for p in prefixes)  # one image's questions (POPE, GQA): views, no copy before update
     for layer in range(len(prefixes[0].layers)):
-        k0, v0 = prefixes[0].layers[layer]
-        keys = k0.new_zeros((B, k0.shape[1], width, k0.shape[3]))
-        values = v0.new_zeros((B, v0.shape[1], width, v0.shape[3]))
-        for b, p in enumerate(prefixes):
-            k, v = p.layers[layer]
-            keys[b, :, width - p.length:] = k[0]
-            values[b, :, width - p.length:] = v[0]
-        cache.update(keys, values, layer)
+        if one:
+            keys, values = (t.expand(B, -1, -1, -1) for t in prefixes[0].layers[layer])
+        else:
+            keys, values = (_rows_of([p.layers[layer][i] for p in prefixes], width) for i in (0, 1))
+        cache.update(keys, values, layer)  # the cache copies them into its own tensors
     pre_cols, pre_real = _left_padded(parts.prefix, -1)
     suf_cols, suf_real = _left_padded(parts.suffix, -1)
     cols, real = torch.cat([pre_cols, suf_cols], dim=1), torch.cat([pre_real, suf_real], dim=1)
