@@ -185,8 +185,8 @@ def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_h
     """Wall and CPU seconds of one ``lmms-eval`` process answering ``limit`` documents of ``task``."""
     from promprune.eval.standins import standin_env
 
-    if method is None:
-        model, model_args = "llava_hf", f"pretrained={checkpoint},device=cpu,dtype={DTYPE}"
+    if method is None:  # llava_hf's default device_map "" is refused by transformers 5: name the device
+        model, model_args = "llava_hf", f"pretrained={checkpoint},device=cpu,device_map=cpu,dtype={DTYPE}"
     else:
         model = "promprune"
         model_args = f"pretrained={checkpoint},device=cpu,dtype={DTYPE},method={method},budget={budget}"
@@ -197,10 +197,21 @@ def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_h
     env = {**os.environ, **standin_env(hf_home), "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
     with Clock() as clock:
         run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        hint = ("\nlmms-eval's llava_hf imports decord: pip install decord" if "decord" in run.stderr else "")
-        raise RuntimeError(f"lmms-eval {model} on {task.name} failed:\n{run.stderr[-3000:]}{hint}")
+    log = run.stdout + run.stderr
+    if run.returncode != 0 or "in generating" in log or answered(out, task.name) != limit:
+        # lmms-eval logs a failed generation and goes on, and may exit 0 after a model that failed to load
+        hint = ("\nlmms-eval's llava_hf imports decord: pip install decord" if "decord" in log else "")
+        raise RuntimeError(f"lmms-eval {model} on {task.name} did not answer {limit} questions (exit "
+                           f"{run.returncode}):\n{log[-3000:]}{hint}")
     return clock
+
+
+def answered(out: Path, task: str) -> int:
+    """Questions of ``task`` an lmms-eval run wrote results for (0: none)."""
+    found = sorted(out.glob("*/*_results.json"))
+    if not found:
+        return 0
+    return int(json.loads(found[-1].read_text()).get("n-samples", {}).get(task, {}).get("effective", 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
