@@ -1,6 +1,6 @@
 """Samples per second of an accuracy sweep against one lmms-eval run per configuration: vision once, prefix once.
 
-    python benchmarks/throughput.py            # about 8 minutes of CPU on a 2-core machine, one torch thread
+    python benchmarks/throughput.py            # about 6 minutes of CPU on a 2-core machine, one torch thread
     python benchmarks/throughput.py --smoke    # a quick check of the script (fewer questions), about 3 minutes
 
 One checkpoint, saved to a directory so that lmms-eval's own ``llava_hf`` model loads it: LLaVA-1.5-7B's architecture
