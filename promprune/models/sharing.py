@@ -55,11 +55,11 @@ class ImageCache:
         return len(self.images)
 
 
-def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache):
+def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache) -> dict:
     """:meth:`PrunedVLM.prepare` with each distinct key's image encoded and selected once (those in ``cache`` not
-    at all); returns a ``Prepared`` whose model kwargs equal the unshared path's."""
+    at all). Returns the fields of a ``Prepared`` whose model kwargs equal the unshared path's (``PrunedVLM`` builds
+    it, so this module never imports ``vlm``)."""
     from .options import is_in_llm
-    from .vlm import Prepared
 
     if len(keys) != len(prompts) or len(images) != len(prompts):
         raise ValueError(f"keys, images and prompts must have one entry per row: {len(keys)} keys, {len(images)} "
@@ -83,8 +83,8 @@ def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache):
         batch = vlm.inputs(images, prompts)
     fed = [s.fed for s in shared]
     kwargs = vlm._llm_inputs(batch, fed, pruned=vlm.method is not None and not is_in_llm(vlm.method))
-    return Prepared(model_kwargs=kwargs, stats=[dict(f.stats) for f in fed], items=[s.item for s in shared],
-                    vision_ms=vision_ms, select_ms=select_ms, fed=fed, keys=list(keys))
+    return dict(model_kwargs=kwargs, stats=[dict(f.stats) for f in fed], items=[s.item for s in shared],
+                vision_ms=vision_ms, select_ms=select_ms, fed=fed, keys=list(keys))
 
 
 def placeholder_id(vlm) -> int:

@@ -175,8 +175,8 @@ class PrunedVLM:
         if keys is not None and self.shares_vision:
             from . import sharing
 
-            return sharing.prepare(self, images, prompts, list(keys), cache if cache is not None
-                                   else sharing.ImageCache())
+            return Prepared(**sharing.prepare(self, images, prompts, list(keys), cache if cache is not None
+                                              else sharing.ImageCache()))
         batch = self.inputs(images, prompts)
         items, candidates, plan, vision_ms, select_ms = self._encode_select(batch, prompts)
         fed = self._fed(items, candidates, plan)
