@@ -8,6 +8,8 @@ config: hidden 4096, 32 layers, intermediate 11008, 32 heads):
   With the Vicuna-7B config and 62 text tokens this gives 42.6 TFLOPs with 2880 visual tokens and 5.02 T with 320
   (the paper says "about 60" text tokens; 62 is the count that hits both published numbers after rounding).
   Embedding lookup, norms, softmax, rotary embeddings and the LM head are not counted.
+- ``decode_flops`` / ``lm_head_flops`` / ``vision_flops``: the rest of a sample's compute, for whole-sweep costs
+  (``benchmarks/sweep_cost.py``): the generated tokens' forwards, the logits, the vision tower and projector.
 - ``kv_cache_bytes``: K and V of every layer for ``n_tokens`` tokens. Table 6's KV column counts the visual tokens
   only and prints MiB (2**20 bytes) as "MB": 2880 tokens x 2 x 32 layers x 4096 x 2 bytes = 1440.0 MiB, 320 -> 160.0.
 
@@ -87,7 +89,7 @@ def _check_tokens(n_tokens: int) -> int:
     return n_tokens
 
 
-def prefill_flops(text_config: Any, n_tokens: int) -> float:
+def prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> float:
     """FLOPs of one prefill pass over ``n_tokens`` tokens (visual + text), Table 6's convention.
 
     Per layer, with n tokens, hidden d, query width d_q = heads * head_dim, key/value width d_kv, MLP width m:
@@ -96,17 +98,81 @@ def prefill_flops(text_config: Any, n_tokens: int) -> float:
              + 2*n*n*d_q            Q K^T and (softmax) V, full n x n
              + 3*n*d*m              SwiGLU gate, up, down
     FLOPs = 2 * MACs * layers. For a Llama/Vicuna config (d_q = d_kv = d) this is 2L(4nd^2 + 2n^2 d + 3ndm).
+    ``past_tokens``: tokens already in the KV cache (a cached prompt prefix, or the tokens before a decode step):
+    the n new tokens attend to past + n keys, so the attention term is 2*n*(past + n)*d_q (0: Table 6's prefill).
     """
-    n = _check_tokens(n_tokens)
+    return float(layer_prefill_flops(text_config, n_tokens, past_tokens) * text_shape(text_config).num_layers)
+
+
+def layer_prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> float:
+    """:func:`prefill_flops` of one decoder layer (in-LLM pruning runs its layers on different token counts)."""
+    n, past = _check_tokens(n_tokens), _check_tokens(past_tokens)
     s = text_shape(text_config)
     d, d_q, d_kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    macs_per_layer = (
+    macs = (
         n * d * (d_q + 2 * d_kv)  # q, k, v projections
         + n * d_q * d  # output projection
-        + 2 * n * n * d_q  # attention scores and weighted values
+        + 2 * n * (past + n) * d_q  # attention scores and weighted values
         + 3 * n * d * s.intermediate_size  # SwiGLU MLP
     )
-    return float(2 * macs_per_layer * s.num_layers)
+    return float(2 * macs)
+
+
+def decode_flops(text_config: Any, context_tokens: int, new_tokens: int) -> float:
+    """FLOPs of the decoder layers generating ``new_tokens`` after a prefill of ``context_tokens``: the prefill's
+    forward yields the first new token, and each further one is one forward of 1 token over the cache (step t attends
+    to context + t keys), :func:`prefill_flops`' convention. The LM head is :func:`lm_head_flops`."""
+    context, new = _check_tokens(context_tokens), _check_tokens(new_tokens)
+    return float(sum(prefill_flops(text_config, 1, context + t) for t in range(max(new - 1, 0))))
+
+
+def lm_head_flops(text_config: Any, rows: int) -> float:
+    """FLOPs of ``rows`` rows of logits (2 * d * vocab each; ``generate`` computes one row per forward)."""
+    rows = _check_tokens(rows)
+    inner = _field(text_config, "text_config")
+    config = inner if inner is not None else text_config
+    vocab = _field(config, "vocab_size")
+    if vocab is None:
+        raise ValueError("text_config lacks vocab_size")
+    return float(2 * rows * text_shape(config).hidden_size * int(vocab))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the vision tower
+
+# vision towers whose FLOPs are modelled: ViTs with a CLS token (CLIP) or without (SigLIP)
+_VIT_CLS = {"clip_vision_model": True, "siglip_vision_model": False}
+
+
+def vision_flops(config: Any, views: int = 1) -> float:
+    """FLOPs of encoding one image of ``views`` views (LLaVA-NeXT / OneVision: base view + crops) with a LLaVA-family
+    model's vision tower and projector, the prefill convention (2 x MACs, norms / softmax / activations not counted):
+
+        patch embedding   P * (3 * p^2) * dv               P patches of p x p pixels
+        each layer        n*dv*3dv + n*dv*dv + 2*n*n*dv + 2*n*dv*mv     n = P (+1 with a CLS token), MLP width mv
+        projector         P * (dv_in * d + d * d)          LLaVA's two-layer MLP (dv_in: dv x feature layers)
+
+    over every layer of the tower (transformers runs them all, whichever layer the projector reads). ``config``: the
+    VLM's config (``vision_config``, ``text_config``). Other towers (Qwen's windowed ViT, InternViT) are a ValueError.
+    """
+    if isinstance(views, bool) or not isinstance(views, int) or views < 1:
+        raise ValueError(f"views must be a positive int, got {views!r}")
+    vision, text = _field(config, "vision_config"), _field(config, "text_config")
+    kind = _field(vision, "model_type") if vision is not None else None
+    if kind not in _VIT_CLS:
+        raise ValueError(f"vision FLOPs are modelled for the LLaVA family's CLIP / SigLIP towers "
+                         f"({', '.join(_VIT_CLS)}); this config's vision tower is {kind!r}")
+    dv, mv = int(_field(vision, "hidden_size")), int(_field(vision, "intermediate_size"))
+    layers, p = int(_field(vision, "num_hidden_layers")), int(_field(vision, "patch_size"))
+    patches = (int(_field(vision, "image_size")) // p) ** 2
+    n = patches + (1 if _VIT_CLS[kind] else 0)
+    feature_layer = _field(config, "vision_feature_layer")
+    dv_in = dv * (len(feature_layer) if isinstance(feature_layer, (list, tuple)) else 1)
+    d = text_shape(text).hidden_size
+    macs = (patches * 3 * p * p * dv  # patch embedding
+            + layers * (n * dv * 3 * dv + n * dv * dv + 2 * n * n * dv + 2 * n * dv * mv)
+            + patches * (dv_in * d + d * d))  # projector
+    return float(2 * macs * views)
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:

@@ -10,12 +10,15 @@ from transformers import LlamaConfig, LlamaModel
 from promprune.efficiency import (
     MIB,
     Stopwatch,
+    decode_flops,
     dtype_bytes,
     kv_cache_bytes,
+    lm_head_flops,
     measure_ms,
     peak_memory_mb,
     prefill_flops,
     text_shape,
+    vision_flops,
 )
 
 # Vicuna-7B, the text model of LLaVA-NeXT-7B (Table 6)
@@ -119,3 +122,37 @@ def test_stopwatch_and_peak_memory_on_cuda():
         x.fill_(1.0)
     assert sw.ms > 0
     assert peak_memory_mb("cuda") >= 256
+
+
+def test_a_cached_past_adds_only_its_attention_columns():
+    # n new tokens over `past` cached ones: 2L * 2 * n * past * d more than the same n alone
+    n, past, d, L = 30, 580, 4096, 32
+    assert prefill_flops(VICUNA_7B, n, past) - prefill_flops(VICUNA_7B, n) == 2 * L * 2 * n * past * d
+    assert prefill_flops(VICUNA_7B, n, 0) == prefill_flops(VICUNA_7B, n)
+
+
+def test_decode_flops_hand_worked():
+    # N new tokens after a prompt of c: the prefill yields the first, N - 1 one-token forwards follow, step t over
+    # c + t + 1 keys: 2L * sum_t (4d^2 + 3dm + 2(c + t + 1)d)
+    c, N, d, m, L = 600, 4, 4096, 11008, 32
+    expected = 2 * L * sum(4 * d * d + 3 * d * m + 2 * (c + t + 1) * d for t in range(N - 1))
+    assert decode_flops(VICUNA_7B, c, N) == expected
+    assert decode_flops(VICUNA_7B, c, 1) == 0  # the prefill's forward made the only token
+    assert lm_head_flops(VICUNA_7B, 3) == 2 * 3 * d * 32000
+
+
+def test_vision_flops_hand_worked_llava15():
+    """CLIP ViT-L/14 at 336 px (24 layers, 577 tokens with the CLS, width 1024, MLP 4096) and LLaVA-1.5's two-layer
+    projector into 4096: 406 GFLOP per image, a twentieth of the LLM's prefill of 600 tokens."""
+    from promprune.models.shapes import shape_vlm
+
+    config = shape_vlm("llava_1_5_7b", device="meta")[0].config
+    n, dv, mv, layers, d = 577, 1024, 4096, 24, 4096
+    per_layer = n * dv * 3 * dv + n * dv * dv + 2 * n * n * dv + 2 * n * dv * mv
+    macs = 576 * 3 * 14 * 14 * dv + layers * per_layer + 576 * (dv * d + d * d)
+    assert vision_flops(config) == 2 * macs
+    assert round(vision_flops(config) / 1e9) == 406
+    assert vision_flops(config, views=5) == 5 * vision_flops(config)
+    qwen = shape_vlm("qwen2_5_vl_7b", device="meta")[0].config
+    with pytest.raises(ValueError, match="modelled for the LLaVA family's CLIP / SigLIP towers"):
+        vision_flops(qwen)

@@ -56,7 +56,10 @@ def _bootstrap(n: int) -> int:
 
 class Generation(TypedDict, total=False):
     """generate() kwargs a spec may set over each task's own: a typo such as `max_new_token` must fail before any
-    model loads (only max_new_tokens has a rule here; generate() checks the rest)."""
+    model loads (only max_new_tokens has a rule here; generate() checks the rest). Beside them, how an image's
+    questions share work (promprune.eval.generation; never passed to generate()): `vision_once` encodes and selects
+    each image once, `prefix_cache` also prefills its prompt prefix once; both default to true (accuracy sweeps),
+    efficiency trials set both false (Table 6 measures each sample's own latency)."""
 
     __pydantic_config__ = SECTION
     max_new_tokens: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
@@ -66,6 +69,15 @@ class Generation(TypedDict, total=False):
     top_k: Any
     num_beams: Any
     repetition_penalty: Any
+    vision_once: Annotated[bool, Field(strict=True), expect("true or false")]
+    prefix_cache: Annotated[bool, Field(strict=True), expect("true or false")]
+
+
+def _prefix_needs_vision(generation: dict) -> dict:
+    if generation.get("prefix_cache", True) and generation.get("vision_once", True) is False:
+        raise problem("prefix_cache continues each image's shared encoding, so it needs vision_once: with "
+                      "vision_once: false set prefix_cache: false too")
+    return generation
 
 
 GENERATION_KEYS = tuple(Generation.__annotations__)
@@ -221,7 +233,7 @@ class SweepSpec:
                       mapping("a list of mappings like {method: fastv, budget: 64, layer: 2}", list)] = field(
         default_factory=list)
     # generate() kwargs over each task's own; {}: lmms-eval's per task
-    generation: Annotated[Generation, mapping("a mapping of generate() kwargs"),
+    generation: Annotated[Generation, mapping("a mapping of generate() kwargs"), AfterValidator(_prefix_needs_vision),
                           WrapValidator(_as_written)] = field(default_factory=dict)
     resources: Resources = field(default_factory=Resources)
     # images for trials with mu: calibrate

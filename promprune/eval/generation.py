@@ -4,6 +4,13 @@ Both the Ray path (``run_requests`` on ``Request``s) and the lmms-eval plugin (`
 their inputs into ``Item``s and call ``generate_items``. Every item yields exactly one ``Answer``, in input order:
 a batch that raises is retried item by item, so one corrupt image or one failing generation becomes one failed
 answer with its error message, never a crash and never a dropped sample.
+
+Two options share the work of an image's questions (items with one ``key``) where the method allows:
+``vision_once`` preprocesses, encodes and selects each image once (``PrunedVLM.shares_vision``: all but CDPruner, which
+selects per question), ``prefix_cache`` also prefills the prompt up to the end of its visual tokens once
+(``PrunedVLM.shares_prefix``: not the question-dependent methods, the in-LLM ones and CDPruner); see
+``promprune.models.sharing`` and ``promprune.models.prefix``. They are arguments, and an item's generation kwargs may
+set them (a sweep spec's ``generation.vision_once`` / ``generation.prefix_cache``); they never reach ``generate``.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +27,7 @@ from PIL import Image
 
 from promprune.efficiency import peak_memory_mb, reset_peak_memory
 from promprune.models.images import strict_decoding
+from promprune.models.sharing import ImageCache
 from promprune.records import Answer, SampleStats, values
 
 log = logging.getLogger(__name__)
@@ -29,6 +38,8 @@ _SAMPLING_KEYS = ("temperature", "top_p")
 # a task that sets no max_new_tokens (TextVQA, VizWiz) gets what lmms-eval's own HF LLaVA model gives it, not
 # transformers' default of 20 (which would cut long answers)
 DEFAULT_MAX_NEW_TOKENS = 1024
+# generation kwargs that choose how an image's questions share work (see the module docstring), not generate()'s
+SHARING_KEYS = ("vision_once", "prefix_cache")
 
 
 @dataclass
@@ -41,6 +52,7 @@ class Item:
     gen_kwargs: dict = field(default_factory=dict)
     error: str | None = None
     video: Any = None
+    key: str | None = None  # the image's identity (``Request.image_key``): items with one key share their image
 
 
 def decode_image(data: Any, name: str) -> Image.Image:
@@ -106,8 +118,27 @@ def _model_device(vlm) -> torch.device:
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
-def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
-    """Generate one batch (raises on failure); results carry the batch's peak memory."""
+def sharing_options(gen_kwargs: dict, vision_once: bool, prefix_cache: bool) -> tuple[bool, bool]:
+    """``(vision_once, prefix_cache)`` for items with these generation kwargs: their own ``vision_once`` /
+    ``prefix_cache`` where set (None: unset), else the arguments. The prefix cache continues from the shared
+    encodings, so it needs ``vision_once``: asking for it without is a ValueError."""
+    chosen = []
+    for name, default in zip(SHARING_KEYS, (vision_once, prefix_cache)):
+        value = gen_kwargs.get(name)
+        value = default if value is None else value
+        if not isinstance(value, bool):
+            raise ValueError(f"generation kwarg {name} must be true or false, got {value!r}")
+        chosen.append(value)
+    if chosen[1] and not chosen[0]:
+        raise ValueError("prefix_cache continues each image's cached prompt prefix, which needs vision_once: set "
+                         "vision_once true (or prefix_cache false)")
+    return chosen[0], chosen[1]
+
+
+def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,
+               prefix_cache: bool = False, keys: list | None = None) -> list[Answer]:
+    """Generate one batch (raises on failure); results carry the batch's peak memory. ``cache``: the images'
+    shared work (vision once; ``keys`` their keys), ``prefix_cache``: their prefixes too."""
     kwargs, until = generate_kwargs(gen_kwargs)
     device = _model_device(vlm)
     reset_peak_memory(device)
@@ -115,6 +146,9 @@ def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
     with torch.inference_mode():
         if items[0].video is not None:  # generate_items never mixes clips and images in a batch
             generations = vlm.generate_video([it.video for it in items], prompts, **kwargs)
+        elif cache is not None:
+            generations = vlm.generate([it.image for it in items], prompts, keys=keys, cache=cache,
+                                       prefix_cache=prefix_cache, **kwargs)
         else:
             generations = vlm.generate([it.image for it in items], prompts, **kwargs)
     if len(generations) != len(items):
@@ -124,24 +158,39 @@ def _run_batch(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
                    prediction=cut_at_stop(gen.text, until), peak_mem_mb=peak) for gen in generations]
 
 
-def _run_isolated(vlm, items: list[Item], gen_kwargs: dict) -> list[Answer]:
+def _run_isolated(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,
+                  prefix_cache: bool = False, keys: list | None = None) -> list[Answer]:
     """Run a batch; if it fails, run its items one by one so only the failing ones fail."""
     try:
-        return _run_batch(vlm, items, gen_kwargs)
+        return _run_batch(vlm, items, gen_kwargs, cache, prefix_cache, keys)
     except Exception as exc:  # noqa: BLE001 - isolation: the failure is recorded per item below
         if len(items) == 1:
             log.warning("generation failed: %s: %s", type(exc).__name__, exc)
             return [Answer(error=f"{type(exc).__name__}: {exc}")]
         log.warning("batch of %d failed (%s: %s); retrying item by item", len(items), type(exc).__name__, exc)
-        return [result for item in items for result in _run_isolated(vlm, [item], gen_kwargs)]
+        return [result for i, item in enumerate(items)
+                for result in _run_isolated(vlm, [item], gen_kwargs, cache, prefix_cache,
+                                            None if keys is None else [keys[i]])]
 
 
-def generate_items(vlm, items: list[Item], *, batch_size: int = 8) -> list[Answer]:
+def _by_image(indices: list[int], keys: list) -> list[int]:
+    """``indices`` with the questions of one image together (in the order the images first appear, each image's
+    questions in their own order): packed blocks already are; the lmms-eval plugin's task order may not be."""
+    first: dict = {}
+    for i in indices:
+        first.setdefault(keys[i], len(first))
+    return sorted(indices, key=lambda i: first[keys[i]])  # stable
+
+
+def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: bool = False,
+                   prefix_cache: bool = False) -> list[Answer]:
     """One :class:`~promprune.records.Answer` per item, in input order.
 
     Items are batched with others of identical generation kwargs (lmms-eval tasks may differ) and of the same kind
     (image or clip), ``batch_size`` at a time. Items that arrive with an error are not generated; their result
-    carries that error.
+    carries that error. ``vision_once`` / ``prefix_cache`` (an item's generation kwargs may override them:
+    :func:`sharing_options`): image items are batched by their ``key`` (an item without one is an image of its own)
+    and each image's shared work is kept until its last question is answered.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -153,10 +202,24 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8) -> list[Answe
         else:
             kind = json.dumps([item.video is not None, item.gen_kwargs], sort_keys=True, default=str)
             groups.setdefault(kind, []).append(i)
+    keys = [item.key if item.key is not None else ("item", i) for i, item in enumerate(items)]
+    plans = []
     for indices in groups.values():
+        share, prefix = sharing_options(items[indices[0]].gen_kwargs, vision_once, prefix_cache)
+        share = share and items[indices[0]].video is None  # a clip is asked once: nothing to share
+        plans.append((_by_image(indices, keys) if share else indices, share, prefix))
+    cache = ImageCache()
+    left = Counter(keys[i] for indices, share, _ in plans if share for i in indices)  # questions still to answer
+    for indices, share, prefix in plans:
         gen_kwargs = items[indices[0]].gen_kwargs
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
-            for i, result in zip(chunk, _run_isolated(vlm, [items[i] for i in chunk], gen_kwargs)):
+            answers = _run_isolated(vlm, [items[i] for i in chunk], gen_kwargs, cache if share else None, prefix,
+                                    [keys[i] for i in chunk] if share else None)
+            for i, result in zip(chunk, answers):
                 results[i] = result
+                if share:
+                    left[keys[i]] -= 1
+                    if not left[keys[i]]:
+                        cache.release(keys[i])
     return results  # type: ignore[return-value]

@@ -9,7 +9,9 @@ is a ``ModelManifest`` (or an iterable of them, or a callable returning one). Th
 ``--model_args`` keys: ``pretrained`` (checkpoint path/name or ``tiny:llava`` / ``tiny:llava_next`` /
 ``tiny:qwen2_5_vl``), ``method`` (a registered method; ``none`` for the unpruned model), ``budget``, ``dtype``
 (auto / float16 / bfloat16 / float32), ``device`` (cpu, cuda, cuda:1; default: cuda when available),
-``attn_implementation``, ``batch_size``; any other key is a method option (``mu=0.42,tau=0.02``).
+``attn_implementation``, ``batch_size``, ``vision_once`` / ``prefix_cache`` (true / false, default false: each
+request is answered by itself, as lmms-eval's own models answer it; true shares an image's encoding / prompt prefix
+between its questions, ``promprune.eval.generation``); any other key is a method option (``mu=0.42,tau=0.02``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 
 from promprune.eval.generation import Item, decode_image, generate_items
+from promprune.eval.requests import image_key
 from promprune.dtypes import AUTO, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,16 @@ def _budget(value):
     if isinstance(value, bool) or not number.is_integer() or number < 1:
         raise ValueError(f"model_args budget={value!r} must be a positive integer")
     return int(number)
+
+
+def _flag(name: str, value) -> bool:
+    """A true/false model_arg (lmms-eval's CLI gives strings; its own parser may give bools)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false", "1", "0"):
+        raise ValueError(f"model_args {name}={value!r} must be true or false")
+    return text in ("true", "1")
 
 
 def _video_frames(value) -> int:
@@ -91,9 +104,15 @@ class PromPruneLMM(lmms):
         vlm=None,
         max_batch_size: int | None = None,  # passed by lmms-eval's CLI; unused (no automatic batch sizing)
         video_frames: int | str | None = None,  # frames sampled from each clip of a video task (default 8)
+        vision_once: bool | str = False,  # each image encoded and selected once for all its questions
+        prefix_cache: bool | str = False,  # each image's prompt prefix prefilled once (needs vision_once)
         **method_options,
     ) -> None:
         super().__init__()
+        self.vision_once, self.prefix_cache = _flag("vision_once", vision_once), _flag("prefix_cache", prefix_cache)
+        if self.prefix_cache and not self.vision_once:
+            raise ValueError("model_args prefix_cache=true needs vision_once=true (the prefix continues the shared "
+                             "encoding of each image)")
         if vlm is None:
             if not pretrained:
                 raise ValueError("model_args needs "
@@ -123,12 +142,14 @@ class PromPruneLMM(lmms):
                 raise ValueError(f"{name}: expected exactly one image, the task gives {len(visuals)}")
             if is_video_path(visuals[0]):  # a video task: frames sampled from the file (PrunedVLM.generate_video)
                 return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visuals[0], self.video_frames)))
-            return Item(context, decode_image(visuals[0], name), dict(gen_kwargs))
+            image = decode_image(visuals[0], name)
+            return Item(context, image, dict(gen_kwargs), key=image_key(image) if self.vision_once else None)
         except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
             return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}")
 
     def generate_until(self, requests: list[Instance]) -> list[str]:
-        results = generate_items(self.vlm, [self._item(r) for r in requests], batch_size=self.batch_size)
+        results = generate_items(self.vlm, [self._item(r) for r in requests], batch_size=self.batch_size,
+                                 vision_once=self.vision_once, prefix_cache=self.prefix_cache)
         for request, result in zip(requests, results):
             if result.failed:
                 self.failures.append((request.task_name, request.doc_id, result.error))

@@ -238,8 +238,10 @@ def mme(painter: Painter, n: int) -> list[Table]:
 POPE_CATEGORIES = ("adversarial", "popular", "random")
 
 
-def pope(painter: Painter, n: int) -> list[Table]:
-    """lmms-lab POPE (test): "Is there a X in the image?", a yes and a no per image (POPE reuses each image)."""
+def pope(painter: Painter, n: int, per_image: int = 2) -> list[Table]:
+    """lmms-lab POPE (test): "Is there a X in the image?", a yes and a no per image (POPE reuses each image), or
+    ``per_image`` questions (the real POPE asks 18 of each of its 500 images: 9000): after those two, "Is there a
+    <colour> <shape> in the image?" alternately about what is drawn (yes) and what is not (no)."""
     _, s, img = _f()
     table = Table("lmms-lab-encoder/POPE", "default", "test",
                   {"id": s, "question_id": s, "question": s, "answer": s, "image_source": s, "image": img,
@@ -250,12 +252,25 @@ def pope(painter: Painter, n: int) -> list[Table]:
         image = encode(scene.image, "JPEG", "L" if i % 4 == 3 else "RGB")
         source = f"COCO_val2014_{100000 + i:012d}"
         present, absent = scene.things[0].shape, scene.absent_shape() or "star"
-        for shape, answer in ((present, "yes"), (absent, "no"))[: n - len(table)]:
-            table.add(id=str(len(table)), question_id=str(len(table) + 1),
-                      question=f"Is there a {shape} in the image?", answer=answer, image_source=source, image=image,
-                      category=POPE_CATEGORIES[i % 3])
+        asked = [(f"Is there a {present} in the image?", "yes"), (f"Is there a {absent} in the image?", "no")]
+        asked += _more_pope(scene, per_image - len(asked))
+        for question, answer in asked[: min(per_image, n - len(table))]:
+            table.add(id=str(len(table)), question_id=str(len(table) + 1), question=question, answer=answer,
+                      image_source=source, image=image, category=POPE_CATEGORIES[i % 3])
         i += 1
     return [table]
+
+
+def _more_pope(scene: Scene, n: int) -> list[tuple[str, str]]:
+    """``n`` more POPE questions about ``scene`` (no random draws: the other documents stay as they are), a drawn
+    thing (yes) and one not drawn (no) in turn."""
+    drawn = [(t.color, t.shape) for t in scene.things]
+    absent = [(c, sh) for c in list(COLORS)[:6] for sh in SHAPES if (c, sh) not in drawn]
+    out = []
+    for k in range(max(n, 0)):
+        color, shape = drawn[k // 2 % len(drawn)] if k % 2 == 0 else absent[k // 2 % len(absent)]
+        out.append((f"Is there a {color} {shape} in the image?", "yes" if k % 2 == 0 else "no"))
+    return out
 
 
 def _rotations(options: list[str], answer: int) -> list[tuple[list[str], int]]:
@@ -478,7 +493,7 @@ def mmvet(painter: Painter, n: int) -> list[Table]:
 
 
 # lmms-eval task name -> the stand-in(s) of the hub data it loads
-TASK_BUILDERS: dict[str, Callable[[Painter, int], list[Table]]] = {
+TASK_BUILDERS: dict[str, Callable[..., list[Table]]] = {
     "mme": mme, "pope": pope, "mmbench_en_dev_static": mmbench, "textvqa_val": textvqa,
     "scienceqa_img": scienceqa, "gqa": gqa, "vqav2_val": vqav2, "vizwiz_vqa_val": vizwiz, "mmvet": mmvet,
 }
@@ -544,13 +559,25 @@ def _check_replaceable(hf_home: Path, repos: list[str]) -> dict:
     return built
 
 
-def build_standins(hf_home: Path, tasks=STANDIN_TASKS, docs_per_task: int = 8, seed: int = 0) -> Path:
+# stand-ins whose questions per image can be chosen (build_standins' per_image): POPE (default 2; the real one 18)
+PER_IMAGE_TASKS = ("pope",)
+
+
+def build_standins(hf_home: Path, tasks=STANDIN_TASKS, docs_per_task: int = 8, seed: int = 0,
+                   per_image: dict[str, int] | None = None) -> Path:
     """Write stand-ins of the hub data of ``tasks`` (lmms-eval names) into ``hf_home/datasets``; returns ``hf_home``.
 
     ``docs_per_task`` documents each (MME: rounded up to whole pairs). Deterministic in ``seed``; each dataset draws
     from its own stream, so the documents of a task do not depend on which other tasks are built. Rebuilding
     replaces earlier stand-ins; an existing cache directory that no stand-in build wrote is an error.
+    ``per_image``: questions per image of the tasks in :data:`PER_IMAGE_TASKS` (``{"pope": 18}``: POPE's shape;
+    benchmarks/throughput.py).
     """
+    per_image = dict(per_image or {})
+    bad = {t: k for t, k in per_image.items() if t not in PER_IMAGE_TASKS or isinstance(k, bool)
+           or not isinstance(k, int) or k < 2}
+    if bad:
+        raise ValueError(f"per_image sets questions per image (an int >= 2) of {list(PER_IMAGE_TASKS)}; got {bad}")
     hf_home = Path(hf_home)
     unknown = [t for t in tasks if t not in TASK_BUILDERS]
     if isinstance(tasks, str) or unknown or not tasks:
@@ -560,7 +587,8 @@ def build_standins(hf_home: Path, tasks=STANDIN_TASKS, docs_per_task: int = 8, s
     by_repo: dict[str, list[Table]] = {}
     for task in tasks:
         painter = Painter(np.random.SeedSequence([seed, zlib.crc32(task.encode())]).generate_state(1)[0])
-        for table in TASK_BUILDERS[task](painter, docs_per_task):
+        extra = {"per_image": per_image[task]} if task in per_image else {}
+        for table in TASK_BUILDERS[task](painter, docs_per_task, **extra):
             by_repo.setdefault(table.repo, []).append(table)
     built = _check_replaceable(hf_home, list(by_repo))
     cache = hf_home / "datasets"
@@ -570,7 +598,7 @@ def build_standins(hf_home: Path, tasks=STANDIN_TASKS, docs_per_task: int = 8, s
             local = _stage_repo(tables, Path(tmp) / "repos")
             for config in dict.fromkeys(t.config for t in tables):
                 _prepare(local, config, Path(tmp) / "cache", cache / snake_dir(repo))
-    built = {"version": STANDIN_VERSION, "seed": seed, "docs_per_task": docs_per_task,
+    built = {"version": STANDIN_VERSION, "seed": seed, "docs_per_task": docs_per_task, "per_image": per_image,
              "tasks": sorted(set(built.get("tasks", [])) | set(tasks)),
              "datasets": sorted(set(built["datasets"]) | set(by_repo))}
     (hf_home / MARKER).write_text(json.dumps(built, indent=1))

@@ -30,14 +30,30 @@ class Generation(SampleStats):
 
 
 @dataclass
+class Fed:
+    """What the LLM is fed of one image: ``features [M, d]`` at run positions ``run_pos [M]`` of ``item`` (the
+    :class:`~promprune.models.adapters.VisualItem` the adapter's ``encoder_outputs`` reads), and the sample's stats."""
+
+    item: object
+    features: torch.Tensor
+    run_pos: torch.Tensor
+    stats: dict
+
+
+@dataclass
 class Prepared:
-    """A batch ready for the LLM: ``model_kwargs`` for ``generate`` / forward, per-item stats and timings."""
+    """A batch ready for the LLM: ``model_kwargs`` for ``generate`` / forward, per-item stats and timings.
+
+    ``fed`` (per row, images only) and ``keys`` (per row, when the rows' images were shared: ``vision_once``) are
+    what the prefix cache (:mod:`promprune.models.prefix`) needs to prefill each image's prompt prefix once."""
 
     model_kwargs: dict
     stats: list[dict]
     items: list
     vision_ms: float
     select_ms: float
+    fed: list[Fed] | None = None
+    keys: list | None = None
 
 
 def _sync(device) -> None:
@@ -131,17 +147,49 @@ class PrunedVLM:
             batch["pixel_values"] = batch["pixel_values"].to(self.model.dtype)
         return batch
 
+    @property
+    def shares_vision(self) -> bool:
+        """Whether one encoding of an image (and its selection) serves all its questions (vision once): unpruned, an
+        in-LLM method (the LLM gets the whole image; it prunes inside, per question), or a pre-LLM method that is not
+        question dependent (``promprune.method_spec(m).question_dependent``: CDPruner is, it selects per question)."""
+        return self.method is None or is_in_llm(self.method) or not self.spec.question_dependent
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the prompt up to the end of an image's visual tokens is the same for all its questions (prefix
+        once): unpruned, or a method that is not question dependent (the in-LLM methods and CDPruner are)."""
+        return self.method is None or not promprune.method_spec(self.method).question_dependent
+
     @torch.inference_mode()
-    def prepare(self, images, prompts) -> "Prepared":
+    def prepare(self, images, prompts, *, keys=None, cache=None) -> "Prepared":
         """Encode, select and rebuild the LLM inputs of a batch, without running the LLM.
 
         ``Prepared.model_kwargs`` are the kwargs for ``model.generate`` or a plain ``model(...)`` forward:
         ``input_ids`` / ``attention_mask`` with shrunk placeholder runs, ``mm_encoder_outputs`` holding the kept
         features, and for Qwen2.5-VL / Qwen3-VL the gathered 3D ``position_ids``.
+
+        ``keys`` (one per row: the image's identity, e.g. ``Request.image_key``): rows with one key are one image, and
+        when :attr:`shares_vision` it is preprocessed, encoded and selected once (vision once), its results kept in
+        ``cache`` (a :class:`promprune.models.sharing.ImageCache`; None: for this call only) for later calls. The
+        model kwargs are the same as without keys (:mod:`promprune.models.sharing`).
         """
         prompts = list(prompts)
         images = load_images(images, prompts)  # decoded once: the processor and the images' keys read these pixels
+        if keys is not None and self.shares_vision:
+            from . import sharing
+
+            return Prepared(**sharing.prepare(self, images, prompts, list(keys), cache if cache is not None
+                                              else sharing.ImageCache()))
         batch = self.inputs(images, prompts)
+        items, candidates, plan, vision_ms, select_ms = self._encode_select(batch, prompts, images)
+        fed = self._fed(items, candidates, plan)
+        return Prepared(model_kwargs=self._llm_inputs(batch, fed, pruned=plan is not None),
+                        stats=[f.stats for f in fed], items=items, vision_ms=vision_ms, select_ms=select_ms, fed=fed)
+
+    def _encode_select(self, batch, prompts, images):
+        """``(items, candidates, plan, vision ms, selection ms)`` of a processed batch (of decoded ``images``): the
+        adapter's items, what the budget mode selects among, and the selections (None: unpruned or an in-LLM
+        method)."""
         pre_llm = self.method is not None and not is_in_llm(self.method)
         text_source = self._text_source() if pre_llm else None
         with Stopwatch(self.device) as vision:
@@ -153,12 +201,7 @@ class PrunedVLM:
             attach_keys(items, [pixel_key(image) for image in images])  # random draws per image, not per float
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
-        if plan is None:
-            ids, mask, encoded, extra, stats = self._unpruned_inputs(batch, items)
-        else:
-            ids, mask, encoded, extra, stats = self._pruned_inputs(batch, candidates, plan)
-        kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
-        return Prepared(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
+        return items, candidates, plan, vision.ms, selecting.ms
 
     def _text_source(self) -> str | None:
         """Where the instruction's embedding comes from ("clip" / "llm"), for methods that need one, else None."""
@@ -174,10 +217,19 @@ class PrunedVLM:
                               self.method_options)
 
     @torch.inference_mode()
-    def generate(self, images, prompts, **generation_kwargs) -> list[Generation]:
-        """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise."""
+    def generate(self, images, prompts, *, keys=None, cache=None, prefix_cache: bool = False,
+                 **generation_kwargs) -> list[Generation]:
+        """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise.
+
+        ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
+        :attr:`shares_prefix` and one beam): the prompt up to the end of an image's visual tokens is prefilled once
+        and its KV cache reused by every question about that image, here and in later calls with the same ``cache``
+        (:mod:`promprune.models.prefix`); otherwise ignored.
+        """
         _one_sequence(generation_kwargs)
-        return self._generate(self.prepare(images, prompts), generation_kwargs)
+        prep = self.prepare(images, prompts, keys=keys, cache=cache)
+        return self._generate(prep, generation_kwargs, cache=cache if prefix_cache else None,
+                              prefix_cache=prefix_cache)
 
     @torch.inference_mode()
     def prepare_video(self, clips, prompts, fps: float | None = None) -> "Prepared":
@@ -193,16 +245,25 @@ class PrunedVLM:
         _one_sequence(generation_kwargs)
         return self._generate(self.prepare_video(clips, prompts, fps), generation_kwargs)
 
-    def _generate(self, prep: "Prepared", generation_kwargs: dict) -> list[Generation]:
+    def _generate(self, prep: "Prepared", generation_kwargs: dict, cache=None,
+                  prefix_cache: bool = False) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
+        inputs, prefix_ms = prep.model_kwargs, 0.0
+        if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1:
+            from . import prefix, sharing
+
+            with Stopwatch(self.device) as prefilling:
+                cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache())
+            if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
+                inputs, prefix_ms = cached, prefilling.ms
         pruner = self.pruning(prep)
         with _Timer(self.model, self.device) as timer, pruner:
-            out = self.model.generate(**prep.model_kwargs, **kwargs)
+            out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
         stats = [{**s, "text_tokens": n} for s, n in zip(stats, self._text_tokens(prep.model_kwargs))]
-        new = out[:, prep.model_kwargs["input_ids"].shape[1]:]
+        new = out[:, inputs["input_ids"].shape[1]:]
         texts = self.processor.batch_decode(new, skip_special_tokens=True)
-        times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=timer.prefill_ms,
+        times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=prefix_ms + timer.prefill_ms,
                      decode_ms=timer.decode_ms)
         return [Generation(text=t.strip(), **s, **times, token_ids=row.tolist())
                 for t, s, row in zip(texts, stats, new)]
@@ -231,31 +292,38 @@ class PrunedVLM:
         return select_items(items, self.budget, self.method, self.method_options, mode=self.budget_mode,
                             order=self.token_order, view_budget=self.view_budget)
 
-    def _unpruned_inputs(self, batch, items):
-        """``(input_ids, attention_mask, mm_encoder_outputs, extra generate kwargs, per-item stats)``, all kept."""
-        feats = [it.run for it in items]
-        encoded = self.adapter.encoder_outputs(items, feats, [torch.arange(f.shape[0]) for f in feats])
-        stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
-                      kept=sorted(it.grid_index.tolist()), salient=[]) for f, it in zip(feats, items)]
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
-        return ids, mask, encoded, self.adapter.generate_kwargs(batch, ids, mask, col_map), stats
-
-    def _pruned_inputs(self, batch, items, plan):
-        """Like :meth:`_unpruned_inputs` for the kept tokens of ``plan``: placeholder runs shrink to match."""
+    def _fed(self, items, candidates, plan) -> list[Fed]:
+        """What the LLM is fed of every image: all of its run (``plan`` None: unpruned, or an in-LLM method, which
+        prunes later) or the kept candidates of ``plan``."""
+        if plan is None:
+            return [Fed(it, it.run, torch.arange(it.run.shape[0]),
+                        dict(visual_tokens=int(it.run.shape[0]), saliency_count=0, entropy=None,
+                             kept=sorted(it.grid_index.tolist()), salient=[])) for it in items]
         newline = "drop" if self.budget_mode == "packed" else self.image_newline  # packed: newlines were candidates
-        assembled = [it.assemble(p.kept, p.merged, newline=newline, prefix=p.cls) for it, p in zip(items, plan)]
-        feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
-        ids, mask, col_map = shrink_placeholders(batch["input_ids"], batch["attention_mask"],
-                                                 self.model.config.image_token_id, run_pos,
-                                                 self.processor.tokenizer.pad_token_id,
-                                                 keep_order=self.token_order != "raster")
+        fed = []
+        for it, p in zip(candidates, plan):
+            feats, run_pos = it.assemble(p.kept, p.merged, newline=newline, prefix=p.cls)
+            fed.append(Fed(it, feats, run_pos, dict(
+                visual_tokens=int(feats.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
+                kept=[g for g in it.grid_index[p.kept].tolist() if g >= 0],  # newline tokens have no grid index
+                salient=sorted(it.grid_index[p.salient].tolist()))))
+        return fed
+
+    def _llm_inputs(self, batch, fed: list[Fed], pruned: bool) -> dict:
+        """Model kwargs of a processed batch (unpruned placeholders) whose row ``i`` is fed ``fed[i]``: ``input_ids``
+        / ``attention_mask`` (placeholder runs shrunk to the kept tokens when ``pruned``), ``mm_encoder_outputs`` and
+        the adapter's extra generate kwargs."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        run_pos = [f.run_pos for f in fed]
+        if pruned:
+            ids, mask, col_map = shrink_placeholders(ids, mask, self.model.config.image_token_id, run_pos,
+                                                     self.processor.tokenizer.pad_token_id,
+                                                     keep_order=self.token_order != "raster")
+        else:
+            col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
         extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
-        stats = [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
-                      kept=[g for g in it.grid_index[p.kept].tolist() if g >= 0],  # newline tokens have no grid index
-                      salient=sorted(it.grid_index[p.salient].tolist()))
-                 for f, p, it in zip(feats, plan, items)]
-        return ids, mask, self.adapter.encoder_outputs(items, feats, run_pos), extra, stats
+        encoded = self.adapter.encoder_outputs([f.item for f in fed], [f.features for f in fed], run_pos)
+        return dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
 
 
 def _one_sequence(generation_kwargs: dict) -> None:

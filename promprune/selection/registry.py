@@ -185,6 +185,15 @@ class MethodSpec:
     needs_instruction: bool = False  # needs select(..., instruction=Instruction) (CDPruner): one selection per question
     needs_grid: bool = False  # reads select(..., grid=(rows, cols)): the tokens must form one raster grid (downsample)
 
+    @property
+    def question_dependent(self) -> bool:
+        """Whether the tokens the LLM keeps depend on the question: an in-LLM method ranks by the text tokens'
+        attention, a pre-LLM method by the instruction it declares it needs (``needs_instruction``; CDPruner). The
+        rest keep the same tokens of an image whatever it is asked, so ``PrunedVLM`` encodes, selects and prefills
+        an image once for all its questions (``vision_once`` / ``prefix_cache``). A pre-LLM method sees nothing of
+        the question but ``select(..., instruction=)``, so declaring ``needs_instruction`` is declaring this."""
+        return self.stage == IN_LLM or self.needs_instruction
+
     def resolve(self, given: Mapping[str, Any], *, also_valid=(), budget: int | None = None) -> dict[str, Any]:
         """Defaults overlaid with ``given``; an unknown option, a value outside its choices or one the method's
         check refuses is a ValueError. ``also_valid``: other option names the caller accepts (listed in the

@@ -117,3 +117,10 @@ def test_lmms_eval_command_line_runs_the_plugin(tmp_path):
     assert results, "lmms-eval wrote no results:\n" + done.stdout[-2000:] + done.stderr[-3000:]
     assert results[0]["results"]["easyvqa_yesno"]["accuracy,none"] >= 0
     assert results[0]["n-samples"]["easyvqa_yesno"]["effective"] == 3
+
+
+def test_plugin_sharing_flags_are_checked_before_loading():
+    with pytest.raises(ValueError, match="model_args vision_once='maybe' must be true or false"):
+        PromPruneLMM(pretrained="tiny:llava", method="none", vision_once="maybe")
+    with pytest.raises(ValueError, match="prefix_cache=true needs vision_once=true"):
+        PromPruneLMM(pretrained="tiny:llava", method="none", prefix_cache="true")

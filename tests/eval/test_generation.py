@@ -7,8 +7,9 @@ import pytest
 from PIL import Image
 
 from promprune.eval import run_requests
-from promprune.eval.generation import cut_at_stop, decode_image, generate_kwargs
+from promprune.eval.generation import cut_at_stop, decode_image, generate_kwargs, sharing_options
 from promprune.models import PrunedVLM
+from promprune.models.sharing import ImageCache
 from promprune.records import Prediction, Request
 
 
@@ -104,3 +105,93 @@ def test_rows_with_an_error_from_the_driver_are_not_generated(tiny_llava):
     assert out[1].error is None
     with pytest.raises(TypeError, match="item 0 is dict"):
         run_requests(tiny_llava, [{"task": "t", "doc_id": 0}])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vision once / prefix once over the questions of one image
+
+
+def _shared_rows():
+    """Six questions about two images (one image's questions split by the other's), as requests carry them: the
+    PNG and its key."""
+    from promprune.eval.requests import image_key
+
+    pictures = [Image.new("RGB", (24, 24), (255, 0, 0)), Image.new("RGB", (30, 20), (0, 90, 200))]
+    which = [0, 0, 1, 0, 1, 1]
+    return [Request(task="t", doc_id=i, n_docs=6, prompt=f"question {i} about it?", image=_png_of(pictures[w]),
+                    image_key=image_key(pictures[w]), gen_kwargs={"max_new_tokens": 5, "until": ["\n\n"]})
+            for i, w in enumerate(which)]
+
+
+def _png_of(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _answers(preds):
+    return [(p.prediction, p.visual_tokens, p.kept, p.text_tokens, p.error) for p in preds]
+
+
+@pytest.mark.parametrize("method,budget", [(None, None), ("promprune", 8), ("cdpruner", 8)])
+def test_sharing_options_give_the_same_answers(method, budget):
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method=method, budget=budget)
+    rows = _shared_rows()
+    off = run_requests(vlm, rows, batch_size=2, vision_once=False, prefix_cache=False)
+    assert _answers(run_requests(vlm, rows, batch_size=2, vision_once=True, prefix_cache=False)) == _answers(off)
+    assert _answers(run_requests(vlm, rows, batch_size=2)) == _answers(off)  # both on: the default
+
+
+def test_sharing_options_come_from_the_rows_and_never_reach_generate():
+    assert sharing_options({}, True, True) == (True, True)
+    assert sharing_options({"prefix_cache": False, "vision_once": None}, True, True) == (True, False)
+    assert sharing_options({"vision_once": False, "prefix_cache": False}, True, True) == (False, False)
+    with pytest.raises(ValueError, match="prefix_cache continues each image's cached prompt prefix"):
+        sharing_options({"vision_once": False}, True, True)
+    with pytest.raises(ValueError, match="vision_once must be true or false, got 'yes'"):
+        sharing_options({"vision_once": "yes"}, True, True)
+    kwargs, _ = generate_kwargs({"max_new_tokens": 3, "vision_once": True, "prefix_cache": True})
+    assert kwargs == {"max_new_tokens": 3, "do_sample": False}
+
+
+class Recording(ImageCache):
+    """The cache ``generate_items`` keeps, recording what it frees and when (how many items were answered by then)."""
+
+    log: list = []
+
+    def release(self, key):
+        Recording.log.append((key, len(self.images)))
+        super().release(key)
+
+
+def test_an_image_is_encoded_once_and_freed_after_its_last_question(monkeypatch):
+    import promprune.eval.generation as generation
+
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method="promprune", budget=8)
+    calls = []
+    encode = vlm.adapter.encode
+    monkeypatch.setattr(vlm.adapter, "encode", lambda batch, *a, **k: calls.append(len(batch["pixel_values"]))
+                        or encode(batch, *a, **k))
+    monkeypatch.setattr(generation, "ImageCache", Recording)
+    Recording.log = []
+    rows = _shared_rows()
+    # a row's gen_kwargs choose, as a spec's generation does; the batches of 2: [0, 1], [3, 2] (by image), [4, 5]
+    rows = [dataclasses.replace(r, gen_kwargs={**r.gen_kwargs, "prefix_cache": True}) for r in rows]
+    out = run_requests(vlm, rows, batch_size=2, vision_once=True, prefix_cache=False)
+    assert all(p.error is None for p in out)
+    assert calls == [1, 1]  # each image once: the first in the first batch, the second in the second
+    assert [key for key, _ in Recording.log] == [rows[0].image_key, rows[2].image_key]
+    assert Recording.log[0][1] == 2  # the first image is freed after the second batch, with both cached
+
+
+def test_the_plugins_items_are_grouped_by_image():
+    """Items about one image that are not neighbours (lmms-eval's task order) are batched together when shared."""
+    from promprune.eval.generation import Item, generate_items
+
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method="divprune", budget=6)
+    red, blue = Image.new("RGB", (24, 24), (255, 0, 0)), Image.new("RGB", (24, 24), (0, 0, 255))
+    items = [Item(f"q{i}?", img, {"max_new_tokens": 4}, key=k)
+             for i, (img, k) in enumerate([(red, "r"), (blue, "b"), (red, "r"), (blue, "b"), (red, "r")])]
+    alone = generate_items(vlm, items, batch_size=1)
+    shared = generate_items(vlm, items, batch_size=1, vision_once=True, prefix_cache=True)
+    assert [a.prediction for a in shared] == [a.prediction for a in alone]

@@ -325,6 +325,27 @@ def test_builds_are_deterministic_per_seed_and_task(tmp_path):
     assert [r["image"] for r in rows] != [r["image"] for r in _arrow_rows(other, "lmms-lab-encoder___pope")]
 
 
+def test_pope_can_ask_eighteen_questions_per_image_as_the_real_one(tmp_path):
+    """POPE's shape (18 questions of each image, half yes) without changing the default stand-in's documents."""
+    from promprune.eval.standins import build_standins
+
+    plain = _arrow_rows(build_standins(tmp_path / "plain", tasks=["pope"], docs_per_task=4), "lmms-lab-encoder___pope")
+    rows = _arrow_rows(build_standins(tmp_path / "shaped", tasks=["pope"], docs_per_task=36, per_image={"pope": 18}),
+                       "lmms-lab-encoder___pope")
+    by_image = collections.defaultdict(list)
+    for r in rows:
+        by_image[r["image_source"]].append(r)
+    assert [len(v) for v in by_image.values()] == [18, 18]
+    for asked in by_image.values():
+        assert [r["answer"] for r in asked].count("yes") == 9 and len({r["image"]["bytes"] for r in asked}) == 1
+        assert len({r["question"] for r in asked}) > 9 and all(r["question"].startswith("Is there a") for r in asked)
+    first = by_image[rows[0]["image_source"]]
+    assert [(r["question"], r["answer"]) for r in first[:2]] == [(r["question"], r["answer"]) for r in plain[:2]]
+    assert first[0]["image"] == plain[0]["image"]  # the same scene: the extra questions draw nothing
+    with pytest.raises(ValueError, match=r"per_image sets questions per image \(an int >= 2\) of \['pope'\]"):
+        build_standins(tmp_path / "bad", tasks=["gqa"], per_image={"gqa": 30})
+
+
 def test_a_rebuild_replaces_standins_but_never_a_real_cache(tmp_path):
     from promprune.eval.standins import build_standins
 

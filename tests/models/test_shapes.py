@@ -114,3 +114,17 @@ def test_onevision_vision_side_is_transformers_own_default_for_the_7b():
     for key in ("image_grid_pinpoints", "vision_feature_layer", "vision_feature_select_strategy",
                 "vision_aspect_ratio"):
         assert getattr(default, key) == ours[key], key
+
+
+def test_width_divisor_narrows_both_towers_alike():
+    """benchmarks/throughput.py's model: LLaVA-1.5-7B at 1/8 of the depth and 1/4 of the widths, heads as wide."""
+    model, _ = shape_vlm("llava_1_5_7b", device="meta", text_layers=4, vision_layers=3, width_divisor=4)
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.hidden_size, text.intermediate_size, text.num_attention_heads, text.num_hidden_layers) == \
+        (1024, 2752, 8, 4)
+    assert text.hidden_size // text.num_attention_heads == 128  # Vicuna-7B's head width
+    assert (vision.hidden_size, vision.intermediate_size, vision.num_attention_heads, vision.num_hidden_layers) == \
+        (256, 1024, 4, 3)
+    assert model.config.text_config.vocab_size == shape_spec("llava_1_5_7b")["text_config"]["vocab_size"]
+    with pytest.raises(ValueError, match="width_divisor 3 does not divide vision_config.hidden_size = 1024"):
+        shape_vlm("llava_1_5_7b", device="meta", width_divisor=3)

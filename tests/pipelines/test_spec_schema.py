@@ -133,3 +133,15 @@ def test_video_frames_defaults_to_the_bridge_and_refuses_non_positive_counts():
     assert specs.parse({**BASE, "video_frames": 32}).video_frames == 32
     assert problems(video_frames=0) == ["video_frames: expected an int >= 1, got 0"]
     assert problems(video_frames="16") == ["video_frames: expected an int >= 1, got '16'"]
+
+
+def test_sharing_options_are_flags_and_prefix_needs_vision():
+    """generation.vision_once / prefix_cache (promprune.eval.generation): true or false, checked like every field."""
+    assert specs.parse({**BASE, "generation": {"vision_once": False, "prefix_cache": False}}).generation == {
+        "vision_once": False, "prefix_cache": False}
+    assert problems(generation={"prefix_cache": "no"}) == ["generation.prefix_cache: expected true or false, got 'no'"]
+    assert problems(generation={"vision_once": False}) == [
+        "generation: prefix_cache continues each image's shared encoding, so it needs vision_once: with vision_once: "
+        "false set prefix_cache: false too"]
+    (error,) = problems(generation={"prefix_cach": True})
+    assert error.startswith("generation.prefix_cach: unknown field (did you mean 'prefix_cache'?)")

@@ -11,7 +11,10 @@ checkpoints wherever those cannot be downloaded
 prompt has more text tokens than under the real tokenizer; the vocabulary size, and so the embedding and LM-head shapes,
 stay the published ones.
 
-``text_layers`` / ``vision_layers`` shorten the stacks at full width (tests build one or two layers on CPU).
+``text_layers`` / ``vision_layers`` shorten the stacks at full width (tests build one or two layers on CPU);
+``width_divisor`` narrows both towers by one factor (hidden and MLP widths, attention heads; the head width stays),
+so that a CPU can run a LLaVA-1.5 whose towers are shrunk alike (benchmarks/throughput.py: 1/8 of the layers and
+1/4 of the widths, the vision-to-LLM cost ratio near the 7B's).
 """
 from __future__ import annotations
 
@@ -170,14 +173,35 @@ def _builder(spec: dict):
     return _BUILDERS.get(spec["model_type"], _llava)
 
 
+# the width fields of each tower's config that ``width_divisor`` divides (head_dim, where given, stays)
+_WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "projection_dim",
+           "out_hidden_size", "num_heads")
+
+
+def narrowed(spec: dict, divisor: int) -> dict:
+    """``spec`` with both towers' widths divided by ``divisor`` (each must divide evenly: heads stay whole)."""
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"width_divisor must be a positive int, got {divisor!r}")
+    out = dict(spec)
+    for tower in ("vision_config", "text_config"):
+        section = dict(spec[tower])
+        for key in _WIDTHS:
+            if key in section:
+                if section[key] % divisor:
+                    raise ValueError(f"width_divisor {divisor} does not divide {tower}.{key} = {section[key]}")
+                section[key] //= divisor
+        out[tower] = section
+    return out
+
+
 def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int | None = None,
-              vision_layers: int | None = None):
+              vision_layers: int | None = None, width_divisor: int = 1):
     """``(model, processor)``: ``name``'s published architecture with seeded random weights on ``device``.
 
     The weights are created directly on ``device`` in ``dtype`` (a 7B model in fp16 needs ~14 GB there);
     ``device="meta"`` builds the module tree without memory (shapes, configs, placeholder counts).
     """
-    spec = shape_spec(name)
+    spec = narrowed(shape_spec(name), width_divisor)
     model_cls, config, processor = _builder(spec)(spec, text_layers, vision_layers)
     torch.manual_seed(SEED)
     if isinstance(dtype, str):

@@ -1,0 +1,183 @@
+"""Prefix once: the KV cache of an image's prompt prefix, prefilled once and shared by every question about it.
+
+Every chat template we support puts the image before the question, so the prompts of one image's questions share
+their beginning up to the end of its visual tokens (LLaVA-1.5: ``USER: `` and the kept visual tokens, 70-95% of the
+prompt). When the kept tokens do not depend on the question (``PrunedVLM.shares_prefix``), that *prefix* is
+prefilled once per image, its KV cache kept in the :class:`~promprune.models.sharing.ImageCache`, and each batch
+of questions prefills only its *suffixes* (the question and the template's tail) on top of it, then decodes.
+
+Layout of a batch. Rows have prefixes of different lengths (images of different sizes) and suffixes of different
+lengths (questions), so a row is laid out as ``[pad][prefix][pad][suffix]``: the prefix KV caches are left-padded
+to the batch's longest, the suffixes left-padded to theirs, and the attention mask covers both; ``generate`` numbers
+the tokens from the mask (cumsum), so every real token keeps the position it has in the unpadded prompt; Qwen's 3D
+M-RoPE positions (computed on the whole prompt as without the cache) are moved with their columns. The prefixes
+missing from the cache are prefilled together, left-padded, in one forward of the language model (with the image
+features; Qwen3-VL's DeepStack rows enter there), and stored unpadded per image until its last question is answered
+(``ImageCache.release``). Memory: the stored prefixes of a batch's images beside the batch's own cache, which holds
+what the unshared path's does; a batch of images asked once each, none cached, runs the unshared way.
+
+The greedy answers are those of the unshared path up to floating-point rounding: the prefix's keys and values are
+the same function of the same tokens and positions, computed in another batch shape (tests/models: the same tokens on
+the tiny fp32 models; half precision: benchmarks/RESULTS.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Prefix:
+    """One image's prefilled prompt prefix: ``ids [P]`` its tokens and ``layers`` the per-layer ``(keys, values)``,
+    each ``[1, H, P, D]``."""
+
+    ids: torch.Tensor
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class Split:
+    """Where each row's prompt divides: ``prefix[b]`` / ``suffix[b]`` the row's columns before and after the end of
+    its visual tokens (padding excluded)."""
+
+    prefix: list[torch.Tensor]
+    suffix: list[torch.Tensor]
+
+
+def visual_ids(config) -> torch.Tensor:
+    """The placeholder token ids the LLM's visual tokens sit at (images and videos)."""
+    ids = {getattr(config, name, None)
+           for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index")}
+    return torch.tensor(sorted(i for i in ids if i is not None))
+
+
+def split(ids: torch.Tensor, mask: torch.Tensor, visual: torch.Tensor) -> Split | None:
+    """``ids / mask [B, L]`` -> each row's prefix (through its last visual token) and suffix columns; None when a
+    row has no visual token or nothing after it (no suffix to prefill)."""
+    is_visual = torch.isin(ids, visual.to(ids.device))
+    prefix, suffix = [], []
+    for b in range(ids.shape[0]):
+        real = mask[b].nonzero().flatten()
+        cols = is_visual[b].nonzero().flatten()
+        if cols.numel() == 0:
+            return None
+        end = int(cols[-1]) + 1
+        prefix.append(real[real < end])
+        suffix.append(real[real >= end])
+        if suffix[-1].numel() == 0:
+            return None
+    return Split(prefix, suffix)
+
+
+def inputs(vlm, prep, cache) -> dict | None:
+    """``generate`` kwargs that continue each row of ``prep`` from its image's cached prefix (prefilling the missing
+    ones into ``cache.prefixes``): ``input_ids`` / ``attention_mask`` laid out ``[pad][prefix][pad][suffix]``,
+    ``past_key_values`` holding the prefixes, and the moved ``position_ids`` where the adapter gives them. None
+    when a row cannot be split (:func:`split`), or when every row is about another image and none is cached (one
+    question per image, as VizWiz or ScienceQA: a stored prefix would only double the batch's KV memory): then the
+    batch runs without the prefix cache."""
+    kwargs = prep.model_kwargs
+    if len(set(prep.keys)) == len(prep.keys) and not any(k in cache.prefixes for k in prep.keys):
+        return None  # every image asked once here and none cached: a prefix would be prefilled for nothing
+    ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+    parts = split(ids, mask, visual_ids(vlm.model.config))
+    if parts is None:
+        return None
+    rows = [_find(cache, key, ids[b, parts.prefix[b]]) for b, key in enumerate(prep.keys)]
+    missing = {}  # the first row of every prefix not yet cached
+    for b, (key, found) in enumerate(zip(prep.keys, rows)):
+        if found is None and not any(k == key and torch.equal(ids[r, parts.prefix[r]], ids[b, parts.prefix[b]])
+                                     for r, k in missing.items()):
+            missing[b] = key
+    if missing:
+        _prefill(vlm, prep, parts, list(missing), cache)
+        rows = [_find(cache, key, ids[b, parts.prefix[b]]) for b, key in enumerate(prep.keys)]
+    return _continuation(vlm, kwargs, parts, rows)
+
+
+def _find(cache, key, ids: torch.Tensor) -> Prefix | None:
+    """The cached prefix of image ``key`` whose tokens are ``ids`` (an image's questions share it)."""
+    for prefix in cache.prefixes.get(key, ()):
+        if prefix.length == ids.shape[0] and torch.equal(prefix.ids, ids):
+            return prefix
+    return None
+
+
+def _left_padded(rows: list[torch.Tensor], fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column index lists ``B x [n_b]`` -> ``(cols [B, max n], real [B, max n])``, right-aligned; ``fill`` in the
+    padding."""
+    width = max(r.numel() for r in rows)
+    cols = torch.full((len(rows), width), fill, dtype=torch.long, device=rows[0].device)
+    for b, r in enumerate(rows):
+        cols[b, width - r.numel():] = r
+    return cols, cols >= 0
+
+
+def _gather(kwargs: dict, cols: torch.Tensor, real: torch.Tensor, pad_id: int) -> dict:
+    """``input_ids`` / ``attention_mask`` (and ``position_ids`` when given) at columns ``cols [B, L']`` of the
+    prepared rows; padding where ``real`` is False (pad token, mask 0, position 0)."""
+    src = cols.clamp_min(0)
+    out = {"input_ids": kwargs["input_ids"].gather(1, src).masked_fill(~real, pad_id),
+           "attention_mask": real.to(kwargs["attention_mask"].dtype)}
+    if kwargs.get("position_ids") is not None:
+        pos = kwargs["position_ids"]  # [K, B, L] (Qwen: text row + 3D M-RoPE rows)
+        index = src.to(pos.device)[None].expand(pos.shape[0], -1, -1)
+        out["position_ids"] = pos.gather(2, index).masked_fill(~real.to(pos.device)[None], 0)
+    return out
+
+
+@torch.inference_mode()
+def _prefill(vlm, prep, parts: Split, rows: list[int], cache) -> None:
+    """Prefill the prefixes of ``rows`` (one per image) in one left-padded forward of the language model with their
+    image features, and store each unpadded in ``cache.prefixes``."""
+    pad_id = vlm.processor.tokenizer.pad_token_id
+    cols, real = _left_padded([parts.prefix[b] for b in rows], -1)
+    sub = {k: v[rows] for k, v in prep.model_kwargs.items() if k in ("input_ids", "attention_mask")}
+    if prep.model_kwargs.get("position_ids") is not None:
+        sub["position_ids"] = prep.model_kwargs["position_ids"][:, rows]
+    inputs = _gather(sub, cols, real, pad_id)
+    fed = [prep.fed[b] for b in rows]
+    encoded = vlm.adapter.encoder_outputs([f.item for f in fed], [f.features for f in fed], [f.run_pos for f in fed])
+    out = vlm.model.model(**inputs, mm_encoder_outputs=encoded, use_cache=True)
+    width = cols.shape[1]
+    for i, b in enumerate(rows):
+        n = parts.prefix[b].numel()
+        layers = [(layer.keys[i:i + 1, :, width - n:].clone(), layer.values[i:i + 1, :, width - n:].clone())
+                  for layer in out.past_key_values.layers]
+        ids = prep.model_kwargs["input_ids"][b, parts.prefix[b]]
+        cache.prefixes.setdefault(prep.keys[b], []).append(Prefix(ids=ids, layers=layers))
+
+
+def _rows_of(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-row ``[1, H, P_b, D]`` -> ``[B, H, width, D]``, each row right-aligned (zeros before: masked padding)."""
+    first = tensors[0]
+    out = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+    for b, t in enumerate(tensors):
+        out[b, :, width - t.shape[2]:] = t[0]
+    return out
+
+
+def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> dict:
+    """The batch's ``generate`` kwargs on top of its rows' cached prefixes (see the module docstring)."""
+    from transformers import DynamicCache
+
+    B = len(prefixes)
+    width = max(p.length for p in prefixes)
+    cache = DynamicCache(config=vlm.model.config)
+    one = all(p is prefixes[0] for p in prefixes)  # one image's questions (POPE, GQA): views, no copy before update
+    for layer in range(len(prefixes[0].layers)):
+        if one:
+            keys, values = (t.expand(B, -1, -1, -1) for t in prefixes[0].layers[layer])
+        else:
+            keys, values = (_rows_of([p.layers[layer][i] for p in prefixes], width) for i in (0, 1))
+        cache.update(keys, values, layer)  # the cache copies them into its own tensors
+    pre_cols, pre_real = _left_padded(parts.prefix, -1)
+    suf_cols, suf_real = _left_padded(parts.suffix, -1)
+    cols, real = torch.cat([pre_cols, suf_cols], dim=1), torch.cat([pre_real, suf_real], dim=1)
+    out = _gather(kwargs, cols, real, vlm.processor.tokenizer.pad_token_id)
+    return {**out, "past_key_values": cache}

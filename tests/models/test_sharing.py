@@ -1,0 +1,229 @@
+"""Vision once and prefix once: an image asked several questions is encoded, selected and prefilled once.
+
+References: the unshared path of the same model (today's: every row preprocessed, encoded and prefilled by itself),
+the processor's own output for every row, a count of the vision tower's calls, and a plain forward of the whole
+prompt for the logits the cached prefix continues.
+"""
+import pytest
+import torch
+
+import promprune
+from promprune.models import PrunedVLM
+from promprune.models.options import all_methods
+from promprune.models.sharing import ImageCache
+from tests.models.conftest import ARCHS, make_image
+
+# rows about two images, the first asked three questions (not all neighbours), the second two
+KEYS = ["a", "a", "b", "a", "b"]
+PROMPTS = ["What is it?", "Colour of the big thing here?", "Count?", "Is there a dog in the image?", "Where?"]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def rows():
+    pictures = {"a": make_image(40, 56, 0), "b": make_image(64, 30, 1)}
+    return [pictures[k] for k in KEYS]
+
+
+def vlm_for(arch, method=None, budget=None, **options):
+    return PrunedVLM.from_pretrained(f"tiny:{arch}", method=method, budget=budget, **options)
+
+
+class TowerCalls:
+    """Counts the images the vision tower encodes (``get_image_features`` calls and their pixel batches)."""
+
+    def __init__(self, vlm):
+        self.calls, self.vlm = [], vlm
+        self.original = vlm.model.model.get_image_features
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.calls.append(1)
+            return self.original(*args, **kwargs)
+
+        self.vlm.model.model.get_image_features = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.vlm.model.model.get_image_features  # the class's method again
+
+
+def tokens(generations):
+    return [g.token_ids for g in generations]
+
+
+def same_stats(mine: list[dict], theirs: list[dict]) -> bool:
+    """Equal stats, the entropy to float32 rounding: a batched eigensolve's last bits depend on the batch it solves
+    (5 rows there, 2 distinct images here), as they do between two batches of the unshared path."""
+    for a, b in zip(mine, theirs):
+        a, b = dict(a), dict(b)
+        ea, eb = a.pop("entropy"), b.pop("entropy")
+        if a != b or (ea is None) != (eb is None) or ea is not None and abs(ea - eb) > 1e-5 * max(1.0, abs(ea)):
+            return False
+    return len(mine) == len(theirs)
+
+
+# (method, budget, options): unpruned, a saliency + coverage method, a merging one reading the tower's features,
+# a pooling one reading the grid, and LLaVA-NeXT's released view layouts (view quota + newlines, packed)
+CASES = [(None, None, {}), ("promprune", 8, {"token_order": "released"}), ("visionzip", 8, {}),
+         ("downsample", 8, {})]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method,budget,options", CASES)
+def test_vision_once_is_bitwise_the_unshared_path(arch, method, budget, options, rows):
+    if method == "visionzip" and arch not in ("llava", "llava_next"):
+        options = {}  # VisionZip on the projected tokens (no tower features elsewhere): still a merging method
+    vlm = vlm_for(arch, method, budget, **options)
+    reference = vlm.prepare(rows, PROMPTS)
+    with TowerCalls(vlm) as tower:
+        shared = vlm.prepare(rows, PROMPTS, keys=KEYS)
+    assert len(tower.calls) == 1  # one call, on the two distinct images
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        if key in reference.model_kwargs:
+            assert torch.equal(reference.model_kwargs[key], shared.model_kwargs[key]), key
+    for mine, theirs in zip(reference.fed, shared.fed):
+        assert torch.equal(mine.run_pos, theirs.run_pos)
+        if promprune.method_spec(method).merges if method else False:
+            # merged tokens are computed in the selection's batch (2 distinct images here, 5 rows there)
+            torch.testing.assert_close(mine.features, theirs.features, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(mine.features, theirs.features)  # the tower's own outputs, bit for bit
+    assert same_stats(reference.stats, shared.stats)
+    assert tokens(vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS)) == \
+        tokens(vlm.generate(rows, PROMPTS, keys=KEYS, max_new_tokens=NEW_TOKENS))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_are_the_processors_own(arch, rows):
+    """The rows spliced from each image's placeholder segment equal the processor's output for every row."""
+    from promprune.models import sharing
+
+    vlm = vlm_for(arch)
+    cache = ImageCache()
+    vlm.prepare(rows, PROMPTS, keys=KEYS, cache=cache)
+    assert all(s.segment is not None for s in cache.images.values())  # the splice fits every template
+    spliced = sharing._rows(vlm, PROMPTS, [cache.images[k] for k in KEYS])
+    processed = vlm.inputs(rows, PROMPTS)
+    for key, value in spliced.items():
+        assert torch.equal(value, processed[key]), key
+    assert {k for k in processed if not k.startswith("pixel_values")} <= set(spliced) | {"batch_num_images"}
+
+
+@pytest.mark.parametrize("method,budget,options", [("vispruner", 10, {"budget_mode": "released"}),
+                                                   ("divprune", 10, {"budget_mode": "released"}),
+                                                   ("promprune", 12, {"budget_mode": "adaptive_views"})])
+def test_llava_next_views_and_newlines(method, budget, options, rows):
+    """LLaVA-NeXT's views (view quota on the full grids, every newline kept; the packed sequence; shares by entropy)
+    keep their layout through both options."""
+    vlm = vlm_for("llava_next", method, budget, **options)
+    reference = vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS)
+    shared = vlm.generate(rows, PROMPTS, keys=KEYS, cache=ImageCache(), prefix_cache=True, max_new_tokens=NEW_TOKENS)
+    assert tokens(reference) == tokens(shared)
+    assert [(g.kept, g.visual_tokens, g.salient, g.saliency_count) for g in reference] == \
+        [(g.kept, g.visual_tokens, g.salient, g.saliency_count) for g in shared]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method,budget", [(None, None), ("promprune", 8), ("divprune", 6)])
+def test_prefix_once_gives_the_same_greedy_answers(arch, method, budget, rows):
+    """Two calls sharing one cache (the second reuses both images' prefixes): the answers of the unshared path."""
+    vlm = vlm_for(arch, method, budget)
+    reference = vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS)
+    cache = ImageCache()
+    first = vlm.generate(rows[:3], PROMPTS[:3], keys=KEYS[:3], cache=cache, prefix_cache=True,
+                         max_new_tokens=NEW_TOKENS)
+    assert sorted(cache.prefixes) == ["a", "b"] and all(len(v) == 1 for v in cache.prefixes.values())
+    with TowerCalls(vlm) as tower:
+        second = vlm.generate(rows[3:], PROMPTS[3:], keys=KEYS[3:], cache=cache, prefix_cache=True,
+                              max_new_tokens=NEW_TOKENS)
+    assert not tower.calls  # both images were encoded by the first call
+    assert tokens(reference) == tokens(first + second)
+    assert [g.visual_tokens for g in reference] == [g.visual_tokens for g in first + second]
+    assert [g.text_tokens for g in reference] == [g.text_tokens for g in first + second]
+
+
+def numbered(kwargs: dict) -> dict:
+    """Model kwargs with the positions ``generate`` gives a plain forward where the adapter gives none: the mask's
+    running count (a plain forward would number the padding too)."""
+    if kwargs.get("position_ids") is not None:
+        return kwargs
+    mask = kwargs["attention_mask"]
+    return {**kwargs, "position_ids": (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)}
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl"])
+def test_the_cached_prefix_continues_the_whole_prompt(arch, rows):
+    """The first answer token's logits through the cached prefix equal a plain forward of the whole prompt (Qwen:
+    its 3D M-RoPE positions moved with the columns; Qwen3-VL: the DeepStack rows entered in the prefix)."""
+    from promprune.models import prefix
+
+    vlm = vlm_for(arch, "promprune", 8)
+    prep = vlm.prepare(rows, PROMPTS, keys=KEYS)
+    with torch.inference_mode():
+        whole = vlm.model(**numbered(prep.model_kwargs)).logits[:, -1]
+        cached = numbered(prefix.inputs(vlm, prep, ImageCache()))
+        # every real column keeps the position it has in the whole prompt
+        pos, mask = cached["position_ids"], cached["attention_mask"].bool()
+        full = numbered(prep.model_kwargs)["position_ids"]
+        for b in range(len(rows)):
+            real = prep.model_kwargs["attention_mask"][b].bool()
+            assert torch.equal(pos[..., b, :][..., mask[b]], full[..., b, :][..., real])
+        length = cached["past_key_values"].get_seq_length()
+        suffix = {k: v[..., length:] if k in ("input_ids", "position_ids") else v for k, v in cached.items()}
+        continued = vlm.model(**suffix).logits[:, -1]
+    torch.testing.assert_close(continued, whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", [m for m in all_methods() if promprune.method_spec(m).question_dependent])
+def test_question_dependent_methods_keep_their_per_question_work(method, rows):
+    """The in-LLM methods prune inside the LLM per question: the image is encoded once, every prompt prefilled whole;
+    CDPruner selects per question: keys are ignored, every row is encoded."""
+    vlm = vlm_for("llava", method, 8)
+    in_llm = promprune.method_spec(method).stage == promprune.IN_LLM
+    assert not vlm.shares_prefix and vlm.shares_vision is in_llm
+    cache = ImageCache()
+    with TowerCalls(vlm) as tower:
+        shared = vlm.generate(rows, PROMPTS, keys=KEYS, cache=cache, prefix_cache=True, max_new_tokens=NEW_TOKENS)
+    assert len(tower.calls) == 1 and not cache.prefixes  # one call: on the two images (in-LLM), on all five rows
+    assert len(cache) == (2 if in_llm else 0)
+    reference = vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert tokens(shared) == tokens(reference)
+    assert [(g.visual_tokens, g.kept) for g in shared] == [(g.visual_tokens, g.kept) for g in reference]
+
+
+def test_sharing_follows_the_registry():
+    unpruned = PrunedVLM.from_pretrained("tiny:llava", method=None)
+    assert unpruned.shares_vision and unpruned.shares_prefix
+    for method in all_methods():
+        spec = promprune.method_spec(method)
+        dependent = spec.stage == promprune.IN_LLM or spec.needs_instruction
+        assert spec.question_dependent is dependent
+        vlm = vlm_for("llava", method, 8)
+        assert vlm.shares_prefix is not dependent
+        assert vlm.shares_vision is (spec.stage == promprune.IN_LLM or not dependent)
+
+
+def test_a_prompt_without_a_suffix_falls_back(rows):
+    """A prompt that ends with its visual tokens (nothing to prefill over the prefix) runs the usual way."""
+    from promprune.models import prefix
+
+    ids = torch.tensor([[5, 7, 9, 9], [0, 5, 9, 6]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    assert prefix.split(ids, mask, torch.tensor([9])) is None
+    parts = prefix.split(ids[1:], mask[1:], torch.tensor([9]))
+    assert parts.prefix[0].tolist() == [1, 2] and parts.suffix[0].tolist() == [3]
+
+
+def test_images_asked_once_each_are_not_prefilled_apart(rows):
+    """A batch whose images are each asked once, none cached, runs the unshared way (nothing to reuse); once an
+    image's prefix is cached, a batch asking it again continues it."""
+    from promprune.models import prefix
+
+    vlm = vlm_for("llava", "promprune", 8)
+    cache = ImageCache()
+    once = vlm.prepare(rows[1:3], PROMPTS[1:3], keys=["a", "b"], cache=cache)
+    assert prefix.inputs(vlm, once, cache) is None and not cache.prefixes
+    twice = vlm.prepare(rows[:2], PROMPTS[:2], keys=["a", "a"], cache=cache)
+    assert prefix.inputs(vlm, twice, cache) is not None and list(cache.prefixes) == ["a"]
+    assert prefix.inputs(vlm, once, cache) is not None  # "a" is cached now: the batch continues it
