@@ -236,7 +236,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
     source = spec.model
     if spec.resources.share_weights:
         t0 = time.perf_counter()
-        source = share(source, on_gpu=plan.on_gpu)
+        source = share(source, on_gpu=plan.on_gpu, in_process=planning.started_here())
         say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
         timeline.mark("weights_published", "driver")
     client = tracking.client()

@@ -186,14 +186,19 @@ def load_for_sharing(source: ModelSource, on_gpu: bool) -> tuple:
     return (recipe, vlm.processor, arrays), sum(a.nbytes for a in arrays)
 
 
-def share(source: ModelSource, on_gpu: bool):
+def share(source: ModelSource, on_gpu: bool, in_process: bool = False):
     """Publish `source`'s weights to the object store from one Ray task; returns the source with `shared` set.
 
     The task's result is owned by the caller (the sweep driver) and lives in the object store of the node that
     ran the task; other nodes pull it once. If that node dies, Ray re-runs the task (lineage reconstruction).
+    ``in_process``: load here and `ray.put` the result instead (a local Ray on one machine: this process has the
+    libraries imported already, a task would import them again in a new process).
     """
     import ray
 
+    if in_process:
+        published, _ = load_for_sharing(dataclasses.replace(source, shared=None), on_gpu)
+        return source.with_shared(ray.put(published))
     task = ray.remote(num_cpus=1, max_retries=3, num_returns=2)(load_for_sharing)
     ref, n_bytes = task.remote(dataclasses.replace(source, shared=None), on_gpu)
     ray.get(n_bytes)  # small: raises load errors here, before any trial starts; the weights stay remote
