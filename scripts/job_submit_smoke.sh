@@ -50,7 +50,8 @@ ray job submit --address "$ADDRESS" --submission-id "smoke-$(date +%s)" --workin
     --runtime-env-json "$RUNTIME_ENV" -- \
     python pipelines/sweep.py --config sweeps/easyvqa_quickstart.yaml \
         --set limit=1 --set "grid.method=[promprune]" --set "grid.budget=[8]" --set tasks=[easyvqa_yesno] \
-        --set model.pretrained=tiny:llava   # the random-weight model: nothing to train, this checks the job path
+        --set model.pretrained=tiny:llava --set resources.device=cpu \
+        --set resources.actor_wait_s=60   # the random-weight model on a head without GPUs: this checks the job path
 
 MLFLOW_TRACKING_URI="sqlite:///$WORK/mlflow.db" python - <<'PY'
 import os

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import ray
 
 from pipelines.config import AUTO, Resources
+from pipelines.console import say
 
 # Trials a sweep runs at once when `tune.max_concurrent_trials` is auto, at most: each is a process on the head
 # holding lmms-eval's scorers and its predictions (~0.5 GB); beyond this their pools' actors are what matters.
@@ -137,7 +138,11 @@ class Capacity:
         if self.probe is None:
             return 0.0
         left = max(0.0, wait_s - (time.monotonic() - self.start))
-        ready, _ = ray.wait([self.probe], timeout=left)
+        ready, _ = ray.wait([self.probe], timeout=min(left, 1.0))
+        if not ready:
+            say(f"no node of the cluster can hold a GPU actor yet: waiting up to {wait_s:g}s for one "
+                "(resources.actor_wait_s; resources.device: cpu runs the actors on the CPUs instead)")
+            ready, _ = ray.wait([self.probe], timeout=max(0.0, left - 1.0))
         if not ready:
             ray.cancel(self.probe, force=True)
             raise NoCapacity(_no_capacity_message(self.plan, wait_s))
