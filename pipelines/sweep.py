@@ -42,7 +42,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -62,7 +62,8 @@ from pipelines.run import engine, search
 from pipelines.run import resources as planning
 from pipelines.run.checkpoints import BlockStore, sweep_dir, trial_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
-from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, summary_table
+from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, paired_lines, \
+    summary_table
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
 from pipelines.run.state import fingerprint, mark_dead_runs, resume_command, resumed_state, save_state, storage_root
 from pipelines.weights import ModelSource, share
@@ -228,6 +229,7 @@ class SweepOutcome:
     regressions: list
     experiment_path: str
     generated: int = 0  # samples answered by every trial, those a scheduler stopped included
+    paired: list = field(default_factory=list)  # console lines: methods' Rel. differences with paired intervals
 
     @property
     def failed(self) -> list[str]:
@@ -352,6 +354,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
             timeline.mark("tune_end", "driver")
         recorder.finalize_rel()
         recorder.count_generated()
+        paired = paired_lines(spec, recorder.records)  # here: lmms-eval's output goes to the log
         regressions = []
         if regression_threshold is not None:
             regressions = tracking.regression_check(client, parent_id, spec.name, spec.version, regression_threshold)
@@ -367,7 +370,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         raise
     finally:
         _LIVE_RECORDERS.pop(parent_id, None)
-    return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated)
+    return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired)
 
 
 def _objective(spec: specs.SweepSpec, phase: search.Phase, rows: Requests,
@@ -565,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))
+    for line in outcome.paired:
+        print(line)
     line = best_line(spec, outcome.records, outcome.generated)
     if line:
         print(line)

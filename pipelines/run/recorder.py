@@ -316,3 +316,26 @@ def best_line(spec: specs.SweepSpec, records: dict, generated: int) -> str | Non
 def _fmt(v: Any) -> Any:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else round(float(v), 1)
 
+
+
+def paired_lines(spec: specs.SweepSpec, records: dict) -> list[str]:
+    """Each method's Rel. difference to the best other method at its budget with a paired bootstrap interval
+    (`pipelines.reporting.paired`; the spec's `bootstrap` resamples), for the console below the summary table: which
+    gaps in it are noise. Empty without `bootstrap`, a finished baseline, or two methods at a budget."""
+    base = records.get(search.BASELINE_ID)
+    if not spec.bootstrap or base is None or base["predictions"] is None:
+        return []
+    from pipelines.reporting import paired
+
+    done = {tid: rec for tid, rec in records.items()
+            if rec["error"] is None and not rec.get("stopped") and rec["predictions"] is not None}
+    frame = pd.DataFrame({"method": [rec["trial"]["method"] or mlflow_layout.BASELINE_METHOD for rec in done.values()],
+                          "budget": [rec["trial"]["budget"] for rec in done.values()],
+                          "rel": [rec["metrics"].get(REL, math.nan) for rec in done.values()]}, index=list(done))
+    diffs = paired.differences(frame, search.BASELINE_ID, lambda tid: paired.rows_from(done[tid]["predictions"]),
+                               iters=spec.bootstrap)
+    if not diffs:
+        return []
+    return ([f"Rel. differences, each method against the best other at its budget (95% paired bootstrap over the "
+             f"documents, {spec.bootstrap} resamples; [interval] holding 0: not told apart):"]
+            + [f"  {d.budget:.0f} tokens: {d.text()}" for d in diffs])
