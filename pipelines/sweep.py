@@ -105,8 +105,7 @@ class TrialProgress:
         self.every, self.last = score_every_s, time.monotonic()
         self.objective, self.value = objective, math.nan
         self.rungs = sorted(objective.rungs) if objective is not None else []
-        self.answered: set[str] = set()
-        self.seen_tables, self.prefix = 0, 0  # tables whose keys are in `answered`; samples of the answered prefix
+        self.prefix = search.AnsweredPrefix(objective.keys) if objective is not None else None
 
     def __call__(self, done: int, tables: list) -> None:
         metrics = {"samples/done": float(done), "samples/total": float(self.total)}
@@ -123,19 +122,13 @@ class TrialProgress:
     def _at_rung(self, tables: list) -> dict:
         """The search's metric: fresh (with ``samples/scored``) when the answered prefix has reached a rung not yet
         scored (the highest such), else the last value."""
-        for table in tables[self.seen_tables:]:
-            self.answered.update(f"{t}/{d}" for t, d in zip(table.column("task").to_pylist(),
-                                                             table.column("doc_id").to_pylist()))
-        self.seen_tables = len(tables)
-        keys = self.objective.keys
-        while self.prefix < len(keys) and keys[self.prefix] in self.answered:
-            self.prefix += 1
-        due = [r for r in self.rungs if r <= self.prefix]
+        answered = self.prefix.update(tables)
+        due = [r for r in self.rungs if r <= answered]
         if not due:
             return {self.objective.metric: self.value}
         rung = due[-1]
         self.rungs = [r for r in self.rungs if r > rung]
-        scores = running_scores(tables, set(keys[:rung]))
+        scores = running_scores(tables, set(self.objective.keys[:rung]))
         self.value = self.objective.value(_nested(scores), rung)
         return {**scores, self.objective.metric: self.value, search.TIME_ATTR: float(rung)}
 

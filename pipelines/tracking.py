@@ -179,12 +179,13 @@ def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: di
     return run_id
 
 
-def log_metrics(c, run_id: str, metrics: dict) -> None:
-    """Finite numeric metrics only (NaN means "not measured", e.g. no entropy for the unpruned model)."""
+def log_metrics(c, run_id: str, metrics: dict, step: int = 0) -> None:
+    """Finite numeric metrics only (NaN means "not measured", e.g. no entropy for the unpruned model); ``step``:
+    where in a metric's history they go (a search's running values: the samples they were computed over)."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, 0) for k, v in metrics.items()
+    batch = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
     if batch:
         c.log_batch(run_id, metrics=batch)

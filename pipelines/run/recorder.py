@@ -42,7 +42,10 @@ class RecorderHook(tune.Callback):
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
         if recorder is not None and "samples/done" in result:
-            recorder.advanced(search.trial_of(trial.config)["trial_id"], int(result["samples/done"]))
+            tid = search.trial_of(trial.config)["trial_id"]
+            recorder.advanced(tid, int(result["samples/done"]))
+            if search.TIME_ATTR in result:
+                recorder.at_rung(tid, result)
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         """A trial finished (its final report carries its checkpoint) or a scheduler stopped it (no checkpoint; its
@@ -79,6 +82,7 @@ class SweepRecorder:
         self.samples_of = samples or {}  # trial id -> its samples
         self.per_trial = per_trial  # the samples of a trial on all the sweep's tasks (a searched one's)
         self.stopped: list[str] = []  # trials a scheduler stopped, in order
+        self.rungs: dict[str, dict[int, float]] = {}  # trial id -> {samples scored: the search's metric there}
         self.generated = 0  # samples every trial answered (`count_generated`)
         self.blocks = blocks  # where trials save their answered blocks (checkpoints.sweep_dir)
         self.shown: dict[str, int] = {}  # trial id -> samples counted on the bar
@@ -148,6 +152,7 @@ class SweepRecorder:
                 self.logged[tid] = tracking.log_trial(
                     self.client, self.parent_id, self.sweep.name, self.sweep.version, trial, self._params(trial),
                     rec["metrics"], path, span=span)
+                self._log_rungs(tid)
             elif REL in rec["metrics"]:
                 tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
         self._progress(rec)
@@ -172,17 +177,34 @@ class SweepRecorder:
         self.records[tid] = rec
         self.stopped.append(tid)
         if tid not in self.logged:
-            metrics = {f"{mlflow_layout.RUNNING}/{k}": v for k, v in running.items()}
-            metrics.update({"samples/done": rec["stopped"]["done"], search.TIME_ATTR: scored, "samples/total": total})
+            self.rungs.setdefault(tid, {})[scored] = value
+            metrics = {"samples/done": rec["stopped"]["done"], search.TIME_ATTR: scored, "samples/total": total}
             self.logged[tid] = tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version,
                                                   trial, self._params(trial), metrics, None, status="KILLED",
                                                   tags={mlflow_layout.STOPPED: why})
+            tracking.log_metrics(self.client, self.logged[tid],
+                                 {f"{mlflow_layout.RUNNING}/{k}": v for k, v in running.items() if k != metric},
+                                 step=scored)
+            self._log_rungs(tid)
         say(f"[{len(self.records)}/{self.n_trials}] {tid}: {why}")
         self.advanced(tid, rec["stopped"]["done"])
         if self.bar is not None and total > rec["stopped"]["done"]:
             self.bar.total -= total - max(rec["stopped"]["done"], self.shown.get(tid, 0))  # never to be generated
             self.bar.refresh()
         return rec
+
+    def at_rung(self, tid: str, result: dict) -> None:
+        """A searched trial's value at a rung (`search.TIME_ATTR`), kept for its run's metric history."""
+        metric = self.sweep.tune.metric
+        if metric in result and int(result[search.TIME_ATTR]) < int(result.get("samples/total", 0)):
+            self.rungs.setdefault(tid, {})[int(result[search.TIME_ATTR])] = float(result[metric])
+
+    def _log_rungs(self, tid: str) -> None:
+        """The trial's values at the scheduler's rungs as the history of `running/<metric>` (step: samples scored),
+        which the MLflow UI plots against samples."""
+        key = f"{mlflow_layout.RUNNING}/{self.sweep.tune.metric}"
+        for scored, value in sorted(self.rungs.get(tid, {}).items()):
+            tracking.log_metrics(self.client, self.logged[tid], {key: value}, step=scored)
 
     def count_generated(self) -> int:
         """Samples answered by every trial of the sweep, those a scheduler stopped included: a finished trial's

@@ -235,3 +235,23 @@ def baseline_scores(keys: list[str], rungs: list[int], predictions) -> dict[int,
     for r in sorted(set(rungs) | {len(keys)}):
         out[r] = score([rows[k] for k in keys[:r]], partial=r < len(keys))
     return out
+
+
+class AnsweredPrefix:
+    """How many of the first samples of ``keys`` (the sweep's block order) are all answered, as blocks come back in
+    any order: the samples a rung's running value may be computed over."""
+
+    def __init__(self, keys: list[str]):
+        self.keys, self.length = keys, 0
+        self.answered: set[str] = set()
+        self.seen = 0  # tables already read
+
+    def update(self, tables: list) -> int:
+        """Read the tables not seen yet (each a block of predictions with ``task`` and ``doc_id``); the prefix."""
+        for table in tables[self.seen:]:
+            self.answered.update(f"{t}/{d}" for t, d in zip(table.column("task").to_pylist(),
+                                                             table.column("doc_id").to_pylist()))
+        self.seen = len(tables)
+        while self.length < len(self.keys) and self.keys[self.length] in self.answered:
+            self.length += 1
+        return self.length

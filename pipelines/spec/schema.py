@@ -79,7 +79,7 @@ Search = one_of(*SEARCHES)
 
 def _metric_name(name: str) -> str:
     if name != "rel" and (name.count("/") != 1 or not all(name.split("/"))):
-        raise problem(f"expected 'rel' or a task metric '<task>/<metric>' (e.g. pope/pope_f1_score), got {name!r}")
+        raise ValueError(name)
     return name
 
 
@@ -92,7 +92,8 @@ class TuneSpec:
     # grid: repeats of every trial; random, optuna: trials searched
     num_samples: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 1
     # what optuna and the scheduler optimize: rel (needs the baseline), or a task metric '<task>/<metric>'
-    metric: Annotated[StrictStr, AfterValidator(_metric_name), expect("a metric name string")] = "rel"
+    metric: Annotated[StrictStr, AfterValidator(_metric_name),
+                      expect("'rel' or a task metric '<task>/<metric>' (e.g. pope/pope_f1_score)")] = "rel"
     mode: one_of(*MODES) = "max"  # max: higher is better (scores, Rel.)
     # asha: Tune's ASHA stops weak trials at rungs of samples seen (grace_period, x reduction_factor, ...)
     scheduler: one_of(*SCHEDULERS) = "none"
