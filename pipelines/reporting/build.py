@@ -214,7 +214,10 @@ def _best_with_interval(sweep: Sweep, points: pd.DataFrame, preds) -> tuple[str 
     best = done["value"].idxmax()
     if sweep.baseline_id is None:
         return best, None
-    boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)))
+    try:
+        boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)))
+    except ValueError:  # the best trial ran on other documents than the baseline (a subset of the tasks)
+        return best, None
     return best, None if boot is None else tuple(100 * x for x in boot.rel(best))
 
 

@@ -61,15 +61,20 @@ def best_per_method(frame: pd.DataFrame) -> dict[float, dict[str, str]]:
 
 def bootstrap(trial_ids: list[str], baseline_id: str, rows_of: RowsOf, iters: int = ITERS, seed: int = SEED):
     """The `PairedBootstrap` of ``trial_ids`` and the baseline (each trial's items from lmms-eval, once); None when
-    a trial's predictions are missing."""
+    a trial's predictions are missing or its tasks' data cannot be loaded here (a hub task offline). Trials on
+    other documents than the baseline's are a ValueError."""
     from promprune.eval.scoring import PairedBootstrap, sample_items
+    from promprune.eval.tasks import TaskUnavailableError
 
     items = {}
     for tid in dict.fromkeys([baseline_id, *trial_ids]):
         rows = rows_of(tid)
         if not rows:
             return None
-        items[tid] = sample_items(rows)
+        try:
+            items[tid] = sample_items(rows)
+        except TaskUnavailableError:
+            return None
     return PairedBootstrap(items, baseline_id, iters, seed=seed)
 
 
@@ -94,9 +99,10 @@ def differences(frame: pd.DataFrame, baseline_id: str, rows_of: RowsOf, iters: i
 
 def rows_from(predictions) -> list[dict] | None:
     """Prediction rows as `promprune.eval.score` takes them, from a predictions table (pyarrow) or frame (pandas)."""
-    if predictions is None:
-        return None
     columns = ["task", "doc_id", "n_docs", "prediction", "error"]
+    names = getattr(predictions, "column_names", None) or list(getattr(predictions, "columns", []))
+    if predictions is None or not set(columns) <= set(names):
+        return None  # no predictions, or not the pipeline's (an old or hand-made table without n_docs)
     if hasattr(predictions, "select") and hasattr(predictions, "to_pylist"):
         return predictions.select(columns).to_pylist()
     return predictions[columns].to_dict("records")

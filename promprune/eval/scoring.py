@@ -438,8 +438,8 @@ def sample_items(predictions: list[dict], *, include_path: str | list[str] | Non
             results, _ = _evaluate_answers(task, name, answers, limit, output_dir or tmp, True)
             samples = [s for s in results.get("samples", {}).get(name, []) if int(s["doc_id"]) in rows]
             aggregations = task.aggregation()
-            items = {m: {int(s["doc_id"]): s[m] for s in samples if m in s} for m in primary_metrics(name)
-                     if m in aggregations}
+            items = {m: {int(s["doc_id"]): s[m] for s in samples if m in s}
+                     for m in primary_metrics(name, include_path) if m in aggregations}
             out[name] = TaskItems(name, {m: v for m, v in items.items() if v}, aggregations,
                                   getattr(task, "args", None))
     return out
