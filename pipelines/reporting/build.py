@@ -211,8 +211,9 @@ def _best_with_interval(sweep: Sweep, points: pd.DataFrame, preds) -> tuple[str 
     done = points[~points["stopped"]].dropna(subset=["value"])
     if done.empty:
         return None, None
-    best = done["value"].idxmax()
-    if sweep.baseline_id is None:
+    ids = sweep.trials["trial"].reindex(done.index).fillna("")
+    best = done.assign(_id=ids).sort_values(["value", "_id"], ascending=[False, True], kind="stable").index[0]
+    if sweep.baseline_id is None:  # (a tie goes to the first trial id, as on the console)
         return best, None
     try:
         boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)))
@@ -243,7 +244,9 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     lines = ["## The (mu, tau) search", ""]
     n_stopped = int(points["stopped"].sum())
     lines.append(f"- trials: {len(points)}" + (f", {n_stopped} stopped early by ASHA (crosses: their running Rel. "
-                                                "over the samples they had answered)" if n_stopped else ""))
+                                                "at the rung that stopped them, over the sweep's first samples: the "
+                                                "same samples for every trial, so comparable with each other, not "
+                                                "with a finished trial's Rel. over all)" if n_stopped else ""))
     if best is not None:
         text = f"- best (mu, tau): **{_where(points, best)}**, Rel. {points.loc[best, 'value']:.1f}%"
         if interval is not None:

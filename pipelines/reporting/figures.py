@@ -220,6 +220,9 @@ def entropy_histograms(preds: pd.DataFrame, path: Path, mu: float | None, title:
     return _save(fig, path)
 
 
+TAU_TICKS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # readable tau labels on a log axis
+
+
 def search_plane(points: pd.DataFrame, best: str | None, grid: pd.DataFrame | None, path: Path,
                  grid_title: str = "the grid") -> Path | None:
     """A search over mu and tau: each trial at its (tau, mu), coloured by its Rel. (%); trials a scheduler stopped
@@ -232,7 +235,7 @@ def search_plane(points: pd.DataFrame, best: str | None, grid: pd.DataFrame | No
     if len(points) < 2:
         return None
     panels = 2 if grid is not None and grid.size else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.8 * panels, 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.8 * panels, 4.8), squeeze=False)
     ax = axes[0][0]
     values = pd.concat([points["value"], grid.stack()]) if panels == 2 else points["value"]
     vmin, vmax = float(values.min()), float(values.max())
@@ -242,15 +245,19 @@ def search_plane(points: pd.DataFrame, best: str | None, grid: pd.DataFrame | No
     if len(stopped):
         ax.scatter(stopped["tau"], stopped["mu"], c=stopped["value"], cmap="viridis", vmin=vmin, vmax=vmax, s=50,
                    marker="X", linewidths=0.3, edgecolors="black", zorder=2,
-                   label=f"stopped early, running Rel. ({len(stopped)})")
+                   label=f"stopped early: running Rel. over its first samples ({len(stopped)})")
     if best is not None and best in points.index:
         ax.scatter([points.loc[best, "tau"]], [points.loc[best, "mu"]], marker="*", s=380, facecolors="none",
                    edgecolors="red", linewidths=1.6, zorder=4, label=f"best: {points.loc[best, 'value']:.1f}%")
     ax.set_xscale("log")
+    lo, hi = float(points["tau"].min()), float(points["tau"].max())
+    ticks = [t for t in TAU_TICKS if lo / 1.5 <= t <= hi * 1.5] or [lo, hi]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("tau (log scale)")
     ax.set_ylabel("mu")
     ax.set_title(f"{len(points)} trials in the (mu, tau) plane", fontsize=9)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     ax.grid(alpha=0.3)
     fig.colorbar(image, ax=ax, label="Rel. (%)")
     if panels == 2:

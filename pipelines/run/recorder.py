@@ -319,8 +319,9 @@ MU_TAU = ("mu", "tau")  # the options whose search the summary's last line repor
 
 def best_line(spec: specs.SweepSpec, records: dict, generated: int) -> str | None:
     """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` (the search's metric, among the trials that ran to
-    their end), for a sweep whose trials vary mu or tau (None otherwise). S counts every sample any trial
-    generated, those of trials a scheduler stopped included."""
+    their end; a tie goes to the first trial id, whatever order the trials finished in), for a sweep whose trials
+    vary mu or tau (None otherwise). S counts every sample any trial generated, those of trials a scheduler stopped
+    included."""
     points = {tuple(rec["trial"]["options"].get(k) for k in MU_TAU) for rec in records.values()
               if any(k in rec["trial"]["options"] for k in MU_TAU)}
     if len(points) < 2:
@@ -330,7 +331,7 @@ def best_line(spec: specs.SweepSpec, records: dict, generated: int) -> str | Non
             and any(k in rec["trial"]["options"] for k in MU_TAU) and metric in rec["metrics"]]
     if not done:
         return f"no trial varying mu or tau finished with {metric}; {generated} samples generated"
-    best = max(done, key=lambda rec: sign * rec["metrics"][metric])
+    best = min(done, key=lambda rec: (-sign * rec["metrics"][metric], rec["trial"]["trial_id"]))  # ties: by id
     where = " ".join(f"{k}={best['trial']['options'].get(k, 'default')}" for k in MU_TAU)
     return f"best {metric} {best['metrics'][metric]:.4f} at {where}; {generated} samples generated"
 

@@ -126,7 +126,7 @@ def test_a_rung_value_is_rel_over_the_first_samples_paired_with_the_baseline(sea
 def test_the_summary_names_the_best_finished_trial_and_every_sample_generated(searched):
     spec, outcome, _ = searched
     done = {tid: rec for tid, rec in outcome.records.items() if not rec.get("stopped") and tid != "baseline"}
-    best = max(done.values(), key=lambda rec: rec["metrics"][mlflow_layout.REL])
+    best = min(done.values(), key=lambda rec: (-rec["metrics"][mlflow_layout.REL], rec["trial"]["trial_id"]))
     mu = best["trial"]["options"]["mu"]
     assert best_line(spec, outcome.records, outcome.generated) == \
         f"best rel {best['metrics'][mlflow_layout.REL]:.4f} at mu={mu} tau=0.02; {outcome.generated} samples generated"
