@@ -13,24 +13,29 @@ Setup -> run -> cleanup:
    autoscaler for them, build the request rows once on the driver, wait for the first GPU node when the spec wants
    GPUs (exit 2 after `resources.actor_wait_s`), publish the model weights to the object store once (see
    pipelines/weights.py), open the MLflow parent run.
-2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list; random search
-   draws from the grid with a seed), `plan.trials_at_once` at a time, retrying failed trials (`FailureConfig`).
+2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list), or searches
+   (`pipelines/run/search.py`: seeded random draws, optuna's TPE, ASHA stopping weak trials at rungs of samples;
+   then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
+   time, retrying failed trials (`FailureConfig`).
    A trial is one Ray Data evaluation (`pipelines/run/engine.py`): its blocks mapped over an autoscaling pool of
    actors that load the published weights, predictions streamed back and saved block by block beside the Tune
    experiment (`pipelines/run/checkpoints.py`), progress (samples done, running scores) reported to Tune as they
    come; a retried or resumed trial generates only the blocks it has not saved. Its `TrialResult` (one parquet file:
    predictions, scores, metrics) is its final Tune checkpoint; the driver (and only the driver) logs each finished
    trial as an MLflow child run, uploading that file as it is.
-3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table and the
-   command that opens the MLflow UI; the autoscaler request is withdrawn.
+3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table (with each
+   method's paired difference to the best other, and for a sweep varying mu or tau the line `best rel <v> at mu=<m>
+   tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the autoscaler request is withdrawn.
 
-`--resume` restores the Tune experiment: finished trials are not run again, unfinished and errored ones continue
-from their saved blocks, and the same MLflow parent run continues.
+`--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
+from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
+continues.
 
 The parts live in `pipelines/run/`: requests.py (the requests as a Ray Dataset of sealed blocks), engine.py (the
 actors and the Ray Data evaluation), checkpoints.py (a trial's saved blocks), result.py (TrialResult),
 ray_connect.py, resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and --resume),
-recorder.py (the driver's MLflow logging); this file is the trial, the Tune run and the CLI.
+recorder.py (the driver's MLflow logging), search.py (the Tune pieces of a search); this file is the trial, the Tune
+run and the CLI.
 """
 from __future__ import annotations
 
@@ -561,11 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))
-    for line in outcome.paired:
-        print(line)
-    line = best_line(spec, outcome.records, outcome.generated)
-    if line:
-        print(line)
+    best = best_line(spec, outcome.records, outcome.generated)
+    if outcome.paired or best:
+        print("\n" + "\n".join(outcome.paired + ([best] if best else [])))  # the last line: the best (mu, tau)
     url = tracking.ui_url(spec.name)
     print(f"\nOpen the results:\n  {tracking.ui_command()}" + (f"\n  then {url}" if url else ""))
     if outcome.regressions:

@@ -241,7 +241,7 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     path = figures.search_plane(points, best, pivot, out_dir / "mu_tau_search.png",
                                 f"grid `{grid.name}`" if grid else "this sweep's grid")
     generated = _generated(sweep)
-    lines = ["## The (mu, tau) search", ""]
+    lines = ["## The (mu, tau) plane", ""]
     n_stopped = int(points["stopped"].sum())
     lines.append(f"- trials: {len(points)}" + (f", {n_stopped} stopped early by ASHA (crosses: their running Rel. "
                                                 "at the rung that stopped them, over the sweep's first samples: the "

@@ -1,6 +1,8 @@
 """Driver-side logging of a sweep's trials (a Tune callback runs in the driver process: the only MLflow writer):
 each finished trial's checkpoint (a `TrialResult` file) becomes an MLflow child run, its file uploaded as it is;
-Rel. follows as soon as the baseline is known; one progress line per trial and the summary table at the end."""
+a trial a scheduler stopped becomes a KILLED run with its running scores; Rel. follows as soon as the baseline is
+known; one progress line per trial and, at the end, the summary table, each method's paired difference to the best
+other, and the best (mu, tau) with the samples generated."""
 from __future__ import annotations
 
 import math

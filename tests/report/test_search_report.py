@@ -60,7 +60,7 @@ def test_stopped_trials_are_drawn_not_tabled_and_never_the_best(searched, tmp_pa
     assert "trials stopped early by the search's scheduler (ASHA): 1" in md
     scores = section(md, "Scores")
     assert "mu=0.25" not in scores and scores.count("PromPrune (") == 4  # the four finished ones only
-    found = section(md, "The (mu, tau) search")
+    found = section(md, "The (mu, tau) plane")
     assert "- trials: 5, 1 stopped early by ASHA" in found
     assert "- best (mu, tau): **mu=0.3, tau=0.03**, Rel. 80.0% [" in found
     assert "(`promprune-b16-mu=0.3-tau=0.03`)" in found and "- samples generated: 150" in found
@@ -80,7 +80,7 @@ def test_stopped_trials_are_drawn_not_tabled_and_never_the_best(searched, tmp_pa
     exp = client.get_experiment_by_name("promprune").experiment_id
     log_sweep(client, exp, "grid_demo", grid, tasks=[TASK], tmp=tmp_path)
     both = build_report(searched, tmp_path / "vs", grid=load_sweep("grid_demo"))
-    versus = section(both.markdown, "The (mu, tau) search")
+    versus = section(both.markdown, "The (mu, tau) plane")
     assert "- grid `grid_demo`: best **mu=0.2, tau=0.03**, Rel. 83.3% [" in versus
     assert "; 150 samples generated" in versus  # the grid's own: 5 trials x 30
     assert "lies **inside** the grid best's interval" in versus and "with 150 samples: 100% of the grid's 150" in \
