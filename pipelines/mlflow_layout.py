@@ -10,6 +10,9 @@
   `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
   `promprune.records.arrow_schema(Prediction)`, `pipelines.run.result.PREDICTION_SCHEMA`; the file is the trial's
   `TrialResult` as its Tune checkpoint held it: per-task scores and metrics as JSON in the schema metadata).
+  A trial a scheduler stopped early is a KILLED run with tag `promprune.stopped` (where and why), metrics
+  `samples/done` (answered when stopped), `samples/scored`, `samples/total` and its running scores as
+  `running/<task>/<metric>` and `running/rel` (over the first `samples/scored` samples), and no predictions.
 - **A saved view per sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>`, the runs page's "Views"
   menu): the sweep's trials with each task's primary metric, `rel` and `efficiency/visual_tokens` as columns;
   `ui_url` links to it.
@@ -38,6 +41,7 @@ EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_deve
 # GenAI, whose overview has no runs), so links carry `workflowType=machine_learning` (ui_url)
 SAVED_VIEW = "mlflow.sharedViewState."  # experiment tag prefix of the runs page's saved views (its "Views" menu)
 REGRESSION = "promprune.regression"
+STOPPED = "promprune.stopped"  # on a trial run a scheduler stopped early (status KILLED): where, and why
 CALIBRATED_MU = "promprune.calibrated_mu"
 ROLE_SWEEP, ROLE_TRIAL, ROLE_EVALUATION = "sweep", "trial", "evaluation"
 
@@ -54,7 +58,12 @@ REPORT_DIR = "report"
 
 # metrics
 REL = "rel"  # a fraction: 1.0 = the unpruned model
-NON_TASK_PREFIXES = ("efficiency", "entropy", "t_sal", "samples", "trial", "calibration")
+# a trial a scheduler stopped: its running scores (and Rel.) over the samples it had answered, under this prefix
+# (`running/rel`, `running/<task>/<metric>`), never under a finished trial's keys
+RUNNING = "running"
+GENERATED = "samples/generated"  # on a sweep's parent run: samples answered by all its trials, stopped ones included
+SCORED = "samples/scored"  # samples a running value was computed over (the scheduler's rungs)
+NON_TASK_PREFIXES = ("efficiency", "entropy", "t_sal", "samples", "trial", "calibration", RUNNING, "trials")
 
 
 def tracking_uri(uri: str | None = None) -> str:

@@ -17,15 +17,17 @@ from promprune.env import temporary_env
 
 from pipelines import mlflow_layout
 from pipelines.calibration import check_source, metrics_to_calibrate
-from pipelines.spec import SpecError, SweepSpec, expand
+from pipelines.spec import SpecError, SweepSpec, expand, space
+from pipelines.spec.errors import unknown
 
 
 def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
     """Every problem found, one message each (empty: good to go)."""
     errors = check_tasks(spec.tasks, spec.limit, spec.include_path)
     errors += check_judges(spec.tasks)
-    errors += check_model(spec.model.pretrained, spec.model.options,
-                          {t.trial_id: t.budget for t in expand(spec) if t.budget is not None})
+    errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
+    errors += check_metric(spec.tune.metric, spec.tasks)
+    errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri())
     if metrics_to_calibrate(expand(spec)):
         problem = check_source(spec.calibration.images)
@@ -102,6 +104,40 @@ def probe_judge() -> str | None:
                 f"Point the endpoint at a live OpenAI-compatible server and set a key it accepts, or unset "
                 f"{api_key_env()} to skip the judge-scored task(s)")
     return None
+
+
+def budgets(spec: SweepSpec) -> dict[str, int]:
+    """Every budget a trial may run, by where it comes from: the trials known before the sweep (by id), and the
+    grid's budget values a search may choose (``grid.budget=<b>``)."""
+    out = {t.trial_id: t.budget for t in expand(spec) if t.budget is not None}
+    if spec.tune.search == "optuna" and "budget" in spec.grid:
+        out |= {f"grid.budget={b}": b for b in space.parse(spec.grid["budget"]).corners if isinstance(b, int)}
+    return out
+
+
+def check_search_package(search: str) -> list[str]:
+    """``tune.search: optuna`` needs the optuna package (the `pipeline` extra pins it)."""
+    if search != "optuna":
+        return []
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        return ["tune.search: optuna needs the optuna package, which is not installed here (it is in the pipeline "
+                "extra: pip install -c constraints.txt -e '.[pipeline]'), or use tune.search: random"]
+    return []
+
+
+def check_metric(metric: str, tasks: list[str]) -> list[str]:
+    """``tune.metric``: rel, or a metric its task reports (its lmms-eval ``metric_list``)."""
+    from promprune.eval.tasks import task_config
+
+    if metric == "rel" or metric.split("/")[0] not in tasks:  # a task not in the spec: `specs.parse` said so
+        return []
+    task, name = metric.split("/")
+    names = [m["metric"] for m in task_config(task).get("metric_list") or [] if isinstance(m, dict)]
+    if names and name not in names:
+        return [f"tune.metric: {task} reports no metric {name!r}{unknown(name, names)}"]
+    return []
 
 
 def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int]) -> list[str]:

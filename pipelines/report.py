@@ -1,6 +1,7 @@
 """Turn a finished sweep in MLflow into the paper's tables and figures.
 
-    python pipelines/report.py [--sweep NAME_OR_RUN_ID] [--out DIR] [--tracking-uri URI] [--no-log]
+    python pipelines/report.py [--sweep NAME_OR_RUN_ID] [--grid NAME_OR_RUN_ID] [--out DIR] [--tracking-uri URI]
+                               [--no-log]
 
 Reads the sweep's runs with `mlflow.search_runs` (default: the latest sweep in the store at
 `MLFLOW_TRACKING_URI`, else sqlite:///mlflow.db), writes `report.md`, CSV tables and PNG figures to DIR
@@ -23,6 +24,9 @@ from pipelines.reporting.store import load_sweep, tracking_uri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", default=None, help="sweep name (its latest run) or parent run id; default: latest")
+    parser.add_argument("--grid", default=None,
+                        help="a grid sweep over the same (mu, tau) (name or parent run id): drawn beside a search, "
+                             "which is compared with its best point and its samples")
     parser.add_argument("--out", default=None, help="output folder; default: reports/<sweep name>")
     parser.add_argument("--tracking-uri", default=None, help="MLflow store; default: $MLFLOW_TRACKING_URI or "
                                                              "sqlite:///mlflow.db")
@@ -42,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     mlflow.set_tracking_uri(tracking_uri(args.tracking_uri))
     try:
         sweep = load_sweep(args.sweep)
+        grid = None if args.grid is None else load_sweep(args.grid)
     except LookupError as err:
         print(f"report: {err}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / safe_dir_name(sweep.name)
-    report = build_report(sweep, out)
+    report = build_report(sweep, out, grid=grid)
     print(report.markdown)
     print(f"report for sweep {sweep.name!r} (parent run {sweep.run_id}): {len(report.files)} files in {out.resolve()}")
     if not args.no_log:

@@ -13,35 +13,41 @@ Setup -> run -> cleanup:
    autoscaler for them, build the request rows once on the driver, wait for the first GPU node when the spec wants
    GPUs (exit 2 after `resources.actor_wait_s`), publish the model weights to the object store once (see
    pipelines/weights.py), open the MLflow parent run.
-2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list; random search
-   draws from the grid with a seed), `plan.trials_at_once` at a time, retrying failed trials (`FailureConfig`).
+2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list), or searches
+   (`pipelines/run/search.py`: seeded random draws, optuna's TPE, ASHA stopping weak trials at rungs of samples;
+   then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
+   time, retrying failed trials (`FailureConfig`).
    A trial is one Ray Data evaluation (`pipelines/run/engine.py`): its blocks mapped over an autoscaling pool of
    actors that load the published weights, predictions streamed back and saved block by block beside the Tune
    experiment (`pipelines/run/checkpoints.py`), progress (samples done, running scores) reported to Tune as they
    come; a retried or resumed trial generates only the blocks it has not saved. Its `TrialResult` (one parquet file:
    predictions, scores, metrics) is its final Tune checkpoint; the driver (and only the driver) logs each finished
    trial as an MLflow child run, uploading that file as it is.
-3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table and the
-   command that opens the MLflow UI; the autoscaler request is withdrawn.
+3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table (with each
+   method's paired difference to the best other, and for a sweep varying mu or tau the line `best rel <v> at mu=<m>
+   tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the autoscaler request is withdrawn.
 
-`--resume` restores the Tune experiment: finished trials are not run again, unfinished and errored ones continue
-from their saved blocks, and the same MLflow parent run continues.
+`--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
+from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
+continues.
 
 The parts live in `pipelines/run/`: requests.py (the requests as a Ray Dataset of sealed blocks), engine.py (the
 actors and the Ray Data evaluation), checkpoints.py (a trial's saved blocks), result.py (TrialResult),
 ray_connect.py, resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and --resume),
-recorder.py (the driver's MLflow logging); this file is the trial, the Tune run and the CLI.
+recorder.py (the driver's MLflow logging), search.py (the Tune pieces of a search); this file is the trial, the Tune
+run and the CLI.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -54,13 +60,15 @@ from promprune.records import Request
 from pipelines import calibration, mlflow_layout, plugins, preflight
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
+from pipelines.spec import space
 from pipelines import timeline, tracking
 from pipelines.evaluate import EvalConfig, evaluate, random_weights_note
-from pipelines.run import engine
+from pipelines.run import engine, search
 from pipelines.run import resources as planning
 from pipelines.run.checkpoints import BlockStore, sweep_dir, trial_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
-from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, summary_table
+from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, paired_lines, \
+    summary_table
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
 from pipelines.run.state import fingerprint, mark_dead_runs, resume_command, resumed_state, save_state, storage_root
 from pipelines.weights import ModelSource, share
@@ -81,54 +89,88 @@ EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_INTERRUPTED = 1, 2, 3,
 
 
 def tune_trial(trial: specs.Trial, calibrated: dict) -> dict:
-    """A trial as Tune's config holds it (`Trial.to_dict`), its options as the trial runs them: ``mu: calibrate``
-    replaced here, once per trial, by the sweep's measured median (`calibration.apply`), with ``mu_source`` saying
-    so. The trial id stays the spec's."""
-    config = trial.to_dict()
-    used = calibration.apply(trial.options, calibrated)
-    if used is not trial.options:
-        config["options"], config["mu_source"] = dict(used), "calibration"
-    return config
+    """A trial as Tune's config holds it: `search.trial_config` (``mu: calibrate`` replaced by the measured
+    median)."""
+    return search.trial_config(trial, calibrated)
 
 
 class TrialProgress:
     """What a running trial reports to Tune after each block: ``samples/done`` (of ``samples/total``), and running
     scores (``<task>/<metric>`` over the samples answered so far, the same keys as the final report) when the
-    samples reach one of ``score_at`` (a scheduler's milestones) or `SCORE_EVERY_S` has passed since the last."""
+    samples reach one of ``score_at`` or `SCORE_EVERY_S` has passed since the last.
 
-    def __init__(self, total: int, score_at: list[int] | None = None, score_every_s: float = SCORE_EVERY_S):
+    A searched trial (``objective``: `search.Objective`) scores itself instead at each rung ``r`` of the scheduler,
+    once the first ``r`` samples of the sweep's block order are all answered, and reports the search's metric over
+    exactly those samples with ``samples/scored = r`` (the scheduler's time attribute); between rungs its reports
+    carry the last value (NaN before the first), which Tune requires of every result."""
+
+    def __init__(self, total: int, score_at: list[int] | None = None, score_every_s: float = SCORE_EVERY_S,
+                 objective: search.Objective | None = None):
         self.total, self.score_at = total, sorted(score_at or [])
         self.every, self.last = score_every_s, time.monotonic()
+        self.objective, self.value = objective, math.nan
+        self.rungs = sorted(objective.rungs) if objective is not None else []
+        self.prefix = search.AnsweredPrefix(objective.keys) if objective is not None else None
 
     def __call__(self, done: int, tables: list) -> None:
         metrics = {"samples/done": float(done), "samples/total": float(self.total)}
-        due = [m for m in self.score_at if m <= done]
-        if done < self.total and (due or time.monotonic() - self.last >= self.every):
-            self.score_at = [m for m in self.score_at if m > done]
-            metrics.update(running_scores(tables))
-            self.last = time.monotonic()
+        if self.objective is not None:
+            metrics.update(self._at_rung(tables))
+        else:
+            due = [m for m in self.score_at if m <= done]
+            if done < self.total and (due or time.monotonic() - self.last >= self.every):
+                self.score_at = [m for m in self.score_at if m > done]
+                metrics.update(running_scores(tables))
+                self.last = time.monotonic()
         tune.report(metrics)
 
+    def _at_rung(self, tables: list) -> dict:
+        """The search's metric: fresh (with ``samples/scored``) when the answered prefix has reached a rung not yet
+        scored (the highest such), else the last value."""
+        answered = self.prefix.update(tables)
+        due = [r for r in self.rungs if r <= answered]
+        if not due:
+            return {self.objective.metric: self.value}
+        rung = due[-1]
+        self.rungs = [r for r in self.rungs if r > rung]
+        scores = running_scores(tables, set(self.objective.keys[:rung]))
+        self.value = self.objective.value(_nested(scores), rung)
+        return {**scores, self.objective.metric: self.value, search.TIME_ATTR: float(rung)}
 
-def running_scores(tables: list) -> dict[str, float]:
-    """lmms-eval's metrics over the predictions so far (`promprune.eval.score(partial=True)`), flat."""
+
+def running_scores(tables: list, only: set[str] | None = None) -> dict[str, float]:
+    """lmms-eval's metrics over the predictions so far (`promprune.eval.score(partial=True)`), flat; ``only``: over
+    these sample keys alone."""
     import pyarrow as pa
 
     from pipelines.run.result import SCORED_COLUMNS
     from promprune.eval import score
 
     rows = pa.concat_tables(tables).select(SCORED_COLUMNS).to_pylist()
+    if only is not None:
+        rows = [r for r in rows if f"{r['task']}/{r['doc_id']}" in only]
     return {f"{task}/{name}": float(v) for task, ms in score(rows, partial=True).items() for name, v in ms.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def _nested(flat: dict[str, float]) -> dict[str, dict[str, float]]:
+    """``{"task/metric": v}`` -> ``{task: {metric: v}}`` (scores as `promprune.eval.score` returns them)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in flat.items():
+        task, name = key.split("/", 1)
+        out.setdefault(task, {})[name] = value
+    return out
+
+
 def run_trial(config: dict, *, source: ModelSource, rows: Requests, settings: dict, plan: planning.Plan,
-              blocks: str, ledger=None, run_fn: Callable | None = None) -> None:
-    """Evaluate one trial (``config["trial"]``: `tune_trial`) with the engine, saving its blocks under ``blocks``
-    (`checkpoints.trial_dir`) and resuming from them, reporting progress, and finally its metrics with the
-    `TrialResult` file as the checkpoint."""
-    tid = config["trial"]["trial_id"]
-    trial = specs.Trial.from_dict(config["trial"])
+              blocks: str, ledger=None, run_fn: Callable | None = None,
+              objective: search.Objective | None = None) -> None:
+    """Evaluate one trial (`search.trial_of(config)`) with the engine, saving its blocks under ``blocks``
+    (`checkpoints.trial_dir`) and resuming from them, reporting progress (a searched trial: the search's metric at
+    each rung, ``objective``), and finally its metrics with the `TrialResult` file as the checkpoint."""
+    trial_dict = search.trial_of(config)
+    tid = trial_dict["trial_id"]
+    trial = specs.Trial.from_dict(trial_dict)
     if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
         rows = rows.only(trial.tasks)
     started = time.time()
@@ -137,12 +179,16 @@ def run_trial(config: dict, *, source: ModelSource, rows: Requests, settings: di
     cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
     store = BlockStore(trial_dir(blocks, tid))
     result = evaluate(cfg, rows, run_fn=run_fn, plan=plan, store=store, ledger=ledger,
-                      on_block=TrialProgress(len(rows.keys), config.get("score_at")))
+                      on_block=TrialProgress(len(rows.keys), config.get("score_at"), objective=objective))
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
                            "samples/done": float(result.predictions.num_rows)})
+    final = dict(result.metrics)
+    if objective is not None:  # the search's metric over every sample: what the scheduler and optuna see last
+        final.update({objective.metric: objective.value(result.scores, len(objective.keys)),
+                      search.TIME_ATTR: float(len(objective.keys))})
     with tempfile.TemporaryDirectory() as d:
         result.write(Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT)
-        tune.report(result.metrics, checkpoint=tune.Checkpoint.from_directory(d))
+        tune.report(final, checkpoint=tune.Checkpoint.from_directory(d))
     timeline.mark("trial_reported", "trial")
     timeline.tag(trial=None)
 
@@ -177,9 +223,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass
 class SweepOutcome:
     parent_run_id: str
-    records: dict  # trial id -> {trial, metrics, scores, predictions (pa.Table), error}
+    records: dict  # trial id -> {trial, metrics, scores, predictions (pa.Table), error, stopped}
     regressions: list
     experiment_path: str
+    generated: int = 0  # samples answered by every trial, those a scheduler stopped included
+    paired: list = field(default_factory=list)  # console lines: methods' Rel. differences with paired intervals
 
     @property
     def failed(self) -> list[str]:
@@ -209,8 +257,9 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     storage = storage_root(spec)
     state = resumed_state(spec, resume) if isinstance(resume, str) else resume  # before any expensive work
     trials = specs.expand(spec)
+    n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
     # the device is known before the blocks: a GPU node the autoscaler must add boots while the rows are built
-    capacity = planning.Capacity(planning.plan(spec.resources, len(trials), 1, spec.tune.max_concurrent_trials))
+    capacity = planning.Capacity(planning.plan(spec.resources, n_trials, 1, spec.tune.max_concurrent_trials))
     if capacity.plan.note:
         say(capacity.plan.note)
     t0 = time.perf_counter()
@@ -222,13 +271,32 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     say(f"{len(rows.keys)} request rows in {len(rows.blocks)} blocks, built once for all trials "
         f"({time.perf_counter() - t0:.1f}s)")
     timeline.mark("rows_built", "driver")
-    plan = planning.plan(spec.resources, len(trials), len(rows.blocks), spec.tune.max_concurrent_trials)
-    say(f"sweep {spec.name} v{spec.version}: {len(trials)} trials, {plan.trials_at_once} at a time, each asking for "
-        f"{plan.max_actors} actor(s) " + (f"of {plan.gpus:g} GPU" if plan.on_gpu else "on the CPU"))
+    problem = search.check_rungs(spec, len(rows.keys))
+    if problem:
+        raise specs.SpecError([problem], spec.name)
+    plan = planning.plan(spec.resources, n_trials, len(rows.blocks), spec.tune.max_concurrent_trials)
+    say(f"sweep {spec.name} v{spec.version}: {_trials_line(spec, len(trials), len(rows.keys))}, "
+        f"{plan.trials_at_once} at a time, each asking for {plan.max_actors} actor(s) "
+        + (f"of {plan.gpus:g} GPU" if plan.on_gpu else "on the CPU"))
     waited = capacity.wait(spec.resources.actor_wait_s)
     if waited >= 1:
         say(f"the first GPU node joined after {waited:.0f}s")
     return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold, command)
+
+
+def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
+    """``12 trials`` or, for a search, what it searches and how (the console's first line about the sweep)."""
+    tune_spec = spec.tune
+    if not specs.metric_in_trials(spec) and tune_spec.search == "grid":
+        return f"{known} trials"
+    searched = search.searched_trials(spec)
+    how = f"{tune_spec.search} search of {searched} trial(s) for the {tune_spec.mode} {tune_spec.metric}"
+    rungs = search.rungs(spec, samples)
+    if rungs:
+        how += (f", ASHA stopping the weakest at {', '.join(map(str, rungs))} of {samples} samples "
+                f"(reduction factor {tune_spec.reduction_factor:g})")
+    fixed = known - (0 if tune_spec.search == "optuna" else searched)
+    return how + (f", after {fixed} fixed trial(s)" if fixed else "")
 
 
 def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
@@ -244,10 +312,11 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         say(f"note: the earlier run {experiment} of this sweep died without finishing; its MLflow parent run is "
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
+    n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
-                                          "limit": spec.limit, "trials": len(trials)}, started=began)
+                                          "limit": spec.limit, "trials": n_trials}, started=began)
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": f"{spec.name}-{stamp}",
                  "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
@@ -259,30 +328,39 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         state["calibrated"] = calibrate(spec, trials, source, plan, client, parent_id)
     save_state(storage, {**state, "driver": driver})
     blocks = sweep_dir(state["storage_path"], state["experiment"])
-    recorder = SweepRecorder(spec, parent_id, len(trials), samples=_samples_per_trial(rows, trials),
-                             blocks=blocks)
+    per_trial = len(rows.keys)
+    recorder = SweepRecorder(spec, parent_id, n_trials, samples=_samples_per_trial(rows, trials), blocks=blocks,
+                             per_trial=per_trial)
     _LIVE_RECORDERS[parent_id] = recorder
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     try:
-        trainable = _trainable(source, rows, spec, plan, blocks, run_fn)
-        tuner = _tuner(trainable, spec, [tune_trial(t, state["calibrated"]) for t in trials], plan, state, recorder,
-                       resume=resume is not None)
-        with progress(sum(recorder.samples_of.values()), spec.name) as bar:
+        ledger = engine.new_ledger()  # one Ledger for every trial's blocks, both experiments
+        with progress(sum(recorder.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar:
             recorder.bar = bar
             timeline.mark("tune_start", "driver")
-            grid = tuner.fit()
+            for phase in search.phases(spec):
+                objective = _objective(spec, phase, rows, recorder)
+                if phase.searched and objective is None:
+                    break  # the baseline failed: said, and the sweep exits 1
+                trainable = _trainable(source, rows, spec, plan, blocks, run_fn, ledger, objective)
+                tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
+                grid = tuner.fit()
+                try:
+                    _reconcile(recorder, grid, phase.trials, spec.tune.num_samples if not phase.trials else None)
+                except SweepInterrupted as e:
+                    raise SweepInterrupted(str(e), resume_command(state)) from None
             timeline.mark("tune_end", "driver")
-        try:
-            _reconcile(recorder, grid, trials)
-        except SweepInterrupted as e:
-            raise SweepInterrupted(str(e), resume_command(state)) from None
         recorder.finalize_rel()
+        recorder.count_generated()
+        paired = paired_lines(spec, recorder.records)  # here: lmms-eval's output goes to the log
         regressions = []
         if regression_threshold is not None:
             regressions = tracking.regression_check(client, parent_id, spec.name, spec.version, regression_threshold)
-        tracking.log_metrics(client, parent_id, {"trials/total": len(trials),
+        tracking.log_metrics(client, parent_id, {"trials/total": len(recorder.records),
                                                  "trials/failed": sum(r["error"] is not None
-                                                                      for r in recorder.records.values())})
+                                                                      for r in recorder.records.values()),
+                                                 "trials/stopped": len(recorder.stopped),
+                                                 mlflow_layout.GENERATED: recorder.generated})
         tracking.finish(client, parent_id)
         recorder.clear_blocks()  # every trial is in MLflow and in its Tune checkpoint now
     except BaseException:
@@ -290,7 +368,25 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         raise
     finally:
         _LIVE_RECORDERS.pop(parent_id, None)
-    return SweepOutcome(parent_id, recorder.records, regressions, exp_path)
+    return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired)
+
+
+def _objective(spec: specs.SweepSpec, phase: search.Phase, rows: Requests,
+               recorder: SweepRecorder) -> search.Objective | None:
+    """What the search's trials compute while they run (None for fixed trials, and when the search cannot run:
+    Rel. without the baseline's answers)."""
+    if not phase.searched:
+        return None
+    keys = rows.keys
+    rungs = search.rungs(spec, len(keys))
+    if spec.tune.metric != mlflow_layout.REL:
+        return search.Objective(spec.tune.metric, keys, rungs)
+    base = recorder.records.get(search.BASELINE_ID)
+    if base is None or base["predictions"] is None:
+        say(f"[search skipped] the search optimizes {mlflow_layout.REL}, which divides by the baseline's scores, and "
+            "the baseline trial did not finish")
+        return None
+    return search.Objective(spec.tune.metric, keys, rungs, search.baseline_scores(keys, rungs, base["predictions"]))
 
 
 def _samples_per_trial(rows: Requests, trials: list) -> dict[str, int]:
@@ -324,31 +420,39 @@ def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: pl
 
 
 def _trainable(source: ModelSource, rows: Requests, spec: specs.SweepSpec, plan: planning.Plan, blocks: str,
-               run_fn):
+               run_fn, ledger, objective: search.Objective | None = None):
     settings = dict(tasks=spec.tasks, limit=spec.limit, video_frames=spec.video_frames,
                     generation=spec.generation, progress_bars=False, bootstrap=spec.bootstrap,
                     resources=spec.resources)
     fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, plan=plan, blocks=blocks,
-                              ledger=engine.new_ledger(), run_fn=run_fn)  # one Ledger for every trial's blocks
+                              ledger=ledger, run_fn=run_fn, objective=objective)
     return tune.with_resources(fn, TRIAL_RESOURCES)
 
 
-def _tuner(trainable, spec: specs.SweepSpec, trials: list[dict], plan: planning.Plan, state: dict, recorder,
+def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning.Plan, state: dict, recorder,
            resume: bool):
-    """trials: Tune's configs (`tune_trial`); a resumed experiment keeps the ones it started with."""
-    storage, name = state["storage_path"], state["experiment"]
+    """One experiment of the sweep (`search.phases`): its listed trials as a grid, or optuna's search; the
+    scheduler when it is the search. A resumed sweep restores the experiment as it was (trials, searcher, the
+    scheduler's rungs) when it had started."""
+    storage, name = state["storage_path"], state["experiment"] + phase.suffix
     if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
         say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
         return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
+    callbacks = [RecorderHook(recorder.parent_id)]
+    scheduler = search.scheduler(spec, recorder.per_trial) if phase.searched else None
+    if scheduler is not None:
+        callbacks.append(search.SchedulerState(scheduler))
     run_config = tune.RunConfig(
-        name=name, storage_path=storage, callbacks=[RecorderHook(recorder.parent_id)],
+        name=name, storage_path=storage, callbacks=callbacks,
         verbose=0,  # Tune's tables are wide; RecorderHook prints one line per trial start and end instead
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
-    return tune.Tuner(trainable, param_space={"trial": tune.grid_search(trials)},
-                      tune_config=tune.TuneConfig(max_concurrent_trials=plan.trials_at_once, num_samples=1,
-                                                  reuse_actors=True),
-                      run_config=run_config)
+    searcher = search.searcher(spec) if phase.searched else None
+    tune_config = tune.TuneConfig(
+        max_concurrent_trials=plan.trials_at_once, reuse_actors=scheduler is None, scheduler=scheduler,
+        search_alg=searcher, num_samples=spec.tune.num_samples if searcher is not None else 1)
+    return tune.Tuner(trainable, param_space=search.param_space(spec, phase, state["calibrated"]),
+                      tune_config=tune_config, run_config=run_config)
 
 
 class SweepInterrupted(RuntimeError):
@@ -359,22 +463,35 @@ class SweepInterrupted(RuntimeError):
         self.resume = resume  # the command that finishes the sweep
 
 
-def _reconcile(recorder: SweepRecorder, grid, trials: list) -> None:
-    """Log any trial the callback did not see (finished before an interruption, restored by --resume).
+def _reconcile(recorder: SweepRecorder, grid, trials: list, searched: int | None = None) -> None:
+    """Log any trial the callback did not see (finished before an interruption, restored by --resume): from its
+    checkpoint, its error, or, stopped by the scheduler, its last result.
 
-    A trial without a result (never started, or stopped without error or checkpoint) means Tune was interrupted.
+    A trial without a result (never started, or stopped without error, checkpoint or the scheduler's stop) means
+    Tune was interrupted. ``trials``: the experiment's listed trials; ``searched``: for an optuna search, how many
+    trials it must have run.
     """
+    seen = []
     for result in grid:
-        if not result.config or "trial" not in result.config:  # a trial Tune never started (interrupted early)
-            continue
-        trial = result.config["trial"]
-        if trial["trial_id"] in recorder.records and recorder.records[trial["trial_id"]]["error"] is None:
+        if not result.config or ("trial" not in result.config and "sampled" not in result.config):
+            continue  # a trial Tune never started (interrupted early)
+        trial = search.trial_of(result.config)
+        record = recorder.records.get(trial["trial_id"])
+        if record is not None and record["error"] is None:
+            seen.append(trial["trial_id"])
             continue
         if result.error is not None:
             recorder.record_error(trial, str(result.error))
         elif result.checkpoint is not None:
             recorder.record(trial, result.checkpoint)
+        elif search.stopped_by_scheduler(result.metrics):
+            recorder.record_stopped(trial, result.metrics)
+        else:
+            continue
+        seen.append(trial["trial_id"])
     unfinished = [t.trial_id for t in trials if t.trial_id not in recorder.records]
+    if searched is not None and len(seen) < searched:
+        unfinished.append(f"{searched - len(seen)} searched trial(s)")
     if unfinished:
         raise SweepInterrupted(f"{len(unfinished)} trial(s) did not finish: {', '.join(unfinished)}")
 
@@ -424,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         print(note, flush=True)  # on the console, not only in the log: the task is left out of every trial
     if args.validate_only:
         print("\n".join(t.trial_id for t in specs.expand(spec)))
+        if spec.tune.search == "optuna":
+            print(f"+ {spec.tune.num_samples} trial(s) chosen by optuna while the sweep runs, over "
+                  + ", ".join(f"{k}={space.parse(v).describe()}" for k, v in spec.grid.items()))
         print(generation_plan(spec))
         return 0
     t0 = time.perf_counter()
@@ -437,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             connect(args.address, log_to_driver=args.verbose)
             outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                 command={"config": args.config, "overrides": args.overrides})
-        except (RayUnreachable, planning.NoCapacity) as e:
+        except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
             say(f"error: {e}")
             return EXIT_BAD_INPUT
         except SweepInterrupted as e:
@@ -446,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))
+    best = best_line(spec, outcome.records, outcome.generated)
+    if outcome.paired or best:
+        print("\n" + "\n".join(outcome.paired + ([best] if best else [])))  # the last line: the best (mu, tau)
     url = tracking.ui_url(spec.name)
     print(f"\nOpen the results:\n  {tracking.ui_command()}" + (f"\n  then {url}" if url else ""))
     if outcome.regressions:

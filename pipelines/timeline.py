@@ -48,6 +48,7 @@ def mark(event: str, where: str, *, t: float | None = None, **fields) -> None:
         return
     line = {"t": time.time() if t is None else t, "event": event, "where": where, "pid": os.getpid(), **_TAGS,
             **fields}
+    Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / f"{os.getpid()}.jsonl", "a") as f:
         f.write(json.dumps(line, default=str) + "\n")
 

@@ -144,12 +144,13 @@ def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict)
 
 def log_trial(c, parent_id: str, sweep: str, version: int, trial: dict, params: dict, metrics: dict,
               predictions: str | Path | None, status: str = "FINISHED", error: str | None = None,
-              span: tuple[float, float] | None = None) -> str:
+              span: tuple[float, float] | None = None, tags: dict | None = None) -> str:
     """One child run of a sweep: tags, params, finite metrics, the predictions.parquet file; returns its run id.
 
-    ``span``: the trial's (start, end) in epoch seconds, so the run shows the trial's real duration."""
+    ``span``: the trial's (start, end) in epoch seconds, so the run shows the trial's real duration. ``tags``: more
+    tags (a stopped trial's `promprune.stopped`)."""
     tags = {mlflow_layout.PARENT: parent_id, ROLE: mlflow_layout.ROLE_TRIAL, SWEEP: sweep, TRIAL: trial["trial_id"],
-            VERSION: str(version)}
+            VERSION: str(version), **(tags or {})}
     if error:
         tags[mlflow_layout.ERROR] = error[:4000]  # MLflow caps tag values; the full trace is in Ray's logs
     return log_run(c, c.get_run(parent_id).info.experiment_id, trial["trial_id"], tags, params, metrics,
@@ -178,12 +179,13 @@ def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: di
     return run_id
 
 
-def log_metrics(c, run_id: str, metrics: dict) -> None:
-    """Finite numeric metrics only (NaN means "not measured", e.g. no entropy for the unpruned model)."""
+def log_metrics(c, run_id: str, metrics: dict, step: int = 0) -> None:
+    """Finite numeric metrics only (NaN means "not measured", e.g. no entropy for the unpruned model); ``step``:
+    where in a metric's history they go (a search's running values: the samples they were computed over)."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, 0) for k, v in metrics.items()
+    batch = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
     if batch:
         c.log_batch(run_id, metrics=batch)

@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines import mlflow_layout
 
-from . import figures, ground_truth, overlay, side_by_side, tables
+from . import figures, ground_truth, overlay, paired, side_by_side, tables
 from .published import PAPER_DIR, load_published
 from .store import BASELINE_METHOD, Sweep, load_predictions
 
@@ -42,18 +42,22 @@ class Report:
 
 def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DIR,
                  image_source: ImageSource | None = None,
-                 truth_source: ground_truth.TruthSource | None = None) -> Report:
-    """Write every table and figure that applies to `sweep` under `out_dir`; return what was written."""
+                 truth_source: ground_truth.TruthSource | None = None, grid: Sweep | None = None) -> Report:
+    """Write every table and figure that applies to `sweep` under `out_dir`; return what was written. ``grid``: a
+    grid sweep over the same (mu, tau) to draw beside a search and compare it with."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir)
     preds = _PredictionCache()
+    searched, sweep = sweep, sweep.ran_to_end()  # tables and figures of finished trials never see a stopped one
     table = tables.build_score_table(sweep)
     full_tokens = _full_tokens(sweep, preds)
-    sections = [_header(sweep, table)]
+    sections = [_header(searched, table)]
     published = load_published(sweep.name, published_root)
     comparison = None if published is None else tables.compare_published(sweep, table, published)
     sections.append(_scores_section(table, full_tokens, comparison, out_dir, report))
+    sections.append(_paired_section(sweep, table, preds))
+    sections.append(_search_section(searched, table, preds, out_dir, report, grid))
     sections.append(_efficiency_section(sweep, table, out_dir, report))
     sections.append(_published_section(sweep, table, published, comparison, out_dir, report))
     sections.append(_matched_split_section(sweep, table, preds, out_dir, report))
@@ -123,9 +127,13 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
              f"- model: `{model}`; trials: {len(sweep.trials)}; benchmarks: "
              + ", ".join(f"{c.label} (`{c.task}`: {'+'.join(c.metrics)})" for c in table.columns),
              f"- failed samples over all trials: {failed:.0f}"]
-    unfinished = sweep.trials[sweep.trials["status"] != "FINISHED"]
+    stopped = sweep.stopped
+    unfinished = sweep.trials[(sweep.trials["status"] != "FINISHED") & ~stopped]
     if len(unfinished):
         lines.append(f"- trials not FINISHED (their numbers may be missing): {', '.join(unfinished['trial'])}")
+    if stopped.any():
+        lines.append(f"- trials stopped early by the search's scheduler (ASHA): {int(stopped.sum())}; they are in no "
+                     "table, and drawn with their running Rel. in the search figure")
     return "\n".join(lines) + "\n"
 
 
@@ -143,6 +151,135 @@ def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
     if comparison is not None and not comparison.empty:
         note += " Rows marked ↳ paper: the published numbers, with our delta."
     return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"
+
+
+def _paired_section(sweep, table, preds) -> str:
+    """Each method's Rel. difference to the best other method at its budget, with a paired bootstrap interval."""
+    bid = sweep.baseline_id
+    if bid is None:
+        return ""
+    frame = table.frame[["method", "budget"]].assign(rel=table.frame["rel"] / 100)
+    diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)))
+    if not diffs:
+        return ""
+    return ("## Paired differences\n\nEach method's best trial against the best other method at its budget, in "
+            "points of Rel., with a 95% paired bootstrap interval: the documents of every benchmark resampled "
+            f"{paired.ITERS} times, both trials and the unpruned baseline scored on the same resample (an interval "
+            "that holds 0 is a gap the benchmarks cannot tell from noise).\n\n" + paired.markdown(diffs))
+
+
+MU_TAU = ("mu", "tau")
+
+
+def _plane_points(sweep: Sweep, table: tables.ScoreTable | None = None) -> pd.DataFrame:
+    """The trials that set mu or tau: their (mu, tau), Rel. in % (a stopped trial's running Rel.), stopped."""
+    if not any(o in sweep.option_names for o in MU_TAU):
+        return pd.DataFrame(columns=["mu", "tau", "value", "stopped"])
+    trials = sweep.trials
+    opts = pd.DataFrame({o: pd.to_numeric(trials[o], errors="coerce") if o in trials else np.nan for o in MU_TAU},
+                        index=trials.index)
+    stopped = sweep.stopped.reindex(opts.index).fillna(False).astype(bool)
+    frame = opts[opts.notna().any(axis=1)].assign(stopped=stopped)
+    running = sweep.metrics.get(f"{mlflow_layout.RUNNING}/{mlflow_layout.REL}",
+                                pd.Series(np.nan, index=trials.index))
+    final = table.frame["rel"] if table is not None else mlflow_layout.rel_percent(
+        sweep.metrics.get(mlflow_layout.REL, pd.Series(np.nan, index=trials.index)))
+    frame["value"] = [mlflow_layout.rel_percent(running.get(i, np.nan)) if frame.loc[i, "stopped"]
+                      else final.get(i, np.nan) for i in frame.index]
+    return frame
+
+
+def _grid_pivot(points: pd.DataFrame) -> pd.DataFrame | None:
+    """Rel. (%) as a mu x tau grid, when the finished trials form one (at least 2 x 2)."""
+    done = points[~points["stopped"]].dropna(subset=["mu", "tau", "value"])
+    if done["mu"].nunique() < 2 or done["tau"].nunique() < 2:
+        return None
+    return done.pivot_table(index="mu", columns="tau", values="value", aggfunc="mean")
+
+
+def _generated(sweep: Sweep) -> float:
+    """Samples the sweep's trials generated (the parent's `samples/generated`; older sweeps: their trials' own)."""
+    if mlflow_layout.GENERATED in sweep.parent_metrics:
+        return sweep.parent_metrics[mlflow_layout.GENERATED]
+    done = sweep.metrics.get("samples/total", pd.Series(0.0, index=sweep.trials.index)).where(~sweep.stopped, 0)
+    return float(done.fillna(0).sum() + sweep.metrics.get("samples/done", pd.Series(0.0)).where(
+        sweep.stopped, 0).fillna(0).sum())
+
+
+def _best_with_interval(sweep: Sweep, points: pd.DataFrame, preds) -> tuple[str | None, tuple | None]:
+    """The finished trial of the best Rel. and its (Rel., low, high) in %, paired with the sweep's baseline."""
+    done = points[~points["stopped"]].dropna(subset=["value"])
+    if done.empty:
+        return None, None
+    ids = sweep.trials["trial"].reindex(done.index).fillna("")
+    best = done.assign(_id=ids).sort_values(["value", "_id"], ascending=[False, True], kind="stable").index[0]
+    if sweep.baseline_id is None:  # (a tie goes to the first trial id, as on the console)
+        return best, None
+    try:
+        boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)))
+    except ValueError:  # the best trial ran on other documents than the baseline (a subset of the tasks)
+        return best, None
+    return best, None if boot is None else tuple(100 * x for x in boot.rel(best))
+
+
+def _where(points: pd.DataFrame, rid: str) -> str:
+    """``mu=0.2, tau=0.03`` of a trial (the options it sets)."""
+    return ", ".join(f"{o}={tables.fmt_value(points.loc[rid, o])}" for o in MU_TAU
+                     if points.loc[rid, o] == points.loc[rid, o])
+
+
+def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) -> str:
+    """A sweep whose trials vary mu or tau: the trials in the (mu, tau) plane (stopped ones marked, the best
+    starred), the grid's heatmap beside it, the best (mu, tau) with its interval and the samples generated; with a
+    grid sweep to compare with, whether the best lies in the grid best's interval and the share of its samples."""
+    points = _plane_points(sweep, table)
+    if len(points.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False)) < 2:
+        return ""
+    best, interval = _best_with_interval(sweep, points, preds)
+    grid_points = _plane_points(grid.ran_to_end(), tables.build_score_table(grid.ran_to_end())) if grid else None
+    pivot = _grid_pivot(grid_points if grid_points is not None else points)
+    path = figures.search_plane(points, best, pivot, out_dir / "mu_tau_search.png",
+                                f"grid `{grid.name}`" if grid else "this sweep's grid")
+    generated = _generated(sweep)
+    lines = ["## The (mu, tau) plane", ""]
+    n_stopped = int(points["stopped"].sum())
+    lines.append(f"- trials: {len(points)}" + (f", {n_stopped} stopped early by ASHA (crosses: their running Rel. "
+                                                "at the rung that stopped them, over the sweep's first samples: the "
+                                                "same samples for every trial, so comparable with each other, not "
+                                                "with a finished trial's Rel. over all)" if n_stopped else ""))
+    if best is not None:
+        text = f"- best (mu, tau): **{_where(points, best)}**, Rel. {points.loc[best, 'value']:.1f}%"
+        if interval is not None:
+            text += (f" [{interval[1]:.1f}, {interval[2]:.1f}] (95% bootstrap over the documents, {paired.ITERS} "
+                     "resamples, paired with the baseline)")
+        lines.append(text + f" (`{sweep.trials.loc[best, 'trial']}`)")
+    lines.append(f"- samples generated: {generated:.0f}")
+    if grid is not None:
+        lines += _against_grid(grid, grid_points, points, best, generated, preds)
+    if path is not None:
+        report.files.append(path)
+        lines += ["", f"![mu_tau_search]({path.name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _against_grid(grid: Sweep, grid_points: pd.DataFrame, points: pd.DataFrame, best: str | None,
+                  generated: float, preds) -> list[str]:
+    """The search against a full grid: the grid's best with its interval, whether the search's best lies in it,
+    how many grid points do, and the samples each generated."""
+    gbest, ginterval = _best_with_interval(grid.ran_to_end(), grid_points, preds)
+    if gbest is None:
+        return [f"- grid `{grid.name}`: no finished trial with Rel."]
+    gen = _generated(grid)
+    lines = [f"- grid `{grid.name}`: best **{_where(grid_points, gbest)}**, Rel. {grid_points.loc[gbest, 'value']:.1f}%"
+             + (f" [{ginterval[1]:.1f}, {ginterval[2]:.1f}]" if ginterval else "") + f"; {gen:.0f} samples generated"]
+    if best is not None and ginterval is not None:
+        value = points.loc[best, "value"]
+        inside = ginterval[1] <= value <= ginterval[2]
+        n_in = int(grid_points["value"].between(ginterval[1], ginterval[2]).sum())
+        lines.append(f"- the search's best Rel. {value:.1f}% lies **{'inside' if inside else 'outside'}** the grid "
+                     f"best's interval ({n_in} of {len(grid_points)} grid points do), with {generated:.0f} samples: "
+                     f"{100 * generated / gen:.0f}% of the grid's {gen:.0f}")
+    return lines
 
 
 def _efficiency_section(sweep, table, out_dir, report) -> str:

@@ -218,3 +218,58 @@ def entropy_histograms(preds: pd.DataFrame, path: Path, mu: float | None, title:
     axes[1][0].set_ylabel("images")
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
+
+
+TAU_TICKS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # readable tau labels on a log axis
+
+
+def search_plane(points: pd.DataFrame, best: str | None, grid: pd.DataFrame | None, path: Path,
+                 grid_title: str = "the grid") -> Path | None:
+    """A search over mu and tau: each trial at its (tau, mu), coloured by its Rel. (%); trials a scheduler stopped
+    drawn as crosses coloured by their running Rel. when stopped; the best finished trial starred. Beside it, when
+    ``grid`` is given (a mu x tau pivot of Rel., %), the grid's heatmap on the same colour scale.
+
+    points: one row per trial (index: trial id) with ``mu``, ``tau``, ``value`` (Rel., %) and ``stopped`` (bool).
+    """
+    points = points.dropna(subset=["mu", "tau", "value"])
+    if len(points) < 2:
+        return None
+    panels = 2 if grid is not None and grid.size else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.8 * panels, 4.8), squeeze=False)
+    ax = axes[0][0]
+    values = pd.concat([points["value"], grid.stack()]) if panels == 2 else points["value"]
+    vmin, vmax = float(values.min()), float(values.max())
+    done, stopped = points[~points["stopped"]], points[points["stopped"]]
+    image = ax.scatter(done["tau"], done["mu"], c=done["value"], cmap="viridis", vmin=vmin, vmax=vmax, s=60,
+                       edgecolors="black", linewidths=0.5, label=f"ran to the end ({len(done)})", zorder=3)
+    if len(stopped):
+        ax.scatter(stopped["tau"], stopped["mu"], c=stopped["value"], cmap="viridis", vmin=vmin, vmax=vmax, s=50,
+                   marker="X", linewidths=0.3, edgecolors="black", zorder=2,
+                   label=f"stopped early: running Rel. over its first samples ({len(stopped)})")
+    if best is not None and best in points.index:
+        ax.scatter([points.loc[best, "tau"]], [points.loc[best, "mu"]], marker="*", s=380, facecolors="none",
+                   edgecolors="red", linewidths=1.6, zorder=4, label=f"best: {points.loc[best, 'value']:.1f}%")
+    ax.set_xscale("log")
+    lo, hi = float(points["tau"].min()), float(points["tau"].max())
+    ticks = [t for t in TAU_TICKS if lo / 1.5 <= t <= hi * 1.5] or [lo, hi]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("tau (log scale)")
+    ax.set_ylabel("mu")
+    ax.set_title(f"{len(points)} trials in the (mu, tau) plane", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    ax.grid(alpha=0.3)
+    fig.colorbar(image, ax=ax, label="Rel. (%)")
+    if panels == 2:
+        gx = axes[0][1]
+        shown = gx.imshow(grid.to_numpy(), cmap="viridis", vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
+        gx.set_xticks(range(grid.shape[1]), [f"{t:g}" for t in grid.columns])
+        gx.set_yticks(range(grid.shape[0]), [f"{m:g}" for m in grid.index])
+        for (i, j), value in np.ndenumerate(grid.to_numpy()):
+            if not np.isnan(value):
+                gx.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=7, color="white")
+        gx.set_xlabel("tau")
+        gx.set_ylabel("mu")
+        gx.set_title(f"{grid_title}: Rel. (%) per grid point", fontsize=9)
+        fig.colorbar(shown, ax=gx, label="Rel. (%)")
+    return _save(fig, path)

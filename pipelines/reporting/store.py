@@ -27,6 +27,20 @@ class Sweep:
     trials: pd.DataFrame  # columns: trial, method, budget (float, NaN for the baseline), status, + option columns
     metrics: pd.DataFrame  # same index; columns are metric keys (`pope/pope_f1_score`, `rel`, ...)
     option_names: list = field(default_factory=list)  # option columns present in `trials`
+    parent_metrics: dict = field(default_factory=dict)  # the parent run's metrics (samples/generated, trials/*)
+
+    @property
+    def stopped(self) -> pd.Series:
+        """Per trial: whether a scheduler stopped it early (tag `promprune.stopped`; its scores are running ones,
+        under `running/`)."""
+        return self.trials["stopped"] if "stopped" in self.trials else pd.Series(False, index=self.trials.index)
+
+    def ran_to_end(self) -> "Sweep":
+        """The sweep without the trials a scheduler stopped early: what every table and figure of finished trials
+        reads, so a stopped trial is never taken for a finished one."""
+        keep = ~self.stopped
+        return Sweep(self.run_id, self.name, self.tags, self.trials[keep], self.metrics[keep], self.option_names,
+                     self.parent_metrics)
 
     @property
     def baseline_id(self) -> str | None:
@@ -93,11 +107,14 @@ def load_sweep(ref: str | None = None) -> Sweep:
     tags = {k[len("tags."):]: v for k, v in parent.items() if k.startswith("tags.") and isinstance(v, str)}
     name = tags.get(mlflow_layout.SWEEP) or tags.get(mlflow_layout.RUN_NAME) or parent["run_id"]
     trials, metrics, options = _split_columns(runs)
-    return Sweep(parent["run_id"], name, tags, trials, metrics, options)
+    parent_metrics = {k[len("metrics."):]: float(v) for k, v in parent.items()
+                      if k.startswith("metrics.") and v is not None and v == v}
+    return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics)
 
 
 def _latest_per_trial(runs: pd.DataFrame) -> pd.DataFrame:
-    """One run per `promprune.trial` tag: the newest FINISHED one, else the newest (runs come newest first)."""
+    """One run per `promprune.trial` tag: the newest FINISHED one, else the newest (runs come newest first; a
+    trial a scheduler stopped is KILLED)."""
     trial = mlflow_layout.tag_column(mlflow_layout.TRIAL)
     if runs.empty or trial not in runs.columns:
         return runs
@@ -118,6 +135,8 @@ def _split_columns(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list
     trials = pd.DataFrame(index=runs.index)
     trials["trial"] = runs.get(mlflow_layout.tag_column(mlflow_layout.TRIAL), pd.Series(runs.index, index=runs.index))
     trials["status"] = runs["status"]
+    stopped = mlflow_layout.tag_column(mlflow_layout.STOPPED)
+    trials["stopped"] = runs[stopped].notna() if stopped in runs.columns else False
     trials["method"] = params["method"].fillna(BASELINE_METHOD)
     trials["budget"] = pd.to_numeric(params.get("budget", pd.Series(np.nan, index=runs.index)), errors="coerce")
     for key in ("model", "tasks"):

@@ -8,9 +8,10 @@ A spec is YAML (see sweeps/README.md for every field). Loading is three steps:
    (`schema.py`, pydantic); unknown or mistyped fields, bad types and bad method names/options are collected and
    raised together as one `SpecError` (`errors.py`, with "did you mean" hints). No model is loaded and no GPU is
    needed: methods and their options are checked through `promprune`'s registry.
-3. `expand(spec)` (`trials.py`): the cartesian product of every list in `grid`, plus the explicit `trials`, plus
-   the unpruned baseline, as `Trial`s with stable, human-readable ids (the same config gives the same id every
-   night).
+3. `expand(spec)` (`trials.py`): the cartesian product of every list in `grid` (or, for `tune.search: random`,
+   seeded draws from its lists and distributions, `space.py`), plus the explicit `trials`, plus the unpruned
+   baseline, as `Trial`s with stable, human-readable ids (the same config gives the same id every night). An
+   optuna search chooses its trials while it runs (`pipelines/run/search.py`).
 """
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ from pipelines import plugins
 from pipelines.config import AUTO
 from pipelines.spec.errors import SpecError
 from pipelines.spec.loading import deep_merge, load_raw
-from pipelines.spec.schema import GENERATION_KEYS, SEARCHES, SECTIONS, TOP_LEVEL, SweepSpec, TuneSpec, validate
-from pipelines.spec.trials import MethodCatalog, Trial, check_trials, expand, trial_id
+from pipelines.spec.schema import GENERATION_KEYS, SCHEDULERS, SEARCHES, SECTIONS, TOP_LEVEL, SweepSpec, TuneSpec, \
+    validate
+from pipelines.spec.trials import MethodCatalog, SearchSpaceError, Trial, check_trials, expand, metric_in_trials, \
+    parts, trial_id
 from pipelines.weights import ATTN_IMPLEMENTATIONS, DTYPES
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "AUTO", "DTYPES", "GENERATION_KEYS", "SEARCHES", "SECTIONS", "TOP_LEVEL",
-           "MethodCatalog", "SpecError", "SweepSpec", "Trial", "TuneSpec", "check_trials", "deep_merge",
-           "dump_resolved", "expand", "load", "load_raw", "parse", "trial_id"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "AUTO", "DTYPES", "GENERATION_KEYS", "SCHEDULERS", "SEARCHES", "SECTIONS",
+           "TOP_LEVEL", "MethodCatalog", "SearchSpaceError", "SpecError", "SweepSpec", "Trial", "TuneSpec",
+           "check_trials", "deep_merge", "dump_resolved", "expand", "load", "load_raw", "metric_in_trials", "parse",
+           "parts", "trial_id"]
 
 
 def load(path: str | Path, overrides: list[str] | None = None, *, check_methods: bool = True) -> SweepSpec:

@@ -18,11 +18,14 @@ from pydantic_core import InitErrorDetails
 from typing_extensions import NotRequired, TypedDict
 
 from pipelines.calibration import Calibration
-from pipelines.config import AUTO, SECTION, PositiveOrAuto, Resources, expect, one_of, problem
+from pipelines.config import AUTO, SECTION, Number, PositiveOrAuto, Resources, expect, one_of, problem
+from pipelines.spec import space
 from pipelines.spec.errors import reword, unknown
 from pipelines.weights import ModelSource
 
-SEARCHES = ("grid", "random")
+SEARCHES = ("grid", "random", "optuna")
+SCHEDULERS = ("none", "asha")
+MODES = ("max", "min")
 DEFAULT_TASKS = ("easyvqa_yesno", "easyvqa_open")  # the offline benchmarks
 
 
@@ -86,16 +89,35 @@ GENERATION_KEYS = tuple(Generation.__annotations__)
 Search = one_of(*SEARCHES)
 
 
+def _metric_name(name: str) -> str:
+    if name != "rel" and (name.count("/") != 1 or not all(name.split("/"))):
+        raise ValueError(name)
+    return name
+
+
 @with_config(SECTION)
 @dataclass
 class TuneSpec:
-    search: Search = "grid"  # grid: every combination; random: num_samples seeded draws from the grid
-    # grid: repeats of every trial; random: number of draws
+    # grid: every combination of the grid's lists; random: num_samples seeded draws from the grid's lists and
+    # distributions, without replacement where they are finite; optuna: num_samples trials chosen by Optuna's TPE
+    search: Search = "grid"
+    # grid: repeats of every trial; random, optuna: trials searched
     num_samples: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 1
+    # what optuna and the scheduler optimize: rel (needs the baseline), or a task metric '<task>/<metric>'
+    metric: Annotated[StrictStr, AfterValidator(_metric_name),
+                      expect("'rel' or a task metric '<task>/<metric>' (e.g. pope/pope_f1_score)")] = "rel"
+    mode: one_of(*MODES) = "max"  # max: higher is better (scores, Rel.)
+    # asha: Tune's ASHA stops weak trials at rungs of samples seen (grace_period, x reduction_factor, ...)
+    scheduler: one_of(*SCHEDULERS) = "none"
+    # samples a trial answers before ASHA may stop it (its first rung); auto: a trial's samples / reduction_factor^2,
+    # so there are two rungs before the end
+    grace_period: PositiveOrAuto = AUTO
+    # ASHA keeps the best 1/reduction_factor of the trials at each rung; 3 is ASHA's own recommendation
+    reduction_factor: Annotated[Number, Field(gt=1), expect("a number > 1")] = 3
     max_concurrent_trials: PositiveOrAuto = AUTO  # auto: as many as the GPUs allow (1 on a CPU machine)
     # Tune retries of a failed trial (node loss, OOM) before the trial counts as errored
     max_failures: Annotated[StrictInt, Field(ge=-1), expect("an int >= 0 (or -1: unlimited)")] = 2
-    seed: Annotated[StrictInt, expect("an int")] = 0  # random search draws
+    seed: Annotated[StrictInt, expect("an int")] = 0  # random draws and optuna's sampler
     # Tune's experiment dir; None: ./outputs/tune (needs shared storage on clusters)
     storage_path: Annotated[StrictStr | None, expect("a path or URI string")] = None
 
@@ -117,15 +139,25 @@ def _method_problem(method: Any, catalog) -> str | None:
     return f"unknown method {method!r}{unknown(method, catalog.names)}"
 
 
+def _space_problem(key: str, value: Any) -> str | None:
+    """A distribution's shape and bounds; method names take no range (a list or a choice of them)."""
+    text = space.problem(value)
+    if text is None and key == "method" and space.is_distribution(value) and "choice" not in value:
+        text = f"a method is chosen from a list or {{choice: [...]}}, not drawn from {value!r}"
+    return text
+
+
 def _check_grid(grid: dict, info: ValidationInfo) -> dict:
     catalog = (info.context or {}).get("catalog")
     problems = [((key,), "empty list", value) for key, value in grid.items() if isinstance(value, list) and not value]
+    problems += [((key,), text, value) for key, value in grid.items() if (text := _space_problem(key, value))]
     if grid and "method" not in grid:
         problems.append((("method",), "required when grid is set (a method name or a list of them)", None))
     if grid and "budget" not in grid:
         problems.append((("budget",), "required when grid is set (an int or a list of them)", None))
     methods = grid.get("method", [])
-    methods = methods if isinstance(methods, list) else [methods]
+    methods = methods["choice"] if isinstance(methods, dict) and isinstance(methods.get("choice"), list) \
+        else methods if isinstance(methods, list) else [methods] if not isinstance(methods, dict) else []
     problems += [(("method",), text, m) for m in methods if (text := _method_problem(m, catalog))]
     known = [m for m in methods if catalog is not None and m in catalog.names]
     if known:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.calibration import CALIBRATE, metrics_to_calibrate
+from pipelines.spec import space
 from pipelines.spec.errors import unknown
 from pipelines.spec.schema import SweepSpec
 
@@ -112,26 +114,109 @@ class MethodCatalog:
 
 
 def check_trials(spec: SweepSpec, catalog: MethodCatalog | None = None) -> list[str]:
-    """Budgets and option values of every trial the spec expands to, and the calibration they need (all errors).
-    Method and option names were checked by the schema."""
+    """Budgets and option values of every trial the spec expands to (and of the corners of the grid's search
+    spaces: every listed value and the bounds of each range), the search's settings, and the calibration the trials
+    need (all errors). Method and option names were checked by the schema."""
     catalog = catalog or MethodCatalog()
     adapter_options, errors = catalog.check_adapter_options(spec.model.options)
-    trials = expand(spec, catalog=catalog)
+    errors += check_search(spec)
+    try:
+        trials = expand(spec, catalog=catalog)
+    except SearchSpaceError as e:
+        errors.append(str(e))
+        trials = []
     for trial in [t for t in trials if t.repeat == 0]:  # a repeat has its first run's config
-        if trial.method is not None and (not isinstance(trial.budget, int) or isinstance(trial.budget, bool)
-                                         or trial.budget < 1):
-            errors.append(f"budget: expected an int >= 1, got {trial.budget!r} (trial {trial.trial_id})")
-            continue
-        options = dict(trial.options)
-        if options.get("mu") == CALIBRATE:  # a number after calibration: check the rest with a stand-in
-            options["mu"] = 0.5
-        problem = catalog.validate(trial.method, trial.budget, options, adapter_options)
-        if problem:
+        problem = _trial_problem(trial, catalog, adapter_options)
+        if problem and problem.startswith("budget: "):
+            errors.append(f"{problem} (trial {trial.trial_id})")
+        elif problem:
             errors.append(f"trial {trial.trial_id}: {problem}")
+    errors += _corner_problems(spec, catalog, adapter_options)
     if metrics_to_calibrate(trials) and not spec.calibration.images:
         errors.append("calibration.images: required when a trial sets mu: calibrate (a folder of images, or "
                       "hf:<dataset id>)")
     return list(dict.fromkeys(errors))  # one adapter-option problem repeats in every trial: report it once
+
+
+def check_search(spec: SweepSpec) -> list[str]:
+    """The search's settings against the grid and the rest of the spec (`tune.search`, `tune.metric`)."""
+    tune, errors = spec.tune, []
+    drawn = [k for k, v in spec.grid.items() if space.is_distribution(v)]
+    if tune.search == "grid" and drawn:
+        errors += [f"grid.{k}: {space.parse(spec.grid[k]).describe()} is a search space, and tune.search: grid runs "
+                   "the grid's lists only (set tune.search: random or optuna, or give a list)" for k in drawn]
+    if tune.search != "grid" and not spec.grid:
+        errors.append(f"tune.search: {tune.search} searches the grid's lists and spaces, and the grid is empty")
+    if tune.search == "optuna":
+        errors += [f"grid.{k}: optuna chooses among numbers, strings, bools and null, not {v!r} (make it a fixed "
+                   "value, or search it with tune.search: random)"
+                   for k, values in _choices(spec.grid).items() if len(values) > 1
+                   for v in values if not isinstance(v, (int, float, str, bool, type(None)))]
+    if tune.metric != "rel" and tune.metric.split("/")[0] not in spec.tasks:
+        errors.append(f"tune.metric: {tune.metric!r} names no task of the spec's {spec.tasks} (write "
+                      "'<task>/<metric>', or rel)")
+    if tune.metric == "rel" and not spec.baseline and metric_in_trials(spec):
+        errors.append("tune.metric: rel divides by the unpruned model's scores, and baseline is false (set "
+                      "baseline: true, or optimize a task metric such as '<task>/<metric>')")
+    return errors
+
+
+def metric_in_trials(spec: SweepSpec) -> bool:
+    """Whether trials compute the search's metric while they run (for a scheduler's rungs, or optuna's
+    objective), which for Rel. needs the baseline's answers first."""
+    return spec.tune.scheduler != "none" or spec.tune.search == "optuna"
+
+
+def _choices(grid: dict) -> dict[str, list]:
+    """The listed values of every finite grid entry (lists, choices)."""
+    return {k: space.parse(v).finite for k, v in grid.items() if space.parse(v).kind in (space.AXIS, "choice")}
+
+
+def _corner_problems(spec: SweepSpec, catalog: MethodCatalog, adapter_options: dict) -> list[str]:
+    """Each search space's corners (a range's bounds, every value of a choice) tried with the grid's other entries
+    inside their own spaces, so that a value a method refuses is named, with its option, before anything runs."""
+    firsts = {k: space.parse(v).middle for k, v in spec.grid.items()}
+    errors = []
+    for key, value in spec.grid.items():
+        if not space.is_distribution(value):
+            continue
+        described = space.parse(value).describe()
+        for corner in space.parse(value).corners:
+            for trial in _trials_of([{**firsts, key: corner}], catalog):
+                problem = _trial_problem(trial, catalog, adapter_options)
+                if problem:
+                    errors.append(f"grid.{key}: {corner!r} of {described}: {problem}")
+    return errors
+
+
+def _trial_problem(trial: Trial, catalog: MethodCatalog, adapter_options: dict) -> str | None:
+    """What promprune refuses in a trial's budget or options (None: nothing)."""
+    if trial.method is not None and (not isinstance(trial.budget, int) or isinstance(trial.budget, bool)
+                                     or trial.budget < 1):
+        return f"budget: expected an int >= 1, got {trial.budget!r}"
+    options = dict(trial.options)
+    if options.get("mu") == CALIBRATE:  # a number after calibration: check the rest with a stand-in
+        options["mu"] = 0.5
+    return catalog.validate(trial.method, trial.budget, options, adapter_options)
+
+
+def _trials_of(combos: list[dict], catalog: MethodCatalog, repeats: int = 1) -> list[Trial]:
+    """Grid combinations as trials: options only for the methods that take them (`mu` is dropped for divprune),
+    each distinct trial once, in order."""
+    out: list[Trial] = []
+    seen: set[str] = set()
+    for combo in combos:
+        combo = dict(combo)
+        method, budget = combo.pop("method"), combo.pop("budget")
+        tasks = combo.pop("tasks", None)
+        accepted = catalog.options(method)
+        options = {k: v for k, v in combo.items() if accepted is None or k in accepted}
+        for r in range(repeats):
+            trial = Trial(method, budget, options, r, None if tasks is None else tuple(tasks))
+            if trial.trial_id not in seen:
+                seen.add(trial.trial_id)
+                out.append(trial)
+    return out
 
 
 def _as_list(v: Any) -> list:
@@ -142,33 +227,72 @@ def _as_list(v: Any) -> list:
 # expansion
 
 
-def expand(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> list[Trial]:
-    """Every trial the sweep runs: baseline first, then the grid (or random draws from it), then `trials`.
+class SearchSpaceError(ValueError):
+    """A random search asks for more distinct trials than its space holds."""
 
-    Grid options only go to methods that accept them (`mu` is dropped for `divprune`), and the combinations that
-    become identical are run once. Random search: `tune.num_samples` seeded draws from the grid.
-    """
+
+def expand(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> list[Trial]:
+    """Every trial the sweep runs that is known before it starts: the baseline first, then the grid's trials (every
+    combination, or `tune.num_samples` random draws), then `trials`; a trial listed twice runs once. With
+    ``tune.search: optuna`` the grid's trials are chosen while the sweep runs, so only the others are here."""
     catalog = catalog or MethodCatalog()
-    combos = _grid_combos(spec.grid)
-    if spec.tune.search == "random" and combos:
-        rng = random.Random(spec.tune.seed)
-        combos = [rng.choice(combos) for _ in range(spec.tune.num_samples)]
+    baseline, searched, explicit = parts(spec, catalog=catalog)
+    ids = {t.trial_id for t in searched}
+    return baseline + searched + [t for t in explicit if t.trial_id not in ids]
+
+
+def parts(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> tuple[list[Trial], list[Trial], list[Trial]]:
+    """(the baseline's trials, the grid's trials, the explicit `trials`), each as `expand` runs them: grid options
+    only go to methods that accept them, and combinations that become identical run once. The grid's trials are
+    empty for optuna, which chooses them while the sweep runs."""
+    catalog = catalog or MethodCatalog()
+    repeats = spec.tune.num_samples if spec.tune.search == "grid" else 1
+    if spec.tune.search == "random" and spec.grid:
+        searched = draws(spec.grid, spec.tune.num_samples, spec.tune.seed, catalog)
+    elif spec.tune.search == "grid" and not any(space.is_distribution(v) for v in spec.grid.values()):
+        searched = _trials_of(_grid_combos(spec.grid), catalog, repeats)  # (distributions: `check_search` says)
+    else:
+        searched = []
+    explicit = _trials_of([dict(t) for t in spec.trials], catalog, repeats)
+    baseline = [Trial(None, None, {}, r) for r in range(repeats)] if spec.baseline else []
+    return baseline, searched, explicit
+
+
+MAX_DRAWS_PER_TRIAL = 100  # a random search gives up on distinct draws after this many draws per trial asked for
+
+
+def draws(grid: dict, n: int, seed: int, catalog: MethodCatalog) -> list[Trial]:
+    """``n`` distinct trials drawn from the grid's lists and distributions with ``random.Random(seed)``.
+
+    A finite space (lists, choices, randints) is drawn without replacement from its distinct trials (options a
+    method does not take dropped first, so `divprune` with `mu: [0.4, 0.5]` is one trial, not two); asking for more
+    than it holds is a `SearchSpaceError`. A space with a continuous range is drawn one combination at a time,
+    a trial already drawn drawn again (`MAX_DRAWS_PER_TRIAL` draws per trial at most)."""
+    rng = random.Random(seed)
+    spaces = {k: space.parse(v) for k, v in grid.items()}
+    if all(s.finite is not None for s in spaces.values()) and math.prod(s.size for s in spaces.values()) <= \
+            MAX_ENUMERATED:
+        distinct = _trials_of(_grid_combos({k: s.finite for k, s in spaces.items()}), catalog)
+        if n > len(distinct):
+            raise SearchSpaceError(f"tune.num_samples: {n} trials asked, and the grid holds {len(distinct)} distinct "
+                                   f"ones (a random search draws without replacement; use num_samples <= "
+                                   f"{len(distinct)}, or tune.search: grid to run them all)")
+        return rng.sample(distinct, n)
     out: list[Trial] = []
     seen: set[str] = set()
-    repeats = spec.tune.num_samples if spec.tune.search == "grid" else 1
-    candidates = [dict(c) for c in combos] + [dict(t) for t in spec.trials]
-    for combo in candidates:
-        method, budget = combo.pop("method"), combo.pop("budget")
-        tasks = combo.pop("tasks", None)
-        accepted = catalog.options(method)
-        options = {k: v for k, v in combo.items() if accepted is None or k in accepted}
-        for r in range(repeats):
-            trial = Trial(method, budget, options, r, None if tasks is None else tuple(tasks))
-            if trial.trial_id not in seen:
-                seen.add(trial.trial_id)
-                out.append(trial)
-    baseline = [Trial(None, None, {}, r) for r in range(repeats)] if spec.baseline else []
-    return baseline + out
+    for _ in range(MAX_DRAWS_PER_TRIAL * n):
+        (trial,) = _trials_of([{k: s.sample(rng) for k, s in spaces.items()}], catalog)
+        if trial.trial_id not in seen:
+            seen.add(trial.trial_id)
+            out.append(trial)
+            if len(out) == n:
+                return out
+    raise SearchSpaceError(f"tune.num_samples: {len(out)} distinct trials found in {MAX_DRAWS_PER_TRIAL * n} random "
+                           f"draws, {n} asked (the ranges are too narrow for {space.SIGNIFICANT} significant digits, "
+                           "or the lists too short)")
+
+
+MAX_ENUMERATED = 100_000  # a finite space larger than this is drawn like a continuous one (no full listing)
 
 
 def _grid_combos(grid: dict) -> list[dict]:

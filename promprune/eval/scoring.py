@@ -53,6 +53,10 @@ def _replay_model(predictions: dict[tuple[str, int], str]):
         def generate_until_multi_round(self, requests):
             raise NotImplementedError("multi-round tasks are not supported")
 
+        def clean(self):
+            """Nothing to free: a replay holds no model. (lmms-eval's own clean, run after every evaluation, calls
+            gc.collect: ~0.4 s per task scored in a process as large as a sweep's driver or trial.)"""
+
     return Replay()
 
 
@@ -377,3 +381,128 @@ def mean_ratio(ours: dict[str, float], base: dict[str, float]) -> float:
     ratios = [ours[t] / base[t] for t in ours
               if t in base and base[t] == base[t] and ours[t] == ours[t] and base[t] != 0]
     return sum(ratios) / len(ratios) if ratios else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paired differences: several trials and the baseline on the same resamples of the documents
+
+
+class TaskItems:
+    """One task's per-document items (what lmms-eval's ``process_results`` produced) for its primary metrics, with
+    the task's own aggregations: what a paired bootstrap resamples. Built by `sample_items`."""
+
+    def __init__(self, name: str, items: dict[str, dict[int, Any]], aggregations: dict, args=None):
+        self.name, self.items, self.aggregations, self.args = name, items, aggregations, args
+        self.grouping = _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
+
+    @property
+    def doc_ids(self) -> list[int]:
+        return sorted(set().union(*[set(d) for d in self.items.values()])) if self.items else []
+
+    def units(self) -> list[list[list[int]]]:
+        """The resampling units by stratum: each a list of doc ids scored together (one document, or for MME and
+        MMBench a question pair / a question with its circular copies, within its subtask)."""
+        if self.grouping is None:
+            return [[[d] for d in self.doc_ids]]
+        group_of, _, stratum_of = self.grouping
+        metric = next(iter(self.items))
+        strata: dict = {}
+        for doc, record in sorted(self.items[metric].items()):
+            strata.setdefault(stratum_of(record), {}).setdefault(group_of(record), []).append(doc)
+        return [list(groups.values()) for groups in strata.values()]
+
+    def score(self, drawn: list[tuple[int, int]]) -> float:
+        """The task's primary score (the sum of its primary metrics, as `primary_score`) over the drawn documents:
+        ``(doc id, k)``, k numbering the draws of grouped tasks (a group drawn twice enters as two groups)."""
+        total = 0.0
+        for metric, by_doc in self.items.items():
+            if self.grouping is None:
+                values = [by_doc[d] for d, _ in drawn]
+            else:
+                relabel = self.grouping[1]
+                values = [relabel(by_doc[d], k) for d, k in drawn]
+            total += float(aggregate_with(self.aggregations[metric], values, self.args))
+        return total
+
+
+def sample_items(predictions: list[dict], *, include_path: str | list[str] | None = None,
+                 output_dir: str | None = None) -> dict[str, TaskItems]:
+    """Per task, the per-document items of its primary metrics (lmms-eval's own ``process_results`` over the
+    predictions, as `score` replays them; failed samples as the empty answer). Rows as `score` takes them."""
+    if not isinstance(predictions, list) or not predictions:
+        raise ValueError("predictions must be a non-empty list of prediction rows")
+    by_task = _group([values(p) if isinstance(p, Prediction) else p for p in predictions], partial=True)
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="promprune-items-") as tmp:
+        for name, rows in by_task.items():
+            task = load_task(name, include_path)
+            covered = int(next(iter(rows.values()))["n_docs"])
+            limit = None if covered == len(task.eval_docs) else covered
+            answers = {(name, d): _answer(rows[d]) if d in rows else "" for d in range(covered)}
+            results, _ = _evaluate_answers(task, name, answers, limit, output_dir or tmp, True)
+            samples = [s for s in results.get("samples", {}).get(name, []) if int(s["doc_id"]) in rows]
+            aggregations = task.aggregation()
+            items = {m: {int(s["doc_id"]): s[m] for s in samples if m in s}
+                     for m in primary_metrics(name, include_path) if m in aggregations}
+            out[name] = TaskItems(name, {m: v for m, v in items.items() if v}, aggregations,
+                                  getattr(task, "args", None))
+    return out
+
+
+class PairedBootstrap:
+    """Rel. of several trials on the same resamples: each resample draws the documents of every task (whole groups
+    for MME and MMBench, within their strata) with replacement, once, and every trial and the baseline are scored
+    on that same draw. So a difference between two trials is resampled as a difference (paired): documents both
+    answer alike cancel, and the interval says whether a gap is noise. Rel. per resample is `mean_ratio` of each
+    task's primary score over the baseline's.
+
+    ``items``: {trial: `sample_items`(its predictions)}, every trial on the same documents; ``baseline``: the key of
+    the unpruned trial. `rel` / `difference` give (point, low, high) as fractions of the baseline (x100: points)."""
+
+    def __init__(self, items: dict[str, dict[str, TaskItems]], baseline: str, iters: int, *, seed: int = 0,
+                 level: float = CI_LEVEL):
+        import numpy as np
+
+        if baseline not in items:
+            raise ValueError(f"baseline {baseline!r} is not among the trials {sorted(items)}")
+        tasks = sorted(items[baseline])
+        for trial, by_task in items.items():
+            for task in tasks:
+                if task not in by_task or by_task[task].doc_ids != items[baseline][task].doc_ids:
+                    raise ValueError(f"trial {trial!r} did not answer the documents of {task!r} the baseline did: a "
+                                     "paired bootstrap needs the same documents")
+        self.items, self.baseline, self.level, self.tasks = items, baseline, level, tasks
+        rng = np.random.default_rng(seed)
+        full = {t: [(d, 0) for d in items[baseline][t].doc_ids] for t in tasks}
+        self.point = self._rels(full)
+        draws = {t: [] for t in tasks}
+        for _ in range(iters):
+            for t in tasks:
+                drawn, k = [], 0
+                for units in items[baseline][t].units():
+                    for i in rng.integers(0, len(units), size=len(units)):
+                        drawn += [(d, k) for d in units[i]]
+                        k += 1
+                draws[t].append(drawn)
+        per_draw = [self._rels({t: draws[t][i] for t in tasks}) for i in range(iters)]
+        self.samples = {trial: np.array([rels[trial] for rels in per_draw]) for trial in items}
+
+    def _rels(self, drawn: dict[str, list]) -> dict[str, float]:
+        """Every trial's Rel. on one draw of the documents."""
+        scores = {trial: {t: self.items[trial][t].score(drawn[t]) for t in self.tasks} for trial in self.items}
+        return {trial: mean_ratio(scores[trial], scores[self.baseline]) for trial in self.items}
+
+    def _interval(self, values) -> tuple[float, float]:
+        import numpy as np
+
+        tail = (1 - self.level) / 2 * 100
+        low, high = np.nanpercentile(values, [tail, 100 - tail])
+        return float(low), float(high)
+
+    def rel(self, trial: str) -> tuple[float, float, float]:
+        """(Rel. on all the documents, the interval's low, high)."""
+        return (self.point[trial], *self._interval(self.samples[trial]))
+
+    def difference(self, a: str, b: str) -> tuple[float, float, float]:
+        """(Rel. of ``a`` - Rel. of ``b`` on all the documents, the paired interval's low, high)."""
+        return (self.point[a] - self.point[b], *self._interval(self.samples[a] - self.samples[b]))

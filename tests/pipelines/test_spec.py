@@ -110,7 +110,7 @@ def test_types_and_required_fields(tmp_path):
         """)
     text = str(e.value)
     for fragment in ["name: required field missing", "version: expected an int >= 1", "limit: expected an int >= 1",
-                     "tasks: expected a non-empty list", "tune.search: 'bayes' is not one of grid, random",
+                     "tasks: expected a non-empty list", "tune.search: 'bayes' is not one of grid, random, optuna",
                      "tune.max_failures: expected an int", "resources.workers: expected an int >= 1 or 'auto'",
                      "resources.actor_wait_s: expected a number of seconds > 0",
                      "grid.budget: required when grid is set"]:
@@ -169,7 +169,7 @@ def test_expand_grid_product_baseline_and_ids(tmp_path):
     assert fastv.options == {"layer": 3} and fastv.budget == 4
 
 
-def test_random_search_is_seeded_and_draws_from_the_grid(tmp_path):
+def test_random_search_is_seeded_and_draws_without_replacement_from_the_grid(tmp_path):
     text = """
     name: t
     version: 1
@@ -182,7 +182,7 @@ def test_random_search_is_seeded_and_draws_from_the_grid(tmp_path):
                                                            .replace("SEED", "0")))}
     a = [t.trial_id for t in specs.expand(load_text(tmp_path, text.replace("SEED", "7")))]
     b = [t.trial_id for t in specs.expand(load_text(tmp_path, text.replace("SEED", "7")))]
-    assert a == b and 1 <= len(a) <= 5 and set(a) <= grid_ids and len(grid_ids) == 18
+    assert a == b and len(set(a)) == len(a) == 5 and set(a) <= grid_ids and len(grid_ids) == 18
 
 
 def test_trial_id_is_stable_and_bounded():

@@ -34,9 +34,11 @@ def test_trial_ids_are_those_computed_before_the_schema_rewrite():
 
     random = {"name": "t", "version": 1, "baseline": False, "tune": {"search": "random", "num_samples": 4, "seed": 7},
               "grid": {"method": "promprune", "budget": [32, 16, 8], "mu": [0.3, 0.4, 0.5], "tau": [0.01, 0.02]}}
+    # issue 37: a random search draws without replacement, `random.Random(seed).sample` over the grid's distinct
+    # trials in grid order (at 84c32cb: 4 draws with replacement, the last "promprune-b32-mu=0.3-tau=0.02")
     assert [t.trial_id for t in specs.expand(specs.parse(random))] == [
         "promprune-b16-mu=0.5-tau=0.01", "promprune-b32-mu=0.5-tau=0.01", "promprune-b8-mu=0.3-tau=0.01",
-        "promprune-b32-mu=0.3-tau=0.02"]
+        "promprune-b8-mu=0.5-tau=0.02"]
     assert specs.trial_id("promprune", 64, {f"opt{i}": "x" * 10 for i in range(10)}) == \
         "promprune-b64-opt0=xxxxxxxxxx-opt1=xxxxxxxxxx-opt2=xxxxxxxxxx-opt3=xxxx-4514c5c7"
     assert specs.trial_id("promprune", 64, {f"opt{i}": [1.5, "y"] for i in range(8)}, 2, ("a", "b")) == \
@@ -60,7 +62,7 @@ def test_option_values_are_checked_with_the_other_fields_problems():
     errors = problems(tune={"search": "bayes"}, resources={"batch_size": 0},
                       grid={"method": "promprune", "budget": 8, "mu": "abc"})
     assert errors[:2] == ["resources.batch_size: expected an int >= 1, got 0",
-                          "tune.search: 'bayes' is not one of grid, random"]
+                          "tune.search: 'bayes' is not one of grid, random, optuna"]
     assert errors[2].startswith("trial promprune-b8-mu=abc: option 'mu' of method 'promprune' must be a finite")
     assert len(errors) == 3
 

@@ -30,17 +30,18 @@ def store(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(None)
 
 
-def trial(method, budget, metrics, *, options=None, predictions=None, status="FINISHED", tid=None):
-    """One trial to log: method "none" is the unpruned baseline (budget None)."""
+def trial(method, budget, metrics, *, options=None, predictions=None, status="FINISHED", tid=None, tags=None):
+    """One trial to log: method "none" is the unpruned baseline (budget None); ``tags``: more run tags."""
     options = dict(options or {})
     if tid is None:
         tid = "baseline" if method == "none" else "-".join([method, f"b{budget}"] +
                                                              [f"{k}={v}" for k, v in sorted(options.items())])
     return {"method": method, "budget": budget, "options": options, "metrics": metrics,
-            "predictions": predictions, "status": status, "id": tid}
+            "predictions": predictions, "status": status, "id": tid, "tags": dict(tags or {})}
 
 
-def log_sweep(client, exp, name, trials, *, tasks, model="tiny:llava", version=1, tmp: Path) -> str:
+def log_sweep(client, exp, name, trials, *, tasks, model="tiny:llava", version=1, tmp: Path,
+              parent_metrics: dict | None = None) -> str:
     """Parent run + one child run per trial, as the pipeline's schema says; returns the parent run id."""
     now = int(time.time() * 1000)
     parent = client.create_run(exp, run_name=name, start_time=now + next(_clock),
@@ -50,7 +51,8 @@ def log_sweep(client, exp, name, trials, *, tasks, model="tiny:llava", version=1
     for t in trials:
         run = client.create_run(exp, run_name=t["id"], start_time=now + next(_clock),
                                 tags={"mlflow.parentRunId": parent, "promprune.role": "trial",
-                                      "promprune.sweep": name, "promprune.trial": t["id"]}).info.run_id
+                                      "promprune.sweep": name, "promprune.trial": t["id"],
+                                      **t.get("tags", {})}).info.run_id
         params = {"model": model, "method": t["method"], "budget": "none" if t["budget"] is None else t["budget"],
                   "tasks": ",".join(tasks), **t["options"]}
         for key, value in params.items():
@@ -61,5 +63,7 @@ def log_sweep(client, exp, name, trials, *, tasks, model="tiny:llava", version=1
             pd.DataFrame(t["predictions"]).to_parquet(path, index=False)
             client.log_artifact(run, str(path))
         client.set_terminated(run, status=t["status"])
+    for key, value in (parent_metrics or {}).items():
+        client.log_metric(parent, key, value)
     client.set_terminated(parent)
     return parent

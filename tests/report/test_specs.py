@@ -133,3 +133,43 @@ def test_mu_grid_never_scores_documents_a_table_or_figure_evaluates():
             loaded, trials = trials_of(path.stem)
             evaluated |= set(loaded.tasks) | {t for trial in trials for t in (trial.tasks or [])}
     assert grid_tasks and not grid_tasks & evaluated, grid_tasks & evaluated
+
+
+MU_TAU_SEARCHES = {  # spec -> (the model it searches for, its shape: the published architecture, random weights)
+    "mu_tau_search_llava15": ("llava-hf/llava-1.5-7b-hf", "llava_1_5_7b"),
+    "mu_tau_search_qwen25vl": ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_7b"),
+    "mu_tau_search_qwen3vl": ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_8b"),
+    "mu_tau_search_internvl3": ("OpenGVLab/InternVL3-8B-hf", "internvl3_8b"),
+    "mu_tau_search_llava_onevision": ("llava-hf/llava-onevision-qwen2-7b-ov-hf", "llava_onevision_7b"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MU_TAU_SEARCHES))
+def test_mu_tau_searches_are_ready_for_their_checkpoints_and_valid_on_their_shapes(name):
+    from pipelines import preflight
+
+    model, shape = MU_TAU_SEARCHES[name]
+    loaded, trials = trials_of(name)
+    assert loaded.model.pretrained == model and [t.trial_id for t in trials] == ["baseline"]
+    assert (loaded.tune.search, loaded.tune.scheduler, loaded.tune.metric) == ("optuna", "asha", "rel")
+    assert set(loaded.grid["mu"]) == {"uniform"} and set(loaded.grid["tau"]) == {"loguniform"}
+    assert loaded.grid["method"] == ["promprune"]
+    # held out: a (mu, tau) tuned on a benchmark the tables report would be tuned on the test set
+    assert set(loaded.tasks) == set(spec.load(SWEEPS / "mu_calibration_grid.yaml").tasks)
+    offline = spec.load(SWEEPS / f"{name}.yaml", [f"model.pretrained=shape:{shape}"])
+    assert preflight.check_model(offline.model.pretrained, offline.model.options, preflight.budgets(offline)) == []
+    too_many = spec.load(SWEEPS / f"{name}.yaml", [f"model.pretrained=shape:{shape}", "grid.budget=[100000]"])
+    assert preflight.check_model(too_many.model.pretrained, too_many.model.options, preflight.budgets(too_many))
+
+
+def test_the_testbed_search_covers_the_grid_it_is_measured_against():
+    grid, grid_trials = trials_of("testbed_mu_tau_grid")
+    found, _ = trials_of("testbed_mu_tau_search")
+    assert grid.tasks == found.tasks and grid.model == found.model and grid.limit == found.limit is None
+    assert {t.method for t in grid_trials if t.method} == {"promprune"} and grid.grid["budget"] == [16]
+    assert found.grid["mu"] == {"uniform": [min(grid.grid["mu"]), max(grid.grid["mu"])]}
+    assert found.grid["tau"] == {"loguniform": [min(grid.grid["tau"]), max(grid.grid["tau"])]}
+    assert len(grid_trials) == 31 and found.tune.num_samples < len(grid_trials) - 1
+    assert found.tune.max_concurrent_trials == 1  # the same seed, the same trials
+    assert set(grid.tasks) == {"testbed_exist", "testbed_exist_concentrated", "testbed_exist_spread",
+                               "testbed_attribute"}  # the existence and attribute tasks

@@ -1,0 +1,225 @@
+"""Search spaces in a spec: their checks (one problem per field, named, with the fix), random search without
+replacement and seeded, optuna's param space, ASHA's rungs against Ray's own scheduler, the trial a sampled config
+runs, and the prefix of answered samples a rung is scored on (no Ray cluster, no model)."""
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pytest
+
+from pipelines import spec as specs
+from pipelines.run import search
+from pipelines.spec import space
+
+GRID = {"method": ["promprune"], "budget": [16], "mu": {"uniform": [0.2, 0.3]}, "tau": {"loguniform": [0.005, 0.08]}}
+
+
+def parse(grid=None, **tune):
+    return specs.parse({"name": "s", "version": 1, "grid": GRID if grid is None else grid,
+                        "tune": {"search": "random", "num_samples": 5, **tune}})
+
+
+def problems(grid=None, **tune) -> list[str]:
+    with pytest.raises(specs.SpecError) as info:
+        parse(grid, **tune)
+    return info.value.errors
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checks
+
+
+@pytest.mark.parametrize("value,expected", [
+    ({"uniform": [0.3, 0.2]}, "grid.mu: uniform: expected two finite numbers lo < hi, got [0.3, 0.2]"),
+    ({"uniform": [0.2]}, "grid.mu: uniform: expected [lo, hi], got [0.2]"),
+    ({"loguniform": [0, 0.1]}, "grid.mu: loguniform: expected 0 < lo < hi, got [0, 0.1]"),
+    ({"randint": [1.5, 3]}, "grid.mu: randint: expected two ints lo <= hi (both included), got [1.5, 3]"),
+    ({"choice": []}, "grid.mu: choice: expected a non-empty list, got []"),
+    ({"unifrom": [0.2, 0.3]}, "grid.mu: expected a value, a list, or one of {uniform: [lo, hi]}"),
+    ({"uniform": [0.2, 0.3], "choice": [1]}, "grid.mu: expected a value, a list, or one of"),
+])
+def test_a_bad_space_is_one_problem_naming_the_field(value, expected):
+    found = problems({**GRID, "mu": value})
+    assert len(found) == 1 and found[0].startswith(expected), found
+
+
+def test_a_method_is_chosen_never_drawn_and_choices_are_checked_names():
+    assert problems({**GRID, "method": {"uniform": [0, 1]}}) == [
+        "grid.method: a method is chosen from a list or {choice: [...]}, not drawn from {'uniform': [0, 1]}"]
+    (found,) = problems({**GRID, "method": {"choice": ["promprune", "divprne"]}})
+    assert found.startswith("grid.method: unknown method 'divprne' (did you mean 'divprune'?)")
+
+
+def test_a_range_whose_bound_the_method_refuses_is_named_with_its_option():
+    assert problems({**GRID, "tau": {"uniform": [0, 0.1]}}) == [
+        "grid.tau: 0 of uniform[0, 0.1]: option 'tau' must be in (0, inf], got 0"]
+
+
+def test_the_search_settings_are_checked_against_the_grid_and_the_spec():
+    assert problems(search="grid") == [
+        "grid.mu: uniform[0.2, 0.3] is a search space, and tune.search: grid runs the grid's lists only (set "
+        "tune.search: random or optuna, or give a list)",
+        "grid.tau: loguniform[0.005, 0.08] is a search space, and tune.search: grid runs the grid's lists only (set "
+        "tune.search: random or optuna, or give a list)"]
+    found = problems(search="optuna", metric="pope/f1", mode="up")
+    assert "tune.mode: 'up' is not one of max, min" in found
+    assert "tune.metric: 'pope/f1' names no task of the spec's ['easyvqa_yesno', 'easyvqa_open'] (write " \
+           "'<task>/<metric>', or rel)" in found
+    assert problems(metric="f1") == ["tune.metric: expected 'rel' or a task metric '<task>/<metric>' (e.g. "
+                                     "pope/pope_f1_score), got 'f1'"]
+    with pytest.raises(specs.SpecError, match="tune.metric: rel divides by the unpruned model's scores, and "
+                                              "baseline is false"):
+        specs.parse({"name": "s", "version": 1, "baseline": False, "grid": GRID,
+                     "tune": {"search": "random", "num_samples": 2, "scheduler": "asha"}})
+    found = problems({**GRID, "saliency_ratio_range": [[0.1, 0.9], [0.2, 0.8]]}, search="optuna")
+    assert any(p.startswith("grid.saliency_ratio_range: optuna chooses among numbers, strings, bools and null, "
+                            "not [0.1, 0.9]") for p in found), found
+    assert problems({}, search="random") == ["tune.search: random searches the grid's lists and spaces, and the "
+                                             "grid is empty"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# random search
+
+
+def _grid_ids(grid: dict) -> set[str]:
+    """Every distinct trial of the grid, as a plain grid search expands it (the independent reference)."""
+    spec = specs.parse({"name": "g", "version": 1, "baseline": False, "grid": grid})
+    return {t.trial_id for t in specs.expand(spec)}
+
+
+def test_random_search_draws_exactly_num_samples_distinct_trials_from_a_finite_grid():
+    grid = {"method": ["promprune", "divprune"], "budget": [16, 8], "mu": [0.2, 0.3, 0.4]}
+    # divprune takes no mu: its three mu values are one trial, so the grid holds 2 x 3 + 2 = 8 distinct trials
+    assert len(_grid_ids(grid)) == 8
+    drawn = [t.trial_id for t in specs.expand(parse(grid, num_samples=8, seed=4)) if t.method]
+    assert len(drawn) == 8 and set(drawn) == _grid_ids(grid)  # all of them, none twice
+    some = [t.trial_id for t in specs.expand(parse(grid, num_samples=5, seed=4)) if t.method]
+    assert len(set(some)) == 5 and set(some) <= _grid_ids(grid)
+    assert problems(grid, num_samples=9) == [
+        "tune.num_samples: 9 trials asked, and the grid holds 8 distinct ones (a random search draws without "
+        "replacement; use num_samples <= 8, or tune.search: grid to run them all)"]
+
+
+def test_random_search_is_seeded_and_draws_inside_the_ranges():
+    ids = lambda seed: [t.trial_id for t in specs.expand(parse(num_samples=40, seed=seed))]  # noqa: E731
+    assert ids(7) == ids(7) and ids(7) != ids(8)
+    trials = [t for t in specs.expand(parse(num_samples=200, seed=3)) if t.method]
+    mus, taus = [t.options["mu"] for t in trials], [t.options["tau"] for t in trials]
+    assert all(0.2 <= m <= 0.3 for m in mus) and all(0.005 <= t <= 0.08 for t in taus)
+    assert all(float(f"{v:.4g}") == v for v in mus + taus)  # the values the ids name
+    # log-uniform: the median sits at the geometric mean of the bounds (0.02), not the arithmetic one (0.0425)
+    median = sorted(taus)[len(taus) // 2]
+    assert math.log(median) == pytest.approx(math.log(0.02), abs=0.35)
+    assert sum(m < 0.25 for m in mus) == pytest.approx(100, abs=25)  # uniform: half below the middle
+
+
+def test_an_optuna_search_lists_only_the_fixed_trials_and_its_budgets_are_checked():
+    from pipelines import preflight
+
+    spec = parse(search="optuna", num_samples=12)
+    assert [t.trial_id for t in specs.expand(spec)] == ["baseline"]
+    assert search.searched_trials(spec) == 12
+    assert preflight.budgets(spec) == {"grid.budget=16": 16}
+    assert preflight.check_model("tiny:llava", {}, {"grid.budget=40": 40}) == [
+        "budget: trial grid.budget=40 keeps 40 of the 36 visual tokens tiny:llava gives an image, so it would run "
+        "unpruned; use budgets below that"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the Tune side
+
+
+@pytest.mark.parametrize("total,grace,rf", [(1566, "auto", 3), (96, 16, 2), (600, "auto", 3), (100, 7, 3.5),
+                                            (50, 49, 2)])
+def test_rungs_are_where_rays_asha_records(total, grace, rf):
+    from ray.tune.schedulers import ASHAScheduler
+
+    spec = parse(scheduler="asha", grace_period=grace, reduction_factor=rf)
+    asha = ASHAScheduler(time_attr="t", metric="m", mode="max", max_t=total,
+                         grace_period=search.grace_period(spec, total), reduction_factor=rf)
+    milestones = sorted(m for m, _ in asha._brackets[0]._rungs if m < total)
+    assert search.rungs(spec, total) == [int(m) for m in milestones]
+    assert search.rungs(parse(), total) == []  # no scheduler, no rungs
+
+
+def test_the_first_rung_must_come_before_the_end():
+    spec = parse(scheduler="asha", grace_period=200)
+    assert search.check_rungs(spec, 200).startswith("tune.grace_period: 200 samples is not below a trial's 200")
+    assert search.check_rungs(spec, 201) is None
+
+
+def test_a_sampled_config_runs_the_rounded_values_its_id_names():
+    config = {"sampled": {"method": "divprune", "budget": 16, "mu": 0.243117, "tau": 0.0187349}, "calibrated": {}}
+    assert search.trial_of(config)["trial_id"] == "divprune-b16"  # divprune takes neither option
+    config["sampled"]["method"] = "promprune"
+    trial = search.trial_of(config)
+    assert trial["trial_id"] == "promprune-b16-mu=0.2431-tau=0.01873"
+    assert trial["options"] == {"mu": 0.2431, "tau": 0.01873}
+    listed = specs.Trial("promprune", 8, {"mu": 0.4}).to_dict()
+    assert search.trial_of({"trial": listed}) is listed
+
+
+def test_optunas_param_space_is_the_grids_spaces_as_tunes_domains():
+    from ray.tune.search.sample import Categorical, Float, Integer
+
+    spec = parse({"method": ["fastv"], "budget": [16, 8], "layer": {"randint": [1, 3]}}, search="optuna")
+    layer = search.param_space(spec, search.Phase("-search", [], searched=True), {})["sampled"]["layer"]
+    assert isinstance(layer, Integer) and (layer.lower, layer.upper) == (1, 4)  # the spec's hi included, Tune's not
+    spec = parse({"method": ["promprune"], "budget": [16, 8], "mu": {"uniform": [0.2, 0.3]},
+                  "tau": {"loguniform": [0.005, 0.08]}}, search="optuna")
+    sampled = search.param_space(spec, search.Phase("-search", [], searched=True), {"x": 1})["sampled"]
+    assert sampled["method"] == "promprune"  # a one-value list is fixed
+    assert isinstance(sampled["budget"], Categorical) and sampled["budget"].categories == [16, 8]
+    assert isinstance(sampled["mu"], Float) and (sampled["mu"].lower, sampled["mu"].upper) == (0.2, 0.3)
+    assert type(sampled["tau"].get_sampler()).__name__.endswith("LogUniform")
+
+
+def test_phases_run_the_baseline_before_a_search_that_needs_it():
+    plain = specs.parse({"name": "s", "version": 1, "grid": {"method": ["promprune"], "budget": [8, 16]}})
+    (only,) = search.phases(plain)
+    assert only.suffix == "" and [t.trial_id for t in only.trials] == ["baseline", "promprune-b8", "promprune-b16"]
+    spec = specs.parse({"name": "s", "version": 1, "grid": {"method": ["promprune"], "budget": [8, 16]},
+                        "trials": [{"method": "divprune", "budget": 8}], "tune": {"scheduler": "asha"}})
+    fixed, searched = search.phases(spec)
+    assert [t.trial_id for t in fixed.trials] == ["baseline", "divprune-b8"] and not fixed.searched
+    assert [t.trial_id for t in searched.trials] == ["promprune-b8", "promprune-b16"] and searched.searched
+    no_baseline = specs.parse({"name": "s", "version": 1, "baseline": False, "grid": GRID,
+                               "tune": {"search": "optuna", "metric": "easyvqa_open/exact_match"}})
+    (alone,) = search.phases(no_baseline)
+    assert alone.searched and alone.trials == []
+
+
+def test_the_objective_is_rel_on_the_same_samples_or_a_task_metric():
+    base = {8: {"pope": {"pope_f1_score": 0.8}, "mme": {"mme_perception_score": 1000.0}},
+            16: {"pope": {"pope_f1_score": 0.5}, "mme": {"mme_perception_score": 0.0}}}
+    ours = {"pope": {"pope_f1_score": 0.6}, "mme": {"mme_perception_score": 800.0}}
+    rel = search.Objective("rel", ["k"] * 16, [8], base)
+    assert rel.value(ours, 8) == pytest.approx((0.6 / 0.8 + 800 / 1000) / 2)  # against the baseline's first 8
+    assert math.isnan(rel.value(ours, 16))  # a baseline score of 0: Rel. undefined there, not an error
+    assert search.Objective("pope/pope_f1_score", []).value(ours, 8) == 0.6
+
+
+def test_the_answered_prefix_follows_blocks_back_in_any_order():
+    keys = [f"t/{i}" for i in range(6)]
+    block = lambda *ids: pa.table({"task": ["t"] * len(ids), "doc_id": list(ids)})  # noqa: E731
+    prefix, tables = search.AnsweredPrefix(keys), []
+    for ids, expected in [((2, 3), 0), ((0,), 1), ((1,), 4), ((5,), 4), ((4,), 6)]:
+        tables.append(block(*ids))
+        assert prefix.update(tables) == expected, ids
+
+
+def test_a_scheduler_stop_is_told_from_a_finished_or_interrupted_trial():
+    assert search.stopped_by_scheduler({"done": True, "samples/scored": 174.0, "samples/total": 1566.0})
+    assert not search.stopped_by_scheduler({"done": True, "samples/scored": 1566.0, "samples/total": 1566.0})
+    assert not search.stopped_by_scheduler({"done": False, "samples/scored": 174.0, "samples/total": 1566.0})
+    assert not search.stopped_by_scheduler({"done": True, "samples/done": 20.0, "samples/total": 1566.0})
+
+
+def test_space_helpers():
+    assert space.rounded(0.243117) == 0.2431 and space.rounded(123456.0) == 123500.0
+    assert space.parse({"randint": [1, 3]}).finite == [1, 2, 3] and space.parse([1, 2]).size == 2
+    assert space.parse({"uniform": [0.1, 0.3]}).middle == 0.2
+    assert space.parse({"loguniform": [0.01, 1.0]}).middle == 0.1
+    assert space.parse({"loguniform": [0.01, 1.0]}).size == math.inf

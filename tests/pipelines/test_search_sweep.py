@@ -1,0 +1,180 @@
+"""A search end to end on a local Ray: optuna proposes (mu, tau), ASHA stops weak trials at rungs of samples scored
+(on the same first samples for every trial, paired with the baseline), stopped trials land in MLflow as stopped,
+and a search interrupted and resumed runs the same trials to the same best (the testbed model: real scores)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import yaml
+
+from pipelines import mlflow_layout, sweep, tracking
+from pipelines import spec as specs
+from pipelines.run import search
+from pipelines.run.ray_connect import worker_env
+from pipelines.run.recorder import best_line
+from pipelines.run.requests import build_rows, requests_dataset
+
+pytest.importorskip("optuna")  # the `pipeline` extra installs it
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+RAW = {"name": "search", "version": 1, "model": {"pretrained": "testbed:llava"},
+       "tasks": ["testbed_exist", "testbed_attribute"], "limit": 8, "resources": {"batch_size": 4},
+       "grid": {"method": ["promprune"], "budget": [16], "mu": {"uniform": [0.14, 0.4]}, "tau": [0.02]},
+       "tune": {"search": "optuna", "num_samples": 4, "scheduler": "asha", "grace_period": 4, "reduction_factor": 2,
+                "max_concurrent_trials": 1, "seed": 3}}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def searched(local_ray, tmp_path_factory):
+    """The search run once, uninterrupted: (spec, outcome, its MLflow client)."""
+    tmp = tmp_path_factory.mktemp("search")
+    old = Path.cwd()
+    os.chdir(tmp)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
+    try:
+        spec = specs.parse(RAW)
+        yield spec, sweep.run_sweep(spec), tracking.client()
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI")
+        os.chdir(old)
+
+
+def _rung_history(client, run_id: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, f"{mlflow_layout.RUNNING}/rel")}
+
+
+def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched):
+    spec, outcome, client = searched
+    records = outcome.records
+    assert outcome.failed == [] and len(records) == 5 and "baseline" in records
+    stopped = [tid for tid, rec in records.items() if rec.get("stopped")]
+    assert stopped, "no trial was stopped: the seed no longer shows ASHA at work"
+    runs = {r.data.tags[mlflow_layout.TRIAL]: r for r in client.search_runs(
+        [client.get_experiment_by_name(mlflow_layout.experiment_name()).experiment_id],
+        filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, outcome.parent_run_id))}
+    assert sorted(runs) == sorted(records)
+    finished = tracking.trial_runs(client, outcome.parent_run_id)  # what the regression check and Rel. read
+    assert not set(stopped) & set(finished)
+    rungs = search.rungs(spec, 16)
+    assert rungs == [4, 8]
+    for tid in stopped:
+        run = runs[tid]
+        assert run.info.status == "KILLED" and run.data.tags[mlflow_layout.STOPPED].startswith("stopped by ASHA at ")
+        m = run.data.metrics
+        assert m["samples/scored"] in rungs and m["samples/done"] < m["samples/total"] == 16
+        assert mlflow_layout.REL not in m and f"{mlflow_layout.RUNNING}/{mlflow_layout.REL}" in m
+        assert not any(k.startswith("testbed_") for k in m)  # running scores only under running/
+        assert [a.path for a in client.list_artifacts(run.info.run_id)] == []  # no predictions
+
+    # ASHA's rule, re-derived: one trial at a time, so a trial at rung r is compared with the values the trials
+    # before it recorded there; it stops when below their (1 - 1/reduction factor) quantile
+    order = [tid for tid in records if tid != "baseline"]  # the order they ran (and were recorded) in
+    history = {tid: _rung_history(client, runs[tid].info.run_id) for tid in order}
+    for i, tid in enumerate(order):
+        for r in rungs:
+            if r not in history[tid]:
+                continue
+            before = [history[t][r] for t in order[:i] if r in history[t]]
+            cutoff = np.nanpercentile(before, (1 - 1 / RAW["tune"]["reduction_factor"]) * 100) if before else None
+            was_stopped_here = tid in stopped and runs[tid].data.metrics["samples/scored"] == r
+            assert was_stopped_here == (cutoff is not None and history[tid][r] < cutoff), (tid, r, history)
+
+
+def test_a_rung_value_is_rel_over_the_first_samples_paired_with_the_baseline(searched):
+    """Recomputed here from the predictions: each finished trial's value at a rung equals Rel. of its first r
+    samples (the sweep's block order) over the baseline's same r samples."""
+    from promprune.eval import relative_score, score
+
+    spec, outcome, client = searched
+    keys = requests_dataset(build_rows(spec.tasks, spec.limit, spec.generation), spec.resources.batch_size).keys
+
+    def first(tid, r):
+        rows = {f"{row['task']}/{row['doc_id']}": row for row in outcome.records[tid]["predictions"].select(
+            ["task", "doc_id", "n_docs", "prediction", "error"]).to_pylist()}
+        return score([rows[k] for k in keys[:r]], partial=True)
+
+    runs = {r.data.tags[mlflow_layout.TRIAL]: r for r in client.search_runs(
+        [client.get_experiment_by_name(mlflow_layout.experiment_name()).experiment_id],
+        filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, outcome.parent_run_id))}
+    checked = 0
+    for tid, rec in outcome.records.items():
+        if tid == "baseline" or rec.get("stopped"):
+            continue
+        for r, value in _rung_history(client, runs[tid].info.run_id).items():
+            assert value == pytest.approx(relative_score(first(tid, r), first("baseline", r)))
+            checked += 1
+    assert checked
+
+
+def test_the_summary_names_the_best_finished_trial_and_every_sample_generated(searched):
+    spec, outcome, _ = searched
+    done = {tid: rec for tid, rec in outcome.records.items() if not rec.get("stopped") and tid != "baseline"}
+    best = min(done.values(), key=lambda rec: (-rec["metrics"][mlflow_layout.REL], rec["trial"]["trial_id"]))
+    mu = best["trial"]["options"]["mu"]
+    assert best_line(spec, outcome.records, outcome.generated) == \
+        f"best rel {best['metrics'][mlflow_layout.REL]:.4f} at mu={mu} tau=0.02; {outcome.generated} samples generated"
+    stopped = [rec["stopped"]["done"] for rec in outcome.records.values() if rec.get("stopped")]
+    assert 16 * (len(done) + 1) + sum(stopped) <= outcome.generated < 16 * len(outcome.records)
+
+
+def _spawn(spec_path: Path, cwd: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "PYTHONUNBUFFERED": "1",
+           "RAY_ADDRESS": "local"}  # never a head someone else's `ray start` left on this machine
+    return subprocess.Popen([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(spec_path),
+                             *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    out, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        out.append(line)
+        if marker in line:
+            return "".join(out)
+    proc.kill()
+    raise AssertionError(f"{marker!r} not seen:\n{''.join(out)[-3000:]}")
+
+
+def test_an_interrupted_search_resumes_to_the_same_trials_and_best(searched, tmp_path):
+    """The same spec and seed from the command line, interrupted (Ctrl-C) after its first searched trial, then
+    resumed: optuna's and ASHA's state come back with the experiment, so it runs the trials the uninterrupted
+    search ran, stops the same ones, and ends on the same best."""
+    spec, outcome, _ = searched
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(RAW))
+    first = _spawn(path, tmp_path)
+    head = _read_until(first, "[2/5]", timeout=600)  # the baseline and one searched trial are in
+    first.send_signal(signal.SIGINT)
+    rest, _ = first.communicate(timeout=300)
+    assert first.returncode == sweep.EXIT_INTERRUPTED, head + rest
+    second = _spawn(path, tmp_path, "--resume")
+    out, _ = second.communicate(timeout=900)
+    assert second.returncode == 0, out[-3000:]
+    assert "resuming" in out and "-search: finished trials are kept" in out
+    expected = best_line(spec, outcome.records, outcome.generated).split(";")[0]
+    assert expected in out, out[-2000:]
+    ran = {line.split("] ", 1)[1].split(":")[0] for line in (head + rest + out).splitlines()
+           if line.startswith("[") and "/5] " in line}
+    assert ran == set(outcome.records)  # the same trials (their ids name their sampled mu)
+    stopped_now = {line.split("] ", 1)[1].split(":")[0] for line in (head + rest + out).splitlines()
+                   if "stopped by ASHA" in line and line.startswith("[")}
+    assert stopped_now == {tid for tid, rec in outcome.records.items() if rec.get("stopped")}
