@@ -86,8 +86,13 @@ def predict(cfg: EvalConfig, rows: list[Request] | Requests, *, run_fn: Callable
     plan = planning.plan(cfg.resources, 1, len(rows.blocks))
     if plan.note:
         say(plan.note)
-    planning.wait_for_capacity(plan, cfg.resources.actor_wait_s)
-    return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block, ledger=ledger)
+    capacity = planning.Capacity(plan)
+    capacity.wait(cfg.resources.actor_wait_s)
+    try:
+        return engine.run(rows, cfg.job(run_fn), plan, cfg.failover(), store=store, on_block=on_block,
+                          ledger=ledger)
+    finally:
+        capacity.release()
 
 
 def evaluate(cfg: EvalConfig, rows: list[Request] | Requests | None = None, *, run_fn: Callable | None = None,

@@ -245,10 +245,16 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | dict | None = None, run_fn
     started with, SpecError otherwise)."""
     began = time.time()  # the parent run spans the whole sweep, setup (rows, weights, first-use training) included
     timeline.mark("sweep_begin", "driver", t=began)
+    hooks = list(ray._private.worker._post_init_hooks)
     try:
         return _run_sweep(spec, began, resume=resume, run_fn=run_fn, regression_threshold=regression_threshold,
                           rows=rows, command=command)
     finally:
+        # tune.with_parameters leaves a hook that puts this sweep's parameters (rows, the published weights' ref,
+        # the Ledger) into the object store of the next ray.init of this process; in another session they are
+        # dangling, and a later sweep's trial actors were cancelled before they started (two sweeps in one process,
+        # on different clusters: notebooks, the test suite)
+        ray._private.worker._post_init_hooks[:] = hooks
         timeline.mark("sweep_end", "driver")
 
 
@@ -281,7 +287,11 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     waited = capacity.wait(spec.resources.actor_wait_s)
     if waited >= 1:
         say(f"the first GPU node joined after {waited:.0f}s")
-    return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold, command)
+    try:
+        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
+                         command)
+    finally:
+        capacity.release()
 
 
 def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:

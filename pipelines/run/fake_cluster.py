@@ -64,7 +64,12 @@ class FakeAutoscalingCluster:
     def env(self) -> dict:
         """The head's environment beyond this process's: Ray 2.60 turns token auth on for a head once
         ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one), and a process that imported Ray before
-        could not join it; this loopback-only test cluster runs without."""
+        could not join it; this loopback-only test cluster runs without, unless this process has token auth on
+        already (a local ``ray.init()`` sets ``RAY_AUTH_MODE=token`` in its environment): then its own server
+        rejects the head's unauthenticated calls, the head takes the driver for dead and destroys every actor it
+        owns, so the head runs with the same token instead."""
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+            return {}
         return {"RAY_AUTH_MODE": "disabled"}
 
     def start(self, timeout_s: float = 90) -> "FakeAutoscalingCluster":

@@ -128,7 +128,7 @@ class Capacity:
 
     def __init__(self, plan: Plan):
         self.plan, self.start = plan, time.monotonic()
-        self.probe = None
+        self.probe, self.held = None, False
         if plan.on_gpu and not fits(plan):
             self.probe = ray.remote(_probe).options(num_gpus=plan.gpus, num_cpus=plan.cpus, max_retries=0).remote()
 
@@ -146,12 +146,24 @@ class Capacity:
         if not ready:
             ray.cancel(self.probe, force=True)
             raise NoCapacity(_no_capacity_message(self.plan, wait_s))
+        self._hold()
         return time.monotonic() - self.start
 
+    def _hold(self) -> None:
+        """Keep asking the autoscaler for the node the probe brought up (`request_resources`) until `release`: the
+        probe has finished, and an idle node may be taken down before the trials' actors ask for it."""
+        from ray.autoscaler.sdk import request_resources
 
-def wait_for_capacity(plan: Plan, wait_s: float) -> float:
-    """`Capacity(plan).wait(wait_s)`: block until one actor fits; NoCapacity after ``wait_s``."""
-    return Capacity(plan).wait(wait_s)
+        request_resources(bundles=[self.plan.bundle()])
+        self.held = True
+
+    def release(self) -> None:
+        """Withdraw the request `wait` made (a no-op when it made none): nothing of the sweep's asks for nodes."""
+        if self.held:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[])
+            self.held = False
 
 
 def _probe() -> str:
