@@ -245,16 +245,10 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | dict | None = None, run_fn
     started with, SpecError otherwise)."""
     began = time.time()  # the parent run spans the whole sweep, setup (rows, weights, first-use training) included
     timeline.mark("sweep_begin", "driver", t=began)
-    hooks = list(ray._private.worker._post_init_hooks)
     try:
         return _run_sweep(spec, began, resume=resume, run_fn=run_fn, regression_threshold=regression_threshold,
                           rows=rows, command=command)
     finally:
-        # tune.with_parameters leaves a hook that puts this sweep's parameters (rows, the published weights' ref,
-        # the Ledger) into the object store of the next ray.init of this process; in another session they are
-        # dangling, and a later sweep's trial actors were cancelled before they started (two sweeps in one process,
-        # on different clusters: notebooks, the test suite)
-        ray._private.worker._post_init_hooks[:] = hooks
         timeline.mark("sweep_end", "driver")
 
 
