@@ -243,6 +243,21 @@ def _cache_of(kwargs: dict):
     return None
 
 
+def cache_argument(model) -> str:
+    """The name under which ``model``'s forward (and so its ``generate``) takes a KV cache: ``cache`` from
+    transformers 5.24, ``past_key_values`` before (5.24 still accepts it, with a deprecation warning, until 5.40)."""
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in CACHE_ARGUMENTS if name in params), CACHE_ARGUMENTS[-1])
+
+
+def cache_in(output):
+    """The KV cache a forward returned (a ModelOutput), under either name."""
+    cache = _cache_of(output)
+    if cache is None:
+        raise ValueError(f"{type(output).__name__} carries no KV cache under {' or '.join(CACHE_ARGUMENTS)}")
+    return cache
+
+
 def _decoder_layers(model):
     return model.model.language_model.layers
 

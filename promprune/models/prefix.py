@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from promprune.models.llm_hooks import cache_argument, cache_in
+
 
 @dataclass
 class Prefix:
@@ -148,7 +150,7 @@ def _prefill(vlm, prep, parts: Split, rows: list[int], cache) -> None:
     for i, b in enumerate(rows):
         n = parts.prefix[b].numel()
         layers = [(layer.keys[i:i + 1, :, width - n:].clone(), layer.values[i:i + 1, :, width - n:].clone())
-                  for layer in out.past_key_values.layers]
+                  for layer in cache_in(out).layers]
         ids = prep.model_kwargs["input_ids"][b, parts.prefix[b]]
         cache.prefixes.setdefault(prep.keys[b], []).append(Prefix(ids=ids, layers=layers))
 
@@ -180,4 +182,4 @@ def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> di
     suf_cols, suf_real = _left_padded(parts.suffix, -1)
     cols, real = torch.cat([pre_cols, suf_cols], dim=1), torch.cat([pre_real, suf_real], dim=1)
     out = _gather(kwargs, cols, real, vlm.processor.tokenizer.pad_token_id)
-    return {**out, "past_key_values": cache}
+    return {**out, cache_argument(vlm.model): cache}

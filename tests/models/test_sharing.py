@@ -227,3 +227,38 @@ def test_images_asked_once_each_are_not_prefilled_apart(rows):
     twice = vlm.prepare(rows[:2], PROMPTS[:2], keys=["a", "a"], cache=cache)
     assert prefix.inputs(vlm, twice, cache) is not None and list(cache.prefixes) == ["a"]
     assert prefix.inputs(vlm, once, cache) is not None  # "a" is cached now: the batch continues it
+
+
+def test_prefix_once_passes_the_cache_under_the_name_this_release_takes(rows):
+    """transformers 5.24 renamed the cache argument of forward and generate (past_key_values -> cache, the old name
+    deprecated until 5.40): the cached prefix goes in under the name the model's forward declares, so no release in
+    pyproject.toml's range warns or breaks. Under the pinned release this is past_key_values; the canary runs it on
+    the newest."""
+    import inspect
+    import warnings
+
+    from promprune.models.llm_hooks import cache_argument
+
+    vlm = vlm_for("llava", "promprune", 8)
+    params = inspect.signature(vlm.model.forward).parameters
+    assert cache_argument(vlm.model) == ("cache" if "cache" in params else "past_key_values")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*deprecated", category=FutureWarning)
+        shared = vlm.generate(rows, PROMPTS, keys=KEYS, cache=ImageCache(), prefix_cache=True,
+                              max_new_tokens=NEW_TOKENS)
+    assert tokens(shared) == tokens(vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS))
+
+
+def test_cache_argument_follows_the_forward_signature():
+    """Hand-made forwards: the 5.24 name when declared, else the old one."""
+    from promprune.models.llm_hooks import cache_argument
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert cache_argument(New()) == "cache" and cache_argument(Old()) == "past_key_values"
