@@ -157,6 +157,7 @@ def test_the_cached_prefix_continues_the_whole_prompt(arch, rows):
     """The first answer token's logits through the cached prefix equal a plain forward of the whole prompt (Qwen:
     its 3D M-RoPE positions moved with the columns; Qwen3-VL: the DeepStack rows entered in the prefix)."""
     from promprune.models import prefix
+    from promprune.models.llm_hooks import cache_argument
 
     vlm = vlm_for(arch, "promprune", 8)
     prep = vlm.prepare(rows, PROMPTS, keys=KEYS)
@@ -169,7 +170,7 @@ def test_the_cached_prefix_continues_the_whole_prompt(arch, rows):
         for b in range(len(rows)):
             real = prep.model_kwargs["attention_mask"][b].bool()
             assert torch.equal(pos[..., b, :][..., mask[b]], full[..., b, :][..., real])
-        length = cached["past_key_values"].get_seq_length()
+        length = cached[cache_argument(vlm.model)].get_seq_length()
         suffix = {k: v[..., length:] if k in ("input_ids", "position_ids") else v for k, v in cached.items()}
         continued = vlm.model(**suffix).logits[:, -1]
     torch.testing.assert_close(continued, whole, rtol=1e-4, atol=1e-4)
