@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +18,10 @@ from pipelines.run import search
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.recorder import best_line
 from pipelines.run.requests import build_rows, requests_dataset
+from tests.pipelines.sweep_cli import read_until, spawn_sweep
 
 pytest.importorskip("optuna")  # the `pipeline` extra installs it
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 RAW = {"name": "search", "version": 1, "model": {"pretrained": "testbed:llava"},
@@ -134,26 +131,6 @@ def test_the_summary_names_the_best_finished_trial_and_every_sample_generated(se
     assert 16 * (len(done) + 1) + sum(stopped) <= outcome.generated < 16 * len(outcome.records)
 
 
-def _spawn(spec_path: Path, cwd: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "PYTHONUNBUFFERED": "1",
-           "RAY_ADDRESS": "local"}  # never a head someone else's `ray start` left on this machine
-    return subprocess.Popen([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(spec_path),
-                             *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
-    out, deadline = [], time.time() + timeout
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        out.append(line)
-        if marker in line:
-            return "".join(out)
-    proc.kill()
-    raise AssertionError(f"{marker!r} not seen:\n{''.join(out)[-3000:]}")
-
-
 def test_an_interrupted_search_resumes_to_the_same_trials_and_best(searched, tmp_path):
     """The same spec and seed from the command line, interrupted (Ctrl-C) after its first searched trial, then
     resumed: optuna's and ASHA's state come back with the experiment, so it runs the trials the uninterrupted
@@ -161,12 +138,13 @@ def test_an_interrupted_search_resumes_to_the_same_trials_and_best(searched, tmp
     spec, outcome, _ = searched
     path = tmp_path / "search.yaml"
     path.write_text(yaml.safe_dump(RAW))
-    first = _spawn(path, tmp_path)
-    head = _read_until(first, "[2/5]", timeout=600)  # the baseline and one searched trial are in
+    # RAY_ADDRESS=local: never a head someone else's `ray start` left on this machine
+    first = spawn_sweep(path, tmp_path, ray_address="local")
+    head = read_until(first, "[2/5]", timeout=600)  # the baseline and one searched trial are in
     first.send_signal(signal.SIGINT)
     rest, _ = first.communicate(timeout=300)
     assert first.returncode == sweep.EXIT_INTERRUPTED, head + rest
-    second = _spawn(path, tmp_path, "--resume")
+    second = spawn_sweep(path, tmp_path, "--resume", ray_address="local")
     out, _ = second.communicate(timeout=900)
     assert second.returncode == 0, out[-3000:]
     assert "resuming" in out and "-search: finished trials are kept" in out

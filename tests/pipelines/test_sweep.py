@@ -3,11 +3,7 @@ predictions equal plain (non-Ray) generation, Rel. is computed against the basel
 resumes without redoing finished trials."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -25,8 +21,8 @@ from pipelines.run.ray_connect import worker_env
 from pipelines.run.recorder import SweepRecorder
 from pipelines.run.requests import build_rows
 from pipelines.run.result import PREDICTION_SCHEMA, TrialResult, predictions_table
+from tests.pipelines.sweep_cli import read_until, spawn_sweep
 
-REPO = Path(__file__).resolve().parents[2]
 LIMIT = 2  # samples per task: enough to shard over batches, small enough for 2 cores
 
 pytestmark = pytest.mark.slow
@@ -164,40 +160,20 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     assert runs["baseline"].data.metrics["rel"] == pytest.approx(1.0)
 
 
-def _spawn_sweep(spec_path: Path, cwd: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(spec_path),
-                             *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
-    out, deadline = [], time.time() + timeout
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        out.append(line)
-        if marker in line:
-            return "".join(out)
-    proc.kill()
-    raise AssertionError(f"{marker!r} not seen:\n{''.join(out)[-3000:]}")
-
-
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     spec_path = tmp_path / "resume.yaml"
     spec_path.write_text(yaml.safe_dump({
         "name": "resume", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
         "limit": 2, "grid": {"method": ["promprune", "divprune"], "budget": [8]},
         "generation": {"max_new_tokens": 2}}))
-    first = _spawn_sweep(spec_path, tmp_path)
-    head = _read_until(first, "] baseline: ", timeout=300)  # the baseline finished and was logged
+    first = spawn_sweep(spec_path, tmp_path)
+    head = read_until(first, "] baseline: ", timeout=300)  # the baseline finished and was logged
     first.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops
     rest, _ = first.communicate(timeout=180)
     assert first.returncode == sweep.EXIT_INTERRUPTED, head + rest
     assert "--resume" in rest
 
-    second = _spawn_sweep(spec_path, tmp_path, "--resume")
+    second = spawn_sweep(spec_path, tmp_path, "--resume")
     out, _ = second.communicate(timeout=400)
     assert second.returncode == 0, out[-3000:]
     assert "resuming" in out and "[start] baseline" not in out  # the finished trial was not run again

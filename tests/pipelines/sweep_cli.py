@@ -1,0 +1,35 @@
+"""The sweep's command line as a user runs it, for the tests that interrupt and resume it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def spawn_sweep(spec_path: Path, cwd: Path, *extra: str, ray_address: str | None = None) -> subprocess.Popen:
+    """``python pipelines/sweep.py --config spec_path *extra`` in ``cwd`` with its own MLflow store there;
+    ``ray_address``: RAY_ADDRESS for it (None: unset, the sweep starts its own local Ray)."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = ray_address
+    return subprocess.Popen([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(spec_path),
+                             *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    """The process's output up to the first line containing ``marker`` (killed, AssertionError if not seen)."""
+    out, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        out.append(line)
+        if marker in line:
+            return "".join(out)
+    proc.kill()
+    raise AssertionError(f"{marker!r} not seen:\n{''.join(out)[-3000:]}")
