@@ -62,6 +62,10 @@ LEAVE = {"wandb": "W&B logging (lmms-eval --wandb_args), 24 MB", "av": "video de
          # Ray's `default` extra: a pip runtime_env imports virtualenv, the dashboard's profiling button runs py-spy
          "virtualenv": "Ray's pip runtime_env only (no network there), 5.5 MB",
          "py-spy": "the Ray dashboard's profiler, 2.9 MB"}
+# image packages that travel anyway: their version there is unknown here, a requirement caps it, and a newer release
+# is known to break something we run (each wheel well under 1 MiB). A device-like virtualenv (the image's list
+# installed from PyPI on 2026-11-25) resolved filelock to 4.3.1, and lmms-eval's evaluator failed there.
+CARRY = {"filelock": "4.3 removed filelock._api, which lmms-eval 0.7.3's evaluator imports (pyproject: <4.3)"}
 FIRST = ("transformers", "nvmath-python")  # batch 1: what call 1's GPU stages need (parity, selection, table6)
 REQUIREMENTS_FILE = "REQUIREMENTS.json"  # in batch 1: the closure's requirements on image packages
 PY = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
@@ -332,7 +336,10 @@ def build(args) -> None:
     roots = project_roots(REPO / "pyproject.toml", args.extras.split(",") if args.extras else EXTRAS)
     cache = REPO / ".whl-cache"
     print(f"closure of promprune[{args.extras or ','.join(EXTRAS)}] beyond the image, pinned by constraints.txt:")
-    w, wheels = plan_closure(roots, pins, image, cache / "pypi", {name_of(n) for n in args.carry})
+    carry = {name_of(n) for n in [*CARRY, *args.carry]}
+    for name in sorted(set(CARRY) & set(image)):
+        print(f"carried although the image has it: {name}: {CARRY[name]}")
+    w, wheels = plan_closure(roots, pins, image, cache / "pypi", carry)
     problems = [f"missing (no pin, not in the image): {r}  <- {by}" for r, by in w.missing]
     problems += [f"unmet: {r}  <- {by}  (found {v})" for r, by, v in w.unmet]
     if problems:
@@ -460,17 +467,26 @@ def check_installed(args) -> int:
         return min(1, report(w, "the image"))
     w = walk(project_roots(REPO / "pyproject.toml"), resolve)
     bad = report(w, "this machine")
-    shadowed = {name_of(d.metadata["Name"]): d.version for d in metadata.distributions() if carried(d)}
-    for dist in metadata.distributions():
-        if carried(dist):
+    for line in shadow_conflicts(list(metadata.distributions()), carried):
+        print(line)
+    return min(1, bad)
+
+
+def shadow_conflicts(dists, carried) -> list[str]:
+    """Image packages that require a carried package at a version the batches do not have (the carried copy comes
+    first on sys.path, for them too). An image package that is itself carried is skipped: its copy is not imported."""
+    shadowed = {name_of(d.metadata["Name"]): d.version for d in dists if carried(d)}
+    lines = []
+    for dist in dists:
+        if carried(dist) or name_of(dist.metadata["Name"]) in shadowed:
             continue
         for text in dist.requires or []:
             req = Requirement(text)
             version = shadowed.get(name_of(req.name))
             if version and applies(req, set()) and not req.specifier.contains(Version(version), prereleases=True):
-                print(f"SHADOWED {dist.metadata['Name']} {dist.version} (image) requires {req}; the batches' "
-                      f"{req.name} {version} comes first on sys.path")
-    return min(1, bad)
+                lines.append(f"SHADOWED {dist.metadata['Name']} {dist.version} (image) requires {req}; the batches' "
+                             f"{req.name} {version} comes first on sys.path")
+    return lines
 
 
 def write_dist_info(args) -> None:
@@ -497,7 +513,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="download the closure, strip Ray, write the batches")
     b.add_argument("--limit-mib", type=float, default=BATCH_LIMIT / MIB, help="batch size limit")
-    b.add_argument("--carry", nargs="*", default=[], help="image packages to carry anyway (another version)")
+    b.add_argument("--carry", nargs="*", default=[], help="image packages to carry anyway (another version), "
+                   "besides CARRY's")
     b.add_argument("--extras", default=None, help="pyproject extras, comma-separated (default: pipeline, and cuda "
                    "where pyproject.toml defines it)")
     sub.add_parser("check", help="the batches + the image list meet every requirement of the closure")

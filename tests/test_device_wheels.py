@@ -125,3 +125,44 @@ def test_the_image_list_and_constraints_parse():
     pins = dw.read_pins(REPO / "constraints.txt")
     assert image["torch"] == "2.11.0" and image["huggingface-hub"] == "1.33.0" and image["pandas"] is None
     assert pins["ray"] == "2.60.0" and pins["lmms-eval"] == "0.7.3"
+
+
+def _dist_info(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> metadata.Distribution:
+    info = folder / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+             *(f"Requires-Dist: {r}" for r in requires)]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+    return metadata.PathDistribution(info)
+
+
+def test_shadow_conflicts_name_image_packages_broken_by_a_carried_copy_but_not_carried_ones(tmp_path):
+    site, image = tmp_path / "site", tmp_path / "image"
+    dists = [
+        # the image's pydantic pins its own core; the batches carry an older pair: the image's pydantic is
+        # shadowed too, so the pair the batches bring is what imports (the false alarm of 2026-11-25)
+        _dist_info(image, "pydantic", "2.14.4", ("pydantic-core==2.50.5",)),
+        _dist_info(image, "pydantic-core", "2.50.5"),
+        _dist_info(site, "pydantic", "2.14.3", ("pydantic-core==2.50.4",)),
+        _dist_info(site, "pydantic-core", "2.50.4"),
+        # an image package the batches do not carry, needing more than the carried filelock: a real conflict
+        _dist_info(image, "hubby", "1.0", ("filelock>=4.3", "other>=1")),
+        _dist_info(site, "filelock", "4.2.11"),
+    ]
+
+    def carried(dist):
+        return site in Path(str(dist._path)).parents
+
+    assert dw.shadow_conflicts(dists, carried) == [
+        "SHADOWED hubby 1.0 (image) requires filelock>=4.3; the batches' filelock 4.2.11 comes first on sys.path"]
+
+
+def test_every_carried_image_package_is_pinned_and_meets_the_projects_own_requirement():
+    image = dw.read_image(REPO / "scripts" / "device_image.txt")
+    pins = dw.read_pins(REPO / "constraints.txt")
+    own = {dw.name_of(r.name): r for r in dw.project_roots(REPO / "pyproject.toml")}
+    for name in dw.CARRY:
+        assert name in image, f"{name} is not an image package: nothing to carry it past"
+        assert name in pins, f"constraints.txt pins no {name}: the build cannot download it"
+        if name in own:
+            assert own[name].specifier.contains(pins[name]), (name, str(own[name]), pins[name])
