@@ -100,7 +100,7 @@ def test_procedural_clip_moves_its_objects():
 
 def test_decode_video_samples_frames_uniformly(tmp_path):
     """A clip written to an mp4 file decodes back to uniformly sampled frames, close to the originals (lossy)."""
-    import av
+    av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
 
     clip = scene_clip(index=3, frames=8, step=3)
     path = tmp_path / "clip.mp4"

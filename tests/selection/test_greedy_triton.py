@@ -24,6 +24,27 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (it ships with the CUDA builds of torch)")
 
 
+def _interpreter_cannot_run_here() -> str | None:
+    """Why Triton's interpreter cannot run the kernels with this numpy, or None. Before Triton 3.8 (torch 2.11 brings
+    3.6) the interpreter turns a loaded scalar into a loop bound with ``int()`` of a one-element array, which numpy
+    2.5 refuses (``range(count)`` in the kernels); 3.8 squeezes it first. The compiled kernels are not affected."""
+    import numpy as np
+
+    try:
+        int(np.zeros(1))
+        return None
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    if "int(self.handle.data))" in Path(interpreter.__file__).read_text():
+        import triton
+
+        return (f"Triton {triton.__version__}'s interpreter calls int() on one-element arrays, which numpy "
+                f"{np.__version__} refuses (Triton 3.8 squeezes first); the compiled kernels are checked by -k cuda")
+    return None
+
+
 def _check(name: str, result: dict) -> None:
     got, want = torch.tensor(result["got"]), torch.tensor(result["want"])
     if name in triton_cases.NOISY:  # decided by rounding noise: a valid selection of the same size
@@ -37,6 +58,9 @@ def _check(name: str, result: dict) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
+    why = _interpreter_cannot_run_here()
+    if why:
+        pytest.skip(why)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_cases.py"))], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
