@@ -34,6 +34,9 @@ from pathlib import Path
 import ray
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks import pythonpath  # noqa: E402
+
 TASK = "testbed_exist_concentrated"
 MODEL = "testbed:llava"
 
@@ -142,7 +145,7 @@ def cli_sweep(repo: Path, n_trials: int, workdir: Path) -> float:
         spec["trials"] = []
     path = workdir / f"cost{n_trials}.yaml"
     path.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "PYTHONPATH": str(repo), "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}",
+    env = {**os.environ, "PYTHONPATH": pythonpath(repo), "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}",
            "RAY_TMPDIR": tempfile.mkdtemp(prefix="ec-", dir="/tmp")}
     t0 = time.perf_counter()
     run = subprocess.run([sys.executable, str(repo / "pipelines" / "sweep.py"), "--config", str(path)], cwd=workdir,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-from pipelines import timeline
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import pythonpath  # noqa: E402
+from pipelines import timeline  # noqa: E402
 
 METHODS = ["promprune", "fastv", "sparsevlm", "visionzip", "vispruner", "divprune"]
 BUDGETS = [128, 64, 32]
@@ -154,7 +157,6 @@ def shell_trial(method: str, budget: str, tasks: str, limit: int, batch_size: in
     (`--model promprune`), which imports lmms-eval, indexes and loads the tasks' data, loads the model, answers and
     scores. The stand-in costs are injected as in the pipeline: the model load sleeps `load_s` before loading the
     tiny model, each sample sleeps `sample_s` and answers "yes" without computing."""
-    import sys
 
     from lmms_eval.cli.dispatch import main as lmms_eval_main
     from lmms_eval.models import get_model  # noqa: F401 - lmms-eval finds the plugin first; then it is patched
@@ -189,7 +191,6 @@ def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs
     after another (a GPU each), trials dealt round-robin (all are equal). Wall time from the first process start to
     the last exit."""
     import subprocess
-    import sys
     from concurrent.futures import ThreadPoolExecutor
 
     from promprune.eval import prepare_offline_tasks
@@ -206,7 +207,7 @@ def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs
                     f"{','.join(TASKS)!r}, {samples_per_task}, {batch_size}, {costs.load_s}, "
                     f"{costs.sample_s}, {include!r}, {str(out)!r})")
             run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(root)})
+                                 env={**os.environ, "PYTHONPATH": pythonpath(root)})
             if run.returncode != 0:
                 raise RuntimeError(f"shell-loop trial {method}-{budget} failed:\n{run.stderr[-3000:]}")
             done += 1

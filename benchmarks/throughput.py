@@ -53,6 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import pythonpath  # noqa: E402
 
 # LLaVA-1.5-7B shrunk alike in both towers: 24 -> 3 CLIP layers and 32 -> 4 LLM layers (1/8), widths / 4
 VISION_LAYERS, TEXT_LAYERS, WIDTH_DIVISOR = 3, 4, 4
@@ -193,8 +194,7 @@ def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_h
     command = [sys.executable, "-m", "lmms_eval", "--model", model, "--model_args", model_args, "--tasks", task.name,
                "--limit", str(limit), "--batch_size", "1", "--gen_kwargs", f"max_new_tokens={task.new_tokens}",
                "--output_path", str(out)]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, **standin_env(hf_home), "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **standin_env(hf_home), "PYTHONPATH": pythonpath(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     with Clock() as clock:
         run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     log = run.stdout + run.stderr

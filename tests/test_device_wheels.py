@@ -166,3 +166,23 @@ def test_every_carried_image_package_is_pinned_and_meets_the_projects_own_requir
         assert name in pins, f"constraints.txt pins no {name}: the build cannot download it"
         if name in own:
             assert own[name].specifier.contains(pins[name]), (name, str(own[name]), pins[name])
+
+
+def test_benchmark_subprocesses_keep_the_batches_on_their_path(monkeypatch, tmp_path):
+    """The benchmarks' child processes (the shell loop of sweep_scaling, engine_designs, throughput) put the checkout
+    first and keep what this process was given: on the GPU machine that is where Ray, MLflow and lmms-eval live."""
+    from benchmarks import pythonpath
+
+    batch = tmp_path / ".site" / "whl2"
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{batch}")
+    assert pythonpath(REPO).split(":") == [str(REPO), str(batch)]
+    monkeypatch.delenv("PYTHONPATH")
+    assert pythonpath(REPO) == str(REPO)
+    # and a child started that way imports what only the given path holds
+    (batch / "only_in_the_batch.py").parent.mkdir(parents=True)
+    (batch / "only_in_the_batch.py").write_text("VALUE = 7\n")
+    monkeypatch.setenv("PYTHONPATH", str(batch))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath(REPO)}
+    out = subprocess.run([sys.executable, "-c", "import only_in_the_batch, benchmarks; print(only_in_the_batch.VALUE)"],
+                         env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "7"
