@@ -8,11 +8,15 @@ from __future__ import annotations
 from .registry import register_in_llm_method
 
 
-def _check_fastv(opts: dict, budget: int | None = None) -> None:
-    layer = opts["layer"]
+def _check_layer(method: str, layer) -> None:
+    """FastV's and DART's option 'layer': None (K = 2 of 32 layers scaled to the LLM's depth) or an absolute K."""
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
-        raise ValueError(f"option 'layer' of fastv must be None (the paper's K = 2 of 32 layers scaled to the LLM's "
-                         f"depth) or an int >= 1 (an absolute K), got {layer!r}")
+        raise ValueError(f"option 'layer' of {method} must be None (the paper's K = 2 of 32 layers scaled to the "
+                         f"LLM's depth) or an int >= 1 (an absolute K), got {layer!r}")
+
+
+def _check_fastv(opts: dict, budget: int | None = None) -> None:
+    _check_layer("fastv", opts["layer"])
 
 
 # SparseVLM's released schedule (Gumpest/SparseVLMs, score.py): visual tokens kept after each of its three pruning
@@ -65,7 +69,7 @@ def _check_int(method: str, key: str, value, low: int) -> None:
 
 
 def _check_dart(opts: dict, budget: int | None = None) -> None:
-    _check_int("dart", "layer", opts["layer"], 1)
+    _check_layer("dart", opts["layer"])
     _check_int("dart", "pivot_image", opts["pivot_image"], 1)
     _check_int("dart", "pivot_text", opts["pivot_text"], 0)
     if budget is not None and budget < opts["pivot_image"]:
@@ -77,9 +81,11 @@ def _check_dart(opts: dict, budget: int | None = None) -> None:
 # tokens are the visual tokens and the text tokens after the image with the largest L1 norm of their keys (layer
 # K-1's attention, after the rotary embedding); each pivot in turn takes the not yet kept visual tokens least
 # cosine-similar to it (hidden states through the LLM's final norm). Kept tokens keep their positions (FastV-like).
+# layer=None: K = 2 of 32 scaled to the depth, as FastV's (2 on every 7B LLM here, 1 on the testbed's 4 layers);
+# an int is an absolute K (layer=2: the released K on any depth).
 # budget_semantics "exact": image pivots + picks = budget; "released": the released count for max_num_trunction =
 # budget, i.e. pivot_image + (pivot_image + pivot_text) * (budget // (pivot_image + pivot_text)) (132 at 128).
-register_in_llm_method("dart", options={"layer": 2, "pivot_image": 4, "pivot_text": 4, "budget_semantics": "exact"},
+register_in_llm_method("dart", options={"layer": None, "pivot_image": 4, "pivot_text": 4, "budget_semantics": "exact"},
                        choices={"budget_semantics": BUDGET_SEMANTICS}, check=_check_dart,
                        description="DART: keep the visual tokens least similar to pivot tokens at layer K")
 

@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from promprune.models import PrunedVLM
 from promprune.models.llm_hooks import (
     dart_keep,
+    fastv_layer,
     make,
     pyramid_average,
     pyramid_ratio_for_average,
@@ -69,7 +70,16 @@ def test_dart_keeps_what_a_plain_forward_gives(budget, images, prompts):
     vlm = PrunedVLM(model, processor, method="dart", budget=budget, pivot_image=2, pivot_text=2)
     got = vlm.generate(images[:1], prompts[:1], max_new_tokens=1)[0]
     assert got.visual_tokens == budget
-    assert got.kept == _reference_dart(model, vlm.inputs(images[:1], prompts[:1]), 2, 2, 2, budget)
+    # the default K: FastV's 2 of 32 layers scaled to the depth (round(2 * 4 / 32) = 0, at least 1: K = 1 of 4)
+    assert fastv_layer(len(model.model.language_model.layers)) == 1
+    assert got.kept == _reference_dart(model, vlm.inputs(images[:1], prompts[:1]), 1, 2, 2, budget)
+
+
+def test_dart_explicit_layer_is_absolute(images, prompts):
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="dart", budget=6, pivot_image=2, pivot_text=2, layer=2)
+    got = vlm.generate(images[:1], prompts[:1], max_new_tokens=1)[0]
+    assert got.kept == _reference_dart(model, vlm.inputs(images[:1], prompts[:1]), 2, 2, 2, 6)
 
 
 def test_dart_released_count():
