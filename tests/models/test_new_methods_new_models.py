@@ -61,7 +61,7 @@ def test_dart_key_norms_are_the_models_own_keys(arch, images, prompts):
     prep = vlm.prepare(images[:1], prompts[:1])
     pruner = _run(vlm, prep)
     twin = copy.deepcopy(model)
-    target = twin.model.language_model.layers[1].self_attn
+    target = twin.model.language_model.layers[pruner.stages[0].layer - 1].self_attn  # layer K - 1
     keys = []
 
     def recording(module, query, key, value, attention_mask, **kwargs):
