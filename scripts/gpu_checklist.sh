@@ -18,6 +18,8 @@
 #       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23, nvmath-python), Ray
 #          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~112 MiB in all)
 #   (the quickstart's testbed model is shipped in the tree: promprune/testbed/weights/, nothing to carry for it)
+#   bash scripts/device_rehearsal.sh   -> the stages that need no CUDA, on a device-like Python 3.12 virtualenv
+#       (~15 min): what a newer package there breaks, or a stage that cannot start, shows here, not on the machine
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
 #   2. carry [".whl2"]              bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
@@ -84,8 +86,9 @@ need_pipeline() {  # Ray, MLflow and lmms-eval importable, or say which call to 
 
 env_line() {
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'transformers', transformers.__version__, 'device', torch.cuda.get_device_name())"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+'transformers', transformers.__version__, 'device', \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'none (no CUDA device: a rehearsal?)')"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import ray, mlflow, lmms_eval; print('ray', ray.__version__, 'mlflow', mlflow.__version__)" 2>/dev/null
 }
 
