@@ -58,5 +58,5 @@ export SCALING_GPUS=2 SCALING_ARGS="--samples-per-task 4 --sample-s 0.02 --load-
 bash scripts/gpu_checklist.sh --install-batch 1 --install-batch 2 "${STAGES[@]}"
 echo "--- summary"
 for s in "${STAGES[@]}"; do
-  printf '%-16s %s\n' "$s" "$(grep -E 'passed|failed|exit [0-9]+ after|efficiency [0-9.]+ at' "$OUT/$s.log" | tail -1)"
+  printf '%-16s %s\n' "$s" "$(grep -E '[0-9]+ passed|sweep.py exit [0-9]+ after|^efficiency [0-9.]+ at' "$OUT/$s.log" | tail -1)"
 done
