@@ -11,6 +11,10 @@ There (`scripts/gpu_checklist.sh` calls these):
     python3 scripts/device_wheels.py dist-info --target .site/promprune    # this project's entry points, no code
     python3 scripts/device_wheels.py check-installed                       # the same check on the real versions
 
+Back here, with the image-freeze.txt that call 1 brings back:
+
+    python scripts/device_wheels.py pin-image gpu-logs/image-freeze.txt    # the image list's versions, as they are
+
 The closure starts at pyproject.toml's dependencies with the `pipeline` extra (which includes `eval`), follows each
 wheel's Requires-Dist (markers evaluated for CPython 3.12 on x86-64 Linux, extras only where requested), and stops at
 packages the image has (scripts/device_image.txt), unless the image's known version fails a requirement (then that
@@ -508,6 +512,45 @@ def write_dist_info(args) -> None:
     print(f"wrote {info}")
 
 
+def pin_image(args) -> int:
+    """Fill the image list (scripts/device_image.txt) with the versions a lent machine's `pip freeze` shows (the
+    file `gpu_checklist.sh --install-batch 1` writes, image-freeze.txt): known versions make the closure carry what
+    the image has too old, and stop carrying what it has. Packages there but not in the list are added below a
+    comment (the device notes list only some); comments and order stay."""
+    freeze = {}
+    for line in Path(args.freeze).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line and " @ " not in line:
+            name, _, version = line.partition("==")
+            freeze[name_of(name)] = version.strip()
+    if not freeze:
+        raise SystemExit(f"{args.freeze}: no NAME==VERSION lines (is it `pip freeze --all` output?)")
+    path = Path(args.image)
+    out, seen, changed = [], set(), []
+    for line in path.read_text().splitlines():
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            out.append(line)
+            continue
+        name, _, old = text.partition("==")
+        key = name_of(name)
+        seen.add(key)
+        if key in freeze and freeze[key] != old:
+            changed.append(f"{name} {old or '?'} -> {freeze[key]}")
+            line = f"{name}=={freeze[key]}"
+        out.append(line)
+    added = sorted(set(freeze) - seen)
+    if added:
+        out.append("# on the lent machine (its pip freeze) but not in its device notes; added by "
+                   "`device_wheels.py pin-image`")
+        out += [f"{name}=={freeze[name]}" for name in added]
+    path.write_text("\n".join(out) + "\n")
+    print(f"{path}: {len(changed)} versions set or changed, {len(added)} packages added")
+    for line in changed:
+        print(f"  {line}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -523,11 +566,15 @@ def main(argv=None) -> int:
     c.add_argument("--site", default=str(REPO / ".site"), help="where the batches are installed")
     d = sub.add_parser("dist-info", help="write this project's metadata (entry points) into a folder")
     d.add_argument("--target", required=True)
+    f = sub.add_parser("pin-image", help="set the image list's versions from a lent machine's pip freeze")
+    f.add_argument("freeze", help="image-freeze.txt, as gpu_checklist.sh --install-batch 1 writes it")
+    f.add_argument("--image", default=str(REPO / "scripts" / "device_image.txt"))
     args = ap.parse_args(argv)
     if args.cmd == "build":
         build(args)
         return 0
-    return {"check": check, "check-installed": check_installed, "dist-info": write_dist_info}[args.cmd](args) or 0
+    return {"check": check, "check-installed": check_installed, "dist-info": write_dist_info,
+            "pin-image": pin_image}[args.cmd](args) or 0
 
 
 if __name__ == "__main__":

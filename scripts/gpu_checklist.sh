@@ -29,10 +29,12 @@
 #       SCALING_GPUS=1 SCALING_SHELL=arithmetic bash scripts/gpu_checklist.sh scaling)
 #   4. carry []                     bash scripts/gpu_checklist.sh shapes                                       ~6 min
 #      (efficiency at LLaVA-1.5, Qwen2.5-VL and issue 26's Qwen3-VL-8B, OneVision-7B, InternVL3-8B shapes)
+# Call 1 also brings back image-freeze.txt: `python scripts/device_wheels.py pin-image <it>` here records the image's
+# versions in scripts/device_image.txt (commit it), so later builds carry exactly what the image lacks.
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
 # this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2"] `--install-batch 2 ...`.
 # At most 8 files come back per call: call 2 writes 7 (install, sweep and table6-pipeline logs, their GPU-utilization
-# CSVs and reports). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S
+# CSVs and reports), 8 on a fresh machine (installing batch 1 again writes image-freeze.txt again). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S
 # (60) left is skipped with a note, and a running stage is stopped at the budget, so its log still comes back.
 set -uo pipefail
 OUT="${OUT:-gpu-logs}"; mkdir -p "$OUT"
@@ -62,6 +64,10 @@ install_batch() {  # .whlN -> .site/whlN, once per machine (a stamp of the batch
   stamp="$(ls "$src" | sha1sum | cut -c1-16)"
   if [ "$(cat "$dst/.installed" 2>/dev/null)" = "$stamp" ]; then echo "batch $n: already installed"; return 0; fi
   rm -rf "$dst"; mkdir -p "$SITE"
+  if [ "$n" = 1 ]; then  # the image's own versions (no batch on the path), for `device_wheels.py pin-image` here
+    env -u PYTHONPATH python3 -m pip freeze --all > "$OUT/image-freeze.txt" 2>/dev/null \
+      && echo "image: $(wc -l < "$OUT/image-freeze.txt") packages in image-freeze.txt (bring it back: pin-image)"
+  fi
   local t0=$SECONDS
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$dst" "$src"/*.whl || return 1
   echo "$stamp" > "$dst/.installed"

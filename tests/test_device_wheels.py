@@ -186,3 +186,26 @@ def test_benchmark_subprocesses_keep_the_batches_on_their_path(monkeypatch, tmp_
     out = subprocess.run([sys.executable, "-c", "import only_in_the_batch, benchmarks; print(only_in_the_batch.VALUE)"],
                          env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == "7"
+
+
+def test_pin_image_sets_the_machines_versions_keeps_comments_and_adds_the_rest(tmp_path):
+    image = tmp_path / "device_image.txt"
+    image.write_text("# the image\nfilelock\ntorch==2.11.0\n\n# more\npandas\n")
+    freeze = tmp_path / "image-freeze.txt"
+    freeze.write_text("filelock==4.3.1\ntorch==2.11.0\nPandas==3.0.1\npydantic==2.14.4\n"
+                      "promprune @ file:///work\n")
+    assert dw.main(["pin-image", str(freeze), "--image", str(image)]) == 0
+    assert image.read_text().splitlines() == [
+        "# the image", "filelock==4.3.1", "torch==2.11.0", "", "# more", "pandas==3.0.1",
+        "# on the lent machine (its pip freeze) but not in its device notes; added by `device_wheels.py pin-image`",
+        "pydantic==2.14.4"]
+    # read back as the build reads it: filelock's known 4.3.1 now fails pyproject's <4.3, so the build carries it
+    # even without the CARRY table
+    assert dw.read_image(image)["filelock"] == "4.3.1"
+    # a second run with the same freeze changes nothing
+    before = image.read_text()
+    dw.main(["pin-image", str(freeze), "--image", str(image)])
+    assert image.read_text() == before
+    freeze.write_text("nothing useful\n")
+    with pytest.raises(SystemExit, match="no NAME==VERSION lines"):
+        dw.main(["pin-image", str(freeze), "--image", str(image)])
