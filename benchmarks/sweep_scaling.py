@@ -157,7 +157,6 @@ def shell_trial(method: str, budget: str, tasks: str, limit: int, batch_size: in
     (`--model promprune`), which imports lmms-eval, indexes and loads the tasks' data, loads the model, answers and
     scores. The stand-in costs are injected as in the pipeline: the model load sleeps `load_s` before loading the
     tiny model, each sample sleeps `sample_s` and answers "yes" without computing."""
-
     from lmms_eval.cli.dispatch import main as lmms_eval_main
     from lmms_eval.models import get_model  # noqa: F401 - lmms-eval finds the plugin first; then it is patched
 

@@ -98,15 +98,20 @@ def read_pins(path: Path) -> dict[str, str]:
     return pins
 
 
+def list_entry(line: str) -> tuple[str, str | None] | None:
+    """One line of a package list (scripts/device_image.txt, a `pip freeze`): (name as written, version or None),
+    or None for a blank or comment line."""
+    text = line.split("#", 1)[0].strip()
+    if not text:
+        return None
+    name, _, version = text.partition("==")
+    return name, version or None
+
+
 def read_image(path: Path) -> dict[str, str | None]:
     """scripts/device_image.txt -> {canonical name: version, or None where unknown here}."""
-    image = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            image[name_of(name)] = version or None
-    return image
+    entries = filter(None, map(list_entry, path.read_text().splitlines()))
+    return {name_of(name): version for name, version in entries}
 
 
 def project_roots(pyproject: Path, extras=EXTRAS) -> list[Requirement]:
@@ -517,22 +522,17 @@ def pin_image(args) -> int:
     file `gpu_checklist.sh --install-batch 1` writes, image-freeze.txt): known versions make the closure carry what
     the image has too old, and stop carrying what it has. Packages there but not in the list are added below a
     comment (the device notes list only some); comments and order stay."""
-    freeze = {}
-    for line in Path(args.freeze).read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if "==" in line and " @ " not in line:
-            name, _, version = line.partition("==")
-            freeze[name_of(name)] = version.strip()
+    freeze = {name: version for name, version in read_image(Path(args.freeze)).items() if version}  # no `@ url`
     if not freeze:
         raise SystemExit(f"{args.freeze}: no NAME==VERSION lines (is it `pip freeze --all` output?)")
     path = Path(args.image)
     out, seen, changed = [], set(), []
     for line in path.read_text().splitlines():
-        text = line.split("#", 1)[0].strip()
-        if not text:
+        entry = list_entry(line)
+        if entry is None:
             out.append(line)
             continue
-        name, _, old = text.partition("==")
+        name, old = entry
         key = name_of(name)
         seen.add(key)
         if key in freeze and freeze[key] != old:

@@ -34,8 +34,9 @@
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
 # this call's, e.g. carry [".whl1"] `--install-batch 1`, then carry [".whl2"] `--install-batch 2 ...`.
 # At most 8 files come back per call: call 2 writes 7 (install, sweep and table6-pipeline logs, their GPU-utilization
-# CSVs and reports), 8 on a fresh machine (installing batch 1 again writes image-freeze.txt again). CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S
-# (60) left is skipped with a note, and a running stage is stopped at the budget, so its log still comes back.
+# CSVs and reports), 8 on a fresh machine (installing batch 1 again writes image-freeze.txt again).
+# CALL_BUDGET_S (default 570) bounds one call: a stage that would start with under STAGE_MIN_S (60) left is skipped
+# with a note, and a running stage is stopped at the budget, so its log still comes back.
 set -uo pipefail
 OUT="${OUT:-gpu-logs}"; mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"; cd "$ROOT"
