@@ -135,7 +135,7 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     n_rows = len(rows.keys)
     work = n_trials * n_rows * costs.sample_s
     ideal = work / gpus + costs.load_s
-    plan = planning.plan(spec.resources, n_trials, len(rows.blocks), local=False, cluster={"GPU": gpus})
+    plan = planning.plan(spec.resources, n_trials, len(rows.blocks), cluster={"GPU": gpus})
     return {"wall": wall, "ideal": ideal, "loads": len(list(counter.iterdir())), "rows": n_rows,
             "trials": n_trials, "failed": len(outcome.failed), "workers": min(plan.max_actors, gpus),
             "at_once": plan.trials_at_once}
@@ -241,7 +241,7 @@ def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float,
 
     work = sum(TABLE1_SAMPLES.values()) * A100_SAMPLE_S
     blocks = math.ceil(sum(TABLE1_SAMPLES.values()) / 8)
-    plan = planning.plan(Resources(max_gpus=gpus), trials, blocks, local=False, cluster={"GPU": gpus})
+    plan = planning.plan(Resources(max_gpus=gpus), trials, blocks, cluster={"GPU": gpus})
     pipeline = trials * (work / plan.max_actors + overhead_s + A100_LOAD_S / 3)
     shell = math.ceil(trials / gpus) * (work + SHELL_STARTUP_S + A100_LOAD_S)
     ideal = trials * work / gpus + A100_LOAD_S / 3

@@ -49,6 +49,7 @@ ROLE_SWEEP, ROLE_TRIAL, ROLE_EVALUATION = "sweep", "trial", "evaluation"
 BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
 # a trial run's params that are not method options (`tracking.trial_params`; `mu_source` says where a calibrated mu
 # came from); every other param is one of its method's options, whichever module registered the method
+MU_TAU = ("mu", "tau")  # the split's options a search varies: the console's best line, the report's (mu, tau) views
 NON_OPTION_PARAMS = ("model", "method", "budget", "tasks", "repeat", "model_options", "mu_source")
 
 # artifacts

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from promprune.env import temporary_env
 
 from pipelines import mlflow_layout
+from pipelines.console import say
 from pipelines.calibration import check_source, metrics_to_calibrate
 from pipelines.spec import SpecError, SweepSpec, expand, space
 from pipelines.spec.errors import unknown
@@ -187,3 +188,10 @@ def check_store(uri: str) -> list[str]:
         first = str(exc).splitlines()[0][:240] if str(exc) else type(exc).__name__
         return [f"MLflow store {uri} does not answer ({type(exc).__name__}: {first}); {fix}"]
     return []
+
+
+def random_weights_note(model: str) -> None:
+    """Say so when a model has random weights: its scores are noise (0 on the offline tasks), by construction."""
+    if model.startswith(("tiny:", "shape:")):
+        say(f"note: {model} has random weights, so its answers and scores are noise (tiny-easyvqa:llava is trained "
+            "offline and answers the easy-vqa tasks)")

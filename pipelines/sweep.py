@@ -41,11 +41,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -62,10 +60,9 @@ from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
 from pipelines import timeline, tracking
-from pipelines.evaluate import EvalConfig, evaluate, random_weights_note
-from pipelines.run import engine, search
+from pipelines.run import engine, search, trial
 from pipelines.run import resources as planning
-from pipelines.run.checkpoints import BlockStore, sweep_dir, trial_dir
+from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, paired_lines, \
     summary_table
@@ -75,123 +72,9 @@ from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
-# a trial only drives Ray Data and scores: it reserves no core, so that its actors have the machine's (the plan's
-# trials_at_once, Tune's max_concurrent_trials, bounds how many run), only memory for lmms-eval and its predictions
-TRIAL_RESOURCES = {"cpu": 0, "memory": 256 * 2 ** 20}
-# a running score (lmms-eval over the samples answered so far) at most this often, besides the scheduler's milestones
-SCORE_EVERY_S = 30.0
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
 # 130 interrupted (the shell's code for Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_INTERRUPTED = 1, 2, 3, 130
-
-# ----------------------------------------------------------------------------------------------------------------
-# the trial (runs in a Tune trial actor)
-
-
-def tune_trial(trial: specs.Trial, calibrated: dict) -> dict:
-    """A trial as Tune's config holds it: `search.trial_config` (``mu: calibrate`` replaced by the measured
-    median)."""
-    return search.trial_config(trial, calibrated)
-
-
-class TrialProgress:
-    """What a running trial reports to Tune after each block: ``samples/done`` (of ``samples/total``), and running
-    scores (``<task>/<metric>`` over the samples answered so far, the same keys as the final report) when the
-    samples reach one of ``score_at`` or `SCORE_EVERY_S` has passed since the last.
-
-    A searched trial (``objective``: `search.Objective`) scores itself instead at each rung ``r`` of the scheduler,
-    once the first ``r`` samples of the sweep's block order are all answered, and reports the search's metric over
-    exactly those samples with ``samples/scored = r`` (the scheduler's time attribute); between rungs its reports
-    carry the last value (NaN before the first), which Tune requires of every result."""
-
-    def __init__(self, total: int, score_at: list[int] | None = None, score_every_s: float = SCORE_EVERY_S,
-                 objective: search.Objective | None = None):
-        self.total, self.score_at = total, sorted(score_at or [])
-        self.every, self.last = score_every_s, time.monotonic()
-        self.objective, self.value = objective, math.nan
-        self.rungs = sorted(objective.rungs) if objective is not None else []
-        self.prefix = search.AnsweredPrefix(objective.keys) if objective is not None else None
-
-    def __call__(self, done: int, tables: list) -> None:
-        metrics = {"samples/done": float(done), "samples/total": float(self.total)}
-        if self.objective is not None:
-            metrics.update(self._at_rung(tables))
-        else:
-            due = [m for m in self.score_at if m <= done]
-            if done < self.total and (due or time.monotonic() - self.last >= self.every):
-                self.score_at = [m for m in self.score_at if m > done]
-                metrics.update(running_scores(tables))
-                self.last = time.monotonic()
-        tune.report(metrics)
-
-    def _at_rung(self, tables: list) -> dict:
-        """The search's metric: fresh (with ``samples/scored``) when the answered prefix has reached a rung not yet
-        scored (the highest such), else the last value."""
-        answered = self.prefix.update(tables)
-        due = [r for r in self.rungs if r <= answered]
-        if not due:
-            return {self.objective.metric: self.value}
-        rung = due[-1]
-        self.rungs = [r for r in self.rungs if r > rung]
-        scores = running_scores(tables, set(self.objective.keys[:rung]))
-        self.value = self.objective.value(_nested(scores), rung)
-        return {**scores, self.objective.metric: self.value, search.TIME_ATTR: float(rung)}
-
-
-def running_scores(tables: list, only: set[str] | None = None) -> dict[str, float]:
-    """lmms-eval's metrics over the predictions so far (`promprune.eval.score(partial=True)`), flat; ``only``: over
-    these sample keys alone."""
-    import pyarrow as pa
-
-    from pipelines.run.result import SCORED_COLUMNS
-    from promprune.eval import score
-
-    rows = pa.concat_tables(tables).select(SCORED_COLUMNS).to_pylist()
-    if only is not None:
-        rows = [r for r in rows if f"{r['task']}/{r['doc_id']}" in only]
-    return {f"{task}/{name}": float(v) for task, ms in score(rows, partial=True).items() for name, v in ms.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def _nested(flat: dict[str, float]) -> dict[str, dict[str, float]]:
-    """``{"task/metric": v}`` -> ``{task: {metric: v}}`` (scores as `promprune.eval.score` returns them)."""
-    out: dict[str, dict[str, float]] = {}
-    for key, value in flat.items():
-        task, name = key.split("/", 1)
-        out.setdefault(task, {})[name] = value
-    return out
-
-
-def run_trial(config: dict, *, source: ModelSource, rows: Requests, settings: dict, plan: planning.Plan,
-              blocks: str, ledger=None, run_fn: Callable | None = None,
-              objective: search.Objective | None = None) -> None:
-    """Evaluate one trial (`search.trial_of(config)`) with the engine, saving its blocks under ``blocks``
-    (`checkpoints.trial_dir`) and resuming from them, reporting progress (a searched trial: the search's metric at
-    each rung, ``objective``), and finally its metrics with the `TrialResult` file as the checkpoint."""
-    trial_dict = search.trial_of(config)
-    tid = trial_dict["trial_id"]
-    trial = specs.Trial.from_dict(trial_dict)
-    if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
-        rows = rows.only(trial.tasks)
-    started = time.time()
-    timeline.tag(trial=tid)
-    timeline.mark("trial_begin", "trial")
-    cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
-    store = BlockStore(trial_dir(blocks, tid))
-    result = evaluate(cfg, rows, run_fn=run_fn, plan=plan, store=store, ledger=ledger,
-                      on_block=TrialProgress(len(rows.keys), config.get("score_at"), objective=objective))
-    result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
-                           "samples/done": float(result.predictions.num_rows)})
-    final = dict(result.metrics)
-    if objective is not None:  # the search's metric over every sample: what the scheduler and optuna see last
-        final.update({objective.metric: objective.value(result.scores, len(objective.keys)),
-                      search.TIME_ATTR: float(len(objective.keys))})
-    with tempfile.TemporaryDirectory() as d:
-        result.write(Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT)
-        tune.report(final, checkpoint=tune.Checkpoint.from_directory(d))
-    timeline.mark("trial_reported", "trial")
-    timeline.tag(trial=None)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # setup
@@ -259,7 +142,9 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     trials = specs.expand(spec)
     n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
     # the device is known before the blocks: a GPU node the autoscaler must add boots while the rows are built
-    capacity = planning.Capacity(planning.plan(spec.resources, n_trials, 1, spec.tune.max_concurrent_trials))
+    # (raises NoCapacity here, in seconds, for a 7B-class model on a cluster that has and can add no GPU)
+    first = planning.plan(spec.resources, n_trials, 1, spec.tune.max_concurrent_trials, model=spec.model.pretrained)
+    capacity = planning.Capacity(first)
     if capacity.plan.note:
         say(capacity.plan.note)
     t0 = time.perf_counter()
@@ -274,7 +159,8 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     problem = search.check_rungs(spec, len(rows.keys))
     if problem:
         raise specs.SpecError([problem], spec.name)
-    plan = planning.plan(spec.resources, n_trials, len(rows.blocks), spec.tune.max_concurrent_trials)
+    plan = planning.plan(spec.resources.model_copy(update={"device": first.device}), n_trials, len(rows.blocks),
+                         spec.tune.max_concurrent_trials)
     say(f"sweep {spec.name} v{spec.version}: {_trials_line(spec, len(trials), len(rows.keys))}, "
         f"{plan.trials_at_once} at a time, each asking for {plan.max_actors} actor(s) "
         + (f"of {plan.gpus:g} GPU" if plan.on_gpu else "on the CPU"))
@@ -338,7 +224,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
     _LIVE_RECORDERS[parent_id] = recorder
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     try:
-        ledger = engine.new_ledger()  # one Ledger for every trial's blocks, both experiments
+        # what every trial shares: the requests, the plan, one Ledger for every trial's blocks (both experiments)
+        shared = trial.Shared(rows, plan, engine.new_ledger(), blocks, run_fn)
         with progress(sum(recorder.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar:
             recorder.bar = bar
             timeline.mark("tune_start", "driver")
@@ -346,7 +233,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
                 objective = _objective(spec, phase, rows, recorder)
                 if phase.searched and objective is None:
                     break  # the baseline failed: said, and the sweep exits 1
-                trainable = _trainable(source, rows, spec, plan, blocks, run_fn, ledger, objective)
+                trainable = trial.trainable(spec, source, shared, objective)
                 tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
                 grid = tuner.fit()
                 try:
@@ -421,16 +308,6 @@ def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: pl
     say(f"mu calibrated on {found[metrics[0]]['n']} images ({time.perf_counter() - t0:.1f}s): "
         + ", ".join(f"{m} median {v:.4f}" for m, v in medians.items()))
     return medians
-
-
-def _trainable(source: ModelSource, rows: Requests, spec: specs.SweepSpec, plan: planning.Plan, blocks: str,
-               run_fn, ledger, objective: search.Objective | None = None):
-    settings = dict(tasks=spec.tasks, limit=spec.limit, video_frames=spec.video_frames,
-                    generation=spec.generation, progress_bars=False, bootstrap=spec.bootstrap,
-                    resources=spec.resources)
-    fn = tune.with_parameters(run_trial, source=source, rows=rows, settings=settings, plan=plan, blocks=blocks,
-                              ledger=ledger, run_fn=run_fn, objective=objective)
-    return tune.with_resources(fn, TRIAL_RESOURCES)
 
 
 def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning.Plan, state: dict, recorder,
@@ -551,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         print(generation_plan(spec))
         return 0
     t0 = time.perf_counter()
-    random_weights_note(spec.model.pretrained)
+    preflight.random_weights_note(spec.model.pretrained)
     prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
     log_path = Path("outputs") / "logs" / f"{spec.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.log"
     if not args.verbose:

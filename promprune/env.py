@@ -1,8 +1,9 @@
-"""Environment variables set for the duration of a block."""
+"""The process environment: variables set for the duration of a block; the package's cache directory."""
 from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -18,3 +19,9 @@ def temporary_env(**values: str):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def cache_dir() -> Path:
+    """Where converted data, generated task YAMLs and trained tiny models live: $PROMPRUNE_CACHE or
+    ~/.cache/promprune."""
+    return Path(os.environ.get("PROMPRUNE_CACHE") or Path.home() / ".cache" / "promprune")

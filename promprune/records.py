@@ -101,7 +101,13 @@ class Prediction(Answer):
 
 
 def sample_key(task: str, doc_id: int) -> str:
+    """A sample's key, ``<task>/<doc_id>``: the one spelling of it everywhere (blocks, checkpoints, scoring)."""
     return f"{task}/{doc_id}"
+
+
+def table_keys(table) -> list[str]:
+    """The sample keys of an Arrow table of records (its ``task`` and ``doc_id`` columns), in row order."""
+    return [sample_key(t, d) for t, d in zip(table.column("task").to_pylist(), table.column("doc_id").to_pylist())]
 
 
 def values(record, cls=None) -> dict:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real entry point, end to end: a Ray head on loopback, then
 #   ray job submit --working-dir . -- python pipelines/sweep.py ...
-# runs a small offline sweep (the easy-vqa quickstart spec, shrunk) as a Ray job, and its runs must land in MLflow.
+# runs the default sweep (sweeps/quickstart.yaml, shrunk to SMOKE_LIMIT questions per task) as a Ray job on a head
+# with CPUs only, and its runs must land in MLflow; then a 7B-class spec on the same head must exit 2 at once.
 #
 #   scripts/job_submit_smoke.sh            # from the repository root, with the project's environment active
 #
@@ -45,13 +46,29 @@ for _ in $(seq 1 60); do   # the job server needs the dashboard: wait up to ~2 m
     sleep 2
 done
 
+# the design card's entry point as written: the default sweep (sweeps/quickstart.yaml), no device override. The head
+# has CPUs only and no autoscaler, so `device: auto` runs the testbed model on the CPUs (and says so).
+# SMOKE_LIMIT questions per task (default 10, CI's size; unset it to 100 for the full quickstart: about a minute)
 RUNTIME_ENV=$(printf '{"env_vars": {"MLFLOW_TRACKING_URI": "sqlite:///%s/mlflow.db", "HF_HUB_OFFLINE": "1"}}' "$WORK")
+START=$(date +%s)
 ray job submit --address "$ADDRESS" --submission-id "smoke-$(date +%s)" --working-dir . \
     --runtime-env-json "$RUNTIME_ENV" -- \
-    python pipelines/sweep.py --config sweeps/easyvqa_quickstart.yaml \
-        --set limit=1 --set "grid.method=[promprune]" --set "grid.budget=[8]" --set tasks=[easyvqa_yesno] \
-        --set model.pretrained=tiny:llava --set resources.device=cpu \
-        --set resources.actor_wait_s=60   # the random-weight model on a head without GPUs: this checks the job path
+    python pipelines/sweep.py --set "limit=${SMOKE_LIMIT:-10}" | tee "$WORK/job.log"
+grep -q "the actors run on the CPUs" "$WORK/job.log" || { echo "the job did not say it runs on the CPUs"; exit 1; }
+echo "job: $(( $(date +%s) - START ))s"
+
+# a 7B-class model on the same CPU-only head: refused at once with one paragraph (exit 2), never run on the CPUs
+START=$(date +%s)
+set +e
+MLFLOW_TRACKING_URI="sqlite:///$WORK/7b.db" python pipelines/sweep.py --address "127.0.0.1:$PORT" \
+    --set model.pretrained=shape:llava_1_5_7b > "$WORK/7b.log" 2>&1
+CODE=$?
+set -e
+ELAPSED=$(( $(date +%s) - START ))
+if [ "$CODE" != 2 ] || ! grep -q "has 7.1B parameters" "$WORK/7b.log" || grep -q Traceback "$WORK/7b.log"; then
+    echo "the 7B spec on a CPU-only head: exit $CODE after ${ELAPSED}s"; cat "$WORK/7b.log"; exit 1
+fi
+echo "7B on a CPU-only head: exit 2 after ${ELAPSED}s"
 
 MLFLOW_TRACKING_URI="sqlite:///$WORK/mlflow.db" python - <<'PY'
 import os
@@ -65,6 +82,6 @@ assert len(parents) == 1 and parents[0].info.status == "FINISHED", parents
 children = c.search_runs([exp.experiment_id],
                          filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
 trials = sorted(r.data.tags["promprune.trial"] for r in children)
-assert len(trials) == 2 and trials[0] == "baseline" and trials[1].startswith("promprune-b8"), trials
+assert trials == ["baseline", "divprune-b16", "promprune-b16-mu=calibrate-tau=0.03", "vispruner-b16"], trials
 print(f"smoke OK: sweep run {parents[0].info.run_id} with trials {trials}")
 PY

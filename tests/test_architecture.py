@@ -107,3 +107,13 @@ def test_the_library_never_imports_the_pipeline_or_ray_or_mlflow():
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
                           if n.split(".")[0] in ("pipelines", "ray", "mlflow")]
     assert offenders == []
+
+
+def test_the_run_parts_never_import_the_clis():
+    """A trial reads sweep.py (driver, CLI) -> run/trial.py -> run/engine.py -> run/result.py -> run/recorder.py:
+    nothing under pipelines/run/ reaches back up into the two CLIs."""
+    graph = _graph()
+    upward = [f"{name} -> {target} (line {line})" for name, edges in graph.items() if name.startswith("pipelines.run")
+              for target, line in edges.items() if target in ("pipelines.sweep", "pipelines.evaluate")]
+    assert upward == []
+    assert "pipelines.run.trial" in graph["pipelines.sweep"] and "pipelines.run.trial" in graph["pipelines.evaluate"]

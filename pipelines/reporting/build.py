@@ -19,6 +19,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from pipelines import mlflow_layout
+from pipelines.mlflow_layout import MU_TAU
 
 from . import figures, ground_truth, overlay, paired, side_by_side, tables
 from .published import PAPER_DIR, load_published
@@ -168,7 +169,6 @@ def _paired_section(sweep, table, preds) -> str:
             "that holds 0 is a gap the benchmarks cannot tell from noise).\n\n" + paired.markdown(diffs))
 
 
-MU_TAU = ("mu", "tau")
 
 
 def _plane_points(sweep: Sweep, table: tables.ScoreTable | None = None) -> pd.DataFrame:

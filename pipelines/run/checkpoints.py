@@ -19,10 +19,9 @@ import pyarrow as pa
 import pyarrow.fs
 import pyarrow.parquet as pq
 
-from promprune.records import Prediction, arrow_schema
+from pipelines.run.result import PREDICTION_SCHEMA
 
 BLOCKS_DIR = "_promprune_blocks"
-PREDICTION_SCHEMA = arrow_schema(Prediction)
 
 
 def sweep_dir(storage: str, experiment: str) -> str:
@@ -53,9 +52,6 @@ class BlockStore:
         selector = pyarrow.fs.FileSelector(self.root, allow_not_found=True)
         return sorted(info.path for info in self.fs.get_file_info(selector)
                       if info.type == pyarrow.fs.FileType.File and info.path.endswith(".parquet"))
-
-    def block_ids(self) -> set[str]:
-        return {path.rsplit("/", 1)[-1][:-len(".parquet")] for path in self._files()}
 
     def load(self) -> pa.Table:
         """Every saved prediction (`arrow_schema(Prediction)`); an empty table when nothing is saved."""

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 import pyarrow as pa
 import ray
 
-from promprune.records import Prediction, Request, from_arrow, to_arrow
+from promprune.records import Prediction, Request, from_arrow, table_keys, to_arrow
 
 from pipelines import timeline
 from pipelines.run.checkpoints import BlockStore
@@ -267,8 +267,7 @@ def stream(requests: Requests, job: Job, plan: Plan, failover: Failover,
             num_gpus=plan.gpus if plan.on_gpu else None, num_cpus=plan.cpus, max_restarts=-1, max_task_retries=-1)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         if batch.num_rows:
-            keys = [f"{t}/{d}" for t, d in zip(batch.column("task").to_pylist(), batch.column("doc_id").to_pylist())]
-            yield block_id(keys), batch
+            yield block_id(table_keys(batch)), batch
 
 
 def lost_reason(failover: Failover) -> str:
@@ -316,8 +315,7 @@ def run(requests: Requests, job: Job, plan: Plan, failover: Failover, wait_s: fl
 
 
 def _keys_of(tables: list[pa.Table]) -> set[str]:
-    return {f"{t}/{d}" for table in tables for t, d in zip(table.column("task").to_pylist(),
-                                                             table.column("doc_id").to_pylist())}
+    return {k for table in tables for k in table_keys(table)}
 
 
 def _only(table: pa.Table, keys: set[str]) -> pa.Table:

@@ -16,8 +16,8 @@ from pipelines import mlflow_layout, timeline, tracking
 from pipelines import spec as specs
 from pipelines.console import say
 from pipelines.run import search
-from pipelines.run.result import TrialResult
-from pipelines.mlflow_layout import REL
+from pipelines.run.result import TrialResult, rel
+from pipelines.mlflow_layout import MU_TAU, REL
 
 _LIVE_RECORDERS: dict[str, "SweepRecorder"] = {}  # parent run id -> this driver's recorder
 
@@ -242,20 +242,20 @@ class SweepRecorder:
         """Rel. vs the baseline; undefined (not logged, said once) when a baseline score is 0."""
         if self.baseline_scores is None:
             return False
-        from promprune.eval import relative_score
-
-        try:
-            rec["metrics"][REL] = float(relative_score(rec["scores"], self.baseline_scores))
-        except ValueError as e:
-            if not self.rel_warned:
-                say(f"note: Rel. is not defined for this sweep: {e}")
-                self.rel_warned = True
+        value = rel(rec["scores"], self.baseline_scores, self._rel_undefined)
+        if math.isnan(value):
             return False
+        rec["metrics"][REL] = value
         return True
+
+    def _rel_undefined(self, why: ValueError) -> None:
+        if not self.rel_warned:
+            say(f"note: Rel. is not defined for this sweep: {why}")
+            self.rel_warned = True
 
     def _params(self, trial: dict) -> dict:
         """The run's params: the trial's options as it ran them (a calibrated mu, with `mu_source`, see
-        `sweep.tune_trial`)."""
+        `search.trial_config`)."""
         if "mu_source" in trial:
             trial = {**trial, "options": {**trial["options"], "mu_source": trial["mu_source"]}}
         return tracking.trial_params(self.sweep.model.pretrained, trial, trial.get("tasks") or self.sweep.tasks,
@@ -314,9 +314,6 @@ def summary_table(spec: specs.SweepSpec, records: dict) -> str:
         table += (f"\n{len(stopped)} more trial(s) stopped early by ASHA, not in the table (MLflow: status KILLED, tag "
                   f"{mlflow_layout.STOPPED}, running scores under {mlflow_layout.RUNNING}/)")
     return table
-
-
-MU_TAU = ("mu", "tau")  # the options whose search the summary's last line reports
 
 
 def best_line(spec: specs.SweepSpec, records: dict, generated: int) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray
 
-from promprune.records import Request, from_arrow, to_arrow
+from promprune.records import Request, from_arrow, table_keys, to_arrow
 
 ENVELOPE = pa.schema([("block_id", pa.string()), ("n_rows", pa.int64()), ("requests", pa.binary())])
 
@@ -35,7 +35,7 @@ def seal(block: pa.Table) -> pa.Table:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, block.schema) as writer:
         writer.write_table(block)
-    keys = _keys(block)
+    keys = table_keys(block)
     return pa.table({"block_id": [block_id(keys)], "n_rows": [block.num_rows],
                      "requests": [sink.getvalue().to_pybytes()]}, schema=ENVELOPE)
 
@@ -47,10 +47,6 @@ def unseal(envelope: pa.Table) -> list[tuple[str, pa.Table]]:
         with pa.ipc.open_stream(pa.py_buffer(data)) as reader:
             out.append((bid, reader.read_all()))
     return out
-
-
-def _keys(block: pa.Table) -> list[str]:
-    return [f"{t}/{d}" for t, d in zip(block.column("task").to_pylist(), block.column("doc_id").to_pylist())]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,19 +91,11 @@ class Requests:
         """Every sample key, once, in block order."""
         return [k for keys in self.block_keys for k in keys]
 
-    @property
-    def block_ids(self) -> list[str]:
-        return [block_id(keys) for keys in self.block_keys]
-
     def dataset(self, skip: set[str] | frozenset = frozenset()):
         """The envelopes as a Ray Dataset (one row per block), without the blocks whose samples are all in
         ``skip``; a block answered in part (it cannot be here: blocks are answered whole) would be run whole."""
         refs = [ref for ref, keys in zip(self.blocks, self.block_keys) if not set(keys) <= skip]
         return ray.data.from_arrow_refs(refs) if refs else None
-
-    def pending(self, skip: set[str] | frozenset = frozenset()) -> int:
-        """Blocks with at least one sample not in ``skip``."""
-        return sum(not set(keys) <= skip for keys in self.block_keys)
 
     def requests_of(self, keys: set[str]) -> list[Request]:
         """The requests of ``keys`` (read back from their blocks; for samples that must be recorded as failed)."""
@@ -123,10 +111,6 @@ class Requests:
         found = ray.get([keys for keys, _ in calls])
         return Requests([ref for ks, (_, ref) in zip(found, calls) if ks], [ks for ks in found if ks])
 
-    def nbytes(self) -> int:
-        """Bytes the envelopes take in the object store (Arrow buffers)."""
-        return int(sum(ray.get([_nbytes.remote(block) for block in self.blocks])))
-
 
 @ray.remote(num_cpus=0, num_returns=2)
 def _only_tasks(envelope: pa.Table, tasks: list[str]) -> tuple[list[str], pa.Table]:
@@ -137,11 +121,6 @@ def _only_tasks(envelope: pa.Table, tasks: list[str]) -> tuple[list[str], pa.Tab
     rows = [r for _, block in unseal(envelope) for r in share_images(from_arrow(block, Request)) if r.task in tasks]
     packed = to_arrow([r for b in pack_requests(rows, max(1, len(rows))) for r in b], Request)
     return [r.key for r in rows], seal(packed)
-
-
-@ray.remote(num_cpus=0)
-def _nbytes(envelope: pa.Table) -> int:
-    return envelope.nbytes
 
 
 DRIVER_BUILD_MAX_ROWS = 2000  # up to this many rows the driver builds them itself (distinct images, PNG, in memory)
@@ -170,7 +149,7 @@ def interleaved(envelopes: list, block_keys: list[list[str]]) -> tuple[list, lis
 def requests_dataset(rows: list[Request], batch_size: int) -> Requests:
     """Requests -> sealed blocks in the object store, interleaved over tasks."""
     blocks = request_blocks(rows, batch_size)
-    refs, keys = interleaved([ray.put(seal(b)) for b in blocks], [_keys(b) for b in blocks])
+    refs, keys = interleaved([ray.put(seal(b)) for b in blocks], [table_keys(b) for b in blocks])
     return Requests(refs, keys)
 
 
@@ -204,6 +183,6 @@ def _build_shard(tasks: list[str], limit: int | None, generation: dict, shard: t
     rows = build_rows(tasks, limit, generation, shard=shard, contiguous=True, video_frames=video_frames)
     keys = []
     for block in request_blocks(rows, batch_size):
-        keys.append(_keys(block))
+        keys.append(table_keys(block))
         yield seal(block)  # (not `yield from`: Ray's streaming generator sends into it)
     yield keys

@@ -64,21 +64,100 @@ def started_here() -> bool:
     return bool(node is not None and node.head)
 
 
-def choose_device(resources: Resources, local: bool, cluster_gpus: float) -> tuple[str, str]:
-    """(device, note). ``auto``: GPUs when the Ray is a cluster the sweep joined (whose GPU nodes may not have
-    joined yet) or has GPUs; the CPU on a local Ray without GPUs, said in the note."""
+# The largest model `device: auto` runs on CPUs (8 GB of weights in fp32): the tiny, testbed and easy-vqa models answer
+# in well under a second there, while a 7B-class model takes about 28 GB and minutes per answer, so without a GPU it is
+# refused at once rather than run silently on the CPUs (`resources.device: cpu` runs it there on purpose).
+CPU_MAX_PARAMS = 2 * 10 ** 9
+
+
+def choose_device(resources: Resources, cluster_gpus: float, can_add_gpus: bool | None,
+                  model_params: int | None = None, model: str = "the model") -> tuple[str, str]:
+    """(device, note) for ``resources.device``; ``auto`` decides from what the cluster has and can add:
+
+    - GPUs now (``cluster_gpus``): GPU;
+    - none yet, but its autoscaler can add GPU nodes (``can_add_gpus`` True, `autoscaler_offers_gpus`) or an
+      autoscaler runs whose node types cannot be read from here (None): GPU, and the sweep waits for the first;
+    - neither: the CPUs, said in the note, for a model of at most `CPU_MAX_PARAMS` parameters (``model_params``;
+      None: not known, a factory's small model); a larger one raises NoCapacity at once."""
     if resources.device != AUTO:
         return resources.device, ""
-    if cluster_gpus > 0 or not local:
+    if cluster_gpus > 0:
         return "gpu", ""
-    return "cpu", ("note: no GPU on this machine's Ray: the actors run on the CPU (resources.device: gpu makes a "
-                   "sweep wait for GPUs instead)")
+    if can_add_gpus is not False:
+        how = "its autoscaler can add GPU nodes" if can_add_gpus else "an autoscaler runs whose node types are unknown"
+        return "gpu", f"note: no GPU in the Ray cluster yet, and {how}: the sweep waits for the first GPU node"
+    if model_params is not None and model_params > CPU_MAX_PARAMS:
+        raise NoCapacity(f"{model} has {model_params / 1e9:.1f}B parameters, and the Ray cluster has no GPU and no "
+                         "autoscaler that can add GPU nodes, so resources.device: auto has nowhere to run it: on CPUs "
+                         f"(models up to {CPU_MAX_PARAMS / 1e9:g}B run there) it would take minutes per answer. "
+                         "Connect to a cluster with GPUs (--address, RAY_ADDRESS; cluster.yaml's gpu_worker type), or "
+                         "set resources.device: cpu to run it on the CPUs anyway.")
+    return "cpu", ("note: no GPU in the Ray cluster and no autoscaler that can add one: the actors run on the CPUs "
+                   "(resources.device: gpu makes a sweep wait for GPUs instead)")
+
+
+def autoscaler_offers_gpus() -> bool | None:
+    """Whether the connected cluster's autoscaler can add nodes with GPUs. Read from the cluster config the autoscaler
+    reports to the GCS (autoscaler v2, KubeRay with it), else from the v1 monitor's ``--autoscaling-config`` file on
+    the head node (`ray up`'s ``~/ray_bootstrap_config.yaml``, `fake_cluster`'s); False when no autoscaler can add
+    nodes (a local Ray, a plain `ray start --head`, whose monitor only mirrors the nodes); None when an autoscaler runs
+    whose node types cannot be read from here (its monitor in another container, as KubeRay's v1 sidecar)."""
+    import json
+
+    from ray._private import ray_constants
+    from ray._private.state import state
+    from ray.experimental import internal_kv
+
+    most = state.get_max_resources_from_cluster_config()
+    if most is not None:
+        return most.get("GPU", 0) > 0
+    status = internal_kv._internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    if not status:
+        return False
+    head = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
+    if not head:
+        return None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    read = ray.remote(_monitor_node_types).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False))
+    types = ray.get(read.remote(int(json.loads(status)["monitor_pid"])), timeout=60)
+    if types is None:
+        return None
+    return any(float(t["resources"].get("GPU", 0)) > 0 and int(t["max_workers"]) > 0 for t in types)
+
+
+def _monitor_node_types(pid: int) -> list[dict] | None:
+    """On the head node: the node types of the autoscaling config the v1 monitor ``pid`` was started with ([] for a
+    monitor without one: it only mirrors the cluster; None when its command line or config cannot be read)."""
+    from pathlib import Path
+
+    import yaml
+
+    try:
+        args = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return None
+    flag = "--autoscaling-config"
+    paths = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    paths += [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    if not paths:
+        return []
+    try:
+        config = yaml.safe_load(Path(paths[0]).expanduser().read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    cap = config.get("max_workers", 0)
+    return [{"resources": dict(t.get("resources") or {}), "max_workers": t.get("max_workers", cap)}
+            for t in (config.get("available_node_types") or {}).values()]
 
 
 def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurrent: int | str = AUTO,
-         local: bool | None = None, cluster: dict | None = None) -> Plan:
-    """The plan for ``n_trials`` evaluations of ``blocks_per_trial`` blocks each (``local``: the Ray was started
-    here, `started_here`; ``cluster``: its resources now, ``ray.cluster_resources()``; both read from Ray if None).
+         cluster: dict | None = None, can_add_gpus: bool | None | str = "ask", model: str | None = None) -> Plan:
+    """The plan for ``n_trials`` evaluations of ``blocks_per_trial`` blocks each of ``model`` (a name or path;
+    None: a small model). ``cluster``: the cluster's resources now (``ray.cluster_resources()`` if None);
+    ``can_add_gpus``: `autoscaler_offers_gpus` (asked of the cluster when needed, with "ask"). Raises NoCapacity
+    for a model too large for CPUs on a cluster that has and can add no GPU (`choose_device`).
 
     A pool never has more actors than blocks (``workers`` caps it further, and on GPUs so does ``max_gpus``). On
     GPUs, enough trials run at once that their pools can fill every GPU the sweep may use, plus one so that a
@@ -87,9 +166,17 @@ def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurr
     computes), or one trial's actors on all of them when it runs alone. A set ``max_concurrent`` (the spec's
     ``tune.max_concurrent_trials``) decides the trials at once.
     """
-    local = started_here() if local is None else local
     cluster = ray.cluster_resources() if cluster is None else cluster
-    device, note = choose_device(resources, local, float(cluster.get("GPU", 0)))
+    gpus = float(cluster.get("GPU", 0))
+    auto = resources.device == AUTO and gpus == 0
+    if can_add_gpus == "ask":
+        can_add_gpus = autoscaler_offers_gpus() if auto else False
+    params = None
+    if auto and can_add_gpus is False and model is not None:
+        from promprune.models.factories import parameter_count
+
+        params = parameter_count(model)
+    device, note = choose_device(resources, gpus, can_add_gpus, params, model or "the model")
     per_trial = max(1, blocks_per_trial)
     if resources.actors is not None:
         per_trial = min(per_trial, resources.actors)

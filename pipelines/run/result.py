@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from promprune.records import Prediction, arrow_schema, sample_key, to_arrow
+from promprune.records import Prediction, arrow_schema, table_keys, to_arrow
 
 PREDICTION_SCHEMA = arrow_schema(Prediction)
 SCORES_KEY, METRICS_KEY = b"promprune.scores", b"promprune.metrics"  # the file's schema metadata (JSON)
@@ -42,10 +42,7 @@ class TrialResult:
     @classmethod
     def scored(cls, predictions: pa.Table, score_fn: Callable | None = None, bootstrap: int = 0) -> "TrialResult":
         """Score the assembled predictions once, centrally (`promprune.eval.score` by default), and summarize."""
-        if score_fn is None:
-            from promprune.eval import score as score_fn
-        rows = predictions.select(SCORED_COLUMNS).to_pylist()
-        scores = score_fn(rows, bootstrap=bootstrap) if bootstrap else score_fn(rows)
+        scores = score_table(predictions, score_fn, bootstrap=bootstrap)
         return cls(predictions, scores, summarize(predictions, scores))
 
     def to_arrow(self) -> pa.Table:
@@ -72,6 +69,32 @@ class TrialResult:
         return cls.from_arrow(pq.read_table(path), str(path))
 
 
+def score_table(predictions: pa.Table, score_fn: Callable | None = None, *, partial: bool = False,
+                bootstrap: int = 0, only: set[str] | None = None) -> dict:
+    """lmms-eval's scores (``{task: {metric: value}}``, `promprune.eval.score` unless ``score_fn``) of a predictions
+    table; ``partial``: a running score over the samples answered so far; ``only``: over these sample keys alone."""
+    if score_fn is None:
+        from promprune.eval import score as score_fn
+    if only is not None:
+        predictions = predictions.filter(pa.array([k in only for k in table_keys(predictions)], pa.bool_()))
+    rows = predictions.select(SCORED_COLUMNS).to_pylist()
+    kwargs = {**({"partial": True} if partial else {}), **({"bootstrap": bootstrap} if bootstrap else {})}
+    return score_fn(rows, **kwargs)
+
+
+def rel(scores: dict, baseline: dict, on_undefined: Callable[[ValueError], None] | None = None) -> float:
+    """The paper's Rel. of ``scores`` against the unpruned ``baseline`` (`promprune.eval.relative_score`, a fraction);
+    NaN where it is undefined (a baseline score of 0), after telling ``on_undefined`` why."""
+    from promprune.eval import relative_score
+
+    try:
+        return float(relative_score(scores, baseline))
+    except ValueError as e:
+        if on_undefined is not None:
+            on_undefined(e)
+        return math.nan
+
+
 def assemble_predictions(keys: list[str], tables: list[pa.Table]) -> pa.Table:
     """The actors' output blocks as one table sorted by (task, doc_id), checked to hold exactly one prediction per
     request key: the one place a (task, doc_id) is checked for being unique (nothing is de-duplicated silently)."""
@@ -85,8 +108,7 @@ def check_exactly_once(keys: list[str], predictions: pa.Table) -> None:
     samples."""
     want = set(keys)
     seen: set[str] = set()
-    got = [sample_key(t, d) for t, d in zip(predictions.column("task").to_pylist(),
-                                            predictions.column("doc_id").to_pylist())]
+    got = table_keys(predictions)
     dupes = sorted({k for k in got if k in seen or seen.add(k)})
     missing = sorted(want - seen)
     extra = sorted(seen - want)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from ray import tune
 
+from promprune.records import table_keys
+
 from pipelines import calibration, mlflow_layout
 from pipelines import spec as specs
 from pipelines.spec import space
@@ -215,26 +217,18 @@ class Objective:
         if self.metric != "rel":
             task, name = self.metric.split("/")
             return float(scores.get(task, {}).get(name, math.nan))
-        from promprune.eval import relative_score
+        from pipelines.run.result import rel
 
-        try:
-            return float(relative_score(scores, self.baseline[at]))
-        except ValueError:  # a baseline score of 0 on these samples: Rel. is undefined there
-            return math.nan
+        return rel(scores, self.baseline[at])  # NaN: a baseline score of 0 on these samples
 
 
 def baseline_scores(keys: list[str], rungs: list[int], predictions) -> dict[int, dict]:
     """The baseline's lmms-eval scores on the first ``r`` samples of ``keys`` for each rung, and on all of them
     (``predictions``: its predictions table)."""
-    from promprune.eval import score
+    from pipelines.run.result import score_table
 
-    from pipelines.run.result import SCORED_COLUMNS
-
-    rows = {f"{r['task']}/{r['doc_id']}": r for r in predictions.select(SCORED_COLUMNS).to_pylist()}
-    out = {}
-    for r in sorted(set(rungs) | {len(keys)}):
-        out[r] = score([rows[k] for k in keys[:r]], partial=r < len(keys))
-    return out
+    return {r: score_table(predictions, partial=r < len(keys), only=set(keys[:r]))
+            for r in sorted(set(rungs) | {len(keys)})}
 
 
 class AnsweredPrefix:
@@ -249,8 +243,7 @@ class AnsweredPrefix:
     def update(self, tables: list) -> int:
         """Read the tables not seen yet (each a block of predictions with ``task`` and ``doc_id``); the prefix."""
         for table in tables[self.seen:]:
-            self.answered.update(f"{t}/{d}" for t, d in zip(table.column("task").to_pylist(),
-                                                             table.column("doc_id").to_pylist()))
+            self.answered.update(table_keys(table))
         self.seen = len(tables)
         while self.length < len(self.keys) and self.keys[self.length] in self.answered:
             self.length += 1

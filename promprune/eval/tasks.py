@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from promprune.atomic import atomic_path
-from promprune.env import temporary_env
+from promprune.env import cache_dir, temporary_env
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,6 @@ PAIRED_TASKS = ("mme",)
 
 class TaskUnavailableError(RuntimeError):
     """A task whose data cannot be loaded here (no network, no cache), with the reason."""
-
-
-def cache_dir() -> Path:
-    """Where converted data and generated task YAMLs live: $PROMPRUNE_CACHE or ~/.cache/promprune."""
-    return Path(os.environ.get("PROMPRUNE_CACHE") or Path.home() / ".cache" / "promprune")
 
 
 def _easyvqa_tables():

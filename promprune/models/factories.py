@@ -140,6 +140,23 @@ def model_config(name_or_path: str):
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
 
 
+def parameter_count(name_or_path: str) -> int | None:
+    """The model's parameters, counted on the meta device from its config (no weights read, about a second for a 7B);
+    None when its config cannot be had or no image-text-to-text class builds it. Raises ValueError as `model_config`
+    does (an unknown or unreachable model)."""
+    config = model_config(name_or_path)
+    if config is None:
+        return None
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config)
+    except (ValueError, KeyError, TypeError):  # a config no auto class maps: the size is not known here
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 def _hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
 

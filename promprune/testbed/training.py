@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from promprune.eval.tasks import cache_dir
+from promprune.env import cache_dir
 from promprune.models import PrunedVLM
 from promprune.testbed import model as testbed_model
 from promprune.testbed import scenes

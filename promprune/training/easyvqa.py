@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from promprune.eval.tasks import cache_dir
+from promprune.env import cache_dir
 from promprune.models import PrunedVLM
 from promprune.models.factories import place
 from promprune.models.tiny import tiny_vlm

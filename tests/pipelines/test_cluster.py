@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 from pipelines import spec as specs
 from pipelines import sweep, tracking
-from pipelines.evaluate import EvalConfig, evaluate, predict
+from pipelines.run.trial import EvalConfig, alone, evaluate, predict
 from pipelines.run import resources as planning
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.requests import build_requests_dataset, build_rows
@@ -126,11 +126,12 @@ def test_unplaceable_actors_fail_instead_of_hanging(cluster, prebuilt):
     rows = build_rows(["easyvqa_yesno"], 1, {"max_new_tokens": 1})
     if prebuilt:
         rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
-    cfg = EvalConfig(model=ModelSource("tiny:llava"), progress_bars=False,
+    cfg = EvalConfig(model=ModelSource("tiny:llava"),
                      resources=Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5))  # no 2-GPU node
     start = time.time()
     with pytest.raises(planning.NoCapacity, match=r"actor_wait_s=5s.*at most 1 GPU\(s\) on one node"):
-        evaluate(cfg, rows)
+        with alone(cfg, rows) as shared:
+            evaluate(cfg, shared)
     assert time.time() - start < 60
     assert not [a for a in _actors("_probe")], "the probe's demand outlived the wait"
 
@@ -180,9 +181,10 @@ def test_work_starts_on_the_first_loaded_actor_and_the_others_join(cluster, tmp_
     markers.mkdir()
     resources = Resources(workers=3, gpus_per_worker=1, batch_size=1, actor_wait_s=180)
     cfg = EvalConfig(model=staggered_source(str(tmp_path / "claim"), slow_s), method="promprune", budget=8,
-                     progress_bars=False, resources=resources)
+                     resources=resources)
     rows = [dataclasses.replace(r, image_key=None) for r in build_rows(["easyvqa_yesno"], 24, {"max_new_tokens": 8})]
-    preds = predict(cfg, rows, run_fn=functools.partial(pid_run, marker_dir=str(markers), sleep_s=2.0))
+    with alone(cfg, rows, run_fn=functools.partial(pid_run, marker_dir=str(markers), sleep_s=2.0)) as shared:
+        preds = predict(cfg, shared)
     assert preds.column("doc_id").to_pylist() == list(range(24)) and not any(preds.column("error").to_pylist())
     answered = sorted((int(m.name.split("-")[2]), m.name.split("-")[1]) for m in markers.iterdir())  # monotonic ns
     first_t, first_pid = answered[0]

@@ -237,7 +237,7 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     from promprune.eval.requests import share_images
     from promprune.records import Request, from_arrow
 
-    from pipelines.evaluate import EvalConfig, predict
+    from pipelines.run.trial import EvalConfig, alone, predict
     from pipelines.run.requests import Requests, build_requests_dataset, unseal
     from pipelines.config import Resources
     from pipelines.weights import ModelSource
@@ -250,7 +250,8 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     built = {r.key: r for b in blocks for r in share_images(from_arrow(b, Request))}
     assert built == plain  # same prompts, same image bytes and keys, same doc ids and n_docs
 
-    preds = predict(EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, progress_bars=False,
-                               resources=Resources(batch_size=2)), sharded)
+    cfg = EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, resources=Resources(batch_size=2))
+    with alone(cfg, sharded) as shared:
+        preds = predict(cfg, shared)
     assert [f"{t}/{d}" for t, d in zip(preds.column("task").to_pylist(), preds.column("doc_id").to_pylist())] \
         == sorted(plain, key=lambda k: (k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])))  # once each, sorted

@@ -11,8 +11,8 @@ import torch
 
 from promprune.records import Prediction, from_arrow
 
-from pipelines import mlflow_layout, spec as specs, sweep, tracking, weights
-from pipelines.run import result
+from pipelines import mlflow_layout, spec as specs, tracking, weights
+from pipelines.run import result, search
 from pipelines.config import Resources
 from pipelines.run import resources as planning
 
@@ -49,27 +49,43 @@ GPU8 = {"GPU": 8, "CPU": 64}
     (200, 1, {}, GPU8, ("gpu", 1, planning.MAX_AUTO_TRIALS)),  # the head's memory bounds the trials at once
 ])
 def test_plan(n_trials, blocks, kw, cluster, expect):
-    laptop = "GPU" not in cluster  # a local Ray on a machine without GPUs
-    plan = planning.plan(Resources(**kw), n_trials, blocks, local=laptop, cluster=cluster)
+    plan = planning.plan(Resources(**kw), n_trials, blocks, cluster=cluster, can_add_gpus=False)
     assert (plan.device, plan.max_actors, plan.trials_at_once) == expect
     assert plan.gpus == (Resources(**kw).gpus_per_worker if plan.on_gpu else 0)
 
 
 def test_plan_device_is_never_a_silent_cpu_run():
-    # a cluster the sweep joined whose GPU nodes have not joined yet: still GPUs (the sweep waits for them)
-    assert planning.plan(Resources(), 4, 10, local=False, cluster={"CPU": 8}).device == "gpu"
-    local_cpu = planning.plan(Resources(), 4, 10, local=True, cluster={"CPU": 2})
-    assert local_cpu.device == "cpu" and "no GPU" in local_cpu.note  # a laptop: CPU, and said
-    assert planning.plan(Resources(), 4, 10, local=True, cluster={"CPU": 2, "GPU": 1}).device == "gpu"
-    assert planning.plan(Resources(device="gpu"), 4, 10, local=True, cluster={"CPU": 2}).device == "gpu"
-    assert planning.plan(Resources(device="cpu"), 4, 10, local=False, cluster=GPU8).device == "cpu"
+    # a cluster whose autoscaler can add GPU nodes (or whose node types are unknown): GPUs, the sweep waits for them
+    waits = planning.plan(Resources(), 4, 10, cluster={"CPU": 8}, can_add_gpus=True)
+    assert waits.device == "gpu" and "autoscaler can add GPU nodes" in waits.note
+    assert planning.plan(Resources(), 4, 10, cluster={"CPU": 8}, can_add_gpus=None).device == "gpu"
+    cpu_only = planning.plan(Resources(), 4, 10, cluster={"CPU": 2}, can_add_gpus=False, model="tiny:llava")
+    assert cpu_only.device == "cpu" and "no GPU" in cpu_only.note  # a CPU-only cluster or laptop: CPU, and said
+    assert planning.plan(Resources(), 4, 10, cluster={"CPU": 2, "GPU": 1}, can_add_gpus=False).device == "gpu"
+    assert planning.plan(Resources(device="gpu"), 4, 10, cluster={"CPU": 2}, can_add_gpus=False).device == "gpu"
+    assert planning.plan(Resources(device="cpu"), 4, 10, cluster=GPU8, can_add_gpus=True).device == "cpu"
+
+
+def test_a_7b_model_with_no_gpu_anywhere_is_refused_at_once():
+    """LLaVA-1.5-7B has 7.06B parameters (its model card): too many for CPUs, so auto refuses instead of running it
+    there; resources.device: cpu still runs it on purpose, and a cluster that can add GPUs waits for them."""
+    from promprune.models.factories import parameter_count
+
+    assert parameter_count("shape:llava_1_5_7b") == pytest.approx(7.06e9, rel=0.01)
+    assert parameter_count("tiny:llava") < planning.CPU_MAX_PARAMS
+    with pytest.raises(planning.NoCapacity, match=r"shape:llava_1_5_7b has 7\.1B parameters.*resources\.device: cpu"):
+        planning.plan(Resources(), 4, 10, cluster={"CPU": 2}, can_add_gpus=False, model="shape:llava_1_5_7b")
+    assert planning.plan(Resources(device="cpu"), 4, 10, cluster={"CPU": 2}, can_add_gpus=False,
+                         model="shape:llava_1_5_7b").device == "cpu"
+    assert planning.plan(Resources(), 4, 10, cluster={"CPU": 2}, can_add_gpus=True,
+                         model="shape:llava_1_5_7b").device == "gpu"
 
 
 def test_plan_takes_a_set_cap_on_trials_at_once():
-    assert planning.plan(Resources(), 19, 2, 3, local=False, cluster=GPU8).trials_at_once == 3
-    assert planning.plan(Resources(), 19, 2, 3, local=True, cluster={"CPU": 2}).trials_at_once == 3
-    assert planning.plan(Resources(), 2, 2, 10, local=True, cluster={"CPU": 2}).trials_at_once == 2
-    one = planning.plan(Resources(), 9, 100, 1, local=True, cluster={"CPU": 2})
+    assert planning.plan(Resources(), 19, 2, 3, cluster=GPU8, can_add_gpus=False).trials_at_once == 3
+    assert planning.plan(Resources(), 19, 2, 3, cluster={"CPU": 2}, can_add_gpus=False).trials_at_once == 3
+    assert planning.plan(Resources(), 2, 2, 10, cluster={"CPU": 2}, can_add_gpus=False).trials_at_once == 2
+    one = planning.plan(Resources(), 9, 100, 1, cluster={"CPU": 2}, can_add_gpus=False)
     assert (one.trials_at_once, one.max_actors) == (1, 2)  # one trial at a time: both cores for it
 
 
@@ -175,11 +191,11 @@ def test_calibrated_mu_is_applied_once_on_the_driver():
     from pipelines.run.recorder import SweepRecorder
 
     trial = specs.Trial("promprune", 8, {"mu": "calibrate", "metric": "attention"})
-    config = sweep.tune_trial(trial, {"attention": 0.81})
+    config = search.trial_config(trial, {"attention": 0.81})
     assert config["options"] == {"mu": 0.81, "metric": "attention"} and config["mu_source"] == "calibration"
     assert config["trial_id"] == trial.trial_id == "promprune-b8-metric=attention-mu=calibrate"
     plain = specs.Trial("promprune", 8, {"mu": 0.4})
-    assert sweep.tune_trial(plain, {"attention": 0.81}) == plain.to_dict()
+    assert search.trial_config(plain, {"attention": 0.81}) == plain.to_dict()
     recorder = SweepRecorder.__new__(SweepRecorder)  # _params needs the spec only
     recorder.sweep = specs.SweepSpec(name="t", version=1)
     params = recorder._params(config)
@@ -238,7 +254,7 @@ def test_trial_run_schema(mlflow_store):
 
 def test_a_standalone_evaluation_logs_its_trial_result(mlflow_store, tmp_path):
     """`pipelines/evaluate.py`'s run: role evaluation, the trial's params and metrics, the TrialResult file."""
-    from pipelines.evaluate import EvalConfig
+    from pipelines.run.trial import EvalConfig
 
     c = mlflow_store
     table = result.predictions_table([_pred("a", 0, prediction="yes")])
