@@ -18,6 +18,7 @@ import yaml
 
 from pipelines import spec as specs
 from pipelines import sweep, timeline, tracking
+from pipelines.run import resources as planning
 from pipelines.run.fake_cluster import FakeAutoscalingCluster, worker_nodes
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.requests import build_rows
@@ -52,6 +53,7 @@ def test_a_sweep_grows_with_an_autoscaling_cluster(workdir, monkeypatch):
         ray.init(address=cluster.address, runtime_env=worker_env(), log_to_driver=False)
         try:
             assert worker_nodes() == []
+            assert planning.autoscaler_offers_gpus() is True  # no GPU yet, but its node types offer them: device gpu
             (workdir / "loads").mkdir()
             spec = specs.parse({
                 "name": "elastic", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],

@@ -81,6 +81,33 @@ def test_a_7b_model_with_no_gpu_anywhere_is_refused_at_once():
                          model="shape:llava_1_5_7b").device == "gpu"
 
 
+def test_the_autoscalers_node_types_are_read_from_its_monitors_command_line(tmp_path):
+    """The v1 monitor's --autoscaling-config (both spellings), a monitor without one (a plain `ray start --head`:
+    it only mirrors the nodes) and a process that is gone."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "autoscaler.yaml"
+    path.write_text(yaml.safe_dump({"max_workers": 4, "available_node_types": {
+        "head": {"resources": {"CPU": 2}, "max_workers": 0}, "gpu": {"resources": {"CPU": 8, "GPU": 1}},
+        "cpu": {"resources": {"CPU": 8}, "max_workers": 2}}}))
+    wait = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    for args in ([f"--autoscaling-config={path}"], ["--autoscaling-config", str(path)], []):
+        proc = subprocess.Popen(wait + args, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "up\n"  # running (its command line is readable once it has started)
+            types = planning._monitor_node_types(proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+        expected = [{"resources": {"CPU": 2}, "max_workers": 0}, {"resources": {"CPU": 8, "GPU": 1}, "max_workers": 4},
+                    {"resources": {"CPU": 8}, "max_workers": 2}] if args else []  # a type without max_workers: the cap
+        assert sorted(types, key=str) == sorted(expected, key=str)
+    assert planning._monitor_node_types(proc.pid) is None  # gone: cannot tell
+
+
 def test_plan_takes_a_set_cap_on_trials_at_once():
     assert planning.plan(Resources(), 19, 2, 3, cluster=GPU8, can_add_gpus=False).trials_at_once == 3
     assert planning.plan(Resources(), 19, 2, 3, cluster={"CPU": 2}, can_add_gpus=False).trials_at_once == 3

@@ -1,6 +1,7 @@
 """Every numeric cell of the paper's Tables 1-6 is shipped, as printed, in `pipelines/paper_results/*.csv`.
 
-The paper's LaTeX source is parsed here on its own (no code shared with the pipeline): each table is found by its
+The paper's tables (`pipelines/paper_results/tables.tex`, extracted from its LaTeX source by scripts/paper_tables.py)
+are parsed here on their own (no code shared with the pipeline): each table is found by its
 `\\label`, its outer tabular is split into rows on `\\\\` and cells on `&`, and the markup is stripped. Each data
 cell must appear in the matching CSV at the matching (row, column) as the same string (same decimals), and the CSV
 must hold no value the table lacks. Group rows ("Retain 128 Tokens ↓77.8%") give the `budget` of the rows under
@@ -10,14 +11,12 @@ from __future__ import annotations
 
 import csv
 import re
-from pathlib import Path
 
 import pytest
 
 from pipelines.reporting.published import PAPER_DIR, load_published
 
-REPO = Path(__file__).resolve().parents[2]
-PAPER = REPO.parent / "shared" / "paper" / "promprune.tex"
+PAPER = PAPER_DIR / "tables.tex"  # the paper's tables as data (scripts/paper_tables.py extracts them from its source)
 META = ("method", "budget", "variant", "source")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -57,8 +56,6 @@ def norm(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def tex() -> str:
-    if not PAPER.is_file():
-        pytest.skip(f"the paper's source is not on this machine ({PAPER})")
     lines = PAPER.read_text(encoding="utf-8").splitlines()
     return "\n".join(re.sub(r"(?<!\\)%.*$", "", line) for line in lines)  # LaTeX comments
 

@@ -6,15 +6,14 @@ between writer and reader (param spelling, the baseline's budget, list columns i
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-tracking = pytest.importorskip("pipelines.tracking")
-result = pytest.importorskip("pipelines.run.result")
+from promprune.records import Prediction
 
-from promprune.records import Prediction  # noqa: E402
+from pipelines import tracking
+from pipelines.run import result
 
-from pipelines.reporting.build import build_report  # noqa: E402
-from pipelines.reporting.store import load_sweep  # noqa: E402
+from pipelines.reporting.build import build_report
+from pipelines.reporting.store import load_sweep
 
 TASKS = ["easyvqa_yesno", "easyvqa_open"]
 GRID = 36  # the tiny LLaVA's 6 x 6 visual tokens

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-spec = pytest.importorskip("pipelines.spec")
+from pipelines import spec
 
 SWEEPS = Path(__file__).resolve().parents[2] / "sweeps"
 BASELINES = ["fastv", "sparsevlm", "visionzip", "vispruner", "divprune"]
