@@ -64,7 +64,7 @@ class Resources:
     """How an evaluation runs on the cluster (the spec's ``resources:`` section; `pipelines/run/resources.py` plans
     with it)."""
 
-    # most actors one evaluation's pool grows to; auto: as many as its blocks and the cluster allow
+    # most actors one evaluation's pool asks for; auto: as many as its blocks (and max_gpus) allow
     workers: PositiveOrAuto = AUTO
     # gpu: actors need GPUs (a sweep waits actor_wait_s for them, then exits 2); cpu: actors on CPUs; auto: gpu on a
     # cluster the sweep joins or a machine with GPUs, cpu on a local Ray without GPUs (said on the console)

@@ -17,12 +17,13 @@ Setup -> run -> cleanup:
    (`pipelines/run/search.py`: seeded random draws, optuna's TPE, ASHA stopping weak trials at rungs of samples;
    then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
    time, retrying failed trials (`FailureConfig`).
-   A trial is one Ray Data evaluation (`pipelines/run/engine.py`): its blocks mapped over an autoscaling pool of
-   actors that load the published weights, predictions streamed back and saved block by block beside the Tune
-   experiment (`pipelines/run/checkpoints.py`), progress (samples done, running scores) reported to Tune as they
-   come; a retried or resumed trial generates only the blocks it has not saved. Its `TrialResult` (one parquet file:
-   predictions, scores, metrics) is its final Tune checkpoint; the driver (and only the driver) logs each finished
-   trial as an MLflow child run, uploading that file as it is.
+   A trial (`pipelines/run/trial.py`) is one Ray Data evaluation (`pipelines/run/engine.py`): its blocks mapped over
+   a fixed-size pool of actors (pending ones are the autoscaler's demand) that load the published weights,
+   predictions streamed back and saved block by block beside the Tune experiment (`pipelines/run/checkpoints.py`),
+   progress (samples done, running scores) reported to Tune as they come; a retried or resumed trial generates only
+   the blocks it has not saved. Its `TrialResult` (one parquet file: predictions, scores, metrics) is its final Tune
+   checkpoint; the driver (and only the driver) logs each finished trial as an MLflow child run, uploading that file
+   as it is.
 3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table (with each
    method's paired difference to the best other, and for a sweep varying mu or tau the line `best rel <v> at mu=<m>
    tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the autoscaler request is withdrawn.
@@ -31,11 +32,11 @@ Setup -> run -> cleanup:
 from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
 continues.
 
-The parts live in `pipelines/run/`: requests.py (the requests as a Ray Dataset of sealed blocks), engine.py (the
-actors and the Ray Data evaluation), checkpoints.py (a trial's saved blocks), result.py (TrialResult),
-ray_connect.py, resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and --resume),
-recorder.py (the driver's MLflow logging), search.py (the Tune pieces of a search); this file is the trial, the Tune
-run and the CLI.
+The parts live in `pipelines/run/`; a trial reads trial.py (the trial in its Tune actor) -> engine.py (the actors and
+the Ray Data evaluation) -> result.py (TrialResult) -> recorder.py (the driver's MLflow logging), beside
+requests.py (the requests as a Ray Dataset of sealed blocks), checkpoints.py (a trial's saved blocks), ray_connect.py,
+resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and --resume) and search.py (the Tune
+pieces of a search). This file is the driver: setup, the Tune run, the summary, the CLI.
 """
 from __future__ import annotations
 

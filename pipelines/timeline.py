@@ -7,9 +7,9 @@ processes, the pool's actors) appends one JSON line per event to ``<folder>/<pid
 turns it on.
 
 Events (``where``: driver / trial / actor):
-  driver  sweep_begin, rows_built, weights_published, pool_start, pool_first_ready, tune_start, trial_start (Tune
+  driver  sweep_begin, rows_built, weights_published, tune_start, trial_start (Tune
           started it), trial_recorded (its metrics reached MLflow), tune_end, sweep_end
-  trial   trial_begin (run_trial entered), first_request (its first batch sent to the pool), last_answer (its last
+  trial   trial_begin (run_trial entered), first_request (its first block sent to the actors), last_answer (its last
           batch back), trial_scored (lmms-eval scored it), trial_reported (tune.report returned)
   actor   actor_process (the process's start, from the OS), actor_init (the actor's __init__ entered), actor_ready
           (model loaded), predict_start / predict_end (one batch of one trial)
@@ -117,8 +117,8 @@ def summary(events: list[dict]) -> list[str]:
     end = _last(events, "sweep_end")
     if t0 is None or end is None:
         return ["timeline: no complete sweep (sweep_begin / sweep_end missing)"]
-    at = {name: _first(events, name) for name in ("rows_built", "weights_published", "pool_start", "actor_process",
-                                                  "actor_init", "pool_first_ready", "tune_start", "trial_start",
+    at = {name: _first(events, name) for name in ("rows_built", "weights_published", "actor_process",
+                                                  "actor_init", "tune_start", "trial_start",
                                                   "trial_begin", "first_request", "predict_start", "last_answer",
                                                   "trial_recorded")}
     at["last actor_ready"] = _last(events, "actor_ready")

@@ -1,26 +1,28 @@
-"""The evaluation engine: Ray Data shards an evaluation's blocks over an autoscaling pool of actors that each hold
-the pruned VLM, and streams the predictions back as they are answered.
+"""The evaluation engine: Ray Data shards an evaluation's blocks over a pool of actors that each hold the pruned VLM,
+and streams the predictions back as they are answered.
 
     requests (sealed blocks, `requests.py`) -> ray.data.from_arrow_refs -> map_batches(Predictor, one block per
-    call, ActorPoolStrategy(min 1, max plan.max_actors)) -> iter_batches: one block of predictions at a time
+    call, ActorPoolStrategy(size=plan.max_actors)) -> iter_batches: one block of predictions at a time
 
-Everything about scheduling and failure is Ray's:
+Scheduling, placement, restarting a lost actor and resending its block are Ray's; what Ray 2.60 does not do is ours,
+and docs/pipeline.md ("What is Ray's, and what is ours") says why for each piece:
 
-- *Elastic.* The pool asks for every actor the evaluation can use (`resources.Plan.max_actors`: one per block, at
-  most `max_gpus`); it starts on the first that is up, and the ones the cluster cannot place yet are pending, which
-  is what an autoscaler adds nodes for. GPU nodes that join mid-evaluation take their pending actors. When the
-  evaluation ends its actors go, and with them the demand.
+- *Elastic.* The pool has a fixed size: every actor the evaluation can use (`resources.Plan.max_actors`: one per
+  block, at most `max_gpus`); it starts on the first that is up, and the ones the cluster cannot place yet are
+  pending, which is what an autoscaler adds nodes for (the cluster grows; the pool does not). GPU nodes that join
+  mid-evaluation take their pending actors. When the evaluation ends its actors go, and with them the demand.
 - *Failover.* An actor that dies (its node lost, a segfault, host memory exhausted by one odd image) is restarted
-  by Ray (`max_restarts=-1`) and the block it held is sent again (`max_task_retries=-1`). A `Ledger` counts the
-  attempts that started: the attempt after `resources.block_attempts` returns the block's requests as failed
-  samples, named, instead of running it, and the evaluation finishes. One block in flight per actor, so a block
-  that kills its actor is the only one charged. A block that hangs past `resources.block_timeout_s` makes its actor
-  exit (a watchdog), which is the same case. Should Ray Data give a block up anyway (an actor lost with its node
-  can fail its task instead of resending it), its error budget (`max_errored_blocks`) drops it, and `run` starts a
-  new pass for the blocks that did not come back (at most `block_attempts` passes; the Ledger keeps counting).
+  by Ray (`max_restarts=-1`) and the block it held is sent again (`max_task_retries=-1`). Ours: a `Ledger` (one per
+  sweep) counts the attempts that started, and the attempt after `resources.block_attempts` returns the block's
+  requests as failed samples, named, instead of running it; one block in flight per actor, so a block that kills
+  its actor is the only one charged. A `Watchdog` makes an actor whose block hangs past `resources.block_timeout_s`
+  exit, which is the same case. Should Ray Data give a block up anyway (an actor lost with its node can fail its
+  task instead of resending it), its error budget (`max_errored_blocks`) drops it, and `run` starts a new pass for
+  the blocks that did not come back (at most `block_attempts` passes; the Ledger keeps counting).
 - A sample that fails by itself (an unreadable image, a failed generation) is a failed prediction from the model's
-  own isolation (`promprune.eval.generation`); an exception out of a whole block becomes failed predictions with its
-  message. Nothing is dropped silently: `assemble` checks every sample is there exactly once.
+  own isolation (`promprune.eval.generation`); an exception out of a whole block is retried in the actor, then
+  becomes failed predictions with its message. Nothing is dropped silently: `assemble` checks every sample is there
+  exactly once.
 """
 from __future__ import annotations
 

@@ -292,12 +292,19 @@ def headline_keys(tasks: list[str], metrics: dict) -> list[str]:
 
 
 
+def in_spec_order(spec: specs.SweepSpec, records: dict) -> dict:
+    """``records`` in the spec's trial order (baseline, grid, explicit trials; trials a searcher chose after them, by
+    id), not in the order the trials finished: the console prints the same table on every run."""
+    order = {t.trial_id: i for i, t in enumerate(specs.expand(spec))}
+    return {tid: records[tid] for tid in sorted(records, key=lambda t: (order.get(t, len(order)), t))}
+
+
 def summary_table(spec: specs.SweepSpec, records: dict) -> str:
     """Plain-text table: one row per trial that ran to its end (or failed), the headline metric per task, Rel.,
     efficiency; trials a scheduler stopped are counted below it, not shown as rows."""
     rows = []
     stopped = [tid for tid, rec in records.items() if rec.get("stopped")]
-    for tid, rec in records.items():
+    for tid, rec in in_spec_order(spec, records).items():
         if rec.get("stopped"):
             continue
         m, t = rec["metrics"], rec["trial"]
@@ -343,13 +350,15 @@ def _fmt(v: Any) -> Any:
 def paired_lines(spec: specs.SweepSpec, records: dict) -> list[str]:
     """Each method's Rel. difference to the best other method at its budget with a paired bootstrap interval
     (`pipelines.reporting.paired`; the spec's `bootstrap` resamples), for the console below the summary table: which
-    gaps in it are noise. Empty without `bootstrap`, a finished baseline, or two methods at a budget."""
+    gaps in it are noise. Budgets descending, then the spec's trial order (the same lines in the same order on every
+    run, whichever trial finished first). Empty without `bootstrap`, a finished baseline, or two methods at a
+    budget."""
     base = records.get(search.BASELINE_ID)
     if not spec.bootstrap or base is None or base["predictions"] is None:
         return []
     from pipelines.reporting import paired
 
-    done = {tid: rec for tid, rec in records.items()
+    done = {tid: rec for tid, rec in in_spec_order(spec, records).items()
             if rec["error"] is None and not rec.get("stopped") and rec["predictions"] is not None}
     frame = pd.DataFrame({"method": [rec["trial"]["method"] or mlflow_layout.BASELINE_METHOD for rec in done.values()],
                           "budget": [rec["trial"]["budget"] for rec in done.values()],

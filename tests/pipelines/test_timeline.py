@@ -13,9 +13,9 @@ from pipelines import timeline
 def _events():
     """A 10 s sweep: one actor ready at 3 s, busy 4.1..6.1 and 6.5..8.5 (4 s); one trial through every phase."""
     return [
-        ("sweep_begin", "driver", 100.0, {}), ("pool_start", "driver", 101.0, {}),
+        ("sweep_begin", "driver", 100.0, {}),
         ("actor_process", "actor", 101.2, {}), ("actor_ready", "actor", 103.0, {}),
-        ("pool_first_ready", "driver", 103.1, {}), ("tune_start", "driver", 103.2, {}),
+        ("tune_start", "driver", 103.2, {}),
         ("trial_start", "driver", 103.5, {"trial": "a"}), ("trial_begin", "trial", 104.0, {"trial": "a"}),
         ("first_request", "trial", 104.0, {"trial": "a"}),
         ("predict_start", "actor", 104.1, {"call": "m/8"}), ("predict_end", "actor", 106.1, {"call": "m/8"}),
