@@ -65,17 +65,18 @@ from pipelines.run import engine, search, trial
 from pipelines.run import resources as planning
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
-from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, paired_lines, \
-    summary_table
+from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, best_metrics, \
+    best_trial, paired_lines, summary_table
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
-from pipelines.run.state import fingerprint, mark_dead_runs, resume_command, resumed_state, save_state, storage_root
+from pipelines.run.state import fingerprint, mark_dead_runs, outbox_dir, resume_command, resumed_state, save_state, \
+    storage_root
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
-# 130 interrupted (the shell's code for Ctrl-C)
-EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_INTERRUPTED = 1, 2, 3, 130
+# 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
+EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
 # ----------------------------------------------------------------------------------------------------------------
 # setup
@@ -112,6 +113,8 @@ class SweepOutcome:
     experiment_path: str
     generated: int = 0  # samples answered by every trial, those a scheduler stopped included
     paired: list = field(default_factory=list)  # console lines: methods' Rel. differences with paired intervals
+    unlogged: list = field(default_factory=list)  # trials whose writes are not in MLflow yet (the store is down)
+    resume: str = ""  # the command that continues the sweep (and sends what is not in MLflow yet)
 
     @property
     def failed(self) -> list[str]:
@@ -221,9 +224,11 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
     blocks = sweep_dir(state["storage_path"], state["experiment"])
     per_trial = len(rows.keys)
     recorder = SweepRecorder(spec, parent_id, n_trials, samples=_samples_per_trial(rows, trials), blocks=blocks,
-                             per_trial=per_trial)
+                             per_trial=per_trial, outbox=outbox_dir(storage, state["experiment"]),
+                             datasets=task_datasets(spec, rows.keys))
     _LIVE_RECORDERS[parent_id] = recorder
     exp_path = f"{state['storage_path']}/{state['experiment']}"
+    recorder.parent(params=search_params(spec))
     try:
         # what every trial shares: the requests, the plan, one Ledger for every trial's blocks (both experiments)
         shared = trial.Shared(rows, plan, engine.new_ledger(), blocks, run_fn)
@@ -245,22 +250,59 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         recorder.finalize_rel()
         recorder.count_generated()
         paired = paired_lines(spec, recorder.records)  # here: lmms-eval's output goes to the log
+        best = best_trial(spec, recorder.records)
         regressions = []
-        if regression_threshold is not None:
+        unlogged = recorder.unlogged(store_wait_s())  # the trials' runs in before the regression check reads them
+        if regression_threshold is not None and not unlogged:
             regressions = tracking.regression_check(client, parent_id, spec.name, spec.version, regression_threshold)
-        tracking.log_metrics(client, parent_id, {"trials/total": len(recorder.records),
-                                                 "trials/failed": sum(r["error"] is not None
-                                                                      for r in recorder.records.values()),
-                                                 "trials/stopped": len(recorder.stopped),
-                                                 mlflow_layout.GENERATED: recorder.generated})
-        tracking.finish(client, parent_id)
-        recorder.clear_blocks()  # every trial is in MLflow and in its Tune checkpoint now
+        summary = [line for line in [best_line(spec, recorder.records, recorder.generated, best)] if line]
+        recorder.parent(metrics={"trials/total": len(recorder.records),
+                                 "trials/failed": sum(r["error"] is not None for r in recorder.records.values()),
+                                 "trials/stopped": len(recorder.stopped), mlflow_layout.GENERATED: recorder.generated,
+                                 **best_metrics(best)},
+                        tags={mlflow_layout.NOTE: "\n\n".join([spec.description, *paired, *summary]).strip(),
+                              **({mlflow_layout.BEST_TRIAL: best["trial_id"]} if best else {})})
+        recorder.end_parent("FINISHED")
+        unlogged = recorder.unlogged(store_wait_s())
+        if not unlogged:
+            recorder.clear_blocks()  # every trial is in MLflow and in its Tune checkpoint now
     except BaseException:
-        tracking.finish(client, parent_id, status="KILLED")
+        recorder.end_parent("KILLED")
+        recorder.unlogged(5.0)
         raise
     finally:
+        recorder.close()
         _LIVE_RECORDERS.pop(parent_id, None)
-    return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired)
+    return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired,
+                        unlogged=unlogged, resume=resume_command(state))
+
+
+def store_wait_s() -> float:
+    """How long the end of a sweep waits for a store that does not answer before it says which trials are not in
+    MLflow yet (``PROMPRUNE_STORE_WAIT_S``, default 60 s; the writes stay in the outbox for `--resume`)."""
+    return float(os.environ.get("PROMPRUNE_STORE_WAIT_S", "60"))
+
+
+def task_datasets(spec: specs.SweepSpec, keys: list[str]) -> list[dict]:
+    """Each task as an MLflow dataset input: its name, a digest of the documents the sweep uses, their number."""
+    import hashlib
+
+    by_task: dict[str, list[str]] = {}
+    for key in keys:
+        by_task.setdefault(key.rsplit("/", 1)[0], []).append(key)
+    return [{"name": task, "digest": hashlib.sha256("\n".join(sorted(ks)).encode()).hexdigest()[:16],
+             "source": {"task": task, "limit": spec.limit, "harness": "lmms-eval"},
+             "profile": {"num_rows": len(ks)}} for task, ks in by_task.items()]
+
+
+def search_params(spec: specs.SweepSpec) -> dict[str, str]:
+    """The parent run's params saying how the trials were chosen: searcher, scheduler, metric and each searched
+    field's space."""
+    out = {"search": spec.tune.search, "scheduler": spec.tune.scheduler}
+    if spec.tune.search != "grid" or spec.tune.scheduler != "none":
+        out.update({"search_metric": f"{spec.tune.mode} {spec.tune.metric}", "search_samples": spec.tune.num_samples})
+    out.update({f"space.{k}": space.parse(v).describe() for k, v in spec.grid.items()})
+    return {k: str(v)[:500] for k, v in out.items()}
 
 
 def _objective(spec: specs.SweepSpec, phase: search.Phase, rows: Requests,
@@ -451,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     best = best_line(spec, outcome.records, outcome.generated)
     if outcome.paired or best:
         print("\n" + "\n".join(outcome.paired + ([best] if best else [])))  # the last line: the best (mu, tau)
+    if outcome.unlogged:
+        print(f"\nNOT IN MLFLOW YET: the store at {tracking.tracking_uri()} did not answer, so "
+              f"{', '.join(outcome.unlogged)} {'is' if len(outcome.unlogged) == 1 else 'are'} not in it; their "
+              f"results are kept (the Tune checkpoints and the outbox beside them). Once the store answers, send them "
+              f"with:\n  {outcome.resume}")
+        return EXIT_UNLOGGED
     url = tracking.ui_url(spec.name)
     print(f"\nOpen the results:\n  {tracking.ui_command()}" + (f"\n  then {url}" if url else ""))
     if outcome.regressions:

@@ -43,7 +43,7 @@ def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, st
     """The sweep's parent run; ``started`` (epoch seconds): when the sweep began (setup included)."""
     run = c.create_run(experiment_id(c), run_name=name, start_time=_ms(started),
                        tags={ROLE: mlflow_layout.ROLE_SWEEP, SWEEP: name, VERSION: str(version),
-                             mlflow_layout.STARTED_AT: _iso(started or time.time())})
+                             mlflow_layout.STARTED_AT: iso(started or time.time())})
     c.log_text(run.info.run_id, resolved_yaml, mlflow_layout.SPEC_ARTIFACT)
     for key, value in params.items():
         c.log_param(run.info.run_id, key, _param(value))
@@ -100,7 +100,7 @@ def ui_url(sweep: str | None = None) -> str | None:
 
 
 def finish(c, run_id: str, status: str = "FINISHED") -> None:
-    c.set_tag(run_id, mlflow_layout.FINISHED_AT, _iso(time.time()))
+    c.set_tag(run_id, mlflow_layout.FINISHED_AT, iso(time.time()))
     c.set_terminated(run_id, status=status)
 
 
@@ -108,7 +108,7 @@ def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1000)
 
 
-def _iso(seconds: float) -> str:
+def iso(seconds: float) -> str:
     from datetime import datetime, timezone
 
     # milliseconds: a trial shorter than a second still has its start before its end
@@ -130,6 +130,15 @@ def trial_runs(c, parent_id: str) -> dict[str, Any]:
                          filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent_id), max_results=5000,
                          order_by=["attributes.start_time ASC"])
     return {r.data.tags.get(TRIAL): r for r in runs if r.info.status == "FINISHED"}
+
+
+def latest_trial_runs(c, parent_id: str) -> dict[str, Any]:
+    """{trial id: its latest child run of a parent run, whatever its status} (a resumed sweep continues the runs its
+    unfinished trials left)."""
+    runs = c.search_runs([c.get_run(parent_id).info.experiment_id],
+                         filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent_id), max_results=5000,
+                         order_by=["attributes.start_time ASC"])
+    return {r.data.tags.get(TRIAL): r for r in runs}
 
 
 def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict) -> dict[str, str]:
@@ -168,7 +177,7 @@ def log_run(c, experiment: str, name: str, tags: dict, params: dict, metrics: di
         raise ValueError(f"predictions: {predictions} must be named {mlflow_layout.PREDICTIONS_ARTIFACT} (the artifact "
                          "name the reports read)")
     if span is not None:
-        tags = {**tags, mlflow_layout.STARTED_AT: _iso(span[0]), mlflow_layout.FINISHED_AT: _iso(span[1])}
+        tags = {**tags, mlflow_layout.STARTED_AT: iso(span[0]), mlflow_layout.FINISHED_AT: iso(span[1])}
     run_id = c.create_run(experiment, run_name=name, tags=tags, start_time=_ms(span and span[0])).info.run_id
     for key, value in params.items():
         c.log_param(run_id, key, value)

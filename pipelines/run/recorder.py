@@ -1,11 +1,13 @@
-"""Driver-side logging of a sweep's trials (a Tune callback runs in the driver process: the only MLflow writer):
-each finished trial's checkpoint (a `TrialResult` file) becomes an MLflow child run, its file uploaded as it is;
-a trial a scheduler stopped becomes a KILLED run with its running scores; Rel. follows as soon as the baseline is
-known; one progress line per trial and, at the end, the summary table, each method's paired difference to the best
-other, and the best (mu, tau) with the samples generated."""
+"""Driver-side logging of a sweep's trials (a Tune callback runs in the driver process: the only MLflow writer, through
+one `pipelines.run.outbox.Outbox` that never blocks Tune and loses nothing when the store is down): each trial's
+MLflow child run from its start (RUNNING, its progress as blocks come back) to its end (FINISHED with the `TrialResult`
+file uploaded as it is, KILLED when a scheduler stopped it, FAILED); Rel. follows as soon as the baseline is known;
+one progress line per trial and, at the end, the summary table, each method's paired difference to the best other,
+and the best (mu, tau) with the samples generated."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +45,8 @@ class RecorderHook(tune.Callback):
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
-        if recorder is not None and "samples/done" in result:
-            tid = search.trial_of(trial.config)["trial_id"]
-            recorder.advanced(tid, int(result["samples/done"]))
-            if search.TIME_ATTR in result:
-                recorder.at_rung(tid, result)
+        if recorder is not None:
+            recorder.progress(search.trial_of(trial.config)["trial_id"], result)
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         """A trial finished (its final report carries its checkpoint) or a scheduler stopped it (no checkpoint; its
@@ -75,10 +74,23 @@ def _error_text(trial) -> str:
 
 
 class SweepRecorder:
-    """Logs each finished trial as an MLflow child run (once), with Rel. as soon as the baseline is known."""
+    """A sweep's trials in MLflow, from their start (an `Outbox` writes, on the driver, never blocking Tune):
+
+    - a trial starts: its run is created RUNNING, with its params, tags, the spec's description and its tasks as
+      dataset inputs (a trial Tune retries, or `--resume` continues, keeps its run);
+    - its blocks come back: ``samples/done`` and its running scores (``running/<task>/<metric>``, the search's
+      ``running/<metric>`` at each rung) with step = the samples they were computed over;
+    - it ends: FINISHED (final metrics, the `TrialResult` file as ``predictions.parquet``), KILLED (a scheduler
+      stopped it: its running scores at the rung, its true start and end) or FAILED (the error);
+    - Rel. as soon as the baseline is known; one console line per trial."""
 
     def __init__(self, sweep: specs.SweepSpec, parent_id: str, n_trials: int, samples: dict[str, int] | None = None,
-                 blocks: str | None = None, per_trial: int | None = None):
+                 blocks: str | None = None, per_trial: int | None = None, outbox: str | Path | None = None,
+                 datasets: list[dict] | None = None):
+        import tempfile
+
+        from pipelines.run.outbox import PARENT, Outbox
+
         self.sweep, self.parent_id, self.n_trials = sweep, parent_id, n_trials
         self.bar = None  # the sweep's progress bar, in samples (set while Tune runs)
         self.samples_of = samples or {}  # trial id -> its samples
@@ -88,23 +100,77 @@ class SweepRecorder:
         self.generated = 0  # samples every trial answered (`count_generated`)
         self.blocks = blocks  # where trials save their answered blocks (checkpoints.sweep_dir)
         self.shown: dict[str, int] = {}  # trial id -> samples counted on the bar
+        self.datasets = datasets or []  # the tasks as MLflow dataset inputs of each trial run
         self.client = tracking.client()
-        self.logged: dict[str, str] = {tid: r.info.run_id for tid, r in tracking.trial_runs(self.client,
-                                                                                            parent_id).items()}
+        self.experiment_id = self.client.get_run(parent_id).info.experiment_id
+        earlier = tracking.latest_trial_runs(self.client, parent_id)  # a resumed sweep's runs
+        self.finished = {tid for tid, r in earlier.items() if r.info.status == "FINISHED"}
+        ids = {tid: r.info.run_id for tid, r in earlier.items() if tid not in self.finished}
+        self.out = Outbox(self.client, outbox or tempfile.mkdtemp(prefix="promprune-outbox-"), say,
+                          {PARENT: parent_id, **ids})
+        self.finished |= {op["key"] for op in self.out.queue if op["op"] == "end"}  # kept by an earlier driver
+        self.began: dict[str, float] = {}  # trial id -> when it (last) started, epoch seconds
         self.records: dict[str, dict] = {}
         self.baseline_scores: dict | None = None
         self.rel_warned = False
 
+    # ------------------------------------------------------------------------------------------------------------
+    # a trial's run from its start
+
     def started(self, trial: dict) -> None:
-        """A trial (re)started: one line, saying how much of it was already done (saved blocks of an earlier run or
-        attempt), which it does not generate again."""
+        """A trial (re)started: its run opened (created, or a run of an earlier attempt RUNNING again), and one line
+        saying how much of it was already done (saved blocks of an earlier run or attempt), which it does not
+        generate again."""
         tid = trial["trial_id"]
+        self.began[tid] = time.time()
+        if tid not in self.finished:
+            self._open(trial)
         done = self._saved(tid)
         if done:
             say(f"[resume] {tid}: {done} of {self.total_of(tid)} samples already done")
             self.advanced(tid, done)
         else:
             say(f"[start] {tid}")
+
+    def _open(self, trial: dict, start: float | None = None) -> None:
+        """Create the trial's run (RUNNING), or mark the run an earlier attempt left RUNNING again."""
+        tid = trial["trial_id"]
+        if self.out.run_id(tid) is not None or any(op["key"] == tid for op in self.out.queue):
+            self.out.submit("update", tid, status="RUNNING")
+            return
+        start = time.time() if start is None else start
+        tags = {mlflow_layout.PARENT: self.parent_id, mlflow_layout.ROLE: mlflow_layout.ROLE_TRIAL,
+                mlflow_layout.SWEEP: self.sweep.name, mlflow_layout.TRIAL: tid,
+                mlflow_layout.VERSION: str(self.sweep.version), mlflow_layout.STARTED_AT: tracking.iso(start)}
+        if self.sweep.description:
+            tags[mlflow_layout.NOTE] = self.sweep.description
+        self.out.submit("create", tid, experiment_id=self.experiment_id, name=tid, tags=tags,
+                        params=self._params(trial), start_ms=int(start * 1000))
+        wanted = trial.get("tasks") or self.sweep.tasks
+        datasets = [d for d in self.datasets if d["name"] in wanted]
+        if datasets:
+            self.out.submit("inputs", tid, datasets=datasets)
+
+    def progress(self, tid: str, result: dict) -> None:
+        """A trial's report to Tune after a block: samples done and its running scores into its run (step: the
+        samples they were computed over), the bar moved; a searched trial's value at a rung kept."""
+        if "samples/done" not in result:
+            return
+        done = int(result["samples/done"])
+        self.advanced(tid, done)
+        if "trial/wall_s" in result or tid in self.finished:  # the final report: `record` logs it
+            return
+        self.out.submit("metrics", tid, metrics={"samples/done": done}, step=done)
+        scores = {f"{mlflow_layout.RUNNING}/{k}": v for k, v in result.items() if _is_score(k, self.sweep.tasks)}
+        metric = self.sweep.tune.metric
+        if search.TIME_ATTR in result:  # a searched trial at a rung: its values over the first `scored` samples
+            scored = int(result[search.TIME_ATTR])
+            if metric in result and scored < int(result.get("samples/total", 0)):
+                self.rungs.setdefault(tid, {})[scored] = float(result[metric])
+                scores[f"{mlflow_layout.RUNNING}/{metric}"] = result[metric]
+            self.out.submit("metrics", tid, metrics=scores, step=scored)
+        elif scores:
+            self.out.submit("metrics", tid, metrics=scores, step=done)
 
     def total_of(self, tid: str) -> int | str:
         """A trial's samples (a trial optuna chose runs on every task)."""
@@ -132,9 +198,12 @@ class SweepRecorder:
 
             remove(self.blocks)
 
+    # ------------------------------------------------------------------------------------------------------------
+    # a trial's end
+
     def record(self, trial: dict, checkpoint) -> dict:
-        """Log a finished trial from its checkpoint: the `TrialResult` file is read for the metrics and scores and
-        uploaded as it is as the run's `predictions.parquet`."""
+        """A finished trial from its checkpoint: the `TrialResult` file read for the metrics and scores, its run
+        given them and the same file as `predictions.parquet`, then ended FINISHED (at the trial's own end)."""
         tid = trial["trial_id"]
         if tid in self.records:
             return self.records[tid]
@@ -142,28 +211,35 @@ class SweepRecorder:
             path = Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT
             result = TrialResult.read(path)
             metrics = dict(result.metrics)
-            started = metrics.pop("trial/started_at", None)
-            span = None if started is None else (float(started), float(started) + float(metrics.get("trial/wall_s", 0)))
+            started = float(metrics.pop("trial/started_at", self.began.get(tid, time.time())))
+            ended = started + float(metrics.get("trial/wall_s", 0))
             rec = {"trial": trial, "metrics": metrics, "scores": result.scores, "predictions": result.predictions,
                    "error": None}
             if trial["method"] is None and trial.get("repeat", 0) == 0:
                 self.baseline_scores = result.scores
             self._add_rel(rec)
-            self.records[tid] = rec
-            if tid not in self.logged:
-                self.logged[tid] = tracking.log_trial(
-                    self.client, self.parent_id, self.sweep.name, self.sweep.version, trial, self._params(trial),
-                    rec["metrics"], path, span=span)
-                self._log_rungs(tid)
+            if tid not in self.finished:
+                if tid not in self.began:  # finished before an interruption, restored by --resume: never opened
+                    self._open(trial, start=started)
+                self.out.submit("metrics", tid, metrics=rec["metrics"])
+                self.out.submit("artifact", tid, path=str(path))
+                self._end(tid, "FINISHED", ended)
             elif REL in rec["metrics"]:
-                tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
+                self.out.submit("metrics", tid, metrics={REL: rec["metrics"][REL]})
+        self.records[tid] = rec
         self._progress(rec)
         return rec
 
+    def _end(self, tid: str, status: str, at: float | None = None, tags: dict | None = None) -> None:
+        at = time.time() if at is None else at
+        self.out.submit("tags", tid, tags={mlflow_layout.FINISHED_AT: tracking.iso(at), **(tags or {})})
+        self.out.submit("end", tid, status=status, end_ms=int(at * 1000))
+        self.finished.add(tid)
+
     def record_stopped(self, trial: dict, result: dict) -> dict:
-        """Log a trial a scheduler stopped (once): a KILLED run tagged `promprune.stopped`, with the samples it had
-        answered and its running scores at the rung it was stopped on, under `running/` (never a finished trial's
-        keys), and no predictions."""
+        """A trial a scheduler stopped (once): its run ended KILLED now (its true duration), tagged
+        `promprune.stopped`, with the samples it had answered and its running scores at the rung it was stopped on,
+        under `running/` (never a finished trial's keys), and no predictions."""
         tid = trial["trial_id"]
         if tid in self.records:
             return self.records[tid]
@@ -176,18 +252,17 @@ class SweepRecorder:
         rec = {"trial": trial, "metrics": {}, "scores": {}, "predictions": None, "error": None,
                "stopped": {"scored": scored, "done": int(result.get("samples/done", scored)), "total": total,
                            "running": running, "why": why}}
+        if tid not in self.finished:
+            self.rungs.setdefault(tid, {})[scored] = value
+            if tid not in self.began:
+                self._open(trial)
+            self.out.submit("metrics", tid, metrics={"samples/done": rec["stopped"]["done"], search.TIME_ATTR: scored,
+                                                     "samples/total": total})
+            self.out.submit("metrics", tid, metrics={f"{mlflow_layout.RUNNING}/{k}": v for k, v in running.items()},
+                            step=scored)
+            self._end(tid, "KILLED", tags={mlflow_layout.STOPPED: why})
         self.records[tid] = rec
         self.stopped.append(tid)
-        if tid not in self.logged:
-            self.rungs.setdefault(tid, {})[scored] = value
-            metrics = {"samples/done": rec["stopped"]["done"], search.TIME_ATTR: scored, "samples/total": total}
-            self.logged[tid] = tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version,
-                                                  trial, self._params(trial), metrics, None, status="KILLED",
-                                                  tags={mlflow_layout.STOPPED: why})
-            tracking.log_metrics(self.client, self.logged[tid],
-                                 {f"{mlflow_layout.RUNNING}/{k}": v for k, v in running.items() if k != metric},
-                                 step=scored)
-            self._log_rungs(tid)
         say(f"[{len(self.records)}/{self.n_trials}] {tid}: {why}")
         self.advanced(tid, rec["stopped"]["done"])
         if self.bar is not None and total > rec["stopped"]["done"]:
@@ -195,18 +270,16 @@ class SweepRecorder:
             self.bar.refresh()
         return rec
 
-    def at_rung(self, tid: str, result: dict) -> None:
-        """A searched trial's value at a rung (`search.TIME_ATTR`), kept for its run's metric history."""
-        metric = self.sweep.tune.metric
-        if metric in result and int(result[search.TIME_ATTR]) < int(result.get("samples/total", 0)):
-            self.rungs.setdefault(tid, {})[int(result[search.TIME_ATTR])] = float(result[metric])
-
-    def _log_rungs(self, tid: str) -> None:
-        """The trial's values at the scheduler's rungs as the history of `running/<metric>` (step: samples scored),
-        which the MLflow UI plots against samples."""
-        key = f"{mlflow_layout.RUNNING}/{self.sweep.tune.metric}"
-        for scored, value in sorted(self.rungs.get(tid, {}).items()):
-            tracking.log_metrics(self.client, self.logged[tid], {key: value}, step=scored)
+    def record_error(self, trial: dict, error: str) -> None:
+        """A failed trial: its run ended FAILED with the error (once: the Tune callback and the final reconcile both
+        report a failure)."""
+        tid = trial["trial_id"]
+        self.records[tid] = {"trial": trial, "metrics": {}, "scores": {}, "predictions": None, "error": error}
+        if tid not in self.finished:
+            if tid not in self.began:
+                self._open(trial)
+            self._end(tid, "FAILED", tags={mlflow_layout.ERROR: error[:4000]})  # MLflow caps tag values
+            say(f"[trial failed] {tid}: {error}")
 
     def count_generated(self) -> int:
         """Samples answered by every trial of the sweep, those a scheduler stopped included: a finished trial's
@@ -222,21 +295,13 @@ class SweepRecorder:
         self.generated = total
         return total
 
-    def record_error(self, trial: dict, error: str) -> None:
-        tid = trial["trial_id"]
-        self.records[tid] = {"trial": trial, "metrics": {}, "scores": {}, "predictions": None, "error": error}
-        if tid not in self.logged:  # once: the Tune callback and the final reconcile both report a failure
-            self.logged[tid] = tracking.log_trial(self.client, self.parent_id, self.sweep.name, self.sweep.version,
-                                                  trial, self._params(trial), {}, None, status="FAILED", error=error)
-            say(f"[trial failed] {tid}: {error}")
-
     def finalize_rel(self) -> None:
         """Rel. for trials that finished before the baseline did."""
         for tid, rec in self.records.items():
             if rec.get("stopped") or rec["error"] is not None:
                 continue
-            if REL not in rec["metrics"] and self._add_rel(rec) and tid in self.logged:
-                tracking.log_metrics(self.client, self.logged[tid], {REL: rec["metrics"][REL]})
+            if REL not in rec["metrics"] and self._add_rel(rec):
+                self.out.submit("metrics", tid, metrics={REL: rec["metrics"][REL]})
 
     def _add_rel(self, rec: dict) -> bool:
         """Rel. vs the baseline; undefined (not logged, said once) when a baseline score is 0."""
@@ -272,6 +337,36 @@ class SweepRecorder:
         self.advanced(rec["trial"]["trial_id"], int(m.get("samples/total", 0)))
         if self.bar is not None:
             self.bar.set_postfix_str(f"{done}/{self.n_trials} trials", refresh=True)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # the parent run, and the end
+
+    def parent(self, *, metrics: dict | None = None, tags: dict | None = None, params: dict | None = None) -> None:
+        """Writes to the sweep's parent run, through the same outbox."""
+        from pipelines.run.outbox import PARENT
+
+        if params:
+            self.out.submit("params", PARENT, params=params)
+        if metrics:
+            self.out.submit("metrics", PARENT, metrics=metrics)
+        if tags:
+            self.out.submit("tags", PARENT, tags=tags)
+
+    def end_parent(self, status: str) -> None:
+        from pipelines.run.outbox import PARENT
+
+        self.out.submit("tags", PARENT, tags={mlflow_layout.FINISHED_AT: tracking.iso(time.time())})
+        self.out.submit("end", PARENT, status=status, end_ms=int(time.time() * 1000))
+
+    def unlogged(self, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` for every write to reach MLflow; the trials (and "the sweep's parent run") whose
+        writes are still pending."""
+        from pipelines.run.outbox import PARENT
+
+        return [("the sweep's parent run" if k == PARENT else k) for k in self.out.flush(timeout_s)]
+
+    def close(self) -> None:
+        self.out.close()
 
 
 def _is_score(key: str, tasks: list[str]) -> bool:
@@ -323,11 +418,12 @@ def summary_table(spec: specs.SweepSpec, records: dict) -> str:
     return table
 
 
-def best_line(spec: specs.SweepSpec, records: dict, generated: int) -> str | None:
-    """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` (the search's metric, among the trials that ran to
-    their end; a tie goes to the first trial id, whatever order the trials finished in), for a sweep whose trials
-    vary mu or tau (None otherwise). S counts every sample any trial generated, those of trials a scheduler stopped
-    included."""
+def best_trial(spec: specs.SweepSpec, records: dict) -> dict | None:
+    """For a sweep whose trials vary mu or tau, the finished trial of the best search metric (a tie goes to the first
+    trial id, whatever order the trials finished in): ``{trial_id, metric, value, mu, tau}``, and for Rel. its 95%
+    paired bootstrap interval (``low``, ``high``: the documents resampled, the baseline on the same draw; the spec's
+    `bootstrap` resamples, else `pipelines.reporting.paired.ITERS`). None without mu / tau varied or a finished
+    trial."""
     points = {tuple(rec["trial"]["options"].get(k) for k in MU_TAU) for rec in records.values()
               if any(k in rec["trial"]["options"] for k in MU_TAU)}
     if len(points) < 2:
@@ -336,10 +432,52 @@ def best_line(spec: specs.SweepSpec, records: dict, generated: int) -> str | Non
     done = [rec for rec in records.values() if not rec.get("stopped") and rec["error"] is None
             and any(k in rec["trial"]["options"] for k in MU_TAU) and metric in rec["metrics"]]
     if not done:
-        return f"no trial varying mu or tau finished with {metric}; {generated} samples generated"
-    best = min(done, key=lambda rec: (-sign * rec["metrics"][metric], rec["trial"]["trial_id"]))  # ties: by id
-    where = " ".join(f"{k}={best['trial']['options'].get(k, 'default')}" for k in MU_TAU)
-    return f"best {metric} {best['metrics'][metric]:.4f} at {where}; {generated} samples generated"
+        return None
+    rec = min(done, key=lambda r: (-sign * r["metrics"][metric], r["trial"]["trial_id"]))
+    tid = rec["trial"]["trial_id"]
+    best = {"trial_id": tid, "metric": metric, "value": float(rec["metrics"][metric]),
+            **{k: rec["trial"]["options"].get(k) for k in MU_TAU}}
+    base = records.get(search.BASELINE_ID)
+    if metric == REL and base is not None and base.get("predictions") is not None and rec["predictions"] is not None:
+        from pipelines.reporting import paired
+
+        rows = {tid: rec["predictions"], search.BASELINE_ID: base["predictions"]}
+        try:
+            boot = paired.bootstrap([tid], search.BASELINE_ID, lambda t: paired.rows_from(rows[t]),
+                                    iters=spec.bootstrap or paired.ITERS)
+        except ValueError:  # the best trial ran on other documents than the baseline
+            boot = None
+        if boot is not None:
+            _, best["low"], best["high"] = (float(x) for x in boot.rel(tid))
+    return best
+
+
+def best_metrics(best: dict | None) -> dict[str, float]:
+    """The parent run's metrics of the best trial: ``best/<metric>`` (with ``_ci_low`` / ``_ci_high``), ``best/mu``,
+    ``best/tau`` (the options it sets)."""
+    if best is None:
+        return {}
+    name = f"best/{best['metric']}"
+    out = {name: best["value"]}
+    out.update({f"{name}_ci_{side}": best[side] for side in ("low", "high") if side in best})
+    out.update({f"best/{k}": float(best[k]) for k in MU_TAU if isinstance(best.get(k), (int, float))})
+    return out
+
+
+def best_line(spec: specs.SweepSpec, records: dict, generated: int, best: dict | None = None) -> str | None:
+    """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` (`best_trial`), for a sweep whose trials vary mu or
+    tau (None otherwise). S counts every sample any trial generated, those of trials a scheduler stopped
+    included."""
+    points = {tuple(rec["trial"]["options"].get(k) for k in MU_TAU) for rec in records.values()
+              if any(k in rec["trial"]["options"] for k in MU_TAU)}
+    if len(points) < 2:
+        return None
+    best = best if best is not None else best_trial(spec, records)
+    if best is None:
+        return f"no trial varying mu or tau finished with {spec.tune.metric}; {generated} samples generated"
+    value = records[best["trial_id"]]["metrics"][best["metric"]]  # the trial's own value (the interval's centre too)
+    where = " ".join(f"{k}={best.get(k) if best.get(k) is not None else 'default'}" for k in MU_TAU)
+    return f"best {best['metric']} {value:.4f} at {where}; {generated} samples generated"
 
 
 def _fmt(v: Any) -> Any:

@@ -24,6 +24,14 @@ def storage_root(spec: specs.SweepSpec) -> str:
     return spec.tune.storage_path or os.environ.get(STORAGE_ENV) or str((Path.cwd() / "outputs" / "tune").resolve())
 
 
+def outbox_dir(storage: str, experiment: str) -> Path:
+    """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.run.outbox`): beside Tune's
+    experiments on local storage; under ./outputs/outbox on remote storage (the driver uploads from local files)."""
+    if "://" in storage and not storage.startswith("file://"):
+        return Path.cwd() / "outputs" / "outbox" / experiment
+    return Path(storage.removeprefix("file://")) / STATE_DIR / f"{experiment}.outbox"
+
+
 def _state_fs(storage: str):
     """(pyarrow filesystem, directory) of the sweep state records: local paths, s3://, gs://, ... alike."""
     import pyarrow.fs
@@ -147,7 +155,8 @@ def _driver_alive(driver: dict | None) -> bool | None:
 
 def mark_dead_runs(client, storage: str, name: str) -> list[str]:
     """Parent runs of sweep `name` still RUNNING in MLflow although their driver died (SIGKILL, a lost node): mark
-    them KILLED with a tag saying so, so the MLflow UI does not show them as live. Returns their experiments."""
+    them, and the trial runs they left RUNNING, KILLED with a tag saying so, so the MLflow UI does not show them as
+    live (a `--resume` of that run opens its unfinished trials' runs again). Returns their experiments."""
     from mlflow.exceptions import MlflowException
 
     marked = []
@@ -155,15 +164,19 @@ def mark_dead_runs(client, storage: str, name: str) -> list[str]:
         state = _read_state(storage, experiment)
         if _driver_alive(state.get("driver")) is not False:
             continue
+        if (outbox_dir(storage, experiment) / "outbox.json").is_file():
+            continue  # it ended with its writes kept for a store that did not answer: `--resume` sends them
         try:
             run = client.get_run(state["parent_run_id"])
         except MlflowException:  # a run deleted from the store, another store: nothing to mark
             continue
         if run.info.status == "RUNNING":
-            client.set_tag(run.info.run_id, mlflow_layout.INTERRUPTED,
-                           f"driver pid {state['driver']['pid']} on {state['driver']['host']} died without "
-                           f"finishing; resume with: {resume_command(state)}")
-            tracking.finish(client, run.info.run_id, status="KILLED")
+            why = (f"driver pid {state['driver']['pid']} on {state['driver']['host']} died without finishing; "
+                   f"resume with: {resume_command(state)}")
+            children = [r for r in tracking.latest_trial_runs(client, run.info.run_id).values()
+                        if r.info.status == "RUNNING"]
+            for r in [run, *children]:
+                client.set_tag(r.info.run_id, mlflow_layout.INTERRUPTED, why)
+                tracking.finish(client, r.info.run_id, status="KILLED")
             marked.append(experiment)
     return marked
-

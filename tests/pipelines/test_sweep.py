@@ -155,6 +155,8 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     recorder.record(base, checkpoint("b", {
         "pope": {"pope_f1_score": 0.8}, "mme": {"mme_perception_score": 800.0, "mme_cognition_score": 200.0}}))
     recorder.finalize_rel()  # the pruned trial finished before the baseline
+    assert recorder.unlogged(60) == []
+    recorder.close()
     runs = tracking.trial_runs(c, parent)
     assert runs["promprune-b8"].data.metrics["rel"] == pytest.approx((0.6 / 0.8 + 600 / 800) / 2)  # MME: perception
     assert runs["baseline"].data.metrics["rel"] == pytest.approx(1.0)

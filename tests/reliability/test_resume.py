@@ -57,6 +57,8 @@ def test_a_failed_trial_is_logged_once(scratch):
     trial = specs.expand(spec)[1].to_dict()
     recorder.record_error(trial, "RuntimeError: boom")  # Tune's callback ...
     recorder.record_error(trial, "RuntimeError: boom")  # ... and the final reconcile
+    assert recorder.unlogged(60) == []
+    recorder.close()
     runs = client.search_runs([client.get_run(parent).info.experiment_id],
                               filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent))
     assert [r.info.status for r in runs] == ["FAILED"]

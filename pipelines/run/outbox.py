@@ -1,0 +1,302 @@
+"""The driver's MLflow writes, never lost and never blocking Tune: `Outbox`.
+
+Every write of a sweep (a trial's run created when the trial starts, its progress as blocks come back, its final
+metrics and predictions file, its end; the parent run's metrics and tags) is an *op* queued here and applied in
+order by one background thread of the driver (SQLite's single writer), batched: the metrics queued for a run while
+the thread was busy go in one ``log_batch``. A write that fails because the store does not answer is kept: the
+pending ops (and the files they upload) are saved to the outbox folder beside the Tune experiment, the console says
+at once that the store does not answer, and the thread retries every `RETRY_S` while the sweep goes on. When the
+store answers again the kept writes go, in order. `flush` waits for the queue at the end and returns the runs whose
+writes are still pending, so the sweep can say which trials are not in MLflow yet; a later `--resume` replays the
+outbox before anything else.
+
+A run is named by a *key* (a trial id, or `PARENT`); the op that creates it records its MLflow run id, and later
+ops of that key find it. Creating a run is idempotent: the run carries a tag with a unique id, looked up before a
+retry creates it again (a create whose reply was lost must not make two runs).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+from pipelines import mlflow_layout
+
+PARENT = "__parent__"  # the key of the sweep's parent run
+RETRY_S = 5.0  # between attempts while the store does not answer
+CREATE_KEY = "promprune.create_key"  # the tag that makes a create idempotent
+# the MLflow client's own retries (minutes of backoff by default) would block the writer thread on a store that is
+# down; the outbox retries instead, so one attempt with a short timeout says quickly that the store is unreachable
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# MLflow refusals of the op itself (not of the store): retrying cannot help, so the op is dropped and said
+REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
+           "INVALID_STATE"}
+
+
+class Outbox:
+    """``Outbox(client, folder, say)``: ``submit`` ops, ``run_id(key)``, ``flush(timeout_s)``, ``close()``.
+
+    ``folder``: where pending writes are kept while the store does not answer (a local path; removed when empty).
+    ``ids``: run ids already known (the parent's, trials' runs continued on resume)."""
+
+    def __init__(self, client, folder: str | Path, say: Callable[[str], None], ids: dict | None = None,
+                 retry_s: float = RETRY_S):
+        for key, value in CLIENT_ENV.items():
+            os.environ.setdefault(key, value)
+        self.client, self.folder, self.say, self.retry_s = client, Path(folder), say, retry_s
+        self.ids: dict[str, str] = dict(ids or {})
+        self.queue: deque[dict] = deque()
+        self.cond = threading.Condition()
+        self.down_since: float | None = None  # the store stopped answering (None: it answers)
+        self.busy = False
+        self.closed = False
+        self._load()
+        self.thread = threading.Thread(target=self._loop, name="mlflow-outbox", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # what the recorder calls
+
+    def submit(self, op: str, key: str, **fields) -> None:
+        """Queue one op: ``create`` (experiment_id, name, tags, params, start_ms), ``metrics`` (metrics, step),
+        ``params``, ``tags``, ``artifact`` (path: copied into the outbox at once, the caller's file may go),
+        ``inputs`` (datasets: [{name, digest, source, profile}]), ``end`` (status, end_ms)."""
+        entry = {"op": op, "key": key, **fields}
+        if op == "create":
+            entry.setdefault("uid", uuid.uuid4().hex)
+        if op == "artifact":
+            entry["path"] = self._keep(Path(fields["path"]))
+        if op == "metrics":
+            entry["metrics"] = {k: float(v) for k, v in fields["metrics"].items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+            if not entry["metrics"]:
+                return
+            # stamped now, not when sent: a batch sent twice (its reply lost) is the same rows, which the store keeps
+            # once
+            entry.setdefault("ms", int(time.time() * 1000))
+        with self.cond:
+            self.queue.append(entry)
+            if self.down_since is not None:
+                self._save()
+            self.cond.notify_all()
+
+    def run_id(self, key: str) -> str | None:
+        return self.ids.get(key)
+
+    def pending_keys(self) -> list[str]:
+        """Keys with writes not yet in MLflow, in the order they were queued."""
+        with self.cond:
+            return list(dict.fromkeys(op["key"] for op in self.queue))
+
+    def flush(self, timeout_s: float) -> list[str]:
+        """Wait until every queued write is in MLflow, or ``timeout_s`` has passed; the keys still pending."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            self.cond.notify_all()
+            while (self.queue or self.busy) and time.monotonic() < deadline:
+                self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        return self.pending_keys()
+
+    def close(self) -> None:
+        """Stop the thread (pending writes stay in the outbox folder for `--resume`)."""
+        with self.cond:
+            self.closed = True
+            if self.queue:
+                self._save()
+            self.cond.notify_all()
+        self.thread.join(timeout=30)
+        if not self.queue:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # the writer thread
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                self.busy = True
+                batch = list(self.queue)
+            try:
+                done = self._apply(batch)
+            finally:
+                with self.cond:
+                    for _ in range(done if isinstance(done, int) else 0):
+                        self.queue.popleft()
+                    self.busy = False
+                    self.cond.notify_all()
+            if isinstance(done, Exception):
+                self._went_down(done)
+                with self.cond:
+                    self.cond.wait(timeout=self.retry_s)
+            else:
+                self._answered()
+
+    def _apply(self, batch: list[dict]) -> int | Exception:
+        """Apply ops in order; the number applied, or the error that stopped them (nothing of the failed op
+        applied is counted: it is retried whole, and the ops are idempotent)."""
+        done = 0
+        i = 0
+        while i < len(batch):
+            op = batch[i]
+            n = 1
+            if op["op"] == "metrics":  # the run's consecutive metric ops in one log_batch
+                while i + n < len(batch) and batch[i + n]["op"] == "metrics" and batch[i + n]["key"] == op["key"]:
+                    n += 1
+            try:
+                self._one(op, batch[i:i + n])
+            except Exception as exc:  # noqa: BLE001 - the store's failures are many types; classified here
+                if not _refused(exc):
+                    return exc if done == 0 else done
+                self.say(f"[mlflow] a write was refused and dropped ({op['op']} of {op['key']}): {_short(exc)}")
+            done += n
+            i += n
+        return done
+
+    def _one(self, op: dict, ops: list[dict]) -> None:
+        c, kind = self.client, op["op"]
+        if kind == "create":
+            self.ids[op["key"]] = self._create(op)
+            return
+        run_id = self.ids.get(op["key"])
+        if run_id is None:  # its create was dropped: nothing to write to
+            raise _Refused(f"no run for {op['key']}")
+        if kind == "metrics":
+            from mlflow.entities import Metric
+
+            batch = [Metric(k, v, int(o["ms"]), int(o.get("step", 0))) for o in ops for k, v in o["metrics"].items()]
+            for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per call
+                c.log_batch(run_id, metrics=batch[start:start + 1000])
+        elif kind == "params":
+            from mlflow.entities import Param
+
+            c.log_batch(run_id, params=[Param(k, str(v)) for k, v in op["params"].items()])
+        elif kind == "tags":
+            from mlflow.entities import RunTag
+
+            c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in op["tags"].items()])
+        elif kind == "artifact":
+            c.log_artifact(run_id, op["path"], op.get("artifact_path"))
+            _remove_kept(op["path"], self.folder)
+        elif kind == "inputs":
+            c.log_inputs(run_id, datasets=[_dataset_input(d) for d in op["datasets"]])
+        elif kind == "end":
+            c.set_terminated(run_id, status=op["status"], end_time=op.get("end_ms"))
+        elif kind == "update":
+            c.update_run(run_id, status=op["status"])
+        else:
+            raise _Refused(f"unknown op {kind!r}")
+
+    def _create(self, op: dict) -> str:
+        """The run of a create op: the one an earlier attempt made (found by its unique tag), else a new one."""
+        c = self.client
+        found = c.search_runs([op["experiment_id"]], filter_string=mlflow_layout.tag_filter(CREATE_KEY, op["uid"]),
+                              max_results=1)
+        if found:
+            run_id = found[0].info.run_id
+        else:
+            tags = {**op["tags"], CREATE_KEY: op["uid"]}
+            run_id = c.create_run(op["experiment_id"], run_name=op["name"], tags=tags,
+                                  start_time=op.get("start_ms")).info.run_id
+        if op.get("params"):  # (again after a lost reply: the same values are accepted)
+            from mlflow.entities import Param
+
+            c.log_batch(run_id, params=[Param(k, str(v)) for k, v in op["params"].items()])
+        return run_id
+
+    # ------------------------------------------------------------------------------------------------------------
+    # down and up again, kept on disk
+
+    def _went_down(self, exc: Exception) -> None:
+        with self.cond:
+            first = self.down_since is None
+            if first:
+                self.down_since = time.monotonic()
+            self._save()
+            n = len(self.queue)
+        if first:
+            self.say(f"[mlflow] the store at {mlflow_layout.tracking_uri()} does not answer ({_short(exc)}): {n} "
+                     f"write(s) kept in {self.folder}, retried every {self.retry_s:g}s; the sweep goes on")
+
+    def _answered(self) -> None:
+        with self.cond:
+            if self.down_since is None:
+                return
+            gone = time.monotonic() - self.down_since
+            self.down_since = None
+            empty = not self.queue
+            if empty:
+                self._clear()
+            else:
+                self._save()
+        self.say(f"[mlflow] the store answers again after {gone:.0f}s: the kept writes are going in")
+
+    def _save(self) -> None:
+        """The ids and the pending ops, atomically (called under the lock)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".outbox.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.write_text(json.dumps({"ids": self.ids, "pending": list(self.queue)}))
+        os.replace(tmp, self.folder / "outbox.json")
+
+    def _clear(self) -> None:
+        (self.folder / "outbox.json").unlink(missing_ok=True)
+
+    def _load(self) -> None:
+        """Writes an earlier driver kept (the store did not answer before it ended): queued first."""
+        path = self.folder / "outbox.json"
+        if not path.is_file():
+            return
+        saved = json.loads(path.read_text())
+        self.ids = {**saved.get("ids", {}), **self.ids}
+        self.queue.extend(saved.get("pending", []))
+        if self.queue:
+            self.say(f"[mlflow] {len(self.queue)} write(s) an earlier run kept in {self.folder} go in first")
+
+    def _keep(self, path: Path) -> str:
+        """A copy of ``path`` in the outbox's files (its name kept: the artifact's name)."""
+        dest = self.folder / "files" / uuid.uuid4().hex[:12] / path.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+        return str(dest)
+
+
+class _Refused(Exception):
+    """An op MLflow cannot take (dropped, said), as opposed to a store that does not answer (kept, retried)."""
+
+
+def _refused(exc: Exception) -> bool:
+    if isinstance(exc, _Refused):
+        return True
+    code = getattr(exc, "error_code", None)
+    return isinstance(code, str) and code in REFUSED
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+def _remove_kept(path: str, folder: Path) -> None:
+    """Delete an uploaded file's copy (and its folder) from the outbox."""
+    kept = Path(path)
+    if folder in kept.parents:
+        shutil.rmtree(kept.parent, ignore_errors=True)
+
+
+def _dataset_input(d: dict):
+    """An MLflow dataset input (name, digest, source, profile) used for evaluation."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = Dataset(name=d["name"], digest=d["digest"], source_type=d.get("source_type", "lmms-eval"),
+                      source=json.dumps(d.get("source", {})), profile=json.dumps(d.get("profile", {})))
+    return DatasetInput(dataset=dataset, tags=[InputTag(key="mlflow.data.context", value="evaluation")])

@@ -1,0 +1,110 @@
+"""The driver's MLflow writes (pipelines/run/outbox.py) against a real `mlflow server` that is stopped and started
+again: nothing is lost or written twice, the console is told at once, the writes wait on disk for a later driver."""
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipelines import mlflow_layout
+from pipelines.run.outbox import Outbox
+from tests.pipelines.mlflow_server import MlflowServer
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    with MlflowServer(tmp_path / "server") as s:
+        monkeypatch.setenv(mlflow_layout.TRACKING_URI_ENV, s.uri)
+        yield s
+
+
+def _create(box: Outbox, exp: str, key: str) -> None:
+    box.submit("create", key, experiment_id=exp, name=key, tags={mlflow_layout.TRIAL: key}, params={"budget": 8},
+               start_ms=int(time.time() * 1000))
+
+
+def test_writes_survive_a_store_that_goes_down_and_comes_back(server, tmp_path):
+    c = MlflowClient(server.uri)
+    exp = c.create_experiment("outbox")
+    said = []
+    box = Outbox(c, tmp_path / "outbox", said.append, retry_s=1.0)
+    _create(box, exp, "t1")
+    box.submit("metrics", "t1", metrics={"samples/done": 8}, step=8)
+    assert box.flush(60) == []
+    run_id = box.run_id("t1")
+    assert c.get_run(run_id).info.status == "RUNNING"
+
+    server.stop()
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "predictions.parquet")
+    box.submit("metrics", "t1", metrics={"samples/done": 16, "a/acc": 0.5}, step=16)
+    box.submit("artifact", "t1", path=str(tmp_path / "predictions.parquet"))
+    (tmp_path / "predictions.parquet").unlink()  # the caller's file may go: the outbox kept a copy
+    box.submit("end", "t1", status="FINISHED", end_ms=int(time.time() * 1000))
+    t0 = time.monotonic()
+    while not said and time.monotonic() - t0 < 30:
+        time.sleep(0.2)
+    assert said and "does not answer" in said[0] and str(tmp_path / "outbox") in said[0]
+    assert time.monotonic() - t0 < 15, "the console must hear of it within seconds"
+    assert (tmp_path / "outbox" / "outbox.json").is_file()
+    assert box.flush(2) == ["t1"]
+
+    server.start()
+    assert box.flush(120) == []
+    box.close()
+    run = c.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"samples/done": 16.0, "a/acc": 0.5}
+    assert [m.step for m in c.get_metric_history(run_id, "samples/done")] == [8, 16]
+    assert [a.path for a in c.list_artifacts(run_id)] == ["predictions.parquet"]
+    assert any("answers again" in line for line in said)
+    assert not (tmp_path / "outbox").exists()  # nothing left to send
+    assert len(c.search_runs([exp])) == 1
+
+
+def test_a_later_driver_sends_what_an_earlier_one_kept(server, tmp_path):
+    c = MlflowClient(server.uri)
+    exp = c.create_experiment("outbox-resume")
+    server.stop()
+    first = Outbox(c, tmp_path / "outbox", lambda _: None, retry_s=1.0)
+    _create(first, exp, "t1")
+    first.submit("end", "t1", status="KILLED")
+    assert first.flush(3) == ["t1"]
+    first.close()  # the driver ends with the store still down: the writes stay on disk
+    assert (tmp_path / "outbox" / "outbox.json").is_file()
+
+    server.start()
+    said = []
+    second = Outbox(MlflowClient(server.uri), tmp_path / "outbox", said.append, retry_s=1.0)
+    assert second.flush(60) == []
+    second.close()
+    runs = c.search_runs([exp])
+    assert len(runs) == 1 and runs[0].info.status == "KILLED" and runs[0].data.params == {"budget": "8"}
+    assert "an earlier run kept" in said[0]
+
+
+def test_a_create_whose_reply_was_lost_makes_one_run(server, tmp_path):
+    """The same create applied twice (its first reply lost): the run is found by its unique tag, not made again."""
+    c = MlflowClient(server.uri)
+    exp = c.create_experiment("idempotent")
+    box = Outbox(c, tmp_path / "outbox", lambda _: None)
+    op = {"op": "create", "key": "t1", "experiment_id": exp, "name": "t1", "tags": {}, "params": {"a": 1},
+          "uid": "fixed-uid"}
+    first, again = box._create(op), box._create(op)
+    box.close()
+    assert first == again and len(c.search_runs([exp])) == 1
+
+
+def test_a_refused_write_is_dropped_and_said_not_retried(server, tmp_path):
+    c = MlflowClient(server.uri)
+    exp = c.create_experiment("refused")
+    said = []
+    box = Outbox(c, tmp_path / "outbox", said.append, retry_s=1.0)
+    _create(box, exp, "t1")
+    box.submit("params", "t1", params={"budget": 16})  # a param changed: MLflow refuses it
+    box.submit("metrics", "t1", metrics={"x": 1.0})
+    assert box.flush(60) == []
+    box.close()
+    assert c.get_run(box.run_id("t1")).data.metrics == {"x": 1.0}
+    assert any("refused and dropped" in line for line in said)

@@ -1,0 +1,140 @@
+"""MLflow as a researcher watches a sweep: a trial's run exists from its start, and a tracking store that goes down
+mid-sweep loses nothing (a real `mlflow server`, stopped and started again, and the sweep's real command line)."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import yaml
+from mlflow.tracking import MlflowClient
+
+from pipelines import mlflow_layout, spec as specs, sweep, tracking
+from pipelines.run.ray_connect import worker_env
+from tests.pipelines.mlflow_server import MlflowServer
+from tests.pipelines.sweep_cli import REPO, read_until
+
+pytestmark = pytest.mark.slow
+
+SPEC = {"name": "outage", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 2, "baseline": True, "grid": {"method": ["promprune", "divprune"], "budget": [8]},
+        "generation": {"max_new_tokens": 2}, "resources": {"batch_size": 1},
+        "tune": {"max_concurrent_trials": 1, "max_failures": 0}}
+
+
+def slow_run(vlm, rows, batch_size, *, sleep_s: float):
+    """The model's answers, each block `sleep_s` late (a trial long enough to be watched while it runs)."""
+    from promprune.eval import run_requests
+
+    time.sleep(sleep_s)
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+def _trial_runs(c: MlflowClient) -> list:
+    exp = c.get_experiment_by_name(mlflow_layout.experiment_name())
+    if exp is None:
+        return []
+    return c.search_runs([exp.experiment_id], filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, "trial"))
+
+
+def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypatch):
+    """While the second trial runs, MLflow holds its RUNNING run with its params and a running metric; at the end
+    every trial has one FINISHED run whose start is the trial's start."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(mlflow_layout.TRACKING_URI_ENV, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    spec = specs.parse({**SPEC, "limit": 4})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
+    try:
+        outcome = {}
+        driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(
+            spec, run_fn=functools.partial(slow_run, sleep_s=1.5))))
+        driver.start()
+        c, seen, deadline = tracking.client(), None, time.monotonic() + 600
+        while driver.is_alive() and time.monotonic() < deadline and seen is None:
+            runs = {r.data.tags[mlflow_layout.TRIAL]: r for r in _trial_runs(c)}
+            finished = [t for t, r in runs.items() if r.info.status == "FINISHED"]
+            for tid, run in runs.items():
+                if finished and run.info.status == "RUNNING" and "samples/done" in run.data.metrics:
+                    seen = (tid, run)
+            time.sleep(0.5)
+        driver.join(timeout=600)
+    finally:
+        ray.shutdown()
+    assert seen is not None, "no trial's RUNNING run with a running metric was seen after the first trial finished"
+    tid, run = seen
+    assert run.data.params["method"] == tid.split("-")[0] and run.data.params["budget"] == "8"
+    assert run.data.tags[mlflow_layout.NOTE] == spec.description
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["easyvqa_yesno"]
+    assert outcome["r"].failed == [] and outcome["r"].unlogged == []
+    final = {r.data.tags[mlflow_layout.TRIAL]: r for r in _trial_runs(c)}
+    assert sorted(final) == ["baseline", "divprune-b8", "promprune-b8"]
+    assert all(r.info.status == "FINISHED" for r in final.values())
+    later = final[tid]
+    assert later.info.run_id == run.info.run_id and later.info.start_time == run.info.start_time  # the same run
+    steps = [m.step for m in c.get_metric_history(run.info.run_id, "samples/done")]
+    assert steps == sorted(steps) and steps[-1] == 4
+
+
+def _cli(spec_path, cwd, uri: str, wait_s: str = "120") -> subprocess.Popen:
+    env = {**os.environ, mlflow_layout.TRACKING_URI_ENV: uri, "PYTHONUNBUFFERED": "1",
+           "PROMPRUNE_STORE_WAIT_S": wait_s}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(spec_path)],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_store_down_mid_sweep_loses_nothing(tmp_path):
+    """The store stops after the first trial and comes back: the console says so within seconds, the sweep goes on
+    and exits 0, and every trial is in MLflow exactly once."""
+    spec_path = tmp_path / "outage.yaml"
+    spec_path.write_text(yaml.safe_dump(SPEC))
+    with MlflowServer(tmp_path / "server") as server:
+        proc = _cli(spec_path, tmp_path, server.uri)
+        out = read_until(proc, "[1/3]", timeout=600)
+        server.stop()
+        stopped = time.monotonic()
+        out += read_until(proc, "does not answer", timeout=300)
+        assert time.monotonic() - stopped < 120
+        server.start()
+        rest, _ = proc.communicate(timeout=600)
+        out += rest
+        assert proc.returncode == 0, out[-4000:]
+        assert "answers again" in out
+        runs = _trial_runs(MlflowClient(server.uri))
+    assert sorted(r.data.tags[mlflow_layout.TRIAL] for r in runs) == ["baseline", "divprune-b8", "promprune-b8"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_a_store_that_never_comes_back_fails_the_sweep_naming_the_trials(tmp_path):
+    """Exit 4 naming the trials not in MLflow and the command that sends them; that command, once the store is back,
+    finishes the job: every trial once."""
+    spec_path = tmp_path / "outage.yaml"
+    spec_path.write_text(yaml.safe_dump(SPEC))
+    server = MlflowServer(tmp_path / "server").start()
+    try:
+        proc = _cli(spec_path, tmp_path, server.uri, wait_s="5")
+        out = read_until(proc, "[1/3]", timeout=600)
+        server.stop()
+        rest, _ = proc.communicate(timeout=600)
+        out += rest
+        assert proc.returncode == sweep.EXIT_UNLOGGED, out[-4000:]
+        tail = out.split("NOT IN MLFLOW YET", 1)[1]
+        assert "divprune-b8" in tail and "promprune-b8" in tail and "--resume" in tail
+        assert "Traceback" not in out
+        command = tail.split("send them with:\n", 1)[1].split("\n")[0].split()
+        server.start()
+        env = {**os.environ, mlflow_layout.TRACKING_URI_ENV: server.uri}
+        assert command[1] == "pipelines/sweep.py"  # (relative to the checkout)
+        again = subprocess.run([sys.executable, str(REPO / command[1]), *command[2:]], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+        runs = _trial_runs(MlflowClient(server.uri))
+    finally:
+        server.stop()
+    assert sorted(r.data.tags[mlflow_layout.TRIAL] for r in runs) == ["baseline", "divprune-b8", "promprune-b8"]
+    assert all(r.info.status == "FINISHED" for r in runs)
