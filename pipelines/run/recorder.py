@@ -7,6 +7,7 @@ and the best (mu, tau) with the samples generated."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,7 @@ class SweepRecorder:
                           {PARENT: parent_id, **ids})
         self.finished |= {op["key"] for op in self.out.queue if op["op"] == "end"}  # kept by an earlier driver
         self.began: dict[str, float] = {}  # trial id -> when it (last) started, epoch seconds
+        self.system = DriverMetrics(self.out)  # the driver's CPU and memory on the parent run, through the outbox
         self.records: dict[str, dict] = {}
         self.baseline_scores: dict | None = None
         self.rel_warned = False
@@ -366,7 +368,44 @@ class SweepRecorder:
         return [("the sweep's parent run" if k == PARENT else k) for k in self.out.flush(timeout_s)]
 
     def close(self) -> None:
+        self.system.stop()
         self.out.close()
+
+
+class DriverMetrics:
+    """The driver's system metrics on the parent run (MLflow's own collectors and names, ``system/...``, so the UI's
+    system-metrics charts show them), sampled every `SAMPLE_S` and logged every `LOG_S` through the outbox: the one
+    writer, where MLflow's `SystemMetricsMonitor` would be a second one. The actors' GPU utilisation is Ray's (the Ray
+    dashboard's node metrics, `ray_node_gpus_utilization`), not repeated here."""
+
+    SAMPLE_S, LOG_S = 10.0, 60.0
+
+    def __init__(self, out):
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+
+        from pipelines.run.outbox import PARENT
+
+        self.out, self.key, self.monitor = out, PARENT, CPUMonitor()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="driver-metrics", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        step, last = 0, time.monotonic()
+        while not self.done.wait(self.SAMPLE_S):
+            self.monitor.collect_metrics()
+            if time.monotonic() - last >= self.LOG_S:
+                self._log(step)
+                step, last = step + 1, time.monotonic()
+
+    def _log(self, step: int) -> None:
+        values = self.monitor.aggregate_metrics()
+        self.monitor.clear_metrics()
+        self.out.submit("metrics", self.key, metrics={f"system/{k}": v for k, v in values.items()}, step=step)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=5)
 
 
 def _is_score(key: str, tasks: list[str]) -> bool:

@@ -79,6 +79,10 @@ def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched
         assert mlflow_layout.REL not in m and f"{mlflow_layout.RUNNING}/{mlflow_layout.REL}" in m
         assert not any(k.startswith("testbed_") for k in m)  # running scores only under running/
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == []  # no predictions
+        # its run spans the trial, from its start to its stop (an actor's start alone takes seconds), not the
+        # moment it was logged
+        assert run.info.end_time - run.info.start_time > 2000
+        assert {mlflow_layout.STARTED_AT, mlflow_layout.FINISHED_AT} <= set(run.data.tags)
 
     # ASHA's rule, re-derived: one trial at a time, so a trial at rung r is compared with the values the trials
     # before it recorded there; it stops when below their (1 - 1/reduction factor) quantile
