@@ -5,14 +5,19 @@
 - **Parent run per sweep:** run name = spec name; tags `promprune.role=sweep`, `promprune.sweep=<name>`,
   `promprune.spec_version=<version>`; artifact `spec.yaml` (the resolved spec); the report under `report/`.
 - **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
-  parent): tags `mlflow.parentRunId`, `promprune.sweep`, `promprune.trial=<id>`; params model, method (`none` =
-  unpruned), budget, tasks and every option of the trial; metrics `<task>/<metric>`, `rel`, `samples/*`,
+  parent), created when the trial starts (RUNNING, then FINISHED / KILLED / FAILED): tags `mlflow.parentRunId`,
+  `promprune.sweep`, `promprune.trial=<id>`, `mlflow.note.content` (the spec's description); params model, method
+  (`none` = unpruned), budget, tasks and every option of the trial; while it runs `samples/done` and
+  `running/<task>/<metric>` (step: the samples they cover); metrics `<task>/<metric>`, `rel`, `samples/*`,
   `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
   `promprune.records.arrow_schema(Prediction)`, `pipelines.run.result.PREDICTION_SCHEMA`; the file is the trial's
   `TrialResult` as its Tune checkpoint held it: per-task scores and metrics as JSON in the schema metadata).
   A trial a scheduler stopped early is a KILLED run with tag `promprune.stopped` (where and why), metrics
   `samples/done` (answered when stopped), `samples/scored`, `samples/total` and its running scores as
   `running/<task>/<metric>` and `running/rel` (over the first `samples/scored` samples), and no predictions.
+- **The parent run** also holds the search's params (`search`, `scheduler`, `space.<field>`), the driver's
+  `system/...` metrics, and for a sweep varying mu or tau the best trial (`promprune.best_trial`, `best/<metric>`
+  with `_ci_low` / `_ci_high`, `best/mu`, `best/tau`).
 - **A saved view per sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>`, the runs page's "Views"
   menu): the sweep's trials with each task's primary metric, `rel` and `efficiency/visual_tokens` as columns;
   `ui_url` links to it.
