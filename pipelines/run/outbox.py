@@ -34,7 +34,7 @@ RETRY_S = 5.0  # between attempts while the store does not answer
 CREATE_KEY = "promprune.create_key"  # the tag that makes a create idempotent
 # the MLflow client's own retries (minutes of backoff by default) would block the writer thread on a store that is
 # down; the outbox retries instead, so one attempt with a short timeout says quickly that the store is unreachable
-CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 # MLflow refusals of the op itself (not of the store): retrying cannot help, so the op is dropped and said
 REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
            "INVALID_STATE"}
