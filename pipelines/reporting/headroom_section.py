@@ -20,6 +20,8 @@ in the benchmark's unit (percent, MME points):
 """
 from __future__ import annotations
 
+import copy
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,26 +83,30 @@ def score_kind(task_items, metric: str) -> str:
 
 def unit_scores(task_items, scale: float) -> tuple[list[tuple[int, ...]], np.ndarray, str]:
     """(units: the doc ids of each unit, ``[n]`` scores in the benchmark's unit (raw x ``scale``), the score kind)."""
-    from promprune.eval.scoring import aggregate_with
-
     units = [tuple(group) for stratum in task_items.units() for group in stratum]
     total, kinds = np.zeros(len(units)), []
-    for metric, by_doc in task_items.items.items():
-        kind = score_kind(task_items, metric)
-        kinds.append(kind)
-        aggregate = task_items.aggregations[metric]
-        for i, docs in enumerate(units):
-            if kind == "group":
-                relabel = task_items.grouping[1]
-                value = aggregate_with(aggregate, [relabel(by_doc[d], 0) for d in docs], task_items.args)
-            elif kind == "item":
-                value = by_doc[docs[0]]
-            elif kind == "correct":
-                value = _correct(by_doc[docs[0]])
-            else:
-                value = aggregate_with(aggregate, [by_doc[docs[0]]], task_items.args)
-            total[i] += float(value)
+    with tempfile.TemporaryDirectory(prefix="promprune-headroom-") as tmp:
+        args = copy.copy(task_items.args)  # aggregations that write files (MMBench's) write them under tmp
+        if args is not None:
+            args.output_path = tmp
+        for metric, by_doc in task_items.items.items():
+            kinds.append(score_kind(task_items, metric))
+            total += [_unit_value(task_items, metric, kinds[-1], [by_doc[d] for d in docs], args) for docs in units]
     return units, total * scale, "+".join(dict.fromkeys(kinds))
+
+
+def _unit_value(task_items, metric: str, kind: str, items: list, args) -> float:
+    """One unit's score from its documents' items (raw units)."""
+    from promprune.eval.scoring import aggregate_with
+
+    if kind == "group":
+        relabel = task_items.grouping[1]
+        return float(aggregate_with(task_items.aggregations[metric], [relabel(x, 0) for x in items], args))
+    if kind == "item":
+        return float(items[0])
+    if kind == "correct":
+        return _correct(items[0])
+    return float(aggregate_with(task_items.aggregations[metric], items[:1], args))
 
 
 # ---------------------------------------------------------------------------------------------------------------
