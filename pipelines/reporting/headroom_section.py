@@ -21,6 +21,7 @@ in the benchmark's unit (percent, MME points):
 from __future__ import annotations
 
 import copy
+import numbers
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ def score_kind(task_items, metric: str) -> str:
     if task_items.grouping is not None:
         return "group"
     first = next(iter(task_items.items[metric].values()))
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
+    if isinstance(first, numbers.Real) and not isinstance(first, bool):
         return "item" if aggregate_is_mean(task_items.aggregations[metric]) else "one"
     if isinstance(first, dict) and any(m in metric.lower() for m in RATIO_METRICS) and "prediction" in first:
         return "correct"
@@ -198,64 +199,88 @@ def _sigmoid_of(sweep: Sweep, rid: str) -> tuple | None:
     return float(mu), float(tau), kr_min, kr_max
 
 
+@dataclass
+class _Budget:
+    """What every task's panel at one budget reads."""
+
+    sweep: Sweep
+    budget: float
+    fixed: dict  # ratio -> trial id
+    others: list  # trial ids
+    items: dict  # trial id -> {task: TaskItems} or None
+    entropy: pd.Series  # by (task, doc_id)
+    preds_of: PredsOf
+    truth_of: TruthOf
+    labels: pd.Series  # trial id -> its label in the tables
+    notes: list
+
+
 def build_panels(sweep: Sweep, table: ScoreTable, preds_of: PredsOf, items_of: ItemsOf,
                  truth_of: TruthOf) -> tuple[list[Panel], list[str]]:
     """Every (task, budget) panel of the sweep, plus a pooled panel per budget; and notes on what was left out."""
     panels, notes = [], []
-    labels = table.frame["label"]
     for budget, arms in budgets_with_grid(sweep, table).items():
-        ratios, fixed_ids = list(arms["fixed"]), list(arms["fixed"].values())
-        items = {rid: items_of(rid) for rid in fixed_ids + arms["others"]}
-        if any(items[rid] is None for rid in fixed_ids):
-            notes.append(f"{budget:.0f} tokens: a fixed-ratio trial's per-sample items could not be had here (no "
-                         "predictions, or its tasks' data is not available offline)")
-            continue
-        entropy = _entropies(preds_of, arms["others"] + fixed_ids + list(sweep.trials.index))
-        per_task = []
-        for task in sweep.tasks():
-            panel = _task_panel(task, budget, ratios, fixed_ids, arms["others"], items, entropy, preds_of,
-                                truth_of, labels, sweep, notes)
-            if panel is not None:
-                per_task.append(panel)
-        panels += per_task
+        ids = list(arms["fixed"].values()) + arms["others"]
+        entropy = _entropies(preds_of, arms["others"] + list(arms["fixed"].values()) + list(sweep.trials.index))
+        ctx = _Budget(sweep, budget, arms["fixed"], arms["others"], {rid: items_of(rid) for rid in ids}, entropy,
+                      preds_of, truth_of, table.frame["label"], notes)
+        per_task = [p for p in (_task_panel(ctx, task) for task in sweep.tasks()) if p is not None]
         pooled = _pooled(per_task)
-        if pooled is not None:
-            panels.append(pooled)
+        panels += per_task + ([pooled] if pooled is not None else [])
     return panels, notes
 
 
-def _task_panel(task, budget, ratios, fixed_ids, others, items, entropy, preds_of, truth_of, labels, sweep,
-                notes) -> Panel | None:
-    first = items[fixed_ids[0]].get(task)
-    if first is None or not first.items:
+def _task_panel(ctx: _Budget, task: str) -> Panel | None:
+    """One task at one budget: the fixed ratios that answered its documents (the first's), >= 2 of them."""
+    arms = {r: (ctx.items[rid] or {}).get(task) for r, rid in ctx.fixed.items()}
+    first = next((a for a in arms.values() if a is not None and a.items), None)
+    if first is None:
         return None
-    logged = [c.split("/", 1)[1] for c in sweep.metrics.columns if c.startswith(f"{task}/")]
-    column = KNOWN_COLUMNS.get(task) or column_for(task, logged or ["score"])
+    same = {r: rid for r, rid in ctx.fixed.items() if arms[r] is not None and arms[r].doc_ids == first.doc_ids}
+    if len(same) < 2:
+        ctx.notes.append(f"{task} at {ctx.budget:.0f} tokens: fewer than two fixed ratios answered its documents "
+                         "(or their per-sample items could not be had here)")
+        return None
+    column = KNOWN_COLUMNS.get(task) or column_for(task, _logged(ctx.sweep, task))
     units, _, kind = unit_scores(first, column.scale)
-    fixed = np.column_stack([unit_scores(items[rid][task], column.scale)[1] for rid in fixed_ids])  # [n, K]
-    shares = []
-    for rid, ratio in zip(fixed_ids, ratios):
-        realised = _shares(preds_of(rid), budget)
-        shares.append(float(realised.median()) if len(realised) else min(max(round(ratio * budget), 0), budget)
-                      / budget)
-    frame = pd.DataFrame({"task": task, "docs": units, "entropy": _per_unit(entropy, task, units)})
-    truth = truth_of(task)
+    fixed = np.column_stack([unit_scores(arms[r], column.scale)[1] for r in same])  # [n, K]
+    shares = np.array([_fixed_share(ctx.preds_of(rid), r, ctx.budget) for r, rid in same.items()])
+    frame = pd.DataFrame({"task": task, "docs": units, "entropy": _per_unit(ctx.entropy, task, units)})
+    truth = ctx.truth_of(task)
     if truth is not None and TRUTH in truth:
         keys = pd.MultiIndex.from_tuples([(task, int(d)) for d in truth.index])
         frame[TRUTH] = _per_unit(pd.Series(truth[TRUTH].astype(float).to_numpy(), index=keys), task, units)
-    panel = Panel(task, column.label, budget, kind, frame, ratios, np.array(shares), fixed)
-    for rid in others:
-        theirs = (items.get(rid) or {}).get(task)
-        if theirs is None or theirs.doc_ids != first.doc_ids:
-            notes.append(f"{labels[rid]} at {budget:.0f} tokens left out of {task}: not the fixed trials' documents")
-            continue
-        panel.methods[labels[rid]] = unit_scores(theirs, column.scale)[1]
-        panel.method_shares[labels[rid]] = _per_unit(_shares(preds_of(rid), budget), task, units)
-        sigmoid = _sigmoid_of(sweep, rid)
-        if sigmoid is not None:
-            panel.sigmoids[labels[rid]] = sigmoid
+    panel = Panel(task, column.label, ctx.budget, kind, frame, list(same), shares, fixed)
+    for rid in ctx.others:
+        _add_trial(ctx, panel, rid, first, column.scale)
     _group_images(panel)
     return panel
+
+
+def _logged(sweep: Sweep, task: str) -> list[str]:
+    return [c.split("/", 1)[1] for c in sweep.metrics.columns if c.startswith(f"{task}/")] or ["score"]
+
+
+def _fixed_share(frame: pd.DataFrame | None, ratio: float, budget: float) -> float:
+    """A fixed ratio's realised T_sal / T: its predictions' median, else round-half-even(ratio x T) / T."""
+    realised = _shares(frame, budget).dropna()
+    return float(realised.median()) if len(realised) else min(max(round(ratio * budget), 0), budget) / budget
+
+
+def _add_trial(ctx: _Budget, panel: Panel, rid: str, first, scale: float) -> None:
+    """Another trial at the budget, when it answered the same documents."""
+    label = ctx.labels[rid]
+    theirs = (ctx.items.get(rid) or {}).get(panel.task)
+    if theirs is None or theirs.doc_ids != first.doc_ids:
+        ctx.notes.append(f"{label} at {ctx.budget:.0f} tokens left out of {panel.task}: not the documents the "
+                         "fixed ratios answered, or no per-sample items")
+        return
+    panel.methods[label] = unit_scores(theirs, scale)[1]
+    panel.method_shares[label] = _per_unit(_shares(ctx.preds_of(rid), ctx.budget), panel.task,
+                                           list(panel.units["docs"]))
+    sigmoid = _sigmoid_of(ctx.sweep, rid)
+    if sigmoid is not None:
+        panel.sigmoids[label] = sigmoid
 
 
 def _group_images(panel: Panel) -> None:

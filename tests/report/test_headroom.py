@@ -189,3 +189,19 @@ def test_the_report_section_from_mlflow(store, tmp_path):
     assert csv.loc[csv["arm"].str.startswith("Oracle"), "diff"].item() == pytest.approx(37.5)
     figure = tmp_path / "out" / "split_headroom_b8.png"
     assert figure in report.files and figure.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fixed_trials_on_different_benchmarks_make_no_panel(store, tmp_path):
+    """Table 4's layout (each fixed split on its own benchmark): no benchmark has two ratios, and the section says
+    so instead of comparing answers to different questions."""
+    client, exp = store
+    n, other = 4, "testbed_exist_spread"
+    spread = [{**row, "task": other} for row in _predictions(np.ones(n), saliency=[0] * n)]
+    trials = [trial("fixed_ratio", 8, {}, options={"saliency_ratio": 0.0},
+                    predictions=_predictions(np.ones(n), saliency=[0] * n)),
+              trial("fixed_ratio", 8, {}, options={"saliency_ratio": 1.0}, predictions=spread),
+              trial("promprune", 8, {}, predictions=_predictions(np.ones(n), saliency=[4] * n, entropy=ENTROPY))]
+    log_sweep(client, exp, "table4_like", trials, tasks=[TASK, other], tmp=tmp_path)
+    text = build_report(load_sweep("table4_like"), tmp_path / "out", truth_source=lambda task: None).markdown
+    assert f"## Split headroom\n\n- {TASK} at 8 tokens: fewer than two fixed ratios answered its documents" in text
+    assert "Oracle" not in text and not (tmp_path / "out" / "split_headroom.csv").exists()
