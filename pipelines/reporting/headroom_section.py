@@ -320,6 +320,8 @@ class Analysis:
     rows: list  # (name, mean score, Estimate against the best fixed or None, note)
     rules: dict  # feature name -> [rule scoring fold 0, rule scoring fold 1]
     captured: dict  # method label -> hr.Captured (of the entropy rule's headroom)
+    sensitive: int = 0  # samples whose score depends on the ratio (not every ratio alike)
+    rho: dict = field(default_factory=dict)  # feature -> Spearman rho of those samples' best share with it
 
 
 FEATURES = {"entropy": "spectral entropy", TRUTH: "objects in the scene (ground truth)"}
@@ -349,7 +351,20 @@ def analyse(panel: Panel, iters: int = ITERS, seed: int = SEED) -> Analysis:
                      _share_text(panel.method_shares.get(label))))
         if "entropy" in held:
             captured[label] = hr.captured(column, held["entropy"], reference, clusters, draws)
-    return Analysis(panel, best, rows, rules, captured)
+    return Analysis(panel, best, rows, rules, captured, *_predictability(panel))
+
+
+def _predictability(panel: Panel) -> tuple[int, dict]:
+    """(ratio-dependent samples, {feature: Spearman rho of their best share (the mean T_sal / T of the ratios that
+    reach their best score) with the feature})."""
+    from .ground_truth import spearman
+
+    best = hr.best_set(panel.fixed)
+    sensitive = ~best.all(axis=1)
+    share = (best * panel.shares).sum(axis=1) / best.sum(axis=1)
+    rho = {f: spearman(pd.Series(share[sensitive]), panel.units[f][sensitive].reset_index(drop=True))
+           for f in FEATURES if f in panel.units and panel.units[f].notna().any()}
+    return int(sensitive.sum()), rho
 
 
 def _rule_text(rules: list, panel: Panel) -> str:
@@ -407,8 +422,11 @@ def _panel_markdown(a: Analysis) -> list[str]:
     p = a.panel
     n, images = len(p.units), p.units["cluster"].nunique()
     rows = [[name, f"{score:.1f}", "-" if est is None else est.text(), note] for name, score, est, note in a.rows]
-    out = [f"**{p.label}**: {n} samples, {images} images" + (" (pooled tasks)" if p.task == POOLED else ""), "",
-           markdown_table(["", "score", "vs best fixed, points [95%]", ""], rows).rstrip("\n"), ""]
+    rho = "; ".join(f"Spearman rho of their best share with {FEATURES[f]} {r:+.2f}" for f, r in a.rho.items())
+    head = f"**{p.label}**: {n} samples, {images} images" + (" (pooled tasks)" if p.task == POOLED else "")
+    head += f"; {a.sensitive} samples' scores depend on the ratio" + (f" ({rho})" if rho else "")
+    out = [head, "",
+           markdown_table(["arm", "score", "vs best fixed, points [95%]", "note"], rows).rstrip("\n"), ""]
     for label, c in a.captured.items():
         out.append(f"- {captured_line(label, c)}")
     return out + [""]

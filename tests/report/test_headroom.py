@@ -184,6 +184,13 @@ def test_the_report_section_from_mlflow(store, tmp_path):
     assert "| Cross-validated rule on spectral entropy | 75.0 | +25.0 [" in text
     assert "fit on half B, scores A: < 0.3: 1, else 0; fit on A, scores B: < 0.25: 1, else 0" in text
     assert "| PromPrune | 62.5 | +12.5 [" in text and "mean T_sal/T 0.578" in text
+    # every sample but s6 depends on the ratio; their best shares (the mean T_sal / T of their best ratios: 0, 0.5,
+    # 1) are 1, .75, 1, .25, .25, 0, .25 at entropies .10 .15 .20 .25 .30 .35 .45
+    from scipy.stats import spearmanr
+
+    rho = spearmanr([1, .75, 1, .25, .25, 0, .25], [.10, .15, .20, .25, .30, .35, .45]).statistic
+    assert f"7 samples' scores depend on the ratio (Spearman rho of their best share with spectral entropy " \
+           f"{rho:+.2f})" in text
     assert "PromPrune captures 50% [" in text and "of the cross-validated headroom (+25.0 points)" in text
     csv = pd.read_csv(tmp_path / "out" / "split_headroom.csv")
     assert csv.loc[csv["arm"].str.startswith("Oracle"), "diff"].item() == pytest.approx(37.5)
