@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 
 from . import headroom as hr
@@ -15,10 +16,12 @@ NOTE = (
     "The figures (one per budget; columns: the tasks, then the pooled tasks; top row against spectral entropy in "
     "quantile bins, bottom row, on the testbed, against the scene's object count): each cell is, among the bin's "
     "samples whose answers depend on the ratio (not every ratio scoring alike), the share for which that ratio "
-    "(placed at its realised T_sal / T) is among the best, i.e. for right/wrong scores answers correctly. Black "
+    "(placed at its realised T_sal / T) is among the best, i.e. for right/wrong scores answers correctly (pale: "
+    "no such sample in the bin). Black "
     "line: the bin's mean of those samples' best share (the mean of their best ratios). Coloured lines: each other "
     "trial's mean realised T_sal / T in the bin; dashed: PromPrune's split, kr_min + (1 - sigmoid((H - mu) / tau)) "
     "(kr_max - kr_min), from its logged mu and tau.")
+NO_SAMPLE = "#f6e7d8"  # a bin without ratio-dependent samples: no preference to show
 MAX_BINS = 8  # entropy bins per panel
 MIN_PER_BIN = 25  # fewer bins when a panel has fewer samples than MAX_BINS x this
 DPI = 120
@@ -73,7 +76,8 @@ def _level_edges(levels: np.ndarray) -> np.ndarray:
 def _draw(ax, panel: Panel, feature: np.ndarray, discrete: bool, xlabel: str):
     edges = _edges(feature, discrete)
     heat, levels, line = preference(panel, feature, edges)
-    image = ax.pcolormesh(edges, _level_edges(levels), heat, cmap="Greys", vmin=0, vmax=1, shading="flat")
+    cmap = matplotlib.colormaps["Greys"].with_extremes(bad=NO_SAMPLE)
+    image = ax.pcolormesh(edges, _level_edges(levels), heat, cmap=cmap, vmin=0, vmax=1, shading="flat")
     bins = _bin_of(feature, edges)
     centres = np.array([np.nanmedian(feature[bins == b]) if (bins == b).any() else np.nan
                         for b in range(len(edges) - 1)])
@@ -98,8 +102,6 @@ def figure(panels: list[Panel], path: Path) -> Path | None:
     panels = panels[:MAX_PANELS]
     if not panels:
         return None
-    import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

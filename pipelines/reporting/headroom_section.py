@@ -139,12 +139,13 @@ def _isnum(v) -> bool:
 
 def budgets_with_grid(sweep: Sweep, table: ScoreTable) -> dict[float, dict]:
     """{budget: {"fixed": {ratio: run id}, "others": [run ids]}} where a fixed-ratio grid (>= 2 ratios) ran beside
-    another pruned trial. A ratio run twice (another variant) counts once: the first in report order."""
+    another pruned trial, budgets descending (as the tables). A ratio run twice (another variant) counts once: the
+    first in report order."""
     if RATIO not in sweep.option_names:
         return {}
     frame = table.frame.join(sweep.trials[[RATIO]])
     out = {}
-    for budget, rows in frame[frame["method"] != BASELINE_METHOD].groupby("budget"):
+    for budget, rows in sorted(frame[frame["method"] != BASELINE_METHOD].groupby("budget"), key=lambda g: -g[0]):
         fixed = {}
         for rid, row in rows[(rows["method"] == FIXED)].iterrows():
             if _isnum(row[RATIO]):
@@ -297,7 +298,7 @@ def _pooled(panels: list[Panel]) -> Panel | None:
         return None
     methods = [m for m in parts[0].methods if all(m in p.methods for p in parts)]
     units = pd.concat([p.units.drop(columns=["cluster", "fold"]) for p in parts], ignore_index=True)
-    panel = Panel(POOLED, "pooled: " + " + ".join(p.label for p in parts), parts[0].budget,
+    panel = Panel(POOLED, f"pooled: {len(parts)} tasks", parts[0].budget,
                   "+".join(dict.fromkeys(p.kind for p in parts)), units, parts[0].ratios,
                   np.mean([p.shares for p in parts], axis=0), np.vstack([p.fixed for p in parts]))
     for m in methods:
@@ -423,7 +424,8 @@ def _panel_markdown(a: Analysis) -> list[str]:
     n, images = len(p.units), p.units["cluster"].nunique()
     rows = [[name, f"{score:.1f}", "-" if est is None else est.text(), note] for name, score, est, note in a.rows]
     rho = "; ".join(f"Spearman rho of their best share with {FEATURES[f]} {r:+.2f}" for f, r in a.rho.items())
-    head = f"**{p.label}**: {n} samples, {images} images" + (" (pooled tasks)" if p.task == POOLED else "")
+    pooled = " (" + ", ".join(sorted(set(p.units["task"]), key=list(p.units["task"]).index)) + ")"
+    head = f"**{p.label}**" + (pooled if p.task == POOLED else "") + f": {n} samples, {images} images"
     head += f"; {a.sensitive} samples' scores depend on the ratio" + (f" ({rho})" if rho else "")
     out = [head, "",
            markdown_table(["arm", "score", "vs best fixed, points [95%]", "note"], rows).rstrip("\n"), ""]
