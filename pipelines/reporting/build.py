@@ -1,7 +1,8 @@
 """Assemble a sweep's report: tables (markdown + CSV), figures (PNG), `report.md`; log them to the parent run.
 
 `build_report(sweep, out_dir)` decides what applies from the trials themselves (several budgets: trade-off
-curves; a fixed-ratio grid: the saliency-ratio figure and Table 4's matched split; a mu x tau grid: the heatmap;
+curves; a fixed-ratio grid: the saliency-ratio figure and Table 4's matched split, and beside any other trial at its
+budget the split headroom (`headroom_section`); a mu x tau grid: the heatmap;
 per-sample entropies: the histograms and overlays; published numbers shipped for the sweep: the deltas), so
 every spec in `sweeps/` gets its paper table or figure without per-spec code.
 """
