@@ -1,7 +1,8 @@
 """Assemble a sweep's report: tables (markdown + CSV), figures (PNG), `report.md`; log them to the parent run.
 
 `build_report(sweep, out_dir)` decides what applies from the trials themselves (several budgets: trade-off
-curves; a fixed-ratio grid: the saliency-ratio figure and Table 4's matched split; a mu x tau grid: the heatmap;
+curves; a fixed-ratio grid: the saliency-ratio figure and Table 4's matched split, and beside any other trial at its
+budget the split headroom (`headroom_section`); a mu x tau grid: the heatmap;
 per-sample entropies: the histograms and overlays; published numbers shipped for the sweep: the deltas), so
 every spec in `sweeps/` gets its paper table or figure without per-spec code.
 """
@@ -21,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from pipelines import mlflow_layout
 from pipelines.mlflow_layout import MU_TAU
 
-from . import figures, ground_truth, overlay, paired, side_by_side, tables
+from . import figures, ground_truth, headroom_figure, headroom_section, overlay, paired, side_by_side, tables
 from .published import PAPER_DIR, load_published
 from .store import BASELINE_METHOD, Sweep, load_predictions
 
@@ -62,6 +63,7 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     sections.append(_efficiency_section(sweep, table, out_dir, report))
     sections.append(_published_section(sweep, table, published, comparison, out_dir, report))
     sections.append(_matched_split_section(sweep, table, preds, out_dir, report))
+    sections.append(_headroom_section(sweep, table, preds, out_dir, report, truth_source or ground_truth.testbed_truth))
     entropy_id = _entropy_trial(table, preds)
     sections.append(_calibration_section(sweep, table, preds, entropy_id, report))
     sections.append(_figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report,
@@ -324,6 +326,27 @@ def _matched_split_section(sweep, table, preds, out_dir, report) -> str:
     return "## Adaptive vs fixed split at each benchmark's mean T_sal (Table 4)\n\n" + "\n".join(parts)
 
 
+def _headroom_section(sweep, table, preds, out_dir, report, truth_source) -> str:
+    """Split headroom: best fixed ratio, per-sample oracle, cross-validated entropy rule and each other trial, per task
+    and budget, when a fixed-ratio grid ran beside another pruned trial (`headroom_section`)."""
+    if not headroom_section.budgets_with_grid(sweep, table):
+        return ""
+    items = _ItemsCache(preds)
+    panels, notes = headroom_section.build_panels(sweep, table, preds.get, items.get, truth_source)
+    analyses = [headroom_section.analyse(p) for p in panels]
+    if not analyses:
+        return "## Split headroom\n\n" + "".join(f"- {n}\n" for n in notes or ["no task had per-sample scores"])
+    _write_csv(headroom_section.csv_frame(analyses), out_dir / "split_headroom.csv", report)
+    figures_md = []
+    for budget in dict.fromkeys(p.budget for p in panels):
+        path = headroom_figure.figure([p for p in panels if p.budget == budget],
+                                      out_dir / f"split_headroom_b{budget:.0f}.png")
+        if path is not None:
+            report.files.append(path)
+            figures_md.append(f"![split headroom, {budget:.0f} tokens]({path.name})\n")
+    return headroom_section.markdown(analyses, notes) + "\n" + headroom_figure.NOTE + "\n\n" + "\n".join(figures_md)
+
+
 def _calibration_section(sweep, table, preds, entropy_id, report) -> str:
     """mu calibration: the median spectral entropy, and (with a mu grid) the mu of the best Rel."""
     if CALIBRATION_MARK not in sweep.name:
@@ -473,6 +496,26 @@ class _PredictionCache:
         if run_id not in self._frames:
             self._frames[run_id] = load_predictions(run_id)
         return self._frames[run_id]
+
+
+class _ItemsCache:
+    """Per trial, lmms-eval's per-document items of each task (`promprune.eval.scoring.sample_items`), computed once;
+    None when the trial has no predictions or its tasks' data cannot be loaded here (a hub task offline)."""
+
+    def __init__(self, preds: _PredictionCache):
+        self._preds, self._items = preds, {}
+
+    def get(self, run_id: str):
+        if run_id not in self._items:
+            from promprune.eval.scoring import sample_items
+            from promprune.eval.tasks import TaskUnavailableError
+
+            rows = paired.rows_from(self._preds.get(run_id))
+            try:
+                self._items[run_id] = sample_items(rows) if rows else None
+            except TaskUnavailableError:
+                self._items[run_id] = None
+        return self._items[run_id]
 
 
 MAX_PROMINENCE_ARMS = 6

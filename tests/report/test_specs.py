@@ -173,3 +173,42 @@ def test_the_testbed_search_covers_the_grid_it_is_measured_against():
     assert found.tune.max_concurrent_trials == 1  # the same seed, the same trials
     assert set(grid.tasks) == {"testbed_exist", "testbed_exist_concentrated", "testbed_exist_spread",
                                "testbed_attribute"}  # the existence and attribute tasks
+
+
+SPLIT_HEADROOM = {  # spec -> (its checkpoint, the checkpoint's shape: the published architecture, its budgets)
+    "split_headroom_llava15": ("llava-hf/llava-1.5-7b-hf", "llava_1_5_7b", [64, 32]),
+    "split_headroom_qwen25vl": ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_7b", [256, 128]),
+}
+EVERY_RATIO = {k / 10 for k in range(11)}  # 0.0, 0.1, ..., 1.0
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_HEADROOM))
+def test_split_headroom_runs_every_ratio_on_full_benchmarks_and_is_valid_on_its_shape(name):
+    from pipelines import preflight
+
+    model, shape, budgets = SPLIT_HEADROOM[name]
+    loaded, trials = trials_of(name)
+    assert loaded.model.pretrained == model and loaded.limit is None and loaded.baseline
+    assert "mmvet" not in loaded.tasks and {"mme", "pope", "gqa"} <= set(loaded.tasks)
+    for budget in budgets:
+        fixed = {t.options["saliency_ratio"] for t in trials if t.method == "fixed_ratio" and t.budget == budget}
+        assert fixed == EVERY_RATIO
+        assert [t.options for t in trials if t.method == "promprune" and t.budget == budget] == [{}]  # defaults
+    offline = spec.load(SWEEPS / f"{name}.yaml", [f"model.pretrained=shape:{shape}"])
+    assert preflight.check_model(offline.model.pretrained, offline.model.options, preflight.budgets(offline)) == []
+
+
+def test_testbed_split_headroom_runs_every_distinct_split():
+    from promprune.eval.tasks import OFFLINE_TASKS
+    from promprune.selection.budget import fixed_count
+
+    loaded, trials = trials_of("testbed_split_headroom")
+    assert set(loaded.tasks) <= set(OFFLINE_TASKS) and loaded.limit is None
+    ratios = {b: sorted(t.options["saliency_ratio"] for t in trials if t.method == "fixed_ratio" and t.budget == b)
+              for b in (16, 8)}
+    assert set(ratios[16]) == EVERY_RATIO
+    # at 8 tokens every ratio of the grid gives one of 9 splits; each runs once (0.3 and 0.8 would repeat 0.2, 0.7)
+    assert sorted(fixed_count(8, r) for r in ratios[8]) == list(range(9))
+    assert {fixed_count(8, r) for r in EVERY_RATIO} == set(range(9))
+    calibrated = [t for t in trials if t.method == "promprune"]
+    assert sorted(t.budget for t in calibrated) == [8, 16] and all(t.options["mu"] == "calibrate" for t in calibrated)
