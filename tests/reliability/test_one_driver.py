@@ -4,10 +4,12 @@ experiments (and so distinct logs)."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from datetime import datetime
@@ -139,7 +141,15 @@ def test_a_second_driver_is_refused_and_a_killed_drivers_sweep_resumes(tmp_path,
     """The issue's scenario with real processes: sweep A runs (its trial held at a gate); `--resume` in a second
     terminal is refused at once, exit 2, naming A's pid; A is SIGKILLed; `--resume` then finishes the sweep into
     the same MLflow parent run, the trial logged once."""
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "raytmp"))
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
+    try:
+        _second_driver_scenario(tmp_path)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def _second_driver_scenario(tmp_path) -> None:
     gate = tmp_path / "gate"
     (tmp_path / "gated.py").write_text(textwrap.dedent(GATED.format(gate=str(gate))))
     spec_path = tmp_path / "gated.yaml"
@@ -148,15 +158,16 @@ def test_a_second_driver_is_refused_and_a_killed_drivers_sweep_resumes(tmp_path,
         "limit": 2, "baseline": False, "plugins": ["gated.py"], "grid": {"method": ["gated"], "budget": [8]},
         "generation": {"max_new_tokens": 2}}))
     first = spawn_sweep(spec_path, tmp_path, ray_address="local")
-    head = read_until(first, "[start] gated-b8", timeout=300)  # its trial runs, held at the gate
-    log = next(line for line in head.splitlines() if "output goes to" in line).split(" goes to ")[1].split()[0]
+    head = read_until(first, "output goes to", timeout=300)  # it holds the sweep's lock from here on
+    log = head.splitlines()[-1].split(" goes to ")[1].split()[0]
 
-    second = spawn_sweep(spec_path, tmp_path, "--resume", ray_address="local")
-    out, _ = second.communicate(timeout=120)
+    second = spawn_sweep(spec_path, tmp_path, "--resume", ray_address="local")  # while the first sets up or runs
+    out, _ = second.communicate(timeout=300)
     assert second.returncode == 2, out
     assert f"is being run by a live driver (pid {first.pid} on {socket.gethostname()}" in out, out
     assert "Traceback" not in out and "Started a local Ray instance" not in out and "output goes to" not in out
     assert first.poll() is None  # the first driver was left alone
+    read_until(first, "[start] gated-b8", timeout=300)  # its state is saved and its trial runs, held at the gate
 
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=60)
