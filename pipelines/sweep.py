@@ -29,7 +29,9 @@ Setup -> run -> cleanup:
 
 `--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
 from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
-continues.
+continues. One driver per sweep: `main` takes the run's `DriverLock` (pipelines/run/state.py) before Ray starts, so
+a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets its own experiment name
+(`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
 The parts live in `pipelines/run/`: requests.py (the requests as a Ray Dataset of sealed blocks), engine.py (the
 actors and the Ray Data evaluation), checkpoints.py (a trial's saved blocks), result.py (TrialResult),
@@ -212,7 +214,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "below the previous finished run of the same spec")
     p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")
     p.add_argument("--verbose", action="store_true",
-                   help="show Ray, Tune and lmms-eval output here instead of in outputs/logs/<sweep>-<time>.log")
+                   help="show Ray, Tune and lmms-eval output here instead of in outputs/logs/<experiment>.log")
     return p.parse_args(argv)
 
 
