@@ -205,10 +205,11 @@ class DriverLock:
 
     On a local path (and NFS, where Linux maps ``flock`` onto NFS locks) the file carries a kernel lock (``flock``)
     while its driver runs. The kernel drops it when the process ends however it ends (SIGKILL, out of memory), so a
-    killed driver's lock never blocks its resume, and two drivers never hold it at once. Remote storage (s3://, gs://) has no such lock, and there it is best
-    effort: the driver rewrites the file every `HEARTBEAT_S`; the lock is live while its pid runs (a driver on this
-    host) or while its last rewrite is younger than `STALE_AFTER_S` (another host), and taken over otherwise; taking
-    it is a write and a read back, so two drivers that start within the same moment could both pass.
+    killed driver's lock never blocks its resume, and two drivers never hold it at once. Remote storage (s3://,
+    gs://) has no such lock, and there it is best effort: the driver rewrites the file every `HEARTBEAT_S`; the lock
+    is live while its pid runs (a driver on this host) or while its last rewrite is younger than `STALE_AFTER_S`
+    (another host), and taken over otherwise; taking it is a write and a read back, so two drivers that start within
+    the same moment could both pass.
     """
 
     def __init__(self, storage: str, experiment: str):
