@@ -211,9 +211,9 @@ def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
         return None
     why = ("HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set" if offline else
            f"the hub ({_hub_endpoint()}) is not reachable from here")
-    return (f"task {task!r} ({yaml_path}) reads the hub dataset {repo!r}, which is not in this machine's datasets "
-            f"cache ({cache}), and {why}. Download it once where there is network access with the same HF_HOME "
-            f"(python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
+    return (f"task {task!r} ({yaml_path}) reads the Hugging Face hub dataset {repo!r}, which is not in this "
+            f"machine's datasets cache ({cache}), and {why}. Download it once where there is network access with the "
+            f"same HF_HOME (python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
             "LMMS_EVAL_DATASETS_CACHE) at a cache that holds it (`python -m promprune.eval standins` writes local "
             f"stand-ins of the paper's benchmarks), or use an offline task: {', '.join(OFFLINE_TASKS)}")
 

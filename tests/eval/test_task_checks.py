@@ -122,7 +122,8 @@ def test_a_hub_dataset_not_cached_offline_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("LMMS_EVAL_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     problem = task_checks.hub_problem("pope", "pope.yaml", "lmms-lab-encoder/POPE")
-    assert problem.startswith("task 'pope' (pope.yaml) reads the hub dataset 'lmms-lab-encoder/POPE', which is not "
-                              f"in this machine's datasets cache ({tmp_path / 'cache'}), and HF_HUB_OFFLINE")
+    assert problem.startswith("task 'pope' (pope.yaml) reads the Hugging Face hub dataset 'lmms-lab-encoder/POPE', "
+                              f"which is not in this machine's datasets cache ({tmp_path / 'cache'}), and "
+                              "HF_HUB_OFFLINE")
     (tmp_path / "cache" / "lmms-lab-encoder___pope").mkdir(parents=True)  # datasets' own cache layout
     assert task_checks.hub_problem("pope", "pope.yaml", "lmms-lab-encoder/POPE") is None
