@@ -44,12 +44,15 @@ def save_state(storage: str, state: dict) -> None:
         f.write(json.dumps(state, indent=2).encode())
 
 
-def _state_names(storage: str, name: str) -> list[str]:
+def _state_names(storage: str, name: str, suffix: str = ".json") -> list[str]:
+    """The experiments of spec `name` with a `suffix` file in the state directory (`<name>-<time>`: a digit after
+    the dash, so spec `rel` never takes `rel-b`'s runs), oldest first."""
     import pyarrow.fs
 
     fs, d = _state_fs(storage)
-    return sorted(info.base_name[:-len(".json")] for info in fs.get_file_info(pyarrow.fs.FileSelector(
-        d, allow_not_found=True)) if info.base_name.startswith(f"{name}-") and info.base_name.endswith(".json"))
+    files = fs.get_file_info(pyarrow.fs.FileSelector(d, allow_not_found=True))
+    return sorted(f.base_name[:-len(suffix)] for f in files if f.base_name.endswith(suffix)
+                  and f.base_name.startswith(f"{name}-") and f.base_name[len(name) + 1:][:1].isdigit())
 
 
 def _read_state(storage: str, experiment: str) -> dict:
@@ -65,7 +68,7 @@ def load_state(storage: str, name: str, resume: str) -> dict:
     as busy (SpecError), never the older one."""
     found = _state_names(storage, name)
     if resume == "latest":
-        for experiment in _lock_names(storage, name):
+        for experiment in _state_names(storage, name, LOCK_SUFFIX):
             if not found or experiment > found[-1]:
                 DriverLock(storage, experiment).raise_if_held()
     experiment = found[-1] if resume == "latest" and found else resume
@@ -189,14 +192,6 @@ LOCK_SUFFIX = ".lock"
 # an object store's write can stall for a beat or two)
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 120.0
-
-
-def _lock_names(storage: str, name: str) -> list[str]:
-    import pyarrow.fs
-
-    fs, d = _state_fs(storage)
-    return sorted(info.base_name[:-len(LOCK_SUFFIX)] for info in fs.get_file_info(pyarrow.fs.FileSelector(
-        d, allow_not_found=True)) if info.base_name.startswith(f"{name}-") and info.base_name.endswith(LOCK_SUFFIX))
 
 
 class DriverLock:

@@ -87,6 +87,8 @@ def test_latest_is_the_run_still_setting_up(scratch, tmp_path):
                                                   f"\\(pid {setting_up.info['pid']} "):
             states.resumed_state(spec, "latest")
     assert states.resumed_state(spec, "latest")["experiment"] == "rel-20261125-090000"  # it ended in setup
+    with states.DriverLock.new(storage, "rel-b"):  # another spec whose name starts like this one's
+        assert states.resumed_state(spec, "latest")["experiment"] == "rel-20261125-090000"
 
 
 def test_remote_storage_goes_by_pid_here_and_by_heartbeat_elsewhere(tmp_path, monkeypatch):
