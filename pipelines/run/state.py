@@ -349,7 +349,12 @@ class DriverLock:
 def driver_lock(spec: specs.SweepSpec, state: dict | None) -> DriverLock:
     """The lock of the run `state` resumes (SpecError when its driver is alive), or of a new run of ``spec``."""
     storage = storage_root(spec)
-    return DriverLock.new(storage, spec.name) if state is None else DriverLock.resume(storage, state["experiment"])
+    try:
+        return DriverLock.new(storage, spec.name) if state is None else DriverLock.resume(storage, state["experiment"])
+    except OSError as exc:  # a storage this user cannot write: said before Ray starts, not as a traceback
+        raise specs.SpecError([f"the Tune storage {storage} cannot hold the sweep's state ({type(exc).__name__}: "
+                               f"{exc}); set tune.storage_path (or ${STORAGE_ENV}) to a place you can write"],
+                              "tune.storage_path") from None
 
 
 def _parse(raw: bytes) -> dict:

@@ -23,6 +23,8 @@ from pipelines import spec as specs
 from pipelines.run import state as states
 from tests.pipelines.sweep_cli import REPO, read_until, spawn_sweep
 
+from .conftest import assert_clean_error
+
 HOLD = """
 import sys, time
 from pipelines.run.state import DriverLock
@@ -190,3 +192,10 @@ def _second_driver_scenario(tmp_path) -> None:
     children = c.search_runs([parents[0].info.experiment_id],
                              filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     assert [r.data.tags[mlflow_layout.TRIAL] for r in children] == ["gated-b8"]
+
+
+def test_storage_that_cannot_hold_the_lock_is_a_clean_error(scratch, tmp_path, run_main):
+    (tmp_path / "a_file").write_text("")  # a storage path below a file: no one, root included, can write there
+    proc, _ = run_main("--config", str(scratch()), "--set", f"tune.storage_path={tmp_path / 'a_file' / 'tune'}")
+    assert_clean_error(proc, f"the Tune storage {tmp_path / 'a_file' / 'tune'} cannot hold the sweep's state "
+                             "(NotADirectoryError")
