@@ -18,6 +18,7 @@ What lmms-eval 0.7.3 does, which these checks follow:
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -201,13 +202,13 @@ def _missing_line(label: str, value: str, yaml_path: str) -> str:
 def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
     """A hub dataset that cannot be had here: not in the datasets cache, and offline or the hub not reachable."""
     from promprune.eval.tasks import OFFLINE_TASKS
-    from promprune.models.factories import _hub_endpoint, _hub_reachable, hub_offline
+    from promprune.models.factories import _hub_endpoint, hub_offline
 
     cache = datasets_cache()
     if repo.count("/") != 1 or _cached(repo, cache):
         return None
     offline = hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in ("1", "true", "yes")
-    if not offline and _hub_reachable():
+    if not offline and _hub_answers():
         return None
     why = ("HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set" if offline else
            f"the hub ({_hub_endpoint()}) is not reachable from here")
@@ -216,6 +217,14 @@ def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
             f"same HF_HOME (python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
             "LMMS_EVAL_DATASETS_CACHE) at a cache that holds it (`python -m promprune.eval standins` writes local "
             f"stand-ins of the paper's benchmarks), or use an offline task: {', '.join(OFFLINE_TASKS)}")
+
+
+@functools.cache
+def _hub_answers() -> bool:
+    """Whether the hub takes a connection (asked once per process: up to 3 s when it does not answer)."""
+    from promprune.models.factories import _hub_reachable
+
+    return _hub_reachable()
 
 
 def datasets_cache() -> Path:
