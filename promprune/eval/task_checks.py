@@ -201,7 +201,6 @@ def _missing_line(label: str, value: str, yaml_path: str) -> str:
 
 def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
     """A hub dataset that cannot be had here: not in the datasets cache, and offline or the hub not reachable."""
-    from promprune.eval.tasks import OFFLINE_TASKS
     from promprune.models.factories import _hub_endpoint, hub_offline
 
     cache = datasets_cache()
@@ -216,7 +215,8 @@ def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
             f"machine's datasets cache ({cache}), and {why}. Download it once where there is network access with the "
             f"same HF_HOME (python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
             "LMMS_EVAL_DATASETS_CACHE) at a cache that holds it (`python -m promprune.eval standins` writes local "
-            f"stand-ins of the paper's benchmarks), or use an offline task: {', '.join(OFFLINE_TASKS)}")
+            "stand-ins of the paper's benchmarks), or use an offline task (easyvqa_yesno, easyvqa_open, the testbed_* "
+            "tasks: promprune.eval.OFFLINE_TASKS)")
 
 
 @functools.cache
