@@ -2,9 +2,10 @@
 
 `specs.parse` checks a spec by itself (fields, types, methods and option values). `preflight(spec)` checks what
 the spec names: that every task exists (lmms-eval's, an offline one, or in a directory of the spec's
-`include_path`), that the model resolves (a factory name, a local checkpoint directory, a hub id in the cache or
-on a reachable hub), that every budget prunes (stays below the visual tokens the model gives an image), and that
-the MLflow store answers and can be written. All problems come back together, in seconds; the
+`include_path`, whose task files must all be readable) and would load (its data found where lmms-eval will look,
+a task of one's own importing its code), that the model resolves (a factory name, a local checkpoint directory, a
+hub id in the cache or on a reachable hub), that every budget prunes (stays below the visual tokens the model gives
+an image), and that the MLflow store answers and can be written. All problems come back together, in seconds; the
 entry scripts print them as one message without a traceback.
 """
 from __future__ import annotations
@@ -43,19 +44,26 @@ def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = N
 
 
 def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[str] | None = None) -> list[str]:
-    """Every task is lmms-eval's, an offline one or in a directory of ``include_path`` (each must exist), and
-    ``limit`` can score it."""
-    from promprune.eval.tasks import check_limit, task_manager
+    """Every task is lmms-eval's, an offline one or in a directory of ``include_path`` (each must exist, and every
+    task YAML there must be readable: lmms-eval reads them all), ``limit`` can score it, and it would load here: its
+    data is where lmms-eval and ``datasets`` will look (a relative ``data_files`` path resolved as lmms-eval does),
+    and a task of one's own imports its ``!function`` code (`promprune.eval.task_checks`)."""
+    from promprune.eval.task_checks import TaskFileError, task_problems
+    from promprune.eval.tasks import check_limit, env_include_paths, task_manager
 
     missing = [f"include_path: {p} is not a directory (relative paths in a spec are from its directory)"
                for p in include_path or [] if not Path(p).is_dir()]
     if missing:
         return missing
     try:
-        task_manager(list(tasks), list(include_path or []))
+        manager = task_manager(list(tasks), list(include_path or []))
+    except TaskFileError as exc:
+        return [f"include_path: {problem}" for problem in exc.problems]
     except ValueError as exc:
         return [f"tasks: {exc}"]
-    return [f"limit: {problem}" for problem in (check_limit(t, limit) for t in tasks) if problem]
+    problems = [f"limit: {problem}" for problem in (check_limit(t, limit) for t in tasks) if problem]
+    own = [*(include_path or []), *env_include_paths()]
+    return problems + [f"tasks: {problem}" for problem in task_problems(manager, list(tasks), own)]
 
 
 JUDGE_PROBE_TIMEOUT_S = 15.0  # one short request; lmms-eval's own judge would retry for minutes per document

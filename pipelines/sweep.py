@@ -30,7 +30,9 @@ Setup -> run -> cleanup:
 
 `--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
 from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
-continues.
+continues. One driver per sweep: `main` takes the run's `DriverLock` (pipelines/run/state.py) before Ray starts, so
+a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets its own experiment name
+(`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
 The parts live in `pipelines/run/`; a trial reads trial.py (the trial in its Tune actor) -> engine.py (the actors and
 the Ray Data evaluation) -> result.py (TrialResult) -> recorder.py (the driver's MLflow logging), beside
@@ -47,7 +49,6 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -68,8 +69,8 @@ from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, best_metrics, \
     best_trial, paired_lines, summary_table
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
-from pipelines.run.state import fingerprint, mark_dead_runs, outbox_dir, resume_command, resumed_state, save_state, \
-    storage_root
+from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_runs, outbox_dir, resume_command, \
+    resumed_state, save_state, storage_root
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "below the previous finished run of the same spec")
     p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")
     p.add_argument("--verbose", action="store_true",
-                   help="show Ray, Tune and lmms-eval output here instead of in outputs/logs/<sweep>-<time>.log")
+                   help="show Ray, Tune and lmms-eval output here instead of in outputs/logs/<experiment>.log")
     return p.parse_args(argv)
 
 
@@ -123,26 +124,30 @@ class SweepOutcome:
 
 def run_sweep(spec: specs.SweepSpec, *, resume: str | dict | None = None, run_fn: Callable | None = None,
               regression_threshold: float | None = None, rows: Requests | list[Request] | None = None,
-              command: dict | None = None) -> SweepOutcome:
+              command: dict | None = None, lock: DriverLock | None = None) -> SweepOutcome:
     """Setup -> Tune -> MLflow; Ray must already be initialized. `run_fn`/`rows` replace the model call/rows.
 
     `command`: the spec file and --set overrides the sweep was started with (what the printed resume command
     repeats). `resume`: the run to continue, as the state `pipelines.run.state.resumed_state` loaded and checked
     (what `main` passes), or its experiment name / 'latest' (checked here: it must resolve to exactly the spec it
-    started with, SpecError otherwise)."""
+    started with, SpecError otherwise). `lock`: the run's `DriverLock`, held by the caller (`main` takes it before
+    Ray starts); without one, the sweep takes it here (SpecError when the run's driver is alive)."""
     began = time.time()  # the parent run spans the whole sweep, setup (rows, weights, first-use training) included
     timeline.mark("sweep_begin", "driver", t=began)
     try:
-        return _run_sweep(spec, began, resume=resume, run_fn=run_fn, regression_threshold=regression_threshold,
-                          rows=rows, command=command)
+        state = resumed_state(spec, resume) if isinstance(resume, str) else resume  # before any expensive work
+        with contextlib.ExitStack() as held:
+            lock = lock or held.enter_context(driver_lock(spec, state))  # one driver per sweep experiment
+            return _run_sweep(spec, began, resume=state, run_fn=run_fn, regression_threshold=regression_threshold,
+                              rows=rows, command=command, experiment=lock.experiment)
     finally:
         timeline.mark("sweep_end", "driver")
 
 
 def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regression_threshold, rows,
-               command) -> SweepOutcome:
+               command, experiment: str) -> SweepOutcome:
     storage = storage_root(spec)
-    state = resumed_state(spec, resume) if isinstance(resume, str) else resume  # before any expensive work
+    state = resume  # the run's saved state (None: a new run)
     trials = specs.expand(spec)
     n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
     # the device is known before the blocks: a GPU node the autoscaler must add boots while the rows are built
@@ -173,7 +178,7 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
         say(f"the first GPU node joined after {waited:.0f}s")
     try:
         return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
-                         command)
+                         command, experiment)
     finally:
         capacity.release()
 
@@ -194,7 +199,7 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
 
 
 def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
-              command) -> SweepOutcome:
+              command, experiment: str) -> SweepOutcome:
     source = spec.model
     if spec.resources.share_weights:
         t0 = time.perf_counter()
@@ -202,8 +207,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
         timeline.mark("weights_published", "driver")
     client = tracking.client()
-    for experiment in mark_dead_runs(client, storage, spec.name):
-        say(f"note: the earlier run {experiment} of this sweep died without finishing; its MLflow parent run is "
+    for dead in mark_dead_runs(client, storage, spec.name, keep=None if resume is None else state["experiment"]):
+        say(f"note: the earlier run {dead} of this sweep died without finishing; its MLflow parent run is "
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
     n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
@@ -211,8 +216,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
                                           "limit": spec.limit, "trials": n_trials}, started=began)
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": f"{spec.name}-{stamp}",
+        state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,
                  "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
                  "command": command or {}}
     else:
@@ -458,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
         preflight.check_or_raise(spec, args.config)
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
+        lock = None if args.validate_only else driver_lock(spec, resumed)  # refused while its driver is alive
     except specs.SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -472,21 +477,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     preflight.random_weights_note(spec.model.pretrained)
-    prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
-    log_path = Path("outputs") / "logs" / f"{spec.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.log"
-    if not args.verbose:
-        print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
-    with contextlib.nullcontext() if args.verbose else quiet(log_path):
-        try:
-            connect(args.address, log_to_driver=args.verbose)
-            outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
-                                command={"config": args.config, "overrides": args.overrides})
-        except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
-            say(f"error: {e}")
-            return EXIT_BAD_INPUT
-        except SweepInterrupted as e:
-            say(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}")
-            return EXIT_INTERRUPTED
+    log_path = Path("outputs") / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
+    with lock:  # held until the sweep ends; the kernel drops it if this process is killed
+        prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
+        if not args.verbose:
+            print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
+        with contextlib.nullcontext() if args.verbose else quiet(log_path):
+            try:
+                connect(args.address, log_to_driver=args.verbose)
+                outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
+                                    command={"config": args.config, "overrides": args.overrides}, lock=lock)
+            except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
+                say(f"error: {e}")
+                return EXIT_BAD_INPUT
+            except SweepInterrupted as e:
+                say(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}")
+                return EXIT_INTERRUPTED
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))

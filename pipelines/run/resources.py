@@ -19,8 +19,9 @@ import ray
 from pipelines.config import AUTO, Resources
 from pipelines.console import say
 
-# Trials a sweep runs at once when `tune.max_concurrent_trials` is auto, at most: each is a process on the head
-# holding lmms-eval's scorers and its predictions (~0.5 GB); beyond this their pools' actors are what matters.
+# Trials a sweep runs at once when `tune.max_concurrent_trials` is auto, at most (GPUs and CPUs alike): each is a
+# process on the head holding lmms-eval's scorers and its predictions (~0.5 GB); beyond this their pools' actors are
+# what matters.
 MAX_AUTO_TRIALS = 8
 # The most actors one evaluation asks for with `max_gpus: auto`: beyond any cluster we expect (the autoscaler
 # launches up to its own max_workers anyway; the rest stay pending); a larger cluster sets resources.max_gpus.
@@ -162,9 +163,13 @@ def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurr
     A pool never has more actors than blocks (``workers`` caps it further, and on GPUs so does ``max_gpus``). On
     GPUs, enough trials run at once that their pools can fill every GPU the sweep may use, plus one so that a
     trial's last blocks and the next trial's first overlap (at most `MAX_AUTO_TRIALS`). On CPUs the cores are shared
-    out (``cpus_per_worker`` each): one trial per core with one actor each (a trial's actor starts while another's
-    computes), or one trial's actors on all of them when it runs alone. A set ``max_concurrent`` (the spec's
-    ``tune.max_concurrent_trials``) decides the trials at once.
+    out (``cpus_per_worker`` each): one trial per core (at most `MAX_AUTO_TRIALS`, the cores split among them), so 2
+    at a time on a 2-core machine, each with one actor, or one trial's actors on all of them when it runs alone. Why
+    not one trial at a time on a CPU: a trial pays ~9 s before its first answer (its actor is scheduled, imports
+    torch, Ray Data and transformers, loads the model: benchmarks/RESULTS.md, "Where a trial's fixed cost goes"),
+    and with one trial per core another trial computes meanwhile; sweeps/README.md documents this and the
+    quickstart's measured wall time (55 s) is with it. A set ``max_concurrent`` (the spec's
+    ``tune.max_concurrent_trials``; 1 for a reproducible optuna search) decides the trials at once.
     """
     cluster = ray.cluster_resources() if cluster is None else cluster
     gpus = float(cluster.get("GPU", 0))
@@ -184,9 +189,9 @@ def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurr
         cap = MAX_ACTORS if resources.max_gpus == AUTO else max(1, int(resources.max_gpus // resources.gpus_per_worker))
         per_trial = min(per_trial, cap)
         at_once = min(math.ceil(cap / per_trial) + 1, MAX_AUTO_TRIALS)
-    else:  # one actor per core (cpus_per_worker each); as many trials at once as there are actors to share
+    else:  # one actor per core (cpus_per_worker each), a trial per actor: one trial's start hides under another's work
         slots = max(1, int(float(cluster.get("CPU", 1)) // max(resources.cpus_per_worker, 1)))
-        at_once = slots if max_concurrent == AUTO else int(max_concurrent)
+        at_once = min(slots, MAX_AUTO_TRIALS) if max_concurrent == AUTO else int(max_concurrent)
         per_trial = min(per_trial, max(1, slots // max(1, min(at_once, n_trials))))
     if max_concurrent != AUTO:
         at_once = int(max_concurrent)

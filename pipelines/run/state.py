@@ -1,13 +1,18 @@
 """A sweep's state beside Tune's experiments (which MLflow parent run each experiment logs to, the resolved spec,
 the command that started it, the calibrated mu) and `--resume`: find the run, refuse untrusted or changed state,
-mark the runs of drivers that died."""
+mark the runs of drivers that died; and `DriverLock`, one driver per sweep experiment."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shlex
 import socket
+import threading
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
@@ -47,12 +52,15 @@ def save_state(storage: str, state: dict) -> None:
         f.write(json.dumps(state, indent=2).encode())
 
 
-def _state_names(storage: str, name: str) -> list[str]:
+def _state_names(storage: str, name: str, suffix: str = ".json") -> list[str]:
+    """The experiments of spec `name` with a `suffix` file in the state directory (`<name>-<time>`: a digit after
+    the dash, so spec `rel` never takes `rel-b`'s runs), oldest first."""
     import pyarrow.fs
 
     fs, d = _state_fs(storage)
-    return sorted(info.base_name[:-len(".json")] for info in fs.get_file_info(pyarrow.fs.FileSelector(
-        d, allow_not_found=True)) if info.base_name.startswith(f"{name}-") and info.base_name.endswith(".json"))
+    files = fs.get_file_info(pyarrow.fs.FileSelector(d, allow_not_found=True))
+    return sorted(f.base_name[:-len(suffix)] for f in files if f.base_name.endswith(suffix)
+                  and f.base_name.startswith(f"{name}-") and f.base_name[len(name) + 1:][:1].isdigit())
 
 
 def _read_state(storage: str, experiment: str) -> dict:
@@ -63,8 +71,14 @@ def _read_state(storage: str, experiment: str) -> dict:
 
 def load_state(storage: str, name: str, resume: str) -> dict:
     """The saved state of run `resume` (an experiment name like quickstart-20261121-080000), or with 'latest' the
-    newest run of spec `name`. Kept beside Tune's state, so a resumed `ray job` finds it too."""
+    newest run of spec `name`. Kept beside Tune's state, so a resumed `ray job` finds it too. 'latest' while a newer
+    run of the spec is still setting up (its driver holds its lock, it has saved no state yet) is that run: refused
+    as busy (SpecError), never the older one."""
     found = _state_names(storage, name)
+    if resume == "latest":
+        for experiment in _state_names(storage, name, LOCK_SUFFIX):
+            if not found or experiment > found[-1]:
+                DriverLock(storage, experiment).raise_if_held()
     experiment = found[-1] if resume == "latest" and found else resume
     if experiment not in found:
         raise specs.SpecError([f"no run {experiment!r} of sweep {name!r} under {storage}/{STATE_DIR} (found: "
@@ -153,14 +167,17 @@ def _driver_alive(driver: dict | None) -> bool | None:
     return True
 
 
-def mark_dead_runs(client, storage: str, name: str) -> list[str]:
+def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> list[str]:
     """Parent runs of sweep `name` still RUNNING in MLflow although their driver died (SIGKILL, a lost node): mark
     them, and the trial runs they left RUNNING, KILLED with a tag saying so, so the MLflow UI does not show them as
-    live (a `--resume` of that run opens its unfinished trials' runs again). Returns their experiments."""
+    live (a `--resume` of that run opens its unfinished trials' runs again). ``keep``: the experiment being resumed
+    (its runs are continued, not marked). Returns their experiments."""
     from mlflow.exceptions import MlflowException
 
     marked = []
     for experiment in _state_names(storage, name):
+        if experiment == keep:
+            continue
         state = _read_state(storage, experiment)
         if _driver_alive(state.get("driver")) is not False:
             continue
@@ -180,3 +197,207 @@ def mark_dead_runs(client, storage: str, name: str) -> list[str]:
                 tracking.finish(client, r.info.run_id, status="KILLED")
             marked.append(experiment)
     return marked
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one driver per sweep
+
+LOCK_SUFFIX = ".lock"
+# remote storage (s3://, gs://) has no kernel lock: its driver rewrites the lock file this often, and a lock whose
+# driver is on another host counts as dead once it has not been rewritten for STALE_AFTER_S (four beats missed, as
+# an object store's write can stall for a beat or two)
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 120.0
+
+
+class DriverLock:
+    """One driver per sweep experiment: ``<storage>/_promprune_state/<experiment>.lock``, beside the experiment's
+    state, naming the driver that holds it (host, pid, since when). A context manager; `release` lets it go.
+
+    On a local path (and NFS, where Linux maps ``flock`` onto NFS locks) the file carries a kernel lock (``flock``)
+    while its driver runs. The kernel drops it when the process ends however it ends (SIGKILL, out of memory), so a
+    killed driver's lock never blocks its resume, and two drivers never hold it at once. Remote storage (s3://,
+    gs://) has no such lock, and there it is best effort: the driver rewrites the file every `HEARTBEAT_S`; the lock
+    is live while its pid runs (a driver on this host) or while its last rewrite is younger than `STALE_AFTER_S`
+    (another host), and taken over otherwise; taking it is a write and a read back, so two drivers that start within
+    the same moment could both pass.
+    """
+
+    def __init__(self, storage: str, experiment: str):
+        import pyarrow.fs
+
+        self.storage, self.experiment = storage, experiment
+        self._fs, state_dir = _state_fs(storage)
+        self._local = isinstance(self._fs, pyarrow.fs.LocalFileSystem)
+        self._state_dir, self.path = state_dir, f"{state_dir}/{experiment}{LOCK_SUFFIX}"
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(),
+                     "since": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"), "experiment": experiment}
+        self._fd: int | None = None
+        self._stop: threading.Event | None = None
+
+    @classmethod
+    def new(cls, storage: str, name: str) -> DriverLock:
+        """The lock of a new experiment, ``<name>-<UTC time to the second>``, or ``...-2``, ``-3``, ... when another
+        sweep of the spec took that name (started in the same second)."""
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        for n in itertools.count(1):
+            lock = cls(storage, f"{name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+            if lock._claim(new=True) is None:
+                return lock
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def resume(cls, storage: str, experiment: str) -> DriverLock:
+        """The lock of an experiment to resume; SpecError naming its driver when a live one holds it."""
+        lock = cls(storage, experiment)
+        holder = lock._claim(new=False)
+        if holder is not None:
+            raise busy_error(experiment, holder)
+        return lock
+
+    def raise_if_held(self) -> None:
+        """SpecError naming the driver when a live one holds this lock (the lock is not taken)."""
+        holder = self._holder()
+        if holder is not None:
+            raise busy_error(self.experiment, holder)
+
+    # the two kinds of storage ----------------------------------------------------------------------------------
+
+    def _claim(self, new: bool) -> dict | None:
+        """Take the lock (``new``: only if the name was never used); None when taken, else what holds it."""
+        self._fs.create_dir(self._state_dir, recursive=True)
+        if new and self._exists(f"{self._state_dir}/{self.experiment}.json"):
+            return {"experiment": self.experiment}  # a run of this name exists (started before locks did)
+        return self._claim_local(new) if self._local else self._claim_remote(new)
+
+    def _claim_local(self, new: bool) -> dict | None:
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | (os.O_EXCL if new else 0), 0o644)
+        except FileExistsError:
+            return {"experiment": self.experiment}
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _parse(os.pread(fd, 1 << 16, 0))
+            os.close(fd)
+            return holder
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(self.info).encode(), 0)
+        self._fd = fd
+        return None
+
+    def _claim_remote(self, new: bool) -> dict | None:
+        holder = self._read()
+        if holder is not None and (new or _holder_alive(holder)):
+            return holder
+        self._write()
+        back = self._read()
+        if not _same_driver(back, self.info):  # another driver wrote after us: it holds the lock
+            return back
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, args=(self._stop,), daemon=True, name="driver-lock-heartbeat").start()
+        return None
+
+    def _holder(self) -> dict | None:
+        """What holds the lock now (None: nobody alive), without taking it."""
+        if not self._local:
+            holder = self._read()
+            return holder if holder is not None and _holder_alive(holder) else None
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        except BlockingIOError:
+            return _parse(os.pread(fd, 1 << 16, 0))
+        finally:
+            os.close(fd)
+
+    def _exists(self, path: str) -> bool:
+        import pyarrow.fs
+
+        return self._fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+
+    def _read(self) -> dict | None:
+        try:
+            with self._fs.open_input_stream(self.path) as f:
+                return _parse(f.read())
+        except FileNotFoundError:
+            return None
+
+    def _write(self) -> None:
+        with self._fs.open_output_stream(self.path) as f:
+            f.write(json.dumps({**self.info, "beat": time.time()}).encode())
+
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):  # a missed beat is retried at the next; STALE_AFTER_S allows four
+                self._write()
+
+    # -------------------------------------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Let the lock go (a no-op when not held): the kernel lock, or the heartbeat and the remote file."""
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock; the file stays, so its name is never given to a new experiment
+            self._fd = None
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+            if _same_driver(self._read(), self.info):
+                with contextlib.suppress(FileNotFoundError):
+                    self._fs.delete_file(self.path)
+
+    def __enter__(self) -> DriverLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def driver_lock(spec: specs.SweepSpec, state: dict | None) -> DriverLock:
+    """The lock of the run `state` resumes (SpecError when its driver is alive), or of a new run of ``spec``."""
+    storage = storage_root(spec)
+    try:
+        return DriverLock.new(storage, spec.name) if state is None else DriverLock.resume(storage, state["experiment"])
+    except OSError as exc:  # a storage this user cannot write: said before Ray starts, not as a traceback
+        raise specs.SpecError([f"the Tune storage {storage} cannot hold the sweep's state ({type(exc).__name__}: "
+                               f"{exc}); set tune.storage_path (or ${STORAGE_ENV}) to a place you can write"],
+                              "tune.storage_path") from None
+
+
+def _parse(raw: bytes) -> dict:
+    try:
+        return json.loads(raw.decode() or "{}")
+    except ValueError:
+        return {}
+
+
+def _same_driver(a: dict | None, b: dict) -> bool:
+    return a is not None and all(a.get(k) == b[k] for k in ("host", "pid", "since"))
+
+
+def _holder_alive(holder: dict) -> bool:
+    """A remote lock's driver is alive: by its pid on this host, by its last heartbeat on another."""
+    alive = _driver_alive(holder)
+    if alive is not None:
+        return alive
+    return time.time() - float(holder.get("beat") or 0) < STALE_AFTER_S
+
+
+def busy_error(experiment: str, holder: dict) -> specs.SpecError:
+    """The refusal of a second driver: who runs the sweep, since when, and how to stop it."""
+    pid, host = holder.get("pid", "?"), holder.get("host", "?")
+    return specs.SpecError([
+        f"sweep {experiment} is being run by a live driver (pid {pid} on {host}, since {holder.get('since', '?')}), "
+        "and two drivers of one sweep would run its trials twice and delete each other's saved blocks. Wait for "
+        f"it to finish, or stop it (Ctrl-C in its terminal, `kill -INT {pid}` on {host}, or `ray job stop` for a "
+        "Ray job; it saves its state) and resume then"], f"--resume {experiment}")

@@ -212,9 +212,9 @@ def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
     extra = list(dict.fromkeys([str(Path(p).expanduser()) for p in extra] + env_include_paths()))
     suites = [name for name, (members, _) in SUITES.items() if set(members) & set(tasks)] or ["easyvqa"]
     paths = tuple(str(p) for p in [*(prepare_offline_tasks(name) for name in suites), *extra])
-    manager = _task_manager(paths, False)
+    manager = _indexed(paths, False, extra)
     if not set(tasks) <= set(manager.all_tasks):
-        manager = _task_manager(paths, True)
+        manager = _indexed(paths, True, extra)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         import difflib
@@ -224,6 +224,20 @@ def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
         raise ValueError(f"unknown lmms-eval task(s) {unknown}; did you mean {hints}? "
                          f"Offline tasks: {list(OFFLINE_TASKS)}.{where}")
     return manager
+
+
+def _indexed(paths: tuple[str, ...], include_defaults: bool, own: list[str]):
+    """`_task_manager`; when lmms-eval cannot index, a TaskFileError (a ValueError) naming each file of the task
+    directories ``own`` that stops it (`promprune.eval.task_checks.broken_task_files`), instead of its traceback."""
+    try:
+        return _task_manager(paths, include_defaults)
+    except Exception:
+        from promprune.eval.task_checks import TaskFileError, broken_task_files
+
+        problems = broken_task_files(own)
+        if problems:
+            raise TaskFileError(problems) from None
+        raise
 
 
 def _yaml_config(path: Path) -> dict:
@@ -342,11 +356,14 @@ def load_task(name: str, include_path: str | list[str] | None = None):
         with single_process():
             task_dict = get_task_dict([name], manager)
     except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its cause
+        from promprune.eval.task_checks import data_problem
+
         source = manager._task_index.get(name, {}).get("yaml_path", "?")
-        raise TaskUnavailableError(
+        found = data_problem(name, source) if isinstance(source, str) and os.path.isfile(source) else None
+        raise TaskUnavailableError(found or (
             f"task {name!r} could not load its data ({type(exc).__name__}: {str(exc)[:300]}). Hub tasks download "
             f"from the Hugging Face hub and need network access (or a populated HF cache); offline, use "
-            f"{list(OFFLINE_TASKS)}. Task definition: {source}"
+            f"{list(OFFLINE_TASKS)}. Task definition: {source}")
         ) from exc
     task = _leaf_task(task_dict, name)
     if task.get_config("num_fewshot") is None:

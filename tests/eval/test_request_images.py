@@ -82,12 +82,14 @@ def test_build_requests_encodes_each_image_once():
     assert {r.key: r for b in blocks for r in share_images(b)} == {r.key: r for r in rows}
 
 
-def test_an_odd_mme_limit_is_refused_before_anything_loads():
+def test_an_odd_mme_limit_is_refused_before_anything_loads(hub_standins):
     """MME scores question pairs: an odd limit would generate everything, then fail in scoring (issue 21)."""
     from pipelines.preflight import check_tasks
+    from promprune.eval.standins import serving
 
     with pytest.raises(ValueError, match="pairs"):
         build_requests(["mme"], limit=5)
-    (error,) = check_tasks(["mme", "pope"], 5)
-    assert error.startswith("limit:") and "'mme'" in error and "6" in error
-    assert check_tasks(["mme"], 6) == [] and check_tasks(["pope"], 5) == []
+    with serving(hub_standins):  # their data is here (the checks also look for it)
+        (error,) = check_tasks(["mme", "pope"], 5)
+        assert error.startswith("limit:") and "'mme'" in error and "6" in error
+        assert check_tasks(["mme"], 6) == [] and check_tasks(["pope"], 5) == []

@@ -63,6 +63,16 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+def own_task(directory: Path, name: str) -> Path:
+    """A task directory whose task loads: its YAML, its utils.py and its data (data.parquet beside the YAML)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write(directory / "utils.py", UTILS)
+    pq.write_table(pa.table({"question": ["Is it red?"], "answer": ["yes"]}), directory / "data.parquet")
+    return write(directory / "own_task.yaml", TASK.format(name=name))
+
+
 @pytest.fixture
 def isolated(monkeypatch):
     """Methods and modules a test registers or imports are gone afterwards; the plugin variables are restored."""
@@ -268,7 +278,7 @@ def test_include_path_variable_finds_tasks_and_their_shipped_copies(tmp_path, mo
 def test_preflight_looks_for_tasks_in_the_include_path(tmp_path):
     from pipelines import preflight
 
-    write(tmp_path / "mine" / "own_task.yaml", TASK.format(name="own_task_c"))
+    own_task(tmp_path / "mine", "own_task_c")
     assert preflight.check_tasks(["own_task_c"], 2, [str(tmp_path / "mine")]) == []
     problems = preflight.check_tasks(["own_task_cc"], 2, [str(tmp_path / "mine")])
     assert "unknown lmms-eval task(s) ['own_task_cc']" in problems[0] and "own_task_c" in problems[0]
@@ -284,7 +294,7 @@ def test_evaluate_takes_plugins_and_task_directories(tmp_path, isolated, monkeyp
 
     write(tmp_path / "norm_e.py", METHOD.format(name="norm_e"))
     write(tmp_path / "broken.py", "raise RuntimeError('broken on purpose')\n")
-    write(tmp_path / "mine" / "own_task.yaml", TASK.format(name="own_task_e"))
+    own_task(tmp_path / "mine", "own_task_e")
     monkeypatch.chdir(tmp_path)  # relative paths on the command line: from the working directory
     args = ["--include-path", "mine", "--method", "norm_e", "--budget", "8", "--tasks", "own_task_e",
             "--model", "tiny:llava", "--no-mlflow", "--video-frames", "0"]

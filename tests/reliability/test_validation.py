@@ -93,3 +93,71 @@ def test_a_plugin_that_fails_to_import_stops_the_sweep_before_any_work(scratch, 
     assert_clean_error(proc, f"plugins[0]: plugin '{tmp_path / 'my_method.py'}' could not be imported: ImportError: "
                              "cannot import name 'no_such_name' from 'promprune'", f"({tmp_path / 'my_method.py'}:2)")
     assert proc.stderr.count("\n  - ") == 1 and not (tmp_path / "mlflow.db").exists()
+
+
+BAD_TASK = """
+task: bad_task
+dataset_path: parquet
+dataset_kwargs: {data_files: {test: data.parquet}
+test_split: test
+output_type: generate_until
+"""
+
+MISSING_DATA = """
+task: own_missing
+dataset_path: parquet
+dataset_kwargs:
+  data_files:
+    test: data/own.parquet
+test_split: test
+output_type: generate_until
+doc_to_visual: !function utils.doc_to_visual
+doc_to_text: !function utils.doc_to_text
+doc_to_target: answer
+process_results: !function utils.process_results
+metric_list:
+  - {metric: accuracy, aggregation: mean, higher_is_better: true}
+"""
+
+
+def _no_ray_started(tmp_path) -> None:
+    """No Ray in this process, and no Ray session under the scratch RAY_TMPDIR (a child's included); decisive where
+    wall time on a shared 2-core machine is not."""
+    import ray
+
+    assert not ray.is_initialized()  # (in this process)
+    assert not list((tmp_path / "raytmp").glob("**/session_*"))  # nor in a child: no Ray session was ever made
+
+
+def test_a_task_directory_with_a_broken_file_stops_the_sweep_before_ray(scratch, tmp_path):
+    """A real start (not --validate-only) as a user runs it: lmms-eval's raw ParserError traceback (exit 1) used to
+    come after 8 s; now one paragraph naming the task, the file, the line and the fix, exit 2, Ray never started."""
+    (tmp_path / "bad_yaml").mkdir()
+    (tmp_path / "bad_yaml" / "bad_task.yaml").write_text(BAD_TASK.lstrip())
+    spec = scratch(SPEC.replace("easyvqa_yesno", "bad_task") + "include_path: [bad_yaml]\n")
+    proc, _ = run_cli("--config", str(spec))
+    assert_clean_error(proc, f"task 'bad_task': its YAML {tmp_path / 'bad_yaml' / 'bad_task.yaml'} is not valid YAML "
+                             "at line 4, column 1", "flow mapping that starts at line 3, column 17",
+                       "fix the YAML there")
+    assert proc.stderr.count("\n  - ") == 1 and not (tmp_path / "mlflow.db").exists()
+    _no_ray_started(tmp_path)
+
+
+def test_a_task_whose_data_is_missing_stops_the_sweep_before_ray(scratch, tmp_path, run_main):
+    """It used to start Ray and end after 38 s with exit 1 and a TaskUnavailableError about the hub; the relative
+    path is named where lmms-eval looks (beside the YAML) and where `datasets` then reads it (the working
+    directory)."""
+    own = tmp_path / "missing_data"
+    own.mkdir()
+    (own / "own.yaml").write_text(MISSING_DATA.lstrip())
+    (own / "utils.py").write_text("def doc_to_visual(doc):\n    return []\ndef doc_to_text(doc, k=None):\n"
+                                  "    return doc['question']\ndef process_results(doc, results):\n"
+                                  "    return {'accuracy': 1.0}\n")
+    spec = scratch(SPEC.replace("easyvqa_yesno", "own_missing") + "include_path: [missing_data]\n")
+    proc, _ = run_main("--config", str(spec))
+    assert_clean_error(proc, f"task 'own_missing' ({own / 'own.yaml'}): dataset_kwargs.data_files.test "
+                             "'data/own.parquet' was not found",
+                       f"beside the task's YAML ({own / 'data' / 'own.parquet'})",
+                       f"from the working directory ({tmp_path / 'data' / 'own.parquet'}); neither exists")
+    assert "Hugging Face hub" not in proc.stderr and not (tmp_path / "mlflow.db").exists()
+    _no_ray_started(tmp_path)
