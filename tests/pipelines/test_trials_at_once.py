@@ -25,7 +25,7 @@ def documented() -> tuple[int, int, int]:
 
 def test_the_documented_cpu_example_is_the_plan():
     at_once, cores, cap = documented()
-    plan = planning.plan(Resources(), 9, 100, local=True, cluster={"CPU": cores})
+    plan = planning.plan(Resources(), 9, 100, cluster={"CPU": cores}, can_add_gpus=False)
     assert (plan.device, plan.trials_at_once, plan.max_actors) == ("cpu", at_once, 1)  # one actor (core) each
     assert cap == planning.MAX_AUTO_TRIALS
 
@@ -33,9 +33,11 @@ def test_the_documented_cpu_example_is_the_plan():
 @pytest.mark.parametrize("cores, cpus_per_worker", [(1, 1), (2, 1), (4, 1), (4, 2), (16, 1), (32, 2), (64, 1)])
 def test_one_trial_per_core_at_most_the_cap(cores, cpus_per_worker):
     _, _, cap = documented()
-    plan = planning.plan(Resources(cpus_per_worker=cpus_per_worker), 200, 1000, local=True, cluster={"CPU": cores})
+    plan = planning.plan(Resources(cpus_per_worker=cpus_per_worker), 200, 1000, cluster={"CPU": cores},
+                         can_add_gpus=False)
     per_core = cores // cpus_per_worker
     assert plan.trials_at_once == min(per_core, cap)
     assert plan.max_actors == max(1, per_core // plan.trials_at_once)  # the cores split among the trials
-    assert planning.plan(Resources(cpus_per_worker=cpus_per_worker), 1, 1000, local=True,
-                         cluster={"CPU": cores}).max_actors == per_core  # a trial alone: every core
+    alone = planning.plan(Resources(cpus_per_worker=cpus_per_worker), 1, 1000, cluster={"CPU": cores},
+                          can_add_gpus=False)
+    assert alone.max_actors == per_core  # a trial alone: every core
