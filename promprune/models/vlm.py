@@ -248,7 +248,7 @@ class PrunedVLM:
     def _generate(self, prep: "Prepared", generation_kwargs: dict, cache=None,
                   prefix_cache: bool = False) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
-        inputs, prefix_ms = prep.model_kwargs, 0.0
+        inputs, prefix_ms, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
         if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1:
             from . import prefix, sharing
 
@@ -256,8 +256,9 @@ class PrunedVLM:
                 cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache())
             if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
                 inputs, prefix_ms = cached, prefilling.ms
+                continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
         pruner = self.pruning(prep)
-        with _Timer(self.model, self.device) as timer, pruner:
+        with _Timer(self.model, self.device) as timer, pruner, continuing:
             out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
         stats = [{**s, "text_tokens": n} for s, n in zip(stats, self._text_tokens(prep.model_kwargs))]
