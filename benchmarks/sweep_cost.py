@@ -119,10 +119,10 @@ def question_flops(config, tokens: list[int], bench: Benchmark, past: list[int] 
     for layer, visual in enumerate(tokens):
         prompt = visual + text
         if past is None:
-            total += layer_prefill_flops(config, prompt)
+            total += layer_prefill_flops(config, prompt, layer=layer)
         else:
-            total += layer_prefill_flops(config, prompt - past[layer], past[layer])
-        total += sum(layer_prefill_flops(config, 1, prompt + t) for t in range(bench.answer_tokens - 1))
+            total += layer_prefill_flops(config, prompt - past[layer], past[layer], layer=layer)
+        total += sum(layer_prefill_flops(config, 1, prompt + t, layer=layer) for t in range(bench.answer_tokens - 1))
     return total + lm_head_flops(config, bench.answer_tokens)
 
 
@@ -144,7 +144,7 @@ def configuration_cost(config, trial, bench: Benchmark, vision_once: bool, prefi
     if not (shares_prefix and prefix_cache):
         return Cost(ours=bench.images * vision + bench.questions * question_flops(config, tokens, bench), lmms=lmms)
     prefix = [visual + HEAD_TOKENS for visual in tokens]
-    prefill = sum(layer_prefill_flops(config, p) for p in prefix)
+    prefill = sum(layer_prefill_flops(config, p, layer=layer) for layer, p in enumerate(prefix))
     ours = bench.images * (vision + prefill) + bench.questions * question_flops(config, tokens, bench, prefix)
     return Cost(ours=ours, lmms=lmms)
 

@@ -84,6 +84,9 @@ class PrunedVLM:
         self.view_budget = None
         if is_in_llm(method):
             llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
+            # fail now where the method has no layer to rank at (a hybrid LLM's linear-attention layers)
+            llm_hooks.stage_layers(self.model.config, method,
+                                   promprune.method_spec(method).resolve(self.method_options, budget=budget))
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             self._text_source()  # fail now on a text source the model has no tower for
