@@ -152,9 +152,9 @@ def hybrid_stages(types: list[str], method: str, requested: list[int], explicit:
     shift = 0 if method == "pyramiddrop" else 1
     option = "layers" if method in ("sparsevlm", "pyramiddrop") else "layer"
     valid = [a + shift for a in attention if 1 <= a + shift < len(types)]
-    linear = [i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES]
-    where = (f"in-LLM method {method!r} on model type {model!r}: this hybrid LLM's layers {linear} are linear "
-             "attention (a recurrent state, no attention map to rank visual tokens by)")
+    where = (f"in-LLM method {method!r} on model type {model!r}: this hybrid LLM attends in full only at layers "
+             f"{attention}; its other layers are linear attention (a recurrent state, no attention map to rank "
+             "visual tokens by)")
     used, previous = [], -1
     for stage in requested:
         rank = ranking_layer(method, stage)
