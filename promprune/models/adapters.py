@@ -165,6 +165,15 @@ class Adapter:
     def processor_kwargs(self) -> dict:
         return {}
 
+    def chat_template_kwargs(self) -> dict:
+        """Extra variables for the chat template: ``enable_thinking`` when the adapter option sets it and the template
+        reads it (Qwen3.5's reasoning switch; other templates have none, so the option does nothing there)."""
+        thinking = self.options.get("enable_thinking")
+        template = getattr(self.processor, "chat_template", None) or ""
+        if thinking is None or "enable_thinking" not in str(template):
+            return {}
+        return {"enable_thinking": bool(thinking)}
+
     def encode(self, inputs, need_saliency: bool, need_vision: bool = False) -> list[VisualItem]:
         """Candidate tokens of every image; ``need_vision``: with the vision tower's own features where the
         architecture has them (``VisualItem.vision``)."""

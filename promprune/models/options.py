@@ -58,12 +58,18 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # video_budget per_frame / adaptive_frames); "per_frame": each frame's entropy splits its even share of the budget
     # and the clip's saliency count is their sum, selected over the clip (with video_budget "clip").
     "video_split": "unit",
+    # Chat templates with a reasoning switch (Qwen3.5's): passed to the template as enable_thinking. None: the
+    # template's default (Qwen3.5-4B and larger think first, as lmms-eval 0.7.3's qwen3_5 model runs them); False: the
+    # empty think block, the answer at once (short-answer benchmarks: the Qwen3.5 sweeps); True: think first. A
+    # thinking answer's reasoning (up to </think>) is dropped from the answer text, as lmms-eval's qwen3_5 does.
+    "enable_thinking": None,
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
                    "token_order": ("raster", "selection", "stages", "released"),
                    "video_budget": ("per_frame", "clip", "adaptive_frames"),
-                   "video_split": ("unit", "per_frame", "clip")}
+                   "video_split": ("unit", "per_frame", "clip"),
+                   "enable_thinking": (None, True, False)}
 
 # The token order of each method's released code (read in the authors' repositories; docs/methods.md: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip

@@ -115,6 +115,13 @@ _QWEN_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen3.5's generation prompt opens a reasoning block unless enable_thinking is false (then an empty one), as the
+# released Qwen3.5-4B template does
+_QWEN3_5_TEMPLATE = _QWEN_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
 
 def _byte_level_tokenizer(special_tokens: list[str], **named) -> PreTrainedTokenizerFast:
     """Byte-level BPE with no merges: 256 byte tokens, then `special_tokens` (ids 256, 257, ...)."""
@@ -252,10 +259,10 @@ _QWEN_NORM = {"qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0
 
 
 def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int, family: str = "qwen2_5_vl",
-                   video_size: dict | None = None):
+                   video_size: dict | None = None, template: str = _QWEN_TEMPLATE):
     """A Qwen2.5-VL (or, ``family="qwen3_vl"``, Qwen3-VL) processor around ``tok`` with the released processor's
     normalisation, and its video processor (clips, ``promprune.models.video``): ``video_size`` its pixel range
-    (``{"shortest_edge", "longest_edge"}``; None: the released video processor's)."""
+    (``{"shortest_edge", "longest_edge"}``; None: the released video processor's); ``template`` its chat template."""
     mean, std = _QWEN_NORM[family]
     image_processor = Qwen2VLImageProcessor(
         patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -267,7 +274,7 @@ def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int
     video_processor = video_cls(patch_size=patch, merge_size=merge, temporal_patch_size=2, image_mean=mean,
                                 image_std=std, **sized)
     return processor_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                         chat_template=_QWEN_TEMPLATE)
+                         chat_template=template)
 
 
 def _tiny_qwen2_5_vl():
@@ -334,7 +341,8 @@ def _tiny_qwen3_5():
     # Qwen3.5 ships Qwen3-VL's processor (transformers maps qwen3_5 to Qwen3VLProcessor): the same pixel ranges
     return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,
                                  family="qwen3_vl",
-                                 video_size={"shortest_edge": (2 * factor) ** 2, "longest_edge": 8 * (6 * factor) ** 2})
+                                 video_size={"shortest_edge": (2 * factor) ** 2, "longest_edge": 8 * (6 * factor) ** 2},
+                                 template=_QWEN3_5_TEMPLATE)
 
 
 ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]

@@ -132,9 +132,27 @@ class PrunedVLM:
         return self.model.device
 
     def conversation(self, prompt: str) -> str:
-        """The chat-templated text of one user turn with one image, ready for generation."""
+        """The chat-templated text of one user turn with one image, ready for generation (with the adapter option
+        ``enable_thinking`` where set: Qwen3.5's template switch)."""
         conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
+                                                  **self.adapter.chat_template_kwargs())
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the generation prompt opens a reasoning block the answer closes (``<think>`` without its
+        ``</think>``: Qwen3.5-4B's template by default, or ``enable_thinking=True``); then the answer text is what
+        follows ``</think>`` (empty while the reasoning never closed), as lmms-eval's qwen3_5 model strips it."""
+        if getattr(self, "_thinks", None) is None:
+            tail = self.conversation("?").rpartition("?")[2]
+            self._thinks = "<think>" in tail and "</think>" not in tail
+        return self._thinks
+
+    def answer_text(self, decoded: str) -> str:
+        """The answer of a decoded generation: stripped, its reasoning block dropped when :attr:`thinks`."""
+        if self.thinks:
+            decoded = decoded.partition("</think>")[2]
+        return decoded.strip()
 
     def processed(self, images, prompts):
         """Processor outputs for a batch (unpruned placeholders), on the CPU: no model weights involved."""
@@ -269,7 +287,7 @@ class PrunedVLM:
         texts = self.processor.batch_decode(new, skip_special_tokens=True)
         times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=prefix_ms + timer.prefill_ms,
                      decode_ms=timer.decode_ms)
-        return [Generation(text=t.strip(), **s, **times, token_ids=row.tolist())
+        return [Generation(text=self.answer_text(t), **s, **times, token_ids=row.tolist())
                 for t, s, row in zip(texts, stats, new)]
 
     def _text_tokens(self, model_kwargs: dict) -> list[int]:
