@@ -14,6 +14,15 @@ The language model is not forked: forward pre-hooks on its decoder layers shrink
 Qwen3-VL's DeepStack adds visual features to the image positions' hidden states after its first LLM layers; once
 a layer has pruned, the addition goes to the kept image columns only (each gets its own rows).
 
+A hybrid LLM (Qwen3.5: ``layer_types`` with Gated DeltaNet ``linear_attention`` layers, which keep a recurrent state
+and have no attention map) ranks at full-attention layers only: :func:`stage_layers` moves the default layers to the
+first full-attention layer at or after the one they rank at and refuses explicit ones that rank at a linear layer;
+``InLLMPruner.layer_map`` records (requested, used). The cut reaches every layer after it: a linear layer gets the 2D
+mask of the live columns instead of a 4D one, and the dead columns (padding, fillers) come first in every row, so its
+scan reads zeros from a zero state and then only the kept tokens, in order; decoding steps leave it transformers'
+mask (a new token is never padding). The cache's sequence length (its first full-attention layer, which ranks before
+any cut) stays the unpruned prompt's.
+
 Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5-VL); all rows keep the same
 sequence length, padded with masked "dead" tokens that nobody attends to.
 In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens included, as visual tokens.
