@@ -141,7 +141,7 @@ def _qwen35(spec: dict, text_layers, vision_layers):
     pixels = spec["processor"]
     processor = tiny.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
                                     min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"],
-                                    family="qwen3_vl")
+                                    family="qwen3_vl", template=tiny._QWEN3_5_TEMPLATE)  # with the think switch
     return Qwen3_5ForConditionalGeneration, config, processor
 
 
