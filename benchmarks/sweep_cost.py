@@ -95,8 +95,9 @@ def layer_tokens(method: str | None, budget: int | None, options: dict, depth: i
     if spec.stage == promprune.PRE_LLM:
         return [min(budget, full)] * depth
     opts = spec.resolve(options, budget=budget)
-    if method == "fastv":
-        return [full if layer < opts["layer"] else budget for layer in range(depth)]
+    if method == "fastv":  # layer None: K = 2 of 32 scaled to the depth, as the hooks take it
+        k = opts["layer"] if opts["layer"] is not None else llm_hooks.fastv_layer(depth)
+        return [full if layer < k else budget for layer in range(depth)]
     if method == "sparsevlm":
         at = sorted(set(opts["layers"] or llm_hooks.sparsevlm_layers(depth)))
         counts = list(SPARSEVLM_RELEASED[budget]) if opts["schedule"] == "released" else \
