@@ -7,15 +7,17 @@
         --methods vispruner,divprune,promprune                       # Table 6's shape, random weights, no download
     python benchmarks/efficiency.py --model shape:qwen3_vl_8b --dtype float16 \
         --budgets none,512,256,128                                   # also shape:qwen2_5_vl_7b,
-                                                                     # shape:llava_onevision_7b, shape:internvl3_8b
+                                                                     # shape:llava_onevision_7b, shape:internvl3_8b,
+                                                                     # shape:qwen3_5_4b (hybrid LLM)
 
 Part 1 prints prefill TFLOPs and KV-cache MiB of LLaVA-NeXT-7B's text model (Vicuna-7B) from
 ``promprune.efficiency`` next to the published Table 6 numbers. Part 2 loads ``--model`` once, wraps it with each
 method and budget, and reports per arm: visual tokens the LLM received, the analytic FLOPs / KV for that model's own
-text config, and the measured median vision, selection and LLM prefill time, their sum (Table 6's "prefill"), the
-full generate time and peak memory (synchronized wall clock; the CUDA allocator's high-water mark on a GPU, the
-process's peak RSS on CPU). A printed table,
-never an assertion: timings depend on the machine.
+text config (a hybrid LLM such as Qwen3.5 as it is: KV only for its full-attention layers, and beside it the constant
+recurrent state of its linear-attention layers, which no token adds to: ``promprune.efficiency``), and the measured
+median vision, selection and LLM prefill time, their sum (Table 6's "prefill"), the full generate time and peak memory
+(synchronized wall clock; the CUDA allocator's high-water mark on a GPU, the process's peak RSS on CPU). A printed
+table, never an assertion: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from promprune.efficiency import MIB, kv_cache_bytes, peak_memory_mb, prefill_flops, reset_peak_memory
+from promprune.efficiency import (
+    MIB,
+    kv_cache_bytes,
+    peak_memory_mb,
+    prefill_flops,
+    recurrent_state_bytes,
+    reset_peak_memory,
+)
 
 # Vicuna-7B (the text model of llava-v1.6-vicuna-7b), the dimensions Table 6 uses
 VICUNA_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32)
@@ -109,9 +118,10 @@ def measured(args) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"## Measured: {args.model}, batch {args.batch}, {args.repeats} repeats, device {device} ({name}), "
           f"dtype {base.model.dtype}, torch {torch.__version__}\n")
-    print("| method | budget | visual tokens | prefill TFLOPs | KV MiB (visual) | vision ms | select ms "
+    state = recurrent_state_bytes(text_config, base.model.dtype) / MIB  # per sequence; 0 without linear layers
+    print("| method | budget | visual tokens | prefill TFLOPs | KV MiB (visual) | state MiB | vision ms | select ms "
           "| LLM prefill ms | total prefill ms | generate ms | peak GB |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method, budget in _arms(args):
         vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget, **options)
         m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
@@ -119,10 +129,11 @@ def measured(args) -> None:
         tflops = prefill_flops(text_config, n_vis + n_text) / 1e12
         kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
         total = m["vision_ms"] + m["select_ms"] + m["prefill_ms"]  # Table 6's prefill: vision + selection + LLM
-        print(f"| {method or 'unpruned'} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | "
+        print(f"| {method or 'unpruned'} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | {state:.4g} | "
               f"{m['vision_ms']:.1f} | {m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {total:.1f} | "
               f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
-    print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); "
+    print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); state MiB: "
+          "the linear-attention layers' recurrent state per sequence, the same at every budget; "
           f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a "
           "GPU, peak RSS on CPU")
     print()

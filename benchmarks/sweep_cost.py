@@ -95,8 +95,9 @@ def layer_tokens(method: str | None, budget: int | None, options: dict, depth: i
     if spec.stage == promprune.PRE_LLM:
         return [min(budget, full)] * depth
     opts = spec.resolve(options, budget=budget)
-    if method == "fastv":
-        return [full if layer < opts["layer"] else budget for layer in range(depth)]
+    if method == "fastv":  # layer None: K = 2 of 32 scaled to the depth, as the hooks take it
+        k = opts["layer"] if opts["layer"] is not None else llm_hooks.fastv_layer(depth)
+        return [full if layer < k else budget for layer in range(depth)]
     if method == "sparsevlm":
         at = sorted(set(opts["layers"] or llm_hooks.sparsevlm_layers(depth)))
         counts = list(SPARSEVLM_RELEASED[budget]) if opts["schedule"] == "released" else \
@@ -119,10 +120,10 @@ def question_flops(config, tokens: list[int], bench: Benchmark, past: list[int] 
     for layer, visual in enumerate(tokens):
         prompt = visual + text
         if past is None:
-            total += layer_prefill_flops(config, prompt)
+            total += layer_prefill_flops(config, prompt, layer=layer)
         else:
-            total += layer_prefill_flops(config, prompt - past[layer], past[layer])
-        total += sum(layer_prefill_flops(config, 1, prompt + t) for t in range(bench.answer_tokens - 1))
+            total += layer_prefill_flops(config, prompt - past[layer], past[layer], layer=layer)
+        total += sum(layer_prefill_flops(config, 1, prompt + t, layer=layer) for t in range(bench.answer_tokens - 1))
     return total + lm_head_flops(config, bench.answer_tokens)
 
 
@@ -144,7 +145,7 @@ def configuration_cost(config, trial, bench: Benchmark, vision_once: bool, prefi
     if not (shares_prefix and prefix_cache):
         return Cost(ours=bench.images * vision + bench.questions * question_flops(config, tokens, bench), lmms=lmms)
     prefix = [visual + HEAD_TOKENS for visual in tokens]
-    prefill = sum(layer_prefill_flops(config, p) for p in prefix)
+    prefill = sum(layer_prefill_flops(config, p, layer=layer) for layer, p in enumerate(prefix))
     ours = bench.images * (vision + prefill) + bench.questions * question_flops(config, tokens, bench, prefix)
     return Cost(ours=ours, lmms=lmms)
 

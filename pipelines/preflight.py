@@ -5,7 +5,8 @@ the spec names: that every task exists (lmms-eval's, an offline one, or in a dir
 `include_path`, whose task files must all be readable) and would load (its data found where lmms-eval will look,
 a task of one's own importing its code), that the model resolves (a factory name, a local checkpoint directory, a
 hub id in the cache or on a reachable hub), that every budget prunes (stays below the visual tokens the model gives
-an image), and that the MLflow store answers and can be written. All problems come back together, in seconds; the
+an image), that every in-LLM trial has a layer to rank at on this model (a hybrid LLM's linear-attention layers have
+none), and that the MLflow store answers and can be written. All problems come back together, in seconds; the
 entry scripts print them as one message without a traceback.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
     errors = check_tasks(spec.tasks, spec.limit, spec.include_path)
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
+    errors += check_in_llm_layers(spec)
     errors += check_metric(spec.tune.metric, spec.tasks)
     errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri())
@@ -163,6 +165,35 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
         return []
     return [f"budget: trial {tid} keeps {budget} of the {capacity} visual tokens {pretrained} gives an image, so it "
             "would run unpruned; use budgets below that" for tid, budget in budgets.items() if budget >= capacity]
+
+
+def check_in_llm_layers(spec: SweepSpec) -> list[str]:
+    """Every in-LLM trial finds the layers it ranks at on the spec's model (``llm_hooks.stage_layers`` on the
+    model's config: on a hybrid LLM such as Qwen3.5 a stage must rank at a full-attention layer), so a method the
+    model cannot run is refused here, in one paragraph naming the model and the method, not in a Ray actor."""
+    import promprune
+    from promprune.models.factories import model_config
+    from promprune.models.llm_hooks import stage_layers
+    from promprune.models.options import is_in_llm, validate_method
+
+    trials = [t for t in expand(spec) if is_in_llm(t.method)]
+    if not trials:
+        return []
+    try:
+        config = model_config(spec.model.pretrained)
+    except ValueError:
+        return []  # check_model says why
+    if config is None:
+        return []
+    errors = []
+    for trial in trials:
+        try:
+            options, _ = validate_method(trial.method, trial.budget, **{**spec.model.options, **trial.options})
+            stage_layers(config, trial.method, promprune.method_spec(trial.method).resolve(options,
+                                                                                            budget=trial.budget))
+        except ValueError as exc:
+            errors.append(f"trial {trial.trial_id}: {exc}")
+    return errors
 
 
 def _fail_fast_http():

@@ -13,6 +13,17 @@ config: hidden 4096, 32 layers, intermediate 11008, 32 heads):
 - ``kv_cache_bytes``: K and V of every layer for ``n_tokens`` tokens. Table 6's KV column counts the visual tokens
   only and prints MiB (2**20 bytes) as "MB": 2880 tokens x 2 x 32 layers x 4096 x 2 bytes = 1440.0 MiB, 320 -> 160.0.
 
+Hybrid LLMs (Qwen3.5: ``layer_types`` with Gated DeltaNet ``linear_attention`` layers between full-attention ones) are
+counted as they are. A full-attention layer is the formula above, its query projection twice as wide where it also
+gives an output gate (Qwen3.5's gated attention). A linear-attention layer costs the same per token whatever the
+context: its projections (q, k, v, the output gate z, the decay a and the write strength b; the output projection),
+the depthwise causal convolution, and the delta rule as a recurrence (per token and value head three dk x dv
+matrix-vector products: reading the state with the key, writing the corrected value, reading it with the query; a
+chunked kernel's intra-chunk products are an implementation choice, not counted); no n x n term. Only the
+full-attention layers hold a KV cache that grows with the tokens (``kv_cache_bytes`` counts those); each linear layer
+holds a state of constant size per sequence (``recurrent_state_bytes``: its convolution's last inputs in the model's
+dtype and the delta rule's state in float32, as transformers keeps them), which a token adds nothing to.
+
 Measured numbers: ``Stopwatch`` times a region with CUDA events on a GPU (kernels are asynchronous, so a host clock
 would time the launch, not the work) and ``time.perf_counter`` on CPU; ``peak_memory_mb`` reads the CUDA allocator's
 high-water mark on a GPU and the process's peak resident set size on CPU.
@@ -34,8 +45,26 @@ MIB = 2**20  # Table 6 prints MiB and labels them "MB"
 
 
 @dataclass(frozen=True)
+class LinearShape:
+    """A Gated DeltaNet layer's dimensions (``linear_*`` fields of a Qwen3.5 text config)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int  # per head
+    value_dim: int  # per head
+    conv_kernel: int
+
+    @property
+    def conv_width(self) -> int:
+        """Channels of the depthwise convolution: queries, keys and values."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True)
 class TextShape:
-    """The decoder dimensions the formulas need, read from a transformers text config."""
+    """The decoder dimensions the formulas need, read from a transformers text config. ``layer_types`` (empty: every
+    layer full attention), ``gated`` (the query projection also gives an output gate) and ``linear`` (None: no
+    linear-attention layer) describe a hybrid LLM."""
 
     hidden_size: int
     num_layers: int
@@ -43,6 +72,23 @@ class TextShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    layer_types: tuple[str, ...] = ()
+    gated: bool = False
+    linear: LinearShape | None = None
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache (every layer but the linear-attention ones)."""
+        return sum(not self.is_linear(i) for i in range(self.num_layers))
+
+
+LINEAR_ATTENTION = "linear_attention"  # a layer type whose token mixer keeps a recurrent state, not a KV cache
+# text configs whose attention gates its output with a second half of q_proj (transformers' Qwen3.5 / Qwen3-Next
+# attention always does; their hub configs say attn_output_gate: true)
+GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 def _field(config: Any, name: str) -> Any:
@@ -78,9 +124,28 @@ def text_shape(text_config: Any) -> TextShape:
         head_dim=int(head_dim) if head_dim is not None else hidden // heads,
     )
     for name, value in vars(shape).items():
-        if value <= 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             raise ValueError(f"text_config field {name} must be positive, got {value}")
-    return shape
+    return _hybrid(text_config, shape)
+
+
+def _hybrid(text_config: Any, shape: TextShape) -> TextShape:
+    """``shape`` with the text config's layer types, attention gate and linear-attention dimensions."""
+    from dataclasses import replace
+
+    types = tuple(_field(text_config, "layer_types") or ())
+    if types and len(types) != shape.num_layers:
+        raise ValueError(f"text_config has {len(types)} layer_types for {shape.num_layers} layers")
+    gated = bool(_field(text_config, "attn_output_gate")) or _field(text_config, "model_type") in GATED_ATTENTION_TYPES
+    linear = None
+    if LINEAR_ATTENTION in types:
+        names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
+        missing = [n for n in names if _field(text_config, n) is None]
+        if missing:
+            raise ValueError(f"text_config has linear_attention layers but lacks {missing}")
+        linear = LinearShape(*(int(_field(text_config, n)) for n in names))
+    return replace(shape, layer_types=types, gated=gated, linear=linear)
 
 
 def _check_tokens(n_tokens: int) -> int:
@@ -101,21 +166,40 @@ def prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> floa
     ``past_tokens``: tokens already in the KV cache (a cached prompt prefix, or the tokens before a decode step):
     the n new tokens attend to past + n keys, so the attention term is 2*n*(past + n)*d_q (0: Table 6's prefill).
     """
-    return float(layer_prefill_flops(text_config, n_tokens, past_tokens) * text_shape(text_config).num_layers)
+    layers = text_shape(text_config).num_layers
+    return float(sum(layer_prefill_flops(text_config, n_tokens, past_tokens, layer=i) for i in range(layers)))
 
 
-def layer_prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> float:
-    """:func:`prefill_flops` of one decoder layer (in-LLM pruning runs its layers on different token counts)."""
+def layer_prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0, layer: int | None = None) -> float:
+    """:func:`prefill_flops` of one decoder layer (in-LLM pruning runs its layers on different token counts):
+    decoder layer ``layer`` of a hybrid LLM (a ValueError without it; any layer of the others)."""
     n, past = _check_tokens(n_tokens), _check_tokens(past_tokens)
     s = text_shape(text_config)
+    if s.linear is not None and layer is None:
+        raise ValueError("a hybrid LLM's layers cost differently (linear vs full attention): pass layer=")
+    if layer is not None and not 0 <= layer < s.num_layers:
+        raise ValueError(f"layer must be in [0, {s.num_layers - 1}], got {layer}")
     d, d_q, d_kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    mlp = 3 * n * d * s.intermediate_size  # SwiGLU MLP
+    if layer is not None and s.is_linear(layer):
+        return float(2 * (linear_mixer_macs(s, n) + mlp))
     macs = (
-        n * d * (d_q + 2 * d_kv)  # q, k, v projections
+        n * d * ((2 if s.gated else 1) * d_q + 2 * d_kv)  # q (and its output gate), k, v projections
         + n * d_q * d  # output projection
         + 2 * n * (past + n) * d_q  # attention scores and weighted values
-        + 3 * n * d * s.intermediate_size  # SwiGLU MLP
+        + mlp
     )
     return float(2 * macs)
+
+
+def linear_mixer_macs(shape: TextShape, n_tokens: int) -> int:
+    """MACs of a Gated DeltaNet token mixer over ``n_tokens`` tokens (any context: no term in the past tokens)."""
+    lin, d = shape.linear, shape.hidden_size
+    v = lin.value_heads * lin.value_dim
+    return n_tokens * (d * (lin.conv_width + v + 2 * lin.value_heads)  # in_proj_qkv, in_proj_z, in_proj_a / b
+                       + lin.conv_width * lin.conv_kernel  # depthwise causal convolution
+                       + 3 * lin.value_heads * lin.key_dim * lin.value_dim  # state read (k), write, read (q)
+                       + v * d)  # out_proj
 
 
 def decode_flops(text_config: Any, context_tokens: int, new_tokens: int) -> float:
@@ -181,13 +265,29 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 
 def kv_cache_bytes(text_config: Any, n_tokens: int, dtype: torch.dtype | str = torch.float16) -> int:
-    """Bytes of the KV cache for ``n_tokens`` tokens: K and V, every layer, num_kv_heads * head_dim each.
+    """Bytes of the KV cache for ``n_tokens`` tokens: K and V, every layer with a KV cache (a hybrid LLM's
+    full-attention layers; its linear-attention layers keep a state of constant size instead,
+    :func:`recurrent_state_bytes`), num_kv_heads * head_dim each.
 
     Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16).
     """
     n = _check_tokens(n_tokens)
     s = text_shape(text_config)
-    return 2 * s.num_layers * n * s.num_kv_heads * s.head_dim * dtype_bytes(dtype)
+    return 2 * s.attention_layers * n * s.num_kv_heads * s.head_dim * dtype_bytes(dtype)
+
+
+def recurrent_state_bytes(text_config: Any, dtype: torch.dtype | str = torch.float16,
+                          state_dtype: torch.dtype | str = torch.float32) -> int:
+    """Bytes a sequence's linear-attention layers hold, whatever its length (0 without such layers): per layer the
+    convolution's last ``conv_kernel`` inputs (``conv_width`` channels, in ``dtype``) and the delta rule's state
+    (value heads x key dim x value dim, in ``state_dtype``: float32 in transformers' kernels)."""
+    s = text_shape(text_config)
+    if s.linear is None:
+        return 0
+    lin = s.linear
+    per_layer = (lin.conv_width * lin.conv_kernel * dtype_bytes(dtype)
+                 + lin.value_heads * lin.key_dim * lin.value_dim * dtype_bytes(state_dtype))
+    return (s.num_layers - s.attention_layers) * per_layer
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@
 #      (SCALING_GPUS="4 8" by default; the 1-GPU point, ~6 min more, in a later call if time is left:
 #       SCALING_GPUS=1 SCALING_SHELL=arithmetic bash scripts/gpu_checklist.sh scaling)
 #   4. carry []                     bash scripts/gpu_checklist.sh shapes                                       ~6 min
-#      (efficiency at LLaVA-1.5, Qwen2.5-VL and issue 26's Qwen3-VL-8B, OneVision-7B, InternVL3-8B shapes)
+#      (efficiency at LLaVA-1.5, Qwen2.5-VL and issue 26's Qwen3-VL-8B, OneVision-7B, InternVL3-8B shapes;
+#       issue 46's Qwen3.5-4B)
 # Call 1 also brings back image-freeze.txt: `python scripts/device_wheels.py pin-image <it>` here records the image's
 # versions in scripts/device_image.txt (commit it), so later builds carry exactly what the image lacks.
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
@@ -207,7 +208,11 @@ PY
       for m in qwen3_vl_8b:bfloat16:128 llava_onevision_7b:float16:320 internvl3_8b:bfloat16:64; do
         IFS=: read -r name dt budget <<< "$m"
         python3 benchmarks/efficiency.py --model shape:$name --dtype $dt --device cuda --skip-analytic \
-          --budgets none,$budget --methods divprune,promprune --repeats 5 --max-new-tokens 8; done ;;
+          --budgets none,$budget --methods divprune,promprune --repeats 5 --max-new-tokens 8; done
+      # issue 46's Qwen3.5-4B (a hybrid LLM: KV only for its full-attention layers, a constant recurrent state), FastV
+      # at the full-attention layer it maps to
+      python3 benchmarks/efficiency.py --model shape:qwen3_5_4b --dtype bfloat16 --device cuda --skip-analytic \
+        --budgets none,128 --methods divprune,promprune,fastv --repeats 5 --max-new-tokens 8 ;;
     sweep)  # the quickstart (testbed) sweep, its actors on the GPU
       pipeline_sweep quickstart --config sweeps/quickstart.yaml ${SWEEP_SET:-} ;;
     table6-pipeline)  # Table 6 through the pipeline: random LLaVA-NeXT-7B weights, easy-vqa yes/no for POPE

@@ -11,7 +11,10 @@ is a ``ModelManifest`` (or an iterable of them, or a callable returning one). Th
 (auto / float16 / bfloat16 / float32), ``device`` (cpu, cuda, cuda:1; default: cuda when available),
 ``attn_implementation``, ``batch_size``, ``vision_once`` / ``prefix_cache`` (true / false, default false: each
 request is answered by itself, as lmms-eval's own models answer it; true shares an image's encoding / prompt prefix
-between its questions, ``promprune.eval.generation``); any other key is a method option (``mu=0.42,tau=0.02``).
+between its questions, ``promprune.eval.generation``); ``enable_thinking`` (true / false; default: the chat
+template's own, Qwen3.5-4B thinks first as lmms-eval's qwen3_5 model does; its reasoning is dropped from the answer
+up to ``</think>``); any other key is a method option (``mu=0.42,tau=0.02``). The prompt is the model's own chat
+template around lmms-eval's context (Qwen3.5 / Qwen3-VL: ChatML with the vision markers, no system turn).
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ class PromPruneLMM(lmms):
     ) -> None:
         super().__init__()
         self.vision_once, self.prefix_cache = _flag("vision_once", vision_once), _flag("prefix_cache", prefix_cache)
+        if method_options.get("enable_thinking") is not None:  # the CLI gives a string: the adapter takes a bool
+            method_options["enable_thinking"] = _flag("enable_thinking", method_options["enable_thinking"])
         if self.prefix_cache and not self.vision_once:
             raise ValueError("model_args prefix_cache=true needs vision_once=true (the prefix continues the shared "
                              "encoding of each image)")

@@ -165,6 +165,15 @@ class Adapter:
     def processor_kwargs(self) -> dict:
         return {}
 
+    def chat_template_kwargs(self) -> dict:
+        """Extra variables for the chat template: ``enable_thinking`` when the adapter option sets it and the template
+        reads it (Qwen3.5's reasoning switch; other templates have none, so the option does nothing there)."""
+        thinking = self.options.get("enable_thinking")
+        template = getattr(self.processor, "chat_template", None) or ""
+        if thinking is None or "enable_thinking" not in str(template):
+            return {}
+        return {"enable_thinking": bool(thinking)}
+
     def encode(self, inputs, need_saliency: bool, need_vision: bool = False) -> list[VisualItem]:
         """Candidate tokens of every image; ``need_vision``: with the vision tower's own features where the
         architecture has them (``VisualItem.vision``)."""
@@ -506,6 +515,28 @@ class Qwen3Adapter(QwenAdapter):
                                                               deepstack_features=deepstack)}
 
 
+class Qwen35Adapter(Qwen3Adapter):
+    """Qwen3.5: Qwen3-VL's vision tower without DeepStack, a hybrid LLM; saliency = received attention at one block.
+
+    No CLS token, so saliency is the Qwen2.5-VL / Qwen3-VL rule: the mean attention each patch receives (queries and
+    heads averaged, within its image) at one vision block (``saliency_block``, default the last, whose output the
+    merger projects), pooled over the 2x2 group the merger joins; every block attends over the whole image. The
+    merged tokens are all the LLM gets of an image (no DeepStack rows), their 3D M-RoPE positions computed on the
+    unpruned sequence (Qwen3.5's own ``get_rope_index``) and gathered at the kept columns. The LLM interleaves Gated
+    DeltaNet linear-attention layers (a recurrent state of constant size) with full-attention layers
+    (``config.text_config.layer_types``); pre-LLM methods shorten what every layer reads, and the in-LLM methods rank
+    at full-attention layers only (``llm_hooks.py``).
+    """
+
+    encoder = "qwen3_5"
+
+    def _item_extras(self, out, i: int) -> dict:
+        return {}
+
+    def encoder_outputs(self, items, feats, run_pos):
+        return as_encoder_outputs(feats)
+
+
 class OnevisionAdapter(Adapter):
     """LLaVA-OneVision (images): SigLIP views (base + anyres crops), unpadding, anyres-max resizing, newlines.
 
@@ -615,7 +646,8 @@ class OnevisionAdapter(Adapter):
 
 
 ADAPTERS = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter, "qwen2_5_vl": QwenAdapter,
-            "qwen3_vl": Qwen3Adapter, "llava_onevision": OnevisionAdapter}
+            "qwen3_vl": Qwen3Adapter, "llava_onevision": OnevisionAdapter,
+            "qwen3_5": Qwen35Adapter}
 
 
 def adapter_for(model, processor, options) -> Adapter:
@@ -646,13 +678,13 @@ def visual_token_capacity(config, adapter_options: dict | None = None) -> int | 
     """The most visual tokens one image gives the LLM under this config (what a budget must stay below to prune):
     LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
     pinpoint), newlines not counted (LLaVA-OneVision: the same, an upper bound as anyres-max resizes large crop grids
-    down); Qwen2.5-VL / Qwen3-VL the fixed ``image_tokens`` when set, else None (it depends on the
+    down); Qwen2.5-VL / Qwen3-VL / Qwen3.5 the fixed ``image_tokens`` when set, else None (it depends on the
     image's resolution); InternVL ``image_seq_length`` (256) per tile times 13 tiles (the released tiling)."""
     options = adapter_options or {}
     kind = getattr(config, "model_type", None)
     if kind == "internvl":
         return config.image_seq_length * max_views(config)
-    if kind in ("qwen2_5_vl", "qwen3_vl"):
+    if kind in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):
         return options.get("image_tokens")
     if kind not in ("llava", "llava_next", "llava_onevision"):
         return None

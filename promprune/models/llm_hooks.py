@@ -14,6 +14,15 @@ The language model is not forked: forward pre-hooks on its decoder layers shrink
 Qwen3-VL's DeepStack adds visual features to the image positions' hidden states after its first LLM layers; once
 a layer has pruned, the addition goes to the kept image columns only (each gets its own rows).
 
+A hybrid LLM (Qwen3.5: ``layer_types`` with Gated DeltaNet ``linear_attention`` layers, which keep a recurrent state
+and have no attention map) ranks at full-attention layers only: :func:`stage_layers` moves the default layers to the
+first full-attention layer at or after the one they rank at and refuses explicit ones that rank at a linear layer;
+``InLLMPruner.layer_map`` records (requested, used). The cut reaches every layer after it: a linear layer gets the 2D
+mask of the live columns instead of a 4D one, and the dead columns (padding, fillers) come first in every row, so its
+scan reads zeros from a zero state and then only the kept tokens, in order; decoding steps leave it transformers'
+mask (a new token is never padding). The cache's sequence length (its first full-attention layer, which ranks before
+any cut) stays the unpruned prompt's.
+
 Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5-VL); all rows keep the same
 sequence length, padded with masked "dead" tokens that nobody attends to.
 In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens included, as visual tokens.
@@ -60,27 +69,18 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
+    at, layer_map = stage_layers(model.config, method, opts)
     compact = False
     if method in ("fastv", "dart"):
-        layer = opts["layer"] if opts["layer"] is not None else fastv_layer(len(layers))
-        if not 1 <= layer < len(layers):
-            raise ValueError(f"{method} option 'layer' must be in [1, {len(layers) - 1}], got {layer}")
-        stages = [Stage(layer, None, kind=method)]
+        stages = [Stage(at[0], None, kind=method)]
         plan = (lambda n: [budget]) if method == "fastv" else _dart_plan(budget, opts)
         if method == "dart":
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
     elif method == "pyramiddrop":
-        at = sorted(set(opts["layers"] or scaled_layers(len(layers), PYRAMIDDROP_LAYERS_OF_32)))
-        if max(at) >= len(layers):
-            raise ValueError(f"pyramiddrop option 'layers' must be < {len(layers)} (LLM depth), got {at}")
         stages = [Stage(layer, None, kind="pdrop") for layer in at]
         plan = _pyramid_plan(budget, opts, at, len(layers))
         compact = opts["positions"] == "released" and not _mrope(model)
     else:
-        at = opts["layers"] or sparsevlm_layers(len(layers))
-        if max(at) >= len(layers):
-            raise ValueError(f"sparsevlm option 'layers' must be < {len(layers)} (LLM depth), got {at}")
-        at = sorted(set(at))
         if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
             if len(at) != 3:
                 raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
@@ -92,8 +92,97 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
                 return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
         stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
-    return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact,
-                       method=method)
+    pruner = InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact,
+                         method=method)
+    pruner.layer_map = layer_map
+    return pruner
+
+
+def stage_layers(config, method: str, opts: dict) -> tuple[list[int], list[tuple[int, int]]]:
+    """The decoder layers an in-LLM ``method`` prunes before (ascending), and per stage ``(requested, used)``.
+
+    ``config``: the VLM's config (or its text config); ``opts``: the method's resolved options. Requested layers are
+    the options' or the released ones scaled to the depth. On a hybrid LLM (:func:`hybrid_layer_types`) a stage must
+    rank at an attention layer, so the default layers move to the first one that does, at or after the requested
+    one (:func:`hybrid_stages`); explicit options that rank at a linear-attention layer are refused. A ValueError
+    names the method, the model and the fix.
+    """
+    text = getattr(config, "text_config", None) or config
+    depth = int(text.num_hidden_layers)
+    explicit = (opts.get("layer") if method in ("fastv", "dart") else opts.get("layers")) is not None
+    if method in ("fastv", "dart"):
+        at = [opts["layer"] if opts["layer"] is not None else fastv_layer(depth)]
+        if not 1 <= at[0] < depth:
+            raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {at[0]}")
+    else:
+        scaled = PYRAMIDDROP_LAYERS_OF_32 if method == "pyramiddrop" else SPARSEVLM_LAYERS_OF_32
+        at = sorted(set(opts["layers"] or scaled_layers(depth, scaled)))
+        if max(at) >= depth:
+            raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
+    types = hybrid_layer_types(text)
+    if types is None:
+        return at, [(layer, layer) for layer in at]
+    used = hybrid_stages(types, method, at, explicit, getattr(config, "model_type", None) or text.model_type)
+    return used, list(zip(at, used))
+
+
+# Layer types (``config.layer_types``) whose token mixer keeps a recurrent state instead of attending: no attention
+# map to rank tokens by, no KV cache that grows (Qwen3.5's Gated DeltaNet layers).
+RECURRENT_LAYER_TYPES = ("linear_attention",)
+
+
+def hybrid_layer_types(text_config) -> list[str] | None:
+    """The LLM's ``layer_types`` when some layers are recurrent (:data:`RECURRENT_LAYER_TYPES`), else None."""
+    types = getattr(text_config, "layer_types", None)
+    if not types or not any(t in RECURRENT_LAYER_TYPES for t in types):
+        return None
+    return list(types)
+
+
+def ranking_layer(method: str, stage: int) -> int:
+    """The layer whose attention ranks the tokens pruned before decoder layer ``stage``: ``stage - 1`` (FastV,
+    SparseVLM, DART: the layer before the cut), ``stage`` itself for PyramidDrop (the layer's own projections)."""
+    return stage if method == "pyramiddrop" else stage - 1
+
+
+def hybrid_stages(types: list[str], method: str, requested: list[int], explicit: bool, model: str) -> list[int]:
+    """Stage layers on a hybrid LLM: each stage ranks at an attention layer and cuts before the layers after it,
+    linear-attention ones included (they then run on the kept tokens only, so their recurrent state sees no dropped
+    token from the cut on).
+
+    Requested (default) stages move to the first attention layer at or after their ranking layer
+    (:func:`ranking_layer`) and after the previous stage's, so each stage keeps its own layer: the 32-layer Qwen3.5's
+    every-4th full attention takes FastV / DART's K = 2 (ranked at layer 1) to K = 4 (ranked at 3), SparseVLM's 2, 6,
+    15 to 4, 8, 16 and PyramidDrop's 8, 16, 24 to 11, 19, 27. Explicit options (``layer`` / ``layers``) are used as
+    given, and refused when one ranks at a linear-attention layer. A ValueError (one paragraph, naming ``method``
+    and ``model``) when no attention layer is left for a stage.
+    """
+    attention = [i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES]
+    shift = 0 if method == "pyramiddrop" else 1
+    option = "layers" if method in ("sparsevlm", "pyramiddrop") else "layer"
+    valid = [a + shift for a in attention if 1 <= a + shift < len(types)]
+    where = (f"in-LLM method {method!r} on model type {model!r}: this hybrid LLM attends in full only at layers "
+             f"{attention}; its other layers are linear attention (a recurrent state, no attention map to rank "
+             "visual tokens by)")
+    used, previous = [], -1
+    for stage in requested:
+        rank = ranking_layer(method, stage)
+        if explicit:
+            if rank not in attention:
+                raise ValueError(f"{where}; option {option!r} {requested} ranks at layer {rank}, one of them. Give "
+                                 f"{option!r} from {valid} (each ranks at a full-attention layer), or leave it unset "
+                                 f"(the scaled default moves to the first full-attention layer at or after it)")
+            used.append(stage)
+            continue
+        rank = next((a for a in attention if a >= max(rank, previous + 1)), None)
+        if rank is None or not 1 <= rank + shift < len(types):
+            raise ValueError(f"{where}; its stage at layer {stage} finds no full-attention layer at or after layer "
+                             f"{ranking_layer(method, stage)} to rank at with a layer left to prune before, so "
+                             f"{method} is refused on this model. Give option {option!r} from {valid}, or run a "
+                             "pre-LLM method")
+        previous = rank
+        used.append(rank + shift)
+    return used
 
 
 def geometric(budget: int, n: int, s: int, stages: int) -> int:
@@ -183,16 +272,20 @@ def dart_keep(key_norms: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor,
 
 
 def _mrope(model) -> bool:
-    """3D M-RoPE positions (Qwen2.5-VL, Qwen3-VL): kept tokens keep them (no contiguous renumbering)."""
-    return getattr(model.config, "model_type", None) in ("qwen2_5_vl", "qwen3_vl")
+    """3D M-RoPE positions (Qwen2.5-VL, Qwen3-VL, Qwen3.5): kept tokens keep them (no contiguous renumbering)."""
+    return getattr(model.config, "model_type", None) in ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention module's own queries ``[B, H, L, hd]`` and keys ``[B, Hkv, L, hd]`` of ``hidden [B, L, D]``,
-    after its per-head norms where it has them (Qwen3-VL's ``q_norm`` / ``k_norm``) and the rotary embedding."""
+    after its per-head norms where it has them (Qwen3-VL's ``q_norm`` / ``k_norm``) and the rotary embedding (the
+    module's own ``apply_rotary_pos_emb``: Qwen3.5's rotates the first quarter of each head). A gated attention
+    (Qwen3.5: ``q_proj`` gives each head its query and an output gate, ``[query | gate]``) gives its queries."""
     B, L, _ = hidden.shape
     apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     q = attn.q_proj(hidden).view(B, L, -1, attn.head_dim)
+    if q.shape[2] == 2 * attn.config.num_attention_heads:  # gated: [query | gate] per head
+        q = q.view(B, L, -1, 2 * attn.head_dim)[..., :attn.head_dim]
     k = attn.k_proj(hidden).view(B, L, -1, attn.head_dim)
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -301,11 +394,23 @@ class InLLMPruner:
         for s, stage in enumerate(stages):
             stage.targets = [p[s] for p in plans]
         self.first = stages[0].layer
+        types = hybrid_layer_types(model.config.text_config)
+        # per layer: a recurrent token mixer (linear attention), which reads a 2D padding mask and scans its tokens in
+        # the order they come; None: no such layer (then the columns stay in column order)
+        self.recurrent = None if types is None else [t in RECURRENT_LAYER_TYPES for t in types]
+        self.layer_map = [(st.layer, st.layer) for st in stages]  # (requested, used) per stage; make() sets it
         self.handles = []
 
     # ---- context manager -------------------------------------------------------------------------------
     def __enter__(self):
         check_llm(self.model, self.method)
+        try:
+            return self._attach()
+        except BaseException:
+            self.__exit__()  # no hook outlives a failed entry
+            raise
+
+    def _attach(self):
         lm = self.model.model.language_model
         self.handles.append(lm.register_forward_pre_hook(self._on_lm, with_kwargs=True))
         for stage in self.stages:
@@ -433,7 +538,9 @@ class InLLMPruner:
                         stage.scores = self._received(layer.self_attn, normed, self._rope(kwargs, hidden), "last")
                     hidden = self._prune(stage, hidden)
                 self.layer_cols[idx] = (self.keep, self.alive, self._gone().sum(1))
-                kwargs = self._prefill_kwargs(kwargs, hidden)
+                kwargs = self._prefill_kwargs(kwargs, hidden, idx)
+                if self.recurrent is not None:  # dead columns zero: a linear layer masks by multiplying (NaN * 0)
+                    hidden = hidden.masked_fill(~self.alive[..., None], 0)
             else:
                 kwargs = self._decode_kwargs(idx, kwargs, hidden)
             if "hidden_states" in kwargs or not args:
@@ -467,9 +574,12 @@ class InLLMPruner:
         for b, (k, dropped) in enumerate(keep_rel):
             extra = dropped[:width - k.numel()]  # dead fillers so all rows have the same length
             cols = torch.cat([k, extra])
-            order = cols.argsort()
+            live = torch.cat([self.alive[b, k], torch.zeros_like(extra, dtype=torch.bool)])
+            # column order; on a hybrid LLM every dead column first (like left padding), so a linear-attention
+            # layer's scan meets the kept tokens alone, in order, after a zero prefix that leaves its state zero
+            order = (cols + L * live.long()).argsort() if self.recurrent is not None else cols.argsort()
             rel[b] = cols[order]
-            alive[b] = torch.cat([self.alive[b, k], torch.zeros_like(extra, dtype=torch.bool)])[order]
+            alive[b] = live[order]
         self.keep = self.keep.gather(1, rel)
         self.alive = alive
         return hidden.gather(1, rel[..., None].expand(-1, -1, D))
@@ -534,7 +644,10 @@ class InLLMPruner:
         return (cos.expand(self.keep.shape[0], -1, -1).gather(1, idx),
                 sin.expand(self.keep.shape[0], -1, -1).gather(1, idx))
 
-    def _prefill_kwargs(self, kwargs, hidden):
+    def _prefill_kwargs(self, kwargs, hidden, idx):
+        if self.recurrent is not None and self.recurrent[idx]:  # linear attention: the 2D mask of live columns
+            kwargs["attention_mask"] = None if bool(self.alive.all()) else self.alive.to(hidden.dtype)
+            return kwargs
         allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, q, kv]
         kwargs["attention_mask"] = self._as_mask(allowed[:, None], hidden.dtype)
         kwargs["position_embeddings"] = self._rope(kwargs, hidden)
@@ -544,6 +657,8 @@ class InLLMPruner:
         return kwargs
 
     def _decode_kwargs(self, idx, kwargs, hidden):
+        if self.recurrent is not None and self.recurrent[idx]:  # new tokens only: transformers' recurrent mask holds
+            return kwargs
         keep, alive, removed = self.layer_cols[idx]
         if self.compact:  # generated tokens continue the renumbered sequence of this layer
             pos = kwargs["position_ids"].expand(hidden.shape[0], -1) - removed[:, None]

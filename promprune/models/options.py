@@ -32,15 +32,15 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # budget_mode "packed" selects among the newline tokens instead, and "released" sets this per method.
     "image_newline": "drop",
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
-    # Qwen3-VL (every block attends over the whole image): any block index; None = the last one.
+    # Qwen3-VL / Qwen3.5 (every block attends over the whole image): any block index; None = the last one.
     # InternVL: any InternViT layer (CLS attention); None = the layer vision_feature_layer reads (the last).
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
     # CLIP sized to their vision tower), else openai/clip-vit-large-patch14-336 (the released code's).
     "clip_text": None,
-    # Qwen2.5-VL / Qwen3-VL: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a
-    # square.
+    # Qwen2.5-VL / Qwen3-VL / Qwen3.5: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36);
+    # must be a square.
     # None keeps the processor's resolution-dependent count.
     "image_tokens": None,
     # The order of the kept tokens in the LLM's input (pre-LLM methods; each token keeps its own position embedding
@@ -48,21 +48,28 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # (as picked: salient by descending saliency, then coverage in pick order), "stages" (salient tokens ascending,
     # then the rest ascending), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
     "token_order": "raster",
-    # Video (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL; promprune.models.video): how the budget meets a clip's frames
-    # (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame one selection);
-    # "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's spectral entropy.
+    # Video (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, Qwen3.5; promprune.models.video): how the budget meets a clip's
+    # frames (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame one
+    # selection); "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's spectral
+    # entropy.
     "video_budget": "per_frame",
     # Video, PromPrune: where its entropy and saliency/coverage split come from. "unit": each selection of
     # video_budget (per frame, or over the clip); "clip": the clip's entropy splits every frame's share (with
     # video_budget per_frame / adaptive_frames); "per_frame": each frame's entropy splits its even share of the budget
     # and the clip's saliency count is their sum, selected over the clip (with video_budget "clip").
     "video_split": "unit",
+    # Chat templates with a reasoning switch (Qwen3.5's): passed to the template as enable_thinking. None: the
+    # template's default (Qwen3.5-4B and larger think first, as lmms-eval 0.7.3's qwen3_5 model runs them); False: the
+    # empty think block, the answer at once (short-answer benchmarks: the Qwen3.5 sweeps); True: think first. A
+    # thinking answer's reasoning (up to </think>) is dropped from the answer text, as lmms-eval's qwen3_5 does.
+    "enable_thinking": None,
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
                    "token_order": ("raster", "selection", "stages", "released"),
                    "video_budget": ("per_frame", "clip", "adaptive_frames"),
-                   "video_split": ("unit", "per_frame", "clip")}
+                   "video_split": ("unit", "per_frame", "clip"),
+                   "enable_thinking": (None, True, False)}
 
 # The token order of each method's released code (read in the authors' repositories; docs/methods.md: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip
@@ -101,10 +108,12 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
 
 
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
-# The newer encoders have no published value: Qwen3-VL borrows Qwen2.5-VL's (the same merged-token design);
+# The newer encoders have no published value: Qwen3-VL and Qwen3.5 borrow Qwen2.5-VL's (the same merged-token
+# design; sweeps/mu_tau_search_qwen3vl.yaml / mu_tau_search_qwen35.yaml search theirs);
 # recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
 # LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's.
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42}
+DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42,
+              "qwen3_5": 0.5744}
 
 
 def all_methods() -> list[str]:

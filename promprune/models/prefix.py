@@ -19,9 +19,18 @@ what the unshared path's does; a batch of images asked once each, none cached, r
 The greedy answers are those of the unshared path up to floating-point rounding: the prefix's keys and values are
 the same function of the same tokens and positions, computed in another batch shape (tests/models: the same tokens on
 the tiny fp32 models; half precision: benchmarks/RESULTS.md).
+
+A hybrid LLM (Qwen3.5: Gated DeltaNet linear-attention layers between full-attention ones) keeps, per linear layer,
+a recurrent state and the last inputs of its short convolution instead of keys and values: a prefix stores each
+(:class:`RecurrentState`, one row), and each question's cache gets its own copy (the cache's update copies into its
+own tensors; decoding then updates those in place, never the stored prefix). The suffixes' left padding would sit
+between a row's prefix state and its suffix, where a linear layer's scan would decay the state and its convolution
+read zeros; so while a batch continues (:func:`continuing`), each linear layer scans every row's real suffix tokens
+only, from that row's own state (rows of one suffix length together), through transformers' own cache layer.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +39,22 @@ from promprune.models.llm_hooks import cache_argument, cache_in
 
 
 @dataclass
+class RecurrentState:
+    """A linear-attention layer's cache for one row, per state index: ``conv [1, C, K]`` (the last K inputs of its
+    causal convolution) and ``recurrent [1, H, dk, dv]`` (the delta rule's state): constant sizes, whatever the
+    prefix's length."""
+
+    conv: list[torch.Tensor]
+    recurrent: list[torch.Tensor]
+
+
+@dataclass
 class Prefix:
-    """One image's prefilled prompt prefix: ``ids [P]`` its tokens and ``layers`` the per-layer ``(keys, values)``,
-    each ``[1, H, P, D]``."""
+    """One image's prefilled prompt prefix: ``ids [P]`` its tokens and ``layers`` per layer its ``(keys, values)``,
+    each ``[1, H, P, D]``, or (a linear-attention layer of a hybrid LLM) its :class:`RecurrentState`."""
 
     ids: torch.Tensor
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: list[tuple[torch.Tensor, torch.Tensor] | RecurrentState]
 
     @property
     def length(self) -> int:
@@ -149,10 +168,26 @@ def _prefill(vlm, prep, parts: Split, rows: list[int], cache) -> None:
     width = cols.shape[1]
     for i, b in enumerate(rows):
         n = parts.prefix[b].numel()
-        layers = [(layer.keys[i:i + 1, :, width - n:].clone(), layer.values[i:i + 1, :, width - n:].clone())
+        layers = [_row_state(layer, i) if _recurrent(layer) else
+                  (layer.keys[i:i + 1, :, width - n:].clone(), layer.values[i:i + 1, :, width - n:].clone())
                   for layer in cache_in(out).layers]
         ids = prep.model_kwargs["input_ids"][b, parts.prefix[b]]
         cache.prefixes.setdefault(prep.keys[b], []).append(Prefix(ids=ids, layers=layers))
+
+
+def _recurrent(layer) -> bool:
+    """Whether a cache layer holds a linear-attention layer's states (and no keys / values)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _row_state(layer, i: int) -> RecurrentState:
+    """Row ``i`` of a linear-attention cache layer, copied (the left padding before a prefix leaves the state
+    zero: its inputs are masked to zero)."""
+    states = range(layer.number_of_states)
+    return RecurrentState(conv=[layer.conv_states[s][i:i + 1].clone() for s in states],
+                          recurrent=[layer.recurrent_states[s][i:i + 1].clone() for s in states])
 
 
 def _rows_of(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -173,6 +208,9 @@ def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> di
     cache = DynamicCache(config=vlm.model.config)
     one = all(p is prefixes[0] for p in prefixes)  # one image's questions (POPE, GQA): views, no copy before update
     for layer in range(len(prefixes[0].layers)):
+        if isinstance(prefixes[0].layers[layer], RecurrentState):
+            _restore(cache, layer, [p.layers[layer] for p in prefixes])
+            continue
         if one:
             keys, values = (t.expand(B, -1, -1, -1) for t in prefixes[0].layers[layer])
         else:
@@ -183,3 +221,78 @@ def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> di
     cols, real = torch.cat([pre_cols, suf_cols], dim=1), torch.cat([pre_real, suf_real], dim=1)
     out = _gather(kwargs, cols, real, vlm.processor.tokenizer.pad_token_id)
     return {**out, cache_argument(vlm.model): cache}
+
+
+def _restore(cache, layer: int, states: list[RecurrentState]) -> None:
+    """Layer ``layer`` of ``cache`` (a linear-attention layer) holding each row's prefix state. The cache copies them
+    into tensors of its own (transformers' first update of a layer is its prefill), so no question's decoding
+    touches another's state or the stored prefix."""
+    for s in range(len(states[0].conv)):
+        cache.update_conv_state(torch.cat([st.conv[s] for st in states]), layer, state_idx=s,
+                                conv_kernel_size=states[0].conv[s].shape[-1])
+        cache.update_recurrent_state(torch.cat([st.recurrent[s] for st in states]), layer, state_idx=s)
+
+
+def _mixers(model) -> list:
+    """The linear-attention token mixers of ``model``'s LLM (Qwen3.5's Gated DeltaNet: ``layer.linear_attn``)."""
+    return [layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn")]
+
+
+@contextlib.contextmanager
+def continuing(model):
+    """While active (around ``generate`` on :func:`inputs`' kwargs), a linear-attention layer that continues cached
+    states over a left-padded segment scans each row's real tokens only, from its own state: padding between a
+    prefix and its suffix would decay the state and feed the convolution zeros. No-op for LLMs without such layers."""
+    mixers = _mixers(model)
+    for mixer in mixers:
+        mixer.forward = _rowwise(mixer.forward, mixer.layer_idx)
+    try:
+        yield
+    finally:
+        for mixer in mixers:
+            mixer.__dict__.pop("forward", None)  # the class's forward again
+
+
+def _rowwise(forward, idx: int):
+    """``forward`` of linear-attention layer ``idx``, run per suffix length on a cache continuation with padding."""
+
+    def run(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if (cache_params is None or attention_mask is None or hidden_states.shape[1] == 1
+                or bool(attention_mask.all()) or not cache_params.has_previous_state(idx)):
+            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        real = attention_mask.bool().sum(1)  # [B]: the segment is left-padded, so a row's real tokens are its last
+        if not bool((attention_mask.bool() == (torch.arange(attention_mask.shape[1], device=real.device)
+                                                >= attention_mask.shape[1] - real[:, None])).all()):
+            raise ValueError("a cached continuation's padding must precede each row's tokens (left padding)")
+        layer = cache_params.layers[idx]
+        out = torch.zeros_like(hidden_states)  # [B, q, D]; padding stays zero
+        for n in real.unique().tolist():
+            rows = (real == n).nonzero().flatten()
+            if n == 0:
+                continue
+            part = _subset(layer, rows)
+            out[rows, -n:] = forward(hidden_states[rows, -n:], cache_params=_as_cache(part, idx), **kwargs)
+            for s in range(layer.number_of_states):  # in place: the cache's tensors keep their addresses
+                layer.conv_states[s][rows] = part.conv_states[s]
+                layer.recurrent_states[s][rows] = part.recurrent_states[s]
+        return out
+
+    return run
+
+
+def _subset(layer, rows: torch.Tensor):
+    """A transformers ``LinearAttentionLayer`` holding rows ``rows`` of ``layer``'s states (copies)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    part = LinearAttentionLayer(number_of_states=layer.number_of_states)
+    for s in range(layer.number_of_states):
+        part.update_conv_state(layer.conv_states[s][rows], s, conv_kernel_size=layer.conv_kernel_size[s])
+        part.update_recurrent_state(layer.recurrent_states[s][rows], s)
+    return part
+
+
+def _as_cache(part, idx: int):
+    """A ``Cache`` whose layer ``idx`` is ``part`` (the only layer the linear-attention forward reads)."""
+    from transformers.cache_utils import Cache
+
+    return Cache(layers=[part] * (idx + 1))

@@ -18,6 +18,9 @@ The structure is the paper's, the sizes are not:
 - LLaVA-OneVision: SigLIP without CLS (all patches fed, "full" strategy, the last layer's output), 32 px views of
   8 px patches (16 tokens), anyres crops up to 2x2 with newlines, and anyres_max_2, so a 2x2 crop grid is resized
   down to 5x5 tokens (the released model: anyres_max_9 over 384 px views, up to 6x6 crops).
+- Qwen3.5: Qwen3-VL's vision tower without DeepStack (the same patching and pixel range), and a hybrid LLM of 8
+  layers alternating Gated DeltaNet linear attention and gated full attention (``layer_types``: layers 1, 3, 5, 7
+  full; the released 4B: every 4th of 32), partial rotary (a quarter of the 32-wide heads) with interleaved M-RoPE.
 - InternVL3: InternViT with a CLS token (dropped, "default" strategy; the last layer's output), 32 px tiles of 4 px
   patches (8x8) pixel-shuffled to 4x4 = 16 tokens per tile, the released tiling (up to 12 tiles plus a thumbnail;
   the released model: 448 px tiles of 14 px patches, 256 tokens per tile), a Qwen2 LLM.
@@ -63,6 +66,8 @@ from transformers import (
     Qwen2Config,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
@@ -72,7 +77,8 @@ from transformers import (
 
 from .factories import place
 
-ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl")
+ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl",
+         "qwen3_5")
 SEED = 0  # fixed so every process builds bit-identical tiny models
 
 # Chat templates in the style of the real checkpoints (LLaVA-1.5 "USER: <image>\n... ASSISTANT:",
@@ -108,6 +114,13 @@ _QWEN_TEMPLATE = (
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# Qwen3.5's generation prompt opens a reasoning block unless enable_thinking is false (then an empty one), as the
+# released Qwen3.5-4B template does
+_QWEN3_5_TEMPLATE = _QWEN_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
 
 
 def _byte_level_tokenizer(special_tokens: list[str], **named) -> PreTrainedTokenizerFast:
@@ -246,10 +259,10 @@ _QWEN_NORM = {"qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0
 
 
 def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int, family: str = "qwen2_5_vl",
-                   video_size: dict | None = None):
+                   video_size: dict | None = None, template: str = _QWEN_TEMPLATE):
     """A Qwen2.5-VL (or, ``family="qwen3_vl"``, Qwen3-VL) processor around ``tok`` with the released processor's
     normalisation, and its video processor (clips, ``promprune.models.video``): ``video_size`` its pixel range
-    (``{"shortest_edge", "longest_edge"}``; None: the released video processor's)."""
+    (``{"shortest_edge", "longest_edge"}``; None: the released video processor's); ``template`` its chat template."""
     mean, std = _QWEN_NORM[family]
     image_processor = Qwen2VLImageProcessor(
         patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -261,7 +274,7 @@ def qwen_processor(tok, patch: int, merge: int, min_pixels: int, max_pixels: int
     video_processor = video_cls(patch_size=patch, merge_size=merge, temporal_patch_size=2, image_mean=mean,
                                 image_std=std, **sized)
     return processor_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                         chat_template=_QWEN_TEMPLATE)
+                         chat_template=template)
 
 
 def _tiny_qwen2_5_vl():
@@ -302,6 +315,34 @@ def _tiny_qwen3_vl():
     return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,
                                  family="qwen3_vl",
                                  video_size={"shortest_edge": (2 * factor) ** 2, "longest_edge": 8 * (6 * factor) ** 2})
+
+
+QWEN3_5_LAYERS = 8  # deep enough for SparseVLM's and PyramidDrop's three stages at distinct full-attention layers
+
+
+def _tiny_qwen3_5():
+    tok = qwen_tokenizer()
+    ids = qwen_token_ids(tok)
+    patch, merge = 4, 2
+    # full attention every 2nd layer (the released models: every 4th), so each in-LLM stage finds a full-attention
+    # layer to rank at and linear-attention layers after it; 32-wide heads with a quarter rotary (the released
+    # 256-wide heads: 64 rotary dims, mrope_section [11, 11, 10]) -> 8 rotary dims, sections [2, 1, 1]
+    text = dict(**_text_sizes(len(tok)), **ids.pop("text"))
+    text.update(num_hidden_layers=QWEN3_5_LAYERS, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "full_attention"] * (QWEN3_5_LAYERS // 2),
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
+                  spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, **ids)
+    model = _seeded(lambda: Qwen3_5ForConditionalGeneration(config))
+    factor = patch * merge
+    # Qwen3.5 ships Qwen3-VL's processor (transformers maps qwen3_5 to Qwen3VLProcessor): the same pixel ranges
+    return model, qwen_processor(tok, patch, merge, min_pixels=(2 * factor) ** 2, max_pixels=(6 * factor) ** 2,
+                                 family="qwen3_vl",
+                                 video_size={"shortest_edge": (2 * factor) ** 2, "longest_edge": 8 * (6 * factor) ** 2},
+                                 template=_QWEN3_5_TEMPLATE)
 
 
 ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
@@ -387,7 +428,8 @@ def _tiny_internvl():
 
 
 _BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl,
-             "qwen3_vl": _tiny_qwen3_vl, "llava_onevision": _tiny_llava_onevision, "internvl": _tiny_internvl}
+             "qwen3_vl": _tiny_qwen3_vl, "llava_onevision": _tiny_llava_onevision, "internvl": _tiny_internvl,
+             "qwen3_5": _tiny_qwen3_5}
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,5 @@
-"""Video through the adapters: LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL answer about a clip, its visual tokens pruned.
+"""Video through the adapters: LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL and Qwen3.5 answer about a clip, its visual tokens
+pruned.
 
 A clip is one :class:`~promprune.models.adapters.VisualItem` whose views are its frames, so the selection code is the
 images' (``select_items`` over views):
@@ -8,11 +9,12 @@ images' (``select_items`` over views):
   the clip. Saliency: each patch's received attention within its frame (as for images), pooled by the same
   ``apply_pooling``. The newline is no candidate; ``image_newline`` "drop" / "rows" / "all" as for images (the clip
   is one row, so "rows" keeps it when any token is kept, which restores the unpruned sequence at full budget).
-- Qwen2.5-VL / Qwen3-VL: the tower joins 2 frames per temporal patch; a "frame" here is one temporal patch (its
-  ``h/2 x w/2`` merged grid). The image path runs unchanged on the clip's patches (same tower, same saliency hook: the
-  vision attention is within each temporal patch); the kept tokens keep their 3D M-RoPE positions (computed on the
+- Qwen2.5-VL / Qwen3-VL / Qwen3.5: the tower joins 2 frames per temporal patch; a "frame" here is one temporal patch
+  (its ``h/2 x w/2`` merged grid). The image path runs unchanged on the clip's patches (same tower, same saliency hook:
+  the vision attention is within each temporal patch); the kept tokens keep their 3D M-RoPE positions (computed on the
   unpruned sequence with ``video_grid_thw``, gathered at the kept columns) and Qwen3-VL's DeepStack rows. Qwen3-VL's
-  processor writes each temporal patch as its own placeholder run after a timestamp, so a clip has several runs.
+  processor (Qwen3.5's too) writes each temporal patch as its own placeholder run after a timestamp, so a clip has
+  several runs, and Qwen3.5's ``get_rope_index`` numbers each temporal patch as a one-frame grid after its timestamp.
 
 Budget over a clip (adapter options ``video_budget`` / ``video_split``;
 :data:`promprune.models.options.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
@@ -49,7 +51,7 @@ from .batched_select import select_items
 from .batched_select import split_budget as split_shares
 from .sequence import shrink_placeholders
 
-VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl")
+VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 # video_budget -> the batched_select.py budget mode over views (a clip's frames are its views)
 FRAME_MODES = {"per_frame": "per_crop", "clip": "global", "adaptive_frames": "adaptive_views"}
 DEFAULT_FRAMES = 8  # frames sampled uniformly from a video file (lmms-eval's video models default to 8-32)
@@ -135,7 +137,8 @@ def clip_key(frames: np.ndarray) -> int:
 def conversation(vlm, prompt: str) -> str:
     """The chat-templated text of one user turn with one clip."""
     conv = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
-    return vlm.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    return vlm.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
+                                             **vlm.adapter.chat_template_kwargs())
 
 
 def processed(vlm, clips, prompts, fps: float | None = None):
@@ -150,7 +153,7 @@ def processed(vlm, clips, prompts, fps: float | None = None):
     kwargs: dict = {"do_sample_frames": False}
     rates = [fps or rate or DEFAULT_FPS for _, rate in loaded]
     kind = vlm.model.config.model_type
-    if kind == "qwen3_vl":  # timestamps in the prompt: the frames' indices and rate
+    if kind in ("qwen3_vl", "qwen3_5"):  # timestamps in the prompt: the frames' indices and rate
         from transformers.video_utils import VideoMetadata
 
         kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(a), fps=r, frames_indices=list(range(len(a))))
@@ -228,7 +231,8 @@ def _onevision_items(adapter, batch, need_saliency: bool) -> list[VisualItem]:
 
 def encoder_outputs(adapter, items, feats, run_pos) -> dict:
     """``mm_encoder_outputs`` for ``generate``: the fed features of each clip under the "video" key (OneVision: one
-    ``[1, sum M_i, d]`` tensor, which its forward flattens; Qwen: the image path's outputs, DeepStack rows included)."""
+    ``[1, sum M_i, d]`` tensor, which its forward flattens; Qwen: the image path's outputs, Qwen3-VL's DeepStack rows
+    included)."""
     if adapter.model.config.model_type == "llava_onevision":
         return {"video": BaseModelOutputWithPooling(pooler_output=torch.cat(feats)[None])}
     return {"video": adapter.encoder_outputs(items, feats, run_pos)["image"]}

@@ -84,6 +84,9 @@ class PrunedVLM:
         self.view_budget = None
         if is_in_llm(method):
             llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
+            # fail now where the method has no layer to rank at (a hybrid LLM's linear-attention layers)
+            llm_hooks.stage_layers(self.model.config, method,
+                                   promprune.method_spec(method).resolve(self.method_options, budget=budget))
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             self._text_source()  # fail now on a text source the model has no tower for
@@ -129,9 +132,27 @@ class PrunedVLM:
         return self.model.device
 
     def conversation(self, prompt: str) -> str:
-        """The chat-templated text of one user turn with one image, ready for generation."""
+        """The chat-templated text of one user turn with one image, ready for generation (with the adapter option
+        ``enable_thinking`` where set: Qwen3.5's template switch)."""
         conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
+                                                  **self.adapter.chat_template_kwargs())
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the generation prompt opens a reasoning block the answer closes (``<think>`` without its
+        ``</think>``: Qwen3.5-4B's template by default, or ``enable_thinking=True``); then the answer text is what
+        follows ``</think>`` (empty while the reasoning never closed), as lmms-eval's qwen3_5 model strips it."""
+        if getattr(self, "_thinks", None) is None:
+            tail = self.conversation("?").rpartition("?")[2]
+            self._thinks = "<think>" in tail and "</think>" not in tail
+        return self._thinks
+
+    def answer_text(self, decoded: str) -> str:
+        """The answer of a decoded generation: stripped, its reasoning block dropped when :attr:`thinks`."""
+        if self.thinks:
+            decoded = decoded.partition("</think>")[2]
+        return decoded.strip()
 
     def processed(self, images, prompts):
         """Processor outputs for a batch (unpruned placeholders), on the CPU: no model weights involved."""
@@ -248,7 +269,7 @@ class PrunedVLM:
     def _generate(self, prep: "Prepared", generation_kwargs: dict, cache=None,
                   prefix_cache: bool = False) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
-        inputs, prefix_ms = prep.model_kwargs, 0.0
+        inputs, prefix_ms, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
         if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1:
             from . import prefix, sharing
 
@@ -256,8 +277,9 @@ class PrunedVLM:
                 cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache())
             if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
                 inputs, prefix_ms = cached, prefilling.ms
+                continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
         pruner = self.pruning(prep)
-        with _Timer(self.model, self.device) as timer, pruner:
+        with _Timer(self.model, self.device) as timer, pruner, continuing:
             out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
         stats = [{**s, "text_tokens": n} for s, n in zip(stats, self._text_tokens(prep.model_kwargs))]
@@ -265,7 +287,7 @@ class PrunedVLM:
         texts = self.processor.batch_decode(new, skip_special_tokens=True)
         times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=prefix_ms + timer.prefill_ms,
                      decode_ms=timer.decode_ms)
-        return [Generation(text=t.strip(), **s, **times, token_ids=row.tolist())
+        return [Generation(text=self.answer_text(t), **s, **times, token_ids=row.tolist())
                 for t, s, row in zip(texts, stats, new)]
 
     def _text_tokens(self, model_kwargs: dict) -> list[int]:
@@ -395,4 +417,5 @@ def _model_class(model_type):
             "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
             "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
             "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration,
-            "internvl": transformers.InternVLForConditionalGeneration}[model_type]
+            "internvl": transformers.InternVLForConditionalGeneration,
+            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[model_type]

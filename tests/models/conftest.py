@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl")
+ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl",
+         "qwen3_5")
 
 
 @pytest.fixture(autouse=True)

@@ -94,7 +94,7 @@ def test_in_llm_rejects_beam_search(images, prompts):
                                                                        num_beams=2)
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 @pytest.mark.parametrize("method", ["fastv", "sparsevlm"])
 def test_eager_llm_full_budget_and_pruned_match_sdpa(arch, method, images, prompts):
     """The masks handed to later layers work for eager (additive float) as for SDPA (boolean)."""

@@ -24,14 +24,18 @@ PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_16
                     # rounded "8.03B" agrees with
                     "llava_onevision_7b": 8_030_807_584,
                     # also our config's count (from memory, unverifiable offline), as the hub card's rounded "7.94B"
-                    "internvl3_8b": 7_944_373_760}
+                    "internvl3_8b": 7_944_373_760,
+                    # our config's count (transformers' model: the hub's safetensors also hold a multi-token-prediction
+                    # head it does not load), as the published "4.5B"; tied embeddings
+                    "qwen3_5_4b": 4_539_265_536}
 # visual tokens of one square image: LLaVA-1.5 24x24; NeXT base view + 2x2 crops of 24x24 plus one newline per row
 # of the 48-row grid; Qwen2.5-VL at the paper's fixed 36x36 merged grid, Qwen3-VL at the same grid (our choice)
 # OneVision (512 px square): the 27x27 base view + 2x2 crops (54x54, under anyres_max_9's resize limit) + 54 newlines
 # InternVL3 (512 px square): one 448 px tile of 16 x 16 tokens, no thumbnail (a 2x2 grid would cover more than twice
 # the image)
 VISUAL_TOKENS = {"llava_1_5_7b": 576, "llava_next_7b": 5 * 576 + 48, "qwen2_5_vl_7b": 1296, "qwen3_vl_8b": 1296,
-                 "llava_onevision_7b": 729 + 54 * 54 + 54, "internvl3_8b": 256}
+                 "llava_onevision_7b": 729 + 54 * 54 + 54, "internvl3_8b": 256,
+                 "qwen3_5_4b": 1296}  # Qwen3.5 at Qwen3-VL's grid (our choice)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_placeholder_counts_through_the_pruned_vlm(meta_models, name):
     assert int((batch["input_ids"] == model.config.image_token_id).sum()) == VISUAL_TOKENS[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl_7b", "qwen3_vl_8b"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl_7b", "qwen3_vl_8b", "qwen3_5_4b"])
 def test_qwen_positions_of_a_pruned_real_sequence(meta_models, name):
     """128 of 1296 kept: each keeps its (t, h, w) position on the 36 x 36 grid, text after continues at s + 36."""
     model, processor = meta_models[name]
@@ -80,7 +84,8 @@ def test_qwen_positions_of_a_pruned_real_sequence(meta_models, name):
     torch.testing.assert_close(pos[1:, 0][:, mask[0].bool()], expected)
 
 
-@pytest.mark.parametrize("name, budget", [("llava_1_5_7b", 64), ("qwen2_5_vl_7b", 128), ("qwen3_vl_8b", 128)])
+@pytest.mark.parametrize("name, budget", [("llava_1_5_7b", 64), ("qwen2_5_vl_7b", 128), ("qwen3_vl_8b", 128),
+                                          ("qwen3_5_4b", 128)])
 def test_selection_at_the_real_token_count(name, budget):
     spec = shape_spec(name)
     d = spec["text_config"]["hidden_size"]

@@ -47,7 +47,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["raster", "selection", "stages"])
-@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_the_llm_receives_the_kept_tokens_in_order(arch, order, device, images, prompts):
     model, processor = tiny_vlm(arch)
     if device != "cpu":
@@ -73,7 +73,7 @@ def test_the_llm_receives_the_kept_tokens_in_order(arch, order, device, images, 
             assert torch.all(saliency[:-1] >= saliency[1:])
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 @pytest.mark.parametrize("order", ["raster", "selection"])
 def test_qwen_tokens_keep_their_own_positions_in_any_order(arch, order, images, prompts):
     model, processor = tiny_vlm(arch)

@@ -1,4 +1,4 @@
-"""Video through the adapters (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL) on a procedural clip.
+"""Video through the adapters (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, Qwen3.5) on a procedural clip.
 
 References: plain transformers ``generate`` on the clip (the processor and model as their docs use them), the unpruned
 logits, hand-worked per-frame shares, a numpy SVD spectral entropy with the split formula written out, and
@@ -19,12 +19,14 @@ from promprune.models.video import inputs as video_inputs
 from promprune.testbed.clips import scene_clip, velocities
 from promprune.testbed.scenes import make_scene
 
-VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl")
+VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 FRAMES = 4
 # tokens per "frame" (OneVision: a 32 px view's 4x4 patches pooled to 2x2; Qwen: one temporal patch of 2 frames, the
-# 96 px frames resized to 48 px (Qwen2.5-VL: 6x6 merged) or, the clip's pixels bounded, 64 px (Qwen3-VL: 8x8))
-PER_FRAME = {"llava_onevision": 4, "qwen2_5_vl": 36, "qwen3_vl": 64}
-VIEWS = {"llava_onevision": FRAMES, "qwen2_5_vl": FRAMES // 2, "qwen3_vl": FRAMES // 2}
+# 96 px frames resized to 48 px (Qwen2.5-VL: 6x6 merged) or, the clip's pixels bounded, 64 px (Qwen3-VL and Qwen3.5,
+# which uses Qwen3-VL's video processor: 8x8))
+PER_FRAME = {"llava_onevision": 4, "qwen2_5_vl": 36, "qwen3_vl": 64, "qwen3_5": 64}
+VIEWS = {"llava_onevision": FRAMES, "qwen2_5_vl": FRAMES // 2, "qwen3_vl": FRAMES // 2, "qwen3_5": FRAMES // 2}
+TIMESTAMPED = ("qwen3_vl", "qwen3_5")  # processors that write each temporal patch's timestamp into the prompt
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def plain_generate(arch, clips, prompts, new_tokens):
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     videos = [np.stack([np.asarray(f) for f in clip]) for clip in clips]
     kwargs = {"do_sample_frames": False}
-    if arch == "qwen3_vl":
+    if arch in TIMESTAMPED:
         from transformers.video_utils import VideoMetadata
 
         kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v), fps=1.0, frames_indices=list(range(len(v))))
@@ -135,10 +137,11 @@ def test_unpruned_matches_plain_generate(arch, clips):
     assert [g.text_tokens for g in got] == text
 
 
-def test_qwen3_video_text_tokens_count_the_frame_timestamps(clips):
+@pytest.mark.parametrize("arch", TIMESTAMPED)
+def test_qwen3_video_text_tokens_count_the_frame_timestamps(arch, clips):
     """Qwen3-VL's processor writes a timestamp before every temporal patch: the text the LLM reads is longer than
     the image conversation's template (which the pipeline once counted, so a video's prefill FLOPs missed them)."""
-    vlm = vlm_for("qwen3_vl")
+    vlm = vlm_for(arch)
     got = vlm.generate_video(clips, PROMPTS, max_new_tokens=1)
     tok, image_id = vlm.processor.tokenizer, vlm.model.config.image_token_id
     template = [sum(i != image_id for i in tok(vlm.conversation(p), add_special_tokens=False)["input_ids"])
@@ -164,7 +167,7 @@ def test_full_budget_equals_unpruned_logits(arch, video_budget, clips):
 
 
 # budget 10 over the frames: OneVision 4 frames of 4 tokens -> 3, 3, 2, 2; Qwen 2 temporal patches -> 5, 5
-SHARES = {"llava_onevision": [3, 3, 2, 2], "qwen2_5_vl": [5, 5], "qwen3_vl": [5, 5]}
+SHARES = {"llava_onevision": [3, 3, 2, 2], "qwen2_5_vl": [5, 5], "qwen3_vl": [5, 5], "qwen3_5": [5, 5]}
 
 
 @pytest.mark.parametrize("arch", VIDEO_ARCHS)
@@ -254,7 +257,7 @@ def test_video_needs_a_video_model():
 # ---- Qwen: 3D positions and DeepStack ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 @pytest.mark.parametrize("order", ["raster", "selection"])
 def test_qwen_kept_tokens_keep_their_3d_positions(arch, order, clips):
     """Each fed video token carries the (t, h, w) position transformers gives its grid index on the unpruned clip."""
@@ -333,7 +336,7 @@ def test_onevision_frame_saliency_is_pooled_eager_attention(clips):
         assert item.groups.tolist() == [f for f in range(FRAMES) for _ in range(4)]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_qwen_clip_of_one_still_image_is_that_image(arch):
     """Qwen's image path feeds an image as a temporal patch of two equal frames, so a clip of those two frames gives
     the image's tokens, saliency (and DeepStack rows) exactly: the video path adds nothing of its own to them."""

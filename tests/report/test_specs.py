@@ -18,7 +18,8 @@ PAPER_SPECS = ["table1_llava15", "table2_llava_next", "table3_qwen25vl", "table4
                "figA1_saliency_ratio", "table6_efficiency", "figC1_entropy_distribution", "mu_calibration",
                "mu_calibration_grid", "table2_llava_next_extended", "table3_qwen25vl_extended",
                "table5_diversity_extended", "table6_efficiency_extended", "figE1_overlays", "table1_llava15_extended",
-               "extended_models", "extended_models_llava_onevision", "extended_models_internvl"]
+               "extended_models", "extended_models_llava_onevision", "extended_models_internvl",
+               "extended_models_qwen35"]
 PAPER_BASELINES = ["vispruner", "divprune"]  # what Tables 2, 3 and 6 compare PromPrune with
 
 
@@ -50,6 +51,7 @@ def test_spec_validates_and_is_named_after_its_file(name):
     ("extended_models_llava_onevision", "llava-hf/llava-onevision-qwen2-7b-ov-hf", TABLE2_TASKS, [640, 320, 160],
      BASELINES + RIVALS),
     ("extended_models_internvl", "OpenGVLab/InternVL3-8B-hf", TABLE2_TASKS, [640, 320, 160], BASELINES + RIVALS),
+    ("extended_models_qwen35", "Qwen/Qwen3.5-4B", TABLE2_TASKS, [512, 256, 128], BASELINES + RIVALS),
 ])
 def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets, methods):
     loaded, trials = trials_of(name)
@@ -141,6 +143,7 @@ MU_TAU_SEARCHES = {  # spec -> (the model it searches for, its shape: the publis
     "mu_tau_search_qwen3vl": ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_8b"),
     "mu_tau_search_internvl3": ("OpenGVLab/InternVL3-8B-hf", "internvl3_8b"),
     "mu_tau_search_llava_onevision": ("llava-hf/llava-onevision-qwen2-7b-ov-hf", "llava_onevision_7b"),
+    "mu_tau_search_qwen35": ("Qwen/Qwen3.5-4B", "qwen3_5_4b"),
 }
 
 
@@ -212,3 +215,22 @@ def test_testbed_split_headroom_runs_every_distinct_split():
     assert {fixed_count(8, r) for r in EVERY_RATIO} == set(range(9))
     calibrated = [t for t in trials if t.method == "promprune"]
     assert sorted(t.budget for t in calibrated) == [8, 16] and all(t.options["mu"] == "calibrate" for t in calibrated)
+
+
+def test_qwen35_sweep_is_valid_offline_and_its_in_llm_trials_find_full_attention():
+    """extended_models_qwen35.yaml on the 4B's shape: every budget prunes, every in-LLM trial ranks at a
+    full-attention layer (preflight, before Ray); an explicit FastV K that ranks at a linear layer is refused there in
+    one paragraph naming the model type and the method. The sweep answers without thinking, at 1296 tokens."""
+    from pipelines import preflight
+
+    offline = spec.load(SWEEPS / "extended_models_qwen35.yaml", ["model.pretrained=shape:qwen3_5_4b"])
+    assert offline.model.options == {"image_tokens": 1296, "token_order": "released", "enable_thinking": False}
+    assert preflight.check_model(offline.model.pretrained, offline.model.options, preflight.budgets(offline)) == []
+    assert preflight.check_in_llm_layers(offline) == []
+    refused = spec.load(SWEEPS / "extended_models_qwen35.yaml", ["model.pretrained=shape:qwen3_5_4b",
+                                                                 "grid.method=[fastv]", "grid.budget=[128]",
+                                                                 "grid.layer=[2]"])
+    problems = preflight.check_in_llm_layers(refused)
+    assert len(problems) == 1 and problems[0].startswith("trial fastv-b128-layer=2: in-LLM method 'fastv' on model "
+                                                         "type 'qwen3_5'")
+    assert "Give 'layer' from [4, 8, 12, 16, 20, 24, 28]" in problems[0]

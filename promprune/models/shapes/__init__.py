@@ -1,12 +1,12 @@
 """The published 7B shapes without their weights: random-weight VLMs at the paper's real sizes.
 
-``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B, LLaVA-OneVision-7B or
-InternVL3-8B from the sizes in this folder's JSON files (copied from the checkpoints' ``config.json``; each file's
-``_source`` says where from) with random weights, and an offline processor with the checkpoint's image settings (336 px
-CLIP views and anyres pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5
-mean / std; OneVision's 384 px SigLIP views, 6x6 pinpoints and anyres_max_9; InternVL3's 448 px tiles, up to 12 plus a
-thumbnail). Latency, memory, FLOPs and token counts do not depend on weight values, so these stand in for the
-checkpoints wherever those cannot be downloaded
+``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B, LLaVA-OneVision-7B,
+InternVL3-8B or Qwen3.5-4B from the sizes in this folder's JSON files (copied from the checkpoints' ``config.json``;
+each file's ``_source`` says where from) with random weights, and an offline processor with the checkpoint's image
+settings (336 px CLIP views and anyres pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches,
+2x2 merge, 0.5 mean / std; OneVision's 384 px SigLIP views, 6x6 pinpoints and anyres_max_9; InternVL3's 448 px tiles,
+up to 12 plus a thumbnail; Qwen3.5's, which is Qwen3-VL's). Latency, memory, FLOPs and token counts do not depend on
+weight values, so these stand in for the checkpoints wherever those cannot be downloaded
 (``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized (one token per byte), so a
 prompt has more text tokens than under the real tokenizer; the vocabulary size, and so the embedding and LM-head shapes,
 stay the published ones.
@@ -37,6 +37,8 @@ from transformers import (
     InternVLForConditionalGeneration,
     InternVLVisionConfig,
     Qwen2Config,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     SiglipVisionConfig,
@@ -127,6 +129,22 @@ def _qwen3(spec: dict, text_layers, vision_layers):
     return Qwen3VLForConditionalGeneration, config, processor
 
 
+def _qwen35(spec: dict, text_layers, vision_layers):
+    """Qwen3.5: Qwen3-VL's processor and vision tower without DeepStack; a shrunk LLM keeps its first layers' types."""
+    tok = tiny.qwen_tokenizer()
+    ids = tiny.qwen_token_ids(tok)
+    text = _section(spec, "text_config", text_layers, **ids.pop("text"))
+    text["layer_types"] = text["layer_types"][:text["num_hidden_layers"]]
+    vision = _section(spec, "vision_config", vision_layers, key="depth")
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
+                           **ids)
+    pixels = spec["processor"]
+    processor = tiny.qwen_processor(tok, vision["patch_size"], vision["spatial_merge_size"],
+                                    min_pixels=pixels["min_pixels"], max_pixels=pixels["max_pixels"],
+                                    family="qwen3_vl", template=tiny._QWEN3_5_TEMPLATE)  # with the think switch
+    return Qwen3_5ForConditionalGeneration, config, processor
+
+
 def _onevision(spec: dict, text_layers, vision_layers):
     tok = tiny.onevision_tokenizer()
     vision = _section(spec, "vision_config", vision_layers)
@@ -166,7 +184,8 @@ def _internvl(spec: dict, text_layers, vision_layers):
     return InternVLForConditionalGeneration, config, processor
 
 
-_BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "llava_onevision": _onevision, "internvl": _internvl}
+_BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "llava_onevision": _onevision, "internvl": _internvl,
+             "qwen3_5": _qwen35}
 
 
 def _builder(spec: dict):
@@ -231,7 +250,7 @@ load.config = _config
 
 
 def default_options(name: str) -> dict:
-    """Adapter options the paper used with this shape (Qwen2.5-VL: a fixed 1296-token grid; Qwen3-VL: the same, our
-    choice)."""
+    """Adapter options the paper used with this shape (Qwen2.5-VL: a fixed 1296-token grid; Qwen3-VL and Qwen3.5: the
+    same, our choice)."""
     spec = shape_spec(name)
     return {"image_tokens": spec["image_tokens"]} if "image_tokens" in spec else {}
