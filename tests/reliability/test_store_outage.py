@@ -47,7 +47,8 @@ def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypa
     every trial has one FINISHED run whose start is the trial's start."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(mlflow_layout.TRACKING_URI_ENV, f"sqlite:///{tmp_path / 'mlflow.db'}")
-    spec = specs.parse({**SPEC, "limit": 4})
+    spec = specs.parse({**SPEC, "model": {"pretrained": "testbed:llava"}, "tasks": ["testbed_exist_concentrated"],
+                        "limit": 8})  # 4 blocks (two questions per scene): progress before the end
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
     try:
         outcome = {}
@@ -69,7 +70,7 @@ def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypa
     tid, run = seen
     assert run.data.params["method"] == tid.split("-")[0] and run.data.params["budget"] == "8"
     assert run.data.tags[mlflow_layout.NOTE] == spec.description
-    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["easyvqa_yesno"]
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["testbed_exist_concentrated"]
     assert outcome["r"].failed == [] and outcome["r"].unlogged == []
     final = {r.data.tags[mlflow_layout.TRIAL]: r for r in _trial_runs(c)}
     assert sorted(final) == ["baseline", "divprune-b8", "promprune-b8"]
@@ -77,7 +78,7 @@ def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypa
     later = final[tid]
     assert later.info.run_id == run.info.run_id and later.info.start_time == run.info.start_time  # the same run
     steps = [m.step for m in c.get_metric_history(run.info.run_id, "samples/done")]
-    assert steps == sorted(steps) and steps[-1] == 4
+    assert steps == sorted(steps) and steps[-1] == 8
 
 
 def _cli(spec_path, cwd, uri: str, wait_s: str = "120") -> subprocess.Popen:
