@@ -197,8 +197,9 @@ def check_in_llm_layers(spec: SweepSpec) -> list[str]:
 
 
 def _fail_fast_http():
-    """MLflow retries a dead server for minutes; a probe wants an answer in seconds."""
-    return temporary_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    """MLflow retries a dead server for minutes; a probe wants an answer in seconds (a server that is down refuses
+    the connection at once; 15 s lets a live one on a busy head answer its first request)."""
+    return temporary_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="15")
 
 
 def check_store(uri: str) -> list[str]:

@@ -223,7 +223,8 @@ class SweepRecorder:
             if tid not in self.finished:
                 if tid not in self.began:  # finished before an interruption, restored by --resume: never opened
                     self._open(trial, start=started)
-                self.out.submit("metrics", tid, metrics=rec["metrics"])
+                # step: the samples they were computed over, as the running values' (all of them, at the end)
+                self.out.submit("metrics", tid, metrics=rec["metrics"], step=int(metrics.get("samples/total", 0)))
                 self.out.submit("artifact", tid, path=str(path))
                 self._end(tid, "FINISHED", ended)
             elif REL in rec["metrics"]:
@@ -259,7 +260,7 @@ class SweepRecorder:
             if tid not in self.began:
                 self._open(trial)
             self.out.submit("metrics", tid, metrics={"samples/done": rec["stopped"]["done"], search.TIME_ATTR: scored,
-                                                     "samples/total": total})
+                                                     "samples/total": total}, step=rec["stopped"]["done"])
             self.out.submit("metrics", tid, metrics={f"{mlflow_layout.RUNNING}/{k}": v for k, v in running.items()},
                             step=scored)
             self._end(tid, "KILLED", tags={mlflow_layout.STOPPED: why})

@@ -46,6 +46,19 @@ class MlflowServer:
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
                     if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            self.stop()
+            raise RuntimeError(f"mlflow server did not answer on {self.uri} within {timeout_s:g}s")
+        while time.monotonic() < deadline:  # its first tracking request (the store opened) answered: warm
+            try:
+                search = urllib.request.Request(f"{self.uri}/api/2.0/mlflow/experiments/search", method="POST",
+                                                data=b'{"max_results": 1}',
+                                                headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(search, timeout=30) as r:
+                    if r.status == 200:
                         return self
             except OSError:
                 time.sleep(0.5)

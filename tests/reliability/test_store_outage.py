@@ -21,7 +21,8 @@ from tests.pipelines.sweep_cli import REPO, read_until
 
 pytestmark = pytest.mark.slow
 
-SPEC = {"name": "outage", "version": 1, "description": "a store outage, watched", "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+SPEC = {"name": "outage", "version": 1, "description": "a store outage, watched",
+        "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
         "limit": 2, "baseline": True, "grid": {"method": ["promprune", "divprune"], "budget": [8]},
         "generation": {"max_new_tokens": 2}, "resources": {"batch_size": 1},
         "tune": {"max_concurrent_trials": 1, "max_failures": 0}}
