@@ -34,6 +34,7 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
     # Qwen3-VL (every block attends over the whole image): any block index; None = the last one.
     # InternVL: any InternViT layer (CLS attention); None = the layer vision_feature_layer reads (the last).
+    # Gemma 4: any layer of its vision encoder (received attention); None = the last (whose output is pooled).
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
@@ -57,6 +58,9 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # video_budget per_frame / adaptive_frames); "per_frame": each frame's entropy splits its even share of the budget
     # and the clip's saliency count is their sum, selected over the clip (with video_budget "clip").
     "video_split": "unit",
+    # Gemma 4: the most soft tokens per image, one of 70 / 140 / 280 / 560 / 1120 (Gemma4ImageProcessor's
+    # max_soft_tokens); None keeps the processor's own (the released processor and lmms-eval's gemma4 model: 280).
+    "max_soft_tokens": None,
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
@@ -103,8 +107,10 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
 # Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
 # The newer encoders have no published value: Qwen3-VL borrows Qwen2.5-VL's (the same merged-token design);
 # recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
-# LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's.
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42}
+# LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's; so does Gemma 4's encoder (sweeps/
+# mu_tau_search_gemma4.yaml searches its own).
+DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42,
+              "gemma4": 0.42}
 
 
 def all_methods() -> list[str]:
@@ -131,6 +137,7 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         if adapter[key] not in allowed:
             raise ValueError(f"option {key!r} must be one of {list(allowed)}, got {adapter[key]!r}")
     _check_image_tokens(adapter["image_tokens"])
+    _check_max_soft_tokens(adapter["max_soft_tokens"])
     mode, newline = next_layout(method, adapter["budget_mode"], adapter["image_newline"])
     order = token_order(method, adapter["token_order"])
     if newline in ("rows", "all") and mode != "packed" and order != "raster":
@@ -159,3 +166,12 @@ def _check_image_tokens(n) -> None:
     side = int(round(n ** 0.5)) if isinstance(n, int) and n > 0 else 0
     if isinstance(n, bool) or side * side != n:
         raise ValueError(f"option 'image_tokens' must be a positive perfect square (e.g. 1296 = 36^2), got {n!r}")
+
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # Gemma4ImageProcessor's accepted max_soft_tokens
+
+
+def _check_max_soft_tokens(n) -> None:
+    if n is not None and (isinstance(n, bool) or n not in SOFT_TOKEN_BUDGETS):
+        raise ValueError(f"option 'max_soft_tokens' must be one of {list(SOFT_TOKEN_BUDGETS)} (Gemma 4's soft-token "
+                         f"budgets), got {n!r}")

@@ -395,4 +395,5 @@ def _model_class(model_type):
             "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
             "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
             "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration,
-            "internvl": transformers.InternVLForConditionalGeneration}[model_type]
+            "internvl": transformers.InternVLForConditionalGeneration,
+            "gemma4": transformers.Gemma4ForConditionalGeneration}[model_type]

@@ -12,7 +12,8 @@ from .conftest import ARCHS, plain_generate
                                       ("qwen2_5_vl", transformers.Qwen2_5_VLForConditionalGeneration),
                                       ("qwen3_vl", transformers.Qwen3VLForConditionalGeneration),
                                       ("llava_onevision", transformers.LlavaOnevisionForConditionalGeneration),
-                                      ("internvl", transformers.InternVLForConditionalGeneration)])
+                                      ("internvl", transformers.InternVLForConditionalGeneration),
+                                      ("gemma4", transformers.Gemma4ForConditionalGeneration)])
 def test_real_classes_cached(arch, cls):
     model, processor = tiny_vlm(arch)
     assert type(model) is cls
