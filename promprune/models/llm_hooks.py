@@ -60,31 +60,19 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
+    at = stage_layers(model.config, method, opts, model_name(model))
     compact = False
     if method in ("fastv", "dart"):
-        layer = opts["layer"] if opts["layer"] is not None else fastv_layer(len(layers))
-        if not 1 <= layer < len(layers):
-            raise ValueError(f"{method} option 'layer' must be in [1, {len(layers) - 1}], got {layer}")
-        stages = [Stage(layer, None, kind=method)]
+        stages = [Stage(at[0], None, kind=method)]
         plan = (lambda n: [budget]) if method == "fastv" else _dart_plan(budget, opts)
         if method == "dart":
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
     elif method == "pyramiddrop":
-        at = sorted(set(opts["layers"] or scaled_layers(len(layers), PYRAMIDDROP_LAYERS_OF_32)))
-        if max(at) >= len(layers):
-            raise ValueError(f"pyramiddrop option 'layers' must be < {len(layers)} (LLM depth), got {at}")
         stages = [Stage(layer, None, kind="pdrop") for layer in at]
         plan = _pyramid_plan(budget, opts, at, len(layers))
         compact = opts["positions"] == "released" and not _mrope(model)
     else:
-        at = opts["layers"] or sparsevlm_layers(len(layers))
-        if max(at) >= len(layers):
-            raise ValueError(f"sparsevlm option 'layers' must be < {len(layers)} (LLM depth), got {at}")
-        at = sorted(set(at))
         if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
-            if len(at) != 3:
-                raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
-                                 f"LLM gives {at}: pass option 'layers' with three layers")
             def plan(n):
                 return list(SPARSEVLM_RELEASED[budget])
         else:
@@ -94,6 +82,100 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
                   for layer in at]
     return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact,
                        method=method)
+
+
+def stage_layers(config, method: str, opts: dict, name: str = "this model") -> list[int]:
+    """The decoder layers an in-LLM method prunes before (ascending), from the config alone: its options' layers or
+    the released ones scaled to the depth, each checked, and on an LLM that mixes sliding-window and full attention
+    moved so the method ranks on a full-attention layer (:func:`full_attention_ranks`). ``opts``: the method's resolved
+    options. ValueError in one paragraph for options the LLM cannot take, or a method it cannot run
+    (:func:`unsupported`)."""
+    problem = unsupported(config, method, name)
+    if problem:
+        raise ValueError(problem)
+    depth = config.get_text_config().num_hidden_layers
+    if method in ("fastv", "dart"):
+        layer = opts["layer"] if opts["layer"] is not None else fastv_layer(depth)
+        if not 1 <= layer < depth:
+            raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {layer}")
+        return full_attention_ranks(config, method, [layer], explicit=opts["layer"] is not None, name=name)
+    of_32 = PYRAMIDDROP_LAYERS_OF_32 if method == "pyramiddrop" else SPARSEVLM_LAYERS_OF_32
+    at = sorted(set(opts["layers"] or scaled_layers(depth, of_32)))
+    if max(at) >= depth:
+        raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
+    at = full_attention_ranks(config, method, at, explicit=bool(opts["layers"]), name=name)
+    if method == "sparsevlm" and opts["schedule"] == "released" and len(at) != 3:
+        raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {depth}-layer "
+                         f"LLM gives {at}: pass option 'layers' with three layers")
+    return at
+
+
+def rank_layer(method: str, layer: int) -> int | None:
+    """The decoder layer whose attention rows rank the visual tokens of a stage pruning before ``layer``: FastV and
+    SparseVLM the layer before (its attention), PyramidDrop ``layer`` itself (its projections on its input); None for
+    DART, which ranks by key norms and hidden-state similarity (no attention row)."""
+    return None if method == "dart" else layer if method == "pyramiddrop" else layer - 1
+
+
+def full_attention_ranks(config, method: str, at: list[int], explicit: bool, name: str = "this model") -> list[int]:
+    """``at`` (pruning layers, ascending) such that every stage ranks on a full-attention layer of an LLM that mixes
+    them with sliding-window layers (``config.layer_types``; Gemma 4). A sliding layer's attention rows see only the
+    last ``sliding_window`` columns (and, with ``use_bidirectional_attention: vision``, the image tokens both ways), so
+    the rows the hooks recompute (causal over every column) would not be the model's own; a full-attention layer's are.
+    Scaled layers move to the first full-attention layer at or after their rank layer (stages landing on one layer
+    merge); a layer given by the options whose rank layer is sliding is refused (ValueError naming the full layers)."""
+    types = list(getattr(config.get_text_config(), "layer_types", None) or [])
+    if "sliding_attention" not in types or method == "dart":
+        return at
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    out = []
+    for layer in at:
+        rank = rank_layer(method, layer)
+        if types[rank] == "full_attention":
+            out.append(layer)
+            continue
+        option = "layer" if method in ("fastv", "dart") else "layers"
+        usable = [f + (method != "pyramiddrop") for f in full if f + (method != "pyramiddrop") < len(types)]
+        if explicit:
+            raise ValueError(
+                f"{method} on {name}: option {option!r} gives layer {layer}, which ranks the visual tokens by the "
+                f"attention of layer {rank}, a sliding-window layer (it sees only the last "
+                f"{config.get_text_config().sliding_window} tokens, so its rows are not the attention over the whole "
+                f"image); give {option} from the layers that rank on full attention: {usable}")
+        moved = next((f for f in full if f >= rank), None)
+        moved = None if moved is None else moved + (method != "pyramiddrop")
+        if moved is None or moved >= len(types):
+            raise ValueError(f"{method} on {name}: no full-attention layer at or after layer {rank} leaves a layer to "
+                             f"prune before; give option {option!r} from {usable}")
+        out.append(moved)
+    return sorted(set(out))
+
+
+def unsupported(config, method: str, name: str = "this model") -> str | None:
+    """Why ``method`` (in-LLM) cannot run on the LLM of ``config``, in one paragraph; None when it can. Gemma 4's
+    smaller models (E2B, E4B) reuse the keys and values of an earlier layer in their last layers
+    (``num_kv_shared_layers``) and add per-layer token embeddings (``hidden_size_per_layer_input``): a pruned sequence
+    would meet full-length shared keys and per-layer inputs the hooks do not shrink, so they are refused."""
+    text = config.get_text_config()
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    per_layer = getattr(text, "hidden_size_per_layer_input", 0) or 0
+    if not shared and not per_layer:
+        return None
+    what = " and ".join(x for x in (f"reuses an earlier layer's keys and values in its last {shared} layers "
+                                    "(num_kv_shared_layers)" if shared else "",
+                                    f"adds per-layer token embeddings (hidden_size_per_layer_input {per_layer})"
+                                    if per_layer else "") if x)
+    return (f"in-LLM method {method!r} cannot run on {name}: its language model {what}. The hooks shrink the hidden "
+            "states, masks and rotary embeddings of the layers after the pruning layer, not the keys a later layer "
+            "borrows from an earlier one nor the per-layer inputs, so the pruned sequence would not be the one those "
+            "layers see. Run a pre-LLM method on this model, or an in-LLM method on a model without them (Gemma 4 31B "
+            "or 26B-A4B).")
+
+
+def model_name(model) -> str:
+    """How errors name a loaded model: its checkpoint name, else its class."""
+    return getattr(model.config, "_name_or_path", "") or getattr(model.config, "name_or_path", "") \
+        or type(model).__name__
 
 
 def geometric(budget: int, n: int, s: int, stages: int) -> int:
@@ -196,7 +278,10 @@ def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch
     k = attn.k_proj(hidden).view(B, L, -1, attn.head_dim)
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rope(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if "k" not in inspect.signature(apply_rope).parameters:  # Gemma 4: one tensor at a time
+        return apply_rope(q, *rope), apply_rope(k, *rope)
+    return apply_rope(q, k, *rope)
 
 
 def scaled_layers(depth: int, of_32) -> list[int]:
@@ -302,11 +387,21 @@ class InLLMPruner:
             stage.targets = [p[s] for p in plans]
         self.first = stages[0].layer
         self.handles = []
+        text = model.config.get_text_config()
+        self.layer_types = list(getattr(text, "layer_types", None) or [])  # Gemma 4: sliding / full per layer
+        self.window = text.sliding_window if "sliding_attention" in self.layer_types else None
+        # Gemma 4's sliding layers let each run of vision tokens attend within itself both ways (transformers reads
+        # the runs from mm_token_type_ids; here from the placeholders): [B, L] run id, -1 for text
+        starts = self.visual & ~torch.nn.functional.pad(self.visual, (1, 0))[:, :-1]
+        self.blocks = (starts.long().cumsum(1) - 1).masked_fill(~self.visual, -1) \
+            if getattr(text, "use_bidirectional_attention", None) == "vision" else None
+        self.outer_mask = None  # the 2D padding mask the outer model got (Gemma 4's LLM gets per-type 4D masks)
 
     # ---- context manager -------------------------------------------------------------------------------
     def __enter__(self):
         check_llm(self.model, self.method)
         lm = self.model.model.language_model
+        self.handles.append(self.model.model.register_forward_pre_hook(self._on_outer, with_kwargs=True))
         self.handles.append(lm.register_forward_pre_hook(self._on_lm, with_kwargs=True))
         for stage in self.stages:
             if stage.kind == "pdrop":  # scored inside the layer's own hook
@@ -341,6 +436,26 @@ class InLLMPruner:
         return process
 
     # ---- per forward ---------------------------------------------------------------------------------
+    def _on_outer(self, module, args, kwargs):
+        """Remember the 2D padding mask the multimodal model was called with (its LLM may get 4D masks only)."""
+        mask = kwargs.get("attention_mask")
+        self.outer_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _full_cache(self, cache) -> None:
+        """Before the prefill: make the sliding-window layers of ``cache`` keep every column (plain DynamicLayers), so
+        the layers the hooks prune hold exactly the columns their masks name; the window is applied by the masks
+        (transformers' for the layers before the first pruning, the hooks' after), so attention is unchanged."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if self.window is None or layers is None:
+            return
+        for i, layer in enumerate(layers):
+            if getattr(layer, "is_sliding", False):
+                if layer.get_seq_length() > 0:
+                    raise RuntimeError("in-LLM pruning needs an empty KV cache at the prefill")
+                layers[i] = DynamicLayer()
+
     def _on_lm(self, module, args, kwargs):
         """Remember the 2D padding mask and whether this forward is the prefill."""
         embeds = kwargs.get("inputs_embeds")
@@ -359,9 +474,13 @@ class InLLMPruner:
         B = embeds.shape[0]
         total = past + self.q_len
         if not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2:
+            mask2d = self.outer_mask  # Gemma 4's LLM is given its masks by layer type
+        if not isinstance(mask2d, torch.Tensor) or tuple(mask2d.shape) != (B, total):
             mask2d = torch.ones(B, total, dtype=torch.bool, device=embeds.device)
+        mask2d = mask2d.to(embeds.device)
         self.mask2d = mask2d.bool()  # [B, past + q]
         if self.prefill:
+            self._full_cache(cache)
             L = self.q_len
             cols = torch.arange(L, device=embeds.device).expand(B, L)
             self.keep, self.alive = cols, self.mask2d[:, :L].clone()  # current columns, alive (non-pad, not dead)
@@ -430,10 +549,11 @@ class InLLMPruner:
                 if stage is not None:
                     if stage.kind == "pdrop":
                         normed = layer.input_layernorm(hidden)
-                        stage.scores = self._received(layer.self_attn, normed, self._rope(kwargs, hidden), "last")
+                        stage.scores = self._received(layer.self_attn, normed, self._rope(kwargs, hidden, idx),
+                                                      "last")
                     hidden = self._prune(stage, hidden)
                 self.layer_cols[idx] = (self.keep, self.alive, self._gone().sum(1))
-                kwargs = self._prefill_kwargs(kwargs, hidden)
+                kwargs = self._prefill_kwargs(kwargs, hidden, idx)
             else:
                 kwargs = self._decode_kwargs(idx, kwargs, hidden)
             if "hidden_states" in kwargs or not args:
@@ -522,22 +642,45 @@ class InLLMPruner:
         gone = self._gone().long()
         return gone.cumsum(1) - gone
 
-    def _rope(self, kwargs, hidden):
-        """Rotary ``(cos, sin)`` of the current columns: their original positions, or (``compact``) renumbered
-        contiguously, as PyramidDrop's released code does."""
+    def _rope(self, kwargs, hidden, idx: int):
+        """Rotary ``(cos, sin)`` of the current columns at layer ``idx``: their original positions, or (``compact``)
+        renumbered contiguously, as PyramidDrop's released code does."""
         cos, sin = kwargs["position_embeddings"]  # [B or 1, L, hd] for the full prompt
         if self.compact:
             pos = kwargs["position_ids"].expand(self.keep.shape[0], -1).gather(1, self.keep)  # [B, L_cur]
             pos = pos - self._removed().gather(1, self.keep)
-            return self.model.model.language_model.rotary_emb(hidden, position_ids=pos)
+            return self._rotary(hidden, pos, idx)
         idx = self.keep[..., None].expand(-1, -1, cos.shape[-1])
         return (cos.expand(self.keep.shape[0], -1, -1).gather(1, idx),
                 sin.expand(self.keep.shape[0], -1, -1).gather(1, idx))
 
-    def _prefill_kwargs(self, kwargs, hidden):
-        allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, q, kv]
+    def _rotary(self, hidden, pos, idx: int):
+        """The LLM's rotary embedding at positions ``pos`` for layer ``idx`` (Gemma 4's differs by layer type)."""
+        rotary = self.model.model.language_model.rotary_emb
+        if self.layer_types and "layer_type" in inspect.signature(rotary.forward).parameters:
+            return rotary(hidden, pos, self.layer_types[idx])
+        return rotary(hidden, position_ids=pos)
+
+    def _sliding(self, idx: int) -> bool:
+        return self.window is not None and self.layer_types[idx] == "sliding_attention"
+
+    def _prefill_allowed(self, idx: int) -> torch.Tensor:
+        """``[B, q, kv]`` bool over the current columns at layer ``idx``: causal in the original column order, live keys
+        only; on a sliding-window layer (Gemma 4) also within the window, counted in live columns (the pruned sequence
+        is the sequence these layers hold, as their KV cache does), and each vision run bidirectional within it."""
+        allowed = self.keep[:, None, :] <= self.keep[:, :, None]  # [B, q, kv] causal
+        if self._sliding(idx):
+            if self.blocks is not None:
+                run = self.blocks.to(self.keep.device).gather(1, self.keep)  # [B, L_cur]
+                allowed = allowed | ((run[:, :, None] == run[:, None, :]) & (run[:, :, None] >= 0))
+            rank = self.alive.long().cumsum(1) - 1  # [B, L_cur] place among the live columns
+            allowed = allowed & (rank[:, None, :] > rank[:, :, None] - self.window)
+        return self.alive[:, None, :] & allowed
+
+    def _prefill_kwargs(self, kwargs, hidden, idx: int):
+        allowed = self._prefill_allowed(idx)  # [B, q, kv]
         kwargs["attention_mask"] = self._as_mask(allowed[:, None], hidden.dtype)
-        kwargs["position_embeddings"] = self._rope(kwargs, hidden)
+        kwargs["position_embeddings"] = self._rope(kwargs, hidden, idx)
         pos = kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.shape[-1] == self.q_len:
             kwargs["position_ids"] = pos.expand(self.keep.shape[0], -1).gather(1, self.keep)
@@ -547,7 +690,7 @@ class InLLMPruner:
         keep, alive, removed = self.layer_cols[idx]
         if self.compact:  # generated tokens continue the renumbered sequence of this layer
             pos = kwargs["position_ids"].expand(hidden.shape[0], -1) - removed[:, None]
-            kwargs["position_embeddings"] = self.model.model.language_model.rotary_emb(hidden, position_ids=pos)
+            kwargs["position_embeddings"] = self._rotary(hidden, pos, idx)
         B, q = hidden.shape[:2]
         past_new = self.mask2d.shape[1] - self.prompt_len  # generated tokens incl. this step's
         new_cols = torch.arange(self.prompt_len, self.prompt_len + past_new, device=hidden.device)
@@ -556,6 +699,9 @@ class InLLMPruner:
         causal = torch.cat([torch.zeros(q, keep.shape[1], dtype=torch.bool, device=hidden.device),
                             new_cols[None, :] > q_pos[:, None]], dim=1)  # [q, kv] True = future
         allowed = key_ok[:, None, :] & ~causal[None]
+        if self._sliding(idx):  # the window over live columns: the layer's kept prompt columns, then generated ones
+            rank = key_ok.long().cumsum(1) - 1  # [B, kv]
+            allowed = allowed & (rank[:, None, :] > rank[:, -q:, None] - self.window)
         kwargs["attention_mask"] = self._as_mask(allowed[:, None], hidden.dtype)
         return kwargs
 
