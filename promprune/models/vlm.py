@@ -253,7 +253,8 @@ class PrunedVLM:
             from . import prefix, sharing
 
             with Stopwatch(self.device) as prefilling:
-                cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache())
+                cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache(),
+                                       new_tokens=kwargs.get("max_new_tokens"))
             if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
                 inputs, prefix_ms = cached, prefilling.ms
         pruner = self.pruning(prep)
