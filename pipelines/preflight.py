@@ -3,9 +3,10 @@
 `specs.parse` checks a spec by itself (fields, types, methods and option values). `preflight(spec)` checks what
 the spec names: that every task exists (lmms-eval's, an offline one, or in a directory of the spec's
 `include_path`), that the model resolves (a factory name, a local checkpoint directory, a hub id in the cache or
-on a reachable hub), that every budget prunes (stays below the visual tokens the model gives an image), and that
-the MLflow store answers and can be written. All problems come back together, in seconds; the
-entry scripts print them as one message without a traceback.
+on a reachable hub), that every budget prunes (stays below the visual tokens the model gives an image), that every
+in-LLM trial can prune this model's LLM at its layers (``promprune.models.llm_hooks.stage_layers``: Gemma 4's E2B /
+E4B are refused, sliding-window ranks moved or refused), and that the MLflow store answers and can be written. All
+problems come back together, in seconds; the entry scripts print them as one message without a traceback.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
     errors = check_tasks(spec.tasks, spec.limit, spec.include_path)
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
+    errors += check_in_llm(spec.model.pretrained, expand(spec))
     errors += check_metric(spec.tune.metric, spec.tasks)
     errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri())
@@ -154,6 +156,30 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
         return []
     return [f"budget: trial {tid} keeps {budget} of the {capacity} visual tokens {pretrained} gives an image, so it "
             "would run unpruned; use budgets below that" for tid, budget in budgets.items() if budget >= capacity]
+
+
+def check_in_llm(pretrained: str, trials) -> list[str]:
+    """Every in-LLM trial's method can prune the LLM of ``pretrained`` at its layers (one message per distinct
+    problem, naming the model, the method and the trials)."""
+    import promprune
+    from promprune.models import is_in_llm
+    from promprune.models.factories import model_config
+    from promprune.models.llm_hooks import stage_layers
+
+    in_llm = [t for t in trials if is_in_llm(t.method)]
+    try:
+        config = model_config(pretrained) if in_llm else None
+    except ValueError:
+        return []  # check_model reports a model that does not resolve
+    problems: dict[str, list[str]] = {}
+    for trial in [] if config is None else in_llm:
+        spec = promprune.method_spec(trial.method)
+        options = {k: v for k, v in trial.options.items() if k in spec.options}  # adapter options aside
+        try:
+            stage_layers(config, trial.method, spec.resolve(options, budget=trial.budget), pretrained)
+        except ValueError as exc:
+            problems.setdefault(str(exc), []).append(trial.trial_id)
+    return [f"{problem} (trials {', '.join(ids)})" for problem, ids in problems.items()]
 
 
 def _fail_fast_http():

@@ -84,6 +84,10 @@ class PrunedVLM:
         self.view_budget = None
         if is_in_llm(method):
             llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
+            # fail now on layers this LLM cannot prune at, or an LLM the hooks cannot prune (llm_hooks.unsupported)
+            llm_hooks.stage_layers(self.model.config, method,
+                                   promprune.method_spec(method).resolve(dict(self.method_options), budget=budget),
+                                   llm_hooks.model_name(self.model))
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             self._text_source()  # fail now on a text source the model has no tower for
