@@ -547,11 +547,12 @@ class InLLMPruner:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             if self.prefill:
                 if stage is not None:
-                    if stage.kind == "pdrop":
-                        normed = layer.input_layernorm(hidden)
-                        stage.scores = self._received(layer.self_attn, normed, self._rope(kwargs, hidden, idx),
-                                                      "last")
-                    hidden = self._prune(stage, hidden)
+                    if stage.kind == "pdrop":  # on the layer's own device (a model spread over GPUs)
+                        dev = layer.input_layernorm.weight.device
+                        normed = layer.input_layernorm(hidden.to(dev))
+                        rope = tuple(t.to(dev) for t in self._rope(kwargs, hidden, idx))
+                        stage.scores = self._received(layer.self_attn, normed, rope, "last")
+                    hidden = self._prune(stage, hidden.to(self.keep.device))
                 self.layer_cols[idx] = (self.keep, self.alive, self._gone().sum(1))
                 kwargs = self._prefill_kwargs(kwargs, hidden, idx)
             else:
@@ -566,7 +567,9 @@ class InLLMPruner:
     def _prune(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         """Keep ``stage.target`` visual columns per row (+ recycling); returns the gathered hidden states."""
         B, L, D = hidden.shape
-        scores = stage.scores
+        scores = None if stage.scores is None else stage.scores.to(hidden.device)  # ranked on the layer's device
+        if stage.keys is not None:
+            stage.keys = stage.keys.to(hidden.device)
         vis_alive = self.vis.gather(1, self.keep) & self.alive  # [B, L]
         keep_rel, hidden = [], hidden.clone()
         normed = self._final_norm(hidden) if stage.kind == "dart" else None
@@ -595,8 +598,9 @@ class InLLMPruner:
         return hidden.gather(1, rel[..., None].expand(-1, -1, D))
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LLM's final norm applied to ``hidden`` (DART compares tokens on these states)."""
-        return self.model.model.language_model.norm(hidden).float()
+        """The LLM's final norm applied to ``hidden`` (DART compares tokens on these states), on ``hidden``'s device."""
+        norm = self.model.model.language_model.norm
+        return norm(hidden.to(norm.weight.device)).float().to(hidden.device)
 
     def _dart_keep(self, stage, b, normed_b, cand, n_keep) -> torch.Tensor:
         """DART's kept visual columns of row ``b`` (:func:`dart_keep` on the current columns)."""

@@ -464,10 +464,11 @@ def _cached(arch: str):
     return _BUILDERS[arch]()
 
 
-def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
+def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None, max_memory=None):
     """The ``tiny:<arch>`` model factory: a private copy of ``tiny_vlm(arch)``, placed like ``from_pretrained``."""
     model, processor = tiny_vlm(arch)
-    model = place(copy.deepcopy(model), dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
+    model = place(copy.deepcopy(model), dtype=dtype, device_map=device_map, attn_implementation=attn_implementation,
+                  max_memory=max_memory)
     return model, copy.deepcopy(processor), {}
 
 

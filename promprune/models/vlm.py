@@ -103,7 +103,7 @@ class PrunedVLM:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, method: str | None = "promprune", budget: int | None = None, *,
-                        dtype=None, device_map=None, attn_implementation=None, **method_options):
+                        dtype=None, device_map=None, attn_implementation=None, max_memory=None, **method_options):
         """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class), or build a model
         by factory name (:mod:`promprune.models.factories`):
 
@@ -116,16 +116,19 @@ class PrunedVLM:
           latency / memory benchmarks, fp16 unless ``dtype`` says otherwise).
 
         A factory may bring default adapter options (the paper's settings of that model); given options win.
+        ``device_map`` "balanced" (or "balanced_low_0", "sequential", an explicit mapping) with ``max_memory`` (GPU
+        index -> bytes) spreads one model over several GPUs (:mod:`promprune.models.placement`).
         """
         validate_method(method, budget, **dict(method_options))  # fail before loading anything
         found = find_model_factory(name_or_path)
         if found is not None:
             factory, name = found
-            model, processor, defaults = factory(name, dtype=dtype, device_map=device_map,
-                                                 attn_implementation=attn_implementation)
+            spread = {} if max_memory is None else {"max_memory": max_memory}  # factories of other packages may not
+            model, processor, defaults = factory(name, dtype=dtype, device_map=device_map,  # take max_memory
+                                                 attn_implementation=attn_implementation, **spread)
             method_options = {**defaults, **method_options}
         else:
-            model, processor = _load(name_or_path, dtype, device_map, attn_implementation)
+            model, processor = _load(name_or_path, dtype, device_map, attn_implementation, max_memory)
         return cls(model, processor, method=method, budget=budget, **method_options)
 
     @property
@@ -376,7 +379,7 @@ def _dtype(dtype):
     return parse_dtype(dtype, allow_auto=True)
 
 
-def _load(name_or_path, dtype, device_map, attn_implementation):
+def _load(name_or_path, dtype, device_map, attn_implementation, max_memory=None):
     from transformers import AutoConfig, AutoProcessor
 
     from .adapters import ADAPTERS
@@ -386,7 +389,7 @@ def _load(name_or_path, dtype, device_map, attn_implementation):
         raise ValueError(f"{name_or_path}: unsupported model type {config.model_type!r}; "
                          f"supported: {', '.join(ADAPTERS)}")
     model_cls = _model_class(config.model_type)
-    kwargs = {k: v for k, v in dict(dtype=_dtype(dtype), device_map=device_map,
+    kwargs = {k: v for k, v in dict(dtype=_dtype(dtype), device_map=device_map, max_memory=max_memory,
                                     attn_implementation=attn_implementation).items() if v is not None}
     model = model_cls.from_pretrained(name_or_path, **kwargs)
     return model, AutoProcessor.from_pretrained(name_or_path)

@@ -239,15 +239,22 @@ def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int 
     return model.eval(), processor
 
 
-def load(name: str, *, dtype=None, device_map=None, attn_implementation=None):
+def load(name: str, *, dtype=None, device_map=None, attn_implementation=None, max_memory=None):
     """The ``shape:<name>`` model factory: random weights built directly on the device (fp16 unless ``dtype``
-    says otherwise), with the paper's adapter options for that model."""
+    says otherwise), with the paper's adapter options for that model. A device map over several GPUs ("balanced",
+    ...: a model too big for one) builds it on the CPU and spreads it (:mod:`promprune.models.placement`)."""
+    from ..placement import is_multi_gpu
+
     dtype = parse_dtype(dtype, allow_auto=True)
     device = device_map or "cpu"
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, processor = shape_vlm(name, dtype=torch.float16 if dtype in (None, AUTO) else dtype, device=device)
-    return place(model, attn_implementation=attn_implementation), processor, default_options(name)
+    spread = is_multi_gpu(device)
+    model, processor = shape_vlm(name, dtype=torch.float16 if dtype in (None, AUTO) else dtype,
+                                 device="cpu" if spread else device)
+    model = place(model, attn_implementation=attn_implementation, device_map=device if spread else None,
+                  max_memory=max_memory)
+    return model, processor, default_options(name)
 
 
 def _config(name: str):
