@@ -6,7 +6,7 @@
   two such actors each get two GPUs of their own, from which the actor's placement is a two-GPU split.
 
 The CUDA half (``from_pretrained`` / ``materialize`` dispatching onto two real GPUs, a generation through the split
-model) is step ``two_gpus`` of scripts/gpu_checklist.sh's plan.
+model) is stage ``two-gpus`` of scripts/gpu_checklist.sh's plan.
 """
 from __future__ import annotations
 
