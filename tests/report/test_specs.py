@@ -18,7 +18,8 @@ PAPER_SPECS = ["table1_llava15", "table2_llava_next", "table3_qwen25vl", "table4
                "figA1_saliency_ratio", "table6_efficiency", "figC1_entropy_distribution", "mu_calibration",
                "mu_calibration_grid", "table2_llava_next_extended", "table3_qwen25vl_extended",
                "table5_diversity_extended", "table6_efficiency_extended", "figE1_overlays", "table1_llava15_extended",
-               "extended_models", "extended_models_llava_onevision", "extended_models_internvl"]
+               "extended_models", "extended_models_llava_onevision", "extended_models_internvl",
+               "extended_models_gemma4"]
 PAPER_BASELINES = ["vispruner", "divprune"]  # what Tables 2, 3 and 6 compare PromPrune with
 
 
@@ -50,6 +51,8 @@ def test_spec_validates_and_is_named_after_its_file(name):
     ("extended_models_llava_onevision", "llava-hf/llava-onevision-qwen2-7b-ov-hf", TABLE2_TASKS, [640, 320, 160],
      BASELINES + RIVALS),
     ("extended_models_internvl", "OpenGVLab/InternVL3-8B-hf", TABLE2_TASKS, [640, 320, 160], BASELINES + RIVALS),
+    # 2/9, 1/9, 1/18 of Gemma 4's 280 soft tokens (LLaVA-1.5's 128 / 64 / 32 of 576), rounded
+    ("extended_models_gemma4", "google/gemma-4-31B-it", TABLE2_TASKS, [62, 31, 16], BASELINES + RIVALS),
 ])
 def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets, methods):
     loaded, trials = trials_of(name)
@@ -141,6 +144,7 @@ MU_TAU_SEARCHES = {  # spec -> (the model it searches for, its shape: the publis
     "mu_tau_search_qwen3vl": ("Qwen/Qwen3-VL-8B-Instruct", "qwen3_vl_8b"),
     "mu_tau_search_internvl3": ("OpenGVLab/InternVL3-8B-hf", "internvl3_8b"),
     "mu_tau_search_llava_onevision": ("llava-hf/llava-onevision-qwen2-7b-ov-hf", "llava_onevision_7b"),
+    "mu_tau_search_gemma4": ("google/gemma-4-31B-it", "gemma4_31b"),
 }
 
 
@@ -173,3 +177,24 @@ def test_the_testbed_search_covers_the_grid_it_is_measured_against():
     assert found.tune.max_concurrent_trials == 1  # the same seed, the same trials
     assert set(grid.tasks) == {"testbed_exist", "testbed_exist_concentrated", "testbed_exist_spread",
                                "testbed_attribute"}  # the existence and attribute tasks
+
+
+@pytest.mark.parametrize("name", ["extended_models_gemma4", "mu_tau_search_gemma4"])
+def test_gemma4_specs_fit_the_31b_and_refuse_in_llm_methods_on_the_e2b_before_ray(name):
+    """On shape:gemma4_31b every trial passes the preflight (budgets below 280 soft tokens, in-LLM layers on full
+    attention); the 31B's 62 GB goes to two GPUs per actor, loaded by each (not via the object store). On
+    shape:gemma4_e2b every in-LLM trial is refused, one paragraph per method naming the model and its trials."""
+    from pipelines import preflight
+
+    loaded, trials = trials_of(name)
+    assert loaded.resources.gpus_per_worker == 2 and not loaded.resources.share_weights
+    assert loaded.model.options["max_soft_tokens"] == 280
+    offline = spec.load(SWEEPS / f"{name}.yaml", ["model.pretrained=shape:gemma4_31b"])
+    assert preflight.check_in_llm(offline.model.pretrained, spec.expand(offline)) == []
+    assert preflight.check_model(offline.model.pretrained, offline.model.options, preflight.budgets(offline)) == []
+    e2b = spec.load(SWEEPS / f"{name}.yaml", ["model.pretrained=shape:gemma4_e2b"])
+    problems = preflight.check_in_llm(e2b.model.pretrained, spec.expand(e2b))
+    in_llm = sorted({t.method for t in trials if t.method in ("fastv", "sparsevlm", "dart", "pyramiddrop")})
+    assert sorted(p.split("'")[1] for p in problems) == in_llm
+    for problem in problems:
+        assert "cannot run on shape:gemma4_e2b" in problem and "(trials " in problem
