@@ -12,6 +12,12 @@ config: hidden 4096, 32 layers, intermediate 11008, 32 heads):
   (``benchmarks/sweep_cost.py``): the generated tokens' forwards, the logits, the vision tower and projector.
 - ``kv_cache_bytes``: K and V of every layer for ``n_tokens`` tokens. Table 6's KV column counts the visual tokens
   only and prints MiB (2**20 bytes) as "MB": 2880 tokens x 2 x 32 layers x 4096 x 2 bytes = 1440.0 MiB, 320 -> 160.0.
+- LLMs whose layers differ (``layer_types`` with sliding-window layers: Gemma 4) are counted layer by layer
+  (:func:`layer_shapes`): each layer's own query / key widths (Gemma 4's full layers: wider heads, fewer KV heads,
+  keys used as values, so no value projection), attention over at most ``sliding_window`` keys per query in a
+  sliding layer, and a sliding layer's KV cache capped as transformers' ``DynamicSlidingWindowLayer`` keeps it
+  (``sliding_window - 1`` tokens); layers that borrow an earlier layer's keys and values (``num_kv_shared_layers``)
+  project none and cache none, and their MLP may be double width; per-layer token embeddings add their projections.
 
 Measured numbers: ``Stopwatch`` times a region with CUDA events on a GPU (kernels are asynchronous, so a host clock
 would time the launch, not the work) and ``time.perf_counter`` on CPU; ``peak_memory_mb`` reads the CUDA allocator's
@@ -48,7 +54,10 @@ class TextShape:
 def _field(config: Any, name: str) -> Any:
     if isinstance(config, dict):
         return config.get(name)
-    return getattr(config, name, None)
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - a per-layer field of a heterogeneous config (Gemma 4): read it per layer
+        return None
 
 
 def text_shape(text_config: Any) -> TextShape:
@@ -83,6 +92,72 @@ def text_shape(text_config: Any) -> TextShape:
     return shape
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer of an LLM whose layers differ: query / key widths, a value projection or not (keys as values),
+    MLP width, the sliding window (None: full attention), whether it caches keys and values, and further MACs per
+    token (per-layer token embeddings)."""
+
+    d_q: int
+    d_kv: int
+    values: bool
+    mlp: int
+    window: int | None
+    caches: bool
+    extra: int = 0
+
+
+def layer_shapes(text_config: Any) -> list[LayerShape] | None:
+    """Per layer, for an LLM with sliding-window layers (``layer_types``: Gemma 4); None for an LLM of identical
+    layers (:func:`text_shape`). Reads a transformers config (Gemma 4's ``per_layer_config``) or a dict of its fields
+    (``global_head_dim``, ``num_global_key_value_heads``, as a ``config.json`` holds them)."""
+    inner = _field(text_config, "text_config")
+    config = inner if inner is not None else text_config
+    types = list(_field(config, "layer_types") or [])
+    if "sliding_attention" not in types:
+        return None
+    s = text_shape(config)  # its head width / KV heads are the sliding layers' (a dict) or unread (a config object)
+    d = s.hidden_size
+    k_eq_v = bool(_field(config, "attention_k_eq_v"))
+    shared = int(_field(config, "num_kv_shared_layers") or 0)
+    per_layer = int(_field(config, "hidden_size_per_layer_input") or 0)
+    double = bool(_field(config, "use_double_wide_mlp"))
+    out = []
+    for i, kind in enumerate(types):
+        full = kind == "full_attention"
+        head_dim, kv_heads = _layer_heads(config, i, full, s, k_eq_v)
+        borrows = i >= len(types) - shared  # keys and values of an earlier layer: no projection, no cache
+        out.append(LayerShape(d_q=s.num_heads * head_dim, d_kv=0 if borrows else kv_heads * head_dim,
+                              values=not (full and k_eq_v), mlp=s.intermediate_size * (2 if double and borrows else 1),
+                              window=None if full else int(_field(config, "sliding_window")), caches=not borrows,
+                              extra=3 * d * per_layer))  # gate d->p, projection p->d, its share of the model's d->L*p
+    return out
+
+
+def _layer_heads(config: Any, i: int, full: bool, s: TextShape, k_eq_v: bool) -> tuple[int, int]:
+    """``(head_dim, kv_heads)`` of layer ``i``: a config object's ``per_layer_config``, else a dict's global fields (a
+    full layer's ``global_head_dim``, default 512, and ``num_global_key_value_heads`` when keys are values)."""
+    per_layer = _field(config, "per_layer_config")
+    if per_layer is not None and not isinstance(config, dict):
+        layer = per_layer[i]
+        return int(layer.head_dim), int(layer.num_key_value_heads)
+    if not full:
+        return s.head_dim, s.num_kv_heads
+    global_kv = _field(config, "num_global_key_value_heads")
+    kv = int(global_kv) if k_eq_v and global_kv is not None else s.num_kv_heads
+    return int(_field(config, "global_head_dim") or 512), kv
+
+
+def _layer_macs(d: int, layer: LayerShape, n: int, past: int) -> int:
+    """MACs of one :class:`LayerShape` on ``n`` new tokens after ``past`` cached ones, Table 6's convention."""
+    keys = past + n if layer.window is None else min(past + n, layer.window)
+    return (n * d * (layer.d_q + layer.d_kv * (2 if layer.values else 1))  # q, k (, v) projections
+            + n * layer.d_q * d  # output projection
+            + 2 * n * keys * layer.d_q  # attention scores and weighted values
+            + 3 * n * d * layer.mlp  # gated MLP
+            + n * layer.extra)
+
+
 def _check_tokens(n_tokens: int) -> int:
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
         raise ValueError(f"n_tokens must be a non-negative int, got {n_tokens!r}")
@@ -100,13 +175,24 @@ def prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> floa
     FLOPs = 2 * MACs * layers. For a Llama/Vicuna config (d_q = d_kv = d) this is 2L(4nd^2 + 2n^2 d + 3ndm).
     ``past_tokens``: tokens already in the KV cache (a cached prompt prefix, or the tokens before a decode step):
     the n new tokens attend to past + n keys, so the attention term is 2*n*(past + n)*d_q (0: Table 6's prefill).
+    Layers that differ (:func:`layer_shapes`) are summed one by one, a sliding layer's queries attending to at most
+    ``sliding_window`` keys each.
     """
+    layers = layer_shapes(text_config)
+    if layers is not None:
+        return float(sum(layer_prefill_flops(text_config, n_tokens, past_tokens, layer=i) for i in range(len(layers))))
     return float(layer_prefill_flops(text_config, n_tokens, past_tokens) * text_shape(text_config).num_layers)
 
 
-def layer_prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> float:
-    """:func:`prefill_flops` of one decoder layer (in-LLM pruning runs its layers on different token counts)."""
+def layer_prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0, layer: int | None = None) -> float:
+    """:func:`prefill_flops` of one decoder layer (in-LLM pruning runs its layers on different token counts); an LLM
+    whose layers differ (:func:`layer_shapes`) needs the ``layer`` index."""
     n, past = _check_tokens(n_tokens), _check_tokens(past_tokens)
+    layers = layer_shapes(text_config)
+    if layers is not None:
+        if layer is None:
+            raise ValueError("this LLM's layers differ (sliding-window and full attention): pass layer=<index>")
+        return float(2 * _layer_macs(text_shape(text_config).hidden_size, layers[layer], n, past))
     s = text_shape(text_config)
     d, d_q, d_kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     macs = (
@@ -183,9 +269,15 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 def kv_cache_bytes(text_config: Any, n_tokens: int, dtype: torch.dtype | str = torch.float16) -> int:
     """Bytes of the KV cache for ``n_tokens`` tokens: K and V, every layer, num_kv_heads * head_dim each.
 
-    Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16).
+    Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16). Layers that differ
+    (:func:`layer_shapes`): each its own width, a sliding layer holding at most ``sliding_window - 1`` tokens (what
+    transformers keeps between forwards), a layer borrowing another's keys and values none.
     """
     n = _check_tokens(n_tokens)
+    layers = layer_shapes(text_config)
+    if layers is not None:
+        kept = [n if lay.window is None else min(n, lay.window - 1) for lay in layers]
+        return sum(2 * k * lay.d_kv * dtype_bytes(dtype) for k, lay in zip(kept, layers) if lay.caches)
     s = text_shape(text_config)
     return 2 * s.num_layers * n * s.num_kv_heads * s.head_dim * dtype_bytes(dtype)
 
