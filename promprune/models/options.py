@@ -61,6 +61,10 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # Gemma 4: the most soft tokens per image, one of 70 / 140 / 280 / 560 / 1120 (Gemma4ImageProcessor's
     # max_soft_tokens); None keeps the processor's own (the released processor and lmms-eval's gemma4 model: 280).
     "max_soft_tokens": None,
+    # A system turn before the user's, rendered by the model's own chat template: lmms-eval's gemma4 model sends
+    # "You are a helpful assistant." (sweeps/extended_models_gemma4.yaml sets it); None: no system turn, as lmms-eval's
+    # conversations for the other models.
+    "system_prompt": None,
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
@@ -138,6 +142,9 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
             raise ValueError(f"option {key!r} must be one of {list(allowed)}, got {adapter[key]!r}")
     _check_image_tokens(adapter["image_tokens"])
     _check_max_soft_tokens(adapter["max_soft_tokens"])
+    if adapter["system_prompt"] is not None and not (isinstance(adapter["system_prompt"], str)
+                                                     and adapter["system_prompt"].strip()):
+        raise ValueError(f"option 'system_prompt' must be a non-empty string or None, got {adapter['system_prompt']!r}")
     mode, newline = next_layout(method, adapter["budget_mode"], adapter["image_newline"])
     order = token_order(method, adapter["token_order"])
     if newline in ("rows", "all") and mode != "packed" and order != "raster":

@@ -136,8 +136,12 @@ class PrunedVLM:
         return self.model.device
 
     def conversation(self, prompt: str) -> str:
-        """The chat-templated text of one user turn with one image, ready for generation."""
+        """The chat-templated text of one user turn with one image (after the adapter option ``system_prompt``'s
+        system turn, when set), ready for generation."""
         conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        system = self.adapter.options.get("system_prompt")
+        if system:
+            conv.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
         return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
 
     def processed(self, images, prompts):

@@ -385,3 +385,27 @@ def test_fits_window_by_hand():
     assert not prefix.fits_window(parts, 160, 69)
     assert prefix.sliding_window(tiny_vlm("gemma4")[0].config) == 160
     assert prefix.sliding_window(tiny_vlm("llava")[0].config) is None
+
+
+# ---- lmms-eval's gemma4 conversation --------------------------------------------------------------------------------
+
+LMMS_GEMMA4_SYSTEM = "You are a helpful assistant."  # lmms-eval 0.7.3's gemma4 model's default system_prompt
+
+
+def test_system_prompt_gives_lmms_evals_gemma4_conversation(images, prompts):
+    """With ``system_prompt`` the prompt is the one lmms-eval's gemma4 model renders (a system turn with its text, then
+    the user's image and question, through the processor's chat template), and the unpruned answer is plain
+    transformers' on that prompt."""
+    model, processor = tiny_vlm("gemma4")
+    vlm = PrunedVLM(model, processor, method=None, system_prompt=LMMS_GEMMA4_SYSTEM)
+    messages = [[{"role": "system", "content": [{"type": "text", "text": LMMS_GEMMA4_SYSTEM}]},
+                 {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": p}]}] for p in prompts]
+    texts = [processor.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    assert [vlm.conversation(p) for p in prompts] == texts
+    assert texts[0].startswith("<bos><|turn>system\nYou are a helpful assistant.<turn|>\n<|turn>user\n<|image|>")
+    inputs = processor(images=[[i] for i in images], text=texts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        plain = model.generate(**inputs, max_new_tokens=4, do_sample=False)[:, inputs["input_ids"].shape[1]:]
+    assert [g.token_ids for g in vlm.generate(images, prompts, max_new_tokens=4)] == plain.tolist()
+    with pytest.raises(ValueError, match="'system_prompt' must be a non-empty string or None"):
+        PrunedVLM(model, processor, method=None, system_prompt=" ")

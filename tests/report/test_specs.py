@@ -189,6 +189,7 @@ def test_gemma4_specs_fit_the_31b_and_refuse_in_llm_methods_on_the_e2b_before_ra
     loaded, trials = trials_of(name)
     assert loaded.resources.gpus_per_worker == 2 and not loaded.resources.share_weights
     assert loaded.model.options["max_soft_tokens"] == 280
+    assert loaded.model.options["system_prompt"] == "You are a helpful assistant."  # lmms-eval's gemma4 model's
     offline = spec.load(SWEEPS / f"{name}.yaml", ["model.pretrained=shape:gemma4_31b"])
     assert preflight.check_in_llm(offline.model.pretrained, spec.expand(offline)) == []
     assert preflight.check_model(offline.model.pretrained, offline.model.options, preflight.budgets(offline)) == []
