@@ -1,12 +1,10 @@
 """lmms-eval's own path with Gemma 4: ``--model promprune`` model_args naming tiny:gemma4, lmms-eval's gemma4
-conversation (its system prompt) and its soft-token budget, answered by lmms-eval's evaluator on an offline task."""
+conversation (its system prompt) and its soft-token budget, answering lmms-eval's requests."""
 import pytest
-from lmms_eval.evaluator import simple_evaluate
 from lmms_eval.models.registry_v2 import ModelRegistryV2
 
 from promprune.eval import PromPruneLMM
 from promprune.eval.lmms_plugin import MANIFEST
-from promprune.eval.tasks import task_manager
 
 ARGS = "pretrained=tiny:gemma4,method=promprune,budget=16,system_prompt=You are a helpful assistant.,max_soft_tokens=70"
 
@@ -27,22 +25,23 @@ def test_model_args_reach_the_gemma4_adapter():
         _plugin_class().create_from_arg_string("pretrained=tiny:gemma4,method=fastv,budget=16,layer=1")
 
 
-@pytest.mark.slow
-def test_lmms_eval_evaluator_answers_with_gemma4():
-    """lmms-eval's evaluator drives the plugin: every document answered, 16 of each image's soft tokens kept."""
+def test_generate_until_answers_lmms_eval_requests_with_gemma4():
+    """lmms-eval's requests, as its evaluator hands them to a model (``Instance``: context, generation kwargs,
+    doc_to_visual, doc id, task, split; the docs in ``task_dict``): each answered with 16 of its image's soft tokens,
+    the same answer as the PrunedVLM's own generate on lmms-eval's gemma4 conversation."""
+    from lmms_eval.api.instance import Instance
+
+    from tests.models.conftest import make_image
+
     lm = PromPruneLMM(pretrained="tiny:gemma4", method="promprune", budget=16,
                       system_prompt="You are a helpful assistant.", batch_size=2)
-    seen = []
-    generate = lm.vlm.generate
-
-    def recording(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        seen.extend(g.visual_tokens for g in out)
-        return out
-
-    lm.vlm.generate = recording
-    out = simple_evaluate(model=lm, tasks=["easyvqa_yesno"], limit=4, task_manager=task_manager(["easyvqa_yesno"]),
-                          bootstrap_iters=0, log_samples=True)
-    assert len(out["samples"]["easyvqa_yesno"]) == 4 and not lm.failures
-    assert seen == [16] * 4
-    assert 0 <= out["results"]["easyvqa_yesno"]["accuracy,none"] <= 1
+    docs = [{"image": make_image(40, 56, 0), "q": "Is there a circle?"},
+            {"image": make_image(64, 30, 1), "q": "What colour is it?"}]
+    lm.task_dict = {"toy": {"test": docs}}
+    kwargs = {"max_new_tokens": 4, "until": ["\n\n"]}
+    requests = [Instance("generate_until", (d["q"], dict(kwargs), lambda doc: [doc["image"]], i, "toy", "test"), idx=0,
+                         metadata={"task": "toy", "doc_id": i, "repeats": 1}) for i, d in enumerate(docs)]
+    answers = lm.generate_until(requests)
+    assert not lm.failures and len(answers) == 2
+    direct = lm.vlm.generate([d["image"] for d in docs], [d["q"] for d in docs], max_new_tokens=4)
+    assert answers == [g.text for g in direct] and [g.visual_tokens for g in direct] == [16, 16]

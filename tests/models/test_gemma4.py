@@ -129,7 +129,7 @@ def test_every_pre_llm_method_keeps_exactly_its_budget(method, budget, images, p
     assert torch.equal(prep.model_kwargs["mm_token_type_ids"].bool(), ids == model.config.image_token_id)
 
 
-@pytest.mark.parametrize("method", ["saliency_only", "downsample", "cdpruner", "visionzip", "dart", "pyramiddrop"])
+@pytest.mark.parametrize("method", ["downsample", "cdpruner", "visionzip", "dart", "pyramiddrop"])
 def test_images_of_two_sizes_in_one_batch_equal_each_alone(method, images, prompts):
     model, processor = tiny_vlm("gemma4")
     vlm = PrunedVLM(model, processor, method=method, budget=7)
@@ -247,18 +247,17 @@ def _prefill(vlm, prep):
     return pruner, logits
 
 
-@pytest.mark.parametrize("method", IN_LLM)
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("method,impl", [(m, "sdpa") for m in IN_LLM] + [("fastv", "eager"), ("pyramiddrop", "eager")])
 def test_full_budget_is_the_unpruned_model_with_cutting_windows(method, impl, images, prompts):
     """A 24-token window cuts every sliding layer of the ~100-token prompts: the hooks' masks (window over the live
     columns, bidirectional vision runs) give the model's own logits and greedy tokens when nothing is pruned."""
     model, processor = tiny(window=24, impl=impl)
     ref, valid = unpruned_logits(model, processor, images, prompts)
-    expected, _ = plain_generate(model, processor, images, prompts, 5)
+    expected, _ = plain_generate(model, processor, images, prompts, 3)
     vlm = PrunedVLM(model, processor, method=method, budget=10_000)
     _, got = _prefill(vlm, vlm.prepare(images, prompts))
     torch.testing.assert_close(got[valid], ref[valid], atol=1e-5, rtol=0)
-    assert [g.token_ids for g in vlm.generate(images, prompts, max_new_tokens=5)] == expected
+    assert [g.token_ids for g in vlm.generate(images, prompts, max_new_tokens=3)] == expected
 
 
 @pytest.mark.parametrize("method", IN_LLM)
@@ -348,8 +347,7 @@ def kept_sequence_greedy(model, inputs, kept: torch.Tensor, K: int, new_tokens: 
     return out
 
 
-@pytest.mark.parametrize("method", ["fastv", "dart"])
-@pytest.mark.parametrize("window", [24, 160])
+@pytest.mark.parametrize("method,window", [("fastv", 24), ("dart", 24), ("fastv", 160)])
 def test_pruned_layers_are_the_model_on_the_kept_sequence(method, window, images, prompts):
     """FastV / DART (one stage) with windows that cut and that do not: prefill and decoding through the hooks (full
     caches for the sliding layers, the hooks' masks) give the greedy tokens of the model run on the kept sequence."""
