@@ -86,3 +86,29 @@ def test_two_gpus_per_worker_reach_each_actor_as_a_two_gpu_split():
         assert gpu_placement(ids, [A40, A40]) == gpu_split([A40, A40])
         seen += ids
     assert sorted(int(i) for i in seen) == [0, 1, 2, 3]  # each actor its own two
+
+
+def test_an_actors_placement_reaches_the_model_through_both_loading_paths(monkeypatch):
+    """ModelSource.load hands the actor's placement to from_pretrained (a factory model: built, then dispatched by
+    promprune.models.placement) and to materialize (published weights): here a CPU "placement" (this machine has no
+    GPU; the probe of the actor's GPUs is what is replaced), real accelerate dispatch, the same answers as unspread."""
+    import pipelines.weights as weights
+    from pipelines.weights import ModelSource, extract, materialize
+    from tests.models.conftest import make_image
+
+    split = {"device_map": "sequential", "max_memory": {"cpu": 2 ** 34}}
+    monkeypatch.setattr(weights, "local_device", lambda: "cuda")  # as in an actor holding GPUs
+    monkeypatch.setattr(weights, "actor_placement", lambda: split)
+    source = ModelSource(pretrained="tiny:gemma4", dtype="float32")
+    spread = source.load(method="promprune", budget=8)
+    assert spread.model.hf_device_map == {"": "cpu"}
+    monkeypatch.setattr(weights, "actor_placement", lambda: None)
+    monkeypatch.setattr(weights, "local_device", lambda: "cpu")
+    reference = source.load(method="promprune", budget=8)
+    assert not hasattr(reference.model, "hf_device_map")
+    image, question = make_image(40, 56, 0), "Colour?"
+    want = reference.generate([image], [question], max_new_tokens=3)[0].token_ids
+    assert spread.generate([image], [question], max_new_tokens=3)[0].token_ids == want
+    recipe, arrays = extract(reference.model)
+    model, _ = materialize((recipe, reference.processor, arrays), "cuda", split)
+    assert model.hf_device_map == {"": "cpu"}
