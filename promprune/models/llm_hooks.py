@@ -14,6 +14,12 @@ The language model is not forked: forward pre-hooks on its decoder layers shrink
 Qwen3-VL's DeepStack adds visual features to the image positions' hidden states after its first LLM layers; once
 a layer has pruned, the addition goes to the kept image columns only (each gets its own rows).
 
+Gemma 4 mixes sliding-window and full-attention layers (``config.layer_types``): each stage ranks on a full-attention
+layer (:func:`full_attention_ranks`: a sliding layer's rows see only the window, and its vision tokens both ways), the
+layers after a pruning get masks with the window counted in the live columns they hold and each vision run
+bidirectional in their sliding layers, and the sliding layers' cache keeps every column for the generation (the
+window is in the masks). Its E2B / E4B (KV-shared layers, per-layer embeddings) are refused (:func:`unsupported`).
+
 Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5-VL); all rows keep the same
 sequence length, padded with masked "dead" tokens that nobody attends to.
 In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens included, as visual tokens.
