@@ -520,9 +520,10 @@ class InLLMPruner:
         q, k = _queries_keys(attn, hidden, rope)  # [B, H, L, hd], [B, Hkv, L, hd]
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
         allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, L, L] causal
+        allowed = allowed.to(q.device)  # the layer's device (a model spread over GPUs)
         out = torch.zeros(B, L, device=hidden.device)
         for b in range(B):
-            rows = self._query_rows(b, queries)
+            rows = self._query_rows(b, queries).to(q.device)
             logits = (q[b][:, rows].float() @ k[b].transpose(-1, -2)) * attn.scaling  # [H, R, L]
             logits = logits.masked_fill(~allowed[b, rows][None], float("-inf"))
             probs = torch.softmax(logits, dim=-1)  # [H, R, L]
@@ -542,7 +543,7 @@ class InLLMPruner:
 
     def _raters(self, b, probs, rows) -> torch.Tensor:
         """SparseVLM raters: query rows whose total attention to visual tokens is at least the mean."""
-        vis_cols = self.vis[b, self.keep[b]] & self.alive[b]
+        vis_cols = (self.vis[b, self.keep[b]] & self.alive[b]).to(probs.device)
         relevance = probs[:, :, vis_cols].sum(-1).mean(0)  # [R]
         return (relevance >= relevance.mean()).nonzero().flatten()
 
