@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl",
-         "qwen3_5")
+         "qwen3_5", "gemma4")
 
 
 @pytest.fixture(autouse=True)
@@ -44,13 +44,20 @@ def kept_per_view(stats: dict, tokens_per_view: int, views: int) -> list[int]:
     return torch.bincount(torch.tensor(stats["kept"]) // tokens_per_view, minlength=views).tolist()
 
 
+def processor_images(model, images):
+    """The images as the model's processor takes a batch of one-image prompts: Gemma 4's processor one list per prompt
+    (as transformers documents it), the others a flat list."""
+    return [[image] for image in images] if model.config.model_type == "gemma4" else images
+
+
 def plain_generate(model, processor, images, prompts, new_tokens: int):
     """Reference: the processor and model.generate exactly as transformers' docs use them."""
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                          {"type": "text", "text": p}]}],
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     processor.tokenizer.padding_side = "left"
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True).to(model.device)
+    inputs = processor(images=processor_images(model, images), text=texts, return_tensors="pt",
+                       padding=True).to(model.device)
     if inputs["pixel_values"].is_floating_point():
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     with torch.inference_mode():
