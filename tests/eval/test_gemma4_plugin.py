@@ -21,7 +21,7 @@ def test_model_args_reach_the_gemma4_adapter():
     assert type(lm.vlm.model).__name__ == "Gemma4ForConditionalGeneration" and lm.batch_size == 2
     assert lm.vlm.adapter.options["system_prompt"] == "You are a helpful assistant."
     assert lm.vlm.adapter.max_soft_tokens() == 70 and lm.vlm.budget == 16
-    with pytest.raises(ValueError, match="fastv on .*option 'layer' gives layer 1"):
+    with pytest.raises(ValueError, match="in-LLM method 'fastv' on .*option 'layer' gives layer 1"):
         _plugin_class().create_from_arg_string("pretrained=tiny:gemma4,method=fastv,budget=16,layer=1")
 
 

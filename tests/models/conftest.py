@@ -1,4 +1,5 @@
 """Fixtures for the model-adapter tests: tiny offline models, two differently sized images."""
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,3 +64,28 @@ def plain_generate(model, processor, images, prompts, new_tokens: int):
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
     return out[:, inputs["input_ids"].shape[1]:].tolist(), inputs
+
+
+def sdpa_keys(model, layer: int, model_kwargs: dict) -> torch.Tensor:
+    """The keys ``[B, Hkv, L, hd]`` that decoder layer ``layer``'s attention of a copy of ``model`` hands its kernel
+    in one plain (unpruned, SDPA) forward on ``model_kwargs``: the model's own keys, after its norms and rotary
+    embedding."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    twin = copy.deepcopy(model)
+    target = twin.model.language_model.layers[layer].self_attn
+    keys = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        if module is target:
+            keys.append(key)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("recording_keys", recording)
+    AttentionMaskInterface.register("recording_keys", sdpa_mask)
+    twin.model.language_model.config._attn_implementation = "recording_keys"
+    with torch.inference_mode():
+        twin(**model_kwargs)
+    return keys[0]

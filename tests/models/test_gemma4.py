@@ -10,9 +10,6 @@ import copy
 
 import pytest
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.masking_utils import sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
 import promprune
@@ -22,7 +19,7 @@ from promprune.models.llm_hooks import stage_layers, unsupported
 from promprune.models.sharing import ImageCache
 from promprune.models.tiny import tiny_vlm
 
-from .conftest import plain_generate
+from .conftest import plain_generate, sdpa_keys
 from .test_identity import unpruned_logits
 
 # soft-token grids of the conftest images, by hand from the processor's rule (4 px patches, at most 70 x 9 patches,
@@ -298,21 +295,8 @@ def test_dart_key_norms_are_the_models_own_keys(images, prompts):
     vlm = PrunedVLM(model, processor, method="dart", budget=6, pivot_image=2, pivot_text=2)
     prep = vlm.prepare(images, prompts)
     pruner, _ = _prefill(vlm, prep)
-    twin = copy.deepcopy(model)
-    target = twin.model.language_model.layers[pruner.stages[0].layer - 1].self_attn
-    keys = []
-
-    def recording(module, query, key, value, attention_mask, **kwargs):
-        if module is target:
-            keys.append(key)
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("recording_keys_gemma4", recording)
-    AttentionMaskInterface.register("recording_keys_gemma4", sdpa_mask)
-    twin.model.language_model.config._attn_implementation = "recording_keys_gemma4"
-    with torch.inference_mode():
-        twin(**prep.model_kwargs)
-    torch.testing.assert_close(pruner.stages[0].keys, keys[0].float().abs().sum(dim=(1, 3)), atol=1e-4, rtol=1e-4)
+    keys = sdpa_keys(model, pruner.stages[0].layer - 1, prep.model_kwargs)  # [B, Hkv, L, hd]
+    torch.testing.assert_close(pruner.stages[0].keys, keys.float().abs().sum(dim=(1, 3)), atol=1e-4, rtol=1e-4)
 
 
 def kept_sequence_greedy(model, inputs, kept: torch.Tensor, K: int, new_tokens: int) -> list[int]:
