@@ -34,6 +34,7 @@ import sys
 import torch
 
 from .adapters import ADAPTERS, Adapter, VisualItem
+from .saliency import capture
 
 QUERY_CHUNK = 1024  # queries per block when summing attention: bounds memory to H x 1024 x n floats
 
@@ -62,19 +63,9 @@ def received_attention(attn, hidden: torch.Tensor, position_embeddings, position
     return out
 
 
-@contextlib.contextmanager
 def capture_received_attention(attn, sink: list):
     """While active, append :func:`received_attention` ``[B, S]`` to ``sink`` at every call of ``attn``."""
-
-    def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        sink.append(received_attention(module, hidden, kwargs["position_embeddings"], kwargs["position_ids"]))
-
-    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield sink
-    finally:
-        handle.remove()
+    return capture(attn, sink, received_attention, "position_embeddings", "position_ids")
 
 
 def pooled_layout(positions: torch.Tensor, k: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
