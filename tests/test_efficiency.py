@@ -60,12 +60,16 @@ def test_prefill_flops_equal_torch_flop_counter_on_real_llama(kv_heads):
         hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=kv_heads, vocab_size=100,
     )
-    model = LlamaModel(cfg).eval()
-    model.set_attn_implementation("eager")
-    n = 37
+    assert prefill_flops(cfg, 37) == eager_flops(LlamaModel(cfg), 37)
+
+
+def eager_flops(model, n: int) -> int:
+    """What torch's FLOP counter counts in one eager forward of ``model`` (a text model of vocabulary 100) on ``n``
+    random tokens."""
+    model.eval().set_attn_implementation("eager")
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.randint(0, 100, (1, n)))
-    assert prefill_flops(cfg, n) == counter.get_total_flops()
+    return counter.get_total_flops()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -238,9 +242,4 @@ def test_windowed_prefill_flops_equal_torch_flop_counter_on_a_real_gemma4():
     from transformers import Gemma4TextModel
 
     cfg = _gemma4_text()
-    model = Gemma4TextModel(cfg).eval()
-    model.set_attn_implementation("eager")
-    n = 37
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(torch.randint(0, 100, (1, n)))
-    assert prefill_flops(cfg, n) == counter.get_total_flops()
+    assert prefill_flops(cfg, 37) == eager_flops(Gemma4TextModel(cfg), 37)
