@@ -136,11 +136,11 @@ class PrunedVLM:
     def device(self):
         return self.model.device
 
-    def conversation(self, prompt: str) -> str:
-        """The chat-templated text of one user turn with one image (after the adapter option ``system_prompt``'s
-        system turn, when set), ready for generation (with the adapter option ``enable_thinking`` where set: Qwen3.5's
-        template switch)."""
-        conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    def conversation(self, prompt: str, media: str = "image") -> str:
+        """The chat-templated text of one user turn with one image (``media="video"``: one clip), after the adapter
+        option ``system_prompt``'s system turn when set, ready for generation (with the adapter option
+        ``enable_thinking`` where set: Qwen3.5's template switch)."""
+        conv = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": prompt}]}]
         system = self.adapter.options.get("system_prompt")
         if system:
             conv.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
