@@ -64,7 +64,7 @@ def test_the_31b_splits_evenly_over_two_a40s_by_whole_layers():
 
 @pytest.mark.slow  # a local Ray (tens of seconds to start on a busy 2-core machine)
 def test_two_gpus_per_worker_reach_each_actor_as_a_two_gpu_split():
-    plan = planning.plan(Resources(gpus_per_worker=2, max_gpus=4), n_trials=1, blocks_per_trial=8, local=False,
+    plan = planning.plan(Resources(gpus_per_worker=2, max_gpus=4), n_trials=1, blocks_per_trial=8,
                          cluster={"GPU": 4, "CPU": 2})
     assert plan.bundle() == {"GPU": 2, "CPU": 1} and plan.max_actors == 2  # 4 GPUs: two 2-GPU actors
 
