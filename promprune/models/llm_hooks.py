@@ -118,17 +118,7 @@ def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tu
     if problem:
         raise ValueError(problem)
     depth = int(text.num_hidden_layers)
-    if method in ("fastv", "dart"):
-        explicit = opts["layer"] is not None
-        at = [opts["layer"] if explicit else fastv_layer(depth)]
-        if not 1 <= at[0] < depth:
-            raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {at[0]}")
-    else:
-        scaled = PYRAMIDDROP_LAYERS_OF_32 if method == "pyramiddrop" else SPARSEVLM_LAYERS_OF_32
-        explicit = bool(opts["layers"])
-        at = sorted(set(opts["layers"] or scaled_layers(depth, scaled)))
-        if max(at) >= depth:
-            raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
+    at, explicit = requested_layers(method, opts, depth)
     types = hybrid_layer_types(text)
     model = f"{name} (model type {getattr(config, 'model_type', None) or text.model_type!r})"
     mapped = at if types is None else hybrid_stages(types, method, at, explicit, model,
@@ -138,6 +128,22 @@ def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tu
         raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {depth}-layer LLM gives {used}: "
                          "pass option 'layers' with three layers")
     return used, list(zip(at, mapped))
+
+
+def requested_layers(method: str, opts: dict, depth: int) -> tuple[list[int], bool]:
+    """``(layers, explicit)``: the layers ``method``'s options give (explicit), else the released ones scaled to
+    ``depth``, ascending and checked against the depth."""
+    if method in ("fastv", "dart"):
+        explicit = opts["layer"] is not None
+        at = [opts["layer"] if explicit else fastv_layer(depth)]
+        if not 1 <= at[0] < depth:
+            raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {at[0]}")
+        return at, explicit
+    scaled = PYRAMIDDROP_LAYERS_OF_32 if method == "pyramiddrop" else SPARSEVLM_LAYERS_OF_32
+    at = sorted(set(opts["layers"] or scaled_layers(depth, scaled)))
+    if max(at) >= depth:
+        raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
+    return at, bool(opts["layers"])
 
 
 # Layer types (``config.layer_types``) whose token mixer keeps a recurrent state instead of attending: no attention
@@ -195,33 +201,42 @@ def hybrid_stages(types: list[str], method: str, requested: list[int], explicit:
     naming ``method``, ``model`` and the valid values) on refusal; ``window``: the sliding window, for the message.
     """
     attention = rankable_layers(types, method)
-    full = [i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES + SLIDING_LAYER_TYPES]
     shift = 0 if method == "pyramiddrop" else 1
-    option = "layers" if method in ("sparsevlm", "pyramiddrop") else "layer"
-    valid = [a + shift for a in attention if 1 <= a + shift < len(types)]
-    where = f"in-LLM method {method!r} on {model}: this LLM attends in full only at layers {full}"
+    if explicit:
+        for stage in requested:
+            if ranking_layer(method, stage) not in attention:
+                raise ValueError(_refusal(types, method, model, stage, window))
+        return list(requested)
     used, previous = [], -1
     for stage in requested:
         rank = ranking_layer(method, stage)
-        if explicit:
-            if rank not in attention:
-                raise ValueError(f"{where}; option {option!r} gives layer {stage}, which ranks the visual tokens at "
-                                 f"layer {rank}, {_why_not(types[rank], window)}. Give {option!r} from {valid} (each "
-                                 "ranks at a full-attention layer), or leave it unset (the scaled default moves to the "
-                                 "first full-attention layer at or after it)")
-            used.append(stage)
-            continue
         found = next((a for a in attention if a >= max(rank, previous + 1) and a + shift < len(types)), None)
         if found is None and used:  # no layer left for this stage: it joins the previous one
             used.append(used[-1])
             continue
         if found is None or found + shift < 1:
-            raise ValueError(f"{where}; its stage at layer {stage} finds no full-attention layer at or after layer "
-                             f"{rank} to rank at with a layer left to prune before, so {method} is refused on this "
-                             f"model. Give option {option!r} from {valid}, or run a pre-LLM method")
+            raise ValueError(_refusal(types, method, model, stage, window, moved=True))
         previous = found
         used.append(found + shift)
     return used
+
+
+def _refusal(types: list[str], method: str, model: str, stage: int, window: int | None, moved: bool = False) -> str:
+    """The paragraph refusing ``method``'s stage at ``stage`` on an LLM of ``types`` (given in the options, or a
+    default one that found no layer to move to), naming the model, the full-attention layers and the valid values."""
+    rank = ranking_layer(method, stage)
+    full = [i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES + SLIDING_LAYER_TYPES]
+    shift = 0 if method == "pyramiddrop" else 1
+    option = "layers" if method in ("sparsevlm", "pyramiddrop") else "layer"
+    valid = [a + shift for a in rankable_layers(types, method) if 1 <= a + shift < len(types)]
+    where = f"in-LLM method {method!r} on {model}: this LLM attends in full only at layers {full}"
+    if moved:
+        return (f"{where}; its stage at layer {stage} finds no full-attention layer at or after layer {rank} to rank "
+                f"at with a layer left to prune before, so {method} is refused on this model. Give option {option!r} "
+                f"from {valid}, or run a pre-LLM method")
+    return (f"{where}; option {option!r} gives layer {stage}, which ranks the visual tokens at layer {rank}, "
+            f"{_why_not(types[rank], window)}. Give {option!r} from {valid} (each ranks at a full-attention layer), or "
+            "leave it unset (the scaled default moves to the first full-attention layer at or after it)")
 
 
 def unsupported(config, method: str, name: str = "this model") -> str | None:
