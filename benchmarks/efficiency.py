@@ -9,15 +9,19 @@
         --budgets none,512,256,128                                   # also shape:qwen2_5_vl_7b,
                                                                      # shape:llava_onevision_7b, shape:internvl3_8b,
                                                                      # shape:qwen3_5_4b (hybrid LLM)
+    python benchmarks/efficiency.py --skip-measured --analytic-shape gemma4_31b \
+        --budgets none,62,31,16                                      # Gemma 4 31B's rows, analytic (issue 46)
 
 Part 1 prints prefill TFLOPs and KV-cache MiB of LLaVA-NeXT-7B's text model (Vicuna-7B) from
-``promprune.efficiency`` next to the published Table 6 numbers. Part 2 loads ``--model`` once, wraps it with each
-method and budget, and reports per arm: visual tokens the LLM received, the analytic FLOPs / KV for that model's own
-text config (a hybrid LLM such as Qwen3.5 as it is: KV only for its full-attention layers, and beside it the constant
-recurrent state of its linear-attention layers, which no token adds to: ``promprune.efficiency``), and the measured
-median vision, selection and LLM prefill time, their sum (Table 6's "prefill"), the full generate time and peak memory
-(synchronized wall clock; the CUDA allocator's high-water mark on a GPU, the process's peak RSS on CPU). A printed
-table, never an assertion: timings depend on the machine.
+``promprune.efficiency`` next to the published Table 6 numbers; ``--analytic-shape`` adds the same rows for a shipped
+shape's LLM at ``--budgets`` (Gemma 4 31B: its sliding-window layers attend to and cache at most 1024 tokens, its full
+layers' own head widths; ``promprune.efficiency.layer_shapes``), 62 text tokens, bfloat16. Part 2 loads ``--model``
+once, wraps it with each method and budget, and reports per arm: visual tokens the LLM received, the analytic FLOPs /
+KV for that model's own text config (a hybrid LLM such as Qwen3.5 as it is: KV only for its full-attention layers, and
+beside it the constant recurrent state of its linear-attention layers, which no token adds to:
+``promprune.efficiency``), and the measured median vision, selection and LLM prefill time, their sum (Table 6's
+"prefill"), the full generate time and peak memory (synchronized wall clock; the CUDA allocator's high-water mark on a
+GPU, the process's peak RSS on CPU). A printed table, never an assertion: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -54,6 +58,23 @@ def table6_analytic(visual_tokens=(2880, 640, 320, 160)) -> None:
         kv = kv_cache_bytes(VICUNA_7B, n, torch.float16) / MIB
         pub_f, pub_kv = TABLE6_PUBLISHED.get(n, ("", ""))
         print(f"| {n} | {tflops:.3g} | {pub_f} | {kv:.1f} | {pub_kv} |")
+    print()
+
+
+def shape_analytic(name: str, budgets, text_tokens: int = TABLE6_TEXT_TOKENS) -> None:
+    """Table 6's columns for the shape ``name``'s LLM: ``budgets`` visual tokens (None: the most one image gives,
+    ``visual_token_capacity``) and ``text_tokens`` text tokens, bfloat16."""
+    from promprune.models.adapters import visual_token_capacity
+    from promprune.models.shapes import default_options, load
+
+    config = load.config(name)
+    full = visual_token_capacity(config, default_options(name))
+    print(f"## Analytic: shape:{name} ({text_tokens} text tokens, bfloat16)\n")
+    print("| visual tokens | prefill TFLOPs | KV cache MiB (visual) |")
+    print("|---:|---:|---:|")
+    for n in [full if b is None else b for b in budgets]:
+        tflops = prefill_flops(config, n + text_tokens) / 1e12
+        print(f"| {n} | {tflops:.3g} | {kv_cache_bytes(config, n, torch.bfloat16) / MIB:.4g} |")
     print()
 
 
@@ -154,12 +175,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--skip-measured", action="store_true", help="only the analytic Table 6")
     parser.add_argument("--skip-analytic", action="store_true", help="only the measured table")
+    parser.add_argument("--analytic-shape", default=None,
+                        help="also print the analytic rows of this shipped shape's LLM at --budgets (e.g. gemma4_31b)")
     args = parser.parse_args(argv)
     if args.budgets is None:
         args.budgets = [None, 40, 20, 10] if args.model.startswith("tiny:") else [None, 640, 320, 160]
     torch.manual_seed(0)
     if not args.skip_analytic:
         table6_analytic()
+        if args.analytic_shape:
+            shape_analytic(args.analytic_shape, args.budgets)
     if not args.skip_measured:
         measured(args)
 

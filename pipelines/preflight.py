@@ -5,9 +5,10 @@ the spec names: that every task exists (lmms-eval's, an offline one, or in a dir
 `include_path`, whose task files must all be readable) and would load (its data found where lmms-eval will look,
 a task of one's own importing its code), that the model resolves (a factory name, a local checkpoint directory, a
 hub id in the cache or on a reachable hub), that every budget prunes (stays below the visual tokens the model gives
-an image), that every in-LLM trial has a layer to rank at on this model (a hybrid LLM's linear-attention layers have
-none), and that the MLflow store answers and can be written. All problems come back together, in seconds; the
-entry scripts print them as one message without a traceback.
+an image), that every in-LLM trial can prune this model's LLM at its layers (``promprune.models.llm_hooks.
+stage_layers``: a stage ranks at a full-attention layer, not a hybrid LLM's linear-attention layers nor a
+sliding-window one; Gemma 4's E2B / E4B are refused), and that the MLflow store answers and can be written. All
+problems come back together, in seconds; the entry scripts print them as one message without a traceback.
 """
 from __future__ import annotations
 
@@ -168,32 +169,29 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
 
 
 def check_in_llm_layers(spec: SweepSpec) -> list[str]:
-    """Every in-LLM trial finds the layers it ranks at on the spec's model (``llm_hooks.stage_layers`` on the
-    model's config: on a hybrid LLM such as Qwen3.5 a stage must rank at a full-attention layer), so a method the
-    model cannot run is refused here, in one paragraph naming the model and the method, not in a Ray actor."""
+    """Every in-LLM trial can prune the spec's model at its layers (``llm_hooks.stage_layers`` on the model's config:
+    a stage ranks at a full-attention layer of a hybrid LLM such as Qwen3.5 or a sliding-window one such as Gemma 4,
+    and the LLM is one the hooks can prune), so a method the model cannot run is refused here, not in a Ray actor: one
+    paragraph per distinct problem, naming the model, the method and the trials."""
     import promprune
     from promprune.models.factories import model_config
     from promprune.models.llm_hooks import stage_layers
     from promprune.models.options import is_in_llm, validate_method
 
     trials = [t for t in expand(spec) if is_in_llm(t.method)]
-    if not trials:
-        return []
     try:
-        config = model_config(spec.model.pretrained)
+        config = model_config(spec.model.pretrained) if trials else None
     except ValueError:
         return []  # check_model says why
-    if config is None:
-        return []
-    errors = []
-    for trial in trials:
+    problems: dict[str, list[str]] = {}
+    for trial in [] if config is None else trials:
         try:
             options, _ = validate_method(trial.method, trial.budget, **{**spec.model.options, **trial.options})
-            stage_layers(config, trial.method, promprune.method_spec(trial.method).resolve(options,
-                                                                                            budget=trial.budget))
+            resolved = promprune.method_spec(trial.method).resolve(options, budget=trial.budget)
+            stage_layers(config, trial.method, resolved, spec.model.pretrained)
         except ValueError as exc:
-            errors.append(f"trial {trial.trial_id}: {exc}")
-    return errors
+            problems.setdefault(str(exc), []).append(trial.trial_id)
+    return [f"{problem} (trial{'s' if len(ids) > 1 else ''} {', '.join(ids)})" for problem, ids in problems.items()]
 
 
 def _fail_fast_http():

@@ -16,6 +16,10 @@ budget, ...)`). So the sweep loads each checkpoint once, in one Ray task, and pu
 
 `benchmarks/model_loading.py` measures both paths. Without sharing (`resources.share_weights: false`) every
 actor calls `PrunedVLM.from_pretrained` itself.
+
+An actor Ray gave several GPUs (`resources.gpus_per_worker: 2`: Gemma 4 31B in bfloat16, ~62 GB, on 48 GB A40s) loads
+one model across them: `gpu_placement` turns the GPUs it holds into a balanced device map with a memory limit per GPU
+(`promprune.models.placement`), which `from_pretrained` (or, for published weights, `materialize`) follows.
 """
 from __future__ import annotations
 
@@ -64,6 +68,32 @@ def local_device() -> str:
     return "cuda"
 
 
+def gpu_placement(gpu_ids: list, gpu_bytes: list[int]) -> dict | None:
+    """``{"device_map", "max_memory"}`` spreading one model over the GPUs Ray assigned this process (``gpu_ids``,
+    ``ray.get_gpu_ids()``), whose memory torch reports as ``gpu_bytes`` (Ray sets CUDA_VISIBLE_DEVICES to those ids, so
+    torch's devices 0 .. n-1 are they); None for one GPU or none. A mismatch (torch sees other GPUs than Ray assigned)
+    is a RuntimeError naming both."""
+    from promprune.models.placement import gpu_split
+
+    if len(gpu_ids) < 2:
+        return None
+    if len(gpu_bytes) != len(gpu_ids):
+        raise RuntimeError(f"Ray assigned this actor GPUs {list(gpu_ids)} but torch sees {len(gpu_bytes)} GPU(s): "
+                           "CUDA_VISIBLE_DEVICES was changed after Ray set it; leave it to Ray")
+    return gpu_split(gpu_bytes)
+
+
+def actor_placement() -> dict | None:
+    """:func:`gpu_placement` of this process: the GPUs Ray assigned it and their memory as torch sees it."""
+    import ray
+    import torch
+
+    if not (ray.is_initialized() and torch.cuda.is_available()):
+        return None
+    sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    return gpu_placement(ray.get_gpu_ids(), sizes)
+
+
 def _not_a_spec_field(value: Any) -> Any:
     raise PydanticCustomError("extra_forbidden", "not a spec field")
 
@@ -84,19 +114,22 @@ class ModelSource:
     shared: Annotated[Any, AfterValidator(_not_a_spec_field)] = field(default=None, metadata={"spec": False})
 
     def load(self, *, method: str | None, budget: int | None, options: dict | None = None):
-        """A PrunedVLM on this process's device (CUDA if assigned, else CPU)."""
+        """A PrunedVLM on this process's device (CUDA if assigned, else CPU); over all its GPUs when Ray assigned it
+        several (:func:`actor_placement`)."""
         from promprune.models import PrunedVLM
 
         device = local_device()
         opts = {**self.options, **(options or {})}
+        split = actor_placement() if device == "cuda" else None
         if self.shared is not None:
             import ray
 
-            model, processor = materialize(ray.get(self.shared), device)
+            model, processor = materialize(ray.get(self.shared), device, split)
             return PrunedVLM(model, processor, method=method, budget=budget, **opts)
         dtype = resolve_dtype(self.dtype, device == "cuda")
+        placed = split or {"device_map": device}
         return PrunedVLM.from_pretrained(self.pretrained, method=method, budget=budget, dtype=dtype,
-                                         device_map=device, attn_implementation=self.attn_implementation, **opts)
+                                         attn_implementation=self.attn_implementation, **placed, **opts)
 
     def with_shared(self, ref: Any) -> "ModelSource":
         return dataclasses.replace(self, shared=ref)
@@ -166,11 +199,16 @@ def restore(recipe: dict, arrays: list[np.ndarray]):
     return model
 
 
-def materialize(published: tuple, device: str):
-    """(recipe, processor, arrays) from the object store -> (model on `device`, processor)."""
+def materialize(published: tuple, device: str, split: dict | None = None):
+    """(recipe, processor, arrays) from the object store -> (model on `device`, processor); ``split``
+    (:func:`gpu_placement`): spread over this process's GPUs instead."""
     recipe, processor, arrays = published
     model = restore(recipe, arrays)
-    if device != "cpu":
+    if split is not None:
+        from promprune.models.placement import spread
+
+        model = spread(model, split["device_map"], split["max_memory"])
+    elif device != "cpu":
         model = model.to(device)
     return model.eval(), processor
 

@@ -12,6 +12,12 @@ config: hidden 4096, 32 layers, intermediate 11008, 32 heads):
   (``benchmarks/sweep_cost.py``): the generated tokens' forwards, the logits, the vision tower and projector.
 - ``kv_cache_bytes``: K and V of every layer for ``n_tokens`` tokens. Table 6's KV column counts the visual tokens
   only and prints MiB (2**20 bytes) as "MB": 2880 tokens x 2 x 32 layers x 4096 x 2 bytes = 1440.0 MiB, 320 -> 160.0.
+- LLMs whose layers differ (``layer_types`` with sliding-window layers: Gemma 4) are counted layer by layer
+  (:func:`layer_shapes`): each layer's own query / key widths (Gemma 4's full layers: wider heads, fewer KV heads,
+  keys used as values, so no value projection), attention over at most ``sliding_window`` keys per query in a
+  sliding layer, and a sliding layer's KV cache capped as transformers' ``DynamicSlidingWindowLayer`` keeps it
+  (``sliding_window - 1`` tokens); layers that borrow an earlier layer's keys and values (``num_kv_shared_layers``)
+  project none and cache none, and their MLP may be double width; per-layer token embeddings add their projections.
 
 Hybrid LLMs (Qwen3.5: ``layer_types`` with Gated DeltaNet ``linear_attention`` layers between full-attention ones) are
 counted as they are. A full-attention layer is the formula above, its query projection twice as wide where it also
@@ -94,7 +100,10 @@ GATED_ATTENTION_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 def _field(config: Any, name: str) -> Any:
     if isinstance(config, dict):
         return config.get(name)
-    return getattr(config, name, None)
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - a per-layer field of a heterogeneous config (Gemma 4): read it per layer
+        return None
 
 
 def text_shape(text_config: Any) -> TextShape:
@@ -148,6 +157,80 @@ def _hybrid(text_config: Any, shape: TextShape) -> TextShape:
     return replace(shape, layer_types=types, gated=gated, linear=linear)
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer: query / key widths, a value projection or not (keys as values), a query projection that also
+    gives an output gate (``gate``), MLP width, the sliding window (None: full attention), whether it caches keys and
+    values, further MACs per token (per-layer token embeddings), and ``linear``: a linear-attention token mixer instead
+    of attention (no KV cache; a recurrent state of constant size)."""
+
+    d_q: int
+    d_kv: int
+    values: bool
+    mlp: int
+    window: int | None
+    caches: bool
+    extra: int = 0
+    gate: bool = False
+    linear: LinearShape | None = None
+
+
+def layer_shapes(text_config: Any) -> list[LayerShape]:
+    """Every decoder layer's :class:`LayerShape`, from a transformers config (Gemma 4's ``per_layer_config``) or a dict
+    of its fields (``global_head_dim``, ``num_global_key_value_heads``, as a ``config.json`` holds them). An LLM of
+    identical layers gives :func:`text_shape`'s widths at every layer; a hybrid one (Qwen3.5) its linear-attention
+    layers; one with sliding-window layers (Gemma 4) each layer's own widths, window, KV sharing and per-layer
+    embeddings."""
+    inner = _field(text_config, "text_config")
+    config = inner if inner is not None else text_config
+    s = text_shape(config)  # Gemma 4: its head width / KV heads are the sliding layers' (a dict) or unread (an object)
+    types = s.layer_types or ("full_attention",) * s.num_layers
+    k_eq_v = bool(_field(config, "attention_k_eq_v"))
+    shared = int(_field(config, "num_kv_shared_layers") or 0)
+    per_layer = int(_field(config, "hidden_size_per_layer_input") or 0)
+    double = bool(_field(config, "use_double_wide_mlp"))
+    sliding = "sliding_attention" in types  # Gemma 4's per-layer head widths
+    out = []
+    for i, kind in enumerate(types):
+        full = kind == "full_attention"
+        head_dim, kv_heads = _layer_heads(config, i, full, s, k_eq_v) if sliding else (s.head_dim, s.num_kv_heads)
+        borrows = i >= len(types) - shared  # keys and values of an earlier layer: no projection, no cache
+        linear = s.linear if kind == LINEAR_ATTENTION else None
+        out.append(LayerShape(d_q=s.num_heads * head_dim, d_kv=0 if borrows else kv_heads * head_dim,
+                              values=not (full and k_eq_v), mlp=s.intermediate_size * (2 if double and borrows else 1),
+                              window=int(_field(config, "sliding_window")) if kind == "sliding_attention" else None,
+                              caches=not borrows and linear is None, gate=s.gated, linear=linear,
+                              extra=3 * s.hidden_size * per_layer))  # gate d->p, projection p->d, its share of d->L*p
+    return out
+
+
+def _layer_heads(config: Any, i: int, full: bool, s: TextShape, k_eq_v: bool) -> tuple[int, int]:
+    """``(head_dim, kv_heads)`` of layer ``i``: a config object's ``per_layer_config``, else a dict's global fields (a
+    full layer's ``global_head_dim``, default 512, and ``num_global_key_value_heads`` when keys are values)."""
+    per_layer = _field(config, "per_layer_config")
+    if per_layer is not None and not isinstance(config, dict):
+        layer = per_layer[i]
+        return int(layer.head_dim), int(layer.num_key_value_heads)
+    if not full:
+        return s.head_dim, s.num_kv_heads
+    global_kv = _field(config, "num_global_key_value_heads")
+    kv = int(global_kv) if k_eq_v and global_kv is not None else s.num_kv_heads
+    return int(_field(config, "global_head_dim") or 512), kv
+
+
+def _layer_macs(d: int, layer: LayerShape, n: int, past: int) -> int:
+    """MACs of one :class:`LayerShape` on ``n`` new tokens after ``past`` cached ones, Table 6's convention."""
+    mlp = 3 * n * d * layer.mlp  # gated MLP
+    if layer.linear is not None:
+        return linear_mixer_macs(layer.linear, d, n) + mlp + n * layer.extra
+    keys = past + n if layer.window is None else min(past + n, layer.window)
+    return (n * d * ((2 if layer.gate else 1) * layer.d_q + layer.d_kv * (2 if layer.values else 1))  # q (+gate), k, v
+            + n * layer.d_q * d  # output projection
+            + 2 * n * keys * layer.d_q  # attention scores and weighted values
+            + mlp
+            + n * layer.extra)
+
+
 def _check_tokens(n_tokens: int) -> int:
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
         raise ValueError(f"n_tokens must be a non-negative int, got {n_tokens!r}")
@@ -165,36 +248,32 @@ def prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> floa
     FLOPs = 2 * MACs * layers. For a Llama/Vicuna config (d_q = d_kv = d) this is 2L(4nd^2 + 2n^2 d + 3ndm).
     ``past_tokens``: tokens already in the KV cache (a cached prompt prefix, or the tokens before a decode step):
     the n new tokens attend to past + n keys, so the attention term is 2*n*(past + n)*d_q (0: Table 6's prefill).
+    The layers are summed one by one (:func:`layer_shapes`): a sliding layer's queries attend to at most
+    ``sliding_window`` keys each, a linear-attention layer costs :func:`linear_mixer_macs` (no n x n term).
     """
-    layers = text_shape(text_config).num_layers
-    return float(sum(layer_prefill_flops(text_config, n_tokens, past_tokens, layer=i) for i in range(layers)))
+    n, past = _check_tokens(n_tokens), _check_tokens(past_tokens)
+    d = text_shape(text_config).hidden_size
+    return float(sum(2 * _layer_macs(d, layer, n, past) for layer in layer_shapes(text_config)))
 
 
 def layer_prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0, layer: int | None = None) -> float:
-    """:func:`prefill_flops` of one decoder layer (in-LLM pruning runs its layers on different token counts):
-    decoder layer ``layer`` of a hybrid LLM (a ValueError without it; any layer of the others)."""
+    """:func:`prefill_flops` of one decoder layer (in-LLM pruning runs its layers on different token counts): decoder
+    layer ``layer``; an LLM whose layers differ (linear or sliding-window layers) needs it, for the others any layer's
+    is every layer's."""
     n, past = _check_tokens(n_tokens), _check_tokens(past_tokens)
-    s = text_shape(text_config)
-    if s.linear is not None and layer is None:
-        raise ValueError("a hybrid LLM's layers cost differently (linear vs full attention): pass layer=")
-    if layer is not None and not 0 <= layer < s.num_layers:
-        raise ValueError(f"layer must be in [0, {s.num_layers - 1}], got {layer}")
-    d, d_q, d_kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    mlp = 3 * n * d * s.intermediate_size  # SwiGLU MLP
-    if layer is not None and s.is_linear(layer):
-        return float(2 * (linear_mixer_macs(s, n) + mlp))
-    macs = (
-        n * d * ((2 if s.gated else 1) * d_q + 2 * d_kv)  # q (and its output gate), k, v projections
-        + n * d_q * d  # output projection
-        + 2 * n * (past + n) * d_q  # attention scores and weighted values
-        + mlp
-    )
-    return float(2 * macs)
+    layers = layer_shapes(text_config)
+    if layer is None:
+        if any(other != layers[0] for other in layers):
+            raise ValueError("this LLM's layers differ (linear, sliding-window or full attention): pass layer=<index>")
+        layer = 0
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer must be in [0, {len(layers) - 1}], got {layer}")
+    return float(2 * _layer_macs(text_shape(text_config).hidden_size, layers[layer], n, past))
 
 
-def linear_mixer_macs(shape: TextShape, n_tokens: int) -> int:
-    """MACs of a Gated DeltaNet token mixer over ``n_tokens`` tokens (any context: no term in the past tokens)."""
-    lin, d = shape.linear, shape.hidden_size
+def linear_mixer_macs(lin: LinearShape, d: int, n_tokens: int) -> int:
+    """MACs of a Gated DeltaNet token mixer of hidden width ``d`` over ``n_tokens`` tokens (any context: no term in the
+    past tokens)."""
     v = lin.value_heads * lin.value_dim
     return n_tokens * (d * (lin.conv_width + v + 2 * lin.value_heads)  # in_proj_qkv, in_proj_z, in_proj_a / b
                        + lin.conv_width * lin.conv_kernel  # depthwise causal convolution
@@ -265,15 +344,18 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 
 def kv_cache_bytes(text_config: Any, n_tokens: int, dtype: torch.dtype | str = torch.float16) -> int:
-    """Bytes of the KV cache for ``n_tokens`` tokens: K and V, every layer with a KV cache (a hybrid LLM's
-    full-attention layers; its linear-attention layers keep a state of constant size instead,
-    :func:`recurrent_state_bytes`), num_kv_heads * head_dim each.
+    """Bytes of the KV cache for ``n_tokens`` tokens: K and V of every layer with a KV cache, num_kv_heads * head_dim
+    each (:func:`layer_shapes`: each layer its own width).
 
-    Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16).
+    Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16). A hybrid LLM's
+    linear-attention layers keep a state of constant size instead (:func:`recurrent_state_bytes`); a sliding layer
+    holds at most ``sliding_window - 1`` tokens (what transformers keeps between forwards); a layer borrowing another's
+    keys and values none.
     """
     n = _check_tokens(n_tokens)
-    s = text_shape(text_config)
-    return 2 * s.attention_layers * n * s.num_kv_heads * s.head_dim * dtype_bytes(dtype)
+    layers = layer_shapes(text_config)
+    kept = [n if lay.window is None else min(n, lay.window - 1) for lay in layers]
+    return sum(2 * k * lay.d_kv * dtype_bytes(dtype) for k, lay in zip(kept, layers) if lay.caches)
 
 
 def recurrent_state_bytes(text_config: Any, dtype: torch.dtype | str = torch.float16,
@@ -281,13 +363,9 @@ def recurrent_state_bytes(text_config: Any, dtype: torch.dtype | str = torch.flo
     """Bytes a sequence's linear-attention layers hold, whatever its length (0 without such layers): per layer the
     convolution's last ``conv_kernel`` inputs (``conv_width`` channels, in ``dtype``) and the delta rule's state
     (value heads x key dim x value dim, in ``state_dtype``: float32 in transformers' kernels)."""
-    s = text_shape(text_config)
-    if s.linear is None:
-        return 0
-    lin = s.linear
-    per_layer = (lin.conv_width * lin.conv_kernel * dtype_bytes(dtype)
-                 + lin.value_heads * lin.key_dim * lin.value_dim * dtype_bytes(state_dtype))
-    return (s.num_layers - s.attention_layers) * per_layer
+    return sum(lin.conv_width * lin.conv_kernel * dtype_bytes(dtype)
+               + lin.value_heads * lin.key_dim * lin.value_dim * dtype_bytes(state_dtype)
+               for lin in (layer.linear for layer in layer_shapes(text_config)) if lin is not None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

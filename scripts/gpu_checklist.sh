@@ -5,7 +5,7 @@
 #   bash scripts/gpu_checklist.sh [--install-batch N]... STAGE...
 #
 # Stages: install (every .whlN here) | parity | library | selection | speed | table6 | shapes | deps | sweep |
-#         table6-pipeline | scaling | plan.   --install-batch N installs .whlN only (one batch travels per call).
+#         table6-pipeline | scaling | gemma4 | two-gpus | plan.   --install-batch N installs .whlN only (one batch travels per call).
 #
 # The machine (Python 3.12, torch 2.11 CUDA 13, transformers 5.17) has no network and no Ray, MLflow or lmms-eval;
 # a call sends at most 64 MiB, runs at most 10 min (2,000-character command), 30 device-minutes in all, and the
@@ -30,6 +30,11 @@
 #   4. carry []                     bash scripts/gpu_checklist.sh shapes                                       ~6 min
 #      (efficiency at LLaVA-1.5, Qwen2.5-VL and issue 26's Qwen3-VL-8B, OneVision-7B, InternVL3-8B shapes;
 #       issue 46's Qwen3.5-4B)
+#   5. carry []                     bash scripts/gpu_checklist.sh gemma4                                       ~8 min
+#      (issue 46: Gemma 4 31B in bfloat16, ~62 GB, on one 80 GB GPU: efficiency rows unpruned / promprune / fastv)
+#   6. carry [] on a machine with TWO GPUs   bash scripts/gpu_checklist.sh two-gpus                         ~6 min
+#      (resources.gpus_per_worker: 2's placement: Gemma 4 31B spread over both GPUs by promprune.models.placement,
+#       each GPU's share of the weights, one greedy answer unpruned / promprune / fastv / dart through the split model)
 # Call 1 also brings back image-freeze.txt: `python scripts/device_wheels.py pin-image <it>` here records the image's
 # versions in scripts/device_image.txt (commit it), so later builds carry exactly what the image lacks.
 # A call that finds a fresh machine (the last one was given back) repeats the installs: call 1's batch again, then
@@ -213,6 +218,31 @@ PY
       # at the full-attention layer it maps to
       python3 benchmarks/efficiency.py --model shape:qwen3_5_4b --dtype bfloat16 --device cuda --skip-analytic \
         --budgets none,128 --methods divprune,promprune,fastv --repeats 5 --max-new-tokens 8 ;;
+    gemma4)  # issue 46: the 31B's efficiency rows on one 80 GB GPU (bfloat16 weights ~62 GB)
+      env_line
+      python3 benchmarks/efficiency.py --model shape:gemma4_31b --dtype bfloat16 --device cuda --skip-analytic \
+        --budgets none,64 --methods promprune,fastv --repeats 3 --max-new-tokens 8 ;;
+    two-gpus)  # issue 46: one model over two GPUs (what an actor with gpus_per_worker: 2 loads)
+      env_line
+      python3 - <<'PY'
+import collections, time, torch
+from PIL import Image
+from promprune.models import PrunedVLM
+from promprune.models.placement import gpu_split
+n = torch.cuda.device_count()
+assert n >= 2, f"this stage needs two GPUs; the machine shows {n}"
+split = gpu_split([torch.cuda.get_device_properties(i).total_memory for i in range(2)])
+t0 = time.time()
+vlm = PrunedVLM.from_pretrained("shape:gemma4_31b", method=None, dtype="bfloat16", **split)
+print(f"loaded in {time.time() - t0:.0f} s; modules per GPU:", collections.Counter(vlm.model.hf_device_map.values()))
+print("GiB allocated per GPU:", [round(torch.cuda.memory_allocated(i) / 2**30, 1) for i in range(2)])
+image = Image.new("RGB", (640, 480), (120, 90, 60))
+for method, budget in ((None, None), ("promprune", 64), ("fastv", 64), ("dart", 64)):
+    pruned = PrunedVLM(vlm.model, vlm.processor, method=method, budget=budget)
+    g = pruned.generate([image], ["What colour is the image?"], max_new_tokens=8)[0]
+    print(method, "visual tokens", g.visual_tokens, "tokens", g.token_ids, f"prefill {g.prefill_ms:.0f} ms")
+PY
+      ;;
     sweep)  # the quickstart (testbed) sweep, its actors on the GPU
       pipeline_sweep quickstart --config sweeps/quickstart.yaml ${SWEEP_SET:-} ;;
     table6-pipeline)  # Table 6 through the pipeline: random LLaVA-NeXT-7B weights, easy-vqa yes/no for POPE
@@ -225,7 +255,7 @@ PY
       OMP_NUM_THREADS=1 python3 benchmarks/sweep_scaling.py --gpus ${SCALING_GPUS:-4 8} \
         --shell "${SCALING_SHELL:-measured}" --timeline "$OUT/scaling-timeline.csv" ${SCALING_ARGS:-} ;;
     *) echo "unknown stage $1 (install|parity|library|selection|speed|table6|shapes|deps|sweep|table6-pipeline|" \
-            "scaling|plan)"; return 2 ;;
+            "scaling|gemma4|two-gpus|plan)"; return 2 ;;
   esac
 }
 

@@ -13,6 +13,7 @@ from promprune.efficiency import (
     decode_flops,
     dtype_bytes,
     kv_cache_bytes,
+    layer_prefill_flops,
     lm_head_flops,
     measure_ms,
     peak_memory_mb,
@@ -59,12 +60,16 @@ def test_prefill_flops_equal_torch_flop_counter_on_real_llama(kv_heads):
         hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=kv_heads, vocab_size=100,
     )
-    model = LlamaModel(cfg).eval()
-    model.set_attn_implementation("eager")
-    n = 37
+    assert prefill_flops(cfg, 37) == eager_flops(LlamaModel(cfg), 37)
+
+
+def eager_flops(model, n: int) -> int:
+    """What torch's FLOP counter counts in one eager forward of ``model`` (a text model of vocabulary 100) on ``n``
+    random tokens."""
+    model.eval().set_attn_implementation("eager")
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.randint(0, 100, (1, n)))
-    assert prefill_flops(cfg, n) == counter.get_total_flops()
+    return counter.get_total_flops()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -156,3 +161,85 @@ def test_vision_flops_hand_worked_llava15():
     qwen = shape_vlm("qwen2_5_vl_7b", device="meta")[0].config
     with pytest.raises(ValueError, match="modelled for the LLaVA family's CLIP / SigLIP towers"):
         vision_flops(qwen)
+
+
+# ---- LLMs whose layers differ: Gemma 4's sliding-window and full-attention layers ------------------------------------
+
+def _gemma4_text(**overrides):
+    """A small Gemma 4 text config: layers S F S F, the full ones with 2 x wider heads, one KV head, keys as values."""
+    from transformers import Gemma4TextConfig
+
+    fields = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                  attention_k_eq_v=True, sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
+                  hidden_size_per_layer_input=0, num_kv_shared_layers=0)
+    return Gemma4TextConfig(**{**fields, **overrides})
+
+
+def test_windowed_layers_hand_worked():
+    """Two layers, d = 8, 2 heads; sliding: head 4, 1 KV head, window 4; full: head 8, 1 KV head, keys as values;
+    MLP 16; n = 6. Sliding MACs: 6*8*(8 + 2*4) + 6*8*8 + 2*6*4*8 + 3*6*8*16 = 768 + 384 + 384 + 2304 = 3840; full:
+    6*8*(16 + 8) + 6*16*8 + 2*6*6*16 + 2304 = 1152 + 768 + 1152 + 2304 = 5376. KV (2 bytes): the sliding layer keeps
+    window - 1 = 3 tokens: 2*3*4*2 = 48; the full one 6: 2*6*8*2 = 192."""
+    config = dict(hidden_size=8, num_hidden_layers=2, intermediate_size=16, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=4, global_head_dim=8, num_global_key_value_heads=1,
+                  attention_k_eq_v=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    assert prefill_flops(config, 6) == 2 * (3840 + 5376)
+    assert kv_cache_bytes(config, 6, torch.float16) == 48 + 192
+    with pytest.raises(ValueError, match="pass layer=<index>"):
+        layer_prefill_flops(config, 6)
+    assert layer_prefill_flops(config, 6, layer=0) == 2 * 3840
+
+
+@pytest.mark.parametrize("visual_tokens, mib", [(280, 240.625), (1120, 886.71875)])
+def test_gemma4_31b_kv_cache_hand_worked(visual_tokens, mib):
+    """bf16. 50 sliding layers of 16 KV heads x 256, 10 full of 4 x 512: 280 tokens: 50 * 2*280*16*256*2 +
+    10 * 2*280*4*512*2 = 229,376,000 + 22,937,600 bytes; 1120 tokens: the sliding layers hold 1023 (the window,
+    1024, less one): 50 * 2*1023*16*256*2 + 10 * 2*1120*4*512*2 = 838,041,600 + 91,750,400."""
+    from promprune.models.shapes import load, shape_spec
+
+    assert kv_cache_bytes(load.config("gemma4_31b"), visual_tokens, torch.bfloat16) / MIB == mib
+    text = shape_spec("gemma4_31b")["text_config"]  # the config.json fields, as a dict
+    text = {**text, "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(60)]}
+    assert kv_cache_bytes(text, visual_tokens, "bf16") / MIB == mib
+
+
+def test_gemma4_31b_prefill_hand_worked():
+    """280 visual + 62 text tokens (all inside the 1024 window). Sliding: q 32 x 256, k / v 16 x 256; full: q 32 x 512,
+    k 4 x 512, no v; MLP 21504 (GeGLU, three matrices)."""
+    from promprune.models.shapes import load
+
+    n, d, m = 342, 5376, 21504
+    sliding = n * d * (8192 + 2 * 4096) + n * 8192 * d + 2 * n * n * 8192 + 3 * n * d * m
+    full = n * d * (16384 + 2048) + n * 16384 * d + 2 * n * n * 16384 + 3 * n * d * m
+    assert prefill_flops(load.config("gemma4_31b"), n) == 2 * (50 * sliding + 10 * full)
+
+
+def test_gemma4_e2b_counts_no_cache_for_its_shared_layers():
+    """E2B, 280 tokens, bf16: only layers 0-14 cache (the last 20 borrow theirs): 12 sliding of 1 x 256 and 3 full of
+    1 x 512 (keys not values there): 12 * 2*280*256*2 + 3 * 2*280*512*2 = 3,440,640 + 1,720,320 bytes."""
+    from promprune.models.shapes import load
+
+    assert kv_cache_bytes(load.config("gemma4_e2b"), 280, torch.bfloat16) == 3_440_640 + 1_720_320
+
+
+def test_windowed_kv_cache_bytes_equal_a_real_gemma4_cache():
+    """A real Gemma4TextModel's DynamicCache after a prefill of 11 tokens with an 8-token window: the sliding layers
+    hold 7, the full ones 11, each its own width."""
+    from transformers import Gemma4TextModel
+
+    torch.manual_seed(0)
+    cfg = _gemma4_text(sliding_window=8)
+    model = Gemma4TextModel(cfg).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (1, 11)), use_cache=True).past_key_values
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert kv_cache_bytes(cfg, 11, torch.float32) == held
+
+
+def test_windowed_prefill_flops_equal_torch_flop_counter_on_a_real_gemma4():
+    """Eager Gemma 4 text layers (window wider than the prompt: the eager kernel computes every score it masks)."""
+    from transformers import Gemma4TextModel
+
+    cfg = _gemma4_text()
+    assert prefill_flops(cfg, 37) == eager_flops(Gemma4TextModel(cfg), 37)

@@ -679,9 +679,12 @@ def visual_token_capacity(config, adapter_options: dict | None = None) -> int | 
     LLaVA-1.5 (image_size / patch)^2 (CLS dropped); LLaVA-NeXT that per view times (1 + the most crops of any grid
     pinpoint), newlines not counted (LLaVA-OneVision: the same, an upper bound as anyres-max resizes large crop grids
     down); Qwen2.5-VL / Qwen3-VL / Qwen3.5 the fixed ``image_tokens`` when set, else None (it depends on the
-    image's resolution); InternVL ``image_seq_length`` (256) per tile times 13 tiles (the released tiling)."""
+    image's resolution); InternVL ``image_seq_length`` (256) per tile times 13 tiles (the released tiling); Gemma 4 the
+    adapter option ``max_soft_tokens``, else the config's ``vision_soft_tokens_per_image`` (the released 280)."""
     options = adapter_options or {}
     kind = getattr(config, "model_type", None)
+    if kind == "gemma4":
+        return options.get("max_soft_tokens") or getattr(config, "vision_soft_tokens_per_image", None) or 280
     if kind == "internvl":
         return config.image_seq_length * max_views(config)
     if kind in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):

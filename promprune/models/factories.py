@@ -75,15 +75,20 @@ def find_model_factory(name_or_path: str) -> tuple[Factory, str] | None:
     return None
 
 
-def place(model, *, dtype=None, device_map=None, attn_implementation=None):
+def place(model, *, dtype=None, device_map=None, attn_implementation=None, max_memory=None):
     """Cast, move and configure a freshly built model as ``from_pretrained`` would (``"auto"`` keeps its dtype;
-    ``device_map="auto"`` means CUDA when available)."""
+    ``device_map="auto"`` means CUDA when available; "balanced" / "balanced_low_0" / "sequential" or a mapping spread
+    it over the GPUs within ``max_memory``, :func:`promprune.models.placement.spread`)."""
+    from .placement import is_multi_gpu, spread
+
     dtype = parse_dtype(dtype, allow_auto=True)
     if dtype not in (None, "auto"):
         model = model.to(dtype)
     if device_map == "auto":
         device_map = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_map is not None:
+    if is_multi_gpu(device_map):
+        model = spread(model, device_map, max_memory)
+    elif device_map is not None:
         model = model.to(device_map)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)

@@ -14,14 +14,20 @@ The language model is not forked: forward pre-hooks on its decoder layers shrink
 Qwen3-VL's DeepStack adds visual features to the image positions' hidden states after its first LLM layers; once
 a layer has pruned, the addition goes to the kept image columns only (each gets its own rows).
 
-A hybrid LLM (Qwen3.5: ``layer_types`` with Gated DeltaNet ``linear_attention`` layers, which keep a recurrent state
-and have no attention map) ranks at full-attention layers only: :func:`stage_layers` moves the default layers to the
-first full-attention layer at or after the one they rank at and refuses explicit ones that rank at a linear layer;
-``InLLMPruner.layer_map`` records (requested, used). The cut reaches every layer after it: a linear layer gets the 2D
-mask of the live columns instead of a 4D one, and the dead columns (padding, fillers) come first in every row, so its
-scan reads zeros from a zero state and then only the kept tokens, in order; decoding steps leave it transformers'
-mask (a new token is never padding). The cache's sequence length (its first full-attention layer, which ranks before
-any cut) stays the unpruned prompt's.
+LLMs that mix layer types (``config.layer_types``) rank at full-attention layers only. Qwen3.5's Gated DeltaNet
+``linear_attention`` layers keep a recurrent state and have no attention map; Gemma 4's ``sliding_attention`` layers'
+rows see only the window (and its vision tokens both ways), so the rows the hooks recompute would not be the model's
+own (DART, which ranks by key norms, may rank at a sliding layer). :func:`stage_layers` moves the default layers to the
+first full-attention layer at or after the one they rank at (and after the previous stage's) and refuses explicit ones
+that rank elsewhere; ``InLLMPruner.layer_map`` records (requested, used). Gemma 4's E2B / E4B (KV-shared layers,
+per-layer embeddings) are refused (:func:`unsupported`).
+
+The cut reaches every layer after it. A linear layer gets the 2D mask of the live columns instead of a 4D one, and
+the dead columns (padding, fillers) come first in every row, so its scan reads zeros from a zero state and then only
+the kept tokens, in order; decoding steps leave it transformers' mask (a new token is never padding). The cache's
+sequence length (its first full-attention layer, which ranks before any cut) stays the unpruned prompt's. A sliding
+layer gets a mask with the window counted in the live columns it holds and each vision run bidirectional, and the
+sliding layers' cache keeps every column for the generation (the window is in the masks).
 
 Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5-VL); all rows keep the same
 sequence length, padded with masked "dead" tokens that nobody attends to.
@@ -69,7 +75,7 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
-    at, layer_map = stage_layers(model.config, method, opts)
+    at, layer_map = stage_layers(model.config, method, opts, model_name(model))
     compact = False
     if method in ("fastv", "dart"):
         stages = [Stage(at[0], None, kind=method)]
@@ -82,9 +88,6 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
         compact = opts["positions"] == "released" and not _mrope(model)
     else:
         if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
-            if len(at) != 3:
-                raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
-                                 f"LLM gives {at}: pass option 'layers' with three layers")
             def plan(n):
                 return list(SPARSEVLM_RELEASED[budget])
         else:
@@ -98,91 +101,169 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
     return pruner
 
 
-def stage_layers(config, method: str, opts: dict) -> tuple[list[int], list[tuple[int, int]]]:
-    """The decoder layers an in-LLM ``method`` prunes before (ascending), and per stage ``(requested, used)``.
+def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tuple[list[int], list[tuple[int, int]]]:
+    """The decoder layers an in-LLM ``method`` prunes before (ascending), and per requested stage ``(requested,
+    used)``, from the config alone.
 
-    ``config``: the VLM's config (or its text config); ``opts``: the method's resolved options. Requested layers are
-    the options' or the released ones scaled to the depth. On a hybrid LLM (:func:`hybrid_layer_types`) a stage must
-    rank at an attention layer, so the default layers move to the first one that does, at or after the requested
-    one (:func:`hybrid_stages`); explicit options that rank at a linear-attention layer are refused. A ValueError
-    names the method, the model and the fix.
+    ``config``: the VLM's config (or its text config); ``opts``: the method's resolved options; ``name``: how errors
+    name the model (default: its checkpoint name, else "this model"). Requested layers are the options' or the released
+    ones scaled to the depth. On an LLM that mixes layer types (:func:`hybrid_layer_types`: linear-attention or
+    sliding-window layers) a stage must rank at a full-attention layer (:func:`hybrid_stages`): default layers move
+    forward, explicit ones that rank elsewhere are refused. A ValueError in one paragraph names the method, the model
+    and the fix; so does an LLM the hooks cannot prune (:func:`unsupported`).
     """
-    text = getattr(config, "text_config", None) or config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = name or getattr(config, "_name_or_path", "") or "this model"
+    problem = unsupported(text, method, name)
+    if problem:
+        raise ValueError(problem)
     depth = int(text.num_hidden_layers)
-    explicit = (opts.get("layer") if method in ("fastv", "dart") else opts.get("layers")) is not None
+    at, explicit = requested_layers(method, opts, depth)
+    types = hybrid_layer_types(text)
+    model = f"{name} (model type {getattr(config, 'model_type', None) or text.model_type!r})"
+    mapped = at if types is None else hybrid_stages(types, method, at, explicit, model,
+                                                    getattr(text, "sliding_window", None))
+    used = sorted(set(mapped))
+    if method == "sparsevlm" and opts["schedule"] == "released" and len(used) != 3:
+        raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {depth}-layer LLM gives {used}: "
+                         "pass option 'layers' with three layers")
+    return used, list(zip(at, mapped))
+
+
+def requested_layers(method: str, opts: dict, depth: int) -> tuple[list[int], bool]:
+    """``(layers, explicit)``: the layers ``method``'s options give (explicit), else the released ones scaled to
+    ``depth``, ascending and checked against the depth."""
     if method in ("fastv", "dart"):
-        at = [opts["layer"] if opts["layer"] is not None else fastv_layer(depth)]
+        explicit = opts["layer"] is not None
+        at = [opts["layer"] if explicit else fastv_layer(depth)]
         if not 1 <= at[0] < depth:
             raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {at[0]}")
-    else:
-        scaled = PYRAMIDDROP_LAYERS_OF_32 if method == "pyramiddrop" else SPARSEVLM_LAYERS_OF_32
-        at = sorted(set(opts["layers"] or scaled_layers(depth, scaled)))
-        if max(at) >= depth:
-            raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
-    types = hybrid_layer_types(text)
-    if types is None:
-        return at, [(layer, layer) for layer in at]
-    used = hybrid_stages(types, method, at, explicit, getattr(config, "model_type", None) or text.model_type)
-    return used, list(zip(at, used))
+        return at, explicit
+    scaled = PYRAMIDDROP_LAYERS_OF_32 if method == "pyramiddrop" else SPARSEVLM_LAYERS_OF_32
+    at = sorted(set(opts["layers"] or scaled_layers(depth, scaled)))
+    if max(at) >= depth:
+        raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
+    return at, bool(opts["layers"])
 
 
 # Layer types (``config.layer_types``) whose token mixer keeps a recurrent state instead of attending: no attention
 # map to rank tokens by, no KV cache that grows (Qwen3.5's Gated DeltaNet layers).
 RECURRENT_LAYER_TYPES = ("linear_attention",)
+# Layer types that attend within a window only (Gemma 4): their rows are not the attention over the whole image, but
+# their keys are the layer's own (DART may rank there).
+SLIDING_LAYER_TYPES = ("sliding_attention",)
 
 
 def hybrid_layer_types(text_config) -> list[str] | None:
-    """The LLM's ``layer_types`` when some layers are recurrent (:data:`RECURRENT_LAYER_TYPES`), else None."""
+    """The LLM's ``layer_types`` when some layers are recurrent or sliding-window (:data:`RECURRENT_LAYER_TYPES`,
+    :data:`SLIDING_LAYER_TYPES`), else None."""
     types = getattr(text_config, "layer_types", None)
-    if not types or not any(t in RECURRENT_LAYER_TYPES for t in types):
+    if not types or not any(t in RECURRENT_LAYER_TYPES + SLIDING_LAYER_TYPES for t in types):
         return None
     return list(types)
 
 
 def ranking_layer(method: str, stage: int) -> int:
     """The layer whose attention ranks the tokens pruned before decoder layer ``stage``: ``stage - 1`` (FastV,
-    SparseVLM, DART: the layer before the cut), ``stage`` itself for PyramidDrop (the layer's own projections)."""
+    SparseVLM: the layer before the cut; DART: that layer's keys), ``stage`` itself for PyramidDrop (the layer's own
+    projections)."""
     return stage if method == "pyramiddrop" else stage - 1
 
 
-def hybrid_stages(types: list[str], method: str, requested: list[int], explicit: bool, model: str) -> list[int]:
-    """Stage layers on a hybrid LLM: each stage ranks at an attention layer and cuts before the layers after it,
-    linear-attention ones included (they then run on the kept tokens only, so their recurrent state sees no dropped
-    token from the cut on).
+def rankable_layers(types: list[str], method: str) -> list[int]:
+    """The layers ``method`` can rank at: full attention, and for DART (key norms, no attention row) any layer with
+    keys, sliding-window ones included."""
+    barred = RECURRENT_LAYER_TYPES + (() if method == "dart" else SLIDING_LAYER_TYPES)
+    return [i for i, t in enumerate(types) if t not in barred]
 
-    Requested (default) stages move to the first attention layer at or after their ranking layer
+
+def _why_not(kind: str, window: int | None) -> str:
+    """Why a layer of type ``kind`` cannot rank visual tokens, for errors."""
+    if kind in RECURRENT_LAYER_TYPES:
+        return "a linear-attention layer (linear attention: a recurrent state, no attention map to rank tokens by)"
+    return (f"a sliding-window layer (it sees only the last {window} tokens, so its rows are not the attention over "
+            "the whole image)")
+
+
+def hybrid_stages(types: list[str], method: str, requested: list[int], explicit: bool, model: str,
+                  window: int | None = None) -> list[int]:
+    """Per requested stage, the layer it prunes before on an LLM that mixes layer types: each stage ranks at a layer
+    of :func:`rankable_layers` and cuts before the layers after it, linear-attention ones included (they then run on
+    the kept tokens only, so their recurrent state sees no dropped token from the cut on) and sliding ones (masks with
+    the window over the live columns).
+
+    Requested (default) stages move to the first rankable layer at or after their ranking layer
     (:func:`ranking_layer`) and after the previous stage's, so each stage keeps its own layer: the 32-layer Qwen3.5's
     every-4th full attention takes FastV / DART's K = 2 (ranked at layer 1) to K = 4 (ranked at 3), SparseVLM's 2, 6,
-    15 to 4, 8, 16 and PyramidDrop's 8, 16, 24 to 11, 19, 27. Explicit options (``layer`` / ``layers``) are used as
-    given, and refused when one ranks at a linear-attention layer. A ValueError (one paragraph, naming ``method``
-    and ``model``) when no attention layer is left for a stage.
+    15 to 4, 8, 16 and PyramidDrop's 8, 16, 24 to 11, 19, 27. A later stage with no such layer left joins the previous
+    stage's layer (tiny:gemma4's PyramidDrop 2, 3, 4 -> 3, 5, 5); a first stage with none is refused. Explicit options
+    (``layer`` / ``layers``) are used as given, and refused when one ranks elsewhere. A ValueError (one paragraph,
+    naming ``method``, ``model`` and the valid values) on refusal; ``window``: the sliding window, for the message.
     """
-    attention = [i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES]
+    attention = rankable_layers(types, method)
     shift = 0 if method == "pyramiddrop" else 1
-    option = "layers" if method in ("sparsevlm", "pyramiddrop") else "layer"
-    valid = [a + shift for a in attention if 1 <= a + shift < len(types)]
-    where = (f"in-LLM method {method!r} on model type {model!r}: this hybrid LLM attends in full only at layers "
-             f"{attention}; its other layers are linear attention (a recurrent state, no attention map to rank "
-             "visual tokens by)")
+    if explicit:
+        for stage in requested:
+            if ranking_layer(method, stage) not in attention:
+                raise ValueError(_refusal(types, method, model, stage, window))
+        return list(requested)
     used, previous = [], -1
     for stage in requested:
         rank = ranking_layer(method, stage)
-        if explicit:
-            if rank not in attention:
-                raise ValueError(f"{where}; option {option!r} {requested} ranks at layer {rank}, one of them. Give "
-                                 f"{option!r} from {valid} (each ranks at a full-attention layer), or leave it unset "
-                                 f"(the scaled default moves to the first full-attention layer at or after it)")
-            used.append(stage)
+        found = next((a for a in attention if a >= max(rank, previous + 1) and a + shift < len(types)), None)
+        if found is None and used:  # no layer left for this stage: it joins the previous one
+            used.append(used[-1])
             continue
-        rank = next((a for a in attention if a >= max(rank, previous + 1)), None)
-        if rank is None or not 1 <= rank + shift < len(types):
-            raise ValueError(f"{where}; its stage at layer {stage} finds no full-attention layer at or after layer "
-                             f"{ranking_layer(method, stage)} to rank at with a layer left to prune before, so "
-                             f"{method} is refused on this model. Give option {option!r} from {valid}, or run a "
-                             "pre-LLM method")
-        previous = rank
-        used.append(rank + shift)
+        if found is None or found + shift < 1:
+            raise ValueError(_refusal(types, method, model, stage, window, moved=True))
+        previous = found
+        used.append(found + shift)
     return used
+
+
+def _refusal(types: list[str], method: str, model: str, stage: int, window: int | None, moved: bool = False) -> str:
+    """The paragraph refusing ``method``'s stage at ``stage`` on an LLM of ``types`` (given in the options, or a
+    default one that found no layer to move to), naming the model, the full-attention layers and the valid values."""
+    rank = ranking_layer(method, stage)
+    full = [i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES + SLIDING_LAYER_TYPES]
+    shift = 0 if method == "pyramiddrop" else 1
+    option = "layers" if method in ("sparsevlm", "pyramiddrop") else "layer"
+    valid = [a + shift for a in rankable_layers(types, method) if 1 <= a + shift < len(types)]
+    where = f"in-LLM method {method!r} on {model}: this LLM attends in full only at layers {full}"
+    if moved:
+        return (f"{where}; its stage at layer {stage} finds no full-attention layer at or after layer {rank} to rank "
+                f"at with a layer left to prune before, so {method} is refused on this model. Give option {option!r} "
+                f"from {valid}, or run a pre-LLM method")
+    return (f"{where}; option {option!r} gives layer {stage}, which ranks the visual tokens at layer {rank}, "
+            f"{_why_not(types[rank], window)}. Give {option!r} from {valid} (each ranks at a full-attention layer), or "
+            "leave it unset (the scaled default moves to the first full-attention layer at or after it)")
+
+
+def unsupported(config, method: str, name: str = "this model") -> str | None:
+    """Why ``method`` (in-LLM) cannot run on the LLM of ``config`` (the VLM's or its text config), in one paragraph;
+    None when it can. Gemma 4's smaller models (E2B, E4B) reuse the keys and values of an earlier layer in their last
+    layers (``num_kv_shared_layers``) and add per-layer token embeddings (``hidden_size_per_layer_input``): a pruned
+    sequence would meet full-length shared keys and per-layer inputs the hooks do not shrink, so they are refused."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    per_layer = getattr(text, "hidden_size_per_layer_input", 0) or 0
+    if not shared and not per_layer:
+        return None
+    what = " and ".join(x for x in (f"reuses an earlier layer's keys and values in its last {shared} layers "
+                                    "(num_kv_shared_layers)" if shared else "",
+                                    f"adds per-layer token embeddings (hidden_size_per_layer_input {per_layer})"
+                                    if per_layer else "") if x)
+    return (f"in-LLM method {method!r} cannot run on {name}: its language model {what}. The hooks shrink the hidden "
+            "states, masks and rotary embeddings of the layers after the pruning layer, not the keys a later layer "
+            "borrows from an earlier one nor the per-layer inputs, so the pruned sequence would not be the one those "
+            "layers see. Run a pre-LLM method on this model, or an in-LLM method on a model without them (Gemma 4 31B "
+            "or 26B-A4B).")
+
+
+def model_name(model) -> str:
+    """How errors name a loaded model: its checkpoint name, else its class."""
+    return getattr(model.config, "_name_or_path", "") or getattr(model.config, "name_or_path", "") \
+        or type(model).__name__
 
 
 def geometric(budget: int, n: int, s: int, stages: int) -> int:
@@ -289,7 +370,10 @@ def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch
     k = attn.k_proj(hidden).view(B, L, -1, attn.head_dim)
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rope(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if "k" not in inspect.signature(apply_rope).parameters:  # Gemma 4: one tensor at a time
+        return apply_rope(q, *rope), apply_rope(k, *rope)
+    return apply_rope(q, k, *rope)
 
 
 def scaled_layers(depth: int, of_32) -> list[int]:
@@ -394,12 +478,21 @@ class InLLMPruner:
         for s, stage in enumerate(stages):
             stage.targets = [p[s] for p in plans]
         self.first = stages[0].layer
-        types = hybrid_layer_types(model.config.text_config)
-        # per layer: a recurrent token mixer (linear attention), which reads a 2D padding mask and scans its tokens in
-        # the order they come; None: no such layer (then the columns stay in column order)
-        self.recurrent = None if types is None else [t in RECURRENT_LAYER_TYPES for t in types]
         self.layer_map = [(st.layer, st.layer) for st in stages]  # (requested, used) per stage; make() sets it
         self.handles = []
+        text = model.config.get_text_config()
+        self.layer_types = list(getattr(text, "layer_types", None) or [])  # Qwen3.5, Gemma 4: the type of each layer
+        # per layer: a recurrent token mixer (linear attention), which reads a 2D padding mask and scans its tokens in
+        # the order they come; None: no such layer (then the columns stay in column order)
+        recurrent = [t in RECURRENT_LAYER_TYPES for t in self.layer_types]
+        self.recurrent = recurrent if any(recurrent) else None
+        self.window = text.sliding_window if set(SLIDING_LAYER_TYPES) & set(self.layer_types) else None
+        # Gemma 4's sliding layers let each run of vision tokens attend within itself both ways (transformers reads
+        # the runs from mm_token_type_ids; here from the placeholders): [B, L] run id, -1 for text
+        starts = self.visual & ~torch.nn.functional.pad(self.visual, (1, 0))[:, :-1]
+        self.blocks = (starts.long().cumsum(1) - 1).masked_fill(~self.visual, -1) \
+            if getattr(text, "use_bidirectional_attention", None) == "vision" else None
+        self.outer_mask = None  # the 2D padding mask the outer model got (Gemma 4's LLM gets per-type 4D masks)
 
     # ---- context manager -------------------------------------------------------------------------------
     def __enter__(self):
@@ -412,6 +505,7 @@ class InLLMPruner:
 
     def _attach(self):
         lm = self.model.model.language_model
+        self.handles.append(self.model.model.register_forward_pre_hook(self._on_outer, with_kwargs=True))
         self.handles.append(lm.register_forward_pre_hook(self._on_lm, with_kwargs=True))
         for stage in self.stages:
             if stage.kind == "pdrop":  # scored inside the layer's own hook
@@ -446,6 +540,26 @@ class InLLMPruner:
         return process
 
     # ---- per forward ---------------------------------------------------------------------------------
+    def _on_outer(self, module, args, kwargs):
+        """Remember the 2D padding mask the multimodal model was called with (its LLM may get 4D masks only)."""
+        mask = kwargs.get("attention_mask")
+        self.outer_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _full_cache(self, cache) -> None:
+        """Before the prefill: make the sliding-window layers of ``cache`` keep every column (plain DynamicLayers), so
+        the layers the hooks prune hold exactly the columns their masks name; the window is applied by the masks
+        (transformers' for the layers before the first pruning, the hooks' after), so attention is unchanged."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if self.window is None or layers is None:
+            return
+        for i, layer in enumerate(layers):
+            if getattr(layer, "is_sliding", False):
+                if layer.get_seq_length() > 0:
+                    raise RuntimeError("in-LLM pruning needs an empty KV cache at the prefill")
+                layers[i] = DynamicLayer()
+
     def _on_lm(self, module, args, kwargs):
         """Remember the 2D padding mask and whether this forward is the prefill."""
         embeds = kwargs.get("inputs_embeds")
@@ -464,9 +578,13 @@ class InLLMPruner:
         B = embeds.shape[0]
         total = past + self.q_len
         if not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2:
+            mask2d = self.outer_mask  # Gemma 4's LLM is given its masks by layer type
+        if not isinstance(mask2d, torch.Tensor) or tuple(mask2d.shape) != (B, total):
             mask2d = torch.ones(B, total, dtype=torch.bool, device=embeds.device)
+        mask2d = mask2d.to(embeds.device)
         self.mask2d = mask2d.bool()  # [B, past + q]
         if self.prefill:
+            self._full_cache(cache)
             L = self.q_len
             cols = torch.arange(L, device=embeds.device).expand(B, L)
             self.keep, self.alive = cols, self.mask2d[:, :L].clone()  # current columns, alive (non-pad, not dead)
@@ -500,9 +618,10 @@ class InLLMPruner:
         q, k = _queries_keys(attn, hidden, rope)  # [B, H, L, hd], [B, Hkv, L, hd]
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
         allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, L, L] causal
+        allowed = allowed.to(q.device)  # the layer's device (a model spread over GPUs)
         out = torch.zeros(B, L, device=hidden.device)
         for b in range(B):
-            rows = self._query_rows(b, queries)
+            rows = self._query_rows(b, queries).to(q.device)
             logits = (q[b][:, rows].float() @ k[b].transpose(-1, -2)) * attn.scaling  # [H, R, L]
             logits = logits.masked_fill(~allowed[b, rows][None], float("-inf"))
             probs = torch.softmax(logits, dim=-1)  # [H, R, L]
@@ -522,7 +641,7 @@ class InLLMPruner:
 
     def _raters(self, b, probs, rows) -> torch.Tensor:
         """SparseVLM raters: query rows whose total attention to visual tokens is at least the mean."""
-        vis_cols = self.vis[b, self.keep[b]] & self.alive[b]
+        vis_cols = (self.vis[b, self.keep[b]] & self.alive[b]).to(probs.device)
         relevance = probs[:, :, vis_cols].sum(-1).mean(0)  # [R]
         return (relevance >= relevance.mean()).nonzero().flatten()
 
@@ -533,10 +652,12 @@ class InLLMPruner:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             if self.prefill:
                 if stage is not None:
-                    if stage.kind == "pdrop":
-                        normed = layer.input_layernorm(hidden)
-                        stage.scores = self._received(layer.self_attn, normed, self._rope(kwargs, hidden), "last")
-                    hidden = self._prune(stage, hidden)
+                    if stage.kind == "pdrop":  # on the layer's own device (a model spread over GPUs)
+                        dev = layer.input_layernorm.weight.device
+                        normed = layer.input_layernorm(hidden.to(dev))
+                        rope = tuple(t.to(dev) for t in self._rope(kwargs, hidden, idx))
+                        stage.scores = self._received(layer.self_attn, normed, rope, "last")
+                    hidden = self._prune(stage, hidden.to(self.keep.device))
                 self.layer_cols[idx] = (self.keep, self.alive, self._gone().sum(1))
                 kwargs = self._prefill_kwargs(kwargs, hidden, idx)
                 if self.recurrent is not None:  # dead columns zero: a linear layer masks by multiplying (NaN * 0)
@@ -553,7 +674,9 @@ class InLLMPruner:
     def _prune(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
         """Keep ``stage.target`` visual columns per row (+ recycling); returns the gathered hidden states."""
         B, L, D = hidden.shape
-        scores = stage.scores
+        scores = None if stage.scores is None else stage.scores.to(hidden.device)  # ranked on the layer's device
+        if stage.keys is not None:
+            stage.keys = stage.keys.to(hidden.device)
         vis_alive = self.vis.gather(1, self.keep) & self.alive  # [B, L]
         keep_rel, hidden = [], hidden.clone()
         normed = self._final_norm(hidden) if stage.kind == "dart" else None
@@ -585,8 +708,9 @@ class InLLMPruner:
         return hidden.gather(1, rel[..., None].expand(-1, -1, D))
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LLM's final norm applied to ``hidden`` (DART compares tokens on these states)."""
-        return self.model.model.language_model.norm(hidden).float()
+        """The LLM's final norm applied to ``hidden`` (DART compares tokens on these states), on ``hidden``'s device."""
+        norm = self.model.model.language_model.norm
+        return norm(hidden.to(norm.weight.device)).float().to(hidden.device)
 
     def _dart_keep(self, stage, b, normed_b, cand, n_keep) -> torch.Tensor:
         """DART's kept visual columns of row ``b`` (:func:`dart_keep` on the current columns)."""
@@ -632,25 +756,48 @@ class InLLMPruner:
         gone = self._gone().long()
         return gone.cumsum(1) - gone
 
-    def _rope(self, kwargs, hidden):
-        """Rotary ``(cos, sin)`` of the current columns: their original positions, or (``compact``) renumbered
-        contiguously, as PyramidDrop's released code does."""
+    def _rope(self, kwargs, hidden, idx: int):
+        """Rotary ``(cos, sin)`` of the current columns at layer ``idx``: their original positions, or (``compact``)
+        renumbered contiguously, as PyramidDrop's released code does."""
         cos, sin = kwargs["position_embeddings"]  # [B or 1, L, hd] for the full prompt
         if self.compact:
             pos = kwargs["position_ids"].expand(self.keep.shape[0], -1).gather(1, self.keep)  # [B, L_cur]
             pos = pos - self._removed().gather(1, self.keep)
-            return self.model.model.language_model.rotary_emb(hidden, position_ids=pos)
+            return self._rotary(hidden, pos, idx)
         idx = self.keep[..., None].expand(-1, -1, cos.shape[-1])
         return (cos.expand(self.keep.shape[0], -1, -1).gather(1, idx),
                 sin.expand(self.keep.shape[0], -1, -1).gather(1, idx))
 
-    def _prefill_kwargs(self, kwargs, hidden, idx):
+    def _rotary(self, hidden, pos, idx: int):
+        """The LLM's rotary embedding at positions ``pos`` for layer ``idx`` (Gemma 4's differs by layer type)."""
+        rotary = self.model.model.language_model.rotary_emb
+        if self.layer_types and "layer_type" in inspect.signature(rotary.forward).parameters:
+            return rotary(hidden, pos, self.layer_types[idx])
+        return rotary(hidden, position_ids=pos)
+
+    def _sliding(self, idx: int) -> bool:
+        return self.window is not None and self.layer_types[idx] in SLIDING_LAYER_TYPES
+
+    def _prefill_allowed(self, idx: int) -> torch.Tensor:
+        """``[B, q, kv]`` bool over the current columns at layer ``idx``: causal in the original column order, live keys
+        only; on a sliding-window layer (Gemma 4) also within the window, counted in live columns (the pruned sequence
+        is the sequence these layers hold, as their KV cache does), and each vision run bidirectional within it."""
+        allowed = self.keep[:, None, :] <= self.keep[:, :, None]  # [B, q, kv] causal
+        if self._sliding(idx):
+            if self.blocks is not None:
+                run = self.blocks.to(self.keep.device).gather(1, self.keep)  # [B, L_cur]
+                allowed = allowed | ((run[:, :, None] == run[:, None, :]) & (run[:, :, None] >= 0))
+            rank = self.alive.long().cumsum(1) - 1  # [B, L_cur] place among the live columns
+            allowed = allowed & (rank[:, None, :] > rank[:, :, None] - self.window)
+        return self.alive[:, None, :] & allowed
+
+    def _prefill_kwargs(self, kwargs, hidden, idx: int):
         if self.recurrent is not None and self.recurrent[idx]:  # linear attention: the 2D mask of live columns
             kwargs["attention_mask"] = None if bool(self.alive.all()) else self.alive.to(hidden.dtype)
             return kwargs
-        allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, q, kv]
+        allowed = self._prefill_allowed(idx)  # [B, q, kv]
         kwargs["attention_mask"] = self._as_mask(allowed[:, None], hidden.dtype)
-        kwargs["position_embeddings"] = self._rope(kwargs, hidden)
+        kwargs["position_embeddings"] = self._rope(kwargs, hidden, idx)
         pos = kwargs.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.shape[-1] == self.q_len:
             kwargs["position_ids"] = pos.expand(self.keep.shape[0], -1).gather(1, self.keep)
@@ -662,7 +809,7 @@ class InLLMPruner:
         keep, alive, removed = self.layer_cols[idx]
         if self.compact:  # generated tokens continue the renumbered sequence of this layer
             pos = kwargs["position_ids"].expand(hidden.shape[0], -1) - removed[:, None]
-            kwargs["position_embeddings"] = self.model.model.language_model.rotary_emb(hidden, position_ids=pos)
+            kwargs["position_embeddings"] = self._rotary(hidden, pos, idx)
         B, q = hidden.shape[:2]
         past_new = self.mask2d.shape[1] - self.prompt_len  # generated tokens incl. this step's
         new_cols = torch.arange(self.prompt_len, self.prompt_len + past_new, device=hidden.device)
@@ -671,6 +818,9 @@ class InLLMPruner:
         causal = torch.cat([torch.zeros(q, keep.shape[1], dtype=torch.bool, device=hidden.device),
                             new_cols[None, :] > q_pos[:, None]], dim=1)  # [q, kv] True = future
         allowed = key_ok[:, None, :] & ~causal[None]
+        if self._sliding(idx):  # the window over live columns: the layer's kept prompt columns, then generated ones
+            rank = key_ok.long().cumsum(1) - 1  # [B, kv]
+            allowed = allowed & (rank[:, None, :] > rank[:, -q:, None] - self.window)
         kwargs["attention_mask"] = self._as_mask(allowed[:, None], hidden.dtype)
         return kwargs
 

@@ -34,6 +34,7 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
     # Qwen3-VL / Qwen3.5 (every block attends over the whole image): any block index; None = the last one.
     # InternVL: any InternViT layer (CLS attention); None = the layer vision_feature_layer reads (the last).
+    # Gemma 4: any layer of its vision encoder (received attention); None = the last (whose output is pooled).
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
@@ -63,6 +64,13 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # empty think block, the answer at once (short-answer benchmarks: the Qwen3.5 sweeps); True: think first. A
     # thinking answer's reasoning (up to </think>) is dropped from the answer text, as lmms-eval's qwen3_5 does.
     "enable_thinking": None,
+    # Gemma 4: the most soft tokens per image, one of 70 / 140 / 280 / 560 / 1120 (Gemma4ImageProcessor's
+    # max_soft_tokens); None keeps the processor's own (the released processor and lmms-eval's gemma4 model: 280).
+    "max_soft_tokens": None,
+    # A system turn before the user's, rendered by the model's own chat template: lmms-eval's gemma4 model sends
+    # "You are a helpful assistant." (sweeps/extended_models_gemma4.yaml sets it); None: no system turn, as lmms-eval's
+    # conversations for the other models.
+    "system_prompt": None,
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
@@ -111,9 +119,10 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
 # The newer encoders have no published value: Qwen3-VL and Qwen3.5 borrow Qwen2.5-VL's (the same merged-token
 # design; sweeps/mu_tau_search_qwen3vl.yaml / mu_tau_search_qwen35.yaml search theirs);
 # recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
-# LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's.
+# LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's; so does Gemma 4's encoder (sweeps/
+# mu_tau_search_gemma4.yaml searches its own).
 DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42,
-              "qwen3_5": 0.5744}
+              "qwen3_5": 0.5744, "gemma4": 0.42}
 
 
 def all_methods() -> list[str]:
@@ -140,6 +149,10 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         if adapter[key] not in allowed:
             raise ValueError(f"option {key!r} must be one of {list(allowed)}, got {adapter[key]!r}")
     _check_image_tokens(adapter["image_tokens"])
+    _check_max_soft_tokens(adapter["max_soft_tokens"])
+    if adapter["system_prompt"] is not None and not (isinstance(adapter["system_prompt"], str)
+                                                     and adapter["system_prompt"].strip()):
+        raise ValueError(f"option 'system_prompt' must be a non-empty string or None, got {adapter['system_prompt']!r}")
     mode, newline = next_layout(method, adapter["budget_mode"], adapter["image_newline"])
     order = token_order(method, adapter["token_order"])
     if newline in ("rows", "all") and mode != "packed" and order != "raster":
@@ -168,3 +181,12 @@ def _check_image_tokens(n) -> None:
     side = int(round(n ** 0.5)) if isinstance(n, int) and n > 0 else 0
     if isinstance(n, bool) or side * side != n:
         raise ValueError(f"option 'image_tokens' must be a positive perfect square (e.g. 1296 = 36^2), got {n!r}")
+
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # Gemma4ImageProcessor's accepted max_soft_tokens
+
+
+def _check_max_soft_tokens(n) -> None:
+    if n is not None and (isinstance(n, bool) or n not in SOFT_TOKEN_BUDGETS):
+        raise ValueError(f"option 'max_soft_tokens' must be one of {list(SOFT_TOKEN_BUDGETS)} (Gemma 4's soft-token "
+                         f"budgets), got {n!r}")

@@ -16,6 +16,12 @@ features; Qwen3-VL's DeepStack rows enter there), and stored unpadded per image 
 (``ImageCache.release``). Memory: the stored prefixes of a batch's images beside the batch's own cache, which holds
 what the unshared path's does; a batch of images asked once each, none cached, runs the unshared way.
 
+Sliding-window attention (Gemma 4's sliding layers) counts the window in columns, and the padding between a row's
+prefix and its suffix would widen it: the prefix cache is used only when every row's span in this layout, the tokens
+to generate included, stays inside the window (:func:`fits_window`), so no layer's window cuts anything in either
+path; otherwise the batch runs the unshared way. Gemma 4's vision tokens attend to each other both ways in those layers
+(``mm_token_type_ids``), which the prefix's prefill is given; the suffixes hold no vision token.
+
 The greedy answers are those of the unshared path up to floating-point rounding: the prefix's keys and values are
 the same function of the same tokens and positions, computed in another batch shape (tests/models: the same tokens on
 the tiny fp32 models; half precision: benchmarks/RESULTS.md).
@@ -95,19 +101,43 @@ def split(ids: torch.Tensor, mask: torch.Tensor, visual: torch.Tensor) -> Split 
     return Split(prefix, suffix)
 
 
-def inputs(vlm, prep, cache) -> dict | None:
+def sliding_window(config) -> int | None:
+    """The LLM's sliding window when some of its layers attend through one (``layer_types``), else None."""
+    text = config.get_text_config()
+    return text.sliding_window if "sliding_attention" in (getattr(text, "layer_types", None) or []) else None
+
+
+def fits_window(parts: Split, window: int, new_tokens: int) -> bool:
+    """Whether every row of the ``[pad][prefix][pad][suffix]`` layout, ``new_tokens`` generated tokens included, spans
+    fewer than ``window`` columns (then the window cuts nothing in this layout, nor in the unshared one, which is
+    shorter), and every prefix fits the window's cache (``window - 1`` columns)."""
+    suffix = max(s.numel() for s in parts.suffix)
+    return max(p.numel() for p in parts.prefix) + suffix + new_tokens <= window - 1
+
+
+def _new_tokens(vlm, new_tokens: int | None) -> int:
+    """The most tokens ``generate`` may add: ``new_tokens`` (its ``max_new_tokens``), else the generation config's."""
+    config = vlm.model.generation_config
+    return int(new_tokens if new_tokens is not None else config.max_new_tokens or config.max_length)
+
+
+def inputs(vlm, prep, cache, new_tokens: int | None = None) -> dict | None:
     """``generate`` kwargs that continue each row of ``prep`` from its image's cached prefix (prefilling the missing
     ones into ``cache.prefixes``): ``input_ids`` / ``attention_mask`` laid out ``[pad][prefix][pad][suffix]``,
     ``past_key_values`` holding the prefixes, and the moved ``position_ids`` where the adapter gives them. None
     when a row cannot be split (:func:`split`), or when every row is about another image and none is cached (one
-    question per image, as VizWiz or ScienceQA: a stored prefix would only double the batch's KV memory): then the
-    batch runs without the prefix cache."""
+    question per image, as VizWiz or ScienceQA: a stored prefix would only double the batch's KV memory), or when a
+    sliding window could cut the layout (:func:`fits_window`; ``new_tokens``: ``generate``'s ``max_new_tokens``):
+    then the batch runs without the prefix cache."""
     kwargs = prep.model_kwargs
     if len(set(prep.keys)) == len(prep.keys) and not any(k in cache.prefixes for k in prep.keys):
         return None  # every image asked once here and none cached: a prefix would be prefilled for nothing
     ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
     parts = split(ids, mask, visual_ids(vlm.model.config))
     if parts is None:
+        return None
+    window = sliding_window(vlm.model.config)
+    if window is not None and not fits_window(parts, window, _new_tokens(vlm, new_tokens)):
         return None
     rows = [_find(cache, key, ids[b, parts.prefix[b]]) for b, key in enumerate(prep.keys)]
     missing = {}  # the first row of every prefix not yet cached
@@ -145,6 +175,8 @@ def _gather(kwargs: dict, cols: torch.Tensor, real: torch.Tensor, pad_id: int) -
     src = cols.clamp_min(0)
     out = {"input_ids": kwargs["input_ids"].gather(1, src).masked_fill(~real, pad_id),
            "attention_mask": real.to(kwargs["attention_mask"].dtype)}
+    if kwargs.get("mm_token_type_ids") is not None:  # Gemma 4: its vision tokens' bidirectional runs
+        out["mm_token_type_ids"] = kwargs["mm_token_type_ids"].gather(1, src).masked_fill(~real, 0)
     if kwargs.get("position_ids") is not None:
         pos = kwargs["position_ids"]  # [K, B, L] (Qwen: text row + 3D M-RoPE rows)
         index = src.to(pos.device)[None].expand(pos.shape[0], -1, -1)
@@ -158,10 +190,14 @@ def _prefill(vlm, prep, parts: Split, rows: list[int], cache) -> None:
     image features, and store each unpadded in ``cache.prefixes``."""
     pad_id = vlm.processor.tokenizer.pad_token_id
     cols, real = _left_padded([parts.prefix[b] for b in rows], -1)
-    sub = {k: v[rows] for k, v in prep.model_kwargs.items() if k in ("input_ids", "attention_mask")}
+    sub = {k: v[rows] for k, v in prep.model_kwargs.items()
+           if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
     if prep.model_kwargs.get("position_ids") is not None:
         sub["position_ids"] = prep.model_kwargs["position_ids"][:, rows]
     inputs = _gather(sub, cols, real, pad_id)
+    if "position_ids" not in inputs:  # numbered from the mask as generate numbers a left-padded prompt (else the
+        mask = inputs["attention_mask"].long()  # padding would shift the prefix against the suffix)
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     fed = [prep.fed[b] for b in rows]
     encoded = vlm.adapter.encoder_outputs([f.item for f in fed], [f.features for f in fed], [f.run_pos for f in fed])
     out = vlm.model.model(**inputs, mm_encoder_outputs=encoded, use_cache=True)
@@ -220,6 +256,7 @@ def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> di
     suf_cols, suf_real = _left_padded(parts.suffix, -1)
     cols, real = torch.cat([pre_cols, suf_cols], dim=1), torch.cat([pre_real, suf_real], dim=1)
     out = _gather(kwargs, cols, real, vlm.processor.tokenizer.pad_token_id)
+    out.pop("mm_token_type_ids", None)  # the suffixes are text: no vision run to attend within
     return {**out, cache_argument(vlm.model): cache}
 
 

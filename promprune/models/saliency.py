@@ -34,12 +34,13 @@ def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def capture(attn: torch.nn.Module, sink: list, measure):
-    """While active, append ``measure(attn, input hidden states)`` to ``sink`` at every call of ``attn``."""
+def capture(attn: torch.nn.Module, sink: list, measure, *arguments: str):
+    """While active, append ``measure(attn, input hidden states, *the call's keyword arguments named in arguments)``
+    to ``sink`` at every call of ``attn``."""
 
     def hook(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        sink.append(measure(module, hidden))
+        sink.append(measure(module, hidden, *(kwargs[name] for name in arguments)))
 
     handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
     try:
@@ -117,19 +118,9 @@ def received_attention(attn: torch.nn.Module, hidden: torch.Tensor, cu_seqlens: 
     return out
 
 
-@contextlib.contextmanager
 def capture_received_attention(attn: torch.nn.Module, sink: list):
     """While active, append ``received_attention [S]`` (window-permuted order) at every call of ``attn``."""
-
-    def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        sink.append(received_attention(module, hidden, kwargs["cu_seqlens"], kwargs["position_embeddings"]))
-
-    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield sink
-    finally:
-        handle.remove()
+    return capture(attn, sink, received_attention, "cu_seqlens", "position_embeddings")
 
 
 def pool_to_merged(received: torch.Tensor, grid_thw: torch.Tensor, vision_config) -> torch.Tensor:

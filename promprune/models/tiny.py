@@ -24,6 +24,12 @@ The structure is the paper's, the sizes are not:
 - InternVL3: InternViT with a CLS token (dropped, "default" strategy; the last layer's output), 32 px tiles of 4 px
   patches (8x8) pixel-shuffled to 4x4 = 16 tokens per tile, the released tiling (up to 12 tiles plus a thumbnail;
   the released model: 448 px tiles of 14 px patches, 256 tokens per tile), a Qwen2 LLM.
+- Gemma 4: its variable-resolution encoder (no CLS) on 4 px patches, each image resized keeping its aspect ratio to at
+  most 70 x 9 patches (the smallest released soft-token budget, 70) and pooled 3x3 into up to 70 soft tokens (the
+  released model: 16 px patches, 280 tokens by default); an LLM of 6 layers alternating sliding-window (160 tokens:
+  wider than the test prompts, as the 31B's 1024 is for a 280-token image; tests narrow it to make it cut) and full
+  attention, the full layers with their own head width, one KV head, keys as values (``attention_k_eq_v``) and
+  partial RoPE, vision tokens attending bidirectionally in the sliding layers (the 31B: 5 sliding to 1 full).
 
 The tokenizer is byte-level BPE without merges (one token per byte) plus the architecture's special
 tokens, so any text round-trips and nothing is ever unknown.
@@ -37,6 +43,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     CLIPImageProcessor,
+    Gemma4AudioFeatureExtractor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor,
+    Gemma4Processor,
+    Gemma4VideoProcessor,
     CLIPTextConfig,
     CLIPTextModelWithProjection,
     CLIPVisionConfig,
@@ -78,7 +90,7 @@ from transformers import (
 from .factories import place
 
 ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl",
-         "qwen3_5")
+         "qwen3_5", "gemma4")
 SEED = 0  # fixed so every process builds bit-identical tiny models
 
 # Chat templates in the style of the real checkpoints (LLaVA-1.5 "USER: <image>\n... ASSISTANT:",
@@ -427,9 +439,65 @@ def _tiny_internvl():
     return model, internvl_processor(tok, tile, 16, 12, IMAGENET_MEAN, IMAGENET_STD)
 
 
+GEMMA4_SPECIALS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                   "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+# Gemma 4's turns (``<|turn>role ... <turn|>``, the model's role named "model"), the image as its ``<|image|>``
+# placeholder before the text, as the -it checkpoints' template renders a user turn without thinking
+_GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|image|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def gemma4_tokenizer():
+    """The byte-level tokenizer with Gemma's pad / eos / bos, its turn markers and its image and audio tokens, named
+    as Gemma4Processor reads them (``image_token``, ``boi_token``, ...)."""
+    return _byte_level_tokenizer(["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", *GEMMA4_SPECIALS.values()],
+                                 bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                 extra_special_tokens=dict(GEMMA4_SPECIALS))
+
+
+def gemma4_token_ids(tok) -> dict:
+    """Gemma4Config's token-id fields wired to ``tok`` (the processor adds ``<|video|>`` to it)."""
+    ids = {name: tok.convert_tokens_to_ids(token) for name, token in GEMMA4_SPECIALS.items()}
+    return dict(image_token_id=ids["image_token"], boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+                audio_token_id=ids["audio_token"], boa_token_id=ids["boa_token"], eoa_token_index=ids["eoa_token"],
+                video_token_id=tok.convert_tokens_to_ids("<|video|>"))
+
+
+def gemma4_processor(tok, patch: int, max_soft_tokens: int, pooling: int = 3):
+    """A Gemma4Processor around ``tok``: ``patch`` px patches, at most ``max_soft_tokens`` soft tokens per image (one of
+    the released budgets 70 / 140 / 280 / 560 / 1120), ``pooling`` x ``pooling`` patches per soft token; the audio
+    feature extractor and video processor its constructor requires."""
+    sizes = dict(patch_size=patch, max_soft_tokens=max_soft_tokens, pooling_kernel_size=pooling)
+    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                           image_processor=Gemma4ImageProcessor(**sizes), tokenizer=tok,
+                           video_processor=Gemma4VideoProcessor(**sizes), chat_template=_GEMMA4_TEMPLATE,
+                           image_seq_length=max_soft_tokens)
+
+
+def _tiny_gemma4():
+    tok = gemma4_tokenizer()
+    processor = gemma4_processor(tok, patch=4, max_soft_tokens=70)  # adds <|video|> to tok: build it first
+    text = dict(**_text_sizes(len(tok)), head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                attention_k_eq_v=True, sliding_window=160, final_logit_softcapping=30.0,
+                layer_types=["sliding_attention", "full_attention"] * 3, use_bidirectional_attention="vision",
+                hidden_size_per_layer_input=0, num_kv_shared_layers=0, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    text["num_hidden_layers"] = 6  # three sliding / full pairs: in-LLM ranks land on full layers (llm_hooks.py)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=3,
+                  position_embedding_size=64, standardize=True)
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, vision_soft_tokens_per_image=70,
+                          **gemma4_token_ids(tok))
+    model = _seeded(lambda: Gemma4ForConditionalGeneration(config))
+    return model, processor
+
+
 _BUILDERS = {"llava": _tiny_llava, "llava_next": _tiny_llava_next, "qwen2_5_vl": _tiny_qwen2_5_vl,
              "qwen3_vl": _tiny_qwen3_vl, "llava_onevision": _tiny_llava_onevision, "internvl": _tiny_internvl,
-             "qwen3_5": _tiny_qwen3_5}
+             "qwen3_5": _tiny_qwen3_5, "gemma4": _tiny_gemma4}
 
 
 @functools.lru_cache(maxsize=None)
@@ -437,10 +505,11 @@ def _cached(arch: str):
     return _BUILDERS[arch]()
 
 
-def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
+def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None, max_memory=None):
     """The ``tiny:<arch>`` model factory: a private copy of ``tiny_vlm(arch)``, placed like ``from_pretrained``."""
     model, processor = tiny_vlm(arch)
-    model = place(copy.deepcopy(model), dtype=dtype, device_map=device_map, attn_implementation=attn_implementation)
+    model = place(copy.deepcopy(model), dtype=dtype, device_map=device_map, attn_implementation=attn_implementation,
+                  max_memory=max_memory)
     return model, copy.deepcopy(processor), {}
 
 

@@ -135,10 +135,9 @@ def clip_key(frames: np.ndarray) -> int:
 
 
 def conversation(vlm, prompt: str) -> str:
-    """The chat-templated text of one user turn with one clip."""
-    conv = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
-    return vlm.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
-                                             **vlm.adapter.chat_template_kwargs())
+    """The chat-templated text of one user turn with one clip (:meth:`PrunedVLM.conversation`'s system turn and
+    template switches included)."""
+    return vlm.conversation(prompt, media="video")
 
 
 def processed(vlm, clips, prompts, fps: float | None = None):

@@ -84,9 +84,11 @@ class PrunedVLM:
         self.view_budget = None
         if is_in_llm(method):
             llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
-            # fail now where the method has no layer to rank at (a hybrid LLM's linear-attention layers)
+            # fail now on layers this LLM cannot rank or prune at (a linear-attention or sliding-window layer), or an
+            # LLM the hooks cannot prune (llm_hooks.unsupported)
             llm_hooks.stage_layers(self.model.config, method,
-                                   promprune.method_spec(method).resolve(self.method_options, budget=budget))
+                                   promprune.method_spec(method).resolve(dict(self.method_options), budget=budget),
+                                   llm_hooks.model_name(self.model))
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             self._text_source()  # fail now on a text source the model has no tower for
@@ -102,7 +104,7 @@ class PrunedVLM:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, method: str | None = "promprune", budget: int | None = None, *,
-                        dtype=None, device_map=None, attn_implementation=None, **method_options):
+                        dtype=None, device_map=None, attn_implementation=None, max_memory=None, **method_options):
         """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class), or build a model
         by factory name (:mod:`promprune.models.factories`):
 
@@ -115,26 +117,33 @@ class PrunedVLM:
           latency / memory benchmarks, fp16 unless ``dtype`` says otherwise).
 
         A factory may bring default adapter options (the paper's settings of that model); given options win.
+        ``device_map`` "balanced" (or "balanced_low_0", "sequential", an explicit mapping) with ``max_memory`` (GPU
+        index -> bytes) spreads one model over several GPUs (:mod:`promprune.models.placement`).
         """
         validate_method(method, budget, **dict(method_options))  # fail before loading anything
         found = find_model_factory(name_or_path)
         if found is not None:
             factory, name = found
-            model, processor, defaults = factory(name, dtype=dtype, device_map=device_map,
-                                                 attn_implementation=attn_implementation)
+            spread = {} if max_memory is None else {"max_memory": max_memory}  # factories of other packages may not
+            model, processor, defaults = factory(name, dtype=dtype, device_map=device_map,  # take max_memory
+                                                 attn_implementation=attn_implementation, **spread)
             method_options = {**defaults, **method_options}
         else:
-            model, processor = _load(name_or_path, dtype, device_map, attn_implementation)
+            model, processor = _load(name_or_path, dtype, device_map, attn_implementation, max_memory)
         return cls(model, processor, method=method, budget=budget, **method_options)
 
     @property
     def device(self):
         return self.model.device
 
-    def conversation(self, prompt: str) -> str:
-        """The chat-templated text of one user turn with one image, ready for generation (with the adapter option
+    def conversation(self, prompt: str, media: str = "image") -> str:
+        """The chat-templated text of one user turn with one image (``media="video"``: one clip), after the adapter
+        option ``system_prompt``'s system turn when set, ready for generation (with the adapter option
         ``enable_thinking`` where set: Qwen3.5's template switch)."""
-        conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        conv = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": prompt}]}]
+        system = self.adapter.options.get("system_prompt")
+        if system:
+            conv.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
         return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
                                                   **self.adapter.chat_template_kwargs())
 
@@ -274,7 +283,8 @@ class PrunedVLM:
             from . import prefix, sharing
 
             with Stopwatch(self.device) as prefilling:
-                cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache())
+                cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache(),
+                                       new_tokens=kwargs.get("max_new_tokens"))
             if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
                 inputs, prefix_ms = cached, prefilling.ms
                 continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
@@ -393,7 +403,7 @@ def _dtype(dtype):
     return parse_dtype(dtype, allow_auto=True)
 
 
-def _load(name_or_path, dtype, device_map, attn_implementation):
+def _load(name_or_path, dtype, device_map, attn_implementation, max_memory=None):
     from transformers import AutoConfig, AutoProcessor
 
     from .adapters import ADAPTERS
@@ -403,7 +413,7 @@ def _load(name_or_path, dtype, device_map, attn_implementation):
         raise ValueError(f"{name_or_path}: unsupported model type {config.model_type!r}; "
                          f"supported: {', '.join(ADAPTERS)}")
     model_cls = _model_class(config.model_type)
-    kwargs = {k: v for k, v in dict(dtype=_dtype(dtype), device_map=device_map,
+    kwargs = {k: v for k, v in dict(dtype=_dtype(dtype), device_map=device_map, max_memory=max_memory,
                                     attn_implementation=attn_implementation).items() if v is not None}
     model = model_cls.from_pretrained(name_or_path, **kwargs)
     return model, AutoProcessor.from_pretrained(name_or_path)
@@ -418,4 +428,5 @@ def _model_class(model_type):
             "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
             "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration,
             "internvl": transformers.InternVLForConditionalGeneration,
-            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[model_type]
+            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+            "gemma4": transformers.Gemma4ForConditionalGeneration}[model_type]

@@ -1,4 +1,5 @@
 """Fixtures for the model-adapter tests: tiny offline models, two differently sized images."""
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,7 +10,7 @@ import torch
 from PIL import Image
 
 ARCHS = ("llava", "llava_next", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "internvl",
-         "qwen3_5")
+         "qwen3_5", "gemma4")
 
 
 @pytest.fixture(autouse=True)
@@ -44,15 +45,47 @@ def kept_per_view(stats: dict, tokens_per_view: int, views: int) -> list[int]:
     return torch.bincount(torch.tensor(stats["kept"]) // tokens_per_view, minlength=views).tolist()
 
 
+def processor_images(model, images):
+    """The images as the model's processor takes a batch of one-image prompts: Gemma 4's processor one list per prompt
+    (as transformers documents it), the others a flat list."""
+    return [[image] for image in images] if model.config.model_type == "gemma4" else images
+
+
 def plain_generate(model, processor, images, prompts, new_tokens: int):
     """Reference: the processor and model.generate exactly as transformers' docs use them."""
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                          {"type": "text", "text": p}]}],
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     processor.tokenizer.padding_side = "left"
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True).to(model.device)
+    inputs = processor(images=processor_images(model, images), text=texts, return_tensors="pt",
+                       padding=True).to(model.device)
     if inputs["pixel_values"].is_floating_point():
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
     return out[:, inputs["input_ids"].shape[1]:].tolist(), inputs
+
+
+def sdpa_keys(model, layer: int, model_kwargs: dict) -> torch.Tensor:
+    """The keys ``[B, Hkv, L, hd]`` that decoder layer ``layer``'s attention of a copy of ``model`` hands its kernel
+    in one plain (unpruned, SDPA) forward on ``model_kwargs``: the model's own keys, after its norms and rotary
+    embedding."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    twin = copy.deepcopy(model)
+    target = twin.model.language_model.layers[layer].self_attn
+    keys = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        if module is target:
+            keys.append(key)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("recording_keys", recording)
+    AttentionMaskInterface.register("recording_keys", sdpa_mask)
+    twin.model.language_model.config._attn_implementation = "recording_keys"
+    with torch.inference_mode():
+        twin(**model_kwargs)
+    return keys[0]

@@ -5,7 +5,7 @@ import torch
 from promprune.models import PrunedVLM
 from promprune.models.tiny import tiny_vlm
 
-from .conftest import ARCHS, plain_generate
+from .conftest import ARCHS, plain_generate, processor_images
 
 NEW_TOKENS = 6
 
@@ -27,7 +27,7 @@ def unpruned_logits(model, processor, images, prompts):
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                          {"type": "text", "text": p}]}],
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
-    inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)
+    inputs = processor(images=processor_images(model, images), text=texts, return_tensors="pt", padding=True)
     with torch.inference_mode():
         return model(**inputs).logits, inputs["attention_mask"].bool()
 

@@ -27,15 +27,21 @@ PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_16
                     "internvl3_8b": 7_944_373_760,
                     # our config's count (transformers' model: the hub's safetensors also hold a multi-token-prediction
                     # head it does not load), as the published "4.5B"; tied embeddings
-                    "qwen3_5_4b": 4_539_265_536}
+                    "qwen3_5_4b": 4_539_265_536,
+                    # our configs' counts (unverifiable offline): InternVL3.5-8B's card says 0.3B + 8.2B = 8.5B;
+                    # Gemma 4 31B's LLM 30.7B (embeddings included) + its ~550M encoder; E2B's "5.1B with embeddings"
+                    "internvl3_5_8b": 8_528_318_464, "gemma4_31b": 31_273_086_512, "gemma4_e2b": 5_104_297_504}
 # visual tokens of one square image: LLaVA-1.5 24x24; NeXT base view + 2x2 crops of 24x24 plus one newline per row
 # of the 48-row grid; Qwen2.5-VL at the paper's fixed 36x36 merged grid, Qwen3-VL at the same grid (our choice)
 # OneVision (512 px square): the 27x27 base view + 2x2 crops (54x54, under anyres_max_9's resize limit) + 54 newlines
 # InternVL3 (512 px square): one 448 px tile of 16 x 16 tokens, no thumbnail (a 2x2 grid would cover more than twice
 # the image)
+# Gemma 4 (512 px square, 280 soft tokens at most): scaled by sqrt(2520 * 16^2 / 512^2) to 803 px, floored to 768 px
+# (a multiple of 3 x 16 px) = 48 x 48 patches = 16 x 16 soft tokens
 VISUAL_TOKENS = {"llava_1_5_7b": 576, "llava_next_7b": 5 * 576 + 48, "qwen2_5_vl_7b": 1296, "qwen3_vl_8b": 1296,
-                 "llava_onevision_7b": 729 + 54 * 54 + 54, "internvl3_8b": 256,
-                 "qwen3_5_4b": 1296}  # Qwen3.5 at Qwen3-VL's grid (our choice)
+                 "llava_onevision_7b": 729 + 54 * 54 + 54, "internvl3_8b": 256, "internvl3_5_8b": 256,
+                 "qwen3_5_4b": 1296,  # Qwen3.5 at Qwen3-VL's grid (our choice)
+                 "gemma4_31b": 256, "gemma4_e2b": 256}
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +139,33 @@ def test_width_divisor_narrows_both_towers_alike():
     assert model.config.text_config.vocab_size == shape_spec("llava_1_5_7b")["text_config"]["vocab_size"]
     with pytest.raises(ValueError, match="width_divisor 3 does not divide vision_config.hidden_size = 1024"):
         shape_vlm("llava_1_5_7b", device="meta", width_divisor=3)
+
+
+def test_gemma4_31b_soft_tokens_and_layers(meta_models):
+    """A 640 x 480 photo at 280 soft tokens: scaled by sqrt(2520 * 256 / 307200) = 1.449 to 927 x 696 px, floored to
+    912 x 672 px = 57 x 42 patches = 19 x 14 = 266 soft tokens between <|image> and <image|>; the LLM's full-attention
+    layers are every sixth, its window 1024, its full layers' 4 KV heads of 512 wide, its sliding layers' 16 of 256."""
+    model, processor = meta_models["gemma4_31b"]
+    vlm = PrunedVLM(model, processor, method="promprune", budget=64)
+    batch = vlm.processed([Image.new("RGB", (640, 480))], ["Describe the image."])
+    ids = batch["input_ids"][0]
+    run = (ids == model.config.image_token_id).nonzero().flatten()
+    assert run.numel() == 266 and ids[run[0] - 1] == model.config.boi_token_id
+    assert ids[run[-1] + 1] == model.config.eoi_token_id
+    text = model.config.text_config
+    assert text.sliding_window == 1024 and text.layer_types[5::6] == ["full_attention"] * 10
+    layers = model.model.language_model.layers
+    assert (layers[5].self_attn.k_proj.out_features, layers[0].self_attn.k_proj.out_features) == (4 * 512, 16 * 256)
+    assert layers[5].self_attn.v_proj is None  # keys as values on the full layers
+
+
+def test_internvl3_5_runs_through_the_internvl_adapter():
+    """InternVL3.5-8B (a Qwen3 LLM behind InternViT) at 1/8 width and two layers: a pre-LLM and an in-LLM method run
+    through the InternVL adapter (Qwen3's q / k norms in the hooks), one 448 px tile of 256 tokens pruned to 16."""
+    model, processor = shape_vlm("internvl3_5_8b", dtype=torch.float32, text_layers=2, vision_layers=1,
+                                 width_divisor=8)
+    assert type(model.config.text_config).__name__ == "Qwen3Config"
+    image = square_image(448)
+    for method in ("promprune", "fastv"):
+        out = PrunedVLM(model, processor, method=method, budget=16).generate([image], ["Colour?"], max_new_tokens=2)
+        assert out[0].visual_tokens == 16 and len(out[0].token_ids) == 2

@@ -13,7 +13,8 @@ from .conftest import ARCHS, plain_generate
                                       ("qwen3_vl", transformers.Qwen3VLForConditionalGeneration),
                                       ("llava_onevision", transformers.LlavaOnevisionForConditionalGeneration),
                                       ("internvl", transformers.InternVLForConditionalGeneration),
-                                      ("qwen3_5", transformers.Qwen3_5ForConditionalGeneration)])
+                                      ("qwen3_5", transformers.Qwen3_5ForConditionalGeneration),
+                                      ("gemma4", transformers.Gemma4ForConditionalGeneration)])
 def test_real_classes_cached(arch, cls):
     model, processor = tiny_vlm(arch)
     assert type(model) is cls

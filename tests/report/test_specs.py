@@ -19,7 +19,7 @@ PAPER_SPECS = ["table1_llava15", "table2_llava_next", "table3_qwen25vl", "table4
                "mu_calibration_grid", "table2_llava_next_extended", "table3_qwen25vl_extended",
                "table5_diversity_extended", "table6_efficiency_extended", "figE1_overlays", "table1_llava15_extended",
                "extended_models", "extended_models_llava_onevision", "extended_models_internvl",
-               "extended_models_qwen35"]
+               "extended_models_qwen35", "extended_models_gemma4"]
 PAPER_BASELINES = ["vispruner", "divprune"]  # what Tables 2, 3 and 6 compare PromPrune with
 
 
@@ -52,6 +52,8 @@ def test_spec_validates_and_is_named_after_its_file(name):
      BASELINES + RIVALS),
     ("extended_models_internvl", "OpenGVLab/InternVL3-8B-hf", TABLE2_TASKS, [640, 320, 160], BASELINES + RIVALS),
     ("extended_models_qwen35", "Qwen/Qwen3.5-4B", TABLE2_TASKS, [512, 256, 128], BASELINES + RIVALS),
+    # 2/9, 1/9, 1/18 of Gemma 4's 280 soft tokens (LLaVA-1.5's 128 / 64 / 32 of 576), rounded
+    ("extended_models_gemma4", "google/gemma-4-31B-it", TABLE2_TASKS, [62, 31, 16], BASELINES + RIVALS),
 ])
 def test_main_tables_compare_what_the_paper_compares(name, model, tasks, budgets, methods):
     loaded, trials = trials_of(name)
@@ -144,6 +146,7 @@ MU_TAU_SEARCHES = {  # spec -> (the model it searches for, its shape: the publis
     "mu_tau_search_internvl3": ("OpenGVLab/InternVL3-8B-hf", "internvl3_8b"),
     "mu_tau_search_llava_onevision": ("llava-hf/llava-onevision-qwen2-7b-ov-hf", "llava_onevision_7b"),
     "mu_tau_search_qwen35": ("Qwen/Qwen3.5-4B", "qwen3_5_4b"),
+    "mu_tau_search_gemma4": ("google/gemma-4-31B-it", "gemma4_31b"),
 }
 
 
@@ -231,6 +234,29 @@ def test_qwen35_sweep_is_valid_offline_and_its_in_llm_trials_find_full_attention
                                                                  "grid.method=[fastv]", "grid.budget=[128]",
                                                                  "grid.layer=[2]"])
     problems = preflight.check_in_llm_layers(refused)
-    assert len(problems) == 1 and problems[0].startswith("trial fastv-b128-layer=2: in-LLM method 'fastv' on model "
-                                                         "type 'qwen3_5'")
+    assert len(problems) == 1 and problems[0].startswith("in-LLM method 'fastv' on shape:qwen3_5_4b (model type "
+                                                         "'qwen3_5')")
+    assert problems[0].endswith("(trial fastv-b128-layer=2)")
     assert "Give 'layer' from [4, 8, 12, 16, 20, 24, 28]" in problems[0]
+
+
+@pytest.mark.parametrize("name", ["extended_models_gemma4", "mu_tau_search_gemma4"])
+def test_gemma4_specs_fit_the_31b_and_refuse_in_llm_methods_on_the_e2b_before_ray(name):
+    """On shape:gemma4_31b every trial passes the preflight (budgets below 280 soft tokens, in-LLM layers on full
+    attention); the 31B's 62 GB goes to two GPUs per actor, loaded by each (not via the object store). On
+    shape:gemma4_e2b every in-LLM trial is refused, one paragraph per method naming the model and its trials."""
+    from pipelines import preflight
+
+    loaded, trials = trials_of(name)
+    assert loaded.resources.gpus_per_worker == 2 and not loaded.resources.share_weights
+    assert loaded.model.options["max_soft_tokens"] == 280
+    assert loaded.model.options["system_prompt"] == "You are a helpful assistant."  # lmms-eval's gemma4 model's
+    offline = spec.load(SWEEPS / f"{name}.yaml", ["model.pretrained=shape:gemma4_31b"])
+    assert preflight.check_in_llm_layers(offline) == []
+    assert preflight.check_model(offline.model.pretrained, offline.model.options, preflight.budgets(offline)) == []
+    e2b = spec.load(SWEEPS / f"{name}.yaml", ["model.pretrained=shape:gemma4_e2b"])
+    problems = preflight.check_in_llm_layers(e2b)
+    in_llm = sorted({t.method for t in trials if t.method in ("fastv", "sparsevlm", "dart", "pyramiddrop")})
+    assert sorted(p.split("'")[1] for p in problems) == in_llm
+    for problem in problems:
+        assert "cannot run on shape:gemma4_e2b" in problem and "(trials " in problem

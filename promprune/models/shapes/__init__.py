@@ -1,17 +1,19 @@
-"""The published 7B shapes without their weights: random-weight VLMs at the paper's real sizes.
+"""The published shapes without their weights: random-weight VLMs at the paper's real sizes (and newer models').
 
 ``shape_vlm(name)`` builds LLaVA-1.5-7B, LLaVA-NeXT-7B (Vicuna), Qwen2.5-VL-7B, Qwen3-VL-8B, LLaVA-OneVision-7B,
-InternVL3-8B or Qwen3.5-4B from the sizes in this folder's JSON files (copied from the checkpoints' ``config.json``;
-each file's ``_source`` says where from) with random weights, and an offline processor with the checkpoint's image
-settings (336 px CLIP views and anyres pinpoints; Qwen2.5-VL's 14 px patches and 2x2 merge; Qwen3-VL's 16 px patches,
-2x2 merge, 0.5 mean / std; OneVision's 384 px SigLIP views, 6x6 pinpoints and anyres_max_9; InternVL3's 448 px tiles,
-up to 12 plus a thumbnail; Qwen3.5's, which is Qwen3-VL's). Latency, memory, FLOPs and token counts do not depend on
-weight values, so these stand in for the checkpoints wherever those cannot be downloaded
+InternVL3-8B, InternVL3.5-8B, Qwen3.5-4B, Gemma 4 31B or Gemma 4 E2B from the sizes in this folder's JSON files (copied
+from the checkpoints' ``config.json``; each file's ``_source`` says where from) with random weights, and an offline
+processor with the checkpoint's image settings (336 px CLIP views and anyres pinpoints; Qwen2.5-VL's 14 px patches and
+2x2 merge; Qwen3-VL's 16 px patches, 2x2 merge, 0.5 mean / std; OneVision's 384 px SigLIP views, 6x6 pinpoints and
+anyres_max_9; InternVL3's 448 px tiles, up to 12 plus a thumbnail, as InternVL3.5's; Qwen3.5's, which is Qwen3-VL's;
+Gemma 4's 16 px patches pooled 3x3, at most 280 soft tokens per image). Latency, memory, FLOPs and token counts do not
+depend on weight values, so these stand in for the checkpoints wherever those cannot be downloaded
 (``PrunedVLM.from_pretrained("shape:llava_next_7b")``). The text is byte-level tokenized (one token per byte), so a
 prompt has more text tokens than under the real tokenizer; the vocabulary size, and so the embedding and LM-head shapes,
 stay the published ones.
 
-``text_layers`` / ``vision_layers`` shorten the stacks at full width (tests build one or two layers on CPU);
+``text_layers`` / ``vision_layers`` shorten the stacks at full width (tests build one or two layers on CPU; a
+shortened Gemma 4 keeps the first layers' types, its last layer full attention, and no KV sharing);
 ``width_divisor`` narrows both towers by one factor (hidden and MLP widths, attention heads; the head width stays),
 so that a CPU can run a LLaVA-1.5 whose towers are shrunk alike (benchmarks/throughput.py: 1/8 of the layers and
 1/4 of the widths, the vision-to-LLM cost ratio near the 7B's).
@@ -23,6 +25,8 @@ from importlib import resources
 
 import torch
 from transformers import (
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
     LlavaConfig,
     LlavaForConditionalGeneration,
     LlavaNextConfig,
@@ -39,6 +43,7 @@ from transformers import (
     Qwen2Config,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3Config,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     SiglipVisionConfig,
@@ -167,13 +172,18 @@ def _onevision(spec: dict, text_layers, vision_layers):
     return LlavaOnevisionForConditionalGeneration, config, processor
 
 
+# InternVL's LLM by the text config's model_type: Qwen2.5 (InternVL3), Qwen3 (InternVL3.5)
+_INTERNVL_TEXT = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
 def _internvl(spec: dict, text_layers, vision_layers):
     tok = tiny.internvl_tokenizer()
     vision = _section(spec, "vision_config", vision_layers)
     text = _section(spec, "text_config", text_layers, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                     bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    text_cls = _INTERNVL_TEXT[text.pop("model_type", "qwen2")]
     config = InternVLConfig(
-        vision_config=InternVLVisionConfig(**vision), text_config=Qwen2Config(**text),
+        vision_config=InternVLVisionConfig(**vision), text_config=text_cls(**text),
         image_token_id=tok.context_image_token_id, image_seq_length=spec["image_seq_length"],
         downsample_ratio=spec["downsample_ratio"], vision_feature_layer=spec["vision_feature_layer"],
         vision_feature_select_strategy=spec["vision_feature_select_strategy"],
@@ -184,8 +194,26 @@ def _internvl(spec: dict, text_layers, vision_layers):
     return InternVLForConditionalGeneration, config, processor
 
 
+def _gemma4(spec: dict, text_layers, vision_layers):
+    tok = tiny.gemma4_tokenizer()
+    p = spec["processor"]
+    processor = tiny.gemma4_processor(tok, p["patch_size"], p["max_soft_tokens"], p["pooling_kernel_size"])
+    text = _section(spec, "text_config", text_layers, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                    bos_token_id=tok.bos_token_id)
+    if text_layers is not None:  # the first layers' types (the last forced full, as transformers does), no sharing
+        types = text.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                            for i in range(spec["text_config"]["num_hidden_layers"])]
+        text["layer_types"] = [*types[:text_layers - 1], "full_attention"]
+        text["num_kv_shared_layers"] = 0
+    config = Gemma4Config(text_config=text, vision_config=_section(spec, "vision_config", vision_layers),
+                          audio_config=spec.get("audio_config"), tie_word_embeddings=spec["tie_word_embeddings"],
+                          vision_soft_tokens_per_image=spec["vision_soft_tokens_per_image"],
+                          **tiny.gemma4_token_ids(tok))
+    return Gemma4ForConditionalGeneration, config, processor
+
+
 _BUILDERS = {"qwen2_5_vl": _qwen, "qwen3_vl": _qwen3, "llava_onevision": _onevision, "internvl": _internvl,
-             "qwen3_5": _qwen35}
+             "qwen3_5": _qwen35, "gemma4": _gemma4}
 
 
 def _builder(spec: dict):
@@ -230,15 +258,22 @@ def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int 
     return model.eval(), processor
 
 
-def load(name: str, *, dtype=None, device_map=None, attn_implementation=None):
+def load(name: str, *, dtype=None, device_map=None, attn_implementation=None, max_memory=None):
     """The ``shape:<name>`` model factory: random weights built directly on the device (fp16 unless ``dtype``
-    says otherwise), with the paper's adapter options for that model."""
+    says otherwise), with the paper's adapter options for that model. A device map over several GPUs ("balanced",
+    ...: a model too big for one) builds it on the CPU and spreads it (:mod:`promprune.models.placement`)."""
+    from ..placement import is_multi_gpu
+
     dtype = parse_dtype(dtype, allow_auto=True)
     device = device_map or "cpu"
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, processor = shape_vlm(name, dtype=torch.float16 if dtype in (None, AUTO) else dtype, device=device)
-    return place(model, attn_implementation=attn_implementation), processor, default_options(name)
+    spread = is_multi_gpu(device)
+    model, processor = shape_vlm(name, dtype=torch.float16 if dtype in (None, AUTO) else dtype,
+                                 device="cpu" if spread else device)
+    model = place(model, attn_implementation=attn_implementation, device_map=device if spread else None,
+                  max_memory=max_memory)
+    return model, processor, default_options(name)
 
 
 def _config(name: str):

@@ -1,0 +1,145 @@
+"""Gemma 4 (``Gemma4ForConditionalGeneration``): variable resolution, soft tokens pooled 3x3, received attention.
+
+The image processor resizes each image, keeping its aspect ratio, to the largest size whose patches (16 px on the
+released models) fit ``max_soft_tokens * 9`` and whose sides are multiples of 3 patches, and pads the patch list to
+that length; the encoder attends over the image's patches only (padding masked), and its pooler averages each 3 x 3
+block of patches into one *soft token*. An image therefore gives ``(patch rows / 3) x (patch columns / 3)`` soft
+tokens, a number that varies with its aspect ratio (a 4:3 photo at the default budget 280: 15 x 18 = 270; the
+processor reports it as ``num_soft_tokens_per_image``); ``embed_vision`` projects them into the LLM, where the prompt
+holds ``<|image>``, one ``<|image|>`` placeholder per soft token, and ``<image|>``. The LLM numbers the sequence itself
+(1D RoPE), so a pruned run is numbered as LLaVA's.
+
+Candidates are the soft tokens, in the pooler's raster order over the pooled grid (``grid_shape`` (rows, cols) per
+image); the budget is per image, whatever its token count, and a batch of images of different sizes gives each its
+own (``batched_select`` groups the selections by token count).
+
+Saliency: the encoder has no CLS token, so it is the no-CLS rule of Qwen2.5-VL / LLaVA-OneVision: the attention each
+patch receives, averaged over the image's (non-padding) queries and the heads, at the encoder layer whose output is
+pooled (the last; adapter option ``saliency_block`` picks another), recomputed by a hook on that layer's attention with
+its own projections, q / k norms and 2D RoPE (SDPA stays on). The LLM sees pooled tokens, so a soft token's saliency is
+the SUM of the received attention of the 3 x 3 patches its pooler averages (the attention mass of its region; every
+soft token pools 9 patches, so the ranking is that of their mean). Features: the soft tokens after ``embed_vision``
+(no CLS for VisionZip to feed, no tower-side features: VisPruner / VisionZip / CDPruner work on the projected tokens, as
+on Qwen; CDPruner's instruction is the LLM's input embeddings of the question).
+
+The LLM's vision tokens attend to each other bidirectionally in its sliding-window layers
+(``use_bidirectional_attention: vision``, on the released 31B), which transformers reads from ``mm_token_type_ids``:
+the adapter rebuilds them for the (pruned) sequence it feeds.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from .adapters import ADAPTERS, Adapter, VisualItem
+from .saliency import capture
+
+QUERY_CHUNK = 1024  # queries per block when summing attention: bounds memory to H x 1024 x n floats
+
+
+def received_attention(attn, hidden: torch.Tensor, position_embeddings, position_ids: torch.Tensor) -> torch.Tensor:
+    """Mean attention each patch receives within its image (non-padding queries and heads averaged) of a
+    ``Gemma4VisionAttention``: ``hidden [B, S, C] -> [B, S]`` float32, 0 at padding patches (``position_ids`` -1)."""
+    B, S, _ = hidden.shape
+    rope = sys.modules[type(attn).__module__].apply_multidimensional_rope
+    cos, sin = position_embeddings
+    shape = (B, S, -1, attn.head_dim)
+    q = rope(attn.q_norm(attn.q_proj(hidden).view(shape)), cos, sin, position_ids)  # [B, S, H, hd]
+    k = rope(attn.k_norm(attn.k_proj(hidden).view(shape)), cos, sin, position_ids)  # [B, S, Hkv, hd]
+    q, k = q.transpose(1, 2).float(), k.transpose(1, 2).float()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, H, S, hd]
+    valid = (position_ids != -1).any(dim=-1)  # [B, S]
+    out = torch.zeros(B, S, dtype=torch.float32, device=hidden.device)
+    for b in range(B):
+        idx = valid[b].nonzero().flatten()
+        kb = k[b][:, idx]  # [H, n, hd]
+        for q0 in range(0, idx.numel(), QUERY_CHUNK):
+            qc = q[b][:, idx[q0:q0 + QUERY_CHUNK]]  # [H, c, hd]
+            probs = torch.softmax((qc @ kb.transpose(-1, -2)) * attn.scaling, dim=-1)  # [H, c, n]
+            out[b, idx] += probs.sum(dim=(0, 1))
+        out[b, idx] /= idx.numel() * q.shape[1]
+    return out
+
+
+def capture_received_attention(attn, sink: list):
+    """While active, append :func:`received_attention` ``[B, S]`` to ``sink`` at every call of ``attn``."""
+    return capture(attn, sink, received_attention, "position_embeddings", "position_ids")
+
+
+def pooled_layout(positions: torch.Tensor, k: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """``(rows, cols, patches, token)`` of one image's patch positions ``[S, 2]`` ((x, y); -1: padding): its pooled grid
+    and, for each non-padding patch (``patches [P]``, indices into S), the soft token it is pooled into (``token [P]``,
+    raster order over the ``rows x cols`` grid, as the model's pooler numbers them)."""
+    patches = (positions != -1).any(dim=-1).nonzero().flatten()
+    x, y = positions[patches, 0], positions[patches, 1]
+    cols, rows = (int(x.max()) + 1) // k, (int(y.max()) + 1) // k
+    return rows, cols, patches, (y // k) * cols + x // k
+
+
+class Gemma4Adapter(Adapter):
+    """Gemma 4: variable resolution, 3x3 pooled soft tokens; saliency = received attention summed over each soft token's
+    patches (see the module docstring)."""
+
+    encoder = "gemma4"
+
+    def __init__(self, model, processor, options: dict):
+        super().__init__(model, processor, options)
+        self.layer = self._layer()  # fail at construction, not at the first batch
+
+    def _layer(self) -> int:
+        depth = self.model.config.vision_config.num_hidden_layers
+        block = self.options.get("saliency_block")
+        if block is None:
+            return depth - 1  # the encoder's last layer: its output is what the pooler averages
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
+            raise ValueError(f"saliency_block must be a layer of the vision encoder (0 .. {depth - 1}), got {block!r}")
+        return block
+
+    def prepare_images(self, images):
+        return [[image] for image in images]  # Gemma4Processor takes one list of images per prompt
+
+    def processor_kwargs(self) -> dict:
+        n = self.options.get("max_soft_tokens")
+        return {} if n is None else {"max_soft_tokens": n}
+
+    def max_soft_tokens(self) -> int:
+        """The most soft tokens one image gives: option ``max_soft_tokens``, else the processor's own."""
+        n = self.options.get("max_soft_tokens")
+        return int(n if n is not None else self.processor.image_processor.max_soft_tokens)
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        """One item per image: its soft tokens in the pooler's raster order (``grid_shape`` its pooled grid)."""
+        core = self.model.model
+        attn = core.vision_tower.encoder.layers[self.layer].self_attn
+        sink: list = []
+        with capture_received_attention(attn, sink) if need_saliency else contextlib.nullcontext():
+            out = core.get_image_features(pixel_values=inputs["pixel_values"],
+                                          image_position_ids=inputs["image_position_ids"], return_dict=True)
+        k = self.model.config.vision_config.pooling_kernel_size
+        items = []
+        for b, run in enumerate(out.pooler_output):  # [n_b, d] per image
+            rows, cols, patches, token = pooled_layout(inputs["image_position_ids"][b], k)
+            if rows * cols != run.shape[0]:
+                raise ValueError(f"image {b}: the pooled grid {rows} x {cols} does not match the {run.shape[0]} soft "
+                                 "tokens the model gives")
+            saliency = None
+            if need_saliency:  # each soft token: the attention its 3 x 3 patches receive, summed
+                saliency = torch.zeros(run.shape[0], dtype=torch.float32, device=run.device)
+                saliency.index_add_(0, token.to(run.device), sink[0][b, patches].to(run.device))
+            idx = torch.arange(run.shape[0], device=run.device)
+            items.append(VisualItem(run=run, features=run, run_pos=idx, grid_index=idx, saliency=saliency,
+                                    groups=torch.zeros_like(idx), grid_shape=(rows, cols)))
+        return items
+
+    def generate_kwargs(self, inputs, new_ids, new_mask, col_map):
+        """``mm_token_type_ids [B, L']`` of the rebuilt sequence (1 at the image placeholders): the LLM's sliding layers
+        let vision tokens attend to each other by them (``use_bidirectional_attention: vision``)."""
+        if "mm_token_type_ids" not in inputs:
+            return {}
+        types = inputs["mm_token_type_ids"].to(col_map.device)
+        return {"mm_token_type_ids": types.gather(1, col_map.clamp_min(0)).masked_fill(col_map < 0, 0)}
+
+
+ADAPTERS["gemma4"] = Gemma4Adapter
