@@ -84,8 +84,10 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
                     "efficiency/vision_ms", "efficiency/select_ms", "efficiency/llm_prefill_ms"):
             assert key in metrics, (tid, key)
         assert metrics["efficiency/visual_tokens"] == (36 if method is None else 8)  # tiny LLaVA: 6x6 grid
-        # the run spans the trial's real start and end (not the moment the driver logged it); times are tags
-        assert (run.info.end_time - run.info.start_time) / 1000 == pytest.approx(metrics["trial/wall_s"], abs=0.01)
+        # the run opens when Tune starts the trial (before the trial's own clock starts) and ends at the trial's
+        # own end (not the moment the driver logged it)
+        span = (run.info.end_time - run.info.start_time) / 1000
+        assert metrics["trial/wall_s"] - 0.01 <= span <= metrics["trial/wall_s"] + 10, (tid, span)
         assert "trial/started_at" not in metrics and tags[mlflow_layout.STARTED_AT] < tags[mlflow_layout.FINISHED_AT]
         assert ("entropy/mean" in metrics) == (method == "promprune")  # only PromPrune measures prominence
 
