@@ -17,8 +17,9 @@ LM head's rows. Two ways to spend them:
   is encoded once and every prompt prefilled whole; CDPruner selects per question and runs as lmms-eval does. The
   spec's ``generation.vision_once`` / ``prefix_cache`` are honoured (Table 6 turns both off: both columns are equal).
 
-In-LLM methods run their layers on the visual tokens each layer keeps (FastV: all before its layer K, ``budget``
-after; SparseVLM: its released or geometric schedule at its three layers; SparseVLM's few recycled tokens are not
+In-LLM methods run their layers on the visual tokens each layer keeps, by the schedule their hooks use at the model's
+depth (``promprune.models.llm_hooks.schedule``: FastV all before its layer K, ``budget`` after; SparseVLM its released
+or geometric schedule at its three layers; DART and PyramidDrop theirs; SparseVLM's few recycled tokens are not
 counted), the same in both columns. Prompt and answer lengths are per-benchmark estimates under LLaVA-1.5's
 tokenizer (:data:`BENCHMARKS`; the answers: what LLaVA-1.5 answers, end of sequence included); they move both
 columns alike. The token selection itself (well under 1% of a sample's FLOPs) is not counted. The last line:
@@ -83,30 +84,23 @@ def model_config(pretrained: str):
 
 
 def layer_tokens(method: str | None, budget: int | None, options: dict, depth: int, full: int) -> list[int]:
-    """Visual tokens each decoder layer runs on: ``full`` unpruned, ``budget`` for a pre-LLM method, the schedule of
-    an in-LLM one (FastV, SparseVLM; other in-LLM methods: ``full``, an upper bound)."""
+    """Visual tokens each decoder layer runs on: ``full`` unpruned, ``budget`` for a pre-LLM method, an in-LLM one's
+    schedule for this depth (``llm_hooks.schedule``: the layers and kept counts its hooks use, the depth-scaled
+    defaults resolved): ``full`` before its first pruning layer, each stage's count from its layer on."""
     import promprune
     from promprune.models import llm_hooks
-    from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
     if method is None:
         return [full] * depth
-    spec = promprune.method_spec(method)
-    if spec.stage == promprune.PRE_LLM:
+    if promprune.method_spec(method).stage == promprune.PRE_LLM:
         return [min(budget, full)] * depth
-    opts = spec.resolve(options, budget=budget)
-    if method == "fastv":
-        return [full if layer < opts["layer"] else budget for layer in range(depth)]
-    if method == "sparsevlm":
-        at = sorted(set(opts["layers"] or llm_hooks.sparsevlm_layers(depth)))
-        counts = list(SPARSEVLM_RELEASED[budget]) if opts["schedule"] == "released" else \
-            [llm_hooks.geometric(budget, full, s, len(at)) for s in range(1, len(at) + 1)]
-        tokens = []
-        for layer in range(depth):
-            passed = [c for a, c in zip(at, counts) if a <= layer]
-            tokens.append(passed[-1] if passed else full)
-        return tokens
-    return [full] * depth
+    _, at, plan = llm_hooks.schedule(method, depth, budget, options)
+    counts = plan(full)
+    tokens = []
+    for layer in range(depth):
+        passed = [c for a, c in zip(at, counts) if a <= layer]
+        tokens.append(passed[-1] if passed else full)
+    return tokens
 
 
 def question_flops(config, tokens: list[int], bench: Benchmark, past: list[int] | None = None) -> float:

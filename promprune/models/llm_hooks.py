@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -54,46 +55,58 @@ FASTV_LAYER_OF_32 = (2,)
 
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
     """A context manager that prunes inside ``model``'s LLM during ``generate`` on ``input_ids [B, L]``."""
-    opts = promprune.method_spec(method).resolve(options, budget=budget)
-    check_llm(model, method)
     layers = _decoder_layers(model)
+    opts, at, plan = schedule(method, len(layers), budget, options)
+    check_llm(model, method)
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
     compact = False
     if method in ("fastv", "dart"):
-        layer = opts["layer"] if opts["layer"] is not None else fastv_layer(len(layers))
-        if not 1 <= layer < len(layers):
-            raise ValueError(f"{method} option 'layer' must be in [1, {len(layers) - 1}], got {layer}")
-        stages = [Stage(layer, None, kind=method)]
-        plan = (lambda n: [budget]) if method == "fastv" else _dart_plan(budget, opts)
+        stages = [Stage(at[0], None, kind=method)]
         if method == "dart":
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
     elif method == "pyramiddrop":
-        at = sorted(set(opts["layers"] or scaled_layers(len(layers), PYRAMIDDROP_LAYERS_OF_32)))
-        if max(at) >= len(layers):
-            raise ValueError(f"pyramiddrop option 'layers' must be < {len(layers)} (LLM depth), got {at}")
         stages = [Stage(layer, None, kind="pdrop") for layer in at]
-        plan = _pyramid_plan(budget, opts, at, len(layers))
         compact = opts["positions"] == "released" and not _mrope(model)
     else:
-        at = opts["layers"] or sparsevlm_layers(len(layers))
-        if max(at) >= len(layers):
-            raise ValueError(f"sparsevlm option 'layers' must be < {len(layers)} (LLM depth), got {at}")
-        at = sorted(set(at))
-        if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
-            if len(at) != 3:
-                raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {len(layers)}-layer "
-                                 f"LLM gives {at}: pass option 'layers' with three layers")
-            def plan(n):
-                return list(SPARSEVLM_RELEASED[budget])
-        else:
-            def plan(n):
-                return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
         stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
     return InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact,
                        method=method)
+
+
+def schedule(method: str, depth: int, budget: int, options: dict) -> tuple[dict, list[int], Callable]:
+    """Where and how much an in-LLM method prunes in an LLM of ``depth`` decoder layers, model-free: (the method's
+    options resolved by the registry, the layers it prunes before (ascending), ``plan(n)``: the visual tokens kept
+    after each of those layers when a row has ``n``). The depth-scaled defaults (``layer`` / ``layers`` None)
+    resolve here; :func:`make` and the FLOP estimates (``benchmarks/sweep_cost.py``) both read this one answer."""
+    opts = promprune.method_spec(method).resolve(options, budget=budget)
+    if method in ("fastv", "dart"):
+        layer = opts["layer"] if opts["layer"] is not None else fastv_layer(depth)
+        if not 1 <= layer < depth:
+            raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {layer}")
+        plan = (lambda n: [budget]) if method == "fastv" else _dart_plan(budget, opts)
+        return opts, [layer], plan
+    if method == "pyramiddrop":
+        at = sorted(set(opts["layers"] or scaled_layers(depth, PYRAMIDDROP_LAYERS_OF_32)))
+        if max(at) >= depth:
+            raise ValueError(f"pyramiddrop option 'layers' must be < {depth} (LLM depth), got {at}")
+        return opts, at, _pyramid_plan(budget, opts, at, depth)
+    at = opts["layers"] or sparsevlm_layers(depth)
+    if max(at) >= depth:
+        raise ValueError(f"sparsevlm option 'layers' must be < {depth} (LLM depth), got {at}")
+    at = sorted(set(at))
+    if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
+        if len(at) != 3:
+            raise ValueError(f"sparsevlm's released schedule prunes at three layers; this {depth}-layer "
+                             f"LLM gives {at}: pass option 'layers' with three layers")
+        def plan(n):
+            return list(SPARSEVLM_RELEASED[budget])
+    else:
+        def plan(n):
+            return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
+    return opts, at, plan
 
 
 def geometric(budget: int, n: int, s: int, stages: int) -> int:
