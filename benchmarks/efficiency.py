@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from promprune.efficiency import MIB, kv_cache_bytes, peak_memory_mb, prefill_flops, reset_peak_memory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from promprune.efficiency import MIB, kv_cache_bytes, peak_memory_mb, prefill_flops, reset_peak_memory  # noqa: E402
 
 # Vicuna-7B (the text model of llava-v1.6-vicuna-7b), the dimensions Table 6 uses
 VICUNA_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32)

@@ -5,11 +5,11 @@
 
 Builds the requests exactly as a sweep does (`pipelines.run.requests.build_requests_dataset` on a local Ray: the
 driver for small evaluations, K parallel shard tasks for large ones), then sums the Arrow bytes of the stored blocks
-(each block sealed in its one-row envelope, as the object store holds it; the rows counted from the blocks
-unsealed). Every image is stored once per block (`promprune.eval.requests.pack_requests`), so the bytes follow the
-distinct images, not the questions; the table beside it gives what one PNG per request (the layout before) would have taken. The
-default tasks are VQAv2-shaped: easy-vqa asks ~10 questions about each of its 1,000 images across the two tasks.
-Hub benchmarks work the same way once their data is in the HF cache (or the stand-ins of
+(each block sealed in its one-row envelope, as the object store holds it; the rows are counted in the unsealed
+blocks). Every image is stored once per block (`promprune.eval.requests.pack_requests`), so the bytes follow the
+distinct images, not the questions; the table beside it gives what one PNG per request (the layout before) would
+have taken. The default tasks are VQAv2-shaped: easy-vqa asks ~10 questions about each of its 1,000 images across
+the two tasks. Hub benchmarks work the same way once their data is in the HF cache (or the stand-ins of
 `python -m promprune.eval standins`). The last line is the headline:
 
     object store bytes B for R requests over I distinct images
