@@ -77,8 +77,18 @@ def median_ms(fn, arg, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def instruction_for(x: torch.Tensor, seed: int = 0) -> promprune.Instruction:
+    """A question for the methods that weigh tokens by their relevance to it (CDPruner): a random query in the
+    features' own space (the LLM-embedding source), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(x.shape[0], x.shape[-1], generator=g).to(x.device, x.dtype)  # [B, d]
+    return promprune.Instruction(query=query, tokens=x, source="llm")
+
+
 def time_method(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> float:
-    return median_ms(lambda features: promprune.select(features, s, budget=budget, method=method), x, repeats)
+    text = instruction_for(x) if promprune.method_spec(method).needs_instruction else None
+    return median_ms(lambda features: promprune.select(features, s, budget=budget, method=method, instruction=text),
+                     x, repeats)
 
 
 def centered_gram(x: torch.Tensor) -> torch.Tensor:
