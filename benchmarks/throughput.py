@@ -57,8 +57,9 @@ from benchmarks import pythonpath  # noqa: E402
 
 # LLaVA-1.5-7B shrunk alike in both towers: 24 -> 3 CLIP layers and 32 -> 4 LLM layers (1/8), widths / 4
 VISION_LAYERS, TEXT_LAYERS, WIDTH_DIVISOR = 3, 4, 4
-# --smoke: one layer each, widths / 16 (a check that every path runs and the figures print, not a measurement)
-SMOKE_MODEL = (1, 1, 16)
+# --smoke: 2 CLIP layers (LLaVA reads the penultimate one's output), 1 LLM layer, widths / 16 (a check that every
+# path runs and the figures print, not a measurement)
+SMOKE_MODEL = (2, 1, 16)
 DTYPE = "bfloat16"  # the CPU's bf16 matrix units (AVX512-BF16) run it about 3x faster than fp32
 BATCH_SIZE = 8  # the sweeps' resources.batch_size
 
@@ -255,6 +256,10 @@ def run_task(checkpoint: Path, task: Task, limit: int, hf_home: Path, work: Path
                                                                          vision_once=vision_once,
                                                                          prefix_cache=prefix_cache)]
                     score(preds)
+                failed = [p.error for p in preds if p.failed]
+                if failed:  # the figures would count failures as answers: stop, saying why
+                    raise RuntimeError(f"path ({path}) {label} on {task.name}: {len(failed)} of {len(preds)} samples "
+                                       f"failed, the first: {failed[0]}")
                 runs[path].answer_s[label], runs[path].cpu_s[label] = clock.wall, clock.cpu
                 runs[path].predictions[label] = preds
     return runs, rows, blocks

@@ -132,11 +132,13 @@ def test_engine_designs():
 @pytest.mark.slow
 def test_sweep_scaling():
     out = run_benchmark("sweep_scaling.py", "--smoke")
-    measured = table_rows(out, "2")
-    assert measured[0][5] == "2" and measured[0][6] == "8"  # model loads (one per actor), rows built: 2 tasks x 4
+    figure(out, r"A sweep: 2 trials x 8 samples; .*")  # the baseline and promprune 64, 2 tasks x 4 samples
+    row = table_rows(out, "2")[0]  # GPUs, actors per trial, wall, ideal, efficiency, model loads, rows built, ...
+    assert int(row[5]) >= 2 and row[6] == "8"  # a load per trial at least (an actor pool per trial); every row once
     figure(out, r"Table 1 at full size, a projection \(arithmetic, not a measurement\): .*")
+    assert len(table_rows(out, "2")) == 2  # the measured row and the projected one
     efficiency = float(figure(out, rf"efficiency ({NUMBER}) at 2 GPUs")[1])
-    assert 0 < efficiency <= 1.5
+    assert 0 <= efficiency <= 1  # ideal / wall (at this size the fixed costs dwarf the work: about 0)
 
 
 @pytest.mark.slow
