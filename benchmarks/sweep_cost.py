@@ -129,6 +129,7 @@ def configuration_cost(config, trial, bench: Benchmark, vision_once: bool, prefi
     full = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
     tokens = layer_tokens(trial.method, trial.budget, trial.options, depth, full)
     vision = vision_flops(config)
+    config = config.text_config.to_dict()  # the LLM's sums read it ~10^5 times: a dict's reads are cheap
     lmms = bench.questions * (vision + question_flops(config, tokens, bench))
     spec = None if trial.method is None else promprune.method_spec(trial.method)
     shares_vision = spec is None or spec.stage == promprune.IN_LLM or not spec.question_dependent  # PrunedVLM's rules

@@ -3,7 +3,7 @@ table, never an assertion).
 
     python benchmarks/video.py                                   # CPU: 1 text / 2 vision layers at full width
     python benchmarks/video.py --frames 16 --size 384 --budget 392 --device cuda --full
-    python benchmarks/video.py --smoke      # a check of the script (seconds): 4 small frames, widths / 4
+    python benchmarks/video.py --smoke      # a check of the script (seconds): 2 small frames, widths / 4
 
 The clip is a procedural testbed clip (``promprune.testbed.clips``) resized to ``--size`` px; the processors are the
 shapes' (the released checkpoints' image / video settings), so the token counts are the released models'. Times are
@@ -37,11 +37,11 @@ def main(argv=None) -> None:
     parser.add_argument("--full", action="store_true", help="every layer (default: 1 text / 2 vision layers)")
     parser.add_argument("--width-divisor", type=int, default=1, help="both towers' widths divided by this "
                         "(promprune.models.shapes.narrowed; heads stay whole: 4 divides all three shapes)")
-    parser.add_argument("--smoke", action="store_true", help="a check of the script: 4 frames of 112 px, budget 16, "
+    parser.add_argument("--smoke", action="store_true", help="a check of the script: 2 frames of 112 px, budget 16, "
                         "one repeat, widths / 4")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.frames, args.size, args.budget, args.repeats, args.width_divisor = 4, 112, 16, 1, 4
+        args.frames, args.size, args.budget, args.repeats, args.width_divisor = 2, 112, 16, 1, 4
     clip = [f.resize((args.size, args.size)) for f in scene_clip(index=3, frames=args.frames)]
     layers = {} if args.full else {"text_layers": 1, "vision_layers": 2}
     dtype = torch.float16 if args.device.startswith("cuda") else torch.bfloat16
