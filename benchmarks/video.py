@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     parser.add_argument("--width-divisor", type=int, default=1, help="both towers' widths divided by this "
                         "(promprune.models.shapes.narrowed; heads stay whole: 4 divides all three shapes)")
     parser.add_argument("--smoke", action="store_true", help="a check of the script: 2 frames of 112 px, budget 16, "
-                        "one repeat, widths / 4")
+                        "one call per mode (no warm-up), widths / 4")
     args = parser.parse_args(argv)
     if args.smoke:
         args.frames, args.size, args.budget, args.repeats, args.width_divisor = 2, 112, 16, 1, 4
@@ -54,7 +54,8 @@ def main(argv=None) -> None:
         for budget_mode, split in MODES:
             vlm = PrunedVLM(model, processor, method="promprune", budget=args.budget, video_budget=budget_mode,
                             video_split=split)
-            vlm.prepare_video([clip], ["What moves?"])  # warm-up
+            if not args.smoke:
+                vlm.prepare_video([clip], ["What moves?"])  # warm-up
             runs = [vlm.prepare_video([clip], ["What moves?"]) for _ in range(args.repeats)]
             item, stats = runs[0].items[0], runs[0].stats[0]
             print(f"| {name} | {budget_mode} | {split} | {item.features.shape[0]} | {item.groups.unique().numel()} | "
