@@ -28,7 +28,7 @@ needs cores for the simulated nodes: `bash scripts/gpu_checklist.sh scaling` on 
 
 `--timeline PATH` (.csv or .json) records every process's events (trial start/end, actor start/ready, first request,
 last answer: `pipelines/timeline.py`) and prints where each run's time went; `--smoke` is a quick check of this
-script (2 GPUs, the baseline and one trial, 4 samples per task, a few ms per sample, the shell loop computed).
+script (1 GPU, the baseline alone, 4 samples per task, a few ms per sample, the shell loop computed).
 
 `--autoscale [MAX_NODES]` runs the sweep on Ray's fake autoscaler instead (GPU worker nodes from none up to MAX_NODES,
 default 3; `pipelines/run/fake_cluster.py`) and ends with the line `autoscaled to N of M GPU nodes; predictions from K
@@ -96,7 +96,8 @@ def table1_spec(samples_per_task: int, batch_size: int, methods: list[str] = MET
     return specs.parse({
         "name": "sweep_scaling", "version": 1, "model": {"pretrained": "tiny:llava"},
         "tasks": TASKS, "limit": samples_per_task, "baseline": True,
-        "grid": {"method": methods, "budget": budgets}, "generation": {"max_new_tokens": 1},
+        **({"grid": {"method": methods, "budget": budgets}} if methods else {"trials": []}),  # none: the baseline
+        "generation": {"max_new_tokens": 1},
         "resources": {"workers": "auto", "gpus_per_worker": 1, "batch_size": batch_size, "actor_wait_s": 900},
         "tune": {"max_failures": 0}})
 
@@ -235,7 +236,7 @@ TABLE1_SAMPLES = {"mme": 2374, "pope": 9000, "mmbench_en_dev_static": 4329, "tex
 A100_SAMPLE_S = 0.15  # LLaVA-1.5-7B, bf16, batch 8, short answers: ~1.2 s per batch
 A100_LOAD_S = 30.0  # a 7B checkpoint from local disk; from the object store about a third of that
 SHELL_STARTUP_S = 60.0  # one lmms-eval process: imports, task indexing, dataset preparation
-SMOKE_GRID = (["promprune"], [64])  # --smoke: the baseline and one trial
+SMOKE_GRID = ([], [])  # --smoke: the baseline alone
 
 
 def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float, float, int]:
@@ -326,8 +327,8 @@ def main() -> None:
                     help="run the shell loop's lmms-eval processes on this machine (default), or only compute it")
     ap.add_argument("--timeline", metavar="PATH", help="write every run's events here (.csv or .json) and print "
                     "where the time went")
-    ap.add_argument("--smoke", action="store_true", help="a quick check of this script: 2 GPUs, 2 trials (the baseline "
-                    "and promprune 64), 4 samples per task, 0.02 s per sample, 0.1 s per load, the shell loop computed")
+    ap.add_argument("--smoke", action="store_true", help="a quick check of this script: 1 GPU, 1 trial (the baseline), "
+                    "4 samples per task, 0.02 s per sample, 0.1 s per load, the shell loop computed")
     ap.add_argument("--autoscale", type=int, nargs="?", const=3, default=None, metavar="MAX_NODES",
                     help="instead: the sweep on Ray's fake autoscaler, GPU nodes from 0 up to MAX_NODES (default 3)")
     args = ap.parse_args()
@@ -336,7 +337,7 @@ def main() -> None:
         return
     grid = (METHODS, BUDGETS)
     if args.smoke:
-        args.gpus, args.samples_per_task, args.sample_s, args.load_s, args.shell = [2], 4, 0.02, 0.1, "arithmetic"
+        args.gpus, args.samples_per_task, args.sample_s, args.load_s, args.shell = [1], 4, 0.02, 0.1, "arithmetic"
         grid = SMOKE_GRID
     costs = Costs(args.load_s, args.sample_s)
     print(f"{'Table-1-shaped' if grid == (METHODS, BUDGETS) else 'A'} sweep: {len(grid[0]) * len(grid[1]) + 1} "

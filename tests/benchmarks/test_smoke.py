@@ -52,7 +52,7 @@ def test_models():
 
 
 def test_prefix_agreement():
-    out = run_benchmark("prefix_agreement.py", "--limit", "4", "--dtypes", "float32")
+    out = run_benchmark("prefix_agreement.py", "--limit", "2", "--dtypes", "float32")
     rows = table_rows(out, "float32")
     assert len(rows) == 2 and all(int(r[4]) > 0 for r in rows)  # some questions went through a cached prefix
     # float32: the shared prefix gives the whole prompt's tokens (tests/models/test_sharing.py), so every answer agrees
@@ -145,12 +145,12 @@ def test_engine_designs():
 @pytest.mark.slow
 def test_sweep_scaling():
     out = run_benchmark("sweep_scaling.py", "--smoke")
-    figure(out, r"A sweep: 2 trials x 8 samples; .*")  # the baseline and promprune 64, 2 tasks x 4 samples
-    row = table_rows(out, "2")[0]  # GPUs, actors per trial, wall, ideal, efficiency, model loads, rows built, ...
-    assert int(row[5]) >= 2 and row[6] == "8"  # a load per trial at least (an actor pool per trial); every row once
+    figure(out, r"A sweep: 1 trials x 8 samples; .*")  # the baseline, 2 tasks x 4 samples
+    row = table_rows(out, "1")[0]  # GPUs, actors per trial, wall, ideal, efficiency, model loads, rows built, ...
+    assert row[5] == "1" and row[6] == "8"  # one actor loaded the model; every row built once
     figure(out, r"Table 1 at full size, a projection \(arithmetic, not a measurement\): .*")
-    assert len(table_rows(out, "2")) == 2  # the measured row and the projected one
-    efficiency = float(figure(out, rf"efficiency ({NUMBER}) at 2 GPUs")[1])
+    assert len(table_rows(out, "1")) == 2  # the measured row and the projected one
+    efficiency = float(figure(out, rf"efficiency ({NUMBER}) at 1 GPUs")[1])
     assert 0 <= efficiency <= 1  # ideal / wall (at this size the fixed costs dwarf the work: about 0)
 
 
@@ -158,7 +158,8 @@ def test_sweep_scaling():
 def test_throughput():
     """Needs the bench extra (decord, for lmms-eval's llava_hf): CI installs it, so this never skips there."""
     out = run_benchmark("throughput.py", "--smoke")
-    ratios = figure(out, rf"throughput vs one lmms-eval run per configuration: ({NUMBER})x pope-shaped, "
-                         rf"({NUMBER})x vqav2-shaped")
-    assert all(float(r) > 0 for r in ratios.groups())
-    assert len(table_rows(out, r"\(a\) one lmms-eval run per configuration")) == 2  # one per task
+    ratio = figure(out, rf"throughput vs one lmms-eval run per configuration: ({NUMBER})x pope-shaped")[1]
+    assert float(ratio) > 0
+    paths = [row[0] for row in table_rows(out, r"\([a-d]\) .*")]
+    ours = ["(b) ours, both options off", "(c) ours, vision once", "(d) ours, vision and prefix once"]
+    assert paths == ["(a) one lmms-eval run per configuration"] + ours + ours  # throughput, then the FLOP model
