@@ -3,7 +3,7 @@ and checked against what it must say: a script that stops running, or whose outp
 quotes, fails here rather than in front of a reader. Timings are never asserted; counts and exact figures are.
 
 The scripts run as RESULTS.md runs them (``python benchmarks/<script>``, a fresh interpreter each). Those that start
-Ray, clusters or lmms-eval processes are marked slow, like the suite's other end-to-end tests."""
+Ray, clusters or lmms-eval, or build several models, are marked slow, like the suite's other end-to-end tests."""
 from __future__ import annotations
 
 import re
@@ -51,6 +51,7 @@ def test_models():
     assert int(rows["None"][0]) > 8
 
 
+@pytest.mark.slow  # lmms-eval's task index and the testbed model, two configurations
 def test_prefix_agreement():
     out = run_benchmark("prefix_agreement.py", "--limit", "2", "--dtypes", "float32")
     rows = table_rows(out, "float32")
@@ -98,6 +99,7 @@ def test_sweep_cost_prints_results_figure():
     assert rows["fastv 64"][1:] == ["456.6", "538.1", "1.18"] and rows["sparsevlm 64"][3] == "1.24"
 
 
+@pytest.mark.slow  # three models of the 7B shapes' vocabularies
 def test_video():
     out = run_benchmark("video.py", "--smoke")
     rows = table_rows(out, r"llava_onevision_7b|qwen2_5_vl_7b|qwen3_vl_8b")
