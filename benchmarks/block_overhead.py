@@ -2,6 +2,7 @@
 
     python benchmarks/block_overhead.py
     python benchmarks/block_overhead.py --checkout /path/to/another/clone     # the same on other code, to compare
+    python benchmarks/block_overhead.py --smoke      # a check of the script (seconds): 4 images, one pass
 
 720 POPE-shaped requests (40 images, 18 questions each, small PNGs) are packed into blocks of 8 rows
 (``pack_requests``: one block per image) and every block is answered by ``run_requests`` with a stand-in model that
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 IMAGES, QUESTIONS, BATCH_SIZE, PASSES = 40, 18, 8, 5
+SMOKE_IMAGES, SMOKE_PASSES = 4, 1
 
 
 class InstantModel:
@@ -34,19 +36,19 @@ class InstantModel:
                 for _ in prompts]
 
 
-def requests() -> list:
+def requests(images: int = IMAGES) -> list:
     from PIL import Image
 
     from promprune.eval.requests import image_key
     from promprune.records import Request
 
     rows = []
-    for i in range(IMAGES):
+    for i in range(images):
         image = Image.new("RGB", (64, 48), (i * 6, 10, 200 - i * 4))
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
         png, key = buffer.getvalue(), image_key(image)
-        rows += [Request(task="pope", doc_id=len(rows), n_docs=IMAGES * QUESTIONS, prompt=f"Is there a thing {k}?",
+        rows += [Request(task="pope", doc_id=len(rows), n_docs=images * QUESTIONS, prompt=f"Is there a thing {k}?",
                          image=png, image_key=key, gen_kwargs={"max_new_tokens": 2})
                  for k in range(QUESTIONS)]
     return rows
@@ -56,15 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkout", type=Path, default=Path(__file__).resolve().parents[1],
                    help="the repository whose promprune is timed (default: this one)")
+    p.add_argument("--smoke", action="store_true", help=f"a check of the script: {SMOKE_IMAGES} images, "
+                   f"{SMOKE_PASSES} pass")
     args = p.parse_args(argv)
+    images, passes = (SMOKE_IMAGES, SMOKE_PASSES) if args.smoke else (IMAGES, PASSES)
     sys.path.insert(0, str(args.checkout))
     import promprune
     from promprune.eval import run_requests
     from promprune.eval.requests import pack_requests
 
-    rows, model = requests(), InstantModel()
+    rows, model = requests(images), InstantModel()
     pack, answer = [], []
-    for _ in range(PASSES):
+    for _ in range(passes):
         start = time.perf_counter()
         blocks = pack_requests(rows, BATCH_SIZE)
         pack.append((time.perf_counter() - start) / len(rows) * 1e3)

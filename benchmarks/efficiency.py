@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from promprune.efficiency import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from promprune.efficiency import (  # noqa: E402
     MIB,
     kv_cache_bytes,
     peak_memory_mb,

@@ -2,6 +2,7 @@
 
     python benchmarks/engine_designs.py                     # the in-process designs on a local Ray (CPU)
     python benchmarks/engine_designs.py --cli-repo ../old   # also the sweep CLI of another checkout (the old engine)
+    python benchmarks/engine_designs.py --trials 2          # a check of the script (about a minute on 2 cores)
 
 In-process, on the same request blocks (`testbed:llava`, 16 samples of one testbed task per trial: a few seconds of
 model work, so the fixed costs show), `--trials` trials one after the other:
@@ -11,7 +12,7 @@ model work, so the fixed costs show), `--trials` trials one after the other:
 - **serve**: model replicas kept across trials by Ray Serve (a deployment of one replica holding the model, the
   idiomatic Ray way to keep replicas alive), each trial a Ray Data execution whose map tasks (tasks, not actors: no
   process to start) call the deployment.
-  Needs `ray[serve]`'s extra packages; skipped without them.
+  Needs `ray[serve]`'s extra packages (the `bench` extra installs them); its row says so without them.
 
 Printed: the one-time cost (Ray Data / Serve start, the first model load) and the cost per trial beyond the model's
 work (wall time minus the summed actor-side generate time), medians over the trials after the first.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -156,16 +158,20 @@ def cli_sweep(repo: Path, n_trials: int, workdir: Path) -> float:
     return wall
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=5, help="trials per design, at least 2 (the first is reported apart)")
     ap.add_argument("--cli-repo", type=Path, default=None, help="another checkout whose sweep CLI to time as well")
     ap.add_argument("--designs", nargs="+", default=["data", "serve"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.trials < 2:
+        ap.error("--trials must be at least 2: the per-trial overhead is the median over the trials after the first")
     from pipelines.run.ray_connect import worker_env
     from pipelines.run.requests import build_requests_dataset
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), log_to_driver=False)
+    ray_tmp = tempfile.mkdtemp(prefix="promprune-ray-")  # Ray's files apart from any other Ray on the machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), log_to_driver=False,
+             _temp_dir=ray_tmp)
     rows = build_requests_dataset([TASK], 16, {"max_new_tokens": 4}, 16)
     budgets = [64, 48, 32, 16, 8, 4, 2][:args.trials]
     log = tempfile.mktemp(prefix="engine-work-")
@@ -182,6 +188,7 @@ def main() -> None:
         setup, overheads = got
         print(f"| {design} | {setup:.1f} | {statistics.median(overheads[1:]):.2f} | {overheads[0]:.1f} |", flush=True)
     ray.shutdown()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     if args.cli_repo is not None:
         print("\n| checkout | 1 trial s | %d trials s | per trial s |" % args.trials)
         print("|---|---:|---:|---:|")

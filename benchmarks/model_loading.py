@@ -2,6 +2,7 @@
 
     python benchmarks/model_loading.py                  # a ~0.5 GB LLaVA (random weights), 2 actors
     python benchmarks/model_loading.py --layers 16 --actors 4
+    python benchmarks/model_loading.py --layers 1 --hidden 64 --actors 1     # a check of the script (seconds)
 
 A checkpoint is written once with `save_pretrained` (safetensors, like the hub's). Then, in fresh Ray actors:
 
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import ray
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
 
 
 def build_checkpoint(path: Path, layers: int, hidden: int) -> float:
@@ -95,7 +99,7 @@ def per_actor(cls, arg, dtype: str, n: int) -> list[float]:
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
@@ -104,12 +108,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="dtype the actors run in; the checkpoint is fp32 (bfloat16: a conversion on every load, "
                         "as for fp16 hub checkpoints run in bf16)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     from pipelines.run.ray_connect import worker_env
 
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=worker_env())
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory(prefix="promprune-ray-") as tmp, tempfile.TemporaryDirectory() as d:
+        # a Ray of its own (never a head `ray start` left running), its files in a temp dir of its own
+        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), _temp_dir=tmp)
         gb = build_checkpoint(Path(d), args.layers, args.hidden)
         disk = per_actor(DiskLoader, d, args.dtype, args.actors)
         t0 = time.perf_counter()
@@ -117,6 +122,8 @@ def main() -> None:
         ray.get(n_bytes)
         publish_s = time.perf_counter() - t0
         shared = per_actor(SharedLoader, [ref], args.dtype, args.actors)
+        del ref
+        ray.shutdown()
     disk_s, shared_s = statistics.median(disk), statistics.median(shared)
     loads = args.trials * args.actors
     print(f"\ncheckpoint: {gb:.2f} GB fp32 (LLaVA, {args.layers} x {args.hidden} LLM + CLIP), actors run "
@@ -126,7 +133,6 @@ def main() -> None:
     print(f"| disk   | {0:14.2f}s | {disk_s:17.2f}s | {loads * disk_s:28.1f}s |")
     print(f"| shared | {publish_s:14.2f}s | {shared_s:17.2f}s | {publish_s + loads * shared_s:28.1f}s |")
     print(f"\nper-actor speed-up: {disk_s / shared_s:.1f}x")
-    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from promprune.models import PrunedVLM, all_methods
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from promprune.models import PrunedVLM, all_methods  # noqa: E402
 
 
 def demo_images(n: int, size: int) -> list[Image.Image]:
@@ -34,7 +37,7 @@ def measure(vlm: PrunedVLM, images, prompts, repeats: int, new_tokens: int) -> d
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny:llava")
     ap.add_argument("--budget", type=int, default=8)
@@ -45,7 +48,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--device-map", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     images = demo_images(args.batch, args.image_size)
     prompts = ["Describe the image."] * args.batch

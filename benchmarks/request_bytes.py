@@ -3,12 +3,13 @@
     python benchmarks/request_bytes.py [--tasks easyvqa_yesno easyvqa_open] [--limit N] [--batch-size 8]
                                        [--shards K]
 
-Builds the requests exactly as a sweep does (`pipelines.evaluate.build_requests_dataset` on a local Ray: the driver
-for small evaluations, K parallel shard tasks for large ones), then sums the Arrow bytes of the stored blocks. Every
-image is stored once per block (`promprune.eval.requests.pack_requests`), so the bytes follow the distinct images,
-not the questions; the table beside it gives what one PNG per request (the layout before) would have taken. The
-default tasks are VQAv2-shaped: easy-vqa asks ~10 questions about each of its 1,000 images across the two tasks.
-Hub benchmarks work the same way once their data is in the HF cache (or the stand-ins of
+Builds the requests exactly as a sweep does (`pipelines.run.requests.build_requests_dataset` on a local Ray: the
+driver for small evaluations, K parallel shard tasks for large ones), then sums the Arrow bytes of the stored blocks
+(each block sealed in its one-row envelope, as the object store holds it; the rows are counted in the unsealed
+blocks). Every image is stored once per block (`promprune.eval.requests.pack_requests`), so the bytes follow the
+distinct images, not the questions; the table beside it gives what one PNG per request (the layout before) would
+have taken. The default tasks are VQAv2-shaped: easy-vqa asks ~10 questions about each of its 1,000 images across
+the two tasks. Hub benchmarks work the same way once their data is in the HF cache (or the stand-ins of
 `python -m promprune.eval standins`). The last line is the headline:
 
     object store bytes B for R requests over I distinct images
@@ -30,21 +31,21 @@ def measure(tasks: list[str], limit: int | None, batch_size: int, shards: int | 
     import pyarrow.compute as pc
     import ray
 
-    from pipelines.evaluate import build_requests_dataset
+    from pipelines.run.requests import build_requests_dataset, unseal
 
     start = time.perf_counter()
     built = build_requests_dataset(tasks, limit, {}, batch_size, shards=shards)
     build_s = time.perf_counter() - start
-    tables = ray.get(built.blocks)
-    table = pa.concat_tables(tables)
+    envelopes = ray.get(built.blocks)  # one-row tables, each a sealed block: what the object store holds
+    table = pa.concat_tables([block for envelope in envelopes for _, block in unseal(envelope)])
     keys = table.column("image_key")
     carried = pc.invert(pc.is_null(table.column("image")))
     image_bytes = pc.binary_length(table.column("image")).fill_null(0)
     # one PNG per request (the layout before): each request's image at its group's stored size
     size_of = {k: n for k, n, c in zip(keys.to_pylist(), image_bytes.to_pylist(), carried.to_pylist()) if c and k}
     per_request = sum(size_of.get(k, 0) for k in keys.to_pylist())
-    return dict(requests=table.num_rows, blocks=len(tables), distinct=len(set(k for k in keys.to_pylist() if k)),
-                stored_images=int(pc.sum(carried).as_py() or 0), store_bytes=int(sum(t.nbytes for t in tables)),
+    return dict(requests=table.num_rows, blocks=len(envelopes), distinct=len(set(k for k in keys.to_pylist() if k)),
+                stored_images=int(pc.sum(carried).as_py() or 0), store_bytes=int(sum(e.nbytes for e in envelopes)),
                 image_bytes=int(pc.sum(image_bytes).as_py() or 0), per_request_bytes=per_request, build_s=build_s)
 
 

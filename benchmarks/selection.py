@@ -1,6 +1,7 @@
 """Median selection time of every registered method at the paper's shapes, and its ratio to DivPrune.
 
     python benchmarks/selection.py [--repeats 7] [--device cpu|cuda] [--threads N] [--dtype float16] [--batch 1 8]
+    python benchmarks/selection.py --smoke      # a check of the script (seconds): small shapes, one repeat
 
 Shapes: LLaVA-1.5 (B=1, N=576, d=4096, T=64), LLaVA-NeXT (B=5 crops x 576, d=4096, T=64 per crop = 320),
 Qwen2.5-VL (B=1, N=1296, d=3584, T=128), each times ``--batch`` images. Inputs are random features with a smooth
@@ -18,16 +19,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import promprune
-from promprune.selection import accel, eigensolve
-from promprune.selection.budget import split_budget
-from promprune.selection.kernels import ranks_to_mask, stable_descending_order
-from promprune.selection.registry import TokenSet
-from promprune.selection.two_stage import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+import promprune  # noqa: E402
+from promprune.selection import accel, eigensolve  # noqa: E402
+from promprune.selection.budget import split_budget  # noqa: E402
+from promprune.selection.kernels import ranks_to_mask, stable_descending_order  # noqa: E402
+from promprune.selection.registry import TokenSet  # noqa: E402
+from promprune.selection.two_stage import (  # noqa: E402
     DEFAULT_MU,
     DEFAULT_TAU,
     coverage_picks,
@@ -39,6 +43,8 @@ SHAPES = {  # name: (B, N, d, T)
     "llava-next": (5, 576, 4096, 64),
     "qwen2.5-vl": (1, 1296, 3584, 128),
 }
+# --smoke: the same three layouts (NeXT's 5 views, Qwen's longer sequence) at a size a CPU selects in milliseconds
+SMOKE_SHAPES = {"llava-1.5": (1, 64, 128, 8), "llava-next": (5, 64, 128, 8), "qwen2.5-vl": (1, 144, 112, 16)}
 
 
 def make_inputs(B: int, N: int, d: int, device: str, seed: int = 0,
@@ -71,8 +77,18 @@ def median_ms(fn, arg, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def instruction_for(x: torch.Tensor, seed: int = 0) -> promprune.Instruction:
+    """A question for the methods that weigh tokens by their relevance to it (CDPruner): a random query in the
+    features' own space (the LLM-embedding source), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(x.shape[0], x.shape[-1], generator=g).to(x.device, x.dtype)  # [B, d]
+    return promprune.Instruction(query=query, tokens=x, source="llm")
+
+
 def time_method(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> float:
-    return median_ms(lambda features: promprune.select(features, s, budget=budget, method=method), x, repeats)
+    text = instruction_for(x) if promprune.method_spec(method).needs_instruction else None
+    return median_ms(lambda features: promprune.select(features, s, budget=budget, method=method, instruction=text),
+                     x, repeats)
 
 
 def centered_gram(x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +138,7 @@ def time_stages(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> 
     return {name: median_ms(fn, arg, repeats) for name, (fn, arg) in promprune_stages(x, s, budget).items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,7 +146,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="dtype of the features handed to select (the model's dtype)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="images per call (NeXT: 5 crops each)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
+                    "repeat")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.repeats = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     for batch in args.batch:
@@ -150,7 +170,7 @@ def run_batch(args, batch: int) -> None:
     old: dict[str, dict[str, float]] = {m: {} for m in names}
     eig_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
-    for shape, (B, N, d, T) in SHAPES.items():
+    for shape, (B, N, d, T) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
         x, s = make_inputs(B * batch, N, d, args.device, dtype=getattr(torch, args.dtype))
         for m in names:
             results[m][shape] = time_method(m, x, s, T, args.repeats)

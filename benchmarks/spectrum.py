@@ -1,6 +1,7 @@
 """Where to compute the spectral entropy's eigenvalues: median ms of the candidate routes at the paper's shapes.
 
     python benchmarks/spectrum.py [--device cuda] [--repeats 9]
+    python benchmarks/spectrum.py --smoke      # a check of the script (seconds): small shapes, one repeat
 
 The spectrum of the centered N x N Gram (N = 576 for CLIP views, 1296 for Qwen2.5-VL) is the one step of PromPrune
 that DivPrune does not have. A GPU eigensolver runs one matrix at a time (cuSOLVER's batched Jacobi solver only
@@ -11,11 +12,14 @@ Printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from benchmarks.selection import centered_gram, make_inputs, median_ms
-from promprune.selection import eigensolve
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from benchmarks.selection import centered_gram, make_inputs, median_ms  # noqa: E402
+from promprune.selection import eigensolve  # noqa: E402
 
 
 def host_scipy(g: torch.Tensor) -> list:
@@ -28,6 +32,7 @@ def host_scipy(g: torch.Tensor) -> list:
 
 SHAPES = {"llava-1.5 (1x576)": (1, 576, 4096), "llava-next (5x576)": (5, 576, 4096),
           "next batch 8 (40x576)": (40, 576, 4096), "qwen2.5-vl (1x1296)": (1, 1296, 3584)}
+SMOKE_SHAPES = {"small (1x64)": (1, 64, 128), "small views (5x64)": (5, 64, 128)}  # --smoke
 
 
 ROUTES = {
@@ -41,16 +46,19 @@ if eigensolve.load_nvmath() is not None:  # pip install ".[cuda]": one cusolverD
     ROUTES["device batched cuSOLVER fp64"] = lambda g: eigensolve.eigvalsh(g.double())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes, one repeat")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.repeats = 1
     if not args.device.startswith("cuda"):
         ROUTES.pop("device batched cuSOLVER fp64", None)
     print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}")
     print(f"| shape | {' | '.join(ROUTES)} |\n|---|{'---:|' * len(ROUTES)}")
-    for name, (B, N, d) in SHAPES.items():
+    for name, (B, N, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
         g = centered_gram(make_inputs(B, N, d, args.device)[0])
         cells = [f"{median_ms(fn, g, args.repeats):.1f}" for fn in ROUTES.values()]
         print(f"| {name} | {' | '.join(cells)} |", flush=True)

@@ -17,8 +17,9 @@ LM head's rows. Two ways to spend them:
   is encoded once and every prompt prefilled whole; CDPruner selects per question and runs as lmms-eval does. The
   spec's ``generation.vision_once`` / ``prefix_cache`` are honoured (Table 6 turns both off: both columns are equal).
 
-In-LLM methods run their layers on the visual tokens each layer keeps (FastV: all before its layer K, ``budget``
-after; SparseVLM: its released or geometric schedule at its three layers; SparseVLM's few recycled tokens are not
+In-LLM methods run their layers on the visual tokens each layer keeps, by the schedule their hooks use at the model's
+depth (``promprune.models.llm_hooks.schedule``: FastV all before its layer K, ``budget`` after; SparseVLM its released
+or geometric schedule at its three layers; DART and PyramidDrop theirs; SparseVLM's few recycled tokens are not
 counted), the same in both columns. Prompt and answer lengths are per-benchmark estimates under LLaVA-1.5's
 tokenizer (:data:`BENCHMARKS`; the answers: what LLaVA-1.5 answers, end of sequence included); they move both
 columns alike. The token selection itself (well under 1% of a sample's FLOPs) is not counted. The last line:
@@ -82,32 +83,26 @@ def model_config(pretrained: str):
     return shape_vlm(SHAPES[pretrained], device="meta")[0].config
 
 
-def layer_tokens(method: str | None, budget: int | None, options: dict, depth: int, full: int) -> list[int]:
-    """Visual tokens each decoder layer runs on: ``full`` unpruned, ``budget`` for a pre-LLM method, the schedule of
-    an in-LLM one (FastV, SparseVLM; other in-LLM methods: ``full``, an upper bound)."""
+def layer_tokens(method: str | None, budget: int | None, options: dict, text_config, full: int) -> list[int]:
+    """Visual tokens each decoder layer of the LLM (``text_config``) runs on: ``full`` unpruned, ``budget`` for a
+    pre-LLM method, an in-LLM one's schedule (``llm_hooks.schedule``: the layers and kept counts its hooks use, the
+    depth-scaled defaults resolved, hybrid layer types honoured): ``full`` before its first pruning layer, each stage's
+    count from its layer on."""
     import promprune
     from promprune.models import llm_hooks
-    from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
+    depth = int(text_config.num_hidden_layers)
     if method is None:
         return [full] * depth
-    spec = promprune.method_spec(method)
-    if spec.stage == promprune.PRE_LLM:
+    if promprune.method_spec(method).stage == promprune.PRE_LLM:
         return [min(budget, full)] * depth
-    opts = spec.resolve(options, budget=budget)
-    if method == "fastv":  # layer None: K = 2 of 32 scaled to the depth, as the hooks take it
-        k = opts["layer"] if opts["layer"] is not None else llm_hooks.fastv_layer(depth)
-        return [full if layer < k else budget for layer in range(depth)]
-    if method == "sparsevlm":
-        at = sorted(set(opts["layers"] or llm_hooks.sparsevlm_layers(depth)))
-        counts = list(SPARSEVLM_RELEASED[budget]) if opts["schedule"] == "released" else \
-            [llm_hooks.geometric(budget, full, s, len(at)) for s in range(1, len(at) + 1)]
-        tokens = []
-        for layer in range(depth):
-            passed = [c for a, c in zip(at, counts) if a <= layer]
-            tokens.append(passed[-1] if passed else full)
-        return tokens
-    return [full] * depth
+    _, at, plan, _ = llm_hooks.schedule(method, text_config, budget, options)
+    counts = plan(full)
+    tokens = []
+    for layer in range(depth):
+        passed = [c for a, c in zip(at, counts) if a <= layer]
+        tokens.append(passed[-1] if passed else full)
+    return tokens
 
 
 def question_flops(config, tokens: list[int], bench: Benchmark, past: list[int] | None = None) -> float:
@@ -132,10 +127,10 @@ def configuration_cost(config, trial, bench: Benchmark, vision_once: bool, prefi
     import promprune
     from promprune.efficiency import layer_prefill_flops, vision_flops
 
-    depth = config.text_config.num_hidden_layers
     full = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
-    tokens = layer_tokens(trial.method, trial.budget, trial.options, depth, full)
+    tokens = layer_tokens(trial.method, trial.budget, trial.options, config.text_config, full)
     vision = vision_flops(config)
+    config = config.text_config.to_dict()  # the LLM's sums read it ~10^5 times: a dict's reads are cheap
     lmms = bench.questions * (vision + question_flops(config, tokens, bench))
     spec = None if trial.method is None else promprune.method_spec(trial.method)
     shares_vision = spec is None or spec.stage == promprune.IN_LLM or not spec.question_dependent  # PrunedVLM's rules

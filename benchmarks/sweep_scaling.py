@@ -19,11 +19,16 @@ importing lmms-eval, loading the tasks' data and the model again, answering with
 scoring (`--shell arithmetic` only computes it, charging `--startup-s` per process). Process starts, imports and
 scheduling are real for both while the work is scaled down, and up to 8 simulated GPU nodes share this machine's
 cores, so the measured efficiency is a lower bound of a real cluster's. Last line: `efficiency <value> at <max>
-GPUs`.
+GPUs` (measured, on this machine).
+
+Then Table 1 at full size, a *projection*: arithmetic on assumed A100 costs (`A100_SAMPLE_S`, `A100_LOAD_S`,
+`SHELL_STARTUP_S`: nothing here measures them) and the per-trial overhead measured above; its efficiencies (about
+1.00 for the pipeline at 8 GPUs) are what those constants imply, not a measurement. A measurement of the scaling
+needs cores for the simulated nodes: `bash scripts/gpu_checklist.sh scaling` on the GPU machine's 16 cores.
 
 `--timeline PATH` (.csv or .json) records every process's events (trial start/end, actor start/ready, first request,
-last answer: `pipelines/timeline.py`) and prints where each run's time went; `--smoke` is a seconds-long check of
-this script (2 GPUs, 4 samples per task, a few ms per sample, the shell loop computed).
+last answer: `pipelines/timeline.py`) and prints where each run's time went; `--smoke` is a quick check of this
+script (1 GPU, the baseline alone, 4 samples per task, a few ms per sample, the shell loop computed).
 
 `--autoscale [MAX_NODES]` runs the sweep on Ray's fake autoscaler instead (GPU worker nodes from none up to MAX_NODES,
 default 3; `pipelines/run/fake_cluster.py`) and ends with the line `autoscaled to N of M GPU nodes; predictions from K
@@ -85,24 +90,26 @@ def stand_in_run(vlm, rows, batch_size, *, sample_s: float):
                                            decode_ms=1.0, peak_mem_mb=1.0)) for r in rows]
 
 
-def table1_spec(samples_per_task: int, batch_size: int):
+def table1_spec(samples_per_task: int, batch_size: int, methods: list[str] = METHODS, budgets: list[int] = BUDGETS):
     from pipelines import spec as specs
 
     return specs.parse({
         "name": "sweep_scaling", "version": 1, "model": {"pretrained": "tiny:llava"},
         "tasks": TASKS, "limit": samples_per_task, "baseline": True,
-        "grid": {"method": METHODS, "budget": BUDGETS}, "generation": {"max_new_tokens": 1},
+        **({"grid": {"method": methods, "budget": budgets}} if methods else {"trials": []}),  # none: the baseline
+        "generation": {"max_new_tokens": 1},
         "resources": {"workers": "auto", "gpus_per_worker": 1, "batch_size": batch_size, "actor_wait_s": 900},
         "tune": {"max_failures": 0}})
 
 
 def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int, workdir: Path,
-                 timeline_dir: Path | None = None) -> dict:
+                 timeline_dir: Path | None = None, grid: tuple[list[str], list[int]] = (METHODS, BUDGETS)) -> dict:
     import functools
 
     from pipelines import sweep
     from pipelines.run import resources as planning
     from pipelines.run.ray_connect import worker_env
+    from pipelines.run.requests import build_requests_dataset
 
     env = worker_env()
     if timeline_dir is not None:  # before the nodes start, so that their processes inherit it too
@@ -119,10 +126,10 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{workdir / 'mlflow.db'}"
     ray.init(address=cluster.address, runtime_env=env, log_to_driver=False)
     try:
-        spec = table1_spec(samples_per_task, batch_size)
+        spec = table1_spec(samples_per_task, batch_size, *grid)
         spec.model = stand_in_source(costs, str(counter))
         spec.tune.storage_path = str(workdir / f"tune-{gpus}")
-        rows = sweep.build_requests_dataset(spec.tasks, spec.limit, spec.generation, batch_size)
+        rows = build_requests_dataset(spec.tasks, spec.limit, spec.generation, batch_size)
         start = time.perf_counter()
         outcome = sweep.run_sweep(spec, rows=rows,
                                   run_fn=functools.partial(stand_in_run, sample_s=costs.sample_s))
@@ -185,7 +192,8 @@ def shell_trial(method: str, budget: str, tasks: str, limit: int, batch_size: in
         raise SystemExit(code)
 
 
-def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs: Costs, workdir: Path) -> dict:
+def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs: Costs, workdir: Path,
+                        grid: tuple[list[str], list[int]] = (METHODS, BUDGETS)) -> dict:
     """The shell loop run for real on this machine: `gpus` lanes, each running its trials' `lmms-eval` processes one
     after another (a GPU each), trials dealt round-robin (all are equal). Wall time from the first process start to
     the last exit."""
@@ -195,7 +203,7 @@ def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs
     from promprune.eval import prepare_offline_tasks
 
     include = str(prepare_offline_tasks())
-    trials = [("none", "0")] + [(m, str(b)) for m in METHODS for b in BUDGETS]
+    trials = [("none", "0")] + [(m, str(b)) for m in grid[0] for b in grid[1]]
     root = Path(__file__).resolve().parent.parent
 
     def lane(index: int) -> int:
@@ -224,9 +232,11 @@ def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs
 # Table 1 at full size: documents per benchmark (lmms-eval's splits) -> samples per trial on LLaVA-1.5-7B
 TABLE1_SAMPLES = {"mme": 2374, "pope": 9000, "mmbench_en_dev_static": 4329, "textvqa_val": 5000,
                   "scienceqa_img": 2017, "gqa": 12578, "vqav2_val": 214354, "vizwiz_vqa_val": 4319, "mmvet": 218}
+# The projection's assumed costs (not measured here: no A100 was at hand), so its efficiencies are arithmetic on them
 A100_SAMPLE_S = 0.15  # LLaVA-1.5-7B, bf16, batch 8, short answers: ~1.2 s per batch
 A100_LOAD_S = 30.0  # a 7B checkpoint from local disk; from the object store about a third of that
 SHELL_STARTUP_S = 60.0  # one lmms-eval process: imports, task indexing, dataset preparation
+SMOKE_GRID = ([], [])  # --smoke: the baseline alone
 
 
 def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float, float, int]:
@@ -317,19 +327,21 @@ def main() -> None:
                     help="run the shell loop's lmms-eval processes on this machine (default), or only compute it")
     ap.add_argument("--timeline", metavar="PATH", help="write every run's events here (.csv or .json) and print "
                     "where the time went")
-    ap.add_argument("--smoke", action="store_true", help="a quick check of this script: 2 GPUs, 4 samples per task, "
-                    "0.02 s per sample, 0.1 s per load, the shell loop computed")
+    ap.add_argument("--smoke", action="store_true", help="a quick check of this script: 1 GPU, 1 trial (the baseline), "
+                    "4 samples per task, 0.02 s per sample, 0.1 s per load, the shell loop computed")
     ap.add_argument("--autoscale", type=int, nargs="?", const=3, default=None, metavar="MAX_NODES",
                     help="instead: the sweep on Ray's fake autoscaler, GPU nodes from 0 up to MAX_NODES (default 3)")
     args = ap.parse_args()
     if args.autoscale is not None:
         autoscale_main(args)
         return
+    grid = (METHODS, BUDGETS)
     if args.smoke:
-        args.gpus, args.samples_per_task, args.sample_s, args.load_s, args.shell = [2], 4, 0.02, 0.1, "arithmetic"
+        args.gpus, args.samples_per_task, args.sample_s, args.load_s, args.shell = [1], 4, 0.02, 0.1, "arithmetic"
+        grid = SMOKE_GRID
     costs = Costs(args.load_s, args.sample_s)
-    print(f"Table-1-shaped sweep: {len(METHODS) * len(BUDGETS) + 1} trials x "
-          f"{len(TASKS) * args.samples_per_task} samples; "
+    print(f"{'Table-1-shaped' if grid == (METHODS, BUDGETS) else 'A'} sweep: {len(grid[0]) * len(grid[1]) + 1} "
+          f"trials x {len(TASKS) * args.samples_per_task} samples; "
           f"stand-in model: {args.sample_s:g} s per sample, {args.load_s:g} s per load (a 7B model on an A100, "
           "scaled: real trials run far more samples per load); shell loop: "
           + ("lmms-eval processes run on this machine under the same injected costs" if args.shell == "measured"
@@ -342,13 +354,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sweep-scaling-") as tmp:
         for gpus in args.gpus:
             folder = Path(tmp, f"timeline-{gpus}") if args.timeline else None
-            r = run_pipeline(gpus, costs, args.samples_per_task, args.batch_size, Path(tmp), folder)
+            r = run_pipeline(gpus, costs, args.samples_per_task, args.batch_size, Path(tmp), folder, grid)
             if folder is not None:
                 run = [{"run": gpus, **e} for e in timeline.read(folder)]
                 events += run
                 where += [f"{gpus} GPU(s): " + line for line in timeline.summary(run)]
             if args.shell == "measured":
-                s = shell_loop_measured(gpus, args.samples_per_task, args.batch_size, costs, Path(tmp))
+                s = shell_loop_measured(gpus, args.samples_per_task, args.batch_size, costs, Path(tmp), grid)
             else:
                 s = shell_loop(gpus, r["trials"], r["rows"], costs, args.startup_s)
             eff = r["ideal"] / r["wall"]
@@ -363,8 +375,9 @@ def main() -> None:
         print("\n" + "\n".join(where) + f"\n({len(events)} events in {args.timeline})")
     print(f"\nmeasured per-trial overhead of the pipeline here (trial start, actor pool start, scoring, MLflow): "
           f"{overhead:.1f} s\n")
-    print(f"Table 1 at full size ({sum(TABLE1_SAMPLES.values())} samples per trial, {A100_SAMPLE_S} s each on an "
-          "A100), projected with that overhead:\n")
+    print(f"Table 1 at full size, a projection (arithmetic, not a measurement): {sum(TABLE1_SAMPLES.values())} samples "
+          f"per trial at an assumed {A100_SAMPLE_S} s each on an A100, {A100_LOAD_S:g} s per model load from disk, "
+          f"{SHELL_STARTUP_S:g} s per lmms-eval process start, and the overhead measured above:\n")
     print("| GPUs | actors per trial | pipeline h | shell loop h | ideal h | pipeline efficiency | "
           "shell-loop efficiency |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -1,7 +1,7 @@
 """Samples per second of an accuracy sweep against one lmms-eval run per configuration: vision once, prefix once.
 
     python benchmarks/throughput.py            # about 6 minutes of CPU on a 2-core machine, one torch thread
-    python benchmarks/throughput.py --smoke    # a quick check of the script (fewer questions), about 3 minutes
+    python benchmarks/throughput.py --smoke    # a check of the script: one task, a few questions, a smaller model
 
 One checkpoint, saved to a directory so that lmms-eval's own ``llava_hf`` model loads it: LLaVA-1.5-7B's architecture
 (``shape:llava_1_5_7b``, random weights, bf16) with both towers shrunk alike so that a CPU runs it, 3 of CLIP's 24
@@ -35,9 +35,11 @@ Also printed: the answers' agreement between (b), (c) and (d) (bf16 on CPU); the
 vision tower, prefill, decode and LM head, from each sample's visual and text tokens) beside the measured answering
 time of (b)-(d), in wall, CPU and the model's own seconds. (a) and (b) run the same FLOPs per question: what
 separates them is the processes' fixed costs and the batch size. Needs lmms-eval's ``llava_hf``, which imports
-``decord`` (``pip install decord``). The last line:
+``decord``: the ``bench`` extra installs it (``pip install -c constraints.txt -e ".[dev,bench]"``). The last line:
 
     throughput vs one lmms-eval run per configuration: X.Xx pope-shaped, Y.Yx vqav2-shaped
+
+(``--smoke``: the POPE-shaped task alone, so the line names that one.)
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ from benchmarks import pythonpath  # noqa: E402
 
 # LLaVA-1.5-7B shrunk alike in both towers: 24 -> 3 CLIP layers and 32 -> 4 LLM layers (1/8), widths / 4
 VISION_LAYERS, TEXT_LAYERS, WIDTH_DIVISOR = 3, 4, 4
+# --smoke: 2 CLIP layers (LLaVA reads the penultimate one's output), 1 LLM layer, widths / 16 (a check that every
+# path runs and the figures print, not a measurement)
+SMOKE_MODEL = (2, 1, 16)
 DTYPE = "bfloat16"  # the CPU's bf16 matrix units (AVX512-BF16) run it about 3x faster than fp32
 BATCH_SIZE = 8  # the sweeps' resources.batch_size
 
@@ -70,13 +75,14 @@ class Task:
     per_image: int
     images: int
     new_tokens: int
-    smoke_images: int
+    smoke_questions: int
 
     def limit(self, smoke: bool) -> int:
-        return self.per_image * (self.smoke_images if smoke else self.images)
+        return self.smoke_questions if smoke else self.per_image * self.images
 
 
-TASKS = (Task("pope-shaped", "pope", 18, 4, 2, 1), Task("vqav2-shaped", "vqav2_val", 5, 6, 3, 2))
+TASKS = (Task("pope-shaped", "pope", 18, 4, 2, 4), Task("vqav2-shaped", "vqav2_val", 5, 6, 3, 5))
+SMOKE_TASKS = TASKS[:1]  # --smoke: each task costs two lmms-eval processes, which the paths share nothing with
 CONFIGS = (("unpruned", None, None), ("promprune-64", "promprune", 64))
 PATHS = {"b": (False, False), "c": (True, False), "d": (True, True)}  # path -> (vision_once, prefix_cache)
 PATH_NAMES = {"a": "(a) one lmms-eval run per configuration", "b": "(b) ours, both options off",
@@ -141,15 +147,16 @@ def _cpu() -> float:
 # setup
 
 
-def save_checkpoint(directory: Path) -> Path:
+def save_checkpoint(directory: Path, smoke: bool = False) -> Path:
     """The benchmark's model, saved the ordinary way (``save_pretrained``) so that both lmms-eval's ``llava_hf`` and
-    ``PrunedVLM.from_pretrained`` load it."""
+    ``PrunedVLM.from_pretrained`` load it (``smoke``: the smaller :data:`SMOKE_MODEL`)."""
     import torch
 
     from promprune.models.shapes import shape_vlm
 
-    model, processor = shape_vlm("llava_1_5_7b", dtype=getattr(torch, DTYPE), text_layers=TEXT_LAYERS,
-                                 vision_layers=VISION_LAYERS, width_divisor=WIDTH_DIVISOR)
+    vision, text, divisor = SMOKE_MODEL if smoke else (VISION_LAYERS, TEXT_LAYERS, WIDTH_DIVISOR)
+    model, processor = shape_vlm("llava_1_5_7b", dtype=getattr(torch, DTYPE), text_layers=text,
+                                 vision_layers=vision, width_divisor=divisor)
     processor.chat_template = processor.tokenizer.chat_template = TEMPLATE
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     model.save_pretrained(directory)
@@ -170,11 +177,11 @@ def cost_ratios(checkpoint: Path) -> tuple[float, float]:
     return tuple(vision_flops(c) / prefill_flops(c, 576 + 60) for c in (small, full))
 
 
-def build_data(hf_home: Path, smoke: bool) -> Path:
+def build_data(hf_home: Path, tasks: tuple[Task, ...], smoke: bool) -> Path:
     from promprune.eval.standins import build_standins
 
-    limit = max(t.limit(smoke) for t in TASKS)
-    return build_standins(hf_home, tasks=[t.name for t in TASKS], docs_per_task=limit,
+    limit = max(t.limit(smoke) for t in tasks)
+    return build_standins(hf_home, tasks=[t.name for t in tasks], docs_per_task=limit,
                           per_image={"pope": TASKS[0].per_image})
 
 
@@ -200,7 +207,8 @@ def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_h
     log = run.stdout + run.stderr
     if run.returncode != 0 or "in generating" in log or answered(out, task.name) != limit:
         # lmms-eval logs a failed generation and goes on, and may exit 0 after a model that failed to load
-        hint = ("\nlmms-eval's llava_hf imports decord: pip install decord" if "decord" in log else "")
+        hint = ("\nlmms-eval's llava_hf imports decord, which the bench extra installs: "
+                "pip install -c constraints.txt -e '.[dev,bench]'" if "decord" in log else "")
         raise RuntimeError(f"lmms-eval {model} on {task.name} did not answer {limit} questions (exit "
                            f"{run.returncode}):\n{log[-3000:]}{hint}")
     return clock
@@ -251,6 +259,10 @@ def run_task(checkpoint: Path, task: Task, limit: int, hf_home: Path, work: Path
                                                                          vision_once=vision_once,
                                                                          prefix_cache=prefix_cache)]
                     score(preds)
+                failed = [p.error for p in preds if p.failed]
+                if failed:  # the figures would count failures as answers: stop, saying why
+                    raise RuntimeError(f"path ({path}) {label} on {task.name}: {len(failed)} of {len(preds)} samples "
+                                       f"failed, the first: {failed[0]}")
                 runs[path].answer_s[label], runs[path].cpu_s[label] = clock.wall, clock.cpu
                 runs[path].predictions[label] = preds
     return runs, rows, blocks
@@ -319,8 +331,9 @@ def report(task: Task, limit: int, runs: dict[str, Run], config, keys: dict, hea
            blocks: list) -> tuple[float, float]:
     """Print the task's tables; returns (d)'s throughput over (a)'s, per CPU second and per wall second."""
     a = runs["a"]
-    print(f"\n## {task.label}: lmms-eval `{task.name}` on stand-ins, {limit} questions over {limit // task.per_image} "
-          f"images ({task.per_image} per image), answers of {task.new_tokens} tokens, 2 configurations\n")
+    print(f"\n## {task.label}: lmms-eval `{task.name}` on stand-ins, {limit} questions over "
+          f"{-(-limit // task.per_image)} images ({task.per_image} per image), answers of {task.new_tokens} tokens, "
+          "2 configurations\n")
     print("| path | unpruned s | promprune-64 s | fixed s | samples/s | vs (a) | CPU s | vs (a), CPU s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for key, run in runs.items():
@@ -354,7 +367,8 @@ def report(task: Task, limit: int, runs: dict[str, Run], config, keys: dict, hea
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="fewer questions (a check of the script, ~2 minutes)")
+    p.add_argument("--smoke", action="store_true", help="a check of the script: the POPE-shaped task alone, 4 "
+                   "questions, 2 CLIP layers and 1 LLM layer, widths / 16 (SMOKE_TASKS, SMOKE_MODEL)")
     p.add_argument("--workdir", type=Path, default=None, help="checkpoint, stand-ins and lmms-eval output (default: "
                                                                  "a temporary directory)")
     p.add_argument("--threads", type=int, default=1,
@@ -370,23 +384,25 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="promprune-throughput-") as tmp:
         work = args.workdir or Path(tmp)
-        checkpoint = save_checkpoint(work / "checkpoint")
-        hf_home = build_data(work / "hf", args.smoke)
+        checkpoint = save_checkpoint(work / "checkpoint", args.smoke)
+        tasks = SMOKE_TASKS if args.smoke else TASKS
+        hf_home = build_data(work / "hf", tasks, args.smoke)
         small, full = cost_ratios(checkpoint)
-        print(f"# throughput: LLaVA-1.5-7B shape, {VISION_LAYERS}/24 CLIP and {TEXT_LAYERS}/32 LLM layers, widths / "
-              f"{WIDTH_DIVISOR}, {DTYPE}, random weights; {torch.get_num_threads()} torch thread(s) per path")
+        vision, text, divisor = SMOKE_MODEL if args.smoke else (VISION_LAYERS, TEXT_LAYERS, WIDTH_DIVISOR)
+        print(f"# throughput: LLaVA-1.5-7B shape, {vision}/24 CLIP and {text}/32 LLM layers, widths / {divisor}, "
+              f"{DTYPE}, random weights; {torch.get_num_threads()} torch thread(s) per path")
         print(f"vision tower / LLM prefill FLOPs of an unpruned sample: {small:.3f} here, {full:.3f} on the 7B")
         config = AutoConfig.from_pretrained(checkpoint)
         ratios = []
-        for task in TASKS:
+        for task in tasks:
             limit = task.limit(args.smoke)
             runs, rows, blocks = run_task(checkpoint, task, limit, hf_home, work)
             keys = {(r.task, r.doc_id): r.image_key for r in rows}
             ratios.append(report(task, limit, runs, config, keys, head_tokens(checkpoint, rows[0].prompt), blocks))
     print(json.dumps({t.label: {"per CPU second": round(cpu, 2), "per wall second": round(wall, 2)}
-                      for t, (cpu, wall) in zip(TASKS, ratios)}))
-    print(f"throughput vs one lmms-eval run per configuration: {ratios[0][0]:.1f}x {TASKS[0].label}, "
-          f"{ratios[1][0]:.1f}x {TASKS[1].label}")
+                      for t, (cpu, wall) in zip(tasks, ratios)}))
+    print("throughput vs one lmms-eval run per configuration: "
+          + ", ".join(f"{cpu:.1f}x {t.label}" for t, (cpu, _) in zip(tasks, ratios)))
     return 0
 
 

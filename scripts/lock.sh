@@ -11,9 +11,9 @@ python3 -m venv "$tmp/venv"
 # shellcheck disable=SC1091
 source "$tmp/venv/bin/activate"
 python -m pip install -q --upgrade pip
-python -m pip install -q -e ".[dev,ui]"  # ui: Playwright for scripts/ui_screenshots.py, pinned too
+python -m pip install -q -e ".[dev,ui,bench]"  # ui: Playwright for scripts/ui_screenshots.py; bench: benchmarks/ (pinned too)
 {
-  echo "# Exact versions of everything 'pip install -e \".[dev,ui]\"' resolved on $(date -u +%F) (Python $(python -c 'import sys; print(*sys.version_info[:3], sep=".")'), $(uname -m))."
+  echo "# Exact versions of everything 'pip install -e \".[dev,ui,bench]\"' resolved on $(date -u +%F) (Python $(python -c 'import sys; print(*sys.version_info[:3], sep=".")'), $(uname -m))."
   echo "# Used as 'pip install -c constraints.txt ...' by the README and .ci/run. Refresh on purpose: bash scripts/lock.sh"
   python -m pip freeze --all --exclude-editable | grep -v -i '^promprune'
 } > constraints.txt

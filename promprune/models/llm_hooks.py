@@ -48,6 +48,8 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -69,36 +71,57 @@ FASTV_LAYER_OF_32 = (2,)
 
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
     """A context manager that prunes inside ``model``'s LLM during ``generate`` on ``input_ids [B, L]``."""
-    opts = promprune.method_spec(method).resolve(options, budget=budget)
-    check_llm(model, method)
     layers = _decoder_layers(model)
+    opts, at, plan, layer_map = schedule(method, model.config, budget, options, model_name(model))
+    check_llm(model, method)
     impl = model.config.text_config._attn_implementation or "sdpa"
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
-    at, layer_map = stage_layers(model.config, method, opts, model_name(model))
     compact = False
     if method in ("fastv", "dart"):
         stages = [Stage(at[0], None, kind=method)]
-        plan = (lambda n: [budget]) if method == "fastv" else _dart_plan(budget, opts)
         if method == "dart":
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
     elif method == "pyramiddrop":
         stages = [Stage(layer, None, kind="pdrop") for layer in at]
-        plan = _pyramid_plan(budget, opts, at, len(layers))
         compact = opts["positions"] == "released" and not _mrope(model)
     else:
-        if opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
-            def plan(n):
-                return list(SPARSEVLM_RELEASED[budget])
-        else:
-            def plan(n):
-                return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
         stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
     pruner = InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact,
                          method=method)
     pruner.layer_map = layer_map
     return pruner
+
+
+def schedule(method: str, config, budget: int, options: dict, name: str | None = None) \
+        -> tuple[dict, list[int], Callable, list[tuple[int, int]]]:
+    """Where and how much an in-LLM method prunes, model-free: ``(opts, at, plan, layer_map)``, the method's options
+    resolved by the registry, the layers it prunes before (ascending, :func:`stage_layers`), ``plan(n)``: the visual
+    tokens kept after each of those layers when a row has ``n``, and (requested, used) per stage.
+
+    ``config``: the VLM's config or its text config (hybrid layer types honoured), or a plain depth (an LLM whose
+    layers all attend in full). :func:`make` and the FLOP estimates (``benchmarks/sweep_cost.py``) read this one answer.
+    """
+    if isinstance(config, int):
+        config = SimpleNamespace(num_hidden_layers=config, model_type=None)
+    opts = promprune.method_spec(method).resolve(options, budget=budget)
+    at, layer_map = stage_layers(config, method, opts, name)
+    if method == "fastv":
+        def plan(n):
+            return [budget]
+    elif method == "dart":
+        plan = _dart_plan(budget, opts)
+    elif method == "pyramiddrop":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        plan = _pyramid_plan(budget, opts, at, int(text.num_hidden_layers))
+    elif opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
+        def plan(n):
+            return list(SPARSEVLM_RELEASED[budget])
+    else:
+        def plan(n):
+            return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
+    return opts, at, plan, layer_map
 
 
 def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tuple[list[int], list[tuple[int, int]]]:

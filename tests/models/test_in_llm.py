@@ -80,6 +80,26 @@ def test_sparsevlm_layers_scale_with_depth():
     assert sparsevlm_layers(28) == [2, 5, 13]
 
 
+@pytest.mark.parametrize("method, layers_32, kept_32", [
+    ("fastv", [2], [64]),  # FastV's K = 2 of LLaMA's 32 layers, then the budget
+    ("dart", [2], [64]),  # DART prunes where FastV does; budget_semantics "exact"
+    ("sparsevlm", [2, 6, 15], [66, 30, 17]),  # the released layers and counts for a budget of 64
+    ("pyramiddrop", [8, 16, 24], [256, 128, 64]),  # 64 / 0.5^(3 - s), "exact"
+])
+def test_schedule_at_32_layers_and_make_agree(method, layers_32, kept_32, images, prompts):
+    """llm_hooks.schedule without a model: the released layers and kept counts on a 32-layer LLM (576 visual
+    tokens, budget 64); on a real model the pruner make() builds prunes before exactly the layers schedule gives."""
+    from promprune.models import llm_hooks
+
+    options = {"schedule": "released"} if method == "sparsevlm" else {}
+    _, at, plan, _ = llm_hooks.schedule(method, 32, 64, options)
+    assert (at, plan(576)) == (layers_32, kept_32)
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method=method, budget=BUDGET)
+    stages = vlm.pruning(vlm.prepare(images[:1], prompts[:1])).stages
+    assert [stage.layer for stage in stages] == llm_hooks.schedule(method, 4, BUDGET, {})[1]
+
+
 def test_in_llm_rejects_flash_attention():
     vlm = PrunedVLM.from_pretrained("tiny:llava", method="fastv", budget=4)
     vlm.model.config.text_config._attn_implementation = "flash_attention_2"

@@ -1,0 +1,167 @@
+"""Every script in benchmarks/ runs at its smoke size and prints its figure line (the line RESULTS.md quotes), parsed
+and checked against what it must say: a script that stops running, or whose output drifts from RESULTS.md's
+quotes, fails here rather than in front of a reader. Timings are never asserted; counts and exact figures are.
+
+The scripts run as RESULTS.md runs them (``python benchmarks/<script>``, a fresh interpreter each). Those that start
+Ray, clusters or lmms-eval, or build several models, are marked slow, like the suite's other end-to-end tests."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.benchmarks.helpers import REPO, figure, run_benchmark, table_rows
+
+NUMBER = r"-?[\d,]+\.?\d*"
+
+
+def test_every_script_has_a_smoke_test():
+    """A new script in benchmarks/ needs its smoke test here."""
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")} - {"__init__.py"}
+    tested = set(re.findall(r'run_benchmark\("(\w+\.py)"', (REPO / "tests/benchmarks/test_smoke.py").read_text()))
+    assert scripts == tested
+
+
+def test_block_overhead():
+    out = run_benchmark("block_overhead.py", "--smoke")
+    counts = figure(out, r"promprune from (.+); (\d+) requests in (\d+) blocks")
+    assert counts[1] == str(REPO / "promprune")  # the checkout's own code
+    # 4 images x 18 questions; each image's questions stay whole in one block (18 > the batch size of 8)
+    assert (int(counts[2]), int(counts[3])) == (4 * 18, 4)
+    pack, answer = map(float, figure(out, rf"pack ms / request: ({NUMBER}), answer ms / request: ({NUMBER})").groups())
+    assert pack > 0 and answer > 0
+
+
+def test_efficiency():
+    out = run_benchmark("efficiency.py", "--repeats", "1", "--max-new-tokens", "2", "--budgets", "none,10")
+    # the analytic Table 6 reproduces the published prefill TFLOPs and KV MiB (RESULTS.md quotes these rows)
+    assert table_rows(out, "2880")[0] == ["2880", "42.6", "42.6", "1440.0", "1440.0"]
+    assert table_rows(out, "320")[0] == ["320", "5.02", "5.02", "160.0", "160.0"]
+    measured = {row[0]: row for row in table_rows(out, "unpruned|promprune")}
+    assert measured["promprune"][1:3] == ["10", "10"]  # budget, visual tokens the LLM received
+    assert int(measured["unpruned"][2]) > 10
+
+
+def test_models():
+    out = run_benchmark("models.py", "--methods", "promprune", "fastv", "--repeats", "1", "--max-new-tokens", "2",
+                        "--image-size", "64")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:] if line.strip()}
+    assert set(rows) == {"None", "promprune", "fastv"}
+    assert rows["promprune"][0] == rows["fastv"][0] == "8"  # the budget: visual tokens the LLM received
+    assert int(rows["None"][0]) > 8
+
+
+@pytest.mark.slow  # lmms-eval's task index and the testbed model, two configurations
+def test_prefix_agreement():
+    out = run_benchmark("prefix_agreement.py", "--limit", "2", "--dtypes", "float32")
+    rows = table_rows(out, "float32")
+    assert len(rows) == 2 and all(int(r[4]) > 0 for r in rows)  # some questions went through a cached prefix
+    # float32: the shared prefix gives the whole prompt's tokens (tests/models/test_sharing.py), so every answer agrees
+    assert figure(out, r"prefix cache agreement: (.+)")[1] == "float32 1.000"
+
+
+def test_random_fingerprint():
+    out = run_benchmark("random_fingerprint.py", "--sets", "20")
+    assert figure(out, r"distinct keys: (\d+) of (\d+)").groups() == ("20", "20")
+    assert {row[0] for row in table_rows(out, r"\+-4 ulps|float16 round trip|bfloat16 round trip")} == {
+        "+-4 ulps", "float16 round trip", "bfloat16 round trip"}
+
+
+def test_selection():
+    import promprune
+
+    out = run_benchmark("selection.py", "--smoke")
+    ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(target < 1.5x\)")[1])
+    assert ratio > 0
+    timed = {line.split()[0] for line in out.splitlines() if re.match(r"\w+ +[\d.]+ \([\d.]+x\)", line)}
+    assert timed == set(promprune.methods())  # every registered method, timed at every shape
+
+
+def test_spectrum():
+    out = run_benchmark("spectrum.py", "--smoke")
+    header = table_rows(out, "shape")[0]
+    rows = table_rows(out, r"small .*")
+    assert len(rows) == 2 and all(len(r) == len(header) for r in rows)
+    assert all(float(cell) >= 0 for r in rows for cell in r[1:])
+
+
+def test_sweep_cost_prints_results_figure():
+    """The whole Table 1 spec (FLOPs are arithmetic, so the smoke is the real command): its last line is the one
+    RESULTS.md quotes, to the digit."""
+    out = run_benchmark("sweep_cost.py", "--spec", "sweeps/table1_llava15.yaml")
+    last = out.strip().splitlines()[-1]
+    results = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    quoted = re.search(r"Last line: `(table1_llava15 at full size:.*?)`", results, re.S)
+    assert quoted, "RESULTS.md no longer quotes sweep_cost.py's last line"
+    assert last == " ".join(quoted[1].split())
+    # the in-LLM methods' rows: FastV's layer is the hooks' depth-scaled K (2 of 32), SparseVLM's released schedule
+    rows = {row[0]: row for row in table_rows(out, r"(unpruned|fastv|sparsevlm)( \d+)?")}
+    assert rows["fastv 64"][1:] == ["456.6", "538.1", "1.18"] and rows["sparsevlm 64"][3] == "1.24"
+
+
+@pytest.mark.slow  # three models of the 7B shapes' vocabularies
+def test_video():
+    out = run_benchmark("video.py", "--smoke")
+    rows = table_rows(out, r"llava_onevision_7b|qwen2_5_vl_7b|qwen3_vl_8b")
+    assert len(rows) == 3 * 4  # three models x four budget modes
+    assert all(r[5] == "16" for r in rows)  # fed: the budget, whatever the mode
+
+
+@pytest.mark.slow
+def test_request_bytes():
+    out = run_benchmark("request_bytes.py", "--tasks", "easyvqa_yesno", "--limit", "8")
+    line = figure(out, r"object store bytes (\d+) for (\d+) requests over (\d+) distinct images")
+    stored_bytes, requests, distinct = map(int, line.groups())
+    assert requests == 8 and 1 <= distinct <= requests and stored_bytes > 0
+    row = table_rows(out, "8")[0]  # requests, distinct images, images stored, ...
+    assert int(row[2]) == distinct  # each distinct image stored once (one shard: none straddles two)
+    assert out.strip().splitlines()[-1] == line[0]
+
+
+@pytest.mark.slow
+def test_model_loading():
+    out = run_benchmark("model_loading.py", "--layers", "1", "--hidden", "64", "--actors", "1", "--trials", "2")
+    assert float(figure(out, rf"per-actor speed-up: ({NUMBER})x")[1]) > 0
+    assert len(table_rows(out, "disk|shared")) == 2
+
+
+@pytest.mark.slow
+def test_engine_designs():
+    """Both designs; Ray Serve's packages come with the bench extra (CI installs it): without them the serve row
+    says so, as the script does for a user without the extra."""
+    try:
+        from ray import serve  # noqa: F401
+        has_serve = True
+    except ImportError:
+        has_serve = False
+    out = run_benchmark("engine_designs.py", "--trials", "2")
+    figure(out, r"2 trials of 16 samples \(\d+ blocks\) of testbed_exist_concentrated on testbed:llava, .*")
+    data, serve_row = table_rows(out, "data")[0], table_rows(out, "serve")[0]
+    assert len(data) == 4 and all(float(cell) >= 0 for cell in data[1:])
+    if has_serve:
+        assert len(serve_row) == 4 and all(float(cell) >= 0 for cell in serve_row[1:])
+    else:
+        assert serve_row[1] == "(ray[serve] not installed)"
+
+
+@pytest.mark.slow
+def test_sweep_scaling():
+    out = run_benchmark("sweep_scaling.py", "--smoke")
+    figure(out, r"A sweep: 1 trials x 8 samples; .*")  # the baseline, 2 tasks x 4 samples
+    row = table_rows(out, "1")[0]  # GPUs, actors per trial, wall, ideal, efficiency, model loads, rows built, ...
+    assert row[5] == "1" and row[6] == "8"  # one actor loaded the model; every row built once
+    figure(out, r"Table 1 at full size, a projection \(arithmetic, not a measurement\): .*")
+    assert len(table_rows(out, "1")) == 2  # the measured row and the projected one
+    efficiency = float(figure(out, rf"efficiency ({NUMBER}) at 1 GPUs")[1])
+    assert 0 <= efficiency <= 1  # ideal / wall (at this size the fixed costs dwarf the work: about 0)
+
+
+@pytest.mark.slow
+def test_throughput():
+    """Needs the bench extra (decord, for lmms-eval's llava_hf): CI installs it, so this never skips there."""
+    out = run_benchmark("throughput.py", "--smoke")
+    ratio = figure(out, rf"throughput vs one lmms-eval run per configuration: ({NUMBER})x pope-shaped")[1]
+    assert float(ratio) > 0
+    paths = [row[0] for row in table_rows(out, r"\([a-d]\) .*")]
+    ours = ["(b) ours, both options off", "(c) ours, vision once", "(d) ours, vision and prefix once"]
+    assert paths == ["(a) one lmms-eval run per configuration"] + ours + ours  # throughput, then the FLOP model
