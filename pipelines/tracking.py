@@ -68,8 +68,9 @@ def primary_metrics(tasks: list[str]) -> list[str]:
 VISUAL_TOKENS = "efficiency/visual_tokens"
 NAME_COLUMN, CREATED_COLUMN, DURATION_COLUMN = "attributes.`Run Name`", "runDateAndNestInfo", "duration"
 CHAR_PX, CELL_PX = 8, 24  # MLflow's table: up to 8 px a character of its 13 px font, and a cell's padding
+NAME_CHAR_PX = 6.5  # a run name's characters (mostly narrow ones: digits, '-', '='), beside its colour dot
 MAX_OPTION_COLUMNS = 8  # options shown as columns (mu and tau first); more make the table unreadable
-SEARCHED_VALUE_CHARS = space.SIGNIFICANT + 4  # a sampled float in a trial name, e.g. 0.06509 (its id's digits)
+SEARCHED_VALUE_CHARS = space.SIGNIFICANT + 3  # a sampled float in a trial name, e.g. 0.06509 (its id's digits)
 
 
 @dataclass
@@ -99,7 +100,7 @@ class SweepView:
             listed = spec.grid.get("method")
             methods = [m for m in listed if isinstance(m, str)] if isinstance(listed, list) else []
             methods = methods or ["promprune"]
-            longest = max(longest, max(map(len, methods)) + 6 + sum(len(k) + 2 + SEARCHED_VALUE_CHARS
+            longest = max(longest, max(map(len, methods)) + 5 + sum(len(k) + 2 + SEARCHED_VALUE_CHARS
                                                                      for k in searched))
         points = {tuple(t.options.get(k) for k in mlflow_layout.MU_TAU) for t in trials
                   if any(k in t.options for k in mlflow_layout.MU_TAU)}  # the parent's best: `recorder.best_trial`
@@ -118,8 +119,9 @@ def _width(header: str, lo: int, hi: int = 220) -> int:
 def save_sweep_view(c, exp_id: str, sweep: str, run_id: str, view: SweepView) -> str:
     """Save the runs-page view of one run of a sweep in the experiment (MLflow 3's "Views" menu; ``ui_url`` opens
     it): the parent run ``run_id`` first, then its trials, newest first, one row each; columns: run name (wide
-    enough for the trials' names), created (with the run's status), Rel. (and the scheduler's running value), visual
-    tokens, method, budget, the options, the parent's best, each task's primary metric, duration; line charts
+    enough for the trials' names) and created (with the run's status), Rel., visual tokens, method, budget, the
+    options (on a 1400 px screen so far), the scheduler's running value, the parent's best, each task's primary
+    metric, duration; line charts
     against ``samples/scored`` (the samples a running value was computed over) instead of MLflow's step. Returns
     the view's key.
 
@@ -128,13 +130,13 @@ def save_sweep_view(c, exp_id: str, sweep: str, run_id: str, view: SweepView) ->
     would hide its trials) and no number format (metrics show all their digits). Sorting by the role tag instead of
     the start time keeps the rows flat: the parent (role `sweep`) sorts before its trials (role `trial`), which
     MLflow orders newest first."""
-    leading = [mlflow_layout.REL] + ([f"{mlflow_layout.RUNNING}/{view.running}"] if view.running else [])
     params = ["method", "budget"] + [o for o in view.options if o not in ("method", "budget")]
-    trailing = ([f"best/{view.best}"] if view.best else []) + primary_metrics(view.tasks)  # (best: the parent's)
-    widths = {NAME_COLUMN: max(200, min(600, CHAR_PX * view.name_chars + 60)), CREATED_COLUMN: 120}
-    widths |= {f"metrics.`{m}`": _width(m, 90) for m in leading} | {f"metrics.`{VISUAL_TOKENS}`": 150}
-    widths |= {f"params.`{p}`": _width(p, 110 if p == "method" else 80, 160) for p in params}
-    widths |= {f"metrics.`{m}`": _width(m, 90) for m in trailing} | {DURATION_COLUMN: 80}
+    trailing = ([f"{mlflow_layout.RUNNING}/{view.running}"] if view.running else []) + \
+        ([f"best/{view.best}"] if view.best else []) + primary_metrics(view.tasks)  # (best: the parent's)
+    widths = {NAME_COLUMN: max(200, min(600, int(NAME_CHAR_PX * view.name_chars) + 60))}
+    widths |= {f"metrics.`{mlflow_layout.REL}`": 90, f"metrics.`{VISUAL_TOKENS}`": 150}
+    widths |= {f"params.`{p}`": _width(p, 100 if p == "method" else 80, 160) for p in params}
+    widths |= {f"metrics.`{m}`": _width(m, 90) for m in trailing} | {CREATED_COLUMN: 130, DURATION_COLUMN: 80}
     columns = [col for col in widths if col.startswith(("metrics.", "params."))]
     state = {"searchFilter": mlflow_layout.tag_filter(mlflow_layout.SWEEP_RUN, run_id),
              "orderByKey": f"tags.`{ROLE}`", "orderByAsc": True, "startTime": "ALL",
