@@ -64,23 +64,49 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def test_a_sweep_saves_its_runs_view(store, tmp_path):
-    """start_sweep saves the view the printed link opens: the sweep's runs, grouped (so each trial is a row), the
-    headline metrics as columns; the link opens the Model-training side of MLflow 3's UI."""
+    """start_sweep saves the view the printed link opens: this run of the sweep (the parent and its trials, not an
+    earlier run's), flat, the parent first (sorted by the role tag, which MLflow's own search honours), rel and
+    visual tokens first, method, budget and the options as params; the link opens the Model-training side of
+    MLflow 3's UI."""
     client, exp = store
-    _sweep(client, tmp_path)
+    earlier, _ = _sweep(client, tmp_path)
+    parent, names = _sweep(client, tmp_path)
     tags = client.get_experiment(exp).tags
     envelope = json.loads(tags[mlflow_layout.SAVED_VIEW + "promprune-ui_demo"])
     state = json.loads(envelope["state"])
     assert envelope["name"] == "ui_demo"
-    assert state["selectedColumns"] == ["metrics.`easyvqa_yesno/f1`", "metrics.`easyvqa_open/exact_match`",
-                                        "metrics.`rel`", "metrics.`efficiency/visual_tokens`"]
-    assert state["searchFilter"] == "tags.`promprune.sweep` = 'ui_demo'"
-    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": mlflow_layout.SWEEP}]
+    assert state["searchFilter"] == f"tags.`promprune.sweep_run` = '{parent}'"
+    assert (state["orderByKey"], state["orderByAsc"], state["groupBy"]) == ("tags.`promprune.role`", True, None)
+    assert state["columnOrder"][:5] == ["attributes.`Run Name`", "metrics.`rel`", "metrics.`efficiency/visual_tokens`",
+                                        "params.`method`", "params.`budget`"]
+    assert state["selectedColumns"] == ["metrics.`rel`", "metrics.`efficiency/visual_tokens`", "params.`method`",
+                                        "params.`budget`", "metrics.`easyvqa_yesno/f1`",
+                                        "metrics.`easyvqa_open/exact_match`"]
+    assert state["globalLineChartConfig"]["selectedXAxisMetricKey"] == "samples/scored"
+    # what the UI asks the server for: MLflow's search with the view's filter and order
+    shown = client.search_runs([exp], state["searchFilter"], order_by=[f"{state['orderByKey']} ASC"])
+    assert [r.info.run_name for r in shown] == ["ui_demo"] + names[::-1]  # the parent, then its trials newest first
+    assert earlier not in {r.info.run_id for r in shown}
     assert tracking.ui_url("ui_demo") == (f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
                                           "?workflowType=machine_learning&viewStateShareKey=promprune-ui_demo")
     assert tracking.ui_url("no_such_sweep").endswith("?workflowType=machine_learning")
 
 
+@pytest.mark.parametrize("name, options, running, best, longest", [
+    ("quickstart", ["mu", "tau"], None, None, "promprune-b16-mu=calibrate-tau=0.03"),
+    ("testbed_mu_tau_grid", ["mu", "tau"], None, "rel", "promprune-b16-mu=0.14-tau=0.005"),
+    ("testbed_mu_tau_search", ["mu", "tau"], "rel", "rel", "promprune-b16-mu=0.1234-tau=0.01234"),
+    ("fig1a_saliency_ratio", ["saliency_ratio"], None, None, "fixed_ratio-b64-saliency_ratio=0.1"),
+])
+def test_a_specs_view_shows_what_tells_its_trials_apart(name, options, running, best, longest):
+    """The options its trials set or its search varies (mu and tau first), a scheduler's running value, the parent's
+    best where mu or tau vary, and room for the longest name (a searched one: its sampled values' digits)."""
+    from pipelines import spec as specs
+
+    spec = specs.load(REPO / "sweeps" / f"{name}.yaml")
+    view = tracking.SweepView.of(spec, specs.expand(spec))
+    assert (view.options, view.running, view.best) == (options, running, best)
+    assert len(longest) <= view.name_chars <= len(longest) + 3
 def test_clear_errors_without_a_browser(store, tmp_path):
     """No Chromium, no store, a store without a sweep: one paragraph on stderr, exit 2, no traceback, nothing
     created. (The store is checked before any browser starts: any executable passes for --chromium there.)"""
