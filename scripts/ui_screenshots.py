@@ -5,14 +5,15 @@
 Starts `mlflow ui` on the store (default: the pipeline's, `$MLFLOW_TRACKING_URI` or ./mlflow.db) on 127.0.0.1 and
 a free port, opens it in headless Chromium through Playwright, and saves:
 
-  1_runs.png         the experiment's runs page through the link the sweep prints (its saved view: one row per
-                     trial, the headline metrics as columns)
+  1_runs.png         the experiment's runs page through the link the sweep prints (its saved view: the parent
+                     run above one row per trial; each trial's method, mu, tau and Rel. checked in its row)
   2_trial.png        one trial run's page (metrics, duration, tags)
   3_report_md.png    the sweep's parent run, artifacts, report/report.md (tables)
   4_report_html.png  report/report.html scrolled to its figures
 
-Before each screenshot it checks the page in the DOM (the trial names in the runs table, the run's name and
-duration, the report's title and figures) and fails when one is missing. The server is stopped afterwards.
+Before each screenshot it checks the page in the DOM (the runs table: the parent run first, each trial's name,
+method, mu, tau and Rel. in its row as MLflow holds them, on the screen; the run's name and duration; the report's
+title and figures) and fails when one is missing. The server is stopped afterwards.
 Needs `pip install -c constraints.txt -e ".[ui]"` (Playwright) and a Chromium: Debian's (`apt-get install chromium`,
 /usr/bin/chromium) or `--chromium PATH`; Playwright's own browser download is not needed.
 """
@@ -88,14 +89,59 @@ def find_runs(uri: str, sweep: str | None) -> dict:
     parent = parents[0]
     trials = c.search_runs([exp.experiment_id], mlflow_layout.tag_filter(mlflow_layout.PARENT, parent.info.run_id),
                            order_by=["attributes.start_time ASC"], max_results=1000)
-    trials = [r for r in trials if r.info.status == "FINISHED"]
-    if not trials:
+    finished = [r for r in trials if r.info.status == "FINISHED"]
+    if not finished:
         raise Problem(f"sweep {parent.info.run_name!r} ({parent.info.run_id}) has no finished trial run")
-    shown = next((r for r in trials if r.data.params.get("method") == "promprune"), None) or trials[-1]
+    shown = next((r for r in finished if r.data.params.get("method") == "promprune"), None) or finished[-1]
     report = {a.path for a in c.list_artifacts(parent.info.run_id, mlflow_layout.REPORT_DIR)}
     key = mlflow_layout.view_key(parent.data.tags.get(mlflow_layout.SWEEP, parent.info.run_name))
     return {"experiment": exp.experiment_id, "parent": parent, "trials": trials, "shown": shown,
             "report": report, "view": key if mlflow_layout.SAVED_VIEW + key in exp.tags else None}
+
+
+def expected_cells(run) -> dict[str, str | float]:
+    """What a trial's row must show, by the runs table's column ids: its method, mu and tau (the params it has) and
+    its Rel. (a trial a scheduler stopped: its running Rel.)."""
+    params, metrics = run.data.params, run.data.metrics
+    want: dict[str, str | float] = {"params.`method`": params.get("method", "")}
+    want |= {f"params.`{k}`": params[k] for k in mlflow_layout.MU_TAU if k in params}
+    for key in (mlflow_layout.REL, f"{mlflow_layout.RUNNING}/{mlflow_layout.REL}"):
+        if key in metrics:
+            want[f"metrics.`{key}`"] = metrics[key]
+            break
+    return want
+
+
+def table_problems(cells: dict[str, dict[str, str]], trials: list) -> list[str]:
+    """Each trial's `expected_cells` against the table's cells ({run id: {column id: text}}): what is missing or
+    differs (a metric's text is read as a number: the UI writes 16.0 as 16)."""
+    problems = []
+    for run in trials:
+        row = cells.get(run.info.run_id, {})
+        for col, want in expected_cells(run).items():
+            got = row.get(col)
+            if got is None:
+                problems.append(f"{run.info.run_name}: no {col} cell on the screen")
+            elif isinstance(want, float) and not _same_number(got, want) or isinstance(want, str) and got != want:
+                problems.append(f"{run.info.run_name}: {col} shows {got!r}, MLflow holds {want!r}")
+    return problems
+
+
+def _same_number(text: str, value: float) -> bool:
+    try:
+        return abs(float(text) - value) <= 1e-12 * max(1.0, abs(value))
+    except ValueError:
+        return False
+
+
+# the runs table's cells ag-grid has rendered (those on the screen): {run id: {column id: text, ROW: row index}}
+ROW = "#row"
+TABLE_CELLS_JS = """() => { const out = {};
+  for (const cell of document.querySelectorAll('.ag-row .ag-cell')) {
+    const row = cell.closest('.ag-row'), id = row.getAttribute('row-id');
+    out[id] = out[id] || {'%s': row.getAttribute('row-index')};
+    out[id][cell.getAttribute('col-id')] = cell.textContent.trim(); }
+  return out; }""" % ROW
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,9 +245,18 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         page.wait_for_url(lambda u: "/overview" in u or "/runs" in u or "/traces" in u, timeout=ms)
         bare = page.url.split("#", 1)[1].split("?")[0]
         # 1: the runs, as the link printed by the sweep opens them
-        page.goto(mlflow_layout.ui_url(exp, runs["view"], base=base))
+        link = mlflow_layout.ui_url(exp, runs["view"], base=base)  # what the sweep printed, on this server
+        page.goto(link)
         for trial in runs["trials"]:
             page.get_by_text(trial.info.run_name, exact=True).first.wait_for(timeout=ms)
+        page.wait_for_timeout(800)  # the metric and param cells fill in after the names
+        cells = page.evaluate(TABLE_CELLS_JS)
+        problems = table_problems(cells, runs["trials"])
+        if runs["view"] and cells.get(parent.info.run_id, {}).get(ROW) != "0":
+            problems.insert(0, f"the parent run {parent.info.run_name} is not the first row")
+        if problems:
+            raise RuntimeError(f"the runs table at {VIEWPORT['width']} px does not show what MLflow holds: "
+                               + "; ".join(problems[:6]))
         save("1_runs.png")
         # 2: one trial run
         page.goto(f"{base}/#/experiments/{exp}/runs/{shown.info.run_id}{q}")
@@ -228,7 +283,8 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
                 raise Problem("report.html shows no figure in MLflow's artifact viewer")
             save("4_report_html.png")
         browser.close()
-    print(f"a bare experiment link (#/experiments/{exp}) opens on #{bare} in a fresh browser")
+    print(f"a bare experiment link (#/experiments/{exp}) opens on #{bare} in a fresh browser; the sweep's link: "
+          f"#{link.split('#', 1)[1]}")
     return saved
 
 
@@ -257,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parent = runs["parent"]
     print(f"sweep {parent.info.run_name!r} (parent run {parent.info.run_id}), {len(runs['trials'])} trial runs "
           f"shown in the runs table; saved view: {runs['view'] or 'none (a sweep from before saved views)'}")
+    shown = sorted({col.split("`")[1] for run in runs["trials"] for col in expected_cells(run)})
+    print(f"each trial's {', '.join(shown)} in its row as MLflow holds them, at {VIEWPORT['width']} px")
     if not runs["report"]:
         print("no report/ artifacts: run python pipelines/report.py for the report screenshots")
     for path in saved:

@@ -1,7 +1,7 @@
 """scripts/ui_screenshots.py: the MLflow UI in a real browser on a store written by the pipeline's own writer.
 
-The browser test needs Playwright and Debian's Chromium (/usr/bin/chromium), which CI does not install: it is
-skipped there. The saved view and the script's error messages are checked without a browser.
+The browser tests need Playwright and Debian's Chromium (`tests.browser`; .ci/run installs both); the saved view,
+the table check and the script's error messages are checked without a browser.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from pipelines import mlflow_layout, tracking
+from tests.browser import needs_browser
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "ui_screenshots.py"
-CHROMIUM = "/usr/bin/chromium"
 TASKS = ["easyvqa_yesno", "easyvqa_open"]
 
 
@@ -121,21 +121,34 @@ def test_clear_errors_without_a_browser(store, tmp_path):
     assert not (tmp_path / "none.db").exists() and not (tmp_path / "shots").exists()
 
 
-def _has_playwright() -> bool:
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def test_the_table_check_names_what_differs(store, tmp_path):
+    """The script's check of the runs table (no browser: the cells as the page would give them): a number as the
+    UI writes it (16.0 as 16) passes, a wrong or missing cell is named; a stopped trial's Rel. is its running one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ui_screenshots", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    client, exp = store
+    run = client.create_run(exp, run_name="promprune-b16-mu=0.2-tau=0.02")
+    for key, value in {"method": "promprune", "mu": "0.2", "tau": "0.02"}.items():
+        client.log_param(run.info.run_id, key, value)
+    client.log_metric(run.info.run_id, "running/rel", 16.0)
+    run = client.get_run(run.info.run_id)
+    row = {"params.`method`": "promprune", "params.`mu`": "0.2", "params.`tau`": "0.02", "metrics.`running/rel`": "16"}
+    assert script.table_problems({run.info.run_id: row}, [run]) == []
+    wrong = {**row, "params.`mu`": "0.3"}
+    del wrong["params.`tau`"]
+    assert script.table_problems({run.info.run_id: wrong}, [run]) == [
+        "promprune-b16-mu=0.2-tau=0.02: params.`mu` shows '0.3', MLflow holds '0.2'",
+        "promprune-b16-mu=0.2-tau=0.02: no params.`tau` cell on the screen"]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="needs Debian's Chromium at /usr/bin/chromium")
-@pytest.mark.skipif(not _has_playwright(), reason="needs Playwright (pip install -e '.[ui]')")
+@needs_browser
 def test_screenshots_show_the_runs(store, tmp_path):
-    """The script starts `mlflow ui`, finds every trial name in the runs table of the saved view, the trial's page
-    and the report with its figure, writes four valid 1400x900 PNGs and stops the server."""
-    pytest.importorskip("playwright.sync_api")
+    """The script starts `mlflow ui`, finds every trial with its method, mu and Rel. in the runs table of the saved
+    view, the trial's page and the report with its figure, writes four valid 1400x900 PNGs and stops the server."""
     from PIL import Image
 
     client, _ = store
@@ -145,6 +158,7 @@ def test_screenshots_show_the_runs(store, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"(parent run {parent}), 2 trial runs shown in the runs table" in proc.stdout
     assert "saved view: promprune-ui_demo" in proc.stdout
+    assert "each trial's method, mu, rel in its row as MLflow holds them, at 1400 px" in proc.stdout
     assert "opens on #/experiments/" in proc.stdout
     shots = sorted(p.name for p in out.glob("*.png"))
     assert shots == ["1_runs.png", "2_trial.png", "3_report_md.png", "4_report_html.png"]
