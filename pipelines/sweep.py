@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import socket
 import sys
@@ -163,7 +164,7 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     problem = search.check_rungs(spec, len(rows.keys))
     if problem:
         raise specs.SpecError([problem], spec.name)
-    plan = planning.plan(spec.resources.model_copy(update={"device": first.device}), n_trials, len(rows.blocks),
+    plan = planning.plan(dataclasses.replace(spec.resources, device=first.device), n_trials, len(rows.blocks),
                          spec.tune.max_concurrent_trials)
     say(f"sweep {spec.name} v{spec.version}: {_trials_line(spec, len(trials), len(rows.keys))}, "
         f"{plan.trials_at_once} at a time, each asking for {plan.max_actors} actor(s) "

@@ -12,6 +12,7 @@ and ends with its metrics and the `TrialResult` file as its checkpoint. `pipelin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import tempfile
 import time
@@ -118,7 +119,7 @@ def alone(cfg: EvalConfig, rows: list[Request] | Requests | None = None,
                                       video_frames=cfg.video_frames)
     elif not isinstance(rows, Requests):
         rows = requests_dataset(rows, cfg.resources.batch_size)
-    plan = planning.plan(cfg.resources.model_copy(update={"device": first.device}), 1, len(rows.blocks))
+    plan = planning.plan(dataclasses.replace(cfg.resources, device=first.device), 1, len(rows.blocks))
     capacity = planning.Capacity(plan)
     try:
         capacity.wait(cfg.resources.actor_wait_s)
