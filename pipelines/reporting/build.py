@@ -159,7 +159,7 @@ def _paired_section(sweep, table, preds) -> str:
     bid = sweep.baseline_id
     if bid is None:
         return ""
-    frame = table.frame[["method", "budget"]].assign(rel=table.frame["rel"] / 100)
+    frame = table.frame[["method", "budget", "label"]].assign(rel=table.frame["rel"] / 100)  # label: the trial's
     diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)))
     if not diffs:
         return ""
