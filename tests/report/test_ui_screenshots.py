@@ -30,7 +30,7 @@ def _sweep(client, tmp_path: Path, name: str = "ui_demo") -> tuple[str, list[str
     t0 = time.time() - 60
     parent = tracking.start_sweep(client, name, 1, f"name: {name}\n",
                                   {"model": "tiny:llava", "tasks": ",".join(TASKS), "limit": 4, "trials": 2},
-                                  started=t0)
+                                  started=t0, view=tracking.SweepView(TASKS, ["mu"]))
     names = []
     for i, (method, budget) in enumerate([("none", None), ("promprune", 8)]):
         trial = {"method": method, "budget": budget, "options": {"mu": 0.006} if budget else {},
@@ -80,7 +80,7 @@ def test_a_sweep_saves_its_runs_view(store, tmp_path):
     assert state["columnOrder"][:5] == ["attributes.`Run Name`", "metrics.`rel`", "metrics.`efficiency/visual_tokens`",
                                         "params.`method`", "params.`budget`"]
     assert state["selectedColumns"] == ["metrics.`rel`", "metrics.`efficiency/visual_tokens`", "params.`method`",
-                                        "params.`budget`", "metrics.`easyvqa_yesno/f1`",
+                                        "params.`budget`", "params.`mu`", "metrics.`easyvqa_yesno/f1`",
                                         "metrics.`easyvqa_open/exact_match`"]
     assert state["globalLineChartConfig"]["selectedXAxisMetricKey"] == "samples/scored"
     # what the UI asks the server for: MLflow's search with the view's filter and order
