@@ -118,12 +118,11 @@ def _width(header: str, lo: int, hi: int = 220) -> int:
 
 def save_sweep_view(c, exp_id: str, sweep: str, run_id: str, view: SweepView) -> str:
     """Save the runs-page view of one run of a sweep in the experiment (MLflow 3's "Views" menu; ``ui_url`` opens
-    it): the parent run ``run_id`` first, then its trials, newest first, one row each; columns: run name (wide
-    enough for the trials' names) and created (with the run's status), Rel., visual tokens, method, budget, the
-    options (on a 1400 px screen so far), the scheduler's running value, the parent's best, each task's primary
-    metric, duration; line charts
-    against ``samples/scored`` (the samples a running value was computed over) instead of MLflow's step. Returns
-    the view's key.
+    it). Returns the view's key. Rows: the parent run ``run_id`` first, then its trials, newest first. Columns: run
+    name (wide enough for the trials' ids) and created (with the run's status), then Rel., visual tokens, method,
+    budget and the options (all on a 1400 px screen for ids up to ~40 characters), the scheduler's running value,
+    the parent's best, each task's primary metric, duration. Line charts: against ``samples/scored`` (the samples a
+    running value was computed over), so the axis says so instead of MLflow's "Step".
 
     What MLflow 3.17's UI allows, read from its bundle (`mlflow/server/js/build`): the state holds the search facets
     and the table's columns, order and widths, grouping and chart settings, not expanded rows (a nested parent
