@@ -3,12 +3,11 @@
 - **Store.** `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db` (what `mlflow ui` opens in that directory);
   experiment `promprune`, or `MLFLOW_EXPERIMENT_NAME`.
 - **Parent run per sweep:** run name = spec name; tags `promprune.role=sweep`, `promprune.sweep=<name>`,
-  `promprune.spec_version=<version>`, `promprune.sweep_run=<its own id>`; artifact `spec.yaml` (the resolved
-  spec); the report under `report/`.
+  `promprune.spec_version=<version>`; artifact `spec.yaml` (the resolved spec); the report under `report/`.
 - **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
-  parent): tags `mlflow.parentRunId`, `promprune.sweep_run` (the same id), `promprune.sweep`, `promprune.trial=<id>`;
-  params model, method (`none` = unpruned), budget, tasks and every option of the trial; metrics `<task>/<metric>`,
-  `rel`, `samples/*`, `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
+  parent): tags `mlflow.parentRunId`, `promprune.sweep`, `promprune.trial=<id>`; params model, method (`none` =
+  unpruned), budget, tasks and every option of the trial; metrics `<task>/<metric>`, `rel`, `samples/*`,
+  `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
   `promprune.records.arrow_schema(Prediction)`, `pipelines.run.result.PREDICTION_SCHEMA`; the file is the trial's
   `TrialResult` as its Tune checkpoint held it: per-task scores and metrics as JSON in the schema metadata).
   A trial a scheduler stopped early is a KILLED run with tag `promprune.stopped` (where and why), metrics
