@@ -12,8 +12,9 @@ a free port, opens it in headless Chromium through Playwright, and saves:
   4_report_html.png  report/report.html scrolled to its figures
 
 Before each screenshot it checks the page in the DOM (the runs table: the parent run first, each trial's name,
-method, mu, tau and Rel. in its row as MLflow holds them, on the screen; the run's name and duration; the report's
-title and figures) and fails when one is missing. The server is stopped afterwards.
+method, mu, tau and Rel. in its row as MLflow holds them, on the screen; the view's line charts of running values,
+when a trial has one, against samples/scored; the run's name and duration; the report's title and figures) and
+fails when one is missing. The server is stopped afterwards.
 Needs `pip install -c constraints.txt -e ".[ui]"` (Playwright) and a Chromium: Debian's (`apt-get install chromium`,
 /usr/bin/chromium) or `--chromium PATH`; Playwright's own browser download is not needed.
 """
@@ -96,7 +97,14 @@ def find_runs(uri: str, sweep: str | None) -> dict:
     report = {a.path for a in c.list_artifacts(parent.info.run_id, mlflow_layout.REPORT_DIR)}
     key = mlflow_layout.view_key(parent.data.tags.get(mlflow_layout.SWEEP, parent.info.run_name))
     return {"experiment": exp.experiment_id, "parent": parent, "trials": trials, "shown": shown,
-            "report": report, "view": key if mlflow_layout.SAVED_VIEW + key in exp.tags else None}
+            "report": report, "view": key if mlflow_layout.SAVED_VIEW + key in exp.tags else None,
+            "lines": any(_has_line(c, r) for r in trials)}
+
+
+def _has_line(c, run) -> bool:
+    """Whether a trial has a running value at two steps or more (the runs page draws it as a line chart)."""
+    running = [k for k in run.data.metrics if k.startswith(f"{mlflow_layout.RUNNING}/")]
+    return bool(running) and len(c.get_metric_history(run.info.run_id, running[0])) >= 2
 
 
 def expected_cells(run) -> dict[str, str | float]:
@@ -258,6 +266,7 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
             raise RuntimeError(f"the runs table at {VIEWPORT['width']} px does not show what MLflow holds: "
                                + "; ".join(problems[:6]))
         save("1_runs.png")
+        axes = chart_axes(page, link, ms) if runs["lines"] and runs["view"] else None
         # 2: one trial run
         page.goto(f"{base}/#/experiments/{exp}/runs/{shown.info.run_id}{q}")
         page.get_by_role("heading", name=shown.info.run_name).first.wait_for(timeout=ms)
@@ -285,7 +294,31 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         browser.close()
     print(f"a bare experiment link (#/experiments/{exp}) opens on #{bare} in a fresh browser; the sweep's link: "
           f"#{link.split('#', 1)[1]}")
+    if axes is not None:
+        print(f"its charts: {axes} line charts of running values against {mlflow_layout.SCORED}")
     return saved
+
+
+# each line chart on the runs page's chart view: [its card's title (the metric), its x axis's title]
+CHART_AXES_JS = """() => Array.from(document.querySelectorAll('.xtitle')).map(axis => {
+  const card = axis.closest('[data-testid="experiment-view-compare-runs-card"]');
+  return [card ? card.innerText.trim().split('\\n')[0] : '', axis.textContent]; })"""
+
+
+def chart_axes(page, link: str, ms: float) -> int:
+    """The view's charts (a page tall enough to draw them all): every line chart of a running value must have its x
+    axis named `samples/scored`, not MLflow's "Step"; returns how many there are."""
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": 2400})
+    page.goto(link + "&compareRunsMode=CHART")
+    page.locator(".xtitle").first.wait_for(timeout=ms)
+    page.wait_for_timeout(800)
+    charts = [(t, x) for t, x in page.evaluate(CHART_AXES_JS) if t.startswith(f"{mlflow_layout.RUNNING}/")]
+    page.set_viewport_size(VIEWPORT)
+    wrong = sorted({f"{t}: {x}" for t, x in charts if x != mlflow_layout.SCORED})
+    if not charts or wrong:
+        raise RuntimeError(f"the view's charts of running values have x axes {wrong or 'nowhere'}, not "
+                           f"{mlflow_layout.SCORED}")
+    return len(charts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,7 +165,8 @@ def test_an_interrupted_search_resumes_to_the_same_trials_and_best(searched, tmp
 def test_the_printed_link_shows_each_trials_method_mu_tau_and_rel_in_a_browser(searched, tmp_path):
     """The link the sweep prints, opened in a fresh headless Chromium on `mlflow ui` over the sweep's store
     (scripts/ui_screenshots.py): the parent run first, then every trial, finished or stopped, with its method, mu,
-    tau and Rel. (a stopped one's running Rel.) in its row as MLflow holds them, on a 1400 px screen."""
+    tau and Rel. (a stopped one's running Rel.) in its row as MLflow holds them, on a 1400 px screen; the charts of
+    running values against samples/scored."""
     spec, outcome, client = searched
     printed = tracking.ui_url(spec.name)  # what `pipelines/sweep.py` prints last
     assert "workflowType=machine_learning" in printed and "viewStateShareKey=promprune-search" in printed
@@ -176,3 +177,4 @@ def test_the_printed_link_shows_each_trials_method_mu_tau_and_rel_in_a_browser(s
     assert f"the sweep's link: #{printed.split('#', 1)[1]}" in proc.stdout
     assert f"(parent run {outcome.parent_run_id}), {len(outcome.records)} trial runs shown" in proc.stdout
     assert "each trial's method, mu, rel, running/rel, tau in its row as MLflow holds them" in proc.stdout
+    assert "line charts of running values against samples/scored" in proc.stdout  # not MLflow's "Step"
