@@ -256,7 +256,8 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         link = mlflow_layout.ui_url(exp, runs["view"], base=base)  # what the sweep printed, on this server
         page.goto(link)
         for trial in runs["trials"]:
-            page.get_by_text(trial.info.run_name, exact=True).first.wait_for(timeout=ms)
+            name = trial.info.run_name
+            shows(page.get_by_text(name, exact=True).first, f"the runs table's row {name}", ms)
         page.wait_for_timeout(800)  # the metric and param cells fill in after the names
         cells = page.evaluate(TABLE_CELLS_JS)
         problems = table_problems(cells, runs["trials"])
@@ -269,14 +270,14 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         axes = chart_axes(page, link, ms) if runs["lines"] and runs["view"] else None
         # 2: one trial run
         page.goto(f"{base}/#/experiments/{exp}/runs/{shown.info.run_id}{q}")
-        page.get_by_role("heading", name=shown.info.run_name).first.wait_for(timeout=ms)
-        page.get_by_text("Duration", exact=True).first.wait_for(timeout=ms)
+        shows(page.get_by_role("heading", name=shown.info.run_name).first, "the trial run's page", ms)
+        shows(page.get_by_text("Duration", exact=True).first, "the trial run's duration", ms)
         save("2_trial.png")
         report = f"{base}/#/experiments/{exp}/runs/{parent.info.run_id}/artifacts/{mlflow_layout.REPORT_DIR}"
         has_md = f"{mlflow_layout.REPORT_DIR}/report.md" in runs["report"]
         if has_md:
             page.goto(f"{report}/report.md{q}")
-            page.get_by_role("heading", name=f"Report: {parent.info.run_name}").first.wait_for(timeout=ms)
+            shows(page.get_by_role("heading", name=f"Report: {parent.info.run_name}").first, "report.md", ms)
             save("3_report_md.png")
         if f"{mlflow_layout.REPORT_DIR}/report.html" in runs["report"]:
             if has_md:  # as a user does: a click in the artifact tree (a changed URL alone keeps report.md shown)
@@ -284,9 +285,9 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
             else:
                 page.goto(f"{report}/report.html{q}")
             frame = page.frame_locator("iframe").first
-            frame.locator("h2", has_text="Figures").wait_for(timeout=ms)
+            shows(frame.locator("h2", has_text="Figures"), "report.html's figures section", ms)
             figure = frame.locator("img").first
-            figure.wait_for(timeout=ms)
+            shows(figure, "report.html's first figure", ms)
             figure.evaluate("img => img.scrollIntoView({block: 'center'})")
             if not figure.evaluate("img => img.complete && img.naturalWidth > 0"):
                 raise Problem("report.html shows no figure in MLflow's artifact viewer")
@@ -305,12 +306,26 @@ CHART_AXES_JS = """() => Array.from(document.querySelectorAll('.xtitle')).map(ax
   return [card ? card.innerText.trim().split('\\n')[0] : '', axis.textContent]; })"""
 
 
+def shows(locator, what: str, ms: float) -> None:
+    """Wait for ``locator``; a RuntimeError naming ``what`` when it does not show."""
+    from playwright.sync_api import TimeoutError as PageTimeout
+
+    try:
+        locator.wait_for(timeout=ms)
+    except PageTimeout:
+        raise RuntimeError(f"{what} did not show within {ms / 1000:.0f}s") from None
+
+
 def chart_axes(page, link: str, ms: float) -> int:
-    """The view's charts (a page tall enough to draw them all): every line chart of a running value must have its x
-    axis named `samples/scored`, not MLflow's "Step"; returns how many there are."""
+    """The view's charts of running values (the charts' search box set to `running/`, on a page tall enough to draw
+    them): each line chart's x axis must be named `samples/scored`, not MLflow's "Step"; returns how many there
+    are."""
     page.set_viewport_size({"width": VIEWPORT["width"], "height": 2400})
     page.goto(link + "&compareRunsMode=CHART")
-    page.locator(".xtitle").first.wait_for(timeout=ms)
+    search = page.get_by_placeholder("Search metric charts").first
+    shows(search, "the charts' search box", ms)
+    search.fill(f"{mlflow_layout.RUNNING}/")  # the charts of running values alone, first
+    shows(page.locator(".xtitle").first, "a line chart of a running value", ms)
     page.wait_for_timeout(800)
     charts = [(t, x) for t, x in page.evaluate(CHART_AXES_JS) if t.startswith(f"{mlflow_layout.RUNNING}/")]
     page.set_viewport_size(VIEWPORT)
