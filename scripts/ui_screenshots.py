@@ -238,6 +238,7 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium)
         ctx = browser.new_context(viewport=VIEWPORT)
+        ctx.set_default_timeout(ms)  # clicks and typing too: a loaded machine renders the page late
         ctx.add_init_script("".join(f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});"
                                     for k, v in BROWSER_STATE.items()))
         page = ctx.new_page()
@@ -325,6 +326,7 @@ def chart_axes(page, link: str, ms: float) -> int:
     search = page.get_by_placeholder("Search metric charts").first
     shows(search, "the charts' search box", ms)
     search.fill(f"{mlflow_layout.RUNNING}/")  # the charts of running values alone, first
+    page.wait_for_timeout(800)  # the filter applies after a debounce
     shows(page.locator(".xtitle").first, "a line chart of a running value", ms)
     page.wait_for_timeout(800)
     charts = [(t, x) for t, x in page.evaluate(CHART_AXES_JS) if t.startswith(f"{mlflow_layout.RUNNING}/")]
