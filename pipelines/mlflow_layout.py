@@ -19,8 +19,10 @@
   `system/...` metrics, and for a sweep varying mu or tau the best trial (`promprune.best_trial`, `best/<metric>`
   with `_ci_low` / `_ci_high`, `best/mu`, `best/tau`).
 - **A saved view per sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>`, the runs page's "Views"
-  menu): the sweep's trials with each task's primary metric, `rel` and `efficiency/visual_tokens` as columns;
-  `ui_url` links to it.
+  menu; the latest run of the sweep): the parent run above its trials (rows of runs tagged `promprune.sweep_run` =
+  the parent's id), columns run name, Rel. (a search's running value too), visual tokens, params method, budget and
+  the varied options, each task's primary metric; line charts against `samples/scored`; `ui_url` links to it
+  (`tracking.save_sweep_view` says what MLflow 3.17's UI can and cannot keep in a view).
 - **Rel.** is a fraction everywhere data is stored or compared (1.0 = the unpruned model's scores; the nightly
   regression threshold is in the same unit); tables and figures show it as a percent through `rel_percent`.
 """
@@ -38,14 +40,16 @@ DEFAULT_EXPERIMENT = "promprune"  # one experiment for every sweep; the sweep ta
 PARENT = "mlflow.parentRunId"
 RUN_NAME = "mlflow.runName"
 ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
+SWEEP_RUN = "promprune.sweep_run"  # the parent run's id, on the parent and on each of its trials: one run of a sweep
 ERROR = "promprune.error"
 NOTE = "mlflow.note.content"  # a run's description in the UI: the spec's description; the parent's, what it found
 BEST_TRIAL = "promprune.best_trial"  # on a parent run whose trials vary mu or tau: the best finished trial's id
 INTERRUPTED = "promprune.interrupted"  # on a parent run whose driver died: what happened, how to resume
 STARTED_AT, FINISHED_AT = "promprune.started_at", "promprune.finished_at"  # ISO 8601 UTC, as tags (not metrics)
 EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"  # what the experiment is;
-# MLflow 3.17's UI ignores it when choosing the page: the browser's GenAI / Model training switch decides (default
-# GenAI, whose overview has no runs), so links carry `workflowType=machine_learning` (ui_url)
+# MLflow 3.17's UI ignores it when choosing the page (checked in a fresh Chromium profile): the sidebar's GenAI /
+# Model training switch decides, default GenAI, whose overview has no runs; a link's `workflowType=machine_learning`
+# sets it, so `ui_url` opens the runs table in any browser
 SAVED_VIEW = "mlflow.sharedViewState."  # experiment tag prefix of the runs page's saved views (its "Views" menu)
 REGRESSION = "promprune.regression"
 STOPPED = "promprune.stopped"  # on a trial run a scheduler stopped early (status KILLED): where, and why
@@ -70,7 +74,8 @@ REL = "rel"  # a fraction: 1.0 = the unpruned model
 # (`running/rel`, `running/<task>/<metric>`), never under a finished trial's keys
 RUNNING = "running"
 GENERATED = "samples/generated"  # on a sweep's parent run: samples answered by all its trials, stopped ones included
-SCORED = "samples/scored"  # samples a running value was computed over (the scheduler's rungs)
+SCORED = "samples/scored"  # samples a running value was computed over (the scheduler's rungs), logged at step =
+# itself beside every running value: the saved view's line charts take it as their x axis (MLflow calls a step "Step")
 NON_TASK_PREFIXES = ("efficiency", "entropy", "t_sal", "samples", "trial", "calibration", RUNNING, "trials")
 
 

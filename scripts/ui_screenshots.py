@@ -5,14 +5,16 @@
 Starts `mlflow ui` on the store (default: the pipeline's, `$MLFLOW_TRACKING_URI` or ./mlflow.db) on 127.0.0.1 and
 a free port, opens it in headless Chromium through Playwright, and saves:
 
-  1_runs.png         the experiment's runs page through the link the sweep prints (its saved view: one row per
-                     trial, the headline metrics as columns)
+  1_runs.png         the experiment's runs page through the link the sweep prints (its saved view: the parent
+                     run above one row per trial; each trial's method, mu, tau and Rel. checked in its row)
   2_trial.png        one trial run's page (metrics, duration, tags)
   3_report_md.png    the sweep's parent run, artifacts, report/report.md (tables)
   4_report_html.png  report/report.html scrolled to its figures
 
-Before each screenshot it checks the page in the DOM (the trial names in the runs table, the run's name and
-duration, the report's title and figures) and fails when one is missing. The server is stopped afterwards.
+Before each screenshot it checks the page in the DOM (the runs table: the parent run first, each trial's name,
+method, mu, tau and Rel. in its row as MLflow holds them, on the screen; the view's line charts of running values,
+when a trial has one, against samples/scored; the run's name and duration; the report's title and figures) and
+fails when one is missing. The server is stopped afterwards.
 Needs `pip install -c constraints.txt -e ".[ui]"` (Playwright) and a Chromium: Debian's (`apt-get install chromium`,
 /usr/bin/chromium) or `--chromium PATH`; Playwright's own browser download is not needed.
 """
@@ -88,14 +90,66 @@ def find_runs(uri: str, sweep: str | None) -> dict:
     parent = parents[0]
     trials = c.search_runs([exp.experiment_id], mlflow_layout.tag_filter(mlflow_layout.PARENT, parent.info.run_id),
                            order_by=["attributes.start_time ASC"], max_results=1000)
-    trials = [r for r in trials if r.info.status == "FINISHED"]
-    if not trials:
+    finished = [r for r in trials if r.info.status == "FINISHED"]
+    if not finished:
         raise Problem(f"sweep {parent.info.run_name!r} ({parent.info.run_id}) has no finished trial run")
-    shown = next((r for r in trials if r.data.params.get("method") == "promprune"), None) or trials[-1]
+    shown = next((r for r in finished if r.data.params.get("method") == "promprune"), None) or finished[-1]
     report = {a.path for a in c.list_artifacts(parent.info.run_id, mlflow_layout.REPORT_DIR)}
     key = mlflow_layout.view_key(parent.data.tags.get(mlflow_layout.SWEEP, parent.info.run_name))
     return {"experiment": exp.experiment_id, "parent": parent, "trials": trials, "shown": shown,
-            "report": report, "view": key if mlflow_layout.SAVED_VIEW + key in exp.tags else None}
+            "report": report, "view": key if mlflow_layout.SAVED_VIEW + key in exp.tags else None,
+            "lines": any(_has_line(c, r) for r in trials)}
+
+
+def _has_line(c, run) -> bool:
+    """Whether a trial has a running value at two steps or more (the runs page draws it as a line chart)."""
+    running = [k for k in run.data.metrics if k.startswith(f"{mlflow_layout.RUNNING}/")]
+    return bool(running) and len(c.get_metric_history(run.info.run_id, running[0])) >= 2
+
+
+def expected_cells(run) -> dict[str, str | float]:
+    """What a trial's row must show, by the runs table's column ids: its method, mu and tau (the params it has) and
+    its Rel. (a trial a scheduler stopped: its running Rel.)."""
+    params, metrics = run.data.params, run.data.metrics
+    want: dict[str, str | float] = {"params.`method`": params.get("method", "")}
+    want |= {f"params.`{k}`": params[k] for k in mlflow_layout.MU_TAU if k in params}
+    for key in (mlflow_layout.REL, f"{mlflow_layout.RUNNING}/{mlflow_layout.REL}"):
+        if key in metrics:
+            want[f"metrics.`{key}`"] = metrics[key]
+            break
+    return want
+
+
+def table_problems(cells: dict[str, dict[str, str]], trials: list) -> list[str]:
+    """Each trial's `expected_cells` against the table's cells ({run id: {column id: text}}): what is missing or
+    differs (a metric's text is read as a number: the UI writes 16.0 as 16)."""
+    problems = []
+    for run in trials:
+        row = cells.get(run.info.run_id, {})
+        for col, want in expected_cells(run).items():
+            got = row.get(col)
+            if got is None:
+                problems.append(f"{run.info.run_name}: no {col} cell on the screen")
+            elif isinstance(want, float) and not _same_number(got, want) or isinstance(want, str) and got != want:
+                problems.append(f"{run.info.run_name}: {col} shows {got!r}, MLflow holds {want!r}")
+    return problems
+
+
+def _same_number(text: str, value: float) -> bool:
+    try:
+        return abs(float(text) - value) <= 1e-12 * max(1.0, abs(value))
+    except ValueError:
+        return False
+
+
+# the runs table's cells ag-grid has rendered (those on the screen): {run id: {column id: text, ROW: row index}}
+ROW = "#row"
+TABLE_CELLS_JS = """() => { const out = {};
+  for (const cell of document.querySelectorAll('.ag-row .ag-cell')) {
+    const row = cell.closest('.ag-row'), id = row.getAttribute('row-id');
+    out[id] = out[id] || {'%s': row.getAttribute('row-index')};
+    out[id][cell.getAttribute('col-id')] = cell.textContent.trim(); }
+  return out; }""" % ROW
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,6 +238,7 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium)
         ctx = browser.new_context(viewport=VIEWPORT)
+        ctx.set_default_timeout(ms)  # clicks and typing too: a loaded machine renders the page late
         ctx.add_init_script("".join(f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});"
                                     for k, v in BROWSER_STATE.items()))
         page = ctx.new_page()
@@ -199,20 +254,31 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         page.wait_for_url(lambda u: "/overview" in u or "/runs" in u or "/traces" in u, timeout=ms)
         bare = page.url.split("#", 1)[1].split("?")[0]
         # 1: the runs, as the link printed by the sweep opens them
-        page.goto(mlflow_layout.ui_url(exp, runs["view"], base=base))
+        link = mlflow_layout.ui_url(exp, runs["view"], base=base)  # what the sweep printed, on this server
+        page.goto(link)
         for trial in runs["trials"]:
-            page.get_by_text(trial.info.run_name, exact=True).first.wait_for(timeout=ms)
+            name = trial.info.run_name
+            shows(page.get_by_text(name, exact=True).first, f"the runs table's row {name}", ms)
+        page.wait_for_timeout(800)  # the metric and param cells fill in after the names
+        cells = page.evaluate(TABLE_CELLS_JS)
+        problems = table_problems(cells, runs["trials"])
+        if runs["view"] and cells.get(parent.info.run_id, {}).get(ROW) != "0":
+            problems.insert(0, f"the parent run {parent.info.run_name} is not the first row")
+        if problems:
+            raise RuntimeError(f"the runs table at {VIEWPORT['width']} px does not show what MLflow holds: "
+                               + "; ".join(problems[:6]))
         save("1_runs.png")
+        axes = chart_axes(page, link, ms) if runs["lines"] and runs["view"] else None
         # 2: one trial run
         page.goto(f"{base}/#/experiments/{exp}/runs/{shown.info.run_id}{q}")
-        page.get_by_role("heading", name=shown.info.run_name).first.wait_for(timeout=ms)
-        page.get_by_text("Duration", exact=True).first.wait_for(timeout=ms)
+        shows(page.get_by_role("heading", name=shown.info.run_name).first, "the trial run's page", ms)
+        shows(page.get_by_text("Duration", exact=True).first, "the trial run's duration", ms)
         save("2_trial.png")
         report = f"{base}/#/experiments/{exp}/runs/{parent.info.run_id}/artifacts/{mlflow_layout.REPORT_DIR}"
         has_md = f"{mlflow_layout.REPORT_DIR}/report.md" in runs["report"]
         if has_md:
             page.goto(f"{report}/report.md{q}")
-            page.get_by_role("heading", name=f"Report: {parent.info.run_name}").first.wait_for(timeout=ms)
+            shows(page.get_by_role("heading", name=f"Report: {parent.info.run_name}").first, "report.md", ms)
             save("3_report_md.png")
         if f"{mlflow_layout.REPORT_DIR}/report.html" in runs["report"]:
             if has_md:  # as a user does: a click in the artifact tree (a changed URL alone keeps report.md shown)
@@ -220,16 +286,56 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
             else:
                 page.goto(f"{report}/report.html{q}")
             frame = page.frame_locator("iframe").first
-            frame.locator("h2", has_text="Figures").wait_for(timeout=ms)
+            shows(frame.locator("h2", has_text="Figures"), "report.html's figures section", ms)
             figure = frame.locator("img").first
-            figure.wait_for(timeout=ms)
+            shows(figure, "report.html's first figure", ms)
             figure.evaluate("img => img.scrollIntoView({block: 'center'})")
             if not figure.evaluate("img => img.complete && img.naturalWidth > 0"):
                 raise Problem("report.html shows no figure in MLflow's artifact viewer")
             save("4_report_html.png")
         browser.close()
-    print(f"a bare experiment link (#/experiments/{exp}) opens on #{bare} in a fresh browser")
+    print(f"a bare experiment link (#/experiments/{exp}) opens on #{bare} in a fresh browser; the sweep's link: "
+          f"#{link.split('#', 1)[1]}")
+    if axes is not None:
+        print(f"its charts: {axes} line charts of running values against {mlflow_layout.SCORED}")
     return saved
+
+
+# each line chart on the runs page's chart view: [its card's title (the metric), its x axis's title]
+CHART_AXES_JS = """() => Array.from(document.querySelectorAll('.xtitle')).map(axis => {
+  const card = axis.closest('[data-testid="experiment-view-compare-runs-card"]');
+  return [card ? card.innerText.trim().split('\\n')[0] : '', axis.textContent]; })"""
+
+
+def shows(locator, what: str, ms: float) -> None:
+    """Wait for ``locator``; a RuntimeError naming ``what`` when it does not show."""
+    from playwright.sync_api import TimeoutError as PageTimeout
+
+    try:
+        locator.wait_for(timeout=ms)
+    except PageTimeout:
+        raise RuntimeError(f"{what} did not show within {ms / 1000:.0f}s") from None
+
+
+def chart_axes(page, link: str, ms: float) -> int:
+    """The view's charts of running values (the charts' search box set to `running/`, on a page tall enough to draw
+    them): each line chart's x axis must be named `samples/scored`, not MLflow's "Step"; returns how many there
+    are."""
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": 2400})
+    page.goto(link + "&compareRunsMode=CHART")
+    search = page.get_by_placeholder("Search metric charts").first
+    shows(search, "the charts' search box", ms)
+    search.fill(f"{mlflow_layout.RUNNING}/")  # the charts of running values alone, first
+    page.wait_for_timeout(800)  # the filter applies after a debounce
+    shows(page.locator(".xtitle").first, "a line chart of a running value", ms)
+    page.wait_for_timeout(800)
+    charts = [(t, x) for t, x in page.evaluate(CHART_AXES_JS) if t.startswith(f"{mlflow_layout.RUNNING}/")]
+    page.set_viewport_size(VIEWPORT)
+    wrong = sorted({f"{t}: {x}" for t, x in charts if x != mlflow_layout.SCORED})
+    if not charts or wrong:
+        raise RuntimeError(f"the view's charts of running values have x axes {wrong or 'nowhere'}, not "
+                           f"{mlflow_layout.SCORED}")
+    return len(charts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parent = runs["parent"]
     print(f"sweep {parent.info.run_name!r} (parent run {parent.info.run_id}), {len(runs['trials'])} trial runs "
           f"shown in the runs table; saved view: {runs['view'] or 'none (a sweep from before saved views)'}")
+    shown = sorted({col.split("`")[1] for run in runs["trials"] for col in expected_cells(run)})
+    print(f"each trial's {', '.join(shown)} in its row as MLflow holds them, at {VIEWPORT['width']} px")
     if not runs["report"]:
         print("no report/ artifacts: run python pipelines/report.py for the report screenshots")
     for path in saved:

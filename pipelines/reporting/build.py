@@ -161,7 +161,7 @@ def _paired_section(sweep, table, preds) -> str:
     bid = sweep.baseline_id
     if bid is None:
         return ""
-    frame = table.frame[["method", "budget"]].assign(rel=table.frame["rel"] / 100)
+    frame = table.frame[["method", "budget", "label"]].assign(rel=table.frame["rel"] / 100)  # label: the trial's
     diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)))
     if not diffs:
         return ""
@@ -192,11 +192,11 @@ def _plane_points(sweep: Sweep, table: tables.ScoreTable | None = None) -> pd.Da
 
 
 def _grid_pivot(points: pd.DataFrame) -> pd.DataFrame | None:
-    """Rel. (%) as a mu x tau grid, when the finished trials form one (at least 2 x 2)."""
+    """Rel. (%) as a mu x tau grid, when the finished trials form one (`figures.is_grid`: two mu and two tau values
+    with all four cells finished)."""
     done = points[~points["stopped"]].dropna(subset=["mu", "tau", "value"])
-    if done["mu"].nunique() < 2 or done["tau"].nunique() < 2:
-        return None
-    return done.pivot_table(index="mu", columns="tau", values="value", aggfunc="mean")
+    pivot = done.pivot_table(index="mu", columns="tau", values="value", aggfunc="mean")
+    return pivot if figures.is_grid(pivot) else None
 
 
 def _generated(sweep: Sweep) -> float:
@@ -231,9 +231,10 @@ def _where(points: pd.DataFrame, rid: str) -> str:
 
 
 def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) -> str:
-    """A sweep whose trials vary mu or tau: the trials in the (mu, tau) plane (stopped ones marked, the best
-    starred), the grid's heatmap beside it, the best (mu, tau) with its interval and the samples generated; with a
-    grid sweep to compare with, whether the best lies in the grid best's interval and the share of its samples."""
+    """A sweep whose trials vary mu or tau: the trials in the (mu, tau) plane (stopped ones hollow and grey, off the
+    colour scale; the best starred), a heatmap beside it where the grid sweep or the finished trials form a grid,
+    the best (mu, tau) with its interval and the samples generated; with a grid sweep to compare with, whether the
+    best lies in the grid best's interval and the share of its samples."""
     points = _plane_points(sweep, table)
     if len(points.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False)) < 2:
         return ""
@@ -245,10 +246,13 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     generated = _generated(sweep)
     lines = ["## The (mu, tau) plane", ""]
     n_stopped = int(points["stopped"].sum())
-    lines.append(f"- trials: {len(points)}" + (f", {n_stopped} stopped early by ASHA (crosses: their running Rel. "
-                                                "at the rung that stopped them, over the sweep's first samples: the "
-                                                "same samples for every trial, so comparable with each other, not "
+    lines.append(f"- trials: {len(points)}" + (f", {n_stopped} stopped early by ASHA (hollow grey circles, off the "
+                                                "colour scale: their running Rel. at the rung that stopped them is "
+                                                "over the sweep's first samples only, comparable with each other, not "
                                                 "with a finished trial's Rel. over all)" if n_stopped else ""))
+    if pivot is not None and path is not None:
+        lines.append(f"- beside it, {'the grid' if grid else 'the finished trials as a grid'}: Rel. per (mu, tau), on "
+                     "the finished trials' colour scale")
     if best is not None:
         text = f"- best (mu, tau): **{_where(points, best)}**, Rel. {points.loc[best, 'value']:.1f}%"
         if interval is not None:

@@ -117,7 +117,8 @@ def saliency_ratio_curves(table: ScoreTable, ratios: pd.Series, t_sal_mean: pd.S
 def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path | None:
     """Fig. 6: Rel. (or mean score) of PromPrune over the mu x tau grid, VisPruner at the same budget as reference.
 
-    options: `mu` and `tau` per trial (index: run id). Cells that beat the reference are outlined.
+    options: `mu` and `tau` per trial (index: run id). Cells that beat the reference are outlined; a budget whose
+    trials form no grid (`is_grid`) gets no panel.
     """
     if not {"mu", "tau"} <= set(options.columns):
         return None
@@ -128,11 +129,15 @@ def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path
     use_rel = grid["rel"].notna().any()
     tasks = [c.task for c in table.columns]
     frame = frame.assign(_y=frame["rel"] if use_rel else frame[tasks].mean(axis=1))
-    budgets = sorted(grid["budget"].dropna().unique(), reverse=True)[:MAX_PANELS]
+    pivots = {b: frame.loc[grid.index][grid["budget"] == b].pivot_table(index="mu", columns="tau", values="_y",
+                                                                          aggfunc="mean")
+              for b in sorted(grid["budget"].dropna().unique(), reverse=True)}
+    budgets = [b for b, pivot in pivots.items() if is_grid(pivot)][:MAX_PANELS]  # a search's scatter is no grid
+    if not budgets:
+        return None
     fig, axes = plt.subplots(1, len(budgets), figsize=(5.6 * len(budgets), 4.4), squeeze=False)
     for ax, budget in zip(axes[0], budgets):
-        cells = frame.loc[grid.index][grid["budget"] == budget]
-        pivot = cells.pivot_table(index="mu", columns="tau", values="_y", aggfunc="mean")
+        pivot = pivots[budget]
         ref = frame[(frame["method"] == "vispruner") & (frame["budget"] == budget)]["_y"]
         ref_value = float(ref.iloc[0]) if len(ref) else np.nan
         image = ax.imshow(pivot.to_numpy(), cmap="viridis", aspect="auto", origin="lower")
@@ -223,53 +228,80 @@ def entropy_histograms(preds: pd.DataFrame, path: Path, mu: float | None, title:
 TAU_TICKS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # readable tau labels on a log axis
 
 
+def is_grid(pivot: pd.DataFrame | None) -> bool:
+    """Whether a mu x tau pivot (NaN: no finished trial there) is a grid worth a heatmap: two mu values and two tau
+    values whose four cells all hold a value. A search's scattered points make a pivot of mostly empty cells (three
+    points in an L are no grid)."""
+    if pivot is None or pivot.shape[0] < 2 or pivot.shape[1] < 2:
+        return False
+    filled = pivot.notna().to_numpy()  # [mu, tau]
+    return any((filled[i] & filled[j]).sum() >= 2 for i in range(len(filled)) for j in range(i + 1, len(filled)))
+
+
 def search_plane(points: pd.DataFrame, best: str | None, grid: pd.DataFrame | None, path: Path,
                  grid_title: str = "the grid") -> Path | None:
-    """A search over mu and tau: each trial at its (tau, mu), coloured by its Rel. (%); trials a scheduler stopped
-    drawn as crosses coloured by their running Rel. when stopped; the best finished trial starred. Beside it, when
-    ``grid`` is given (a mu x tau pivot of Rel., %), the grid's heatmap on the same colour scale.
-
-    points: one row per trial (index: trial id) with ``mu``, ``tau``, ``value`` (Rel., %) and ``stopped`` (bool).
-    """
+    """A search over mu and tau, `plane_figure` saved to ``path``; None with fewer than two trials to draw."""
     points = points.dropna(subset=["mu", "tau", "value"])
     if len(points) < 2:
         return None
-    panels = 2 if grid is not None and grid.size else 1
+    return _save(plane_figure(points, best, grid, grid_title), path)
+
+
+def plane_figure(points: pd.DataFrame, best: str | None, grid: pd.DataFrame | None, grid_title: str = "the grid"):
+    """Each trial at its (tau, mu): a finished one filled, coloured by its Rel. (%); one a scheduler stopped drawn
+    apart, hollow and grey, never on the colour scale (its running Rel. is over its first samples only, and a high
+    one would pass for the best); the best finished trial starred. Beside it, when ``grid`` (a mu x tau pivot of
+    Rel., %) `is_grid`, its heatmap on the finished trials' colour scale.
+
+    points: one row per trial (index: trial id) with ``mu``, ``tau``, ``value`` (Rel., %) and ``stopped`` (bool)."""
+    grid = grid if is_grid(grid) else None
+    panels = 2 if grid is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.8 * panels, 4.8), squeeze=False)
     ax = axes[0][0]
-    values = pd.concat([points["value"], grid.stack()]) if panels == 2 else points["value"]
-    vmin, vmax = float(values.min()), float(values.max())
     done, stopped = points[~points["stopped"]], points[points["stopped"]]
-    image = ax.scatter(done["tau"], done["mu"], c=done["value"], cmap="viridis", vmin=vmin, vmax=vmax, s=60,
-                       edgecolors="black", linewidths=0.5, label=f"ran to the end ({len(done)})", zorder=3)
+    scale = pd.concat([done["value"], grid.stack()]) if grid is not None else done["value"]
+    norm = matplotlib.colors.Normalize(float(scale.min()), float(scale.max())) if len(scale) else None
+    if len(done):
+        image = ax.scatter(done["tau"], done["mu"], c=done["value"], cmap="viridis", norm=norm, s=60,
+                           edgecolors="black", linewidths=0.5, label=f"ran to the end ({len(done)})", zorder=3)
+        fig.colorbar(image, ax=ax, label="Rel. (%), finished trials")
     if len(stopped):
-        ax.scatter(stopped["tau"], stopped["mu"], c=stopped["value"], cmap="viridis", vmin=vmin, vmax=vmax, s=50,
-                   marker="X", linewidths=0.3, edgecolors="black", zorder=2,
-                   label=f"stopped early: running Rel. over its first samples ({len(stopped)})")
-    if best is not None and best in points.index:
-        ax.scatter([points.loc[best, "tau"]], [points.loc[best, "mu"]], marker="*", s=380, facecolors="none",
-                   edgecolors="red", linewidths=1.6, zorder=4, label=f"best: {points.loc[best, 'value']:.1f}%")
-    ax.set_xscale("log")
-    lo, hi = float(points["tau"].min()), float(points["tau"].max())
-    ticks = [t for t in TAU_TICKS if lo / 1.5 <= t <= hi * 1.5] or [lo, hi]
-    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("tau (log scale)")
+        ax.scatter(stopped["tau"], stopped["mu"], s=50, facecolors="none", edgecolors=STOPPED_GREY, linewidths=1.2,
+                   zorder=2, label=f"stopped early ({len(stopped)}): running Rel. over its first samples, off the "
+                                   "scale")
+    if best is not None and best in done.index:
+        ax.scatter([done.loc[best, "tau"]], [done.loc[best, "mu"]], marker="*", s=380, facecolors="none",
+                   edgecolors="red", linewidths=1.6, zorder=4, label=f"best: {done.loc[best, 'value']:.1f}%")
+    _tau_axis(ax, points["tau"])
     ax.set_ylabel("mu")
     ax.set_title(f"{len(points)} trials in the (mu, tau) plane", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     ax.grid(alpha=0.3)
-    fig.colorbar(image, ax=ax, label="Rel. (%)")
-    if panels == 2:
-        gx = axes[0][1]
-        shown = gx.imshow(grid.to_numpy(), cmap="viridis", vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
-        gx.set_xticks(range(grid.shape[1]), [f"{t:g}" for t in grid.columns])
-        gx.set_yticks(range(grid.shape[0]), [f"{m:g}" for m in grid.index])
-        for (i, j), value in np.ndenumerate(grid.to_numpy()):
-            if not np.isnan(value):
-                gx.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=7, color="white")
-        gx.set_xlabel("tau")
-        gx.set_ylabel("mu")
-        gx.set_title(f"{grid_title}: Rel. (%) per grid point", fontsize=9)
-        fig.colorbar(shown, ax=gx, label="Rel. (%)")
-    return _save(fig, path)
+    if grid is not None:
+        _grid_panel(fig, axes[0][1], grid, norm, grid_title)
+    return fig
+
+
+STOPPED_GREY = "0.55"  # matplotlib's grey level: stopped trials, apart from the colour scale
+
+
+def _tau_axis(ax, taus: pd.Series) -> None:
+    ax.set_xscale("log")
+    lo, hi = float(taus.min()), float(taus.max())
+    ticks = [t for t in TAU_TICKS if lo / 1.5 <= t <= hi * 1.5] or [lo, hi]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("tau (log scale)")
+
+
+def _grid_panel(fig, gx, grid: pd.DataFrame, norm, title: str) -> None:
+    shown = gx.imshow(grid.to_numpy(), cmap="viridis", norm=norm, aspect="auto", origin="lower")
+    gx.set_xticks(range(grid.shape[1]), [f"{t:g}" for t in grid.columns])
+    gx.set_yticks(range(grid.shape[0]), [f"{m:g}" for m in grid.index])
+    for (i, j), value in np.ndenumerate(grid.to_numpy()):
+        if not np.isnan(value):
+            gx.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=7, color="white")
+    gx.set_xlabel("tau")
+    gx.set_ylabel("mu")
+    gx.set_title(f"{title}: Rel. (%) per grid point", fontsize=9)
+    fig.colorbar(shown, ax=gx, label="Rel. (%)")

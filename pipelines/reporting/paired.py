@@ -26,7 +26,7 @@ class Difference:
     """Rel.(a) - Rel.(b) at one budget, in points of Rel., with its paired 95% interval."""
 
     budget: float
-    a: str  # method labels
+    a: str  # the trials' names: their labels (`PromPrune (mu=0.3, tau=0.03)`) or their methods' labels
     b: str
     a_id: str  # trial ids
     b_id: str
@@ -81,7 +81,10 @@ def bootstrap(trial_ids: list[str], baseline_id: str, rows_of: RowsOf, iters: in
 def differences(frame: pd.DataFrame, baseline_id: str, rows_of: RowsOf, iters: int = ITERS,
                 seed: int = SEED) -> list[Difference]:
     """Each method's difference to the best other method at the same budget (the methods' best trials), with paired
-    intervals; budgets descending, methods in the order they come. Empty without two methods at a budget."""
+    intervals; budgets descending, methods in the order they come. Empty without two methods at a budget.
+    ``frame`` as `best_per_method` takes it; with a ``label`` column (a trial's label in the report's tables) the
+    trials are named by it, else by their method's label."""
+    names = frame["label"] if "label" in frame else frame["method"].map(label)
     out = []
     for budget, best in sorted(best_per_method(frame).items(), key=lambda kv: -kv[0]):
         try:
@@ -93,7 +96,7 @@ def differences(frame: pd.DataFrame, baseline_id: str, rows_of: RowsOf, iters: i
         for method, tid in best.items():
             other = max((m for m in best if m != method), key=lambda m: frame.loc[best[m], "rel"])
             value, low, high = (100 * x for x in boot.difference(tid, best[other]))
-            out.append(Difference(budget, label(method), label(other), tid, best[other], value, low, high))
+            out.append(Difference(budget, names[tid], names[best[other]], tid, best[other], value, low, high))
     return out
 
 
@@ -109,9 +112,8 @@ def rows_from(predictions) -> list[dict] | None:
 
 
 def markdown(diffs: list[Difference]) -> str:
-    """The differences as a list a reader takes in at once."""
+    """The differences as a list a reader takes in at once, each trial by its name."""
     lines = []
     for d in diffs:
-        verdict = "resolved" if d.resolved else "within noise"
-        lines.append(f"- {d.budget:.0f} tokens: {d.text()} ({verdict}; `{d.a_id}` vs `{d.b_id}`)")
+        lines.append(f"- {d.budget:.0f} tokens: {d.text()} ({'resolved' if d.resolved else 'within noise'})")
     return "\n".join(lines) + "\n"

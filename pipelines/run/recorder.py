@@ -141,7 +141,8 @@ class SweepRecorder:
             self.out.submit("update", tid, status="RUNNING")
             return
         start = time.time() if start is None else start
-        tags = {mlflow_layout.PARENT: self.parent_id, mlflow_layout.ROLE: mlflow_layout.ROLE_TRIAL,
+        tags = {mlflow_layout.PARENT: self.parent_id, mlflow_layout.SWEEP_RUN: self.parent_id,
+                mlflow_layout.ROLE: mlflow_layout.ROLE_TRIAL,
                 mlflow_layout.SWEEP: self.sweep.name, mlflow_layout.TRIAL: tid,
                 mlflow_layout.VERSION: str(self.sweep.version), mlflow_layout.STARTED_AT: tracking.iso(start)}
         if self.sweep.description:
@@ -170,9 +171,9 @@ class SweepRecorder:
             if metric in result and scored < int(result.get("samples/total", 0)):
                 self.rungs.setdefault(tid, {})[scored] = float(result[metric])
                 scores[f"{mlflow_layout.RUNNING}/{metric}"] = result[metric]
-            self.out.submit("metrics", tid, metrics=scores, step=scored)
-        elif scores:
-            self.out.submit("metrics", tid, metrics=scores, step=done)
+            self.out.submit("metrics", tid, metrics={**scores, mlflow_layout.SCORED: scored}, step=scored)
+        elif scores:  # (samples/scored beside them: the saved view's charts draw running values against it)
+            self.out.submit("metrics", tid, metrics={**scores, mlflow_layout.SCORED: done}, step=done)
 
     def total_of(self, tid: str) -> int | str:
         """A trial's samples (a trial optuna chose runs on every task)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,8 @@ from pipelines.run import search
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.recorder import best_line
 from pipelines.run.requests import build_rows, requests_dataset
-from tests.pipelines.sweep_cli import read_until, spawn_sweep
+from tests.browser import needs_browser
+from tests.pipelines.sweep_cli import REPO, read_until, spawn_sweep
 
 pytest.importorskip("optuna")  # the `pipeline` extra installs it
 
@@ -160,3 +163,22 @@ def test_an_interrupted_search_resumes_to_the_same_trials_and_best(searched, tmp
     stopped_now = {line.split("] ", 1)[1].split(":")[0] for line in (head + rest + out).splitlines()
                    if "stopped by ASHA" in line and line.startswith("[")}
     assert stopped_now == {tid for tid, rec in outcome.records.items() if rec.get("stopped")}
+
+
+@needs_browser
+def test_the_printed_link_shows_each_trials_method_mu_tau_and_rel_in_a_browser(searched, tmp_path):
+    """The link the sweep prints, opened in a fresh headless Chromium on `mlflow ui` over the sweep's store
+    (scripts/ui_screenshots.py): the parent run first, then every trial, finished or stopped, with its method, mu,
+    tau and Rel. (a stopped one's running Rel.) in its row as MLflow holds them, on a 1400 px screen; the charts of
+    running values against samples/scored."""
+    spec, outcome, client = searched
+    printed = tracking.ui_url(spec.name)  # what `pipelines/sweep.py` prints last
+    assert "workflowType=machine_learning" in printed and "viewStateShareKey=promprune-search" in printed
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "ui_screenshots.py"), "--sweep", spec.name,
+                           "--tracking-uri", tracking.tracking_uri(), "--out", str(tmp_path / "shots")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"the sweep's link: #{printed.split('#', 1)[1]}" in proc.stdout
+    assert f"(parent run {outcome.parent_run_id}), {len(outcome.records)} trial runs shown" in proc.stdout
+    assert "each trial's method, mu, rel, running/rel, tau in its row as MLflow holds them" in proc.stdout
+    assert "line charts of running values against samples/scored" in proc.stdout  # not MLflow's "Step"

@@ -3,10 +3,15 @@ marked and never taken for finished ones, the best point with its bootstrap inte
 method's paired difference to the best other (hand-worked on easy-vqa's exact match)."""
 from __future__ import annotations
 
+import re
+
+import matplotlib.colors
+import pandas as pd
 import pytest
 from PIL import Image
 
 from pipelines import mlflow_layout
+from pipelines.reporting import figures
 from pipelines.reporting.build import build_report
 from pipelines.reporting.store import load_sweep
 from promprune.eval.tasks import load_task
@@ -95,9 +100,58 @@ def test_each_method_against_the_best_other_with_a_paired_interval(searched, tmp
     lines = section(md, "Paired differences").strip().splitlines()
     pairs = [line for line in lines if line.startswith("- 16 tokens:")]
     assert len(pairs) == 2
-    ours = next(p for p in pairs if "PromPrune - DivPrune" in p)
-    theirs = next(p for p in pairs if "DivPrune - PromPrune" in p)
-    assert "PromPrune - DivPrune: +13.3 [" in ours and "(resolved;" in ours
+    # each trial by its label (PromPrune's best of four: mu=0.3, tau=0.03), never by its 32-character run id
+    ours = next(p for p in pairs if p.startswith("- 16 tokens: PromPrune (mu=0.3, tau=0.03) - DivPrune: +13.3 ["))
+    theirs = next(p for p in pairs if p.startswith("- 16 tokens: DivPrune - PromPrune (mu=0.3, tau=0.03): -13.3 ["))
+    assert ours.endswith("points (resolved)")
     low = float(ours.split("[")[1].split(",")[0])
     assert low >= 0
-    assert "DivPrune - PromPrune: -13.3 [" in theirs
+    assert not re.search(r"[0-9a-f]{32}", section(md, "Paired differences"))
+    assert theirs
+
+
+def _figures_made(monkeypatch) -> dict:
+    """{file name: matplotlib figure} of every figure the report saves (saved as well)."""
+    made, save = {}, figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, path: made.setdefault(path.name, fig) and save(fig, path))
+    return made
+
+
+def test_stopped_trials_are_hollow_grey_and_off_the_colour_scale(searched, tmp_path, monkeypatch):
+    """The stopped trial's running Rel. (99%) would top the scale: it is drawn apart, hollow and grey, and the
+    colour scale spans the finished trials' Rel. only: 20/30 = 66.7% to 24/30 = 80.0% (the grid beside it too)."""
+    made = _figures_made(monkeypatch)
+    md = build_report(searched, tmp_path / "out").markdown
+    assert "1 stopped early by ASHA (hollow grey circles, off the colour scale" in md
+    fig = made["mu_tau_search.png"]
+    plane, heat = fig.axes[0], fig.axes[1]  # (then their colour bars)
+    finished, stopped = plane.collections[0], plane.collections[1]
+    assert sorted(finished.get_array()) == pytest.approx([200 / 3, 70.0, 220 / 3, 80.0])
+    assert (finished.norm.vmin, finished.norm.vmax) == pytest.approx((200 / 3, 80.0))
+    assert stopped.get_array() is None and stopped.get_offsets().tolist() == [[0.02, 0.25]]
+    assert stopped.get_facecolors().size == 0 or stopped.get_facecolors()[0][3] == 0  # hollow
+    assert matplotlib.colors.to_hex(stopped.get_edgecolors()[0]) == matplotlib.colors.to_hex(figures.STOPPED_GREY)
+    assert (heat.images[0].norm.vmin, heat.images[0].norm.vmax) == pytest.approx((200 / 3, 80.0))
+
+
+def test_a_sparse_search_gets_no_heatmap(store, tmp_path, monkeypatch):
+    """Three finished points in an L, (0.2, 0.01), (0.3, 0.01), (0.3, 0.03), make no grid: the plane alone, and no
+    Fig. 6 heatmap of three cells."""
+    client, exp = store
+    sparse = [SEARCH[0], pp(0.2, 0.01, 20), pp(0.3, 0.01, 21), pp(0.3, 0.03, 24), SEARCH[5]]
+    log_sweep(client, exp, "sparse_demo", sparse, tasks=[TASK], tmp=tmp_path)
+    made = _figures_made(monkeypatch)
+    report = build_report(load_sweep("sparse_demo"), tmp_path / "out")
+    assert len(made["mu_tau_search.png"].axes) == 2  # the plane and its colour bar
+    assert "mu_tau_heatmap.png" not in made and "beside it" not in report.markdown
+    assert "- best (mu, tau): **mu=0.3, tau=0.03**, Rel. 80.0%" in report.markdown
+
+
+def test_a_grid_needs_two_mu_and_two_tau_with_all_four_cells():
+    nan = float("nan")
+    grid = pd.DataFrame([[1.0, 2.0, nan], [3.0, 4.0, nan]], index=[0.2, 0.3], columns=[0.01, 0.02, 0.03])
+    ell = pd.DataFrame([[1.0, nan], [3.0, 4.0]], index=[0.2, 0.3], columns=[0.01, 0.03])
+    diagonal = pd.DataFrame([[1.0, nan, nan], [nan, 2.0, nan], [nan, nan, 3.0]])
+    assert figures.is_grid(grid)
+    assert not figures.is_grid(ell) and not figures.is_grid(diagonal) and not figures.is_grid(None)
+    assert not figures.is_grid(pd.DataFrame([[1.0, 2.0, 3.0]]))  # one mu

@@ -1,7 +1,7 @@
 """scripts/ui_screenshots.py: the MLflow UI in a real browser on a store written by the pipeline's own writer.
 
-The browser test needs Playwright and Debian's Chromium (/usr/bin/chromium), which CI does not install: it is
-skipped there. The saved view and the script's error messages are checked without a browser.
+The browser tests need Playwright and Debian's Chromium (`tests.browser`; .ci/run installs both); the saved view,
+the table check and the script's error messages are checked without a browser.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from pipelines import mlflow_layout, tracking
+from tests.browser import needs_browser
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "ui_screenshots.py"
-CHROMIUM = "/usr/bin/chromium"
 TASKS = ["easyvqa_yesno", "easyvqa_open"]
 
 
@@ -30,7 +30,7 @@ def _sweep(client, tmp_path: Path, name: str = "ui_demo") -> tuple[str, list[str
     t0 = time.time() - 60
     parent = tracking.start_sweep(client, name, 1, f"name: {name}\n",
                                   {"model": "tiny:llava", "tasks": ",".join(TASKS), "limit": 4, "trials": 2},
-                                  started=t0)
+                                  started=t0, view=tracking.SweepView(TASKS, ["mu"]))
     names = []
     for i, (method, budget) in enumerate([("none", None), ("promprune", 8)]):
         trial = {"method": method, "budget": budget, "options": {"mu": 0.006} if budget else {},
@@ -64,23 +64,49 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def test_a_sweep_saves_its_runs_view(store, tmp_path):
-    """start_sweep saves the view the printed link opens: the sweep's runs, grouped (so each trial is a row), the
-    headline metrics as columns; the link opens the Model-training side of MLflow 3's UI."""
+    """start_sweep saves the view the printed link opens: this run of the sweep (the parent and its trials, not an
+    earlier run's), flat, the parent first (sorted by the role tag, which MLflow's own search honours), rel and
+    visual tokens first, method, budget and the options as params; the link opens the Model-training side of
+    MLflow 3's UI."""
     client, exp = store
-    _sweep(client, tmp_path)
+    earlier, _ = _sweep(client, tmp_path)
+    parent, names = _sweep(client, tmp_path)
     tags = client.get_experiment(exp).tags
     envelope = json.loads(tags[mlflow_layout.SAVED_VIEW + "promprune-ui_demo"])
     state = json.loads(envelope["state"])
     assert envelope["name"] == "ui_demo"
-    assert state["selectedColumns"] == ["metrics.`easyvqa_yesno/f1`", "metrics.`easyvqa_open/exact_match`",
-                                        "metrics.`rel`", "metrics.`efficiency/visual_tokens`"]
-    assert state["searchFilter"] == "tags.`promprune.sweep` = 'ui_demo'"
-    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": mlflow_layout.SWEEP}]
+    assert state["searchFilter"] == f"tags.`promprune.sweep_run` = '{parent}'"
+    assert (state["orderByKey"], state["orderByAsc"], state["groupBy"]) == ("tags.`promprune.role`", True, None)
+    assert state["columnOrder"][:5] == ["attributes.`Run Name`", "metrics.`rel`", "metrics.`efficiency/visual_tokens`",
+                                        "params.`method`", "params.`budget`"]
+    assert state["selectedColumns"] == ["metrics.`rel`", "metrics.`efficiency/visual_tokens`", "params.`method`",
+                                        "params.`budget`", "params.`mu`", "metrics.`easyvqa_yesno/f1`",
+                                        "metrics.`easyvqa_open/exact_match`"]
+    assert state["globalLineChartConfig"]["selectedXAxisMetricKey"] == "samples/scored"
+    # what the UI asks the server for: MLflow's search with the view's filter and order
+    shown = client.search_runs([exp], state["searchFilter"], order_by=[f"{state['orderByKey']} ASC"])
+    assert [r.info.run_name for r in shown] == ["ui_demo"] + names[::-1]  # the parent, then its trials newest first
+    assert earlier not in {r.info.run_id for r in shown}
     assert tracking.ui_url("ui_demo") == (f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
                                           "?workflowType=machine_learning&viewStateShareKey=promprune-ui_demo")
     assert tracking.ui_url("no_such_sweep").endswith("?workflowType=machine_learning")
 
 
+@pytest.mark.parametrize("name, options, running, best, longest", [
+    ("quickstart", ["mu", "tau"], None, None, "promprune-b16-mu=calibrate-tau=0.03"),
+    ("testbed_mu_tau_grid", ["mu", "tau"], None, "rel", "promprune-b16-mu=0.14-tau=0.005"),
+    ("testbed_mu_tau_search", ["mu", "tau"], "rel", "rel", "promprune-b16-mu=0.1234-tau=0.01234"),
+    ("fig1a_saliency_ratio", ["saliency_ratio"], None, None, "fixed_ratio-b64-saliency_ratio=0.1"),
+])
+def test_a_specs_view_shows_what_tells_its_trials_apart(name, options, running, best, longest):
+    """The options its trials set or its search varies (mu and tau first), a scheduler's running value, the parent's
+    best where mu or tau vary, and room for the longest name (a searched one: its sampled values' digits)."""
+    from pipelines import spec as specs
+
+    spec = specs.load(REPO / "sweeps" / f"{name}.yaml")
+    view = tracking.SweepView.of(spec, specs.expand(spec))
+    assert (view.options, view.running, view.best) == (options, running, best)
+    assert len(longest) <= view.name_chars <= len(longest) + 3
 def test_clear_errors_without_a_browser(store, tmp_path):
     """No Chromium, no store, a store without a sweep: one paragraph on stderr, exit 2, no traceback, nothing
     created. (The store is checked before any browser starts: any executable passes for --chromium there.)"""
@@ -95,21 +121,34 @@ def test_clear_errors_without_a_browser(store, tmp_path):
     assert not (tmp_path / "none.db").exists() and not (tmp_path / "shots").exists()
 
 
-def _has_playwright() -> bool:
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def test_the_table_check_names_what_differs(store, tmp_path):
+    """The script's check of the runs table (no browser: the cells as the page would give them): a number as the
+    UI writes it (16.0 as 16) passes, a wrong or missing cell is named; a stopped trial's Rel. is its running one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ui_screenshots", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    client, exp = store
+    run = client.create_run(exp, run_name="promprune-b16-mu=0.2-tau=0.02")
+    for key, value in {"method": "promprune", "mu": "0.2", "tau": "0.02"}.items():
+        client.log_param(run.info.run_id, key, value)
+    client.log_metric(run.info.run_id, "running/rel", 16.0)
+    run = client.get_run(run.info.run_id)
+    row = {"params.`method`": "promprune", "params.`mu`": "0.2", "params.`tau`": "0.02", "metrics.`running/rel`": "16"}
+    assert script.table_problems({run.info.run_id: row}, [run]) == []
+    wrong = {**row, "params.`mu`": "0.3"}
+    del wrong["params.`tau`"]
+    assert script.table_problems({run.info.run_id: wrong}, [run]) == [
+        "promprune-b16-mu=0.2-tau=0.02: params.`mu` shows '0.3', MLflow holds '0.2'",
+        "promprune-b16-mu=0.2-tau=0.02: no params.`tau` cell on the screen"]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason="needs Debian's Chromium at /usr/bin/chromium")
-@pytest.mark.skipif(not _has_playwright(), reason="needs Playwright (pip install -e '.[ui]')")
+@needs_browser
 def test_screenshots_show_the_runs(store, tmp_path):
-    """The script starts `mlflow ui`, finds every trial name in the runs table of the saved view, the trial's page
-    and the report with its figure, writes four valid 1400x900 PNGs and stops the server."""
-    pytest.importorskip("playwright.sync_api")
+    """The script starts `mlflow ui`, finds every trial with its method, mu and Rel. in the runs table of the saved
+    view, the trial's page and the report with its figure, writes four valid 1400x900 PNGs and stops the server."""
     from PIL import Image
 
     client, _ = store
@@ -119,6 +158,7 @@ def test_screenshots_show_the_runs(store, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"(parent run {parent}), 2 trial runs shown in the runs table" in proc.stdout
     assert "saved view: promprune-ui_demo" in proc.stdout
+    assert "each trial's method, mu, rel in its row as MLflow holds them, at 1400 px" in proc.stdout
     assert "opens on #/experiments/" in proc.stdout
     shots = sorted(p.name for p in out.glob("*.png"))
     assert shots == ["1_runs.png", "2_trial.png", "3_report_md.png", "4_report_html.png"]
