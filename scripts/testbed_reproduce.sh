@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full prominence-testbed study (docs/testbed.md), offline on a 2-core machine: three sweeps on the shipped
+# The full prominence-testbed study (docs/testbed.md), offline on a 2-core machine: four sweeps on the shipped
 # `testbed:llava` weights (promprune/testbed/weights/, checksum-verified; nothing is trained), each followed by
 # its report.
 #   bash scripts/testbed_reproduce.sh            # MLflow store: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
@@ -20,7 +20,7 @@ elif [[ -n "${1:-}" ]]; then
 fi
 python -c "from promprune.testbed.zoo import load_or_train; load_or_train()"   # fails early on a bad file
 stamp "model ready"
-for spec in testbed_methods testbed_saliency_ratio testbed_prominence; do
+for spec in testbed_methods testbed_saliency_ratio testbed_prominence testbed_split_headroom; do
     python pipelines/sweep.py --config "sweeps/$spec.yaml"
     python pipelines/report.py --sweep "$spec" > /dev/null
     stamp "$spec done (reports/$spec/report.md)"

@@ -37,6 +37,7 @@ only, from that row's own state (rows of one suffix length together), through tr
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -292,23 +293,26 @@ def continuing(model):
 
 def _rowwise(forward, idx: int):
     """``forward`` of linear-attention layer ``idx``, run per suffix length on a cache continuation with padding."""
+    # the cache's argument: ``cache_params`` up to transformers 5.23, ``cache`` from 5.24
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "cache_params"
 
-    def run(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        if (cache_params is None or attention_mask is None or hidden_states.shape[1] == 1
-                or bool(attention_mask.all()) or not cache_params.has_previous_state(idx)):
-            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    def run(hidden_states, attention_mask=None, **kwargs):
+        cache = kwargs.pop(name, None)
+        if (cache is None or attention_mask is None or hidden_states.shape[1] == 1
+                or bool(attention_mask.all()) or not cache.has_previous_state(idx)):
+            return forward(hidden_states, attention_mask=attention_mask, **{name: cache}, **kwargs)
         real = attention_mask.bool().sum(1)  # [B]: the segment is left-padded, so a row's real tokens are its last
         if not bool((attention_mask.bool() == (torch.arange(attention_mask.shape[1], device=real.device)
                                                 >= attention_mask.shape[1] - real[:, None])).all()):
             raise ValueError("a cached continuation's padding must precede each row's tokens (left padding)")
-        layer = cache_params.layers[idx]
+        layer = cache.layers[idx]
         out = torch.zeros_like(hidden_states)  # [B, q, D]; padding stays zero
         for n in real.unique().tolist():
             rows = (real == n).nonzero().flatten()
             if n == 0:
                 continue
             part = _subset(layer, rows)
-            out[rows, -n:] = forward(hidden_states[rows, -n:], cache_params=_as_cache(part, idx), **kwargs)
+            out[rows, -n:] = forward(hidden_states[rows, -n:], **{name: _as_cache(part, idx)}, **kwargs)
             for s in range(layer.number_of_states):  # in place: the cache's tensors keep their addresses
                 layer.conv_states[s][rows] = part.conv_states[s]
                 layer.recurrent_states[s][rows] = part.recurrent_states[s]

@@ -315,9 +315,9 @@ def kept_sequence_greedy(model, inputs, kept: torch.Tensor, K: int, new_tokens: 
                            output_hidden_states=True).hidden_states[K]  # [1, L, D]: the input of layer K
             cols = torch.cat([kept, torch.arange(inputs["input_ids"].shape[1], L)])
             h = hidden[:, cols]
+            # no cache, passed by position: transformers 5.24 renamed the argument past_key_values -> cache
             masks = create_masks_for_vision_model(
-                config=text, inputs_embeds=h, attention_mask=torch.ones(1, cols.numel(), dtype=torch.long),
-                past_key_values=None, position_ids=None,
+                text, h, torch.ones(1, cols.numel(), dtype=torch.long), None, None,
                 block_sequence_ids=get_block_sequence_ids_for_mask(types[:, cols], h.device))
             rope = {t: lm.rotary_emb(h, cols[None], t) for t in set(text.layer_types)}
             for i in range(K, text.num_hidden_layers):
