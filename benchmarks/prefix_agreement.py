@@ -30,8 +30,8 @@ def count_continued() -> list[int]:
 
     counter, inputs = [0], prefix.inputs
 
-    def counted(vlm, prep, cache):
-        out = inputs(vlm, prep, cache)
+    def counted(vlm, prep, cache, *args, **kwargs):
+        out = inputs(vlm, prep, cache, *args, **kwargs)
         counter[0] += 0 if out is None else len(prep.keys)
         return out
 
