@@ -43,6 +43,8 @@ def _run(args: list[str], cwd: Path, env: dict, timeout: int) -> subprocess.Comp
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.long  # the long tier (pyproject's markers): plugins shipped to Ray's workers run
+# in CI (tests/pipelines/test_plugins_ray.py)
 @pytest.mark.slow
 def test_a_sweep_of_an_outside_method_and_benchmark_from_outside_the_repository(tmp_path):
     work = tmp_path / "your_method"

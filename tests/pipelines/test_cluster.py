@@ -172,6 +172,8 @@ def pid_run(vlm, rows, batch_size, *, marker_dir: str, sleep_s: float = 0.0):
     return preds
 
 
+@pytest.mark.long  # the long tier (pyproject's markers): a cluster's actors run in CI
+# (test_killing_a_worker_node_mid_evaluation)
 def test_work_starts_on_the_first_loaded_actor_and_the_others_join(cluster, tmp_path):
     """Three actors asked for, one loads at once and two after 20 s: the first answers blocks while the others load,
     and the late ones take blocks once they are up (nodes that join mid-evaluation are used). 24 blocks of 2 s: 48 s

@@ -38,6 +38,8 @@ def hub_ray(hub_standins, judge):
             ray.shutdown()
 
 
+@pytest.mark.long  # the long tier (pyproject's markers): each benchmark's build, generation and
+# scoring run in CI (tests/eval/test_hub_standins.py)
 def test_one_sweep_over_the_nine_benchmarks_with_bootstrap(hub_ray, judge, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

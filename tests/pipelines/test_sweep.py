@@ -164,6 +164,8 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     assert runs["baseline"].data.metrics["rel"] == pytest.approx(1.0)
 
 
+@pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's
+# killed driver, tests/reliability/test_one_driver.py)
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     spec_path = tmp_path / "resume.yaml"
     spec_path.write_text(yaml.safe_dump({
@@ -232,6 +234,8 @@ def test_a_failing_block_is_retried_then_recorded(local_ray, workdir):
     assert run.data.metrics["samples/failed"] == LIMIT
 
 
+@pytest.mark.long  # the long tier (pyproject's markers): shards' builds are pinned without Ray
+# (tests/eval/test_hub_standins.py::test_shards_build_the_same_requests)
 def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     """Large benchmarks build their rows in parallel Ray tasks; the result must be exactly the plain build."""
     import dataclasses
