@@ -9,6 +9,7 @@ KV / state bytes worked by hand and measured on a real cache.
 """
 import contextlib
 import copy
+import inspect
 
 import pytest
 import torch
@@ -39,6 +40,12 @@ PRE_LLM = [m for m in all_methods() if not is_in_llm(m)]
 IN_LLM = [m for m in all_methods() if is_in_llm(m)]
 TINY_TYPES = ["linear_attention", "full_attention"] * 4  # tiny:qwen3_5's 8 layers
 FOUR_B_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 8  # Qwen3.5-4B's 32 layers
+
+
+def cache_name(layer) -> str:
+    """The linear-attention forward's cache argument: ``cache_params`` up to transformers 5.23, ``cache`` from 5.24."""
+    return "cache" if "cache" in inspect.signature(layer.linear_attn.forward).parameters else "cache_params"
+
 
 
 def tiny():
@@ -227,7 +234,7 @@ def naive_greedy(model, embeds, pos3, segments, steps):
             x = h[None]
             rope = lm.rotary_emb(x, pos[:, cur][:, None])
             for layer in lm.layers[lo:hi]:
-                x = layer(x, position_embeddings=rope, attention_mask=None, position_ids=None, past_key_values=None)
+                x = layer(x, position_embeddings=rope, attention_mask=None, position_ids=None)  # no cache
             h = x[0]
         logits.append(model.lm_head(lm.norm(h[-1:]))[0])
         gen.append(int(logits[-1].argmax()))
@@ -305,7 +312,7 @@ def test_linear_layers_after_a_cut_scan_only_the_kept_tokens(method, images, pro
             assert bool(live[b, live[b].nonzero().min():].all())  # dead columns all precede the live ones
             alone = DynamicCache(config=vlm.model.config)
             with torch.inference_mode():
-                layers[i].linear_attn(hidden[b:b + 1, live[b]], cache_params=alone, attention_mask=None)
+                layers[i].linear_attn(hidden[b:b + 1, live[b]], attention_mask=None, **{cache_name(layers[i]): alone})
             mine, ref = cache.layers[i], alone.layers[i]
             torch.testing.assert_close(mine.recurrent_states[0][b], ref.recurrent_states[0][0], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(mine.conv_states[0][b], ref.conv_states[0][0], atol=1e-6, rtol=1e-5)
