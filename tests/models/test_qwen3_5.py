@@ -47,7 +47,6 @@ def cache_name(layer) -> str:
     return "cache" if "cache" in inspect.signature(layer.linear_attn.forward).parameters else "cache_params"
 
 
-
 def tiny():
     return tiny_vlm("qwen3_5")
 
