@@ -178,9 +178,7 @@ class Outbox:
             for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per call
                 c.log_batch(run_id, metrics=batch[start:start + 1000])
         elif kind == "params":
-            from mlflow.entities import Param
-
-            c.log_batch(run_id, params=[Param(k, str(v)) for k, v in op["params"].items()])
+            _log_params(c, run_id, op["params"])
         elif kind == "tags":
             from mlflow.entities import RunTag
 
@@ -209,9 +207,7 @@ class Outbox:
             run_id = c.create_run(op["experiment_id"], run_name=op["name"], tags=tags,
                                   start_time=op.get("start_ms")).info.run_id
         if op.get("params"):  # (again after a lost reply: the same values are accepted)
-            from mlflow.entities import Param
-
-            c.log_batch(run_id, params=[Param(k, str(v)) for k, v in op["params"].items()])
+            _log_params(c, run_id, op["params"])
         return run_id
 
     # ------------------------------------------------------------------------------------------------------------
@@ -284,6 +280,12 @@ def _refused(exc: Exception) -> bool:
 def _short(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+def _log_params(client, run_id: str, params: dict) -> None:
+    from mlflow.entities import Param
+
+    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
 
 
 def _remove_kept(path: str, folder: Path) -> None:

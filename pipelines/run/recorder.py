@@ -19,6 +19,7 @@ from pipelines import mlflow_layout, timeline, tracking
 from pipelines import spec as specs
 from pipelines.console import say
 from pipelines.run import search
+from pipelines.run.outbox import PARENT, Outbox
 from pipelines.run.result import TrialResult, rel
 from pipelines.mlflow_layout import MU_TAU, REL
 
@@ -89,8 +90,6 @@ class SweepRecorder:
                  blocks: str | None = None, per_trial: int | None = None, outbox: str | Path | None = None,
                  datasets: list[dict] | None = None):
         import tempfile
-
-        from pipelines.run.outbox import PARENT, Outbox
 
         self.sweep, self.parent_id, self.n_trials = sweep, parent_id, n_trials
         self.bar = None  # the sweep's progress bar, in samples (set while Tune runs)
@@ -235,10 +234,14 @@ class SweepRecorder:
         return rec
 
     def _end(self, tid: str, status: str, at: float | None = None, tags: dict | None = None) -> None:
-        at = time.time() if at is None else at
-        self.out.submit("tags", tid, tags={mlflow_layout.FINISHED_AT: tracking.iso(at), **(tags or {})})
-        self.out.submit("end", tid, status=status, end_ms=int(at * 1000))
+        self._close(tid, status, at, tags)
         self.finished.add(tid)
+
+    def _close(self, key: str, status: str, at: float | None = None, tags: dict | None = None) -> None:
+        """End run ``key`` (a trial's, or `PARENT`) with ``status`` at ``at`` (default now), its finish tag set."""
+        at = time.time() if at is None else at
+        self.out.submit("tags", key, tags={mlflow_layout.FINISHED_AT: tracking.iso(at), **(tags or {})})
+        self.out.submit("end", key, status=status, end_ms=int(at * 1000))
 
     def record_stopped(self, trial: dict, result: dict) -> dict:
         """A trial a scheduler stopped (once): its run ended KILLED now (its true duration), tagged
@@ -347,8 +350,6 @@ class SweepRecorder:
 
     def parent(self, *, metrics: dict | None = None, tags: dict | None = None, params: dict | None = None) -> None:
         """Writes to the sweep's parent run, through the same outbox."""
-        from pipelines.run.outbox import PARENT
-
         if params:
             self.out.submit("params", PARENT, params=params)
         if metrics:
@@ -357,16 +358,11 @@ class SweepRecorder:
             self.out.submit("tags", PARENT, tags=tags)
 
     def end_parent(self, status: str) -> None:
-        from pipelines.run.outbox import PARENT
-
-        self.out.submit("tags", PARENT, tags={mlflow_layout.FINISHED_AT: tracking.iso(time.time())})
-        self.out.submit("end", PARENT, status=status, end_ms=int(time.time() * 1000))
+        self._close(PARENT, status)
 
     def unlogged(self, timeout_s: float) -> list[str]:
         """Wait up to ``timeout_s`` for every write to reach MLflow; the trials (and "the sweep's parent run") whose
         writes are still pending."""
-        from pipelines.run.outbox import PARENT
-
         return [("the sweep's parent run" if k == PARENT else k) for k in self.out.flush(timeout_s)]
 
     def close(self) -> None:
@@ -384,8 +380,6 @@ class DriverMetrics:
 
     def __init__(self, out):
         from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-
-        from pipelines.run.outbox import PARENT
 
         self.out, self.key, self.monitor = out, PARENT, CPUMonitor()
         self.done = threading.Event()
