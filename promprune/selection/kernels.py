@@ -41,6 +41,16 @@ def masked_argmax(score: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     return index, value
 
 
+def near_tie_argmax(score: torch.Tensor, mask: torch.Tensor, tol: float) -> torch.Tensor:
+    """Row-wise argmax of ``score [B, N]`` over ``mask [B, N]`` where every admissible score within ``tol`` of the
+    row's max counts as tied and the lowest index wins -> ``index [B]`` (0 for a row with no admissible entry)."""
+    N = score.shape[1]
+    masked = score.masked_fill(~mask, float("-inf"))
+    best = masked.amax(dim=1, keepdim=True)  # [B, 1]
+    offs = torch.arange(N, device=score.device).expand_as(score)
+    return torch.where(masked >= best - tol, offs, N).amin(dim=1)  # an empty row: every entry ties at -inf: 0
+
+
 def stable_descending_order(score: torch.Tensor) -> torch.Tensor:
     """Indices sorting ``score [B, N]`` high to low; ties keep raster order (lower index first)."""
     return torch.sort(score, dim=1, descending=True, stable=True).indices

@@ -18,7 +18,7 @@ import torch
 
 from ..suggest import did_you_mean
 from . import accel
-from .entropy import spectral_entropy, spectral_entropy_from_gram
+from .entropy import entropy_of_matrix, spectral_matrix
 from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
 
 
@@ -140,10 +140,14 @@ class TokenSet:
         return unit @ unit.transpose(1, 2)
 
     @cached_property
-    def spectral_entropy(self) -> torch.Tensor:  # [B]
-        if self.n <= self.dim:
-            return spectral_entropy_from_gram(self.unit_gram)
-        return spectral_entropy(self.x)
+    def spectral_matrix(self) -> torch.Tensor:
+        """The matrix ``[B, K, K]`` (K = min(N, d)) whose spectrum the spectral entropy reads
+        (``entropy.spectral_matrix``), from the shared Gram when N <= d."""
+        return spectral_matrix(self.x, self.unit_gram if self.n <= self.dim else None)
+
+    @cached_property
+    def spectral_entropy(self) -> torch.Tensor:  # [B], exact
+        return entropy_of_matrix(self.spectral_matrix)
 
     def require_instruction(self, method: str) -> Instruction:
         if self.instruction is None:
@@ -184,6 +188,7 @@ class MethodSpec:
     reads_vision: bool = False  # uses select(..., vision=VisionFeatures) when given (VisPruner, VisionZip)
     needs_instruction: bool = False  # needs select(..., instruction=Instruction) (CDPruner): one selection per question
     needs_grid: bool = False  # reads select(..., grid=(rows, cols)): the tokens must form one raster grid (downsample)
+    draws_at_random: bool = False  # seeds its draw from select(..., keys=...): PrunedVLM hashes the images only then
 
     @property
     def question_dependent(self) -> bool:
@@ -261,7 +266,7 @@ _REGISTRY: dict[str, MethodSpec] = {}
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
                     options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
                     check: Callable[[dict], None] | None = None, reads_vision: bool = False,
-                    needs_instruction: bool = False, needs_grid: bool = False):
+                    needs_instruction: bool = False, needs_grid: bool = False, draws_at_random: bool = False):
     """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -271,7 +276,7 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
             options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
             description=(fn.__doc__ or "").strip().split("\n")[0], check=check, reads_vision=reads_vision,
-            needs_instruction=needs_instruction, needs_grid=needs_grid)
+            needs_instruction=needs_instruction, needs_grid=needs_grid, draws_at_random=draws_at_random)
         return fn
 
     return wrap
@@ -322,7 +327,6 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
     B, N, _ = x.shape
     if N == 0:
         raise ValueError("features have no tokens (N = 0)")
-    _check_finite("features", x)
     if saliency is None:
         if spec.needs_saliency:
             raise ValueError(f"method {spec.name!r} needs saliency scores [B, N] = [{B}, {N}]; got saliency=None")
@@ -330,9 +334,7 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
     if not isinstance(saliency, torch.Tensor) or tuple(saliency.shape) != (B, N):
         shape = tuple(saliency.shape) if isinstance(saliency, torch.Tensor) else type(saliency).__name__
         raise ValueError(f"saliency must have shape [B, N] = [{B}, {N}] to match features, got {shape}")
-    s = saliency.to(device=x.device, dtype=torch.float32)
-    _check_finite("saliency", s)
-    return x, s
+    return x, saliency.to(device=x.device, dtype=torch.float32)
 
 
 def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
@@ -357,7 +359,6 @@ def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
             raise ValueError(f"vision.{name} must be a float tensor {need} matching features [{B}, {N}, d], "
                              f"got {shape}")
         out[name] = t.to(device=x.device, dtype=torch.float32)
-        _check_finite(f"vision.{name}", out[name])
     if vision.project is not None and not callable(vision.project):
         raise ValueError(f"vision.project must be callable, got {type(vision.project).__name__}")
     return VisionFeatures(out["hidden"], out["keys"], out["cls"], vision.project)
@@ -378,11 +379,8 @@ def _validate_instruction(instruction, x: torch.Tensor, method: str) -> Instruct
         raise ValueError(f"instruction.tokens must be a tensor [B, N, c] = [{B}, {N}, {q.shape[1]}] (c of the "
                          f"query) for method {method!r}, got "
                          f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    out = Instruction(q.to(device=x.device, dtype=torch.float32), t.to(device=x.device, dtype=torch.float32),
-                      instruction.source)
-    _check_finite("instruction.query", out.query)
-    _check_finite("instruction.tokens", out.tokens)
-    return out
+    return Instruction(q.to(device=x.device, dtype=torch.float32), t.to(device=x.device, dtype=torch.float32),
+                       instruction.source)
 
 
 def _validate_grid(grid, n: int) -> tuple[int, int] | None:
@@ -412,11 +410,17 @@ def _validate_keys(keys, batch: int) -> tuple[int, ...] | None:
     return keys
 
 
-def _check_finite(name: str, t: torch.Tensor) -> None:
-    bad = ~torch.isfinite(t).flatten(1).all(dim=1)
-    if bool(bad.any()):
-        kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-        raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
+def _check_finite(named: dict[str, torch.Tensor | None]) -> None:
+    """Every given tensor ``[B, ...]`` is finite; one read of the device for all of them (the error path reads more)."""
+    named = {k: t for k, t in named.items() if t is not None}
+    flags = torch.stack([torch.isfinite(t).all() for t in named.values()])
+    if bool(flags.all()):
+        return
+    for name, t in named.items():
+        bad = ~torch.isfinite(t).flatten(1).all(dim=1)
+        if bool(bad.any()):
+            kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+            raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
 
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
@@ -447,9 +451,12 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     text = _validate_instruction(instruction, x, method) if spec.needs_instruction else None
     # saliency reaches only the methods that declare it, as in the model adapters: a selection never depends on
     # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
-    tokens = TokenSet(x, s if spec.needs_saliency else None,
-                      _validate_vision(vision, x) if spec.reads_vision else None, text,
-                      _validate_grid(grid, x.shape[1]), source=features, keys=_validate_keys(keys, x.shape[0]))
+    seen = _validate_vision(vision, x) if spec.reads_vision else None
+    _check_finite({"features": x, "saliency": s, "vision.hidden": seen and seen.hidden,
+                   "vision.keys": seen and seen.keys, "vision.cls": seen and seen.cls,
+                   "instruction.query": text and text.query, "instruction.tokens": text and text.tokens})
+    tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
+                      source=features, keys=_validate_keys(keys, x.shape[0]))
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)
