@@ -115,16 +115,6 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
     return RELEASED_NEXT.get(method, ("per_crop", image_newline))
 
 
-# Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
-# The newer encoders have no published value: Qwen3-VL and Qwen3.5 borrow Qwen2.5-VL's (the same merged-token
-# design; sweeps/mu_tau_search_qwen3vl.yaml / mu_tau_search_qwen35.yaml search theirs);
-# recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
-# LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's; so does Gemma 4's encoder (sweeps/
-# mu_tau_search_gemma4.yaml searches its own).
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42,
-              "qwen3_5": 0.5744, "gemma4": 0.42}
-
-
 def all_methods() -> list[str]:
     """Every method name an adapter runs: the whole registry, pre-LLM and in-LLM."""
     return promprune.methods(stage=None)
@@ -139,7 +129,7 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     """Check a method name, budget and options up front; returns ``(method_options, adapter_options)``.
 
     ``method_options`` are the given method options (defaults are filled in later, so ``mu`` can default per
-    encoder); ``adapter_options`` are the adapter options with defaults filled in. ``method=None`` means unpruned:
+    family); ``adapter_options`` are the adapter options with defaults filled in. ``method=None`` means unpruned:
     then no budget and no method options are allowed. Errors are ValueErrors naming the bad field and listing the
     valid values.
     """
