@@ -14,8 +14,9 @@ import promprune
 
 # Adapter options, valid with every method (ignored by architectures they do not concern).
 ADAPTER_OPTIONS: dict[str, Any] = {
-    # LLaVA-NeXT: how the budget meets the views (the base view and the crops); LLaVA-OneVision the same; InternVL
-    # with its tiles (thumbnail included) as the views.
+    # Families whose image gives several views (``VisualItem.groups``): how the budget meets them (LLaVA-NeXT's and
+    # LLaVA-OneVision's base view and crops, InternVL's tiles and thumbnail; each family's module says what its views
+    # are).
     # "per_crop": split evenly over the image's views (our choice for PromPrune: its released code has no working
     #   NeXT path); "global": one selection over every view; "adaptive_views": shares by each view's entropy;
     # "view_quota": every view gets budget // (1 + the most crops of any grid pinpoint), budget 160 -> 32 per view
@@ -31,17 +32,16 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # unpruned sequence has them (VisPruner's released code); both extra tokens, not counted by the budget.
     # budget_mode "packed" selects among the newline tokens instead, and "released" sets this per method.
     "image_newline": "drop",
-    # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
-    # Qwen3-VL / Qwen3.5 (every block attends over the whole image): any block index; None = the last one.
-    # InternVL: any InternViT layer (CLS attention); None = the layer vision_feature_layer reads (the last).
-    # Gemma 4: any layer of its vision encoder (received attention); None = the last (whose output is pooled).
+    # The vision layer whose attention gives saliency, on families that take one (each family's module says which
+    # layers it accepts; e.g. Qwen2.5-VL a full-attention block, Qwen3-VL any block, InternVL any InternViT layer);
+    # None = the family's default (the layer whose output the LLM reads, or the last).
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
     # CLIP sized to their vision tower), else openai/clip-vit-large-patch14-336 (the released code's).
     "clip_text": None,
-    # Qwen2.5-VL / Qwen3-VL / Qwen3.5: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36);
-    # must be a square.
+    # Native-resolution families with a merged token grid (Qwen2.5-VL and the families whose adapter derives from its
+    # own): a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a square.
     # None keeps the processor's resolution-dependent count.
     "image_tokens": None,
     # The order of the kept tokens in the LLM's input (pre-LLM methods; each token keeps its own position embedding
@@ -49,10 +49,10 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # (as picked: salient by descending saliency, then coverage in pick order), "stages" (salient tokens ascending,
     # then the rest ascending), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
     "token_order": "raster",
-    # Video (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, Qwen3.5; promprune.models.video): how the budget meets a clip's
-    # frames (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame one
-    # selection); "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's spectral
-    # entropy.
+    # Video (the families whose adapter handles clips, promprune.models.video.video_families()): how the budget meets
+    # a clip's frames (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame
+    # one selection); "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's
+    # spectral entropy.
     "video_budget": "per_frame",
     # Video, PromPrune: where its entropy and saliency/coverage split come from. "unit": each selection of
     # video_budget (per frame, or over the clip); "clip": the clip's entropy splits every frame's share (with
