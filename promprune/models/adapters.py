@@ -149,6 +149,16 @@ class Adapter:
     def prepare_images(self, images):
         return images
 
+    def saliency_layer(self, depth: int, default: int, unit: str = "layer of the vision encoder") -> int:
+        """The vision layer (0 .. ``depth`` - 1) whose attention gives saliency: the adapter option ``saliency_block``,
+        else ``default``; anything else is a ValueError naming the valid range (``unit``: what a layer is called)."""
+        block = self.options.get("saliency_block")
+        if block is None:
+            return default
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
+            raise ValueError(f"saliency_block must be a {unit} (0 .. {depth - 1}), got {block!r}")
+        return block
+
     def max_views(self) -> int:
         """The most views (crops, tiles) one image gives under this model and processor: ``view_quota``'s divisor."""
         return self.family.max_views(self.model.config)

@@ -193,12 +193,7 @@ class Gemma4Adapter(Adapter):
 
     def _layer(self) -> int:
         depth = self.model.config.vision_config.num_hidden_layers
-        block = self.options.get("saliency_block")
-        if block is None:
-            return depth - 1  # the encoder's last layer: its output is what the pooler averages
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
-            raise ValueError(f"saliency_block must be a layer of the vision encoder (0 .. {depth - 1}), got {block!r}")
-        return block
+        return self.saliency_layer(depth, depth - 1)  # default: the last layer, whose output the pooler averages
 
     def prepare_images(self, images):
         return [[image] for image in images]  # Gemma4Processor takes one list of images per prompt

@@ -162,14 +162,10 @@ class InternVLAdapter(Adapter):
         """Index of the encoder layer whose attention gives saliency: ``saliency_block``, else the one whose output
         ``vision_feature_layer`` reads (several: the deepest)."""
         depth = self.model.config.vision_config.num_hidden_layers
-        block = self.options.get("saliency_block")
-        if block is None:
-            layer = self.model.config.vision_feature_layer
-            layer = layer if isinstance(layer, int) else layer[-1]
-            return (layer if layer >= 0 else layer + depth + 1) - 1  # hidden_states[h] is layer h - 1's output
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
-            raise ValueError(f"saliency_block must be a layer of the vision tower (0 .. {depth - 1}), got {block!r}")
-        return block
+        layer = self.model.config.vision_feature_layer
+        layer = layer if isinstance(layer, int) else layer[-1]
+        read = (layer if layer >= 0 else layer + depth + 1) - 1  # hidden_states[h] is layer h - 1's output
+        return self.saliency_layer(depth, read, "layer of the vision tower")
 
     def _side(self) -> int:
         """Patches per side of one tile."""

@@ -158,12 +158,7 @@ class MiniCPMV46Adapter(Adapter):
 
     def _layer(self) -> int:
         depth = self.model.config.vision_config.num_hidden_layers
-        block = self.options.get("saliency_block")
-        if block is None:
-            return depth - 1  # the last layer: its output (post-layernorm) is what the final merger reads
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
-            raise ValueError(f"saliency_block must be a layer of the vision encoder (0 .. {depth - 1}), got {block!r}")
-        return block
+        return self.saliency_layer(depth, depth - 1)  # default: the last, whose output the final merger reads
 
     def max_views(self) -> int:
         """The source plus the processor's ``max_slice_nums`` slices (1 when it does not slice)."""

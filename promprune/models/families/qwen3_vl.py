@@ -78,12 +78,8 @@ class Qwen3Adapter(QwenAdapter):
     encoder = "qwen3_vl"
 
     def _block(self) -> int:
-        depth = self.model.config.vision_config.depth
-        block = self.options.get("saliency_block")
-        block = depth - 1 if block is None else block
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
-            raise ValueError(f"saliency_block must be a block of the vision tower (0 .. {depth - 1}), got {block!r}")
-        return block
+        depth = self.model.config.vision_config.depth  # default: the last block, whose output the merger projects
+        return self.saliency_layer(depth, depth - 1, "block of the vision tower")
 
     # encode: QwenAdapter's; no ``vision`` for Qwen3-VL either, and every item carries its DeepStack features
 
