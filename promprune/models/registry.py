@@ -16,8 +16,11 @@ tokens an image gives, the most views (crops, tiles) an image gives, and whether
 (``tests/models/test_families.py`` scans the source): ``PrunedVLM``, ``tiny:`` / ``shape:``, video, the in-LLM hooks
 and the capacity checks of the pipeline's preflight all ask the registry.
 
-The family modules are found by listing the package (``pkgutil``) and imported on the first lookup, so a new family is
-one new file. A duplicate name is a ValueError; an unknown one says "did you mean" and lists the registered names.
+The family modules are found by listing the package (``pkgutil``): the module ``families/<name>.py`` registers the
+family ``<name>``, so a lookup by name (or by a config's ``model_type``) imports that module alone (and the families it
+builds on), keeping a worker that loads one checkpoint from importing every architecture's transformers classes;
+listing the families imports them all. A new family is one new file. A duplicate name is a ValueError; an unknown one
+says "did you mean" and lists the registered names.
 """
 from __future__ import annotations
 
@@ -102,15 +105,24 @@ def register_family(name: str, *, model_class: str, default_mu: float, tiny=None
     return register
 
 
-def _load() -> None:
-    """Import every module of the families package once (each registers its family)."""
-    global _LOADED
-    if _LOADED:
-        return
+def _module_names() -> list[str]:
+    """The module names of the families package (each ``<name>.py`` registers the family ``<name>``)."""
     package = importlib.import_module(PACKAGE)
-    for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{PACKAGE}.{info.name}")
-    _LOADED = True
+    return [info.name for info in pkgutil.iter_modules(package.__path__)]
+
+
+def _load(name: str | None = None) -> None:
+    """Import the family module ``name`` (when the package has one and it is not registered yet), or, ``name`` None,
+    every family module once: a lookup by name imports only that family's module and the ones it builds on."""
+    global _LOADED
+    if name is not None:
+        if name not in _FAMILIES and name in _module_names():
+            importlib.import_module(f"{PACKAGE}.{name}")
+        return
+    if not _LOADED:
+        for module in _module_names():
+            importlib.import_module(f"{PACKAGE}.{module}")
+        _LOADED = True
 
 
 def families() -> list[str]:
@@ -121,17 +133,20 @@ def families() -> list[str]:
 
 def family(name: str) -> Family:
     """The family registered as ``name``; ValueError with did-you-mean and the registered names otherwise."""
-    _load()
+    _load(str(name))
     if name not in _FAMILIES:
-        raise ValueError(f"unknown model family {name!r}{did_you_mean(name, _FAMILIES)}; registered: "
-                         f"{', '.join(sorted(_FAMILIES))}")
+        names = families()
+        raise ValueError(f"unknown model family {name!r}{did_you_mean(name, names)}; registered: {', '.join(names)}")
     return _FAMILIES[name]
 
 
 def find_family(config) -> Family | None:
     """The family of a model config (by ``model_type``), None when none is registered."""
-    _load()
-    return _FAMILIES.get(getattr(config, "model_type", None))
+    kind = getattr(config, "model_type", None)
+    if not isinstance(kind, str):
+        return None
+    _load(kind)
+    return _FAMILIES.get(kind)
 
 
 def family_of(config) -> Family:
@@ -139,6 +154,6 @@ def family_of(config) -> Family:
     found = find_family(config)
     if found is None:
         kind = getattr(config, "model_type", None)
-        raise ValueError(f"unsupported model type {kind!r}{did_you_mean(kind, _FAMILIES)}; supported: "
-                         f"{', '.join(sorted(_FAMILIES))}")
+        names = families()
+        raise ValueError(f"unsupported model type {kind!r}{did_you_mean(kind, names)}; supported: {', '.join(names)}")
     return found
