@@ -5,7 +5,7 @@ A family is one module of :mod:`promprune.models.families` whose adapter class c
 .. code-block:: python
 
     @register_family("llava", model_class="LlavaForConditionalGeneration", default_mu=0.42, tiny=tiny_llava,
-                     shape=shape_llava, capacity=per_view_tokens)
+                     shape=shape_llava, capacity=llava_capacity)
     class LlavaAdapter(Adapter): ...
 
 The decorator records a :class:`Family`: the name (the checkpoint's ``config.model_type``, also ``tiny:<name>``), the
