@@ -9,12 +9,23 @@ Only ops on the device's tensors count (the call's tensor arguments and what dev
 factories): the host's arithmetic on values it has read does not.
 What the counts are for: a change that adds launches or syncs shows here without a GPU; a GPU time can be projected
 from them (``project_ms``), and the GPU run says how good the projection was.
+
+``count_model(model, fn, ...)`` counts a whole model path (``PrunedVLM.prepare``), where host and device tensors
+meet. The device is played by ``cpu:0``: a device tensor (the model's parameters and buffers, the call's tensor
+arguments, what device ops make) says ``t.device == cpu:0``, a host tensor ``cpu``, so code that asks a tensor for its
+device gets the answer it would get on a GPU. A factory given ``device=cpu:0`` makes a device tensor, given none (or
+``cpu``) a host one; ``.to`` of a host tensor to the device is a copy (one launch, and one sync unless
+``non_blocking=True``: torch's blocking copy waits for the stream); ``.cpu()``, ``.numpy()``, ``.to(<host>)`` of a
+device tensor are reads (syncs) and return host tensors; an op that meets a device tensor and a host tensor of one
+or more dimensions (indexing with host indices: torch moves them with a blocking copy; elementwise ops fail on a
+GPU) counts as a sync, listed as ``implicit:<op>``.
 """
 from __future__ import annotations
 
+import traceback
 import weakref
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -36,12 +47,32 @@ MATMUL = {"bmm", "mm", "matmul", "baddbmm", "addmm", "addbmm"}
 
 @dataclass
 class Costs:
-    """What one call costs: ``launches`` (kernels), ``syncs`` (host waits), ``flops`` (matmul), per-op counts."""
+    """What one call costs: ``launches`` (kernels), ``syncs`` (host waits), ``flops`` (matmul), per-op counts, and
+    ``sync_sites``: where the syncs happened (the innermost frame outside torch: ``file:line function``)."""
 
     launches: int = 0
     syncs: int = 0
     flops: float = 0.0
     ops: Counter = field(default_factory=Counter)
+    sync_sites: Counter = field(default_factory=Counter)
+
+    def sync(self, n: int = 1) -> None:
+        self.syncs += n
+        self.sync_sites[_site()] += n
+
+
+def _site() -> str:
+    """The innermost caller outside torch and this module: ``path:line function`` (path from its package root)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or path.endswith("benchmarks/launches.py"):
+            continue
+        for root in ("/promprune/", "/transformers/", "/benchmarks/", "/tests/"):
+            if root in path:
+                path = root.strip("/") + "/" + path.rsplit(root, 1)[1]
+                break
+        return f"{path}:{frame.lineno} {frame.name}"
+    return "?"
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -59,10 +90,11 @@ class _Counter(TorchDispatchMode):
     device ops made from them) or with no tensor input (factories); an op on host tensors only (the host's own
     arithmetic on values it read, e.g. ``torch.from_numpy`` results) launches nothing and waits for nothing."""
 
-    def __init__(self, costs: Costs, inputs):
+    def __init__(self, costs: Costs, inputs, transfers: bool = False):
         super().__init__()
         self.costs = costs
         self.paused = False
+        self.transfers = transfers
         self.device: dict[int, weakref.ref] = {}  # id -> weak reference (tensors compare by value, not identity)
         self.mark(_tensors(inputs))
 
@@ -81,8 +113,11 @@ class _Counter(TorchDispatchMode):
             return out
         self.mark(_tensors(out))
         name = func.overloadpacket.__name__.rstrip("_")
+        if self.transfers and any(t.dim() > 0 and not self.on_device(t) for t in ins):
+            self.costs.sync()  # host tensors meet device ones: torch copies them over, blocking (or fails)
+            self.costs.ops["implicit:" + name] += 1
         if name in SYNC_OPS:
-            self.costs.syncs += 1
+            self.costs.sync()
         if name not in NO_LAUNCH:
             self.costs.launches += 1
             self.costs.ops[name] += 1
@@ -136,26 +171,180 @@ def fast_path_on_cpu():
 
 def count(fn, *args, **kwargs) -> Costs:
     """The launches, syncs and matmul FLOPs of ``fn(*args, **kwargs)`` (``Tensor.tolist`` counts as a sync)."""
+    return _count(fn, args, kwargs, transfers=False, resident=())
+
+
+def count_model(model: torch.nn.Module, fn, *args, **kwargs) -> Costs:
+    """:func:`count` of ``fn(*args, **kwargs)`` with ``model``'s parameters and buffers on the device and the copies
+    between host and device counted (the module docstring): for a model path that starts from host data."""
+    resident = list(model.parameters()) + list(model.buffers())
+    return _count(fn, args, kwargs, transfers=True, resident=resident)
+
+
+def _count(fn, args, kwargs, transfers: bool, resident) -> Costs:
     costs = Costs()
     real_tolist = torch.Tensor.tolist
     syncs_before = accel.syncs()
 
     def tolist(t):
         if _ACTIVE and not _ACTIVE[-1].paused and _ACTIVE[-1].on_device(t):
-            costs.syncs += 1
+            costs.sync()
         return real_tolist(t)
 
     torch.Tensor.tolist = tolist
-    counter = _Counter(costs, (args, kwargs))
+    counter = _Counter(costs, (args, kwargs, resident), transfers=transfers)
     _ACTIVE.append(counter)
     try:
-        with counter:
+        with counter, (_Transfers(counter) if transfers else nullcontext()):
             fn(*args, **kwargs)
     finally:
         _ACTIVE.pop()
         torch.Tensor.tolist = real_tolist
-    costs.syncs += accel.syncs() - syncs_before
+    if not transfers:  # with transfers the deliberate reads (``.cpu()``) are counted where they happen
+        costs.syncs += accel.syncs() - syncs_before  # the deliberate reads: not in sync_sites
     return costs
+
+
+@contextmanager
+def on_host(owner, name: str):
+    """``owner.name`` runs on the host inside the block: what it does is not counted and what it returns are host
+    tensors (e.g. ``PrunedVLM.processed``, the processor: on a GPU run it works on the CPU before the copy over)."""
+    real = getattr(owner, name)
+
+    def host(*args, **kwargs):
+        if not _ACTIVE:
+            return real(*args, **kwargs)
+        counter, before = _ACTIVE[-1], _ACTIVE[-1].paused
+        counter.paused = True
+        try:
+            return real(*args, **kwargs)
+        finally:
+            counter.paused = before
+
+    own = getattr(owner, "__dict__", {}).get(name)  # an instance's bound method lives on its class: None
+    setattr(owner, name, host)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+
+
+# factories that make a host tensor unless given the device; tensor / as_tensor copy host data to that device
+_FACTORIES = ("arange", "zeros", "ones", "full", "empty", "eye", "linspace", "rand", "randn", "randint", "randperm",
+              "tensor", "as_tensor", "scalar_tensor")
+_COPIES = ("tensor", "as_tensor")
+DEVICE = torch.device("cpu", 0)  # the device, as count_model's device tensors report it
+HOST = torch.device("cpu")
+
+
+def _is_device(device) -> bool:
+    return device is not None and torch.device(device) == DEVICE
+
+
+class _Transfers:
+    """While active: device tensors report ``cpu:0``; factories, ``.to`` / ``.cpu`` / ``.numpy`` between host and
+    device counted (the module docstring)."""
+
+    def __init__(self, counter: "_Counter"):
+        self.counter = counter
+        self.saved: dict = {}
+
+    def __enter__(self):
+        for name in _FACTORIES:
+            self.saved[("torch", name)] = real = getattr(torch, name)
+            setattr(torch, name, self._factory(real, name in _COPIES))
+        for name in ("to", "cpu", "numpy", "device"):
+            self.saved[("Tensor", name)] = torch.Tensor.__dict__.get(name, getattr(torch.Tensor, name))
+        real_device = self.saved[("Tensor", "device")]
+        c = self.counter
+        torch.Tensor.device = property(lambda t: DEVICE if c.on_device(t) else real_device.__get__(t))
+        torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.numpy = self._to(), self._cpu(), self._numpy()
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), real in self.saved.items():
+            setattr(torch if owner == "torch" else torch.Tensor, name, real)
+        return False
+
+    def _to(self):
+        c, real_to = self.counter, self.saved[("Tensor", "to")]
+
+        def to(t, *args, **kwargs):
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            if c.paused or device is None:
+                return real_to(t, *args, **kwargs)
+            same = dict(dtype=dtype, non_blocking=non_blocking, copy=bool(kwargs.get("copy", False)))
+            if memory_format is not None:
+                same["memory_format"] = memory_format
+            if c.on_device(t) == _is_device(device):  # stays where it is
+                return real_to(t, **same)
+            if c.on_device(t):
+                return self._read(t, lambda: real_to(t, **same))
+            return self._write(t, lambda: real_to(t, **same), non_blocking)
+        return to
+
+    def _cpu(self):
+        c, real_cpu = self.counter, self.saved[("Tensor", "cpu")]
+
+        def cpu(t, *args, **kwargs):
+            if c.on_device(t) and not c.paused:
+                return self._read(t, lambda: real_cpu(t, *args, **kwargs))
+            return real_cpu(t, *args, **kwargs)
+        return cpu
+
+    def _numpy(self):
+        c, real_numpy = self.counter, self.saved[("Tensor", "numpy")]
+
+        def numpy(t, *args, **kwargs):
+            if c.on_device(t) and not c.paused:
+                c.costs.sync()
+                c.costs.ops["read"] += 1
+            return real_numpy(t, *args, **kwargs)
+        return numpy
+
+    def _factory(self, real, copies: bool):
+        c = self.counter
+
+        def make(*args, **kwargs):
+            if c.paused or not _is_device(kwargs.get("device")):
+                return self._host(lambda: real(*args, **{**kwargs, "device": HOST} if "device" in kwargs else kwargs))
+            kwargs = {**kwargs, "device": HOST}
+            if copies:  # host data copied to the device with a blocking copy
+                return self._write(None, lambda: real(*args, **kwargs), non_blocking=False)
+            return real(*args, **kwargs)
+        return make
+
+    def _host(self, make):
+        c, before = self.counter, self.counter.paused
+        c.paused = True
+        try:
+            return make()
+        finally:
+            c.paused = before
+
+    def _read(self, t, move):
+        """A device tensor read by the host: one sync; what comes back is a host tensor (a copy, unmarked)."""
+        c = self.counter
+        c.costs.sync()
+        c.costs.ops["read"] += 1
+        out = self._host(move)
+        return self._host(out.clone) if out is t else out
+
+    def _write(self, t, move, non_blocking: bool):
+        """Host data copied to the device: one launch, one sync unless non-blocking; the copy is a device tensor."""
+        c = self.counter
+        c.costs.launches += 1
+        c.costs.ops["to_device"] += 1
+        if not non_blocking:
+            c.costs.sync()
+            c.costs.ops["to_device_blocking"] += 1
+        out = self._host(move)
+        out = self._host(out.clone) if out is t else out
+        c.mark(_tensors(out))
+        return out
 
 
 # A projection's constants (assumptions, not measurements): what one eager launch costs the host on an H100-class

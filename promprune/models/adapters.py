@@ -12,10 +12,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .registry import family_of, find_family
+from .transfer import to_device, to_host
+
+
+@dataclass
+class HostIndex:
+    """Host copies (numpy) of a :class:`VisualItem`'s index tensors, what the host plans the selection and the LLM's
+    input with: ``run_pos`` / ``grid_index`` / ``groups`` ``[N]`` int64, ``cells`` ``[N, 2]`` or None, ``newline``
+    ``[P]`` bool / ``row_of_run`` ``[P]`` int64 or None."""
+
+    run_pos: np.ndarray
+    grid_index: np.ndarray
+    groups: np.ndarray
+    cells: np.ndarray | None = None
+    newline: np.ndarray | None = None
+    row_of_run: np.ndarray | None = None
+
+    @classmethod
+    def identity(cls, n: int) -> "HostIndex":
+        """One view of ``n`` tokens, each a candidate at its own run position and grid place."""
+        idx = np.arange(n, dtype=np.int64)
+        return cls(run_pos=idx, grid_index=idx, groups=np.zeros(n, dtype=np.int64))
+
+
+_HOST_FIELDS = ("run_pos", "grid_index", "groups", "cells", "newline", "row_of_run")
 
 
 @dataclass
@@ -43,6 +68,8 @@ class VisualItem:
       run position at that LLM layer; pruning feeds the rows of the kept run positions.
     - ``key`` or None: the image's identity, a hash of its pixels (:func:`promprune.models.images.pixel_key`; a clip:
       of its frames), set by :func:`attach_keys`; methods that draw at random seed the draw from it.
+    - ``host`` or None: the index tensors' host copies (:class:`HostIndex`), set by the adapter where it builds them
+      on the host, else by :func:`host_index` (one read of a whole batch); they must agree with the tensors.
     """
 
     run: torch.Tensor
@@ -65,6 +92,7 @@ class VisualItem:
     text_source: str | None = None
     deepstack: list[torch.Tensor] | None = None
     key: int | None = None
+    host: HostIndex | None = None
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision
@@ -73,11 +101,18 @@ class VisualItem:
         pos = torch.arange(P, device=self.run.device)
         grid = torch.full((P,), -1, dtype=torch.long, device=self.run.device)
         grid[self.run_pos] = self.grid_index
+        host = None
+        if self.host is not None:  # the same on the host, no read
+            host_grid = np.full(P, -1, dtype=np.int64)
+            host_grid[self.host.run_pos] = self.host.grid_index
+            host = HostIndex(run_pos=np.arange(P, dtype=np.int64), grid_index=host_grid,
+                             groups=np.zeros(P, dtype=np.int64), newline=self.host.newline,
+                             row_of_run=self.host.row_of_run)
         return VisualItem(run=self.run, features=self.run, run_pos=pos, grid_index=grid, saliency=None,
                           groups=torch.zeros_like(pos), row_of_run=self.row_of_run, newline=self.newline,
-                          grid_shape=self.grid_shape, key=self.key)
+                          grid_shape=self.grid_shape, key=self.key, host=host)
 
-    def assemble(self, kept: torch.Tensor, merged: torch.Tensor | None = None, newline: str = "drop",
+    def assemble(self, kept, merged: torch.Tensor | None = None, newline: str = "drop",
                  prefix: torch.Tensor | None = None):
         """LLM features for candidates ``kept [M]`` in that order: ``(features [M', d], run positions [M'])``.
 
@@ -85,31 +120,73 @@ class VisualItem:
         newline of every row holding a kept token is inserted at its place; "all": every newline (M' >= M).
         ``prefix [K, d]``: tokens fed first that have no place in the run (VisionZip's CLS tokens); each takes a
         run position no kept token uses, which only sets the placeholder count (LLaVA numbers the sequence itself).
+        One image's :func:`assemble_all`: ``kept`` on the host (a CPU tensor or an array) or read from the device.
         """
-        pos = self.run_pos[kept]
-        if bool((pos < 0).any()):
+        kept = kept.cpu().numpy() if isinstance(kept, torch.Tensor) else np.asarray(kept)
+        feats, pos, _ = assemble_all([self], [kept], [merged], [prefix], newline)[0]
+        return feats, pos
+
+    def layout(self, kept: np.ndarray, newline: str = "drop", prefix: int = 0):
+        """The host's plan of :meth:`assemble` (numpy, no device values): ``(gather [G]`` run positions fed in
+        order after the prefix, ``where [M]`` the place in ``gather`` of each kept candidate, ``pos [prefix + G]``
+        every fed token's run position, the prefix's slots first)."""
+        host = host_index([self])[0]
+        pos = host.run_pos[kept]  # [M]
+        if (pos < 0).any():
             raise ValueError("kept tokens the model's unpadding drops cannot be fed")
-        feats = self.run.clone()
-        if merged is not None:
-            feats[pos] = merged.to(feats.dtype)
-        if newline != "drop" and self.newline is not None:
+        gather, where = pos, np.arange(pos.shape[0])
+        if newline != "drop" and host.newline is not None:
             if newline == "rows":
-                rows = self.row_of_run[pos].unique()
-                extra = (self.newline & torch.isin(self.row_of_run, rows)).nonzero().flatten()
+                extra = np.flatnonzero(host.newline & np.isin(host.row_of_run, np.unique(host.row_of_run[pos])))
             else:  # "all"
-                extra = self.newline.nonzero().flatten()
-            pos = torch.cat([pos, extra]).unique()  # ascending
-        out = feats[pos]
-        if prefix is not None and prefix.shape[0]:
-            free = torch.ones(self.run.shape[0], dtype=torch.bool, device=pos.device)
-            free[pos] = False
-            slots = free.nonzero().flatten()[:prefix.shape[0]]
-            if slots.numel() < prefix.shape[0]:
-                raise ValueError(f"{prefix.shape[0]} CLS tokens need as many placeholder slots beside the "
-                                 f"{pos.numel()} kept tokens; the run has {self.run.shape[0]}: lower the budget")
-            out = torch.cat([prefix.to(out.dtype), out])
-            pos = torch.cat([slots, pos])
-        return out, pos
+                extra = np.flatnonzero(host.newline)
+            gather = np.unique(np.concatenate([pos, extra]))  # ascending
+            where = np.searchsorted(gather, pos)
+        slots = np.zeros(0, dtype=np.int64)
+        if prefix:
+            free = np.ones(self.run.shape[0], dtype=bool)
+            free[gather] = False
+            slots = np.flatnonzero(free)[:prefix]
+            if slots.shape[0] < prefix:
+                raise ValueError(f"{prefix} CLS tokens need as many placeholder slots beside the "
+                                 f"{gather.shape[0]} kept tokens; the run has {self.run.shape[0]}: lower the budget")
+        return gather, where, np.concatenate([slots, gather])
+
+
+def host_index(items: list[VisualItem]) -> list[HostIndex]:
+    """Every item's :class:`HostIndex`, set on the items that lack one with one read of their index tensors for
+    the whole list (none when every item has one)."""
+    missing = [it for it in items if it.host is None]
+    tensors = [getattr(it, name) for it in missing for name in _HOST_FIELDS if getattr(it, name) is not None]
+    arrays = iter(to_host(tensors))
+    for it in missing:
+        it.host = HostIndex(**{name: next(arrays) if getattr(it, name) is not None else None
+                               for name in _HOST_FIELDS})
+    return [it.host for it in items]
+
+
+def assemble_all(items: list[VisualItem], kept: list[np.ndarray], merged: list, prefix: list, newline: str = "drop"):
+    """:meth:`VisualItem.assemble` of every item with one copy of the batch's indices to the device: per item
+    ``(features [M', d], run positions [M'] on the device, the same [M'] on the host)``. ``kept[i]`` host indices,
+    ``merged[i]`` ``[M, d]`` or None, ``prefix[i]`` ``[K, d]`` or None."""
+    host_index(items)  # one read for the items whose adapter left none
+    plans = [it.layout(k, newline, 0 if p is None else p.shape[0]) for it, k, p in zip(items, kept, prefix)]
+    moved: dict[int, list[torch.Tensor]] = {}
+    for device in dict.fromkeys(it.run.device for it in items):  # one copy per device (one in practice)
+        members = [i for i, it in enumerate(items) if it.run.device == device]
+        arrays = [a for i in members for a in plans[i]]
+        for i, three in zip(members, zip(*[iter(to_device(arrays, device))] * 3)):
+            moved[i] = list(three)
+    out = []
+    for i, it in enumerate(items):
+        gather, where, pos = moved[i]
+        feats = it.run[gather]  # [G, d]
+        if merged[i] is not None:
+            feats[where] = merged[i].to(feats.dtype)
+        if prefix[i] is not None and prefix[i].shape[0]:
+            feats = torch.cat([prefix[i].to(feats.dtype), feats])
+        out.append((feats, pos, plans[i][2]))
+    return out
 
 
 def attach_keys(items: list[VisualItem], keys: list[int]) -> list[VisualItem]:
@@ -133,10 +210,13 @@ class Adapter:
 
     ``encoder``: the vision encoder's kind, "clip" where CDPruner can use CLIP's text tower (else the LLM's input
     embeddings); ``contiguous_run``: one image's placeholders form one run (else several, split by the processor's
-    markers, as MiniCPM-V's slices); ``family``: the registered :class:`~promprune.models.registry.Family`."""
+    markers, as MiniCPM-V's slices); ``family``: the registered :class:`~promprune.models.registry.Family`;
+    ``host_inputs``: processor outputs that stay on the host, where the model only reads their values (LLaVA-NeXT's
+    ``image_sizes``: on the device each read would be a sync)."""
 
     encoder = "clip"
     contiguous_run = True
+    host_inputs: tuple[str, ...] = ()  # processor outputs the model reads on the host only (PrunedVLM.on_device)
 
     def __init__(self, model, processor, options: dict):
         self.model, self.processor, self.options = model, processor, options

@@ -10,24 +10,35 @@ more than it has; what it cannot take goes to the others, so every image keeps `
 ``view_quota`` gives every view the same ``view_budget`` whatever the image's view count, and the adapter passes
 each view's whole grid (``VisualItem.full``): picks the model's unpadding drops are not fed. ``packed`` is
 ``global`` over ``VisualItem.packed()``, newline tokens included.
+
+On a GPU the host plans: it reads the batch's index tensors once (``adapters.host_index``; none where the adapter
+built them on the host), forms the units and buckets from host arrays, sends every unit's candidate indices to the
+device in one copy, checks all buckets' inputs for NaN / Inf with one read (``select(..., checked=True)`` then skips
+its own), runs the buckets' ``select`` calls back to back, and reads all their results in one copy: what the host
+waits for does not grow with views, units or tokens (the methods' own reads aside: PromPrune's certified split reads
+its bounds once per call). ``ItemSelection.kept`` / ``salient`` are host tensors; ``merged`` / ``cls`` stay on the
+device.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import promprune
 
-from .adapters import VisualItem
+from .adapters import HostIndex, VisualItem, host_index
+from .transfer import to_device, to_host
 
 
 @dataclass
 class ItemSelection:
-    """``kept [M]`` candidate indices (in the LLM's order), ``merged [M, d]`` or None, ``saliency_count``, ``entropy``,
-    ``salient [S]``: the kept candidates the saliency stage chose (ascending; ``S == saliency_count``); ``cls [K, d]``
-    or None: kept tokens that are no candidate, fed first (VisionZip's CLS, one per view)."""
+    """``kept [M]`` candidate indices (in the LLM's order; a host tensor), ``merged [M, d]`` or None,
+    ``saliency_count``, ``entropy``, ``salient [S]`` (host): the kept candidates the saliency stage chose (ascending;
+    ``S == saliency_count``); ``cls [K, d]`` or None: kept tokens that are no candidate, fed first (VisionZip's CLS,
+    one per view). ``merged`` and ``cls`` live on the features' device."""
 
     kept: torch.Tensor
     merged: torch.Tensor | None
@@ -63,52 +74,95 @@ def split_budget(budget: int, counts: list[int], weights: list[float] | None = N
     return shares
 
 
-def _units(items: list[VisualItem], budget: int, mode: str, view_budget: int | None = None):
-    """``(item, candidate indices [n], budget, view or None)`` for every selection unit."""
-    units = []
-    for b, item in enumerate(items):
-        views = item.groups.unique().tolist()
+@dataclass
+class Unit:
+    """One selection unit: candidates ``idx [n]`` (host) of item ``item`` with ``budget`` tokens to keep; ``view``: its
+    view (None: the several views of a global mode); ``whole``: ``idx`` is every candidate in order (the item's
+    tensors serve as they are); ``dev``: ``idx`` on the device (None when whole)."""
+
+    item: int
+    idx: np.ndarray
+    budget: int
+    view: int | None
+    whole: bool
+    dev: torch.Tensor | None = None
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The unit's rows of an item's per-candidate tensor ``t [N, ...]`` -> ``[n, ...]``."""
+        return t if self.whole else t[self.dev]
+
+
+def _units(items: list[VisualItem], hosts: list[HostIndex], budget: int, mode: str,
+           view_budget: int | None = None) -> list[Unit]:
+    """Every selection unit, in item order and then view order; partial units' indices placed on the device."""
+    per_view: dict[int, list[Unit]] = {}
+    whole: dict[int, Unit] = {}
+    for b, host in enumerate(hosts):
+        n = host.groups.shape[0]
+        views = np.unique(host.groups)  # ascending
         if mode in ("global", "packed") or len(views) == 1 and mode != "view_quota":
-            units.append((b, torch.arange(item.features.shape[0], device=item.features.device), budget,
-                          views[0] if len(views) == 1 else None))
+            whole[b] = Unit(b, np.arange(n), budget, int(views[0]) if len(views) == 1 else None, whole=True)
             continue
-        members = [(item.groups == v).nonzero().flatten() for v in views]
-        counts = [len(m) for m in members]
+        members = [np.flatnonzero(host.groups == v) for v in views]
+        per_view[b] = [Unit(b, m, 0, int(v), whole=m.shape[0] == n) for v, m in zip(views, members)]
+    _place(items, [u for units in per_view.values() for u in units])
+    weights = _view_entropies(items, per_view) if mode == "adaptive_views" else {}
+    out = []
+    for b in range(len(items)):
+        if b in whole:
+            out.append(whole[b])
+            continue
+        counts = [u.idx.shape[0] for u in per_view[b]]
         if mode == "view_quota":
             shares = [min(view_budget if view_budget is not None else budget, c) for c in counts]
         else:
-            weights = None
-            if mode == "adaptive_views":
-                weights = [float(promprune.spectral_entropy(item.features[m][None].float())[0]) for m in members]
-            shares = split_budget(budget, counts, weights)
-        for v, m, share in zip(views, members, shares):
+            shares = split_budget(budget, counts, weights.get(b))
+        for unit, share in zip(per_view[b], shares):
             if share > 0:
-                units.append((b, m, share, v))
-    return units
+                unit.budget = share
+                out.append(unit)
+    return out
 
 
-def _vision(items: list[VisualItem], group) -> promprune.VisionFeatures | None:
+def _place(items: list[VisualItem], units: list[Unit]) -> None:
+    """Set ``dev`` of the partial ``units``: one copy of their indices per device."""
+    partial = [u for u in units if not u.whole]
+    for device in dict.fromkeys(items[u.item].features.device for u in partial):
+        group = [u for u in partial if items[u.item].features.device == device]
+        for unit, moved in zip(group, to_device([u.idx for u in group], device)):
+            unit.dev = moved
+
+
+def _view_entropies(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> dict[int, list[float]]:
+    """Each view's spectral entropy (``adaptive_views``' weights), item -> [V] floats: one read for the batch."""
+    entropies = [promprune.spectral_entropy(u.take(items[b].features)[None].float())[0]
+                 for b, units in per_view.items() for u in units]
+    values = iter(to_host(entropies))
+    return {b: [float(next(values)) for _ in units] for b, units in per_view.items()}
+
+
+def _vision(items: list[VisualItem], group: list[Unit]) -> promprune.VisionFeatures | None:
     """The vision tower's features of a bucket of units (None when the adapter has none). A unit of one view gets
     that view's CLS; a unit of several (global modes) the base view's, the whole image's."""
-    first = items[group[0][0]]
+    first = items[group[0].item]
     if first.vision is None:
         return None
-    hidden = torch.stack([items[b].vision[idx] for b, idx, _, _ in group])
-    keys = None if first.keys is None else torch.stack([items[b].keys[idx] for b, idx, _, _ in group])
+    hidden = torch.stack([u.take(items[u.item].vision) for u in group])  # [U, n, dv]
+    keys = None if first.keys is None else torch.stack([u.take(items[u.item].keys) for u in group])
     cls = None
     if first.cls is not None:
-        cls = torch.stack([items[b].cls[0 if v is None else v] for b, _, _, v in group])
+        cls = torch.stack([items[u.item].cls[0 if u.view is None else u.view] for u in group])  # [U, dv]
     return promprune.VisionFeatures(hidden=hidden, keys=keys, cls=cls, project=first.project)
 
 
-def _instruction(items: list[VisualItem], group) -> promprune.Instruction:
+def _instruction(items: list[VisualItem], group: list[Unit]) -> promprune.Instruction:
     """The instruction of a bucket of units: each unit's question embedding and its candidates in that space."""
-    first = items[group[0][0]]
+    first = items[group[0].item]
     if first.text_tokens is None:
         raise ValueError("this method weighs tokens by the instruction: the adapter attaches it "
                          "(Adapter.attach_instruction), which was not called")
-    query = torch.stack([items[b].text_query for b, _, _, _ in group])  # [U, c]
-    tokens = torch.stack([items[b].text_tokens[idx] for b, idx, _, _ in group])  # [U, n, c]
+    query = torch.stack([items[u.item].text_query for u in group])  # [U, c]
+    tokens = torch.stack([u.take(items[u.item].text_tokens) for u in group])  # [U, n, c]
     return promprune.Instruction(query=query, tokens=tokens, source=first.text_source)
 
 
@@ -121,9 +175,9 @@ def unit_key(key: int | None, view: int | None) -> int | None:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _keys(items: list[VisualItem], group) -> list[int] | None:
+def _keys(items: list[VisualItem], group: list[Unit]) -> list[int] | None:
     """The units' keys of a bucket (None when an item has no key: ``select`` then fingerprints the features)."""
-    keys = [unit_key(items[b].key, v) for b, _, _, v in group]
+    keys = [unit_key(items[u.item].key, u.view) for u in group]
     return None if any(k is None for k in keys) else keys
 
 
@@ -132,16 +186,18 @@ NOT_A_RECTANGLE = ("this method pools one view's token grid: the candidates of a
                    "'adaptive_views' or 'view_quota', not 'global' or 'packed')")
 
 
-def unit_grid(item: VisualItem, idx: torch.Tensor) -> tuple[int, int]:
-    """``(rows, cols)`` of the candidates ``idx`` of one unit, which must fill a rectangle of one view's grid in raster
-    order (LLaVA's image, a LLaVA-NeXT view after unpadding, Qwen2.5-VL's / Qwen3-VL's merged grid, a LLaVA-OneVision
-    view as fed: ``VisualItem.cells``)."""
-    grid = item.grid_index[idx]
-    if not bool((grid >= 0).all()):  # newline tokens (packed) have no place in a view
+def unit_grid(item: VisualItem, idx) -> tuple[int, int]:
+    """``(rows, cols)`` of the candidates ``idx`` (host indices) of one unit, which must fill a rectangle of one view's
+    grid in raster order (LLaVA's image, a LLaVA-NeXT view after unpadding, Qwen2.5-VL's / Qwen3-VL's merged grid, a
+    LLaVA-OneVision view as fed: ``VisualItem.cells``). Reads the item's host index (:func:`host_index`)."""
+    host = host_index([item])[0]
+    idx = np.asarray(idx)
+    grid = host.grid_index[idx]
+    if not (grid >= 0).all():  # newline tokens (packed) have no place in a view
         raise ValueError(NOT_A_RECTANGLE)
-    if item.cells is not None:  # (row, col) in the grid the view is fed as
-        r, c = item.cells[idx].unbind(-1)
-        same_view = bool((item.groups[idx] == item.groups[idx[0]]).all())
+    if host.cells is not None:  # (row, col) in the grid the view is fed as
+        r, c = host.cells[idx, 0], host.cells[idx, 1]
+        same_view = bool((host.groups[idx] == host.groups[idx[0]]).all())
     elif item.grid_shape is not None:
         rows, cols = item.grid_shape
         cell = grid % (rows * cols)
@@ -151,10 +207,22 @@ def unit_grid(item: VisualItem, idx: torch.Tensor) -> tuple[int, int]:
         raise ValueError("this method pools a token grid: the adapter gives no grid for these tokens")
     height, width = int(r.max() - r.min()) + 1, int(c.max() - c.min()) + 1
     raster = (r - r.min()) * width + (c - c.min())
-    if not same_view or height * width != idx.numel() or not torch.equal(raster, torch.arange(idx.numel(),
-                                                                                              device=raster.device)):
+    if not same_view or height * width != idx.shape[0] or not np.array_equal(raster, np.arange(idx.shape[0])):
         raise ValueError(NOT_A_RECTANGLE)
     return height, width
+
+
+@dataclass
+class _Part:
+    """One unit's result on the host: ``kept`` candidate indices, ``rows`` their rows in the bucket's merged
+    features (flattened over units), ``count``, ``entropy``, ``salient`` indices, ``cls [1, d]`` or None."""
+
+    kept: np.ndarray
+    rows: np.ndarray
+    count: int
+    entropy: float | None
+    salient: np.ndarray
+    cls: torch.Tensor | None
 
 
 def select_items(items: list[VisualItem], budget: int, method: str, options: dict,
@@ -165,55 +233,108 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
     Kept candidates outside the run (``run_pos < 0``: padding the model's unpadding drops) are left out."""
     spec = promprune.method_spec(method)
     options = {**options, "order": "ascending" if order == "raster" else "selection"}
-    units = _units(items, budget, mode, view_budget)
-    results: dict[int, list] = {b: [] for b in range(len(items))}
-    buckets: dict[tuple, list] = {}
-    for unit in units:
-        grid = unit_grid(items[unit[0]], unit[1]) if spec.needs_grid else None
-        buckets.setdefault((unit[1].numel(), unit[2], grid), []).append(unit)
-    for (_n, share, grid), group in buckets.items():
-        feats = torch.stack([items[b].features[idx] for b, idx, _, _ in group])  # [U, n, d]
-        sal = None
-        if spec.needs_saliency:
-            sal = torch.stack([items[b].saliency[idx] for b, idx, _, _ in group])  # [U, n]
-        vision = _vision(items, group) if spec.reads_vision else None
-        text = _instruction(items, group) if spec.needs_instruction else None
-        sel = promprune.select(feats, sal, budget=share, method=method, vision=vision, instruction=text, grid=grid,
-                               keys=_keys(items, group), **options)
-        for u, (b, idx, _, _) in enumerate(group):
-            merged = None if sel.features is None else sel.features[u]
-            ent = None if sel.entropy is None else float(sel.entropy[u])
-            chosen = sel.indices[u].to(idx.device)
-            is_salient = sel.salient[u].to(idx.device) if sel.salient is not None else torch.zeros_like(chosen,
-                                                                                                        dtype=bool)
-            count = int(sel.saliency_count[u])
-            fed = items[b].run_pos[idx[chosen]] >= 0
-            if not bool(fed.all()):  # picks in the padding: the model's unpadding drops them
-                count -= int((is_salient & ~fed).sum())
-                chosen, is_salient = chosen[fed], is_salient[fed]
-                merged = None if merged is None else merged[fed]
-            if order == "stages":  # salient ascending, then the rest ascending (VisionZip's released order)
-                rank = chosen + (~is_salient).long() * (int(chosen.max()) + 1 if chosen.numel() else 0)
-                perm = rank.argsort()
-                chosen, is_salient = chosen[perm], is_salient[perm]
-                merged = None if merged is None else merged[perm]
-            salient = idx[chosen[is_salient]]
-            cls = None if sel.cls is None else sel.cls[u][None]
-            results[b].append((idx[chosen], merged, count, ent, salient, cls))
-    return [_combine(results[b], items[b].run_pos, keep_order=order != "raster") for b in range(len(items))]
+    hosts = host_index(items)
+    buckets: dict[tuple, list[Unit]] = {}
+    for unit in _units(items, hosts, budget, mode, view_budget):
+        grid = unit_grid(items[unit.item], unit.idx) if spec.needs_grid else None
+        buckets.setdefault((unit.idx.shape[0], unit.budget, grid), []).append(unit)
+    calls = [_inputs(items, group, spec) for group in buckets.values()]
+    checked = _all_finite([t for call in calls for t in _checked_tensors(call)])
+    sels = [promprune.select(call.pop("features"), call.pop("saliency"), budget=share, method=method, grid=grid,
+                             checked=checked, **call, **options)
+            for (_n, share, grid), call in zip(buckets, calls)]
+    parts = _parts(items, hosts, list(buckets.values()), sels, order)
+    combined = [_combine(parts[b], hosts[b].run_pos, keep_order=order != "raster") for b in range(len(items))]
+    return _attach_merged(combined, sels)
 
 
-def _combine(parts, run_pos: torch.Tensor, keep_order: bool = False) -> ItemSelection:
+def _inputs(items: list[VisualItem], group: list[Unit], spec) -> dict:
+    """``select``'s tensor arguments for a bucket of units: features ``[U, n, d]``, saliency, vision, instruction,
+    keys."""
+    feats = torch.stack([u.take(items[u.item].features) for u in group])  # [U, n, d]
+    sal = torch.stack([u.take(items[u.item].saliency) for u in group]) if spec.needs_saliency else None  # [U, n]
+    return dict(features=feats, saliency=sal, vision=_vision(items, group) if spec.reads_vision else None,
+                instruction=_instruction(items, group) if spec.needs_instruction else None, keys=_keys(items, group))
+
+
+def _checked_tensors(call: dict) -> list[torch.Tensor]:
+    """The tensors of a bucket that ``select`` checks for NaN / Inf."""
+    vision, text = call["vision"], call["instruction"]
+    out = [call["features"], call["saliency"]]
+    if vision is not None:
+        out += [vision.hidden, vision.keys, vision.cls]
+    if text is not None:
+        out += [text.query, text.tokens]
+    return [t for t in out if t is not None]
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor is finite: one read for all (False: ``select`` checks each and names the bad one)."""
+    flags = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    return bool(to_host([flags])[0])
+
+
+def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int, list[_Part]]:
+    """Every unit's result on the host, per item in bucket order: one read of all buckets' indices, stage flags,
+    saliency counts and entropies."""
+    fields = []
+    for sel in sels:
+        fields += [sel.indices, sel.salient if sel.salient is not None else torch.zeros_like(sel.indices, dtype=bool),
+                   sel.saliency_count]
+        fields += [sel.entropy] if sel.entropy is not None else []
+    read = iter(to_host(fields))
+    parts: dict[int, list[_Part]] = {b: [] for b in range(len(items))}
+    offset = 0  # the bucket's first row among all buckets' merged rows (flattened over units)
+    for group, sel in zip(groups, sels):
+        indices, salient, counts = next(read), next(read), next(read)
+        entropy = next(read) if sel.entropy is not None else None
+        width = indices.shape[1]
+        for u, unit in enumerate(group):
+            parts[unit.item].append(_part(unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
+                                          None if entropy is None else float(entropy[u]), offset + u * width, order,
+                                          None if sel.cls is None else sel.cls[u][None]))
+        offset += indices.size
+    return parts
+
+
+def _part(unit: Unit, host: HostIndex, chosen: np.ndarray, is_salient: np.ndarray, count: int,
+          entropy: float | None, row0: int, order: str, cls) -> _Part:
+    """One unit's picks ``chosen [k]`` (positions in ``unit.idx``) after dropping what the model's unpadding drops and
+    ordering by stage."""
+    rows = row0 + np.arange(chosen.shape[0])
+    fed = host.run_pos[unit.idx[chosen]] >= 0
+    if not fed.all():  # picks in the padding: the model's unpadding drops them
+        count -= int((is_salient & ~fed).sum())
+        chosen, is_salient, rows = chosen[fed], is_salient[fed], rows[fed]
+    if order == "stages":  # salient ascending, then the rest ascending (VisionZip's released order)
+        rank = chosen + (~is_salient).astype(np.int64) * (int(chosen.max()) + 1 if chosen.shape[0] else 0)
+        perm = np.argsort(rank, kind="stable")
+        chosen, is_salient, rows = chosen[perm], is_salient[perm], rows[perm]
+    return _Part(kept=unit.idx[chosen], rows=rows, count=count, entropy=entropy,
+                 salient=unit.idx[chosen[is_salient]], cls=cls)
+
+
+def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False) -> tuple[ItemSelection, np.ndarray]:
     """Merge the units of one image into one kept list: in run order (the sequence the model packs), or
     (``keep_order``) the units' own orders one after the other (entropy: mean over views; CLS tokens in view
-    order)."""
-    kept = torch.cat([p[0] for p in parts])
-    order = torch.arange(kept.numel(), device=kept.device) if keep_order else run_pos[kept].argsort()
-    merged = None
-    if parts[0][1] is not None:
-        merged = torch.cat([p[1] for p in parts])[order]
-    ents = [p[3] for p in parts if p[3] is not None]
-    cls = torch.cat([p[5] for p in parts]) if parts[0][5] is not None else None
-    return ItemSelection(kept=kept[order], merged=merged, saliency_count=sum(p[2] for p in parts),
-                         entropy=sum(ents) / len(ents) if ents else None,
-                         salient=torch.cat([p[4] for p in parts]).sort().values, cls=cls)
+    order). Returns the selection (``merged`` not yet set) and the merged rows of its kept tokens, in its order."""
+    kept = np.concatenate([p.kept for p in parts])
+    order = np.arange(kept.shape[0]) if keep_order else np.argsort(run_pos[kept], kind="stable")
+    ents = [p.entropy for p in parts if p.entropy is not None]
+    cls = torch.cat([p.cls for p in parts]) if parts[0].cls is not None else None
+    sel = ItemSelection(kept=torch.from_numpy(kept[order]), merged=None, saliency_count=sum(p.count for p in parts),
+                        entropy=sum(ents) / len(ents) if ents else None,
+                        salient=torch.from_numpy(np.sort(np.concatenate([p.salient for p in parts]))), cls=cls)
+    return sel, np.concatenate([p.rows for p in parts])[order]
+
+
+def _attach_merged(combined: list[tuple[ItemSelection, np.ndarray]], sels) -> list[ItemSelection]:
+    """Set each selection's ``merged`` (token-merging methods) from the buckets' merged features, flattened over
+    units and stacked: one copy of every item's row indices to the device."""
+    out = [sel for sel, _ in combined]
+    if not sels or sels[0].features is None:
+        return out
+    pool = torch.cat([sel.features.flatten(0, 1) for sel in sels])  # [sum over buckets of U * k, d]
+    for sel, rows in zip(out, to_device([rows for _, rows in combined], pool.device)):
+        sel.merged = pool[rows]
+    return out

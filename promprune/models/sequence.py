@@ -36,7 +36,7 @@ def shrink_placeholders(input_ids: torch.Tensor, attention_mask: torch.Tensor, i
     for b, (run, pos) in enumerate(zip(runs, kept_run_pos)):
         real = attention_mask[b].bool().clone()
         real[run] = False
-        chosen = run[pos.to(run.device)]
+        chosen = run[pos if pos.device == run.device else pos.to(run.device)]
         real[chosen] = True
         cols = real.nonzero().flatten()
         if keep_order:

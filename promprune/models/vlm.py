@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import promprune
@@ -13,13 +15,14 @@ from promprune.dtypes import parse_dtype
 from promprune.records import SampleStats
 
 from . import llm_hooks
-from .adapters import adapter_for, attach_keys
+from .adapters import adapter_for, assemble_all, attach_keys, host_index
 from .factories import find_model_factory
 from .images import load_images, pixel_key
 from .options import is_in_llm, next_layout, token_order, validate_method
 from .registry import family_of
 from .batched_select import select_items
 from .sequence import shrink_placeholders
+from .transfer import to_device, to_host
 
 
 @dataclass(kw_only=True)
@@ -32,13 +35,15 @@ class Generation(SampleStats):
 
 @dataclass
 class Fed:
-    """What the LLM is fed of one image: ``features [M, d]`` at run positions ``run_pos [M]`` of ``item`` (the
-    :class:`~promprune.models.adapters.VisualItem` the adapter's ``encoder_outputs`` reads), and the sample's stats."""
+    """What the LLM is fed of one image: ``features [M, d]`` at run positions ``run_pos [M]`` (on the device;
+    ``host_pos``: the same on the host) of ``item`` (the :class:`~promprune.models.adapters.VisualItem` the adapter's
+    ``encoder_outputs`` reads), and the sample's stats."""
 
     item: object
     features: torch.Tensor
     run_pos: torch.Tensor
     stats: dict
+    host_pos: np.ndarray | None = None
 
 
 @dataclass
@@ -173,7 +178,16 @@ class PrunedVLM:
 
     def inputs(self, images, prompts):
         """Processor outputs for a batch (unpruned placeholders), on the model's device."""
-        batch = self.processed(images, prompts).to(self.device)
+        return self.on_device(self.processed(images, prompts))
+
+    def on_device(self, host):
+        """A copy of processor outputs ``host`` on the model's device (non-blocking copies: the host does not wait
+        for the device; the adapter's ``host_inputs`` stay on the host), pixel values in the model's dtype; ``host``
+        stays as it is."""
+        batch = copy.copy(host)
+        batch.data = {k: v.to(self.device, non_blocking=True)
+                      if isinstance(v, torch.Tensor) and k not in self.adapter.host_inputs else v
+                      for k, v in host.items()}
         if "pixel_values" in batch and batch["pixel_values"].is_floating_point():
             batch["pixel_values"] = batch["pixel_values"].to(self.model.dtype)
         return batch
@@ -211,10 +225,11 @@ class PrunedVLM:
 
             return Prepared(**sharing.prepare(self, images, prompts, list(keys), cache if cache is not None
                                               else sharing.ImageCache()))
-        batch = self.inputs(images, prompts)
+        host = self.processed(images, prompts)
+        batch = self.on_device(host)
         items, candidates, plan, vision_ms, select_ms = self._encode_select(batch, prompts, images)
         fed = self._fed(items, candidates, plan)
-        return Prepared(model_kwargs=self._llm_inputs(batch, fed, pruned=plan is not None),
+        return Prepared(model_kwargs=self._llm_inputs(batch, fed, pruned=plan is not None, host=host),
                         stats=[f.stats for f in fed], items=items, vision_ms=vision_ms, select_ms=select_ms, fed=fed)
 
     def _encode_select(self, batch, prompts, images):
@@ -328,36 +343,45 @@ class PrunedVLM:
 
     def _fed(self, items, candidates, plan) -> list[Fed]:
         """What the LLM is fed of every image: all of its run (``plan`` None: unpruned, or an in-LLM method, which
-        prunes later) or the kept candidates of ``plan``."""
+        prunes later) or the kept candidates of ``plan`` (their indices on the host; one copy to the device)."""
         if plan is None:
-            return [Fed(it, it.run, torch.arange(it.run.shape[0]),
+            return [Fed(it, it.run, torch.arange(it.run.shape[0], device=it.run.device),
                         dict(visual_tokens=int(it.run.shape[0]), saliency_count=0, entropy=None,
-                             kept=sorted(it.grid_index.tolist()), salient=[])) for it in items]
+                             kept=sorted(host.grid_index.tolist()), salient=[]),
+                        host_pos=np.arange(it.run.shape[0])) for it, host in zip(items, host_index(items))]
         newline = "drop" if self.budget_mode == "packed" else self.image_newline  # packed: newlines were candidates
+        built = assemble_all(candidates, [p.kept.numpy() for p in plan], [p.merged for p in plan],
+                             [p.cls for p in plan], newline=newline)
         fed = []
-        for it, p in zip(candidates, plan):
-            feats, run_pos = it.assemble(p.kept, p.merged, newline=newline, prefix=p.cls)
+        for it, p, (feats, run_pos, host_pos) in zip(candidates, plan, built):
+            grid = it.host.grid_index
             fed.append(Fed(it, feats, run_pos, dict(
                 visual_tokens=int(feats.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
-                kept=[g for g in it.grid_index[p.kept].tolist() if g >= 0],  # newline tokens have no grid index
-                salient=sorted(it.grid_index[p.salient].tolist()))))
+                kept=[g for g in grid[p.kept.numpy()].tolist() if g >= 0],  # newline tokens have no grid index
+                salient=sorted(grid[p.salient.numpy()].tolist())), host_pos=host_pos))
         return fed
 
-    def _llm_inputs(self, batch, fed: list[Fed], pruned: bool) -> dict:
+    def _llm_inputs(self, batch, fed: list[Fed], pruned: bool, host=None) -> dict:
         """Model kwargs of a processed batch (unpruned placeholders) whose row ``i`` is fed ``fed[i]``: ``input_ids``
         / ``attention_mask`` (placeholder runs shrunk to the kept tokens when ``pruned``), ``mm_encoder_outputs`` and
-        the adapter's extra generate kwargs."""
+        the adapter's extra generate kwargs. ``host``: the batch's processor outputs on the host, where the shrinking
+        runs (None: ``input_ids`` / ``attention_mask`` are read from the device once); its result goes to the
+        device in one copy."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        run_pos = [f.run_pos for f in fed]
         if pruned:
-            ids, mask, col_map = shrink_placeholders(ids, mask, self.model.config.image_token_id, run_pos,
-                                                     self.processor.tokenizer.pad_token_id,
-                                                     keep_order=self.token_order != "raster",
-                                                     contiguous=self.adapter.contiguous_run)
+            host_ids, host_mask = (host["input_ids"], host["attention_mask"]) if host is not None else \
+                [torch.from_numpy(a) for a in to_host([ids, mask])]
+            host_pos = [torch.from_numpy(f.host_pos) if f.host_pos is not None else f.run_pos.cpu() for f in fed]
+            shrunk = shrink_placeholders(host_ids, host_mask, self.model.config.image_token_id, host_pos,
+                                         self.processor.tokenizer.pad_token_id, keep_order=self.token_order != "raster",
+                                         contiguous=self.adapter.contiguous_run)
+            ids, new_mask, col_map = to_device([t.numpy() for t in shrunk], ids.device)
+            mask = new_mask.to(mask.dtype)
         else:
             col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
         extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
-        encoded = self.adapter.encoder_outputs([f.item for f in fed], [f.features for f in fed], run_pos)
+        encoded = self.adapter.encoder_outputs([f.item for f in fed], [f.features for f in fed],
+                                               [f.run_pos for f in fed])
         return dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
 
 

@@ -197,7 +197,7 @@ def _fps_start(distance: torch.Tensor, available: torch.Tensor, anchor: torch.Te
     ``sync=False`` skips the host-side test for an empty anchor (the result is the same, computed either way).
     """
     B, N, _ = distance.shape
-    inf = torch.tensor(float("inf"), device=distance.device)
+    inf = float("inf")  # a Python scalar: a 0-d tensor made on the host would be a blocking copy to the device
     if anchor is not None and (not sync or bool(anchor.any())):
         to_anchor = distance.masked_fill(~anchor[:, None, :], inf).amin(dim=2)  # [B, N]
         has_anchor = anchor.any(dim=1)

@@ -425,7 +425,7 @@ def _check_finite(named: dict[str, torch.Tensor | None]) -> None:
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
            method: str = "promprune", vision: VisionFeatures | None = None, instruction: Instruction | None = None,
-           grid: tuple[int, int] | None = None, keys=None, **options) -> Selection:
+           grid: tuple[int, int] | None = None, keys=None, checked: bool = False, **options) -> Selection:
     """Choose ``budget`` of the ``N`` visual tokens of each image.
 
     ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
@@ -436,7 +436,9 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     int per batch row naming the image (or view) the row comes from, e.g. a hash of its pixels; ``random`` draws each
     row's tokens from ``seed`` and its key, so the draw does not depend on the last bits of the features (None: from
     a coarse fingerprint of the features; docs/methods.md). Returns a :class:`Selection`. ``promprune.methods()``
-    lists the methods; an unknown method or option is a ValueError naming the valid ones.
+    lists the methods; an unknown method or option is a ValueError naming the valid ones. ``checked``: the caller has
+    found every input tensor finite (``PrunedVLM`` checks a batch's buckets with one read), so the call does not read
+    the device for it; by default NaN / Inf inputs are a ValueError naming the batch rows.
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:
@@ -452,9 +454,10 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     # saliency reaches only the methods that declare it, as in the model adapters: a selection never depends on
     # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
     seen = _validate_vision(vision, x) if spec.reads_vision else None
-    _check_finite({"features": x, "saliency": s, "vision.hidden": seen and seen.hidden,
-                   "vision.keys": seen and seen.keys, "vision.cls": seen and seen.cls,
-                   "instruction.query": text and text.query, "instruction.tokens": text and text.tokens})
+    if not checked:
+        _check_finite({"features": x, "saliency": s, "vision.hidden": seen and seen.hidden,
+                       "vision.keys": seen and seen.keys, "vision.cls": seen and seen.cls,
+                       "instruction.query": text and text.query, "instruction.tokens": text and text.tokens})
     tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
                       source=features, keys=_validate_keys(keys, x.shape[0]))
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)

@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from .. import saliency as sal
-from ..adapters import Adapter, VisualItem
+from ..adapters import Adapter, HostIndex, VisualItem
 from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
@@ -189,7 +189,8 @@ class LlavaAdapter(Adapter):
                                     groups=torch.zeros_like(idx), vision=None if hidden is None else hidden[b],
                                     keys=None if key is None else key[b],
                                     cls=None if cls is None else cls[b:b + 1],
-                                    project=self.project if need_vision else None, grid_shape=self._grid_shape()))
+                                    project=self.project if need_vision else None, grid_shape=self._grid_shape(),
+                                    host=HostIndex.identity(n)))
         return items
 
     def _grid_shape(self) -> tuple[int, int]:

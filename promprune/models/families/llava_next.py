@@ -18,12 +18,14 @@ Tiny (``tiny:llava_next``): 32 px views of 8 px patches (16 tokens), pinpoints u
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor
 
-from ..adapters import VisualItem
+from ..adapters import HostIndex, VisualItem
 from ..registry import register_family
 from ..tiny import seeded
+from ..transfer import to_device
 from .llava import (
     LLAVA_TEMPLATE,
     LlavaAdapter,
@@ -88,6 +90,8 @@ def anyres_capacity(config, options: dict) -> int:
 class LlavaNextAdapter(LlavaAdapter):
     """LLaVA-NeXT anyres: base view + crops, unpadding and ``image_newline`` (see the module docstring)."""
 
+    host_inputs = ("image_sizes",)  # get_image_features reads them with .tolist(): no sync on the host
+
     def encode(self, inputs, need_saliency, need_vision=False):
         core = self.model.model
         grids: list = []
@@ -106,15 +110,21 @@ class LlavaNextAdapter(LlavaAdapter):
             hidden, key, cls = self._vision(out, keys)
             vision = (hidden.reshape(-1, hidden.shape[-1]), key.reshape(-1, key.shape[-1]), cls)
         layouts, num_views = self._packed_layout(inputs["image_sizes"], [p.shape[0] for p in out.pooler_output], n)
-        items, offset, first = [], 0, 0
-        for run, ids, views in zip(out.pooler_output, layouts, num_views):
-            items.append(self._item(run, ids.to(run.device), n, views, flat, scores, vision, offset, first))
+        plans, offset = [], 0
+        for ids, views in zip(layouts, num_views):
+            plans.append(_host_layout(ids, n, views, offset))
             offset += views * n  # scores hold every view's full grid, unpadding or not
+        device = out.pooler_output[0].device
+        moved = iter(to_device([a for plan in plans for a in plan.values()], device))  # one copy for the batch
+        items, first = [], 0
+        for run, plan, views in zip(out.pooler_output, plans, num_views):
+            dev = {name: next(moved) for name in plan}
+            items.append(self._item(run, plan, dev, n, views, flat, scores, vision, first))
             first += views
         return items
 
-    def _packed_layout(self, image_sizes, run_lengths, n) -> tuple[list[torch.Tensor], list[int]]:
-        """For each image, ``ids [P]``: which (view * n + patch) each packed position holds, -1 for a newline;
+    def _packed_layout(self, image_sizes, run_lengths, n) -> tuple[list[np.ndarray], list[int]]:
+        """For each image, ``ids [P]`` (host): which (view * n + patch) each packed position holds, -1 for a newline;
         and the number of views of each image.
 
         Obtained by running the model's own ``pack_image_features`` on index tensors, so the unpad / newline
@@ -129,34 +139,53 @@ class LlavaNextAdapter(LlavaAdapter):
         packed, _ = self.model.model.pack_image_features(
             ids, image_sizes.cpu(), cfg.vision_feature_select_strategy,
             image_newline=torch.tensor([-1.0], dtype=torch.float64))
-        layouts = [p[:, 0].round().long() for p in packed]
+        layouts = [p[:, 0].round().long().numpy() for p in packed]
         for lay, length in zip(layouts, run_lengths):
-            assert lay.numel() == length, "packed layout does not match the model's packed features"
+            assert lay.shape[0] == length, "packed layout does not match the model's packed features"
         return layouts, num_views
 
-    def _item(self, run, ids, n, views, flat, scores, vision, offset, first) -> VisualItem:
-        """One image's item from its packed layout ``ids``; ``flat`` / ``scores`` / ``vision`` hold every view's
-        whole grid from ``offset`` (views from ``first``); ``full``: the same with the whole grids as candidates."""
-        newline = ids < 0
-        run_pos = (~newline).nonzero().flatten()
-        grid = ids[run_pos]
-        row = newline.long().cumsum(0) - newline.long()  # newlines strictly before each position
-        if int(grid.max()) >= n:  # several views: the base view (first n positions) has no newline rows
-            row[:n] = -1
+    def _item(self, run, plan: dict, dev: dict, n, views, flat, scores, vision, first) -> VisualItem:
+        """One image's item from its packed layout, ``plan`` on the host (:func:`_host_layout`) and ``dev`` the same
+        on the device; ``flat`` / ``scores`` / ``vision`` hold every view's whole grid (views from ``first``);
+        ``full``: the same with the whole grids as candidates."""
         hidden, key, cls = vision
-        whole = torch.arange(views * n, device=run.device)
-        run_of_grid = torch.full_like(whole, -1)
-        run_of_grid[grid] = run_pos  # -1: dropped by the model's unpadding
+        newline = dev["newline"].bool()
 
         def at(t, index):
-            return None if t is None else t[offset + index]
+            return None if t is None else t[index]
 
         def span(t):  # this image's whole grids: a view of the tensor, no copy
-            return None if t is None else t[offset:offset + views * n]
+            return None if t is None else t[first * n:(first + views) * n]
 
-        shared = dict(run=run, row_of_run=row, newline=newline, cls=None if cls is None else cls[first:first + views],
+        shared = dict(run=run, row_of_run=dev["row"], newline=newline,
+                      cls=None if cls is None else cls[first:first + views],
                       project=self.project if hidden is not None else None, grid_shape=self._grid_shape())
-        full = VisualItem(features=span(flat), run_pos=run_of_grid, grid_index=whole, saliency=span(scores),
-                          groups=whole // n, vision=span(hidden), keys=span(key), **shared)
-        return VisualItem(features=run[run_pos], run_pos=run_pos, grid_index=grid, saliency=at(scores, grid),
-                          groups=grid // n, vision=at(hidden, grid), keys=at(key, grid), full=full, **shared)
+        full = VisualItem(features=span(flat), run_pos=dev["run_of_grid"], grid_index=dev["whole"],
+                          saliency=span(scores), groups=dev["whole_groups"], vision=span(hidden), keys=span(key),
+                          host=HostIndex(run_pos=plan["run_of_grid"], grid_index=plan["whole"],
+                                         groups=plan["whole_groups"], newline=plan["newline"] != 0,
+                                         row_of_run=plan["row"]), **shared)
+        return VisualItem(features=run[dev["run_pos"]], run_pos=dev["run_pos"], grid_index=dev["grid"],
+                          saliency=at(scores, dev["flat_grid"]), groups=dev["groups"],
+                          vision=at(hidden, dev["flat_grid"]), keys=at(key, dev["flat_grid"]), full=full,
+                          host=HostIndex(run_pos=plan["run_pos"], grid_index=plan["grid"], groups=plan["groups"],
+                                         newline=plan["newline"] != 0, row_of_run=plan["row"]), **shared)
+
+
+def _host_layout(ids: np.ndarray, n: int, views: int, offset: int) -> dict[str, np.ndarray]:
+    """An image's index arrays (int64, on the host) from its packed layout ``ids [P]`` (view * n + patch, -1 for a
+    newline): candidates' ``run_pos`` / ``grid`` / ``groups`` and ``flat_grid`` (their rows in the batch's flattened
+    grids, from ``offset``), ``newline`` (0/1) and ``row`` per run position, and the whole grids' ``whole`` /
+    ``whole_groups`` / ``run_of_grid`` (-1: dropped by the model's unpadding)."""
+    newline = ids < 0
+    run_pos = np.flatnonzero(~newline)
+    grid = ids[run_pos]
+    row = np.cumsum(newline) - newline  # newlines strictly before each position
+    if grid.max() >= n:  # several views: the base view (first n positions) has no newline rows
+        row[:n] = -1
+    whole = np.arange(views * n)
+    run_of_grid = np.full(views * n, -1, dtype=np.int64)
+    run_of_grid[grid] = run_pos
+    return dict(run_pos=run_pos, grid=grid, groups=grid // n, flat_grid=offset + grid,
+                newline=newline.astype(np.int64), row=row.astype(np.int64), whole=whole, whole_groups=whole // n,
+                run_of_grid=run_of_grid)
