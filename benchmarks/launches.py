@@ -157,16 +157,16 @@ def fast_path_on_cpu():
     """The selection's CUDA fast path taken by CPU tensors, its Triton kernels stubbed (launch counted, picks
     filled)."""
     saved = (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
-             greedy_triton._fl_kernel)
+             greedy_triton._fl_kernel, greedy_triton._vispruner_kernel)
     accel.active = lambda t: True
     accel.has_triton = lambda: True
-    greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel = (
-        _KernelStub(7), _KernelStub(5), _KernelStub(5))
+    (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
+     greedy_triton._vispruner_kernel) = (_KernelStub(7), _KernelStub(5), _KernelStub(5), _KernelStub(3))
     try:
         yield
     finally:
         (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
-         greedy_triton._fl_kernel) = saved
+         greedy_triton._fl_kernel, greedy_triton._vispruner_kernel) = saved
 
 
 def count(fn, *args, **kwargs) -> Costs:

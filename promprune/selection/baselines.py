@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 
+from . import accel
 from .diversity import farthest_point
 from .kernels import stable_descending_order, unit_tokens
 from .registry import Selection, TokenSet, in_range, register_method
@@ -42,16 +43,36 @@ def _submatrix(mat: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tor
     return mat[batch, rows[:, :, None], cols[:, None, :]]
 
 
+def vispruner_round_count(R: int, keep: int) -> int:
+    """Rounds of :func:`vispruner_diverse` from ``R`` candidates to ``keep``: each drops ``min(8, R - keep)`` evens,
+    at most all ``ceil(R / 2)`` of them (host arithmetic: the sizes do not depend on the values)."""
+    rounds = 0
+    while R > keep:
+        R -= min(VISPRUNER_ROUND, R - keep, (R + 1) // 2)
+        rounds += 1
+    return rounds
+
+
 def vispruner_diverse(cosine: torch.Tensor, rest: torch.Tensor, keep: int) -> torch.Tensor:
     """VisPruner's duplicate removal: shrink the ordered candidates ``rest [B, R]`` to ``keep`` tokens.
 
     Each round splits the current list into even and odd positions, matches every even token to its most similar
     odd token (cosine), and drops the ``min(8, R - keep)`` even tokens with the highest match; the new list is the
-    surviving even tokens (by descending match) followed by the odd ones. ``cosine [B, N, N]``: the token kernel,
-    computed once, so each round is a gather instead of a fresh ``[R/2, d] x [d, R/2]`` product.
+    surviving even tokens (by descending match; ties: the lower position first) followed by the odd ones. ``cosine
+    [B, N, N]``: the token kernel, computed once, so each round is a gather instead of a fresh ``[R/2, d] x [d, R/2]``
+    product. On the CUDA fast path (``accel``) every round runs in one Triton launch
+    (``greedy_triton.vispruner_rounds``, the same steps on the candidates' similarity gathered once); this loop is
+    the reference and the CPU path.
     """
     if keep <= 0:
         return rest[:, :0]
+    if rest.shape[1] > keep and accel.active(cosine) and accel.has_triton():  # every round in one launch
+        from . import greedy_triton
+
+        local = _submatrix(cosine, rest, rest).float()  # [B, R, R] the kernel among the candidates, in their order
+        picks = greedy_triton.vispruner_rounds(local, keep, vispruner_round_count(rest.shape[1], keep),
+                                               VISPRUNER_ROUND)
+        return rest.gather(1, picks)
     while rest.shape[1] > keep:
         drop = min(VISPRUNER_ROUND, rest.shape[1] - keep)
         even, odd = rest[:, 0::2], rest[:, 1::2]

@@ -1,4 +1,5 @@
-"""The greedy selectors as Triton kernels: one program per view runs every pick of a call, no launch per step.
+"""The greedy selectors (and VisPruner's duplicate removal) as Triton kernels: one program per view runs every pick
+(every round) of a call, no launch per step.
 
 The torch loops of ``diversity`` issue ~20-30 small kernels per pick; on a GPU they are launch-bound (2,333 launches
 per LLaVA-1.5 call). Here one launch does the whole greedy loop of every view in the batch; counts, masks and
@@ -153,6 +154,56 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
         tl.debug_barrier()  # cover is read back by rows at the next step
 
 
+@triton.jit
+def _vispruner_kernel(C, lists, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_J: tl.constexpr):
+    """One row of ``baselines.vispruner_diverse``: ``C [B, R0, R0]`` the similarity of the candidates in their given
+    order, scratch ``lists [B, 2, 2 * BLOCK_H]`` int32 (the current order and the next) and ``match [B, BLOCK_H]``,
+    ``out [B, KEEP]``: the kept candidates' positions in the given order, in their final order. Every round runs
+    here: evens matched to their most similar odd, the ``min(ROUND, R - KEEP)`` best-matched evens dropped (ties:
+    the lower position first, a stable descending order), the rest followed by the odds."""
+    b = tl.program_id(0).to(tl.int64)
+    W: tl.constexpr = 2 * BLOCK_H
+    Cb = C + b * R0 * R0
+    Lb = lists + b * 2 * W
+    Mb = match + b * BLOCK_H
+    offs = tl.arange(0, W)
+    tl.store(Lb + offs, offs, mask=offs < R0)  # the given order: positions 0 .. R0 - 1
+    tl.debug_barrier()
+    hs = tl.arange(0, BLOCK_H)
+    R = tl.program_id(0) * 0 + R0  # an int32 tensor: the list's length
+    for r in range(ROUNDS):
+        cur = Lb + (r % 2) * W
+        nxt = Lb + ((r + 1) % 2) * W
+        E = (R + 1) // 2  # evens
+        n_odd = R // 2
+        drop = tl.minimum(tl.minimum(R - KEEP, ROUND), E)
+        live_e = hs < E
+        ev = tl.load(cur + 2 * hs, mask=live_e, other=0).to(tl.int64)  # [BLOCK_H] the even positions' candidates
+        best = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for j0 in range(0, n_odd, BLOCK_J):  # each even's best match among the odds, a tile of odds at a time
+            js = j0 + tl.arange(0, BLOCK_J)
+            od = tl.load(cur + 2 * js + 1, mask=js < n_odd, other=0).to(tl.int64)
+            tile = tl.load(Cb + ev[:, None] * R0 + od[None, :], mask=live_e[:, None] & (js < n_odd)[None, :],
+                           other=float("-inf"))
+            best = tl.maximum(best, tl.max(tile, axis=1))
+        tl.store(Mb + hs, best, mask=live_e)
+        tl.debug_barrier()  # every thread reads every even's match below
+        rank = tl.zeros([BLOCK_H], dtype=tl.int32)  # place in the stable descending order of the matches
+        for k0 in range(0, E, BLOCK_J):
+            ks = k0 + tl.arange(0, BLOCK_J)
+            mk = tl.load(Mb + ks, mask=ks < E, other=float("-inf"))
+            ahead = (mk[None, :] > best[:, None]) | ((mk[None, :] == best[:, None]) & (ks[None, :] < hs[:, None]))
+            rank += tl.sum((ahead & (ks < E)[None, :]).to(tl.int32), axis=1)
+        tl.store(nxt + rank - drop, ev.to(tl.int32), mask=live_e & (rank >= drop))  # survivors, best match first
+        odd = tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0)
+        tl.store(nxt + (E - drop) + hs, odd, mask=hs < n_odd)  # then the odds in order
+        tl.debug_barrier()  # the next round reads the new order (and overwrites this one and the matches)
+        R = R - drop
+    final = Lb + (ROUNDS % 2) * W
+    tl.store(out + b * KEEP + offs, tl.load(final + offs, mask=offs < KEEP, other=0).to(tl.int64), mask=offs < KEEP)
+
+
 def _blocks(N: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_S, num_warps)`` for N tokens per view."""
     block_n = triton.next_power_of_2(max(N, 16))
@@ -210,4 +261,19 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     _fl_kernel[(B,)](similarity.contiguous(), cover.float().clone().contiguous(), _flags(available),
                      order.float().contiguous(), counts.to(torch.int32).contiguous(), out, N, width,
                      BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
+def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int) -> torch.Tensor:
+    """``baselines.vispruner_diverse``'s rounds in one launch: ``similarity [B, R0, R0]`` float32 among the candidates
+    in their given order, ``keep`` < R0 of them after ``rounds`` rounds (host-known: they follow from R0 and keep
+    alone) of at most ``round_size`` drops. Returns the kept positions ``[B, keep]`` in their final order."""
+    B, R0, _ = similarity.shape
+    block_h = triton.next_power_of_2(max((R0 + 1) // 2, 16))
+    lists = torch.empty(B, 2, 2 * block_h, dtype=torch.int32, device=similarity.device)
+    match = torch.empty(B, block_h, dtype=torch.float32, device=similarity.device)
+    out = _picks(B, keep, similarity.device)
+    _vispruner_kernel[(B,)](similarity.contiguous(), lists, match, out, R0, keep, rounds, ROUND=round_size,
+                            BLOCK_H=block_h, BLOCK_J=max(1, _TILE_ELEMENTS // block_h),
+                            num_warps=8 if block_h >= 512 else 4, enable_fp_fusion=False)
     return out
