@@ -1,10 +1,11 @@
 """A GPU cost model counted on the CPU: the kernel launches, host syncs and matmul FLOPs of one call on the fast path.
 
 ``with fast_path_on_cpu(): counts = count(fn, *args)`` runs ``fn`` with the selection's CUDA fast path switched on
-for CPU tensors (``accel.active`` true, the Triton greedy kernels replaced by stubs that count one launch each and
-fill their output with valid picks) under a dispatch mode that counts every ATen op that would launch a kernel (view
-and metadata ops excluded), the ops that make the host wait on the device (``item``/``int``/``bool`` of a tensor,
-``nonzero``, boolean indexing, ``tolist``, ``equal``) and the selection's own deliberate reads (``accel.syncs``).
+for CPU tensors (``accel.active`` true, the Triton kernels (greedy selectors, VisPruner's rounds) replaced by stubs
+that count one launch each and fill their output with valid picks) under a dispatch mode that counts every ATen op
+that would launch a kernel (view and metadata ops excluded), the ops that make the host wait on the device
+(``item``/``int``/``bool`` of a tensor, ``nonzero``, boolean indexing, ``tolist``, ``equal``) and the selection's own
+deliberate reads (``accel.syncs``).
 Only ops on the device's tensors count (the call's tensor arguments and what device ops made from them, plus
 factories): the host's arithmetic on values it has read does not.
 What the counts are for: a change that adds launches or syncs shows here without a GPU; a GPU time can be projected
@@ -134,15 +135,15 @@ class _KernelStub:
     """Stands for a Triton kernel: ``stub[grid](*args, **meta)`` counts one launch and fills the picks it would write
     (``args[out_arg]``, ``[B, width]``) with distinct in-range indices."""
 
-    def __init__(self, out_arg: int):
-        self.out_arg = out_arg
+    def __init__(self, out_arg: int, name: str):
+        self.out_arg, self.name = out_arg, name
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
             out, n = args[self.out_arg], args[self.out_arg + 1]
             if _ACTIVE:
                 _ACTIVE[-1].costs.launches += 1
-                _ACTIVE[-1].costs.ops["triton:" + type(self).__name__] += 1
+                _ACTIVE[-1].costs.ops["triton:" + self.name] += 1
                 _ACTIVE[-1].paused = True
             try:
                 out.copy_(torch.arange(out.shape[1]).remainder(n).expand_as(out))
@@ -161,7 +162,8 @@ def fast_path_on_cpu():
     accel.active = lambda t: True
     accel.has_triton = lambda: True
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
-     greedy_triton._vispruner_kernel) = (_KernelStub(7), _KernelStub(5), _KernelStub(5), _KernelStub(3))
+     greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),
+                                         _KernelStub(3, "vispruner"))
     try:
         yield
     finally:

@@ -1,4 +1,5 @@
-"""The Triton greedy kernels (``greedy_triton``) select exactly what the torch loops of ``diversity`` select.
+"""The Triton kernels (``greedy_triton``) select exactly what the torch loops of ``diversity`` (and VisPruner's rounds
+in ``baselines``) select.
 
 On the CPU they run under Triton's interpreter (``TRITON_INTERPRET=1``, set in a subprocess: it must be set before
 Triton is imported, and must not leak into other tests); on a GPU, compiled, against the CPU reference
@@ -95,8 +96,10 @@ def _kernels():
     for conditional, first in ((False, True), (True, False), (False, False)):
         consts = {"GAIN_EPS": 1e-6, "CONDITIONAL": conditional, "USE_FIRST": first, "BLOCK_N": 1024, "BLOCK_S": 16}
         out.append((g._dpp_kernel, dpp, consts))
-    out.append((g._fps_kernel, fps, {"BLOCK_N": 2048}))
+    out.append((g._fps_kernel, fps, {"TOL": 1e-6, "BLOCK_N": 2048}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
+    vis = {"C": "*fp32", "lists": "*i32", "match": "*fp32", "out": "*i64", "R0": "i32", "KEEP": "i32", "ROUNDS": "i32"}
+    out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_H": 1024, "BLOCK_J": 16}))
     return out
 
 

@@ -1,4 +1,5 @@
-"""The corpus on which the Triton greedy kernels must select exactly what the torch reference selects.
+"""The corpus on which the Triton kernels (the greedy selectors, VisPruner's rounds) must select exactly what the torch
+reference selects.
 
 Run as a script under ``TRITON_INTERPRET=1`` (``test_greedy_triton.py`` does, in a subprocess, because the variable
 must be set before Triton is imported) it prints one JSON object: case name -> {"match", "got", "want"}. With
@@ -128,6 +129,22 @@ def fl_case(kind, B, N, d, seed, *, conditional: bool) -> Case:
     return run
 
 
+def vispruner_case(kind, B, N, d, seed) -> Case:
+    """VisPruner's duplicate removal alone: the candidates a random order of all but two tokens, ``keep`` a fifth."""
+    from promprune.selection import baselines
+
+    def run(device):
+        K = TokenSet(_tokens(kind, B, N, d, seed), None).cosine
+        g = torch.Generator().manual_seed(seed + 3)
+        rest = torch.stack([torch.randperm(N, generator=g)[:N - 2] for _ in range(B)])  # [B, N - 2]
+        want = baselines.vispruner_diverse(K, rest, N // 5)
+        with _fast(device):
+            Kd, rd = _on(device, K, rest)
+            got = baselines.vispruner_diverse(Kd, rd, N // 5)
+        return got.cpu(), want
+    return run
+
+
 def select_case(method: str, kind: str, seed: int, **options) -> Case:
     """A whole ``promprune.select`` call: the fast path (sync-free stages + kernels) against the CPU path."""
     import promprune
@@ -157,6 +174,7 @@ def cases() -> dict[str, Case]:
         out[f"fps-conditional/{tag}"] = fps_case(kind, B, N, d, i, anchored=True, conditional=True)
         out[f"fl/{tag}"] = fl_case(kind, B, N, d, i, conditional=False)
         out[f"fl-conditional/{tag}"] = fl_case(kind, B, N, d, i, conditional=True)
+        out[f"vispruner/{tag}"] = vispruner_case(kind, B, N, d, i)
     for kind in ("random", "lowrank", "duplicates"):
         out[f"select-promprune/{kind}"] = select_case("promprune", kind, 7, mu=0.5)
         out[f"select-promprune-conditional/{kind}"] = select_case("promprune", kind, 7, mu=0.5, conditional=True)
@@ -165,6 +183,7 @@ def cases() -> dict[str, Case]:
         out[f"select-fixed-ratio/{kind}"] = select_case("fixed_ratio", kind, 8)
         out[f"select-coverage-only/{kind}"] = select_case("coverage_only", kind, 9)
         out[f"select-divprune/{kind}"] = select_case("divprune", kind, 10)
+        out[f"select-vispruner/{kind}"] = select_case("vispruner", kind, 11)
     return out
 
 
