@@ -23,6 +23,7 @@ GPU) counts as a sync, listed as ``implicit:<op>``.
 """
 from __future__ import annotations
 
+import dataclasses
 import traceback
 import weakref
 from collections import Counter
@@ -39,10 +40,12 @@ NO_LAUNCH = {"view", "_unsafe_view", "expand", "t", "transpose", "unsqueeze", "s
              "as_strided", "detach", "alias", "permute", "diagonal", "unbind", "split", "split_with_sizes", "chunk",
              "lift_fresh", "_reshape_alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
              "resolve_conj", "resolve_neg", "unfold", "narrow", "expand_as", "view_as",
-             "_local_scalar_dense"}  # the last: a device-to-host copy, counted as a sync
-# ops whose result the host needs before it can go on (a device-to-host wait on CUDA)
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "_unique2", "unique_dim", "unique_consecutive",
-            "nonzero_static"}
+             "_local_scalar_dense", "item", "is_nonzero"}  # the last three: a device-to-host copy, counted as a sync
+# ops whose result the host needs before it can go on (a device-to-host wait on CUDA); ``item`` / ``is_nonzero`` are
+# what ``float(t)`` / ``bool(t)`` dispatch under inference mode (``_local_scalar_dense`` outside it), never both
+SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal", "_unique2", "unique_dim",
+            "unique_consecutive", "nonzero_static"}
+MASK_INDEXING = {"index", "index_put"}  # with a boolean mask among the indices: a nonzero inside, a sync
 MATMUL = {"bmm", "mm", "matmul", "baddbmm", "addmm", "addbmm"}
 
 
@@ -83,6 +86,8 @@ def _tensors(tree) -> list[torch.Tensor]:
         return [t for item in tree for t in _tensors(item)]
     if isinstance(tree, dict):
         return [t for item in tree.values() for t in _tensors(item)]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):  # VisionFeatures, Instruction, ...
+        return [t for f in dataclasses.fields(tree) for t in _tensors(getattr(tree, f.name))]
     return []
 
 
@@ -117,7 +122,7 @@ class _Counter(TorchDispatchMode):
         if self.transfers and any(t.dim() > 0 and not self.on_device(t) for t in ins):
             self.costs.sync()  # host tensors meet device ones: torch copies them over, blocking (or fails)
             self.costs.ops["implicit:" + name] += 1
-        if name in SYNC_OPS:
+        if name in SYNC_OPS or name in MASK_INDEXING and any(t.dtype in (torch.bool, torch.uint8) for t in ins):
             self.costs.sync()
         if name not in NO_LAUNCH:
             self.costs.launches += 1

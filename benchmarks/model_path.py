@@ -2,13 +2,15 @@
 
     python benchmarks/model_path.py [--methods divprune,vispruner,promprune] [--batch 2]
 
-``PrunedVLM.prepare`` of a batch (processor, vision tower, selection, the LLM's inputs; no LLM forward) on the tiny
-LLaVA-1.5 (one view per image) and the tiny LLaVA-NeXT (up to five views per image: its images here give 3 and 5),
-with the selection's GPU fast path switched on for CPU tensors and counted by ``benchmarks.launches.count_model``:
-launches (ATen ops that launch a kernel, copies to the device, Triton launches), syncs (reads of device values by the
-host, blocking copies, host indices meeting device tensors). Beside each method, the same counts of the bare
-``promprune.select`` calls the path makes (its buckets), so what goes around the selection is the difference. A
-projection of the GPU time (``launches.project_ms``) is an assumption, not a measurement.
+``PrunedVLM.prepare`` of a batch (the copy of the processor's outputs to the device, the vision tower, the selection,
+the LLM's inputs; no LLM forward; the processor itself runs on the host and is not counted) on the tiny LLaVA-1.5 (one
+view per image) and the tiny LLaVA-NeXT (up to five views per image: the images here give 5, 3, 5 and 3), with the
+selection's GPU fast path switched on for CPU tensors and counted by ``benchmarks.launches.count_model``: launches
+(ATen ops that launch a kernel, copies to the device, Triton launches), syncs (reads of device values by the host,
+blocking copies, host indices meeting device tensors) and where they happen. Beside each method, the counts of the
+bare ``promprune.select`` calls the path makes (one per bucket of equal token count and budget), so what goes around
+the selection is the difference. A projection of the GPU time (``launches.project_ms``) is an assumption, not a
+measurement.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
 import promprune  # noqa: E402
-from benchmarks.launches import Costs, count_model, fast_path_on_cpu, project_ms  # noqa: E402
+from benchmarks.launches import Costs, count_model, fast_path_on_cpu, on_host, project_ms  # noqa: E402
 
 # images whose LLaVA-NeXT anyres grids differ: a square one (2 x 2 crops, 5 views) and a wide one (1 x 2, 3 views)
 SIZES = [(64, 64), (40, 80), (48, 48), (30, 64)]
@@ -38,9 +40,15 @@ def images(batch: int):
     return out
 
 
-def selections(vlm, batch_images, prompts) -> Costs:
-    """The bare ``promprune.select`` calls of the path (one per bucket), counted alone: their inputs as the path
-    builds them, recorded on a first run."""
+def prepare_costs(vlm, batch_images, prompts) -> Costs:
+    """The counts of ``vlm.prepare(batch_images, prompts)`` (after a warm-up call), the processor on the host."""
+    with fast_path_on_cpu(), on_host(vlm, "processed"):
+        vlm.prepare(batch_images, prompts)  # warm: lazy imports, caches
+        return count_model(vlm.model, vlm.prepare, batch_images, prompts)
+
+
+def select_costs(vlm, batch_images, prompts) -> Costs:
+    """The bare ``promprune.select`` calls of the path (one per bucket), counted alone on the inputs the path built."""
     calls = []
     real = promprune.select
 
@@ -50,13 +58,16 @@ def selections(vlm, batch_images, prompts) -> Costs:
 
     promprune.select = record
     try:
-        vlm.prepare(batch_images, prompts)
+        with fast_path_on_cpu(), on_host(vlm, "processed"):
+            vlm.prepare(batch_images, prompts)
     finally:
         promprune.select = real
     total = Costs()
-    for args, kwargs in calls:
-        c = count_model(vlm.model, real, *args, **kwargs)
-        total.launches, total.syncs = total.launches + c.launches, total.syncs + c.syncs
+    with fast_path_on_cpu(), torch.inference_mode():  # as prepare runs them (VisionZip calls the projector)
+        for args, kwargs in calls:
+            bare = {k: v for k, v in kwargs.items() if k != "checked"}  # a bare call checks its inputs itself
+            c = count_model(vlm.model, real, *args, **bare)
+            total.launches, total.syncs = total.launches + c.launches, total.syncs + c.syncs
     return total
 
 
@@ -66,14 +77,12 @@ def row(model_name: str, method: str | None, batch: int, budget: int) -> str:
     vlm = PrunedVLM.from_pretrained(model_name, method=method, budget=budget if method else None)
     batch_images = images(batch)
     prompts = ["What is in the picture?"] * batch
-    with fast_path_on_cpu():
-        vlm.prepare(batch_images, prompts)  # warm: lazy imports, caches
-        c = count_model(vlm.model, vlm.prepare, batch_images, prompts)
-        bare = selections(vlm, batch_images, prompts) if method else Costs()
+    c = prepare_costs(vlm, batch_images, prompts)
+    bare = select_costs(vlm, batch_images, prompts) if method else Costs()
     views = [len(item.groups.unique()) for item in vlm.prepare(batch_images, prompts).items]
-    top = ", ".join(f"{k} {v}" for k, v in c.ops.most_common() if k.startswith(("implicit", "read", "to_device")))
-    return (f"| {model_name} | {method or 'unpruned'} | {batch} ({'+'.join(map(str, views))} views) | {c.launches} | "
-            f"{c.syncs} | {bare.launches} | {bare.syncs} | {project_ms(c):.2f} | {top} |")
+    sites = "; ".join(f"{n} {site.split()[0].rsplit('/', 1)[-1]}" for site, n in c.sync_sites.most_common())
+    return (f"| {model_name} | {method or 'unpruned'} | {batch} ({'+'.join(map(str, views))}) | {c.launches} | "
+            f"{c.syncs} | {bare.launches} | {bare.syncs} | {project_ms(c):.2f} | {sites} |")
 
 
 def main(argv=None) -> None:
@@ -84,8 +93,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    print("| model | method | batch (views) | launches | syncs | of which select: launches | syncs | proj. ms "
-          "| transfers |")
+    print("| model | method | images (views) | launches | syncs | bare select: launches | syncs | proj. ms "
+          "| where the syncs are |")
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for name in args.models:
         budget = 8 if name == "tiny:llava" else 20

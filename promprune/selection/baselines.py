@@ -135,8 +135,8 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cl
     slots = list(range(0, R, max(1, R // max(n_ctx, 1))))[:n_ctx]  # host-known positions: no boolean mask, no wait
     taken = set(slots)
     rest_of = [r for r in range(R) if r not in taken]
-    targets = rest[:, torch.tensor(slots, dtype=torch.long).to(rest.device)]
-    others = rest[:, torch.tensor(rest_of, dtype=torch.long).to(rest.device)]
+    targets = rest[:, torch.tensor(slots, dtype=torch.long).to(rest.device, non_blocking=True)]  # host data: the
+    others = rest[:, torch.tensor(rest_of, dtype=torch.long).to(rest.device, non_blocking=True)]  # stream never waits
     space = vision.hidden if vision is not None else tokens.x  # what is merged
     metric = vision.keys if vision is not None and vision.keys is not None else space  # what decides who joins
     merged = _gather_rows(space, targets)  # [B, n_ctx, d or dv]

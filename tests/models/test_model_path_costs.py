@@ -1,0 +1,55 @@
+"""The model path around the selection on the GPU's cost model, counted on the CPU (``benchmarks/launches.py``'s
+``count_model``): ``PrunedVLM.prepare`` waits on the device a fixed number of times per batch, whatever the views,
+selection units or tokens, never meets a host tensor with a device one, and adds a pinned number of launches around
+the bare ``select`` calls."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.model_path import images, prepare_costs, select_costs
+from promprune.models import PrunedVLM
+
+PROMPT = "What is in the picture?"
+
+
+def costs(name: str, method: str | None, batch: int, budget: int | None = None, **options):
+    vlm = PrunedVLM.from_pretrained(name, method=method, budget=budget, **options)
+    shots = images(batch)
+    prompts = [PROMPT] * batch
+    views = [len(item.groups.unique()) for item in vlm.prepare(shots, prompts).items]
+    return vlm, shots, prompts, prepare_costs(vlm, shots, prompts), views
+
+
+def ours(c) -> int:
+    """Syncs in promprune's own code (the rest are the model's: LLaVA-NeXT's get_image_features makes one)."""
+    return sum(n for site, n in c.sync_sites.items() if site.startswith("promprune/"))
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:llava_next"])
+def test_syncs_per_batch_do_not_grow_with_images_views_or_units(name):
+    counted = [costs(name, "divprune", batch, 12) for batch in (1, 2, 3)]
+    views = [sum(v) for *_, v in counted]
+    assert name == "tiny:llava" or views == [5, 8, 13], views  # 1, 3 and 4 selection buckets on LLaVA-NeXT
+    for *_, c, _v in counted:
+        assert ours(c) == 2, c.sync_sites  # one finiteness read for all buckets, one read of all their results
+        assert not [op for op in c.ops if op.startswith("implicit:")], c.ops  # no host index meets a device tensor
+    assert len({c.syncs for *_, c, _v in counted}) == 1, [c.sync_sites for *_, c, _v in counted]
+
+
+def test_the_unpruned_path_never_waits():
+    *_, c, _views = costs("tiny:llava", None, 2)
+    assert c.syncs == 0, c.sync_sites
+
+
+# Launches around the bare select calls: prepare's launches less the unpruned prepare's and the select calls' own.
+# Pinned for these tiny configurations: a loop per token or per view would add dozens.
+AROUND = {("tiny:llava", "divprune", 1): 13, ("tiny:llava_next", "divprune", 2): 32,
+          ("tiny:llava", "visionzip", 2): 44}
+
+
+@pytest.mark.parametrize("name,method,batch", list(AROUND))
+def test_launches_around_the_selection_are_pinned(name, method, batch):
+    vlm, shots, prompts, c, _views = costs(name, method, batch, 12)
+    *_, unpruned, _ = costs(name, None, batch)
+    bare = select_costs(vlm, shots, prompts)
+    assert c.launches - unpruned.launches - bare.launches == AROUND[name, method, batch], c.ops.most_common(20)
