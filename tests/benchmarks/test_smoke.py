@@ -16,8 +16,9 @@ NUMBER = r"-?[\d,]+\.?\d*"
 
 
 def test_every_script_has_a_smoke_test():
-    """A new script in benchmarks/ needs its smoke test here."""
-    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")} - {"__init__.py"}
+    """A new script in benchmarks/ needs its smoke test here (a module the scripts import, such as launches.py, is no
+    script: it has no ``__main__`` block)."""
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if '__name__ == "__main__"' in p.read_text()}
     tested = set(re.findall(r'run_benchmark\("(\w+\.py)"', (REPO / "tests/benchmarks/test_smoke.py").read_text()))
     assert scripts == tested
 
@@ -58,6 +59,13 @@ def test_prefix_agreement():
     assert len(rows) == 2 and all(int(r[4]) > 0 for r in rows)  # some questions went through a cached prefix
     # float32: the shared prefix gives the whole prompt's tokens (tests/models/test_sharing.py), so every answer agrees
     assert figure(out, r"prefix cache agreement: (.+)")[1] == "float32 1.000"
+
+
+def test_model_path():
+    out = run_benchmark("model_path.py", "--methods", "divprune", "--batch", "2", "--models", "tiny:llava")
+    rows = {row[1]: row for row in table_rows(out, "tiny:llava")}
+    assert set(rows) == {"unpruned", "divprune"}
+    assert rows["unpruned"][4] == "0" and rows["divprune"][4] == "2"  # syncs per batch (RESULTS.md quotes these)
 
 
 def test_random_fingerprint():
