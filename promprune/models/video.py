@@ -35,7 +35,7 @@ from promprune.selection.budget import split_budget as split_count
 from promprune.selection.registry import TokenSet
 from promprune.selection.two_stage import prominence
 
-from .adapters import VisualItem, attach_keys
+from .adapters import VisualItem, attach_keys, host_index
 from .batched_select import select_items
 from .batched_select import split_budget as split_shares
 from .images import load_image
@@ -233,12 +233,14 @@ def _split_across(vlm, item: VisualItem, mode: str, split: str):
 
 
 def _stats(feats, items, plan_=None) -> list[dict]:
+    hosts = host_index(items)  # the grid indices on the host: one read for the batch at most
     if plan_ is None:
         return [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
-                     kept=sorted(it.grid_index.tolist()), salient=[]) for f, it in zip(feats, items)]
+                     kept=sorted(h.grid_index.tolist()), salient=[]) for f, h in zip(feats, hosts)]
     return [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
-                 kept=sorted(it.grid_index[p.kept].tolist()), salient=sorted(it.grid_index[p.salient].tolist()))
-            for f, p, it in zip(feats, plan_, items)]
+                 kept=sorted(h.grid_index[p.kept.numpy()].tolist()),
+                 salient=sorted(h.grid_index[p.salient.numpy()].tolist()))
+            for f, p, h in zip(feats, plan_, hosts)]
 
 
 def _llm_inputs(vlm, batch, items, plan_):
