@@ -29,8 +29,8 @@ class SharedImage:
     """One image's vision-once results: ``fed`` (a :class:`promprune.models.vlm.Fed`: the LLM's features of the
     image and the sample stats), ``item`` (the adapter's :class:`VisualItem`), ``segment`` (per-token processor key ->
     ``[P]`` the expanded placeholder segment's values; ``input_ids`` always), ``per_image`` (processor outputs with
-    one row per image, such as Qwen's ``image_grid_thw``: key -> ``[1, ...]``); ``segment`` None: the splice does
-    not fit this model's template (rows go through the processor)."""
+    one row per image, such as Qwen's ``image_grid_thw``: key -> ``[1, ...]``), both on the host, as the processor
+    made them; ``segment`` None: the splice does not fit this model's template (rows go through the processor)."""
 
     fed: object
     item: object
@@ -71,19 +71,21 @@ def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache) -> d
     vision_ms = select_ms = 0.0
     if missing:
         rows = [first[k] for k in missing]
-        batch = vlm.inputs([images[r] for r in rows], [prompts[r] for r in rows])
-        items, candidates, plan, vision_ms, select_ms = vlm._encode_select(batch, [prompts[r] for r in rows],
+        host = vlm.processed([images[r] for r in rows], [prompts[r] for r in rows])
+        items, candidates, plan, vision_ms, select_ms = vlm._encode_select(vlm.on_device(host),
+                                                                           [prompts[r] for r in rows],
                                                                            [images[r] for r in rows])
         for j, (key, fed) in enumerate(zip(missing, vlm._fed(items, candidates, plan))):
             cache.images[key] = SharedImage(fed=fed, item=items[j],
-                                            segment=_segment(vlm, batch, j, prompts[rows[j]]),
-                                            per_image=_per_image(batch, j, len(missing)))
+                                            segment=_segment(vlm, host, j, prompts[rows[j]]),
+                                            per_image=_per_image(host, j, len(missing)))
     shared = [cache.images[k] for k in keys]
-    batch = _rows(vlm, prompts, shared)
-    if batch is None:  # the template does not fit the splice: the processor builds the rows (images again)
-        batch = vlm.inputs(images, prompts)
+    host = _rows(vlm, prompts, shared)  # built on the host, as the processor builds them
+    if host is None:  # the template does not fit the splice: the processor builds the rows (images again)
+        host = vlm.processed(images, prompts)
     fed = [s.fed for s in shared]
-    kwargs = vlm._llm_inputs(batch, fed, pruned=vlm.method is not None and not is_in_llm(vlm.method))
+    kwargs = vlm._llm_inputs(vlm.on_device(host), fed, pruned=vlm.method is not None and not is_in_llm(vlm.method),
+                             host=host)
     return dict(model_kwargs=kwargs, stats=[dict(f.stats) for f in fed], items=[s.item for s in shared],
                 vision_ms=vision_ms, select_ms=select_ms, fed=fed, keys=list(keys))
 

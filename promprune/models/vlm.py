@@ -184,10 +184,13 @@ class PrunedVLM:
         """A copy of processor outputs ``host`` on the model's device (non-blocking copies: the host does not wait
         for the device; the adapter's ``host_inputs`` stay on the host), pixel values in the model's dtype; ``host``
         stays as it is."""
-        batch = copy.copy(host)
-        batch.data = {k: v.to(self.device, non_blocking=True)
-                      if isinstance(v, torch.Tensor) and k not in self.adapter.host_inputs else v
-                      for k, v in host.items()}
+        moved = {k: v.to(self.device, non_blocking=True)
+                 if isinstance(v, torch.Tensor) and k not in self.adapter.host_inputs else v for k, v in host.items()}
+        if isinstance(host, dict):
+            batch = moved
+        else:  # the processor's BatchFeature / BatchEncoding
+            batch = copy.copy(host)
+            batch.data = moved
         if "pixel_values" in batch and batch["pixel_values"].is_floating_point():
             batch["pixel_values"] = batch["pixel_values"].to(self.model.dtype)
         return batch

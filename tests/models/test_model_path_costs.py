@@ -36,6 +36,18 @@ def test_syncs_per_batch_do_not_grow_with_images_views_or_units(name):
     assert len({c.syncs for *_, c, _v in counted}) == 1, [c.sync_sites for *_, c, _v in counted]
 
 
+def test_vision_once_waits_as_often():
+    """Questions sharing an image (``keys``: each image encoded and selected once, its rows spliced on the host)."""
+    from benchmarks.launches import count_model, fast_path_on_cpu, on_host
+
+    vlm = PrunedVLM.from_pretrained("tiny:llava_next", method="divprune", budget=12)
+    first, second = images(2)
+    shots, prompts, keys = [first, first, second, second], ["What?", "Colour?", "Where?", "Why?"], [0, 0, 1, 1]
+    with fast_path_on_cpu(), on_host(vlm, "processed"):
+        c = count_model(vlm.model, vlm.prepare, shots, prompts, keys=keys)
+    assert ours(c) == 2, c.sync_sites
+
+
 def test_the_unpruned_path_never_waits():
     *_, c, _views = costs("tiny:llava", None, 2)
     assert c.syncs == 0, c.sync_sites
