@@ -188,7 +188,7 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
         lo, hi = bounds(coeffs[:, :done_steps], coeffs[:, done_steps:], n)
         decided, counts = _decide(lo, hi, count)
         t_sal[todo[decided]] = counts[decided]
-        entropy[todo[decided]] = ((lo + hi) / 2)[decided]
+        entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
         todo = todo[~decided]
