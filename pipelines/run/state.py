@@ -17,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import mlflow_layout, tracking
+from pipelines import mlflow_layout
 from pipelines import spec as specs
+from pipelines.recording import tracking
 
 STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
 STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none

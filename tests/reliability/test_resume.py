@@ -12,9 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipelines import mlflow_layout, sweep, tracking
+from pipelines import mlflow_layout, sweep
+from pipelines.recording import tracking
 from pipelines.run import ray_connect, state as states
-from pipelines.run.recorder import SweepRecorder
+from pipelines.recording.console import SweepConsole
+from pipelines.recording.recorder import SweepRecorder
 from pipelines import spec as specs
 
 from .conftest import assert_clean_error
@@ -54,12 +56,12 @@ def test_a_failed_trial_is_logged_once(scratch):
     spec = specs.load(scratch())
     client = tracking.client()
     parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
-    recorder = SweepRecorder(spec, parent, 1)
+    recorder = SweepRecorder(spec, parent, SweepConsole(1))
     trial = specs.expand(spec)[1].to_dict()
     recorder.record_error(trial, "RuntimeError: boom")  # Tune's callback ...
     recorder.record_error(trial, "RuntimeError: boom")  # ... and the final reconcile
     assert recorder.unlogged(60) == []
-    recorder.close()
+    assert recorder.close() == []
     runs = client.search_runs([client.get_run(parent).info.experiment_id],
                               filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent))
     assert [r.info.status for r in runs] == ["FAILED"]
