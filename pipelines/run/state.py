@@ -31,7 +31,7 @@ def storage_root(spec: specs.SweepSpec) -> str:
 
 
 def outbox_dir(storage: str, experiment: str) -> Path:
-    """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.run.outbox`): beside Tune's
+    """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.recording.outbox`): beside Tune's
     experiments on local storage; under ./outputs/outbox on remote storage (the driver uploads from local files)."""
     if "://" in storage and not storage.startswith("file://"):
         return Path.cwd() / "outputs" / "outbox" / experiment

@@ -95,7 +95,7 @@ SEED = 0  # fixed so every process builds bit-identical tiny models
 
 # Chat templates in the style of the real checkpoints (LLaVA-1.5 "USER: <image>\n... ASSISTANT:",
 # NeXT-Mistral "[INST] <image>\n... [/INST]", Qwen ChatML with vision start/end markers).
-_LLAVA_TEMPLATE = (
+LLAVA_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}USER: "
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}"
     "{% endfor %} {% else %}ASSISTANT: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
@@ -229,7 +229,7 @@ def _tiny_llava():
     )
     config.promprune_clip_text = "tiny"  # CDPruner's CLIP text tower: tiny_clip_text (promprune.models.clip_text)
     model = _seeded(lambda: LlavaForConditionalGeneration(config))
-    return model, llava_processor(LlavaProcessor, tok, image_size, 8, _LLAVA_TEMPLATE)
+    return model, llava_processor(LlavaProcessor, tok, image_size, 8, LLAVA_TEMPLATE)
 
 
 def _tiny_llava_next():

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
 
-from promprune.models.tiny import _LLAVA_TEMPLATE
+from promprune.models.tiny import LLAVA_TEMPLATE
 from promprune.testbed import scenes
 
 IMAGE_SIZE = scenes.CANVAS
@@ -79,7 +79,7 @@ def processor(tok=None) -> LlavaProcessor:
         do_center_crop=True, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
         image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
     return LlavaProcessor(image_processor=image_processor, tokenizer=tok or tokenizer(), patch_size=PATCH,
-                          vision_feature_select_strategy="default", chat_template=_LLAVA_TEMPLATE,
+                          vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
                           image_token="<image>", num_additional_image_tokens=1)
 
 

@@ -28,7 +28,8 @@ TASKS = ["easyvqa_yesno", "easyvqa_open"]
 
 
 def _sweep(client, tmp_path: Path, name: str = "ui_demo") -> tuple[str, list[str]]:
-    """A finished two-trial sweep through pipelines.tracking, with a report (md + html with one inline figure)."""
+    """A finished two-trial sweep through pipelines.recording.tracking, with a report (md + html with one inline
+    figure)."""
     t0 = time.time() - 60
     parent = tracking.start_sweep(client, name, 1, f"name: {name}\n",
                                   {"model": "tiny:llava", "tasks": ",".join(TASKS), "limit": 4, "trials": 2},

@@ -90,12 +90,12 @@ def _llava(spec: dict, text_layers, vision_layers):
     size, patch = spec["image_size"], vision["patch_size"]
     if spec["model_type"] == "llava":
         config = LlavaConfig(**common)
-        processor = tiny.llava_processor(LlavaProcessor, tok, size, patch, tiny._LLAVA_TEMPLATE)
+        processor = tiny.llava_processor(LlavaProcessor, tok, size, patch, tiny.LLAVA_TEMPLATE)
         return LlavaForConditionalGeneration, config, processor
     pinpoints = spec["image_grid_pinpoints"]
     config = LlavaNextConfig(**common, image_grid_pinpoints=pinpoints)
     # the Vicuna NeXT checkpoint chats like LLaVA-1.5 ("USER: <image>\n... ASSISTANT:")
-    processor = tiny.llava_processor(LlavaNextProcessor, tok, size, patch, tiny._LLAVA_TEMPLATE,
+    processor = tiny.llava_processor(LlavaNextProcessor, tok, size, patch, tiny.LLAVA_TEMPLATE,
                                      image_grid_pinpoints=pinpoints, do_pad=True)
     return LlavaNextForConditionalGeneration, config, processor
 
