@@ -35,10 +35,11 @@ a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets it
 (`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
 The parts live in `pipelines/run/`; a trial reads trial.py (the trial in its Tune actor) -> engine.py (the actors and
-the Ray Data evaluation) -> result.py (TrialResult) -> recorder.py (the driver's MLflow logging), beside
-requests.py (the requests as a Ray Dataset of sealed blocks), checkpoints.py (a trial's saved blocks), ray_connect.py,
-resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and --resume) and search.py (the Tune
-pieces of a search). This file is the driver: setup, the Tune run, the summary, the CLI.
+the Ray Data evaluation) -> result.py (TrialResult) -> `pipelines/recording/` (the driver's MLflow logging and the
+console's summary), beside requests.py (the requests as a Ray Dataset of sealed blocks), checkpoints.py (a trial's
+saved blocks), ray_connect.py, resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and
+--resume) and search.py (the Tune pieces of a search). This file is the driver: setup, the Tune run, the summary,
+the CLI.
 """
 from __future__ import annotations
 
