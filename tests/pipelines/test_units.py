@@ -11,7 +11,8 @@ import torch
 
 from promprune.records import Prediction, from_arrow
 
-from pipelines import mlflow_layout, spec as specs, tracking, weights
+from pipelines import mlflow_layout, spec as specs, weights
+from pipelines.recording import tracking
 from pipelines.run import result, search
 from pipelines.config import Resources
 from pipelines.run import resources as planning
@@ -215,7 +216,7 @@ def test_scored_result_replays_the_rows_scoring_reads():
 def test_calibrated_mu_is_applied_once_on_the_driver():
     """Tune's config holds the options the trial runs with; the id stays the spec's; the run's params say where mu
     came from."""
-    from pipelines.run.recorder import SweepRecorder
+    from pipelines.recording.recorder import trial_run_params
 
     trial = specs.Trial("promprune", 8, {"mu": "calibrate", "metric": "attention"})
     config = search.trial_config(trial, {"attention": 0.81})
@@ -223,9 +224,7 @@ def test_calibrated_mu_is_applied_once_on_the_driver():
     assert config["trial_id"] == trial.trial_id == "promprune-b8-metric=attention-mu=calibrate"
     plain = specs.Trial("promprune", 8, {"mu": 0.4})
     assert search.trial_config(plain, {"attention": 0.81}) == plain.to_dict()
-    recorder = SweepRecorder.__new__(SweepRecorder)  # _params needs the spec only
-    recorder.sweep = specs.SweepSpec(name="t", version=1)
-    params = recorder._params(config)
+    params = trial_run_params(specs.SweepSpec(name="t", version=1), config)
     assert params["mu"] == "0.81" and params["mu_source"] == "calibration" and params["metric"] == "attention"
 
 
