@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from ..dtypes import upcast
 from . import saliency as sal
 from .options import DEFAULT_MU
 
@@ -280,9 +281,10 @@ class LlavaAdapter(Adapter):
         return hidden, keys[0], None
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's projector on vision-space rows ``[..., dv]`` -> ``[..., d]`` float32."""
+        """The model's projector on vision-space rows ``[..., dv]`` -> ``[..., d]`` float32 (float64 for a float64
+        model)."""
         proj = self.model.model.multi_modal_projector
-        return proj(hidden.to(next(proj.parameters()).dtype)).float()
+        return upcast(proj(hidden.to(next(proj.parameters()).dtype)))
 
     def encode(self, inputs, need_saliency, need_vision=False):
         with self._captures(need_saliency, need_vision) as (sink, keys):

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..dtypes import upcast
 from . import eigensolve
 from .kernels import ENTROPY_EPS
 
@@ -56,7 +57,7 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
     N <= d, else d x d) are clamped at 1e-12 and read as a distribution; its entropy is divided by
     ``log(min(N, d))``. mu = 0.42 (CLIP) was calibrated on exactly this quantity.
     """
-    x = features.float()
+    x = upcast(features)  # float32; float64 stays float64
     B, N, d = x.shape
     xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
     if N <= d:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..dtypes import upcast
 from ..suggest import did_you_mean
 from . import accel
 from .entropy import spectral_entropy, spectral_entropy_from_gram
@@ -81,15 +82,16 @@ class Instruction:
 
 
 class TokenSet:
-    """Validated float32 inputs of one ``select`` call plus the derived quantities, each computed once.
+    """Validated float32 inputs of one ``select`` call (float64 when the features are float64) plus the derived
+    quantities, each computed once.
 
     ``x [B, N, d]``; ``saliency [B, N]`` or None; ``vision``: the vision tower's view of the same tokens
-    (:class:`VisionFeatures`, float32) or None; ``instruction``: :class:`Instruction` or None; ``grid``: ``(rows,
-    cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared by
-    the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
-    features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with
-    fp32 accumulation. ``keys``: one int per row naming what the row's tokens come from (an image, or one view of
-    it; ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
+    (:class:`VisionFeatures`, in ``x``'s dtype) or None; ``instruction``: :class:`Instruction` or None; ``grid``:
+    ``(rows, cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared
+    by the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
+    features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with fp32
+    accumulation. ``keys``: one int per row naming what the row's tokens come from (an image, or one view of it;
+    ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
     """
 
     def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
@@ -318,7 +320,7 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
         raise ValueError(f"features must be a float tensor, got dtype {features.dtype}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget must be a positive int, got {budget!r}")
-    x = features.float()
+    x = upcast(features)  # float32; float64 stays float64
     B, N, _ = x.shape
     if N == 0:
         raise ValueError("features have no tokens (N = 0)")
@@ -330,13 +332,13 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
     if not isinstance(saliency, torch.Tensor) or tuple(saliency.shape) != (B, N):
         shape = tuple(saliency.shape) if isinstance(saliency, torch.Tensor) else type(saliency).__name__
         raise ValueError(f"saliency must have shape [B, N] = [{B}, {N}] to match features, got {shape}")
-    s = saliency.to(device=x.device, dtype=torch.float32)
+    s = saliency.to(device=x.device, dtype=x.dtype)
     _check_finite("saliency", s)
     return x, s
 
 
 def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
-    """``vision`` checked against ``x [B, N, d]`` and copied to float32 on ``x``'s device."""
+    """``vision`` checked against ``x [B, N, d]`` and copied to ``x``'s dtype (float32 or float64) and device."""
     if vision is None:
         return None
     if not isinstance(vision, VisionFeatures):
@@ -356,7 +358,7 @@ def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
             need = "[B, N, ...]" if want == 3 else "[B, dv]"
             raise ValueError(f"vision.{name} must be a float tensor {need} matching features [{B}, {N}, d], "
                              f"got {shape}")
-        out[name] = t.to(device=x.device, dtype=torch.float32)
+        out[name] = t.to(device=x.device, dtype=x.dtype)
         _check_finite(f"vision.{name}", out[name])
     if vision.project is not None and not callable(vision.project):
         raise ValueError(f"vision.project must be callable, got {type(vision.project).__name__}")
@@ -364,7 +366,7 @@ def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
 
 
 def _validate_instruction(instruction, x: torch.Tensor, method: str) -> Instruction | None:
-    """``instruction`` checked against ``x [B, N, d]`` and copied to float32 on ``x``'s device."""
+    """``instruction`` checked against ``x [B, N, d]`` and copied to ``x``'s dtype and device."""
     if instruction is None:
         return None
     if not isinstance(instruction, Instruction):
@@ -378,7 +380,7 @@ def _validate_instruction(instruction, x: torch.Tensor, method: str) -> Instruct
         raise ValueError(f"instruction.tokens must be a tensor [B, N, c] = [{B}, {N}, {q.shape[1]}] (c of the "
                          f"query) for method {method!r}, got "
                          f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    out = Instruction(q.to(device=x.device, dtype=torch.float32), t.to(device=x.device, dtype=torch.float32),
+    out = Instruction(q.to(device=x.device, dtype=x.dtype), t.to(device=x.device, dtype=x.dtype),
                       instruction.source)
     _check_finite("instruction.query", out.query)
     _check_finite("instruction.tokens", out.tokens)
@@ -424,15 +426,15 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
            grid: tuple[int, int] | None = None, keys=None, **options) -> Selection:
     """Choose ``budget`` of the ``N`` visual tokens of each image.
 
-    ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
-    not use it, ``budget`` T shared by the batch (T >= N keeps every token). ``vision``: the vision tower's own
-    features of the same tokens (:class:`VisionFeatures`), read by the methods whose released code reads them
-    (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. ``saliency`` reaches
-    only the methods that declare ``needs_saliency`` (the others get None, as in the model adapters). ``keys``: one
-    int per batch row naming the image (or view) the row comes from, e.g. a hash of its pixels; ``random`` draws each
-    row's tokens from ``seed`` and its key, so the draw does not depend on the last bits of the features (None: from
-    a coarse fingerprint of the features; docs/methods.md). Returns a :class:`Selection`. ``promprune.methods()``
-    lists the methods; an unknown method or option is a ValueError naming the valid ones.
+    ``features [B, N, d]`` (any float dtype; computed in float32, float64 ones in float64), ``saliency [B, N]`` or None
+    for methods that do not use it, ``budget`` T shared by the batch (T >= N keeps every token). ``vision``: the vision
+    tower's own features of the same tokens (:class:`VisionFeatures`), read by the methods whose released code reads
+    them (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. ``saliency`` reaches
+    only the methods that declare ``needs_saliency`` (the others get None, as in the model adapters). ``keys``: one int
+    per batch row naming the image (or view) the row comes from, e.g. a hash of its pixels; ``random`` draws each row's
+    tokens from ``seed`` and its key, so the draw does not depend on the last bits of the features (None: from a coarse
+    fingerprint of the features; docs/methods.md). Returns a :class:`Selection`. ``promprune.methods()`` lists the
+    methods; an unknown method or option is a ValueError naming the valid ones.
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:
