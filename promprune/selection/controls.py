@@ -39,10 +39,11 @@ def pooled_cells(rows: int, cols: int, budget: int) -> list[tuple[int, int, int,
     return cells
 
 
-def pooling_matrix(rows: int, cols: int, budget: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def pooling_matrix(rows: int, cols: int, budget: int, device=None,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, N], centres [T])``: cell t is ``weights[t] @ tokens``; ``centres[t]`` its bin's centre token."""
     cells = pooled_cells(rows, cols, budget)
-    weights = torch.zeros(len(cells), rows * cols, device=device)
+    weights = torch.zeros(len(cells), rows * cols, device=device, dtype=dtype)
     centres = torch.empty(len(cells), dtype=torch.long, device=device)
     for t, (r0, r1, c0, c1) in enumerate(cells):
         members = (torch.arange(r0, r1)[:, None] * cols + torch.arange(c0, c1)[None, :]).flatten()
@@ -55,7 +56,7 @@ def pooling_matrix(rows: int, cols: int, budget: int, device=None) -> tuple[torc
 def downsample(tokens: TokenSet, budget: int) -> Selection:
     """Downsampling control: the token grid average-pooled to exactly T cells (no selection)."""
     rows, cols = tokens.grid
-    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device)
+    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device, tokens.x.dtype)
     features = torch.einsum("tn,bnd->btd", weights, tokens.x)  # [B, T, d]
     indices = centres[None].expand(tokens.batch, -1).clone()  # [B, T], ascending
     zeros = torch.zeros(tokens.batch, dtype=torch.long, device=indices.device)

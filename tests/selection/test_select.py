@@ -106,3 +106,20 @@ def test_errors_name_the_problem():
         select(x, s, budget=8, tau=0.0)
     # methods that need no saliency accept None
     assert select(x, None, budget=8, method="divprune").indices.shape == (3, 8)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_float64_tokens_are_selected_in_float64(method):
+    """Every method takes float64 tokens and keeps budget distinct tokens; and the precision is kept: saliency
+    that differs only below float32's resolution ranks in float64 (float32 would tie it and keep raster order)."""
+    x, s = inputs()
+    sel = select(x.double(), s.double(), budget=4, method=method)
+    assert sel.indices.shape == (x.shape[0], 4)
+    assert all(len(set(row.tolist())) == 4 for row in sel.indices)
+
+    s64 = 0.5 + 1e-12 * torch.arange(16, dtype=torch.float64).expand(2, 16)  # ascending, equal in float32
+    x64 = torch.randn(2, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    top = promprune.select(x64, s64, budget=4, method="saliency_only").indices
+    assert top.tolist() == [[12, 13, 14, 15]] * 2
+    assert promprune.select(x64.float(), s64.float(), budget=4, method="saliency_only").indices.tolist() == \
+        [[0, 1, 2, 3]] * 2
