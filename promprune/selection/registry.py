@@ -56,7 +56,7 @@ class VisionFeatures:
     - ``cls [B, dv]`` or None: the CLS token's hidden state at that layer (None: the tower has none, or it is one
       of the ``N``).
     - ``project``: the model's projector, ``[..., dv] -> [..., d]`` (float32 in and out; float64 for float64), which
-    brings merged tokens and the CLS into the space of ``features``; None when no method needs it.
+      brings merged tokens and the CLS into the space of ``features``; None when no method needs it.
     """
 
     hidden: torch.Tensor
