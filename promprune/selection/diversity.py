@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import upcast
 from . import accel
 from .kernels import masked_argmax
 
@@ -48,7 +49,7 @@ def _row(mat: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
 
 def _fallback_score(fallback: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if fallback is not None:
-        return fallback.float()
+        return upcast(fallback)  # float64 saliency stays float64: no ties float32 rounding would make
     B, N = like.shape
     return -torch.arange(N, device=like.device, dtype=torch.float32).expand(B, N)  # raster order
 

@@ -20,7 +20,7 @@ from ..dtypes import upcast
 from ..suggest import did_you_mean
 from . import accel
 from .entropy import spectral_entropy, spectral_entropy_from_gram
-from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
+from .kernels import ENTROPY_EPS, KERNEL_EPS, exactly_symmetric, rescale_gram, unit_tokens
 
 
 @dataclass
@@ -112,14 +112,14 @@ class TokenSet:
 
     @cached_property
     def unit_gram(self) -> torch.Tensor:
-        """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8)."""
+        """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8), exactly symmetric."""
         half = self.source is not None and self.source.dtype in (torch.float16, torch.bfloat16)
         if half and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation and output
             raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
             inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
-            return raw * inv[:, :, None] * inv[:, None, :]
+            return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
-        return xn @ xn.transpose(1, 2)
+        return exactly_symmetric(xn @ xn.transpose(1, 2))
 
     @cached_property
     def cosine(self) -> torch.Tensor:
@@ -127,19 +127,20 @@ class TokenSet:
 
         The diagonal is set to its exact value (1 for every token with norm >= eps): rounding noise there would
         otherwise decide the first pick of a diversity selector, which differs between attention backends and
-        devices.
+        devices. The kernel is exactly symmetric (:func:`~promprune.selection.kernels.exactly_symmetric`).
         """
         kernel = rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
-        kernel = kernel.clone() if kernel is self.unit_gram else kernel
+        kernel = kernel.clone() if kernel is self.unit_gram else exactly_symmetric(kernel)
         exact = (self.norms / self.norms.clamp_min(KERNEL_EPS)).square()  # [B, N]
         kernel.diagonal(dim1=1, dim2=2).copy_(exact)
         return kernel
 
     @cached_property
     def vision_cosine(self) -> torch.Tensor:
-        """Cosine similarity ``[B, N, N]`` of the vision tower's hidden states (``vision.hidden``)."""
+        """Cosine similarity ``[B, N, N]`` of the vision tower's hidden states (``vision.hidden``), exactly
+        symmetric."""
         unit = unit_tokens(self.vision.hidden)
-        return unit @ unit.transpose(1, 2)
+        return exactly_symmetric(unit @ unit.transpose(1, 2))
 
     @cached_property
     def spectral_entropy(self) -> torch.Tensor:  # [B]
