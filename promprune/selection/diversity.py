@@ -31,8 +31,9 @@ GAIN_EPS = 1e-6
 
 
 def _fused(t: torch.Tensor) -> bool:
-    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable)."""
-    return accel.active(t) and accel.has_triton()
+    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable; the kernels are float32, so
+    float64 tokens take the torch loop)."""
+    return accel.active(t) and accel.has_triton() and t.dtype != torch.float64
 
 
 def _width(counts: torch.Tensor, steps: int | None) -> int:
