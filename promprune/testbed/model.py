@@ -26,6 +26,7 @@ from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, Lla
                           LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
+from promprune.dtypes import compute_dtype
 from promprune.models.tiny import _LLAVA_TEMPLATE
 from promprune.testbed import scenes
 
@@ -101,18 +102,13 @@ def untrained():
     return copy.deepcopy(model), copy.deepcopy(proc)
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else computes in float32 (what transformers' Llama does)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class WideRMSNorm(LlamaRMSNorm):
     """``LlamaRMSNorm`` computing in float64 for a float64 input (transformers' casts to float32 first); the same
     ops in float32 otherwise."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(_work_dtype(input_dtype))
+        hidden_states = hidden_states.to(compute_dtype(input_dtype))  # float32, as transformers', or float64
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
