@@ -97,27 +97,51 @@ def in_spec_order(spec: specs.SweepSpec, records: dict) -> dict:
 
 
 def summary_table(spec: specs.SweepSpec, records: dict) -> str:
-    """Plain-text table: one row per trial that ran to its end (or failed), the headline metric per task, Rel.,
-    efficiency; trials a scheduler stopped are counted below it, not shown as rows."""
+    """Markdown table: one row per trial that ran to its end (or failed), in the spec's order, with the headline
+    metric per task, Rel. and the mean visual tokens, then one line of prefill times; trials a scheduler stopped
+    are counted below it, not shown as rows.
+
+    The table holds only what the answers decide (scores to 4 decimals, tokens), so a rerun prints it byte for byte
+    again (the README's quickstart block is this table); the prefill times, which are this machine's clock, are
+    the line below it. A calibrated mu shows in the method cell (the trial id says ``mu=calibrate``)."""
     rows = []
     stopped = [tid for tid, rec in records.items() if rec.get("stopped")]
+    keys: list[str] = []
     for tid, rec in in_spec_order(spec, records).items():
         if rec.get("stopped"):
             continue
         m, t = rec["metrics"], rec["trial"]
-        row = {"trial": tid, "method": t["method"] or "none", "budget": t["budget"] if t["budget"] else "-"}
-        for key in headline_keys(spec.tasks, m):
-            row[key] = round(m[key], 4)
-        row["rel"] = round(m[REL], 4) if REL in m else "-"
-        row["vis.tok"] = _fmt(m.get("efficiency/visual_tokens"))
-        row["prefill ms"] = _fmt(m.get("efficiency/prefill_ms"))
-        row["failed"] = "ERROR" if rec["error"] else int(m.get("samples/failed", 0))
-        rows.append(row)
-    table = pd.DataFrame(rows).fillna("-").to_string(index=False) if rows else "(no trials)"
+        keys += [k for k in headline_keys(spec.tasks, m) if k not in keys]
+        rows.append((tid, rec, m, t))
+    if not rows:
+        table = "(no trials)"
+    else:
+        header = ["trial", "method", "budget", *keys, "Rel.", "visual tokens", "failed"]
+        lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+        for tid, rec, m, t in rows:
+            cells = [tid, _method_cell(t), str(t["budget"]) if t["budget"] else "-"]
+            cells += [f"{m[k]:.4f}" if k in m else "-" for k in keys]
+            cells += [f"{m[REL]:.4f}" if REL in m else "-", _fmt_cell(m.get("efficiency/visual_tokens")),
+                      "ERROR" if rec["error"] else str(int(m.get("samples/failed", 0)))]
+            lines.append("| " + " | ".join(cells) + " |")
+        times = [f"{tid} {_fmt_cell(m.get('efficiency/prefill_ms'))}" for tid, _, m, _ in rows]
+        table = "\n".join(lines) + "\nprefill ms per sample (this machine's clock): " + ", ".join(times)
     if stopped:
         table += (f"\n{len(stopped)} more trial(s) stopped early by ASHA, not in the table (MLflow: status KILLED, tag "
                   f"{mlflow_layout.STOPPED}, running scores under {mlflow_layout.RUNNING}/)")
     return table
+
+
+def _method_cell(trial: dict) -> str:
+    """``promprune``, or ``promprune (mu calibrated: 0.2419)`` for a trial whose mu the sweep calibrated."""
+    method = trial["method"] or "none"
+    if trial.get("mu_source") == "calibration":
+        return f"{method} (mu calibrated: {trial['options']['mu']:.4f})"
+    return method
+
+
+def _fmt_cell(v: Any) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.1f}"
 
 
 def _split_points(records: dict) -> set:
@@ -207,7 +231,3 @@ def paired_lines(spec: specs.SweepSpec, records: dict) -> list[str]:
     return ([f"Rel. differences, each method against the best other at its budget (95% paired bootstrap over the "
              f"documents, {spec.bootstrap} resamples; [interval] holding 0: not told apart):"]
             + [f"  {d.budget:.0f} tokens: {d.text()}" for d in diffs])
-
-
-def _fmt(v: Any) -> Any:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else round(float(v), 1)

@@ -83,7 +83,7 @@ def _project(tokens: TokenSet, x: torch.Tensor) -> torch.Tensor:
     if tokens.vision.project is None:
         raise ValueError("visionzip merges the vision tower's hidden states: vision.project (the model's projector) "
                          "must bring them into the features' space")
-    return tokens.vision.project(x).float()
+    return tokens.vision.project(x).to(tokens.x.dtype)
 
 
 @register_method("visionzip", needs_saliency=True, merges=True,

@@ -370,3 +370,33 @@ def test_validate_only_shows_what_each_task_generates_with():
     assert lines[2].startswith("  mme: max_new_tokens=16,")
     spec.generation = {"max_new_tokens": 3}
     assert all("max_new_tokens=3," in line for line in generation_plan(spec).splitlines()[1:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the console's summary table
+
+
+def test_the_summary_table_is_markdown_of_what_the_answers_decide_and_times_below_it():
+    from pipelines.recording.console import summary_table
+
+    spec = _spec()
+    spec.tasks = ["testbed_exist_concentrated"]
+    base = {"trial": {"method": None, "budget": None, "options": {}}, "error": None,
+            "metrics": {"testbed_exist_concentrated/f1": 1.0, "rel": 1.0, "efficiency/visual_tokens": 144.0,
+                        "efficiency/prefill_ms": 31.234, "samples/failed": 0}}
+    ours = {"trial": {"method": "promprune", "budget": 16, "options": {"mu": 0.24193, "tau": 0.03},
+                      "mu_source": "calibration"}, "error": None,
+            "metrics": {"testbed_exist_concentrated/f1": 0.88501, "rel": 0.84166, "efficiency/visual_tokens": 16.0,
+                        "efficiency/prefill_ms": 12.06, "samples/failed": 2}}
+    broken = {"trial": {"method": "divprune", "budget": 16, "options": {}}, "error": "boom", "metrics": {}}
+    text = summary_table(spec, {"promprune-b16-mu=calibrate-tau=0.03": ours, "baseline": base,
+                                "divprune-b16": broken})
+    assert text.splitlines() == [
+        "| trial | method | budget | testbed_exist_concentrated/f1 | Rel. | visual tokens | failed |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        "| baseline | none | - | 1.0000 | 1.0000 | 144.0 | 0 |",
+        "| divprune-b16 | divprune | 16 | - | - | - | ERROR |",  # trials the spec does not list: by id
+        "| promprune-b16-mu=calibrate-tau=0.03 | promprune (mu calibrated: 0.2419) | 16 | 0.8850 | 0.8417 | 16.0 | 2 |",
+        "prefill ms per sample (this machine's clock): baseline 31.2, divprune-b16 -, "
+        "promprune-b16-mu=calibrate-tau=0.03 12.1",
+    ]
