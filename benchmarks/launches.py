@@ -176,14 +176,19 @@ def fast_path_on_cpu():
          greedy_triton._fl_kernel, greedy_triton._vispruner_kernel) = saved
 
 
-def count(fn, *args, **kwargs) -> Costs:
-    """The launches, syncs and matmul FLOPs of ``fn(*args, **kwargs)`` (``Tensor.tolist`` counts as a sync)."""
+def count(fn, *args, warmup: bool = True, **kwargs) -> Costs:
+    """The launches, syncs and matmul FLOPs of ``fn(*args, **kwargs)`` (``Tensor.tolist`` counts as a sync), after one
+    uncounted call (``warmup``) that fills what a process builds once (cached pooling matrices, compiled kernels)."""
+    if warmup:
+        fn(*args, **kwargs)
     return _count(fn, args, kwargs, transfers=False, resident=())
 
 
-def count_model(model: torch.nn.Module, fn, *args, **kwargs) -> Costs:
+def count_model(model: torch.nn.Module, fn, *args, warmup: bool = True, **kwargs) -> Costs:
     """:func:`count` of ``fn(*args, **kwargs)`` with ``model``'s parameters and buffers on the device and the copies
     between host and device counted (the module docstring): for a model path that starts from host data."""
+    if warmup:
+        fn(*args, **kwargs)
     resident = list(model.parameters()) + list(model.buffers())
     return _count(fn, args, kwargs, transfers=True, resident=resident)
 
@@ -364,3 +369,33 @@ MATMUL_TFLOPS = 40.0
 def project_ms(c: Costs) -> float:
     """A GPU time projected from the counts: launches and waits at their cost, matmuls at ``MATMUL_TFLOPS``."""
     return (c.launches * LAUNCH_US + c.syncs * SYNC_US) / 1e3 + c.flops / (MATMUL_TFLOPS * 1e12) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python benchmarks/launches.py [--method M ...] [--shape BxNxd] [--budget T]``: the cost table of methods."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+    import promprune
+    from benchmarks.selection import instruction_for, make_inputs
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("--method", nargs="+", default=None, help="registered methods (default: all pre-LLM ones)")
+    ap.add_argument("--shape", default="1x576x4096", help="B x N x d of the features (default: LLaVA-1.5's)")
+    ap.add_argument("--budget", type=int, default=64)
+    args = ap.parse_args(argv)
+    B, N, d = (int(v) for v in args.shape.split("x"))
+    x, s = make_inputs(B, N, d, "cpu")
+    print(f"one call at {args.shape}, T={args.budget}, on the GPU fast path counted on the CPU")
+    print("| method | launches | syncs | matmul GFLOP | projected ms |\n|---|---:|---:|---:|---:|")
+    for m in args.method or promprune.methods():
+        text = instruction_for(x) if promprune.method_spec(m).needs_instruction else None
+        with fast_path_on_cpu():
+            c = count(promprune.select, x, s, budget=args.budget, method=m, instruction=text)
+        print(f"| {m} | {c.launches} | {c.syncs} | {c.flops / 1e9:.2f} | {project_ms(c):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

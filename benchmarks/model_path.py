@@ -43,8 +43,7 @@ def images(batch: int):
 def prepare_costs(vlm, batch_images, prompts) -> Costs:
     """The counts of ``vlm.prepare(batch_images, prompts)`` (after a warm-up call), the processor on the host."""
     with fast_path_on_cpu(), on_host(vlm, "processed"):
-        vlm.prepare(batch_images, prompts)  # warm: lazy imports, caches
-        return count_model(vlm.model, vlm.prepare, batch_images, prompts)
+        return count_model(vlm.model, vlm.prepare, batch_images, prompts)  # after one warm-up call
 
 
 def select_costs(vlm, batch_images, prompts) -> Costs:

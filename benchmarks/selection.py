@@ -157,20 +157,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="images per call (NeXT: 5 crops each)")
     ap.add_argument("--split-images", type=int, default=12, help="images per shape for the certified split's "
                     "decision table (0: leave it out)")
+    ap.add_argument("--tables", default="timing,costs,split", help="which tables to print (comma-separated): timing "
+                    "(every method timed), costs (the cost model), split (the certified split's decisions)")
     ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
                     "repeat")
     args = ap.parse_args(argv)
+    tables = set(args.tables.split(","))
     if args.smoke:
         args.repeats = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    for batch in args.batch:
-        run_batch(args, batch, shapes)
+    if "timing" in tables:
+        for batch in args.batch:
+            run_batch(args, batch, shapes)
+            print()
+    if "costs" in tables:
+        print_costs(shapes)
         print()
-    print_costs(shapes)
-    if args.split_images:
-        print()
+    if "split" in tables and args.split_images:
         print_split_decisions(shapes, args.split_images, args.device)
 
 

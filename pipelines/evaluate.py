@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines import tracking
+from pipelines.recording import tracking
 from pipelines.config import Resources
 from pipelines.run import resources as planning
 from pipelines.run import trial

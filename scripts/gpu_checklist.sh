@@ -179,8 +179,8 @@ stage() {
           tests/test_architecture.py ;;
     selection)  # issue 53's measurements: every method, PromPrune's stages, the certified split's fallback share
       env_line
-      for dt in float16 float32; do
-        python3 benchmarks/selection.py --device cuda --dtype $dt --batch 1 8 --repeats 9; echo; done ;;
+      python3 benchmarks/selection.py --device cuda --dtype float16 --batch 1 8 --repeats 9 --split-images 24; echo
+      python3 benchmarks/selection.py --device cuda --dtype float32 --batch 1 8 --repeats 9 --tables timing ;;
     speed)
       env_line; python3 -m benchmarks.spectrum --device cuda
       python3 - <<'PY'

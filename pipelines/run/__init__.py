@@ -8,5 +8,6 @@
     ray_connect.py   joining (or starting) Ray, the workers' runtime_env
     resources.py     GPU or CPU, pool sizes, trials at once, the autoscaler request, waiting for GPUs
     state.py         a sweep's saved state and --resume
-    recorder.py      the driver's MLflow logging of finished trials, the summary table
+
+The driver's MLflow logging of the trials and the console's summary are `pipelines/recording/`.
 """

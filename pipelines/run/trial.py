@@ -1,7 +1,7 @@
 """One trial: (model, method, budget, options) over the sweep's requests -> its `TrialResult`.
 
     sweep.py (the driver, the CLI) -> run/trial.py (this: the trial, in a Tune trial actor) -> run/engine.py (Ray
-    Data over the actors) -> run/result.py (TrialResult) -> run/recorder.py (MLflow, on the driver)
+    Data over the actors) -> run/result.py (TrialResult) -> recording/recorder.py (MLflow, on the driver)
 
 A sweep builds one `Shared` (the requests in the object store, the plan, the sweep's ledger, where trials save
 their blocks) and hands it to every trial; `run_trial` is the Tune function: it evaluates the trial, saving each

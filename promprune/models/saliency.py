@@ -20,15 +20,18 @@ import sys
 import torch
 from transformers.vision_utils import get_vision_window_index
 
+from ..dtypes import upcast
+
 QUERY_CHUNK = 1024  # queries per block when summing Qwen attention: bounds memory to H x 1024 x n floats
 
 
 def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """CLS-to-all attention of a CLIPAttention module, head mean: ``hidden [B, S, C] -> [B, S]`` (float32)."""
+    """CLS-to-all attention of a CLIPAttention module, head mean: ``hidden [B, S, C] -> [B, S]`` (float32; float64
+    for a float64 model)."""
     B, S, _ = hidden.shape
     H, hd = attn.num_heads, attn.head_dim
-    q = attn.q_proj(hidden[:, :1]).float().view(B, 1, H, hd).transpose(1, 2)  # [B, H, 1, hd]
-    k = attn.k_proj(hidden).float().view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
+    q = upcast(attn.q_proj(hidden[:, :1])).view(B, 1, H, hd).transpose(1, 2)  # [B, H, 1, hd]
+    k = upcast(attn.k_proj(hidden)).view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
     probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scale, dim=-1)  # [B, H, 1, S]
     return probs[:, :, 0].mean(dim=1)  # [B, S]
 
@@ -69,12 +72,13 @@ def capture_cls_attention(attn: torch.nn.Module, sink: list):
 
 
 def attention_keys(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The keys of a CLIPAttention module, mean over heads: ``hidden [B, S, C] -> [B, S, head_dim]`` (float32).
+    """The keys of a CLIPAttention module, mean over heads: ``hidden [B, S, C] -> [B, S, head_dim]`` (float32;
+    float64 for a float64 model).
 
     VisionZip's released code merges its contextual tokens by the similarity of these (its CLIP layer -2).
     """
     B, S, _ = hidden.shape
-    return attn.k_proj(hidden).float().view(B, S, attn.num_heads, attn.head_dim).mean(dim=2)
+    return upcast(attn.k_proj(hidden)).view(B, S, attn.num_heads, attn.head_dim).mean(dim=2)
 
 
 def capture_keys(attn: torch.nn.Module, sink: list):

@@ -61,13 +61,13 @@ def vispruner_diverse(cosine: torch.Tensor, rest: torch.Tensor, keep: int) -> to
     surviving even tokens (by descending match; ties: the lower position first) followed by the odd ones. ``cosine
     [B, N, N]``: the token kernel, computed once, so each round is a gather instead of a fresh ``[R/2, d] x [d, R/2]``
     product. On the CUDA fast path (``accel``) every round runs in one Triton launch
-    (``greedy_triton.vispruner_rounds``, the same steps on the candidates' similarity gathered once); this loop is
-    the reference and the CPU path.
+    (``greedy_triton.vispruner_rounds``, the same steps on the candidates' similarity gathered once, in float32);
+    this loop is the reference, the CPU path and float64's.
     """
     if keep <= 0:
         return rest[:, :0]
-    if rest.shape[1] > keep and accel.active(cosine) and accel.has_triton():  # every round in one launch
-        from . import greedy_triton
+    if rest.shape[1] > keep and accel.active(cosine) and accel.has_triton() and cosine.dtype != torch.float64:
+        from . import greedy_triton  # every round in one launch (float32: float64 tokens take the loop)
 
         local = _submatrix(cosine, rest, rest).float()  # [B, R, R] the kernel among the candidates, in their order
         picks = greedy_triton.vispruner_rounds(local, keep, vispruner_round_count(rest.shape[1], keep),
@@ -104,7 +104,7 @@ def _project(tokens: TokenSet, x: torch.Tensor) -> torch.Tensor:
     if tokens.vision.project is None:
         raise ValueError("visionzip merges the vision tower's hidden states: vision.project (the model's projector) "
                          "must bring them into the features' space")
-    return tokens.vision.project(x).float()
+    return tokens.vision.project(x).to(tokens.x.dtype)
 
 
 @register_method("visionzip", needs_saliency=True, merges=True,

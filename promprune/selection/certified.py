@@ -188,7 +188,7 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
         lo, hi = bounds(coeffs[:, :done_steps], coeffs[:, done_steps:], n)
         decided, counts = _decide(lo, hi, count)
         t_sal[todo[decided]] = counts[decided]
-        entropy[todo[decided]] = ((lo + hi) / 2)[decided]
+        entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
         todo = todo[~decided]
@@ -209,6 +209,8 @@ def applies(matrix_size: int, device_tensor: torch.Tensor) -> bool:
     CUDA fast path for matrices of ``MIN_SIZE`` or more, "certified" always (small matrices then mostly end in the
     eigensolve: their Krylov space runs out), "exact" never."""
     mode = accel.entropy_mode()
+    if matrix_size < 2:  # one eigenvalue: H is 0 by definition (the exact path's rule)
+        return False
     if mode == "auto":
         return matrix_size >= MIN_SIZE and accel.active(device_tensor)
     return mode == "certified"

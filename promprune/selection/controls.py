@@ -40,17 +40,19 @@ def pooled_cells(rows: int, cols: int, budget: int) -> list[tuple[int, int, int,
     return cells
 
 
-def pooling_matrix(rows: int, cols: int, budget: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def pooling_matrix(rows: int, cols: int, budget: int, device=None,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, N], centres [T])``: cell t is ``weights[t] @ tokens``; ``centres[t]`` its bin's centre token.
-    Built once per grid and budget on the host; a call copies it to ``device`` (one copy each, no launch per cell)."""
+    Built once per grid and budget on the host (float64: each weight 1/k rounds to ``dtype`` as if set there); a call
+    copies it to ``device`` (one copy each, no launch per cell)."""
     weights, centres = _host_pooling(rows, cols, budget)
-    return weights.to(device, copy=True), centres.to(device, copy=True)
+    return weights.to(device, dtype, copy=True), centres.to(device, copy=True)
 
 
 @lru_cache(maxsize=256)
 def _host_pooling(rows: int, cols: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     cells = pooled_cells(rows, cols, budget)
-    weights = torch.zeros(len(cells), rows * cols)
+    weights = torch.zeros(len(cells), rows * cols, dtype=torch.float64)
     centres = torch.empty(len(cells), dtype=torch.long)
     for t, (r0, r1, c0, c1) in enumerate(cells):
         members = (torch.arange(r0, r1)[:, None] * cols + torch.arange(c0, c1)[None, :]).flatten()
@@ -63,7 +65,7 @@ def _host_pooling(rows: int, cols: int, budget: int) -> tuple[torch.Tensor, torc
 def downsample(tokens: TokenSet, budget: int) -> Selection:
     """Downsampling control: the token grid average-pooled to exactly T cells (no selection)."""
     rows, cols = tokens.grid
-    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device)
+    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device, tokens.x.dtype)
     features = torch.einsum("tn,bnd->btd", weights, tokens.x)  # [B, T, d]
     indices = centres[None].expand(tokens.batch, -1).clone()  # [B, T], ascending
     zeros = torch.zeros(tokens.batch, dtype=torch.long, device=indices.device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import upcast
 from . import accel
 from .kernels import masked_argmax, near_tie_argmax
 
@@ -34,8 +35,9 @@ GAIN_EPS = 1e-6
 
 
 def _fused(t: torch.Tensor) -> bool:
-    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable)."""
-    return accel.active(t) and accel.has_triton()
+    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable; the kernels are float32, so
+    float64 tokens take the torch loop)."""
+    return accel.active(t) and accel.has_triton() and t.dtype != torch.float64
 
 
 def _width(counts: torch.Tensor, steps: int | None) -> int:
@@ -52,7 +54,7 @@ def _row(mat: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
 
 def _fallback_score(fallback: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if fallback is not None:
-        return fallback.float()
+        return upcast(fallback)  # float64 saliency stays float64: no ties float32 rounding would make
     B, N = like.shape
     return -torch.arange(N, device=like.device, dtype=torch.float32).expand(B, N)  # raster order
 

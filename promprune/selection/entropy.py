@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..dtypes import upcast
 from .kernels import ENTROPY_EPS
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
@@ -36,8 +37,9 @@ def centered_gram(gram: torch.Tensor) -> torch.Tensor:
 
 
 def covariance(features: torch.Tensor) -> torch.Tensor:
-    """The ``[B, d, d]`` covariance of the centered, L2-normalized tokens ``[B, N, d]`` (for N > d), symmetric."""
-    x = features.float()
+    """The ``[B, d, d]`` covariance of the centered, L2-normalized tokens ``[B, N, d]`` (for N > d), symmetric, in
+    float32 (float64 tokens stay float64)."""
+    x = upcast(features)
     xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
     xc = xn - xn.mean(dim=1, keepdim=True)
     cov = xc.transpose(1, 2) @ xc  # [B, d, d]
@@ -52,7 +54,7 @@ def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None) ->
     if N > d:
         return covariance(features)
     if gram is None:
-        x = features.float()
+        x = upcast(features)
         xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
         gram = xn @ xn.transpose(1, 2)
     return centered_gram(gram)

@@ -12,6 +12,7 @@ import torch
 import promprune
 from promprune.selection import accel, certified
 from promprune.selection.budget import split_budget
+from promprune.selection.entropy import spectral_matrix
 
 
 def spectrum(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -117,36 +118,53 @@ def boundary_mus(h: float, budget: int, tau: float, offsets) -> list[float]:
     """Values of mu that put the entropy ``h`` at ``offset`` from a rounding boundary of t_sal (where
     ``T * ratio`` is k + 1/2), for boundaries in the sigmoid's steep part."""
     mus = []
-    for k in range(budget // 4, 3 * budget // 4, max(1, budget // 8)):
+    for k in (budget // 4, budget // 2 + 1):
         ratio = (k + 0.5) / budget  # 1 - sigmoid(z) = ratio  ->  z = log((1 - ratio) / ratio)
         z = math.log((1 - ratio) / ratio)
         mus += [h - tau * z - off for off in offsets]
     return mus
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_promprune_keeps_the_exact_algorithms_tokens_next_to_boundaries(seed):
+def boundary_case(seed: int):
+    """Six images of varied spectra (tokens ``[6, 112, 160]``, saliency ``[6, 112]``) and their exact entropies."""
     rng = np.random.default_rng(100 + seed)
-    N, d, budget, tau = 112, 160, 32, 0.02
     kinds = ["power1.0", "power1.5", "power2.0", "lowrank_floor", "one_zero", "power0.7"]
-    x = torch.stack([features_with_spectrum(spectrum(k, N, rng), d, rng) for k in kinds])
-    s = torch.from_numpy(rng.random((len(kinds), N))).float()
-    exact_h = promprune.spectral_entropy(x).double()
-    offsets = (0.0, 1e-7, -1e-5, 3e-5, -3e-5, 1e-4, -1e-3)
+    x = torch.stack([features_with_spectrum(spectrum(k, 112, rng), 160, rng) for k in kinds])
+    s = torch.from_numpy(rng.random((len(kinds), 112))).float()
+    return x, s, promprune.spectral_entropy(x).double()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_split_counts_equal_the_exact_ones_next_to_boundaries(seed):
+    x, _, exact_h = boundary_case(seed)
+    matrix = spectral_matrix(x)
+    budget, tau = 32, 0.02
+    offsets = (0.0, 1e-7, -1e-7, 1e-5, -1e-5, 3e-5, -3e-5, 1e-4, -1e-3)
     mus = boundary_mus(float(exact_h[seed]), budget, tau, offsets) + [0.42, float(exact_h.median())]
     decided = exact = 0
     for mu in mus:
         for rounding in ("half_even", "floor"):
-            kw = dict(budget=budget, method="promprune", mu=mu, tau=tau, rounding=rounding, order="selection")
-            with accel.entropy("exact"):
-                want = promprune.select(x, s, **kw)
-            with accel.entropy("certified"):
-                got = promprune.select(x, s, **kw)
+            def count(h, mu=mu, rounding=rounding):
+                return split_budget(h, budget, mu=mu, tau=tau, rounding=rounding)
+
+            t_sal, _ = certified.split(matrix, count)
             report = certified.LAST_REPORT[0]
             decided, exact = decided + sum(report.decided), exact + report.exact
-            assert torch.equal(got.saliency_count, want.saliency_count), (mu, rounding)
-            assert torch.equal(got.indices, want.indices), (mu, rounding)
+            assert torch.equal(t_sal, count(exact_h.float().double())), (mu, rounding)
     assert decided > exact > 0  # most by the bounds; those placed on a boundary by the eigensolve
+
+
+def test_promprune_keeps_the_exact_algorithms_tokens_next_to_boundaries():
+    x, s, exact_h = boundary_case(0)
+    budget, tau = 32, 0.02
+    for mu in boundary_mus(float(exact_h[0]), budget, tau, (0.0, 3e-5, -1e-3))[:3] + [0.42]:
+        kw = dict(budget=budget, method="promprune", mu=mu, tau=tau, order="selection")
+        with accel.entropy("exact"):
+            want = promprune.select(x, s, **kw)
+        with accel.entropy("certified"):
+            got = promprune.select(x, s, **kw)
+        assert torch.equal(got.saliency_count, want.saliency_count), mu
+        assert torch.equal(got.indices, want.indices), mu
 
 
 def test_one_host_read_when_the_first_stage_decides():

@@ -28,6 +28,7 @@ from transformers import (
     LlavaProcessor,
 )
 
+from ...dtypes import upcast
 from .. import saliency as sal
 from ..adapters import Adapter, HostIndex, VisualItem
 from ..registry import register_family
@@ -170,9 +171,10 @@ class LlavaAdapter(Adapter):
         return hidden, keys[0], None
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's projector on vision-space rows ``[..., dv]`` -> ``[..., d]`` float32."""
+        """The model's projector on vision-space rows ``[..., dv]`` -> ``[..., d]`` float32 (float64 for a float64
+        model)."""
         proj = self.model.model.multi_modal_projector
-        return proj(hidden.to(next(proj.parameters()).dtype)).float()
+        return upcast(proj(hidden.to(next(proj.parameters()).dtype)))
 
     def encode(self, inputs, need_saliency, need_vision=False):
         with self._captures(need_saliency, need_vision) as (sink, keys):
