@@ -194,9 +194,10 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
         todo = todo[~decided]
         if not len(todo):
             break
-        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device))
+        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device, non_blocking=True))
     if len(todo):
-        exact = to_host(entropy_of_matrix(matrix[torch.from_numpy(todo).to(matrix.device)]).double())
+        rows = torch.from_numpy(todo).to(matrix.device, non_blocking=True)  # no wait: the copy is staged at once
+        exact = to_host(entropy_of_matrix(matrix[rows]).double())
         t_sal[todo] = count(torch.from_numpy(exact)).numpy()
         entropy[todo] = exact
         report.exact = len(todo)

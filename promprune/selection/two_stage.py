@@ -114,7 +114,8 @@ def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: s
     if metric == "spectral" and certified.applies(min(tokens.n, tokens.dim), tokens.x):
         t_sal, entropy = certified.split(tokens.spectral_matrix, count)  # host values, the exact algorithm's counts
         return two_stage(tokens, budget, t_sal.to(tokens.x.device, non_blocking=True), diversity=diversity,
-                         conditional=conditional, method="promprune", entropy=entropy.to(tokens.x.device),
+                         conditional=conditional, method="promprune",
+                         entropy=entropy.to(tokens.x.device, non_blocking=True),
                          host_counts=t_sal)
     entropy = prominence(tokens, metric)
     return two_stage(tokens, budget, count(entropy).to(tokens.x.device), diversity=diversity, conditional=conditional,
