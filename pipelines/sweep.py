@@ -53,17 +53,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import ray
 from ray import tune
 
-from promprune.records import Request
+from promprune.records import Request, key_task
 
 from pipelines import calibration, mlflow_layout, plugins, preflight
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
 from pipelines import timeline, tracking
-from pipelines.run import engine, search, trial
+from pipelines.run import search, trial
 from pipelines.run import resources as planning
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
@@ -72,7 +71,8 @@ from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder,
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
 from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_runs, outbox_dir, resume_command, \
     resumed_state, save_state, storage_root
-from pipelines.weights import ModelSource, share
+from pipelines.run.workers import Failover, WorkerPool
+from pipelines.weights import share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
@@ -177,11 +177,28 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     waited = capacity.wait(spec.resources.actor_wait_s)
     if waited >= 1:
         say(f"the first GPU node joined after {waited:.0f}s")
+    pool = _start_workers(spec, plan, run_fn, experiment)
     try:
-        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
+        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool, regression_threshold,
                          command, experiment)
     finally:
+        pool.close()  # the workers end with the sweep: their GPUs are free, nothing asks the autoscaler for more
         capacity.release()
+
+
+def _start_workers(spec: specs.SweepSpec, plan: planning.Plan, run_fn: Callable | None,
+                   experiment: str) -> WorkerPool:
+    """The sweep's pool of model workers (`pipelines/run/workers.py`), its first workers started now: they import and
+    load the model (the weights published to the object store once) while the driver sets up MLflow and Tune."""
+    source = spec.model
+    if spec.resources.share_weights:
+        t0 = time.perf_counter()
+        source = share(source, on_gpu=plan.on_gpu, in_process=planning.started_here())
+        say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
+        timeline.mark("weights_published", "driver")
+    pool = WorkerPool(source, plan, spec.resources.batch_size, Failover.of(spec.resources), run_fn, sweep=experiment)
+    pool.warm(plan.pool_size)
+    return pool
 
 
 def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
@@ -199,14 +216,8 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
     return how + (f", after {fixed} fixed trial(s)" if fixed else "")
 
 
-def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
+def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: WorkerPool, regression_threshold,
               command, experiment: str) -> SweepOutcome:
-    source = spec.model
-    if spec.resources.share_weights:
-        t0 = time.perf_counter()
-        source = share(source, on_gpu=plan.on_gpu, in_process=planning.started_here())
-        say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
-        timeline.mark("weights_published", "driver")
     client = tracking.client()
     for dead in mark_dead_runs(client, storage, spec.name, keep=None if resume is None else state["experiment"]):
         say(f"note: the earlier run {dead} of this sweep died without finishing; its MLflow parent run is "
@@ -225,7 +236,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
     if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
-        state["calibrated"] = calibrate(spec, trials, source, plan, client, parent_id)
+        state["calibrated"] = calibrate(spec, trials, pool, client, parent_id)
     save_state(storage, {**state, "driver": driver})
     blocks = sweep_dir(state["storage_path"], state["experiment"])
     per_trial = len(rows.keys)
@@ -236,8 +247,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     recorder.parent(params=search_params(spec))
     try:
-        # what every trial shares: the requests, the plan, one Ledger for every trial's blocks (both experiments)
-        shared = trial.Shared(rows, plan, engine.new_ledger(), blocks, run_fn)
+        # what every trial shares: the requests, the plan, the pool of model workers (both experiments)
+        shared = trial.Shared(rows, plan, pool.handle, blocks)
         with progress(sum(recorder.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar:
             recorder.bar = bar
             timeline.mark("tune_start", "driver")
@@ -245,7 +256,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
                 objective = _objective(spec, phase, rows, recorder)
                 if phase.searched and objective is None:
                     break  # the baseline failed: said, and the sweep exits 1
-                trainable = trial.trainable(spec, source, shared, objective)
+                trainable = trial.trainable(spec, shared, objective)
                 tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
                 grid = tuner.fit()
                 try:
@@ -295,7 +306,7 @@ def task_datasets(spec: specs.SweepSpec, keys: list[str]) -> list[dict]:
 
     by_task: dict[str, list[str]] = {}
     for key in keys:
-        by_task.setdefault(key.rsplit("/", 1)[0], []).append(key)
+        by_task.setdefault(key_task(key), []).append(key)
     return [{"name": task, "digest": hashlib.sha256("\n".join(sorted(ks)).encode()).hexdigest()[:16],
              "source": {"task": task, "limit": spec.limit, "harness": "lmms-eval"},
              "profile": {"num_rows": len(ks)}} for task, ks in by_task.items()]
@@ -333,22 +344,20 @@ def _samples_per_trial(rows: Requests, trials: list) -> dict[str, int]:
     """Each trial's samples (an explicit trial may run on a subset of the tasks)."""
     per_task: dict[str, int] = {}
     for key in rows.keys:
-        task = key.rsplit("/", 1)[0]
-        per_task[task] = per_task.get(task, 0) + 1
+        per_task[key_task(key)] = per_task.get(key_task(key), 0) + 1
     return {t.trial_id: sum(n for task, n in per_task.items() if not t.tasks or task in t.tasks) for t in trials}
 
 
-def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: planning.Plan, client,
-              parent_id: str) -> dict:
+def calibrate(spec: specs.SweepSpec, trials: list, pool: WorkerPool, client, parent_id: str) -> dict:
     """The median of each prominence metric that a `mu: calibrate` trial needs, measured with the sweep's model on
-    the calibration images (one Ray task, on a GPU when the sweep's actors use GPUs); logged on the parent run."""
+    the calibration images (on one of the sweep's model workers, which holds the model already); logged on the
+    parent run."""
     metrics = calibration.metrics_to_calibrate(trials)
     if not metrics:
         return {}
     t0 = time.perf_counter()
     budget = min(t.budget for t in trials if t.options.get("mu") == calibration.CALIBRATE)
-    task = ray.remote(num_cpus=1, num_gpus=plan.gpus)(calibration.run)
-    found = ray.get(task.remote(source, spec.calibration, metrics, budget))
+    found = pool.calibrate(spec.calibration, metrics, budget)
     medians = {m: round(float(r["median"]), 4) for m, r in found.items()}
     tracking.log_metrics(client, parent_id, {f"calibration/median_{m}": v for m, v in medians.items()})
     client.log_param(parent_id, "calibration_images", f"{spec.calibration.images} (n={spec.calibration.n}, "
@@ -379,7 +388,8 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     )
     searcher = search.searcher(spec) if phase.searched else None
     tune_config = tune.TuneConfig(
-        max_concurrent_trials=plan.trials_at_once, reuse_actors=scheduler is None, scheduler=scheduler,
+        # a trial is a light coordinator (the model lives in the pool's workers): its process serves the next one
+        max_concurrent_trials=plan.trials_at_once, reuse_actors=True, scheduler=scheduler,
         search_alg=searcher, num_samples=spec.tune.num_samples if searcher is not None else 1)
     return tune.Tuner(trainable, param_space=search.param_space(spec, phase, state["calibrated"]),
                       tune_config=tune_config, run_config=run_config)
@@ -405,7 +415,7 @@ def _reconcile(recorder: SweepRecorder, grid, trials: list, searched: int | None
     for result in grid:
         if not result.config or ("trial" not in result.config and "sampled" not in result.config):
             continue  # a trial Tune never started (interrupted early)
-        trial = search.trial_of(result.config)
+        trial = search.trial_of(result.config).to_dict()  # the recorder's view of the trial
         record = recorder.records.get(trial["trial_id"])
         if record is not None and record["error"] is None:
             seen.append(trial["trial_id"])

@@ -37,7 +37,7 @@ class RecorderHook(tune.Callback):
         self.parent_id = parent_id
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
-        config = search.trial_of(trial.config)
+        config = search.trial_of(trial.config).to_dict()
         timeline.mark("trial_start", "driver", trial=config["trial_id"])
         recorder = _LIVE_RECORDERS.get(self.parent_id)
         if recorder is not None:
@@ -48,12 +48,12 @@ class RecorderHook(tune.Callback):
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
         if recorder is not None:
-            recorder.progress(search.trial_of(trial.config)["trial_id"], result)
+            recorder.progress(search.trial_of(trial.config).trial_id, result)
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         """A trial finished (its final report carries its checkpoint) or a scheduler stopped it (no checkpoint; its
         last result is the rung it was stopped at)."""
-        config = search.trial_of(trial.config)
+        config = search.trial_of(trial.config).to_dict()
         recorder = _LIVE_RECORDERS.get(self.parent_id)
         if recorder is not None and trial.checkpoint is None and search.stopped_by_scheduler(trial.last_result):
             recorder.record_stopped(config, trial.last_result)
@@ -64,7 +64,7 @@ class RecorderHook(tune.Callback):
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
         recorder = _LIVE_RECORDERS.get(self.parent_id)
         if recorder is not None:
-            recorder.record_error(search.trial_of(trial.config), _error_text(trial))
+            recorder.record_error(search.trial_of(trial.config).to_dict(), _error_text(trial))
 
 
 def _error_text(trial) -> str:

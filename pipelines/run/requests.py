@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray
 
-from promprune.records import Request, from_arrow, table_keys, to_arrow
+from promprune.records import Request, from_arrow, key_task, table_keys, to_arrow
 
 ENVELOPE = pa.schema([("block_id", pa.string()), ("n_rows", pa.int64()), ("requests", pa.binary())])
 
@@ -107,7 +107,7 @@ class Requests:
         """The requests of ``tasks`` alone (an explicit trial that runs on a subset of the sweep's tasks)."""
         wanted = sorted(set(tasks))
         calls = [_only_tasks.remote(block, wanted) for block, keys in zip(self.blocks, self.block_keys)
-                 if any(k.rsplit("/", 1)[0] in wanted for k in keys)]
+                 if any(key_task(k) in wanted for k in keys)]
         found = ray.get([keys for keys, _ in calls])
         return Requests([ref for ks, (_, ref) in zip(found, calls) if ks], [ks for ks in found if ks])
 
@@ -139,7 +139,7 @@ def interleaved(envelopes: list, block_keys: list[list[str]]) -> tuple[list, lis
     blocks, each task's blocks in their own order: any prefix of the work covers every task in proportion."""
     by_task: dict[str, list[int]] = {}
     for i, keys in enumerate(block_keys):
-        by_task.setdefault(keys[0].rsplit("/", 1)[0] if keys else "", []).append(i)
+        by_task.setdefault(key_task(keys[0]) if keys else "", []).append(i)
     # the j-th of a task's n blocks sits at (j + 0.5) / n of the way through the work
     placed = sorted(((j + 0.5) / len(q), t, i) for t, q in enumerate(by_task.values()) for j, i in enumerate(q))
     order = [i for _, _, i in placed]

@@ -1,0 +1,418 @@
+"""A sweep's model workers: Ray actors that load the model once and answer the blocks of every trial of the sweep.
+
+    WorkerPool (the driver's: started once per sweep, closed at its end)
+      -> Pool (a named Ray actor on the driver's node: the roster of workers, the leases of the trials that use
+         them, the attempts of every block)
+      -> Worker x n (Ray actors holding the model: the published weights mapped once, imports warm; each call wraps
+         the model for the calling trial's `Trial` and answers one sealed block)
+
+Workers outlive trials: a trial is a light coordinator (`pipelines/run/engine.py`) that leases workers from the
+pool, sends them its blocks, and releases them when it ends. What a worker holds is its pool's `PoolKey` (the model
+with its loading options, the dtype it runs in, its placement); a pool is scoped to one sweep (its name carries the
+sweep's experiment), so two sweeps never share a worker, and nothing of one model is ever asked of another.
+
+- *Elastic.* The pool holds as many workers as its leases can use (each trial: one per block it has left, at most
+  `Plan.max_actors`; all together at most `Plan.pool_size`), created as leases ask; the workers the cluster cannot
+  place yet are pending, which is what an autoscaler adds nodes for. Trials send blocks to the workers that are up
+  and take the others as they come up (`Pool.roster`). Workers the leases no longer need for `KEEP_S` are retired
+  (a pending one at once, a busy one after the blocks it was sent), so their GPUs and the autoscaler's demand go
+  when no trial needs them; the rest go when the sweep ends (`WorkerPool.close`).
+- *Failover.* A worker that dies (its node lost, a segfault, host memory exhausted) is restarted by Ray
+  (`max_restarts=-1`) and the call it was answering is sent again (`max_task_retries=-1`). The pool counts the
+  attempts of each block that actually started (`Pool.begin`), over every worker; the attempt after
+  `resources.block_attempts` returns the block's requests as failed samples, named, instead of running it. One
+  block per call, so a block that kills its worker is the only one charged. A `Watchdog` makes a worker whose block
+  hangs past `resources.block_timeout_s` exit, which is the same case. A block whose call raises as a whole is
+  retried in the worker, then recorded with its error (`Worker.answer`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+import ray
+
+from promprune.records import Prediction, Request, from_arrow, to_arrow
+
+from pipelines import timeline
+from pipelines.run.requests import unseal
+from pipelines.run.resources import Plan
+from pipelines.spec.trials import Trial
+from pipelines.weights import ModelSource, resolve_dtype
+
+EXIT_HUNG = 70  # the exit status of a worker whose watchdog fired (a block past block_timeout_s)
+KEEP_S = 20.0  # a worker no lease needs is retired after this long (the next trial's lease comes within seconds)
+TRIM_EVERY_S = 1.0  # how often the pool compares its workers with what its leases need
+WARM = "__warm__"  # the driver's lease while it sets the sweep up: dropped when the first trial leases
+WRAPPED_PER_WORKER = 8  # trials' wrappers a worker keeps (a PrunedVLM over the shared model: cheap to rebuild)
+
+
+@dataclass
+class Failover:
+    """A block's attempts (its worker died or hung on it) and the time after which a block counts as hung."""
+
+    attempts: int = 3
+    timeout_s: float = 1800.0
+
+    @classmethod
+    def of(cls, resources) -> "Failover":
+        """A spec's ``resources.block_attempts`` and ``resources.block_timeout_s``."""
+        return cls(resources.block_attempts, resources.block_timeout_s)
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What a pool's workers hold: the model (checkpoint, attention implementation, adapter options), the dtype
+    they run it in (resolved: ``auto`` is float32 on CPUs, bfloat16 on GPUs) and their placement (device, GPUs and
+    CPUs per worker). Its ``digest`` names the pool."""
+
+    model: str
+    dtype: str
+    placement: str
+
+    @classmethod
+    def of(cls, source: ModelSource, plan: Plan) -> "PoolKey":
+        model = json.dumps([source.pretrained, source.attn_implementation, source.options], sort_keys=True,
+                           default=str)
+        place = f"gpu:{plan.gpus:g}+cpu:{plan.cpus:g}" if plan.on_gpu else f"cpu:{plan.cpus:g}"
+        return cls(model, resolve_dtype(source.dtype, plan.on_gpu), place)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.model}|{self.dtype}|{self.placement}".encode()).hexdigest()[:12]
+
+
+def default_run_requests(vlm, rows: list[Request], batch_size: int) -> list[Prediction]:
+    from promprune.eval import run_requests
+
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+class Watchdog:
+    """Ends this process if the block it guards takes longer than ``timeout_s`` (``with Watchdog(...)``): a hung
+    generation (a deadlocked kernel, a stuck collective) cannot be interrupted from inside, so the worker exits and
+    Ray restarts it and sends the block again (`Failover`)."""
+
+    def __init__(self, timeout_s: float, what: str):
+        self.timeout_s, self.what = timeout_s, what
+        self.timer: threading.Timer | None = None
+
+    def _fire(self) -> None:
+        print(f"promprune: {self.what} ran past block_timeout_s={self.timeout_s:g}s; this worker exits so that Ray "
+              "restarts it and retries the block", flush=True)
+        os._exit(EXIT_HUNG)
+
+    def __enter__(self) -> "Watchdog":
+        self.timer = threading.Timer(self.timeout_s, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.timer.cancel()
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a worker
+
+
+class Worker:
+    """A Ray actor holding the sweep's model: loads it once (`ModelSource.load`, unpruned: from the weights the sweep
+    published to the object store, or `from_pretrained`), then answers one sealed block per call for whichever trial
+    sends it, its model wrapped in a `PrunedVLM` for that trial's method, budget and options, under
+    `torch.inference_mode()`. A block already started `Failover.attempts` times (its worker died or hung on it each
+    time; `Pool.begin` counts) is not run again: its requests become failed samples saying so."""
+
+    def __init__(self, source: ModelSource, batch_size: int, failover: Failover, pool=None,
+                 run_fn: Callable | None = None):
+        import torch
+
+        if timeline.enabled():
+            timeline.tag(node=ray.get_runtime_context().get_node_id()[:8])
+            timeline.mark("actor_process", "actor", t=timeline.process_started())
+            timeline.mark("actor_init", "actor")
+        torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+        self.source, self.batch_size, self.failover, self.pool = source, batch_size, failover, pool
+        self.base = source.load(method=None, budget=None)  # the model, unpruned; each trial wraps it (`_vlm`)
+        self.wrapped: dict[str, object] = {}
+        self.run_fn = run_fn or default_run_requests
+        self.node = ray.get_runtime_context().get_node_id()
+        timeline.mark("actor_ready", "actor")
+
+    def ready(self) -> str:
+        """This worker's node (answered once the model is loaded)."""
+        return self.node
+
+    def answer(self, trial: Trial, envelopes: pa.Table, evaluation: str) -> pa.Table:
+        """Envelope rows (`requests.ENVELOPE`) of ``trial`` -> their predictions (`arrow_schema(Prediction)`);
+        ``evaluation``: the run of the trial whose attempts `Pool.begin` counts."""
+        out = []
+        for bid, block in unseal(envelopes):
+            if self._attempt(f"{evaluation}/{bid}") > self.failover.attempts:
+                out += failed(from_arrow(block, Request), lost_reason(self.failover), self.node)
+                continue
+            timeline.mark("predict_start", "actor", call=bid, rows=block.num_rows, trial=trial.trial_id)
+            with Watchdog(self.failover.timeout_s, f"block {bid} ({block.num_rows} requests)"):
+                out += self._answer(self._vlm(trial), block)
+            timeline.mark("predict_end", "actor", call=bid, rows=block.num_rows, trial=trial.trial_id)
+        return to_arrow(out, Prediction)
+
+    def calibrate(self, cal, metrics: list[str], budget: int) -> dict:
+        """`pipelines.calibration.measure` with this worker's model (the sweep's `mu: calibrate` trials)."""
+        from pipelines import calibration
+
+        return calibration.measure(self.base, self.source.options, cal, metrics, budget)
+
+    def retire(self) -> None:
+        """End this worker (after the calls sent before this one): the pool no longer needs it."""
+        ray.actor.exit_actor()
+
+    def _vlm(self, trial: Trial):
+        """The model wrapped for ``trial`` (kept for the next blocks of the same trial)."""
+        from promprune.models import PrunedVLM
+
+        key = json.dumps([trial.method, trial.budget, trial.run_options], sort_keys=True, default=str)
+        if key not in self.wrapped:
+            if len(self.wrapped) >= WRAPPED_PER_WORKER:
+                self.wrapped.pop(next(iter(self.wrapped)))
+            self.wrapped[key] = PrunedVLM(self.base.model, self.base.processor, method=trial.method,
+                                          budget=trial.budget, **self.source.options, **trial.run_options)
+        return self.wrapped[key]
+
+    def _attempt(self, key: str) -> int:
+        """This block's attempt number from the pool (1 without one, or when the pool is out of reach)."""
+        if self.pool is None:
+            return 1
+        try:
+            return ray.get(self.pool.begin.remote(key))
+        except ray.exceptions.RayActorError:  # the pool's node is gone: run the block uncounted
+            return 1
+
+    def _answer(self, vlm, block: pa.Table) -> list[Prediction]:
+        """One block's predictions, one per request. The model isolates failing samples itself; an exception out of
+        the whole block (an out-of-memory error, say) is retried here, up to `Failover.attempts` tries in all, and
+        then fails the block's requests with its message."""
+        import torch
+
+        from promprune.eval.requests import share_images
+
+        rows = share_images(from_arrow(block, Request))  # a block stores each image once: every row gets its own
+        for attempt in range(1, self.failover.attempts + 1):
+            try:
+                with torch.inference_mode():
+                    preds = self.run_fn(vlm, rows, self.batch_size)
+                if len(preds) != len(rows):
+                    raise RuntimeError(f"run_requests returned {len(preds)} predictions for {len(rows)} rows")
+                return [dataclasses.replace(add_efficiency(vlm, p), node=self.node) for p in preds]
+            except Exception as exc:  # noqa: BLE001 - retried, then recorded on every request of the block
+                error = f"the block failed as a whole, {attempt} time(s): {type(exc).__name__}: {exc}"
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        return failed(rows, error, self.node)
+
+
+def failed(rows: list[Request], error: str, node: str | None = None) -> list[Prediction]:
+    """Failed predictions for ``rows`` (scored as the empty answer, counted in ``n_failed``)."""
+    from promprune.records import Answer
+
+    return [Prediction.answering(r, Answer(error=error), node=node) for r in rows]
+
+
+def lost_reason(failover: Failover) -> str:
+    return (f"lost: the worker answering this sample's block died or hung (block_timeout_s={failover.timeout_s:g}s) "
+            f"on it {failover.attempts} time(s) (resources.block_attempts); the Ray logs of the workers say why")
+
+
+def add_efficiency(vlm, pred: Prediction) -> Prediction:
+    """Per-sample prefill FLOPs and visual KV-cache bytes, under the paper's Table 6 convention.
+
+    FLOPs count the whole prefill: the visual tokens the LLM received plus the prompt's text tokens as the model
+    read them (``Prediction.text_tokens``: the processor's prompt without its visual placeholders, so a video's
+    per-frame timestamps count). The KV cache counts the visual tokens only, as Table 6 does (1440.0 MB for
+    LLaVA-NeXT-7B's 2880 tokens in fp16).
+    """
+    from promprune import efficiency
+
+    if pred.visual_tokens is None or pred.text_tokens is None or pred.failed:
+        return pred
+    text_config = vlm.model.config.get_text_config()
+    return dataclasses.replace(
+        pred, prefill_flops=float(efficiency.prefill_flops(text_config, int(pred.visual_tokens) + pred.text_tokens)),
+        kv_cache_bytes=float(efficiency.kv_cache_bytes(text_config, int(pred.visual_tokens), vlm.model.dtype)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the pool
+
+
+class Pool:
+    """The roster of a sweep's workers, the leases of the trials using them, and the attempts of every block (a Ray
+    actor, named after the sweep and its `PoolKey`, that owns the workers: when it goes, they go).
+
+    A lease is ``holder -> workers it can use``; the pool keeps ``min(plan.pool_size, sum of leases)`` workers,
+    creating them as leases ask and retiring the surplus once it has lasted `KEEP_S` (a background thread checks every
+    `TRIM_EVERY_S`)."""
+
+    def __init__(self, source: ModelSource, plan: Plan, batch_size: int, failover: Failover,
+                 run_fn: Callable | None = None, keep_s: float = KEEP_S):
+        self.source, self.plan, self.batch_size, self.failover, self.run_fn = source, plan, batch_size, failover, run_fn
+        self.keep_s = keep_s
+        self.lock = threading.Lock()
+        self.workers: dict[int, object] = {}  # worker id -> handle
+        self.loading: dict[int, ray.ObjectRef] = {}  # worker id -> its `ready` call, until it answers
+        self.up: set[int] = set()  # ids of the workers whose model is loaded
+        self.leases: dict[str, int] = {}
+        self.started: dict[str, int] = {}  # block key (evaluation/block) -> attempts started
+        self.version, self.next_id, self.surplus_since = 0, 0, None
+        self.error: str | None = None  # why a worker could not start (its model did not load): every trial fails
+        self.me = ray.get_runtime_context().current_actor
+        threading.Thread(target=self._trim_loop, daemon=True).start()
+
+    def lease(self, holder: str, workers: int) -> None:
+        """``holder`` (a trial's run) can use ``workers`` workers from now on (the warm-up lease ends at the first)."""
+        with self.lock:
+            if holder != WARM:
+                self.leases.pop(WARM, None)
+            self.leases[holder] = max(0, int(workers))
+            self._grow()
+
+    def release(self, holder: str) -> None:
+        with self.lock:
+            self.leases.pop(holder, None)
+
+    def roster(self, version: int = -1) -> tuple[int, list | None, str | None]:
+        """(version, [(worker id, handle)] of the workers up, or None when unchanged since ``version``, why workers
+        fail to start or None)."""
+        with self.lock:
+            self._poll()
+            if version == self.version:
+                return self.version, None, self.error
+            return self.version, [(i, self.workers[i]) for i in sorted(self.up)], self.error
+
+    def begin(self, key: str) -> int:
+        """Count one more attempt of ``key`` (evaluation/block); returns its number (1 for the first)."""
+        self.started[key] = self.started.get(key, 0) + 1
+        return self.started[key]
+
+    def state(self) -> dict:
+        """What the pool holds now: workers alive, up, and the leases (for tests and the console)."""
+        with self.lock:
+            self._poll()
+            return {"workers": len(self.workers), "up": len(self.up), "leases": dict(self.leases),
+                    "pool_size": self.plan.pool_size}
+
+    def _need(self) -> int:
+        return min(self.plan.pool_size, sum(self.leases.values()))
+
+    def _grow(self) -> None:
+        while self.error is None and len(self.workers) < self._need():
+            wid, self.next_id = self.next_id, self.next_id + 1
+            worker = ray.remote(Worker).options(
+                num_gpus=self.plan.gpus if self.plan.on_gpu else None, num_cpus=self.plan.cpus,
+                max_restarts=-1, max_task_retries=-1,
+            ).remote(self.source, self.batch_size, self.failover, self.me, self.run_fn)
+            self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
+
+    def _poll(self) -> None:
+        """Move the workers whose model has loaded onto the roster; a worker that died loading is an error."""
+        if not self.loading:
+            return
+        done, _ = ray.wait(list(self.loading.values()), num_returns=len(self.loading), timeout=0)
+        for wid in [w for w, ref in self.loading.items() if ref in done]:
+            ref = self.loading.pop(wid)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                self.error = self.error or f"{type(exc).__name__}: {exc}"[:4000]
+                self.workers.pop(wid, None)
+                continue
+            self.up.add(wid)
+            self.version += 1
+
+    def _trim_loop(self) -> None:
+        while True:
+            time.sleep(TRIM_EVERY_S)
+            with self.lock:
+                self._poll()
+                self._trim()
+
+    def _trim(self) -> None:
+        """Retire the workers beyond what the leases need once the surplus has lasted `keep_s`: pending ones first
+        (they hold no GPU yet, only the autoscaler's demand), then the most recently started."""
+        surplus = len(self.workers) - self._need()
+        if surplus <= 0:
+            self.surplus_since = None
+            return
+        now = time.monotonic()
+        self.surplus_since = self.surplus_since or now
+        if now - self.surplus_since < self.keep_s:
+            return
+        order = sorted(self.workers, key=lambda w: (w in self.up, -w))
+        for wid in order[:surplus]:
+            worker = self.workers.pop(wid)
+            if wid in self.up:
+                worker.retire.remote()  # after the calls already sent to it
+                self.up.discard(wid)
+                self.version += 1
+            else:
+                self.loading.pop(wid, None)
+                ray.kill(worker)
+        self.surplus_since = None
+
+
+class WorkerPool:
+    """The driver's side of a sweep's `Pool`: started once per sweep (or per evaluation run alone), closed at its end,
+    which ends every worker (GPU memory freed, no demand left for the autoscaler). ``handle`` is what trials get."""
+
+    def __init__(self, source: ModelSource, plan: Plan, batch_size: int, failover: Failover,
+                 run_fn: Callable | None = None, sweep: str | None = None, keep_s: float = KEEP_S):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.key = PoolKey.of(source, plan)
+        self.name = f"promprune-pool/{sweep or uuid.uuid4().hex[:8]}/{self.key.digest}"
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # on the driver's node, no CPU: a worker node lost takes neither the roster nor the attempts with it, and a
+        # lost driver's node takes the sweep anyway (its workers die with the pool; --resume continues from the saved
+        # blocks)
+        self.handle = ray.remote(Pool).options(name=self.name, num_cpus=0, scheduling_strategy=here,
+                                               max_concurrency=1).remote(source, plan, batch_size, failover, run_fn,
+                                                                         keep_s)
+
+    def warm(self, workers: int) -> None:
+        """Start ``workers`` workers now, before any trial leases them (their imports and loading overlap the rest of
+        the sweep's setup); the first trial's lease takes over."""
+        self.handle.lease.remote(WARM, workers)
+
+    def first_worker(self, timeout_s: float | None = None):
+        """A worker whose model is loaded (waits for one; RuntimeError when workers fail to start)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            _, members, error = ray.get(self.handle.roster.remote())
+            if error:
+                raise RuntimeError(f"the sweep's model workers could not start: {error}")
+            if members:
+                return members[0][1]
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no model worker was up after {timeout_s:g}s")
+            time.sleep(0.2)
+
+    def calibrate(self, cal, metrics: list[str], budget: int) -> dict:
+        """`Worker.calibrate` on the first worker up (call `warm` first: before the first trial no lease asks for
+        workers)."""
+        return ray.get(self.first_worker().calibrate.remote(cal, metrics, budget))
+
+    def state(self) -> dict:
+        return ray.get(self.handle.state.remote())
+
+    def close(self) -> None:
+        """End the pool and its workers."""
+        ray.kill(self.handle)
