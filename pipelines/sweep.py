@@ -48,6 +48,7 @@ import dataclasses
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -496,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
         with contextlib.nullcontext() if args.verbose else quiet(log_path):
             try:
+                store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
+                store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts
                 connect(args.address, log_to_driver=args.verbose)
+                store.join()
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                     command={"config": args.config, "overrides": args.overrides}, lock=lock)
             except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:

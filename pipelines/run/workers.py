@@ -277,6 +277,14 @@ class Pool:
         self.me = ray.get_runtime_context().current_actor
         threading.Thread(target=self._trim_loop, daemon=True).start()
 
+    def adopt(self, workers: list) -> None:
+        """Take workers the driver started (`WorkerPool.warm`) onto the roster once they are up; they count as the
+        pool's from now on (retired like its own; they end with the driver, not with the pool)."""
+        with self.lock:
+            for worker in workers:
+                wid, self.next_id = self.next_id, self.next_id + 1
+                self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
+
     def lease(self, holder: str, workers: int) -> None:
         """``holder`` (a trial's run) can use ``workers`` workers from now on (the warm-up lease ends at the first)."""
         with self.lock:
@@ -316,10 +324,7 @@ class Pool:
     def _grow(self) -> None:
         while self.error is None and len(self.workers) < self._need():
             wid, self.next_id = self.next_id, self.next_id + 1
-            worker = ray.remote(Worker).options(
-                num_gpus=self.plan.gpus if self.plan.on_gpu else None, num_cpus=self.plan.cpus,
-                max_restarts=-1, max_task_retries=-1,
-            ).remote(self.source, self.batch_size, self.failover, self.me, self.run_fn)
+            worker = new_worker(self.source, self.plan, self.batch_size, self.failover, self.me, self.run_fn)
             self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
 
     def _poll(self) -> None:
@@ -369,6 +374,13 @@ class Pool:
         self.surplus_since = None
 
 
+def new_worker(source: ModelSource, plan: Plan, batch_size: int, failover: Failover, pool, run_fn: Callable | None):
+    """One `Worker` actor with the plan's resources, restarted by Ray for as long as it takes (its calls sent again)."""
+    return ray.remote(Worker).options(
+        num_gpus=plan.gpus if plan.on_gpu else None, num_cpus=plan.cpus, max_restarts=-1, max_task_retries=-1,
+    ).remote(source, batch_size, failover, pool, run_fn)
+
+
 class WorkerPool:
     """The driver's side of a sweep's `Pool`: started once per sweep (or per evaluation run alone), closed at its end,
     which ends every worker (GPU memory freed, no demand left for the autoscaler). ``handle`` is what trials get."""
@@ -377,7 +389,8 @@ class WorkerPool:
                  run_fn: Callable | None = None, sweep: str | None = None, keep_s: float = KEEP_S):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.key = PoolKey.of(source, plan)
+        self.key, self.args = PoolKey.of(source, plan), (source, plan, batch_size, failover)
+        self.run_fn, self.adopted = run_fn, []
         self.name = f"promprune-pool/{sweep or uuid.uuid4().hex[:8]}/{self.key.digest}"
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # on the driver's node, no CPU: a worker node lost takes neither the roster nor the attempts with it, and a
@@ -388,8 +401,12 @@ class WorkerPool:
                                                                          keep_s)
 
     def warm(self, workers: int) -> None:
-        """Start ``workers`` workers now, before any trial leases them (their imports and loading overlap the rest of
-        the sweep's setup); the first trial's lease takes over."""
+        """Start ``workers`` workers now, from here (the pool's own process need not be up first), before any trial
+        leases them: their imports and loading overlap the rest of the sweep's setup. The pool adopts them, and the
+        first trial's lease takes over from this one."""
+        started = [new_worker(*self.args, self.handle, self.run_fn) for _ in range(workers)]
+        self.adopted += started
+        self.handle.adopt.remote(started)
         self.handle.lease.remote(WARM, workers)
 
     def first_worker(self, timeout_s: float | None = None):
@@ -406,13 +423,22 @@ class WorkerPool:
             time.sleep(0.2)
 
     def calibrate(self, cal, metrics: list[str], budget: int) -> dict:
-        """`Worker.calibrate` on the first worker up (call `warm` first: before the first trial no lease asks for
-        workers)."""
+        """`pipelines.calibration.measure` with the sweep's model: here, when the workers run on the CPUs of a Ray this
+        process started (it has the libraries imported and maps the published weights as a worker would, and need not
+        wait for one to load), else on the first worker up (call `warm` first: before the first trial no lease asks
+        for workers)."""
+        from pipelines import calibration
+        from pipelines.run.resources import started_here
+
+        source, plan = self.args[:2]
+        if not plan.on_gpu and started_here():
+            return calibration.run(source, cal, metrics, budget)
         return ray.get(self.first_worker().calibrate.remote(cal, metrics, budget))
 
     def state(self) -> dict:
         return ray.get(self.handle.state.remote())
 
     def close(self) -> None:
-        """End the pool and its workers."""
-        ray.kill(self.handle)
+        """End the pool and its workers (its own die with it; those started here are ended here)."""
+        for worker in [self.handle, *self.adopted]:
+            ray.kill(worker)

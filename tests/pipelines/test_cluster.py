@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 from pipelines import spec as specs
 from pipelines import sweep, tracking
-from pipelines.run.trial import EvalConfig, alone, evaluate, predict
+from pipelines.run.trial import alone, evaluate, predict
 from pipelines.run import resources as planning
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.requests import build_requests_dataset, build_rows
@@ -91,11 +91,11 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
     driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(spec, run_fn=run_fn, rows=rows)))
     driver.start()
 
-    # the trial's Ray Data actors holding the model: both up, one on a node without the trial's driver
+    # the sweep's workers holding the model: both up, one on a node without the trial's coordinator
     victims, deadline = [], time.time() + 300
     while not victims and time.time() < deadline:
         trial_nodes = {a.node_id for a in _actors("ImplicitFunc")}
-        victims = [a.node_id for a in _actors("MapBatches(Predictor)") if a.node_id not in trial_nodes]
+        victims = [a.node_id for a in _actors("Worker") if a.node_id not in trial_nodes]
         time.sleep(0.2)
     assert victims, "no actor on a node without the trial driver"
     while time.time() < deadline and not any(markers.iterdir()):
@@ -126,12 +126,12 @@ def test_unplaceable_actors_fail_instead_of_hanging(cluster, prebuilt):
     rows = build_rows(["easyvqa_yesno"], 1, {"max_new_tokens": 1})
     if prebuilt:
         rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
-    cfg = EvalConfig(model=ModelSource("tiny:llava"),
-                     resources=Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5))  # no 2-GPU node
+    resources = Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5)  # no node has 2 GPUs
+    spec = specs.SweepSpec(name="unplaceable", version=1, model=ModelSource("tiny:llava"), resources=resources)
     start = time.time()
     with pytest.raises(planning.NoCapacity, match=r"actor_wait_s=5s.*at most 1 GPU\(s\) on one node"):
-        with alone(cfg, rows) as shared:
-            evaluate(cfg, shared)
+        with alone(spec, rows) as shared:
+            evaluate(specs.Trial(None, None), spec, shared)
     assert time.time() - start < 60
     assert not [a for a in _actors("_probe")], "the probe's demand outlived the wait"
 
@@ -182,11 +182,11 @@ def test_work_starts_on_the_first_loaded_actor_and_the_others_join(cluster, tmp_
     markers = tmp_path / "markers"
     markers.mkdir()
     resources = Resources(workers=3, gpus_per_worker=1, batch_size=1, actor_wait_s=180)
-    cfg = EvalConfig(model=staggered_source(str(tmp_path / "claim"), slow_s), method="promprune", budget=8,
-                     resources=resources)
+    spec = specs.SweepSpec(name="staggered", version=1, model=staggered_source(str(tmp_path / "claim"), slow_s),
+                           resources=resources)
     rows = [dataclasses.replace(r, image_key=None) for r in build_rows(["easyvqa_yesno"], 24, {"max_new_tokens": 8})]
-    with alone(cfg, rows, run_fn=functools.partial(pid_run, marker_dir=str(markers), sleep_s=2.0)) as shared:
-        preds = predict(cfg, shared)
+    with alone(spec, rows, run_fn=functools.partial(pid_run, marker_dir=str(markers), sleep_s=2.0)) as shared:
+        preds = predict(specs.Trial("promprune", 8), shared)
     assert preds.column("doc_id").to_pylist() == list(range(24)) and not any(preds.column("error").to_pylist())
     answered = sorted((int(m.name.split("-")[2]), m.name.split("-")[1]) for m in markers.iterdir())  # monotonic ns
     first_t, first_pid = answered[0]
