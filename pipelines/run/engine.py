@@ -2,7 +2,7 @@
 their predictions streamed back block by block.
 
     requests (sealed blocks in the object store, `requests.py`) -> a lease on the sweep's `Pool` (as many workers as
-    the trial has blocks, at most `Plan.max_actors`) -> one block in flight per worker that is up
+    the trial has blocks, at most `Plan.max_actors`) -> idle workers granted by the pool, one block each
     (`Worker.answer(trial, block)`) -> (block id, predictions) as each comes back -> `run`: every sample exactly once
 
 A trial is a light coordinator: the workers hold the model and outlive it; it only dispatches, and takes workers as
@@ -16,6 +16,7 @@ sends no more work.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 import uuid
 from typing import Callable, Iterator
@@ -30,7 +31,8 @@ from pipelines.run.checkpoints import BlockStore
 from pipelines.run.requests import Requests, block_id
 from pipelines.spec.trials import Trial
 
-ROSTER_EVERY_S = 1.0  # how often a trial with blocks left asks the pool which workers are up
+POLL_S = 0.25  # how often a trial with blocks left and no worker free asks the pool again
+HEARTBEAT_S = 10.0  # a trial tells the pool it is alive at least this often (`workers.HOLDER_TIMEOUT_S`)
 
 
 class WorkersFailed(RuntimeError):
@@ -40,52 +42,50 @@ class WorkersFailed(RuntimeError):
 def stream(requests: Requests, trial: Trial, pool, max_workers: int,
            skip: set[str] | frozenset = frozenset()) -> Iterator[tuple[str, pa.Table]]:
     """Answer every block of ``requests`` with a sample not in ``skip`` on the workers of ``pool`` (a `Pool` actor),
-    at most ``max_workers`` at once; yields ``(block id, predictions)`` as blocks come back, in no particular order."""
+    at most ``max_workers`` at once, each granted by the pool for one block; yields ``(block id, predictions)`` as
+    blocks come back, in no particular order. Close it (`run` does) to cancel what is still queued."""
     todo = collections.deque((ref, keys) for ref, keys in zip(requests.blocks, requests.block_keys)
                              if not set(keys) <= skip)
     evaluation = uuid.uuid4().hex  # this run's attempts in the pool (a retried trial starts afresh)
     holder, leased = f"{trial.trial_id}/{evaluation}", min(len(todo), max_workers)
     pool.lease.remote(holder, leased)
     inflight: dict = {}  # call -> (block ref, keys, worker id)
-    members, version, polled = {}, -1, 0.0
+    asked = heard = 0.0
     try:
         while todo or inflight:
-            if todo and time.monotonic() - polled >= ROSTER_EVERY_S:
-                version, members, polled = *_roster(pool, version, members), time.monotonic()
-            busy = {wid for _, _, wid in inflight.values()}
-            for wid in [w for w in members if w not in busy][:max(0, max_workers - len(inflight))]:
-                if todo:
+            wanted, now = min(len(todo), max_workers - len(inflight)), time.monotonic()
+            if wanted > 0 and now - asked >= POLL_S:
+                granted, error = ray.get(pool.acquire.remote(holder, wanted))
+                if error:
+                    raise WorkersFailed(f"the sweep's model workers could not start, so no trial can run: {error}")
+                asked = heard = now
+                for wid, worker in granted:
                     ref, keys = todo.popleft()
-                    inflight[members[wid].answer.remote(trial, ref, evaluation)] = (ref, keys, wid)
-            if not inflight:  # no worker up yet: wait for the roster
-                time.sleep(ROSTER_EVERY_S / 4)
+                    inflight[worker.answer.remote(trial, ref, evaluation)] = (ref, keys, wid)
+            elif now - heard >= HEARTBEAT_S:
+                pool.lease.remote(holder, leased)
+                heard = now
+            if not inflight:  # no worker free yet
+                time.sleep(POLL_S)
                 continue
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=ROSTER_EVERY_S)
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=POLL_S)
             for call in ready:
+                asked = 0.0  # a worker is free: ask again at once
                 ref, keys, wid = inflight.pop(call)
+                pool.free.remote(holder, wid)
                 try:
                     table = ray.get(call)
                 except ray.exceptions.RayActorError:  # the worker is gone for good: another one takes the block
-                    members.pop(wid, None)
                     todo.appendleft((ref, keys))
                     continue
                 yield block_id(keys), table
-            left = min(len(todo) + len(inflight), max_workers)
-            if left < leased:  # fewer blocks left than workers leased: the others may go to other trials
-                leased = left
+            if min(len(todo) + len(inflight), max_workers) < leased:  # the other workers may go to other trials
+                leased = min(len(todo) + len(inflight), max_workers)
                 pool.lease.remote(holder, leased)
     finally:
         for call in inflight:
             ray.cancel(call)  # queued at a worker: dropped; already running: finishes, unread
         pool.release.remote(holder)
-
-
-def _roster(pool, version: int, members: dict) -> tuple[int, dict]:
-    """The pool's workers that are up, as {worker id: handle} (``members`` when unchanged since ``version``)."""
-    version, listed, error = ray.get(pool.roster.remote(version))
-    if error:
-        raise WorkersFailed(f"the sweep's model workers could not start, so no trial can run: {error}")
-    return version, members if listed is None else dict(listed)
 
 
 def run(requests: Requests, trial: Trial, pool, max_workers: int, store: BlockStore | None = None,
@@ -101,13 +101,14 @@ def run(requests: Requests, trial: Trial, pool, max_workers: int, store: BlockSt
     wanted = set(requests.keys)
     tables = [] if store is None else [_only(store.load(), wanted)]
     done = sum(t.num_rows for t in tables)
-    for bid, table in stream(requests, trial, pool, max_workers, skip=_keys_of(tables)):
-        if store is not None:
-            store.save(bid, table)
-        tables.append(table)
-        done += table.num_rows
-        if on_block is not None:
-            on_block(done, tables)
+    with contextlib.closing(stream(requests, trial, pool, max_workers, skip=_keys_of(tables))) as blocks:
+        for bid, table in blocks:  # (closed however this ends: a scheduler's stop raises out of `on_block`)
+            if store is not None:
+                store.save(bid, table)
+            tables.append(table)
+            done += table.num_rows
+            if on_block is not None:
+                on_block(done, tables)
     timeline.mark("last_answer", "trial", s=time.perf_counter() - started)
     return assemble_predictions(requests.keys, tables)
 

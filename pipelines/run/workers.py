@@ -14,9 +14,10 @@ sweep's experiment), so two sweeps never share a worker, and nothing of one mode
 - *Elastic.* The pool holds as many workers as its leases can use (each trial: one per block it has left, at most
   `Plan.max_actors`; all together at most `Plan.pool_size`), created as leases ask; the workers the cluster cannot
   place yet are pending, which is what an autoscaler adds nodes for. Trials send blocks to the workers that are up
-  and take the others as they come up (`Pool.roster`). Workers the leases no longer need for `KEEP_S` are retired
-  (a pending one at once, a busy one after the blocks it was sent), so their GPUs and the autoscaler's demand go
-  when no trial needs them; the rest go when the sweep ends (`WorkerPool.close`).
+  and take the others as they come up: the pool grants idle workers, one block each, whichever trial asks
+  (`Pool.acquire`). Workers the leases no longer need for `KEEP_S` are retired (pending ones first, never one
+  answering a block), so their GPUs and the autoscaler's demand go when no trial needs them; the rest go when the
+  sweep ends (`WorkerPool.close`).
 - *Failover.* A worker that dies (its node lost, a segfault, host memory exhausted) is restarted by Ray
   (`max_restarts=-1`) and the call it was answering is sent again (`max_task_retries=-1`). The pool counts the
   attempts of each block that actually started (`Pool.begin`), over every worker; the attempt after
@@ -51,6 +52,9 @@ from pipelines.weights import ModelSource, resolve_dtype
 EXIT_HUNG = 70  # the exit status of a worker whose watchdog fired (a block past block_timeout_s)
 KEEP_S = 20.0  # a worker no lease needs is retired after this long (the next trial's lease comes within seconds)
 TRIM_EVERY_S = 1.0  # how often the pool compares its workers with what its leases need
+# a holder not heard from for this long (its trial's process died without releasing) loses its lease and grants; a
+# live trial is heard from at least every `engine.HEARTBEAT_S`
+HOLDER_TIMEOUT_S = 60.0
 WARM = "__warm__"  # the driver's lease while it sets the sweep up: dropped when the first trial leases
 WRAPPED_PER_WORKER = 8  # trials' wrappers a worker keeps (a PrunedVLM over the shared model: cheap to rebuild)
 
@@ -151,6 +155,10 @@ class Worker:
     def ready(self) -> str:
         """This worker's node (answered once the model is loaded)."""
         return self.node
+
+    def holds(self) -> tuple[str, str]:
+        """(the checkpoint, the dtype its weights are in) of the model this worker holds."""
+        return self.source.pretrained, str(self.base.model.dtype).removeprefix("torch.")
 
     def answer(self, trial: Trial, envelopes: pa.Table, evaluation: str) -> pa.Table:
         """Envelope rows (`requests.ENVELOPE`) of ``trial`` -> their predictions (`arrow_schema(Prediction)`);
@@ -255,12 +263,17 @@ def add_efficiency(vlm, pred: Prediction) -> Prediction:
 
 
 class Pool:
-    """The roster of a sweep's workers, the leases of the trials using them, and the attempts of every block (a Ray
-    actor, named after the sweep and its `PoolKey`, that owns the workers: when it goes, they go).
+    """The roster of a sweep's workers, the leases of the trials using them, which worker answers which trial's
+    block, and the attempts of every block (a Ray actor, named after the sweep and its `PoolKey`, that owns the
+    workers it starts: when it goes, they go).
 
-    A lease is ``holder -> workers it can use``; the pool keeps ``min(plan.pool_size, sum of leases)`` workers,
-    creating them as leases ask and retiring the surplus once it has lasted `KEEP_S` (a background thread checks every
-    `TRIM_EVERY_S`)."""
+    - A lease is ``holder -> workers it can use`` (a holder: one run of a trial); the pool keeps
+      ``min(plan.pool_size, sum of leases)`` workers, creating them as leases ask and retiring the surplus once it
+      has lasted `KEEP_S` (a background thread checks every `TRIM_EVERY_S`).
+    - A grant is one block's worth of a worker: `acquire` grants idle workers (up, no block of any trial on them),
+      `free` ends a grant. So each worker has at most one block in flight, whichever trial sent it: a block never
+      waits at a busy worker while another is idle, and a block that kills its worker is the only one charged.
+    - A holder that stops calling (its process died) loses its lease and grants after `HOLDER_TIMEOUT_S`."""
 
     def __init__(self, source: ModelSource, plan: Plan, batch_size: int, failover: Failover,
                  run_fn: Callable | None = None, keep_s: float = KEEP_S):
@@ -270,9 +283,11 @@ class Pool:
         self.workers: dict[int, object] = {}  # worker id -> handle
         self.loading: dict[int, ray.ObjectRef] = {}  # worker id -> its `ready` call, until it answers
         self.up: set[int] = set()  # ids of the workers whose model is loaded
-        self.leases: dict[str, int] = {}
+        self.leases: dict[str, int] = {}  # holder -> workers it can use
+        self.heard: dict[str, float] = {}  # holder -> when it last called
+        self.grants: dict[int, str] = {}  # worker id -> the holder whose block it answers
         self.started: dict[str, int] = {}  # block key (evaluation/block) -> attempts started
-        self.version, self.next_id, self.surplus_since = 0, 0, None
+        self.next_id, self.surplus_since = 0, None
         self.error: str | None = None  # why a worker could not start (its model did not load): every trial fails
         self.me = ray.get_runtime_context().current_actor
         threading.Thread(target=self._trim_loop, daemon=True).start()
@@ -290,21 +305,35 @@ class Pool:
         with self.lock:
             if holder != WARM:
                 self.leases.pop(WARM, None)
-            self.leases[holder] = max(0, int(workers))
+            self.leases[holder], self.heard[holder] = max(0, int(workers)), time.monotonic()
             self._grow()
 
     def release(self, holder: str) -> None:
+        """``holder`` is done: its lease ends and the workers answering its blocks are free."""
         with self.lock:
-            self.leases.pop(holder, None)
+            self._drop(holder)
 
-    def roster(self, version: int = -1) -> tuple[int, list | None, str | None]:
-        """(version, [(worker id, handle)] of the workers up, or None when unchanged since ``version``, why workers
-        fail to start or None)."""
+    def acquire(self, holder: str, wanted: int) -> tuple[list, str | None]:
+        """([(worker id, handle)] of up to ``wanted`` idle workers, now granted to ``holder``; why workers fail to
+        start, or None)."""
         with self.lock:
             self._poll()
-            if version == self.version:
-                return self.version, None, self.error
-            return self.version, [(i, self.workers[i]) for i in sorted(self.up)], self.error
+            self.heard[holder] = time.monotonic()
+            idle = [w for w in sorted(self.up) if w not in self.grants][:max(0, wanted)]
+            self.grants.update({w: holder for w in idle})
+            return [(w, self.workers[w]) for w in idle], self.error
+
+    def free(self, holder: str, wid: int) -> None:
+        """``holder``'s block on worker ``wid`` came back (or the worker is gone)."""
+        with self.lock:
+            if self.grants.get(wid) == holder:
+                del self.grants[wid]
+
+    def roster(self) -> tuple[list, str | None]:
+        """([(worker id, handle)] of the workers up, granted or not; why workers fail to start, or None)."""
+        with self.lock:
+            self._poll()
+            return [(i, self.workers[i]) for i in sorted(self.up)], self.error
 
     def begin(self, key: str) -> int:
         """Count one more attempt of ``key`` (evaluation/block); returns its number (1 for the first)."""
@@ -312,11 +341,16 @@ class Pool:
         return self.started[key]
 
     def state(self) -> dict:
-        """What the pool holds now: workers alive, up, and the leases (for tests and the console)."""
+        """What the pool holds now: workers alive, up, granted, and the leases (for tests and the console)."""
         with self.lock:
             self._poll()
-            return {"workers": len(self.workers), "up": len(self.up), "leases": dict(self.leases),
-                    "pool_size": self.plan.pool_size}
+            return {"workers": len(self.workers), "up": len(self.up), "granted": len(self.grants),
+                    "leases": dict(self.leases), "pool_size": self.plan.pool_size}
+
+    def _drop(self, holder: str) -> None:
+        self.leases.pop(holder, None)
+        self.heard.pop(holder, None)
+        self.grants = {w: h for w, h in self.grants.items() if h != holder}
 
     def _need(self) -> int:
         return min(self.plan.pool_size, sum(self.leases.values()))
@@ -341,18 +375,20 @@ class Pool:
                 self.workers.pop(wid, None)
                 continue
             self.up.add(wid)
-            self.version += 1
 
     def _trim_loop(self) -> None:
         while True:
             time.sleep(TRIM_EVERY_S)
             with self.lock:
+                now = time.monotonic()
+                for holder in [h for h, t in self.heard.items() if h != WARM and now - t > HOLDER_TIMEOUT_S]:
+                    self._drop(holder)  # its trial's process died without releasing
                 self._poll()
                 self._trim()
 
     def _trim(self) -> None:
         """Retire the workers beyond what the leases need once the surplus has lasted `keep_s`: pending ones first
-        (they hold no GPU yet, only the autoscaler's demand), then the most recently started."""
+        (they hold no GPU yet, only the autoscaler's demand), then idle ones, never one answering a block."""
         surplus = len(self.workers) - self._need()
         if surplus <= 0:
             self.surplus_since = None
@@ -361,13 +397,12 @@ class Pool:
         self.surplus_since = self.surplus_since or now
         if now - self.surplus_since < self.keep_s:
             return
-        order = sorted(self.workers, key=lambda w: (w in self.up, -w))
-        for wid in order[:surplus]:
+        idle = sorted((w for w in self.workers if w not in self.grants), key=lambda w: (w in self.up, -w))
+        for wid in idle[:surplus]:
             worker = self.workers.pop(wid)
             if wid in self.up:
-                worker.retire.remote()  # after the calls already sent to it
                 self.up.discard(wid)
-                self.version += 1
+                worker.retire.remote()
             else:
                 self.loading.pop(wid, None)
                 ray.kill(worker)
@@ -413,7 +448,7 @@ class WorkerPool:
         """A worker whose model is loaded (waits for one; RuntimeError when workers fail to start)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            _, members, error = ray.get(self.handle.roster.remote())
+            members, error = ray.get(self.handle.roster.remote())
             if error:
                 raise RuntimeError(f"the sweep's model workers could not start: {error}")
             if members:

@@ -193,3 +193,66 @@ def test_work_starts_on_the_first_loaded_actor_and_the_others_join(cluster, tmp_
     early = {pid for t, pid in answered if t - first_t < slow_s * 1e9 / 2}
     assert early == {first_pid}, "only the actor that had loaded can have answered at first"
     assert len({pid for _, pid in answered}) >= 2, "the actors that loaded late never took work"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sweep's pool of workers: GPUs held while a trial needs them, given back when none does
+
+
+def _gpus_free(expected: float, timeout_s: float = 120) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("GPU", 0) == expected:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_workers_give_their_gpus_back_when_no_trial_needs_them(cluster):
+    """A lease of two workers holds two of the cluster's three GPUs; once no lease needs them (and `keep_s` has
+    passed) the workers are retired and the GPUs are free; a new lease brings workers back, and closing the pool
+    frees them at once."""
+    from pipelines.run.workers import Failover, WorkerPool
+
+    plan = planning.plan(Resources(max_gpus=2, batch_size=1), 1, 2, cluster={"GPU": 3}, can_add_gpus=False)
+    assert (plan.device, plan.pool_size) == ("gpu", 2)
+    pool = WorkerPool(ModelSource("tiny:llava"), plan, 1, Failover(), keep_s=2.0)
+    try:
+        ray.get(pool.handle.lease.remote("trial-a", 2))
+        deadline = time.monotonic() + 180
+        while pool.state()["up"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool.state()["up"] == 2 and _gpus_free(1), "two workers up, two GPUs held"
+        ray.get(pool.handle.release.remote("trial-a"))
+        assert _gpus_free(3), "the workers kept their GPUs with no lease left"
+        assert pool.state()["workers"] == 0 and not _actors("Worker")
+        ray.get(pool.handle.lease.remote("trial-b", 1))
+        assert pool.first_worker(timeout_s=180) is not None and _gpus_free(2)
+    finally:
+        pool.close()
+    assert _gpus_free(3), "closing the pool left a worker holding its GPU"
+
+
+def test_two_sweeps_never_share_a_worker_holding_another_model(cluster):
+    """Two sweeps' pools on one cluster, their models loaded in different dtypes, leased at once: each pool's workers
+    are its own (disjoint rosters, names carrying the sweep and what the workers hold), and every worker holds its own
+    pool's model; the same model in another sweep is still another pool (pools are the sweep's)."""
+    from pipelines.run.workers import Failover, PoolKey, WorkerPool
+
+    plan = planning.plan(Resources(max_gpus=1, batch_size=1), 1, 1, cluster={"GPU": 3}, can_add_gpus=False)
+    sources = {"a": ModelSource("tiny:llava", dtype="float32"), "b": ModelSource("tiny:llava", dtype="bfloat16")}
+    assert PoolKey.of(sources["a"], plan) != PoolKey.of(sources["b"], plan)
+    assert PoolKey.of(sources["a"], plan) == PoolKey.of(ModelSource("tiny:llava", dtype="float32"), plan)
+    pools = {name: WorkerPool(source, plan, 1, Failover(), sweep=f"sweep-{name}") for name, source in sources.items()}
+    try:
+        for pool in pools.values():
+            pool.handle.lease.remote("t", 1)
+        held = {name: ray.get(pool.first_worker(timeout_s=180).holds.remote()) for name, pool in pools.items()}
+        assert held == {"a": ("tiny:llava", "float32"), "b": ("tiny:llava", "bfloat16")}
+        rosters = {name: {w for _, w in ray.get(pool.handle.roster.remote())[0]}  # handles compare by actor
+                   for name, pool in pools.items()}
+        assert rosters["a"] and rosters["b"] and not rosters["a"] & rosters["b"]
+        assert pools["a"].name != pools["b"].name and "sweep-a" in pools["a"].name
+    finally:
+        for pool in pools.values():
+            pool.close()

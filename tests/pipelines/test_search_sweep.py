@@ -14,7 +14,7 @@ import pytest
 import ray
 import yaml
 
-from pipelines import mlflow_layout, sweep, tracking
+from pipelines import mlflow_layout, sweep, timeline, tracking
 from pipelines import spec as specs
 from pipelines.run import search
 from pipelines.run.ray_connect import worker_env
@@ -35,7 +35,16 @@ RAW = {"name": "search", "version": 1, "model": {"pretrained": "testbed:llava"},
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def events(tmp_path_factory):
+    """The timeline folder of this module's sweeps: every process of them (the trials, the workers) writes there."""
+    folder = tmp_path_factory.mktemp("timeline")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(timeline.ENV, str(folder))  # before Ray starts: its workers inherit it
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def local_ray(events):
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
     yield
     ray.shutdown()
@@ -99,6 +108,24 @@ def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched
             cutoff = np.nanpercentile(before, (1 - 1 / RAW["tune"]["reduction_factor"]) * 100) if before else None
             was_stopped_here = tid in stopped and runs[tid].data.metrics["samples/scored"] == r
             assert was_stopped_here == (cutoff is not None and history[tid][r] < cutoff), (tid, r, history)
+
+
+def test_a_trial_asha_stops_sends_no_more_work(searched, events):
+    """The workers answered a stopped trial's samples up to its stop and at most the blocks it had in flight then
+    (one per worker it used): its coordinator sent nothing after the scheduler stopped it, and what it had queued and
+    no worker had started was cancelled."""
+    spec, outcome, _ = searched
+    answered: dict[str, int] = {}
+    for e in timeline.read(events):
+        if e["event"] == "predict_end" and e.get("trial"):
+            answered[e["trial"]] = answered.get(e["trial"], 0) + e["rows"]
+    stopped = {tid: rec for tid, rec in outcome.records.items() if rec.get("stopped")}
+    assert stopped
+    in_flight = 2 * spec.resources.batch_size  # two workers (two cores), one block of at most batch_size each
+    for tid, rec in stopped.items():
+        assert rec["stopped"]["done"] <= answered[tid] <= rec["stopped"]["done"] + in_flight, (tid, answered[tid])
+    finished = [tid for tid in outcome.records if tid not in stopped]
+    assert all(answered[tid] == 16 for tid in finished)  # (a trial answers each of its samples once)
 
 
 def test_a_rung_value_is_rel_over_the_first_samples_paired_with_the_baseline(searched):
