@@ -459,9 +459,7 @@ def best_trial(spec: specs.SweepSpec, records: dict) -> dict | None:
     paired bootstrap interval (``low``, ``high``: the documents resampled, the baseline on the same draw; the spec's
     `bootstrap` resamples, else `pipelines.reporting.paired.ITERS`). None without mu / tau varied or a finished
     trial."""
-    points = {tuple(rec["trial"]["options"].get(k) for k in MU_TAU) for rec in records.values()
-              if any(k in rec["trial"]["options"] for k in MU_TAU)}
-    if len(points) < 2:
+    if not mlflow_layout.varies_mu_tau(rec["trial"]["options"] for rec in records.values()):
         return None
     metric, sign = spec.tune.metric, (1 if spec.tune.mode == "max" else -1)
     done = [rec for rec in records.values() if not rec.get("stopped") and rec["error"] is None
@@ -503,9 +501,7 @@ def best_line(spec: specs.SweepSpec, records: dict, generated: int, best: dict |
     """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` (`best_trial`), for a sweep whose trials vary mu or
     tau (None otherwise). S counts every sample any trial generated, those of trials a scheduler stopped
     included."""
-    points = {tuple(rec["trial"]["options"].get(k) for k in MU_TAU) for rec in records.values()
-              if any(k in rec["trial"]["options"] for k in MU_TAU)}
-    if len(points) < 2:
+    if not mlflow_layout.varies_mu_tau(rec["trial"]["options"] for rec in records.values()):
         return None
     best = best if best is not None else best_trial(spec, records)
     if best is None:

@@ -13,7 +13,7 @@ import ray
 import torch
 import yaml
 
-from promprune.records import Prediction, key_task, table_keys
+from promprune.records import Prediction, table_keys
 
 from pipelines import spec as specs
 from pipelines import mlflow_layout, sweep, tracking
@@ -261,4 +261,4 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     spec = specs.SweepSpec(name="shards", version=1, model=ModelSource("tiny:llava"), resources=Resources(batch_size=2))
     with alone(spec, sharded) as shared:
         preds = predict(specs.Trial("divprune", 4), shared)
-    assert table_keys(preds) == sorted(plain, key=lambda k: (key_task(k), int(k.rsplit("/", 1)[1])))  # once, sorted
+    assert table_keys(preds) == sorted(plain, key=lambda k: (plain[k].task, plain[k].doc_id))  # once each, sorted
