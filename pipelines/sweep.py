@@ -258,6 +258,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 if phase.searched and objective is None:
                     break  # the baseline failed: said, and the sweep exits 1
                 trainable = trial.trainable(spec, shared, objective)
+                pool.hold(plan.pool_size)  # the workers wait for this experiment's first trial
                 tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
                 grid = tuner.fit()
                 try:

@@ -402,7 +402,7 @@ class Pool:
             worker = self.workers.pop(wid)
             if wid in self.up:
                 self.up.discard(wid)
-                worker.retire.remote()
+                worker.retire.options(max_task_retries=0).remote()  # (an exit is not a failure to retry)
             else:
                 self.loading.pop(wid, None)
                 ray.kill(worker)
@@ -442,6 +442,11 @@ class WorkerPool:
         started = [new_worker(*self.args, self.handle, self.run_fn) for _ in range(workers)]
         self.adopted += started
         self.handle.adopt.remote(started)
+        self.hold(workers)
+
+    def hold(self, workers: int) -> None:
+        """Keep ``workers`` workers (starting them again if the pool retired them) until the next trial leases: what
+        the driver asks while Tune starts an experiment, so that no worker is retired before its first trial."""
         self.handle.lease.remote(WARM, workers)
 
     def first_worker(self, timeout_s: float | None = None):
