@@ -131,10 +131,10 @@ def data_design(rows, budgets: list[int], log: str) -> tuple[float, list[float]]
     overheads = []
     for budget in budgets:
         t0 = time.perf_counter()
-        ds = rows.dataset().map_batches(_PerTrialPool, fn_constructor_kwargs={"source": source, "log": log,
-                                                                              "budget": budget},
-                                        batch_size=1, batch_format="pyarrow", num_cpus=plan.cpus,
-                                        compute=ActorPoolStrategy(size=plan.max_actors))
+        blocks = ray.data.from_arrow_refs(rows.blocks)  # one sealed block per row
+        ds = blocks.map_batches(_PerTrialPool, fn_constructor_kwargs={"source": source, "log": log, "budget": budget},
+                                batch_size=1, batch_format="pyarrow", num_cpus=plan.cpus,
+                                compute=ActorPoolStrategy(size=plan.max_actors))
         n = sum(b.num_rows for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"))
         assert n == len(rows.keys)
         overheads.append(time.perf_counter() - t0 - _work(log))
@@ -174,8 +174,9 @@ def serve_design(rows, budgets: list[int], log: str) -> tuple[float, list[float]
     overheads = []
     for budget in budgets:
         t0 = time.perf_counter()
-        ds = rows.dataset().map_batches(_call, fn_kwargs={"handle": handle, "budget": budget}, batch_size=1,
-                                        batch_format="pyarrow", num_cpus=0.1)  # tasks: no process to start
+        blocks = ray.data.from_arrow_refs(rows.blocks)  # one sealed block per row
+        ds = blocks.map_batches(_call, fn_kwargs={"handle": handle, "budget": budget}, batch_size=1,
+                                batch_format="pyarrow", num_cpus=0.1)  # tasks: no process to start
         n = sum(b.num_rows for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"))
         assert n == len(rows.keys)
         overheads.append(time.perf_counter() - t0 - _work(log))

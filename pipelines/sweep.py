@@ -1,4 +1,4 @@
-"""Run a sweep spec on Ray Tune; every trial is one Ray Data evaluation; results go to MLflow.
+"""Run a sweep spec on Ray Tune; the trials share the sweep's warm model workers; results go to MLflow.
 
     python pipelines/sweep.py                                   # sweeps/quickstart.yaml, offline, local Ray
     python pipelines/sweep.py --config sweeps/table1_llava15.yaml --set limit=20
@@ -8,25 +8,28 @@
 
 Setup -> run -> cleanup:
 
-1. setup: validate the spec completely (no model load), connect to Ray, plan the resources
-   (`pipelines/run/resources.py`: GPU or CPU, how far each trial's actor pool may grow, trials at once) and ask the
-   autoscaler for them, build the request rows once on the driver, wait for the first GPU node when the spec wants
-   GPUs (exit 2 after `resources.actor_wait_s`), publish the model weights to the object store once (see
-   pipelines/weights.py), open the MLflow parent run.
+1. setup: validate the spec completely (no model load), connect to Ray (MLflow's store is opened meanwhile), plan
+   the resources (`pipelines/run/resources.py`: GPU or CPU, how many workers a trial uses and the pool holds, trials
+   at once) and ask the autoscaler for them, build the request rows once on the driver, wait for the first GPU node
+   when the spec wants GPUs (exit 2 after `resources.actor_wait_s`), publish the model weights to the object store
+   once (see pipelines/weights.py) and start the sweep's model workers (`pipelines/run/workers.py`: they load while
+   the rest is set up), open the MLflow parent run, calibrate mu when a trial asks.
 2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list), or searches
    (`pipelines/run/search.py`: seeded random draws, optuna's TPE, ASHA stopping weak trials at rungs of samples;
    then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
    time, retrying failed trials (`FailureConfig`).
-   A trial (`pipelines/run/trial.py`) is one Ray Data evaluation (`pipelines/run/engine.py`): its blocks mapped over
-   a fixed-size pool of actors (pending ones are the autoscaler's demand) that load the published weights,
-   predictions streamed back and saved block by block beside the Tune experiment (`pipelines/run/checkpoints.py`),
+   A trial (`pipelines/run/trial.py`) is a light coordinator (`pipelines/run/engine.py`): it takes its `Trial` from
+   Tune's config and sends its blocks to the idle workers the sweep's pool grants (the pool grows with what trials
+   lease; pending workers are the autoscaler's demand), predictions streamed back and saved block by block beside
+   the Tune experiment (`pipelines/run/checkpoints.py`),
    progress (samples done, running scores) reported to Tune as they come; a retried or resumed trial generates only
    the blocks it has not saved. Its `TrialResult` (one parquet file: predictions, scores, metrics) is its final Tune
    checkpoint; the driver (and only the driver) logs each finished trial as an MLflow child run, uploading that file
    as it is.
 3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table (with each
    method's paired difference to the best other, and for a sweep varying mu or tau the line `best rel <v> at mu=<m>
-   tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the autoscaler request is withdrawn.
+   tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the workers end (their GPUs free) and
+   the autoscaler request is withdrawn.
 
 `--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
 from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
@@ -34,11 +37,10 @@ continues. One driver per sweep: `main` takes the run's `DriverLock` (pipelines/
 a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets its own experiment name
 (`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
-The parts live in `pipelines/run/`; a trial reads trial.py (the trial in its Tune actor) -> engine.py (the actors and
-the Ray Data evaluation) -> result.py (TrialResult) -> recorder.py (the driver's MLflow logging), beside
-requests.py (the requests as a Ray Dataset of sealed blocks), checkpoints.py (a trial's saved blocks), ray_connect.py,
-resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and --resume) and search.py (the Tune
-pieces of a search). This file is the driver: setup, the Tune run, the summary, the CLI.
+The parts live in `pipelines/run/` (its `__init__` lists them); a trial reads trial.py (the trial in its Tune
+actor) -> engine.py (its blocks to the workers) -> workers.py (the sweep's pool of model workers) -> result.py
+(TrialResult) -> recorder.py (the driver's MLflow logging). This file is the driver: setup, the Tune run, the
+summary, the CLI.
 """
 from __future__ import annotations
 

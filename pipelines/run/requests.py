@@ -1,12 +1,11 @@
-"""An evaluation's requests in Ray's object store, as the rows of a Ray Dataset: built once (on the driver, or in
+"""An evaluation's requests in Ray's object store, one sealed block per object: built once (on the driver, or in
 parallel shards as Ray tasks for large benchmarks) and shared by every trial of a sweep.
 
-A *block* is a group of requests answered by one actor call: `promprune.eval.requests.pack_requests` puts the
-questions about one image together and stores its PNG once. Ray Data re-batches rows freely (it splits and joins
-blocks to reach a `batch_size`, which it requires when actors hold GPUs), and a split would separate an image from
-the questions that refer to it by key. So each block travels *sealed*: one dataset row, an "envelope" holding the
-block's Arrow IPC bytes, its id and its size (`ENVELOPE`); the engine maps batches of one envelope
-(`pipelines/run/engine.py`). Envelopes are ordered round-robin over the tasks, so the first blocks a trial answers
+A *block* is a group of requests answered by one worker call: `promprune.eval.requests.pack_requests` puts the
+questions about one image together and stores its PNG once, so a block must never be split (an image would be
+separated from the questions that refer to it by key). Each block travels *sealed*: a one-row Arrow table, an
+"envelope" holding the block's Arrow IPC bytes, its id and its size (`ENVELOPE`); a worker unseals it
+(`pipelines/run/workers.py`). Envelopes are ordered round-robin over the tasks, so the first blocks a trial answers
 cover every task (a running score over them means something).
 
 A block's id is a hash of its sample keys: the same spec builds the same blocks, which is how a resumed or retried
@@ -73,7 +72,7 @@ def build_rows(tasks: list[str], limit: int | None, generation: dict,
 @dataclass
 class Requests:
     """An evaluation's sealed blocks in the object store (ObjectRefs of one-row `ENVELOPE` tables), each block's
-    sample keys, in the order the engine feeds them (round-robin over tasks). Built once per sweep, shared by all its
+    sample keys, in the order the engine sends them (round-robin over tasks). Built once per sweep, shared by all its
     trials."""
 
     blocks: list = field(repr=False)
@@ -90,12 +89,6 @@ class Requests:
     def keys(self) -> list[str]:
         """Every sample key, once, in block order."""
         return [k for keys in self.block_keys for k in keys]
-
-    def dataset(self, skip: set[str] | frozenset = frozenset()):
-        """The envelopes as a Ray Dataset (one row per block), without the blocks whose samples are all in
-        ``skip``; a block answered in part (it cannot be here: blocks are answered whole) would be run whole."""
-        refs = [ref for ref, keys in zip(self.blocks, self.block_keys) if not set(keys) <= skip]
-        return ray.data.from_arrow_refs(refs) if refs else None
 
     def requests_of(self, keys: set[str]) -> list[Request]:
         """The requests of ``keys`` (read back from their blocks; for samples that must be recorded as failed)."""
