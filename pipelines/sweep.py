@@ -380,7 +380,9 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     storage, name = state["storage_path"], state["experiment"] + phase.suffix
     if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
         say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
-        return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
+        # the same param_space: Tune keeps the `Trial`s of its config as placeholders, resolved from it
+        return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True,
+                                  param_space=search.param_space(spec, phase, state["calibrated"]))
     callbacks = [RecorderHook(recorder.parent_id)]
     scheduler = search.scheduler(spec, recorder.per_trial) if phase.searched else None
     if scheduler is not None:
