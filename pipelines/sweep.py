@@ -472,6 +472,7 @@ def prepare_model(name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    timeline.mark("process_start", "driver", t=timeline.process_started())
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)
@@ -493,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{k}={space.parse(v).describe()}" for k, v in spec.grid.items()))
         print(generation_plan(spec))
         return 0
+    timeline.mark("spec_checked", "driver")
     t0 = time.perf_counter()
     preflight.random_weights_note(spec.model.pretrained)
     log_path = Path("outputs") / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
@@ -506,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                 store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts
                 connect(args.address, log_to_driver=args.verbose)
                 store.join()
+                timeline.mark("ray_up", "driver")
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                     command={"config": args.config, "overrides": args.overrides}, lock=lock)
             except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
