@@ -4,7 +4,8 @@
     trial.py         a trial in its Tune actor: a light coordinator that takes its `Trial` from Tune, evaluates it,
                      reports progress and its result (and `alone`: one evaluation without Tune)
     engine.py        a trial's side of the evaluation: its blocks to the sweep's model workers, one per idle worker
-    workers.py       the sweep's pool of model workers (named actors holding the model for every trial), failover
+    workers.py       the sweep's model workers (actors holding the model for every trial), failover, the driver's pool
+    pool.py          the pool's roster: leases, one block per idle worker, retirement, attempts (a light named actor)
     result.py        TrialResult: a trial's predictions, scores and metrics, one parquet file from trial to MLflow
     requests.py      the requests as sealed blocks in the object store (built on the driver or in shards)
     checkpoints.py   a trial's answered blocks, saved as they come back (resume, retries)

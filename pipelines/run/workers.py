@@ -1,8 +1,8 @@
 """A sweep's model workers: Ray actors that load the model once and answer the blocks of every trial of the sweep.
 
     WorkerPool (the driver's: started once per sweep, closed at its end)
-      -> Pool (a named Ray actor on the driver's node: the roster of workers, the leases of the trials that use
-         them, the attempts of every block)
+      -> Pool (`pool.py`: a named Ray actor on the driver's node: the roster of workers, the leases of the trials that
+         use them, which worker answers which trial's block, the attempts of every block)
       -> Worker x n (Ray actors holding the model: the published weights mapped once, imports warm; each call wraps
          the model for the calling trial's `Trial` and answers one sealed block)
 
@@ -44,18 +44,13 @@ import ray
 from promprune.records import Prediction, Request, from_arrow, to_arrow
 
 from pipelines import timeline
+from pipelines.run.pool import KEEP_S, WARM, Pool
 from pipelines.run.requests import unseal
 from pipelines.run.resources import Plan
 from pipelines.spec.trials import Trial
 from pipelines.weights import ModelSource, resolve_dtype
 
 EXIT_HUNG = 70  # the exit status of a worker whose watchdog fired (a block past block_timeout_s)
-KEEP_S = 20.0  # a worker no lease needs is retired after this long (the next trial's lease comes within seconds)
-TRIM_EVERY_S = 1.0  # how often the pool compares its workers with what its leases need
-# a holder not heard from for this long (its trial's process died without releasing) loses its lease and grants; a
-# live trial is heard from at least every `engine.HEARTBEAT_S`
-HOLDER_TIMEOUT_S = 60.0
-WARM = "__warm__"  # the driver's lease while it sets the sweep up: dropped when the first trial leases
 WRAPPED_PER_WORKER = 8  # trials' wrappers a worker keeps (a PrunedVLM over the shared model: cheap to rebuild)
 
 
@@ -258,158 +253,7 @@ def add_efficiency(vlm, pred: Prediction) -> Prediction:
         kv_cache_bytes=float(efficiency.kv_cache_bytes(text_config, int(pred.visual_tokens), vlm.model.dtype)))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the pool
-
-
-class Pool:
-    """The roster of a sweep's workers, the leases of the trials using them, which worker answers which trial's
-    block, and the attempts of every block (a Ray actor, named after the sweep and its `PoolKey`, that owns the
-    workers it starts: when it goes, they go).
-
-    - A lease is ``holder -> workers it can use`` (a holder: one run of a trial); the pool keeps
-      ``min(plan.pool_size, sum of leases)`` workers, creating them as leases ask and retiring the surplus once it
-      has lasted `KEEP_S` (a background thread checks every `TRIM_EVERY_S`).
-    - A grant is one block's worth of a worker: `acquire` grants idle workers (up, no block of any trial on them),
-      `free` ends a grant. So each worker has at most one block in flight, whichever trial sent it: a block never
-      waits at a busy worker while another is idle, and a block that kills its worker is the only one charged.
-    - A holder that stops calling (its process died) loses its lease and grants after `HOLDER_TIMEOUT_S`."""
-
-    def __init__(self, source: ModelSource, plan: Plan, batch_size: int, failover: Failover,
-                 run_fn: Callable | None = None, keep_s: float = KEEP_S):
-        self.source, self.plan, self.batch_size, self.failover, self.run_fn = source, plan, batch_size, failover, run_fn
-        self.keep_s = keep_s
-        self.lock = threading.Lock()
-        self.workers: dict[int, object] = {}  # worker id -> handle
-        self.loading: dict[int, ray.ObjectRef] = {}  # worker id -> its `ready` call, until it answers
-        self.up: set[int] = set()  # ids of the workers whose model is loaded
-        self.leases: dict[str, int] = {}  # holder -> workers it can use
-        self.heard: dict[str, float] = {}  # holder -> when it last called
-        self.grants: dict[int, str] = {}  # worker id -> the holder whose block it answers
-        self.started: dict[str, int] = {}  # block key (evaluation/block) -> attempts started
-        self.next_id, self.surplus_since = 0, None
-        self.error: str | None = None  # why a worker could not start (its model did not load): every trial fails
-        self.me = ray.get_runtime_context().current_actor
-        threading.Thread(target=self._trim_loop, daemon=True).start()
-
-    def adopt(self, workers: list) -> None:
-        """Take workers the driver started (`WorkerPool.warm`) onto the roster once they are up; they count as the
-        pool's from now on (retired like its own; they end with the driver, not with the pool)."""
-        with self.lock:
-            for worker in workers:
-                wid, self.next_id = self.next_id, self.next_id + 1
-                self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
-
-    def lease(self, holder: str, workers: int) -> None:
-        """``holder`` (a trial's run) can use ``workers`` workers from now on (the warm-up lease ends at the first)."""
-        with self.lock:
-            if holder != WARM:
-                self.leases.pop(WARM, None)
-            self.leases[holder], self.heard[holder] = max(0, int(workers)), time.monotonic()
-            self._grow()
-
-    def release(self, holder: str) -> None:
-        """``holder`` is done: its lease ends and the workers answering its blocks are free."""
-        with self.lock:
-            self._drop(holder)
-
-    def acquire(self, holder: str, wanted: int) -> tuple[list, str | None]:
-        """([(worker id, handle)] of up to ``wanted`` idle workers, now granted to ``holder``; why workers fail to
-        start, or None)."""
-        with self.lock:
-            self._poll()
-            self.heard[holder] = time.monotonic()
-            idle = [w for w in sorted(self.up) if w not in self.grants][:max(0, wanted)]
-            self.grants.update({w: holder for w in idle})
-            return [(w, self.workers[w]) for w in idle], self.error
-
-    def free(self, holder: str, wid: int) -> None:
-        """``holder``'s block on worker ``wid`` came back (or the worker is gone)."""
-        with self.lock:
-            if self.grants.get(wid) == holder:
-                del self.grants[wid]
-
-    def roster(self) -> tuple[list, str | None]:
-        """([(worker id, handle)] of the workers up, granted or not; why workers fail to start, or None)."""
-        with self.lock:
-            self._poll()
-            return [(i, self.workers[i]) for i in sorted(self.up)], self.error
-
-    def begin(self, key: str) -> int:
-        """Count one more attempt of ``key`` (evaluation/block); returns its number (1 for the first)."""
-        self.started[key] = self.started.get(key, 0) + 1
-        return self.started[key]
-
-    def state(self) -> dict:
-        """What the pool holds now: workers alive, up, granted, and the leases (for tests and the console)."""
-        with self.lock:
-            self._poll()
-            return {"workers": len(self.workers), "up": len(self.up), "granted": len(self.grants),
-                    "leases": dict(self.leases), "pool_size": self.plan.pool_size}
-
-    def _drop(self, holder: str) -> None:
-        self.leases.pop(holder, None)
-        self.heard.pop(holder, None)
-        self.grants = {w: h for w, h in self.grants.items() if h != holder}
-
-    def _need(self) -> int:
-        return min(self.plan.pool_size, sum(self.leases.values()))
-
-    def _grow(self) -> None:
-        while self.error is None and len(self.workers) < self._need():
-            wid, self.next_id = self.next_id, self.next_id + 1
-            worker = new_worker(self.source, self.plan, self.batch_size, self.failover, self.me, self.run_fn)
-            self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
-
-    def _poll(self) -> None:
-        """Move the workers whose model has loaded onto the roster; a worker that died loading is an error."""
-        if not self.loading:
-            return
-        done, _ = ray.wait(list(self.loading.values()), num_returns=len(self.loading), timeout=0)
-        for wid in [w for w, ref in self.loading.items() if ref in done]:
-            ref = self.loading.pop(wid)
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                self.error = self.error or f"{type(exc).__name__}: {exc}"[:4000]
-                self.workers.pop(wid, None)
-                continue
-            self.up.add(wid)
-
-    def _trim_loop(self) -> None:
-        while True:
-            time.sleep(TRIM_EVERY_S)
-            with self.lock:
-                now = time.monotonic()
-                for holder in [h for h, t in self.heard.items() if h != WARM and now - t > HOLDER_TIMEOUT_S]:
-                    self._drop(holder)  # its trial's process died without releasing
-                self._poll()
-                self._trim()
-
-    def _trim(self) -> None:
-        """Retire the workers beyond what the leases need once the surplus has lasted `keep_s`: pending ones first
-        (they hold no GPU yet, only the autoscaler's demand), then idle ones, never one answering a block."""
-        surplus = len(self.workers) - self._need()
-        if surplus <= 0:
-            self.surplus_since = None
-            return
-        now = time.monotonic()
-        self.surplus_since = self.surplus_since or now
-        if now - self.surplus_since < self.keep_s:
-            return
-        idle = sorted((w for w in self.workers if w not in self.grants), key=lambda w: (w in self.up, -w))
-        for wid in idle[:surplus]:
-            worker = self.workers.pop(wid)
-            if wid in self.up:
-                self.up.discard(wid)
-                worker.retire.options(max_task_retries=0).remote()  # (an exit is not a failure to retry)
-            else:
-                self.loading.pop(wid, None)
-                ray.kill(worker)
-        self.surplus_since = None
-
-
-def new_worker(source: ModelSource, plan: Plan, batch_size: int, failover: Failover, pool, run_fn: Callable | None):
+def new_worker(source: ModelSource, plan: Plan, batch_size: int, failover: Failover, run_fn: Callable | None, pool):
     """One `Worker` actor with the plan's resources, restarted by Ray for as long as it takes (its calls sent again)."""
     return ray.remote(Worker).options(
         num_gpus=plan.gpus if plan.on_gpu else None, num_cpus=plan.cpus, max_restarts=-1, max_task_retries=-1,
@@ -424,22 +268,24 @@ class WorkerPool:
                  run_fn: Callable | None = None, sweep: str | None = None, keep_s: float = KEEP_S):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.key, self.args = PoolKey.of(source, plan), (source, plan, batch_size, failover)
-        self.run_fn, self.adopted = run_fn, []
+        import cloudpickle
+
+        self.key, self.args = PoolKey.of(source, plan), (source, plan, batch_size, failover, run_fn)
+        self.adopted = []
         self.name = f"promprune-pool/{sweep or uuid.uuid4().hex[:8]}/{self.key.digest}"
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # on the driver's node, no CPU: a worker node lost takes neither the roster nor the attempts with it, and a
         # lost driver's node takes the sweep anyway (its workers die with the pool; --resume continues from the saved
         # blocks)
         self.handle = ray.remote(Pool).options(name=self.name, num_cpus=0, scheduling_strategy=here,
-                                               max_concurrency=1).remote(source, plan, batch_size, failover, run_fn,
+                                               max_concurrency=1).remote(plan.pool_size, cloudpickle.dumps(self.args),
                                                                          keep_s)
 
     def warm(self, workers: int) -> None:
         """Start ``workers`` workers now, from here (the pool's own process need not be up first), before any trial
         leases them: their imports and loading overlap the rest of the sweep's setup. The pool adopts them, and the
         first trial's lease takes over from this one."""
-        started = [new_worker(*self.args, self.handle, self.run_fn) for _ in range(workers)]
+        started = [new_worker(*self.args, self.handle) for _ in range(workers)]
         self.adopted += started
         self.handle.adopt.remote(started)
         self.hold(workers)
