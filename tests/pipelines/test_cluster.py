@@ -72,9 +72,8 @@ def _actors(class_fragment: str) -> list:
             if class_fragment in a.class_name]
 
 
-def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
+def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch, mlflow_db):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     markers = tmp_path / "markers"
     markers.mkdir()
     spec = specs.parse({

@@ -29,9 +29,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def workdir(tmp_path, monkeypatch):
+def workdir(tmp_path, monkeypatch, mlflow_db):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     return tmp_path
 

@@ -51,9 +51,12 @@ def local_ray(events):
 
 
 @pytest.fixture(scope="module")
-def searched(local_ray, tmp_path_factory):
+def searched(local_ray, tmp_path_factory, mlflow_template):
     """The search run once, uninterrupted: (spec, outcome, its MLflow client)."""
+    import shutil
+
     tmp = tmp_path_factory.mktemp("search")
+    shutil.copyfile(mlflow_template, tmp / "mlflow.db")
     old = Path.cwd()
     os.chdir(tmp)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"

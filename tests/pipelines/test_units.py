@@ -239,8 +239,7 @@ def test_calibrated_mu_is_applied_once_on_the_driver():
 
 
 @pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+def mlflow_store(tmp_path, monkeypatch, mlflow_db):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test")
     return tracking.client()
 
