@@ -132,5 +132,8 @@ def measure(base, adapter_options: dict, cal: Calibration, metrics: list[str], b
         return PrunedVLM(base.model, base.processor, method="promprune", budget=budget, metric=metric,
                          **adapter_options)
 
-    values = image_entropies(factory, metrics, images, cal.batch_size)
+    from promprune.selection import accel
+
+    with accel.entropy("exact"):  # the median needs the entropies themselves, not the GPU split's certified bounds
+        values = image_entropies(factory, metrics, images, cal.batch_size)
     return {m: {"median": statistics.median(v), "n": len(v), "values": v} for m, v in values.items()}

@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines import plugins, preflight, tracking
+from pipelines import plugins, preflight
 from pipelines import spec as specs
+from pipelines.recording import tracking
 from pipelines.run import resources as planning
 from pipelines.run import trial as trials
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect

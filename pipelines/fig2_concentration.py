@@ -220,7 +220,7 @@ def table(requests: list, ratings: list, values: dict[str, list[float]]):
 
 def log_outputs(client, run_id: str, frame, out: Path, spec, judge) -> Path | None:
     """CSV, per-rating table, figure and report.md into ``out`` and onto the run; the metrics."""
-    from pipelines import tracking
+    from pipelines.recording import tracking
     from pipelines.reporting import concentration
 
     out.mkdir(parents=True, exist_ok=True)
@@ -244,7 +244,7 @@ def log_outputs(client, run_id: str, frame, out: Path, spec, judge) -> Path | No
 
 
 def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
-    from pipelines import tracking
+    from pipelines.recording import tracking
     from promprune.eval.generation import decode_image
 
     client = tracking.client()

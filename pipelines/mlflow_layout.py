@@ -22,7 +22,7 @@
   menu; the latest run of the sweep): the parent run above its trials (rows of runs tagged `promprune.sweep_run` =
   the parent's id), columns run name, Rel. (a search's running value too), visual tokens, params method, budget and
   the varied options, each task's primary metric; line charts against `samples/scored`; `ui_url` links to it
-  (`tracking.save_sweep_view` says what MLflow 3.17's UI can and cannot keep in a view).
+  (`pipelines.recording.view.save_sweep_view` says what MLflow 3.17's UI can and cannot keep in a view).
 - **Rel.** is a fraction everywhere data is stored or compared (1.0 = the unpruned model's scores; the nightly
   regression threshold is in the same unit); tables and figures show it as a percent through `rel_percent`.
 """
@@ -58,8 +58,8 @@ ROLE_SWEEP, ROLE_TRIAL, ROLE_EVALUATION = "sweep", "trial", "evaluation"
 
 # params
 BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
-# a trial run's params that are not method options (`tracking.trial_params`; `mu_source` says where a calibrated mu
-# came from); every other param is one of its method's options, whichever module registered the method
+# a trial run's params that are not method options (`pipelines.recording.tracking.trial_params`; `mu_source` says
+# where a calibrated mu came from); every other param is one of its method's options, whichever module registered it
 MU_TAU = ("mu", "tau")  # the split's options a search varies: the console's best line, the report's (mu, tau) views
 NON_OPTION_PARAMS = ("model", "method", "budget", "tasks", "repeat", "model_options", "mu_source")
 

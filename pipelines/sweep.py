@@ -39,8 +39,8 @@ a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets it
 
 The parts live in `pipelines/run/` (its `__init__` lists them); a trial reads trial.py (the trial in its Tune
 actor) -> engine.py (its blocks to the workers) -> workers.py (the sweep's pool of model workers) -> result.py
-(TrialResult) -> recorder.py (the driver's MLflow logging). This file is the driver: setup, the Tune run, the
-summary, the CLI.
+(TrialResult) -> `pipelines/recording/` (the driver's MLflow logging and the console's summary). This file is the
+driver: setup, the Tune run, the summary, the CLI.
 """
 from __future__ import annotations
 
@@ -64,13 +64,17 @@ from pipelines import calibration, mlflow_layout, plugins, preflight
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
-from pipelines import timeline, tracking
+from pipelines import timeline
 from pipelines.run import search, trial
 from pipelines.run import resources as planning
+from pipelines.recording import tracking
+from pipelines.recording.callback import RecorderHook, attached
+from pipelines.recording.console import SweepConsole, best_line, best_metrics, best_trial, paired_lines, summary_table
+from pipelines.recording.recorder import SweepRecorder
+from pipelines.recording.view import SweepView
+from pipelines.run import checkpoints
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
-from pipelines.run.recorder import _LIVE_RECORDERS, RecorderHook, SweepRecorder, best_line, best_metrics, \
-    best_trial, paired_lines, summary_table
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
 from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_runs, outbox_dir, resume_command, \
     resumed_state, save_state, storage_root
@@ -231,7 +235,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
                                           "limit": spec.limit, "trials": n_trials}, started=began,
-                                         view=tracking.SweepView.of(spec, trials))
+                                         view=SweepView.of(spec, trials))
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,
                  "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
                  "command": command or {}}
@@ -243,17 +247,18 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     save_state(storage, {**state, "driver": driver})
     blocks = sweep_dir(state["storage_path"], state["experiment"])
     per_trial = len(rows.keys)
-    recorder = SweepRecorder(spec, parent_id, n_trials, samples=_samples_per_trial(rows, trials), blocks=blocks,
-                             per_trial=per_trial, outbox=outbox_dir(storage, state["experiment"]),
+    console = SweepConsole(n_trials, _samples_per_trial(rows, trials), per_trial,
+                           saved=lambda tid: checkpoints.saved_samples(blocks, tid))
+    recorder = SweepRecorder(spec, parent_id, console, outbox=outbox_dir(storage, state["experiment"]),
                              datasets=task_datasets(spec, rows.keys))
-    _LIVE_RECORDERS[parent_id] = recorder
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     recorder.parent(params=search_params(spec))
     try:
         # what every trial shares: the requests, the plan, the pool of model workers (both experiments)
         shared = trial.Shared(rows, plan, pool.handle, blocks)
-        with progress(sum(recorder.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar:
-            recorder.bar = bar
+        with progress(sum(console.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar, \
+                attached(recorder):  # Tune's callbacks (RecorderHook) hand the trials' events to this recorder
+            console.bar = bar
             timeline.mark("tune_start", "driver")
             for phase in search.phases(spec):
                 objective = _objective(spec, phase, rows, recorder)
@@ -284,16 +289,15 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                         tags={mlflow_layout.NOTE: "\n\n".join([spec.description, *paired, *summary]).strip(),
                               **({mlflow_layout.BEST_TRIAL: best["trial_id"]} if best else {})})
         recorder.end_parent("FINISHED")
-        unlogged = recorder.unlogged(store_wait_s())
-        if not unlogged:
-            recorder.clear_blocks()  # every trial is in MLflow and in its Tune checkpoint now
+        recorder.unlogged(store_wait_s())
     except BaseException:
         recorder.end_parent("KILLED")
         recorder.unlogged(5.0)
         raise
     finally:
-        recorder.close()
-        _LIVE_RECORDERS.pop(parent_id, None)
+        unlogged = recorder.close()  # what is not in MLflow once the write in flight, if any, has ended
+    if not unlogged:
+        checkpoints.remove(blocks)  # every trial is in MLflow and in its Tune checkpoint now
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired,
                         unlogged=unlogged, resume=resume_command(state))
 
@@ -383,8 +387,8 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
         # the same param_space: Tune keeps the `Trial`s of its config as placeholders, resolved from it
         return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True,
                                   param_space=search.param_space(spec, phase, state["calibrated"]))
-    callbacks = [RecorderHook(recorder.parent_id)]
-    scheduler = search.scheduler(spec, recorder.per_trial) if phase.searched else None
+    callbacks = [RecorderHook()]
+    scheduler = search.scheduler(spec, recorder.console.per_trial) if phase.searched else None
     if scheduler is not None:
         callbacks.append(search.SchedulerState(scheduler))
     run_config = tune.RunConfig(

@@ -11,8 +11,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }
-CANONICAL_DTYPES = ("float32", "float16", "bfloat16")  # what specs and docs spell
+CANONICAL_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what specs and docs spell
 AUTO = "auto"  # the checkpoint's own dtype (from_pretrained); pipelines: bfloat16 on GPU, float32 on CPU
 
 
@@ -31,5 +32,16 @@ def parse_dtype(name, *, allow_auto: bool = False):
 
 
 def dtype_name(dtype) -> str:
-    """The canonical name (float32 / float16 / bfloat16) of a dtype or any accepted alias."""
+    """The canonical name (float32 / float16 / bfloat16 / float64) of a dtype or any accepted alias."""
     return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the library computes in for tensors of ``dtype``: float64 for float64 (a float64 model keeps its
+    precision end to end: the testbed's CPU-independent runs), float32 for everything else (fp16 / bf16 upcast)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`compute_dtype` (float32, or float64 when it is float64)."""
+    return t.to(compute_dtype(t.dtype))

@@ -48,8 +48,8 @@ from packaging.version import Version
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
 BATCH_LIMIT = 60 * MIB  # one call sends 64 MiB; the tracked tree (~2 MiB) travels beside the batch
-# pyproject extras the device needs: pipeline (includes eval); cuda (the batched cuSOLVER eigensolve) where defined
-EXTRAS = ("pipeline", "cuda")
+# pyproject extras the device needs: pipeline (includes eval)
+EXTRAS = ("pipeline",)
 # files dropped from a wheel (fnmatch patterns; RECORD follows): Java parts nothing on the machine runs
 STRIP = {"ray": ("ray/jars/*",),  # Ray's Java workers: Ray's wheel 79 -> 47 MB
          # METEOR / SPICE / the PTB tokenizer call `java` (captioning metrics; none of our tasks): 104 -> 0.1 MB
@@ -70,7 +70,7 @@ LEAVE = {"wandb": "W&B logging (lmms-eval --wandb_args), 24 MB", "av": "video de
 # is known to break something we run (each wheel well under 1 MiB). A device-like virtualenv (the image's list
 # installed from PyPI on 2026-11-25) resolved filelock to 4.3.1, and lmms-eval's evaluator failed there.
 CARRY = {"filelock": "4.3 removed filelock._api, which lmms-eval 0.7.3's evaluator imports (pyproject: <4.3)"}
-FIRST = ("transformers", "nvmath-python")  # batch 1: what call 1's GPU stages need (parity, selection, table6)
+FIRST = ("transformers",)  # batch 1: what call 1's GPU stages need (parity, selection, table6)
 REQUIREMENTS_FILE = "REQUIREMENTS.json"  # in batch 1: the closure's requirements on image packages
 PY = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
       "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
@@ -301,7 +301,7 @@ def pack(sizes: dict[str, int], limit: int, first: tuple[str, ...] = ()) -> list
 # ---------------------------------------------------------------------------------------------------- build
 
 def exact_pins(roots: list[Requirement]) -> dict[str, str]:
-    """{name: version} of the roots pinned with `==` in pyproject.toml itself (nvmath-python==1.0.0)."""
+    """{name: version} of the roots pinned with `==` in pyproject.toml itself (lmms-eval==0.7.3, ray==2.60.0)."""
     pins = {}
     for req in roots:
         specs = list(req.specifier)
@@ -558,8 +558,8 @@ def main(argv=None) -> int:
     b.add_argument("--limit-mib", type=float, default=BATCH_LIMIT / MIB, help="batch size limit")
     b.add_argument("--carry", nargs="*", default=[], help="image packages to carry anyway (another version), "
                    "besides CARRY's")
-    b.add_argument("--extras", default=None, help="pyproject extras, comma-separated (default: pipeline, and cuda "
-                   "where pyproject.toml defines it)")
+    b.add_argument("--extras", default=None, help="pyproject extras, comma-separated (default: "
+                   "pipeline)")
     sub.add_parser("check", help="the batches + the image list meet every requirement of the closure")
     c = sub.add_parser("check-installed", help="on the machine: the closure against what is importable there")
     c.add_argument("--image-only", metavar="REQUIREMENTS_JSON", help="only batch 1's list of image requirements")

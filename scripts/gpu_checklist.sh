@@ -15,7 +15,7 @@
 #
 # PLAN. Here first (PyPI reachable; minutes):
 #   python scripts/device_wheels.py build && python scripts/device_wheels.py check
-#       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23, nvmath-python), Ray
+#       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23), Ray
 #          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~112 MiB in all)
 #   (the quickstart's testbed model is shipped in the tree: promprune/testbed/weights/, nothing to carry for it)
 #   bash scripts/device_rehearsal.sh   -> the stages that need no CUDA, on a device-like Python 3.12 virtualenv
@@ -177,10 +177,10 @@ stage() {
     library)  # the whole library suite (CPU and CUDA tests) on the device's torch / transformers
       env_line; python3 -m pytest -q -p no:cacheprovider tests/models tests/selection tests/test_efficiency.py \
           tests/test_architecture.py ;;
-    selection)  # issue 22's measurements; nvmath-python (batch 1) gives the batched cuSOLVER eigensolve
-      env_line; python3 -c "from promprune.selection import eigensolve; print('nvmath:', eigensolve.load_nvmath())"
-      for dt in float16 float32; do
-        python3 benchmarks/selection.py --device cuda --dtype $dt --batch 1 8 --repeats 9; echo; done ;;
+    selection)  # issue 53's measurements: every method, PromPrune's stages, the certified split's fallback share
+      env_line
+      python3 benchmarks/selection.py --device cuda --dtype float16 --batch 1 8 --repeats 9 --split-images 24; echo
+      python3 benchmarks/selection.py --device cuda --dtype float32 --batch 1 8 --repeats 9 --tables timing ;;
     speed)
       env_line; python3 -m benchmarks.spectrum --device cuda
       python3 - <<'PY'

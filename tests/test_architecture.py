@@ -110,10 +110,26 @@ def test_the_library_never_imports_the_pipeline_or_ray_or_mlflow():
 
 
 def test_the_run_parts_never_import_the_clis():
-    """A trial reads sweep.py (driver, CLI) -> run/trial.py -> run/engine.py -> run/result.py -> run/recorder.py:
+    """A trial reads sweep.py (driver, CLI) -> run/trial.py -> run/engine.py -> run/result.py -> recording/recorder.py:
     nothing under pipelines/run/ reaches back up into the two CLIs."""
     graph = _graph()
     upward = [f"{name} -> {target} (line {line})" for name, edges in graph.items() if name.startswith("pipelines.run")
               for target, line in edges.items() if target in ("pipelines.sweep", "pipelines.evaluate")]
     assert upward == []
     assert "pipelines.run.trial" in graph["pipelines.sweep"] and "pipelines.run.trial" in graph["pipelines.evaluate"]
+
+
+def test_no_private_name_is_imported_across_packages():
+    """A module takes only public names from another package's modules (issue 55: the sweep imported the recorder's
+    `_LIVE_RECORDERS` registry by its private name); `from pipelines.sweep import main as _main` renames a public
+    one, which is fine."""
+    modules, offenders = _modules(), []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in modules:
+                continue
+            source = node.module if modules[node.module].name == "__init__.py" else node.module.rpartition(".")[0]
+            offenders += [f"{name}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__") and source != package]
+    assert offenders == []

@@ -1,6 +1,6 @@
 """Find a sweep in the MLflow store and load its trials (params, metrics) and per-sample predictions.
 
-The schema is `pipelines.mlflow_layout`, the one `pipelines/sweep.py` writes through `pipelines.tracking`.
+The schema is `pipelines.mlflow_layout`, the one `pipelines/sweep.py` writes through `pipelines.recording`.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The parts of a sweep and of one evaluation, by concern (the entry points are `pipelines/sweep.py` and
-`pipelines/evaluate.py`); a trial reads trial.py -> engine.py -> workers.py -> result.py -> recorder.py:
+`pipelines/evaluate.py`); a trial reads trial.py -> engine.py -> workers.py -> result.py ->
+`pipelines/recording/`:
 
     trial.py         a trial in its Tune actor: a light coordinator that takes its `Trial` from Tune, evaluates it,
                      reports progress and its result (and `alone`: one evaluation without Tune)
@@ -13,7 +14,7 @@
     resources.py     GPU or CPU, workers per trial and per pool, trials at once, the autoscaler, waiting for GPUs
     ray_connect.py   joining (or starting) Ray, the workers' runtime_env
     state.py         a sweep's saved state, --resume, one driver per sweep
-    recorder.py      the driver's MLflow logging of the trials (the Tune callback), the summary table
-    outbox.py        the recorder's writes, batched on a background thread, kept while the store does not answer
     fake_cluster.py  an autoscaling Ray cluster on one machine (tests, benchmarks/sweep_scaling.py --autoscale)
+
+The driver's MLflow logging of the trials and the console's summary are `pipelines/recording/`.
 """

@@ -34,6 +34,11 @@ def trial_dir(sweep: str, trial_id: str) -> str:
     return f"{sweep}/{re.sub(r'[^A-Za-z0-9_.=+-]', '_', trial_id)}"
 
 
+def saved_samples(sweep: str, trial_id: str) -> int:
+    """How many samples of a trial are saved (answered before a retry, a resume, or a scheduler's stop)."""
+    return BlockStore(trial_dir(sweep, trial_id)).load().num_rows
+
+
 def remove(uri: str) -> None:
     """Delete a folder of blocks (a trial's, or a whole sweep's), if it exists."""
     fs, root = pyarrow.fs.FileSystem.from_uri(uri)

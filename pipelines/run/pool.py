@@ -115,13 +115,12 @@ class Pool:
             self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
 
     def _new_worker(self):
-        """A worker of the sweep's kind; the first call imports what its arguments need (torch, the model's
-        classes), which the pool's process is spared as long as the driver's warm workers suffice."""
+        """A worker of the sweep's kind (``spawn``: `workers.new_worker` with its arguments, pickled, called with this
+        pool's handle); the first call imports what they need (torch, the model's classes), which the pool's process
+        is spared as long as the driver's warm workers suffice."""
         import cloudpickle
 
-        from pipelines.run.workers import new_worker
-
-        return new_worker(*cloudpickle.loads(self.spawn), self.me)
+        return cloudpickle.loads(self.spawn)(self.me)
 
     def _poll(self) -> None:
         """Move the workers whose model has loaded onto the roster; a worker that died loading is an error."""

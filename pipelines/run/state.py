@@ -17,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import mlflow_layout, tracking
+from pipelines import mlflow_layout
 from pipelines import spec as specs
+from pipelines.recording import tracking
 
 STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
 STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
@@ -30,7 +31,7 @@ def storage_root(spec: specs.SweepSpec) -> str:
 
 
 def outbox_dir(storage: str, experiment: str) -> Path:
-    """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.run.outbox`): beside Tune's
+    """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.recording.outbox`): beside Tune's
     experiments on local storage; under ./outputs/outbox on remote storage (the driver uploads from local files)."""
     if "://" in storage and not storage.startswith("file://"):
         return Path.cwd() / "outputs" / "outbox" / experiment

@@ -2,7 +2,7 @@
 
     sweep.py (the driver, the CLI) -> run/trial.py (this: the trial, a light coordinator in a Tune trial actor) ->
     run/engine.py (its blocks to the sweep's model workers, run/workers.py) -> run/result.py (TrialResult) ->
-    run/recorder.py (MLflow, on the driver)
+    recording/recorder.py (MLflow, on the driver)
 
 A sweep builds one `Shared` (the requests in the object store, the plan, the handle of its pool of model workers,
 where trials save their blocks) and hands it, with the spec, to every trial; `run_trial` is the Tune function: it

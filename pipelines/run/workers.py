@@ -29,6 +29,7 @@ sweep's experiment), so two sweeps never share a worker, and nothing of one mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -278,8 +279,8 @@ class WorkerPool:
         # lost driver's node takes the sweep anyway (its workers die with the pool; --resume continues from the saved
         # blocks)
         self.handle = ray.remote(Pool).options(name=self.name, num_cpus=0, scheduling_strategy=here,
-                                               max_concurrency=1).remote(plan.pool_size, cloudpickle.dumps(self.args),
-                                                                         keep_s)
+                                               max_concurrency=1).remote(plan.pool_size, cloudpickle.dumps(
+                                                   functools.partial(new_worker, *self.args)), keep_s)
 
     def warm(self, workers: int) -> None:
         """Start ``workers`` workers now, from here (the pool's own process need not be up first), before any trial

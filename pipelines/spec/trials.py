@@ -56,7 +56,7 @@ class Trial:
         return dataclasses.replace(self, calibrated={k: v for k, v in used.items() if self.options.get(k) != v})
 
     def to_dict(self) -> dict:
-        """The trial as recorded (the recorder's MLflow params, `pipelines/run/recorder.py`): its fields, the options
+        """The trial as recorded (the recorder's MLflow params, `pipelines/recording/`): its fields, the options
         as it ran them, its id, and ``mu_source: calibration`` when a value was calibrated."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "calibrated"}
         out.update(options=self.run_options, tasks=None if self.tasks is None else list(self.tasks),

@@ -201,7 +201,7 @@ def _missing_line(label: str, value: str, yaml_path: str) -> str:
 
 def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
     """A hub dataset that cannot be had here: not in the datasets cache, and offline or the hub not reachable."""
-    from promprune.models.factories import _hub_endpoint, hub_offline
+    from promprune.models.factories import hub_endpoint, hub_offline
 
     cache = datasets_cache()
     if repo.count("/") != 1 or _cached(repo, cache):
@@ -210,7 +210,7 @@ def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
     if not offline and _hub_answers():
         return None
     why = ("HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set" if offline else
-           f"the hub ({_hub_endpoint()}) is not reachable from here")
+           f"the hub ({hub_endpoint()}) is not reachable from here")
     return (f"task {task!r} ({yaml_path}) reads the Hugging Face hub dataset {repo!r}, which is not in this "
             f"machine's datasets cache ({cache}), and {why}. Download it once where there is network access with the "
             f"same HF_HOME (python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
@@ -222,9 +222,9 @@ def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
 @functools.cache
 def _hub_answers() -> bool:
     """Whether the hub takes a connection (asked once per process: up to 3 s when it does not answer)."""
-    from promprune.models.factories import _hub_reachable
+    from promprune.models.factories import hub_reachable
 
-    return _hub_reachable()
+    return hub_reachable()
 
 
 def datasets_cache() -> Path:

@@ -134,9 +134,9 @@ def model_config(name_or_path: str):
                          "is set; "
                          f"download it once with `huggingface-cli download {name_or_path}` where there is network "
                          "access, or give a local path")
-    if not _hub_reachable():
+    if not hub_reachable():
         raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and the hub "
-                         f"({_hub_endpoint()}) is not reachable from here; download it where there is network access "
+                         f"({hub_endpoint()}) is not reachable from here; download it where there is network access "
                          "or give a local path")
     try:
         return AutoConfig.from_pretrained(name_or_path)
@@ -162,16 +162,16 @@ def parameter_count(name_or_path: str) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
-def _hub_endpoint() -> str:
+def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
 
 
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
+def hub_reachable(timeout_s: float = 3.0) -> bool:
     """A TCP connection to the hub within a few seconds (transformers itself retries for half a minute)."""
     import socket
     from urllib.parse import urlparse
 
-    url = urlparse(_hub_endpoint())
+    url = urlparse(hub_endpoint())
     try:
         with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s):
             return True

@@ -56,6 +56,8 @@ import torch
 import promprune
 from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
+from .registry import find_family
+
 # Pruning layers of SparseVLM's / PyramidDrop's released code on LLaMA-based LLaVA (32 layers), kept as fractions of
 # the depth.
 SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
@@ -376,8 +378,10 @@ def dart_keep(key_norms: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor,
 
 
 def _mrope(model) -> bool:
-    """3D M-RoPE positions (Qwen2.5-VL, Qwen3-VL, Qwen3.5): kept tokens keep them (no contiguous renumbering)."""
-    return getattr(model.config, "model_type", None) in ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+    """3D M-RoPE positions (``Family.mrope``: Qwen2.5-VL, Qwen3-VL, ...): kept tokens keep them (no contiguous
+    renumbering)."""
+    found = find_family(model.config)
+    return found is not None and found.mrope
 
 
 def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,9 @@ import promprune
 
 # Adapter options, valid with every method (ignored by architectures they do not concern).
 ADAPTER_OPTIONS: dict[str, Any] = {
-    # LLaVA-NeXT: how the budget meets the views (the base view and the crops); LLaVA-OneVision the same; InternVL
-    # with its tiles (thumbnail included) as the views.
+    # Families whose image gives several views (``VisualItem.groups``): how the budget meets them (LLaVA-NeXT's and
+    # LLaVA-OneVision's base view and crops, InternVL's tiles and thumbnail; each family's module says what its views
+    # are).
     # "per_crop": split evenly over the image's views (our choice for PromPrune: its released code has no working
     #   NeXT path); "global": one selection over every view; "adaptive_views": shares by each view's entropy;
     # "view_quota": every view gets budget // (1 + the most crops of any grid pinpoint), budget 160 -> 32 per view
@@ -31,17 +32,16 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # unpruned sequence has them (VisPruner's released code); both extra tokens, not counted by the budget.
     # budget_mode "packed" selects among the newline tokens instead, and "released" sets this per method.
     "image_newline": "drop",
-    # Qwen2.5-VL: index of the full-attention vision block whose attention gives saliency; None = the last one.
-    # Qwen3-VL / Qwen3.5 (every block attends over the whole image): any block index; None = the last one.
-    # InternVL: any InternViT layer (CLS attention); None = the layer vision_feature_layer reads (the last).
-    # Gemma 4: any layer of its vision encoder (received attention); None = the last (whose output is pooled).
+    # The vision layer whose attention gives saliency, on families that take one (each family's module says which
+    # layers it accepts; e.g. Qwen2.5-VL a full-attention block, Qwen3-VL any block, InternVL any InternViT layer);
+    # None = the family's default (the layer whose output the LLM reads, or the last).
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random
     # CLIP sized to their vision tower), else openai/clip-vit-large-patch14-336 (the released code's).
     "clip_text": None,
-    # Qwen2.5-VL / Qwen3-VL / Qwen3.5: a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36);
-    # must be a square.
+    # Native-resolution families with a merged token grid (Qwen2.5-VL and the families whose adapter derives from its
+    # own): a fixed number of merged visual tokens per image (the paper: 1296 = 36 x 36); must be a square.
     # None keeps the processor's resolution-dependent count.
     "image_tokens": None,
     # The order of the kept tokens in the LLM's input (pre-LLM methods; each token keeps its own position embedding
@@ -49,10 +49,10 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # (as picked: salient by descending saliency, then coverage in pick order), "stages" (salient tokens ascending,
     # then the rest ascending), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
     "token_order": "raster",
-    # Video (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, Qwen3.5; promprune.models.video): how the budget meets a clip's
-    # frames (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame one
-    # selection); "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's spectral
-    # entropy.
+    # Video (the families whose adapter handles clips, promprune.models.video.video_families()): how the budget meets
+    # a clip's frames (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame
+    # one selection); "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's
+    # spectral entropy.
     "video_budget": "per_frame",
     # Video, PromPrune: where its entropy and saliency/coverage split come from. "unit": each selection of
     # video_budget (per frame, or over the clip); "clip": the clip's entropy splits every frame's share (with
@@ -115,16 +115,6 @@ def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tup
     return RELEASED_NEXT.get(method, ("per_crop", image_newline))
 
 
-# Prominence threshold mu per vision encoder: 0.42 was calibrated on CLIP ViT-L/14 features, 0.5744 on Qwen2.5-VL's.
-# The newer encoders have no published value: Qwen3-VL and Qwen3.5 borrow Qwen2.5-VL's (the same merged-token
-# design; sweeps/mu_tau_search_qwen3vl.yaml / mu_tau_search_qwen35.yaml search theirs);
-# recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there.
-# LLaVA-OneVision's SigLIP and InternVL3's InternViT borrow CLIP's; so does Gemma 4's encoder (sweeps/
-# mu_tau_search_gemma4.yaml searches its own).
-DEFAULT_MU = {"clip": 0.42, "qwen2_5_vl": 0.5744, "qwen3_vl": 0.5744, "siglip": 0.42, "internvit": 0.42,
-              "qwen3_5": 0.5744, "gemma4": 0.42}
-
-
 def all_methods() -> list[str]:
     """Every method name an adapter runs: the whole registry, pre-LLM and in-LLM."""
     return promprune.methods(stage=None)
@@ -139,7 +129,7 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     """Check a method name, budget and options up front; returns ``(method_options, adapter_options)``.
 
     ``method_options`` are the given method options (defaults are filled in later, so ``mu`` can default per
-    encoder); ``adapter_options`` are the adapter options with defaults filled in. ``method=None`` means unpruned:
+    family); ``adapter_options`` are the adapter options with defaults filled in. ``method=None`` means unpruned:
     then no budget and no method options are allowed. Errors are ValueErrors naming the bad field and listing the
     valid values.
     """

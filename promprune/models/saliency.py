@@ -20,15 +20,18 @@ import sys
 import torch
 from transformers.vision_utils import get_vision_window_index
 
+from ..dtypes import upcast
+
 QUERY_CHUNK = 1024  # queries per block when summing Qwen attention: bounds memory to H x 1024 x n floats
 
 
 def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """CLS-to-all attention of a CLIPAttention module, head mean: ``hidden [B, S, C] -> [B, S]`` (float32)."""
+    """CLS-to-all attention of a CLIPAttention module, head mean: ``hidden [B, S, C] -> [B, S]`` (float32; float64
+    for a float64 model)."""
     B, S, _ = hidden.shape
     H, hd = attn.num_heads, attn.head_dim
-    q = attn.q_proj(hidden[:, :1]).float().view(B, 1, H, hd).transpose(1, 2)  # [B, H, 1, hd]
-    k = attn.k_proj(hidden).float().view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
+    q = upcast(attn.q_proj(hidden[:, :1])).view(B, 1, H, hd).transpose(1, 2)  # [B, H, 1, hd]
+    k = upcast(attn.k_proj(hidden)).view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
     probs = torch.softmax((q @ k.transpose(-1, -2)) * attn.scale, dim=-1)  # [B, H, 1, S]
     return probs[:, :, 0].mean(dim=1)  # [B, S]
 
@@ -69,12 +72,13 @@ def capture_cls_attention(attn: torch.nn.Module, sink: list):
 
 
 def attention_keys(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The keys of a CLIPAttention module, mean over heads: ``hidden [B, S, C] -> [B, S, head_dim]`` (float32).
+    """The keys of a CLIPAttention module, mean over heads: ``hidden [B, S, C] -> [B, S, head_dim]`` (float32;
+    float64 for a float64 model).
 
     VisionZip's released code merges its contextual tokens by the similarity of these (its CLIP layer -2).
     """
     B, S, _ = hidden.shape
-    return attn.k_proj(hidden).float().view(B, S, attn.num_heads, attn.head_dim).mean(dim=2)
+    return upcast(attn.k_proj(hidden)).view(B, S, attn.num_heads, attn.head_dim).mean(dim=2)
 
 
 def capture_keys(attn: torch.nn.Module, sink: list):
@@ -96,6 +100,23 @@ def clip_attention_module(vision_tower: torch.nn.Module, feature_layer: int) -> 
     return layers[h - 1].self_attn
 
 
+def segment_received(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Mean attention each token receives within its segment (queries and heads averaged) of packed sequences that
+    attend within themselves: ``q, k [H, S, hd]`` (float32), segments ``cu_seqlens [G + 1]`` -> ``[S]`` float32, the
+    queries taken in blocks of :data:`QUERY_CHUNK`."""
+    H, S, _ = q.shape
+    out = torch.zeros(S, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        kc = k[:, start:end]  # [H, n, hd]
+        for q0 in range(start, end, QUERY_CHUNK):
+            qc = q[:, q0:min(q0 + QUERY_CHUNK, end)]  # [H, c, hd]
+            probs = torch.softmax((qc @ kc.transpose(-1, -2)) * scaling, dim=-1)  # [H, c, n]
+            out[start:end] += probs.sum(dim=(0, 1))
+        out[start:end] /= (end - start) * H
+    return out
+
+
 def received_attention(attn: torch.nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
                        position_embeddings) -> torch.Tensor:
     """Mean attention each token receives within its image: Qwen2.5-VL vision attention, ``hidden [S, C] -> [S]``."""
@@ -104,18 +125,7 @@ def received_attention(attn: torch.nn.Module, hidden: torch.Tensor, cu_seqlens: 
     q, k, _ = attn.qkv(hidden).reshape(S, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)  # [S, H, hd]
     cos, sin = position_embeddings
     q, k = rope(q, k, cos, sin)
-    q, k = q.float().transpose(0, 1), k.float().transpose(0, 1)  # [H, S, hd]
-    out = torch.zeros(S, dtype=torch.float32, device=hidden.device)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        n = end - start
-        kc = k[:, start:end]  # [H, n, hd]
-        for q0 in range(start, end, QUERY_CHUNK):
-            qc = q[:, q0:min(q0 + QUERY_CHUNK, end)]  # [H, c, hd]
-            probs = torch.softmax((qc @ kc.transpose(-1, -2)) * attn.scaling, dim=-1)  # [H, c, n]
-            out[start:end] += probs.sum(dim=(0, 1))
-        out[start:end] /= n * attn.num_heads
-    return out
+    return segment_received(q.float().transpose(0, 1), k.float().transpose(0, 1), cu_seqlens, attn.scaling)
 
 
 def capture_received_attention(attn: torch.nn.Module, sink: list):

@@ -1,20 +1,13 @@
-"""Video through the adapters: LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL and Qwen3.5 answer about a clip, its visual tokens
-pruned.
+"""Video through the adapters: the families whose adapter handles clips (``Family.video``: LLaVA-OneVision,
+Qwen2.5-VL, Qwen3-VL, Qwen3.5) answer about a clip, its visual tokens pruned.
 
 A clip is one :class:`~promprune.models.adapters.VisualItem` whose views are its frames, so the selection code is the
-images' (``select_items`` over views):
-
-- LLaVA-OneVision: every frame is one SigLIP view, its patch grid bilinearly pooled to ``ceil(side / 2)^2`` tokens by
-  the model's own ``apply_pooling`` (the released model: 27x27 -> 14x14 = 196 per frame); one ``image_newline`` closes
-  the clip. Saliency: each patch's received attention within its frame (as for images), pooled by the same
-  ``apply_pooling``. The newline is no candidate; ``image_newline`` "drop" / "rows" / "all" as for images (the clip
-  is one row, so "rows" keeps it when any token is kept, which restores the unpruned sequence at full budget).
-- Qwen2.5-VL / Qwen3-VL / Qwen3.5: the tower joins 2 frames per temporal patch; a "frame" here is one temporal patch
-  (its ``h/2 x w/2`` merged grid). The image path runs unchanged on the clip's patches (same tower, same saliency hook:
-  the vision attention is within each temporal patch); the kept tokens keep their 3D M-RoPE positions (computed on the
-  unpruned sequence with ``video_grid_thw``, gathered at the kept columns) and Qwen3-VL's DeepStack rows. Qwen3-VL's
-  processor (Qwen3.5's too) writes each temporal patch as its own placeholder run after a timestamp, so a clip has
-  several runs, and Qwen3.5's ``get_rope_index`` numbers each temporal patch as a one-frame grid after its timestamp.
+images' (``select_items`` over views). What a frame is, how the clip is dated in the prompt and how its features reach
+the LLM are the adapter's (``video_kwargs``, ``encode_video``, ``video_encoder_outputs``; each family's module says):
+a LLaVA-OneVision frame is one SigLIP view pooled 2x, a Qwen frame one temporal patch of 2 frames whose tokens keep
+their 3D M-RoPE positions (computed on the unpruned sequence with ``video_grid_thw``, gathered at the kept columns).
+The placeholders of a clip may come in several runs (Qwen3-VL's processor writes a timestamp before each temporal
+patch's run).
 
 Budget over a clip (adapter options ``video_budget`` / ``video_split``;
 :data:`promprune.models.options.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
@@ -26,7 +19,6 @@ over the clip keeps the sum of those saliency counts.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import math
@@ -35,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import promprune
 from promprune.efficiency import Stopwatch
@@ -44,14 +35,12 @@ from promprune.selection.budget import split_budget as split_count
 from promprune.selection.registry import TokenSet
 from promprune.selection.two_stage import prominence
 
-from . import saliency as sal
 from .adapters import VisualItem, attach_keys
-from .images import load_image
 from .batched_select import select_items
 from .batched_select import split_budget as split_shares
+from .images import load_image
+from .registry import families, family, find_family
 from .sequence import shrink_placeholders
-
-VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 # video_budget -> the batched_select.py budget mode over views (a clip's frames are its views)
 FRAME_MODES = {"per_frame": "per_crop", "clip": "global", "adaptive_frames": "adaptive_views"}
 DEFAULT_FRAMES = 8  # frames sampled uniformly from a video file (lmms-eval's video models default to 8-32)
@@ -149,18 +138,8 @@ def processed(vlm, clips, prompts, fps: float | None = None):
         raise ValueError(f"got {len(clips)} clips and {len(prompts)} prompts; pass one clip per prompt (at least one)")
     loaded = [load_clip(c, i) for i, c in enumerate(clips)]
     arrays = [a for a, _ in loaded]
-    kwargs: dict = {"do_sample_frames": False}
     rates = [fps or rate or DEFAULT_FPS for _, rate in loaded]
-    kind = vlm.model.config.model_type
-    if kind in ("qwen3_vl", "qwen3_5"):  # timestamps in the prompt: the frames' indices and rate
-        from transformers.video_utils import VideoMetadata
-
-        kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(a), fps=r, frames_indices=list(range(len(a))))
-                                    for a, r in zip(arrays, rates)]
-    elif kind == "qwen2_5_vl":
-        if len(set(rates)) > 1:
-            raise ValueError(f"Qwen2.5-VL takes one frame rate per batch; the clips have {sorted(set(rates))}")
-        kwargs["fps"] = rates[0]  # second_per_grid_ts = temporal_patch_size / fps
+    kwargs = {"do_sample_frames": False, **vlm.adapter.video_kwargs(arrays, rates)}  # how the family dates frames
     texts = [conversation(vlm, p) for p in prompts]
     return vlm.processor(text=texts, videos=arrays, return_tensors="pt", padding=True, **kwargs)
 
@@ -172,10 +151,17 @@ def inputs(vlm, clips, prompts, fps: float | None = None):
     return batch
 
 
+def video_families() -> list[str]:
+    """The registered families whose adapter handles clips."""
+    return [name for name in families() if family(name).video]
+
+
 def check_video_model(model) -> None:
-    kind = model.config.model_type
-    if kind not in VIDEO_ARCHS:
-        raise ValueError(f"video needs one of {', '.join(VIDEO_ARCHS)}; this model is {kind!r}")
+    """A ValueError naming the families that handle clips unless ``model``'s does."""
+    found = find_family(model.config)
+    if found is None or not found.video:
+        raise ValueError(f"video needs one of {', '.join(video_families())}; this model is "
+                         f"{model.config.model_type!r}")
 
 
 # ---- candidates ----------------------------------------------------------------------------------------------------
@@ -183,58 +169,13 @@ def check_video_model(model) -> None:
 
 def encode(adapter, batch, need_saliency: bool) -> list[VisualItem]:
     """One item per clip: its frames are its views (``groups``), each frame's tokens a raster grid (``grid_shape``)."""
-    if adapter.model.config.model_type == "llava_onevision":
-        return _onevision_items(adapter, batch, need_saliency)
-    return _qwen_items(adapter, batch, need_saliency)
-
-
-def _qwen_items(adapter, batch, need_saliency: bool) -> list[VisualItem]:
-    """The image path on the clip's patches (``get_video_features`` is ``get_image_features`` on them); then each
-    temporal patch is a view of ``h/m x w/m`` merged tokens."""
-    grid = batch["video_grid_thw"]  # [B, 3]: (temporal patches, patch rows, patch cols)
-    items = adapter.encode({"pixel_values": batch["pixel_values_videos"], "image_grid_thw": grid}, need_saliency)
-    merge = adapter.model.config.vision_config.spatial_merge_size
-    for it, (_t, h, w) in zip(items, grid.tolist()):
-        it.grid_shape = (h // merge, w // merge)
-        it.groups = it.grid_index // (it.grid_shape[0] * it.grid_shape[1])
-    return items
-
-
-def _onevision_items(adapter, batch, need_saliency: bool) -> list[VisualItem]:
-    core, cfg = adapter.model.model, adapter.model.config
-    pv = batch["pixel_values_videos"]  # [B, F, C, H, W]
-    B, F = pv.shape[:2]
-    sink: list = []
-    ctx = sal.capture(adapter._attn_module(), sink, sal.view_received_attention) if need_saliency \
-        else contextlib.nullcontext()
-    with ctx:
-        runs = core.get_video_features(pv, return_dict=True).pooler_output  # [B, F * p + 1, d]: frames, newline
-    side = cfg.vision_config.image_size // cfg.vision_config.patch_size
-    pooled = math.ceil(side / 2)
-    p = pooled * pooled  # tokens per frame
-    scores = None
-    if need_saliency:  # [B * F, side^2] -> the model's own bilinear pooling -> [B, F * p]
-        scores = core.apply_pooling(sink[0].view(B * F, side * side, 1)).reshape(B, F * p)
-    items = []
-    for b in range(B):
-        run = runs[b]
-        idx = torch.arange(F * p, device=run.device)
-        newline = torch.zeros(F * p + 1, dtype=torch.bool, device=run.device)
-        newline[-1] = True
-        items.append(VisualItem(run=run, features=run[:F * p], run_pos=idx, grid_index=idx,
-                                saliency=None if scores is None else scores[b].float(), groups=idx // p,
-                                row_of_run=torch.zeros_like(newline, dtype=torch.long), newline=newline,
-                                grid_shape=(pooled, pooled)))
-    return items
+    return adapter.encode_video(batch, need_saliency)
 
 
 def encoder_outputs(adapter, items, feats, run_pos) -> dict:
-    """``mm_encoder_outputs`` for ``generate``: the fed features of each clip under the "video" key (OneVision: one
-    ``[1, sum M_i, d]`` tensor, which its forward flattens; Qwen: the image path's outputs, Qwen3-VL's DeepStack rows
-    included)."""
-    if adapter.model.config.model_type == "llava_onevision":
-        return {"video": BaseModelOutputWithPooling(pooler_output=torch.cat(feats)[None])}
-    return {"video": adapter.encoder_outputs(items, feats, run_pos)["image"]}
+    """``mm_encoder_outputs`` for ``generate``: the fed features ``feats[i]`` of each clip (at run positions
+    ``run_pos[i]``) under the "video" key, as the family's model reads them."""
+    return adapter.video_encoder_outputs(items, feats, run_pos)
 
 
 # ---- budget over a clip --------------------------------------------------------------------------------------------
@@ -337,8 +278,9 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
         items = encode(vlm.adapter, batch, need_saliency=pre_llm and vlm.spec.needs_saliency)
         if text_source is not None:
             vlm.adapter.attach_instruction(items, prompts, text_source)
+    if pre_llm and vlm.spec.draws_at_random:  # random draws per clip and frame: hash the frames (host)
+        attach_keys(items, [clip_key(clip.frames) for clip in clips])
     with Stopwatch(vlm.device) as selecting:
-        attach_keys(items, [clip_key(clip.frames) for clip in clips])  # random draws per clip and frame
         chosen = plan(vlm, items, budget_option, split) if pre_llm else None
     ids, mask, encoded, extra, stats = _llm_inputs(vlm, batch, items, chosen)
     kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)

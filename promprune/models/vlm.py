@@ -17,6 +17,7 @@ from .adapters import adapter_for, attach_keys
 from .factories import find_model_factory
 from .images import load_images, pixel_key
 from .options import is_in_llm, next_layout, token_order, validate_method
+from .registry import family_of
 from .batched_select import select_items
 from .sequence import shrink_placeholders
 
@@ -62,13 +63,13 @@ def _sync(device) -> None:
 
 
 class PrunedVLM:
-    """A transformers LLaVA / LLaVA-NeXT / Qwen2.5-VL / Qwen3-VL (...) that prunes visual tokens with a registered
-    method.
+    """A transformers VLM of a registered family (:func:`promprune.models.registry.families`: LLaVA, LLaVA-NeXT,
+    Qwen2.5-VL, ...) that prunes visual tokens with a registered method.
 
     ``method=None`` runs the model unpruned. Pre-LLM methods (``promprune.methods()``) select ``budget`` tokens of each
     image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are
     the method's options plus the adapter options of :data:`promprune.models.options.ADAPTER_OPTIONS`. ``mu`` defaults
-    per vision encoder (0.42 CLIP, 0.5744 Qwen2.5-VL; :data:`promprune.models.options.DEFAULT_MU`) unless given.
+    per family (0.42 CLIP, 0.5744 Qwen2.5-VL; ``Family.default_mu``) unless given.
     """
 
     def __init__(self, model, processor, method: str | None = "promprune", budget: int | None = None,
@@ -108,12 +109,12 @@ class PrunedVLM:
         """Load checkpoint and processor the ordinary way (``AutoProcessor`` + the model class), or build a model
         by factory name (:mod:`promprune.models.factories`):
 
-        - ``"tiny:<arch>"`` (arch in :data:`promprune.models.tiny.ARCHS`): the offline random-weight tiny models of
-          :mod:`promprune.models.tiny` (a private copy, cast to ``dtype``);
+        - ``"tiny:<arch>"`` (arch in :func:`promprune.models.tiny.archs`: every registered family): the offline
+          random-weight tiny models of :mod:`promprune.models.tiny` (a private copy, cast to ``dtype``);
         - ``"tiny-easyvqa:llava"``: the same tiny LLaVA trained on easy-vqa's train split
           (:mod:`promprune.training.easyvqa`; trained into ``$PROMPRUNE_CACHE`` on first use, ~3 minutes on 2 CPU cores,
           loaded from there afterwards);
-        - ``"shape:<name>"``: a published 7B architecture with random weights (:mod:`promprune.models.shapes`; for
+        - ``"shape:<name>"``: a published architecture with random weights (:mod:`promprune.models.shapes`; for
           latency / memory benchmarks, fp16 unless ``dtype`` says otherwise).
 
         A factory may bring default adapter options (the paper's settings of that model); given options win.
@@ -196,7 +197,7 @@ class PrunedVLM:
 
         ``Prepared.model_kwargs`` are the kwargs for ``model.generate`` or a plain ``model(...)`` forward:
         ``input_ids`` / ``attention_mask`` with shrunk placeholder runs, ``mm_encoder_outputs`` holding the kept
-        features, and for Qwen2.5-VL / Qwen3-VL the gathered 3D ``position_ids``.
+        features, and the adapter's extra kwargs (Qwen's gathered 3D ``position_ids``).
 
         ``keys`` (one per row: the image's identity, e.g. ``Request.image_key``): rows with one key are one image, and
         when :attr:`shares_vision` it is preprocessed, encoded and selected once (vision once), its results kept in
@@ -227,8 +228,9 @@ class PrunedVLM:
                                         need_vision=pre_llm and (self.spec.reads_vision or text_source == "clip"))
             if text_source is not None:  # one selection per question: the instruction's embedding
                 self.adapter.attach_instruction(items, prompts, text_source)
+        if pre_llm and self.spec.draws_at_random:  # random draws per image, not per float: hash the pixels (host)
+            attach_keys(items, [pixel_key(image) for image in images])
         with Stopwatch(self.device) as selecting:
-            attach_keys(items, [pixel_key(image) for image in images])  # random draws per image, not per float
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
         return items, candidates, plan, vision.ms, selecting.ms
@@ -263,7 +265,7 @@ class PrunedVLM:
 
     @torch.inference_mode()
     def prepare_video(self, clips, prompts, fps: float | None = None) -> "Prepared":
-        """:meth:`prepare` for clips (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL; :mod:`promprune.models.video`): each clip
+        """:meth:`prepare` for clips (families whose adapter handles clips: :mod:`promprune.models.video`): each clip
         a video file's path or its frames; the adapter options ``video_budget`` / ``video_split`` spread the budget."""
         from . import video
 
@@ -350,7 +352,8 @@ class PrunedVLM:
         if pruned:
             ids, mask, col_map = shrink_placeholders(ids, mask, self.model.config.image_token_id, run_pos,
                                                      self.processor.tokenizer.pad_token_id,
-                                                     keep_order=self.token_order != "raster")
+                                                     keep_order=self.token_order != "raster",
+                                                     contiguous=self.adapter.contiguous_run)
         else:
             col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
         extra = self.adapter.generate_kwargs(batch, ids, mask, col_map)
@@ -406,27 +409,12 @@ def _dtype(dtype):
 def _load(name_or_path, dtype, device_map, attn_implementation, max_memory=None):
     from transformers import AutoConfig, AutoProcessor
 
-    from .adapters import ADAPTERS
-
     config = AutoConfig.from_pretrained(name_or_path)
-    if config.model_type not in ADAPTERS:
-        raise ValueError(f"{name_or_path}: unsupported model type {config.model_type!r}; "
-                         f"supported: {', '.join(ADAPTERS)}")
-    model_cls = _model_class(config.model_type)
+    try:
+        model_cls = family_of(config).transformers_class()
+    except ValueError as err:
+        raise ValueError(f"{name_or_path}: {err}") from None
     kwargs = {k: v for k, v in dict(dtype=_dtype(dtype), device_map=device_map, max_memory=max_memory,
                                     attn_implementation=attn_implementation).items() if v is not None}
     model = model_cls.from_pretrained(name_or_path, **kwargs)
     return model, AutoProcessor.from_pretrained(name_or_path)
-
-
-def _model_class(model_type):
-    import transformers
-
-    return {"llava": transformers.LlavaForConditionalGeneration,
-            "llava_next": transformers.LlavaNextForConditionalGeneration,
-            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-            "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-            "llava_onevision": transformers.LlavaOnevisionForConditionalGeneration,
-            "internvl": transformers.InternVLForConditionalGeneration,
-            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
-            "gemma4": transformers.Gemma4ForConditionalGeneration}[model_type]

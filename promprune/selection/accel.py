@@ -1,11 +1,15 @@
 """The switch for the GPU fast path of the selection (issue 22), and what it may use.
 
 On a CUDA tensor, with the switch on (the default), the selection takes the launch-free path: the greedy selectors
-run as one Triton kernel per call (``greedy_triton``), the spectral entropy's eigensolve as one batched cuSOLVER call
-(``eigensolve``, when nvmath-python is installed), the Gram of fp16/bf16 tokens is formed in their dtype with fp32
-accumulation, and the host never waits on the device between the stages (no ``.item()``, no ``int(t.max())``).
+run as one Triton kernel per call (``greedy_triton``), PromPrune's split reads the spectral entropy through certified
+bounds instead of an eigendecomposition (``certified``), the Gram of fp16/bf16 tokens is formed in their dtype with
+fp32 accumulation, and the host waits on the device only where a stage needs a value (``count_sync`` counts those).
 On the CPU nothing changes. ``PROMPRUNE_ACCEL=0`` in the environment, or ``with accel.disabled():``, restores the
 plain torch path on CUDA too (the benchmark times both).
+
+``PROMPRUNE_ENTROPY`` (or ``with accel.entropy("...")``) picks how PromPrune's split reads the spectral entropy:
+``auto`` (default: certified bounds on the CUDA fast path, the exact eigensolve elsewhere), ``certified`` (bounds on
+every device; the tests use it on the CPU) or ``exact`` (the eigensolve everywhere, e.g. to record exact entropies).
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from functools import cache
 
 import torch
 
-_STATE = {"on": os.environ.get("PROMPRUNE_ACCEL", "1") != "0"}
+ENTROPY_MODES = ("auto", "certified", "exact")
+_STATE = {"on": os.environ.get("PROMPRUNE_ACCEL", "1") != "0", "entropy": os.environ.get("PROMPRUNE_ENTROPY", "auto"),
+          "syncs": 0}
 
 
 def active(t: torch.Tensor) -> bool:
@@ -39,3 +45,34 @@ def disabled():
 def has_triton() -> bool:
     """Triton is importable (the CUDA builds of torch ship it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def entropy_mode() -> str:
+    """How PromPrune's split reads the spectral entropy: "auto", "certified" or "exact" (module docstring)."""
+    mode = _STATE["entropy"]
+    if mode not in ENTROPY_MODES:
+        raise ValueError(f"PROMPRUNE_ENTROPY must be one of {', '.join(ENTROPY_MODES)}, got {mode!r}")
+    return mode
+
+
+@contextmanager
+def entropy(mode: str):
+    """Read the spectral entropy by ``mode`` inside the block."""
+    if mode not in ENTROPY_MODES:
+        raise ValueError(f"entropy mode must be one of {', '.join(ENTROPY_MODES)}, got {mode!r}")
+    before = _STATE["entropy"]
+    _STATE["entropy"] = mode
+    try:
+        yield
+    finally:
+        _STATE["entropy"] = before
+
+
+def count_sync() -> None:
+    """Note one read of device values by the host (the selection's deliberate syncs; ``syncs()`` returns the count)."""
+    _STATE["syncs"] += 1
+
+
+def syncs() -> int:
+    """Deliberate host reads of device values since the process started (``benchmarks/selection.py``'s cost model)."""
+    return _STATE["syncs"]

@@ -83,7 +83,7 @@ def _project(tokens: TokenSet, x: torch.Tensor) -> torch.Tensor:
     if tokens.vision.project is None:
         raise ValueError("visionzip merges the vision tower's hidden states: vision.project (the model's projector) "
                          "must bring them into the features' space")
-    return tokens.vision.project(x).float()
+    return tokens.vision.project(x).to(tokens.x.dtype)
 
 
 @register_method("visionzip", needs_saliency=True, merges=True,
@@ -111,17 +111,19 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cl
     dominant = order[:, :n_dom]
     rest = order[:, n_dom:].sort(dim=1).values  # [B, R] remaining tokens in raster order
     R = rest.shape[1]
-    slots = torch.arange(0, R, max(1, R // max(n_ctx, 1)), device=rest.device)[:n_ctx]
-    is_target = torch.zeros(R, dtype=torch.bool, device=rest.device)
-    is_target[slots] = True
-    targets, others = rest[:, is_target], rest[:, ~is_target]
+    slots = list(range(0, R, max(1, R // max(n_ctx, 1))))[:n_ctx]  # host-known positions: no boolean mask, no wait
+    taken = set(slots)
+    rest_of = [r for r in range(R) if r not in taken]
+    targets = rest[:, torch.tensor(slots, dtype=torch.long).to(rest.device)]
+    others = rest[:, torch.tensor(rest_of, dtype=torch.long).to(rest.device)]
     space = vision.hidden if vision is not None else tokens.x  # what is merged
     metric = vision.keys if vision is not None and vision.keys is not None else space  # what decides who joins
     merged = _gather_rows(space, targets)  # [B, n_ctx, d or dv]
     if others.shape[1] and n_ctx:
         unit = unit_tokens(metric)
         sim = _gather_rows(unit, others) @ _gather_rows(unit, targets).transpose(1, 2)  # [B, R - n_ctx, n_ctx]
-        assign = torch.nn.functional.one_hot(sim.argmax(dim=2), n_ctx).to(merged.dtype)  # [B, R - n_ctx, n_ctx]
+        assign = sim.new_zeros(sim.shape).scatter_(2, sim.argmax(dim=2, keepdim=True), 1.0)  # [B, R - n_ctx, n_ctx]
+        assign = assign.to(merged.dtype)  # one-hot rows (one_hot itself would read the indices' range on the host)
         joined = assign.transpose(1, 2) @ _gather_rows(space, others)  # [B, n_ctx, .] sums
         merged = merged + joined / assign.sum(dim=1).clamp_min(1)[..., None]
     if vision is not None:
@@ -134,21 +136,20 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cl
     return Selection(indices, torch.full((B,), n_dom, device=indices.device), None, features, salient, cls)
 
 
-@register_method("random", needs_saliency=False, options={"seed": 0})
+@register_method("random", needs_saliency=False, options={"seed": 0}, draws_at_random=True)
 def random_tokens(tokens: TokenSet, budget: int, *, seed: int) -> Selection:
     """T tokens uniformly at random, reproducible from ``seed`` and the image itself.
 
     Each row draws from a CPU generator seeded by ``seed`` and the row's key (``select(..., keys=...)``: PrunedVLM
     passes a hash of the image's pixels, and of the view), so an image gets the same tokens whatever batch, shard,
     device or dtype it meets. Without keys, the key is a coarse fingerprint of the row's features
-    (:func:`feature_key`). The draw is a permutation's first T: a smaller budget keeps a subset of a larger one's.
+    (:func:`feature_keys`: one small read from the device for the batch). The draw is a permutation's first T: a
+    smaller budget keeps a subset of a larger one's. The draws run on the host and reach the device in one copy.
     """
-    rows = []
-    for b in range(tokens.batch):
-        key = tokens.keys[b] if tokens.keys is not None else feature_key(tokens.x[b])
-        gen = torch.Generator().manual_seed(draw_seed(key, int(seed)))
-        rows.append(torch.randperm(tokens.n, generator=gen)[:budget])
-    indices = torch.stack(rows).to(tokens.x.device)
+    keys = tokens.keys if tokens.keys is not None else feature_keys(tokens.x)
+    rows = [torch.randperm(tokens.n, generator=torch.Generator().manual_seed(draw_seed(key, int(seed))))[:budget]
+            for key in keys]
+    indices = torch.stack(rows).to(tokens.x.device, non_blocking=True)
     return Selection(indices, _no_saliency(tokens), None, None, torch.zeros_like(indices, dtype=torch.bool))
 
 
@@ -168,12 +169,23 @@ _FINGERPRINT_CHANNELS = 16
 _FINGERPRINT_STEP = 2.0 ** -6
 
 
+def fingerprints(x: torch.Tensor) -> torch.Tensor:
+    """The quantized means ``[B, C]`` (long) of the first channels of ``x [B, N, d]`` in units of each row's RMS,
+    computed in float64 where ``x`` lives (no copy of the features to the host)."""
+    x64 = x.detach().double()
+    rms = x64.square().mean(dim=(1, 2)).sqrt().clamp_min(torch.finfo(torch.float32).tiny)  # [B]
+    means = x64[:, :, :_FINGERPRINT_CHANNELS].mean(dim=1) / rms[:, None]  # [B, C] in units of the RMS
+    return torch.round(means / _FINGERPRINT_STEP).long()
+
+
+def feature_keys(x: torch.Tensor) -> list[int]:
+    """A 63-bit key per row of ``x [B, N, d]`` that does not change with the last bits of its values."""
+    B, N, d = x.shape
+    quantized = fingerprints(x).tolist()  # the one read from the device
+    return [int.from_bytes(hashlib.blake2b(f"{N}x{d}:{q}".encode(), digest_size=8).digest(), "little") >> 1
+            for q in quantized]
+
+
 def feature_key(x: torch.Tensor) -> int:
-    """A 63-bit key for the tokens ``x [N, d]`` that does not change with the last bits of their values."""
-    N, d = x.shape
-    x64 = x.detach().to(device="cpu", dtype=torch.float64)
-    rms = x64.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-    means = x64[:, :_FINGERPRINT_CHANNELS].mean(dim=0) / rms  # [C] in units of the RMS
-    quantized = torch.round(means / _FINGERPRINT_STEP).long().tolist()
-    digest = hashlib.blake2b(f"{N}x{d}:{quantized}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    """:func:`feature_keys` of one row ``x [N, d]``."""
+    return feature_keys(x[None])[0]

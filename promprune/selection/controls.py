@@ -21,6 +21,7 @@ Qwen2.5-VL is the image-level variant (the processor resizes the image to a fixe
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
@@ -39,14 +40,23 @@ def pooled_cells(rows: int, cols: int, budget: int) -> list[tuple[int, int, int,
     return cells
 
 
-def pooling_matrix(rows: int, cols: int, budget: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, N], centres [T])``: cell t is ``weights[t] @ tokens``; ``centres[t]`` its bin's centre token."""
+def pooling_matrix(rows: int, cols: int, budget: int, device=None,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, N], centres [T])``: cell t is ``weights[t] @ tokens``; ``centres[t]`` its bin's centre token.
+    Built once per grid and budget on the host (float64: each weight 1/k rounds to ``dtype`` as if set there); a call
+    copies it to ``device`` (one copy each, no launch per cell)."""
+    weights, centres = _host_pooling(rows, cols, budget)
+    return weights.to(device, dtype, copy=True), centres.to(device, copy=True)
+
+
+@lru_cache(maxsize=256)
+def _host_pooling(rows: int, cols: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     cells = pooled_cells(rows, cols, budget)
-    weights = torch.zeros(len(cells), rows * cols, device=device)
-    centres = torch.empty(len(cells), dtype=torch.long, device=device)
+    weights = torch.zeros(len(cells), rows * cols, dtype=torch.float64)
+    centres = torch.empty(len(cells), dtype=torch.long)
     for t, (r0, r1, c0, c1) in enumerate(cells):
         members = (torch.arange(r0, r1)[:, None] * cols + torch.arange(c0, c1)[None, :]).flatten()
-        weights[t, members.to(weights.device)] = 1.0 / members.numel()
+        weights[t, members] = 1.0 / members.numel()
         centres[t] = ((r0 + r1 - 1) // 2) * cols + (c0 + c1 - 1) // 2
     return weights, centres
 
@@ -55,7 +65,7 @@ def pooling_matrix(rows: int, cols: int, budget: int, device=None) -> tuple[torc
 def downsample(tokens: TokenSet, budget: int) -> Selection:
     """Downsampling control: the token grid average-pooled to exactly T cells (no selection)."""
     rows, cols = tokens.grid
-    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device)
+    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device, tokens.x.dtype)
     features = torch.einsum("tn,bnd->btd", weights, tokens.x)  # [B, T, d]
     indices = centres[None].expand(tokens.batch, -1).clone()  # [B, T], ascending
     zeros = torch.zeros(tokens.batch, dtype=torch.long, device=indices.device)

@@ -21,17 +21,23 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import upcast
 from . import accel
-from .kernels import masked_argmax
+from .kernels import masked_argmax, near_tie_argmax
 
+# Farthest point sampling counts scores within this of the best as tied (the lowest index wins), in the torch loop and
+# the Triton kernel alike: duplicated tokens have distances that agree mathematically but differ by float32 rounding
+# (~1e-7), which would otherwise pick among them by the last bits of a device's matmul.
+FPS_TIE_EPS = 1e-6
 # Residual DPP gains at or below this are numerically zero: the kernel's rank is exhausted. Dividing by the square
 # root of such a gain would amplify float32 noise, so those steps fall back to the deterministic order instead.
 GAIN_EPS = 1e-6
 
 
 def _fused(t: torch.Tensor) -> bool:
-    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable)."""
-    return accel.active(t) and accel.has_triton()
+    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable; the kernels are float32, so
+    float64 tokens take the torch loop)."""
+    return accel.active(t) and accel.has_triton() and t.dtype != torch.float64
 
 
 def _width(counts: torch.Tensor, steps: int | None) -> int:
@@ -48,7 +54,7 @@ def _row(mat: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
 
 def _fallback_score(fallback: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if fallback is not None:
-        return fallback.float()
+        return upcast(fallback)  # float64 saliency stays float64: no ties float32 rounding would make
     B, N = like.shape
     return -torch.arange(N, device=like.device, dtype=torch.float32).expand(B, N)  # raster order
 
@@ -168,17 +174,19 @@ def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torc
     Each pick is the available token whose smallest distance to the picked set is largest. The first pick is the
     token farthest from the anchor set when there is one (the same rule as the DPP's first pick), otherwise the
     token with the largest distance to its nearest available neighbour (DivPrune's rule). ``conditional=True``
-    keeps the anchor tokens in the picked set throughout. ``fallback`` is unused: ties resolve to the lowest index.
+    keeps the anchor tokens in the picked set throughout. ``fallback`` is unused: ties (scores within
+    ``FPS_TIE_EPS`` of the best) resolve to the lowest index.
     """
     fused = _fused(distance)
     first_score, nearest = _fps_start(distance, available, anchor, conditional, sync=not fused)
     if fused:
         from . import greedy_triton
 
-        return greedy_triton.farthest_point(distance, available, counts, first_score, nearest, _width(counts, steps))
+        return greedy_triton.farthest_point(distance, available, counts, first_score, nearest, _width(counts, steps),
+                                            FPS_TIE_EPS)
     picks = _Picks(available, counts, steps)
     for k in range(picks.steps):
-        j, _ = masked_argmax(first_score if k == 0 else nearest, picks.free)
+        j = near_tie_argmax(first_score if k == 0 else nearest, picks.free, FPS_TIE_EPS)
         picks.take(k, j)
         nearest = torch.minimum(nearest, _row(distance, j))
     return picks.out

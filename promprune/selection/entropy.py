@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from . import eigensolve
+from ..dtypes import upcast
 from .kernels import ENTROPY_EPS
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
@@ -23,24 +23,52 @@ def _normalized_entropy(p: torch.Tensor, support: int) -> torch.Tensor:
     return h / math.log(support) if support > 1 else torch.zeros_like(h)
 
 
-def spectral_entropy_from_gram(gram: torch.Tensor) -> torch.Tensor:
-    """Spectral entropy from the (uncentered) Gram ``[B, N, N]`` of L2-normalized tokens, for N <= d.
+def centered_gram(gram: torch.Tensor) -> torch.Tensor:
+    """The centered Gram ``[B, N, N]`` from the (uncentered) Gram of L2-normalized tokens, for N <= d.
 
     Centering in Gram space: with tokens X (rows) and mean m, ``(X - m)(X - m)^T = G - r 1^T - 1 r^T + g`` where
     ``r = G 1 / N`` and ``g = 1^T G 1 / N^2``. The N x N centered Gram has the same nonzero spectrum as the
-    d x d covariance, so the eigenvalue count is N = min(N, d).
+    d x d covariance, so the eigenvalue count is N = min(N, d). Made exactly symmetric for the eigensolver.
     """
-    gram = gram.to(eigensolve.solve_dtype(gram))  # float64 for the batched cuSOLVER path; else unchanged
     r = gram.mean(dim=2)  # [B, N]
     g = r.mean(dim=1)  # [B]
     centered = gram - r[:, :, None] - r[:, None, :] + g[:, None, None]
-    return _entropy_of_symmetric(centered)
+    return 0.5 * (centered + centered.transpose(1, 2))
 
 
-def _entropy_of_symmetric(mat: torch.Tensor) -> torch.Tensor:
-    """Normalized entropy of the spectrum of ``mat [B, K, K]`` (made exactly symmetric first) -> ``[B]`` float32."""
-    mat = 0.5 * (mat + mat.transpose(1, 2))  # exact symmetry for the eigensolver
-    return _entropy_of_spectrum(eigensolve.eigvalsh(mat)).float()
+def covariance(features: torch.Tensor) -> torch.Tensor:
+    """The ``[B, d, d]`` covariance of the centered, L2-normalized tokens ``[B, N, d]`` (for N > d), symmetric, in
+    float32 (float64 tokens stay float64)."""
+    x = upcast(features)
+    xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
+    xc = xn - xn.mean(dim=1, keepdim=True)
+    cov = xc.transpose(1, 2) @ xc  # [B, d, d]
+    return 0.5 * (cov + cov.transpose(1, 2))
+
+
+def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
+    """The symmetric matrix ``[B, K, K]``, K = min(N, d), whose eigenvalues the spectral entropy reads: the centered
+    Gram of the L2-normalized tokens (N <= d; ``gram``, their uncentered Gram, when already computed) or their
+    covariance (N > d)."""
+    B, N, d = features.shape
+    if N > d:
+        return covariance(features)
+    if gram is None:
+        x = upcast(features)
+        xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
+        gram = xn @ xn.transpose(1, 2)
+    return centered_gram(gram)
+
+
+def entropy_of_matrix(mat: torch.Tensor) -> torch.Tensor:
+    """The exact normalized entropy of the spectrum of the symmetric ``mat [B, K, K]`` -> ``[B]`` float32: eigenvalues
+    by ``torch.linalg.eigvalsh`` in ``mat``'s dtype, clamped at 1e-12, read as a distribution."""
+    return _entropy_of_spectrum(torch.linalg.eigvalsh(mat)).float()
+
+
+def spectral_entropy_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """Spectral entropy ``[B]`` from the (uncentered) Gram ``[B, N, N]`` of L2-normalized tokens, for N <= d."""
+    return entropy_of_matrix(centered_gram(gram))
 
 
 def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:
@@ -50,20 +78,14 @@ def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:
 
 
 def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
-    """Normalized spectral entropy of visual tokens ``[B, N, d]`` -> ``[B]`` in [0, 1] (float32).
+    """Normalized spectral entropy of visual tokens ``[B, N, d]`` -> ``[B]`` in [0, 1] (float32), exact.
 
     Tokens are L2-normalized (eps 1e-8) and centered; the eigenvalues of the smaller Gram matrix (N x N if
     N <= d, else d x d) are clamped at 1e-12 and read as a distribution; its entropy is divided by
-    ``log(min(N, d))``. mu = 0.42 (CLIP) was calibrated on exactly this quantity.
+    ``log(min(N, d))``. mu = 0.42 (CLIP) was calibrated on exactly this quantity. PromPrune's split reads it through
+    certified bounds on the GPU (``promprune.selection.certified``), with the same decisions.
     """
-    x = features.float()
-    B, N, d = x.shape
-    xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
-    if N <= d:
-        return spectral_entropy_from_gram(xn @ xn.transpose(1, 2))
-    xc = xn - xn.mean(dim=1, keepdim=True)
-    cov = xc.transpose(1, 2) @ xc  # [B, d, d]
-    return _entropy_of_symmetric(cov.to(eigensolve.solve_dtype(cov)))
+    return entropy_of_matrix(spectral_matrix(features))
 
 
 def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:

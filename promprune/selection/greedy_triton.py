@@ -29,6 +29,14 @@ def _masked_argmax(score, mask, offs, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _near_tie_argmax(score, mask, offs, TOL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``kernels.near_tie_argmax``: the lowest index whose score is within ``TOL`` of the max over ``mask``."""
+    masked = tl.where(mask, score, float("-inf"))
+    best = tl.max(masked, axis=0)
+    return tl.min(tl.where(masked >= best - TOL, offs, BLOCK_N), axis=0)
+
+
+@triton.jit
 def _at(vec, offs, j):
     """``vec[j]`` of a register vector (exact: one nonzero term)."""
     return tl.sum(tl.where(offs == j, vec, 0.0), axis=0)
@@ -97,7 +105,7 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
 
 
 @triton.jit
-def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, BLOCK_N: tl.constexpr):
+def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, TOL: tl.constexpr, BLOCK_N: tl.constexpr):
     """One view of ``diversity.farthest_point``: ``D [B, N, N]``, the first pick's ``first_score [B, N]``, the
     initial distance to the picked set ``nearest [B, N]``, ``avail [B, N]`` int8, ``counts [B]``, ``out`` (-1)."""
     b = tl.program_id(0).to(tl.int64)
@@ -108,7 +116,7 @@ def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, BLOCK_N: 
     near = tl.load(nearest + b * N + offs, mask=inb, other=float("-inf"))
     count = tl.minimum(tl.load(counts + b), OUT_W)
     for k in range(count):
-        j, _best = _masked_argmax(tl.where(k == 0, first, near), free, offs, BLOCK_N)
+        j = _near_tie_argmax(tl.where(k == 0, first, near), free, offs, TOL, BLOCK_N)
         tl.store(out + b * OUT_W + k, j.to(tl.int64))
         free = free & (offs != j)
         row = tl.load(D + b * N * N + j * N + offs, mask=inb, other=float("-inf"))
@@ -179,15 +187,16 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
 
 
 def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, first_score: torch.Tensor,
-                   nearest: torch.Tensor, width: int) -> torch.Tensor:
+                   nearest: torch.Tensor, width: int, tie_eps: float) -> torch.Tensor:
     """``diversity.farthest_point``'s loop in one launch: ``distance [B, N, N]``, the first pick's ``first_score``
-    and the initial ``nearest`` distances ``[B, N]``; ``width`` >= counts.max(). Returns picks ``[B, width]``."""
+    and the initial ``nearest`` distances ``[B, N]``; ``width`` >= counts.max(); scores within ``tie_eps`` of the
+    best tie (lowest index). Returns picks ``[B, width]``."""
     B, N, _ = distance.shape
     block_n, _, warps = _blocks(N)
     out = _picks(B, width, distance.device)
     _fps_kernel[(B,)](distance.contiguous(), first_score.float().contiguous(), nearest.float().contiguous(),
                       _flags(available), counts.to(torch.int32).contiguous(), out, N, width,
-                      BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False)
+                      TOL=tie_eps, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False)
     return out
 
 

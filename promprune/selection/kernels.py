@@ -18,6 +18,14 @@ def unit_tokens(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
 
 
+def exactly_symmetric(gram: torch.Tensor) -> torch.Tensor:
+    """``(G + G^T) / 2`` of a Gram ``[B, N, N]``: symmetric bit for bit. A BLAS product ``X X^T`` need not be: some
+    kernels (MKL's AVX2 path for ``[145, 64]`` tokens, for one) sum ``(i, j)`` and ``(j, i)`` in different orders,
+    and exact ties such as two mutual nearest neighbours (DivPrune's first pick) would then break by the CPU's
+    kernel instead of by index. Where the product is symmetric already this returns the same values."""
+    return 0.5 * (gram + gram.transpose(1, 2))
+
+
 def rescale_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float, eps_to: float) -> torch.Tensor:
     """Turn a Gram of tokens normalized with ``eps_from`` into the Gram with ``eps_to``, exactly.
 
@@ -39,6 +47,16 @@ def masked_argmax(score: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     masked = score.masked_fill(~mask, float("-inf"))
     value, index = masked.max(dim=1)
     return index, value
+
+
+def near_tie_argmax(score: torch.Tensor, mask: torch.Tensor, tol: float) -> torch.Tensor:
+    """Row-wise argmax of ``score [B, N]`` over ``mask [B, N]`` where every admissible score within ``tol`` of the
+    row's max counts as tied and the lowest index wins -> ``index [B]`` (0 for a row with no admissible entry)."""
+    N = score.shape[1]
+    masked = score.masked_fill(~mask, float("-inf"))
+    best = masked.amax(dim=1, keepdim=True)  # [B, 1]
+    offs = torch.arange(N, device=score.device).expand_as(score)
+    return torch.where(masked >= best - tol, offs, N).amin(dim=1)  # an empty row: every entry ties at -inf: 0
 
 
 def stable_descending_order(score: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..dtypes import upcast
 from ..suggest import did_you_mean
 from . import accel
-from .entropy import spectral_entropy, spectral_entropy_from_gram
-from .kernels import ENTROPY_EPS, KERNEL_EPS, rescale_gram, unit_tokens
+from .entropy import entropy_of_matrix, spectral_matrix
+from .kernels import ENTROPY_EPS, KERNEL_EPS, exactly_symmetric, rescale_gram, unit_tokens
 
 
 @dataclass
@@ -54,8 +55,8 @@ class VisionFeatures:
     - ``keys [B, N, dk]`` or None: the attention keys of that layer (its ``k_proj``), mean over heads.
     - ``cls [B, dv]`` or None: the CLS token's hidden state at that layer (None: the tower has none, or it is one
       of the ``N``).
-    - ``project``: the model's projector, ``[..., dv] -> [..., d]`` (float32 in, float32 out), which brings merged
-      tokens and the CLS into the space of ``features``; None when no method needs it.
+    - ``project``: the model's projector, ``[..., dv] -> [..., d]`` (float32 in and out; float64 for float64), which
+      brings merged tokens and the CLS into the space of ``features``; None when no method needs it.
     """
 
     hidden: torch.Tensor
@@ -81,15 +82,16 @@ class Instruction:
 
 
 class TokenSet:
-    """Validated float32 inputs of one ``select`` call plus the derived quantities, each computed once.
+    """Validated float32 inputs of one ``select`` call (float64 when the features are float64) plus the derived
+    quantities, each computed once.
 
     ``x [B, N, d]``; ``saliency [B, N]`` or None; ``vision``: the vision tower's view of the same tokens
-    (:class:`VisionFeatures`, float32) or None; ``instruction``: :class:`Instruction` or None; ``grid``: ``(rows,
-    cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared by
-    the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
-    features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with
-    fp32 accumulation. ``keys``: one int per row naming what the row's tokens come from (an image, or one view of
-    it; ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
+    (:class:`VisionFeatures`, in ``x``'s dtype) or None; ``instruction``: :class:`Instruction` or None; ``grid``:
+    ``(rows, cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared
+    by the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
+    features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with fp32
+    accumulation. ``keys``: one int per row naming what the row's tokens come from (an image, or one view of it;
+    ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
     """
 
     def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
@@ -110,14 +112,14 @@ class TokenSet:
 
     @cached_property
     def unit_gram(self) -> torch.Tensor:
-        """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8)."""
+        """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8), exactly symmetric."""
         half = self.source is not None and self.source.dtype in (torch.float16, torch.bfloat16)
         if half and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation and output
             raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
             inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
-            return raw * inv[:, :, None] * inv[:, None, :]
+            return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
-        return xn @ xn.transpose(1, 2)
+        return exactly_symmetric(xn @ xn.transpose(1, 2))
 
     @cached_property
     def cosine(self) -> torch.Tensor:
@@ -125,25 +127,30 @@ class TokenSet:
 
         The diagonal is set to its exact value (1 for every token with norm >= eps): rounding noise there would
         otherwise decide the first pick of a diversity selector, which differs between attention backends and
-        devices.
+        devices. The kernel is exactly symmetric (:func:`~promprune.selection.kernels.exactly_symmetric`).
         """
         kernel = rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
-        kernel = kernel.clone() if kernel is self.unit_gram else kernel
+        kernel = kernel.clone() if kernel is self.unit_gram else exactly_symmetric(kernel)
         exact = (self.norms / self.norms.clamp_min(KERNEL_EPS)).square()  # [B, N]
         kernel.diagonal(dim1=1, dim2=2).copy_(exact)
         return kernel
 
     @cached_property
     def vision_cosine(self) -> torch.Tensor:
-        """Cosine similarity ``[B, N, N]`` of the vision tower's hidden states (``vision.hidden``)."""
+        """Cosine similarity ``[B, N, N]`` of the vision tower's hidden states (``vision.hidden``), exactly
+        symmetric."""
         unit = unit_tokens(self.vision.hidden)
-        return unit @ unit.transpose(1, 2)
+        return exactly_symmetric(unit @ unit.transpose(1, 2))
 
     @cached_property
-    def spectral_entropy(self) -> torch.Tensor:  # [B]
-        if self.n <= self.dim:
-            return spectral_entropy_from_gram(self.unit_gram)
-        return spectral_entropy(self.x)
+    def spectral_matrix(self) -> torch.Tensor:
+        """The matrix ``[B, K, K]`` (K = min(N, d)) whose spectrum the spectral entropy reads
+        (``entropy.spectral_matrix``), from the shared Gram when N <= d."""
+        return spectral_matrix(self.x, self.unit_gram if self.n <= self.dim else None)
+
+    @cached_property
+    def spectral_entropy(self) -> torch.Tensor:  # [B], exact
+        return entropy_of_matrix(self.spectral_matrix)
 
     def require_instruction(self, method: str) -> Instruction:
         if self.instruction is None:
@@ -184,6 +191,7 @@ class MethodSpec:
     reads_vision: bool = False  # uses select(..., vision=VisionFeatures) when given (VisPruner, VisionZip)
     needs_instruction: bool = False  # needs select(..., instruction=Instruction) (CDPruner): one selection per question
     needs_grid: bool = False  # reads select(..., grid=(rows, cols)): the tokens must form one raster grid (downsample)
+    draws_at_random: bool = False  # seeds its draw from select(..., keys=...): PrunedVLM hashes the images only then
 
     @property
     def question_dependent(self) -> bool:
@@ -261,7 +269,7 @@ _REGISTRY: dict[str, MethodSpec] = {}
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
                     options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
                     check: Callable[[dict], None] | None = None, reads_vision: bool = False,
-                    needs_instruction: bool = False, needs_grid: bool = False):
+                    needs_instruction: bool = False, needs_grid: bool = False, draws_at_random: bool = False):
     """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -271,7 +279,7 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
             options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
             description=(fn.__doc__ or "").strip().split("\n")[0], check=check, reads_vision=reads_vision,
-            needs_instruction=needs_instruction, needs_grid=needs_grid)
+            needs_instruction=needs_instruction, needs_grid=needs_grid, draws_at_random=draws_at_random)
         return fn
 
     return wrap
@@ -318,11 +326,10 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
         raise ValueError(f"features must be a float tensor, got dtype {features.dtype}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"budget must be a positive int, got {budget!r}")
-    x = features.float()
+    x = upcast(features)  # float32; float64 stays float64
     B, N, _ = x.shape
     if N == 0:
         raise ValueError("features have no tokens (N = 0)")
-    _check_finite("features", x)
     if saliency is None:
         if spec.needs_saliency:
             raise ValueError(f"method {spec.name!r} needs saliency scores [B, N] = [{B}, {N}]; got saliency=None")
@@ -330,13 +337,11 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
     if not isinstance(saliency, torch.Tensor) or tuple(saliency.shape) != (B, N):
         shape = tuple(saliency.shape) if isinstance(saliency, torch.Tensor) else type(saliency).__name__
         raise ValueError(f"saliency must have shape [B, N] = [{B}, {N}] to match features, got {shape}")
-    s = saliency.to(device=x.device, dtype=torch.float32)
-    _check_finite("saliency", s)
-    return x, s
+    return x, saliency.to(device=x.device, dtype=x.dtype)
 
 
 def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
-    """``vision`` checked against ``x [B, N, d]`` and copied to float32 on ``x``'s device."""
+    """``vision`` checked against ``x [B, N, d]`` and copied to ``x``'s dtype (float32 or float64) and device."""
     if vision is None:
         return None
     if not isinstance(vision, VisionFeatures):
@@ -356,15 +361,14 @@ def _validate_vision(vision, x: torch.Tensor) -> VisionFeatures | None:
             need = "[B, N, ...]" if want == 3 else "[B, dv]"
             raise ValueError(f"vision.{name} must be a float tensor {need} matching features [{B}, {N}, d], "
                              f"got {shape}")
-        out[name] = t.to(device=x.device, dtype=torch.float32)
-        _check_finite(f"vision.{name}", out[name])
+        out[name] = t.to(device=x.device, dtype=x.dtype)
     if vision.project is not None and not callable(vision.project):
         raise ValueError(f"vision.project must be callable, got {type(vision.project).__name__}")
     return VisionFeatures(out["hidden"], out["keys"], out["cls"], vision.project)
 
 
 def _validate_instruction(instruction, x: torch.Tensor, method: str) -> Instruction | None:
-    """``instruction`` checked against ``x [B, N, d]`` and copied to float32 on ``x``'s device."""
+    """``instruction`` checked against ``x [B, N, d]`` and copied to ``x``'s dtype and device."""
     if instruction is None:
         return None
     if not isinstance(instruction, Instruction):
@@ -378,11 +382,8 @@ def _validate_instruction(instruction, x: torch.Tensor, method: str) -> Instruct
         raise ValueError(f"instruction.tokens must be a tensor [B, N, c] = [{B}, {N}, {q.shape[1]}] (c of the "
                          f"query) for method {method!r}, got "
                          f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    out = Instruction(q.to(device=x.device, dtype=torch.float32), t.to(device=x.device, dtype=torch.float32),
-                      instruction.source)
-    _check_finite("instruction.query", out.query)
-    _check_finite("instruction.tokens", out.tokens)
-    return out
+    return Instruction(q.to(device=x.device, dtype=x.dtype), t.to(device=x.device, dtype=x.dtype),
+                       instruction.source)
 
 
 def _validate_grid(grid, n: int) -> tuple[int, int] | None:
@@ -412,11 +413,17 @@ def _validate_keys(keys, batch: int) -> tuple[int, ...] | None:
     return keys
 
 
-def _check_finite(name: str, t: torch.Tensor) -> None:
-    bad = ~torch.isfinite(t).flatten(1).all(dim=1)
-    if bool(bad.any()):
-        kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-        raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
+def _check_finite(named: dict[str, torch.Tensor | None]) -> None:
+    """Every given tensor ``[B, ...]`` is finite; one read of the device for all of them (the error path reads more)."""
+    named = {k: t for k, t in named.items() if t is not None}
+    flags = torch.stack([torch.isfinite(t).all() for t in named.values()])
+    if bool(flags.all()):
+        return
+    for name, t in named.items():
+        bad = ~torch.isfinite(t).flatten(1).all(dim=1)
+        if bool(bad.any()):
+            kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+            raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
 
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
@@ -424,15 +431,15 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
            grid: tuple[int, int] | None = None, keys=None, **options) -> Selection:
     """Choose ``budget`` of the ``N`` visual tokens of each image.
 
-    ``features [B, N, d]`` (any float dtype; computed in float32), ``saliency [B, N]`` or None for methods that do
-    not use it, ``budget`` T shared by the batch (T >= N keeps every token). ``vision``: the vision tower's own
-    features of the same tokens (:class:`VisionFeatures`), read by the methods whose released code reads them
-    (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. ``saliency`` reaches
-    only the methods that declare ``needs_saliency`` (the others get None, as in the model adapters). ``keys``: one
-    int per batch row naming the image (or view) the row comes from, e.g. a hash of its pixels; ``random`` draws each
-    row's tokens from ``seed`` and its key, so the draw does not depend on the last bits of the features (None: from
-    a coarse fingerprint of the features; docs/methods.md). Returns a :class:`Selection`. ``promprune.methods()``
-    lists the methods; an unknown method or option is a ValueError naming the valid ones.
+    ``features [B, N, d]`` (any float dtype; computed in float32, float64 ones in float64), ``saliency [B, N]`` or None
+    for methods that do not use it, ``budget`` T shared by the batch (T >= N keeps every token). ``vision``: the vision
+    tower's own features of the same tokens (:class:`VisionFeatures`), read by the methods whose released code reads
+    them (VisPruner, VisionZip; ``method_spec(m).reads_vision``); without it they use ``features``. ``saliency`` reaches
+    only the methods that declare ``needs_saliency`` (the others get None, as in the model adapters). ``keys``: one int
+    per batch row naming the image (or view) the row comes from, e.g. a hash of its pixels; ``random`` draws each row's
+    tokens from ``seed`` and its key, so the draw does not depend on the last bits of the features (None: from a coarse
+    fingerprint of the features; docs/methods.md). Returns a :class:`Selection`. ``promprune.methods()`` lists the
+    methods; an unknown method or option is a ValueError naming the valid ones.
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:
@@ -447,9 +454,12 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     text = _validate_instruction(instruction, x, method) if spec.needs_instruction else None
     # saliency reaches only the methods that declare it, as in the model adapters: a selection never depends on
     # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
-    tokens = TokenSet(x, s if spec.needs_saliency else None,
-                      _validate_vision(vision, x) if spec.reads_vision else None, text,
-                      _validate_grid(grid, x.shape[1]), source=features, keys=_validate_keys(keys, x.shape[0]))
+    seen = _validate_vision(vision, x) if spec.reads_vision else None
+    _check_finite({"features": x, "saliency": s, "vision.hidden": seen and seen.hidden,
+                   "vision.keys": seen and seen.keys, "vision.cls": seen and seen.cls,
+                   "instruction.query": text and text.query, "instruction.tokens": text and text.tokens})
+    tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
+                      source=features, keys=_validate_keys(keys, x.shape[0]))
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)

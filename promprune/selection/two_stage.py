@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from . import accel
+from . import accel, certified
 from .budget import fixed_count, fixed_split, split_budget
 from .diversity import dpp_greedy, facility_location, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
@@ -52,17 +52,21 @@ def coverage_picks(tokens: TokenSet, available: torch.Tensor, counts: torch.Tens
 
 
 def two_stage(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversity: str, conditional: bool,
-              method: str, entropy: torch.Tensor | None = None, fixed: int | None = None) -> Selection:
+              method: str, entropy: torch.Tensor | None = None, fixed: int | None = None,
+              host_counts: torch.Tensor | None = None) -> Selection:
     """Keep the ``t_sal[b]`` most salient tokens, then ``budget - t_sal[b]`` coverage tokens from the rest.
 
-    ``fixed``: the ``t_sal`` every image shares when the host knows it (fixed splits), else None. On the GPU fast path
-    the stage sizes are then bounded from what the host knows (``budget``) instead of read from the device.
+    ``fixed``: the ``t_sal`` every image shares when the host knows it (fixed splits), else None; ``host_counts``: the
+    per-image ``t_sal`` when the host holds it already (the certified split). Without either, on the GPU fast path the
+    stage sizes are bounded from what the host knows (``budget``) instead of read from the device.
     Returns indices in selection order: salient tokens by descending saliency, then coverage picks in pick order.
     """
     B, N = tokens.batch, tokens.n
     pos = torch.arange(budget, device=tokens.x.device)[None, :]  # [1, T]
     if fixed is not None:
         sal_max, cov_max = fixed, budget - fixed
+    elif host_counts is not None:
+        sal_max, cov_max = int(host_counts.max()), int((budget - host_counts).max())
     elif accel.active(tokens.x):  # no host sync: the widest the stages can be
         sal_max, cov_max = budget, budget
     else:
@@ -103,9 +107,17 @@ def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: s
               saliency_ratio_range, diversity: str, conditional: bool) -> Selection:
     """PromPrune: split the budget by spectral entropy, then saliency top-k + DPP coverage."""
     kr_min, kr_max = _ratio_range(saliency_ratio_range)
+
+    def count(entropy: torch.Tensor) -> torch.Tensor:
+        return split_budget(entropy, budget, mu=mu, tau=tau, ratio_range=(kr_min, kr_max), rounding=rounding)
+
+    if metric == "spectral" and certified.applies(min(tokens.n, tokens.dim), tokens.x):
+        t_sal, entropy = certified.split(tokens.spectral_matrix, count)  # host values, the exact algorithm's counts
+        return two_stage(tokens, budget, t_sal.to(tokens.x.device, non_blocking=True), diversity=diversity,
+                         conditional=conditional, method="promprune", entropy=entropy.to(tokens.x.device),
+                         host_counts=t_sal)
     entropy = prominence(tokens, metric)
-    t_sal = split_budget(entropy, budget, mu=mu, tau=tau, ratio_range=(kr_min, kr_max), rounding=rounding)
-    return two_stage(tokens, budget, t_sal.to(tokens.x.device), diversity=diversity, conditional=conditional,
+    return two_stage(tokens, budget, count(entropy).to(tokens.x.device), diversity=diversity, conditional=conditional,
                      method="promprune", entropy=entropy.float())
 
 

@@ -43,9 +43,11 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
 
 
 def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
-    """The ``testbed:<arch>`` model factory (only ``llava``): the shipped weights (see :func:`load_or_train`)."""
+    """The ``testbed:<arch>`` model factory (only ``llava``): the shipped weights (see :func:`load_or_train`), as a
+    :class:`~promprune.testbed.model.TestbedLlava` (``dtype="float64"``: float64 throughout)."""
     training.check_arch(arch)
     model, processor = load_or_train()
+    model = testbed_model.widen(model)
     return place(model, dtype=dtype, device_map=device_map, attn_implementation=attn_implementation), processor, {}
 
 

@@ -70,11 +70,26 @@ def test_random_fingerprint():
 def test_selection():
     import promprune
 
-    out = run_benchmark("selection.py", "--smoke")
-    ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(target < 1.5x\)")[1])
+    out = run_benchmark("selection.py", "--smoke", "--split-images", "3")
+    ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(CPU bar: <= 2.5x\)")[1])
     assert ratio > 0
     timed = {line.split()[0] for line in out.splitlines() if re.match(r"\w+ +[\d.]+ \([\d.]+x\)", line)}
     assert timed == set(promprune.methods())  # every registered method, timed at every shape
+    # the cost model: launches, syncs, GFLOPs, projected ms for every method at each of the three shapes
+    costs = {line.split()[0]: line.split()[1:] for line in out.split("Cost model")[1].splitlines()
+             if line.split() and line.split()[0] in promprune.methods()}
+    assert set(costs) == set(promprune.methods()) and all(len(cells) == 12 for cells in costs.values())
+    assert costs["divprune"][1] == "1"  # select's one finiteness read; the greedy kernel waits for nothing
+    # the certified split decided every image or sent it to the eigensolve, and agreed with the exact counts
+    equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
+    assert equal.groups() == ("yes", "yes", "yes")
+
+
+def test_launches():
+    out = run_benchmark("launches.py", "--method", "divprune", "promprune", "--shape", "2x64x96", "--budget", "8")
+    rows = {r[0]: r[1:] for r in table_rows(out, "divprune|promprune")}
+    assert rows["divprune"][1] == "1" and rows["promprune"][1] == "2"  # select's finiteness read; the split's read
+    assert int(rows["promprune"][0]) > int(rows["divprune"][0]) > 0
 
 
 def test_spectrum():

@@ -4,6 +4,7 @@ the outside benchmark through Ray's actors into MLflow and the console summary; 
 method is refused before Ray starts."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -63,11 +64,12 @@ def test_a_sweep_of_an_outside_method_and_benchmark_from_outside_the_repository(
         proc = _run(sweep + QUICK, work, env, timeout=300)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-4000:]
-        summary = out[out.index("trial "):].split("\n\n")[0]  # the summary table, up to the blank line after it
-        rows = {line.split()[0]: line.split() for line in summary.splitlines()[1:] if line.strip()}
-        header = summary.splitlines()[0].replace("prefill ms", "prefill_ms").split()
-        row = dict(zip(header, rows["largest_norm-b16"]))
-        assert row["method"] == "largest_norm" and row["vis.tok"] == "16.0" and row["failed"] == "0", summary
+        after = out[out.index("| trial |"):].splitlines()
+        summary = list(itertools.takewhile(lambda line: line.startswith("|"), after))  # the markdown summary table
+        cells = [[c.strip() for c in line.strip("|").split("|")] for line in summary]
+        rows = {row[0]: dict(zip(cells[0], row)) for row in cells[2:]}
+        row = rows["largest_norm-b16"]
+        assert row["method"] == "largest_norm" and row["visual tokens"] == "16.0" and row["failed"] == "0", summary
         assert set(rows) == {"baseline", "largest_norm-b16", "promprune-b16-mu=0.242-tau=0.03"}
 
         client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -30,7 +30,13 @@ PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_16
                     "qwen3_5_4b": 4_539_265_536,
                     # our configs' counts (unverifiable offline): InternVL3.5-8B's card says 0.3B + 8.2B = 8.5B;
                     # Gemma 4 31B's LLM 30.7B (embeddings included) + its ~550M encoder; E2B's "5.1B with embeddings"
-                    "internvl3_5_8b": 8_528_318_464, "gemma4_31b": 31_273_086_512, "gemma4_e2b": 5_104_297_504}
+                    "internvl3_5_8b": 8_528_318_464, "gemma4_31b": 31_273_086_512, "gemma4_e2b": 5_104_297_504,
+                    # our config's count (transformers' GLM-4.1V-9B defaults, unverifiable offline): its LLM's 9.40B,
+                    # which the name "9B" rounds, plus a 0.89B vision tower
+                    "glm46v_flash": 10_292_777_472,
+                    # our config's count (inferred, unverifiable offline): its LLM 752M and vision side 548M are the
+                    # split ollama's minicpm-v4.6 listing gives
+                    "minicpm_v_4_6": 1_300_659_440}
 # visual tokens of one square image: LLaVA-1.5 24x24; NeXT base view + 2x2 crops of 24x24 plus one newline per row
 # of the 48-row grid; Qwen2.5-VL at the paper's fixed 36x36 merged grid, Qwen3-VL at the same grid (our choice)
 # OneVision (512 px square): the 27x27 base view + 2x2 crops (54x54, under anyres_max_9's resize limit) + 54 newlines
@@ -41,7 +47,11 @@ PUBLISHED_PARAMS = {"llava_1_5_7b": 7_063_427_072, "llava_next_7b": 7_063_431_16
 VISUAL_TOKENS = {"llava_1_5_7b": 576, "llava_next_7b": 5 * 576 + 48, "qwen2_5_vl_7b": 1296, "qwen3_vl_8b": 1296,
                  "llava_onevision_7b": 729 + 54 * 54 + 54, "internvl3_8b": 256, "internvl3_5_8b": 256,
                  "qwen3_5_4b": 1296,  # Qwen3.5 at Qwen3-VL's grid (our choice)
-                 "gemma4_31b": 256, "gemma4_e2b": 256}
+                 "gemma4_31b": 256, "gemma4_e2b": 256,
+                 "glm46v_flash": 1296,  # GLM-4.6V at Qwen's fixed grid (our choice)
+                 # MiniCPM-V 4.6 (released slicing, 16x): a 448 x 448 source (32 x 32 patches, 64 tokens) and 2 x 1
+                 # slices, each 336 x 616 px (24 x 44 patches, 66 tokens)
+                 "minicpm_v_4_6": 64 + 2 * 66}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +85,7 @@ def test_placeholder_counts_through_the_pruned_vlm(meta_models, name):
     assert int((batch["input_ids"] == model.config.image_token_id).sum()) == VISUAL_TOKENS[name]
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl_7b", "qwen3_vl_8b", "qwen3_5_4b"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl_7b", "qwen3_vl_8b", "qwen3_5_4b", "glm46v_flash"])
 def test_qwen_positions_of_a_pruned_real_sequence(meta_models, name):
     """128 of 1296 kept: each keeps its (t, h, w) position on the 36 x 36 grid, text after continues at s + 36."""
     model, processor = meta_models[name]

@@ -107,7 +107,9 @@ def test_rows_are_the_processors_own(arch, rows):
     processed = vlm.inputs(rows, PROMPTS)
     for key, value in spliced.items():
         assert torch.equal(value, processed[key]), key
-    assert {k for k in processed if not k.startswith("pixel_values")} <= set(spliced) | {"batch_num_images"}
+    # besides the pixels, what only the vision encoding reads: OneVision's images per row, MiniCPM-V's grid per view
+    assert {k for k in processed if not k.startswith("pixel_values")} <= set(spliced) | {"batch_num_images",
+                                                                                          "target_sizes"}
 
 
 @pytest.mark.parametrize("method,budget,options", [("vispruner", 10, {"budget_mode": "released"}),

@@ -1,4 +1,5 @@
-"""Video through the adapters (LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, Qwen3.5) on a procedural clip.
+"""Video through the adapters (every family whose adapter handles clips: LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL,
+Qwen3.5) on a procedural clip.
 
 References: plain transformers ``generate`` on the clip (the processor and model as their docs use them), the unpruned
 logits, hand-worked per-frame shares, a numpy SVD spectral entropy with the split formula written out, and
@@ -16,10 +17,11 @@ from promprune.models.options import all_methods, is_in_llm
 from promprune.models.tiny import tiny_vlm
 from promprune.models.video import decode_video
 from promprune.models.video import inputs as video_inputs
+from promprune.models.video import video_families
 from promprune.testbed.clips import scene_clip, velocities
 from promprune.testbed.scenes import make_scene
 
-VIDEO_ARCHS = ("llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+VIDEO_ARCHS = tuple(video_families())  # a new video family needs its hand-worked counts below
 FRAMES = 4
 # tokens per "frame" (OneVision: a 32 px view's 4x4 patches pooled to 2x2; Qwen: one temporal patch of 2 frames, the
 # 96 px frames resized to 48 px (Qwen2.5-VL: 6x6 merged) or, the clip's pixels bounded, 64 px (Qwen3-VL and Qwen3.5,

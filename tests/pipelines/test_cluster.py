@@ -19,7 +19,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from pipelines import spec as specs
-from pipelines import sweep, tracking
+from pipelines import sweep
+from pipelines.recording import tracking
 from pipelines.run.trial import alone, evaluate, predict
 from pipelines.run import resources as planning
 from pipelines.run.ray_connect import worker_env

@@ -17,7 +17,8 @@ import ray
 import yaml
 
 from pipelines import spec as specs
-from pipelines import sweep, timeline, tracking
+from pipelines import sweep, timeline
+from pipelines.recording import tracking
 from pipelines.run import resources as planning
 from pipelines.run.fake_cluster import FakeAutoscalingCluster, worker_nodes
 from pipelines.run.ray_connect import worker_env

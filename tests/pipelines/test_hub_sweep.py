@@ -6,7 +6,8 @@ import pytest
 import ray
 
 from pipelines import spec as specs
-from pipelines import sweep, tracking
+from pipelines import sweep
+from pipelines.recording import tracking
 from pipelines.run.ray_connect import worker_env
 from promprune.eval.standins import STANDIN_TASKS, serving, standin_env
 from tests.conftest import STANDIN_DOCS

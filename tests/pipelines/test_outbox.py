@@ -1,4 +1,4 @@
-"""The driver's MLflow writes (pipelines/run/outbox.py) against a real `mlflow server` that is stopped and started
+"""The driver's MLflow writes (pipelines/recording/outbox.py) against a real `mlflow server` that is stopped and started
 again: nothing is lost or written twice, the console is told at once, the writes wait on disk for a later driver."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipelines import mlflow_layout
-from pipelines.run.outbox import Outbox
+from pipelines.recording.outbox import Outbox
 from tests.pipelines.mlflow_server import MlflowServer
 
 
@@ -53,7 +53,8 @@ def test_writes_survive_a_store_that_goes_down_and_comes_back(server, tmp_path):
 
     server.start()
     assert box.flush(120) == []
-    box.close()
+    assert not (tmp_path / "outbox" / "outbox.json").exists()  # the folder says what is pending: nothing now
+    assert box.close() == []
     run = c.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.metrics == {"samples/done": 16.0, "a/acc": 0.5}
     assert [m.step for m in c.get_metric_history(run_id, "samples/done")] == [8, 16]
@@ -108,3 +109,29 @@ def test_a_refused_write_is_dropped_and_said_not_retried(server, tmp_path):
     box.close()
     assert c.get_run(box.run_id("t1")).data.metrics == {"x": 1.0}
     assert any("refused and dropped" in line for line in said)
+
+
+def test_a_write_for_a_run_not_created_yet_waits_for_it(tmp_path):
+    """Issue 57: no write is dropped for want of its run. Ops of a key with no run wait (said once), every later op
+    of that key behind them, while other runs' writes go; they land once a create of the key does, and `close`
+    names what still waits. An untag of a tag the run lacks is done, not refused."""
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = c.create_experiment("waiting")
+    said = []
+    box = Outbox(c, tmp_path / "outbox", said.append, retry_s=1.0)
+    box.submit("metrics", "late", metrics={"rel": 0.9})
+    box.submit("end", "late", status="FINISHED")
+    _create(box, exp, "other")
+    box.submit("untag", "other", tag=mlflow_layout.INTERRUPTED)
+    assert box.flush(3) == ["late"]  # waiting, not dropped
+    assert c.get_run(box.run_id("other")).info.status == "RUNNING"  # the other run's writes went on
+    assert [line for line in said if "late" in line] == [
+        "[mlflow] writes for late wait for its run, which is not created yet (they go once it is)"]
+    _create(box, exp, "late")
+    assert box.flush(30) == []
+    run = c.get_run(box.run_id("late"))
+    assert run.data.metrics == {"rel": 0.9} and run.info.status == "FINISHED"  # in order: metrics, then the end
+    assert not any("refused" in line for line in said)
+    box.submit("tags", "never", tags={"a": 1})  # a run this driver never creates
+    assert box.close() == ["never"]  # named as pending, and kept for the next driver, which may know the run
+    assert (tmp_path / "outbox" / "outbox.json").is_file()

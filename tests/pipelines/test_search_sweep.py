@@ -14,11 +14,12 @@ import pytest
 import ray
 import yaml
 
-from pipelines import mlflow_layout, sweep, timeline, tracking
+from pipelines import mlflow_layout, sweep, timeline
+from pipelines.recording import tracking
 from pipelines import spec as specs
 from pipelines.run import search
 from pipelines.run.ray_connect import worker_env
-from pipelines.run.recorder import best_line
+from pipelines.recording.console import best_line
 from pipelines.run.requests import build_rows, requests_dataset
 from tests.browser import needs_browser
 from tests.pipelines.sweep_cli import REPO, read_until, spawn_sweep

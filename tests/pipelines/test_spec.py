@@ -51,6 +51,7 @@ def test_quickstart_is_offline_and_compares_methods():
     pruned = [t for t in specs.expand(spec) if t.method is not None]
     assert len({t.method for t in pruned}) >= 3
     assert spec.calibration.images == "testbed:train"  # mu from train scenes, never the evaluation's
+    assert spec.model.dtype == "float64"  # the same answers on every CPU (docs/testbed.md)
 
 
 def test_defaults_fill_in(tmp_path):

@@ -16,9 +16,11 @@ import yaml
 from promprune.records import Prediction, table_keys
 
 from pipelines import spec as specs
-from pipelines import mlflow_layout, sweep, tracking
+from pipelines import mlflow_layout, sweep
+from pipelines.recording import tracking
 from pipelines.run.ray_connect import worker_env
-from pipelines.run.recorder import SweepRecorder
+from pipelines.recording.console import SweepConsole
+from pipelines.recording.recorder import SweepRecorder
 from pipelines.run.requests import build_rows
 from pipelines.run.result import PREDICTION_SCHEMA, TrialResult, predictions_table
 from tests.pipelines.sweep_cli import read_until, spawn_sweep
@@ -139,7 +141,7 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     spec = small_spec(tasks=["pope", "mme"])
     c = tracking.client()
     parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {})
-    recorder = SweepRecorder(spec, parent, n_trials=2)
+    recorder = SweepRecorder(spec, parent, SweepConsole(2))
 
     def checkpoint(name: str, scores: dict):
         d = tmp_path / name

@@ -11,7 +11,8 @@ import torch
 
 from promprune.records import Prediction, from_arrow
 
-from pipelines import mlflow_layout, spec as specs, tracking, weights
+from pipelines import mlflow_layout, spec as specs, weights
+from pipelines.recording import tracking
 from pipelines.run import result, search
 from pipelines.config import Resources
 from pipelines.run import resources as planning
@@ -215,7 +216,7 @@ def test_scored_result_replays_the_rows_scoring_reads():
 def test_calibrated_mu_is_applied_once_on_the_driver():
     """Tune's config holds the trial with the options it runs with; the id stays the spec's; the run's params say
     where mu came from."""
-    from pipelines.run.recorder import SweepRecorder
+    from pipelines.recording.recorder import trial_run_params
 
     trial = specs.Trial("promprune", 8, {"mu": "calibrate", "metric": "attention"})
     calibrated = trial.with_calibration({"attention": 0.81})
@@ -228,9 +229,7 @@ def test_calibrated_mu_is_applied_once_on_the_driver():
     assert record["options"] == {"mu": 0.81, "metric": "attention"} and record["mu_source"] == "calibration"
     plain = specs.Trial("promprune", 8, {"mu": 0.4})
     assert plain.with_calibration({"attention": 0.81}) is plain and "mu_source" not in plain.to_dict()
-    recorder = SweepRecorder.__new__(SweepRecorder)  # _params needs the spec only
-    recorder.sweep = specs.SweepSpec(name="t", version=1)
-    params = recorder._params(record)
+    params = trial_run_params(specs.SweepSpec(name="t", version=1), record)
     assert params["mu"] == "0.81" and params["mu_source"] == "calibration" and params["metric"] == "attention"
 
 
@@ -372,3 +371,33 @@ def test_validate_only_shows_what_each_task_generates_with():
     assert lines[2].startswith("  mme: max_new_tokens=16,")
     spec.generation = {"max_new_tokens": 3}
     assert all("max_new_tokens=3," in line for line in generation_plan(spec).splitlines()[1:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the console's summary table
+
+
+def test_the_summary_table_is_markdown_of_what_the_answers_decide_and_times_below_it():
+    from pipelines.recording.console import summary_table
+
+    spec = _spec()
+    spec.tasks = ["testbed_exist_concentrated"]
+    base = {"trial": {"method": None, "budget": None, "options": {}}, "error": None,
+            "metrics": {"testbed_exist_concentrated/f1": 1.0, "rel": 1.0, "efficiency/visual_tokens": 144.0,
+                        "efficiency/prefill_ms": 31.234, "samples/failed": 0}}
+    ours = {"trial": {"method": "promprune", "budget": 16, "options": {"mu": 0.24193, "tau": 0.03},
+                      "mu_source": "calibration"}, "error": None,
+            "metrics": {"testbed_exist_concentrated/f1": 0.88501, "rel": 0.84166, "efficiency/visual_tokens": 16.0,
+                        "efficiency/prefill_ms": 12.06, "samples/failed": 2}}
+    broken = {"trial": {"method": "divprune", "budget": 16, "options": {}}, "error": "boom", "metrics": {}}
+    text = summary_table(spec, {"promprune-b16-mu=calibrate-tau=0.03": ours, "baseline": base,
+                                "divprune-b16": broken})
+    assert text.splitlines() == [
+        "| trial | method | budget | testbed_exist_concentrated/f1 | Rel. | visual tokens | failed |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        "| baseline | none | - | 1.0000 | 1.0000 | 144.0 | 0 |",
+        "| divprune-b16 | divprune | 16 | - | - | - | ERROR |",  # trials the spec does not list: by id
+        "| promprune-b16-mu=calibrate-tau=0.03 | promprune (mu calibrated: 0.2419) | 16 | 0.8850 | 0.8417 | 16.0 | 2 |",
+        "prefill ms per sample (this machine's clock): baseline 31.2, divprune-b16 -, "
+        "promprune-b16-mu=calibrate-tau=0.03 12.1",
+    ]

@@ -3,6 +3,7 @@ case): a changed spec is refused on --resume, the printed resume command reprodu
 logged once, an interrupted Tune result without a config does not crash, a dead driver's run is marked KILLED."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -11,9 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipelines import mlflow_layout, sweep, tracking
+from pipelines import mlflow_layout, sweep
+from pipelines.recording import tracking
 from pipelines.run import ray_connect, state as states
-from pipelines.run.recorder import SweepRecorder
+from pipelines.recording.console import SweepConsole
+from pipelines.recording.recorder import SweepRecorder
 from pipelines import spec as specs
 
 from .conftest import assert_clean_error
@@ -53,12 +56,12 @@ def test_a_failed_trial_is_logged_once(scratch):
     spec = specs.load(scratch())
     client = tracking.client()
     parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
-    recorder = SweepRecorder(spec, parent, 1)
+    recorder = SweepRecorder(spec, parent, SweepConsole(1))
     trial = specs.expand(spec)[1].to_dict()
     recorder.record_error(trial, "RuntimeError: boom")  # Tune's callback ...
     recorder.record_error(trial, "RuntimeError: boom")  # ... and the final reconcile
     assert recorder.unlogged(60) == []
-    recorder.close()
+    assert recorder.close() == []
     runs = client.search_runs([client.get_run(parent).info.experiment_id],
                               filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent))
     assert [r.info.status for r in runs] == ["FAILED"]
@@ -110,3 +113,76 @@ def test_stale_ray_address_fails_in_seconds(monkeypatch, tmp_path):
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
     assert ray_connect._recorded_head() == "127.0.0.1:1" and not ray_connect._answers("127.0.0.1:1")
+
+
+KILLED = {"name": "killed", "version": 1, "model": {"pretrained": "testbed:llava"},
+          "tasks": ["testbed_exist_concentrated"], "limit": 2, "baseline": True,
+          "grid": {"method": ["divprune"], "budget": [8]},
+          "generation": {"max_new_tokens": 2}, "tune": {"max_concurrent_trials": 2, "max_failures": 0}}
+
+
+@pytest.mark.slow
+def test_a_driver_killed_after_a_trial_finished_resumes_with_every_metric(tmp_path, monkeypatch):
+    """Issue 57's pid-only kill: the driver (not its process group) is SIGKILLed once a pruned trial's run is
+    FINISHED in MLflow while the baseline still runs, so the pruned trial's Rel. is still to be written; the next
+    start of the sweep marks the dead driver's runs KILLED; `--resume` then finishes the sweep with every trial's
+    run FINISHED once, Rel. on each (what the nightly regression check reads), no stale `promprune.interrupted`
+    tag, and no write refused or dropped on the way."""
+    import os
+    import signal
+    import shutil
+    import tempfile
+    import time
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from tests.pipelines.sweep_cli import REPO, spawn_sweep
+
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
+    spec_path = tmp_path / "killed.yaml"
+    spec_path.write_text(yaml.safe_dump(KILLED))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen([sys.executable, "-m", "tests.reliability.gate", str(spec_path), str(tmp_path / "gate")],
+                             cwd=tmp_path, env={**env, "PYTHONPATH": os.pathsep.join([str(REPO), env.get(
+                                 "PYTHONPATH", "")])}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        c, deadline = MlflowClient(uri), time.monotonic() + 300
+        while time.monotonic() < deadline and first.poll() is None:
+            exp = c.get_experiment_by_name(mlflow_layout.DEFAULT_EXPERIMENT)
+            runs = [] if exp is None else c.search_runs(
+                [exp.experiment_id], filter_string=mlflow_layout.tag_filter(mlflow_layout.TRIAL, "divprune-b8"))
+            if runs and runs[0].info.status == "FINISHED":
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError((tmp_path / "first.log").read_text()[-3000:])
+        os.kill(first.pid, signal.SIGKILL)  # the driver's pid, not its group: Ray's processes it started live on
+        first.wait(timeout=60)
+        storage = str(tmp_path / "outputs" / "tune")
+        assert states.mark_dead_runs(c, storage, "killed") != []  # what the next start of the sweep does first
+
+        second = spawn_sweep(spec_path, tmp_path, "--resume", ray_address="local")
+        out, _ = second.communicate(timeout=400)
+        (tmp_path / "second.log").write_text(out)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)  # what the killed driver left (its Ray)
+        log.close()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert second.returncode == 0, out[-3000:]
+    assert "refused" not in out and "dropped" not in out, out[-3000:]
+    parents = c.search_runs([c.get_experiment_by_name(mlflow_layout.DEFAULT_EXPERIMENT).experiment_id],
+                            filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, mlflow_layout.ROLE_SWEEP))
+    assert [p.info.status for p in parents] == ["FINISHED"]
+    children = c.search_runs([parents[0].info.experiment_id],
+                             filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parents[0].info.run_id))
+    assert sorted(r.data.tags[mlflow_layout.TRIAL] for r in children) == ["baseline", "divprune-b8"]  # once each
+    for run in [*parents, *children]:
+        assert mlflow_layout.INTERRUPTED not in run.data.tags, (run.info.run_name, run.data.tags)
+    assert all(r.info.status == "FINISHED" for r in children)
+    assert sorted(tracking.rel_by_trial(c, parents[0].info.run_id)) == ["baseline", "divprune-b8"]

@@ -14,7 +14,8 @@ import ray
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines import mlflow_layout, spec as specs, sweep, tracking
+from pipelines import mlflow_layout, spec as specs, sweep
+from pipelines.recording import tracking
 from pipelines.run.ray_connect import worker_env
 from tests.pipelines.mlflow_server import MlflowServer
 from tests.pipelines.sweep_cli import REPO, read_until

@@ -1,6 +1,6 @@
 """A real SQLite MLflow store in a temp dir, and a logger that writes sweeps in the pipeline's schema.
 
-The runs are written with MLflow's own client (the real component), independently of `pipelines/tracking.py`,
+The runs are written with MLflow's own client (the real component), independently of `pipelines/recording/tracking.py`,
 so these tests pin the schema the report reads rather than whatever the pipeline happens to write.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The report reads what the pipeline's own MLflow writer (`pipelines/tracking.py`) and predictions frame write.
+"""The report reads what the pipeline's own MLflow writer (`pipelines/recording/tracking.py`) and predictions frame
+write.
 
 The other tests log runs by hand from the schema; this one goes through the pipeline's functions, so a drift
 between writer and reader (param spelling, the baseline's budget, list columns in parquet) fails here.
@@ -9,7 +10,7 @@ import numpy as np
 
 from promprune.records import Prediction
 
-from pipelines import tracking
+from pipelines.recording import tracking
 from pipelines.run import result
 
 from pipelines.reporting.build import build_report

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import mlflow_layout, tracking
+from pipelines import mlflow_layout
+from pipelines.recording import tracking
+from pipelines.recording.view import SweepView
 from tests.browser import needs_browser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,11 +28,12 @@ TASKS = ["easyvqa_yesno", "easyvqa_open"]
 
 
 def _sweep(client, tmp_path: Path, name: str = "ui_demo") -> tuple[str, list[str]]:
-    """A finished two-trial sweep through pipelines.tracking, with a report (md + html with one inline figure)."""
+    """A finished two-trial sweep through pipelines.recording.tracking, with a report (md + html with one inline
+    figure)."""
     t0 = time.time() - 60
     parent = tracking.start_sweep(client, name, 1, f"name: {name}\n",
                                   {"model": "tiny:llava", "tasks": ",".join(TASKS), "limit": 4, "trials": 2},
-                                  started=t0, view=tracking.SweepView(TASKS, ["mu"]))
+                                  started=t0, view=SweepView(TASKS, ["mu"]))
     names = []
     for i, (method, budget) in enumerate([("none", None), ("promprune", 8)]):
         trial = {"method": method, "budget": budget, "options": {"mu": 0.006} if budget else {},
@@ -104,7 +107,7 @@ def test_a_specs_view_shows_what_tells_its_trials_apart(name, options, running, 
     from pipelines import spec as specs
 
     spec = specs.load(REPO / "sweeps" / f"{name}.yaml")
-    view = tracking.SweepView.of(spec, specs.expand(spec))
+    view = SweepView.of(spec, specs.expand(spec))
     assert (view.options, view.running, view.best) == (options, running, best)
     assert len(longest) <= view.name_chars <= len(longest) + 3
 def test_clear_errors_without_a_browser(store, tmp_path):

@@ -3,8 +3,8 @@
 - float32: the same indices as the CPU at the paper's shapes (``benchmarks/selection.py``'s inputs).
 - fp16: the Gram comes from the half tokens with fp32 accumulation; kept sets overlap the CPU's on the same fp16
   inputs by at least ``FP16_MIN_OVERLAP`` on average.
-- No host sync inside a selection (``torch.cuda.set_sync_debug_mode("error")``) and CUDA-graph capture, when the
-  eigensolve is the batched cuSOLVER one (nvmath-python installed; torch's ``eigvalsh`` syncs).
+- PromPrune's certified split reads the device once per batch when its first stage decides every image; a fixed
+  split never waits on the device (``torch.cuda.set_sync_debug_mode("error")``) and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ import torch
 
 import promprune
 from benchmarks.selection import SHAPES, make_inputs
-from promprune.selection import eigensolve
+from promprune.selection import accel, certified
 from promprune.selection.registry import TokenSet, method_spec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_cusolver = pytest.mark.skipif(not torch.cuda.is_available() or eigensolve.load_nvmath() is None,
-                                    reason="needs nvmath-python (.[cuda]): torch's eigvalsh waits on the device")
 
 METHODS = [("promprune", {}), ("promprune", {"conditional": True}), ("promprune", {"diversity": "fps"}),
            ("promprune", {"diversity": "facility_location"}), ("coverage_only", {}), ("fixed_ratio", {}),
@@ -53,41 +51,49 @@ def test_cuda_fp16_overlaps_the_cpu(shape):
     assert sum(overlap) / len(overlap) >= FP16_MIN_OVERLAP
 
 
-def _fast_promprune(x: torch.Tensor, s: torch.Tensor, budget: int) -> torch.Tensor:
-    """The registered promprune function on validated inputs (``select`` validates with one host sync)."""
-    spec = method_spec("promprune")
-    opts = spec.resolve({})
+def _fast(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, **options) -> torch.Tensor:
+    """The registered function on validated inputs (``select`` validates with one host sync)."""
+    spec = method_spec(method)
+    opts = spec.resolve(options)
     opts.pop("order")
     return spec.fn(TokenSet(x.float(), s, source=x), budget, **opts).indices
 
 
-@needs_cusolver
-def test_cuda_selection_never_waits_on_the_device():
+def test_cuda_promprune_reads_the_device_once_per_batch():
     B, N, d, T = SHAPES["llava-next"]
     x, s = make_inputs(B, N, d, "cuda", dtype=torch.float16)
-    _fast_promprune(x, s, T)  # warm-up: Triton compiles, cuSOLVER handles are made
+    _fast("promprune", x, s, T, mu=0.9)  # warm-up: Triton compiles
+    before = accel.syncs()
+    _fast("promprune", x, s, T, mu=0.9)  # every entropy far from mu: the first stage decides
+    assert certified.LAST_REPORT[0].decided[0] == B and accel.syncs() - before == 1
+
+
+@pytest.mark.parametrize("method", ["fixed_ratio", "divprune", "coverage_only"])
+def test_cuda_fixed_splits_never_wait_on_the_device(method):
+    B, N, d, T = SHAPES["llava-next"]
+    x, s = make_inputs(B, N, d, "cuda", dtype=torch.float16)
+    _fast(method, x, s, T)  # warm-up: Triton compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _fast_promprune(x, s, T)
+        _fast(method, x, s, T)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-@needs_cusolver
-def test_cuda_selection_can_be_captured_in_a_graph():
+def test_cuda_fixed_split_can_be_captured_in_a_graph():
     B, N, d, T = SHAPES["llava-1.5"]
     x, s = make_inputs(B, N, d, "cuda", dtype=torch.float16)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        _fast_promprune(x, s, T)  # warm-up on the capture stream
+        _fast("fixed_ratio", x, s, T)  # warm-up on the capture stream
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        captured = _fast_promprune(x, s, T)
+        captured = _fast("fixed_ratio", x, s, T)
     x2, s2 = make_inputs(B, N, d, "cuda", seed=1, dtype=torch.float16)
     x.copy_(x2)
     s.copy_(s2)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, _fast_promprune(x2, s2, T))
+    assert torch.equal(captured, _fast("fixed_ratio", x2, s2, T))

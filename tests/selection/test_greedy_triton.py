@@ -84,6 +84,7 @@ def test_cuda_kernel_matches_reference(name):
 def _kernels():
     """Each kernel specialization ``select`` can launch: (kernel, signature, constexprs)."""
     from promprune.selection import greedy_triton as g
+    from promprune.selection.diversity import FPS_TIE_EPS
 
     dpp = {"K": "*fp32", "avail": "*i8", "anchor": "*i8", "order": "*fp32", "first": "*i64", "counts": "*i32",
            "F": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32", "S_ROWS": "i32"}
@@ -95,7 +96,7 @@ def _kernels():
     for conditional, first in ((False, True), (True, False), (False, False)):
         consts = {"GAIN_EPS": 1e-6, "CONDITIONAL": conditional, "USE_FIRST": first, "BLOCK_N": 1024, "BLOCK_S": 16}
         out.append((g._dpp_kernel, dpp, consts))
-    out.append((g._fps_kernel, fps, {"BLOCK_N": 2048}))
+    out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
     return out
 

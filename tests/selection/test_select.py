@@ -106,3 +106,60 @@ def test_errors_name_the_problem():
         select(x, s, budget=8, tau=0.0)
     # methods that need no saliency accept None
     assert select(x, None, budget=8, method="divprune").indices.shape == (3, 8)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_float64_tokens_are_selected_in_float64(method):
+    """Every method takes float64 tokens and keeps budget distinct tokens; and the precision is kept: saliency
+    that differs only below float32's resolution ranks in float64 (float32 would tie it and keep raster order)."""
+    x, s = inputs()
+    sel = select(x.double(), s.double(), budget=4, method=method)
+    assert sel.indices.shape == (x.shape[0], 4)
+    assert all(len(set(row.tolist())) == 4 for row in sel.indices)
+
+    s64 = 0.5 + 1e-12 * torch.arange(16, dtype=torch.float64).expand(2, 16)  # ascending, equal in float32
+    x64 = torch.randn(2, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    top = promprune.select(x64, s64, budget=4, method="saliency_only").indices
+    assert top.tolist() == [[12, 13, 14, 15]] * 2
+    assert promprune.select(x64.float(), s64.float(), budget=4, method="saliency_only").indices.tolist() == \
+        [[0, 1, 2, 3]] * 2
+
+
+def test_exactly_symmetric_averages_the_two_triangles():
+    from promprune.selection.kernels import exactly_symmetric
+
+    g = torch.rand(2, 5, 5, dtype=torch.float64)
+    s = exactly_symmetric(g)
+    assert torch.equal(s, s.transpose(1, 2)) and torch.allclose(s, (g + g.transpose(1, 2)) / 2, rtol=0, atol=1e-16)
+    sym = s.clone()
+    assert torch.equal(exactly_symmetric(sym), sym)  # a symmetric Gram keeps its values
+
+
+_ASYMMETRIC = """
+import torch
+from promprune.selection.registry import TokenSet, VisionFeatures
+x = torch.randn(4, 145, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+xn = x / x.norm(dim=-1, keepdim=True)
+raw = xn @ xn.transpose(1, 2)
+tokens = TokenSet(x, None, VisionFeatures(x, None, None, None))
+print(int((raw != raw.transpose(1, 2)).sum()), int((tokens.cosine != tokens.cosine.transpose(1, 2)).sum()),
+      int((tokens.vision_cosine != tokens.vision_cosine.transpose(1, 2)).sum()))
+"""
+
+
+def test_the_kernels_are_symmetric_bit_for_bit_where_the_blas_product_is_not():
+    """MKL's AVX2 path sums (i, j) and (j, i) of some products in different orders; the kernels the selectors
+    read are symmetric anyway, so mutual nearest neighbours tie exactly and break by index on every CPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", _ASYMMETRIC], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    raw, cosine, vision = map(int, out.stdout.split())
+    assert cosine == vision == 0
+    if raw == 0:
+        pytest.skip("this CPU's BLAS gives a symmetric product here: nothing for the symmetrization to show")

@@ -25,6 +25,13 @@ on Qwen; CDPruner's instruction is the LLM's input embeddings of the question).
 The LLM's vision tokens attend to each other bidirectionally in its sliding-window layers
 (``use_bidirectional_attention: vision``, on the released 31B), which transformers reads from ``mm_token_type_ids``:
 the adapter rebuilds them for the (pruned) sequence it feeds.
+
+Tiny (``tiny:gemma4``): the encoder (no CLS) on 4 px patches, each image resized keeping its aspect ratio to at most
+70 x 9 patches (the smallest released soft-token budget, 70) and pooled 3x3 into up to 70 soft tokens; an LLM of 6
+layers alternating sliding-window (160 tokens: wider than the test prompts, as the 31B's 1024 is for a 280-token image;
+tests narrow it to make it cut) and full attention, the full layers with their own head width, one KV head, keys as
+values (``attention_k_eq_v``) and partial RoPE, vision tokens attending bidirectionally in the sliding layers (the 31B:
+5 sliding to 1 full). Shapes: ``shape:gemma4_31b``, ``shape:gemma4_e2b``.
 """
 from __future__ import annotations
 
@@ -32,11 +39,104 @@ import contextlib
 import sys
 
 import torch
+from transformers import (
+    Gemma4AudioFeatureExtractor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor,
+    Gemma4Processor,
+    Gemma4VideoProcessor,
+)
 
-from .adapters import ADAPTERS, Adapter, VisualItem
-from .saliency import capture
+from ..adapters import Adapter, VisualItem
+from ..registry import register_family
+from ..saliency import capture
+from ..shapes import section
+from ..tiny import byte_level_tokenizer, seeded, text_sizes
 
 QUERY_CHUNK = 1024  # queries per block when summing attention: bounds memory to H x 1024 x n floats
+RELEASED_SOFT_TOKENS = 280  # the released processor's (and lmms-eval's gemma4 model's) max_soft_tokens
+GEMMA4_SPECIALS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                   "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+# Gemma 4's turns (``<|turn>role ... <turn|>``, the model's role named "model"), the image as its ``<|image|>``
+# placeholder before the text, as the -it checkpoints' template renders a user turn without thinking
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|image|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def gemma4_tokenizer():
+    """The byte-level tokenizer with Gemma's pad / eos / bos, its turn markers and its image and audio tokens, named
+    as Gemma4Processor reads them (``image_token``, ``boi_token``, ...)."""
+    return byte_level_tokenizer(["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", *GEMMA4_SPECIALS.values()],
+                                bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                extra_special_tokens=dict(GEMMA4_SPECIALS))
+
+
+def gemma4_token_ids(tok) -> dict:
+    """Gemma4Config's token-id fields wired to ``tok`` (the processor adds ``<|video|>`` to it)."""
+    ids = {name: tok.convert_tokens_to_ids(token) for name, token in GEMMA4_SPECIALS.items()}
+    return dict(image_token_id=ids["image_token"], boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+                audio_token_id=ids["audio_token"], boa_token_id=ids["boa_token"], eoa_token_index=ids["eoa_token"],
+                video_token_id=tok.convert_tokens_to_ids("<|video|>"))
+
+
+def gemma4_processor(tok, patch: int, max_soft_tokens: int, pooling: int = 3):
+    """A Gemma4Processor around ``tok``: ``patch`` px patches, at most ``max_soft_tokens`` soft tokens per image (one of
+    the released budgets 70 / 140 / 280 / 560 / 1120), ``pooling`` x ``pooling`` patches per soft token; the audio
+    feature extractor and video processor its constructor requires."""
+    sizes = dict(patch_size=patch, max_soft_tokens=max_soft_tokens, pooling_kernel_size=pooling)
+    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                           image_processor=Gemma4ImageProcessor(**sizes), tokenizer=tok,
+                           video_processor=Gemma4VideoProcessor(**sizes), chat_template=GEMMA4_TEMPLATE,
+                           image_seq_length=max_soft_tokens)
+
+
+def tiny_gemma4():
+    tok = gemma4_tokenizer()
+    processor = gemma4_processor(tok, patch=4, max_soft_tokens=70)  # adds <|video|> to tok: build it first
+    text = dict(**text_sizes(len(tok)), head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                attention_k_eq_v=True, sliding_window=160, final_logit_softcapping=30.0,
+                layer_types=["sliding_attention", "full_attention"] * 3, use_bidirectional_attention="vision",
+                hidden_size_per_layer_input=0, num_kv_shared_layers=0, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    text["num_hidden_layers"] = 6  # three sliding / full pairs: in-LLM ranks land on full layers (llm_hooks.py)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=3,
+                  position_embedding_size=64, standardize=True)
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, vision_soft_tokens_per_image=70,
+                          **gemma4_token_ids(tok))
+    model = seeded(lambda: Gemma4ForConditionalGeneration(config))
+    return model, processor
+
+
+def shape_gemma4(spec: dict, text_layers, vision_layers):
+    """A shortened Gemma 4 keeps its first layers' types (the last forced full, as transformers does) and no KV
+    sharing."""
+    tok = gemma4_tokenizer()
+    p = spec["processor"]
+    processor = gemma4_processor(tok, p["patch_size"], p["max_soft_tokens"], p["pooling_kernel_size"])
+    text = section(spec, "text_config", text_layers, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                   bos_token_id=tok.bos_token_id)
+    if text_layers is not None:
+        types = text.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                            for i in range(spec["text_config"]["num_hidden_layers"])]
+        text["layer_types"] = [*types[:text_layers - 1], "full_attention"]
+        text["num_kv_shared_layers"] = 0
+    config = Gemma4Config(text_config=text, vision_config=section(spec, "vision_config", vision_layers),
+                          audio_config=spec.get("audio_config"), tie_word_embeddings=spec["tie_word_embeddings"],
+                          vision_soft_tokens_per_image=spec["vision_soft_tokens_per_image"],
+                          **gemma4_token_ids(tok))
+    return Gemma4ForConditionalGeneration, config, processor
+
+
+def soft_token_capacity(config, options: dict) -> int:
+    """The most soft tokens an image gives: the adapter option ``max_soft_tokens``, else the config's
+    ``vision_soft_tokens_per_image``, else the released 280."""
+    return options.get("max_soft_tokens") or getattr(config, "vision_soft_tokens_per_image", None) \
+        or RELEASED_SOFT_TOKENS
 
 
 def received_attention(attn, hidden: torch.Tensor, position_embeddings, position_ids: torch.Tensor) -> torch.Tensor:
@@ -78,6 +178,9 @@ def pooled_layout(positions: torch.Tensor, k: int) -> tuple[int, int, torch.Tens
     return rows, cols, patches, (y // k) * cols + x // k
 
 
+# mu 0.42: borrowed from CLIP, uncalibrated (sweeps/mu_tau_search_gemma4.yaml searches its own)
+@register_family("gemma4", model_class="Gemma4ForConditionalGeneration", default_mu=0.42, tiny=tiny_gemma4,
+                 shape=shape_gemma4, capacity=soft_token_capacity)
 class Gemma4Adapter(Adapter):
     """Gemma 4: variable resolution, 3x3 pooled soft tokens; saliency = received attention summed over each soft token's
     patches (see the module docstring)."""
@@ -90,12 +193,7 @@ class Gemma4Adapter(Adapter):
 
     def _layer(self) -> int:
         depth = self.model.config.vision_config.num_hidden_layers
-        block = self.options.get("saliency_block")
-        if block is None:
-            return depth - 1  # the encoder's last layer: its output is what the pooler averages
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
-            raise ValueError(f"saliency_block must be a layer of the vision encoder (0 .. {depth - 1}), got {block!r}")
-        return block
+        return self.saliency_layer(depth, depth - 1)  # default: the last layer, whose output the pooler averages
 
     def prepare_images(self, images):
         return [[image] for image in images]  # Gemma4Processor takes one list of images per prompt
@@ -141,5 +239,3 @@ class Gemma4Adapter(Adapter):
         types = inputs["mm_token_type_ids"].to(col_map.device)
         return {"mm_token_type_ids": types.gather(1, col_map.clamp_min(0)).masked_fill(col_map < 0, 0)}
 
-
-ADAPTERS["gemma4"] = Gemma4Adapter

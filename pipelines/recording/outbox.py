@@ -6,13 +6,16 @@ order by one background thread of the driver (SQLite's single writer), batched: 
 the thread was busy go in one ``log_batch``. A write that fails because the store does not answer is kept: the
 pending ops (and the files they upload) are saved to the outbox folder beside the Tune experiment, the console says
 at once that the store does not answer, and the thread retries every `RETRY_S` while the sweep goes on. When the
-store answers again the kept writes go, in order. `flush` waits for the queue at the end and returns the runs whose
-writes are still pending, so the sweep can say which trials are not in MLflow yet; a later `--resume` replays the
-outbox before anything else.
+store answers again the kept writes go, in order, and the folder is emptied once nothing is pending. `flush` waits
+for the queue; `close` stops the thread and returns the runs whose writes are still pending (after any write in
+flight has landed or failed), so the sweep says exactly which trials are not in MLflow yet; a later `--resume`
+replays the outbox before anything else.
 
 A run is named by a *key* (a trial id, or `PARENT`); the op that creates it records its MLflow run id, and later
-ops of that key find it. Creating a run is idempotent: the run carries a tag with a unique id, looked up before a
-retry creates it again (a create whose reply was lost must not make two runs).
+ops of that key find it (``ids``: runs known beforehand, such as a resumed sweep's). No write is dropped for want of
+its run: an op whose key has no run yet waits, with every later op of that key, until a create for the key lands,
+while other runs' writes go on. Creating a run is idempotent: the run carries a tag with a unique id, looked up
+before a retry creates it again (a create whose reply was lost must not make two runs).
 """
 from __future__ import annotations
 
@@ -35,13 +38,16 @@ CREATE_KEY = "promprune.create_key"  # the tag that makes a create idempotent
 # the MLflow client's own retries (minutes of backoff by default) would block the writer thread on a store that is
 # down; the outbox retries instead, so one attempt with a short timeout says quickly that the store is unreachable
 CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
-# MLflow refusals of the op itself (not of the store): retrying cannot help, so the op is dropped and said
+OPS = ("create", "metrics", "params", "tags", "untag", "artifact", "inputs", "end", "update")
+# MLflow refusals of the op itself (not of the store: a param changed, a run deleted by hand): retrying cannot help,
+# so the op is dropped and said
 REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
            "INVALID_STATE"}
 
 
 class Outbox:
-    """``Outbox(client, folder, say)``: ``submit`` ops, ``run_id(key)``, ``flush(timeout_s)``, ``close()``.
+    """``Outbox(client, folder, say)``: ``submit`` ops, ``run_id(key)``, ``knows(key)``, ``flush(timeout_s)``,
+    ``close()``.
 
     ``folder``: where pending writes are kept while the store does not answer (a local path; removed when empty).
     ``ids``: run ids already known (the parent's, trials' runs continued on resume)."""
@@ -55,6 +61,8 @@ class Outbox:
         self.queue: deque[dict] = deque()
         self.cond = threading.Condition()
         self.down_since: float | None = None  # the store stopped answering (None: it answers)
+        self.on_disk = False  # outbox.json holds the pending ops (saved while the store was down, or at close)
+        self.waiting: set[str] = set()  # keys whose writes wait for their run (said once each)
         self.busy = False
         self.closed = False
         self._load()
@@ -66,8 +74,11 @@ class Outbox:
 
     def submit(self, op: str, key: str, **fields) -> None:
         """Queue one op: ``create`` (experiment_id, name, tags, params, start_ms), ``metrics`` (metrics, step),
-        ``params``, ``tags``, ``artifact`` (path: copied into the outbox at once, the caller's file may go),
-        ``inputs`` (datasets: [{name, digest, source, profile}]), ``end`` (status, end_ms)."""
+        ``params``, ``tags``, ``untag`` (tag: removed if the run has it), ``artifact`` (path: copied into the
+        outbox at once, the caller's file may go), ``inputs`` (datasets: [{name, digest, source, profile}]),
+        ``end`` (status, end_ms), ``update`` (status)."""
+        if op not in OPS:
+            raise ValueError(f"unknown outbox op {op!r}; the ops are {', '.join(OPS)}")
         entry = {"op": op, "key": key, **fields}
         if op == "create":
             entry.setdefault("uid", uuid.uuid4().hex)
@@ -90,13 +101,24 @@ class Outbox:
     def run_id(self, key: str) -> str | None:
         return self.ids.get(key)
 
+    def knows(self, key: str) -> bool:
+        """Whether ``key`` has a run, or a create of one is queued."""
+        with self.cond:
+            return key in self.ids or any(op["op"] == "create" and op["key"] == key for op in self.queue)
+
+    def pending_ops(self) -> list[dict]:
+        """The ops not yet in MLflow, in order (a copy)."""
+        with self.cond:
+            return list(self.queue)
+
     def pending_keys(self) -> list[str]:
         """Keys with writes not yet in MLflow, in the order they were queued."""
         with self.cond:
             return list(dict.fromkeys(op["key"] for op in self.queue))
 
     def flush(self, timeout_s: float) -> list[str]:
-        """Wait until every queued write is in MLflow, or ``timeout_s`` has passed; the keys still pending."""
+        """Wait until every queued write is in MLflow, or ``timeout_s`` has passed; the keys still pending (a
+        write in flight at the deadline counts as pending: `close` says how it ended)."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             self.cond.notify_all()
@@ -104,16 +126,19 @@ class Outbox:
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
         return self.pending_keys()
 
-    def close(self) -> None:
-        """Stop the thread (pending writes stay in the outbox folder for `--resume`)."""
+    def close(self) -> list[str]:
+        """Stop the thread once the write in flight, if any, has landed or failed (at most the client's timeout);
+        the keys whose writes are still pending, which stay in the outbox folder for `--resume`."""
         with self.cond:
             self.closed = True
+            self.cond.notify_all()
+        self.thread.join(timeout=float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", 30)) + 5)
+        with self.cond:
             if self.queue:
                 self._save()
-            self.cond.notify_all()
-        self.thread.join(timeout=30)
-        if not self.queue:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            else:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            return self.pending_keys()
 
     # ------------------------------------------------------------------------------------------------------------
     # the writer thread
@@ -121,35 +146,51 @@ class Outbox:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.queue and not self.closed:
+                while not self.closed and not any(self._sendable(op) for op in self.queue):
                     self.cond.wait()
                 if self.closed:
                     return
                 self.busy = True
                 batch = list(self.queue)
+            sent, error = [], None
             try:
-                done = self._apply(batch)
+                sent, error = self._apply(batch)
             finally:
                 with self.cond:
-                    for _ in range(done if isinstance(done, int) else 0):
-                        self.queue.popleft()
+                    gone = {id(op) for op in sent}
+                    self.queue = deque(op for op in self.queue if id(op) not in gone)
                     self.busy = False
+                    if error is None and self.on_disk:
+                        self._save() if self.queue else self._clear()  # the folder says what is still pending
                     self.cond.notify_all()
-            if isinstance(done, Exception):
-                self._went_down(done)
+            if error is not None:
+                self._went_down(error)
                 with self.cond:
                     self.cond.wait(timeout=self.retry_s)
             else:
                 self._answered()
 
-    def _apply(self, batch: list[dict]) -> int | Exception:
-        """Apply ops in order; the number applied, or the error that stopped them (nothing of the failed op
-        applied is counted: it is retried whole, and the ops are idempotent)."""
-        done = 0
+    def _sendable(self, op: dict) -> bool:
+        return op["op"] == "create" or op["key"] in self.ids
+
+    def _apply(self, batch: list[dict]) -> tuple[list[dict], Exception | None]:
+        """Apply ops in order: the ops done (applied, or refused by MLflow: dropped and said), and the error of a
+        store that did not answer, which stopped them (the failed op is retried whole; the ops are idempotent). An
+        op whose key has no run yet waits, with every later op of that key, for a create of the key."""
+        done: list[dict] = []
+        held: set[str] = set()
+        creating = {op["key"] for op in batch if op["op"] == "create"}
         i = 0
         while i < len(batch):
-            op = batch[i]
-            n = 1
+            op, n = batch[i], 1
+            if op["op"] != "create" and (op["key"] in held or op["key"] not in self.ids):
+                held.add(op["key"])
+                if op["key"] not in creating and op["key"] not in self.waiting:
+                    self.waiting.add(op["key"])
+                    self.say(f"[mlflow] writes for {op['key']} wait for its run, which is not created yet (they go "
+                             "once it is)")
+                i += 1
+                continue
             if op["op"] == "metrics":  # the run's consecutive metric ops in one log_batch
                 while i + n < len(batch) and batch[i + n]["op"] == "metrics" and batch[i + n]["key"] == op["key"]:
                     n += 1
@@ -157,20 +198,18 @@ class Outbox:
                 self._one(op, batch[i:i + n])
             except Exception as exc:  # noqa: BLE001 - the store's failures are many types; classified here
                 if not _refused(exc):
-                    return exc if done == 0 else done
+                    return done, exc
                 self.say(f"[mlflow] a write was refused and dropped ({op['op']} of {op['key']}): {_short(exc)}")
-            done += n
+            done += batch[i:i + n]
             i += n
-        return done
+        return done, None
 
     def _one(self, op: dict, ops: list[dict]) -> None:
         c, kind = self.client, op["op"]
         if kind == "create":
             self.ids[op["key"]] = self._create(op)
             return
-        run_id = self.ids.get(op["key"])
-        if run_id is None:  # its create was dropped: nothing to write to
-            raise _Refused(f"no run for {op['key']}")
+        run_id = self.ids[op["key"]]
         if kind == "metrics":
             from mlflow.entities import Metric
 
@@ -183,6 +222,9 @@ class Outbox:
             from mlflow.entities import RunTag
 
             c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in op["tags"].items()])
+        elif kind == "untag":
+            if op["tag"] in c.get_run(run_id).data.tags:  # (a retry after a lost reply finds it gone: done)
+                c.delete_tag(run_id, op["tag"])
         elif kind == "artifact":
             c.log_artifact(run_id, op["path"], op.get("artifact_path"))
             _remove_kept(op["path"], self.folder)
@@ -190,10 +232,8 @@ class Outbox:
             c.log_inputs(run_id, datasets=[_dataset_input(d) for d in op["datasets"]])
         elif kind == "end":
             c.set_terminated(run_id, status=op["status"], end_time=op.get("end_ms"))
-        elif kind == "update":
+        else:  # "update"
             c.update_run(run_id, status=op["status"])
-        else:
-            raise _Refused(f"unknown op {kind!r}")
 
     def _create(self, op: dict) -> str:
         """The run of a create op: the one an earlier attempt made (found by its unique tag), else a new one."""
@@ -230,11 +270,6 @@ class Outbox:
                 return
             gone = time.monotonic() - self.down_since
             self.down_since = None
-            empty = not self.queue
-            if empty:
-                self._clear()
-            else:
-                self._save()
         self.say(f"[mlflow] the store answers again after {gone:.0f}s: the kept writes are going in")
 
     def _save(self) -> None:
@@ -243,9 +278,11 @@ class Outbox:
         tmp = self.folder / f".outbox.{uuid.uuid4().hex[:8]}.tmp"
         tmp.write_text(json.dumps({"ids": self.ids, "pending": list(self.queue)}))
         os.replace(tmp, self.folder / "outbox.json")
+        self.on_disk = True
 
     def _clear(self) -> None:
         (self.folder / "outbox.json").unlink(missing_ok=True)
+        self.on_disk = False
 
     def _load(self) -> None:
         """Writes an earlier driver kept (the store did not answer before it ended): queued first."""
@@ -255,6 +292,7 @@ class Outbox:
         saved = json.loads(path.read_text())
         self.ids = {**saved.get("ids", {}), **self.ids}
         self.queue.extend(saved.get("pending", []))
+        self.on_disk = True
         if self.queue:
             self.say(f"[mlflow] {len(self.queue)} write(s) an earlier run kept in {self.folder} go in first")
 
@@ -266,13 +304,8 @@ class Outbox:
         return str(dest)
 
 
-class _Refused(Exception):
-    """An op MLflow cannot take (dropped, said), as opposed to a store that does not answer (kept, retried)."""
-
-
 def _refused(exc: Exception) -> bool:
-    if isinstance(exc, _Refused):
-        return True
+    """An op MLflow cannot take (dropped, said), as opposed to a store that does not answer (kept, retried)."""
     code = getattr(exc, "error_code", None)
     return isinstance(code, str) and code in REFUSED
 

@@ -23,16 +23,110 @@ count. No newline tokens, so ``packed`` is ``global`` for the methods it admits.
 (``need_vision``): VisPruner / VisionZip / CDPruner work on the projected tokens (the pixel-shuffled rows have no
 CLS counterpart for VisionZip to feed), as on Qwen and LLaVA-OneVision; CDPruner's instruction is the LLM's input
 embeddings of the question.
+
+InternVL3.5 (``OpenGVLab/InternVL3_5-8B-HF``) is the same class with a Qwen3 LLM: this adapter covers it unchanged.
+Tiny (``tiny:internvl``): InternViT with a CLS token, 32 px tiles of 4 px patches (8 x 8) pixel-shuffled to 4 x 4 = 16
+tokens per tile, the released tiling (up to 12 tiles plus a thumbnail), a Qwen2 LLM. Shapes: ``shape:internvl3_8b``,
+``shape:internvl3_5_8b``.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from transformers import (
+    GotOcr2ImageProcessor,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLProcessor,
+    InternVLVideoProcessor,
+    InternVLVisionConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from . import saliency as sal
-from .adapters import ADAPTERS, INTERNVL_MAX_TILES, Adapter, VisualItem
+from .. import saliency as sal
+from ..adapters import Adapter, VisualItem
+from ..registry import register_family
+from ..shapes import section
+from ..tiny import byte_level_tokenizer, seeded, text_sizes
+
+INTERNVL_MAX_TILES = 12  # InternVL3's released preprocessor: max_patches 12 (GotOcr2ImageProcessor's default too)
+INTERNVL_SPECIALS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                     "video_token": "<video>"}
+INTERNVL_TEMPLATE = (  # ChatML with InternVL's <IMG_CONTEXT> placeholder, as the -hf checkpoints' template (less
+    # its default system prompt)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<IMG_CONTEXT>\n{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # InternVL's normalisation
+# InternVL's LLM by the text config's model_type: Qwen2.5 (InternVL3), Qwen3 (InternVL3.5)
+INTERNVL_TEXT = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def internvl_tokenizer():
+    """The byte-level tokenizer with Qwen2's chat tokens and InternVL's image tokens, named as the processor reads
+    them (``start_image_token``, ``context_image_token``, ...)."""
+    return byte_level_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", *INTERNVL_SPECIALS.values()],
+                                eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                extra_special_tokens=dict(INTERNVL_SPECIALS))
+
+
+def internvl_processor(tok, tile: int, tokens_per_tile: int, max_tiles: int, mean, std):
+    """An InternVL processor around ``tok``: ``tile`` px tiles, up to ``max_tiles`` of them plus a thumbnail (the
+    processor's own ``crop_to_patches``), ``tokens_per_tile`` placeholders per tile."""
+    size = {"height": tile, "width": tile}
+    image_processor = GotOcr2ImageProcessor(size=size, crop_to_patches=False, min_patches=1, max_patches=max_tiles,
+                                            image_mean=mean, image_std=std)
+    return InternVLProcessor(image_processor=image_processor, tokenizer=tok,
+                             video_processor=InternVLVideoProcessor(size=size, image_mean=mean, image_std=std),
+                             image_seq_length=tokens_per_tile, chat_template=INTERNVL_TEMPLATE)
+
+
+def tiny_internvl():
+    tok = internvl_tokenizer()
+    tile, patch = 32, 4  # 8x8 patches + CLS per tile; the 2x2 pixel shuffle -> 16 tokens
+    vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                  image_size=tile, patch_size=patch, attention_bias=True)
+    text = Qwen2Config(**text_sizes(len(tok)), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    config = InternVLConfig(vision_config=vision, text_config=text, image_token_id=tok.context_image_token_id,
+                            image_seq_length=16, downsample_ratio=0.5, vision_feature_layer=-1,
+                            vision_feature_select_strategy="default", tie_word_embeddings=False)
+    model = seeded(lambda: InternVLForConditionalGeneration(config))
+    return model, internvl_processor(tok, tile, 16, INTERNVL_MAX_TILES, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def shape_internvl(spec: dict, text_layers, vision_layers):
+    tok = internvl_tokenizer()
+    vision = section(spec, "vision_config", vision_layers)
+    text = section(spec, "text_config", text_layers, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                   bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    text_cls = INTERNVL_TEXT[text.pop("model_type", "qwen2")]
+    config = InternVLConfig(
+        vision_config=InternVLVisionConfig(**vision), text_config=text_cls(**text),
+        image_token_id=tok.context_image_token_id, image_seq_length=spec["image_seq_length"],
+        downsample_ratio=spec["downsample_ratio"], vision_feature_layer=spec["vision_feature_layer"],
+        vision_feature_select_strategy=spec["vision_feature_select_strategy"],
+        projector_hidden_act=spec["projector_hidden_act"], tie_word_embeddings=spec["tie_word_embeddings"])
+    p = spec["processor"]
+    processor = internvl_processor(tok, p["tile"], spec["image_seq_length"], p["max_patches"], p["image_mean"],
+                                   p["image_std"])
+    return InternVLForConditionalGeneration, config, processor
+
+
+def released_tiles(config) -> int:
+    """The most views one image gives: the released processor's 12 tiles plus the thumbnail (the adapter reads its
+    own processor's ``max_patches``)."""
+    return 1 + INTERNVL_MAX_TILES
+
+
+def tiled_capacity(config, options: dict) -> int:
+    """The most visual tokens an image gives: ``image_seq_length`` (256) per tile times 13 tiles (the released
+    tiling)."""
+    return config.image_seq_length * released_tiles(config)
 
 
 def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -46,6 +140,9 @@ def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return probs[:, :, 0].mean(dim=1)  # [T, S]
 
 
+# mu 0.42: borrowed from CLIP, uncalibrated for InternViT
+@register_family("internvl", model_class="InternVLForConditionalGeneration", default_mu=0.42, tiny=tiny_internvl,
+                 shape=shape_internvl, capacity=tiled_capacity, max_views=released_tiles)
 class InternVLAdapter(Adapter):
     """InternVL3: tiles + thumbnail, 2x2 pixel shuffle; saliency = CLS attention summed over each token's 4 patches
     (see the module docstring)."""
@@ -65,14 +162,10 @@ class InternVLAdapter(Adapter):
         """Index of the encoder layer whose attention gives saliency: ``saliency_block``, else the one whose output
         ``vision_feature_layer`` reads (several: the deepest)."""
         depth = self.model.config.vision_config.num_hidden_layers
-        block = self.options.get("saliency_block")
-        if block is None:
-            layer = self.model.config.vision_feature_layer
-            layer = layer if isinstance(layer, int) else layer[-1]
-            return (layer if layer >= 0 else layer + depth + 1) - 1  # hidden_states[h] is layer h - 1's output
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
-            raise ValueError(f"saliency_block must be a layer of the vision tower (0 .. {depth - 1}), got {block!r}")
-        return block
+        layer = self.model.config.vision_feature_layer
+        layer = layer if isinstance(layer, int) else layer[-1]
+        read = (layer if layer >= 0 else layer + depth + 1) - 1  # hidden_states[h] is layer h - 1's output
+        return self.saliency_layer(depth, read, "layer of the vision tower")
 
     def _side(self) -> int:
         """Patches per side of one tile."""
@@ -126,5 +219,3 @@ class InternVLAdapter(Adapter):
         """InternVL scatters one tensor into the placeholders (no per-image tuple): ``[1, sum M_i, d]``."""
         return {"image": BaseModelOutputWithPooling(pooler_output=torch.cat(feats)[None])}
 
-
-ADAPTERS["internvl"] = InternVLAdapter

@@ -1,0 +1,74 @@
+"""The Tune callback that hands a sweep's trial events to the driver's recorder (`RecorderHook`), and `attached`,
+the block within which it does.
+
+Tune pickles its callbacks with the experiment (``tuner.pkl``) and `Tuner.restore` (``--resume``) unpickles them:
+Ray 2.60 takes no callbacks on restore and gives no public handle on the restored ones (ray-project/ray#41364). So
+the hook carries nothing (an MLflow client cannot be pickled, and a restored hook must reach the new driver's
+recorder): it hands each event to the recorder the sweep attached around Tune's run (``with attached(recorder):
+tuner.fit()``), held in a context variable of the thread that runs Tune's loop, where Tune calls its callbacks."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from pathlib import Path
+
+from ray import tune
+
+from pipelines import timeline
+from pipelines.run import search
+
+_attached: contextvars.ContextVar = contextvars.ContextVar("promprune_recorder", default=None)
+
+
+@contextlib.contextmanager
+def attached(recorder):
+    """Within this block (in this thread), `RecorderHook` hands Tune's trial events to ``recorder`` (a
+    `pipelines.recording.recorder.SweepRecorder`)."""
+    token = _attached.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _attached.reset(token)
+
+
+class RecorderHook(tune.Callback):
+    """Tune's trial events to the attached recorder: a trial started, reported a result, completed (finished with
+    its checkpoint, or stopped by a scheduler), or failed."""
+
+    @staticmethod
+    def _recorder():
+        recorder = _attached.get()
+        if recorder is None:
+            raise RuntimeError("RecorderHook got a Tune event outside `with pipelines.recording.callback.attached("
+                               "recorder):`; run Tune's fit (and Tuner.restore) inside that block, in the same thread")
+        return recorder
+
+    def on_trial_start(self, iteration: int, trials: list, trial, **info):
+        config = search.trial_of(trial.config).to_dict()  # the recorder's view of the trial
+        timeline.mark("trial_start", "driver", trial=config["trial_id"])
+        self._recorder().started(config)
+
+    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
+        self._recorder().progress(search.trial_of(trial.config).trial_id, result)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info):
+        """A trial finished (its final report carries its checkpoint) or a scheduler stopped it (no checkpoint; its
+        last result is the rung it was stopped at)."""
+        config = search.trial_of(trial.config).to_dict()
+        if trial.checkpoint is None and search.stopped_by_scheduler(trial.last_result):
+            self._recorder().record_stopped(config, trial.last_result)
+        else:
+            self._recorder().record(config, trial.checkpoint)
+        timeline.mark("trial_recorded", "driver", trial=config["trial_id"])
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info):
+        self._recorder().record_error(search.trial_of(trial.config).to_dict(), error_text(trial))
+
+
+def error_text(trial) -> str:
+    """The end of a failed trial's error file (Tune's), or where to find it."""
+    path = getattr(trial, "error_file", None)
+    try:
+        return Path(path).read_text()[-2000:] if path else "trial failed"
+    except OSError:
+        return f"trial failed (see {path})"

@@ -1,0 +1,232 @@
+"""What the console shows of a sweep's trials: a line as each starts and ends, the progress bar in samples
+(`SweepConsole`), and at the end the summary table, each method's paired difference to the best other, and the best
+(mu, tau) with the samples generated (`summary_table`, `paired_lines`, `best_line`; `best_trial` and `best_metrics`
+give the same best trial to the parent run).
+
+A trial's *record* is the dict `pipelines.recording.results.SweepResults` keeps: ``trial`` (its config), ``metrics``,
+``scores``, ``predictions`` (a pyarrow table or None), ``error`` (None, or the failure's text) and, for a trial a
+scheduler stopped, ``stopped`` (``scored``, ``done``, ``total``, ``running``, ``why``)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import pandas as pd
+
+from pipelines import mlflow_layout
+from pipelines import spec as specs
+from pipelines.console import say
+from pipelines.mlflow_layout import MU_TAU, REL
+from pipelines.run import search
+
+
+class SweepConsole:
+    """A line per trial as it starts (or resumes) and ends, and the sweep's progress bar (``bar``, set while Tune
+    runs), moved by the samples each trial answers.
+
+    ``samples``: each known trial's samples (a trial optuna chooses runs on every task: ``per_trial``);
+    ``saved``: the samples a trial has saved in blocks (answered before a retry or a `--resume`; None: none kept)."""
+
+    def __init__(self, n_trials: int, samples: dict[str, int] | None = None, per_trial: int | None = None,
+                 saved: Callable[[str], int] | None = None):
+        self.n_trials, self.samples_of, self.per_trial = n_trials, samples or {}, per_trial
+        self.saved = saved or (lambda tid: 0)
+        self.bar = None
+        self.shown: dict[str, int] = {}  # trial id -> samples counted on the bar
+
+    def total_of(self, tid: str) -> int | str:
+        """A trial's samples."""
+        return self.samples_of.get(tid, self.per_trial or "?")
+
+    def started(self, tid: str) -> None:
+        """A trial (re)started: one line saying how much of it is already done (its saved blocks, which it does not
+        generate again)."""
+        done = self.saved(tid)
+        if done:
+            say(f"[resume] {tid}: {done} of {self.total_of(tid)} samples already done")
+            self.advanced(tid, done)
+        else:
+            say(f"[start] {tid}")
+
+    def advanced(self, tid: str, done: int) -> None:
+        """A trial's samples done so far (its progress reports): the bar moves by the new ones."""
+        new = done - self.shown.get(tid, 0)
+        if new > 0:
+            self.shown[tid] = done
+            if self.bar is not None:
+                self.bar.update(new)
+
+    def finished(self, rec: dict, count: int, tasks: list[str]) -> None:
+        """``[count/N] <trial>: <headline metrics> rel=... (<wall>s)`` for a trial that ran to its end."""
+        m, tid = rec["metrics"], rec["trial"]["trial_id"]
+        shown = " ".join(f"{k}={m[k]:.3f}" for k in headline_keys(tasks, m) + [REL] if k in m)
+        failed = int(m.get("samples/failed", 0))
+        shown += f" FAILED SAMPLES={failed} (scored as the empty answer)" if failed else ""
+        say(f"[{count}/{self.n_trials}] {tid}: {shown} ({m.get('trial/wall_s', float('nan')):.1f}s)")
+        self.advanced(tid, int(m.get("samples/total", 0)))
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{count}/{self.n_trials} trials", refresh=True)
+
+    def stopped(self, rec: dict, count: int) -> None:
+        """A trial a scheduler stopped: why, and the bar's total less the samples it will never generate."""
+        tid, stop = rec["trial"]["trial_id"], rec["stopped"]
+        say(f"[{count}/{self.n_trials}] {tid}: {stop['why']}")
+        self.advanced(tid, stop["done"])
+        if self.bar is not None and stop["total"] > stop["done"]:
+            self.bar.total -= stop["total"] - max(stop["done"], self.shown.get(tid, 0))
+            self.bar.refresh()
+
+
+def headline_keys(tasks: list[str], metrics: dict) -> list[str]:
+    """Each task's primary metric(s) (`promprune.eval.tasks.primary_metrics`, what Rel. uses), else its first
+    metric."""
+    from promprune.eval.tasks import primary_metrics
+
+    keys = []
+    for task in tasks:
+        primary = [f"{task}/{m}" for m in primary_metrics(task)]
+        keys += [k for k in primary if k in metrics] or [k for k in metrics if k.startswith(f"{task}/")][:1]
+    return keys
+
+
+def in_spec_order(spec: specs.SweepSpec, records: dict) -> dict:
+    """``records`` in the spec's trial order (baseline, grid, explicit trials; trials a searcher chose after them, by
+    id), not in the order the trials finished: the console prints the same table on every run."""
+    order = {t.trial_id: i for i, t in enumerate(specs.expand(spec))}
+    return {tid: records[tid] for tid in sorted(records, key=lambda t: (order.get(t, len(order)), t))}
+
+
+def summary_table(spec: specs.SweepSpec, records: dict) -> str:
+    """Markdown table: one row per trial that ran to its end (or failed), in the spec's order, with the headline
+    metric per task, Rel. and the mean visual tokens, then one line of prefill times; trials a scheduler stopped
+    are counted below it, not shown as rows.
+
+    The table holds only what the answers decide (scores to 4 decimals, tokens), so a rerun prints it byte for byte
+    again (the README's quickstart block is this table); the prefill times, which are this machine's clock, are
+    the line below it. A calibrated mu shows in the method cell (the trial id says ``mu=calibrate``)."""
+    rows = []
+    stopped = [tid for tid, rec in records.items() if rec.get("stopped")]
+    keys: list[str] = []
+    for tid, rec in in_spec_order(spec, records).items():
+        if rec.get("stopped"):
+            continue
+        m, t = rec["metrics"], rec["trial"]
+        keys += [k for k in headline_keys(spec.tasks, m) if k not in keys]
+        rows.append((tid, rec, m, t))
+    if not rows:
+        table = "(no trials)"
+    else:
+        header = ["trial", "method", "budget", *keys, "Rel.", "visual tokens", "failed"]
+        lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+        for tid, rec, m, t in rows:
+            cells = [tid, _method_cell(t), str(t["budget"]) if t["budget"] else "-"]
+            cells += [f"{m[k]:.4f}" if k in m else "-" for k in keys]
+            cells += [f"{m[REL]:.4f}" if REL in m else "-", _fmt_cell(m.get("efficiency/visual_tokens")),
+                      "ERROR" if rec["error"] else str(int(m.get("samples/failed", 0)))]
+            lines.append("| " + " | ".join(cells) + " |")
+        times = [f"{tid} {_fmt_cell(m.get('efficiency/prefill_ms'))}" for tid, _, m, _ in rows]
+        table = "\n".join(lines) + "\nprefill ms per sample (this machine's clock): " + ", ".join(times)
+    if stopped:
+        table += (f"\n{len(stopped)} more trial(s) stopped early by ASHA, not in the table (MLflow: status KILLED, tag "
+                  f"{mlflow_layout.STOPPED}, running scores under {mlflow_layout.RUNNING}/)")
+    return table
+
+
+def _method_cell(trial: dict) -> str:
+    """``promprune``, or ``promprune (mu calibrated: 0.2419)`` for a trial whose mu the sweep calibrated."""
+    method = trial["method"] or "none"
+    if trial.get("mu_source") == "calibration":
+        return f"{method} (mu calibrated: {trial['options']['mu']:.4f})"
+    return method
+
+
+def _fmt_cell(v: Any) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.1f}"
+
+
+def _varies_mu_tau(records: dict) -> bool:
+    """Whether the records' trials vary mu or tau (`mlflow_layout.varies_mu_tau`)."""
+    return mlflow_layout.varies_mu_tau(rec["trial"]["options"] for rec in records.values())
+
+
+def best_trial(spec: specs.SweepSpec, records: dict) -> dict | None:
+    """For a sweep whose trials vary mu or tau, the finished trial of the best search metric (a tie goes to the first
+    trial id, whatever order the trials finished in): ``{trial_id, metric, value, mu, tau}``, and for Rel. its 95%
+    paired bootstrap interval (``low``, ``high``: the documents resampled, the baseline on the same draw; the spec's
+    `bootstrap` resamples, else `pipelines.reporting.paired.ITERS`). None without mu / tau varied or a finished
+    trial."""
+    if not _varies_mu_tau(records):
+        return None
+    metric, sign = spec.tune.metric, (1 if spec.tune.mode == "max" else -1)
+    done = [rec for rec in records.values() if not rec.get("stopped") and rec["error"] is None
+            and any(k in rec["trial"]["options"] for k in MU_TAU) and metric in rec["metrics"]]
+    if not done:
+        return None
+    rec = min(done, key=lambda r: (-sign * r["metrics"][metric], r["trial"]["trial_id"]))
+    tid = rec["trial"]["trial_id"]
+    best = {"trial_id": tid, "metric": metric, "value": float(rec["metrics"][metric]),
+            **{k: rec["trial"]["options"].get(k) for k in MU_TAU}}
+    base = records.get(search.BASELINE_ID)
+    if metric == REL and base is not None and base.get("predictions") is not None and rec["predictions"] is not None:
+        from pipelines.reporting import paired
+
+        rows = {tid: rec["predictions"], search.BASELINE_ID: base["predictions"]}
+        try:
+            boot = paired.bootstrap([tid], search.BASELINE_ID, lambda t: paired.rows_from(rows[t]),
+                                    iters=spec.bootstrap or paired.ITERS)
+        except ValueError:  # the best trial ran on other documents than the baseline
+            boot = None
+        if boot is not None:
+            _, best["low"], best["high"] = (float(x) for x in boot.rel(tid))
+    return best
+
+
+def best_metrics(best: dict | None) -> dict[str, float]:
+    """The parent run's metrics of the best trial: ``best/<metric>`` (with ``_ci_low`` / ``_ci_high``), ``best/mu``,
+    ``best/tau`` (the options it sets)."""
+    if best is None:
+        return {}
+    name = f"best/{best['metric']}"
+    out = {name: best["value"]}
+    out.update({f"{name}_ci_{side}": best[side] for side in ("low", "high") if side in best})
+    out.update({f"best/{k}": float(best[k]) for k in MU_TAU if isinstance(best.get(k), (int, float))})
+    return out
+
+
+def best_line(spec: specs.SweepSpec, records: dict, generated: int, best: dict | None = None) -> str | None:
+    """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` (`best_trial`), for a sweep whose trials vary mu or
+    tau (None otherwise). S counts every sample any trial generated, those of trials a scheduler stopped
+    included."""
+    if not _varies_mu_tau(records):
+        return None
+    best = best if best is not None else best_trial(spec, records)
+    if best is None:
+        return f"no trial varying mu or tau finished with {spec.tune.metric}; {generated} samples generated"
+    value = records[best["trial_id"]]["metrics"][best["metric"]]  # the trial's own value (the interval's centre too)
+    where = " ".join(f"{k}={best.get(k) if best.get(k) is not None else 'default'}" for k in MU_TAU)
+    return f"best {best['metric']} {value:.4f} at {where}; {generated} samples generated"
+
+
+def paired_lines(spec: specs.SweepSpec, records: dict) -> list[str]:
+    """Each method's Rel. difference to the best other method at its budget with a paired bootstrap interval
+    (`pipelines.reporting.paired`; the spec's `bootstrap` resamples), for the console below the summary table: which
+    gaps in it are noise. Budgets descending, then the spec's trial order (the same lines in the same order on every
+    run, whichever trial finished first). Empty without `bootstrap`, a finished baseline, or two methods at a
+    budget."""
+    base = records.get(search.BASELINE_ID)
+    if not spec.bootstrap or base is None or base["predictions"] is None:
+        return []
+    from pipelines.reporting import paired
+
+    done = {tid: rec for tid, rec in in_spec_order(spec, records).items()
+            if rec["error"] is None and not rec.get("stopped") and rec["predictions"] is not None}
+    frame = pd.DataFrame({"method": [rec["trial"]["method"] or mlflow_layout.BASELINE_METHOD for rec in done.values()],
+                          "budget": [rec["trial"]["budget"] for rec in done.values()],
+                          "rel": [rec["metrics"].get(REL, math.nan) for rec in done.values()]}, index=list(done))
+    diffs = paired.differences(frame, search.BASELINE_ID, lambda tid: paired.rows_from(done[tid]["predictions"]),
+                               iters=spec.bootstrap)
+    if not diffs:
+        return []
+    return ([f"Rel. differences, each method against the best other at its budget (95% paired bootstrap over the "
+             f"documents, {spec.bootstrap} resamples; [interval] holding 0: not told apart):"]
+            + [f"  {d.budget:.0f} tokens: {d.text()}" for d in diffs])

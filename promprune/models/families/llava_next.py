@@ -1,0 +1,162 @@
+"""LLaVA-NeXT (``LlavaNextForConditionalGeneration``): anyres views (base view + crops), unpadding, ``image_newline``.
+
+An image is the base view plus a grid of crops (the pinpoint nearest its aspect ratio), each a CLIP view with LLaVA's
+CLS-attention saliency; the model unpads the stitched crop grid to the image's aspect ratio and ends every row with an
+``image_newline`` token (llava-v1.6 at 336 px: 576 + 4 x 576 unpadded, 2880 tokens and up to 48 newlines). Candidates
+are the packed tokens that are not newlines, laid out by running the model's own ``pack_image_features`` on index
+tensors; ``full`` holds every view's whole grid, padding included (``budget_mode="view_quota"``).
+
+``image_newline`` treatment: the newline tokens are no candidates (they carry no image content) except under
+``budget_mode="packed"`` (DivPrune's released code selects over the whole packed sequence). With
+``image_newline="drop"`` (default) a pruned sequence has no newline tokens, so the LLM receives exactly the budget;
+with ``"rows"`` a row's newline is kept when any token of that row is kept, which restores the unpruned sequence at
+full budget; ``"all"`` keeps every newline token (VisPruner's released code). Unpruned (``method=None``) the model's
+own packed sequence is used unchanged. The vision-tower features and VisionZip's CLS are LLaVA-1.5's, per view.
+
+Tiny (``tiny:llava_next``): 32 px views of 8 px patches (16 tokens), pinpoints up to 2 x 2 crops. Shape:
+``shape:llava_next_7b`` (Vicuna, which chats like LLaVA-1.5).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor
+
+from ..adapters import VisualItem
+from ..registry import register_family
+from ..tiny import seeded
+from .llava import (
+    LLAVA_TEMPLATE,
+    LlavaAdapter,
+    clip_vision,
+    llama_text,
+    llava_config_parts,
+    llava_processor,
+    llava_tokenizer,
+    view_tokens,
+)
+
+# NeXT-Mistral's conversation ("[INST] <image>\n... [/INST]")
+NEXT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %} [/INST]{% else %} {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
+    "{% endfor %}"
+)
+
+
+def tiny_llava_next():
+    tok = llava_tokenizer()
+    view = 32
+    pinpoints = [[view, 2 * view], [2 * view, view], [2 * view, 2 * view]]  # 1x2, 2x1, 2x2 crops
+    config = LlavaNextConfig(
+        vision_config=clip_vision(view), text_config=llama_text(tok),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", image_grid_pinpoints=pinpoints, pad_token_id=tok.pad_token_id,
+    )
+    config.promprune_clip_text = "tiny"  # CDPruner's CLIP text tower: tiny_clip_text (promprune.models.clip_text)
+    model = seeded(lambda: LlavaNextForConditionalGeneration(config))
+    return model, llava_processor(LlavaNextProcessor, tok, view, 8, NEXT_TEMPLATE, image_cls=LlavaNextImageProcessor,
+                                  image_grid_pinpoints=pinpoints, do_pad=True)
+
+
+def shape_llava_next(spec: dict, text_layers, vision_layers):
+    tok, common = llava_config_parts(spec, text_layers, vision_layers)
+    pinpoints = spec["image_grid_pinpoints"]
+    # the Vicuna NeXT checkpoint chats like LLaVA-1.5 ("USER: <image>\n... ASSISTANT:")
+    processor = llava_processor(LlavaNextProcessor, tok, spec["image_size"], common["vision_config"]["patch_size"],
+                                LLAVA_TEMPLATE, image_cls=LlavaNextImageProcessor, image_grid_pinpoints=pinpoints,
+                                do_pad=True)
+    return LlavaNextForConditionalGeneration, LlavaNextConfig(**common, image_grid_pinpoints=pinpoints), processor
+
+
+def anyres_views(config) -> int:
+    """The most views one image gives: 1 + the most crops of any grid pinpoint (5 on llava-v1.6, 37 on
+    llava-onevision)."""
+    size = config.vision_config.image_size
+    return 1 + max(h // size * (w // size) for h, w in config.image_grid_pinpoints)
+
+
+def anyres_capacity(config, options: dict) -> int:
+    """The most visual tokens an image gives: one view's patches times :func:`anyres_views`, newlines not counted
+    (LLaVA-OneVision: an upper bound, as anyres-max resizes large crop grids down)."""
+    return view_tokens(config) * anyres_views(config)
+
+
+# mu 0.42: CLIP ViT-L/14's, as LLaVA-1.5 (the same tower)
+@register_family("llava_next", model_class="LlavaNextForConditionalGeneration", default_mu=0.42,
+                 tiny=tiny_llava_next, shape=shape_llava_next, capacity=anyres_capacity, max_views=anyres_views)
+class LlavaNextAdapter(LlavaAdapter):
+    """LLaVA-NeXT anyres: base view + crops, unpadding and ``image_newline`` (see the module docstring)."""
+
+    def encode(self, inputs, need_saliency, need_vision=False):
+        core = self.model.model
+        grids: list = []
+        hook = core.multi_modal_projector.register_forward_hook(lambda m, a, out: grids.append(out))
+        try:
+            with self._captures(need_saliency, need_vision) as (sink, keys):
+                out = core.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
+                                              return_dict=True)
+        finally:
+            hook.remove()
+        n = grids[0].shape[1]  # tokens per view
+        flat = grids[0].reshape(-1, grids[0].shape[-1])  # [sum V_i * n, d]: every view's whole grid, projected
+        scores = self._cls_rows(sink[0]).reshape(-1) if need_saliency else None  # [sum V_i * n]
+        vision = (None, None, None)
+        if need_vision:
+            hidden, key, cls = self._vision(out, keys)
+            vision = (hidden.reshape(-1, hidden.shape[-1]), key.reshape(-1, key.shape[-1]), cls)
+        layouts, num_views = self._packed_layout(inputs["image_sizes"], [p.shape[0] for p in out.pooler_output], n)
+        items, offset, first = [], 0, 0
+        for run, ids, views in zip(out.pooler_output, layouts, num_views):
+            items.append(self._item(run, ids.to(run.device), n, views, flat, scores, vision, offset, first))
+            offset += views * n  # scores hold every view's full grid, unpadding or not
+            first += views
+        return items
+
+    def _packed_layout(self, image_sizes, run_lengths, n) -> tuple[list[torch.Tensor], list[int]]:
+        """For each image, ``ids [P]``: which (view * n + patch) each packed position holds, -1 for a newline;
+        and the number of views of each image.
+
+        Obtained by running the model's own ``pack_image_features`` on index tensors, so the unpad / newline
+        rules are transformers' and not a copy of them.
+        """
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        cfg = self.model.config
+        num_views = [image_size_to_num_patches(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+                     for s in image_sizes]
+        ids = [torch.arange(v * n, dtype=torch.float64).view(v, n, 1) for v in num_views]
+        packed, _ = self.model.model.pack_image_features(
+            ids, image_sizes.cpu(), cfg.vision_feature_select_strategy,
+            image_newline=torch.tensor([-1.0], dtype=torch.float64))
+        layouts = [p[:, 0].round().long() for p in packed]
+        for lay, length in zip(layouts, run_lengths):
+            assert lay.numel() == length, "packed layout does not match the model's packed features"
+        return layouts, num_views
+
+    def _item(self, run, ids, n, views, flat, scores, vision, offset, first) -> VisualItem:
+        """One image's item from its packed layout ``ids``; ``flat`` / ``scores`` / ``vision`` hold every view's
+        whole grid from ``offset`` (views from ``first``); ``full``: the same with the whole grids as candidates."""
+        newline = ids < 0
+        run_pos = (~newline).nonzero().flatten()
+        grid = ids[run_pos]
+        row = newline.long().cumsum(0) - newline.long()  # newlines strictly before each position
+        if int(grid.max()) >= n:  # several views: the base view (first n positions) has no newline rows
+            row[:n] = -1
+        hidden, key, cls = vision
+        whole = torch.arange(views * n, device=run.device)
+        run_of_grid = torch.full_like(whole, -1)
+        run_of_grid[grid] = run_pos  # -1: dropped by the model's unpadding
+
+        def at(t, index):
+            return None if t is None else t[offset + index]
+
+        def span(t):  # this image's whole grids: a view of the tensor, no copy
+            return None if t is None else t[offset:offset + views * n]
+
+        shared = dict(run=run, row_of_run=row, newline=newline, cls=None if cls is None else cls[first:first + views],
+                      project=self.project if hidden is not None else None, grid_shape=self._grid_shape())
+        full = VisualItem(features=span(flat), run_pos=run_of_grid, grid_index=whole, saliency=span(scores),
+                          groups=whole // n, vision=span(hidden), keys=span(key), **shared)
+        return VisualItem(features=run[run_pos], run_pos=run_pos, grid_index=grid, saliency=at(scores, grid),
+                          groups=grid // n, vision=at(hidden, grid), keys=at(key, grid), full=full, **shared)

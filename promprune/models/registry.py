@@ -1,0 +1,159 @@
+"""The architecture registry: every VLM family the adapters support, each declared whole in its own module.
+
+A family is one module of :mod:`promprune.models.families` whose adapter class carries :func:`register_family`:
+
+.. code-block:: python
+
+    @register_family("llava", model_class="LlavaForConditionalGeneration", default_mu=0.42, tiny=tiny_llava,
+                     shape=shape_llava, capacity=llava_capacity)
+    class LlavaAdapter(Adapter): ...
+
+The decorator records a :class:`Family`: the name (the checkpoint's ``config.model_type``, also ``tiny:<name>``), the
+transformers class that loads it, the adapter (how its images become candidate tokens, and, where it defines
+``encode_video``, its clips), the default prominence threshold ``mu``, the tiny and shape factories, the most visual
+tokens an image gives, the most views (crops, tiles) an image gives, and whether the LLM keeps 3D M-RoPE positions
+(the in-LLM methods then never renumber). Nothing outside a family's module names the architecture
+(``tests/models/test_families.py`` scans the source): ``PrunedVLM``, ``tiny:`` / ``shape:``, video, the in-LLM hooks
+and the capacity checks of the pipeline's preflight all ask the registry.
+
+The family modules are found by listing the package (``pkgutil``): the module ``families/<name>.py`` registers the
+family ``<name>``, so a lookup by name (or by a config's ``model_type``) imports that module alone (and the families it
+builds on), keeping a worker that loads one checkpoint from importing every architecture's transformers classes;
+listing the families imports them all. A new family is one new file. A duplicate name is a ValueError; an unknown one
+says "did you mean" and lists the registered names.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from promprune.suggest import did_you_mean
+
+PACKAGE = "promprune.models.families"
+
+
+def one_view(config) -> int:
+    """Default ``max_views``: an image is one view."""
+    return 1
+
+
+def no_fixed_capacity(config, options: dict) -> int | None:
+    """Default ``capacity``: the token count depends on the image (no fixed most)."""
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture (see the module docstring).
+
+    - ``name``: ``config.model_type`` of its checkpoints; ``model_class``: the transformers class that loads them.
+    - ``adapter``: the :class:`promprune.models.adapters.Adapter` subclass; it handles clips when it defines
+      ``encode_video`` (:attr:`video`).
+    - ``default_mu``: PromPrune's prominence threshold unless given (why that value: a comment at the registration).
+    - ``tiny() -> (model, processor)``: the seeded random-weight tiny model (``tiny:<name>``); ``shape(spec,
+      text_layers, vision_layers) -> (model class, config, processor)``: a published size from its JSON in
+      ``promprune/models/shapes`` (``shape:<checkpoint>``); either may be None.
+    - ``capacity(config, adapter_options) -> int | None``: the most visual tokens one image gives the LLM (None: it
+      depends on the image); ``max_views(config) -> int``: the most views one image gives.
+    - ``mrope``: the LLM numbers visual tokens by 3D M-RoPE positions that pruning keeps (in-LLM methods never
+      renumber them).
+    """
+
+    name: str
+    model_class: str
+    adapter: type
+    default_mu: float
+    module: str
+    tiny: Callable[[], tuple] | None = None
+    shape: Callable[..., tuple] | None = None
+    capacity: Callable[..., int | None] = no_fixed_capacity
+    max_views: Callable[..., int] = one_view
+    mrope: bool = False
+
+    @property
+    def video(self) -> bool:
+        """Whether its adapter answers about clips (:mod:`promprune.models.video`)."""
+        return callable(getattr(self.adapter, "encode_video", None))
+
+    def transformers_class(self):
+        """The transformers class named by ``model_class``."""
+        import transformers
+
+        return getattr(transformers, self.model_class)
+
+
+_FAMILIES: dict[str, Family] = {}
+_LOADED = False
+
+
+def register_family(name: str, *, model_class: str, default_mu: float, tiny=None, shape=None,
+                    capacity=no_fixed_capacity, max_views=one_view, mrope: bool = False):
+    """Class decorator of a family's adapter: register the family ``name`` (see :class:`Family` for the fields).
+    A name registered twice is a ValueError naming both modules."""
+
+    def register(adapter: type) -> type:
+        if name in _FAMILIES:
+            raise ValueError(f"model family {name!r} is already registered (by {_FAMILIES[name].module}); "
+                             f"{adapter.__module__} registers it again: one module per family")
+        _FAMILIES[name] = Family(name=name, model_class=model_class, adapter=adapter, default_mu=float(default_mu),
+                                 module=adapter.__module__, tiny=tiny, shape=shape, capacity=capacity,
+                                 max_views=max_views, mrope=mrope)
+        return adapter
+
+    return register
+
+
+def _module_names() -> list[str]:
+    """The module names of the families package (each ``<name>.py`` registers the family ``<name>``)."""
+    package = importlib.import_module(PACKAGE)
+    return [info.name for info in pkgutil.iter_modules(package.__path__)]
+
+
+def _load(name: str | None = None) -> None:
+    """Import the family module ``name`` (when the package has one and it is not registered yet), or, ``name`` None,
+    every family module once: a lookup by name imports only that family's module and the ones it builds on."""
+    global _LOADED
+    if name is not None:
+        if name not in _FAMILIES and name in _module_names():
+            importlib.import_module(f"{PACKAGE}.{name}")
+        return
+    if not _LOADED:
+        for module in _module_names():
+            importlib.import_module(f"{PACKAGE}.{module}")
+        _LOADED = True
+
+
+def families() -> list[str]:
+    """Every registered family name, sorted."""
+    _load()
+    return sorted(_FAMILIES)
+
+
+def family(name: str) -> Family:
+    """The family registered as ``name``; ValueError with did-you-mean and the registered names otherwise."""
+    _load(str(name))
+    if name not in _FAMILIES:
+        names = families()
+        raise ValueError(f"unknown model family {name!r}{did_you_mean(name, names)}; registered: {', '.join(names)}")
+    return _FAMILIES[name]
+
+
+def find_family(config) -> Family | None:
+    """The family of a model config (by ``model_type``), None when none is registered."""
+    kind = getattr(config, "model_type", None)
+    if not isinstance(kind, str):
+        return None
+    _load(kind)
+    return _FAMILIES.get(kind)
+
+
+def family_of(config) -> Family:
+    """The family of a model config (by ``model_type``); ValueError with did-you-mean and the supported types."""
+    found = find_family(config)
+    if found is None:
+        kind = getattr(config, "model_type", None)
+        names = families()
+        raise ValueError(f"unsupported model type {kind!r}{did_you_mean(kind, names)}; supported: {', '.join(names)}")
+    return found

@@ -1,0 +1,216 @@
+"""PromPrune's budget split without a full eigendecomposition: certified bounds on the spectral entropy.
+
+PromPrune reads the spectral entropy H only through ``t_sal = round(T * ratio(H))``, a non-increasing step function of
+H. If H is known to lie in ``[lo, hi]`` and both ends give the same count, that count is the exact algorithm's. The
+bounds come from Gauss quadrature (Golub and Meurant, "Matrices, Moments and Quadrature"; Bai, Fahey and Golub 1996):
+
+- ``rho = C / tr(C)`` (``C``: the centered Gram, or the covariance when N > d; the matrix whose eigenvalues the exact
+  entropy reads) has eigenvalues ``l_i >= 0`` summing to 1, and ``H log(n) = -sum l_i log l_i = n * int f dmu`` with
+  ``f(x) = -x log x`` and ``mu`` the uniform measure on the eigenvalues.
+- Lanczos on the operator ``V -> rho V`` over n x n matrices with the Frobenius inner product, started from
+  ``I / sqrt(n)``, yields the Jacobi matrix of exactly that measure (``<I, g(rho) I> / n = int g dmu``), with no random
+  probe: k steps cost k batched n x n products.
+- ``f``'s even derivatives are negative and its odd ones (from the third) positive on x > 0, so the k-node Gauss rule
+  overestimates ``int f dmu`` and the (k + 1)-node Gauss-Radau rule with a node fixed at 0 (below every eigenvalue)
+  underestimates it: ``lo <= H <= hi``.
+
+``split`` runs ``STEPS[0]`` steps for every image, decides every image whose bracket (widened by
+``DECISION_MARGIN``) gives one count, continues to ``STEPS[1]`` steps for the rest, and computes the exact entropy
+(``entropy.entropy_of_matrix``, the reference) only for what is still undecided. The device work is enqueued without
+waiting; the host reads the recurrence coefficients once per stage (``to_host``: one sync for a batch the first
+stage decides). The small tridiagonal eigenproblems are solved on the host in float64.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import accel
+from .entropy import entropy_of_matrix
+
+# Lanczos steps of the first stage (every image) and the second (images whose bracket straddles a count boundary).
+# Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16 steps bracket H within 1e-5 to
+# 2e-3, 48 steps within 1e-7 to 2e-4, while t_sal's boundaries lie >= 1.25e-3 apart at T = 64 (tau = 0.02).
+STEPS = (16, 48)
+# The bracket is widened by this much (normalized H) before it decides: it covers the exact algorithm's own float32
+# rounding (its eigenvalues near 0 carry ~1e-8 absolute error; measured <= 1.6e-6 on near-low-rank inputs at n = 1296)
+# and the float64 Lanczos' (~1e-12); an image within it of a boundary goes to the exact eigensolve.
+DECISION_MARGIN = 2e-5
+# A residual norm below this fraction of the largest recurrence coefficient means the Krylov space ran out (a spectrum
+# of few distinct eigenvalues: numerically low-rank tokens). There the exact algorithm's float32 eigenvalues near 0 are
+# rounding noise that moves its entropy by up to ~1e-5, so such images go to the exact eigensolve.
+BREAKDOWN = 1e-7
+# Below this matrix size the exact eigensolve is cheap on any device: "auto" does not try the bracket.
+MIN_SIZE = 64
+
+
+@dataclass
+class SplitReport:
+    """How one ``split`` call decided: images per stage (``decided[i]`` by stage i's bounds) and by the exact
+    eigensolve (``exact``), and the bracket widths (normalized H) the decided images had."""
+
+    decided: list[int] = field(default_factory=list)
+    exact: int = 0
+    widths: list[float] = field(default_factory=list)
+
+
+LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call
+
+
+@dataclass
+class Lanczos:
+    """The state of the matrix Lanczos recurrence on ``rho [B, n, n]`` (float64, on the device): ``alpha [B, k]``,
+    ``beta [B, k]`` (``beta[:, j]``: the norm of the residual after step j), the last two basis matrices."""
+
+    rho: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    v: torch.Tensor
+    v_prev: torch.Tensor
+
+    @classmethod
+    def start(cls, rho: torch.Tensor) -> "Lanczos":
+        B, n, _ = rho.shape
+        v = torch.eye(n, dtype=rho.dtype, device=rho.device).expand(B, n, n) / math.sqrt(n)  # [B, n, n]
+        empty = rho.new_zeros(B, 0)
+        return cls(rho, empty, empty, v.contiguous(), torch.zeros_like(v))
+
+    def run(self, steps: int) -> "Lanczos":
+        """``steps`` more steps (each: one batched product and a few fused updates; nothing waits)."""
+        B, n, _ = self.rho.shape
+        alpha, beta = [self.alpha], [self.beta]
+        v, v_prev = self.v, self.v_prev
+        b_prev = self.beta[:, -1] if self.beta.shape[1] else self.rho.new_zeros(B)
+        for _ in range(steps):  # six launches a step
+            w = torch.bmm(self.rho, v)  # [B, n, n]
+            a = torch.bmm(v.view(B, 1, n * n), w.view(B, n * n, 1)).view(B)  # <V, rho V>_F
+            w.addcmul_(a[:, None, None], v, value=-1).addcmul_(b_prev[:, None, None], v_prev, value=-1)
+            b = torch.linalg.vector_norm(w, dim=(1, 2))
+            # b = 0 (the Krylov space ran out) gives NaN from here on: such rows fail bounds' checks (exact branch)
+            v_prev, v = v, w.div_(b[:, None, None])
+            alpha.append(a[:, None])
+            beta.append(b[:, None])
+            b_prev = b
+        return Lanczos(self.rho, torch.cat(alpha, 1), torch.cat(beta, 1), v, v_prev)
+
+    def rows(self, index: torch.Tensor) -> "Lanczos":
+        """The recurrence of the images ``index`` only (to continue it for them)."""
+        return Lanczos(*(t[index] for t in (self.rho, self.alpha, self.beta, self.v, self.v_prev)))
+
+
+def density(matrix: torch.Tensor) -> torch.Tensor:
+    """``rho = C / tr(C)`` in float64 for the symmetric PSD ``matrix [B, n, n]`` whose spectrum the entropy reads."""
+    c = matrix.double()
+    return c / c.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(torch.finfo(c.dtype).tiny)[:, None, None]
+
+
+def _f(x: np.ndarray) -> np.ndarray:
+    """``-x log x`` with ``f(0) = 0``; negative nodes (rounding) count as 0."""
+    x = np.clip(x, 0.0, None)
+    return -x * np.log(np.where(x > 0, x, 1.0))
+
+
+def _tridiagonal(diag: np.ndarray, off: np.ndarray) -> np.ndarray:
+    """Symmetric tridiagonal ``[B, k, k]`` from ``diag [B, k]`` and ``off [B, k - 1]``."""
+    k = diag.shape[1]
+    out = np.zeros(diag.shape + (k,))
+    i = np.arange(k)
+    out[:, i, i] = diag
+    out[:, i[:-1], i[:-1] + 1] = off
+    out[:, i[:-1] + 1, i[:-1]] = off
+    return out
+
+
+def bounds(alpha: np.ndarray, beta: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Certified ``(lower, upper)`` normalized entropies ``[B]`` from ``k`` Lanczos steps (``alpha, beta [B, k]``).
+
+    Upper: the k-node Gauss rule. Lower: the (k + 1)-node Gauss-Radau rule with a node at 0, whose last diagonal entry
+    is ``beta_k^2 [(J_k)^{-1}]_{kk}`` (Golub and Meurant, ch. 6). Rows where the rules are not finite or not ordered
+    (a rounding failure), or where the recurrence broke down (``BREAKDOWN``), get ``(-inf, inf)``: they go to the
+    exact eigensolve.
+    """
+    B, k = alpha.shape
+    finite = np.isfinite(alpha).all(1) & np.isfinite(beta).all(1)  # NaN: a breakdown's 0 / 0
+    alpha, beta = np.where(finite[:, None], alpha, 1.0), np.where(finite[:, None], beta, 0.0)  # stand-ins, refused
+    theta, q = np.linalg.eigh(_tridiagonal(alpha, beta[:, :-1]))  # Ritz values [B, k], vectors [B, k, k]
+    upper = (q[:, 0, :] ** 2 * _f(theta)).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        last = beta[:, -1] ** 2 * (q[:, -1, :] ** 2 / theta).sum(1)  # beta_k^2 [(J_k - 0 I)^{-1}]_kk
+        radau = _tridiagonal(np.concatenate([alpha, last[:, None]], 1), beta)
+        ok = finite & np.isfinite(radau).all(axis=(1, 2)) & (theta > 0).all(1)
+        radau[~ok] = 0.0
+        theta_r, q_r = np.linalg.eigh(radau)
+    lower = (q_r[:, 0, :] ** 2 * _f(theta_r)).sum(1)
+    scale = n / math.log(n)
+    lower, upper = lower * scale, upper * scale
+    ok &= np.isfinite(lower) & np.isfinite(upper) & (lower <= upper + 1e-12)
+    ok &= (beta > BREAKDOWN * np.abs(np.concatenate([alpha, beta], 1)).max(1, keepdims=True)).all(1)
+    return np.where(ok, lower, -np.inf), np.where(ok, upper, np.inf)
+
+
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """The one way this module reads device values on the host (a sync on CUDA; ``accel.count_sync`` counts it)."""
+    accel.count_sync()
+    return t.detach().cpu().numpy()
+
+
+def _decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, ...]:
+    """``(decided [B] bool, t_sal [B])`` where the widened bracket gives one count (``count`` is non-increasing)."""
+    finite = np.isfinite(lo) & np.isfinite(hi)
+    top = count(torch.from_numpy(np.where(finite, hi + DECISION_MARGIN, 0.0))).numpy()  # fewest salient tokens
+    bottom = count(torch.from_numpy(np.where(finite, lo - DECISION_MARGIN, 0.0))).numpy()  # most salient tokens
+    return finite & (top == bottom), top
+
+
+def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
+          steps: tuple[int, int] = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
+
+    ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
+    (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32)`` on the CPU: the
+    entropy is exact where the eigensolve ran, else its bracket's midpoint (within half the bracket's width).
+    """
+    B, n, _ = matrix.shape
+    t_sal = np.zeros(B, dtype=np.int64)
+    entropy = np.zeros(B)
+    todo = np.arange(B)
+    report = SplitReport()
+    state = Lanczos.start(density(matrix))
+    done_steps = 0
+    for stage_steps in steps:
+        state = state.run(stage_steps - done_steps)
+        done_steps = stage_steps
+        coeffs = to_host(torch.cat([state.alpha, state.beta], 1))  # one read per stage (NaN-free rows only decide)
+        lo, hi = bounds(coeffs[:, :done_steps], coeffs[:, done_steps:], n)
+        decided, counts = _decide(lo, hi, count)
+        t_sal[todo[decided]] = counts[decided]
+        entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
+        report.decided.append(int(decided.sum()))
+        report.widths += (hi - lo)[decided].tolist()
+        todo = todo[~decided]
+        if not len(todo):
+            break
+        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device))
+    if len(todo):
+        exact = to_host(entropy_of_matrix(matrix[torch.from_numpy(todo).to(matrix.device)]).double())
+        t_sal[todo] = count(torch.from_numpy(exact)).numpy()
+        entropy[todo] = exact
+        report.exact = len(todo)
+    LAST_REPORT[:] = [report]
+    return torch.from_numpy(t_sal), torch.from_numpy(entropy).float()
+
+
+def applies(matrix_size: int, device_tensor: torch.Tensor) -> bool:
+    """Whether the split takes the bounds rather than the exact eigensolve (``accel.entropy_mode``): "auto" on the
+    CUDA fast path for matrices of ``MIN_SIZE`` or more, "certified" always (small matrices then mostly end in the
+    eigensolve: their Krylov space runs out), "exact" never."""
+    mode = accel.entropy_mode()
+    if matrix_size < 2:  # one eigenvalue: H is 0 by definition (the exact path's rule)
+        return False
+    if mode == "auto":
+        return matrix_size >= MIN_SIZE and accel.active(device_tensor)
+    return mode == "certified"

@@ -1,0 +1,89 @@
+"""The architecture registry: one module per family, registered by a decorator, and nobody else names a family.
+
+Checked on the registry itself (duplicates refused, unknown names answered with did-you-mean and the options) and on
+the source: outside ``promprune/models/families/`` no module of the library holds a family's name as a string or
+imports a transformers VLM class, so a family's facts cannot drift into a second place.
+"""
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import transformers
+
+from promprune.models.adapters import Adapter
+from promprune.models.registry import families, family, family_of, register_family
+from promprune.models.shapes import shape_spec, shapes
+from promprune.models.tiny import archs
+from promprune.models.video import video_families
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = ROOT / "promprune"
+FAMILIES = LIBRARY / "models" / "families"
+# packages about one particular model, which they build for their own use: the prominence testbed's LLaVA and the
+# recipe that trains it (they choose a family, as a sweep spec does; they decide nothing per architecture)
+ONE_MODEL = (LIBRARY / "testbed", LIBRARY / "training")
+
+
+def test_every_family_is_one_module_named_after_it():
+    names = families()
+    assert names == sorted(p.stem for p in FAMILIES.glob("*.py") if p.stem != "__init__")
+    for name in names:
+        fam = family(name)
+        assert fam.module == f"promprune.models.families.{name}"
+        assert issubclass(fam.adapter, Adapter)
+        assert isinstance(fam.transformers_class(), type) and fam.transformers_class() is getattr(
+            transformers, fam.model_class)
+        assert 0.0 < fam.default_mu < 1.0
+
+
+def test_tiny_models_and_shapes_resolve_through_the_registry():
+    assert archs() == families()  # every family has a tiny model
+    assert {shape_spec(s)["model_type"] for s in shapes()} <= set(families())
+    assert set(video_families()) == {n for n in families() if family(n).video}
+
+
+def test_a_duplicate_name_is_refused():
+    before = families()
+    with pytest.raises(ValueError, match="model family 'llava' is already registered .*families.llava"):
+        @register_family("llava", model_class="LlavaForConditionalGeneration", default_mu=0.42)
+        class Again(Adapter):
+            pass
+    assert families() == before and family("llava").adapter.__name__ == "LlavaAdapter"
+
+
+def test_unknown_names_say_did_you_mean_and_list_the_families():
+    with pytest.raises(ValueError, match=r"unknown model family 'lava' \(did you mean 'llava'\?\); registered: .*"
+                                         r"llava_next"):
+        family("lava")
+    with pytest.raises(ValueError, match=r"unsupported model type 'qwen2_5vl' \(did you mean 'qwen2_5_vl'\?\); "
+                                         r"supported: .*gemma4"):
+        family_of(SimpleNamespace(model_type="qwen2_5vl"))
+
+
+def _library_files():
+    for path in sorted(LIBRARY.rglob("*.py")):
+        if FAMILIES in path.parents or any(pkg in path.parents for pkg in ONE_MODEL):
+            continue
+        yield path
+
+
+def test_nothing_outside_a_family_module_names_a_family():
+    """No string constant equal to a family's name and no import of a transformers ``...ForConditionalGeneration`` class
+    anywhere in the library but the families' own modules (and the one-model packages, which pick LLaVA)."""
+    names = set(families())
+    found = []
+    for path in _library_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {a.name}" for a in node.names
+                          if a.name.endswith("ForConditionalGeneration")]
+    assert found == []
+
+
+def test_the_docs_list_every_family():
+    """docs/methods.md's table of families has a row for each (its ``tiny:<name>``)."""
+    text = (ROOT / "docs" / "methods.md").read_text()
+    assert [name for name in families() if f"`tiny:{name}`" not in text] == []

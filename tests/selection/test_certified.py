@@ -1,0 +1,182 @@
+"""The certified split (``promprune.selection.certified``): its brackets hold the entropy computed from known
+eigenvalues, and PromPrune keeps exactly the tokens the exact eigensolve keeps, also where the entropy sits next to a
+rounding boundary of ``t_sal`` on purpose."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import promprune
+from promprune.selection import accel, certified
+from promprune.selection.budget import split_budget
+from promprune.selection.entropy import spectral_matrix
+
+
+def spectrum(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Eigenvalues ``[n]`` (>= 0, summing to 1) of one family: power laws, low rank plus a noise floor, a flat
+    spectrum, clusters, a centered Gram's zero, a few distinct values."""
+    i = np.arange(1, n + 1, dtype=np.float64)
+    if kind.startswith("power"):
+        lam = i ** -float(kind[5:])
+    elif kind == "lowrank_floor":
+        lam = np.where(i <= 8, rng.uniform(1, 10, n), 1e-3 * rng.uniform(0.5, 1.5, n))
+    elif kind == "flat":
+        lam = np.ones(n)
+    elif kind == "clusters":
+        lam = rng.choice([1.0, 0.1, 0.01], n) * (1 + 1e-3 * rng.standard_normal(n))
+    elif kind == "one_zero":
+        lam = np.concatenate([[0.0], rng.exponential(1.0, n - 1)])
+    elif kind == "tiny_tail":
+        lam = np.concatenate([rng.uniform(1, 2, 4), 1e-9 * rng.uniform(0, 1, n - 4)])
+    else:
+        raise ValueError(kind)
+    return lam / lam.sum()
+
+
+FAMILIES = ["power0.7", "power1.0", "power1.5", "power2.0", "power3.0", "lowrank_floor", "flat", "clusters", "one_zero",
+            "tiny_tail"]
+
+
+def entropy_of(lam: np.ndarray) -> float:
+    """Normalized entropy from the eigenvalues themselves (the independent reference)."""
+    p = lam[lam > 0]
+    return float(-(p * np.log(p)).sum() / math.log(len(lam)))
+
+
+def matrix_with(lam: np.ndarray, rng: np.random.Generator, scale: float = 1.0) -> torch.Tensor:
+    """A symmetric matrix ``[n, n]`` with eigenvalues ``scale * lam`` in a random orthonormal basis (float64)."""
+    q, _ = np.linalg.qr(rng.standard_normal((len(lam), len(lam))))
+    return torch.from_numpy((q * (scale * lam)) @ q.T)
+
+
+@pytest.mark.parametrize("n", [96, 257])
+def test_brackets_hold_the_entropy_and_shrink_with_steps(n):
+    rng = np.random.default_rng(n)
+    lams = [spectrum(kind, n, rng) for kind in FAMILIES]
+    truth = np.array([entropy_of(lam) for lam in lams])
+    rho = certified.density(torch.stack([matrix_with(lam, rng, scale=n) for lam in lams]))
+    state = certified.Lanczos.start(rho)
+    widths = []
+    for steps in (4, 8, 16, 32):
+        state = state.run(steps - state.alpha.shape[1])
+        lo, hi = certified.bounds(state.alpha.numpy(), state.beta.numpy(), n)
+        held = np.isinf(lo) | ((lo <= truth + 1e-12) & (truth <= hi + 1e-12))
+        assert held.all(), [(FAMILIES[i], lo[i], truth[i], hi[i]) for i in np.flatnonzero(~held)]
+        widths.append(np.where(np.isfinite(lo), hi - lo, np.nan))
+    smooth = [FAMILIES.index(k) for k in ("power1.0", "power2.0", "lowrank_floor", "one_zero")]
+    assert np.isfinite(widths[-1][smooth]).all()  # these never break down at 32 steps
+    assert (np.diff(np.stack(widths)[:, smooth], axis=0) <= 1e-12).all(), "a bracket widened with more steps"
+    assert (widths[-1][smooth] < 5e-3).all()
+
+
+def test_a_spectrum_of_few_values_goes_to_the_exact_eigensolve():
+    # three distinct eigenvalues: the Krylov space runs out after three steps, and the float32 eigensolve's values
+    # near 0 are noise there, so the bounds step aside (the split's exact branch takes the image)
+    rng = np.random.default_rng(0)
+    lam = np.concatenate([[0.5, 0.3, 0.2], np.zeros(97)])
+    rho = certified.density(matrix_with(lam, rng)[None])
+    state = certified.Lanczos.start(rho).run(16)
+    lo, hi = certified.bounds(state.alpha.numpy(), state.beta.numpy(), 100)
+    assert np.isinf(lo[0]) and np.isinf(hi[0])
+
+
+def hand_count(h: float, budget: int, mu: float, tau: float) -> int:
+    """t_sal by hand: round half to even of ``T * (1 - sigmoid((h - mu) / tau))``."""
+    ratio = 1.0 - 1.0 / (1.0 + math.exp(-(h - mu) / tau))
+    return min(max(round(ratio * budget), 0), budget)
+
+
+def test_split_counts_match_the_hand_computed_counts():
+    rng = np.random.default_rng(1)
+    n, budget, tau = 128, 64, 0.02
+    lams = [spectrum(kind, n, rng) for kind in FAMILIES]
+    matrices = torch.stack([matrix_with(lam, rng) for lam in lams]).float()
+    truth = [entropy_of(lam) for lam in lams]
+    for mu in (0.3, 0.5, float(np.median(truth))):
+        t_sal, entropy = certified.split(matrices, lambda h, mu=mu: split_budget(h, budget, mu=mu, tau=tau))
+        assert t_sal.tolist() == [hand_count(h, budget, mu, tau) for h in truth]
+        report = certified.LAST_REPORT[0]
+        assert sum(report.decided) + report.exact == len(lams)
+        half = max(report.widths, default=0.0) / 2  # a midpoint lies within half its bracket of the entropy
+        assert np.abs(entropy.numpy() - truth).max() <= half + 1e-5
+
+
+def features_with_spectrum(lam: np.ndarray, d: int, rng: np.random.Generator) -> torch.Tensor:
+    """Tokens ``[N, d]`` (N = len(lam)) whose centered, normalized Gram has roughly the spectrum ``lam``: a random
+    low-distortion embedding of sqrt(lam)-scaled directions plus a common offset (removed by centering)."""
+    n = len(lam)
+    basis, _ = np.linalg.qr(rng.standard_normal((d, n)))
+    coeffs = rng.standard_normal((n, n)) * np.sqrt(lam)[None, :]
+    x = coeffs @ basis.T + 3.0 * rng.standard_normal(d)[None, :] / math.sqrt(d)
+    return torch.from_numpy(x).float()
+
+
+def boundary_mus(h: float, budget: int, tau: float, offsets) -> list[float]:
+    """Values of mu that put the entropy ``h`` at ``offset`` from a rounding boundary of t_sal (where
+    ``T * ratio`` is k + 1/2), for boundaries in the sigmoid's steep part."""
+    mus = []
+    for k in (budget // 4, budget // 2 + 1):
+        ratio = (k + 0.5) / budget  # 1 - sigmoid(z) = ratio  ->  z = log((1 - ratio) / ratio)
+        z = math.log((1 - ratio) / ratio)
+        mus += [h - tau * z - off for off in offsets]
+    return mus
+
+
+def boundary_case(seed: int):
+    """Six images of varied spectra (tokens ``[6, 112, 160]``, saliency ``[6, 112]``) and their exact entropies."""
+    rng = np.random.default_rng(100 + seed)
+    kinds = ["power1.0", "power1.5", "power2.0", "lowrank_floor", "one_zero", "power0.7"]
+    x = torch.stack([features_with_spectrum(spectrum(k, 112, rng), 160, rng) for k in kinds])
+    s = torch.from_numpy(rng.random((len(kinds), 112))).float()
+    return x, s, promprune.spectral_entropy(x).double()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_split_counts_equal_the_exact_ones_next_to_boundaries(seed):
+    x, _, exact_h = boundary_case(seed)
+    matrix = spectral_matrix(x)
+    budget, tau = 32, 0.02
+    offsets = (0.0, 1e-7, -1e-7, 1e-5, -1e-5, 3e-5, -3e-5, 1e-4, -1e-3)
+    mus = boundary_mus(float(exact_h[seed]), budget, tau, offsets) + [0.42, float(exact_h.median())]
+    decided = exact = 0
+    for mu in mus:
+        for rounding in ("half_even", "floor"):
+            def count(h, mu=mu, rounding=rounding):
+                return split_budget(h, budget, mu=mu, tau=tau, rounding=rounding)
+
+            t_sal, _ = certified.split(matrix, count)
+            report = certified.LAST_REPORT[0]
+            decided, exact = decided + sum(report.decided), exact + report.exact
+            assert torch.equal(t_sal, count(exact_h.float().double())), (mu, rounding)
+    assert decided > exact > 0  # most by the bounds; those placed on a boundary by the eigensolve
+
+
+def test_promprune_keeps_the_exact_algorithms_tokens_next_to_boundaries():
+    x, s, exact_h = boundary_case(0)
+    budget, tau = 32, 0.02
+    for mu in boundary_mus(float(exact_h[0]), budget, tau, (0.0, 3e-5, -1e-3))[:3] + [0.42]:
+        kw = dict(budget=budget, method="promprune", mu=mu, tau=tau, order="selection")
+        with accel.entropy("exact"):
+            want = promprune.select(x, s, **kw)
+        with accel.entropy("certified"):
+            got = promprune.select(x, s, **kw)
+        assert torch.equal(got.saliency_count, want.saliency_count), mu
+        assert torch.equal(got.indices, want.indices), mu
+
+
+def test_one_host_read_when_the_first_stage_decides():
+    rng = np.random.default_rng(7)
+    n = 128
+    matrices = torch.stack([matrix_with(spectrum("lowrank_floor", n, rng), rng) for _ in range(4)]).float()
+    before = accel.syncs()
+    certified.split(matrices, lambda h: split_budget(h, 64, mu=0.9, tau=0.02))  # far from every entropy
+    assert certified.LAST_REPORT[0].decided == [4] and accel.syncs() - before == 1
+
+
+def test_entropy_mode_switch_refuses_unknown_modes():
+    with pytest.raises(ValueError, match="auto, certified, exact"):
+        with accel.entropy("fast"):
+            pass

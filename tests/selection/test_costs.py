@@ -1,0 +1,69 @@
+"""The GPU fast path's cost model, counted on the CPU (``benchmarks/launches.py``): host syncs and launches of one
+selection, so a change that adds a wait on the device or a launch per token shows without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import promprune
+from benchmarks.launches import count, fast_path_on_cpu
+from benchmarks.selection import make_inputs
+from promprune.selection import certified
+from promprune.selection.registry import TokenSet, method_spec
+
+
+def fast_call(method: str, x, s, budget: int, **options):
+    """The registered function on validated inputs (``select`` itself adds one sync: its finiteness check)."""
+    spec = method_spec(method)
+    opts = spec.resolve(options)
+    opts.pop("order")
+    return spec.fn(TokenSet(x.float(), s, source=x), budget, **opts)
+
+
+@pytest.fixture(scope="module")
+def views():
+    return make_inputs(5, 96, 128, "cpu")  # five views, as LLaVA-NeXT's
+
+
+@pytest.mark.parametrize("method", ["fixed_ratio", "divprune", "coverage_only", "saliency_only", "visionzip",
+                                    "vispruner", "downsample"])
+def test_these_methods_never_wait_on_the_device(method, views):
+    x, s = views
+    with fast_path_on_cpu():
+        costs = count(fast_call, method, x, s, 16)
+    assert costs.syncs == 0, costs.ops
+
+
+def test_promprune_waits_once_when_the_first_stage_decides(views):
+    x, s = views
+    with fast_path_on_cpu():
+        costs = count(fast_call, "promprune", x, s, 16, mu=0.95)  # far above every entropy
+    assert certified.LAST_REPORT[0].decided == [5] and costs.syncs == 1
+    steps = certified.STEPS[0]
+    assert costs.ops["bmm"] == 2 * steps + 1  # per Lanczos step a product and a dot; one Gram
+    assert costs.launches <= 6 * steps + 60, costs.ops.most_common(10)
+
+
+def test_random_with_keys_never_waits_and_without_reads_one_fingerprint(views):
+    x, s = views
+    with fast_path_on_cpu():
+        keyed = count(promprune.select, x, None, budget=16, method="random", keys=list(range(5)))
+        unkeyed = count(promprune.select, x, None, budget=16, method="random")
+    assert keyed.syncs == 1 and unkeyed.syncs == 2  # select's finiteness check; the fingerprints' one read
+
+
+def test_select_checks_every_input_with_one_read(views):
+    x, s = views
+    with fast_path_on_cpu():
+        costs = count(promprune.select, x, s, budget=16, method="saliency_only")
+    assert costs.syncs == 1
+
+
+def test_a_sync_on_host_values_is_not_counted():
+    x = torch.ones(4)
+
+    def host_work(t):
+        host = torch.from_numpy(t.numpy().copy())  # values the host already holds
+        return int(host.sum()) + int(t.sum())  # only the second reads the device
+
+    assert count(host_work, x).syncs == 1
