@@ -4,12 +4,12 @@
     python benchmarks/sweep_scaling.py --gpus 8 --sample-s 0.25
 
 A Table-1-shaped sweep (6 methods x 3 budgets + the baseline = 19 trials) runs through the real pipeline
-(`pipelines.sweep.run_sweep`: Ray Tune trials, Ray Data actor pools, central lmms-eval scoring, MLflow) on a
+(`pipelines.sweep.run_sweep`: Ray Tune trials, the sweep's model workers, central lmms-eval scoring, MLflow) on a
 multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`, one node per GPU, each declaring one GPU). The
 model is a stand-in whose costs are injected, the same way the fault tests inject them, with no CPU burnt while it
 "computes": loading sleeps `--load-s`, each sample sleeps `--sample-s` (a 7B model on an A100 answers a short VQA
 question in about 0.15 s and loads in about 30 s; a real trial runs tens of thousands of samples, so the load is a
-rounding error there, and here it is scaled down with the work). Every sample still goes through the actors, the
+rounding error there, and here it is scaled down with the work). Every sample still goes through the workers, the
 exactly-once check, scoring and MLflow.
 
 Printed per GPU count: wall time, ideal time (sum of sample costs / GPUs + one model load), efficiency =

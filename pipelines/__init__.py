@@ -1,4 +1,4 @@
-"""The experiment pipeline: sweep specs, Ray Data evaluation on an elastic cluster, Ray Tune sweeps, MLflow tracking.
+"""The experiment pipeline: sweep specs, warm model workers on an elastic Ray cluster, Ray Tune sweeps, MLflow tracking.
 
 Entry scripts (run from the repository root):
 

@@ -114,20 +114,23 @@ def image_entropies(vlm_factory, metrics: list[str], images: list, batch_size: i
 
 
 def run(source, cal: Calibration, metrics: list[str], budget: int) -> dict[str, dict]:
-    """On a Ray worker (a GPU when the cluster has one): load the model from ``source``, measure every metric on
-    the calibration images. Returns ``{metric: {"median": m, "n": count, "values": [...]}}``."""
-    from pipelines.weights import local_device  # noqa: F401 - the worker's device rules, as for actors
+    """Load the model from ``source`` here and `measure` every metric (a sweep measures on one of its model workers
+    instead, which holds the model already: `pipelines.run.workers.Worker.calibrate`)."""
+    return measure(source.load(method=None, budget=None), source.options, cal, metrics, budget)
 
+
+def measure(base, adapter_options: dict, cal: Calibration, metrics: list[str], budget: int) -> dict[str, dict]:
+    """Every metric on the calibration images, with ``base`` (the sweep's model, an unpruned ``PrunedVLM``) wrapped
+    for PromPrune at ``budget`` with each metric. Returns ``{metric: {"median": m, "n": count, "values": [...]}}``."""
     images = load_images(cal)
     if not images:
         raise ValueError(f"calibration.images {cal.images!r} gave no image")
-    base = source.load(method=None, budget=None)
 
     def factory(metric):
         from promprune.models import PrunedVLM
 
         return PrunedVLM(base.model, base.processor, method="promprune", budget=budget, metric=metric,
-                         **source.options)
+                         **adapter_options)
 
     from promprune.selection import accel
 

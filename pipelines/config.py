@@ -64,9 +64,9 @@ class Resources:
     """How an evaluation runs on the cluster (the spec's ``resources:`` section; `pipelines/run/resources.py` plans
     with it)."""
 
-    # most actors one evaluation's pool asks for; auto: as many as its blocks (and max_gpus) allow
+    # most workers one trial uses at once; auto: as many as its blocks (and max_gpus) allow
     workers: PositiveOrAuto = AUTO
-    # gpu: actors need GPUs (a sweep waits actor_wait_s for them, then exits 2); cpu: actors on CPUs; auto: gpu on a
+    # gpu: workers need GPUs (a sweep waits actor_wait_s for them, then exits 2); cpu: workers on CPUs; auto: gpu on a
     # cluster the sweep joins or a machine with GPUs, cpu on a local Ray without GPUs (said on the console)
     device: Device = "auto"
     # a 7B model in bf16 fits one 24+ GB GPU (device gpu)
@@ -75,13 +75,13 @@ class Resources:
     cpus_per_worker: Annotated[Number, Field(ge=0), expect("a number >= 0")] = 1
     # GPUs a sweep may grow to (it asks the autoscaler for them); auto: all it can use
     max_gpus: PositiveOrAuto = AUTO
-    # requests per actor call (one sealed block) and per generate(); 8 fits a 7B model on a 24 GB GPU
+    # requests per worker call (one sealed block) and per generate(); 8 fits a 7B model on a 24 GB GPU
     batch_size: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 8
     # a sweep that wants GPUs on a cluster with none waits this long for the first GPU node, then exits 2
     actor_wait_s: Annotated[Number, Field(gt=0), expect("a number of seconds > 0 (finite)")] = 600
-    # attempts of a block whose actor dies on it (or hangs past block_timeout_s); then its samples fail
+    # attempts of a block whose worker dies on it (or hangs past block_timeout_s); then its samples fail
     block_attempts: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")] = 3
-    # one block's generation past this is a hung actor: it is restarted and the block retried; a block of 8
+    # one block's generation past this is a hung worker: it is restarted and the block retried; a block of 8
     # long answers (1024 tokens) of a 7B model takes about a minute on an A100
     block_timeout_s: Annotated[Number, Field(gt=0), expect("a number of seconds > 0 (finite)")] = 1800
     # publish the weights to the object store once per sweep (see docs/pipeline.md: weight loading)
@@ -89,5 +89,5 @@ class Resources:
 
     @property
     def actors(self) -> int | None:
-        """The most actors of one evaluation's pool (None: ``auto``, as many as it can use)."""
+        """The most workers one trial uses at once (None: ``auto``, as many as it can use)."""
         return None if self.workers == AUTO else int(self.workers)

@@ -4,24 +4,35 @@ one MLflow run (role `evaluation`, the same metrics and artifacts as a sweep tri
     python pipelines/evaluate.py --model tiny:llava --method promprune --budget 16 \
         --tasks easyvqa_yesno easyvqa_open --limit 8
 
-A thin CLI over the trial a sweep runs (`pipelines/run/trial.py`): the same requests (sealed blocks in the object
-store), the same engine (Ray Data over actors that hold the pruned VLM), the same `TrialResult`; what differs is only
-that the evaluation plans for itself (`trial.alone`) and is logged from here instead of a sweep's driver.
+A one-trial sweep spec run through the trial a sweep runs (`pipelines/run/trial.py`): the command line becomes a spec
+(`spec_of`), checked as a sweep's is (`pipelines.spec.parse`, then `pipelines/preflight.py`), and its one `Trial`
+goes through the same requests (sealed blocks in the object store), the same engine (model workers that hold the
+pruned VLM) and the same `TrialResult`; what differs is only that the evaluation plans for itself (`trial.alone`)
+and is logged from here instead of a sweep's driver. Problems are named by their flags (`--budget`, `--option mu`).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
+from pipelines import plugins, preflight
+from pipelines import spec as specs
 from pipelines.recording import tracking
-from pipelines.config import Resources
 from pipelines.run import resources as planning
-from pipelines.run import trial
+from pipelines.run import trial as trials
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
-from pipelines.weights import ModelSource
+from pipelines.spec.schema import DEFAULT_TASKS
+
+SOURCE = "pipelines/evaluate.py"
+# a spec field -> the flag that sets it (how a problem is named on this command line)
+FLAGS = {"model.pretrained": "--model", "model.dtype": "--dtype", "model.options": "--option", "tasks": "--tasks",
+         "limit": "--limit", "video_frames": "--video-frames", "generation.max_new_tokens": "--max-new-tokens",
+         "resources.workers": "--workers", "resources.batch_size": "--batch-size", "include_path": "--include-path",
+         "plugins": "--plugin", "trials[0].method": "--method", "trials[0].budget": "--budget", "budget": "--budget"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -37,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=None, help="visual tokens kept")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="method option, value parsed as YAML (repeatable), e.g. --option mu=0.4")
-    p.add_argument("--tasks", nargs="+", default=["easyvqa_yesno", "easyvqa_open"])
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     p.add_argument("--include-path", action="append", default=[], metavar="DIR",
                    help="an lmms-eval task directory of your own, searched for --tasks (repeatable)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
@@ -45,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=8, help="samples per task (default 8: a smoke run)")
     p.add_argument("--video-frames", type=int, default=8,
                    help="frames sampled uniformly from each clip of a video task (default 8)")
-    p.add_argument("--workers", type=int, default=None, help="most actors (default: as many as the blocks and the "
+    p.add_argument("--workers", type=int, default=None, help="most workers (default: as many as the blocks and the "
                    "cluster allow)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="auto")
@@ -56,48 +67,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def spec_of(args: argparse.Namespace) -> dict:
+    """The command line as a raw one-trial sweep spec: the method's options as the trial's, adapter options
+    (`promprune.models.ADAPTER_OPTIONS`) as the model's; no method: the unpruned model (the spec's baseline).
+    Relative paths are from the working directory."""
     import yaml
 
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    args = parse_args(argv)
+    from promprune.models import ADAPTER_OPTIONS
+
     options = {}
     for item in args.option:
         key, _, value = item.partition("=")
         options[key] = yaml.safe_load(value)
-    from pipelines import plugins, preflight
-    from promprune.models import validate_method
+    adapter = {k: v for k, v in options.items() if k in ADAPTER_OPTIONS}
+    method = {k: v for k, v in options.items() if k not in ADAPTER_OPTIONS}
+    raw = {"name": "evaluate", "version": 1, "tasks": args.tasks, "limit": args.limit,
+           "model": {"pretrained": args.model, "dtype": args.dtype, "options": adapter},
+           "video_frames": args.video_frames, "plugins": args.plugin, "include_path": args.include_path,
+           "generation": {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
+           "resources": {"workers": "auto" if args.workers is None else args.workers, "batch_size": args.batch_size},
+           "baseline": args.method is None,
+           "trials": [] if args.method is None else [{"method": args.method, "budget": args.budget, **method}]}
+    return plugins.resolve_paths(raw, Path.cwd())
 
+
+def in_flags(message: str) -> str:
+    """A spec problem named by the flag that sets its field (``video_frames: ...`` -> ``--video-frames: ...``,
+    ``trials[0].mu: ...`` -> ``--option mu: ...``)."""
+    def flag(match: re.Match) -> str:
+        field = match.group(2)
+        if field in FLAGS:
+            return match.group(1) + FLAGS[field] + ":"
+        option = field.removeprefix("trials[0].")
+        return match.group(1) + (f"--option {option}:" if option != field else f"{field}:")
+
+    return re.sub(r"^(  - )([\w.\[\]]+):", flag, message, flags=re.MULTILINE)
+
+
+def checked_spec(args: argparse.Namespace) -> specs.SweepSpec:
+    """The one-trial spec, checked as a sweep's: the spec itself, then what it names (SpecError: every problem)."""
+    spec = specs.parse(spec_of(args), source=SOURCE)  # imports the plugins first
+    plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
+    preflight.check_or_raise(spec, SOURCE, store=not args.no_mlflow)
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    args = parse_args(argv)
     preflight.random_weights_note(args.model)
-    given = plugins.resolve_paths({"plugins": args.plugin, "include_path": args.include_path}, Path.cwd())
-    errors = plugins.load(given["plugins"])  # a user's mistakes: one message listing all of them, before Ray starts
-    if errors:  # without its plugins the method cannot be checked: these are the problems
-        print("error: " + "\n  - ".join(["pipelines/evaluate.py:", *errors]), file=sys.stderr)
-        return 2
-    plugins.activate(given["plugins"], given["include_path"])  # here and in every Ray worker started after this
     try:
-        validate_method(args.method, args.budget, **options)
-    except ValueError as exc:
-        errors.append(f"method: {exc}")
-    errors += preflight.check_tasks(args.tasks, args.limit, given["include_path"])
-    if args.video_frames < 1:
-        errors.append(f"--video-frames: expected an int >= 1, got {args.video_frames}")
-    errors += preflight.check_judges(args.tasks)
-    errors += preflight.check_model(args.model, {}, {"this evaluation": args.budget} if args.budget else {})
-    if not args.no_mlflow:
-        errors += preflight.check_store(tracking.tracking_uri())
-    if errors:
-        print("error: " + "\n  - ".join(["pipelines/evaluate.py:", *errors]), file=sys.stderr)
+        spec = checked_spec(args)
+    except specs.SpecError as exc:
+        print(f"error: {in_flags(str(exc))}", file=sys.stderr)
         return 2
-    for note in preflight.judge_notes(args.tasks):
+    for note in preflight.judge_notes(spec.tasks):
         print(note)
-    cfg = trial.EvalConfig(model=ModelSource(pretrained=args.model, dtype=args.dtype), method=args.method,
-                     budget=args.budget, options=options, tasks=args.tasks, limit=args.limit,
-                     video_frames=args.video_frames,
-                     generation={} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
-                     resources=Resources(workers="auto" if args.workers is None else args.workers,
-                                         batch_size=args.batch_size))
+    (trial,) = specs.expand(spec)
     try:
         connect(args.address)
     except RayUnreachable as exc:
@@ -105,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     try:
-        with trial.alone(cfg) as shared:
-            result = trial.evaluate(cfg, shared)
+        with trials.alone(spec) as shared:
+            result = trials.evaluate(trial, spec, shared)
     except planning.NoCapacity as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -114,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in sorted(result.metrics.items()):
         print(f"  {key:32s} {value:.4g}")
     if not args.no_mlflow:
-        run_id = tracking.log_evaluation(cfg, result)
+        run_id = tracking.log_evaluation(spec, trial, result)
         print(f"MLflow run {run_id}; open the UI with:\n  {tracking.ui_command()}")
     return 0
 

@@ -63,6 +63,12 @@ BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
 MU_TAU = ("mu", "tau")  # the split's options a search varies: the console's best line, the report's (mu, tau) views
 NON_OPTION_PARAMS = ("model", "method", "budget", "tasks", "repeat", "model_options", "mu_source")
 
+
+def varies_mu_tau(options) -> bool:
+    """Whether trials with these method options (an iterable of option dicts) vary mu or tau: at least two distinct
+    (mu, tau) points among the trials that set either (the sweeps that get a best trial, its line and its view)."""
+    return len({tuple(o.get(k) for k in MU_TAU) for o in options if any(k in o for k in MU_TAU)}) >= 2
+
 # artifacts
 SPEC_ARTIFACT = "spec.yaml"
 PREDICTIONS_ARTIFACT = "predictions.parquet"

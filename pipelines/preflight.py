@@ -25,23 +25,24 @@ from pipelines.spec import SpecError, SweepSpec, expand, space
 from pipelines.spec.errors import unknown
 
 
-def preflight(spec: SweepSpec, *, tracking_uri: str | None = None) -> list[str]:
-    """Every problem found, one message each (empty: good to go)."""
+def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool = True) -> list[str]:
+    """Every problem found, one message each (empty: good to go); ``store``: check the MLflow store too (an
+    evaluation printing its results only needs none)."""
     errors = check_tasks(spec.tasks, spec.limit, spec.include_path)
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
     errors += check_in_llm_layers(spec)
     errors += check_metric(spec.tune.metric, spec.tasks)
     errors += check_search_package(spec.tune.search)
-    errors += check_store(tracking_uri or mlflow_layout.tracking_uri())
+    errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) if store else []
     if metrics_to_calibrate(expand(spec)):
         problem = check_source(spec.calibration.images)
         errors += [problem] if problem else []
     return errors
 
 
-def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = None) -> None:
-    errors = preflight(spec, tracking_uri=tracking_uri)
+def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = None, store: bool = True) -> None:
+    errors = preflight(spec, tracking_uri=tracking_uri, store=store)
     if errors:
         raise SpecError(errors, source)
 

@@ -1,4 +1,4 @@
-"""Run a sweep spec on Ray Tune; every trial is one Ray Data evaluation; results go to MLflow.
+"""Run a sweep spec on Ray Tune; the trials share the sweep's warm model workers; results go to MLflow.
 
     python pipelines/sweep.py                                   # sweeps/quickstart.yaml, offline, local Ray
     python pipelines/sweep.py --config sweeps/table1_llava15.yaml --set limit=20
@@ -8,25 +8,28 @@
 
 Setup -> run -> cleanup:
 
-1. setup: validate the spec completely (no model load), connect to Ray, plan the resources
-   (`pipelines/run/resources.py`: GPU or CPU, how far each trial's actor pool may grow, trials at once) and ask the
-   autoscaler for them, build the request rows once on the driver, wait for the first GPU node when the spec wants
-   GPUs (exit 2 after `resources.actor_wait_s`), publish the model weights to the object store once (see
-   pipelines/weights.py), open the MLflow parent run.
+1. setup: validate the spec completely (no model load), connect to Ray (MLflow's store is opened meanwhile), plan
+   the resources (`pipelines/run/resources.py`: GPU or CPU, how many workers a trial uses and the pool holds, trials
+   at once) and ask the autoscaler for them, build the request rows once on the driver, wait for the first GPU node
+   when the spec wants GPUs (exit 2 after `resources.actor_wait_s`), publish the model weights to the object store
+   once (see pipelines/weights.py) and start the sweep's model workers (`pipelines/run/workers.py`: they load while
+   the rest is set up), open the MLflow parent run, calibrate mu when a trial asks.
 2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list), or searches
    (`pipelines/run/search.py`: seeded random draws, optuna's TPE, ASHA stopping weak trials at rungs of samples;
    then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
    time, retrying failed trials (`FailureConfig`).
-   A trial (`pipelines/run/trial.py`) is one Ray Data evaluation (`pipelines/run/engine.py`): its blocks mapped over
-   a fixed-size pool of actors (pending ones are the autoscaler's demand) that load the published weights,
-   predictions streamed back and saved block by block beside the Tune experiment (`pipelines/run/checkpoints.py`),
+   A trial (`pipelines/run/trial.py`) is a light coordinator (`pipelines/run/engine.py`): it takes its `Trial` from
+   Tune's config and sends its blocks to the idle workers the sweep's pool grants (the pool grows with what trials
+   lease; pending workers are the autoscaler's demand), predictions streamed back and saved block by block beside
+   the Tune experiment (`pipelines/run/checkpoints.py`),
    progress (samples done, running scores) reported to Tune as they come; a retried or resumed trial generates only
    the blocks it has not saved. Its `TrialResult` (one parquet file: predictions, scores, metrics) is its final Tune
    checkpoint; the driver (and only the driver) logs each finished trial as an MLflow child run, uploading that file
    as it is.
 3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table (with each
    method's paired difference to the best other, and for a sweep varying mu or tau the line `best rel <v> at mu=<m>
-   tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the autoscaler request is withdrawn.
+   tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the workers end (their GPUs free) and
+   the autoscaler request is withdrawn.
 
 `--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
 from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
@@ -34,12 +37,10 @@ continues. One driver per sweep: `main` takes the run's `DriverLock` (pipelines/
 a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets its own experiment name
 (`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
-The parts live in `pipelines/run/`; a trial reads trial.py (the trial in its Tune actor) -> engine.py (the actors and
-the Ray Data evaluation) -> result.py (TrialResult) -> `pipelines/recording/` (the driver's MLflow logging and the
-console's summary), beside requests.py (the requests as a Ray Dataset of sealed blocks), checkpoints.py (a trial's
-saved blocks), ray_connect.py, resources.py (planning, the autoscaler, waiting for GPUs), state.py (sweep state and
---resume) and search.py (the Tune pieces of a search). This file is the driver: setup, the Tune run, the summary,
-the CLI.
+The parts live in `pipelines/run/` (its `__init__` lists them); a trial reads trial.py (the trial in its Tune
+actor) -> engine.py (its blocks to the workers) -> workers.py (the sweep's pool of model workers) -> result.py
+(TrialResult) -> `pipelines/recording/` (the driver's MLflow logging and the console's summary). This file is the
+driver: setup, the Tune run, the summary, the CLI.
 """
 from __future__ import annotations
 
@@ -49,22 +50,22 @@ import dataclasses
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import ray
 from ray import tune
 
-from promprune.records import Request
+from promprune.records import Request, key_task
 
 from pipelines import calibration, mlflow_layout, plugins, preflight
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
 from pipelines import timeline
-from pipelines.run import engine, search, trial
+from pipelines.run import search, trial
 from pipelines.run import resources as planning
 from pipelines.recording import tracking
 from pipelines.recording.callback import RecorderHook, attached
@@ -77,7 +78,8 @@ from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
 from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_runs, outbox_dir, resume_command, \
     resumed_state, save_state, storage_root
-from pipelines.weights import ModelSource, share
+from pipelines.run.workers import Failover, WorkerPool
+from pipelines.weights import share
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
@@ -182,11 +184,28 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     waited = capacity.wait(spec.resources.actor_wait_s)
     if waited >= 1:
         say(f"the first GPU node joined after {waited:.0f}s")
+    pool = _start_workers(spec, plan, run_fn, experiment)
     try:
-        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
+        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool, regression_threshold,
                          command, experiment)
     finally:
+        pool.close()  # the workers end with the sweep: their GPUs are free, nothing asks the autoscaler for more
         capacity.release()
+
+
+def _start_workers(spec: specs.SweepSpec, plan: planning.Plan, run_fn: Callable | None,
+                   experiment: str) -> WorkerPool:
+    """The sweep's pool of model workers (`pipelines/run/workers.py`), its first workers started now: they import and
+    load the model (the weights published to the object store once) while the driver sets up MLflow and Tune."""
+    source = spec.model
+    if spec.resources.share_weights:
+        t0 = time.perf_counter()
+        source = share(source, on_gpu=plan.on_gpu, in_process=planning.started_here())
+        say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
+        timeline.mark("weights_published", "driver")
+    pool = WorkerPool(source, plan, spec.resources.batch_size, Failover.of(spec.resources), run_fn, sweep=experiment)
+    pool.warm(plan.pool_size)
+    return pool
 
 
 def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
@@ -204,14 +223,8 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
     return how + (f", after {fixed} fixed trial(s)" if fixed else "")
 
 
-def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, regression_threshold,
+def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: WorkerPool, regression_threshold,
               command, experiment: str) -> SweepOutcome:
-    source = spec.model
-    if spec.resources.share_weights:
-        t0 = time.perf_counter()
-        source = share(source, on_gpu=plan.on_gpu, in_process=planning.started_here())
-        say(f"weights published to the object store once ({time.perf_counter() - t0:.1f}s)")
-        timeline.mark("weights_published", "driver")
     client = tracking.client()
     for dead in mark_dead_runs(client, storage, spec.name, keep=None if resume is None else state["experiment"]):
         say(f"note: the earlier run {dead} of this sweep died without finishing; its MLflow parent run is "
@@ -230,7 +243,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
     if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
-        state["calibrated"] = calibrate(spec, trials, source, plan, client, parent_id)
+        state["calibrated"] = calibrate(spec, trials, pool, client, parent_id)
     save_state(storage, {**state, "driver": driver})
     blocks = sweep_dir(state["storage_path"], state["experiment"])
     per_trial = len(rows.keys)
@@ -241,8 +254,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     recorder.parent(params=search_params(spec))
     try:
-        # what every trial shares: the requests, the plan, one Ledger for every trial's blocks (both experiments)
-        shared = trial.Shared(rows, plan, engine.new_ledger(), blocks, run_fn)
+        # what every trial shares: the requests, the plan, the pool of model workers (both experiments)
+        shared = trial.Shared(rows, plan, pool.handle, blocks)
         with progress(sum(console.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar, \
                 attached(recorder):  # Tune's callbacks (RecorderHook) hand the trials' events to this recorder
             console.bar = bar
@@ -251,7 +264,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
                 objective = _objective(spec, phase, rows, recorder)
                 if phase.searched and objective is None:
                     break  # the baseline failed: said, and the sweep exits 1
-                trainable = trial.trainable(spec, source, shared, objective)
+                trainable = trial.trainable(spec, shared, objective)
+                pool.hold(plan.pool_size)  # the workers wait for this experiment's first trial
                 tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
                 grid = tuner.fit()
                 try:
@@ -300,7 +314,7 @@ def task_datasets(spec: specs.SweepSpec, keys: list[str]) -> list[dict]:
 
     by_task: dict[str, list[str]] = {}
     for key in keys:
-        by_task.setdefault(key.rsplit("/", 1)[0], []).append(key)
+        by_task.setdefault(key_task(key), []).append(key)
     return [{"name": task, "digest": hashlib.sha256("\n".join(sorted(ks)).encode()).hexdigest()[:16],
              "source": {"task": task, "limit": spec.limit, "harness": "lmms-eval"},
              "profile": {"num_rows": len(ks)}} for task, ks in by_task.items()]
@@ -338,22 +352,20 @@ def _samples_per_trial(rows: Requests, trials: list) -> dict[str, int]:
     """Each trial's samples (an explicit trial may run on a subset of the tasks)."""
     per_task: dict[str, int] = {}
     for key in rows.keys:
-        task = key.rsplit("/", 1)[0]
-        per_task[task] = per_task.get(task, 0) + 1
+        per_task[key_task(key)] = per_task.get(key_task(key), 0) + 1
     return {t.trial_id: sum(n for task, n in per_task.items() if not t.tasks or task in t.tasks) for t in trials}
 
 
-def calibrate(spec: specs.SweepSpec, trials: list, source: ModelSource, plan: planning.Plan, client,
-              parent_id: str) -> dict:
+def calibrate(spec: specs.SweepSpec, trials: list, pool: WorkerPool, client, parent_id: str) -> dict:
     """The median of each prominence metric that a `mu: calibrate` trial needs, measured with the sweep's model on
-    the calibration images (one Ray task, on a GPU when the sweep's actors use GPUs); logged on the parent run."""
+    the calibration images (on one of the sweep's model workers, which holds the model already); logged on the
+    parent run."""
     metrics = calibration.metrics_to_calibrate(trials)
     if not metrics:
         return {}
     t0 = time.perf_counter()
     budget = min(t.budget for t in trials if t.options.get("mu") == calibration.CALIBRATE)
-    task = ray.remote(num_cpus=1, num_gpus=plan.gpus)(calibration.run)
-    found = ray.get(task.remote(source, spec.calibration, metrics, budget))
+    found = pool.calibrate(spec.calibration, metrics, budget)
     medians = {m: round(float(r["median"]), 4) for m, r in found.items()}
     tracking.log_metrics(client, parent_id, {f"calibration/median_{m}": v for m, v in medians.items()})
     client.log_param(parent_id, "calibration_images", f"{spec.calibration.images} (n={spec.calibration.n}, "
@@ -372,7 +384,9 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     storage, name = state["storage_path"], state["experiment"] + phase.suffix
     if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
         say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
-        return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
+        # the same param_space: Tune keeps the `Trial`s of its config as placeholders, resolved from it
+        return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True,
+                                  param_space=search.param_space(spec, phase, state["calibrated"]))
     callbacks = [RecorderHook()]
     scheduler = search.scheduler(spec, recorder.console.per_trial) if phase.searched else None
     if scheduler is not None:
@@ -384,7 +398,8 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     )
     searcher = search.searcher(spec) if phase.searched else None
     tune_config = tune.TuneConfig(
-        max_concurrent_trials=plan.trials_at_once, reuse_actors=scheduler is None, scheduler=scheduler,
+        # a trial is a light coordinator (the model lives in the pool's workers): its process serves the next one
+        max_concurrent_trials=plan.trials_at_once, reuse_actors=True, scheduler=scheduler,
         search_alg=searcher, num_samples=spec.tune.num_samples if searcher is not None else 1)
     return tune.Tuner(trainable, param_space=search.param_space(spec, phase, state["calibrated"]),
                       tune_config=tune_config, run_config=run_config)
@@ -410,7 +425,7 @@ def _reconcile(recorder: SweepRecorder, grid, trials: list, searched: int | None
     for result in grid:
         if not result.config or ("trial" not in result.config and "sampled" not in result.config):
             continue  # a trial Tune never started (interrupted early)
-        trial = search.trial_of(result.config)
+        trial = search.trial_of(result.config).to_dict()  # the recorder's view of the trial
         record = recorder.records.get(trial["trial_id"])
         if record is not None and record["error"] is None:
             seen.append(trial["trial_id"])
@@ -461,6 +476,7 @@ def prepare_model(name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    timeline.mark("process_start", "driver", t=timeline.process_started())
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)
@@ -482,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{k}={space.parse(v).describe()}" for k, v in spec.grid.items()))
         print(generation_plan(spec))
         return 0
+    timeline.mark("spec_checked", "driver")
     t0 = time.perf_counter()
     preflight.random_weights_note(spec.model.pretrained)
     log_path = Path("outputs") / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
@@ -491,7 +508,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
         with contextlib.nullcontext() if args.verbose else quiet(log_path):
             try:
+                store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
+                store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts
                 connect(args.address, log_to_driver=args.verbose)
+                store.join()
+                timeline.mark("ray_up", "driver")
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                     command={"config": args.config, "overrides": args.overrides}, lock=lock)
             except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
@@ -520,7 +541,19 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_TRIALS_FAILED if outcome.failed else 0
 
 
-if __name__ == "__main__":
-    from pipelines.sweep import main as _main  # classes pickled by Tune must live in `pipelines.sweep`, not __main__
+def exit_now(code: int) -> None:
+    """End the CLI: its output flushed and the exit handlers run (Ray's shutdown first among them), then the process
+    exits without Python's teardown of its modules (~2.5 s of freeing torch's and Ray's objects on 2 cores, nothing
+    the sweep needs: its MLflow writes are done and its lock is the kernel's)."""
+    import atexit
 
-    sys.exit(_main())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    from pipelines.sweep import exit_now, main as _main  # classes pickled by Tune must live in `pipelines.sweep`
+
+    exit_now(_main())

@@ -1,18 +1,19 @@
 """An optional event timeline of a sweep: where its wall time goes (trials, actors, requests), across processes.
 
 Off unless ``PROMPRUNE_TIMELINE`` names a folder: then every process of the sweep (the driver, Tune's trial
-processes, the pool's actors) appends one JSON line per event to ``<folder>/<pid>.jsonl``, wall-clock stamped
+processes, the model workers) appends one JSON line per event to ``<folder>/<pid>.jsonl``, wall-clock stamped
 (``time.time()``: the processes share one machine's clock, or NTP-synced nodes'). ``read`` merges them,
 ``write`` saves CSV or JSON, ``summary`` says where the time went. `benchmarks/sweep_scaling.py --timeline PATH`
 turns it on.
 
 Events (``where``: driver / trial / actor):
-  driver  sweep_begin, rows_built, weights_published, tune_start, trial_start (Tune
+  driver  process_start (the CLI's process, from the OS), spec_checked (spec and preflight done), ray_up (Ray
+          connected, MLflow's store open), sweep_begin, rows_built, weights_published, tune_start, trial_start (Tune
           started it), trial_recorded (its metrics reached MLflow), tune_end, sweep_end
   trial   trial_begin (run_trial entered), first_request (its first block sent to the actors), last_answer (its last
           batch back), trial_scored (lmms-eval scored it), trial_reported (tune.report returned)
-  actor   actor_process (the process's start, from the OS), actor_init (the actor's __init__ entered), actor_ready
-          (model loaded), predict_start / predict_end (one batch of one trial)
+  actor   a model worker's: actor_process (the process's start, from the OS), actor_init (its __init__ entered),
+          actor_ready (model loaded), predict_start / predict_end (one block of one trial, tagged with the trial)
 """
 from __future__ import annotations
 
@@ -126,6 +127,7 @@ def summary(events: list[dict]) -> list[str]:
     at["last trial_recorded"] = _last(events, "trial_recorded")
     at["tune_end"] = _first(events, "tune_end")
     lines = [f"timeline: {end - t0:.1f} s from sweep_begin to sweep_end; first of each event at (s):"]
+    lines += _before(events, t0)
     lines.append("  " + ", ".join(f"{k} {v - t0:.1f}" for k, v in sorted(at.items(), key=lambda kv: kv[1] or 0)
                                   if v is not None))
     busy = actor_busy(events)
@@ -140,6 +142,18 @@ def summary(events: list[dict]) -> list[str]:
         med = {k: sorted(p[k] for p in phases)[len(phases) // 2] for k in phases[0]}
         lines.append(f"  median of {len(phases)} trials (s): " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
     return lines
+
+
+def _before(events: list[dict], t0: float) -> list[str]:
+    """The CLI's time before `sweep_begin` (from `process_start`: imports, the spec and preflight checks, Ray's
+    start), when the CLI wrote it."""
+    names = ["process_start", "spec_checked", "ray_up"]
+    at = {n: _first(events, n) for n in names}
+    if any(v is None for v in at.values()):
+        return []
+    steps = list(zip(names, names[1:] + ["sweep_begin"]))
+    ends = {**at, "sweep_begin": t0}
+    return ["  before the sweep (s): " + ", ".join(f"{a}->{b} {ends[b] - ends[a]:.1f}" for a, b in steps)]
 
 
 def _trial_phases(events: list[dict]) -> list[dict]:

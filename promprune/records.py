@@ -105,6 +105,11 @@ def sample_key(task: str, doc_id: int) -> str:
     return f"{task}/{doc_id}"
 
 
+def key_task(key: str) -> str:
+    """The task of a sample key (`sample_key`'s inverse, first half; a task name may hold ``/``, a doc id never)."""
+    return key.rsplit("/", 1)[0]
+
+
 def table_keys(table) -> list[str]:
     """The sample keys of an Arrow table of records (its ``task`` and ``doc_id`` columns), in row order."""
     return [sample_key(t, d) for t, d in zip(table.column("task").to_pylist(), table.column("doc_id").to_pylist())]

@@ -29,3 +29,29 @@ def hub_standins(tmp_path_factory):
     from promprune.eval.standins import build_standins
 
     return build_standins(tmp_path_factory.mktemp("hf_home"), docs_per_task=STANDIN_DOCS, seed=0)
+
+
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory):
+    """An empty MLflow SQLite store whose tables exist, made once per session: MLflow builds a new store through its
+    ~70 schema migrations (seconds on 2 cores), which every test on a store of its own would pay again. `mlflow_db`
+    copies it; the sweep's own path to a new store is what `tests/test_readme.py`'s quickstart and the CLI tests
+    take."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(path.parent)  # the Default experiment's artifact folder is under the template's, not the repo's
+        MlflowClient(f"sqlite:///{path}").search_experiments(max_results=1)
+    return path
+
+
+@pytest.fixture
+def mlflow_db(tmp_path, mlflow_template, monkeypatch) -> str:
+    """``tmp_path/mlflow.db``, a copy of `mlflow_template`, as ``MLFLOW_TRACKING_URI``; returns the URI."""
+    import shutil
+
+    shutil.copyfile(mlflow_template, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri

@@ -44,17 +44,17 @@ class RecorderHook(tune.Callback):
         return recorder
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
-        config = search.trial_of(trial.config)
+        config = search.trial_of(trial.config).to_dict()  # the recorder's view of the trial
         timeline.mark("trial_start", "driver", trial=config["trial_id"])
         self._recorder().started(config)
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
-        self._recorder().progress(search.trial_of(trial.config)["trial_id"], result)
+        self._recorder().progress(search.trial_of(trial.config).trial_id, result)
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         """A trial finished (its final report carries its checkpoint) or a scheduler stopped it (no checkpoint; its
         last result is the rung it was stopped at)."""
-        config = search.trial_of(trial.config)
+        config = search.trial_of(trial.config).to_dict()
         if trial.checkpoint is None and search.stopped_by_scheduler(trial.last_result):
             self._recorder().record_stopped(config, trial.last_result)
         else:
@@ -62,7 +62,7 @@ class RecorderHook(tune.Callback):
         timeline.mark("trial_recorded", "driver", trial=config["trial_id"])
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
-        self._recorder().record_error(search.trial_of(trial.config), error_text(trial))
+        self._recorder().record_error(search.trial_of(trial.config).to_dict(), error_text(trial))
 
 
 def error_text(trial) -> str:

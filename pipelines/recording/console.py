@@ -144,10 +144,9 @@ def _fmt_cell(v: Any) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.1f}"
 
 
-def _split_points(records: dict) -> set:
-    """The distinct (mu, tau) the records' trials set (a sweep varies them when there are two or more)."""
-    return {tuple(rec["trial"]["options"].get(k) for k in MU_TAU) for rec in records.values()
-            if any(k in rec["trial"]["options"] for k in MU_TAU)}
+def _varies_mu_tau(records: dict) -> bool:
+    """Whether the records' trials vary mu or tau (`mlflow_layout.varies_mu_tau`)."""
+    return mlflow_layout.varies_mu_tau(rec["trial"]["options"] for rec in records.values())
 
 
 def best_trial(spec: specs.SweepSpec, records: dict) -> dict | None:
@@ -156,7 +155,7 @@ def best_trial(spec: specs.SweepSpec, records: dict) -> dict | None:
     paired bootstrap interval (``low``, ``high``: the documents resampled, the baseline on the same draw; the spec's
     `bootstrap` resamples, else `pipelines.reporting.paired.ITERS`). None without mu / tau varied or a finished
     trial."""
-    if len(_split_points(records)) < 2:
+    if not _varies_mu_tau(records):
         return None
     metric, sign = spec.tune.metric, (1 if spec.tune.mode == "max" else -1)
     done = [rec for rec in records.values() if not rec.get("stopped") and rec["error"] is None
@@ -198,7 +197,7 @@ def best_line(spec: specs.SweepSpec, records: dict, generated: int, best: dict |
     """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` (`best_trial`), for a sweep whose trials vary mu or
     tau (None otherwise). S counts every sample any trial generated, those of trials a scheduler stopped
     included."""
-    if len(_split_points(records)) < 2:
+    if not _varies_mu_tau(records):
         return None
     best = best if best is not None else best_trial(spec, records)
     if best is None:

@@ -237,7 +237,7 @@ class SweepRecorder:
 
 def trial_run_params(sweep: specs.SweepSpec, trial: dict) -> dict:
     """A trial run's params: the trial's options as it ran them (a calibrated mu, with `mu_source`, see
-    `search.trial_config`)."""
+    `Trial.to_dict`)."""
     if "mu_source" in trial:
         trial = {**trial, "options": {**trial["options"], "mu_source": trial["mu_source"]}}
     return tracking.trial_params(sweep.model.pretrained, trial, trial.get("tasks") or sweep.tasks, sweep.model.options)

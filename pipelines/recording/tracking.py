@@ -16,7 +16,6 @@ from typing import Any
 from pipelines import mlflow_layout
 from pipelines.mlflow_layout import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
 from pipelines.recording.view import SweepView, save_sweep_view
-from pipelines.spec import trial_id
 
 
 def client():
@@ -235,13 +234,12 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
 # standalone evaluations (pipelines/evaluate.py)
 
 
-def log_evaluation(cfg, result) -> str:
-    """One run (role `evaluation`, no parent) for a single `pipelines/evaluate.py` call; ``result``: its
-    `TrialResult`, written to `predictions.parquet` once and uploaded."""
+def log_evaluation(spec, trial, result) -> str:
+    """One run (role `evaluation`, no parent) for a single `pipelines/evaluate.py` call: ``trial`` (the one `Trial` of
+    its one-trial ``spec``) and its `TrialResult`, written to `predictions.parquet` once and uploaded."""
     c = client()
-    tid = trial_id(cfg.method, cfg.budget, cfg.options)
-    trial = {"method": cfg.method, "budget": cfg.budget, "options": cfg.options, "trial_id": tid}
-    params = trial_params(cfg.model.pretrained, trial, cfg.tasks, cfg.model.options)
+    tid = trial.trial_id
+    params = trial_params(spec.model.pretrained, trial.to_dict(), spec.tasks, spec.model.options)
     with tempfile.TemporaryDirectory() as d:
         path = result.write(Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT)
         return log_run(c, experiment_id(c), tid, {ROLE: mlflow_layout.ROLE_EVALUATION, TRIAL: tid}, params,

@@ -55,9 +55,9 @@ class SweepView:
             methods = methods or ["promprune"]
             longest = max(longest, max(map(len, methods)) + 5 + sum(len(k) + 2 + SEARCHED_VALUE_CHARS
                                                                      for k in searched))
-        points = {tuple(t.options.get(k) for k in mlflow_layout.MU_TAU) for t in trials
-                  if any(k in t.options for k in mlflow_layout.MU_TAU)}  # the parent's best: `console.best_trial`
-        varies_split = len(points) >= 2 or any(k in mlflow_layout.MU_TAU for k in searched)
+        # the parent's best (`console.best_trial`)
+        varies_split = mlflow_layout.varies_mu_tau(t.options for t in trials) or any(k in mlflow_layout.MU_TAU
+                                                                                    for k in searched)
         return cls(list(spec.tasks), options[:MAX_OPTION_COLUMNS],
                    running=spec.tune.metric if spec.tune.scheduler != "none" else None,
                    best=spec.tune.metric if varies_split else None, name_chars=min(longest, 80))

@@ -1,12 +1,11 @@
-"""An evaluation's requests in Ray's object store, as the rows of a Ray Dataset: built once (on the driver, or in
+"""An evaluation's requests in Ray's object store, one sealed block per object: built once (on the driver, or in
 parallel shards as Ray tasks for large benchmarks) and shared by every trial of a sweep.
 
-A *block* is a group of requests answered by one actor call: `promprune.eval.requests.pack_requests` puts the
-questions about one image together and stores its PNG once. Ray Data re-batches rows freely (it splits and joins
-blocks to reach a `batch_size`, which it requires when actors hold GPUs), and a split would separate an image from
-the questions that refer to it by key. So each block travels *sealed*: one dataset row, an "envelope" holding the
-block's Arrow IPC bytes, its id and its size (`ENVELOPE`); the engine maps batches of one envelope
-(`pipelines/run/engine.py`). Envelopes are ordered round-robin over the tasks, so the first blocks a trial answers
+A *block* is a group of requests answered by one worker call: `promprune.eval.requests.pack_requests` puts the
+questions about one image together and stores its PNG once, so a block must never be split (an image would be
+separated from the questions that refer to it by key). Each block travels *sealed*: a one-row Arrow table, an
+"envelope" holding the block's Arrow IPC bytes, its id and its size (`ENVELOPE`); a worker unseals it
+(`pipelines/run/workers.py`). Envelopes are ordered round-robin over the tasks, so the first blocks a trial answers
 cover every task (a running score over them means something).
 
 A block's id is a hash of its sample keys: the same spec builds the same blocks, which is how a resumed or retried
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray
 
-from promprune.records import Request, from_arrow, table_keys, to_arrow
+from promprune.records import Request, from_arrow, key_task, table_keys, to_arrow
 
 ENVELOPE = pa.schema([("block_id", pa.string()), ("n_rows", pa.int64()), ("requests", pa.binary())])
 
@@ -73,7 +72,7 @@ def build_rows(tasks: list[str], limit: int | None, generation: dict,
 @dataclass
 class Requests:
     """An evaluation's sealed blocks in the object store (ObjectRefs of one-row `ENVELOPE` tables), each block's
-    sample keys, in the order the engine feeds them (round-robin over tasks). Built once per sweep, shared by all its
+    sample keys, in the order the engine sends them (round-robin over tasks). Built once per sweep, shared by all its
     trials."""
 
     blocks: list = field(repr=False)
@@ -91,12 +90,6 @@ class Requests:
         """Every sample key, once, in block order."""
         return [k for keys in self.block_keys for k in keys]
 
-    def dataset(self, skip: set[str] | frozenset = frozenset()):
-        """The envelopes as a Ray Dataset (one row per block), without the blocks whose samples are all in
-        ``skip``; a block answered in part (it cannot be here: blocks are answered whole) would be run whole."""
-        refs = [ref for ref, keys in zip(self.blocks, self.block_keys) if not set(keys) <= skip]
-        return ray.data.from_arrow_refs(refs) if refs else None
-
     def requests_of(self, keys: set[str]) -> list[Request]:
         """The requests of ``keys`` (read back from their blocks; for samples that must be recorded as failed)."""
         wanted = [ref for ref, ks in zip(self.blocks, self.block_keys) if keys & set(ks)]
@@ -107,7 +100,7 @@ class Requests:
         """The requests of ``tasks`` alone (an explicit trial that runs on a subset of the sweep's tasks)."""
         wanted = sorted(set(tasks))
         calls = [_only_tasks.remote(block, wanted) for block, keys in zip(self.blocks, self.block_keys)
-                 if any(k.rsplit("/", 1)[0] in wanted for k in keys)]
+                 if any(key_task(k) in wanted for k in keys)]
         found = ray.get([keys for keys, _ in calls])
         return Requests([ref for ks, (_, ref) in zip(found, calls) if ks], [ks for ks in found if ks])
 
@@ -139,7 +132,7 @@ def interleaved(envelopes: list, block_keys: list[list[str]]) -> tuple[list, lis
     blocks, each task's blocks in their own order: any prefix of the work covers every task in proportion."""
     by_task: dict[str, list[int]] = {}
     for i, keys in enumerate(block_keys):
-        by_task.setdefault(keys[0].rsplit("/", 1)[0] if keys else "", []).append(i)
+        by_task.setdefault(key_task(keys[0]) if keys else "", []).append(i)
     # the j-th of a task's n blocks sits at (j + 0.5) / n of the way through the work
     placed = sorted(((j + 0.5) / len(q), t, i) for t, q in enumerate(by_task.values()) for j, i in enumerate(q))
     order = [i for _, _, i in placed]

@@ -1,12 +1,13 @@
-"""Resource planning for an elastic cluster: where the actors run (GPU or CPU), how many actors each evaluation
-asks for, how many trials run at once, and waiting for the first GPU.
+"""Resource planning for an elastic cluster: where the model workers run (GPU or CPU), how many one trial uses and
+the sweep's pool holds, how many trials run at once, and waiting for the first GPU.
 
 Nothing here is sized from the cluster as it is at the start: a sweep on `cluster.yaml` starts with the one GPU
-node `min_workers` keeps (or none) and grows to what its work can use, up to `resources.max_gpus`. Each
-evaluation asks for every actor it can use at once (one per block, at most `max_actors`); the ones the cluster
-cannot place yet are pending, and pending actors are what the autoscaler adds nodes for. The evaluation starts on
-the first actor that is up, and the others join as their nodes do. When the evaluation ends its actors go, and
-with them the demand: nothing is left asking the autoscaler for anything.
+node `min_workers` keeps (or none) and grows to what its work can use, up to `resources.max_gpus`. Each trial leases
+every worker it can use (one per block, at most `max_actors`) from the sweep's pool (`pipelines/run/workers.py`),
+which creates them as leases ask (at most `pool_size`); the ones the cluster cannot place yet are pending, and
+pending workers are what the autoscaler adds nodes for. A trial starts on the first worker that is up, and the
+others join as their nodes do. Workers no lease needs any more are retired, and the pool ends with the sweep: nothing
+is left asking the autoscaler for anything.
 """
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ class NoCapacity(RuntimeError):
 class Plan:
     """How a sweep (or one evaluation) uses the cluster.
 
-    - ``device``: "gpu" or "cpu"; ``gpus`` / ``cpus``: per actor (``gpus`` 0 on CPU).
-    - ``max_actors``: the actors one evaluation asks for (those the cluster cannot place yet are pending: the
-      autoscaler's demand).
+    - ``device``: "gpu" or "cpu"; ``gpus`` / ``cpus``: per worker (``gpus`` 0 on CPU).
+    - ``max_actors``: the workers one trial uses at once (its lease on the sweep's pool).
     - ``trials_at_once``: trials Tune runs together.
+    - ``pool_size``: the most workers the sweep's pool holds (those the cluster cannot place yet are pending: the
+      autoscaler's demand).
     - ``note``: why this device, when it was chosen automatically.
     """
 
@@ -48,6 +50,7 @@ class Plan:
     cpus: float
     max_actors: int
     trials_at_once: int
+    pool_size: int = 1
     note: str = ""
 
     @property
@@ -160,16 +163,14 @@ def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurr
     ``can_add_gpus``: `autoscaler_offers_gpus` (asked of the cluster when needed, with "ask"). Raises NoCapacity
     for a model too large for CPUs on a cluster that has and can add no GPU (`choose_device`).
 
-    A pool never has more actors than blocks (``workers`` caps it further, and on GPUs so does ``max_gpus``). On
-    GPUs, enough trials run at once that their pools can fill every GPU the sweep may use, plus one so that a
-    trial's last blocks and the next trial's first overlap (at most `MAX_AUTO_TRIALS`). On CPUs the cores are shared
-    out (``cpus_per_worker`` each): one trial per core (at most `MAX_AUTO_TRIALS`, the cores split among them), so 2
-    at a time on a 2-core machine, each with one actor, or one trial's actors on all of them when it runs alone. Why
-    not one trial at a time on a CPU: a trial pays ~9 s before its first answer (its actor is scheduled, imports
-    torch, Ray Data and transformers, loads the model: benchmarks/RESULTS.md, "Where a trial's fixed cost goes"),
-    and with one trial per core another trial computes meanwhile; sweeps/README.md documents this and the
-    quickstart's measured wall time (55 s) is with it. A set ``max_concurrent`` (the spec's
-    ``tune.max_concurrent_trials``; 1 for a reproducible optuna search) decides the trials at once.
+    A trial never uses more workers than it has blocks (``workers`` caps it further, and on GPUs so does
+    ``max_gpus``). On GPUs, enough trials run at once that they can fill every GPU the sweep may use, plus one so that
+    a trial's last blocks and the next trial's first overlap (at most `MAX_AUTO_TRIALS`). On CPUs the pool has one
+    worker per core (``cpus_per_worker`` cores each), and one trial per worker runs at once (at most
+    `MAX_AUTO_TRIALS`), so 2 at a time on a 2-core machine, each free to send its blocks to both workers: while one
+    trial scores its answers (in its own process) or starts, the other's blocks keep the workers busy. A set
+    ``max_concurrent`` (the spec's ``tune.max_concurrent_trials``; 1 for a reproducible optuna search) decides the
+    trials at once. The pool holds what the trials at once can use, at most the GPUs (or cores) the sweep may use.
     """
     cluster = ray.cluster_resources() if cluster is None else cluster
     gpus = float(cluster.get("GPU", 0))
@@ -189,15 +190,16 @@ def plan(resources: Resources, n_trials: int, blocks_per_trial: int, max_concurr
         cap = MAX_ACTORS if resources.max_gpus == AUTO else max(1, int(resources.max_gpus // resources.gpus_per_worker))
         per_trial = min(per_trial, cap)
         at_once = min(math.ceil(cap / per_trial) + 1, MAX_AUTO_TRIALS)
-    else:  # one actor per core (cpus_per_worker each), a trial per actor: one trial's start hides under another's work
-        slots = max(1, int(float(cluster.get("CPU", 1)) // max(resources.cpus_per_worker, 1)))
-        at_once = min(slots, MAX_AUTO_TRIALS) if max_concurrent == AUTO else int(max_concurrent)
-        per_trial = min(per_trial, max(1, slots // max(1, min(at_once, n_trials))))
+    else:  # one worker per core (cpus_per_worker each), a trial per worker
+        cap = max(1, int(float(cluster.get("CPU", 1)) // max(resources.cpus_per_worker, 1)))
+        per_trial = min(per_trial, cap)
+        at_once = min(cap, MAX_AUTO_TRIALS)
     if max_concurrent != AUTO:
         at_once = int(max_concurrent)
     at_once = max(1, min(at_once, n_trials))
     return Plan(device=device, gpus=resources.gpus_per_worker if device == "gpu" else 0.0,
-                cpus=resources.cpus_per_worker, max_actors=per_trial, trials_at_once=at_once, note=note)
+                cpus=resources.cpus_per_worker, max_actors=per_trial, trials_at_once=at_once,
+                pool_size=min(cap, per_trial * at_once), note=note)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from ray import tune
 
 from promprune.records import table_keys
 
-from pipelines import calibration, mlflow_layout
+from pipelines import mlflow_layout
 from pipelines import spec as specs
 from pipelines.spec import space
 
@@ -66,18 +66,7 @@ def searched_trials(spec: specs.SweepSpec) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# a trial's config in Tune
-
-
-def trial_config(trial: specs.Trial, calibrated: dict) -> dict:
-    """A trial as Tune's config holds it (`Trial.to_dict`), its options as the trial runs them: ``mu: calibrate``
-    replaced by the sweep's measured median (`calibration.apply`), with ``mu_source`` saying so. The trial id
-    stays the spec's."""
-    config = trial.to_dict()
-    used = calibration.apply(trial.options, calibrated)
-    if used is not trial.options:
-        config["options"], config["mu_source"] = dict(used), "calibration"
-    return config
+# a trial in Tune's config
 
 
 _CATALOG = None
@@ -90,17 +79,18 @@ def _catalog() -> specs.MethodCatalog:
     return _CATALOG
 
 
-def trial_of(config: dict) -> dict:
-    """The trial a Tune config runs (`trial_config`'s dict): ``config["trial"]``, or, for a trial optuna chose,
-    built from its sampled grid values (``config["sampled"]``: floats to `space.SIGNIFICANT` digits, options only
-    for the method that takes them), so its id names what it runs, on the driver and in the trial alike."""
+def trial_of(config: dict) -> specs.Trial:
+    """The trial a Tune config runs: ``config["trial"]`` as the sweep listed it (`param_space`), or, for a trial
+    optuna chose, the one conversion at the Tune boundary: its sampled grid values (``config["sampled"]``: floats to
+    `space.SIGNIFICANT` digits, options only for the method that takes them) as a `Trial` with the sweep's calibrated
+    values, so its id names what it runs, on the driver and in the trial alike."""
     if "trial" in config:
         return config["trial"]
     sampled = {k: space.rounded(v) if isinstance(v, float) else v for k, v in config["sampled"].items()}
     method, budget = sampled.pop("method"), sampled.pop("budget")
     accepted = _catalog().options(method)
     options = {k: v for k, v in sampled.items() if accepted is None or k in accepted}
-    return trial_config(specs.Trial(method, budget, options), config.get("calibrated") or {})
+    return specs.Trial(method, budget, options).with_calibration(config.get("calibrated") or {})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,12 +149,12 @@ def searcher(spec: specs.SweepSpec):
 
 
 def param_space(spec: specs.SweepSpec, phase: Phase, calibrated: dict) -> dict:
-    """Tune's param_space for an experiment: its listed trials (`trial_config` dicts) as a grid, or, for the
+    """Tune's param_space for an experiment: its listed `Trial`s (with the calibrated values) as a grid, or, for the
     search of ``tune.search: optuna``, the grid's spaces as Tune's domains (a list: a choice; a one-value list:
     fixed) with the calibrated mu a sampled trial needs (`trial_of`)."""
     if phase.searched and spec.tune.search == "optuna":
         return {"sampled": {k: _domain(space.parse(v)) for k, v in spec.grid.items()}, "calibrated": calibrated}
-    return {"trial": tune.grid_search([trial_config(t, calibrated) for t in phase.trials])}
+    return {"trial": tune.grid_search([t.with_calibration(calibrated) for t in phase.trials])}
 
 
 def _domain(s: space.Space):

@@ -1,13 +1,15 @@
-"""One trial: (model, method, budget, options) over the sweep's requests -> its `TrialResult`.
+"""One trial: a `Trial` (method, budget, options) over the sweep's requests -> its `TrialResult`.
 
-    sweep.py (the driver, the CLI) -> run/trial.py (this: the trial, in a Tune trial actor) -> run/engine.py (Ray
-    Data over the actors) -> run/result.py (TrialResult) -> recording/recorder.py (MLflow, on the driver)
+    sweep.py (the driver, the CLI) -> run/trial.py (this: the trial, a light coordinator in a Tune trial actor) ->
+    run/engine.py (its blocks to the sweep's model workers, run/workers.py) -> run/result.py (TrialResult) ->
+    recording/recorder.py (MLflow, on the driver)
 
-A sweep builds one `Shared` (the requests in the object store, the plan, the sweep's ledger, where trials save
-their blocks) and hands it to every trial; `run_trial` is the Tune function: it evaluates the trial, saving each
-answered block as it comes back and resuming from the saved ones, reports its progress to Tune (`TrialProgress`),
-and ends with its metrics and the `TrialResult` file as its checkpoint. `pipelines/evaluate.py` runs the same
-`evaluate` on a `Shared` of its own (`alone`), without Tune.
+A sweep builds one `Shared` (the requests in the object store, the plan, the handle of its pool of model workers,
+where trials save their blocks) and hands it, with the spec, to every trial; `run_trial` is the Tune function: it
+takes its `Trial` from Tune's config, evaluates it on the pool's workers, saving each answered block as it comes back
+and resuming from the saved ones, reports its progress to Tune (`TrialProgress`), and ends with its metrics and the
+`TrialResult` file as its checkpoint. `pipelines/evaluate.py` runs the same `evaluate` on a `Shared` of its own
+(`alone`: a one-trial spec), without Tune.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import contextlib
 import dataclasses
 import math
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -27,16 +30,15 @@ from promprune.records import Request
 
 from pipelines import mlflow_layout, timeline
 from pipelines import spec as specs
-from pipelines.config import Resources
 from pipelines.console import say
 from pipelines.run import engine, search
 from pipelines.run import resources as planning
 from pipelines.run.checkpoints import BlockStore, trial_dir
 from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
 from pipelines.run.result import TrialResult, score_table
-from pipelines.weights import ModelSource
+from pipelines.run.workers import Failover, WorkerPool
 
-# a trial only drives Ray Data and scores: it reserves no core, so that its actors have the machine's (the plan's
+# a trial only dispatches blocks and scores: it reserves no core, so that the workers have the machine's (the plan's
 # trials_at_once, Tune's max_concurrent_trials, bounds how many run), only memory for lmms-eval and its predictions
 TRIAL_RESOURCES = {"cpu": 0, "memory": 256 * 2 ** 20}
 # a running score (lmms-eval over the samples answered so far) at most this often, besides the scheduler's milestones
@@ -44,87 +46,72 @@ SCORE_EVERY_S = 30.0
 
 
 @dataclass
-class EvalConfig:
-    """One evaluation: what to run and on how many actors."""
-
-    model: ModelSource = field(default_factory=ModelSource)
-    method: str | None = None  # None: the unpruned model
-    budget: int | None = None
-    options: dict = field(default_factory=dict)  # method options (mu, tau, diversity, ...)
-    tasks: list = field(default_factory=lambda: ["easyvqa_yesno", "easyvqa_open"])  # the offline benchmarks
-    limit: int | None = None  # per-task sample cap
-    video_frames: int = 8  # frames sampled from each clip of a video task (promprune.models.video.DEFAULT_FRAMES)
-    generation: dict = field(default_factory=dict)  # generate() kwargs over each task's own; {}: the task's own
-    resources: Resources = field(default_factory=Resources)  # actors, GPUs and CPUs per actor, batch size, failover
-    bootstrap: int = 0  # resamples for 95% CIs of each task's primary metrics (<metric>_ci_low/_ci_high); 0: none
-
-    def job(self, run_fn: Callable | None = None) -> engine.Job:
-        return engine.Job(self.model, self.method, self.budget, self.options, self.resources.batch_size, run_fn)
-
-    def failover(self) -> engine.Failover:
-        return engine.Failover(self.resources.block_attempts, self.resources.block_timeout_s)
-
-
-@dataclass
 class Shared:
     """What every trial of a sweep shares, built once by the driver: the requests (sealed blocks in the object store),
-    the plan (device, actors per trial), the sweep's `engine.Ledger` (None: one per evaluation), where trials save
-    their answered blocks (`checkpoints.sweep_dir`; None: nowhere), and ``run_fn`` replacing the model call
-    (`engine.Job`: benchmarks and tests)."""
+    the plan (device, workers per trial), the handle of the sweep's pool of model workers (`workers.Pool`), and where
+    trials save their answered blocks (`checkpoints.sweep_dir`; None: nowhere)."""
 
     rows: Requests
     plan: planning.Plan
-    ledger: object = None
+    pool: object
     blocks: str | None = None
-    run_fn: Callable | None = None
 
     def store(self, trial_id: str) -> BlockStore | None:
         """The saved blocks of one trial (None when this evaluation saves none)."""
         return None if self.blocks is None else BlockStore(trial_dir(self.blocks, trial_id))
+
+    def only(self, tasks) -> "Shared":
+        """The same, on the requests of ``tasks`` alone (an explicit trial on a subset of the sweep's tasks)."""
+        return dataclasses.replace(self, rows=self.rows.only(tasks))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # one evaluation
 
 
-def predict(cfg: EvalConfig, shared: Shared, *, store: BlockStore | None = None,
+def predict(trial: specs.Trial, shared: Shared, *, store: BlockStore | None = None,
             on_block: Callable | None = None) -> pa.Table:
-    """The blocks through the engine: the predictions table (`PREDICTION_SCHEMA`), one row per request, sorted by
-    (task, doc_id). ``store`` / ``on_block``: see `engine.run`."""
+    """The trial's blocks through the engine: the predictions table (`PREDICTION_SCHEMA`), one row per request,
+    sorted by (task, doc_id). ``store`` / ``on_block``: see `engine.run`."""
     timeline.mark("first_request", "trial")
-    return engine.run(shared.rows, cfg.job(shared.run_fn), shared.plan, cfg.failover(), store=store,
-                      on_block=on_block, ledger=shared.ledger)
+    return engine.run(shared.rows, trial, shared.pool, shared.plan.max_actors, store=store, on_block=on_block)
 
 
-def evaluate(cfg: EvalConfig, shared: Shared, *, store: BlockStore | None = None, on_block: Callable | None = None,
-             score_fn: Callable | None = None) -> TrialResult:
-    """Predictions from the engine -> scores (once, centrally) -> metrics: one `TrialResult`."""
-    predictions = predict(cfg, shared, store=store, on_block=on_block)
-    result = TrialResult.scored(predictions, score_fn, bootstrap=cfg.bootstrap)
+def evaluate(trial: specs.Trial, spec: specs.SweepSpec, shared: Shared, *, store: BlockStore | None = None,
+             on_block: Callable | None = None, score_fn: Callable | None = None) -> TrialResult:
+    """Predictions from the engine -> scores (once, centrally; ``spec.bootstrap`` resamples) -> metrics: one
+    `TrialResult`."""
+    predictions = predict(trial, shared, store=store, on_block=on_block)
+    result = TrialResult.scored(predictions, score_fn, bootstrap=spec.bootstrap)
     timeline.mark("trial_scored", "trial")
     return result
 
 
 @contextlib.contextmanager
-def alone(cfg: EvalConfig, rows: list[Request] | Requests | None = None,
+def alone(spec: specs.SweepSpec, rows: list[Request] | Requests | None = None,
           run_fn: Callable | None = None) -> Iterator[Shared]:
-    """A `Shared` for one evaluation outside a sweep (Ray connected): its requests (built here unless given), its own
-    plan, and the first GPU waited for up to ``resources.actor_wait_s`` when it wants GPUs (`planning.NoCapacity`
-    otherwise); the autoscaler request is withdrawn on exit."""
-    first = planning.plan(cfg.resources, 1, 1, model=cfg.model.pretrained)  # before the rows: a refusal is at once
+    """A `Shared` for one evaluation of ``spec`` outside a sweep (Ray connected): its requests (built here unless
+    given), its own plan and pool of workers (ended on exit), and the first GPU waited for up to
+    ``resources.actor_wait_s`` when it wants GPUs (`planning.NoCapacity` otherwise). ``run_fn`` replaces the model
+    call (`workers.Worker`: tests)."""
+    first = planning.plan(spec.resources, 1, 1, model=spec.model.pretrained)  # before the rows: a refusal is at once
     if first.note:
         say(first.note)
     if rows is None:
-        rows = build_requests_dataset(cfg.tasks, cfg.limit, cfg.generation, cfg.resources.batch_size,
-                                      video_frames=cfg.video_frames)
+        rows = build_requests_dataset(spec.tasks, spec.limit, spec.generation, spec.resources.batch_size,
+                                      video_frames=spec.video_frames)
     elif not isinstance(rows, Requests):
-        rows = requests_dataset(rows, cfg.resources.batch_size)
-    plan = planning.plan(dataclasses.replace(cfg.resources, device=first.device), 1, len(rows.blocks))
+        rows = requests_dataset(rows, spec.resources.batch_size)
+    plan = planning.plan(dataclasses.replace(spec.resources, device=first.device), 1, len(rows.blocks))
     capacity = planning.Capacity(plan)
+    pool = None
     try:
-        capacity.wait(cfg.resources.actor_wait_s)
-        yield Shared(rows, plan, run_fn=run_fn)
+        capacity.wait(spec.resources.actor_wait_s)
+        pool = WorkerPool(spec.model, plan, spec.resources.batch_size, Failover.of(spec.resources), run_fn)
+        yield Shared(rows, plan, pool.handle)
     finally:
+        if pool is not None:
+            pool.close()
         capacity.release()
 
 
@@ -187,23 +174,21 @@ def flat_scores(scores: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def run_trial(config: dict, *, source: ModelSource, shared: Shared, settings: dict,
+def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
               objective: search.Objective | None = None) -> None:
-    """The Tune function: evaluate one trial (`search.trial_of(config)`), saving its blocks (`Shared.store`) and
-    resuming from them, reporting progress (a searched trial: the search's metric at each rung, ``objective``), and
-    finally its metrics with the `TrialResult` file as the checkpoint. ``settings``: the sweep's `EvalConfig` fields
-    other than the trial's own."""
-    trial_dict = search.trial_of(config)
-    tid = trial_dict["trial_id"]
-    trial = specs.Trial.from_dict(trial_dict)
+    """The Tune function: evaluate the trial Tune's config carries (`search.trial_of`), saving its blocks
+    (`Shared.store`) and resuming from them, reporting progress (a searched trial: the search's metric at each rung,
+    ``objective``), and finally its metrics with the `TrialResult` file as the checkpoint."""
+    warm_scoring()
+    trial = search.trial_of(config)
+    tid = trial.trial_id
     if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
-        shared = Shared(shared.rows.only(trial.tasks), shared.plan, shared.ledger, shared.blocks, shared.run_fn)
+        shared = shared.only(trial.tasks)
     started = time.time()
     timeline.tag(trial=tid)
     timeline.mark("trial_begin", "trial")
-    cfg = EvalConfig(model=source, method=trial.method, budget=trial.budget, options=trial.options, **settings)
-    progress = TrialProgress(len(shared.rows.keys), config.get("score_at"), objective=objective)
-    result = evaluate(cfg, shared, store=shared.store(tid), on_block=progress)
+    progress = TrialProgress(len(shared.rows.keys), objective=objective)
+    result = evaluate(trial, spec, shared, store=shared.store(tid), on_block=progress)
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
                            "samples/done": float(result.predictions.num_rows)})
     final = dict(result.metrics)
@@ -217,9 +202,23 @@ def run_trial(config: dict, *, source: ModelSource, shared: Shared, settings: di
     timeline.tag(trial=None)
 
 
-def trainable(spec: specs.SweepSpec, source: ModelSource, shared: Shared, objective: search.Objective | None = None):
-    """`run_trial` as Tune runs it: the sweep's settings and shared parts bound, no core reserved."""
-    settings = dict(tasks=spec.tasks, limit=spec.limit, video_frames=spec.video_frames, generation=spec.generation,
-                    bootstrap=spec.bootstrap, resources=spec.resources)
-    fn = tune.with_parameters(run_trial, source=source, shared=shared, settings=settings, objective=objective)
+_SCORING_WARMED = threading.Event()
+
+
+def warm_scoring() -> None:
+    """Import lmms-eval's scoring in the background, once per trial process, while the first blocks are answered
+    (Tune reuses a trial's process for the next trials: only the first pays it)."""
+    if not _SCORING_WARMED.is_set():
+        _SCORING_WARMED.set()
+        threading.Thread(target=_import_scoring, daemon=True).start()
+
+
+def _import_scoring() -> None:
+    import lmms_eval.api.model  # noqa: F401 - what `promprune.eval.score` imports first
+    import lmms_eval.evaluator  # noqa: F401
+
+
+def trainable(spec: specs.SweepSpec, shared: Shared, objective: search.Objective | None = None):
+    """`run_trial` as Tune runs it: the sweep's spec and shared parts bound, no core reserved."""
+    fn = tune.with_parameters(run_trial, spec=spec, shared=shared, objective=objective)
     return tune.with_resources(fn, TRIAL_RESOURCES)

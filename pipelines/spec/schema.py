@@ -17,6 +17,8 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, StrictI
 from pydantic_core import InitErrorDetails
 from typing_extensions import NotRequired, TypedDict
 
+from promprune.eval.tasks import EASYVQA_TASKS
+
 from pipelines.calibration import Calibration
 from pipelines.config import AUTO, SECTION, Number, PositiveOrAuto, Resources, expect, one_of, problem
 from pipelines.spec import space
@@ -26,7 +28,7 @@ from pipelines.weights import ModelSource
 SEARCHES = ("grid", "random", "optuna")
 SCHEDULERS = ("none", "asha")
 MODES = ("max", "min")
-DEFAULT_TASKS = ("easyvqa_yesno", "easyvqa_open")  # the offline benchmarks
+DEFAULT_TASKS = EASYVQA_TASKS  # the offline benchmarks (a spec's and `pipelines/evaluate.py`'s default)
 
 
 def mapping(what: str = "a mapping", kind: type = dict) -> WrapValidator:

@@ -2,6 +2,7 @@
 every trial's method options and values against promprune's registry (no model load)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.calibration import CALIBRATE, metrics_to_calibrate
+from pipelines.calibration import apply as apply_calibration
 from pipelines.spec import space
 from pipelines.spec.errors import unknown
 from pipelines.spec.schema import SweepSpec
@@ -18,27 +20,48 @@ from pipelines.spec.schema import SweepSpec
 
 @dataclass(frozen=True)
 class Trial:
-    """One evaluation of the sweep: method None is the unpruned baseline."""
+    """One evaluation of the sweep, the one record of it from the spec to the model workers: expanded from the spec
+    (`expand`), carried by Tune in its config as it is (`pipelines.run.search.param_space`; a trial optuna samples
+    becomes one at the Tune boundary, `search.trial_of`), run by a trial's coordinator and received by the workers,
+    which wrap their model for it (`pipelines.run.workers.Worker`). What a sweep's trials share (the model, tasks,
+    limit, generation, resources) is the sweep's spec, not the trial's. Method None is the unpruned baseline."""
 
     method: str | None
     budget: int | None
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # the method's options as the spec gives them (mu: calibrate)
     repeat: int = 0  # grid search with num_samples > 1 runs each trial several times
     tasks: tuple | None = None  # an explicit trial may run on a subset of the spec's tasks (Table 4); None: all
+    # options the sweep measured before its trials ran, over `options` (`mu: calibrate` -> {"mu": the median}; see
+    # `with_calibration`); the id stays the spec's
+    calibrated: dict = field(default_factory=dict)
 
     @property
     def trial_id(self) -> str:
         return trial_id(self.method, self.budget, self.options, self.repeat, self.tasks)
 
-    def to_dict(self) -> dict:
-        return {"method": self.method, "budget": self.budget, "options": dict(self.options), "repeat": self.repeat,
-                "tasks": None if self.tasks is None else list(self.tasks), "trial_id": self.trial_id}
+    @property
+    def run_options(self) -> dict:
+        """The method's options as the trial runs them: the spec's, with calibrated values in place."""
+        return {**self.options, **self.calibrated}
 
-    @staticmethod
-    def from_dict(d: dict) -> "Trial":
-        tasks = d.get("tasks")
-        return Trial(d["method"], d["budget"], dict(d.get("options") or {}), int(d.get("repeat", 0)),
-                     None if tasks is None else tuple(tasks))
+    def __str__(self) -> str:  # Tune names a trial's folder after its config values
+        return self.trial_id
+
+    def with_calibration(self, calibrated: dict[str, float]) -> "Trial":
+        """This trial with ``mu: calibrate`` replaced by the sweep's measured median of its metric
+        (``calibrated``: metric -> median, `calibration.apply`); itself when it calibrates nothing."""
+        used = apply_calibration(self.options, calibrated)
+        if used is self.options:
+            return self
+        return dataclasses.replace(self, calibrated={k: v for k, v in used.items() if self.options.get(k) != v})
+
+    def to_dict(self) -> dict:
+        """The trial as recorded (the recorder's MLflow params, `pipelines/recording/`): its fields, the options
+        as it ran them, its id, and ``mu_source: calibration`` when a value was calibrated."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "calibrated"}
+        out.update(options=self.run_options, tasks=None if self.tasks is None else list(self.tasks),
+                   trial_id=self.trial_id)
+        return out | ({"mu_source": "calibration"} if self.calibrated else {})
 
 
 def trial_id(method: str | None, budget: int | None, options: dict, repeat: int = 0,

@@ -60,10 +60,10 @@ def test_video_requests_survive_arrow(rows):
 
 
 def test_video_prefill_flops_count_the_text_the_llm_read(rows):
-    """A video sample's prefill FLOPs (the actors' add_efficiency) count the visual tokens kept plus the text tokens
+    """A video sample's prefill FLOPs (the workers' add_efficiency) count the visual tokens kept plus the text tokens
     of the prompt the processor built, Qwen3-VL's per-frame timestamps included (counted here from the processor's
     own output, the clip given as the request carries it)."""
-    from pipelines.run.engine import add_efficiency
+    from pipelines.run.workers import add_efficiency
     from promprune.efficiency import prefill_flops
     from promprune.models.video import inputs as video_inputs
 

@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster
 from pipelines import spec as specs
 from pipelines import sweep
 from pipelines.recording import tracking
-from pipelines.run.trial import EvalConfig, alone, evaluate, predict
+from pipelines.run.trial import alone, evaluate, predict
 from pipelines.run import resources as planning
 from pipelines.run.ray_connect import worker_env
 from pipelines.run.requests import build_requests_dataset, build_rows
@@ -73,9 +73,8 @@ def _actors(class_fragment: str) -> list:
             if class_fragment in a.class_name]
 
 
-def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
+def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch, mlflow_db):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     markers = tmp_path / "markers"
     markers.mkdir()
     spec = specs.parse({
@@ -92,11 +91,11 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch):
     driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(spec, run_fn=run_fn, rows=rows)))
     driver.start()
 
-    # the trial's Ray Data actors holding the model: both up, one on a node without the trial's driver
+    # the sweep's workers holding the model: both up, one on a node without the trial's coordinator
     victims, deadline = [], time.time() + 300
     while not victims and time.time() < deadline:
         trial_nodes = {a.node_id for a in _actors("ImplicitFunc")}
-        victims = [a.node_id for a in _actors("MapBatches(Predictor)") if a.node_id not in trial_nodes]
+        victims = [a.node_id for a in _actors("Worker") if a.node_id not in trial_nodes]
         time.sleep(0.2)
     assert victims, "no actor on a node without the trial driver"
     while time.time() < deadline and not any(markers.iterdir()):
@@ -127,12 +126,12 @@ def test_unplaceable_actors_fail_instead_of_hanging(cluster, prebuilt):
     rows = build_rows(["easyvqa_yesno"], 1, {"max_new_tokens": 1})
     if prebuilt:
         rows = build_requests_dataset(["easyvqa_yesno"], 1, {"max_new_tokens": 1}, batch_size=1)
-    cfg = EvalConfig(model=ModelSource("tiny:llava"),
-                     resources=Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5))  # no 2-GPU node
+    resources = Resources(workers=1, gpus_per_worker=2, batch_size=1, actor_wait_s=5)  # no node has 2 GPUs
+    spec = specs.SweepSpec(name="unplaceable", version=1, model=ModelSource("tiny:llava"), resources=resources)
     start = time.time()
     with pytest.raises(planning.NoCapacity, match=r"actor_wait_s=5s.*at most 1 GPU\(s\) on one node"):
-        with alone(cfg, rows) as shared:
-            evaluate(cfg, shared)
+        with alone(spec, rows) as shared:
+            evaluate(specs.Trial(None, None), spec, shared)
     assert time.time() - start < 60
     assert not [a for a in _actors("_probe")], "the probe's demand outlived the wait"
 
@@ -183,14 +182,77 @@ def test_work_starts_on_the_first_loaded_actor_and_the_others_join(cluster, tmp_
     markers = tmp_path / "markers"
     markers.mkdir()
     resources = Resources(workers=3, gpus_per_worker=1, batch_size=1, actor_wait_s=180)
-    cfg = EvalConfig(model=staggered_source(str(tmp_path / "claim"), slow_s), method="promprune", budget=8,
-                     resources=resources)
+    spec = specs.SweepSpec(name="staggered", version=1, model=staggered_source(str(tmp_path / "claim"), slow_s),
+                           resources=resources)
     rows = [dataclasses.replace(r, image_key=None) for r in build_rows(["easyvqa_yesno"], 24, {"max_new_tokens": 8})]
-    with alone(cfg, rows, run_fn=functools.partial(pid_run, marker_dir=str(markers), sleep_s=2.0)) as shared:
-        preds = predict(cfg, shared)
+    with alone(spec, rows, run_fn=functools.partial(pid_run, marker_dir=str(markers), sleep_s=2.0)) as shared:
+        preds = predict(specs.Trial("promprune", 8), shared)
     assert preds.column("doc_id").to_pylist() == list(range(24)) and not any(preds.column("error").to_pylist())
     answered = sorted((int(m.name.split("-")[2]), m.name.split("-")[1]) for m in markers.iterdir())  # monotonic ns
     first_t, first_pid = answered[0]
     early = {pid for t, pid in answered if t - first_t < slow_s * 1e9 / 2}
     assert early == {first_pid}, "only the actor that had loaded can have answered at first"
     assert len({pid for _, pid in answered}) >= 2, "the actors that loaded late never took work"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sweep's pool of workers: GPUs held while a trial needs them, given back when none does
+
+
+def _gpus_free(expected: float, timeout_s: float = 120) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("GPU", 0) == expected:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_workers_give_their_gpus_back_when_no_trial_needs_them(cluster):
+    """A lease of two workers holds two of the cluster's three GPUs; once no lease needs them (and `keep_s` has
+    passed) the workers are retired and the GPUs are free; a new lease brings workers back, and closing the pool
+    frees them at once."""
+    from pipelines.run.workers import Failover, WorkerPool
+
+    plan = planning.plan(Resources(max_gpus=2, batch_size=1), 1, 2, cluster={"GPU": 3}, can_add_gpus=False)
+    assert (plan.device, plan.pool_size) == ("gpu", 2)
+    pool = WorkerPool(ModelSource("tiny:llava"), plan, 1, Failover(), keep_s=2.0)
+    try:
+        ray.get(pool.handle.lease.remote("trial-a", 2))
+        deadline = time.monotonic() + 180
+        while pool.state()["up"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool.state()["up"] == 2 and _gpus_free(1), "two workers up, two GPUs held"
+        ray.get(pool.handle.release.remote("trial-a"))
+        assert _gpus_free(3), "the workers kept their GPUs with no lease left"
+        assert pool.state()["workers"] == 0 and not _actors("Worker")
+        ray.get(pool.handle.lease.remote("trial-b", 1))
+        assert pool.first_worker(timeout_s=180) is not None and _gpus_free(2)
+    finally:
+        pool.close()
+    assert _gpus_free(3), "closing the pool left a worker holding its GPU"
+
+
+def test_two_sweeps_never_share_a_worker_holding_another_model(cluster):
+    """Two sweeps' pools on one cluster, their models loaded in different dtypes, leased at once: each pool's workers
+    are its own (disjoint rosters, names carrying the sweep and what the workers hold), and every worker holds its own
+    pool's model; the same model in another sweep is still another pool (pools are the sweep's)."""
+    from pipelines.run.workers import Failover, PoolKey, WorkerPool
+
+    plan = planning.plan(Resources(max_gpus=1, batch_size=1), 1, 1, cluster={"GPU": 3}, can_add_gpus=False)
+    sources = {"a": ModelSource("tiny:llava", dtype="float32"), "b": ModelSource("tiny:llava", dtype="bfloat16")}
+    assert PoolKey.of(sources["a"], plan) != PoolKey.of(sources["b"], plan)
+    assert PoolKey.of(sources["a"], plan) == PoolKey.of(ModelSource("tiny:llava", dtype="float32"), plan)
+    pools = {name: WorkerPool(source, plan, 1, Failover(), sweep=f"sweep-{name}") for name, source in sources.items()}
+    try:
+        for pool in pools.values():
+            pool.handle.lease.remote("t", 1)
+        held = {name: ray.get(pool.first_worker(timeout_s=180).holds.remote()) for name, pool in pools.items()}
+        assert held == {"a": ("tiny:llava", "float32"), "b": ("tiny:llava", "bfloat16")}
+        rosters = {name: {w for _, w in ray.get(pool.handle.roster.remote())[0]}  # handles compare by actor
+                   for name, pool in pools.items()}
+        assert rosters["a"] and rosters["b"] and not rosters["a"] & rosters["b"]
+        assert pools["a"].name != pools["b"].name and "sweep-a" in pools["a"].name
+    finally:
+        for pool in pools.values():
+            pool.close()

@@ -30,9 +30,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def workdir(tmp_path, monkeypatch):
+def workdir(tmp_path, monkeypatch, mlflow_db):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     return tmp_path
 
@@ -43,9 +42,9 @@ def workdir(tmp_path, monkeypatch):
 
 def test_a_sweep_grows_with_an_autoscaling_cluster(workdir, monkeypatch):
     """Ray's fake autoscaler: GPU worker nodes ({"CPU": 1, "GPU": 1}), min 0, max 3, none up at the start. Six trials
-    of six blocks ask for their actors; pending actors are the demand; the cluster grows to three nodes, the work
-    spreads over them, every sample comes back once, and once the sweep is done nothing asks for nodes any more:
-    the idle nodes go."""
+    of six blocks lease the sweep's workers; pending workers are the demand; the cluster grows to three nodes, the
+    workers on the late nodes take blocks as they come up, every sample comes back once, and once the sweep is done
+    nothing asks for nodes any more: the idle nodes go."""
     from benchmarks.sweep_scaling import Costs, stand_in_run, stand_in_source
 
     cluster = FakeAutoscalingCluster(workdir / "cluster", max_workers=3, idle_timeout_s=2)
@@ -63,7 +62,9 @@ def test_a_sweep_grows_with_an_autoscaling_cluster(workdir, monkeypatch):
                 "generation": {"max_new_tokens": 1},
                 "resources": {"batch_size": 1, "actor_wait_s": 300}, "tune": {"max_failures": 0}})
             spec.model = stand_in_source(Costs(load_s=0.0, sample_s=1.0), str(workdir / "loads"))
-            outcome = sweep.run_sweep(spec, run_fn=functools.partial(stand_in_run, sample_s=1.0))
+            # without image keys each question is a block of its own (easy-vqa asks several about one image)
+            rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+            outcome = sweep.run_sweep(spec, rows=rows, run_fn=functools.partial(stand_in_run, sample_s=1.0))
             assert outcome.failed == [] and len(outcome.records) == 6
             nodes = set()
             for rec in outcome.records.values():

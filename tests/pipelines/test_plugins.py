@@ -287,9 +287,9 @@ def test_preflight_looks_for_tasks_in_the_include_path(tmp_path):
 
 
 def test_evaluate_takes_plugins_and_task_directories(tmp_path, isolated, monkeypatch, capsys):
-    """`pipelines/evaluate.py --plugin --include-path`: the plugin's method and its options and the directory's task
-    are checked before Ray starts (a bad --video-frames is the only problem found, so nothing starts); a plugin that
-    fails to import is the one problem."""
+    """`pipelines/evaluate.py --plugin --include-path` (a one-trial spec): the plugin's method and its options and the
+    directory's task are checked before Ray starts (a bad --video-frames is the only problem found, so nothing
+    starts); a plugin that fails to import is the one problem."""
     from pipelines import evaluate
 
     write(tmp_path / "norm_e.py", METHOD.format(name="norm_e"))
@@ -301,7 +301,8 @@ def test_evaluate_takes_plugins_and_task_directories(tmp_path, isolated, monkeyp
     assert evaluate.main(["--plugin", "norm_e.py", "--option", "p=1.0", *args]) == 2
     assert capsys.readouterr().err.splitlines()[1:] == ["  - --video-frames: expected an int >= 1, got 0"]
     assert evaluate.main(["--plugin", "norm_e.py", "--option", "pp=1.0", *args]) == 2
-    assert "unknown option(s) for method 'norm_e': 'pp' (did you mean 'p'?)" in capsys.readouterr().err
+    # the spec's own check of an explicit trial's options, named by the flag that set it
+    assert "  - --option pp: norm_e takes no option 'pp' (did you mean 'p'?)" in capsys.readouterr().err
     assert evaluate.main(["--plugin", "norm_e.py", "--plugin", "broken.py", *args]) == 2
     assert capsys.readouterr().err.splitlines()[1:] == [
         f"  - plugins[1]: plugin '{tmp_path / 'broken.py'}' could not be imported: RuntimeError: broken on purpose "

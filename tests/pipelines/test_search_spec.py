@@ -152,13 +152,13 @@ def test_the_first_rung_must_come_before_the_end():
 
 def test_a_sampled_config_runs_the_rounded_values_its_id_names():
     config = {"sampled": {"method": "divprune", "budget": 16, "mu": 0.243117, "tau": 0.0187349}, "calibrated": {}}
-    assert search.trial_of(config)["trial_id"] == "divprune-b16"  # divprune takes neither option
+    assert search.trial_of(config).trial_id == "divprune-b16"  # divprune takes neither option
     config["sampled"]["method"] = "promprune"
     trial = search.trial_of(config)
-    assert trial["trial_id"] == "promprune-b16-mu=0.2431-tau=0.01873"
-    assert trial["options"] == {"mu": 0.2431, "tau": 0.01873}
-    listed = specs.Trial("promprune", 8, {"mu": 0.4}).to_dict()
-    assert search.trial_of({"trial": listed}) is listed
+    assert trial.trial_id == "promprune-b16-mu=0.2431-tau=0.01873"
+    assert trial.run_options == {"mu": 0.2431, "tau": 0.01873}
+    listed = specs.Trial("promprune", 8, {"mu": 0.4})
+    assert search.trial_of({"trial": listed}) is listed  # a listed trial crosses Tune as it is
 
 
 def test_optunas_param_space_is_the_grids_spaces_as_tunes_domains():

@@ -14,7 +14,7 @@ import pytest
 import ray
 import yaml
 
-from pipelines import mlflow_layout, sweep
+from pipelines import mlflow_layout, sweep, timeline
 from pipelines.recording import tracking
 from pipelines import spec as specs
 from pipelines.run import search
@@ -36,16 +36,28 @@ RAW = {"name": "search", "version": 1, "model": {"pretrained": "testbed:llava"},
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def events(tmp_path_factory):
+    """The timeline folder of this module's sweeps: every process of them (the trials, the workers) writes there."""
+    folder = tmp_path_factory.mktemp("timeline")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(timeline.ENV, str(folder))  # before Ray starts: its workers inherit it
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def local_ray(events):
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
     yield
     ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def searched(local_ray, tmp_path_factory):
+def searched(local_ray, tmp_path_factory, mlflow_template):
     """The search run once, uninterrupted: (spec, outcome, its MLflow client)."""
+    import shutil
+
     tmp = tmp_path_factory.mktemp("search")
+    shutil.copyfile(mlflow_template, tmp / "mlflow.db")
     old = Path.cwd()
     os.chdir(tmp)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
@@ -61,7 +73,7 @@ def _rung_history(client, run_id: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, f"{mlflow_layout.RUNNING}/rel")}
 
 
-def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched):
+def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched, events):
     spec, outcome, client = searched
     records = outcome.records
     assert outcome.failed == [] and len(records) == 5 and "baseline" in records
@@ -83,9 +95,12 @@ def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched
         assert mlflow_layout.REL not in m and f"{mlflow_layout.RUNNING}/{mlflow_layout.REL}" in m
         assert not any(k.startswith("testbed_") for k in m)  # running scores only under running/
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == []  # no predictions
-        # its run spans the trial, from its start to its stop (an actor's start alone takes seconds), not the
-        # moment it was logged
-        assert run.info.end_time - run.info.start_time > 2000
+        # its run spans the trial, from its start to its stop, not the moment it was logged: every block the workers
+        # started for it started inside the run (the timeline's clock is the same wall clock; a block in flight at
+        # the stop may end after it, unread)
+        started = [e["t"] * 1000 for e in timeline.read(events) if e.get("trial") == tid
+                   and e["event"] == "predict_start"]
+        assert started and run.info.start_time <= min(started) and max(started) <= run.info.end_time + 1
         assert {mlflow_layout.STARTED_AT, mlflow_layout.FINISHED_AT} <= set(run.data.tags)
 
     # ASHA's rule, re-derived: one trial at a time, so a trial at rung r is compared with the values the trials
@@ -100,6 +115,24 @@ def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched
             cutoff = np.nanpercentile(before, (1 - 1 / RAW["tune"]["reduction_factor"]) * 100) if before else None
             was_stopped_here = tid in stopped and runs[tid].data.metrics["samples/scored"] == r
             assert was_stopped_here == (cutoff is not None and history[tid][r] < cutoff), (tid, r, history)
+
+
+def test_a_trial_asha_stops_sends_no_more_work(searched, events):
+    """The workers answered a stopped trial's samples up to its stop and at most the blocks it had in flight then
+    (one per worker it used): its coordinator sent nothing after the scheduler stopped it, and what it had queued and
+    no worker had started was cancelled."""
+    spec, outcome, _ = searched
+    answered: dict[str, int] = {}
+    for e in timeline.read(events):
+        if e["event"] == "predict_end" and e.get("trial"):
+            answered[e["trial"]] = answered.get(e["trial"], 0) + e["rows"]
+    stopped = {tid: rec for tid, rec in outcome.records.items() if rec.get("stopped")}
+    assert stopped
+    in_flight = 2 * spec.resources.batch_size  # two workers (two cores), one block of at most batch_size each
+    for tid, rec in stopped.items():
+        assert rec["stopped"]["done"] <= answered[tid] <= rec["stopped"]["done"] + in_flight, (tid, answered[tid])
+    finished = [tid for tid in outcome.records if tid not in stopped]
+    assert all(answered[tid] == 16 for tid in finished)  # (a trial answers each of its samples once)
 
 
 def test_a_rung_value_is_rel_over_the_first_samples_paired_with_the_baseline(searched):

@@ -13,7 +13,7 @@ import ray
 import torch
 import yaml
 
-from promprune.records import Prediction
+from promprune.records import Prediction, table_keys
 
 from pipelines import spec as specs
 from pipelines import mlflow_layout, sweep
@@ -38,9 +38,8 @@ def local_ray():
 
 
 @pytest.fixture
-def workdir(tmp_path, monkeypatch):
+def workdir(tmp_path, monkeypatch, mlflow_db):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     return tmp_path
 
@@ -247,7 +246,7 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     from promprune.eval.requests import share_images
     from promprune.records import Request, from_arrow
 
-    from pipelines.run.trial import EvalConfig, alone, predict
+    from pipelines.run.trial import alone, predict
     from pipelines.run.requests import Requests, build_requests_dataset, unseal
     from pipelines.config import Resources
     from pipelines.weights import ModelSource
@@ -260,8 +259,7 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     built = {r.key: r for b in blocks for r in share_images(from_arrow(b, Request))}
     assert built == plain  # same prompts, same image bytes and keys, same doc ids and n_docs
 
-    cfg = EvalConfig(model=ModelSource("tiny:llava"), method="divprune", budget=4, resources=Resources(batch_size=2))
-    with alone(cfg, sharded) as shared:
-        preds = predict(cfg, shared)
-    assert [f"{t}/{d}" for t, d in zip(preds.column("task").to_pylist(), preds.column("doc_id").to_pylist())] \
-        == sorted(plain, key=lambda k: (k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])))  # once each, sorted
+    spec = specs.SweepSpec(name="shards", version=1, model=ModelSource("tiny:llava"), resources=Resources(batch_size=2))
+    with alone(spec, sharded) as shared:
+        preds = predict(specs.Trial("divprune", 4), shared)
+    assert table_keys(preds) == sorted(plain, key=lambda k: (plain[k].task, plain[k].doc_id))  # once each, sorted

@@ -26,7 +26,7 @@ def documented() -> tuple[int, int, int]:
 def test_the_documented_cpu_example_is_the_plan():
     at_once, cores, cap = documented()
     plan = planning.plan(Resources(), 9, 100, cluster={"CPU": cores}, can_add_gpus=False)
-    assert (plan.device, plan.trials_at_once, plan.max_actors) == ("cpu", at_once, 1)  # one actor (core) each
+    assert (plan.device, plan.trials_at_once, plan.pool_size) == ("cpu", at_once, cores)  # one worker per core
     assert cap == planning.MAX_AUTO_TRIALS
 
 
@@ -37,7 +37,7 @@ def test_one_trial_per_core_at_most_the_cap(cores, cpus_per_worker):
                          can_add_gpus=False)
     per_core = cores // cpus_per_worker
     assert plan.trials_at_once == min(per_core, cap)
-    assert plan.max_actors == max(1, per_core // plan.trials_at_once)  # the cores split among the trials
+    assert plan.pool_size == plan.max_actors == per_core  # one worker per core, each trial free to use them all
     alone = planning.plan(Resources(cpus_per_worker=cpus_per_worker), 1, 1000, cluster={"CPU": cores},
                           can_add_gpus=False)
     assert alone.max_actors == per_core  # a trial alone: every core

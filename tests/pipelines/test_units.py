@@ -34,24 +34,24 @@ GPU8 = {"GPU": 8, "CPU": 64}
 
 
 @pytest.mark.parametrize("n_trials,blocks,kw,cluster,expect", [
-    # (device, actors each evaluation asks for, trials at once)
-    (9, 100, {}, {"CPU": 2}, ("cpu", 1, 2)),  # a laptop: two trials at a time, one actor (core) each
-    (1, 100, {}, {"CPU": 2}, ("cpu", 2, 1)),  # one evaluation alone: both cores
-    (1, 1, {}, {"CPU": 2}, ("cpu", 1, 1)),  # never more actors than blocks
-    (9, 100, {"cpus_per_worker": 2}, {"CPU": 2}, ("cpu", 1, 1)),  # one 2-core actor
-    # GPUs, max_gpus auto: an evaluation asks for an actor per block (at most MAX_ACTORS); two trials overlap
-    (19, 3000, {}, GPU8, ("gpu", planning.MAX_ACTORS, 2)),
+    # (device, workers one trial uses, trials at once, workers the sweep's pool holds)
+    (9, 100, {}, {"CPU": 2}, ("cpu", 2, 2, 2)),  # a laptop: two trials at a time, both sending to both workers
+    (1, 100, {}, {"CPU": 2}, ("cpu", 2, 1, 2)),  # one evaluation alone: both cores
+    (1, 1, {}, {"CPU": 2}, ("cpu", 1, 1, 1)),  # never more workers than blocks
+    (9, 100, {"cpus_per_worker": 2}, {"CPU": 2}, ("cpu", 1, 1, 1)),  # one 2-core worker
+    # GPUs, max_gpus auto: a trial leases a worker per block (at most MAX_ACTORS); two trials overlap
+    (19, 3000, {}, GPU8, ("gpu", planning.MAX_ACTORS, 2, planning.MAX_ACTORS)),
     # small trials: enough at once to fill 8 GPUs (8 / 2 + 1 = 5 trials of 2 blocks)
-    (19, 2, {"max_gpus": 8}, GPU8, ("gpu", 2, 5)),
-    (19, 3000, {"max_gpus": 8}, GPU8, ("gpu", 8, 2)),  # Table 1 on 8 GPUs: 8 actors per trial, one overlapping
-    (19, 3000, {"max_gpus": 8, "gpus_per_worker": 2}, GPU8, ("gpu", 4, 2)),  # 2-GPU actors: 4 fit
-    (19, 3000, {"max_gpus": 8, "workers": 2}, GPU8, ("gpu", 2, 5)),  # explicit workers cap each pool
-    (3, 2, {"max_gpus": 64}, GPU8, ("gpu", 2, 3)),  # never more trials than there are
-    (200, 1, {}, GPU8, ("gpu", 1, planning.MAX_AUTO_TRIALS)),  # the head's memory bounds the trials at once
+    (19, 2, {"max_gpus": 8}, GPU8, ("gpu", 2, 5, 8)),
+    (19, 3000, {"max_gpus": 8}, GPU8, ("gpu", 8, 2, 8)),  # Table 1 on 8 GPUs: 8 workers per trial, one overlapping
+    (19, 3000, {"max_gpus": 8, "gpus_per_worker": 2}, GPU8, ("gpu", 4, 2, 4)),  # 2-GPU workers: 4 fit
+    (19, 3000, {"max_gpus": 8, "workers": 2}, GPU8, ("gpu", 2, 5, 8)),  # explicit workers cap each trial
+    (3, 2, {"max_gpus": 64}, GPU8, ("gpu", 2, 3, 6)),  # never more trials than there are
+    (200, 1, {}, GPU8, ("gpu", 1, planning.MAX_AUTO_TRIALS, planning.MAX_AUTO_TRIALS)),  # the head's memory
 ])
 def test_plan(n_trials, blocks, kw, cluster, expect):
     plan = planning.plan(Resources(**kw), n_trials, blocks, cluster=cluster, can_add_gpus=False)
-    assert (plan.device, plan.max_actors, plan.trials_at_once) == expect
+    assert (plan.device, plan.max_actors, plan.trials_at_once, plan.pool_size) == expect
     assert plan.gpus == (Resources(**kw).gpus_per_worker if plan.on_gpu else 0)
 
 
@@ -214,17 +214,22 @@ def test_scored_result_replays_the_rows_scoring_reads():
 
 
 def test_calibrated_mu_is_applied_once_on_the_driver():
-    """Tune's config holds the options the trial runs with; the id stays the spec's; the run's params say where mu
-    came from."""
+    """Tune's config holds the trial with the options it runs with; the id stays the spec's; the run's params say
+    where mu came from."""
     from pipelines.recording.recorder import trial_run_params
 
     trial = specs.Trial("promprune", 8, {"mu": "calibrate", "metric": "attention"})
-    config = search.trial_config(trial, {"attention": 0.81})
-    assert config["options"] == {"mu": 0.81, "metric": "attention"} and config["mu_source"] == "calibration"
-    assert config["trial_id"] == trial.trial_id == "promprune-b8-metric=attention-mu=calibrate"
+    calibrated = trial.with_calibration({"attention": 0.81})
+    assert calibrated.run_options == {"mu": 0.81, "metric": "attention"} and calibrated.calibrated == {"mu": 0.81}
+    assert calibrated.trial_id == trial.trial_id == "promprune-b8-metric=attention-mu=calibrate"
+    spec = specs.parse({"name": "t", "version": 1, "trials": [{"method": "promprune", "budget": 8}]})
+    config = search.param_space(spec, search.Phase("", [trial]), {"attention": 0.81})
+    assert config["trial"]["grid_search"] == [calibrated]  # what Tune carries to the trial, as it is
+    record = calibrated.to_dict()
+    assert record["options"] == {"mu": 0.81, "metric": "attention"} and record["mu_source"] == "calibration"
     plain = specs.Trial("promprune", 8, {"mu": 0.4})
-    assert search.trial_config(plain, {"attention": 0.81}) == plain.to_dict()
-    params = trial_run_params(specs.SweepSpec(name="t", version=1), config)
+    assert plain.with_calibration({"attention": 0.81}) is plain and "mu_source" not in plain.to_dict()
+    params = trial_run_params(specs.SweepSpec(name="t", version=1), record)
     assert params["mu"] == "0.81" and params["mu_source"] == "calibration" and params["metric"] == "attention"
 
 
@@ -233,8 +238,7 @@ def test_calibrated_mu_is_applied_once_on_the_driver():
 
 
 @pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+def mlflow_store(tmp_path, monkeypatch, mlflow_db):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "test")
     return tracking.client()
 
@@ -280,14 +284,11 @@ def test_trial_run_schema(mlflow_store):
 
 def test_a_standalone_evaluation_logs_its_trial_result(mlflow_store, tmp_path):
     """`pipelines/evaluate.py`'s run: role evaluation, the trial's params and metrics, the TrialResult file."""
-    from pipelines.run.trial import EvalConfig
-
     c = mlflow_store
     table = result.predictions_table([_pred("a", 0, prediction="yes")])
     done = result.TrialResult(table, {"a": {"accuracy": 1.0}}, {"a/accuracy": 1.0, "entropy/mean": float("nan")})
-    cfg = EvalConfig(model=weights.ModelSource("tiny:llava"), method="promprune", budget=8, options={"mu": 0.4},
-                     tasks=["a"])
-    run = c.get_run(tracking.log_evaluation(cfg, done))
+    spec = specs.SweepSpec(name="evaluate", version=1, model=weights.ModelSource("tiny:llava"), tasks=["a"])
+    run = c.get_run(tracking.log_evaluation(spec, specs.Trial("promprune", 8, {"mu": 0.4}), done))
     assert run.data.tags[mlflow_layout.ROLE] == "evaluation"
     assert run.data.tags[mlflow_layout.TRIAL] == "promprune-b8-mu=0.4"
     assert run.data.params["mu"] == "0.4" and run.data.metrics == {"a/accuracy": 1.0}

@@ -70,11 +70,10 @@ def test_a_failed_trial_is_logged_once(scratch):
 def test_reconcile_skips_results_tune_never_started():
     """Ctrl-C under load once ended in TypeError: 'NoneType' object is not subscriptable."""
     recorder = SimpleNamespace(records={})
-    trial = {"trial_id": "t1", "method": None, "budget": None, "options": {}}
     grid = [SimpleNamespace(config=None, error=None, checkpoint=None),
             SimpleNamespace(config={}, error=None, checkpoint=None)]
     with pytest.raises(sweep.SweepInterrupted, match="1 trial\\(s\\) did not finish: baseline"):
-        sweep._reconcile(recorder, grid, [specs.Trial.from_dict(trial)])
+        sweep._reconcile(recorder, grid, [specs.Trial(None, None)])
 
 
 def test_a_dead_drivers_run_is_marked_killed_on_the_next_start(scratch, tmp_path):

@@ -19,10 +19,9 @@ _clock = itertools.count()  # strictly increasing start times: "latest sweep" mu
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    """(client, experiment id) on a fresh sqlite store; MLFLOW_TRACKING_URI points at it."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+def store(tmp_path, monkeypatch, mlflow_db):
+    """(client, experiment id) on a fresh sqlite store (`mlflow_db`); MLFLOW_TRACKING_URI points at it."""
+    uri = mlflow_db
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     exp = client.create_experiment("promprune", artifact_location=(tmp_path / "artifacts").as_uri())

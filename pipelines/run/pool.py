@@ -1,0 +1,170 @@
+"""The roster of a sweep's model workers (`pipelines/run/workers.py`): a small named Ray actor on the driver's node,
+kept light (it imports Ray and nothing of the model: the workers' arguments reach it pickled, opened only when it
+must start a worker itself).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+
+KEEP_S = 20.0  # a worker no lease needs is retired after this long (the next trial's lease comes within seconds)
+TRIM_EVERY_S = 1.0  # how often the pool compares its workers with what its leases need
+# a holder not heard from for this long (its trial's process died without releasing) loses its lease and grants; a
+# live trial is heard from at least every `engine.HEARTBEAT_S`
+HOLDER_TIMEOUT_S = 60.0
+WARM = "__warm__"  # the driver's lease while it sets the sweep up: dropped when the first trial leases
+
+
+class Pool:
+    """The roster of a sweep's workers, the leases of the trials using them, which worker answers which trial's
+    block, and the attempts of every block (a Ray actor, named after the sweep and its `PoolKey`, that owns the
+    workers it starts: when it goes, they go).
+
+    - A lease is ``holder -> workers it can use`` (a holder: one run of a trial); the pool keeps
+      ``min(plan.pool_size, sum of leases)`` workers, creating them as leases ask and retiring the surplus once it
+      has lasted `KEEP_S` (a background thread checks every `TRIM_EVERY_S`).
+    - A grant is one block's worth of a worker: `acquire` grants idle workers (up, no block of any trial on them),
+      `free` ends a grant. So each worker has at most one block in flight, whichever trial sent it: a block never
+      waits at a busy worker while another is idle, and a block that kills its worker is the only one charged.
+    - A holder that stops calling (its process died) loses its lease and grants after `HOLDER_TIMEOUT_S`."""
+
+    def __init__(self, pool_size: int, spawn: bytes, keep_s: float = KEEP_S):
+        self.pool_size, self.spawn, self.keep_s = pool_size, spawn, keep_s
+        self.lock = threading.Lock()
+        self.workers: dict[int, object] = {}  # worker id -> handle
+        self.loading: dict[int, ray.ObjectRef] = {}  # worker id -> its `ready` call, until it answers
+        self.up: set[int] = set()  # ids of the workers whose model is loaded
+        self.leases: dict[str, int] = {}  # holder -> workers it can use
+        self.heard: dict[str, float] = {}  # holder -> when it last called
+        self.grants: dict[int, str] = {}  # worker id -> the holder whose block it answers
+        self.started: dict[str, int] = {}  # block key (evaluation/block) -> attempts started
+        self.next_id, self.surplus_since = 0, None
+        self.error: str | None = None  # why a worker could not start (its model did not load): every trial fails
+        self.me = ray.get_runtime_context().current_actor
+        threading.Thread(target=self._trim_loop, daemon=True).start()
+
+    def adopt(self, workers: list) -> None:
+        """Take workers the driver started (`WorkerPool.warm`) onto the roster once they are up; they count as the
+        pool's from now on (retired like its own; they end with the driver, not with the pool)."""
+        with self.lock:
+            for worker in workers:
+                wid, self.next_id = self.next_id, self.next_id + 1
+                self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
+
+    def lease(self, holder: str, workers: int) -> None:
+        """``holder`` (a trial's run) can use ``workers`` workers from now on (the warm-up lease ends at the first)."""
+        with self.lock:
+            if holder != WARM:
+                self.leases.pop(WARM, None)
+            self.leases[holder], self.heard[holder] = max(0, int(workers)), time.monotonic()
+            self._grow()
+
+    def release(self, holder: str) -> None:
+        """``holder`` is done: its lease ends and the workers answering its blocks are free."""
+        with self.lock:
+            self._drop(holder)
+
+    def acquire(self, holder: str, wanted: int) -> tuple[list, str | None]:
+        """([(worker id, handle)] of up to ``wanted`` idle workers, now granted to ``holder``; why workers fail to
+        start, or None)."""
+        with self.lock:
+            self._poll()
+            self.heard[holder] = time.monotonic()
+            idle = [w for w in sorted(self.up) if w not in self.grants][:max(0, wanted)]
+            self.grants.update({w: holder for w in idle})
+            return [(w, self.workers[w]) for w in idle], self.error
+
+    def free(self, holder: str, wid: int) -> None:
+        """``holder``'s block on worker ``wid`` came back (or the worker is gone)."""
+        with self.lock:
+            if self.grants.get(wid) == holder:
+                del self.grants[wid]
+
+    def roster(self) -> tuple[list, str | None]:
+        """([(worker id, handle)] of the workers up, granted or not; why workers fail to start, or None)."""
+        with self.lock:
+            self._poll()
+            return [(i, self.workers[i]) for i in sorted(self.up)], self.error
+
+    def begin(self, key: str) -> int:
+        """Count one more attempt of ``key`` (evaluation/block); returns its number (1 for the first)."""
+        self.started[key] = self.started.get(key, 0) + 1
+        return self.started[key]
+
+    def state(self) -> dict:
+        """What the pool holds now: workers alive, up, granted, and the leases (for tests and the console)."""
+        with self.lock:
+            self._poll()
+            return {"workers": len(self.workers), "up": len(self.up), "granted": len(self.grants),
+                    "leases": dict(self.leases), "pool_size": self.pool_size}
+
+    def _drop(self, holder: str) -> None:
+        self.leases.pop(holder, None)
+        self.heard.pop(holder, None)
+        self.grants = {w: h for w, h in self.grants.items() if h != holder}
+
+    def _need(self) -> int:
+        return min(self.pool_size, sum(self.leases.values()))
+
+    def _grow(self) -> None:
+        while self.error is None and len(self.workers) < self._need():
+            wid, self.next_id = self.next_id, self.next_id + 1
+            worker = self._new_worker()
+            self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
+
+    def _new_worker(self):
+        """A worker of the sweep's kind (``spawn``: `workers.new_worker` with its arguments, pickled, called with this
+        pool's handle); the first call imports what they need (torch, the model's classes), which the pool's process
+        is spared as long as the driver's warm workers suffice."""
+        import cloudpickle
+
+        return cloudpickle.loads(self.spawn)(self.me)
+
+    def _poll(self) -> None:
+        """Move the workers whose model has loaded onto the roster; a worker that died loading is an error."""
+        if not self.loading:
+            return
+        done, _ = ray.wait(list(self.loading.values()), num_returns=len(self.loading), timeout=0)
+        for wid in [w for w, ref in self.loading.items() if ref in done]:
+            ref = self.loading.pop(wid)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                self.error = self.error or f"{type(exc).__name__}: {exc}"[:4000]
+                self.workers.pop(wid, None)
+                continue
+            self.up.add(wid)
+
+    def _trim_loop(self) -> None:
+        while True:
+            time.sleep(TRIM_EVERY_S)
+            with self.lock:
+                now = time.monotonic()
+                for holder in [h for h, t in self.heard.items() if h != WARM and now - t > HOLDER_TIMEOUT_S]:
+                    self._drop(holder)  # its trial's process died without releasing
+                self._poll()
+                self._trim()
+
+    def _trim(self) -> None:
+        """Retire the workers beyond what the leases need once the surplus has lasted `keep_s`: pending ones first
+        (they hold no GPU yet, only the autoscaler's demand), then idle ones, never one answering a block."""
+        surplus = len(self.workers) - self._need()
+        if surplus <= 0:
+            self.surplus_since = None
+            return
+        now = time.monotonic()
+        self.surplus_since = self.surplus_since or now
+        if now - self.surplus_since < self.keep_s:
+            return
+        idle = sorted((w for w in self.workers if w not in self.grants), key=lambda w: (w in self.up, -w))
+        for wid in idle[:surplus]:
+            worker = self.workers.pop(wid)
+            if wid in self.up:
+                self.up.discard(wid)
+                worker.retire.options(max_task_retries=0).remote()  # (an exit is not a failure to retry)
+            else:
+                self.loading.pop(wid, None)
+                ray.kill(worker)
+        self.surplus_since = None
