@@ -65,3 +65,42 @@ def test_resume_refuses_state_others_can_write(tmp_path):
     with pytest.raises(specs.SpecError, match="writable by others.*unpickles"):
         state.check_trusted_storage(str(storage), "rel-1")
     state.check_trusted_storage("s3://bucket/tune", "rel-1")  # remote: the bucket policy's job (README)
+
+
+LISTENERS = """
+import psutil, ray
+from pipelines.run.ray_connect import connect
+
+connect(None, log_to_driver=False)
+ray.get(ray.remote(lambda: 1).remote())  # a worker is up too
+tree = {p.pid for p in psutil.Process().children(recursive=True)} | {psutil.Process().pid}
+for c in psutil.net_connections("inet"):
+    if c.status == psutil.CONN_LISTEN and c.pid in tree:
+        print("LISTEN", psutil.Process(c.pid).name(), c.laddr.ip, c.laddr.port)
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_local_sweeps_ray_listens_on_loopback_only(tmp_path):
+    """Issue 56 item 6: the local Ray a sweep starts (GCS, raylet, workers, agents) listened on `::` / 0.0.0.0;
+    now on 127.0.0.1 alone, so nothing beyond this machine reaches it."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="pp-lo-")  # short: Ray's unix sockets live under it
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=300,
+                              env=env, cwd=tmp_path)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    listeners = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("LISTEN ")]
+    assert proc.returncode == 0 and listeners, proc.stdout + proc.stderr[-3000:]
+    names = {name for name, _, _ in listeners}
+    assert {"gcs_server", "raylet"} <= names, listeners
+    wide = [(name, ip, port) for name, ip, port in listeners if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    assert not wide, f"listening beyond loopback: {wide}"
