@@ -56,8 +56,9 @@ def _recorded_head() -> str | None:
 
 def connect(address: str | None, *, log_to_driver: bool = True) -> None:
     """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else the head `ray start` recorded, else start a
-    local Ray whose services listen on loopback only (`loopback_only`). A named head that does not answer is a RayUnreachable in seconds (Ray itself would wait for
-    minutes); a recorded head that died without `ray stop` is skipped with a note."""
+    local Ray whose services listen on loopback only (`loopback_only`). A named head that does not answer is a
+    RayUnreachable in seconds (Ray itself would wait for minutes); a recorded head that died without `ray stop` is
+    skipped with a note."""
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
 
     if ray.is_initialized():
