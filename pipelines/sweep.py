@@ -3,7 +3,7 @@
     python pipelines/sweep.py                                   # sweeps/quickstart.yaml, offline, local Ray
     python pipelines/sweep.py --config sweeps/table1_llava15.yaml --set limit=20
     python pipelines/sweep.py --config sweeps/quickstart.yaml --resume          # finish an interrupted sweep
-    ray job submit --working-dir . -- python pipelines/sweep.py --config sweeps/nightly.yaml \
+    RAY_AUTH_MODE=token ray job submit --working-dir . -- python pipelines/sweep.py --config sweeps/nightly.yaml \
         --regression-threshold 0.02
 
 Setup -> run -> cleanup:
@@ -34,6 +34,9 @@ continues. One driver per sweep: `main` takes the run's `DriverLock` (pipelines/
 a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets its own experiment name
 (`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
+A sweep run as a Ray job keeps nothing in Ray's per-job copy of the working directory: with no MLflow store or Tune
+storage named, it uses `~/promprune/` on the head (`pipelines/paths.py`) and says so in one line.
+
 The parts live in `pipelines/run/`; a trial reads trial.py (the trial in its Tune actor) -> engine.py (the actors and
 the Ray Data evaluation) -> result.py (TrialResult) -> recorder.py (the driver's MLflow logging), beside
 requests.py (the requests as a Ray Dataset of sealed blocks), checkpoints.py (a trial's saved blocks), ray_connect.py,
@@ -53,12 +56,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+if __name__ == "__main__":
+    # run as a script: refused in about a second, before the imports below load Ray and torch (10 s and more): a
+    # spec file too large to be one, a --resume whose run's driver is alive (pipelines/frontdoor.py)
+    from pipelines.frontdoor import refuse_early
+
+    refuse_early(sys.argv[1:])
+
 import ray
 from ray import tune
 
 from promprune.records import Request
 
-from pipelines import calibration, mlflow_layout, plugins, preflight
+from pipelines import calibration, mlflow_layout, paths, plugins, preflight
+from pipelines.frontdoor import DEFAULT_CONFIG
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
@@ -75,7 +86,6 @@ from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
 # 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
@@ -479,7 +489,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     preflight.random_weights_note(spec.model.pretrained)
-    log_path = Path("outputs") / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
+    where = paths.job_defaults_line()  # a Ray job: its records outlive Ray's package copy of the working dir
+    if where:
+        print(where, flush=True)
+    log_path = paths.outputs_dir() / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
     with lock:  # held until the sweep ends; the kernel drops it if this process is killed
         prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
         if not args.verbose:
@@ -488,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 connect(args.address, log_to_driver=args.verbose)
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
-                                    command={"config": args.config, "overrides": args.overrides}, lock=lock)
+                                    command={"config": args.config, "overrides": args.overrides,
+                                             "ray_job": paths.in_ray_job()}, lock=lock)
             except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
                 say(f"error: {e}")
                 return EXIT_BAD_INPUT

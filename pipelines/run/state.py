@@ -17,23 +17,23 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import mlflow_layout, tracking
+from pipelines import mlflow_layout, paths, tracking
 from pipelines import spec as specs
-
-STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
-STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
+from pipelines.frontdoor import LOCK_SUFFIX, STATE_DIR, busy_message, local_holder, parse_holder, runs_of
+from pipelines.paths import STORAGE_ENV
 
 
 def storage_root(spec: specs.SweepSpec) -> str:
-    """Tune's storage: the spec's tune.storage_path, else $PROMPRUNE_STORAGE, else ./outputs/tune (local runs)."""
-    return spec.tune.storage_path or os.environ.get(STORAGE_ENV) or str((Path.cwd() / "outputs" / "tune").resolve())
+    """Tune's storage: the spec's tune.storage_path, else $PROMPRUNE_STORAGE, else ./outputs/tune (a Ray job's:
+    ~/promprune/outputs/tune, `pipelines.paths`)."""
+    return spec.tune.storage_path or os.environ.get(STORAGE_ENV) or paths.default_storage()
 
 
 def outbox_dir(storage: str, experiment: str) -> Path:
     """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.run.outbox`): beside Tune's
     experiments on local storage; under ./outputs/outbox on remote storage (the driver uploads from local files)."""
     if "://" in storage and not storage.startswith("file://"):
-        return Path.cwd() / "outputs" / "outbox" / experiment
+        return paths.outputs_dir() / "outbox" / experiment
     return Path(storage.removeprefix("file://")) / STATE_DIR / f"{experiment}.outbox"
 
 
@@ -53,14 +53,13 @@ def save_state(storage: str, state: dict) -> None:
 
 
 def _state_names(storage: str, name: str, suffix: str = ".json") -> list[str]:
-    """The experiments of spec `name` with a `suffix` file in the state directory (`<name>-<time>`: a digit after
-    the dash, so spec `rel` never takes `rel-b`'s runs), oldest first."""
+    """The experiments of spec `name` with a `suffix` file in the state directory (`frontdoor.runs_of`), oldest
+    first."""
     import pyarrow.fs
 
     fs, d = _state_fs(storage)
-    files = fs.get_file_info(pyarrow.fs.FileSelector(d, allow_not_found=True))
-    return sorted(f.base_name[:-len(suffix)] for f in files if f.base_name.endswith(suffix)
-                  and f.base_name.startswith(f"{name}-") and f.base_name[len(name) + 1:][:1].isdigit())
+    return runs_of(name, [f.base_name for f in fs.get_file_info(pyarrow.fs.FileSelector(d, allow_not_found=True))],
+                   suffix)
 
 
 def _read_state(storage: str, experiment: str) -> dict:
@@ -146,12 +145,14 @@ def _flat(d, prefix: str = "") -> dict:
 
 
 def resume_command(state: dict) -> str:
-    """The command that resumes the run of `state`, with the spec file and every --set override it started with."""
+    """The command that resumes the run of `state`, with the spec file and every --set override it started with (as
+    a Ray job when it ran as one: its state is on the head, `pipelines.paths`)."""
     cmd = state.get("command") or {}
     parts = ["python", "pipelines/sweep.py", "--config", cmd.get("config", "<spec.yaml>")]
     for item in cmd.get("overrides", []):
         parts += ["--set", item]
-    return " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
+    command = " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
+    return paths.submit_command(command) if cmd.get("ray_job") else command
 
 
 def _driver_alive(driver: dict | None) -> bool | None:
@@ -203,7 +204,6 @@ def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> 
 # ----------------------------------------------------------------------------------------------------------------
 # one driver per sweep
 
-LOCK_SUFFIX = ".lock"
 # remote storage (s3://, gs://) has no kernel lock: its driver rewrites the lock file this often, and a lock whose
 # driver is on another host counts as dead once it has not been rewritten for STALE_AFTER_S (four beats missed, as
 # an object store's write can stall for a beat or two)
@@ -281,7 +281,7 @@ class DriverLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _parse(os.pread(fd, 1 << 16, 0))
+            holder = parse_holder(os.pread(fd, 1 << 16, 0))
             os.close(fd)
             return holder
         os.ftruncate(fd, 0)
@@ -303,23 +303,10 @@ class DriverLock:
 
     def _holder(self) -> dict | None:
         """What holds the lock now (None: nobody alive), without taking it."""
-        if not self._local:
-            holder = self._read()
-            return holder if holder is not None and _holder_alive(holder) else None
-        import fcntl
-
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        except BlockingIOError:
-            return _parse(os.pread(fd, 1 << 16, 0))
-        finally:
-            os.close(fd)
+        if self._local:
+            return local_holder(self.path)
+        holder = self._read()
+        return holder if holder is not None and _holder_alive(holder) else None
 
     def _exists(self, path: str) -> bool:
         import pyarrow.fs
@@ -329,7 +316,7 @@ class DriverLock:
     def _read(self) -> dict | None:
         try:
             with self._fs.open_input_stream(self.path) as f:
-                return _parse(f.read())
+                return parse_holder(f.read())
         except FileNotFoundError:
             return None
 
@@ -374,13 +361,6 @@ def driver_lock(spec: specs.SweepSpec, state: dict | None) -> DriverLock:
                               "tune.storage_path") from None
 
 
-def _parse(raw: bytes) -> dict:
-    try:
-        return json.loads(raw.decode() or "{}")
-    except ValueError:
-        return {}
-
-
 def _same_driver(a: dict | None, b: dict) -> bool:
     return a is not None and all(a.get(k) == b[k] for k in ("host", "pid", "since"))
 
@@ -394,10 +374,5 @@ def _holder_alive(holder: dict) -> bool:
 
 
 def busy_error(experiment: str, holder: dict) -> specs.SpecError:
-    """The refusal of a second driver: who runs the sweep, since when, and how to stop it."""
-    pid, host = holder.get("pid", "?"), holder.get("host", "?")
-    return specs.SpecError([
-        f"sweep {experiment} is being run by a live driver (pid {pid} on {host}, since {holder.get('since', '?')}), "
-        "and two drivers of one sweep would run its trials twice and delete each other's saved blocks. Wait for "
-        f"it to finish, or stop it (Ctrl-C in its terminal, `kill -INT {pid}` on {host}, or `ray job stop` for a "
-        "Ray job; it saves its state) and resume then"], f"--resume {experiment}")
+    """The refusal of a second driver (`frontdoor.busy_message`: who runs the sweep, since when, how to stop it)."""
+    return specs.SpecError([busy_message(experiment, holder)], f"--resume {experiment}")

@@ -161,3 +161,41 @@ def test_a_task_whose_data_is_missing_stops_the_sweep_before_ray(scratch, tmp_pa
                        f"from the working directory ({tmp_path / 'data' / 'own.parquet'}); neither exists")
     assert "Hugging Face hub" not in proc.stderr and not (tmp_path / "mlflow.db").exists()
     _no_ray_started(tmp_path)
+
+
+@pytest.mark.parametrize("name", ['"rel\\0x"', '"rel\\nx"', '"rel\\tx"'])
+def test_control_characters_in_the_name_are_refused(scratch, run_main, name):
+    """Issue 57 item 4: a NUL in the name passed --validate-only and crashed the run (`ArrowInvalid: Embedded NUL
+    char in path`); the name becomes paths and MLflow names, so control characters are refused at the front door."""
+    proc, _ = run_main("--config", str(scratch(SPEC.replace("name: rel", f"name: {name}"))), "--validate-only")
+    assert_clean_error(proc, "name: expected a non-empty name without '/' or control characters")
+
+
+def test_a_huge_config_is_refused_unparsed(scratch, tmp_path):
+    """Issue 57 item 4: a 50 MB file given as --config took 57 s to refuse (YAML parsed whole); it is refused by its
+    size before Ray and torch load, and the loader reads at most a few MB of any file it is given."""
+    import subprocess
+    import sys
+
+    from pipelines.frontdoor import MAX_SPEC_BYTES
+
+    from .conftest import REPO
+
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "w") as f:
+        f.write("name: rel\nversion: 1\ndescription: |\n")
+        f.writelines("  " + "x" * 1022 + "\n" for _ in range(50_000))  # 50 MB of valid YAML
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "pipelines" / "sweep.py"), "--config",
+                           str(huge), "--validate-only"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    refusal = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    assert proc.returncode == 2 and "Traceback" not in refusal, refusal
+    assert f"{huge}: 1 problem(s):\n  - the file is 51.3 MB, and a sweep spec is a few KB of YAML" in refusal, refusal
+    assert not {"torch", "ray"} & imported
+    with pytest.raises(specs.SpecError, match="the file is 51.3 MB"):  # the loader itself, given the file
+        specs.load(huge)
+    (tmp_path / "top.yaml").write_text(f"include: {huge.name}\n")  # through an include too
+    with pytest.raises(specs.SpecError, match="the file is 51.3 MB"):
+        specs.load(tmp_path / "top.yaml")
+    assert MAX_SPEC_BYTES < huge.stat().st_size
