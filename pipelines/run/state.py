@@ -86,23 +86,46 @@ def load_state(storage: str, name: str, resume: str) -> dict:
 
 
 def check_trusted_storage(storage: str, experiment: str) -> None:
-    """`--resume` unpickles Tune's saved state, so whoever can write it can run code in this driver. On a local
-    file system refuse state that another user owns or that others may write; remote stores (s3://, gs://) must be
-    writable by you alone (bucket policy), which cannot be checked from here."""
+    """`--resume` unpickles Tune's saved state (``tuner.pkl``, the searcher's and the scheduler's state, the trials'
+    results and errors), so whoever can write it can run code in this driver. On a local file system refuse the run
+    when anything it reads (`resume_reads`: every folder and file) is owned by another user or writable by others;
+    remote stores (s3://, gs://) must be writable by you alone (bucket policy), which cannot be checked from here."""
     import stat
 
     if "://" in storage and not storage.startswith("file://"):
         return
-    root = Path(storage.removeprefix("file://"))
-    for path in (root, root / STATE_DIR, root / experiment):
-        if not path.exists():
+    for path in resume_reads(Path(storage.removeprefix("file://")), experiment):
+        try:
+            info = path.stat()
+        except OSError:  # gone meanwhile, or a dangling link: nothing there to unpickle
             continue
-        info = path.stat()
         if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise specs.SpecError([f"{path} is owned by another user or writable by others, and resuming unpickles "
-                                   "the Tune state kept there (whoever can write it can run code in this process); "
-                                   f"fix its ownership/permissions (chmod go-w {path}) or start a new sweep"],
+            fix = f"chmod go-w {path}" if info.st_uid == os.getuid() else f"chown {os.getuid()} {path}"
+            raise specs.SpecError([f"{path} is owned by another user or writable by others, and resuming reads and "
+                                   "unpickles the Tune state kept there (whoever can write it can run code in this "
+                                   f"process); fix its ownership/permissions ({fix}) or start a new sweep"],
                                   "--resume")
+
+
+def resume_reads(root: Path, experiment: str):
+    """Every folder and file under the Tune storage ``root`` that resuming ``experiment`` reads: the storage and
+    its state folder themselves, the run's state files and outbox, each Tune experiment of the run
+    (``<experiment>``, and ``<experiment>-<word>`` such as the search's ``-search``; ``-2`` is another run) and the
+    run's saved blocks, each with everything below it."""
+    from pipelines.run.checkpoints import BLOCKS_DIR
+
+    state_dir, blocks = root / STATE_DIR, root / BLOCKS_DIR
+    yield from (root, state_dir, blocks)
+    trees = [state_dir / f"{experiment}{suffix}" for suffix in (".json", LOCK_SUFFIX, ".outbox")]
+    trees.append(blocks / experiment)
+    if root.is_dir():
+        trees += sorted(entry for entry in root.iterdir() if entry.name == experiment or (
+            entry.name.startswith(f"{experiment}-") and not entry.name[len(experiment) + 1:][:1].isdigit()))
+    for tree in trees:
+        if tree.exists() or tree.is_symlink():
+            yield tree
+        for folder, dirs, files in os.walk(tree):
+            yield from (Path(folder) / name for name in sorted(dirs + files))
 
 
 def resumed_state(spec: specs.SweepSpec, resume: str) -> dict:
