@@ -469,10 +469,15 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)
+    where = paths.job_defaults_line()  # a Ray job: its records go where they outlive Ray's package copy of the checkout
+    if where:
+        paths.records_root().mkdir(parents=True, exist_ok=True)
+        print(where, flush=True)
     try:  # everything a user can get wrong, in seconds, before Ray starts and before any MLflow run exists
         spec = specs.load(args.config, args.overrides)  # imports the spec's plugins (their methods are checked)
         plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
-        preflight.check_or_raise(spec, args.config)
+        # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal
+        lacking = preflight.check_or_raise(spec, args.config, spec_only=args.validate_only)
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
         lock = None if args.validate_only else driver_lock(spec, resumed)  # refused while its driver is alive
     except specs.SpecError as e:
@@ -480,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     for note in preflight.judge_notes(spec.tasks):
         print(note, flush=True)  # on the console, not only in the log: the task is left out of every trial
+    for problem in lacking:
+        print(f"warning: {problem} (not on this machine: a run here refuses it; where it is, the spec runs)",
+              file=sys.stderr, flush=True)
     if args.validate_only:
         print("\n".join(t.trial_id for t in specs.expand(spec)))
         if spec.tune.search == "optuna":
@@ -489,9 +497,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     preflight.random_weights_note(spec.model.pretrained)
-    where = paths.job_defaults_line()  # a Ray job: its records outlive Ray's package copy of the working dir
-    if where:
-        print(where, flush=True)
     log_path = paths.outputs_dir() / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
     with lock:  # held until the sweep ends; the kernel drops it if this process is killed
         prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar

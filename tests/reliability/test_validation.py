@@ -2,6 +2,8 @@
 message without a traceback (issue: reliability scenarios 2, 4, 6 and 7)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipelines import spec as specs
@@ -199,3 +201,51 @@ def test_a_huge_config_is_refused_unparsed(scratch, tmp_path):
     with pytest.raises(specs.SpecError, match="the file is 51.3 MB"):
         specs.load(tmp_path / "top.yaml")
     assert MAX_SPEC_BYTES < huge.stat().st_size
+
+
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "sweeps").glob("*.yaml"))
+
+
+@pytest.fixture
+def offline(scratch, monkeypatch):
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)  # MM-Vet's judge: skipped, as on a machine without a key
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_spec_passes_validate_only_offline(offline, run_main, path):
+    """Issue 56 item 4: `--validate-only` of a paper spec refused it on a machine without the hub data and models
+    (a laptop), though the cluster that runs it has them. It checks the spec: it lists the trials and exits 0, and
+    names what this machine lacks as warnings."""
+    proc, _ = run_main("--config", str(path), "--validate-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    ids = [t.trial_id for t in specs.expand(specs.load(path))]
+    listed = [line for line in proc.stdout.splitlines() if not line.startswith("note: ")]  # judge-scored: skipped
+    assert listed[:len(ids)] == ids
+    assert all(line.startswith("warning: ") for line in proc.stderr.splitlines() if line), proc.stderr
+
+
+def test_what_this_machine_lacks_is_a_warning_of_validate_only_and_refuses_a_run(offline, run_main):
+    """The same spec: --validate-only warns, names every missing thing once, and passes; a real run here refuses all
+    of them in one message, exit 2, before Ray starts."""
+    table1 = Path(__file__).resolve().parents[2] / "sweeps" / "table1_llava15.yaml"
+    from promprune.eval.task_checks import datasets_cache
+    from promprune.models.factories import model_config
+
+    try:
+        model_config("llava-hf/llava-1.5-7b-hf")
+        pytest.skip("this machine has LLaVA-1.5-7B cached")
+    except ValueError:
+        pass
+    if (datasets_cache() / "lmms-lab-encoder___pope").is_dir():
+        pytest.skip("this machine has POPE cached")
+    proc, _ = run_main("--config", str(table1), "--validate-only")
+    assert proc.returncode == 0
+    assert "warning: tasks: task 'pope' (" in proc.stderr and "reads the Hugging Face hub dataset" in proc.stderr
+    assert "warning: model.pretrained: model 'llava-hf/llava-1.5-7b-hf': it is not in the local Hugging Face " \
+           "cache" in proc.stderr
+    proc, _ = run_main("--config", str(table1), "--set", "limit=2")
+    assert_clean_error(proc, "tasks: task 'pope' (", "model.pretrained: model 'llava-hf/llava-1.5-7b-hf'")
+    assert "warning:" not in proc.stderr
