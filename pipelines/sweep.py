@@ -74,7 +74,7 @@ from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
 from pipelines import timeline, tracking
-from pipelines.run import engine, search, trial
+from pipelines.run import disk, engine, search, trial
 from pipelines.run import resources as planning
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
@@ -160,7 +160,7 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     storage = storage_root(spec)
     state = resume  # the run's saved state (None: a new run)
     trials = specs.expand(spec)
-    n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+    n_trials = planned_trials(spec)
     # the device is known before the blocks: a GPU node the autoscaler must add boots while the rows are built
     # (raises NoCapacity here, in seconds, for a 7B-class model on a cluster that has and can add no GPU)
     first = planning.plan(spec.resources, n_trials, 1, spec.tune.max_concurrent_trials, model=spec.model.pretrained)
@@ -179,6 +179,9 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     problem = search.check_rungs(spec, len(rows.keys))
     if problem:
         raise specs.SpecError([problem], spec.name)
+    short = disk.check_free(_writes_to(spec), len(rows.keys), n_trials)  # the samples are known now
+    if short:
+        raise disk.DiskFull(short)
     plan = planning.plan(dataclasses.replace(spec.resources, device=first.device), n_trials, len(rows.blocks),
                          spec.tune.max_concurrent_trials)
     say(f"sweep {spec.name} v{spec.version}: {_trials_line(spec, len(trials), len(rows.keys))}, "
@@ -192,6 +195,16 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
                          command, experiment)
     finally:
         capacity.release()
+
+
+def planned_trials(spec: specs.SweepSpec) -> int:
+    """The trials a sweep runs: its listed ones, and for an optuna search the ones optuna will choose."""
+    return len(specs.expand(spec)) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+
+
+def _writes_to(spec: specs.SweepSpec) -> list[str]:
+    """Where a sweep writes: Tune's storage, the MLflow store, the log's folder (`disk.check_free`, `DiskWatch`)."""
+    return [storage_root(spec), tracking.tracking_uri(), str(paths.outputs_dir())]
 
 
 def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
@@ -222,7 +235,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
         say(f"note: the earlier run {dead} of this sweep died without finishing; its MLflow parent run is "
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
-    n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+    n_trials = planned_trials(spec)
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
@@ -261,6 +274,9 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, run_fn, r
                 try:
                     _reconcile(recorder, grid, phase.trials, spec.tune.num_samples if not phase.trials else None)
                 except SweepInterrupted as e:
+                    full = disk.tripped(state["experiment"])  # the watch stopped it: a disk ran low
+                    if full:
+                        raise disk.DiskFull(disk.full_message(full, resume_command(state))) from None
                     raise SweepInterrupted(str(e), resume_command(state)) from None
             timeline.mark("tune_end", "driver")
         recorder.finalize_rel()
@@ -375,15 +391,18 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     scheduler when it is the search. A resumed sweep restores the experiment as it was (trials, searcher, the
     scheduler's rungs) when it had started."""
     storage, name = state["storage_path"], state["experiment"] + phase.suffix
-    if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
+    path, files = disk.tune_storage(storage)  # a local storage's files written whole (a full disk leaves the old)
+    if resume and tune.Tuner.can_restore(f"{path}/{name}", storage_filesystem=files):
         say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
-        return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True)
-    callbacks = [RecorderHook(recorder.parent_id)]
+        return tune.Tuner.restore(f"{path}/{name}", trainable, resume_unfinished=True, resume_errored=True,
+                                  storage_filesystem=files)
+    watch = disk.DiskWatch(state["experiment"], _writes_to(spec))
+    callbacks = [RecorderHook(recorder.parent_id), watch]
     scheduler = search.scheduler(spec, recorder.per_trial) if phase.searched else None
     if scheduler is not None:
         callbacks.append(search.SchedulerState(scheduler))
     run_config = tune.RunConfig(
-        name=name, storage_path=storage, callbacks=callbacks,
+        name=name, storage_path=path, storage_filesystem=files, callbacks=callbacks, stop=watch,
         verbose=0,  # Tune's tables are wide; RecorderHook prints one line per trial start and end instead
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
@@ -499,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     preflight.random_weights_note(spec.model.pretrained)
     log_path = paths.outputs_dir() / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
     with lock:  # held until the sweep ends; the kernel drops it if this process is killed
+        short = disk.check_free(_writes_to(spec), spec.limit and spec.limit * len(spec.tasks), planned_trials(spec))
+        if short:
+            print(f"error: {short}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
         if not args.verbose:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
@@ -508,8 +531,15 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                     command={"config": args.config, "overrides": args.overrides,
                                              "ray_job": paths.in_ray_job()}, lock=lock)
-            except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
+            except (RayUnreachable, planning.NoCapacity, specs.SpecError, disk.DiskFull) as e:
                 say(f"error: {e}")
+                return EXIT_BAD_INPUT
+            except OSError as e:
+                if not disk.is_disk_full(e):
+                    raise
+                say("error: " + disk.full_message(f"a write failed: {e}", resume_command(
+                    {"experiment": lock.experiment, "command": {"config": args.config, "overrides": args.overrides,
+                                                               "ray_job": paths.in_ray_job()}})))
                 return EXIT_BAD_INPUT
             except SweepInterrupted as e:
                 say(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}")

@@ -46,10 +46,20 @@ def _state_fs(storage: str):
 
 
 def save_state(storage: str, state: dict) -> None:
+    """Write the run's state whole or not at all: into a temporary file moved into place, so a full disk leaves the
+    last state written (remote stores write an object only once its upload completes)."""
     fs, d = _state_fs(storage)
     fs.create_dir(d, recursive=True)
-    with fs.open_output_stream(f"{d}/{state['experiment']}.json") as f:
-        f.write(json.dumps(state, indent=2).encode())
+    final = f"{d}/{state['experiment']}.json"
+    tmp = f"{d}/.{state['experiment']}.json.{os.getpid()}.part"  # a dot first: never taken for a run's state
+    try:
+        with fs.open_output_stream(tmp) as f:
+            f.write(json.dumps(state, indent=2).encode())
+        fs.move(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.delete_file(tmp)
+        raise
 
 
 def _state_names(storage: str, name: str, suffix: str = ".json") -> list[str]:
@@ -65,7 +75,13 @@ def _state_names(storage: str, name: str, suffix: str = ".json") -> list[str]:
 def _read_state(storage: str, experiment: str) -> dict:
     fs, d = _state_fs(storage)
     with fs.open_input_stream(f"{d}/{experiment}.json") as f:
-        return json.loads(f.read().decode())
+        raw = f.read()
+    try:
+        return json.loads(raw.decode())
+    except ValueError:  # cut short by a full disk before states were written whole
+        raise specs.SpecError([f"the state of run {experiment} ({d}/{experiment}.json, {len(raw)} bytes) is not "
+                               "whole JSON (a write cut short, e.g. by a full disk); it cannot be resumed: start the "
+                               "sweep anew"], "--resume") from None
 
 
 def load_state(storage: str, name: str, resume: str) -> dict:
@@ -202,7 +218,10 @@ def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> 
     for experiment in _state_names(storage, name):
         if experiment == keep:
             continue
-        state = _read_state(storage, experiment)
+        try:
+            state = _read_state(storage, experiment)
+        except specs.SpecError:  # a damaged state: nothing to say about its driver
+            continue
         if _driver_alive(state.get("driver")) is not False:
             continue
         if (outbox_dir(storage, experiment) / "outbox.json").is_file():
