@@ -8,9 +8,10 @@ truncated experiment state made `--resume` fail even after space was freed.
 
 - `check_free`: before Ray starts (`RESERVE_BYTES` plus what the known samples will take) and again once the
   requests are built (their number known): refused with the bytes needed, where, and how much is free.
-- `DiskWatch`: a Tune callback and stopper in the driver. It stops the sweep when a watched file system has less than
-  `RESERVE_BYTES` free, or when a trial fails on ENOSPC (the first time, not after its retries); the sweep then ends
-  with one paragraph (`DiskFull`) and the command that resumes it once space is freed.
+- `DiskWatch`: a Tune callback in the driver. It stops the sweep (as Ctrl-C does: its unfinished trials stay
+  unfinished) when a watched file system has less than `RESERVE_BYTES` free, or when a trial fails on ENOSPC (the
+  first time, not after its retries); the sweep then ends with one paragraph (`DiskFull`) and the command that
+  resumes it once space is freed.
 - `tune_storage`: Tune's storage through `AtomicLocalFiles`, a local file system whose files are written under a
   temporary name and moved into place when complete, so a write cut short by a full disk leaves the previous file
   (Tune's experiment state, its searcher's, a trial's result or error) whole. Remote storage (s3://, gs://) writes
@@ -22,6 +23,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -119,19 +121,31 @@ _TRIPPED: dict[str, str] = {}  # the watch's key -> why it stopped the sweep (th
 class DiskWatch(tune.Callback, tune.Stopper):
     """Stops the Tune experiment when a watched file system runs low or a trial fails for want of space.
 
-    Tune pickles its callbacks and stopper with the experiment and restores them on `--resume`: what the watch found
-    lives in this process (`tripped`, by ``key``), never in the pickle, so a resumed sweep starts unstopped."""
+    It stops Tune as Ctrl-C does (Tune's own SIGUSR1 handler, installed while `Tuner.fit` runs in the main thread):
+    Tune saves its state one last time with the unfinished trials still unfinished, so `--resume` runs them. (A
+    stopper's `stop_all` would end them as TERMINATED, which a resume takes for done; it is the fallback where Tune
+    could not install its handler.) Tune pickles its callbacks and stopper with the experiment and restores them on
+    `--resume`: what the watch found lives in this process (`tripped`, by ``key``), never in the pickle, so a resumed
+    sweep starts unstopped."""
 
     def __init__(self, key: str, places: list[str | None]):
         self.key = key
         self.places = [str(p) for p in map(local_dir, places) if p is not None]
         self._last = 0.0
+        self._stop = False
 
     def __getstate__(self):
-        return {"key": self.key, "places": self.places, "_last": 0.0}
+        return {"key": self.key, "places": self.places, "_last": 0.0, "_stop": False}
 
     def _trip(self, why: str) -> None:
-        _TRIPPED.setdefault(self.key, why)
+        if self.key in _TRIPPED:
+            return
+        _TRIPPED[self.key] = why
+        handler = signal.getsignal(signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else None
+        if getattr(handler, "__qualname__", "").endswith("signal_interrupt_tune_run"):
+            os.kill(os.getpid(), signal.SIGUSR1)  # Tune's "stop signal received": state saved, trials unfinished
+        else:
+            self._stop = True
 
     def _look(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -169,10 +183,10 @@ class DiskWatch(tune.Callback, tune.Stopper):
 
     # tune.Stopper
     def __call__(self, trial_id, result) -> bool:
-        return self.key in _TRIPPED
+        return self._stop
 
     def stop_all(self) -> bool:
-        return self.key in _TRIPPED
+        return self._stop
 
 
 def tripped(key: str) -> str | None:
