@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipelines.mlflow_layout import tracking_uri
 
-PROBE_TIMEOUT_S = "5"  # one request without retries: a server that is down refuses at once, a blackholed one times out
+PROBE_TIMEOUT_S = 5.0  # one request: a server that is down refuses at once, one that never answers times out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,23 +46,26 @@ def safe_dir_name(name: str) -> str:
 
 def store_problem(uri: str) -> str | None:
     """Why the MLflow store at ``uri`` cannot be read (None: it answers): a SQLite file that does not exist, a
-    server that does not answer one request within seconds (MLflow itself retries for minutes)."""
-    from promprune.env import temporary_env
+    server that does not answer one plain HTTP request within seconds (MLflow's client would retry for minutes).
+    Standard library only: said before MLflow, pandas and matplotlib load."""
+    import urllib.error
+    import urllib.request
 
     fix = "point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the sweep wrote"
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         return None if path.is_file() else f"there is no MLflow store at {uri} ({path} does not exist); {fix}"
-    from mlflow.tracking import MlflowClient
-
+    if not uri.startswith(("http://", "https://")):
+        return None  # another scheme: MLflow's client says what it makes of it
     try:
-        with temporary_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=PROBE_TIMEOUT_S):
-            MlflowClient(uri).search_experiments(max_results=1)
-    except Exception as exc:  # noqa: BLE001 - whatever the client raises, the store did not answer; said with its cause
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        return (f"the MLflow store at {uri} does not answer ({type(exc).__name__}: {first}); start its server "
-                f"(`mlflow server ...`, or cluster.yaml's on the head, reached through `ray attach cluster.yaml -p "
-                f"5000`) or {fix}")
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return None  # it answered (an error status is MLflow's to explain)
+    except (OSError, ValueError) as exc:  # refused, timed out, no route, a malformed address
+        reason = getattr(exc, "reason", None) or exc
+        return (f"the MLflow store at {uri} does not answer ({type(reason).__name__}: {str(reason)[:200]}); start its "
+                "server (`mlflow server ...`, or cluster.yaml's on the head, reached through `ray attach cluster.yaml "
+                f"-p 5000`) or {fix}")
     return None
 
 

@@ -60,6 +60,15 @@ def test_prefix_agreement():
     assert figure(out, r"prefix cache agreement: (.+)")[1] == "float32 1.000"
 
 
+def test_frontdoor():
+    """Each refusal exits 2 with its message (the script checks); its times are the figure, never asserted."""
+    out = run_benchmark("frontdoor.py", "--runs", "1")
+    rows = table_rows(out, r"(sweep|report)\.py[^|]*")
+    assert len(rows) == 4 and all(r[1] == "2" for r in rows), out
+    figure(out, r"refusals \(median s\): busy resume [\d.]+, 50 MB spec [\d.]+, report refused [\d.]+, report "
+                r"silent [\d.]+")
+
+
 def test_random_fingerprint():
     out = run_benchmark("random_fingerprint.py", "--sets", "20")
     assert figure(out, r"distinct keys: (\d+) of (\d+)").groups() == ("20", "20")

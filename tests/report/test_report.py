@@ -319,6 +319,30 @@ def test_a_tracking_server_that_does_not_answer_is_said_in_seconds(tmp_path):
     assert not (tmp_path / "none.db").exists()
 
 
+def test_a_server_that_answers_passes_the_probe_whatever_it_answers():
+    """The probe asks `/health` (an MLflow server answers OK there); any HTTP answer means the server is up, and what
+    it says is MLflow's client's to explain."""
+    import http.server
+    import threading
+
+    for status in (200, 404, 401):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self, status=status):
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            assert report_cli.store_problem(f"http://127.0.0.1:{server.server_port}") is None
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
 def test_an_unfinished_sweep_says_so_and_counts_the_trials_that_never_started(store, tmp_path, capsys):
     """Issue 57 item 4: a sweep killed midway printed dashes as if it had finished. Its parent run is still RUNNING
     (or KILLED): the report says the sweep is unfinished and how many of its planned trials never started, on the
