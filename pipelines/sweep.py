@@ -86,8 +86,8 @@ from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_
 from pipelines.weights import ModelSource, share
 
 REPO = Path(__file__).resolve().parents[1]
-# exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
-# 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
+# exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address, disk space), 3 a nightly
+# regression, 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -526,24 +526,23 @@ def main(argv: list[str] | None = None) -> int:
         if not args.verbose:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
         with contextlib.nullcontext() if args.verbose else quiet(log_path):
+            command = {"config": args.config, "overrides": args.overrides, "ray_job": paths.in_ray_job()}
             try:
                 connect(args.address, log_to_driver=args.verbose)
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
-                                    command={"config": args.config, "overrides": args.overrides,
-                                             "ray_job": paths.in_ray_job()}, lock=lock)
+                                    command=command, lock=lock)
             except (RayUnreachable, planning.NoCapacity, specs.SpecError, disk.DiskFull) as e:
                 say(f"error: {e}")
-                return EXIT_BAD_INPUT
-            except OSError as e:
-                if not disk.is_disk_full(e):
-                    raise
-                say("error: " + disk.full_message(f"a write failed: {e}", resume_command(
-                    {"experiment": lock.experiment, "command": {"config": args.config, "overrides": args.overrides,
-                                                               "ray_job": paths.in_ray_job()}})))
                 return EXIT_BAD_INPUT
             except SweepInterrupted as e:
                 say(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}")
                 return EXIT_INTERRUPTED
+            except Exception as e:  # a write the watch did not see coming (the driver's own, Tune's) met a full disk
+                if not disk.is_disk_full(e):
+                    raise
+                resume = resume_command({"experiment": lock.experiment, "command": command})
+                say("error: " + disk.full_message(f"a write failed ({type(e).__name__}: {e})", resume))
+                return EXIT_BAD_INPUT
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))
