@@ -49,12 +49,14 @@ def _free_port() -> int:
 
 def cases(work: Path) -> tuple[list[tuple[str, list[str], str, float]], list]:
     """(name, command, what its stderr must say, bound in s) of each case, and what to end afterwards."""
+    from pipelines import spec as specs
     from pipelines.run import state
 
     (work / "spec.yaml").write_text(SPEC)
-    storage = work / "outputs" / "tune"
+    storage, spec = work / "outputs" / "tune", specs.load(work / "spec.yaml")
     state.save_state(str(storage), {"experiment": "frontdoor-20261126-120000", "parent_run_id": "r0",
-                                    "storage_path": str(storage)})
+                                    "storage_path": str(storage), "fingerprint": state.fingerprint(spec),
+                                    "spec_yaml": specs.dump_resolved(spec), "command": {"config": "spec.yaml"}})
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(storage), "frontdoor-20261126-120000"],
                               stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert holder.stdout.readline().strip() == "held"
