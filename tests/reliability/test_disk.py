@@ -148,7 +148,8 @@ generation: {max_new_tokens: 2}
 """
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the long tier (pyproject's markers): two real sweeps; in CI run the refusal, the watch, the whole
+# writes (above) and a killed sweep's resume (tests/pipelines/test_engine.py)
 def test_a_disk_filled_mid_sweep_stops_it_and_resume_finishes_it(tmpfs, tmp_path, monkeypatch):
     """The issue's scenario with a real sweep (local Ray, a real MLflow store): Tune's storage on a small tmpfs,
     filled after the first trial finishes. The sweep stops with one paragraph (exit 2, no traceback, no trial
