@@ -105,43 +105,66 @@ def layer_tokens(method: str | None, budget: int | None, options: dict, text_con
     return tokens
 
 
-def question_flops(config, tokens: list[int], bench: Benchmark, past: list[int] | None = None) -> float:
+class LayerFlops:
+    """`efficiency.layer_prefill_flops` of one LLM, remembered per (layer shape, new tokens, cached tokens): a spec
+    asks it ~350,000 times (Table 1: 19 configurations x 9 benchmarks x 32 layers x each answer token), and each
+    call reads the config's every layer shape; the distinct answers number a few thousand. Layers of the same shape
+    share their answers."""
+
+    def __init__(self, config):
+        from promprune.efficiency import layer_shapes
+
+        self.config = config
+        shapes = layer_shapes(config)
+        self.same_as = [shapes.index(shape) for shape in shapes]  # each layer -> the first of its shape
+        self.known: dict[tuple[int, int, int], float] = {}
+
+    def __call__(self, n_tokens: int, past_tokens: int = 0, layer: int = 0) -> float:
+        from promprune.efficiency import layer_prefill_flops
+
+        key = (self.same_as[layer], n_tokens, past_tokens)
+        if key not in self.known:
+            self.known[key] = layer_prefill_flops(self.config, n_tokens, past_tokens, layer=layer)
+        return self.known[key]
+
+
+def question_flops(flops: LayerFlops, tokens: list[int], bench: Benchmark, past: list[int] | None = None) -> float:
     """One question's LLM FLOPs: the prefill of its prompt (per layer, on that layer's visual tokens; with ``past``
     cached per layer only the suffix), the decode of its answer and the LM head."""
-    from promprune.efficiency import layer_prefill_flops, lm_head_flops
+    from promprune.efficiency import lm_head_flops
 
     text = HEAD_TOKENS + bench.prompt_tokens + TAIL_TOKENS
     total = 0.0
     for layer, visual in enumerate(tokens):
         prompt = visual + text
         if past is None:
-            total += layer_prefill_flops(config, prompt, layer=layer)
+            total += flops(prompt, layer=layer)
         else:
-            total += layer_prefill_flops(config, prompt - past[layer], past[layer], layer=layer)
-        total += sum(layer_prefill_flops(config, 1, prompt + t, layer=layer) for t in range(bench.answer_tokens - 1))
-    return total + lm_head_flops(config, bench.answer_tokens)
+            total += flops(prompt - past[layer], past[layer], layer=layer)
+        total += sum(flops(1, prompt + t, layer=layer) for t in range(bench.answer_tokens - 1))
+    return total + lm_head_flops(flops.config, bench.answer_tokens)
 
 
-def configuration_cost(config, trial, bench: Benchmark, vision_once: bool, prefix_cache: bool) -> Cost:
-    """FLOPs of one configuration on one benchmark, both ways."""
+def configuration_cost(config, flops: LayerFlops, trial, bench: Benchmark, vision_once: bool,
+                       prefix_cache: bool) -> Cost:
+    """FLOPs of one configuration on one benchmark, both ways (``flops``: the LLM's, `LayerFlops`)."""
     import promprune
-    from promprune.efficiency import layer_prefill_flops, vision_flops
+    from promprune.efficiency import vision_flops
 
     full = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
     tokens = layer_tokens(trial.method, trial.budget, trial.options, config.text_config, full)
     vision = vision_flops(config)
-    config = config.text_config.to_dict()  # the LLM's sums read it ~10^5 times: a dict's reads are cheap
-    lmms = bench.questions * (vision + question_flops(config, tokens, bench))
+    lmms = bench.questions * (vision + question_flops(flops, tokens, bench))
     spec = None if trial.method is None else promprune.method_spec(trial.method)
     shares_vision = spec is None or spec.stage == promprune.IN_LLM or not spec.question_dependent  # PrunedVLM's rules
     shares_prefix = spec is None or not spec.question_dependent
     if not (shares_vision and vision_once):
         return Cost(ours=lmms, lmms=lmms)
     if not (shares_prefix and prefix_cache):
-        return Cost(ours=bench.images * vision + bench.questions * question_flops(config, tokens, bench), lmms=lmms)
+        return Cost(ours=bench.images * vision + bench.questions * question_flops(flops, tokens, bench), lmms=lmms)
     prefix = [visual + HEAD_TOKENS for visual in tokens]
-    prefill = sum(layer_prefill_flops(config, p, layer=layer) for layer, p in enumerate(prefix))
-    ours = bench.images * (vision + prefill) + bench.questions * question_flops(config, tokens, bench, prefix)
+    prefill = sum(flops(p, layer=layer) for layer, p in enumerate(prefix))
+    ours = bench.images * (vision + prefill) + bench.questions * question_flops(flops, tokens, bench, prefix)
     return Cost(ours=ours, lmms=lmms)
 
 
@@ -154,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = specs.load(args.spec, args.set)
     config = model_config(spec.model.pretrained)
+    flops = LayerFlops(config.text_config.to_dict())  # a dict: its reads are cheap
     trials = specs.expand(spec)
     missing = [t for t in spec.tasks if t not in BENCHMARKS]
     if missing:
@@ -170,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         cost = Cost()
         for trial in trials:
             if trial.tasks is None or task in trial.tasks:
-                one = configuration_cost(config, trial, bench, vision_once, prefix_cache)
+                one = configuration_cost(config, flops, trial, bench, vision_once, prefix_cache)
                 cost.ours += one.ours
                 cost.lmms += one.lmms
         total.ours += cost.ours
@@ -180,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| configuration | ours PFLOP | lmms-eval PFLOP | ratio |")
     print("|---|---:|---:|---:|")
     for trial in trials:
-        costs = [configuration_cost(config, trial, BENCHMARKS[t], vision_once, prefix_cache) for t in spec.tasks
+        costs = [configuration_cost(config, flops, trial, BENCHMARKS[t], vision_once, prefix_cache) for t in spec.tasks
                  if trial.tasks is None or t in trial.tasks]
         ours, lmms = sum(c.ours for c in costs), sum(c.lmms for c in costs)
         name = "unpruned" if trial.method is None else f"{trial.method} {trial.budget}"

@@ -70,7 +70,10 @@ def check_source(images: str | None) -> str | None:
                                              f"{', '.join(SPLITS)} (calibrate on testbed:train)")
     folder = Path(images).expanduser()
     if not folder.is_dir():
-        return f"calibration.images: {images!r} is not a folder (give a folder of images, or hf:<dataset id>)"
+        from promprune.eval.task_checks import NotOnThisMachine  # a folder the machine running the sweep may have
+
+        return NotOnThisMachine(f"calibration.images: {images!r} is not a folder here (give a folder of images, or "
+                                "hf:<dataset id>)")
     if not any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.rglob("*")):
         return f"calibration.images: {images!r} holds no image ({', '.join(IMAGE_SUFFIXES)})"
     return None

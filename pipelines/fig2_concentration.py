@@ -21,7 +21,7 @@ visual tokens: spectral (the method's), feature-norm and attention entropy. This
    files go to ``--out`` (default ``reports/<spec name>/``).
 
     python pipelines/fig2_concentration.py                       # the paper's setting (needs OPENAI_API_KEY, a GPU)
-    ray job submit --entrypoint-num-gpus 1 --working-dir . -- python pipelines/fig2_concentration.py
+    RAY_AUTH_MODE=token ray job submit --entrypoint-num-gpus 1 --working-dir . -- python pipelines/fig2_concentration.py
     # offline try-out against any OpenAI-compatible server (e.g. a local vLLM serving a vision model):
     python pipelines/fig2_concentration.py --model tiny-easyvqa:llava --tasks easyvqa_yesno --n 8 \\
         --judge-base-url http://127.0.0.1:8000/v1 --judge-model Qwen/Qwen2.5-VL-7B-Instruct

@@ -1,6 +1,7 @@
 """The MLflow schema of the pipeline, in one place: tracking writes through it, reporting reads through it.
 
-- **Store.** `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db` (what `mlflow ui` opens in that directory);
+- **Store.** `MLFLOW_TRACKING_URI`, else `sqlite:///<cwd>/mlflow.db` (what `mlflow ui` opens in that directory; a
+  Ray job's is `~/promprune/mlflow.db`, `pipelines.paths`), its artifacts in `mlruns/` beside the database file;
   experiment `promprune`, or `MLFLOW_EXPERIMENT_NAME`.
 - **Parent run per sweep:** run name = spec name; tags `promprune.role=sweep`, `promprune.sweep=<name>`,
   `promprune.spec_version=<version>`; artifact `spec.yaml` (the resolved spec); the report under `report/`.
@@ -31,6 +32,8 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+
+from pipelines.paths import default_tracking_uri
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
@@ -86,8 +89,20 @@ NON_TASK_PREFIXES = ("efficiency", "entropy", "t_sal", "samples", "trial", "cali
 
 
 def tracking_uri(uri: str | None = None) -> str:
-    """The store to use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db`` of the working directory."""
-    return uri or os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """The store to use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db`` of the working directory (of
+    ``$PROMPRUNE_HOME`` in a Ray job: `pipelines.paths`)."""
+    return uri or os.environ.get(TRACKING_URI_ENV) or default_tracking_uri()
+
+
+def artifact_location(uri: str | None = None) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts: ``mlruns/<experiment>`` beside the database file,
+    not MLflow's default ``./mlruns`` of whatever directory the process runs in (a Ray job's package copy, deleted
+    with it); None for a server, which has its own artifact root."""
+    uri = tracking_uri(uri)
+    if not uri.startswith("sqlite:///"):
+        return None
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", experiment_name()).lstrip(".") or "experiment"
+    return str(Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns" / name)
 
 
 def ui_command(uri: str | None = None) -> str:

@@ -9,6 +9,11 @@ an image), that every in-LLM trial can prune this model's LLM at its layers (``p
 stage_layers``: a stage ranks at a full-attention layer, not a hybrid LLM's linear-attention layers nor a
 sliding-window one; Gemma 4's E2B / E4B are refused), and that the MLflow store answers and can be written. All
 problems come back together, in seconds; the entry scripts print them as one message without a traceback.
+
+Some problems are this machine's, not the spec's (`NotOnThisMachine`): a hub dataset or model that is not in this
+machine's cache while it is offline, task data or calibration images not where they are named. A sweep refuses
+them like any other; `--validate-only` checks the spec, so it names them as warnings (the cluster that runs the
+sweep may have the data) and passes.
 """
 from __future__ import annotations
 
@@ -41,10 +46,23 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
     return errors
 
 
-def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = None, store: bool = True) -> None:
+def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = None, store: bool = True,
+                   spec_only: bool = False) -> list[str]:
+    """Raise SpecError with every problem (``store``: the MLflow store's too); ``spec_only`` (`--validate-only`):
+    every problem but those of this machine (`NotOnThisMachine`), which come back as warnings."""
+    from promprune.eval.task_checks import NotOnThisMachine
+
     errors = preflight(spec, tracking_uri=tracking_uri, store=store)
+    warnings = [e for e in errors if spec_only and isinstance(e, NotOnThisMachine)]
+    errors = [e for e in errors if e not in warnings]
     if errors:
         raise SpecError(errors, source)
+    return warnings
+
+
+def _labelled(label: str, problem: str) -> str:
+    """``problem`` under a field's label, of the same kind (a `NotOnThisMachine` stays one)."""
+    return type(problem)(f"{label}: {problem}")
 
 
 def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[str] | None = None) -> list[str]:
@@ -67,7 +85,7 @@ def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[s
         return [f"tasks: {exc}"]
     problems = [f"limit: {problem}" for problem in (check_limit(t, limit) for t in tasks) if problem]
     own = [*(include_path or []), *env_include_paths()]
-    return problems + [f"tasks: {problem}" for problem in task_problems(manager, list(tasks), own)]
+    return problems + [_labelled("tasks", problem) for problem in task_problems(manager, list(tasks), own)]
 
 
 JUDGE_PROBE_TIMEOUT_S = 15.0  # one short request; lmms-eval's own judge would retry for minutes per document
@@ -155,11 +173,14 @@ def check_metric(metric: str, tasks: list[str]) -> list[str]:
 
 def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int]) -> list[str]:
     """The model resolves, and every budget (by trial id) is below the visual tokens it gives one image."""
+    from promprune.eval.task_checks import NotOnThisMachine
     from promprune.models.adapters import visual_token_capacity
-    from promprune.models.factories import model_config
+    from promprune.models.factories import NotCachedError, model_config
 
     try:
         config = model_config(pretrained)
+    except NotCachedError as exc:  # the budgets are checked where the model is
+        return [NotOnThisMachine(f"model.pretrained: {exc}")]
     except ValueError as exc:
         return [f"model.pretrained: {exc}"]
     capacity = None if config is None else visual_token_capacity(config, adapter_options)

@@ -3,7 +3,7 @@
     python pipelines/sweep.py                                   # sweeps/quickstart.yaml, offline, local Ray
     python pipelines/sweep.py --config sweeps/table1_llava15.yaml --set limit=20
     python pipelines/sweep.py --config sweeps/quickstart.yaml --resume          # finish an interrupted sweep
-    ray job submit --working-dir . -- python pipelines/sweep.py --config sweeps/nightly.yaml \
+    RAY_AUTH_MODE=token ray job submit --working-dir . -- python pipelines/sweep.py --config sweeps/nightly.yaml \
         --regression-threshold 0.02
 
 Setup -> run -> cleanup:
@@ -37,6 +37,9 @@ continues. One driver per sweep: `main` takes the run's `DriverLock` (pipelines/
 a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets its own experiment name
 (`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
+A sweep run as a Ray job keeps nothing in Ray's per-job copy of the working directory: with no MLflow store or Tune
+storage named, it uses `~/promprune/` on the head (`pipelines/paths.py`) and says so in one line.
+
 The parts live in `pipelines/run/` (its `__init__` lists them); a trial reads trial.py (the trial in its Tune
 actor) -> engine.py (its blocks to the workers) -> workers.py (the sweep's pool of model workers) -> result.py
 (TrialResult) -> `pipelines/recording/` (the driver's MLflow logging and the console's summary). This file is the
@@ -56,16 +59,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+if __name__ == "__main__":
+    # run as a script: refused in about a second, before the imports below load Ray and torch (10 s and more): a
+    # spec file too large to be one, a --resume whose run's driver is alive (pipelines/frontdoor.py)
+    from pipelines.frontdoor import refuse_early
+
+    refuse_early(sys.argv[1:])
+
 from ray import tune
 
 from promprune.records import Request, key_task
 
-from pipelines import calibration, mlflow_layout, plugins, preflight
+from pipelines import calibration, mlflow_layout, paths, plugins, preflight
+from pipelines.frontdoor import DEFAULT_CONFIG
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
 from pipelines import timeline
-from pipelines.run import search, trial
+from pipelines.run import disk, search, trial
 from pipelines.run import resources as planning
 from pipelines.recording import tracking
 from pipelines.recording.callback import RecorderHook, attached
@@ -82,9 +93,8 @@ from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import share
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
-# exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address), 3 a nightly regression,
-# 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
+# exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address, disk space), 3 a nightly
+# regression, 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,7 +167,7 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     storage = storage_root(spec)
     state = resume  # the run's saved state (None: a new run)
     trials = specs.expand(spec)
-    n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+    n_trials = planned_trials(spec)
     # the device is known before the blocks: a GPU node the autoscaler must add boots while the rows are built
     # (raises NoCapacity here, in seconds, for a 7B-class model on a cluster that has and can add no GPU)
     first = planning.plan(spec.resources, n_trials, 1, spec.tune.max_concurrent_trials, model=spec.model.pretrained)
@@ -176,6 +186,9 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     problem = search.check_rungs(spec, len(rows.keys))
     if problem:
         raise specs.SpecError([problem], spec.name)
+    short = disk.check_free(_writes_to(spec), len(rows.keys), n_trials)  # the samples are known now
+    if short:
+        raise disk.DiskFull(short)
     plan = planning.plan(dataclasses.replace(spec.resources, device=first.device), n_trials, len(rows.blocks),
                          spec.tune.max_concurrent_trials)
     say(f"sweep {spec.name} v{spec.version}: {_trials_line(spec, len(trials), len(rows.keys))}, "
@@ -208,6 +221,16 @@ def _start_workers(spec: specs.SweepSpec, plan: planning.Plan, run_fn: Callable 
     return pool
 
 
+def planned_trials(spec: specs.SweepSpec) -> int:
+    """The trials a sweep runs: its listed ones, and for an optuna search the ones optuna will choose."""
+    return len(specs.expand(spec)) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+
+
+def _writes_to(spec: specs.SweepSpec) -> list[str]:
+    """Where a sweep writes: Tune's storage, the MLflow store, the log's folder (`disk.check_free`, `DiskWatch`)."""
+    return [storage_root(spec), tracking.tracking_uri(), str(paths.outputs_dir())]
+
+
 def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
     """``12 trials`` or, for a search, what it searches and how (the console's first line about the sweep)."""
     tune_spec = spec.tune
@@ -230,7 +253,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         say(f"note: the earlier run {dead} of this sweep died without finishing; its MLflow parent run is "
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
-    n_trials = len(trials) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+    n_trials = planned_trials(spec)
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
@@ -271,6 +294,9 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 try:
                     _reconcile(recorder, grid, phase.trials, spec.tune.num_samples if not phase.trials else None)
                 except SweepInterrupted as e:
+                    full = disk.tripped(state["experiment"])  # the watch stopped it: a disk ran low
+                    if full:
+                        raise disk.DiskFull(disk.full_message(full, resume_command(state))) from None
                     raise SweepInterrupted(str(e), resume_command(state)) from None
             timeline.mark("tune_end", "driver")
         recorder.finalize_rel()
@@ -382,17 +408,20 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     scheduler when it is the search. A resumed sweep restores the experiment as it was (trials, searcher, the
     scheduler's rungs) when it had started."""
     storage, name = state["storage_path"], state["experiment"] + phase.suffix
-    if resume and tune.Tuner.can_restore(f"{storage}/{name}"):
+    path, files = disk.tune_storage(storage)  # a local storage's files written whole (a full disk leaves the old)
+    if resume and tune.Tuner.can_restore(f"{path}/{name}", storage_filesystem=files):
         say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
         # the same param_space: Tune keeps the `Trial`s of its config as placeholders, resolved from it
-        return tune.Tuner.restore(f"{storage}/{name}", trainable, resume_unfinished=True, resume_errored=True,
+        return tune.Tuner.restore(f"{path}/{name}", trainable, resume_unfinished=True, resume_errored=True,
+                                  storage_filesystem=files,
                                   param_space=search.param_space(spec, phase, state["calibrated"]))
-    callbacks = [RecorderHook()]
+    watch = disk.DiskWatch(state["experiment"], _writes_to(spec))
+    callbacks = [RecorderHook(), watch]
     scheduler = search.scheduler(spec, recorder.console.per_trial) if phase.searched else None
     if scheduler is not None:
         callbacks.append(search.SchedulerState(scheduler))
     run_config = tune.RunConfig(
-        name=name, storage_path=storage, callbacks=callbacks,
+        name=name, storage_path=path, storage_filesystem=files, callbacks=callbacks, stop=watch,
         verbose=0,  # Tune's tables are wide; RecorderHook prints one line per trial start and end instead
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
@@ -480,10 +509,15 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)
+    where = paths.job_defaults_line()  # a Ray job: its records go where they outlive Ray's package copy of the checkout
+    if where:
+        paths.records_root().mkdir(parents=True, exist_ok=True)
+        print(where, flush=True)
     try:  # everything a user can get wrong, in seconds, before Ray starts and before any MLflow run exists
         spec = specs.load(args.config, args.overrides)  # imports the spec's plugins (their methods are checked)
         plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
-        preflight.check_or_raise(spec, args.config)
+        # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal
+        lacking = preflight.check_or_raise(spec, args.config, spec_only=args.validate_only)
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
         lock = None if args.validate_only else driver_lock(spec, resumed)  # refused while its driver is alive
     except specs.SpecError as e:
@@ -491,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     for note in preflight.judge_notes(spec.tasks):
         print(note, flush=True)  # on the console, not only in the log: the task is left out of every trial
+    for problem in lacking:
+        print(f"warning: {problem} (not on this machine: a run here refuses it; where it is, the spec runs)",
+              file=sys.stderr, flush=True)
     if args.validate_only:
         print("\n".join(t.trial_id for t in specs.expand(spec)))
         if spec.tune.search == "optuna":
@@ -501,12 +538,17 @@ def main(argv: list[str] | None = None) -> int:
     timeline.mark("spec_checked", "driver")
     t0 = time.perf_counter()
     preflight.random_weights_note(spec.model.pretrained)
-    log_path = Path("outputs") / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
+    log_path = paths.outputs_dir() / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
     with lock:  # held until the sweep ends; the kernel drops it if this process is killed
+        short = disk.check_free(_writes_to(spec), spec.limit and spec.limit * len(spec.tasks), planned_trials(spec))
+        if short:
+            print(f"error: {short}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
         if not args.verbose:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
         with contextlib.nullcontext() if args.verbose else quiet(log_path):
+            command = {"config": args.config, "overrides": args.overrides, "ray_job": paths.in_ray_job()}
             try:
                 store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
                 store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts
@@ -514,13 +556,19 @@ def main(argv: list[str] | None = None) -> int:
                 store.join()
                 timeline.mark("ray_up", "driver")
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
-                                    command={"config": args.config, "overrides": args.overrides}, lock=lock)
-            except (RayUnreachable, planning.NoCapacity, specs.SpecError) as e:
+                                    command=command, lock=lock)
+            except (RayUnreachable, planning.NoCapacity, specs.SpecError, disk.DiskFull) as e:
                 say(f"error: {e}")
                 return EXIT_BAD_INPUT
             except SweepInterrupted as e:
                 say(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}")
                 return EXIT_INTERRUPTED
+            except Exception as e:  # a write the watch did not see coming (the driver's own, Tune's) met a full disk
+                if not disk.is_disk_full(e):
+                    raise
+                resume = resume_command({"experiment": lock.experiment, "command": command})
+                say("error: " + disk.full_message(f"a write failed ({type(e).__name__}: {e})", resume))
+                return EXIT_BAD_INPUT
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The real entry point, end to end: a Ray head on loopback, then
-#   ray job submit --working-dir . -- python pipelines/sweep.py ...
+# The real entry point, end to end: a Ray head on loopback, then the README's
+#   RAY_AUTH_MODE=token ray job submit --working-dir . -- python pipelines/sweep.py ...
 # runs the default sweep (sweeps/quickstart.yaml, shrunk to SMOKE_LIMIT questions per task) as a Ray job on a head
-# with CPUs only, and its runs must land in MLflow; then a 7B-class spec on the same head must exit 2 at once.
+# with CPUs only, naming no MLflow store: the job must keep its runs in $PROMPRUNE_HOME (default ~/promprune; here a
+# folder of the work dir), not in Ray's per-job package copy. A 7B-class spec on the same head must exit 2 at once.
+# Then the head is stopped and its temp dir deleted, and every run must still be in the store, predictions included.
 #
 #   scripts/job_submit_smoke.sh            # from the repository root, with the project's environment active
 #
@@ -49,12 +51,17 @@ done
 # the design card's entry point as written: the default sweep (sweeps/quickstart.yaml), no device override. The head
 # has CPUs only and no autoscaler, so `device: auto` runs the testbed model on the CPUs (and says so).
 # SMOKE_LIMIT questions per task (default 10, CI's size; unset it to 100 for the full quickstart: about a minute)
-RUNTIME_ENV=$(printf '{"env_vars": {"MLFLOW_TRACKING_URI": "sqlite:///%s/mlflow.db", "HF_HUB_OFFLINE": "1"}}' "$WORK")
+# No MLFLOW_TRACKING_URI and no PROMPRUNE_STORAGE: the job picks its durable places itself (pipelines/paths.py)
+RUNTIME_ENV=$(printf '{"env_vars": {"PROMPRUNE_HOME": "%s/home", "HF_HUB_OFFLINE": "1"}}' "$WORK")
 START=$(date +%s)
 ray job submit --address "$ADDRESS" --submission-id "smoke-$(date +%s)" --working-dir . \
     --runtime-env-json "$RUNTIME_ENV" -- \
     python pipelines/sweep.py --set "limit=${SMOKE_LIMIT:-10}" | tee "$WORK/job.log"
 grep -q "the actors run on the CPUs" "$WORK/job.log" || { echo "the job did not say it runs on the CPUs"; exit 1; }
+grep -q "a Ray job keeps nothing in its package copy: MLflow store sqlite:///$WORK/home/mlflow.db" "$WORK/job.log" \
+    || { echo "the job did not say where its records go"; exit 1; }
+grep -q "mlflow ui --backend-store-uri sqlite:///$WORK/home/mlflow.db" "$WORK/job.log" \
+    || { echo "the closing mlflow ui line does not name the durable store"; exit 1; }
 echo "job: $(( $(date +%s) - START ))s"
 
 # a 7B-class model on the same CPU-only head: refused at once with one paragraph (exit 2), never run on the CPUs
@@ -70,18 +77,31 @@ if [ "$CODE" != 2 ] || ! grep -q "has 7.1B parameters" "$WORK/7b.log" || grep -q
 fi
 echo "7B on a CPU-only head: exit 2 after ${ELAPSED}s"
 
-MLFLOW_TRACKING_URI="sqlite:///$WORK/mlflow.db" python - <<'PY'
+# the head stopped and Ray's temp dir (the job's package copy with it) deleted: the runs must outlive both
+kill "$HEAD_PID" 2>/dev/null || true
+wait "$HEAD_PID" 2>/dev/null || true
+rm -rf "$WORK/ray"
+[ -d "$WORK/home/outputs/tune/_promprune_state" ] || { echo "no Tune state in \$PROMPRUNE_HOME"; exit 1; }
+
+MLFLOW_TRACKING_URI="sqlite:///$WORK/home/mlflow.db" WORK="$WORK" python - <<'PY'
 import os
+import tempfile
+
 from mlflow.tracking import MlflowClient
 
 c = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
 exp = c.get_experiment_by_name(os.environ.get("MLFLOW_EXPERIMENT_NAME", "promprune"))
 assert exp is not None, "no MLflow experiment: the job logged nothing"
+assert exp.artifact_location.startswith(os.environ["WORK"] + "/home/"), exp.artifact_location
 parents = c.search_runs([exp.experiment_id], filter_string="tags.`promprune.role` = 'sweep'")
 assert len(parents) == 1 and parents[0].info.status == "FINISHED", parents
 children = c.search_runs([exp.experiment_id],
                          filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
 trials = sorted(r.data.tags["promprune.trial"] for r in children)
 assert trials == ["baseline", "divprune-b16", "promprune-b16-mu=calibrate-tau=0.03", "vispruner-b16"], trials
-print(f"smoke OK: sweep run {parents[0].info.run_id} with trials {trials}")
+with tempfile.TemporaryDirectory() as tmp:
+    for run in children:
+        assert c.download_artifacts(run.info.run_id, "predictions.parquet", tmp), run.info.run_id
+print(f"smoke OK: sweep run {parents[0].info.run_id} with trials {trials}, their predictions, after the head and its "
+      "temp dir are gone")
 PY

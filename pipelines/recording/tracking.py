@@ -27,11 +27,13 @@ def client():
 
 
 def experiment_id(c) -> str:
-    """The experiment's id (created on first use), marked as a model-development experiment so MLflow 3's UI opens
-    it on its runs rather than on the GenAI overview."""
+    """The experiment's id (created on first use, a SQLite store's with its artifacts beside the database file),
+    marked as a model-development experiment so MLflow 3's UI opens it on its runs rather than on the GenAI
+    overview."""
     name = mlflow_layout.experiment_name()
     exp = c.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp is not None else c.create_experiment(name)
+    exp_id = exp.experiment_id if exp is not None else \
+        c.create_experiment(name, artifact_location=mlflow_layout.artifact_location(c.tracking_uri))
     if exp is None or exp.tags.get(mlflow_layout.EXPERIMENT_KIND) != mlflow_layout.MODEL_DEVELOPMENT:
         c.set_experiment_tag(exp_id, mlflow_layout.EXPERIMENT_KIND, mlflow_layout.MODEL_DEVELOPMENT)
     return exp_id

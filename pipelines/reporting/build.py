@@ -125,7 +125,8 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
     models = sweep.trials["model"].dropna() if "model" in sweep.trials else pd.Series(dtype=str)
     model = models.iloc[0] if len(models) else "?"
     failed = sweep.metrics.get("samples/failed", pd.Series(dtype=float)).fillna(0).sum()
-    lines = [f"# Report: {sweep.name}", "",
+    unfinished = sweep.unfinished()
+    lines = [f"# Report: {sweep.name}", "", *([f"**Unfinished.** {unfinished}", ""] if unfinished else []),
              f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get(mlflow_layout.VERSION, '?')}",
              f"- model: `{model}`; trials: {len(sweep.trials)}; benchmarks: "
              + ", ".join(f"{c.label} (`{c.task}`: {'+'.join(c.metrics)})" for c in table.columns),

@@ -28,6 +28,13 @@ class Sweep:
     metrics: pd.DataFrame  # same index; columns are metric keys (`pope/pope_f1_score`, `rel`, ...)
     option_names: list = field(default_factory=list)  # option columns present in `trials`
     parent_metrics: dict = field(default_factory=dict)  # the parent run's metrics (samples/generated, trials/*)
+    status: str = "FINISHED"  # the parent run's: RUNNING while its driver runs (or after it was killed), KILLED, ...
+    planned: int | None = None  # the trials the sweep set out to run (its `trials` param; None in older stores)
+
+    def unfinished(self) -> str | None:
+        """What a report of an unfinished sweep lacks, in one sentence (None: the sweep finished)."""
+        return unfinished_note(self.status, self.planned, len(self.trials),
+                               int((self.trials["status"] == "FINISHED").sum()))
 
     @property
     def stopped(self) -> pd.Series:
@@ -40,7 +47,7 @@ class Sweep:
         reads, so a stopped trial is never taken for a finished one."""
         keep = ~self.stopped
         return Sweep(self.run_id, self.name, self.tags, self.trials[keep], self.metrics[keep], self.option_names,
-                     self.parent_metrics)
+                     self.parent_metrics, self.status, self.planned)
 
     @property
     def baseline_id(self) -> str | None:
@@ -56,6 +63,19 @@ class Sweep:
                     return names
         prefixes = [c.split("/", 1)[0] for c in self.metrics.columns if "/" in c]
         return list(dict.fromkeys(p for p in prefixes if p not in mlflow_layout.NON_TASK_PREFIXES))
+
+
+def unfinished_note(status: str, planned: int | None, started: int, finished: int) -> str | None:
+    """``status``: the parent run's; ``planned``: the trials the sweep set out to run; ``started``: trials with a
+    run; ``finished``: runs FINISHED."""
+    if status == "FINISHED":
+        return None
+    why = {"RUNNING": "its parent run is still RUNNING: the sweep is running, or its driver was killed",
+           "KILLED": "it was interrupted (parent run KILLED)", "FAILED": "its driver failed (parent run FAILED)"}
+    never = "" if planned is None else f"; {max(planned - started, 0)} of its {planned} trials never started"
+    return (f"the sweep is unfinished ({why.get(status, f'parent run {status}')}): {started} trial(s) have a run, "
+            f"{finished} finished{never}. Its tables show dashes for what is missing; `python pipelines/sweep.py "
+            "--config <its spec> --resume` finishes it")
 
 
 def parse_task_list(value) -> list[str]:
@@ -102,14 +122,17 @@ def load_sweep(ref: str | None = None) -> Sweep:
     if role in runs.columns:
         runs = runs[runs[role].fillna(mlflow_layout.ROLE_TRIAL) == mlflow_layout.ROLE_TRIAL]
     runs = _latest_per_trial(runs)
+    planned = pd.to_numeric(pd.Series([parent.get("params.trials")]), errors="coerce").iloc[0]
+    planned = None if pd.isna(planned) else int(planned)
     if runs.empty:
-        raise LookupError(f"sweep run {parent['run_id']} has no trial runs yet (is the sweep still starting?)")
+        note = unfinished_note(parent["status"], planned, 0, 0) or "the sweep finished without trials"
+        raise LookupError(f"sweep run {parent['run_id']} has no trial runs: {note}")
     tags = {k[len("tags."):]: v for k, v in parent.items() if k.startswith("tags.") and isinstance(v, str)}
     name = tags.get(mlflow_layout.SWEEP) or tags.get(mlflow_layout.RUN_NAME) or parent["run_id"]
     trials, metrics, options = _split_columns(runs)
     parent_metrics = {k[len("metrics."):]: float(v) for k, v in parent.items()
                       if k.startswith("metrics.") and v is not None and v == v}
-    return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics)
+    return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned)
 
 
 def _latest_per_trial(runs: pd.DataFrame) -> pd.DataFrame:

@@ -1,7 +1,8 @@
 """Connecting to Ray: join the named cluster (failing in seconds when it does not answer), the head `ray start`
-recorded, or a local Ray; with a runtime_env that lets workers import this checkout."""
+recorded, or a local Ray listening on loopback only; with a runtime_env that lets workers import this checkout."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -55,8 +56,9 @@ def _recorded_head() -> str | None:
 
 def connect(address: str | None, *, log_to_driver: bool = True) -> None:
     """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else the head `ray start` recorded, else start a
-    local Ray. A named head that does not answer is a RayUnreachable in seconds (Ray itself would wait for
-    minutes); a recorded head that died without `ray stop` is skipped with a note."""
+    local Ray whose services listen on loopback only (`loopback_only`). A named head that does not answer is a
+    RayUnreachable in seconds (Ray itself would wait for minutes); a recorded head that died without `ray stop` is
+    skipped with a note."""
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR  # set by `ray job submit`
 
     if ray.is_initialized():
@@ -82,6 +84,32 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
         if recorded:
             say(f"note: the Ray head recorded at {recorded} (a `ray start` that ended without `ray stop`) does not "
                 "answer; starting a local Ray instead (`ray stop --force` clears the record)")
-        # a local Ray: no dashboard needed (faster start on a laptop)
-        ray.init(address="local", include_dashboard=False, runtime_env=worker_env(), log_to_driver=log_to_driver)
+        # a local Ray: no dashboard needed (faster start on a laptop), reachable from this machine only
+        with loopback_only():
+            ray.init(address="local", include_dashboard=False, runtime_env=worker_env(), log_to_driver=log_to_driver)
+
+
+# Ray's single-machine mode, its default on macOS and Windows: the node's IP is 127.0.0.1, so its GCS, raylet,
+# workers and agents listen on loopback only (elsewhere they bind every interface, `::` / 0.0.0.0)
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """While a local Ray starts: its processes (which read ``SINGLE_MACHINE_ENV`` when they start) and this driver
+    (which read it when it imported Ray, hence the constant) take 127.0.0.1 as the node's IP, and Ray binds its
+    services to the node's IP when that is loopback. Workers started later inherit the raylet's environment; a
+    Ray joined at an address is untouched."""
+    from ray._private import ray_constants
+
+    before_env, before_flag = os.environ.get(SINGLE_MACHINE_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[SINGLE_MACHINE_ENV], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_flag
+        if before_env is None:
+            os.environ.pop(SINGLE_MACHINE_ENV, None)
+        else:
+            os.environ[SINGLE_MACHINE_ENV] = before_env
 

@@ -17,24 +17,24 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import mlflow_layout
+from pipelines import mlflow_layout, paths
 from pipelines import spec as specs
+from pipelines.frontdoor import LOCK_SUFFIX, STATE_DIR, busy_message, local_holder, parse_holder, runs_of
+from pipelines.paths import STORAGE_ENV
 from pipelines.recording import tracking
-
-STATE_DIR = "_promprune_state"  # beside Tune's experiments: which MLflow parent run each experiment logs to
-STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
 
 
 def storage_root(spec: specs.SweepSpec) -> str:
-    """Tune's storage: the spec's tune.storage_path, else $PROMPRUNE_STORAGE, else ./outputs/tune (local runs)."""
-    return spec.tune.storage_path or os.environ.get(STORAGE_ENV) or str((Path.cwd() / "outputs" / "tune").resolve())
+    """Tune's storage: the spec's tune.storage_path, else $PROMPRUNE_STORAGE, else ./outputs/tune (a Ray job's:
+    ~/promprune/outputs/tune, `pipelines.paths`)."""
+    return spec.tune.storage_path or os.environ.get(STORAGE_ENV) or paths.default_storage()
 
 
 def outbox_dir(storage: str, experiment: str) -> Path:
     """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.recording.outbox`): beside Tune's
     experiments on local storage; under ./outputs/outbox on remote storage (the driver uploads from local files)."""
     if "://" in storage and not storage.startswith("file://"):
-        return Path.cwd() / "outputs" / "outbox" / experiment
+        return paths.outputs_dir() / "outbox" / experiment
     return Path(storage.removeprefix("file://")) / STATE_DIR / f"{experiment}.outbox"
 
 
@@ -47,27 +47,42 @@ def _state_fs(storage: str):
 
 
 def save_state(storage: str, state: dict) -> None:
+    """Write the run's state whole or not at all: into a temporary file moved into place, so a full disk leaves the
+    last state written (remote stores write an object only once its upload completes)."""
     fs, d = _state_fs(storage)
     fs.create_dir(d, recursive=True)
-    with fs.open_output_stream(f"{d}/{state['experiment']}.json") as f:
-        f.write(json.dumps(state, indent=2).encode())
+    final = f"{d}/{state['experiment']}.json"
+    tmp = f"{d}/.{state['experiment']}.json.{os.getpid()}.part"  # a dot first: never taken for a run's state
+    try:
+        with fs.open_output_stream(tmp) as f:
+            f.write(json.dumps(state, indent=2).encode())
+        fs.move(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.delete_file(tmp)
+        raise
 
 
 def _state_names(storage: str, name: str, suffix: str = ".json") -> list[str]:
-    """The experiments of spec `name` with a `suffix` file in the state directory (`<name>-<time>`: a digit after
-    the dash, so spec `rel` never takes `rel-b`'s runs), oldest first."""
+    """The experiments of spec `name` with a `suffix` file in the state directory (`frontdoor.runs_of`), oldest
+    first."""
     import pyarrow.fs
 
     fs, d = _state_fs(storage)
-    files = fs.get_file_info(pyarrow.fs.FileSelector(d, allow_not_found=True))
-    return sorted(f.base_name[:-len(suffix)] for f in files if f.base_name.endswith(suffix)
-                  and f.base_name.startswith(f"{name}-") and f.base_name[len(name) + 1:][:1].isdigit())
+    return runs_of(name, [f.base_name for f in fs.get_file_info(pyarrow.fs.FileSelector(d, allow_not_found=True))],
+                   suffix)
 
 
 def _read_state(storage: str, experiment: str) -> dict:
     fs, d = _state_fs(storage)
     with fs.open_input_stream(f"{d}/{experiment}.json") as f:
-        return json.loads(f.read().decode())
+        raw = f.read()
+    try:
+        return json.loads(raw.decode())
+    except ValueError:  # cut short by a full disk before states were written whole
+        raise specs.SpecError([f"the state of run {experiment} ({d}/{experiment}.json, {len(raw)} bytes) is not "
+                               "whole JSON (a write cut short, e.g. by a full disk); it cannot be resumed: start the "
+                               "sweep anew"], "--resume") from None
 
 
 def load_state(storage: str, name: str, resume: str) -> dict:
@@ -88,23 +103,46 @@ def load_state(storage: str, name: str, resume: str) -> dict:
 
 
 def check_trusted_storage(storage: str, experiment: str) -> None:
-    """`--resume` unpickles Tune's saved state, so whoever can write it can run code in this driver. On a local
-    file system refuse state that another user owns or that others may write; remote stores (s3://, gs://) must be
-    writable by you alone (bucket policy), which cannot be checked from here."""
+    """`--resume` unpickles Tune's saved state (``tuner.pkl``, the searcher's and the scheduler's state, the trials'
+    results and errors), so whoever can write it can run code in this driver. On a local file system refuse the run
+    when anything it reads (`resume_reads`: every folder and file) is owned by another user or writable by others;
+    remote stores (s3://, gs://) must be writable by you alone (bucket policy), which cannot be checked from here."""
     import stat
 
     if "://" in storage and not storage.startswith("file://"):
         return
-    root = Path(storage.removeprefix("file://"))
-    for path in (root, root / STATE_DIR, root / experiment):
-        if not path.exists():
+    for path in resume_reads(Path(storage.removeprefix("file://")), experiment):
+        try:
+            info = path.stat()
+        except OSError:  # gone meanwhile, or a dangling link: nothing there to unpickle
             continue
-        info = path.stat()
         if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise specs.SpecError([f"{path} is owned by another user or writable by others, and resuming unpickles "
-                                   "the Tune state kept there (whoever can write it can run code in this process); "
-                                   f"fix its ownership/permissions (chmod go-w {path}) or start a new sweep"],
+            fix = f"chmod go-w {path}" if info.st_uid == os.getuid() else f"chown {os.getuid()} {path}"
+            raise specs.SpecError([f"{path} is owned by another user or writable by others, and resuming reads and "
+                                   "unpickles the Tune state kept there (whoever can write it can run code in this "
+                                   f"process); fix its ownership/permissions ({fix}) or start a new sweep"],
                                   "--resume")
+
+
+def resume_reads(root: Path, experiment: str):
+    """Every folder and file under the Tune storage ``root`` that resuming ``experiment`` reads: the storage and
+    its state folder themselves, the run's state files and outbox, each Tune experiment of the run
+    (``<experiment>``, and ``<experiment>-<word>`` such as the search's ``-search``; ``-2`` is another run) and the
+    run's saved blocks, each with everything below it."""
+    from pipelines.run.checkpoints import BLOCKS_DIR
+
+    state_dir, blocks = root / STATE_DIR, root / BLOCKS_DIR
+    yield from (root, state_dir, blocks)
+    trees = [state_dir / f"{experiment}{suffix}" for suffix in (".json", LOCK_SUFFIX, ".outbox")]
+    trees.append(blocks / experiment)
+    if root.is_dir():
+        trees += sorted(entry for entry in root.iterdir() if entry.name == experiment or (
+            entry.name.startswith(f"{experiment}-") and not entry.name[len(experiment) + 1:][:1].isdigit()))
+    for tree in trees:
+        if tree.exists() or tree.is_symlink():
+            yield tree
+        for folder, dirs, files in os.walk(tree):
+            yield from (Path(folder) / name for name in sorted(dirs + files))
 
 
 def resumed_state(spec: specs.SweepSpec, resume: str) -> dict:
@@ -147,12 +185,14 @@ def _flat(d, prefix: str = "") -> dict:
 
 
 def resume_command(state: dict) -> str:
-    """The command that resumes the run of `state`, with the spec file and every --set override it started with."""
+    """The command that resumes the run of `state`, with the spec file and every --set override it started with (as
+    a Ray job when it ran as one: its state is on the head, `pipelines.paths`)."""
     cmd = state.get("command") or {}
     parts = ["python", "pipelines/sweep.py", "--config", cmd.get("config", "<spec.yaml>")]
     for item in cmd.get("overrides", []):
         parts += ["--set", item]
-    return " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
+    command = " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
+    return paths.submit_command(command) if cmd.get("ray_job") else command
 
 
 def _driver_alive(driver: dict | None) -> bool | None:
@@ -179,7 +219,10 @@ def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> 
     for experiment in _state_names(storage, name):
         if experiment == keep:
             continue
-        state = _read_state(storage, experiment)
+        try:
+            state = _read_state(storage, experiment)
+        except specs.SpecError:  # a damaged state: nothing to say about its driver
+            continue
         if _driver_alive(state.get("driver")) is not False:
             continue
         if (outbox_dir(storage, experiment) / "outbox.json").is_file():
@@ -204,7 +247,6 @@ def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> 
 # ----------------------------------------------------------------------------------------------------------------
 # one driver per sweep
 
-LOCK_SUFFIX = ".lock"
 # remote storage (s3://, gs://) has no kernel lock: its driver rewrites the lock file this often, and a lock whose
 # driver is on another host counts as dead once it has not been rewritten for STALE_AFTER_S (four beats missed, as
 # an object store's write can stall for a beat or two)
@@ -282,7 +324,7 @@ class DriverLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _parse(os.pread(fd, 1 << 16, 0))
+            holder = parse_holder(os.pread(fd, 1 << 16, 0))
             os.close(fd)
             return holder
         os.ftruncate(fd, 0)
@@ -304,23 +346,10 @@ class DriverLock:
 
     def _holder(self) -> dict | None:
         """What holds the lock now (None: nobody alive), without taking it."""
-        if not self._local:
-            holder = self._read()
-            return holder if holder is not None and _holder_alive(holder) else None
-        import fcntl
-
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        except BlockingIOError:
-            return _parse(os.pread(fd, 1 << 16, 0))
-        finally:
-            os.close(fd)
+        if self._local:
+            return local_holder(self.path)
+        holder = self._read()
+        return holder if holder is not None and _holder_alive(holder) else None
 
     def _exists(self, path: str) -> bool:
         import pyarrow.fs
@@ -330,7 +359,7 @@ class DriverLock:
     def _read(self) -> dict | None:
         try:
             with self._fs.open_input_stream(self.path) as f:
-                return _parse(f.read())
+                return parse_holder(f.read())
         except FileNotFoundError:
             return None
 
@@ -375,13 +404,6 @@ def driver_lock(spec: specs.SweepSpec, state: dict | None) -> DriverLock:
                               "tune.storage_path") from None
 
 
-def _parse(raw: bytes) -> dict:
-    try:
-        return json.loads(raw.decode() or "{}")
-    except ValueError:
-        return {}
-
-
 def _same_driver(a: dict | None, b: dict) -> bool:
     return a is not None and all(a.get(k) == b[k] for k in ("host", "pid", "since"))
 
@@ -395,10 +417,5 @@ def _holder_alive(holder: dict) -> bool:
 
 
 def busy_error(experiment: str, holder: dict) -> specs.SpecError:
-    """The refusal of a second driver: who runs the sweep, since when, and how to stop it."""
-    pid, host = holder.get("pid", "?"), holder.get("host", "?")
-    return specs.SpecError([
-        f"sweep {experiment} is being run by a live driver (pid {pid} on {host}, since {holder.get('since', '?')}), "
-        "and two drivers of one sweep would run its trials twice and delete each other's saved blocks. Wait for "
-        f"it to finish, or stop it (Ctrl-C in its terminal, `kill -INT {pid}` on {host}, or `ray job stop` for a "
-        "Ray job; it saves its state) and resume then"], f"--resume {experiment}")
+    """The refusal of a second driver (`frontdoor.busy_message`: who runs the sweep, since when, how to stop it)."""
+    return specs.SpecError([busy_message(experiment, holder)], f"--resume {experiment}")

@@ -1,5 +1,6 @@
 """Reading a spec file: YAML, `include:` chains (deep merge, the including file wins) and `--set` overrides; the
-relative paths of `plugins` and `include_path` resolved against the directory of the file that names them."""
+relative paths of `plugins` and `include_path` resolved against the directory of the file that names them. A file
+larger than `frontdoor.MAX_SPEC_BYTES` is refused unparsed (at most that much is read)."""
 from __future__ import annotations
 
 import copy
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from pipelines.frontdoor import MAX_SPEC_BYTES, read_capped, too_large
 from pipelines.plugins import resolve_paths
 from pipelines.spec.errors import SpecError
 
@@ -25,8 +27,14 @@ def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
 def _load_with_includes(path: Path, seen: tuple) -> dict:
     if path.resolve() in seen:
         raise SpecError([f"include cycle: {' -> '.join(str(p) for p in seen + (path,))}"], str(path))
+    problem = too_large(path)
+    if problem:
+        raise SpecError([problem], str(path))
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = read_capped(path)
+        if len(raw) > MAX_SPEC_BYTES:  # it grew since `stat`
+            raise SpecError([too_large(path) or f"more than {MAX_SPEC_BYTES >> 20} MiB: not a sweep spec"], str(path))
+        data = yaml.safe_load(raw.decode("utf-8")) or {}
     except UnicodeDecodeError as exc:
         raise SpecError([f"not UTF-8 text (byte {exc.start}: {exc.reason}); save the spec as UTF-8"], str(path)) \
             from None

@@ -239,7 +239,9 @@ def _paths(what: str):
 class SweepSpec:
     """A whole spec, validated (`validate`); `name` and `version` are required, everything else has a default."""
 
-    name: Annotated[StrictStr, Field(pattern=r"^[^/]*[^/\s][^/]*$"), expect("a non-empty name without '/'")]
+    # the name becomes directory, file and MLflow names: no '/', no control characters (NUL, newline, tab, ...)
+    name: Annotated[StrictStr, Field(pattern=r"^[^/\x00-\x1f\x7f]*[^/\s\x00-\x1f\x7f][^/\x00-\x1f\x7f]*$"),
+                    expect("a non-empty name without '/' or control characters (NUL, newline, tab)")]
     version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
     description: Annotated[StrictStr, expect("str")] = ""
     # modules that register methods (promprune.register_method), imported before the methods are checked and in

@@ -30,6 +30,12 @@ IGNORED_DIRS = ("__pycache__", ".ipynb_checkpoints")  # lmms-eval's indexer skip
 _URL = ("http://", "https://", "s3://", "gs://", "ftp://", "ftps://", "hf://")
 
 
+class NotOnThisMachine(str):
+    """A problem of this machine, not of what was asked for: data (or a model) that is not here, and that the machine
+    which runs the sweep (a cluster with the data) may have. A sweep refuses it like any problem; `--validate-only`,
+    a check of the spec, names it as a warning."""
+
+
 class TaskFileError(ValueError):
     """Task YAML files lmms-eval cannot index, one problem (one paragraph) per file."""
 
@@ -151,9 +157,10 @@ def data_problem(task: str, yaml_path: str) -> str | None:
         path = Path(source).expanduser()
         if path.is_dir():
             return None
-        return (f"task {task!r} ({yaml_path}) reads its data from the directory dataset_path: {source}, which does "
-                f"not exist (tried {path.absolute()}; `datasets` reads a relative dataset_path from the working "
-                "directory); fix dataset_path or create the dataset there")
+        return NotOnThisMachine(
+            f"task {task!r} ({yaml_path}) reads its data from the directory dataset_path: {source}, which does not "
+            f"exist (tried {path.absolute()}; `datasets` reads a relative dataset_path from the working directory); "
+            "fix dataset_path or create the dataset there")
     return hub_problem(task, yaml_path, source)
 
 
@@ -162,8 +169,8 @@ def _missing_files(task: str, yaml_path: str, data_files) -> str | None:
     if not missing:
         return None
     lines = [_missing_line(label, value, yaml_path) for label, value in missing]
-    return (f"task {task!r} ({yaml_path}): {'; '.join(lines)}. Put the data there, or give its absolute path in the "
-            "task YAML's dataset_kwargs.data_files")
+    return NotOnThisMachine(f"task {task!r} ({yaml_path}): {'; '.join(lines)}. Put the data there, or give its "
+                            "absolute path in the task YAML's dataset_kwargs.data_files")
 
 
 def _entries(data_files, label: str = "dataset_kwargs.data_files"):
@@ -211,12 +218,13 @@ def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
         return None
     why = ("HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set" if offline else
            f"the hub ({hub_endpoint()}) is not reachable from here")
-    return (f"task {task!r} ({yaml_path}) reads the Hugging Face hub dataset {repo!r}, which is not in this "
-            f"machine's datasets cache ({cache}), and {why}. Download it once where there is network access with the "
-            f"same HF_HOME (python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
-            "LMMS_EVAL_DATASETS_CACHE) at a cache that holds it (`python -m promprune.eval standins` writes local "
-            "stand-ins of the paper's benchmarks), or use an offline task (easyvqa_yesno, easyvqa_open, the testbed_* "
-            "tasks: promprune.eval.OFFLINE_TASKS)")
+    return NotOnThisMachine(
+        f"task {task!r} ({yaml_path}) reads the Hugging Face hub dataset {repo!r}, which is not in this machine's "
+        f"datasets cache ({cache}), and {why}. Download it once where there is network access with the same HF_HOME "
+        f"(python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
+        "LMMS_EVAL_DATASETS_CACHE) at a cache that holds it (`python -m promprune.eval standins` writes local "
+        "stand-ins of the paper's benchmarks), or use an offline task (easyvqa_yesno, easyvqa_open, the testbed_* "
+        "tasks: promprune.eval.OFFLINE_TASKS)")
 
 
 @functools.cache

@@ -105,12 +105,17 @@ def hub_offline() -> bool:
         os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in ("1", "true", "yes")
 
 
+class NotCachedError(ValueError):
+    """A hub model that is neither in this machine's cache nor downloadable from here (offline, or the hub does not
+    answer): the machine that runs the sweep may have it."""
+
+
 def model_config(name_or_path: str):
     """The transformers config of a model name, factory name or path, without loading weights.
 
     ValueError with a message saying what is wrong and how to fix it: an unknown factory or name, a local path
-    that does not exist or holds no ``config.json``, a hub id that is not in the local cache while offline (or does
-    not exist). None when a factory cannot say.
+    that does not exist or holds no ``config.json``, a hub id that is not in the local cache while offline
+    (`NotCachedError`) or does not exist. None when a factory cannot say.
     """
     found = find_model_factory(name_or_path)
     if found is not None:
@@ -130,14 +135,13 @@ def model_config(name_or_path: str):
     except OSError:  # not cached (transformers raises OSError for a missing file): decide below
         pass
     if hub_offline():
-        raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and HF_HUB_OFFLINE "
-                         "is set; "
-                         f"download it once with `huggingface-cli download {name_or_path}` where there is network "
-                         "access, or give a local path")
+        raise NotCachedError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                             f"is set; download it once with `huggingface-cli download {name_or_path}` where there "
+                             "is network access, or give a local path")
     if not hub_reachable():
-        raise ValueError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and the hub "
-                         f"({hub_endpoint()}) is not reachable from here; download it where there is network access "
-                         "or give a local path")
+        raise NotCachedError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and the hub "
+                             f"({hub_endpoint()}) is not reachable from here; download it where there is network "
+                             "access or give a local path")
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as exc:  # noqa: BLE001 - transformers raises several types; the cause goes in the message

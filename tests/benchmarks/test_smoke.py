@@ -68,6 +68,15 @@ def test_model_path():
     assert rows["unpruned"][4] == "0" and rows["divprune"][4] == "2"  # syncs per batch (RESULTS.md quotes these)
 
 
+def test_frontdoor():
+    """Each refusal exits 2 with its message (the script checks); its times are the figure, never asserted."""
+    out = run_benchmark("frontdoor.py", "--runs", "1")
+    rows = table_rows(out, r"(sweep|report)\.py[^|]*")
+    assert len(rows) == 4 and all(r[1] == "2" for r in rows), out
+    figure(out, r"refusals \(median s\): busy resume [\d.]+, 50 MB spec [\d.]+, report refused [\d.]+, report "
+                r"silent [\d.]+")
+
+
 def test_random_fingerprint():
     out = run_benchmark("random_fingerprint.py", "--sets", "20")
     assert figure(out, r"distinct keys: (\d+) of (\d+)").groups() == ("20", "20")

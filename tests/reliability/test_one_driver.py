@@ -199,3 +199,31 @@ def test_storage_that_cannot_hold_the_lock_is_a_clean_error(scratch, tmp_path, r
     proc, _ = run_main("--config", str(scratch()), "--set", f"tune.storage_path={tmp_path / 'a_file' / 'tune'}")
     assert_clean_error(proc, f"the Tune storage {tmp_path / 'a_file' / 'tune'} cannot hold the sweep's state "
                              "(NotADirectoryError")
+
+
+def test_a_resume_whose_driver_lives_is_refused_before_ray_and_torch_load(scratch, tmp_path):
+    """Issue 57 item 4: the refusal came after 24-30 s of imports and checks (Ray, torch, lmms-eval's task index);
+    the script now checks the lock before its imports. `-X importtime` lists every module the refused process
+    imported: neither torch nor ray. Both the named run and `latest` are refused, with the full check's message.
+    (Its time: benchmarks/frontdoor.py.)"""
+    spec = scratch()
+    storage = tmp_path / "outputs" / "tune"
+    states.save_state(str(storage), {"experiment": "rel-20261125-090000", "parent_run_id": "r0",
+                                     "storage_path": str(storage)})
+    holder = _holder(storage, "rel-20261125-090000")
+    try:
+        for resume in (["--resume"], ["--resume", "rel-20261125-090000"]):
+            proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "pipelines" / "sweep.py"),
+                                   "--config", str(spec), *resume], capture_output=True, text=True, cwd=tmp_path,
+                                  timeout=120)
+            imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                        if line.startswith("import time:")}
+            refusal = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+            assert proc.returncode == 2, proc.stdout + refusal
+            assert f"--resume rel-20261125-090000: 1 problem(s):\n  - sweep rel-20261125-090000 is being run by a " \
+                   f"live driver (pid {holder.pid} on {socket.gethostname()}" in refusal, refusal
+            assert "Traceback" not in refusal
+            assert not {"torch", "ray", "mlflow", "lmms_eval"} & imported, sorted(imported)
+    finally:
+        holder.kill()
+        holder.communicate()

@@ -2,6 +2,8 @@
 message without a traceback (issue: reliability scenarios 2, 4, 6 and 7)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipelines import spec as specs
@@ -161,3 +163,89 @@ def test_a_task_whose_data_is_missing_stops_the_sweep_before_ray(scratch, tmp_pa
                        f"from the working directory ({tmp_path / 'data' / 'own.parquet'}); neither exists")
     assert "Hugging Face hub" not in proc.stderr and not (tmp_path / "mlflow.db").exists()
     _no_ray_started(tmp_path)
+
+
+@pytest.mark.parametrize("name", ['"rel\\0x"', '"rel\\nx"', '"rel\\tx"'])
+def test_control_characters_in_the_name_are_refused(scratch, run_main, name):
+    """Issue 57 item 4: a NUL in the name passed --validate-only and crashed the run (`ArrowInvalid: Embedded NUL
+    char in path`); the name becomes paths and MLflow names, so control characters are refused at the front door."""
+    proc, _ = run_main("--config", str(scratch(SPEC.replace("name: rel", f"name: {name}"))), "--validate-only")
+    assert_clean_error(proc, "name: expected a non-empty name without '/' or control characters")
+
+
+def test_a_huge_config_is_refused_unparsed(scratch, tmp_path):
+    """Issue 57 item 4: a 50 MB file given as --config took 57 s to refuse (YAML parsed whole); it is refused by its
+    size before Ray and torch load, and the loader reads at most a few MB of any file it is given."""
+    import subprocess
+    import sys
+
+    from pipelines.frontdoor import MAX_SPEC_BYTES
+
+    from .conftest import REPO
+
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "w") as f:
+        f.write("name: rel\nversion: 1\ndescription: |\n")
+        f.writelines("  " + "x" * 1022 + "\n" for _ in range(50_000))  # 50 MB of valid YAML
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "pipelines" / "sweep.py"), "--config",
+                           str(huge), "--validate-only"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    refusal = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    assert proc.returncode == 2 and "Traceback" not in refusal, refusal
+    assert f"{huge}: 1 problem(s):\n  - the file is 51.3 MB, and a sweep spec is a few KB of YAML" in refusal, refusal
+    assert not {"torch", "ray"} & imported
+    with pytest.raises(specs.SpecError, match="the file is 51.3 MB"):  # the loader itself, given the file
+        specs.load(huge)
+    (tmp_path / "top.yaml").write_text(f"include: {huge.name}\n")  # through an include too
+    with pytest.raises(specs.SpecError, match="the file is 51.3 MB"):
+        specs.load(tmp_path / "top.yaml")
+    assert MAX_SPEC_BYTES < huge.stat().st_size
+
+
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "sweeps").glob("*.yaml"))
+
+
+@pytest.fixture
+def offline(scratch, monkeypatch):
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)  # MM-Vet's judge: skipped, as on a machine without a key
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_spec_passes_validate_only_offline(offline, run_main, path):
+    """Issue 56 item 4: `--validate-only` of a paper spec refused it on a machine without the hub data and models
+    (a laptop), though the cluster that runs it has them. It checks the spec: it lists the trials and exits 0, and
+    names what this machine lacks as warnings."""
+    proc, _ = run_main("--config", str(path), "--validate-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    ids = [t.trial_id for t in specs.expand(specs.load(path))]
+    listed = [line for line in proc.stdout.splitlines() if not line.startswith("note: ")]  # judge-scored: skipped
+    assert listed[:len(ids)] == ids
+    assert all(line.startswith("warning: ") for line in proc.stderr.splitlines() if line), proc.stderr
+
+
+def test_what_this_machine_lacks_is_a_warning_of_validate_only_and_refuses_a_run(offline, run_main):
+    """The same spec: --validate-only warns, names every missing thing once, and passes; a real run here refuses all
+    of them in one message, exit 2, before Ray starts."""
+    table1 = Path(__file__).resolve().parents[2] / "sweeps" / "table1_llava15.yaml"
+    from promprune.eval.task_checks import datasets_cache
+    from promprune.models.factories import model_config
+
+    try:
+        model_config("llava-hf/llava-1.5-7b-hf")
+        pytest.skip("this machine has LLaVA-1.5-7B cached")
+    except ValueError:
+        pass
+    if (datasets_cache() / "lmms-lab-encoder___pope").is_dir():
+        pytest.skip("this machine has POPE cached")
+    proc, _ = run_main("--config", str(table1), "--validate-only")
+    assert proc.returncode == 0
+    assert "warning: tasks: task 'pope' (" in proc.stderr and "reads the Hugging Face hub dataset" in proc.stderr
+    assert "warning: model.pretrained: model 'llava-hf/llava-1.5-7b-hf': it is not in the local Hugging Face " \
+           "cache" in proc.stderr
+    proc, _ = run_main("--config", str(table1), "--set", "limit=2")
+    assert_clean_error(proc, "tasks: task 'pope' (", "model.pretrained: model 'llava-hf/llava-1.5-7b-hf'")
+    assert "warning:" not in proc.stderr

@@ -294,3 +294,72 @@ def test_a_method_from_outside_is_reported_with_its_options(store, tmp_path):
     assert sorted(frame.loc[frame["method"] == "largest_norm", "rel"].round(2)) == [
         pytest.approx(round((1530 / 1800 + 0.72 / 0.80 + 0.54 / 0.60) / 3 * 100, 2)),
         pytest.approx(round((1620 / 1800 + 1 + 0.57 / 0.60) / 3 * 100, 2))]
+
+
+def test_a_tracking_server_that_does_not_answer_is_said_in_seconds(tmp_path):
+    """Issue 57 item 4: against an unreachable tracking server the report waited 261 s (MLflow's retries) and ended
+    in a traceback; it now says so in one paragraph, exit 2, before its imports load (time: benchmarks/frontdoor.py).
+    A store file that does not exist is said the same way, and is not created."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(report_cli.__file__)
+    for uri, needle in [(f"http://127.0.0.1:{port}", f"the MLflow store at http://127.0.0.1:{port} does not answer"),
+                        (f"sqlite:///{tmp_path / 'none.db'}", f"there is no MLflow store at sqlite:///{tmp_path}")]:
+        proc = subprocess.run([sys.executable, str(script), "--tracking-uri", uri], cwd=tmp_path, env=os.environ.copy(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_a_server_that_answers_passes_the_probe_whatever_it_answers():
+    """The probe asks `/health` (an MLflow server answers OK there); any HTTP answer means the server is up, and what
+    it says is MLflow's client's to explain."""
+    import http.server
+    import threading
+
+    for status in (200, 404, 401):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self, status=status):
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            assert report_cli.store_problem(f"http://127.0.0.1:{server.server_port}") is None
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_an_unfinished_sweep_says_so_and_counts_the_trials_that_never_started(store, tmp_path, capsys):
+    """Issue 57 item 4: a sweep killed midway printed dashes as if it had finished. Its parent run is still RUNNING
+    (or KILLED): the report says the sweep is unfinished and how many of its planned trials never started, on the
+    console and at the top of report.md."""
+    client, exp = store
+    parent = log_sweep(client, exp, "killed_demo", [trial("none", None, scores(1800, 300, 0.80, 0.60)),
+                                                    trial("divprune", 64, scores(1700, 280, 0.78, 0.58))],
+                       tasks=TASKS, tmp=tmp_path)
+    client.log_param(parent, "trials", 5)  # what the sweep logs when it starts
+    client.update_run(parent, status="RUNNING")  # its driver was SIGKILLed: nobody ended the run
+    assert report_cli.main(["--sweep", "killed_demo", "--out", str(tmp_path / "out"), "--no-log"]) == 0
+    err = capsys.readouterr().err
+    said = ("the sweep is unfinished (its parent run is still RUNNING: the sweep is running, or its driver was "
+            "killed): 2 trial(s) have a run, 2 finished; 3 of its 5 trials never started")
+    assert said in err
+    assert said in (tmp_path / "out" / "report.md").read_text()
+    client.update_run(parent, status="KILLED")
+    assert "it was interrupted (parent run KILLED)" in load_sweep(parent).unfinished()
+    client.update_run(parent, status="FINISHED")
+    assert load_sweep(parent).unfinished() is None

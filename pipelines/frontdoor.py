@@ -1,0 +1,173 @@
+"""What a sweep's command line can be refused for before anything heavy loads (Ray, torch, lmms-eval: 10 s and more
+of imports): a spec file too large to be a spec, and a ``--resume`` of a run whose driver is alive.
+
+`pipelines/sweep.py` run as a script calls `refuse_early` before its own imports; the full checks after them
+(`pipelines.spec`, `pipelines.preflight`, `pipelines.run.state`) say the same things, so this only ever refuses
+sooner, never accepts: whatever it cannot read here (a spec it cannot parse, remote storage) it leaves to them.
+
+Also the pieces of the one-driver lock that need no Ray: where the lock files are, which runs a spec has, who holds a
+local lock (`pipelines.run.state.DriverLock` is built on them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from pipelines import paths
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "sweeps" / "quickstart.yaml"
+MAX_SPEC_BYTES = 4 << 20  # a spec is a few KB of YAML; more than this is read no further (a 50 MB file took 57 s)
+STATE_DIR = "_promprune_state"  # beside Tune's experiments: each run's state, lock and outbox
+LOCK_SUFFIX = ".lock"
+EXIT_BAD_INPUT = 2
+
+
+def too_large(path: str | Path) -> str | None:
+    """Why the file at ``path`` cannot be a spec by its size alone (None: it may be)."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError:
+        return None  # missing or unreadable: the loader says which
+    if size <= MAX_SPEC_BYTES:
+        return None
+    return (f"the file is {size / 1e6:,.1f} MB, and a sweep spec is a few KB of YAML (at most {MAX_SPEC_BYTES >> 20} "
+            "MiB is read); check that --config names the spec (sweeps/<name>.yaml), not a data or model file")
+
+
+def read_capped(path: str | Path) -> bytes:
+    """The file's first ``MAX_SPEC_BYTES + 1`` bytes (one more than a spec may hold: enough to tell it is too
+    large, whatever `stat` said)."""
+    with open(path, "rb") as f:
+        return f.read(MAX_SPEC_BYTES + 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the one-driver lock's files
+
+
+def runs_of(name: str, file_names, suffix: str = ".json") -> list[str]:
+    """The experiments of spec `name` among state-directory ``file_names`` with that ``suffix`` (`<name>-<time>`:
+    a digit after the dash, so spec `rel` never takes `rel-b`'s runs), oldest first."""
+    return sorted(f[:-len(suffix)] for f in file_names if f.endswith(suffix)
+                  and f.startswith(f"{name}-") and f[len(name) + 1:][:1].isdigit())
+
+
+def local_holder(lock_path: str) -> dict | None:
+    """What holds the kernel lock on the local file ``lock_path`` now (its JSON: host, pid, since), None when
+    nobody does; the lock is not taken."""
+    import fcntl
+
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return parse_holder(os.pread(fd, 1 << 16, 0))
+    finally:
+        os.close(fd)
+
+
+def parse_holder(raw: bytes) -> dict:
+    try:
+        return json.loads(raw.decode() or "{}")
+    except ValueError:
+        return {}
+
+
+def busy_message(experiment: str, holder: dict) -> str:
+    """The refusal of a second driver: who runs the sweep, since when, and how to stop it."""
+    pid, host, since = holder.get("pid", "?"), holder.get("host", "?"), holder.get("since", "?")
+    return (f"sweep {experiment} is being run by a live driver (pid {pid} on {host}, since {since}), "
+            "and two drivers of one sweep would run its trials twice and delete each other's saved blocks. Wait for "
+            f"it to finish, or stop it (Ctrl-C in its terminal, `kill -INT {pid}` on {host}, or `ray job stop` for a "
+            "Ray job; it saves its state) and resume then")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the early refusals
+
+
+def refuse_early(argv: list[str]) -> None:
+    """Exit 2 with the one-paragraph message `pipelines/sweep.py` would print later, when the command can already
+    be refused; return otherwise (the full checks run next)."""
+    problem = early_problem(argv)
+    if problem is not None:
+        source, message = problem
+        print(f"error: {source}: 1 problem(s):\n  - {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def early_problem(argv: list[str]) -> tuple[str, str] | None:
+    """(where, what) of a refusal decided here: the spec file's size, a ``--resume`` whose run's driver holds its
+    lock. None when neither (or when this cannot tell: the full checks decide)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--set", action="append", default=[], dest="overrides")
+    p.add_argument("--resume", nargs="?", const="latest", default=None)
+    try:
+        args, _ = p.parse_known_args(argv)
+    except SystemExit:  # a malformed command line: the CLI's own parser says how
+        return None
+    problem = too_large(args.config)
+    if problem:
+        return args.config, problem
+    if args.resume is None:
+        return None
+    name, storage = peek(args.config, args.overrides)
+    if name is None or "://" in storage and not storage.startswith("file://"):
+        return None  # remote storage has no kernel lock: `state.DriverLock` checks its heartbeat
+    state_dir = Path(storage.removeprefix("file://")) / STATE_DIR
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return None
+    found = runs_of(name, names)
+    candidates = [args.resume] if args.resume != "latest" else \
+        [e for e in runs_of(name, names, LOCK_SUFFIX) if not found or e >= found[-1]]  # a newer run setting up too
+    for experiment in candidates:
+        holder = local_holder(str(state_dir / f"{experiment}{LOCK_SUFFIX}"))
+        if holder is not None:
+            return f"--resume {experiment}", busy_message(experiment, holder)
+    return None
+
+
+def peek(config: str, overrides: list[str]) -> tuple[str | None, str]:
+    """The spec's ``name`` and its Tune storage (``tune.storage_path``, else ``$PROMPRUNE_STORAGE``, else the
+    default) as the full loader would find them, read from the YAML alone (its ``include:`` chain, ``--set``
+    overrides of those two fields); the name is None when this reading cannot tell."""
+    name = storage = None
+    path, seen = Path(config), set()
+    while path is not None and path.resolve() not in seen and not too_large(path):
+        seen.add(path.resolve())
+        try:
+            data = yaml.safe_load(read_capped(path).decode("utf-8")) or {}
+        except (OSError, ValueError, yaml.YAMLError):
+            return None, ""
+        if not isinstance(data, dict):
+            return None, ""
+        tune = data.get("tune") if isinstance(data.get("tune"), dict) else {}
+        name = name if name is not None else data.get("name")  # the including file wins
+        storage = storage if storage is not None else tune.get("storage_path")
+        include = data.get("include")
+        path = path.parent / include if isinstance(include, str) else None
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() in ("name", "tune.storage_path"):
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                return None, ""
+            name, storage = (parsed, storage) if key.strip() == "name" else (name, parsed)
+    if not isinstance(name, str) or not (storage is None or isinstance(storage, str)):
+        return None, ""
+    return name, storage or os.environ.get(paths.STORAGE_ENV) or paths.default_storage()

@@ -1,0 +1,73 @@
+"""Where a sweep keeps its records when nothing says where: the MLflow store, Tune's storage, the logs.
+
+Run from a checkout (``python pipelines/sweep.py``), everything is relative to the working directory, as the README
+says: ``./mlflow.db`` (what ``mlflow ui`` opens there), ``./outputs/tune``, ``./outputs/logs``.
+
+Run as a Ray job (``ray job submit --working-dir . -- python pipelines/sweep.py``), the working directory is Ray's
+per-job copy of the package (``<ray temp>/session_*/runtime_resources/working_dir_files/_ray_pkg_*``), which Ray
+deletes with the session or when it trims its package cache: nothing may be kept there. A job's records go to one
+durable directory on the head instead, ``$PROMPRUNE_HOME`` (default ``~/promprune``): ``mlflow.db`` (its artifacts
+beside it, ``mlruns/``), ``outputs/tune``, ``outputs/logs``. ``MLFLOW_TRACKING_URI`` (the server ``cluster.yaml``
+starts, for one), ``PROMPRUNE_STORAGE`` and the spec's ``tune.storage_path`` still win.
+
+Imports nothing heavy: the front door (`pipelines.frontdoor`) reads it before Ray and torch load.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME_ENV = "PROMPRUNE_HOME"  # a Ray job's records when nothing else names a place (default ~/promprune)
+JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray in the entrypoint of `ray job submit`
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
+
+
+def in_ray_job() -> bool:
+    """Whether this process is the entrypoint of a Ray job (its working directory is Ray's package copy)."""
+    return bool(os.environ.get(JOB_ENV))
+
+
+def records_root() -> Path:
+    """The directory relative records live in: the working directory, or for a Ray job ``$PROMPRUNE_HOME``
+    (default ``~/promprune``), absolute."""
+    if in_ray_job():
+        return Path(os.environ.get(HOME_ENV) or "~/promprune").expanduser().resolve()
+    return Path.cwd().resolve()
+
+
+def default_tracking_uri() -> str:
+    """The MLflow store when ``MLFLOW_TRACKING_URI`` is unset: ``mlflow.db`` in `records_root`."""
+    return f"sqlite:///{records_root() / 'mlflow.db'}"
+
+
+def default_storage() -> str:
+    """Tune's storage when neither the spec nor ``PROMPRUNE_STORAGE`` names one: ``outputs/tune`` in `records_root`."""
+    return str(records_root() / "outputs" / "tune")
+
+
+def outputs_dir() -> Path:
+    """``outputs/`` in `records_root`: the logs (``outputs/logs``) and, for remote storage, the outbox."""
+    return records_root() / "outputs"
+
+
+def job_defaults_line() -> str | None:
+    """For a Ray job that names no store and no Tune storage, the one line saying where its records go (None
+    otherwise: a local run's places are the README's, and a job that names them chose them)."""
+    if not in_ray_job():
+        return None
+    chosen = [name for name in (TRACKING_URI_ENV, STORAGE_ENV) if os.environ.get(name)]
+    if len(chosen) == 2:
+        return None
+    return (f"a Ray job keeps nothing in its package copy: MLflow store "
+            f"{os.environ.get(TRACKING_URI_ENV) or default_tracking_uri()}, Tune storage "
+            f"{os.environ.get(STORAGE_ENV) or default_storage()} (unless the spec sets tune.storage_path), logs in "
+            f"{outputs_dir() / 'logs'} (${HOME_ENV}, default ~/promprune; set {TRACKING_URI_ENV} / {STORAGE_ENV} to "
+            "choose others)")
+
+
+def submit_command(entrypoint: str) -> str:
+    """``entrypoint`` (``python pipelines/sweep.py ...``) as a Ray job from the checkout: Ray 2.60 enforces its token
+    once ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one), and its CLI sends it only with
+    ``RAY_AUTH_MODE=token``."""
+    return f"RAY_AUTH_MODE=token ray job submit --working-dir . -- {entrypoint}"

@@ -1,0 +1,61 @@
+"""Where a sweep keeps its records (issue 56 item 1): a local run in its working directory, as the README says; a Ray
+job on the head, in ``$PROMPRUNE_HOME`` (default ``~/promprune``), never in Ray's package copy of the checkout. The
+end-to-end check (a job on a loopback head, the head stopped, its temp dir deleted, every run still there) is
+`scripts/job_submit_smoke.sh`, run by tests/pipelines/test_deploy.py."""
+from __future__ import annotations
+
+import pytest
+
+from pipelines import mlflow_layout, paths
+from pipelines.run import state
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """A working directory standing for Ray's package copy, a home of its own, no store or storage named."""
+    (tmp_path / "pkg").mkdir()
+    monkeypatch.chdir(tmp_path / "pkg")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in (paths.HOME_ENV, paths.JOB_ENV, paths.TRACKING_URI_ENV, paths.STORAGE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def test_a_local_run_keeps_its_records_in_its_working_directory(elsewhere):
+    assert paths.records_root() == elsewhere / "pkg"
+    assert mlflow_layout.tracking_uri() == f"sqlite:///{elsewhere / 'pkg' / 'mlflow.db'}"
+    assert paths.default_storage() == str(elsewhere / "pkg" / "outputs" / "tune")
+    assert paths.job_defaults_line() is None
+
+
+def test_a_ray_job_keeps_its_records_in_promprune_home(elsewhere, monkeypatch):
+    monkeypatch.setenv(paths.JOB_ENV, "{}")  # what `ray job submit` sets in the entrypoint's environment
+    home = elsewhere / "home" / "promprune"
+    assert mlflow_layout.tracking_uri() == f"sqlite:///{home / 'mlflow.db'}"
+    assert mlflow_layout.ui_command() == f"mlflow ui --backend-store-uri sqlite:///{home / 'mlflow.db'}"
+    assert paths.default_storage() == str(home / "outputs" / "tune")
+    assert paths.outputs_dir() == home / "outputs"
+    line = paths.job_defaults_line()
+    assert line.startswith(f"a Ray job keeps nothing in its package copy: MLflow store sqlite:///{home / 'mlflow.db'}")
+    assert str(elsewhere / "pkg") not in line
+    monkeypatch.setenv(paths.HOME_ENV, str(elsewhere / "records"))
+    assert paths.records_root() == elsewhere / "records"
+    monkeypatch.setenv(paths.TRACKING_URI_ENV, "http://127.0.0.1:5000")  # named: kept
+    monkeypatch.setenv(paths.STORAGE_ENV, "s3://bucket/tune")
+    assert mlflow_layout.tracking_uri() == "http://127.0.0.1:5000" and paths.job_defaults_line() is None
+
+
+def test_a_sqlite_stores_artifacts_sit_beside_it_wherever_the_process_runs(elsewhere):
+    """MLflow's own default is ./mlruns of the process's directory: a job's package copy."""
+    uri = f"sqlite:///{elsewhere / 'store' / 'mlflow.db'}"
+    assert mlflow_layout.artifact_location(uri) == str(elsewhere / "store" / "mlruns" / "promprune")
+    assert mlflow_layout.artifact_location("http://127.0.0.1:5000") is None  # a server has its own
+
+
+def test_a_jobs_resume_command_is_a_submit_command():
+    """A job's state lives on the head: its resume is a job too, with the token the CLI needs."""
+    job = {"experiment": "q-1", "command": {"config": "sweeps/quickstart.yaml", "overrides": [], "ray_job": True}}
+    assert state.resume_command(job) == ("RAY_AUTH_MODE=token ray job submit --working-dir . -- python "
+                                         "pipelines/sweep.py --config sweeps/quickstart.yaml --resume q-1")
+    local = {**job, "command": {**job["command"], "ray_job": False}}
+    assert state.resume_command(local) == "python pipelines/sweep.py --config sweeps/quickstart.yaml --resume q-1"
