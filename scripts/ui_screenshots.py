@@ -328,8 +328,14 @@ def chart_axes(page, link: str, ms: float) -> int:
     search.fill(f"{mlflow_layout.RUNNING}/")  # the charts of running values alone, first
     page.wait_for_timeout(800)  # the filter applies after a debounce
     shows(page.locator(".xtitle").first, "a line chart of a running value", ms)
-    page.wait_for_timeout(800)
-    charts = [(t, x) for t, x in page.evaluate(CHART_AXES_JS) if t.startswith(f"{mlflow_layout.RUNNING}/")]
+    charts, waited = [], 0.0
+    while waited < ms:  # the charts draw one by one after the filter (slowly on a busy machine): poll, not one wait
+        page.wait_for_timeout(400)
+        waited += 400
+        drawn = [(t, x) for t, x in page.evaluate(CHART_AXES_JS) if t.startswith(f"{mlflow_layout.RUNNING}/")]
+        if drawn and drawn == charts:  # the same charts twice in a row: all drawn
+            break
+        charts = drawn
     page.set_viewport_size(VIEWPORT)
     wrong = sorted({f"{t}: {x}" for t, x in charts if x != mlflow_layout.SCORED})
     if not charts or wrong:

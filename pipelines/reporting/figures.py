@@ -14,6 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from pipelines.mlflow_layout import MU_TAU  # noqa: E402
+
 from .store import BASELINE_METHOD  # noqa: E402
 from .tables import METHOD_LABELS, ScoreTable  # noqa: E402
 
@@ -120,9 +122,9 @@ def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path
     options: `mu` and `tau` per trial (index: run id). Cells that beat the reference are outlined; a budget whose
     trials form no grid (`is_grid`) gets no panel.
     """
-    if not {"mu", "tau"} <= set(options.columns):
+    if not set(MU_TAU) <= set(options.columns):
         return None
-    frame = _pruned(table).join(options[["mu", "tau"]])
+    frame = _pruned(table).join(options[list(MU_TAU)])
     grid = frame[(frame["method"] == "promprune") & frame["mu"].notna() & frame["tau"].notna()]
     if grid["mu"].nunique() < 2 or grid["tau"].nunique() < 2:
         return None

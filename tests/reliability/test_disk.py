@@ -119,11 +119,15 @@ def test_the_runs_state_survives_a_full_disk(tmpfs):
     assert not [p for p in (where / states.STATE_DIR).iterdir() if p.name.endswith(".part")]
 
 
-def test_the_watch_stops_below_its_reserve_and_forgets_it_when_pickled(tmpfs):
+def test_the_watch_stops_below_its_reserve_and_forgets_it_when_pickled(tmpfs, monkeypatch):
     """`DiskWatch` stops the experiment when a watched file system runs low, and a watch restored from Tune's pickle
     (`--resume`) starts unstopped."""
     import pickle
+    import signal
 
+    # outside Tune's fit: Tune never takes back the SIGUSR1 handler it installs, so an earlier in-process Tune run of
+    # this test session would leave one of its own here
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_DFL)
     where = tmpfs(disk.RESERVE_BYTES + (8 << 20))
     watch = disk.DiskWatch("rel-watch", [str(where)])
     watch.on_step_begin(0, [])

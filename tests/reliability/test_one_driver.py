@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from pathlib import Path
 from datetime import datetime
 
 import pyarrow.fs
@@ -179,7 +180,7 @@ def _second_driver_scenario(tmp_path) -> None:
     third = spawn_sweep(spec_path, tmp_path, "--resume", ray_address="local")
     out, _ = third.communicate(timeout=400)
     assert third.returncode == 0, out[-3000:]
-    experiment = log.removeprefix("outputs/logs/").removesuffix(".log")
+    experiment = Path(log).name.removesuffix(".log")  # the log's path: absolute (`pipelines.paths.outputs_dir`)
     assert f"resuming {tmp_path / 'outputs' / 'tune'}/{experiment}:" in out, out[-3000:]
     assert f"output goes to {log} " in out  # a resume appends to its run's log
 
