@@ -33,3 +33,22 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
             return "".join(out)
     proc.kill()
     raise AssertionError(f"{marker!r} not seen:\n{''.join(out)[-3000:]}")
+
+
+# a plugin method (a file the spec's `plugins` names) that keeps the first tokens once the test opens the gate: a
+# trial held running for as long as a test needs
+GATED = '''
+import os, time
+import torch
+import promprune
+
+@promprune.register_method("gated")
+def gated(tokens, budget):
+    """The first ``budget`` tokens, once the test opens the gate (the file {gate} exists)."""
+    deadline = time.time() + 300
+    while not os.path.exists({gate!r}) and time.time() < deadline:
+        time.sleep(0.2)
+    kept = torch.arange(budget, device=tokens.x.device).expand(tokens.batch, budget)  # [B, T]
+    return promprune.Selection(kept, torch.zeros(tokens.batch, dtype=torch.long),
+                               salient=torch.zeros_like(kept, dtype=torch.bool))
+'''

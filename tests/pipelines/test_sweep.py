@@ -4,6 +4,7 @@ resumes without redoing finished trials."""
 from __future__ import annotations
 
 import signal
+import textwrap
 from pathlib import Path
 
 import pandas as pd
@@ -23,7 +24,7 @@ from pipelines.recording.console import SweepConsole
 from pipelines.recording.recorder import SweepRecorder
 from pipelines.run.requests import build_rows
 from pipelines.run.result import PREDICTION_SCHEMA, TrialResult, predictions_table
-from tests.pipelines.sweep_cli import read_until, spawn_sweep
+from tests.pipelines.sweep_cli import GATED, read_until, spawn_sweep
 
 LIMIT = 2  # samples per task: enough to shard over batches, small enough for 2 cores
 
@@ -168,10 +169,14 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
 @pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's
 # killed driver, tests/reliability/test_one_driver.py)
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
+    """Ctrl-C once the baseline is logged, while a trial is held at a gate (with warm workers a tiny sweep would
+    otherwise finish before the signal lands); `--resume` runs what was unfinished, not the baseline."""
+    gate = tmp_path / "gate"
+    (tmp_path / "gated.py").write_text(textwrap.dedent(GATED.format(gate=str(gate))))
     spec_path = tmp_path / "resume.yaml"
     spec_path.write_text(yaml.safe_dump({
         "name": "resume", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
-        "limit": 2, "grid": {"method": ["promprune", "divprune"], "budget": [8]},
+        "limit": 2, "plugins": ["gated.py"], "grid": {"method": ["promprune", "gated"], "budget": [8]},
         "generation": {"max_new_tokens": 2}}))
     first = spawn_sweep(spec_path, tmp_path)
     head = read_until(first, "] baseline: ", timeout=300)  # the baseline finished and was logged
@@ -180,11 +185,12 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     assert first.returncode == sweep.EXIT_INTERRUPTED, head + rest
     assert "--resume" in rest
 
+    gate.touch()
     second = spawn_sweep(spec_path, tmp_path, "--resume")
     out, _ = second.communicate(timeout=400)
     assert second.returncode == 0, out[-3000:]
     assert "resuming" in out and "[start] baseline" not in out  # the finished trial was not run again
-    assert "[start] divprune-b8" in out or "[resume] divprune-b8" in out  # (it may have saved blocks before)
+    assert "[start] gated-b8" in out or "[resume] gated-b8" in out  # (it may have saved blocks before)
 
     from mlflow.tracking import MlflowClient
 
@@ -195,7 +201,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     children = c.search_runs([parents[0].info.experiment_id],
                              filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     ids = sorted(r.data.tags[mlflow_layout.TRIAL] for r in children)
-    assert ids == ["baseline", "divprune-b8", "promprune-b8"]  # each trial logged exactly once
+    assert ids == ["baseline", "gated-b8", "promprune-b8"]  # each trial logged exactly once
 
 
 def flaky_run(vlm, rows, batch_size, *, marker: str, times: int):

@@ -22,7 +22,7 @@ import yaml
 from pipelines import mlflow_layout
 from pipelines import spec as specs
 from pipelines.run import state as states
-from tests.pipelines.sweep_cli import REPO, read_until, spawn_sweep
+from tests.pipelines.sweep_cli import GATED, REPO, read_until, spawn_sweep
 
 from .conftest import assert_clean_error
 
@@ -122,23 +122,6 @@ def test_remote_storage_goes_by_pid_here_and_by_heartbeat_elsewhere(tmp_path, mo
             assert json.loads(f.read())["pid"] == taken.info["pid"]
         taken.release()
         assert remote.get_file_info(lock.path).type == pyarrow.fs.FileType.NotFound  # its lock is gone
-
-
-GATED = '''
-import os, time
-import torch
-import promprune
-
-@promprune.register_method("gated")
-def gated(tokens, budget):
-    """The first ``budget`` tokens, once the test opens the gate (the file {gate} exists)."""
-    deadline = time.time() + 300
-    while not os.path.exists({gate!r}) and time.time() < deadline:
-        time.sleep(0.2)
-    kept = torch.arange(budget, device=tokens.x.device).expand(tokens.batch, budget)  # [B, T]
-    return promprune.Selection(kept, torch.zeros(tokens.batch, dtype=torch.long),
-                               salient=torch.zeros_like(kept, dtype=torch.bool))
-'''
 
 
 @pytest.mark.slow
