@@ -124,9 +124,10 @@ def early_problem(argv: list[str]) -> tuple[str, str] | None:
     if args.resume is None:
         return None
     name, storage = peek(args.config, args.overrides)
-    if name is None or "://" in storage and not storage.startswith("file://"):
+    local = None if name is None else paths.local_storage(storage)
+    if local is None:
         return None  # remote storage has no kernel lock: `state.DriverLock` checks its heartbeat
-    state_dir = Path(storage.removeprefix("file://")) / STATE_DIR
+    state_dir = local / STATE_DIR
     try:
         names = os.listdir(state_dir)
     except OSError:

@@ -71,3 +71,10 @@ def submit_command(entrypoint: str) -> str:
     once ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one), and its CLI sends it only with
     ``RAY_AUTH_MODE=token``."""
     return f"RAY_AUTH_MODE=token ray job submit --working-dir . -- {entrypoint}"
+
+
+def local_storage(storage: str) -> Path | None:
+    """The local folder behind a storage path or ``file://`` URI; None for remote storage (s3://, gs://, ...)."""
+    if "://" in storage and not storage.startswith("file://"):
+        return None
+    return Path(storage.removeprefix("file://"))

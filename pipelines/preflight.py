@@ -52,9 +52,9 @@ def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = N
     every problem but those of this machine (`NotOnThisMachine`), which come back as warnings."""
     from promprune.eval.task_checks import NotOnThisMachine
 
-    errors = preflight(spec, tracking_uri=tracking_uri, store=store)
-    warnings = [e for e in errors if spec_only and isinstance(e, NotOnThisMachine)]
-    errors = [e for e in errors if e not in warnings]
+    problems = preflight(spec, tracking_uri=tracking_uri, store=store)
+    warnings = [e for e in problems if spec_only and isinstance(e, NotOnThisMachine)]
+    errors = [e for e in problems if not (spec_only and isinstance(e, NotOnThisMachine))]
     if errors:
         raise SpecError(errors, source)
     return warnings

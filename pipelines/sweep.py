@@ -56,7 +56,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 if __name__ == "__main__":
@@ -92,7 +91,6 @@ from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import share
 
-REPO = Path(__file__).resolve().parents[1]
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address, disk space), 3 a nightly
 # regression, 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
@@ -167,7 +165,7 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     storage = storage_root(spec)
     state = resume  # the run's saved state (None: a new run)
     trials = specs.expand(spec)
-    n_trials = planned_trials(spec)
+    n_trials = planned_trials(spec, trials)
     # the device is known before the blocks: a GPU node the autoscaler must add boots while the rows are built
     # (raises NoCapacity here, in seconds, for a 7B-class model on a cluster that has and can add no GPU)
     first = planning.plan(spec.resources, n_trials, 1, spec.tune.max_concurrent_trials, model=spec.model.pretrained)
@@ -221,9 +219,11 @@ def _start_workers(spec: specs.SweepSpec, plan: planning.Plan, run_fn: Callable 
     return pool
 
 
-def planned_trials(spec: specs.SweepSpec) -> int:
-    """The trials a sweep runs: its listed ones, and for an optuna search the ones optuna will choose."""
-    return len(specs.expand(spec)) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+def planned_trials(spec: specs.SweepSpec, listed: list | None = None) -> int:
+    """The trials a sweep runs: its listed ones (``listed``: `specs.expand` already called), and for an optuna search
+    the ones optuna will choose."""
+    listed = specs.expand(spec) if listed is None else listed
+    return len(listed) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
 
 
 def _writes_to(spec: specs.SweepSpec) -> list[str]:
@@ -253,7 +253,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         say(f"note: the earlier run {dead} of this sweep died without finishing; its MLflow parent run is "
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
-    n_trials = planned_trials(spec)
+    n_trials = planned_trials(spec, trials)
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),

@@ -5,7 +5,7 @@ The schema is `pipelines.mlflow_layout`, the one `pipelines/sweep.py` writes thr
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlflow
 import numpy as np
@@ -46,8 +46,7 @@ class Sweep:
         """The sweep without the trials a scheduler stopped early: what every table and figure of finished trials
         reads, so a stopped trial is never taken for a finished one."""
         keep = ~self.stopped
-        return Sweep(self.run_id, self.name, self.tags, self.trials[keep], self.metrics[keep], self.option_names,
-                     self.parent_metrics, self.status, self.planned)
+        return replace(self, trials=self.trials[keep], metrics=self.metrics[keep])
 
     @property
     def baseline_id(self) -> str | None:

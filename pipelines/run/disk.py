@@ -32,6 +32,8 @@ import pyarrow
 import pyarrow.fs
 from ray import tune
 
+from pipelines import paths
+
 RESERVE_BYTES = 64 << 20  # the watch stops a sweep below this: room for Tune's last state, the log and MLflow's writes
 BYTES_PER_SAMPLE = 1024  # one trial's prediction of one sample, kept three times (saved block, Tune's result, MLflow
 # artifact); the quickstart's take ~75 bytes a copy (16 kept token ids, short answers): room for 576-token ids and
@@ -64,9 +66,7 @@ def local_dir(place: str | None) -> Path | None:
         return None
     if place.startswith("sqlite:///"):
         return Path(place[len("sqlite:///"):]).parent
-    if "://" in place and not place.startswith("file://"):
-        return None
-    return Path(place.removeprefix("file://"))
+    return paths.local_storage(place)
 
 
 def free_bytes(path: Path) -> int:
@@ -130,7 +130,8 @@ class DiskWatch(tune.Callback, tune.Stopper):
 
     def __init__(self, key: str, places: list[str | None]):
         self.key = key
-        self.places = [str(p) for p in map(local_dir, places) if p is not None]
+        # one place per file system: places on one disk have the same free space
+        self.places = [str(p) for p in _by_device([p for p in map(local_dir, places) if p is not None])]
         self._last = 0.0
         self._stop = False
 

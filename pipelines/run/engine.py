@@ -32,7 +32,7 @@ from pipelines.run.requests import Requests, block_id
 from pipelines.spec.trials import Trial
 
 POLL_S = 0.25  # how often a trial with blocks left and no worker free asks the pool again
-HEARTBEAT_S = 10.0  # a trial tells the pool it is alive at least this often (`workers.HOLDER_TIMEOUT_S`)
+HEARTBEAT_S = 10.0  # a trial tells the pool it is alive at least this often (`pool.HOLDER_TIMEOUT_S`)
 
 
 class WorkersFailed(RuntimeError):

@@ -32,6 +32,7 @@ class Pool:
 
     def __init__(self, pool_size: int, spawn: bytes, keep_s: float = KEEP_S):
         self.pool_size, self.spawn, self.keep_s = pool_size, spawn, keep_s
+        self._spawn_fn = None  # `spawn` unpickled (`_new_worker`)
         self.lock = threading.Lock()
         self.workers: dict[int, object] = {}  # worker id -> handle
         self.loading: dict[int, ray.ObjectRef] = {}  # worker id -> its `ready` call, until it answers
@@ -118,9 +119,11 @@ class Pool:
         """A worker of the sweep's kind (``spawn``: `workers.new_worker` with its arguments, pickled, called with this
         pool's handle); the first call imports what they need (torch, the model's classes), which the pool's process
         is spared as long as the driver's warm workers suffice."""
-        import cloudpickle
+        if self._spawn_fn is None:  # unpickled once, at the first worker the pool itself starts
+            import cloudpickle
 
-        return cloudpickle.loads(self.spawn)(self.me)
+            self._spawn_fn = cloudpickle.loads(self.spawn)
+        return self._spawn_fn(self.me)
 
     def _poll(self) -> None:
         """Move the workers whose model has loaded onto the roster; a worker that died loading is an error."""

@@ -33,9 +33,8 @@ def storage_root(spec: specs.SweepSpec) -> str:
 def outbox_dir(storage: str, experiment: str) -> Path:
     """Where a sweep's MLflow writes wait while the store does not answer (`pipelines.recording.outbox`): beside Tune's
     experiments on local storage; under ./outputs/outbox on remote storage (the driver uploads from local files)."""
-    if "://" in storage and not storage.startswith("file://"):
-        return paths.outputs_dir() / "outbox" / experiment
-    return Path(storage.removeprefix("file://")) / STATE_DIR / f"{experiment}.outbox"
+    local = paths.local_storage(storage)
+    return paths.outputs_dir() / "outbox" / experiment if local is None else local / STATE_DIR / f"{experiment}.outbox"
 
 
 def _state_fs(storage: str):
@@ -109,9 +108,10 @@ def check_trusted_storage(storage: str, experiment: str) -> None:
     remote stores (s3://, gs://) must be writable by you alone (bucket policy), which cannot be checked from here."""
     import stat
 
-    if "://" in storage and not storage.startswith("file://"):
+    local = paths.local_storage(storage)
+    if local is None:
         return
-    for path in resume_reads(Path(storage.removeprefix("file://")), experiment):
+    for path in resume_reads(local, experiment):
         try:
             info = path.stat()
         except OSError:  # gone meanwhile, or a dangling link: nothing there to unpickle

@@ -48,7 +48,7 @@ SCORE_EVERY_S = 30.0
 @dataclass
 class Shared:
     """What every trial of a sweep shares, built once by the driver: the requests (sealed blocks in the object store),
-    the plan (device, workers per trial), the handle of the sweep's pool of model workers (`workers.Pool`), and where
+    the plan (device, workers per trial), the handle of the sweep's pool of model workers (`pool.Pool`), and where
     trials save their answered blocks (`checkpoints.sweep_dir`; None: nowhere)."""
 
     rows: Requests

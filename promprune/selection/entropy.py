@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..dtypes import upcast
-from .kernels import ENTROPY_EPS
+from .kernels import ENTROPY_EPS, exactly_symmetric, unit_tokens
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
 EIGEN_FLOOR = 1e-12
@@ -32,18 +32,15 @@ def centered_gram(gram: torch.Tensor) -> torch.Tensor:
     """
     r = gram.mean(dim=2)  # [B, N]
     g = r.mean(dim=1)  # [B]
-    centered = gram - r[:, :, None] - r[:, None, :] + g[:, None, None]
-    return 0.5 * (centered + centered.transpose(1, 2))
+    return exactly_symmetric(gram - r[:, :, None] - r[:, None, :] + g[:, None, None])
 
 
 def covariance(features: torch.Tensor) -> torch.Tensor:
     """The ``[B, d, d]`` covariance of the centered, L2-normalized tokens ``[B, N, d]`` (for N > d), symmetric, in
     float32 (float64 tokens stay float64)."""
-    x = upcast(features)
-    xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
+    xn = unit_tokens(upcast(features), ENTROPY_EPS)
     xc = xn - xn.mean(dim=1, keepdim=True)
-    cov = xc.transpose(1, 2) @ xc  # [B, d, d]
-    return 0.5 * (cov + cov.transpose(1, 2))
+    return exactly_symmetric(xc.transpose(1, 2) @ xc)  # [B, d, d]
 
 
 def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,8 +51,7 @@ def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None) ->
     if N > d:
         return covariance(features)
     if gram is None:
-        x = upcast(features)
-        xn = x / x.norm(dim=-1, keepdim=True).clamp_min(ENTROPY_EPS)
+        xn = unit_tokens(upcast(features), ENTROPY_EPS)
         gram = xn @ xn.transpose(1, 2)
     return centered_gram(gram)
 
@@ -64,11 +60,6 @@ def entropy_of_matrix(mat: torch.Tensor) -> torch.Tensor:
     """The exact normalized entropy of the spectrum of the symmetric ``mat [B, K, K]`` -> ``[B]`` float32: eigenvalues
     by ``torch.linalg.eigvalsh`` in ``mat``'s dtype, clamped at 1e-12, read as a distribution."""
     return _entropy_of_spectrum(torch.linalg.eigvalsh(mat)).float()
-
-
-def spectral_entropy_from_gram(gram: torch.Tensor) -> torch.Tensor:
-    """Spectral entropy ``[B]`` from the (uncentered) Gram ``[B, N, N]`` of L2-normalized tokens, for N <= d."""
-    return entropy_of_matrix(centered_gram(gram))
 
 
 def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:
