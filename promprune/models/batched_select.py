@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 import promprune
+from promprune.selection.registry import checked_inputs
 
 from .adapters import HostIndex, VisualItem, host_index
 from .transfer import to_device, to_host
@@ -239,7 +240,8 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
         grid = unit_grid(items[unit.item], unit.idx) if spec.needs_grid else None
         buckets.setdefault((unit.idx.shape[0], unit.budget, grid), []).append(unit)
     calls = [_inputs(items, group, spec) for group in buckets.values()]
-    checked = _all_finite([t for call in calls for t in _checked_tensors(call)])
+    checked = _all_finite([t for call in calls for t in checked_inputs(call["features"], call["saliency"],
+                                                                        call["vision"], call["instruction"]).values()])
     sels = [promprune.select(call.pop("features"), call.pop("saliency"), budget=share, method=method, grid=grid,
                              checked=checked, **call, **options)
             for (_n, share, grid), call in zip(buckets, calls)]
@@ -255,17 +257,6 @@ def _inputs(items: list[VisualItem], group: list[Unit], spec) -> dict:
     sal = torch.stack([u.take(items[u.item].saliency) for u in group]) if spec.needs_saliency else None  # [U, n]
     return dict(features=feats, saliency=sal, vision=_vision(items, group) if spec.reads_vision else None,
                 instruction=_instruction(items, group) if spec.needs_instruction else None, keys=_keys(items, group))
-
-
-def _checked_tensors(call: dict) -> list[torch.Tensor]:
-    """The tensors of a bucket that ``select`` checks for NaN / Inf."""
-    vision, text = call["vision"], call["instruction"]
-    out = [call["features"], call["saliency"]]
-    if vision is not None:
-        out += [vision.hidden, vision.keys, vision.cls]
-    if text is not None:
-        out += [text.query, text.tokens]
-    return [t for t in out if t is not None]
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -413,9 +413,19 @@ def _validate_keys(keys, batch: int) -> tuple[int, ...] | None:
     return keys
 
 
-def _check_finite(named: dict[str, torch.Tensor | None]) -> None:
+def checked_inputs(features: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None,
+                   instruction: Instruction | None) -> dict[str, torch.Tensor]:
+    """The inputs ``select`` checks for NaN / Inf, by the names its errors give them (those present)."""
+    named = {"features": features, "saliency": saliency}
+    if vision is not None:
+        named |= {"vision.hidden": vision.hidden, "vision.keys": vision.keys, "vision.cls": vision.cls}
+    if instruction is not None:
+        named |= {"instruction.query": instruction.query, "instruction.tokens": instruction.tokens}
+    return {k: t for k, t in named.items() if t is not None}
+
+
+def _check_finite(named: dict[str, torch.Tensor]) -> None:
     """Every given tensor ``[B, ...]`` is finite; one read of the device for all of them (the error path reads more)."""
-    named = {k: t for k, t in named.items() if t is not None}
     flags = torch.stack([torch.isfinite(t).all() for t in named.values()])
     if bool(flags.all()):
         return
@@ -458,9 +468,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
     seen = _validate_vision(vision, x) if spec.reads_vision else None
     if not checked:
-        _check_finite({"features": x, "saliency": s, "vision.hidden": seen and seen.hidden,
-                       "vision.keys": seen and seen.keys, "vision.cls": seen and seen.cls,
-                       "instruction.query": text and text.query, "instruction.tokens": text and text.tokens})
+        _check_finite(checked_inputs(x, s, seen, text))
     tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
                       source=features, keys=_validate_keys(keys, x.shape[0]))
     sel = spec.fn(tokens, min(budget, tokens.n), **opts)
