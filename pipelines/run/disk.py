@@ -46,6 +46,13 @@ class DiskFull(RuntimeError):
     go on."""
 
 
+FULL_TEXTS = ("No space left on device", "Disk quota exceeded")  # ENOSPC's and EDQUOT's text, as errors carry it
+
+
+def _says_full(text: str) -> bool:
+    return any(full in text for full in FULL_TEXTS)
+
+
 def is_disk_full(error: BaseException | None) -> bool:
     """Whether ``error`` (or what caused it, or the text of a Ray-wrapped one) is "No space left on device"."""
     seen = set()
@@ -53,7 +60,7 @@ def is_disk_full(error: BaseException | None) -> bool:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+        if _says_full(str(error)):
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -72,20 +79,21 @@ def local_dir(place: str | None) -> Path | None:
 def free_bytes(path: Path) -> int:
     """Free bytes for this user on the file system that holds ``path`` (or, before it exists, its nearest existing
     parent)."""
-    path = Path(path).absolute()
+    return shutil.disk_usage(_existing(Path(path).absolute())).free
+
+
+def _existing(path: Path) -> Path:
+    """``path``, or its nearest parent that exists."""
     while not path.exists() and path.parent != path:
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
 
 
 def _by_device(places: list[Path]) -> list[Path]:
     """One place per file system (the first named), so that one shortage is said once."""
     seen, out = set(), []
     for place in places:
-        probe = place
-        while not probe.exists() and probe.parent != probe:
-            probe = probe.parent
-        device = probe.stat().st_dev
+        device = _existing(place).stat().st_dev
         if device not in seen:
             seen.add(device)
             out.append(place)
@@ -177,7 +185,7 @@ class DiskWatch(tune.Callback, tune.Stopper):
                 text = Path(trial.error_file).read_text(errors="replace")[-20000:]
         except OSError:
             pass
-        if "No space left on device" in text or "Disk quota exceeded" in text:
+        if _says_full(text):
             self._trip(f"a trial ({trial}) failed writing its results: No space left on device")
         else:
             self._look(force=True)
