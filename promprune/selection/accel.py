@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import traceback
+import warnings
 from contextlib import contextmanager
 from functools import cache
 
@@ -23,6 +25,7 @@ import torch
 ENTROPY_MODES = ("auto", "certified", "exact")
 _STATE = {"on": os.environ.get("PROMPRUNE_ACCEL", "1") != "0", "entropy": os.environ.get("PROMPRUNE_ENTROPY", "auto"),
           "syncs": 0}
+_BROKEN: dict[str, str] = {}  # kernel name -> why Triton could not build it on this machine (this process)
 
 
 def active(t: torch.Tensor) -> bool:
@@ -45,6 +48,40 @@ def disabled():
 def has_triton() -> bool:
     """Triton is importable (the CUDA builds of torch ship it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def _raised_in_triton(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside Triton's own code (its compiler or its backends), not by a CUDA call of ours
+    (an out-of-memory or a device error passes through)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and f"{os.sep}triton{os.sep}" in frames[-1].filename
+
+
+def kernel(name: str, launch):
+    """``launch()`` (one Triton kernel's launch), or None when Triton cannot compile that kernel on this machine.
+
+    A compiler failure (H100 with Triton 3.x once asserted in a pass on one of ours) is said once per kernel in a
+    warning and remembered for the process: the caller then takes its torch path, which picks the same tokens,
+    slower. Any other error (CUDA out of memory, a device fault) is raised as it is.
+    """
+    if name in _BROKEN:
+        return None
+    try:
+        return launch()
+    except Exception as exc:  # noqa: BLE001 - only Triton's own failures are kept, the rest re-raised
+        if not _raised_in_triton(exc):
+            raise
+        _BROKEN[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        warnings.warn(f"Triton could not compile the selection's {name} kernel on this GPU ({_BROKEN[name]}); "
+                      f"{name} takes its torch path for the rest of this process (the same tokens, slower). "
+                      "Please report it with `python -c 'import triton, torch; print(triton.__version__, "
+                      "torch.__version__)'` and the GPU's name.", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def broken_kernels() -> dict[str, str]:
+    """The kernels Triton could not compile in this process, with why (``kernel``)."""
+    return dict(_BROKEN)
 
 
 def entropy_mode() -> str:

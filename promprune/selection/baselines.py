@@ -70,9 +70,10 @@ def vispruner_diverse(cosine: torch.Tensor, rest: torch.Tensor, keep: int) -> to
         from . import greedy_triton  # every round in one launch (float32: float64 tokens take the loop)
 
         local = _submatrix(cosine, rest, rest).float()  # [B, R, R] the kernel among the candidates, in their order
-        picks = greedy_triton.vispruner_rounds(local, keep, vispruner_round_count(rest.shape[1], keep),
-                                               VISPRUNER_ROUND)
-        return rest.gather(1, picks)
+        picks = accel.kernel("vispruner", lambda: greedy_triton.vispruner_rounds(
+            local, keep, vispruner_round_count(rest.shape[1], keep), VISPRUNER_ROUND))
+        if picks is not None:  # None: Triton could not build the kernel here, the loop below picks the same
+            return rest.gather(1, picks)
     while rest.shape[1] > keep:
         drop = min(VISPRUNER_ROUND, rest.shape[1] - keep)
         even, odd = rest[:, 0::2], rest[:, 1::2]

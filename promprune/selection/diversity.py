@@ -111,7 +111,9 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
       by ``fallback`` (saliency, when the caller has it), else in raster order. Tokens are never repeated.
     """
     if _fused(kernel):
-        return _dpp_fused(kernel, available, counts, anchor, conditional, fallback, steps)
+        out = accel.kernel("dpp", lambda: _dpp_fused(kernel, available, counts, anchor, conditional, fallback, steps))
+        if out is not None:  # None: Triton could not build the kernel here (accel.kernel), the loop picks the same
+            return out
     B, N, _ = kernel.shape
     picks = _Picks(available, counts, steps)
     n_cond = int(anchor.sum(dim=1).max()) if (conditional and anchor is not None and anchor.numel()) else 0
@@ -182,8 +184,10 @@ def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torc
     if fused:
         from . import greedy_triton
 
-        return greedy_triton.farthest_point(distance, available, counts, first_score, nearest, _width(counts, steps),
-                                            FPS_TIE_EPS)
+        out = accel.kernel("fps", lambda: greedy_triton.farthest_point(
+            distance, available, counts, first_score, nearest, _width(counts, steps), FPS_TIE_EPS))
+        if out is not None:
+            return out
     picks = _Picks(available, counts, steps)
     for k in range(picks.steps):
         j = near_tie_argmax(first_score if k == 0 else nearest, picks.free, FPS_TIE_EPS)
@@ -231,7 +235,10 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     if _fused(similarity):
         from . import greedy_triton
 
-        return greedy_triton.facility_location(similarity, available, counts, cover, order_fb, _width(counts, steps))
+        out = accel.kernel("fl", lambda: greedy_triton.facility_location(
+            similarity, available, counts, cover, order_fb, _width(counts, steps)))
+        if out is not None:
+            return out
     picks = _Picks(available, counts, steps)
     for k in range(picks.steps):
         gain = (similarity - cover[:, :, None]).clamp_min(0).sum(dim=1)  # [B, N]: column j's gain

@@ -180,21 +180,25 @@ def _vispruner_kernel(C, lists, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexp
         drop = tl.minimum(tl.minimum(R - KEEP, ROUND), E)
         live_e = hs < E
         ev = tl.load(cur + 2 * hs, mask=live_e, other=0).to(tl.int64)  # [BLOCK_H] the even positions' candidates
-        best = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        # the loops below carry whole tiles and reduce once after them: a reduction carried through a loop and read
+        # more than once after it trips Triton 3.x's OptimizeThreadLocality pass on sm_90 (an assertion, H100)
+        tiles = tl.full([BLOCK_H, BLOCK_J], float("-inf"), tl.float32)
         for j0 in range(0, n_odd, BLOCK_J):  # each even's best match among the odds, a tile of odds at a time
             js = j0 + tl.arange(0, BLOCK_J)
             od = tl.load(cur + 2 * js + 1, mask=js < n_odd, other=0).to(tl.int64)
             tile = tl.load(Cb + ev[:, None] * R0 + od[None, :], mask=live_e[:, None] & (js < n_odd)[None, :],
                            other=float("-inf"))
-            best = tl.maximum(best, tl.max(tile, axis=1))
+            tiles = tl.maximum(tiles, tile)
+        best = tl.max(tiles, axis=1)
         tl.store(Mb + hs, best, mask=live_e)
         tl.debug_barrier()  # every thread reads every even's match below
-        rank = tl.zeros([BLOCK_H], dtype=tl.int32)  # place in the stable descending order of the matches
+        ahead_n = tl.zeros([BLOCK_H, BLOCK_J], dtype=tl.int32)  # place in the stable descending order of the matches
         for k0 in range(0, E, BLOCK_J):
             ks = k0 + tl.arange(0, BLOCK_J)
             mk = tl.load(Mb + ks, mask=ks < E, other=float("-inf"))
             ahead = (mk[None, :] > best[:, None]) | ((mk[None, :] == best[:, None]) & (ks[None, :] < hs[:, None]))
-            rank += tl.sum((ahead & (ks < E)[None, :]).to(tl.int32), axis=1)
+            ahead_n += (ahead & (ks < E)[None, :]).to(tl.int32)
+        rank = tl.sum(ahead_n, axis=1)
         tl.store(nxt + rank - drop, ev.to(tl.int32), mask=live_e & (rank >= drop))  # survivors, best match first
         odd = tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0)
         tl.store(nxt + (E - drop) + hs, odd, mask=hs < n_odd)  # then the odds in order
