@@ -45,6 +45,7 @@ from promprune.efficiency import (  # noqa: E402
     recurrent_state_bytes,
     reset_peak_memory,
 )
+from promprune.selection import accel, certified  # noqa: E402
 
 # Vicuna-7B (the text model of llava-v1.6-vicuna-7b), the dimensions Table 6 uses
 VICUNA_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32)
@@ -120,10 +121,15 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
     }
 
 
-def _arms(args) -> list[tuple[str | None, int | None]]:
-    """(method, budget) pairs to measure: the unpruned model once, then every method at every budget."""
-    arms = [(None, None)] if None in args.budgets else []
-    return arms + [(m, b) for b in args.budgets if b is not None for m in args.methods]
+def _arms(args, graphs: bool = False) -> list[tuple[str | None, int | None, bool]]:
+    """(method, budget, CUDA graphs) to measure: the unpruned model once, then every method at every budget; with
+    ``graphs`` PromPrune once more with its split's Lanczos stages replayed as CUDA graphs (``accel.graphs``)."""
+    arms = [(None, None, False)] if None in args.budgets else []
+    for b in args.budgets:
+        if b is not None:
+            arms += [(m, b, False) for m in args.methods]
+            arms += [("promprune", b, True)] if graphs and "promprune" in args.methods else []
+    return arms
 
 
 def measured(args) -> None:
@@ -146,16 +152,25 @@ def measured(args) -> None:
     print("| method | budget | visual tokens | prefill TFLOPs | KV MiB (visual) | state MiB | vision ms | select ms "
           "| LLM prefill ms | total prefill ms | generate ms | peak GB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for method, budget in _arms(args):
+    splits = []
+    for method, budget, graphs in _arms(args, graphs=device.type == "cuda"):
         vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget, **options)
-        m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+        certified.LAST_REPORT.clear()  # filled again only where the split takes the bounds
+        with accel.graphs(graphs):
+            m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+        if method == "promprune" and certified.LAST_REPORT:
+            splits.append((budget, graphs, certified.LAST_REPORT[0]))
         n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read
         tflops = prefill_flops(text_config, n_vis + n_text) / 1e12
         kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
         total = m["vision_ms"] + m["select_ms"] + m["prefill_ms"]  # Table 6's prefill: vision + selection + LLM
-        print(f"| {method or 'unpruned'} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | {state:.4g} | "
+        label = (method or "unpruned") + ("+graphs" if graphs else "")
+        print(f"| {label} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | {state:.4g} | "
               f"{m['vision_ms']:.1f} | {m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {total:.1f} | "
               f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
+    for budget, graphs, report in splits:  # how PromPrune's certified split decided in the last timed call
+        print(f"\npromprune{'+graphs' if graphs else ''} at {budget}: views decided by the bounds per stage "
+              f"{report.decided}, by the exact eigensolve {report.exact}", end="")
     print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); state MiB: "
           "the linear-attention layers' recurrent state per sequence, the same at every budget; "
           f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a "

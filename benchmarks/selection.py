@@ -189,6 +189,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     results: dict[str, dict[str, float]] = {m: {} for m in names}
     old: dict[str, dict[str, float]] = {m: {} for m in names}
     exact_ms: dict[str, float] = {}
+    graphs_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
     for shape, (B, N, d, T) in shapes.items():
         x, s = make_inputs(B * batch, N, d, args.device, dtype=getattr(torch, args.dtype))
@@ -196,6 +197,8 @@ def run_batch(args, batch: int, shapes: dict) -> None:
             results[m][shape] = time_method(m, x, s, T, args.repeats)
         if cuda:
             stages[shape] = time_stages(x, s, T, args.repeats)
+            with accel.graphs(True):  # the split's Lanczos stages as CUDA graphs (off by default until measured)
+                graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)
             with accel.disabled():
                 for m in names:
                     old[m][shape] = time_method(m, x, s, T, args.repeats)
@@ -204,6 +207,8 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     print_methods(names, results, old if cuda else None, shapes)
     if cuda:
         print_stages(stages, results, shapes)
+        cells = (f"{graphs_ms[sh]:>17.2f} ({graphs_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
+        print(f"{'select, graphs':<16}" + "".join(cells) + "   (PROMPRUNE_GRAPHS=1)")
         worst = max(results[m][sh] / results["divprune"][sh] for m in names for sh in shapes)
         print(f"\nslowest method / divprune, worst shape: {worst:.2f}x at batch {batch} (target: <= 3x)")
     else:

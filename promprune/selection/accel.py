@@ -10,6 +10,10 @@ plain torch path on CUDA too (the benchmark times both).
 ``PROMPRUNE_ENTROPY`` (or ``with accel.entropy("...")``) picks how PromPrune's split reads the spectral entropy:
 ``auto`` (default: certified bounds on the CUDA fast path, the exact eigensolve elsewhere), ``certified`` (bounds on
 every device; the tests use it on the CPU) or ``exact`` (the eigensolve everywhere, e.g. to record exact entropies).
+
+``PROMPRUNE_GRAPHS=1`` (or ``with accel.graphs():``) replays each Lanczos stage of that split as one CUDA graph
+(``graphed``): at batch 1 the split is bound by the host's launches (H100, 2026-11-26: ~4 ms of host time for ~1 ms of
+device work). Off by default until a GPU run has timed it and checked it against the eager steps.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import torch
 
 ENTROPY_MODES = ("auto", "certified", "exact")
 _STATE = {"on": os.environ.get("PROMPRUNE_ACCEL", "1") != "0", "entropy": os.environ.get("PROMPRUNE_ENTROPY", "auto"),
-          "syncs": 0}
+          "graphs": os.environ.get("PROMPRUNE_GRAPHS", "0") == "1", "syncs": 0}
 _BROKEN: dict[str, str] = {}  # kernel name -> why Triton could not build it on this machine (this process)
 
 
@@ -82,6 +86,23 @@ def kernel(name: str, launch):
 def broken_kernels() -> dict[str, str]:
     """The kernels Triton could not compile in this process, with why (``kernel``)."""
     return dict(_BROKEN)
+
+
+def graphs_on() -> bool:
+    """Whether the certified split's Lanczos stages replay as CUDA graphs (``graphed``): off unless
+    ``PROMPRUNE_GRAPHS=1`` or ``with accel.graphs(True):``, until a GPU run has timed and checked them."""
+    return _STATE["graphs"]
+
+
+@contextmanager
+def graphs(on: bool = True):
+    """Replay (or not) the certified split's Lanczos stages as CUDA graphs inside the block."""
+    before = _STATE["graphs"]
+    _STATE["graphs"] = bool(on)
+    try:
+        yield
+    finally:
+        _STATE["graphs"] = before
 
 
 def entropy_mode() -> str:

@@ -80,26 +80,40 @@ class Lanczos:
         return cls(rho, empty, empty, v.contiguous(), torch.zeros_like(v))
 
     def run(self, steps: int) -> "Lanczos":
-        """``steps`` more steps (each: one batched product and a few fused updates; nothing waits)."""
-        B, n, _ = self.rho.shape
-        alpha, beta = [self.alpha], [self.beta]
-        v, v_prev = self.v, self.v_prev
+        """``steps`` more steps (each: one batched product and a few fused updates; nothing waits). With
+        ``accel.graphs()`` on and the state small enough (``graphed.usable``), the steps replay as one CUDA graph."""
+        from . import graphed
+
+        B = self.rho.shape[0]
         b_prev = self.beta[:, -1] if self.beta.shape[1] else self.rho.new_zeros(B)
-        for _ in range(steps):  # six launches a step
-            w = torch.bmm(self.rho, v)  # [B, n, n]
-            a = torch.bmm(v.view(B, 1, n * n), w.view(B, n * n, 1)).view(B)  # <V, rho V>_F
-            w.addcmul_(a[:, None, None], v, value=-1).addcmul_(b_prev[:, None, None], v_prev, value=-1)
-            b = torch.linalg.vector_norm(w, dim=(1, 2))
-            # b = 0 (the Krylov space ran out) gives NaN from here on: such rows fail bounds' checks (exact branch)
-            v_prev, v = v, w.div_(b[:, None, None])
-            alpha.append(a[:, None])
-            beta.append(b[:, None])
-            b_prev = b
-        return Lanczos(self.rho, torch.cat(alpha, 1), torch.cat(beta, 1), v, v_prev)
+        args = (self.rho, self.v, self.v_prev, b_prev)
+        alpha, beta, v, v_prev = (graphed.replay(lanczos_steps, args, steps) if graphed.usable(self.rho, steps)
+                                  else lanczos_steps(*args, steps))
+        return Lanczos(self.rho, torch.cat([self.alpha, alpha], 1), torch.cat([self.beta, beta], 1), v, v_prev)
 
     def rows(self, index: torch.Tensor) -> "Lanczos":
         """The recurrence of the images ``index`` only (to continue it for them)."""
         return Lanczos(*(t[index] for t in (self.rho, self.alpha, self.beta, self.v, self.v_prev)))
+
+
+def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor, b_prev: torch.Tensor,
+                  steps: int) -> tuple[torch.Tensor, ...]:
+    """``steps`` steps of the recurrence from the basis matrices ``v, v_prev [B, n, n]`` and the last residual norm
+    ``b_prev [B]``: ``(alpha [B, steps], beta [B, steps], v, v_prev)``. Only tensor operations, no host read: a CUDA
+    graph can capture it (``graphed``)."""
+    B, n, _ = rho.shape
+    alpha, beta = [rho.new_zeros(B, 0)], [rho.new_zeros(B, 0)]
+    for _ in range(steps):  # six launches a step
+        w = torch.bmm(rho, v)  # [B, n, n]
+        a = torch.bmm(v.view(B, 1, n * n), w.view(B, n * n, 1)).view(B)  # <V, rho V>_F
+        w.addcmul_(a[:, None, None], v, value=-1).addcmul_(b_prev[:, None, None], v_prev, value=-1)
+        b = torch.linalg.vector_norm(w, dim=(1, 2))
+        # b = 0 (the Krylov space ran out) gives NaN from here on: such rows fail bounds' checks (exact branch)
+        v_prev, v = v, w.div_(b[:, None, None])
+        alpha.append(a[:, None])
+        beta.append(b[:, None])
+        b_prev = b
+    return torch.cat(alpha, 1), torch.cat(beta, 1), v, v_prev
 
 
 def density(matrix: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import promprune
+from promprune.selection import baselines
 from promprune.selection.baselines import feature_key
 
 
@@ -206,3 +207,33 @@ def test_bad_keys_are_named(keys, fragment):
     with pytest.raises(ValueError, match=fragment):
         promprune.select(torch.randn(2, 10, 4), budget=3, method="random", keys=keys)
     assert random_rows(torch.randn(2, 10, 4), torch.tensor([1, 2]), budget=3).shape == (2, 3)
+
+
+def test_a_kernel_triton_cannot_build_falls_back_to_the_loop_once(monkeypatch):
+    """A Triton failure (here the real one of a CPU machine: no GPU driver) gives the loop's picks and one warning,
+    and the kernel is not tried again in the process; an error that is not Triton's (CUDA out of memory) is raised."""
+    import warnings
+
+    from promprune.selection import accel
+    from promprune.selection.registry import TokenSet
+
+    monkeypatch.setattr(accel, "_BROKEN", {})
+    g = torch.Generator().manual_seed(5)
+    cosine = TokenSet(torch.randn(2, 40, 16, generator=g), None).cosine
+    rest = torch.stack([torch.randperm(40, generator=g)[:38] for _ in range(2)])
+    want = baselines.vispruner_diverse(cosine, rest, 8)  # the CPU loop
+    monkeypatch.setattr(accel, "active", lambda t: True)  # as if these were CUDA tensors
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        first = baselines.vispruner_diverse(cosine, rest, 8)
+        second = baselines.vispruner_diverse(cosine, rest, 8)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    said = [str(w.message) for w in seen if "could not compile" in str(w.message)]
+    assert len(said) == 1 and "vispruner" in said[0], said
+    assert set(accel.broken_kernels()) == {"vispruner"}
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        accel.kernel("fps", out_of_memory)
+    assert "fps" not in accel.broken_kernels()

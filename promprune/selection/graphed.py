@@ -1,0 +1,96 @@
+"""A stage of device work with a fixed shape, captured once as a CUDA graph and replayed: one launch instead of many.
+
+The certified split (``certified``) runs 16 or 32 Lanczos steps per stage, six small launches each; at batch 1 the host
+spends ~30 us per launch on them while the device needs a few (H100, 2026-11-26: PromPrune's split 4.0 ms at
+LLaVA-1.5's shape for ~1 ms of device work). A graph replays the same kernels on the same buffers with one launch.
+
+``replay(fn, args, steps)`` captures ``fn(*args, steps)`` (tensors in, tensors out, no host read) the first time a
+shape is seen: static copies of ``args`` are allocated, ``fn`` runs once on a side stream (warm-up: cuBLAS picks its
+kernels and workspace), then once under capture. Each later call copies ``args`` into those buffers, replays, and
+returns clones of the outputs (the next replay overwrites them). The device runs exactly the kernels of the eager
+call, in the same order, on the same values: the results are bit-identical (``tests/selection/test_graphed.py`` on a
+GPU). At most ``KEEP`` captures are kept (least recently used first out); a capture that fails is said once in a
+warning and the eager call is used for the rest of the process.
+
+Only where it pays and fits: ``usable`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
+most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` state (each capture holds about five of them).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from . import accel
+
+KEEP = 8  # captures kept per process (keys: function, shapes, dtype, device, steps)
+# Elements of one [B, n, n] float64 state a capture may hold (64 MiB each; a capture holds ~5): batch 1 at n = 1296
+# (1.7M) and LLaVA-NeXT's five views of 576 (1.7M) fit, batch 8 at 1296 (13M) does not, and that is device-bound anyway.
+MAX_ELEMENTS = 2**23
+
+_CAPTURES: OrderedDict[tuple, "_Capture"] = OrderedDict()
+_FAILED: list[str] = []  # why capture failed (then never tried again in this process)
+
+
+class _Capture:
+    """One captured call: its static inputs, its graph, its outputs (in the graph's memory pool)."""
+
+    def __init__(self, fn: Callable, args: tuple[torch.Tensor, ...], steps: int):
+        device = args[0].device
+        self.inputs = tuple(a.detach().clone() for a in args)  # real values: the warm-up computes nothing wild
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn(*self.inputs, steps)  # warm-up outside the capture (kernel selection, cuBLAS workspace)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn(*self.inputs, steps)
+
+    def __call__(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for static, value in zip(self.inputs, args):
+            static.copy_(value)
+        self.graph.replay()
+        return tuple(out.clone() for out in self.outputs)
+
+
+def _key(fn: Callable, args: tuple[torch.Tensor, ...], steps: int) -> tuple:
+    return (fn.__module__, fn.__qualname__, steps, *((tuple(a.shape), a.dtype, str(a.device)) for a in args))
+
+
+def usable(state: torch.Tensor, steps: int) -> bool:
+    """Whether ``steps`` steps on ``state`` replay as a graph: the switch on, the CUDA fast path, a state of at most
+    ``MAX_ELEMENTS`` elements, and no earlier capture failure in this process."""
+    return (accel.graphs_on() and accel.active(state) and steps > 0 and state.numel() <= MAX_ELEMENTS
+            and not _FAILED)
+
+
+def replay(fn: Callable, args: tuple[torch.Tensor, ...], steps: int) -> tuple[torch.Tensor, ...]:
+    """``fn(*args, steps)`` through its captured graph (captured now if this shape is new); the eager call when the
+    capture fails (said once)."""
+    if _FAILED:
+        return fn(*args, steps)
+    key = _key(fn, args, steps)
+    capture = _CAPTURES.get(key)
+    if capture is None:
+        try:
+            capture = _Capture(fn, args, steps)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: the eager call gives the same values
+            _FAILED.append(f"{type(exc).__name__}: {exc}")
+            warnings.warn(f"CUDA graph capture of {fn.__qualname__} failed ({_FAILED[-1]}); the certified split runs "
+                          "its steps eagerly for the rest of this process (the same values, more host time).",
+                          RuntimeWarning, stacklevel=2)
+            return fn(*args, steps)
+        _CAPTURES[key] = capture
+        while len(_CAPTURES) > KEEP:
+            _CAPTURES.popitem(last=False)
+    _CAPTURES.move_to_end(key)
+    return capture(args)
+
+
+def clear() -> None:
+    """Drop every capture (their memory goes back to the allocator) and forget a failure."""
+    _CAPTURES.clear()
+    _FAILED.clear()

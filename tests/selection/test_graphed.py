@@ -1,0 +1,107 @@
+"""The certified split's Lanczos stages replayed as CUDA graphs (``promprune.selection.graphed``).
+
+On a GPU: the replayed steps equal the eager ones bit for bit, a shape is captured once, the kept captures are bounded,
+and PromPrune's picks do not move. Here (CPU): when a capture cannot be made (no CUDA), the eager steps answer, with one
+warning, and a CPU tensor never asks for a graph.
+"""
+import warnings
+
+import pytest
+import torch
+
+import promprune
+from promprune.selection import accel, certified, graphed
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rho(B, n, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, n, 2 * n, generator=g, dtype=torch.float64)
+    x = x - x.mean(dim=1, keepdim=True)
+    return certified.density(x @ x.transpose(1, 2)).to(device)
+
+
+def _start_args(rho):
+    state = certified.Lanczos.start(rho)
+    return state.rho, state.v, state.v_prev, rho.new_zeros(rho.shape[0])
+
+
+@pytest.fixture(autouse=True)
+def fresh_captures():
+    graphed.clear()
+    yield
+    graphed.clear()
+
+
+def test_a_cpu_state_never_asks_for_a_graph():
+    with accel.graphs(True):
+        assert not graphed.usable(_rho(1, 8, 0), 16)
+
+
+def test_a_capture_that_fails_gives_the_eager_steps_once_warned():
+    """On a machine without CUDA the capture itself fails (a real failure, not a planted one)."""
+    if torch.cuda.is_available():
+        pytest.skip("here a capture succeeds: the GPU tests below cover it")
+    args = _start_args(_rho(2, 12, 1))
+    want = certified.lanczos_steps(*args, 5)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        first = graphed.replay(certified.lanczos_steps, args, 5)
+        second = graphed.replay(certified.lanczos_steps, args, 5)
+    for got in (first, second):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert sum("capture" in str(w.message) for w in seen) == 1
+    assert graphed._FAILED and not graphed.usable(args[0], 5)
+
+
+def test_the_steps_continue_where_they_stopped():
+    """Two stages (5 then 7 steps) give the 12-step recurrence: the state carried between stages is complete."""
+    rho = _rho(2, 20, 2)
+    whole = certified.Lanczos.start(rho).run(12)
+    staged = certified.Lanczos.start(rho).run(5).run(7)
+    assert torch.equal(whole.alpha, staged.alpha) and torch.equal(whole.beta, staged.beta)
+    assert certified.Lanczos.start(rho).run(0).alpha.shape == (2, 0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,n", [(1, 576), (5, 64), (3, 200)])
+def test_cuda_replayed_steps_equal_the_eager_steps(B, n):
+    rho = _rho(B, n, 3, "cuda")
+    eager = certified.Lanczos.start(rho).run(16).run(32)
+    with accel.graphs(True):
+        assert graphed.usable(rho, 16)
+        for _ in range(2):  # the capture, then a replay
+            replayed = certified.Lanczos.start(rho).run(16).run(32)
+            for name in ("alpha", "beta", "v", "v_prev"):
+                assert torch.equal(getattr(replayed, name), getattr(eager, name)), name
+    assert len(graphed._CAPTURES) == 2  # one per stage's shape, captured once
+
+
+@needs_cuda
+def test_cuda_captures_follow_their_inputs_and_stay_bounded():
+    with accel.graphs(True):
+        for seed in range(graphed.KEEP + 3):
+            rho = _rho(1, 32 + seed, seed, "cuda")  # a new shape each time: a new capture
+            args = _start_args(rho)
+            got = graphed.replay(certified.lanczos_steps, args, 4)
+            want = certified.lanczos_steps(*args, 4)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert len(graphed._CAPTURES) == graphed.KEEP
+        other = _start_args(_rho(1, 32 + seed, 99, "cuda"))  # the last shape, other values: the replay reads them
+        got = graphed.replay(certified.lanczos_steps, other, 4)
+        assert all(torch.equal(g, w) for g, w in zip(got, certified.lanczos_steps(*other, 4)))
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(1, 576, 1024), (5, 576, 1024), (1, 1296, 1280)])
+def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape):
+    B, N, d = shape
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(B, N, d, generator=g).cuda().half()
+    s = torch.rand(B, N, generator=g).cuda()
+    budget = int(round(N / 9))
+    want = promprune.select(x, s, budget=budget, method="promprune")
+    with accel.graphs(True):
+        got = promprune.select(x, s, budget=budget, method="promprune")
+    assert torch.equal(got.indices, want.indices)
