@@ -202,7 +202,9 @@ PY
         python3 benchmarks/selection.py --device cuda --dtype $dt --batch 1 8 --repeats 9; echo; done ;;
     table6)
       env_line; python3 benchmarks/efficiency.py --model shape:llava_next_7b --dtype float16 --device cuda \
-          --budgets none,320 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8 ;;
+          --budgets none,320 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8
+      # PromPrune's select ms there (35 ms on 2026-11-26) against promprune.select alone (10 ms): where it goes
+      python3 benchmarks/profile_select.py --model shape:llava_next_7b --dtype float16 --budget 320 --rows 16 ;;
     shapes)
       env_line
       python3 benchmarks/efficiency.py --model shape:llava_1_5_7b --dtype float16 --device cuda --skip-analytic \
