@@ -214,6 +214,7 @@ def warm_scoring() -> None:
 
 
 def _import_scoring() -> None:
+    import promprune.eval  # noqa: F401 - first: it defers lmms-eval's optional `import evaluate` (eval.deferred)
     import lmms_eval.api.model  # noqa: F401 - what `promprune.eval.score` imports first
     import lmms_eval.evaluator  # noqa: F401
 

@@ -10,6 +10,10 @@ Submodules import lmms-eval lazily, so importing this package (as lmms-eval's pl
 
 import importlib
 
+from promprune.eval import deferred
+
+deferred.defer()  # lmms-eval's top-level `import evaluate` (one optional path) costs 3-4 s per process: on first use
+
 _EXPORTS = {
     "build_requests": "promprune.eval.requests",
     "run_requests": "promprune.eval.requests",
