@@ -7,7 +7,7 @@ prints the operators by host time and by device time, how the certified split de
 with and without CUDA graphs (``PROMPRUNE_GRAPHS``)::
 
     python benchmarks/profile_select.py --model shape:llava_next_7b --dtype float16 --budget 320    # on a GPU
-    python benchmarks/profile_select.py --model tiny:llava_next --budget 20                         # anywhere
+    python benchmarks/profile_select.py --model tiny:llava_next --entropy certified                # anywhere
 
 ``shape:`` models are built with ``--text-layers`` decoder layers (the selection happens before the LLM).
 """
@@ -55,6 +55,8 @@ def main(argv=None) -> None:
     parser.add_argument("--text-layers", type=int, default=2, help="decoder layers of a shape: model")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rows", type=int, default=18, help="operators per table")
+    parser.add_argument("--entropy", default="auto", choices=accel.ENTROPY_MODES,
+                        help="how PromPrune's split reads the entropy (certified: the bounds on the CPU too)")
     args = parser.parse_args(argv)
 
     net, processor, options = build(args.model, args.dtype, args.device, args.text_layers)
@@ -84,7 +86,7 @@ def main(argv=None) -> None:
     print(f"{args.model} {args.method} budget {args.budget} {args.dtype} on {device} ({name}), "
           f"torch {torch.__version__}")
     for graphs in ([False, True] if device.type == "cuda" else [False]):
-        with accel.graphs(graphs):
+        with accel.graphs(graphs), accel.entropy(args.entropy):
             seen["ms"].clear()
             for _ in range(args.repeats + 1):  # the first: warm-up (kernels, captures)
                 vlm.prepare(images, prompts)
@@ -93,7 +95,8 @@ def main(argv=None) -> None:
             print(f"selection {'with' if graphs else 'without'} CUDA graphs: {ms:.2f} ms median of {args.repeats}"
                   + (f"; split decided per stage {report.decided}, exact {report.exact}" if report else ""))
     seen["profile"] = [None]
-    vlm.prepare(images, prompts)
+    with accel.entropy(args.entropy):
+        vlm.prepare(images, prompts)
     prof = seen["profile"][0]
     for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if device.type == "cuda" else ()):
         print(f"\n### operators by {key}")

@@ -197,3 +197,14 @@ def test_throughput():
     paths = [row[0] for row in table_rows(out, r"\([a-d]\) .*")]
     ours = ["(b) ours, both options off", "(c) ours, vision once", "(d) ours, vision and prefix once"]
     assert paths == ["(a) one lmms-eval run per configuration"] + ours + ours  # throughput, then the FLOP model
+
+
+def test_profile_select():
+    """The model path's selection profiled on a tiny LLaVA-NeXT with the certified split forced on the CPU: one split
+    call of its views, decided by the bounds, and the operator tables."""
+    out = run_benchmark("profile_select.py", "--repeats", "2", "--rows", "5", "--entropy", "certified")
+    decided = figure(out, rf"selection without CUDA graphs: ({NUMBER}) ms median of 2; split decided per stage "
+                          r"\[([\d, ]+)\], exact (\d+)")
+    stages = [int(n) for n in decided[2].split(",")]
+    assert sum(stages) + int(decided[3]) == 5  # tiny llava_next: the image's five views, every one decided once
+    assert "### operators by self_cpu_time_total" in out and "aten::bmm" in out  # the Lanczos products
