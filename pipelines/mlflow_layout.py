@@ -94,15 +94,21 @@ def tracking_uri(uri: str | None = None) -> str:
     return uri or os.environ.get(TRACKING_URI_ENV) or default_tracking_uri()
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` store URI (relative to the working directory, or absolute with a fourth
+    slash), None for any other URI."""
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
 def artifact_location(uri: str | None = None) -> str | None:
     """Where a new experiment of a SQLite store keeps its artifacts: ``mlruns/<experiment>`` beside the database file,
     not MLflow's default ``./mlruns`` of whatever directory the process runs in (a Ray job's package copy, deleted
     with it); None for a server, which has its own artifact root."""
-    uri = tracking_uri(uri)
-    if not uri.startswith("sqlite:///"):
+    database = sqlite_path(tracking_uri(uri))
+    if database is None:
         return None
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", experiment_name()).lstrip(".") or "experiment"
-    return str(Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns" / name)
+    return str(database.resolve().parent / "mlruns" / name)
 
 
 def ui_command(uri: str | None = None) -> str:

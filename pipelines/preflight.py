@@ -230,7 +230,7 @@ def check_store(uri: str) -> list[str]:
            "start the server it names (`mlflow server --backend-store-uri sqlite:///mlflow.db`)")
     parsed = urlparse(uri)
     if parsed.scheme == "sqlite":
-        path = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+        path = mlflow_layout.sqlite_path(uri)
         if path is not None:
             target = path if path.exists() else path.parent
             if not target.exists():

@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from pipelines.mlflow_layout import tracking_uri
+from pipelines.mlflow_layout import sqlite_path, tracking_uri
 
 PROBE_TIMEOUT_S = 5.0  # one request: a server that is down refuses at once, one that never answers times out
 
@@ -52,8 +52,8 @@ def store_problem(uri: str) -> str | None:
     import urllib.request
 
     fix = "point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the sweep wrote"
-    if uri.startswith("sqlite:///"):
-        path = Path(uri[len("sqlite:///"):])
+    path = sqlite_path(uri)
+    if path is not None:
         return None if path.is_file() else f"there is no MLflow store at {uri} ({path} does not exist); {fix}"
     if not uri.startswith(("http://", "https://")):
         return None  # another scheme: MLflow's client says what it makes of it

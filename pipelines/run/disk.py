@@ -32,7 +32,7 @@ import pyarrow
 import pyarrow.fs
 from ray import tune
 
-from pipelines import paths
+from pipelines import mlflow_layout, paths
 
 RESERVE_BYTES = 64 << 20  # the watch stops a sweep below this: room for Tune's last state, the log and MLflow's writes
 BYTES_PER_SAMPLE = 1024  # one trial's prediction of one sample, kept three times (saved block, Tune's result, MLflow
@@ -71,9 +71,8 @@ def local_dir(place: str | None) -> Path | None:
     remote (s3://, http://) or None."""
     if not place:
         return None
-    if place.startswith("sqlite:///"):
-        return Path(place[len("sqlite:///"):]).parent
-    return paths.local_storage(place)
+    database = mlflow_layout.sqlite_path(place)
+    return database.parent if database is not None else paths.local_storage(place)
 
 
 def free_bytes(path: Path) -> int:
