@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split-images", type=int, default=12, help="images per shape for the certified split's "
                     "decision table (0: leave it out)")
     ap.add_argument("--tables", default="timing,costs,split", help="which tables to print (comma-separated): timing "
-                    "(every method timed), costs (the cost model), split (the certified split's decisions)")
+                    "(every method timed), costs (the cost model), split (the certified split's decisions), "
+                    "schedules (Lanczos steps each stage schedule would run; not by default)")
     ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
                     "repeat")
     args = ap.parse_args(argv)
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         print()
     if "split" in tables and args.split_images:
         print_split_decisions(shapes, args.split_images, args.device)
+    if "schedules" in tables and args.split_images:
+        print_schedules(shapes, args.split_images, args.device)
 
 
 def run_batch(args, batch: int, shapes: dict) -> None:
@@ -297,14 +300,15 @@ def print_split_decisions(shapes, images: int, device: str) -> None:
     brackets' widths, and the counts against the exact algorithm's."""
     print(f"Certified split, {images} images per shape, mu within +-2 tau of each entropy (device={device}):")
     print(f"{'':<24}" + "".join(f"{shape:>26}" for shape in shapes))
-    rows: dict[str, list[str]] = {k: [] for k in ("stage 1 decided", "stage 2 decided", "exact eigensolve",
-                                                  "median width", "max width", "counts equal exact")}
+    stage_rows = [f"stage {i + 1} decided" for i in range(len(certified.STEPS))]
+    rows: dict[str, list[str]] = {k: [] for k in (*stage_rows, "exact eigensolve", "median width", "max width",
+                                                  "counts equal exact")}
     for _B, N, d, T in shapes.values():
         x = spread_inputs(images, N, d, seed=N).to(device)
         matrix = spectral_matrix(x)
         exact_h = entropy_of_matrix(matrix).double().cpu()
         z = torch.linspace(-2, 2, images, dtype=torch.float64)
-        decided, exact_n, widths, equal = [0, 0], 0, [], True
+        decided, exact_n, widths, equal = [0] * len(stage_rows), 0, [], True
         for i in range(images):  # one image per call: its own mu
             mu = float(exact_h[i] - DEFAULT_TAU * z[i])
 
@@ -313,20 +317,62 @@ def print_split_decisions(shapes, images: int, device: str) -> None:
 
             t_sal, _ = certified.split(matrix[i:i + 1], count_of)
             report = certified.LAST_REPORT[0]
-            decided = [a + b for a, b in zip(decided, report.decided + [0] * (2 - len(report.decided)))]
+            decided = [a + b for a, b in zip(decided, report.decided + [0] * (len(stage_rows) - len(report.decided)))]
             exact_n += report.exact
             widths += report.widths
             equal &= bool(torch.equal(t_sal, count_of(exact_h[i:i + 1])))
-        rows["stage 1 decided"].append(f"{decided[0]}/{images}")
-        rows["stage 2 decided"].append(f"{decided[1]}/{images}")
+        for row, n in zip(stage_rows, decided):
+            rows[row].append(f"{n}/{images}")
         rows["exact eigensolve"].append(f"{exact_n}/{images}")
         rows["median width"].append(f"{np.median(widths):.1e}" if widths else "-")
         rows["max width"].append(f"{max(widths):.1e}" if widths else "-")
         rows["counts equal exact"].append("yes" if equal else "NO")
     for name, cells in rows.items():
         print(f"{name:<24}" + "".join(f"{c:>26}" for c in cells))
-    print(f"(stages: {certified.STEPS[0]} and {certified.STEPS[1]} Lanczos steps; widths in normalized H of the "
+    print(f"(stages: {', '.join(map(str, certified.STEPS))} Lanczos steps; widths in normalized H of the "
           "decided images)")
+
+
+# Stage schedules compared by print_schedules: the one before 2026-11-26's H100 run, the shipped one, and others.
+SCHEDULES = ((16, 48), (12, 24, 48), (16, 24, 48), (12, 20, 32, 48), (12, 24, 32, 48), (8, 16, 24, 48))
+PROBE_STEPS = (4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)
+
+
+def print_schedules(shapes, images: int, device: str) -> None:
+    """How many Lanczos steps each stage schedule runs over the split table's images (the same images, mu within +-2
+    tau): for each image the fewest steps (of ``PROBE_STEPS``) whose bracket decides it; a schedule runs an image to
+    the first stage at or above that (all of them when none decides: the exact eigensolve). Steps are what the device
+    pays per view (each one a float64 n x n product; on the host, six launches); stages are host reads per call."""
+    print(f"Lanczos steps per stage schedule, {images} images per shape, mu within +-2 tau (device={device}):")
+    print(f"{'schedule':<24}" + "".join(f"{shape:>26}" for shape in shapes))
+    needs = {}
+    for _B, N, d, T in shapes.values():
+        x = spread_inputs(images, N, d, seed=N).to(device)
+        matrix = spectral_matrix(x)
+        exact_h = entropy_of_matrix(matrix).double().cpu()
+        z = torch.linspace(-2, 2, images, dtype=torch.float64)
+        need = []
+        for i in range(images):
+            mu = float(exact_h[i] - DEFAULT_TAU * z[i])
+            state, done, first = certified.Lanczos.start(certified.density(matrix[i:i + 1])), 0, None
+            for k in PROBE_STEPS:
+                state, done = state.run(k - done), k
+                lo, hi = certified.bounds(*(certified.to_host(t) for t in (state.alpha, state.beta)), N)
+                decided, _ = certified._decide(lo, hi, lambda h, mu=mu, budget=T: split_budget(
+                    h, budget, mu=mu, tau=DEFAULT_TAU))
+                if decided[0]:
+                    first = k
+                    break
+            need.append(first)
+        needs[N] = need
+    for schedule in SCHEDULES:
+        cells = ""
+        for _B, N, _d, _T in shapes.values():
+            steps = sum(next((st for st in schedule if k is not None and k <= st), schedule[-1]) for k in needs[N])
+            exact = sum(k is None or k > schedule[-1] for k in needs[N])
+            cells += f"{steps:>12d} steps, {exact:>2d} exact"
+        mark = "  (shipped)" if schedule == certified.STEPS else ""
+        print(f"{', '.join(map(str, schedule)):<24}{cells}{mark}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ bounds come from Gauss quadrature (Golub and Meurant, "Matrices, Moments and Qua
   underestimates it: ``lo <= H <= hi``.
 
 ``split`` runs ``STEPS[0]`` steps for every image, decides every image whose bracket (widened by
-``DECISION_MARGIN``) gives one count, continues to ``STEPS[1]`` steps for the rest, and computes the exact entropy
-(``entropy.entropy_of_matrix``, the reference) only for what is still undecided. The device work is enqueued without
-waiting; the host reads the recurrence coefficients once per stage (``to_host``: one sync for a batch the first
-stage decides). The small tridiagonal eigenproblems are solved on the host in float64.
+``DECISION_MARGIN``) gives one count, continues the rest to ``STEPS[1]`` steps, decides again, and so on through
+``STEPS``, and computes the exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still
+undecided. The device work is enqueued without waiting; the host reads the recurrence coefficients once per stage
+(``to_host``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved on the
+host in float64.
 """
 from __future__ import annotations
 
@@ -32,10 +33,15 @@ import torch
 from . import accel
 from .entropy import entropy_of_matrix
 
-# Lanczos steps of the first stage (every image) and the second (images whose bracket straddles a count boundary).
-# Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16 steps bracket H within 1e-5 to
-# 2e-3, 48 steps within 1e-7 to 2e-4, while t_sal's boundaries lie >= 1.25e-3 apart at T = 64 (tau = 0.02).
-STEPS = (16, 48)
+# Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
+# boundary continues to the next. Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16
+# steps bracket H within 1e-5 to 2e-3, 48 steps within 1e-7 to 2e-4, while t_sal's boundaries lie >= 1.25e-3 apart at
+# T = 64 (tau = 0.02). Each step costs the device a float64 n x n product per image (the batch-8 cost on an H100) and
+# the host six launches (the batch-1 cost), so the schedule minimizes steps run: over the split table's images (mu
+# within +-2 tau, the hardest place), (12, 24, 32, 48) runs 33% fewer steps than (16, 48) at n = 576 and 15% fewer at
+# n = 1296, for at most two host reads more per call, with the same images left to the eigensolve
+# (`python benchmarks/selection.py --tables schedules --split-images 48`, RESULTS 2026-11-26 evening).
+STEPS = (12, 24, 32, 48)
 # The bracket is widened by this much (normalized H) before it decides: it covers the exact algorithm's own float32
 # rounding (its eigenvalues near 0 carry ~1e-8 absolute error; measured <= 1.6e-6 on near-low-rank inputs at n = 1296)
 # and the float64 Lanczos' (~1e-12); an image within it of a boundary goes to the exact eigensolve.
@@ -181,7 +187,7 @@ def _decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torc
 
 
 def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
-          steps: tuple[int, int] = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+          steps: tuple[int, ...] = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
 
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H

@@ -86,8 +86,9 @@ def test_random_fingerprint():
 
 def test_selection():
     import promprune
+    from promprune.selection import certified
 
-    out = run_benchmark("selection.py", "--smoke", "--split-images", "3")
+    out = run_benchmark("selection.py", "--smoke", "--split-images", "3", "--tables", "timing,costs,split,schedules")
     ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(CPU bar: <= 2.5x\)")[1])
     assert ratio > 0
     timed = {line.split()[0] for line in out.splitlines() if re.match(r"\w+ +[\d.]+ \([\d.]+x\)", line)}
@@ -100,6 +101,10 @@ def test_selection():
     # the certified split decided every image or sent it to the eigensolve, and agreed with the exact counts
     equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
     assert equal.groups() == ("yes", "yes", "yes")
+    # the stage schedules compared: the shipped one marked, steps and eigensolves per shape
+    shipped = figure(out, r"([\d, ]+?) +(\d+) steps, +(\d+) exact +(\d+) steps, +(\d+) exact +(\d+) steps, +(\d+) exact"
+                          r"  \(shipped\)")
+    assert tuple(int(k) for k in shipped[1].split(",")) == certified.STEPS
 
 
 def test_launches():
