@@ -107,13 +107,23 @@ def refuse_early(argv: list[str]) -> None:
         sys.exit(EXIT_BAD_INPUT)
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The command line's spec arguments (``--config``, ``--set``, ``--resume``): declared once, for the early checks
+    here and for ``pipelines/sweep.py``'s parser."""
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep spec (default: sweeps/quickstart.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override a spec field, value parsed as YAML (repeatable): --set limit=8 "
+                        "--set grid.budget=[16,8]")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="EXPERIMENT",
+                   help="resume the latest run of this spec (or the named one, e.g. quickstart-20261121-080000): "
+                        "finished trials are kept, the same MLflow parent run continues")
+    return p
+
+
 def early_problem(argv: list[str]) -> tuple[str, str] | None:
     """(where, what) of a refusal decided here: the spec file's size, a ``--resume`` whose run's driver holds its
     lock. None when neither (or when this cannot tell: the full checks decide)."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--set", action="append", default=[], dest="overrides")
-    p.add_argument("--resume", nargs="?", const="latest", default=None)
+    p = add_spec_args(argparse.ArgumentParser(add_help=False))
     try:
         args, _ = p.parse_known_args(argv)
     except SystemExit:  # a malformed command line: the CLI's own parser says how

@@ -70,7 +70,7 @@ from ray import tune
 from promprune.records import Request, key_task
 
 from pipelines import calibration, mlflow_layout, paths, plugins, preflight
-from pipelines.frontdoor import DEFAULT_CONFIG
+from pipelines.frontdoor import add_spec_args
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
@@ -100,14 +100,7 @@ EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRU
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Run a sweep spec on Ray Tune and log it to MLflow.")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep spec (default: sweeps/quickstart.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                   help="override a spec field, value parsed as YAML (repeatable): --set limit=8 "
-                        "--set grid.budget=[16,8]")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="EXPERIMENT",
-                   help="resume the latest run of this spec (or the named one, e.g. quickstart-20261121-080000): "
-                        "finished trials are kept, the same MLflow parent run continues")
+    p = add_spec_args(argparse.ArgumentParser(description="Run a sweep spec on Ray Tune and log it to MLflow."))
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--regression-threshold", type=float, default=None,
                    help="nightly: fail (exit 3) and tag the run when a trial's Rel. drops more than this "
