@@ -37,10 +37,10 @@ from .entropy import entropy_of_matrix
 # boundary continues to the next. Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16
 # steps bracket H within 1e-5 to 2e-3, 48 steps within 1e-7 to 2e-4, while t_sal's boundaries lie >= 1.25e-3 apart at
 # T = 64 (tau = 0.02). Each step costs the device a float64 n x n product per image (the batch-8 cost on an H100) and
-# the host six launches (the batch-1 cost), so the schedule minimizes steps run: over the split table's images (mu
-# within +-2 tau, the hardest place), (12, 24, 32, 48) runs 33% fewer steps than (16, 48) at n = 576 and 15% fewer at
-# n = 1296, for at most two host reads more per call, with the same images left to the eigensolve
-# (`python benchmarks/selection.py --tables schedules --split-images 48`, RESULTS 2026-11-26 evening).
+# the host six launches (the batch-1 cost), so the schedule minimizes steps run: over the split table's 48 images per
+# shape (mu within +-2 tau, the hardest place), (12, 24, 32, 48) runs 24% fewer steps than (16, 48) at LLaVA's 576 x
+# 4096 and 13% fewer at Qwen2.5-VL's 1296 x 3584, for at most two host reads more per call, with the same images left
+# to the eigensolve (`python benchmarks/selection.py --tables schedules --split-images 48`, RESULTS 2026-11-26 evening).
 STEPS = (12, 24, 32, 48)
 # The bracket is widened by this much (normalized H) before it decides: it covers the exact algorithm's own float32
 # rounding (its eigenvalues near 0 carry ~1e-8 absolute error; measured <= 1.6e-6 on near-low-rank inputs at n = 1296)
