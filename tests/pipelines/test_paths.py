@@ -59,3 +59,19 @@ def test_a_jobs_resume_command_is_a_submit_command():
                                          "pipelines/sweep.py --config sweeps/quickstart.yaml --resume q-1")
     local = {**job, "command": {**job["command"], "ray_job": False}}
     assert state.resume_command(local) == "python pipelines/sweep.py --config sweeps/quickstart.yaml --resume q-1"
+
+
+def test_a_script_in_pipelines_does_not_shadow_top_level_packages():
+    """`python pipelines/<script>.py` puts pipelines/ first on sys.path; once the package is imported, a bare
+    `import evaluate` (lmms-eval's, for Hugging Face's) no longer finds pipelines/evaluate.py."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = ("import sys; sys.path.insert(0, 'pipelines'); import importlib.util as u; "
+            "ours = lambda: u.find_spec('evaluate').origin.endswith('pipelines/evaluate.py'); "
+            "before = ours(); import pipelines; print(before, ours())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]  # shadowed by the directory entry, then not
