@@ -13,7 +13,9 @@ GPU). At most ``KEEP`` captures are kept (least recently used first out); a capt
 warning and the eager call is used for the rest of the process.
 
 Only where it pays and fits: ``usable`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
-most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` state (each capture holds about five of them).
+most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` state. Each capture holds about six such float64 states (its inputs,
+outputs and the graph's pool), so the captures kept hold at most ``KEEP * 6 * MAX_ELEMENTS * 8`` bytes of GPU memory
+(1.5 GiB); at batch 1 at LLaVA-1.5's shape, one capture per stage: ~64 MiB in all. ``clear()`` gives it back.
 """
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ import torch
 from . import accel
 
 KEEP = 8  # captures kept per process (keys: function, shapes, dtype, device, steps)
-# Elements of one [B, n, n] float64 state a capture may hold (64 MiB each; a capture holds ~5): batch 1 at n = 1296
-# (1.7M) and LLaVA-NeXT's five views of 576 (1.7M) fit, batch 8 at 1296 (13M) does not, and that is device-bound anyway.
-MAX_ELEMENTS = 2**23
+# Elements of one [B, n, n] float64 state a capture may hold (32 MiB): batch 1 at n = 1296 (1.7M) and LLaVA-NeXT's five
+# views of 576 (1.7M) fit, batch 8 at 1296 (13M) does not, and that is device-bound anyway.
+MAX_ELEMENTS = 2**22
 
 _CAPTURES: OrderedDict[tuple, "_Capture"] = OrderedDict()
 _FAILED: list[str] = []  # why capture failed (then never tried again in this process)
