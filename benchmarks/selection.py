@@ -294,6 +294,20 @@ def spread_inputs(B: int, N: int, d: int, seed: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def split_images(N: int, d: int, T: int, images: int, device: str):
+    """The split tables' images at one shape: ``(matrix [images, n, n], counts, exact_h [images])``, where
+    ``counts[i]`` maps normalized entropies to t_sal with mu placed so that image i's entropy falls in the sigmoid's
+    steep part (z uniform in [-2, 2]: 12% to 88% coverage, the hardest place to decide)."""
+    matrix = spectral_matrix(spread_inputs(images, N, d, seed=N).to(device))
+    exact_h = entropy_of_matrix(matrix).double().cpu()
+    z = torch.linspace(-2, 2, images, dtype=torch.float64)
+
+    def count_for(mu: float):
+        return lambda h: split_budget(h, T, mu=mu, tau=DEFAULT_TAU)
+
+    return matrix, [count_for(float(exact_h[i] - DEFAULT_TAU * z[i])) for i in range(images)], exact_h
+
+
 def print_split_decisions(shapes, images: int, device: str) -> None:
     """The certified split on ``images`` varied images per shape, mu placed so that each image's entropy falls in the
     sigmoid's steep part (z uniform in [-2, 2]: 12% to 88% coverage, the hardest place to decide): who decided, the
@@ -304,17 +318,9 @@ def print_split_decisions(shapes, images: int, device: str) -> None:
     rows: dict[str, list[str]] = {k: [] for k in (*stage_rows, "exact eigensolve", "median width", "max width",
                                                   "counts equal exact")}
     for _B, N, d, T in shapes.values():
-        x = spread_inputs(images, N, d, seed=N).to(device)
-        matrix = spectral_matrix(x)
-        exact_h = entropy_of_matrix(matrix).double().cpu()
-        z = torch.linspace(-2, 2, images, dtype=torch.float64)
+        matrix, counts, exact_h = split_images(N, d, T, images, device)
         decided, exact_n, widths, equal = [0] * len(stage_rows), 0, [], True
-        for i in range(images):  # one image per call: its own mu
-            mu = float(exact_h[i] - DEFAULT_TAU * z[i])
-
-            def count_of(h, mu=mu, budget=T):
-                return split_budget(h, budget, mu=mu, tau=DEFAULT_TAU)
-
+        for i, count_of in enumerate(counts):  # one image per call: its own mu
             t_sal, _ = certified.split(matrix[i:i + 1], count_of)
             report = certified.LAST_REPORT[0]
             decided = [a + b for a, b in zip(decided, report.decided + [0] * (len(stage_rows) - len(report.decided)))]
@@ -347,19 +353,14 @@ def print_schedules(shapes, images: int, device: str) -> None:
     print(f"{'schedule':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     needs = {}
     for _B, N, d, T in shapes.values():
-        x = spread_inputs(images, N, d, seed=N).to(device)
-        matrix = spectral_matrix(x)
-        exact_h = entropy_of_matrix(matrix).double().cpu()
-        z = torch.linspace(-2, 2, images, dtype=torch.float64)
+        matrix, counts, _exact_h = split_images(N, d, T, images, device)
         need = []
-        for i in range(images):
-            mu = float(exact_h[i] - DEFAULT_TAU * z[i])
+        for i, count_of in enumerate(counts):
             state, done, first = certified.Lanczos.start(certified.density(matrix[i:i + 1])), 0, None
             for k in PROBE_STEPS:
                 state, done = state.run(k - done), k
                 lo, hi = certified.bounds(*(certified.to_host(t) for t in (state.alpha, state.beta)), N)
-                decided, _ = certified._decide(lo, hi, lambda h, mu=mu, budget=T: split_budget(
-                    h, budget, mu=mu, tau=DEFAULT_TAU))
+                decided, _ = certified.decide(lo, hi, count_of)
                 if decided[0]:
                     first = k
                     break

@@ -54,6 +54,12 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def fused(t: torch.Tensor) -> bool:
+    """Whether the greedy selectors run their Triton kernel for ``t``: the fast path (``active``), Triton importable,
+    and not float64 (the kernels are float32; float64 tokens take the torch loop)."""
+    return active(t) and has_triton() and t.dtype != torch.float64
+
+
 def _raised_in_triton(exc: BaseException) -> bool:
     """Whether ``exc`` was raised inside Triton's own code (its compiler or its backends), not by a CUDA call of ours
     (an out-of-memory or a device error passes through)."""
@@ -75,7 +81,8 @@ def kernel(name: str, launch):
     except Exception as exc:  # noqa: BLE001 - only Triton's own failures are kept, the rest re-raised
         if not _raised_in_triton(exc):
             raise
-        _BROKEN[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        _BROKEN[name] = f"{type(exc).__name__}: {first_line}"
         warnings.warn(f"Triton could not compile the selection's {name} kernel on this GPU ({_BROKEN[name]}); "
                       f"{name} takes its torch path for the rest of this process (the same tokens, slower). "
                       "Please report it with `python -c 'import triton, torch; print(triton.__version__, "

@@ -66,7 +66,7 @@ def vispruner_diverse(cosine: torch.Tensor, rest: torch.Tensor, keep: int) -> to
     """
     if keep <= 0:
         return rest[:, :0]
-    if rest.shape[1] > keep and accel.active(cosine) and accel.has_triton() and cosine.dtype != torch.float64:
+    if rest.shape[1] > keep and accel.fused(cosine):
         from . import greedy_triton  # every round in one launch (float32: float64 tokens take the loop)
 
         local = _submatrix(cosine, rest, rest).float()  # [B, R, R] the kernel among the candidates, in their order

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import accel
+from . import accel, graphed
 from .entropy import entropy_of_matrix
 
 # Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
@@ -88,8 +88,6 @@ class Lanczos:
     def run(self, steps: int) -> "Lanczos":
         """``steps`` more steps (each: one batched product and a few fused updates; nothing waits). With
         ``accel.graphs()`` on and the state small enough (``graphed.usable``), the steps replay as one CUDA graph."""
-        from . import graphed
-
         B = self.rho.shape[0]
         b_prev = self.beta[:, -1] if self.beta.shape[1] else self.rho.new_zeros(B)
         args = (self.rho, self.v, self.v_prev, b_prev)
@@ -178,7 +176,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def _decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, ...]:
+def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, ...]:
     """``(decided [B] bool, t_sal [B])`` where the widened bracket gives one count (``count`` is non-increasing)."""
     finite = np.isfinite(lo) & np.isfinite(hi)
     top = count(torch.from_numpy(np.where(finite, hi + DECISION_MARGIN, 0.0))).numpy()  # fewest salient tokens
@@ -206,7 +204,7 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
         done_steps = stage_steps
         coeffs = to_host(torch.cat([state.alpha, state.beta], 1))  # one read per stage (NaN-free rows only decide)
         lo, hi = bounds(coeffs[:, :done_steps], coeffs[:, done_steps:], n)
-        decided, counts = _decide(lo, hi, count)
+        decided, counts = decide(lo, hi, count)
         t_sal[todo[decided]] = counts[decided]
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         report.decided.append(int(decided.sum()))

@@ -34,12 +34,6 @@ FPS_TIE_EPS = 1e-6
 GAIN_EPS = 1e-6
 
 
-def _fused(t: torch.Tensor) -> bool:
-    """Run the Triton kernel for ``t`` (CUDA with the fast path on, Triton importable; the kernels are float32, so
-    float64 tokens take the torch loop)."""
-    return accel.active(t) and accel.has_triton() and t.dtype != torch.float64
-
-
 def _width(counts: torch.Tensor, steps: int | None) -> int:
     """Columns of the pick matrix: ``steps`` when the caller knows it, else ``counts.max()`` (a host sync)."""
     if steps is not None:
@@ -110,7 +104,7 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
     - When every remaining gain is (numerically) 0, i.e. ``counts`` exceeds the kernel's rank, the rest is filled
       by ``fallback`` (saliency, when the caller has it), else in raster order. Tokens are never repeated.
     """
-    if _fused(kernel):
+    if accel.fused(kernel):
         out = accel.kernel("dpp", lambda: _dpp_fused(kernel, available, counts, anchor, conditional, fallback, steps))
         if out is not None:  # None: Triton could not build the kernel here (accel.kernel), the loop picks the same
             return out
@@ -179,7 +173,7 @@ def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torc
     keeps the anchor tokens in the picked set throughout. ``fallback`` is unused: ties (scores within
     ``FPS_TIE_EPS`` of the best) resolve to the lowest index.
     """
-    fused = _fused(distance)
+    fused = accel.fused(distance)
     first_score, nearest = _fps_start(distance, available, anchor, conditional, sync=not fused)
     if fused:
         from . import greedy_triton
@@ -232,7 +226,7 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     if conditional and anchor is not None:
         cover = similarity.masked_fill(~anchor[:, None, :], 0.0).amax(dim=2)
     order_fb = _fallback_score(fallback, available)
-    if _fused(similarity):
+    if accel.fused(similarity):
         from . import greedy_triton
 
         out = accel.kernel("fl", lambda: greedy_triton.facility_location(
