@@ -14,8 +14,11 @@ the evaluation ones).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -44,6 +47,11 @@ class Calibration:
 def metrics_to_calibrate(trials) -> list[str]:
     """Prominence metrics of the trials whose ``mu`` is ``calibrate`` (sorted, unique)."""
     return sorted({t.options.get("metric", DEFAULT_METRIC) for t in trials if t.options.get("mu") == CALIBRATE})
+
+
+def budget_of(trials) -> int:
+    """The budget a sweep calibrates at: the smallest of its ``mu: calibrate`` trials'."""
+    return min(t.budget for t in trials if t.options.get("mu") == CALIBRATE)
 
 
 def apply(options: dict, calibrated: dict[str, float]) -> dict:
@@ -140,3 +148,89 @@ def measure(base, adapter_options: dict, cal: Calibration, metrics: list[str], b
     with accel.entropy("exact"):  # the median needs the entropies themselves, not the GPU split's certified bounds
         values = image_entropies(factory, metrics, images, cal.batch_size)
     return {m: {"median": statistics.median(v), "n": len(v), "values": v} for m, v in values.items()}
+
+
+# ---- calibrations measured once and shipped -------------------------------------------------------------------------
+# A calibration is a deterministic function of the model's weights, its dtype and options, the device kind, the
+# images (source, n, seed, batch size), the metrics and the budget. Where the weights can be named without loading
+# them (the shipped testbed:llava: its sha256), a calibration measured once is shipped here under a digest of all
+# of that (`key`), and a sweep with the same settings reads it instead of measuring again (the quickstart's 500
+# scenes: seconds of a 2-core machine's CPU). `tests/pipelines/test_calibration.py` measures the shipped entries
+# again and compares them exactly (float64); `python -m pipelines.calibration --ship SPEC` (re)writes an entry.
+SHIPPED = Path(__file__).with_name("calibrations.json")
+VERSION = 1  # bump when the prominence metrics or the calibration code change what a calibration measures
+
+
+def weights_identity(pretrained: str) -> str | None:
+    """A name for exactly the weights ``pretrained`` loads, without loading them, or None (then a calibration is
+    always measured): the shipped ``testbed:llava`` (its manifest's sha256, which the driver's `prepare_model`
+    checks against the file before anything runs)."""
+    if pretrained != "testbed:llava":
+        return None
+    from promprune.testbed import shipped, zoo
+
+    return f"testbed:llava sha256:{shipped.manifest()['sha256']}" if zoo.shipped_in_use() else None
+
+
+def settings(source, cal: Calibration, metrics: list[str], budget: int, on_gpu: bool) -> dict | None:
+    """Everything a calibration's values depend on, or None when the weights cannot be named (`weights_identity`)."""
+    identity = weights_identity(source.pretrained)
+    if identity is None:
+        return None
+    return {"version": VERSION, "weights": identity, "dtype": str(source.dtype), "options": source.options,
+            "attn_implementation": source.attn_implementation, "device": "gpu" if on_gpu else "cpu",
+            "images": cal.images, "n": cal.n, "seed": cal.seed, "batch_size": cal.batch_size,
+            "metrics": sorted(metrics), "budget": budget}
+
+
+def key(described: dict) -> str:
+    """The digest of a calibration's `settings`."""
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def shipped_results(described: dict | None) -> dict[str, dict] | None:
+    """The shipped results (as `measure` returns them) of a calibration with exactly these `settings`, or None."""
+    if described is None or not SHIPPED.exists():
+        return None
+    entry = json.loads(SHIPPED.read_text()).get(key(described))
+    return None if entry is None or entry["settings"] != _plain(described) else entry["results"]
+
+
+def _plain(described: dict) -> dict:
+    """``described`` as JSON reads it back (tuples as lists, other values as strings)."""
+    return json.loads(json.dumps(described, default=str))
+
+
+def ship(spec_path: str, overrides: list[str] | None = None) -> str:
+    """Measure the calibration a spec's ``mu: calibrate`` trials need here (CPU) and write it to `SHIPPED`;
+    returns its key."""
+    from pipelines import spec as specs
+
+    spec = specs.load(spec_path, overrides or [])
+    trials = specs.expand(spec)
+    metrics = metrics_to_calibrate(trials)
+    if not metrics:
+        raise SystemExit(f"{spec_path}: no trial sets mu: calibrate")
+    budget = budget_of(trials)
+    described = settings(spec.model, spec.calibration, metrics, budget, on_gpu=False)
+    if described is None:
+        raise SystemExit(f"{spec.model.pretrained}: its weights cannot be named without loading them; only "
+                         "calibrations of named weights are shipped")
+    results = run(spec.model, spec.calibration, metrics, budget)
+    entries = json.loads(SHIPPED.read_text()) if SHIPPED.exists() else {}
+    entries[key(described)] = {"settings": _plain(described), "results": results,
+                               "measured": f"{time.strftime('%Y-%m-%d')}: python -m pipelines.calibration --ship "
+                                           f"{spec_path}"}
+    SHIPPED.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    return key(described)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Ship the calibration of a spec's mu: calibrate trials "
+                                                 f"({SHIPPED.name}): measured here, on the CPU.")
+    parser.add_argument("--ship", required=True, metavar="SPEC", help="a sweep spec, e.g. sweeps/quickstart.yaml")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", help="spec overrides (key=value)")
+    args = parser.parse_args()
+    print(f"{SHIPPED}: {ship(args.ship, args.overrides)}")

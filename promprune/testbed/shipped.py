@@ -58,19 +58,29 @@ def load(directory: Path = WEIGHTS_DIR, *, verify: bool = True):
     manifest (a mismatch names both digests) and its recipe version against the code's."""
     from transformers import LlavaForConditionalGeneration
 
-    from promprune.testbed import training
-
     directory = Path(directory)
+    check(directory, checksum=verify)
+    return LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def verify(directory: Path = WEIGHTS_DIR) -> None:
+    """ValueError unless ``directory``'s weights are the manifest's (sha256) and its recipe is the code's."""
+    check(Path(directory), checksum=True)
+
+
+def check(directory: Path, *, checksum: bool) -> None:
+    """The manifest's recipe is the code's and (``checksum``) the weights file's sha256 the manifest's."""
+    from promprune.testbed import RECIPE
+
     meta = manifest(directory)
-    if meta.get("recipe") != training.RECIPE:
+    if meta.get("recipe") != RECIPE:
         raise ValueError(f"{directory / MANIFEST}: recipe {meta.get('recipe')!r}, but this code trains recipe "
-                         f"{training.RECIPE!r}: retrain (python -m promprune.testbed.shipped --out {directory})")
-    if verify:
+                         f"{RECIPE!r}: retrain (python -m promprune.testbed.shipped --out {directory})")
+    if checksum:
         found = sha256(directory / WEIGHTS_FILE)
         if found != meta["sha256"]:
             raise ValueError(f"{directory / WEIGHTS_FILE}: sha256 {found} does not match the manifest's "
                              f"{meta['sha256']} (a corrupted or replaced file)")
-    return LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def fixed_questions() -> list[tuple]:

@@ -53,6 +53,7 @@ import torch
 
 from promprune.env import cache_dir
 from promprune.models import PrunedVLM
+from promprune.testbed import ARCH, RECIPE, check_arch  # noqa: F401 - defined with the package (cheap to import)
 from promprune.testbed import model as testbed_model
 from promprune.testbed import scenes
 from promprune.training import common
@@ -60,8 +61,6 @@ from promprune.training import common
 log = logging.getLogger(__name__)
 F = torch.nn.functional
 
-ARCH = "llava"
-RECIPE = "v6"  # bump when the recipe changes: the cache directory and the shipped manifest carry it
 CACHE_NAME = f"testbed-llava-{RECIPE}"  # so a stale cache is never reused
 SEED = 0
 VISION_STEPS = 4000
@@ -87,11 +86,6 @@ POST_PROMPTS = {"exist": "\nAnswer with yes or no.", "relation": "\nAnswer with 
 FAMILY_WEIGHTS = {"exist": 0.25, "count": 0.25, "attribute": 0.25, "relation": 0.25}  # evenly
 GRID = testbed_model.IMAGE_SIZE // testbed_model.PATCH  # 12 patches per side
 COLORS, SHAPES, REGIONS = list(scenes.COLORS), list(scenes.SHAPES), list(scenes.REGIONS)
-
-
-def check_arch(arch: str) -> None:
-    if arch != ARCH:
-        raise ValueError(f"unknown testbed arch {arch!r}; valid: {ARCH}")
 
 
 def cache_path() -> Path:

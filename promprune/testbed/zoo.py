@@ -1,5 +1,9 @@
 """``testbed:llava`` by name: the shipped weights (:mod:`promprune.testbed.shipped`), or the recipe's
-(:mod:`promprune.testbed.training`) when asked to retrain. The model factory registered for ``testbed:``."""
+(:mod:`promprune.testbed.training`) when asked to retrain. The model factory registered for ``testbed:``.
+
+The model's code (:mod:`promprune.testbed.model`, which imports transformers' image processing and, with it,
+torchvision: seconds) is imported when a model is built, not when a sweep's driver asks for the config or prepares
+the shipped weights: those read ``weights/config.json`` and the file's checksum."""
 from __future__ import annotations
 
 import copy
@@ -8,14 +12,19 @@ import os
 from pathlib import Path
 
 from promprune.models.factories import place
-from promprune.testbed import model as testbed_model
-from promprune.testbed import shipped, training
-from promprune.training import common
+from promprune.testbed import check_arch, shipped
 
 log = logging.getLogger(__name__)
 
 RETRAIN_ENV = "PROMPRUNE_TESTBED_RETRAIN"  # "1": testbed:llava trained from the recipe into the cache, not shipped
 WEIGHTS_ENV = "PROMPRUNE_TESTBED_WEIGHTS"  # a directory made by ``python -m promprune.testbed.shipped --out DIR``
+
+
+def shipped_in_use() -> bool:
+    """Whether ``testbed:llava`` loads the shipped weights: no retraining asked, no other weights named
+    (``WEIGHTS_ENV``), and the files are there."""
+    retrain = os.environ.get(RETRAIN_ENV, "").strip().lower() in ("1", "true", "yes")
+    return not retrain and not os.environ.get(WEIGHTS_ENV) and shipped.available()
 
 
 def load_or_train(directory: str | Path | None = None, **train_kwargs):
@@ -27,6 +36,10 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
     it is missing (``train_kwargs`` go to :func:`training.train`; tests: few steps). ``$PROMPRUNE_TESTBED_WEIGHTS``:
     weights made by ``shipped --out DIR``.
     """
+    from promprune.testbed import model as testbed_model
+    from promprune.testbed import training
+    from promprune.training import common
+
     processor = copy.deepcopy(testbed_model.untrained()[1])
     if directory is None and os.environ.get(WEIGHTS_ENV):
         return shipped.load(Path(os.environ[WEIGHTS_ENV])), processor
@@ -45,16 +58,36 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
 def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None):
     """The ``testbed:<arch>`` model factory (only ``llava``): the shipped weights (see :func:`load_or_train`), as a
     :class:`~promprune.testbed.model.TestbedLlava` (``dtype="float64"``: float64 throughout)."""
-    training.check_arch(arch)
+    from promprune.testbed import model as testbed_model
+
+    check_arch(arch)
     model, processor = load_or_train()
     model = testbed_model.widen(model)
     return place(model, dtype=dtype, device_map=device_map, attn_implementation=attn_implementation), processor, {}
 
 
 def _config(arch: str):
-    training.check_arch(arch)
+    """The model's config without building it: the shipped ``config.json`` when the shipped weights are in use
+    (the recipe's config, saved with them: `tests/testbed/test_shipped.py` checks), else the recipe's."""
+    check_arch(arch)
+    if shipped_in_use():
+        from transformers import LlavaConfig
+
+        return LlavaConfig.from_pretrained(shipped.WEIGHTS_DIR)
+    from promprune.testbed import model as testbed_model
+
     return testbed_model.config()
 
 
+def _prepare(arch: str) -> None:
+    """First-use work, in the caller (a sweep's driver, before Ray): the shipped weights' checksum and recipe
+    checked, or the recipe trained into the cache (``load_or_train``)."""
+    check_arch(arch)
+    if shipped_in_use():
+        shipped.verify()
+    else:
+        load_or_train()
+
+
 load.config = _config
-load.prepare = lambda arch: (training.check_arch(arch), load_or_train())  # first use: train, in the caller
+load.prepare = _prepare

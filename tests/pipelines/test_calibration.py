@@ -1,6 +1,7 @@
 """mu: calibrate — the median prominence over calibration images, measured with the sweep's model."""
 from __future__ import annotations
 
+import json
 import statistics
 
 import numpy as np
@@ -79,3 +80,56 @@ def test_spec_needs_images_when_a_trial_calibrates(image_folder, tmp_path):
     assert "is not a folder" in calibration.check_source(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     assert "holds no image" in calibration.check_source(str(tmp_path / "empty"))
+
+
+def _quickstart_calibration():
+    spec = specs.load("sweeps/quickstart.yaml", [])
+    trials = specs.expand(spec)
+    metrics = calibration.metrics_to_calibrate(trials)
+    return spec, metrics, calibration.budget_of(trials)
+
+
+def test_the_shipped_calibration_is_what_measuring_gives():
+    """The quickstart's shipped entry (read by the sweep instead of measuring its 500 scenes) equals a calibration
+    measured now with the shipped weights, value for value (float64: exact), and its key is its settings' digest."""
+    spec, metrics, budget = _quickstart_calibration()
+    described = calibration.settings(spec.model, spec.calibration, metrics, budget, on_gpu=False)
+    shipped = calibration.shipped_results(described)
+    assert shipped is not None, "no shipped calibration for sweeps/quickstart.yaml: python -m pipelines.calibration " \
+                                "--ship sweeps/quickstart.yaml"
+    measured = calibration.run(spec.model, spec.calibration, metrics, budget)
+    assert shipped == json.loads(json.dumps(measured))
+    assert round(shipped["spectral"]["median"], 4) == 0.2419  # the README's "mu calibrated: 0.2419"
+
+
+@pytest.mark.parametrize("change", [
+    {"n": 499}, {"seed": 1}, {"images": "testbed:calibration"}, {"batch_size": 4}, {"dtype": "float32"},
+    {"options": {"image_tokens": 64}}, {"metrics": ["feature_norm"]}, {"budget": 8}, {"on_gpu": True}])
+def test_a_calibration_is_reused_only_with_the_same_settings(change):
+    """Any setting the values depend on, changed, finds no shipped entry (the sweep measures)."""
+    spec, metrics, budget = _quickstart_calibration()
+    source, cal = spec.model, spec.calibration
+    if {"dtype", "options"} & set(change):
+        source = ModelSource(**{**{f: getattr(source, f) for f in ("pretrained", "dtype", "attn_implementation",
+                                                                   "options")}, **change})
+    cal = calibration.Calibration(**{**{f: getattr(cal, f) for f in ("images", "n", "seed", "batch_size")},
+                                     **{k: v for k, v in change.items() if k in ("images", "n", "seed", "batch_size")}})
+    args = (change.get("metrics", metrics), change.get("budget", budget), change.get("on_gpu", False))
+    assert calibration.shipped_results(calibration.settings(source, cal, *args)) is None
+    assert calibration.shipped_results(calibration.settings(spec.model, spec.calibration, metrics, budget,
+                                                            False)) is not None
+
+
+def test_weights_that_cannot_be_named_are_always_measured(monkeypatch, tmp_path):
+    """Only the shipped testbed weights are named (their sha256); a checkpoint, a tiny model, or testbed weights
+    retrained or taken from elsewhere are not, so nothing is reused for them."""
+    from promprune.testbed import shipped, zoo
+
+    assert calibration.weights_identity("testbed:llava") == f"testbed:llava sha256:{shipped.manifest()['sha256']}"
+    assert calibration.weights_identity("tiny:llava") is None
+    assert calibration.weights_identity("llava-hf/llava-1.5-7b-hf") is None
+    monkeypatch.setenv(zoo.RETRAIN_ENV, "1")
+    assert calibration.weights_identity("testbed:llava") is None
+    monkeypatch.delenv(zoo.RETRAIN_ENV)
+    monkeypatch.setenv(zoo.WEIGHTS_ENV, str(tmp_path))
+    assert calibration.weights_identity("testbed:llava") is None

@@ -60,3 +60,28 @@ def test_the_recipe_shrunken_makes_a_loadable_verified_model(tmp_path, monkeypat
     with torch.inference_mode():
         assert scores.answers(vlm.__class__(vlm.model, vlm.processor, method=None), shipped.fixed_questions()) == [
             r["answer"] for r in meta["fixed_answers"]]
+
+
+def test_the_config_a_driver_reads_is_the_recipes(monkeypatch):
+    """A sweep's driver reads testbed:llava's config from the shipped config.json and prepares the shipped weights by
+    their checksum, without the model's code (which imports transformers' image processing: seconds); the config is
+    the recipe's, field for field (the saved dtype and architectures aside)."""
+    import subprocess
+    import sys
+
+    from promprune.models.factories import model_config
+    from promprune.testbed import model as testbed_model
+
+    monkeypatch.delenv(zoo.RETRAIN_ENV, raising=False)
+    monkeypatch.delenv(zoo.WEIGHTS_ENV, raising=False)
+    saved, recipe = model_config("testbed:llava").to_dict(), testbed_model.config().to_dict()
+    for config in (saved, recipe):
+        for part in (config, config["vision_config"], config["text_config"]):
+            part.pop("dtype", None)
+        config.pop("architectures", None)
+    assert saved == recipe
+    probe = ("import sys; from promprune.models.factories import model_config, find_model_factory; "
+             "model_config('testbed:llava'); f, name = find_model_factory('testbed:llava'); f.prepare(name); "
+             "print('promprune.testbed.model' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
