@@ -78,7 +78,7 @@ from pipelines import timeline
 from pipelines.run import disk, search, trial
 from pipelines.run import resources as planning
 from pipelines.recording import tracking
-from pipelines.recording.callback import RecorderHook, attached
+from pipelines.recording.callback import RecorderHook, attached, callbacks_counted_without_integrations
 from pipelines.recording.console import SweepConsole, best_line, best_metrics, best_trial, paired_lines, summary_table
 from pipelines.recording.recorder import SweepRecorder
 from pipelines.recording.view import SweepView
@@ -272,8 +272,10 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     try:
         # what every trial shares: the requests, the plan, the pool of model workers (both experiments)
         shared = trial.Shared(rows, plan, pool.handle, blocks)
+        # Tune's callbacks (RecorderHook) hand the trials' events to this recorder; Tune's usage tag of those
+        # callbacks is recorded without importing Ray's logger integrations (wandb: seconds)
         with progress(sum(console.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar, \
-                attached(recorder):  # Tune's callbacks (RecorderHook) hand the trials' events to this recorder
+                attached(recorder), callbacks_counted_without_integrations():
             console.bar = bar
             timeline.mark("tune_start", "driver")
             for phase in search.phases(spec):

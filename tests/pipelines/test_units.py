@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import pickle
 
@@ -401,3 +402,36 @@ def test_the_summary_table_is_markdown_of_what_the_answers_decide_and_times_belo
         "prefill ms per sample (this machine's clock): baseline 31.2, divprune-b16 -, "
         "promprune-b16-mu=calibrate-tau=0.03 12.1",
     ]
+
+
+def test_tunes_callback_tag_is_rays_without_importing_wandb():
+    """`callbacks_counted_without_integrations` records the usage tag Ray's own `tag_callbacks` records for the
+    sweep's callbacks, without Ray's logger integrations (wandb, installed by lmms-eval) imported; a callback list
+    that is not all the sweep's goes to Ray's function. A fresh interpreter: this one may have wandb already."""
+    import importlib.util
+    import subprocess
+    import sys
+    import textwrap
+
+    probe = textwrap.dedent("""
+        import json, sys
+        from ray import tune
+        from ray.air._internal import usage as air_usage
+        from ray._common.usage import usage_lib
+        from pipelines.recording.callback import RecorderHook, callbacks_counted_without_integrations
+        from pipelines.run.disk import DiskWatch
+        ours = [RecorderHook(), DiskWatch("x", [])]
+        with callbacks_counted_without_integrations():
+            air_usage.tag_callbacks(ours)
+        light = dict(usage_lib._recorded_extra_usage_tags)
+        wandb_after_light = "wandb" in sys.modules
+        usage_lib._recorded_extra_usage_tags.clear()
+        air_usage.tag_callbacks(ours)  # Ray's own, which imports the integrations
+        print(json.dumps([light, dict(usage_lib._recorded_extra_usage_tags), wandb_after_light,
+                          "wandb" in sys.modules, air_usage.tag_callbacks.__module__]))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    light, rays, wandb_light, wandb_rays, restored = json.loads(out.stdout.strip().splitlines()[-1])
+    assert light == rays == {"air_callbacks": '{"CustomCallback": 2}'}
+    assert not wandb_light and restored == "ray.air._internal.usage"
+    assert wandb_rays == (importlib.util.find_spec("wandb") is not None)  # what the light path saves
