@@ -207,6 +207,10 @@ PY
     table6)
       env_line; python3 benchmarks/efficiency.py --model shape:llava_next_7b --dtype float16 --device cuda \
           --budgets none,320 --methods vispruner,divprune,promprune --repeats 5 --max-new-tokens 8
+      # at batch 1 the eager LLM's prefill is host-bound (47 ms at 365 tokens on 2026-11-26: vision + LLM = 0.618x
+      # of unpruned with no selection at all); at batch 8 compute weighs as on the paper's A40 (RESULTS 2026-11-27)
+      python3 benchmarks/efficiency.py --model shape:llava_next_7b --dtype float16 --device cuda --skip-analytic \
+          --budgets none,320 --methods divprune,promprune --batch 8 --repeats 3 --max-new-tokens 8
       # PromPrune's select ms there (35 ms on 2026-11-26) against promprune.select alone (10 ms): where it goes
       python3 benchmarks/profile_select.py --model shape:llava_next_7b --dtype float16 --budget 320 --rows 16 ;;
     shapes)

@@ -93,6 +93,9 @@ def test_selection():
     assert ratio > 0
     timed = {line.split()[0] for line in out.splitlines() if re.match(r"\w+ +[\d.]+ \([\d.]+x\)", line)}
     assert timed == set(promprune.methods())  # every registered method, timed at every shape
+    # PromPrune again with mu at the inputs' median entropy, and how its split decided (the CPU: the exact entropy)
+    near = figure(out, r"promprune, mu~H .*split: llava-1.5 (.+?); llava-next (.+?); qwen2.5-vl (.+?)\)")
+    assert near.groups() == ("exact entropy",) * 3
     # the cost model: launches, syncs, GFLOPs, projected ms for every method at each of the three shapes
     costs = {line.split()[0]: line.split()[1:] for line in out.split("Cost model")[1].splitlines()
              if line.split() and line.split()[0] in promprune.methods()}
