@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import textwrap
 from collections import namedtuple
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from pipelines import mlflow_layout
 from pipelines.run import disk
 from pipelines.run import state as states
-from tests.pipelines.sweep_cli import read_until, spawn_sweep
+from tests.pipelines.sweep_cli import GATED, read_until, spawn_sweep
 
 from .conftest import assert_clean_error
 
@@ -147,7 +148,8 @@ version: 1
 model: {pretrained: "tiny:llava"}
 tasks: [easyvqa_yesno]
 limit: 8
-grid: {method: [promprune, divprune], budget: [8, 4]}
+grid: {method: [promprune, gated], budget: [8, 4]}
+plugins: [gated.py]
 generation: {max_new_tokens: 2}
 """
 
@@ -156,12 +158,15 @@ generation: {max_new_tokens: 2}
 # writes (above) and a killed sweep's resume (tests/pipelines/test_engine.py)
 def test_a_disk_filled_mid_sweep_stops_it_and_resume_finishes_it(tmpfs, tmp_path, monkeypatch):
     """The issue's scenario with a real sweep (local Ray, a real MLflow store): Tune's storage on a small tmpfs,
-    filled after the first trial finishes. The sweep stops with one paragraph (exit 2, no traceback, no trial
+    filled after the first trial finishes, while the `gated` trials are held (with warm workers the tiny sweep would
+    otherwise finish before the watch looks). The sweep stops with one paragraph (exit 2, no traceback, no trial
     retried for minutes); once the filler is removed `--resume` finishes it: one FINISHED run per trial, each with
     its scores."""
     storage = tmpfs(disk.RESERVE_BYTES + (32 << 20)) / "tune"
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
     monkeypatch.setenv("RAY_TMPDIR", ray_dir)
+    gate = tmp_path / "gate"
+    (tmp_path / "gated.py").write_text(textwrap.dedent(GATED.format(gate=str(gate))))
     spec = tmp_path / "full.yaml"
     spec.write_text(SWEEP + f"tune: {{storage_path: {storage}}}\n")
     try:
@@ -173,6 +178,7 @@ def test_a_disk_filled_mid_sweep_stops_it_and_resume_finishes_it(tmpfs, tmp_path
         assert "error: disk full: " in out and "Traceback" not in out, out[-4000:]
         assert "finish it with:\n  python pipelines/sweep.py --config" in out
         filler.unlink()
+        gate.touch()
         second = spawn_sweep(spec, tmp_path, "--resume")
         out, _ = second.communicate(timeout=900)
         assert second.returncode == 0, out[-4000:]
@@ -187,5 +193,5 @@ def test_a_disk_filled_mid_sweep_stops_it_and_resume_finishes_it(tmpfs, tmp_path
     runs = c.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     finished = [r for r in runs if r.info.status == "FINISHED"]
     ids = sorted(r.data.tags[mlflow_layout.TRIAL] for r in finished)
-    assert ids == sorted(["baseline", "promprune-b8", "promprune-b4", "divprune-b8", "divprune-b4"]), ids
+    assert ids == sorted(["baseline", "promprune-b8", "promprune-b4", "gated-b8", "gated-b4"]), ids
     assert all("easyvqa_yesno/f1" in r.data.metrics for r in finished)  # (tiny:llava scores 0: no Rel. to divide)
