@@ -63,13 +63,9 @@ def load(directory: Path = WEIGHTS_DIR, *, verify: bool = True):
     return LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-def verify(directory: Path = WEIGHTS_DIR) -> None:
-    """ValueError unless ``directory``'s weights are the manifest's (sha256) and its recipe is the code's."""
-    check(Path(directory), checksum=True)
-
-
 def check(directory: Path, *, checksum: bool) -> None:
-    """The manifest's recipe is the code's and (``checksum``) the weights file's sha256 the manifest's."""
+    """ValueError unless the manifest's recipe is the code's and (``checksum``) the weights file's sha256 is the
+    manifest's."""
     from promprune.testbed import RECIPE
 
     meta = manifest(directory)

@@ -20,11 +20,14 @@ RETRAIN_ENV = "PROMPRUNE_TESTBED_RETRAIN"  # "1": testbed:llava trained from the
 WEIGHTS_ENV = "PROMPRUNE_TESTBED_WEIGHTS"  # a directory made by ``python -m promprune.testbed.shipped --out DIR``
 
 
+def _retrain_asked() -> bool:
+    return os.environ.get(RETRAIN_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 def shipped_in_use() -> bool:
     """Whether ``testbed:llava`` loads the shipped weights: no retraining asked, no other weights named
     (``WEIGHTS_ENV``), and the files are there."""
-    retrain = os.environ.get(RETRAIN_ENV, "").strip().lower() in ("1", "true", "yes")
-    return not retrain and not os.environ.get(WEIGHTS_ENV) and shipped.available()
+    return not _retrain_asked() and not os.environ.get(WEIGHTS_ENV) and shipped.available()
 
 
 def load_or_train(directory: str | Path | None = None, **train_kwargs):
@@ -43,8 +46,7 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
     processor = copy.deepcopy(testbed_model.untrained()[1])
     if directory is None and os.environ.get(WEIGHTS_ENV):
         return shipped.load(Path(os.environ[WEIGHTS_ENV])), processor
-    retrain = os.environ.get(RETRAIN_ENV, "").strip().lower() in ("1", "true", "yes")
-    if directory is None and not retrain:
+    if directory is None and not _retrain_asked():
         if shipped.available():
             return shipped.load(), processor
         log.warning("no shipped testbed weights in %s: training from the recipe", shipped.WEIGHTS_DIR)
@@ -84,7 +86,7 @@ def _prepare(arch: str) -> None:
     checked, or the recipe trained into the cache (``load_or_train``)."""
     check_arch(arch)
     if shipped_in_use():
-        shipped.verify()
+        shipped.check(shipped.WEIGHTS_DIR, checksum=True)
     else:
         load_or_train()
 
