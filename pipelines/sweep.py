@@ -386,8 +386,8 @@ def calibrate(spec: specs.SweepSpec, trials: list, pool: WorkerPool, client, par
         return {}
     t0 = time.perf_counter()
     budget = calibration.budget_of(trials)
-    source, plan = pool.args[:2]
-    found = calibration.shipped_results(calibration.settings(source, spec.calibration, metrics, budget, plan.on_gpu))
+    found = calibration.shipped_results(calibration.settings(pool.source, spec.calibration, metrics, budget,
+                                                             pool.plan.on_gpu))
     origin = "measured" if found is None else "shipped"
     if found is None:
         found = pool.calibrate(spec.calibration, metrics, budget)

@@ -282,6 +282,16 @@ class WorkerPool:
                                                max_concurrency=1).remote(plan.pool_size, cloudpickle.dumps(
                                                    functools.partial(new_worker, *self.args)), keep_s)
 
+    @property
+    def source(self) -> ModelSource:
+        """The model the pool's workers hold."""
+        return self.args[0]
+
+    @property
+    def plan(self) -> Plan:
+        """The pool's placement plan (device, workers, GPUs and CPUs per worker)."""
+        return self.args[1]
+
     def warm(self, workers: int) -> None:
         """Start ``workers`` workers now, from here (the pool's own process need not be up first), before any trial
         leases them: their imports and loading overlap the rest of the sweep's setup. The pool adopts them, and the
@@ -317,9 +327,8 @@ class WorkerPool:
         from pipelines import calibration
         from pipelines.run.resources import started_here
 
-        source, plan = self.args[:2]
-        if not plan.on_gpu and started_here():
-            return calibration.run(source, cal, metrics, budget)
+        if not self.plan.on_gpu and started_here():
+            return calibration.run(self.source, cal, metrics, budget)
         return ray.get(self.first_worker().calibrate.remote(cal, metrics, budget))
 
     def state(self) -> dict:

@@ -53,7 +53,7 @@ import torch
 
 from promprune.env import cache_dir
 from promprune.models import PrunedVLM
-from promprune.testbed import ARCH, RECIPE, check_arch  # noqa: F401 - defined with the package (cheap to import)
+from promprune.testbed import RECIPE  # defined with the package (cheap to import)
 from promprune.testbed import model as testbed_model
 from promprune.testbed import scenes
 from promprune.training import common

@@ -46,9 +46,9 @@ def load_or_train(directory: str | Path | None = None, **train_kwargs):
     processor = copy.deepcopy(testbed_model.untrained()[1])
     if directory is None and os.environ.get(WEIGHTS_ENV):
         return shipped.load(Path(os.environ[WEIGHTS_ENV])), processor
+    if directory is None and shipped_in_use():
+        return shipped.load(), processor
     if directory is None and not _retrain_asked():
-        if shipped.available():
-            return shipped.load(), processor
         log.warning("no shipped testbed weights in %s: training from the recipe", shipped.WEIGHTS_DIR)
     directory = Path(directory) if directory is not None else training.cache_path()
     model = common.load_trained(directory, lambda: training.train(**train_kwargs)[:2],
