@@ -269,3 +269,22 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     with alone(spec, sharded) as shared:
         preds = predict(specs.Trial("divprune", 4), shared)
     assert table_keys(preds) == sorted(plain, key=lambda k: (plain[k].task, plain[k].doc_id))  # once each, sorted
+
+
+def test_a_calibration_not_shipped_is_measured_with_the_sweeps_model(local_ray, workdir):
+    """A `mu: calibrate` trial whose calibration is not shipped (tiny:llava's weights cannot be named) is measured
+    with the sweep's model and logged as measured; its median is what `calibration.run` gives here, and the trial
+    runs with it as mu. (The quickstart reads its shipped calibration, so this is the path a real checkpoint takes.)"""
+    from pipelines import calibration
+
+    spec = small_spec(baseline=False, grid={}, tasks=["easyvqa_yesno"],
+                      trials=[{"method": "promprune", "budget": 8, "mu": "calibrate"}],
+                      calibration={"images": "testbed:train", "n": 4})
+    outcome = sweep.run_sweep(spec)
+    assert outcome.failed == []
+    expected = calibration.run(spec.model, spec.calibration, ["spectral"], 8)["spectral"]["median"]
+    parent = tracking.client().get_run(outcome.parent_run_id)
+    assert parent.data.params["calibration_source"] == "measured"
+    assert parent.data.metrics["calibration/median_spectral"] == round(expected, 4)
+    (run,) = tracking.trial_runs(tracking.client(), outcome.parent_run_id).values()
+    assert float(run.data.params["mu"]) == pytest.approx(round(expected, 4))
