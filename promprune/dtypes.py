@@ -1,17 +1,18 @@
-"""The one dtype vocabulary of the project: the names specs, CLI flags, lmms-eval model_args and benchmarks accept."""
-from __future__ import annotations
+"""The one dtype vocabulary of the project: the names specs, CLI flags, lmms-eval model_args and benchmarks accept.
 
-import torch
+Importing it does not import torch (the sweep's spec and pool processes read the names only); the functions that
+return or take torch dtypes import it when called."""
+from __future__ import annotations
 
 from promprune.suggest import did_you_mean
 
 
-# dtype names a user may write (specs, CLI flags, lmms-eval model_args, benchmarks) -> torch dtype
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+# dtype names a user may write (specs, CLI flags, lmms-eval model_args, benchmarks) -> the torch dtype's name
+DTYPES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float64": "float64", "fp64": "float64", "double": "float64",
 }
 CANONICAL_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what specs and docs spell
 AUTO = "auto"  # the checkpoint's own dtype (from_pretrained); pipelines: bfloat16 on GPU, float32 on CPU
@@ -20,6 +21,8 @@ AUTO = "auto"  # the checkpoint's own dtype (from_pretrained); pipelines: bfloat
 def parse_dtype(name, *, allow_auto: bool = False):
     """A torch dtype from a dtype or a name in ``DTYPES`` (``"torch.float16"`` too); ``None``/``"auto"`` stay as they
     are when ``allow_auto``. An unknown name is a ValueError listing the valid ones."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     if allow_auto and name in (None, AUTO):
@@ -28,7 +31,7 @@ def parse_dtype(name, *, allow_auto: bool = False):
     if key not in DTYPES:
         valid = ([AUTO] if allow_auto else []) + sorted(DTYPES)
         raise ValueError(f"unknown dtype {name!r}{did_you_mean(key, DTYPES)}; use one of {', '.join(valid)}")
-    return DTYPES[key]
+    return getattr(torch, DTYPES[key])
 
 
 def dtype_name(dtype) -> str:
@@ -39,6 +42,8 @@ def dtype_name(dtype) -> str:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the library computes in for tensors of ``dtype``: float64 for float64 (a float64 model keeps its
     precision end to end: the testbed's CPU-independent runs), float32 for everything else (fp16 / bf16 upcast)."""
+    import torch
+
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

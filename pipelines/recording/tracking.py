@@ -19,11 +19,17 @@ from pipelines.recording.view import SweepView, save_sweep_view
 
 
 def client():
+    """A client of the sweep's store; a new SQLite store starts as a copy of MLflow's empty schema
+    (`empty_store.seed`: no migrations to run)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    mlflow.set_tracking_uri(tracking_uri())
-    return MlflowClient(tracking_uri())
+    from pipelines.recording import empty_store
+
+    uri = tracking_uri()
+    empty_store.seed(mlflow_layout.sqlite_path(uri))
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
 
 
 def experiment_id(c) -> str:
