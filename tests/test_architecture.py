@@ -133,3 +133,17 @@ def test_no_private_name_is_imported_across_packages():
             offenders += [f"{name}:{node.lineno} {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__") and source != package]
     assert offenders == []
+
+
+def test_the_pool_and_a_trial_start_without_torch():
+    """Ray makes the sweep's pool actor import the module of the workers it is handed (`pipelines.run.workers`), and a
+    trial's process imports `pipelines.run.trial`: neither imports torch (seconds of CPU on the way to the first
+    answer); the library's names still resolve on first use (`promprune.select`)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, pipelines.run.workers, pipelines.run.trial, promprune.records; "
+             "print('torch' in sys.modules); import promprune; promprune.select; print('torch' in sys.modules, "
+             "callable(promprune.select), 'select' in dir(promprune))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True", "True"]
