@@ -45,9 +45,13 @@ def yesno_process_results(doc, results):
 
 
 def _counts(records):
-    tp = sum(r["prediction"] == "yes" and r["answer"] == "yes" for r in records)
-    fp = sum(r["prediction"] == "yes" and r["answer"] == "no" for r in records)
-    fn = sum(r["prediction"] != "yes" and r["answer"] == "yes" for r in records)
+    """(true positives, false positives, false negatives) of yes, in one pass."""
+    tp = fp = fn = 0
+    for r in records:
+        said_yes, is_yes = r["prediction"] == "yes", r["answer"] == "yes"
+        tp += said_yes and is_yes
+        fp += said_yes and r["answer"] == "no"
+        fn += not said_yes and is_yes
     return tp, fp, fn
 
 
@@ -55,19 +59,28 @@ def yesno_accuracy(records):
     return sum(r["prediction"] == r["answer"] for r in records) / len(records)
 
 
+def _precision(tp, fp):
+    return tp / (tp + fp) if tp + fp else 0.0
+
+
+def _recall(tp, fn):
+    return tp / (tp + fn) if tp + fn else 0.0
+
+
 def yesno_precision(records):
     tp, fp, _ = _counts(records)
-    return tp / (tp + fp) if tp + fp else 0.0
+    return _precision(tp, fp)
 
 
 def yesno_recall(records):
     """An 'other' answer to a yes-question is a miss (a false negative), as a wrong answer should be."""
     tp, _, fn = _counts(records)
-    return tp / (tp + fn) if tp + fn else 0.0
+    return _recall(tp, fn)
 
 
 def yesno_f1(records):
-    p, r = yesno_precision(records), yesno_recall(records)
+    tp, fp, fn = _counts(records)
+    p, r = _precision(tp, fp), _recall(tp, fn)
     return 2 * p * r / (p + r) if p + r else 0.0
 
 

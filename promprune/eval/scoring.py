@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import inspect
 import io
 import logging
@@ -129,9 +130,16 @@ def aggregate_with(aggregate, items: list, args=None) -> float:
     """``aggregate(items)`` as lmms-eval calls a task's aggregation: with ``args=`` when its signature takes it
     (MMBench's aggregations write a submission file under ``args.output_path``). Their console prints are muted."""
     with contextlib.redirect_stdout(io.StringIO()):
-        if "args" in inspect.signature(aggregate).parameters:
+        if _takes_args(aggregate):
             return aggregate(items, args=args)
         return aggregate(items)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_args(aggregate) -> bool:
+    """Whether a task's aggregation takes ``args=`` (asked once per function: a bootstrap calls it thousands of
+    times)."""
+    return "args" in inspect.signature(aggregate).parameters
 
 
 def bootstrap_ci(items: list, aggregate, iters: int, *, seed: int = 0, level: float = CI_LEVEL,
