@@ -4,7 +4,12 @@ Importing it does not import torch (the sweep's spec and pool processes read the
 return or take torch dtypes import it when called."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from promprune.suggest import did_you_mean
+
+if TYPE_CHECKING:
+    import torch
 
 
 # dtype names a user may write (specs, CLI flags, lmms-eval model_args, benchmarks) -> the torch dtype's name
