@@ -165,42 +165,51 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     capacity = planning.Capacity(first)
     if capacity.plan.note:
         say(capacity.plan.note)
-    t0 = time.perf_counter()
-    rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
-                                                                spec.resources.batch_size,
-                                                                video_frames=spec.video_frames)
-    if not isinstance(rows, Requests):
-        rows = requests_dataset(rows, spec.resources.batch_size)
-    say(f"{len(rows.keys)} request rows in {len(rows.blocks)} blocks, built once for all trials "
-        f"({time.perf_counter() - t0:.1f}s)")
-    timeline.mark("rows_built", "driver")
-    problem = search.check_rungs(spec, len(rows.keys))
-    if problem:
-        raise specs.SpecError([problem], spec.name)
-    short = disk.check_free(_writes_to(spec), len(rows.keys), n_trials)  # the samples are known now
-    if short:
-        raise disk.DiskFull(short)
-    plan = planning.plan(dataclasses.replace(spec.resources, device=first.device), n_trials, len(rows.blocks),
-                         spec.tune.max_concurrent_trials)
-    say(f"sweep {spec.name} v{spec.version}: {_trials_line(spec, len(trials), len(rows.keys))}, "
-        f"{plan.trials_at_once} at a time, each asking for {plan.max_actors} actor(s) "
-        + (f"of {plan.gpus:g} GPU" if plan.on_gpu else "on the CPU"))
-    waited = capacity.wait(spec.resources.actor_wait_s)
-    if waited >= 1:
-        say(f"the first GPU node joined after {waited:.0f}s")
-    pool = _start_workers(spec, plan, run_fn, experiment)
+    # where an actor fits now (the CPUs, a GPU node up), the workers start before the rows are built: their imports
+    # and model loading (~10 s on 2 cores, the quickstart's longest chain) overlap the build; a GPU node still to
+    # boot is waited for after the build instead, which its boot overlaps
+    pool = _start_workers(spec, first, run_fn, experiment) if capacity.probe is None else None
     try:
+        t0 = time.perf_counter()
+        rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,
+                                                                    spec.resources.batch_size,
+                                                                    video_frames=spec.video_frames)
+        if not isinstance(rows, Requests):
+            rows = requests_dataset(rows, spec.resources.batch_size)
+        say(f"{len(rows.keys)} request rows in {len(rows.blocks)} blocks, built once for all trials "
+            f"({time.perf_counter() - t0:.1f}s)")
+        timeline.mark("rows_built", "driver")
+        problem = search.check_rungs(spec, len(rows.keys))
+        if problem:
+            raise specs.SpecError([problem], spec.name)
+        short = disk.check_free(_writes_to(spec), len(rows.keys), n_trials)  # the samples are known now
+        if short:
+            raise disk.DiskFull(short)
+        plan = planning.plan(dataclasses.replace(spec.resources, device=first.device), n_trials, len(rows.blocks),
+                             spec.tune.max_concurrent_trials)
+        say(f"sweep {spec.name} v{spec.version}: {_trials_line(spec, len(trials), len(rows.keys))}, "
+            f"{plan.trials_at_once} at a time, each asking for {plan.max_actors} actor(s) "
+            + (f"of {plan.gpus:g} GPU" if plan.on_gpu else "on the CPU"))
+        waited = capacity.wait(spec.resources.actor_wait_s)
+        if waited >= 1:
+            say(f"the first GPU node joined after {waited:.0f}s")
+        if pool is None:
+            pool = _start_workers(spec, plan, run_fn, experiment)
+        else:
+            pool.replan(plan)  # the pool's size for the blocks there are
         return _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool, regression_threshold,
                          command, experiment)
     finally:
-        pool.close()  # the workers end with the sweep: their GPUs are free, nothing asks the autoscaler for more
+        if pool is not None:
+            pool.close()  # the workers end with the sweep: their GPUs are free, nothing asks the autoscaler for more
         capacity.release()
 
 
 def _start_workers(spec: specs.SweepSpec, plan: planning.Plan, run_fn: Callable | None,
                    experiment: str) -> WorkerPool:
     """The sweep's pool of model workers (`pipelines/run/workers.py`), its first workers started now: they import and
-    load the model (the weights published to the object store once) while the driver sets up MLflow and Tune."""
+    load the model (the weights published to the object store once) while the driver builds the rows (where an actor
+    fits at once) and sets up MLflow and Tune."""
     source = spec.model
     if spec.resources.share_weights:
         t0 = time.perf_counter()

@@ -62,6 +62,13 @@ class Pool:
             self.leases[holder], self.heard[holder] = max(0, int(workers)), time.monotonic()
             self._grow()
 
+    def resize(self, pool_size: int) -> None:
+        """At most ``pool_size`` workers from now on (the sweep's plan once its blocks are known: workers started
+        before that were sized by the plan made without them)."""
+        with self.lock:
+            self.pool_size = int(pool_size)
+            self._grow()
+
     def release(self, holder: str) -> None:
         """``holder`` is done: its lease ends and the workers answering its blocks are free."""
         with self.lock:

@@ -104,14 +104,17 @@ def autoscaler_offers_gpus() -> bool | None:
     """Whether the connected cluster's autoscaler can add nodes with GPUs. Read from the cluster config the autoscaler
     reports to the GCS (autoscaler v2, KubeRay with it), else from the v1 monitor's ``--autoscaling-config`` file on
     the head node (`ray up`'s ``~/ray_bootstrap_config.yaml``, `fake_cluster`'s); False when no autoscaler can add
-    nodes (a local Ray, a plain `ray start --head`, whose monitor only mirrors the nodes); None when an autoscaler runs
-    whose node types cannot be read from here (its monitor in another container, as KubeRay's v1 sidecar)."""
+    nodes (a local Ray, this process's or a plain `ray start --head`, whose monitor only mirrors the nodes); None when
+    an autoscaler runs whose node types cannot be read from here (its monitor in another container, as KubeRay's v1
+    sidecar)."""
     import json
 
     from ray._private import ray_constants
     from ray._private.state import state
     from ray.experimental import internal_kv
 
+    if started_here():  # `ray.init`'s own head takes no autoscaling config: asking its monitor costs ~2 s of a sweep
+        return False
     most = state.get_max_resources_from_cluster_config()
     if most is not None:
         return most.get("GPU", 0) > 0

@@ -292,6 +292,15 @@ class WorkerPool:
         """The pool's placement plan (device, workers, GPUs and CPUs per worker)."""
         return self.args[1]
 
+    def replan(self, plan: Plan) -> None:
+        """The sweep's plan made once its blocks are known (the pool was started with the one made before: its workers
+        load while the blocks are built); the workers' placement must be the same, only the pool's size changes."""
+        other = PoolKey.of(self.source, plan)
+        if other != self.key:
+            raise ValueError(f"a pool of {self.key.placement} workers cannot take a plan of {other.placement}")
+        self.args = (self.source, plan, *self.args[2:])
+        self.handle.resize.remote(plan.pool_size)
+
     def warm(self, workers: int) -> None:
         """Start ``workers`` workers now, from here (the pool's own process need not be up first), before any trial
         leases them: their imports and loading overlap the rest of the sweep's setup. The pool adopts them, and the

@@ -104,6 +104,37 @@ def deadly_run(vlm, rows, batch_size, *, poison: int, marker_dir: str, how: str)
     return run_requests(vlm, rows, batch_size=batch_size)
 
 
+def test_a_ray_this_process_started_has_no_autoscaler_to_ask(local_ray, monkeypatch):
+    """`ray.init`'s own head takes no autoscaling config, so the planner does not run a task on the head to read its
+    monitor (the fake autoscaler's cluster, joined at an address, is asked: test above)."""
+    def no_task(*args, **kwargs):
+        raise AssertionError("a task was sent to read the monitor of a Ray this process started")
+
+    monkeypatch.setattr(planning.ray, "remote", no_task)
+    assert planning.started_here() and planning.autoscaler_offers_gpus() is False
+
+
+def test_a_pool_started_before_the_blocks_takes_the_plan_made_with_them(local_ray):
+    """The sweep starts its workers from the plan made before its blocks are built (`_run_sweep`) and hands the pool
+    the plan made with them: the pool's size follows it; a plan placing workers otherwise is refused, naming both."""
+    from pipelines.config import Resources
+    from pipelines.run.workers import Failover, WorkerPool
+    from pipelines.weights import ModelSource
+
+    before = planning.plan(Resources(), 4, 1, 1, cluster={"CPU": 4}, can_add_gpus=False)
+    after = planning.plan(Resources(), 4, 6, 2, cluster={"CPU": 4}, can_add_gpus=False)
+    assert (before.pool_size, after.pool_size) == (1, 4)
+    pool = WorkerPool(ModelSource("tiny:llava"), before, 1, Failover())
+    try:
+        assert pool.state()["pool_size"] == 1
+        pool.replan(after)
+        assert pool.state()["pool_size"] == 4 and pool.plan == after
+        with pytest.raises(ValueError, match=r"cpu:1 workers cannot take a plan of cpu:2"):
+            pool.replan(dataclasses.replace(after, cpus=2.0))
+    finally:
+        pool.close()
+
+
 # "hang" (the watchdog's path) is in the long tier (pyproject's markers): "exit" runs the same recording of failed
 # samples in CI
 @pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.long)])
