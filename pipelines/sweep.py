@@ -85,7 +85,7 @@ from pipelines.recording.view import SweepView
 from pipelines.run import checkpoints
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
-from pipelines.run.requests import Requests, build_requests_dataset, requests_dataset
+from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
 from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_runs, outbox_dir, resume_command, \
     resumed_state, save_state, storage_root
 from pipelines.run.workers import Failover, WorkerPool
@@ -165,10 +165,13 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
     capacity = planning.Capacity(first)
     if capacity.plan.note:
         say(capacity.plan.note)
-    # where an actor fits now (the CPUs, a GPU node up), the workers start before the rows are built: their imports
-    # and model loading (~10 s on 2 cores, the quickstart's longest chain) overlap the build; a GPU node still to
-    # boot is waited for after the build instead, which its boot overlaps
-    pool = _start_workers(spec, first, run_fn, experiment) if capacity.probe is None else None
+    # where an actor fits now (the CPUs, a GPU node up) and the driver builds the rows itself, the workers start
+    # before the rows are built: their imports and model loading (~10 s on 2 cores, the quickstart's longest chain)
+    # overlap the build. Rows built in Ray tasks need the CPUs the workers would hold (a deadlock on a small
+    # cluster), and a GPU node still to boot is waited for after the build, which its boot overlaps: both keep the
+    # order rows, then workers
+    early = capacity.probe is None and (rows is not None or built_on_driver(spec.tasks, spec.limit))
+    pool = _start_workers(spec, first, run_fn, experiment) if early else None
     try:
         t0 = time.perf_counter()
         rows = rows if rows is not None else build_requests_dataset(spec.tasks, spec.limit, spec.generation,

@@ -146,6 +146,12 @@ def requests_dataset(rows: list[Request], batch_size: int) -> Requests:
     return Requests(refs, keys)
 
 
+def built_on_driver(tasks: list[str], limit: int | None) -> bool:
+    """Whether `build_requests_dataset` builds these rows on the driver (``limit`` caps them at
+    DRIVER_BUILD_MAX_ROWS) rather than in Ray tasks, which need the cluster's CPUs."""
+    return limit is not None and limit * len(tasks) <= DRIVER_BUILD_MAX_ROWS
+
+
 def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict, batch_size: int,
                            shards: int | None = None, video_frames: int | None = None) -> Requests:
     """Rows built on the driver (small evaluations) or in `shards` parallel Ray tasks (large benchmarks: VQAv2's
@@ -157,8 +163,7 @@ def build_requests_dataset(tasks: list[str], limit: int | None, generation: dict
     order) are built, and stored, together.
     """
     if shards is None:
-        small = limit is not None and limit * len(tasks) <= DRIVER_BUILD_MAX_ROWS
-        shards = 1 if small else max(2, int(ray.cluster_resources().get("CPU", 2)))
+        shards = 1 if built_on_driver(tasks, limit) else max(2, int(ray.cluster_resources().get("CPU", 2)))
     if shards == 1:
         return requests_dataset(build_rows(tasks, limit, generation, video_frames=video_frames), batch_size)
     calls = [_build_shard.remote(tasks, limit, generation, (i, shards), batch_size, video_frames)
