@@ -47,9 +47,10 @@ def template() -> Path:
     engine = sqlalchemy.create_engine(f"sqlite:///{part}")
     try:
         _initialize_tables(engine)
+        os.replace(part, target)  # whole or absent: a process copying it never sees it half made
     finally:
         engine.dispose()
-    os.replace(part, target)  # whole or absent: a process copying it never sees it half made
+        part.unlink(missing_ok=True)  # a failed attempt leaves nothing behind
     return target
 
 
@@ -61,13 +62,13 @@ def seed(database: Path | None) -> bool:
     try:
         source = template()
         part = database.with_name(f".{database.name}.{os.getpid()}.part")
-        shutil.copyfile(source, part)
         try:
+            shutil.copyfile(source, part)
             os.link(part, database)  # never over a store another process made meanwhile
         except FileExistsError:
             return False
         finally:
-            part.unlink()
+            part.unlink(missing_ok=True)
         return True
     except Exception:  # noqa: BLE001 - MLflow makes the store itself, as it would without this
         return False
