@@ -223,9 +223,8 @@ def _fail_fast_http():
 
 
 def check_store(uri: str) -> list[str]:
-    """The MLflow store at ``uri`` answers and, for a SQLite file, can be written."""
-    from mlflow.tracking import MlflowClient
-
+    """The MLflow store at ``uri`` answers and, for a SQLite file, can be written. MLflow is imported only to open a
+    store that exists (a new SQLite store is the directory's to take: the driver opens it while Ray starts)."""
     fix = ("set MLFLOW_TRACKING_URI to a store you can write (e.g. sqlite:///mlflow.db in a writable directory) or "
            "start the server it names (`mlflow server --backend-store-uri sqlite:///mlflow.db`)")
     parsed = urlparse(uri)
@@ -241,6 +240,8 @@ def check_store(uri: str) -> list[str]:
                 return []  # a new store: the directory takes it; checking by opening would create the file
     elif parsed.scheme in ("", "file"):
         return [f"MLflow store {uri}: plain file stores are refused by MLflow 3; {fix}"]
+    from mlflow.tracking import MlflowClient
+
     try:
         with _fail_fast_http():
             MlflowClient(uri).search_experiments(max_results=1)

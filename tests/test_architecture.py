@@ -147,3 +147,19 @@ def test_the_pool_and_a_trial_start_without_torch():
              "callable(promprune.select), 'select' in dir(promprune))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True", "True", "True"]
+
+
+def test_a_new_sqlite_store_is_checked_without_importing_mlflow(tmp_path):
+    """The preflight's store check of a SQLite file not made yet reads the directory only: MLflow's import (~1 s of
+    the driver's single-threaded setup) waits for the store's opening, which runs while Ray starts. A store that
+    exists is opened by MLflow there and then."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from pipelines.preflight import check_store; "
+             f"print(check_store('sqlite:///{tmp_path}/new.db'), 'mlflow' in sys.modules); "
+             f"print(bool(check_store('sqlite:///{tmp_path}/nodir/new.db')), 'mlflow' in sys.modules); "
+             f"open('{tmp_path}/old.db', 'w').close(); print(check_store('sqlite:///{tmp_path}/old.db'), "
+             "'mlflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:3] == ["[] False", "True False", "[] True"], out.stdout + out.stderr[-2000:]

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow
 SPEC = {"name": "outage", "version": 1, "description": "a store outage, watched",
         "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
         "limit": 2, "baseline": True, "grid": {"method": ["promprune", "divprune"], "budget": [8]},
-        "generation": {"max_new_tokens": 2}, "resources": {"batch_size": 1},
-        "tune": {"max_concurrent_trials": 1, "max_failures": 0}}
+        "generation": {"max_new_tokens": 2}, "tune": {"max_concurrent_trials": 1, "max_failures": 0},
+        # one worker on two cores: a second would load the model (seconds of CPU) for a few blocks of two samples
+        "resources": {"batch_size": 1, "cpus_per_worker": 2}}
 
 
 def slow_run(vlm, rows, batch_size, *, sleep_s: float):
