@@ -85,8 +85,30 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
             say(f"note: the Ray head recorded at {recorded} (a `ray start` that ended without `ray stop`) does not "
                 "answer; starting a local Ray instead (`ray stop --force` clears the record)")
         # a local Ray: no dashboard needed (faster start on a laptop), reachable from this machine only
-        with loopback_only():
-            ray.init(address="local", include_dashboard=False, runtime_env=worker_env(), log_to_driver=log_to_driver)
+        with loopback_only(), inherited(worker_env()) as rest:
+            ray.init(address="local", include_dashboard=False, runtime_env=rest, log_to_driver=log_to_driver)
+
+
+@contextlib.contextmanager
+def inherited(runtime_env: dict):
+    """While a local Ray starts: ``runtime_env``'s variables in this process's environment, which its raylet and so
+    every worker inherit; yields the rest of the runtime_env (plugins' ``py_modules``), None when nothing is left.
+
+    Ray starts a new job's first workers (one per CPU) before anything asks for them, but without the job's
+    runtime_env: with variables in it, those workers sat idle and every actor and task waited for a new process
+    (an actor's first call 1.8 s instead of 0.4 s on 2 cores; two idle processes, ~2 CPU-s each, per sweep). A
+    cluster the sweep joins keeps the runtime_env: its workers are not this process's children."""
+    variables = runtime_env.get("env_vars", {})
+    before = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield {key: value for key, value in runtime_env.items() if key != "env_vars"} or None
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # Ray's single-machine mode, its default on macOS and Windows: the node's IP is 127.0.0.1, so its GCS, raylet,

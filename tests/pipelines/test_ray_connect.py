@@ -1,0 +1,56 @@
+"""The local Ray a sweep starts: its workers see this checkout and the quiet logging through the environment they
+inherit, so the job's runtime_env is empty and the workers Ray starts ahead of need serve the first actors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from pipelines.run.ray_connect import QUIET_ENV, REPO
+
+PROBE = """
+import json, os, sys, time
+import psutil, ray
+from pipelines.run.ray_connect import connect
+
+connect(None, log_to_driver=False)
+driver_env = {k: os.environ.get(k) for k in ("PYTHONPATH", "LOGURU_LEVEL")}
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:  # the job's first workers, started ahead of need (one per CPU)
+    idle = {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "ray::IDLE"}
+    if len(idle) >= 2:
+        break
+    time.sleep(0.2)
+
+@ray.remote(num_cpus=1)
+class Probe:
+    def look(self):
+        return os.getpid(), os.environ.get("PYTHONPATH", ""), os.environ.get("LOGURU_LEVEL"), sys.path
+
+pid, pythonpath, loguru, path = ray.get(Probe.remote().look.remote())
+print(json.dumps({"idle": sorted(idle), "pid": pid, "pythonpath": pythonpath, "loguru": loguru, "path": path,
+                  "runtime_env": ray.get_runtime_context().runtime_env, "driver_env": driver_env}))
+"""
+
+
+def test_a_local_rays_first_workers_serve_the_sweeps_actors_with_its_environment():
+    ray_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = {**os.environ, "RAY_TMPDIR": ray_dir}
+    for key in ("RAY_ADDRESS", "LOGURU_LEVEL"):
+        env.pop(key, None)
+    try:
+        out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got["idle"]) >= 2, got
+    assert got["pid"] in got["idle"], got  # the actor took a worker Ray had started ahead of need
+    assert str(REPO) in got["pythonpath"].split(os.pathsep) and str(REPO) in got["path"]
+    assert got["loguru"] == QUIET_ENV["LOGURU_LEVEL"]
+    assert not got["runtime_env"].get("env_vars")  # the job's runtime_env carries no variables
+    assert got["driver_env"]["LOGURU_LEVEL"] is None  # the driver's own environment is as it was
