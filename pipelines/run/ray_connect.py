@@ -85,8 +85,14 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
             say(f"note: the Ray head recorded at {recorded} (a `ray start` that ended without `ray stop`) does not "
                 "answer; starting a local Ray instead (`ray stop --force` clears the record)")
         # a local Ray: no dashboard needed (faster start on a laptop), reachable from this machine only
-        with loopback_only(), inherited(worker_env()) as rest:
-            ray.init(address="local", include_dashboard=False, runtime_env=rest, log_to_driver=log_to_driver)
+        with loopback_only():
+            init_local(include_dashboard=False, log_to_driver=log_to_driver)
+
+
+def init_local(**kwargs) -> None:
+    """``ray.init`` of a new local Ray (``kwargs`` passed on) whose workers get `worker_env` by inheritance."""
+    with inherited(worker_env()) as rest:
+        ray.init(address="local", runtime_env=rest, **kwargs)
 
 
 @contextlib.contextmanager

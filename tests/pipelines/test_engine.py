@@ -21,7 +21,7 @@ from pipelines import sweep, timeline
 from pipelines.recording import tracking
 from pipelines.run import resources as planning
 from pipelines.run.fake_cluster import FakeAutoscalingCluster, worker_nodes
-from pipelines.run.ray_connect import worker_env
+from pipelines.run.ray_connect import init_local, worker_env
 from pipelines.run.requests import build_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_a_sweep_grows_with_an_autoscaling_cluster(workdir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), log_to_driver=False)
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -18,7 +18,7 @@ from pipelines import mlflow_layout, sweep, timeline
 from pipelines.recording import tracking
 from pipelines import spec as specs
 from pipelines.run import search
-from pipelines.run.ray_connect import worker_env
+from pipelines.run.ray_connect import init_local
 from pipelines.recording.console import best_line
 from pipelines.run.requests import build_rows, requests_dataset
 from tests.browser import needs_browser
@@ -46,7 +46,7 @@ def events(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_ray(events):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
+    init_local(num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 

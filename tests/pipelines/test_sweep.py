@@ -19,7 +19,7 @@ from promprune.records import Prediction, table_keys
 from pipelines import spec as specs
 from pipelines import mlflow_layout, sweep
 from pipelines.recording import tracking
-from pipelines.run.ray_connect import worker_env
+from pipelines.run.ray_connect import init_local
 from pipelines.recording.console import SweepConsole
 from pipelines.recording.recorder import SweepRecorder
 from pipelines.run.requests import build_rows
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
+    init_local(num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 

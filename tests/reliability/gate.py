@@ -22,13 +22,11 @@ def gated_run(vlm, rows, batch_size, *, gate: str):
 
 
 def main(spec_path: str, gate: str) -> None:
-    import ray
-
     from pipelines import spec as specs, sweep
-    from pipelines.run.ray_connect import worker_env
+    from pipelines.run.ray_connect import init_local
 
     spec = specs.load(spec_path)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
+    init_local(num_cpus=2, include_dashboard=False)
     sweep.run_sweep(spec, run_fn=functools.partial(gated_run, gate=gate),
                     command={"config": spec_path, "overrides": []})
 

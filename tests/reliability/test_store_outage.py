@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines import mlflow_layout, spec as specs, sweep
 from pipelines.recording import tracking
-from pipelines.run.ray_connect import worker_env
+from pipelines.run.ray_connect import init_local
 from tests.pipelines.mlflow_server import MlflowServer
 from tests.pipelines.sweep_cli import REPO, read_until
 
@@ -52,7 +52,7 @@ def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypa
     monkeypatch.setenv(mlflow_layout.TRACKING_URI_ENV, f"sqlite:///{tmp_path / 'mlflow.db'}")
     spec = specs.parse({**SPEC, "model": {"pretrained": "testbed:llava"}, "tasks": ["testbed_exist_concentrated"],
                         "limit": 8})  # 4 blocks (two questions per scene): progress before the end
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env())
+    init_local(num_cpus=2, include_dashboard=False)
     try:
         outcome = {}
         driver = threading.Thread(target=lambda: outcome.setdefault("r", sweep.run_sweep(
