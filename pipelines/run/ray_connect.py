@@ -74,6 +74,8 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
             raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
                                  f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
         ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
+    elif named == "local":  # a new local Ray, as named
+        init_local(log_to_driver=log_to_driver)
     elif named:
         ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
     else:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from pipelines.run.ray_connect import QUIET_ENV, REPO
 
 PROBE = """
@@ -36,11 +38,14 @@ print(json.dumps({"idle": sorted(idle), "pid": pid, "pythonpath": pythonpath, "l
 """
 
 
-def test_a_local_rays_first_workers_serve_the_sweeps_actors_with_its_environment():
+@pytest.mark.parametrize("address", [None, "local"])  # no address (loopback only), RAY_ADDRESS=local
+def test_a_local_rays_first_workers_serve_the_sweeps_actors_with_its_environment(address):
     ray_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths have a length limit
     env = {**os.environ, "RAY_TMPDIR": ray_dir}
     for key in ("RAY_ADDRESS", "LOGURU_LEVEL"):
         env.pop(key, None)
+    if address:
+        env["RAY_ADDRESS"] = address
     try:
         out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
