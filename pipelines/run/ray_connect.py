@@ -10,6 +10,7 @@ import ray
 
 from pipelines import plugins
 from pipelines.console import say
+from promprune.env import temporary_env
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET_ENV = {"LOGURU_LEVEL": "WARNING"}  # lmms-eval logs every request build at DEBUG through loguru
@@ -106,17 +107,8 @@ def inherited(runtime_env: dict):
     runtime_env: with variables in it, those workers sat idle and every actor and task waited for a new process
     (an actor's first call 1.8 s instead of 0.4 s on 2 cores; two idle processes, ~2 CPU-s each, per sweep). A
     cluster the sweep joins keeps the runtime_env: its workers are not this process's children."""
-    variables = runtime_env.get("env_vars", {})
-    before = {key: os.environ.get(key) for key in variables}
-    os.environ.update(variables)
-    try:
+    with temporary_env(**runtime_env.get("env_vars", {})):
         yield {key: value for key, value in runtime_env.items() if key != "env_vars"} or None
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # Ray's single-machine mode, its default on macOS and Windows: the node's IP is 127.0.0.1, so its GCS, raylet,
