@@ -8,7 +8,7 @@ import ray
 from pipelines import spec as specs
 from pipelines import sweep
 from pipelines.recording import tracking
-from pipelines.run.ray_connect import worker_env
+from pipelines.run.ray_connect import inherited, worker_env
 from promprune.eval.standins import STANDIN_TASKS, serving, standin_env
 from tests.conftest import STANDIN_DOCS
 from tests.eval.test_hub_standins import LoopbackJudge
@@ -31,8 +31,8 @@ def hub_ray(hub_standins, judge):
     with serving(hub_standins), pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 runtime_env={**base, "env_vars": {**base["env_vars"], **env}})
+        with inherited({**base, "env_vars": {**base["env_vars"], **env}}) as rest:  # as a sweep's local Ray
+            ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=rest)
         try:
             yield
         finally:
