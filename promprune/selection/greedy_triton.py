@@ -19,6 +19,8 @@ import triton.language as tl
 
 # Registers per program: a [BLOCK_S, BLOCK_N] tile of Cholesky rows is read at once.
 _TILE_ELEMENTS = 16384
+# VisPruner's tiles: [BLOCK_E, BLOCK_P] elements of C read at once (rows of evens by a stretch of columns).
+_VIS_TILE = 8192
 
 
 @triton.jit
@@ -155,57 +157,82 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _vispruner_kernel(C, lists, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_J: tl.constexpr):
+def _vispruner_kernel(C, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_P: tl.constexpr):
     """One row of ``baselines.vispruner_diverse``: ``C [B, R0, R0]`` the similarity of the candidates in their given
-    order, scratch ``lists [B, 2, 2 * BLOCK_H]`` int32 (the current order and the next) and ``match [B, BLOCK_H]``,
-    ``out [B, KEEP]``: the kept candidates' positions in the given order, in their final order. Every round runs
-    here: evens matched to their most similar odd, the ``min(ROUND, R - KEEP)`` best-matched evens dropped (ties:
-    the lower position first, a stable descending order), the rest followed by the odds."""
+    order, scratch ``lists [B, 2, R0]`` int32 (the current order and the next), ``odd [B, R0]`` int8 (which candidates
+    are at odd places of the current order) and ``match [B, R0]``, ``out [B, KEEP]``: the kept candidates' positions
+    in the given order, in their final order. Every round runs here: evens matched to their most similar odd, the
+    ``min(ROUND, R - KEEP)`` best-matched evens dropped (ties: the lower place first, a stable descending order), the
+    rest followed by the odds.
+
+    Each even's match reads its whole row of ``C`` in ``[BLOCK_E, BLOCK_P]`` tiles, contiguous along the row (coalesced
+    loads), the columns of the odd candidates unmasked by ``odd``: a gather of the odd columns would make every element
+    its own memory transaction, and from one program per row that was the cost (H100, 2026-11-26: 16.4 ms at
+    Qwen2.5-VL's 1232 candidates, 146 rounds). The evens are taken ``BLOCK_E`` at a time, so a round's work follows
+    its own size, not the first round's."""
     b = tl.program_id(0).to(tl.int64)
-    W: tl.constexpr = 2 * BLOCK_H
     Cb = C + b * R0 * R0
-    Lb = lists + b * 2 * W
-    Mb = match + b * BLOCK_H
-    offs = tl.arange(0, W)
-    tl.store(Lb + offs, offs, mask=offs < R0)  # the given order: positions 0 .. R0 - 1
+    Lb = lists + b * 2 * R0
+    Ob = odd + b * R0
+    Mb = match + b * R0
+    es = tl.arange(0, BLOCK_E)
+    ps = tl.arange(0, BLOCK_P)
+    for p0 in range(0, R0, BLOCK_P):  # the given order: places 0 .. R0 - 1
+        tl.store(Lb + p0 + ps, p0 + ps, mask=p0 + ps < R0)
     tl.debug_barrier()
-    hs = tl.arange(0, BLOCK_H)
     R = tl.program_id(0) * 0 + R0  # an int32 tensor: the list's length
     for r in range(ROUNDS):
-        cur = Lb + (r % 2) * W
-        nxt = Lb + ((r + 1) % 2) * W
+        cur = Lb + (r % 2) * R0
+        nxt = Lb + ((r + 1) % 2) * R0
         E = (R + 1) // 2  # evens
         n_odd = R // 2
         drop = tl.minimum(tl.minimum(R - KEEP, ROUND), E)
-        live_e = hs < E
-        ev = tl.load(cur + 2 * hs, mask=live_e, other=0).to(tl.int64)  # [BLOCK_H] the even positions' candidates
-        # the loops below carry whole tiles and reduce once after them: a reduction carried through a loop and read
-        # more than once after it trips Triton 3.x's OptimizeThreadLocality pass on sm_90 (an assertion, H100)
-        tiles = tl.full([BLOCK_H, BLOCK_J], float("-inf"), tl.float32)
-        for j0 in range(0, n_odd, BLOCK_J):  # each even's best match among the odds, a tile of odds at a time
-            js = j0 + tl.arange(0, BLOCK_J)
-            od = tl.load(cur + 2 * js + 1, mask=js < n_odd, other=0).to(tl.int64)
-            tile = tl.load(Cb + ev[:, None] * R0 + od[None, :], mask=live_e[:, None] & (js < n_odd)[None, :],
-                           other=float("-inf"))
-            tiles = tl.maximum(tiles, tile)
-        best = tl.max(tiles, axis=1)
-        tl.store(Mb + hs, best, mask=live_e)
-        tl.debug_barrier()  # every thread reads every even's match below
-        ahead_n = tl.zeros([BLOCK_H, BLOCK_J], dtype=tl.int32)  # place in the stable descending order of the matches
-        for k0 in range(0, E, BLOCK_J):
-            ks = k0 + tl.arange(0, BLOCK_J)
-            mk = tl.load(Mb + ks, mask=ks < E, other=float("-inf"))
-            ahead = (mk[None, :] > best[:, None]) | ((mk[None, :] == best[:, None]) & (ks[None, :] < hs[:, None]))
-            ahead_n += (ahead & (ks < E)[None, :]).to(tl.int32)
-        rank = tl.sum(ahead_n, axis=1)
-        tl.store(nxt + rank - drop, ev.to(tl.int32), mask=live_e & (rank >= drop))  # survivors, best match first
-        odd = tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0)
-        tl.store(nxt + (E - drop) + hs, odd, mask=hs < n_odd)  # then the odds in order
-        tl.debug_barrier()  # the next round reads the new order (and overwrites this one and the matches)
+        for p0 in range(0, R0, BLOCK_P):  # no candidate is odd ...
+            tl.store(Ob + p0 + ps, tl.zeros([BLOCK_P], tl.int8), mask=p0 + ps < R0)
+        tl.debug_barrier()
+        for h0 in range(0, n_odd, BLOCK_P):  # ... but those at the odd places of this round's order
+            hs = h0 + ps
+            od = tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0)
+            tl.store(Ob + od, tl.full([BLOCK_P], 1, tl.int8), mask=hs < n_odd)
+        tl.debug_barrier()
+        for e0 in range(0, E, BLOCK_E):  # each even's best match among the odds: its row, odd columns only
+            i = e0 + es
+            live = i < E
+            ev = tl.load(cur + 2 * i, mask=live, other=0).to(tl.int64)
+            # tiles carried through the loop and reduced once after it: a reduction carried through a loop and read
+            # more than once after it trips Triton 3.x's OptimizeThreadLocality pass on sm_90 (an assertion, H100)
+            tiles = tl.full([BLOCK_E, BLOCK_P], float("-inf"), tl.float32)
+            for p0 in range(0, R0, BLOCK_P):
+                cols = p0 + ps
+                is_odd = tl.load(Ob + cols, mask=cols < R0, other=0) != 0
+                tile = tl.load(Cb + ev[:, None] * R0 + cols[None, :], mask=live[:, None] & is_odd[None, :],
+                               other=float("-inf"))
+                tiles = tl.maximum(tiles, tile)
+            tl.store(Mb + i, tl.max(tiles, axis=1), mask=live)
+        tl.debug_barrier()  # every even's match is read below
+        for e0 in range(0, E, BLOCK_E):  # place in the stable descending order of the matches
+            i = e0 + es
+            live = i < E
+            mine = tl.load(Mb + i, mask=live, other=float("-inf"))
+            ahead_n = tl.zeros([BLOCK_E, BLOCK_P], dtype=tl.int32)
+            for k0 in range(0, E, BLOCK_P):
+                ks = k0 + ps
+                mk = tl.load(Mb + ks, mask=ks < E, other=float("-inf"))
+                ahead = (mk[None, :] > mine[:, None]) | ((mk[None, :] == mine[:, None]) & (ks[None, :] < i[:, None]))
+                ahead_n += (ahead & (ks < E)[None, :]).to(tl.int32)
+            rank = tl.sum(ahead_n, axis=1)
+            ev = tl.load(cur + 2 * i, mask=live, other=0)
+            tl.store(nxt + rank - drop, ev, mask=live & (rank >= drop))  # survivors, best match first
+        for h0 in range(0, n_odd, BLOCK_P):  # then the odds in order
+            hs = h0 + ps
+            tl.store(nxt + (E - drop) + hs, tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0), mask=hs < n_odd)
+        tl.debug_barrier()  # the next round reads the new order (and overwrites the flags, this order, the matches)
         R = R - drop
-    final = Lb + (ROUNDS % 2) * W
-    tl.store(out + b * KEEP + offs, tl.load(final + offs, mask=offs < KEEP, other=0).to(tl.int64), mask=offs < KEEP)
+    final = Lb + (ROUNDS % 2) * R0
+    for k0 in range(0, KEEP, BLOCK_P):
+        ks = k0 + ps
+        tl.store(out + b * KEEP + ks, tl.load(final + ks, mask=ks < KEEP, other=0).to(tl.int64), mask=ks < KEEP)
 
 
 def _blocks(N: int) -> tuple[int, int, int]:
@@ -268,16 +295,24 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     return out
 
 
+def vispruner_blocks(R0: int) -> tuple[int, int, int]:
+    """``(BLOCK_E, BLOCK_P, num_warps)`` of VisPruner's kernel for ``R0`` candidates: tiles of BLOCK_E evens by
+    BLOCK_P columns (at most ``_VIS_TILE`` elements), BLOCK_P a whole row up to 256."""
+    block_p = triton.next_power_of_2(max(min(R0, 256), 16))
+    return max(1, _VIS_TILE // block_p), block_p, 8 if block_p >= 256 else 4
+
+
 def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int) -> torch.Tensor:
     """``baselines.vispruner_diverse``'s rounds in one launch: ``similarity [B, R0, R0]`` float32 among the candidates
     in their given order, ``keep`` < R0 of them after ``rounds`` rounds (host-known: they follow from R0 and keep
     alone) of at most ``round_size`` drops. Returns the kept positions ``[B, keep]`` in their final order."""
     B, R0, _ = similarity.shape
-    block_h = triton.next_power_of_2(max((R0 + 1) // 2, 16))
-    lists = torch.empty(B, 2, 2 * block_h, dtype=torch.int32, device=similarity.device)
-    match = torch.empty(B, block_h, dtype=torch.float32, device=similarity.device)
-    out = _picks(B, keep, similarity.device)
-    _vispruner_kernel[(B,)](similarity.contiguous(), lists, match, out, R0, keep, rounds, ROUND=round_size,
-                            BLOCK_H=block_h, BLOCK_J=max(1, _TILE_ELEMENTS // block_h),
-                            num_warps=8 if block_h >= 512 else 4, enable_fp_fusion=False)
+    device = similarity.device
+    lists = torch.empty(B, 2, R0, dtype=torch.int32, device=device)
+    odd = torch.empty(B, R0, dtype=torch.int8, device=device)
+    match = torch.empty(B, R0, dtype=torch.float32, device=device)
+    out = _picks(B, keep, device)
+    block_e, block_p, warps = vispruner_blocks(R0)
+    _vispruner_kernel[(B,)](similarity.contiguous(), lists, odd, match, out, R0, keep, rounds, ROUND=round_size,
+                            BLOCK_E=block_e, BLOCK_P=block_p, num_warps=warps, enable_fp_fusion=False)
     return out

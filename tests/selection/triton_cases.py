@@ -179,6 +179,9 @@ def cases() -> dict[str, Case]:
         out[f"fl/{tag}"] = fl_case(kind, B, N, d, i, conditional=False)
         out[f"fl-conditional/{tag}"] = fl_case(kind, B, N, d, i, conditional=True)
         out[f"vispruner/{tag}"] = vispruner_case(kind, B, N, d, i)
+    # past one tile of VisPruner's kernel: 298 candidates are 5 tiles of evens by 2 of columns in the first rounds
+    out["vispruner/random-1x300x24"] = vispruner_case("random", 1, 300, 24, 6)
+    out["vispruner/duplicates-2x300x16"] = vispruner_case("duplicates", 2, 300, 16, 7)
     for kind in ("random", "lowrank", "duplicates"):
         out[f"select-promprune/{kind}"] = select_case("promprune", kind, 7, mu=0.5)
         out[f"select-promprune-conditional/{kind}"] = select_case("promprune", kind, 7, mu=0.5, conditional=True)
