@@ -168,7 +168,7 @@ def fast_path_on_cpu():
     accel.has_triton = lambda: True
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
      greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),
-                                         _KernelStub(3, "vispruner"))
+                                         _KernelStub(4, "vispruner"))
     try:
         yield
     finally:

@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
                     "decision table (0: leave it out)")
     ap.add_argument("--tables", default="timing,costs,split", help="which tables to print (comma-separated): timing "
                     "(every method timed), costs (the cost model), split (the certified split's decisions), "
-                    "schedules (Lanczos steps each stage schedule would run; not by default)")
+                    "schedules (Lanczos steps each stage schedule would run; not by default), traffic (VisPruner's "
+                    "kernel: what it loads of the similarity, modeled from the shapes; not by default)")
     ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
                     "repeat")
     args = ap.parse_args(argv)
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         print_split_decisions(shapes, args.split_images, args.device)
     if "schedules" in tables and args.split_images:
         print_schedules(shapes, args.split_images, args.device)
+    if "traffic" in tables:
+        print_vispruner_traffic(shapes)
 
 
 def run_batch(args, batch: int, shapes: dict) -> None:
@@ -294,6 +297,47 @@ def print_costs(shapes) -> None:
                 c = count(promprune.select, x, s, budget=T, method=m, instruction=text)
             cells += f"{c.launches:>10d} {c.syncs:>5d} {c.flops / 1e9:>6.2f} {project_ms(c):>6.2f}"
         print(f"{m:<16}{cells}")
+
+
+def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
+    """What VisPruner's kernel loads of the candidates' similarity ``C [R0, R0]`` over all its rounds, in 32-byte
+    sectors (8 floats), and the comparisons its ranking runs, for the kernel before 2026-11-27 (the odd columns
+    gathered: each element its own sector; every round over tiles as tall as the first round's evens) and now (each
+    even's row read contiguously where odd columns lie: at most ``min(R0 / 8, odds)`` sectors a row; evens taken
+    ``BLOCK_E`` at a time). Host arithmetic from the sizes alone, an upper bound for the rows: a model, not a
+    measurement."""
+    from promprune.selection import greedy_triton
+    from promprune.selection.baselines import VISPRUNER_ROUND
+
+    block_e, block_p, _ = greedy_triton.vispruner_blocks(R0)
+    old_h = 1 << max((R0 + 1) // 2 - 1, 15).bit_length()  # the old kernel's BLOCK_H: next power of 2, at least 16
+    out = dict.fromkeys(("rounds", "old sectors", "new sectors", "old ranking", "new ranking"), 0.0)
+    R = R0
+    while R > keep:
+        E, odds = (R + 1) // 2, R // 2
+        out["rounds"] += 1
+        out["old sectors"] += E * odds
+        out["new sectors"] += E * min(-(-R0 // 8), odds)
+        out["old ranking"] += old_h * E
+        out["new ranking"] += -(-E // block_e) * block_e * -(-E // block_p) * block_p
+        R -= min(VISPRUNER_ROUND, R - keep, E)
+    return out
+
+
+def print_vispruner_traffic(shapes) -> None:
+    print("VisPruner's kernel per view: 32-byte sectors of the similarity loaded and ranking comparisons (millions), "
+          "modeled from the sizes (important_ratio 0.5), not measured")
+    print(f"{'':<16}" + "".join(f"{shape:>26}" for shape in shapes))
+    cells = {}
+    for sh, (_, N, _, T) in shapes.items():
+        t_imp = T // 2
+        cells[sh] = vispruner_traffic(N - t_imp, T - t_imp)
+    for name in ("rounds", "old sectors", "new sectors", "old ranking", "new ranking"):
+        scale = 1 if name == "rounds" else 1e6
+        print(f"{name:<16}" + "".join(f"{cells[sh][name] / scale:>26.{0 if scale == 1 else 2}f}" for sh in shapes))
+    for name in ("sectors", "ranking"):
+        print(f"{'new / old ' + name:<16}" + "".join(f"{c['new ' + name] / c['old ' + name]:>26.2f}"
+                                                      for c in cells.values()))
 
 
 def spread_inputs(B: int, N: int, d: int, seed: int) -> torch.Tensor:

@@ -88,7 +88,8 @@ def test_selection():
     import promprune
     from promprune.selection import certified
 
-    out = run_benchmark("selection.py", "--smoke", "--split-images", "3", "--tables", "timing,costs,split,schedules")
+    out = run_benchmark("selection.py", "--smoke", "--split-images", "3", "--tables",
+                        "timing,costs,split,schedules,traffic")
     ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(CPU bar: <= 2.5x\)")[1])
     assert ratio > 0
     timed = {line.split()[0] for line in out.splitlines() if re.match(r"\w+ +[\d.]+ \([\d.]+x\)", line)}
@@ -108,6 +109,24 @@ def test_selection():
     shipped = figure(out, r"([\d, ]+?) +(\d+) steps, +(\d+) exact +(\d+) steps, +(\d+) exact +(\d+) steps, +(\d+) exact"
                           r"  \(shipped\)")
     assert tuple(int(k) for k in shipped[1].split(",")) == certified.STEPS
+    # VisPruner's modeled traffic: its rounds are the ones the kernel runs at each smoke shape (T // 2 important)
+    from benchmarks.selection import SMOKE_SHAPES
+    from promprune.selection.baselines import vispruner_round_count
+
+    rounds = [int(cell) for cell in figure(out, r"rounds +(\d+) +(\d+) +(\d+)").groups()]
+    assert rounds == [vispruner_round_count(N - T // 2, T - T // 2) for _, N, _, T in SMOKE_SHAPES.values()]
+
+
+def test_vispruner_traffic_by_hand():
+    """20 candidates to 4: rounds of 10 / 6 / 3 evens against 10 / 6 / 3 odds (drops 8, 6, 2); rows of 3 sectors."""
+    from benchmarks.selection import vispruner_traffic
+
+    got = vispruner_traffic(20, 4)
+    assert got["rounds"] == 3
+    assert got["old sectors"] == 10 * 10 + 6 * 6 + 3 * 3
+    assert got["new sectors"] == 10 * 3 + 6 * 3 + 3 * 3
+    assert got["old ranking"] == 16 * (10 + 6 + 3)  # tiles 16 rows tall (the first round's evens, at least 16)
+    assert got["new ranking"] == 3 * 256 * 32  # one [256, 32] tile a round at this size
 
 
 def test_launches():
