@@ -116,6 +116,17 @@ def time_near_mu(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) ->
     return ms, (f"stages {report.decided}, exact {report.exact}" if report else "exact entropy")
 
 
+def paired_ratio(x: torch.Tensor, s: torch.Tensor, budget: int, pairs: int) -> float:
+    """Median over ``pairs`` back-to-back pairs of PromPrune's time over DivPrune's on the same inputs (wall time, the
+    CPU): a machine whose speed drifts between the two methods' timing windows moves this less than the ratio of two
+    medians taken one method after the other."""
+    ratios = []
+    for _ in range(pairs + 1):  # the first pair warms up
+        ms = {m: time_method(m, x, s, budget, 1) for m in ("divprune", "promprune")}
+        ratios.append(ms["promprune"] / ms["divprune"])
+    return statistics.median(ratios[1:])
+
+
 def centered_gram(x: torch.Tensor) -> torch.Tensor:
     """The N x N Gram of the L2-normalized, centered tokens: the matrix whose spectrum the entropy reads."""
     xn = torch.nn.functional.normalize(x.float(), dim=-1)
@@ -215,6 +226,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     graphs_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
     near_mu: dict[str, tuple[float, str]] = {}
+    paired: dict[str, float] = {}
     for shape, (B, N, d, T) in shapes.items():
         x, s = make_inputs(B * batch, N, d, args.device, dtype=getattr(torch, args.dtype))
         for m in names:
@@ -229,6 +241,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
                     old[m][shape] = time_method(m, x, s, T, args.repeats)
         else:
             exact_ms[shape] = time_exact_entropy(x, args.repeats)
+            paired[shape] = paired_ratio(x, s, T, args.repeats)
     print_methods(names, results, old if cuda else None, shapes)
     cells = (f"{near_mu[sh][0]:>17.2f} ({near_mu[sh][0] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
     print(f"{'promprune, mu~H':<16}" + "".join(cells) + "   (mu at the inputs' median entropy; split: "
@@ -241,8 +254,14 @@ def run_batch(args, batch: int, shapes: dict) -> None:
         print(f"\nslowest method / divprune, worst shape: {worst:.2f}x at batch {batch} (target: <= 3x)")
     else:
         print_exact_entropy(results, exact_ms, shapes)
+        print(f"{'paired (x div)':<16}" + "".join(f"{paired[sh]:>25.2f}x" for sh in shapes))
+        print(f"(paired: the median of {args.repeats} ratios of a PromPrune call to a DivPrune call made just before "
+              "it, on the same inputs)")
     worst = max(results["promprune"][sh] / results["divprune"][sh] for sh in shapes)
     print(f"\npromprune / divprune, worst shape: {worst:.2f}x at batch {batch} (CPU bar: <= 2.5x)")
+    if paired:
+        print(f"promprune / divprune paired, worst shape: {max(paired.values()):.2f}x at batch {batch} "
+              "(CPU bar: <= 2.5x)")
 
 
 def print_methods(names, results, old, shapes) -> None:

@@ -92,6 +92,10 @@ def test_selection():
                         "timing,costs,split,schedules,traffic")
     ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(CPU bar: <= 2.5x\)")[1])
     assert ratio > 0
+    paired = figure(out, rf"paired \(x div\) +({NUMBER})x +({NUMBER})x +({NUMBER})x")
+    worst = float(figure(out, rf"promprune / divprune paired, worst shape: ({NUMBER})x at batch 1 "
+                              r"\(CPU bar: <= 2.5x\)")[1])
+    assert worst == max(float(v) for v in paired.groups()) > 0
     timed = {line.split()[0] for line in out.splitlines() if re.match(r"\w+ +[\d.]+ \([\d.]+x\)", line)}
     assert timed == set(promprune.methods())  # every registered method, timed at every shape
     # PromPrune again with mu at the inputs' median entropy, and how its split decided (the CPU: the exact entropy)
