@@ -140,6 +140,18 @@ def test_launches():
     assert int(rows["promprune"][0]) > int(rows["divprune"][0]) > 0
 
 
+def test_entropy_routes():
+    """The two cheaper routes stay closed: moments in the Chebyshev basis lose the Jacobi matrix before the 12 steps
+    the split's first stage needs; the O(n^2) bracket is wider than any count boundary's spacing."""
+    out = run_benchmark("entropy_routes.py", "--smoke")
+    rows = [line.split() for line in out.splitlines() if re.match(r" +96 +i\^-", line)]
+    assert len(rows) == 5
+    for row in rows:
+        lo, hi = (float(v.strip("[],")) for v in row[8:10])
+        assert int(row[4]) < 12, row  # the moments' Jacobi matrix left Lanczos' before step 12
+        assert float(row[6]) < 1e-3 and hi - lo > 0.1 and lo <= float(row[2]) <= hi, row
+
+
 def test_spectrum():
     out = run_benchmark("spectrum.py", "--smoke")
     header = table_rows(out, "shape")[0]
