@@ -117,9 +117,9 @@ def time_near_mu(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) ->
 
 
 def paired_ratio(x: torch.Tensor, s: torch.Tensor, budget: int, pairs: int) -> float:
-    """Median over ``pairs`` back-to-back pairs of PromPrune's time over DivPrune's on the same inputs (wall time, the
-    CPU): a machine whose speed drifts between the two methods' timing windows moves this less than the ratio of two
-    medians taken one method after the other."""
+    """Median over ``pairs`` pairs of PromPrune's time over DivPrune's on the same inputs (wall time, the CPU), the two
+    timed within moments of each other (each after one untimed call): a machine whose speed drifts between the two
+    methods' timing windows moves this less than the ratio of two medians taken one method after the other."""
     ratios = []
     for _ in range(pairs + 1):  # the first pair warms up
         ms = {m: time_method(m, x, s, budget, 1) for m in ("divprune", "promprune")}
@@ -255,8 +255,8 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     else:
         print_exact_entropy(results, exact_ms, shapes)
         print(f"{'paired (x div)':<16}" + "".join(f"{paired[sh]:>25.2f}x" for sh in shapes))
-        print(f"(paired: the median of {args.repeats} ratios of a PromPrune call to a DivPrune call made just before "
-              "it, on the same inputs)")
+        print(f"(paired: the median of {args.repeats} ratios of a PromPrune call to a DivPrune call timed just before "
+              "it, each after one untimed call, on the same inputs)")
     worst = max(results["promprune"][sh] / results["divprune"][sh] for sh in shapes)
     print(f"\npromprune / divprune, worst shape: {worst:.2f}x at batch {batch} (CPU bar: <= 2.5x)")
     if paired:
