@@ -82,6 +82,24 @@ def test_cuda_kernel_matches_reference(name):
     _check(name, {"match": bool(torch.equal(got, want)), "got": got.tolist(), "want": want.tolist()})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("B,N,keep", [(1, 576, 32), (5, 576, 32), (1, 1296, 64), (2, 2880, 160)])
+def test_cuda_vispruner_kernel_at_the_papers_sizes(B, N, keep):
+    """VisPruner's kernel at LLaVA-1.5's, LLaVA-NeXT's (five views), Qwen2.5-VL's and LLaVA-NeXT's whole-image
+    candidate counts (T = 64, 64, 128, 320; half kept by saliency) against the CPU loop on the same similarity."""
+    from promprune.selection import baselines, greedy_triton
+    from promprune.selection.registry import TokenSet
+
+    g = torch.Generator().manual_seed(N + B)
+    K = TokenSet(torch.randn(B, N, 64, generator=g), None).cosine
+    rest = torch.stack([torch.randperm(N, generator=g)[:N - keep] for _ in range(B)])
+    want = baselines.vispruner_diverse(K, rest, keep)  # the loop, on the CPU
+    local = baselines._submatrix(K, rest, rest).float().cuda()
+    rounds = baselines.vispruner_round_count(N - keep, keep)
+    picks = greedy_triton.vispruner_rounds(local, keep, rounds, baselines.VISPRUNER_ROUND).cpu()
+    assert torch.equal(rest.gather(1, picks), want)
+
+
 def _kernels():
     """Each kernel specialization ``select`` can launch: (kernel, signature, constexprs)."""
     from promprune.selection import greedy_triton as g

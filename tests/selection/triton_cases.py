@@ -182,6 +182,7 @@ def cases() -> dict[str, Case]:
     # past one tile of VisPruner's kernel: 298 candidates are 5 tiles of evens by 2 of columns in the first rounds
     out["vispruner/random-1x300x24"] = vispruner_case("random", 1, 300, 24, 6)
     out["vispruner/duplicates-2x300x16"] = vispruner_case("duplicates", 2, 300, 16, 7)
+    out["vispruner/random-1x576x64"] = vispruner_case("random", 1, 576, 64, 8)  # LLaVA-1.5's token count
     for kind in ("random", "lowrank", "duplicates"):
         out[f"select-promprune/{kind}"] = select_case("promprune", kind, 7, mu=0.5)
         out[f"select-promprune-conditional/{kind}"] = select_case("promprune", kind, 7, mu=0.5, conditional=True)
