@@ -22,13 +22,14 @@ device.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import promprune
-from promprune.selection.registry import checked_inputs
+from promprune.selection.registry import checked_inputs, finite_total
 
 from .adapters import HostIndex, VisualItem, host_index
 from .transfer import to_device, to_host
@@ -260,9 +261,9 @@ def _inputs(items: list[VisualItem], group: list[Unit], spec) -> dict:
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every tensor is finite: one read for all (False: ``select`` checks each and names the bad one)."""
-    flags = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-    return bool(to_host([flags])[0])
+    """Whether every tensor is finite: one read for all (False: ``select`` checks each and names the bad one, or
+    finds none when huge finite values overflowed the total)."""
+    return math.isfinite(float(to_host([finite_total(tensors)])[0]))
 
 
 def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int, list[_Part]]:

@@ -424,10 +424,21 @@ def checked_inputs(features: torch.Tensor, saliency: torch.Tensor | None, vision
     return {k: t for k, t in named.items() if t is not None}
 
 
+def finite_total(tensors) -> torch.Tensor:
+    """A 0-d float64 tensor that is finite when every one of ``tensors`` is (their float64 sums, added up), computed on
+    their device without a read.
+
+    A sum is NaN or infinite when one of its terms is, so one pass over each tensor tells (``isfinite(t).all()`` took
+    four passes and launches: 43 ms of a LLaVA-NeXT select on 2 CPU cores, RESULTS 2026-11-27). Only finite terms of
+    enormous magnitude (float64 inputs near 1e308) can make the total overflow: a non-finite total means "check
+    each"."""
+    return torch.stack([t.sum(dtype=torch.float64) for t in tensors]).sum()
+
+
 def _check_finite(named: dict[str, torch.Tensor]) -> None:
-    """Every given tensor ``[B, ...]`` is finite; one read of the device for all of them (the error path reads more)."""
-    flags = torch.stack([torch.isfinite(t).all() for t in named.values()])
-    if bool(flags.all()):
+    """Every given tensor ``[B, ...]`` is finite; one read of the device for all of them (``finite_total``); the error
+    path, or a total overflowing on huge finite terms, checks tensor by tensor."""
+    if math.isfinite(float(finite_total(named.values()))):
         return
     for name, t in named.items():
         bad = ~torch.isfinite(t).flatten(1).all(dim=1)

@@ -96,6 +96,12 @@ def test_errors_name_the_problem():
     bad[1, 3, 0] = float("inf")
     with pytest.raises(ValueError, match="features contain Inf"):
         select(bad, s, budget=8)
+    huge = x.double().clone()
+    huge[0] = 1e308  # finite, but any sum of them overflows: the check goes the long way and passes
+    assert select(huge, s, budget=8, method="saliency_only").indices.shape == (3, 8)
+    huge[2, 5, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"features contain NaN.*\[2\]"):
+        select(huge, s, budget=8, method="saliency_only")
     with pytest.raises(ValueError, match="saliency must have shape"):
         select(x, s[:, :10], budget=8)
     with pytest.raises(ValueError, match="needs saliency"):
