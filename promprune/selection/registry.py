@@ -425,14 +425,18 @@ def checked_inputs(features: torch.Tensor, saliency: torch.Tensor | None, vision
 
 
 def finite_total(tensors) -> torch.Tensor:
-    """A 0-d float64 tensor that is finite when every one of ``tensors`` is (their float64 sums, added up), computed on
-    their device without a read.
+    """A 0-d tensor that is finite when every one of ``tensors`` is (their sums, added up), computed on their device
+    without a read.
 
     A sum is NaN or infinite when one of its terms is, so one pass over each tensor tells (``isfinite(t).all()`` took
-    four passes and launches: 43 ms of a LLaVA-NeXT select on 2 CPU cores, RESULTS 2026-11-27). Only finite terms of
-    enormous magnitude (float64 inputs near 1e308) can make the total overflow: a non-finite total means "check
+    four passes and launches: 39 ms of a LLaVA-NeXT select on 2 CPU cores, RESULTS 2026-11-27). Sums accumulate in
+    float32 at least (float64 tensors in float64; a float64 accumulation of float32 tensors costs a converted copy on
+    the CPU). Only finite values of enormous magnitude can make a sum overflow: a non-finite total means "check
     each"."""
-    return torch.stack([t.sum(dtype=torch.float64) for t in tensors]).sum()
+    parts = [t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+    if len({part.dtype for part in parts}) == 1:
+        return torch.stack(parts).sum()  # two launches for any number of parts
+    return sum(parts[1:], parts[0]) if parts else torch.zeros(())  # mixed float32 / float64: promoted pairwise
 
 
 def _check_finite(named: dict[str, torch.Tensor]) -> None:
