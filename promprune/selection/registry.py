@@ -429,7 +429,7 @@ def finite_total(tensors) -> torch.Tensor:
     without a read.
 
     A sum is NaN or infinite when one of its terms is, so one pass over each tensor tells (``isfinite(t).all()`` took
-    four passes and launches: 39 ms of a LLaVA-NeXT select on 2 CPU cores, RESULTS 2026-11-27). Sums accumulate in
+    four passes and launches: 36-58 ms of a LLaVA-NeXT select on 2 CPU cores, RESULTS 2026-11-27). Sums accumulate in
     float32 at least (float64 tensors in float64; a float64 accumulation of float32 tensors costs a converted copy on
     the CPU). Only finite values of enormous magnitude can make a sum overflow: a non-finite total means "check
     each"."""
