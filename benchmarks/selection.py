@@ -333,7 +333,7 @@ def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
     from promprune.selection.baselines import VISPRUNER_ROUND
 
     block_e, block_p, _ = greedy_triton.vispruner_blocks(R0)
-    old_h = 1 << max((R0 + 1) // 2 - 1, 15).bit_length()  # the old kernel's BLOCK_H: next power of 2, at least 16
+    old_h = greedy_triton.triton.next_power_of_2(max((R0 + 1) // 2, 16))  # the old kernel's BLOCK_H
     out = dict.fromkeys(("rounds", "old sectors", "new sectors", "old ranking", "new ranking"), 0.0)
     R = R0
     while R > keep:

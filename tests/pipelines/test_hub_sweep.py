@@ -8,7 +8,7 @@ import ray
 from pipelines import spec as specs
 from pipelines import sweep
 from pipelines.recording import tracking
-from pipelines.run.ray_connect import inherited, worker_env
+from pipelines.run.ray_connect import init_local
 from promprune.eval.standins import STANDIN_TASKS, serving, standin_env
 from tests.conftest import STANDIN_DOCS
 from tests.eval.test_hub_standins import LoopbackJudge
@@ -27,12 +27,10 @@ def hub_ray(hub_standins, judge):
     """A local Ray whose workers see the stand-ins and MM-Vet's loopback judge, as a cluster's would see the hub."""
     env = {**standin_env(hub_standins), "API_TYPE": "openai", "OPENAI_API_KEY": "sk-test",
            "OPENAI_BASE_URL": judge.url, "OPENAI_API_URL": judge.url}
-    base = worker_env()
     with serving(hub_standins), pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)
-        with inherited({**base, "env_vars": {**base["env_vars"], **env}}) as rest:  # as a sweep's local Ray
-            ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=rest)
+        init_local(num_cpus=2, include_dashboard=False)  # as a sweep's local Ray: its workers inherit `env` too
         try:
             yield
         finally:
