@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from promprune.selection import accel, greedy_triton
+from promprune.selection import accel, graphed, greedy_triton
 
 # ops that launch nothing: views, metadata, allocation without a fill
 NO_LAUNCH = {"view", "_unsafe_view", "expand", "t", "transpose", "unsqueeze", "squeeze", "slice", "select",
              "as_strided", "detach", "alias", "permute", "diagonal", "unbind", "split", "split_with_sizes", "chunk",
              "lift_fresh", "_reshape_alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
              "resolve_conj", "resolve_neg", "unfold", "narrow", "expand_as", "view_as",
+             "promote_types", "result_type",  # dtype arithmetic: no tensor made
              "_local_scalar_dense", "item", "is_nonzero"}  # the last three: a device-to-host copy, counted as a sync
 # ops whose result the host needs before it can go on (a device-to-host wait on CUDA); ``item`` / ``is_nonzero`` are
 # what ``float(t)`` / ``bool(t)`` dispatch under inference mode (``_local_scalar_dense`` outside it), never both
@@ -100,6 +101,7 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.costs = costs
         self.paused = False
+        self.in_graph = False  # inside a replayed CUDA graph: its kernels are the graph's one launch
         self.transfers = transfers
         self.device: dict[int, weakref.ref] = {}  # id -> weak reference (tensors compare by value, not identity)
         self.mark(_tensors(inputs))
@@ -119,6 +121,13 @@ class _Counter(TorchDispatchMode):
             return out
         self.mark(_tensors(out))
         name = func.overloadpacket.__name__.rstrip("_")
+        if name in MATMUL and isinstance(out, torch.Tensor):
+            inner = args[0].shape[-1] if name in ("bmm", "mm", "matmul") else args[1].shape[-1]  # the summed dim
+            self.costs.flops += 2.0 * out.numel() * inner
+        if self.in_graph:  # a read of the device here would break the capture: counted apart, never as a launch
+            if name in SYNC_OPS or any(not self.on_device(t) and t.dim() > 0 for t in ins):
+                self.costs.ops["breaks capture:" + name] += 1
+            return out
         if self.transfers and any(t.dim() > 0 and not self.on_device(t) for t in ins):
             self.costs.sync()  # host tensors meet device ones: torch copies them over, blocking (or fails)
             self.costs.ops["implicit:" + name] += 1
@@ -127,9 +136,6 @@ class _Counter(TorchDispatchMode):
         if name not in NO_LAUNCH:
             self.costs.launches += 1
             self.costs.ops[name] += 1
-        if name in MATMUL and isinstance(out, torch.Tensor):
-            inner = args[0].shape[-1] if name in ("bmm", "mm", "matmul") else args[1].shape[-1]  # the summed dim
-            self.costs.flops += 2.0 * out.numel() * inner
         return out
 
 
@@ -158,22 +164,61 @@ class _KernelStub:
         return launch
 
 
+class _CaptureStub:
+    """Stands for a CUDA graph capture (``graphed._Capture``) on the CPU. Made once per shape, as a capture is (the
+    warm-up call makes it, uncounted); each replay counts what the real one launches: a copy per input, the graph's
+    one launch (``cuda_graph``), a clone per fresh output. The body's kernels run inside the graph: their FLOPs count,
+    their launches do not, and a host read among them (which would break a real capture) is listed as
+    ``breaks capture:<op>``."""
+
+    def __init__(self, fn, args, steps: int):
+        self.fn, self.steps = fn, steps
+        self.inputs = tuple(None if a is None else a.detach().clone() for a in args)
+
+    def __call__(self, args, fresh):
+        counter = _ACTIVE[-1] if _ACTIVE else None
+        for static, value in zip(self.inputs, args):
+            if static is not None:
+                static.copy_(value)
+        if counter is None:
+            outputs = self.fn(*self.inputs, self.steps)
+        else:
+            counter.mark([t for t in self.inputs if t is not None])
+            counter.in_graph = True
+            try:
+                outputs = self.fn(*self.inputs, self.steps)
+            finally:
+                counter.in_graph = False
+            counter.costs.launches += 1
+            counter.costs.ops["cuda_graph"] += 1
+        return tuple(out.clone() if fresh is None or i in fresh else out for i, out in enumerate(outputs))
+
+
 @contextmanager
-def fast_path_on_cpu():
+def fast_path_on_cpu(graphs: bool = False):
     """The selection's CUDA fast path taken by CPU tensors, its Triton kernels stubbed (launch counted, picks
-    filled)."""
+    filled); with ``graphs`` the certified split's stages replay as CUDA graphs would (``accel.graphs``, each
+    capture stood for by ``_CaptureStub``)."""
     saved = (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
-             greedy_triton._fl_kernel, greedy_triton._vispruner_kernel)
+             greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
+             list(graphed._FAILED))
+    graphed._CAPTURES.clear()
+    graphed._FAILED.clear()
+    graphed._Capture = _CaptureStub
     accel.active = lambda t: True
     accel.has_triton = lambda: True
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
      greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),
                                          _KernelStub(4, "vispruner"))
     try:
-        yield
+        with accel.graphs(graphs):
+            yield
     finally:
         (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
-         greedy_triton._fl_kernel, greedy_triton._vispruner_kernel) = saved
+         greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture) = saved[:7]
+        graphed._CAPTURES.clear()
+        graphed._CAPTURES.update(saved[7])
+        graphed._FAILED[:] = saved[8]
 
 
 def count(fn, *args, warmup: bool = True, **kwargs) -> Costs:
@@ -359,9 +404,12 @@ class _Transfers:
         return out
 
 
-# A projection's constants (assumptions, not measurements): what one eager launch costs the host on an H100-class
-# machine, what one host wait costs, and the float64 / float32 matmul rate.
-LAUNCH_US = 6.0
+# A projection's constants: what one eager launch costs the host, what one host wait costs, and the float64 / float32
+# matmul rate. LAUNCH_US is fitted: on the H100 of 2026-11-26 (evening, fp16, batch 1; RESULTS), the eight methods
+# whose time is their launches (all but PromPrune and VisPruner) at the three shapes took 0.11 ms + 27.8 us per
+# launch counted here at that commit (least squares over 24 times; 6 us was assumed before). The others are
+# assumptions, not measurements.
+LAUNCH_US = 28.0
 SYNC_US = 20.0
 MATMUL_TFLOPS = 40.0
 

@@ -47,6 +47,7 @@ from promprune.selection.registry import TokenSet  # noqa: E402
 from promprune.selection.two_stage import (  # noqa: E402
     DEFAULT_MU,
     DEFAULT_TAU,
+    certified_split,
     coverage_picks,
     minmax,
 )
@@ -161,7 +162,7 @@ def promprune_stages(x: torch.Tensor, s: torch.Tensor, budget: int) -> dict:
         tokens = fresh()
         tokens.__dict__["unit_gram"] = gram  # the Gram given: time the centering and the split only
         if certified.applies(tokens.n, tokens.x):
-            return certified.split(tokens.spectral_matrix, count_of)[0].to(x.device)
+            return certified_split(tokens, count_of)[0].to(x.device)
         return count_of(tokens.spectral_entropy).to(x.device)
 
     return {"gram": (lambda _: fresh().unit_gram, x),
@@ -312,14 +313,16 @@ def print_costs(shapes) -> None:
     print(f"{'method':<16}" + "".join(f"{shape:>30}" for shape in shapes))
     print(f"{'':<16}" + "".join(f"{'launches syncs GFLOP proj.ms':>30}" for _ in shapes))
     inputs = {sh: make_inputs(B, N, d, "cpu") + (T,) for sh, (B, N, d, T) in shapes.items()}
-    for m in promprune.methods():
+    for m, graphs in [(m, False) for m in promprune.methods()] + [("promprune", True)]:
         cells = ""
         for x, s, T in inputs.values():
             text = instruction_for(x) if promprune.method_spec(m).needs_instruction else None
-            with fast_path_on_cpu():
+            with fast_path_on_cpu(graphs=graphs):
                 c = count(promprune.select, x, s, budget=T, method=m, instruction=text)
             cells += f"{c.launches:>10d} {c.syncs:>5d} {c.flops / 1e9:>6.2f} {project_ms(c):>6.2f}"
-        print(f"{m:<16}{cells}")
+        print(f"{m + (', graphs' if graphs else ''):<16}{cells}")
+    print("(promprune, graphs: the split's stages replayed as CUDA graphs, PROMPRUNE_GRAPHS=1; each replay counted as "
+          "its input copies, one launch and its output clones)")
 
 
 def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import accel, graphed
-from .entropy import entropy_of_matrix
+from .entropy import centered_gram, entropy_of_matrix
 
 # Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
 # boundary continues to the next. Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16
@@ -69,55 +69,106 @@ LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read
 
 @dataclass
 class Lanczos:
-    """The state of the matrix Lanczos recurrence on ``rho [B, n, n]`` (float64, on the device): ``alpha [B, k]``,
-    ``beta [B, k]`` (``beta[:, j]``: the norm of the residual after step j), the last two basis matrices."""
+    """The state of the matrix Lanczos recurrence on ``rho [B, n, n]`` (float64, on the device): the last two basis
+    matrices ``v``, ``v_prev`` (None before the first step), the last residual norm ``b_prev [B]`` (None before the
+    first step), and ``history``: each stage's coefficients packed as ``[B, 2k]`` (its k alphas, then its k betas;
+    ``beta[:, j]`` the norm of the residual after step j). ``alpha`` / ``beta`` join them ``[B, steps]``."""
 
     rho: torch.Tensor
-    alpha: torch.Tensor
-    beta: torch.Tensor
     v: torch.Tensor
-    v_prev: torch.Tensor
+    v_prev: torch.Tensor | None = None
+    b_prev: torch.Tensor | None = None
+    history: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def start(cls, rho: torch.Tensor) -> "Lanczos":
-        B, n, _ = rho.shape
-        v = torch.eye(n, dtype=rho.dtype, device=rho.device).expand(B, n, n) / math.sqrt(n)  # [B, n, n]
-        empty = rho.new_zeros(B, 0)
-        return cls(rho, empty, empty, v.contiguous(), torch.zeros_like(v))
+        """Before the first step: ``v = I / sqrt(n)``."""
+        return cls(rho, start_basis(rho))
 
-    def run(self, steps: int) -> "Lanczos":
-        """``steps`` more steps (each: one batched product and a few fused updates; nothing waits). With
-        ``accel.graphs()`` on and the state small enough (``graphed.usable``), the steps replay as one CUDA graph."""
-        B = self.rho.shape[0]
-        b_prev = self.beta[:, -1] if self.beta.shape[1] else self.rho.new_zeros(B)
-        args = (self.rho, self.v, self.v_prev, b_prev)
-        alpha, beta, v, v_prev = (graphed.replay(lanczos_steps, args, steps) if graphed.usable(self.rho, steps)
-                                  else lanczos_steps(*args, steps))
-        return Lanczos(self.rho, torch.cat([self.alpha, alpha], 1), torch.cat([self.beta, beta], 1), v, v_prev)
+    @classmethod
+    def open(cls, matrix: torch.Tensor, steps: int, borrow: bool = False, gram: bool = False) -> "Lanczos":
+        """``density(matrix)``, the start and ``steps`` steps (``opening``; with ``gram``, ``matrix`` is the unit
+        Gram, centered first: ``opening_from_gram``): with ``accel.graphs()`` on and the state small enough
+        (``graphed.usable``), all of it replays as one CUDA graph. ``borrow``: the state's matrices are the graph's
+        own buffers, valid until its next replay (``split`` copies the rows it continues before that)."""
+        fn = opening_from_gram if gram else opening
+        packed, rho, v, v_prev = (graphed.replay(fn, (matrix,), steps, fresh=(0,) if borrow else None)
+                                  if graphed.usable(matrix, steps) else fn(matrix, steps))
+        return cls(rho, v, v_prev, packed[:, -1], (packed,))
 
-    def rows(self, index: torch.Tensor) -> "Lanczos":
-        """The recurrence of the images ``index`` only (to continue it for them)."""
-        return Lanczos(*(t[index] for t in (self.rho, self.alpha, self.beta, self.v, self.v_prev)))
+    def run(self, steps: int, borrow: bool = False) -> "Lanczos":
+        """``steps`` more steps (each: one batched product and a few fused updates; nothing waits), replayed as one
+        CUDA graph where ``graphed.usable``; ``borrow`` as in ``open``."""
+        if steps == 0:
+            return self
+        args = (self.rho, self.v, self.v_prev, self.b_prev)
+        packed, v, v_prev = (graphed.replay(lanczos_steps, args, steps, fresh=(0,) if borrow else None)
+                             if graphed.usable(self.rho, steps) else lanczos_steps(*args, steps))
+        return Lanczos(self.rho, v, v_prev, packed[:, -1], self.history + (packed,))
+
+    @property
+    def alpha(self) -> torch.Tensor:  # [B, steps]
+        return self._joined(0)
+
+    @property
+    def beta(self) -> torch.Tensor:  # [B, steps]
+        return self._joined(1)
+
+    def _joined(self, half: int) -> torch.Tensor:
+        parts = [h.view(h.shape[0], 2, -1)[:, half] for h in self.history]
+        return torch.cat(parts, 1) if parts else self.rho.new_zeros(self.rho.shape[0], 0)
+
+    def rows(self, index: torch.Tensor, history: bool = True) -> "Lanczos":
+        """The recurrence of the images ``index`` only (to continue it for them); ``history=False`` leaves the past
+        coefficients behind (``split`` holds them on the host)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return Lanczos(pick(self.rho), pick(self.v), pick(self.v_prev), pick(self.b_prev),
+                       tuple(h[index] for h in self.history) if history else ())
 
 
-def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor, b_prev: torch.Tensor,
+def start_basis(rho: torch.Tensor) -> torch.Tensor:
+    """``I / sqrt(n)`` for each of the ``B`` images of ``rho [B, n, n]`` (unit Frobenius norm), contiguous."""
+    B, n, _ = rho.shape
+    return (torch.eye(n, dtype=rho.dtype, device=rho.device) / math.sqrt(n)).expand(B, n, n).contiguous()
+
+
+def opening(matrix: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+    """The first stage from the spectral matrix ``[B, n, n]``: ``(packed [B, 2 steps], rho, v, v_prev)``
+    (``density``, ``start_basis``, ``lanczos_steps``). Only tensor operations, no host read: one CUDA graph."""
+    rho = density(matrix)
+    packed, v, v_prev = lanczos_steps(rho, start_basis(rho), None, None, steps)
+    return packed, rho, v, v_prev
+
+
+def opening_from_gram(gram: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+    """``opening`` of the centered ``gram`` (``entropy.centered_gram``: the spectral matrix when N <= d), the
+    centering inside the same graph."""
+    return opening(centered_gram(gram), steps)
+
+
+def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,
                   steps: int) -> tuple[torch.Tensor, ...]:
     """``steps`` steps of the recurrence from the basis matrices ``v, v_prev [B, n, n]`` and the last residual norm
-    ``b_prev [B]``: ``(alpha [B, steps], beta [B, steps], v, v_prev)``. Only tensor operations, no host read: a CUDA
-    graph can capture it (``graphed``)."""
+    ``b_prev [B]`` (both None before the first step: ``v_prev`` is 0 there) -> ``(packed [B, 2 steps], v, v_prev)``,
+    packed = the steps' alphas, then their betas. Only tensor operations, no host read: a CUDA graph can capture it
+    (``graphed``)."""
     B, n, _ = rho.shape
-    alpha, beta = [rho.new_zeros(B, 0)], [rho.new_zeros(B, 0)]
-    for _ in range(steps):  # six launches a step
+    alpha, beta = [], []
+    for _ in range(steps):  # six launches a step (five for the first)
         w = torch.bmm(rho, v)  # [B, n, n]
         a = torch.bmm(v.view(B, 1, n * n), w.view(B, n * n, 1)).view(B)  # <V, rho V>_F
-        w.addcmul_(a[:, None, None], v, value=-1).addcmul_(b_prev[:, None, None], v_prev, value=-1)
+        w.addcmul_(a[:, None, None], v, value=-1)
+        if v_prev is not None:
+            w.addcmul_(b_prev[:, None, None], v_prev, value=-1)
         b = torch.linalg.vector_norm(w, dim=(1, 2))
         # b = 0 (the Krylov space ran out) gives NaN from here on: such rows fail bounds' checks (exact branch)
         v_prev, v = v, w.div_(b[:, None, None])
         alpha.append(a[:, None])
         beta.append(b[:, None])
         b_prev = b
-    return torch.cat(alpha, 1), torch.cat(beta, 1), v, v_prev
+    return torch.cat(alpha + beta, 1), v, v_prev
 
 
 def density(matrix: torch.Tensor) -> torch.Tensor:
@@ -179,14 +230,19 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, ...]:
     """``(decided [B] bool, t_sal [B])`` where the widened bracket gives one count (``count`` is non-increasing)."""
     finite = np.isfinite(lo) & np.isfinite(hi)
-    top = count(torch.from_numpy(np.where(finite, hi + DECISION_MARGIN, 0.0))).numpy()  # fewest salient tokens
-    bottom = count(torch.from_numpy(np.where(finite, lo - DECISION_MARGIN, 0.0))).numpy()  # most salient tokens
+    ends = np.where(finite, np.stack([hi + DECISION_MARGIN, lo - DECISION_MARGIN]), 0.0)  # [2, B]: both in one call
+    top, bottom = count(torch.from_numpy(ends.reshape(-1))).numpy().reshape(2, -1)  # fewest / most salient tokens
     return finite & (top == bottom), top
 
 
 def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
-          steps: tuple[int, ...] = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+          steps: tuple[int, ...] = STEPS, gram: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
+
+    ``matrix``: the spectral matrix (``entropy.spectral_matrix``), or with ``gram`` the tokens' unit Gram, whose
+    centered form (``entropy.centered_gram``) is the spectral matrix when N <= d: it is then centered inside the first
+    stage (one CUDA graph with it, ``Lanczos.open``) and, for the images the bounds leave undecided, again as the exact
+    path centers it (the whole batch, then their rows).
 
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32)`` on the CPU: the
@@ -197,25 +253,29 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
     entropy = np.zeros(B)
     todo = np.arange(B)
     report = SplitReport()
-    state = Lanczos.start(density(matrix))
-    done_steps = 0
+    alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
+    state, done_steps = None, 0
     for stage_steps in steps:
-        state = state.run(stage_steps - done_steps)
+        k = stage_steps - done_steps
+        state = Lanczos.open(matrix, k, borrow=True, gram=gram) if state is None else state.run(k, borrow=True)
         done_steps = stage_steps
-        coeffs = to_host(torch.cat([state.alpha, state.beta], 1))  # one read per stage (NaN-free rows only decide)
-        lo, hi = bounds(coeffs[:, :done_steps], coeffs[:, done_steps:], n)
+        coeffs = to_host(state.history[-1])  # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide)
+        alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
+        lo, hi = bounds(alpha, beta, n)
         decided, counts = decide(lo, hi, count)
         t_sal[todo[decided]] = counts[decided]
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
-        todo = todo[~decided]
+        todo, alpha, beta = todo[~decided], alpha[~decided], beta[~decided]
         if not len(todo):
             break
-        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device, non_blocking=True))
+        # a copy of the rows that go on (the borrowed buffers are the graph's until its next replay)
+        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device, non_blocking=True),
+                           history=False)
     if len(todo):
         rows = torch.from_numpy(todo).to(matrix.device, non_blocking=True)  # no wait: the copy is staged at once
-        exact = to_host(entropy_of_matrix(matrix[rows]).double())
+        exact = to_host(entropy_of_matrix((centered_gram(matrix) if gram else matrix)[rows]).double())
         t_sal[todo] = count(torch.from_numpy(exact)).numpy()
         entropy[todo] = exact
         report.exact = len(todo)

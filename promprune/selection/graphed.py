@@ -1,16 +1,18 @@
 """A stage of device work with a fixed shape, captured once as a CUDA graph and replayed: one launch instead of many.
 
-The certified split (``certified``) runs 16 or 32 Lanczos steps per stage, six small launches each; at batch 1 the host
-spends ~30 us per launch on them while the device needs a few (H100, 2026-11-26: PromPrune's split 4.0 ms at
-LLaVA-1.5's shape for ~1 ms of device work). A graph replays the same kernels on the same buffers with one launch.
+The certified split (``certified``) runs its first stage (the density, the start and 12 Lanczos steps) and each later
+stage (8 to 16 more steps) as a fixed sequence of small launches, six a step; at batch 1 the host spends ~25-35 us per
+launch on them while the device needs a few (H100, 2026-11-26: PromPrune's split 4.0 ms at LLaVA-1.5's shape for
+~1 ms of device work). A graph replays the same kernels on the same buffers with one launch.
 
-``replay(fn, args, steps)`` captures ``fn(*args, steps)`` (tensors in, tensors out, no host read) the first time a
-shape is seen: static copies of ``args`` are allocated, ``fn`` runs once on a side stream (warm-up: cuBLAS picks its
-kernels and workspace), then once under capture. Each later call copies ``args`` into those buffers, replays, and
-returns clones of the outputs (the next replay overwrites them). The device runs exactly the kernels of the eager
-call, in the same order, on the same values: the results are bit-identical (``tests/selection/test_graphed.py`` on a
-GPU). At most ``KEEP`` captures are kept (least recently used first out); a capture that fails is said once in a
-warning and the eager call is used for the rest of the process.
+``replay(fn, args, steps)`` captures ``fn(*args, steps)`` (tensors or None in, tensors out, no host read) the first
+time a shape is seen: static copies of ``args`` are allocated, ``fn`` runs once on a side stream (warm-up: cuBLAS picks
+its kernels and workspace), then once under capture. Each later call copies ``args`` into those buffers, replays, and
+returns clones of the outputs (the next replay overwrites them), or, for the outputs not in ``fresh``, the buffers
+themselves (borrowed: the caller copies what it keeps before the next replay). The device runs exactly the kernels of
+the eager call, in the same order, on the same values: the results are bit-identical
+(``tests/selection/test_graphed.py`` on a GPU). At most ``KEEP`` captures are kept (least recently used first out); a
+capture that fails is said once in a warning and the eager call is used for the rest of the process.
 
 Only where it pays and fits: ``usable`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
 most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` state. Each capture holds about six such float64 states (its inputs,
@@ -41,7 +43,7 @@ class _Capture:
 
     def __init__(self, fn: Callable, args: tuple[torch.Tensor, ...], steps: int):
         device = args[0].device
-        self.inputs = tuple(a.detach().clone() for a in args)  # real values: the warm-up computes nothing wild
+        self.inputs = tuple(None if a is None else a.detach().clone() for a in args)  # real values: a sane warm-up
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -51,15 +53,18 @@ class _Capture:
         with torch.cuda.graph(self.graph):
             self.outputs = fn(*self.inputs, steps)
 
-    def __call__(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def __call__(self, args: tuple[torch.Tensor | None, ...],
+                 fresh: tuple[int, ...] | None) -> tuple[torch.Tensor, ...]:
         for static, value in zip(self.inputs, args):
-            static.copy_(value)
+            if static is not None:
+                static.copy_(value)
         self.graph.replay()
-        return tuple(out.clone() for out in self.outputs)
+        return tuple(out.clone() if fresh is None or i in fresh else out for i, out in enumerate(self.outputs))
 
 
-def _key(fn: Callable, args: tuple[torch.Tensor, ...], steps: int) -> tuple:
-    return (fn.__module__, fn.__qualname__, steps, *((tuple(a.shape), a.dtype, str(a.device)) for a in args))
+def _key(fn: Callable, args: tuple[torch.Tensor | None, ...], steps: int) -> tuple:
+    return (fn.__module__, fn.__qualname__, steps,
+            *(None if a is None else (tuple(a.shape), a.dtype, str(a.device)) for a in args))
 
 
 def usable(state: torch.Tensor, steps: int) -> bool:
@@ -69,9 +74,12 @@ def usable(state: torch.Tensor, steps: int) -> bool:
             and not _FAILED)
 
 
-def replay(fn: Callable, args: tuple[torch.Tensor, ...], steps: int) -> tuple[torch.Tensor, ...]:
+def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], steps: int,
+           fresh: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
     """``fn(*args, steps)`` through its captured graph (captured now if this shape is new); the eager call when the
-    capture fails (said once)."""
+    capture fails (said once). ``args``: tensors, or None where ``fn`` takes none (part of the capture's key).
+    ``fresh``: the outputs returned as copies (default: all); the others are the graph's own buffers, which its next
+    replay overwrites: a caller that borrows them copies what it keeps before then (one launch saved per output)."""
     if _FAILED:
         return fn(*args, steps)
     key = _key(fn, args, steps)
@@ -89,7 +97,7 @@ def replay(fn: Callable, args: tuple[torch.Tensor, ...], steps: int) -> tuple[to
         while len(_CAPTURES) > KEEP:
             _CAPTURES.popitem(last=False)
     _CAPTURES.move_to_end(key)
-    return capture(args)
+    return capture(args, fresh)
 
 
 def clear() -> None:

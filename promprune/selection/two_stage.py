@@ -87,6 +87,14 @@ def two_stage(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversity: 
     return Selection(indices, t_sal, entropy, None, salient)
 
 
+def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor]:
+    """``certified.split`` of the tokens' spectral matrix: for N <= d that is their centered unit Gram, so the split
+    gets the shared Gram and centers it inside its first stage (one CUDA graph with the Lanczos steps)."""
+    if tokens.n <= tokens.dim:
+        return certified.split(tokens.unit_gram, count, gram=True)
+    return certified.split(tokens.spectral_matrix, count)
+
+
 def prominence(tokens: TokenSet, metric: str) -> torch.Tensor:
     """The prominence metric ``[B]`` that drives the adaptive split."""
     if metric == "spectral":
@@ -112,7 +120,7 @@ def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: s
         return split_budget(entropy, budget, mu=mu, tau=tau, ratio_range=(kr_min, kr_max), rounding=rounding)
 
     if metric == "spectral" and certified.applies(min(tokens.n, tokens.dim), tokens.x):
-        t_sal, entropy = certified.split(tokens.spectral_matrix, count)  # host values, the exact algorithm's counts
+        t_sal, entropy = certified_split(tokens, count)  # host values, the exact algorithm's counts
         return two_stage(tokens, budget, t_sal.to(tokens.x.device, non_blocking=True), diversity=diversity,
                          conditional=conditional, method="promprune",
                          entropy=entropy.to(tokens.x.device, non_blocking=True),

@@ -2,6 +2,8 @@
 selection, so a change that adds a wait on the device or a launch per token shows without a GPU."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -67,3 +69,45 @@ def test_a_sync_on_host_values_is_not_counted():
         return int(host.sum()) + int(t.sum())  # only the second reads the device
 
     assert count(host_work, x).syncs == 1
+
+
+def _count_of(mu: float, budget: int = 16):
+    from promprune.selection.budget import split_budget
+
+    return lambda h: split_budget(h, budget, mu=mu, tau=0.02)
+
+
+def test_with_graphs_the_first_stage_costs_three_launches(views):
+    """PromPrune's split from the unit Gram with its stages as CUDA graphs (``PROMPRUNE_GRAPHS=1``, each replay
+    stood for on the CPU): the centering, the density, the start and the first stage's steps are one graph; around
+    it only the Gram's copy into the graph's input and the coefficients' copy out (the state is borrowed)."""
+    x, _ = views
+    gram = TokenSet(x, None).unit_gram
+    with fast_path_on_cpu(graphs=True):
+        costs = count(certified.split, gram, _count_of(0.95), gram=True)
+    assert certified.LAST_REPORT[0].decided == [5]
+    assert (costs.launches, costs.syncs) == (3, 1), costs.ops
+    assert costs.ops["cuda_graph"] == 1 and costs.ops["copy"] == 1 and costs.ops["clone"] == 1, costs.ops
+    assert costs.flops > 2 * certified.STEPS[0] * 5 * 96 ** 3  # the graph's products still count as device work
+
+
+def test_graph_bodies_never_read_the_device_through_every_stage(views):
+    """Images placed at t_sal's count boundaries run every stage (and some the eigensolve): no stage's graph body
+    reads a device value (that would break a real capture), one graph per stage, and the picks are the eager
+    split's."""
+    x, s = views
+    tokens = TokenSet(x, s)
+    h0 = float(tokens.spectral_entropy[0])
+    mu = h0 - 0.02 * math.log(0.46875 / 0.53125)  # the first image on the boundary between t_sal = 8 and 9 (T = 16)
+    with fast_path_on_cpu():
+        want = fast_call("promprune", x, s, 16, mu=mu)
+        eager = count(fast_call, "promprune", x, s, 16, mu=mu)
+    stages = len(certified.LAST_REPORT[0].decided)
+    with fast_path_on_cpu(graphs=True):
+        got = fast_call("promprune", x, s, 16, mu=mu)
+        graphs = count(fast_call, "promprune", x, s, 16, mu=mu)
+    assert stages >= 2, certified.LAST_REPORT
+    assert torch.equal(got.indices, want.indices)
+    assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
+    assert graphs.ops["cuda_graph"] == stages and graphs.syncs == eager.syncs
+    assert graphs.launches < eager.launches - 5 * certified.STEPS[0]

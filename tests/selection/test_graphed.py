@@ -105,3 +105,30 @@ def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape):
     with accel.graphs(True):
         got = promprune.select(x, s, budget=budget, method="promprune")
     assert torch.equal(got.indices, want.indices)
+
+
+@needs_cuda
+def test_cuda_split_with_graphs_equals_the_eager_split_through_every_stage():
+    """An image on a count boundary runs every stage and the eigensolve: the graphed split (the first stage centered
+    inside its graph, the later stages' state borrowed until copied) decides as the eager one, value for value."""
+    import math
+
+    from promprune.selection.budget import split_budget
+    from promprune.selection.registry import TokenSet
+
+    g = torch.Generator().manual_seed(7)
+    tokens = TokenSet(torch.randn(4, 300, 512, generator=g).cuda(), None)
+    h0 = float(tokens.spectral_entropy[0])
+    mu = h0 - 0.02 * math.log(0.46875 / 0.53125)  # image 0 between t_sal = 8 and 9 at T = 16
+
+    def count(h):
+        return split_budget(h, 16, mu=mu, tau=0.02)
+
+    want = certified.split(tokens.unit_gram, count, gram=True)
+    stages = len(certified.LAST_REPORT[0].decided)
+    assert stages >= 2, certified.LAST_REPORT
+    with accel.graphs(True):
+        for _ in range(2):  # the captures, then their replays
+            got = certified.split(tokens.unit_gram, count, gram=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(graphed._CAPTURES) == stages
