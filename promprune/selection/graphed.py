@@ -12,7 +12,9 @@ returns clones of the outputs (the next replay overwrites them), or, for the out
 themselves (borrowed: the caller copies what it keeps before the next replay). The device runs exactly the kernels of
 the eager call, in the same order, on the same values: the results are bit-identical
 (``tests/selection/test_graphed.py`` on a GPU). At most ``KEEP`` captures are kept (least recently used first out); a
-capture that fails is said once in a warning and the eager call is used for the rest of the process.
+capture that fails is said once in a warning and the eager call is used for the rest of the process. The captures are
+the process's: one thread replays at a time (a Ray actor's default), as two threads replaying one graph would share
+its buffers.
 
 Only where it pays and fits: ``usable`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
 most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` state. Each capture holds about six such float64 states (its inputs,
