@@ -155,20 +155,21 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor | Non
     packed = the steps' alphas, then their betas. Only tensor operations, no host read: a CUDA graph can capture it
     (``graphed``)."""
     B, n, _ = rho.shape
-    alpha, beta = [], []
+    alpha, beta = [], []  # [B, 1, 1] each: the shape the updates broadcast (no views made per step)
+    b_prev = None if b_prev is None else b_prev.view(B, 1, 1)
     for _ in range(steps):  # six launches a step (five for the first)
         w = torch.bmm(rho, v)  # [B, n, n]
-        a = torch.bmm(v.view(B, 1, n * n), w.view(B, n * n, 1)).view(B)  # <V, rho V>_F
-        w.addcmul_(a[:, None, None], v, value=-1)
+        a = torch.bmm(v.view(B, 1, n * n), w.view(B, n * n, 1))  # <V, rho V>_F [B, 1, 1]
+        w.addcmul_(a, v, value=-1)
         if v_prev is not None:
-            w.addcmul_(b_prev[:, None, None], v_prev, value=-1)
-        b = torch.linalg.vector_norm(w, dim=(1, 2))
+            w.addcmul_(b_prev, v_prev, value=-1)
+        b = torch.linalg.vector_norm(w, dim=(1, 2), keepdim=True)  # [B, 1, 1]
         # b = 0 (the Krylov space ran out) gives NaN from here on: such rows fail bounds' checks (exact branch)
-        v_prev, v = v, w.div_(b[:, None, None])
-        alpha.append(a[:, None])
-        beta.append(b[:, None])
+        v_prev, v = v, w.div_(b)
+        alpha.append(a)
+        beta.append(b)
         b_prev = b
-    return torch.cat(alpha + beta, 1), v, v_prev
+    return torch.cat(alpha + beta, 1).view(B, 2 * steps), v, v_prev
 
 
 def density(matrix: torch.Tensor) -> torch.Tensor:
