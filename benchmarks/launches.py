@@ -165,15 +165,16 @@ class _KernelStub:
 
 
 class _CaptureStub:
-    """Stands for a CUDA graph capture (``graphed._Capture``) on the CPU. Made once per shape, as a capture is (the
-    warm-up call makes it, uncounted); each replay counts what the real one launches: a copy per input, the graph's
-    one launch (``cuda_graph``), a clone per fresh output. The body's kernels run inside the graph: their FLOPs count,
-    their launches do not, and a host read among them (which would break a real capture) is listed as
-    ``breaks capture:<op>``."""
+    """Stands for a CUDA graph capture (``graphed._Capture``) on the CPU. Made once per shape, as a capture is (under
+    ``fast_path_on_cpu(graphs=True)`` at a shape's first call: ``count``'s warm-up, uncounted); each replay counts
+    what the real one launches: a copy per input, the graph's one launch (``cuda_graph``), a clone per fresh output.
+    The body's kernels run inside the graph: their FLOPs count, their launches do not, and a host read among them
+    (which would break a real capture) is listed as ``breaks capture:<op>``."""
 
     def __init__(self, fn, args, steps: int):
         self.fn, self.steps = fn, steps
         self.inputs = tuple(None if a is None else a.detach().clone() for a in args)
+        self.eager = fn(*self.inputs, steps)  # the warm-up, which graphed.replay checks the first replay against
 
     def __call__(self, args, fresh):
         counter = _ACTIVE[-1] if _ACTIVE else None
@@ -201,10 +202,12 @@ def fast_path_on_cpu(graphs: bool = False):
     capture stood for by ``_CaptureStub``)."""
     saved = (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
-             list(graphed._FAILED))
+             list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
+    graphed._SEEN.clear()
     graphed._Capture = _CaptureStub
+    graphed.SIGHTINGS = 1  # each shape captured at its first call (count's warm-up): the counted calls are replays
     accel.active = lambda t: True
     accel.has_triton = lambda: True
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
@@ -219,6 +222,9 @@ def fast_path_on_cpu(graphs: bool = False):
         graphed._CAPTURES.clear()
         graphed._CAPTURES.update(saved[7])
         graphed._FAILED[:] = saved[8]
+        graphed._SEEN.clear()
+        graphed._SEEN.update(saved[9])
+        graphed.SIGHTINGS = saved[10]
 
 
 def count(fn, *args, warmup: bool = True, **kwargs) -> Costs:

@@ -5,16 +5,18 @@ stage (8 to 16 more steps) as a fixed sequence of small launches, six a step; at
 launch on them while the device needs a few (H100, 2026-11-26: PromPrune's split 4.0 ms at LLaVA-1.5's shape for
 ~1 ms of device work). A graph replays the same kernels on the same buffers with one launch.
 
-``replay(fn, args, steps)`` captures ``fn(*args, steps)`` (tensors or None in, tensors out, no host read) the first
-time a shape is seen: static copies of ``args`` are allocated, ``fn`` runs once on a side stream (warm-up: cuBLAS picks
-its kernels and workspace), then once under capture. Each later call copies ``args`` into those buffers, replays, and
-returns clones of the outputs (the next replay overwrites them), or, for the outputs not in ``fresh``, the buffers
-themselves (borrowed: the caller copies what it keeps before the next replay). The device runs exactly the kernels of
-the eager call, in the same order, on the same values: the results are bit-identical
+``replay(fn, args, steps)`` runs ``fn(*args, steps)`` (tensors or None in, tensors out, no host read) eagerly the first
+time a shape comes and captures it the second time (``SIGHTINGS``: a shape that comes once never pays for a capture):
+static copies of ``args`` are allocated, ``fn`` runs once on a side stream (warm-up: cuBLAS picks its kernels and
+workspace), then once under capture (``thread_local``: other threads' CUDA work goes on). The first replay is checked
+against the warm-up (the same call, eager, on the same inputs). Each later call copies ``args`` into those buffers,
+replays, and returns clones of the outputs (the next replay overwrites them), or, for the outputs not in ``fresh``,
+the buffers themselves (borrowed: the caller copies what it keeps before the next replay). The device runs exactly the
+kernels of the eager call, in the same order, on the same values: the results are bit-identical
 (``tests/selection/test_graphed.py`` on a GPU). At most ``KEEP`` captures are kept (least recently used first out); a
-capture that fails is said once in a warning and the eager call is used for the rest of the process. The captures are
-the process's: one thread replays at a time (a Ray actor's default), as two threads replaying one graph would share
-its buffers.
+capture that fails, or whose first replay differs from its warm-up, is said once in a warning and the eager call is
+used for the rest of the process. The captures are the process's: one thread replays at a time (a Ray actor's
+default), as two threads replaying one graph would share its buffers.
 
 Only where it pays and fits: ``usable`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
 most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` state. Each capture holds about six such float64 states (its inputs,
@@ -32,16 +34,25 @@ import torch
 from . import accel
 
 KEEP = 8  # captures kept per process (keys: function, shapes, dtype, device, steps)
+# A shape is captured when it comes for the SIGHTINGS-th time (the calls before run eagerly): a capture costs about two
+# eager calls, so shapes that come once (Qwen2.5-VL's native resolutions: a token count per image size) never pay it.
+SIGHTINGS = 2
+SEEN_KEEP = 256  # shapes remembered as seen (least recently seen first out)
+# The first replay of a capture must give what its warm-up (the same call, eager) gave, to this relative tolerance
+# (float64 state; the kernels are the same, so they agree bit for bit unless the capture changed them).
+AGREE_RTOL = 1e-9
 # Elements of one [B, n, n] float64 state a capture may hold (32 MiB): batch 1 at n = 1296 (1.7M) and LLaVA-NeXT's five
 # views of 576 (1.7M) fit, batch 8 at 1296 (13M) does not, and that is device-bound anyway.
 MAX_ELEMENTS = 2**22
 
 _CAPTURES: OrderedDict[tuple, "_Capture"] = OrderedDict()
+_SEEN: OrderedDict[tuple, int] = OrderedDict()  # sightings of shapes not captured yet
 _FAILED: list[str] = []  # why capture failed (then never tried again in this process)
 
 
 class _Capture:
-    """One captured call: its static inputs, its graph, its outputs (in the graph's memory pool)."""
+    """One captured call: its static inputs, its graph, its outputs (in the graph's memory pool), and until its first
+    replay is checked, the outputs of its warm-up (``eager``: the same call run eagerly on the same inputs)."""
 
     def __init__(self, fn: Callable, args: tuple[torch.Tensor, ...], steps: int):
         device = args[0].device
@@ -49,10 +60,11 @@ class _Capture:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            fn(*self.inputs, steps)  # warm-up outside the capture (kernel selection, cuBLAS workspace)
+            self.eager = fn(*self.inputs, steps)  # warm-up outside the capture (kernel selection, cuBLAS workspace)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA work of the process's other threads goes on (and is not captured) meanwhile
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs, steps)
 
     def __call__(self, args: tuple[torch.Tensor | None, ...],
@@ -76,33 +88,53 @@ def usable(state: torch.Tensor, steps: int) -> bool:
             and not _FAILED)
 
 
+def _agree(replayed: tuple[torch.Tensor, ...], eager: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a capture's first replay gave its warm-up's outputs (NaN where they had NaN: a breakdown's rows)."""
+    return len(replayed) == len(eager) and all(
+        r.shape == e.shape and torch.allclose(r, e, rtol=AGREE_RTOL, atol=0.0, equal_nan=True)
+        for r, e in zip(replayed, eager))
+
+
 def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], steps: int,
            fresh: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
-    """``fn(*args, steps)`` through its captured graph (captured now if this shape is new); the eager call when the
-    capture fails (said once). ``args``: tensors, or None where ``fn`` takes none (part of the capture's key).
-    ``fresh``: the outputs returned as copies (default: all); the others are the graph's own buffers, which its next
-    replay overwrites: a caller that borrows them copies what it keeps before then (one launch saved per output)."""
+    """``fn(*args, steps)`` through its captured graph; the eager call for a shape's first ``SIGHTINGS - 1`` calls
+    and for the rest of the process once a capture has failed or its first replay disagreed with its warm-up (said
+    once). ``args``: tensors, or None where ``fn`` takes none (part of the capture's key). ``fresh``: the outputs
+    returned as copies (default: all); the others are the graph's own buffers, which its next replay overwrites: a
+    caller that borrows them copies what it keeps before then (one launch saved per output)."""
     if _FAILED:
         return fn(*args, steps)
     key = _key(fn, args, steps)
     capture = _CAPTURES.get(key)
     if capture is None:
+        seen = _SEEN.pop(key, 0) + 1
+        if seen < SIGHTINGS:
+            _SEEN[key] = seen
+            while len(_SEEN) > SEEN_KEEP:
+                _SEEN.popitem(last=False)
+            return fn(*args, steps)
         try:
             capture = _Capture(fn, args, steps)
+            first = capture(args, None)  # copies of every output: the caller may keep them all
+            if not _agree(first, capture.eager):
+                raise RuntimeError("its first replay differs from the same call run eagerly")
         except Exception as exc:  # noqa: BLE001 - any capture failure: the eager call gives the same values
             _FAILED.append(f"{type(exc).__name__}: {exc}")
             warnings.warn(f"CUDA graph capture of {fn.__qualname__} failed ({_FAILED[-1]}); the certified split runs "
                           "its steps eagerly for the rest of this process (the same values, more host time).",
                           RuntimeWarning, stacklevel=2)
             return fn(*args, steps)
+        capture.eager = None
         _CAPTURES[key] = capture
         while len(_CAPTURES) > KEEP:
             _CAPTURES.popitem(last=False)
+        return first
     _CAPTURES.move_to_end(key)
     return capture(args, fresh)
 
 
 def clear() -> None:
-    """Drop every capture (their memory goes back to the allocator) and forget a failure."""
+    """Drop every capture (their memory goes back to the allocator), the shapes seen, and a failure."""
     _CAPTURES.clear()
+    _SEEN.clear()
     _FAILED.clear()

@@ -55,6 +55,57 @@ def test_a_capture_that_fails_gives_the_eager_steps_once_warned():
     assert graphed._FAILED and not graphed.usable(args[0], 5)
 
 
+def test_a_shape_is_captured_at_its_second_call_and_replayed_after():
+    """The policy around the capture, on the CPU (``benchmarks.launches._CaptureStub`` stands for the CUDA graph: it
+    runs the call on its static inputs): a shape's first call runs eagerly, its second captures it and returns the
+    capture's checked first replay, later calls replay it; every call gives the eager steps' values."""
+    from benchmarks.launches import _CaptureStub
+
+    made = []
+
+    class Counted(_CaptureStub):
+        def __init__(self, *args):
+            made.append(1)
+            super().__init__(*args)
+
+    args = _start_args(_rho(2, 12, 1))
+    want = certified.lanczos_steps(*args, 5)
+    real = graphed._Capture
+    graphed._Capture = Counted
+    try:
+        for calls, captures in ((1, 0), (2, 1), (3, 1), (4, 1)):
+            got = graphed.replay(certified.lanczos_steps, args, 5)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+            assert (len(made), len(graphed._CAPTURES)) == (captures, captures), calls
+    finally:
+        graphed._Capture = real
+
+
+def test_a_first_replay_that_differs_from_its_warm_up_turns_graphs_off():
+    """A capture whose first replay does not give what the same call gave eagerly is not used: the eager values are
+    returned, said once, and the process runs eagerly from then on."""
+    from benchmarks.launches import _CaptureStub
+
+    class Drifting(_CaptureStub):
+        def __call__(self, args, fresh):
+            return tuple(t * (1 + 1e-6) for t in super().__call__(args, fresh))
+
+    args = _start_args(_rho(2, 12, 1))
+    want = certified.lanczos_steps(*args, 5)
+    real = graphed._Capture
+    graphed._Capture = Drifting
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                got = graphed.replay(certified.lanczos_steps, args, 5)
+                assert all(torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        graphed._Capture = real
+    assert [str(w.message) for w in seen if "differs" in str(w.message)], [str(w.message) for w in seen]
+    assert len(seen) == 1 and graphed._FAILED and not graphed._CAPTURES
+
+
 def test_the_steps_continue_where_they_stopped():
     """Two stages (5 then 7 steps) give the 12-step recurrence: the state carried between stages is complete."""
     rho = _rho(2, 20, 2)
@@ -71,7 +122,7 @@ def test_cuda_replayed_steps_equal_the_eager_steps(B, n):
     eager = certified.Lanczos.start(rho).run(16).run(32)
     with accel.graphs(True):
         assert graphed.usable(rho, 16)
-        for _ in range(2):  # the capture, then a replay
+        for _ in range(graphed.SIGHTINGS + 1):  # eager until the capture, its checked first replay, a replay
             replayed = certified.Lanczos.start(rho).run(16).run(32)
             for name in ("alpha", "beta", "v", "v_prev"):
                 assert torch.equal(getattr(replayed, name), getattr(eager, name)), name
@@ -82,11 +133,12 @@ def test_cuda_replayed_steps_equal_the_eager_steps(B, n):
 def test_cuda_captures_follow_their_inputs_and_stay_bounded():
     with accel.graphs(True):
         for seed in range(graphed.KEEP + 3):
-            rho = _rho(1, 32 + seed, seed, "cuda")  # a new shape each time: a new capture
+            rho = _rho(1, 32 + seed, seed, "cuda")  # a new shape each time: a new capture at its second call
             args = _start_args(rho)
-            got = graphed.replay(certified.lanczos_steps, args, 4)
             want = certified.lanczos_steps(*args, 4)
-            assert all(torch.equal(g, w) for g, w in zip(got, want))
+            for _ in range(graphed.SIGHTINGS):
+                got = graphed.replay(certified.lanczos_steps, args, 4)
+                assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert len(graphed._CAPTURES) == graphed.KEEP
         other = _start_args(_rho(1, 32 + seed, 99, "cuda"))  # the last shape, other values: the replay reads them
         got = graphed.replay(certified.lanczos_steps, other, 4)
@@ -103,8 +155,10 @@ def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape):
     budget = int(round(N / 9))
     want = promprune.select(x, s, budget=budget, method="promprune")
     with accel.graphs(True):
-        got = promprune.select(x, s, budget=budget, method="promprune")
-    assert torch.equal(got.indices, want.indices)
+        for _ in range(graphed.SIGHTINGS + 1):  # eager, the capture and its first replay, a replay
+            got = promprune.select(x, s, budget=budget, method="promprune")
+            assert torch.equal(got.indices, want.indices)
+    assert graphed._CAPTURES
 
 
 @needs_cuda
@@ -128,7 +182,7 @@ def test_cuda_split_with_graphs_equals_the_eager_split_through_every_stage():
     stages = len(certified.LAST_REPORT[0].decided)
     assert stages >= 2, certified.LAST_REPORT
     with accel.graphs(True):
-        for _ in range(2):  # the captures, then their replays
+        for _ in range(graphed.SIGHTINGS + 1):  # eager, the captures and their first replays, replays
             got = certified.split(tokens.unit_gram, count, gram=True)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(graphed._CAPTURES) == stages
