@@ -84,6 +84,19 @@ def test_random_fingerprint():
         "+-4 ulps", "float16 round trip", "bfloat16 round trip"}
 
 
+def test_selection_says_which_targets_are_met(capsys):
+    """The GPU run's verdict lines (``print_targets``), on hand-made times: eager under the target is met, only the
+    graphed time under it is met with graphs, neither is missed; a shape without a target at that batch says nothing."""
+    from benchmarks.selection import print_targets
+
+    print_targets(1, "float16", {"llava-1.5": 3.0, "llava-next": 3.5, "qwen2.5-vl": 9.0},
+                  {"llava-1.5": 2.0, "llava-next": 3.0, "qwen2.5-vl": 6.0})
+    print_targets(8, "float16", {"llava-1.5": 99.0, "llava-next": 16.0}, {"llava-1.5": 1.0, "llava-next": 14.5})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.rsplit(": ", 1)[1] for line in lines] == ["met with graphs", "met", "missed", "met with graphs"]
+    assert "at llava-next, batch 8 (float16): promprune 16.00 ms, with graphs 14.50 ms, target <= 15 ms" in lines[3]
+
+
 def test_selection():
     import promprune
     from promprune.selection import certified
@@ -106,6 +119,8 @@ def test_selection():
              if line.split() and line.split()[0] in promprune.methods()}
     assert set(costs) == set(promprune.methods()) and all(len(cells) == 12 for cells in costs.values())
     assert costs["divprune"][1] == "1"  # select's one finiteness read; the greedy kernel waits for nothing
+    graphs = figure(out, r"promprune, graphs +(\d+) +(\d+) .*")  # the split's stages as CUDA graphs: fewer launches
+    assert int(graphs[1]) < int(costs["promprune"][0]) and graphs[2] == costs["promprune"][1]
     # the certified split decided every image or sent it to the eigensolve, and agreed with the exact counts
     equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
     assert equal.groups() == ("yes", "yes", "yes")
