@@ -5,7 +5,9 @@ for CPU tensors (``accel.active`` true, the Triton kernels (greedy selectors, Vi
 that count one launch each and fill their output with valid picks) under a dispatch mode that counts every ATen op
 that would launch a kernel (view and metadata ops excluded), the ops that make the host wait on the device
 (``item``/``int``/``bool`` of a tensor, ``nonzero``, boolean indexing, ``tolist``, ``equal``) and the selection's own
-deliberate reads (``accel.syncs``).
+deliberate reads (``accel.syncs``). ``fast_path_on_cpu(graphs=True)`` also replays the certified split's stages as
+CUDA graphs would (``CaptureStub`` stands for each capture: a replay counts its input copies, one launch and its output
+clones; a host read inside a graph's body is listed as ``breaks capture:<op>``).
 Only ops on the device's tensors count (the call's tensor arguments and what device ops made from them, plus
 factories): the host's arithmetic on values it has read does not.
 What the counts are for: a change that adds launches or syncs shows here without a GPU; a GPU time can be projected
@@ -164,7 +166,7 @@ class _KernelStub:
         return launch
 
 
-class _CaptureStub:
+class CaptureStub:
     """Stands for a CUDA graph capture (``graphed._Capture``) on the CPU. Made once per shape, as a capture is (under
     ``fast_path_on_cpu(graphs=True)`` at a shape's first call: ``count``'s warm-up, uncounted); each replay counts
     what the real one launches: a copy per input, the graph's one launch (``cuda_graph``), a clone per fresh output.
@@ -199,14 +201,14 @@ class _CaptureStub:
 def fast_path_on_cpu(graphs: bool = False):
     """The selection's CUDA fast path taken by CPU tensors, its Triton kernels stubbed (launch counted, picks
     filled); with ``graphs`` the certified split's stages replay as CUDA graphs would (``accel.graphs``, each
-    capture stood for by ``_CaptureStub``)."""
+    capture stood for by ``CaptureStub``)."""
     saved = (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
-    graphed._Capture = _CaptureStub
+    graphed._Capture = CaptureStub
     graphed.SIGHTINGS = 1  # each shape captured at its first call (count's warm-up): the counted calls are replays
     accel.active = lambda t: True
     accel.has_triton = lambda: True

@@ -56,14 +56,14 @@ def test_a_capture_that_fails_gives_the_eager_steps_once_warned():
 
 
 def test_a_shape_is_captured_at_its_second_call_and_replayed_after():
-    """The policy around the capture, on the CPU (``benchmarks.launches._CaptureStub`` stands for the CUDA graph: it
+    """The policy around the capture, on the CPU (``benchmarks.launches.CaptureStub`` stands for the CUDA graph: it
     runs the call on its static inputs): a shape's first call runs eagerly, its second captures it and returns the
     capture's checked first replay, later calls replay it; every call gives the eager steps' values."""
-    from benchmarks.launches import _CaptureStub
+    from benchmarks.launches import CaptureStub
 
     made = []
 
-    class Counted(_CaptureStub):
+    class Counted(CaptureStub):
         def __init__(self, *args):
             made.append(1)
             super().__init__(*args)
@@ -84,9 +84,9 @@ def test_a_shape_is_captured_at_its_second_call_and_replayed_after():
 def test_a_first_replay_that_differs_from_its_warm_up_turns_graphs_off():
     """A capture whose first replay does not give what the same call gave eagerly is not used: the eager values are
     returned, said once, and the process runs eagerly from then on."""
-    from benchmarks.launches import _CaptureStub
+    from benchmarks.launches import CaptureStub
 
-    class Drifting(_CaptureStub):
+    class Drifting(CaptureStub):
         def __call__(self, args, fresh):
             return tuple(t * (1 + 1e-6) for t in super().__call__(args, fresh))
 
