@@ -166,7 +166,7 @@ class _KernelStub:
         return launch
 
 
-class CaptureStub:
+class CaptureStub(graphed._Capture):
     """Stands for a CUDA graph capture (``graphed._Capture``) on the CPU. Made once per shape, as a capture is (under
     ``fast_path_on_cpu(graphs=True)`` at a shape's first call: ``count``'s warm-up, uncounted); each replay counts
     what the real one launches: a copy per input, the graph's one launch (``cuda_graph``), a clone per fresh output.
@@ -178,23 +178,19 @@ class CaptureStub:
         self.inputs = tuple(None if a is None else a.detach().clone() for a in args)
         self.eager = fn(*self.inputs, steps)  # the warm-up, which graphed.replay checks the first replay against
 
-    def __call__(self, args, fresh):
+    def _replay(self):
         counter = _ACTIVE[-1] if _ACTIVE else None
-        for static, value in zip(self.inputs, args):
-            if static is not None:
-                static.copy_(value)
         if counter is None:
+            return self.fn(*self.inputs, self.steps)
+        counter.mark([t for t in self.inputs if t is not None])
+        counter.in_graph = True
+        try:
             outputs = self.fn(*self.inputs, self.steps)
-        else:
-            counter.mark([t for t in self.inputs if t is not None])
-            counter.in_graph = True
-            try:
-                outputs = self.fn(*self.inputs, self.steps)
-            finally:
-                counter.in_graph = False
-            counter.costs.launches += 1
-            counter.costs.ops["cuda_graph"] += 1
-        return tuple(out.clone() if fresh is None or i in fresh else out for i, out in enumerate(outputs))
+        finally:
+            counter.in_graph = False
+        counter.costs.launches += 1
+        counter.costs.ops["cuda_graph"] += 1
+        return outputs
 
 
 @contextmanager

@@ -86,13 +86,13 @@ class Lanczos:
         return cls(rho, start_basis(rho))
 
     @classmethod
-    def open(cls, matrix: torch.Tensor, steps: int, borrow: bool = False, gram: bool = False) -> "Lanczos":
+    def open(cls, matrix: torch.Tensor, steps: int, gram: bool = False) -> "Lanczos":
         """``density(matrix)``, the start and ``steps`` steps (``opening``; with ``gram``, ``matrix`` is the unit
         Gram, centered first: ``opening_from_gram``): with ``accel.graphs()`` on and the state small enough
-        (``graphed.usable``), all of it replays as one CUDA graph. ``borrow``: the state's matrices are the graph's
-        own buffers, valid until its next replay (``split`` copies the rows it continues before that)."""
+        (``graphed.usable``), all of it replays as one CUDA graph, and the state's matrices are then the graph's own
+        buffers (borrowed), valid until its next replay: ``split`` copies the rows it continues before that."""
         fn = opening_from_gram if gram else opening
-        packed, rho, v, v_prev = (graphed.replay(fn, (matrix,), steps, fresh=(0,) if borrow else None)
+        packed, rho, v, v_prev = (graphed.replay(fn, (matrix,), steps, fresh=(0,))
                                   if graphed.usable(matrix, steps) else fn(matrix, steps))
         return cls(rho, v, v_prev, packed[:, -1], (packed,))
 
@@ -118,14 +118,13 @@ class Lanczos:
         parts = [h.view(h.shape[0], 2, -1)[:, half] for h in self.history]
         return torch.cat(parts, 1) if parts else self.rho.new_zeros(self.rho.shape[0], 0)
 
-    def rows(self, index: torch.Tensor, history: bool = True) -> "Lanczos":
-        """The recurrence of the images ``index`` only (to continue it for them); ``history=False`` leaves the past
-        coefficients behind (``split`` holds them on the host)."""
+    def rows(self, index: torch.Tensor) -> "Lanczos":
+        """The recurrence of the images ``index`` only, copied (to continue it for them); the past coefficients stay
+        behind (``split`` holds them on the host)."""
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
 
-        return Lanczos(pick(self.rho), pick(self.v), pick(self.v_prev), pick(self.b_prev),
-                       tuple(h[index] for h in self.history) if history else ())
+        return Lanczos(pick(self.rho), pick(self.v), pick(self.v_prev), pick(self.b_prev))
 
 
 def start_basis(rho: torch.Tensor) -> torch.Tensor:
@@ -258,7 +257,7 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
     state, done_steps = None, 0
     for stage_steps in steps:
         k = stage_steps - done_steps
-        state = Lanczos.open(matrix, k, borrow=True, gram=gram) if state is None else state.run(k, borrow=True)
+        state = Lanczos.open(matrix, k, gram=gram) if state is None else state.run(k, borrow=True)
         done_steps = stage_steps
         coeffs = to_host(state.history[-1])  # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide)
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
@@ -272,8 +271,7 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
         if not len(todo):
             break
         # a copy of the rows that go on (the borrowed buffers are the graph's until its next replay)
-        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device, non_blocking=True),
-                           history=False)
+        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device, non_blocking=True))
     if len(todo):
         rows = torch.from_numpy(todo).to(matrix.device, non_blocking=True)  # no wait: the copy is staged at once
         exact = to_host(entropy_of_matrix((centered_gram(matrix) if gram else matrix)[rows]).double())

@@ -72,8 +72,12 @@ class _Capture:
         for static, value in zip(self.inputs, args):
             if static is not None:
                 static.copy_(value)
+        return tuple(out.clone() if fresh is None or i in fresh else out for i, out in enumerate(self._replay()))
+
+    def _replay(self) -> tuple[torch.Tensor, ...]:
+        """Run the captured work on the static inputs; its outputs (the graph's own buffers)."""
         self.graph.replay()
-        return tuple(out.clone() if fresh is None or i in fresh else out for i, out in enumerate(self.outputs))
+        return self.outputs
 
 
 def _key(fn: Callable, args: tuple[torch.Tensor | None, ...], steps: int) -> tuple:
