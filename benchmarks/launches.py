@@ -145,8 +145,9 @@ _ACTIVE: list[_Counter] = []
 
 
 class _KernelStub:
-    """Stands for a Triton kernel: ``stub[grid](*args, **meta)`` counts one launch and fills the picks it would write
-    (``args[out_arg]``, ``[B, width]``) with distinct in-range indices."""
+    """Stands for a Triton kernel: ``stub[grid](*args, **meta)`` counts one launch (none inside a graph's body: the
+    graph is the launch) and fills the picks it would write (``args[out_arg]``, ``[B, width]``) with distinct in-range
+    indices."""
 
     def __init__(self, out_arg: int, name: str):
         self.out_arg, self.name = out_arg, name
@@ -155,8 +156,9 @@ class _KernelStub:
         def launch(*args, **meta):
             out, n = args[self.out_arg], args[self.out_arg + 1]
             if _ACTIVE:
-                _ACTIVE[-1].costs.launches += 1
-                _ACTIVE[-1].costs.ops["triton:" + self.name] += 1
+                if not _ACTIVE[-1].in_graph:  # inside a graph's body it is one of the graph's kernels
+                    _ACTIVE[-1].costs.launches += 1
+                    _ACTIVE[-1].costs.ops["triton:" + self.name] += 1
                 _ACTIVE[-1].paused = True
             try:
                 out.copy_(torch.arange(out.shape[1]).remainder(n).expand_as(out))
@@ -173,19 +175,19 @@ class CaptureStub(graphed._Capture):
     The body's kernels run inside the graph: their FLOPs count, their launches do not, and a host read among them
     (which would break a real capture) is listed as ``breaks capture:<op>``."""
 
-    def __init__(self, fn, args, steps: int):
-        self.fn, self.steps = fn, steps
+    def __init__(self, fn, args, static):
+        self.fn, self.static = fn, static
         self.inputs = tuple(None if a is None else a.detach().clone() for a in args)
-        self.eager = fn(*self.inputs, steps)  # the warm-up, which graphed.replay checks the first replay against
+        self.eager = fn(*self.inputs, static)  # the warm-up, which graphed.replay checks the first replay against
 
     def _replay(self):
         counter = _ACTIVE[-1] if _ACTIVE else None
         if counter is None:
-            return self.fn(*self.inputs, self.steps)
+            return self.fn(*self.inputs, self.static)
         counter.mark([t for t in self.inputs if t is not None])
         counter.in_graph = True
         try:
-            outputs = self.fn(*self.inputs, self.steps)
+            outputs = self.fn(*self.inputs, self.static)
         finally:
             counter.in_graph = False
         counter.costs.launches += 1

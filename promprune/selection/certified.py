@@ -86,14 +86,16 @@ class Lanczos:
         return cls(rho, start_basis(rho))
 
     @classmethod
-    def open(cls, matrix: torch.Tensor, steps: int, gram: bool = False) -> "Lanczos":
-        """``density(matrix)``, the start and ``steps`` steps (``opening``; with ``gram``, ``matrix`` is the unit
-        Gram, centered first: ``opening_from_gram``): with ``accel.graphs()`` on and the state small enough
-        (``graphed.usable``), all of it replays as one CUDA graph, and the state's matrices are then the graph's own
-        buffers (borrowed), valid until its next replay: ``split`` copies the rows it continues before that."""
-        fn = opening_from_gram if gram else opening
-        packed, rho, v, v_prev = (graphed.replay(fn, (matrix,), steps, fresh=(0,))
-                                  if graphed.usable(matrix, steps) else fn(matrix, steps))
+    def open(cls, fn: Callable[..., tuple[torch.Tensor, ...]], args: tuple[torch.Tensor | None, ...],
+             steps: int, size: int) -> "Lanczos":
+        """The first stage, ``fn(*args, steps) -> (packed, rho, v, v_prev)`` (``opening`` of the spectral matrix,
+        ``opening_from_gram`` of the unit Gram, or a caller's own from the tokens): with ``accel.graphs()`` on and its
+        ``[B, n, n]`` matrices of at most ``graphed.MAX_ELEMENTS`` (``size``) elements (``graphed.fits``), all of it
+        replays as one CUDA graph, and the state's matrices are then the graph's own buffers (borrowed), valid until
+        its next replay: ``split`` copies the rows it continues before that."""
+        device_tensor = next(a for a in args if a is not None)
+        packed, rho, v, v_prev = (graphed.replay(fn, args, steps, fresh=(0,))
+                                  if steps > 0 and graphed.fits(device_tensor, size) else fn(*args, steps))
         return cls(rho, v, v_prev, packed[:, -1], (packed,))
 
     def run(self, steps: int, borrow: bool = False) -> "Lanczos":
@@ -235,29 +237,38 @@ def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch
     return finite & (top == bottom), top
 
 
-def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
-          steps: tuple[int, ...] = STEPS, gram: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[torch.Tensor], torch.Tensor],
+          steps: tuple[int, ...] = STEPS, gram: bool = False,
+          opening_with: tuple[Callable, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
 
     ``matrix``: the spectral matrix (``entropy.spectral_matrix``), or with ``gram`` the tokens' unit Gram, whose
     centered form (``entropy.centered_gram``) is the spectral matrix when N <= d: it is then centered inside the first
     stage (one CUDA graph with it, ``Lanczos.open``) and, for the images the bounds leave undecided, again as the exact
-    path centers it (the whole batch, then their rows).
+    path centers it (the whole batch, then their rows). ``opening_with``: ``(fn, args)``, the first stage computed as
+    ``fn(*args, k)`` (the outputs of ``opening``) instead of from ``matrix``, e.g. from the tokens with their Gram
+    formed inside the same graph; ``matrix`` may then be a function that makes it, called only if the exact eigensolve
+    runs.
 
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32)`` on the CPU: the
     entropy is exact where the eigensolve ran, else its bracket's midpoint (within half the bracket's width).
     """
-    B, n, _ = matrix.shape
+    if opening_with is None:
+        opening_with = (opening_from_gram if gram else opening, (matrix,))
+    state = Lanczos.open(*opening_with, steps[0], _size(opening_with[1]))
+    B, n, _ = state.rho.shape
+    device = state.rho.device
     t_sal = np.zeros(B, dtype=np.int64)
     entropy = np.zeros(B)
     todo = np.arange(B)
     report = SplitReport()
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
-    state, done_steps = None, 0
-    for stage_steps in steps:
+    done_steps = 0
+    for stage, stage_steps in enumerate(steps):
         k = stage_steps - done_steps
-        state = Lanczos.open(matrix, k, gram=gram) if state is None else state.run(k, borrow=True)
+        if stage:
+            state = state.run(k, borrow=True)
         done_steps = stage_steps
         coeffs = to_host(state.history[-1])  # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide)
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
@@ -271,15 +282,23 @@ def split(matrix: torch.Tensor, count: Callable[[torch.Tensor], torch.Tensor],
         if not len(todo):
             break
         # a copy of the rows that go on (the borrowed buffers are the graph's until its next replay)
-        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(matrix.device, non_blocking=True))
+        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(device, non_blocking=True))
     if len(todo):
-        rows = torch.from_numpy(todo).to(matrix.device, non_blocking=True)  # no wait: the copy is staged at once
-        exact = to_host(entropy_of_matrix((centered_gram(matrix) if gram else matrix)[rows]).double())
+        rows = torch.from_numpy(todo).to(device, non_blocking=True)  # no wait: the copy is staged at once
+        spectral = matrix() if callable(matrix) else matrix
+        exact = to_host(entropy_of_matrix((centered_gram(spectral) if gram else spectral)[rows]).double())
         t_sal[todo] = count(torch.from_numpy(exact)).numpy()
         entropy[todo] = exact
         report.exact = len(todo)
     LAST_REPORT[:] = [report]
     return torch.from_numpy(t_sal), torch.from_numpy(entropy).float()
+
+
+def _size(args: tuple[torch.Tensor | None, ...]) -> int:
+    """Elements of the ``[B, n, n]`` matrices of a first stage from ``args`` (a matrix ``[B, n, n]``, or tokens
+    ``[B, N, d]`` whose Gram is ``[B, N, N]``)."""
+    first = next(a for a in args if a is not None)
+    return first.shape[0] * first.shape[1] ** 2
 
 
 def applies(matrix_size: int, device_tensor: torch.Tensor) -> bool:

@@ -1,14 +1,17 @@
-"""A stage of device work with a fixed shape, captured once as a CUDA graph and replayed: one launch instead of many.
+"""Device work of a fixed shape, captured once as a CUDA graph and replayed: one launch instead of many.
 
-The certified split (``certified``) runs its first stage (the density, the start and 12 Lanczos steps) and each later
-stage (8 to 16 more steps) as a fixed sequence of small launches, six a step; at batch 1 the host spends ~25-35 us per
-launch on them while the device needs a few (H100, 2026-11-26: PromPrune's split 4.0 ms at LLaVA-1.5's shape for
-~1 ms of device work). A graph replays the same kernels on the same buffers with one launch.
+PromPrune's selection on the CUDA fast path is a fixed sequence of small launches around one host read: the certified
+split's first stage (the tokens' unit Gram, its centering, the density, the start and 12 Lanczos steps), each later
+stage (8 to 16 more steps, six launches a step), and after the split the two stages that pick the tokens (the cosine
+kernel, the saliency order, the DPP). At batch 1 the host spends ~25-35 us per launch on them while the device needs a
+few (H100, 2026-11-26: PromPrune's split 4.0 ms at LLaVA-1.5's shape for ~1 ms of device work). A graph replays the
+same kernels on the same buffers with one launch.
 
-``replay(fn, args, steps)`` runs ``fn(*args, steps)`` (tensors or None in, tensors out, no host read) eagerly the first
-time a shape comes and captures it the second time (``SIGHTINGS``: a shape that comes once never pays for a capture):
-static copies of ``args`` are allocated, ``fn`` runs once on a side stream (warm-up: cuBLAS picks its kernels and
-workspace), then once under capture (``thread_local``: other threads' CUDA work goes on). The first replay is checked
+``replay(fn, args, static)`` runs ``fn(*args, static)`` (tensors or None in, tensors out, no host read; ``static``: a
+hashable the work's shape depends on, e.g. a step count or a budget and options) eagerly the first time a shape comes
+and captures it the second time (``SIGHTINGS``: a shape that comes once never pays for a capture): static copies of
+``args`` are allocated, ``fn`` runs once on a side stream (warm-up: cuBLAS picks its kernels and workspace, Triton
+compiles), then once under capture (``thread_local``: other threads' CUDA work goes on). The first replay is checked
 against the warm-up (the same call, eager, on the same inputs). Each later call copies ``args`` into those buffers,
 replays, and returns clones of the outputs (the next replay overwrites them), or, for the outputs not in ``fresh``,
 the buffers themselves (borrowed: the caller copies what it keeps before the next replay). The device runs exactly the
@@ -18,22 +21,23 @@ capture that fails, or whose first replay differs from its warm-up, is said once
 used for the rest of the process. The captures are the process's: one thread replays at a time (a Ray actor's
 default), as two threads replaying one graph would share its buffers.
 
-Only where it pays and fits: ``usable`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
-most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` state. Each capture holds about six such float64 states (its inputs,
-outputs and the graph's pool), so the captures kept hold at most ``KEEP * 6 * MAX_ELEMENTS * 8`` bytes of GPU memory
-(1.5 GiB); at batch 1 at LLaVA-1.5's shape, one capture per stage: ~64 MiB in all. ``clear()`` gives it back.
+Only where it pays and fits: ``fits`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
+most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` matrix of the work. Each capture holds about six such float64 states
+(its inputs, outputs and the graph's pool), so the captures kept hold at most ``KEEP * 6 * MAX_ELEMENTS * 8`` bytes of
+GPU memory (1.5 GiB); at batch 1 at LLaVA-1.5's shape, one capture per stage: ~64 MiB in all. ``clear()`` gives it
+back.
 """
 from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
 from . import accel
 
-KEEP = 8  # captures kept per process (keys: function, shapes, dtype, device, steps)
+KEEP = 8  # captures kept per process (keys: function, shapes, dtype, device, static)
 # A shape is captured when it comes for the SIGHTINGS-th time (the calls before run eagerly): a capture costs about two
 # eager calls, so shapes that come once (Qwen2.5-VL's native resolutions: a token count per image size) never pay it.
 SIGHTINGS = 2
@@ -54,18 +58,18 @@ class _Capture:
     """One captured call: its static inputs, its graph, its outputs (in the graph's memory pool), and until its first
     replay is checked, the outputs of its warm-up (``eager``: the same call run eagerly on the same inputs)."""
 
-    def __init__(self, fn: Callable, args: tuple[torch.Tensor, ...], steps: int):
-        device = args[0].device
+    def __init__(self, fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable):
+        device = next(a for a in args if a is not None).device
         self.inputs = tuple(None if a is None else a.detach().clone() for a in args)  # real values: a sane warm-up
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self.eager = fn(*self.inputs, steps)  # warm-up outside the capture (kernel selection, cuBLAS workspace)
+            self.eager = fn(*self.inputs, static)  # warm-up outside the capture (kernel selection, cuBLAS workspace)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA work of the process's other threads goes on (and is not captured) meanwhile
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = fn(*self.inputs, steps)
+            self.outputs = fn(*self.inputs, static)
 
     def __call__(self, args: tuple[torch.Tensor | None, ...],
                  fresh: tuple[int, ...] | None) -> tuple[torch.Tensor, ...]:
@@ -80,35 +84,46 @@ class _Capture:
         return self.outputs
 
 
-def _key(fn: Callable, args: tuple[torch.Tensor | None, ...], steps: int) -> tuple:
-    return (fn.__module__, fn.__qualname__, steps,
+def _key(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable) -> tuple:
+    return (fn.__module__, fn.__qualname__, static,
             *(None if a is None else (tuple(a.shape), a.dtype, str(a.device)) for a in args))
 
 
+def fits(device_tensor: torch.Tensor, elements: int) -> bool:
+    """Whether work on ``device_tensor``'s device whose largest ``[B, n, n]`` matrix has ``elements`` elements replays
+    as a graph: the switch on, the CUDA fast path, at most ``MAX_ELEMENTS``, and no earlier capture failure in this
+    process."""
+    return accel.graphs_on() and accel.active(device_tensor) and elements <= MAX_ELEMENTS and not _FAILED
+
+
 def usable(state: torch.Tensor, steps: int) -> bool:
-    """Whether ``steps`` steps on ``state`` replay as a graph: the switch on, the CUDA fast path, a state of at most
-    ``MAX_ELEMENTS`` elements, and no earlier capture failure in this process."""
-    return (accel.graphs_on() and accel.active(state) and steps > 0 and state.numel() <= MAX_ELEMENTS
-            and not _FAILED)
+    """Whether ``steps`` Lanczos steps on ``state [B, n, n]`` replay as a graph (``fits``, and a step to run)."""
+    return steps > 0 and fits(state, state.numel())
 
 
 def _agree(replayed: tuple[torch.Tensor, ...], eager: tuple[torch.Tensor, ...]) -> bool:
-    """Whether a capture's first replay gave its warm-up's outputs (NaN where they had NaN: a breakdown's rows)."""
-    return len(replayed) == len(eager) and all(
-        r.shape == e.shape and torch.allclose(r, e, rtol=AGREE_RTOL, atol=0.0, equal_nan=True)
-        for r, e in zip(replayed, eager))
+    """Whether a capture's first replay gave its warm-up's outputs: floats to ``AGREE_RTOL`` (NaN where they had NaN:
+    a breakdown's rows), indices and masks exactly."""
+    def same(r: torch.Tensor, e: torch.Tensor) -> bool:
+        if r.shape != e.shape or r.dtype != e.dtype:
+            return False
+        if r.is_floating_point():
+            return torch.allclose(r, e, rtol=AGREE_RTOL, atol=0.0, equal_nan=True)
+        return torch.equal(r, e)
+
+    return len(replayed) == len(eager) and all(same(r, e) for r, e in zip(replayed, eager))
 
 
-def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], steps: int,
+def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable,
            fresh: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
-    """``fn(*args, steps)`` through its captured graph; the eager call for a shape's first ``SIGHTINGS - 1`` calls
+    """``fn(*args, static)`` through its captured graph; the eager call for a shape's first ``SIGHTINGS - 1`` calls
     and for the rest of the process once a capture has failed or its first replay disagreed with its warm-up (said
     once). ``args``: tensors, or None where ``fn`` takes none (part of the capture's key). ``fresh``: the outputs
     returned as copies (default: all); the others are the graph's own buffers, which its next replay overwrites: a
     caller that borrows them copies what it keeps before then (one launch saved per output)."""
     if _FAILED:
-        return fn(*args, steps)
-    key = _key(fn, args, steps)
+        return fn(*args, static)
+    key = _key(fn, args, static)
     capture = _CAPTURES.get(key)
     if capture is None:
         seen = _SEEN.pop(key, 0) + 1
@@ -116,18 +131,18 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], steps: int,
             _SEEN[key] = seen
             while len(_SEEN) > SEEN_KEEP:
                 _SEEN.popitem(last=False)
-            return fn(*args, steps)
+            return fn(*args, static)
         try:
-            capture = _Capture(fn, args, steps)
+            capture = _Capture(fn, args, static)
             first = capture(args, None)  # copies of every output: the caller may keep them all
             if not _agree(first, capture.eager):
                 raise RuntimeError("its first replay differs from the same call run eagerly")
         except Exception as exc:  # noqa: BLE001 - any capture failure: the eager call gives the same values
             _FAILED.append(f"{type(exc).__name__}: {exc}")
-            warnings.warn(f"CUDA graph capture of {fn.__qualname__} failed ({_FAILED[-1]}); the certified split runs "
-                          "its steps eagerly for the rest of this process (the same values, more host time).",
-                          RuntimeWarning, stacklevel=2)
-            return fn(*args, steps)
+            warnings.warn(f"CUDA graph capture of {fn.__qualname__} failed ({_FAILED[-1]}); PromPrune's selection "
+                          "runs its device work eagerly for the rest of this process (the same values, more host "
+                          "time).", RuntimeWarning, stacklevel=2)
+            return fn(*args, static)
         capture.eager = None
         _CAPTURES[key] = capture
         while len(_CAPTURES) > KEEP:

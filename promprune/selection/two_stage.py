@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from . import accel, certified
+from . import accel, certified, graphed
 from .budget import fixed_count, fixed_split, split_budget
 from .diversity import dpp_greedy, facility_location, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
@@ -89,10 +89,38 @@ def two_stage(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversity: 
 
 def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor]:
     """``certified.split`` of the tokens' spectral matrix: for N <= d that is their centered unit Gram, so the split
-    gets the shared Gram and centers it inside its first stage (one CUDA graph with the Lanczos steps)."""
+    gets the shared Gram and centers it inside its first stage (one CUDA graph with the Lanczos steps); where that
+    stage replays as a graph (``graphed.fits``), the graph forms the Gram itself from the tokens (``_opening``)."""
     if tokens.n <= tokens.dim:
+        if graphed.fits(tokens.x, tokens.batch * tokens.n ** 2):
+            return certified.split(lambda: tokens.unit_gram, count, gram=True,
+                                   opening_with=(_opening, (tokens.x, _half_source(tokens))))
         return certified.split(tokens.unit_gram, count, gram=True)
     return certified.split(tokens.spectral_matrix, count)
+
+
+def _half_source(tokens: TokenSet) -> torch.Tensor | None:
+    """The features as given where ``TokenSet.unit_gram`` reads them (fp16 / bf16), else None (it reads ``x``)."""
+    source = tokens.source
+    return source if source is not None and source.dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _opening(x: torch.Tensor, source: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, ...]:
+    """The certified split's first stage from the tokens ``x [B, N, d]`` (N <= d; ``source``: their fp16 / bf16 form
+    or None): their unit Gram as ``TokenSet.unit_gram`` forms it, then ``certified.opening_from_gram``. One graph."""
+    return certified.opening_from_gram(TokenSet(x, None, source=source).unit_gram, steps)
+
+
+def _picking(x: torch.Tensor, source: torch.Tensor | None, saliency: torch.Tensor, t_sal: torch.Tensor,
+             static: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """PromPrune's two stages after its split, from the tokens, their saliency and the per-image ``t_sal [B]`` on the
+    device: ``(indices [B, T], salient [B, T])`` as ``two_stage`` gives them. The stages are as wide as the budget
+    (the picks past each image's count are never read), so one graph serves every split of a shape.
+    ``static``: ``(budget, diversity, conditional)``."""
+    budget, diversity, conditional = static
+    sel = two_stage(TokenSet(x, saliency, source=source), budget, t_sal, diversity=diversity, conditional=conditional,
+                    method="promprune")
+    return sel.indices, sel.salient
 
 
 def prominence(tokens: TokenSet, metric: str) -> torch.Tensor:
@@ -121,10 +149,14 @@ def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: s
 
     if metric == "spectral" and certified.applies(min(tokens.n, tokens.dim), tokens.x):
         t_sal, entropy = certified_split(tokens, count)  # host values, the exact algorithm's counts
-        return two_stage(tokens, budget, t_sal.to(tokens.x.device, non_blocking=True), diversity=diversity,
-                         conditional=conditional, method="promprune",
-                         entropy=entropy.to(tokens.x.device, non_blocking=True),
-                         host_counts=t_sal)
+        on_device = t_sal.to(tokens.x.device, non_blocking=True)
+        entropy = entropy.to(tokens.x.device, non_blocking=True)
+        if graphed.fits(tokens.x, tokens.batch * tokens.n ** 2):  # both stages in one graph per shape and options
+            indices, salient = graphed.replay(_picking, (tokens.x, _half_source(tokens), tokens.saliency, on_device),
+                                              (budget, diversity, conditional))
+            return Selection(indices, on_device, entropy, None, salient)
+        return two_stage(tokens, budget, on_device, diversity=diversity, conditional=conditional, method="promprune",
+                         entropy=entropy, host_counts=t_sal)
     entropy = prominence(tokens, metric)
     return two_stage(tokens, budget, count(entropy).to(tokens.x.device), diversity=diversity, conditional=conditional,
                      method="promprune", entropy=entropy.float())

@@ -91,6 +91,29 @@ def test_with_graphs_the_first_stage_costs_three_launches(views):
     assert costs.flops > 2 * certified.STEPS[0] * 5 * 96 ** 3  # the graph's products still count as device work
 
 
+def test_with_graphs_promprune_is_two_graphs_around_one_read(views):
+    """PromPrune's whole ``select`` on the fast path with graphs, for images its first stage decides: the input guard
+    (one sum per input and their total, one read), the first stage's graph (the tokens' copy in, the coefficients'
+    copy out), one read of them, the picking stages' graph (the tokens' and saliency's copies in, the indices' and
+    salient flags' copies out; the counts come from the host, a transfer ``count`` does not see, on a GPU two copies
+    more, as eagerly), and the ascending sort (a sort and a gather): 14 launches, where the same call eagerly launches
+    every kernel of the Gram, the cosine, the saliency order and the DPP's set-up. Same picks."""
+    x, s = views
+    with fast_path_on_cpu():
+        want = promprune.select(x, s, budget=16, method="promprune", mu=0.95)
+        eager = count(promprune.select, x, s, budget=16, method="promprune", mu=0.95)
+    with fast_path_on_cpu(graphs=True):
+        got = promprune.select(x, s, budget=16, method="promprune", mu=0.95)
+        graphs = count(promprune.select, x, s, budget=16, method="promprune", mu=0.95)
+    assert certified.LAST_REPORT[0].decided == [5]
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
+    assert torch.equal(got.saliency_count, want.saliency_count) and torch.equal(got.entropy, want.entropy)
+    assert (graphs.launches, graphs.syncs) == (14, 2), graphs.ops
+    assert (graphs.ops["cuda_graph"], graphs.ops["copy"], graphs.ops["clone"]) == (2, 3, 3), graphs.ops
+    assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
+    assert eager.launches > 3 * graphs.launches and eager.syncs == graphs.syncs
+
+
 def test_graph_bodies_never_read_the_device_through_every_stage(views):
     """Images placed at t_sal's count boundaries run every stage (and some the eigensolve): no stage's graph body
     reads a device value (that would break a real capture), one graph per stage, and the picks are the eager
@@ -109,5 +132,5 @@ def test_graph_bodies_never_read_the_device_through_every_stage(views):
     assert stages >= 2, certified.LAST_REPORT
     assert torch.equal(got.indices, want.indices)
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
-    assert graphs.ops["cuda_graph"] == stages and graphs.syncs == eager.syncs
+    assert graphs.ops["cuda_graph"] == stages + 1 and graphs.syncs == eager.syncs  # and the picking stages' graph
     assert graphs.launches < eager.launches - 5 * certified.STEPS[0]
