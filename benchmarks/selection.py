@@ -250,7 +250,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
         near_mu[shape] = time_near_mu(x, s, T, args.repeats)
         if cuda:
             stages[shape] = time_stages(x, s, T, args.repeats)
-            with accel.graphs(True):  # the split's stages as CUDA graphs (off by default until measured)
+            with accel.graphs(True):  # PromPrune as CUDA graphs (off by default until measured)
                 promprune.select(x, s, budget=T, method="promprune")  # a shape's first call runs eagerly (SIGHTINGS)
                 graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)  # its warm-up captures
             with accel.disabled():
@@ -338,8 +338,8 @@ def print_costs(shapes) -> None:
                 c = count(promprune.select, x, s, budget=T, method=m, instruction=text)
             cells += f"{c.launches:>10d} {c.syncs:>5d} {c.flops / 1e9:>6.2f} {project_ms(c):>6.2f}"
         print(f"{m + (', graphs' if graphs else ''):<16}{cells}")
-    print("(promprune, graphs: the split's stages replayed as CUDA graphs, PROMPRUNE_GRAPHS=1; each replay counted as "
-          "its input copies, one launch and its output clones)")
+    print("(promprune, graphs: the split's and the picking stages replayed as CUDA graphs, PROMPRUNE_GRAPHS=1; each "
+          "replay counted as its input copies, one launch and its output clones)")
 
 
 def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:

@@ -11,9 +11,11 @@ plain torch path on CUDA too (the benchmark times both).
 ``auto`` (default: certified bounds on the CUDA fast path, the exact eigensolve elsewhere), ``certified`` (bounds on
 every device; the tests use it on the CPU) or ``exact`` (the eigensolve everywhere, e.g. to record exact entropies).
 
-``PROMPRUNE_GRAPHS=1`` (or ``with accel.graphs():``) replays each Lanczos stage of that split as one CUDA graph
-(``graphed``): at batch 1 the split is bound by the host's launches (H100, 2026-11-26: ~4 ms of host time for ~1 ms of
-device work). Off by default until a GPU run has timed it and checked it against the eager steps.
+``PROMPRUNE_GRAPHS=1`` (or ``with accel.graphs():``) runs PromPrune's selection on that path as CUDA graphs
+(``graphed``): the split's first stage from the tokens, each later stage, and the two picking stages after the split,
+one graph each: at batch 1 the selection is bound by the host's launches (H100, 2026-11-26: ~4 ms of host time for
+~1 ms of device work in the split alone). Off by default until a GPU run has timed it and checked it against the eager
+call.
 """
 from __future__ import annotations
 
@@ -96,14 +98,15 @@ def broken_kernels() -> dict[str, str]:
 
 
 def graphs_on() -> bool:
-    """Whether the certified split's Lanczos stages replay as CUDA graphs (``graphed``): off unless
-    ``PROMPRUNE_GRAPHS=1`` or ``with accel.graphs(True):``, until a GPU run has timed and checked them."""
+    """Whether PromPrune's selection on the fast path (its split's stages, its picking stages) replays as CUDA graphs
+    (``graphed``): off unless ``PROMPRUNE_GRAPHS=1`` or ``with accel.graphs(True):``, until a GPU run has timed and
+    checked them."""
     return _STATE["graphs"]
 
 
 @contextmanager
 def graphs(on: bool = True):
-    """Replay (or not) the certified split's Lanczos stages as CUDA graphs inside the block."""
+    """Replay (or not) PromPrune's selection as CUDA graphs inside the block (``graphs_on``)."""
     before = _STATE["graphs"]
     _STATE["graphs"] = bool(on)
     try:

@@ -22,10 +22,11 @@ used for the rest of the process. The captures are the process's: one thread rep
 default), as two threads replaying one graph would share its buffers.
 
 Only where it pays and fits: ``fits`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
-most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` matrix of the work. Each capture holds about six such float64 states
-(its inputs, outputs and the graph's pool), so the captures kept hold at most ``KEEP * 6 * MAX_ELEMENTS * 8`` bytes of
-GPU memory (1.5 GiB); at batch 1 at LLaVA-1.5's shape, one capture per stage: ~64 MiB in all. ``clear()`` gives it
-back.
+most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` matrix of the work. A Lanczos stage's capture holds about six such
+float64 states (its inputs, outputs and the graph's pool); the first stage and the picking stages also hold a copy of
+the tokens (float32, and their fp16 form where given). Estimated from those sizes, not measured: at LLaVA-1.5's shape
+(batch 1, d = 4096) the first stage's and the picking stages' captures hold ~50 MiB, ~100 MiB with all three later
+stages; five times that at LLaVA-NeXT's five views. ``clear()`` gives it back.
 """
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ import torch
 
 from . import accel
 
-KEEP = 8  # captures kept per process (keys: function, shapes, dtype, device, static)
+# Captures kept per process (keys: function, shapes, dtype, device, static). A shape of PromPrune's takes up to five:
+# the first stage, three later stages (images near a count boundary) and the picking stages (one per budget).
+KEEP = 16
 # A shape is captured when it comes for the SIGHTINGS-th time (the calls before run eagerly): a capture costs about two
 # eager calls, so shapes that come once (Qwen2.5-VL's native resolutions: a token count per image size) never pay it.
 SIGHTINGS = 2

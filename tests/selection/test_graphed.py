@@ -4,6 +4,7 @@ On a GPU: the replayed steps equal the eager ones bit for bit, a shape is captur
 and PromPrune's picks do not move. Here (CPU): when a capture cannot be made (no CUDA), the eager steps answer, with one
 warning, and a CPU tensor never asks for a graph.
 """
+import math
 import warnings
 
 import pytest
@@ -145,9 +146,16 @@ def test_cuda_captures_follow_their_inputs_and_stay_bounded():
         assert all(torch.equal(g, w) for g, w in zip(got, certified.lanczos_steps(*other, 4)))
 
 
+def _same_selection(got, want) -> bool:
+    return (torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
+            and torch.equal(got.saliency_count, want.saliency_count) and torch.equal(got.entropy, want.entropy))
+
+
 @needs_cuda
 @pytest.mark.parametrize("shape", [(1, 576, 1024), (5, 576, 1024), (1, 1296, 1280)])
 def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape):
+    """With graphs the whole selection is two graphs (the split's first stage from the tokens, the picking stages as
+    wide as the budget): the same indices, salient flags, counts and entropies as the eager call."""
     B, N, d = shape
     g = torch.Generator().manual_seed(N)
     x = torch.randn(B, N, d, generator=g).cuda().half()
@@ -157,16 +165,38 @@ def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape):
     with accel.graphs(True):
         for _ in range(graphed.SIGHTINGS + 1):  # eager, the capture and its first replay, a replay
             got = promprune.select(x, s, budget=budget, method="promprune")
-            assert torch.equal(got.indices, want.indices)
-    assert graphed._CAPTURES
+            assert _same_selection(got, want)
+    assert graphed._CAPTURES and not graphed._FAILED
+
+
+@needs_cuda
+@pytest.mark.parametrize("options", [{}, {"diversity": "fps"}, {"diversity": "facility_location"},
+                                     {"conditional": True}], ids=["dpp", "fps", "fl", "conditional"])
+def test_cuda_one_picking_graph_serves_every_split_of_a_shape(options):
+    """The picking graph takes the counts as an input: images whose splits differ (mu swept across their entropies,
+    some on a count boundary, so the later stages and the eigensolve run too) replay the same capture and keep the
+    eager call's tokens, in fp32 and fp16, for every coverage selector."""
+    from promprune.selection.registry import TokenSet
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 300, 512, generator=g).cuda()
+    s = torch.rand(2, 300, generator=g).cuda()
+    h0 = float(TokenSet(x, None).spectral_entropy[0])
+    for dtype in (torch.float32, torch.float16):
+        for mu in (h0 - 0.1, h0 - 0.02 * math.log(0.46875 / 0.53125), h0, h0 + 0.1):
+            want = promprune.select(x.to(dtype), s, budget=16, method="promprune", mu=mu, **options)
+            with accel.graphs(True):
+                for _ in range(graphed.SIGHTINGS + 1):
+                    got = promprune.select(x.to(dtype), s, budget=16, method="promprune", mu=mu, **options)
+                    assert _same_selection(got, want), (dtype, mu)
+    picking = [key for key in graphed._CAPTURES if key[1] == "_picking"]
+    assert len(picking) == 2 and not graphed._FAILED  # one per dtype: the splits did not make new captures
 
 
 @needs_cuda
 def test_cuda_split_with_graphs_equals_the_eager_split_through_every_stage():
     """An image on a count boundary runs every stage and the eigensolve: the graphed split (the first stage centered
     inside its graph, the later stages' state borrowed until copied) decides as the eager one, value for value."""
-    import math
-
     from promprune.selection.budget import split_budget
     from promprune.selection.registry import TokenSet
 

@@ -164,6 +164,62 @@ def select_case(method: str, kind: str, seed: int, **options) -> Case:
     return run
 
 
+class _Graphs:
+    """PromPrune's selection as CUDA graphs (``accel.graphs``), the captures fresh; on the CPU the cost model's capture
+    stub stands for each capture (it replays the captured function eagerly)."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self):
+        from promprune.selection import graphed
+
+        self.graphs = accel.graphs(True)
+        self.graphs.__enter__()
+        graphed.clear()
+        if self.device == "cpu":
+            from benchmarks.launches import CaptureStub
+
+            self.real, graphed._Capture = graphed._Capture, CaptureStub
+
+    def __exit__(self, *exc):
+        from promprune.selection import graphed
+
+        if self.device == "cpu":
+            graphed._Capture = self.real
+        graphed.clear()
+        self.graphs.__exit__(*exc)
+
+
+def graphed_select_case(kind: str, seed: int, on_boundary: bool = False, **options) -> Case:
+    """PromPrune's whole ``select`` with its split (certified bounds, from the tokens' Gram in the first stage's graph)
+    and its picking stages (as wide as the budget, the counts from the device) replayed as graphs, called until the
+    shape's captures have replayed, against the CPU path. mu is the first image's entropy (about half its budget
+    salient, half from the coverage stage); ``on_boundary``: mu puts that image on the count boundary between 6 and 7
+    salient tokens, so the split runs every stage and the eigensolve."""
+    import math
+
+    import promprune
+    from promprune.selection import graphed
+
+    def run(device):
+        x = _tokens(kind, 2, 48, 64, seed)
+        s = _saliency(2, 48, seed, ties=False)
+        kw = {"budget": 12, "method": "promprune", "order": "selection", **options}
+        with accel.entropy("certified"):
+            r = 6.5 / 12
+            shift = 0.02 * math.log((1 - r) / r) if on_boundary else 0.0
+            kw["mu"] = float(TokenSet(x, None).spectral_entropy[0]) - shift
+            want = promprune.select(x, s, **kw)
+            with _fast(device), _Graphs(device):
+                for _ in range(graphed.SIGHTINGS + 1):  # eager, the captures and their first replays, replays
+                    got = promprune.select(x.to(device), s.to(device), **kw)
+                assert any(key[1] == "_picking" for key in graphed._CAPTURES) and not graphed._FAILED
+        assert 0 < int(want.saliency_count[0]) < 12, want.saliency_count  # both stages pick for the first image
+        return got.indices.cpu(), want.indices
+    return run
+
+
 def cases() -> dict[str, Case]:
     out: dict[str, Case] = {}
     shapes = [("random", 3, 37, 48), ("random", 2, 64, 16), ("lowrank", 3, 40, 24), ("duplicates", 3, 30, 16),
@@ -192,6 +248,11 @@ def cases() -> dict[str, Case]:
         out[f"select-coverage-only/{kind}"] = select_case("coverage_only", kind, 9)
         out[f"select-divprune/{kind}"] = select_case("divprune", kind, 10)
         out[f"select-vispruner/{kind}"] = select_case("vispruner", kind, 11)
+    for selector in ("dpp", "fps", "facility_location"):
+        out[f"graphs-promprune-{selector}/random"] = graphed_select_case("random", 12, diversity=selector)
+    out["graphs-promprune-conditional/random"] = graphed_select_case("random", 12, conditional=True)
+    out["graphs-promprune/random-on-boundary"] = graphed_select_case("random", 13, on_boundary=True)
+    out["graphs-promprune/lowrank-on-boundary"] = graphed_select_case("lowrank", 14, on_boundary=True)
     return out
 
 
