@@ -26,6 +26,8 @@ GPU) counts as a sync, listed as ``implicit:<op>``.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 import traceback
 import weakref
 from collections import Counter
@@ -195,18 +197,30 @@ class CaptureStub(graphed._Capture):
         return outputs
 
 
+class KeptReplay(CaptureStub):
+    """A capture stand-in whose replays give its warm-up's outputs without running the body: with it, a call's wall time
+    on the CPU is the host's work around its graphs (``host_ms``)."""
+
+    def __init__(self, fn, args, static):
+        super().__init__(fn, args, static)
+        self.kept = self.eager  # graphed.replay drops ``eager`` once the first replay is checked
+
+    def _replay(self):
+        return self.kept
+
+
 @contextmanager
-def fast_path_on_cpu(graphs: bool = False):
+def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     """The selection's CUDA fast path taken by CPU tensors, its Triton kernels stubbed (launch counted, picks
-    filled); with ``graphs`` the certified split's stages replay as CUDA graphs would (``accel.graphs``, each
-    capture stood for by ``CaptureStub``)."""
+    filled); with ``graphs`` PromPrune's stages replay as CUDA graphs would (``accel.graphs``, each capture stood for
+    by ``CaptureStub``, or with ``bodies=False`` by ``KeptReplay``: replays skip their bodies)."""
     saved = (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
-    graphed._Capture = CaptureStub
+    graphed._Capture = CaptureStub if bodies else KeptReplay
     graphed.SIGHTINGS = 1  # each shape captured at its first call (count's warm-up): the counted calls are replays
     accel.active = lambda t: True
     accel.has_triton = lambda: True
@@ -225,6 +239,21 @@ def fast_path_on_cpu(graphs: bool = False):
         graphed._SEEN.clear()
         graphed._SEEN.update(saved[9])
         graphed.SIGHTINGS = saved[10]
+
+
+def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:
+    """Median wall ms of ``fn(*args, **kwargs)`` on the CPU on the fast path (kernels stubbed; with ``graphs``, every
+    graph's replay skips its body), after one warm-up call: at a small stand-in size, where each eager op costs the
+    CPU about what dispatching it costs, this is the host's share of a GPU call (Python, NumPy, torch's dispatch),
+    which the launch count prices only on average. A measurement on this machine's CPU, not a GPU time."""
+    with fast_path_on_cpu(graphs=graphs, bodies=False):
+        fn(*args, **kwargs)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn(*args, **kwargs)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def count(fn, *args, warmup: bool = True, **kwargs) -> Costs:

@@ -20,7 +20,9 @@ saliency stage (top-k order), coverage stage (the DPP). Targets (issue 53, H100,
 DivPrune.
 
 Every run also prints a cost model counted on the CPU (``benchmarks/launches.py``): each method's kernel launches,
-host syncs and matmul GFLOPs of one call on the fast path, and a GPU time projected from them; and the certified
+host syncs and matmul GFLOPs of one call on the fast path, and a GPU time projected from them; the host's share of a
+call measured on this CPU (``launches.host_ms``: kernels stubbed, graph bodies skipped, at stand-in sizes
+``HOST_SHAPES``), which the projection prices only on average; and the certified
 split's decisions (``--split-images`` images per shape whose entropy lies in the sigmoid's steep part, mu placed
 around it): the share decided by each stage's bounds and by the exact eigensolve, the brackets' widths, and whether
 every count equals the exact algorithm's.
@@ -340,6 +342,31 @@ def print_costs(shapes) -> None:
         print(f"{m + (', graphs' if graphs else ''):<16}{cells}")
     print("(promprune, graphs: the split's and the picking stages replayed as CUDA graphs, PROMPRUNE_GRAPHS=1; each "
           "replay counted as its input copies, one launch and its output clones)")
+    print_host(HOST_SHAPES if shapes is SHAPES else shapes)
+
+
+# print_host's stand-ins for the paper's shapes: the same layouts (views, budget share, N <= d) at a size where each
+# eager op costs the CPU about what dispatching it costs
+HOST_SHAPES = {"llava-1.5": (1, 96, 128, 16), "llava-next": (5, 96, 128, 16), "qwen2.5-vl": (1, 144, 192, 16)}
+
+
+def print_host(shapes, calls: int = 30) -> None:
+    """The host's work in one call on the fast path, measured on this CPU (``launches.host_ms``: kernels stubbed,
+    graph bodies skipped, stand-in sizes): what the launch count prices only on average."""
+    from benchmarks import launches
+
+    stand_ins = ", ".join(f"{sh} {B}x{N}x{d} T={T}" for sh, (B, N, d, T) in shapes.items())
+    print(f"\nHost time of one call on the fast path, this CPU ({torch.get_num_threads()} threads; median ms of "
+          f"{calls}; kernels stubbed, graph bodies not run; stand-ins {stand_ins})")
+    print(f"{'method':<18}" + "".join(f"{shape:>12}" for shape in shapes))
+    inputs = {sh: make_inputs(B, N, d, "cpu") + (T,) for sh, (B, N, d, T) in shapes.items()}
+    for m, graphs in [(m, False) for m in promprune.methods()] + [("promprune", True)]:
+        cells = []
+        for x, s, T in inputs.values():
+            text = instruction_for(x) if promprune.method_spec(m).needs_instruction else None
+            cells.append(launches.host_ms(promprune.select, x, s, graphs=graphs, calls=calls, budget=T, method=m,
+                                          instruction=text))
+        print(f"{m + (', graphs' if graphs else ''):<18}" + "".join(f"{ms:>12.2f}" for ms in cells))
 
 
 def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:

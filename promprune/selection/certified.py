@@ -185,17 +185,6 @@ def _f(x: np.ndarray) -> np.ndarray:
     return -x * np.log(np.where(x > 0, x, 1.0))
 
 
-def _tridiagonal(diag: np.ndarray, off: np.ndarray) -> np.ndarray:
-    """Symmetric tridiagonal ``[B, k, k]`` from ``diag [B, k]`` and ``off [B, k - 1]``."""
-    k = diag.shape[1]
-    out = np.zeros(diag.shape + (k,))
-    i = np.arange(k)
-    out[:, i, i] = diag
-    out[:, i[:-1], i[:-1] + 1] = off
-    out[:, i[:-1] + 1, i[:-1]] = off
-    return out
-
-
 def bounds(alpha: np.ndarray, beta: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Certified ``(lower, upper)`` normalized entropies ``[B]`` from ``k`` Lanczos steps (``alpha, beta [B, k]``).
 
@@ -205,21 +194,29 @@ def bounds(alpha: np.ndarray, beta: np.ndarray, n: int) -> tuple[np.ndarray, np.
     exact eigensolve.
     """
     B, k = alpha.shape
-    finite = np.isfinite(alpha).all(1) & np.isfinite(beta).all(1)  # NaN: a breakdown's 0 / 0
+    coeffs = np.concatenate([alpha, beta], 1)
+    finite = np.isfinite(coeffs).all(1)  # NaN: a breakdown's 0 / 0
     alpha, beta = np.where(finite[:, None], alpha, 1.0), np.where(finite[:, None], beta, 0.0)  # stand-ins, refused
-    theta, q = np.linalg.eigh(_tridiagonal(alpha, beta[:, :-1]))  # Ritz values [B, k], vectors [B, k, k]
+    # one tridiagonal [B, k + 1, k + 1]: its leading k x k block is J_k (Gauss), with its last diagonal entry set, the
+    # Gauss-Radau matrix
+    jacobi = np.zeros((B, k + 1, k + 1))
+    i = np.arange(k)
+    jacobi[:, i, i] = alpha
+    jacobi[:, i, i + 1] = beta
+    jacobi[:, i + 1, i] = beta
+    theta, q = np.linalg.eigh(jacobi[:, :k, :k])  # Ritz values [B, k], vectors [B, k, k]
     upper = (q[:, 0, :] ** 2 * _f(theta)).sum(1)
     with np.errstate(divide="ignore", invalid="ignore"):
         last = beta[:, -1] ** 2 * (q[:, -1, :] ** 2 / theta).sum(1)  # beta_k^2 [(J_k - 0 I)^{-1}]_kk
-        radau = _tridiagonal(np.concatenate([alpha, last[:, None]], 1), beta)
-        ok = finite & np.isfinite(radau).all(axis=(1, 2)) & (theta > 0).all(1)
-        radau[~ok] = 0.0
-        theta_r, q_r = np.linalg.eigh(radau)
+        ok = finite & np.isfinite(last) & (theta > 0).all(1)
+        jacobi[:, k, k] = np.where(ok, last, 0.0)
+        jacobi[~ok] = 0.0
+        theta_r, q_r = np.linalg.eigh(jacobi)
     lower = (q_r[:, 0, :] ** 2 * _f(theta_r)).sum(1)
     scale = n / math.log(n)
     lower, upper = lower * scale, upper * scale
     ok &= np.isfinite(lower) & np.isfinite(upper) & (lower <= upper + 1e-12)
-    ok &= (beta > BREAKDOWN * np.abs(np.concatenate([alpha, beta], 1)).max(1, keepdims=True)).all(1)
+    ok &= (beta > BREAKDOWN * np.abs(coeffs).max(1, keepdims=True)).all(1)
     return np.where(ok, lower, -np.inf), np.where(ok, upper, np.inf)
 
 

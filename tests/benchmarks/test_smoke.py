@@ -115,12 +115,17 @@ def test_selection():
     near = figure(out, r"promprune, mu~H .*split: llava-1.5 (.+?); llava-next (.+?); qwen2.5-vl (.+?)\)")
     assert near.groups() == ("exact entropy",) * 3
     # the cost model: launches, syncs, GFLOPs, projected ms for every method at each of the three shapes
-    costs = {line.split()[0]: line.split()[1:] for line in out.split("Cost model")[1].splitlines()
+    costs = {line.split()[0]: line.split()[1:] for line in out.split("Cost model")[1].split("Host time")[0].splitlines()
              if line.split() and line.split()[0] in promprune.methods()}
     assert set(costs) == set(promprune.methods()) and all(len(cells) == 12 for cells in costs.values())
     assert costs["divprune"][1] == "1"  # select's one finiteness read; the greedy kernel waits for nothing
     graphs = figure(out, r"promprune, graphs +(\d+) +(\d+) .*")  # the split's stages as CUDA graphs: fewer launches
     assert int(graphs[1]) < int(costs["promprune"][0]) and graphs[2] == costs["promprune"][1]
+    # the host's share of each call, measured on this CPU: every method and PromPrune with graphs, at each shape
+    host = {line.split(",")[0].split()[0] + (", graphs" if ", graphs" in line else ""): line.split()[-3:]
+            for line in out.split("Host time of one call")[1].split("\n\n")[0].splitlines()[2:]}
+    assert set(host) == set(promprune.methods()) | {"promprune, graphs"}, host
+    assert all(float(ms) > 0 for cells in host.values() for ms in cells)
     # the certified split decided every image or sent it to the eigensolve, and agreed with the exact counts
     equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
     assert equal.groups() == ("yes", "yes", "yes")

@@ -134,3 +134,23 @@ def test_graph_bodies_never_read_the_device_through_every_stage(views):
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
     assert graphs.ops["cuda_graph"] == stages + 1 and graphs.syncs == eager.syncs  # and the picking stages' graph
     assert graphs.launches < eager.launches - 5 * certified.STEPS[0]
+
+
+def test_host_time_leaves_out_what_the_graphs_run():
+    """``host_ms`` with graphs times the host's work around a replay, not the replayed body (here 30 ms of sleep,
+    which the eager call pays every time)."""
+    import time
+
+    from benchmarks.launches import host_ms
+    from promprune.selection import graphed
+
+    def body(x, static):
+        time.sleep(0.03)
+        return (x + 1,)
+
+    def call(x):
+        return graphed.replay(body, (x,), 0) if graphed.fits(x, 1) else body(x, 0)
+
+    x = torch.zeros(3)
+    assert host_ms(call, x, calls=3) >= 30
+    assert host_ms(call, x, graphs=True, calls=3) < 10
