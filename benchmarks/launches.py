@@ -266,10 +266,11 @@ def count(fn, *args, warmup: bool = True, **kwargs) -> Costs:
 
 def count_model(model: torch.nn.Module, fn, *args, warmup: bool = True, **kwargs) -> Costs:
     """:func:`count` of ``fn(*args, **kwargs)`` with ``model``'s parameters and buffers on the device and the copies
-    between host and device counted (the module docstring): for a model path that starts from host data."""
-    if warmup:
-        fn(*args, **kwargs)
+    between host and device counted (the module docstring): for a model path that starts from host data. The warm-up
+    call runs as the device (``cpu:0``) too, so what a process keys by device (a graph's capture) is made there."""
     resident = list(model.parameters()) + list(model.buffers())
+    if warmup:
+        _count(fn, args, kwargs, transfers=True, resident=resident)
     return _count(fn, args, kwargs, transfers=True, resident=resident)
 
 

@@ -40,9 +40,10 @@ def images(batch: int):
     return out
 
 
-def prepare_costs(vlm, batch_images, prompts) -> Costs:
-    """The counts of ``vlm.prepare(batch_images, prompts)`` (after a warm-up call), the processor on the host."""
-    with fast_path_on_cpu(), on_host(vlm, "processed"):
+def prepare_costs(vlm, batch_images, prompts, graphs: bool = False) -> Costs:
+    """The counts of ``vlm.prepare(batch_images, prompts)`` (after a warm-up call), the processor on the host; with
+    ``graphs`` PromPrune's selection replays as CUDA graphs (``fast_path_on_cpu(graphs=True)``)."""
+    with fast_path_on_cpu(graphs=graphs), on_host(vlm, "processed"):
         return count_model(vlm.model, vlm.prepare, batch_images, prompts)  # after one warm-up call
 
 
