@@ -110,11 +110,17 @@ class TokenSet:
     def norms(self) -> torch.Tensor:  # [B, N]
         return self.x.norm(dim=-1)
 
+    @property
+    def half_source(self) -> torch.Tensor | None:
+        """The features as given where they are fp16 / bf16 (on the fast path the Gram is formed from them), else
+        None."""
+        half = self.source is not None and self.source.dtype in (torch.float16, torch.bfloat16)
+        return self.source if half else None
+
     @cached_property
     def unit_gram(self) -> torch.Tensor:
         """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8), exactly symmetric."""
-        half = self.source is not None and self.source.dtype in (torch.float16, torch.bfloat16)
-        if half and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation and output
+        if self.half_source is not None and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation
             raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
             inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
             return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])

@@ -92,17 +92,16 @@ def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor
     gets the shared Gram and centers it inside its first stage (one CUDA graph with the Lanczos steps); where that
     stage replays as a graph (``graphed.fits``), the graph forms the Gram itself from the tokens (``_opening``)."""
     if tokens.n <= tokens.dim:
-        if graphed.fits(tokens.x, tokens.batch * tokens.n ** 2):
+        if _graphs_fit(tokens):
             return certified.split(lambda: tokens.unit_gram, count, gram=True,
-                                   opening_with=(_opening, (tokens.x, _half_source(tokens))))
+                                   opening_with=(_opening, (tokens.x, tokens.half_source)))
         return certified.split(tokens.unit_gram, count, gram=True)
     return certified.split(tokens.spectral_matrix, count)
 
 
-def _half_source(tokens: TokenSet) -> torch.Tensor | None:
-    """The features as given where ``TokenSet.unit_gram`` reads them (fp16 / bf16), else None (it reads ``x``)."""
-    source = tokens.source
-    return source if source is not None and source.dtype in (torch.float16, torch.bfloat16) else None
+def _graphs_fit(tokens: TokenSet) -> bool:
+    """Whether PromPrune's stages on these tokens replay as CUDA graphs (``graphed.fits``: their ``[B, N, N]`` Gram)."""
+    return graphed.fits(tokens.x, tokens.batch * tokens.n ** 2)
 
 
 def _opening(x: torch.Tensor, source: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, ...]:
@@ -151,8 +150,8 @@ def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: s
         t_sal, entropy = certified_split(tokens, count)  # host values, the exact algorithm's counts
         on_device = t_sal.to(tokens.x.device, non_blocking=True)
         entropy = entropy.to(tokens.x.device, non_blocking=True)
-        if graphed.fits(tokens.x, tokens.batch * tokens.n ** 2):  # both stages in one graph per shape and options
-            indices, salient = graphed.replay(_picking, (tokens.x, _half_source(tokens), tokens.saliency, on_device),
+        if _graphs_fit(tokens):  # both stages in one graph per shape and options
+            indices, salient = graphed.replay(_picking, (tokens.x, tokens.half_source, tokens.saliency, on_device),
                                               (budget, diversity, conditional))
             return Selection(indices, on_device, entropy, None, salient)
         return two_stage(tokens, budget, on_device, diversity=diversity, conditional=conditional, method="promprune",
