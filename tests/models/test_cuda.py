@@ -83,3 +83,26 @@ def test_cuda_half_precision_selection_stays_close_to_float32(arch, dtype, image
         assert len(g) == len(w)
         assert len(g & w) / len(w) >= 0.6, (sorted(g), sorted(w))
     assert all(0.0 <= g.entropy <= 1.0 for g in gens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_promprune_keeps_the_same_tokens_with_graphs(arch, dtype, images, prompts):
+    """PromPrune's selection as CUDA graphs inside the model path (``PROMPRUNE_GRAPHS=1``; the split's bounds forced,
+    as the tiny views are below the size "auto" takes them at): called until every shape's captures have replayed, the
+    kept tokens and the split's counts are the eager call's."""
+    from promprune.selection import accel, graphed
+
+    model, processor = on_cuda(arch, dtype)
+    with accel.entropy("certified"):
+        want, gens = kept_sets(model, processor, "promprune", images, prompts)
+        graphed.clear()
+        try:
+            with accel.graphs(True):
+                for _ in range(graphed.SIGHTINGS + 1):  # eager, the captures and their first replays, replays
+                    got, got_gens = kept_sets(model, processor, "promprune", images, prompts)
+                    assert got == want
+                    assert [g.saliency_count for g in got_gens] == [g.saliency_count for g in gens]
+            assert graphed._CAPTURES and not graphed._FAILED
+        finally:
+            graphed.clear()
