@@ -331,15 +331,13 @@ def print_costs(shapes) -> None:
           "TFLOP/s matmul)")
     print(f"{'method':<16}" + "".join(f"{shape:>30}" for shape in shapes))
     print(f"{'':<16}" + "".join(f"{'launches syncs GFLOP proj.ms':>30}" for _ in shapes))
-    inputs = {sh: make_inputs(B, N, d, "cpu") + (T,) for sh, (B, N, d, T) in shapes.items()}
-    for m, graphs in [(m, False) for m in promprune.methods()] + [("promprune", True)]:
+    for label, graphs, calls in _cost_rows(shapes):
         cells = ""
-        for x, s, T in inputs.values():
-            text = instruction_for(x) if promprune.method_spec(m).needs_instruction else None
+        for x, s, kwargs in calls:
             with fast_path_on_cpu(graphs=graphs):
-                c = count(promprune.select, x, s, budget=T, method=m, instruction=text)
+                c = count(promprune.select, x, s, **kwargs)
             cells += f"{c.launches:>10d} {c.syncs:>5d} {c.flops / 1e9:>6.2f} {project_ms(c):>6.2f}"
-        print(f"{m + (', graphs' if graphs else ''):<16}{cells}")
+        print(f"{label:<16}{cells}")
     print("(promprune, graphs: the split's and the picking stages replayed as CUDA graphs, PROMPRUNE_GRAPHS=1; each "
           "replay counted as its input copies, one launch and its output clones)")
     print_host(HOST_SHAPES if shapes is SHAPES else shapes)
@@ -359,14 +357,21 @@ def print_host(shapes, calls: int = 30) -> None:
     print(f"\nHost time of one call on the fast path, this CPU ({torch.get_num_threads()} threads; median ms of "
           f"{calls}; kernels stubbed, graph bodies not run; stand-ins {stand_ins})")
     print(f"{'method':<18}" + "".join(f"{shape:>12}" for shape in shapes))
-    inputs = {sh: make_inputs(B, N, d, "cpu") + (T,) for sh, (B, N, d, T) in shapes.items()}
-    for m, graphs in [(m, False) for m in promprune.methods()] + [("promprune", True)]:
-        cells = []
-        for x, s, T in inputs.values():
-            text = instruction_for(x) if promprune.method_spec(m).needs_instruction else None
-            cells.append(launches.host_ms(promprune.select, x, s, graphs=graphs, calls=calls, budget=T, method=m,
-                                          instruction=text))
-        print(f"{m + (', graphs' if graphs else ''):<18}" + "".join(f"{ms:>12.2f}" for ms in cells))
+    for label, graphs, per_shape in _cost_rows(shapes):
+        cells = [launches.host_ms(promprune.select, x, s, graphs=graphs, calls=calls, **kwargs)
+                 for x, s, kwargs in per_shape]
+        print(f"{label:<18}" + "".join(f"{ms:>12.2f}" for ms in cells))
+
+
+def _cost_rows(shapes):
+    """The rows of the cost tables: ``(label, graphs, [(x, s, select's keyword arguments) per shape])``, every
+    method on the fast path, then PromPrune with its graphs."""
+    inputs = [make_inputs(B, N, d, "cpu") + (T,) for B, N, d, T in shapes.values()]
+    rows = [(m, m, False) for m in promprune.methods()] + [("promprune, graphs", "promprune", True)]
+    return [(label, graphs, [(x, s, {"budget": T, "method": m, "instruction": instruction_for(x)
+                                        if promprune.method_spec(m).needs_instruction else None})
+                                for x, s, T in inputs])
+            for label, m, graphs in rows]
 
 
 def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:

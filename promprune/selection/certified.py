@@ -93,19 +93,16 @@ class Lanczos:
         ``[B, n, n]`` matrices of at most ``graphed.MAX_ELEMENTS`` (``size``) elements (``graphed.fits``), all of it
         replays as one CUDA graph, and the state's matrices are then the graph's own buffers (borrowed), valid until
         its next replay: ``split`` copies the rows it continues before that."""
-        device_tensor = next(a for a in args if a is not None)
-        packed, rho, v, v_prev = (graphed.replay(fn, args, steps, fresh=(0,))
-                                  if steps > 0 and graphed.fits(device_tensor, size) else fn(*args, steps))
+        packed, rho, v, v_prev = graphed.run(fn, args, steps, size, fresh=(0,))
         return cls(rho, v, v_prev, packed[:, -1], (packed,))
 
     def run(self, steps: int, borrow: bool = False) -> "Lanczos":
         """``steps`` more steps (each: one batched product and a few fused updates; nothing waits), replayed as one
-        CUDA graph where ``graphed.usable``; ``borrow`` as in ``open``."""
+        CUDA graph where ``graphed.fits``; ``borrow`` as in ``open``."""
         if steps == 0:
             return self
         args = (self.rho, self.v, self.v_prev, self.b_prev)
-        packed, v, v_prev = (graphed.replay(lanczos_steps, args, steps, fresh=(0,) if borrow else None)
-                             if graphed.usable(self.rho, steps) else lanczos_steps(*args, steps))
+        packed, v, v_prev = graphed.run(lanczos_steps, args, steps, self.rho.numel(), fresh=(0,) if borrow else None)
         return Lanczos(self.rho, v, v_prev, packed[:, -1], self.history + (packed,))
 
     @property

@@ -99,6 +99,14 @@ def fits(device_tensor: torch.Tensor, elements: int) -> bool:
     return accel.graphs_on() and accel.active(device_tensor) and elements <= MAX_ELEMENTS and not _FAILED
 
 
+def run(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable, elements: int,
+        fresh: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """``fn(*args, static)``: through its graph (``replay``, ``fresh`` as there) where the work ``fits`` (its largest
+    ``[B, n, n]`` matrix has ``elements`` elements), else eagerly."""
+    device_tensor = next(a for a in args if a is not None)
+    return replay(fn, args, static, fresh) if fits(device_tensor, elements) else fn(*args, static)
+
+
 def usable(state: torch.Tensor, steps: int) -> bool:
     """Whether ``steps`` Lanczos steps on ``state [B, n, n]`` replay as a graph (``fits``, and a step to run)."""
     return steps > 0 and fits(state, state.numel())
