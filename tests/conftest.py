@@ -1,11 +1,17 @@
 """Shared test setup: offline, deterministic, gentle on a 2-core machine."""
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray's temp dir, one per test process: `ray start` and `ray.cluster_utils.Cluster` record their head in it
+# (`ray_current_cluster`) and a sweep started with no address joins the head recorded there (`ray_connect.connect`, as a
+# user's would). Shared between pytest-xdist's workers, a sweep under test on one worker joined the other worker's
+# test cluster and failed when that test killed a node. A test that wants a dir of its own still sets its own.
+os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-", dir="/tmp")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,6 +4,8 @@ must start a worker itself).
 """
 from __future__ import annotations
 
+import io
+import pickle
 import threading
 import time
 
@@ -15,6 +17,37 @@ TRIM_EVERY_S = 1.0  # how often the pool compares its workers with what its leas
 # live trial is heard from at least every `engine.HEARTBEAT_S`
 HOLDER_TIMEOUT_S = 60.0
 WARM = "__warm__"  # the driver's lease while it sets the sweep up: dropped when the first trial leases
+
+
+def pack_spawn(fn) -> tuple[bytes, list]:
+    """``(bytes, refs)``: ``fn`` pickled for the pool with the Ray object references it holds (a published model's
+    weights) left out of the bytes and listed in ``refs``, to travel as Ray arguments. Pickled into the bytes, a
+    reference loses its owner: the pool could not hand it on to a worker it starts ("a Ray object whose owner is
+    unknown"), and its owner would not know the pool still needs the object."""
+    import cloudpickle
+
+    refs: list = []
+
+    class _Pickler(cloudpickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, ray.ObjectRef):
+                refs.append(obj)
+                return len(refs) - 1
+            return None
+
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(fn)
+    return buffer.getvalue(), refs
+
+
+def unpack_spawn(data: bytes, refs: list):
+    """`pack_spawn`'s function, its object references the ones Ray delivered in ``refs``."""
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, index):
+            return refs[index]
+
+    return _Unpickler(io.BytesIO(data)).load()
 
 
 class Pool:
@@ -30,8 +63,8 @@ class Pool:
       waits at a busy worker while another is idle, and a block that kills its worker is the only one charged.
     - A holder that stops calling (its process died) loses its lease and grants after `HOLDER_TIMEOUT_S`."""
 
-    def __init__(self, pool_size: int, spawn: bytes, keep_s: float = KEEP_S):
-        self.pool_size, self.spawn, self.keep_s = pool_size, spawn, keep_s
+    def __init__(self, pool_size: int, spawn: bytes, keep_s: float = KEEP_S, refs: list | None = None):
+        self.pool_size, self.spawn, self.keep_s, self.refs = pool_size, spawn, keep_s, refs or []
         self._spawn_fn = None  # `spawn` unpickled (`_new_worker`)
         self.lock = threading.Lock()
         self.workers: dict[int, object] = {}  # worker id -> handle
@@ -127,9 +160,7 @@ class Pool:
         pool's handle); the first call imports what they need (torch, the model's classes), which the pool's process
         is spared as long as the driver's warm workers suffice."""
         if self._spawn_fn is None:  # unpickled once, at the first worker the pool itself starts
-            import cloudpickle
-
-            self._spawn_fn = cloudpickle.loads(self.spawn)
+            self._spawn_fn = unpack_spawn(self.spawn, self.refs)
         return self._spawn_fn(self.me)
 
     def _poll(self) -> None:

@@ -45,7 +45,7 @@ import ray
 from promprune.records import Prediction, Request, from_arrow, to_arrow
 
 from pipelines import timeline
-from pipelines.run.pool import KEEP_S, WARM, Pool
+from pipelines.run.pool import KEEP_S, WARM, Pool, pack_spawn
 from pipelines.run.requests import unseal
 from pipelines.run.resources import Plan
 from pipelines.spec.trials import Trial
@@ -269,8 +269,6 @@ class WorkerPool:
                  run_fn: Callable | None = None, sweep: str | None = None, keep_s: float = KEEP_S):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        import cloudpickle
-
         self.key, self.args = PoolKey.of(source, plan), (source, plan, batch_size, failover, run_fn)
         self.adopted = []
         self.name = f"promprune-pool/{sweep or uuid.uuid4().hex[:8]}/{self.key.digest}"
@@ -278,9 +276,11 @@ class WorkerPool:
         # on the driver's node, no CPU: a worker node lost takes neither the roster nor the attempts with it, and a
         # lost driver's node takes the sweep anyway (its workers die with the pool; --resume continues from the saved
         # blocks)
+        spawn, refs = pack_spawn(functools.partial(new_worker, *self.args))
+        # the references in a list: Ray hands them to the pool as references (borrowed, kept alive while it holds
+        # them), not as their values
         self.handle = ray.remote(Pool).options(name=self.name, num_cpus=0, scheduling_strategy=here,
-                                               max_concurrency=1).remote(plan.pool_size, cloudpickle.dumps(
-                                                   functools.partial(new_worker, *self.args)), keep_s)
+                                               max_concurrency=1).remote(plan.pool_size, spawn, keep_s, refs)
 
     @property
     def source(self) -> ModelSource:

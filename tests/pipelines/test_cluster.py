@@ -211,12 +211,17 @@ def _gpus_free(expected: float, timeout_s: float = 120) -> bool:
 def test_workers_give_their_gpus_back_when_no_trial_needs_them(cluster):
     """A lease of two workers holds two of the cluster's three GPUs; once no lease needs them (and `keep_s` has
     passed) the workers are retired and the GPUs are free; a new lease brings workers back, and closing the pool
-    frees them at once."""
+    frees them at once. The model is published to the object store first, as a sweep's is: the workers the pool
+    starts itself get its weights by reference (pickled into the pool's bytes, the reference lost its owner and every
+    worker the pool started failed: "a Ray object whose owner is unknown")."""
     from pipelines.run.workers import Failover, WorkerPool
+    from pipelines.weights import share
 
     plan = planning.plan(Resources(max_gpus=2, batch_size=1), 1, 2, cluster={"GPU": 3}, can_add_gpus=False)
     assert (plan.device, plan.pool_size) == ("gpu", 2)
-    pool = WorkerPool(ModelSource("tiny:llava"), plan, 1, Failover(), keep_s=2.0)
+    source = share(ModelSource("tiny:llava"), on_gpu=plan.on_gpu)
+    assert isinstance(source.shared, ray.ObjectRef)
+    pool = WorkerPool(source, plan, 1, Failover(), keep_s=2.0)
     try:
         ray.get(pool.handle.lease.remote("trial-a", 2))
         deadline = time.monotonic() + 180
