@@ -151,8 +151,12 @@ class Pool:
 
     def _grow(self) -> None:
         while self.error is None and len(self.workers) < self._need():
+            try:
+                worker = self._new_worker()
+            except Exception as exc:  # noqa: BLE001 - said to every trial (`acquire`), which then fails, not waits
+                self.error = f"the pool could not start a worker: {type(exc).__name__}: {exc}"
+                return
             wid, self.next_id = self.next_id, self.next_id + 1
-            worker = self._new_worker()
             self.workers[wid], self.loading[wid] = worker, worker.ready.remote()
 
     def _new_worker(self):

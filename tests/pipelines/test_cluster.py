@@ -261,3 +261,21 @@ def test_two_sweeps_never_share_a_worker_holding_another_model(cluster):
     finally:
         for pool in pools.values():
             pool.close()
+
+
+def test_a_worker_the_pool_cannot_start_fails_its_trials_instead_of_hanging(cluster):
+    """Starting a worker raises in the pool (before: the lease call raised inside the pool, unread, and a trial's
+    `acquire` found no worker and no error, forever): every trial's `acquire` gets the reason."""
+    from pipelines.run.pool import Pool, pack_spawn
+
+    def spawn(pool):
+        raise RuntimeError("no such model")
+
+    data, refs = pack_spawn(spawn)
+    pool = ray.remote(Pool).options(num_cpus=0).remote(1, data, 1.0, refs)
+    try:
+        ray.get(pool.lease.remote("trial-a", 1))
+        granted, error = ray.get(pool.acquire.remote("trial-a", 1))
+        assert granted == [] and "could not start a worker: RuntimeError: no such model" in error
+    finally:
+        ray.kill(pool)
