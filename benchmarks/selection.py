@@ -449,36 +449,39 @@ def split_images(N: int, d: int, T: int, images: int, device: str):
 def print_split_decisions(shapes, images: int, device: str) -> None:
     """The certified split on ``images`` varied images per shape, mu placed so that each image's entropy falls in the
     sigmoid's steep part (z uniform in [-2, 2]: 12% to 88% coverage, the hardest place to decide): who decided, the
-    brackets' widths, and the counts against the exact algorithm's."""
+    brackets' widths, and the counts against the exact algorithm's. Each image runs the schedule of a call at its
+    shape (``certified.schedule`` of the shape's views: LLaVA-NeXT's five views take the leading stage)."""
     print(f"Certified split, {images} images per shape, mu within +-2 tau of each entropy (device={device}):")
     print(f"{'':<24}" + "".join(f"{shape:>26}" for shape in shapes))
-    stage_rows = [f"stage {i + 1} decided" for i in range(len(certified.STEPS))]
+    schedules = {name: certified.schedule(B, N) for name, (B, N, _d, _T) in shapes.items()}
+    stage_rows = [f"stage {i + 1} decided" for i in range(max(map(len, schedules.values())))]
     rows: dict[str, list[str]] = {k: [] for k in (*stage_rows, "exact eigensolve", "median width", "max width",
                                                   "counts equal exact")}
-    for _B, N, d, T in shapes.values():
+    for name, (_B, N, d, T) in shapes.items():
         matrix, counts, exact_h = split_images(N, d, T, images, device)
         decided, exact_n, widths, equal = [0] * len(stage_rows), 0, [], True
         for i, count_of in enumerate(counts):  # one image per call: its own mu
-            t_sal, _ = certified.split(matrix[i:i + 1], count_of)
+            t_sal, _ = certified.split(matrix[i:i + 1], count_of, steps=schedules[name])
             report = certified.LAST_REPORT[0]
             decided = [a + b for a, b in zip(decided, report.decided + [0] * (len(stage_rows) - len(report.decided)))]
             exact_n += report.exact
             widths += report.widths
             equal &= bool(torch.equal(t_sal, count_of(exact_h[i:i + 1])))
-        for row, n in zip(stage_rows, decided):
-            rows[row].append(f"{n}/{images}")
+        for i, (row, n) in enumerate(zip(stage_rows, decided)):
+            rows[row].append(f"{n}/{images}" if i < len(schedules[name]) else "-")
         rows["exact eigensolve"].append(f"{exact_n}/{images}")
         rows["median width"].append(f"{np.median(widths):.1e}" if widths else "-")
         rows["max width"].append(f"{max(widths):.1e}" if widths else "-")
         rows["counts equal exact"].append("yes" if equal else "NO")
     for name, cells in rows.items():
         print(f"{name:<24}" + "".join(f"{c:>26}" for c in cells))
-    print(f"(stages: {', '.join(map(str, certified.STEPS))} Lanczos steps; widths in normalized H of the "
-          "decided images)")
+    print("(stages, Lanczos steps: " + "; ".join(f"{name} {', '.join(map(str, steps))}" for name, steps in
+                                               schedules.items()) + "; widths in normalized H of the decided images)")
 
 
 # Stage schedules compared by print_schedules: the one before 2026-11-26's H100 run, the shipped one, and others.
-SCHEDULES = ((16, 48), (12, 24, 48), (16, 24, 48), (12, 20, 32, 48), (12, 24, 32, 48), (8, 16, 24, 48))
+SCHEDULES = ((16, 48), (12, 24, 48), (16, 24, 48), (12, 20, 32, 48), (12, 24, 32, 48), (8, 16, 24, 48),
+             (4, 12, 24, 32, 48), (6, 12, 24, 32, 48))
 PROBE_STEPS = (4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)
 
 
@@ -486,7 +489,9 @@ def print_schedules(shapes, images: int, device: str) -> None:
     """How many Lanczos steps each stage schedule runs over the split table's images (the same images, mu within +-2
     tau): for each image the fewest steps (of ``PROBE_STEPS``) whose bracket decides it; a schedule runs an image to
     the first stage at or above that (all of them when none decides: the exact eigensolve). Steps are what the device
-    pays per view (each one a float64 n x n product; on the host, six launches); stages are host reads per call."""
+    pays per view (each one a float64 n x n product); reads are the host's, one per stage a call runs (its sync and
+    bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it (``certified.schedule`` of the shape's
+    views and size: a leading stage where the batch's steps cost more than a read)."""
     print(f"Lanczos steps per stage schedule, {images} images per shape, mu within +-2 tau (device={device}):")
     print(f"{'schedule':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     needs = {}
@@ -507,10 +512,13 @@ def print_schedules(shapes, images: int, device: str) -> None:
     for schedule in SCHEDULES:
         cells = ""
         for _B, N, _d, _T in shapes.values():
-            steps = sum(next((st for st in schedule if k is not None and k <= st), schedule[-1]) for k in needs[N])
+            stage = [next((i for i, st in enumerate(schedule) if k is not None and k <= st), len(schedule) - 1)
+                     for k in needs[N]]  # the stage that decides each image (the last: it goes on to the eigensolve)
+            steps, reads = sum(schedule[i] for i in stage), sum(i + 1 for i in stage)
             exact = sum(k is None or k > schedule[-1] for k in needs[N])
-            cells += f"{steps:>12d} steps, {exact:>2d} exact"
-        mark = "  (shipped)" if schedule == certified.STEPS else ""
+            cells += f"{steps:>5d} steps{reads:>4d} reads{exact:>3d} exact"
+        shipped = [name for name, (B, N, _d, _T) in shapes.items() if certified.schedule(B, N) == schedule]
+        mark = f"  (shipped: {', '.join(shipped)})" if shipped else ""
         print(f"{', '.join(map(str, schedule)):<24}{cells}{mark}")
 
 

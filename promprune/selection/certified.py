@@ -14,12 +14,12 @@ bounds come from Gauss quadrature (Golub and Meurant, "Matrices, Moments and Qua
   overestimates ``int f dmu`` and the (k + 1)-node Gauss-Radau rule with a node fixed at 0 (below every eigenvalue)
   underestimates it: ``lo <= H <= hi``.
 
-``split`` runs ``STEPS[0]`` steps for every image, decides every image whose bracket (widened by
-``DECISION_MARGIN``) gives one count, continues the rest to ``STEPS[1]`` steps, decides again, and so on through
-``STEPS``, and computes the exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still
-undecided. The device work is enqueued without waiting; the host reads the recurrence coefficients once per stage
-(``to_host``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved on the
-host in float64.
+``split`` runs the first stage's steps for every image (``schedule``: `STEPS`, after a `LEAD`-step stage where the
+batch's steps cost the device more than a stage costs the host), decides every image whose bracket (widened by
+``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and computes the
+exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided. The device work is
+enqueued without waiting; the host reads the recurrence coefficients once per stage (``to_host``: one sync for a batch
+the first stage decides). The small tridiagonal eigenproblems are solved on the host in float64.
 """
 from __future__ import annotations
 
@@ -42,6 +42,22 @@ from .entropy import centered_gram, entropy_of_matrix
 # 4096 and 13% fewer at Qwen2.5-VL's 1296 x 3584, for at most two host reads more per call, with the same images left
 # to the eigensolve (`python benchmarks/selection.py --tables schedules --split-images 48`, RESULTS 2026-11-26 evening).
 STEPS = (12, 24, 32, 48)
+# A leading stage of LEAD steps, before STEPS, where one step of the whole batch costs the device more than a stage
+# costs the host (one read, the bounds: ~0.2 ms), i.e. from LEAD_FROM = views x n^3 (two views of 576 tokens: LLaVA-1.5
+# at batch 1 keeps STEPS; LLaVA-NeXT's five views, Qwen2.5-VL's 1296 tokens and any batch take the lead). Images far
+# from mu decide at 4 steps (the benchmark's inputs: every view), so their first stage runs a third of the steps (at
+# LLaVA-NeXT batch 8, 40 views of 576: ~1.1 ms a step on the H100 of 2026-11-26); an image near mu decides no earlier
+# than 6 (the split table's 48 at 576: none at 4), so it pays one host read more and no extra step (the Lanczos
+# recurrence goes on from the lead's state). `schedule` picks; `python benchmarks/selection.py --tables schedules`
+# counts steps and reads of each.
+LEAD = 4
+LEAD_FROM = 2 * 576 ** 3
+
+
+def schedule(views: int, n: int) -> tuple[int, ...]:
+    """The Lanczos steps by the end of each stage for ``views`` matrices of size ``n`` (`STEPS`, after a `LEAD`-step
+    stage from `LEAD_FROM`)."""
+    return (LEAD, *STEPS) if views * n ** 3 >= LEAD_FROM else STEPS
 # The bracket is widened by this much (normalized H) before it decides: it covers the exact algorithm's own float32
 # rounding (its eigenvalues near 0 carry ~1e-8 absolute error; measured <= 1.6e-6 on near-low-rank inputs at n = 1296)
 # and the float64 Lanczos' (~1e-12); an image within it of a boundary goes to the exact eigensolve.
@@ -232,7 +248,7 @@ def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch
 
 
 def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[torch.Tensor], torch.Tensor],
-          steps: tuple[int, ...] = STEPS, gram: bool = False,
+          steps: tuple[int, ...] | None = None, gram: bool = False,
           opening_with: tuple[Callable, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
 
@@ -242,7 +258,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     path centers it (the whole batch, then their rows). ``opening_with``: ``(fn, args)``, the first stage computed as
     ``fn(*args, k)`` (the outputs of ``opening``) instead of from ``matrix``, e.g. from the tokens with their Gram
     formed inside the same graph; ``matrix`` may then be a function that makes it, called only if the exact eigensolve
-    runs.
+    runs. ``steps``: the Lanczos steps by the end of each stage (None: ``schedule`` for the batch's size).
 
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32)`` on the CPU: the
@@ -250,6 +266,8 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     """
     if opening_with is None:
         opening_with = (opening_from_gram if gram else opening, (matrix,))
+    first = next(a for a in opening_with[1] if a is not None)  # [B, n, n], or tokens [B, N, d] of a Gram N x N
+    steps = steps or schedule(first.shape[0], first.shape[1])
     state = Lanczos.open(*opening_with, steps[0], _size(opening_with[1]))
     B, n, _ = state.rho.shape
     device = state.rho.device

@@ -129,10 +129,13 @@ def test_selection():
     # the certified split decided every image or sent it to the eigensolve, and agreed with the exact counts
     equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
     assert equal.groups() == ("yes", "yes", "yes")
-    # the stage schedules compared: the shipped one marked, steps and eigensolves per shape
-    shipped = figure(out, r"([\d, ]+?) +(\d+) steps, +(\d+) exact +(\d+) steps, +(\d+) exact +(\d+) steps, +(\d+) exact"
-                          r"  \(shipped\)")
+    # the stage schedules compared: steps, host reads and eigensolves per shape; each marked with the shapes whose call
+    # takes it (the smoke shapes are small: all of them take STEPS, no leading stage)
+    cell = r" +(\d+) steps +(\d+) reads +(\d+) exact"
+    shipped = figure(out, r"([\d, ]+?)" + cell * 3 + r"  \(shipped: (.+)\)")
     assert tuple(int(k) for k in shipped[1].split(",")) == certified.STEPS
+    assert shipped[11] == "llava-1.5, llava-next, qwen2.5-vl"
+    assert all(int(shipped[2 + 3 * i]) >= int(shipped[3 + 3 * i]) > 0 for i in range(3))  # >= 1 step per read
     # VisPruner's modeled traffic: its rounds are the ones the kernel runs at each smoke shape (T // 2 important)
     from benchmarks.selection import SMOKE_SHAPES
     from promprune.selection.baselines import vispruner_round_count

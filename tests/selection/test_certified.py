@@ -134,8 +134,9 @@ def boundary_case(seed: int):
     return x, s, promprune.spectral_entropy(x).double()
 
 
+@pytest.mark.parametrize("steps", [None, (certified.LEAD, *certified.STEPS)], ids=["schedule", "lead"])
 @pytest.mark.parametrize("seed", range(3))
-def test_split_counts_equal_the_exact_ones_next_to_boundaries(seed):
+def test_split_counts_equal_the_exact_ones_next_to_boundaries(seed, steps):
     x, _, exact_h = boundary_case(seed)
     matrix = spectral_matrix(x)
     budget, tau = 32, 0.02
@@ -147,7 +148,7 @@ def test_split_counts_equal_the_exact_ones_next_to_boundaries(seed):
             def count(h, mu=mu, rounding=rounding):
                 return split_budget(h, budget, mu=mu, tau=tau, rounding=rounding)
 
-            t_sal, _ = certified.split(matrix, count)
+            t_sal, _ = certified.split(matrix, count, steps=steps)
             report = certified.LAST_REPORT[0]
             decided, exact = decided + sum(report.decided), exact + report.exact
             assert torch.equal(t_sal, count(exact_h.float().double())), (mu, rounding)
@@ -174,6 +175,24 @@ def test_one_host_read_when_the_first_stage_decides():
     before = accel.syncs()
     certified.split(matrices, lambda h: split_budget(h, 64, mu=0.9, tau=0.02))  # far from every entropy
     assert certified.LAST_REPORT[0].decided == [4] and accel.syncs() - before == 1
+
+
+def test_a_large_batch_opens_with_a_short_stage(monkeypatch):
+    """Where one step of the batch costs the device more than a stage's read costs the host, the split runs LEAD
+    steps first: far from mu every image decides there, with one read and LEAD steps in all."""
+    assert certified.schedule(1, 576) == certified.STEPS  # LLaVA-1.5 at batch 1
+    for views, n in ((2, 576), (5, 576), (40, 576), (1, 1296)):  # its batch 2, LLaVA-NeXT, Qwen2.5-VL
+        assert certified.schedule(views, n) == (certified.LEAD, *certified.STEPS), (views, n)
+    ran, real = [], certified.lanczos_steps
+    monkeypatch.setattr(certified, "lanczos_steps", lambda *args: ran.append(args[-1]) or real(*args))
+    monkeypatch.setattr(certified, "LEAD_FROM", 4 * 128 ** 3)  # these four 128 x 128 matrices count as large
+    rng = np.random.default_rng(7)
+    lams = [spectrum("lowrank_floor", 128, rng) for _ in range(4)]
+    matrices = torch.stack([matrix_with(lam, rng) for lam in lams]).float()
+    before = accel.syncs()
+    t_sal, _ = certified.split(matrices, lambda h: split_budget(h, 64, mu=0.9, tau=0.02))  # far from every entropy
+    assert ran == [certified.LEAD] and certified.LAST_REPORT[0].decided == [4] and accel.syncs() - before == 1
+    assert t_sal.tolist() == [hand_count(entropy_of(lam), 64, 0.9, 0.02) for lam in lams]
 
 
 def test_entropy_mode_switch_refuses_unknown_modes():
