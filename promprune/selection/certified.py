@@ -44,13 +44,13 @@ from .entropy import centered_gram, entropy_of_matrix
 STEPS = (12, 24, 32, 48)
 # A leading stage of LEAD steps, before STEPS, where one step of the whole batch costs the device more than a stage
 # costs the host (one read, the bounds: ~0.2 ms), i.e. from LEAD_FROM = views x n^3 (two views of 576 tokens: LLaVA-1.5
-# at batch 1 keeps STEPS; LLaVA-NeXT's five views, Qwen2.5-VL's 1296 tokens and any batch take the lead). Images far
-# from mu decide at 4 steps (the benchmark's inputs: every view), so their first stage runs a third of the steps (at
-# LLaVA-NeXT batch 8, 40 views of 576: ~1.1 ms a step on the H100 of 2026-11-26); an image near mu decides no earlier
-# than 6 (the split table's 48 at 576: none at 4), so it pays one host read more and no extra step (the Lanczos
-# recurrence goes on from the lead's state). `schedule` picks; `python benchmarks/selection.py --tables schedules`
-# counts steps and reads of each.
-LEAD = 4
+# at batch 1 keeps STEPS; LLaVA-NeXT's five views, Qwen2.5-VL's 1296 tokens and any batch take the lead). A view that
+# decides there runs half the steps of STEPS' first stage (at LLaVA-NeXT batch 8, 40 views of 576: ~1.1 ms a step on
+# the H100 of 2026-11-26); one that does not pays one host read more and no extra step (the recurrence goes on from the
+# lead's state). Six, not four: the benchmark's 576-token views decide at 4 steps but its 1296-token view (H 0.49 at
+# mu 0.42) only at 6, and of the split table's 48 images near mu (`--tables schedules`) 6 decide at 6 at 576 tokens,
+# none at 4: (6, 12, 24, 32, 48) runs 932 steps and 123 reads there against 968 and 129 for a lead of 4.
+LEAD = 6
 LEAD_FROM = 2 * 576 ** 3
 
 
