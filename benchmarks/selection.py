@@ -479,7 +479,8 @@ def print_split_decisions(shapes, images: int, device: str) -> None:
                                                schedules.items()) + "; widths in normalized H of the decided images)")
 
 
-# Stage schedules compared by print_schedules: the one before 2026-11-26's H100 run, the shipped one, and others.
+# Stage schedules compared by print_schedules: the one before 2026-11-26's H100 run, the shipped ones (STEPS, and STEPS
+# after the lead: `certified.schedule`), and others.
 SCHEDULES = ((16, 48), (12, 24, 48), (16, 24, 48), (12, 20, 32, 48), (12, 24, 32, 48), (8, 16, 24, 48),
              (4, 12, 24, 32, 48), (6, 12, 24, 32, 48))
 PROBE_STEPS = (4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)
