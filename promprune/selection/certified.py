@@ -58,6 +58,8 @@ def schedule(views: int, n: int) -> tuple[int, ...]:
     """The Lanczos steps by the end of each stage for ``views`` matrices of size ``n`` (`STEPS`, after a `LEAD`-step
     stage from `LEAD_FROM`)."""
     return (LEAD, *STEPS) if views * n ** 3 >= LEAD_FROM else STEPS
+
+
 # The bracket is widened by this much (normalized H) before it decides: it covers the exact algorithm's own float32
 # rounding (its eigenvalues near 0 carry ~1e-8 absolute error; measured <= 1.6e-6 on near-low-rank inputs at n = 1296)
 # and the float64 Lanczos' (~1e-12); an image within it of a boundary goes to the exact eigensolve.
