@@ -268,9 +268,9 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     """
     if opening_with is None:
         opening_with = (opening_from_gram if gram else opening, (matrix,))
-    first = next(a for a in opening_with[1] if a is not None)  # [B, n, n], or tokens [B, N, d] of a Gram N x N
-    steps = steps or schedule(first.shape[0], first.shape[1])
-    state = Lanczos.open(*opening_with, steps[0], _size(opening_with[1]))
+    views, n = _views(opening_with[1])
+    steps = steps or schedule(views, n)
+    state = Lanczos.open(*opening_with, steps[0], views * n * n)
     B, n, _ = state.rho.shape
     device = state.rho.device
     t_sal = np.zeros(B, dtype=np.int64)
@@ -308,11 +308,11 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     return torch.from_numpy(t_sal), torch.from_numpy(entropy).float()
 
 
-def _size(args: tuple[torch.Tensor | None, ...]) -> int:
-    """Elements of the ``[B, n, n]`` matrices of a first stage from ``args`` (a matrix ``[B, n, n]``, or tokens
+def _views(args: tuple[torch.Tensor | None, ...]) -> tuple[int, int]:
+    """``(B, n)`` of the ``[B, n, n]`` matrices of a first stage from ``args`` (a matrix ``[B, n, n]``, or tokens
     ``[B, N, d]`` whose Gram is ``[B, N, N]``)."""
     first = next(a for a in args if a is not None)
-    return first.shape[0] * first.shape[1] ** 2
+    return first.shape[0], first.shape[1]
 
 
 def applies(matrix_size: int, device_tensor: torch.Tensor) -> bool:
