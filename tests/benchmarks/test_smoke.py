@@ -223,9 +223,29 @@ def test_model_loading():
     assert len(table_rows(out, "disk|shared")) == 2
 
 
+ENGINE_FIGURE = r"2 trials of 16 samples \(\d+ blocks\) of testbed_exist_concentrated on testbed:llava, .*"
+
+
+def _design_row(out: str, design: str) -> list[str]:
+    row = table_rows(out, design)[0]  # design, one-time s, per-trial overhead s, first trial s
+    assert len(row) == 4 and all(float(cell) >= 0 for cell in row[1:]), row
+    return row
+
+
 @pytest.mark.slow
+def test_engine_designs_shipped_pool():
+    """The shipped design (the sweep's pool of named-actor workers) alone: the script's own setup, the pool's row."""
+    out = run_benchmark("engine_designs.py", "--trials", "2", "--designs", "pool")
+    figure(out, ENGINE_FIGURE)
+    _design_row(out, "pool")
+    assert not table_rows(out, "serve|data")  # only what was asked for
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the long tier (pyproject's markers): the shipped design runs in CI (the test above); the two it is
+# compared with (Ray Serve, an actor pool per trial) start a model process each of their own, ~50 s more on 2 cores
 def test_engine_designs():
-    """Both designs; Ray Serve's packages come with the bench extra (CI installs it): without them the serve row
+    """Every design; Ray Serve's packages come with the bench extra (CI installs it): without them the serve row
     says so, as the script does for a user without the extra."""
     try:
         from ray import serve  # noqa: F401
@@ -233,13 +253,13 @@ def test_engine_designs():
     except ImportError:
         has_serve = False
     out = run_benchmark("engine_designs.py", "--trials", "2")
-    figure(out, r"2 trials of 16 samples \(\d+ blocks\) of testbed_exist_concentrated on testbed:llava, .*")
-    data, serve_row = table_rows(out, "data")[0], table_rows(out, "serve")[0]
-    assert len(data) == 4 and all(float(cell) >= 0 for cell in data[1:])
+    figure(out, ENGINE_FIGURE)
+    _design_row(out, "pool")
+    _design_row(out, "data")
     if has_serve:
-        assert len(serve_row) == 4 and all(float(cell) >= 0 for cell in serve_row[1:])
+        _design_row(out, "serve")
     else:
-        assert serve_row[1] == "(ray[serve] not installed)"
+        assert table_rows(out, "serve")[0][1] == "(ray[serve] not installed)"
 
 
 @pytest.mark.slow

@@ -173,7 +173,7 @@ def test_the_summary_names_the_best_finished_trial_and_every_sample_generated(se
 
 
 @pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's
-# killed driver, tests/reliability/test_one_driver.py)
+# killed driver, tests/reliability/test_resume.py's)
 def test_an_interrupted_search_resumes_to_the_same_trials_and_best(searched, tmp_path):
     """The same spec and seed from the command line, interrupted (Ctrl-C) after its first searched trial, then
     resumed: optuna's and ASHA's state come back with the experiment, so it runs the trials the uninterrupted

@@ -167,7 +167,7 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
 
 
 @pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's
-# killed driver, tests/reliability/test_one_driver.py)
+# killed driver, tests/reliability/test_resume.py's)
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     """Ctrl-C once the baseline is logged, while a trial is held at a gate (with warm workers a tiny sweep would
     otherwise finish before the signal lands); `--resume` runs what was unfinished, not the baseline."""

@@ -125,6 +125,8 @@ def test_remote_storage_goes_by_pid_here_and_by_heartbeat_elsewhere(tmp_path, mo
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the long tier (pyproject's markers): in CI the refusal runs with a live holder (the tests above and
+# below) and a killed driver's sweep resumes (test_engine's, tests/reliability/test_resume.py's)
 def test_a_second_driver_is_refused_and_a_killed_drivers_sweep_resumes(tmp_path, monkeypatch):
     """The issue's scenario with real processes: sweep A runs (its trial held at a gate); `--resume` in a second
     terminal is refused at once, exit 2, naming A's pid; A is SIGKILLed; `--resume` then finishes the sweep into

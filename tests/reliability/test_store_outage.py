@@ -92,6 +92,8 @@ def _cli(spec_path, cwd, uri: str, wait_s: str = "120") -> subprocess.Popen:
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.long  # the long tier (pyproject's markers): in CI a store that goes down and comes back runs under the
+# outbox (tests/pipelines/test_outbox.py, a real server) and a sweep's outage end to end below
 def test_a_store_down_mid_sweep_loses_nothing(tmp_path):
     """The store stops after the first trial and comes back: the console says so within seconds, the sweep goes on
     and exits 0, and every trial is in MLflow exactly once."""
