@@ -263,6 +263,8 @@ def test_engine_designs():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the long tier (pyproject's markers): its sweep (run_sweep on simulated GPUs, its stand-in model)
+# runs in CI in tests/pipelines/test_engine.py's autoscaling test, which imports the same stand-ins
 def test_sweep_scaling():
     out = run_benchmark("sweep_scaling.py", "--smoke")
     figure(out, r"A sweep: 1 trials x 8 samples; .*")  # the baseline, 2 tasks x 4 samples

@@ -14,11 +14,20 @@ from pipelines.recording.outbox import Outbox
 from tests.pipelines.mlflow_server import MlflowServer
 
 
-@pytest.fixture
-def server(tmp_path, monkeypatch):
-    with MlflowServer(tmp_path / "server") as s:
-        monkeypatch.setenv(mlflow_layout.TRACKING_URI_ENV, s.uri)
+@pytest.fixture(scope="module")
+def _module_server(tmp_path_factory):
+    """One server for the module (a start costs ~15 s on 2 cores); each test works in an experiment of its own."""
+    with MlflowServer(tmp_path_factory.mktemp("server")) as s:
         yield s
+
+
+@pytest.fixture
+def server(_module_server, monkeypatch):
+    """The module's server, up (a test that stopped it and failed before starting it again left it down)."""
+    if _module_server.proc is None:
+        _module_server.start()
+    monkeypatch.setenv(mlflow_layout.TRACKING_URI_ENV, _module_server.uri)
+    return _module_server
 
 
 def _create(box: Outbox, exp: str, key: str) -> None:

@@ -57,11 +57,7 @@ def _check(name: str, result: dict) -> None:
     assert result["match"], f"{name}: kernel {result['got']} != reference {result['want']}"
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    why = _interpreter_cannot_run_here()
-    if why:
-        pytest.skip(why)
+def _interpret() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_cases.py"))], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
@@ -69,7 +65,28 @@ def interpreted() -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    """The corpus under the interpreter (~55 s of one core), run once per test session. Under pytest-xdist the tests
+    go to one worker where `--dist loadgroup` keeps their group together (.ci/run); otherwise each worker sets this
+    fixture up, the first runs the corpus and the others read its results from the session's temp dir."""
+    why = _interpreter_cannot_run_here()
+    if why:
+        pytest.skip(why)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _interpret()
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent / "triton-interpreted.json"  # this session's, every worker's
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not shared.is_file():
+            shared.write_text(json.dumps(_interpret()))
+        return json.loads(shared.read_text())
+
+
 @needs_triton
+@pytest.mark.xdist_group("triton-interpreted")  # under --dist loadgroup (.ci/run) one worker takes them all
 @pytest.mark.parametrize("name", NAMES)
 def test_interpreted_kernel_matches_reference(interpreted, name):
     _check(name, interpreted[name])
