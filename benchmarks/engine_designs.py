@@ -3,7 +3,8 @@
 command's per-trial fixed cost.
 
     python benchmarks/engine_designs.py                     # the in-process designs on a local Ray (CPU)
-    python benchmarks/engine_designs.py --trials 2          # a check of the script (about a minute on 2 cores)
+    python benchmarks/engine_designs.py --trials 2          # a check of the script (~100 s on 2 cores; with
+                                                            # --designs pool, the shipped design alone, about half)
     python benchmarks/engine_designs.py --designs --cli 20  # the sweep command: 1 trial, then 20 trials x 8 samples
     python benchmarks/engine_designs.py --designs --cli 20 --cli-repo ../main   # the same for another checkout
 

@@ -2,7 +2,7 @@
 
     python benchmarks/model_loading.py                  # a ~0.5 GB LLaVA (random weights), 2 actors
     python benchmarks/model_loading.py --layers 16 --actors 4
-    python benchmarks/model_loading.py --layers 1 --hidden 64 --actors 1     # a check of the script (seconds)
+    python benchmarks/model_loading.py --layers 1 --hidden 64 --actors 1     # a check of the script (~1 min on 2 cores)
 
 A checkpoint is written once with `save_pretrained` (safetensors, like the hub's). Then, in fresh Ray actors:
 

@@ -57,36 +57,42 @@ def _check(name: str, result: dict) -> None:
     assert result["match"], f"{name}: kernel {result['got']} != reference {result['want']}"
 
 
-def _interpret() -> dict:
+def _interpret(part: str = "0/1") -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_cases.py"))], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_cases.py")), "--part", part], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"triton_cases.py under TRITON_INTERPRET=1 failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    """The corpus under the interpreter (~55 s of one core), run once per test session. Under pytest-xdist the tests
-    go to one worker where `--dist loadgroup` keeps their group together (.ci/run); otherwise each worker sets this
-    fixture up, the first runs the corpus and the others read its results from the session's temp dir."""
+    """The corpus under the interpreter (~55 s of one core), run once per test session. pytest-xdist's workers each
+    set this fixture up: the corpus is cut in one part per worker, each worker runs its own part first, then each
+    other part that nobody has run (waiting on one that another worker is running), the results in the session's
+    temp dir. Every worker ends with every case; no case runs twice."""
     why = _interpreter_cannot_run_here()
     if why:
         pytest.skip(why)
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
         return _interpret()
     import fcntl
 
-    shared = tmp_path_factory.getbasetemp().parent / "triton-interpreted.json"  # this session's, every worker's
-    with open(f"{shared}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not shared.is_file():
-            shared.write_text(json.dumps(_interpret()))
-        return json.loads(shared.read_text())
+    parts, mine = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), int(worker.removeprefix("gw"))
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, every worker's
+    results = {}
+    for part in [mine, *(p for p in range(parts) if p != mine)]:
+        done = shared / f"triton-interpreted-{part}-of-{parts}.json"
+        with open(f"{done}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held while the part runs; released when the file closes
+            if not done.is_file():
+                done.write_text(json.dumps(_interpret(f"{part}/{parts}")))
+        results.update(json.loads(done.read_text()))
+    return results
 
 
 @needs_triton
-@pytest.mark.xdist_group("triton-interpreted")  # under --dist loadgroup (.ci/run) one worker takes them all
 @pytest.mark.parametrize("name", NAMES)
 def test_interpreted_kernel_matches_reference(interpreted, name):
     _check(name, interpreted[name])
