@@ -226,10 +226,10 @@ def test_model_loading():
 ENGINE_FIGURE = r"2 trials of 16 samples \(\d+ blocks\) of testbed_exist_concentrated on testbed:llava, .*"
 
 
-def _design_row(out: str, design: str) -> list[str]:
-    row = table_rows(out, design)[0]  # design, one-time s, per-trial overhead s, first trial s
+def _design_row(out: str, design: str) -> None:
+    """``design``'s row is whole: design, one-time s, per-trial overhead s, first trial s (none negative)."""
+    row = table_rows(out, design)[0]
     assert len(row) == 4 and all(float(cell) >= 0 for cell in row[1:]), row
-    return row
 
 
 @pytest.mark.slow
