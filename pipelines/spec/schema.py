@@ -166,8 +166,11 @@ def _check_grid(grid: dict, info: ValidationInfo) -> dict:
         all_options = sorted(set().union(*[catalog.options(m) for m in catalog.names]))
         for key in grid:
             if key not in ("method", "budget") and not any(key in catalog.options(m) for m in known):
-                problems.append(((key,), "no method in grid.method accepts this option"
-                                 f"{unknown(key, all_options)}", grid[key]))
+                owners = [m for m in catalog.names if key in catalog.options(m)]
+                hint = f"; it is an option of {', '.join(sorted(owners))} (add one to grid.method, or move it to " \
+                    "trials:)" if owners else unknown(key, all_options)
+                problems.append(((key,), f"no method in grid.method ({', '.join(map(str, known))}) accepts this "
+                                 f"option{hint}", grid[key]))
     _raise(problems, "grid")
     return grid
 

@@ -90,9 +90,15 @@ def test_bad_methods_options_and_values_are_named(tmp_path):
     assert "grid.method: unknown method 'divprun' (did you mean 'divprune'?)" in text
     assert "trials[0].method: unknown method 'fastvv' (did you mean 'fastv'?)" in text
 
-    with pytest.raises(specs.SpecError, match=r"grid\.mue: no method in grid\.method accepts this option "
-                                              r"\(did you mean 'mu'\?\)"):
+    with pytest.raises(specs.SpecError, match=r"grid\.mue: no method in grid\.method \(promprune\) accepts this "
+                                              r"option \(did you mean 'mu'\?\)"):
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: promprune, budget: 8, mue: [0.4]}\n")
+    # a real option of a method the grid does not run: name its owners, never "did you mean" the same word
+    with pytest.raises(specs.SpecError) as e:
+        load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: [divprune, vispruner], budget: 8, tau: [0.1]}\n")
+    text = str(e.value)
+    assert "grid.tau: no method in grid.method (divprune, vispruner) accepts this option; it is an option of " \
+           "promprune (add one to grid.method, or move it to trials:)" in text and "did you mean" not in text
     with pytest.raises(specs.SpecError, match=r"trial promprune-b8-metric=spectrall: .*metric"):
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: promprune, budget: 8, metric: [spectrall]}\n")
     with pytest.raises(specs.SpecError, match=r"model\.options\.max_pixel: unknown adapter option"):
