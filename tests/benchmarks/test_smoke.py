@@ -198,6 +198,8 @@ def test_sweep_cost_prints_results_figure():
 
 
 @pytest.mark.slow  # three models of the 7B shapes' vocabularies
+@pytest.mark.long  # the long tier (pyproject's markers), ~60 s: the video path (frames, budget modes) runs in CI in
+# tests/models/test_video.py on the tiny families
 def test_video():
     out = run_benchmark("video.py", "--smoke")
     rows = table_rows(out, r"llava_onevision_7b|qwen2_5_vl_7b|qwen3_vl_8b")
@@ -217,6 +219,8 @@ def test_request_bytes():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the long tier (pyproject's markers), ~70 s: publishing and materializing the weights runs in CI in
+# every sweep on a published model (tests/pipelines/test_two_gpus.py, test_cluster.py)
 def test_model_loading():
     out = run_benchmark("model_loading.py", "--layers", "1", "--hidden", "64", "--actors", "1", "--trials", "2")
     assert float(figure(out, rf"per-actor speed-up: ({NUMBER})x")[1]) > 0
@@ -277,6 +281,8 @@ def test_sweep_scaling():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the long tier (pyproject's markers), ~80 s: lmms-eval's own command line runs in CI in
+# tests/eval/test_end_to_end.py, our engine's paths in tests/pipelines
 def test_throughput():
     """Needs the bench extra (decord, for lmms-eval's llava_hf): CI installs it, so this never skips there."""
     out = run_benchmark("throughput.py", "--smoke")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,15 +22,16 @@ def spawn_sweep(spec_path: Path, cwd: Path, *extra: str, ray_address: str | None
                              *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
-    """The process's output up to the first line containing ``marker`` (killed, AssertionError if not seen)."""
+def read_until(proc: subprocess.Popen, marker: str | re.Pattern, timeout: float) -> str:
+    """The process's output up to the first line containing ``marker`` (a string, or a pattern searched in each
+    line; killed, AssertionError if not seen)."""
     out, deadline = [], time.time() + timeout
     while time.time() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             break
         out.append(line)
-        if marker in line:
+        if (marker.search(line) if isinstance(marker, re.Pattern) else marker in line):
             return "".join(out)
     proc.kill()
     raise AssertionError(f"{marker!r} not seen:\n{''.join(out)[-3000:]}")

@@ -3,6 +3,7 @@ predictions equal plain (non-Ray) generation, Rel. is computed against the basel
 resumes without redoing finished trials."""
 from __future__ import annotations
 
+import re
 import signal
 import textwrap
 from pathlib import Path
@@ -179,7 +180,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
         "limit": 2, "plugins": ["gated.py"], "grid": {"method": ["promprune", "gated"], "budget": [8]},
         "generation": {"max_new_tokens": 2}}))
     first = spawn_sweep(spec_path, tmp_path)
-    head = read_until(first, "] baseline: ", timeout=300)  # the baseline finished and was logged
+    head = read_until(first, re.compile(r"\[\d+/\d+\] baseline: "), timeout=300)  # the baseline finished, logged
     first.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops
     rest, _ = first.communicate(timeout=180)
     assert first.returncode == sweep.EXIT_INTERRUPTED, head + rest
