@@ -503,7 +503,7 @@ def print_schedules(shapes, images: int, device: str) -> None:
             state, done, first = certified.Lanczos.start(certified.density(matrix[i:i + 1])), 0, None
             for k in PROBE_STEPS:
                 state, done = state.run(k - done), k
-                lo, hi = certified.bounds(*(certified.to_host(t) for t in (state.alpha, state.beta)), N)
+                lo, hi = certified.bounds(*(certified.host_read(t) for t in (state.alpha, state.beta)), N)
                 decided, _ = certified.decide(lo, hi, count_of)
                 if decided[0]:
                     first = k

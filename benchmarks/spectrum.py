@@ -48,7 +48,7 @@ ROUTES = {
 def bracket(g: torch.Tensor, steps: int):
     """The certified split's bounds after ``steps`` Lanczos steps (device), read once and evaluated on the host."""
     state = certified.Lanczos.start(certified.density(g)).run(steps)
-    coeffs = certified.to_host(torch.cat([state.alpha, state.beta], 1))
+    coeffs = certified.host_read(torch.cat([state.alpha, state.beta], 1))
     return certified.bounds(coeffs[:, :steps], coeffs[:, steps:], g.shape[-1])
 
 

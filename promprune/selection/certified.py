@@ -18,7 +18,7 @@ bounds come from Gauss quadrature (Golub and Meurant, "Matrices, Moments and Qua
 batch's steps cost the device more than a stage costs the host), decides every image whose bracket (widened by
 ``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and computes the
 exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided. The device work is
-enqueued without waiting; the host reads the recurrence coefficients once per stage (``to_host``: one sync for a batch
+enqueued without waiting; the host reads the recurrence coefficients once per stage (``host_read``: one sync for a batch
 the first stage decides). The small tridiagonal eigenproblems are solved on the host in float64.
 """
 from __future__ import annotations
@@ -235,7 +235,7 @@ def bounds(alpha: np.ndarray, beta: np.ndarray, n: int) -> tuple[np.ndarray, np.
     return np.where(ok, lower, -np.inf), np.where(ok, upper, np.inf)
 
 
-def to_host(t: torch.Tensor) -> np.ndarray:
+def host_read(t: torch.Tensor) -> np.ndarray:
     """The one way this module reads device values on the host (a sync on CUDA; ``accel.count_sync`` counts it)."""
     accel.count_sync()
     return t.detach().cpu().numpy()
@@ -284,7 +284,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         if stage:
             state = state.run(k, borrow=True)
         done_steps = stage_steps
-        coeffs = to_host(state.history[-1])  # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide)
+        coeffs = host_read(state.history[-1])  # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide)
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
         lo, hi = bounds(alpha, beta, n)
         decided, counts = decide(lo, hi, count)
@@ -300,7 +300,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     if len(todo):
         rows = torch.from_numpy(todo).to(device, non_blocking=True)  # no wait: the copy is staged at once
         spectral = matrix() if callable(matrix) else matrix
-        exact = to_host(entropy_of_matrix((centered_gram(spectral) if gram else spectral)[rows]).double())
+        exact = host_read(entropy_of_matrix((centered_gram(spectral) if gram else spectral)[rows]).double())
         t_sal[todo] = count(torch.from_numpy(exact)).numpy()
         entropy[todo] = exact
         report.exact = len(todo)
