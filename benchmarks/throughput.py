@@ -1,7 +1,8 @@
 """Samples per second of an accuracy sweep against one lmms-eval run per configuration: vision once, prefix once.
 
     python benchmarks/throughput.py            # about 6 minutes of CPU on a 2-core machine, one torch thread
-    python benchmarks/throughput.py --smoke    # a check of the script (~80 s on 2 cores): one task, a few questions, a smaller model
+    python benchmarks/throughput.py --smoke    # a check of the script (~80 s on 2 cores): one task, a few questions,
+                                               # a smaller model
 
 One checkpoint, saved to a directory so that lmms-eval's own ``llava_hf`` model loads it: LLaVA-1.5-7B's architecture
 (``shape:llava_1_5_7b``, random weights, bf16) with both towers shrunk alike so that a CPU runs it, 3 of CLIP's 24

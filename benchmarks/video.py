@@ -3,7 +3,7 @@ table, never an assertion).
 
     python benchmarks/video.py                                   # CPU: 1 text / 2 vision layers at full width
     python benchmarks/video.py --frames 16 --size 384 --budget 392 --device cuda --full
-    python benchmarks/video.py --smoke      # a check of the script (seconds): 2 small frames, widths / 4
+    python benchmarks/video.py --smoke      # a check of the script (~1 min on 2 cores): 2 small frames, widths / 4
 
 The clip is a procedural testbed clip (``promprune.testbed.clips``) resized to ``--size`` px; the processors are the
 shapes' (the released checkpoints' image / video settings), so the token counts are the released models'. Times are
