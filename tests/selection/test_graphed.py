@@ -82,27 +82,34 @@ def test_a_shape_is_captured_at_its_second_call_and_replayed_after():
         graphed._Capture = real
 
 
-def test_a_first_replay_that_differs_from_its_warm_up_turns_graphs_off():
-    """A capture whose first replay does not give what the same call gave eagerly is not used: the eager values are
-    returned, said once, and the process runs eagerly from then on."""
+def _replayed_through(change):
+    """Three calls of one shape where the capture's replays pass their outputs through ``change``: (what each call
+    returned, the eager steps' values, the warnings raised)."""
     from benchmarks.launches import CaptureStub
 
-    class Drifting(CaptureStub):
+    class Changed(CaptureStub):
         def __call__(self, args, fresh):
-            return tuple(t * (1 + 1e-6) for t in super().__call__(args, fresh))
+            return tuple(change(t) for t in super().__call__(args, fresh))
 
     args = _start_args(_rho(2, 12, 1))
     want = certified.lanczos_steps(*args, 5)
     real = graphed._Capture
-    graphed._Capture = Drifting
+    graphed._Capture = Changed
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            for _ in range(3):
-                got = graphed.replay(certified.lanczos_steps, args, 5)
-                assert all(torch.equal(g, w) for g, w in zip(got, want))
+            got = [graphed.replay(certified.lanczos_steps, args, 5) for _ in range(3)]
     finally:
         graphed._Capture = real
+    return got, want, seen
+
+
+def test_a_first_replay_that_differs_from_its_warm_up_turns_graphs_off():
+    """A capture whose first replay does not give what the same call gave eagerly is not used: the eager values are
+    returned, said once, and the process runs eagerly from then on."""
+    got, want, seen = _replayed_through(lambda t: t * (1 + 1e-6))
+    for values in got:
+        assert all(torch.equal(g, w) for g, w in zip(values, want))
     assert [str(w.message) for w in seen if "differs" in str(w.message)], [str(w.message) for w in seen]
     assert len(seen) == 1 and graphed._FAILED and not graphed._CAPTURES
 
@@ -110,29 +117,12 @@ def test_a_first_replay_that_differs_from_its_warm_up_turns_graphs_off():
 def test_a_first_replay_that_moves_only_the_last_bits_is_kept():
     """A library that picks another algorithm under capture moves the last bits of every entry, those near zero
     included (relative to themselves that is more than AGREE_RTOL): the capture is kept and replayed, no warning."""
-    from benchmarks.launches import CaptureStub
-
     def nudged(t):
-        scale = torch.nan_to_num(t.abs(), nan=0.0).amax()
-        return t + 1e-11 * scale if t.is_floating_point() else t
+        return t + 1e-11 * torch.nan_to_num(t.abs(), nan=0.0).amax() if t.is_floating_point() else t
 
-    class LastBits(CaptureStub):
-        def __call__(self, args, fresh):
-            return tuple(nudged(t) for t in super().__call__(args, fresh))
-
-    args = _start_args(_rho(2, 12, 1))
-    want = certified.lanczos_steps(*args, 5)
-    real = graphed._Capture
-    graphed._Capture = LastBits
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            for _ in range(3):
-                got = graphed.replay(certified.lanczos_steps, args, 5)
-                for g, w in zip(got, want):
-                    assert torch.allclose(g, w, rtol=0, atol=1e-10, equal_nan=True)
-    finally:
-        graphed._Capture = real
+    got, want, seen = _replayed_through(nudged)
+    for values in got:
+        assert all(torch.allclose(g, w, rtol=0, atol=1e-10, equal_nan=True) for g, w in zip(values, want))
     assert not seen and not graphed._FAILED and len(graphed._CAPTURES) == 1
     # the case a tolerance relative to each entry refuses: entries so small that 1e-11 of the largest is > 1e-9 of them
     assert any((w.abs() < 1e-2 * w.abs().amax()).any() for w in want if w.is_floating_point())
