@@ -18,6 +18,7 @@ from pydantic_core import InitErrorDetails
 from typing_extensions import NotRequired, TypedDict
 
 from promprune.eval.tasks import EASYVQA_TASKS
+from promprune.suggest import closest, did_you_mean
 
 from pipelines.calibration import Calibration
 from pipelines.config import AUTO, SECTION, Number, PositiveOrAuto, Resources, expect, one_of, problem
@@ -149,6 +150,20 @@ def _space_problem(key: str, value: Any) -> str | None:
     return text
 
 
+def _option_hint(key: str, theirs: list[str], catalog) -> str:
+    """What to say of a grid option the grid's methods do not take: which methods take it, else the closest of
+    theirs (or of another method's, naming that method), and what theirs are."""
+    def owners(option: str) -> str:
+        return ", ".join(sorted(m for m in catalog.names if option in catalog.options(m)))
+
+    if owners(key):
+        return f"; it is an option of {owners(key)} (add one to grid.method, or move it to trials:)"
+    hint = did_you_mean(key, theirs)
+    if not hint and (other := closest(key, set().union(*[catalog.options(m) for m in catalog.names]))):
+        hint = f" (did you mean {other!r}, an option of {owners(other)}?)"
+    return f"{hint}; valid: {', '.join(theirs) if theirs else '(none besides budget)'}"
+
+
 def _check_grid(grid: dict, info: ValidationInfo) -> dict:
     catalog = (info.context or {}).get("catalog")
     problems = [((key,), "empty list", value) for key, value in grid.items() if isinstance(value, list) and not value]
@@ -163,14 +178,11 @@ def _check_grid(grid: dict, info: ValidationInfo) -> dict:
     problems += [(("method",), text, m) for m in methods if (text := _method_problem(m, catalog))]
     known = [m for m in methods if catalog is not None and m in catalog.names]
     if known:
-        all_options = sorted(set().union(*[catalog.options(m) for m in catalog.names]))
+        theirs = sorted(set().union(*[catalog.options(m) for m in known]))  # what the grid's methods accept
         for key in grid:
-            if key not in ("method", "budget") and not any(key in catalog.options(m) for m in known):
-                owners = [m for m in catalog.names if key in catalog.options(m)]
-                hint = f"; it is an option of {', '.join(sorted(owners))} (add one to grid.method, or move it to " \
-                    "trials:)" if owners else unknown(key, all_options)
+            if key not in ("method", "budget") and key not in theirs:
                 problems.append(((key,), f"no method in grid.method ({', '.join(map(str, known))}) accepts this "
-                                 f"option{hint}", grid[key]))
+                                 f"option{_option_hint(key, theirs, catalog)}", grid[key]))
     _raise(problems, "grid")
     return grid
 

@@ -99,6 +99,11 @@ def test_bad_methods_options_and_values_are_named(tmp_path):
     text = str(e.value)
     assert "grid.tau: no method in grid.method (divprune, vispruner) accepts this option; it is an option of " \
            "promprune (add one to grid.method, or move it to trials:)" in text and "did you mean" not in text
+    # a typo of another method's option names that method; "valid" lists what the grid's methods take
+    with pytest.raises(specs.SpecError) as e:
+        load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: divprune, budget: 8, tauu: [0.1]}\n")
+    assert "grid.tauu: no method in grid.method (divprune) accepts this option (did you mean 'tau', an option of " \
+           "promprune?); valid: order" in str(e.value)
     with pytest.raises(specs.SpecError, match=r"trial promprune-b8-metric=spectrall: .*metric"):
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: promprune, budget: 8, metric: [spectrall]}\n")
     with pytest.raises(specs.SpecError, match=r"model\.options\.max_pixel: unknown adapter option"):
