@@ -172,6 +172,11 @@ def _check_grid(grid: dict, info: ValidationInfo) -> dict:
         problems.append((("method",), "required when grid is set (a method name or a list of them)", None))
     if grid and "budget" not in grid:
         problems.append((("budget",), "required when grid is set (an int or a list of them)", None))
+    budgets = grid.get("budget")
+    listed = budgets if isinstance(budgets, list) else [] if space.is_distribution(budgets) else [budgets]
+    bad = [b for b in listed if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1)]
+    if bad:  # here, not once per trial the grid expands to
+        problems.append((("budget",), f"expected an int >= 1 or a list of them, got {bad[0]!r}", budgets))
     methods = grid.get("method", [])
     methods = methods["choice"] if isinstance(methods, dict) and isinstance(methods.get("choice"), list) \
         else methods if isinstance(methods, list) else [methods] if not isinstance(methods, dict) else []

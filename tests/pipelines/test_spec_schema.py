@@ -58,6 +58,13 @@ def test_five_mistakes_in_five_places_come_back_together_by_dotted_path():
         "generation.max_new_tokens: expected an int >= 1, got 0"])
 
 
+@pytest.mark.parametrize("budget, shown", [([16, 0], "0"), (-4, "-4"), (["a"], "'a'"), ([True], "True")])
+def test_a_bad_grid_budget_is_named_once_at_the_grid(budget, shown):
+    """Not once per trial the grid expands to (it was "budget: ... (trial divprune-b0)", then vispruner's)."""
+    errors = problems(grid={"method": ["divprune", "vispruner"], "budget": budget})
+    assert errors == [f"grid.budget: expected an int >= 1 or a list of them, got {shown}"]
+
+
 def test_option_values_are_checked_with_the_other_fields_problems():
     errors = problems(tune={"search": "bayes"}, resources={"batch_size": 0},
                       grid={"method": "promprune", "budget": 8, "mu": "abc"})
