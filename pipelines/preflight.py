@@ -172,7 +172,8 @@ def check_metric(metric: str, tasks: list[str]) -> list[str]:
 
 
 def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int]) -> list[str]:
-    """The model resolves, and every budget (by trial id) is below the visual tokens it gives one image."""
+    """The model resolves, and every budget (by trial id) is below the visual tokens it gives one image (one problem
+    per budget that is not, naming its trials)."""
     from promprune.eval.task_checks import NotOnThisMachine
     from promprune.models.adapters import visual_token_capacity
     from promprune.models.factories import NotCachedError, model_config
@@ -186,8 +187,14 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
     capacity = None if config is None else visual_token_capacity(config, adapter_options)
     if capacity is None:
         return []
-    return [f"budget: trial {tid} keeps {budget} of the {capacity} visual tokens {pretrained} gives an image, so it "
-            "would run unpruned; use budgets below that" for tid, budget in budgets.items() if budget >= capacity]
+    over: dict[int, list[str]] = {}
+    for tid, budget in budgets.items():
+        if budget >= capacity:
+            over.setdefault(budget, []).append(tid)
+    return [f"budget: trial {tids[0]} keeps {budget} of the {capacity} visual tokens {pretrained} gives an image, so "
+            f"it would run unpruned; use budgets below {capacity}" if len(tids) == 1 else
+            f"budget: trials {', '.join(tids)} keep {budget} of the {capacity} visual tokens {pretrained} gives an "
+            f"image, so they would run unpruned; use budgets below {capacity}" for budget, tids in over.items()]
 
 
 def check_in_llm_layers(spec: SweepSpec) -> list[str]:

@@ -124,7 +124,14 @@ def test_an_optuna_search_lists_only_the_fixed_trials_and_its_budgets_are_checke
     assert preflight.budgets(spec) == {"grid.budget=16": 16}
     assert preflight.check_model("tiny:llava", {}, {"grid.budget=40": 40}) == [
         "budget: trial grid.budget=40 keeps 40 of the 36 visual tokens tiny:llava gives an image, so it would run "
-        "unpruned; use budgets below that"]
+        "unpruned; use budgets below 36"]
+    # one problem per budget, naming every trial that asks for it
+    assert preflight.check_model("tiny:llava", {}, {"divprune-b40": 40, "vispruner-b40": 40, "divprune-b8": 8,
+                                                    "divprune-b36": 36}) == [
+        "budget: trials divprune-b40, vispruner-b40 keep 40 of the 36 visual tokens tiny:llava gives an image, so they "
+        "would run unpruned; use budgets below 36",
+        "budget: trial divprune-b36 keeps 36 of the 36 visual tokens tiny:llava gives an image, so it would run "
+        "unpruned; use budgets below 36"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
