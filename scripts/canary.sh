@@ -38,6 +38,10 @@ if [[ "${PROMPRUNE_CANARY_REUSE:-0}" != 1 || ! -x "$VENV/bin/python" ]]; then
     "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]" >> "$tmp/pip.log" 2>&1 \
         || fail_build "pip install -e .[dev] failed"
 fi
+# decord, which lmms-eval's llava_hf imports (the throughput benchmark's smoke run, in the long tier): the bench
+# extra's other half, ray[serve]==2.60.0, would hold Ray at the pinned release, and its row degrades without it
+"$VENV/bin/python" -c "import decord" 2>/dev/null || "$VENV/bin/python" -m pip install -q decord >> "$tmp/pip.log" 2>&1 \
+    || fail_build "pip install decord failed"
 
 versions="$("$VENV/bin/python" - <<'EOF'
 from importlib.metadata import PackageNotFoundError, version
