@@ -61,11 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from pipelines.run.ray_connect import worker_env
+    from pipelines.run.ray_connect import init_local
 
     with tempfile.TemporaryDirectory(prefix="promprune-ray-") as tmp:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, runtime_env=worker_env(),
-                 _temp_dir=tmp)
+        init_local(include_dashboard=False, log_to_driver=False, _temp_dir=tmp)  # as a sweep's local Ray
         try:
             m = measure(args.tasks, args.limit, args.batch_size, args.shards)
         finally:

@@ -59,3 +59,62 @@ def test_a_local_rays_first_workers_serve_the_sweeps_actors_with_its_environment
     assert got["loguru"] == QUIET_ENV["LOGURU_LEVEL"]
     assert not got["runtime_env"].get("env_vars")  # the job's runtime_env carries no variables
     assert got["driver_env"]["LOGURU_LEVEL"] is None  # the driver's own environment is as it was
+
+
+# Ray's own failure planted once: the first `ray.init` leaves what a node that did not register leaves (processes
+# this driver started: a stand-in whose command line names Ray, and another thread's `sleep`), then raises Ray's
+# error; the second is Ray's real start
+TIMED_OUT = """
+import json, subprocess, sys
+import psutil, ray
+from pipelines.run import ray_connect
+
+real, left = ray.init, {}
+
+def first_call_times_out(*args, **kwargs):
+    ray.init = real
+    left["ray"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "raylet-stand-in"])
+    left["other"] = subprocess.Popen(["sleep", "300"])
+    raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                    "failed to startup or the GCS has become overloaded.")
+
+ray.init = first_call_times_out
+ray_connect.init_local(num_cpus=1, include_dashboard=False, log_to_driver=False)
+alive = {name: proc.poll() is None for name, proc in left.items()}
+print(json.dumps({"alive": alive, "cpus": ray.cluster_resources().get("CPU")}))
+left["other"].kill()
+ray.shutdown()
+"""
+
+
+def test_a_local_ray_that_timed_out_at_startup_is_ended_and_started_once_more():
+    ray_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_dir}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        out = subprocess.run([sys.executable, "-c", TIMED_OUT], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"alive": {"ray": False, "other": True}, "cpus": 1.0}, got  # Ray's left ended, not the other
+    assert "did not start within Ray's 30 s" in out.stdout + out.stderr
+    assert "ended what it had started (1 process(es))" in out.stdout + out.stderr
+
+
+def test_another_error_at_startup_is_not_retried(monkeypatch):
+    import ray
+
+    from pipelines.run import ray_connect
+
+    calls = []
+
+    def refuses(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("When connecting to an existing cluster, num_cpus and num_gpus must not be provided.")
+
+    monkeypatch.setattr(ray, "init", refuses)
+    with pytest.raises(ValueError, match="existing cluster"):
+        ray_connect.init_local(num_cpus=1)
+    assert calls == [1]
