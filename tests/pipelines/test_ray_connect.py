@@ -38,21 +38,27 @@ print(json.dumps({"idle": sorted(idle), "pid": pid, "pythonpath": pythonpath, "l
 """
 
 
-@pytest.mark.parametrize("address", [None, "local"])  # no address (loopback only), RAY_ADDRESS=local
-def test_a_local_rays_first_workers_serve_the_sweeps_actors_with_its_environment(address):
-    ray_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths have a length limit
+def run_driver(script: str, address: str | None = None) -> tuple[dict, str]:
+    """(the JSON ``script``'s last line prints, all it printed), run as a driver of its own: Ray's files in a short
+    temp dir of their own (Ray's socket paths have a length limit), ``RAY_ADDRESS`` as given, no LOGURU_LEVEL."""
+    ray_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")
     env = {**os.environ, "RAY_TMPDIR": ray_dir}
     for key in ("RAY_ADDRESS", "LOGURU_LEVEL"):
         env.pop(key, None)
     if address:
         env["RAY_ADDRESS"] = address
     try:
-        out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("address", [None, "local"])  # no address (loopback only), RAY_ADDRESS=local
+def test_a_local_rays_first_workers_serve_the_sweeps_actors_with_its_environment(address):
+    got, _ = run_driver(PROBE, address)
     assert len(got["idle"]) >= 2, got
     assert got["pid"] in got["idle"], got  # the actor took a worker Ray had started ahead of need
     assert str(REPO) in got["pythonpath"].split(os.pathsep) and str(REPO) in got["path"]
@@ -88,19 +94,9 @@ ray.shutdown()
 
 
 def test_a_local_ray_that_timed_out_at_startup_is_ended_and_started_once_more():
-    ray_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    env = {**os.environ, "RAY_TMPDIR": ray_dir}
-    env.pop("RAY_ADDRESS", None)
-    try:
-        out = subprocess.run([sys.executable, "-c", TIMED_OUT], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
-    finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got, printed = run_driver(TIMED_OUT)
     assert got == {"alive": {"ray": False, "other": True}, "cpus": 1.0}, got  # Ray's left ended, not the other
-    assert "did not start within Ray's 30 s" in out.stdout + out.stderr
-    assert "ended what it had started (1 process(es))" in out.stdout + out.stderr
+    assert "did not start within Ray's 30 s" in printed and "ended what it had started (1 process(es))" in printed
 
 
 def test_another_error_at_startup_is_not_retried(monkeypatch):
