@@ -284,7 +284,8 @@ def test_sweep_scaling():
 @pytest.mark.long  # the long tier (pyproject's markers), ~80 s: lmms-eval's own command line runs in CI in
 # tests/eval/test_end_to_end.py, our engine's paths in tests/pipelines
 def test_throughput():
-    """Needs the bench extra (decord, for lmms-eval's llava_hf): CI installs it, so this never skips there."""
+    """Needs decord (lmms-eval's llava_hf imports it): the bench extra and the canary install it; without it this
+    fails naming the extra."""
     out = run_benchmark("throughput.py", "--smoke")
     ratio = figure(out, rf"throughput vs one lmms-eval run per configuration: ({NUMBER})x pope-shaped")[1]
     assert float(ratio) > 0
