@@ -115,28 +115,28 @@ def init_local(**kwargs) -> None:
             f"({ended} process(es)) and starting it once more")
 
 
-def descendants() -> set[tuple[int, float]]:
-    """This process's descendants as (pid, creation time): a pid reused later is another process."""
+def descendants() -> dict[tuple[int, float], object]:
+    """This process's descendants (psutil processes) by (pid, creation time): a pid reused later is another process."""
     import psutil
 
-    out = set()
+    out = {}
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            out.add((proc.pid, proc.create_time()))
+            out[proc.pid, proc.create_time()] = proc
     return out
 
 
-def end_new_descendants(before: set[tuple[int, float]]) -> int:
-    """Kill this process's descendants not in ``before`` whose command line names Ray (a half-started local Ray: its
-    GCS, raylet, agents and prestarted workers; not what another thread started meanwhile) and reset Ray's driver
-    state (`ray.shutdown`); returns how many were killed."""
+def end_new_descendants(before) -> int:
+    """Kill this process's descendants not in ``before`` (keys of `descendants`) whose command line names Ray (a
+    half-started local Ray: its GCS, raylet, agents and prestarted workers; not what another thread started meanwhile)
+    and reset Ray's driver state (`ray.shutdown`); returns how many were killed."""
     import psutil
 
     ray.shutdown()
     new = []
-    for proc in psutil.Process().children(recursive=True):
+    for key, proc in descendants().items():
         with contextlib.suppress(psutil.Error):
-            if (proc.pid, proc.create_time()) not in before and any("ray" in part for part in proc.cmdline()):
+            if key not in before and any("ray" in part for part in proc.cmdline()):
                 proc.kill()
                 new.append(proc)
     psutil.wait_procs(new, timeout=10)
