@@ -191,10 +191,12 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
     for tid, budget in budgets.items():
         if budget >= capacity:
             over.setdefault(budget, []).append(tid)
-    return [f"budget: trial {tids[0]} keeps {budget} of the {capacity} visual tokens {pretrained} gives an image, so "
-            f"it would run unpruned; use budgets below {capacity}" if len(tids) == 1 else
-            f"budget: trials {', '.join(tids)} keep {budget} of the {capacity} visual tokens {pretrained} gives an "
-            f"image, so they would run unpruned; use budgets below {capacity}" for budget, tids in over.items()]
+    out = []
+    for budget, tids in over.items():
+        who, keep, it = ("trial", "keeps", "it") if len(tids) == 1 else ("trials", "keep", "they")
+        out.append(f"budget: {who} {', '.join(tids)} {keep} {budget} of the {capacity} visual tokens {pretrained} "
+                   f"gives an image, so {it} would run unpruned; use budgets below {capacity}")
+    return out
 
 
 def check_in_llm_layers(spec: SweepSpec) -> list[str]:

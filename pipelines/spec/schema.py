@@ -156,8 +156,8 @@ def _option_hint(key: str, theirs: list[str], catalog) -> str:
     def owners(option: str) -> str:
         return ", ".join(sorted(m for m in catalog.names if option in catalog.options(m)))
 
-    if owners(key):
-        return f"; it is an option of {owners(key)} (add one to grid.method, or move it to trials:)"
+    if taken_by := owners(key):
+        return f"; it is an option of {taken_by} (add one to grid.method, or move it to trials:)"
     hint = did_you_mean(key, theirs)
     if not hint and (other := closest(key, set().union(*[catalog.options(m) for m in catalog.names]))):
         hint = f" (did you mean {other!r}, an option of {owners(other)}?)"
