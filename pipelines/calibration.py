@@ -67,7 +67,8 @@ def apply(options: dict, calibrated: dict[str, float]) -> dict:
 def check_source(images: str | None) -> str | None:
     """A problem with the calibration image source, or None."""
     if not images:
-        return "calibration.images: required when a trial sets mu: calibrate (a folder of images, or hf:<dataset>)"
+        return ("calibration.images: required when a trial sets mu: calibrate (a folder of images, hf:<dataset> or "
+                "testbed:<split>)")
     if images.startswith("hf:"):
         return None if images[3:].split(":")[0] else f"calibration.images: {images!r} names no dataset"
     if images.startswith("testbed:"):
@@ -80,8 +81,8 @@ def check_source(images: str | None) -> str | None:
     if not folder.is_dir():
         from promprune.eval.task_checks import NotOnThisMachine  # a folder the machine running the sweep may have
 
-        return NotOnThisMachine(f"calibration.images: {images!r} is not a folder here (give a folder of images, or "
-                                "hf:<dataset id>)")
+        return NotOnThisMachine(f"calibration.images: {images!r} is not a folder here (give a folder of images, "
+                                "hf:<dataset id> or testbed:<split>)")
     if not any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.rglob("*")):
         return f"calibration.images: {images!r} holds no image ({', '.join(IMAGE_SUFFIXES)})"
     return None

@@ -66,8 +66,9 @@ class Resources:
 
     # most workers one trial uses at once; auto: as many as its blocks (and max_gpus) allow
     workers: PositiveOrAuto = AUTO
-    # gpu: workers need GPUs (a sweep waits actor_wait_s for them, then exits 2); cpu: workers on CPUs; auto: gpu on a
-    # cluster the sweep joins or a machine with GPUs, cpu on a local Ray without GPUs (said on the console)
+    # gpu: workers need GPUs (a sweep waits actor_wait_s for them, then exits 2); cpu: workers on CPUs; auto: gpu when
+    # the cluster has GPUs or its autoscaler can add them, else cpu (said on the console) for models up to 2B
+    # parameters (run/resources.py: choose_device)
     device: Device = "auto"
     # a 7B model in bf16 fits one 24+ GB GPU (device gpu)
     gpus_per_worker: Annotated[Number, Field(gt=0), expect("a number > 0")] = 1

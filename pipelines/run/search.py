@@ -108,11 +108,12 @@ def rungs(spec: specs.SweepSpec, total: int) -> list[int]:
 
 
 def grace_period(spec: specs.SweepSpec, total: int) -> int:
-    """The first rung in samples: the spec's, or with ``auto`` a trial's samples / reduction_factor^2 (so two rungs
-    come before the end: ASHA keeps 1/rf of the trials at each)."""
+    """The first rung in samples: the spec's, or with ``auto`` a trial's samples / reduction_factor^2 rounded up (so
+    two rungs come before the end: ASHA keeps 1/rf of the trials at each; rounded down, a third rung would fall just
+    short of the end, e.g. 66, 198 and 594 of 600, where stopping saves nothing)."""
     if spec.tune.grace_period != specs.AUTO:
         return int(spec.tune.grace_period)
-    return max(1, int(total / spec.tune.reduction_factor ** 2))
+    return max(1, math.ceil(total / spec.tune.reduction_factor ** 2))
 
 
 def check_rungs(spec: specs.SweepSpec, total: int) -> str | None:

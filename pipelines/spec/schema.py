@@ -112,8 +112,8 @@ class TuneSpec:
     mode: one_of(*MODES) = "max"  # max: higher is better (scores, Rel.)
     # asha: Tune's ASHA stops weak trials at rungs of samples seen (grace_period, x reduction_factor, ...)
     scheduler: one_of(*SCHEDULERS) = "none"
-    # samples a trial answers before ASHA may stop it (its first rung); auto: a trial's samples / reduction_factor^2,
-    # so there are two rungs before the end
+    # samples a trial answers before ASHA may stop it (its first rung); auto: a trial's samples / reduction_factor^2
+    # rounded up, so there are two rungs before the end
     grace_period: PositiveOrAuto = AUTO
     # ASHA keeps the best 1/reduction_factor of the trials at each rung; 3 is ASHA's own recommendation
     reduction_factor: Annotated[Number, Field(gt=1), expect("a number > 1")] = 3
@@ -121,7 +121,7 @@ class TuneSpec:
     # Tune retries of a failed trial (node loss, OOM) before the trial counts as errored
     max_failures: Annotated[StrictInt, Field(ge=-1), expect("an int >= 0 (or -1: unlimited)")] = 2
     seed: Annotated[StrictInt, expect("an int")] = 0  # random draws and optuna's sampler
-    # Tune's experiment dir; None: ./outputs/tune (needs shared storage on clusters)
+    # Tune's experiment dir; None: $PROMPRUNE_STORAGE, else ./outputs/tune (needs shared storage on clusters)
     storage_path: Annotated[StrictStr | None, expect("a path or URI string")] = None
 
 

@@ -151,6 +151,20 @@ def test_rungs_are_where_rays_asha_records(total, grace, rf):
     assert search.rungs(parse(), total) == []  # no scheduler, no rungs
 
 
+@pytest.mark.parametrize("total,rf", [(600, 3), (1566, 3), (300, 3), (100, 2), (1000, 3.5), (601, 3)])
+def test_auto_places_two_rungs_before_the_end(total, rf):
+    # what the search specs promise ("rungs at 67 and 201 of 600 questions"): two, read from Ray's own ASHA, and the
+    # first of them total / rf^2 rounded up (600 rounded down gave a third rung at 594, which stops nothing)
+    from ray.tune.schedulers import ASHAScheduler
+
+    grace = search.grace_period(parse(scheduler="asha", reduction_factor=rf), total)
+    asha = ASHAScheduler(time_attr="t", metric="m", mode="max", max_t=total, grace_period=grace, reduction_factor=rf)
+    assert sorted(int(m) for m, _ in asha._brackets[0]._rungs if m < total) == [grace, int(grace * rf)]
+    assert grace == -(-total // rf ** 2)
+    if total == 600:
+        assert search.rungs(parse(scheduler="asha"), total) == [67, 201]
+
+
 def test_the_first_rung_must_come_before_the_end():
     spec = parse(scheduler="asha", grace_period=200)
     assert search.check_rungs(spec, 200).startswith("tune.grace_period: 200 samples is not below a trial's 200")
