@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import promprune
+from promprune.selection.registry import as_budget
 
 # Adapter options, valid with every method (ignored by architectures they do not concern).
 ADAPTER_OPTIONS: dict[str, Any] = {
@@ -128,10 +129,10 @@ def is_in_llm(method: str | None) -> bool:
 def validate_method(method: str | None, budget: int | None = None, **options) -> tuple[dict, dict]:
     """Check a method name, budget and options up front; returns ``(method_options, adapter_options)``.
 
-    ``method_options`` are the given method options (defaults are filled in later, so ``mu`` can default per
-    family); ``adapter_options`` are the adapter options with defaults filled in. ``method=None`` means unpruned:
-    then no budget and no method options are allowed. Errors are ValueErrors naming the bad field and listing the
-    valid values.
+    ``method_options`` are the given method options, numpy's numbers as Python's (defaults are filled in later, so
+    ``mu`` can default per family); ``adapter_options`` are the adapter options with defaults filled in.
+    ``method=None`` means unpruned: then no budget and no method options are allowed. Errors are ValueErrors naming
+    the bad field and listing the valid values.
     """
     adapter = {k: options.pop(k) for k in list(options) if k in ADAPTER_OPTIONS}
     adapter = {**ADAPTER_OPTIONS, **adapter}
@@ -154,15 +155,14 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
                              f"options={sorted(options)}")
         return {}, adapter
     spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget must be a positive int for method {method!r}, got {budget!r}")
-    spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's own checks
+    budget = as_budget(budget, method)
+    resolved = spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's checks
     if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision
                                                                  or spec.needs_instruction or spec.needs_grid):
         raise ValueError(f"budget_mode 'packed' selects among LLaVA-NeXT's image_newline tokens, which have no "
                          f"saliency, vision-tower features or grid place; method {method!r} needs them: use another "
                          "budget_mode (packed suits divprune and random)")
-    return dict(options), adapter
+    return {key: resolved[key] for key in options}, adapter  # numpy's numbers as Python's
 
 
 def _check_image_tokens(n) -> None:

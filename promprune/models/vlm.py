@@ -81,7 +81,7 @@ class PrunedVLM:
                  **method_options):
         self.method_options, adapter_options = validate_method(method, budget, **method_options)
         self.model, self.processor = model.eval(), processor
-        self.method, self.budget = method, budget
+        self.method, self.budget = method, (None if budget is None else int(budget))  # numpy's ints as Python's
         self.adapter = adapter_for(model, processor, adapter_options)
         self.token_order = token_order(method, adapter_options["token_order"])  # "released" resolved per method
         # LLaVA-NeXT: how the budget meets the views and the newline tokens ("released" resolved per method)

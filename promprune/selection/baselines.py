@@ -122,12 +122,14 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cl
     each contextual token is its target plus the mean of the tokens that joined it (the released rule; a target
     nobody joined stays as it is). With ``vision`` the merge runs on the vision tower's hidden states and
     ``vision.project`` brings the merged tokens and the CLS into the features' space; dominant tokens are
-    ``features`` rows. Indices report the dominant tokens, then the targets' positions.
+    ``features`` rows. Indices report the dominant tokens, then the targets' positions. A budget of N or more keeps
+    the N tokens as they are (no CLS, nothing merged), as every method does.
     """
     B = tokens.batch
     vision = tokens.vision
-    with_cls = bool(keep_cls) and vision is not None and vision.cls is not None
-    n_ctx = min(round(budget * float(contextual_ratio)), budget - int(with_cls))
+    whole = budget >= tokens.n  # T >= N keeps every token as it is: no CLS in place of one, nothing merged
+    with_cls = bool(keep_cls) and vision is not None and vision.cls is not None and not whole
+    n_ctx = 0 if whole else min(round(budget * float(contextual_ratio)), budget - int(with_cls))
     n_dom = budget - n_ctx - int(with_cls)  # dominant tokens among the N
     order = stable_descending_order(tokens.require_saliency("visionzip"))
     dominant = order[:, :n_dom]

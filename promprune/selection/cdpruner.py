@@ -11,7 +11,9 @@ we do:
   ``r = (r - min + 1e-6) / (max - min)``, over its whole batch (one image on LLaVA-1.5; all views of one image on
   LLaVA-NeXT). We normalize per selection unit (per image; per view on LLaVA-NeXT).
 - Optional ``theta`` (commented out in the released code, off by default): ``r = exp(alpha r)`` with
-  ``alpha = theta / (2 (1 - theta))``.
+  ``alpha = theta / (2 (1 - theta))``, computed as ``exp(alpha (r - max r))``: every weight divided by the largest,
+  which is then 1 as in the released kernel. A constant factor does not change the greedy's picks, and without it
+  the kernel (weights squared) overflows float32 from theta ~0.99 (alpha 49.5: e^99), repeating a token.
 - Kernel ``L_ij = r_i S_ij r_j`` with ``S`` the cosine similarity of the tokens after LLaVA's projector
   (``features``), then greedy MAP inference for ``budget`` tokens (Chen et al. 2018), kept in index order.
 
@@ -47,7 +49,7 @@ def relevance(tokens: TokenSet, negate: bool | None, theta: float | None) -> tor
     r = torch.where(spread > 0, (r - low + RELEVANCE_EPS) / spread.clamp_min(torch.finfo(r.dtype).tiny),
                     torch.ones_like(r))  # all equal: uniform relevance
     if theta is not None:
-        r = torch.exp(theta / (2 * (1 - theta)) * r)
+        r = torch.exp(theta / (2 * (1 - theta)) * (r - r.amax(dim=1, keepdim=True)))  # the largest weight 1
     return r
 
 

@@ -68,6 +68,14 @@ def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:
     return _normalized_entropy(lam / lam.sum(dim=-1, keepdim=True), eig.shape[-1])
 
 
+def _batched(t, dims: int, shape: str, fn: str) -> None:
+    """The public entropies take a batch: a tensor of ``dims`` dimensions (``shape``), else a ValueError."""
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        one = "features[None]" if dims == 3 else "saliency[None]"
+        raise ValueError(f"{fn} takes a batch {shape}, got {got} (one image: {one})")
+
+
 def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
     """Normalized spectral entropy of visual tokens ``[B, N, d]`` -> ``[B]`` in [0, 1] (float32), exact.
 
@@ -76,11 +84,13 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
     ``log(min(N, d))``. mu = 0.42 (CLIP) was calibrated on exactly this quantity. PromPrune's split reads it through
     certified bounds on the GPU (``promprune.selection.certified``), with the same decisions.
     """
+    _batched(features, 3, "[B, N, d]", "spectral_entropy")
     return entropy_of_matrix(spectral_matrix(features))
 
 
 def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:
     """Normalized entropy of the token L2-norm distribution ``n_i / sum n``: ``[B, N, d] -> [B]``."""
+    _batched(features, 3, "[B, N, d]", "feature_norm_entropy")
     norms = features.float().norm(dim=-1)  # [B, N]
     total = norms.sum(dim=1, keepdim=True)
     p = torch.where(total > 0, norms / total.clamp_min(torch.finfo(norms.dtype).tiny), 1.0 / norms.shape[1])
@@ -89,6 +99,7 @@ def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:
 
 def attention_entropy(saliency: torch.Tensor) -> torch.Tensor:
     """Normalized entropy of the saliency distribution ``s_i / sum s`` (negatives clamped to 0): ``[B, N] -> [B]``."""
+    _batched(saliency, 2, "[B, N]", "attention_entropy")
     s = saliency.float().clamp_min(0)
     total = s.sum(dim=1, keepdim=True)
     p = torch.where(total > 0, s / total.clamp_min(torch.finfo(s.dtype).tiny), 1.0 / s.shape[1])

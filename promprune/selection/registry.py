@@ -10,6 +10,7 @@ point, ``$PROMPRUNE_PLUGINS``: ``promprune.plugins``) are imported the first tim
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Mapping
@@ -218,6 +219,7 @@ class MethodSpec:
             hints = [f"{u!r}" + did_you_mean(u, valid) for u in unknown]
             raise ValueError(f"unknown option(s) for method {self.name!r}: {', '.join(hints)}; "
                              f"valid options: {', '.join(valid)}")
+        given = {key: plain(value) for key, value in given.items()}  # numpy's scalars as Python's
         resolved = {**self.options, **given}
         for key, value in given.items():
             _check_type(self.name, key, self.options[key], value)
@@ -228,6 +230,25 @@ class MethodSpec:
         if self.check is not None:
             self.check(resolved, budget)
         return resolved
+
+
+def plain(value):
+    """A number of another library (numpy's ``float32(0.4)``, ``int64(8)``, e.g. from ``np.linspace``) as Python's
+    float or int, elementwise in a list or tuple; anything else (bools, strings, None, tensors) as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def as_budget(budget, method: str | None = None) -> int:
+    """``budget`` as a Python int (numpy's ints too); anything but a positive integer is a ValueError."""
+    budget = plain(budget)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        of = f" for method {method!r}" if method else ""
+        raise ValueError(f"budget must be a positive int{of}, got {budget!r}")
+    return budget
 
 
 def _is_number(value) -> bool:
@@ -330,12 +351,10 @@ def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tenso
         raise ValueError(f"features must be a tensor [B, N, d], got {shape}")
     if not features.is_floating_point():
         raise ValueError(f"features must be a float tensor, got dtype {features.dtype}")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget must be a positive int, got {budget!r}")
     x = upcast(features)  # float32; float64 stays float64
     B, N, _ = x.shape
-    if N == 0:
-        raise ValueError("features have no tokens (N = 0)")
+    if N == 0 or B == 0:
+        raise ValueError(f"features have no {'tokens (N = 0)' if N == 0 else 'images (B = 0)'}")
     if saliency is None:
         if spec.needs_saliency:
             raise ValueError(f"method {spec.name!r} needs saliency scores [B, N] = [{B}, {N}]; got saliency=None")
@@ -478,6 +497,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     if spec.stage != PRE_LLM:
         raise ValueError(f"method {method!r} prunes inside the LLM; run it through promprune.models.PrunedVLM, "
                          f"select() runs the pre-LLM methods: {', '.join(methods())}")
+    budget = as_budget(budget)
     opts = spec.resolve(options, budget=budget)
     order = opts.pop("order")
     x, s = _validate(features, saliency, budget, spec)

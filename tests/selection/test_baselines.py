@@ -76,6 +76,19 @@ def test_visionzip_merges_the_vision_space_by_keys_and_keeps_cls():
     assert no_cls.cls is None and no_cls.indices.shape[1] == 4
 
 
+@pytest.mark.parametrize("budget", [8, 20])
+def test_visionzip_at_a_budget_of_every_token_keeps_them_as_they_are(budget):
+    # select's contract, T >= N keeps every token: the CLS took a slot and a merge folded a token away before
+    x, s = torch.randn(1, 8, 3), torch.rand(1, 8)
+    vision = promprune.VisionFeatures(hidden=torch.randn(1, 8, 5), cls=torch.randn(1, 5),
+                                      project=lambda h: h @ torch.ones(5, 3))
+    sel = promprune.select(x, s, budget=budget, method="visionzip", vision=vision)
+    assert sel.indices.tolist() == [list(range(8))] and sel.cls is None
+    assert torch.equal(sel.features, x)
+    one_less = promprune.select(x, s, budget=7, method="visionzip", vision=vision)
+    assert one_less.cls is not None and one_less.indices.shape == (1, 6)  # below N the released rule: the CLS counts
+
+
 def test_vispruner_removes_duplicates_on_the_vision_features():
     # The hand example's geometry in the vision features, the projected features all alike: the result follows
     # the vision features.

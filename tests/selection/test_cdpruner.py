@@ -6,6 +6,7 @@ import torch
 
 import promprune
 from promprune.selection.cdpruner import relevance
+from promprune.selection.diversity import GAIN_EPS
 from promprune.selection.registry import Instruction, TokenSet
 
 
@@ -26,7 +27,8 @@ def test_clip_relevance_is_the_negated_cosine_min_max_normalized():
     r_llm = relevance(TokenSet(x, None, instruction=instruction(COS, "llm")), negate=None, theta=None)
     torch.testing.assert_close(r_llm[0], torch.tensor([1.4 + 1e-6, 0.6 + 1e-6, 1e-6]) / 1.4)
     theta = relevance(TokenSet(x, None, instruction=instruction(COS, "llm")), negate=None, theta=0.5)
-    torch.testing.assert_close(theta, torch.exp(0.5 * r_llm))  # alpha = 0.5 / (2 * 0.5)
+    # alpha = 0.5 / (2 * 0.5); exp(alpha r) divided by its largest (a factor the greedy's picks do not see)
+    torch.testing.assert_close(theta, torch.exp(0.5 * r_llm) / torch.exp(0.5 * r_llm).max())
 
 
 @pytest.mark.parametrize("source,first,second", [("clip", 2, 1), ("llm", 0, 1)])
@@ -69,6 +71,42 @@ def test_matches_a_naive_log_det_greedy_on_the_relevance_weighted_kernel():
     xn = torch.nn.functional.normalize(x[0], dim=-1)
     kernel = r[:, None] * (xn @ xn.T) * r[None, :]
     assert sel.indices[0].tolist() == naive_greedy(kernel, 5)
+
+
+def naive_greedy_then_raster(kernel, budget, eps):
+    """The documented rule (``dpp_greedy``): the largest gain det(K[S + j]) / det(K[S]) while one exceeds ``eps``,
+    then the lowest free indices."""
+    chosen = []
+    for _ in range(budget):
+        base = torch.det(kernel[chosen][:, chosen]) if chosen else torch.tensor(1.0, dtype=kernel.dtype)
+        gains = {j: (torch.det(kernel[chosen + [j]][:, chosen + [j]]) / base).item()
+                 for j in range(kernel.shape[0]) if j not in chosen}
+        best = max(gains, key=gains.get)
+        chosen.append(best if gains[best] > eps else min(gains))
+    return chosen
+
+
+@pytest.mark.parametrize("theta", [0.5, 0.9, 0.99])
+def test_theta_matches_the_naive_greedy_on_the_float64_kernel(theta):
+    # the weights exp(alpha r) in float64, divided by the largest; at theta 0.99 (alpha 49.5) their unscaled float32
+    # kernel overflowed (e^99) and the selection repeated token 0 seven times. There the weights span e^49.5, so after
+    # the few most relevant tokens every gain is below GAIN_EPS and the rest are filled in raster order
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 40, 16, generator=g)
+    text = Instruction(query=x[:, 0], tokens=x)
+    sel = promprune.select(x, budget=8, method="cdpruner", instruction=text, theta=theta, order="selection")
+    r = relevance(TokenSet(x, None, instruction=text), negate=None, theta=None)[0].double()
+    w = torch.exp(theta / (2 * (1 - theta)) * r)
+    w = w / w.max()
+    xn = torch.nn.functional.normalize(x[0].double(), dim=-1)
+    assert sel.indices[0].tolist() == naive_greedy_then_raster(w[:, None] * (xn @ xn.T) * w[None, :], 8, GAIN_EPS)
+
+
+def test_theta_near_one_still_keeps_distinct_tokens():
+    x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(0))
+    sel = promprune.select(x, budget=8, method="cdpruner", instruction=Instruction(query=x[:, 0], tokens=x),
+                           theta=0.9999)
+    assert all(len(set(row)) == 8 for row in sel.indices.tolist())
 
 
 def test_one_selection_per_question():

@@ -65,3 +65,13 @@ def test_attention_entropy_hand_values():
     p = np.array([0.5, 0.3, 0.2])
     assert got.tolist()[:2] == pytest.approx([1.0, 0.0], abs=1e-6)
     assert got[2].item() == pytest.approx(-(p * np.log(p)).sum() / math.log(4), abs=1e-6)
+
+
+def test_the_public_entropies_say_they_take_a_batch():
+    x = torch.randn(6, 4)  # one image's tokens, no batch dimension
+    for fn in (promprune.spectral_entropy, promprune.feature_norm_entropy):
+        with pytest.raises(ValueError, match=r"a batch \[B, N, d\], got \(6, 4\) \(one image: features\[None\]\)"):
+            fn(x)
+        assert fn(x[None]).shape == (1,)
+    with pytest.raises(ValueError, match=r"attention_entropy takes a batch \[B, N\], got \(6,\)"):
+        promprune.attention_entropy(torch.rand(6))

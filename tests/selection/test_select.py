@@ -108,10 +108,31 @@ def test_errors_name_the_problem():
         select(x, None, budget=8, method="promprune")
     with pytest.raises(ValueError, match=r"\[B, N, d\]"):
         select(x[0], s, budget=8)
+    with pytest.raises(ValueError, match=r"features have no images \(B = 0\)"):
+        select(x[:0], s[:0], budget=8)
     with pytest.raises(ValueError, match="tau"):
         select(x, s, budget=8, tau=0.0)
     # methods that need no saliency accept None
     assert select(x, None, budget=8, method="divprune").indices.shape == (3, 8)
+
+
+def test_numpy_numbers_count_as_python_numbers():
+    # a grid from np.linspace / np.arange: numpy's float32 and int64 are not Python float / int subclasses
+    np = pytest.importorskip("numpy")
+    from promprune.models import validate_method
+
+    x, s = inputs()
+    got = select(x, s, budget=np.int64(8), mu=np.float32(0.25), tau=np.float64(0.02))
+    want = select(x, s, budget=8, mu=float(np.float32(0.25)), tau=0.02)
+    assert torch.equal(got.indices, want.indices)
+    assert select(x, s, budget=8, method="random", seed=np.int64(3)).indices.tolist() == \
+        select(x, s, budget=8, method="random", seed=3).indices.tolist()
+    options, _ = validate_method("promprune", np.int64(8), mu=np.float32(0.5))
+    assert type(options["mu"]) is float
+    with pytest.raises(ValueError, match="budget must be a positive int"):
+        select(x, s, budget=np.float64(8.0))
+    with pytest.raises(ValueError, match="budget must be a positive int"):
+        select(x, s, budget=np.int64(0))
 
 
 @pytest.mark.parametrize("method", METHODS)
