@@ -70,7 +70,14 @@ def check_source(images: str | None) -> str | None:
         return ("calibration.images: required when a trial sets mu: calibrate (a folder of images, hf:<dataset> or "
                 "testbed:<split>)")
     if images.startswith("hf:"):
-        return None if images[3:].split(":")[0] else f"calibration.images: {images!r} names no dataset"
+        repo = images[3:].split(":")[0]
+        if not repo:
+            return f"calibration.images: {images!r} names no dataset"
+        from promprune.eval.task_checks import hub_dataset_problem  # not here and no hub: before Ray, not after
+
+        return hub_dataset_problem(repo, f"calibration.images ({images!r}) reads",
+                                   "give a folder of images instead, or calibrate on testbed:train (the testbed's "
+                                   "model only)")
     if images.startswith("testbed:"):
         from promprune.testbed.scenes import SPLITS
 

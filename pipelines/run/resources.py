@@ -219,15 +219,21 @@ def fits(plan: Plan) -> bool:
 
 
 class Capacity:
-    """Waiting for the first place one actor fits (``plan.on_gpu``: a GPU node). Created early, it submits a probe
-    task asking for one actor's resources, which is pending work an autoscaler adds a node for, so the node boots
-    while the sweep builds its requests; `wait` then blocks until the probe ran (or it fits already)."""
+    """Waiting for the first place one actor fits (a GPU node, or a node with ``cpus_per_worker`` cores). Created
+    early, it submits a probe task asking for one actor's resources, which is pending work an autoscaler adds a node
+    for, so the node boots while the sweep builds its requests; `wait` then blocks until the probe ran (or it fits
+    already). On the Ray this process started itself no node will ever join: an actor that does not fit there is
+    NoCapacity at once (a GPU asked of a machine without one waited `actor_wait_s`, 10 minutes by default; too many
+    cores per worker hung)."""
 
     def __init__(self, plan: Plan):
         self.plan, self.start = plan, time.monotonic()
         self.probe, self.held = None, False
-        if plan.on_gpu and not fits(plan):
-            self.probe = ray.remote(_probe).options(num_gpus=plan.gpus, num_cpus=plan.cpus, max_retries=0).remote()
+        if fits(plan):
+            return
+        if started_here():
+            raise NoCapacity(_no_capacity_message(plan, None))
+        self.probe = ray.remote(_probe).options(num_gpus=plan.gpus, num_cpus=plan.cpus, max_retries=0).remote()
 
     def wait(self, wait_s: float) -> float:
         """Seconds waited since the probe started (0 when an actor fitted at once). Raises NoCapacity after
@@ -237,8 +243,11 @@ class Capacity:
         left = max(0.0, wait_s - (time.monotonic() - self.start))
         ready, _ = ray.wait([self.probe], timeout=min(left, 1.0))
         if not ready:
-            say(f"no node of the cluster can hold a GPU actor yet: waiting up to {wait_s:g}s for one "
-                "(resources.actor_wait_s; resources.device: cpu runs the actors on the CPUs instead)")
+            what, instead = (("a GPU actor", "resources.device: cpu runs the actors on the CPUs instead")
+                             if self.plan.on_gpu else (f"an actor of {self.plan.cpus:g} CPUs",
+                                                       "a lower resources.cpus_per_worker fits smaller nodes"))
+            say(f"no node of the cluster can hold {what} yet: waiting up to {wait_s:g}s for one "
+                f"(resources.actor_wait_s; {instead})")
             ready, _ = ray.wait([self.probe], timeout=max(0.0, left - 1.0))
         if not ready:
             ray.cancel(self.probe, force=True)
@@ -267,15 +276,25 @@ def _probe() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _no_capacity_message(plan: Plan, wait_s: float) -> str:
+def _no_capacity_message(plan: Plan, wait_s: float | None) -> str:
+    """Why no actor could be placed; ``wait_s`` None: on the Ray this process started, which no node will join."""
     have = ray.cluster_resources()
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     biggest = max((n.get("GPU", 0) for n in nodes), default=0)
+    most_cpus = max((n.get("CPU", 0) for n in nodes), default=0)
     what = (f"{plan.gpus:g} GPU and {plan.cpus:g} CPU per actor" if plan.on_gpu
             else f"{plan.cpus:g} CPU per actor")
-    return (f"the sweep's actors need {what} (resources.gpus_per_worker / resources.cpus_per_worker), and no node "
-            f"of the Ray cluster could hold one within resources.actor_wait_s={wait_s:g}s: the cluster has "
-            f"{have.get('GPU', 0):g} GPU(s) and {have.get('CPU', 0):g} CPU(s) on {len(nodes)} node(s), at most "
-            f"{biggest:g} GPU(s) on one node. Start GPU workers (cluster.yaml's gpu_worker type; check the "
-            "autoscaler's log with `ray monitor`), lower resources.gpus_per_worker, raise resources.actor_wait_s, "
-            "or set resources.device: cpu to run on the CPUs.")
+    need = f"the sweep's actors need {what} (resources.gpus_per_worker / resources.cpus_per_worker)"
+    if wait_s is None:
+        fix = (f"set resources.device: cpu or auto (with resources.cpus_per_worker at most {most_cpus:g}) to run on "
+               "this machine's CPUs, or connect to a cluster with GPUs (--address, RAY_ADDRESS)" if plan.on_gpu else
+               f"lower resources.cpus_per_worker to at most {most_cpus:g}, or connect to a cluster with larger nodes "
+               "(--address, RAY_ADDRESS)")
+        return (f"{need}, and the Ray this sweep started on this machine has {have.get('GPU', 0):g} GPU(s) and "
+                f"{have.get('CPU', 0):g} CPU(s), where no other node will join it: {fix}.")
+    return (f"{need}, and no node of the Ray cluster could hold one within resources.actor_wait_s={wait_s:g}s: the "
+            f"cluster has {have.get('GPU', 0):g} GPU(s) and {have.get('CPU', 0):g} CPU(s) on {len(nodes)} node(s), "
+            f"at most {biggest:g} GPU(s) and {most_cpus:g} CPU(s) on one node. Start GPU workers (cluster.yaml's "
+            "gpu_worker type; check the autoscaler's log with `ray monitor`), lower resources.gpus_per_worker or "
+            "resources.cpus_per_worker, raise resources.actor_wait_s, or set resources.device: cpu to run on the "
+            "CPUs.")

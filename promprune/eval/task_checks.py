@@ -207,7 +207,18 @@ def _missing_line(label: str, value: str, yaml_path: str) -> str:
 
 
 def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
-    """A hub dataset that cannot be had here: not in the datasets cache, and offline or the hub not reachable."""
+    """A task's hub dataset that cannot be had here: not in the datasets cache, and offline or the hub not
+    reachable."""
+    return hub_dataset_problem(
+        repo, f"task {task!r} ({yaml_path}) reads", "point HF_HOME (or LMMS_EVAL_DATASETS_CACHE) at a cache that "
+        "holds it (`python -m promprune.eval standins` writes local stand-ins of the paper's benchmarks), or use an "
+        "offline task (easyvqa_yesno, easyvqa_open, the testbed_* tasks: promprune.eval.OFFLINE_TASKS)")
+
+
+def hub_dataset_problem(repo: str, reader: str, elsewise: str) -> str | None:
+    """A hub dataset ``repo`` that cannot be had here (not in the datasets cache, and offline or the hub not
+    reachable), as a paragraph: ``reader`` says who reads it ("task 'pope' (...) reads"), ``elsewise`` the other
+    ways out."""
     from promprune.models.factories import hub_endpoint, hub_offline
 
     cache = datasets_cache()
@@ -219,12 +230,9 @@ def hub_problem(task: str, yaml_path: str, repo: str) -> str | None:
     why = ("HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set" if offline else
            f"the hub ({hub_endpoint()}) is not reachable from here")
     return NotOnThisMachine(
-        f"task {task!r} ({yaml_path}) reads the Hugging Face hub dataset {repo!r}, which is not in this machine's "
-        f"datasets cache ({cache}), and {why}. Download it once where there is network access with the same HF_HOME "
-        f"(python -c \"import datasets; datasets.load_dataset('{repo}')\"), point HF_HOME (or "
-        "LMMS_EVAL_DATASETS_CACHE) at a cache that holds it (`python -m promprune.eval standins` writes local "
-        "stand-ins of the paper's benchmarks), or use an offline task (easyvqa_yesno, easyvqa_open, the testbed_* "
-        "tasks: promprune.eval.OFFLINE_TASKS)")
+        f"{reader} the Hugging Face hub dataset {repo!r}, which is not in this machine's datasets cache ({cache}), "
+        f"and {why}. Download it once where there is network access with the same HF_HOME "
+        f"(python -c \"import datasets; datasets.load_dataset('{repo}')\"), {elsewise}")
 
 
 @functools.cache

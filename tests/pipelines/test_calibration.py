@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines import calibration
+from pipelines import calibration, preflight
 from pipelines import spec as specs
 from pipelines.weights import ModelSource
 from promprune.models.tiny import tiny_vlm
@@ -80,6 +80,24 @@ def test_spec_needs_images_when_a_trial_calibrates(image_folder, tmp_path):
     assert "is not a folder" in calibration.check_source(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     assert "holds no image" in calibration.check_source(str(tmp_path / "empty"))
+
+
+def test_a_hub_calibration_source_not_here_is_refused_before_ray(tmp_path, monkeypatch):
+    # it used to pass the checks and fail ~45 s later inside the sweep, its MLflow run left RUNNING
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("LMMS_EVAL_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    problem = calibration.check_source("hf:someone/pretrain-images:train")
+    assert problem.startswith("calibration.images ('hf:someone/pretrain-images:train') reads the Hugging Face hub "
+                              "dataset 'someone/pretrain-images', which is not in this machine's datasets cache")
+    assert problem.endswith("give a folder of images instead, or calibrate on testbed:train (the testbed's model "
+                            "only)")
+    raw = {"name": "c", "version": 1, "grid": {"method": "promprune", "budget": 8, "mu": "calibrate"},
+           "calibration": {"images": "hf:someone/pretrain-images"}}
+    with pytest.raises(specs.SpecError, match=r"calibration.images \('hf:someone/pretrain-images'\) reads"):
+        preflight.check_or_raise(specs.parse(raw), "c.yaml", store=False)
+    (tmp_path / "hub" / "datasets--someone--pretrain-images").mkdir(parents=True)  # the hub's download cache
+    assert calibration.check_source("hf:someone/pretrain-images") is None
 
 
 def _quickstart_calibration():

@@ -18,6 +18,7 @@ import yaml
 
 from pipelines import spec as specs
 from pipelines import sweep, timeline
+from pipelines.config import Resources
 from pipelines.recording import tracking
 from pipelines.run import resources as planning
 from pipelines.run.fake_cluster import FakeAutoscalingCluster, worker_nodes
@@ -112,6 +113,22 @@ def test_a_ray_this_process_started_has_no_autoscaler_to_ask(local_ray, monkeypa
 
     monkeypatch.setattr(planning.ray, "remote", no_task)
     assert planning.started_here() and planning.autoscaler_offers_gpus() is False
+
+
+@pytest.mark.parametrize("resources,fix", [
+    (Resources(device="gpu"), r"set resources.device: cpu or auto \(with resources.cpus_per_worker at most 2\)"),
+    (Resources(device="cpu", cpus_per_worker=64), r"lower resources.cpus_per_worker to at most 2"),
+])
+def test_an_actor_the_ray_started_here_cannot_hold_is_refused_at_once(local_ray, resources, fix):
+    """No node joins the Ray this process started: a GPU actor on a machine without one waited actor_wait_s (600 s)
+    for nothing, an actor of 64 CPUs hung without a word; both are NoCapacity at once, naming the fix."""
+    start = time.monotonic()
+    plan = planning.plan(resources, 1, 1)
+    with pytest.raises(planning.NoCapacity, match=r"the Ray this sweep started on this machine has 0 GPU\(s\) and "
+                                                  r"2 CPU\(s\), where no other node will join it: " + fix):
+        planning.Capacity(plan)
+    assert time.monotonic() - start < 10
+    assert planning.Capacity(planning.plan(Resources(device="cpu"), 1, 1)).probe is None  # it fits: nothing asked
 
 
 def test_a_pool_started_before_the_blocks_takes_the_plan_made_with_them(local_ray):
