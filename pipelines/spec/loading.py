@@ -76,6 +76,10 @@ def _apply_override(raw: dict, item: str, source: str) -> None:
         raise SpecError([f"override {item!r}: expected key=value, e.g. limit=8 or grid.budget=[8,4]"], source)
     key, value = item.split("=", 1)
     keys = key.strip().split(".")
+    if keys[0] == "include":  # includes are merged when the file is read, before any override: it would do nothing
+        raise SpecError([f"override {item!r}: include is read with the spec file, before --set, so it cannot be "
+                         "overridden; write the include into a spec file of your own (include: <that spec> plus the "
+                         "keys that differ), or --set the fields themselves"], source)
     try:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:

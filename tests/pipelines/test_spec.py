@@ -153,6 +153,10 @@ def test_include_deep_merges_and_overrides_apply(tmp_path):
     assert spec.limit == 3
     resolved = yaml.safe_load(specs.dump_resolved(spec))
     assert resolved["grid"]["tau"] == [0.01] and "include" not in resolved
+    # includes are merged as the file is read: an include given by --set did nothing at all, silently
+    with pytest.raises(specs.SpecError, match=r"override 'include=base.yaml': include is read with the spec file, "
+                                              r"before --set, so it cannot be overridden"):
+        specs.load(path, ["include=base.yaml"])
 
 
 def test_include_cycle_and_missing_file(tmp_path):
