@@ -281,8 +281,8 @@ def in_range(key: str, low: float, high: float, *, low_open: bool = False):
     def check(opts: dict, budget: int | None = None) -> None:
         value = opts[key]
         if not (low < value <= high if low_open else low <= value <= high):
-            bracket = "(" if low_open else "["
-            raise ValueError(f"option {key!r} must be in {bracket}{low:g}, {high:g}], got {value!r}")
+            bracket, close = "(" if low_open else "[", ")" if math.isinf(high) else "]"  # no option takes inf
+            raise ValueError(f"option {key!r} must be in {bracket}{low:g}, {high:g}{close}, got {value!r}")
     return check
 
 

@@ -53,7 +53,7 @@ def test_a_method_is_chosen_never_drawn_and_choices_are_checked_names():
 
 def test_a_range_whose_bound_the_method_refuses_is_named_with_its_option():
     assert problems({**GRID, "tau": {"uniform": [0, 0.1]}}) == [
-        "grid.tau: 0 of uniform[0, 0.1]: option 'tau' must be in (0, inf], got 0"]
+        "grid.tau: 0 of uniform[0, 0.1]: option 'tau' must be in (0, inf), got 0"]
 
 
 def test_the_search_settings_are_checked_against_the_grid_and_the_spec():

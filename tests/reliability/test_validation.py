@@ -16,7 +16,7 @@ def test_a_bad_option_value_fails_validation_not_every_sample(scratch, run_main)
     proc, _ = run_main("--config", str(scratch()), "--set", "grid.mu=abc", "--validate-only")
     assert_clean_error(proc, "option 'mu' of method 'promprune' must be a finite number, got 'abc'")
     proc, _ = run_main("--config", str(scratch()), "--set", "grid.tau=0", "--validate-only")
-    assert_clean_error(proc, "option 'tau' must be in (0, inf]")
+    assert_clean_error(proc, "option 'tau' must be in (0, inf)")
 
 
 @pytest.mark.parametrize("option, value, message", [
