@@ -185,7 +185,12 @@ def _check_grid(grid: dict, info: ValidationInfo) -> dict:
     if known:
         theirs = sorted(set().union(*[catalog.options(m) for m in known]))  # what the grid's methods accept
         for key in grid:
-            if key not in ("method", "budget") and key not in theirs:
+            if key in ("method", "budget") or key in theirs:
+                continue
+            if (near := did_you_mean(key, ["method", "budget"])) and not did_you_mean(key, theirs):
+                problems.append(((key,), f"unknown field{near}; valid: method, budget and the options of the grid's "
+                                 f"methods ({', '.join(theirs) if theirs else 'none'})", grid[key]))
+            else:
                 problems.append(((key,), f"no method in grid.method ({', '.join(map(str, known))}) accepts this "
                                  f"option{_option_hint(key, theirs, catalog)}", grid[key]))
     _raise(problems, "grid")

@@ -104,6 +104,11 @@ def test_bad_methods_options_and_values_are_named(tmp_path):
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: divprune, budget: 8, tauu: [0.1]}\n")
     assert "grid.tauu: no method in grid.method (divprune) accepts this option (did you mean 'tau', an option of " \
            "promprune?); valid: order" in str(e.value)
+    # a typo of the grid's own fields (grid.budget was set, so "required" did not show it)
+    with pytest.raises(specs.SpecError) as e:
+        load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: divprune, budget: 8, budgte: [4]}\n")
+    assert "grid.budgte: unknown field (did you mean 'budget'?); valid: method, budget and the options of the " \
+           "grid's methods (order)" in str(e.value)
     with pytest.raises(specs.SpecError, match=r"trial promprune-b8-metric=spectrall: .*metric"):
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: promprune, budget: 8, metric: [spectrall]}\n")
     with pytest.raises(specs.SpecError, match=r"model\.options\.max_pixel: unknown adapter option"):
