@@ -14,6 +14,7 @@ from typing import Any
 from pipelines.calibration import CALIBRATE, metrics_to_calibrate
 from pipelines.calibration import apply as apply_calibration
 from pipelines.spec import space
+from promprune.suggest import did_you_mean
 from pipelines.spec.errors import unknown
 from pipelines.spec.schema import SweepSpec
 
@@ -220,7 +221,11 @@ def _trial_problem(trial: Trial, catalog: MethodCatalog, adapter_options: dict) 
     options = dict(trial.options)
     if options.get("mu") == CALIBRATE:  # a number after calibration: check the rest with a stand-in
         options["mu"] = 0.5
-    return catalog.validate(trial.method, trial.budget, options, adapter_options)
+    problem = catalog.validate(trial.method, trial.budget, options, adapter_options)
+    mu = options.get("mu")
+    if problem and isinstance(mu, str) and did_you_mean(mu, [CALIBRATE]):  # mu: calibrat
+        problem = f"{problem} (did you mean {CALIBRATE!r}, which measures mu on calibration.images?)"
+    return problem
 
 
 def _trials_of(combos: list[dict], catalog: MethodCatalog, repeats: int = 1) -> list[Trial]:

@@ -104,6 +104,10 @@ def test_bad_methods_options_and_values_are_named(tmp_path):
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: divprune, budget: 8, tauu: [0.1]}\n")
     assert "grid.tauu: no method in grid.method (divprune) accepts this option (did you mean 'tau', an option of " \
            "promprune?); valid: order" in str(e.value)
+    with pytest.raises(specs.SpecError) as e:
+        load_text(tmp_path, "name: t\nversion: 1\ntrials: [{method: promprune, budget: 8, mu: calibrat}]\n")
+    assert "must be a finite number, got 'calibrat' (did you mean 'calibrate', which measures mu on " \
+           "calibration.images?)" in str(e.value)
     # a typo of the grid's own fields (grid.budget was set, so "required" did not show it)
     with pytest.raises(specs.SpecError) as e:
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: divprune, budget: 8, budgte: [4]}\n")
