@@ -16,6 +16,8 @@ from pipelines.spec.errors import SpecError
 def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
     """The spec file as a dict, `include:` chains merged (this file wins), `--set` overrides applied."""
     path = Path(path)
+    if path.is_dir():
+        raise SpecError([f"{path} is a directory: give a spec file in it (e.g. sweeps/quickstart.yaml)"], str(path))
     if not path.is_file():
         raise SpecError([f"spec file not found: {path}"], str(path))
     raw = _load_with_includes(path, seen=())

@@ -175,6 +175,8 @@ def test_include_cycle_and_missing_file(tmp_path):
         specs.load(tmp_path / "a.yaml")
     with pytest.raises(specs.SpecError, match="spec file not found"):
         specs.load(tmp_path / "nope.yaml")
+    with pytest.raises(specs.SpecError, match=r"is a directory: give a spec file in it"):  # was "not found"
+        specs.load(tmp_path)
 
 
 def test_expand_grid_product_baseline_and_ids(tmp_path):
