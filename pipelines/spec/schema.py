@@ -259,14 +259,20 @@ def _paths(what: str):
                      AfterValidator(_no_duplicates)]
 
 
+MAX_NAME = 100  # characters: with a run's timestamp and suffixes, a file name of 255 bytes holds an ASCII one
+
+
 @with_config(SECTION)
 @dataclass
 class SweepSpec:
     """A whole spec, validated (`validate`); `name` and `version` are required, everything else has a default."""
 
-    # the name becomes directory, file and MLflow names: no '/', no control characters (NUL, newline, tab, ...)
-    name: Annotated[StrictStr, Field(pattern=r"^[^/\x00-\x1f\x7f]*[^/\s\x00-\x1f\x7f][^/\x00-\x1f\x7f]*$"),
-                    expect("a non-empty name without '/' or control characters (NUL, newline, tab)")]
+    # the name becomes directory, file and MLflow names: no '/', no control characters (NUL, newline, tab, ...), and
+    # short enough for a file name (255 bytes) with the run's timestamp and suffixes beside it
+    name: Annotated[StrictStr, Field(pattern=r"^[^/\x00-\x1f\x7f]*[^/\s\x00-\x1f\x7f][^/\x00-\x1f\x7f]*$",
+                                     max_length=MAX_NAME),
+                    expect(f"a non-empty name of at most {MAX_NAME} characters, without '/' or control characters "
+                           "(NUL, newline, tab)")]
     version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
     description: Annotated[StrictStr, expect("str")] = ""
     # modules that register methods (promprune.register_method), imported before the methods are checked and in

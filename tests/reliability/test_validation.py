@@ -165,12 +165,14 @@ def test_a_task_whose_data_is_missing_stops_the_sweep_before_ray(scratch, tmp_pa
     _no_ray_started(tmp_path)
 
 
-@pytest.mark.parametrize("name", ['"rel\\0x"', '"rel\\nx"', '"rel\\tx"'])
+@pytest.mark.parametrize("name", ['"rel\\0x"', '"rel\\nx"', '"rel\\tx"', "r" * 101])
 def test_control_characters_in_the_name_are_refused(scratch, run_main, name):
     """Issue 57 item 4: a NUL in the name passed --validate-only and crashed the run (`ArrowInvalid: Embedded NUL
-    char in path`); the name becomes paths and MLflow names, so control characters are refused at the front door."""
+    char in path`); the name becomes paths and MLflow names, so control characters are refused at the front door.
+    So is a name too long for a file name (260 characters was blamed on tune.storage_path)."""
     proc, _ = run_main("--config", str(scratch(SPEC.replace("name: rel", f"name: {name}"))), "--validate-only")
-    assert_clean_error(proc, "name: expected a non-empty name without '/' or control characters")
+    assert_clean_error(proc, "name: expected a non-empty name of at most 100 characters, without '/' or control "
+                             "characters")
 
 
 def test_a_huge_config_is_refused_unparsed(scratch, tmp_path):
