@@ -51,6 +51,23 @@ def outputs_dir() -> Path:
     return records_root() / "outputs"
 
 
+def logs_problem() -> str | None:
+    """Why the sweep's log folder (``outputs/logs`` in `records_root`) cannot be written, as one paragraph; None when
+    it can. Asked before Ray starts: a read-only working directory was a traceback once the spec had passed."""
+    import tempfile
+
+    logs = outputs_dir() / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=logs):
+            pass
+    except OSError as exc:
+        return (f"the sweep writes its log to {logs}, which cannot be written here ({type(exc).__name__}: "
+                f"{exc.strerror or exc}); run it from a folder you can write (its records go under the working "
+                "directory: outputs/, mlflow.db)")
+    return None
+
+
 def job_defaults_line() -> str | None:
     """For a Ray job that names no store and no Tune storage, the one line saying where its records go (None
     otherwise: a local run's places are the README's, and a job that names them chose them)."""

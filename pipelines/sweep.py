@@ -533,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal
         lacking = preflight.check_or_raise(spec, args.config, spec_only=args.validate_only)
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
+        if not args.validate_only and (problem := paths.logs_problem()):
+            raise specs.SpecError([problem], "outputs")
         lock = None if args.validate_only else driver_lock(spec, resumed)  # refused while its driver is alive
     except specs.SpecError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -131,6 +131,17 @@ def _no_ray_started(tmp_path) -> None:
     assert not list((tmp_path / "raytmp").glob("**/session_*"))  # nor in a child: no Ray session was ever made
 
 
+def test_a_working_directory_the_log_cannot_be_written_in_is_refused_before_ray(scratch, run_main, tmp_path):
+    """The store and Tune's storage elsewhere, `outputs` not a folder (as a read-only working directory): the log's
+    folder could not be made, a traceback (OSError) once the spec had passed; now one paragraph, exit 2."""
+    (tmp_path / "outputs").write_text("not a folder")
+    proc, _ = run_main("--config", str(scratch()), env={"PROMPRUNE_STORAGE": str(tmp_path / "tune")})
+    assert_clean_error(proc, f"the sweep writes its log to {tmp_path.resolve() / 'outputs' / 'logs'}, which cannot "
+                             "be written here")
+    assert "run it from a folder you can write" in proc.stderr
+    _no_ray_started(tmp_path)
+
+
 def test_a_task_directory_with_a_broken_file_stops_the_sweep_before_ray(scratch, tmp_path):
     """A real start (not --validate-only) as a user runs it: lmms-eval's raw ParserError traceback (exit 1) used to
     come after 8 s; now one paragraph naming the task, the file, the line and the fix, exit 2, Ray never started."""
