@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -45,14 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="checkpoint name/path, or a factory name: tiny-easyvqa:llava (default; trained on easy-vqa, "
                         "so its scores mean something), tiny:<arch> (random weights), shape:<name>")
     p.add_argument("--method", default=None, help="pruning method; omit for the unpruned model")
-    p.add_argument("--budget", type=int, default=None, help="visual tokens kept")
+    p.add_argument("--budget", type=int, default=None, help="visual tokens kept (with --method)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="method option, value parsed as YAML (repeatable), e.g. --option mu=0.4")
+                   help="a method option (with --method) or a model adapter option, value parsed as YAML "
+                        "(repeatable), e.g. --option mu=0.4")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     p.add_argument("--include-path", action="append", default=[], metavar="DIR",
-                   help="an lmms-eval task directory of your own, searched for --tasks (repeatable)")
+                   help="an lmms-eval task directory of your own, searched for --tasks (repeatable; a relative "
+                        "path is from the working directory)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
-                   help="a module, .py file or package directory that registers methods (repeatable)")
+                   help="a module, .py file or package directory that registers methods (repeatable; a relative "
+                        "path is from the working directory)")
     p.add_argument("--limit", type=int, default=8, help="samples per task (default 8: a smoke run)")
     p.add_argument("--video-frames", type=int, default=8,
                    help="frames sampled uniformly from each clip of a video task (default 8)")
@@ -70,17 +74,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def spec_of(args: argparse.Namespace) -> dict:
     """The command line as a raw one-trial sweep spec: the method's options as the trial's, adapter options
     (`promprune.models.ADAPTER_OPTIONS`) as the model's; no method: the unpruned model (the spec's baseline).
-    Relative paths are from the working directory."""
+    Relative paths are from the working directory. A command line that makes no such spec (an ``--option`` that is
+    not KEY=VALUE or whose value is not YAML; ``--budget`` or a method's option without ``--method``, which the
+    unpruned model would ignore) raises SpecError naming every such flag, before anything is imported or checked."""
     import yaml
 
     from promprune.models import ADAPTER_OPTIONS
 
-    options = {}
+    options, problems = {}, []
     for item in args.option:
-        key, _, value = item.partition("=")
-        options[key] = yaml.safe_load(value)
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            problems.append(f"--option {shlex.quote(item)}: expected KEY=VALUE, e.g. --option mu=0.4")
+            continue
+        try:
+            options[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            why = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            problems.append(f"--option {shlex.quote(item)}: the value is not valid YAML ({why}); quote strings with "
+                            "special characters")
     adapter = {k: v for k, v in options.items() if k in ADAPTER_OPTIONS}
     method = {k: v for k, v in options.items() if k not in ADAPTER_OPTIONS}
+    if args.method is None:
+        unused = ([f"--budget {args.budget}"] if args.budget is not None else []) + [f"--option {k}" for k in method]
+        problems += [f"{flag}: needs --method (without one the unpruned model runs, keeping every visual token); add "
+                     f"a method, e.g. --method promprune, or drop {flag}" for flag in unused]
+    if problems:
+        raise specs.SpecError(problems, SOURCE)
     raw = {"name": "evaluate", "version": 1, "tasks": args.tasks, "limit": args.limit,
            "model": {"pretrained": args.model, "dtype": args.dtype, "options": adapter},
            "video_frames": args.video_frames, "plugins": args.plugin, "include_path": args.include_path,
@@ -91,17 +111,34 @@ def spec_of(args: argparse.Namespace) -> dict:
     return plugins.resolve_paths(raw, Path.cwd())
 
 
-def in_flags(message: str) -> str:
+def in_flags(message: str, args: argparse.Namespace | None = None) -> str:
     """A spec problem named by the flag that sets its field (``video_frames: ...`` -> ``--video-frames: ...``,
-    ``trials[0].mu: ...`` -> ``--option mu: ...``)."""
+    ``trials[0].mu: ...`` -> ``--option mu: ...``; with ``args``, ``plugins[1]: ...`` -> ``--plugin x.py: ...`` and
+    a missing ``--include-path`` named as typed). The spec's wording of paths becomes the command line's: a relative
+    path here is from the working directory, not from a spec file's."""
+    entries = {"plugins": list(args.plugin) if args else [], "include_path": list(args.include_path) if args else []}
+    typed = {path: entry for path, entry in zip(plugins.resolve_paths(entries, Path.cwd())["include_path"],
+                                                 entries["include_path"])}
+
     def flag(match: re.Match) -> str:
         field = match.group(2)
+        plugin = re.fullmatch(r"plugins\[(\d+)\]", field)
+        if plugin and int(plugin.group(1)) < len(entries["plugins"]):
+            return f"{match.group(1)}--plugin {shlex.quote(entries['plugins'][int(plugin.group(1))])}:"
         if field in FLAGS:
             return match.group(1) + FLAGS[field] + ":"
         option = field.removeprefix("trials[0].")
         return match.group(1) + (f"--option {option}:" if option != field else f"{field}:")
 
-    return re.sub(r"^(  - )([\w.\[\]]+):", flag, message, flags=re.MULTILINE)
+    def missing_dir(match: re.Match) -> str:
+        path = match.group(2)
+        named = f"--include-path {shlex.quote(typed[path])}" if path in typed else "--include-path"
+        return f"{match.group(1)}{named}: {path} is not a directory (a relative path is from the working directory)"
+
+    message = re.sub(r"^(  - )([\w.\[\]]+):", flag, message, flags=re.MULTILINE)
+    message = re.sub(r"^(  - )--include-path: (.+) is not a directory \(relative paths in a spec are from its "
+                     r"directory\)$", missing_dir, message, flags=re.MULTILINE)
+    return re.sub(r"e\.g\. plugins: \[([^\]]*)\]", r"e.g. --plugin \1", message)  # a module name's hint
 
 
 def checked_spec(args: argparse.Namespace) -> specs.SweepSpec:
@@ -120,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = checked_spec(args)
     except specs.SpecError as exc:
-        print(f"error: {in_flags(str(exc))}", file=sys.stderr)
+        print(f"error: {in_flags(str(exc), args)}", file=sys.stderr)
         return 2
     for note in preflight.judge_notes(spec.tasks):
         print(note)

@@ -304,6 +304,28 @@ def test_evaluate_takes_plugins_and_task_directories(tmp_path, isolated, monkeyp
     # the spec's own check of an explicit trial's options, named by the flag that set it
     assert "  - --option pp: norm_e takes no option 'pp' (did you mean 'p'?)" in capsys.readouterr().err
     assert evaluate.main(["--plugin", "norm_e.py", "--plugin", "broken.py", *args]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == [  # named by the flag as typed, not the spec's plugins[1]
+        f"  - --plugin broken.py: plugin '{tmp_path / 'broken.py'}' could not be imported: RuntimeError: broken on "
+        f"purpose ({tmp_path / 'broken.py'}:1)"]
+
+
+def test_evaluate_names_a_missing_plugin_and_task_directory_as_typed(tmp_path, isolated, monkeypatch, capsys):
+    """`pipelines/evaluate.py`'s --plugin and --include-path problems name the flag and the entry as typed (not the
+    spec's `plugins[0]`), and say what the command line does: a relative path is from the working directory (a spec's
+    are from its file's directory)."""
+    from pipelines import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "tiny:llava", "--tasks", "easyvqa_yesno", "--no-mlflow"]
+    assert evaluate.main(["--plugin", "nope.py", *args]) == 2
     assert capsys.readouterr().err.splitlines()[1:] == [
-        f"  - plugins[1]: plugin '{tmp_path / 'broken.py'}' could not be imported: RuntimeError: broken on purpose "
-        f"({tmp_path / 'broken.py'}:1)"]
+        f"  - --plugin nope.py: plugin '{tmp_path / 'nope.py'}': no such file or directory (and no module 'nope' "
+        "to import)"]
+    assert evaluate.main(["--plugin", "no_such_module_e", *args]) == 2
+    err = capsys.readouterr().err
+    assert "  - --plugin no_such_module_e: plugin 'no_such_module_e' could not be imported" in err
+    assert err.rstrip().endswith("e.g. --plugin no_such_module_e.py") and "plugins" not in err
+    assert evaluate.main(["--include-path", "nodir", *args]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        f"  - --include-path nodir: {tmp_path / 'nodir'} is not a directory (a relative path is from the working "
+        "directory)"]

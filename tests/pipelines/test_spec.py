@@ -235,3 +235,45 @@ def test_evaluate_cli_refuses_a_bad_video_frames_before_starting_ray(tmp_path):
     assert proc.returncode == 2
     assert "--video-frames: expected an int >= 1, got 0" in proc.stderr and "Traceback" not in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--budget", "16"], "--budget 16: needs --method (without one the unpruned model runs, keeping every visual "
+                         "token); add a method, e.g. --method promprune, or drop --budget 16"),
+    (["--option", "mu=0.4"], "--option mu: needs --method"),
+    (["--method", "promprune", "--budget", "8", "--option", "mu=[0.4"],
+     "--option 'mu=[0.4': the value is not valid YAML (expected ',' or ']', but got '<stream end>'); quote strings "
+     "with special characters"),
+    (["--method", "promprune", "--budget", "8", "--option", "mu"], "--option mu: expected KEY=VALUE"),
+], ids=["budget-without-method", "method-option-without-method", "option-not-yaml", "option-without-value"])
+def test_evaluate_spec_refuses_a_command_line_that_makes_no_spec(argv, problem):
+    """`evaluate.py`'s command line as a spec: a --budget or a method's option with no --method (the unpruned model
+    would run, ignoring it) and an --option that is not KEY=VALUE with a YAML value are refused, named by the flag as
+    typed, before anything is checked or started."""
+    from pipelines import evaluate
+
+    with pytest.raises(specs.SpecError) as exc:
+        evaluate.spec_of(evaluate.parse_args(argv))
+    assert len(exc.value.errors) == 1 and exc.value.errors[0].startswith(problem)
+
+
+def test_evaluate_spec_takes_adapter_options_without_a_method():
+    """The unpruned model takes the model adapter's options (`promprune.models.ADAPTER_OPTIONS`); a method its own."""
+    from pipelines import evaluate
+
+    raw = evaluate.spec_of(evaluate.parse_args(["--option", "image_newline=keep"]))
+    assert raw["baseline"] is True and raw["trials"] == [] and raw["model"]["options"] == {"image_newline": "keep"}
+    raw = evaluate.spec_of(evaluate.parse_args(["--method", "promprune", "--budget", "16", "--option", "mu=[0.4]"]))
+    assert raw["baseline"] is False and raw["trials"] == [{"method": "promprune", "budget": 16, "mu": [0.4]}]
+
+
+def test_evaluate_cli_refuses_a_budget_without_a_method_and_a_bad_option_before_starting_ray(tmp_path):
+    """Every command-line problem at once, exit 2, no traceback, nothing started (the budget alone used to run the
+    unpruned baseline; the option, a YAML scanner traceback)."""
+    proc = subprocess.run([sys.executable, str(REPO / "pipelines" / "evaluate.py"), "--budget", "16", "--option",
+                           "mu=[0.4", "--no-mlflow"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "2 problem(s)" in proc.stderr
+    assert "  - --option 'mu=[0.4': the value is not valid YAML" in proc.stderr
+    assert "  - --budget 16: needs --method" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
