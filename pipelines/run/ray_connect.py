@@ -45,6 +45,21 @@ def _answers(address: str, timeout_s: float = 3.0) -> bool:
         return False
 
 
+def _speaks_grpc(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether the server at ``host:port`` completes a gRPC (HTTP/2) handshake within a few seconds, as a Ray head's
+    GCS does; a web server (the dashboard's port 8265) or a port that accepts and stays silent does not."""
+    import grpc
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
 def _recorded_head() -> str | None:
     """The head a plain ``ray.init()`` would join: the address `ray start` recorded in Ray's temp dir."""
     from ray._common.utils import get_ray_address_file
@@ -70,11 +85,23 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
         return
     named = address or os.environ.get("RAY_ADDRESS")
     if named and named not in ("auto", "local") and not named.startswith("ray://"):
+        source = "--address" if address else "RAY_ADDRESS"
         if not _answers(named):
-            source = "--address" if address else "RAY_ADDRESS"
             raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
                                  f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
-        ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
+        if not _speaks_grpc(named):  # Ray itself would wait for minutes, saying nothing
+            raise RayUnreachable(f"something answers at {named} ({source}), but not a Ray head's GCS: point {source} "
+                                 "at the head's GCS address (host:6379 unless `ray start --port` chose another; `ray "
+                                 "status` on the head prints it), not the dashboard's port (8265), or use "
+                                 "ray://host:10001 for Ray Client")
+        try:
+            ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
+        except ConnectionError as exc:  # a head with token auth, or another gRPC server (Ray Client's port)
+            raise RayUnreachable(f"the Ray head at {named} ({source}) answers but the connection failed ({exc}). A "
+                                 "head started with token authentication (Ray 2.60 turns it on once ~/.ray/auth_token "
+                                 "exists) needs RAY_AUTH_MODE=token here too; Ray Client's port (10001) takes "
+                                 "ray://host:10001; else point it at the head's GCS address (host:6379 by "
+                                 "default)") from None
     elif named == "local":  # a new local Ray, as named
         init_local(log_to_driver=log_to_driver)
     elif named:

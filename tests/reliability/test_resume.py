@@ -8,9 +8,11 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
+import ray
 
 from pipelines import mlflow_layout, sweep
 from pipelines.recording import tracking
@@ -102,6 +104,25 @@ def test_state_records_what_resume_needs(scratch, tmp_path):
     saved = json.loads((tmp_path / "store" / states.STATE_DIR / "rel-9.json").read_text())
     assert saved["fingerprint"] == states.fingerprint(spec) and saved["command"] == state["command"]
     assert states.resume_command(saved).endswith("--resume rel-9")
+
+
+def test_an_address_where_a_web_server_answers_fails_in_seconds(monkeypatch):
+    """The dashboard's port (8265) instead of the GCS's: the TCP check passed, and Ray waited for minutes, silent."""
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        start = time.monotonic()
+        with pytest.raises(ray_connect.RayUnreachable, match=rf"something answers at {address} \(--address\), but "
+                                                             r"not a Ray head's GCS: .*not the dashboard's port"):
+            ray_connect.connect(address)
+        assert time.monotonic() - start < 20
+        assert not ray.is_initialized()
+    finally:
+        server.shutdown()
 
 
 def test_stale_ray_address_fails_in_seconds(monkeypatch, tmp_path):
