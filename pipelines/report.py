@@ -8,16 +8,22 @@ Reads the sweep's runs with `mlflow.search_runs` (default: the latest sweep in t
 (default `reports/<sweep name>/`), logs them as artifacts of the sweep's parent run (folder `report/`), and prints
 where they are. Published numbers shipped under `pipelines/paper_results/` appear beside ours with deltas.
 
-A store that does not answer (a tracking server that is down or unreachable, a SQLite file that does not exist) is
-said in seconds, exit 2, before anything else loads; a sweep that did not finish (killed, interrupted, still running)
-is reported with what it has, its first line saying so and how many of its trials never started.
+A mistake is said in one paragraph, exit 2, without a traceback: in seconds and before the sweep loads, an --out that
+cannot be a folder (a file, or below one; a folder that cannot be written) and a store that cannot be read (a
+tracking server that is down or unreachable, a SQLite file that does not exist or is not a database, a plain path,
+which MLflow 3 refuses as a file store); then a --sweep or --grid that names no sweep in the store. A sweep that did
+not finish (killed, interrupted, still running) is reported with what it has, its first line saying so and how many
+of its trials never started.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 from pipelines.mlflow_layout import sqlite_path, tracking_uri
 
@@ -44,35 +50,89 @@ def safe_dir_name(name: str) -> str:
     return cleaned[:120] or "sweep"
 
 
-def store_problem(uri: str) -> str | None:
-    """Why the MLflow store at ``uri`` cannot be read (None: it answers): a SQLite file that does not exist, a
-    server that does not answer one plain HTTP request within seconds (MLflow's client would retry for minutes).
-    Standard library only: said before MLflow, pandas and matplotlib load."""
+def store_problem(uri: str, *, write: bool = True) -> str | None:
+    """Why the MLflow store at ``uri`` cannot be read (None: it answers). A SQLite file that does not exist and a server
+    that does not answer one plain HTTP request within seconds (MLflow's client would retry for minutes) are said with
+    the standard library, before MLflow, pandas and matplotlib load. Any other store is `preflight.check_store`'s, as a
+    sweep's is (a plain path, which MLflow 3 refuses as a file store; a SQLite file that is no database or cannot be
+    written; a store MLflow cannot open), followed by how to name a store to the report. ``write=False`` (--no-log): a
+    SQLite file this user cannot write is only read, so it only has to be a database."""
     import urllib.error
     import urllib.request
 
     fix = "point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the sweep wrote"
     path = sqlite_path(uri)
-    if path is not None:
-        return None if path.is_file() else f"there is no MLflow store at {uri} ({path} does not exist); {fix}"
-    if not uri.startswith(("http://", "https://")):
-        return None  # another scheme: MLflow's client says what it makes of it
+    if path is not None and not path.is_file():
+        what = "is not a file" if path.exists() else "does not exist"
+        return f"there is no MLflow store at {uri} ({path} {what}); {fix}"
+    if uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_TIMEOUT_S).close()
+        except urllib.error.HTTPError:
+            return None  # it answered (an error status is MLflow's to explain)
+        except (OSError, ValueError) as exc:  # refused, timed out, no route, a malformed address
+            reason = getattr(exc, "reason", None) or exc
+            return (f"the MLflow store at {uri} does not answer ({type(reason).__name__}: {str(reason)[:200]}); start "
+                    "its server (`mlflow server ...`, or cluster.yaml's on the head, reached through `ray attach "
+                    f"cluster.yaml -p 5000`) or {fix}")
+        return None
+    read_only = path is not None and not os.access(path, os.W_OK)
+    if read_only and not write:
+        return _unreadable_sqlite(uri, path, fix)  # check_store would refuse it for the writes a sweep makes
+    from pipelines.preflight import check_store
+
+    problems = check_store(uri)
+    if not problems:
+        return None
+    scheme = urlparse(uri).scheme
+    if read_only:
+        hint = "or pass --no-log to read it without logging the report to it"
+    elif scheme in ("", "file"):
+        local = Path(urlparse(uri).path if scheme == "file" else uri)
+        hint = (f"for a SQLite store in that file, give --tracking-uri sqlite:///{local}" if not local.is_dir() else
+                f"{local} is a folder: if it is an MLflow file store, `mlflow migrate-filestore --source {local} "
+                "--target sqlite:///mlflow.db` copies it into a SQLite store to name as --tracking-uri sqlite:///mlflow.db")
+    else:
+        hint = fix
+    return f"{'; '.join(problems)}; {hint}"
+
+
+def _unreadable_sqlite(uri: str, path: Path, fix: str) -> str | None:
+    """Why the SQLite file ``path``, opened read-only, is no database (None: it is one); standard library only."""
+    import sqlite3
+
     try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_TIMEOUT_S).close()
-    except urllib.error.HTTPError:
-        return None  # it answered (an error status is MLflow's to explain)
-    except (OSError, ValueError) as exc:  # refused, timed out, no route, a malformed address
-        reason = getattr(exc, "reason", None) or exc
-        return (f"the MLflow store at {uri} does not answer ({type(reason).__name__}: {str(reason)[:200]}); start its "
-                "server (`mlflow server ...`, or cluster.yaml's on the head, reached through `ray attach cluster.yaml "
-                f"-p 5000`) or {fix}")
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            db.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+    except sqlite3.Error as exc:
+        return f"the MLflow store at {uri} cannot be read ({path}: {type(exc).__name__}: {exc}); {fix}"
+    return None
+
+
+def out_problem(out: Path, *, default: bool = False) -> str | None:
+    """Why ``out`` cannot be the report's folder (None: it is a folder the report can write, or one it can make): it
+    is a file, a file stands where one of its parents would be, or the folder it would go in cannot be written.
+    Checked without creating anything; ``default``: ``out`` is the default, not one given as --out."""
+    name = f"{'the default ' if default else ''}--out {out}"
+    fix = "give --out a folder you can write (it is made with its parents if missing)"
+    existing = out.absolute()
+    while not (existing.exists() or existing.is_symlink()):
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == out.absolute() else f"cannot be made: {existing} is a file"
+        return f"{name} {what}, not a folder; {fix}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == out.absolute() else f" in {existing}"
+        return f"{name}: the report cannot write{where} (permission denied); {fix}"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     uri = tracking_uri(args.tracking_uri)
-    problem = store_problem(uri)  # before the report's imports (pandas, matplotlib) and MLflow's minutes of retries
+    # before the report's imports (pandas, matplotlib), MLflow's minutes of retries and loading the sweep
+    problem = (out_problem(Path(args.out or "reports"), default=not args.out)
+               or store_problem(uri, write=not args.no_log))
     if problem:
         print(f"report: {problem}", file=sys.stderr)
         return 2
@@ -83,12 +143,16 @@ def main(argv: list[str] | None = None) -> int:
 
     mlflow.set_tracking_uri(uri)
     try:
-        sweep = load_sweep(args.sweep)
-        grid = None if args.grid is None else load_sweep(args.grid)
+        sweep = load_sweep(args.sweep, "--sweep")
+        grid = None if args.grid is None else load_sweep(args.grid, "--grid")
     except LookupError as err:
         print(f"report: {err}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / safe_dir_name(sweep.name)
+    problem = None if args.out else out_problem(out, default=True)  # the default's folder, now the sweep names it
+    if problem:
+        print(f"report: {problem}", file=sys.stderr)
+        return 2
     unfinished = sweep.unfinished()
     if unfinished:
         print(f"report: {unfinished}", file=sys.stderr, flush=True)

@@ -85,8 +85,9 @@ def parse_task_list(value) -> list[str]:
     return [t.strip().strip("'\"") for t in text.split(",") if t.strip().strip("'\"")]
 
 
-def find_sweep_run(ref: str | None = None) -> pd.Series:
-    """The parent run of sweep `ref` (a run id, or a sweep name: its latest run), or the latest sweep."""
+def find_sweep_run(ref: str | None = None, flag: str = "--sweep") -> pd.Series:
+    """The parent run of sweep `ref` (a run id, or a sweep name: its latest run), or the latest sweep; ``flag``: the
+    option that gave `ref` (``--sweep``, ``--grid``), named when no sweep matches."""
     runs = mlflow.search_runs(search_all_experiments=True,
                               filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, mlflow_layout.ROLE_SWEEP),
                               order_by=["attributes.start_time DESC"], output_format="pandas")
@@ -108,12 +109,13 @@ def find_sweep_run(ref: str | None = None) -> pd.Series:
     if len(by_name):
         return by_name.iloc[0]
     known = ", ".join(sorted(set(names.dropna())))
-    raise LookupError(f"--sweep {ref!r}: no sweep run with that name or run id; sweeps in the store: {known}")
+    raise LookupError(f"{flag} {ref!r}: no sweep run with that name or run id; sweeps in the store: {known}")
 
 
-def load_sweep(ref: str | None = None) -> Sweep:
-    """The sweep `ref` (see `find_sweep_run`) with its trials; a retried trial counts once (its latest finished run)."""
-    parent = find_sweep_run(ref)
+def load_sweep(ref: str | None = None, flag: str = "--sweep") -> Sweep:
+    """The sweep `ref` (see `find_sweep_run`; ``flag``: the option that gave it) with its trials; a retried trial
+    counts once (its latest finished run)."""
+    parent = find_sweep_run(ref, flag)
     runs = mlflow.search_runs(experiment_ids=[parent["experiment_id"]],
                               filter_string=mlflow_layout.tag_filter(mlflow_layout.PARENT, parent["run_id"]),
                               order_by=["attributes.start_time DESC"], output_format="pandas")

@@ -363,3 +363,101 @@ def test_an_unfinished_sweep_says_so_and_counts_the_trials_that_never_started(st
     assert "it was interrupted (parent run KILLED)" in load_sweep(parent).unfinished()
     client.update_run(parent, status="FINISHED")
     assert load_sweep(parent).unfinished() is None
+
+
+def test_a_plain_path_as_the_store_is_refused_as_a_sweep_refuses_it(tmp_path, capsys):
+    """Audit: `--tracking-uri /x/mlflow.db` (a path, not sqlite:///) ended in MLflow's file-store traceback. It is
+    refused as `sweep.py` refuses it (`preflight.check_store`), in one paragraph, exit 2, naming the URI to give; a
+    folder (an old file store) is pointed at `mlflow migrate-filestore`."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    db = tmp_path / "x" / "mlflow.db"
+    db.parent.mkdir()
+    proc = subprocess.run([sys.executable, str(Path(report_cli.__file__)), "--tracking-uri", str(db)], cwd=tmp_path,
+                          env=os.environ.copy(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"MLflow store {db}: plain file stores are refused by MLflow 3" in proc.stderr
+    assert f"give --tracking-uri sqlite:///{db}" in proc.stderr
+    assert list(db.parent.iterdir()) == [] and not (tmp_path / "reports").exists()
+    assert report_cli.main(["--tracking-uri", db.parent.as_uri(), "--no-log"]) == 2
+    err = capsys.readouterr().err
+    assert "plain file stores are refused" in err and f"mlflow migrate-filestore --source {db.parent}" in err
+
+
+def test_a_store_file_that_is_not_a_database_is_refused(tmp_path, monkeypatch, capsys):
+    """Audit: a `./mlflow.db` (or a named SQLite file) that is no database ended in sqlalchemy's DatabaseError; it is
+    refused as `sweep.py` refuses it, one paragraph, exit 2, before the report loads or writes anything."""
+    junk = tmp_path / "mlflow.db"
+    junk.write_text("junk\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for argv in (["--no-log"], ["--tracking-uri", f"sqlite:///{junk}"]):
+        assert report_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"MLflow store sqlite:///{junk} does not answer" in err and "file is not a database" in err, err
+        assert err.count("\n") == 1 and "--tracking-uri" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_a_read_only_store_is_read_with_no_log_and_refused_for_logging(mlflow_db, tmp_path, monkeypatch):
+    """A store the user cannot write: with --no-log the report only reads it (and says so if it is no database);
+    without, `check_store` refuses it for the writes logging makes, and the report adds --no-log to the fix."""
+    import os
+    from pathlib import Path
+
+    junk = tmp_path / "junk.db"
+    junk.write_text("junk\n")
+    read_only = {Path(mlflow_db[len("sqlite:///"):]), junk}
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: not (Path(p) in read_only and mode & os.W_OK)
+                        and access(p, mode))
+    assert report_cli.store_problem(mlflow_db, write=False) is None
+    problem = report_cli.store_problem(mlflow_db)
+    assert "is not writable" in problem and "pass --no-log" in problem
+    problem = report_cli.store_problem(f"sqlite:///{junk}", write=False)
+    assert f"cannot be read ({junk}: DatabaseError: file is not a database)" in problem
+
+
+def test_an_out_that_cannot_be_a_folder_is_refused_before_the_sweep_loads(mlflow_db, tmp_path, monkeypatch, capsys):
+    """Audit: `--out` an existing file, below one, or in a folder that cannot be written ended in an OSError from
+    `build_report`'s mkdir after the sweep loaded; it is refused in one paragraph naming --out, exit 2, before the
+    sweep loads, and nothing is created (the default, reports/, likewise)."""
+    import os
+    from pathlib import Path
+
+    from pipelines.reporting import store as store_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the sweep loaded before --out was checked")
+
+    monkeypatch.setattr(store_module, "load_sweep", no_load)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: Path(p) != read_only and access(p, mode))
+    for out, said in [(afile, f"--out {afile} is a file, not a folder"),
+                      (afile / "sub", f"--out {afile / 'sub'} cannot be made: {afile} is a file, not a folder"),
+                      (read_only / "sub", f"--out {read_only / 'sub'}: the report cannot write in {read_only}")]:
+        assert report_cli.main(["--out", str(out), "--no-log"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "give --out a folder you can write" in err and err.count("\n") == 1, err
+    assert list(read_only.iterdir()) == []
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reports").write_text("")
+    assert report_cli.main(["--no-log"]) == 2
+    assert "the default --out reports is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_grid_that_names_no_sweep_is_said_as_grid(store, tmp_path, capsys):
+    """Audit: `--grid nonexist` was refused as "--sweep 'nonexist'"; the message names the flag given."""
+    client, exp = store
+    log_sweep(client, exp, "grid_demo", TABLE_TRIALS[:2], tasks=TASKS, tmp=tmp_path)
+    assert report_cli.main(["--grid", "nonexist", "--out", str(tmp_path / "out"), "--no-log"]) == 2
+    err = capsys.readouterr().err
+    assert "--grid 'nonexist': no sweep run with that name or run id; sweeps in the store: grid_demo" in err
+    assert "--sweep" not in err and not (tmp_path / "out").exists()
