@@ -223,6 +223,12 @@ def _trial_problem(trial: Trial, catalog: MethodCatalog, adapter_options: dict) 
         options["mu"] = 0.5
     problem = catalog.validate(trial.method, trial.budget, options, adapter_options)
     mu = options.get("mu")
+    if problem is None and isinstance(mu, (int, float)) and not isinstance(mu, bool) and not 0 <= mu <= 1:
+        # the library takes any mu (a test pins a split with mu -5); in a spec it is a slip, e.g. 42 for 0.42
+        return (f"option 'mu' is {mu!r}, outside [0, 1], where every prominence metric lies (a normalized entropy), "
+                "so every image would get the same split; mu is the metric's value where the split is even (0.42 for "
+                "CLIP encoders, 0.5744 for Qwen2.5-VL's; `calibrate` measures it); a fixed split is method "
+                "fixed_ratio")
     if problem and isinstance(mu, str) and did_you_mean(mu, [CALIBRATE]):  # mu: calibrat
         problem = f"{problem} (did you mean {CALIBRATE!r}, which measures mu on calibration.images?)"
     return problem

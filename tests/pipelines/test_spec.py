@@ -108,6 +108,14 @@ def test_bad_methods_options_and_values_are_named(tmp_path):
         load_text(tmp_path, "name: t\nversion: 1\ntrials: [{method: promprune, budget: 8, mu: calibrat}]\n")
     assert "must be a finite number, got 'calibrat' (did you mean 'calibrate', which measures mu on " \
            "calibration.images?)" in str(e.value)
+    # mu outside [0, 1], where every prominence metric lies: one split for every image (42 meant 0.42)
+    for bad in ("42", "-0.1"):
+        with pytest.raises(specs.SpecError) as e:
+            load_text(tmp_path, f"name: t\nversion: 1\ntrials: [{{method: promprune, budget: 8, mu: {bad}}}]\n")
+        assert f"option 'mu' is {float(bad) if '.' in bad else int(bad)!r}, outside [0, 1]" in str(e.value)
+    with pytest.raises(specs.SpecError, match=r"grid.mu: 1.2 of uniform\[0.3, 1.2\]: option 'mu' is 1.2, outside"):
+        load_text(tmp_path, "name: t\nversion: 1\nbaseline: true\ngrid: {method: promprune, budget: 8, mu: "
+                            "{uniform: [0.3, 1.2]}}\ntune: {search: optuna, num_samples: 2}\n")
     # a typo of the grid's own fields (grid.budget was set, so "required" did not show it)
     with pytest.raises(specs.SpecError) as e:
         load_text(tmp_path, "name: t\nversion: 1\ngrid: {method: divprune, budget: 8, budgte: [4]}\n")
