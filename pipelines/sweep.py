@@ -271,7 +271,12 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
     if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
-        state["calibrated"] = calibrate(spec, trials, pool, client, parent_id)
+        try:
+            state["calibrated"] = calibrate(spec, trials, pool, client, parent_id)
+        except BaseException:  # nothing saved yet to resume: the parent run ends FAILED, not RUNNING for ever
+            if resume is None:
+                tracking.finish(client, parent_id, "FAILED")
+            raise
     save_state(storage, {**state, "driver": driver})
     blocks = sweep_dir(state["storage_path"], state["experiment"])
     per_trial = len(rows.keys)

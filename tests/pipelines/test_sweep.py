@@ -272,6 +272,23 @@ def test_requests_built_in_shards_equal_the_driver_build(local_ray):
     assert table_keys(preds) == sorted(plain, key=lambda k: (plain[k].task, plain[k].doc_id))  # once each, sorted
 
 
+def test_a_calibration_that_fails_ends_the_parent_run_failed(local_ray, workdir, monkeypatch):
+    """Nothing is saved to resume before the calibration: its failure left the parent run RUNNING, which the report
+    then offered to finish with --resume (which found no run)."""
+    def broken(*args, **kwargs):
+        raise OSError("calibration image 17 is truncated")
+
+    monkeypatch.setattr(sweep, "calibrate", broken)
+    spec = small_spec(baseline=False, grid={}, tasks=["easyvqa_yesno"], name="calfail",
+                      trials=[{"method": "promprune", "budget": 8, "mu": "calibrate"}],
+                      calibration={"images": "testbed:train", "n": 4})
+    with pytest.raises(OSError, match="truncated"):
+        sweep.run_sweep(spec)
+    c = tracking.client()
+    (parent,) = c.search_runs([tracking.experiment_id(c)], "tags.`promprune.sweep` = 'calfail'")
+    assert parent.info.status == "FAILED"
+
+
 def test_a_calibration_not_shipped_is_measured_with_the_sweeps_model(local_ray, workdir):
     """A `mu: calibrate` trial whose calibration is not shipped (tiny:llava's weights cannot be named) is measured
     with the sweep's model and logged as measured; its median is what `calibration.run` gives here, and the trial
