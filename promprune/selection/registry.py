@@ -345,7 +345,7 @@ def method_spec(name: str) -> MethodSpec:
     return _REGISTRY[name]
 
 
-def _validate(features, saliency, budget, spec: MethodSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _validate(features, saliency, spec: MethodSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not isinstance(features, torch.Tensor) or features.dim() != 3:
         shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
         raise ValueError(f"features must be a tensor [B, N, d], got {shape}")
@@ -500,7 +500,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     budget = as_budget(budget)
     opts = spec.resolve(options, budget=budget)
     order = opts.pop("order")
-    x, s = _validate(features, saliency, budget, spec)
+    x, s = _validate(features, saliency, spec)
     if spec.needs_instruction and instruction is None:
         raise ValueError(f"method {method!r} weighs tokens by their relevance to the instruction: pass "
                          "instruction=promprune.Instruction(query [B, c], tokens [B, N, c])")
