@@ -76,7 +76,8 @@ def spec_of(args: argparse.Namespace) -> dict:
     (`promprune.models.ADAPTER_OPTIONS`) as the model's; no method: the unpruned model (the spec's baseline).
     Relative paths are from the working directory. A command line that makes no such spec (an ``--option`` that is
     not KEY=VALUE or whose value is not YAML; ``--budget`` or a method's option without ``--method``, which the
-    unpruned model would ignore) raises SpecError naming every such flag, before anything is imported or checked."""
+    unpruned model would ignore; an ``--include-path`` that is not a directory) raises SpecError naming every such
+    flag as typed, before anything is imported or checked."""
     import yaml
 
     from promprune.models import ADAPTER_OPTIONS
@@ -99,6 +100,9 @@ def spec_of(args: argparse.Namespace) -> dict:
         unused = ([f"--budget {args.budget}"] if args.budget is not None else []) + [f"--option {k}" for k in method]
         problems += [f"{flag}: needs --method (without one the unpruned model runs, keeping every visual token); add "
                      f"a method, e.g. --method promprune, or drop {flag}" for flag in unused]
+    resolved = plugins.resolve_paths({"include_path": args.include_path}, Path.cwd())["include_path"]
+    problems += [f"--include-path {shlex.quote(typed)}: {path} is not a directory (a relative path is from the working "
+                 "directory)" for typed, path in zip(args.include_path, resolved) if not Path(path).is_dir()]
     if problems:
         raise specs.SpecError(problems, SOURCE)
     raw = {"name": "evaluate", "version": 1, "tasks": args.tasks, "limit": args.limit,
@@ -113,31 +117,21 @@ def spec_of(args: argparse.Namespace) -> dict:
 
 def in_flags(message: str, args: argparse.Namespace | None = None) -> str:
     """A spec problem named by the flag that sets its field (``video_frames: ...`` -> ``--video-frames: ...``,
-    ``trials[0].mu: ...`` -> ``--option mu: ...``; with ``args``, ``plugins[1]: ...`` -> ``--plugin x.py: ...`` and
-    a missing ``--include-path`` named as typed). The spec's wording of paths becomes the command line's: a relative
-    path here is from the working directory, not from a spec file's."""
-    entries = {"plugins": list(args.plugin) if args else [], "include_path": list(args.include_path) if args else []}
-    typed = {path: entry for path, entry in zip(plugins.resolve_paths(entries, Path.cwd())["include_path"],
-                                                 entries["include_path"])}
+    ``trials[0].mu: ...`` -> ``--option mu: ...``; with ``args``, ``plugins[1]: ...`` -> ``--plugin x.py: ...``, and
+    a module name's hint in the command line's words)."""
+    typed_plugins = list(args.plugin) if args else []
 
     def flag(match: re.Match) -> str:
         field = match.group(2)
         plugin = re.fullmatch(r"plugins\[(\d+)\]", field)
-        if plugin and int(plugin.group(1)) < len(entries["plugins"]):
-            return f"{match.group(1)}--plugin {shlex.quote(entries['plugins'][int(plugin.group(1))])}:"
+        if plugin and int(plugin.group(1)) < len(typed_plugins):
+            return f"{match.group(1)}--plugin {shlex.quote(typed_plugins[int(plugin.group(1))])}:"
         if field in FLAGS:
             return match.group(1) + FLAGS[field] + ":"
         option = field.removeprefix("trials[0].")
         return match.group(1) + (f"--option {option}:" if option != field else f"{field}:")
 
-    def missing_dir(match: re.Match) -> str:
-        path = match.group(2)
-        named = f"--include-path {shlex.quote(typed[path])}" if path in typed else "--include-path"
-        return f"{match.group(1)}{named}: {path} is not a directory (a relative path is from the working directory)"
-
     message = re.sub(r"^(  - )([\w.\[\]]+):", flag, message, flags=re.MULTILINE)
-    message = re.sub(r"^(  - )--include-path: (.+) is not a directory \(relative paths in a spec are from its "
-                     r"directory\)$", missing_dir, message, flags=re.MULTILINE)
     return re.sub(r"e\.g\. plugins: \[([^\]]*)\]", r"e.g. --plugin \1", message)  # a module name's hint
 
 
