@@ -37,7 +37,7 @@ from .entropy import centered_gram, entropy_of_matrix
 # boundary continues to the next. Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16
 # steps bracket H within 1e-5 to 2e-3, 48 steps within 1e-7 to 2e-4, while t_sal's boundaries lie >= 1.25e-3 apart at
 # T = 64 (tau = 0.02). Each step costs the device a float64 n x n product per image (the batch-8 cost on an H100) and
-# the host six launches (the batch-1 cost), so the schedule minimizes steps run: over the split table's 48 images per
+# the host seven launches (the batch-1 cost), so the schedule minimizes steps run: over the split table's 48 images per
 # shape (mu within +-2 tau, the hardest place), (12, 24, 32, 48) runs 24% fewer steps than (16, 48) at LLaVA's 576 x
 # 4096 and 13% fewer at Qwen2.5-VL's 1296 x 3584, for at most two host reads more per call, with the same images left
 # to the eigensolve (`python benchmarks/selection.py --tables schedules --split-images 48`, RESULTS 2026-11-26 evening).
@@ -173,9 +173,11 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor | Non
     B, n, _ = rho.shape
     alpha, beta = [], []  # [B, 1, 1] each: the shape the updates broadcast (no views made per step)
     b_prev = None if b_prev is None else b_prev.view(B, 1, 1)
-    for _ in range(steps):  # six launches a step (five for the first)
+    for _ in range(steps):  # seven launches a step (six for the first)
         w = torch.bmm(rho, v)  # [B, n, n]
-        a = torch.bmm(v.view(B, 1, n * n), w.view(B, n * n, 1))  # <V, rho V>_F [B, 1, 1]
+        # <V, rho V>_F [B, 1, 1] as a product and a sum: as a [1, n^2] x [n^2, 1] bmm, cuBLAS ran it as one gemv of
+        # ~250 us (5 x 576^2 in float64, H200, 2026-11-28): three quarters of the split's device time
+        a = (v * w).sum(dim=(1, 2), keepdim=True)
         w.addcmul_(a, v, value=-1)
         if v_prev is not None:
             w.addcmul_(b_prev, v_prev, value=-1)

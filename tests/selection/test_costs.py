@@ -42,8 +42,8 @@ def test_promprune_waits_once_when_the_first_stage_decides(views):
         costs = count(fast_call, "promprune", x, s, 16, mu=0.95)  # far above every entropy
     assert certified.LAST_REPORT[0].decided == [5] and costs.syncs == 1
     steps = certified.STEPS[0]
-    assert costs.ops["bmm"] == 2 * steps + 1  # per Lanczos step a product and a dot; one Gram
-    assert costs.launches <= 6 * steps + 60, costs.ops.most_common(10)
+    assert costs.ops["bmm"] == steps + 1  # per Lanczos step one product (its Frobenius dot is no bmm); one Gram
+    assert costs.launches <= 7 * steps + 60, costs.ops.most_common(10)
 
 
 def test_random_with_keys_never_waits_and_without_reads_one_fingerprint(views):
@@ -88,7 +88,7 @@ def test_with_graphs_the_first_stage_costs_three_launches(views):
     assert certified.LAST_REPORT[0].decided == [5]
     assert (costs.launches, costs.syncs) == (3, 1), costs.ops
     assert costs.ops["cuda_graph"] == 1 and costs.ops["copy"] == 1 and costs.ops["clone"] == 1, costs.ops
-    assert costs.flops > 2 * certified.STEPS[0] * 5 * 96 ** 3  # the graph's products still count as device work
+    assert costs.flops == 2 * certified.STEPS[0] * 5 * 96 ** 3  # the graph's products still count as device work
 
 
 def test_with_graphs_promprune_is_two_graphs_around_one_read(views):
