@@ -226,7 +226,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     accel.has_triton = lambda: True
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
      greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),
-                                         _KernelStub(4, "vispruner"))
+                                         _KernelStub(5, "vispruner"))
     try:
         with accel.graphs(graphs):
             yield

@@ -21,6 +21,10 @@ import triton.language as tl
 _TILE_ELEMENTS = 16384
 # VisPruner's tiles: [BLOCK_E, BLOCK_P] elements of C read at once (rows of evens by a stretch of columns).
 _VIS_TILE = 8192
+# VisPruner's scan down sorted rows: BLOCK_M evens by CHUNK entries of their rows at once. Half the candidates are odd
+# in the first rounds (one chunk decides nearly every even), ~3% in the last at Qwen2.5-VL's 1232 (about 30 entries).
+_VIS_SCAN_EVENS = 64
+_VIS_SCAN_CHUNK = 32
 
 
 @triton.jit
@@ -157,8 +161,8 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _vispruner_kernel(C, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_P: tl.constexpr):
+def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """One row of ``baselines.vispruner_diverse``: ``C [B, R0, R0]`` the similarity of the candidates in their given
     order, scratch ``lists [B, 2, R0]`` int32 (the current order and the next), ``odd [B, R0]`` int8 (which candidates
     are at odd places of the current order) and ``match [B, R0]``, ``out [B, KEEP]``: the kept candidates' positions
@@ -166,13 +170,18 @@ def _vispruner_kernel(C, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl.con
     ``min(ROUND, R - KEEP)`` best-matched evens dropped (ties: the lower place first, a stable descending order), the
     rest followed by the odds.
 
-    Each even's match reads its whole row of ``C`` in ``[BLOCK_E, BLOCK_P]`` tiles, contiguous along the row (coalesced
-    loads), the columns of the odd candidates unmasked by ``odd``: a gather of the odd columns would make every element
-    its own memory transaction, and from one program per row that was the cost (H100, 2026-11-26: 16.4 ms at
-    Qwen2.5-VL's 1232 candidates, 146 rounds). The evens are taken ``BLOCK_E`` at a time, so a round's work follows
-    its own size, not the first round's."""
+    ``C`` holds each row of the similarity sorted in descending order and ``SI [B, R0, R0]`` int32 the column each
+    entry came from, so an even's match is the first entry down its row whose column is an odd candidate of this
+    round: the rows are read ``CHUNK`` entries at a time (``BLOCK_M`` evens together) until every even has met one,
+    about ``R0 / odds`` entries a row (the same float32 values as the row's, so the same max). Reading each even's whole
+    row every round instead (contiguous tiles, the odd columns unmasked) read ~110M elements from one program per
+    view at Qwen2.5-VL's 1232 candidates and 146 rounds: 16.4 ms on an H100 (2026-11-26), 14.4 ms on an H200
+    (2026-11-28), ~10x DivPrune; a gather of only the odd columns was slower still (every element its own memory
+    transaction). The evens are taken a block at a time, so a round's work follows its own size, not the first
+    round's."""
     b = tl.program_id(0).to(tl.int64)
     Cb = C + b * R0 * R0
+    SIb = SI + b * R0 * R0
     Lb = lists + b * 2 * R0
     Ob = odd + b * R0
     Mb = match + b * R0
@@ -196,20 +205,31 @@ def _vispruner_kernel(C, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl.con
             od = tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0)
             tl.store(Ob + od, tl.full([BLOCK_P], 1, tl.int8), mask=hs < n_odd)
         tl.debug_barrier()
-        for e0 in range(0, E, BLOCK_E):  # each even's best match among the odds: its row, odd columns only
-            i = e0 + es
+        # each even's best match among the odds: the first odd column down its sorted row
+        ms = tl.arange(0, BLOCK_M)
+        cs = tl.arange(0, CHUNK)
+        for e0 in range(0, E, BLOCK_M):
+            i = e0 + ms
             live = i < E
             ev = tl.load(cur + 2 * i, mask=live, other=0).to(tl.int64)
-            # tiles carried through the loop and reduced once after it: a reduction carried through a loop and read
-            # more than once after it trips Triton 3.x's OptimizeThreadLocality pass on sm_90 (an assertion, H100)
-            tiles = tl.full([BLOCK_E, BLOCK_P], float("-inf"), tl.float32)
-            for p0 in range(0, R0, BLOCK_P):
-                cols = p0 + ps
-                is_odd = tl.load(Ob + cols, mask=cols < R0, other=0) != 0
-                tile = tl.load(Cb + ev[:, None] * R0 + cols[None, :], mask=live[:, None] & is_odd[None, :],
-                               other=float("-inf"))
-                tiles = tl.maximum(tiles, tile)
-            tl.store(Mb + i, tl.max(tiles, axis=1), mask=live)
+            best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            pending = live
+            waiting = tl.sum(pending.to(tl.int32), axis=0)
+            c0 = tl.program_id(0) * 0  # an int32 tensor, as the loop carries it
+            while waiting > 0:
+                cols = c0 + cs
+                here = pending[:, None] & (cols < R0)[None, :]
+                at = ev[:, None] * R0 + cols[None, :]
+                col = tl.load(SIb + at, mask=here, other=0)
+                hit = here & (tl.load(Ob + col, mask=here, other=0) != 0)
+                value = tl.max(tl.where(hit, tl.load(Cb + at, mask=here, other=float("-inf")), float("-inf")),
+                               axis=1)
+                found = tl.sum(hit.to(tl.int32), axis=1) > 0
+                best = tl.where(found, value, best)
+                pending = pending & (found == 0) & (c0 + CHUNK < R0)
+                waiting = tl.sum(pending.to(tl.int32), axis=0)
+                c0 += CHUNK
+            tl.store(Mb + i, best, mask=live)
         tl.debug_barrier()  # every even's match is read below
         for e0 in range(0, E, BLOCK_E):  # place in the stable descending order of the matches
             i = e0 + es
@@ -305,7 +325,8 @@ def vispruner_blocks(R0: int) -> tuple[int, int, int]:
 def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int) -> torch.Tensor:
     """``baselines.vispruner_diverse``'s rounds in one launch: ``similarity [B, R0, R0]`` float32 among the candidates
     in their given order, ``keep`` < R0 of them after ``rounds`` rounds (host-known: they follow from R0 and keep
-    alone) of at most ``round_size`` drops. Returns the kept positions ``[B, keep]`` in their final order."""
+    alone) of at most ``round_size`` drops. Returns the kept positions ``[B, keep]`` in their final order. Each row is
+    sorted first (one ``torch.sort``), for the kernel's scan down it."""
     B, R0, _ = similarity.shape
     device = similarity.device
     lists = torch.empty(B, 2, R0, dtype=torch.int32, device=device)
@@ -313,6 +334,8 @@ def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_siz
     match = torch.empty(B, R0, dtype=torch.float32, device=device)
     out = _picks(B, keep, device)
     block_e, block_p, warps = vispruner_blocks(R0)
-    _vispruner_kernel[(B,)](similarity.contiguous(), lists, odd, match, out, R0, keep, rounds, ROUND=round_size,
-                            BLOCK_E=block_e, BLOCK_P=block_p, num_warps=warps, enable_fp_fusion=False)
+    values, columns = torch.sort(similarity, dim=2, descending=True)
+    _vispruner_kernel[(B,)](values.contiguous(), columns.to(torch.int32).contiguous(), lists, odd, match, out, R0,
+                            keep, rounds, ROUND=round_size, BLOCK_E=block_e, BLOCK_P=block_p,
+                            BLOCK_M=_VIS_SCAN_EVENS, CHUNK=_VIS_SCAN_CHUNK, num_warps=warps, enable_fp_fusion=False)
     return out

@@ -140,10 +140,11 @@ def _kernels():
         out.append((g._dpp_kernel, dpp, consts))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
-    vis = {"C": "*fp32", "lists": "*i32", "odd": "*i8", "match": "*fp32", "out": "*i64", "R0": "i32", "KEEP": "i32",
-           "ROUNDS": "i32"}
+    vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i8", "match": "*fp32", "out": "*i64", "R0": "i32",
+           "KEEP": "i32", "ROUNDS": "i32"}
     block_e, block_p, _ = g.vispruner_blocks(1232)  # Qwen2.5-VL's candidates at T = 128
-    out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_E": block_e, "BLOCK_P": block_p}))
+    out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_E": block_e, "BLOCK_P": block_p,
+                                           "BLOCK_M": g._VIS_SCAN_EVENS, "CHUNK": g._VIS_SCAN_CHUNK}))
     return out
 
 
