@@ -15,8 +15,10 @@
 #
 # PLAN. Here first (PyPI reachable; minutes):
 #   python scripts/device_wheels.py build && python scripts/device_wheels.py check
-#       -> .whl1, .whl2: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23), Ray
-#          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~112 MiB in all)
+#       -> .whl1, .whl2, .whl3: <= 60 MiB each; batch 1 holds what call 1 needs (transformers 5.23), Ray
+#          (without ray/jars), MLflow, lmms-eval, datasets... fill the rest (~128 MiB in all since the image's
+#          versions are pinned, 2026-11-28: its pandas 3.0.6, pillow 12.3.0 and markdown-it-py 4.2.0 are below
+#          pyproject's floors and travel too)
 #   (the quickstart's testbed model is shipped in the tree: promprune/testbed/weights/, nothing to carry for it)
 #   bash scripts/device_rehearsal.sh   -> the stages that need no CUDA, on a device-like Python 3.12 virtualenv
 #       (~15 min): what a newer package there breaks, or a stage that cannot start, shows here, not on the machine
@@ -26,7 +28,8 @@
 # (selection times PromPrune with and without CUDA graphs; table6 ends with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
-#   2. carry [".whl2"]              bash scripts/gpu_checklist.sh --install-batch 2 sweep table6-pipeline      ~7 min
+#   2. carry [".whl2"]              bash scripts/gpu_checklist.sh --install-batch 2                            ~1 min
+#      carry [".whl3"]              bash scripts/gpu_checklist.sh --install-batch 3 sweep table6-pipeline      ~7 min
 #      (installing the last batch checks every requirement against the versions there: install.log)
 #   3. carry []                     bash scripts/gpu_checklist.sh scaling                                      ~7 min
 #      (SCALING_GPUS="4 8" by default; the 1-GPU point, ~6 min more, in a later call if time is left:
@@ -97,7 +100,7 @@ need_pipeline() {  # Ray, MLflow and lmms-eval importable, or say which call to 
   python3 -c "import ray, mlflow, lmms_eval" 2>/dev/null && return 0
   echo "the pipeline's packages are not installed on this machine (fresh machine?): installed batches:" \
        "$(ls -d "$SITE"/whl* 2>/dev/null | xargs -n1 basename 2>/dev/null | tr '\n' ' ')- repeat the calls that" \
-       "carry .whl1 and .whl2 with --install-batch 1 / 2"
+       "carry each .whlN with --install-batch N"
   return 1
 }
 

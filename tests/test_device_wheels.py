@@ -120,11 +120,14 @@ def test_dist_info_gives_importlib_the_projects_entry_points(tmp_path):
     assert eps[("promprune.model_factories", "testbed")] == "promprune.testbed.zoo:load"
 
 
-def test_the_image_list_and_constraints_parse():
+def test_the_image_list_and_constraints_parse(tmp_path):
     image = dw.read_image(REPO / "scripts" / "device_image.txt")
     pins = dw.read_pins(REPO / "constraints.txt")
-    assert image["torch"] == "2.11.0" and image["huggingface-hub"] == "1.33.0" and image["pandas"] is None
+    assert image["torch"] == "2.11.0" and image["huggingface-hub"] == "1.33.0" and image["pandas"] == "3.0.6"
     assert pins["ray"] == "2.60.0" and pins["lmms-eval"] == "0.7.3"
+    listed = tmp_path / "image.txt"
+    listed.write_text("# a comment\npandas\nTorch==2.11.0\n")
+    assert dw.read_image(listed) == {"pandas": None, "torch": "2.11.0"}  # a bare name: its version unknown
 
 
 def _dist_info(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> metadata.Distribution:
