@@ -1,7 +1,7 @@
 """Two cheaper routes to PromPrune's certified entropy bracket, measured against the shipped one and closed.
 
 The certified split (``promprune.selection.certified``) runs matrix Lanczos on rho = C / tr(C): one float64 n x n
-product and six launches per step. Two routes would cost less, and this script shows why neither is taken:
+product and seven launches per step. Two routes would cost less, and this script shows why neither is taken:
 
 - **Moments in a fixed basis.** k products give the Chebyshev moments ``tr T_j(X)`` up to j = 2k (``X`` rho scaled to
   [-1, 1]; ``tr(T_a T_b) = (tr T_{a+b} + tr T_{|a-b|}) / 2``, and with baby and giant steps far fewer products), and

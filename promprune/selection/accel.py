@@ -14,8 +14,9 @@ every device; the tests use it on the CPU) or ``exact`` (the eigensolve everywhe
 ``PROMPRUNE_GRAPHS=1`` (or ``with accel.graphs():``) runs PromPrune's selection on that path as CUDA graphs
 (``graphed``): the split's first stage from the tokens, each later stage, and the two picking stages after the split,
 one graph each: at batch 1 the selection is bound by the host's launches (H100, 2026-11-26: ~4 ms of host time for
-~1 ms of device work in the split alone). Off by default until a GPU run has timed it and checked it against the eager
-call.
+~1 ms of device work in the split alone). Off by default: an H200 run (2026-11-28) checked it against the eager call
+and timed it ahead at every batch-1 shape of the selection benchmark, but not yet inside the model path
+(docs/methods.md).
 """
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ def broken_kernels() -> dict[str, str]:
 
 def graphs_on() -> bool:
     """Whether PromPrune's selection on the fast path (its split's stages, its picking stages) replays as CUDA graphs
-    (``graphed``): off unless ``PROMPRUNE_GRAPHS=1`` or ``with accel.graphs(True):``, until a GPU run has timed and
-    checked them."""
+    (``graphed``): off unless ``PROMPRUNE_GRAPHS=1`` or ``with accel.graphs(True):``; docs/methods.md says why it is
+    not yet the default."""
     return _STATE["graphs"]
 
 
