@@ -374,27 +374,45 @@ def _cost_rows(shapes):
             for label, m, graphs in rows]
 
 
+def _no_odd_within(R0: int, odds: int, m: int) -> float:
+    """The chance that the first ``m`` entries of a sorted row of ``R0`` hold none of the ``odds`` odd candidates, were
+    their places random (hypergeometric)."""
+    p = 1.0
+    for i in range(min(m, R0)):
+        if R0 - odds - i <= 0:
+            return 0.0
+        p *= (R0 - odds - i) / (R0 - i)
+    return p
+
+
 def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
     """What VisPruner's kernel loads of the candidates' similarity ``C [R0, R0]`` over all its rounds, in 32-byte
-    sectors (8 floats), and the comparisons its ranking runs, for the kernel before 2026-11-27 (the odd columns
-    gathered: each element its own sector; every round over tiles as tall as the first round's evens) and now (each
-    even's row read contiguously where odd columns lie: at most ``min(R0 / 8, odds)`` sectors a row; evens taken
-    ``BLOCK_E`` at a time). Host arithmetic from the sizes alone, an upper bound for the rows: a model, not a
-    measurement."""
+    sectors (8 floats), and the comparisons its ranking runs, for each of its three forms: before 2026-11-27
+    ("gathered": the odd columns gathered, each element its own sector; the ranking over tiles as tall as the first
+    round's evens), 2026-11-27 ("rows": each even's row read contiguously where odd columns lie, at most ``min(R0 / 8,
+    odds)`` sectors a row) and since 2026-11-28 ("scan": each even reads its sorted row and its columns ``chunk``
+    entries at a time down to the first odd candidate, the chunks expected were the odd candidates' places in the row
+    random). The ranking of "rows" and "scan": evens ``BLOCK_E`` at a time. Host arithmetic from the sizes alone: a
+    model, not a measurement."""
     from promprune.selection import greedy_triton
     from promprune.selection.baselines import VISPRUNER_ROUND
 
     block_e, block_p, _ = greedy_triton.vispruner_blocks(R0)
-    old_h = greedy_triton.triton.next_power_of_2(max((R0 + 1) // 2, 16))  # the old kernel's BLOCK_H
-    out = dict.fromkeys(("rounds", "old sectors", "new sectors", "old ranking", "new ranking"), 0.0)
+    chunk = greedy_triton.VIS_TILES.chunk
+    old_h = greedy_triton.triton.next_power_of_2(max((R0 + 1) // 2, 16))  # the first kernel's BLOCK_H
+    out = dict.fromkeys(("rounds", "gathered sectors", "rows sectors", "scan sectors", "tall ranking",
+                         "tile ranking"), 0.0)
+    per_chunk = 2 * -(-min(chunk, R0) // 8)  # a chunk's values and its columns (int32)
     R = R0
     while R > keep:
         E, odds = (R + 1) // 2, R // 2
+        chunks = sum(_no_odd_within(R0, odds, k * chunk) for k in range(-(-R0 // chunk)))
         out["rounds"] += 1
-        out["old sectors"] += E * odds
-        out["new sectors"] += E * min(-(-R0 // 8), odds)
-        out["old ranking"] += old_h * E
-        out["new ranking"] += -(-E // block_e) * block_e * -(-E // block_p) * block_p
+        out["gathered sectors"] += E * odds
+        out["rows sectors"] += E * min(-(-R0 // 8), odds)
+        out["scan sectors"] += E * chunks * per_chunk
+        out["tall ranking"] += old_h * E
+        out["tile ranking"] += -(-E // block_e) * block_e * -(-E // block_p) * block_p
         R -= min(VISPRUNER_ROUND, R - keep, E)
     return out
 
@@ -402,17 +420,18 @@ def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
 def print_vispruner_traffic(shapes) -> None:
     print("VisPruner's kernel per view: 32-byte sectors of the similarity loaded and ranking comparisons (millions), "
           "modeled from the sizes (important_ratio 0.5), not measured")
-    print(f"{'':<16}" + "".join(f"{shape:>26}" for shape in shapes))
+    print(f"{'':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     cells = {}
     for sh, (_, N, _, T) in shapes.items():
         t_imp = T // 2
         cells[sh] = vispruner_traffic(N - t_imp, T - t_imp)
-    for name in ("rounds", "old sectors", "new sectors", "old ranking", "new ranking"):
+    for name in ("rounds", "gathered sectors", "rows sectors", "scan sectors", "tall ranking", "tile ranking"):
         scale = 1 if name == "rounds" else 1e6
-        print(f"{name:<16}" + "".join(f"{cells[sh][name] / scale:>26.{0 if scale == 1 else 2}f}" for sh in shapes))
-    for name in ("sectors", "ranking"):
-        print(f"{'new / old ' + name:<16}" + "".join(f"{c['new ' + name] / c['old ' + name]:>26.2f}"
-                                                      for c in cells.values()))
+        print(f"{name:<24}" + "".join(f"{cells[sh][name] / scale:>26.{0 if scale == 1 else 2}f}" for sh in shapes))
+    for new, old in (("scan sectors", "rows sectors"), ("scan sectors", "gathered sectors"),
+                     ("tile ranking", "tall ranking")):
+        print(f"{new.split()[0] + ' / ' + old.split()[0] + ' ' + old.split()[1]:<24}"
+              + "".join(f"{c[new] / c[old]:>26.2f}" for c in cells.values()))
 
 
 def spread_inputs(B: int, N: int, d: int, seed: int) -> torch.Tensor:

@@ -4,8 +4,8 @@
 #
 #   bash scripts/gpu_checklist.sh [--install-batch N]... STAGE...
 #
-# Stages: install (every .whlN here) | parity | library | selection | speed | table6 | shapes | deps | sweep |
-#         table6-pipeline | scaling | gemma4 | two-gpus | plan.   --install-batch N installs .whlN only (one batch travels per call).
+# Stages: install (every .whlN here) | parity | library | selection | vispruner-tiles | speed | table6 | shapes | deps |
+#         sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.   --install-batch N installs .whlN only (one batch travels per call).
 #
 # The machine (Python 3.12, torch 2.11 CUDA 13, transformers 5.17) has no network and no Ray, MLflow or lmms-eval;
 # a call sends at most 64 MiB, runs at most 10 min (2,000-character command), 30 device-minutes in all, and the
@@ -28,6 +28,7 @@
 # (selection times PromPrune with and without CUDA graphs; table6 ends with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
+#      (then vispruner-tiles, ~1 min: VisPruner's kernel at other block sizes, its picks checked against the loop)
 #   2. carry [".whl2"]              bash scripts/gpu_checklist.sh --install-batch 2                            ~1 min
 #      carry [".whl3"]              bash scripts/gpu_checklist.sh --install-batch 3 sweep table6-pipeline      ~7 min
 #      (installing the last batch checks every requirement against the versions there: install.log)
@@ -188,6 +189,8 @@ stage() {
       env_line
       python3 benchmarks/selection.py --device cuda --dtype float16 --batch 1 8 --repeats 9 --split-images 24; echo
       python3 benchmarks/selection.py --device cuda --dtype float32 --batch 1 8 --repeats 9 --tables timing ;;
+    vispruner-tiles)  # issue 53: which chain of VisPruner's kernel its time follows (ranking tiles or the row scan)
+      env_line; python3 benchmarks/vispruner_tiles.py --repeats 9 ;;
     speed)
       env_line; python3 -m benchmarks.spectrum --device cuda
       python3 - <<'PY'
@@ -267,8 +270,8 @@ PY
       nproc; python3 -c "import ray; print('ray', ray.__version__)"
       OMP_NUM_THREADS=1 python3 benchmarks/sweep_scaling.py --gpus ${SCALING_GPUS:-4 8} \
         --shell "${SCALING_SHELL:-measured}" --timeline "$OUT/scaling-timeline.csv" ${SCALING_ARGS:-} ;;
-    *) echo "unknown stage $1 (install|parity|library|selection|speed|table6|shapes|deps|sweep|table6-pipeline|" \
-            "scaling|gemma4|two-gpus|plan)"; return 2 ;;
+    *) echo "unknown stage $1 (install|parity|library|selection|vispruner-tiles|speed|table6|shapes|deps|sweep|" \
+            "table6-pipeline|scaling|gemma4|two-gpus|plan)"; return 2 ;;
   esac
 }
 

@@ -13,18 +13,30 @@ widths, so nothing here syncs. Tested on the CPU under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 # Registers per program: a [BLOCK_S, BLOCK_N] tile of Cholesky rows is read at once.
 _TILE_ELEMENTS = 16384
-# VisPruner's tiles: [BLOCK_E, BLOCK_P] elements of C read at once (rows of evens by a stretch of columns).
-_VIS_TILE = 8192
-# VisPruner's scan down sorted rows: BLOCK_M evens by CHUNK entries of their rows at once. Half the candidates are odd
-# in the first rounds (one chunk decides nearly every even), ~3% in the last at Qwen2.5-VL's 1232 (about 30 entries).
-_VIS_SCAN_EVENS = 64
-_VIS_SCAN_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class VisTiles:
+    """The block sizes of VisPruner's kernel. ``tile``: elements of its ranking's ``[BLOCK_E, BLOCK_P]`` tiles (evens
+    by matches compared at once); ``evens`` by ``chunk``: its scan down the sorted rows (evens at once, entries of their
+    rows at once: half the candidates are odd in the first rounds, so one chunk decides nearly every even there, ~3%
+    in the last at Qwen2.5-VL's 1232, ~30 entries down); ``warps``: None for 8 from rows of 256, else 4.
+    ``benchmarks/vispruner_tiles.py`` times others on a GPU."""
+    tile: int = 8192
+    evens: int = 64
+    chunk: int = 32
+    warps: int | None = None
+
+
+VIS_TILES = VisTiles()
 
 
 @triton.jit
@@ -315,14 +327,16 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     return out
 
 
-def vispruner_blocks(R0: int) -> tuple[int, int, int]:
-    """``(BLOCK_E, BLOCK_P, num_warps)`` of VisPruner's kernel for ``R0`` candidates: tiles of BLOCK_E evens by
-    BLOCK_P columns (at most ``_VIS_TILE`` elements), BLOCK_P a whole row up to 256."""
+def vispruner_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, int]:
+    """``(BLOCK_E, BLOCK_P, num_warps)`` of VisPruner's kernel for ``R0`` candidates: its ranking's tiles of BLOCK_E
+    evens by BLOCK_P matches (at most ``tiles.tile`` elements), BLOCK_P a whole row up to 256."""
     block_p = triton.next_power_of_2(max(min(R0, 256), 16))
-    return max(1, _VIS_TILE // block_p), block_p, 8 if block_p >= 256 else 4
+    warps = tiles.warps or (8 if block_p >= 256 else 4)
+    return max(1, tiles.tile // block_p), block_p, warps
 
 
-def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int) -> torch.Tensor:
+def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int,
+                     tiles: VisTiles = VIS_TILES) -> torch.Tensor:
     """``baselines.vispruner_diverse``'s rounds in one launch: ``similarity [B, R0, R0]`` float32 among the candidates
     in their given order, ``keep`` < R0 of them after ``rounds`` rounds (host-known: they follow from R0 and keep
     alone) of at most ``round_size`` drops. Returns the kept positions ``[B, keep]`` in their final order. Each row is
@@ -333,9 +347,9 @@ def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_siz
     odd = torch.empty(B, R0, dtype=torch.int8, device=device)
     match = torch.empty(B, R0, dtype=torch.float32, device=device)
     out = _picks(B, keep, device)
-    block_e, block_p, warps = vispruner_blocks(R0)
+    block_e, block_p, warps = vispruner_blocks(R0, tiles)
     values, columns = torch.sort(similarity, dim=2, descending=True)
     _vispruner_kernel[(B,)](values.contiguous(), columns.to(torch.int32).contiguous(), lists, odd, match, out, R0,
-                            keep, rounds, ROUND=round_size, BLOCK_E=block_e, BLOCK_P=block_p,
-                            BLOCK_M=_VIS_SCAN_EVENS, CHUNK=_VIS_SCAN_CHUNK, num_warps=warps, enable_fp_fusion=False)
+                            keep, rounds, ROUND=round_size, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_M=tiles.evens,
+                            CHUNK=tiles.chunk, num_warps=warps, enable_fp_fusion=False)
     return out

@@ -144,16 +144,38 @@ def test_selection():
     assert rounds == [vispruner_round_count(N - T // 2, T - T // 2) for _, N, _, T in SMOKE_SHAPES.values()]
 
 
+def test_vispruner_tiles_keep_the_loops_picks(monkeypatch):
+    """Every block size the GPU script tries keeps the torch loop's picks (here under Triton's interpreter, where its
+    times mean nothing): a row per configuration, the default first."""
+    pytest.importorskip("triton", reason="triton is not installed (it ships with the CUDA builds of torch)")
+    from tests.selection.test_greedy_triton import _interpreter_cannot_run_here
+
+    why = _interpreter_cannot_run_here()
+    if why:
+        pytest.skip(why)
+    from benchmarks.vispruner_tiles import configs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = run_benchmark("vispruner_tiles.py", "--device", "cpu", "--sizes", "40:8", "--batch", "2", "--repeats", "1")
+    rows = [line for line in out.splitlines() if re.match(r"(default \(|[a-z]+=\d+ )", line)]
+    assert [r.split("  ")[0].strip() for r in rows] == [label for label, _ in configs()], out
+    figure(out, "every configuration kept the torch loop's picks")
+
+
 def test_vispruner_traffic_by_hand():
-    """20 candidates to 4: rounds of 10 / 6 / 3 evens against 10 / 6 / 3 odds (drops 8, 6, 2); rows of 3 sectors."""
-    from benchmarks.selection import vispruner_traffic
+    """20 candidates to 4: rounds of 10 / 6 / 3 evens against 10 / 6 / 3 odds (drops 8, 6, 2); rows of 3 sectors; one
+    chunk of 32 covers a sorted row of 20 (its 20 values and 20 columns: 3 sectors each)."""
+    from benchmarks.selection import _no_odd_within, vispruner_traffic
 
     got = vispruner_traffic(20, 4)
     assert got["rounds"] == 3
-    assert got["old sectors"] == 10 * 10 + 6 * 6 + 3 * 3
-    assert got["new sectors"] == 10 * 3 + 6 * 3 + 3 * 3
-    assert got["old ranking"] == 16 * (10 + 6 + 3)  # tiles 16 rows tall (the first round's evens, at least 16)
-    assert got["new ranking"] == 3 * 256 * 32  # one [256, 32] tile a round at this size
+    assert got["gathered sectors"] == 10 * 10 + 6 * 6 + 3 * 3
+    assert got["rows sectors"] == 10 * 3 + 6 * 3 + 3 * 3
+    assert got["scan sectors"] == (10 + 6 + 3) * (3 + 3)
+    assert got["tall ranking"] == 16 * (10 + 6 + 3)  # tiles 16 rows tall (the first round's evens, at least 16)
+    assert got["tile ranking"] == 3 * 256 * 32  # one [256, 32] tile a round at this size
+    # 2 odd of 4 in random places: the first two entries hold neither with chance (2 / 4) * (1 / 3)
+    assert _no_odd_within(4, 2, 2) == pytest.approx(1 / 6) and _no_odd_within(4, 2, 3) == 0.0
 
 
 def test_launches():

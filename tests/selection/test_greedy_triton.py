@@ -144,7 +144,7 @@ def _kernels():
            "KEEP": "i32", "ROUNDS": "i32"}
     block_e, block_p, _ = g.vispruner_blocks(1232)  # Qwen2.5-VL's candidates at T = 128
     out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_E": block_e, "BLOCK_P": block_p,
-                                           "BLOCK_M": g._VIS_SCAN_EVENS, "CHUNK": g._VIS_SCAN_CHUNK}))
+                                           "BLOCK_M": g.VIS_TILES.evens, "CHUNK": g.VIS_TILES.chunk}))
     return out
 
 
