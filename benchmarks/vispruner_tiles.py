@@ -6,7 +6,8 @@ down the sorted rows (``evens`` x ``chunk``). This script times ``greedy_triton.
 ``VisTiles`` and at each block size changed alone, on the candidates of the paper's shapes (important_ratio 0.5:
 LLaVA-1.5 544 -> 32, Qwen2.5-VL 1232 -> 64, LLaVA-NeXT's one 2880-token image 2720 -> 160), batch 1 and 8, and checks
 that every configuration keeps exactly the picks of the torch loop (``baselines.vispruner_diverse`` on the CPU). A row
-whose time moves with ``tile`` says the ranking is the chain; with ``evens`` or ``chunk``, the scan::
+whose time moves with ``tile`` says the ranking is the chain; with ``evens`` or ``chunk``, the scan; ``rank=sort``
+ranks by one sort a round instead of tiles::
 
     python benchmarks/vispruner_tiles.py                       # on a GPU: ~1 min, most of it compiling
     python benchmarks/vispruner_tiles.py --device cpu --sizes 40:8 --batch 1 --repeats 1   # under TRITON_INTERPRET=1
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Each block size changed alone from the default (``greedy_triton.VIS_TILES``).
-VARIANTS = {"tile": (4096, 16384), "evens": (32, 128, 256), "chunk": (16, 64), "warps": (4, 16)}
+VARIANTS = {"tile": (4096, 16384), "evens": (32, 128, 256), "chunk": (16, 64), "warps": (4, 16), "rank": ("sort",)}
 
 
 def configs() -> list[tuple[str, object]]:
@@ -46,7 +47,8 @@ def configs() -> list[tuple[str, object]]:
 
 
 def _describe(tiles) -> str:
-    return f"(tile {tiles.tile}, evens {tiles.evens}, chunk {tiles.chunk}, warps {tiles.warps or 'auto'})"
+    return (f"(tile {tiles.tile}, evens {tiles.evens}, chunk {tiles.chunk}, warps {tiles.warps or 'auto'}, "
+            f"rank {tiles.rank})")
 
 
 def similarity(batch: int, R0: int, d: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"VisPruner's kernel, median ms of {args.repeats} on {name}, torch {torch.__version__}; "
           f"columns: candidates -> kept x views")
     header = "".join(f"{f'{R0}->{keep} x{B}':>16}" for R0, keep, B in columns)
-    print(f"{'':<58}{header}")
+    print(f"{'':<66}{header}")
     inputs = {(R0, B): similarity(B, R0, 64, args.device, seed=R0) for R0, _, B in columns}
     reference = {(R0, B): vispruner_diverse(inputs[(R0, B)].cpu(), torch.arange(R0).expand(B, R0), keep)
                  for R0, keep, B in columns}  # the loop (CPU tensors never take the kernel): positions kept
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             if not torch.equal(call().cpu(), reference[(R0, B)]):
                 differ.append(f"{label} at {R0}->{keep} x{B}")
             cells.append(f"{time_call(call, args.device, args.repeats):>16.2f}")
-        print(f"{label:<58}" + "".join(cells), flush=True)
+        print(f"{label:<66}" + "".join(cells), flush=True)
     if differ:
         print("picks differ from the torch loop's: " + "; ".join(differ))
         return 1

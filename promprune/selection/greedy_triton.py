@@ -28,15 +28,19 @@ class VisTiles:
     """The block sizes of VisPruner's kernel. ``tile``: elements of its ranking's ``[BLOCK_E, BLOCK_P]`` tiles (evens
     by matches compared at once); ``evens`` by ``chunk``: its scan down the sorted rows (evens at once, entries of their
     rows at once: half the candidates are odd in the first rounds, so one chunk decides nearly every even there, ~3%
-    in the last at Qwen2.5-VL's 1232, ~30 entries down); ``warps``: None for 8 from rows of 256, else 4.
-    ``benchmarks/vispruner_tiles.py`` times others on a GPU."""
+    in the last at Qwen2.5-VL's 1232, ~30 entries down); ``warps``: None for 8 from rows of 256, else 4; ``rank``:
+    "tiles" counts each even's better matches pairwise (E^2 comparisons a round), "sort" sorts (match, place) keys
+    once a round (``tl.sort``, a bitonic network over the next power of 2 of the first round's evens, up to
+    `VIS_SORT_MAX`; past it, tiles). ``benchmarks/vispruner_tiles.py`` times others on a GPU."""
     tile: int = 8192
     evens: int = 64
     chunk: int = 32
     warps: int | None = None
+    rank: str = "tiles"
 
 
 VIS_TILES = VisTiles()
+VIS_SORT_MAX = 4096  # keys one program sorts at once (int64: 32 registers a thread at 8 warps)
 
 
 @triton.jit
@@ -174,7 +178,7 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
 
 @triton.jit
 def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SORT_N: tl.constexpr):
     """One row of ``baselines.vispruner_diverse``: ``C [B, R0, R0]`` the similarity of the candidates in their given
     order, scratch ``lists [B, 2, R0]`` int32 (the current order and the next), ``odd [B, R0]`` int8 (which candidates
     are at odd places of the current order) and ``match [B, R0]``, ``out [B, KEEP]``: the kept candidates' positions
@@ -243,19 +247,31 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
                 c0 += CHUNK
             tl.store(Mb + i, best, mask=live)
         tl.debug_barrier()  # every even's match is read below
-        for e0 in range(0, E, BLOCK_E):  # place in the stable descending order of the matches
-            i = e0 + es
-            live = i < E
-            mine = tl.load(Mb + i, mask=live, other=float("-inf"))
-            ahead_n = tl.zeros([BLOCK_E, BLOCK_P], dtype=tl.int32)
-            for k0 in range(0, E, BLOCK_P):
-                ks = k0 + ps
-                mk = tl.load(Mb + ks, mask=ks < E, other=float("-inf"))
-                ahead = (mk[None, :] > mine[:, None]) | ((mk[None, :] == mine[:, None]) & (ks[None, :] < i[:, None]))
-                ahead_n += (ahead & (ks < E)[None, :]).to(tl.int32)
-            rank = tl.sum(ahead_n, axis=1)
-            ev = tl.load(cur + 2 * i, mask=live, other=0)
-            tl.store(nxt + rank - drop, ev, mask=live & (rank >= drop))  # survivors, best match first
+        if SORT_N > 0:  # the stable descending order of the matches as one sort of (match, place) keys
+            ks = tl.arange(0, SORT_N)
+            mk = tl.load(Mb + ks, mask=ks < E, other=0.0)
+            bits = tl.where(mk == 0.0, 0.0, mk).to(tl.int32, bitcast=True)  # -0.0 ties +0.0, as the comparisons say
+            ascending = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered as the floats are, as signed integers
+            key = ((~ascending).to(tl.int64) << 32) | ks.to(tl.int64)  # the best match first, then the lower place
+            key = tl.where(ks < E, key, 0x7FFFFFFFFFFFFFFF)
+            place = (tl.sort(key) & 0xFFFFFFFF).to(tl.int32)  # the evens in their new order
+            ev = tl.load(cur + 2 * place, mask=ks < E, other=0)
+            tl.store(nxt + ks - drop, ev, mask=(ks >= drop) & (ks < E))  # survivors, best match first
+        else:
+            for e0 in range(0, E, BLOCK_E):  # place in the stable descending order of the matches
+                i = e0 + es
+                live = i < E
+                mine = tl.load(Mb + i, mask=live, other=float("-inf"))
+                ahead_n = tl.zeros([BLOCK_E, BLOCK_P], dtype=tl.int32)
+                for k0 in range(0, E, BLOCK_P):
+                    ks = k0 + ps
+                    mk = tl.load(Mb + ks, mask=ks < E, other=float("-inf"))
+                    ahead = (mk[None, :] > mine[:, None]) | ((mk[None, :] == mine[:, None])
+                                                             & (ks[None, :] < i[:, None]))
+                    ahead_n += (ahead & (ks < E)[None, :]).to(tl.int32)
+                rank = tl.sum(ahead_n, axis=1)
+                ev = tl.load(cur + 2 * i, mask=live, other=0)
+                tl.store(nxt + rank - drop, ev, mask=live & (rank >= drop))  # survivors, best match first
         for h0 in range(0, n_odd, BLOCK_P):  # then the odds in order
             hs = h0 + ps
             tl.store(nxt + (E - drop) + hs, tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0), mask=hs < n_odd)
@@ -348,8 +364,10 @@ def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_siz
     match = torch.empty(B, R0, dtype=torch.float32, device=device)
     out = _picks(B, keep, device)
     block_e, block_p, warps = vispruner_blocks(R0, tiles)
+    sort_n = triton.next_power_of_2(max((R0 + 1) // 2, 16))
+    sort_n = sort_n if tiles.rank == "sort" and sort_n <= VIS_SORT_MAX else 0
     values, columns = torch.sort(similarity, dim=2, descending=True)
     _vispruner_kernel[(B,)](values.contiguous(), columns.to(torch.int32).contiguous(), lists, odd, match, out, R0,
                             keep, rounds, ROUND=round_size, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_M=tiles.evens,
-                            CHUNK=tiles.chunk, num_warps=warps, enable_fp_fusion=False)
+                            CHUNK=tiles.chunk, SORT_N=sort_n, num_warps=warps, enable_fp_fusion=False)
     return out

@@ -157,7 +157,7 @@ def test_vispruner_tiles_keep_the_loops_picks(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = run_benchmark("vispruner_tiles.py", "--device", "cpu", "--sizes", "40:8", "--batch", "2", "--repeats", "1")
-    rows = [line for line in out.splitlines() if re.match(r"(default \(|[a-z]+=\d+ )", line)]
+    rows = [line for line in out.splitlines() if re.match(r"(default \(|[a-z]+=\w+ )", line)]
     assert [r.split("  ")[0].strip() for r in rows] == [label for label, _ in configs()], out
     figure(out, "every configuration kept the torch loop's picks")
 

@@ -143,8 +143,10 @@ def _kernels():
     vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i8", "match": "*fp32", "out": "*i64", "R0": "i32",
            "KEEP": "i32", "ROUNDS": "i32"}
     block_e, block_p, _ = g.vispruner_blocks(1232)  # Qwen2.5-VL's candidates at T = 128
-    out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_E": block_e, "BLOCK_P": block_p,
-                                           "BLOCK_M": g.VIS_TILES.evens, "CHUNK": g.VIS_TILES.chunk}))
+    for sort_n in (0, 1024):  # the ranking by tiles, by one sort a round
+        out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_E": block_e, "BLOCK_P": block_p,
+                                               "BLOCK_M": g.VIS_TILES.evens, "CHUNK": g.VIS_TILES.chunk,
+                                               "SORT_N": sort_n}))
     return out
 
 

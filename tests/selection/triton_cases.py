@@ -149,6 +149,47 @@ def vispruner_case(kind, B, N, d, seed) -> Case:
     return run
 
 
+def vispruner_sort_case(kind, B, N, d, seed) -> Case:
+    """VisPruner's kernel with its ranking by one sort a round (``VisTiles(rank="sort")``, not the default) on the
+    candidates of ``vispruner_case``, against the loop."""
+    from promprune.selection import baselines
+
+    def run(device):
+        from promprune.selection import greedy_triton
+
+        K = TokenSet(_tokens(kind, B, N, d, seed), None).cosine
+        g = torch.Generator().manual_seed(seed + 3)
+        rest = torch.stack([torch.randperm(N, generator=g)[:N - 2] for _ in range(B)])
+        keep = N // 5
+        want = baselines.vispruner_diverse(K, rest, keep)
+        local = baselines._submatrix(K, rest, rest).float().to(device)
+        picks = greedy_triton.vispruner_rounds(local, keep, baselines.vispruner_round_count(N - 2, keep),
+                                               baselines.VISPRUNER_ROUND, greedy_triton.VisTiles(rank="sort"))
+        return rest.gather(1, picks.cpu()), want
+    return run
+
+
+def vispruner_signed_zeros_case(rank: str) -> Case:
+    """Every match +0.0 or -0.0 (one pair 0.5): ties the comparisons see as ties, whatever the zero's sign, so the
+    lower place goes first; the sort's integer keys must say the same."""
+    from promprune.selection import baselines
+
+    def run(device):
+        from promprune.selection import greedy_triton
+
+        R0, keep = 40, 8
+        g = torch.Generator().manual_seed(30)
+        C = torch.where(torch.rand(2, R0, R0, generator=g) < 0.5, -0.0, 0.0)
+        C[:, torch.arange(R0), torch.arange(R0)] = 1.0
+        C[1, 3, 5] = C[1, 5, 3] = 0.5
+        rest = torch.arange(R0).expand(2, R0)
+        want = baselines.vispruner_diverse(C, rest, keep)
+        got = greedy_triton.vispruner_rounds(C.to(device), keep, baselines.vispruner_round_count(R0, keep),
+                                             baselines.VISPRUNER_ROUND, greedy_triton.VisTiles(rank=rank))
+        return got.cpu(), want
+    return run
+
+
 def select_case(method: str, kind: str, seed: int, **options) -> Case:
     """A whole ``promprune.select`` call: the fast path (sync-free stages + kernels) against the CPU path."""
     import promprune
@@ -245,6 +286,10 @@ def cases() -> dict[str, Case]:
     out["vispruner/random-1x300x24"] = vispruner_case("random", 1, 300, 24, 6)
     out["vispruner/duplicates-2x300x16"] = vispruner_case("duplicates", 2, 300, 16, 7)
     out["vispruner/random-1x576x64"] = vispruner_case("random", 1, 576, 64, 8)  # LLaVA-1.5's token count
+    for i, (kind, B, N, d) in enumerate([("duplicates", 2, 300, 16), ("zeros", 2, 33, 20), ("random", 1, 576, 64)]):
+        out[f"vispruner-sort/{kind}-{B}x{N}x{d}"] = vispruner_sort_case(kind, B, N, d, 20 + i)
+    out["vispruner/signed-zeros"] = vispruner_signed_zeros_case("tiles")
+    out["vispruner-sort/signed-zeros"] = vispruner_signed_zeros_case("sort")
     for kind in ("random", "lowrank", "duplicates"):
         out[f"select-promprune/{kind}"] = select_case("promprune", kind, 7, mu=0.5)
         out[f"select-promprune-conditional/{kind}"] = select_case("promprune", kind, 7, mu=0.5, conditional=True)
