@@ -117,6 +117,7 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
         "text_tokens": median([g.text_tokens for gens, _ in runs for g in gens]),
         "vision_ms": median([gens[0].vision_ms for gens, _ in runs]),
         "select_ms": median([gens[0].select_ms for gens, _ in runs]),
+        "select_each": [gens[0].select_ms for gens, _ in runs],
         "prefill_ms": median([gens[0].prefill_ms for gens, _ in runs]),
         "total_ms": median([ms for _, ms in runs]),
         "peak_mem_mb": peak_memory_mb(device),
@@ -161,7 +162,9 @@ def measured(args) -> None:
         with accel.graphs(graphs):
             m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
         if method == "promprune" and certified.LAST_REPORT:
-            splits.append((budget, graphs, certified.LAST_REPORT[0]))
+            graph_state = f"; graphs kept {len(graphed._CAPTURES)}, failed {graphed._FAILED or 'none'}" if graphs else ""
+            splits.append((budget, graphs, certified.LAST_REPORT[0],
+                           " ".join(f"{ms:.1f}" for ms in m["select_each"]) + graph_state))
         n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read
         tflops = prefill_flops(text_config, n_vis + n_text) / 1e12
         kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
@@ -170,9 +173,9 @@ def measured(args) -> None:
         print(f"| {label} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | {state:.4g} | "
               f"{m['vision_ms']:.1f} | {m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {total:.1f} | "
               f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
-    for budget, graphs, report in splits:  # how PromPrune's certified split decided in the last timed call
+    for budget, graphs, report, each in splits:  # how PromPrune's certified split decided in the last timed call
         print(f"\npromprune{'+graphs' if graphs else ''} at {budget}: views decided by the bounds per stage "
-              f"{report.decided}, by the exact eigensolve {report.exact}", end="")
+              f"{report.decided}, by the exact eigensolve {report.exact}; select ms per timed call: {each}", end="")
     print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); state MiB: "
           "the linear-attention layers' recurrent state per sequence, the same at every budget; "
           f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a "

@@ -33,14 +33,19 @@ def test_block_overhead():
     assert pack > 0 and answer > 0
 
 
-def test_efficiency():
-    out = run_benchmark("efficiency.py", "--repeats", "1", "--max-new-tokens", "2", "--budgets", "none,10")
+def test_efficiency(monkeypatch):
+    monkeypatch.setenv("PROMPRUNE_ENTROPY", "certified")  # PromPrune's split by its bounds, as on a GPU: reported
+    out = run_benchmark("efficiency.py", "--repeats", "2", "--max-new-tokens", "2", "--budgets", "none,10")
     # the analytic Table 6 reproduces the published prefill TFLOPs and KV MiB (RESULTS.md quotes these rows)
     assert table_rows(out, "2880")[0] == ["2880", "42.6", "42.6", "1440.0", "1440.0"]
     assert table_rows(out, "320")[0] == ["320", "5.02", "5.02", "160.0", "160.0"]
     measured = {row[0]: row for row in table_rows(out, "unpruned|promprune")}
     assert measured["promprune"][1:3] == ["10", "10"]  # budget, visual tokens the LLM received
     assert int(measured["unpruned"][2]) > 10
+    # how the split decided, and the selection's time in each timed call (their median is the table's select ms)
+    each = figure(out, r"promprune at 10: views decided by the bounds per stage \[\d+(, \d+)*\], by the exact "
+                       r"eigensolve \d+; select ms per timed call: ([0-9.]+) ([0-9.]+)")
+    assert float(measured["promprune"][7]) == pytest.approx((float(each[2]) + float(each[3])) / 2, abs=0.11)
 
 
 def test_models():
