@@ -162,7 +162,8 @@ def measured(args) -> None:
         with accel.graphs(graphs):
             m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
         if method == "promprune" and certified.LAST_REPORT:
-            graph_state = f"; graphs kept {len(graphed._CAPTURES)}, failed {graphed._FAILED or 'none'}" if graphs else ""
+            graph_state = (f"; graphs kept {len(graphed._CAPTURES)}, failed {graphed._FAILED or 'none'}"
+                           if graphs else "")
             splits.append((budget, graphs, certified.LAST_REPORT[0],
                            " ".join(f"{ms:.1f}" for ms in m["select_each"]) + graph_state))
         n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read
