@@ -22,9 +22,10 @@
 #   (the quickstart's testbed model is shipped in the tree: promprune/testbed/weights/, nothing to carry for it)
 #   bash scripts/device_rehearsal.sh   -> the stages that need no CUDA, on a device-like Python 3.12 virtualenv
 #       (~15 min): what a newer package there breaks, or a stage that cannot start, shows here, not on the machine
-# The shortest way to the selection stages (2026-11-26 evening: two calls, 416 s and 262 s): a .whl1 of one wheel,
+# The shortest way to the selection stages (2026-11-26 evening: two calls, 416 s and 262 s; 2026-11-28 on an H200:
+# 273 s and 274 s, each on a fresh machine, ~35 s of start around each): a .whl1 of one wheel,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl1 transformers==5.23.0
-#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 selection table6 parity
+#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 selection table6 parity vispruner-tiles
 # (selection times PromPrune with and without CUDA graphs; table6 ends with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min

@@ -194,7 +194,8 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
     view at Qwen2.5-VL's 1232 candidates and 146 rounds: 16.4 ms on an H100 (2026-11-26), 14.4 ms on an H200
     (2026-11-28), ~10x DivPrune; a gather of only the odd columns was slower still (every element its own memory
     transaction). The evens are taken a block at a time, so a round's work follows its own size, not the first
-    round's."""
+    round's. ``SORT_N`` > 0 (``VisTiles.rank`` "sort"): the survivors' order from one sort of ``SORT_N`` keys a round
+    instead of the pairwise ranking's tiles."""
     b = tl.program_id(0).to(tl.int64)
     Cb = C + b * R0 * R0
     SIb = SI + b * R0 * R0
