@@ -67,7 +67,8 @@ def test_launches_around_the_selection_are_pinned(name, method, batch):
     assert c.launches - unpruned.launches - bare.launches == AROUND[name, method, batch], c.ops.most_common(20)
 
 
-@pytest.mark.parametrize("name,launches", [("tiny:llava", (242, 113)), ("tiny:llava_next", (574, 205))])
+# eager: one launch a Lanczos step more since 2026-11-28 (its Frobenius dot as a product and a sum, not a bmm)
+@pytest.mark.parametrize("name,launches", [("tiny:llava", (254, 113)), ("tiny:llava_next", (610, 205))])
 def test_with_graphs_the_model_path_launches_fewer_and_waits_as_often(name, launches):
     """PromPrune's selection as CUDA graphs inside ``prepare`` (the split's bounds forced: the tiny views are below
     the size "auto" takes them at): a third to a half of the launches, the same reads of the device, no read inside a
