@@ -5,8 +5,8 @@
 #   bash scripts/device_rehearsal.sh [STAGE...]      (default: library sweep table6-pipeline scaling)
 #
 # 1. A CPython 3.12 virtualenv holding the GPU image's package list (scripts/device_image.txt, less its CUDA- and
-#    JAX-only entries). Entries without a version there resolve to PyPI's newest today, so this is a pessimistic
-#    stand-in for the image: it finds what a newer release breaks before the machine does.
+#    JAX-only entries). Since 2026-11-28 every entry has the version the image's `pip freeze` showed; a virtualenv
+#    made before then holds PyPI's newest of the unversioned ones (a pessimistic stand-in: delete it to remake it).
 # 2. The wheel batches (scripts/device_wheels.py build), installed into a copy of this commit's tree exactly as
 #    gpu_checklist.sh installs them on the machine (PYTHONPATH over .site/whlN, the image's packages below).
 # 3. The stages that need no CUDA, on the CPU: `library` (the library's tests on the image's torch), `sweep` (the
@@ -55,7 +55,9 @@ export PATH="$VENV/bin:$PATH" RAY_TMPDIR="${RAY_TMPDIR:-$(mktemp -d /tmp/devsim-
 export SWEEP_SET="--set resources.device=cpu" TABLE6_LIMIT=8
 export TABLE6_SET="--set model.pretrained=tiny:llava_next --set model.dtype=float32 --set resources.device=cpu --set grid.budget=[32]"
 export SCALING_GPUS=2 SCALING_ARGS="--samples-per-task 4 --sample-s 0.02 --load-s 0.1"
-bash scripts/gpu_checklist.sh --install-batch 1 --install-batch 2 "${STAGES[@]}"
+batches=()  # every batch the build made (three since the image's versions were pinned), at once: no 64 MiB limit here
+for d in .whl[0-9]*; do batches+=(--install-batch "${d#.whl}"); done
+bash scripts/gpu_checklist.sh "${batches[@]}" "${STAGES[@]}"
 echo "--- summary"
 for s in "${STAGES[@]}"; do
   printf '%-16s %s\n' "$s" "$(grep -E '[0-9]+ passed|sweep.py exit [0-9]+ after|^efficiency [0-9.]+ at' "$OUT/$s.log" | tail -1)"
