@@ -112,12 +112,13 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
             torch.cuda.synchronize(device)
         runs.append((gens, (time.perf_counter() - start) * 1e3))
     median = lambda values: statistics.median(values)  # noqa: E731
+    select_each = [gens[0].select_ms for gens, _ in runs]
     return {
         "visual_tokens": median([g.visual_tokens for gens, _ in runs for g in gens]),
         "text_tokens": median([g.text_tokens for gens, _ in runs for g in gens]),
         "vision_ms": median([gens[0].vision_ms for gens, _ in runs]),
-        "select_ms": median([gens[0].select_ms for gens, _ in runs]),
-        "select_each": [gens[0].select_ms for gens, _ in runs],
+        "select_ms": median(select_each),
+        "select_each": select_each,
         "prefill_ms": median([gens[0].prefill_ms for gens, _ in runs]),
         "total_ms": median([ms for _, ms in runs]),
         "peak_mem_mb": peak_memory_mb(device),

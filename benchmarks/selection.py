@@ -374,15 +374,18 @@ def _cost_rows(shapes):
             for label, m, graphs in rows]
 
 
+def _no_odd_prefixes(R0: int, odds: int) -> list[float]:
+    """For m = 0 .. R0, the chance that the first m entries of a sorted row of ``R0`` hold none of the ``odds`` odd
+    candidates, were their places random (hypergeometric; a running product)."""
+    out = [1.0]
+    for i in range(R0):
+        out.append(out[-1] * max(R0 - odds - i, 0) / (R0 - i))
+    return out
+
+
 def _no_odd_within(R0: int, odds: int, m: int) -> float:
-    """The chance that the first ``m`` entries of a sorted row of ``R0`` hold none of the ``odds`` odd candidates, were
-    their places random (hypergeometric)."""
-    p = 1.0
-    for i in range(min(m, R0)):
-        if R0 - odds - i <= 0:
-            return 0.0
-        p *= (R0 - odds - i) / (R0 - i)
-    return p
+    """``_no_odd_prefixes`` at ``m`` entries."""
+    return _no_odd_prefixes(R0, odds)[min(m, R0)]
 
 
 def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
@@ -406,7 +409,7 @@ def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
     R = R0
     while R > keep:
         E, odds = (R + 1) // 2, R // 2
-        chunks = sum(_no_odd_within(R0, odds, k * chunk) for k in range(-(-R0 // chunk)))
+        chunks = sum(_no_odd_prefixes(R0, odds)[0:R0:chunk])  # expected chunks read: one per prefix still odd-free
         out["rounds"] += 1
         out["gathered sectors"] += E * odds
         out["rows sectors"] += E * min(-(-R0 // 8), odds)

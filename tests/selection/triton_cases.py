@@ -133,14 +133,30 @@ def fl_case(kind, B, N, d, seed, *, conditional: bool) -> Case:
     return run
 
 
+def _vispruner_inputs(kind, B, N, d, seed) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token kernel ``[B, N, N]`` and VisPruner's candidates ``[B, N - 2]`` (a random order of all but two
+    tokens)."""
+    K = TokenSet(_tokens(kind, B, N, d, seed), None).cosine
+    g = torch.Generator().manual_seed(seed + 3)
+    return K, torch.stack([torch.randperm(N, generator=g)[:N - 2] for _ in range(B)])
+
+
+def _kernel_keeps(similarity: torch.Tensor, keep: int, rank: str) -> torch.Tensor:
+    """``greedy_triton.vispruner_rounds`` on ``similarity [B, R0, R0]`` (the candidates' own, in their order) with
+    ``VisTiles(rank=rank)``: the kept positions, on the CPU."""
+    from promprune.selection import baselines, greedy_triton
+
+    rounds = baselines.vispruner_round_count(similarity.shape[1], keep)
+    return greedy_triton.vispruner_rounds(similarity, keep, rounds, baselines.VISPRUNER_ROUND,
+                                          greedy_triton.VisTiles(rank=rank)).cpu()
+
+
 def vispruner_case(kind, B, N, d, seed) -> Case:
     """VisPruner's duplicate removal alone: the candidates a random order of all but two tokens, ``keep`` a fifth."""
     from promprune.selection import baselines
 
     def run(device):
-        K = TokenSet(_tokens(kind, B, N, d, seed), None).cosine
-        g = torch.Generator().manual_seed(seed + 3)
-        rest = torch.stack([torch.randperm(N, generator=g)[:N - 2] for _ in range(B)])  # [B, N - 2]
+        K, rest = _vispruner_inputs(kind, B, N, d, seed)
         want = baselines.vispruner_diverse(K, rest, N // 5)
         with _fast(device):
             Kd, rd = _on(device, K, rest)
@@ -155,17 +171,10 @@ def vispruner_sort_case(kind, B, N, d, seed) -> Case:
     from promprune.selection import baselines
 
     def run(device):
-        from promprune.selection import greedy_triton
-
-        K = TokenSet(_tokens(kind, B, N, d, seed), None).cosine
-        g = torch.Generator().manual_seed(seed + 3)
-        rest = torch.stack([torch.randperm(N, generator=g)[:N - 2] for _ in range(B)])
-        keep = N // 5
-        want = baselines.vispruner_diverse(K, rest, keep)
+        K, rest = _vispruner_inputs(kind, B, N, d, seed)
+        want = baselines.vispruner_diverse(K, rest, N // 5)
         local = baselines._submatrix(K, rest, rest).float().to(device)
-        picks = greedy_triton.vispruner_rounds(local, keep, baselines.vispruner_round_count(N - 2, keep),
-                                               baselines.VISPRUNER_ROUND, greedy_triton.VisTiles(rank="sort"))
-        return rest.gather(1, picks.cpu()), want
+        return rest.gather(1, _kernel_keeps(local, N // 5, "sort")), want
     return run
 
 
@@ -175,18 +184,13 @@ def vispruner_signed_zeros_case(rank: str) -> Case:
     from promprune.selection import baselines
 
     def run(device):
-        from promprune.selection import greedy_triton
-
         R0, keep = 40, 8
         g = torch.Generator().manual_seed(30)
         C = torch.where(torch.rand(2, R0, R0, generator=g) < 0.5, -0.0, 0.0)
         C[:, torch.arange(R0), torch.arange(R0)] = 1.0
         C[1, 3, 5] = C[1, 5, 3] = 0.5
         rest = torch.arange(R0).expand(2, R0)
-        want = baselines.vispruner_diverse(C, rest, keep)
-        got = greedy_triton.vispruner_rounds(C.to(device), keep, baselines.vispruner_round_count(R0, keep),
-                                             baselines.VISPRUNER_ROUND, greedy_triton.VisTiles(rank=rank))
-        return got.cpu(), want
+        return _kernel_keeps(C.to(device), keep, rank), baselines.vispruner_diverse(C, rest, keep)
     return run
 
 
