@@ -21,7 +21,9 @@ KV for that model's own text config (a hybrid LLM such as Qwen3.5 as it is: KV o
 beside it the constant recurrent state of its linear-attention layers, which no token adds to:
 ``promprune.efficiency``), and the measured median vision, selection and LLM prefill time, their sum (Table 6's
 "prefill"), the full generate time and peak memory (synchronized wall clock; the CUDA allocator's high-water mark on a
-GPU, the process's peak RSS on CPU). A printed table, never an assertion: timings depend on the machine.
+GPU, the process's peak RSS on CPU). On a GPU, PromPrune is measured once more with CUDA graphs (``accel.graphs``),
+and then eager and graphed calls are timed interleaved (``--graph-pairs``, ``paired_graphs``) for its select ms. A
+printed table, never an assertion: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
         vlm.generate(images, prompts, max_new_tokens=max_new_tokens)
     device = vlm.model.device
     reset_peak_memory(device)
+    tally = graphed.tally()
     runs = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -122,7 +125,44 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
         "prefill_ms": median([gens[0].prefill_ms for gens, _ in runs]),
         "total_ms": median([ms for _, ms in runs]),
         "peak_mem_mb": peak_memory_mb(device),
+        "captures_timed": graphed.tally()["captures"] - tally["captures"],  # shapes captured in the timed calls
     }
+
+
+def paired_graphs(vlm, images, prompt, *, pairs: int, max_new_tokens: int) -> dict:
+    """PromPrune's select ms without and with CUDA graphs, interleaved call by call in ABBA order (eager, graphs,
+    graphs, eager, ...) after a warm-up of both, so a slow stretch of the machine weighs on both (Table 6's separate
+    arms read 17.7 ms eager against 54.1 with graphs on an H200 on 2026-11-28, where the graphs arm's vision and LLM
+    prefill were slower too). Returns both lists, the per-pair ratios graphs / eager, the captures made during the
+    pairs (0 when the warm-up captured every shape the calls take), and whether every call gave the same answers
+    (greedy: the same kept tokens give the same token ids)."""
+    prompts = [prompt] * len(images)
+    with accel.graphs(True):
+        for _ in range(graphed.SIGHTINGS):  # a shape is captured at its SIGHTINGS-th call
+            vlm.generate(images, prompts, max_new_tokens=max_new_tokens)
+    with accel.graphs(False):
+        vlm.generate(images, prompts, max_new_tokens=max_new_tokens)
+    before = graphed.tally()["captures"]
+    select, answers = {False: [], True: []}, set()
+    for i in range(pairs):
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            with accel.graphs(on):
+                gens = vlm.generate(images, prompts, max_new_tokens=max_new_tokens)
+            select[on].append(gens[0].select_ms)
+            answers.add(tuple(tuple(g.token_ids) for g in gens))
+    return {"eager": select[False], "graphs": select[True],
+            "ratios": [g / e for g, e in zip(select[True], select[False])],
+            "captures": graphed.tally()["captures"] - before, "same_answers": len(answers) == 1}
+
+
+def print_paired(budget: int, paired: dict) -> None:
+    """One line of ``paired_graphs``' outcome."""
+    med = statistics.median
+    print(f"\npromprune at {budget}, eager and graphs interleaved ({len(paired['eager'])} pairs, ABBA): select ms "
+          f"eager {med(paired['eager']):.2f}, graphs {med(paired['graphs']):.2f}; graphs / eager per pair: median "
+          f"{med(paired['ratios']):.2f} (min {min(paired['ratios']):.2f}, max {max(paired['ratios']):.2f}); "
+          f"captures during the pairs {paired['captures']}; the same answers in every call: {paired['same_answers']}",
+          end="")
 
 
 def _arms(args, graphs: bool = False) -> list[tuple[str | None, int | None, bool]]:
@@ -156,15 +196,18 @@ def measured(args) -> None:
     print("| method | budget | visual tokens | prefill TFLOPs | KV MiB (visual) | state MiB | vision ms | select ms "
           "| LLM prefill ms | total prefill ms | generate ms | peak GB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    splits = []
+    splits, paired = [], []
     for method, budget, graphs in _arms(args, graphs=device.type == "cuda"):
         vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget, **options)
         certified.LAST_REPORT.clear()  # filled again only where the split takes the bounds
         with accel.graphs(graphs):
             m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+        if graphs and args.graph_pairs:
+            paired.append((budget, paired_graphs(vlm, images, prompt, pairs=args.graph_pairs,
+                                                 max_new_tokens=args.max_new_tokens)))
         if method == "promprune" and certified.LAST_REPORT:
-            graph_state = (f"; graphs kept {len(graphed._CAPTURES)}, failed {graphed._FAILED or 'none'}"
-                           if graphs else "")
+            graph_state = (f"; graphs kept {len(graphed._CAPTURES)}, captured in the timed calls "
+                           f"{m['captures_timed']}, failed {graphed._FAILED or 'none'}" if graphs else "")
             splits.append((budget, graphs, certified.LAST_REPORT[0],
                            " ".join(f"{ms:.1f}" for ms in m["select_each"]) + graph_state))
         n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read
@@ -178,6 +221,8 @@ def measured(args) -> None:
     for budget, graphs, report, each in splits:  # how PromPrune's certified split decided in the last timed call
         print(f"\npromprune{'+graphs' if graphs else ''} at {budget}: views decided by the bounds per stage "
               f"{report.decided}, by the exact eigensolve {report.exact}; select ms per timed call: {each}", end="")
+    for budget, outcome in paired:
+        print_paired(budget, outcome)
     print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); state MiB: "
           "the linear-attention layers' recurrent state per sequence, the same at every budget; "
           f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a "
@@ -198,6 +243,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1, help="images per generate call")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--graph-pairs", type=int, default=6,
+                        help="on a GPU, after PromPrune's graphs arm: this many eager / graphs pairs of calls, "
+                             "interleaved, for their select ms (0: none)")
     parser.add_argument("--skip-measured", action="store_true", help="only the analytic Table 6")
     parser.add_argument("--skip-analytic", action="store_true", help="only the measured table")
     parser.add_argument("--analytic-shape", default=None,

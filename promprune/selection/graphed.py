@@ -57,6 +57,9 @@ MAX_ELEMENTS = 2**22
 _CAPTURES: OrderedDict[tuple, "_Capture"] = OrderedDict()
 _SEEN: OrderedDict[tuple, int] = OrderedDict()  # sightings of shapes not captured yet
 _FAILED: list[str] = []  # why capture failed (then never tried again in this process)
+# What ``replay`` did in this process: shapes captured, replays of a kept capture, eager calls (a shape's first
+# sightings, or every call after a failure). A benchmark reads the difference around its timed calls (``tally``).
+_TALLY = {"captures": 0, "replays": 0, "eager": 0}
 
 
 class _Capture:
@@ -136,6 +139,7 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable
     returned as copies (default: all); the others are the graph's own buffers, which its next replay overwrites: a
     caller that borrows them copies what it keeps before then (one launch saved per output)."""
     if _FAILED:
+        _TALLY["eager"] += 1
         return fn(*args, static)
     key = _key(fn, args, static)
     capture = _CAPTURES.get(key)
@@ -145,6 +149,7 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable
             _SEEN[key] = seen
             while len(_SEEN) > SEEN_KEEP:
                 _SEEN.popitem(last=False)
+            _TALLY["eager"] += 1
             return fn(*args, static)
         try:
             capture = _Capture(fn, args, static)
@@ -156,14 +161,23 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable
             warnings.warn(f"CUDA graph capture of {fn.__qualname__} failed ({_FAILED[-1]}); PromPrune's selection "
                           "runs its device work eagerly for the rest of this process (the same values, more host "
                           "time).", RuntimeWarning, stacklevel=2)
+            _TALLY["eager"] += 1
             return fn(*args, static)
+        _TALLY["captures"] += 1
         capture.eager = None
         _CAPTURES[key] = capture
         while len(_CAPTURES) > KEEP:
             _CAPTURES.popitem(last=False)
         return first
     _CAPTURES.move_to_end(key)
+    _TALLY["replays"] += 1
     return capture(args, fresh)
+
+
+def tally() -> dict[str, int]:
+    """What ``replay`` did in this process so far: ``captures`` (shapes captured), ``replays`` (of kept captures),
+    ``eager`` (calls run eagerly: a shape's first sightings, a failed capture and every call after it)."""
+    return dict(_TALLY)
 
 
 def clear() -> None:

@@ -48,6 +48,25 @@ def test_efficiency(monkeypatch):
     assert float(measured["promprune"][7]) == pytest.approx((float(each[2]) + float(each[3])) / 2, abs=0.11)
 
 
+def test_efficiency_interleaves_eager_and_graphs():
+    """Table 6's eager / graphs pairs (``paired_graphs``), on the CPU: the selection's fast path with each capture
+    stood for by ``benchmarks.launches.CaptureStub`` (it runs the captured call on its static inputs). The warm-up
+    captures every shape, so the pairs capture nothing, and graphs change no answer."""
+    from benchmarks.efficiency import paired_graphs, sample_images
+    from benchmarks.launches import fast_path_on_cpu
+    from promprune.models import PrunedVLM
+    from promprune.selection import accel, graphed
+
+    vlm = PrunedVLM.from_pretrained("tiny:llava_next", method="promprune", budget=10)
+    with fast_path_on_cpu(), accel.entropy("certified"):
+        out = paired_graphs(vlm, sample_images(1), "Describe the image briefly.", pairs=3, max_new_tokens=2)
+        kept = len(graphed._CAPTURES)
+    assert kept >= 2  # the split's first stage and the picking stages, at least
+    assert out["captures"] == 0 and out["same_answers"]
+    assert len(out["eager"]) == len(out["graphs"]) == len(out["ratios"]) == 3
+    assert out["ratios"] == [g / e for g, e in zip(out["graphs"], out["eager"])]
+
+
 def test_models():
     out = run_benchmark("models.py", "--methods", "promprune", "fastv", "--repeats", "1", "--max-new-tokens", "2",
                         "--image-size", "64")

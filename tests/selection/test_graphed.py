@@ -46,6 +46,7 @@ def test_a_capture_that_fails_gives_the_eager_steps_once_warned():
         pytest.skip("here a capture succeeds: the GPU tests below cover it")
     args = _start_args(_rho(2, 12, 1))
     want = certified.lanczos_steps(*args, 5)
+    before = graphed.tally()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         first = graphed.replay(certified.lanczos_steps, args, 5)
@@ -53,6 +54,8 @@ def test_a_capture_that_fails_gives_the_eager_steps_once_warned():
     for got in (first, second):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert sum("capture" in str(w.message) for w in seen) == 1
+    after = graphed.tally()
+    assert {k: after[k] - before[k] for k in after} == {"eager": 2, "captures": 0, "replays": 0}
     assert graphed._FAILED and not graphed.usable(args[0], 5)
 
 
@@ -73,11 +76,15 @@ def test_a_shape_is_captured_at_its_second_call_and_replayed_after():
     want = certified.lanczos_steps(*args, 5)
     real = graphed._Capture
     graphed._Capture = Counted
+    before = graphed.tally()
     try:
         for calls, captures in ((1, 0), (2, 1), (3, 1), (4, 1)):
             got = graphed.replay(certified.lanczos_steps, args, 5)
             assert all(torch.equal(g, w) for g, w in zip(got, want))
             assert (len(made), len(graphed._CAPTURES)) == (captures, captures), calls
+        # the tally a benchmark reads: one eager call (the first sighting), one capture, two replays
+        after = graphed.tally()
+        assert {k: after[k] - before[k] for k in after} == {"eager": 1, "captures": 1, "replays": 2}
     finally:
         graphed._Capture = real
 
