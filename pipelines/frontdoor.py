@@ -1,9 +1,11 @@
 """What a sweep's command line can be refused for before anything heavy loads (Ray, torch, lmms-eval: 10 s and more
-of imports): a spec file too large to be a spec, and a ``--resume`` of a run whose driver is alive.
+of imports): a spec file too large to be a spec, one that cannot be read (missing, malformed YAML, a bad ``--set``),
+and a ``--resume`` of a run whose driver is alive.
 
 `pipelines/sweep.py` run as a script calls `refuse_early` before its own imports; the full checks after them
 (`pipelines.spec`, `pipelines.preflight`, `pipelines.run.state`) say the same things, so this only ever refuses
-sooner, never accepts: whatever it cannot read here (a spec it cannot parse, remote storage) it leaves to them.
+sooner, never accepts: what it cannot judge here (the fields of a spec that reads, whose problems come in one message
+with the methods' and the plugins', remote storage) it leaves to them.
 
 Also the pieces of the one-driver lock that need no Ray: where the lock files are, which runs a spec has, who holds a
 local lock (`pipelines.run.state.DriverLock` is built on them).
@@ -102,8 +104,7 @@ def refuse_early(argv: list[str]) -> None:
     be refused; return otherwise (the full checks run next)."""
     problem = early_problem(argv)
     if problem is not None:
-        source, message = problem
-        print(f"error: {source}: 1 problem(s):\n  - {message}", file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -120,9 +121,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def early_problem(argv: list[str]) -> tuple[str, str] | None:
-    """(where, what) of a refusal decided here: the spec file's size, a ``--resume`` whose run's driver holds its
-    lock. None when neither (or when this cannot tell: the full checks decide)."""
+def early_problem(argv: list[str]) -> str | None:
+    """The refusal decided here, as the full checks word it (``<where>: N problem(s): ...``): the spec file's size,
+    a spec that cannot be read (``reading_problems``), a ``--resume`` whose run's driver holds its lock. None when
+    none of these (or when this cannot tell: the full checks decide)."""
     p = add_spec_args(argparse.ArgumentParser(add_help=False))
     try:
         args, _ = p.parse_known_args(argv)
@@ -130,7 +132,10 @@ def early_problem(argv: list[str]) -> tuple[str, str] | None:
         return None
     problem = too_large(args.config)
     if problem:
-        return args.config, problem
+        return one_problem(args.config, problem)
+    problem = reading_problems(args.config, args.overrides)
+    if problem:
+        return problem
     if args.resume is None:
         return None
     name, storage = peek(args.config, args.overrides)
@@ -148,7 +153,27 @@ def early_problem(argv: list[str]) -> tuple[str, str] | None:
     for experiment in candidates:
         holder = local_holder(str(state_dir / f"{experiment}{LOCK_SUFFIX}"))
         if holder is not None:
-            return f"--resume {experiment}", busy_message(experiment, holder)
+            return one_problem(f"--resume {experiment}", busy_message(experiment, holder))
+    return None
+
+
+def one_problem(where: str, what: str) -> str:
+    """A refusal of one problem, worded as ``pipelines.spec.SpecError`` words its lists."""
+    return f"{where}: 1 problem(s):\n  - {what}"
+
+
+def reading_problems(config: str, overrides: list[str]) -> str | None:
+    """Why the spec cannot be read at all, as the full checks say it (``pipelines.spec.load_raw``: a missing or
+    unreadable file, malformed YAML, not UTF-8, a broken ``include:``, a bad ``--set``; pydantic and YAML, no torch):
+    under a second, where the full checks first wait ~7 s for Ray and torch. A spec that reads is left to them, so a
+    schema problem is reported together with the methods' and the plugins' (every problem in one message). None:
+    it reads."""
+    from pipelines import spec as specs  # not at the top: pipelines.spec's loader imports this module
+
+    try:
+        specs.load_raw(config, overrides)
+    except specs.SpecError as exc:
+        return str(exc)
     return None
 
 

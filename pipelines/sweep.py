@@ -60,7 +60,8 @@ from typing import Callable
 
 if __name__ == "__main__":
     # run as a script: refused in about a second, before the imports below load Ray and torch (10 s and more): a
-    # spec file too large to be one, a --resume whose run's driver is alive (pipelines/frontdoor.py)
+    # spec file too large to be one or that cannot be read, a --resume whose run's driver is alive
+    # (pipelines/frontdoor.py)
     from pipelines.frontdoor import refuse_early
 
     refuse_early(sys.argv[1:])

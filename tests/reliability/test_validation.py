@@ -216,6 +216,31 @@ def test_a_huge_config_is_refused_unparsed(scratch, tmp_path):
     assert MAX_SPEC_BYTES < huge.stat().st_size
 
 
+def test_a_spec_that_cannot_be_read_is_refused_before_ray_and_torch(scratch, tmp_path):
+    """A missing file, malformed YAML or a bad --set is refused in the process's first second (`frontdoor`), in the
+    words of the full checks (the loader's own error, raised here independently), with neither torch nor Ray
+    imported. A spec that reads goes on to the full checks, which report its fields' problems together with its
+    methods' (the test above)."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    broken = scratch("name: t\nversion: 1\ngrid: {method: [promprune, budget: [8]\n", "broken.yaml")
+    cases = [([str(tmp_path / "missing.yaml")], []), ([str(broken)], []),
+             ([str(scratch(SPEC, "ok.yaml"))], ["--set", "limit"])]
+    for (config,), extra in cases:
+        proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "pipelines" / "sweep.py"), "--config",
+                               config, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                    if line.startswith("import time:")}
+        refusal = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+        with pytest.raises(specs.SpecError) as raised:
+            specs.load_raw(config, extra[1:])
+        assert (proc.returncode, refusal) == (2, f"error: {raised.value}"), refusal
+        assert not {"torch", "ray"} & imported
+
+
 SHIPPED = sorted((Path(__file__).resolve().parents[2] / "sweeps").glob("*.yaml"))
 
 
