@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..dtypes import upcast
-from .kernels import ENTROPY_EPS, exactly_symmetric, unit_tokens
+from .kernels import ENTROPY_EPS, exactly_symmetric, token_norms, unit_tokens
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
 EIGEN_FLOOR = 1e-12
@@ -91,7 +91,7 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
 def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:
     """Normalized entropy of the token L2-norm distribution ``n_i / sum n``: ``[B, N, d] -> [B]``."""
     _batched(features, 3, "[B, N, d]", "feature_norm_entropy")
-    norms = features.float().norm(dim=-1)  # [B, N]
+    norms = token_norms(features.float())  # [B, N]
     total = norms.sum(dim=1, keepdim=True)
     p = torch.where(total > 0, norms / total.clamp_min(torch.finfo(norms.dtype).tiny), 1.0 / norms.shape[1])
     return _normalized_entropy(p, norms.shape[1])

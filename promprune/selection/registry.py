@@ -21,7 +21,7 @@ from ..dtypes import upcast
 from ..suggest import did_you_mean
 from . import accel
 from .entropy import entropy_of_matrix, spectral_matrix
-from .kernels import ENTROPY_EPS, KERNEL_EPS, exactly_symmetric, rescale_gram, unit_tokens
+from .kernels import ENTROPY_EPS, KERNEL_EPS, exactly_symmetric, rescale_gram, token_norms, unit_tokens
 
 
 @dataclass
@@ -91,8 +91,8 @@ class TokenSet:
     ``(rows, cols)`` of the tokens in raster order (None: the most square factorization of N). The cosine Gram is shared
     by the spectral entropy and the diversity kernels: one ``[B, N, d] x [B, d, N]`` product per call. ``source``: the
     features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with fp32
-    accumulation. ``keys``: one int per row naming what the row's tokens come from (an image, or one view of it;
-    ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
+    accumulation (``unit_gram``). ``keys``: one int per row naming what the row's tokens come from (an image, or one
+    view of it; ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
     """
 
     def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
@@ -108,8 +108,10 @@ class TokenSet:
         self.grid = grid if grid is not None else squarest_grid(self.n)
 
     @cached_property
-    def norms(self) -> torch.Tensor:  # [B, N]
-        return self.x.norm(dim=-1)
+    def norms(self) -> torch.Tensor:
+        """The tokens' L2 norms ``[B, N]`` (:func:`~promprune.selection.kernels.token_norms`: finite at any scale of
+        ``x`` whose norms fit its dtype, ``x.norm``'s bit for bit where its sum of squares does not overflow)."""
+        return token_norms(self.x)
 
     @property
     def half_source(self) -> torch.Tensor | None:
@@ -120,10 +122,18 @@ class TokenSet:
 
     @cached_property
     def unit_gram(self) -> torch.Tensor:
-        """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8), exactly symmetric."""
+        """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8), exactly symmetric.
+
+        On the GPU fast path the Gram of fp16 / bf16 tokens is their raw product (tensor cores, fp32 accumulation)
+        scaled by the inverse norms. fp16's products cannot overflow fp32 (at most ``65504^2 d``), bf16's can (it
+        spans float32's range): bf16 tokens with norms past 2^60 enter the product divided by a power of two that
+        brings their norm into [0.5, 1) (exact in bf16), the others as they are (:func:`_bounded_half`)."""
         if self.half_source is not None and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation
-            raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
-            inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
+            source, norms = self.source, self.norms
+            if source.dtype == torch.bfloat16:
+                source, norms = _bounded_half(source, norms)
+            raw = torch.bmm(source, source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
+            inv = 1.0 / norms.clamp_min(ENTROPY_EPS)  # [B, N]
             return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
         return exactly_symmetric(xn @ xn.transpose(1, 2))
@@ -169,6 +179,22 @@ class TokenSet:
         if self.saliency is None:
             raise ValueError(f"method {method!r} needs saliency scores [B, N]; got saliency=None")
         return self.saliency
+
+
+# bf16 tokens with a norm above this enter the fast path's raw Gram scaled down (``_bounded_half``): the product of
+# two norms up to it stays far below float32's largest value (2^128), and so does every partial sum of a dot product.
+HALF_GRAM_MAX_NORM = 2.0 ** 60
+
+
+def _bounded_half(source: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(source, norms)`` of bf16 tokens ``[B, N, d]`` and their norms ``[B, N]`` with every token whose norm passes
+    ``HALF_GRAM_MAX_NORM`` divided by the power of two ``2^e`` of ``norm = m 2^e`` (m in [0.5, 1)): exact in bf16 and
+    float32 (but for entries that fall under bf16's smallest, far below the norm's precision), so the raw Gram of the
+    result scaled by its inverse norms is the unit Gram. Tokens at or below it, every token of normal magnitude, are
+    multiplied by 1: the Gram is bit for bit the unscaled one's. On the device, no wait."""
+    mantissa, _ = torch.frexp(norms)
+    scale = torch.where(norms > HALF_GRAM_MAX_NORM, mantissa / norms, 1.0)  # [B, N]: 2^-e exactly, or 1
+    return source * scale.to(source.dtype)[..., None], norms * scale
 
 
 def squarest_grid(n: int) -> tuple[int, int]:

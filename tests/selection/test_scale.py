@@ -1,0 +1,152 @@
+"""Selections do not depend on an overall scale of the features, up to float32's finite range.
+
+Tokens are L2-normalized before any method compares them, so features multiplied by a positive constant must keep
+the same tokens. A float32 sum of squares overflows from entries of ~1e19 (float16 from ~256), which once gave norms
+of inf, unit tokens of 0 and repeated picks (``[0, 0, 0, ...]``) or an index past N (DivPrune). Each case compares
+a method's picks on scaled features with its picks on the same features unscaled (the reference), on the CPU and,
+where there is one, on a CUDA GPU (the fast path: fp16 / bf16 Grams from the half tokens).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import promprune
+from promprune.selection import accel
+from promprune.selection.registry import TokenSet
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+SHAPES = {"N>d": (2, 48, 24), "N<=d": (2, 16, 32)}  # the covariance and the Gram paths of the spectral entropy
+BUDGET = 8
+KEYS = (11, 12)  # one per image: `random` draws from its seed and these, whatever the features' scale
+
+# Every registered pre-LLM method, with its defaults, plus the options that take other paths through the kernels.
+VARIANTS = [(m, {}) for m in promprune.methods()] + [
+    ("promprune", {"diversity": "fps"}), ("promprune", {"diversity": "facility_location"}),
+    ("promprune", {"conditional": True}), ("promprune", {"metric": "feature_norm"}),
+    ("coverage_only", {"diversity": "fps"}), ("coverage_only", {"diversity": "facility_location"}),
+    ("cdpruner", {"text_source": "clip"}), ("cdpruner", {"theta": 0.9}),
+]
+# (dtype, scale): float32 far past where its squares overflow (1e20) and near the top of its range; half dtypes by
+# a power of two, which scales them exactly: float16 past 256 (its squares overflow), bfloat16 past 2^64.
+SCALES = [pytest.param(torch.float32, 1e20, id="float32-1e20"),
+          pytest.param(torch.float32, 1e35, id="float32-1e35"),
+          pytest.param(torch.float16, 2.0 ** 9, id="float16-2^9"),
+          pytest.param(torch.bfloat16, 2.0 ** 66, id="bf16-2^66")]
+
+
+def _inputs(shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, N, d = shape
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, N, 4, generator=g) @ torch.randn(B, 4, d, generator=g) + 0.5 * torch.randn(B, N, d, generator=g)
+    return x, torch.rand(B, N, generator=g)
+
+
+def _select(method: str, options: dict, x: torch.Tensor, s: torch.Tensor, query: torch.Tensor,
+            vision: bool) -> promprune.Selection:
+    """``select`` with everything a method may read: saliency, keys, an instruction whose visual tokens are ``x``
+    itself ("llm") or its negation ("clip": another space, the same scale), and ``x`` as the vision tower's view."""
+    spec = promprune.method_spec(method)
+    kw = {"budget": BUDGET, "method": method, **options}
+    if spec.needs_instruction:
+        clip = options.get("text_source") == "clip"
+        kw["instruction"] = promprune.Instruction(query=query, tokens=-x if clip else x,
+                                                  source="clip" if clip else "llm")
+    if spec.draws_at_random:
+        kw["keys"] = KEYS
+    if vision and spec.reads_vision:
+        kw["vision"] = promprune.VisionFeatures(hidden=x, keys=x.flip(-1), project=lambda h: h.float())
+    return promprune.select(x, s if spec.needs_saliency else None, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,scale", SCALES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("method,options", VARIANTS, ids=lambda v: str(v))
+def test_scaled_features_keep_the_same_tokens(method, options, shape, dtype, scale, device):
+    x, s = _inputs(SHAPES[shape])
+    x, s = x.to(device, dtype), s.to(device)
+    query = torch.randn(x.shape[0], x.shape[-1], generator=torch.Generator().manual_seed(5)).to(device)
+    big = x * scale
+    assert bool(torch.isfinite(big).all())
+    for vision in (False, True) if promprune.method_spec(method).reads_vision else (False,):
+        ref = _select(method, options, x, s, query, vision)
+        sel = _select(method, options, big, s, query, vision)
+        N = x.shape[1]
+        for row in sel.indices.tolist():
+            assert len(set(row)) == len(row) == BUDGET, f"repeated picks at scale {scale:g}: {row}"
+            assert all(0 <= i < N for i in row), f"picks outside [0, {N}) at scale {scale:g}: {row}"
+        assert sel.indices.tolist() == ref.indices.tolist(), f"scale {scale:g} (vision={vision})"
+        assert sel.saliency_count.tolist() == ref.saliency_count.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,scale", SCALES)
+def test_promprune_certified_split_is_scale_free(dtype, scale, device):
+    """The certified split (the GPU's, here forced) reads the unit Gram: the same split and picks at any scale."""
+    x, s = _inputs(SHAPES["N<=d"])
+    x, s = x.to(device, dtype), s.to(device)
+    with accel.entropy("certified"):
+        ref = promprune.select(x, s, budget=BUDGET)
+        sel = promprune.select(x * scale, s, budget=BUDGET)
+    assert sel.indices.tolist() == ref.indices.tolist()
+    assert sel.saliency_count.tolist() == ref.saliency_count.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,scale", SCALES)
+def test_norms_and_unit_gram_are_finite_and_scale_free(dtype, scale, device):
+    x, _ = _inputs(SHAPES["N<=d"])
+    x = x.to(device, dtype)
+    small, big = (TokenSet(t.float(), None, source=t) for t in (x, x * scale))
+    assert bool(torch.isfinite(big.norms).all())
+    torch.testing.assert_close(big.norms / scale, small.norms, rtol=1e-6, atol=0)
+    torch.testing.assert_close(big.unit_gram, small.unit_gram, rtol=0, atol=1e-6)
+    torch.testing.assert_close(big.cosine, small.cosine, rtol=0, atol=1e-6)
+
+
+def test_norms_of_normal_magnitudes_are_torch_norms_bit_for_bit():
+    """The scale-safe norms change nothing where the float32 sum of squares does not overflow."""
+    x, _ = _inputs((3, 64, 48))
+    for t in (x, x * 1e15, x * 1e-15):
+        assert torch.equal(TokenSet(t, None).norms, t.norm(dim=-1))
+
+
+@pytest.fixture
+def emulated_fast_path(monkeypatch):
+    """The GPU fast path's arithmetic on the CPU: ``accel.active`` true and ``torch.bmm(..., out_dtype=float32)``
+    (CUDA only) as the product of the half tokens upcast to float32 (a product of two fp16 / bf16 values is exact in
+    float32; the sums accumulate in float32, as on the tensor cores). Only for ``TokenSet``'s norms and Grams: the
+    selectors would launch Triton kernels."""
+    bmm = torch.bmm
+
+    def half_bmm(a, b, *, out_dtype=None):
+        return bmm(a.float(), b.float()) if out_dtype is not None else bmm(a, b)
+
+    monkeypatch.setattr(accel, "active", lambda t: True)
+    monkeypatch.setattr(torch, "bmm", half_bmm)
+
+
+@pytest.mark.parametrize("dtype,scale", SCALES[2:] + [pytest.param(torch.bfloat16, 2.0 ** 100, id="bf16-2^100"),
+                                                      SCALES[0]])
+def test_fast_path_gram_is_scale_free(emulated_fast_path, dtype, scale):
+    """The fast path's Gram from the half tokens (bf16: scaled down past 2^60) and its norms (float64 where float32
+    overflows, chosen without a wait) at a scale where the half / float32 squares overflow."""
+    x, _ = _inputs(SHAPES["N<=d"])
+    x = x.to(dtype)
+    small, big = (TokenSet(t.float(), None, source=t) for t in (x, x * scale))
+    assert bool(torch.isfinite(big.norms).all())
+    torch.testing.assert_close(big.norms / scale, small.norms, rtol=1e-6, atol=0)
+    torch.testing.assert_close(big.unit_gram, small.unit_gram, rtol=0, atol=1e-6)
+
+
+def test_fast_path_gram_of_normal_magnitudes_is_unchanged(emulated_fast_path):
+    """Below 2^60 the bf16 tokens enter the product as they are: the Gram is the raw product times the inverse norms
+    bit for bit, as before the bound."""
+    x, _ = _inputs(SHAPES["N<=d"])
+    for t in (x.bfloat16(), (x * 1e15).bfloat16()):
+        tokens = TokenSet(t.float(), None, source=t)
+        inv = 1.0 / t.float().norm(dim=-1).clamp_min(1e-8)
+        raw = torch.bmm(t, t.transpose(1, 2), out_dtype=torch.float32)
+        gram = raw * inv[:, :, None] * inv[:, None, :]
+        assert torch.equal(tokens.unit_gram, 0.5 * (gram + gram.transpose(1, 2)))
