@@ -388,6 +388,10 @@ def _no_odd_within(R0: int, odds: int, m: int) -> float:
     return _no_odd_prefixes(R0, odds)[min(m, R0)]
 
 
+TRAFFIC_ROWS = ("rounds", "gathered sectors", "rows sectors", "scan sectors", "tall ranking", "tile ranking",
+                "rank steps", "scan steps", "flag steps", "flag steps, cleared")
+
+
 def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
     """What VisPruner's kernel loads of the candidates' similarity ``C [R0, R0]`` over all its rounds, in 32-byte
     sectors (8 floats), and the comparisons its ranking runs, for each of its three forms: before 2026-11-27
@@ -395,41 +399,51 @@ def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
     round's evens), 2026-11-27 ("rows": each even's row read contiguously where odd columns lie, at most ``min(R0 / 8,
     odds)`` sectors a row) and since 2026-11-28 ("scan": each even reads its sorted row and its columns ``chunk``
     entries at a time down to the first odd candidate, the chunks expected were the odd candidates' places in the row
-    random). The ranking of "rows" and "scan": evens ``BLOCK_E`` at a time. Host arithmetic from the sizes alone: a
-    model, not a measurement."""
+    random). The ranking of "rows" and "scan": evens ``BLOCK_E`` at a time. And the loop steps one program runs in
+    sequence besides the ranking (each ends in a reduction or a barrier): "scan steps" (per block of ``BLOCK_M``
+    evens, chunks until none of them is pending), "flag steps" (marking a round's odd candidates and copying them
+    after the evens: ``BLOCK_P`` at a time), "flag steps, cleared" (the same with every flag cleared first each
+    round, as before 2026-11-28's stamps), and for comparison "rank steps" (the ranking's tiles; ``rank="sort"``
+    instead sorts once a round). Host arithmetic from the sizes alone: a model, not a measurement."""
     from promprune.selection import greedy_triton
     from promprune.selection.baselines import VISPRUNER_ROUND
 
     block_e, block_p, _ = greedy_triton.vispruner_blocks(R0)
     chunk = greedy_triton.VIS_TILES.chunk
     old_h = greedy_triton.triton.next_power_of_2(max((R0 + 1) // 2, 16))  # the first kernel's BLOCK_H
-    out = dict.fromkeys(("rounds", "gathered sectors", "rows sectors", "scan sectors", "tall ranking",
-                         "tile ranking"), 0.0)
+    evens = greedy_triton.VIS_TILES.evens
+    out = dict.fromkeys(TRAFFIC_ROWS, 0.0)
     per_chunk = 2 * -(-min(chunk, R0) // 8)  # a chunk's values and its columns (int32)
     R = R0
     while R > keep:
         E, odds = (R + 1) // 2, R // 2
-        chunks = sum(_no_odd_prefixes(R0, odds)[0:R0:chunk])  # expected chunks read: one per prefix still odd-free
+        free = _no_odd_prefixes(R0, odds)[0:R0:chunk]  # for each chunk: the chance an even still looks past it
+        chunks = sum(free)  # expected chunks read: one per prefix still odd-free
+        for size in [evens] * (E // evens) + ([E % evens] if E % evens else []):  # a block goes on while any waits
+            out["scan steps"] += sum(1 - (1 - p) ** size for p in free)
+        out["flag steps"] += 2 * -(-odds // block_p)
+        out["flag steps, cleared"] += 2 * -(-odds // block_p) + -(-R0 // block_p)
         out["rounds"] += 1
         out["gathered sectors"] += E * odds
         out["rows sectors"] += E * min(-(-R0 // 8), odds)
         out["scan sectors"] += E * chunks * per_chunk
         out["tall ranking"] += old_h * E
         out["tile ranking"] += -(-E // block_e) * block_e * -(-E // block_p) * block_p
+        out["rank steps"] += -(-E // block_e) * -(-E // block_p)
         R -= min(VISPRUNER_ROUND, R - keep, E)
     return out
 
 
 def print_vispruner_traffic(shapes) -> None:
     print("VisPruner's kernel per view: 32-byte sectors of the similarity loaded and ranking comparisons (millions), "
-          "modeled from the sizes (important_ratio 0.5), not measured")
+          "loop steps in sequence (thousands), modeled from the sizes (important_ratio 0.5), not measured")
     print(f"{'':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     cells = {}
     for sh, (_, N, _, T) in shapes.items():
         t_imp = T // 2
         cells[sh] = vispruner_traffic(N - t_imp, T - t_imp)
-    for name in ("rounds", "gathered sectors", "rows sectors", "scan sectors", "tall ranking", "tile ranking"):
-        scale = 1 if name == "rounds" else 1e6
+    for name in TRAFFIC_ROWS:
+        scale = 1 if name == "rounds" else 1e3 if "steps" in name else 1e6
         print(f"{name:<24}" + "".join(f"{cells[sh][name] / scale:>26.{0 if scale == 1 else 2}f}" for sh in shapes))
     for new, old in (("scan sectors", "rows sectors"), ("scan sectors", "gathered sectors"),
                      ("tile ranking", "tall ranking")):

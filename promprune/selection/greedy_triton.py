@@ -180,8 +180,9 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
 def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SORT_N: tl.constexpr):
     """One row of ``baselines.vispruner_diverse``: ``C [B, R0, R0]`` the similarity of the candidates in their given
-    order, scratch ``lists [B, 2, R0]`` int32 (the current order and the next), ``odd [B, R0]`` int8 (which candidates
-    are at odd places of the current order) and ``match [B, R0]``, ``out [B, KEEP]``: the kept candidates' positions
+    order, scratch ``lists [B, 2, R0]`` int32 (the current order and the next), ``odd [B, R0]`` int32 (the last round
+    each candidate was at an odd place in: a candidate is odd in round r when it holds r + 1, so no round clears
+    them) and ``match [B, R0]``, ``out [B, KEEP]``: the kept candidates' positions
     in the given order, in their final order. Every round runs here: evens matched to their most similar odd, the
     ``min(ROUND, R - KEEP)`` best-matched evens dropped (ties: the lower place first, a stable descending order), the
     rest followed by the odds.
@@ -204,8 +205,9 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
     Mb = match + b * R0
     es = tl.arange(0, BLOCK_E)
     ps = tl.arange(0, BLOCK_P)
-    for p0 in range(0, R0, BLOCK_P):  # the given order: places 0 .. R0 - 1
+    for p0 in range(0, R0, BLOCK_P):  # the given order: places 0 .. R0 - 1, and no candidate odd in any round yet
         tl.store(Lb + p0 + ps, p0 + ps, mask=p0 + ps < R0)
+        tl.store(Ob + p0 + ps, tl.zeros([BLOCK_P], tl.int32), mask=p0 + ps < R0)
     tl.debug_barrier()
     R = tl.program_id(0) * 0 + R0  # an int32 tensor: the list's length
     for r in range(ROUNDS):
@@ -214,13 +216,11 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
         E = (R + 1) // 2  # evens
         n_odd = R // 2
         drop = tl.minimum(tl.minimum(R - KEEP, ROUND), E)
-        for p0 in range(0, R0, BLOCK_P):  # no candidate is odd ...
-            tl.store(Ob + p0 + ps, tl.zeros([BLOCK_P], tl.int8), mask=p0 + ps < R0)
-        tl.debug_barrier()
-        for h0 in range(0, n_odd, BLOCK_P):  # ... but those at the odd places of this round's order
+        stamp = r + 1  # the candidates at the odd places of this round's order are stamped with it (no reset)
+        for h0 in range(0, n_odd, BLOCK_P):
             hs = h0 + ps
             od = tl.load(cur + 2 * hs + 1, mask=hs < n_odd, other=0)
-            tl.store(Ob + od, tl.full([BLOCK_P], 1, tl.int8), mask=hs < n_odd)
+            tl.store(Ob + od, tl.zeros([BLOCK_P], tl.int32) + stamp, mask=hs < n_odd)
         tl.debug_barrier()
         # each even's best match among the odds: the first odd column down its sorted row
         ms = tl.arange(0, BLOCK_M)
@@ -238,7 +238,7 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
                 here = pending[:, None] & (cols < R0)[None, :]
                 at = ev[:, None] * R0 + cols[None, :]
                 col = tl.load(SIb + at, mask=here, other=0)
-                hit = here & (tl.load(Ob + col, mask=here, other=0) != 0)
+                hit = here & (tl.load(Ob + col, mask=here, other=0) == stamp)
                 value = tl.max(tl.where(hit, tl.load(Cb + at, mask=here, other=float("-inf")), float("-inf")),
                                axis=1)
                 found = tl.sum(hit.to(tl.int32), axis=1) > 0
@@ -361,7 +361,7 @@ def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_siz
     B, R0, _ = similarity.shape
     device = similarity.device
     lists = torch.empty(B, 2, R0, dtype=torch.int32, device=device)
-    odd = torch.empty(B, R0, dtype=torch.int8, device=device)
+    odd = torch.empty(B, R0, dtype=torch.int32, device=device)  # zeroed by the kernel, stamped per round
     match = torch.empty(B, R0, dtype=torch.float32, device=device)
     out = _picks(B, keep, device)
     block_e, block_p, warps = vispruner_blocks(R0, tiles)

@@ -198,6 +198,9 @@ def test_vispruner_traffic_by_hand():
     assert got["scan sectors"] == (10 + 6 + 3) * (3 + 3)
     assert got["tall ranking"] == 16 * (10 + 6 + 3)  # tiles 16 rows tall (the first round's evens, at least 16)
     assert got["tile ranking"] == 3 * 256 * 32  # one [256, 32] tile a round at this size
+    # one block of evens a round, whose one chunk covers the row; marking and copying the odds: a step each of 32
+    # places a round, and clearing every flag first another
+    assert (got["rank steps"], got["scan steps"], got["flag steps"], got["flag steps, cleared"]) == (3, 3, 6, 9)
     # 2 odd of 4 in random places: the first two entries hold neither with chance (2 / 4) * (1 / 3)
     assert _no_odd_within(4, 2, 2) == pytest.approx(1 / 6) and _no_odd_within(4, 2, 3) == 0.0
 

@@ -140,7 +140,7 @@ def _kernels():
         out.append((g._dpp_kernel, dpp, consts))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
-    vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i8", "match": "*fp32", "out": "*i64", "R0": "i32",
+    vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i32", "match": "*fp32", "out": "*i64", "R0": "i32",
            "KEEP": "i32", "ROUNDS": "i32"}
     block_e, block_p, _ = g.vispruner_blocks(1232)  # Qwen2.5-VL's candidates at T = 128
     for sort_n in (0, 1024):  # the ranking by tiles, by one sort a round
