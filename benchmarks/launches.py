@@ -222,7 +222,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     graphed._SEEN.clear()
     graphed._Capture = CaptureStub if bodies else KeptReplay
     graphed.SIGHTINGS = 1  # each shape captured at its first call (count's warm-up): the counted calls are replays
-    accel.active = lambda t: True
+    accel.active = lambda t: accel._STATE["on"]  # every tensor on the fast path, unless the switch is off
     accel.has_triton = lambda: True
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
      greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),

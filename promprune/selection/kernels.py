@@ -17,19 +17,16 @@ def token_norms(x: torch.Tensor) -> torch.Tensor:
     """The L2 norm of every token ``[B, N, d] -> [B, N]``, in ``x``'s dtype, finite wherever it fits that dtype.
 
     ``x.norm`` sums the squares in ``x``'s dtype, which overflows long before the norm does (float32 from entries of
-    ~1e19, float16 from ~256): the norm came out inf, the unit tokens 0, and selections repeated token 0. Tokens whose
-    norm overflowed are measured again with the squares summed in float64 (where the square of any float32 fits) and
-    the norm cast back; every other norm is ``x.norm``'s, bit for bit. On the GPU fast path (``accel.active``), which
-    never waits on the device, both are computed and chosen elementwise (one more read of ``x``); elsewhere the second
-    only when some norm overflowed (one read of a ``[B, N]`` test). float64 tokens keep ``x.norm``: the squares of
-    float32's range fit float64.
+    ~1e19): the norm came out inf, the unit tokens 0, and selections repeated token 0. Tokens whose norm overflowed
+    are measured again with the squares summed in float64 (where the square of any float32 fits) and the norm cast
+    back; every other norm is ``x.norm``'s, bit for bit (one read of a ``[B, N]`` test). float64 tokens keep
+    ``x.norm``. On the GPU fast path (``accel.active``), which never waits on the device, this is ``x.norm`` alone:
+    ``registry.select`` sends features whose squares overflow to the plain path (its finiteness check's total, a sum
+    of squares, overflows first), so the fast path pays nothing for them.
     """
     norms = x.norm(dim=-1)
-    if x.dtype == torch.float64:
+    if x.dtype == torch.float64 or accel.active(x):
         return norms
-    if accel.active(x):
-        wide = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).to(norms.dtype)
-        return torch.where(torch.isinf(norms), wide, norms)
     over = torch.isinf(norms)
     if bool(over.any()):
         wide = torch.linalg.vector_norm(x[over], dim=-1, dtype=torch.float64)  # [K] the overflowed tokens only

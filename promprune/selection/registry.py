@@ -9,6 +9,7 @@ point, ``$PROMPRUNE_PLUGINS``: ``promprune.plugins``) are imported the first tim
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -125,15 +126,11 @@ class TokenSet:
         """Gram ``[B, N, N]`` of tokens normalized with the entropy's eps (1e-8), exactly symmetric.
 
         On the GPU fast path the Gram of fp16 / bf16 tokens is their raw product (tensor cores, fp32 accumulation)
-        scaled by the inverse norms. fp16's products cannot overflow fp32 (at most ``65504^2 d``), bf16's can (it
-        spans float32's range): bf16 tokens with norms past 2^60 enter the product divided by a power of two that
-        brings their norm into [0.5, 1) (exact in bf16), the others as they are (:func:`_bounded_half`)."""
+        scaled by the inverse norms. Its products overflow only for tokens whose squares overflow float32 (bf16 spans
+        float32's range; fp16's are at most ``65504^2 d``), and those never take the fast path (``select``)."""
         if self.half_source is not None and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation
-            source, norms = self.source, self.norms
-            if source.dtype == torch.bfloat16:
-                source, norms = _bounded_half(source, norms)
-            raw = torch.bmm(source, source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
-            inv = 1.0 / norms.clamp_min(ENTROPY_EPS)  # [B, N]
+            raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
+            inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
             return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
         return exactly_symmetric(xn @ xn.transpose(1, 2))
@@ -179,22 +176,6 @@ class TokenSet:
         if self.saliency is None:
             raise ValueError(f"method {method!r} needs saliency scores [B, N]; got saliency=None")
         return self.saliency
-
-
-# bf16 tokens with a norm above this enter the fast path's raw Gram scaled down (``_bounded_half``): the product of
-# two norms up to it stays far below float32's largest value (2^128), and so does every partial sum of a dot product.
-HALF_GRAM_MAX_NORM = 2.0 ** 60
-
-
-def _bounded_half(source: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(source, norms)`` of bf16 tokens ``[B, N, d]`` and their norms ``[B, N]`` with every token whose norm passes
-    ``HALF_GRAM_MAX_NORM`` divided by the power of two ``2^e`` of ``norm = m 2^e`` (m in [0.5, 1)): exact in bf16 and
-    float32 (but for entries that fall under bf16's smallest, far below the norm's precision), so the raw Gram of the
-    result scaled by its inverse norms is the unit Gram. Tokens at or below it, every token of normal magnitude, are
-    multiplied by 1: the Gram is bit for bit the unscaled one's. On the device, no wait."""
-    mantissa, _ = torch.frexp(norms)
-    scale = torch.where(norms > HALF_GRAM_MAX_NORM, mantissa / norms, 1.0)  # [B, N]: 2^-e exactly, or 1
-    return source * scale.to(source.dtype)[..., None], norms * scale
 
 
 def squarest_grid(n: int) -> tuple[int, int]:
@@ -476,30 +457,32 @@ def checked_inputs(features: torch.Tensor, saliency: torch.Tensor | None, vision
 
 
 def finite_total(tensors) -> torch.Tensor:
-    """A 0-d tensor that is finite when every one of ``tensors`` is (their sums, added up), computed on their device
-    without a read.
+    """A 0-d tensor that is finite when every one of ``tensors`` is finite and none is so large that its squares
+    overflow (their L2 norms, added up), computed on their device without a read.
 
-    A sum is NaN or infinite when one of its terms is, so one pass over each tensor tells (``isfinite(t).all()`` took
-    four passes and launches: 36-58 ms of a LLaVA-NeXT select on 2 CPU cores, RESULTS 2026-11-27). Sums accumulate in
-    float32 at least (float64 tensors in float64; a float64 accumulation of float32 tensors costs a converted copy on
-    the CPU). Only finite values of enormous magnitude can make a sum overflow: a non-finite total means "check
-    each"."""
-    parts = [t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+    A norm is NaN or infinite when one of its terms is, so one pass over each tensor tells (``isfinite(t).all()`` took
+    four passes and launches: 36-58 ms of a LLaVA-NeXT select on 2 CPU cores, RESULTS 2026-11-27). Norms accumulate in
+    float32 at least (float64 tensors in float64). Finite values whose squares overflow (entries of ~1e15 and more in
+    a whole view) also give a non-finite total: "check each", and ``select`` then runs such features on the plain path,
+    whose norms are measured in float64 where float32's overflow (``kernels.token_norms``)."""
+    parts = [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
     if len({part.dtype for part in parts}) == 1:
         return torch.stack(parts).sum()  # two launches for any number of parts
     return sum(parts[1:], parts[0]) if parts else torch.zeros(())  # mixed float32 / float64: promoted pairwise
 
 
-def _check_finite(named: dict[str, torch.Tensor]) -> None:
+def _check_finite(named: dict[str, torch.Tensor]) -> bool:
     """Every given tensor ``[B, ...]`` is finite; one read of the device for all of them (``finite_total``); the error
-    path, or a total overflowing on huge finite terms, checks tensor by tensor."""
+    path, or a total overflowing on huge finite terms, checks tensor by tensor. Returns whether the tensors are finite
+    but so large that their squares overflow (``select`` then takes the plain path)."""
     if math.isfinite(float(finite_total(named.values()))):
-        return
+        return False
     for name, t in named.items():
         bad = ~torch.isfinite(t).flatten(1).all(dim=1)
         if bool(bad.any()):
             kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
             raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
+    return True
 
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
@@ -515,9 +498,11 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     per batch row naming the image (or view) the row comes from, e.g. a hash of its pixels; ``random`` draws each row's
     tokens from ``seed`` and its key, so the draw does not depend on the last bits of the features (None: from a coarse
     fingerprint of the features; docs/methods.md). Returns a :class:`Selection`. ``promprune.methods()`` lists the
-    methods; an unknown method or option is a ValueError naming the valid ones. ``checked``: the caller has found every
-    input tensor finite (``PrunedVLM`` checks a batch's buckets with one read), so the call does not read the device
-    for it; by default NaN / Inf inputs are a ValueError naming the batch rows.
+    methods; an unknown method or option is a ValueError naming the valid ones. ``checked``: the caller has found
+    ``finite_total`` of every input tensor finite (``PrunedVLM`` checks a batch's buckets with one read), so the call
+    does not read the device for it; by default NaN / Inf inputs are a ValueError naming the batch rows, and finite
+    features whose squares overflow float32 (entries of ~1e15 and more) run on the plain torch path, not the GPU fast
+    path (the same tokens as at a normal scale).
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:
@@ -534,11 +519,12 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     # saliency reaches only the methods that declare it, as in the model adapters: a selection never depends on
     # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
     seen = _validate_vision(vision, x) if spec.reads_vision else None
-    if not checked:
-        _check_finite(checked_inputs(x, s, seen, text))
+    huge = False if checked else _check_finite(checked_inputs(x, s, seen, text))
     tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
                       source=features, keys=_validate_keys(keys, x.shape[0]))
-    sel = spec.fn(tokens, min(budget, tokens.n), **opts)
+    # features whose squares overflow float32: the plain path, whose norms do not overflow (``kernels.token_norms``)
+    with accel.disabled() if huge else contextlib.nullcontext():
+        sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)
     if sel.cls is not None:

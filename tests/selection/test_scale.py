@@ -4,7 +4,7 @@ Tokens are L2-normalized before any method compares them, so features multiplied
 the same tokens. A float32 sum of squares overflows from entries of ~1e19 (float16 from ~256), which once gave norms
 of inf, unit tokens of 0 and repeated picks (``[0, 0, 0, ...]``) or an index past N (DivPrune). Each case compares
 a method's picks on scaled features with its picks on the same features unscaled (the reference), on the CPU and,
-where there is one, on a CUDA GPU (the fast path: fp16 / bf16 Grams from the half tokens).
+where there is one, on a CUDA GPU (where such features leave the fast path: ``select``'s finiteness check).
 """
 from __future__ import annotations
 
@@ -112,41 +112,25 @@ def test_norms_of_normal_magnitudes_are_torch_norms_bit_for_bit():
         assert torch.equal(TokenSet(t, None).norms, t.norm(dim=-1))
 
 
-@pytest.fixture
-def emulated_fast_path(monkeypatch):
-    """The GPU fast path's arithmetic on the CPU: ``accel.active`` true and ``torch.bmm(..., out_dtype=float32)``
-    (CUDA only) as the product of the half tokens upcast to float32 (a product of two fp16 / bf16 values is exact in
-    float32; the sums accumulate in float32, as on the tensor cores). Only for ``TokenSet``'s norms and Grams: the
-    selectors would launch Triton kernels."""
+@pytest.mark.parametrize("dtype,scale", [p for p in SCALES if p.id != "float16-2^9"])  # fp16 stays: fp32 norms fit
+def test_features_whose_squares_overflow_leave_the_fast_path(dtype, scale, monkeypatch):
+    """On the GPU fast path (emulated on the CPU: ``benchmarks.launches.fast_path_on_cpu``, its Triton kernels
+    stubbed and counted, and the half tokens' ``bmm(out_dtype=float32)``, CUDA's only, as a float32 product) features
+    of a normal scale launch the method's kernel; features whose squares overflow are found by ``select``'s finiteness
+    check (a sum of squares) and run on the plain path, which launches none and keeps the tokens the plain path keeps
+    at a normal scale (the reference)."""
+    from benchmarks.launches import count, fast_path_on_cpu
+
     bmm = torch.bmm
-
-    def half_bmm(a, b, *, out_dtype=None):
-        return bmm(a.float(), b.float()) if out_dtype is not None else bmm(a, b)
-
-    monkeypatch.setattr(accel, "active", lambda t: True)
-    monkeypatch.setattr(torch, "bmm", half_bmm)
-
-
-@pytest.mark.parametrize("dtype,scale", SCALES[2:] + [pytest.param(torch.bfloat16, 2.0 ** 100, id="bf16-2^100"),
-                                                      SCALES[0]])
-def test_fast_path_gram_is_scale_free(emulated_fast_path, dtype, scale):
-    """The fast path's Gram from the half tokens (bf16: scaled down past 2^60) and its norms (float64 where float32
-    overflows, chosen without a wait) at a scale where the half / float32 squares overflow."""
-    x, _ = _inputs(SHAPES["N<=d"])
+    monkeypatch.setattr(torch, "bmm", lambda a, b, *, out_dtype=None: bmm(a.float(), b.float()) if out_dtype else
+                        bmm(a, b))
+    x, s = _inputs(SHAPES["N<=d"])
     x = x.to(dtype)
-    small, big = (TokenSet(t.float(), None, source=t) for t in (x, x * scale))
-    assert bool(torch.isfinite(big.norms).all())
-    torch.testing.assert_close(big.norms / scale, small.norms, rtol=1e-6, atol=0)
-    torch.testing.assert_close(big.unit_gram, small.unit_gram, rtol=0, atol=1e-6)
-
-
-def test_fast_path_gram_of_normal_magnitudes_is_unchanged(emulated_fast_path):
-    """Below 2^60 the bf16 tokens enter the product as they are: the Gram is the raw product times the inverse norms
-    bit for bit, as before the bound."""
-    x, _ = _inputs(SHAPES["N<=d"])
-    for t in (x.bfloat16(), (x * 1e15).bfloat16()):
-        tokens = TokenSet(t.float(), None, source=t)
-        inv = 1.0 / t.float().norm(dim=-1).clamp_min(1e-8)
-        raw = torch.bmm(t, t.transpose(1, 2), out_dtype=torch.float32)
-        gram = raw * inv[:, :, None] * inv[:, None, :]
-        assert torch.equal(tokens.unit_gram, 0.5 * (gram + gram.transpose(1, 2)))
+    want = promprune.select(x, s, budget=BUDGET, method="divprune")
+    with fast_path_on_cpu():
+        normal = count(promprune.select, x, s, budget=BUDGET, method="divprune")
+        huge = count(promprune.select, x * scale, s, budget=BUDGET, method="divprune")
+        got = promprune.select(x * scale, s, budget=BUDGET, method="divprune")
+    kernels = lambda c: sum(n for op, n in c.ops.items() if op.startswith("triton:"))  # noqa: E731
+    assert (kernels(normal), kernels(huge)) == (1, 0)
+    assert got.indices.tolist() == want.indices.tolist()
