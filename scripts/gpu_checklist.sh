@@ -26,7 +26,8 @@
 # 273 s and 274 s, each on a fresh machine, ~35 s of start around each): a .whl1 of one wheel,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl1 transformers==5.23.0
 #   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 selection table6 parity vispruner-tiles
-# (selection times PromPrune with and without CUDA graphs; table6 ends with benchmarks/profile_select.py).
+# (selection times PromPrune with and without CUDA graphs; table6 times its model path eager and with graphs
+# interleaved, `--graph-pairs`: the line that decides PROMPRUNE_GRAPHS, and ends with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
 #      (then vispruner-tiles, ~1 min: VisPruner's kernel at other block sizes, its picks checked against the loop)
