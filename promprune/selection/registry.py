@@ -482,6 +482,14 @@ def _check_finite(named: dict[str, torch.Tensor]) -> bool:
         if bool(bad.any()):
             kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
             raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
+    top = torch.finfo(torch.float32).max
+    for name, t in named.items():  # finite, but huge: a token whose norm itself passes float32's range
+        if t.dtype != torch.float64 and t.dim() >= 2:
+            norm = float(torch.linalg.vector_norm(t.double(), dim=-1).max())
+            if norm > top:
+                raise ValueError(f"{name} hold a token of norm {norm:.3g}, past float32's range ({top:.3g}): its "
+                                 "direction cannot be compared in float32. Divide the features by a constant (every "
+                                 "method's picks are scale-free) or pass them as float64.")
     return True
 
 
@@ -502,7 +510,8 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     ``finite_total`` of every input tensor finite (``PrunedVLM`` checks a batch's buckets with one read), so the call
     does not read the device for it; by default NaN / Inf inputs are a ValueError naming the batch rows, and finite
     features whose squares overflow float32 (entries of ~1e15 and more) run on the plain torch path, not the GPU fast
-    path (the same tokens as at a normal scale).
+    path (the same tokens as at a normal scale); a float32 token whose norm itself passes float32's range is a
+    ValueError naming the tensor.
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:

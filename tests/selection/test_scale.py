@@ -134,3 +134,15 @@ def test_features_whose_squares_overflow_leave_the_fast_path(dtype, scale, monke
     kernels = lambda c: sum(n for op, n in c.ops.items() if op.startswith("triton:"))  # noqa: E731
     assert (kernels(normal), kernels(huge)) == (1, 0)
     assert got.indices.tolist() == want.indices.tolist()
+
+
+def test_tokens_whose_norm_passes_float32s_range_are_a_clear_error():
+    """Entries of 1e37 in 4096 dimensions: every entry is a float32, the norm (6.4e38) is not; no float32 direction
+    exists to compare, so ``select`` names the tensor and the fix instead of picking from zeros."""
+    x, s = torch.randn(1, 16, 4096), torch.rand(1, 16)
+    big = torch.sign(x) * 1e37  # every entry 1e37 in size: the norm is 1e37 * 64
+    assert bool(torch.isfinite(big).all())
+    for method in ("divprune", "promprune"):
+        with pytest.raises(ValueError, match=r"features hold a token of norm .*past float32's range.*scale-free"):
+            promprune.select(big, s, budget=4, method=method)
+    assert promprune.select(big.double(), s, budget=4, method="divprune").indices.shape == (1, 4)  # float64 holds it
