@@ -21,8 +21,8 @@ def token_norms(x: torch.Tensor) -> torch.Tensor:
     are measured again with the squares summed in float64 (where the square of any float32 fits) and the norm cast
     back; every other norm is ``x.norm``'s, bit for bit (one read of a ``[B, N]`` test). float64 tokens keep
     ``x.norm``. On the GPU fast path (``accel.active``), which never waits on the device, this is ``x.norm`` alone:
-    ``registry.select`` sends features whose squares overflow to the plain path (its finiteness check's total, a sum
-    of squares, overflows first), so the fast path pays nothing for them.
+    ``registry.select`` sends features whose squares overflow to the plain path (its finiteness total, the inputs'
+    whole norms, overflows first), so the fast path pays nothing for them.
     """
     norms = x.norm(dim=-1)
     if x.dtype == torch.float64 or accel.active(x):
