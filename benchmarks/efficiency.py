@@ -202,14 +202,14 @@ def measured(args) -> None:
         certified.LAST_REPORT.clear()  # filled again only where the split takes the bounds
         with accel.graphs(graphs):
             m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
-        if graphs and args.graph_pairs:
-            paired.append((budget, paired_graphs(vlm, images, prompt, pairs=args.graph_pairs,
-                                                 max_new_tokens=args.max_new_tokens)))
         if method == "promprune" and certified.LAST_REPORT:
             graph_state = (f"; graphs kept {len(graphed._CAPTURES)}, captured in the timed calls "
                            f"{m['captures_timed']}, failed {graphed._FAILED or 'none'}" if graphs else "")
             splits.append((budget, graphs, certified.LAST_REPORT[0],
                            " ".join(f"{ms:.1f}" for ms in m["select_each"]) + graph_state))
+        if graphs and args.graph_pairs > 0:  # after the arm's own report: the pairs' calls replace LAST_REPORT
+            paired.append((budget, paired_graphs(vlm, images, prompt, pairs=args.graph_pairs,
+                                                 max_new_tokens=args.max_new_tokens)))
         n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read
         tflops = prefill_flops(text_config, n_vis + n_text) / 1e12
         kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
