@@ -220,7 +220,7 @@ def test_a_spec_that_cannot_be_read_is_refused_before_ray_and_torch(scratch, tmp
     """A missing file, malformed YAML or a bad --set is refused in the process's first second (`frontdoor`), in the
     words of the full checks (the loader's own error, raised here independently), with neither torch nor Ray
     imported. A spec that reads goes on to the full checks, which report its fields' problems together with its
-    methods' (the test above)."""
+    methods' (``test_problems_in_different_places_come_together``)."""
     import subprocess
     import sys
 
