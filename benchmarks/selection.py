@@ -421,8 +421,9 @@ def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
         chunks = sum(free)  # expected chunks read: one per prefix still odd-free
         for size in [evens] * (E // evens) + ([E % evens] if E % evens else []):  # a block goes on while any waits
             out["scan steps"] += sum(1 - (1 - p) ** size for p in free)
-        out["flag steps"] += 2 * -(-odds // block_p)
-        out["flag steps, cleared"] += 2 * -(-odds // block_p) + -(-R0 // block_p)
+        flags = 2 * -(-odds // block_p)  # marking the odds, then copying them after the evens
+        out["flag steps"] += flags
+        out["flag steps, cleared"] += flags + -(-R0 // block_p)  # and clearing every flag first
         out["rounds"] += 1
         out["gathered sectors"] += E * odds
         out["rows sectors"] += E * min(-(-R0 // 8), odds)

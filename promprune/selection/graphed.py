@@ -139,8 +139,7 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable
     returned as copies (default: all); the others are the graph's own buffers, which its next replay overwrites: a
     caller that borrows them copies what it keeps before then (one launch saved per output)."""
     if _FAILED:
-        _TALLY["eager"] += 1
-        return fn(*args, static)
+        return _eager(fn, args, static)
     key = _key(fn, args, static)
     capture = _CAPTURES.get(key)
     if capture is None:
@@ -149,8 +148,7 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable
             _SEEN[key] = seen
             while len(_SEEN) > SEEN_KEEP:
                 _SEEN.popitem(last=False)
-            _TALLY["eager"] += 1
-            return fn(*args, static)
+            return _eager(fn, args, static)
         try:
             capture = _Capture(fn, args, static)
             first = capture(args, None)  # copies of every output: the caller may keep them all
@@ -161,8 +159,7 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable
             warnings.warn(f"CUDA graph capture of {fn.__qualname__} failed ({_FAILED[-1]}); PromPrune's selection "
                           "runs its device work eagerly for the rest of this process (the same values, more host "
                           "time).", RuntimeWarning, stacklevel=2)
-            _TALLY["eager"] += 1
-            return fn(*args, static)
+            return _eager(fn, args, static)
         _TALLY["captures"] += 1
         capture.eager = None
         _CAPTURES[key] = capture
@@ -172,6 +169,12 @@ def replay(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable
     _CAPTURES.move_to_end(key)
     _TALLY["replays"] += 1
     return capture(args, fresh)
+
+
+def _eager(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable) -> tuple[torch.Tensor, ...]:
+    """``fn(*args, static)`` run eagerly by ``replay``, counted in the tally."""
+    _TALLY["eager"] += 1
+    return fn(*args, static)
 
 
 def tally() -> dict[str, int]:
