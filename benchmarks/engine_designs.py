@@ -186,12 +186,13 @@ def serve_design(rows, budgets: list[int], log: str) -> tuple[float, list[float]
 
 
 def in_process(trials: int, designs: list[str]) -> None:
-    from pipelines.run.ray_connect import worker_env
+    from pipelines.run.ray_connect import patient_start, worker_env
     from pipelines.run.requests import build_requests_dataset
 
     ray_tmp = tempfile.mkdtemp(prefix="promprune-ray-")  # Ray's files apart from any other Ray on the machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), log_to_driver=False,
-             _temp_dir=ray_tmp)
+    with patient_start():  # a busy machine's slow node registration is waited for (Ray alone gives it 30 s)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), log_to_driver=False,
+                 _temp_dir=ray_tmp)
     rows = build_requests_dataset([TASK], 16, {"max_new_tokens": 4}, 16)
     budgets = [64, 48, 32, 16, 8, 4, 2][:trials]
     log = tempfile.mktemp(prefix="engine-work-")

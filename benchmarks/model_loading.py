@@ -110,11 +110,12 @@ def main(argv: list[str] | None = None) -> None:
                         "as for fp16 hub checkpoints run in bf16)")
     args = p.parse_args(argv)
 
-    from pipelines.run.ray_connect import worker_env
+    from pipelines.run.ray_connect import patient_start, worker_env
 
     with tempfile.TemporaryDirectory(prefix="promprune-ray-") as tmp, tempfile.TemporaryDirectory() as d:
         # a Ray of its own (never a head `ray start` left running), its files in a temp dir of its own
-        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), _temp_dir=tmp)
+        with patient_start():  # a busy machine's slow node registration is waited for (Ray alone gives it 30 s)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), _temp_dir=tmp)
         gb = build_checkpoint(Path(d), args.layers, args.hidden)
         disk = per_actor(DiskLoader, d, args.dtype, args.actors)
         t0 = time.perf_counter()

@@ -108,7 +108,7 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
 
     from pipelines import sweep
     from pipelines.run import resources as planning
-    from pipelines.run.ray_connect import worker_env
+    from pipelines.run.ray_connect import patient_start, worker_env
     from pipelines.run.requests import build_requests_dataset
 
     env = worker_env()
@@ -116,10 +116,11 @@ def run_pipeline(gpus: int, costs: Costs, samples_per_task: int, batch_size: int
         timeline_dir.mkdir(parents=True)
         os.environ[timeline.ENV] = str(timeline_dir)
         env["env_vars"][timeline.ENV] = str(timeline_dir)
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 2, "num_gpus": 0, "object_store_memory": 200 * 2**20})
-    for _ in range(gpus):
-        cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=150 * 2**20)
+    with patient_start():  # each node's registration, on a busy machine, is waited for
+        cluster = Cluster(initialize_head=True, connect=False,
+                          head_node_args={"num_cpus": 2, "num_gpus": 0, "object_store_memory": 200 * 2**20})
+        for _ in range(gpus):
+            cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=150 * 2**20)
     cluster.wait_for_nodes()
     counter = workdir / f"loads-{gpus}"
     counter.mkdir()

@@ -23,7 +23,7 @@ from pipelines import sweep
 from pipelines.recording import tracking
 from pipelines.run.trial import alone, evaluate, predict
 from pipelines.run import resources as planning
-from pipelines.run.ray_connect import worker_env
+from pipelines.run.ray_connect import patient_start, worker_env
 from pipelines.run.requests import build_requests_dataset, build_rows
 from pipelines.config import Resources
 from pipelines.weights import ModelSource
@@ -43,11 +43,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster():
     # the state API (list_actors) needs the dashboard; a free port keeps it clear of any other Ray on the machine
-    c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_OBJECT_STORE,
-                                "dashboard_port": _free_port()})
-    for _ in range(3):
-        c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)
+    with patient_start():  # each node's registration, on a busy machine, is waited for
+        c = Cluster(initialize_head=True, connect=False,
+                    head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_OBJECT_STORE,
+                                    "dashboard_port": _free_port()})
+        for _ in range(3):
+            c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)
     c.wait_for_nodes()
     ray.init(address=c.address, runtime_env=worker_env())
     yield c

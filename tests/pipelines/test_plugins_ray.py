@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from pipelines import plugins
-from pipelines.run.ray_connect import worker_env
+from pipelines.run.ray_connect import patient_start, worker_env
 
 from .test_plugins import METHOD, TASK, UTILS, isolated, write  # noqa: F401 - `isolated` is a fixture
 
@@ -36,7 +36,8 @@ def test_plugins_and_task_directories_are_shipped_to_the_workers(tmp_path, isola
     write(task_dir / "utils.py", UTILS)
     plugins.activate([str(plugin)], [str(task_dir)])
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ray.init(num_cpus=1, include_dashboard=False, runtime_env=worker_env(), _temp_dir=ray_dir)
+    with patient_start():  # a busy machine's slow node registration is waited for
+        ray.init(num_cpus=1, include_dashboard=False, runtime_env=worker_env(), _temp_dir=ray_dir)
     try:
         here = ray.get(probe.remote())
         assert here["method"] and here["task"]

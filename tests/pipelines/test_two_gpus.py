@@ -20,6 +20,7 @@ import ray
 
 from pipelines.config import Resources
 from pipelines.run import resources as planning
+from pipelines.run.ray_connect import patient_start
 from pipelines.weights import gpu_placement
 from promprune.models.placement import HEADROOM, device_map_for, gpu_split
 
@@ -72,7 +73,8 @@ def test_two_gpus_per_worker_reach_each_actor_as_a_two_gpu_split():
         return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, _temp_dir=ray_dir)
+    with patient_start():  # a busy machine's slow node registration is waited for
+        ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, _temp_dir=ray_dir)
     try:
         task = ray.remote(probe).options(num_gpus=plan.gpus, num_cpus=0.5)
         probes = ray.get([task.remote() for _ in range(2)])
