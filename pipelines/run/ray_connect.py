@@ -128,6 +128,7 @@ STARTUP_TIMEOUT = "timed out during startup"
 # busy processes beside it, a local start took 27.7 s against 8.4 s idle (2026-11-28); CI's suite saw two starts
 # in a row pass 30 s. Ray's GCS answers "Deadline Exceeded" meanwhile: a busy machine, not a broken node.
 STARTUP_WAIT_S = 150.0
+RAY_OWN_WAIT_S = 30.0  # Ray's own
 
 
 @contextlib.contextmanager
@@ -144,7 +145,8 @@ def patient_start(seconds: float | None = None):
     if original is None or seconds <= 0:
         yield
         return
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+    deadline, noted = start + seconds, []
 
     def get_node(*args, **kwargs):
         while True:
@@ -153,6 +155,10 @@ def patient_start(seconds: float | None = None):
             except RuntimeError:
                 if time.monotonic() >= deadline:
                     raise
+            if not noted and time.monotonic() - start > RAY_OWN_WAIT_S:
+                say(f"note: Ray's new local node has not registered after {RAY_OWN_WAIT_S:.0f} s (a busy machine?); "
+                    f"waiting up to {seconds:.0f} s (PROMPRUNE_RAY_START_WAIT_S)")
+                noted.append(True)
             time.sleep(0.5)
 
     services.get_node = get_node
