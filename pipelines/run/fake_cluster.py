@@ -4,8 +4,9 @@ head whose autoscaler launches worker nodes declaring fake resources (e.g. ``{"C
 
 Ray's own `ray.cluster_utils.AutoscalingCluster` does the same but starts and stops with `ray stop --force`, which
 ends every Ray process on the machine, and reads a config its wheel does not ship. Here the head runs as
-`ray start --head --block` in a process group of its own under a private temp dir, and stopping kills that group
-(the worker nodes the autoscaler started belong to it).
+`ray start --head --block` (through `pipelines.run.patient_ray`: a busy machine's slow start is waited for) in a
+process group of its own under a private temp dir, and stopping kills that group (the worker nodes the autoscaler
+started belong to it).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from pipelines.run.ray_connect import REPO
 
 
 def _free_port() -> int:
@@ -72,15 +75,16 @@ class FakeAutoscalingCluster:
             return {}
         return {"RAY_AUTH_MODE": "disabled"}
 
-    def start(self, timeout_s: float = 90) -> "FakeAutoscalingCluster":
+    def start(self, timeout_s: float = 240) -> "FakeAutoscalingCluster":
         self.tmp.mkdir(parents=True, exist_ok=True)
         path = self.tmp / "autoscaler.yaml"
         path.write_text(yaml.safe_dump(self.config()))
-        ray_bin = str(Path(sys.executable).parent / "ray")
-        env = {**os.environ, **self.env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        env = {**os.environ, **self.env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.ray_tmp = tempfile.mkdtemp(prefix="rfc-", dir="/tmp")
         self.proc = subprocess.Popen(
-            [ray_bin, "start", "--head", "--block", f"--port={self.port}", f"--autoscaling-config={path}",
+            [sys.executable, "-m", "pipelines.run.patient_ray", "start", "--head", "--block", f"--port={self.port}",
+             f"--autoscaling-config={path}",
              f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.ray_tmp}",
              "--include-dashboard=false", f"--object-store-memory={self.object_store_mb * 2 ** 20}"],
             env=env, start_new_session=True, stdout=open(self.tmp / "head.log", "w"), stderr=subprocess.STDOUT)
