@@ -236,7 +236,7 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
     q = "?workflowType=machine_learning"
     saved = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium)
+        browser = p.chromium.launch(executable_path=chromium, timeout=ms)  # Playwright's own is 30 s
         ctx = browser.new_context(viewport=VIEWPORT)
         ctx.set_default_timeout(ms)  # clicks and typing too: a loaded machine renders the page late
         ctx.add_init_script("".join(f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});"
@@ -259,9 +259,14 @@ def shoot(runs: dict, base: str, out: Path, chromium: str, timeout: float) -> li
         for trial in runs["trials"]:
             name = trial.info.run_name
             shows(page.get_by_text(name, exact=True).first, f"the runs table's row {name}", ms)
-        page.wait_for_timeout(800)  # the metric and param cells fill in after the names
-        cells = page.evaluate(TABLE_CELLS_JS)
-        problems = table_problems(cells, runs["trials"])
+        # the metric and param cells fill in after the names, later on a loaded machine: read until they show
+        deadline = time.monotonic() + timeout
+        while True:
+            cells = page.evaluate(TABLE_CELLS_JS)
+            problems = table_problems(cells, runs["trials"])
+            if not problems or time.monotonic() > deadline:
+                break
+            page.wait_for_timeout(500)
         if runs["view"] and cells.get(parent.info.run_id, {}).get(ROW) != "0":
             problems.insert(0, f"the parent run {parent.info.run_name} is not the first row")
         if problems:

@@ -3,6 +3,7 @@ recorded, or a local Ray listening on loopback only; with a runtime_env that let
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -129,6 +130,7 @@ STARTUP_TIMEOUT = "timed out during startup"
 # in a row pass 30 s. Ray's GCS answers "Deadline Exceeded" meanwhile: a busy machine, not a broken node.
 STARTUP_WAIT_S = 150.0
 RAY_OWN_WAIT_S = 30.0  # Ray's own
+GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's wait for a new head's GCS to write its port (30 s)
 
 
 @contextlib.contextmanager
@@ -136,7 +138,9 @@ def patient_start(seconds: float | None = None):
     """While a local Ray starts: Ray's wait for its new node to register with the GCS (a fixed 30 s in Ray 2.60,
     `ray._private.node.Node.__init__` polling `ray._private.services.get_node`) lasts up to ``seconds`` more
     (``PROMPRUNE_RAY_START_WAIT_S``, default `STARTUP_WAIT_S`): each failed poll (Ray's RuntimeError) is retried
-    within that time before Ray's loop sees it. Without that hook (another Ray) Ray's own wait is left as it is."""
+    within that time before Ray's loop sees it. Without that hook (another Ray) Ray's own wait is left as it is. Ray's
+    wait for a new head's GCS to write its port (30 s, `RAY_gcs_server_port_wait_time_s`) gets the same time unless
+    that variable is set."""
     from ray._private import services
 
     if seconds is None:
@@ -163,7 +167,8 @@ def patient_start(seconds: float | None = None):
 
     services.get_node = get_node
     try:
-        yield
+        with temporary_env(**{GCS_PORT_WAIT_ENV: os.environ.get(GCS_PORT_WAIT_ENV, str(math.ceil(seconds)))}):
+            yield
     finally:
         services.get_node = original
 

@@ -40,6 +40,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def held_until(done, *leases, timeout_s: float = 300) -> bool:
+    """Whether ``done()`` came true within ``timeout_s`` while each ``(pool, holder, workers)`` lease was renewed as a
+    live trial renews it (`engine.HEARTBEAT_S`): a pool drops a holder it has not heard from in
+    `pool.HOLDER_TIMEOUT_S` (60 s), which a busy machine's worker start can outlast."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pool, holder, workers in leases:
+            ray.get(pool.handle.lease.remote(holder, workers))
+        renew = min(deadline, time.monotonic() + 10)
+        while time.monotonic() < renew:
+            if done():
+                return True
+            time.sleep(0.5)
+    return done()
+
+
 @pytest.fixture(scope="module")
 def cluster():
     # the state API (list_actors) needs the dashboard; a free port keeps it clear of any other Ray on the machine
@@ -49,7 +65,7 @@ def cluster():
                                     "dashboard_port": _free_port()})
         for _ in range(3):
             c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)
-    c.wait_for_nodes()
+    c.wait_for_nodes(300)
     ray.init(address=c.address, runtime_env=worker_env())
     yield c
     ray.shutdown()
@@ -117,8 +133,9 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch, ml
     run = tracking.trial_runs(tracking.client(), result.parent_run_id)["promprune-b8"]
     assert run.data.metrics["samples/total"] == SAMPLES and run.data.metrics["samples/failed"] == 0
 
-    cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)  # back to 3 GPU nodes
-    cluster.wait_for_nodes()
+    with patient_start():  # back to 3 GPU nodes; on a busy machine the node's registration is waited for
+        cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE)
+    cluster.wait_for_nodes(300)
 
 
 @pytest.mark.parametrize("prebuilt", [False, True], ids=["rows", "sweep-dataset"])
@@ -224,16 +241,13 @@ def test_workers_give_their_gpus_back_when_no_trial_needs_them(cluster):
     assert isinstance(source.shared, ray.ObjectRef)
     pool = WorkerPool(source, plan, 1, Failover(), keep_s=2.0)
     try:
-        ray.get(pool.handle.lease.remote("trial-a", 2))
-        deadline = time.monotonic() + 180
-        while pool.state()["up"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        assert held_until(lambda: pool.state()["up"] >= 2, (pool, "trial-a", 2))
         assert pool.state()["up"] == 2 and _gpus_free(1), "two workers up, two GPUs held"
         ray.get(pool.handle.release.remote("trial-a"))
         assert _gpus_free(3), "the workers kept their GPUs with no lease left"
         assert pool.state()["workers"] == 0 and not _actors("Worker")
-        ray.get(pool.handle.lease.remote("trial-b", 1))
-        assert pool.first_worker(timeout_s=180) is not None and _gpus_free(2)
+        assert held_until(lambda: pool.state()["up"] >= 1, (pool, "trial-b", 1))
+        assert pool.first_worker(timeout_s=60) is not None and _gpus_free(2)
     finally:
         pool.close()
     assert _gpus_free(3), "closing the pool left a worker holding its GPU"
@@ -251,9 +265,9 @@ def test_two_sweeps_never_share_a_worker_holding_another_model(cluster):
     assert PoolKey.of(sources["a"], plan) == PoolKey.of(ModelSource("tiny:llava", dtype="float32"), plan)
     pools = {name: WorkerPool(source, plan, 1, Failover(), sweep=f"sweep-{name}") for name, source in sources.items()}
     try:
-        for pool in pools.values():
-            pool.handle.lease.remote("t", 1)
-        held = {name: ray.get(pool.first_worker(timeout_s=180).holds.remote()) for name, pool in pools.items()}
+        assert held_until(lambda: all(pool.state()["up"] >= 1 for pool in pools.values()),
+                          *((pool, "t", 1) for pool in pools.values()))
+        held = {name: ray.get(pool.first_worker(timeout_s=60).holds.remote()) for name, pool in pools.items()}
         assert held == {"a": ("tiny:llava", "float32"), "b": ("tiny:llava", "bfloat16")}
         rosters = {name: {w for _, w in ray.get(pool.handle.roster.remote())[0]}  # handles compare by actor
                    for name, pool in pools.items()}
