@@ -153,4 +153,4 @@ def test_host_time_leaves_out_what_the_graphs_run():
 
     x = torch.zeros(3)
     assert host_ms(call, x, calls=3) >= 30
-    assert host_ms(call, x, graphs=True, calls=3) < 10
+    assert host_ms(call, x, graphs=True, calls=9) < 10  # a median of 9: a busy machine's few preemptions pass
