@@ -32,8 +32,8 @@ export RAY_AUTH_TOKEN
 
 # `ray start` as a user runs it, through pipelines.run.patient_ray: the same command line, with a busy machine's slow
 # node registration waited for (Ray alone gives it 30 s; CI's suite saw a start pass that)
-python -m pipelines.run.patient_ray start --head --block --node-ip-address=127.0.0.1 --port="$PORT" --dashboard-host=127.0.0.1 \
-    --dashboard-port="$DASHBOARD_PORT" --dashboard-agent-listen-port="$AGENT_PORT" \
+python -m pipelines.run.patient_ray start --head --block --node-ip-address=127.0.0.1 --port="$PORT" \
+    --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" --dashboard-agent-listen-port="$AGENT_PORT" \
     --ray-client-server-port="$CLIENT_PORT" --num-cpus=2 --temp-dir="$WORK/ray" --disable-usage-stats \
     > "$WORK/head.log" 2>&1 &
 HEAD_PID=$!

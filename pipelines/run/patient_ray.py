@@ -1,5 +1,6 @@
 """Ray's command line (``ray start ...``) with `ray_connect.patient_start`'s wait for a new node's registration:
-what the fake cluster's head runs, so that a busy machine's slow start is waited for, not failed at Ray's 30 s.
+what the fake cluster's head and `scripts/job_submit_smoke.sh`'s head run, so that a busy machine's slow start is
+waited for, not failed at Ray's 30 s.
 
     python -m pipelines.run.patient_ray start --head --block ...
 """
