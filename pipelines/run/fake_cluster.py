@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.run.ray_connect import REPO
+from pipelines.run.ray_connect import checkout_path
 
 
 def _free_port() -> int:
@@ -80,7 +80,7 @@ class FakeAutoscalingCluster:
         path = self.tmp / "autoscaler.yaml"
         path.write_text(yaml.safe_dump(self.config()))
         env = {**os.environ, **self.env(), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+               "PYTHONPATH": checkout_path()}
         self.ray_tmp = tempfile.mkdtemp(prefix="rfc-", dir="/tmp")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipelines.run.patient_ray", "start", "--head", "--block", f"--port={self.port}",

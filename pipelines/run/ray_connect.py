@@ -27,8 +27,13 @@ def worker_env() -> dict:
     uploaded checkout on the workers' path itself, and cluster.yaml installs the project on every node.
     """
 
+    return plugins.runtime_env({"env_vars": {"PYTHONPATH": checkout_path(), **QUIET_ENV}})
+
+
+def checkout_path() -> str:
+    """``PYTHONPATH`` with this checkout first: this process's entries after it, each once."""
     paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return plugins.runtime_env({"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **QUIET_ENV}})
+    return os.pathsep.join(dict.fromkeys(paths))
 
 
 class RayUnreachable(RuntimeError):
@@ -125,7 +130,7 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
 # node.py, whatever its message says of RAY_raylet_start_wait_time_s): seen on a 2-core machine whose cores other
 # work held (a benchmark's Ray start during the test suite, 2026-11-28; CI's suite, twice in one test, 2026-11-28)
 STARTUP_TIMEOUT = "timed out during startup"
-# How long a local node may take to register before Ray's 30 s count starts (`patient_start`). On 2 cores with six
+# How long in all a local node may take to register, in place of Ray's 30 s (`patient_start`). On 2 cores with six
 # busy processes beside it, a local start took 27.7 s against 8.4 s idle (2026-11-28); CI's suite saw two starts
 # in a row pass 30 s. Ray's GCS answers "Deadline Exceeded" meanwhile: a busy machine, not a broken node.
 STARTUP_WAIT_S = 150.0
@@ -136,7 +141,7 @@ GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's wait for a new he
 @contextlib.contextmanager
 def patient_start(seconds: float | None = None):
     """While a local Ray starts: Ray's wait for its new node to register with the GCS (a fixed 30 s in Ray 2.60,
-    `ray._private.node.Node.__init__` polling `ray._private.services.get_node`) lasts up to ``seconds`` more
+    `ray._private.node.Node.__init__` polling `ray._private.services.get_node`) lasts up to ``seconds`` instead
     (``PROMPRUNE_RAY_START_WAIT_S``, default `STARTUP_WAIT_S`): each failed poll (Ray's RuntimeError) is retried
     within that time before Ray's loop sees it. Without that hook (another Ray) Ray's own wait is left as it is. Ray's
     wait for a new head's GCS to write its port (30 s, `RAY_gcs_server_port_wait_time_s`) gets the same time unless
@@ -149,20 +154,20 @@ def patient_start(seconds: float | None = None):
     if original is None or seconds <= 0:
         yield
         return
-    start = time.monotonic()
-    deadline, noted = start + seconds, []
+    start, noted = time.monotonic(), False
 
     def get_node(*args, **kwargs):
+        nonlocal noted
         while True:
             try:
                 return original(*args, **kwargs)
             except RuntimeError:
-                if time.monotonic() >= deadline:
+                if time.monotonic() - start >= seconds:
                     raise
             if not noted and time.monotonic() - start > RAY_OWN_WAIT_S:
                 say(f"note: Ray's new local node has not registered after {RAY_OWN_WAIT_S:.0f} s (a busy machine?); "
                     f"waiting up to {seconds:.0f} s (PROMPRUNE_RAY_START_WAIT_S)")
-                noted.append(True)
+                noted = True
             time.sleep(0.5)
 
     services.get_node = get_node
