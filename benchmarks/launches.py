@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from promprune.selection import accel, graphed, greedy_triton
+from promprune.selection import accel, graphed, greedy_triton, lanczos_triton
 
 # ops that launch nothing: views, metadata, allocation without a fill
 NO_LAUNCH = {"view", "_unsafe_view", "expand", "t", "transpose", "unsqueeze", "squeeze", "slice", "select",
@@ -170,6 +170,70 @@ class _KernelStub:
         return launch
 
 
+def _lanczos_dot(U, W, DOT, N2, PARTS, CHUNK, TILE):
+    """``lanczos_triton._dot_kernel``'s work in torch: the whole dot as the first share, the others 0."""
+    B = DOT.shape[0]
+    DOT.zero_()
+    DOT[:, 0] = (U.reshape(B, -1) * W.reshape(B, -1)).sum(1)
+
+
+def _lanczos_update(W, U, VP, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, CHUNK, STEPS, j, *,
+                    FIRST, HAS_PREV, TILE, PARTS_P2):
+    """``lanczos_triton._update_kernel``'s work in torch, on the same buffers."""
+    B = DOT.shape[0]
+    w, u = W.view(B, -1), U.view(B, -1)
+    dot = DOT.sum(1, keepdim=True)
+    if FIRST:
+        alpha = dot
+        new = w - alpha * u
+        if HAS_PREV:
+            beta = BPREV.as_strided((B, 1), (BPREV_STRIDE, 0))
+            new = new - beta * VP.view(B, -1)
+    else:
+        beta = NORM_IN.sum(1, keepdim=True).sqrt()
+        alpha = dot / (beta * beta)
+        v = u / beta
+        new = w / beta - alpha * v - beta * VP.view(B, -1)
+        u.copy_(v)
+        COEF[:, STEPS + j - 1] = beta[:, 0]
+    w.copy_(new)
+    NORM_OUT.zero_()
+    NORM_OUT[:, 0] = (new * new).sum(1)
+    COEF[:, j] = alpha[:, 0]
+
+
+def _lanczos_finish(W, NORM_IN, COEF, N2, PARTS, CHUNK, STEPS, *, TILE, PARTS_P2):
+    """``lanczos_triton._finish_kernel``'s work in torch."""
+    B = NORM_IN.shape[0]
+    beta = NORM_IN.sum(1, keepdim=True).sqrt()
+    W.view(B, -1).div_(beta)
+    COEF[:, 2 * STEPS - 1] = beta[:, 0]
+
+
+class _WorkStub:
+    """Stands for a Triton kernel whose outputs the call reads back (the Lanczos recurrence's): ``stub[grid](*args,
+    **meta)`` counts one launch (none inside a graph's body) and does the kernel's work with ``work`` in torch,
+    uncounted."""
+
+    def __init__(self, work, name: str):
+        self.work, self.name = work, name
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps=None, enable_fp_fusion=None, **meta):
+            if _ACTIVE:
+                if not _ACTIVE[-1].in_graph:
+                    _ACTIVE[-1].costs.launches += 1
+                    _ACTIVE[-1].costs.ops["triton:" + self.name] += 1
+                _ACTIVE[-1].paused = True
+            try:
+                with torch.no_grad():
+                    self.work(*args, **meta)
+            finally:
+                if _ACTIVE:
+                    _ACTIVE[-1].paused = False
+        return launch
+
+
 class CaptureStub(graphed._Capture):
     """Stands for a CUDA graph capture (``graphed._Capture``) on the CPU. Made once per shape, as a capture is (under
     ``fast_path_on_cpu(graphs=True)`` at a shape's first call: ``count``'s warm-up, uncounted); each replay counts
@@ -216,7 +280,8 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     by ``CaptureStub``, or with ``bodies=False`` by ``KeptReplay``: replays skip their bodies)."""
     saved = (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
-             list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS)
+             list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
+             (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel))
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
@@ -227,6 +292,9 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
      greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),
                                          _KernelStub(5, "vispruner"))
+    (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel) = (
+        _WorkStub(_lanczos_dot, "lanczos_dot"), _WorkStub(_lanczos_update, "lanczos_update"),
+        _WorkStub(_lanczos_finish, "lanczos_finish"))
     try:
         with accel.graphs(graphs):
             yield
@@ -239,6 +307,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed._SEEN.clear()
         graphed._SEEN.update(saved[9])
         graphed.SIGHTINGS = saved[10]
+        lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel = saved[11]
 
 
 def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:

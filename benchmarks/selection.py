@@ -242,6 +242,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     old: dict[str, dict[str, float]] = {m: {} for m in names}
     exact_ms: dict[str, float] = {}
     graphs_ms: dict[str, float] = {}
+    loop_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
     near_mu: dict[str, tuple[float, str]] = {}
     paired: dict[str, float] = {}
@@ -255,6 +256,8 @@ def run_batch(args, batch: int, shapes: dict) -> None:
             with accel.graphs(True):  # PromPrune as CUDA graphs (off by default until measured)
                 promprune.select(x, s, budget=T, method="promprune")  # a shape's first call runs eagerly (SIGHTINGS)
                 graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)  # its warm-up captures
+            with accel.without_kernel("lanczos"):  # the split's recurrence as the torch loop (seven launches a step)
+                loop_ms[shape] = time_method("promprune", x, s, T, args.repeats)
             with accel.disabled():
                 for m in names:
                     old[m][shape] = time_method(m, x, s, T, args.repeats)
@@ -269,6 +272,9 @@ def run_batch(args, batch: int, shapes: dict) -> None:
         print_stages(stages, results, shapes)
         cells = (f"{graphs_ms[sh]:>17.2f} ({graphs_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
         print(f"{'select, graphs':<16}" + "".join(cells) + "   (PROMPRUNE_GRAPHS=1)")
+        cells = (f"{loop_ms[sh]:>17.2f} ({loop_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
+        print(f"{'select, loop':<16}" + "".join(cells) + "   (the split's Lanczos steps as the torch loop, not "
+              "lanczos_triton: seven launches a step against three)")
         worst = max(results[m][sh] / results["divprune"][sh] for m in names for sh in shapes)
         print(f"\nslowest method / divprune, worst shape: {worst:.2f}x at batch {batch} (target: <= 3x)")
         print_targets(batch, args.dtype, results["promprune"], graphs_ms)

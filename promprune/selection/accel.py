@@ -93,6 +93,21 @@ def kernel(name: str, launch):
         return None
 
 
+@contextmanager
+def without_kernel(name: str):
+    """Inside the block the ``name`` kernel's callers take their torch path, as if Triton could not build it (a
+    benchmark's comparison: e.g. "lanczos", the certified split's recurrence)."""
+    before = _BROKEN.get(name)
+    _BROKEN[name] = "switched off (accel.without_kernel)"
+    try:
+        yield
+    finally:
+        if before is None:
+            del _BROKEN[name]
+        else:
+            _BROKEN[name] = before
+
+
 def broken_kernels() -> dict[str, str]:
     """The kernels Triton could not compile in this process, with why (``kernel``)."""
     return dict(_BROKEN)

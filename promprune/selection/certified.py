@@ -37,10 +37,11 @@ from .entropy import centered_gram, entropy_of_matrix
 # boundary continues to the next. Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16
 # steps bracket H within 1e-5 to 2e-3, 48 steps within 1e-7 to 2e-4, while t_sal's boundaries lie >= 1.25e-3 apart at
 # T = 64 (tau = 0.02). Each step costs the device a float64 n x n product per image (the batch-8 cost on an H100) and
-# the host seven launches (the batch-1 cost), so the schedule minimizes steps run: over the split table's 48 images per
-# shape (mu within +-2 tau, the hardest place), (12, 24, 32, 48) runs 24% fewer steps than (16, 48) at LLaVA's 576 x
-# 4096 and 13% fewer at Qwen2.5-VL's 1296 x 3584, for at most two host reads more per call, with the same images left
-# to the eigensolve (`python benchmarks/selection.py --tables schedules --split-images 48`, RESULTS 2026-11-26 evening).
+# the host a few launches (the batch-1 cost: seven in the torch loop, three on the fast path), so the schedule
+# minimizes steps run: over the split table's 48 images per shape (mu within +-2 tau, the hardest place),
+# (12, 24, 32, 48) runs 24% fewer steps than (16, 48) at LLaVA's 576 x 4096 and 13% fewer at Qwen2.5-VL's 1296 x 3584,
+# for at most two host reads more per call, with the same images left to the eigensolve
+# (`python benchmarks/selection.py --tables schedules --split-images 48`, RESULTS 2026-11-26 evening).
 STEPS = (12, 24, 32, 48)
 # A leading stage of LEAD steps, before STEPS, where one step of the whole batch costs the device more than a stage
 # costs the host (one read, the bounds: ~0.2 ms), i.e. from LEAD_FROM = views x n^3 (two views of 576 tokens: LLaVA-1.5
@@ -169,7 +170,14 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor | Non
     """``steps`` steps of the recurrence from the basis matrices ``v, v_prev [B, n, n]`` and the last residual norm
     ``b_prev [B]`` (both None before the first step: ``v_prev`` is 0 there) -> ``(packed [B, 2 steps], v, v_prev)``,
     packed = the steps' alphas, then their betas. Only tensor operations, no host read: a CUDA graph can capture it
-    (``graphed``)."""
+    (``graphed``). On the CUDA fast path the steps run as ``lanczos_triton.steps`` (the same values up to float64
+    rounding, three launches a step instead of seven); this loop is the reference, the CPU's and the fallback."""
+    if accel.active(rho) and accel.has_triton():  # the fast path: three launches a step (``lanczos_triton``)
+        from . import lanczos_triton
+
+        fused = accel.kernel("lanczos", lambda: lanczos_triton.steps(rho, v, v_prev, b_prev, steps))
+        if fused is not None:  # None: Triton could not build it here; the loop below gives the same values
+            return fused
     B, n, _ = rho.shape
     alpha, beta = [], []  # [B, 1, 1] each: the shape the updates broadcast (no views made per step)
     b_prev = None if b_prev is None else b_prev.view(B, 1, 1)

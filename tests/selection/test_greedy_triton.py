@@ -147,6 +147,18 @@ def _kernels():
         out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_E": block_e, "BLOCK_P": block_p,
                                                "BLOCK_M": g.VIS_TILES.evens, "CHUNK": g.VIS_TILES.chunk,
                                                "SORT_N": sort_n}))
+    from promprune.selection import lanczos_triton as lz
+
+    chunk = {"TILE": lz.TILE}
+    out.append((lz._dot_kernel, {"U": "*fp64", "W": "*fp64", "DOT": "*fp64", "N2": "i32", "PARTS": "i32",
+                                 "CHUNK": "i32"}, chunk))
+    update = {"W": "*fp64", "U": "*fp64", "VP": "*fp64", "DOT": "*fp64", "NORM_IN": "*fp64", "NORM_OUT": "*fp64",
+              "COEF": "*fp64", "BPREV": "*fp64", "BPREV_STRIDE": "i32", "N2": "i32", "PARTS": "i32", "CHUNK": "i32",
+              "STEPS": "i32", "j": "i32"}
+    for first, has_prev in ((True, False), (True, True), (False, True)):  # the start, a stage's first step, the rest
+        out.append((lz._update_kernel, update, {"FIRST": first, "HAS_PREV": has_prev, "PARTS_P2": 512, **chunk}))
+    out.append((lz._finish_kernel, {"W": "*fp64", "NORM_IN": "*fp64", "COEF": "*fp64", "N2": "i32", "PARTS": "i32",
+                                    "CHUNK": "i32", "STEPS": "i32"}, {"PARTS_P2": 512, **chunk}))
     return out
 
 
@@ -163,3 +175,26 @@ def test_kernels_compile_for_an_h100_without_one():
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 8, "enable_fp_fusion": False})
         assert "cubin" in compiled.asm, fn.__name__
+
+
+@needs_triton
+def test_the_lanczos_kernels_round_as_the_torch_loop_does():
+    """The recurrence's square root and divisions compile to IEEE round-to-nearest float64 instructions (an
+    approximate one would move its coefficients past the 1e-11 the interpreted corpus holds them to), with no fused
+    multiply-add (``enable_fp_fusion=False``, as the launches pass it)."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from promprune.selection import lanczos_triton as lz
+
+    for fn, signature, consts in _kernels():
+        if fn not in (lz._update_kernel, lz._finish_kernel) or consts.get("FIRST"):
+            continue
+        source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": lz.WARPS, "enable_fp_fusion": False}).asm["ptx"]
+        assert "sqrt.rn.f64" in ptx and "div.rn.f64" in ptx, fn.__name__
+        assert "approx" not in ptx and "fma." not in ptx, fn.__name__
+

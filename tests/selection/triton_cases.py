@@ -271,6 +271,96 @@ def graphed_select_case(kind: str, seed: int, near_boundary: float = 0.0, **opti
     return run
 
 
+def _density(kind: str, B: int, N: int, d: int, seed: int) -> torch.Tensor:
+    """``rho [B, N, N]`` float64: the trace-normalized centered Gram of unit tokens, what the certified split's
+    recurrence runs on."""
+    from promprune.selection import certified
+    from promprune.selection.entropy import centered_gram
+
+    x = _tokens(kind, B, N, d, seed).double()
+    x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return certified.density(centered_gram(x @ x.transpose(1, 2)))
+
+
+def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, more: int = 5,
+                 programs: int | None = None) -> Case:
+    """``certified.lanczos_steps`` on the fast path (``lanczos_triton``: three launches a step) against the torch
+    loop on the CPU: a first stage of ``first`` steps from the start, then ``more`` steps continued from its state (its
+    ``v``, ``v_prev`` and last beta), the coefficients and basis matrices equal to float64 rounding (relative 1e-11 of
+    the largest). Where the Krylov space runs out (a beta below ``certified.BREAKDOWN`` of the largest coefficient:
+    low-rank tokens) both must say so at the same step; what follows is rounding noise in both (the split sends such
+    images to the eigensolve) and is not compared, nor is such an image's state. ``programs``: `TARGET_PROGRAMS` for
+    the case (1: one program per view, its loop over many tiles). ``got`` holds the comparisons, ``want`` all
+    true."""
+    from promprune.selection import certified
+
+    def joined(stages):  # -> alpha, beta [B, first + more]
+        halves = [h.view(h.shape[0], 2, -1) for h in stages]
+        return torch.cat([h[:, 0] for h in halves], 1), torch.cat([h[:, 1] for h in halves], 1)
+
+    def run(device):
+        from promprune.selection import lanczos_triton
+
+        rho = _density(kind, B, N, d, seed)
+        start = certified.start_basis(rho)
+        ref = certified.lanczos_steps(rho, start, None, None, first)
+        ref_more = certified.lanczos_steps(rho, ref[1], ref[2], ref[0][:, -1], more)
+        saved = lanczos_triton.TARGET_PROGRAMS
+        lanczos_triton.TARGET_PROGRAMS = programs or saved
+        try:
+            with _fast(device):
+                r = rho.to(device)
+                got = certified.lanczos_steps(r, start.to(device), None, None, first)
+                got_more = certified.lanczos_steps(r, got[1], got[2], got[0][:, -1], more)
+        finally:
+            lanczos_triton.TARGET_PROGRAMS = saved
+        (a_ref, b_ref), (a_got, b_got) = joined((ref[0], ref_more[0])), joined((got[0].cpu(), got_more[0].cpu()))
+        scale = torch.cat([a_ref, b_ref], 1).abs().amax(1, keepdim=True)
+        low = b_ref < certified.BREAKDOWN * scale  # [B, K]: the Krylov space ran out at this step
+        before = torch.cat([torch.ones_like(low[:, :1]), ~low[:, :-1]], 1).cumprod(1).bool()  # up to the first
+        checks = [((a_got - a_ref).abs() <= 1e-11 * scale)[before],
+                  (((b_got - b_ref).abs() <= 1e-11 * scale) | (low & (b_got < certified.BREAKDOWN * scale)))[before]]
+        whole = ~low.any(1)  # images whose recurrence never ran out: their state too
+        for g, w in zip(got[1:] + got_more[1:], ref[1:] + ref_more[1:]):
+            g, w = g.cpu()[whole], w[whole]
+            if w.numel():
+                checks.append(((g - w).abs() <= 1e-11 * w.abs().amax().clamp_min(1e-300)).flatten())
+        checks = torch.cat([c.flatten() for c in checks])
+        return checks, torch.ones_like(checks)
+    return run
+
+
+def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float) -> Case:
+    """``certified.split``'s counts and per-stage decisions on the fast path (its recurrence in ``lanczos_triton``)
+    against the torch loop's, mu placed so that the first image's entropy lies ``gap`` (normalized) above the count
+    boundary between 8 and 9 salient tokens of T = 16: at 1e-5 it runs every stage and ends in the eigensolve (the
+    other images fall where they fall; low-rank tokens' recurrences run out and go there too). ``got``: the counts,
+    then the stages' decided numbers and the eigensolve's."""
+    import math
+
+    from promprune.selection import certified
+    from promprune.selection.budget import split_budget
+
+    def run(device):
+        rho = _density(kind, B, N, d, seed)
+        lam = torch.linalg.eigvalsh(rho[0]).clamp_min(0)
+        h0 = float(-(lam * torch.where(lam > 0, lam.log(), torch.zeros_like(lam))).sum() / math.log(N))
+        mu = h0 - 0.02 * math.log((1 - 8.5 / 16) / (8.5 / 16)) - gap
+
+        def outcome(t_sal: torch.Tensor) -> torch.Tensor:
+            report = certified.LAST_REPORT[0]
+            return torch.cat([t_sal, torch.tensor(report.decided + [report.exact])])
+
+        def count(h: torch.Tensor) -> torch.Tensor:
+            return split_budget(h, 16, mu=mu, tau=0.02)
+
+        want = outcome(certified.split(rho, count)[0])
+        with _fast(device):
+            got = outcome(certified.split(rho.to(device), count)[0])
+        return got, want
+    return run
+
+
 def cases() -> dict[str, Case]:
     out: dict[str, Case] = {}
     shapes = [("random", 3, 37, 48), ("random", 2, 64, 16), ("lowrank", 3, 40, 24), ("duplicates", 3, 30, 16),
@@ -310,6 +400,15 @@ def cases() -> dict[str, Case]:
     out["graphs-promprune-conditional/random"] = graphed_select_case("random", 12, conditional=True)
     out["graphs-promprune/random-near-boundary"] = graphed_select_case("random", 13, near_boundary=1e-5)
     out["graphs-promprune/lowrank-near-boundary"] = graphed_select_case("lowrank", 14, near_boundary=1e-4)
+    # the certified split's recurrence (``lanczos_triton``): its coefficients and state, and the split's decisions
+    for i, (kind, B, N, d, programs) in enumerate([("random", 1, 40, 64, None), ("random", 3, 70, 33, None),
+                                                   ("random", 2, 100, 120, None), ("random", 2, 100, 120, 1),
+                                                   ("lowrank", 2, 48, 24, None), ("zeros", 2, 33, 20, 3)]):
+        out[f"lanczos/{kind}-{B}x{N}x{d}" + (f"-programs{programs}" if programs else "")] = lanczos_case(
+            kind, B, N, d, 30 + i, programs=programs)
+    for i, (kind, B, N, d, gap) in enumerate([("random", 3, 80, 96, 1e-3), ("random", 3, 80, 96, 1e-5),
+                                              ("lowrank", 2, 40, 24, 1e-3)]):
+        out[f"split/{kind}-{B}x{N}x{d}-gap{gap:g}"] = split_case(kind, B, N, d, 40 + i, gap)
     return out
 
 
