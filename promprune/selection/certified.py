@@ -17,9 +17,11 @@ bounds come from Gauss quadrature (Golub and Meurant, "Matrices, Moments and Qua
 ``split`` runs the first stage's steps for every image (``schedule``: `STEPS`, after a `LEAD`-step stage where the
 batch's steps cost the device more than a stage costs the host), decides every image whose bracket (widened by
 ``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and computes the
-exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided. The device work is
-enqueued without waiting; the host reads the recurrence coefficients once per stage (``host_read``: one sync for a batch
-the first stage decides). The small tridiagonal eigenproblems are solved on the host in float64.
+exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided, and for images whose
+bounds a stage refuses (a Krylov space that ran out: spectra of few distinct values) without running the later
+stages. The device work is enqueued without waiting; the host reads the recurrence coefficients once per stage
+(``host_read``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved on the
+host in float64.
 """
 from __future__ import annotations
 
@@ -76,10 +78,12 @@ MIN_SIZE = 64
 @dataclass
 class SplitReport:
     """How one ``split`` call decided: images per stage (``decided[i]`` by stage i's bounds) and by the exact
-    eigensolve (``exact``), and the bracket widths (normalized H) the decided images had."""
+    eigensolve (``exact``; ``refused`` of them sent there at the stage whose bounds refused them: a recurrence that ran
+    out or failed, which no later stage mends), and the bracket widths (normalized H) the decided images had."""
 
     decided: list[int] = field(default_factory=list)
     exact: int = 0
+    refused: int = 0
     widths: list[float] = field(default_factory=list)
 
 
@@ -286,6 +290,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     t_sal = np.zeros(B, dtype=np.int64)
     entropy = np.zeros(B)
     todo = np.arange(B)
+    to_exact: list[int] = []  # images whose bounds were refused (``bounds``), for the eigensolve
     report = SplitReport()
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
     done_steps = 0
@@ -302,18 +307,25 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
-        todo, alpha, beta = todo[~decided], alpha[~decided], beta[~decided]
+        # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN) stay refused at every
+        # later stage: such images go to the eigensolve now instead of running the remaining stages' steps
+        refused = ~(np.isfinite(lo) & np.isfinite(hi))
+        to_exact += todo[refused].tolist()
+        going = ~decided & ~refused
+        todo, alpha, beta = todo[going], alpha[going], beta[going]
         if not len(todo):
             break
         # a copy of the rows that go on (the borrowed buffers are the graph's until its next replay)
-        state = state.rows(torch.from_numpy(np.flatnonzero(~decided)).to(device, non_blocking=True))
-    if len(todo):
-        rows = torch.from_numpy(todo).to(device, non_blocking=True)  # no wait: the copy is staged at once
+        state = state.rows(torch.from_numpy(np.flatnonzero(going)).to(device, non_blocking=True))
+    report.refused = len(to_exact)
+    exact_rows = np.array(sorted(to_exact + todo.tolist()), dtype=np.int64)
+    if len(exact_rows):
+        rows = torch.from_numpy(exact_rows).to(device, non_blocking=True)  # no wait: the copy is staged at once
         spectral = matrix() if callable(matrix) else matrix
         exact = host_read(entropy_of_matrix((centered_gram(spectral) if gram else spectral)[rows]).double())
-        t_sal[todo] = count(torch.from_numpy(exact)).numpy()
-        entropy[todo] = exact
-        report.exact = len(todo)
+        t_sal[exact_rows] = count(torch.from_numpy(exact)).numpy()
+        entropy[exact_rows] = exact
+        report.exact = len(exact_rows)
     LAST_REPORT[:] = [report]
     return torch.from_numpy(t_sal), torch.from_numpy(entropy).float()
 

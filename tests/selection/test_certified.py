@@ -83,6 +83,22 @@ def test_a_spectrum_of_few_values_goes_to_the_exact_eigensolve():
     assert np.isinf(lo[0]) and np.isinf(hi[0])
 
 
+def test_refused_bounds_go_to_the_eigensolve_at_the_first_stage():
+    """Images whose Krylov space runs out (few distinct eigenvalues) get refused bounds at every stage: the split
+    sends them to the eigensolve after the first stage instead of running all four (48 steps) first, and their counts
+    are the hand-computed ones."""
+    rng = np.random.default_rng(3)
+    lams = [np.concatenate([[0.5, 0.3, 0.2], np.zeros(97)]), np.concatenate([[0.6, 0.4], np.zeros(98)])]
+    matrices = torch.stack([matrix_with(lam, rng) for lam in lams])
+    truth = [entropy_of(lam) for lam in lams]
+    for mu in (0.1, 0.25):
+        t_sal, entropy = certified.split(matrices, lambda h, mu=mu: split_budget(h, 64, mu=mu, tau=0.02))
+        report = certified.LAST_REPORT[0]
+        assert (report.decided, report.refused, report.exact) == ([0], 2, 2), report
+        assert t_sal.tolist() == [hand_count(h, 64, mu, 0.02) for h in truth]
+        assert np.abs(entropy.numpy() - truth).max() < 1e-5
+
+
 def hand_count(h: float, budget: int, mu: float, tau: float) -> int:
     """t_sal by hand: round half to even of ``T * (1 - sigmoid((h - mu) / tau))``."""
     ratio = 1.0 - 1.0 / (1.0 + math.exp(-(h - mu) / tau))
