@@ -26,6 +26,7 @@ GPU) counts as a sync, listed as ``implicit:<op>``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 import traceback
@@ -170,36 +171,59 @@ class _KernelStub:
         return launch
 
 
-def _lanczos_dot(U, W, DOT, N2, PARTS, CHUNK, TILE):
+def _ident(B: int, N: int, like: torch.Tensor) -> torch.Tensor:
+    """``I / sqrt(N)`` flattened ``[B, N * N]`` (the recurrence's start, which the kernels never form)."""
+    return (torch.eye(N, dtype=like.dtype) / math.sqrt(N)).reshape(1, -1).expand(B, -1)
+
+
+def _lanczos_dot(U, W, DOT, N2, PARTS, CHUNK, N, *, TILE, IDENT):
     """``lanczos_triton._dot_kernel``'s work in torch: the whole dot as the first share, the others 0."""
     B = DOT.shape[0]
+    w = W.reshape(B, -1)
+    u = _ident(B, N, w) if IDENT else U.reshape(B, -1)
     DOT.zero_()
-    DOT[:, 0] = (U.reshape(B, -1) * W.reshape(B, -1)).sum(1)
+    DOT[:, 0] = (u * (w / math.sqrt(N) if IDENT else w)).sum(1)
 
 
-def _lanczos_update(W, U, VP, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, CHUNK, STEPS, j, *,
-                    FIRST, HAS_PREV, TILE, PARTS_P2):
+def _lanczos_update(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, CHUNK, N, STEPS, j,
+                    *, FIRST, HAS_PREV, IDENT, VP_IDENT, TILE, PARTS_P2):
     """``lanczos_triton._update_kernel``'s work in torch, on the same buffers."""
     B = DOT.shape[0]
-    w, u = W.view(B, -1), U.view(B, -1)
+    w = W.reshape(B, -1) / math.sqrt(N) if IDENT else W.view(B, -1)
+    u = _ident(B, N, w) if IDENT else U.view(B, -1)
+    vp = _ident(B, N, w) if VP_IDENT else VP.view(B, -1)
     dot = DOT.sum(1, keepdim=True)
     if FIRST:
         alpha = dot
         new = w - alpha * u
         if HAS_PREV:
             beta = BPREV.as_strided((B, 1), (BPREV_STRIDE, 0))
-            new = new - beta * VP.view(B, -1)
+            new = new - beta * vp
     else:
         beta = NORM_IN.sum(1, keepdim=True).sqrt()
         alpha = dot / (beta * beta)
         v = u / beta
-        new = w / beta - alpha * v - beta * VP.view(B, -1)
+        new = w / beta - alpha * v - beta * vp
         u.copy_(v)
         COEF[:, STEPS + j - 1] = beta[:, 0]
-    w.copy_(new)
+    OUT.view(B, -1).copy_(new)
     NORM_OUT.zero_()
     NORM_OUT[:, 0] = (new * new).sum(1)
     COEF[:, j] = alpha[:, 0]
+
+
+def _row_means(G, R, DG, N, *, ROWS, COLS):
+    """``lanczos_triton._row_means_kernel``'s work in torch."""
+    R.copy_(G.mean(dim=2))
+    DG.copy_(G.diagonal(dim1=1, dim2=2))
+
+
+def _density(G, R, DG, RHO, N, N2, CHUNK, *, TILE, N_P2):
+    """``lanczos_triton._density_kernel``'s work in torch."""
+    g = R.mean(dim=1)[:, None, None]
+    c = (G - (R[:, :, None] + R[:, None, :])) + g
+    trace = c.diagonal(dim1=1, dim2=2).double().sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    RHO.copy_(c.double() / trace[:, None, None])
 
 
 def _lanczos_finish(W, NORM_IN, COEF, N2, PARTS, CHUNK, STEPS, *, TILE, PARTS_P2):
@@ -281,7 +305,8 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     saved = (accel.active, accel.has_triton, greedy_triton._dpp_kernel, greedy_triton._fps_kernel,
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
-             (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel))
+             (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
+              lanczos_triton._row_means_kernel, lanczos_triton._density_kernel))
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
@@ -292,9 +317,11 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     (greedy_triton._dpp_kernel, greedy_triton._fps_kernel, greedy_triton._fl_kernel,
      greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),
                                          _KernelStub(5, "vispruner"))
-    (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel) = (
+    (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
+     lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = (
         _WorkStub(_lanczos_dot, "lanczos_dot"), _WorkStub(_lanczos_update, "lanczos_update"),
-        _WorkStub(_lanczos_finish, "lanczos_finish"))
+        _WorkStub(_lanczos_finish, "lanczos_finish"), _WorkStub(_row_means, "row_means"),
+        _WorkStub(_density, "density"))
     try:
         with accel.graphs(graphs):
             yield
@@ -307,7 +334,8 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed._SEEN.clear()
         graphed._SEEN.update(saved[9])
         graphed.SIGHTINGS = saved[10]
-        lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel = saved[11]
+        (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
+         lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = saved[11]
 
 
 def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:

@@ -256,7 +256,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
             with accel.graphs(True):  # PromPrune as CUDA graphs (off by default until measured)
                 promprune.select(x, s, budget=T, method="promprune")  # a shape's first call runs eagerly (SIGHTINGS)
                 graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)  # its warm-up captures
-            with accel.without_kernel("lanczos"):  # the split's recurrence as the torch loop (seven launches a step)
+            with accel.without_kernel("lanczos"):  # the split in torch (its rho from the Gram, its recurrence)
                 loop_ms[shape] = time_method("promprune", x, s, T, args.repeats)
             with accel.disabled():
                 for m in names:
@@ -273,8 +273,8 @@ def run_batch(args, batch: int, shapes: dict) -> None:
         cells = (f"{graphs_ms[sh]:>17.2f} ({graphs_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
         print(f"{'select, graphs':<16}" + "".join(cells) + "   (PROMPRUNE_GRAPHS=1)")
         cells = (f"{loop_ms[sh]:>17.2f} ({loop_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
-        print(f"{'select, loop':<16}" + "".join(cells) + "   (the split's Lanczos steps as the torch loop, not "
-              "lanczos_triton: seven launches a step against three)")
+        print(f"{'select, loop':<16}" + "".join(cells) + "   (the split in torch, not lanczos_triton: its rho in "
+              "eleven launches against two, seven a Lanczos step against three)")
         worst = max(results[m][sh] / results["divprune"][sh] for m in names for sh in shapes)
         print(f"\nslowest method / divprune, worst shape: {worst:.2f}x at batch {batch} (target: <= 3x)")
         print_targets(batch, args.dtype, results["promprune"], graphs_ms)

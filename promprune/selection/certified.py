@@ -157,23 +157,32 @@ def start_basis(rho: torch.Tensor) -> torch.Tensor:
 
 def opening(matrix: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
     """The first stage from the spectral matrix ``[B, n, n]``: ``(packed [B, 2 steps], rho, v, v_prev)``
-    (``density``, ``start_basis``, ``lanczos_steps``). Only tensor operations, no host read: one CUDA graph."""
+    (``density``, ``lanczos_steps`` from ``start_basis``). Only tensor operations, no host read: one CUDA graph."""
     rho = density(matrix)
-    packed, v, v_prev = lanczos_steps(rho, start_basis(rho), None, None, steps)
+    packed, v, v_prev = lanczos_steps(rho, None, None, None, steps)  # from the start, I / sqrt(n)
     return packed, rho, v, v_prev
 
 
 def opening_from_gram(gram: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
     """``opening`` of the centered ``gram`` (``entropy.centered_gram``: the spectral matrix when N <= d), the
-    centering inside the same graph."""
+    centering inside the same graph. On the CUDA fast path a float32 Gram (``TokenSet.unit_gram``, exactly
+    symmetric) is centered and normalized by ``lanczos_triton.density_from_gram``: two launches instead of eleven."""
+    if gram.dtype == torch.float32 and accel.active(gram) and accel.has_triton():
+        from . import lanczos_triton
+
+        rho = accel.kernel("lanczos", lambda: lanczos_triton.density_from_gram(gram))
+        if rho is not None:  # None: Triton could not build it here; the torch ops below make the same matrix
+            packed, v, v_prev = lanczos_steps(rho, None, None, None, steps)
+            return packed, rho, v, v_prev
     return opening(centered_gram(gram), steps)
 
 
-def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,
-                  steps: int) -> tuple[torch.Tensor, ...]:
+def lanczos_steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None,
+                  b_prev: torch.Tensor | None, steps: int) -> tuple[torch.Tensor, ...]:
     """``steps`` steps of the recurrence from the basis matrices ``v, v_prev [B, n, n]`` and the last residual norm
-    ``b_prev [B]`` (both None before the first step: ``v_prev`` is 0 there) -> ``(packed [B, 2 steps], v, v_prev)``,
-    packed = the steps' alphas, then their betas. Only tensor operations, no host read: a CUDA graph can capture it
+    ``b_prev [B]`` (both None before the first step: ``v_prev`` is 0 there; ``v`` None: the start, ``start_basis``,
+    which the fast path never forms) -> ``(packed [B, 2 steps], v, v_prev)``, packed = the steps' alphas, then their
+    betas. Only tensor operations, no host read: a CUDA graph can capture it
     (``graphed``). On the CUDA fast path the steps run as ``lanczos_triton.steps`` (the same values up to float64
     rounding, three launches a step instead of seven); this loop is the reference, the CPU's and the fallback."""
     if accel.active(rho) and accel.has_triton():  # the fast path: three launches a step (``lanczos_triton``)
@@ -182,6 +191,8 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor | Non
         fused = accel.kernel("lanczos", lambda: lanczos_triton.steps(rho, v, v_prev, b_prev, steps))
         if fused is not None:  # None: Triton could not build it here; the loop below gives the same values
             return fused
+    if v is None:
+        v = start_basis(rho)
     B, n, _ = rho.shape
     alpha, beta = [], []  # [B, 1, 1] each: the shape the updates broadcast (no views made per step)
     b_prev = None if b_prev is None else b_prev.view(B, 1, 1)

@@ -1,10 +1,11 @@
-"""The certified split's Lanczos recurrence (``certified.lanczos_steps``) in three launches a step instead of seven.
+"""The certified split's Lanczos recurrence (``certified.lanczos_steps``) in three launches a step instead of seven,
+and its matrix from the tokens' Gram (``density_from_gram``) in two launches instead of eleven.
 
 A step of the recurrence on ``rho [B, n, n]`` (float64) is one batched product and, in torch, six small kernels around
 it (the Frobenius dot as a product and a sum, two updates, the residual's norm, its division): at batch 1 each costs
 the host a launch (~25-35 us on the H100 of 2026-11-26) for a few us of device work, and each reads or writes a whole
 ``[B, n, n]`` state. Here a step is the product and two Triton kernels over ``(parts, B)`` programs, each program
-``block`` entries of a view:
+``chunk`` entries of a view (``layout``), taken `TILE` at a time:
 
 - ``_dot_kernel``: each program's share of ``<u, rho u>`` (``DOT [B, parts]``);
 - ``_update_kernel``: each program sums its view's shares (the dot, and the previous step's squared norm), so every
@@ -14,10 +15,13 @@ the host a launch (~25-35 us on the H100 of 2026-11-26) for a few us of device w
 
 So the residual is never divided on its own: the next product takes it unnormalized (``rho u = beta rho v``) and the
 update divides by beta where it reads it anyway; ``_finish_kernel`` normalizes the last one and records the last beta.
-Every sum is a fixed tree (a program's block, then its view's shares in order): the same bits on every run. The values
-are the torch loop's up to float64 rounding in the order of the sums (``tests/selection/lanczos_cases.py`` checks the
-coefficients and the split's decisions under ``TRITON_INTERPRET=1``). Reads and writes per step: five states read and
-two written (torch: nine and four). Breakdown (a zero residual) gives NaN from there on, as the torch loop does.
+The start ``I / sqrt(n)`` is never formed either (``IDENT``, ``VP_IDENT``): its product with ``rho`` is
+``rho / sqrt(n)``, which the first step's kernels read from ``rho`` itself, so the first step launches no product.
+Every sum runs in a fixed order (a program's tiles, then its view's shares): the same bits on every run. The values
+are the torch loop's up to float64 rounding in the order of the sums (``tests/selection/triton_cases.py``, its
+``lanczos/`` and ``split/`` cases, checks the coefficients and the split's decisions under ``TRITON_INTERPRET=1``).
+Reads and writes per step: five states read and two written (torch: nine and four). Breakdown (a zero residual)
+gives NaN from there on, as the torch loop does.
 """
 from __future__ import annotations
 
@@ -32,29 +36,41 @@ WARPS = 8
 
 
 @triton.jit
-def _dot_kernel(U, W, DOT, N2, PARTS, CHUNK, TILE: tl.constexpr):
-    """``DOT[b, p]``: the share of program ``p`` (entries ``p CHUNK`` on) in ``<U[b], W[b]>``."""
+def _dot_kernel(U, W, DOT, N2, PARTS, CHUNK, N, TILE: tl.constexpr, IDENT: tl.constexpr):
+    """``DOT[b, p]``: the share of program ``p`` (entries ``p CHUNK`` on) in ``<U[b], W[b]>``. ``IDENT`` (the start):
+    ``U`` is ``I / sqrt(N)`` and ``W`` is ``rho`` for ``rho I / sqrt(N)``, unread off the diagonal."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     acc = tl.zeros([TILE], tl.float64)
+    if IDENT:
+        rs = 1.0 / tl.sqrt(N.to(tl.float64))
     for t0 in range(0, CHUNK, TILE):
         offs = p * CHUNK + t0 + tl.arange(0, TILE)
         inb = offs < N2
-        acc += tl.load(U + b * N2 + offs, mask=inb, other=0.0) * tl.load(W + b * N2 + offs, mask=inb, other=0.0)
+        if IDENT:
+            on = inb & (offs % (N + 1) == 0)  # the diagonal
+            acc += tl.where(on, rs * (tl.load(W + b * N2 + offs, mask=on, other=0.0) * rs), 0.0)
+        else:
+            acc += (tl.load(U + b * N2 + offs, mask=inb, other=0.0)
+                    * tl.load(W + b * N2 + offs, mask=inb, other=0.0))
     tl.store(DOT + b * PARTS + p, tl.sum(acc, axis=0))
 
 
 @triton.jit(do_not_specialize=["STEPS", "j"])
-def _update_kernel(W, U, VP, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, CHUNK, STEPS, j,
-                   FIRST: tl.constexpr, HAS_PREV: tl.constexpr, TILE: tl.constexpr, PARTS_P2: tl.constexpr):
-    """Step ``j``: ``W = rho U`` in, the next residual out (in place). ``FIRST`` (the call's first step): ``U`` is the
-    normalized basis matrix and ``BPREV [B]`` (stride ``BPREV_STRIDE``) its coupling to ``VP`` (read only with
-    ``HAS_PREV``); else ``U`` is the last residual, its squared norm in ``NORM_IN``'s shares, and ``U`` is normalized in
-    place. ``NORM_OUT``: the new residual's shares."""
+def _update_kernel(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, CHUNK, N, STEPS, j,
+                   FIRST: tl.constexpr, HAS_PREV: tl.constexpr, IDENT: tl.constexpr, VP_IDENT: tl.constexpr,
+                   TILE: tl.constexpr, PARTS_P2: tl.constexpr):
+    """Step ``j``: ``W = rho U`` in, the next residual out (into ``OUT``: ``W`` itself but at the start). ``FIRST``
+    (the call's first step): ``U`` is the normalized basis matrix and ``BPREV [B]`` (stride ``BPREV_STRIDE``) its
+    coupling to ``VP`` (read only with ``HAS_PREV``); else ``U`` is the last residual, its squared norm in
+    ``NORM_IN``'s shares, and ``U`` is normalized in place. ``IDENT`` (the start's step): ``U = I / sqrt(N)`` and ``W``
+    is ``rho`` (read only), so ``rho U`` is ``W / sqrt(N)``; ``VP_IDENT`` (the step after it): ``VP = I / sqrt(N)``.
+    ``NORM_OUT``: the new residual's shares."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     ps = tl.arange(0, PARTS_P2)
     dot = tl.sum(tl.load(DOT + b * PARTS + ps, mask=ps < PARTS, other=0.0), axis=0)
+    rs = 1.0 / tl.sqrt(N.to(tl.float64))  # I / sqrt(N)'s diagonal, as torch.eye(N) / math.sqrt(N) has it
     if FIRST:
         alpha = dot
         if HAS_PREV:
@@ -66,17 +82,28 @@ def _update_kernel(W, U, VP, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, 
     for t0 in range(0, CHUNK, TILE):
         offs = p * CHUNK + t0 + tl.arange(0, TILE)
         inb = offs < N2
+        diag = inb & (offs % (N + 1) == 0)
         w = tl.load(W + b * N2 + offs, mask=inb, other=0.0)
-        u = tl.load(U + b * N2 + offs, mask=inb, other=0.0)
+        if IDENT:
+            w = w * rs
+            u = tl.where(diag, rs, 0.0)
+        else:
+            u = tl.load(U + b * N2 + offs, mask=inb, other=0.0)
+        if VP_IDENT:
+            vp = tl.where(diag, rs, 0.0)
+        elif HAS_PREV:
+            vp = tl.load(VP + b * N2 + offs, mask=inb, other=0.0)
+        else:  # no previous basis matrix (the very first step): unread
+            vp = tl.zeros([TILE], tl.float64)
         if FIRST:
             new = w - alpha * u
             if HAS_PREV:
-                new = new - beta * tl.load(VP + b * N2 + offs, mask=inb, other=0.0)
+                new = new - beta * vp
         else:
             v = u / beta
-            new = w / beta - alpha * v - beta * tl.load(VP + b * N2 + offs, mask=inb, other=0.0)
+            new = w / beta - alpha * v - beta * vp
             tl.store(U + b * N2 + offs, v, mask=inb)
-        tl.store(W + b * N2 + offs, new, mask=inb)
+        tl.store(OUT + b * N2 + offs, new, mask=inb)
         acc += new * new
     tl.store(NORM_OUT + b * PARTS + p, tl.sum(acc, axis=0))
     if p == 0:
@@ -100,6 +127,62 @@ def _finish_kernel(W, NORM_IN, COEF, N2, PARTS, CHUNK, STEPS, TILE: tl.constexpr
         tl.store(COEF + b * 2 * STEPS + 2 * STEPS - 1, beta)
 
 
+@triton.jit
+def _row_means_kernel(G, R, DG, N, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``R[b, i]``: the mean of row ``i`` of the float32 Gram ``G[b]`` (float32, as ``gram.mean(dim=2)``), and
+    ``DG[b, i]`` its diagonal entry, for ``ROWS`` rows a program."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1).to(tl.int64)
+    live = i < N
+    acc = tl.zeros([ROWS, COLS], tl.float32)
+    for c0 in range(0, N, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        at = b * N * N + i[:, None] * N + cols[None, :]
+        acc += tl.load(G + at, mask=live[:, None] & (cols < N)[None, :], other=0.0)
+    tl.store(R + b * N + i, tl.sum(acc, axis=1) / N, mask=live)
+    tl.store(DG + b * N + i, tl.load(G + b * N * N + i * (N + 1), mask=live, other=0.0), mask=live)
+
+
+@triton.jit
+def _density_kernel(G, R, DG, RHO, N, N2, CHUNK, TILE: tl.constexpr, N_P2: tl.constexpr):
+    """``RHO[b] = C / tr(C)`` in float64, ``C = G - (r_i + r_j) + g`` the centered Gram in float32 (``r``: the row
+    means, ``g`` their mean): ``r_i + r_j`` is the same float both ways round, so ``C`` is exactly symmetric where
+    ``G`` is. ``tr(C)`` sums ``C``'s diagonal in float64, as ``certified.density`` does, clamped at the smallest
+    normal float64."""
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    ks = tl.arange(0, N_P2)
+    r_all = tl.load(R + b * N + ks, mask=ks < N, other=0.0)
+    g = tl.sum(r_all, axis=0) / N
+    c_diag = (tl.load(DG + b * N + ks, mask=ks < N, other=0.0) - (r_all + r_all)) + g
+    trace = tl.sum(tl.where(ks < N, c_diag.to(tl.float64), 0.0), axis=0)
+    trace = tl.maximum(trace, 2.2250738585072014e-308)
+    for t0 in range(0, CHUNK, TILE):
+        offs = p * CHUNK + t0 + tl.arange(0, TILE)
+        inb = offs < N2
+        ri = tl.load(R + b * N + offs // N, mask=inb, other=0.0)
+        rj = tl.load(R + b * N + offs % N, mask=inb, other=0.0)
+        c = (tl.load(G + b * N2 + offs, mask=inb, other=0.0) - (ri + rj)) + g
+        tl.store(RHO + b * N2 + offs, c.to(tl.float64) / trace, mask=inb)
+
+
+def density_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """``certified.density(entropy.centered_gram(gram))`` for an exactly symmetric float32 Gram ``[B, n, n]``
+    (``TokenSet.unit_gram``) in two launches instead of eleven: the row means, then rho. The centered Gram is the
+    same float32 arithmetic up to the order of the row sums and of ``r_i + r_j`` (rounding, which the split's
+    ``DECISION_MARGIN`` covers), and exactly symmetric without a transpose."""
+    B, n, _ = gram.shape
+    gram = gram.contiguous()
+    rows, cols = 16, 128
+    means, diag = gram.new_empty(B, n), gram.new_empty(B, n)
+    _row_means_kernel[(triton.cdiv(n, rows), B)](gram, means, diag, n, ROWS=rows, COLS=cols, num_warps=4)
+    rho = torch.empty(B, n, n, dtype=torch.float64, device=gram.device)
+    chunk, parts, _ = layout(B, n)
+    _density_kernel[(parts, B)](gram, means, diag, rho, n, n * n, chunk, TILE=TILE,
+                                N_P2=triton.next_power_of_2(n), num_warps=WARPS, enable_fp_fusion=False)
+    return rho
+
+
 def layout(B: int, n: int) -> tuple[int, int, int]:
     """``(chunk, parts, parts_p2)`` for ``B`` views of ``n x n``: entries per program (a multiple of `TILE`, enough
     that the launch has about `TARGET_PROGRAMS` programs and a view at most `MAX_PARTS`), programs per view, and the
@@ -111,35 +194,50 @@ def layout(B: int, n: int) -> tuple[int, int, int]:
     return chunk, parts, triton.next_power_of_2(parts)
 
 
-def steps(rho: torch.Tensor, v: torch.Tensor, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,
+def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,
           count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``certified.lanczos_steps(rho, v, v_prev, b_prev, count)`` (the same arguments and outputs: ``(packed [B,
-    2 count], v, v_prev)``) in ``3 count + 1`` launches. ``rho``, ``v`` and ``v_prev`` are read only; the outputs are
-    three buffers of its own that rotate (a step's product never lands on the two matrices it still reads)."""
+    2 count], v, v_prev)``) in ``3 count + 1`` launches. ``v`` None: the start, ``I / sqrt(n)``, never formed: its
+    product with ``rho`` is ``rho / sqrt(n)``, read where the first update reads it (``IDENT``): no product, two
+    launches for the first step, and no basis matrix to make. ``rho``, ``v`` and ``v_prev`` are read only; the outputs
+    are three buffers of its own that rotate (a step's product never lands on the two matrices it still reads)."""
     B, n, _ = rho.shape
     n2 = n * n
     chunk, parts, parts_p2 = layout(B, n)
-    rho, v = rho.contiguous(), v.contiguous()
+    start = v is None
+    rho = rho.contiguous()
+    v = None if start else v.contiguous()
     v_prev = None if v_prev is None else v_prev.contiguous()
+    has_prev = v_prev is not None
+    if has_prev and b_prev is None:
+        raise ValueError("lanczos_triton.steps: v_prev needs b_prev, its coupling to v")
+    if start and has_prev:
+        raise ValueError("lanczos_triton.steps: the start (v None) has no v_prev")
     coef = rho.new_empty(B, 2 * count)
     dot = rho.new_empty(B, parts)
     norms = (rho.new_empty(B, parts), rho.new_empty(B, parts))
     owned: list[torch.Tensor | None] = [None, None, None]
     grid = (parts, B)
-    has_prev = v_prev is not None
-    if has_prev and b_prev is None:
-        raise ValueError("lanczos_triton.steps: v_prev needs b_prev, its coupling to v")
     bprev = b_prev if b_prev is not None else coef  # unread without v_prev
     u, vp = v, v_prev
     for j in range(count):
         if owned[j % 3] is None:
             owned[j % 3] = torch.empty_like(rho)
-        w = torch.bmm(rho, u, out=owned[j % 3])  # never u or vp: they are the last two of the rotation (or inputs)
-        _dot_kernel[grid](u, w, dot, n2, parts, chunk, TILE=TILE, num_warps=WARPS)
-        _update_kernel[grid](w, u, vp if vp is not None else w, dot, norms[(j + 1) % 2], norms[j % 2], coef, bprev,
-                             bprev.stride(0), n2, parts, chunk, count, j, FIRST=j == 0, HAS_PREV=j > 0 or has_prev,
+        ident = start and j == 0
+        if ident:  # rho I / sqrt(n) is rho / sqrt(n): no product; the residual goes to a buffer of its own
+            w, out = rho, owned[0]
+        else:  # never u or vp: they are the last two of the rotation (or the caller's)
+            w = out = torch.bmm(rho, u, out=owned[j % 3])
+        _dot_kernel[grid](w if ident else u, w, dot, n2, parts, chunk, n, TILE=TILE, IDENT=ident, num_warps=WARPS)
+        _update_kernel[grid](w, w if ident else u, w if vp is None else vp, out, dot, norms[(j + 1) % 2],
+                             norms[j % 2], coef, bprev, bprev.stride(0), n2, parts, chunk, n, count, j,
+                             FIRST=j == 0, HAS_PREV=j > 0 or has_prev, IDENT=ident, VP_IDENT=start and j == 1,
                              TILE=TILE, PARTS_P2=parts_p2, num_warps=WARPS, enable_fp_fusion=False)
-        u, vp = w, u
+        u, vp = out, (None if ident else u)
     _finish_kernel[grid](u, norms[(count - 1) % 2], coef, n2, parts, chunk, count, TILE=TILE, PARTS_P2=parts_p2,
                          num_warps=WARPS, enable_fp_fusion=False)
+    if vp is None:  # one step from the start: its v_prev is the start itself
+        from .certified import start_basis
+
+        vp = start_basis(rho)
     return coef, u, vp

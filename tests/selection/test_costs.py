@@ -43,8 +43,9 @@ def test_promprune_waits_once_when_the_first_stage_decides(views):
         costs = count(fast_call, "promprune", x, s, 16, mu=0.95)  # far above every entropy
     assert certified.LAST_REPORT[0].decided == [5] and costs.syncs == 1
     steps = certified.STEPS[0]
-    assert costs.ops["bmm"] == steps + 1  # per Lanczos step one product (its Frobenius dot is no bmm); one Gram
-    # and two Triton kernels (the dot's shares, the update: ``lanczos_triton``), one more to end the stage
+    # per Lanczos step one product (its Frobenius dot is no bmm) but for the first (rho I / sqrt(n) needs none), and
+    # the Gram; two Triton kernels a step (the dot's shares, the update: ``lanczos_triton``), one more to end the stage
+    assert costs.ops["bmm"] == steps - 1 + 1, costs.ops
     assert (costs.ops["triton:lanczos_dot"], costs.ops["triton:lanczos_update"]) == (steps, steps), costs.ops
     assert costs.ops["triton:lanczos_finish"] == 1 and costs.launches <= 3 * steps + 60, costs.ops.most_common(10)
 
@@ -55,19 +56,31 @@ def test_the_cost_models_lanczos_kernels_give_the_torch_loops_values(views):
     one continued from it."""
     x, _ = views
     rho = certified.density(centered_gram(TokenSet(x.double(), None).unit_gram))
-    start = certified.start_basis(rho)
-    want = certified.lanczos_steps(rho, start, None, None, 4)
+    want = certified.lanczos_steps(rho, None, None, None, 4)
     want_more = certified.lanczos_steps(rho, want[1], want[2], want[0][:, -1], 3)
     with fast_path_on_cpu():
-        costs = count(certified.lanczos_steps, rho, start, None, None, 4, warmup=False)
-        got = certified.lanczos_steps(rho, start, None, None, 4)
+        costs = count(certified.lanczos_steps, rho, None, None, None, 4, warmup=False)
+        got = certified.lanczos_steps(rho, None, None, None, 4)
+        more = count(certified.lanczos_steps, rho, got[1], got[2], got[0][:, -1], 3, warmup=False)
         got_more = certified.lanczos_steps(rho, got[1], got[2], got[0][:, -1], 3)
-    assert costs.launches == 3 * 4 + 1 and costs.ops["bmm"] == 4, costs.ops
-    with fast_path_on_cpu(), accel.without_kernel("lanczos"):  # the torch loop, its coefficients packed by a cat
-        loop = count(certified.lanczos_steps, rho, start, None, None, 4, warmup=False)
-    assert loop.launches == 6 + 7 * 3 + 1 and "lanczos" not in accel.broken_kernels(), loop.ops
+    # from the start: no product and no basis matrix for the first step (rho I / sqrt(n) is rho / sqrt(n))
+    assert costs.launches == 3 * 4 + 1 - 1 and costs.ops["bmm"] == 3, costs.ops
+    assert more.launches == 3 * 3 + 1 and more.ops["bmm"] == 3, more.ops
+    with fast_path_on_cpu(), accel.without_kernel("lanczos"):  # the torch loop: the start formed (eye, div, copy),
+        loop = count(certified.lanczos_steps, rho, None, None, None, 4, warmup=False)  # its coefficients by a cat
+    assert loop.launches == 3 + 6 + 7 * 3 + 1 and "lanczos" not in accel.broken_kernels(), loop.ops
     for g, w in zip(got + got_more, want + want_more):
         assert torch.allclose(g, w, rtol=0, atol=1e-12 * float(w.abs().max())), (g - w).abs().max()
+    # the first stage from the float32 unit Gram: its centering and rho in two launches (``density_from_gram``), the
+    # same matrix to float32 rounding (the row means summed in another order), and then the same recurrence
+    gram = TokenSet(x, None).unit_gram
+    packed, rho32, *_ = certified.opening_from_gram(gram, 4)
+    with fast_path_on_cpu():
+        opened = count(certified.opening_from_gram, gram, 4, warmup=False)
+        fast_packed, fast_rho, *_ = certified.opening_from_gram(gram, 4)
+    assert (opened.ops["triton:row_means"], opened.ops["triton:density"], opened.launches) == (1, 1, 2 + 12), opened
+    assert torch.allclose(fast_rho, rho32, rtol=0, atol=1e-6 * float(rho32.abs().max()))
+    assert torch.allclose(fast_packed, packed, rtol=1e-5, atol=1e-9)
 
 
 def test_random_with_keys_never_waits_and_without_reads_one_fingerprint(views):
@@ -112,7 +125,8 @@ def test_with_graphs_the_first_stage_costs_three_launches(views):
     assert certified.LAST_REPORT[0].decided == [5]
     assert (costs.launches, costs.syncs) == (3, 1), costs.ops
     assert costs.ops["cuda_graph"] == 1 and costs.ops["copy"] == 1 and costs.ops["clone"] == 1, costs.ops
-    assert costs.flops == 2 * certified.STEPS[0] * 5 * 96 ** 3  # the graph's products still count as device work
+    # the graph's products still count as device work: one per step but the first
+    assert costs.flops == 2 * (certified.STEPS[0] - 1) * 5 * 96 ** 3
 
 
 def test_with_graphs_promprune_is_two_graphs_around_one_read(views):

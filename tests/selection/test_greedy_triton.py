@@ -150,15 +150,23 @@ def _kernels():
     from promprune.selection import lanczos_triton as lz
 
     chunk = {"TILE": lz.TILE}
-    out.append((lz._dot_kernel, {"U": "*fp64", "W": "*fp64", "DOT": "*fp64", "N2": "i32", "PARTS": "i32",
-                                 "CHUNK": "i32"}, chunk))
-    update = {"W": "*fp64", "U": "*fp64", "VP": "*fp64", "DOT": "*fp64", "NORM_IN": "*fp64", "NORM_OUT": "*fp64",
-              "COEF": "*fp64", "BPREV": "*fp64", "BPREV_STRIDE": "i32", "N2": "i32", "PARTS": "i32", "CHUNK": "i32",
-              "STEPS": "i32", "j": "i32"}
-    for first, has_prev in ((True, False), (True, True), (False, True)):  # the start, a stage's first step, the rest
-        out.append((lz._update_kernel, update, {"FIRST": first, "HAS_PREV": has_prev, "PARTS_P2": 512, **chunk}))
+    for ident in (True, False):
+        out.append((lz._dot_kernel, {"U": "*fp64", "W": "*fp64", "DOT": "*fp64", "N2": "i32", "PARTS": "i32",
+                                     "CHUNK": "i32", "N": "i32"}, {"IDENT": ident, **chunk}))
+    update = {"W": "*fp64", "U": "*fp64", "VP": "*fp64", "OUT": "*fp64", "DOT": "*fp64", "NORM_IN": "*fp64",
+              "NORM_OUT": "*fp64", "COEF": "*fp64", "BPREV": "*fp64", "BPREV_STRIDE": "i32", "N2": "i32",
+              "PARTS": "i32", "CHUNK": "i32", "N": "i32", "STEPS": "i32", "j": "i32"}
+    # the start's step, the step after it, a later stage's first step, every other step
+    for first, has_prev, ident, vp_ident in ((True, False, True, False), (False, True, False, True),
+                                             (True, True, False, False), (False, True, False, False)):
+        out.append((lz._update_kernel, update, {"FIRST": first, "HAS_PREV": has_prev, "IDENT": ident,
+                                                "VP_IDENT": vp_ident, "PARTS_P2": 512, **chunk}))
     out.append((lz._finish_kernel, {"W": "*fp64", "NORM_IN": "*fp64", "COEF": "*fp64", "N2": "i32", "PARTS": "i32",
                                     "CHUNK": "i32", "STEPS": "i32"}, {"PARTS_P2": 512, **chunk}))
+    out.append((lz._row_means_kernel, {"G": "*fp32", "R": "*fp32", "DG": "*fp32", "N": "i32"},
+                {"ROWS": 16, "COLS": 128}))
+    out.append((lz._density_kernel, {"G": "*fp32", "R": "*fp32", "DG": "*fp32", "RHO": "*fp64", "N": "i32",
+                                     "N2": "i32", "CHUNK": "i32"}, {"N_P2": 2048, **chunk}))
     return out
 
 

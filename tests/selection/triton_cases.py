@@ -285,13 +285,13 @@ def _density(kind: str, B: int, N: int, d: int, seed: int) -> torch.Tensor:
 def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, more: int = 5,
                  programs: int | None = None) -> Case:
     """``certified.lanczos_steps`` on the fast path (``lanczos_triton``: three launches a step) against the torch
-    loop on the CPU: a first stage of ``first`` steps from the start, then ``more`` steps continued from its state (its
-    ``v``, ``v_prev`` and last beta), the coefficients and basis matrices equal to float64 rounding (relative 1e-11 of
-    the largest). Where the Krylov space runs out (a beta below ``certified.BREAKDOWN`` of the largest coefficient:
-    low-rank tokens) both must say so at the same step; what follows is rounding noise in both (the split sends such
-    images to the eigensolve) and is not compared, nor is such an image's state. ``programs``: `TARGET_PROGRAMS` for
-    the case (1: one program per view, its loop over many tiles). ``got`` holds the comparisons, ``want`` all
-    true."""
+    loop on the CPU: a first stage of ``first`` steps from the start (``v`` None, as the split's first stage runs it:
+    the fast path never forms ``I / sqrt(n)``), then ``more`` steps continued from its state (its ``v``, ``v_prev``
+    and last beta), the coefficients and basis matrices equal to float64 rounding (relative 1e-11 of the largest).
+    Where the Krylov space runs out (a beta below ``certified.BREAKDOWN`` of the largest coefficient: low-rank tokens)
+    both must say so at the same step; what follows is rounding noise in both (the split sends such images to the
+    eigensolve) and is not compared, nor is such an image's state. ``programs``: `TARGET_PROGRAMS` for the case (1:
+    one program per view, its loop over many tiles). ``got`` holds the comparisons, ``want`` all true."""
     from promprune.selection import certified
 
     def joined(stages):  # -> alpha, beta [B, first + more]
@@ -302,15 +302,14 @@ def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, m
         from promprune.selection import lanczos_triton
 
         rho = _density(kind, B, N, d, seed)
-        start = certified.start_basis(rho)
-        ref = certified.lanczos_steps(rho, start, None, None, first)
+        ref = certified.lanczos_steps(rho, None, None, None, first)
         ref_more = certified.lanczos_steps(rho, ref[1], ref[2], ref[0][:, -1], more)
         saved = lanczos_triton.TARGET_PROGRAMS
         lanczos_triton.TARGET_PROGRAMS = programs or saved
         try:
             with _fast(device):
                 r = rho.to(device)
-                got = certified.lanczos_steps(r, start.to(device), None, None, first)
+                got = certified.lanczos_steps(r, None, None, None, first)
                 got_more = certified.lanczos_steps(r, got[1], got[2], got[0][:, -1], more)
         finally:
             lanczos_triton.TARGET_PROGRAMS = saved
@@ -330,12 +329,33 @@ def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, m
     return run
 
 
-def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float) -> Case:
+def density_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
+    """``lanczos_triton.density_from_gram`` (the fast path's centering and rho, from the float32 unit Gram) against
+    ``certified.density(centered_gram(...))`` in torch on the CPU: equal to float32 rounding (relative 1e-6 of the
+    largest entry: the two sum the row means in different orders) and exactly symmetric. ``got`` holds the
+    comparisons, ``want`` all true."""
+    from promprune.selection import certified
+    from promprune.selection.entropy import centered_gram
+
+    def run(device):
+        from promprune.selection import lanczos_triton
+
+        gram = TokenSet(_tokens(kind, B, N, d, seed), None).unit_gram  # float32, exactly symmetric
+        want = certified.density(centered_gram(gram))
+        got = lanczos_triton.density_from_gram(gram.to(device)).cpu()
+        close = (got - want).abs() <= 1e-6 * want.abs().amax().clamp_min(1e-300)
+        checks = torch.cat([close.flatten(), (got == got.transpose(1, 2)).flatten()])
+        return checks, torch.ones_like(checks)
+    return run
+
+
+def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: bool = False) -> Case:
     """``certified.split``'s counts and per-stage decisions on the fast path (its recurrence in ``lanczos_triton``)
     against the torch loop's, mu placed so that the first image's entropy lies ``gap`` (normalized) above the count
     boundary between 8 and 9 salient tokens of T = 16: at 1e-5 it runs every stage and ends in the eigensolve (the
     other images fall where they fall; low-rank tokens' recurrences run out and go there too). ``got``: the counts,
-    then the stages' decided numbers and the eigensolve's."""
+    then the stages' decided numbers and the eigensolve's. ``gram``: the split from the tokens' float32 unit Gram
+    (``gram=True``, as PromPrune calls it), centered by ``lanczos_triton.density_from_gram`` on the fast path."""
     import math
 
     from promprune.selection import certified
@@ -354,9 +374,10 @@ def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float) -> Case
         def count(h: torch.Tensor) -> torch.Tensor:
             return split_budget(h, 16, mu=mu, tau=0.02)
 
-        want = outcome(certified.split(rho, count)[0])
+        matrix = TokenSet(_tokens(kind, B, N, d, seed), None).unit_gram if gram else rho
+        want = outcome(certified.split(matrix, count, gram=gram)[0])
         with _fast(device):
-            got = outcome(certified.split(rho.to(device), count)[0])
+            got = outcome(certified.split(matrix.to(device), count, gram=gram)[0])
         return got, want
     return run
 
@@ -406,9 +427,15 @@ def cases() -> dict[str, Case]:
                                                    ("lowrank", 2, 48, 24, None), ("zeros", 2, 33, 20, 3)]):
         out[f"lanczos/{kind}-{B}x{N}x{d}" + (f"-programs{programs}" if programs else "")] = lanczos_case(
             kind, B, N, d, 30 + i, programs=programs)
+    # one step from the start: its v_prev is the start itself, formed only then
+    out["lanczos/random-2x40x64-one-step"] = lanczos_case("random", 2, 40, 64, 36, first=1, more=3)
     for i, (kind, B, N, d, gap) in enumerate([("random", 3, 80, 96, 1e-3), ("random", 3, 80, 96, 1e-5),
                                               ("lowrank", 2, 40, 24, 1e-3)]):
         out[f"split/{kind}-{B}x{N}x{d}-gap{gap:g}"] = split_case(kind, B, N, d, 40 + i, gap)
+    out["split-gram/random-3x80x96-gap0.001"] = split_case("random", 3, 80, 96, 43, 1e-3, gram=True)
+    for i, (kind, B, N, d) in enumerate([("random", 2, 70, 96), ("duplicates", 2, 40, 16), ("zeros", 1, 33, 20),
+                                         ("orthonormal", 2, 24, 32)]):
+        out[f"density/{kind}-{B}x{N}x{d}"] = density_case(kind, B, N, d, 50 + i)
     return out
 
 
