@@ -235,7 +235,7 @@ def _lanczos_finish(W, NORM_IN, COEF, N2, PARTS, CHUNK, STEPS, *, TILE, PARTS_P2
 
 
 class _WorkStub:
-    """Stands for a Triton kernel whose outputs the call reads back (the Lanczos recurrence's): ``stub[grid](*args,
+    """Stands for a Triton kernel whose outputs the call reads back (the certified split's): ``stub[grid](*args,
     **meta)`` counts one launch (none inside a graph's body) and does the kernel's work with ``work`` in torch,
     uncounted."""
 

@@ -96,7 +96,7 @@ def kernel(name: str, launch):
 @contextmanager
 def without_kernel(name: str):
     """Inside the block the ``name`` kernel's callers take their torch path, as if Triton could not build it (a
-    benchmark's comparison: e.g. "lanczos", the certified split's recurrence)."""
+    benchmark's comparison: e.g. "lanczos", the certified split's matrix and recurrence)."""
     before = _BROKEN.get(name)
     _BROKEN[name] = "switched off (accel.without_kernel)"
     try:

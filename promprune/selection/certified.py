@@ -182,9 +182,9 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tenso
     """``steps`` steps of the recurrence from the basis matrices ``v, v_prev [B, n, n]`` and the last residual norm
     ``b_prev [B]`` (both None before the first step: ``v_prev`` is 0 there; ``v`` None: the start, ``start_basis``,
     which the fast path never forms) -> ``(packed [B, 2 steps], v, v_prev)``, packed = the steps' alphas, then their
-    betas. Only tensor operations, no host read: a CUDA graph can capture it
-    (``graphed``). On the CUDA fast path the steps run as ``lanczos_triton.steps`` (the same values up to float64
-    rounding, three launches a step instead of seven); this loop is the reference, the CPU's and the fallback."""
+    betas. Only tensor operations, no host read: a CUDA graph can capture it (``graphed``). On the CUDA fast path the
+    steps run as ``lanczos_triton.steps`` (the same values up to float64 rounding, three launches a step instead of
+    seven); this loop is the reference, the CPU's and the fallback."""
     if accel.active(rho) and accel.has_triton():  # the fast path: three launches a step (``lanczos_triton``)
         from . import lanczos_triton
 
