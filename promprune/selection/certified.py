@@ -34,6 +34,7 @@ import torch
 
 from . import accel, graphed
 from .entropy import centered_gram, entropy_of_matrix
+from .kernels import start_basis
 
 # Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
 # boundary continues to the next. Measured on synthetic spectra at n = 576 / 1296 (benchmarks/entropy_bounds.py): 16
@@ -147,12 +148,6 @@ class Lanczos:
             return None if t is None else t[index]
 
         return Lanczos(pick(self.rho), pick(self.v), pick(self.v_prev), pick(self.b_prev))
-
-
-def start_basis(rho: torch.Tensor) -> torch.Tensor:
-    """``I / sqrt(n)`` for each of the ``B`` images of ``rho [B, n, n]`` (unit Frobenius norm), contiguous."""
-    B, n, _ = rho.shape
-    return (torch.eye(n, dtype=rho.dtype, device=rho.device) / math.sqrt(n)).expand(B, n, n).contiguous()
 
 
 def opening(matrix: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:

@@ -4,6 +4,8 @@ All functions take batched tensors: features ``[B, N, d]``, masks ``[B, N]``.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import accel
@@ -92,3 +94,10 @@ def ranks_to_mask(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     take = torch.arange(N, device=order.device)[None, :] < counts[:, None]  # [B, N], by rank
     mask = torch.zeros(B, N, dtype=torch.bool, device=order.device)
     return mask.scatter(1, order, take)
+
+
+def start_basis(rho: torch.Tensor) -> torch.Tensor:
+    """``I / sqrt(n)`` for each of the ``B`` images of ``rho [B, n, n]`` (unit Frobenius norm), contiguous: the
+    certified split's Lanczos start (``certified``, ``lanczos_triton``)."""
+    B, n, _ = rho.shape
+    return (torch.eye(n, dtype=rho.dtype, device=rho.device) / math.sqrt(n)).expand(B, n, n).contiguous()

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels import start_basis
+
 TILE = 1024  # entries a program's loop takes at once (float64 at 8 warps: four a thread per state)
 TARGET_PROGRAMS = 512  # programs a launch aims at (a few per SM of an H100/H200): the chunk per program follows
 MAX_PARTS = 1024  # programs per view at most (each update program sums its view's shares)
@@ -237,7 +239,5 @@ def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None
     _finish_kernel[grid](u, norms[(count - 1) % 2], coef, n2, parts, chunk, count, TILE=TILE, PARTS_P2=parts_p2,
                          num_warps=WARPS, enable_fp_fusion=False)
     if vp is None:  # one step from the start: its v_prev is the start itself
-        from .certified import start_basis
-
         vp = start_basis(rho)
     return coef, u, vp

@@ -97,10 +97,14 @@ def test_asha_stops_weak_trials_at_rungs_and_they_are_logged_as_stopped(searched
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == []  # no predictions
         # its run spans the trial, from its start to its stop, not the moment it was logged: every block the workers
         # started for it started inside the run (the timeline's clock is the same wall clock; a block in flight at
-        # the stop may end after it, unread)
-        started = [e["t"] * 1000 for e in timeline.read(events) if e.get("trial") == tid
-                   and e["event"] == "predict_start"]
-        assert started and run.info.start_time <= min(started) and max(started) <= run.info.end_time + 1
+        # the stop may end after it, unread), but for a block already sent to a worker when the stop came, which may
+        # still start there (ray.cancel is asynchronous; one started 10 ms after the run's end on 2026-11-28): at
+        # most one such block per worker, as a worker holds one block of a trial at a time
+        starts = [e for e in timeline.read(events) if e.get("trial") == tid and e["event"] == "predict_start"]
+        started = [e["t"] * 1000 for e in starts]
+        assert started and run.info.start_time <= min(started)
+        late = [e["pid"] for e in starts if e["t"] * 1000 > run.info.end_time + 1]
+        assert len(set(late)) == len(late), (late, run.info.end_time, sorted(started))
         assert {mlflow_layout.STARTED_AT, mlflow_layout.FINISHED_AT} <= set(run.data.tags)
 
     # ASHA's rule, re-derived: one trial at a time, so a trial at rung r is compared with the values the trials
