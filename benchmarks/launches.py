@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from promprune.selection import accel, graphed, greedy_triton, lanczos_triton
+from promprune.selection.kernels import start_basis
 
 # ops that launch nothing: views, metadata, allocation without a fill
 NO_LAUNCH = {"view", "_unsafe_view", "expand", "t", "transpose", "unsqueeze", "squeeze", "slice", "select",
@@ -172,8 +173,8 @@ class _KernelStub:
 
 
 def _ident(B: int, N: int, like: torch.Tensor) -> torch.Tensor:
-    """``I / sqrt(N)`` flattened ``[B, N * N]`` (the recurrence's start, which the kernels never form)."""
-    return (torch.eye(N, dtype=like.dtype) / math.sqrt(N)).reshape(1, -1).expand(B, -1)
+    """``kernels.start_basis`` flattened ``[B, N * N]`` (the recurrence's start, which the kernels never form)."""
+    return start_basis(like.new_empty(1, N, N)).reshape(1, -1).expand(B, -1)
 
 
 def _lanczos_dot(U, W, DOT, N2, PARTS, CHUNK, N, *, TILE, IDENT):

@@ -153,8 +153,12 @@ class Lanczos:
 def opening(matrix: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
     """The first stage from the spectral matrix ``[B, n, n]``: ``(packed [B, 2 steps], rho, v, v_prev)``
     (``density``, ``lanczos_steps`` from ``start_basis``). Only tensor operations, no host read: one CUDA graph."""
-    rho = density(matrix)
-    packed, v, v_prev = lanczos_steps(rho, None, None, None, steps)  # from the start, I / sqrt(n)
+    return _opened(density(matrix), steps)
+
+
+def _opened(rho: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+    """``(packed, rho, v, v_prev)``: the first ``steps`` steps on ``rho`` from the start, ``I / sqrt(n)``."""
+    packed, v, v_prev = lanczos_steps(rho, None, None, None, steps)
     return packed, rho, v, v_prev
 
 
@@ -167,8 +171,7 @@ def opening_from_gram(gram: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...
 
         rho = accel.kernel("lanczos", lambda: lanczos_triton.density_from_gram(gram))
         if rho is not None:  # None: Triton could not build it here; the torch ops below make the same matrix
-            packed, v, v_prev = lanczos_steps(rho, None, None, None, steps)
-            return packed, rho, v, v_prev
+            return _opened(rho, steps)
     return opening(centered_gram(gram), steps)
 
 
