@@ -282,7 +282,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     blocks = sweep_dir(state["storage_path"], state["experiment"])
     per_trial = len(rows.keys)
     console = SweepConsole(n_trials, _samples_per_trial(rows, trials), per_trial,
-                           saved=lambda tid: checkpoints.saved_samples(blocks, tid))
+                           saved=lambda tid: checkpoints.saved_samples(blocks, tid),
+                           workers=lambda: pool.state(timeout_s=5.0))
     recorder = SweepRecorder(spec, parent_id, console, outbox=outbox_dir(storage, state["experiment"]),
                              datasets=task_datasets(spec, rows.keys))
     exp_path = f"{state['storage_path']}/{state['experiment']}"

@@ -67,7 +67,7 @@ def callbacks_counted_without_integrations():
 
 class RecorderHook(tune.Callback):
     """Tune's trial events to the attached recorder: a trial started, reported a result, completed (finished with
-    its checkpoint, or stopped by a scheduler), or failed."""
+    its checkpoint, or stopped by a scheduler), or failed; and each step of Tune's loop to its console (`tick`)."""
 
     @staticmethod
     def _recorder():
@@ -76,6 +76,9 @@ class RecorderHook(tune.Callback):
             raise RuntimeError("RecorderHook got a Tune event outside `with pipelines.recording.callback.attached("
                                "recorder):`; run Tune's fit (and Tuner.restore) inside that block, in the same thread")
         return recorder
+
+    def on_step_begin(self, iteration: int, trials: list, **info):
+        self._recorder().console.tick()  # trials silent for a while: the console says what they wait for
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
         config = search.trial_of(trial.config).to_dict()  # the recorder's view of the trial

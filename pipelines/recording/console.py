@@ -9,6 +9,7 @@ scheduler stopped, ``stopped`` (``scored``, ``done``, ``total``, ``running``, ``
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable
 
 import pandas as pd
@@ -19,20 +20,52 @@ from pipelines.console import say
 from pipelines.mlflow_layout import MU_TAU, REL
 from pipelines.run import search
 
+# no trial has said anything (started, reported a block, ended) for this long while trials run: one line saying what
+# the sweep's model workers are doing; the next after twice the silence so far, then at most every `QUIET_MAX_S`
+QUIET_S = 60.0
+QUIET_MAX_S = 600.0
+
 
 class SweepConsole:
     """A line per trial as it starts (or resumes) and ends, and the sweep's progress bar (``bar``, set while Tune
-    runs), moved by the samples each trial answers.
+    runs), moved by the samples each trial answers; when trials run and none has reported for `QUIET_S`, a line on
+    what they wait for (`tick`, on each step of Tune's loop).
 
     ``samples``: each known trial's samples (a trial optuna chooses runs on every task: ``per_trial``);
-    ``saved``: the samples a trial has saved in blocks (answered before a retry or a `--resume`; None: none kept)."""
+    ``saved``: the samples a trial has saved in blocks (answered before a retry or a `--resume`; None: none kept);
+    ``workers``: the state of the sweep's pool of model workers (`WorkerPool.state`), None when it cannot say."""
 
     def __init__(self, n_trials: int, samples: dict[str, int] | None = None, per_trial: int | None = None,
-                 saved: Callable[[str], int] | None = None):
+                 saved: Callable[[str], int] | None = None, workers: Callable[[], dict | None] | None = None):
         self.n_trials, self.samples_of, self.per_trial = n_trials, samples or {}, per_trial
         self.saved = saved or (lambda tid: 0)
+        self.workers = workers
         self.bar = None
         self.shown: dict[str, int] = {}  # trial id -> samples counted on the bar
+        self.running: set[str] = set()  # trials started and not yet ended
+        self.heard, self.quiet_after = time.monotonic(), QUIET_S  # the last trial event; the silence said next
+
+    def _heard(self) -> None:
+        self.heard, self.quiet_after = time.monotonic(), QUIET_S
+
+    def tick(self) -> None:
+        """Trials running and silent for `QUIET_S` (then twice as long, ...): one line on the model workers."""
+        quiet = time.monotonic() - self.heard
+        if not self.running or quiet < self.quiet_after:
+            return
+        self.quiet_after = min(2 * quiet, quiet + QUIET_MAX_S)
+        state = None
+        if self.workers is not None:
+            try:
+                state = self.workers()
+            except Exception:  # noqa: BLE001 - the pool busy or gone: the line says less, the sweep goes on
+                state = None
+        say(quiet_line(quiet, len(self.running), state))
+
+    def ended(self, tid: str) -> None:
+        """A trial ended without a result line of this console (it failed)."""
+        self.running.discard(tid)
+        self._heard()
 
     def total_of(self, tid: str) -> int | str:
         """A trial's samples."""
@@ -41,6 +74,8 @@ class SweepConsole:
     def started(self, tid: str) -> None:
         """A trial (re)started: one line saying how much of it is already done (its saved blocks, which it does not
         generate again)."""
+        self.running.add(tid)
+        self._heard()
         done = self.saved(tid)
         if done:
             say(f"[resume] {tid}: {done} of {self.total_of(tid)} samples already done")
@@ -50,6 +85,7 @@ class SweepConsole:
 
     def advanced(self, tid: str, done: int) -> None:
         """A trial's samples done so far (its progress reports): the bar moves by the new ones."""
+        self._heard()
         new = done - self.shown.get(tid, 0)
         if new > 0:
             self.shown[tid] = done
@@ -59,6 +95,7 @@ class SweepConsole:
     def finished(self, rec: dict, count: int, tasks: list[str]) -> None:
         """``[count/N] <trial>: <headline metrics> rel=... (<wall>s)`` for a trial that ran to its end."""
         m, tid = rec["metrics"], rec["trial"]["trial_id"]
+        self.ended(tid)
         shown = " ".join(f"{k}={m[k]:.3f}" for k in headline_keys(tasks, m) + [REL] if k in m)
         failed = int(m.get("samples/failed", 0))
         shown += f" FAILED SAMPLES={failed} (scored as the empty answer)" if failed else ""
@@ -70,11 +107,24 @@ class SweepConsole:
     def stopped(self, rec: dict, count: int) -> None:
         """A trial a scheduler stopped: why, and the bar's total less the samples it will never generate."""
         tid, stop = rec["trial"]["trial_id"], rec["stopped"]
+        self.ended(tid)
         say(f"[{count}/{self.n_trials}] {tid}: {stop['why']}")
         self.advanced(tid, stop["done"])
         if self.bar is not None and stop["total"] > stop["done"]:
             self.bar.total -= stop["total"] - max(stop["done"], self.shown.get(tid, 0))
             self.bar.refresh()
+
+
+def quiet_line(quiet_s: float, running: int, state: dict | None) -> str:
+    """What a silent sweep waits for, from its pool's state (`pool.Pool.state`; None: unknown)."""
+    head = f"no trial has reported for {quiet_s:.0f}s ({running} running)"
+    if state is None:
+        return head
+    workers, up, granted = state["workers"], state["up"], state["granted"]
+    if up < workers:
+        return (f"{head}: {up} of {workers} model worker(s) up, the rest still loading the model. Ray runs its "
+                "workers at low priority (nice 15): other busy processes on their node slow them")
+    return f"{head}: {granted} of {workers} model worker(s) answering a block"
 
 
 def headline_keys(tasks: list[str], metrics: dict) -> list[str]:

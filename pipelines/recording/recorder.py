@@ -178,6 +178,7 @@ class SweepRecorder:
         report a failure)."""
         tid = trial["trial_id"]
         self.results.failed(trial, error)
+        self.console.ended(tid)
         if tid not in self.ended:
             if tid not in self.began:
                 self._open(trial)

@@ -340,8 +340,9 @@ class WorkerPool:
             return calibration.run(self.source, cal, metrics, budget)
         return ray.get(self.first_worker().calibrate.remote(cal, metrics, budget))
 
-    def state(self) -> dict:
-        return ray.get(self.handle.state.remote())
+    def state(self, timeout_s: float | None = None) -> dict:
+        """`Pool.state` (raises ``ray.exceptions.GetTimeoutError`` past ``timeout_s``)."""
+        return ray.get(self.handle.state.remote(), timeout=timeout_s)
 
     def close(self) -> None:
         """End the pool and its workers (its own die with it; those started here are ended here)."""

@@ -375,6 +375,41 @@ def test_validate_only_shows_what_each_task_generates_with():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the console when trials go quiet
+
+
+def test_a_quiet_sweep_says_what_its_workers_do_then_waits_twice_as_long(monkeypatch, capsys):
+    """Trials running and silent for QUIET_S: one line from the pool's state; the next after twice the silence; any
+    trial event resets the wait; no line while no trial runs."""
+    from pipelines.recording import console as sweep_console
+
+    clock = [1000.0]
+    monkeypatch.setattr(sweep_console.time, "monotonic", lambda: clock[0])
+    states = [{"workers": 2, "up": 1, "granted": 1}, {"workers": 2, "up": 2, "granted": 2}]
+    con = sweep_console.SweepConsole(3, workers=lambda: states.pop(0))
+
+    def lines_after(seconds: float) -> list[str]:
+        clock[0] += seconds
+        con.tick()
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("no trial")]
+
+    assert lines_after(500) == []  # nothing runs yet
+    con.started("a")
+    capsys.readouterr()
+    assert lines_after(59) == []
+    assert lines_after(1) == ["no trial has reported for 60s (1 running): 1 of 2 model worker(s) up, the rest still "
+                              "loading the model. Ray runs its workers at low priority (nice 15): other busy processes "
+                              "on their node slow them"]
+    assert lines_after(59) == []  # the next at 120 s of silence
+    assert lines_after(1) == ["no trial has reported for 120s (1 running): 2 of 2 model worker(s) answering a block"]
+    con.advanced("a", 4)  # a block came back: quiet again only after QUIET_S
+    assert lines_after(59) == []
+    assert lines_after(1) == ["no trial has reported for 60s (1 running)"]  # the pool said nothing (no state left)
+    con.ended("a")
+    assert lines_after(1000) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the console's summary table
 
 

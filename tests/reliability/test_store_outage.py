@@ -45,9 +45,13 @@ def _trial_runs(c: MlflowClient) -> list:
     return c.search_runs([exp.experiment_id], filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, "trial"))
 
 
-def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypatch):
+def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypatch, capsys):
     """While the second trial runs, MLflow holds its RUNNING run with its params and a running metric; at the end
-    every trial has one FINISHED run whose start is the trial's start."""
+    every trial has one FINISHED run whose start is the trial's start. The console, told that 1 s without a report is
+    quiet, says what the pool's workers do (blocks take 1.5 s here)."""
+    from pipelines.recording import console as sweep_console
+
+    monkeypatch.setattr(sweep_console, "QUIET_S", 1.0)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(mlflow_layout.TRACKING_URI_ENV, f"sqlite:///{tmp_path / 'mlflow.db'}")
     spec = specs.parse({**SPEC, "model": {"pretrained": "testbed:llava"}, "tasks": ["testbed_exist_concentrated"],
@@ -82,6 +86,8 @@ def test_a_running_trial_has_its_run_with_params_and_progress(tmp_path, monkeypa
     assert later.info.run_id == run.info.run_id and later.info.start_time == run.info.start_time  # the same run
     steps = [m.step for m in c.get_metric_history(run.info.run_id, "samples/done")]
     assert steps == sorted(steps) and steps[-1] == 8
+    quiet = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no trial has reported for")]
+    assert any("model worker(s)" in line for line in quiet), quiet  # the pool's state, read through Ray
 
 
 def _cli(spec_path, cwd, uri: str, wait_s: str = "120") -> subprocess.Popen:
