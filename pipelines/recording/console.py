@@ -122,8 +122,9 @@ def quiet_line(quiet_s: float, running: int, state: dict | None) -> str:
         return head
     workers, up, granted = state["workers"], state["up"], state["granted"]
     if up < workers:
-        return (f"{head}: {up} of {workers} model worker(s) up, the rest still loading the model. Ray runs its "
-                "workers at low priority (nice 15): other busy processes on their node slow them")
+        return (f"{head}: {up} of {workers} model worker(s) up, the rest still loading the model (Ray starts its "
+                "workers at nice 15 unless RAY_worker_niceness says otherwise: other busy processes on a node slow "
+                "them)")
     return f"{head}: {granted} of {workers} model worker(s) answering a block"
 
 

@@ -398,8 +398,8 @@ def test_a_quiet_sweep_says_what_its_workers_do_then_waits_twice_as_long(monkeyp
     capsys.readouterr()
     assert lines_after(59) == []
     assert lines_after(1) == ["no trial has reported for 60s (1 running): 1 of 2 model worker(s) up, the rest still "
-                              "loading the model. Ray runs its workers at low priority (nice 15): other busy processes "
-                              "on their node slow them"]
+                              "loading the model (Ray starts its workers at nice 15 unless RAY_worker_niceness says "
+                              "otherwise: other busy processes on a node slow them)"]
     assert lines_after(59) == []  # the next at 120 s of silence
     assert lines_after(1) == ["no trial has reported for 120s (1 running): 2 of 2 model worker(s) answering a block"]
     con.advanced("a", 4)  # a block came back: quiet again only after QUIET_S
