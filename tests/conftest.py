@@ -8,9 +8,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray runs its workers at nice 15 (its `worker_niceness`), below everything else on the machine. Under pytest-xdist the
-# other worker's test runs at nice 0, and on 2 cores a test's Ray workers then get a few % of a core: in CI (stop 74) a
-# sweep's test timed out at 900 s. Reproduced here beside two nice-0 busy loops, its worker was still importing torch
-# after 200 s and the test unfinished after 300 s; with this line it passed in 80 s. Equal niceness shares the cores.
+# other worker's test runs at nice 0, and on 2 cores a test's Ray workers then get a few % of a core: in CI (the
+# submission of 2026-11-28's sixth stop) a sweep's test timed out at 900 s. Reproduced here beside two nice-0 busy
+# loops (`scripts/under_load.sh`), its worker was still importing torch after 200 s and the test unfinished after
+# 300 s; with this line it passed in 80 s. Equal niceness shares the cores.
 os.environ.setdefault("RAY_worker_niceness", "0")
 # Ray's temp dir, one per test process: `ray start` and `ray.cluster_utils.Cluster` record their head in it
 # (`ray_current_cluster`) and a sweep started with no address joins the head recorded there (`ray_connect.connect`, as a

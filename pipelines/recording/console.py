@@ -63,7 +63,7 @@ class SweepConsole:
         say(quiet_line(quiet, len(self.running), state))
 
     def ended(self, tid: str) -> None:
-        """A trial ended without a result line of this console (it failed)."""
+        """A trial ended (finished, stopped by a scheduler, or failed): it no longer counts as running."""
         self.running.discard(tid)
         self._heard()
 
@@ -121,6 +121,8 @@ def quiet_line(quiet_s: float, running: int, state: dict | None) -> str:
     if state is None:
         return head
     workers, up, granted = state["workers"], state["up"], state["granted"]
+    if workers == 0:
+        return f"{head}: the pool holds no model worker (none asked for yet, or none could start)"
     if up < workers:
         return (f"{head}: {up} of {workers} model worker(s) up, the rest still loading the model (Ray starts its "
                 "workers at nice 15 unless RAY_worker_niceness says otherwise: other busy processes on a node slow "

@@ -385,7 +385,8 @@ def test_a_quiet_sweep_says_what_its_workers_do_then_waits_twice_as_long(monkeyp
 
     clock = [1000.0]
     monkeypatch.setattr(sweep_console.time, "monotonic", lambda: clock[0])
-    states = [{"workers": 2, "up": 1, "granted": 1}, {"workers": 2, "up": 2, "granted": 2}]
+    states = [{"workers": 2, "up": 1, "granted": 1}, {"workers": 2, "up": 2, "granted": 2},
+              {"workers": 0, "up": 0, "granted": 0}]
     con = sweep_console.SweepConsole(3, workers=lambda: states.pop(0))
 
     def lines_after(seconds: float) -> list[str]:
@@ -404,8 +405,13 @@ def test_a_quiet_sweep_says_what_its_workers_do_then_waits_twice_as_long(monkeyp
     assert lines_after(1) == ["no trial has reported for 120s (1 running): 2 of 2 model worker(s) answering a block"]
     con.advanced("a", 4)  # a block came back: quiet again only after QUIET_S
     assert lines_after(59) == []
-    assert lines_after(1) == ["no trial has reported for 60s (1 running)"]  # the pool said nothing (no state left)
+    assert lines_after(1) == ["no trial has reported for 60s (1 running): the pool holds no model worker (none asked "
+                              "for yet, or none could start)"]
+    con.started("b")
+    capsys.readouterr()
+    assert lines_after(60) == ["no trial has reported for 60s (2 running)"]  # the pool said nothing (no state left)
     con.ended("a")
+    con.ended("b")
     assert lines_after(1000) == []
 
 
