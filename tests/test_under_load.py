@@ -1,5 +1,6 @@
 """scripts/under_load.sh: a test rerun beside busy loops, and a run past --dump-after leaves the processes' state."""
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,5 +19,7 @@ def test_a_slow_run_is_reported_and_its_processes_dumped(tmp_path):
     assert [line.split(":")[0] for line in lines] == ["run 1", "run 2"]
     assert all("exit 0 after" in line and "stalled: dump_" in line for line in lines), lines  # only test_sleeps ran
     dump = (out / "dump_1.log").read_text()
-    assert "python -m pytest" in dump and " NI " in dump.splitlines()[1]  # ps's header: the niceness column
+    assert dump.startswith("# run 1 at 1s")
+    if shutil.which("ps"):  # procps: every process with its niceness
+        assert "python -m pytest" in dump and " NI " in dump.splitlines()[1]  # ps's header: the niceness column
     assert "1 passed, 1 deselected" in (out / "run_2.log").read_text()
