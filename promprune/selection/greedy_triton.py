@@ -31,12 +31,15 @@ class VisTiles:
     in the last at Qwen2.5-VL's 1232, ~30 entries down); ``warps``: None for 8 from rows of 256, else 4; ``rank``:
     "tiles" counts each even's better matches pairwise (E^2 comparisons a round), "sort" sorts (match, place) keys
     once a round (``tl.sort``, a bitonic network over the next power of 2 of the first round's evens, up to
-    `VIS_SORT_MAX`; past it, tiles). ``benchmarks/vispruner_tiles.py`` times others on a GPU."""
+    `VIS_SORT_MAX`; past it, tiles), "wide" runs the other kernel (``_vispruner_wide_kernel``: a round's evens all at
+    once, in a scan tile of ``scan`` elements, then one sort sized to the round; ``tile``, ``evens``, ``chunk`` unused).
+    ``benchmarks/vispruner_tiles.py`` times others on a GPU."""
     tile: int = 8192
     evens: int = 64
     chunk: int = 32
     warps: int | None = None
     rank: str = "tiles"
+    scan: int = 4096
 
 
 VIS_TILES = VisTiles()
@@ -284,6 +287,95 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
         tl.store(out + b * KEEP + ks, tl.load(final + ks, mask=ks < KEEP, other=0).to(tl.int64), mask=ks < KEEP)
 
 
+@triton.jit(noinline=True)
+def _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, M: tl.constexpr, CH: tl.constexpr):
+    """One round's ``E <= M`` evens in ``_vispruner_wide_kernel``: every even's match by a scan down its sorted row,
+    ``[M, CH]`` entries at a time until every even has met an odd candidate of this round (stamped ``stamp``); then
+    one sort of (match, place, candidate) keys puts them in the stable descending order of their matches, and the
+    survivors go to ``nxt`` (from place 0), stamped ``stamp + 1`` where their place there is odd."""
+    ms = tl.arange(0, M)
+    cs = tl.arange(0, CH)
+    live = ms < E
+    ev = tl.load(cur + 2 * ms, mask=live, other=0)
+    row = ev * R0  # int32: R0^2 < 2^31 where this kernel runs (R0 <= 2 VIS_SORT_MAX)
+    best = tl.full([M], float("-inf"), tl.float32)
+    pending = live
+    waiting = tl.sum(pending.to(tl.int32), axis=0)
+    c0 = E * 0  # an int32 tensor, as the loop carries it
+    while waiting > 0:
+        cols = c0 + cs
+        here = pending[:, None] & (cols < R0)[None, :]
+        at = row[:, None] + cols[None, :]
+        col = tl.load(SIb + at, mask=here, other=0)
+        value = tl.load(Cb + at, mask=here, other=float("-inf"))
+        hit = here & (tl.load(Ob + col, mask=here, other=0) == stamp)
+        found = tl.sum(hit.to(tl.int32), axis=1) > 0
+        best = tl.where(found, tl.max(tl.where(hit, value, float("-inf")), axis=1), best)
+        pending = pending & (found == 0) & (c0 + CH < R0)
+        waiting = tl.sum(pending.to(tl.int32), axis=0)
+        c0 += CH
+    bits = tl.where(best == 0.0, 0.0, best).to(tl.int32, bitcast=True)  # -0.0 ties +0.0, as the comparisons say
+    ascending = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered as the floats are, as signed integers
+    # the best match first, then the lower place; the candidate rides in the low bits (places < 2^15, R0 <= 2^16)
+    key = ((~ascending).to(tl.int64) << 32) | (ms.to(tl.int64) << 16) | ev.to(tl.int64)
+    key = tl.where(live, key, 0x7FFFFFFFFFFFFFFF)
+    cand = (tl.sort(key) & 0xFFFF).to(tl.int32)  # the evens in their new order (ms: the place in it)
+    tl.debug_barrier()  # every scan has read this round's stamps before the next round's are written
+    place = ms - drop
+    kept = live & (ms >= drop)
+    tl.store(nxt + place, cand, mask=kept)  # survivors, best match first
+    tl.store(Ob + cand, tl.zeros([M], tl.int32) + stamp + 1, mask=kept & (place % 2 == 1))
+
+
+@triton.jit
+def _vispruner_wide_kernel(C, SI, lists, odd, out, R0, KEEP, ROUNDS, ROUND: tl.constexpr, BLOCK_W: tl.constexpr,
+                           SCAN: tl.constexpr, LEVELS: tl.constexpr):
+    """``_vispruner_kernel``'s rounds (the same inputs, no ``match`` buffer) with every step of a round over all its
+    evens at once, so a round is a short chain (the scan's few iterations, one sort, the stores) instead of blocks of
+    evens in sequence: ``BLOCK_W`` (a power of 2, >= the first round's evens and ``R0 / 2``) sets the vectors; a round
+    of ``E`` evens runs at the level ``M`` = the next power of 2 of ``E`` (at least ``BLOCK_W >> (LEVELS - 1)``), its
+    scan ``[M, SCAN / M]`` entries at a time (as the evens thin out, the odd candidates are fewer and lie deeper in
+    each row: the tile grows down the rows as it shrinks across them) and its sort ``M`` keys. A round's odd
+    candidates are stamped with ``r + 1`` by the round before, where it writes them (at the start for round 0), so no
+    round marks them on its own."""
+    b = tl.program_id(0).to(tl.int64)
+    Cb = C + b * R0 * R0
+    SIb = SI + b * R0 * R0
+    Lb = lists + b * 2 * R0
+    Ob = odd + b * R0
+    ws = tl.arange(0, BLOCK_W)
+    for h in tl.static_range(2):  # the given order (R0 <= 2 BLOCK_W), its odd places stamped for round 0
+        p = h * BLOCK_W + ws
+        tl.store(Lb + p, p, mask=p < R0)
+        tl.store(Ob + p, p % 2, mask=p < R0)
+    tl.debug_barrier()
+    R = tl.program_id(0) * 0 + R0  # an int32 tensor: the list's length
+    for r in range(ROUNDS):
+        cur = Lb + (r % 2) * R0
+        nxt = Lb + ((r + 1) % 2) * R0
+        E = (R + 1) // 2
+        n_odd = R // 2
+        drop = tl.minimum(tl.minimum(R - KEEP, ROUND), E)
+        stamp = r + 1
+        odds = tl.load(cur + 2 * ws + 1, mask=ws < n_odd, other=0)
+        for k in tl.static_range(LEVELS):
+            if k == LEVELS - 1:
+                if E <= (BLOCK_W >> k):
+                    _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, BLOCK_W >> k, SCAN // (BLOCK_W >> k))
+            else:
+                if (E <= (BLOCK_W >> k)) & (E > (BLOCK_W >> (k + 1))):
+                    _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, BLOCK_W >> k, SCAN // (BLOCK_W >> k))
+        place = E - drop + ws  # then the odds in order
+        tl.store(nxt + place, odds, mask=ws < n_odd)
+        tl.store(Ob + odds, tl.zeros([BLOCK_W], tl.int32) + stamp + 1, mask=(ws < n_odd) & (place % 2 == 1))
+        tl.debug_barrier()  # the next round reads the new order and its stamps
+        R = R - drop
+    final = Lb + (ROUNDS % 2) * R0
+    for k0 in range(0, KEEP, BLOCK_W):
+        ks = k0 + ws
+        tl.store(out + b * KEEP + ks, tl.load(final + ks, mask=ks < KEEP, other=0).to(tl.int64), mask=ks < KEEP)
+
+
 def _blocks(N: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_S, num_warps)`` for N tokens per view."""
     block_n = triton.next_power_of_2(max(N, 16))
@@ -352,18 +444,40 @@ def vispruner_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, in
     return max(1, tiles.tile // block_p), block_p, warps
 
 
+VIS_WIDE_MIN = 16  # the smallest level of the wide kernel: rounds of fewer evens run at this size
+
+
+def vispruner_wide_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, int, int] | None:
+    """``(BLOCK_W, SCAN, LEVELS, num_warps)`` of the wide kernel for ``R0`` candidates (``_vispruner_wide_kernel``),
+    or None where the first round's evens pass `VIS_SORT_MAX` (then R0 < 2^16 too, as the keys need)."""
+    block_w = triton.next_power_of_2(max((R0 + 1) // 2, VIS_WIDE_MIN))
+    if block_w > VIS_SORT_MAX:
+        return None
+    levels = block_w.bit_length() - VIS_WIDE_MIN.bit_length() + 1  # BLOCK_W, BLOCK_W / 2, ..., VIS_WIDE_MIN
+    return block_w, max(tiles.scan, block_w), levels, tiles.warps or (16 if block_w >= 512 else 4)
+
+
 def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int,
                      tiles: VisTiles = VIS_TILES) -> torch.Tensor:
     """``baselines.vispruner_diverse``'s rounds in one launch: ``similarity [B, R0, R0]`` float32 among the candidates
     in their given order, ``keep`` < R0 of them after ``rounds`` rounds (host-known: they follow from R0 and keep
     alone) of at most ``round_size`` drops. Returns the kept positions ``[B, keep]`` in their final order. Each row is
-    sorted first (one ``torch.sort``), for the kernel's scan down it."""
+    sorted first (one ``torch.sort``), for the kernel's scan down it. ``tiles.rank`` "wide": the other kernel
+    (``_vispruner_wide_kernel``), where a round's evens fit one sort (`VIS_SORT_MAX`); past it, tiles."""
     B, R0, _ = similarity.shape
     device = similarity.device
     lists = torch.empty(B, 2, R0, dtype=torch.int32, device=device)
     odd = torch.empty(B, R0, dtype=torch.int32, device=device)  # zeroed by the kernel, stamped per round
-    match = torch.empty(B, R0, dtype=torch.float32, device=device)
     out = _picks(B, keep, device)
+    wide = vispruner_wide_blocks(R0, tiles) if tiles.rank == "wide" else None
+    if wide is not None:
+        block_w, scan, levels, warps = wide
+        values, columns = torch.sort(similarity, dim=2, descending=True)
+        _vispruner_wide_kernel[(B,)](values.contiguous(), columns.to(torch.int32).contiguous(), lists, odd, out, R0,
+                                     keep, rounds, ROUND=round_size, BLOCK_W=block_w, SCAN=scan, LEVELS=levels,
+                                     num_warps=warps, enable_fp_fusion=False)
+        return out
+    match = torch.empty(B, R0, dtype=torch.float32, device=device)
     block_e, block_p, warps = vispruner_blocks(R0, tiles)
     sort_n = triton.next_power_of_2(max((R0 + 1) // 2, 16))
     sort_n = sort_n if tiles.rank == "sort" and sort_n <= VIS_SORT_MAX else 0

@@ -106,10 +106,12 @@ def test_cuda_kernel_matches_reference(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rank", ["tiles", "wide"])
 @pytest.mark.parametrize("B,N,keep", [(1, 576, 32), (5, 576, 32), (1, 1296, 64), (2, 2880, 160)])
-def test_cuda_vispruner_kernel_at_the_papers_sizes(B, N, keep):
-    """VisPruner's kernel at LLaVA-1.5's, LLaVA-NeXT's (five views), Qwen2.5-VL's and LLaVA-NeXT's whole-image
-    candidate counts (T = 64, 64, 128, 320; half kept by saliency) against the CPU loop on the same similarity."""
+def test_cuda_vispruner_kernel_at_the_papers_sizes(B, N, keep, rank):
+    """VisPruner's kernels (the default's tiles, the wide one) at LLaVA-1.5's, LLaVA-NeXT's (five views), Qwen2.5-VL's
+    and LLaVA-NeXT's whole-image candidate counts (T = 64, 64, 128, 320; half kept by saliency) against the CPU loop
+    on the same similarity."""
     from promprune.selection import baselines, greedy_triton
     from promprune.selection.registry import TokenSet
 
@@ -119,7 +121,8 @@ def test_cuda_vispruner_kernel_at_the_papers_sizes(B, N, keep):
     want = baselines.vispruner_diverse(K, rest, keep)  # the loop, on the CPU
     local = baselines._submatrix(K, rest, rest).float().cuda()
     rounds = baselines.vispruner_round_count(N - keep, keep)
-    picks = greedy_triton.vispruner_rounds(local, keep, rounds, baselines.VISPRUNER_ROUND).cpu()
+    tiles = greedy_triton.VisTiles(rank=rank)
+    picks = greedy_triton.vispruner_rounds(local, keep, rounds, baselines.VISPRUNER_ROUND, tiles).cpu()
     assert torch.equal(rest.gather(1, picks), want)
 
 
@@ -147,6 +150,9 @@ def _kernels():
         out.append((g._vispruner_kernel, vis, {"ROUND": 8, "BLOCK_E": block_e, "BLOCK_P": block_p,
                                                "BLOCK_M": g.VIS_TILES.evens, "CHUNK": g.VIS_TILES.chunk,
                                                "SORT_N": sort_n}))
+    block_w, scan, levels, _ = g.vispruner_wide_blocks(1232, g.VisTiles(rank="wide"))
+    wide = {k: v for k, v in vis.items() if k != "match"}
+    out.append((g._vispruner_wide_kernel, wide, {"ROUND": 8, "BLOCK_W": block_w, "SCAN": scan, "LEVELS": levels}))
     from promprune.selection import lanczos_triton as lz
 
     chunk = {"TILE": lz.TILE}

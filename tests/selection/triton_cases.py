@@ -165,16 +165,16 @@ def vispruner_case(kind, B, N, d, seed) -> Case:
     return run
 
 
-def vispruner_sort_case(kind, B, N, d, seed) -> Case:
-    """VisPruner's kernel with its ranking by one sort a round (``VisTiles(rank="sort")``, not the default) on the
-    candidates of ``vispruner_case``, against the loop."""
+def vispruner_sort_case(kind, B, N, d, seed, rank: str = "sort") -> Case:
+    """VisPruner's kernel with its ranking by one sort a round (``VisTiles(rank="sort")``, not the default; or
+    ``rank="wide"``, the other kernel) on the candidates of ``vispruner_case``, against the loop."""
     from promprune.selection import baselines
 
     def run(device):
         K, rest = _vispruner_inputs(kind, B, N, d, seed)
         want = baselines.vispruner_diverse(K, rest, N // 5)
         local = baselines._submatrix(K, rest, rest).float().to(device)
-        return rest.gather(1, _kernel_keeps(local, N // 5, "sort")), want
+        return rest.gather(1, _kernel_keeps(local, N // 5, rank)), want
     return run
 
 
@@ -407,6 +407,12 @@ def cases() -> dict[str, Case]:
         out[f"vispruner-sort/{kind}-{B}x{N}x{d}"] = vispruner_sort_case(kind, B, N, d, 20 + i)
     out["vispruner/signed-zeros"] = vispruner_signed_zeros_case("tiles")
     out["vispruner-sort/signed-zeros"] = vispruner_signed_zeros_case("sort")
+    # the wide kernel (a round's evens at once, a sort sized to the round): 1 x 300 passes every level from 256 evens
+    # down to the smallest (16); 2 x 33 (31 candidates, 16 evens) runs at the smallest alone
+    for i, (kind, B, N, d) in enumerate([("duplicates", 2, 120, 16), ("zeros", 2, 33, 20), ("random", 1, 300, 24),
+                                         ("lowrank", 1, 42, 8)]):
+        out[f"vispruner-wide/{kind}-{B}x{N}x{d}"] = vispruner_sort_case(kind, B, N, d, 40 + i, rank="wide")
+    out["vispruner-wide/signed-zeros"] = vispruner_signed_zeros_case("wide")
     for kind in ("random", "lowrank", "duplicates"):
         out[f"select-promprune/{kind}"] = select_case("promprune", kind, 7, mu=0.5)
         out[f"select-promprune-conditional/{kind}"] = select_case("promprune", kind, 7, mu=0.5, conditional=True)
