@@ -7,10 +7,16 @@ down the sorted rows (``evens`` x ``chunk``). This script times ``greedy_triton.
 LLaVA-1.5 544 -> 32, Qwen2.5-VL 1232 -> 64, LLaVA-NeXT's one 2880-token image 2720 -> 160), batch 1 and 8, and checks
 that every configuration keeps exactly the picks of the torch loop (``baselines.vispruner_diverse`` on the CPU). A row
 whose time moves with ``tile`` says the ranking is the chain; with ``evens`` or ``chunk``, the scan; ``rank=sort``
-ranks by one sort a round instead of tiles::
+ranks by one sort a round instead of tiles; ``rank=wide`` is the other kernel (a round's evens at once, one sort sized
+to the round), at its default and with its ``scan`` tile and warps changed alone.
 
-    python benchmarks/vispruner_tiles.py                       # on a GPU: ~1 min, most of it compiling
+``--chain`` prints instead, for the same configurations and inputs, the steps one program runs in sequence and the keys
+it sorts, counted exactly by replaying the rounds on the CPU (``chain``): the same on every machine, so a GPU's times
+beside them say what a step and a sorted key cost there::
+
+    python benchmarks/vispruner_tiles.py                       # on a GPU: ~2 min, most of it compiling
     python benchmarks/vispruner_tiles.py --device cpu --sizes 40:8 --batch 1 --repeats 1   # under TRITON_INTERPRET=1
+    python benchmarks/vispruner_tiles.py --chain               # anywhere: ~80 s on 2 cores
 
 On the CPU it needs ``TRITON_INTERPRET=1`` (the kernels then run in Triton's interpreter: a check of the picks, its
 times mean nothing).
@@ -32,10 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Each block size changed alone from the default (``greedy_triton.VIS_TILES``).
 VARIANTS = {"tile": (4096, 16384), "evens": (32, 128, 256), "chunk": (16, 64), "warps": (4, 16), "rank": ("sort",)}
+# The wide kernel (``rank="wide"``: a round's evens at once) at its default and with its own sizes changed.
+WIDE = {"scan": (2048, 8192), "warps": (8,)}  # 32 warps spill (ptxas, sm_90)
 
 
 def configs() -> list[tuple[str, object]]:
-    """``(label, VisTiles)``: the default first, then each field changed alone."""
+    """``(label, VisTiles)``: the default first, then each field changed alone, then the wide kernel and each of its
+    sizes changed alone."""
     from promprune.selection.greedy_triton import VIS_TILES
 
     out = [("default " + _describe(VIS_TILES), VIS_TILES)]
@@ -43,7 +52,74 @@ def configs() -> list[tuple[str, object]]:
         for value in values:
             if getattr(VIS_TILES, field) != value:
                 out.append((f"{field}={value}", dataclasses.replace(VIS_TILES, **{field: value})))
+    wide = dataclasses.replace(VIS_TILES, rank="wide")
+    out.append((f"rank=wide (scan {wide.scan}, warps {wide.warps or 'auto'})", wide))
+    for field, values in WIDE.items():
+        for value in values:
+            if getattr(wide, field) != value:
+                out.append((f"rank=wide, {field}={value}", dataclasses.replace(wide, **{field: value})))
     return out
+
+
+def replay(C: torch.Tensor, keep: int) -> list[tuple[int, torch.Tensor]]:
+    """The rounds of one view's duplicate removal on its similarity ``C [R0, R0]`` (CPU), replayed as the kernels run
+    them: per round the length of the list and how deep each even looks down its sorted row (the place of its first
+    odd candidate). Its picks are checked against the loop's (``baselines.vispruner_diverse``)."""
+    from promprune.selection.baselines import VISPRUNER_ROUND, vispruner_diverse
+    from promprune.selection.kernels import stable_descending_order
+
+    R0 = C.shape[0]
+    values, columns = torch.sort(C, dim=1, descending=True)
+    order, rounds = torch.arange(R0), []
+    while order.numel() > keep:
+        R = order.numel()
+        even, odd = order[0::2], order[1::2]
+        is_odd = torch.zeros(R0, dtype=torch.bool)
+        is_odd[odd] = True
+        depth = is_odd[columns[even]].to(torch.uint8).argmax(dim=1)  # each even's first odd entry down its row
+        rounds.append((R, depth))
+        drop = min(VISPRUNER_ROUND, R - keep, even.numel())
+        order = torch.cat([even[stable_descending_order(values[even, depth][None])[0, drop:]], odd])
+    if not torch.equal(order, vispruner_diverse(C[None], torch.arange(R0)[None], keep)[0]):
+        raise AssertionError("the replay's picks differ from the loop's")
+    return rounds
+
+
+def chain(rounds: list[tuple[int, torch.Tensor]], R0: int, tiles) -> dict[str, int]:
+    """The steps one program runs in sequence over ``rounds`` (``replay``) with ``tiles``, counted exactly: "scan"
+    (chunks down the sorted rows until every even of a block has met an odd candidate), "rank" (the ranking's tiles),
+    "flag" (marking a round's odd candidates and copying them after the evens, ``BLOCK_P`` at a time), "sorts" and
+    "keys" (one sort a round and the keys it sorts: ``rank="sort"``, ``"wide"``). Each step is a few dependent loads
+    and a block-wide reduction: with a GPU's times beside them, these say what a step and a sorted key cost there."""
+    from promprune.selection import greedy_triton
+
+    wide = greedy_triton.vispruner_wide_blocks(R0, tiles) if tiles.rank == "wide" else None
+    block_e, block_p, _ = greedy_triton.vispruner_blocks(R0, tiles)
+    sort_n = triton_pow2(max((R0 + 1) // 2, 16))
+    sort_n = sort_n if tiles.rank == "sort" and sort_n <= greedy_triton.VIS_SORT_MAX else 0
+    out = dict.fromkeys(("scan", "rank", "flag", "sorts", "keys"), 0)
+    for R, depth in rounds:
+        E, n_odd = (R + 1) // 2, R // 2
+        if wide is not None:
+            width = max(triton_pow2(E), greedy_triton.VIS_WIDE_MIN)
+            out["scan"] += -(-(int(depth.max()) + 1) // (wide[1] // width))
+            out["sorts"] += 1
+            out["keys"] += width
+            continue
+        for e0 in range(0, E, tiles.evens):
+            out["scan"] += -(-(int(depth[e0:e0 + tiles.evens].max()) + 1) // tiles.chunk)
+        out["flag"] += 2 * -(-n_odd // block_p)
+        if sort_n:
+            out["sorts"] += 1
+            out["keys"] += sort_n
+        else:
+            out["rank"] += -(-E // block_e) * -(-E // block_p)
+    return out
+
+
+def triton_pow2(n: int) -> int:
+    """The next power of 2 from ``n`` (``triton.next_power_of_2``, without importing Triton)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _describe(tiles) -> str:
@@ -81,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="544:32,1232:64,2720:160", help="candidates:kept pairs, comma-separated")
     ap.add_argument("--batch", default="1,8", help="views per call, comma-separated")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--chain", action="store_true",
+                    help="print each configuration's steps in sequence instead of its time (counted on the CPU: no "
+                         "kernel runs, no Triton needed; the same on every machine)")
     args = ap.parse_args(argv)
+    if args.chain:
+        return print_chain([tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")],
+                           [int(b) for b in args.batch.split(",")])
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("on the CPU the kernel runs only under Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
@@ -121,6 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     if differ or failed:
         return 1
     print("every configuration kept the torch loop's picks")
+    return 0
+
+
+def print_chain(sizes: list[tuple[int, int]], batches: list[int]) -> int:
+    """``--chain``: every configuration's steps in sequence on this script's inputs (the worst view of a call)."""
+    columns = [(R0, keep, B) for B in batches for R0, keep in sizes]
+    print("VisPruner's kernel: steps one program runs in sequence (scan + rank + flag; the worst view of the call) and "
+          "its sorts x thousands of keys, counted by replaying the rounds on the CPU; columns: candidates -> kept x "
+          "views")
+    print(f"{'':<66}" + "".join(f"{f'{R0}->{keep} x{B}':>18}" for R0, keep, B in columns))
+    rounds = {(R0, B): [replay(C, keep) for C in similarity(B, R0, 64, "cpu", seed=R0)] for R0, keep, B in columns}
+    for label, tiles in configs():
+        cells = []
+        for R0, _, B in columns:
+            counts = [chain(r, R0, tiles) for r in rounds[(R0, B)]]
+            worst = max(counts, key=lambda c: c["scan"] + c["rank"] + c["flag"])
+            steps = worst["scan"] + worst["rank"] + worst["flag"]
+            cells.append(f"{steps:>9} {worst['sorts']:>3}x{worst['keys'] / 1e3:<4.0f}")
+        print(f"{label:<66}" + "".join(f"{c:>18}" for c in cells), flush=True)
     return 0
 
 

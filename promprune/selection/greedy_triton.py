@@ -32,7 +32,9 @@ class VisTiles:
     "tiles" counts each even's better matches pairwise (E^2 comparisons a round), "sort" sorts (match, place) keys
     once a round (``tl.sort``, a bitonic network over the next power of 2 of the first round's evens, up to
     `VIS_SORT_MAX`; past it, tiles), "wide" runs the other kernel (``_vispruner_wide_kernel``: a round's evens all at
-    once, in a scan tile of ``scan`` elements, then one sort sized to the round; ``tile``, ``evens``, ``chunk`` unused).
+    once, in a scan tile of ``scan`` elements, then one sort sized to the round; ``warps`` None for 16; ``tile``,
+    ``evens``, ``chunk`` unused; picks checked against the loop in the interpreter, compiled for sm_90 without spills
+    at its defaults, not yet timed on a GPU).
     ``benchmarks/vispruner_tiles.py`` times others on a GPU."""
     tile: int = 8192
     evens: int = 64
@@ -445,16 +447,19 @@ def vispruner_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, in
 
 
 VIS_WIDE_MIN = 16  # the smallest level of the wide kernel: rounds of fewer evens run at this size
+# The wide kernel's vectors for every candidate count up to twice this: one compile serves the paper's shapes (the
+# rounds' levels follow each round's evens at run time, so a wider vector costs only masked lanes).
+VIS_WIDE_BLOCK = 2048
 
 
 def vispruner_wide_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, int, int] | None:
     """``(BLOCK_W, SCAN, LEVELS, num_warps)`` of the wide kernel for ``R0`` candidates (``_vispruner_wide_kernel``),
     or None where the first round's evens pass `VIS_SORT_MAX` (then R0 < 2^16 too, as the keys need)."""
-    block_w = triton.next_power_of_2(max((R0 + 1) // 2, VIS_WIDE_MIN))
+    block_w = max(triton.next_power_of_2((R0 + 1) // 2), VIS_WIDE_BLOCK)
     if block_w > VIS_SORT_MAX:
         return None
     levels = block_w.bit_length() - VIS_WIDE_MIN.bit_length() + 1  # BLOCK_W, BLOCK_W / 2, ..., VIS_WIDE_MIN
-    return block_w, max(tiles.scan, block_w), levels, tiles.warps or (16 if block_w >= 512 else 4)
+    return block_w, max(tiles.scan, block_w), levels, tiles.warps or 16
 
 
 def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int,

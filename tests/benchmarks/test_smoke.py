@@ -181,9 +181,38 @@ def test_vispruner_tiles_keep_the_loops_picks(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = run_benchmark("vispruner_tiles.py", "--device", "cpu", "--sizes", "40:8", "--batch", "2", "--repeats", "1")
-    rows = [line for line in out.splitlines() if re.match(r"(default \(|[a-z]+=\w+ )", line)]
+    rows = [line for line in out.splitlines() if re.match(r"(default \(|[a-z]+=\w+[ ,])", line)]
     assert [r.split("  ")[0].strip() for r in rows] == [label for label, _ in configs()], out
     figure(out, "every configuration kept the torch loop's picks")
+
+
+def test_vispruner_chain_by_hand():
+    """Six candidates to two. Round 1: evens 0, 2, 4 meet their first odd candidate 3, 1 and 2 entries down their
+    sorted rows (matches 0.7, 0.95, 0.6), all three are dropped; round 2 (order 1, 3, 5): evens 1 and 5 look 3 and 1
+    entries down (past candidate 0, dropped, in row 1), 1 is dropped, 5 and 3 are kept. The steps each form runs."""
+    import torch
+
+    from benchmarks.vispruner_tiles import chain, replay
+    from promprune.selection.greedy_triton import VisTiles
+
+    rows = {0: [0, 2, 4, 1, 3, 5], 2: [2, 3, 0, 1, 4, 5], 4: [4, 0, 5, 1, 2, 3], 1: [1, 5, 0, 3, 2, 4],
+            5: [5, 3, 0, 1, 2, 4], 3: [3, 0, 1, 2, 4, 5]}
+    first = {0: 0.7, 2: 0.95, 4: 0.6, 1: 0.5, 5: 0.2, 3: 0.5}  # each row's value at its first odd candidate
+    C = torch.zeros(6, 6)
+    for i, order in rows.items():
+        depth = {0: 3, 2: 1, 4: 2, 1: 3, 5: 1, 3: 1}[i]
+        for place, j in enumerate(order):  # descending: 1.0 for itself, the first odd's value at its depth
+            C[i, j] = 1.0 if place == 0 else first[i] + 0.01 * (depth - place) if place < depth else \
+                first[i] if place == depth else first[i] / (2 + place)
+    rounds = replay(C, 2)
+    assert [(R, d.tolist()) for R, d in rounds] == [(6, [3, 1, 2]), (3, [3, 1])]
+    one = chain(rounds, 6, VisTiles(evens=1, chunk=1))
+    assert one == {"scan": 4 + 2 + 3 + 4 + 2, "rank": 2, "flag": 4, "sorts": 0, "keys": 0}  # a tile, a flag block
+    assert chain(rounds, 6, VisTiles(evens=64, chunk=1))["scan"] == 4 + 4  # one block a round: its deepest even
+    assert chain(rounds, 6, VisTiles(rank="sort")) == {"scan": 2, "rank": 0, "flag": 4, "sorts": 2, "keys": 32}
+    # wide: 16 keys a round (its smallest level), scan tiles of 16 x 2 entries: the deepest even takes 2 a round
+    assert chain(rounds, 6, VisTiles(rank="wide", scan=32)) == {"scan": 4, "rank": 0, "flag": 0, "sorts": 2,
+                                                                 "keys": 32}
 
 
 def test_vispruner_traffic_by_hand():

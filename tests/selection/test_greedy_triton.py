@@ -191,6 +191,46 @@ def test_kernels_compile_for_an_h100_without_one():
         assert "cubin" in compiled.asm, fn.__name__
 
 
+def test_the_wide_vispruner_kernel_compiles_without_spills():
+    """The wide kernel at its defaults (16 warps; one compile for the paper's candidate counts) fits sm_90's registers:
+    ptxas (Triton's bundled one) reports no spill stores or loads in any of its functions. Inlining its rounds' eight
+    levels into one body spilled ~300 bytes (every level's constants hoisted out of the rounds' loop); each level
+    is its own function (``noinline``)."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    import os
+    import re
+    import subprocess
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from promprune.selection import greedy_triton as g
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.access(ptxas, os.X_OK):
+        pytest.skip(f"no ptxas at {ptxas}")
+    block_w, scan, levels, warps = g.vispruner_wide_blocks(1232)
+    assert g.vispruner_wide_blocks(544)[:3] == g.vispruner_wide_blocks(2720)[:3] == (block_w, scan, levels)
+    wide = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i32", "out": "*i64", "R0": "i32", "KEEP": "i32",
+            "ROUNDS": "i32"}
+    consts = {"ROUND": 8, "BLOCK_W": block_w, "SCAN": scan, "LEVELS": levels}
+    source = ASTSource(fn=g._vispruner_wide_kernel, signature={**wide, **dict.fromkeys(consts, "constexpr")},
+                       constexprs=consts)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "enable_fp_fusion": False}).asm["ptx"]
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vispruner-wide-{os.getpid()}.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    try:
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr
+    finally:
+        os.unlink(path)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert len(spills) >= 2 * levels and not any(spills), report  # the kernel and each level's function
+
+
 @needs_triton
 def test_the_lanczos_kernels_round_as_the_torch_loop_does():
     """The recurrence's square root and divisions compile to IEEE round-to-nearest float64 instructions (an
