@@ -30,6 +30,7 @@ every count equals the exact algorithm's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -105,6 +106,24 @@ def time_method(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, repe
     text = instruction_for(x) if promprune.method_spec(method).needs_instruction else None
     return median_ms(lambda features: promprune.select(features, s, budget=budget, method=method, instruction=text,
                                                        **options), x, repeats)
+
+
+def time_vispruner_wide(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> float:
+    """VisPruner's median ms with its other kernel (``VisTiles(rank="wide")``), NaN where Triton cannot build it
+    here; the default kernel is left as it was (a failure here does not send the other rows to the torch loop)."""
+    from promprune.selection import greedy_triton
+
+    default_tiles, broken = greedy_triton.VIS_TILES, accel._BROKEN.get("vispruner")
+    greedy_triton.VIS_TILES = dataclasses.replace(default_tiles, rank="wide")
+    try:
+        ms = time_method("vispruner", x, s, budget, repeats)
+        return ms if accel._BROKEN.get("vispruner") == broken else float("nan")
+    finally:
+        greedy_triton.VIS_TILES = default_tiles
+        if broken is None:
+            accel._BROKEN.pop("vispruner", None)
+        else:
+            accel._BROKEN["vispruner"] = broken
 
 
 def time_near_mu(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> tuple[float, str]:
@@ -243,6 +262,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     exact_ms: dict[str, float] = {}
     graphs_ms: dict[str, float] = {}
     loop_ms: dict[str, float] = {}
+    wide_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
     near_mu: dict[str, tuple[float, str]] = {}
     paired: dict[str, float] = {}
@@ -258,6 +278,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
                 graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)  # its warm-up captures
             with accel.without_kernel("lanczos"):  # the split in torch (its rho from the Gram, its recurrence)
                 loop_ms[shape] = time_method("promprune", x, s, T, args.repeats)
+            wide_ms[shape] = time_vispruner_wide(x, s, T, args.repeats)
             with accel.disabled():
                 for m in names:
                     old[m][shape] = time_method(m, x, s, T, args.repeats)
@@ -275,6 +296,9 @@ def run_batch(args, batch: int, shapes: dict) -> None:
         cells = (f"{loop_ms[sh]:>17.2f} ({loop_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
         print(f"{'select, loop':<16}" + "".join(cells) + "   (the split in torch, not lanczos_triton: its rho in "
               "eleven launches against two, seven a Lanczos step against three)")
+        cells = (f"{wide_ms[sh]:>17.2f} ({wide_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
+        print(f"{'vispruner, wide':<16}" + "".join(cells) + "   (VisTiles(rank='wide'): a round's evens at once, one "
+              "sort sized to the round; not the default)")
         worst = max(results[m][sh] / results["divprune"][sh] for m in names for sh in shapes)
         print(f"\nslowest method / divprune, worst shape: {worst:.2f}x at batch {batch} (target: <= 3x)")
         print_targets(batch, args.dtype, results["promprune"], graphs_ms)

@@ -463,12 +463,14 @@ def vispruner_wide_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, in
 
 
 def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_size: int,
-                     tiles: VisTiles = VIS_TILES) -> torch.Tensor:
+                     tiles: VisTiles | None = None) -> torch.Tensor:
     """``baselines.vispruner_diverse``'s rounds in one launch: ``similarity [B, R0, R0]`` float32 among the candidates
     in their given order, ``keep`` < R0 of them after ``rounds`` rounds (host-known: they follow from R0 and keep
     alone) of at most ``round_size`` drops. Returns the kept positions ``[B, keep]`` in their final order. Each row is
-    sorted first (one ``torch.sort``), for the kernel's scan down it. ``tiles.rank`` "wide": the other kernel
-    (``_vispruner_wide_kernel``), where a round's evens fit one sort (`VIS_SORT_MAX`); past it, tiles."""
+    sorted first (one ``torch.sort``), for the kernel's scan down it. ``tiles``: `VIS_TILES` (read at the call) unless
+    given; ``tiles.rank`` "wide": the other kernel (``_vispruner_wide_kernel``), where a round's evens fit one sort
+    (`VIS_SORT_MAX`); past it, tiles."""
+    tiles = VIS_TILES if tiles is None else tiles
     B, R0, _ = similarity.shape
     device = similarity.device
     lists = torch.empty(B, 2, R0, dtype=torch.int32, device=device)
