@@ -474,7 +474,7 @@ def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_siz
     B, R0, _ = similarity.shape
     device = similarity.device
     lists = torch.empty(B, 2, R0, dtype=torch.int32, device=device)
-    odd = torch.empty(B, R0, dtype=torch.int32, device=device)  # zeroed by the kernel, stamped per round
+    odd = torch.empty(B, R0, dtype=torch.int32, device=device)  # set by the kernel at its start, stamped per round
     out = _picks(B, keep, device)
     wide = vispruner_wide_blocks(R0, tiles) if tiles.rank == "wide" else None
     if wide is not None:

@@ -210,9 +210,14 @@ def test_vispruner_chain_by_hand():
     assert one == {"scan": 4 + 2 + 3 + 4 + 2, "rank": 2, "flag": 4, "sorts": 0, "keys": 0}  # a tile, a flag block
     assert chain(rounds, 6, VisTiles(evens=64, chunk=1))["scan"] == 4 + 4  # one block a round: its deepest even
     assert chain(rounds, 6, VisTiles(rank="sort")) == {"scan": 2, "rank": 0, "flag": 4, "sorts": 2, "keys": 32}
-    # wide: 16 keys a round (its smallest level), scan tiles of 16 x 2 entries: the deepest even takes 2 a round
-    assert chain(rounds, 6, VisTiles(rank="wide", scan=32)) == {"scan": 4, "rank": 0, "flag": 0, "sorts": 2,
-                                                                 "keys": 32}
+    # wide: 16 keys a round (its smallest level); its scan tile (at least BLOCK_W = 2048 entries: 16 x 128) covers
+    # these rows at once
+    assert chain(rounds, 6, VisTiles(rank="wide")) == {"scan": 2, "rank": 0, "flag": 0, "sorts": 2, "keys": 32}
+    # deeper rows: a round of 40 candidates (20 evens: 32 keys; the default scan, 4096 entries: tiles of 32 x 128)
+    # whose deepest even's first odd candidate is 400 entries down: 401 entries read, 4 tiles
+    deep = [(40, torch.tensor([400] + [3] * 19))]
+    assert chain(deep, 4096, VisTiles(rank="wide")) == {"scan": 4, "rank": 0, "flag": 0, "sorts": 1, "keys": 32}
+    assert chain(deep, 4096, VisTiles(rank="wide", scan=8192))["scan"] == 2  # tiles of 32 x 256
 
 
 def test_vispruner_traffic_by_hand():
