@@ -14,7 +14,7 @@ to the round), at its default and with its ``scan`` tile and warps changed alone
 it sorts, counted exactly by replaying the rounds on the CPU (``chain``): the same on every machine, so a GPU's times
 beside them say what a step and a sorted key cost there::
 
-    python benchmarks/vispruner_tiles.py                       # on a GPU: ~2 min, most of it compiling
+    python benchmarks/vispruner_tiles.py                       # on a GPU: ~2 min expected, most of it compiling
     python benchmarks/vispruner_tiles.py --device cpu --sizes 40:8 --batch 1 --repeats 1   # under TRITON_INTERPRET=1
     python benchmarks/vispruner_tiles.py --chain               # anywhere: ~80 s on 2 cores
 

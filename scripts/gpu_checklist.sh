@@ -30,7 +30,7 @@
 # interleaved, `--graph-pairs`: the line that decides PROMPRUNE_GRAPHS, and ends with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
-#      (then vispruner-tiles, ~2 min: VisPruner's kernels at other block sizes, the wide one too, picks checked)
+#      (then vispruner-tiles, ~2 min expected: VisPruner's kernels at other block sizes, the wide one too, checked)
 #   2. carry [".whl2"]              bash scripts/gpu_checklist.sh --install-batch 2                            ~1 min
 #      carry [".whl3"]              bash scripts/gpu_checklist.sh --install-batch 3 sweep table6-pipeline      ~7 min
 #      (installing the last batch checks every requirement against the versions there: install.log)

@@ -191,7 +191,7 @@ def test_kernels_compile_for_an_h100_without_one():
         assert "cubin" in compiled.asm, fn.__name__
 
 
-def test_the_wide_vispruner_kernel_compiles_without_spills():
+def test_the_wide_vispruner_kernel_compiles_without_spills(tmp_path):
     """The wide kernel at its defaults (16 warps; one compile for the paper's candidate counts) fits sm_90's registers:
     ptxas (the one Triton uses for sm_90) reports no spill stores or loads in any of its functions. Inlining its
     rounds' eight levels into one body spilled ~300 bytes (every level's constants hoisted out of the rounds' loop);
@@ -222,14 +222,10 @@ def test_the_wide_vispruner_kernel_compiles_without_spills():
                        constexprs=consts)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps, "enable_fp_fusion": False}).asm["ptx"]
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vispruner-wide-{os.getpid()}.ptx")
-    with open(path, "w") as f:
-        f.write(ptx)
-    try:
-        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull], capture_output=True,
-                                text=True, check=True).stderr
-    finally:
-        os.unlink(path)
+    path = tmp_path / "vispruner-wide.ptx"
+    path.write_text(ptx)
+    report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(path), "-o", os.devnull], capture_output=True,
+                            text=True, check=True).stderr
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     assert len(spills) >= 2 * levels and not any(spills), report  # the kernel and each level's function
 
