@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = {(R0, B): vispruner_diverse(inputs[(R0, B)].cpu(), torch.arange(R0).expand(B, R0), keep)
                  for R0, keep, B in columns}  # the loop (CPU tensors never take the kernel): positions kept
     differ, failed = [], []
+    times: dict[tuple[int, int, int], dict[str, float]] = {column: {} for column in columns}
     for label, tiles in configs():
         cells = []
         for R0, keep, B in columns:
@@ -191,11 +192,19 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if not torch.equal(call().cpu(), reference[(R0, B)]):
                     differ.append(f"{label} at {R0}->{keep} x{B}")
-                cells.append(f"{time_call(call, args.device, args.repeats):>16.2f}")
+                times[(R0, keep, B)][label] = time_call(call, args.device, args.repeats)
+                cells.append(f"{times[(R0, keep, B)][label]:>16.2f}")
             except Exception as e:  # a block size the compiler refuses (registers, shared memory): the rest go on
                 failed.append(f"{label} at {R0}->{keep} x{B}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 cells.append(f"{'failed':>16}")
         print(f"{label:<66}" + "".join(cells), flush=True)
+    default = configs()[0][0]
+    for (R0, keep, B), row in times.items():  # what to make the default, per column (a wrong pick is listed below)
+        if row:
+            best = min(row, key=row.get)
+            versus = ", the default" if best == default else \
+                f", {row[default] / row[best]:.2f}x faster than the default" if default in row else ""
+            print(f"fastest at {R0}->{keep} x{B}: {best} ({row[best]:.2f} ms{versus})")
     for line in failed:
         print("failed: " + line)
     if differ:

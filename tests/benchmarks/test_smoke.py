@@ -183,6 +183,10 @@ def test_vispruner_tiles_keep_the_loops_picks(monkeypatch):
     out = run_benchmark("vispruner_tiles.py", "--device", "cpu", "--sizes", "40:8", "--batch", "2", "--repeats", "1")
     rows = [line for line in out.splitlines() if re.match(r"(default \(|[a-z]+=\w+[ ,])", line)]
     assert [r.split("  ")[0].strip() for r in rows] == [label for label, _ in configs()], out
+    # the fastest configuration named per column: one of the rows above, at the least time they print
+    times = {r.split("  ")[0].strip(): float(r.split()[-1]) for r in rows}
+    fastest = figure(out, r"fastest at 40->8 x2: (.+) \(([\d.]+) ms.*")
+    assert float(fastest.group(2)) == times[fastest.group(1)] == min(times.values()), out
     figure(out, "every configuration kept the torch loop's picks")
 
 
