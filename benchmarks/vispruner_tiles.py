@@ -95,13 +95,12 @@ def chain(rounds: list[tuple[int, torch.Tensor]], R0: int, tiles) -> dict[str, i
 
     wide = greedy_triton.vispruner_wide_blocks(R0, tiles) if tiles.rank == "wide" else None
     block_e, block_p, _ = greedy_triton.vispruner_blocks(R0, tiles)
-    sort_n = triton_pow2(max((R0 + 1) // 2, 16))
-    sort_n = sort_n if tiles.rank == "sort" and sort_n <= greedy_triton.VIS_SORT_MAX else 0
+    sort_n = greedy_triton.vispruner_sort_keys(R0, tiles)
     out = dict.fromkeys(("scan", "rank", "flag", "sorts", "keys"), 0)
     for R, depth in rounds:
         E, n_odd = (R + 1) // 2, R // 2
         if wide is not None:
-            width = max(triton_pow2(E), greedy_triton.VIS_WIDE_MIN)
+            width = max(greedy_triton.triton.next_power_of_2(E), greedy_triton.VIS_WIDE_MIN)
             out["scan"] += -(-(int(depth.max()) + 1) // (wide[1] // width))
             out["sorts"] += 1
             out["keys"] += width
@@ -115,11 +114,6 @@ def chain(rounds: list[tuple[int, torch.Tensor]], R0: int, tiles) -> dict[str, i
         else:
             out["rank"] += -(-E // block_e) * -(-E // block_p)
     return out
-
-
-def triton_pow2(n: int) -> int:
-    """The next power of 2 from ``n`` (``triton.next_power_of_2``, without importing Triton)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _describe(tiles) -> str:
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--chain", action="store_true",
                     help="print each configuration's steps in sequence instead of its time (counted on the CPU: no "
-                         "kernel runs, no Triton needed; the same on every machine)")
+                         "kernel runs, no GPU needed; the same on every machine)")
     args = ap.parse_args(argv)
     if args.chain:
         return print_chain([tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")],

@@ -360,13 +360,9 @@ def _vispruner_wide_kernel(C, SI, lists, odd, out, R0, KEEP, ROUNDS, ROUND: tl.c
         drop = tl.minimum(tl.minimum(R - KEEP, ROUND), E)
         stamp = r + 1
         odds = tl.load(cur + 2 * ws + 1, mask=ws < n_odd, other=0)
-        for k in tl.static_range(LEVELS):
-            if k == LEVELS - 1:
-                if E <= (BLOCK_W >> k):
-                    _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, BLOCK_W >> k, SCAN // (BLOCK_W >> k))
-            else:
-                if (E <= (BLOCK_W >> k)) & (E > (BLOCK_W >> (k + 1))):
-                    _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, BLOCK_W >> k, SCAN // (BLOCK_W >> k))
+        for k in tl.static_range(LEVELS):  # the one level whose size holds E and whose half does not (the last: any E)
+            if (E <= (BLOCK_W >> k)) & (E > (BLOCK_W >> (k + 1)) * (k < LEVELS - 1)):
+                _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, BLOCK_W >> k, SCAN // (BLOCK_W >> k))
         place = E - drop + ws  # then the odds in order
         tl.store(nxt + place, odds, mask=ws < n_odd)
         tl.store(Ob + odds, tl.zeros([BLOCK_W], tl.int32) + stamp + 1, mask=(ws < n_odd) & (place % 2 == 1))
@@ -446,6 +442,13 @@ def vispruner_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, in
     return max(1, tiles.tile // block_p), block_p, warps
 
 
+def vispruner_sort_keys(R0: int, tiles: VisTiles = VIS_TILES) -> int:
+    """The keys of the tiles kernel's one sort a round for ``R0`` candidates (``tiles.rank`` "sort": the next power of
+    2 of the first round's evens, up to `VIS_SORT_MAX`), 0 where it ranks by tiles."""
+    keys = triton.next_power_of_2(max((R0 + 1) // 2, 16))
+    return keys if tiles.rank == "sort" and keys <= VIS_SORT_MAX else 0
+
+
 VIS_WIDE_MIN = 16  # the smallest level of the wide kernel: rounds of fewer evens run at this size
 # The wide kernel's vectors for every candidate count up to twice this: one compile serves the paper's shapes (the
 # rounds' levels follow each round's evens at run time, so a wider vector costs only masked lanes).
@@ -476,20 +479,18 @@ def vispruner_rounds(similarity: torch.Tensor, keep: int, rounds: int, round_siz
     lists = torch.empty(B, 2, R0, dtype=torch.int32, device=device)
     odd = torch.empty(B, R0, dtype=torch.int32, device=device)  # set by the kernel at its start, stamped per round
     out = _picks(B, keep, device)
+    values, columns = torch.sort(similarity, dim=2, descending=True)
+    values, columns = values.contiguous(), columns.to(torch.int32).contiguous()
     wide = vispruner_wide_blocks(R0, tiles) if tiles.rank == "wide" else None
     if wide is not None:
         block_w, scan, levels, warps = wide
-        values, columns = torch.sort(similarity, dim=2, descending=True)
-        _vispruner_wide_kernel[(B,)](values.contiguous(), columns.to(torch.int32).contiguous(), lists, odd, out, R0,
-                                     keep, rounds, ROUND=round_size, BLOCK_W=block_w, SCAN=scan, LEVELS=levels,
-                                     num_warps=warps, enable_fp_fusion=False)
+        _vispruner_wide_kernel[(B,)](values, columns, lists, odd, out, R0, keep, rounds, ROUND=round_size,
+                                     BLOCK_W=block_w, SCAN=scan, LEVELS=levels, num_warps=warps,
+                                     enable_fp_fusion=False)
         return out
     match = torch.empty(B, R0, dtype=torch.float32, device=device)
     block_e, block_p, warps = vispruner_blocks(R0, tiles)
-    sort_n = triton.next_power_of_2(max((R0 + 1) // 2, 16))
-    sort_n = sort_n if tiles.rank == "sort" and sort_n <= VIS_SORT_MAX else 0
-    values, columns = torch.sort(similarity, dim=2, descending=True)
-    _vispruner_kernel[(B,)](values.contiguous(), columns.to(torch.int32).contiguous(), lists, odd, match, out, R0,
-                            keep, rounds, ROUND=round_size, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_M=tiles.evens,
-                            CHUNK=tiles.chunk, SORT_N=sort_n, num_warps=warps, enable_fp_fusion=False)
+    _vispruner_kernel[(B,)](values, columns, lists, odd, match, out, R0, keep, rounds, ROUND=round_size,
+                            BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_M=tiles.evens, CHUNK=tiles.chunk,
+                            SORT_N=vispruner_sort_keys(R0, tiles), num_warps=warps, enable_fp_fusion=False)
     return out
