@@ -235,6 +235,24 @@ def _lanczos_finish(W, NORM_IN, COEF, N2, PARTS, CHUNK, STEPS, *, TILE, PARTS_P2
     COEF[:, 2 * STEPS - 1] = beta[:, 0]
 
 
+def _front(S, T_SAL, K, out, salient, anchor, free, first, N, T, *, FIRST, BLOCK_N):
+    """``greedy_triton._front_kernel``'s work in torch: ``two_stage``'s own ops."""
+    from promprune.selection.diversity import _first_from_anchor
+    from promprune.selection.kernels import ranks_to_mask, stable_descending_order
+    from promprune.selection.two_stage import minmax
+
+    order = stable_descending_order(minmax(S))
+    held = ranks_to_mask(order, T_SAL)
+    head = torch.arange(T)[None, :] < T_SAL[:, None]
+    out.copy_(torch.where(head, order[:, :T], -1))
+    salient.copy_(head)
+    anchor.copy_(held)
+    free.copy_(~held)
+    if FIRST:
+        index, has_anchor = _first_from_anchor(K, ~held, held)
+        first.copy_(torch.where(has_anchor, index, -1))
+
+
 class _WorkStub:
     """Stands for a Triton kernel whose outputs the call reads back (the certified split's): ``stub[grid](*args,
     **meta)`` counts one launch (none inside a graph's body) and does the kernel's work with ``work`` in torch,
@@ -307,7 +325,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
              (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
-              lanczos_triton._row_means_kernel, lanczos_triton._density_kernel))
+              lanczos_triton._row_means_kernel, lanczos_triton._density_kernel), greedy_triton._front_kernel)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
@@ -323,6 +341,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         _WorkStub(_lanczos_dot, "lanczos_dot"), _WorkStub(_lanczos_update, "lanczos_update"),
         _WorkStub(_lanczos_finish, "lanczos_finish"), _WorkStub(_row_means, "row_means"),
         _WorkStub(_density, "density"))
+    greedy_triton._front_kernel = _WorkStub(_front, "front")
     try:
         with accel.graphs(graphs):
             yield
@@ -337,6 +356,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed.SIGHTINGS = saved[10]
         (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
          lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = saved[11]
+        greedy_triton._front_kernel = saved[12]
 
 
 def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:

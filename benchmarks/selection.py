@@ -53,6 +53,7 @@ from promprune.selection.two_stage import (  # noqa: E402
     certified_split,
     coverage_picks,
     minmax,
+    two_stage,
 )
 
 SHAPES = {  # name: (B, N, d, T)
@@ -190,7 +191,11 @@ def promprune_stages(x: torch.Tensor, s: torch.Tensor, budget: int) -> dict:
             "split": (split, done.unit_gram),
             "saliency stage": (lambda t: ranks_to_mask(stable_descending_order(minmax(s)), t), t_sal),
             "coverage stage": (lambda a: coverage_picks(done, ~a, counts, a, diversity="dpp", conditional=False,
-                                                        width=width), anchor)}
+                                                        width=width), anchor),
+            # both stages as the call runs them: two kernels on the fast path (``greedy_triton.salient_front``); the
+            # two rows above are their torch ops, which run where Triton cannot build it
+            "both stages": (lambda t: two_stage(done, budget, t, diversity="dpp", conditional=False,
+                                                method="promprune").indices, t_sal)}
 
 
 def time_stages(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> dict[str, float]:
@@ -262,6 +267,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     exact_ms: dict[str, float] = {}
     graphs_ms: dict[str, float] = {}
     loop_ms: dict[str, float] = {}
+    torch_stages_ms: dict[str, float] = {}
     wide_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
     near_mu: dict[str, tuple[float, str]] = {}
@@ -278,6 +284,8 @@ def run_batch(args, batch: int, shapes: dict) -> None:
                 graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)  # its warm-up captures
             with accel.without_kernel("lanczos"):  # the split in torch (its rho from the Gram, its recurrence)
                 loop_ms[shape] = time_method("promprune", x, s, T, args.repeats)
+            with accel.without_kernel("front"):  # the stages after the split in torch ops, not two kernels
+                torch_stages_ms[shape] = time_method("promprune", x, s, T, args.repeats)
             wide_ms[shape] = time_vispruner_wide(x, s, T, args.repeats)
             with accel.disabled():
                 for m in names:
@@ -286,19 +294,22 @@ def run_batch(args, batch: int, shapes: dict) -> None:
             exact_ms[shape] = time_exact_entropy(x, args.repeats)
             paired[shape] = paired_ratio(x, s, T, args.repeats)
     print_methods(names, results, old if cuda else None, shapes)
-    cells = (f"{near_mu[sh][0]:>17.2f} ({near_mu[sh][0] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
-    print(f"{'promprune, mu~H':<16}" + "".join(cells) + "   (mu at the inputs' median entropy; split: "
-          + "; ".join(f"{sh} {near_mu[sh][1]}" for sh in shapes) + ")")
+
+    def row(label: str, ms: dict[str, float], note: str) -> None:  # ms per shape, and against DivPrune's
+        cells = (f"{ms[sh]:>17.2f} ({ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
+        print(f"{label:<16}" + "".join(cells) + f"   ({note})")
+
+    row("promprune, mu~H", {sh: v[0] for sh, v in near_mu.items()},
+        "mu at the inputs' median entropy; split: " + "; ".join(f"{sh} {near_mu[sh][1]}" for sh in shapes))
     if cuda:
         print_stages(stages, results, shapes)
-        cells = (f"{graphs_ms[sh]:>17.2f} ({graphs_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
-        print(f"{'select, graphs':<16}" + "".join(cells) + "   (PROMPRUNE_GRAPHS=1)")
-        cells = (f"{loop_ms[sh]:>17.2f} ({loop_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
-        print(f"{'select, loop':<16}" + "".join(cells) + "   (the split in torch, not lanczos_triton: its rho in "
-              "eleven launches against two, seven a Lanczos step against three)")
-        cells = (f"{wide_ms[sh]:>17.2f} ({wide_ms[sh] / results['divprune'][sh]:4.2f}x)" for sh in shapes)
-        print(f"{'vispruner, wide':<16}" + "".join(cells) + "   (VisTiles(rank='wide'): a round's evens at once, one "
-              "sort sized to the round; not the default)")
+        row("select, graphs", graphs_ms, "PROMPRUNE_GRAPHS=1")
+        row("select, loop", loop_ms, "the split in torch, not lanczos_triton: its rho in eleven launches against "
+            "two, seven a Lanczos step against three")
+        row("select, stages", torch_stages_ms, "the stages after the split in torch ops (~30 launches), not "
+            "greedy_triton.salient_front and the DPP after it (two)")
+        row("vispruner, wide", wide_ms, "VisTiles(rank='wide'): a round's evens at once, one sort sized to the "
+            "round; not the default")
         worst = max(results[m][sh] / results["divprune"][sh] for m in names for sh in shapes)
         print(f"\nslowest method / divprune, worst shape: {worst:.2f}x at batch {batch} (target: <= 3x)")
         print_targets(batch, args.dtype, results["promprune"], graphs_ms)

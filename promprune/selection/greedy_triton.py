@@ -71,6 +71,15 @@ def _at(vec, offs, j):
 
 
 @triton.jit
+def _descending(value):
+    """The high half of int64 sort keys that an ascending ``tl.sort`` puts in the descending order of the float32
+    ``value`` (the low half: what breaks ties, lower first); -0.0 ties +0.0, as the comparisons say."""
+    bits = tl.where(value == 0.0, 0.0, value).to(tl.int32, bitcast=True)
+    ascending = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered as the floats are, as signed integers
+    return (~ascending).to(tl.int64) << 32
+
+
+@triton.jit
 def _dpp_extend(Kb, Fb, gains, offs, inb, j, upd, step, N, GAIN_EPS: tl.constexpr, BLOCK_S: tl.constexpr):
     """Add token ``j``'s row ``e = (K_j - c_j^T F) / sqrt(d2_j)`` to the Cholesky rows ``Fb`` (when ``upd``) and
     lower the residual gains ``d2 -= e^2``. Returns ``(gains, step)``; rows that would be zero are not kept."""
@@ -92,12 +101,13 @@ def _dpp_extend(Kb, Fb, gains, offs, inb, j, upd, step, N, GAIN_EPS: tl.constexp
 
 
 @triton.jit
-def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS,
-                GAIN_EPS: tl.constexpr, CONDITIONAL: tl.constexpr, USE_FIRST: tl.constexpr,
+def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS, OUT_AT,
+                GAIN_EPS: tl.constexpr, CONDITIONAL: tl.constexpr, USE_FIRST: tl.constexpr, AT: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
     """One view of ``diversity.dpp_greedy``: ``K [B, N, N]``, ``avail/anchor [B, N]`` int8, ``order [B, N]`` the
     fallback score, ``first [B]`` the first pick (-1: none), ``counts [B]``, scratch ``F [B, S_ROWS, N]``, ``out [B,
-    OUT_W]`` prefilled with -1."""
+    OUT_W]`` prefilled with -1. With ``AT``: the picks go to ``out[b, OUT_AT[b]:]``, as many as fill the row
+    (``counts`` unread): a selection's salient tokens are before them (``_front_kernel``)."""
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     inb = offs < N
@@ -114,7 +124,12 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
             left = left & (offs != j)
             gains, step = _dpp_extend(Kb, Fb, gains, offs, inb, j, _at(gains, offs, j) > GAIN_EPS, step, N,
                                       GAIN_EPS, BLOCK_S)
-    count = tl.minimum(tl.load(counts + b), OUT_W)
+    if AT:
+        at = tl.load(OUT_AT + b).to(tl.int32)
+        count = OUT_W - at
+    else:
+        count = tl.minimum(tl.load(counts + b), OUT_W)
+        at = count * 0
     for k in range(count):
         j, best = _masked_argmax(gains, free, offs, BLOCK_N)
         tied = free & (gains == best)
@@ -127,9 +142,48 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
         exhausted = best <= GAIN_EPS
         j_fb, _fb = _masked_argmax(fb, free, offs, BLOCK_N)
         j = tl.where(exhausted, j_fb, j)
-        tl.store(out + b * OUT_W + k, j.to(tl.int64))
+        tl.store(out + b * OUT_W + at + k, j.to(tl.int64))
         free = free & (offs != j)
         gains, step = _dpp_extend(Kb, Fb, gains, offs, inb, j, best > GAIN_EPS, step, N, GAIN_EPS, BLOCK_S)
+
+
+@triton.jit
+def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One view of ``two_stage``'s saliency stage, before its DPP (``_dpp_kernel`` with ``AT``): the saliency ``S [B,
+    N]`` min-max normalized as ``two_stage.minmax`` does (float32, IEEE division), its stable descending order (ties:
+    the lower index) by one sort of (value, index) keys, and the first ``T_SAL[b]`` tokens of that order written to
+    ``out[b, :T_SAL[b]]`` (``[B, T]`` int64, the rest -1, T <= N) and flagged in ``anchor`` (``[B, N]`` int8; ``free``
+    its complement) and ``salient`` (``[B, T]`` int8: the ranks below ``T_SAL[b]``). ``FIRST``: ``first [B]`` gets the
+    unconditional DPP's first pick (``diversity._first_from_anchor``) on ``K [B, N, N]``, exactly symmetric (as
+    ``TokenSet.cosine`` is), so that each token's largest similarity to an anchor token is the running max of the
+    anchor tokens' rows: the free token where that is smallest, the lowest index on ties; -1 without anchor tokens."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    inb = offs < N
+    s = tl.load(S + b * N + offs, mask=inb, other=0.0)
+    lo = tl.min(tl.where(inb, s, float("inf")), axis=0)
+    hi = tl.max(tl.where(inb, s, float("-inf")), axis=0)
+    v = tl.div_rn(s - lo, tl.maximum(hi - lo, 1.1754943508222875e-38))  # clamp_min(finfo(float32).tiny)
+    key = tl.where(inb, _descending(v) | offs.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+    order = (tl.sort(key) & 0xFFFFFFFF).to(tl.int32)  # lane r: the token at rank r
+    t = tl.load(T_SAL + b).to(tl.int32)
+    taken = offs < t  # by rank
+    head = offs < T
+    tl.store(out + b * T + offs, tl.where(taken, order.to(tl.int64), -1), mask=head)
+    tl.store(salient + b * T + offs, taken.to(tl.int8), mask=head)
+    tl.store(anchor + b * N + order, taken.to(tl.int8), mask=inb)  # by token
+    tl.debug_barrier()  # every thread reads the flags (and the anchor tokens) back
+    held = tl.load(anchor + b * N + offs, mask=inb, other=0) != 0
+    tl.store(free + b * N + offs, tl.where(held, 0, 1).to(tl.int8), mask=inb)
+    if FIRST:
+        near = tl.full([BLOCK_N], float("-inf"), tl.float32)  # each token's largest similarity to an anchor token
+        for r in range(t):
+            j = tl.load(out + b * T + r)
+            near = tl.maximum(near, tl.load(K + b * N * N + j * N + offs, mask=inb, other=float("-inf")))
+        score = tl.where(inb & (held == 0), -near, float("-inf"))
+        top = tl.max(score, axis=0)
+        pick = tl.min(tl.where(score == top, offs, BLOCK_N), axis=0)
+        tl.store(first + b, tl.where(t > 0, pick, -1).to(tl.int64))
 
 
 @triton.jit
@@ -256,9 +310,7 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
         if SORT_N > 0:  # the stable descending order of the matches as one sort of (match, place) keys
             ks = tl.arange(0, SORT_N)
             mk = tl.load(Mb + ks, mask=ks < E, other=0.0)
-            bits = tl.where(mk == 0.0, 0.0, mk).to(tl.int32, bitcast=True)  # -0.0 ties +0.0, as the comparisons say
-            ascending = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered as the floats are, as signed integers
-            key = ((~ascending).to(tl.int64) << 32) | ks.to(tl.int64)  # the best match first, then the lower place
+            key = _descending(mk) | ks.to(tl.int64)  # the best match first, then the lower place
             key = tl.where(ks < E, key, 0x7FFFFFFFFFFFFFFF)
             place = (tl.sort(key) & 0xFFFFFFFF).to(tl.int32)  # the evens in their new order
             ev = tl.load(cur + 2 * place, mask=ks < E, other=0)
@@ -316,10 +368,8 @@ def _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, M: tl.constexpr, 
         pending = pending & (found == 0) & (c0 + CH < R0)
         waiting = tl.sum(pending.to(tl.int32), axis=0)
         c0 += CH
-    bits = tl.where(best == 0.0, 0.0, best).to(tl.int32, bitcast=True)  # -0.0 ties +0.0, as the comparisons say
-    ascending = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered as the floats are, as signed integers
     # the best match first, then the lower place; the candidate rides in the low bits (places < 2^15, R0 <= 2^16)
-    key = ((~ascending).to(tl.int64) << 32) | (ms.to(tl.int64) << 16) | ev.to(tl.int64)
+    key = _descending(best) | (ms.to(tl.int64) << 16) | ev.to(tl.int64)
     key = tl.where(live, key, 0x7FFFFFFFFFFFFFFF)
     cand = (tl.sort(key) & 0xFFFF).to(tl.int32)  # the evens in their new order (ms: the place in it)
     tl.debug_barrier()  # every scan has read this round's stamps before the next round's are written
@@ -393,18 +443,60 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
     """``diversity.dpp_greedy`` in one launch: ``kernel [B, N, N]`` float32, ``available [B, N]`` bool, ``counts
     [B]``, fallback ``order [B, N]`` float32, ``first [B]`` long (-1: argmax of the gains) or None, ``anchor [B, N]``
     bool for the conditional DPP or None; ``width`` >= counts.max() (host-known). Returns picks ``[B, width]``."""
+    free = _flags(available)
+    out = _picks(kernel.shape[0], width, kernel.device)
+    _dpp_launch(kernel, free, _flags(anchor) if anchor is not None else None, order, first,
+                counts.to(torch.int32).contiguous(), out, None, gain_eps)
+    return out
+
+
+def _dpp_launch(kernel, free, anchor, order, first, counts, out, at, gain_eps) -> None:
+    """``_dpp_kernel`` on the int8 flags ``free`` and ``anchor`` (None: unconditional), into ``out [B, W]`` (from
+    column ``at[b]`` when given, else from 0, ``counts[b]`` picks)."""
     B, N, _ = kernel.shape
+    width = out.shape[1]
     block_n, block_s, warps = _blocks(N)
     rows = min(N, width + (N if anchor is not None else 0)) + 1  # kept Cholesky rows: distinct tokens, plus a spare
     factor = kernel.new_empty(B, rows, N)
-    out = _picks(B, width, kernel.device)
-    anchor_flags = _flags(anchor) if anchor is not None else _flags(available)  # unread unless conditional
-    first_idx = first if first is not None else counts  # unread unless USE_FIRST
-    _dpp_kernel[(B,)](kernel.contiguous(), _flags(available), anchor_flags, order.float().contiguous(),
-                      first_idx.contiguous(), counts.to(torch.int32).contiguous(), factor, out, N, width, rows,
+    spare = counts if at is None else at  # stands in for the absent arguments, which the kernel never reads
+    _dpp_kernel[(B,)](kernel.contiguous(), free, free if anchor is None else anchor, order.float().contiguous(),
+                      (spare if first is None else first).contiguous(), spare, factor, out, N, width, rows, spare,
                       GAIN_EPS=gain_eps, CONDITIONAL=anchor is not None, USE_FIRST=first is not None,
-                      BLOCK_N=block_n, BLOCK_S=block_s, num_warps=warps, enable_fp_fusion=False)
-    return out
+                      AT=at is not None, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=warps, enable_fp_fusion=False)
+
+
+FRONT_MAX = VIS_SORT_MAX  # tokens one program sorts at once (``salient_front``)
+
+
+def salient_front(saliency: torch.Tensor, t_sal: torch.Tensor, budget: int,
+                  kernel: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``two_stage``'s saliency stage in one launch (``_front_kernel``), for its DPP to follow (``dpp_after_front``):
+    ``saliency [B, N]`` float32, ``t_sal [B]`` long on the device, ``budget`` <= N <= `FRONT_MAX`; ``kernel [B, N,
+    N]``: the unconditional DPP's, exactly symmetric (``TokenSet.cosine``), whose first pick is found here (None:
+    conditional, no first pick). Returns
+    ``(indices [B, budget] long, salient [B, budget] bool, anchor [B, N] int8, free [B, N] int8, first [B] or
+    None)``: ``indices`` holds the salient tokens, then -1 where the DPP's picks go."""
+    B, N = saliency.shape
+    block_n = triton.next_power_of_2(max(N, 16))
+    device = saliency.device
+    indices = torch.empty(B, budget, dtype=torch.long, device=device)
+    salient = torch.empty(B, budget, dtype=torch.int8, device=device)
+    anchor = torch.empty(B, N, dtype=torch.int8, device=device)
+    free = torch.empty(B, N, dtype=torch.int8, device=device)
+    first = torch.empty(B, dtype=torch.long, device=device)
+    _front_kernel[(B,)](saliency.contiguous(), t_sal.contiguous(), saliency if kernel is None else kernel.contiguous(),
+                        indices, salient, anchor, free, first, N, budget, FIRST=kernel is not None, BLOCK_N=block_n,
+                        num_warps=8 if block_n >= 1024 else 4, enable_fp_fusion=False)
+    return indices, salient.view(torch.bool), anchor, free, first if kernel is not None else None
+
+
+def dpp_after_front(kernel: torch.Tensor, front: tuple[torch.Tensor, ...], t_sal: torch.Tensor, order: torch.Tensor,
+                    conditional: bool, gain_eps: float) -> torch.Tensor:
+    """The coverage stage's DPP in one launch after ``salient_front``: its picks fill ``front``'s indices from column
+    ``t_sal[b]`` to the budget, in place. Returns those indices."""
+    indices, _salient, anchor, free, first = front
+    _dpp_launch(kernel, free, anchor if conditional else None, order, first, None, indices, t_sal, gain_eps)
+    return indices
 
 
 def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, first_score: torch.Tensor,

@@ -11,7 +11,7 @@ import torch
 
 from . import accel, certified, graphed
 from .budget import fixed_count, fixed_split, split_budget
-from .diversity import dpp_greedy, facility_location, farthest_point
+from .diversity import GAIN_EPS, dpp_greedy, facility_location, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
 from .kernels import ranks_to_mask, stable_descending_order
 from .registry import Selection, TokenSet, in_range, register_method
@@ -61,6 +61,9 @@ def two_stage(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversity: 
     stage sizes are bounded from what the host knows (``budget``) instead of read from the device.
     Returns indices in selection order: salient tokens by descending saliency, then coverage picks in pick order.
     """
+    fused = _fused_stages(tokens, budget, t_sal, diversity=diversity, conditional=conditional, fixed=fixed)
+    if fused is not None:
+        return Selection(fused[0], t_sal, entropy, None, fused[1])
     B, N = tokens.batch, tokens.n
     pos = torch.arange(budget, device=tokens.x.device)[None, :]  # [1, T]
     if fixed is not None:
@@ -85,6 +88,34 @@ def two_stage(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversity: 
     salient = pos < t_sal[:, None]  # [B, T]
     indices = torch.where(salient, sal_order[:, :budget], from_cov)
     return Selection(indices, t_sal, entropy, None, salient)
+
+
+def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversity: str, conditional: bool,
+                  fixed: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``two_stage``'s ``(indices, salient)`` with a DPP coverage stage in two Triton launches on the fast path
+    (``greedy_triton.salient_front``, then ``dpp_after_front``), where ~30 torch launches (the min-max, the sort, the
+    masks, the first pick, the assembly) did it; the same tokens (the interpreted corpus' ``select-*`` cases). None
+    where it does not apply (another selector, no saliency, float64, a budget past the tokens, more tokens than one
+    sort takes) or Triton cannot build it: ``two_stage``'s torch ops then run."""
+    saliency = tokens.saliency
+    if diversity != "dpp" or saliency is None or not accel.fused(tokens.x) or saliency.dtype != torch.float32 \
+            or not budget <= tokens.n:
+        return None
+    from . import greedy_triton
+
+    if tokens.n > greedy_triton.FRONT_MAX:
+        return None
+    kernel = tokens.cosine
+    front = accel.kernel("front", lambda: greedy_triton.salient_front(saliency, t_sal, budget,
+                                                                       None if conditional else kernel))
+    if front is None:
+        return None
+    if fixed != budget:  # a coverage stage to run (saliency-only has none)
+        # the DPP's fallback order is the saliency itself (float32 here), as ``coverage_picks`` passes it
+        if accel.kernel("dpp", lambda: greedy_triton.dpp_after_front(kernel, front, t_sal, saliency, conditional,
+                                                                      GAIN_EPS)) is None:
+            return None
+    return front[0], front[1]
 
 
 def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,6 +50,27 @@ def test_promprune_waits_once_when_the_first_stage_decides(views):
     assert costs.ops["triton:lanczos_finish"] == 1 and costs.launches <= 3 * steps + 60, costs.ops.most_common(10)
 
 
+HALF = {"saliency_ratio_range": (0.5, 0.5)}  # PromPrune's split pinned at 8 of 16: both stages pick
+
+
+@pytest.mark.parametrize("method,options,fewer", [("promprune", HALF, 29),
+                                                  ("promprune", {**HALF, "conditional": True}, 20),
+                                                  ("fixed_ratio", {}, 31)])
+def test_the_stages_after_the_split_are_two_kernels(method, options, fewer, views):
+    """With a DPP coverage stage, the saliency stage (min-max, sort, masks, the DPP's first pick, the indices' layout)
+    and the DPP are two launches (``greedy_triton.salient_front``, then the DPP into its indices), against their torch
+    ops (which run only where Triton cannot build that kernel): 29 launches fewer for PromPrune (20 for its
+    conditional DPP, which has no first pick), the syncs the same."""
+    x, s = views
+    with fast_path_on_cpu():
+        fused = count(fast_call, method, x, s, 16, **options)
+        with accel.without_kernel("front"):
+            ops = count(fast_call, method, x, s, 16, **options)
+    assert (fused.ops["triton:front"], fused.ops["triton:dpp"], ops.ops["triton:front"]) == (1, 1, 0), fused.ops
+    assert fused.syncs == ops.syncs
+    assert ops.launches - fused.launches == fewer, (fused.ops, ops.ops)
+
+
 def test_the_cost_models_lanczos_kernels_give_the_torch_loops_values(views):
     """On the counted fast path the recurrence's Triton kernels are stood for by their work in torch
     (``launches._WorkStub``): one launch each, and the coefficients and state of the torch loop, for a first stage and

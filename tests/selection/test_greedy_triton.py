@@ -132,15 +132,22 @@ def _kernels():
     from promprune.selection.diversity import FPS_TIE_EPS
 
     dpp = {"K": "*fp32", "avail": "*i8", "anchor": "*i8", "order": "*fp32", "first": "*i64", "counts": "*i32",
-           "F": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32", "S_ROWS": "i32"}
+           "F": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32", "S_ROWS": "i32", "OUT_AT": "*i32"}
+    dpp_at = {**dpp, "counts": "*i64", "OUT_AT": "*i64"}  # after the saliency stage's kernel: t_sal, long
+    front = {"S": "*fp32", "T_SAL": "*i64", "K": "*fp32", "out": "*i64", "salient": "*i8", "anchor": "*i8",
+             "free": "*i8", "first": "*i64", "N": "i32", "T": "i32"}
     fps = {"D": "*fp32", "first_score": "*fp32", "nearest": "*fp32", "avail": "*i8", "counts": "*i32",
            "out": "*i64", "N": "i32", "OUT_W": "i32"}
     fl = {"S": "*fp32", "cover": "*fp32", "avail": "*i8", "order": "*fp32", "counts": "*i32", "out": "*i64",
           "N": "i32", "OUT_W": "i32"}
     out = []
-    for conditional, first in ((False, True), (True, False), (False, False)):
-        consts = {"GAIN_EPS": 1e-6, "CONDITIONAL": conditional, "USE_FIRST": first, "BLOCK_N": 1024, "BLOCK_S": 16}
-        out.append((g._dpp_kernel, dpp, consts))
+    for conditional, first, at in ((False, True, False), (True, False, False), (False, False, False),
+                                   (False, True, True), (True, False, True)):
+        consts = {"GAIN_EPS": 1e-6, "CONDITIONAL": conditional, "USE_FIRST": first, "AT": at, "BLOCK_N": 1024,
+                  "BLOCK_S": 16}
+        out.append((g._dpp_kernel, dpp_at if at else dpp, consts))
+    for first, block_n in ((True, 2048), (False, 2048), (True, g.FRONT_MAX)):  # Qwen2.5-VL's 1296 tokens; the most
+        out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n}))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
     vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i32", "match": "*fp32", "out": "*i64", "R0": "i32",

@@ -271,6 +271,47 @@ def graphed_select_case(kind: str, seed: int, near_boundary: float = 0.0, **opti
     return run
 
 
+def _stage_saliency(kind: str, B: int, N: int, seed: int) -> torch.Tensor:
+    """Saliency ``[B, N]`` for the two stages: random, four values (ties), one constant row (min-max maps it to 0:
+    raster order), descending by index (the top tokens are 0, 1, ...), or zeros of both signs among 0.5 and 1 (where
+    the min is +0.0, min-max gives -0.0 for the -0.0 tokens, which must sort as +0.0 does: by index)."""
+    g = torch.Generator().manual_seed(seed + 3)
+    s = torch.rand(B, N, generator=g)
+    if kind == "ties":
+        return (s * 4).floor() / 4
+    if kind == "constant":
+        s[0] = 0.25
+        return s
+    if kind == "by-index":
+        return -torch.arange(N, dtype=torch.float32).expand(B, N).clone()
+    if kind == "signed-zeros":  # -0.0, +0.0, then 0.5 or 1, ..., ending in +0.0: the interpreter's min is then +0.0
+        j = torch.arange(N).expand(B, N)
+        s = torch.where(j % 3 == 0, -0.0, torch.where(j % 3 == 1, 0.0, torch.where(s < 0.5, 0.5, 1.0)))
+        s[:, -1] = 0.0
+        return s
+    return s
+
+
+def stages_case(kind: str, B: int, N: int, d: int, seed: int, saliency: str, t_sal: list[int], budget: int,
+                conditional: bool = False) -> Case:
+    """``two_stage`` with a DPP coverage stage, ``t_sal`` salient tokens per image given on the device: the fast path
+    (the saliency stage and the DPP in two kernels, ``greedy_triton.salient_front``) against the torch ops on the CPU:
+    the indices, then the salient flags."""
+    from promprune.selection.two_stage import two_stage
+
+    def run(device):
+        x = _tokens(kind, B, N, d, seed)
+        s = _stage_saliency(saliency, B, N, seed)
+        counts = torch.tensor(t_sal)
+        kw = {"diversity": "dpp", "conditional": conditional, "method": "promprune"}
+        want = two_stage(TokenSet(x, s), budget, counts, **kw)
+        with _fast(device):
+            got = two_stage(TokenSet(x.to(device), s.to(device)), budget, counts.to(device), **kw)
+        return (torch.cat([got.indices.cpu(), got.salient.cpu().long()], 1),
+                torch.cat([want.indices, want.salient.long()], 1))
+    return run
+
+
 def _density(kind: str, B: int, N: int, d: int, seed: int) -> torch.Tensor:
     """``rho [B, N, N]`` float64: the trace-normalized centered Gram of unit tokens, what the certified split's
     recurrence runs on."""
@@ -422,6 +463,17 @@ def cases() -> dict[str, Case]:
         out[f"select-coverage-only/{kind}"] = select_case("coverage_only", kind, 9)
         out[f"select-divprune/{kind}"] = select_case("divprune", kind, 10)
         out[f"select-vispruner/{kind}"] = select_case("vispruner", kind, 11)
+    # PromPrune's two stages as two kernels (the saliency stage's sort, masks and first pick; the DPP after it):
+    # images with no salient token, with all of them, and between; ties in the saliency and in the first pick
+    for i, (kind, B, N, d, sal, t_sal, T) in enumerate([
+            ("random", 3, 37, 48, "random", [0, 12, 5], 12), ("random", 3, 37, 48, "ties", [3, 12, 7], 12),
+            ("lowrank", 2, 40, 24, "constant", [6, 2], 10), ("duplicates", 2, 30, 16, "signed-zeros", [12, 11], 12),
+            ("zeros", 2, 33, 20, "ties", [33, 20], 33), ("random", 1, 300, 24, "ties", [40], 64),
+            ("orthonormal", 1, 300, 320, "by-index", [40], 48)]):
+        tag = f"{kind}-{B}x{N}x{d}-{sal}"
+        out[f"stages-dpp/{tag}"] = stages_case(kind, B, N, d, 60 + i, sal, t_sal, T)
+        if i < 3:
+            out[f"stages-dpp-conditional/{tag}"] = stages_case(kind, B, N, d, 60 + i, sal, t_sal, T, True)
     for selector in ("dpp", "fps", "facility_location"):
         out[f"graphs-promprune-{selector}/random"] = graphed_select_case("random", 12, diversity=selector)
     out["graphs-promprune-conditional/random"] = graphed_select_case("random", 12, conditional=True)
