@@ -253,6 +253,15 @@ def _front(S, T_SAL, K, out, salient, anchor, free, first, N, T, *, FIRST, BLOCK
         first.copy_(torch.where(has_anchor, index, -1))
 
 
+def _cosine(G, norms, out, N, EPS_FROM, EPS_TO, *, BLOCK):
+    """``greedy_triton._cosine_kernel``'s work in torch: ``TokenSet.cosine``'s own ops."""
+    from promprune.selection.kernels import exactly_symmetric, rescale_gram
+
+    kernel = exactly_symmetric(rescale_gram(G, norms, EPS_FROM, EPS_TO))
+    kernel.diagonal(dim1=1, dim2=2).copy_((norms / norms.clamp_min(EPS_TO)).square())
+    out.copy_(kernel)
+
+
 class _WorkStub:
     """Stands for a Triton kernel whose outputs the call reads back (the certified split's): ``stub[grid](*args,
     **meta)`` counts one launch (none inside a graph's body) and does the kernel's work with ``work`` in torch,
@@ -325,7 +334,8 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
              (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
-              lanczos_triton._row_means_kernel, lanczos_triton._density_kernel), greedy_triton._front_kernel)
+              lanczos_triton._row_means_kernel, lanczos_triton._density_kernel), greedy_triton._front_kernel,
+             greedy_triton._cosine_kernel)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
@@ -342,6 +352,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         _WorkStub(_lanczos_finish, "lanczos_finish"), _WorkStub(_row_means, "row_means"),
         _WorkStub(_density, "density"))
     greedy_triton._front_kernel = _WorkStub(_front, "front")
+    greedy_triton._cosine_kernel = _WorkStub(_cosine, "cosine")
     try:
         with accel.graphs(graphs):
             yield
@@ -356,7 +367,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed.SIGHTINGS = saved[10]
         (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
          lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = saved[11]
-        greedy_triton._front_kernel = saved[12]
+        greedy_triton._front_kernel, greedy_triton._cosine_kernel = saved[12:14]
 
 
 def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:

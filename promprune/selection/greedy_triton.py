@@ -187,6 +187,29 @@ def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: t
 
 
 @triton.jit
+def _cosine_kernel(G, norms, out, N, EPS_FROM, EPS_TO, BLOCK: tl.constexpr):
+    """A ``[BLOCK, BLOCK]`` tile of ``TokenSet.cosine`` from the unit Gram ``G [B, N, N]`` (tokens normalized with
+    ``EPS_FROM``) and the token norms ``[B, N]``: rescaled to ``EPS_TO`` (``kernels.rescale_gram``), made exactly
+    symmetric (``kernels.exactly_symmetric``) and its diagonal set exactly, with the float32 operations of those
+    functions in their order (so the same bits)."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ni = tl.load(norms + b * N + i, mask=i < N, other=1.0)
+    nj = tl.load(norms + b * N + j, mask=j < N, other=1.0)
+    si = tl.div_rn(tl.maximum(ni, EPS_FROM), tl.maximum(ni, EPS_TO))
+    sj = tl.div_rn(tl.maximum(nj, EPS_FROM), tl.maximum(nj, EPS_TO))
+    here = (i < N)[:, None] & (j < N)[None, :]
+    Gb = G + b * N * N
+    g = tl.load(Gb + i[:, None] * N + j[None, :], mask=here, other=0.0)
+    gt = tl.load(Gb + j[None, :] * N + i[:, None], mask=here, other=0.0)  # G[j, i]
+    k = 0.5 * ((g * si[:, None]) * sj[None, :] + (gt * sj[None, :]) * si[:, None])
+    di = tl.div_rn(ni, tl.maximum(ni, EPS_TO))
+    k = tl.where(i[:, None] == j[None, :], (di * di)[:, None], k)
+    tl.store(out + b * N * N + i[:, None] * N + j[None, :], k, mask=here)
+
+
+@triton.jit
 def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, TOL: tl.constexpr, BLOCK_N: tl.constexpr):
     """One view of ``diversity.farthest_point``: ``D [B, N, N]``, the first pick's ``first_score [B, N]``, the
     initial distance to the picked set ``nearest [B, N]``, ``avail [B, N]`` int8, ``counts [B]``, ``out`` (-1)."""
@@ -463,6 +486,20 @@ def _dpp_launch(kernel, free, anchor, order, first, counts, out, at, gain_eps) -
                       (spare if first is None else first).contiguous(), spare, factor, out, N, width, rows, spare,
                       GAIN_EPS=gain_eps, CONDITIONAL=anchor is not None, USE_FIRST=first is not None,
                       AT=at is not None, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=warps, enable_fp_fusion=False)
+
+
+COSINE_BLOCK = 64
+
+
+def cosine_from_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float, eps_to: float) -> torch.Tensor:
+    """``TokenSet.cosine`` in one launch (``_cosine_kernel``) from the unit Gram ``gram [B, N, N]`` float32 and the
+    token ``norms [B, N]``, where its torch ops take eleven."""
+    B, N, _ = gram.shape
+    out = torch.empty_like(gram)
+    tiles = triton.cdiv(N, COSINE_BLOCK)
+    _cosine_kernel[(B, tiles, tiles)](gram.contiguous(), norms.float().contiguous(), out, N, eps_from, eps_to,
+                                      BLOCK=COSINE_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return out
 
 
 FRONT_MAX = VIS_SORT_MAX  # tokens one program sorts at once (``salient_front``)

@@ -141,8 +141,16 @@ class TokenSet:
 
         The diagonal is set to its exact value (1 for every token with norm >= eps): rounding noise there would
         otherwise decide the first pick of a diversity selector, which differs between attention backends and
-        devices. The kernel is exactly symmetric (:func:`~promprune.selection.kernels.exactly_symmetric`).
+        devices. The kernel is exactly symmetric (:func:`~promprune.selection.kernels.exactly_symmetric`). On the
+        fast path (float32) one Triton launch makes the same bits (``greedy_triton.cosine_from_gram``).
         """
+        if accel.fused(self.x) and self.unit_gram.dtype == torch.float32:
+            from . import greedy_triton
+
+            fused = accel.kernel("cosine", lambda: greedy_triton.cosine_from_gram(self.unit_gram, self.norms,
+                                                                                  ENTROPY_EPS, KERNEL_EPS))
+            if fused is not None:  # None: Triton could not build it here; the ops below make the same matrix
+                return fused
         kernel = rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
         kernel = kernel.clone() if kernel is self.unit_gram else exactly_symmetric(kernel)
         exact = (self.norms / self.norms.clamp_min(KERNEL_EPS)).square()  # [B, N]

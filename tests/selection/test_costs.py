@@ -71,6 +71,23 @@ def test_the_stages_after_the_split_are_two_kernels(method, options, fewer, view
     assert ops.launches - fused.launches == fewer, (fused.ops, ops.ops)
 
 
+def test_the_cosine_is_one_kernel(views):
+    """``TokenSet.cosine`` from the unit Gram on the fast path: one launch (``greedy_triton.cosine_from_gram``) where
+    its torch ops (the rescaling, the symmetrization, the exact diagonal) take eleven; the same matrix."""
+    x, _ = views
+
+    def cosine(t):
+        return TokenSet(t, None).cosine
+
+    with fast_path_on_cpu():
+        fused = count(cosine, x)
+        with accel.without_kernel("cosine"):
+            ops = count(cosine, x)
+        got = cosine(x)
+    assert (fused.ops["triton:cosine"], ops.ops["triton:cosine"], ops.launches - fused.launches) == (1, 0, 10)
+    assert torch.equal(got, cosine(x))
+
+
 def test_the_cost_models_lanczos_kernels_give_the_torch_loops_values(views):
     """On the counted fast path the recurrence's Triton kernels are stood for by their work in torch
     (``launches._WorkStub``): one launch each, and the coefficients and state of the torch loop, for a first stage and

@@ -271,6 +271,22 @@ def graphed_select_case(kind: str, seed: int, near_boundary: float = 0.0, **opti
     return run
 
 
+def cosine_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
+    """``TokenSet.cosine`` on the fast path (one kernel from the unit Gram) against the torch ops on the CPU, bit for
+    bit; "tiny": tokens of norms 1e-9 to 1e-5 (the two eps' rescaling, 1e-8 and 1e-6, is not 1 there)."""
+    def run(device):
+        if kind == "tiny":
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(B, N, d, generator=g) / d ** 0.5 * 10.0 ** torch.linspace(-9, -5, N)[None, :, None]
+        else:
+            x = _tokens(kind, B, N, d, seed)
+        want = TokenSet(x, None).cosine
+        with _fast(device):
+            got = TokenSet(x.to(device), None).cosine
+        return got.cpu(), want
+    return run
+
+
 def _stage_saliency(kind: str, B: int, N: int, seed: int) -> torch.Tensor:
     """Saliency ``[B, N]`` for the two stages: random, four values (ties), one constant row (min-max maps it to 0:
     raster order), descending by index (the top tokens are 0, 1, ...), or zeros of both signs among 0.5 and 1 (where
@@ -463,6 +479,10 @@ def cases() -> dict[str, Case]:
         out[f"select-coverage-only/{kind}"] = select_case("coverage_only", kind, 9)
         out[f"select-divprune/{kind}"] = select_case("divprune", kind, 10)
         out[f"select-vispruner/{kind}"] = select_case("vispruner", kind, 11)
+    # the cosine kernel in one launch: one tile, several (64 a side) and a ragged edge
+    for i, (kind, B, N, d) in enumerate([("random", 2, 37, 48), ("zeros", 2, 70, 20), ("tiny", 1, 130, 24),
+                                         ("duplicates", 2, 64, 16)]):
+        out[f"cosine/{kind}-{B}x{N}x{d}"] = cosine_case(kind, B, N, d, 70 + i)
     # PromPrune's two stages as two kernels (the saliency stage's sort, masks and first pick; the DPP after it):
     # images with no salient token, with all of them, and between; ties in the saliency and in the first pick
     for i, (kind, B, N, d, sal, t_sal, T) in enumerate([
