@@ -2,12 +2,14 @@
 
 ``with fast_path_on_cpu(): counts = count(fn, *args)`` runs ``fn`` with the selection's CUDA fast path switched on
 for CPU tensors (``accel.active`` true, the Triton kernels (greedy selectors, VisPruner's rounds) replaced by stubs
-that count one launch each and fill their output with valid picks) under a dispatch mode that counts every ATen op
-that would launch a kernel (view and metadata ops excluded), the ops that make the host wait on the device
-(``item``/``int``/``bool`` of a tensor, ``nonzero``, boolean indexing, ``tolist``, ``equal``) and the selection's own
-deliberate reads (``accel.syncs``). ``fast_path_on_cpu(graphs=True)`` also replays the certified split's stages as
-CUDA graphs would (``CaptureStub`` stands for each capture: a replay counts its input copies, one launch and its output
-clones; a host read inside a graph's body is listed as ``breaks capture:<op>``).
+that count one launch each and fill their output with valid picks; those whose outputs the call reads on (the certified
+split's, the cosine's, PromPrune's saliency stage's) by stubs that do their work with torch ops, uncounted) under a
+dispatch mode that counts every ATen op that would launch a kernel (view and metadata ops excluded), the ops that
+make the host wait on the device (``item``/``int``/``bool`` of a tensor, ``nonzero``, boolean indexing, ``tolist``,
+``equal``) and the selection's own deliberate reads (``accel.syncs``). ``fast_path_on_cpu(graphs=True)`` also
+replays the certified split's stages as CUDA graphs would (``CaptureStub`` stands for each capture: a replay counts its
+input copies, one launch and its output clones; a host read inside a graph's body is listed as ``breaks
+capture:<op>``).
 Only ops on the device's tensors count (the call's tensor arguments and what device ops made from them, plus
 factories): the host's arithmetic on values it has read does not.
 What the counts are for: a change that adds launches or syncs shows here without a GPU; a GPU time can be projected

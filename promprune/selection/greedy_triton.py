@@ -1,5 +1,7 @@
 """The greedy selectors (and VisPruner's duplicate removal) as Triton kernels: one program per view runs every pick
-(every round) of a call, no launch per step.
+(every round) of a call, no launch per step. Beside them, two kernels that do in one launch what a dozen torch ops do
+around them: the cosine kernel the selectors read (``cosine_from_gram``) and PromPrune's saliency stage before its DPP
+(``salient_front``).
 
 The torch loops of ``diversity`` issue ~20-30 small kernels per pick; on a GPU they are launch-bound (2,333 launches
 per LLaVA-1.5 call). Here one launch does the whole greedy loop of every view in the batch; counts, masks and
