@@ -1,14 +1,14 @@
 """A GPU cost model counted on the CPU: the kernel launches, host syncs and matmul FLOPs of one call on the fast path.
 
-``with fast_path_on_cpu(): counts = count(fn, *args)`` runs ``fn`` with the selection's CUDA fast path switched on
-for CPU tensors (``accel.active`` true, the Triton kernels (greedy selectors, VisPruner's rounds) replaced by stubs
-that count one launch each and fill their output with valid picks; those whose outputs the call reads on (the certified
-split's, the cosine's, PromPrune's saliency stage's) by stubs that do their work with torch ops, uncounted) under a
-dispatch mode that counts every ATen op that would launch a kernel (view and metadata ops excluded), the ops that
-make the host wait on the device (``item``/``int``/``bool`` of a tensor, ``nonzero``, boolean indexing, ``tolist``,
-``equal``) and the selection's own deliberate reads (``accel.syncs``). ``fast_path_on_cpu(graphs=True)`` also
-replays the certified split's stages as CUDA graphs would (``CaptureStub`` stands for each capture: a replay counts its
-input copies, one launch and its output clones; a host read inside a graph's body is listed as ``breaks
+``with fast_path_on_cpu(): counts = count(fn, *args)`` runs ``fn`` with the selection's CUDA fast path switched on for
+CPU tensors (``accel.active`` true, the Triton kernels (greedy selectors, VisPruner's rounds) replaced by stubs that
+count one launch each and fill their output with valid picks; those whose outputs the call reads on (the certified
+split's, the Gram's and the cosine's, PromPrune's saliency stage's) by stubs that do their work with torch ops,
+uncounted) under a dispatch mode that counts every ATen op that would launch a kernel (view and metadata ops excluded),
+the ops that make the host wait on the device (``item``/``int``/``bool`` of a tensor, ``nonzero``, boolean indexing,
+``tolist``, ``equal``) and the selection's own deliberate reads (``accel.syncs``). ``fast_path_on_cpu(graphs=True)``
+also replays the certified split's stages as CUDA graphs would (``CaptureStub`` stands for each capture: a replay counts
+its input copies, one launch and its output clones; a host read inside a graph's body is listed as ``breaks
 capture:<op>``).
 Only ops on the device's tensors count (the call's tensor arguments and what device ops made from them, plus
 factories): the host's arithmetic on values it has read does not.
@@ -255,19 +255,29 @@ def _front(S, T_SAL, K, out, salient, anchor, free, first, N, T, *, FIRST, BLOCK
         first.copy_(torch.where(has_anchor, index, -1))
 
 
-def _cosine(G, norms, out, N, EPS_FROM, EPS_TO, *, BLOCK):
-    """``greedy_triton._cosine_kernel``'s work in torch: ``TokenSet.cosine``'s own ops."""
+def _scaled_gram(G, norms, out, N, EPS_NUM, EPS, *, RATIO, DIAG, BLOCK):
+    """``greedy_triton._scaled_gram_kernel``'s work in torch: ``TokenSet.cosine``'s or ``TokenSet.unit_gram``'s own
+    ops."""
     from promprune.selection.kernels import exactly_symmetric, rescale_gram
 
-    kernel = exactly_symmetric(rescale_gram(G, norms, EPS_FROM, EPS_TO))
-    kernel.diagonal(dim1=1, dim2=2).copy_((norms / norms.clamp_min(EPS_TO)).square())
+    if RATIO:
+        kernel = exactly_symmetric(rescale_gram(G, norms, EPS_NUM, EPS))
+    else:
+        inv = 1.0 / norms.clamp_min(EPS)
+        kernel = exactly_symmetric(G * inv[:, :, None] * inv[:, None, :])
+    if DIAG:
+        kernel.diagonal(dim1=1, dim2=2).copy_((norms / norms.clamp_min(EPS)).square())
     out.copy_(kernel)
 
 
+# Seconds the stubs below spent doing their kernels' work on this CPU (device work: ``host_ms`` leaves it out).
+_STUB_WORK = [0.0]
+
+
 class _WorkStub:
-    """Stands for a Triton kernel whose outputs the call reads back (the certified split's): ``stub[grid](*args,
-    **meta)`` counts one launch (none inside a graph's body) and does the kernel's work with ``work`` in torch,
-    uncounted."""
+    """Stands for a Triton kernel whose outputs the call reads back (the certified split's, the cosine's, the saliency
+    stage's): ``stub[grid](*args, **meta)`` counts one launch (none inside a graph's body) and does the kernel's work
+    with ``work`` in torch, uncounted, its time kept apart (``_STUB_WORK``)."""
 
     def __init__(self, work, name: str):
         self.work, self.name = work, name
@@ -279,10 +289,12 @@ class _WorkStub:
                     _ACTIVE[-1].costs.launches += 1
                     _ACTIVE[-1].costs.ops["triton:" + self.name] += 1
                 _ACTIVE[-1].paused = True
+            start = time.perf_counter()
             try:
                 with torch.no_grad():
                     self.work(*args, **meta)
             finally:
+                _STUB_WORK[0] += time.perf_counter() - start
                 if _ACTIVE:
                     _ACTIVE[-1].paused = False
         return launch
@@ -337,7 +349,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
              (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
               lanczos_triton._row_means_kernel, lanczos_triton._density_kernel), greedy_triton._front_kernel,
-             greedy_triton._cosine_kernel)
+             greedy_triton._scaled_gram_kernel)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
@@ -354,7 +366,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         _WorkStub(_lanczos_finish, "lanczos_finish"), _WorkStub(_row_means, "row_means"),
         _WorkStub(_density, "density"))
     greedy_triton._front_kernel = _WorkStub(_front, "front")
-    greedy_triton._cosine_kernel = _WorkStub(_cosine, "cosine")
+    greedy_triton._scaled_gram_kernel = _WorkStub(_scaled_gram, "scaled_gram")
     try:
         with accel.graphs(graphs):
             yield
@@ -369,21 +381,23 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed.SIGHTINGS = saved[10]
         (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
          lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = saved[11]
-        greedy_triton._front_kernel, greedy_triton._cosine_kernel = saved[12:14]
+        greedy_triton._front_kernel, greedy_triton._scaled_gram_kernel = saved[12:14]
 
 
 def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:
     """Median wall ms of ``fn(*args, **kwargs)`` on the CPU on the fast path (kernels stubbed; with ``graphs``, every
     graph's replay skips its body), after one warm-up call: at a small stand-in size, where each eager op costs the
     CPU about what dispatching it costs, this is the host's share of a GPU call (Python, NumPy, torch's dispatch),
-    which the launch count prices only on average. A measurement on this machine's CPU, not a GPU time."""
+    which the launch count prices only on average. The time the stubs spend doing a kernel's work for the call (the
+    certified split's recurrence, the cosine: device work) is left out. A measurement on this machine's CPU, not a GPU
+    time."""
     with fast_path_on_cpu(graphs=graphs, bodies=False):
         fn(*args, **kwargs)
         times = []
         for _ in range(calls):
-            start = time.perf_counter()
+            start, stubs = time.perf_counter(), _STUB_WORK[0]
             fn(*args, **kwargs)
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start - (_STUB_WORK[0] - stubs))
     return statistics.median(times) * 1e3
 
 

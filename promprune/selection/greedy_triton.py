@@ -1,7 +1,7 @@
 """The greedy selectors (and VisPruner's duplicate removal) as Triton kernels: one program per view runs every pick
 (every round) of a call, no launch per step. Beside them, two kernels that do in one launch what a dozen torch ops do
-around them: the cosine kernel the selectors read (``cosine_from_gram``) and PromPrune's saliency stage before its DPP
-(``salient_front``).
+around them: the tokens' unit Gram and the cosine kernel the selectors read (``scaled_gram``) and PromPrune's saliency
+stage before its DPP (``salient_front``).
 
 The torch loops of ``diversity`` issue ~20-30 small kernels per pick; on a GPU they are launch-bound (2,333 launches
 per LLaVA-1.5 call). Here one launch does the whole greedy loop of every view in the batch; counts, masks and
@@ -189,25 +189,32 @@ def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: t
 
 
 @triton.jit
-def _cosine_kernel(G, norms, out, N, EPS_FROM, EPS_TO, BLOCK: tl.constexpr):
-    """A ``[BLOCK, BLOCK]`` tile of ``TokenSet.cosine`` from the unit Gram ``G [B, N, N]`` (tokens normalized with
-    ``EPS_FROM``) and the token norms ``[B, N]``: rescaled to ``EPS_TO`` (``kernels.rescale_gram``), made exactly
-    symmetric (``kernels.exactly_symmetric``) and its diagonal set exactly, with the float32 operations of those
-    functions in their order (so the same bits)."""
+def _scaled_gram_kernel(G, norms, out, N, EPS_NUM, EPS, RATIO: tl.constexpr, DIAG: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """A ``[BLOCK, BLOCK]`` tile of ``exactly_symmetric(G * a[:, :, None] * a[:, None, :])`` for ``G [B, N, N]`` and a
+    per-token factor from the ``norms [B, N]``: ``a = max(n, EPS_NUM) / max(n, EPS)`` with ``RATIO`` (the cosine from
+    the unit Gram, ``kernels.rescale_gram``; ``DIAG``: its diagonal set to ``(n / max(n, EPS))^2``, as
+    ``TokenSet.cosine`` sets it), else ``a = 1 / max(n, EPS)`` (the unit Gram from the half tokens' raw product,
+    ``TokenSet.unit_gram``): the float32 operations of those torch ops in their order, so the same bits."""
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     ni = tl.load(norms + b * N + i, mask=i < N, other=1.0)
     nj = tl.load(norms + b * N + j, mask=j < N, other=1.0)
-    si = tl.div_rn(tl.maximum(ni, EPS_FROM), tl.maximum(ni, EPS_TO))
-    sj = tl.div_rn(tl.maximum(nj, EPS_FROM), tl.maximum(nj, EPS_TO))
+    if RATIO:
+        ai = tl.div_rn(tl.maximum(ni, EPS_NUM), tl.maximum(ni, EPS))
+        aj = tl.div_rn(tl.maximum(nj, EPS_NUM), tl.maximum(nj, EPS))
+    else:
+        ai = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.maximum(ni, EPS))
+        aj = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.maximum(nj, EPS))
     here = (i < N)[:, None] & (j < N)[None, :]
     Gb = G + b * N * N
     g = tl.load(Gb + i[:, None] * N + j[None, :], mask=here, other=0.0)
     gt = tl.load(Gb + j[None, :] * N + i[:, None], mask=here, other=0.0)  # G[j, i]
-    k = 0.5 * ((g * si[:, None]) * sj[None, :] + (gt * sj[None, :]) * si[:, None])
-    di = tl.div_rn(ni, tl.maximum(ni, EPS_TO))
-    k = tl.where(i[:, None] == j[None, :], (di * di)[:, None], k)
+    k = 0.5 * ((g * ai[:, None]) * aj[None, :] + (gt * aj[None, :]) * ai[:, None])
+    if DIAG:
+        di = tl.div_rn(ni, tl.maximum(ni, EPS))
+        k = tl.where(i[:, None] == j[None, :], (di * di)[:, None], k)
     tl.store(out + b * N * N + i[:, None] * N + j[None, :], k, mask=here)
 
 
@@ -490,17 +497,21 @@ def _dpp_launch(kernel, free, anchor, order, first, counts, out, at, gain_eps) -
                       AT=at is not None, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=warps, enable_fp_fusion=False)
 
 
-COSINE_BLOCK = 64
+GRAM_BLOCK = 64
 
 
-def cosine_from_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float, eps_to: float) -> torch.Tensor:
-    """``TokenSet.cosine`` in one launch (``_cosine_kernel``) from the unit Gram ``gram [B, N, N]`` float32 and the
-    token ``norms [B, N]``, where its torch ops take eleven."""
+def scaled_gram(gram: torch.Tensor, norms: torch.Tensor, eps: float, eps_num: float | None = None) -> torch.Tensor:
+    """One launch (``_scaled_gram_kernel``) for what takes the torch ops six to eleven: with ``eps_num``,
+    ``TokenSet.cosine`` from the unit Gram ``gram [B, N, N]`` (tokens normalized with ``eps_num``) rescaled to ``eps``,
+    exactly symmetric, its diagonal exact; without, ``TokenSet.unit_gram`` from the half tokens' raw float32 product
+    ``gram`` (each entry over both tokens' norms floored at ``eps``), exactly symmetric."""
     B, N, _ = gram.shape
     out = torch.empty_like(gram)
-    tiles = triton.cdiv(N, COSINE_BLOCK)
-    _cosine_kernel[(B, tiles, tiles)](gram.contiguous(), norms.float().contiguous(), out, N, eps_from, eps_to,
-                                      BLOCK=COSINE_BLOCK, num_warps=4, enable_fp_fusion=False)
+    tiles = triton.cdiv(N, GRAM_BLOCK)
+    ratio = eps_num is not None
+    _scaled_gram_kernel[(B, tiles, tiles)](gram.contiguous(), norms.float().contiguous(), out, N,
+                                           eps_num if ratio else eps, eps, RATIO=ratio, DIAG=ratio, BLOCK=GRAM_BLOCK,
+                                           num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -130,6 +130,12 @@ class TokenSet:
         float32's range; fp16's are at most ``65504^2 d``), and those never take the fast path (``select``)."""
         if self.half_source is not None and accel.active(self.x):  # tensor cores on the half tokens, fp32 accumulation
             raw = torch.bmm(self.source, self.source.transpose(1, 2), out_dtype=torch.float32)  # [B, N, N]
+            if accel.fused(self.x):  # one launch for the six below, the same bits (``greedy_triton.scaled_gram``)
+                from . import greedy_triton
+
+                fused = accel.kernel("gram", lambda: greedy_triton.scaled_gram(raw, self.norms, ENTROPY_EPS))
+                if fused is not None:
+                    return fused
             inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
             return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
@@ -142,13 +148,13 @@ class TokenSet:
         The diagonal is set to its exact value (1 for every token with norm >= eps): rounding noise there would
         otherwise decide the first pick of a diversity selector, which differs between attention backends and
         devices. The kernel is exactly symmetric (:func:`~promprune.selection.kernels.exactly_symmetric`). On the
-        fast path (float32) one Triton launch makes the same bits (``greedy_triton.cosine_from_gram``).
+        fast path (float32) one Triton launch makes the same bits (``greedy_triton.scaled_gram``).
         """
         if accel.fused(self.x) and self.unit_gram.dtype == torch.float32:
             from . import greedy_triton
 
-            fused = accel.kernel("cosine", lambda: greedy_triton.cosine_from_gram(self.unit_gram, self.norms,
-                                                                                  ENTROPY_EPS, KERNEL_EPS))
+            fused = accel.kernel("cosine", lambda: greedy_triton.scaled_gram(self.unit_gram, self.norms, KERNEL_EPS,
+                                                                             eps_num=ENTROPY_EPS))
             if fused is not None:  # None: Triton could not build it here; the ops below make the same matrix
                 return fused
         kernel = rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)

@@ -72,7 +72,7 @@ def test_the_stages_after_the_split_are_two_kernels(method, options, fewer, view
 
 
 def test_the_cosine_is_one_kernel(views):
-    """``TokenSet.cosine`` from the unit Gram on the fast path: one launch (``greedy_triton.cosine_from_gram``) where
+    """``TokenSet.cosine`` from the unit Gram on the fast path: one launch (``greedy_triton.scaled_gram``) where
     its torch ops (the rescaling, the symmetrization, the exact diagonal) take eleven; the same matrix."""
     x, _ = views
 
@@ -84,7 +84,7 @@ def test_the_cosine_is_one_kernel(views):
         with accel.without_kernel("cosine"):
             ops = count(cosine, x)
         got = cosine(x)
-    assert (fused.ops["triton:cosine"], ops.ops["triton:cosine"], ops.launches - fused.launches) == (1, 0, 10)
+    assert (fused.ops["triton:scaled_gram"], ops.ops["triton:scaled_gram"], ops.launches - fused.launches) == (1, 0, 10)
     assert torch.equal(got, cosine(x))
 
 

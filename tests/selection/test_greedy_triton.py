@@ -146,8 +146,9 @@ def _kernels():
         consts = {"GAIN_EPS": 1e-6, "CONDITIONAL": conditional, "USE_FIRST": first, "AT": at, "BLOCK_N": 1024,
                   "BLOCK_S": 16}
         out.append((g._dpp_kernel, dpp_at if at else dpp, consts))
-    cosine = {"G": "*fp32", "norms": "*fp32", "out": "*fp32", "N": "i32", "EPS_FROM": "fp32", "EPS_TO": "fp32"}
-    out.append((g._cosine_kernel, cosine, {"BLOCK": g.COSINE_BLOCK}))
+    scaled = {"G": "*fp32", "norms": "*fp32", "out": "*fp32", "N": "i32", "EPS_NUM": "fp32", "EPS": "fp32"}
+    for ratio in (True, False):  # the cosine from the unit Gram; the unit Gram from the half tokens' product
+        out.append((g._scaled_gram_kernel, scaled, {"RATIO": ratio, "DIAG": ratio, "BLOCK": g.GRAM_BLOCK}))
     for first, block_n in ((True, 2048), (False, 2048), (True, g.FRONT_MAX)):  # Qwen2.5-VL's 1296 tokens; the most
         out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n}))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
@@ -241,9 +242,9 @@ def test_the_wide_vispruner_kernel_compiles_without_spills(tmp_path):
 
 @needs_triton
 def test_the_cosine_and_the_saliency_stage_divide_as_torch_does():
-    """The cosine's rescaling and the saliency's min-max divide in IEEE round-to-nearest float32 (``div.rn.f32``;
-    Triton's plain ``/`` is an approximate division, 2 ulp), with no fused multiply-add: the same bits as torch's ops,
-    on which the cosine's ties and the salient order's depend."""
+    """The Gram's and the cosine's scaling and the saliency's min-max divide in IEEE round-to-nearest float32
+    (``div.rn.f32``; Triton's plain ``/`` is an approximate division, 2 ulp), with no fused multiply-add: the same bits
+    as torch's ops, on which the cosine's ties and the salient order's depend."""
     pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -253,7 +254,7 @@ def test_the_cosine_and_the_saliency_stage_divide_as_torch_does():
 
     checked = 0
     for fn, signature, consts in _kernels():
-        if fn not in (g._cosine_kernel, g._front_kernel) or consts.get("BLOCK_N") == g.FRONT_MAX:
+        if fn not in (g._scaled_gram_kernel, g._front_kernel) or consts.get("BLOCK_N") == g.FRONT_MAX:
             continue
         source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -261,7 +262,7 @@ def test_the_cosine_and_the_saliency_stage_divide_as_torch_does():
         assert "div.rn.f32" in ptx, fn.__name__
         assert "approx" not in ptx and "div.full" not in ptx and "fma." not in ptx, fn.__name__
         checked += 1
-    assert checked == 3
+    assert checked == 4
 
 
 @needs_triton

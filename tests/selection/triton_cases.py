@@ -287,6 +287,28 @@ def cosine_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
     return run
 
 
+def half_gram_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
+    """``TokenSet.unit_gram`` of fp16 tokens on the fast path, from their raw float32 product: the kernel
+    (``greedy_triton.scaled_gram``) against the torch ops on the same product, bit for bit ("tiny": norms of 1e-9 to
+    1e-5, some below the 1e-8 floor)."""
+    from promprune.selection import greedy_triton
+    from promprune.selection.kernels import ENTROPY_EPS, exactly_symmetric, token_norms
+
+    def run(device):
+        x = _tokens("random" if kind == "tiny" else kind, B, N, d, seed)
+        if kind == "tiny":
+            x = x / d ** 0.5 * 10.0 ** torch.linspace(-9, -5, N)[None, :, None]
+        src = x.to(torch.float16).float()  # fp16 values, the product and the norms in float32
+        raw = src @ src.transpose(1, 2)
+        norms = token_norms(src)
+        inv = 1.0 / norms.clamp_min(ENTROPY_EPS)
+        want = exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
+        with _fast(device):
+            got = greedy_triton.scaled_gram(raw.to(device), norms.to(device), ENTROPY_EPS)
+        return got.cpu(), want
+    return run
+
+
 def _stage_saliency(kind: str, B: int, N: int, seed: int) -> torch.Tensor:
     """Saliency ``[B, N]`` for the two stages: random, four values (ties), one constant row (min-max maps it to 0:
     raster order), descending by index (the top tokens are 0, 1, ...), or zeros of both signs among 0.5 and 1 (where
@@ -483,6 +505,7 @@ def cases() -> dict[str, Case]:
     for i, (kind, B, N, d) in enumerate([("random", 2, 37, 48), ("zeros", 2, 70, 20), ("tiny", 1, 130, 24),
                                          ("duplicates", 2, 64, 16)]):
         out[f"cosine/{kind}-{B}x{N}x{d}"] = cosine_case(kind, B, N, d, 70 + i)
+        out[f"half-gram/{kind}-{B}x{N}x{d}"] = half_gram_case(kind, B, N, d, 75 + i)
     # PromPrune's two stages as two kernels (the saliency stage's sort, masks and first pick; the DPP after it):
     # images with no salient token, with all of them, and between; ties in the saliency and in the first pick
     for i, (kind, B, N, d, sal, t_sal, T) in enumerate([
