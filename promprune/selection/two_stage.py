@@ -105,12 +105,13 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
 
     if tokens.n > greedy_triton.FRONT_MAX:
         return None
-    kernel = tokens.cosine
+    coverage = fixed != budget  # a coverage stage to run (saliency-only has none, nor needs the cosine)
+    kernel = tokens.cosine if coverage else None
     front = accel.kernel("front", lambda: greedy_triton.salient_front(saliency, t_sal, budget,
                                                                        None if conditional else kernel))
     if front is None:
         return None
-    if fixed != budget:  # a coverage stage to run (saliency-only has none)
+    if coverage:
         # the DPP's fallback order is the saliency itself (float32 here), as ``coverage_picks`` passes it
         if accel.kernel("dpp", lambda: greedy_triton.dpp_after_front(kernel, front, t_sal, saliency, conditional,
                                                                       GAIN_EPS)) is None:

@@ -53,21 +53,22 @@ def test_promprune_waits_once_when_the_first_stage_decides(views):
 HALF = {"saliency_ratio_range": (0.5, 0.5)}  # PromPrune's split pinned at 8 of 16: both stages pick
 
 
-@pytest.mark.parametrize("method,options,fewer", [("promprune", HALF, 29),
-                                                  ("promprune", {**HALF, "conditional": True}, 20),
-                                                  ("fixed_ratio", {}, 31)])
-def test_the_stages_after_the_split_are_two_kernels(method, options, fewer, views):
+@pytest.mark.parametrize("method,options,dpp,fewer", [("promprune", HALF, 1, 29),
+                                                      ("promprune", {**HALF, "conditional": True}, 1, 20),
+                                                      ("fixed_ratio", {}, 1, 31), ("saliency_only", {}, 0, 16)])
+def test_the_stages_after_the_split_are_two_kernels(method, options, dpp, fewer, views):
     """With a DPP coverage stage, the saliency stage (min-max, sort, masks, the DPP's first pick, the indices' layout)
     and the DPP are two launches (``greedy_triton.salient_front``, then the DPP into its indices), against their torch
     ops (which run only where Triton cannot build that kernel): 29 launches fewer for PromPrune (20 for its
-    conditional DPP, which has no first pick), the syncs the same."""
+    conditional DPP, which has no first pick), the syncs the same. Saliency-only runs the first kernel alone, with no
+    cosine (no Gram) to compute."""
     x, s = views
     with fast_path_on_cpu():
         fused = count(fast_call, method, x, s, 16, **options)
         with accel.without_kernel("front"):
             ops = count(fast_call, method, x, s, 16, **options)
-    assert (fused.ops["triton:front"], fused.ops["triton:dpp"], ops.ops["triton:front"]) == (1, 1, 0), fused.ops
-    assert fused.syncs == ops.syncs
+    assert (fused.ops["triton:front"], fused.ops["triton:dpp"], ops.ops["triton:front"]) == (1, dpp, 0), fused.ops
+    assert fused.syncs == ops.syncs and fused.flops == ops.flops
     assert ops.launches - fused.launches == fewer, (fused.ops, ops.ops)
 
 

@@ -499,6 +499,7 @@ def cases() -> dict[str, Case]:
         out[f"select-promprune-fl/{kind}"] = select_case("promprune", kind, 7, mu=0.5, diversity="facility_location")
         out[f"select-fixed-ratio/{kind}"] = select_case("fixed_ratio", kind, 8)
         out[f"select-coverage-only/{kind}"] = select_case("coverage_only", kind, 9)
+        out[f"select-saliency-only/{kind}"] = select_case("saliency_only", kind, 15)
         out[f"select-divprune/{kind}"] = select_case("divprune", kind, 10)
         out[f"select-vispruner/{kind}"] = select_case("vispruner", kind, 11)
     # the cosine kernel in one launch: one tile, several (64 a side) and a ragged edge
