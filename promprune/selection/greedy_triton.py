@@ -150,7 +150,8 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
 
 
 @triton.jit
-def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: tl.constexpr, BLOCK_N: tl.constexpr):
+def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
+                  ROWS: tl.constexpr):
     """One view of ``two_stage``'s saliency stage, before its DPP (``_dpp_kernel`` with ``AT``): the saliency ``S [B,
     N]`` min-max normalized as ``two_stage.minmax`` does (float32, IEEE division), its stable descending order (ties:
     the lower index) by one sort of (value, index) keys, and the first ``T_SAL[b]`` tokens of that order written to
@@ -158,7 +159,8 @@ def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: t
     its complement) and ``salient`` (``[B, T]`` int8: the ranks below ``T_SAL[b]``). ``FIRST``: ``first [B]`` gets the
     unconditional DPP's first pick (``diversity._first_from_anchor``) on ``K [B, N, N]``, exactly symmetric (as
     ``TokenSet.cosine`` is), so that each token's largest similarity to an anchor token is the running max of the
-    anchor tokens' rows: the free token where that is smallest, the lowest index on ties; -1 without anchor tokens."""
+    anchor tokens' rows (``ROWS`` at a time): the free token where that is smallest, the lowest index on ties; -1
+    without anchor tokens."""
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     inb = offs < N
@@ -179,9 +181,13 @@ def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: t
     tl.store(free + b * N + offs, tl.where(held, 0, 1).to(tl.int8), mask=inb)
     if FIRST:
         near = tl.full([BLOCK_N], float("-inf"), tl.float32)  # each token's largest similarity to an anchor token
-        for r in range(t):
-            j = tl.load(out + b * T + r)
-            near = tl.maximum(near, tl.load(K + b * N * N + j * N + offs, mask=inb, other=float("-inf")))
+        for r0 in range(0, t, ROWS):  # ROWS anchor rows at once: their loads in flight together
+            rs = r0 + tl.arange(0, ROWS)
+            live = rs < t
+            js = tl.load(out + b * T + rs, mask=live, other=0)
+            rows = tl.load(K + b * N * N + js[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :],
+                           other=float("-inf"))
+            near = tl.maximum(near, tl.max(rows, axis=0))
         score = tl.where(inb & (held == 0), -near, float("-inf"))
         top = tl.max(score, axis=0)
         pick = tl.min(tl.where(score == top, offs, BLOCK_N), axis=0)
@@ -536,7 +542,8 @@ def salient_front(saliency: torch.Tensor, t_sal: torch.Tensor, budget: int,
     first = torch.empty(B, dtype=torch.long, device=device)
     _front_kernel[(B,)](saliency.contiguous(), t_sal.contiguous(), saliency if kernel is None else kernel.contiguous(),
                         indices, salient, anchor, free, first, N, budget, FIRST=kernel is not None, BLOCK_N=block_n,
-                        num_warps=8 if block_n >= 1024 else 4, enable_fp_fusion=False)
+                        ROWS=max(1, _TILE_ELEMENTS // block_n), num_warps=8 if block_n >= 1024 else 4,
+                        enable_fp_fusion=False)
     return indices, salient.view(torch.bool), anchor, free, first if kernel is not None else None
 
 

@@ -150,7 +150,7 @@ def _kernels():
     for ratio in (True, False):  # the cosine from the unit Gram; the unit Gram from the half tokens' product
         out.append((g._scaled_gram_kernel, scaled, {"RATIO": ratio, "DIAG": ratio, "BLOCK": g.GRAM_BLOCK}))
     for first, block_n in ((True, 2048), (False, 2048), (True, g.FRONT_MAX)):  # Qwen2.5-VL's 1296 tokens; the most
-        out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n}))
+        out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n, "ROWS": max(1, 16384 // block_n)}))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
     vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i32", "match": "*fp32", "out": "*i64", "R0": "i32",
