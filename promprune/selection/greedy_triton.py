@@ -529,9 +529,9 @@ def salient_front(saliency: torch.Tensor, t_sal: torch.Tensor, budget: int,
     """``two_stage``'s saliency stage in one launch (``_front_kernel``), for its DPP to follow (``dpp_after_front``):
     ``saliency [B, N]`` float32, ``t_sal [B]`` long on the device, ``budget`` <= N <= `FRONT_MAX`; ``kernel [B, N,
     N]``: the unconditional DPP's, exactly symmetric (``TokenSet.cosine``), whose first pick is found here (None:
-    conditional, no first pick). Returns
-    ``(indices [B, budget] long, salient [B, budget] bool, anchor [B, N] int8, free [B, N] int8, first [B] or
-    None)``: ``indices`` holds the salient tokens, then -1 where the DPP's picks go."""
+    conditional or no coverage stage, no first pick). Returns ``(indices [B, budget] long, salient [B, budget] bool,
+    anchor [B, N] int8, free [B, N] int8, first [B] or None)``: ``indices`` holds the salient tokens, then -1 where
+    the DPP's picks go."""
     B, N = saliency.shape
     block_n = triton.next_power_of_2(max(N, 16))
     device = saliency.device
