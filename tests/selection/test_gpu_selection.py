@@ -51,6 +51,28 @@ def test_cuda_fp16_overlaps_the_cpu(shape):
     assert sum(overlap) / len(overlap) >= FP16_MIN_OVERLAP
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("method,options", [("promprune", {}), ("promprune", {"conditional": True}),
+                                            ("fixed_ratio", {}), ("saliency_only", {}), ("divprune", {})],
+                         ids=lambda v: str(v))
+def test_cuda_fp16_kernels_select_what_their_torch_ops_select(shape, method, options):
+    """On the same GPU and fp16 inputs (the real models' dtype), the one-launch kernels (the half tokens' unit Gram and
+    the cosine, ``greedy_triton.scaled_gram``; the saliency stage, ``salient_front``) keep exactly what their torch
+    ops keep: they make the same bits."""
+    from contextlib import ExitStack
+
+    B, N, d, T = SHAPES[shape]
+    x, s = (t.cuda() for t in make_inputs(B * 2, N, d, "cpu", dtype=torch.float16))
+    kw = {"budget": T, "method": method, **options}
+    fused = promprune.select(x, s, **kw)
+    with ExitStack() as stack:
+        for name in ("gram", "cosine", "front"):
+            stack.enter_context(accel.without_kernel(name))
+        ops = promprune.select(x, s, **kw)
+    assert torch.equal(fused.indices, ops.indices), f"{method} {options} at {shape}"
+    assert torch.equal(fused.saliency_count, ops.saliency_count) and torch.equal(fused.salient, ops.salient)
+
+
 def _fast(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, **options) -> torch.Tensor:
     """The registered function on validated inputs (``select`` validates with one host sync)."""
     spec = method_spec(method)
