@@ -349,7 +349,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
              (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
               lanczos_triton._row_means_kernel, lanczos_triton._density_kernel), greedy_triton._front_kernel,
-             greedy_triton._scaled_gram_kernel)
+             greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
@@ -367,6 +367,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         _WorkStub(_density, "density"))
     greedy_triton._front_kernel = _WorkStub(_front, "front")
     greedy_triton._scaled_gram_kernel = _WorkStub(_scaled_gram, "scaled_gram")
+    greedy_triton._divprune_kernel = _KernelStub(1, "divprune")
     try:
         with accel.graphs(graphs):
             yield
@@ -381,7 +382,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed.SIGHTINGS = saved[10]
         (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
          lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = saved[11]
-        greedy_triton._front_kernel, greedy_triton._scaled_gram_kernel = saved[12:14]
+        greedy_triton._front_kernel, greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel = saved[12:15]
 
 
 def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:

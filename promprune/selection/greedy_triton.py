@@ -1,7 +1,7 @@
 """The greedy selectors (and VisPruner's duplicate removal) as Triton kernels: one program per view runs every pick
-(every round) of a call, no launch per step. Beside them, two kernels that do in one launch what a dozen torch ops do
-around them: the tokens' unit Gram and the cosine kernel the selectors read (``scaled_gram``) and PromPrune's saliency
-stage before its DPP (``salient_front``).
+(every round) of a call, no launch per step. Beside them, kernels that do in one launch what a dozen torch ops do
+around them: the tokens' unit Gram and the cosine kernel the selectors read (``scaled_gram``), PromPrune's saliency
+stage before its DPP (``salient_front``), and DivPrune's set-up with its loop (``divprune_picks``).
 
 The torch loops of ``diversity`` issue ~20-30 small kernels per pick; on a GPU they are launch-bound (2,333 launches
 per LLaVA-1.5 call). Here one launch does the whole greedy loop of every view in the batch; counts, masks and
@@ -235,12 +235,43 @@ def _fps_kernel(D, first_score, nearest, avail, counts, out, N, OUT_W, TOL: tl.c
     first = tl.load(first_score + b * N + offs, mask=inb, other=float("-inf"))
     near = tl.load(nearest + b * N + offs, mask=inb, other=float("-inf"))
     count = tl.minimum(tl.load(counts + b), OUT_W)
+    _fps_picks(D, first, near, free, count, out, b, offs, inb, N, OUT_W, TOL, BLOCK_N, False)
+
+
+@triton.jit
+def _fps_picks(D, first, near, free, count, out, b, offs, inb, N, OUT_W, TOL: tl.constexpr, BLOCK_N: tl.constexpr,
+               COSINE: tl.constexpr):
+    """The farthest point sampling loop of one view: ``count`` picks into ``out[b]``, each the free token whose
+    distance to the picked set is largest (``first`` scores the first pick); each pick's row of the distance lowers
+    ``near``. ``COSINE``: ``D`` is the cosine and its rows become distances as they are read (``max(1 - c, 0)``)."""
     for k in range(count):
         j = _near_tie_argmax(tl.where(k == 0, first, near), free, offs, TOL, BLOCK_N)
         tl.store(out + b * OUT_W + k, j.to(tl.int64))
         free = free & (offs != j)
         row = tl.load(D + b * N * N + j * N + offs, mask=inb, other=float("-inf"))
+        if COSINE:
+            row = tl.where(inb, tl.maximum(1.0 - row, 0.0), float("-inf"))
         near = tl.minimum(near, row)
+
+
+@triton.jit
+def _divprune_kernel(C, out, N, OUT_W, TOL: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """One view of ``baselines.divprune``: farthest point sampling of ``OUT_W`` tokens on the distance ``max(1 - C,
+    0)`` of the cosine ``C [B, N, N]`` (``diversity.farthest_point`` on it, no anchor), read from ``C`` as it goes.
+    The first pick's score, each token's distance to its nearest other token, is the running min of the distance's
+    rows ``ROWS`` at a time: ``C`` is exactly symmetric (``TokenSet.cosine``), so that is the min of its own row."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    inb = offs < N
+    first = tl.full([BLOCK_N], float("inf"), tl.float32)
+    for r0 in range(0, N, ROWS):
+        rs = r0 + tl.arange(0, ROWS)
+        live = rs < N
+        c = tl.load(C + b * N * N + rs[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :], other=0.0)
+        d = tl.where(live[:, None] & (rs[:, None] != offs[None, :]), tl.maximum(1.0 - c, 0.0), float("inf"))
+        first = tl.minimum(first, tl.min(d, axis=0))
+    near = tl.full([BLOCK_N], float("inf"), tl.float32)
+    _fps_picks(C, first, near, inb, OUT_W, out, b, offs, inb, N, OUT_W, TOL, BLOCK_N, True)
 
 
 @triton.jit
@@ -567,6 +598,18 @@ def farthest_point(distance: torch.Tensor, available: torch.Tensor, counts: torc
     _fps_kernel[(B,)](distance.contiguous(), first_score.float().contiguous(), nearest.float().contiguous(),
                       _flags(available), counts.to(torch.int32).contiguous(), out, N, width,
                       TOL=tie_eps, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
+def divprune_picks(cosine: torch.Tensor, budget: int, tie_eps: float) -> torch.Tensor:
+    """``baselines.divprune``'s picks in one launch (``_divprune_kernel``) from the exactly symmetric ``cosine [B, N,
+    N]`` float32: its distance, the first pick's scores and the loop, where the torch ops and the FPS kernel took ~15
+    launches. Returns picks ``[B, budget]``."""
+    B, N, _ = cosine.shape
+    block_n, _, warps = _blocks(N)
+    out = torch.empty(B, budget, dtype=torch.long, device=cosine.device)
+    _divprune_kernel[(B,)](cosine.contiguous(), out, N, budget, TOL=tie_eps, BLOCK_N=block_n,
+                           ROWS=max(1, _TILE_ELEMENTS // block_n), num_warps=warps, enable_fp_fusion=False)
     return out
 
 

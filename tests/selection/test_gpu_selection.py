@@ -57,8 +57,8 @@ def test_cuda_fp16_overlaps_the_cpu(shape):
                          ids=lambda v: str(v))
 def test_cuda_fp16_kernels_select_what_their_torch_ops_select(shape, method, options):
     """On the same GPU and fp16 inputs (the real models' dtype), the one-launch kernels (the half tokens' unit Gram and
-    the cosine, ``greedy_triton.scaled_gram``; the saliency stage, ``salient_front``) keep exactly what their torch
-    ops keep: they make the same bits."""
+    the cosine, ``greedy_triton.scaled_gram``; the saliency stage, ``salient_front``; DivPrune, ``divprune_picks``)
+    keep exactly what their torch ops keep: they make the same bits."""
     from contextlib import ExitStack
 
     B, N, d, T = SHAPES[shape]
@@ -66,7 +66,7 @@ def test_cuda_fp16_kernels_select_what_their_torch_ops_select(shape, method, opt
     kw = {"budget": T, "method": method, **options}
     fused = promprune.select(x, s, **kw)
     with ExitStack() as stack:
-        for name in ("gram", "cosine", "front"):
+        for name in ("gram", "cosine", "front", "divprune"):
             stack.enter_context(accel.without_kernel(name))
         ops = promprune.select(x, s, **kw)
     assert torch.equal(fused.indices, ops.indices), f"{method} {options} at {shape}"

@@ -152,6 +152,8 @@ def _kernels():
     for first, block_n in ((True, 2048), (False, 2048), (True, g.FRONT_MAX)):  # Qwen2.5-VL's 1296 tokens; the most
         out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n, "ROWS": max(1, 16384 // block_n)}))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
+    divprune = {"C": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32"}
+    out.append((g._divprune_kernel, divprune, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048, "ROWS": 8}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
     vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i32", "match": "*fp32", "out": "*i64", "R0": "i32",
            "KEEP": "i32", "ROUNDS": "i32"}

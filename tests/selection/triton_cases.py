@@ -309,6 +309,21 @@ def half_gram_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
     return run
 
 
+def divprune_case(kind: str, B: int, N: int, d: int, seed: int, budget: int) -> Case:
+    """DivPrune's whole ``select``: the fast path (one kernel from the cosine, ``greedy_triton.divprune_picks``)
+    against the CPU's torch ops."""
+    import promprune
+
+    def run(device):
+        x = _tokens(kind, B, N, d, seed)
+        kw = {"budget": budget, "method": "divprune", "order": "selection"}
+        want = promprune.select(x, None, **kw)
+        with _fast(device):
+            got = promprune.select(x.to(device), None, **kw)
+        return got.indices.cpu(), want.indices
+    return run
+
+
 def _stage_saliency(kind: str, B: int, N: int, seed: int) -> torch.Tensor:
     """Saliency ``[B, N]`` for the two stages: random, four values (ties), one constant row (min-max maps it to 0:
     raster order), descending by index (the top tokens are 0, 1, ...), or zeros of both signs among 0.5 and 1 (where
@@ -507,6 +522,11 @@ def cases() -> dict[str, Case]:
                                          ("duplicates", 2, 64, 16)]):
         out[f"cosine/{kind}-{B}x{N}x{d}"] = cosine_case(kind, B, N, d, 70 + i)
         out[f"half-gram/{kind}-{B}x{N}x{d}"] = half_gram_case(kind, B, N, d, 75 + i)
+    # DivPrune in one kernel: its first pick's scores over several chunks of rows (300 tokens), ties everywhere
+    for i, (kind, B, N, d, T) in enumerate([("random", 3, 37, 48, 12), ("duplicates", 2, 30, 16, 16),
+                                            ("zeros", 2, 33, 20, 33), ("orthonormal", 2, 24, 32, 10),
+                                            ("random", 1, 300, 24, 64)]):
+        out[f"divprune/{kind}-{B}x{N}x{d}"] = divprune_case(kind, B, N, d, 80 + i, T)
     # PromPrune's two stages as two kernels (the saliency stage's sort, masks and first pick; the DPP after it):
     # images with no salient token, with all of them, and between; ties in the saliency and in the first pick
     for i, (kind, B, N, d, sal, t_sal, T) in enumerate([
