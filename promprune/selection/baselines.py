@@ -26,16 +26,16 @@ def divprune(tokens: TokenSet, budget: int) -> Selection:
     """DivPrune: greedy max-min diversity on cosine distance (first pick: the most isolated token). On the fast path
     one Triton launch from the cosine (``greedy_triton.divprune_picks``): the same picks as the ops below."""
     B, N = tokens.batch, tokens.n
+    picks = None
     if accel.fused(tokens.x) and tokens.cosine.dtype == torch.float32 and budget <= N:
         from . import greedy_triton
 
         picks = accel.kernel("divprune", lambda: greedy_triton.divprune_picks(tokens.cosine, budget, FPS_TIE_EPS))
-        if picks is not None:  # None: Triton could not build it here
-            return Selection(picks, _no_saliency(tokens), None, None, torch.zeros_like(picks, dtype=torch.bool))
-    distance = (1.0 - tokens.cosine).clamp_min(0)
-    every = torch.ones(B, N, dtype=torch.bool, device=tokens.x.device)
-    counts = torch.full((B,), budget, dtype=torch.long, device=tokens.x.device)
-    picks = farthest_point(distance, every, counts, steps=budget)
+    if picks is None:  # the plain path, or Triton could not build the kernel here
+        distance = (1.0 - tokens.cosine).clamp_min(0)
+        every = torch.ones(B, N, dtype=torch.bool, device=tokens.x.device)
+        counts = torch.full((B,), budget, dtype=torch.long, device=tokens.x.device)
+        picks = farthest_point(distance, every, counts, steps=budget)
     return Selection(picks, _no_saliency(tokens), None, None, torch.zeros_like(picks, dtype=torch.bool))
 
 
