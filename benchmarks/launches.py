@@ -258,16 +258,9 @@ def _front(S, T_SAL, K, out, salient, anchor, free, first, N, T, *, FIRST, BLOCK
 def _scaled_gram(G, norms, out, N, EPS_NUM, EPS, *, RATIO, DIAG, BLOCK):
     """``greedy_triton._scaled_gram_kernel``'s work in torch: ``TokenSet.cosine``'s or ``TokenSet.unit_gram``'s own
     ops."""
-    from promprune.selection.kernels import exactly_symmetric, rescale_gram
+    from promprune.selection.kernels import cosine_from_unit_gram, unit_gram_from_product
 
-    if RATIO:
-        kernel = exactly_symmetric(rescale_gram(G, norms, EPS_NUM, EPS))
-    else:
-        inv = 1.0 / norms.clamp_min(EPS)
-        kernel = exactly_symmetric(G * inv[:, :, None] * inv[:, None, :])
-    if DIAG:
-        kernel.diagonal(dim1=1, dim2=2).copy_((norms / norms.clamp_min(EPS)).square())
-    out.copy_(kernel)
+    out.copy_(cosine_from_unit_gram(G, norms, EPS_NUM, EPS) if RATIO else unit_gram_from_product(G, norms, EPS))
 
 
 # Seconds the stubs below spent doing their kernels' work on this CPU (device work: ``host_ms`` leaves it out).

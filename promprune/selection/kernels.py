@@ -63,6 +63,25 @@ def rescale_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float, eps_t
     return gram * s[:, :, None] * s[:, None, :]
 
 
+def unit_gram_from_product(raw: torch.Tensor, norms: torch.Tensor, eps: float = ENTROPY_EPS) -> torch.Tensor:
+    """The unit Gram ``[B, N, N]`` from the tokens' raw product ``raw`` (float32) and their ``norms [B, N]``: each
+    entry over both tokens' norms floored at ``eps``, exactly symmetric (``TokenSet.unit_gram`` of half tokens on the
+    fast path; ``greedy_triton.scaled_gram`` makes the same bits in one launch)."""
+    inv = 1.0 / norms.clamp_min(eps)  # [B, N]
+    return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
+
+
+def cosine_from_unit_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float = ENTROPY_EPS,
+                          eps_to: float = KERNEL_EPS) -> torch.Tensor:
+    """The cosine kernel ``[B, N, N]`` from the unit Gram of tokens normalized with ``eps_from``: rescaled to
+    ``eps_to`` (:func:`rescale_gram`), exactly symmetric, its diagonal set to its exact value ``(n / max(n,
+    eps_to))^2`` (``TokenSet.cosine``; ``greedy_triton.scaled_gram`` makes the same bits in one launch)."""
+    kernel = rescale_gram(gram, norms, eps_from, eps_to)
+    kernel = kernel.clone() if kernel is gram else exactly_symmetric(kernel)
+    kernel.diagonal(dim1=1, dim2=2).copy_((norms / norms.clamp_min(eps_to)).square())
+    return kernel
+
+
 def masked_argmax(score: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise argmax of ``score [B, N]`` over ``mask [B, N]`` (first index on ties).
 

@@ -22,7 +22,15 @@ from ..dtypes import upcast
 from ..suggest import did_you_mean
 from . import accel
 from .entropy import entropy_of_matrix, spectral_matrix
-from .kernels import ENTROPY_EPS, KERNEL_EPS, exactly_symmetric, rescale_gram, token_norms, unit_tokens
+from .kernels import (
+    ENTROPY_EPS,
+    KERNEL_EPS,
+    cosine_from_unit_gram,
+    exactly_symmetric,
+    token_norms,
+    unit_gram_from_product,
+    unit_tokens,
+)
 
 
 @dataclass
@@ -136,8 +144,7 @@ class TokenSet:
                 fused = accel.kernel("gram", lambda: greedy_triton.scaled_gram(raw, self.norms, ENTROPY_EPS))
                 if fused is not None:
                     return fused
-            inv = 1.0 / self.norms.clamp_min(ENTROPY_EPS)  # [B, N]
-            return exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
+            return unit_gram_from_product(raw, self.norms, ENTROPY_EPS)
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
         return exactly_symmetric(xn @ xn.transpose(1, 2))
 
@@ -157,11 +164,7 @@ class TokenSet:
                                                                              eps_num=ENTROPY_EPS))
             if fused is not None:  # None: Triton could not build it here; the ops below make the same matrix
                 return fused
-        kernel = rescale_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
-        kernel = kernel.clone() if kernel is self.unit_gram else exactly_symmetric(kernel)
-        exact = (self.norms / self.norms.clamp_min(KERNEL_EPS)).square()  # [B, N]
-        kernel.diagonal(dim1=1, dim2=2).copy_(exact)
-        return kernel
+        return cosine_from_unit_gram(self.unit_gram, self.norms, ENTROPY_EPS, KERNEL_EPS)
 
     @cached_property
     def vision_cosine(self) -> torch.Tensor:

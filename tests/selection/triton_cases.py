@@ -292,7 +292,7 @@ def half_gram_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
     (``greedy_triton.scaled_gram``) against the torch ops on the same product, bit for bit ("tiny": norms of 1e-9 to
     1e-5, some below the 1e-8 floor)."""
     from promprune.selection import greedy_triton
-    from promprune.selection.kernels import ENTROPY_EPS, exactly_symmetric, token_norms
+    from promprune.selection.kernels import ENTROPY_EPS, token_norms, unit_gram_from_product
 
     def run(device):
         x = _tokens("random" if kind == "tiny" else kind, B, N, d, seed)
@@ -301,8 +301,7 @@ def half_gram_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
         src = x.to(torch.float16).float()  # fp16 values, the product and the norms in float32
         raw = src @ src.transpose(1, 2)
         norms = token_norms(src)
-        inv = 1.0 / norms.clamp_min(ENTROPY_EPS)
-        want = exactly_symmetric(raw * inv[:, :, None] * inv[:, None, :])
+        want = unit_gram_from_product(raw, norms, ENTROPY_EPS)
         with _fast(device):
             got = greedy_triton.scaled_gram(raw.to(device), norms.to(device), ENTROPY_EPS)
         return got.cpu(), want
