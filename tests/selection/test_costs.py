@@ -213,6 +213,28 @@ def test_graph_bodies_never_read_the_device_through_every_stage(views):
     assert graphs.launches < eager.launches - 3 * certified.STEPS[0]  # a stage's steps: three launches each eagerly
 
 
+def test_a_stage_that_every_image_goes_on_from_copies_nothing(views):
+    """An image its first stage leaves undecided, alone in its call: the next stage goes on from the state as it is,
+    eagerly and from a graph's borrowed buffers, with no copy of the state's rows (four launches a stage), and the
+    same count as the exact algorithm's."""
+    x, s = views
+    x, s = x[:1], s[:1]
+    tokens = TokenSet(x, s)
+    h0 = float(tokens.spectral_entropy[0])
+    # near the boundary between t_sal = 8 and 9 (T = 16), not on it: a later stage decides, not the eigensolve
+    mu = h0 - 0.02 * math.log(0.46875 / 0.53125) + 1e-4
+    want = fast_call("promprune", x, s, 16, mu=mu)  # no fast path: the exact eigensolve
+    for graphs in (False, True):
+        with fast_path_on_cpu(graphs=graphs):
+            fast_call("promprune", x, s, 16, mu=mu)  # with graphs: the shapes' first sighting runs eagerly
+            costs = count(fast_call, "promprune", x, s, 16, mu=mu)
+            got = fast_call("promprune", x, s, 16, mu=mu)
+        report = certified.LAST_REPORT[0]
+        assert len(report.decided) >= 2 and report.exact == 0, report
+        assert costs.ops["index"] == 0, costs.ops
+        assert torch.equal(got.saliency_count, want.saliency_count)  # (the picks: the stubs' stand-ins here)
+
+
 def test_host_time_leaves_out_what_the_graphs_run():
     """``host_ms`` with graphs times the host's work around a replay, not the replayed body (here 30 ms of sleep,
     which the eager call pays every time)."""
