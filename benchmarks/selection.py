@@ -15,14 +15,17 @@ second table splits PromPrune's extra time into the exact entropy's eigensolve a
 On CUDA, times come from CUDA events, every method is timed on the fast path (``promprune.selection.accel``: Triton
 greedy kernels, PromPrune's split through certified entropy bounds) and on the plain torch path ("old"), and
 PromPrune's stages are timed one by one: Gram, split (the certified bounds, or the exact entropy on the old path),
-saliency stage (top-k order), coverage stage (the DPP). Targets (issue 53, H100, fp16): PromPrune <= 2.5 ms
+saliency stage (top-k order), coverage stage (the DPP); and PromPrune eager and with CUDA graphs for a first view just
+above a count boundary (rows ``boundary``: mu placed by ``boundary_mu`` so that a later Lanczos stage decides it, as
+for a real image near mu). Targets (issue 53, H100, fp16): PromPrune <= 2.5 ms
 (LLaVA-1.5), <= 4 ms (NeXT, 5 views), <= 5 ms (Qwen2.5-VL) at batch 1, <= 15 ms (NeXT, batch 8); no method above 3x
 DivPrune.
 
 Every run also prints a cost model counted on the CPU (``benchmarks/launches.py``): each method's kernel launches,
 host syncs and matmul GFLOPs of one call on the fast path, and a GPU time projected from them; the host's share of a
 call measured on this CPU (``launches.host_ms``: kernels stubbed, graph bodies skipped, at stand-in sizes
-``HOST_SHAPES``), which the projection prices only on average; and the certified
+``HOST_SHAPES``), which the projection prices only on average (both with PromPrune's ``boundary`` rows too: the cost of
+one Lanczos stage more); and the certified
 split's decisions (``--split-images`` images per shape whose entropy lies in the sigmoid's steep part, mu placed
 around it): the share decided by each stage's bounds and by the exact eigensolve, the brackets' widths, and whether
 every count equals the exact algorithm's.
@@ -137,6 +140,47 @@ def time_near_mu(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) ->
     report = certified.LAST_REPORT[0] if certified.applies(min(x.shape[1], x.shape[2]), x) and \
         certified.LAST_REPORT else None
     return ms, (f"stages {report.decided}, exact {report.exact}" if report else "exact entropy")
+
+
+# Offsets (normalized H) tried by ``boundary_mu``, largest first: halving from 1e-3 to ~1e-10
+BOUNDARY_OFFSETS = tuple(1e-3 * 0.5 ** i for i in range(24))
+
+
+def boundary_mu(x: torch.Tensor, s: torch.Tensor, budget: int, stages: int = 2) -> tuple[float | None, str]:
+    """A mu that puts the first view's entropy just above the count boundary between ``t_sal = budget // 2`` and one
+    more (``split_budget``'s half-even rounding), so that the certified split runs at least ``stages`` stages for it
+    and still decides it without the eigensolve: a real image near mu. The largest offset of `BOUNDARY_OFFSETS` that
+    does so, found by calling ``select`` and reading its report; ``(None, why)`` where none does (the split off this
+    path, or every offset decided sooner or went to the eigensolve). The other views of the call decide as they
+    fall."""
+    h0 = float(entropy_of_matrix(spectral_matrix(x[:1].float())).double()[0])
+    k = budget // 2
+    keep = 1.0 - (k + 0.5) / budget  # sigmoid((H - mu) / tau) at the boundary (ratio_range (0, 1))
+    z = np.log(keep / (1.0 - keep))
+    seen = []
+    for offset in BOUNDARY_OFFSETS:
+        mu = h0 - offset - DEFAULT_TAU * z  # the boundary at h0 - offset
+        promprune.select(x, s, budget=budget, method="promprune", mu=mu)
+        if not (certified.applies(min(x.shape[1], x.shape[2]), x) and certified.LAST_REPORT):
+            return None, "exact entropy"
+        report = certified.LAST_REPORT[0]
+        seen.append(len(report.decided))
+        if len(report.decided) >= stages and report.exact == 0:  # a later stage decided the view that went on
+            return mu, f"offset {offset:.1e}: stages {report.decided}"
+    return None, f"no offset ran {stages} stages without the eigensolve (stages run: {seen})"
+
+
+def time_boundary(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> tuple[float, float, str]:
+    """PromPrune's median ms eager and with CUDA graphs for a first view just above a count boundary
+    (``boundary_mu``: two stages or more), NaN where no mu does that; and how the split decided."""
+    mu, note = boundary_mu(x, s, budget)
+    if mu is None:
+        return float("nan"), float("nan"), note
+    eager = time_method("promprune", x, s, budget, repeats, mu=mu)
+    with accel.graphs(True):  # every stage's graph seen once eagerly (SIGHTINGS), then captured in the warm-up
+        promprune.select(x, s, budget=budget, method="promprune", mu=mu)
+        graphs = time_method("promprune", x, s, budget, repeats, mu=mu)
+    return eager, graphs, note
 
 
 def paired_ratio(x: torch.Tensor, s: torch.Tensor, budget: int, pairs: int) -> float:
@@ -271,6 +315,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     wide_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
     near_mu: dict[str, tuple[float, str]] = {}
+    boundary: dict[str, tuple[float, float, str]] = {}
     paired: dict[str, float] = {}
     for shape, (B, N, d, T) in shapes.items():
         x, s = make_inputs(B * batch, N, d, args.device, dtype=getattr(torch, args.dtype))
@@ -279,6 +324,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
         near_mu[shape] = time_near_mu(x, s, T, args.repeats)
         if cuda:
             stages[shape] = time_stages(x, s, T, args.repeats)
+            boundary[shape] = time_boundary(x, s, T, args.repeats)
             with accel.graphs(True):  # PromPrune as CUDA graphs (off by default until measured)
                 promprune.select(x, s, budget=T, method="promprune")  # a shape's first call runs eagerly (SIGHTINGS)
                 graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)  # its warm-up captures
@@ -304,6 +350,9 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     if cuda:
         print_stages(stages, results, shapes)
         row("select, graphs", graphs_ms, "PROMPRUNE_GRAPHS=1")
+        row("boundary", {sh: v[0] for sh, v in boundary.items()}, "the first view just above a count boundary: "
+            "two stages or more; " + "; ".join(f"{sh} {boundary[sh][2]}" for sh in shapes))
+        row("boundary, graphs", {sh: v[1] for sh, v in boundary.items()}, "the same with PROMPRUNE_GRAPHS=1")
         row("select, loop", loop_ms, "the split in torch, not lanczos_triton: its rho in eleven launches against "
             "two, seven a Lanczos step against three")
         row("select, stages", torch_stages_ms, "the stages after the split in torch ops (~30 launches), not "
@@ -375,12 +424,17 @@ def print_costs(shapes) -> None:
     for label, graphs, calls in _cost_rows(shapes):
         cells = ""
         for x, s, kwargs in calls:
+            if kwargs is None:
+                cells += f"{'-':>10} {'-':>5} {'-':>6} {'-':>6}"
+                continue
             with fast_path_on_cpu(graphs=graphs):
                 c = count(promprune.select, x, s, **kwargs)
             cells += f"{c.launches:>10d} {c.syncs:>5d} {c.flops / 1e9:>6.2f} {project_ms(c):>6.2f}"
         print(f"{label:<16}{cells}")
     print("(promprune, graphs: the split's and the picking stages replayed as CUDA graphs, PROMPRUNE_GRAPHS=1; each "
-          "replay counted as its input copies, one launch and its output clones)")
+          "replay counted as its input copies, one launch and its output clones. boundary: PromPrune with mu placed "
+          "so that the first view's entropy lies just above a count boundary, which a later Lanczos stage decides: "
+          "a real image near mu)")
     print_host(HOST_SHAPES if shapes is SHAPES else shapes)
 
 
@@ -399,20 +453,29 @@ def print_host(shapes, calls: int = 30) -> None:
           f"{calls}; kernels stubbed, graph bodies not run; stand-ins {stand_ins})")
     print(f"{'method':<18}" + "".join(f"{shape:>12}" for shape in shapes))
     for label, graphs, per_shape in _cost_rows(shapes):
-        cells = [launches.host_ms(promprune.select, x, s, graphs=graphs, calls=calls, **kwargs)
+        cells = [float("nan") if kwargs is None else
+                 launches.host_ms(promprune.select, x, s, graphs=graphs, calls=calls, **kwargs)
                  for x, s, kwargs in per_shape]
         print(f"{label:<18}" + "".join(f"{ms:>12.2f}" for ms in cells))
 
 
 def _cost_rows(shapes):
     """The rows of the cost tables: ``(label, graphs, [(x, s, select's keyword arguments) per shape])``, every
-    method on the fast path, then PromPrune with its graphs."""
+    method on the fast path, then PromPrune with its graphs, then PromPrune eager and with graphs for a first view
+    just above a count boundary (``boundary_mu``: two stages or more; keyword arguments None where no mu does
+    that)."""
     inputs = [make_inputs(B, N, d, "cpu") + (T,) for B, N, d, T in shapes.values()]
     rows = [(m, m, False) for m in promprune.methods()] + [("promprune, graphs", "promprune", True)]
-    return [(label, graphs, [(x, s, {"budget": T, "method": m, "instruction": instruction_for(x)
-                                        if promprune.method_spec(m).needs_instruction else None})
-                                for x, s, T in inputs])
-            for label, m, graphs in rows]
+    out = [(label, graphs, [(x, s, {"budget": T, "method": m, "instruction": instruction_for(x)
+                                    if promprune.method_spec(m).needs_instruction else None})
+                            for x, s, T in inputs])
+           for label, m, graphs in rows]
+    with fast_path_on_cpu():
+        mus = [boundary_mu(x, s, T)[0] for x, s, T in inputs]
+    for label, graphs in (("boundary", False), ("boundary, graphs", True)):
+        out.append((label, graphs, [(x, s, None if mu is None else {"budget": T, "method": "promprune", "mu": mu})
+                                    for (x, s, T), mu in zip(inputs, mus)]))
+    return out
 
 
 def _no_odd_prefixes(R0: int, odds: int) -> list[float]:

@@ -145,10 +145,22 @@ def test_selection():
     assert costs["divprune"][1] == "1"  # select's one finiteness read; the greedy kernel waits for nothing
     graphs = figure(out, r"promprune, graphs +(\d+) +(\d+) .*")  # the split's stages as CUDA graphs: fewer launches
     assert int(graphs[1]) < int(costs["promprune"][0]) and graphs[2] == costs["promprune"][1]
+    # a first view just above a count boundary: one Lanczos stage more (its steps' launches, one read more), and with
+    # graphs one replay more
+    table = out.split("Cost model")[1].split("Host time")[0]
+
+    def cost_row(label: str) -> list[int]:  # launches and syncs at each shape
+        cells = table.split(f"\n{label} ")[1].split()[:12]
+        return [int(cells[4 * i + j]) for i in range(3) for j in (0, 1)]
+
+    for calm, near in (("promprune", "boundary"), ("promprune, graphs", "boundary, graphs")):
+        calm, near = cost_row(calm), cost_row(near)
+        assert all(near[i] > calm[i] and near[i + 1] == calm[i + 1] + 1 for i in (0, 2, 4)), (calm, near)
+    assert all(g < e for g, e in zip(cost_row("boundary, graphs")[::2], cost_row("boundary")[::2]))
     # the host's share of each call, measured on this CPU: every method and PromPrune with graphs, at each shape
     host = {line.split(",")[0].split()[0] + (", graphs" if ", graphs" in line else ""): line.split()[-3:]
             for line in out.split("Host time of one call")[1].split("\n\n")[0].splitlines()[2:]}
-    assert set(host) == set(promprune.methods()) | {"promprune, graphs"}, host
+    assert set(host) == set(promprune.methods()) | {"promprune, graphs", "boundary", "boundary, graphs"}, host
     assert all(float(ms) > 0 for cells in host.values() for ms in cells)
     # the certified split decided every image or sent it to the eigensolve, and agreed with the exact counts
     equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
@@ -390,3 +402,32 @@ def test_profile_select():
     stages = [int(n) for n in decided[2].split(",")]
     assert sum(stages) + int(decided[3]) == 5  # tiny llava_next: the image's five views, every one decided once
     assert "### operators by self_cpu_time_total" in out and "aten::bmm" in out  # the Lanczos products
+
+
+def test_boundary_mu_puts_the_first_view_just_above_a_count_boundary():
+    """``boundary_mu`` on the fast path: the split runs two stages or more and no eigensolve, the count it gives is the
+    exact algorithm's (the plain path: the eigensolve), and the first view's exact entropy sits within the offset above
+    the boundary between ``budget // 2`` and one more salient token (``split_budget`` straight from the entropy)."""
+    import torch
+
+    import promprune
+    from benchmarks.launches import fast_path_on_cpu
+    from benchmarks.selection import boundary_mu, make_inputs
+    from promprune.selection import certified
+    from promprune.selection.budget import split_budget
+    from promprune.selection.entropy import entropy_of_matrix, spectral_matrix
+    from promprune.selection.two_stage import DEFAULT_TAU
+
+    x, s = make_inputs(5, 96, 128, "cpu")
+    assert boundary_mu(x, s, 16) == (None, "exact entropy")  # the plain path has no stages
+    with fast_path_on_cpu():
+        mu, note = boundary_mu(x, s, 16)
+        fast = promprune.select(x, s, budget=16, method="promprune", mu=mu)
+        report = certified.LAST_REPORT[0]
+    assert mu is not None and len(report.decided) >= 2 and report.exact == 0, (note, report)
+    exact = promprune.select(x, s, budget=16, method="promprune", mu=mu)
+    assert torch.equal(fast.saliency_count, exact.saliency_count)
+    offset = float(note.split("offset ")[1].split(":")[0])
+    h0 = entropy_of_matrix(spectral_matrix(x[:1])).double()
+    count = [int(split_budget(h, 16, mu=mu, tau=DEFAULT_TAU)) for h in (h0 + offset / 4, h0 - 2 * offset)]
+    assert count == [8, 9] and int(exact.saliency_count[0]) == 8, count
