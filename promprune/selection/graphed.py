@@ -81,8 +81,14 @@ class _Capture:
 
     def __call__(self, args: tuple[torch.Tensor | None, ...],
                  fresh: tuple[int, ...] | None) -> tuple[torch.Tensor, ...]:
+        # an argument that is another slot's static input (a borrowed output of this graph's last replay: one step's
+        # v_prev is its input v) would be overwritten by that slot's copy before its own: such arguments are copied
+        # first; one that is its own slot's static input needs no copy
+        held = {t.data_ptr(): i for i, t in enumerate(self.inputs) if t is not None}
+        args = tuple(value.clone() if value is not None and held.get(value.data_ptr(), i) != i else value
+                     for i, value in enumerate(args))
         for static, value in zip(self.inputs, args):
-            if static is not None:
+            if static is not None and (value.data_ptr(), value.stride()) != (static.data_ptr(), static.stride()):
                 static.copy_(value)
         return tuple(out.clone() if fresh is None or i in fresh else out for i, out in enumerate(self._replay()))
 

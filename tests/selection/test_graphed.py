@@ -144,6 +144,25 @@ def test_the_steps_continue_where_they_stopped():
     assert certified.Lanczos.start(rho).run(0).alpha.shape == (2, 0)
 
 
+def test_stages_of_one_step_replayed_from_the_same_graph_continue_the_recurrence():
+    """Stages replayed from borrowed buffers (``Lanczos.run(borrow=True)``, as ``split`` runs a stage every image goes
+    on from, with no copy of its rows), here one step each, so that a stage's graph is the next stage's too and its
+    ``v_prev`` out is its own input ``v``: the replayed coefficients are the eager recurrence's (the capture stood for
+    by ``benchmarks.launches``' stub on the CPU)."""
+    from benchmarks.launches import fast_path_on_cpu
+
+    rho = _rho(1, 24, 4)
+    eager = certified.Lanczos.start(rho).run(8)
+    with fast_path_on_cpu(graphs=True):
+        for _ in range(3):  # the shape's first sighting runs eagerly, the second captures, the third replays
+            state = certified.Lanczos.start(rho).run(2)
+            for _ in range(6):
+                state = state.run(1, borrow=True)
+    assert graphed.tally()["replays"] > 0, graphed.tally()
+    torch.testing.assert_close(state.alpha, eager.alpha, rtol=1e-12, atol=0)
+    torch.testing.assert_close(state.beta, eager.beta, rtol=1e-12, atol=0)
+
+
 @needs_cuda
 @pytest.mark.parametrize("B,n", [(1, 576), (5, 64), (3, 200)])
 def test_cuda_replayed_steps_equal_the_eager_steps(B, n):
