@@ -116,7 +116,9 @@ class Lanczos:
         ``opening_from_gram`` of the unit Gram, or a caller's own from the tokens): with ``accel.graphs()`` on and its
         ``[B, n, n]`` matrices of at most ``graphed.MAX_ELEMENTS`` (``size``) elements (``graphed.fits``), all of it
         replays as one CUDA graph, and the state's matrices are then the graph's own buffers (borrowed), valid until
-        its next replay: ``split`` copies the rows it continues before that."""
+        its next replay. ``split`` reads them before that: the next stage's replay copies them into its own graph's
+        inputs first (an input that is one of that graph's own buffers among them too, ``graphed._Capture``), an eager
+        stage reads them as they are, and where some images decided, ``rows`` copies the others'."""
         packed, rho, v, v_prev = graphed.run(fn, args, steps, size, fresh=(0,))
         return cls(rho, v, v_prev, packed[:, -1], (packed,))
 
@@ -325,8 +327,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         if not len(todo):
             break
         if not going.all():  # a copy of the rows that go on; when all do, the state goes on as it is (four launches
-            # fewer a stage: a borrowed buffer stays the graph's until that graph's next replay, in the next call; the
-            # next stage reads it, or copies it into its own graph's inputs first)
+            # fewer a stage): the next stage reads its borrowed buffers before a replay could overwrite them (``open``)
             state = state.rows(torch.from_numpy(np.flatnonzero(going)).to(device, non_blocking=True))
     report.refused = len(to_exact)
     exact_rows = np.array(sorted(to_exact + todo.tolist()), dtype=np.int64)
