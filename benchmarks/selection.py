@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tables", default="timing,costs,split", help="which tables to print (comma-separated): timing "
                     "(every method timed), costs (the cost model), split (the certified split's decisions), "
                     "schedules (Lanczos steps each stage schedule would run; not by default), traffic (VisPruner's "
-                    "kernel: what it loads of the similarity, modeled from the shapes; not by default)")
+                    "kernel: what it loads of the similarity, modeled from the shapes; not by default), bounds (the "
+                    "host's ms at the end of a split stage, by views and Lanczos steps; not by default)")
     ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
                     "repeat")
     args = ap.parse_args(argv)
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         print_schedules(shapes, args.split_images, args.device)
     if "traffic" in tables:
         print_vispruner_traffic(shapes)
+    if "bounds" in tables:
+        print_bounds_host(smoke=args.smoke)
 
 
 # Issue 53's targets for PromPrune's selection on an H100 in fp16: ms per call, by images per call and shape.
@@ -537,6 +540,45 @@ def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
         out["rank steps"] += -(-E // block_e) * -(-E // block_p)
         R -= min(VISPRUNER_ROUND, R - keep, E)
     return out
+
+
+def _host_median_ms(fn, args: tuple, calls: int) -> float:
+    """Median wall ms of ``fn(*args)`` over ``calls`` calls (host work only)."""
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn(*args)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def print_bounds_host(smoke: bool = False, calls: int = 200) -> None:
+    """The host's work at the end of each stage of the certified split, measured on this CPU: the Gauss / Gauss-Radau
+    bracket (``certified.bounds``: two batched dense eigensolves of k x k and (k + 1) x (k + 1) tridiagonals) and the
+    decision (``certified.decide``: the counts of both ends), for ``views`` images still undecided after ``k`` steps.
+    The device waits meanwhile (the next stage's launches follow it), so on a GPU this adds to the call."""
+    n = 64 if smoke else 576
+    views, steps = ((1, 5), (6, 12)) if smoke else ((1, 5, 40), (6, 12, 24, 48))
+    print(f"\nHost ms at the end of a split stage, this CPU (median of {calls}; n = {n}; LLaVA-NeXT at batch 8 is 40 "
+          "views)")
+    print(f"{'views':<8}" + "".join(f"{f'k={k} bounds':>14}{'decide':>8}" for k in steps))
+    g = torch.Generator().manual_seed(0)
+
+    def count_of(h):
+        return split_budget(h, 64, mu=DEFAULT_MU, tau=DEFAULT_TAU)
+
+    for B in views:
+        x = torch.randn(B, n, 2 * n, generator=g, dtype=torch.float64)
+        rho = certified.density(spectral_matrix(x))
+        cells = ""
+        for k in steps:
+            state = certified.Lanczos.start(rho).run(k)
+            alpha, beta = state.alpha.numpy(), state.beta.numpy()
+            lo, hi = certified.bounds(alpha, beta, n)
+            ms = [_host_median_ms(certified.bounds, (alpha, beta, n), calls),
+                  _host_median_ms(certified.decide, (lo, hi, count_of), calls)]
+            cells += f"{ms[0]:>14.3f}{ms[1]:>8.3f}"
+        print(f"{B:<8}" + cells)
 
 
 def print_vispruner_traffic(shapes) -> None:

@@ -126,7 +126,7 @@ def test_selection():
     from promprune.selection import certified
 
     out = run_benchmark("selection.py", "--smoke", "--split-images", "3", "--tables",
-                        "timing,costs,split,schedules,traffic")
+                        "timing,costs,split,schedules,traffic,bounds")
     ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(CPU bar: <= 2.5x\)")[1])
     assert ratio > 0
     paired = figure(out, rf"paired \(x div\) +({NUMBER})x +({NUMBER})x +({NUMBER})x")
@@ -162,6 +162,10 @@ def test_selection():
             for line in out.split("Host time of one call")[1].split("\n\n")[0].splitlines()[2:]}
     assert set(host) == set(promprune.methods()) | {"promprune, graphs", "boundary", "boundary, graphs"}, host
     assert all(float(ms) > 0 for cells in host.values() for ms in cells)
+    # the host's work at the end of a split stage: the bracket and the decision, for 1 and 5 views at 6 and 12 steps
+    ends = out.split("Host ms at the end of a split stage")[1].split("\n\n")[0].splitlines()[2:4]
+    assert [line.split()[0] for line in ends] == ["1", "5"]
+    assert all(len(line.split()) == 5 and all(float(ms) > 0 for ms in line.split()[1:]) for line in ends), ends
     # the certified split decided every image or sent it to the eigensolve, and agreed with the exact counts
     equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
     assert equal.groups() == ("yes", "yes", "yes")
