@@ -152,7 +152,8 @@ def boundary_mu(x: torch.Tensor, s: torch.Tensor, budget: int, stages: int = 2) 
     and still decides it without the eigensolve: a real image near mu. The largest offset of `BOUNDARY_OFFSETS` that
     does so, found by calling ``select`` and reading its report; ``(None, why)`` where none does (the split off this
     path, or every offset decided sooner or went to the eigensolve). The other views of the call decide as they
-    fall."""
+    fall. The calls run in the caller's mode: with CUDA graphs on (as the tables search it), the eager schedule's stage
+    ends include the graphs' (``certified.schedule``), so the same mu runs at least as many stages eagerly."""
     h0 = float(entropy_of_matrix(spectral_matrix(x[:1].float())).double()[0])
     k = budget // 2
     keep = 1.0 - (k + 0.5) / budget  # sigmoid((H - mu) / tau) at the boundary (ratio_range (0, 1))
@@ -172,8 +173,10 @@ def boundary_mu(x: torch.Tensor, s: torch.Tensor, budget: int, stages: int = 2) 
 
 def time_boundary(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> tuple[float, float, str]:
     """PromPrune's median ms eager and with CUDA graphs for a first view just above a count boundary
-    (``boundary_mu``: two stages or more), NaN where no mu does that; and how the split decided."""
-    mu, note = boundary_mu(x, s, budget)
+    (``boundary_mu``, searched with graphs: two stages or more either way), NaN where no mu does that; and how the
+    split decided."""
+    with accel.graphs(True):
+        mu, note = boundary_mu(x, s, budget)
     if mu is None:
         return float("nan"), float("nan"), note
     eager = time_method("promprune", x, s, budget, repeats, mu=mu)
@@ -473,7 +476,7 @@ def _cost_rows(shapes):
                                     if promprune.method_spec(m).needs_instruction else None})
                             for x, s, T in inputs])
            for label, m, graphs in rows]
-    with fast_path_on_cpu():
+    with fast_path_on_cpu(graphs=True):  # two stages as graphs: as many or more eagerly
         mus = [boundary_mu(x, s, T)[0] for x, s, T in inputs]
     for label, graphs in (("boundary", False), ("boundary, graphs", True)):
         out.append((label, graphs, [(x, s, None if mu is None else {"budget": T, "method": "promprune", "mu": mu})
@@ -632,8 +635,8 @@ def split_images(N: int, d: int, T: int, images: int, device: str):
 def print_split_decisions(shapes, images: int, device: str) -> None:
     """The certified split on ``images`` varied images per shape, mu placed so that each image's entropy falls in the
     sigmoid's steep part (z uniform in [-2, 2]: 12% to 88% coverage, the hardest place to decide): who decided, the
-    brackets' widths, and the counts against the exact algorithm's. Each image runs the schedule of a call at its
-    shape (``certified.schedule`` of the shape's views: LLaVA-NeXT's five views take the leading stage)."""
+    brackets' widths, and the counts against the exact algorithm's. Each image runs the schedule of an eager call at
+    its shape (``certified.schedule``: the leading stage, then `certified.STEPS`)."""
     print(f"Certified split, {images} images per shape, mu within +-2 tau of each entropy (device={device}):")
     print(f"{'':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     schedules = {name: certified.schedule(B, N) for name, (B, N, _d, _T) in shapes.items()}
@@ -663,7 +666,7 @@ def print_split_decisions(shapes, images: int, device: str) -> None:
 
 
 # Stage schedules compared by print_schedules: the one before 2026-11-26's H100 run, the shipped ones (STEPS, and STEPS
-# after the lead: `certified.schedule`), and others.
+# after the lead: `certified.schedule`, eager or as graphs), and others.
 SCHEDULES = ((16, 48), (12, 24, 48), (16, 24, 48), (12, 20, 32, 48), (12, 24, 32, 48), (8, 16, 24, 48),
              (4, 12, 24, 32, 48), (6, 12, 24, 32, 48))
 PROBE_STEPS = (4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)
@@ -674,8 +677,8 @@ def print_schedules(shapes, images: int, device: str) -> None:
     tau): for each image the fewest steps (of ``PROBE_STEPS``) whose bracket decides it; a schedule runs an image to
     the first stage at or above that (all of them when none decides: the exact eigensolve). Steps are what the device
     pays per view (each one a float64 n x n product); reads are the host's, one per stage a call runs (its sync and
-    bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it (``certified.schedule`` of the shape's
-    views and size: a leading stage where the batch's steps cost more than a read)."""
+    bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it, eagerly and replayed as CUDA graphs
+    (``certified.schedule``: a leading stage where the batch's steps cost the device or the host more than a read)."""
     print(f"Lanczos steps per stage schedule, {images} images per shape, mu within +-2 tau (device={device}):")
     print(f"{'schedule':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     needs = {}
@@ -701,8 +704,11 @@ def print_schedules(shapes, images: int, device: str) -> None:
             steps, reads = sum(schedule[i] for i in stage), sum(i + 1 for i in stage)
             exact = sum(k is None or k > schedule[-1] for k in needs[N])
             cells += f"{steps:>5d} steps{reads:>4d} reads{exact:>3d} exact"
-        shipped = [name for name, (B, N, _d, _T) in shapes.items() if certified.schedule(B, N) == schedule]
-        mark = f"  (shipped: {', '.join(shipped)})" if shipped else ""
+        marks = []
+        for label, eager in (("eager", True), ("graphs", False)):
+            shipped = [name for name, (B, N, _d, _T) in shapes.items() if certified.schedule(B, N, eager) == schedule]
+            marks += [f"{label}: {', '.join(shipped)}"] if shipped else []
+        mark = f"  (shipped: {'; '.join(marks)})" if marks else ""
         print(f"{', '.join(map(str, schedule)):<24}{cells}{mark}")
 
 

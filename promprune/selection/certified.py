@@ -15,11 +15,11 @@ bounds come from Gauss quadrature (Golub and Meurant, "Matrices, Moments and Qua
   underestimates it: ``lo <= H <= hi``.
 
 ``split`` runs the first stage's steps for every image (``schedule``: `STEPS`, after a `LEAD`-step stage where the
-batch's steps cost the device more than a stage costs the host), decides every image whose bracket (widened by
-``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and computes the
-exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided, and for images whose
-bounds a stage refuses (a Krylov space that ran out: spectra of few distinct values) without running the later
-stages. The device work is enqueued without waiting; the host reads the recurrence coefficients once per stage
+batch's steps cost the device or the host more than a stage costs the host), decides every image whose bracket
+(widened by ``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and
+computes the exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided, and for
+images whose bounds a stage refuses (a Krylov space that ran out: spectra of few distinct values) without running the
+later stages. The device work is enqueued without waiting; the host reads the recurrence coefficients once per stage
 (``host_read``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved on the
 host in float64.
 """
@@ -54,14 +54,21 @@ STEPS = (12, 24, 32, 48)
 # lead's state). Six, not four: the benchmark's 576-token views decide at 4 steps but its 1296-token view (H 0.49 at
 # mu 0.42) only at 6, and of the split table's 48 images near mu (`--tables schedules`) 6 decide at 6 at 576 tokens,
 # none at 4: (6, 12, 24, 32, 48) runs 932 steps and 123 reads there against 968 and 129 for a lead of 4.
+# Since 2026-11-29 the lead also opens every call whose steps are launched one by one (no CUDA graph replays the
+# stage: PROMPRUNE_GRAPHS off, the default, and the CPU): there a step costs the host its three launches (~84 us at the
+# cost model's 28 us each) whatever the views, as much as a step of the two views at LEAD_FROM costs the device, so
+# LLaVA-1.5 at batch 1 stops being the one eager call without it. A view far from mu then decides after 6 steps instead
+# of 12 (18 launches fewer: 53 -> 35 a call at LLaVA-1.5 in the cost model); over the split table's 48 images near mu
+# the lead runs 36 steps fewer and 42 reads more (932 / 123 against 968 / 81): at 84 us a step and ~0.15 ms a read,
+# ~0.07 ms more per image there, against ~0.5 ms less for each image that decides at 6.
 LEAD = 6
 LEAD_FROM = 2 * 576 ** 3
 
 
-def schedule(views: int, n: int) -> tuple[int, ...]:
+def schedule(views: int, n: int, eager: bool = True) -> tuple[int, ...]:
     """The Lanczos steps by the end of each stage for ``views`` matrices of size ``n`` (`STEPS`, after a `LEAD`-step
-    stage from `LEAD_FROM`)."""
-    return (LEAD, *STEPS) if views * n ** 3 >= LEAD_FROM else STEPS
+    stage from `LEAD_FROM`, or whenever the steps are launched ``eager``ly: no CUDA graph replays the stage)."""
+    return (LEAD, *STEPS) if eager or views * n ** 3 >= LEAD_FROM else STEPS
 
 
 # The bracket is widened by this much (normalized H) before it decides: it covers the exact algorithm's own float32
@@ -285,7 +292,8 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     path centers it (the whole batch, then their rows). ``opening_with``: ``(fn, args)``, the first stage computed as
     ``fn(*args, k)`` (the outputs of ``opening``) instead of from ``matrix``, e.g. from the tokens with their Gram
     formed inside the same graph; ``matrix`` may then be a function that makes it, called only if the exact eigensolve
-    runs. ``steps``: the Lanczos steps by the end of each stage (None: ``schedule`` for the batch's size).
+    runs. ``steps``: the Lanczos steps by the end of each stage (None: ``schedule`` for the batch's size, eager or
+    replayed as CUDA graphs).
 
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32)`` on the CPU: the
@@ -294,7 +302,8 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     if opening_with is None:
         opening_with = (opening_from_gram if gram else opening, (matrix,))
     views, n = _views(opening_with[1])
-    steps = steps or schedule(views, n)
+    first = next(a for a in opening_with[1] if a is not None)
+    steps = steps or schedule(views, n, eager=not graphed.fits(first, views * n * n))  # as ``Lanczos.open`` runs it
     state = Lanczos.open(*opening_with, steps[0], views * n * n)
     B, n, _ = state.rho.shape
     device = state.rho.device

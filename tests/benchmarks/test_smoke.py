@@ -145,8 +145,8 @@ def test_selection():
     assert costs["divprune"][1] == "1"  # select's one finiteness read; the greedy kernel waits for nothing
     graphs = figure(out, r"promprune, graphs +(\d+) +(\d+) .*")  # the split's stages as CUDA graphs: fewer launches
     assert int(graphs[1]) < int(costs["promprune"][0]) and graphs[2] == costs["promprune"][1]
-    # a first view just above a count boundary: one Lanczos stage more (its steps' launches, one read more), and with
-    # graphs one replay more
+    # a first view just above a count boundary: a Lanczos stage or more beyond the first (their steps' launches, a read
+    # each), and with graphs a replay each
     table = out.split("Cost model")[1].split("Host time")[0]
 
     def cost_row(label: str) -> list[int]:  # launches and syncs at each shape
@@ -155,7 +155,7 @@ def test_selection():
 
     for calm, near in (("promprune", "boundary"), ("promprune, graphs", "boundary, graphs")):
         calm, near = cost_row(calm), cost_row(near)
-        assert all(near[i] > calm[i] and near[i + 1] == calm[i + 1] + 1 for i in (0, 2, 4)), (calm, near)
+        assert all(near[i] > calm[i] and near[i + 1] > calm[i + 1] for i in (0, 2, 4)), (calm, near)
     assert all(g < e for g, e in zip(cost_row("boundary, graphs")[::2], cost_row("boundary")[::2]))
     # the host's share of each call, measured on this CPU: every method and PromPrune with graphs, at each shape
     host = {line.split(",")[0].split()[0] + (", graphs" if ", graphs" in line else ""): line.split()[-3:]
@@ -170,12 +170,14 @@ def test_selection():
     equal = figure(out, r"counts equal exact +(\S+) +(\S+) +(\S+)")
     assert equal.groups() == ("yes", "yes", "yes")
     # the stage schedules compared: steps, host reads and eigensolves per shape; each marked with the shapes whose call
-    # takes it (the smoke shapes are small: all of them take STEPS, no leading stage)
+    # takes it (the smoke shapes are small: eagerly all of them lead, as graphs none)
     cell = r" +(\d+) steps +(\d+) reads +(\d+) exact"
-    shipped = figure(out, r"([\d, ]+?)" + cell * 3 + r"  \(shipped: (.+)\)")
-    assert tuple(int(k) for k in shipped[1].split(",")) == certified.STEPS
-    assert shipped[11] == "llava-1.5, llava-next, qwen2.5-vl"
-    assert all(int(shipped[2 + 3 * i]) >= int(shipped[3 + 3 * i]) > 0 for i in range(3))  # >= 1 step per read
+    marks = {tuple(int(k) for k in m[1].split(",")): (m[11], m) for m in
+             re.finditer(r"([\d, ]+?)" + cell * 3 + r"  \(shipped: (.+)\)", out)}
+    every = "llava-1.5, llava-next, qwen2.5-vl"
+    assert {k: v[0] for k, v in marks.items()} == {(certified.LEAD, *certified.STEPS): f"eager: {every}",
+                                                    certified.STEPS: f"graphs: {every}"}, marks
+    assert all(int(m[2 + 3 * i]) >= int(m[3 + 3 * i]) > 0 for _, m in marks.values() for i in range(3))
     # VisPruner's modeled traffic: its rounds are the ones the kernel runs at each smoke shape (T // 2 important)
     from benchmarks.selection import SMOKE_SHAPES
     from promprune.selection.baselines import vispruner_round_count

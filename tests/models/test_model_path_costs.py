@@ -71,12 +71,14 @@ def test_launches_around_the_selection_are_pinned(name, method, batch):
 # shares, the update; the first step two, with no start matrix formed), seven before, and the Gram's centering and
 # rho in two launches, eleven before; and since the ninth stop the two stages after the split in two kernels
 # (``greedy_triton.salient_front``, the DPP after it) where ~30 torch ops ran, the cosine in one where eleven ran:
-# eager 194 / 430 before them. The graphs' count is the same (a stage is one replay either way)
-@pytest.mark.parametrize("name,launches", [("tiny:llava", (153, 113)), ("tiny:llava_next", (325, 205))])
-def test_with_graphs_the_model_path_launches_fewer_and_waits_as_often(name, launches):
+# eager 194 / 430 before them. The graphs' count is the same (a stage is one replay either way). Since 2026-11-29 the
+# eager split opens with the lead's 6 steps (``certified.schedule``): 153 -> 159 (an image there goes on to a second
+# stage: its read, the stage's end, the copy of its rows) and 325 -> 271 (views that decide after 6 steps, not 12)
+@pytest.mark.parametrize("name,launches", [("tiny:llava", (159, 113)), ("tiny:llava_next", (271, 205))])
+def test_with_graphs_the_model_path_launches_fewer_and_waits_no_more(name, launches):
     """PromPrune's selection as CUDA graphs inside ``prepare`` (the split's bounds forced: the tiny views are below
-    the size "auto" takes them at): fewer launches, the same reads of the device, no read inside a graph's body, and
-    the same LLM inputs."""
+    the size "auto" takes them at): fewer launches, no more reads of the device (the eager schedule's stage ends are
+    the graphs' and the lead's), no read inside a graph's body, and the same LLM inputs."""
 
     from benchmarks.launches import fast_path_on_cpu, on_host
     from promprune.selection import accel
@@ -90,7 +92,7 @@ def test_with_graphs_the_model_path_launches_fewer_and_waits_as_often(name, laun
             with fast_path_on_cpu(graphs=g), on_host(vlm, "processed"):
                 prepared.append(vlm.prepare(shots, prompts).model_kwargs)
     assert (eager.launches, graphs.launches) == launches, graphs.ops
-    assert graphs.syncs == eager.syncs and graphs.sync_sites == eager.sync_sites
+    assert graphs.syncs <= eager.syncs and set(graphs.sync_sites) <= set(eager.sync_sites)
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
     assert _same(*prepared)
 

@@ -195,9 +195,12 @@ def test_one_host_read_when_the_first_stage_decides():
 
 def test_a_large_batch_opens_with_a_short_stage(monkeypatch):
     """Where one step of the batch costs the device more than a stage's read costs the host, the split runs LEAD
-    steps first: far from mu every image decides there, with one read and LEAD steps in all."""
-    assert certified.schedule(1, 576) == certified.STEPS  # LLaVA-1.5 at batch 1
+    steps first: far from mu every image decides there, with one read and LEAD steps in all. Replayed as CUDA graphs,
+    LLaVA-1.5 at batch 1 is the one shape below that; launched step by step (eager, the default), every call leads."""
+    assert certified.schedule(1, 576, eager=False) == certified.STEPS  # LLaVA-1.5 at batch 1, as graphs
     for views, n in ((2, 576), (5, 576), (40, 576), (1, 1296)):  # its batch 2, LLaVA-NeXT, Qwen2.5-VL
+        assert certified.schedule(views, n, eager=False) == (certified.LEAD, *certified.STEPS), (views, n)
+    for views, n in ((1, 64), (1, 576), (5, 576), (1, 1296)):
         assert certified.schedule(views, n) == (certified.LEAD, *certified.STEPS), (views, n)
     ran, real = [], certified.lanczos_steps
     monkeypatch.setattr(certified, "lanczos_steps", lambda *args: ran.append(args[-1]) or real(*args))

@@ -42,7 +42,7 @@ def test_promprune_waits_once_when_the_first_stage_decides(views):
     with fast_path_on_cpu():
         costs = count(fast_call, "promprune", x, s, 16, mu=0.95)  # far above every entropy
     assert certified.LAST_REPORT[0].decided == [5] and costs.syncs == 1
-    steps = certified.STEPS[0]
+    steps = certified.LEAD  # eager: every call opens with the lead (``certified.schedule``)
     # per Lanczos step one product (its Frobenius dot is no bmm) but for the first (rho I / sqrt(n) needs none), and
     # the Gram; two Triton kernels a step (the dot's shares, the update: ``lanczos_triton``), one more to end the stage
     assert costs.ops["bmm"] == steps - 1 + 1, costs.ops
@@ -184,11 +184,15 @@ def test_with_graphs_promprune_is_two_graphs_around_one_read(views):
         graphs = count(promprune.select, x, s, budget=16, method="promprune", mu=0.95)
     assert certified.LAST_REPORT[0].decided == [5]
     assert torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
-    assert torch.equal(got.saliency_count, want.saliency_count) and torch.equal(got.entropy, want.entropy)
+    assert torch.equal(got.saliency_count, want.saliency_count)
+    # the entropy is the bracket's midpoint, of 12 steps here and of the lead's 6 eagerly: both within their bracket
+    exact = TokenSet(x, s).spectral_entropy.double()
+    assert torch.allclose(got.entropy.double(), exact, atol=1e-3) and torch.allclose(want.entropy.double(), exact,
+                                                                                      atol=1e-3)
     assert (graphs.launches, graphs.syncs) == (14, 2), graphs.ops
     assert (graphs.ops["cuda_graph"], graphs.ops["copy"], graphs.ops["clone"]) == (2, 3, 3), graphs.ops
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
-    assert eager.launches > 3 * graphs.launches and eager.syncs == graphs.syncs
+    assert eager.launches > 2 * graphs.launches and eager.syncs == graphs.syncs
 
 
 def test_graph_bodies_never_read_the_device_through_every_stage(views):
@@ -202,14 +206,17 @@ def test_graph_bodies_never_read_the_device_through_every_stage(views):
     with fast_path_on_cpu():
         want = fast_call("promprune", x, s, 16, mu=mu)
         eager = count(fast_call, "promprune", x, s, 16, mu=mu)
-    stages = len(certified.LAST_REPORT[0].decided)
+    eager_stages = len(certified.LAST_REPORT[0].decided)
     with fast_path_on_cpu(graphs=True):
         got = fast_call("promprune", x, s, 16, mu=mu)
         graphs = count(fast_call, "promprune", x, s, 16, mu=mu)
+    stages = len(certified.LAST_REPORT[0].decided)
     assert stages >= 2, certified.LAST_REPORT
     assert torch.equal(got.indices, want.indices)
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
-    assert graphs.ops["cuda_graph"] == stages + 1 and graphs.syncs == eager.syncs  # and the picking stages' graph
+    assert graphs.ops["cuda_graph"] == stages + 1  # and the picking stages' graph
+    # a read a stage: the eager call's schedule opens with the lead, the graphs' does not (``certified.schedule``)
+    assert eager_stages == stages + 1 and graphs.syncs == eager.syncs - 1
     assert graphs.launches < eager.launches - 3 * certified.STEPS[0]  # a stage's steps: three launches each eagerly
 
 
