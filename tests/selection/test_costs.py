@@ -168,7 +168,7 @@ def test_with_graphs_the_first_stage_costs_three_launches(views):
     assert costs.flops == 2 * (certified.STEPS[0] - 1) * 5 * 96 ** 3
 
 
-def test_with_graphs_promprune_is_two_graphs_around_one_read(views):
+def test_with_graphs_promprune_is_two_graphs_around_one_read(views, graphs_schedule):
     """PromPrune's whole ``select`` on the fast path with graphs, for images its first stage decides: the input guard
     (one sum per input and their total, one read), the first stage's graph (the tokens' copy in, the coefficients'
     copy out), one read of them, the picking stages' graph (the tokens' and saliency's copies in, the indices' and
@@ -184,18 +184,14 @@ def test_with_graphs_promprune_is_two_graphs_around_one_read(views):
         graphs = count(promprune.select, x, s, budget=16, method="promprune", mu=0.95)
     assert certified.LAST_REPORT[0].decided == [5]
     assert torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
-    assert torch.equal(got.saliency_count, want.saliency_count)
-    # the entropy is the bracket's midpoint, of 12 steps here and of the lead's 6 eagerly: both within their bracket
-    exact = TokenSet(x, s).spectral_entropy.double()
-    assert torch.allclose(got.entropy.double(), exact, atol=1e-3) and torch.allclose(want.entropy.double(), exact,
-                                                                                      atol=1e-3)
+    assert torch.equal(got.saliency_count, want.saliency_count) and torch.equal(got.entropy, want.entropy)
     assert (graphs.launches, graphs.syncs) == (14, 2), graphs.ops
     assert (graphs.ops["cuda_graph"], graphs.ops["copy"], graphs.ops["clone"]) == (2, 3, 3), graphs.ops
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
-    assert eager.launches > 2 * graphs.launches and eager.syncs == graphs.syncs
+    assert eager.launches > 3 * graphs.launches and eager.syncs == graphs.syncs
 
 
-def test_graph_bodies_never_read_the_device_through_every_stage(views):
+def test_graph_bodies_never_read_the_device_through_every_stage(views, graphs_schedule):
     """Images placed at t_sal's count boundaries run every stage (and some the eigensolve): no stage's graph body
     reads a device value (that would break a real capture), one graph per stage, and the picks are the eager
     split's."""
@@ -206,17 +202,14 @@ def test_graph_bodies_never_read_the_device_through_every_stage(views):
     with fast_path_on_cpu():
         want = fast_call("promprune", x, s, 16, mu=mu)
         eager = count(fast_call, "promprune", x, s, 16, mu=mu)
-    eager_stages = len(certified.LAST_REPORT[0].decided)
+    stages = len(certified.LAST_REPORT[0].decided)
     with fast_path_on_cpu(graphs=True):
         got = fast_call("promprune", x, s, 16, mu=mu)
         graphs = count(fast_call, "promprune", x, s, 16, mu=mu)
-    stages = len(certified.LAST_REPORT[0].decided)
     assert stages >= 2, certified.LAST_REPORT
     assert torch.equal(got.indices, want.indices)
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
-    assert graphs.ops["cuda_graph"] == stages + 1  # and the picking stages' graph
-    # a read a stage: the eager call's schedule opens with the lead, the graphs' does not (``certified.schedule``)
-    assert eager_stages == stages + 1 and graphs.syncs == eager.syncs - 1
+    assert graphs.ops["cuda_graph"] == stages + 1 and graphs.syncs == eager.syncs  # and the picking stages' graph
     assert graphs.launches < eager.launches - 3 * certified.STEPS[0]  # a stage's steps: three launches each eagerly
 
 

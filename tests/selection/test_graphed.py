@@ -200,9 +200,10 @@ def _same_selection(got, want) -> bool:
 
 @needs_cuda
 @pytest.mark.parametrize("shape", [(1, 576, 1024), (5, 576, 1024), (1, 1296, 1280)])
-def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape):
+def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape, graphs_schedule):
     """With graphs the whole selection is two graphs (the split's first stage from the tokens, the picking stages as
-    wide as the budget): the same indices, salient flags, counts and entropies as the eager call."""
+    wide as the budget): the same indices, salient flags, counts and entropies as the eager call on the same stage
+    schedule."""
     B, N, d = shape
     g = torch.Generator().manual_seed(N)
     x = torch.randn(B, N, d, generator=g).cuda().half()
@@ -219,7 +220,7 @@ def test_cuda_promprune_keeps_the_same_tokens_with_graphs(shape):
 @needs_cuda
 @pytest.mark.parametrize("options", [{}, {"diversity": "fps"}, {"diversity": "facility_location"},
                                      {"conditional": True}], ids=["dpp", "fps", "fl", "conditional"])
-def test_cuda_one_picking_graph_serves_every_split_of_a_shape(options):
+def test_cuda_one_picking_graph_serves_every_split_of_a_shape(options, graphs_schedule):
     """The picking graph takes the counts as an input: images whose splits differ (mu swept across their entropies,
     some on a count boundary, so the later stages and the eigensolve run too) replay the same capture and keep the
     eager call's tokens, in fp32 and fp16, for every coverage selector."""
@@ -241,9 +242,10 @@ def test_cuda_one_picking_graph_serves_every_split_of_a_shape(options):
 
 
 @needs_cuda
-def test_cuda_split_with_graphs_equals_the_eager_split_through_every_stage():
+def test_cuda_split_with_graphs_equals_the_eager_split_through_every_stage(graphs_schedule):
     """An image on a count boundary runs every stage and the eigensolve: the graphed split (the first stage centered
-    inside its graph, the later stages' state borrowed until copied) decides as the eager one, value for value."""
+    inside its graph, the later stages' state borrowed until copied) decides as the eager one on the same stage
+    schedule, value for value."""
     from promprune.selection.budget import split_budget
     from promprune.selection.registry import TokenSet
 
