@@ -263,6 +263,14 @@ def _scaled_gram(G, norms, out, N, EPS_NUM, EPS, *, RATIO, DIAG, BLOCK):
     out.copy_(cosine_from_unit_gram(G, norms, EPS_NUM, EPS) if RATIO else unit_gram_from_product(G, norms, EPS))
 
 
+def _ascending(IDX, SAL, out_idx, out_sal, T, *, HAS_SAL, BLOCK_T):
+    """``greedy_triton._ascending_kernel``'s work in torch: ``registry._sorted``'s own sort and gather."""
+    indices, perm = IDX.sort(dim=1)
+    out_idx.copy_(indices)
+    if HAS_SAL:
+        out_sal.copy_(SAL.gather(1, perm))
+
+
 # Seconds the stubs below spent doing their kernels' work on this CPU (device work: ``host_ms`` leaves it out).
 _STUB_WORK = [0.0]
 
@@ -342,7 +350,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
              (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
               lanczos_triton._row_means_kernel, lanczos_triton._density_kernel), greedy_triton._front_kernel,
-             greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel)
+             greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel, greedy_triton._ascending_kernel)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
     graphed._SEEN.clear()
@@ -361,6 +369,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
     greedy_triton._front_kernel = _WorkStub(_front, "front")
     greedy_triton._scaled_gram_kernel = _WorkStub(_scaled_gram, "scaled_gram")
     greedy_triton._divprune_kernel = _KernelStub(1, "divprune")
+    greedy_triton._ascending_kernel = _WorkStub(_ascending, "ascending")
     try:
         with accel.graphs(graphs):
             yield
@@ -375,7 +384,8 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed.SIGHTINGS = saved[10]
         (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
          lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = saved[11]
-        greedy_triton._front_kernel, greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel = saved[12:15]
+        (greedy_triton._front_kernel, greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel,
+         greedy_triton._ascending_kernel) = saved[12:16]
 
 
 def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float:

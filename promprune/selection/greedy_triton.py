@@ -1,7 +1,8 @@
 """The greedy selectors (and VisPruner's duplicate removal) as Triton kernels: one program per view runs every pick
 (every round) of a call, no launch per step. Beside them, kernels that do in one launch what a dozen torch ops do
 around them: the tokens' unit Gram and the cosine kernel the selectors read (``scaled_gram``), PromPrune's saliency
-stage before its DPP (``salient_front``), and DivPrune's set-up with its loop (``divprune_picks``).
+stage before its DPP (``salient_front``), DivPrune's set-up with its loop (``divprune_picks``), and the selection's
+ascending order at the end (``ascending``).
 
 The torch loops of ``diversity`` issue ~20-30 small kernels per pick; on a GPU they are launch-bound (2,333 launches
 per LLaVA-1.5 call). Here one launch does the whole greedy loop of every view in the batch; counts, masks and
@@ -192,6 +193,24 @@ def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: t
         top = tl.max(score, axis=0)
         pick = tl.min(tl.where(score == top, offs, BLOCK_N), axis=0)
         tl.store(first + b, tl.where(t > 0, pick, -1).to(tl.int64))
+
+
+@triton.jit
+def _ascending_kernel(IDX, SAL, out_idx, out_sal, T, HAS_SAL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One row of a selection put in ascending order, its salient flags carried along: ``IDX [B, T]`` int64 (distinct
+    per row but for -1, no pick, which is never salient) and ``SAL [B, T]`` uint8 (``HAS_SAL``) into ``out_idx`` /
+    ``out_sal``, by one sort of ``2 index + flag`` keys (what ``indices.sort(dim=1)`` and a gather of the flags by its
+    permutation give)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_T)
+    inb = offs < T
+    key = tl.load(IDX + b * T + offs, mask=inb, other=0) * 2
+    if HAS_SAL:
+        key += tl.load(SAL + b * T + offs, mask=inb, other=0).to(tl.int64)
+    key = tl.sort(tl.where(inb, key, 0x7FFFFFFFFFFFFFFF))
+    tl.store(out_idx + b * T + offs, key >> 1, mask=inb)  # arithmetic: -1 (no pick) stays -1
+    if HAS_SAL:
+        tl.store(out_sal + b * T + offs, (key & 1).to(tl.uint8), mask=inb)
 
 
 @triton.jit
@@ -550,6 +569,24 @@ def scaled_gram(gram: torch.Tensor, norms: torch.Tensor, eps: float, eps_num: fl
                                            eps_num if ratio else eps, eps, RATIO=ratio, DIAG=ratio, BLOCK=GRAM_BLOCK,
                                            num_warps=4, enable_fp_fusion=False)
     return out
+
+
+ASCENDING_MAX = VIS_SORT_MAX  # kept tokens one program sorts at once (``ascending``)
+
+
+def ascending(indices: torch.Tensor, salient: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``registry._sorted``'s reorder in one launch (``_ascending_kernel``) instead of a sort and a gather: the kept
+    ``indices [B, T]`` (int64, distinct per row but for -1; T <= `ASCENDING_MAX`) in ascending order and the
+    ``salient [B, T]`` bool flags (or None) in the same order."""
+    B, T = indices.shape
+    idx = indices.contiguous()
+    out_idx = torch.empty_like(idx)
+    flags = None if salient is None else salient.contiguous()
+    out_sal = None if flags is None else torch.empty_like(flags)
+    sal, sal_out = (idx, out_idx) if flags is None else (flags.view(torch.uint8), out_sal.view(torch.uint8))
+    _ascending_kernel[(B,)](idx, sal, out_idx, sal_out, T, HAS_SAL=flags is not None,
+                            BLOCK_T=triton.next_power_of_2(max(T, 16)), num_warps=8 if T > 1024 else 4)
+    return out_idx, out_sal
 
 
 FRONT_MAX = VIS_SORT_MAX  # tokens one program sorts at once (``salient_front``)

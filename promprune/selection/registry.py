@@ -559,7 +559,15 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
 
 
 def _sorted(sel: Selection) -> Selection:
-    """Reorder a selection (and its aligned per-token fields) into ascending raster order."""
+    """Reorder a selection (and its aligned per-token fields) into ascending raster order. On the CUDA fast path
+    without merged features, one Triton launch (``greedy_triton.ascending``) instead of the sort and the gather."""
+    if sel.features is None and accel.active(sel.indices) and accel.has_triton():
+        from . import greedy_triton
+
+        fused = (accel.kernel("ascending", lambda: greedy_triton.ascending(sel.indices, sel.salient))
+                 if sel.indices.shape[1] <= greedy_triton.ASCENDING_MAX else None)
+        if fused is not None:  # None: Triton could not build it here; the torch ops below give the same order
+            return Selection(fused[0], sel.saliency_count, sel.entropy, None, fused[1], sel.cls)
     indices, perm = sel.indices.sort(dim=1)
     feats = None
     if sel.features is not None:

@@ -72,6 +72,22 @@ def test_the_stages_after_the_split_are_two_kernels(method, options, dpp, fewer,
     assert ops.launches - fused.launches == fewer, (fused.ops, ops.ops)
 
 
+@pytest.mark.parametrize("method", ["promprune", "divprune", "fixed_ratio", "saliency_only", "random", "vispruner"])
+def test_the_ascending_order_is_one_kernel(method, views):
+    """``select``'s ascending order at the end (the indices' sort and the salient flags' gather) is one launch
+    (``greedy_triton.ascending``): one fewer than the torch ops, the same selection."""
+    x, s = views
+    with fast_path_on_cpu():
+        fused = count(promprune.select, x, s, budget=16, method=method)
+        got = promprune.select(x, s, budget=16, method=method)
+        with accel.without_kernel("ascending"):
+            torch_ops = count(promprune.select, x, s, budget=16, method=method)
+            want = promprune.select(x, s, budget=16, method=method)
+    assert fused.ops["triton:ascending"] == 1 and not torch_ops.ops["triton:ascending"], fused.ops
+    assert fused.launches == torch_ops.launches - 1 and fused.syncs == torch_ops.syncs
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
+
+
 def test_the_cosine_is_one_kernel(views):
     """``TokenSet.cosine`` from the unit Gram on the fast path: one launch (``greedy_triton.scaled_gram``) where
     its torch ops (the rescaling, the symmetrization, the exact diagonal) take eleven; the same matrix."""
@@ -173,7 +189,7 @@ def test_with_graphs_promprune_is_two_graphs_around_one_read(views, graphs_sched
     (one sum per input and their total, one read), the first stage's graph (the tokens' copy in, the coefficients'
     copy out), one read of them, the picking stages' graph (the tokens' and saliency's copies in, the indices' and
     salient flags' copies out; the counts come from the host, a transfer ``count`` does not see, on a GPU two copies
-    more, as eagerly), and the ascending sort (a sort and a gather): 14 launches, where the same call eagerly launches
+    more, as eagerly), and the ascending order (one kernel): 13 launches, where the same call eagerly launches
     every kernel of the Gram, the cosine, the saliency order and the DPP's set-up. Same picks."""
     x, s = views
     with fast_path_on_cpu():
@@ -185,7 +201,7 @@ def test_with_graphs_promprune_is_two_graphs_around_one_read(views, graphs_sched
     assert certified.LAST_REPORT[0].decided == [5]
     assert torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
     assert torch.equal(got.saliency_count, want.saliency_count) and torch.equal(got.entropy, want.entropy)
-    assert (graphs.launches, graphs.syncs) == (14, 2), graphs.ops
+    assert (graphs.launches, graphs.syncs) == (13, 2), graphs.ops
     assert (graphs.ops["cuda_graph"], graphs.ops["copy"], graphs.ops["clone"]) == (2, 3, 3), graphs.ops
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
     assert eager.launches > 3 * graphs.launches and eager.syncs == graphs.syncs

@@ -152,6 +152,9 @@ def _kernels():
     for first, block_n in ((True, 2048), (False, 2048), (True, g.FRONT_MAX)):  # Qwen2.5-VL's 1296 tokens; the most
         out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n, "ROWS": max(1, 16384 // block_n)}))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
+    ascending = {"IDX": "*i64", "SAL": "*u8", "out_idx": "*i64", "out_sal": "*u8", "T": "i32"}
+    for has_sal, block_t in ((True, 64), (False, 1024), (True, g.ASCENDING_MAX)):  # LLaVA-1.5's budget; the most
+        out.append((g._ascending_kernel, ascending, {"HAS_SAL": has_sal, "BLOCK_T": block_t}))
     divprune = {"C": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32"}
     out.append((g._divprune_kernel, divprune, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048, "ROWS": 8}))
     out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))

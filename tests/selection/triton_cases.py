@@ -323,6 +323,29 @@ def divprune_case(kind: str, B: int, N: int, d: int, seed: int, budget: int) -> 
     return run
 
 
+def ascending_case(B: int, T: int, N: int, seed: int, flags: bool = True, pad: int = 0) -> Case:
+    """A selection's ascending order at the end of ``select`` (``greedy_triton.ascending``: one sort of ``2 index +
+    flag`` keys) against ``registry._sorted``'s torch ops (a sort, a gather of the salient flags): ``T`` distinct
+    indices of ``N`` per row in random order, random flags (or none), the last ``pad`` of each row -1 (no pick)."""
+    from promprune.selection import greedy_triton
+    from promprune.selection.registry import Selection, _sorted
+
+    def run(device):
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.stack([torch.randperm(N, generator=g)[:T] for _ in range(B)])
+        if pad:
+            idx[:, T - pad:] = -1
+        sal = torch.rand(B, T, generator=g) < 0.4 if flags else None
+        if pad and flags:
+            sal[:, T - pad:] = False  # a -1 (no pick) is never salient: equal keys, in any order
+        want = _sorted(Selection(idx, torch.zeros(B, dtype=torch.long), salient=sal))
+        with _fast(device):
+            got_idx, got_sal = greedy_triton.ascending(idx.to(device), None if sal is None else sal.to(device))
+        got = torch.cat([got_idx.cpu(), torch.zeros_like(idx) if sal is None else got_sal.cpu().long()], 1)
+        return got, torch.cat([want.indices, torch.zeros_like(idx) if sal is None else want.salient.long()], 1)
+    return run
+
+
 def _stage_saliency(kind: str, B: int, N: int, seed: int) -> torch.Tensor:
     """Saliency ``[B, N]`` for the two stages: random, four values (ties), one constant row (min-max maps it to 0:
     raster order), descending by index (the top tokens are 0, 1, ...), or zeros of both signs among 0.5 and 1 (where
@@ -526,6 +549,11 @@ def cases() -> dict[str, Case]:
                                             ("zeros", 2, 33, 20, 33), ("orthonormal", 2, 24, 32, 10),
                                             ("random", 1, 300, 24, 64)]):
         out[f"divprune/{kind}-{B}x{N}x{d}"] = divprune_case(kind, B, N, d, 80 + i, T)
+    # the ascending order at the end of select, with and without salient flags, one row to many, past 1024 kept tokens
+    for i, (B, T, N, flags, pad) in enumerate([(3, 12, 37, True, 0), (2, 1, 5, True, 0), (2, 64, 64, False, 0),
+                                               (1, 300, 576, True, 0), (2, 20, 40, True, 3), (1, 1100, 2000, True, 0)]):
+        out[f"ascending/{B}x{T}-of-{N}" + ("" if flags else "-no-flags") + (f"-pad{pad}" if pad else "")] = (
+            ascending_case(B, T, N, 90 + i, flags, pad))
     # PromPrune's two stages as two kernels (the saliency stage's sort, masks and first pick; the DPP after it):
     # images with no salient token, with all of them, and between; ties in the saliency and in the first pick
     for i, (kind, B, N, d, sal, t_sal, T) in enumerate([
