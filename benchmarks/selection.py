@@ -545,16 +545,6 @@ def vispruner_traffic(R0: int, keep: int) -> dict[str, float]:
     return out
 
 
-def _host_median_ms(fn, args: tuple, calls: int) -> float:
-    """Median wall ms of ``fn(*args)`` over ``calls`` calls (host work only)."""
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn(*args)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
 def print_bounds_host(smoke: bool = False, calls: int = 200) -> None:
     """The host's work at the end of each stage of the certified split, measured on this CPU: the Gauss / Gauss-Radau
     bracket (``certified.bounds``: two batched dense eigensolves of k x k and (k + 1) x (k + 1) tridiagonals) and the
@@ -578,8 +568,8 @@ def print_bounds_host(smoke: bool = False, calls: int = 200) -> None:
             state = certified.Lanczos.start(rho).run(k)
             alpha, beta = state.alpha.numpy(), state.beta.numpy()
             lo, hi = certified.bounds(alpha, beta, n)
-            ms = [_host_median_ms(certified.bounds, (alpha, beta, n), calls),
-                  _host_median_ms(certified.decide, (lo, hi, count_of), calls)]
+            ms = [median_ms(lambda a: certified.bounds(*a), (alpha, beta, n), calls),
+                  median_ms(lambda a: certified.decide(*a), (lo, hi, count_of), calls)]
             cells += f"{ms[0]:>14.3f}{ms[1]:>8.3f}"
         print(f"{B:<8}" + cells)
 

@@ -302,8 +302,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     if opening_with is None:
         opening_with = (opening_from_gram if gram else opening, (matrix,))
     views, n = _views(opening_with[1])
-    first = next(a for a in opening_with[1] if a is not None)
-    steps = steps or schedule(views, n, eager=not graphed.fits(first, views * n * n))  # as ``Lanczos.open`` runs it
+    steps = steps or schedule(views, n, eager=not graphed.replays(opening_with[1], views * n * n))  # as ``open`` runs
     state = Lanczos.open(*opening_with, steps[0], views * n * n)
     B, n, _ = state.rho.shape
     device = state.rho.device

@@ -110,12 +110,17 @@ def fits(device_tensor: torch.Tensor, elements: int) -> bool:
     return accel.graphs_on() and accel.active(device_tensor) and elements <= MAX_ELEMENTS and not _FAILED
 
 
+def replays(args: tuple[torch.Tensor | None, ...], elements: int) -> bool:
+    """Whether ``run`` with these ``args`` (tensors, or None) and ``elements`` replays a graph: the work ``fits`` on
+    the device of the first tensor among them."""
+    return fits(next(a for a in args if a is not None), elements)
+
+
 def run(fn: Callable, args: tuple[torch.Tensor | None, ...], static: Hashable, elements: int,
         fresh: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
     """``fn(*args, static)``: through its graph (``replay``, ``fresh`` as there) where the work ``fits`` (its largest
     ``[B, n, n]`` matrix has ``elements`` elements), else eagerly."""
-    device_tensor = next(a for a in args if a is not None)
-    return replay(fn, args, static, fresh) if fits(device_tensor, elements) else fn(*args, static)
+    return replay(fn, args, static, fresh) if replays(args, elements) else fn(*args, static)
 
 
 def usable(state: torch.Tensor, steps: int) -> bool:

@@ -583,6 +583,7 @@ def ascending(indices: torch.Tensor, salient: torch.Tensor | None) -> tuple[torc
     out_idx = torch.empty_like(idx)
     flags = None if salient is None else salient.contiguous()
     out_sal = None if flags is None else torch.empty_like(flags)
+    # without flags the indices stand in for the flag pointers, which the kernel never reads
     sal, sal_out = (idx, out_idx) if flags is None else (flags.view(torch.uint8), out_sal.view(torch.uint8))
     _ascending_kernel[(B,)](idx, sal, out_idx, sal_out, T, HAS_SAL=flags is not None,
                             BLOCK_T=triton.next_power_of_2(max(T, 16)), num_warps=8 if T > 1024 else 4)

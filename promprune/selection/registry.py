@@ -561,7 +561,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
 def _sorted(sel: Selection) -> Selection:
     """Reorder a selection (and its aligned per-token fields) into ascending raster order. On the CUDA fast path
     without merged features, one Triton launch (``greedy_triton.ascending``) instead of the sort and the gather."""
-    if sel.features is None and sel.indices.numel() and accel.active(sel.indices) and accel.has_triton():
+    if sel.features is None and sel.indices.numel() and accel.fused(sel.indices):
         from . import greedy_triton
 
         fused = (accel.kernel("ascending", lambda: greedy_triton.ascending(sel.indices, sel.salient))
