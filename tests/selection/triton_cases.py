@@ -605,4 +605,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: the graphs cases import benchmarks
     main()
