@@ -58,28 +58,56 @@ def _dot_kernel(U, W, DOT, N2, PARTS, CHUNK, N, TILE: tl.constexpr, IDENT: tl.co
     tl.store(DOT + b * PARTS + p, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def _coefficients(DOT, NORM_IN, BPREV, BPREV_STRIDE, b, PARTS_IN, FIRST: tl.constexpr, HAS_PREV: tl.constexpr,
+                  PARTS_P2: tl.constexpr):
+    """A step's ``(alpha, beta)`` from its view's shares (``PARTS_IN`` of them): ``FIRST`` (the call's first step, its
+    basis matrix normalized): alpha the dot, beta ``BPREV[b]`` (0 without ``HAS_PREV``); else beta the root of the
+    last residual's squared norm and alpha the dot over beta squared (the product was of the unnormalized residual).
+    Every sum in a fixed order: every program of a view holds the same two values."""
+    ps = tl.arange(0, PARTS_P2)
+    dot = tl.sum(tl.load(DOT + b * PARTS_IN + ps, mask=ps < PARTS_IN, other=0.0), axis=0)
+    if FIRST:
+        alpha = dot
+        beta = dot * 0.0
+        if HAS_PREV:
+            beta = tl.load(BPREV + b * BPREV_STRIDE)
+    else:
+        beta = tl.sqrt(tl.sum(tl.load(NORM_IN + b * PARTS_IN + ps, mask=ps < PARTS_IN, other=0.0), axis=0))
+        alpha = dot / (beta * beta)
+    return alpha, beta
+
+
+@triton.jit
+def _residual(w, u, vp, alpha, beta, FIRST: tl.constexpr, HAS_PREV: tl.constexpr):
+    """``(new, v)``: a step's next residual from ``w = rho u``, and the basis matrix ``v`` it was made from (``u``
+    itself when ``FIRST``, else ``u / beta``): the one expression both the update and the fused step evaluate."""
+    if FIRST:
+        v = u
+        new = w - alpha * u
+        if HAS_PREV:
+            new = new - beta * vp
+    else:
+        v = u / beta
+        new = w / beta - alpha * v - beta * vp
+    return new, v
+
+
 @triton.jit(do_not_specialize=["STEPS", "j"])
-def _update_kernel(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, CHUNK, N, STEPS, j,
-                   FIRST: tl.constexpr, HAS_PREV: tl.constexpr, IDENT: tl.constexpr, VP_IDENT: tl.constexpr,
-                   TILE: tl.constexpr, PARTS_P2: tl.constexpr):
+def _update_kernel(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, PARTS_IN, CHUNK, N,
+                   STEPS, j, FIRST: tl.constexpr, HAS_PREV: tl.constexpr, IDENT: tl.constexpr,
+                   VP_IDENT: tl.constexpr, TILE: tl.constexpr, PARTS_P2: tl.constexpr):
     """Step ``j``: ``W = rho U`` in, the next residual out (into ``OUT``: ``W`` itself but at the start). ``FIRST``
     (the call's first step): ``U`` is the normalized basis matrix and ``BPREV [B]`` (stride ``BPREV_STRIDE``) its
     coupling to ``VP`` (read only with ``HAS_PREV``); else ``U`` is the last residual, its squared norm in
     ``NORM_IN``'s shares, and ``U`` is normalized in place. ``IDENT`` (the start's step): ``U = I / sqrt(N)`` and ``W``
     is ``rho`` (read only), so ``rho U`` is ``W / sqrt(N)``; ``VP_IDENT`` (the step after it): ``VP = I / sqrt(N)``.
-    ``NORM_OUT``: the new residual's shares."""
+    ``DOT`` and ``NORM_IN`` hold ``PARTS_IN`` shares a view (their writer's programs); ``NORM_OUT`` gets this launch's
+    ``PARTS``."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    ps = tl.arange(0, PARTS_P2)
-    dot = tl.sum(tl.load(DOT + b * PARTS + ps, mask=ps < PARTS, other=0.0), axis=0)
+    alpha, beta = _coefficients(DOT, NORM_IN, BPREV, BPREV_STRIDE, b, PARTS_IN, FIRST, HAS_PREV, PARTS_P2)
     rs = 1.0 / tl.sqrt(N.to(tl.float64))  # I / sqrt(N)'s diagonal, as torch.eye(N) / math.sqrt(N) has it
-    if FIRST:
-        alpha = dot
-        if HAS_PREV:
-            beta = tl.load(BPREV + b * BPREV_STRIDE)
-    else:
-        beta = tl.sqrt(tl.sum(tl.load(NORM_IN + b * PARTS + ps, mask=ps < PARTS, other=0.0), axis=0))
-        alpha = dot / (beta * beta)
     acc = tl.zeros([TILE], tl.float64)
     for t0 in range(0, CHUNK, TILE):
         offs = p * CHUNK + t0 + tl.arange(0, TILE)
@@ -97,13 +125,8 @@ def _update_kernel(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STR
             vp = tl.load(VP + b * N2 + offs, mask=inb, other=0.0)
         else:  # no previous basis matrix (the very first step): unread
             vp = tl.zeros([TILE], tl.float64)
-        if FIRST:
-            new = w - alpha * u
-            if HAS_PREV:
-                new = new - beta * vp
-        else:
-            v = u / beta
-            new = w / beta - alpha * v - beta * vp
+        new, v = _residual(w, u, vp, alpha, beta, FIRST, HAS_PREV)
+        if not FIRST:
             tl.store(U + b * N2 + offs, v, mask=inb)
         tl.store(OUT + b * N2 + offs, new, mask=inb)
         acc += new * new
@@ -112,6 +135,91 @@ def _update_kernel(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STR
         tl.store(COEF + b * 2 * STEPS + j, alpha)
         if not FIRST:
             tl.store(COEF + b * 2 * STEPS + STEPS + j - 1, beta)
+
+
+@triton.jit
+def _operand(W, U, VP, base, N, r, c, alpha, beta, rs, UPDATE: tl.constexpr, FIRST: tl.constexpr,
+             HAS_PREV: tl.constexpr, IDENT: tl.constexpr, VP_IDENT: tl.constexpr):
+    """The fused step's ``[len(r), len(c)]`` block (rows ``r``, columns ``c`` of a view at ``base``) of the matrix
+    it multiplies, and of the basis matrix: ``UPDATE``, the residual ``_residual`` makes there from ``W``, ``U`` and
+    ``VP`` (``IDENT`` / ``VP_IDENT`` as in ``_update_kernel``); else ``U`` itself (a normalized basis matrix). 0 outside
+    the view."""
+    inb = (r < N)[:, None] & (c < N)[None, :]
+    offs = base + r[:, None] * N + c[None, :]
+    if UPDATE:
+        diag = inb & (r[:, None] == c[None, :])
+        w = tl.load(W + offs, mask=inb, other=0.0)
+        if IDENT:
+            w = w * rs
+            u = tl.where(diag, rs, 0.0)
+        else:
+            u = tl.load(U + offs, mask=inb, other=0.0)
+        if VP_IDENT:
+            vp = tl.where(diag, rs, 0.0)
+        elif HAS_PREV:
+            vp = tl.load(VP + offs, mask=inb, other=0.0)
+        else:
+            vp = w * 0.0
+        new, v = _residual(w, u, vp, alpha, beta, FIRST, HAS_PREV)
+    else:
+        new = tl.load(U + offs, mask=inb, other=0.0)
+        v = new
+    return new, v
+
+
+@triton.jit(do_not_specialize=["STEPS", "j"])
+def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N,
+                  PARTS_IN, STEPS, j, UPDATE: tl.constexpr, FIRST: tl.constexpr, HAS_PREV: tl.constexpr,
+                  IDENT: tl.constexpr, VP_IDENT: tl.constexpr, PARTS_P2: tl.constexpr, DIAG: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Step ``j``'s update and the next step's product in one launch, a program per ``BM x BN`` block of a view's
+    product. ``UPDATE``: the block's operand is step ``j``'s residual (``_operand``, formed again for every block that
+    reads it, never stored before the product), whose coefficients the program reads from the shares
+    (``_coefficients``; ``IDENT``, the start's step: alpha is ``tr(rho) / N`` from the diagonal, ``DIAG`` entries at
+    a time); the program stores its block of that residual (``NEW``), of the basis matrix it came from (``VOUT``,
+    unless ``FIRST``: that is ``U`` itself), of the product (``WOUT``), and its shares of the next dot ``<new, rho
+    new>`` and of ``|new|^2`` (``DOT_OUT``, ``NORM_OUT``: one a program); a view's first program records alpha (and
+    the previous beta). Not ``UPDATE``: the product of the normalized ``U`` and its dot's shares only (a stage's first
+    step from a state)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    tiles = tl.num_programs(0)
+    across = tl.cdiv(N, BN)
+    r = (t // across) * BM + tl.arange(0, BM)
+    c = (t % across) * BN + tl.arange(0, BN)
+    base = b * N * N
+    rs = 1.0 / tl.sqrt(N.to(tl.float64))
+    alpha = rs * 0.0
+    beta = rs * 0.0
+    if UPDATE:
+        if IDENT:  # <I / sqrt(N), rho I / sqrt(N)>: the diagonal, each entry as _dot_kernel takes it
+            acc_d = tl.zeros([DIAG], tl.float64)
+            for d0 in range(0, N, DIAG):
+                ds = d0 + tl.arange(0, DIAG)
+                acc_d += tl.where(ds < N, rs * (tl.load(W + base + ds * (N + 1), mask=ds < N, other=0.0) * rs), 0.0)
+            alpha = tl.sum(acc_d, axis=0)
+        else:
+            alpha, beta = _coefficients(DOT, NORM_IN, BPREV, BPREV_STRIDE, b, PARTS_IN, FIRST, HAS_PREV, PARTS_P2)
+    acc = tl.zeros([BM, BN], tl.float64)
+    for k0 in range(0, N, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(RHO + base + r[:, None] * N + ks[None, :], mask=(r < N)[:, None] & (ks < N)[None, :], other=0.0)
+        x, _ = _operand(W, U, VP, base, N, ks, c, alpha, beta, rs, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT)
+        acc = tl.dot(a, x, acc)
+    x, v = _operand(W, U, VP, base, N, r, c, alpha, beta, rs, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT)
+    inb = (r < N)[:, None] & (c < N)[None, :]
+    offs = base + r[:, None] * N + c[None, :]
+    tl.store(WOUT + offs, acc, mask=inb)
+    tl.store(DOT_OUT + b * tiles + t, tl.sum(tl.sum(x * acc, axis=1), axis=0))
+    if UPDATE:
+        tl.store(NEW + offs, x, mask=inb)
+        tl.store(NORM_OUT + b * tiles + t, tl.sum(tl.sum(x * x, axis=1), axis=0))
+        if not FIRST:
+            tl.store(VOUT + offs, v, mask=inb)
+        if t == 0:
+            tl.store(COEF + b * 2 * STEPS + j, alpha)
+            if not FIRST:
+                tl.store(COEF + b * 2 * STEPS + STEPS + j - 1, beta)
 
 
 @triton.jit(do_not_specialize=["STEPS"])
@@ -196,15 +304,22 @@ def layout(B: int, n: int) -> tuple[int, int, int]:
     return chunk, parts, triton.next_power_of_2(parts)
 
 
+def fuses(B: int, n: int) -> bool:
+    """Whether ``steps`` runs its recurrence fused (``_fused_kernel``: a launch a step) for ``B`` views of ``n x n``:
+    up to `FUSED_UP_TO`."""
+    return B * n ** 3 <= FUSED_UP_TO
+
+
 def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,
-          count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          count: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``certified.lanczos_steps(rho, v, v_prev, b_prev, count)`` (the same arguments and outputs: ``(packed [B,
-    2 count], v, v_prev)``) in ``3 count + 1`` launches. ``v`` None: the start, ``I / sqrt(n)``, never formed: its
-    product with ``rho`` is ``rho / sqrt(n)``, read where the first update reads it (``IDENT``): no product, two
-    launches for the first step, and no basis matrix to make. ``rho``, ``v`` and ``v_prev`` are read only; the outputs
-    are three buffers of its own that rotate (a step's product never lands on the two matrices it still reads)."""
+    2 count], v, v_prev)``). ``v`` None: the start, ``I / sqrt(n)``, never formed: its product with ``rho`` is
+    ``rho / sqrt(n)``, read where the first update reads it (``IDENT``): no product and no basis matrix to make.
+    ``fused`` (None: ``fuses``): each step's update and the next step's product in one launch (``_fused_kernel``),
+    ``count + 1`` launches from the start and ``count + 2`` from a state; else a cuBLAS product, the dot and the
+    update a step, ``3 count`` and ``3 count + 1``. ``rho``, ``v`` and ``v_prev`` are read only; the outputs are
+    buffers of its own that rotate (a step never writes a matrix it or another program of its launch still reads)."""
     B, n, _ = rho.shape
-    n2 = n * n
     chunk, parts, parts_p2 = layout(B, n)
     start = v is None
     rho = rho.contiguous()
@@ -216,28 +331,96 @@ def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None
     if start and has_prev:
         raise ValueError("lanczos_triton.steps: the start (v None) has no v_prev")
     coef = rho.new_empty(B, 2 * count)
-    dot = rho.new_empty(B, parts)
     norms = (rho.new_empty(B, parts), rho.new_empty(B, parts))
-    owned: list[torch.Tensor | None] = [None, None, None]
-    grid = (parts, B)
     bprev = b_prev if b_prev is not None else coef  # unread without v_prev
-    u, vp = v, v_prev
-    for j in range(count):
-        if owned[j % 3] is None:
-            owned[j % 3] = torch.empty_like(rho)
+
+    def update(j, w, u, vp, out, dot, norm_in, parts_in):  # step j's update (its product w = rho u and dot made)
         ident = start and j == 0
-        if ident:  # rho I / sqrt(n) is rho / sqrt(n): no product; the residual goes to a buffer of its own
-            w, out = rho, owned[0]
-        else:  # never u or vp: they are the last two of the rotation (or the caller's)
-            w = out = torch.bmm(rho, u, out=owned[j % 3])
-        _dot_kernel[grid](w if ident else u, w, dot, n2, parts, chunk, n, TILE=TILE, IDENT=ident, num_warps=WARPS)
-        _update_kernel[grid](w, w if ident else u, w if vp is None else vp, out, dot, norms[(j + 1) % 2],
-                             norms[j % 2], coef, bprev, bprev.stride(0), n2, parts, chunk, n, count, j,
-                             FIRST=j == 0, HAS_PREV=j > 0 or has_prev, IDENT=ident, VP_IDENT=start and j == 1,
-                             TILE=TILE, PARTS_P2=parts_p2, num_warps=WARPS, enable_fp_fusion=False)
-        u, vp = out, (None if ident else u)
-    _finish_kernel[grid](u, norms[(count - 1) % 2], coef, n2, parts, chunk, count, TILE=TILE, PARTS_P2=parts_p2,
-                         num_warps=WARPS, enable_fp_fusion=False)
+        _update_kernel[(parts, B)](w, w if ident else u, w if vp is None else vp, out, dot, norm_in, norms[j % 2],
+                                   coef, bprev, bprev.stride(0), n * n, parts, parts_in, chunk, n, count, j,
+                                   FIRST=j == 0, HAS_PREV=j > 0 or has_prev, IDENT=ident, VP_IDENT=start and j == 1,
+                                   TILE=TILE, PARTS_P2=triton.next_power_of_2(parts_in), num_warps=WARPS,
+                                   enable_fp_fusion=False)
+        return out, (None if ident else u)  # the next u (unnormalized) and vp (normalized in place)
+
+    if fused is None:
+        fused = fuses(B, n)
+    if fused and not (start and count == 1):
+        u, vp = _fused(rho, v, v_prev, count, coef, bprev, update)
+    else:
+        dot = rho.new_empty(B, parts)
+        owned: list[torch.Tensor | None] = [None, None, None]
+        u, vp = v, v_prev
+        for j in range(count):
+            if owned[j % 3] is None:
+                owned[j % 3] = torch.empty_like(rho)
+            ident = start and j == 0
+            if ident:  # rho I / sqrt(n) is rho / sqrt(n): no product; the residual goes to a buffer of its own
+                w, out = rho, owned[0]
+            else:  # never u or vp: they are the last two of the rotation (or the caller's)
+                w = out = torch.bmm(rho, u, out=owned[j % 3])
+            _dot_kernel[(parts, B)](w if ident else u, w, dot, n * n, parts, chunk, n, TILE=TILE, IDENT=ident,
+                                    num_warps=WARPS)
+            u, vp = update(j, w, u, vp, out, dot, norms[(j + 1) % 2], parts)
+    _finish_kernel[(parts, B)](u, norms[(count - 1) % 2], coef, n * n, parts, chunk, count, TILE=TILE,
+                               PARTS_P2=parts_p2, num_warps=WARPS, enable_fp_fusion=False)
     if vp is None:  # one step from the start: its v_prev is the start itself
         vp = start_basis(rho)
     return coef, u, vp
+
+
+# The fused step's blocks: a 64 x 64 block of the product a program (81 a view of 576 tokens, 441 of 1296), its sum
+# over 16 columns of rho at a time (float64 MMA on sm_80 and later: mma.sync ...f64 in its PTX for sm_90)
+BLOCK, BLOCK_K, FUSED_WARPS = 64, 16, 4
+# ``fuses``' bound on views x n^3, a projection until a GPU measures it (benchmarks/lanczos_steps.py): a fused step
+# costs the host one launch instead of three (~56 us less at the cost model's 28 us a launch) and its product runs in
+# Triton's float64 MMA instead of cuBLAS'. At batch 1 the host's launches set a step's time (five 576 x 576 float64
+# products take the device ~50 us at 40 TFLOP/s, three launches the host ~84 us), so the launches saved win while
+# the device's product stays under the host's three launches even at half cuBLAS' rate: up to ~4-5 views of 576.
+# LLaVA-1.5 and LLaVA-NeXT at batch 1 fuse; Qwen2.5-VL's 1296 tokens (11 x 576^3) and batches of several images keep
+# cuBLAS' product, where the device's work sets the time.
+FUSED_UP_TO = 5 * 576 ** 3
+
+
+def _fused(rho, v, v_prev, count, coef, bprev, update):
+    """``steps``' recurrence fused (``count >= 2`` from the start, any from a state): the first product (from a state:
+    a launch of ``_fused_kernel`` without its update; from the start: none), a fused launch per step but the last,
+    then the last step's update (``update``, in place) -> the last ``(u, vp)`` for ``_finish_kernel``."""
+    B, n, _ = rho.shape
+    start = v is None
+    tiles = triton.cdiv(n, BLOCK) ** 2
+    tiles_p2 = triton.next_power_of_2(tiles)
+    grid = (tiles, B)
+    dots = (rho.new_empty(B, tiles), rho.new_empty(B, tiles))
+    sq = (rho.new_empty(B, tiles), rho.new_empty(B, tiles))
+    owned: list[list[torch.Tensor | None]] = [[None, None, None], [None, None, None]]  # two sets: (w, new, v)
+
+    def buffer(s: int, i: int) -> torch.Tensor:
+        if owned[s][i] is None:
+            owned[s][i] = torch.empty_like(rho)
+        return owned[s][i]
+
+    def launch(j, w, u, vp, s, do_update, first):
+        ident = start and j == 0
+        out_w, new = buffer(s, 0), buffer(s, 1) if do_update else rho
+        vout = buffer(s, 2) if do_update and not first else rho  # unwritten when FIRST or not updating
+        _fused_kernel[grid](rho, w, w if u is None else u, w if vp is None else vp, new, vout, out_w,
+                            dots[(s + 1) % 2], sq[(s + 1) % 2], dots[s], sq[s], coef, bprev, bprev.stride(0), n,
+                            tiles, count, j, UPDATE=do_update, FIRST=first, HAS_PREV=j > 0 or v_prev is not None,
+                            IDENT=ident, VP_IDENT=start and j == 1, PARTS_P2=tiles_p2, DIAG=1024, BM=BLOCK,
+                            BN=BLOCK, BK=BLOCK_K, num_warps=FUSED_WARPS, enable_fp_fusion=False)
+        return out_w, new, vout
+
+    s = 0
+    if start:
+        w, u, vp = rho, None, None
+    else:  # the first step's product and its dot
+        w, _, _ = launch(0, rho, v, None, s, False, True)
+        u, vp = v, v_prev
+        s = 1
+    for j in range(count - 1):  # step j's update, step j + 1's product
+        first = j == 0
+        w, new, vout = launch(j, w, u, vp, s, True, first)
+        u, vp = new, (None if start and j == 0 else u if first else vout)
+        s = 1 - s
+    return update(count - 1, w, u, vp, w, dots[(s + 1) % 2], sq[(s + 1) % 2], tiles)
