@@ -188,31 +188,75 @@ def _lanczos_dot(U, W, DOT, N2, PARTS, CHUNK, N, *, TILE, IDENT):
     DOT[:, 0] = (u * (w / math.sqrt(N) if IDENT else w)).sum(1)
 
 
-def _lanczos_update(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, CHUNK, N, STEPS, j,
-                    *, FIRST, HAS_PREV, IDENT, VP_IDENT, TILE, PARTS_P2):
+def _coefficients(DOT, NORM_IN, BPREV, BPREV_STRIDE, B, FIRST, HAS_PREV):
+    """``lanczos_triton._coefficients`` in torch: ``(alpha, beta)`` ``[B, 1]`` each (beta 0 where it has none)."""
+    dot = DOT.sum(1, keepdim=True)
+    if FIRST:
+        beta = BPREV.as_strided((B, 1), (BPREV_STRIDE, 0)) if HAS_PREV else torch.zeros_like(dot)
+        return dot, beta
+    beta = NORM_IN.sum(1, keepdim=True).sqrt()
+    return dot / (beta * beta), beta
+
+
+def _residual(w, u, vp, alpha, beta, FIRST, HAS_PREV):
+    """``lanczos_triton._residual`` in torch: ``(new, v)``."""
+    if FIRST:
+        new = w - alpha * u
+        return (new - beta * vp if HAS_PREV else new), u
+    v = u / beta
+    return w / beta - alpha * v - beta * vp, v
+
+
+def _lanczos_update(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N2, PARTS, PARTS_IN, CHUNK, N,
+                    STEPS, j, *, FIRST, HAS_PREV, IDENT, VP_IDENT, TILE, PARTS_P2):
     """``lanczos_triton._update_kernel``'s work in torch, on the same buffers."""
     B = DOT.shape[0]
     w = W.reshape(B, -1) / math.sqrt(N) if IDENT else W.view(B, -1)
     u = _ident(B, N, w) if IDENT else U.view(B, -1)
     vp = _ident(B, N, w) if VP_IDENT else VP.view(B, -1)
-    dot = DOT.sum(1, keepdim=True)
-    if FIRST:
-        alpha = dot
-        new = w - alpha * u
-        if HAS_PREV:
-            beta = BPREV.as_strided((B, 1), (BPREV_STRIDE, 0))
-            new = new - beta * vp
-    else:
-        beta = NORM_IN.sum(1, keepdim=True).sqrt()
-        alpha = dot / (beta * beta)
-        v = u / beta
-        new = w / beta - alpha * v - beta * vp
+    alpha, beta = _coefficients(DOT, NORM_IN, BPREV, BPREV_STRIDE, B, FIRST, HAS_PREV)
+    new, v = _residual(w, u, vp, alpha, beta, FIRST, HAS_PREV)
+    if not FIRST:
         u.copy_(v)
         COEF[:, STEPS + j - 1] = beta[:, 0]
     OUT.view(B, -1).copy_(new)
     NORM_OUT.zero_()
     NORM_OUT[:, 0] = (new * new).sum(1)
     COEF[:, j] = alpha[:, 0]
+
+
+def _lanczos_fused(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N,
+                   PARTS_IN, STEPS, j, *, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT, PARTS_P2, DIAG, BM, BN, BK):
+    """``lanczos_triton._fused_kernel``'s work in torch, on the same buffers (each sum as the first share)."""
+    B = RHO.shape[0]
+    if not UPDATE:
+        x = U.reshape(B, -1)
+    else:
+        w = W.reshape(B, -1) / math.sqrt(N) if IDENT else W.reshape(B, -1)
+        u = _ident(B, N, w) if IDENT else U.reshape(B, -1)
+        vp = _ident(B, N, w) if VP_IDENT else VP.reshape(B, -1)
+        if IDENT:
+            alpha, beta = RHO.diagonal(dim1=1, dim2=2).sum(1, keepdim=True) / N, torch.zeros(B, 1, dtype=RHO.dtype)
+        else:
+            alpha, beta = _coefficients(DOT, NORM_IN, BPREV, BPREV_STRIDE, B, FIRST, HAS_PREV)
+        x, v = _residual(w, u, vp, alpha, beta, FIRST, HAS_PREV)
+        NEW.view(B, -1).copy_(x)
+        if not FIRST:
+            VOUT.view(B, -1).copy_(v)
+            COEF[:, STEPS + j - 1] = beta[:, 0]
+        COEF[:, j] = alpha[:, 0]
+        NORM_OUT.zero_()
+        NORM_OUT[:, 0] = (x * x).sum(1)
+    product = torch.bmm(RHO, x.view(B, N, N))
+    WOUT.copy_(product)
+    DOT_OUT.zero_()
+    DOT_OUT[:, 0] = (x * product.view(B, -1)).sum(1)
+
+
+def _fused_flops(RHO, *args, **meta) -> float:
+    """The fused step's product: ``2 B n^3``."""
+    B, n, _ = RHO.shape
+    return 2.0 * B * n ** 3
 
 
 def _row_means(G, R, DG, N, *, ROWS, COLS):
@@ -277,11 +321,12 @@ _STUB_WORK = [0.0]
 
 class _WorkStub:
     """Stands for a Triton kernel whose outputs the call reads back (the certified split's, the cosine's, the saliency
-    stage's): ``stub[grid](*args, **meta)`` counts one launch (none inside a graph's body) and does the kernel's work
-    with ``work`` in torch, uncounted, its time kept apart (``_STUB_WORK``)."""
+    stage's): ``stub[grid](*args, **meta)`` counts one launch (none inside a graph's body) and, with ``flops``, the FLOPs
+    of the product the kernel does, and does the kernel's work with ``work`` in torch, uncounted, its time kept apart
+    (``_STUB_WORK``)."""
 
-    def __init__(self, work, name: str):
-        self.work, self.name = work, name
+    def __init__(self, work, name: str, flops=None):
+        self.work, self.name, self.flops = work, name, flops
 
     def __getitem__(self, grid):
         def launch(*args, num_warps=None, enable_fp_fusion=None, **meta):
@@ -289,6 +334,8 @@ class _WorkStub:
                 if not _ACTIVE[-1].in_graph:
                     _ACTIVE[-1].costs.launches += 1
                     _ACTIVE[-1].costs.ops["triton:" + self.name] += 1
+                if self.flops is not None:  # a product inside the kernel: its FLOPs count, in a graph's body too
+                    _ACTIVE[-1].costs.flops += self.flops(*args, **meta)
                 _ACTIVE[-1].paused = True
             start = time.perf_counter()
             try:
@@ -349,7 +396,8 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
              greedy_triton._fl_kernel, greedy_triton._vispruner_kernel, graphed._Capture, dict(graphed._CAPTURES),
              list(graphed._FAILED), dict(graphed._SEEN), graphed.SIGHTINGS,
              (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
-              lanczos_triton._row_means_kernel, lanczos_triton._density_kernel), greedy_triton._front_kernel,
+              lanczos_triton._row_means_kernel, lanczos_triton._density_kernel, lanczos_triton._fused_kernel),
+             greedy_triton._front_kernel,
              greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel, greedy_triton._ascending_kernel)
     graphed._CAPTURES.clear()
     graphed._FAILED.clear()
@@ -362,10 +410,10 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
      greedy_triton._vispruner_kernel) = (_KernelStub(7, "dpp"), _KernelStub(5, "fps"), _KernelStub(5, "fl"),
                                          _KernelStub(5, "vispruner"))
     (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
-     lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = (
+     lanczos_triton._row_means_kernel, lanczos_triton._density_kernel, lanczos_triton._fused_kernel) = (
         _WorkStub(_lanczos_dot, "lanczos_dot"), _WorkStub(_lanczos_update, "lanczos_update"),
         _WorkStub(_lanczos_finish, "lanczos_finish"), _WorkStub(_row_means, "row_means"),
-        _WorkStub(_density, "density"))
+        _WorkStub(_density, "density"), _WorkStub(_lanczos_fused, "lanczos_fused", _fused_flops))
     greedy_triton._front_kernel = _WorkStub(_front, "front")
     greedy_triton._scaled_gram_kernel = _WorkStub(_scaled_gram, "scaled_gram")
     greedy_triton._divprune_kernel = _KernelStub(1, "divprune")
@@ -383,7 +431,7 @@ def fast_path_on_cpu(graphs: bool = False, bodies: bool = True):
         graphed._SEEN.update(saved[9])
         graphed.SIGHTINGS = saved[10]
         (lanczos_triton._dot_kernel, lanczos_triton._update_kernel, lanczos_triton._finish_kernel,
-         lanczos_triton._row_means_kernel, lanczos_triton._density_kernel) = saved[11]
+         lanczos_triton._row_means_kernel, lanczos_triton._density_kernel, lanczos_triton._fused_kernel) = saved[11]
         (greedy_triton._front_kernel, greedy_triton._scaled_gram_kernel, greedy_triton._divprune_kernel,
          greedy_triton._ascending_kernel) = saved[12:16]
 

@@ -205,7 +205,7 @@ def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OU
         ks = k0 + tl.arange(0, BK)
         a = tl.load(RHO + base + r[:, None] * N + ks[None, :], mask=(r < N)[:, None] & (ks < N)[None, :], other=0.0)
         x, _ = _operand(W, U, VP, base, N, ks, c, alpha, beta, rs, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT)
-        acc = tl.dot(a, x, acc)
+        acc = tl.dot(a, x, acc, out_dtype=tl.float64)  # (Triton 3.6 takes float32 unless told)
     x, v = _operand(W, U, VP, base, N, r, c, alpha, beta, rs, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT)
     inb = (r < N)[:, None] & (c < N)[None, :]
     offs = base + r[:, None] * N + c[None, :]

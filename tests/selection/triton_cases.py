@@ -398,10 +398,30 @@ def _density(kind: str, B: int, N: int, d: int, seed: int) -> torch.Tensor:
     return certified.density(centered_gram(x @ x.transpose(1, 2)))
 
 
+class _Fusing:
+    """``lanczos_triton.steps``' choice forced for a case: ``fused`` True (``_fused_kernel``: a launch a step),
+    False (a product, the dot and the update a step), None (its own, ``fuses``)."""
+
+    def __init__(self, fused: bool | None):
+        self.fused = fused
+
+    def __enter__(self):
+        from promprune.selection import lanczos_triton
+
+        self.saved = lanczos_triton.FUSED_UP_TO
+        if self.fused is not None:
+            lanczos_triton.FUSED_UP_TO = float("inf") if self.fused else -1
+
+    def __exit__(self, *exc):
+        from promprune.selection import lanczos_triton
+
+        lanczos_triton.FUSED_UP_TO = self.saved
+
+
 def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, more: int = 5,
-                 programs: int | None = None) -> Case:
-    """``certified.lanczos_steps`` on the fast path (``lanczos_triton``: three launches a step) against the torch
-    loop on the CPU: a first stage of ``first`` steps from the start (``v`` None, as the split's first stage runs it:
+                 programs: int | None = None, fused: bool = False) -> Case:
+    """``certified.lanczos_steps`` on the fast path (``lanczos_triton``: three launches a step, or with ``fused``
+    one, ``_fused_kernel``) against the torch loop on the CPU: a first stage of ``first`` steps from the start (``v`` None, as the split's first stage runs it:
     the fast path never forms ``I / sqrt(n)``), then ``more`` steps continued from its state (its ``v``, ``v_prev``
     and last beta), the coefficients and basis matrices equal to float64 rounding (relative 1e-11 of the largest).
     Where the Krylov space runs out (a beta below ``certified.BREAKDOWN`` of the largest coefficient: low-rank tokens)
@@ -423,7 +443,7 @@ def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, m
         saved = lanczos_triton.TARGET_PROGRAMS
         lanczos_triton.TARGET_PROGRAMS = programs or saved
         try:
-            with _fast(device):
+            with _fast(device), _Fusing(fused):
                 r = rho.to(device)
                 got = certified.lanczos_steps(r, None, None, None, first)
                 got_more = certified.lanczos_steps(r, got[1], got[2], got[0][:, -1], more)
@@ -465,13 +485,15 @@ def density_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
     return run
 
 
-def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: bool = False) -> Case:
+def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: bool = False,
+               fused: bool = False) -> Case:
     """``certified.split``'s counts and per-stage decisions on the fast path (its recurrence in ``lanczos_triton``)
     against the torch loop's, mu placed so that the first image's entropy lies ``gap`` (normalized) above the count
     boundary between 8 and 9 salient tokens of T = 16: at 1e-5 it runs every stage and ends in the eigensolve (the
     other images fall where they fall; low-rank tokens' recurrences run out and go there too). ``got``: the counts,
     then the stages' decided numbers and the eigensolve's. ``gram``: the split from the tokens' float32 unit Gram
-    (``gram=True``, as PromPrune calls it), centered by ``lanczos_triton.density_from_gram`` on the fast path."""
+    (``gram=True``, as PromPrune calls it), centered by ``lanczos_triton.density_from_gram`` on the fast path.
+    ``fused``: the recurrence in ``lanczos_triton._fused_kernel`` (else a product, the dot and the update a step)."""
     import math
 
     from promprune.selection import certified
@@ -492,7 +514,7 @@ def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: b
 
         matrix = TokenSet(_tokens(kind, B, N, d, seed), None).unit_gram if gram else rho
         want = outcome(certified.split(matrix, count, gram=gram)[0])
-        with _fast(device):
+        with _fast(device), _Fusing(fused):
             got = outcome(certified.split(matrix.to(device), count, gram=gram)[0])
         return got, want
     return run
@@ -582,6 +604,18 @@ def cases() -> dict[str, Case]:
                                               ("lowrank", 2, 40, 24, 1e-3)]):
         out[f"split/{kind}-{B}x{N}x{d}-gap{gap:g}"] = split_case(kind, B, N, d, 40 + i, gap)
     out["split-gram/random-3x80x96-gap0.001"] = split_case("random", 3, 80, 96, 43, 1e-3, gram=True)
+    # the fused recurrence (a launch a step: the update and the next product, ``_fused_kernel``): one 64 x 64 block
+    # (40), blocks cut at the view's edge (70, 100: the product's columns summed 16 at a time, the last 6 or 4 masked),
+    # 3 x 3 blocks (130); the start's one step (unfused) then steps from its state; a stage of one step from a state
+    for i, (kind, B, N, d) in enumerate([("random", 1, 40, 64), ("random", 3, 70, 33), ("random", 2, 100, 120),
+                                         ("lowrank", 2, 48, 24), ("zeros", 2, 33, 20), ("random", 1, 130, 150)]):
+        out[f"lanczos-fused/{kind}-{B}x{N}x{d}"] = lanczos_case(kind, B, N, d, 70 + i, fused=True)
+    out["lanczos-fused/random-2x40x64-one-step"] = lanczos_case("random", 2, 40, 64, 76, first=1, more=3, fused=True)
+    out["lanczos-fused/random-2x70x64-then-one"] = lanczos_case("random", 2, 70, 64, 77, first=2, more=1, fused=True)
+    for i, (kind, B, N, d, gap) in enumerate([("random", 3, 80, 96, 1e-3), ("random", 3, 80, 96, 1e-5),
+                                              ("lowrank", 2, 40, 24, 1e-3)]):
+        out[f"split-fused/{kind}-{B}x{N}x{d}-gap{gap:g}"] = split_case(kind, B, N, d, 40 + i, gap, fused=True)
+    out["split-gram-fused/random-3x80x96-gap0.001"] = split_case("random", 3, 80, 96, 43, 1e-3, gram=True, fused=True)
     for i, (kind, B, N, d) in enumerate([("random", 2, 70, 96), ("duplicates", 2, 40, 16), ("zeros", 1, 33, 20),
                                          ("orthonormal", 2, 24, 32)]):
         out[f"density/{kind}-{B}x{N}x{d}"] = density_case(kind, B, N, d, 50 + i)
