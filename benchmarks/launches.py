@@ -321,9 +321,9 @@ _STUB_WORK = [0.0]
 
 class _WorkStub:
     """Stands for a Triton kernel whose outputs the call reads back (the certified split's, the cosine's, the saliency
-    stage's): ``stub[grid](*args, **meta)`` counts one launch (none inside a graph's body) and, with ``flops``, the FLOPs
-    of the product the kernel does, and does the kernel's work with ``work`` in torch, uncounted, its time kept apart
-    (``_STUB_WORK``)."""
+    stage's): ``stub[grid](*args, **meta)`` counts one launch (none inside a graph's body) and, with ``flops``, the
+    FLOPs of the product the kernel does, and does the kernel's work with ``work`` in torch, uncounted, its time kept
+    apart (``_STUB_WORK``)."""
 
     def __init__(self, work, name: str, flops=None):
         self.work, self.name, self.flops = work, name, flops

@@ -191,6 +191,8 @@ stage() {
       env_line
       python3 benchmarks/selection.py --device cuda --dtype float16 --batch 1 8 --repeats 9 --split-images 24; echo
       python3 benchmarks/selection.py --device cuda --dtype float32 --batch 1 8 --repeats 9 --tables timing ;;
+    lanczos)  # issue 53: the certified split's steps fused (a launch a step) or not, by size: lanczos_triton.FUSED_UP_TO
+      env_line; python3 benchmarks/lanczos_steps.py --repeats 15 ;;
     vispruner-tiles)  # issue 53: which chain of VisPruner's kernel its time follows (ranking tiles or the row scan)
       env_line; python3 benchmarks/vispruner_tiles.py --repeats 9 ;;
     speed)
@@ -272,7 +274,7 @@ PY
       nproc; python3 -c "import ray; print('ray', ray.__version__)"
       OMP_NUM_THREADS=1 python3 benchmarks/sweep_scaling.py --gpus ${SCALING_GPUS:-4 8} \
         --shell "${SCALING_SHELL:-measured}" --timeline "$OUT/scaling-timeline.csv" ${SCALING_ARGS:-} ;;
-    *) echo "unknown stage $1 (install|parity|library|selection|vispruner-tiles|speed|table6|shapes|deps|sweep|" \
+    *) echo "unknown stage $1 (install|parity|library|selection|lanczos|vispruner-tiles|speed|table6|shapes|deps|sweep|" \
             "table6-pipeline|scaling|gemma4|two-gpus|plan)"; return 2 ;;
   esac
 }

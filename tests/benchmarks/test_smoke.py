@@ -208,6 +208,34 @@ def test_vispruner_tiles_keep_the_loops_picks(monkeypatch):
     figure(out, "every configuration kept the torch loop's picks")
 
 
+def test_lanczos_steps_agree_with_the_torch_loop(monkeypatch):
+    """The fused-or-not benchmark under Triton's interpreter (its times mean nothing): a row per shape, both paths'
+    coefficients within 1e-10 of the torch loop's, the launches of each path, and the bound line read off the rows."""
+    pytest.importorskip("triton", reason="triton is not installed (it ships with the CUDA builds of torch)")
+    from tests.selection.test_greedy_triton import _interpreter_cannot_run_here
+
+    why = _interpreter_cannot_run_here()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = run_benchmark("lanczos_steps.py", "--device", "cpu", "--shapes", "1x40", "2x70", "--steps", "3",
+                        "--repeats", "1")
+    for shape in ("1x40", "2x70"):
+        row = figure(out, rf"{shape} +yes +4/9 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +([\d.e+-]+)  (fused|unfused)")
+        assert float(row.group(1)) < 1e-10, out
+    figure(out, r"views x n\^3: fused (faster|slower) eagerly .*; FUSED_UP_TO is [\d.e+]+")
+
+
+def test_lanczos_bound_line():
+    """The bound read off the rows: up to the last size before the first slower one."""
+    from benchmarks.lanczos_steps import bound_line
+
+    assert bound_line({1: True, 5: True, 11: False, 8: True, 40: True}, 5) == \
+        "views x n^3: fused faster eagerly up to 8, slower from 11; FUSED_UP_TO is 5"
+    assert "faster eagerly at every shape measured (up to 8);" in bound_line({1: True, 8: True}, 5)
+    assert "slower eagerly from the smallest shape measured (1);" in bound_line({1: False, 8: True}, 5)
+
+
 def test_vispruner_chain_by_hand():
     """Six candidates to two. Round 1: evens 0, 2, 4 meet their first odd candidate 3, 1 and 2 entries down their
     sorted rows (matches 0.7, 0.95, 0.6), all three are dropped; round 2 (order 1, 3, 5): evens 1 and 5 look 3 and 1

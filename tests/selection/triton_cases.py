@@ -420,14 +420,15 @@ class _Fusing:
 
 def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, more: int = 5,
                  programs: int | None = None, fused: bool = False) -> Case:
-    """``certified.lanczos_steps`` on the fast path (``lanczos_triton``: three launches a step, or with ``fused``
-    one, ``_fused_kernel``) against the torch loop on the CPU: a first stage of ``first`` steps from the start (``v`` None, as the split's first stage runs it:
-    the fast path never forms ``I / sqrt(n)``), then ``more`` steps continued from its state (its ``v``, ``v_prev``
-    and last beta), the coefficients and basis matrices equal to float64 rounding (relative 1e-11 of the largest).
-    Where the Krylov space runs out (a beta below ``certified.BREAKDOWN`` of the largest coefficient: low-rank tokens)
-    both must say so at the same step; what follows is rounding noise in both (the split sends such images to the
-    eigensolve) and is not compared, nor is such an image's state. ``programs``: `TARGET_PROGRAMS` for the case (1:
-    one program per view, its loop over many tiles). ``got`` holds the comparisons, ``want`` all true."""
+    """``certified.lanczos_steps`` on the fast path (``lanczos_triton``: three launches a step, or with ``fused`` one,
+    ``_fused_kernel``) against the torch loop on the CPU: a first stage of ``first`` steps from the start (``v``
+    None, as the split's first stage runs it: the fast path never forms ``I / sqrt(n)``), then ``more`` steps
+    continued from its state (its ``v``, ``v_prev`` and last beta), the coefficients and basis matrices equal to
+    float64 rounding (relative 1e-11 of the largest). Where the Krylov space runs out (a beta below
+    ``certified.BREAKDOWN`` of the largest coefficient: low-rank tokens) both must say so at the same step; what
+    follows is rounding noise in both (the split sends such images to the eigensolve) and is not compared, nor is
+    such an image's state. ``programs``: `TARGET_PROGRAMS` for the case (1: one program per view, its loop over many
+    tiles). ``got`` holds the comparisons, ``want`` all true."""
     from promprune.selection import certified
 
     def joined(stages):  # -> alpha, beta [B, first + more]

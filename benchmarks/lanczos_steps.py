@@ -1,0 +1,170 @@
+"""The certified split's Lanczos steps fused (a launch a step) or not (cuBLAS' product, the dot, the update): which is
+faster at which size, on a GPU; ``lanczos_triton.FUSED_UP_TO`` is the bound ``steps`` takes between them.
+
+``lanczos_triton.steps`` runs a stage of the recurrence on ``rho [views, n, n]`` (float64) two ways: ``fused``
+(``_fused_kernel``: each step's update and the next step's product in one Triton launch, float64 MMA) with
+``count + 1`` launches from the start, or a cuBLAS ``bmm``, the dot's shares and the update a step (``3 count``). At
+batch 1 the host's launches set a step's time; at large batches the device's product does, where cuBLAS may be faster.
+For each shape this times a first stage of ``--steps`` steps and a stage continued from its state, both ways, eagerly
+and replayed as a CUDA graph (``PROMPRUNE_GRAPHS=1``'s way), with CUDA events (median ms of ``--repeats``), checks
+both against the torch loop (``certified.lanczos_steps`` with the kernels off: coefficients within 1e-10 of the
+largest), and prints which way is faster and where ``fuses`` puts the shape::
+
+    python benchmarks/lanczos_steps.py                         # on a GPU: ~1 min, most of it compiling
+    TRITON_INTERPRET=1 python benchmarks/lanczos_steps.py --device cpu --shapes 1x40 2x70 --repeats 1   # a check
+
+On the CPU it needs ``TRITON_INTERPRET=1`` (the kernels run in Triton's interpreter: a check of the values, its times
+mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# views x tokens: LLaVA-1.5 and LLaVA-NeXT (five views of 576) and Qwen2.5-VL (1296) at batch 1, then batches of them
+SHAPES = ("1x576", "5x576", "1x1296", "2x576", "8x576", "40x576", "8x1296")
+
+
+def density(views: int, n: int, device: str, seed: int = 0) -> torch.Tensor:
+    """A trace-normalized centered Gram ``[views, n, n]`` (float64) of random unit tokens (d = 2n): a full spectrum,
+    so no recurrence runs out."""
+    from promprune.selection import certified
+    from promprune.selection.entropy import centered_gram
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(views, n, 2 * n, generator=g, dtype=torch.float64)
+    x = x / x.norm(dim=-1, keepdim=True)
+    return certified.density(centered_gram(x @ x.transpose(1, 2))).to(device)
+
+
+def timed_ms(fn, repeats: int, device: str) -> float:
+    """Median ms of ``fn()`` over ``repeats`` calls after one warm-up (CUDA events on a GPU, wall time elsewhere)."""
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def graphed_ms(fn, repeats: int) -> float:
+    """Median ms of one replay of ``fn``'s work captured as a CUDA graph (NaN where the capture fails)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # the kernels compiled and cuBLAS' workspace made before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:
+        print(f"    (capture failed: {str(exc).splitlines()[0]})")
+        return float("nan")
+    return timed_ms(graph.replay, repeats, "cuda")
+
+
+def agreement(got: tuple, want: tuple) -> float:
+    """The largest coefficient difference over the largest coefficient (the packed alphas and betas)."""
+    return float((got[0].cpu() - want[0]).abs().max() / want[0].abs().max())
+
+
+def measure(views: int, n: int, steps: int, repeats: int, device: str) -> dict:
+    """One shape: ``{(path, stage, mode): ms}`` for path fused / unfused, stage first / more, mode eager / graph
+    (graphs on CUDA only), and ``check``: the worst coefficient difference of either path from the torch loop."""
+    from promprune.selection import accel, certified, lanczos_triton
+
+    rho = density(views, n, device)
+    with accel.without_kernel("lanczos"):
+        ref = certified.lanczos_steps(rho.cpu(), None, None, None, steps)
+        ref_more = certified.lanczos_steps(rho.cpu(), ref[1], ref[2], ref[0][:, -1], steps)
+    out, worst = {}, 0.0
+    for fused in (True, False):
+        path = "fused" if fused else "unfused"
+        first = lanczos_triton.steps(rho, None, None, None, steps, fused=fused)
+        more = lanczos_triton.steps(rho, first[1], first[2], first[0][:, -1], steps, fused=fused)
+        worst = max(worst, agreement(first, ref), agreement(more, ref_more))
+        state = (first[1].clone(), first[2].clone(), first[0][:, -1].clone())
+        calls = {"first": lambda f=fused: lanczos_triton.steps(rho, None, None, None, steps, fused=f),
+                 "more": lambda f=fused, st=state: lanczos_triton.steps(rho, *st, steps, fused=f)}
+        for stage, call in calls.items():
+            out[path, stage, "eager"] = timed_ms(call, repeats, device)
+            if device == "cuda":
+                out[path, stage, "graph"] = graphed_ms(call, repeats)
+    out["check"] = worst
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="views x tokens (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=6, help="steps a stage (default: the lead's 6)")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+    from promprune.selection import accel, lanczos_triton
+
+    if args.device == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("lanczos_steps.py on the CPU needs TRITON_INTERPRET=1 (the kernels in Triton's interpreter)")
+        accel.active = lambda t: True  # the fast path on CPU tensors: a check of the values
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter: times mean nothing)"
+    print(f"Lanczos stages of {args.steps} steps, fused or not (lanczos_triton.steps), median ms of {args.repeats}; "
+          f"{dev}; torch {torch.__version__}; FUSED_UP_TO = {lanczos_triton.FUSED_UP_TO:.3g} (views x n^3)")
+    modes = ("eager", "graph") if args.device == "cuda" else ("eager",)
+    head = "".join(f"{f'{stage} {mode}':>22}" for stage in ("first", "more") for mode in modes)
+    print(f"{'shape':<9}{'fuses':>6}{'launches f/u':>14}" + head + f"{'check':>10}  faster eager")
+    print(f"{'':<29}" + "".join(f"{'fused  unfused':>22}" for _ in range(2 * len(modes))))
+    faster_at = {}  # views x n^3 -> whether the fused first stage was faster eagerly
+    for shape in args.shapes:
+        views, n = (int(v) for v in shape.split("x"))
+        r = measure(views, n, args.steps, args.repeats, args.device)
+        faster_at[views * n ** 3] = r["fused", "first", "eager"] < r["unfused", "first", "eager"]
+        cells = "".join(f"{r['fused', stage, mode]:>13.3f}{r['unfused', stage, mode]:>9.3f}"
+                        for stage in ("first", "more") for mode in modes)
+        launches = f"{args.steps + 1}/{3 * args.steps}"
+        faster = "fused" if r["fused", "first", "eager"] < r["unfused", "first", "eager"] else "unfused"
+        print(f"{shape:<9}{'yes' if lanczos_triton.fuses(views, n) else 'no':>6}{launches:>14}{cells}"
+              f"{r['check']:>10.1e}  {faster}")
+    print("(fuses: where steps takes the fused path by default; launches a first stage, fused / unfused (a stage "
+          "from a state: one more each); check: the worst coefficient difference from the torch loop, over the "
+          "largest; graph: one replay of the stage captured as a CUDA graph)")
+    print(bound_line(faster_at, lanczos_triton.FUSED_UP_TO))
+
+
+def bound_line(faster_at: dict[int, bool], shipped: float) -> str:
+    """What the shapes say of ``FUSED_UP_TO``: the largest views x n^3 up to which the fused first stage was faster
+    eagerly at every shape measured, and the smallest where it was not."""
+    sizes = sorted(faster_at)
+    slower = [size for size in sizes if not faster_at[size]]
+    if not slower:
+        said = f"fused faster eagerly at every shape measured (up to {sizes[-1]:.3g})"
+    elif slower[0] == sizes[0]:
+        said = f"fused slower eagerly from the smallest shape measured ({sizes[0]:.3g})"
+    else:
+        said = f"fused faster eagerly up to {max(s for s in sizes if s < slower[0]):.3g}, slower from {slower[0]:.3g}"
+    return f"views x n^3: {said}; FUSED_UP_TO is {shipped:.3g}"
+
+
+if __name__ == "__main__":
+    main()
