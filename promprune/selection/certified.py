@@ -190,14 +190,20 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tenso
     ``b_prev [B]`` (both None before the first step: ``v_prev`` is 0 there; ``v`` None: the start, ``start_basis``,
     which the fast path never forms) -> ``(packed [B, 2 steps], v, v_prev)``, packed = the steps' alphas, then their
     betas. Only tensor operations, no host read: a CUDA graph can capture it (``graphed``). On the CUDA fast path the
-    steps run as ``lanczos_triton.steps`` (the same values up to float64 rounding, three launches a step instead of
-    seven); this loop is the reference, the CPU's and the fallback."""
-    if accel.active(rho) and accel.has_triton():  # the fast path: three launches a step (``lanczos_triton``)
+    steps run as ``lanczos_triton.steps`` (the same values up to float64 rounding): up to
+    ``lanczos_triton.FUSED_UP_TO`` a launch a step (``_fused_kernel``, "lanczos_fused" to ``accel``; where Triton
+    cannot build it, the next way), else three (cuBLAS' product, the dot, the update) instead of seven; this loop is
+    the reference, the CPU's and the fallback."""
+    if accel.active(rho) and accel.has_triton() and "lanczos" not in accel.broken_kernels():  # the fast path
         from . import lanczos_triton
 
-        fused = accel.kernel("lanczos", lambda: lanczos_triton.steps(rho, v, v_prev, b_prev, steps))
-        if fused is not None:  # None: Triton could not build it here; the loop below gives the same values
-            return fused
+        out = None
+        if lanczos_triton.fuses(rho.shape[0], rho.shape[1]):
+            out = accel.kernel("lanczos_fused", lambda: lanczos_triton.steps(rho, v, v_prev, b_prev, steps, True))
+        if out is None:
+            out = accel.kernel("lanczos", lambda: lanczos_triton.steps(rho, v, v_prev, b_prev, steps, False))
+        if out is not None:  # None: Triton could not build it here; the loop below gives the same values
+            return out
     if v is None:
         v = start_basis(rho)
     B, n, _ = rho.shape

@@ -113,6 +113,34 @@ def test_the_cosine_is_one_kernel(views):
     assert torch.equal(got, cosine(x))
 
 
+def test_a_fused_step_triton_cannot_build_falls_back_to_three_launches_a_step(views, monkeypatch):
+    """Where Triton cannot build the fused step (here: its launch fails inside Triton, as on a machine without a GPU
+    driver), the recurrence takes the unfused kernels (a product, the dot, the update a step), says so once and
+    keeps to them; the same values. With "lanczos" itself off, neither runs: the torch loop."""
+    import triton
+
+    x, _ = views
+    rho = certified.density(centered_gram(TokenSet(x.double(), None).unit_gram))
+    monkeypatch.setattr(accel, "_BROKEN", {})
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: triton.runtime.driver.active.get_current_device()
+
+    with fast_path_on_cpu():
+        want = certified.lanczos_steps(rho, None, None, None, 4)
+        monkeypatch.setattr(lanczos_triton, "_fused_kernel", Unbuildable())
+        with pytest.warns(RuntimeWarning, match="lanczos_fused kernel"):
+            costs = count(certified.lanczos_steps, rho, None, None, None, 4, warmup=False)
+        got = certified.lanczos_steps(rho, None, None, None, 4)
+    assert set(accel.broken_kernels()) == {"lanczos_fused"}
+    assert costs.launches == 3 * 4 and costs.ops["bmm"] == 3, costs.ops
+    assert all(torch.allclose(g, w, rtol=0, atol=1e-12 * float(w.abs().max())) for g, w in zip(got, want))
+    with fast_path_on_cpu(), accel.without_kernel("lanczos"):
+        loop = count(certified.lanczos_steps, rho, None, None, None, 4, warmup=False)
+    assert not [op for op in loop.ops if op.startswith("triton:")], loop.ops
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_cost_models_lanczos_kernels_give_the_torch_loops_values(views, fused, monkeypatch):
     """On the counted fast path the recurrence's Triton kernels are stood for by their work in torch

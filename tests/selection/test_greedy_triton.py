@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,12 +177,25 @@ def _kernels():
                                      "CHUNK": "i32", "N": "i32"}, {"IDENT": ident, **chunk}))
     update = {"W": "*fp64", "U": "*fp64", "VP": "*fp64", "OUT": "*fp64", "DOT": "*fp64", "NORM_IN": "*fp64",
               "NORM_OUT": "*fp64", "COEF": "*fp64", "BPREV": "*fp64", "BPREV_STRIDE": "i32", "N2": "i32",
-              "PARTS": "i32", "CHUNK": "i32", "N": "i32", "STEPS": "i32", "j": "i32"}
+              "PARTS": "i32", "PARTS_IN": "i32", "CHUNK": "i32", "N": "i32", "STEPS": "i32", "j": "i32"}
     # the start's step, the step after it, a later stage's first step, every other step
     for first, has_prev, ident, vp_ident in ((True, False, True, False), (False, True, False, True),
                                              (True, True, False, False), (False, True, False, False)):
         out.append((lz._update_kernel, update, {"FIRST": first, "HAS_PREV": has_prev, "IDENT": ident,
                                                 "VP_IDENT": vp_ident, "PARTS_P2": 512, **chunk}))
+    fused = {**{k: "*fp64" for k in ("RHO", "W", "U", "VP", "NEW", "VOUT", "WOUT", "DOT", "NORM_IN", "DOT_OUT",
+                                     "NORM_OUT", "COEF", "BPREV")},
+             "BPREV_STRIDE": "i32", "N": "i32", "PARTS_IN": "i32", "STEPS": "i32", "j": "i32"}
+    blocks = {"PARTS_P2": 512, "DIAG": 1024, "BM": lz.BLOCK, "BN": lz.BLOCK, "BK": lz.BLOCK_K}
+    # a stage's first product from a state; the start's update; the step after it; a later stage's first update;
+    # every other step
+    for update, first, has_prev, ident, vp_ident in ((False, True, True, False, False),
+                                                     (True, True, False, True, False),
+                                                     (True, False, True, False, True),
+                                                     (True, True, True, False, False),
+                                                     (True, False, True, False, False)):
+        out.append((lz._fused_kernel, fused, {"UPDATE": update, "FIRST": first, "HAS_PREV": has_prev, "IDENT": ident,
+                                              "VP_IDENT": vp_ident, **blocks}))
     out.append((lz._finish_kernel, {"W": "*fp64", "NORM_IN": "*fp64", "COEF": "*fp64", "N2": "i32", "PARTS": "i32",
                                     "CHUNK": "i32", "STEPS": "i32"}, {"PARTS_P2": 512, **chunk}))
     out.append((lz._row_means_kernel, {"G": "*fp32", "R": "*fp32", "DG": "*fp32", "N": "i32"},
@@ -283,11 +297,14 @@ def test_the_lanczos_kernels_round_as_the_torch_loop_does():
     from promprune.selection import lanczos_triton as lz
 
     for fn, signature, consts in _kernels():
-        if fn not in (lz._update_kernel, lz._finish_kernel) or consts.get("FIRST"):
+        if fn not in (lz._update_kernel, lz._finish_kernel, lz._fused_kernel) or consts.get("FIRST"):
             continue
+        warps = lz.FUSED_WARPS if fn is lz._fused_kernel else lz.WARPS
         source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": lz.WARPS, "enable_fp_fusion": False}).asm["ptx"]
+                             options={"num_warps": warps, "enable_fp_fusion": False}).asm["ptx"]
         assert "sqrt.rn.f64" in ptx and "div.rn.f64" in ptx, fn.__name__
         assert "approx" not in ptx and "fma." not in ptx, fn.__name__
+        if fn is lz._fused_kernel:  # its product in float64 MMA (sm_80 and later), not a loop of scalar FMAs
+            assert re.search(r"mma\.sync[^\n]*\.f64", ptx), fn.__name__
 
