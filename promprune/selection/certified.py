@@ -61,6 +61,11 @@ STEPS = (12, 24, 32, 48)
 # of 12 (18 launches fewer: 53 -> 35 a call at LLaVA-1.5 in the cost model); over the split table's 48 images near mu
 # the lead runs 36 steps fewer and 42 reads more (932 / 123 against 968 / 81): at 84 us a step and ~0.15 ms a read,
 # ~0.07 ms more per image there, against ~0.5 ms less for each image that decides at 6.
+# With the fused step (``lanczos_triton.FUSED_UP_TO``: LLaVA-1.5 and LLaVA-NeXT at batch 1, since the second stop of
+# 2026-11-29) an eager step costs the host one launch (~28 us), not three: the lead saves an image that decides at 6
+# ~0.17 ms (six launches) and costs one that goes on a read (~0.15-0.2 ms) and a launch; over the split table's 48
+# images near mu, ~0.15 ms more per image. Kept: whether the benchmark's images mostly decide at 6 (the cost model's
+# inputs do) is for a GPU's ``boundary`` rows and Table 6 to say.
 LEAD = 6
 LEAD_FROM = 2 * 576 ** 3
 

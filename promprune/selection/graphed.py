@@ -2,10 +2,10 @@
 
 PromPrune's selection on the CUDA fast path is a fixed sequence of small launches around one host read: the certified
 split's first stage (the tokens' unit Gram, its centering, the density, the start and 6 or 12 Lanczos steps), each
-later stage (8 to 16 more steps, three launches a step, ``lanczos_triton``), and after the split the two stages that
-pick the tokens (the cosine kernel, the saliency order, the DPP). At batch 1 the host spends ~25-35 us per launch on
-them while the device needs a few (H100, 2026-11-26: PromPrune's split 4.0 ms at LLaVA-1.5's shape for ~1 ms of device
-work). A graph replays the same kernels on the same buffers with one launch.
+later stage (6 to 16 more steps, one launch a step fused or three not, ``lanczos_triton``), and after the split the
+two stages that pick the tokens (the cosine kernel, the saliency order, the DPP). At batch 1 the host spends ~25-35
+us per launch on them while the device needs a few (H100, 2026-11-26: PromPrune's split 4.0 ms at LLaVA-1.5's shape
+for ~1 ms of device work). A graph replays the same kernels on the same buffers with one launch.
 
 ``replay(fn, args, static)`` runs ``fn(*args, static)`` (tensors or None in, tensors out, no host read; ``static``: a
 hashable the work's shape depends on, e.g. a step count or a budget and options) eagerly the first time a shape comes

@@ -1,11 +1,12 @@
-"""The certified split's Lanczos recurrence (``certified.lanczos_steps``) in three launches a step instead of seven,
-and its matrix from the tokens' Gram (``density_from_gram``) in two launches instead of eleven.
+"""The certified split's Lanczos recurrence (``certified.lanczos_steps``) in one launch a step (fused, small
+batches) or three (a cuBLAS product and two kernels) instead of seven, and its matrix from the tokens' Gram
+(``density_from_gram``) in two launches instead of eleven.
 
 A step of the recurrence on ``rho [B, n, n]`` (float64) is one batched product and, in torch, six small kernels around
 it (the Frobenius dot as a product and a sum, two updates, the residual's norm, its division): at batch 1 each costs
 the host a launch (~25-35 us on the H100 of 2026-11-26) for a few us of device work, and each reads or writes a whole
-``[B, n, n]`` state. Here a step is the product and two Triton kernels over ``(parts, B)`` programs, each program
-``chunk`` entries of a view (``layout``), taken `TILE` at a time:
+``[B, n, n]`` state. Unfused, a step here is the product and two Triton kernels over ``(parts, B)`` programs, each
+program ``chunk`` entries of a view (``layout``), taken `TILE` at a time:
 
 - ``_dot_kernel``: each program's share of ``<u, rho u>`` (``DOT [B, parts]``);
 - ``_update_kernel``: each program sums its view's shares (the dot, and the previous step's squared norm), so every
@@ -13,15 +14,22 @@ the host a launch (~25-35 us on the H100 of 2026-11-26) for a few us of device w
   matrix it was made from, normalized, in place of the unnormalized one, and its share of the new residual's squared
   norm; its view's first program records alpha (and the previous beta) in the packed coefficients.
 
+Fused (``_fused_kernel``, up to `FUSED_UP_TO`: ``fuses``), a program per 64 x 64 block of the next product does a
+step's update and the next step's product at once: it reads the step's coefficients from the shares, forms the
+residual block by block as the product's operand (float64 MMA) without storing it first, and in its epilogue stores
+its block of that residual, of the basis matrix, of the product, and its shares of the next dot and of the residual's
+squared norm. A stage of ``k`` steps is then ``k + 1`` launches from the start (``k - 1`` fused, the last update, the
+finish) and ``k + 2`` from a state (its first product fused with its dot), against ``3 k`` and ``3 k + 1``.
+
 So the residual is never divided on its own: the next product takes it unnormalized (``rho u = beta rho v``) and the
 update divides by beta where it reads it anyway; ``_finish_kernel`` normalizes the last one and records the last beta.
 The start ``I / sqrt(n)`` is never formed either (``IDENT``, ``VP_IDENT``): its product with ``rho`` is
 ``rho / sqrt(n)``, which the first step's kernels read from ``rho`` itself, so the first step launches no product.
 Every sum runs in a fixed order (a program's tiles, then its view's shares): the same bits on every run. The values
 are the torch loop's up to float64 rounding in the order of the sums (``tests/selection/triton_cases.py``, its
-``lanczos/`` and ``split/`` cases, checks the coefficients and the split's decisions under ``TRITON_INTERPRET=1``).
-Reads and writes per step: five states read and two written (torch: nine and four). Breakdown (a zero residual)
-gives NaN from there on, as the torch loop does.
+``lanczos/``, ``lanczos-fused/``, ``split/`` and ``split-fused/`` cases, checks the coefficients and the split's
+decisions under ``TRITON_INTERPRET=1``). Reads and writes per unfused step: five states read and two written (torch:
+nine and four). Breakdown (a zero residual) gives NaN from there on, as the torch loop does.
 """
 from __future__ import annotations
 
