@@ -317,6 +317,7 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     exact_ms: dict[str, float] = {}
     graphs_ms: dict[str, float] = {}
     loop_ms: dict[str, float] = {}
+    steps_ms: dict[bool, dict[str, float]] = {True: {}, False: {}}
     torch_stages_ms: dict[str, float] = {}
     wide_ms: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
@@ -336,6 +337,11 @@ def run_batch(args, batch: int, shapes: dict) -> None:
                 graphs_ms[shape] = time_method("promprune", x, s, T, args.repeats)  # its warm-up captures
             with accel.without_kernel("lanczos"):  # the split in torch (its rho from the Gram, its recurrence)
                 loop_ms[shape] = time_method("promprune", x, s, T, args.repeats)
+            from promprune.selection import lanczos_triton
+
+            for fused in (True, False):  # the recurrence one way at every shape (lanczos_triton.FUSED_UP_TO)
+                with lanczos_triton.fusing(fused):
+                    steps_ms[fused][shape] = time_method("promprune", x, s, T, args.repeats)
             with accel.without_kernel("front"):  # the stages after the split in torch ops, not two kernels
                 torch_stages_ms[shape] = time_method("promprune", x, s, T, args.repeats)
             wide_ms[shape] = time_vispruner_wide(x, s, T, args.repeats)
@@ -359,6 +365,9 @@ def run_batch(args, batch: int, shapes: dict) -> None:
         row("boundary", {sh: v[0] for sh, v in boundary.items()}, "the first view just above a count boundary: "
             "two stages or more; " + "; ".join(f"{sh} {boundary[sh][2]}" for sh in shapes))
         row("boundary, graphs", {sh: v[1] for sh, v in boundary.items()}, "the same with PROMPRUNE_GRAPHS=1")
+        row("select, fused", steps_ms[True], "a Lanczos step one launch at every shape (_fused_kernel)")
+        row("select, unfused", steps_ms[False], "a Lanczos step three launches at every shape (cuBLAS' product, "
+            "the dot, the update); the default takes the fused way up to lanczos_triton.FUSED_UP_TO")
         row("select, loop", loop_ms, "the split in torch, not lanczos_triton: its rho in eleven launches against "
             "two, seven a Lanczos step against three")
         row("select, stages", torch_stages_ms, "the stages after the split in torch ops (~30 launches), not "

@@ -33,6 +33,9 @@ nine and four). Breakdown (a zero residual) gives NaN from there on, as the torc
 """
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
+
 import torch
 import triton
 import triton.language as tl
@@ -316,6 +319,20 @@ def fuses(B: int, n: int) -> bool:
     """Whether ``steps`` runs its recurrence fused (``_fused_kernel``: a launch a step) for ``B`` views of ``n x n``:
     up to `FUSED_UP_TO`."""
     return B * n ** 3 <= FUSED_UP_TO
+
+
+@contextmanager
+def fusing(fused: bool | None):
+    """Inside the block ``steps`` takes one way at every size: ``fused`` True (a launch a step), False (a product,
+    the dot and the update), None (its own, ``fuses``): a benchmark's or a test's comparison."""
+    global FUSED_UP_TO
+    saved = FUSED_UP_TO
+    if fused is not None:
+        FUSED_UP_TO = math.inf if fused else -1
+    try:
+        yield
+    finally:
+        FUSED_UP_TO = saved
 
 
 def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,

@@ -398,26 +398,6 @@ def _density(kind: str, B: int, N: int, d: int, seed: int) -> torch.Tensor:
     return certified.density(centered_gram(x @ x.transpose(1, 2)))
 
 
-class _Fusing:
-    """``lanczos_triton.steps``' choice forced for a case: ``fused`` True (``_fused_kernel``: a launch a step),
-    False (a product, the dot and the update a step), None (its own, ``fuses``)."""
-
-    def __init__(self, fused: bool | None):
-        self.fused = fused
-
-    def __enter__(self):
-        from promprune.selection import lanczos_triton
-
-        self.saved = lanczos_triton.FUSED_UP_TO
-        if self.fused is not None:
-            lanczos_triton.FUSED_UP_TO = float("inf") if self.fused else -1
-
-    def __exit__(self, *exc):
-        from promprune.selection import lanczos_triton
-
-        lanczos_triton.FUSED_UP_TO = self.saved
-
-
 def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, more: int = 5,
                  programs: int | None = None, fused: bool = False) -> Case:
     """``certified.lanczos_steps`` on the fast path (``lanczos_triton``: three launches a step, or with ``fused`` one,
@@ -444,7 +424,7 @@ def lanczos_case(kind: str, B: int, N: int, d: int, seed: int, first: int = 6, m
         saved = lanczos_triton.TARGET_PROGRAMS
         lanczos_triton.TARGET_PROGRAMS = programs or saved
         try:
-            with _fast(device), _Fusing(fused):
+            with _fast(device), lanczos_triton.fusing(fused):
                 r = rho.to(device)
                 got = certified.lanczos_steps(r, None, None, None, first)
                 got_more = certified.lanczos_steps(r, got[1], got[2], got[0][:, -1], more)
@@ -501,6 +481,8 @@ def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: b
     from promprune.selection.budget import split_budget
 
     def run(device):
+        from promprune.selection import lanczos_triton
+
         rho = _density(kind, B, N, d, seed)
         lam = torch.linalg.eigvalsh(rho[0]).clamp_min(0)
         h0 = float(-(lam * torch.where(lam > 0, lam.log(), torch.zeros_like(lam))).sum() / math.log(N))
@@ -515,7 +497,7 @@ def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: b
 
         matrix = TokenSet(_tokens(kind, B, N, d, seed), None).unit_gram if gram else rho
         want = outcome(certified.split(matrix, count, gram=gram)[0])
-        with _fast(device), _Fusing(fused):
+        with _fast(device), lanczos_triton.fusing(fused):
             got = outcome(certified.split(matrix.to(device), count, gram=gram)[0])
         return got, want
     return run
