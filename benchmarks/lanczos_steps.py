@@ -87,29 +87,39 @@ def agreement(got: tuple, want: tuple) -> float:
     return float((got[0].cpu() - want[0]).abs().max() / want[0].abs().max())
 
 
-def measure(views: int, n: int, steps: int, repeats: int, device: str) -> dict:
-    """One shape: ``{(path, stage, mode): ms}`` for path fused / unfused, stage first / more, mode eager / graph
-    (graphs on CUDA only), and ``check``: the worst coefficient difference of either path from the torch loop."""
+def ways(blocks: list[int]) -> list[tuple[str, bool, int]]:
+    """``(label, fused, block)``: the fused step at each block size (`lanczos_triton.BLOCK`, the product's block
+    edge), then the unfused one."""
+    return [(f"fused {b}x{b}", True, b) for b in blocks] + [("unfused", False, 0)]
+
+
+def measure(views: int, n: int, steps: int, repeats: int, device: str, blocks: list[int]) -> dict:
+    """One shape: ``{(way, stage, mode): ms}`` for each of ``ways``, stage first (from the start) / more (from its
+    state), mode eager / graph (graphs on CUDA only), and ``(way, "check")``: the worse coefficient difference of
+    the two stages from the torch loop's."""
     from promprune.selection import accel, certified, lanczos_triton
 
     rho = density(views, n, device)
     with accel.without_kernel("lanczos"):
         ref = certified.lanczos_steps(rho.cpu(), None, None, None, steps)
         ref_more = certified.lanczos_steps(rho.cpu(), ref[1], ref[2], ref[0][:, -1], steps)
-    out, worst = {}, 0.0
-    for fused in (True, False):
-        path = "fused" if fused else "unfused"
-        first = lanczos_triton.steps(rho, None, None, None, steps, fused=fused)
-        more = lanczos_triton.steps(rho, first[1], first[2], first[0][:, -1], steps, fused=fused)
-        worst = max(worst, agreement(first, ref), agreement(more, ref_more))
-        state = (first[1].clone(), first[2].clone(), first[0][:, -1].clone())
-        calls = {"first": lambda f=fused: lanczos_triton.steps(rho, None, None, None, steps, fused=f),
-                 "more": lambda f=fused, st=state: lanczos_triton.steps(rho, *st, steps, fused=f)}
-        for stage, call in calls.items():
-            out[path, stage, "eager"] = timed_ms(call, repeats, device)
-            if device == "cuda":
-                out[path, stage, "graph"] = graphed_ms(call, repeats)
-    out["check"] = worst
+    out = {}
+    saved = lanczos_triton.BLOCK
+    try:
+        for way, fused, block in ways(blocks):
+            lanczos_triton.BLOCK = block or saved
+            first = lanczos_triton.steps(rho, None, None, None, steps, fused=fused)
+            more = lanczos_triton.steps(rho, first[1], first[2], first[0][:, -1], steps, fused=fused)
+            out[way, "check"] = max(agreement(first, ref), agreement(more, ref_more))
+            state = (first[1].clone(), first[2].clone(), first[0][:, -1].clone())
+            calls = {"first": lambda f=fused: lanczos_triton.steps(rho, None, None, None, steps, fused=f),
+                     "more": lambda f=fused, st=state: lanczos_triton.steps(rho, *st, steps, fused=f)}
+            for stage, call in calls.items():
+                out[way, stage, "eager"] = timed_ms(call, repeats, device)
+                if device == "cuda":
+                    out[way, stage, "graph"] = graphed_ms(call, repeats)
+    finally:
+        lanczos_triton.BLOCK = saved
     return out
 
 
@@ -118,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="views x tokens (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=6, help="steps a stage (default: the lead's 6)")
+    ap.add_argument("--blocks", nargs="+", type=int, default=[64, 32],
+                    help="the fused product's block edges to time (default: %(default)s; the shipped one first)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
     from promprune.selection import accel, lanczos_triton
@@ -130,31 +142,32 @@ def main(argv: list[str] | None = None) -> None:
         accel.active = lambda t: True  # the fast path on CPU tensors: a check of the values
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter: times mean nothing)"
     print(f"Lanczos stages of {args.steps} steps, fused or not (lanczos_triton.steps), median ms of {args.repeats}; "
-          f"{dev}; torch {torch.__version__}; FUSED_UP_TO = {lanczos_triton.FUSED_UP_TO:.3g} (views x n^3)")
+          f"{dev}; torch {torch.__version__}; FUSED_UP_TO = {lanczos_triton.FUSED_UP_TO:.3g} (views x n^3), "
+          f"BLOCK = {lanczos_triton.BLOCK}")
     modes = ("eager", "graph") if args.device == "cuda" else ("eager",)
-    head = "".join(f"{f'{stage} {mode}':>22}" for stage in ("first", "more") for mode in modes)
-    print(f"{'shape':<9}{'fuses':>6}{'launches f/u':>14}" + head + f"{'check':>10}  faster eager")
-    print(f"{'':<29}" + "".join(f"{'fused  unfused':>22}" for _ in range(2 * len(modes))))
-    faster_at = {}  # views x n^3 -> whether the fused first stage was faster eagerly
+    cols = [(stage, mode) for stage in ("first", "more") for mode in modes]
+    print(f"{'shape':<8}{'fuses':>6}  {'way':<14}{'launches':>9}" + "".join(f"{f'{st} {m}':>13}" for st, m in cols)
+          + f"{'check':>10}")
+    faster_at = {}  # views x n^3 -> whether the shipped fused block's first stage was faster eagerly
     for shape in args.shapes:
         views, n = (int(v) for v in shape.split("x"))
-        r = measure(views, n, args.steps, args.repeats, args.device)
-        faster_at[views * n ** 3] = r["fused", "first", "eager"] < r["unfused", "first", "eager"]
-        cells = "".join(f"{r['fused', stage, mode]:>13.3f}{r['unfused', stage, mode]:>9.3f}"
-                        for stage in ("first", "more") for mode in modes)
-        launches = f"{args.steps + 1}/{3 * args.steps}"
-        faster = "fused" if r["fused", "first", "eager"] < r["unfused", "first", "eager"] else "unfused"
-        print(f"{shape:<9}{'yes' if lanczos_triton.fuses(views, n) else 'no':>6}{launches:>14}{cells}"
-              f"{r['check']:>10.1e}  {faster}")
-    print("(fuses: where steps takes the fused path by default; launches a first stage, fused / unfused (a stage "
-          "from a state: one more each); check: the worst coefficient difference from the torch loop, over the "
-          "largest; graph: one replay of the stage captured as a CUDA graph)")
+        r = measure(views, n, args.steps, args.repeats, args.device, args.blocks)
+        shipped = f"fused {args.blocks[0]}x{args.blocks[0]}"
+        faster_at[views * n ** 3] = r[shipped, "first", "eager"] < r["unfused", "first", "eager"]
+        for i, (way, fused, _block) in enumerate(ways(args.blocks)):
+            launches = f"{args.steps + 1}/{args.steps + 2}" if fused else f"{3 * args.steps}/{3 * args.steps + 1}"
+            lead = f"{shape:<8}{'yes' if lanczos_triton.fuses(views, n) else 'no':>6}" if i == 0 else " " * 14
+            print(f"{lead}  {way:<14}{launches:>9}" + "".join(f"{r[way, st, m]:>13.3f}" for st, m in cols)
+                  + f"{r[way, 'check']:>10.1e}")
+    print("(fuses: where steps takes the fused path by default; launches: a first stage / a stage from a state; "
+          "check: the worse coefficient difference of the two stages from the torch loop, over the largest; graph: "
+          "one replay of the stage captured as a CUDA graph)")
     print(bound_line(faster_at, lanczos_triton.FUSED_UP_TO))
 
 
 def bound_line(faster_at: dict[int, bool], shipped: float) -> str:
-    """What the shapes say of ``FUSED_UP_TO``: the largest views x n^3 up to which the fused first stage was faster
-    eagerly at every shape measured, and the smallest where it was not."""
+    """What the shapes say of ``FUSED_UP_TO``: the largest views x n^3 up to which the fused first stage (at the
+    shipped block) was faster eagerly at every shape measured, and the smallest where it was not."""
     sizes = sorted(faster_at)
     slower = [size for size in sizes if not faster_at[size]]
     if not slower:
