@@ -129,10 +129,11 @@ def test_a_fused_step_triton_cannot_build_falls_back_to_three_launches_a_step(vi
 
     with fast_path_on_cpu():
         want = certified.lanczos_steps(rho, None, None, None, 4)
-        monkeypatch.setattr(lanczos_triton, "_fused_kernel", Unbuildable())
-        with pytest.warns(RuntimeWarning, match="lanczos_fused kernel"):
-            costs = count(certified.lanczos_steps, rho, None, None, None, 4, warmup=False)
-        got = certified.lanczos_steps(rho, None, None, None, 4)
+        with monkeypatch.context() as patch:  # undone before fast_path_on_cpu puts the real kernel back
+            patch.setattr(lanczos_triton, "_fused_kernel", Unbuildable())
+            with pytest.warns(RuntimeWarning, match="lanczos_fused kernel"):
+                costs = count(certified.lanczos_steps, rho, None, None, None, 4, warmup=False)
+            got = certified.lanczos_steps(rho, None, None, None, 4)
     assert set(accel.broken_kernels()) == {"lanczos_fused"}
     assert costs.launches == 3 * 4 and costs.ops["bmm"] == 3, costs.ops
     assert all(torch.allclose(g, w, rtol=0, atol=1e-12 * float(w.abs().max())) for g, w in zip(got, want))
