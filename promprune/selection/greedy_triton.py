@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import accel
+
 # Registers per program: a [BLOCK_S, BLOCK_N] tile of Cholesky rows is read at once.
 _TILE_ELEMENTS = 16384
 
@@ -514,7 +516,7 @@ def _vispruner_wide_kernel(C, SI, lists, odd, out, R0, KEEP, ROUNDS, ROUND: tl.c
 
 def _blocks(N: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_S, num_warps)`` for N tokens per view."""
-    block_n = triton.next_power_of_2(max(N, 16))
+    block_n = accel.pow2_at_least(max(N, 16))
     return block_n, max(1, _TILE_ELEMENTS // block_n), 8 if block_n >= 1024 else 4
 
 
@@ -563,7 +565,7 @@ def scaled_gram(gram: torch.Tensor, norms: torch.Tensor, eps: float, eps_num: fl
     ``gram`` (each entry over both tokens' norms floored at ``eps``), exactly symmetric."""
     B, N, _ = gram.shape
     out = torch.empty_like(gram)
-    tiles = triton.cdiv(N, GRAM_BLOCK)
+    tiles = accel.cdiv(N, GRAM_BLOCK)
     ratio = eps_num is not None
     _scaled_gram_kernel[(B, tiles, tiles)](gram.contiguous(), norms.float().contiguous(), out, N,
                                            eps_num if ratio else eps, eps, RATIO=ratio, DIAG=ratio, BLOCK=GRAM_BLOCK,
@@ -586,7 +588,7 @@ def ascending(indices: torch.Tensor, salient: torch.Tensor | None) -> tuple[torc
     # without flags the indices stand in for the flag pointers, which the kernel never reads
     sal, sal_out = (idx, out_idx) if flags is None else (flags.view(torch.uint8), out_sal.view(torch.uint8))
     _ascending_kernel[(B,)](idx, sal, out_idx, sal_out, T, HAS_SAL=flags is not None,
-                            BLOCK_T=triton.next_power_of_2(max(T, 16)), num_warps=8 if T > 1024 else 4)
+                            BLOCK_T=accel.pow2_at_least(max(T, 16)), num_warps=8 if T > 1024 else 4)
     return out_idx, out_sal
 
 
@@ -602,7 +604,7 @@ def salient_front(saliency: torch.Tensor, t_sal: torch.Tensor, budget: int,
     anchor [B, N] int8, free [B, N] int8, first [B] or None)``: ``indices`` holds the salient tokens, then -1 where
     the DPP's picks go."""
     B, N = saliency.shape
-    block_n = triton.next_power_of_2(max(N, 16))
+    block_n = accel.pow2_at_least(max(N, 16))
     device = saliency.device
     indices = torch.empty(B, budget, dtype=torch.long, device=device)
     salient = torch.empty(B, budget, dtype=torch.int8, device=device)
@@ -667,7 +669,7 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
 def vispruner_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, int]:
     """``(BLOCK_E, BLOCK_P, num_warps)`` of VisPruner's kernel for ``R0`` candidates: its ranking's tiles of BLOCK_E
     evens by BLOCK_P matches (at most ``tiles.tile`` elements), BLOCK_P a whole row up to 256."""
-    block_p = triton.next_power_of_2(max(min(R0, 256), 16))
+    block_p = accel.pow2_at_least(max(min(R0, 256), 16))
     warps = tiles.warps or (8 if block_p >= 256 else 4)
     return max(1, tiles.tile // block_p), block_p, warps
 
@@ -675,7 +677,7 @@ def vispruner_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, in
 def vispruner_sort_keys(R0: int, tiles: VisTiles = VIS_TILES) -> int:
     """The keys of the tiles kernel's one sort a round for ``R0`` candidates (``tiles.rank`` "sort": the next power of
     2 of the first round's evens, up to `VIS_SORT_MAX`), 0 where it ranks by tiles."""
-    keys = triton.next_power_of_2(max((R0 + 1) // 2, 16))
+    keys = accel.pow2_at_least(max((R0 + 1) // 2, 16))
     return keys if tiles.rank == "sort" and keys <= VIS_SORT_MAX else 0
 
 
@@ -688,7 +690,7 @@ VIS_WIDE_BLOCK = 2048
 def vispruner_wide_blocks(R0: int, tiles: VisTiles = VIS_TILES) -> tuple[int, int, int, int] | None:
     """``(BLOCK_W, SCAN, LEVELS, num_warps)`` of the wide kernel for ``R0`` candidates (``_vispruner_wide_kernel``),
     or None where the first round's evens pass `VIS_SORT_MAX` (then R0 < 2^16 too, as the keys need)."""
-    block_w = max(triton.next_power_of_2((R0 + 1) // 2), VIS_WIDE_BLOCK)
+    block_w = max(accel.pow2_at_least((R0 + 1) // 2), VIS_WIDE_BLOCK)
     if block_w > VIS_SORT_MAX:
         return None
     levels = block_w.bit_length() - VIS_WIDE_MIN.bit_length() + 1  # BLOCK_W, BLOCK_W / 2, ..., VIS_WIDE_MIN

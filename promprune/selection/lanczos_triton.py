@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import accel
 from .kernels import start_basis
 
 TILE = 1024  # entries a program's loop takes at once (float64 at 8 warps: four a thread per state)
@@ -296,11 +297,11 @@ def density_from_gram(gram: torch.Tensor) -> torch.Tensor:
     gram = gram.contiguous()
     rows, cols = 16, 128
     means, diag = gram.new_empty(B, n), gram.new_empty(B, n)
-    _row_means_kernel[(triton.cdiv(n, rows), B)](gram, means, diag, n, ROWS=rows, COLS=cols, num_warps=4)
+    _row_means_kernel[(accel.cdiv(n, rows), B)](gram, means, diag, n, ROWS=rows, COLS=cols, num_warps=4)
     rho = torch.empty(B, n, n, dtype=torch.float64, device=gram.device)
     chunk, parts, _ = layout(B, n)
     _density_kernel[(parts, B)](gram, means, diag, rho, n, n * n, chunk, TILE=TILE,
-                                N_P2=triton.next_power_of_2(n), num_warps=WARPS, enable_fp_fusion=False)
+                                N_P2=accel.pow2_at_least(n), num_warps=WARPS, enable_fp_fusion=False)
     return rho
 
 
@@ -309,10 +310,10 @@ def layout(B: int, n: int) -> tuple[int, int, int]:
     that the launch has about `TARGET_PROGRAMS` programs and a view at most `MAX_PARTS`), programs per view, and the
     next power of 2 of the parts (what an update program sums)."""
     n2 = n * n
-    chunk = max(TILE, triton.next_power_of_2(triton.cdiv(B * n2, TARGET_PROGRAMS)),
-                triton.next_power_of_2(triton.cdiv(n2, MAX_PARTS)))
-    parts = triton.cdiv(n2, chunk)
-    return chunk, parts, triton.next_power_of_2(parts)
+    chunk = max(TILE, accel.pow2_at_least(accel.cdiv(B * n2, TARGET_PROGRAMS)),
+                accel.pow2_at_least(accel.cdiv(n2, MAX_PARTS)))
+    parts = accel.cdiv(n2, chunk)
+    return chunk, parts, accel.pow2_at_least(parts)
 
 
 def fuses(B: int, n: int) -> bool:
@@ -364,7 +365,7 @@ def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None
         _update_kernel[(parts, B)](w, w if ident else u, w if vp is None else vp, out, dot, norm_in, norms[j % 2],
                                    coef, bprev, bprev.stride(0), n * n, parts, parts_in, chunk, n, count, j,
                                    FIRST=j == 0, HAS_PREV=j > 0 or has_prev, IDENT=ident, VP_IDENT=start and j == 1,
-                                   TILE=TILE, PARTS_P2=triton.next_power_of_2(parts_in), num_warps=WARPS,
+                                   TILE=TILE, PARTS_P2=accel.pow2_at_least(parts_in), num_warps=WARPS,
                                    enable_fp_fusion=False)
         return out, (None if ident else u)  # the next u (unnormalized) and vp (normalized in place)
 
@@ -413,8 +414,8 @@ def _fused(rho, v, v_prev, count, coef, bprev, update):
     then the last step's update (``update``, in place) -> the last ``(u, vp)`` for ``_finish_kernel``."""
     B, n, _ = rho.shape
     start = v is None
-    tiles = triton.cdiv(n, BLOCK) ** 2
-    tiles_p2 = triton.next_power_of_2(tiles)
+    tiles = accel.cdiv(n, BLOCK) ** 2
+    tiles_p2 = accel.pow2_at_least(tiles)
     grid = (tiles, B)
     dots = (rho.new_empty(B, tiles), rho.new_empty(B, tiles))
     sq = (rho.new_empty(B, tiles), rho.new_empty(B, tiles))

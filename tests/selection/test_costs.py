@@ -317,3 +317,27 @@ def test_host_time_leaves_out_what_the_graphs_run():
     x = torch.zeros(3)
     assert host_ms(call, x, calls=3) >= 30
     assert host_ms(call, x, graphs=True, calls=9) < 10  # a median of 9: a busy machine's few preemptions pass
+
+
+def test_the_host_sizes_launches_without_tritons_constexpr_functions(views, monkeypatch):
+    """``accel.cdiv`` and ``accel.pow2_at_least`` give Triton's ``cdiv`` and ``next_power_of_2`` on every size, and a
+    select on the fast path calls neither of Triton's (each a ``ConstexprFunction``: ~5 us a call from Python)."""
+    import triton
+
+    sizes = [0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 576, 1296, 331776, 2 ** 20 + 1]
+    assert [accel.pow2_at_least(n) for n in sizes[1:]] == [triton.next_power_of_2(n) for n in sizes[1:]]
+    assert [accel.cdiv(n, d) for n in sizes for d in (1, 16, 64, 1024)] == \
+        [triton.cdiv(n, d) for n in sizes for d in (1, 16, 64, 1024)]
+    calls = []
+
+    def counted(name):
+        real = getattr(triton, name)
+        return lambda *args: calls.append(name) or real(*args)
+
+    monkeypatch.setattr(triton, "cdiv", counted("cdiv"))
+    monkeypatch.setattr(triton, "next_power_of_2", counted("next_power_of_2"))
+    x, s = views
+    with fast_path_on_cpu():
+        for method in ("promprune", "divprune", "vispruner", "fixed_ratio"):
+            promprune.select(x, s, budget=16, method=method)
+    assert not calls, calls
