@@ -225,10 +225,15 @@ def _lanczos_update(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_ST
     COEF[:, j] = alpha[:, 0]
 
 
-def _lanczos_fused(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N,
-                   PARTS_IN, STEPS, j, *, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT, PARTS_P2, DIAG, BM, BN, BK):
-    """``lanczos_triton._fused_kernel``'s work in torch, on the same buffers (each sum as the first share)."""
+def _lanczos_fused(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OUT, COEF, BPREV, BPREV_STRIDE, G, R,
+                   DG, N, PARTS_IN, STEPS, j, *, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT, GRAM, PARTS_P2, DIAG, N_P2,
+                   BM, BN, BK):
+    """``lanczos_triton._fused_kernel``'s work in torch, on the same buffers (each sum as the first share; with
+    ``GRAM``, rho made first from the Gram as ``_density`` makes it)."""
     B = RHO.shape[0]
+    if GRAM:
+        _density(G, R, DG, RHO, N, N * N, 0, TILE=0, N_P2=N_P2)
+        W = RHO
     if not UPDATE:
         x = U.reshape(B, -1)
     else:

@@ -179,10 +179,17 @@ def _opened(rho: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
 def opening_from_gram(gram: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
     """``opening`` of the centered ``gram`` (``entropy.centered_gram``: the spectral matrix when N <= d), the
     centering inside the same graph. On the CUDA fast path a float32 Gram (``TokenSet.unit_gram``, exactly
-    symmetric) is centered and normalized by ``lanczos_triton.density_from_gram``: two launches instead of eleven."""
-    if gram.dtype == torch.float32 and accel.active(gram) and accel.has_triton():
+    symmetric) is centered and normalized by ``lanczos_triton.density_from_gram``: two launches instead of eleven;
+    where the steps fuse (``lanczos_triton.fuses``, two or more), by the row means and the first fused step, which
+    makes rho where it reads it (``lanczos_triton.opening_from_gram``: one launch fewer, the same rho)."""
+    if gram.dtype == torch.float32 and accel.active(gram) and accel.has_triton() \
+            and "lanczos" not in accel.broken_kernels():
         from . import lanczos_triton
 
+        if steps >= 2 and lanczos_triton.fuses(gram.shape[0], gram.shape[1]):
+            opened = accel.kernel("lanczos_fused", lambda: lanczos_triton.opening_from_gram(gram, steps))
+            if opened is not None:  # None: Triton could not build it here; the density and the steps below
+                return opened
         rho = accel.kernel("lanczos", lambda: lanczos_triton.density_from_gram(gram))
         if rho is not None:  # None: Triton could not build it here; the torch ops below make the same matrix
             return _opened(rho, steps)

@@ -1,6 +1,7 @@
 """The certified split's Lanczos recurrence (``certified.lanczos_steps``) in one launch a step (fused, small
 batches) or three (a cuBLAS product and two kernels) instead of seven, and its matrix from the tokens' Gram
-(``density_from_gram``) in two launches instead of eleven.
+(``density_from_gram``) in two launches instead of eleven (one where the steps fuse: ``opening_from_gram``, whose
+first step makes the matrix where it reads it).
 
 A step of the recurrence on ``rho [B, n, n]`` (float64) is one batched product and, in torch, six small kernels around
 it (the Frobenius dot as a product and a sum, two updates, the residual's norm, its division): at batch 1 each costs
@@ -150,17 +151,32 @@ def _update_kernel(W, U, VP, OUT, DOT, NORM_IN, NORM_OUT, COEF, BPREV, BPREV_STR
 
 
 @triton.jit
-def _operand(W, U, VP, base, N, r, c, alpha, beta, rs, UPDATE: tl.constexpr, FIRST: tl.constexpr,
-             HAS_PREV: tl.constexpr, IDENT: tl.constexpr, VP_IDENT: tl.constexpr):
+def _rho_block(G, R, base, rbase, N, r, c, g, trace):
+    """The ``[len(r), len(c)]`` block of ``rho = C / tr(C)`` (float64) from the float32 Gram ``G`` and its row means
+    ``R``, as ``_density_kernel`` makes each entry (``C = G - (r_i + r_j) + g`` in float32); 0 outside the view."""
+    inb = (r < N)[:, None] & (c < N)[None, :]
+    ri = tl.load(R + rbase + r, mask=r < N, other=0.0)
+    rj = tl.load(R + rbase + c, mask=c < N, other=0.0)
+    cc = (tl.load(G + base + r[:, None] * N + c[None, :], mask=inb, other=0.0) - (ri[:, None] + rj[None, :])) + g
+    return tl.where(inb, cc.to(tl.float64) / trace, 0.0)
+
+
+@triton.jit
+def _operand(W, U, VP, base, N, r, c, alpha, beta, rs, G, R, rbase, g, trace, UPDATE: tl.constexpr,
+             FIRST: tl.constexpr, HAS_PREV: tl.constexpr, IDENT: tl.constexpr, VP_IDENT: tl.constexpr,
+             GRAM: tl.constexpr):
     """The fused step's ``[len(r), len(c)]`` block (rows ``r``, columns ``c`` of a view at ``base``) of the matrix
     it multiplies, and of the basis matrix: ``UPDATE``, the residual ``_residual`` makes there from ``W``, ``U`` and
-    ``VP`` (``IDENT`` / ``VP_IDENT`` as in ``_update_kernel``); else ``U`` itself (a normalized basis matrix). 0 outside
-    the view."""
+    ``VP`` (``IDENT`` / ``VP_IDENT`` as in ``_update_kernel``; ``GRAM``: the start's ``W``, rho, made from the Gram,
+    ``_rho_block``); else ``U`` itself (a normalized basis matrix). 0 outside the view."""
     inb = (r < N)[:, None] & (c < N)[None, :]
     offs = base + r[:, None] * N + c[None, :]
     if UPDATE:
         diag = inb & (r[:, None] == c[None, :])
-        w = tl.load(W + offs, mask=inb, other=0.0)
+        if GRAM:
+            w = _rho_block(G, R, base, rbase, N, r, c, g, trace)
+        else:
+            w = tl.load(W + offs, mask=inb, other=0.0)
         if IDENT:
             w = w * rs
             u = tl.where(diag, rs, 0.0)
@@ -180,10 +196,10 @@ def _operand(W, U, VP, base, N, r, c, alpha, beta, rs, UPDATE: tl.constexpr, FIR
 
 
 @triton.jit(do_not_specialize=["STEPS", "j"])
-def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OUT, COEF, BPREV, BPREV_STRIDE, N,
-                  PARTS_IN, STEPS, j, UPDATE: tl.constexpr, FIRST: tl.constexpr, HAS_PREV: tl.constexpr,
-                  IDENT: tl.constexpr, VP_IDENT: tl.constexpr, PARTS_P2: tl.constexpr, DIAG: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OUT, COEF, BPREV, BPREV_STRIDE, G, R,
+                  DG, N, PARTS_IN, STEPS, j, UPDATE: tl.constexpr, FIRST: tl.constexpr, HAS_PREV: tl.constexpr,
+                  IDENT: tl.constexpr, VP_IDENT: tl.constexpr, GRAM: tl.constexpr, PARTS_P2: tl.constexpr,
+                  DIAG: tl.constexpr, N_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Step ``j``'s update and the next step's product in one launch, a program per ``BM x BN`` block of a view's
     product. ``UPDATE``: the block's operand is step ``j``'s residual (``_operand``, formed again for every block that
     reads it, never stored before the product), whose coefficients the program reads from the shares
@@ -192,7 +208,10 @@ def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OU
     unless ``FIRST``: that is ``U`` itself), of the product (``WOUT``), and its shares of the next dot ``<new, rho
     new>`` and of ``|new|^2`` (``DOT_OUT``, ``NORM_OUT``: one a program); a view's first program records alpha (and
     the previous beta). Not ``UPDATE``: the product of the normalized ``U`` and its dot's shares only (a stage's first
-    step from a state)."""
+    step from a state). ``GRAM`` (with ``IDENT``: the first stage from the tokens' float32 Gram ``G``, its row means
+    ``R`` and diagonal ``DG``, ``_row_means_kernel``'s): rho is made where it is read, as ``_density_kernel`` makes
+    it (``N_P2`` entries of the trace at once), and each program stores its block of it into ``RHO``: no launch of
+    its own."""
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     tiles = tl.num_programs(0)
@@ -200,10 +219,22 @@ def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OU
     r = (t // across) * BM + tl.arange(0, BM)
     c = (t % across) * BN + tl.arange(0, BN)
     base = b * N * N
+    rbase = b * N
     rs = 1.0 / tl.sqrt(N.to(tl.float64))
     alpha = rs * 0.0
     beta = rs * 0.0
-    if UPDATE:
+    g = 0.0
+    trace = rs * 0.0
+    if GRAM:  # the centering's mean and rho's trace, as _density_kernel computes them
+        ks_all = tl.arange(0, N_P2)
+        r_all = tl.load(R + rbase + ks_all, mask=ks_all < N, other=0.0)
+        g = tl.sum(r_all, axis=0) / N
+        c_diag = (tl.load(DG + rbase + ks_all, mask=ks_all < N, other=0.0) - (r_all + r_all)) + g
+        trace = tl.sum(tl.where(ks_all < N, c_diag.to(tl.float64), 0.0), axis=0)
+        trace = tl.maximum(trace, 2.2250738585072014e-308)
+        # <I / sqrt(N), rho I / sqrt(N)>: rho's diagonal, each entry as _dot_kernel takes it
+        alpha = tl.sum(tl.where(ks_all < N, rs * ((c_diag.to(tl.float64) / trace) * rs), 0.0), axis=0)
+    elif UPDATE:
         if IDENT:  # <I / sqrt(N), rho I / sqrt(N)>: the diagonal, each entry as _dot_kernel takes it
             acc_d = tl.zeros([DIAG], tl.float64)
             for d0 in range(0, N, DIAG):
@@ -215,12 +246,20 @@ def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OU
     acc = tl.zeros([BM, BN], tl.float64)
     for k0 in range(0, N, BK):
         ks = k0 + tl.arange(0, BK)
-        a = tl.load(RHO + base + r[:, None] * N + ks[None, :], mask=(r < N)[:, None] & (ks < N)[None, :], other=0.0)
-        x, _ = _operand(W, U, VP, base, N, ks, c, alpha, beta, rs, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT)
+        if GRAM:
+            a = _rho_block(G, R, base, rbase, N, r, ks, g, trace)
+        else:
+            a = tl.load(RHO + base + r[:, None] * N + ks[None, :], mask=(r < N)[:, None] & (ks < N)[None, :],
+                        other=0.0)
+        x, _ = _operand(W, U, VP, base, N, ks, c, alpha, beta, rs, G, R, rbase, g, trace, UPDATE, FIRST, HAS_PREV,
+                        IDENT, VP_IDENT, GRAM)
         acc = tl.dot(a, x, acc, out_dtype=tl.float64)  # (Triton 3.6 takes float32 unless told)
-    x, v = _operand(W, U, VP, base, N, r, c, alpha, beta, rs, UPDATE, FIRST, HAS_PREV, IDENT, VP_IDENT)
+    x, v = _operand(W, U, VP, base, N, r, c, alpha, beta, rs, G, R, rbase, g, trace, UPDATE, FIRST, HAS_PREV, IDENT,
+                    VP_IDENT, GRAM)
     inb = (r < N)[:, None] & (c < N)[None, :]
     offs = base + r[:, None] * N + c[None, :]
+    if GRAM:  # this program's block of rho, for the launches after it
+        tl.store(RHO + offs, _rho_block(G, R, base, rbase, N, r, c, g, trace), mask=inb)
     tl.store(WOUT + offs, acc, mask=inb)
     tl.store(DOT_OUT + b * tiles + t, tl.sum(tl.sum(x * acc, axis=1), axis=0))
     if UPDATE:
@@ -288,6 +327,15 @@ def _density_kernel(G, R, DG, RHO, N, N2, CHUNK, TILE: tl.constexpr, N_P2: tl.co
         tl.store(RHO + b * N2 + offs, c.to(tl.float64) / trace, mask=inb)
 
 
+def _row_means(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(means [B, n], diagonal [B, n])`` of a contiguous float32 Gram: one launch (``_row_means_kernel``)."""
+    B, n, _ = gram.shape
+    rows, cols = 16, 128
+    means, diag = gram.new_empty(B, n), gram.new_empty(B, n)
+    _row_means_kernel[(accel.cdiv(n, rows), B)](gram, means, diag, n, ROWS=rows, COLS=cols, num_warps=4)
+    return means, diag
+
+
 def density_from_gram(gram: torch.Tensor) -> torch.Tensor:
     """``certified.density(entropy.centered_gram(gram))`` for an exactly symmetric float32 Gram ``[B, n, n]``
     (``TokenSet.unit_gram``) in two launches instead of eleven: the row means, then rho. The centered Gram is the
@@ -295,9 +343,7 @@ def density_from_gram(gram: torch.Tensor) -> torch.Tensor:
     ``DECISION_MARGIN`` covers), and exactly symmetric without a transpose."""
     B, n, _ = gram.shape
     gram = gram.contiguous()
-    rows, cols = 16, 128
-    means, diag = gram.new_empty(B, n), gram.new_empty(B, n)
-    _row_means_kernel[(accel.cdiv(n, rows), B)](gram, means, diag, n, ROWS=rows, COLS=cols, num_warps=4)
+    means, diag = _row_means(gram)
     rho = torch.empty(B, n, n, dtype=torch.float64, device=gram.device)
     chunk, parts, _ = layout(B, n)
     _density_kernel[(parts, B)](gram, means, diag, rho, n, n * n, chunk, TILE=TILE,
@@ -314,6 +360,21 @@ def layout(B: int, n: int) -> tuple[int, int, int]:
                 accel.pow2_at_least(accel.cdiv(n2, MAX_PARTS)))
     parts = accel.cdiv(n2, chunk)
     return chunk, parts, accel.pow2_at_least(parts)
+
+
+def opening_from_gram(gram: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """``certified.opening_from_gram``'s first stage, ``(packed [B, 2 count], rho, v, v_prev)``, fused from an exactly
+    symmetric float32 Gram ``[B, n, n]``: the row means (one launch), then ``count >= 2`` steps whose first launch
+    makes rho where it reads it and stores it (``_fused_kernel`` with ``GRAM``): ``count + 2`` launches, one fewer
+    than ``density_from_gram`` and ``steps``. rho is ``density_from_gram``'s, bit for bit."""
+    if count < 2:
+        raise ValueError(f"lanczos_triton.opening_from_gram: {count} steps; the fused opening takes 2 or more")
+    B, n, _ = gram.shape
+    gram = gram.contiguous()
+    means, diag = _row_means(gram)
+    rho = torch.empty(B, n, n, dtype=torch.float64, device=gram.device)
+    packed, v, v_prev = steps(rho, None, None, None, count, fused=True, gram=(gram, means, diag))
+    return packed, rho, v, v_prev
 
 
 def fuses(B: int, n: int) -> bool:
@@ -337,14 +398,17 @@ def fusing(fused: bool | None):
 
 
 def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,
-          count: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          count: int, fused: bool | None = None,
+          gram: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """``certified.lanczos_steps(rho, v, v_prev, b_prev, count)`` (the same arguments and outputs: ``(packed [B,
     2 count], v, v_prev)``). ``v`` None: the start, ``I / sqrt(n)``, never formed: its product with ``rho`` is
     ``rho / sqrt(n)``, read where the first update reads it (``IDENT``): no product and no basis matrix to make.
     ``fused`` (None: ``fuses``): each step's update and the next step's product in one launch (``_fused_kernel``),
     ``count + 1`` launches from the start and ``count + 2`` from a state; else a cuBLAS product, the dot and the
     update a step, ``3 count`` and ``3 count + 1``. ``rho``, ``v`` and ``v_prev`` are read only; the outputs are
-    buffers of its own that rotate (a step never writes a matrix it or another program of its launch still reads)."""
+    buffers of its own that rotate (a step never writes a matrix it or another program of its launch still reads).
+    ``gram``: ``opening_from_gram``'s (the Gram, its row means and diagonal; fused, from the start, two steps or
+    more): ``rho`` is then an empty buffer the first launch fills."""
     B, n, _ = rho.shape
     chunk, parts, parts_p2 = layout(B, n)
     start = v is None
@@ -371,8 +435,10 @@ def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None
 
     if fused is None:
         fused = fuses(B, n)
+    if gram is not None and not (fused and start and count >= 2):
+        raise ValueError("lanczos_triton.steps: rho from the Gram needs the fused path from the start, 2 steps or more")
     if fused and not (start and count == 1):
-        u, vp = _fused(rho, v, v_prev, count, coef, bprev, update)
+        u, vp = _fused(rho, v, v_prev, count, coef, bprev, update, gram)
     else:
         dot = rho.new_empty(B, parts)
         owned: list[torch.Tensor | None] = [None, None, None]
@@ -408,10 +474,12 @@ BLOCK, BLOCK_K, FUSED_WARPS = 64, 16, 4
 FUSED_UP_TO = 5 * 576 ** 3
 
 
-def _fused(rho, v, v_prev, count, coef, bprev, update):
+def _fused(rho, v, v_prev, count, coef, bprev, update, gram=None):
     """``steps``' recurrence fused (``count >= 2`` from the start, any from a state): the first product (from a state:
     a launch of ``_fused_kernel`` without its update; from the start: none), a fused launch per step but the last,
-    then the last step's update (``update``, in place) -> the last ``(u, vp)`` for ``_finish_kernel``."""
+    then the last step's update (``update``, in place) -> the last ``(u, vp)`` for ``_finish_kernel``. ``gram``:
+    ``(G, R, DG)``, the float32 Gram, its row means and diagonal: the start's launch makes ``rho`` from them (``GRAM``)
+    and fills it."""
     B, n, _ = rho.shape
     start = v is None
     tiles = accel.cdiv(n, BLOCK) ** 2
@@ -428,13 +496,17 @@ def _fused(rho, v, v_prev, count, coef, bprev, update):
 
     def launch(j, w, u, vp, s, do_update, first):
         ident = start and j == 0
+        from_gram = ident and gram is not None
         out_w, new = buffer(s, 0), buffer(s, 1) if do_update else rho
         vout = buffer(s, 2) if do_update and not first else rho  # unwritten when FIRST or not updating
+        g, means, diag = gram if from_gram else (rho, rho, rho)  # unread unless GRAM
         _fused_kernel[grid](rho, w, w if u is None else u, w if vp is None else vp, new, vout, out_w,
-                            dots[(s + 1) % 2], sq[(s + 1) % 2], dots[s], sq[s], coef, bprev, bprev.stride(0), n,
-                            tiles, count, j, UPDATE=do_update, FIRST=first, HAS_PREV=j > 0 or v_prev is not None,
-                            IDENT=ident, VP_IDENT=start and j == 1, PARTS_P2=tiles_p2, DIAG=1024, BM=BLOCK,
-                            BN=BLOCK, BK=BLOCK_K, num_warps=FUSED_WARPS, enable_fp_fusion=False)
+                            dots[(s + 1) % 2], sq[(s + 1) % 2], dots[s], sq[s], coef, bprev, bprev.stride(0), g,
+                            means, diag, n, tiles, count, j, UPDATE=do_update, FIRST=first,
+                            HAS_PREV=j > 0 or v_prev is not None, IDENT=ident, VP_IDENT=start and j == 1,
+                            GRAM=from_gram, PARTS_P2=tiles_p2, DIAG=1024,
+                            N_P2=accel.pow2_at_least(n) if from_gram else 1, BM=BLOCK, BN=BLOCK, BK=BLOCK_K,
+                            num_warps=FUSED_WARPS, enable_fp_fusion=False)
         return out_w, new, vout
 
     s = 0

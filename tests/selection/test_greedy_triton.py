@@ -185,17 +185,20 @@ def _kernels():
                                                 "VP_IDENT": vp_ident, "PARTS_P2": 512, **chunk}))
     fused = {**{k: "*fp64" for k in ("RHO", "W", "U", "VP", "NEW", "VOUT", "WOUT", "DOT", "NORM_IN", "DOT_OUT",
                                      "NORM_OUT", "COEF", "BPREV")},
-             "BPREV_STRIDE": "i32", "N": "i32", "PARTS_IN": "i32", "STEPS": "i32", "j": "i32"}
+             "BPREV_STRIDE": "i32", "G": "*fp32", "R": "*fp32", "DG": "*fp32", "N": "i32", "PARTS_IN": "i32",
+             "STEPS": "i32", "j": "i32"}
     blocks = {"PARTS_P2": 512, "DIAG": 1024, "BM": lz.BLOCK, "BN": lz.BLOCK, "BK": lz.BLOCK_K}
-    # a stage's first product from a state; the start's update; the step after it; a later stage's first update;
-    # every other step
-    for update, first, has_prev, ident, vp_ident in ((False, True, True, False, False),
-                                                     (True, True, False, True, False),
-                                                     (True, False, True, False, True),
-                                                     (True, True, True, False, False),
-                                                     (True, False, True, False, False)):
+    # a stage's first product from a state; the start's update (from rho, from the Gram); the step after it; a later
+    # stage's first update; every other step
+    for update, first, has_prev, ident, vp_ident, gram in ((False, True, True, False, False, False),
+                                                           (True, True, False, True, False, False),
+                                                           (True, True, False, True, False, True),
+                                                           (True, False, True, False, True, False),
+                                                           (True, True, True, False, False, False),
+                                                           (True, False, True, False, False, False)):
         out.append((lz._fused_kernel, fused, {"UPDATE": update, "FIRST": first, "HAS_PREV": has_prev, "IDENT": ident,
-                                              "VP_IDENT": vp_ident, **blocks}))
+                                              "VP_IDENT": vp_ident, "GRAM": gram, "N_P2": 1024 if gram else 1,
+                                              **blocks}))
     out.append((lz._finish_kernel, {"W": "*fp64", "NORM_IN": "*fp64", "COEF": "*fp64", "N2": "i32", "PARTS": "i32",
                                     "CHUNK": "i32", "STEPS": "i32"}, {"PARTS_P2": 512, **chunk}))
     out.append((lz._row_means_kernel, {"G": "*fp32", "R": "*fp32", "DG": "*fp32", "N": "i32"},

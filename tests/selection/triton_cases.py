@@ -466,6 +466,28 @@ def density_case(kind: str, B: int, N: int, d: int, seed: int) -> Case:
     return run
 
 
+def opening_case(kind: str, B: int, N: int, d: int, seed: int, steps: int) -> Case:
+    """``lanczos_triton.opening_from_gram`` (the first stage from the float32 unit Gram, its first fused launch making
+    rho where it reads it) against ``density_from_gram`` and then ``steps`` fused (rho in a launch of its own) on the
+    same device: rho equal bit for bit, the coefficients and basis matrices to float64 rounding (relative 1e-13 of
+    the largest: the start's alpha sums rho's diagonal in its own order). ``got`` holds the comparisons, ``want`` all
+    true."""
+    def run(device):
+        from promprune.selection import lanczos_triton
+
+        gram = TokenSet(_tokens(kind, B, N, d, seed), None).unit_gram.to(device)
+        with _fast(device):
+            packed, rho, v, v_prev = lanczos_triton.opening_from_gram(gram, steps)
+            want_rho = lanczos_triton.density_from_gram(gram)
+            want = lanczos_triton.steps(want_rho, None, None, None, steps, fused=True)
+        checks = [torch.equal(rho, want_rho)]
+        for g, w in zip((packed, v, v_prev), want):
+            checks.append(bool((g - w).abs().max() <= 1e-13 * w.abs().max()))
+        got = torch.tensor(checks)
+        return got, torch.ones_like(got)
+    return run
+
+
 def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: bool = False,
                fused: bool = False) -> Case:
     """``certified.split``'s counts and per-stage decisions on the fast path (its recurrence in ``lanczos_triton``)
@@ -599,6 +621,10 @@ def cases() -> dict[str, Case]:
                                               ("lowrank", 2, 40, 24, 1e-3)]):
         out[f"split-fused/{kind}-{B}x{N}x{d}-gap{gap:g}"] = split_case(kind, B, N, d, 40 + i, gap, fused=True)
     out["split-gram-fused/random-3x80x96-gap0.001"] = split_case("random", 3, 80, 96, 43, 1e-3, gram=True, fused=True)
+    # the first stage fused from the Gram: rho made where the first step reads it (one block, blocks cut at the edge)
+    for i, (kind, B, N, d, k) in enumerate([("random", 2, 40, 64, 6), ("random", 1, 70, 96, 2),
+                                            ("lowrank", 2, 48, 24, 6), ("random", 2, 130, 150, 3)]):
+        out[f"opening-fused/{kind}-{B}x{N}x{d}-steps{k}"] = opening_case(kind, B, N, d, 80 + i, k)
     for i, (kind, B, N, d) in enumerate([("random", 2, 70, 96), ("duplicates", 2, 40, 16), ("zeros", 1, 33, 20),
                                          ("orthonormal", 2, 24, 32)]):
         out[f"density/{kind}-{B}x{N}x{d}"] = density_case(kind, B, N, d, 50 + i)
