@@ -4,8 +4,10 @@
 #
 #   bash scripts/gpu_checklist.sh [--install-batch N]... STAGE...
 #
-# Stages: install (every .whlN here) | parity | library | selection | vispruner-tiles | speed | table6 | shapes | deps |
-#         sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.   --install-batch N installs .whlN only (one batch travels per call).
+# Stages: install (every .whlN here) | parity | library | lanczos | selection | vispruner-tiles | speed | table6 | shapes |
+#         deps |
+#         sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.
+# --install-batch N installs .whlN only (one batch travels per call).
 #
 # The machine (Python 3.12, torch 2.11 CUDA 13, transformers 5.17) has no network and no Ray, MLflow or lmms-eval;
 # a call sends at most 64 MiB, runs at most 10 min (2,000-character command), 30 device-minutes in all, and the
@@ -25,9 +27,11 @@
 # The shortest way to the selection stages (2026-11-26 evening: two calls, 416 s and 262 s; 2026-11-28 on an H200:
 # 273 s and 274 s, each on a fresh machine, ~35 s of start around each): a .whl1 of one wheel,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl1 transformers==5.23.0
-#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 selection table6 parity vispruner-tiles
-# (selection times PromPrune with and without CUDA graphs; table6 times its model path eager and with graphs
-# interleaved, `--graph-pairs`: the line that decides PROMPRUNE_GRAPHS, and ends with benchmarks/profile_select.py).
+#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 lanczos selection table6 parity vispruner-tiles
+# (lanczos, ~1-2 min expected: the certified split's steps fused or not by size, the line that sets
+# lanczos_triton.FUSED_UP_TO; selection times PromPrune with and without CUDA graphs, fused and unfused; table6 times
+# its model path eager and with graphs interleaved, `--graph-pairs`: the line that decides PROMPRUNE_GRAPHS, and ends
+# with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
 #   1. carry [".whl1"]              bash scripts/gpu_checklist.sh --install-batch 1 parity selection table6    ~7 min
 #      (then vispruner-tiles, ~2 min expected: VisPruner's kernels at other block sizes, the wide one too, checked)
