@@ -23,14 +23,14 @@ squared norm. A stage of ``k`` steps is then ``k + 1`` launches from the start (
 finish) and ``k + 2`` from a state (its first product fused with its dot), against ``3 k`` and ``3 k + 1``.
 
 So the residual is never divided on its own: the next product takes it unnormalized (``rho u = beta rho v``) and the
-update divides by beta where it reads it anyway; ``_finish_kernel`` normalizes the last one and records the last beta.
-The start ``I / sqrt(n)`` is never formed either (``IDENT``, ``VP_IDENT``): its product with ``rho`` is
-``rho / sqrt(n)``, which the first step's kernels read from ``rho`` itself, so the first step launches no product.
-Every sum runs in a fixed order (a program's tiles, then its view's shares): the same bits on every run. The values
-are the torch loop's up to float64 rounding in the order of the sums (``tests/selection/triton_cases.py``, its
-``lanczos/``, ``lanczos-fused/``, ``split/`` and ``split-fused/`` cases, checks the coefficients and the split's
-decisions under ``TRITON_INTERPRET=1``). Reads and writes per unfused step: five states read and two written (torch:
-nine and four). Breakdown (a zero residual) gives NaN from there on, as the torch loop does.
+update divides by beta where it reads it anyway; ``_finish_kernel`` normalizes the last one and records the last
+beta. The start ``I / sqrt(n)`` is never formed either (``IDENT``, ``VP_IDENT``): its product with ``rho`` is ``rho /
+sqrt(n)``, which the first step's kernels read from ``rho`` itself, so the first step launches no product. Every sum
+runs in a fixed order (a program's tiles, then its view's shares): the same bits on every run. The values are the
+torch loop's up to float64 rounding in the order of the sums (``tests/selection/triton_cases.py``, its ``lanczos/``,
+``lanczos-fused/``, ``opening-fused/``, ``split/`` and ``split-fused/`` cases, checks the coefficients and the
+split's decisions under ``TRITON_INTERPRET=1``). Reads and writes per unfused step: five states read and two written
+(torch: nine and four). Breakdown (a zero residual) gives NaN from there on, as the torch loop does.
 """
 from __future__ import annotations
 
