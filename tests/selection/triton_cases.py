@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: this checkout first, for promprune and for benchmarks (the graphs cases)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -648,8 +653,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: the graphs cases import benchmarks
     main()
