@@ -19,13 +19,14 @@ mean nothing).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.selection import median_ms  # noqa: E402
 
 # views x tokens: LLaVA-1.5 and LLaVA-NeXT (five views of 576) and Qwen2.5-VL (1296) at batch 1, then batches of them
 SHAPES = ("1x576", "5x576", "1x1296", "2x576", "8x576", "40x576", "8x1296")
@@ -43,30 +44,9 @@ def density(views: int, n: int, device: str, seed: int = 0) -> torch.Tensor:
     return certified.density(centered_gram(x @ x.transpose(1, 2))).to(device)
 
 
-def timed_ms(fn, repeats: int, device: str) -> float:
-    """Median ms of ``fn()`` over ``repeats`` calls after one warm-up (CUDA events on a GPU, wall time elsewhere)."""
-    import time
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def graphed_ms(fn, repeats: int) -> float:
-    """Median ms of one replay of ``fn``'s work captured as a CUDA graph (NaN where the capture fails)."""
+def graphed_ms(fn, rho: torch.Tensor, repeats: int) -> float:
+    """Median ms of one replay of ``fn``'s work captured as a CUDA graph (NaN where the capture fails); ``rho``: the
+    stage's matrix (``median_ms`` times with CUDA events where it is on CUDA)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -79,7 +59,7 @@ def graphed_ms(fn, repeats: int) -> float:
     except RuntimeError as exc:
         print(f"    (capture failed: {str(exc).splitlines()[0]})")
         return float("nan")
-    return timed_ms(graph.replay, repeats, "cuda")
+    return median_ms(lambda _: graph.replay(), rho, repeats)
 
 
 def agreement(got: tuple, want: tuple) -> float:
@@ -115,9 +95,9 @@ def measure(views: int, n: int, steps: int, repeats: int, device: str, blocks: l
             calls = {"first": lambda f=fused: lanczos_triton.steps(rho, None, None, None, steps, fused=f),
                      "more": lambda f=fused, st=state: lanczos_triton.steps(rho, *st, steps, fused=f)}
             for stage, call in calls.items():
-                out[way, stage, "eager"] = timed_ms(call, repeats, device)
+                out[way, stage, "eager"] = median_ms(lambda _, c=call: c(), rho, repeats)
                 if device == "cuda":
-                    out[way, stage, "graph"] = graphed_ms(call, repeats)
+                    out[way, stage, "graph"] = graphed_ms(call, rho, repeats)
     finally:
         lanczos_triton.BLOCK = saved
     return out

@@ -157,8 +157,8 @@ def _rho_block(G, R, base, rbase, N, r, c, g, trace):
     inb = (r < N)[:, None] & (c < N)[None, :]
     ri = tl.load(R + rbase + r, mask=r < N, other=0.0)
     rj = tl.load(R + rbase + c, mask=c < N, other=0.0)
-    cc = (tl.load(G + base + r[:, None] * N + c[None, :], mask=inb, other=0.0) - (ri[:, None] + rj[None, :])) + g
-    return tl.where(inb, cc.to(tl.float64) / trace, 0.0)
+    gram = tl.load(G + base + r[:, None] * N + c[None, :], mask=inb, other=0.0)
+    return tl.where(inb, _density_entry(gram, ri[:, None], rj[None, :], g, trace), 0.0)
 
 
 @triton.jit
@@ -226,13 +226,9 @@ def _fused_kernel(RHO, W, U, VP, NEW, VOUT, WOUT, DOT, NORM_IN, DOT_OUT, NORM_OU
     g = 0.0
     trace = rs * 0.0
     if GRAM:  # the centering's mean and rho's trace, as _density_kernel computes them
-        ks_all = tl.arange(0, N_P2)
-        r_all = tl.load(R + rbase + ks_all, mask=ks_all < N, other=0.0)
-        g = tl.sum(r_all, axis=0) / N
-        c_diag = (tl.load(DG + rbase + ks_all, mask=ks_all < N, other=0.0) - (r_all + r_all)) + g
-        trace = tl.sum(tl.where(ks_all < N, c_diag.to(tl.float64), 0.0), axis=0)
-        trace = tl.maximum(trace, 2.2250738585072014e-308)
+        g, c_diag, trace = _centering(R, DG, rbase, N, N_P2)
         # <I / sqrt(N), rho I / sqrt(N)>: rho's diagonal, each entry as _dot_kernel takes it
+        ks_all = tl.arange(0, N_P2)
         alpha = tl.sum(tl.where(ks_all < N, rs * ((c_diag.to(tl.float64) / trace) * rs), 0.0), axis=0)
     elif UPDATE:
         if IDENT:  # <I / sqrt(N), rho I / sqrt(N)>: the diagonal, each entry as _dot_kernel takes it
@@ -305,6 +301,26 @@ def _row_means_kernel(G, R, DG, N, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _centering(R, DG, rbase, N, N_P2: tl.constexpr):
+    """``(g, diagonal, trace)`` of a view's centered Gram ``C = G - (r_i + r_j) + g`` from its row means ``R`` and
+    ``G``'s diagonal ``DG`` (``N_P2`` entries at once): ``g`` the means' mean (float32), ``C``'s diagonal (float32),
+    its trace summed in float64 as ``certified.density`` does, clamped at the smallest normal float64."""
+    ks = tl.arange(0, N_P2)
+    r_all = tl.load(R + rbase + ks, mask=ks < N, other=0.0)
+    g = tl.sum(r_all, axis=0) / N
+    c_diag = (tl.load(DG + rbase + ks, mask=ks < N, other=0.0) - (r_all + r_all)) + g
+    trace = tl.sum(tl.where(ks < N, c_diag.to(tl.float64), 0.0), axis=0)
+    return g, c_diag, tl.maximum(trace, 2.2250738585072014e-308)
+
+
+@triton.jit
+def _density_entry(gram, ri, rj, g, trace):
+    """rho's entries ``C / tr(C)`` (float64) from the float32 Gram's entries and their rows' and columns' means: one
+    expression for ``_density_kernel`` and the fused step (the same bits)."""
+    return ((gram - (ri + rj)) + g).to(tl.float64) / trace
+
+
+@triton.jit
 def _density_kernel(G, R, DG, RHO, N, N2, CHUNK, TILE: tl.constexpr, N_P2: tl.constexpr):
     """``RHO[b] = C / tr(C)`` in float64, ``C = G - (r_i + r_j) + g`` the centered Gram in float32 (``r``: the row
     means, ``g`` their mean): ``r_i + r_j`` is the same float both ways round, so ``C`` is exactly symmetric where
@@ -312,19 +328,14 @@ def _density_kernel(G, R, DG, RHO, N, N2, CHUNK, TILE: tl.constexpr, N_P2: tl.co
     normal float64."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    ks = tl.arange(0, N_P2)
-    r_all = tl.load(R + b * N + ks, mask=ks < N, other=0.0)
-    g = tl.sum(r_all, axis=0) / N
-    c_diag = (tl.load(DG + b * N + ks, mask=ks < N, other=0.0) - (r_all + r_all)) + g
-    trace = tl.sum(tl.where(ks < N, c_diag.to(tl.float64), 0.0), axis=0)
-    trace = tl.maximum(trace, 2.2250738585072014e-308)
+    g, _, trace = _centering(R, DG, b * N, N, N_P2)
     for t0 in range(0, CHUNK, TILE):
         offs = p * CHUNK + t0 + tl.arange(0, TILE)
         inb = offs < N2
         ri = tl.load(R + b * N + offs // N, mask=inb, other=0.0)
         rj = tl.load(R + b * N + offs % N, mask=inb, other=0.0)
-        c = (tl.load(G + b * N2 + offs, mask=inb, other=0.0) - (ri + rj)) + g
-        tl.store(RHO + b * N2 + offs, c.to(tl.float64) / trace, mask=inb)
+        entry = _density_entry(tl.load(G + b * N2 + offs, mask=inb, other=0.0), ri, rj, g, trace)
+        tl.store(RHO + b * N2 + offs, entry, mask=inb)
 
 
 def _row_means(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
