@@ -87,6 +87,9 @@ class Prediction(Answer):
     prefill_flops: float | None = None  # whole prefill (visual + text tokens), Table 6's convention
     kv_cache_bytes: float | None = None  # K and V of the visual tokens, Table 6's convention
     node: str | None = None  # where it was answered (the pipeline's actors: their Ray node id); None elsewhere
+    # the request's ``image_key``: the report groups the questions about one image by it (their entropies may differ
+    # in the last digits on a GPU, where batch composition moves features and the certified split reports midpoints)
+    image_key: str | None = None
 
     @property
     def key(self) -> str:
@@ -96,7 +99,7 @@ class Prediction(Answer):
     def answering(cls, request: Request, answer: Answer, **extra) -> "Prediction":
         """The prediction for ``request``: its fields (not the image) plus every field of ``answer``."""
         own = {f.name: getattr(request, f.name) for f in dataclasses.fields(Request)
-               if f.name not in ("image", "image_key", "error", "video")}
+               if f.name not in ("image", "error", "video")}
         return cls(**own, **values(answer), **extra)
 
 

@@ -134,6 +134,33 @@ def clusters_by_entropy(entropy: np.ndarray, tol: float = CLUSTER_TOL) -> np.nda
     return groups
 
 
+def clusters_by_image(keys, entropy: np.ndarray, tol: float = CLUSTER_TOL) -> np.ndarray:
+    """``[n]`` image group per sample: the samples with one image key (``Prediction.image_key``, a hash of the pixels)
+    share a group; those without one (records written before predictions carried it, or a request whose image could
+    not be read) are grouped among themselves by entropy (`clusters_by_entropy`). Groups are numbered as
+    `clusters_by_entropy` numbers them (ascending by their lowest entropy, NaN last, ties by first sample), so where
+    both groupings agree they give the same numbers, and the same halves.
+
+    The key is what identifies an image: on a GPU the entropies of one image's questions can differ past ``tol`` when
+    they ran in different batches (the batch moves the features' last bits; the certified split reports its bracket's
+    midpoint, which moves with the batch's Lanczos steps)."""
+    entropy = np.asarray(entropy, dtype=float)
+    keys = [k if isinstance(k, str) and k else None for k in keys]
+    if len(keys) != len(entropy):
+        raise ValueError(f"clusters_by_image: {len(keys)} keys for {len(entropy)} entropies")
+    keyless = np.array([k is None for k in keys], dtype=bool)
+    by_entropy = np.full(len(entropy), -1)
+    by_entropy[keyless] = clusters_by_entropy(entropy[keyless], tol)
+    labels = [("key", k) if k is not None else ("entropy", int(g)) for k, g in zip(keys, by_entropy)]
+    first: dict = {}
+    for i, label in enumerate(labels):
+        h = np.inf if np.isnan(entropy[i]) else entropy[i]
+        low, at = first.get(label, (np.inf, i))
+        first[label] = (min(low, h), min(at, i))
+    number = {label: g for g, label in enumerate(sorted(first, key=first.__getitem__))}
+    return np.array([number[label] for label in labels], dtype=int)
+
+
 def folds_by_cluster(clusters: np.ndarray, seed: int = 0) -> np.ndarray:
     """``[n]`` fold 0 / 1 per sample: the image groups in a seeded random order, alternately 0 and 1, so both
     questions about an image land in one half and the halves hold as many images (one more at most)."""

@@ -120,7 +120,7 @@ class Panel:
     label: str
     budget: float
     kind: str  # score kind(s)
-    units: pd.DataFrame  # per unit: task, docs, entropy, cluster, fold, (num_objects)
+    units: pd.DataFrame  # per unit: task, docs, entropy, image (key), cluster, fold, (num_objects)
     ratios: list  # the fixed ratios, ascending
     shares: np.ndarray  # [K] realised saliency share T_sal / T of each ratio
     fixed: np.ndarray  # [n, K] scores
@@ -164,6 +164,23 @@ def _entropies(preds_of: PredsOf, run_ids: list[str]) -> pd.Series:
             keys = zip(frame["task"], frame["doc_id"].astype(int))
             return pd.Series(frame["entropy"].astype(float).to_numpy(), index=pd.MultiIndex.from_tuples(list(keys)))
     return pd.Series(dtype=float)
+
+
+def _image_keys(preds_of: PredsOf, run_ids: list[str]) -> pd.Series:
+    """The image key (``Prediction.image_key``) per (task, doc_id) from the first of ``run_ids`` whose predictions
+    carry it (empty when none does: records from before the column)."""
+    for rid in run_ids:
+        frame = preds_of(rid)
+        if frame is not None and "image_key" in frame and frame["image_key"].notna().any():
+            keys = zip(frame["task"], frame["doc_id"].astype(int))
+            return pd.Series(frame["image_key"].to_numpy(dtype=object), index=pd.MultiIndex.from_tuples(list(keys)))
+    return pd.Series(dtype=object)
+
+
+def _unit_keys(keys: pd.Series, task: str, units: list[tuple]) -> list:
+    """Each unit's image key: its first document's that has one (None where none has)."""
+    found = ([keys.get((task, d)) for d in docs] for docs in units)
+    return [next((k for k in known if isinstance(k, str) and k), None) for known in found]
 
 
 def _shares(frame: pd.DataFrame | None, budget: float) -> pd.Series:
@@ -210,6 +227,7 @@ class _Budget:
     others: list  # trial ids
     items: dict  # trial id -> {task: TaskItems} or None
     entropy: pd.Series  # by (task, doc_id)
+    images: pd.Series  # image key by (task, doc_id)
     preds_of: PredsOf
     truth_of: TruthOf
     labels: pd.Series  # trial id -> its label in the tables
@@ -222,9 +240,10 @@ def build_panels(sweep: Sweep, table: ScoreTable, preds_of: PredsOf, items_of: I
     panels, notes = [], []
     for budget, arms in budgets_with_grid(sweep, table).items():
         ids = list(arms["fixed"].values()) + arms["others"]
-        entropy = _entropies(preds_of, arms["others"] + list(arms["fixed"].values()) + list(sweep.trials.index))
-        ctx = _Budget(sweep, budget, arms["fixed"], arms["others"], {rid: items_of(rid) for rid in ids}, entropy,
-                      preds_of, truth_of, table.frame["label"], notes)
+        order = arms["others"] + list(arms["fixed"].values()) + list(sweep.trials.index)
+        ctx = _Budget(sweep, budget, arms["fixed"], arms["others"], {rid: items_of(rid) for rid in ids},
+                      _entropies(preds_of, order), _image_keys(preds_of, order), preds_of, truth_of,
+                      table.frame["label"], notes)
         per_task = [p for p in (_task_panel(ctx, task) for task in sweep.tasks()) if p is not None]
         pooled = _pooled(per_task)
         panels += per_task + ([pooled] if pooled is not None else [])
@@ -246,7 +265,8 @@ def _task_panel(ctx: _Budget, task: str) -> Panel | None:
     units, _, kind = unit_scores(first, column.scale)
     fixed = np.column_stack([unit_scores(arms[r], column.scale)[1] for r in same])  # [n, K]
     shares = np.array([_fixed_share(ctx.preds_of(rid), r, ctx.budget) for r, rid in same.items()])
-    frame = pd.DataFrame({"task": task, "docs": units, "entropy": _per_unit(ctx.entropy, task, units)})
+    frame = pd.DataFrame({"task": task, "docs": units, "entropy": _per_unit(ctx.entropy, task, units),
+                          "image": _unit_keys(ctx.images, task, units)})
     truth = ctx.truth_of(task)
     if truth is not None and TRUTH in truth:
         keys = pd.MultiIndex.from_tuples([(task, int(d)) for d in truth.index])
@@ -286,7 +306,7 @@ def _add_trial(ctx: _Budget, panel: Panel, rid: str, first, scale: float) -> Non
 
 def _group_images(panel: Panel) -> None:
     """Image groups (bootstrap clusters) and the two halves of the cross-validation."""
-    panel.units["cluster"] = hr.clusters_by_entropy(panel.units["entropy"].to_numpy())
+    panel.units["cluster"] = hr.clusters_by_image(panel.units["image"].tolist(), panel.units["entropy"].to_numpy())
     panel.units["fold"] = hr.folds_by_cluster(panel.units["cluster"].to_numpy(), FOLD_SEED)
 
 

@@ -93,3 +93,15 @@ def test_an_odd_mme_limit_is_refused_before_anything_loads(hub_standins):
         (error,) = check_tasks(["mme", "pope"], 5)
         assert error.startswith("limit:") and "'mme'" in error and "6" in error
         assert check_tasks(["mme"], 6) == [] and check_tasks(["pope"], 5) == []
+
+
+def test_a_prediction_keeps_its_requests_image_key():
+    """The report groups one image's questions by the key its predictions carry (not the image's bytes)."""
+    from promprune.records import Answer, Prediction, arrow_schema, to_arrow
+
+    asked = _request("t1", 0, 1)
+    got = Prediction.answering(asked, Answer(prediction="yes", entropy=0.5))
+    assert got.image_key == _png(1)[1] and len(got.image_key) == 32
+    table = to_arrow([got, Prediction.answering(_request("t1", 1, None), Answer(prediction="no"))], Prediction)
+    assert table.column("image_key").to_pylist() == [_png(1)[1], None]
+    assert "image" not in arrow_schema(Prediction).names and "video" not in arrow_schema(Prediction).names

@@ -89,6 +89,32 @@ def test_images_and_halves():
     assert (folds[::2] == folds[1::2]).all() and abs(int(folds.sum()) - 5) <= 2  # images whole, halves balanced
 
 
+def test_images_by_key_before_entropy():
+    """A GPU's batches move one image's entropies apart (features' last bits; the certified split's midpoints): the
+    image key groups its questions; samples without a key fall back to entropy, among themselves."""
+    keys = ["b", "a", "a", None, "c", None, None]
+    entropy = np.array([0.3, 0.1, 0.1001, 0.2, 0.25, 0.2, np.nan])
+    # groups by lowest entropy: a (0.1), the keyless pair at 0.2, c (0.25), b (0.3), the keyless NaN last
+    assert hr.clusters_by_image(keys, entropy).tolist() == [3, 0, 0, 1, 2, 1, 4]
+    by_entropy = hr.clusters_by_entropy(entropy)
+    assert by_entropy[1] != by_entropy[2]  # 1e-4 apart: two images by entropy alone
+    # without keys (records from before the column), the entropy's grouping and numbering, so the same halves
+    old = np.array([0.3, 0.1, 0.1000005, np.nan, 0.2, 0.3])
+    assert hr.clusters_by_image([None] * 6, old).tolist() == hr.clusters_by_entropy(old).tolist() == [2, 0, 0, 3, 1, 2]
+    # keys that group as the entropies do number as they do
+    assert hr.clusters_by_image(["x", "y", "y", "z", "w", "x"], old).tolist() == [2, 0, 0, 3, 1, 2]
+    with pytest.raises(ValueError, match="3 keys for 2 entropies"):
+        hr.clusters_by_image(["a", "b", "c"], np.zeros(2))
+
+
+def test_the_section_reads_each_units_image_key():
+    frames = {"old": pd.DataFrame({"task": [TASK] * 2, "doc_id": [0, 1], "entropy": [0.1, 0.2]}),
+              "new": pd.DataFrame({"task": [TASK] * 3, "doc_id": [0, 1, 2], "image_key": ["k0", None, "k2"]})}
+    keys = hs._image_keys(frames.get, ["missing", "old", "new"])  # the first run whose predictions carry keys
+    assert hs._unit_keys(keys, TASK, [(0,), (1, 2), (1,), (5,)]) == ["k0", "k2", None, None]
+    assert hs._image_keys(frames.get, ["old"]).empty
+
+
 def _naive(values_by_name: dict, clusters: np.ndarray, draws: np.ndarray) -> dict:
     """The resampling written out: per draw, the samples of each drawn image, then plain means."""
     ids = list(np.unique(clusters))
