@@ -11,7 +11,7 @@ import torch
 
 from . import accel, certified, graphed
 from .budget import fixed_count, fixed_split, split_budget
-from .diversity import GAIN_EPS, dpp_greedy, facility_location, farthest_point
+from .diversity import GAIN_EPS, _fallback_score, dpp_greedy, facility_location, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
 from .kernels import ranks_to_mask, stable_descending_order
 from .registry import Selection, TokenSet, in_range, register_method
@@ -95,11 +95,16 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
     """``two_stage``'s ``(indices, salient)`` with a DPP coverage stage in two Triton launches on the fast path
     (``greedy_triton.salient_front``, then ``dpp_after_front``), where ~30 torch launches (the min-max, the sort, the
     masks, the first pick, the assembly) did it; the same tokens (the interpreted corpus' ``select-*`` cases). None
-    where it does not apply (another selector, no saliency, float64, a budget past the tokens, more tokens than one
-    sort takes) or Triton cannot build it: ``two_stage``'s torch ops then run."""
+    where it does not apply (another selector, no saliency but for coverage alone, float64, a budget past the tokens,
+    more tokens than one sort takes) or Triton cannot build it: ``two_stage``'s torch ops then run.
+
+    Coverage alone (``fixed`` 0, no saliency: ``coverage_only``) takes it too, with the DPP's raster fallback order
+    (``diversity._fallback_score``: ``-index``) standing in for the saliency: the front then takes no token and finds
+    no first pick, and the DPP falls back in raster order, as ``two_stage``'s torch ops do without a saliency."""
     saliency = tokens.saliency
-    if diversity != "dpp" or saliency is None or not accel.fused(tokens.x) or saliency.dtype != torch.float32 \
-            or not budget <= tokens.n:
+    raster = saliency is None and fixed == 0  # coverage alone: the DPP's raster fallback order for a saliency
+    if diversity != "dpp" or not (raster or saliency is not None) or not accel.fused(tokens.x) \
+            or (saliency is not None and saliency.dtype != torch.float32) or not budget <= tokens.n:
         return None
     from . import greedy_triton
 
@@ -107,13 +112,17 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
         return None
     coverage = fixed != budget  # a coverage stage to run (saliency-only has none, nor needs the cosine)
     kernel = tokens.cosine if coverage else None
-    front = accel.kernel("front", lambda: greedy_triton.salient_front(saliency, t_sal, budget,
-                                                                       None if conditional else kernel))
+    order = []  # the DPP's fallback order: the saliency itself (float32 here), as ``coverage_picks`` passes it
+
+    def launch_front():
+        order.append(_fallback_score(None, tokens.x[:, :, 0]) if raster else saliency)  # [B, N]: -0, -1, -2, ...
+        return greedy_triton.salient_front(order[0], t_sal, budget, None if conditional else kernel)
+
+    front = accel.kernel("front", launch_front)
     if front is None:
         return None
     if coverage:
-        # the DPP's fallback order is the saliency itself (float32 here), as ``coverage_picks`` passes it
-        if accel.kernel("dpp", lambda: greedy_triton.dpp_after_front(kernel, front, t_sal, saliency, conditional,
+        if accel.kernel("dpp", lambda: greedy_triton.dpp_after_front(kernel, front, t_sal, order[0], conditional,
                                                                       GAIN_EPS)) is None:
             return None
     return front[0], front[1]
