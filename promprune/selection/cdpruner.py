@@ -74,6 +74,6 @@ def cdpruner(tokens: TokenSet, budget: int, *, text_source: str, theta: float | 
     kernel = r[:, :, None] * tokens.cosine * r[:, None, :]  # [B, N, N]
     every = torch.ones(tokens.batch, tokens.n, dtype=torch.bool, device=tokens.x.device)
     counts = torch.full((tokens.batch,), budget, dtype=torch.long, device=tokens.x.device)
-    picks = dpp_greedy(kernel, every, counts)
+    picks = dpp_greedy(kernel, every, counts, steps=budget)  # the host knows the width: no read of the counts
     zeros = torch.zeros(tokens.batch, dtype=torch.long, device=picks.device)
     return Selection(picks, zeros, None, None, torch.zeros_like(picks, dtype=torch.bool))

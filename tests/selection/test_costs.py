@@ -37,6 +37,16 @@ def test_these_methods_never_wait_on_the_device(method, views):
     assert costs.syncs == 0, costs.ops
 
 
+def test_cdpruner_reads_the_device_only_for_selects_finiteness_check(views):
+    """CDPruner's DPP is as wide as the budget, which the host knows: no read of its counts (one before)."""
+    from benchmarks.selection import instruction_for
+
+    x, s = views
+    with fast_path_on_cpu():
+        costs = count(promprune.select, x, s, budget=16, method="cdpruner", instruction=instruction_for(x))
+    assert costs.syncs == 1 and all("_check_finite" in site for site in costs.sync_sites), costs.sync_sites
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_promprune_waits_once_when_the_first_stage_decides(views, fused, monkeypatch):
     monkeypatch.setattr(lanczos_triton, "FUSED_UP_TO", math.inf if fused else -1)
