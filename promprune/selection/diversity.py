@@ -46,7 +46,9 @@ def _row(mat: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     return mat.gather(1, j.view(B, 1, 1).expand(B, 1, N)).squeeze(1)
 
 
-def _fallback_score(fallback: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def fallback_score(fallback: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The order ``[B, N]`` (like ``like``'s shape) the selectors fall back on once their gains run out, highest
+    first: the given ``fallback`` (the saliency), else raster order (``-index``, float32)."""
     if fallback is not None:
         return upcast(fallback)  # float64 saliency stays float64: no ties float32 rounding would make
     B, N = like.shape
@@ -113,7 +115,7 @@ def dpp_greedy(kernel: torch.Tensor, available: torch.Tensor, counts: torch.Tens
     n_cond = int(anchor.sum(dim=1).max()) if (conditional and anchor is not None and anchor.numel()) else 0
     factor = kernel.new_zeros(B, n_cond + picks.steps, N)  # incremental Cholesky rows
     gains = kernel.diagonal(dim1=1, dim2=2).clone()  # [B, N] residual gains d2
-    order_fb = _fallback_score(fallback, available)
+    order_fb = fallback_score(fallback, available)
 
     def extend(step: int, j: torch.Tensor, update: torch.Tensor) -> None:
         rows = factor[:, :step, :]  # [B, step, N]
@@ -158,7 +160,7 @@ def _dpp_fused(kernel, available, counts, anchor, conditional, fallback, steps) 
     if anchor is not None and not conditional:
         index, has_anchor = _first_from_anchor(kernel, available, anchor)
         first = torch.where(has_anchor, index, -1)
-    return greedy_triton.dpp_greedy(kernel, available, counts, _fallback_score(fallback, available), first,
+    return greedy_triton.dpp_greedy(kernel, available, counts, fallback_score(fallback, available), first,
                                     anchor if conditional else None, _width(counts, steps), GAIN_EPS)
 
 
@@ -225,7 +227,7 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     cover = similarity.new_zeros(B, N)
     if conditional and anchor is not None:
         cover = similarity.masked_fill(~anchor[:, None, :], 0.0).amax(dim=2)
-    order_fb = _fallback_score(fallback, available)
+    order_fb = fallback_score(fallback, available)
     if accel.fused(similarity):
         from . import greedy_triton
 

@@ -11,7 +11,7 @@ import torch
 
 from . import accel, certified, graphed
 from .budget import fixed_count, fixed_split, split_budget
-from .diversity import GAIN_EPS, _fallback_score, dpp_greedy, facility_location, farthest_point
+from .diversity import GAIN_EPS, fallback_score, dpp_greedy, facility_location, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
 from .kernels import ranks_to_mask, stable_descending_order
 from .registry import Selection, TokenSet, in_range, register_method
@@ -99,7 +99,7 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
     more tokens than one sort takes) or Triton cannot build it: ``two_stage``'s torch ops then run.
 
     Coverage alone (``fixed`` 0, no saliency: ``coverage_only``) takes it too, with the DPP's raster fallback order
-    (``diversity._fallback_score``: ``-index``) standing in for the saliency: the front then takes no token and finds
+    (``diversity.fallback_score``: ``-index``) standing in for the saliency: the front then takes no token and finds
     no first pick, and the DPP falls back in raster order, as ``two_stage``'s torch ops do without a saliency."""
     saliency = tokens.saliency
     raster = saliency is None and fixed == 0  # coverage alone: the DPP's raster fallback order for a saliency
@@ -115,7 +115,7 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
     order = []  # the DPP's fallback order: the saliency itself (float32 here), as ``coverage_picks`` passes it
 
     def launch_front():
-        order.append(_fallback_score(None, tokens.x[:, :, 0]) if raster else saliency)  # [B, N]: -0, -1, -2, ...
+        order.append(fallback_score(None, tokens.x[:, :, 0]) if raster else saliency)  # [B, N]: -0, -1, -2, ...
         return greedy_triton.salient_front(order[0], t_sal, budget, None if conditional else kernel)
 
     front = accel.kernel("front", launch_front)
