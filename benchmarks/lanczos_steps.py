@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter: times mean nothing)"
     print(f"Lanczos stages of {args.steps} steps, fused or not (lanczos_triton.steps), median ms of {args.repeats}; "
           f"{dev}; torch {torch.__version__}; FUSED_UP_TO = {lanczos_triton.FUSED_UP_TO:.3g} (views x n^3), "
-          f"BLOCK = {lanczos_triton.BLOCK}")
+          f"BLOCK = {lanczos_triton.BLOCK}; float64 tensor cores: "
+          f"{'yes' if accel.float64_mma(args.device) else 'no (the fused way is off by default here)'}")
     modes = ("eager", "graph") if args.device == "cuda" else ("eager",)
     cols = [(stage, mode) for stage in ("first", "more") for mode in modes]
     print(f"{'shape':<8}{'fuses':>6}  {'way':<14}{'launches':>9}" + "".join(f"{f'{st} {m}':>13}" for st, m in cols)
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         faster_at[views * n ** 3] = r[shipped, "first", "eager"] < r["unfused", "first", "eager"]
         for i, (way, fused, _block) in enumerate(ways(args.blocks)):
             launches = f"{args.steps + 1}/{args.steps + 2}" if fused else f"{3 * args.steps}/{3 * args.steps + 1}"
-            lead = f"{shape:<8}{'yes' if lanczos_triton.fuses(views, n) else 'no':>6}" if i == 0 else " " * 14
+            fuses = "yes" if lanczos_triton.fuses(views, n, args.device) else "no"
+            lead = f"{shape:<8}{fuses:>6}" if i == 0 else " " * 14
             print(f"{lead}  {way:<14}{launches:>9}" + "".join(f"{r[way, st, m]:>13.3f}" for st, m in cols)
                   + f"{r[way, 'check']:>10.1e}")
     print("(fuses: where steps takes the fused path by default; launches: a first stage / a stage from a state; "

@@ -64,6 +64,28 @@ def pow2_at_least(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# Compute capabilities whose tensor cores multiply float64 matrices (``mma.sync ... f64``, DMMA): A100 / A30 (8.0),
+# H100 / H200 (9.0), B200 / GB200 (10.0). Elsewhere (A40, A6000, L40, RTX cards: 8.6, 8.9, 12.0; B300's 10.3) float64
+# runs on scalar FMA units at 1/32-1/64 of the float32 rate, and Triton's float64 ``tl.dot`` is a loop of scalar FMAs
+# (their PTX for sm_86 and sm_89: ``fma.rn.f64``, no MMA; tests/selection/test_greedy_triton.py).
+FLOAT64_MMA = frozenset({(8, 0), (9, 0), (10, 0)})
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def float64_mma(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies float64 matrices on tensor cores (`FLOAT64_MMA`), where a Triton kernel's float64
+    product runs at about cuBLAS' rate. Not a CUDA device (the CPU standing for the fast path: the cost model, the
+    interpreted corpus): True, the H100 / H200 they model."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) in FLOAT64_MMA
+
+
 def has_triton() -> bool:
     """Triton is importable (the CUDA builds of torch ship it)."""
     return importlib.util.find_spec("triton") is not None

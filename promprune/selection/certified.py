@@ -186,7 +186,7 @@ def opening_from_gram(gram: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...
             and "lanczos" not in accel.broken_kernels():
         from . import lanczos_triton
 
-        if steps >= 2 and lanczos_triton.fuses(gram.shape[0], gram.shape[1]):
+        if steps >= 2 and lanczos_triton.fuses(gram.shape[0], gram.shape[1], gram.device):
             opened = accel.kernel("lanczos_fused", lambda: lanczos_triton.opening_from_gram(gram, steps))
             if opened is not None:  # None: Triton could not build it here; the density and the steps below
                 return opened
@@ -210,7 +210,7 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tenso
         from . import lanczos_triton
 
         out = None
-        if lanczos_triton.fuses(rho.shape[0], rho.shape[1]):
+        if lanczos_triton.fuses(rho.shape[0], rho.shape[1], rho.device):
             out = accel.kernel("lanczos_fused", lambda: lanczos_triton.steps(rho, v, v_prev, b_prev, steps, True))
         if out is None:
             out = accel.kernel("lanczos", lambda: lanczos_triton.steps(rho, v, v_prev, b_prev, steps, False))

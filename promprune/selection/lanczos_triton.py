@@ -34,7 +34,6 @@ split's decisions under ``TRITON_INTERPRET=1``). Reads and writes per unfused st
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
@@ -388,24 +387,30 @@ def opening_from_gram(gram: torch.Tensor, count: int) -> tuple[torch.Tensor, ...
     return packed, rho, v, v_prev
 
 
-def fuses(B: int, n: int) -> bool:
-    """Whether ``steps`` runs its recurrence fused (``_fused_kernel``: a launch a step) for ``B`` views of ``n x n``:
-    up to `FUSED_UP_TO`."""
-    return B * n ** 3 <= FUSED_UP_TO
+def fuses(B: int, n: int, device: torch.device | str) -> bool:
+    """Whether ``steps`` runs its recurrence fused (``_fused_kernel``: a launch a step) for ``B`` views of ``n x n`` on
+    ``device``: up to `FUSED_UP_TO`, on a device with float64 tensor cores (``accel.float64_mma``). Without them (A40,
+    L40, RTX cards) the fused product would be Triton's loop of scalar float64 FMAs, each ~0.6 ms at 576 tokens on
+    those devices' 1/64-rate units, where the one or two launches a step it saves are ~56 us: cuBLAS' product
+    instead."""
+    if _FORCED[0] is not None:
+        return _FORCED[0]
+    return B * n ** 3 <= FUSED_UP_TO and accel.float64_mma(device)
+
+
+_FORCED: list[bool | None] = [None]  # ``fusing``'s way, at every size and on every device
 
 
 @contextmanager
 def fusing(fused: bool | None):
-    """Inside the block ``steps`` takes one way at every size: ``fused`` True (a launch a step), False (a product,
-    the dot and the update), None (its own, ``fuses``): a benchmark's or a test's comparison."""
-    global FUSED_UP_TO
-    saved = FUSED_UP_TO
-    if fused is not None:
-        FUSED_UP_TO = math.inf if fused else -1
+    """Inside the block ``steps`` takes one way at every size and on every device: ``fused`` True (a launch a step),
+    False (a product, the dot and the update), None (its own, ``fuses``): a benchmark's or a test's comparison."""
+    saved = _FORCED[0]
+    _FORCED[0] = fused
     try:
         yield
     finally:
-        FUSED_UP_TO = saved
+        _FORCED[0] = saved
 
 
 def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None, b_prev: torch.Tensor | None,
@@ -445,7 +450,7 @@ def steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tensor | None
         return out, (None if ident else u)  # the next u (unnormalized) and vp (normalized in place)
 
     if fused is None:
-        fused = fuses(B, n)
+        fused = fuses(B, n, rho.device)
     if gram is not None and not (fused and start and count >= 2):
         raise ValueError("lanczos_triton.steps: rho from the Gram needs the fused path from the start, 2 steps or more")
     if fused and not (start and count == 1):
@@ -481,7 +486,7 @@ BLOCK, BLOCK_K, FUSED_WARPS = 64, 16, 4
 # products take the device ~50 us at 40 TFLOP/s, three launches the host ~84 us), so the launches saved win while
 # the device's product stays under the host's three launches even at half cuBLAS' rate: up to ~4-5 views of 576.
 # LLaVA-1.5 and LLaVA-NeXT at batch 1 fuse; Qwen2.5-VL's 1296 tokens (11 x 576^3) and batches of several images keep
-# cuBLAS' product, where the device's work sets the time.
+# cuBLAS' product, where the device's work sets the time. Only on float64 tensor cores (``fuses``).
 FUSED_UP_TO = 5 * 576 ** 3
 
 

@@ -37,6 +37,25 @@ def test_these_methods_never_wait_on_the_device(method, views):
     assert costs.syncs == 0, costs.ops
 
 
+def test_without_float64_tensor_cores_the_steps_take_cublas_product(views, monkeypatch):
+    """On a GPU without float64 MMA (an A40, sm_86: ``accel.float64_mma``) the Lanczos steps are not fused: the fused
+    product would be scalar FMAs there (``test_greedy_triton``), so cuBLAS' product, the dot and the update a step."""
+    x, s = views
+    monkeypatch.setattr(accel, "_capability", lambda index: (8, 6))
+    assert not accel.float64_mma(torch.device("cuda", 0)) and not lanczos_triton.fuses(1, 576, "cuda:0")
+    assert accel.float64_mma("cpu") and lanczos_triton.fuses(1, 576, "cpu")  # the CPU stands for an H100 / H200
+    monkeypatch.setattr(accel, "_capability", lambda index: (9, 0))
+    assert accel.float64_mma("cuda:0") and lanczos_triton.fuses(5, 576, "cuda:0") \
+        and not lanczos_triton.fuses(1, 1296, "cuda:0")
+    with fast_path_on_cpu():
+        fused = count(fast_call, "promprune", x, s, 16, mu=0.95)
+        with monkeypatch.context() as m:
+            m.setattr(accel, "float64_mma", lambda device: False)
+            plain = count(fast_call, "promprune", x, s, 16, mu=0.95)
+    assert fused.ops["triton:lanczos_fused"] == certified.LEAD - 1 and not plain.ops["triton:lanczos_fused"]
+    assert plain.ops["triton:lanczos_update"] == certified.LEAD and plain.ops["bmm"] == certified.LEAD, plain.ops
+
+
 def test_cdpruner_reads_the_device_only_for_selects_finiteness_check(views):
     """CDPruner's DPP is as wide as the budget, which the host knows: no read of its counts (one before)."""
     from benchmarks.selection import instruction_for

@@ -288,6 +288,28 @@ def test_the_cosine_and_the_saliency_stage_divide_as_torch_does():
 
 
 @needs_triton
+def test_the_fused_step_multiplies_on_float64_tensor_cores_only_where_they_exist():
+    """Why ``lanczos_triton.fuses`` needs ``accel.float64_mma``: for sm_80 (A100) the fused step's product compiles to
+    float64 MMA; for sm_86 and sm_89 (A40, L40, RTX cards), which have none, to a loop of scalar float64 FMAs."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from promprune.selection import accel
+    from promprune.selection import lanczos_triton as lz
+
+    fn, signature, consts = next(k for k in _kernels() if k[0] is lz._fused_kernel and not k[2]["FIRST"])
+    source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    for capability in (80, 86, 89):
+        ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                             options={"num_warps": lz.FUSED_WARPS, "enable_fp_fusion": False}).asm["ptx"]
+        mma = bool(re.search(r"mma\.sync[^\n]*\.f64", ptx))
+        assert mma == (divmod(capability, 10) in accel.FLOAT64_MMA), capability
+        assert mma or "fma.rn.f64" in ptx, capability
+
+
+@needs_triton
 def test_the_lanczos_kernels_round_as_the_torch_loop_does():
     """The recurrence's square root and divisions compile to IEEE round-to-nearest float64 instructions (an
     approximate one would move its coefficients past the 1e-11 the interpreted corpus holds them to), with no fused
