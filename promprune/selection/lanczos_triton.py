@@ -391,8 +391,7 @@ def fuses(B: int, n: int, device: torch.device | str) -> bool:
     """Whether ``steps`` runs its recurrence fused (``_fused_kernel``: a launch a step) for ``B`` views of ``n x n`` on
     ``device``: up to `FUSED_UP_TO`, on a device with float64 tensor cores (``accel.float64_mma``). Without them (A40,
     L40, RTX cards) the fused product would be Triton's loop of scalar float64 FMAs, each ~0.6 ms at 576 tokens on
-    those devices' 1/64-rate units, where the one or two launches a step it saves are ~56 us: cuBLAS' product
-    instead."""
+    those devices' 1/64-rate units, where the two launches a step it saves are ~56 us: cuBLAS' product instead."""
     if _FORCED[0] is not None:
         return _FORCED[0]
     return B * n ** 3 <= FUSED_UP_TO and accel.float64_mma(device)

@@ -11,7 +11,7 @@ import torch
 
 from . import accel, certified, graphed
 from .budget import fixed_count, fixed_split, split_budget
-from .diversity import GAIN_EPS, fallback_score, dpp_greedy, facility_location, farthest_point
+from .diversity import GAIN_EPS, dpp_greedy, facility_location, fallback_score, farthest_point
 from .entropy import attention_entropy, feature_norm_entropy
 from .kernels import ranks_to_mask, stable_descending_order
 from .registry import Selection, TokenSet, in_range, register_method
