@@ -4,9 +4,8 @@
 #
 #   bash scripts/gpu_checklist.sh [--install-batch N]... STAGE...
 #
-# Stages: install (every .whlN here) | parity | library | lanczos | selection | vispruner-tiles | speed | table6 | shapes |
-#         deps |
-#         sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.
+# Stages: install (every .whlN here) | parity | library | lanczos | selection | vispruner-tiles | speed | table6 |
+#         shapes | deps | sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.
 # --install-batch N installs .whlN only (one batch travels per call).
 #
 # The machine (Python 3.12, torch 2.11 CUDA 13, transformers 5.17) has no network and no Ray, MLflow or lmms-eval;

@@ -156,25 +156,26 @@ def budgets_with_grid(sweep: Sweep, table: ScoreTable) -> dict[float, dict]:
     return out
 
 
-def _entropies(preds_of: PredsOf, run_ids: list[str]) -> pd.Series:
-    """Spectral entropy per (task, doc_id) from the first of ``run_ids`` whose predictions carry it."""
+def _per_doc(preds_of: PredsOf, run_ids: list[str], column: str, dtype) -> pd.Series:
+    """``column`` per (task, doc_id) from the first of ``run_ids`` whose predictions carry it (a value not all null);
+    empty where none does."""
     for rid in run_ids:
         frame = preds_of(rid)
-        if frame is not None and "entropy" in frame and frame["entropy"].notna().any():
+        if frame is not None and column in frame and frame[column].notna().any():
             keys = zip(frame["task"], frame["doc_id"].astype(int))
-            return pd.Series(frame["entropy"].astype(float).to_numpy(), index=pd.MultiIndex.from_tuples(list(keys)))
-    return pd.Series(dtype=float)
+            return pd.Series(frame[column].astype(dtype).to_numpy(), index=pd.MultiIndex.from_tuples(list(keys)))
+    return pd.Series(dtype=dtype)
+
+
+def _entropies(preds_of: PredsOf, run_ids: list[str]) -> pd.Series:
+    """Spectral entropy per (task, doc_id) from the first of ``run_ids`` whose predictions carry it."""
+    return _per_doc(preds_of, run_ids, "entropy", float)
 
 
 def _image_keys(preds_of: PredsOf, run_ids: list[str]) -> pd.Series:
     """The image key (``Prediction.image_key``) per (task, doc_id) from the first of ``run_ids`` whose predictions
     carry it (empty when none does: records from before the column)."""
-    for rid in run_ids:
-        frame = preds_of(rid)
-        if frame is not None and "image_key" in frame and frame["image_key"].notna().any():
-            keys = zip(frame["task"], frame["doc_id"].astype(int))
-            return pd.Series(frame["image_key"].to_numpy(dtype=object), index=pd.MultiIndex.from_tuples(list(keys)))
-    return pd.Series(dtype=object)
+    return _per_doc(preds_of, run_ids, "image_key", object)
 
 
 def _unit_keys(keys: pd.Series, task: str, units: list[tuple]) -> list:
