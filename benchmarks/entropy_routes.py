@@ -1,7 +1,7 @@
-"""Two cheaper routes to PromPrune's certified entropy bracket, measured against the shipped one and closed.
+"""Three cheaper routes to PromPrune's certified entropy bracket, measured against the shipped one and closed.
 
 The certified split (``promprune.selection.certified``) runs matrix Lanczos on rho = C / tr(C): one float64 n x n
-product and seven launches per step. Two routes would cost less, and this script shows why neither is taken:
+product and seven launches per step. Three routes would cost less, and this script shows why none is taken:
 
 - **Moments in a fixed basis.** k products give the Chebyshev moments ``tr T_j(X)`` up to j = 2k (``X`` rho scaled to
   [-1, 1]; ``tr(T_a T_b) = (tr T_{a+b} + tr T_{|a-b|}) / 2``, and with baby and giant steps far fewer products), and
@@ -12,6 +12,12 @@ product and seven launches per step. Two routes would cost less, and this script
 - **A bracket from O(n^2) work.** ``tr(rho^2) = ||rho||_F^2`` alone gives the two-node Gauss-Radau rules: with the node
   at 0 the Renyi-2 entropy (a lower bound), with the node at ``||rho||_F >= lambda_max`` an upper bound. Its width
   is printed next to the width t_sal's rounding can tolerate near mu (~1e-3 at T = 64, tau = 0.02).
+- **The recurrence in float32** (2026-11-29, fourth stop). Where float64 runs at 1/64 of float32's rate (A40, L40,
+  RTX cards) a float32 product would cost ~60x less. But the bounds must stay within ``certified.DECISION_MARGIN``
+  (2e-5) of float64's for the decisions to stay the exact algorithm's; the largest move of either bound after 6, 12,
+  24 and 48 steps, with the recurrence (and rho) in float32 instead of float64, on a matrix with the spectrum in a
+  random orthonormal basis, is printed in units of that margin (the steps where float64's bounds were refused are
+  left out).
 
     python benchmarks/entropy_routes.py            # n = 96, 576, 1296
     python benchmarks/entropy_routes.py --smoke    # n = 96 only
@@ -94,13 +100,33 @@ def frobenius_bracket(lam: np.ndarray) -> tuple[float, float]:
     return -math.log(p2) / math.log(n), upper / math.log(n)
 
 
+def float32_drift(lam: np.ndarray, rng: np.random.Generator) -> float:
+    """The largest move (normalized H) of either bound after 6, 12, 24 and 48 steps when rho and the recurrence are
+    float32 instead of float64, on ``Q diag(lam) Q^T`` (``Q`` a random orthonormal basis); steps where float64's
+    bounds were refused are left out, and float32's refused where float64's were not count as infinite."""
+    n = len(lam)
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    rho = torch.from_numpy((q * lam) @ q.T)[None]
+    wide, narrow = certified.Lanczos.start(rho), certified.Lanczos.start(rho.float())
+    drift, done = 0.0, 0
+    for steps in (6, 12, 24, 48):
+        wide, narrow = wide.run(steps - done), narrow.run(steps - done)
+        done = steps
+        lo, hi = certified.bounds(wide.alpha.numpy(), wide.beta.numpy(), n)
+        lo32, hi32 = certified.bounds(narrow.alpha.double().numpy(), narrow.beta.double().numpy(), n)
+        if np.isfinite(lo[0]):
+            drift = max(drift, abs(lo32[0] - lo[0]), abs(hi32[0] - hi[0]))  # inf where float32's were refused
+    return drift
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="n = 96 only")
     args = ap.parse_args(argv)
     sizes = (96,) if args.smoke else (96, 576, 1296)
     print(f"{'n':>5} {'spectrum':>10} {'H':>6} | {'moments fail at step':>20} | {'Lanczos width, 12 steps':>23} | "
-          f"{'O(n^2) bracket':>16} {'its width':>9}")
+          f"{'O(n^2) bracket':>16} {'its width':>9} | {'float32 bounds move':>19} {'/ margin':>9}")
+    rng = np.random.default_rng(0)
     for n in sizes:
         for a in EXPONENTS:
             lam = spectrum(a, n)
@@ -109,11 +135,14 @@ def main(argv: list[str] | None = None) -> None:
             f_lo, f_hi = frobenius_bracket(lam)
             fail = first_divergence(lam)
             fail_cell = f"{fail}" if fail <= STEPS else f"none by {STEPS}"
+            drift = float32_drift(lam, rng)
             print(f"{n:>5} {'i^-' + format(a, 'g'):>10} {entropy(lam):>6.3f} | {fail_cell:>20} | "
-                  f"{hi[0] - lo[0]:>23.1e} | {f'[{f_lo:.3f}, {f_hi:.3f}]':>16} {f_hi - f_lo:>9.3f}")
+                  f"{hi[0] - lo[0]:>23.1e} | {f'[{f_lo:.3f}, {f_hi:.3f}]':>16} {f_hi - f_lo:>9.3f} | "
+                  f"{drift:>19.1e} {drift / certified.DECISION_MARGIN:>9.2g}", flush=True)
     print("(moments: exact Chebyshev moments of the spectrum, the Jacobi matrix by the modified Chebyshev algorithm, "
           "compared with matrix Lanczos; widths in normalized H; t_sal's rounding boundaries lie ~1.25e-3 apart near "
-          "mu at T = 64, tau = 0.02)")
+          "mu at T = 64, tau = 0.02; float32: the largest move of either bound over 6 / 12 / 24 / 48 steps from "
+          "float64's, against certified.DECISION_MARGIN)")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the fused product's block edges to time (default: %(default)s; the shipped one first)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
-    from promprune.selection import accel, lanczos_triton
+    from promprune.selection import accel, certified, lanczos_triton
 
     if args.device == "cpu":
         import os
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{dev}; torch {torch.__version__}; FUSED_UP_TO = {lanczos_triton.FUSED_UP_TO:.3g} (views x n^3), "
           f"BLOCK = {lanczos_triton.BLOCK}; float64 tensor cores: "
           f"{'yes' if accel.float64_mma(args.device) else 'no (the fused way is off by default here)'}")
+    if args.device == "cuda":
+        print(certified.describe_route(args.device, (576, 1296)))
     modes = ("eager", "graph") if args.device == "cuda" else ("eager",)
     cols = [(stage, mode) for stage in ("first", "more") for mode in modes]
     print(f"{'shape':<8}{'fuses':>6}  {'way':<14}{'launches':>9}" + "".join(f"{f'{st} {m}':>13}" for st, m in cols)

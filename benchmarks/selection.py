@@ -312,6 +312,8 @@ def run_batch(args, batch: int, shapes: dict) -> None:
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"device={args.device} ({device_name}) dtype={args.dtype} batch={batch} threads={torch.get_num_threads()} "
           f"repeats={args.repeats} torch={torch.__version__} entropy={accel.entropy_mode()}")
+    if cuda:
+        print(certified.describe_route(args.device, tuple(sorted({min(N, d) for _, N, d, _ in shapes.values()}))))
     results: dict[str, dict[str, float]] = {m: {} for m in names}
     old: dict[str, dict[str, float]] = {m: {} for m in names}
     exact_ms: dict[str, float] = {}

@@ -65,8 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.repeats = 1
     print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}")
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.device.startswith("cuda"):
+        print(certified.describe_route(args.device, tuple(sorted({min(N, d) for _, N, d in shapes.values()}))))
     print(f"| shape | {' | '.join(ROUTES)} |\n|---|{'---:|' * len(ROUTES)}")
-    for name, (B, N, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
+    for name, (B, N, d) in shapes.items():
         g = centered_gram(make_inputs(B, N, d, args.device)[0])
         cells = [f"{median_ms(fn, g, args.repeats):.1f}" for fn in ROUTES.values()]
         print(f"| {name} | {' | '.join(cells)} |", flush=True)

@@ -8,7 +8,8 @@ On the CPU nothing changes. ``PROMPRUNE_ACCEL=0`` in the environment, or ``with 
 plain torch path on CUDA too (the benchmark times both).
 
 ``PROMPRUNE_ENTROPY`` (or ``with accel.entropy("...")``) picks how PromPrune's split reads the spectral entropy:
-``auto`` (default: certified bounds on the CUDA fast path, the exact eigensolve elsewhere), ``certified`` (bounds on
+``auto`` (default: certified bounds on the CUDA fast path where their float64 products cost the device less than
+the eigensolve, ``certified.bracket_pays``; the exact eigensolve elsewhere), ``certified`` (bounds on
 every device; the tests use it on the CPU) or ``exact`` (the eigensolve everywhere, e.g. to record exact entropies).
 
 ``PROMPRUNE_GRAPHS=1`` (or ``with accel.graphs():``) runs PromPrune's selection on that path as CUDA graphs
@@ -21,7 +22,9 @@ and timed it ahead at every batch-1 shape of the selection benchmark, but not ye
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import time
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -76,6 +79,11 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _device_index(device: torch.device | str) -> int:
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def float64_mma(device: torch.device | str) -> bool:
     """Whether ``device`` multiplies float64 matrices on tensor cores (`FLOAT64_MMA`), where a Triton kernel's float64
     product runs at about cuBLAS' rate. Not a CUDA device (the CPU standing for the fast path: the cost model, the
@@ -83,7 +91,54 @@ def float64_mma(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return True
-    return _capability(torch.cuda.current_device() if device.index is None else device.index) in FLOAT64_MMA
+    return _capability(_device_index(device)) in FLOAT64_MMA
+
+
+# The float64 product timed once per CUDA device (``float64_tflops``): PROBE_REPEATS products of PROBE_N x PROBE_N
+# after one untimed (cuBLAS' handle and kernel choice). ~0.2 ms on an H100 / H200, ~15 ms where float64 runs at 1/64
+# of float32's rate (A40: ~0.6 TFLOP/s), once per process.
+PROBE_N = 1024
+PROBE_REPEATS = 3
+
+
+def measure_float64_tflops(device: torch.device | str, clock=time.perf_counter) -> float:
+    """The rate (TFLOP/s) of ``PROBE_REPEATS`` float64 ``PROBE_N x PROBE_N`` products on ``device``, after one untimed
+    (any device; on CUDA the clock reads after a synchronize). ``clock``: seconds, monotonic."""
+    device = torch.device(device)
+    a = torch.full((PROBE_N, PROBE_N), 0.5, dtype=torch.float64, device=device)  # no draw: the RNGs stay as they were
+    out = torch.mm(a, a)  # untimed: library start-up, kernel choice, workspace
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    wait()
+    start = clock()
+    for _ in range(PROBE_REPEATS):
+        torch.mm(a, a, out=out)
+    wait()
+    elapsed = max(clock() - start, 1e-9)
+    return PROBE_REPEATS * 2 * PROBE_N ** 3 / elapsed / 1e12
+
+
+_FLOAT64_TFLOPS: dict[int, float] = {}  # CUDA device index -> its measured float64 rate (this process)
+
+
+def float64_tflops(device: torch.device | str) -> float:
+    """The float64 matrix-product rate of ``device`` in TFLOP/s, measured once per CUDA device and process
+    (``measure_float64_tflops``: the capability does not tell it: an H800 is sm_90 like an H100, but its spec sheet
+    gives float64 at 1 TFLOP/s against the H100's 67). Not a CUDA device (the CPU standing for the fast path: the cost
+    model, the interpreted corpus): ``inf``, the H100 / H200 they model. Inside a CUDA graph capture, where nothing
+    can be timed: the rate measured before, or ``inf``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return math.inf
+    index = _device_index(device)
+    if index not in _FLOAT64_TFLOPS:
+        if torch.cuda.is_current_stream_capturing():
+            return math.inf
+        _FLOAT64_TFLOPS[index] = measure_float64_tflops(torch.device("cuda", index))
+    return _FLOAT64_TFLOPS[index]
 
 
 def has_triton() -> bool:

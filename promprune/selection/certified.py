@@ -86,6 +86,12 @@ DECISION_MARGIN = 2e-5
 BREAKDOWN = 1e-7
 # Below this matrix size the exact eigensolve is cheap on any device: "auto" does not try the bracket.
 MIN_SIZE = 64
+# The exact float32 eigensolve of one view on a GPU (cuSOLVER's syevd through torch.linalg.eigvalsh, H100,
+# 2026-11-26): 5.46 ms at n = 576, 13.91 ms at n = 1296, i.e. ~5.46 (n / 576)^1.153 ms, linear in the views. It is
+# latency-bound (float64 took 5.58 / 14.59 ms, the host's LAPACK 12.4 / 56.4 ms), so it stands for any GPU's in
+# ``bracket_pays``, against the first stage's float64 products at the device's own measured rate.
+EIGENSOLVE_MS_AT_576 = 5.46
+EIGENSOLVE_EXPONENT = 1.153
 
 
 @dataclass
@@ -375,13 +381,45 @@ def _views(args: tuple[torch.Tensor | None, ...]) -> tuple[int, int]:
     return first.shape[0], first.shape[1]
 
 
+def projected_ms(n: int, tflops: float) -> tuple[float, float]:
+    """``(bracket, eigensolve)``: projected ms a view of size ``n`` costs the device in the certified split's first
+    stage (`LEAD` float64 ``n x n`` products at ``tflops``; launches and the host's read left out) and in the exact
+    eigensolve (``EIGENSOLVE_MS_AT_576``'s fit). A projection, not a measurement."""
+    return LEAD * 2 * n ** 3 / (tflops * 1e9), EIGENSOLVE_MS_AT_576 * (n / 576) ** EIGENSOLVE_EXPONENT
+
+
+def bracket_pays(n: int, device: torch.device | str) -> bool:
+    """Whether "auto" takes the bounds for views of size ``n`` on ``device``: the first stage's float64 products,
+    at the device's measured float64 rate (``accel.float64_tflops``), cost no more than the exact eigensolve
+    (``projected_ms``). On an H100 / H200 (~50 TFLOP/s) at every size of the paper's models (n = 1296: 0.5 against 14
+    ms); where float64 runs at 1/64 of float32's rate (A40, the paper's GPU: ~0.6 TFLOP/s) up to n = 685: LLaVA's
+    576-token views (4.0 against 5.5 ms), not Qwen2.5-VL's 1296 (45 against 14 ms)."""
+    bracket, eigensolve = projected_ms(n, accel.float64_tflops(device))
+    return bracket <= eigensolve
+
+
+def describe_route(device: torch.device | str, sizes: tuple[int, ...]) -> str:
+    """One line for a benchmark's header: the device's measured float64 rate and, per view size, the route "auto"
+    takes there with the projected ms of both (``bracket_pays``)."""
+    tflops = accel.float64_tflops(device)
+    routes = []
+    for n in sizes:
+        bracket, eigensolve = projected_ms(n, tflops)
+        routes.append(f"n = {n}: {'bounds' if bracket <= eigensolve else 'eigensolve'} "
+                      f"(projected {bracket:.2f} against {eigensolve:.2f} ms)")
+    rate = f"float64 {tflops:.3g} TFLOP/s measured" if math.isfinite(tflops) else "float64 rate not measured (no GPU)"
+    return f"{rate}; auto's entropy at " + ", ".join(routes)
+
+
 def applies(matrix_size: int, device_tensor: torch.Tensor) -> bool:
     """Whether the split takes the bounds rather than the exact eigensolve (``accel.entropy_mode``): "auto" on the
-    CUDA fast path for matrices of ``MIN_SIZE`` or more, "certified" always (small matrices then mostly end in the
-    eigensolve: their Krylov space runs out), "exact" never."""
+    CUDA fast path for matrices of ``MIN_SIZE`` or more where the bounds cost the device less (``bracket_pays``),
+    "certified" always (small matrices then mostly end in the eigensolve: their Krylov space runs out), "exact"
+    never."""
     mode = accel.entropy_mode()
     if matrix_size < 2:  # one eigenvalue: H is 0 by definition (the exact path's rule)
         return False
     if mode == "auto":
-        return matrix_size >= MIN_SIZE and accel.active(device_tensor)
+        return matrix_size >= MIN_SIZE and accel.active(device_tensor) and \
+            bracket_pays(matrix_size, device_tensor.device)
     return mode == "certified"

@@ -299,8 +299,9 @@ def test_launches():
 
 
 def test_entropy_routes():
-    """The two cheaper routes stay closed: moments in the Chebyshev basis lose the Jacobi matrix before the 12 steps
-    the split's first stage needs; the O(n^2) bracket is wider than any count boundary's spacing."""
+    """The three cheaper routes stay closed: moments in the Chebyshev basis lose the Jacobi matrix before the 12 steps
+    the split's first stage needs; the O(n^2) bracket is wider than any count boundary's spacing; a float32
+    recurrence moves the bounds past the decision margin (already at n = 96, more at 576 and 1296)."""
     out = run_benchmark("entropy_routes.py", "--smoke")
     rows = [line.split() for line in out.splitlines() if re.match(r" +96 +i\^-", line)]
     assert len(rows) == 5
@@ -308,6 +309,8 @@ def test_entropy_routes():
         lo, hi = (float(v.strip("[],")) for v in row[8:10])
         assert int(row[4]) < 12, row  # the moments' Jacobi matrix left Lanczos' before step 12
         assert float(row[6]) < 1e-3 and hi - lo > 0.1 and lo <= float(row[2]) <= hi, row
+        assert float(row[13]) == pytest.approx(float(row[12]) / 2e-5, rel=0.1), row  # in margins (two digits)
+    assert max(float(row[13]) for row in rows) > 1  # float32's bounds left float64's by more than the margin
 
 
 def test_spectrum():

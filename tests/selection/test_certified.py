@@ -218,3 +218,43 @@ def test_entropy_mode_switch_refuses_unknown_modes():
     with pytest.raises(ValueError, match="auto, certified, exact"):
         with accel.entropy("fast"):
             pass
+
+
+@pytest.mark.parametrize("tflops, n, bracket", [
+    # hand-worked: the lead's 6 float64 n x n products, 12 n^3 FLOP at the rate, against the eigensolve's fit
+    # 5.46 (n / 576)^1.153 ms (H100, 2026-11-26: 5.46 ms at 576, 13.91 at 1296)
+    (0.58, 576, True),    # an A40: 12 * 576^3 / 0.58e12 s = 3.95 ms < 5.46 ms
+    (0.58, 1296, False),  # 12 * 1296^3 / 0.58e12 s = 45.0 ms > 13.9 ms
+    (0.58, 700, False),   # 7.10 ms > 5.46 * (700 / 576)^1.153 = 6.84 ms
+    (1.0, 700, True),     # an H800 (its spec: 1 TFLOP/s): 4.12 ms < 6.84 ms
+    (1.0, 1296, False),   # 26.1 ms > 13.9 ms
+    (50.0, 1296, True),   # an H100: 0.52 ms
+])
+def test_auto_takes_the_bracket_where_its_float64_products_cost_the_device_less(monkeypatch, tflops, n, bracket):
+    monkeypatch.setattr(accel, "float64_tflops", lambda device: tflops)
+    monkeypatch.setattr(accel, "active", lambda t: True)  # a CPU tensor standing for a CUDA one
+    x = torch.zeros(1)
+    with accel.entropy("auto"):
+        assert certified.applies(n, x) is bracket
+        assert certified.applies(32, x) is False  # below MIN_SIZE the eigensolve, whatever the rate
+    with accel.entropy("certified"):
+        assert certified.applies(n, x)  # forced: the bounds whatever they cost
+    with accel.entropy("exact"):
+        assert not certified.applies(n, x)
+
+
+def test_the_float64_rate_is_timed_once_per_device(monkeypatch):
+    # the arithmetic: PROBE_REPEATS products of 2 * PROBE_N^3 FLOP in the clock's 3 ms
+    ticks = iter([10.0, 10.003])
+    rate = accel.measure_float64_tflops("cpu", clock=lambda: next(ticks))
+    assert rate == pytest.approx(3 * 2 * 1024 ** 3 / 0.003 / 1e12) == pytest.approx(2.147, abs=1e-3)
+    assert accel.float64_tflops("cpu") == math.inf  # the CPU standing for the fast path models an H100
+    measured = []
+    monkeypatch.setattr(accel, "measure_float64_tflops", lambda device: measured.append(str(device)) or 0.6)
+    monkeypatch.setattr(accel, "_FLOAT64_TFLOPS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert [accel.float64_tflops(d) for d in ("cuda:1", "cuda:1", "cuda:0")] == [0.6, 0.6, 0.6]
+    assert measured == ["cuda:1", "cuda:0"]  # once per device
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert accel.float64_tflops("cuda:1") == 0.6 and accel.float64_tflops("cuda:2") == math.inf  # nothing timed
+    assert measured == ["cuda:1", "cuda:0"]
