@@ -258,3 +258,11 @@ def test_the_float64_rate_is_timed_once_per_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert accel.float64_tflops("cuda:1") == 0.6 and accel.float64_tflops("cuda:2") == math.inf  # nothing timed
     assert measured == ["cuda:1", "cuda:0"]
+
+
+def test_the_benchmarks_header_names_the_route_at_each_size(monkeypatch):
+    monkeypatch.setattr(accel, "float64_tflops", lambda device: 0.58)
+    line = certified.describe_route("cuda:0", (576, 1296))
+    assert line.startswith("float64 0.58 TFLOP/s measured")
+    assert "n = 576: bounds (projected 3.95 against 5.46 ms)" in line  # 12 * 576^3 / 0.58e12 s
+    assert "n = 1296: eigensolve (projected 45.04 against 13.91 ms)" in line
