@@ -82,7 +82,8 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
     Tokens are L2-normalized (eps 1e-8) and centered; the eigenvalues of the smaller Gram matrix (N x N if
     N <= d, else d x d) are clamped at 1e-12 and read as a distribution; its entropy is divided by
     ``log(min(N, d))``. mu = 0.42 (CLIP) was calibrated on exactly this quantity. PromPrune's split reads it through
-    certified bounds on the GPU (``promprune.selection.certified``), with the same decisions.
+    certified bounds on the GPU where they cost less than this eigensolve (``promprune.selection.certified``), with
+    the same decisions.
     """
     _batched(features, 3, "[B, N, d]", "spectral_entropy")
     return entropy_of_matrix(spectral_matrix(features))
