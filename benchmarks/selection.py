@@ -648,7 +648,7 @@ def print_split_decisions(shapes, images: int, device: str) -> None:
         matrix, counts, exact_h = split_images(N, d, T, images, device)
         decided, exact_n, widths, equal = [0] * len(stage_rows), 0, [], True
         for i, count_of in enumerate(counts):  # one image per call: its own mu
-            t_sal, _ = certified.split(matrix[i:i + 1], count_of, steps=schedules[name])
+            t_sal, _, _ = certified.split(matrix[i:i + 1], count_of, steps=schedules[name])
             report = certified.LAST_REPORT[0]
             decided = [a + b for a, b in zip(decided, report.decided + [0] * (len(stage_rows) - len(report.decided)))]
             exact_n += report.exact

@@ -28,6 +28,10 @@ class SampleStats:
     visual_tokens: int | None = None  # visual tokens the LLM received (in-LLM methods: after their last layer)
     saliency_count: int | None = None  # of those, chosen by a saliency stage (0 unpruned / pure-diversity methods)
     entropy: float | None = None  # prominence metric of the split (NeXT per-view modes: mean over views)
+    # how far ``entropy`` may lie from the exact metric: PromPrune's certified split on a GPU reports its bracket's
+    # midpoint, within this (per-view modes: the views' mean); 0 where the exact eigensolve ran; None: exact (the CPU,
+    # PROMPRUNE_ENTROPY=exact, other metrics) or no entropy
+    entropy_halfwidth: float | None = None
     # kept indices into the full visual token grid, in the LLM's input order (LLaVA-NeXT in raster order: the packed
     # sequence's layout, the base view first, then the crops row by row)
     kept: list[int] | None = None

@@ -365,6 +365,11 @@ def _calibration_section(sweep, table, preds, entropy_id, report) -> str:
     if not np.isnan(median):
         report.calibration["calibration/median_entropy"] = median
         lines.append(f"- median spectral entropy over the calibration images: **{median:.4f}**")
+        widest = figures.entropy_halfwidth(_ok(preds.get(entropy_id))) if entropy_id is not None else 0.0
+        if widest:
+            lines.append(f"  (of the certified split's bracket midpoints, each within {widest:.1e} of the exact "
+                         "entropy: for exact ones run the sweep with `PROMPRUNE_ENTROPY=exact`; "
+                         "`calibration/median_spectral`, from `mu: calibrate`, is always exact)")
     chosen = choose_mu(table.frame.join(sweep.trials[["mu"]]) if "mu" in sweep.option_names else None, median)
     if chosen is not None:
         report.calibration["calibration/chosen_mu"] = chosen

@@ -196,14 +196,29 @@ def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def entropy_halfwidth(preds: pd.DataFrame) -> float:
+    """The largest ``entropy_halfwidth`` of the samples: how far their recorded entropies may lie from the exact ones
+    (0: all exact, or a run recorded before the column existed)."""
+    if "entropy_halfwidth" not in preds:
+        return 0.0
+    widest = preds["entropy_halfwidth"].max(skipna=True)
+    return 0.0 if pd.isna(widest) else float(widest)
+
+
 def entropy_histograms(preds: pd.DataFrame, path: Path, mu: float | None, title: str) -> Path | None:
     """Fig. C1: per benchmark, the spectral entropy histogram (mu and the median marked) and the saliency ratio.
 
-    preds: one row per sample with `task`, `entropy`, `saliency_count`, `visual_tokens` (failed samples removed).
+    preds: one row per sample with `task`, `entropy`, `saliency_count`, `visual_tokens` (failed samples removed), and
+    `entropy_halfwidth` where the run recorded it: where any is above 0 (the certified split's bracket midpoints, a
+    GPU's), the title says how far from the exact entropies they may lie.
     """
     preds = preds.dropna(subset=["entropy"])
     if preds.empty:
         return None
+    widest = entropy_halfwidth(preds)
+    if widest:
+        title += (f"\nentropies: certified bracket midpoints, within {widest:.1e} of the exact ones "
+                  "(exact: PROMPRUNE_ENTROPY=exact)")
     tasks = list(dict.fromkeys(preds["task"]))
     fig, axes = plt.subplots(2, len(tasks), figsize=(3.6 * len(tasks), 5.6), squeeze=False)
     for j, task in enumerate(tasks):

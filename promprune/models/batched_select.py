@@ -40,7 +40,9 @@ class ItemSelection:
     """``kept [M]`` candidate indices (in the LLM's order; a host tensor), ``merged [M, d]`` or None,
     ``saliency_count``, ``entropy``, ``salient [S]`` (host): the kept candidates the saliency stage chose (ascending;
     ``S == saliency_count``); ``cls [K, d]`` or None: kept tokens that are no candidate, fed first (VisionZip's CLS,
-    one per view). ``merged`` and ``cls`` live on the features' device."""
+    one per view). ``merged`` and ``cls`` live on the features' device. ``entropy_halfwidth``: how far ``entropy``
+    may lie from the exact metric (``Selection.entropy_halfwidth``; the mean over views where the entropy is), None
+    where it is exact."""
 
     kept: torch.Tensor
     merged: torch.Tensor | None
@@ -48,6 +50,7 @@ class ItemSelection:
     entropy: float | None
     salient: torch.Tensor | None = None
     cls: torch.Tensor | None = None
+    entropy_halfwidth: float | None = None
 
 
 def split_budget(budget: int, counts: list[int], weights: list[float] | None = None) -> list[int]:
@@ -217,7 +220,8 @@ def unit_grid(item: VisualItem, idx) -> tuple[int, int]:
 @dataclass
 class _Part:
     """One unit's result on the host: ``kept`` candidate indices, ``rows`` their rows in the bucket's merged
-    features (flattened over units), ``count``, ``entropy``, ``salient`` indices, ``cls [1, d]`` or None."""
+    features (flattened over units), ``count``, ``entropy``, ``salient`` indices, ``cls [1, d]`` or None,
+    ``halfwidth``: the entropy's (None: exact)."""
 
     kept: np.ndarray
     rows: np.ndarray
@@ -225,6 +229,7 @@ class _Part:
     entropy: float | None
     salient: np.ndarray
     cls: torch.Tensor | None
+    halfwidth: float | None = None
 
 
 def select_items(items: list[VisualItem], budget: int, method: str, options: dict,
@@ -268,7 +273,7 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int, list[_Part]]:
     """Every unit's result on the host, per item in bucket order: one read of all buckets' indices, stage flags,
-    saliency counts and entropies."""
+    saliency counts and entropies (their half-widths, where not exact, are host values already)."""
     fields = []
     for sel in sels:
         fields += [sel.indices, sel.salient if sel.salient is not None else torch.zeros_like(sel.indices, dtype=bool),
@@ -280,11 +285,14 @@ def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int
     for group, sel in zip(groups, sels):
         indices, salient, counts = next(read), next(read), next(read)
         entropy = next(read) if sel.entropy is not None else None
+        halfwidth = None if sel.entropy_halfwidth is None else sel.entropy_halfwidth.tolist()  # host values
         width = indices.shape[1]
         for u, unit in enumerate(group):
-            parts[unit.item].append(_part(unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
-                                          None if entropy is None else float(entropy[u]), offset + u * width, order,
-                                          None if sel.cls is None else sel.cls[u][None]))
+            part = _part(unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
+                         None if entropy is None else float(entropy[u]), offset + u * width, order,
+                         None if sel.cls is None else sel.cls[u][None])
+            part.halfwidth = None if halfwidth is None else float(halfwidth[u])
+            parts[unit.item].append(part)
         offset += indices.size
     return parts
 
@@ -313,10 +321,14 @@ def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False) 
     kept = np.concatenate([p.kept for p in parts])
     order = np.arange(kept.shape[0]) if keep_order else np.argsort(run_pos[kept], kind="stable")
     ents = [p.entropy for p in parts if p.entropy is not None]
+    # the mean of values each within its half-width of the exact one is within the mean half-width of the exact mean
+    widths = [p.halfwidth or 0.0 for p in parts if p.entropy is not None]
+    inexact = any(p.halfwidth is not None for p in parts if p.entropy is not None)
     cls = torch.cat([p.cls for p in parts]) if parts[0].cls is not None else None
     sel = ItemSelection(kept=torch.from_numpy(kept[order]), merged=None, saliency_count=sum(p.count for p in parts),
                         entropy=sum(ents) / len(ents) if ents else None,
-                        salient=torch.from_numpy(np.sort(np.concatenate([p.salient for p in parts]))), cls=cls)
+                        salient=torch.from_numpy(np.sort(np.concatenate([p.salient for p in parts]))), cls=cls,
+                        entropy_halfwidth=sum(widths) / len(widths) if inexact else None)
     return sel, np.concatenate([p.rows for p in parts])[order]
 
 

@@ -238,7 +238,7 @@ def _stats(feats, items, plan_=None) -> list[dict]:
         return [dict(visual_tokens=int(f.shape[0]), saliency_count=0, entropy=None,
                      kept=sorted(h.grid_index.tolist()), salient=[]) for f, h in zip(feats, hosts)]
     return [dict(visual_tokens=int(f.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
-                 kept=sorted(h.grid_index[p.kept.numpy()].tolist()),
+                 entropy_halfwidth=p.entropy_halfwidth, kept=sorted(h.grid_index[p.kept.numpy()].tolist()),
                  salient=sorted(h.grid_index[p.salient.numpy()].tolist()))
             for f, p, h in zip(feats, plan_, hosts)]
 

@@ -360,6 +360,7 @@ class PrunedVLM:
             grid = it.host.grid_index
             fed.append(Fed(it, feats, run_pos, dict(
                 visual_tokens=int(feats.shape[0]), saliency_count=p.saliency_count, entropy=p.entropy,
+                entropy_halfwidth=p.entropy_halfwidth,
                 kept=[g for g in grid[p.kept.numpy()].tolist() if g >= 0],  # newline tokens have no grid index
                 salient=sorted(grid[p.salient.numpy()].tolist())), host_pos=host_pos))
         return fed

@@ -307,7 +307,7 @@ def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch
 
 def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[torch.Tensor], torch.Tensor],
           steps: tuple[int, ...] | None = None, gram: bool = False,
-          opening_with: tuple[Callable, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          opening_with: tuple[Callable, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
 
     ``matrix``: the spectral matrix (``entropy.spectral_matrix``), or with ``gram`` the tokens' unit Gram, whose
@@ -320,8 +320,9 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     replayed as CUDA graphs).
 
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
-    (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32)`` on the CPU: the
-    entropy is exact where the eigensolve ran, else its bracket's midpoint (within half the bracket's width).
+    (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32, halfwidth [B]
+    float32)`` on the CPU: the entropy is exact where the eigensolve ran (half-width 0), else its bracket's midpoint,
+    within the half-width (half the bracket's width) of the exact entropy.
     """
     if opening_with is None:
         opening_with = (opening_from_gram if gram else opening, (matrix,))
@@ -332,6 +333,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     device = state.rho.device
     t_sal = np.zeros(B, dtype=np.int64)
     entropy = np.zeros(B)
+    halfwidth = np.zeros(B)  # 0 where the eigensolve ran
     todo = np.arange(B)
     to_exact: list[int] = []  # images whose bounds were refused (``bounds``), for the eigensolve
     report = SplitReport()
@@ -348,6 +350,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         decided, counts = decide(lo, hi, count)
         t_sal[todo[decided]] = counts[decided]
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
+        halfwidth[todo[decided]] = (hi[decided] - lo[decided]) / 2
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
         # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN) stay refused at every
@@ -371,7 +374,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         entropy[exact_rows] = exact
         report.exact = len(exact_rows)
     LAST_REPORT[:] = [report]
-    return torch.from_numpy(t_sal), torch.from_numpy(entropy).float()
+    return torch.from_numpy(t_sal), torch.from_numpy(entropy).float(), torch.from_numpy(halfwidth).float()
 
 
 def _views(args: tuple[torch.Tensor | None, ...]) -> tuple[int, int]:

@@ -10,6 +10,7 @@ point, ``$PROMPRUNE_PLUGINS``: ``promprune.plugins``) are imported the first tim
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ class Selection:
     - ``salient [B, T]`` bool: which kept tokens the saliency stage chose (for overlays: red vs. cyan).
     - ``cls [B, d]`` or None: a kept token that is none of the ``N`` (VisionZip keeps the vision tower's CLS token,
       projected into the features' space); it counts in the budget, so ``indices`` then holds ``T - 1`` tokens.
+    - ``entropy_halfwidth [B]`` (on the host) or None: how far ``entropy`` may lie from the exact metric.
+      PromPrune's certified split on a GPU reports its bracket's midpoint, within half the bracket's width (0 where
+      the exact eigensolve ran); None: ``entropy`` is exact (or there is none).
     """
 
     indices: torch.Tensor
@@ -52,6 +56,7 @@ class Selection:
     features: torch.Tensor | None = None
     salient: torch.Tensor | None = None
     cls: torch.Tensor | None = None
+    entropy_halfwidth: torch.Tensor | None = None
 
 
 @dataclass
@@ -567,10 +572,10 @@ def _sorted(sel: Selection) -> Selection:
         fused = (accel.kernel("ascending", lambda: greedy_triton.ascending(sel.indices, sel.salient))
                  if sel.indices.shape[1] <= greedy_triton.ASCENDING_MAX else None)
         if fused is not None:  # None: Triton could not build it here; the torch ops below give the same order
-            return Selection(fused[0], sel.saliency_count, sel.entropy, None, fused[1], sel.cls)
+            return dataclasses.replace(sel, indices=fused[0], salient=fused[1])
     indices, perm = sel.indices.sort(dim=1)
     feats = None
     if sel.features is not None:
         feats = sel.features.gather(1, perm[..., None].expand(-1, -1, sel.features.shape[-1]))
     salient = sel.salient.gather(1, perm) if sel.salient is not None else None
-    return Selection(indices, sel.saliency_count, sel.entropy, feats, salient, sel.cls)
+    return dataclasses.replace(sel, indices=indices, features=feats, salient=salient)

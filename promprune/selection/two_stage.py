@@ -5,6 +5,7 @@ Registered here: ``promprune`` (adaptive split from a prominence metric), ``fixe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -128,7 +129,7 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
     return front[0], front[1]
 
 
-def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor]:
+def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``certified.split`` of the tokens' spectral matrix: for N <= d that is their centered unit Gram, so the split
     gets the shared Gram and centers it inside its first stage (one CUDA graph with the Lanczos steps); where that
     stage replays as a graph (``graphed.fits``), the graph forms the Gram itself from the tokens (``_opening``)."""
@@ -188,15 +189,16 @@ def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: s
         return split_budget(entropy, budget, mu=mu, tau=tau, ratio_range=(kr_min, kr_max), rounding=rounding)
 
     if metric == "spectral" and certified.applies(min(tokens.n, tokens.dim), tokens.x):
-        t_sal, entropy = certified_split(tokens, count)  # host values, the exact algorithm's counts
+        t_sal, entropy, halfwidth = certified_split(tokens, count)  # host values, the exact algorithm's counts
         on_device = t_sal.to(tokens.x.device, non_blocking=True)
-        entropy = entropy.to(tokens.x.device, non_blocking=True)
+        entropy = entropy.to(tokens.x.device, non_blocking=True)  # (the half-widths stay on the host: no copy)
         if _graphs_fit(tokens):  # both stages in one graph per shape and options
             indices, salient = graphed.replay(_picking, (tokens.x, tokens.half_source, tokens.saliency, on_device),
                                               (budget, diversity, conditional))
-            return Selection(indices, on_device, entropy, None, salient)
-        return two_stage(tokens, budget, on_device, diversity=diversity, conditional=conditional, method="promprune",
-                         entropy=entropy, host_counts=t_sal)
+            return Selection(indices, on_device, entropy, None, salient, entropy_halfwidth=halfwidth)
+        sel = two_stage(tokens, budget, on_device, diversity=diversity, conditional=conditional, method="promprune",
+                        entropy=entropy, host_counts=t_sal)
+        return dataclasses.replace(sel, entropy_halfwidth=halfwidth)
     entropy = prominence(tokens, metric)
     return two_stage(tokens, budget, count(entropy).to(tokens.x.device), diversity=diversity, conditional=conditional,
                      method="promprune", entropy=entropy.float())

@@ -70,6 +70,26 @@ def test_mu_tau_heatmap_and_calibration_logged_on_the_parent(store, tmp_path):
     assert run.data.tags["promprune.calibrated_mu"] == "0.44"
 
 
+@pytest.mark.parametrize("halfwidths", [(None, None, None), (0.0, 4e-4, 1.5e-3)], ids=["exact", "bracketed"])
+def test_the_calibration_median_says_when_its_entropies_are_bracket_midpoints(store, tmp_path, halfwidths):
+    from pipelines.reporting import figures
+
+    client, exp = store
+    trials = [trial("none", None, {"pope/pope_f1_score": 0.80})]
+    for mu in (0.40, 0.44):
+        preds = [pred("pope", d, e, 30) | {"entropy_halfwidth": w}
+                 for d, (e, w) in enumerate(zip([0.41, 0.43, 0.45], halfwidths))]
+        trials.append(trial("promprune", 64, {"pope/pope_f1_score": 0.80}, options={"mu": mu}, predictions=preds))
+    parent = log_sweep(client, exp, "mu_calibration_grid", trials, tasks=["pope"], tmp=tmp_path)
+    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
+    assert report.calibration["calibration/median_entropy"] == pytest.approx(0.43)
+    said = "bracket midpoints, each within 1.5e-03 of the exact entropy"
+    assert (said in report.markdown) == (halfwidths[-1] is not None)
+    frame = pd.DataFrame({"entropy_halfwidth": list(halfwidths)}, dtype=float)
+    assert figures.entropy_halfwidth(frame) == (halfwidths[-1] or 0.0)  # the widest, NaN (exact) as 0
+    assert figures.entropy_halfwidth(pd.DataFrame({"entropy": [0.4]})) == 0.0  # a run before the column
+
+
 def test_choose_mu_tie_break_without_a_median_takes_the_smaller():
     frame = pd.DataFrame({"method": ["promprune"] * 3, "mu": [0.44, 0.40, 0.42], "rel": [99.0, 99.0, 90.0]})
     assert choose_mu(frame, float("nan")) == pytest.approx(0.40)

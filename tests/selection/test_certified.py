@@ -92,11 +92,12 @@ def test_refused_bounds_go_to_the_eigensolve_at_the_first_stage():
     matrices = torch.stack([matrix_with(lam, rng) for lam in lams])
     truth = [entropy_of(lam) for lam in lams]
     for mu in (0.1, 0.25):
-        t_sal, entropy = certified.split(matrices, lambda h, mu=mu: split_budget(h, 64, mu=mu, tau=0.02))
+        t_sal, entropy, halfwidth = certified.split(matrices, lambda h, mu=mu: split_budget(h, 64, mu=mu, tau=0.02))
         report = certified.LAST_REPORT[0]
         assert (report.decided, report.refused, report.exact) == ([0], 2, 2), report
         assert t_sal.tolist() == [hand_count(h, 64, mu, 0.02) for h in truth]
         assert np.abs(entropy.numpy() - truth).max() < 1e-5
+        assert halfwidth.tolist() == [0.0, 0.0]  # the eigensolve's: exact
 
 
 def hand_count(h: float, budget: int, mu: float, tau: float) -> int:
@@ -112,12 +113,17 @@ def test_split_counts_match_the_hand_computed_counts():
     matrices = torch.stack([matrix_with(lam, rng) for lam in lams]).float()
     truth = [entropy_of(lam) for lam in lams]
     for mu in (0.3, 0.5, float(np.median(truth))):
-        t_sal, entropy = certified.split(matrices, lambda h, mu=mu: split_budget(h, budget, mu=mu, tau=tau))
+        t_sal, entropy, halfwidth = certified.split(matrices, lambda h, mu=mu: split_budget(h, budget, mu=mu, tau=tau))
         assert t_sal.tolist() == [hand_count(h, budget, mu, tau) for h in truth]
         report = certified.LAST_REPORT[0]
         assert sum(report.decided) + report.exact == len(lams)
         half = max(report.widths, default=0.0) / 2  # a midpoint lies within half its bracket of the entropy
         assert np.abs(entropy.numpy() - truth).max() <= half + 1e-5
+        # each image's own half-width: within it of the entropy from the eigenvalues (float32 rounding aside), 0 for
+        # the images the eigensolve decided, half a decided bracket for the others
+        assert (np.abs(entropy.numpy() - truth) <= halfwidth.numpy() + 1e-5).all()
+        assert sorted(halfwidth[halfwidth > 0].tolist()) == pytest.approx(sorted(w / 2 for w in report.widths if w > 0))
+        assert int((halfwidth == 0).sum()) >= report.exact
 
 
 def features_with_spectrum(lam: np.ndarray, d: int, rng: np.random.Generator) -> torch.Tensor:
@@ -164,7 +170,7 @@ def test_split_counts_equal_the_exact_ones_next_to_boundaries(seed, steps):
             def count(h, mu=mu, rounding=rounding):
                 return split_budget(h, budget, mu=mu, tau=tau, rounding=rounding)
 
-            t_sal, _ = certified.split(matrix, count, steps=steps)
+            t_sal, _, _ = certified.split(matrix, count, steps=steps)
             report = certified.LAST_REPORT[0]
             decided, exact = decided + sum(report.decided), exact + report.exact
             assert torch.equal(t_sal, count(exact_h.float().double())), (mu, rounding)
@@ -209,7 +215,7 @@ def test_a_large_batch_opens_with_a_short_stage(monkeypatch):
     lams = [spectrum("lowrank_floor", 128, rng) for _ in range(4)]
     matrices = torch.stack([matrix_with(lam, rng) for lam in lams]).float()
     before = accel.syncs()
-    t_sal, _ = certified.split(matrices, lambda h: split_budget(h, 64, mu=0.9, tau=0.02))  # far from every entropy
+    t_sal, _, _ = certified.split(matrices, lambda h: split_budget(h, 64, mu=0.9, tau=0.02))  # far from every entropy
     assert ran == [certified.LEAD] and certified.LAST_REPORT[0].decided == [4] and accel.syncs() - before == 1
     assert t_sal.tolist() == [hand_count(entropy_of(lam), 64, 0.9, 0.02) for lam in lams]
 
