@@ -106,3 +106,19 @@ def test_cuda_promprune_keeps_the_same_tokens_with_graphs(arch, dtype, images, p
             assert graphed._CAPTURES and not graphed._FAILED
         finally:
             graphed.clear()
+
+
+@pytest.mark.parametrize("arch", ["llava", "llava_next"])
+def test_cuda_certified_entropies_lie_within_their_half_widths(arch, images, prompts, no_tf32):
+    """On the GPU's route (the bounds, forced: the tiny views are below the size "auto" takes them at) each sample's
+    entropy lies within its recorded half-width of the exact one on the same device, with the same kept tokens."""
+    from promprune.selection import accel
+
+    model, processor = on_cuda(arch, torch.float32)
+    with accel.entropy("exact"):
+        _, exact = kept_sets(model, processor, "promprune", images, prompts)
+    with accel.entropy("certified"):
+        _, bounded = kept_sets(model, processor, "promprune", images, prompts)
+    for e, b in zip(exact, bounded):
+        assert e.entropy_halfwidth is None and b.kept == e.kept
+        assert b.entropy_halfwidth is not None and abs(b.entropy - e.entropy) <= b.entropy_halfwidth + 1e-6
