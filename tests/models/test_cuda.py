@@ -112,7 +112,7 @@ def test_cuda_promprune_keeps_the_same_tokens_with_graphs(arch, dtype, images, p
 def test_cuda_certified_entropies_lie_within_their_half_widths(arch, images, prompts, no_tf32):
     """On the GPU's route (the bounds, forced: the tiny views are below the size "auto" takes them at) each sample's
     entropy lies within its recorded half-width of the exact one on the same device, with the same kept tokens."""
-    from promprune.selection import accel
+    from promprune.selection import accel, certified
 
     model, processor = on_cuda(arch, torch.float32)
     with accel.entropy("exact"):
@@ -121,4 +121,6 @@ def test_cuda_certified_entropies_lie_within_their_half_widths(arch, images, pro
         _, bounded = kept_sets(model, processor, "promprune", images, prompts)
     for e, b in zip(exact, bounded):
         assert e.entropy_halfwidth is None and b.kept == e.kept
-        assert b.entropy_halfwidth is not None and abs(b.entropy - e.entropy) <= b.entropy_halfwidth + 1e-6
+        # plus the exact algorithm's own float32 rounding, which the decisions' margin covers too
+        assert b.entropy_halfwidth is not None
+        assert abs(b.entropy - e.entropy) <= b.entropy_halfwidth + certified.DECISION_MARGIN
