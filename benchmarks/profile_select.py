@@ -3,8 +3,9 @@
 Table 6's ``select ms`` on an H100 (2026-11-26, ``shape:llava_next_7b``, fp16, 320 tokens) was 35.4 ms for PromPrune
 against 10.0 ms for ``promprune.select`` alone at the same five 576-token views (``benchmarks/selection.py``). This
 runs the model path's selection (``PrunedVLM._plan``: candidates in, kept tokens out) under ``torch.profiler`` and
-prints the operators by host time and by device time, how the certified split decided, and the selection's time
-with and without CUDA graphs (``PROMPRUNE_GRAPHS``)::
+prints the operators by host time and by device time, how the certified split decided, the entropy the sample
+records (with its half-width where the bounds decided), and the selection's time with and without CUDA graphs
+(``PROMPRUNE_GRAPHS``)::
 
     python benchmarks/profile_select.py --model shape:llava_next_7b --dtype float16 --budget 320    # on a GPU
     python benchmarks/profile_select.py --model tiny:llava_next --entropy certified                # anywhere
@@ -90,11 +91,14 @@ def main(argv=None) -> None:
             seen["ms"].clear()
             warm = graphed.SIGHTINGS if graphs else 1  # warm-up: kernels; a shape is captured at its second call
             for _ in range(args.repeats + warm):
-                vlm.prepare(images, prompts)
+                stats = vlm.prepare(images, prompts).stats[0]
             ms = statistics.median(seen["ms"][warm:])
             report = certified.LAST_REPORT[0] if certified.LAST_REPORT else None
+            recorded = "" if stats.get("entropy") is None else f"; entropy recorded {stats['entropy']:.4f}" + (
+                "" if stats.get("entropy_halfwidth") is None else f" +- {stats['entropy_halfwidth']:.1e}")
             print(f"selection {'with' if graphs else 'without'} CUDA graphs: {ms:.2f} ms median of {args.repeats}"
-                  + (f"; split decided per stage {report.decided}, exact {report.exact}" if report else ""))
+                  + (f"; split decided per stage {report.decided}, exact {report.exact}" if report else "")
+                  + recorded)
     seen["profile"] = [None]
     with accel.entropy(args.entropy):
         vlm.prepare(images, prompts)

@@ -439,12 +439,14 @@ def test_throughput():
 
 def test_profile_select():
     """The model path's selection profiled on a tiny LLaVA-NeXT with the certified split forced on the CPU: one split
-    call of its views, decided by the bounds, and the operator tables."""
+    call of its views, decided by the bounds, the entropy the sample records with its half-width, and the operator
+    tables."""
     out = run_benchmark("profile_select.py", "--repeats", "2", "--rows", "5", "--entropy", "certified")
     decided = figure(out, rf"selection without CUDA graphs: ({NUMBER}) ms median of 2; split decided per stage "
-                          r"\[([\d, ]+)\], exact (\d+)")
+                          rf"\[([\d, ]+)\], exact (\d+); entropy recorded ({NUMBER}) \+- (\d\.\de[-+]\d+)")
     stages = [int(n) for n in decided[2].split(",")]
     assert sum(stages) + int(decided[3]) == 5  # tiny llava_next: the image's five views, every one decided once
+    assert 0 < float(decided[4]) < 1 and float(decided[5]) >= 0
     assert "### operators by self_cpu_time_total" in out and "aten::bmm" in out  # the Lanczos products
 
 
