@@ -116,7 +116,8 @@ def float32_miss(lam: np.ndarray, rng: np.random.Generator) -> tuple[float, floa
     q, _ = np.linalg.qr(rng.standard_normal((n, n)))
     rho = torch.from_numpy((q * lam) @ q.T)[None].float()
     eig = np.clip(np.linalg.eigvalsh(rho[0].double().numpy()), 0, None)
-    h = entropy(eig[eig > 0] / eig.sum()) * math.log((eig > 0).sum()) / math.log(n)
+    p = eig[eig > 0] / eig.sum()
+    h = float(-(p * np.log(p)).sum() / math.log(n))
     states = [certified.Lanczos.start(rho.double()), certified.Lanczos.start(rho)]
     miss, done = [-math.inf, -math.inf], 0
     for steps in (6, 12, 24, 48):
