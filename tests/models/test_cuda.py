@@ -121,6 +121,6 @@ def test_cuda_certified_entropies_lie_within_their_half_widths(arch, images, pro
         _, bounded = kept_sets(model, processor, "promprune", images, prompts)
     for e, b in zip(exact, bounded):
         assert e.entropy_halfwidth is None and b.kept == e.kept
-        # plus the exact algorithm's own float32 rounding, which the decisions' margin covers too
         assert b.entropy_halfwidth is not None
+        # the half-width, plus the exact algorithm's own float32 rounding (which the decisions' margin covers too)
         assert abs(b.entropy - e.entropy) <= b.entropy_halfwidth + certified.DECISION_MARGIN
