@@ -356,16 +356,16 @@ def _calibration_section(sweep, table, preds, entropy_id, report) -> str:
     """mu calibration: the median spectral entropy, and (with a mu grid) the mu of the best Rel."""
     if CALIBRATION_MARK not in sweep.name:
         return ""
-    median = np.nan
+    median, widest = np.nan, 0.0
     if entropy_id is not None:
-        median = float(_ok(preds.get(entropy_id))["entropy"].median())
+        ok = _ok(preds.get(entropy_id))
+        median, widest = float(ok["entropy"].median()), figures.entropy_halfwidth(ok)
     elif "entropy/median" in sweep.metrics:
         median = float(sweep.metrics["entropy/median"].dropna().median())
     lines = ["## mu calibration", ""]
     if not np.isnan(median):
         report.calibration["calibration/median_entropy"] = median
         lines.append(f"- median spectral entropy over the calibration images: **{median:.4f}**")
-        widest = figures.entropy_halfwidth(_ok(preds.get(entropy_id))) if entropy_id is not None else 0.0
         if widest:
             lines.append(f"  (of the certified split's bracket midpoints, each within {widest:.1e} of the exact "
                          "entropy: for exact ones run the sweep with `PROMPRUNE_ENTROPY=exact`; "

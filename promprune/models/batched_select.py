@@ -288,19 +288,18 @@ def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int
         halfwidth = None if sel.entropy_halfwidth is None else sel.entropy_halfwidth.tolist()  # host values
         width = indices.shape[1]
         for u, unit in enumerate(group):
-            part = _part(unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
-                         None if entropy is None else float(entropy[u]), offset + u * width, order,
-                         None if sel.cls is None else sel.cls[u][None])
-            part.halfwidth = None if halfwidth is None else float(halfwidth[u])
-            parts[unit.item].append(part)
+            parts[unit.item].append(_part(unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
+                                          None if entropy is None else float(entropy[u]), offset + u * width, order,
+                                          None if sel.cls is None else sel.cls[u][None],
+                                          None if halfwidth is None else float(halfwidth[u])))
         offset += indices.size
     return parts
 
 
 def _part(unit: Unit, host: HostIndex, chosen: np.ndarray, is_salient: np.ndarray, count: int,
-          entropy: float | None, row0: int, order: str, cls) -> _Part:
+          entropy: float | None, row0: int, order: str, cls, halfwidth: float | None = None) -> _Part:
     """One unit's picks ``chosen [k]`` (positions in ``unit.idx``) after dropping what the model's unpadding drops and
-    ordering by stage."""
+    ordering by stage; ``entropy`` and its ``halfwidth`` (None: exact) as they came."""
     rows = row0 + np.arange(chosen.shape[0])
     fed = host.run_pos[unit.idx[chosen]] >= 0
     if not fed.all():  # picks in the padding: the model's unpadding drops them
@@ -311,7 +310,7 @@ def _part(unit: Unit, host: HostIndex, chosen: np.ndarray, is_salient: np.ndarra
         perm = np.argsort(rank, kind="stable")
         chosen, is_salient, rows = chosen[perm], is_salient[perm], rows[perm]
     return _Part(kept=unit.idx[chosen], rows=rows, count=count, entropy=entropy,
-                 salient=unit.idx[chosen[is_salient]], cls=cls)
+                 salient=unit.idx[chosen[is_salient]], cls=cls, halfwidth=halfwidth)
 
 
 def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False) -> tuple[ItemSelection, np.ndarray]:
