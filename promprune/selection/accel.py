@@ -8,9 +8,10 @@ On the CPU nothing changes. ``PROMPRUNE_ACCEL=0`` in the environment, or ``with 
 plain torch path on CUDA too (the benchmark times both).
 
 ``PROMPRUNE_ENTROPY`` (or ``with accel.entropy("...")``) picks how PromPrune's split reads the spectral entropy:
-``auto`` (default: certified bounds on the CUDA fast path where their float64 products cost the device less than
-the eigensolve, ``certified.bracket_pays``; the exact eigensolve elsewhere), ``certified`` (bounds on
-every device; the tests use it on the CPU) or ``exact`` (the eigensolve everywhere, e.g. to record exact entropies).
+``auto`` (default: certified bounds on the CUDA fast path where their float64 products cost the device at most half
+the eigensolve they may save, ``certified.bracket_pays`` and per stage ``certified.stage_pays``; the exact
+eigensolve elsewhere), ``certified`` (bounds on every device and every stage; the tests use it on the CPU) or
+``exact`` (the eigensolve everywhere, e.g. to record exact entropies).
 
 ``PROMPRUNE_GRAPHS=1`` (or ``with accel.graphs():``) runs PromPrune's selection on that path as CUDA graphs
 (``graphed``): the split's first stage from the tokens, each later stage, and the two picking stages after the split,

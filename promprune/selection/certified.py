@@ -19,9 +19,11 @@ batch's steps cost the device or the host more than a stage costs the host), dec
 (widened by ``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and
 computes the exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided, and for
 images whose bounds a stage refuses (a Krylov space that ran out: spectra of few distinct values) without running the
-later stages. The device work is enqueued without waiting; the host reads the recurrence coefficients once per stage
-(``host_read``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved on the
-host in float64.
+later stages. In "auto" a stage runs only where its float64 products cost the device at most half the eigensolve
+they may save (``stage_pays``): on GPUs whose float64 runs at 1/64 rate the views still undecided go to the
+eigensolve early. The device work is enqueued without waiting; the host reads the recurrence coefficients once per
+stage (``host_read``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved
+on the host in float64.
 """
 from __future__ import annotations
 
@@ -89,20 +91,31 @@ MIN_SIZE = 64
 # The exact float32 eigensolve of one view on a GPU (cuSOLVER's syevd through torch.linalg.eigvalsh, H100,
 # 2026-11-26): 5.46 ms at n = 576, 13.91 ms at n = 1296, i.e. ~5.46 (n / 576)^1.153 ms, linear in the views. It is
 # latency-bound (float64 took 5.58 / 14.59 ms, the host's LAPACK 12.4 / 56.4 ms), so it stands for any GPU's in
-# ``bracket_pays``, against the first stage's float64 products at the device's own measured rate.
+# ``stage_pays``, against a stage's float64 products at the device's own measured rate.
 EIGENSOLVE_MS_AT_576 = 5.46
 EIGENSOLVE_EXPONENT = 1.153
+# The chance a stage of the bracket is taken to decide a view it runs, in pricing it ("auto", ``stage_pays``): a stage
+# runs where its float64 products cost the device at most this share of the eigensolve it may save, since a view it
+# leaves undecided pays both. A prior, not a measurement of real images: far from mu every view decides at the lead;
+# of the split table's 48 images of 576 tokens within 2 tau of mu (`python benchmarks/selection.py --tables split
+# --split-images 48`) 6 decide at its 6 steps and 18 of the other 42 by 12; of Table 6's five views on the H200
+# (2026-11-28) 2 at the lead and 1 at 12.
+# Where float64 runs at full rate (H100: 0.05 ms for the lead at n = 576) every stage runs whatever this is.
+STAGE_DECIDES = 0.5
 
 
 @dataclass
 class SplitReport:
     """How one ``split`` call decided: images per stage (``decided[i]`` by stage i's bounds) and by the exact
     eigensolve (``exact``; ``refused`` of them sent there at the stage whose bounds refused them: a recurrence that ran
-    out or failed, which no later stage mends), and the bracket widths (normalized H) the decided images had."""
+    out or failed, which no later stage mends; ``costly`` of them, undecided, sent there instead of a later stage whose
+    float64 products would cost the device more than it may save, ``stage_pays``), and the bracket widths
+    (normalized H) the decided images had."""
 
     decided: list[int] = field(default_factory=list)
     exact: int = 0
     refused: int = 0
+    costly: int = 0
     widths: list[float] = field(default_factory=list)
 
 
@@ -339,9 +352,13 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     report = SplitReport()
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
     done_steps = 0
+    tflops = accel.float64_tflops(device) if accel.entropy_mode() == "auto" else math.inf  # "certified": every stage
     for stage, stage_steps in enumerate(steps):
         k = stage_steps - done_steps
         if stage:
+            if not stage_pays(k, n, tflops):  # a slow float64 device: the eigensolve costs the views less (projected)
+                report.costly = len(todo)
+                break
             state = state.run(k, borrow=True)
         done_steps = stage_steps
         coeffs = host_read(state.history[-1])  # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide)
@@ -384,39 +401,56 @@ def _views(args: tuple[torch.Tensor | None, ...]) -> tuple[int, int]:
     return first.shape[0], first.shape[1]
 
 
+def step_ms(n: int, tflops: float) -> float:
+    """Projected ms of one Lanczos step of a view of size ``n`` on the device: one float64 ``n x n`` product,
+    ``2 n^3`` FLOP at ``tflops`` (launches and the host's reads left out). A projection, not a measurement."""
+    return 2 * n ** 3 / (tflops * 1e9)
+
+
+def eigensolve_ms(n: int) -> float:
+    """Projected ms of the exact eigensolve of a view of size ``n`` (``EIGENSOLVE_MS_AT_576``'s fit to the H100)."""
+    return EIGENSOLVE_MS_AT_576 * (n / 576) ** EIGENSOLVE_EXPONENT
+
+
 def projected_ms(n: int, tflops: float) -> tuple[float, float]:
     """``(bracket, eigensolve)``: projected ms a view of size ``n`` costs the device in the certified split's first
-    stage (`LEAD` float64 ``n x n`` products at ``tflops``; launches and the host's read left out) and in the exact
-    eigensolve (``EIGENSOLVE_MS_AT_576``'s fit). A projection, not a measurement."""
-    return LEAD * 2 * n ** 3 / (tflops * 1e9), EIGENSOLVE_MS_AT_576 * (n / 576) ** EIGENSOLVE_EXPONENT
+    stage (`LEAD` steps, ``step_ms``) and in the exact eigensolve (``eigensolve_ms``). A projection."""
+    return LEAD * step_ms(n, tflops), eigensolve_ms(n)
+
+
+def stage_pays(steps: int, n: int, tflops: float) -> bool:
+    """Whether "auto" runs a stage of ``steps`` Lanczos steps on views of size ``n`` at a float64 rate of ``tflops``:
+    its products cost the device at most `STAGE_DECIDES` of the eigensolve they may save (a view the stage leaves
+    undecided pays both). Else the views go to the eigensolve instead: at the first stage the whole call
+    (``bracket_pays``), at a later one the views still undecided (``split``)."""
+    return steps * step_ms(n, tflops) <= STAGE_DECIDES * eigensolve_ms(n)
 
 
 def bracket_pays(n: int, device: torch.device | str) -> bool:
-    """Whether "auto" takes the bounds for views of size ``n`` on ``device``: the first stage's float64 products,
-    at the device's measured float64 rate (``accel.float64_tflops``), cost no more than the exact eigensolve
-    (``projected_ms``). On an H100 / H200 (~50 TFLOP/s) at every size of the paper's models (n = 1296: 0.5 against 14
-    ms); where float64 runs at 1/64 of float32's rate (A40, the paper's GPU: ~0.6 TFLOP/s) up to n = 685: LLaVA's
-    576-token views (4.0 against 5.5 ms), not Qwen2.5-VL's 1296 (45 against 14 ms)."""
-    bracket, eigensolve = projected_ms(n, accel.float64_tflops(device))
-    return bracket <= eigensolve
+    """Whether "auto" takes the bounds for views of size ``n`` on ``device``: the first stage (`LEAD` float64
+    products at the device's measured rate, ``accel.float64_tflops``) ``stage_pays``. On an H100 / H200 (~50
+    TFLOP/s) at every size of the paper's models (n = 1296: 0.52 ms against 13.9); where float64 runs at 1/64 of
+    float32's rate (A40, the paper's GPU: ~0.58 TFLOP/s) at none of them (n = 576: 3.95 ms against half of 5.46);
+    at 1 TFLOP/s (an H800) up to n = 633."""
+    return stage_pays(LEAD, n, accel.float64_tflops(device))
 
 
 def describe_route(device: torch.device | str, sizes: tuple[int, ...]) -> str:
     """One line for a benchmark's header: the device's measured float64 rate and, per view size, the route "auto"
-    takes there with the projected ms of both (``bracket_pays``)."""
+    takes there with the projected ms of its first stage and of the eigensolve (``bracket_pays``)."""
     tflops = accel.float64_tflops(device)
     routes = []
     for n in sizes:
         bracket, eigensolve = projected_ms(n, tflops)
-        routes.append(f"n = {n}: {'bounds' if bracket <= eigensolve else 'eigensolve'} "
+        routes.append(f"n = {n}: {'bounds' if stage_pays(LEAD, n, tflops) else 'eigensolve'} "
                       f"(projected {bracket:.2f} against {eigensolve:.2f} ms)")
     rate = f"float64 {tflops:.3g} TFLOP/s measured" if math.isfinite(tflops) else "float64 rate not measured (no GPU)"
-    return f"{rate}; auto's entropy at " + ", ".join(routes)
+    return f"{rate}; auto's entropy at " + ", ".join(routes) + f" (bounds where at most {STAGE_DECIDES:g} of it)"
 
 
 def applies(matrix_size: int, device_tensor: torch.Tensor) -> bool:
     """Whether the split takes the bounds rather than the exact eigensolve (``accel.entropy_mode``): "auto" on the
-    CUDA fast path for matrices of ``MIN_SIZE`` or more where the bounds cost the device less (``bracket_pays``),
+    CUDA fast path for matrices of ``MIN_SIZE`` or more where the bounds pay on the device (``bracket_pays``),
     "certified" always (small matrices then mostly end in the eigensolve: their Krylov space runs out), "exact"
     never."""
     mode = accel.entropy_mode()

@@ -227,13 +227,15 @@ def test_entropy_mode_switch_refuses_unknown_modes():
 
 
 @pytest.mark.parametrize("tflops, n, bracket", [
-    # hand-worked: the lead's 6 float64 n x n products, 12 n^3 FLOP at the rate, against the eigensolve's fit
-    # 5.46 (n / 576)^1.153 ms (H100, 2026-11-26: 5.46 ms at 576, 13.91 at 1296)
-    (0.58, 576, True),    # an A40: 12 * 576^3 / 0.58e12 s = 3.95 ms < 5.46 ms
-    (0.58, 1296, False),  # 12 * 1296^3 / 0.58e12 s = 45.0 ms > 13.9 ms
-    (0.58, 700, False),   # 7.10 ms > 5.46 * (700 / 576)^1.153 = 6.84 ms
-    (1.0, 700, True),     # an H800 (its spec: 1 TFLOP/s): 4.12 ms < 6.84 ms
-    (1.0, 1296, False),   # 26.1 ms > 13.9 ms
+    # hand-worked: the lead's 6 float64 n x n products, 12 n^3 FLOP at the rate, against half (STAGE_DECIDES) the
+    # eigensolve's fit 5.46 (n / 576)^1.153 ms (H100, 2026-11-26: 5.46 ms at 576, 13.91 at 1296)
+    (0.58, 576, False),   # an A40: 12 * 576^3 / 0.58e12 s = 3.95 ms > 5.46 / 2 = 2.73 ms
+    (0.58, 440, True),    # 1.76 ms <= 5.46 * (440 / 576)^1.153 / 2 = 2.00 ms
+    (0.58, 1296, False),  # 45.0 ms > 13.9 / 2 ms
+    (1.0, 576, True),     # an H800 (its spec: 1 TFLOP/s): 2.29 ms <= 2.73 ms
+    (1.0, 700, False),    # 4.12 ms > 5.46 * (700 / 576)^1.153 / 2 = 3.42 ms
+    (1.35, 700, True),    # an L40S: 3.05 ms <= 3.42 ms
+    (7.8, 1296, True),    # a V100: 3.35 ms <= 6.96 ms
     (50.0, 1296, True),   # an H100: 0.52 ms
 ])
 def test_auto_takes_the_bracket_where_its_float64_products_cost_the_device_less(monkeypatch, tflops, n, bracket):
@@ -247,6 +249,42 @@ def test_auto_takes_the_bracket_where_its_float64_products_cost_the_device_less(
         assert certified.applies(n, x)  # forced: the bounds whatever they cost
     with accel.entropy("exact"):
         assert not certified.applies(n, x)
+
+
+@pytest.mark.parametrize("kind, stage", [("power1.0", 2), ("power1.5", 3), ("power3.0", 4)])
+def test_auto_sends_views_to_the_eigensolve_where_a_later_stage_costs_more(monkeypatch, kind, stage):
+    """On a slow float64 device "auto" runs a later stage only where its products cost at most half the eigensolve:
+    at n = 96 and 0.04 TFLOP/s (hand-worked: a step 2 * 96^3 / 0.04e9 = 0.044 ms; half the eigensolve 5.46 (96 /
+    576)^1.153 / 2 = 0.346 ms) the 6-step stages run (0.27 ms) and the 12 steps from 12 to 24 do not (0.53 ms): a view
+    near a boundary that only 24 or 32 steps decide goes to the eigensolve after 12, with its exact count; "certified"
+    runs every stage."""
+    rng = np.random.default_rng(5)
+    lam = spectrum(kind, 96, rng)
+    matrix = matrix_with(lam, rng)[None].float()
+    h = entropy_of(lam)
+    mu = boundary_mus(h, 64, 0.02, (3e-5,))[0]  # h 3e-5 from a count boundary: a few stages to decide
+
+    def count(x):
+        return split_budget(x, 64, mu=mu, tau=0.02)
+
+    ran, real = [], certified.lanczos_steps
+    monkeypatch.setattr(certified, "lanczos_steps", lambda *args: ran.append(args[-1]) or real(*args))
+    with accel.entropy("certified"):
+        t_all, _, _ = certified.split(matrix, count)
+    assert len(certified.LAST_REPORT[0].decided) == stage and certified.LAST_REPORT[0].decided[-1] == 1
+    monkeypatch.setattr(accel, "float64_tflops", lambda device: 0.04)
+    ran.clear()
+    with accel.entropy("auto"):
+        t_auto, entropy, halfwidth = certified.split(matrix, count)
+    report = certified.LAST_REPORT[0]
+    assert t_auto.tolist() == t_all.tolist() == [hand_count(h, 64, mu, 0.02)]
+    assert ran == [6, 6][:stage] and sum(ran) <= 12  # the lead, then 6 steps more: never the 12 to 24
+    if stage == 2:  # decided at 12 steps, as with every stage
+        assert (report.decided, report.costly, report.exact) == ([0, 1], 0, 0)
+        assert halfwidth.item() > 0
+    else:  # undecided at 12: the eigensolve, exact
+        assert (report.decided, report.costly, report.exact) == ([0, 0], 1, 1)
+        assert halfwidth.item() == 0 and abs(entropy.item() - h) < 1e-5
 
 
 def test_the_float64_rate_is_timed_once_per_device(monkeypatch):
@@ -268,7 +306,9 @@ def test_the_float64_rate_is_timed_once_per_device(monkeypatch):
 
 def test_the_benchmarks_header_names_the_route_at_each_size(monkeypatch):
     monkeypatch.setattr(accel, "float64_tflops", lambda device: 0.58)
-    line = certified.describe_route("cuda:0", (576, 1296))
+    line = certified.describe_route("cuda:0", (440, 576, 1296))
     assert line.startswith("float64 0.58 TFLOP/s measured")
-    assert "n = 576: bounds (projected 3.95 against 5.46 ms)" in line  # 12 * 576^3 / 0.58e12 s
+    assert "n = 440: bounds (projected 1.76 against 4.00 ms)" in line  # 12 * 440^3 / 0.58e12 s
+    assert "n = 576: eigensolve (projected 3.95 against 5.46 ms)" in line  # more than half of it
     assert "n = 1296: eigensolve (projected 45.04 against 13.91 ms)" in line
+    assert line.endswith("(bounds where at most 0.5 of it)")
