@@ -9,12 +9,16 @@
 #   bash scripts/canary.sh                       # builds $PROMPRUNE_CANARY_VENV (default /tmp/promprune-canary)
 #   PROMPRUNE_CANARY_REUSE=1 bash scripts/canary.sh   # reuse that virtualenv as it is (no new resolution)
 #   bash scripts/canary.sh -x -k in_llm          # extra arguments go to pytest
-# The last line is always: canary: N passed, M failed on transformers X, torch Y, ray Z, mlflow W, lmms-eval V
+#   PROMPRUNE_CANARY_PYTHON=python3.13 PROMPRUNE_CANARY_VENV=/tmp/promprune-canary-313 bash scripts/canary.sh
+#                                                # the newest Python too (default: python3; CI runs 3.11)
+# The last line is always: canary: N passed, M failed on python P, transformers X, torch Y, ray Z, mlflow W,
+# lmms-eval V
 # (exit status 1 when M > 0 or the environment could not be built). The install pulls torch's CUDA build (a few GB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${PROMPRUNE_CANARY_VENV:-/tmp/promprune-canary}"
+PYTHON="${PROMPRUNE_CANARY_PYTHON:-python3}"  # the interpreter the virtualenv is made from
 TESTS=(tests/models tests/selection tests/eval tests/testbed tests/test_efficiency.py tests/report/test_report.py
        "tests/pipelines/test_sweep.py::test_sweep_lands_in_mlflow_and_matches_plain_generation")
 tmp="$(mktemp -d)"
@@ -23,13 +27,13 @@ trap 'rm -rf "$tmp"' EXIT
 say() { echo "[canary] $*" >&2; }
 fail_build() {
     tail -n 20 "$tmp/pip.log" >&2 2>/dev/null
-    echo "canary: 0 passed, 0 failed on transformers ?, torch ?, ray ?, mlflow ?, lmms-eval ? (environment not built: $1)"
+    echo "canary: 0 passed, 0 failed on python ?, transformers ?, torch ?, ray ?, mlflow ?, lmms-eval ? (environment not built: $1)"
     exit 1
 }
 
 if [[ "${PROMPRUNE_CANARY_REUSE:-0}" != 1 || ! -x "$VENV/bin/python" ]]; then
     say "resolving the newest releases into $VENV (no constraints.txt, no site pip config)"
-    python3 -m venv --clear "$VENV" || fail_build "python3 -m venv failed"
+    "$PYTHON" -m venv --clear "$VENV" || fail_build "$PYTHON -m venv failed"
     # PIP_CONFIG_FILE=/dev/null: a machine's pip.conf may pin or cap releases (this one caps torch); the canary wants
     # what a user who runs `pip install promprune` gets
     export PIP_CONFIG_FILE=/dev/null
@@ -44,6 +48,7 @@ fi
     || fail_build "pip install decord failed"
 
 versions="$("$VENV/bin/python" - <<'EOF'
+import platform
 from importlib.metadata import PackageNotFoundError, version
 
 def v(name):
@@ -52,9 +57,9 @@ def v(name):
     except PackageNotFoundError:
         return "missing"
 
-print(", ".join(f"{label} {v(dist)}" for label, dist in [("transformers", "transformers"), ("torch", "torch"),
-                                                         ("ray", "ray"), ("mlflow", "mlflow"),
-                                                         ("lmms-eval", "lmms_eval")]))
+packages = [("transformers", "transformers"), ("torch", "torch"), ("ray", "ray"), ("mlflow", "mlflow"),
+            ("lmms-eval", "lmms_eval")]
+print(", ".join([f"python {platform.python_version()}"] + [f"{label} {v(dist)}" for label, dist in packages]))
 EOF
 )"
 say "$versions"
