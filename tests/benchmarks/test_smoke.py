@@ -186,6 +186,20 @@ def test_selection():
     assert rounds == [vispruner_round_count(N - T // 2, T - T // 2) for _, N, _, T in SMOKE_SHAPES.values()]
 
 
+def test_selection_runs_the_shapes_asked_for(capsys):
+    """``--shapes`` keeps the tables to the shapes named (the split table at one shape here); an unknown name is
+    refused with the known ones, before any work."""
+    from benchmarks.selection import main
+
+    main(["--smoke", "--shapes", "llava-next", "--tables", "split", "--split-images", "2"])
+    out = capsys.readouterr().out
+    assert re.search(r"^ +llava-next$", out, re.M) and "llava-1.5" not in out and "qwen2.5-vl" not in out
+    assert re.search(r"counts equal exact +yes$", out, re.M)
+    with pytest.raises(SystemExit):
+        main(["--shapes", "llava-1.5,llava15"])
+    assert "--shapes: unknown llava15; known: llava-1.5, llava-next, qwen2.5-vl" in capsys.readouterr().err
+
+
 def test_vispruner_tiles_keep_the_loops_picks(monkeypatch):
     """Every block size the GPU script tries keeps the torch loop's picks (here under Triton's interpreter, where its
     times mean nothing): a row per configuration, the default first."""
