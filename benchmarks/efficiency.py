@@ -220,7 +220,8 @@ def measured(args) -> None:
               f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
     for budget, graphs, report, each in splits:  # how PromPrune's certified split decided in the last timed call
         print(f"\npromprune{'+graphs' if graphs else ''} at {budget}: views decided by the bounds per stage "
-              f"{report.decided}, by the exact eigensolve {report.exact}; select ms per timed call: {each}", end="")
+              f"{report.decided}, by the exact eigensolve {report.exact_note}; select ms per timed call: {each}",
+              end="")
     for budget, outcome in paired:
         print_paired(budget, outcome)
     print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); state MiB: "

@@ -97,7 +97,7 @@ def main(argv=None) -> None:
             recorded = "" if stats.get("entropy") is None else f"; entropy recorded {stats['entropy']:.4f}" + (
                 "" if stats.get("entropy_halfwidth") is None else f" +- {stats['entropy_halfwidth']:.1e}")
             print(f"selection {'with' if graphs else 'without'} CUDA graphs: {ms:.2f} ms median of {args.repeats}"
-                  + (f"; split decided per stage {report.decided}, exact {report.exact}" if report else "")
+                  + (f"; split decided per stage {report.decided}, exact {report.exact_note}" if report else "")
                   + recorded)
     seen["profile"] = [None]
     with accel.entropy(args.entropy):

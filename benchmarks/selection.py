@@ -139,7 +139,7 @@ def time_near_mu(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) ->
     ms = time_method("promprune", x, s, budget, repeats, mu=mu)
     report = certified.LAST_REPORT[0] if certified.applies(min(x.shape[1], x.shape[2]), x) and \
         certified.LAST_REPORT else None
-    return ms, (f"stages {report.decided}, exact {report.exact}" if report else "exact entropy")
+    return ms, (f"stages {report.decided}, exact {report.exact_note}" if report else "exact entropy")
 
 
 # Offsets (normalized H) tried by ``boundary_mu``, largest first: halving from 1e-3 to ~1e-10

@@ -118,6 +118,11 @@ class SplitReport:
     costly: int = 0
     widths: list[float] = field(default_factory=list)
 
+    @property
+    def exact_note(self) -> str:
+        """``exact`` for a benchmark's line, with how many of them a costlier stage sent there, if any."""
+        return f"{self.exact}" + (f" ({self.costly} instead of a costlier stage)" if self.costly else "")
+
 
 LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call
 

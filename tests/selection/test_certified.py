@@ -284,6 +284,7 @@ def test_auto_sends_views_to_the_eigensolve_where_a_later_stage_costs_more(monke
         assert halfwidth.item() > 0
     else:  # undecided at 12: the eigensolve, exact
         assert (report.decided, report.costly, report.exact) == ([0, 0], 1, 1)
+        assert report.exact_note == "1 (1 instead of a costlier stage)"  # the benchmarks' line
         assert halfwidth.item() == 0 and abs(entropy.item() - h) < 1e-5
 
 
