@@ -436,7 +436,9 @@ def bracket_pays(n: int, device: torch.device | str) -> bool:
     products at the device's measured rate, ``accel.float64_tflops``) ``stage_pays``. On an H100 / H200 (~50
     TFLOP/s) at every size of the paper's models (n = 1296: 0.52 ms against 13.9); where float64 runs at 1/64 of
     float32's rate (A40, the paper's GPU: ~0.58 TFLOP/s) at none of them (n = 576: 3.95 ms against half of 5.46);
-    at 1 TFLOP/s (an H800) up to n = 633."""
+    at 1 TFLOP/s (an H800) up to n = 633. Priced at the lead's steps: a call replayed as CUDA graphs below
+    `LEAD_FROM` opens with `STEPS`' first 12 instead (``schedule``), where the rule is optimistic by that factor
+    (graphs are off by default)."""
     return stage_pays(LEAD, n, accel.float64_tflops(device))
 
 
