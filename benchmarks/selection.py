@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                     "decision table (0: leave it out)")
     ap.add_argument("--tables", default="timing,costs,split", help="which tables to print (comma-separated): timing "
                     "(every method timed), costs (the cost model), split (the certified split's decisions), "
-                    "schedules (Lanczos steps each stage schedule would run; not by default), traffic (VisPruner's "
+                    "schedules (Lanczos steps each stage schedule would run; not by default), routes (the split's "
+                    "projected device ms by route and float64 rate; not by default), traffic (VisPruner's "
                     "kernel: what it loads of the similarity, modeled from the shapes; not by default), bounds (the "
                     "host's ms at the end of a split stage, by views and Lanczos steps; not by default)")
     ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
         print_split_decisions(shapes, args.split_images, args.device)
     if "schedules" in tables and args.split_images:
         print_schedules(shapes, args.split_images, args.device)
+    if "routes" in tables and args.split_images:
+        print_routes(shapes, args.split_images, args.device)
     if "traffic" in tables:
         print_vispruner_traffic(shapes)
     if "bounds" in tables:
@@ -681,17 +684,14 @@ SCHEDULES = ((16, 48), (12, 24, 48), (16, 24, 48), (12, 20, 32, 48), (12, 24, 32
 PROBE_STEPS = (4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)
 
 
-def print_schedules(shapes, images: int, device: str) -> None:
-    """How many Lanczos steps each stage schedule runs over the split table's images (the same images, mu within +-2
-    tau): for each image the fewest steps (of ``PROBE_STEPS``) whose bracket decides it; a schedule runs an image to
-    the first stage at or above that (all of them when none decides: the exact eigensolve). Steps are what the device
-    pays per view (each one a float64 n x n product); reads are the host's, one per stage a call runs (its sync and
-    bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it, eagerly and replayed as CUDA graphs
-    (``certified.schedule``: a leading stage where the batch's steps cost the device or the host more than a read)."""
-    print(f"Lanczos steps per stage schedule, {images} images per shape, mu within +-2 tau (device={device}):")
-    print(f"{'schedule':<24}" + "".join(f"{shape:>26}" for shape in shapes))
-    needs = {}
-    for _B, N, d, T in shapes.values():
+_NEEDED: dict[tuple, list[int | None]] = {}
+
+
+def steps_needed(N: int, d: int, T: int, images: int, device: str) -> list[int | None]:
+    """For each of the split table's images at a shape (``split_images``), the fewest Lanczos steps of
+    ``PROBE_STEPS`` whose bracket decides it (None: none does; the eigensolve). Computed once per shape and process."""
+    key = (N, d, T, images, device)
+    if key not in _NEEDED:
         matrix, counts, _exact_h = split_images(N, d, T, images, device)
         need = []
         for i, count_of in enumerate(counts):
@@ -704,14 +704,68 @@ def print_schedules(shapes, images: int, device: str) -> None:
                     first = k
                     break
             need.append(first)
-        needs[N] = need
+        _NEEDED[key] = need
+    return _NEEDED[key]
+
+
+# float64 rates (TFLOP/s, spec sheets; the H100's as cuBLAS reached it on 2026-11-26) the routes table prices
+ROUTE_RATES = (("A40", 0.58), ("H800", 1.0), ("L40S", 1.35), ("V100", 7.8), ("A100", 19.5), ("H100", 50.0))
+
+
+def route_ms(need: int | None, n: int, tflops: float, schedule: tuple[int, ...], auto: bool) -> float:
+    """Projected device ms of one view whose bracket first decides at ``need`` steps (None: never) on the bracket
+    route with ``schedule``: its stages' steps at ``tflops`` (``certified.step_ms``) and the eigensolve where no stage
+    decides it; with ``auto`` a stage runs only where it pays (``certified.stage_pays``; the first one deciding the
+    route), else the view goes to the eigensolve there."""
+    done = 0
+    for end in schedule:
+        if auto and not certified.stage_pays(end - done, n, tflops):
+            break
+        done = end
+        if need is not None and need <= end:
+            return done * certified.step_ms(n, tflops)
+    return done * certified.step_ms(n, tflops) + certified.eigensolve_ms(n)
+
+
+def print_routes(shapes, images: int, device: str) -> None:
+    """Projected device ms per view of PromPrune's split by route and float64 rate, over the split table's images
+    (mu within +-2 tau: views near mu, where a calibrated mu puts real images) and for a view far from mu (decided at
+    the lead): the exact eigensolve, the bracket's every stage (``PROMPRUNE_ENTROPY=certified``) and "auto"
+    (``certified.stage_pays``). Host work and launches left out; the eigensolve's cost is the H100's fit. A
+    projection from the steps each image needs, counted here, and spec rates."""
+    print(f"Projected device ms per view of the split by route, {images} images per shape near mu (device={device}; "
+          "eigensolve / every stage / auto, near mu | far from mu):")
+    print(f"{'float64 rate':<20}" + "".join(f"{shape:>36}" for shape in shapes))
+    for gpu, tflops in ROUTE_RATES:
+        cells = ""
+        for B, N, d, T in shapes.values():
+            n, need = min(N, d), steps_needed(N, d, T, images, device)
+            schedule = certified.schedule(B, n)
+            near = [np.mean([route_ms(k, n, tflops, schedule, auto) for k in need]) for auto in (False, True)]
+            far = [route_ms(certified.LEAD, n, tflops, schedule, auto) for auto in (False, True)]
+            cells += (f"{certified.eigensolve_ms(n):>9.2f} / {near[0]:>5.2f} / {near[1]:>5.2f} | {far[0]:>4.2f} / "
+                      f"{far[1]:>4.2f}")
+        print(f"{gpu + f' ({tflops:g})':<20}{cells}")
+    print("(auto far from mu: the bracket's lead where it pays, else the eigensolve)")
+
+
+def print_schedules(shapes, images: int, device: str) -> None:
+    """How many Lanczos steps each stage schedule runs over the split table's images (the same images, mu within +-2
+    tau): for each image the fewest steps (of ``PROBE_STEPS``) whose bracket decides it; a schedule runs an image to
+    the first stage at or above that (all of them when none decides: the exact eigensolve). Steps are what the device
+    pays per view (each one a float64 n x n product); reads are the host's, one per stage a call runs (its sync and
+    bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it, eagerly and replayed as CUDA graphs
+    (``certified.schedule``: a leading stage where the batch's steps cost the device or the host more than a read)."""
+    print(f"Lanczos steps per stage schedule, {images} images per shape, mu within +-2 tau (device={device}):")
+    print(f"{'schedule':<24}" + "".join(f"{shape:>26}" for shape in shapes))
+    needs = {name: steps_needed(N, d, T, images, device) for name, (_B, N, d, T) in shapes.items()}
     for schedule in SCHEDULES:
         cells = ""
-        for _B, N, _d, _T in shapes.values():
+        for name in shapes:
             stage = [next((i for i, st in enumerate(schedule) if k is not None and k <= st), len(schedule) - 1)
-                     for k in needs[N]]  # the stage that decides each image (the last: it goes on to the eigensolve)
+                     for k in needs[name]]  # the stage that decides each image (the last: it goes on to the eigensolve)
             steps, reads = sum(schedule[i] for i in stage), sum(i + 1 for i in stage)
-            exact = sum(k is None or k > schedule[-1] for k in needs[N])
+            exact = sum(k is None or k > schedule[-1] for k in needs[name])
             cells += f"{steps:>5d} steps{reads:>4d} reads{exact:>3d} exact"
         marks = []
         for label, eager in (("eager", True), ("graphs", False)):

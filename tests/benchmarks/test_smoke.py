@@ -126,7 +126,7 @@ def test_selection():
     from promprune.selection import certified
 
     out = run_benchmark("selection.py", "--smoke", "--split-images", "3", "--tables",
-                        "timing,costs,split,schedules,traffic,bounds")
+                        "timing,costs,split,schedules,routes,traffic,bounds")
     ratio = float(figure(out, rf"promprune / divprune, worst shape: ({NUMBER})x at batch 1 \(CPU bar: <= 2.5x\)")[1])
     assert ratio > 0
     paired = figure(out, rf"paired \(x div\) +({NUMBER})x +({NUMBER})x +({NUMBER})x")
@@ -178,12 +178,38 @@ def test_selection():
     assert {k: v[0] for k, v in marks.items()} == {(certified.LEAD, *certified.STEPS): f"eager: {every}",
                                                     certified.STEPS: f"graphs: {every}"}, marks
     assert all(int(m[2 + 3 * i]) >= int(m[3 + 3 * i]) > 0 for _, m in marks.values() for i in range(3))
+    # the split's projected device ms by route at each float64 rate: at the smoke shapes' small views every stage
+    # pays even at the A40's rate, so auto is the bracket's every stage there, near mu and far
+    routes = re.findall(r"^(\w+) \(([\d.]+)\)" + (rf" +({NUMBER}) / +({NUMBER}) / +({NUMBER}) \| +({NUMBER}) / +"
+                                                  rf"({NUMBER})") * 3 + "$", out, re.M)
+    assert [r[0] for r in routes] == ["A40", "H800", "L40S", "V100", "A100", "H100"], routes
+    for row in routes:
+        cells = [float(v) for v in row[2:]]
+        assert all(cells[5 * i + 1] == cells[5 * i + 2] and cells[5 * i + 3] == cells[5 * i + 4] for i in range(3))
     # VisPruner's modeled traffic: its rounds are the ones the kernel runs at each smoke shape (T // 2 important)
     from benchmarks.selection import SMOKE_SHAPES
     from promprune.selection.baselines import vispruner_round_count
 
     rounds = [int(cell) for cell in figure(out, r"rounds +(\d+) +(\d+) +(\d+)").groups()]
     assert rounds == [vispruner_round_count(N - T // 2, T - T // 2) for _, N, _, T in SMOKE_SHAPES.values()]
+
+
+def test_selection_prices_the_routes_by_hand():
+    """``route_ms`` at LLaVA's 576 tokens (hand-worked: a step 2 * 576^3 / 0.58e9 = 0.659 ms on an A40, 0.0076 ms at
+    50 TFLOP/s; the eigensolve 5.46 ms): a view the lead decides costs 6 steps on the bracket; "auto" on the A40 takes
+    the eigensolve (the lead, 3.95 ms, is more than half of it); one no stage decides pays every stage's 48 steps and
+    the eigensolve."""
+    from benchmarks.selection import route_ms
+
+    schedule = (6, 12, 24, 32, 48)
+    assert route_ms(6, 576, 0.58, schedule, auto=False) == pytest.approx(6 * 0.6591, rel=1e-3)
+    assert route_ms(6, 576, 0.58, schedule, auto=True) == pytest.approx(5.46)
+    assert route_ms(20, 576, 50.0, schedule, auto=True) == pytest.approx(24 * 0.007644, rel=1e-3)
+    assert route_ms(None, 576, 50.0, schedule, auto=False) == pytest.approx(48 * 0.007644 + 5.46, rel=1e-3)
+    # at 1.35 TFLOP/s the 12 steps from 12 to 24 (3.40 ms) cost more than half the eigensolve: a view still open
+    # after 12 goes there
+    assert route_ms(20, 576, 1.35, schedule, auto=True) == pytest.approx(12 * 0.2831 + 5.46, rel=1e-3)
+    assert route_ms(20, 576, 1.35, schedule, auto=False) == pytest.approx(24 * 0.2831, rel=1e-3)
 
 
 def test_selection_runs_the_shapes_asked_for(capsys):
