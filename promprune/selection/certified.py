@@ -99,8 +99,8 @@ EIGENSOLVE_EXPONENT = 1.153
 # leaves undecided pays both. A prior, not a measurement of real images: far from mu every view decides at the lead;
 # of the split table's 48 images of 576 tokens within 2 tau of mu (`python benchmarks/selection.py --tables split
 # --split-images 48`) 6 decide at its 6 steps and 18 of the other 42 by 12; of Table 6's five views on the H200
-# (2026-11-28) 2 at the lead and 1 at 12.
-# Where float64 runs at full rate (H100: 0.05 ms for the lead at n = 576) every stage runs whatever this is.
+# (2026-11-28) 2 at the lead and 1 at 12. Where float64 runs at full rate (H100: 0.05 ms for the lead at n = 576)
+# every stage runs whatever this is; `--tables routes` prices the routes at six float64 rates over those images.
 STAGE_DECIDES = 0.5
 
 
