@@ -291,7 +291,7 @@ def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int
             parts[unit.item].append(_part(unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
                                           None if entropy is None else float(entropy[u]), offset + u * width, order,
                                           None if sel.cls is None else sel.cls[u][None],
-                                          None if halfwidth is None else float(halfwidth[u])))
+                                          None if halfwidth is None else halfwidth[u]))
         offset += indices.size
     return parts
 
@@ -321,13 +321,13 @@ def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False) 
     order = np.arange(kept.shape[0]) if keep_order else np.argsort(run_pos[kept], kind="stable")
     ents = [p.entropy for p in parts if p.entropy is not None]
     # the mean of values each within its half-width of the exact one is within the mean half-width of the exact mean
-    widths = [p.halfwidth or 0.0 for p in parts if p.entropy is not None]
-    inexact = any(p.halfwidth is not None for p in parts if p.entropy is not None)
+    widths = [p.halfwidth for p in parts if p.entropy is not None]  # None: exact
     cls = torch.cat([p.cls for p in parts]) if parts[0].cls is not None else None
     sel = ItemSelection(kept=torch.from_numpy(kept[order]), merged=None, saliency_count=sum(p.count for p in parts),
                         entropy=sum(ents) / len(ents) if ents else None,
                         salient=torch.from_numpy(np.sort(np.concatenate([p.salient for p in parts]))), cls=cls,
-                        entropy_halfwidth=sum(widths) / len(widths) if inexact else None)
+                        entropy_halfwidth=(sum(w or 0.0 for w in widths) / len(widths)
+                                           if any(w is not None for w in widths) else None))
     return sel, np.concatenate([p.rows for p in parts])[order]
 
 
