@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # run by path: this checkout's packages first, whichever checkout pip installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from pipelines import plugins, preflight
 from pipelines import spec as specs
 from pipelines.recording import tracking

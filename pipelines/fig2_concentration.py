@@ -43,6 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # run by path: this checkout's packages first, whichever checkout pip installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from pipelines import judge as judging
 from pipelines import mlflow_layout, plugins, preflight
 from pipelines import spec as specs

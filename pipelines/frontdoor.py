@@ -125,6 +125,8 @@ def early_problem(argv: list[str]) -> str | None:
     """The refusal decided here, as the full checks word it (``<where>: N problem(s): ...``): the spec file's size,
     a spec that cannot be read (``reading_problems``), a ``--resume`` whose run's driver holds its lock. None when
     none of these (or when this cannot tell: the full checks decide)."""
+    if any(arg == "-h" or (len(arg) > 2 and "--help".startswith(arg)) for arg in argv):
+        return None  # the help is printed whatever the spec (argparse's abbreviations of --help included)
     p = add_spec_args(argparse.ArgumentParser(add_help=False))
     try:
         args, _ = p.parse_known_args(argv)

@@ -25,6 +25,9 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+if __name__ == "__main__":  # run by path: this checkout's packages first, whichever checkout pip installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from pipelines.mlflow_layout import sqlite_path, tracking_uri
 
 PROBE_TIMEOUT_S = 5.0  # one request: a server that is down refuses at once, one that never answers times out

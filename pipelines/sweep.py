@@ -59,6 +59,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 if __name__ == "__main__":
+    # run by path: this checkout's packages first, whichever checkout pip installed (an editable install of another
+    # clone would otherwise run its `pipelines` and `promprune` under this file)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # run as a script: refused in about a second, before the imports below load Ray and torch (10 s and more): a
     # spec file too large to be one or that cannot be read, a --resume whose run's driver is alive
     # (pipelines/frontdoor.py)

@@ -75,3 +75,27 @@ def test_a_script_in_pipelines_does_not_shadow_top_level_packages():
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False"]  # shadowed by the directory entry, then not
+
+
+@pytest.mark.parametrize("script", ["sweep", "evaluate", "report", "fig2_concentration"])
+def test_a_script_run_by_path_imports_its_own_checkout(tmp_path, script):
+    """`python <clone>/pipelines/<script>.py` runs that clone's `pipelines`, even where another checkout's packages
+    come first on the path (an editable install of another clone, here PYTHONPATH naming this one): the script and
+    the package it imports are one checkout's. The clone's package says where it was imported from."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    clone = tmp_path / "clone"
+    shutil.copytree(repo / "pipelines", clone / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
+    (clone / "promprune").symlink_to(repo / "promprune")
+    with open(clone / "pipelines" / "__init__.py", "a") as init:
+        init.write("\n_sys.stderr.write(f'pipelines imported from {__file__}\\n')\n")
+    env = {**os.environ, "PYTHONPATH": str(repo)}  # the other checkout first on the path
+    out = subprocess.run([sys.executable, str(clone / "pipelines" / f"{script}.py"), "--help"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"pipelines imported from {clone / 'pipelines' / '__init__.py'}" in out.stderr
