@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
     import promprune
-    from benchmarks.selection import instruction_for, make_inputs
+    from benchmarks.inputs import instruction_for, make_inputs
 
     ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     ap.add_argument("--method", nargs="+", default=None, help="registered methods (default: all pre-LLM ones)")

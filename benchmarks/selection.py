@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
 import promprune  # noqa: E402
+from benchmarks.inputs import instruction_for, make_inputs  # noqa: E402
 from benchmarks.launches import count, fast_path_on_cpu, project_ms  # noqa: E402
 from promprune.selection import accel, certified  # noqa: E402
 from promprune.selection.budget import split_budget  # noqa: E402
@@ -68,15 +69,6 @@ SHAPES = {  # name: (B, N, d, T)
 SMOKE_SHAPES = {"llava-1.5": (1, 64, 128, 8), "llava-next": (5, 64, 128, 8), "qwen2.5-vl": (1, 144, 112, 16)}
 
 
-def make_inputs(B: int, N: int, d: int, device: str, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    basis = torch.randn(B, 32, d, generator=g)
-    mix = torch.randn(B, N, 32, generator=g)
-    x = mix @ basis + 0.5 * torch.randn(B, N, d, generator=g)
-    return x.to(device, dtype), torch.rand(B, N, generator=g).softmax(dim=1).to(device)
-
-
 def median_ms(fn, arg, repeats: int) -> float:
     """Median ms of ``fn(arg)`` over ``repeats`` calls after one warm-up: CUDA events around each call on a CUDA
     ``arg`` (the device idle before it), wall time otherwise."""
@@ -96,14 +88,6 @@ def median_ms(fn, arg, repeats: int) -> float:
             fn(arg)
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
-
-
-def instruction_for(x: torch.Tensor, seed: int = 0) -> promprune.Instruction:
-    """A question for the methods that weigh tokens by their relevance to it (CDPruner): a random query in the
-    features' own space (the LLM-embedding source), seeded."""
-    g = torch.Generator().manual_seed(seed)
-    query = torch.randn(x.shape[0], x.shape[-1], generator=g).to(x.device, x.dtype)  # [B, d]
-    return promprune.Instruction(query=query, tokens=x, source="llm")
 
 
 def time_method(method: str, x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int, **options) -> float:
