@@ -90,7 +90,7 @@ from pipelines.run import checkpoints
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
-from pipelines.run.state import DriverLock, driver_lock, fingerprint, mark_dead_runs, outbox_dir, resume_command, \
+from pipelines.run.state import DriverLock, driver_lock, fingerprint, outbox_dir, resume_command, \
     resumed_state, save_state, storage_root
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import share
@@ -258,7 +258,8 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
 def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: WorkerPool, regression_threshold,
               command, experiment: str) -> SweepOutcome:
     client = tracking.client()
-    for dead in mark_dead_runs(client, storage, spec.name, keep=None if resume is None else state["experiment"]):
+    keep = None if resume is None else state["experiment"]
+    for dead in tracking.mark_dead_runs(client, storage, spec.name, keep=keep):
         say(f"note: the earlier run {dead} of this sweep died without finishing; its MLflow parent run is "
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}

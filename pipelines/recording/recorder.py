@@ -13,8 +13,8 @@ blocks Tune and loses nothing when the store is down:
 
 A resumed sweep continues the runs its earlier driver made: a run that ended (FINISHED, or KILLED by a scheduler) is
 written again only for what it lacks (its Rel.: a trial that finished before the baseline, its driver killed before
-the baseline did); one left RUNNING, FAILED, or marked KILLED by `pipelines.run.state.mark_dead_runs` is opened again,
-without its `promprune.interrupted` tag."""
+the baseline did); one left RUNNING, FAILED, or marked KILLED by `pipelines.recording.tracking.mark_dead_runs` is
+opened again, without its `promprune.interrupted` tag."""
 from __future__ import annotations
 
 import tempfile

@@ -16,6 +16,7 @@ from typing import Any
 from pipelines import mlflow_layout
 from pipelines.mlflow_layout import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
 from pipelines.recording.view import SweepView, save_sweep_view
+from pipelines.run.state import dead_runs, resume_command
 
 
 def client():
@@ -101,10 +102,34 @@ def iso(seconds: float) -> str:
 
 def reopen(c, run_id: str) -> None:
     """A resumed sweep keeps its parent run: mark it running again, without the `promprune.interrupted` tag that the
-    start of another run of the sweep may have set while its driver was dead (`run.state.mark_dead_runs`)."""
+    start of another run of the sweep may have set while its driver was dead (`mark_dead_runs`)."""
     c.update_run(run_id, status="RUNNING")
     if mlflow_layout.INTERRUPTED in c.get_run(run_id).data.tags:
         c.delete_tag(run_id, mlflow_layout.INTERRUPTED)
+
+
+def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> list[str]:
+    """Parent runs of sweep `name` still RUNNING in MLflow although their driver died (`pipelines.run.state.dead_runs`):
+    mark them, and the trial runs they left RUNNING, KILLED with a tag saying so, so the MLflow UI does not show them
+    as live (a `--resume` of that run opens its unfinished trials' runs again). ``keep``: the experiment being resumed
+    (its runs are continued, not marked). Returns their experiments."""
+    from mlflow.exceptions import MlflowException
+
+    marked = []
+    for experiment, state in dead_runs(storage, name, keep):
+        try:
+            run = client.get_run(state["parent_run_id"])
+        except MlflowException:  # a run deleted from the store, another store: nothing to mark
+            continue
+        if run.info.status == "RUNNING":
+            why = (f"driver pid {state['driver']['pid']} on {state['driver']['host']} died without finishing; "
+                   f"resume with: {resume_command(state)}")
+            children = [r for r in latest_trial_runs(client, run.info.run_id).values() if r.info.status == "RUNNING"]
+            for r in [run, *children]:
+                client.set_tag(r.info.run_id, mlflow_layout.INTERRUPTED, why)
+                finish(client, r.info.run_id, status="KILLED")
+            marked.append(experiment)
+    return marked
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A sweep's state beside Tune's experiments (which MLflow parent run each experiment logs to, the resolved spec,
 the command that started it, the calibrated mu) and `--resume`: find the run, refuse untrusted or changed state,
-mark the runs of drivers that died; and `DriverLock`, one driver per sweep experiment."""
+find the runs whose driver died; and `DriverLock`, one driver per sweep experiment."""
 from __future__ import annotations
 
 import contextlib
@@ -17,11 +17,10 @@ from pathlib import Path
 
 import yaml
 
-from pipelines import mlflow_layout, paths
+from pipelines import paths
 from pipelines import spec as specs
 from pipelines.frontdoor import LOCK_SUFFIX, STATE_DIR, busy_message, local_holder, parse_holder, runs_of
 from pipelines.paths import STORAGE_ENV
-from pipelines.recording import tracking
 
 
 def storage_root(spec: specs.SweepSpec) -> str:
@@ -208,40 +207,25 @@ def _driver_alive(driver: dict | None) -> bool | None:
     return True
 
 
-def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> list[str]:
-    """Parent runs of sweep `name` still RUNNING in MLflow although their driver died (SIGKILL, a lost node): mark
-    them, and the trial runs they left RUNNING, KILLED with a tag saying so, so the MLflow UI does not show them as
-    live (a `--resume` of that run opens its unfinished trials' runs again). ``keep``: the experiment being resumed
-    (its runs are continued, not marked). Returns their experiments."""
-    from mlflow.exceptions import MlflowException
-
-    marked = []
+def dead_runs(storage: str, name: str, keep: str | None = None) -> list[tuple[str, dict]]:
+    """The runs of sweep `name` whose driver on this host died (SIGKILL, a lost node) without finishing and left no
+    writes waiting for the store (an outbox: `--resume` sends them): (experiment, its state), oldest first. ``keep``:
+    the experiment being resumed, left out. A damaged state says nothing about its driver and is left out too.
+    `pipelines.recording.tracking.mark_dead_runs` marks their MLflow runs."""
+    dead = []
     for experiment in _state_names(storage, name):
         if experiment == keep:
             continue
         try:
             state = _read_state(storage, experiment)
-        except specs.SpecError:  # a damaged state: nothing to say about its driver
+        except specs.SpecError:
             continue
         if _driver_alive(state.get("driver")) is not False:
             continue
         if (outbox_dir(storage, experiment) / "outbox.json").is_file():
-            continue  # it ended with its writes kept for a store that did not answer: `--resume` sends them
-        try:
-            run = client.get_run(state["parent_run_id"])
-        except MlflowException:  # a run deleted from the store, another store: nothing to mark
             continue
-        if run.info.status == "RUNNING":
-            why = (f"driver pid {state['driver']['pid']} on {state['driver']['host']} died without finishing; "
-                   f"resume with: {resume_command(state)}")
-            children = [r for r in tracking.latest_trial_runs(client, run.info.run_id).values()
-                        if r.info.status == "RUNNING"]
-            for r in [run, *children]:
-                client.set_tag(r.info.run_id, mlflow_layout.INTERRUPTED, why)
-                tracking.finish(client, r.info.run_id, status="KILLED")
-            marked.append(experiment)
-    return marked
-
+        dead.append((experiment, state))
+    return dead
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -89,13 +89,13 @@ def test_a_dead_drivers_run_is_marked_killed_on_the_next_start(scratch, tmp_path
     alive_parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
     _state_for(spec, storage, "rel-2", alive_parent, driver={"host": socket.gethostname(), "pid": 1})
 
-    assert states.mark_dead_runs(client, str(storage), spec.name) == ["rel-1"]
+    assert tracking.mark_dead_runs(client, str(storage), spec.name) == ["rel-1"]
     run = client.get_run(parent)
     assert run.info.status == "KILLED"
     assert "died without finishing" in run.data.tags[mlflow_layout.INTERRUPTED]
     assert "--resume rel-1" in run.data.tags[mlflow_layout.INTERRUPTED]
     assert client.get_run(alive_parent).info.status == "RUNNING"  # pid 1 is alive: left alone
-    assert states.mark_dead_runs(client, str(storage), spec.name) == []  # once
+    assert tracking.mark_dead_runs(client, str(storage), spec.name) == []  # once
 
 
 def test_state_records_what_resume_needs(scratch, tmp_path):
@@ -185,7 +185,7 @@ def test_a_driver_killed_after_a_trial_finished_resumes_with_every_metric(tmp_pa
         os.kill(first.pid, signal.SIGKILL)  # the driver's pid, not its group: Ray's processes it started live on
         first.wait(timeout=60)
         storage = str(tmp_path / "outputs" / "tune")
-        assert states.mark_dead_runs(c, storage, "killed") != []  # what the next start of the sweep does first
+        assert tracking.mark_dead_runs(c, storage, "killed") != []  # what the next start of the sweep does first
 
         second = spawn_sweep(spec_path, tmp_path, "--resume", ray_address="local")
         out, _ = second.communicate(timeout=400)
