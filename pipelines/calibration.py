@@ -241,4 +241,14 @@ if __name__ == "__main__":
     parser.add_argument("--ship", required=True, metavar="SPEC", help="a sweep spec, e.g. sweeps/quickstart.yaml")
     parser.add_argument("--set", action="append", default=[], dest="overrides", help="spec overrides (key=value)")
     args = parser.parse_args()
-    print(f"{SHIPPED}: {ship(args.ship, args.overrides)}")
+    import sys
+
+    from pipelines import spec as specs
+    from pipelines.frontdoor import EXIT_BAD_INPUT
+
+    try:
+        shipped = ship(args.ship, args.overrides)
+    except specs.SpecError as exc:  # a spec that cannot be read or is wrong: said in its paragraph, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    print(f"{SHIPPED}: {shipped}")

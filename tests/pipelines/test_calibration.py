@@ -158,3 +158,23 @@ def test_weights_that_cannot_be_named_are_always_measured(monkeypatch, tmp_path)
     monkeypatch.delenv(zoo.RETRAIN_ENV)
     monkeypatch.setenv(zoo.WEIGHTS_ENV, str(tmp_path))
     assert calibration.weights_identity("testbed:llava") is None
+
+
+def test_shipping_a_spec_that_cannot_be_read_is_one_paragraph(tmp_path):
+    """``python -m pipelines.calibration --ship`` with a missing or broken spec: the loader's own words, exit 2, no
+    traceback, nothing written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: t\ngrid: {method: [promprune\n")
+    before = calibration.SHIPPED.read_bytes()
+    for path in (tmp_path / "missing.yaml", broken):
+        out = subprocess.run([sys.executable, "-m", "pipelines.calibration", "--ship", str(path)], cwd=repo,
+                             capture_output=True, text=True, timeout=120)
+        with pytest.raises(specs.SpecError) as raised:
+            specs.load(str(path))
+        assert (out.returncode, out.stderr.strip()) == (2, f"error: {raised.value}")
+    assert calibration.SHIPPED.read_bytes() == before
