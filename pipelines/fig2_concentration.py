@@ -100,14 +100,17 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 
 def setup(args: argparse.Namespace):
-    """(spec, judge, budget), or raises SpecError listing every problem found; nothing is loaded."""
+    """(spec, judge, budget), or raises SpecError listing every problem found, the judge's with the spec's; nothing
+    is loaded."""
     try:
-        judge = judging.ConcentrationJudge.from_env(model=args.judge_model, base_url=args.judge_base_url)
+        judge, problems = judging.ConcentrationJudge.from_env(model=args.judge_model, base_url=args.judge_base_url), []
     except judging.JudgeError as exc:
-        raise specs.SpecError([str(exc)], "judge") from None
-    spec = specs.load(args.config, overrides(args))
+        judge, problems = None, [f"judge: {exc}"]
+    try:
+        spec = specs.load(args.config, overrides(args))
+    except specs.SpecError as exc:
+        raise specs.SpecError(problems + exc.errors, args.config) from None
     plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
-    problems = []
     if not spec.limit or spec.limit < 1:
         problems.append("limit: images per task; must be a positive int (the paper: 100)")
     budget, note = pick_budget(spec)

@@ -217,12 +217,12 @@ def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
         manager = _indexed(paths, True, extra)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        import difflib
+        from promprune.suggest import closest
 
-        hints = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
+        hints = [f"{close!r} for {t!r}" for t, close in ((t, closest(t, manager.all_tasks)) for t in unknown) if close]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         where = f" Task directories searched besides lmms-eval's own: {extra}." if extra else ""
-        raise ValueError(f"unknown lmms-eval task(s) {unknown}; did you mean {hints}? "
-                         f"Offline tasks: {list(OFFLINE_TASKS)}.{where}")
+        raise ValueError(f"unknown lmms-eval task(s) {unknown}{hint}. Offline tasks: {list(OFFLINE_TASKS)}.{where}")
     return manager
 
 

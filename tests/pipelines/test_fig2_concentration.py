@@ -77,6 +77,16 @@ def test_a_missing_key_fails_before_anything_loads(cli, monkeypatch):
     assert_clean_error(cli(), "AZURE_API_KEY is not set")
 
 
+def test_the_judges_problem_comes_with_the_specs(cli, monkeypatch):
+    """No key and a spec that does not load (no images asked for), or no key and a task that does not exist: both in
+    one refusal (the key's problem alone came first)."""
+    monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    for args, needle in ((("--n", "0"), "limit: expected an int >= 1 or null, got 0"),
+                         (("--tasks", "easyvqa_yesnoo"), "tasks: unknown lmms-eval task(s) ['easyvqa_yesnoo']")):
+        proc = cli(*args)
+        assert_clean_error(proc, "2 problem(s)", "  - judge: ", "OPENAI_API_KEY is not set", f"  - {needle}")
+
+
 def test_a_refused_key_fails_before_the_model_loads(cli, store, monkeypatch):  # noqa: F811
     monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     with FakeOpenAI(key="right") as server:

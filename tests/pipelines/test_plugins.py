@@ -281,7 +281,11 @@ def test_preflight_looks_for_tasks_in_the_include_path(tmp_path):
     own_task(tmp_path / "mine", "own_task_c")
     assert preflight.check_tasks(["own_task_c"], 2, [str(tmp_path / "mine")]) == []
     problems = preflight.check_tasks(["own_task_cc"], 2, [str(tmp_path / "mine")])
-    assert "unknown lmms-eval task(s) ['own_task_cc']" in problems[0] and "own_task_c" in problems[0]
+    assert problems[0].startswith("tasks: unknown lmms-eval task(s) ['own_task_cc'] (did you mean 'own_task_c' for "
+                                  "'own_task_cc'?). Offline tasks: [")
+    # a name close to none: no guess is offered (it read "did you mean {'zzqx_plain_nothing': []}?")
+    (problem,) = preflight.check_tasks(["zzqx_plain_nothing"], 2, [str(tmp_path / "mine")])
+    assert problem.startswith("tasks: unknown lmms-eval task(s) ['zzqx_plain_nothing']. Offline tasks: [")
     assert preflight.check_tasks(["own_task_c"], 2, [str(tmp_path / "nope")]) == [
         f"include_path: {tmp_path / 'nope'} is not a directory (relative paths in a spec are from its directory)"]
 
