@@ -503,7 +503,8 @@ def _check_finite(named: dict[str, torch.Tensor]) -> bool:
         bad = ~torch.isfinite(t).flatten(1).all(dim=1)
         if bool(bad.any()):
             kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-            raise ValueError(f"{name} contain {kind} values (batch items {bad.nonzero().flatten().tolist()})")
+            verb = "contain" if name.endswith(("features", "keys", "tokens")) else "contains"  # saliency contains
+            raise ValueError(f"{name} {verb} {kind} values (batch items {bad.nonzero().flatten().tolist()})")
     top = torch.finfo(torch.float32).max
     for name, t in named.items():  # finite, but huge: a token whose norm itself passes float32's range
         if t.dtype != torch.float64 and t.dim() >= 2:

@@ -96,6 +96,10 @@ def test_errors_name_the_problem():
     bad[1, 3, 0] = float("inf")
     with pytest.raises(ValueError, match="features contain Inf"):
         select(bad, s, budget=8)
+    odd = s.clone()
+    odd[2, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^saliency contains NaN values \(batch items \[2\]\)$"):
+        select(x, odd, budget=8)
     huge = x.double().clone()
     huge[0] = 1e308  # finite, but any sum of them overflows: the check goes the long way and passes
     assert select(huge, s, budget=8, method="saliency_only").indices.shape == (3, 8)
