@@ -55,6 +55,36 @@ def disabled():
         _STATE["on"] = before
 
 
+# The matrix-product backends whose float32 products a process may have set to run at reduced precision (TF32 on
+# NVIDIA GPUs: `torch.backends.cuda.matmul.allow_tf32 = True`, `torch.set_float32_matmul_precision("high")`, common in
+# training scripts; oneDNN's bf16 or TF32 on the CPU), as ``torch.backends`` names them.
+REDUCED_FLOAT32 = ("cuda", "mkldnn")
+
+
+@contextmanager
+def full_float32():
+    """The block's float32 matrix products at full (IEEE) precision, whatever the process set, then its setting back.
+
+    TF32 keeps 10 of float32's 23 mantissa bits: a Gram of TF32 products moves cosines by ~1e-3 and the spectral
+    entropy by ~1e-4, enough to change the greedy methods' near-tie picks and PromPrune's count near a boundary, so
+    the same call would keep other tokens in a process that turned TF32 on. Read and set through each backend's own
+    ``fp32_precision`` (torch >= 2.9): the effective setting, whichever API the process used, and only where it is
+    reduced, so a process that never asked for TF32 is not touched and one that did reads its setting back as it
+    wrote it (the legacy ``allow_tf32`` and ``get_float32_matmul_precision`` included)."""
+    changed = []
+    for name in REDUCED_FLOAT32:
+        matmul = getattr(getattr(torch.backends, name, None), "matmul", None)
+        before = getattr(matmul, "fp32_precision", None)
+        if before not in (None, "none", "ieee"):
+            matmul.fp32_precision = "ieee"
+            changed.append((matmul, before))
+    try:
+        yield
+    finally:
+        for matmul, before in changed:
+            matmul.fp32_precision = before
+
+
 @cache
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch grids and block counts on the host: plain integers. Triton's own ``triton.cdiv`` and

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ..dtypes import upcast
+from . import accel
 from .kernels import ENTROPY_EPS, exactly_symmetric, token_norms, unit_tokens
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
@@ -83,10 +84,12 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
     N <= d, else d x d) are clamped at 1e-12 and read as a distribution; its entropy is divided by
     ``log(min(N, d))``. mu = 0.42 (CLIP) was calibrated on exactly this quantity. PromPrune's split reads it through
     certified bounds on the GPU where they cost less than this eigensolve (``promprune.selection.certified``), with
-    the same decisions.
+    the same decisions. The Gram's float32 products run at full precision where the process turned TF32 on
+    (``accel.full_float32``).
     """
     _batched(features, 3, "[B, N, d]", "spectral_entropy")
-    return entropy_of_matrix(spectral_matrix(features))
+    with accel.full_float32():
+        return entropy_of_matrix(spectral_matrix(features))
 
 
 def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:

@@ -554,8 +554,9 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     huge = False if checked else _check_finite(checked_inputs(x, s, seen, text))
     tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
                       source=features, keys=_validate_keys(keys, x.shape[0]))
-    # features whose squares overflow float32: the plain path, whose norms do not overflow (``kernels.token_norms``)
-    with accel.disabled() if huge else contextlib.nullcontext():
+    # features whose squares overflow float32: the plain path, whose norms do not overflow (``kernels.token_norms``);
+    # float32 products at full precision where the process turned TF32 on (``accel.full_float32``)
+    with accel.disabled() if huge else contextlib.nullcontext(), accel.full_float32():
         sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)

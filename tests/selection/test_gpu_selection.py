@@ -119,3 +119,22 @@ def test_cuda_fixed_split_can_be_captured_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, _fast("fixed_ratio", x2, s2, T))
+
+
+@pytest.mark.parametrize("method,options", METHODS, ids=lambda v: str(v))
+def test_cuda_tf32_turned_on_by_the_process_changes_no_pick(method, options):
+    """A process that turned TF32 on (``torch.backends.cuda.matmul.allow_tf32 = True``, common in training scripts)
+    keeps the same tokens on float32 features: the selection's products run at full precision
+    (``accel.full_float32``); with TF32 the Gram's cosines move by ~1e-3."""
+    B, N, d, T = SHAPES["llava-next"]
+    x, s = make_inputs(B, N, d, "cuda")
+    kw = {"budget": T, "method": method, **options}
+    reference = promprune.select(x, s, **kw)
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_tf32 = True
+    try:
+        picked = promprune.select(x, s, **kw)
+        assert matmul.allow_tf32  # the process's setting, read back as it wrote it
+    finally:
+        matmul.allow_tf32 = False
+    assert torch.equal(picked.indices, reference.indices) and torch.equal(picked.salient, reference.salient)

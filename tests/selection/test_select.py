@@ -194,3 +194,53 @@ def test_the_kernels_are_symmetric_bit_for_bit_where_the_blas_product_is_not():
     assert cosine == vision == 0
     if raw == 0:
         pytest.skip("this CPU's BLAS gives a symmetric product here: nothing for the symmetrization to show")
+
+
+PRECISION_PROBE = """
+import sys, torch, promprune
+from promprune.selection import entropy, registry
+cuda, dnn = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+how = sys.argv[1]
+if how == "legacy":
+    cuda.allow_tf32 = True
+elif how == "global":
+    torch.set_float32_matmul_precision("high")
+elif how == "backend":
+    cuda.fp32_precision, dnn.fp32_precision = "tf32", "bf16"
+seen = []
+@promprune.register_method("t_probe", needs_saliency=True)
+def probe(tokens, budget):
+    seen.append((cuda.fp32_precision, dnn.fp32_precision))
+    return registry.method_spec("saliency_only").fn(tokens, budget)
+exact = entropy.entropy_of_matrix
+def recording(mat):
+    seen.append((cuda.fp32_precision, dnn.fp32_precision))
+    return exact(mat)
+entropy.entropy_of_matrix = recording
+x = torch.randn(2, 16, 8)
+promprune.select(x, torch.rand(2, 16), budget=4, method="t_probe")
+entropy.spectral_entropy(x)
+after = [cuda.fp32_precision, dnn.fp32_precision]
+if how in ("legacy", "global"):  # the process's own API reads its setting back, no mix of APIs refused
+    after += [cuda.allow_tf32, torch.get_float32_matmul_precision()]
+print(seen, after)
+"""
+
+
+@pytest.mark.parametrize("how,inside,after", [
+    ("none", ("none", "none"), ["none", "none"]),  # never asked for TF32: not touched
+    ("legacy", ("ieee", "none"), ["tf32", "none", True, "high"]),
+    ("global", ("ieee", "ieee"), ["tf32", "tf32", True, "high"]),  # torch's global precision reaches oneDNN too
+    ("backend", ("ieee", "ieee"), ["tf32", "bf16"]),
+])
+def test_float32_products_run_at_full_precision_whatever_the_process_set(how, inside, after):
+    """A process that turned TF32 on (torch's legacy flag, its global precision, or each backend's own setting, and
+    oneDNN's bf16 on the CPU): ``select``'s method and ``spectral_entropy``'s eigensolve run with IEEE float32
+    products, and the process reads its setting back afterwards as it wrote it. In a child process: torch refuses
+    some reads once the APIs have been mixed, which would reach the other tests of this worker."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PRECISION_PROBE, how], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{[inside, inside]} {after}"
