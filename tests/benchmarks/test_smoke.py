@@ -366,6 +366,17 @@ def test_spectrum():
     assert all(float(cell) >= 0 for r in rows for cell in r[1:])
 
 
+def test_tf32_picks():
+    """TF32 emulated on the CPU: with ``accel.full_float32`` no method keeps another token; without it VisPruner's
+    near-duplicate ranking already moves at the smoke size (the script's bypass of the guard is real)."""
+    out = run_benchmark("tf32_picks.py", "--smoke")
+    rows = {row[0]: row[1:] for row in table_rows(out, r"(?!method$)[a-z_]+")}
+    cells = [[int(v) for v in cell.split(" / ")] for row in rows.values() for cell in row]
+    assert len(rows) >= 10 and all(guarded == 0 for _, guarded, _ in cells)
+    assert sum(int(cell.split(" / ")[0]) for cell in rows["vispruner"]) > 0
+    assert figure(out, r"with the guard, most tokens changed in one cell: (\d+)")[1] == "0"
+
+
 def test_sweep_cost_prints_results_figure():
     """The whole Table 1 spec (FLOPs are arithmetic, so the smoke is the real command): its last line is the one
     RESULTS.md quotes, to the digit."""
