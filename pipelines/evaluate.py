@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # run by path: this checkout's packages first, whichever checkout pip installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "pyproject.toml").is_file():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: its packages first
 
 from pipelines import plugins, preflight
 from pipelines import spec as specs

@@ -59,9 +59,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 if __name__ == "__main__":
-    # run by path: this checkout's packages first, whichever checkout pip installed (an editable install of another
-    # clone would otherwise run its `pipelines` and `promprune` under this file)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # run from a checkout: its packages first, whichever checkout pip installed (an editable install of another clone
+    # would otherwise run its `pipelines` and `promprune` under this file); not from site-packages, which would then
+    # come before the standard library
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(_root, "pyproject.toml")):
+        sys.path.insert(0, _root)
     # run as a script: refused in about a second, before the imports below load Ray and torch (10 s and more): a
     # spec file too large to be one or that cannot be read, a --resume whose run's driver is alive
     # (pipelines/frontdoor.py)

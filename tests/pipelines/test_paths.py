@@ -81,7 +81,8 @@ def test_a_script_in_pipelines_does_not_shadow_top_level_packages():
 def test_a_script_run_by_path_imports_its_own_checkout(tmp_path, script):
     """`python <clone>/pipelines/<script>.py` runs that clone's `pipelines`, even where another checkout's packages
     come first on the path (an editable install of another clone, here PYTHONPATH naming this one): the script and
-    the package it imports are one checkout's. The clone's package says where it was imported from."""
+    the package it imports are one checkout's. The clone's package says where it was imported from. A folder
+    without pyproject.toml is no checkout (site-packages of a plain install): it is not put first."""
     import os
     import shutil
     import subprocess
@@ -92,10 +93,15 @@ def test_a_script_run_by_path_imports_its_own_checkout(tmp_path, script):
     clone = tmp_path / "clone"
     shutil.copytree(repo / "pipelines", clone / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
     (clone / "promprune").symlink_to(repo / "promprune")
+    shutil.copy(repo / "pyproject.toml", clone / "pyproject.toml")
     with open(clone / "pipelines" / "__init__.py", "a") as init:
         init.write("\n_sys.stderr.write(f'pipelines imported from {__file__}\\n')\n")
     env = {**os.environ, "PYTHONPATH": str(repo)}  # the other checkout first on the path
-    out = subprocess.run([sys.executable, str(clone / "pipelines" / f"{script}.py"), "--help"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert f"pipelines imported from {clone / 'pipelines' / '__init__.py'}" in out.stderr
+    said = f"pipelines imported from {clone / 'pipelines' / '__init__.py'}"
+    for checkout in (True, False):
+        if not checkout:
+            (clone / "pyproject.toml").unlink()
+        out = subprocess.run([sys.executable, str(clone / "pipelines" / f"{script}.py"), "--help"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert (said in out.stderr) == checkout, out.stderr
