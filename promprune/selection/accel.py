@@ -66,7 +66,7 @@ def full_float32():
     """The block's float32 matrix products at full (IEEE) precision, whatever the process set, then its setting back.
 
     TF32 keeps 10 of float32's 23 mantissa bits: it moves the unit Gram's cosines by up to ~5e-5, enough to change
-    near-tie picks (VisPruner's near-duplicate ranking most: about half its diverse tokens, emulated on the CPU by
+    near-tie picks (VisPruner's near-duplicate ranking most: 85-92% of its diverse tokens, emulated on the CPU by
     ``benchmarks/tf32_picks.py``), so the same call would keep other tokens in a process that turned TF32 on. Read
     and set through each backend's own ``fp32_precision`` (torch >= 2.9): the effective setting, whichever API the
     process used, and only where it is reduced, so a process that never asked for TF32 is not touched and one that
