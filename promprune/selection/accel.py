@@ -59,6 +59,8 @@ def disabled():
 # NVIDIA GPUs: `torch.backends.cuda.matmul.allow_tf32 = True`, `torch.set_float32_matmul_precision("high")`, common in
 # training scripts; oneDNN's bf16 or TF32 on the CPU), as ``torch.backends`` names them.
 REDUCED_FLOAT32 = ("cuda", "mkldnn")
+_MATMULS = tuple(m for m in (getattr(getattr(torch.backends, name, None), "matmul", None) for name in REDUCED_FLOAT32)
+                 if hasattr(m, "fp32_precision"))  # looked up once: a select's host time counts at batch 1
 
 
 @contextmanager
@@ -73,10 +75,9 @@ def full_float32():
     did reads its setting back as it wrote it (the legacy ``allow_tf32`` and ``get_float32_matmul_precision``
     included)."""
     changed = []
-    for name in REDUCED_FLOAT32:
-        matmul = getattr(getattr(torch.backends, name, None), "matmul", None)
-        before = getattr(matmul, "fp32_precision", None)
-        if before not in (None, "none", "ieee"):
+    for matmul in _MATMULS:
+        before = matmul.fp32_precision
+        if before not in ("none", "ieee"):
             matmul.fp32_precision = "ieee"
             changed.append((matmul, before))
     try:
