@@ -241,7 +241,6 @@ def test_a_spec_that_cannot_be_read_is_refused_before_ray_and_torch(scratch, tmp
         assert not {"torch", "ray"} & imported
 
 
-
 @pytest.mark.parametrize("flag", ["--help", "--he", "-h"])
 def test_help_is_printed_whatever_the_spec(tmp_path, flag):
     """``--help`` prints the command line's help and exits 0, also where the default spec cannot be read (run from
@@ -256,6 +255,7 @@ def test_help_is_printed_whatever_the_spec(tmp_path, flag):
                               capture_output=True, text=True, cwd=tmp_path, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("usage: sweep.py") and "--regression-threshold" in proc.stdout
+
 
 SHIPPED = sorted((Path(__file__).resolve().parents[2] / "sweeps").glob("*.yaml"))
 

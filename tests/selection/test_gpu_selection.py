@@ -125,7 +125,7 @@ def test_cuda_fixed_split_can_be_captured_in_a_graph():
 def test_cuda_tf32_turned_on_by_the_process_changes_no_pick(method, options):
     """A process that turned TF32 on (``torch.backends.cuda.matmul.allow_tf32 = True``, common in training scripts)
     keeps the same tokens on float32 features: the selection's products run at full precision
-    (``accel.full_float32``); with TF32 the Gram's cosines move by ~1e-3."""
+    (``accel.full_float32``); TF32 would move the Gram's cosines by up to ~5e-5 (``benchmarks/tf32_picks.py``)."""
     B, N, d, T = SHAPES["llava-next"]
     x, s = make_inputs(B, N, d, "cuda")
     kw = {"budget": T, "method": method, **options}
