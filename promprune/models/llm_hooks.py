@@ -54,6 +54,7 @@ from types import SimpleNamespace
 import torch
 
 import promprune
+from promprune.selection import accel
 from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
 from .registry import find_family
@@ -626,10 +627,11 @@ class InLLMPruner:
             if not self.prefill:
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            if stage.kind == "dart":
-                stage.keys = self._key_norms(attn, hidden, kwargs["position_embeddings"])
-            else:
-                stage.scores = self._received(attn, hidden, kwargs["position_embeddings"], stage.queries)
+            with accel.full_float32():  # the scores' float32 products at full precision, as in select
+                if stage.kind == "dart":
+                    stage.keys = self._key_norms(attn, hidden, kwargs["position_embeddings"])
+                else:
+                    stage.scores = self._received(attn, hidden, kwargs["position_embeddings"], stage.queries)
             return None
         return hook
 
@@ -679,12 +681,13 @@ class InLLMPruner:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             if self.prefill:
                 if stage is not None:
-                    if stage.kind == "pdrop":  # on the layer's own device (a model spread over GPUs)
-                        dev = layer.input_layernorm.weight.device
-                        normed = layer.input_layernorm(hidden.to(dev))
-                        rope = tuple(t.to(dev) for t in self._rope(kwargs, hidden, idx))
-                        stage.scores = self._received(layer.self_attn, normed, rope, "last")
-                    hidden = self._prune(stage, hidden.to(self.keep.device))
+                    with accel.full_float32():  # the ranking's float32 products at full precision, as in select
+                        if stage.kind == "pdrop":  # on the layer's own device (a model spread over GPUs)
+                            dev = layer.input_layernorm.weight.device
+                            normed = layer.input_layernorm(hidden.to(dev))
+                            rope = tuple(t.to(dev) for t in self._rope(kwargs, hidden, idx))
+                            stage.scores = self._received(layer.self_attn, normed, rope, "last")
+                        hidden = self._prune(stage, hidden.to(self.keep.device))
                 self.layer_cols[idx] = (self.keep, self.alive, self._gone().sum(1))
                 kwargs = self._prefill_kwargs(kwargs, hidden, idx)
                 if self.recurrent is not None:  # dead columns zero: a linear layer masks by multiplying (NaN * 0)

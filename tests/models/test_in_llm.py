@@ -219,3 +219,39 @@ def test_an_llm_forward_without_a_known_cache_argument_is_refused_at_once(images
         pruner.__enter__()
     assert not pruner.handles
     PrunedVLM(model, processor, method="divprune", budget=BUDGET)  # pre-LLM methods do not hook the LLM
+
+
+IN_LLM_PRECISION_PROBE = """
+import sys, torch
+from PIL import Image
+from promprune.models import PrunedVLM, llm_hooks
+torch.backends.cuda.matmul.allow_tf32 = True  # the process asks for TF32
+seen = []
+def watch(name):
+    static = isinstance(llm_hooks.InLLMPruner.__dict__[name], staticmethod)
+    original = getattr(llm_hooks.InLLMPruner, name)
+    def wrapped(*args, **kwargs):
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        return original(*args, **kwargs)
+    setattr(llm_hooks.InLLMPruner, name, staticmethod(wrapped) if static else wrapped)
+for name in ("_received", "_key_norms", "_prune"):
+    watch(name)
+vlm = PrunedVLM.from_pretrained("tiny:llava", method=sys.argv[1], budget=4)
+vlm.generate([Image.new("RGB", (64, 48), (90, 30, 10))], ["What is it?"], max_new_tokens=2)
+print(sorted(set(seen)), len(seen) > 0, torch.backends.cuda.matmul.allow_tf32)
+"""
+
+
+@pytest.mark.parametrize("method", ["fastv", "sparsevlm", "pyramiddrop", "dart"])
+def test_in_llm_scores_run_at_full_precision_where_the_process_turned_tf32_on(method):
+    """The in-LLM methods' own float32 products (FastV / SparseVLM / PyramidDrop's attention recomputed in float32,
+    DART's key norms and similarities) run at full precision in a process that asked for TF32, as ``select``'s do
+    (``accel.full_float32``); the process reads its setting back afterwards. In a child process (torch's precision
+    APIs, once mixed, refuse some reads)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", IN_LLM_PRECISION_PROBE, method], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['ieee'] True True"
