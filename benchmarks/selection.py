@@ -261,10 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
-        unknown = sorted(set(args.shapes.split(",")) - set(shapes))
+        named = args.shapes.split(",")
+        unknown = sorted(set(named) - set(shapes))
         if unknown:
             ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(shapes)}")
-        shapes = {name: shape for name, shape in shapes.items() if name in args.shapes.split(",")}
+        shapes = {name: shape for name, shape in shapes.items() if name in named}
     if "timing" in tables:
         for batch in args.batch:
             run_batch(args, batch, shapes)

@@ -102,10 +102,11 @@ def overrides(args: argparse.Namespace) -> list[str]:
 def setup(args: argparse.Namespace):
     """(spec, judge, budget), or raises SpecError listing every problem found, the judge's with the spec's; nothing
     is loaded."""
+    judge, problems = None, []
     try:
-        judge, problems = judging.ConcentrationJudge.from_env(model=args.judge_model, base_url=args.judge_base_url), []
+        judge = judging.ConcentrationJudge.from_env(model=args.judge_model, base_url=args.judge_base_url)
     except judging.JudgeError as exc:
-        judge, problems = None, [f"judge: {exc}"]
+        problems.append(f"judge: {exc}")
     try:
         spec = specs.load(args.config, overrides(args))
     except specs.SpecError as exc:
