@@ -21,7 +21,8 @@ The invariants (``CHECKS``, each a function of a :class:`Case`), all through ``p
 - ``dtype_and_device``: float16 / bfloat16 features select what their float32 upcast selects and merged features
   come back in the input's dtype; outputs stay on the input's device; on a CUDA machine the GPU selects what the
   CPU selects.
-- ``degenerate_tokens``: all-zero and duplicated tokens still give T distinct tokens and finite outputs.
+- ``degenerate_tokens``: all-zero and duplicated tokens, and images of one token repeated or of zeros only, still
+  give T distinct tokens and finite outputs.
 - ``saliency_when_declared``: a method that does not declare ``needs_saliency`` runs without saliency scores and
   its selection does not depend on them (the model adapters pass saliency only to methods that declare it).
 
@@ -204,13 +205,15 @@ def cuda_matches_cpu(case: Case) -> None:
 
 @_check
 def degenerate_tokens(case: Case) -> None:
-    x, s = inputs(B=2, N=20)
-    x[:, :5] = 0.0  # padding-like tokens
-    x[:, 5:10] = x[:, 10:11]  # exact duplicates
+    x, s = inputs(B=4, N=20)
+    x[:2, :5] = 0.0  # padding-like tokens
+    x[:2, 5:10] = x[:2, 10:11]  # exact duplicates
+    x[2] = x[2, :1]  # one token repeated: every token the same
+    x[3] = 0.0  # no token at all
     sel = case.select(x, s, 15)
     for b, row in enumerate(sel.indices.tolist()):
-        _expect(len(set(row)) == 15, f"zero and duplicate tokens: image {b} keeps {len(set(row))} distinct tokens of "
-                                     "15")
+        _expect(len(set(row)) == 15 and all(0 <= i < 20 for i in row),
+                f"zero and duplicate tokens: image {b} keeps {row}, not 15 distinct tokens of 20")
     for name in ("features", "entropy"):
         t = getattr(sel, name)
         _expect(t is None or bool(torch.isfinite(t).all()), f"zero and duplicate tokens: {name} not finite")

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import accel, graphed
-from .entropy import centered_gram, entropy_of_matrix
+from .entropy import centered_gram, entropy_of_matrix, noise_trace
 from .kernels import start_basis
 
 # Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
@@ -263,9 +263,13 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tenso
 
 
 def density(matrix: torch.Tensor) -> torch.Tensor:
-    """``rho = C / tr(C)`` in float64 for the symmetric PSD ``matrix [B, n, n]`` whose spectrum the entropy reads."""
+    """``rho = C / tr(C)`` in float64 for the symmetric PSD ``matrix [B, n, n]`` whose spectrum the entropy reads; NaN
+    for a ``C`` that is rounding noise (``entropy.degenerate``: its trace at most ``noise_trace``), which ``bounds``
+    refuses, so such rows reach the exact path's rule."""
     c = matrix.double()
-    return c / c.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(torch.finfo(c.dtype).tiny)[:, None, None]
+    trace = c.diagonal(dim1=1, dim2=2).sum(-1)
+    trace = torch.where(trace > noise_trace(c.shape[-1], matrix.dtype), trace, math.nan)
+    return c / trace[:, None, None]
 
 
 def _f(x: np.ndarray) -> np.ndarray:

@@ -16,6 +16,26 @@ from .kernels import ENTROPY_EPS, exactly_symmetric, token_norms, unit_tokens
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
 EIGEN_FLOOR = 1e-12
+# Tokens that coincide up to rounding (the same token repeated, all-zero tokens): their spectral matrix is zero in exact
+# arithmetic, where the reference's clamp makes every eigenvalue 1e-12 and H = 1; computed, it is rounding noise (a
+# trace of up to ~3 float32 ulps a token measured, 2026-11-29) whose eigenvalues are anything, NaN, or a LAPACK failure.
+# A matrix whose trace (the tokens' total variance, summed in float64) is at most this many ulps of its dtype per row
+# is taken as zero: H = 1, the same on every device (``degenerate``; the certified split refuses such rows, so they
+# reach the same rule). Real tokens lie orders of magnitude above it (64 float32 ulps a token: an RMS angle of 2.8e-3
+# between the tokens and their mean).
+NOISE_ULPS = 64
+
+
+def noise_trace(n: int, dtype: torch.dtype) -> float:
+    """The largest trace of an ``n x n`` spectral matrix of ``dtype`` taken as rounding noise (``NOISE_ULPS``)."""
+    return n * NOISE_ULPS * torch.finfo(dtype).eps
+
+
+def degenerate(mat: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: the rows of the spectral matrix ``mat [B, K, K]`` whose trace is rounding noise (``noise_trace``),
+    for K >= 2 (one eigenvalue: H is 0 whatever it is)."""
+    trace = mat.diagonal(dim1=1, dim2=2).double().sum(-1)
+    return (trace <= noise_trace(mat.shape[-1], mat.dtype)) & (mat.shape[-1] > 1)
 
 
 def _normalized_entropy(p: torch.Tensor, support: int) -> torch.Tensor:
@@ -59,8 +79,11 @@ def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None) ->
 
 def entropy_of_matrix(mat: torch.Tensor) -> torch.Tensor:
     """The exact normalized entropy of the spectrum of the symmetric ``mat [B, K, K]`` -> ``[B]`` float32: eigenvalues
-    by ``torch.linalg.eigvalsh`` in ``mat``'s dtype, clamped at 1e-12, read as a distribution."""
-    return _entropy_of_spectrum(torch.linalg.eigvalsh(mat)).float()
+    by ``torch.linalg.eigvalsh`` in ``mat``'s dtype, clamped at 1e-12, read as a distribution. A matrix that is zero
+    up to rounding (``degenerate``: tokens that coincide) has H = 1, its value in exact arithmetic."""
+    zero = degenerate(mat)
+    mat = mat.masked_fill(zero[:, None, None], 0.0)  # no eigensolve of rounding noise (NaN or a LAPACK failure)
+    return torch.where(zero, 1.0, _entropy_of_spectrum(torch.linalg.eigvalsh(mat)).float())
 
 
 def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ from .kernels import start_basis
 TILE = 1024  # entries a program's loop takes at once (float64 at 8 warps: four a thread per state)
 TARGET_PROGRAMS = 512  # programs a launch aims at (a few per SM of an H100/H200): the chunk per program follows
 MAX_PARTS = 1024  # programs per view at most (each update program sums its view's shares)
+# ``entropy.noise_trace(1, torch.float32)``, the literal ``_centering`` compares a float32 Gram's centered trace with
+NOISE_PER_ROW = 7.62939453125e-06
 WARPS = 8
 
 
@@ -303,13 +305,14 @@ def _row_means_kernel(G, R, DG, N, ROWS: tl.constexpr, COLS: tl.constexpr):
 def _centering(R, DG, rbase, N, N_P2: tl.constexpr):
     """``(g, diagonal, trace)`` of a view's centered Gram ``C = G - (r_i + r_j) + g`` from its row means ``R`` and
     ``G``'s diagonal ``DG`` (``N_P2`` entries at once): ``g`` the means' mean (float32), ``C``'s diagonal (float32),
-    its trace summed in float64 as ``certified.density`` does, clamped at the smallest normal float64."""
+    its trace summed in float64 as ``certified.density`` does, NaN where it is rounding noise (at most
+    ``entropy.noise_trace(N, torch.float32)``: ``NOISE_PER_ROW`` a row), as there."""
     ks = tl.arange(0, N_P2)
     r_all = tl.load(R + rbase + ks, mask=ks < N, other=0.0)
     g = tl.sum(r_all, axis=0) / N
     c_diag = (tl.load(DG + rbase + ks, mask=ks < N, other=0.0) - (r_all + r_all)) + g
     trace = tl.sum(tl.where(ks < N, c_diag.to(tl.float64), 0.0), axis=0)
-    return g, c_diag, tl.maximum(trace, 2.2250738585072014e-308)
+    return g, c_diag, tl.where(trace > N.to(tl.float64) * 7.62939453125e-06, trace, float("nan"))  # NOISE_PER_ROW
 
 
 @triton.jit
@@ -323,8 +326,8 @@ def _density_entry(gram, ri, rj, g, trace):
 def _density_kernel(G, R, DG, RHO, N, N2, CHUNK, TILE: tl.constexpr, N_P2: tl.constexpr):
     """``RHO[b] = C / tr(C)`` in float64, ``C = G - (r_i + r_j) + g`` the centered Gram in float32 (``r``: the row
     means, ``g`` their mean): ``r_i + r_j`` is the same float both ways round, so ``C`` is exactly symmetric where
-    ``G`` is. ``tr(C)`` sums ``C``'s diagonal in float64, as ``certified.density`` does, clamped at the smallest
-    normal float64."""
+    ``G`` is. ``tr(C)`` sums ``C``'s diagonal in float64, as ``certified.density`` does, NaN where it is rounding
+    noise (``_centering``)."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     g, _, trace = _centering(R, DG, b * N, N, N_P2)

@@ -75,3 +75,29 @@ def test_the_public_entropies_say_they_take_a_batch():
         assert fn(x[None]).shape == (1,)
     with pytest.raises(ValueError, match=r"attention_entropy takes a batch \[B, N\], got \(6,\)"):
         promprune.attention_entropy(torch.rand(6))
+
+
+@pytest.mark.parametrize("N,d", [(36, 16), (80, 96), (576, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_one_token_repeated_has_the_entropy_of_a_zero_spectrum_and_keeps_valid_tokens(N, d, dtype):
+    """Every token the same (or every token zero): centered, nothing is left, and the reference's clamp makes every
+    eigenvalue 1e-12, so H = 1 (the numpy SVD says so). Computed in float32, the centered Gram was rounding noise whose
+    eigensolve gave NaN, a LAPACK failure, or an arbitrary H (36 x 16: seeds 0 and 1 failed), and NaN became -1
+    indices. Now: H = 1 on the exact path, the certified split refuses the noise and reaches the same rule, and
+    PromPrune keeps the count H = 1 gives, distinct tokens in range, in a batch beside an ordinary image."""
+    for seed in range(4 if N < 100 else 1):
+        g = torch.Generator().manual_seed(seed)
+        same = torch.randn(1, 1, d, generator=g).expand(1, N, d)
+        x = torch.cat([same, torch.zeros(1, N, d), torch.randn(1, N, d, generator=g)]).to(dtype)
+        assert numpy_spectral_entropy(x[0].double().numpy()) == pytest.approx(1.0, abs=1e-9)
+        h = promprune.spectral_entropy(x)
+        assert h[:2].tolist() == [1.0, 1.0] and 0.0 < h[2] < 1.0
+        s = torch.rand(3, N, generator=g)
+        want = promprune.selection.budget.split_budget(torch.tensor([1.0]), 16, mu=0.42, tau=0.02)
+        for mode in ("exact", "certified"):
+            with promprune.selection.accel.entropy(mode):
+                sel = promprune.select(x, s, budget=16)
+            assert sel.saliency_count[:2].tolist() == [int(want)] * 2, mode
+            assert sel.entropy[:2].tolist() == [1.0, 1.0], mode
+            for row in sel.indices.tolist():
+                assert len(set(row)) == 16 and all(0 <= i < N for i in row), (mode, row)
