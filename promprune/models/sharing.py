@@ -55,15 +55,34 @@ class ImageCache:
         return len(self.images)
 
 
+class Unkeyed:
+    """The key of a row whose key is None (an image without an identity, as ``Request.image_key`` may be): equal to
+    no other key, so the row's image is its own, and kept in no cache past the call (``forget_unkeyed``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<no key>"
+
+
+def forget_unkeyed(cache: ImageCache, keys) -> None:
+    """Drop what ``cache`` holds under the rows' :class:`Unkeyed` keys (no later call can ask for it)."""
+    for key in keys:
+        if isinstance(key, Unkeyed):
+            cache.release(key)
+
+
 def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache) -> dict:
     """:meth:`PrunedVLM.prepare` with each distinct key's image encoded and selected once (those in ``cache`` not
-    at all). Returns the fields of a ``Prepared`` whose model kwargs equal the unshared path's (``PrunedVLM`` builds
-    it, so this module never imports ``vlm``)."""
+    at all; a None key is no key: that row's image is its own, :class:`Unkeyed`). Returns the fields of a
+    ``Prepared`` whose model kwargs equal the unshared path's (``PrunedVLM`` builds it, so this module never imports
+    ``vlm``)."""
     from .options import is_in_llm
 
     if len(keys) != len(prompts) or len(images) != len(prompts):
         raise ValueError(f"keys, images and prompts must have one entry per row: {len(keys)} keys, {len(images)} "
                          f"images, {len(prompts)} prompts")
+    keys = [Unkeyed() if key is None else key for key in keys]
     first = {}
     for row, key in enumerate(keys):
         first.setdefault(key, row)
@@ -80,6 +99,9 @@ def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache) -> d
                                             segment=_segment(vlm, host, j, prompts[rows[j]]),
                                             per_image=_per_image(host, j, len(missing)))
     shared = [cache.images[k] for k in keys]
+    for key in keys:  # an unkeyed row's image: no later call can ask for it
+        if isinstance(key, Unkeyed):
+            cache.images.pop(key, None)
     host = _rows(vlm, prompts, shared)  # built on the host, as the processor builds them
     if host is None:  # the template does not fit the splice: the processor builds the rows (images again)
         host = vlm.processed(images, prompts)

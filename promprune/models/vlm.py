@@ -216,7 +216,8 @@ class PrunedVLM:
         ``input_ids`` / ``attention_mask`` with shrunk placeholder runs, ``mm_encoder_outputs`` holding the kept
         features, and the adapter's extra kwargs (Qwen's gathered 3D ``position_ids``).
 
-        ``keys`` (one per row: the image's identity, e.g. ``Request.image_key``): rows with one key are one image, and
+        ``keys`` (one per row: the image's identity, e.g. ``Request.image_key``; None: a row without one, whose image
+        is its own): rows with one key are one image, and
         when :attr:`shares_vision` it is preprocessed, encoded and selected once (vision once), its results kept in
         ``cache`` (a :class:`promprune.models.sharing.ImageCache`; None: for this call only) for later calls. The
         model kwargs are the same as without keys (:mod:`promprune.models.sharing`).
@@ -278,8 +279,12 @@ class PrunedVLM:
         """
         _one_sequence(generation_kwargs)
         prep = self.prepare(images, prompts, keys=keys, cache=cache)
-        return self._generate(prep, generation_kwargs, cache=cache if prefix_cache else None,
-                              prefix_cache=prefix_cache)
+        out = self._generate(prep, generation_kwargs, cache=cache if prefix_cache else None, prefix_cache=prefix_cache)
+        if cache is not None and prep.keys is not None:  # the prefixes of rows without a key: no later call asks
+            from .sharing import forget_unkeyed
+
+            forget_unkeyed(cache, prep.keys)
+        return out
 
     @torch.inference_mode()
     def prepare_video(self, clips, prompts, fps: float | None = None) -> "Prepared":

@@ -87,6 +87,18 @@ def test_soft_tokens_vary_with_the_aspect_ratio(images, prompts):
     assert (batch["input_ids"] == model.config.image_token_id).sum(1).tolist() == [63, 60]
 
 
+def test_an_image_three_patches_thin_fits_the_position_table(prompts):
+    """The processor gives an image 3 patches thin a side of up to 70 * 9 / 3 = 210 patches; the tiny tower's position
+    table of 64 failed there with an IndexError inside transformers (the released model's holds 10240)."""
+    from PIL import Image
+
+    model, processor = tiny_vlm("gemma4")
+    vlm = PrunedVLM(model, processor, method="promprune", budget=4)
+    for size in [(12, 2000), (2000, 12)]:
+        out = vlm.generate([Image.new("RGB", size, (200, 30, 30))], prompts[:1], max_new_tokens=2)
+        assert out[0].visual_tokens == 4
+
+
 @pytest.mark.parametrize("block", [None, 0])
 def test_saliency_is_the_received_attention_of_each_tokens_patches(block, images, prompts):
     model, processor = tiny_vlm("gemma4")

@@ -265,3 +265,19 @@ def test_cache_argument_follows_the_forward_signature():
             return input_ids
 
     assert cache_argument(New()) == "cache" and cache_argument(Old()) == "past_key_values"
+
+
+def test_a_none_key_is_no_key(rows):
+    """``Request.image_key`` may be None (an image without an identity): such rows are each an image of their own, as
+    ``run_requests`` takes them, not one image shared by every None (which answered the second image with the
+    first's tokens), and the cache keeps nothing of them after the call."""
+    vlm = vlm_for("llava", "promprune", 4)
+    images, prompts = [rows[0], rows[2], rows[2], rows[0], rows[2]], ["What is it?", "Where?", "Count?"] * 2
+    prompts = prompts[:5]
+    reference = vlm.generate(images, prompts, max_new_tokens=NEW_TOKENS)
+    assert reference[0].kept != reference[1].kept  # two images, two selections: the test can tell them apart
+    cache = ImageCache()
+    got = vlm.generate(images, prompts, keys=[None, "a", "a", None, None], cache=cache, prefix_cache=True,
+                       max_new_tokens=NEW_TOKENS)
+    assert tokens(got) == tokens(reference) and [g.kept for g in got] == [g.kept for g in reference]
+    assert list(cache.images) == ["a"] and list(cache.prefixes) == ["a"]

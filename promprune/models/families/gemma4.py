@@ -105,7 +105,9 @@ def tiny_gemma4():
     text["num_hidden_layers"] = 6  # three sliding / full pairs: in-LLM ranks land on full layers (llm_hooks.py)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=3,
-                  position_embedding_size=64, standardize=True)
+                  # a side of up to 70 * 9 / 3 = 210 patches (an image 3 patches thin): a table of 64 failed on
+                  # elongated images (an IndexError inside the tower) where the released model's 10240 does not
+                  position_embedding_size=256, standardize=True)
     config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, vision_soft_tokens_per_image=70,
                           **gemma4_token_ids(tok))
     model = seeded(lambda: Gemma4ForConditionalGeneration(config))
