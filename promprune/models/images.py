@@ -27,7 +27,9 @@ def strict_decoding():
 def load_image(image, index: int) -> Image.Image:
     """One image (PIL image, path, or encoded bytes) as a fully decoded RGB PIL image.
 
-    A corrupt, truncated or unreadable image is a ValueError naming batch item ``index``.
+    A corrupt, truncated or unreadable image is a ValueError naming batch item ``index``. 16-bit and float images are
+    scaled to 8 bits first (``_eight_bit``), where PIL's ``convert("RGB")`` clips them (a 16-bit photo came out
+    nearly all white, a float one in [0, 1] black).
     """
     try:
         if isinstance(image, Image.Image):
@@ -40,12 +42,30 @@ def load_image(image, index: int) -> Image.Image:
             raise TypeError(f"expected a PIL image, a path or bytes, got {type(image).__name__}")
         with strict_decoding():
             img.load()  # decode now: truncated data fails here, not deep inside the processor
-        rgb = img.convert("RGB")
+        rgb = _eight_bit(img).convert("RGB")
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError... for bad data
         raise ValueError(f"image {index} is corrupt or unreadable: {type(err).__name__}: {err}") from err
     if min(rgb.size) < 1:
         raise ValueError(f"image {index} is empty (size {rgb.size})")
     return rgb
+
+
+def _eight_bit(img: Image.Image) -> Image.Image:
+    """A 16-bit or float single-band image as 8-bit grey ("L"): "I;16*" over its 16-bit range (v / 257); "I" (what PIL
+    makes of a 16-bit PNG) the same where a value passes 255, else as it is; "F" from [0, 1] where it stays in it,
+    else clipped to [0, 255]. Other modes as they are."""
+    import numpy as np
+
+    if not (img.mode.startswith("I") or img.mode == "F"):
+        return img
+    a = np.asarray(img, dtype=np.float64)
+    finite = a[np.isfinite(a)]
+    top = float(finite.max()) if finite.size else 0.0
+    if img.mode == "F":
+        a = a * 255.0 if finite.size and float(finite.min()) >= 0.0 and top <= 1.0 else a
+    elif img.mode != "I" or top > 255:
+        a = a / 257.0
+    return Image.fromarray(np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8))  # "L"
 
 
 def load_images(images, prompts) -> list[Image.Image]:

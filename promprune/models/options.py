@@ -8,6 +8,8 @@ token count.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import promprune
@@ -168,8 +170,9 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
 def _check_image_tokens(n) -> None:
     if n is None:
         return
-    side = int(round(n ** 0.5)) if isinstance(n, int) and n > 0 else 0
-    if isinstance(n, bool) or side * side != n:
+    whole = isinstance(n, numbers.Integral) and not isinstance(n, bool)  # numpy ints too
+    side = math.isqrt(int(n)) if whole and n > 0 else 0
+    if not whole or n <= 0 or side * side != n:  # 0 = 0^2 passed, and failed inside the processor
         raise ValueError(f"option 'image_tokens' must be a positive perfect square (e.g. 1296 = 36^2), got {n!r}")
 
 

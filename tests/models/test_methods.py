@@ -62,6 +62,8 @@ def test_mu_defaults_per_encoder_unless_given():
     (lambda: validate_method("promprune", 4, diversity="kmeans"), "diversity"),
     (lambda: validate_method("promprune", 4, budget_mode="per_view"), "budget_mode"),
     (lambda: validate_method("promprune", 4, image_tokens=10), "image_tokens"),
+    (lambda: validate_method("promprune", 4, image_tokens=0), "image_tokens"),  # 0 = 0^2 passed: fails in processor
+    (lambda: validate_method("promprune", 4, image_tokens=16.0), "image_tokens"),
     (lambda: validate_method(None, 4), "takes no budget"),
 ])
 def test_bad_method_or_options_fail_early(call, match):
@@ -162,3 +164,24 @@ def test_truncated_image_fails_even_when_pil_is_lenient(images, prompts, monkeyp
     with pytest.raises(ValueError, match="image 0 is corrupt or unreadable"):
         vlm.generate([buf.getvalue()[:200], images[1]], prompts)
     assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # restored afterwards
+
+
+def test_sixteen_bit_and_float_images_are_scaled_not_clipped():
+    """PIL's ``convert("RGB")`` clips a 16-bit image at 255 (a 16-bit photo came out nearly all white) and a float one
+    in [0, 1] to 0 or 1 (black): ``load_image`` scales them to 8 bits first, by hand-worked values."""
+    import numpy as np
+    from PIL import Image
+
+    from promprune.models.images import load_image
+
+    ramp = (np.arange(32 * 64).reshape(32, 64) * 30).astype(np.uint16)  # 0 .. 61410
+    png = io.BytesIO()
+    Image.fromarray(ramp).save(png, format="PNG")  # a 16-bit PNG, as a scanner or a microscope writes it
+    for image in (Image.fromarray(ramp), png.getvalue()):
+        got = np.asarray(load_image(image, 0))
+        assert got.shape == (32, 64, 3) and (got == got[..., :1]).all()
+        np.testing.assert_array_equal(got[..., 0], np.round(ramp / 257.0).astype(np.uint8))
+    unit = np.linspace(0.0, 1.0, 32 * 64, dtype=np.float32).reshape(32, 64)
+    np.testing.assert_array_equal(np.asarray(load_image(Image.fromarray(unit), 0))[..., 0],
+                                  np.round(unit.astype(np.float64) * 255).astype(np.uint8))
+    assert np.asarray(load_image(Image.new("I", (4, 4), 200), 0)).max() == 200  # 8-bit values in a 32-bit image
