@@ -231,7 +231,7 @@ def _item(request: Request, last: dict) -> Item:
 
 
 def run_requests(vlm, requests: list[Request], *, batch_size: int = 8, vision_once: bool = True,
-                 prefix_cache: bool = True) -> list[Prediction]:
+                 prefix_cache: bool | None = None) -> list[Prediction]:
     """Answer every request with ``vlm`` (a ``PrunedVLM``): one prediction per request, in order.
 
     A corrupt image or a failing generation gives ``prediction=""`` and ``error`` set; the other requests of its
@@ -241,14 +241,15 @@ def run_requests(vlm, requests: list[Request], *, batch_size: int = 8, vision_on
     The questions about one image (one ``image_key``) share its work where the method allows
     (``PrunedVLM.shares_vision`` / ``shares_prefix``): ``vision_once`` encodes and selects it once, ``prefix_cache``
     also prefills its prompt prefix once (:func:`promprune.eval.generation.generate_items`). Both are on, as in
-    accuracy sweeps; a request's ``gen_kwargs`` may set either (a sweep spec's ``generation``: efficiency trials
-    measure each sample's own latency with both off).
+    accuracy sweeps (``prefix_cache`` None: as ``vision_once``, which it needs); a request's ``gen_kwargs`` may set
+    either (a sweep spec's ``generation``: efficiency trials measure each sample's own latency with both off).
     """
     bad = [i for i, r in enumerate(requests) if not isinstance(r, Request)]
     if bad:
         raise TypeError(f"run_requests takes promprune.records.Request objects; item {bad[0]} is "
                         f"{type(requests[bad[0]]).__name__}")
     last: dict = {}
+    prefix_cache = vision_once if prefix_cache is None else prefix_cache
     answers = generate_items(vlm, [_item(r, last) for r in share_images(requests)], batch_size=batch_size,
                              vision_once=vision_once, prefix_cache=prefix_cache)
     return [Prediction.answering(r, a) for r, a in zip(requests, answers)]

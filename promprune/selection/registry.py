@@ -263,9 +263,13 @@ class MethodSpec:
 
 def plain(value):
     """A number of another library (numpy's ``float32(0.4)``, ``int64(8)``, e.g. from ``np.linspace``) as Python's
-    float or int, elementwise in a list or tuple; anything else (bools, strings, None, tensors) as it is."""
+    float or int, elementwise in a list or tuple, and numpy's ``bool_`` as Python's bool; anything else (bools,
+    strings, None, tensors) as it is."""
     if isinstance(value, (list, tuple)):
         return type(value)(plain(v) for v in value)
+    if not isinstance(value, torch.Tensor) and getattr(value, "shape", None) == () and \
+            getattr(getattr(value, "dtype", None), "kind", None) == "b":  # numpy's bool_ (e.g. from an array's test)
+        return bool(value)
     if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
         return value
     return int(value) if isinstance(value, numbers.Integral) else float(value)
@@ -461,7 +465,7 @@ def _validate_keys(keys, batch: int) -> tuple[int, ...] | None:
         keys = keys.tolist()
     if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__"):
         raise ValueError(f"keys must be a sequence of {batch} ints (one per batch row), got {type(keys).__name__}")
-    keys = tuple(keys)
+    keys = tuple(plain(k) for k in keys)  # numpy's ints as Python's
     if len(keys) != batch or any(isinstance(k, bool) or not isinstance(k, int) for k in keys):
         raise ValueError(f"keys must be {batch} ints (one per batch row of features), got {list(keys)!r}")
     return keys
@@ -507,7 +511,7 @@ def _check_finite(named: dict[str, torch.Tensor]) -> bool:
             raise ValueError(f"{name} {verb} {kind} values (batch items {bad.nonzero().flatten().tolist()})")
     top = torch.finfo(torch.float32).max
     for name, t in named.items():  # finite, but huge: a token whose norm itself passes float32's range
-        if t.dtype != torch.float64 and t.dim() >= 2:
+        if t.dtype != torch.float64 and t.dim() >= 2 and name != "saliency":  # saliency: scores, min-max normalized
             norm = float(torch.linalg.vector_norm(t.double(), dim=-1).max())
             if norm > top:
                 raise ValueError(f"{name} hold a token of norm {norm:.3g}, past float32's range ({top:.3g}): its "
@@ -551,7 +555,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     # saliency reaches only the methods that declare it, as in the model adapters: a selection never depends on
     # scores the method may not get (coverage_only broke the DPP's first-pick tie by them when given)
     seen = _validate_vision(vision, x) if spec.reads_vision else None
-    huge = False if checked else _check_finite(checked_inputs(x, s, seen, text))
+    huge = False if checked else _check_finite(checked_inputs(x, s if spec.needs_saliency else None, seen, text))
     tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
                       source=features, keys=_validate_keys(keys, x.shape[0]))
     # features whose squares overflow float32: the plain path, whose norms do not overflow (``kernels.token_norms``);

@@ -140,6 +140,8 @@ def test_sharing_options_give_the_same_answers(method, budget):
     off = run_requests(vlm, rows, batch_size=2, vision_once=False, prefix_cache=False)
     assert _answers(run_requests(vlm, rows, batch_size=2, vision_once=True, prefix_cache=False)) == _answers(off)
     assert _answers(run_requests(vlm, rows, batch_size=2)) == _answers(off)  # both on: the default
+    # vision_once off alone: the prefix cache, which needs it, follows (was a ValueError naming prefix_cache)
+    assert _answers(run_requests(vlm, rows, batch_size=2, vision_once=False)) == _answers(off)
 
 
 def test_sharing_options_come_from_the_rows_and_never_reach_generate():

@@ -100,6 +100,11 @@ def test_errors_name_the_problem():
     odd[2, 0] = float("nan")
     with pytest.raises(ValueError, match=r"^saliency contains NaN values \(batch items \[2\]\)$"):
         select(x, odd, budget=8)
+    # a method that never gets saliency (select passes it on only where declared) does not judge it either
+    assert torch.equal(select(x, odd, budget=8, method="divprune").indices,
+                       select(x, None, budget=8, method="divprune").indices)
+    # saliency is min-max normalized: scores of 1e38 (whose squares overflow) pick what the same scores scaled down do
+    assert torch.equal(select(x, s * 1e38, budget=8).indices, select(x, s, budget=8).indices)
     huge = x.double().clone()
     huge[0] = 1e308  # finite, but any sum of them overflows: the check goes the long way and passes
     assert select(huge, s, budget=8, method="saliency_only").indices.shape == (3, 8)
@@ -137,6 +142,12 @@ def test_numpy_numbers_count_as_python_numbers():
         select(x, s, budget=np.float64(8.0))
     with pytest.raises(ValueError, match="budget must be a positive int"):
         select(x, s, budget=np.int64(0))
+    # numpy's bool_ as a flag (e.g. from a comparison), and keys as a numpy array or a list of its ints
+    assert torch.equal(select(x, s, budget=8, conditional=np.bool_(True)).indices,
+                       select(x, s, budget=8, conditional=True).indices)
+    for keys in (np.arange(3) + 5, [np.int64(5), np.int64(6), np.int64(7)]):
+        assert torch.equal(select(x, s, budget=8, method="random", keys=keys).indices,
+                           select(x, s, budget=8, method="random", keys=[5, 6, 7]).indices)
 
 
 @pytest.mark.parametrize("method", METHODS)
