@@ -7,7 +7,8 @@ a task of one's own importing its code), that the model resolves (a factory name
 hub id in the cache or on a reachable hub), that every budget prunes (stays below the visual tokens the model gives
 an image), that every in-LLM trial can prune this model's LLM at its layers (``promprune.models.llm_hooks.
 stage_layers``: a stage ranks at a full-attention layer, not a hybrid LLM's linear-attention layers nor a
-sliding-window one; Gemma 4's E2B / E4B are refused), and that the MLflow store answers and can be written. All
+sliding-window one; Gemma 4's E2B / E4B are refused), that the MLflow store answers and can be written, and that
+every ``PROMPRUNE_*`` environment variable is one PromPrune reads, with a value it takes (``environment``). All
 problems come back together, in seconds; the entry scripts print them as one message without a traceback.
 
 Some problems are this machine's, not the spec's (`NotOnThisMachine`): a hub dataset or model that is not in this
@@ -26,6 +27,7 @@ from promprune.env import temporary_env
 from pipelines import mlflow_layout
 from pipelines.console import say
 from pipelines.calibration import check_source, metrics_to_calibrate
+from pipelines.environment import check_environment
 from pipelines.spec import SpecError, SweepSpec, expand, space
 from pipelines.spec.errors import unknown
 
@@ -33,13 +35,16 @@ from pipelines.spec.errors import unknown
 def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool = True) -> list[str]:
     """Every problem found, one message each (empty: good to go); ``store``: check the MLflow store too (an
     evaluation printing its results only needs none)."""
-    errors = check_tasks(spec.tasks, spec.limit, spec.include_path)
+    errors, notes = check_environment()
+    for note in notes:
+        say(note)
+    errors += check_tasks(spec.tasks, spec.limit, spec.include_path)
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
     errors += check_in_llm_layers(spec)
     errors += check_metric(spec.tune.metric, spec.tasks)
     errors += check_search_package(spec.tune.search)
-    errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) if store else []
+    errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) + check_experiment_name() if store else []
     if metrics_to_calibrate(expand(spec)):
         problem = check_source(spec.calibration.images)
         errors += [problem] if problem else []
@@ -240,6 +245,11 @@ def check_store(uri: str) -> list[str]:
     if parsed.scheme == "sqlite":
         path = mlflow_layout.sqlite_path(uri)
         if path is not None:
+            if path.is_dir():  # MLflow's SQLAlchemy engine retried it for ~2 minutes before failing
+                return [f"MLflow store {uri}: {path} is a directory, not a database file (e.g. {path}/mlflow.db); "
+                        f"{fix}"]
+            if path.parent.exists() and not path.parent.is_dir():  # passed os.access, then failed in MLflow's mkdir
+                return [f"MLflow store {uri}: {path.parent} is a file, not a directory; {fix}"]
             target = path if path.exists() else path.parent
             if not target.exists():
                 return [f"MLflow store {uri}: the directory {path.parent} does not exist; {fix}"]
@@ -255,9 +265,22 @@ def check_store(uri: str) -> list[str]:
         with _fail_fast_http():
             MlflowClient(uri).search_experiments(max_results=1)
     except Exception as exc:  # noqa: BLE001 - any failure is reported with its cause
-        first = str(exc).splitlines()[0][:240] if str(exc) else type(exc).__name__
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first = first if len(first) <= 240 else first[:240].rsplit(" ", 1)[0] + " ..."  # whole words
         return [f"MLflow store {uri} does not answer ({type(exc).__name__}: {first}); {fix}"]
     return []
+
+
+def check_experiment_name(name: str | None = None) -> list[str]:
+    """The MLflow experiment's name (``MLFLOW_EXPERIMENT_NAME``) is one MLflow takes: not empty, at most its 500
+    characters (a longer one failed with MLflow's traceback after Ray started)."""
+    name = mlflow_layout.experiment_name() if name is None else name
+    most = 500  # mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH in MLflow 3
+    if name.strip() and len(name) <= most:
+        return []
+    shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
+    return [f"{mlflow_layout.EXPERIMENT_ENV}={shown}: MLflow takes an experiment name of 1 to {most} characters (a "
+            f"blank one is refused here too); set one or unset it (default {mlflow_layout.DEFAULT_EXPERIMENT!r})"]
 
 
 def random_weights_note(model: str) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -106,10 +107,22 @@ EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRU
 # setup
 
 
+def _threshold(text: str) -> float:
+    """``--regression-threshold``: a finite number >= 0 (NaN turned the check off, a negative one flagged every
+    trial)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (a drop in Rel., e.g. 0.02 = 2 points), got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = add_spec_args(argparse.ArgumentParser(description="Run a sweep spec on Ray Tune and log it to MLflow."))
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--regression-threshold", type=float, default=None,
+    p.add_argument("--regression-threshold", type=_threshold, default=None,
                    help="nightly: fail (exit 3) and tag the run when a trial's Rel. drops more than this "
                         "below the previous finished run of the same spec")
     p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")

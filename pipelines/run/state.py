@@ -38,9 +38,15 @@ def outbox_dir(storage: str, experiment: str) -> Path:
 
 def _state_fs(storage: str):
     """(pyarrow filesystem, directory) of the sweep state records: local paths, s3://, gs://, ... alike."""
+    import pyarrow
     import pyarrow.fs
 
-    fs, root = pyarrow.fs.FileSystem.from_uri(storage)
+    try:
+        fs, root = pyarrow.fs.FileSystem.from_uri(storage)
+    except pyarrow.ArrowInvalid as exc:  # a scheme pyarrow has no filesystem for (s4://, ftp://): a traceback before
+        raise specs.SpecError([f"the Tune storage {storage} is not a path or a URI pyarrow can open ({exc}); set "
+                               f"tune.storage_path (or ${STORAGE_ENV}) to a local path or to s3://, gs:// or "
+                               "hdfs:// storage every node reaches"], "tune.storage_path") from None
     return fs, f"{root.rstrip('/')}/{STATE_DIR}"
 
 

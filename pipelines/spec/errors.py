@@ -21,9 +21,19 @@ class SpecError(ValueError):
     """Every problem found in a spec, one per line, each naming the offending field."""
 
     def __init__(self, errors: list[str], source: str = "sweep spec"):
-        self.errors = list(errors)
+        self.errors = [_capped(e) for e in errors]
         lines = "\n".join(f"  - {e}" for e in self.errors)
         super().__init__(f"{source}: {len(self.errors)} problem(s):\n{lines}")
+
+
+MAX_PROBLEM_CHARS = 2000  # a problem that echoes a huge value (a YAML alias chain: 5 MB) is cut to this
+
+
+def _capped(text) -> str:
+    """``text`` (a problem; kept as it is, a ``NotOnThisMachine`` too, where short) cut to `MAX_PROBLEM_CHARS`."""
+    if len(text) <= MAX_PROBLEM_CHARS:
+        return text
+    return f"{text[:MAX_PROBLEM_CHARS]} ... ({len(text) - MAX_PROBLEM_CHARS} more characters)"
 
 
 def path(loc: tuple) -> str:

@@ -13,6 +13,29 @@ from pipelines.plugins import resolve_paths
 from pipelines.spec.errors import SpecError
 
 
+class UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the safe loader kept the last and dropped the
+    first without a word: two ``grid:`` blocks ran one). Keys a ``<<`` merge brings may repeat, as YAML means them."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                mark = key_node.start_mark
+                try:
+                    line, column = first.setdefault(key, (mark.line, mark.column))
+                except TypeError:  # an unhashable key: the safe loader's own error says so
+                    continue
+                if (line, column) != (mark.line, mark.column):
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (first on line {line + 1}): YAML would keep only the "
+                                    "last; remove one or merge them", mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
     """The spec file as a dict, `include:` chains merged (this file wins), `--set` overrides applied."""
     path = Path(path)
@@ -36,7 +59,7 @@ def _load_with_includes(path: Path, seen: tuple) -> dict:
         raw = read_capped(path)
         if len(raw) > MAX_SPEC_BYTES:  # it grew since `stat`
             raise SpecError([too_large(path) or f"more than {MAX_SPEC_BYTES >> 20} MiB: not a sweep spec"], str(path))
-        data = yaml.safe_load(raw.decode("utf-8")) or {}
+        data = yaml.load(raw.decode("utf-8"), Loader=UniqueKeys) or {}
     except UnicodeDecodeError as exc:
         raise SpecError([f"not UTF-8 text (byte {exc.start}: {exc.reason}); save the spec as UTF-8"], str(path)) \
             from None

@@ -187,6 +187,18 @@ def test_storage_that_cannot_hold_the_lock_is_a_clean_error(scratch, tmp_path, r
                              "(NotADirectoryError")
 
 
+@pytest.mark.parametrize("where", ["set", "env"])
+def test_a_storage_scheme_pyarrow_cannot_open_is_a_clean_error(scratch, run_main, monkeypatch, where):
+    """s4:// (a typo) or ftp:// gave pyarrow's ArrowInvalid as a traceback; the --resume path reads the same state."""
+    args = ["--set", "tune.storage_path=s4://bucket/x"] if where == "set" else []
+    if where == "env":
+        monkeypatch.setenv("PROMPRUNE_STORAGE", "ftp://host/x")
+    for resume in ([], ["--resume"]):
+        proc, _ = run_main("--config", str(scratch()), *args, *resume)
+        assert_clean_error(proc, f"the Tune storage {'s4://bucket/x' if where == 'set' else 'ftp://host/x'} is not "
+                                 "a path or a URI pyarrow can open", "tune.storage_path")
+
+
 def test_a_resume_whose_driver_lives_is_refused_before_ray_and_torch_load(scratch, tmp_path):
     """Issue 57 item 4: the refusal came after 24-30 s of imports and checks (Ray, torch, lmms-eval's task index);
     the script now checks the lock before its imports. `-X importtime` lists every module the refused process

@@ -52,6 +52,52 @@ def test_store_in_an_unwritable_place_is_named(scratch, tmp_path, run_main):
     assert_clean_error(proc, f"sqlite:///{locked / 'mlflow.db'}", "is not writable")
 
 
+def test_a_sqlite_store_that_is_a_directory_or_under_a_file_is_named_in_seconds(scratch, tmp_path, run_main):
+    """A directory as the database took 113 s of SQLAlchemy's retries to fail; a path under a regular file passed the
+    check (``os.access`` of the file) and failed after Ray started, in MLflow's mkdir."""
+    (tmp_path / "plain.txt").write_text("x")
+    for uri, message in [(f"sqlite:///{tmp_path}", "is a directory, not a database file"),
+                         (f"sqlite:///{tmp_path / 'plain.txt' / 'm.db'}", "is a file, not a directory")]:
+        proc, seconds = run_main("--config", str(scratch()), "--validate-only", env={"MLFLOW_TRACKING_URI": uri})
+        assert_clean_error(proc, f"MLflow store {uri}", message, "MLFLOW_TRACKING_URI")
+        assert seconds < 60
+
+
+def test_environment_variables_with_values_the_code_does_not_take_are_refused(scratch, run_main, monkeypatch):
+    """PROMPRUNE_ENTROPY=exakt failed every PromPrune sample inside the workers and the sweep exited 0;
+    PROMPRUNE_STORE_WAIT_S=abc stopped a whole sweep at its end. A name one edit from a known one is a typo the code
+    ignores; another unknown PROMPRUNE_* name is a note."""
+    proc, _ = run_main("--config", str(scratch()), "--validate-only",
+                       env={"PROMPRUNE_ENTROPY": "exakt", "PROMPRUNE_STORE_WAIT_S": "abc",
+                            "PROMPRUNE_ENTROPHY": "exact", "PROMPRUNE_GRAPHS": "true"})
+    assert_clean_error(proc, "PROMPRUNE_ENTROPY='exakt': it takes 'auto' or 'certified' or 'exact'",
+                       "PROMPRUNE_STORE_WAIT_S='abc': it takes seconds", "PROMPRUNE_GRAPHS='true': it takes '0' or '1'",
+                       "PROMPRUNE_ENTROPHY is not one PromPrune reads: did you mean PROMPRUNE_ENTROPY?")
+    for name in ("PROMPRUNE_ENTROPY", "PROMPRUNE_STORE_WAIT_S", "PROMPRUNE_ENTROPHY", "PROMPRUNE_GRAPHS"):
+        monkeypatch.delenv(name)
+    proc, _ = run_main("--config", str(scratch()), "--validate-only",
+                       env={"PROMPRUNE_ENTROPY": "exact", "PROMPRUNE_RAY_START_WAIT_S": "45.5",
+                            "PROMPRUNE_MY_OWN_THING": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "PROMPRUNE_MY_OWN_THING is not one PromPrune reads; it is ignored" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", ["x" * 501, "  "])
+def test_an_experiment_name_mlflow_refuses_is_named_before_ray(scratch, run_main, name):
+    proc, _ = run_main("--config", str(scratch()), "--validate-only", env={"MLFLOW_EXPERIMENT_NAME": name})
+    assert_clean_error(proc, "MLFLOW_EXPERIMENT_NAME=", "MLflow takes an experiment name of 1 to 500 characters")
+
+
+@pytest.mark.parametrize("value", ["nan", "-0.1", "inf", "two"])
+def test_a_regression_threshold_that_cannot_judge_is_refused(scratch, run_main, value):
+    """nan ran the whole sweep and tagged it regression=false (the nightly check silently off); a negative one flagged
+    every trial."""
+    proc, seconds = run_main("--config", str(scratch()), "--regression-threshold", value, "--validate-only")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--regression-threshold: expected a number >= 0 (a drop in Rel., e.g. 0.02 = 2 points), got '{value}'" \
+        in proc.stderr
+
+
 def test_unknown_task_missing_path_and_a_budget_that_prunes_nothing(scratch, run_main):
     spec = scratch(SPEC.replace("tasks: [easyvqa_yesno]", "tasks: [easyvqa_yesnoo]"))
     proc, _ = run_main("--config", str(spec), "--validate-only")
@@ -65,6 +111,20 @@ def test_unknown_task_missing_path_and_a_budget_that_prunes_nothing(scratch, run
     spec = scratch(SPEC.replace("budget: [8]", "budget: [8, 100]"))
     proc, _ = run_main("--config", str(spec), "--validate-only")
     assert_clean_error(proc, "trial promprune-b100 keeps 100 of the 36 visual tokens tiny:llava gives an image")
+
+
+def test_a_key_given_twice_is_refused_and_a_huge_echo_is_cut(scratch, run_main):
+    """Two grid: blocks ran the second and dropped the first without a word; a wrong-typed value built from YAML
+    aliases (a 300-byte spec) was echoed whole: a 5 MB "paragraph"."""
+    spec = scratch(SPEC + "grid:\n  method: divprune\n  budget: [4]\n")
+    proc, seconds = run_main("--config", str(spec), "--validate-only")
+    assert_clean_error(proc, "key 'grid' given twice (first on line", "YAML would keep only the last")
+    aliases = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(  # 10 * 5^6 = 156250 leaves
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 5)}]\n" for i in range(6))
+    spec = scratch(aliases + SPEC.replace("name:", "description: *g\nname:", 1))
+    proc, _ = run_main("--config", str(spec), "--validate-only")
+    assert_clean_error(proc, "description", "more characters)")
+    assert len(proc.stderr) < 10_000
 
 
 def test_problems_in_different_places_come_together(scratch):

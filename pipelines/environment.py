@@ -1,0 +1,87 @@
+"""The environment variables PromPrune reads, and what each takes, checked before any work (``check_environment``).
+
+A value the code does not take was found only where it was read: ``PROMPRUNE_ENTROPY=exakt`` failed every PromPrune
+sample of a sweep inside its workers, and the sweep exited 0; ``PROMPRUNE_STORE_WAIT_S=abc`` stopped a whole sweep at
+its end. A name one edit away from one of these (``PROMPRUNE_ENTROPHY``) is a typo the code would ignore, so it is
+refused with the name meant; any other unknown ``PROMPRUNE_*`` name is said once as a note.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+from promprune.suggest import closest
+
+
+def _seconds(value: str) -> bool:
+    try:
+        return math.isfinite(float(value)) and float(value) >= 0
+    except ValueError:
+        return False
+
+
+def _one_of(*values: str, fold: bool = False) -> tuple[str, Callable[[str], bool]]:
+    """``values`` exactly as the code compares them (``fold``: it strips and lowercases first)."""
+    return " or ".join(repr(v) for v in values if v), \
+        lambda value: (value.strip().lower() if fold else value) in values
+
+
+def _entropy_modes() -> tuple[str, Callable[[str], bool]]:
+    from promprune.selection.accel import ENTROPY_MODES
+
+    return _one_of(*ENTROPY_MODES)
+
+
+PREFIX = "PROMPRUNE_"
+_FLAG = _one_of("0", "1")
+_ANY = None
+# name -> None (any value: a path, a list of paths, a URI checked where the spec's storage is) or a function giving
+# (what it takes, whether a value is one of them)
+VARIABLES: dict[str, Callable[[], tuple[str, Callable[[str], bool]]] | None] = {
+    "PROMPRUNE_ACCEL": lambda: _FLAG,  # the selection's GPU fast path (promprune.selection.accel)
+    "PROMPRUNE_ENTROPY": _entropy_modes,  # how PromPrune's split reads the entropy
+    "PROMPRUNE_GRAPHS": lambda: _FLAG,  # the selection as CUDA graphs
+    "PROMPRUNE_STORE_WAIT_S": lambda: ("seconds (a number >= 0)", _seconds),  # the end of a sweep's wait for MLflow
+    "PROMPRUNE_RAY_START_WAIT_S": lambda: ("seconds (a number >= 0)", _seconds),  # a local Ray node's registration
+    "PROMPRUNE_TESTBED_RETRAIN": lambda: _one_of("0", "1", "true", "false", "yes", "no", "", fold=True),
+    "PROMPRUNE_MLFLOW_TEMPLATE": lambda: _FLAG,  # the new MLflow store copied from a template
+    "PROMPRUNE_TESTBED_WEIGHTS": _ANY,
+    "PROMPRUNE_CACHE": _ANY,
+    "PROMPRUNE_HOME": _ANY,
+    "PROMPRUNE_STORAGE": _ANY,
+    "PROMPRUNE_PLUGINS": _ANY,
+    "PROMPRUNE_INCLUDE_PATH": _ANY,
+    "PROMPRUNE_TIMELINE": _ANY,
+    # the scripts' (scripts/canary.sh, .ci/run)
+    "PROMPRUNE_CANARY_REUSE": _ANY,
+    "PROMPRUNE_CANARY_PYTHON": _ANY,
+    "PROMPRUNE_CANARY_VENV": _ANY,
+    "PROMPRUNE_CI_VENV": _ANY,
+}
+
+
+def check_environment(environ=None) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of the ``PROMPRUNE_*`` variables in ``environ`` (default ``os.environ``): a value a
+    variable does not take, or an unknown name close to a known one (a problem, naming the one meant); any other
+    unknown name (a note)."""
+    environ = os.environ if environ is None else environ
+    problems, notes = [], []
+    for name in sorted(n for n in environ if n.startswith(PREFIX)):
+        value = environ[name]
+        if name in VARIABLES:
+            rule = VARIABLES[name]
+            if rule is not None:
+                takes, ok = rule()
+                if not ok(value):
+                    problems.append(f"environment variable {name}={value!r}: it takes {takes}; set such a value "
+                                    "or unset it (docs/pipeline.md, \"Environment variables\")")
+            continue
+        meant = closest(name[len(PREFIX):], [known[len(PREFIX):] for known in VARIABLES])  # the prefix matches all
+        if meant is not None:
+            meant = PREFIX + meant
+            problems.append(f"environment variable {name} is not one PromPrune reads: did you mean {meant}? Rename "
+                            "it (as it is, nothing reads it and the default applies)")
+        else:
+            notes.append(f"note: environment variable {name} is not one PromPrune reads; it is ignored")
+    return problems, notes
