@@ -78,6 +78,8 @@ def _load_with_includes(path: Path, seen: tuple) -> dict:
     if not isinstance(include, str):
         raise SpecError([f"include: must be a file path string, got {include!r}"], str(path))
     base_path = (path.parent / include)
+    if base_path.is_dir():
+        raise SpecError([f"include: {base_path} is a directory: name a spec file in it"], str(path))
     if not base_path.is_file():
         raise SpecError([f"include: file not found: {base_path}"], str(path))
     base = _load_with_includes(base_path, seen + (path.resolve(),))
@@ -101,6 +103,9 @@ def _apply_override(raw: dict, item: str, source: str) -> None:
         raise SpecError([f"override {item!r}: expected key=value, e.g. limit=8 or grid.budget=[8,4]"], source)
     key, value = item.split("=", 1)
     keys = key.strip().split(".")
+    if not all(k.strip() for k in keys):  # "=5", "grid..mu=1": "- : unknown field" said nothing
+        raise SpecError([f"override {item!r}: the key before '=' names no field; expected key=value with a dotted "
+                         "field path, e.g. limit=8 or grid.budget=[8,4]"], source)
     if keys[0] == "include":  # includes are merged when the file is read, before any override: it would do nothing
         raise SpecError([f"override {item!r}: include is read with the spec file, before --set, so it cannot be "
                          "overridden; write the include into a spec file of your own (include: <that spec> plus the "

@@ -219,7 +219,8 @@ def task_manager(tasks: list[str], include_path: str | list[str] | None = None):
     if unknown:
         from promprune.suggest import closest
 
-        hints = [f"{close!r} for {t!r}" for t, close in ((t, closest(t, manager.all_tasks)) for t in unknown) if close]
+        known = [*manager.all_tasks, *OFFLINE_TASKS]  # every offline suite, indexed here or not (only asked ones are)
+        hints = [f"{close!r} for {t!r}" for t, close in ((t, closest(t, known)) for t in unknown) if close]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         where = f" Task directories searched besides lmms-eval's own: {extra}." if extra else ""
         raise ValueError(f"unknown lmms-eval task(s) {unknown}{hint}. Offline tasks: {list(OFFLINE_TASKS)}.{where}")

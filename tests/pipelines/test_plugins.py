@@ -286,6 +286,9 @@ def test_preflight_looks_for_tasks_in_the_include_path(tmp_path):
     # a name close to none: no guess is offered (it read "did you mean {'zzqx_plain_nothing': []}?")
     (problem,) = preflight.check_tasks(["zzqx_plain_nothing"], 2, [str(tmp_path / "mine")])
     assert problem.startswith("tasks: unknown lmms-eval task(s) ['zzqx_plain_nothing']. Offline tasks: [")
+    # a typo of an offline suite no other task names (only the asked suites are indexed): a guess all the same
+    (problem,) = preflight.check_tasks(["testbed_exist_concentratd"], 2)
+    assert "(did you mean 'testbed_exist_concentrated' for 'testbed_exist_concentratd'?)" in problem
     assert preflight.check_tasks(["own_task_c"], 2, [str(tmp_path / "nope")]) == [
         f"include_path: {tmp_path / 'nope'} is not a directory (relative paths in a spec are from its directory)"]
 

@@ -185,6 +185,14 @@ def test_include_cycle_and_missing_file(tmp_path):
         specs.load(tmp_path / "nope.yaml")
     with pytest.raises(specs.SpecError, match=r"is a directory: give a spec file in it"):  # was "not found"
         specs.load(tmp_path)
+    (tmp_path / "bases").mkdir()
+    write(tmp_path, "name: c\nversion: 1\ninclude: bases\n", "c.yaml")
+    with pytest.raises(specs.SpecError, match=r"include: .*bases is a directory: name a spec file in it"):
+        specs.load(tmp_path / "c.yaml")  # was "file not found"
+    write(tmp_path, "name: d\nversion: 1\n", "d.yaml")
+    for item in ("=5", "grid..mu=1", " =x"):  # was "- : unknown field"
+        with pytest.raises(specs.SpecError, match=r"the key before '=' names no field"):
+            specs.load(tmp_path / "d.yaml", [item])
 
 
 def test_expand_grid_product_baseline_and_ids(tmp_path):
