@@ -271,6 +271,30 @@ def check_store(uri: str) -> list[str]:
     return []
 
 
+def check_resumed_run(state: dict, uri: str | None = None) -> list[str]:
+    """The MLflow parent run a ``--resume`` continues is in the store (``uri``, default the sweep's): a store deleted,
+    or another ``MLFLOW_TRACKING_URI`` than the run's, gave MLflow's "Run ... not found" as a traceback after Ray
+    started. A store that does not answer is left to the sweep (its writes wait in the outbox)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = uri or mlflow_layout.tracking_uri()
+    database = mlflow_layout.sqlite_path(uri) if urlparse(uri).scheme == "sqlite" else None
+    if database is None or database.exists():  # a SQLite file that is gone holds no run (opening it would make one)
+        try:
+            with _fail_fast_http():
+                MlflowClient(uri).get_run(state["parent_run_id"])
+            return []
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                return []
+    started = state.get("tracking_uri")
+    was = f" (the run was started with the store {started})" if started and started != uri else ""
+    return [f"--resume {state['experiment']}: its MLflow parent run {state['parent_run_id']} is not in the store "
+            f"{uri}{was}; set MLFLOW_TRACKING_URI to the store the run was started with, or run the sweep afresh "
+            "without --resume (its saved blocks are then not reused)"]
+
+
 def check_experiment_name(name: str | None = None) -> list[str]:
     """The MLflow experiment's name (``MLFLOW_EXPERIMENT_NAME``) is one MLflow takes: not empty, at most its 500
     characters (a longer one failed with MLflow's traceback after Ray started)."""

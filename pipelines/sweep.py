@@ -287,7 +287,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                                          view=SweepView.of(spec, trials))
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,
                  "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
-                 "command": command or {}}
+                 "command": command or {}, "tracking_uri": tracking.tracking_uri()}
     else:
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
@@ -560,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal
         lacking = preflight.check_or_raise(spec, args.config, spec_only=args.validate_only)
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
+        if resumed is not None and (problems := preflight.check_resumed_run(resumed)):
+            raise specs.SpecError(problems, f"--resume {resumed['experiment']}")
         if not args.validate_only and (problem := paths.logs_problem()):
             raise specs.SpecError([problem], "outputs")
         lock = None if args.validate_only else driver_lock(spec, resumed)  # refused while its driver is alive

@@ -45,6 +45,27 @@ def test_resume_refuses_a_changed_spec_and_names_the_changes(scratch, tmp_path, 
     assert not (tmp_path / "mlflow.db").exists()  # refused before any MLflow run was touched
 
 
+def test_a_resume_whose_parent_run_is_not_in_the_store_is_refused_before_ray(scratch, tmp_path, run_main):
+    """The store deleted (or another MLFLOW_TRACKING_URI than the run's): MLflow's "Run ... not found" came as a
+    traceback after ~30 s of Ray's start, exit 1. Now exit 2 before Ray, naming the store the run was started with."""
+    path = scratch()
+    spec = specs.load(path)
+    _state_for(spec, tmp_path / "outputs" / "tune", "rel-20261122-000001", parent_id="0" * 32,
+               tracking_uri="sqlite:///elsewhere/mlflow.db")
+    proc, _ = run_main("--config", str(path), "--resume", "rel-20261122-000001")
+    assert_clean_error(proc, f"its MLflow parent run {'0' * 32} is not in the store sqlite:///{tmp_path / 'mlflow.db'} "
+                             "(the run was started with the store sqlite:///elsewhere/mlflow.db)",
+                       "MLFLOW_TRACKING_URI")
+    assert not (tmp_path / "mlflow.db").exists()  # not made by the check
+    tracking.client()  # the store exists now, without that run
+    proc, _ = run_main("--config", str(path), "--resume", "rel-20261122-000001")
+    assert_clean_error(proc, f"its MLflow parent run {'0' * 32} is not in the store", "without --resume")
+    from pipelines import preflight
+
+    parent = tracking.start_sweep(tracking.client(), spec.name, spec.version, specs.dump_resolved(spec), {})
+    assert preflight.check_resumed_run({"parent_run_id": parent, "experiment": "rel-20261122-000001"}) == []
+
+
 def test_the_same_spec_resumes(scratch, tmp_path):
     spec = specs.load(scratch())
     state = _state_for(spec, tmp_path / "store", "rel-1")
