@@ -95,7 +95,7 @@ from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
 from pipelines.run.state import DriverLock, driver_lock, fingerprint, outbox_dir, resume_command, \
-    resumed_state, save_state, storage_root
+    load_state, resumed_state, save_state, storage_root
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import share
 
@@ -351,7 +351,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         recorder.end_parent("FINISHED")
         recorder.unlogged(store_wait_s())
     except BaseException:
-        recorder.end_parent("KILLED")
+        recorder.end_interrupted(resume_command(state))
         recorder.unlogged(5.0)
         raise
     finally:
@@ -598,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                 store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
                 store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts
                 connect(args.address, log_to_driver=args.verbose)
+                stop_on_sigterm()  # after ray.init, which set its own (an abort, exit 134, and no resume line)
                 store.join()
                 timeline.mark("ray_up", "driver")
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
@@ -607,6 +608,15 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_BAD_INPUT
             except SweepInterrupted as e:
                 say(f"\ninterrupted: {e}\nfinish it with:\n  {e.resume}")
+                return EXIT_INTERRUPTED
+            except KeyboardInterrupt:  # before Tune took the signal (Ray starting, the calibration) or a second one
+                try:
+                    load_state(storage_root(spec), spec.name, lock.experiment)
+                except specs.SpecError:  # stopped before the run saved its state: nothing to resume
+                    say("\ninterrupted before the sweep started; run the same command again")
+                else:
+                    say("\ninterrupted; finish it with:\n  "
+                        + resume_command({"experiment": lock.experiment, "command": command}))
                 return EXIT_INTERRUPTED
             except Exception as e:  # a write the watch did not see coming (the driver's own, Tune's) met a full disk
                 if not disk.is_disk_full(e):
@@ -634,6 +644,24 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_TRIALS_FAILED if outcome.failed else 0
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (``ray job stop``, a scheduler's preemption, ``kill``) stops the sweep as Ctrl-C does: the handler of
+    SIGINT at that moment runs (Tune's while trials run: it saves the experiment and stops; else KeyboardInterrupt),
+    so the sweep ends with exit 130 and the command that resumes it. Ray's own handler (``sys.exit`` inside the
+    driver) ended it with an abort, exit 134, and no resume line."""
+    import signal
+
+    def interrupt(signum, frame):
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def exit_now(code: int) -> None:
     """End the CLI: its output flushed, Ray shut down and the exit handlers run, then the process exits without
     Python's teardown of its modules (~2.5 s of freeing torch's and Ray's objects on 2 cores, nothing the sweep
@@ -646,7 +674,10 @@ def exit_now(code: int) -> None:
 
     sys.stdout.flush()
     sys.stderr.flush()
-    ray.shutdown()
+    try:
+        ray.shutdown()
+    except KeyboardInterrupt:  # a Ctrl-C more while it ends: the sweep has said how it ended
+        pass
     atexit._run_exitfuncs()
     os._exit(code)
 

@@ -55,6 +55,7 @@ class SweepRecorder:
         self.has_rel = {tid for tid, r in earlier.items() if REL in r.data.metrics} | {
             op["key"] for op in kept if op["op"] == "metrics" and REL in op["metrics"]}
         self.interrupted = {tid for tid, r in earlier.items() if INTERRUPTED in r.data.tags}
+        self.errored = {tid for tid, r in earlier.items() if mlflow_layout.ERROR in r.data.tags}  # FAILED before
         self.began: dict[str, float] = {}  # trial id -> when it (last) started, epoch seconds
         self.system = DriverMetrics(self.out)  # the driver's CPU and memory on the parent run
 
@@ -86,9 +87,12 @@ class SweepRecorder:
         tid = trial["trial_id"]
         if self.out.knows(tid):
             self.out.submit("update", tid, status="RUNNING")
-            if tid in self.interrupted:  # marked by the start of another run while this one's driver was dead
+            if tid in self.interrupted:  # marked as its driver stopped, or by a later start while it was dead
                 self.out.submit("untag", tid, tag=INTERRUPTED)
                 self.interrupted.discard(tid)
+            if tid in self.errored:  # an earlier attempt's error: this one starts clean (a pass kept it)
+                self.out.submit("untag", tid, tag=mlflow_layout.ERROR)
+                self.errored.discard(tid)
             return
         start = time.time() if start is None else start
         tags = {mlflow_layout.PARENT: self.parent_id, mlflow_layout.SWEEP_RUN: self.parent_id,
@@ -223,6 +227,17 @@ class SweepRecorder:
 
     def end_parent(self, status: str) -> None:
         self._close(PARENT, status)
+
+    def end_interrupted(self, resume: str | None) -> None:
+        """The sweep stops before its end (Ctrl-C, SIGTERM, a full disk, an error): the parent and every trial run it
+        left open end KILLED, tagged with the command that resumes them (they stayed RUNNING for ever, and no later
+        start marked them); a ``--resume`` opens them again, untagged, as after a dead driver."""
+        tags = {INTERRUPTED: f"the sweep stopped before its end; resume with: {resume}"} if resume else {}
+        for tid in self.began:
+            if tid not in self.ended:
+                self._close(tid, "KILLED", tags=tags)  # not ended: a resume continues it
+                self.interrupted.add(tid)
+        self._close(PARENT, "KILLED", tags=tags)
 
     def unlogged(self, timeout_s: float) -> list[str]:
         """Wait up to ``timeout_s`` for every write to reach MLflow; the trials (and "the sweep's parent run") whose

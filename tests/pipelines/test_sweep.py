@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import signal
 import textwrap
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -165,6 +166,70 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     runs = tracking.trial_runs(c, parent)
     assert runs["promprune-b8"].data.metrics["rel"] == pytest.approx((0.6 / 0.8 + 600 / 800) / 2)  # MME: perception
     assert runs["baseline"].data.metrics["rel"] == pytest.approx(1.0)
+
+
+def test_a_stopped_sweep_ends_its_open_trial_runs_killed_and_a_resume_opens_them_clean(workdir):
+    """Ctrl-C, SIGTERM or a full disk ended the parent run KILLED and left the trial in flight RUNNING for ever (no
+    later start marks it: only a dead driver's parent is looked at); a failed attempt's error tag stayed on the run
+    a resume then finished. Read back from the MLflow store, as the UI shows them."""
+    spec = small_spec()
+    c = tracking.client()
+    parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {})
+    recorder = SweepRecorder(spec, parent, SweepConsole(3))
+    done, open_, failed = (specs.Trial(m, 8, {}).to_dict() for m in ("divprune", "promprune", "vispruner"))
+    for trial in (done, open_, failed):
+        recorder.started(trial)
+    recorder._end(done["trial_id"], "FINISHED")
+    recorder.record_error(failed, "RuntimeError: lost a GPU")
+    recorder.end_interrupted("python pipelines/sweep.py --resume e2e-1")
+    assert recorder.unlogged(60) == []
+    recorder.close()
+    runs = tracking.latest_trial_runs(c, parent)
+    assert {tid: r.info.status for tid, r in runs.items()} == {
+        "divprune-b8": "FINISHED", "promprune-b8": "KILLED", "vispruner-b8": "FAILED"}
+    assert runs["promprune-b8"].data.tags[mlflow_layout.INTERRUPTED] == \
+        "the sweep stopped before its end; resume with: python pipelines/sweep.py --resume e2e-1"
+    assert c.get_run(parent).info.status == "KILLED" and mlflow_layout.INTERRUPTED in c.get_run(parent).data.tags
+
+    tracking.reopen(c, parent)  # the resume
+    again = SweepRecorder(spec, parent, SweepConsole(3))
+    for trial in (open_, failed):
+        again.started(trial)
+    assert again.unlogged(60) == []
+    again.close()
+    runs = tracking.latest_trial_runs(c, parent)
+    assert runs["promprune-b8"].info.status == runs["vispruner-b8"].info.status == "RUNNING"
+    assert mlflow_layout.INTERRUPTED not in runs["promprune-b8"].data.tags
+    assert mlflow_layout.ERROR not in runs["vispruner-b8"].data.tags
+
+
+def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):
+    """SIGTERM (`ray job stop`, a scheduler's preemption) ended the driver in Ray's own handler: an abort (exit 134),
+    no resume line, and the trial in flight RUNNING in MLflow for ever. Now: exit 130, the resume command, the parent
+    and that trial's run KILLED and tagged with it."""
+    gate = tmp_path / "gate"  # never opened: the trial stays in flight
+    (tmp_path / "gated.py").write_text(textwrap.dedent(GATED.format(gate=str(gate))))
+    spec_path = tmp_path / "term.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "term", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 2, "plugins": ["gated.py"], "baseline": False, "grid": {"method": ["gated"], "budget": [8]},
+        "generation": {"max_new_tokens": 2}}))
+    proc = spawn_sweep(spec_path, tmp_path)
+    head = read_until(proc, "[start] gated-b8", timeout=300)
+    time.sleep(2)  # its block at the gate
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=180)
+    assert proc.returncode == sweep.EXIT_INTERRUPTED, head + rest
+    assert "finish it with:" in rest and "--resume term-" in rest and "Traceback" not in rest, rest
+
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (parent,) = c.search_runs([c.get_experiment_by_name(mlflow_layout.DEFAULT_EXPERIMENT).experiment_id],
+                              filter_string="tags.`promprune.role` = 'sweep'")
+    run = tracking.latest_trial_runs(c, parent.info.run_id)["gated-b8"]
+    assert parent.info.status == run.info.status == "KILLED"
+    assert "--resume term-" in run.data.tags[mlflow_layout.INTERRUPTED]
 
 
 @pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's
