@@ -5,13 +5,16 @@ GPT-4o rate each image's semantic concentration from 1 (highly distributed) to 5
 prompt of its Fig. B1, and plotted, per rating, the mean of three normalized entropies of LLaVA-1.5-7B's projected
 visual tokens: spectral (the method's), feature-norm and attention entropy. This script does the same:
 
-1. setup: the spec (``sweeps/fig2_concentration.yaml``), the judge's key (missing: exit 2 at once, nothing
-   loaded), the tasks, model and MLflow store (``pipelines.preflight``); the ratings cached by earlier runs (the
-   latest ``fig2_concentration`` run's ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
+1. setup: the spec (``sweeps/fig2_concentration.yaml``), the judge's key and endpoint (one test request about a
+   small image, no retries: a missing or refused key, a URL without http(s) or an endpoint that does not answer
+   exits 2 in seconds, nothing loaded, no MLflow run made), ``--cache`` and ``--judge-workers``, the tasks, model
+   and MLflow store (``pipelines.preflight``); the ratings cached by earlier runs (the latest
+   ``fig2_concentration`` run's ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
 2. images: ``limit`` documents of each task, every k-th from a seeded start (``calibration.seed``), so they span
    the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``);
 3. ratings: one Chat Completions request per image not in the cache (``pipelines/judge.py``), the cache saved after
-   each; so a rerun asks nothing;
+   each; so a rerun asks about no image again (only setup's test request is sent); no image rated (every request
+   failed, or no reply held a score): the run fails here;
 4. entropies: the three metrics per image with the spec's model (``pipelines.calibration.image_entropies``: the vision
    encoder and the split only, no generation);
 5. MLflow: a parent run (tags ``promprune.role=figure``, ``promprune.sweep=<spec name>``) with the resolved spec,
@@ -28,8 +31,9 @@ visual tokens: spectral (the method's), feature-norm and attention entropy. This
 
 Key and endpoint as for MM-Vet's judge: ``API_TYPE`` (openai | azure...) picks ``OPENAI_API_KEY`` or
 ``AZURE_API_KEY``; ``OPENAI_BASE_URL`` (or ``--judge-base-url``) the endpoint (``pipelines/judge.py``).
-Exit codes: 0 done; 1 the judge failed for good midway (what was rated is cached); 2 bad input (no key, a key
-the endpoint refuses, a bad spec, task, model or store).
+Exit codes: 0 done; 1 the judge failed for good midway, or rated no image (what was rated is cached); 2 bad input
+(no key, a key the endpoint refuses, an endpoint that does not answer, a bad ``--cache`` or ``--judge-workers``, a
+bad spec, task, model or store).
 """
 from __future__ import annotations
 
@@ -103,14 +107,24 @@ def setup(args: argparse.Namespace):
     """(spec, judge, budget), or raises SpecError listing every problem found, the judge's with the spec's; nothing
     is loaded."""
     judge, problems = None, []
+    if args.judge_workers < 1:
+        problems.append(f"--judge-workers: expected an int >= 1 (judge requests in flight at once), got "
+                        f"{args.judge_workers}")
     try:
         judge = judging.ConcentrationJudge.from_env(model=args.judge_model, base_url=args.judge_base_url)
     except judging.JudgeError as exc:
         problems.append(f"judge: {exc}")
+    if judge is not None:
+        problems += preflight.check_concentration_judge(judge)
+    if args.cache:
+        problems += check_cache(Path(args.cache), f"--cache {args.cache}")
     try:
         spec = specs.load(args.config, overrides(args))
     except specs.SpecError as exc:
         raise specs.SpecError(problems + exc.errors, args.config) from None
+    if not args.cache:
+        default = rating_cache_path(args, spec)
+        problems += check_cache(default, f"the rating cache {default} (the default of --cache)")
     plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
     if not spec.limit or spec.limit < 1:
         problems.append("limit: images per task; must be a positive int (the paper: 100)")
@@ -122,6 +136,32 @@ def setup(args: argparse.Namespace):
     if problems:
         raise specs.SpecError(problems, args.config)
     return spec, judge, budget
+
+
+def rating_cache_path(args: argparse.Namespace, spec) -> Path:
+    """``--cache``, else ``outputs/<spec name>/judge_ratings.json``."""
+    return Path(args.cache or Path("outputs") / spec.name / "judge_ratings.json")
+
+
+def check_cache(path: Path, named: str) -> list[str]:
+    """The local rating cache can be read (when it exists) and written: a directory, a file that is no rating cache
+    or a folder that cannot be written would fail after the judge was paid."""
+    fix = "delete it or pass another --cache path (a file; it is created when missing)"
+    if path.is_dir():
+        return [f"{named} is a directory, and the rating cache is a JSON file: pass a file path, e.g. "
+                f"--cache {path / 'judge_ratings.json'}"]
+    if path.exists():
+        try:
+            judging.RatingCache.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable, not JSON or UTF-8, not our format
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            return [f"{named} is not a readable rating cache ({type(exc).__name__}: {why}); {fix}"]
+    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+    if path.exists() and not os.access(path, os.W_OK):
+        return [f"{named} is not writable, and every new rating is saved to it; pass another --cache path"]
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return [f"{named} cannot be created: {folder} is not a writable folder; pass another --cache path"]
+    return []
 
 
 def pick_budget(spec) -> tuple[int, str | None]:
@@ -225,6 +265,17 @@ def table(requests: list, ratings: list, values: dict[str, list[float]]):
     return frame
 
 
+def no_rating_message(ratings: list) -> str:
+    """Why no image has a rating: the failed requests (the last one's error) and the replies without a score."""
+    failed = [r for r in ratings if r.error is not None]
+    unparsable = [r for r in ratings if r.error is None]
+    parts = [f"{len(failed)} judge request(s) failed (the last: {failed[-1].error})"] if failed else []
+    parts += [f"{len(unparsable)} repl{'y' if len(unparsable) == 1 else 'ies'} held no 1-5 score (e.g. "
+              f"{(unparsable[0].reply or '')[:80]!r}: is --judge-model a vision model that follows the prompt?)"] \
+        if unparsable else []
+    return f"none of the {len(ratings)} images got a rating, so there is no figure to draw: {'; '.join(parts)}"
+
+
 def log_outputs(client, run_id: str, frame, out: Path, spec, judge) -> Path | None:
     """CSV, per-rating table, figure and report.md into ``out`` and onto the run; the metrics."""
     from pipelines.recording import tracking
@@ -256,7 +307,7 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
 
     client = tracking.client()
     experiment = tracking.experiment_id(client)
-    cache_path = Path(args.cache or Path("outputs") / spec.name / "judge_ratings.json")
+    cache_path = rating_cache_path(args, spec)
     found, source_run = previous_cache(client, experiment, spec.name)
     cache = judging.RatingCache.load(cache_path).merge(found)
     print(f"rating cache: {len(cache)} ratings ({cache_path}"
@@ -282,6 +333,8 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
         print(f"rating {len(requests)} images with {judge.model} at {judge.url.split('?')[0]}", flush=True)
         ratings = judging.rate_images(judge, cache, [(q.task, q.doc_id, q.image) for q in requests],
                                       workers=args.judge_workers, on_new=lambda _: cache.save(cache_path))
+        if ratings and all(r.rating is None for r in ratings):  # nothing to plot: not a figure, a failure
+            raise judging.JudgeError(no_rating_message(ratings))
         print(f"measuring the entropies with {spec.model.pretrained}", flush=True)
         images = [decode_image(q.image, f"{q.task} doc {q.doc_id}") for q in requests]
         values = entropies(spec, budget, images)

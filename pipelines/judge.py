@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 import openai
 
@@ -126,11 +128,24 @@ def missing_key_message() -> str | None:
             "(any non-empty value when it checks none).")
 
 
-def base_url_from_env() -> str:
+def endpoint_setting() -> tuple[str | None, str]:
+    """(the environment variable that names the endpoint's API root, its value); (None, the default) when none
+    does."""
     for name in ENDPOINT_ENVS:  # the OpenAI SDK's name first, then lmms-eval's
         if os.environ.get(name):
-            return os.environ[name]
-    return DEFAULT_BASE_URL
+            return name, os.environ[name]
+    return None, DEFAULT_BASE_URL
+
+
+def url_problem(url: str, where: str) -> str | None:
+    """Why ``url``, set by ``where`` (a flag or an environment variable), cannot be the judge's endpoint, or None.
+    Without a scheme (``localhost:8000``) the SDK would retry a URL it can never reach for a minute."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https") and parsed.netloc:
+        return None
+    return (f"{where} {url!r} is not an http(s) URL: give the judge endpoint's API root with its scheme, e.g. "
+            "http://127.0.0.1:8000/v1 for a local vLLM or SGLang server (--judge-base-url, else OPENAI_BASE_URL, "
+            "names it; neither: https://api.openai.com/v1)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,20 +247,24 @@ class ConcentrationJudge:
     def from_env(cls, *, model: str = DEFAULT_MODEL, base_url: str | None = None, **options) -> ConcentrationJudge:
         """The judge as the environment configures it (module docstring); ``base_url`` overrides the endpoint's
         API root (with Azure, the SDK's ``.../openai`` root, under which it adds ``deployments/<model>/...``).
-        Raises :class:`JudgeAuthError` with :func:`missing_key_message` when the key is not set."""
+        Raises :class:`JudgeAuthError` with :func:`missing_key_message` when the key is not set, :class:`JudgeError`
+        when the endpoint is not an http(s) URL (:func:`url_problem`, naming ``base_url`` as ``--judge-base-url``)."""
         problem = missing_key_message()
         if problem:
             raise JudgeAuthError(problem)
         env, azure = api_key_env(), is_azure()
-        endpoint = None
+        endpoint, where = None, "--judge-base-url"
         if azure and not base_url:
-            endpoint = os.environ.get("AZURE_ENDPOINT", "").rstrip("/")
+            endpoint, where = os.environ.get("AZURE_ENDPOINT", "").rstrip("/"), "AZURE_ENDPOINT"
             if not endpoint:
                 raise JudgeError("API_TYPE selects Azure OpenAI but AZURE_ENDPOINT is not set (e.g. "
                                  "https://<resource>.openai.azure.com); set it, or pass the API root as base_url")
             options.setdefault("api_version", os.environ.get("API_VERSION", AZURE_API_VERSION))
-        elif not azure:
-            base_url = base_url or base_url_from_env()
+        elif not azure and not base_url:
+            where, base_url = endpoint_setting()
+        problem = None if where is None else url_problem(endpoint or base_url, where)
+        if problem:
+            raise JudgeError(problem)
         return cls(api_key=os.environ[env], base_url=base_url, key_env=env, model=model, azure=azure,
                    azure_endpoint=endpoint, **options)
 
@@ -284,14 +303,25 @@ class ConcentrationJudge:
                              f"{' after ' + str(attempts) + ' attempts' if attempts > 1 else ''}: {detail}",
                              status) from None
         except openai.APIConnectionError as exc:  # timeouts included
-            reason = exc.__cause__ or exc
-            raise JudgeError(f"the judge endpoint {self.url} could not be reached after {self._local.attempts} "
-                             f"attempts ({type(reason).__name__}: {reason})") from None
+            reason, attempts = exc.__cause__ or exc, self._local.attempts
+            raise JudgeError(f"the judge endpoint {self.url} could not be reached after {attempts} "
+                             f"attempt{'s' if attempts != 1 else ''} ({type(reason).__name__}: {reason})") from None
         except openai.APIError as exc:  # a 2xx body the SDK could not read
             raise JudgeError(f"the judge endpoint {self.url} did not return a Chat Completion: {exc}") from None
         text, answered_by = _completion_text(completion, self.url)
         return Reply(text=text, rating=parse_rating(text), model=answered_by or self.model,
                      attempts=self._local.attempts)
+
+    def probe(self, timeout: float) -> JudgeError | None:
+        """Ask about one small grey image once, through a copy of this judge with no retries and ``timeout`` seconds
+        (its request is not counted in ``requests_sent``): None when the endpoint answered, whatever the reply,
+        else why not (:class:`JudgeAuthError` for a refused key)."""
+        quick = replace(self, timeout=timeout, max_retries=0)
+        try:
+            quick.ask(probe_png())
+        except JudgeError as exc:
+            return exc
+        return None
 
     def _auth_message(self, status: int, detail: str) -> str:
         what = "refused the API key" if status == 401 else "does not let this API key use the model"
@@ -300,6 +330,15 @@ class ConcentrationJudge:
                 f"a valid key for this endpoint{'' if status == 401 else ' with access to model ' + repr(self.model)}"
                 ". The endpoint comes from OPENAI_BASE_URL (or --judge-base-url); check it points where the key "
                 "belongs.")
+
+
+def probe_png() -> bytes:
+    """A 64x64 grey PNG: small, and above the smallest side vision processors take (Qwen2-VL's 28 pixels)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (128, 128, 128)).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _error_detail(exc: openai.APIStatusError) -> str:

@@ -142,6 +142,23 @@ def probe_judge() -> str | None:
     return None
 
 
+def check_concentration_judge(judge) -> list[str]:
+    """The Fig. 2 judge (a ``pipelines.judge.ConcentrationJudge``) answers one request about a small image now, with
+    no retries: a dead endpoint, a URL that is no API root, a refused key or an unknown model stops the figure in
+    seconds instead of a minute of retries per image."""
+    from pipelines.judge import JudgeAuthError
+
+    error = judge.probe(JUDGE_PROBE_TIMEOUT_S)
+    if error is None:
+        return []
+    if isinstance(error, JudgeAuthError):  # its message names the key's variable and the endpoint's settings
+        return [f"judge: {error}"]
+    where = "AZURE_ENDPOINT (or --judge-base-url)" if judge.azure else "--judge-base-url (else OPENAI_BASE_URL)"
+    return [f"judge: a test request failed: {error}. Point {where} at the API root of a live OpenAI-compatible "
+            f"server that serves the judge model {judge.model!r} (--judge-model), e.g. http://127.0.0.1:8000/v1, "
+            f"with the key it accepts in {judge.key_env}"]
+
+
 def budgets(spec: SweepSpec) -> dict[str, int]:
     """Every budget a trial may run, by where it comes from: the trials known before the sweep (by id), and the
     grid's budget values a search may choose (``grid.budget=<b>``)."""

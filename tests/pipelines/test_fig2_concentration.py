@@ -46,11 +46,11 @@ def test_figure_artifacts_and_a_free_rerun(cli, store, tmp_path, monkeypatch):  
         monkeypatch.setenv("OPENAI_API_KEY", "test-key")
         first = cli("--judge-base-url", server.base_url)
         assert first.returncode == 0, first.stderr
-        assert server.count == 4
+        assert server.count == 5  # setup's test request, then the four images
         (tmp_path / "cache.json").unlink()  # the MLflow artifact alone must make the rerun free
         second = cli("--judge-base-url", server.base_url)
         assert second.returncode == 0, second.stderr
-        assert server.count == 4, "the rerun asked the judge again"
+        assert server.count == 6, "the rerun asked the judge about an image again"
     runs = figure_runs(client, exp)
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
     run = runs[1]
@@ -87,15 +87,84 @@ def test_the_judges_problem_comes_with_the_specs(cli, monkeypatch):
         assert_clean_error(proc, "2 problem(s)", "  - judge: ", "OPENAI_API_KEY is not set", f"  - {needle}")
 
 
-def test_a_refused_key_fails_before_the_model_loads(cli, store, monkeypatch):  # noqa: F811
+def nothing_loaded(monkeypatch):
+    """Fail the test if the benchmark's documents are read or the model is loaded."""
     monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(fig2, "sample_requests", lambda *a, **k: pytest.fail("the task's documents were read"))
+
+
+def test_a_refused_key_fails_before_anything_loads(cli, store, monkeypatch):  # noqa: F811
+    nothing_loaded(monkeypatch)
     with FakeOpenAI(key="right") as server:
         monkeypatch.setenv("OPENAI_API_KEY", "wrong")
         proc = cli("--judge-base-url", server.base_url, "--judge-workers", "1")
-        assert server.count == 1
+        assert server.count == 1  # setup's test request
     assert_clean_error(proc, "HTTP 401", "OPENAI_API_KEY")
+    assert figure_runs(*store) == []  # refused in setup: no MLflow run
+
+
+def test_an_endpoint_that_does_not_answer_is_refused_in_seconds(cli, monkeypatch):
+    """A dead endpoint, or a URL without http(s) from the flag or OPENAI_BASE_URL: refused in setup after one test
+    request without retries (it used to retry every image for ~40-60 s, then finish with an empty table or exit 1)."""
+    import socket
+    import time
+
+    nothing_loaded(monkeypatch)
+    monkeypatch.setenv("OPENAI_API_KEY", "x")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    assert_clean_error(cli("--judge-base-url", f"http://127.0.0.1:{port}/v1"), "1 problem(s)",
+                       f"judge: a test request failed: the judge endpoint http://127.0.0.1:{port}/v1/chat/completions "
+                       "could not be reached after 1 attempt (ConnectError",
+                       "Point --judge-base-url (else OPENAI_BASE_URL) at the API root of a live OpenAI-compatible "
+                       "server that serves the judge model 'gpt-4o' (--judge-model)")
+    assert time.monotonic() - started < 30  # no retries (the SDK's 6 took ~40 s); the rest is loading the spec
+    assert_clean_error(cli("--judge-base-url", "localhost:8000"),
+                       "judge: --judge-base-url 'localhost:8000' is not an http(s) URL")
+    monkeypatch.setenv("OPENAI_BASE_URL", "localhost:8000")
+    assert_clean_error(cli(), "judge: OPENAI_BASE_URL 'localhost:8000' is not an http(s) URL")
+
+
+def test_a_bad_cache_or_worker_count_is_refused_up_front(cli, tmp_path, monkeypatch):
+    """``--cache`` a directory or a file that is no rating cache, ``--judge-workers`` below 1: refused in setup (they
+    were a traceback after the judge was paid, and silently taken)."""
+    nothing_loaded(monkeypatch)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "corrupt.json").write_text('{"format": "promprune.judge.ratings/1", "entries": [')
+    (tmp_path / "other.json").write_text('{"some": "json"}')
+    with FakeOpenAI(key="k") as server:
+        monkeypatch.setenv("OPENAI_API_KEY", "k")
+        url = ("--judge-base-url", server.base_url)
+        assert_clean_error(cli(*url, "--cache", str(tmp_path / "folder")), "1 problem(s)",
+                           f"--cache {tmp_path / 'folder'} is a directory, and the rating cache is a JSON file: pass "
+                           f"a file path, e.g. --cache {tmp_path / 'folder' / 'judge_ratings.json'}")
+        for name, why in (("corrupt.json", "JSONDecodeError"), ("other.json", "ValueError: not a rating cache")):
+            assert_clean_error(cli(*url, "--cache", str(tmp_path / name)),
+                               f"--cache {tmp_path / name} is not a readable rating cache ({why}",
+                               "delete it or pass another --cache path")
+        for workers in ("0", "-3"):
+            assert_clean_error(cli(*url, "--judge-workers", workers), "1 problem(s)",
+                               f"--judge-workers: expected an int >= 1 (judge requests in flight at once), got "
+                               f"{workers}")
+
+
+@pytest.mark.parametrize("answer,needle", [
+    ((400, "the image could not be read", {}), "4 judge request(s) failed (the last: the judge endpoint"),
+    ((200, "It is hard to say.", {}), "4 replies held no 1-5 score (e.g. 'It is hard to say.'")])
+def test_no_image_rated_fails_the_run_before_the_model_loads(cli, store, monkeypatch, answer, needle):  # noqa: F811
+    """The endpoint answers the test request but rates no image (every request fails, or no reply holds a score):
+    exit 1 and a FAILED run before the model loads (it used to exit 0 with an empty table, rho nan)."""
+    monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with FakeOpenAI(key="k") as server:
+        server.script = [(200, "3", {})] + [answer] * 4  # setup's test request, then the four images
+        monkeypatch.setenv("OPENAI_API_KEY", "k")
+        proc = cli("--judge-base-url", server.base_url)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "none of the 4 images got a rating, so there is no figure to draw" in proc.stderr and needle in proc.stderr
     [run] = figure_runs(*store)
-    assert run.info.status == "FAILED" and "401" in run.data.tags[mlflow_layout.ERROR]
+    assert run.info.status == "FAILED" and "none of the 4 images" in run.data.tags[mlflow_layout.ERROR]
 
 
 def test_unparsable_ratings_are_left_out_of_the_figure_not_fatal(tmp_path):

@@ -259,3 +259,32 @@ def test_a_skipped_judge_task_is_said_on_the_console(env):
     (note,) = judge_notes(["mmvet", "pope"])
     assert note.startswith("note:") and "OPENAI_API_KEY" in note and "mmvet" in note
     assert check_judges(["mmvet"]) == []  # skipped, so nothing to probe
+
+
+@pytest.mark.parametrize("where,url", [("--judge-base-url", "localhost:8000"), ("OPENAI_BASE_URL", "localhost:8000"),
+                                       ("OPENAI_API_URL", "127.0.0.1:8000/v1"), ("--judge-base-url", "ftp://h/v1"),
+                                       ("AZURE_ENDPOINT", "res.openai.azure.com")])
+def test_an_endpoint_without_http_is_refused_by_its_setting(env, where, url):
+    """A URL without http(s) (the SDK retried one it can never reach for a minute) is refused when the judge is
+    built, naming the flag or variable that set it; nothing is sent."""
+    env.setenv("OPENAI_API_KEY", "k")
+    if where.startswith("AZURE"):
+        env.setenv("API_TYPE", "azure")
+        env.setenv("AZURE_API_KEY", "k")
+    if not where.startswith("--"):
+        env.setenv(where, url)
+    with pytest.raises(judging.JudgeError) as err:
+        make_judge(**({"base_url": url} if where.startswith("--") else {}))
+    assert str(err.value).startswith(f"{where} {url!r} is not an http(s) URL: give the judge endpoint's API root "
+                                     "with its scheme, e.g. http://127.0.0.1:8000/v1")
+
+
+def test_the_probe_asks_once_without_retries_and_is_not_counted(server):
+    judge = make_judge(max_retries=6)
+    assert judge.probe(timeout=5) is None
+    assert server.count == 1 and judge.requests_sent == 0  # the probe's request is not one of the ratings'
+    server.script = [(500, "overloaded", FAST_RETRY)]
+    error = judge.probe(timeout=5)
+    assert "answered HTTP 500: overloaded" in str(error) and server.count == 2  # no retry
+    server.script = [(401, "no", {})]
+    assert isinstance(judge.probe(timeout=5), judging.JudgeAuthError)
