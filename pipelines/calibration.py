@@ -211,19 +211,25 @@ def _plain(described: dict) -> dict:
 
 def ship(spec_path: str, overrides: list[str] | None = None) -> str:
     """Measure the calibration a spec's ``mu: calibrate`` trials need here (CPU) and write it to `SHIPPED`;
-    returns its key."""
+    returns its key. A spec with nothing to ship here (no such trial, weights that cannot be named, calibration
+    images this machine cannot read: `check_source`) raises SpecError before the model loads."""
     from pipelines import spec as specs
 
     spec = specs.load(spec_path, overrides or [])
     trials = specs.expand(spec)
     metrics = metrics_to_calibrate(trials)
     if not metrics:
-        raise SystemExit(f"{spec_path}: no trial sets mu: calibrate")
+        raise specs.SpecError(["trials: no trial sets mu: calibrate, so there is no calibration to ship (add one, "
+                               "e.g. --set 'trials=[{method: promprune, budget: 16, mu: calibrate}]')"], spec_path)
+    problem = check_source(spec.calibration.images)
+    if problem:
+        raise specs.SpecError([problem], spec_path)
     budget = budget_of(trials)
     described = settings(spec.model, spec.calibration, metrics, budget, on_gpu=False)
     if described is None:
-        raise SystemExit(f"{spec.model.pretrained}: its weights cannot be named without loading them; only "
-                         "calibrations of named weights are shipped")
+        raise specs.SpecError([f"model.pretrained: {spec.model.pretrained}'s weights cannot be named without loading "
+                               "them, and only calibrations of named weights are shipped (testbed:llava's); a sweep "
+                               "of this model measures its calibration when it starts"], spec_path)
     results = run(spec.model, spec.calibration, metrics, budget)
     entries = json.loads(SHIPPED.read_text()) if SHIPPED.exists() else {}
     entries[key(described)] = {"settings": _plain(described), "results": results,
@@ -233,22 +239,26 @@ def ship(spec_path: str, overrides: list[str] | None = None) -> str:
     return key(described)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     import argparse
-
-    parser = argparse.ArgumentParser(description="Ship the calibration of a spec's mu: calibrate trials "
-                                                 f"({SHIPPED.name}): measured here, on the CPU.")
-    parser.add_argument("--ship", required=True, metavar="SPEC", help="a sweep spec, e.g. sweeps/quickstart.yaml")
-    parser.add_argument("--set", action="append", default=[], dest="overrides", help="spec overrides (key=value)")
-    args = parser.parse_args()
     import sys
 
     from pipelines import spec as specs
     from pipelines.frontdoor import EXIT_BAD_INPUT
 
+    parser = argparse.ArgumentParser(description="Ship the calibration of a spec's mu: calibrate trials "
+                                                 f"({SHIPPED.name}): measured here, on the CPU.")
+    parser.add_argument("--ship", required=True, metavar="SPEC", help="a sweep spec, e.g. sweeps/quickstart.yaml")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", help="spec overrides (key=value)")
+    args = parser.parse_args(argv)
     try:
         shipped = ship(args.ship, args.overrides)
-    except specs.SpecError as exc:  # a spec that cannot be read or is wrong: said in its paragraph, no traceback
+    except specs.SpecError as exc:  # a spec that cannot be read, is wrong or ships nothing: its paragraph, no traceback
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     print(f"{SHIPPED}: {shipped}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

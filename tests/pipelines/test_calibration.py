@@ -178,3 +178,39 @@ def test_shipping_a_spec_that_cannot_be_read_is_one_paragraph(tmp_path):
             specs.load(str(path))
         assert (out.returncode, out.stderr.strip()) == (2, f"error: {raised.value}")
     assert calibration.SHIPPED.read_bytes() == before
+
+
+@pytest.mark.parametrize("images,needle", [
+    ("/nonexistent/imgs", "calibration.images: '/nonexistent/imgs' is not a folder here"),
+    ("testbed:trian", "calibration.images: 'testbed:trian': the testbed has the splits"),
+    ("hf:nosuch/ds", "calibration.images ('hf:nosuch/ds') reads the Hugging Face hub dataset 'nosuch/ds', which is "
+                     "not in this machine's datasets cache")])
+def test_shipping_images_that_cannot_be_read_is_refused_before_the_model_loads(images, needle, tmp_path, monkeypatch,
+                                                                               capsys):
+    """``--ship`` checks the calibration source as the sweep does (`check_source`): it used to load the model, then
+    fail with a ValueError or a ConnectionError traceback."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("LMMS_EVAL_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(calibration, "run", lambda *a, **k: pytest.fail("the model was loaded"))
+    before = calibration.SHIPPED.read_bytes()
+    with pytest.raises(specs.SpecError, match="1 problem") as raised:
+        calibration.ship("sweeps/quickstart.yaml", [f"calibration.images={images}"])
+    assert needle in str(raised.value)
+    assert calibration.main(["--ship", "sweeps/quickstart.yaml", "--set", f"calibration.images={images}"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {raised.value}"
+    assert calibration.SHIPPED.read_bytes() == before
+
+
+def test_shipping_a_spec_without_a_calibrating_trial_is_bad_input():
+    """No trial sets mu: calibrate: exit 2 (bad input), as every refusal of the command line (it exited 1)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", "pipelines.calibration", "--ship", "sweeps/quickstart.yaml", "--set",
+                          "trials=[]"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("error: sweeps/quickstart.yaml: 1 problem(s):\n  - trials: no trial sets mu: "
+                                 "calibrate, so there is no calibration to ship")
