@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="checkpoint name/path, or a factory name: tiny-easyvqa:llava (default; trained on easy-vqa, "
                         "so its scores mean something), tiny:<arch> (random weights), shape:<name>")
     p.add_argument("--method", default=None, help="pruning method; omit for the unpruned model")
-    p.add_argument("--budget", type=int, default=None, help="visual tokens kept (with --method)")
+    p.add_argument("--budget", type=int, default=None, help="visual tokens kept (required with --method)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a method option (with --method) or a model adapter option, value parsed as YAML "
                         "(repeatable), e.g. --option mu=0.4")
@@ -79,10 +79,12 @@ def spec_of(args: argparse.Namespace) -> dict:
     (`promprune.models.ADAPTER_OPTIONS`) as the model's; no method: the unpruned model (the spec's baseline).
     Relative paths are from the working directory. A command line that makes no such spec (an ``--option`` that is
     not KEY=VALUE or whose value is not YAML; ``--budget`` or a method's option without ``--method``, which the
-    unpruned model would ignore; an ``--include-path`` that is not a directory) raises SpecError naming every such
+    unpruned model would ignore; ``--method`` without ``--budget``; ``--option mu=calibrate``, which needs a sweep
+    spec's calibration images; an ``--include-path`` that is not a directory) raises SpecError naming every such
     flag as typed, before anything is imported or checked."""
     import yaml
 
+    from pipelines.calibration import CALIBRATE
     from promprune.models import ADAPTER_OPTIONS
 
     options, problems = {}, []
@@ -99,6 +101,14 @@ def spec_of(args: argparse.Namespace) -> dict:
                             "special characters")
     adapter = {k: v for k, v in options.items() if k in ADAPTER_OPTIONS}
     method = {k: v for k, v in options.items() if k not in ADAPTER_OPTIONS}
+    if args.method is not None and args.budget is None:
+        problems.append(f"--budget: required with --method {args.method} (the visual tokens it keeps of each image), "
+                        "e.g. --budget 64")
+    if args.method is not None and method.get("mu") == CALIBRATE:
+        problems.append("--option mu=calibrate: evaluate.py cannot calibrate mu (calibrating needs calibration.images, "
+                        "which only a sweep spec sets); pass a number, e.g. --option mu=0.42 (CLIP encoders' value), "
+                        "or run a sweep spec with calibration.images and the trial (sweeps/quickstart.yaml calibrates "
+                        "on testbed:train: python pipelines/sweep.py --config sweeps/quickstart.yaml)")
     if args.method is None:
         unused = ([f"--budget {args.budget}"] if args.budget is not None else []) + [f"--option {k}" for k in method]
         problems += [f"{flag}: needs --method (without one the unpruned model runs, keeping every visual token); add "

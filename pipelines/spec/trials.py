@@ -143,6 +143,7 @@ def check_trials(spec: SweepSpec, catalog: MethodCatalog | None = None) -> list[
     need (all errors). Method and option names were checked by the schema."""
     catalog = catalog or MethodCatalog()
     adapter_options, errors = catalog.check_adapter_options(spec.model.options)
+    said = catalog.validate(None, None, {}, adapter_options)  # the adapter options' own problem: once, as model.options
     errors += check_search(spec)
     try:
         trials = expand(spec, catalog=catalog)
@@ -151,15 +152,17 @@ def check_trials(spec: SweepSpec, catalog: MethodCatalog | None = None) -> list[
         trials = []
     for trial in [t for t in trials if t.repeat == 0]:  # a repeat has its first run's config
         problem = _trial_problem(trial, catalog, adapter_options)
+        if problem == said:
+            continue
         if problem and problem.startswith("budget: "):
             errors.append(f"{problem} (trial {trial.trial_id})")
         elif problem:
             errors.append(f"trial {trial.trial_id}: {problem}")
-    errors += _corner_problems(spec, catalog, adapter_options)
+    errors += _corner_problems(spec, catalog, adapter_options, said)
     if metrics_to_calibrate(trials) and not spec.calibration.images:
         errors.append("calibration.images: required when a trial sets mu: calibrate (a folder of images, or "
                       "hf:<dataset id>)")
-    return list(dict.fromkeys(errors))  # one adapter-option problem repeats in every trial: report it once
+    return list(dict.fromkeys(errors))  # a problem repeated word for word (a budget's of several trials): once
 
 
 def check_search(spec: SweepSpec) -> list[str]:
@@ -196,9 +199,11 @@ def _choices(grid: dict) -> dict[str, list]:
     return {k: space.parse(v).finite for k, v in grid.items() if space.parse(v).kind in (space.AXIS, "choice")}
 
 
-def _corner_problems(spec: SweepSpec, catalog: MethodCatalog, adapter_options: dict) -> list[str]:
+def _corner_problems(spec: SweepSpec, catalog: MethodCatalog, adapter_options: dict,
+                     said: str | None = None) -> list[str]:
     """Each search space's corners (a range's bounds, every value of a choice) tried with the grid's other entries
-    inside their own spaces, so that a value a method refuses is named, with its option, before anything runs."""
+    inside their own spaces, so that a value a method refuses is named, with its option, before anything runs
+    (``said``: a problem already reported, which is left out)."""
     firsts = {k: space.parse(v).middle for k, v in spec.grid.items()}
     errors = []
     for key, value in spec.grid.items():
@@ -208,7 +213,7 @@ def _corner_problems(spec: SweepSpec, catalog: MethodCatalog, adapter_options: d
         for corner in space.parse(value).corners:
             for trial in _trials_of([{**firsts, key: corner}], catalog):
                 problem = _trial_problem(trial, catalog, adapter_options)
-                if problem:
+                if problem and problem != said:
                     errors.append(f"grid.{key}: {corner!r} of {described}: {problem}")
     return errors
 

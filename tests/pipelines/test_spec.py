@@ -261,7 +261,13 @@ def test_evaluate_cli_refuses_a_bad_video_frames_before_starting_ray(tmp_path):
      "--option 'mu=[0.4': the value is not valid YAML (expected ',' or ']', but got '<stream end>'); quote strings "
      "with special characters"),
     (["--method", "promprune", "--budget", "8", "--option", "mu"], "--option mu: expected KEY=VALUE"),
-], ids=["budget-without-method", "method-option-without-method", "option-not-yaml", "option-without-value"])
+    (["--method", "promprune"], "--budget: required with --method promprune (the visual tokens it keeps of each "
+                                "image), e.g. --budget 64"),
+    (["--method", "promprune", "--budget", "8", "--option", "mu=calibrate"],
+     "--option mu=calibrate: evaluate.py cannot calibrate mu (calibrating needs calibration.images, which only a sweep "
+     "spec sets); pass a number, e.g. --option mu=0.42"),
+], ids=["budget-without-method", "method-option-without-method", "option-not-yaml", "option-without-value",
+        "method-without-budget", "mu-calibrate"])
 def test_evaluate_spec_refuses_a_command_line_that_makes_no_spec(argv, problem):
     """`evaluate.py`'s command line as a spec: a --budget or a method's option with no --method (the unpruned model
     would run, ignoring it) and an --option that is not KEY=VALUE with a YAML value are refused, named by the flag as
@@ -271,6 +277,28 @@ def test_evaluate_spec_refuses_a_command_line_that_makes_no_spec(argv, problem):
     with pytest.raises(specs.SpecError) as exc:
         evaluate.spec_of(evaluate.parse_args(argv))
     assert len(exc.value.errors) == 1 and exc.value.errors[0].startswith(problem)
+
+
+def test_a_bad_adapter_option_is_reported_once(tmp_path):
+    """A bad value of model.options is the model's problem, said once as model.options, not again for every trial
+    and grid corner that inherits it (evaluate.py said it twice: --option, then trial promprune-b16)."""
+    from pipelines import evaluate
+
+    problem = "option 'budget_mode' must be one of"
+    with pytest.raises(specs.SpecError) as e:
+        load_text(tmp_path, MINIMAL + "model: {options: {budget_mode: bogus}}\n")  # 4 trials
+    assert [m for m in e.value.errors if problem in m] == [m for m in e.value.errors if m.startswith("model.options")]
+    assert len([m for m in e.value.errors if problem in m]) == 1
+    with pytest.raises(specs.SpecError) as e:
+        load_text(tmp_path, "name: t\nversion: 1\nmodel: {options: {budget_mode: bogus}}\ngrid: {method: promprune, "
+                            "budget: 8, tau: {uniform: [0.01, 0.05]}}\ntune: {search: random, num_samples: 2}\n")
+    assert len([m for m in e.value.errors if problem in m]) == 1
+    args = evaluate.parse_args(["--method", "promprune", "--budget", "16", "--option", "budget_mode=bogus"])
+    with pytest.raises(specs.SpecError) as e:
+        specs.parse(evaluate.spec_of(args), source=evaluate.SOURCE)
+    assert evaluate.in_flags(str(e.value), args).splitlines()[1:] == [f"  - --option: {problem} ['per_crop', "
+                                                                      "'global', 'adaptive_views', 'view_quota', "
+                                                                      "'packed', 'released'], got 'bogus'"]
 
 
 def test_evaluate_spec_takes_adapter_options_without_a_method():
