@@ -5,16 +5,18 @@ GPT-4o rate each image's semantic concentration from 1 (highly distributed) to 5
 prompt of its Fig. B1, and plotted, per rating, the mean of three normalized entropies of LLaVA-1.5-7B's projected
 visual tokens: spectral (the method's), feature-norm and attention entropy. This script does the same:
 
-1. setup: the spec (``sweeps/fig2_concentration.yaml``), the judge's key and endpoint (one test request about a
-   small image, no retries: a missing or refused key, a URL without http(s) or an endpoint that does not answer
-   exits 2 in seconds, nothing loaded, no MLflow run made), ``--cache`` and ``--judge-workers``, the tasks, model
-   and MLflow store (``pipelines.preflight``); the ratings cached by earlier runs (the latest
-   ``fig2_concentration`` run's ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
+1. setup: the spec (``sweeps/fig2_concentration.yaml``), the judge's key and endpoint (a missing key or a URL without
+   http(s) exits 2 in seconds, nothing loaded), ``--cache`` and ``--judge-workers``, the tasks, model and MLflow store
+   (``pipelines.preflight``); the ratings cached by earlier runs (the latest ``fig2_concentration`` run's
+   ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
 2. images: ``limit`` documents of each task, every k-th from a seeded start (``calibration.seed``), so they span
-   the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``);
+   the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``); where
+   the cache lacks a rating of one, the judge answers one test request about a small image, no retries (a refused
+   key, an unknown model or an endpoint that does not answer exits 2 in seconds, the model not loaded, no MLflow
+   run made);
 3. ratings: one Chat Completions request per image not in the cache (``pipelines/judge.py``), the cache saved after
-   each; so a rerun asks about no image again (only setup's test request is sent); no image rated (every request
-   failed, or no reply held a score): the run fails here;
+   each; so a rerun asks the judge nothing (it may be offline); no image rated (every request failed, or no reply
+   held a score): the run fails here;
 4. entropies: the three metrics per image with the spec's model (``pipelines.calibration.image_entropies``: the vision
    encoder and the split only, no generation);
 5. MLflow: a parent run (tags ``promprune.role=figure``, ``promprune.sweep=<spec name>``) with the resolved spec,
@@ -114,8 +116,6 @@ def setup(args: argparse.Namespace):
         judge = judging.ConcentrationJudge.from_env(model=args.judge_model, base_url=args.judge_base_url)
     except judging.JudgeError as exc:
         problems.append(f"judge: {exc}")
-    if judge is not None:
-        problems += preflight.check_concentration_judge(judge)
     if args.cache:
         problems += check_cache(Path(args.cache), f"--cache {args.cache}")
     try:
@@ -318,6 +318,12 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
     requests = [q for q in requests if not q.error]
     for q in broken:
         print(f"skipped {q.task} doc {q.doc_id}: {q.error}", file=sys.stderr)
+    items = [(q.task, q.doc_id, q.image) for q in requests]
+    if judging.uncached(judge, cache, items):  # the judge is asked, so it must answer (a cached rerun asks nothing)
+        problems = preflight.check_concentration_judge(judge)
+        if problems:
+            print(f"error: {specs.SpecError(problems, args.config)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     started = time.time()
     run_id = client.create_run(experiment, run_name=spec.name, tags={
         mlflow_layout.ROLE: ROLE_FIGURE, mlflow_layout.SWEEP: spec.name, mlflow_layout.VERSION: str(spec.version),
@@ -331,7 +337,7 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
     status, code = "FAILED", EXIT_JUDGE_FAILED
     try:
         print(f"rating {len(requests)} images with {judge.model} at {judge.url.split('?')[0]}", flush=True)
-        ratings = judging.rate_images(judge, cache, [(q.task, q.doc_id, q.image) for q in requests],
+        ratings = judging.rate_images(judge, cache, items,
                                       workers=args.judge_workers, on_new=lambda _: cache.save(cache_path))
         if ratings and all(r.rating is None for r in ratings):  # nothing to plot: not a figure, a failure
             raise judging.JudgeError(no_rating_message(ratings))

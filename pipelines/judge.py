@@ -456,6 +456,15 @@ class RatingCache:
 # many images
 
 
+def uncached(judge: ConcentrationJudge, cache: RatingCache, items: Iterable[tuple[str, int, bytes]]) -> int:
+    """How many of the ``(task, doc_id, png)`` items :func:`rate_images` would ask ``judge`` about (``cache`` holds
+    neither the item nor its image under the judge's model and prompt)."""
+    model, p_sha = judge.model, judge.prompt_sha
+    return sum(1 for task, doc_id, png in items
+               if cache.get(task, doc_id, model, p_sha, i_sha := image_sha(png)) is None
+               and cache.same_image(model, p_sha, i_sha) is None)
+
+
 def rate_images(judge: ConcentrationJudge, cache: RatingCache, items: Iterable[tuple[str, int, bytes]], *,
                 workers: int = 4, max_consecutive_failures: int = 5,
                 on_new: Callable[[Rating], None] | None = None) -> list[Rating]:

@@ -46,11 +46,11 @@ def test_figure_artifacts_and_a_free_rerun(cli, store, tmp_path, monkeypatch):  
         monkeypatch.setenv("OPENAI_API_KEY", "test-key")
         first = cli("--judge-base-url", server.base_url)
         assert first.returncode == 0, first.stderr
-        assert server.count == 5  # setup's test request, then the four images
+        assert server.count == 5  # the test request, then the four images
         (tmp_path / "cache.json").unlink()  # the MLflow artifact alone must make the rerun free
         second = cli("--judge-base-url", server.base_url)
         assert second.returncode == 0, second.stderr
-        assert server.count == 6, "the rerun asked the judge about an image again"
+        assert server.count == 5, "the rerun asked the judge (an image again, or the test request)"
     runs = figure_runs(client, exp)
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
     run = runs[1]
@@ -88,9 +88,9 @@ def test_the_judges_problem_comes_with_the_specs(cli, monkeypatch):
 
 
 def nothing_loaded(monkeypatch):
-    """Fail the test if the benchmark's documents are read or the model is loaded."""
+    """Fail the test if the model is loaded (the judge's test request comes once the images are read: only where one
+    is not in the cache is the judge asked at all)."""
     monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
-    monkeypatch.setattr(fig2, "sample_requests", lambda *a, **k: pytest.fail("the task's documents were read"))
 
 
 def test_a_refused_key_fails_before_anything_loads(cli, store, monkeypatch):  # noqa: F811
@@ -98,13 +98,13 @@ def test_a_refused_key_fails_before_anything_loads(cli, store, monkeypatch):  # 
     with FakeOpenAI(key="right") as server:
         monkeypatch.setenv("OPENAI_API_KEY", "wrong")
         proc = cli("--judge-base-url", server.base_url, "--judge-workers", "1")
-        assert server.count == 1  # setup's test request
+        assert server.count == 1  # the test request
     assert_clean_error(proc, "HTTP 401", "OPENAI_API_KEY")
-    assert figure_runs(*store) == []  # refused in setup: no MLflow run
+    assert figure_runs(*store) == []  # refused before the run: no MLflow run
 
 
 def test_an_endpoint_that_does_not_answer_is_refused_in_seconds(cli, monkeypatch):
-    """A dead endpoint, or a URL without http(s) from the flag or OPENAI_BASE_URL: refused in setup after one test
+    """A dead endpoint, or a URL without http(s) from the flag or OPENAI_BASE_URL: refused after one test
     request without retries (it used to retry every image for ~40-60 s, then finish with an empty table or exit 1)."""
     import socket
     import time
@@ -158,7 +158,7 @@ def test_no_image_rated_fails_the_run_before_the_model_loads(cli, store, monkeyp
     exit 1 and a FAILED run before the model loads (it used to exit 0 with an empty table, rho nan)."""
     monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     with FakeOpenAI(key="k") as server:
-        server.script = [(200, "3", {})] + [answer] * 4  # setup's test request, then the four images
+        server.script = [(200, "3", {})] + [answer] * 4  # the test request, then the four images
         monkeypatch.setenv("OPENAI_API_KEY", "k")
         proc = cli("--judge-base-url", server.base_url)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
