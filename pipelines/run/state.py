@@ -175,8 +175,8 @@ def check_resume(spec: specs.SweepSpec, state: dict) -> None:
     now = _flat(yaml.safe_load(specs.dump_resolved(spec)))
     changed = [f"{k}: {before.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
                for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
-    raise specs.SpecError(changed + [f"resume the original with: {resume_command(state)}"],
-                          f"--resume {state['experiment']}: the spec differs from the one that run started with")
+    raise specs.SpecError(changed, f"--resume {state['experiment']}: the spec differs from the one that run started "
+                          "with", fix=f"resume the original with: {resume_command(state)}")
 
 
 def _flat(d, prefix: str = "") -> dict:

@@ -20,10 +20,11 @@ NOT_A_MAPPING = ("dataclass_type", "dict_type", "model_type")
 class SpecError(ValueError):
     """Every problem found in a spec, one per line, each naming the offending field."""
 
-    def __init__(self, errors: list[str], source: str = "sweep spec"):
+    def __init__(self, errors: list[str], source: str = "sweep spec", fix: str | None = None):
+        """``fix``: one line after the list, saying what to do (not counted as a problem)."""
         self.errors = [_capped(e) for e in errors]
         lines = "\n".join(f"  - {e}" for e in self.errors)
-        super().__init__(f"{source}: {len(self.errors)} problem(s):\n{lines}")
+        super().__init__(f"{source}: {len(self.errors)} problem(s):\n{lines}" + (f"\n{fix}" if fix else ""))
 
 
 MAX_PROBLEM_CHARS = 2000  # a problem that echoes a huge value (a YAML alias chain: 5 MB) is cut to this

@@ -38,7 +38,7 @@ def test_resume_refuses_a_changed_spec_and_names_the_changes(scratch, tmp_path, 
     _state_for(original, tmp_path / "outputs" / "tune", "rel-20261122-000000")
     proc, _ = run_main("--config", str(path), "--set", "limit=6", "--set", "tasks=[easyvqa_open]",
                        "--resume", "rel-20261122-000000")
-    assert_clean_error(proc, "the spec differs from the one that run started with", "limit: 4 -> 6",
+    assert_clean_error(proc, "the spec differs from the one that run started with: 2 problem(s)", "limit: 4 -> 6",
                        "tasks: ['easyvqa_yesno'] -> ['easyvqa_open']",
                        "resume the original with: python pipelines/sweep.py --config sweeps/rel.yaml "
                        "--set limit=4 --set 'grid.budget=[8]' --resume rel-20261122-000000")
