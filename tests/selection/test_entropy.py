@@ -101,3 +101,15 @@ def test_one_token_repeated_has_the_entropy_of_a_zero_spectrum_and_keeps_valid_t
             assert sel.entropy[:2].tolist() == [1.0, 1.0], mode
             for row in sel.indices.tolist():
                 assert len(set(row)) == 16 and all(0 <= i < N for i in row), (mode, row)
+
+
+def test_the_kernels_noise_threshold_is_the_exact_paths():
+    """The Triton centering (``lanczos_triton._centering``) compares with a literal, which must be the exact path's
+    ``noise_trace`` per row, or the certified split and the eigensolve would disagree on near-identical tokens."""
+    pytest.importorskip("triton")
+    import inspect
+
+    from promprune.selection import entropy, lanczos_triton
+
+    assert lanczos_triton.NOISE_PER_ROW == entropy.noise_trace(1, torch.float32)
+    assert repr(lanczos_triton.NOISE_PER_ROW) in inspect.getsource(lanczos_triton._centering.fn)
