@@ -283,7 +283,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
-                                          "limit": spec.limit, "trials": n_trials}, started=began,
+                                          "limit": spec.limit, "trials": n_trials, "bootstrap": spec.bootstrap},
+                                         started=began,
                                          view=SweepView.of(spec, trials))
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,
                  "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),

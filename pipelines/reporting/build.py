@@ -107,9 +107,15 @@ def render_html(markdown: str, out_dir: Path, title: str) -> str:
 
 
 def log_report(sweep: Sweep, report: Report, client: MlflowClient | None = None) -> str:
-    """Log the report folder as artifacts of the sweep's parent run (and calibration results); return its URI."""
+    """Log the files the report wrote (``report.files``, in their folders under ``out_dir``) as artifacts of the
+    sweep's parent run (and calibration results); return their URI. Only those: the whole folder took in what else
+    lay there (another run's figures in the shared ``reports/<sweep>/``; with ``--out .`` the MLflow store itself,
+    copied into its own artifacts until the path was too long)."""
     client = client or MlflowClient()
-    client.log_artifacts(sweep.run_id, str(report.out_dir), artifact_path=ARTIFACT_DIR)
+    root = Path(report.out_dir).resolve()
+    for path in dict.fromkeys(Path(p).resolve() for p in report.files):
+        folder = path.parent.relative_to(root).as_posix()
+        client.log_artifact(sweep.run_id, str(path), ARTIFACT_DIR if folder == "." else f"{ARTIFACT_DIR}/{folder}")
     for key, value in report.calibration.items():
         client.log_metric(sweep.run_id, key, float(value))
     if "calibration/chosen_mu" in report.calibration:
@@ -163,12 +169,12 @@ def _paired_section(sweep, table, preds) -> str:
     if bid is None:
         return ""
     frame = table.frame[["method", "budget", "label"]].assign(rel=table.frame["rel"] / 100)  # label: the trial's
-    diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)))
+    diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)), iters=sweep.resamples)
     if not diffs:
         return ""
     return ("## Paired differences\n\nEach method's best trial against the best other method at its budget, in "
             "points of Rel., with a 95% paired bootstrap interval: the documents of every benchmark resampled "
-            f"{paired.ITERS} times, both trials and the unpruned baseline scored on the same resample (an interval "
+            f"{sweep.resamples} times, both trials and the unpruned baseline scored on the same resample (an interval "
             "that holds 0 is a gap the benchmarks cannot tell from noise).\n\n" + paired.markdown(diffs))
 
 
@@ -219,7 +225,8 @@ def _best_with_interval(sweep: Sweep, points: pd.DataFrame, preds) -> tuple[str 
     if sweep.baseline_id is None:  # (a tie goes to the first trial id, as on the console)
         return best, None
     try:
-        boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)))
+        boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)),
+                                iters=sweep.resamples)
     except ValueError:  # the best trial ran on other documents than the baseline (a subset of the tasks)
         return best, None
     return best, None if boot is None else tuple(100 * x for x in boot.rel(best))
@@ -257,7 +264,7 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     if best is not None:
         text = f"- best (mu, tau): **{_where(points, best)}**, Rel. {points.loc[best, 'value']:.1f}%"
         if interval is not None:
-            text += (f" [{interval[1]:.1f}, {interval[2]:.1f}] (95% bootstrap over the documents, {paired.ITERS} "
+            text += (f" [{interval[1]:.1f}, {interval[2]:.1f}] (95% bootstrap over the documents, {sweep.resamples} "
                      "resamples, paired with the baseline)")
         lines.append(text + f" (`{sweep.trials.loc[best, 'trial']}`)")
     lines.append(f"- samples generated: {generated:.0f}")
@@ -392,11 +399,12 @@ def choose_mu(frame: pd.DataFrame | None, median: float) -> float | None:
 
 def _figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report, image_source) -> str:
     made = []
-    t_sal = sweep.metrics.get("t_sal/mean", pd.Series(np.nan, index=sweep.metrics.index))
     options = sweep.trials[sweep.option_names]
     made.append(figures.tradeoff_curves(table, out_dir / "tradeoff.png"))
     if "saliency_ratio" in options:
-        made.append(figures.saliency_ratio_curves(table, options["saliency_ratio"].astype(float), t_sal,
+        adaptive = table.frame.index[table.frame["method"] == "promprune"]
+        t_sal_by_task = pd.DataFrame({rid: _mean_t_sal_per_task(sweep, table, preds, rid)[0] for rid in adaptive}).T
+        made.append(figures.saliency_ratio_curves(table, options["saliency_ratio"].astype(float), t_sal_by_task,
                                                   out_dir / "saliency_ratio.png"))
     made.append(figures.mu_tau_heatmap(table, options, out_dir / "mu_tau_heatmap.png"))
     made.append(figures.ablation_bars(table, out_dir / "ablation_bars.png"))

@@ -81,12 +81,13 @@ def tradeoff_curves(table: ScoreTable, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def saliency_ratio_curves(table: ScoreTable, ratios: pd.Series, t_sal_mean: pd.Series, path: Path) -> Path | None:
+def saliency_ratio_curves(table: ScoreTable, ratios: pd.Series, t_sal_mean: pd.DataFrame, path: Path) -> Path | None:
     """Fig. 1a / A1: each benchmark's score against the fixed saliency ratio, one panel per budget.
 
-    ratios: saliency_ratio per trial (NaN for trials without one); t_sal_mean: the `t_sal/mean` metric per trial.
-    The adaptive PromPrune trial at the same budget is a dashed line per benchmark, and a star at its mean
-    T_sal / T on the x axis.
+    ratios: saliency_ratio per trial (NaN for trials without one); t_sal_mean: the mean T_sal of each adaptive trial
+    (rows: run ids) on each benchmark (columns: tasks). The adaptive PromPrune trial at the same budget is a dashed
+    line per benchmark, and a star at its mean T_sal / T on that benchmark on the x axis (each benchmark's own: it
+    splits concentrated images toward saliency, spread-out ones toward coverage).
     """
     frame = _pruned(table).assign(_ratio=ratios.reindex(table.frame.index))
     fixed = frame[(frame["method"] == "fixed_ratio") & frame["_ratio"].notna()]
@@ -105,7 +106,9 @@ def saliency_ratio_curves(table: ScoreTable, ratios: pd.Series, t_sal_mean: pd.S
             if len(adaptive):
                 ya, _ = _relative(table, adaptive.iloc[:1], col.task)
                 ax.axhline(float(ya.iloc[0]), color=color, ls="--", lw=1)
-                x_star = t_sal_mean.get(adaptive.index[0], np.nan) / budget
+                rid = adaptive.index[0]
+                x_star = (t_sal_mean.at[rid, col.task] if rid in t_sal_mean.index and col.task in t_sal_mean
+                          else np.nan) / budget
                 if not np.isnan(x_star):
                     ax.plot([x_star], [float(ya.iloc[0])], marker="*", ms=12, color=color)
         ax.set_xlabel("saliency ratio T_sal / T (fixed split)")

@@ -30,6 +30,15 @@ class Sweep:
     parent_metrics: dict = field(default_factory=dict)  # the parent run's metrics (samples/generated, trials/*)
     status: str = "FINISHED"  # the parent run's: RUNNING while its driver runs (or after it was killed), KILLED, ...
     planned: int | None = None  # the trials the sweep set out to run (its `trials` param; None in older stores)
+    bootstrap: int | None = None  # the spec's `bootstrap` resamples (its param; 0: none set; None in older stores)
+
+    @property
+    def resamples(self) -> int:
+        """The resamples of the report's bootstrap intervals: the spec's `bootstrap` (the console's and the parent
+        run's `best/*` intervals), else `paired.ITERS`."""
+        from .paired import ITERS
+
+        return self.bootstrap or ITERS
 
     def unfinished(self) -> str | None:
         """What a report of an unfinished sweep lacks, in one sentence (None: the sweep finished)."""
@@ -133,7 +142,9 @@ def load_sweep(ref: str | None = None, flag: str = "--sweep") -> Sweep:
     trials, metrics, options = _split_columns(runs)
     parent_metrics = {k[len("metrics."):]: float(v) for k, v in parent.items()
                       if k.startswith("metrics.") and v is not None and v == v}
-    return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned)
+    bootstrap = pd.to_numeric(pd.Series([parent.get("params.bootstrap")]), errors="coerce").iloc[0]
+    return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned,
+                 None if pd.isna(bootstrap) else int(bootstrap))
 
 
 def _latest_per_trial(runs: pd.DataFrame) -> pd.DataFrame:

@@ -162,6 +162,9 @@ def test_all_equal_scores_are_not_bold(store, tmp_path):
 def test_figures_are_pngs_and_logged_to_the_parent_run(table_sweep, tmp_path):
     client, parent = table_sweep
     sweep = load_sweep(parent)
+    (tmp_path / "out" / "old").mkdir(parents=True)
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # in the folder before: not the report's, never logged
+    (tmp_path / "out" / "old" / "stale.png").write_bytes(PNG_MAGIC)
     report = build_report(sweep, tmp_path / "out", image_source=grey_image)
     names = {p.name for p in report.files}
     assert {"report.md", "scores.csv", "tradeoff.png", "ablation_bars.png", "entropy_histograms.png",
@@ -178,7 +181,7 @@ def test_figures_are_pngs_and_logged_to_the_parent_run(table_sweep, tmp_path):
     assert figures and page.count("data:image/png;base64,") == len(figures)
     uri = log_report(sweep, report, client)
     logged = {a.path for a in client.list_artifacts(parent, "report")}
-    assert {f"report/{n}" for n in names} <= logged
+    assert {f"report/{n}" for n in names} == logged  # what the report wrote, nothing else that lay in the folder
     assert uri.endswith("/report")
 
 

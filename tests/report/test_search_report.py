@@ -93,7 +93,7 @@ def test_stopped_trials_are_drawn_not_tabled_and_never_the_best(searched, tmp_pa
     assert Image.open(tmp_path / "vs" / "mu_tau_search.png").size[0] > 1.5 * one_panel  # the grid's heatmap
 
 
-def test_each_method_against_the_best_other_with_a_paired_interval(searched, tmp_path):
+def test_each_method_against_the_best_other_with_a_paired_interval(searched, tmp_path, monkeypatch):
     """PromPrune's best is wrong on documents 0-5, DivPrune on 0-9, the baseline on none: PromPrune - DivPrune =
     +4/30 = +13.3 points, and on every resample PromPrune scores at least as DivPrune (lower bound >= 0)."""
     md = build_report(searched, tmp_path / "out").markdown
@@ -108,6 +108,26 @@ def test_each_method_against_the_best_other_with_a_paired_interval(searched, tmp
     assert low >= 0
     assert not re.search(r"[0-9a-f]{32}", section(md, "Paired differences"))
     assert theirs
+    assert "resampled 1000 times" in md  # a sweep that logged no `bootstrap` param: the report's own count
+
+
+    # the spec's `bootstrap` (a param of the parent run): the resamples of the intervals the console printed and the
+    # parent run's best/* metrics hold (the report drew 1000 whatever the spec said)
+    import dataclasses
+    import inspect
+
+    from pipelines.reporting import paired
+
+    drawn, real = [], paired.bootstrap
+
+    def counted(*args, **kwargs):  # every interval's resamples (positional from `differences`, named from the plane)
+        drawn.append(inspect.signature(real).bind(*args, **kwargs).arguments.get("iters"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paired, "bootstrap", counted)
+    md = build_report(dataclasses.replace(searched, bootstrap=200), tmp_path / "b200").markdown
+    assert "resampled 200 times" in md and "200 resamples" in section(md, "The (mu, tau) plane")
+    assert len(drawn) >= 2 and set(drawn) == {200}
 
 
 def _figures_made(monkeypatch) -> dict:

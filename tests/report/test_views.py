@@ -23,7 +23,17 @@ def pred(task, doc, entropy, n_sal):
             "saliency_count": float(n_sal), "visual_tokens": 64.0, "kept": list(range(64)), "timings": "{}"}
 
 
-def test_table4_matched_split_interpolates_at_each_benchmarks_mean_t_sal(store, tmp_path):
+def test_table4_matched_split_interpolates_at_each_benchmarks_mean_t_sal(store, tmp_path, monkeypatch):
+    from pipelines.reporting import figures
+
+    drawn, save = {}, figures._save
+
+    def stars_then_save(fig, path):  # each figure's star markers' x positions, by file name
+        drawn[path.name] = [line.get_xdata()[0] for ax in fig.axes for line in ax.get_lines()
+                            if line.get_marker() == "*"]
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "_save", stars_then_save)
     client, exp = store
     fixed = {0.25: (0.70, 0.50), 0.5: (0.80, 0.60), 0.75: (0.78, 0.58)}  # ratio -> (pope F1, gqa EM)
     trials = [trial("fixed_ratio", 64, {"pope/pope_f1_score": p, "gqa/exact_match": g},
@@ -44,6 +54,8 @@ def test_table4_matched_split_interpolates_at_each_benchmarks_mean_t_sal(store, 
     assert matched.loc["gqa", "nearest_ratio"] == pytest.approx(0.25)
     assert matched.loc["gqa", "delta"] == pytest.approx(56.0 - 52.5)
     assert "saliency_ratio.png" in {p.name for p in report.files}
+    # Fig. 1a's stars: each benchmark at its own mean T_sal / T (all sat at the pooled t_sal/mean, 26 / 64)
+    assert sorted(drawn["saliency_ratio.png"]) == [pytest.approx(0.3125), pytest.approx(0.5)]
     assert "Fixed split (saliency_ratio=0.25)" in report.markdown  # rows named by the varying option
 
 
