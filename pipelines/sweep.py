@@ -145,6 +145,7 @@ class SweepOutcome:
     paired: list = field(default_factory=list)  # console lines: methods' Rel. differences with paired intervals
     unlogged: list = field(default_factory=list)  # trials whose writes are not in MLflow yet (the store is down)
     resume: str = ""  # the command that continues the sweep (and sends what is not in MLflow yet)
+    best: str | None = None  # the console's last line: the best (mu, tau) with its interval (`best_line`)
 
     @property
     def failed(self) -> list[str]:
@@ -360,7 +361,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     if not unlogged:
         checkpoints.remove(blocks)  # every trial is in MLflow and in its Tune checkpoint now
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired,
-                        unlogged=unlogged, resume=resume_command(state))
+                        unlogged=unlogged, resume=resume_command(state), best=summary[0] if summary else None)
 
 
 def store_wait_s() -> float:
@@ -628,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
     print(summary_table(spec, outcome.records))
-    best = best_line(spec, outcome.records, outcome.generated)
+    best = outcome.best  # drawn with the sweep, its output in the log (drawn again here, lmms-eval's bars showed)
     if outcome.paired or best:
         print("\n" + "\n".join(outcome.paired + ([best] if best else [])))  # the last line: the best (mu, tau)
     if outcome.unlogged:

@@ -300,7 +300,8 @@ def _efficiency_section(sweep, table, out_dir, report) -> str:
     eff = tables.efficiency_table(sweep, table)
     if eff is None:
         return ""
-    _write_csv(eff.reset_index(names="run_id"), out_dir / "efficiency.csv", report)
+    # Rel. in percent, headed as scores.csv heads it (the metric `rel` is a fraction)
+    _write_csv(eff.rename(columns={"rel": "Rel. (%)"}).reset_index(names="run_id"), out_dir / "efficiency.csv", report)
     return f"## Efficiency\n\n{tables.efficiency_markdown(eff, sweep.baseline_id)}"
 
 

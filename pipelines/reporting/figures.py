@@ -239,8 +239,8 @@ def entropy_histograms(preds: pd.DataFrame, path: Path, mu: float | None, title:
         ratio = rows["saliency_count"] / rows["visual_tokens"].where(rows["visual_tokens"] > 0)
         bottom.hist(ratio.dropna(), bins=20, range=(0, 1), color="tab:red", alpha=0.8)
         bottom.set_xlabel("saliency ratio T_sal / T")
-    axes[0][0].set_ylabel("images")
-    axes[1][0].set_ylabel("images")
+    axes[0][0].set_ylabel("questions")  # a row per question: an image asked several counts several times
+    axes[1][0].set_ylabel("questions")
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 

@@ -170,7 +170,7 @@ def test_the_summary_names_the_best_finished_trial_and_every_sample_generated(se
     done = {tid: rec for tid, rec in outcome.records.items() if not rec.get("stopped") and tid != "baseline"}
     best = min(done.values(), key=lambda rec: (-rec["metrics"][mlflow_layout.REL], rec["trial"]["trial_id"]))
     mu = best["trial"]["options"]["mu"]
-    assert best_line(spec, outcome.records, outcome.generated) == \
+    assert best_line(spec, outcome.records, outcome.generated) == outcome.best == \
         f"best rel {best['metrics'][mlflow_layout.REL]:.4f} at mu={mu} tau=0.02; {outcome.generated} samples generated"
     stopped = [rec["stopped"]["done"] for rec in outcome.records.values() if rec.get("stopped")]
     assert 16 * (len(done) + 1) + sum(stopped) <= outcome.generated < 16 * len(outcome.records)

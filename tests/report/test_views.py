@@ -121,6 +121,8 @@ def test_table6_against_the_shipped_published_numbers(store, tmp_path):
     parent = log_sweep(client, exp, "table6_efficiency", trials, tasks=["pope"], tmp=tmp_path)
     report = build_report(load_sweep(parent), tmp_path / "out", published_root=PAPER_DIR, image_source=grey_image)
     assert "5.10 (−88.0%)" in report.markdown  # 1 - 5.10 / 42.6 = 0.8803
+    eff = pd.read_csv(tmp_path / "out" / "efficiency.csv").set_index("method")
+    assert "rel" not in eff and eff.loc["promprune", "Rel. (%)"] == pytest.approx(100 * 0.85 / 0.86)  # a percent
     comp = pd.read_csv(tmp_path / "out" / "published_comparison.csv")
     got = {(r.method, r.column): (r.ours, r.paper, r.delta) for r in comp.itertuples()}
     assert got[("none", "efficiency/prefill_tflops")] == pytest.approx((42.6, 42.6, 0.0))
