@@ -369,7 +369,8 @@ def matched_split_table(table: ScoreTable, adaptive_id: str, fixed: pd.DataFrame
 
     fixed: rows of `table.frame` for the fixed-ratio trials at `budget`, with a `saliency_ratio` column.
     The fixed score at the matched ratio is linearly interpolated between the two neighbouring grid ratios
-    (clamped at the grid's ends); the nearest grid ratio and its score are given beside it.
+    (clamped at the grid's ends: ``clamped``, said in the markdown); the nearest grid ratio and its score are given
+    beside it.
     """
     fixed = fixed.sort_values("saliency_ratio")
     ratios = fixed["saliency_ratio"].to_numpy(dtype=float)
@@ -386,13 +387,16 @@ def matched_split_table(table: ScoreTable, adaptive_id: str, fixed: pd.DataFrame
         nearest = int(np.argmin(np.abs(ratios[ok] - ratio)))
         records.append({"task": col.task, "benchmark": col.label, "mean_t_sal": t_sal, "ratio": ratio,
                         "adaptive": adaptive, "fixed_interp": interp, "nearest_ratio": ratios[ok][nearest],
-                        "fixed_nearest": scores[ok][nearest], "delta": adaptive - interp})
+                        "fixed_nearest": scores[ok][nearest], "delta": adaptive - interp,
+                        "clamped": not ratios[ok].min() <= ratio <= ratios[ok].max()})  # held at a grid end
     return pd.DataFrame(records)
 
 
 def matched_split_markdown(frame: pd.DataFrame) -> str:
     rows = [[r["benchmark"], f"{r['mean_t_sal']:.1f}", f"{r['ratio']:.3f}", f"{r['adaptive']:.2f}",
-             f"{r['fixed_interp']:.2f}", f"{r['fixed_nearest']:.2f} @ {r['nearest_ratio']:g}", f"{r['delta']:+.2f}"]
+             f"{r['fixed_interp']:.2f}" + (f" (outside the grid: its end, {r['nearest_ratio']:g})"
+                                           if r.get("clamped") else ""),
+             f"{r['fixed_nearest']:.2f} @ {r['nearest_ratio']:g}", f"{r['delta']:+.2f}"]
             for _, r in frame.iterrows()]
     return markdown_table(["Benchmark", "mean T_sal", "ratio", "Adaptive", "Fixed (matched)",
                            "Fixed (nearest grid)", "Δ adaptive − fixed"], rows)

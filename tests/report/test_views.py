@@ -53,6 +53,18 @@ def test_table4_matched_split_interpolates_at_each_benchmarks_mean_t_sal(store, 
     assert matched.loc["gqa", "fixed_interp"] == pytest.approx(52.5)
     assert matched.loc["gqa", "nearest_ratio"] == pytest.approx(0.25)
     assert matched.loc["gqa", "delta"] == pytest.approx(56.0 - 52.5)
+    assert not matched["clamped"].any() and "outside the grid" not in report.markdown
+    # a matched ratio past the grid (0.9 > 0.75): held at its end, and the table says so
+    from pipelines.reporting import tables
+
+    sweep = load_sweep(parent)
+    table = tables.build_score_table(sweep)
+    frame = table.frame.join(sweep.trials[["saliency_ratio"]])
+    aid = frame.index[frame["method"] == "promprune"][0]
+    beyond = tables.matched_split_table(table, aid, frame[frame["method"] == "fixed_ratio"], {"pope": 57.6, "gqa": 20},
+                                        64)
+    assert beyond.set_index("task").loc["pope", "clamped"]
+    assert "(outside the grid: its end, 0.75)" in tables.matched_split_markdown(beyond)
     assert "saliency_ratio.png" in {p.name for p in report.files}
     # Fig. 1a's stars: each benchmark at its own mean T_sal / T (all sat at the pooled t_sal/mean, 26 / 64)
     assert sorted(drawn["saliency_ratio.png"]) == [pytest.approx(0.3125), pytest.approx(0.5)]
