@@ -322,7 +322,10 @@ def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False) 
     ents = [p.entropy for p in parts if p.entropy is not None]
     # the mean of values each within its half-width of the exact one is within the mean half-width of the exact mean
     widths = [p.halfwidth for p in parts if p.entropy is not None]  # None: exact
-    cls = torch.cat([p.cls for p in parts]) if parts[0].cls is not None else None
+    # the CLS of each unit that has one: a unit whose share is all its tokens keeps them as they are, without one
+    # (torch.cat met its None when the others had one; a first unit without one dropped the others')
+    carried = [p.cls for p in parts if p.cls is not None]
+    cls = torch.cat(carried) if carried else None
     sel = ItemSelection(kept=torch.from_numpy(kept[order]), merged=None, saliency_count=sum(p.count for p in parts),
                         entropy=sum(ents) / len(ents) if ents else None,
                         salient=torch.from_numpy(np.sort(np.concatenate([p.salient for p in parts]))), cls=cls,

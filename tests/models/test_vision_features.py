@@ -268,3 +268,23 @@ def test_packed_refuses_methods_that_need_saliency_or_vision():
     model, processor = tiny_vlm("llava_next")
     with pytest.raises(ValueError, match="view_quota"):
         PrunedVLM(model, processor, method="vispruner", budget=4, budget_mode="view_quota")
+
+
+@pytest.mark.parametrize("budget", [23, 31])
+def test_next_visionzip_where_one_views_share_is_all_its_tokens(budget):
+    """per_crop over views of 16 / 8 / 8 tokens (a wide image): at 23 or 31 tokens a small view's share is all its
+    tokens (kept as they are, no CLS) while the base view's is not (its CLS and patches): the CLS of the views that
+    have one were joined with torch.cat, which met the others' None (TypeError). Exactly the budget is fed, alone
+    and beside another image."""
+    import numpy as np
+    from PIL import Image
+
+    wide = Image.fromarray(np.random.default_rng(4).integers(0, 255, (60, 200, 3), dtype=np.uint8))
+    other = Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 48, 3), dtype=np.uint8))
+    vlm = PrunedVLM.from_pretrained("tiny:llava_next", method="visionzip", budget=budget)
+    alone = vlm.prepare([wide], ["Hi?"])
+    assert alone.stats[0]["visual_tokens"] == budget
+    assert image_rows(vlm.model, alone, 0).shape[0] == budget
+    both = vlm.prepare([other, wide], ["Hi?", "Hi?"])
+    assert both.stats[1] == alone.stats[0]
+    torch.testing.assert_close(both.fed[1].features, alone.fed[0].features, rtol=1e-5, atol=1e-6)
