@@ -36,8 +36,15 @@ def resolve_paths(raw: dict, base: Path) -> dict:
         entries = [value] if isinstance(value, str) else value
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             continue
-        out[key] = [_absolute(e, base) if key == "include_path" or library.is_path(e) else e for e in entries]
+        out[key] = [_absolute(e, base) if key == "include_path" or library.is_path(e) or _beside(e, base) else e
+                    for e in entries]
     return out
+
+
+def _beside(entry: str, base: Path) -> bool:
+    """A bare name (``plugins: [pkg]``) that is a package directory beside the spec: a path, as the docs say a plugin
+    may be, not a module name to import (it was refused with a hint to write ``pkg.py``)."""
+    return (base / entry / "__init__.py").is_file()
 
 
 def _absolute(entry: str, base: Path) -> str:

@@ -14,6 +14,9 @@ __all__ = ["select", "Selection", "VisionFeatures", "Instruction", "methods", "m
            "register_method", "PRE_LLM", "IN_LLM", "spectral_entropy", "feature_norm_entropy", "attention_entropy",
            "__version__"]
 _FROM_SELECTION = frozenset(__all__) - {"__version__"}
+# subpackages the docs reach as attributes after `import promprune` (`promprune.testing.check_method(...)`,
+# `promprune.models.PrunedVLM`), imported on first use
+_SUBMODULES = frozenset({"testing", "models", "eval", "selection"})
 
 
 def __getattr__(name: str):
@@ -21,8 +24,10 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(".selection", __name__), name)
         globals()[name] = value  # the next lookup is a plain attribute
         return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # the import binds it here
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _FROM_SELECTION)
+    return sorted(set(globals()) | _FROM_SELECTION | _SUBMODULES)

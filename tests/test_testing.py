@@ -128,12 +128,67 @@ def test_each_broken_method_fails_its_invariant(registered, name):
 
 
 def test_failures_say_what_was_seen(registered):
-    with pytest.raises(AssertionError, match=r"budget 7: indices have shape \(3, 6\), want \[B, T\] = \(3, 7\)"):
+    # select itself refuses the outputs it cannot use from a method of one's own (its message, as check_method lists it)
+    with pytest.raises(AssertionError, match=r"exact_budget: raised ValueError: method 't_one_short' returned indices "
+                                             r"of shape \(3, 6\) where the budget of 7 makes it \(3, 7\)"):
         check_method("t_one_short", only=["exact_budget"])
     with pytest.raises(AssertionError, match="declare needs_saliency=True"):
         check_method("t_needs_scores", only=["saliency_when_declared"])
-    with pytest.raises(AssertionError, match="repeated indices"):
+    with pytest.raises(AssertionError, match=r"method 't_repeats' returned a token twice in a row of indices"):
         check_method("t_repeats", only=["unique_in_range"])
+
+
+def _wraps_around(tokens, budget):
+    """Ends every row with index -1 (Python's last token)."""
+    idx = _norm_top(tokens, budget).clone()
+    idx[:, -1] = -1
+    return _selection(idx)
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_wraps_around, r"returned an index out of \[0, 24\) \(-1\)"),  # it wrapped to the last token, silently
+    (one_short, r"returned indices of shape \(2, 7\) where the budget of 8 makes it \(2, 8\)"),  # ran on 7
+    (lambda tokens, budget: _selection(_norm_top(tokens, budget).float()), "returned indices of dtype torch.float32"),
+    (lambda tokens, budget: _norm_top(tokens, budget), "returned a Tensor, not a promprune.Selection"),
+])
+def test_select_refuses_what_a_method_of_ones_own_returns_wrong(fn, message):
+    """A negative index wrapped to the last token and a short row ran a trial on fewer tokens than its budget, both
+    without a word; a duplicate or an index past N failed deep in the model without the method's name."""
+    promprune.register_method("t_wrong", replace=True)(fn)
+    try:
+        with pytest.raises(ValueError, match=f"method 't_wrong' {message}"):
+            promprune.select(torch.randn(2, 24, 8), budget=8, method="t_wrong")
+    finally:
+        registry._REGISTRY.pop("t_wrong", None)
+    narrow = lambda tokens, budget: _selection(_norm_top(tokens, budget).int())  # noqa: E731 - int32: taken as long
+    promprune.register_method("t_int32")(narrow)
+    try:
+        assert promprune.select(torch.randn(2, 24, 8), budget=8, method="t_int32").indices.dtype == torch.long
+    finally:
+        registry._REGISTRY.pop("t_int32", None)
+
+
+def test_registration_refuses_what_would_fail_every_call():
+    """A name taken, an option named like select's own arguments or one the function does not take, a name that is
+    no string: refused as the method registers (they failed at every later call, or broke promprune.methods())."""
+    with pytest.raises(ValueError, match=r"'divprune' is already registered \(one of promprune's own methods\): pick"):
+        promprune.register_method("divprune")(good)
+    promprune.register_method("t_twice")(good)
+    try:
+        with pytest.raises(ValueError, match=r"'t_twice' is already registered \(registered by .*good\).*replace=True"):
+            promprune.register_method("t_twice")(good)
+        promprune.register_method("t_twice", replace=True)(one_short)  # a notebook cell run again
+        assert registry._REGISTRY["t_twice"].fn is one_short
+    finally:
+        registry._REGISTRY.pop("t_twice", None)
+    with pytest.raises(ValueError, match=r"option\(s\) \['order'\] are select\(\)'s own arguments"):
+        promprune.register_method("t_order", options={"order": "x"})(lambda tokens, budget, *, order: None)
+    with pytest.raises(ValueError, match=r"takes no parameter for option\(s\) \['p'\]"):
+        promprune.register_method("t_p", options={"p": 2.0})(good)
+    with pytest.raises(ValueError, match="must be a non-empty string"):
+        promprune.register_method(None)(good)
+    assert "t_order" not in promprune.methods() and "t_p" not in promprune.methods()
+    assert promprune.testing.check_method is check_method  # `import promprune` is enough for the docs' one-liner
 
 
 def test_options_and_bad_calls():

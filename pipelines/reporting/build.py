@@ -163,19 +163,25 @@ def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
     return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"
 
 
+def _resamples(sweep: Sweep) -> int:
+    """The resamples of the report's bootstrap intervals: the spec's `bootstrap` (as the console's and the parent
+    run's `best/*` intervals), else `paired.ITERS`."""
+    return sweep.bootstrap or paired.ITERS
+
+
 def _paired_section(sweep, table, preds) -> str:
     """Each method's Rel. difference to the best other method at its budget, with a paired bootstrap interval."""
     bid = sweep.baseline_id
     if bid is None:
         return ""
     frame = table.frame[["method", "budget", "label"]].assign(rel=table.frame["rel"] / 100)  # label: the trial's
-    diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)), iters=sweep.resamples)
+    diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)), iters=_resamples(sweep))
     if not diffs:
         return ""
     return ("## Paired differences\n\nEach method's best trial against the best other method at its budget, in "
             "points of Rel., with a 95% paired bootstrap interval: the documents of every benchmark resampled "
-            f"{sweep.resamples} times, both trials and the unpruned baseline scored on the same resample (an interval "
-            "that holds 0 is a gap the benchmarks cannot tell from noise).\n\n" + paired.markdown(diffs))
+            f"{_resamples(sweep)} times, both trials and the unpruned baseline scored on the same resample (an "
+            "interval that holds 0 is a gap the benchmarks cannot tell from noise).\n\n" + paired.markdown(diffs))
 
 
 
@@ -226,7 +232,7 @@ def _best_with_interval(sweep: Sweep, points: pd.DataFrame, preds) -> tuple[str 
         return best, None
     try:
         boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)),
-                                iters=sweep.resamples)
+                                iters=_resamples(sweep))
     except ValueError:  # the best trial ran on other documents than the baseline (a subset of the tasks)
         return best, None
     return best, None if boot is None else tuple(100 * x for x in boot.rel(best))
@@ -264,7 +270,7 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     if best is not None:
         text = f"- best (mu, tau): **{_where(points, best)}**, Rel. {points.loc[best, 'value']:.1f}%"
         if interval is not None:
-            text += (f" [{interval[1]:.1f}, {interval[2]:.1f}] (95% bootstrap over the documents, {sweep.resamples} "
+            text += (f" [{interval[1]:.1f}, {interval[2]:.1f}] (95% bootstrap over the documents, {_resamples(sweep)} "
                      "resamples, paired with the baseline)")
         lines.append(text + f" (`{sweep.trials.loc[best, 'trial']}`)")
     lines.append(f"- samples generated: {generated:.0f}")

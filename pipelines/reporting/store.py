@@ -32,14 +32,6 @@ class Sweep:
     planned: int | None = None  # the trials the sweep set out to run (its `trials` param; None in older stores)
     bootstrap: int | None = None  # the spec's `bootstrap` resamples (its param; 0: none set; None in older stores)
 
-    @property
-    def resamples(self) -> int:
-        """The resamples of the report's bootstrap intervals: the spec's `bootstrap` (the console's and the parent
-        run's `best/*` intervals), else `paired.ITERS`."""
-        from .paired import ITERS
-
-        return self.bootstrap or ITERS
-
     def unfinished(self) -> str | None:
         """What a report of an unfinished sweep lacks, in one sentence (None: the sweep finished)."""
         return unfinished_note(self.status, self.planned, len(self.trials),

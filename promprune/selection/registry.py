@@ -326,15 +326,51 @@ COMMON_CHOICES = {"order": ("ascending", "selection")}
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
+def _builtin(spec: MethodSpec) -> bool:
+    """A method of this package's own (its outputs are pinned by its tests; another's are checked as they come)."""
+    return spec.fn is None or getattr(spec.fn, "__module__", "").startswith("promprune.")
+
+
+def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any], replace: bool) -> None:
+    """What ``register_method`` refuses at once, where it used to fail at every later call (or break
+    ``methods()``): a name that is no string, one taken (a built-in always; another unless ``replace``), an option
+    named like ``select``'s own arguments, an option ``fn`` does not take."""
+    import inspect
+
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"register_method: the method's name must be a non-empty string without surrounding "
+                         f"spaces, got {name!r}")
+    taken = _REGISTRY.get(name)
+    if taken is not None and (_builtin(taken) or not replace):
+        whose = "one of promprune's own methods" if _builtin(taken) else \
+            f"registered by {getattr(taken.fn, '__module__', '?')}.{getattr(taken.fn, '__qualname__', '?')}"
+        fix = "pick another name" if _builtin(taken) else ("pick another name, or pass replace=True to "
+                                                           "register_method (e.g. a notebook cell run again)")
+        raise ValueError(f"method {name!r} is already registered ({whose}): {fix}")
+    reserved = sorted(set(options) & ({"budget", "tokens"} | set(COMMON_OPTIONS)))
+    if reserved:
+        raise ValueError(f"method {name!r}: option(s) {reserved} are select()'s own arguments ('order' is every "
+                         "method's, 'budget' and 'tokens' are the function's first two): name them otherwise")
+    params = inspect.signature(fn).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        taken_by_fn = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        missing = sorted(set(options) - taken_by_fn)
+        if missing:
+            raise ValueError(f"method {name!r}: {fn.__qualname__} takes no parameter for option(s) {missing}; add "
+                             "them as keyword parameters (e.g. `*, p: float`) or drop them from options")
+
+
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
                     options: Mapping[str, Any] | None = None, choices: Mapping[str, tuple] | None = None,
-                    check: Callable[[dict], None] | None = None, reads_vision: bool = False,
-                    needs_instruction: bool = False, needs_grid: bool = False, draws_at_random: bool = False):
-    """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``."""
+                    check: Callable[[dict, int], None] | None = None, reads_vision: bool = False,
+                    needs_instruction: bool = False, needs_grid: bool = False, draws_at_random: bool = False,
+                    replace: bool = False):
+    """Decorator registering the pre-LLM method ``fn(tokens, budget, **options) -> Selection`` under ``name``.
+    ``check(options, budget)`` may raise ValueError for a combination it refuses; ``replace``: take over a name a
+    method of one's own already holds (a module imported again), never one of this package's."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _REGISTRY:
-            raise ValueError(f"method {name!r} is already registered")
+        _check_registration(name, fn, options or {}, replace)
         _REGISTRY[name] = MethodSpec(
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
             options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
@@ -562,11 +598,47 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     # float32 products at full precision where the process turned TF32 on (``accel.full_float32``)
     with accel.disabled() if huge else contextlib.nullcontext(), accel.full_float32():
         sel = spec.fn(tokens, min(budget, tokens.n), **opts)
+    if not _builtin(spec):
+        _check_output(spec.name, sel, tokens.batch, tokens.n, min(budget, tokens.n))
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)
     if sel.cls is not None:
         sel.cls = sel.cls.to(features.dtype)
     return _sorted(sel) if order == "ascending" else sel
+
+
+def _check_output(name: str, sel, batch: int, n: int, budget: int) -> None:
+    """A method of one's own returned a selection ``select`` can use: a :class:`Selection` whose ``indices`` are
+    ``[B, T]`` integers, distinct in each row and in ``[0, N)`` (``T`` = the budget, one less with a ``cls``), its
+    ``saliency_count`` ``[B]``. A negative index wrapped to the last tokens, a short row ran a trial on fewer tokens
+    than its budget, both silently; a duplicate or an index past N failed deep in the model without the method's
+    name. One read of the device (``promprune.testing.check_method`` checks more, once)."""
+    def refuse(what: str) -> None:
+        raise ValueError(f"method {name!r} returned {what}; a method returns promprune.Selection(indices [B, T] "
+                         "long: distinct token indices in [0, N) per image, saliency_count [B]) "
+                         "(promprune.testing.check_method(name) checks a method's outputs and more)")
+
+    if not isinstance(sel, Selection):
+        refuse(f"a {type(sel).__name__}, not a promprune.Selection")
+    idx = sel.indices
+    if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        refuse(f"indices of dtype {getattr(idx, 'dtype', type(idx).__name__)}, not integers")
+    want = budget - (1 if sel.cls is not None else 0)
+    if tuple(idx.shape) != (batch, want):
+        refuse(f"indices of shape {tuple(idx.shape)} where the budget of {budget} makes it ({batch}, {want})")
+    count = sel.saliency_count
+    if not isinstance(count, torch.Tensor) or tuple(count.shape) != (batch,):
+        refuse(f"saliency_count of shape {tuple(getattr(count, 'shape', ()))}, not ({batch},)")
+    if want:
+        ordered = idx.sort(dim=1).values
+        low, high, repeated = (int(v) for v in torch.stack([ordered[:, 0].min(), ordered[:, -1].max(),
+                                                              (ordered[:, 1:] == ordered[:, :-1]).sum()]).cpu())
+        if low < 0 or high >= n:
+            refuse(f"an index out of [0, {n}) ({low if low < 0 else high})")
+        if repeated:
+            refuse(f"a token twice in a row of indices ({repeated} repeat(s))")
+    if idx.dtype != torch.long:
+        sel.indices = idx.long()
 
 
 def _sorted(sel: Selection) -> Selection:

@@ -195,6 +195,9 @@ def test_a_package_directory_plugin_imports_its_own_modules(tmp_path, isolated):
 
     assert "norm_pkg" in promprune.methods()
     assert plugins.load([str(tmp_path / "normpkg")]) == []  # again: the module already imported
+    # a spec beside it may name it bare (`plugins: [normpkg]`): a package directory beside the spec, not a module name
+    assert plugins.resolve_paths({"plugins": ["normpkg", "some_module"]}, tmp_path)["plugins"] == [
+        str(tmp_path / "normpkg"), "some_module"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
