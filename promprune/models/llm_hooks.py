@@ -48,6 +48,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -323,7 +324,13 @@ def _pyramid_plan(budget: int, opts: dict, at: list[int], depth: int):
 
     def released(n: int) -> list[int]:
         lam = pyramid_ratio_for_average(n, budget, at, depth)
-        return [int(n * lam ** s) for s in range(1, S + 1)]
+        counts = [int(n * lam ** s) for s in range(1, S + 1)]
+        if counts[-1] == 0:  # the released int() floors n lambda^s < 1 to nothing: kept, as released, but said
+            warnings.warn(f"pyramiddrop with budget_semantics='released' keeps no visual token after its stage at "
+                          f"layer {at[counts.index(0)]} (stage counts {counts} of {n}: int(n lambda^s), lambda "
+                          f"{lam:.3f} for a layer average of {budget}); use budget_semantics='exact' to end at the "
+                          "budget", stacklevel=2)
+        return counts
 
     return exact if opts["budget_semantics"] == "exact" else released
 

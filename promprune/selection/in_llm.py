@@ -105,7 +105,8 @@ def _check_pyramiddrop(opts: dict, budget: int | None = None) -> None:
 # layers=None: 8, 16, 24 as fractions of the depth. budget_semantics "exact": lambda-geometric counts ending at exactly
 # `budget` after the last stage (budget / lambda^(S - s) after stage s, capped at N); "released": the released rule
 # int(N lambda^s) with lambda set so that the visual-token count averaged over all layers equals the budget (the way
-# PyramidDrop and SparseVLM report budgets; the option 'ratio' is then not used). positions "released": the released
+# PyramidDrop and SparseVLM report budgets; the option 'ratio' is then not used), floored as released: a small budget
+# can leave a late stage no visual token (llm_hooks warns). positions "released": the released
 # code renumbers the kept sequence contiguously (LLaMA's 1D RoPE); on Qwen2.5-VL's / Qwen3-VL's M-RoPE (no released
 # path) tokens keep their original positions; "original": keep them everywhere (FastV-like).
 register_in_llm_method("pyramiddrop", options={"layers": None, "ratio": 0.5, "budget_semantics": "exact",

@@ -111,6 +111,19 @@ def test_pyramiddrop_stage_counts_by_hand():
         make("pyramiddrop", model, ids, 8, {"budget_semantics": "released"})
 
 
+def test_pyramiddrop_released_floors_a_late_stage_to_no_token_and_says_so():
+    """Released semantics keep int(N lambda^s), floored as released: 36 tokens at budget 12 on 4 layers need
+    36 + a + b + c <= 48; a = 11 forces lambda >= 11/36, so b >= 3 (14 > 12): a = 10, then b = 3 would need
+    lambda >= sqrt(3/36) and 13 > 12, so b = 2 and c = int(36 lambda^3) < 1 = 0. Kept, and warned about."""
+    model, _ = tiny_vlm("llava")
+    ids = torch.full((1, 50), 5)
+    ids[0, 3:3 + N_VISUAL] = model.config.image_token_id
+    with pytest.warns(UserWarning, match=r"keeps no visual token after its stage at layer 3 .*\[10, 2, 0\] of 36.*"
+                                         "budget_semantics='exact'"):
+        released = make("pyramiddrop", model, ids, 12, {"budget_semantics": "released"})
+    assert [s.targets[0] for s in released.stages] == [10, 2, 0]
+
+
 def test_pyramiddrop_ranks_by_the_last_tokens_attention_with_the_next_layers_projections(images, prompts):
     """Stage 1 (before layer 1) keeps the top 20 by layer 1's own attention of the last token (head mean): the
     unpruned eager forward's ``attentions[1]``."""
