@@ -5,7 +5,8 @@ projected tokens are exactly the ones the unmodified model would consume) with a
 and describes the tokens as a :class:`VisualItem` per image. Pruning then keeps a subset of the candidates; the
 placeholder run in the prompt shrinks to match (``sequence.py``) and the kept features go to ``generate`` as
 ``mm_encoder_outputs``. An adapter that also answers about clips defines ``video_kwargs``, ``encode_video`` and
-``video_encoder_outputs`` (:mod:`promprune.models.video`).
+``video_encoder_outputs`` (and, where its processor needs them, ``prepare_clips`` / ``uniform_clips``;
+:mod:`promprune.models.video`).
 """
 from __future__ import annotations
 
@@ -212,11 +213,14 @@ class Adapter:
     embeddings); ``contiguous_run``: one image's placeholders form one run (else several, split by the processor's
     markers, as MiniCPM-V's slices); ``family``: the registered :class:`~promprune.models.registry.Family`;
     ``host_inputs``: processor outputs that stay on the host, where the model only reads their values (LLaVA-NeXT's
-    ``image_sizes``: on the device each read would be a sync)."""
+    ``image_sizes``: on the device each read would be a sync); ``uniform_clips``: the processor stacks a batch's
+    clips into one tensor, so one call takes clips of one frame count only (LLaVA-OneVision's; the video path
+    processes and encodes each frame count as its own sub-batch)."""
 
     encoder = "clip"
     contiguous_run = True
     host_inputs: tuple[str, ...] = ()  # processor outputs the model reads on the host only (PrunedVLM.on_device)
+    uniform_clips = False
 
     def __init__(self, model, processor, options: dict):
         self.model, self.processor, self.options = model, processor, options
@@ -228,6 +232,11 @@ class Adapter:
 
     def prepare_images(self, images):
         return images
+
+    def prepare_clips(self, clips: list) -> list:
+        """A batch's clips (``[F, H, W, 3]`` arrays) as the processor takes them; after ``video_kwargs`` has read
+        them (Qwen3-VL pads a clip shorter than one temporal patch)."""
+        return clips
 
     def saliency_layer(self, depth: int, default: int, unit: str = "layer of the vision encoder") -> int:
         """The vision layer (0 .. ``depth`` - 1) whose attention gives saliency: the adapter option ``saliency_block``,

@@ -60,7 +60,8 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # Video, PromPrune: where its entropy and saliency/coverage split come from. "unit": each selection of
     # video_budget (per frame, or over the clip); "clip": the clip's entropy splits every frame's share (with
     # video_budget per_frame / adaptive_frames); "per_frame": each frame's entropy splits its even share of the budget
-    # and the clip's saliency count is their sum, selected over the clip (with video_budget "clip").
+    # and the clip's saliency count is their sum, selected over the clip (with video_budget "clip"). Other than
+    # "unit" it is refused with every other method, pre-LLM or in-LLM (validate_method); unpruned ignores it.
     "video_split": "unit",
     # Chat templates with a reasoning switch (Qwen3.5's): passed to the template as enable_thinking. None: the
     # template's default (Qwen3.5-4B and larger think first, as lmms-eval 0.7.3's qwen3_5 model runs them); False: the
@@ -156,6 +157,9 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
             raise ValueError(f"method=None (unpruned) takes no budget or method options; got budget={budget!r}, "
                              f"options={sorted(options)}")
         return {}, adapter
+    if adapter["video_split"] != "unit" and method != "promprune":  # unpruned (None, above): nothing to split
+        raise ValueError(f"option video_split={adapter['video_split']!r} sets PromPrune's entropy / split over a clip; "
+                         f"method {method!r} has none: use video_split='unit' (the default)")
     spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
     budget = as_budget(budget, method)
     resolved = spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's checks

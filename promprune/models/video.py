@@ -7,7 +7,8 @@ the LLM are the adapter's (``video_kwargs``, ``encode_video``, ``video_encoder_o
 a LLaVA-OneVision frame is one SigLIP view pooled 2x, a Qwen frame one temporal patch of 2 frames whose tokens keep
 their 3D M-RoPE positions (computed on the unpruned sequence with ``video_grid_thw``, gathered at the kept columns).
 The placeholders of a clip may come in several runs (Qwen3-VL's processor writes a timestamp before each temporal
-patch's run).
+patch's run). A clip has one frame or more (a Qwen 1-frame clip: one temporal patch of that frame twice); a batch's
+clips may differ in frame count (OneVision's, whose processor stacks them, are processed by frame count).
 
 Budget over a clip (adapter options ``video_budget`` / ``video_split``;
 :data:`promprune.models.options.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
@@ -129,19 +130,26 @@ def conversation(vlm, prompt: str) -> str:
     return vlm.conversation(prompt, media="video")
 
 
-def processed(vlm, clips, prompts, fps: float | None = None):
-    """Processor outputs for a batch of clips (unpruned placeholders), on the CPU. The frames are fed as given (no
-    resampling); ``fps`` (else the decoded file's, else 1) dates them for Qwen's timestamps / temporal positions."""
-    check_video_model(vlm.model)
-    clips, prompts = list(clips), list(prompts)
+def _check_batch(clips: list, prompts: list) -> None:
     if len(clips) != len(prompts) or not clips:
         raise ValueError(f"got {len(clips)} clips and {len(prompts)} prompts; pass one clip per prompt (at least one)")
+
+
+def processed(vlm, clips, prompts, fps: float | None = None):
+    """Processor outputs for a batch of clips (unpruned placeholders), on the CPU. The frames are fed as given (no
+    resampling; the adapter's ``prepare_clips`` pads a clip the processor takes no shorter: Qwen3-VL's 1-frame clip);
+    ``fps`` (else the decoded file's, else 1) dates them for Qwen's timestamps / temporal positions. One processor
+    call: on an adapter with ``uniform_clips`` (OneVision) the clips need one frame count (:func:`frame_groups`)."""
+    check_video_model(vlm.model)
+    clips, prompts = list(clips), list(prompts)
+    _check_batch(clips, prompts)
     loaded = [load_clip(c, i) for i, c in enumerate(clips)]
     arrays = [a for a, _ in loaded]
     rates = [fps or rate or DEFAULT_FPS for _, rate in loaded]
     kwargs = {"do_sample_frames": False, **vlm.adapter.video_kwargs(arrays, rates)}  # how the family dates frames
     texts = [conversation(vlm, p) for p in prompts]
-    return vlm.processor(text=texts, videos=arrays, return_tensors="pt", padding=True, **kwargs)
+    return vlm.processor(text=texts, videos=vlm.adapter.prepare_clips(arrays), return_tensors="pt", padding=True,
+                         **kwargs)
 
 
 def inputs(vlm, clips, prompts, fps: float | None = None):
@@ -149,6 +157,30 @@ def inputs(vlm, clips, prompts, fps: float | None = None):
     if batch["pixel_values_videos"].is_floating_point():
         batch["pixel_values_videos"] = batch["pixel_values_videos"].to(vlm.model.dtype)
     return batch
+
+
+def frame_groups(vlm, clips: list[Clip]) -> list[list[int]]:
+    """The batch's rows by processor call: all in one, or on an adapter with ``uniform_clips`` (OneVision, whose
+    processor stacks a batch's frames into one tensor) one call per frame count, rows ascending within each."""
+    if not vlm.adapter.uniform_clips:
+        return [list(range(len(clips)))]
+    rows: dict[int, list[int]] = {}
+    for i, clip in enumerate(clips):
+        rows.setdefault(len(clip.frames), []).append(i)
+    return list(rows.values())
+
+
+def _join_rows(batches, groups: list[list[int]], pad_id: int) -> dict:
+    """``input_ids`` / ``attention_mask`` of sub-batches (``batches[k]`` holding rows ``groups[k]``) as one batch in
+    row order, each sub-batch left-padded to the longest (the processor pads on the left)."""
+    width = max(b["input_ids"].shape[1] for b in batches)
+    ids, mask = [], []
+    for b in batches:
+        extra = width - b["input_ids"].shape[1]
+        ids.append(torch.nn.functional.pad(b["input_ids"], (extra, 0), value=pad_id))
+        mask.append(torch.nn.functional.pad(b["attention_mask"], (extra, 0), value=0))
+    order = torch.argsort(torch.tensor([row for rows in groups for row in rows], device=ids[0].device))
+    return {"input_ids": torch.cat(ids)[order], "attention_mask": torch.cat(mask)[order]}
 
 
 def video_families() -> list[str]:
@@ -179,15 +211,6 @@ def encoder_outputs(adapter, items, feats, run_pos) -> dict:
 
 
 # ---- budget over a clip --------------------------------------------------------------------------------------------
-
-
-def check_options(vlm) -> tuple[str, str]:
-    """``(video_budget, video_split)``; a split other than "unit" needs PromPrune (the one adaptive split)."""
-    budget, split = vlm.adapter.options["video_budget"], vlm.adapter.options["video_split"]
-    if split != "unit" and vlm.method != "promprune":
-        raise ValueError(f"option video_split={split!r} sets PromPrune's entropy / split; method {vlm.method!r} has "
-                         "none: use video_split='unit'")
-    return budget, split
 
 
 def plan(vlm, items: list[VisualItem], budget_option: str, split: str):
@@ -266,18 +289,30 @@ def _llm_inputs(vlm, batch, items, plan_):
 def prepare(vlm, clips, prompts, fps: float | None = None):
     """:meth:`PrunedVLM.prepare` for clips: encode, select per ``video_budget`` / ``video_split``, rebuild.
 
+    A model whose family has no clips is refused before any clip is decoded. On an adapter with ``uniform_clips``
+    (OneVision) each frame count is processed and encoded as its own sub-batch (:func:`frame_groups`), the rows joined
+    for the LLM: every clip is fed what it is fed alone.
+
     Returns the fields of a ``Prepared`` (model kwargs, stats, items, vision and selection ms); ``PrunedVLM``
     builds it, so this module never imports ``vlm``."""
     from .options import is_in_llm
 
-    prompts = list(prompts)
+    check_video_model(vlm.model)  # before decoding: a family without clips is refused as such, whatever the clip
+    clips, prompts = list(clips), list(prompts)
+    _check_batch(clips, prompts)
     clips = [Clip(*load_clip(c, i)) for i, c in enumerate(clips)]  # decoded once: the processor and the keys
-    batch = inputs(vlm, clips, prompts, fps)
+    groups = frame_groups(vlm, clips)
+    batches = [inputs(vlm, [clips[i] for i in rows], [prompts[i] for i in rows], fps) for rows in groups]
+    batch = batches[0] if len(batches) == 1 else _join_rows(batches, groups, vlm.processor.tokenizer.pad_token_id)
     pre_llm = vlm.method is not None and not is_in_llm(vlm.method)
-    budget_option, split = check_options(vlm) if pre_llm else (None, None)
+    # video_split other than "unit" is PromPrune's only: options.validate_method refused it for other methods
+    budget_option, split = vlm.adapter.options["video_budget"], vlm.adapter.options["video_split"]
     text_source = vlm._text_source() if pre_llm else None
     with Stopwatch(vlm.device) as vision:
-        items = encode(vlm.adapter, batch, need_saliency=pre_llm and vlm.spec.needs_saliency)
+        items: list = [None] * len(clips)
+        for rows, sub in zip(groups, batches):  # each sub-batch encoded as a batch of those clips alone would be
+            for row, item in zip(rows, encode(vlm.adapter, sub, need_saliency=pre_llm and vlm.spec.needs_saliency)):
+                items[row] = item
         if text_source is not None:
             vlm.adapter.attach_instruction(items, prompts, text_source)
     if pre_llm and vlm.spec.draws_at_random:  # random draws per clip and frame: hash the frames (host)

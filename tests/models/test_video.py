@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from promprune.models import PrunedVLM
-from promprune.models.options import all_methods, is_in_llm
+from promprune.models.options import all_methods, is_in_llm, validate_method
 from promprune.models.tiny import tiny_vlm
 from promprune.models.video import decode_video
 from promprune.models.video import inputs as video_inputs
@@ -244,16 +244,93 @@ def test_video_split_clip_and_per_frame(arch, clips):
     assert whole["entropy"] == pytest.approx(h_clip, abs=1e-4)
 
 
-def test_video_split_needs_promprune():
-    with pytest.raises(ValueError, match="video_split='clip'.*'divprune'"):
-        vlm_for("qwen2_5_vl", "divprune", 6, video_split="clip").prepare_video([scene_clip(frames=2)], ["q"])
+@pytest.mark.parametrize("method", ["divprune", "fastv", "sparsevlm", "pyramiddrop", "dart"])
+@pytest.mark.parametrize("split", ["clip", "per_frame"])
+def test_video_split_needs_promprune(method, split):
+    """Any method but PromPrune, pre-LLM or in-LLM, refuses a video_split other than "unit" when built (and when a
+    spec is checked, without a model), before any clip; unpruned ignores it."""
+    match = f"video_split='{split}'.*'{method}'.*video_split='unit'"
+    with pytest.raises(ValueError, match=match):
+        vlm_for("qwen2_5_vl", method, 6, video_split=split)
+    with pytest.raises(ValueError, match=match):
+        validate_method(method, 6, video_split=split)
+    assert vlm_for("qwen2_5_vl", "promprune", 6, video_split=split).adapter.options["video_split"] == split
+    unpruned = vlm_for("qwen2_5_vl", video_split=split).generate_video([scene_clip(frames=2)], ["q"], max_new_tokens=1)
+    assert unpruned[0].visual_tokens == PER_FRAME["qwen2_5_vl"]
     with pytest.raises(ValueError, match="video_budget"):
         vlm_for("qwen2_5_vl", "divprune", 6, video_budget="frames")
 
 
-def test_video_needs_a_video_model():
+def test_video_needs_a_video_model(tmp_path):
     with pytest.raises(ValueError, match="video needs one of llava_onevision"):
         vlm_for("llava").prepare_video([scene_clip(frames=2)], ["q"])
+    bad = tmp_path / "bad.mp4"  # refused as a model without clips, not decoded first (which named the file unreadable)
+    bad.write_bytes(b"not a video" * 10)
+    with pytest.raises(ValueError, match="video needs one of llava_onevision.*'llava'"):
+        vlm_for("llava").generate_video([bad], ["q"])
+    with pytest.raises(ValueError, match="clip 0 is unreadable"):  # the same file on a video family
+        vlm_for("qwen2_5_vl").generate_video([bad], ["q"])
+
+
+# ---- clips of one frame, batches of different frame counts ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_qwen_one_frame_clip_is_its_image(arch, tmp_path):
+    """A 1-frame clip is one temporal patch of that frame twice (Qwen2.5-VL's processor repeats it; Qwen3-VL's
+    refuses it, so the adapter repeats it first): the image path's tokens and saliency of the frame, and on
+    Qwen3-VL / Qwen3.5 the processor's own inputs for the 2-frame clip dated at frame 0 twice (the date its
+    processor gives the frame it repeats to fill an odd clip's last patch)."""
+    image = scene_clip(index=5, frames=1)[0].resize((48, 48))
+    vlm = vlm_for(arch, "saliency_only", 4)
+    image_item = vlm.prepare([image], ["q"]).items[0]
+    clip_item = vlm.prepare_video([[image]], ["q"]).items[0]
+    torch.testing.assert_close(clip_item.features, image_item.features)
+    torch.testing.assert_close(clip_item.saliency, image_item.saliency)
+    assert clip_item.groups.unique().tolist() == [0]
+    got = vlm_for(arch).generate_video([[image]], ["q"], max_new_tokens=3)[0]
+    assert got.visual_tokens == 36  # one 6 x 6 merged grid
+    if arch in TIMESTAMPED:
+        from transformers.video_utils import VideoMetadata
+
+        model, processor = tiny_vlm(arch)
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                           {"type": "text", "text": "q"}]}],
+                                             add_generation_prompt=True, tokenize=False)
+        ref = processor(text=[text], videos=[np.stack([np.asarray(image)] * 2)], return_tensors="pt",
+                        do_sample_frames=False,
+                        video_metadata=[VideoMetadata(total_num_frames=2, fps=1.0, frames_indices=[0, 0])])
+        ours = video_inputs(vlm, [[image]], ["q"])
+        for key in ("input_ids", "pixel_values_videos", "video_grid_thw"):
+            assert torch.equal(ours[key], ref[key]), key
+        assert "<0.0 seconds>" in processor.decode(ref["input_ids"][0])
+        with torch.inference_mode():
+            out = model.generate(**ref, max_new_tokens=3, do_sample=False)
+        assert got.token_ids == out[0, ref["input_ids"].shape[1]:].tolist()
+    gif = tmp_path / "one.gif"  # a 1-frame video file: its decoded frame, the same clip
+    image.save(gif)
+    from_file = vlm_for(arch).generate_video([gif], ["q"], max_new_tokens=3)[0]
+    decoded = vlm_for(arch).generate_video([decode_video(gif)[0]], ["q"], max_new_tokens=3)[0]
+    assert from_file.visual_tokens == 36 and from_file.token_ids == decoded.token_ids
+
+
+@pytest.mark.parametrize("method,budget", [(None, None), ("divprune", 3), ("promprune", 5), ("fastv", 5)])
+def test_onevision_batch_of_different_frame_counts_is_each_clip_alone(method, budget):
+    """OneVision's processor stacks a batch's frames, so clips of 4, 2 and 4 frames are processed and encoded by
+    frame count and joined for the LLM: each row gets what the clip gets alone (kept tokens, answer), unpruned
+    4 x 4 + 1 and 2 x 4 + 1 visual tokens (4 pooled tokens a frame, one closing newline)."""
+    clips = [scene_clip(index=3, frames=4), scene_clip(index=8, frames=2), scene_clip(index=5, frames=4)]
+    prompts = ["What moves?", "How many objects?", "Which colour?"]
+    vlm = vlm_for("llava_onevision", method, budget)
+    batch = vlm.generate_video(clips, prompts, max_new_tokens=4)
+    alone = [vlm.generate_video([c], [p], max_new_tokens=4)[0] for c, p in zip(clips, prompts)]
+    for b, a in zip(batch, alone):
+        assert (b.token_ids, b.kept, b.visual_tokens, b.text_tokens) == (a.token_ids, a.kept, a.visual_tokens,
+                                                                         a.text_tokens)
+    if method is None:
+        assert [g.visual_tokens for g in batch] == [17, 9, 17]
+    elif method != "fastv":
+        assert [g.visual_tokens for g in batch] == [budget] * 3
 
 
 # ---- Qwen: 3D positions and DeepStack ------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ tokens after unpadding and anyres-max resizing; the budget modes are LLaVA-NeXT'
 (:mod:`promprune.models.video`): every frame is one SigLIP view, its patch grid bilinearly pooled to
 ``ceil(side / 2)^2`` tokens by the model's own ``apply_pooling`` (the released model: 27 x 27 -> 14 x 14 = 196 per
 frame), one ``image_newline`` closing the clip; a frame's saliency is its patches' received attention pooled the same
-way.
+way. Its processor stacks a batch's frames, so a batch of clips with different frame counts is processed and encoded
+one frame count at a time (``uniform_clips``), each clip getting what it gets alone.
 
 Tiny (``tiny:llava_onevision``): 32 px SigLIP views of 8 px patches (16 tokens), crops up to 2 x 2 with newlines and
 anyres_max_2, so a 2 x 2 crop grid is resized down to 5 x 5 tokens (the released model: anyres_max_9 over 384 px
@@ -218,6 +219,8 @@ class OnevisionAdapter(Adapter):
         return cells
 
     # ---- clips (promprune.models.video) -------------------------------------------------------------------------
+
+    uniform_clips = True  # the processor stacks a batch's frames [B, F, C, H, W]: one frame count per call
 
     def video_kwargs(self, frames: list, rates: list[float]) -> dict:
         """No processor kwargs: OneVision's prompt carries no timestamps."""

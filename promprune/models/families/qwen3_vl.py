@@ -6,13 +6,15 @@ merged tokens' raster order), a learned position grid, and DeepStack: the vision
 after the first LLM layers. Saliency, positions and clips are Qwen2.5-VL's (received attention at one block,
 ``saliency_block`` any block, default the last; 3D M-RoPE positions kept); a pruned image feeds the DeepStack rows of
 its kept tokens, and the in-LLM methods add them to the surviving image columns only (``llm_hooks.py``). Its
-processor dates a clip's frames with timestamps in the prompt (one placeholder run per temporal patch).
+processor dates a clip's frames with timestamps in the prompt (one placeholder run per temporal patch); a 1-frame clip
+is that frame repeated to one temporal patch (its processor refuses fewer frames than a patch).
 
 Tiny (``tiny:qwen3_vl``): Qwen2.5-VL's patching, DeepStack from vision blocks 0-2 into LLM layers 0-2, q / k norms in
 the LLM. Shape: ``shape:qwen3_vl_8b``.
 """
 from __future__ import annotations
 
+import numpy as np
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
 from .. import saliency as sal
@@ -101,8 +103,26 @@ class Qwen3Adapter(QwenAdapter):
 
     def video_kwargs(self, frames: list, rates: list[float]) -> dict:
         """Processor kwargs dating clips: each clip's frame indices and rate (its processor writes a timestamp before
-        each temporal patch's placeholder run)."""
+        each temporal patch's placeholder run); a clip shorter than one temporal patch is dated as
+        :meth:`prepare_clips` pads it, its repeated frame at its own index (as the processor dates the frame it
+        repeats to fill an odd count's last patch)."""
         from transformers.video_utils import VideoMetadata
 
-        return {"video_metadata": [VideoMetadata(total_num_frames=len(f), fps=r, frames_indices=list(range(len(f))))
-                                   for f, r in zip(frames, rates)]}
+        metadata = []
+        for f, rate in zip(frames, rates):
+            indices = list(range(len(f)))
+            indices += indices[-1:] * (self._patch_frames() - len(indices))  # nothing unless shorter than a patch
+            metadata.append(VideoMetadata(total_num_frames=len(indices), fps=rate, frames_indices=indices))
+        return {"video_metadata": metadata}
+
+    def prepare_clips(self, clips: list) -> list:
+        """Each clip at least one temporal patch (2 frames) long: a shorter one (a single frame) repeats its last
+        frame. Qwen3-VL's video processor refuses fewer frames than a patch (its ``smart_resize``), yet pads any
+        longer clip's last patch with its last frame, as Qwen2.5-VL's processor pads a 1-frame clip; so a 1-frame clip
+        is one temporal patch of that frame twice, what Qwen's image path feeds for an image."""
+        need = self._patch_frames()
+        return [np.concatenate([c, np.repeat(c[-1:], need - len(c), axis=0)]) if len(c) < need else c for c in clips]
+
+    def _patch_frames(self) -> int:
+        """Frames per temporal patch of the video processor."""
+        return int(self.processor.video_processor.temporal_patch_size)
