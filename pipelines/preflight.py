@@ -3,13 +3,14 @@
 `specs.parse` checks a spec by itself (fields, types, methods and option values). `preflight(spec)` checks what
 the spec names: that every task exists (lmms-eval's, an offline one, or in a directory of the spec's
 `include_path`, whose task files must all be readable) and would load (its data found where lmms-eval will look,
-a task of one's own importing its code), that the model resolves (a factory name, a local checkpoint directory, a
-hub id in the cache or on a reachable hub), that every budget prunes (stays below the visual tokens the model gives
-an image), that every in-LLM trial can prune this model's LLM at its layers (``promprune.models.llm_hooks.
-stage_layers``: a stage ranks at a full-attention layer, not a hybrid LLM's linear-attention layers nor a
-sliding-window one; Gemma 4's E2B / E4B are refused), that the MLflow store answers and can be written, and that
-every ``PROMPRUNE_*`` environment variable is one PromPrune reads, with a value it takes (``environment``). All
-problems come back together, in seconds; the entry scripts print them as one message without a traceback.
+local data files holding the split it evaluates, a task of one's own importing its code), that the model resolves
+(a factory name, a local checkpoint directory, a hub id in the cache or on a reachable hub), that every budget
+prunes (stays below the visual tokens the model gives an image), that every in-LLM trial can prune this model's LLM
+at its layers (``promprune.models.llm_hooks.stage_layers``: a stage ranks at a full-attention layer, not a hybrid
+LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B / E4B are refused), that the MLflow store
+answers and can be written, and that every ``PROMPRUNE_*`` environment variable is one PromPrune reads, with a
+value it takes (``environment``). All problems come back together, in seconds; the entry scripts print them as one
+message without a traceback.
 
 Some problems are this machine's, not the spec's (`NotOnThisMachine`): a hub dataset or model that is not in this
 machine's cache while it is offline, task data or calibration images not where they are named. A sweep refuses
@@ -73,8 +74,9 @@ def _labelled(label: str, problem: str) -> str:
 def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[str] | None = None) -> list[str]:
     """Every task is lmms-eval's, an offline one or in a directory of ``include_path`` (each must exist, and every
     task YAML there must be readable: lmms-eval reads them all), ``limit`` can score it, and it would load here: its
-    data is where lmms-eval and ``datasets`` will look (a relative ``data_files`` path resolved as lmms-eval does),
-    and a task of one's own imports its ``!function`` code (`promprune.eval.task_checks`)."""
+    data is where lmms-eval and ``datasets`` will look (a relative ``data_files`` path resolved as lmms-eval does)
+    and, local, has the split the task evaluates, and a task of one's own imports its ``!function`` code
+    (`promprune.eval.task_checks`)."""
     from promprune.eval.task_checks import TaskFileError, task_problems
     from promprune.eval.tasks import check_limit, env_include_paths, task_manager
 

@@ -1,5 +1,6 @@
 """Whether lmms-eval can load a task here, found in seconds and said in one paragraph: task YAML files it cannot read,
-``!function`` references that do not import, and data that is not where lmms-eval and ``datasets`` will look.
+``!function`` references that do not import, data that is not where lmms-eval and ``datasets`` will look, and a
+split the task evaluates that its local data files do not have.
 
 What lmms-eval 0.7.3 does, which these checks follow:
 
@@ -12,6 +13,9 @@ What lmms-eval 0.7.3 does, which these checks follow:
   a glob pattern is never rewritten). A path left relative is read by ``datasets.load_dataset`` from the working
   directory of the process that loads the task. Anything else in ``dataset_path`` is a local directory when one
   exists there (relative: from the working directory), else a hub dataset.
+- **Splits.** ``datasets`` names the splits of ``data_files`` after its keys (a single path or a list: one split,
+  ``train``); lmms-eval evaluates ``test_split`` when it is set, else ``validation_split``, and reads it as
+  ``dataset[split]`` (a ``KeyError`` when the data has no such split).
 - **Hub data.** ``datasets`` offline (``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE``) reads only its own cache,
   ``<datasets cache>/<org>___<snake_case name>``; lmms-eval's datasets cache is ``$LMMS_EVAL_DATASETS_CACHE``, else
   ``$HF_DATASETS_CACHE``, else ``$HF_HOME/datasets``.
@@ -107,14 +111,14 @@ def _first_line(exc: BaseException) -> str:
 
 def task_problems(manager, tasks: list[str], own_dirs: list[str]) -> list[str]:
     """One problem per task of ``tasks`` (indexed by ``manager``, a TaskManager) that would fail to load: its data
-    not found (`data_problem`), or, for a task in one of ``own_dirs`` (the user's task directories), a
-    ``!function`` that does not import."""
+    not found (`data_problem`), the split it evaluates not among its local data files' (`split_problem`), or, for a
+    task in one of ``own_dirs`` (the user's task directories), a ``!function`` that does not import."""
     problems = []
     for task in tasks:
         path = manager.task_index.get(task, {}).get("yaml_path")
         if not isinstance(path, str):
             continue  # a group or tag: the bridge says so when it loads it
-        problem = data_problem(task, path)
+        problem = data_problem(task, path) or split_problem(task, path)
         if problem is None and any(_under(path, d) for d in own_dirs):
             problem = function_problem(task, path)
         if problem:
@@ -162,6 +166,29 @@ def data_problem(task: str, yaml_path: str) -> str | None:
             f"exist (tried {path.absolute()}; `datasets` reads a relative dataset_path from the working directory); "
             "fix dataset_path or create the dataset there")
     return hub_problem(task, yaml_path, source)
+
+
+def split_problem(task: str, yaml_path: str) -> str | None:
+    """Why the split the task evaluates (``test_split``, else ``validation_split``) is not one its local data files
+    have (``dataset_path`` a generic builder: the splits are ``data_files``' keys); None when it is, or when the
+    splits are only known once the data is loaded (a hub dataset, a directory)."""
+    from lmms_eval.utils import load_yaml_config
+
+    config = load_yaml_config(yaml_path, mode="simple")
+    kwargs = config.get("dataset_kwargs") or {}
+    field = "test_split" if config.get("test_split") is not None else "validation_split"
+    split = config.get(field)
+    if config.get("dataset_path") not in LOCAL_BUILDERS or not isinstance(kwargs, dict) or "split" in kwargs \
+            or kwargs.get("data_files") is None or split is None:
+        return None
+    data_files = kwargs["data_files"]
+    splits = [str(k) for k in data_files] if isinstance(data_files, dict) else ["train"]  # datasets' naming
+    if str(split) in splits:
+        return None
+    named = (f"its dataset_kwargs.data_files names the split(s) {splits}" if isinstance(data_files, dict) else
+             "its dataset_kwargs.data_files is not keyed by split, so `datasets` names its one split 'train'")
+    return (f"task {task!r} ({yaml_path}) evaluates {field}: {split}, a split its data does not have: {named}. "
+            f"Set {field} to one of {splits}, or key the data file by {str(split)!r} in dataset_kwargs.data_files")
 
 
 def _missing_files(task: str, yaml_path: str, data_files) -> str | None:

@@ -357,21 +357,50 @@ def load_task(name: str, include_path: str | list[str] | None = None):
         with single_process():
             task_dict = get_task_dict([name], manager)
     except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its cause
-        from promprune.eval.task_checks import data_problem
-
-        source = manager._task_index.get(name, {}).get("yaml_path", "?")
-        found = data_problem(name, source) if isinstance(source, str) and os.path.isfile(source) else None
-        raise TaskUnavailableError(found or (
-            f"task {name!r} could not load its data ({type(exc).__name__}: {str(exc)[:300]}). Hub tasks download "
-            f"from the Hugging Face hub and need network access (or a populated HF cache); offline, use "
-            f"{list(OFFLINE_TASKS)}. Task definition: {source}")
-        ) from exc
+        raise TaskUnavailableError(_load_failure(name, manager._task_index.get(name, {}).get("yaml_path"), exc)
+                                   ) from exc
     task = _leaf_task(task_dict, name)
     if task.get_config("num_fewshot") is None:
         task.set_config(key="num_fewshot", value=0)  # as lmms-eval's simple_evaluate does
     if task.OUTPUT_TYPE != "generate_until":
         raise ValueError(f"task {name!r} has output_type {task.OUTPUT_TYPE!r}; the bridge supports generate_until only")
     return task
+
+
+def _load_failure(name: str, source, exc: Exception) -> str:
+    """Why the task did not load: its data not found, or the split it evaluates not among its data's
+    (`promprune.eval.task_checks`), else the loader's error, with the hub's needs when the data is not local."""
+    from promprune.eval.task_checks import LOCAL_BUILDERS, data_problem, split_problem
+
+    readable = isinstance(source, str) and os.path.isfile(source)
+    found = readable and (data_problem(name, source) or split_problem(name, source) or
+                          _missing_split(name, source, exc))
+    if found:
+        return found
+    local = readable and _yaml_config(Path(source)).get("dataset_path") in LOCAL_BUILDERS
+    hub = "" if local else (" Hub tasks download from the Hugging Face hub and need network access (or a populated "
+                            f"HF cache); offline, use {list(OFFLINE_TASKS)}.")
+    return (f"task {name!r} could not load its data ({type(exc).__name__}: {str(exc)[:300]}).{hub} Task definition: "
+            f"{source or '?'}")
+
+
+def _missing_split(name: str, yaml_path: str, exc: Exception) -> str | None:
+    """The loader's ``KeyError`` when the task's data has no split named by the one it evaluates (lmms-eval reads
+    ``dataset[test_split]``, else ``dataset[validation_split]``), as a problem naming that split and the data's own
+    (read off the dataset the failing lookup was made on); None for any other failure."""
+    import traceback
+
+    import datasets
+
+    config = _yaml_config(Path(yaml_path))
+    field = "test_split" if config.get("test_split") is not None else "validation_split"
+    if not isinstance(exc, KeyError) or not exc.args or exc.args[0] != config.get(field):
+        return None
+    splits = [list(frame.f_locals["self"]) for frame, _ in traceback.walk_tb(exc.__traceback__)
+              if isinstance(frame.f_locals.get("self"), datasets.DatasetDict)]
+    has = f"its data has the split(s) {splits[-1]}" if splits else "its data has no such split"
+    return (f"task {name!r} ({yaml_path}) evaluates {field}: {exc.args[0]}, a split its data does not have ({has}); "
+            f"set {field} to a split of the dataset")
 
 
 def _leaf_task(task_dict: dict, name: str):

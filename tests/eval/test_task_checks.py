@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -127,3 +128,39 @@ def test_a_hub_dataset_not_cached_offline_is_named(tmp_path, monkeypatch):
                               "HF_HUB_OFFLINE")
     (tmp_path / "cache" / "lmms-lab-encoder___pope").mkdir(parents=True)  # datasets' own cache layout
     assert task_checks.hub_problem("pope", "pope.yaml", "lmms-lab-encoder/POPE") is None
+
+
+def test_a_split_the_data_does_not_have_is_named_before_loading_and_when_loading(tmp_path, monkeypatch):
+    """``test_split: validation`` while ``data_files`` has only ``test``: lmms-eval's loader fails on
+    ``dataset['validation']``; the check names the split and the data's splits before anything loads, and a load
+    that fails on it says so (no word of the hub's network)."""
+    wrong = task_dir(tmp_path, "own_split", "q.parquet")
+    yaml_path = wrong / "own_split.yaml"
+    yaml_path.write_text(yaml_path.read_text().replace("test_split: test", "test_split: validation"))
+    parquet(wrong / "q.parquet", ["q"])
+    with pytest.raises(KeyError, match="validation"):  # lmms-eval itself, the check out of the way
+        from lmms_eval.tasks import get_task_dict
+
+        get_task_dict(["own_split"], tasks.task_manager(["own_split"], [str(wrong)]))
+    (problem,) = problems("own_split", wrong)
+    assert problem == (f"task 'own_split' ({yaml_path}) evaluates test_split: validation, a split its data does not "
+                       "have: its dataset_kwargs.data_files names the split(s) ['test']. Set test_split to one of "
+                       "['test'], or key the data file by 'validation' in dataset_kwargs.data_files")
+
+    one = task_dir(tmp_path, "own_one_file", "q.parquet")
+    one_yaml = one / "own_one_file.yaml"  # data_files: one path (absolute: lmms-eval resolves only keyed ones)
+    one_yaml.write_text(one_yaml.read_text().replace("{test: q.parquet}", str(one / "q.parquet")))
+    parquet(one / "q.parquet", ["q"])
+    assert list(datasets.load_dataset("parquet", data_files=str(one / "q.parquet"))) == ["train"]
+    (problem,) = problems("own_one_file", one)
+    assert "dataset_kwargs.data_files is not keyed by split, so `datasets` names its one split 'train'" in problem
+    right = task_dir(tmp_path, "own_right", "q.parquet")
+    parquet(right / "q.parquet", ["q"])
+    assert problems("own_right", right) == []
+
+    monkeypatch.setattr(task_checks, "split_problem", lambda task, path: None)  # as a load finds it at run time
+    with pytest.raises(tasks.TaskUnavailableError) as raised:
+        tasks.load_task("own_split", [str(wrong)])
+    assert str(raised.value) == (f"task 'own_split' ({yaml_path}) evaluates test_split: validation, a split its "
+                                 "data does not have (its data has the split(s) ['test']); set test_split to a "
+                                 "split of the dataset")
