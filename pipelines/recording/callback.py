@@ -103,9 +103,30 @@ class RecorderHook(tune.Callback):
 
 
 def error_text(trial) -> str:
-    """The end of a failed trial's error file (Tune's), or where to find it."""
+    """What a failed trial's error file (Tune's, every failure of the trial in turn) says: the exception that ended
+    its last try, as the traceback ends with it, and where the file is kept (the trial's directory under the sweep's
+    Tune storage; Tune reads a staged copy); the file's end when it holds no traceback."""
     path = getattr(trial, "error_file", None)
+    if not path:
+        return "trial failed"
     try:
-        return Path(path).read_text()[-2000:] if path else "trial failed"
+        text = Path(path).read_text(errors="replace")
     except OSError:
         return f"trial failed (see {path})"
+    message = last_exception(text)
+    kept = f"{trial.path}/{Path(path).name}" if isinstance(getattr(trial, "path", None), str) else path
+    return f"{message} (traceback: {kept})" if message else text[-2000:]
+
+
+def last_exception(text: str) -> str | None:
+    """The exception a Python traceback ends with (the lines after its last frame: frames and their code are
+    indented), at most its last 2,000 characters; None when ``text`` holds no traceback frame."""
+    lines = text.rstrip().splitlines()
+    if not any(line.startswith('  File "') for line in lines):
+        return None
+    tail = []
+    for line in reversed(lines):
+        if line.startswith((" ", "\t")):
+            break
+        tail.append(line)
+    return "\n".join(reversed(tail)).strip()[-2000:] or None

@@ -132,13 +132,15 @@ def quiet_line(quiet_s: float, running: int, state: dict | None) -> str:
 
 def headline_keys(tasks: list[str], metrics: dict) -> list[str]:
     """Each task's primary metric(s) (`promprune.eval.tasks.primary_metrics`, what Rel. uses), else its first
-    metric."""
+    metric; never a sample count or an interval's bound (a task with no metric has no headline)."""
+    from promprune.eval.scoring import is_count
     from promprune.eval.tasks import primary_metrics
 
     keys = []
     for task in tasks:
         primary = [f"{task}/{m}" for m in primary_metrics(task)]
-        keys += [k for k in primary if k in metrics] or [k for k in metrics if k.startswith(f"{task}/")][:1]
+        keys += [k for k in primary if k in metrics] or \
+            [k for k in metrics if k.startswith(f"{task}/") and not is_count(k.split("/", 1)[1])][:1]
     return keys
 
 

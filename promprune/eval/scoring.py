@@ -16,6 +16,16 @@ Two things lmms-eval's own loop would turn into a lost trial or a silent number 
   cannot hold are cleaned of those characters, the task is scored again, and ``n_cleaned`` counts them;
 - an LLM judge (MM-Vet) that gave no grade: lmms-eval records 0.0; here the sample counts as failed
   (``n_judge_failed``, included in ``n_failed``) and the task's metrics are aggregated over the graded samples only.
+
+Two mistakes in a task's own scoring end its scoring with a `ScoringError` naming the task and the cause, where
+lmms-eval's loop would hide them:
+
+- ``process_results`` raising: lmms-eval retries it 5 times, 2 s apart, and ends in a ``tenacity.RetryError`` that
+  names only the exception's type. Here it is called once (lmms-eval's own tasks keep the retries: their
+  ``process_results`` may call an LLM judge over the network), and the error says the exception, its message and
+  the line of the task's code that raised it;
+- a ``metric_list`` metric that ``process_results`` never returns while it returns keys no metric declares (a
+  misnamed metric): lmms-eval aggregates only the declared metrics that came back, so the task would have no score.
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ import functools
 import inspect
 import io
 import logging
+import os
 import re
 import tempfile
+import traceback
 from typing import Any
 
 from promprune.eval.tasks import JUDGE_GRADES, load_task, primary_metrics, single_process
@@ -38,6 +50,75 @@ log = logging.getLogger(__name__)
 
 # characters openpyxl refuses in a cell (C0 controls except tab, newline, carriage return): openpyxl's own rule
 SPREADSHEET_ILLEGAL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+
+
+class ScoringError(RuntimeError):
+    """A task's own scoring failed, the same way on every try: its ``process_results`` raised, or returned none of
+    a metric its ``metric_list`` declares. The message names the task and the cause."""
+
+
+def _lmms_eval_code(fn) -> bool:
+    """Whether ``fn`` is lmms-eval's own code (a task it ships)."""
+    import lmms_eval
+
+    code = getattr(fn, "__code__", None)
+    return code is not None and os.path.abspath(code.co_filename).startswith(os.path.dirname(lmms_eval.__file__))
+
+
+@contextlib.contextmanager
+def _watched(task, name: str):
+    """``task.process_results`` while lmms-eval scores: called once (lmms-eval's retries kept for its own tasks'
+    code), an exception it raises turned into a `ScoringError` that names it (`_raised`); yields the set that
+    collects the keys it returned."""
+    import tenacity
+
+    method = type(task).process_results
+    user = getattr(task.config, "process_results", None)
+    once = method if _lmms_eval_code(user) else getattr(method, "__wrapped__", method)  # tenacity keeps the function
+    returned: set[str] = set()
+
+    def process_results(doc, results, **kwargs):
+        try:
+            out = once(task, doc, results, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the task's code: any error is named, with where it was raised
+            if isinstance(exc, tenacity.RetryError) and exc.last_attempt.failed:
+                exc = exc.last_attempt.exception()
+            raise ScoringError(_raised(name, user, exc)) from exc
+        if isinstance(out, dict):
+            returned.update(out)
+        return out
+
+    task.process_results = process_results  # the instance's: lmms-eval calls task.process_results(doc, results)
+    try:
+        yield returned
+    finally:
+        del task.process_results
+
+
+def _raised(name: str, user, exc: BaseException) -> str:
+    """The error of a task whose ``process_results`` (``user``: the task's function) raised ``exc``: its type,
+    message and the line that raised it (the last frame in the function's file, else the last frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = getattr(getattr(user, "__code__", None), "co_filename", None)
+    at = ([f for f in frames if f.filename == own] or frames or [None])[-1]
+    where = "" if at is None else f", at {at.filename}, line {at.lineno}" + (f": {at.line}" if at.line else "")
+    return (f"task {name!r}: its process_results raised {type(exc).__name__}: {exc}{where}. Fix the "
+            "task's code there")
+
+
+def _check_metrics(task, name: str, returned: set[str]) -> None:
+    """A `ScoringError` when a metric of the task's ``metric_list`` came back from no document while
+    ``process_results`` returned keys no metric declares (or none it declares): lmms-eval would aggregate nothing
+    for it. (A declared metric that is absent alone is not an error: MME's cognition score has no document among
+    the first perception questions.)"""
+    declared = list(task.aggregation())
+    missing = [m for m in declared if m not in returned]
+    undeclared = sorted(returned - set(declared))
+    if missing and (undeclared or len(missing) == len(declared)):
+        raise ScoringError(
+            f"task {name!r}: its metric_list declares {missing}, which its process_results returned for no "
+            f"document (it returned {sorted(returned) or 'no metric'}); name in metric_list the keys "
+            f"process_results returns (the first metric is the task's headline score)")
 
 
 def _replay_model(predictions: dict[tuple[str, int], str]):
@@ -124,6 +205,12 @@ def _metrics(task_results: dict) -> dict[str, float]:
 
 CI_LEVEL = 0.95
 CI_SUFFIXES = ("_ci_low", "_ci_high")
+COUNTS = ("n_samples", "n_failed", "n_judge_failed", "n_cleaned")  # what `score` adds beside a task's metrics
+
+
+def is_count(name: str) -> bool:
+    """Whether a task's score ``name`` is one of `score`'s sample counts or a bound of an interval, not a metric."""
+    return name in COUNTS or name.endswith(CI_SUFFIXES)
 
 
 def aggregate_with(aggregate, items: list, args=None) -> float:
@@ -231,12 +318,13 @@ _GROUPED = {
 
 
 def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir: str, log_samples: bool) -> dict:
-    """lmms-eval's ``evaluate`` over one task, the replay model answering ``answers`` ({(task, doc_id): text})."""
+    """lmms-eval's ``evaluate`` over one task, the replay model answering ``answers`` ({(task, doc_id): text}); a
+    `ScoringError` when the task's ``process_results`` raises or returns none of a metric it declares."""
     from lmms_eval.evaluator import evaluate
 
     cli_args = argparse.Namespace(process_with_media=False, output_path=output_dir)
-    with single_process():
-        return evaluate(
+    with single_process(), _watched(task, name) as returned:
+        results = evaluate(
             lm=_replay_model(answers),
             task_dict={name: task},
             limit=limit,
@@ -247,6 +335,8 @@ def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir
             process_docs_parallel=1,
             verbosity="WARNING",
         )
+    _check_metrics(task, name, returned)
+    return results
 
 
 def _evaluate_answers(task, name: str, answers: dict, limit, output_dir: str, log_samples: bool) -> tuple[dict, int]:

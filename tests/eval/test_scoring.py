@@ -225,3 +225,77 @@ def test_bootstrap_of_a_constant_is_a_point():
     assert bootstrap_ci([1.0] * 30, mean, 500) == (1.0, 1.0)
     low, high = bootstrap_ci([0.0, 1.0] * 200, mean, 4000)  # p = 0.5, n = 400: +-1.96 * 0.025
     assert low == pytest.approx(0.5 - 0.049, abs=0.006) and high == pytest.approx(0.5 + 0.049, abs=0.006)
+
+
+# a benchmark of one's own whose scoring code is wrong (issue: a misnamed metric scored nothing, an exception in
+# process_results was lost in tenacity's RetryError after 5 tries)
+OWN_TASK = """
+task: {name}
+dataset_path: parquet
+dataset_kwargs: {{data_files: {{test: data.parquet}}}}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function utils.doc_to_visual
+doc_to_text: !function utils.doc_to_text
+doc_to_target: answer
+process_results: !function utils.process_results
+metric_list:
+{metrics}
+"""
+OWN_UTILS = """
+from pathlib import Path
+def doc_to_visual(doc):
+    return []
+def doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    return doc["question"]
+def process_results(doc, results):
+    with open(Path(__file__).with_name("calls"), "a") as calls:
+        calls.write("x")
+{body}
+"""
+
+
+def _own_task(root: Path, name: str, metrics: list[str], body: str) -> str:
+    """A task directory of one's own with 3 documents; ``body``: process_results' code after it counts its call."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = root / name
+    d.mkdir()
+    listed = "\n".join(f"  - {{metric: {m}, aggregation: mean, higher_is_better: true}}" for m in metrics)
+    (d / f"{name}.yaml").write_text(OWN_TASK.format(name=name, metrics=listed))
+    (d / "utils.py").write_text(OWN_UTILS.format(body=body))
+    pq.write_table(pa.table({"question": ["q0", "q1", "q2"], "answer": ["yes", "no", "yes"]}), d / "data.parquet")
+    return str(d)
+
+
+def test_an_exception_in_process_results_is_named_with_its_line_and_not_retried(tmp_path):
+    from promprune.eval.scoring import ScoringError
+
+    d = _own_task(tmp_path, "own_raises", ["accuracy"], "    return {'accuracy': results[0].nope}")
+    with pytest.raises(ScoringError) as raised:
+        score(_rows("own_raises", ["yes", "no", "no"]), include_path=d)
+    line = next(i for i, text in enumerate((Path(d) / "utils.py").read_text().splitlines(), 1) if ".nope" in text)
+    assert str(raised.value) == (
+        f"task 'own_raises': its process_results raised AttributeError: 'str' object has no attribute 'nope', at "
+        f"{d}/utils.py, line {line}: return {{'accuracy': results[0].nope}}. Fix the task's code there")
+    assert isinstance(raised.value.__cause__, AttributeError)  # the user's exception, with its traceback
+    assert (Path(d) / "calls").read_text() == "x"  # called once: lmms-eval's tenacity retries it 5 times, 2 s apart
+
+
+def test_a_declared_metric_process_results_never_returns_is_an_error(tmp_path):
+    from promprune.eval.scoring import ScoringError
+
+    typo = _own_task(tmp_path, "own_typo", ["acc_typo"], "    return {'accuracy': float(results[0] == doc['answer'])}")
+    with pytest.raises(ScoringError) as raised:
+        score(_rows("own_typo", ["yes", "no", "no"]), include_path=typo)
+    assert str(raised.value) == (
+        "task 'own_typo': its metric_list declares ['acc_typo'], which its process_results returned for no document "
+        "(it returned ['accuracy']); name in metric_list the keys process_results returns (the first metric is the "
+        "task's headline score)")
+    # a declared metric no document has, beside the ones returned (MME's cognition score on perception questions
+    # only), scores what came back
+    some = _own_task(tmp_path, "own_some", ["accuracy", "rare"], "    return {'accuracy': float(results[0] == "
+                                                                 "doc['answer'])}")
+    scores = score(_rows("own_some", ["yes", "no", "no"]), include_path=some)["own_some"]
+    assert scores == {"accuracy": 2 / 3, "n_samples": 3, "n_failed": 0}

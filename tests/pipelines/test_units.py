@@ -445,6 +445,47 @@ def test_the_summary_table_is_markdown_of_what_the_answers_decide_and_times_belo
     ]
 
 
+def test_a_task_without_its_metric_has_no_headline_rather_than_a_count():
+    """A task of one's own whose scores hold only `score`'s counts (its metric never came back) shows no column; one
+    that has a metric shows it, never n_samples beside it."""
+    from pipelines.recording.console import headline_keys
+
+    counts = {"own/n_samples": 4.0, "own/n_failed": 0.0, "own/accuracy_ci_low": 0.5}
+    assert headline_keys(["own"], counts) == []
+    assert headline_keys(["own"], {**counts, "own/accuracy": 0.75}) == ["own/accuracy"]
+
+
+def test_a_failed_trial_says_the_exception_that_ended_it_not_a_cut_of_its_traceback(tmp_path):
+    """Tune's error file holds a traceback per failure of the trial (a chained one: the user's exception, then the
+    one it caused); the console and the run's tag get the last exception's own lines and the file's path."""
+    import traceback
+    from types import SimpleNamespace
+
+    from pipelines.recording.callback import error_text
+
+    def user_code():
+        raise AttributeError("'KeyError' object has no attribute 'strip'")
+
+    def failure():
+        try:
+            user_code()
+        except AttributeError as exc:
+            raise RuntimeError("task 'own': its process_results raised AttributeError\nsecond line") from exc
+
+    try:
+        failure()
+    except RuntimeError as exc:
+        told = "".join(traceback.format_exception(exc))
+    path = tmp_path / "error.txt"
+    path.write_text(f"Failure # 1 (occurred at now)\n{'x' * 3000}\n{told}")
+    assert error_text(SimpleNamespace(error_file=str(path))) == (
+        f"RuntimeError: task 'own': its process_results raised AttributeError\nsecond line (traceback: {path})")
+    kept = SimpleNamespace(error_file=str(path), path="/storage/sweep/trial_0")  # Tune's own trial directory
+    assert error_text(kept).endswith("second line (traceback: /storage/sweep/trial_0/error.txt)")
+    path.write_text("The actor died unexpectedly before finishing this task.\n\tclass_name: ImplicitFunc\n")
+    assert error_text(SimpleNamespace(error_file=str(path))) == path.read_text()  # no traceback: the file's end
+
+
 def test_tunes_callback_tag_is_rays_without_importing_wandb():
     """`callbacks_counted_without_integrations` records the usage tag Ray's own `tag_callbacks` records for the
     sweep's callbacks, without Ray's logger integrations (wandb, installed by lmms-eval) imported; a callback list
