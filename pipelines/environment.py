@@ -11,6 +11,7 @@ import math
 import os
 from typing import Callable
 
+from promprune.env import ENTROPY_MODES
 from promprune.suggest import closest
 
 
@@ -27,25 +28,20 @@ def _one_of(*values: str, fold: bool = False) -> tuple[str, Callable[[str], bool
         lambda value: (value.strip().lower() if fold else value) in values
 
 
-def _entropy_modes() -> tuple[str, Callable[[str], bool]]:
-    from promprune.selection.accel import ENTROPY_MODES
-
-    return _one_of(*ENTROPY_MODES)
-
-
 PREFIX = "PROMPRUNE_"
 _FLAG = _one_of("0", "1")
+_SECONDS = ("seconds (a number >= 0)", _seconds)
 _ANY = None
-# name -> None (any value: a path, a list of paths, a URI checked where the spec's storage is) or a function giving
-# (what it takes, whether a value is one of them)
-VARIABLES: dict[str, Callable[[], tuple[str, Callable[[str], bool]]] | None] = {
-    "PROMPRUNE_ACCEL": lambda: _FLAG,  # the selection's GPU fast path (promprune.selection.accel)
-    "PROMPRUNE_ENTROPY": _entropy_modes,  # how PromPrune's split reads the entropy
-    "PROMPRUNE_GRAPHS": lambda: _FLAG,  # the selection as CUDA graphs
-    "PROMPRUNE_STORE_WAIT_S": lambda: ("seconds (a number >= 0)", _seconds),  # the end of a sweep's wait for MLflow
-    "PROMPRUNE_RAY_START_WAIT_S": lambda: ("seconds (a number >= 0)", _seconds),  # a local Ray node's registration
-    "PROMPRUNE_TESTBED_RETRAIN": lambda: _one_of("0", "1", "true", "false", "yes", "no", "", fold=True),
-    "PROMPRUNE_MLFLOW_TEMPLATE": lambda: _FLAG,  # the new MLflow store copied from a template
+# name -> None (any value: a path, a list of paths, a URI checked where the spec's storage is) or (what it takes,
+# whether a value is one of them)
+VARIABLES: dict[str, tuple[str, Callable[[str], bool]] | None] = {
+    "PROMPRUNE_ACCEL": _FLAG,  # the selection's GPU fast path (promprune.selection.accel)
+    "PROMPRUNE_ENTROPY": _one_of(*ENTROPY_MODES),  # how PromPrune's split reads the entropy
+    "PROMPRUNE_GRAPHS": _FLAG,  # the selection as CUDA graphs
+    "PROMPRUNE_STORE_WAIT_S": _SECONDS,  # the end of a sweep's wait for MLflow
+    "PROMPRUNE_RAY_START_WAIT_S": _SECONDS,  # a local Ray node's registration
+    "PROMPRUNE_TESTBED_RETRAIN": _one_of("0", "1", "true", "false", "yes", "no", "", fold=True),
+    "PROMPRUNE_MLFLOW_TEMPLATE": _FLAG,  # the new MLflow store copied from a template
     "PROMPRUNE_TESTBED_WEIGHTS": _ANY,
     "PROMPRUNE_CACHE": _ANY,
     "PROMPRUNE_HOME": _ANY,
@@ -72,7 +68,7 @@ def check_environment(environ=None) -> tuple[list[str], list[str]]:
         if name in VARIABLES:
             rule = VARIABLES[name]
             if rule is not None:
-                takes, ok = rule()
+                takes, ok = rule
                 if not ok(value):
                     problems.append(f"environment variable {name}={value!r}: it takes {takes}; set such a value "
                                     "or unset it (docs/pipeline.md, \"Environment variables\")")

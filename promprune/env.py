@@ -5,6 +5,10 @@ import contextlib
 import os
 from pathlib import Path
 
+# How PromPrune's split reads the spectral entropy (``PROMPRUNE_ENTROPY``; ``promprune.selection.accel``): here, where
+# no torch is imported, so the pipeline's front door checks the variable without it
+ENTROPY_MODES = ("auto", "certified", "exact")
+
 
 @contextlib.contextmanager
 def temporary_env(**values: str):

@@ -33,7 +33,8 @@ from functools import cache
 
 import torch
 
-ENTROPY_MODES = ("auto", "certified", "exact")
+from ..env import ENTROPY_MODES  # the one vocabulary, kept where no torch is imported
+
 _STATE = {"on": os.environ.get("PROMPRUNE_ACCEL", "1") != "0", "entropy": os.environ.get("PROMPRUNE_ENTROPY", "auto"),
           "graphs": os.environ.get("PROMPRUNE_GRAPHS", "0") == "1", "syncs": 0}
 _BROKEN: dict[str, str] = {}  # kernel name -> why Triton could not build it on this machine (this process)
