@@ -23,6 +23,8 @@ The invariants (``CHECKS``, each a function of a :class:`Case`), all through ``p
   CPU selects.
 - ``degenerate_tokens``: all-zero and duplicated tokens, and images of one token repeated or of zeros only, still
   give T distinct tokens and finite outputs.
+- ``inputs_unchanged``: the call leaves its inputs as they were (features, saliency, an instruction's tensors): a
+  method that edits ``tokens.x`` in place would change the caller's float32 features, which ``select`` does not copy.
 - ``saliency_when_declared``: a method that does not declare ``needs_saliency`` runs without saliency scores and
   its selection does not depend on them (the model adapters pass saliency only to methods that declare it).
 
@@ -217,6 +219,21 @@ def degenerate_tokens(case: Case) -> None:
     for name in ("features", "entropy"):
         t = getattr(sel, name)
         _expect(t is None or bool(torch.isfinite(t).all()), f"zero and duplicate tokens: {name} not finite")
+
+
+@_check
+def inputs_unchanged(case: Case) -> None:
+    x, s = inputs()
+    query, tokens = x[:, 0].clone(), x.clone()
+    kw = {}
+    if case.spec.needs_instruction:
+        kw["instruction"] = promprune.Instruction(query=query, tokens=tokens)
+    before = [t.clone() for t in (x, s, query, tokens)]
+    case.select(x, s, 12, **kw)
+    for name, was, now in zip(("features", "saliency", "instruction.query", "instruction.tokens"), before,
+                              (x, s, query, tokens)):
+        _expect(torch.equal(was, now), f"select changed its input {name} in place (the caller's tensor); work on a "
+                                       "copy (e.g. tokens.x.clone()) before editing it")
 
 
 @_check

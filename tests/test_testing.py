@@ -87,6 +87,12 @@ def miscounts(tokens, budget):
     return Selection(idx, torch.ones(tokens.batch, dtype=torch.long), salient=torch.zeros_like(idx, dtype=torch.bool))
 
 
+def edits_in_place(tokens, budget):
+    """Whitens the tokens in place before ranking them: the caller's float32 features change."""
+    tokens.x.sub_(tokens.x.mean(dim=1, keepdim=True))
+    return _selection(_norm_top(tokens, budget))
+
+
 BROKEN = {  # method -> (function, registration flags, the one check it must fail)
     "t_repeats": (repeats, {}, "unique_in_range"),
     "t_one_short": (one_short, {}, "exact_budget"),
@@ -97,6 +103,7 @@ BROKEN = {  # method -> (function, registration flags, the one check it must fai
     "t_nan_entropy": (nan_entropy, {}, "degenerate_tokens"),
     "t_doubles": (doubles, {"merges": True}, "budget_at_least_n"),
     "t_miscounts": (miscounts, {}, "exact_budget"),
+    "t_edits_in_place": (edits_in_place, {}, "inputs_unchanged"),
 }
 
 
