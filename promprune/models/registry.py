@@ -140,6 +140,21 @@ def family(name: str) -> Family:
     return _FAMILIES[name]
 
 
+def check_builds_own(fam: Family, config, factory: str) -> None:
+    """ValueError when the family's ``factory`` ("tiny" or "shape") built a config of another ``model_type``: a model is
+    run by the adapter of its config's ``model_type``, so it would run another family's adapter (or none)."""
+    kind = getattr(config, "model_type", None)
+    if kind == fam.name:
+        return
+    other = find_family(config)
+    runs = (f"family {other.name!r}'s adapter ({other.module})" if other is not None else
+            "no registered family's adapter (PrunedVLM would refuse it)")
+    raise ValueError(f"model family {fam.name!r}'s {factory} factory ({fam.module}) builds a config of model_type "
+                     f"{kind!r}, so its model would run {runs}: a model is run by the adapter registered under its "
+                     f"config.model_type. Build the family's own config (model_type {fam.name!r}), or register the "
+                     f"family under the name {kind!r}")
+
+
 def find_family(config) -> Family | None:
     """The family of a model config (by ``model_type``), None when none is registered."""
     kind = getattr(config, "model_type", None)

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
 from .factories import place
-from .registry import families, family
+from .registry import check_builds_own, families, family
 
 SEED = 0  # fixed so every process builds bit-identical tiny models
 
@@ -77,7 +77,10 @@ def archs() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _cached(arch: str):
-    return family(arch).tiny()
+    fam = family(arch)
+    model, processor = fam.tiny()
+    check_builds_own(fam, model.config, "tiny")
+    return model, processor
 
 
 def load(arch: str, *, dtype=None, device_map=None, attn_implementation=None, max_memory=None):

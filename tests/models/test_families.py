@@ -87,3 +87,30 @@ def test_the_docs_list_every_family():
     """docs/methods.md's table of families has a row for each (its ``tiny:<name>``)."""
     text = (ROOT / "docs" / "methods.md").read_text()
     assert [name for name in families() if f"`tiny:{name}`" not in text] == []
+
+
+def test_a_family_whose_factories_build_another_model_type_is_refused():
+    """A family's tiny and shape factories must build its own ``model_type``: a model is run by the adapter of its
+    config's type, so a family ``t_misnamed`` whose factories build LLaVA's model would silently run LLaVA's adapter."""
+    import promprune.models.registry as registry
+    from promprune.models import shapes, tiny
+
+    llava = family("llava")
+
+    @register_family("t_misnamed", model_class="LlavaForConditionalGeneration", default_mu=0.42, tiny=llava.tiny,
+                     shape=llava.shape)
+    class Misnamed(Adapter):
+        pass
+
+    try:
+        with pytest.raises(ValueError, match=r"model family 't_misnamed''s tiny factory \(.*\) builds a config of "
+                                             r"model_type 'llava', so its model would run family 'llava''s adapter"):
+            tiny.tiny_vlm("t_misnamed")
+        spec = dict(shape_spec("llava_1_5_7b"), model_type="t_misnamed")
+        with pytest.raises(ValueError, match=r"'t_misnamed''s shape factory .* model_type 'llava'"):
+            shapes._builder(spec)(spec, 1, 1)
+    finally:
+        registry._FAMILIES.pop("t_misnamed", None)
+        tiny._cached.cache_clear()
+    for name in archs():  # every shipped family builds its own type
+        assert tiny.tiny_vlm(name)[0].config.model_type == name

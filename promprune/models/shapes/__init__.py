@@ -26,7 +26,7 @@ import torch
 from promprune.dtypes import AUTO, parse_dtype
 
 from ..factories import place
-from ..registry import family
+from ..registry import check_builds_own, family
 
 SEED = 0
 
@@ -54,11 +54,17 @@ def section(spec: dict, name: str, layers: int | None, key: str = "num_hidden_la
 
 
 def _builder(spec: dict):
-    """The ``shape`` factory of the family ``spec["model_type"]`` names."""
+    """The ``shape`` factory of the family ``spec["model_type"]`` names, checked to build that family's own config."""
     found = family(spec["model_type"])
     if found.shape is None:
         raise ValueError(f"model family {found.name!r} has no shape factory ({found.module})")
-    return found.shape
+
+    def build(spec: dict, text_layers, vision_layers):
+        built = found.shape(spec, text_layers, vision_layers)
+        check_builds_own(found, built[1], "shape")
+        return built
+
+    return build
 
 
 # the width fields of each tower's config that ``width_divisor`` divides (head_dim, where given, stays)
