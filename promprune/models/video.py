@@ -107,13 +107,28 @@ def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarra
         if isinstance(clip, np.ndarray):
             array = clip
         else:
-            array = np.stack([np.asarray(f) if isinstance(f, np.ndarray) else np.asarray(load_image(f, index))
-                              for f in clip])
+            frames_ = [np.asarray(f) if isinstance(f, np.ndarray) else np.asarray(load_image(f, index)) for f in clip]
     except Exception as err:  # PyAV / PIL / numpy raise many types for bad data
         raise ValueError(f"clip {index} is unreadable: {type(err).__name__}: {err}") from err
+    if not isinstance(clip, np.ndarray):
+        sizes = [f.shape for f in frames_]
+        odd = next((k for k, size in enumerate(sizes) if size != sizes[0]), None)
+        if odd is not None:
+            raise ValueError(f"clip {index}: its frames differ in size (frame 0 is {_size(sizes[0])}, frame {odd} is "
+                             f"{_size(sizes[odd])}); a clip's frames share one size: resize them to one before passing "
+                             "the clip")
+        array = np.stack(frames_) if frames_ else np.zeros((0, 0, 0, 3), np.uint8)
     if array.ndim != 4 or array.shape[-1] != 3 or array.shape[0] < 1:
         raise ValueError(f"clip {index}: expected frames [F, H, W, 3] (RGB, F >= 1), got shape {tuple(array.shape)}")
     return array.astype(np.uint8, copy=False), None
+
+
+def _size(shape: tuple) -> str:
+    """A frame's size as width x height (and its channels when not RGB)."""
+    if len(shape) not in (2, 3):
+        return f"an array of shape {tuple(shape)}"
+    channels = shape[2] if len(shape) == 3 else 1
+    return f"{shape[1]}x{shape[0]}" + (f" with {channels} channel(s)" if channels != 3 else "")
 
 
 def clip_key(frames: np.ndarray) -> int:

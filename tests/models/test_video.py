@@ -272,6 +272,21 @@ def test_video_needs_a_video_model(tmp_path):
         vlm_for("qwen2_5_vl").generate_video([bad], ["q"])
 
 
+def test_frames_of_different_sizes_are_named():
+    """A clip given as frames of different sizes says which frame and both sizes (numpy's stack error was reported
+    as an unreadable clip); an empty frame list says what a clip must hold."""
+    from promprune.models.video import load_clip
+
+    frame = np.zeros((48, 64, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"clip 1: its frames differ in size \(frame 0 is 64x48, frame 2 is 32x48\)"):
+        load_clip([frame, frame, frame[:, :32]], 1)
+    with pytest.raises(ValueError, match=r"frame 1 is 64x48 with 1 channel\(s\)"):
+        load_clip([frame, frame[..., 0]], 0)
+    with pytest.raises(ValueError, match=r"clip 0: expected frames \[F, H, W, 3\] \(RGB, F >= 1\)"):
+        load_clip([], 0)
+    assert load_clip([frame, frame + 1], 0)[0].shape == (2, 48, 64, 3)
+
+
 # ---- clips of one frame, batches of different frame counts ---------------------------------------------------------
 
 
