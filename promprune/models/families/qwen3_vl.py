@@ -119,7 +119,9 @@ class Qwen3Adapter(QwenAdapter):
         """Each clip at least one temporal patch (2 frames) long: a shorter one (a single frame) repeats its last
         frame. Qwen3-VL's video processor refuses fewer frames than a patch (its ``smart_resize``), yet pads any
         longer clip's last patch with its last frame, as Qwen2.5-VL's processor pads a 1-frame clip; so a 1-frame clip
-        is one temporal patch of that frame twice, what Qwen's image path feeds for an image."""
+        is one temporal patch of that frame twice, what Qwen's image path feeds for an image. Its pixel limit is then
+        that of one temporal patch, 2 frames: the processor's ``smart_resize`` counts a clip's frames rounded to whole
+        patches (``t_bar``) against ``max_pixels``, so a 3-frame clip's limit is also that of 2."""
         need = self._patch_frames()
         return [np.concatenate([c, np.repeat(c[-1:], need - len(c), axis=0)]) if len(c) < need else c for c in clips]
 
