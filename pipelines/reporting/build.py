@@ -352,7 +352,8 @@ def _headroom_section(sweep, table, preds, out_dir, report, truth_source) -> str
         return ""
     items = _ItemsCache(preds)
     panels, notes = headroom_section.build_panels(sweep, table, preds.get, items.get, truth_source)
-    analyses = [headroom_section.analyse(p) for p in panels]
+    iters = _resamples(sweep)  # the spec's `bootstrap`, as every other interval of the report
+    analyses = [headroom_section.analyse(p, iters=iters) for p in panels]
     if not analyses:
         return "## Split headroom\n\n" + "".join(f"- {n}\n" for n in notes or ["no task had per-sample scores"])
     _write_csv(headroom_section.csv_frame(analyses), out_dir / "split_headroom.csv", report)
@@ -363,7 +364,7 @@ def _headroom_section(sweep, table, preds, out_dir, report, truth_source) -> str
         if path is not None:
             report.files.append(path)
             figures_md.append(f"![split headroom, {budget:.0f} tokens]({path.name})\n")
-    return headroom_section.markdown(analyses, notes) + "\n" + headroom_figure.NOTE + "\n\n" + "\n".join(figures_md)
+    return headroom_section.markdown(analyses, notes, iters=iters) + "\n" + headroom_figure.NOTE + "\n\n" + "\n".join(figures_md)
 
 
 def _calibration_section(sweep, table, preds, entropy_id, report) -> str:

@@ -3,6 +3,8 @@ step rule, the captured fraction, the per-sample scores lmms-eval's items give, 
 resampling loop, and the section in a report built from a real SQLite MLflow store."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -222,6 +224,14 @@ def test_the_report_section_from_mlflow(store, tmp_path):
     assert csv.loc[csv["arm"].str.startswith("Oracle"), "diff"].item() == pytest.approx(37.5)
     figure = tmp_path / "out" / "split_headroom_b8.png"
     assert figure in report.files and figure.read_bytes()[:4] == b"\x89PNG"
+    assert "resampled 1000 times" in text  # no `bootstrap` param logged: the report's own count
+    # the spec's `bootstrap` (a param of the parent run) sets the section's resamples, as the other intervals'
+    drawn, real = [], hr.cluster_draws
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hr, "cluster_draws", lambda n, iters, seed=0: drawn.append(iters) or real(n, iters, seed))
+        text = build_report(dataclasses.replace(load_sweep("headroom_demo"), bootstrap=200),
+                            tmp_path / "b200", truth_source=lambda task: None).markdown
+    assert "resampled 200 times" in text and drawn and set(drawn) == {200}
 
 
 def test_fixed_trials_on_different_benchmarks_make_no_panel(store, tmp_path):
