@@ -31,6 +31,7 @@ class Sweep:
     status: str = "FINISHED"  # the parent run's: RUNNING while its driver runs (or after it was killed), KILLED, ...
     planned: int | None = None  # the trials the sweep set out to run (its `trials` param; None in older stores)
     bootstrap: int | None = None  # the spec's `bootstrap` resamples (its param; 0: none set; None in older stores)
+    sweep_tasks: list = field(default_factory=list)  # the spec's tasks (the parent's `tasks` param), in its order
 
     def unfinished(self) -> str | None:
         """What a report of an unfinished sweep lacks, in one sentence (None: the sweep finished)."""
@@ -55,12 +56,15 @@ class Sweep:
         return ids[0] if len(ids) else None
 
     def tasks(self) -> list[str]:
-        """Benchmarks in logged order: the `tasks` param if logged, else every `<task>/` metric prefix."""
+        """Benchmarks in the spec's order: the parent run's `tasks` param, then any other a trial's `tasks` param
+        names (an explicit trial may run on a subset: Table 4's fixed splits, one benchmark each), oldest trial first;
+        without `tasks` params, every `<task>/` metric prefix."""
+        logged = list(self.sweep_tasks)
         if "tasks" in self.trials.columns:
-            for value in self.trials["tasks"].dropna():
-                names = parse_task_list(value)
-                if names:
-                    return names
+            for value in self.trials["tasks"].dropna().iloc[::-1]:  # rows come newest first
+                logged += parse_task_list(value)
+        if logged:
+            return list(dict.fromkeys(logged))
         prefixes = [c.split("/", 1)[0] for c in self.metrics.columns if "/" in c]
         return list(dict.fromkeys(p for p in prefixes if p not in mlflow_layout.NON_TASK_PREFIXES))
 
@@ -136,7 +140,13 @@ def load_sweep(ref: str | None = None, flag: str = "--sweep") -> Sweep:
                       if k.startswith("metrics.") and v is not None and v == v}
     bootstrap = pd.to_numeric(pd.Series([parent.get("params.bootstrap")]), errors="coerce").iloc[0]
     return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned,
-                 None if pd.isna(bootstrap) else int(bootstrap))
+                 None if pd.isna(bootstrap) else int(bootstrap), _parent_tasks(parent))
+
+
+def _parent_tasks(parent: pd.Series) -> list[str]:
+    """The sweep's tasks as its parent run logged them (none in a store without the param)."""
+    value = parent.get("params.tasks")
+    return parse_task_list(value) if isinstance(value, str) else []
 
 
 def _latest_per_trial(runs: pd.DataFrame) -> pd.DataFrame:

@@ -40,20 +40,24 @@ def trial(method, budget, metrics, *, options=None, predictions=None, status="FI
 
 
 def log_sweep(client, exp, name, trials, *, tasks, model="tiny:llava", version=1, tmp: Path,
-              parent_metrics: dict | None = None) -> str:
-    """Parent run + one child run per trial, as the pipeline's schema says; returns the parent run id."""
+              parent_metrics: dict | None = None, parent_tasks: bool = True) -> str:
+    """Parent run + one child run per trial, as the pipeline's schema says; returns the parent run id. A trial's own
+    ``tasks`` (an explicit trial on a subset) is its `tasks` param; ``parent_tasks``: log the sweep's on the parent
+    (stores written before 2026-12-06 lack it)."""
     now = int(time.time() * 1000)
     parent = client.create_run(exp, run_name=name, start_time=now + next(_clock),
                                tags={"promprune.role": "sweep", "promprune.sweep": name,
                                      "promprune.spec_version": str(version)}).info.run_id
     client.log_text(parent, f"name: {name}\nversion: {version}\n", "spec.yaml")
+    if parent_tasks:
+        client.log_param(parent, "tasks", ",".join(tasks))
     for t in trials:
         run = client.create_run(exp, run_name=t["id"], start_time=now + next(_clock),
                                 tags={"mlflow.parentRunId": parent, "promprune.role": "trial",
                                       "promprune.sweep": name, "promprune.trial": t["id"],
                                       **t.get("tags", {})}).info.run_id
         params = {"model": model, "method": t["method"], "budget": "none" if t["budget"] is None else t["budget"],
-                  "tasks": ",".join(tasks), **t["options"]}
+                  "tasks": ",".join(t.get("tasks") or tasks), **t["options"]}
         for key, value in params.items():
             client.log_param(run, key, str(value))
         client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in t["metrics"].items()])

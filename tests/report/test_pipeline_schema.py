@@ -53,3 +53,32 @@ def test_report_on_runs_written_by_the_pipeline(store, tmp_path):
     assert "| PromPrune | 16 | 40.0 | 25.0 | 90.0% |" in report.markdown  # Rel. = (0.4/0.5 + 0.25/0.25) / 2
     names = {p.name for p in report.files}
     assert {"entropy_histograms.png", "overlay_easyvqa_yesno_0.png", "overlay_easyvqa_open_0.png"} <= names
+
+
+def test_trials_on_a_subset_of_the_tasks_leave_every_task_in_the_report(store, tmp_path):
+    """Table 4's layout: explicit trials each on one benchmark, logged after the trials on all of them. The report's
+    benchmarks are the sweep's (its parent's `tasks` param, in the spec's order), not the newest trial's one; a store
+    without that param takes every trial's, oldest first."""
+    del store
+    c = tracking.client()
+    parent = tracking.start_sweep(c, "subset_demo", 1, "name: subset_demo\nversion: 1\n",
+                                  {"tasks": ",".join(TASKS)})
+    runs = [({"method": None, "budget": None, "options": {}, "trial_id": "baseline"}, TASKS,
+             {"easyvqa_yesno/f1": 0.5, "easyvqa_open/exact_match": 0.25}),
+            ({"method": "promprune", "budget": 16, "options": {"mu": 0.42}, "trial_id": "promprune-b16"}, TASKS,
+             {"easyvqa_yesno/f1": 0.4, "easyvqa_open/exact_match": 0.25}),
+            ({"method": "fixed_ratio", "budget": 16, "options": {"saliency_ratio": 0.5}, "trial_id": "fixed-open",
+              "tasks": ["easyvqa_open"]}, ["easyvqa_open"], {"easyvqa_open/exact_match": 0.2})]
+    for trial, tasks, metrics in runs:
+        tracking.log_trial(c, parent, "subset_demo", 1, trial, tracking.trial_params("tiny:llava", trial, tasks, {}),
+                           metrics, None)
+    tracking.finish(c, parent)
+    sweep = load_sweep("subset_demo")
+    assert sweep.trials.loc[sweep.trials["trial"] == "fixed-open", "tasks"].map(str).str.contains("open").all()
+    assert sweep.tasks() == TASKS
+    table = build_report(sweep, tmp_path / "out").markdown
+    assert "| PromPrune | 16 | 40.0 | **25.0** | **90.0%** |" in table  # both benchmarks' columns, Rel. over both
+    assert "| Fixed split | 16 | – | 20.0 | 80.0% |" in table
+    older = load_sweep("subset_demo")
+    older.sweep_tasks = []  # a store written before the parent logged its tasks
+    assert older.tasks() == TASKS
