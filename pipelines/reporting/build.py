@@ -56,7 +56,8 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     full_tokens = _full_tokens(sweep, preds)
     sections = [_header(searched, table)]
     published = load_published(sweep.name, published_root)
-    comparison = None if published is None else tables.compare_published(sweep, table, published)
+    comparison = None if published is None else tables.compare_published(
+        sweep, table, published, lambda rid: _t_sal_by_task(preds, rid))
     sections.append(_scores_section(table, full_tokens, comparison, out_dir, report))
     sections.append(_paired_section(sweep, table, preds))
     sections.append(_search_section(searched, table, preds, out_dir, report, grid))
@@ -364,7 +365,8 @@ def _headroom_section(sweep, table, preds, out_dir, report, truth_source) -> str
         if path is not None:
             report.files.append(path)
             figures_md.append(f"![split headroom, {budget:.0f} tokens]({path.name})\n")
-    return headroom_section.markdown(analyses, notes, iters=iters) + "\n" + headroom_figure.NOTE + "\n\n" + "\n".join(figures_md)
+    return (headroom_section.markdown(analyses, notes, iters=iters) + "\n" + headroom_figure.NOTE + "\n\n"
+            + "\n".join(figures_md))
 
 
 def _calibration_section(sweep, table, preds, entropy_id, report) -> str:
@@ -612,10 +614,18 @@ def _full_tokens(sweep: Sweep, preds: _PredictionCache) -> float | None:
     return None
 
 
-def _mean_t_sal_per_task(sweep, table, preds, run_id) -> tuple[dict, str]:
+def _t_sal_by_task(preds, run_id) -> dict:
+    """``{task: mean T_sal}`` over the trial's answered samples (empty without per-sample saliency counts)."""
     frame = _ok(preds.get(run_id))
     if "saliency_count" in frame and frame["saliency_count"].notna().any():
-        return frame.groupby("task")["saliency_count"].mean().to_dict(), "the adaptive trial's per-sample predictions"
+        return frame.groupby("task")["saliency_count"].mean().to_dict()
+    return {}
+
+
+def _mean_t_sal_per_task(sweep, table, preds, run_id) -> tuple[dict, str]:
+    by_task = _t_sal_by_task(preds, run_id)
+    if by_task:
+        return by_task, "the adaptive trial's per-sample predictions"
     overall = sweep.metrics.loc[run_id].get("t_sal/mean", np.nan)
     return {c.task: overall for c in table.columns}, "the adaptive trial's `t_sal/mean` (all benchmarks pooled)"
 

@@ -6,6 +6,7 @@ Every table is a pandas DataFrame (written as CSV) plus a markdown rendering.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ import pandas as pd
 from pipelines import mlflow_layout
 
 from .columns import column_for, task_interval, task_score
-from .store import BASELINE_METHOD, Sweep
+from .store import BASELINE_METHOD, Sweep, parse_task_list
 
 METHOD_LABELS = {
     "none": "Upper bound", "promprune": "PromPrune", "fastv": "FastV", "sparsevlm": "SparseVLM",
@@ -205,19 +206,18 @@ def score_table_markdown(table: ScoreTable, full_tokens: float | None = None,
             cells.append(cell)
         cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%"))
         rows.append(cells)
-        paper = _paper_row(table, row, comparison, decimals)
+        paper = _paper_row(table, rid, comparison, decimals)
         if paper:
             rows.append(["↳ paper (Δ ours − paper)", tokens] + paper)
     return markdown_table(header, rows)
 
 
-def _paper_row(table: ScoreTable, row: pd.Series, comparison: pd.DataFrame | None, decimals: dict) -> list | None:
-    """Cells "81.5 (−1.5)" for the published numbers of our row, or None when the paper has none for it."""
+def _paper_row(table: ScoreTable, rid: str, comparison: pd.DataFrame | None, decimals: dict) -> list | None:
+    """Cells "81.5 (−1.5)" for the published numbers of our row (``rid``: its trial), or None when the paper has
+    none for it."""
     if comparison is None or comparison.empty:
         return None
-    same = comparison[(comparison["method"] == row["method"]) & (comparison["variant"] == row["variant"])]
-    if row["method"] != BASELINE_METHOD:
-        same = same[same["budget"] == row["budget"]]
+    same = comparison[comparison["run_id"] == rid]
     values = {r["column"]: r for _, r in same.iterrows()}
     keys = [c.task for c in table.columns] + ["rel"]
     if not any(k in values for k in keys):
@@ -303,46 +303,85 @@ def efficiency_markdown(eff: pd.DataFrame, baseline_id: str | None) -> str:
 # ours against the published numbers
 
 
-def compare_published(sweep: Sweep, table: ScoreTable, published: pd.DataFrame) -> pd.DataFrame:
-    """Long table: one row per published cell that has a number: ours, paper, delta (ours - paper), source.
+T_SAL_PREFIX = "t_sal/"  # a published mean T_sal per benchmark (Table 4): `t_sal/<task>`
 
-    Matching is on (method, budget, variant); the baseline matches on method "none" alone. Our value is in the
-    paper's unit: a task column's score x its scale, `rel` in percent, any other column the logged metric.
-    A published row whose trial did not run keeps ours and delta empty.
+
+def compare_published(sweep: Sweep, table: ScoreTable, published: pd.DataFrame,
+                      t_sal_of: Callable[[str], dict] | None = None) -> pd.DataFrame:
+    """Long table: one row per published cell that has a number: ours, paper, delta (ours - paper), source, and
+    ``run_id``, the trial our number comes from.
+
+    Matching is on (method, budget, variant); the baseline matches on method "none" alone; a published row without
+    a variant matches the one trial of its method and budget when there is one (Table 1's SparseVLM rows: their
+    trials vary `schedule`). A published row no trial matches, whose method ran at its budget as one trial per
+    benchmark (Table 4's fixed split), takes each benchmark's number from that benchmark's trial and, as Rel., the
+    mean of those trials' Rel. Our value is in the paper's unit: a task column's score x its scale, `rel` in
+    percent, `t_sal/<task>` the trial's mean T_sal on that task (``t_sal_of(run_id)``: per task, from its
+    predictions), any other column the logged metric. A published row whose trial did not run keeps ours and delta
+    empty.
     """
     from .published import value_columns
 
     records = []
     for _, prow in published.iterrows():
         rid = _match_trial(table.frame, prow)
+        parts = {} if rid is not None else _per_task_trials(sweep, table.frame, prow)
         for col in value_columns(published):
             paper = prow[col]
             if _isnan(float(paper)):
                 continue
-            ours = np.nan if rid is None else _our_value(sweep, table, rid, col)
+            cell_rid, ours = rid, np.nan
+            if rid is not None:
+                ours = _our_value(sweep, table, rid, col, t_sal_of)
+            elif col in parts:
+                cell_rid = parts[col]
+                ours = _our_value(sweep, table, cell_rid, col, t_sal_of)
+            elif col == "rel" and parts:
+                ours = float(np.mean([table.frame.loc[r, "rel"] for r in parts.values()]))
             records.append({"method": prow["method"], "budget": prow["budget"], "variant": prow["variant"],
                             "column": col, "ours": ours, "paper": float(paper), "delta": ours - float(paper),
-                            "source": prow["source"]})
+                            "source": prow["source"], "run_id": cell_rid})
     return pd.DataFrame(records, columns=["method", "budget", "variant", "column", "ours", "paper", "delta",
-                                          "source"])
+                                          "source", "run_id"])
 
 
 def _match_trial(frame: pd.DataFrame, prow: pd.Series) -> str | None:
     if prow["method"] == BASELINE_METHOD:
         hits = frame.index[frame["method"] == BASELINE_METHOD]
-    else:
-        hits = frame.index[(frame["method"] == prow["method"]) & (frame["budget"] == prow["budget"])
-                           & (frame["variant"] == prow["variant"])]
-    return hits[0] if len(hits) else None
+        return hits[0] if len(hits) else None
+    same = frame[(frame["method"] == prow["method"]) & (frame["budget"] == prow["budget"])]
+    hits = same.index[same["variant"] == prow["variant"]]
+    if len(hits):
+        return hits[0]
+    return same.index[0] if not prow["variant"] and len(same) == 1 else None
 
 
-def _our_value(sweep: Sweep, table: ScoreTable, rid: str, col: str) -> float:
+def _per_task_trials(sweep: Sweep, frame: pd.DataFrame, prow: pd.Series) -> dict[str, str]:
+    """``{task: run id}`` when the published row's method ran at its budget as one trial per benchmark (each trial
+    on one benchmark of its own, at least two); else empty."""
+    if prow["method"] == BASELINE_METHOD or "tasks" not in sweep.trials.columns:
+        return {}
+    hits = frame.index[(frame["method"] == prow["method"]) & (frame["budget"] == prow["budget"])]
+    by_task: dict[str, str] = {}
+    for rid in hits:
+        value = sweep.trials.loc[rid, "tasks"]
+        tasks = parse_task_list(value) if isinstance(value, str) else []
+        if len(tasks) != 1 or tasks[0] in by_task:
+            return {}
+        by_task[tasks[0]] = rid
+    return by_task if len(by_task) >= 2 else {}
+
+
+def _our_value(sweep: Sweep, table: ScoreTable, rid: str, col: str,
+               t_sal_of: Callable[[str], dict] | None = None) -> float:
     if col == "rel":
         return float(table.frame.loc[rid, "rel"])
     if col in table.frame.columns and col not in ("method", "budget", "variant", "label"):
         return float(table.display(col, table.frame.loc[rid, col]))
     if col in sweep.metrics.columns:
         return float(sweep.metrics.loc[rid, col])
+    if col.startswith(T_SAL_PREFIX) and t_sal_of is not None:
+        return float(t_sal_of(rid).get(col[len(T_SAL_PREFIX):], np.nan))
     return np.nan
 
 
