@@ -216,17 +216,19 @@ def _fps_start(distance: torch.Tensor, available: torch.Tensor, anchor: torch.Te
 def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, *,
                       anchor: torch.Tensor | None = None, conditional: bool = False,
                       fallback: torch.Tensor | None = None, steps: int | None = None) -> torch.Tensor:
-    """Greedy facility location: maximize ``F(S) = sum_i w_i max_{j in S} s_ij`` with uniform ``w``.
+    """Greedy facility location: maximize ``F(S) = sum_{i in R} w_i max_{j in S} s_ij`` with uniform ``w``, ``R`` the
+    available tokens (the paper's candidate set: what stage 1 left).
 
-    ``similarity [B, N, N]`` must lie in [0, 1] (here ``clip((cos + 1) / 2, 0, 1)``); every token of the image
-    is a client ``i``, candidates ``j`` are the available ones. The marginal gain of j is
-    ``sum_i max(0, s_ij - cover_i)``. ``conditional=True`` starts ``cover`` from the anchor tokens. Once every gain
-    is 0 the rest is filled by ``fallback`` (else raster order).
+    ``similarity [B, N, N]`` must lie in [0, 1] (here ``clip((cos + 1) / 2, 0, 1)``); the clients ``i`` and the
+    candidates ``j`` are the available tokens. The marginal gain of j is ``sum_i max(0, s_ij - cover_i)``; a token
+    outside ``R`` starts covered (``cover_i = 1``), so it adds nothing. ``conditional=True`` starts ``cover`` from
+    the anchor tokens. Once every gain is 0 the rest is filled by ``fallback`` (else raster order).
     """
     B, N, _ = similarity.shape
     cover = similarity.new_zeros(B, N)
     if conditional and anchor is not None:
         cover = similarity.masked_fill(~anchor[:, None, :], 0.0).amax(dim=2)
+    cover = cover.masked_fill(~available, 1.0)  # not a client: s_ij <= 1 leaves it no gain to give
     order_fb = fallback_score(fallback, available)
     if accel.fused(similarity):
         from . import greedy_triton

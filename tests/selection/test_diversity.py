@@ -127,6 +127,27 @@ def test_facility_location_is_greedy_on_the_objective(seed):
     assert got[0].tolist() == chosen
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_facility_location_covers_the_candidate_set_only(seed):
+    """The paper's objective F(S) = sum_{i in R} max_{j in S} s_ij over the candidate set R (the tokens stage 1
+    left): a token outside R is no client. Counting every token of the image as one picked other tokens (12 of 32
+    coverage picks at 576 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 16, 4, generator=g, dtype=torch.float64)
+    S = ((cosine(x) + 1) / 2).clamp(0, 1)[0].numpy()
+    R = [i for i in range(16) if i % 3 != 0]  # stage 1 took every third token
+
+    def objective(sel):
+        return S[np.ix_(R, sel)].max(axis=1).sum() if sel else 0.0
+
+    chosen = []
+    for _ in range(5):
+        chosen.append(max((j for j in R if j not in chosen), key=lambda j: (objective(chosen + [j]), -j)))
+    available = torch.tensor([[i in R for i in range(16)]])
+    got = facility_location(torch.tensor(S)[None].float(), available, torch.tensor([5]))
+    assert got[0].tolist() == chosen
+
+
 def test_divprune_hand_example():
     # Unit 2-D tokens at angles (deg). Nearest-neighbour cosine distances: the token at 180 deg is the most
     # isolated (its nearest neighbours are 60+ deg away) -> first pick. Then the token farthest from it: 0 or 10 deg
