@@ -27,7 +27,7 @@ class TaskColumn:
 # The paper's column header, unit scale and decimals per benchmark (lmms-eval 0.7 names, and the offline ones).
 # Which metric stands for a benchmark comes from promprune.eval's PRIMARY_METRICS, the same choice its Rel. uses.
 _DISPLAY = {
-    "mme": ("MME", 1.0, 0),
+    "mme": ("MME", 1.0, 1),  # the paper prints one decimal (1507.0)
     "pope": ("POPE", 100.0, 1),
     "mmbench_en_dev_static": ("MMB", 1.0, 1),  # aggregation already in %
     "mmbench_en_dev": ("MMB", 1.0, 1),

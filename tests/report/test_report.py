@@ -101,12 +101,12 @@ def test_markdown_bolds_the_best_per_budget(table_sweep, tmp_path):
     section = report.markdown.split("## Scores", 1)[1].split("\n## ", 1)[0]
     rows = {line.split("|")[1].strip() + "@" + line.split("|")[2].strip(): line
             for line in section.splitlines() if line.startswith("| ") and "Method" not in line}
-    assert rows["Upper bound@all (576)"] == "| Upper bound | all (576) | 1800 | 80.0 | 60.0 | 100.0% |"
-    assert rows["DivPrune@64"] == "| DivPrune | 64 | **1710** | 76.0 | **60.0** | **96.7%** |"
-    assert rows["PromPrune@64"] == "| PromPrune | 64 | 1620 | **80.0** | 57.0 | 95.0% |"
-    assert rows["DivPrune@32"] == "| DivPrune | 32 | 1440 | **72.0** | 51.0 | 85.0% |"  # POPE tie: both bold
-    assert rows["PromPrune@32"] == "| PromPrune | 32 | **1530** | **72.0** | **54.0** | **88.3%** |"
-    assert rows["Random@32"] == "| Random | 32 | 1300 | 70.0 | 45.0 | 78.2% |"
+    assert rows["Upper bound@all (576)"] == "| Upper bound | all (576) | 1800.0 | 80.0 | 60.0 | 100.0% |"
+    assert rows["DivPrune@64"] == "| DivPrune | 64 | **1710.0** | 76.0 | **60.0** | **96.7%** |"
+    assert rows["PromPrune@64"] == "| PromPrune | 64 | 1620.0 | **80.0** | 57.0 | 95.0% |"
+    assert rows["DivPrune@32"] == "| DivPrune | 32 | 1440.0 | **72.0** | 51.0 | 85.0% |"  # POPE tie: both bold
+    assert rows["PromPrune@32"] == "| PromPrune | 32 | **1530.0** | **72.0** | **54.0** | **88.3%** |"
+    assert rows["Random@32"] == "| Random | 32 | 1300.0 | 70.0 | 45.0 | 78.2% |"
     csv = pd.read_csv(tmp_path / "out" / "scores.csv")
     assert csv.loc[csv["label"] == "PromPrune", "POPE"].tolist() == pytest.approx([80.0, 72.0])
 
@@ -140,10 +140,10 @@ def test_paper_rows_sit_under_ours_in_the_score_table(table_sweep, tmp_path, pub
     _, parent = table_sweep
     report = build_report(load_sweep(parent), tmp_path / "out", published_root=published_root, image_source=grey_image)
     lines = report.markdown.split("## Scores", 1)[1].split("\n## ", 1)[0].splitlines()
-    ours = lines.index("| PromPrune | 64 | 1620 | **80.0** | 57.0 | 95.0% |")
+    ours = lines.index("| PromPrune | 64 | 1620.0 | **80.0** | 57.0 | 95.0% |")
     assert lines[ours + 1] == "| ↳ paper (Δ ours − paper) | 64 |  | 81.5 (-1.5) |  | 96.0% (-1.0) |"
     base = next(i for i, line in enumerate(lines) if line.startswith("| Upper bound"))
-    assert lines[base + 1] == "| ↳ paper (Δ ours − paper) | all (576) | 1862 (-62) |  |  |  |"
+    assert lines[base + 1] == "| ↳ paper (Δ ours − paper) | all (576) | 1862.0 (-62.0) |  |  |  |"
     assert sum(line.startswith("| ↳ paper") for line in lines) == 2  # fastv@64 did not run; divprune@32 has no numbers
 
 
@@ -156,7 +156,7 @@ def test_all_equal_scores_are_not_bold(store, tmp_path):
     report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
     section = report.markdown.split("## Scores", 1)[1].split("\n## ", 1)[0]
     assert "**" not in section
-    assert "| PromPrune | 16 | 0 | 0.0 | 0.0 | – |" in section  # Rel. undefined: the baseline scored 0
+    assert "| PromPrune | 16 | 0.0 | 0.0 | 0.0 | – |" in section  # Rel. undefined: the baseline scored 0
 
 
 def test_figures_are_pngs_and_logged_to_the_parent_run(table_sweep, tmp_path):
