@@ -33,6 +33,7 @@ def test_cluster_yaml_passes_rays_validator():
     assert gpu["min_workers"] >= 1 and gpu["max_workers"] >= gpu["min_workers"]
     setup = " ".join(config["setup_commands"])
     assert "[pipeline]" in setup  # the pipeline extra brings ray[default] (the job server)
+    assert '-c "$HOME/promprune/constraints.txt"' in setup  # the pinned set: nights differ by code, not by releases
     assert any("mlflow server" in cmd for cmd in config["head_start_ray_commands"])
 
 
@@ -61,6 +62,8 @@ def test_nightly_cron_line():
     fields = lines[0].split(maxsplit=5)
     assert len(fields) == 6 and all(f.replace("*", "").replace(",", "").isdigit() or f == "*" for f in fields[:5])
     command = fields[5]
+    # cron runs /bin/sh with PATH=/usr/bin:/bin; a user-level pip install puts `ray` in ~/.local/bin
+    assert command.startswith('export PATH="$HOME/.local/bin:') and command.index("export PATH") < command.index("ray ")
     assert "ray job submit --no-wait --submission-id nightly-$(date +\\%F)" in command  # % escaped for cron
     args = sweep.parse_args(_sweep_args(command.split(">>")[0]))
     assert args.regression_threshold is not None and args.regression_threshold > 0
@@ -82,6 +85,9 @@ def test_kuberay_manifest():
     assert limits["nvidia.com/gpu"] == "1" and workers["minReplicas"] <= workers["maxReplicas"]
     env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
     assert "MLFLOW_TRACKING_URI" in env and STORAGE_ENV in env
+    text = (REPO / "deploy" / "kuberay-nightly.yaml").read_text()
+    assert "authOptions" not in rayjob["spec"]["rayClusterSpec"] or "operator >= 1.5.1" in text.splitlines()[0]
+    assert "RUN pip install -c /home/ray/promprune/constraints.txt" in text
     cron = kinds["CronJob"]["spec"]
     assert len(cron["schedule"].split()) == 5 and cron["concurrencyPolicy"] == "Forbid"
 
