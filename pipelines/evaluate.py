@@ -23,7 +23,7 @@ from pathlib import Path
 if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "pyproject.toml").is_file():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: its packages first
 
-from pipelines import plugins, preflight
+from pipelines import mlflow_layout, plugins, preflight
 from pipelines import spec as specs
 from pipelines.recording import tracking
 from pipelines.run import resources as planning
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key:32s} {value:.4g}")
     if not args.no_mlflow:
         run_id = tracking.log_evaluation(spec, trial, result)
-        print(f"MLflow run {run_id}; open the UI with:\n  {tracking.ui_command()}")
+        print(f"MLflow run {run_id}. " + mlflow_layout.open_results())
     return 0
 
 

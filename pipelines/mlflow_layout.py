@@ -111,8 +111,27 @@ def artifact_location(uri: str | None = None) -> str | None:
     return str(database.resolve().parent / "mlruns" / name)
 
 
-def ui_command(uri: str | None = None) -> str:
-    return f"mlflow ui --backend-store-uri {tracking_uri(uri)}"
+def is_server(uri: str | None = None) -> bool:
+    """Whether the store is a tracking server (``http(s)://``): it serves the UI itself."""
+    return tracking_uri(uri).lower().startswith(("http://", "https://"))
+
+
+def ui_command(uri: str | None = None) -> str | None:
+    """The command that serves the UI over a local store; None for a tracking server (it serves its own: `ui_base`)."""
+    return None if is_server(uri) else f"mlflow ui --backend-store-uri {tracking_uri(uri)}"
+
+
+def ui_base(uri: str | None = None) -> str:
+    """Where the UI answers: a tracking server's own address, else `mlflow ui`'s default."""
+    return tracking_uri(uri).rstrip("/") if is_server(uri) else "http://127.0.0.1:5000"
+
+
+def open_results(url: str | None = None, uri: str | None = None) -> str:
+    """How to open the results: `mlflow ui` over a local store, then ``url``; a tracking server's page directly."""
+    command = ui_command(uri)
+    if command is None:
+        return f"Open the results (the MLflow server serves its UI):\n  {url or ui_base(uri)}"
+    return f"Open the results:\n  {command}" + (f"\n  then {url}" if url else "")
 
 
 def view_key(sweep: str) -> str:
@@ -120,9 +139,10 @@ def view_key(sweep: str) -> str:
     return "promprune-" + (re.sub(r"[^A-Za-z0-9_.-]+", "_", sweep)[:100] or "sweep")
 
 
-def ui_url(experiment_id: str, view: str | None = None, base: str = "http://127.0.0.1:5000") -> str:
-    """The experiment's runs in `mlflow ui` (its default address): the Model-training side of MLflow 3's UI, and
-    the saved view ``view`` (a ``view_key``) when given."""
+def ui_url(experiment_id: str, view: str | None = None, base: str | None = None) -> str:
+    """The experiment's runs in the UI (``base``, else `ui_base`: the server's address, or `mlflow ui`'s default): the
+    Model-training side of MLflow 3's UI, and the saved view ``view`` (a ``view_key``) when given."""
+    base = base or ui_base()
     url = f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     return url + (f"&viewStateShareKey={view}" if view else "")
 

@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
               f"with:\n  {outcome.resume}")
         return EXIT_UNLOGGED
     url = tracking.ui_url(spec.name)
-    print(f"\nOpen the results:\n  {tracking.ui_command()}" + (f"\n  then {url}" if url else ""))
+    print("\n" + mlflow_layout.open_results(url))
     if outcome.regressions:
         print("\nREGRESSION (Rel. fell beyond the threshold):\n  " + "\n  ".join(outcome.regressions))
         return EXIT_REGRESSION

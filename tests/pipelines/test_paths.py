@@ -105,3 +105,17 @@ def test_a_script_run_by_path_imports_its_own_checkout(tmp_path, script):
                              env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         assert (said in out.stderr) == checkout, out.stderr
+
+
+def test_a_tracking_server_is_opened_at_its_own_address(monkeypatch):
+    """`mlflow ui --backend-store-uri http://...` fails (no registry store for http); a server serves its own UI, so
+    the closing advice is its page, at its host and port, not `mlflow ui`'s default 127.0.0.1:5000."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.mlflow.svc:5077/")
+    assert mlflow_layout.ui_command() is None
+    assert mlflow_layout.ui_url("3", "promprune-x") == ("http://mlflow.mlflow.svc:5077/#/experiments/3/runs"
+                                                        "?workflowType=machine_learning&viewStateShareKey=promprune-x")
+    text = mlflow_layout.open_results(mlflow_layout.ui_url("3"))
+    assert "mlflow ui" not in text and "http://mlflow.mlflow.svc:5077/#/experiments/3/runs" in text
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/x/mlflow.db")
+    assert mlflow_layout.open_results("http://127.0.0.1:5000/#/e") == (
+        "Open the results:\n  mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db\n  then http://127.0.0.1:5000/#/e")
