@@ -165,8 +165,9 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     resolved = spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's checks
     if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision
                                                                  or spec.needs_instruction or spec.needs_grid):
-        raise ValueError(f"budget_mode 'packed' selects among LLaVA-NeXT's image_newline tokens, which have no "
-                         f"saliency, vision-tower features or grid place; method {method!r} needs them: use another "
+        raise ValueError(f"budget_mode 'packed' makes one selection over the image's whole packed sequence (on "
+                         f"LLaVA-NeXT its image_newline tokens too, which have no saliency, vision-tower features or "
+                         f"grid place), by the LLM-side features alone; method {method!r} needs more: use another "
                          "budget_mode (packed suits divprune and random)")
     return {key: resolved[key] for key in options}, adapter  # numpy's numbers as Python's
 
