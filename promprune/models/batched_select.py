@@ -272,15 +272,16 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int, list[_Part]]:
-    """Every unit's result on the host, per item in bucket order: one read of all buckets' indices, stage flags,
-    saliency counts and entropies (their half-widths, where not exact, are host values already)."""
+    """Every unit's result on the host, per item in view order (the buckets' order depends on the batch: which image
+    made each bucket first): one read of all buckets' indices, stage flags, saliency counts and entropies (their
+    half-widths, where not exact, are host values already)."""
     fields = []
     for sel in sels:
         fields += [sel.indices, sel.salient if sel.salient is not None else torch.zeros_like(sel.indices, dtype=bool),
                    sel.saliency_count]
         fields += [sel.entropy] if sel.entropy is not None else []
     read = iter(to_host(fields))
-    parts: dict[int, list[_Part]] = {b: [] for b in range(len(items))}
+    parts: dict[int, list[tuple[int, _Part]]] = {b: [] for b in range(len(items))}
     offset = 0  # the bucket's first row among all buckets' merged rows (flattened over units)
     for group, sel in zip(groups, sels):
         indices, salient, counts = next(read), next(read), next(read)
@@ -288,12 +289,12 @@ def _parts(items, hosts, groups: list[list[Unit]], sels, order: str) -> dict[int
         halfwidth = None if sel.entropy_halfwidth is None else sel.entropy_halfwidth.tolist()  # host values
         width = indices.shape[1]
         for u, unit in enumerate(group):
-            parts[unit.item].append(_part(unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
-                                          None if entropy is None else float(entropy[u]), offset + u * width, order,
-                                          None if sel.cls is None else sel.cls[u][None],
-                                          None if halfwidth is None else halfwidth[u]))
+            parts[unit.item].append((-1 if unit.view is None else unit.view, _part(
+                unit, hosts[unit.item], indices[u], salient[u], int(counts[u]),
+                None if entropy is None else float(entropy[u]), offset + u * width, order,
+                None if sel.cls is None else sel.cls[u][None], None if halfwidth is None else halfwidth[u])))
         offset += indices.size
-    return parts
+    return {b: [part for _, part in sorted(units, key=lambda vp: vp[0])] for b, units in parts.items()}
 
 
 def _part(unit: Unit, host: HostIndex, chosen: np.ndarray, is_salient: np.ndarray, count: int,

@@ -19,3 +19,27 @@ def test_batch_equals_single_items(arch, method, images, prompts):
     if arch != "llava":  # the two images really have different token counts there
         full = PrunedVLM(model, processor, method=None).prepare(images, prompts)
         assert full.stats[0]["visual_tokens"] != full.stats[1]["visual_tokens"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method,mode", [("promprune", "per_crop"), ("promprune", "adaptive_views"),
+                                         ("visionzip", "per_crop"), ("divprune", "adaptive_views")])
+def test_an_image_keeps_its_order_in_any_batch(arch, method, mode):
+    """With a token order other than raster (the specs' `released`: selection order, VisionZip's stages) an image's
+    kept tokens are fed view after view in view order, whatever images share its batch: the views' parts had been
+    joined in the order the batch's buckets formed, so a square image before a wide one reordered the wide one's
+    views (same set, another LLM input, another answer: LLaVA-OneVision, 2026-12-06)."""
+    from .conftest import make_image
+
+    square, wide, tall = make_image(64, 64, 5), make_image(40, 56, 0), make_image(64, 30, 1)
+    model, processor = tiny_vlm(arch)
+    try:
+        vlm = PrunedVLM(model, processor, method=method, budget=12, token_order="released", budget_mode=mode)
+    except ValueError as exc:  # a family without views refuses a view mode; nothing to order
+        pytest.skip(str(exc))
+    alone = vlm.generate([wide], ["Is there a cat?"], max_new_tokens=4)[0]
+    for batch in ([square, wide], [tall, square, wide], [wide, tall][::-1] + [square]):
+        row = next(i for i, im in enumerate(batch) if im is wide)
+        got = vlm.generate(batch, ["Colour?"] * row + ["Is there a cat?"] + ["Why?"] * (len(batch) - row - 1),
+                           max_new_tokens=4)[row]
+        assert got.kept == alone.kept and got.token_ids == alone.token_ids
