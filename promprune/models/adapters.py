@@ -206,6 +206,15 @@ def as_encoder_outputs(features: list[torch.Tensor]) -> dict:
     return {"image": BaseModelOutputWithPooling(pooler_output=tuple(features))}
 
 
+def token_rows(features: list[torch.Tensor]) -> torch.Tensor:
+    """Every image's fed features ``[M_i, d]`` as one tensor ``[sum M_i, 1, d]``, for a model whose forward scatters
+    one tensor into the placeholders (InternVL; OneVision's clips). One token per leading row, because beam search
+    (``generate``'s ``_expand_multimodal_outputs``) regroups the leading rows by each prompt's placeholder count and
+    repeats each prompt's group per beam; ``[1, sum M_i, d]`` was one group, repeated whole, which fed row 0's beams
+    and row 1's each other's images."""
+    return torch.cat(features)[:, None, :]
+
+
 class Adapter:
     """Base: the conversation, processor call and generate kwargs shared by the architectures.
 

@@ -43,3 +43,21 @@ def test_an_image_keeps_its_order_in_any_batch(arch, method, mode):
         got = vlm.generate(batch, ["Colour?"] * row + ["Is there a cat?"] + ["Why?"] * (len(batch) - row - 1),
                            max_new_tokens=4)[row]
         assert got.kept == alone.kept and got.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", [None, "promprune"])
+def test_beam_search_in_a_batch_equals_each_row_alone(arch, method, images, prompts):
+    """``num_beams=2`` over two images: each row answers as alone, and unpruned as plain transformers' generate on the
+    same processor batch. InternVL's features went to ``generate`` as one ``[1, sum M, d]`` tensor, which beam
+    expansion repeated whole (r0, r1, r0, r1), so row 0's second beam and row 1's beams read the wrong image."""
+    model, processor = tiny_vlm(arch)
+    vlm = PrunedVLM(model, processor, method=method, budget=None if method is None else 8)
+    prompts = ["What is in the picture? Please describe it.", prompts[1]]  # rows of different lengths
+    batched = [g.token_ids for g in vlm.generate(images, prompts, max_new_tokens=5, num_beams=2)]
+    alone = [vlm.generate([im], [p], max_new_tokens=5, num_beams=2)[0].token_ids for im, p in zip(images, prompts)]
+    assert batched == alone
+    if method is None and arch == "internvl":  # plain transformers on the same batch
+        inputs = vlm.inputs(images, prompts)
+        out = model.generate(**inputs, max_new_tokens=5, num_beams=2, do_sample=False)
+        assert out[:, inputs["input_ids"].shape[1]:].tolist() == batched

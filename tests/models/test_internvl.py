@@ -131,7 +131,7 @@ def test_downsample_pools_each_tiles_grid(images, prompts):
         weights, centres = pooling_matrix(4, 4, share)
         expected.append(weights @ plain[tile].float())
         kept += (tile * N + centres).tolist()
-    fed = prep.model_kwargs["mm_encoder_outputs"]["image"].pooler_output[0]
+    fed = prep.model_kwargs["mm_encoder_outputs"]["image"].pooler_output[:, 0]  # [sum M, 1, d]: one token a row
     torch.testing.assert_close(fed.float(), torch.cat(expected), atol=1e-6, rtol=1e-5)
     assert prep.stats[0]["kept"] == kept
 

@@ -444,3 +444,15 @@ def test_qwen_clip_of_one_still_image_is_that_image(arch):
     if arch == "qwen3_vl":
         for a, b in zip(clip_item.deepstack, image_item.deepstack):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("arch", video_families())
+def test_beam_search_over_clips_in_a_batch_equals_each_clip_alone(arch):
+    """``num_beams=2`` over two clips: each row answers as alone (OneVision's clip features went to ``generate`` as
+    one tensor that beam expansion repeated whole, as InternVL's images did)."""
+    vlm = vlm_for(arch, "promprune", 8)
+    clips = [scene_clip(index=2, frames=2), scene_clip(index=7, frames=2)]  # the tiny OneVision's answers differ
+    prompts = ["What is in the picture? Please describe it.", "Colour?"]
+    batched = [g.token_ids for g in vlm.generate_video(clips, prompts, max_new_tokens=6, num_beams=2)]
+    alone = [vlm.generate_video([c], [p], max_new_tokens=6, num_beams=2)[0].token_ids for c, p in zip(clips, prompts)]
+    assert batched == alone

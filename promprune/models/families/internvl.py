@@ -47,7 +47,7 @@ from transformers import (
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .. import saliency as sal
-from ..adapters import Adapter, VisualItem
+from ..adapters import Adapter, VisualItem, token_rows
 from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
@@ -216,6 +216,6 @@ class InternVLAdapter(Adapter):
         return items
 
     def encoder_outputs(self, items, feats, run_pos):
-        """InternVL scatters one tensor into the placeholders (no per-image tuple): ``[1, sum M_i, d]``."""
-        return {"image": BaseModelOutputWithPooling(pooler_output=torch.cat(feats)[None])}
+        """InternVL scatters one tensor into the placeholders (no per-image tuple): `token_rows`."""
+        return {"image": BaseModelOutputWithPooling(pooler_output=token_rows(feats))}
 

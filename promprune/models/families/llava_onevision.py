@@ -31,7 +31,7 @@ from transformers import (
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .. import saliency as sal
-from ..adapters import Adapter, VisualItem
+from ..adapters import Adapter, VisualItem, token_rows
 from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
@@ -257,5 +257,5 @@ class OnevisionAdapter(Adapter):
                           grid_shape=(pooled, pooled))
 
     def video_encoder_outputs(self, items, feats, run_pos) -> dict:
-        """One ``[1, sum M_i, d]`` tensor under the "video" key, which OneVision's forward flattens."""
-        return {"video": BaseModelOutputWithPooling(pooler_output=torch.cat(feats)[None])}
+        """One tensor under the "video" key (`token_rows`), which OneVision's forward flattens."""
+        return {"video": BaseModelOutputWithPooling(pooler_output=token_rows(feats))}
