@@ -406,7 +406,9 @@ def _queries_keys(attn, hidden: torch.Tensor, rope) -> tuple[torch.Tensor, torch
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    if "k" not in inspect.signature(apply_rope).parameters:  # Gemma 4: one tensor at a time
+    # transformers >= 5.25 with `kernels` installed makes it a module (its `forward` the function; kernelizable)
+    signature = inspect.signature(apply_rope.forward if isinstance(apply_rope, torch.nn.Module) else apply_rope)
+    if "k" not in signature.parameters:  # Gemma 4: one tensor at a time
         return apply_rope(q, *rope), apply_rope(k, *rope)
     return apply_rope(q, k, *rope)
 

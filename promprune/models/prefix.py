@@ -247,6 +247,7 @@ def _continuation(vlm, kwargs: dict, parts: Split, prefixes: list[Prefix]) -> di
     for layer in range(len(prefixes[0].layers)):
         if isinstance(prefixes[0].layers[layer], RecurrentState):
             _restore(cache, layer, [p.layers[layer] for p in prefixes])
+            _count(cache.layers[layer], width, add=False)
             continue
         if one:
             keys, values = (t.expand(B, -1, -1, -1) for t in prefixes[0].layers[layer])
@@ -269,6 +270,16 @@ def _restore(cache, layer: int, states: list[RecurrentState]) -> None:
         cache.update_conv_state(torch.cat([st.conv[s] for st in states]), layer, state_idx=s,
                                 conv_kernel_size=states[0].conv[s].shape[-1])
         cache.update_recurrent_state(torch.cat([st.recurrent[s] for st in states]), layer, state_idx=s)
+
+
+def _count(layer, tokens: int, add: bool = True) -> None:
+    """Set (or advance) the tokens a linear-attention cache layer says it has seen, where it counts them
+    (transformers >= 5.25: ``cumulative_length_linear``, which ``get_seq_length`` reports for a cache whose first layer
+    is one, and generate then feeds only the uncached tokens). Its restore counts the conv window's width instead
+    (4), so generate fed the whole prompt again over the cached prefix."""
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(counter, torch.Tensor):
+        counter.add_(tokens) if add else counter.fill_(tokens)
 
 
 def _mixers(model) -> list:
@@ -316,6 +327,7 @@ def _rowwise(forward, idx: int):
             for s in range(layer.number_of_states):  # in place: the cache's tensors keep their addresses
                 layer.conv_states[s][rows] = part.conv_states[s]
                 layer.recurrent_states[s][rows] = part.recurrent_states[s]
+        _count(layer, hidden_states.shape[1])  # the segment, as the layer's own update would count it
         return out
 
     return run
