@@ -3,7 +3,7 @@
 ``PrunedVLM(model, processor, method, budget, **options).generate(images, prompts) -> list[Generation]``;
 ``PrunedVLM.from_pretrained(name_or_path, ...)`` also takes ``"tiny:<family>"`` (offline tiny models) and
 ``"shape:<checkpoint>"`` (published sizes, random weights). :func:`families` lists the supported architectures
-(:mod:`promprune.models.families`, one module each); :func:`family` gives one's facts (its adapter, default mu, ...).
+(:mod:`promprune.models.architectures`, one module each); :func:`family` gives one's facts (its adapter, mu, ...).
 """
 from .options import ADAPTER_OPTIONS, all_methods, is_in_llm, validate_method
 from .registry import families, family, register_family

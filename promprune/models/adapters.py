@@ -1,6 +1,6 @@
 """What every architecture's adapter shares: the candidate tokens of one image and the adapter interface.
 
-Each adapter (one per family, :mod:`promprune.models.families`) runs the model's own ``get_image_features`` (so the
+Each adapter (one per family, :mod:`promprune.models.architectures`) runs the model's own ``get_image_features`` (so the
 projected tokens are exactly the ones the unmodified model would consume) with a saliency hook on one vision layer,
 and describes the tokens as a :class:`VisualItem` per image. Pruning then keeps a subset of the candidates; the
 placeholder run in the prompt shrinks to match (``sequence.py``) and the kept features go to ``generate`` as

@@ -1,6 +1,6 @@
 """The architecture registry: every VLM family the adapters support, each declared whole in its own module.
 
-A family is one module of :mod:`promprune.models.families` whose adapter class carries :func:`register_family`:
+A family is one module of :mod:`promprune.models.architectures` whose adapter class carries :func:`register_family`:
 
 .. code-block:: python
 
@@ -16,7 +16,7 @@ tokens an image gives, the most views (crops, tiles) an image gives, and whether
 (``tests/models/test_families.py`` scans the source): ``PrunedVLM``, ``tiny:`` / ``shape:``, video, the in-LLM hooks
 and the capacity checks of the pipeline's preflight all ask the registry.
 
-The family modules are found by listing the package (``pkgutil``): the module ``families/<name>.py`` registers the
+The family modules are found by listing the package (``pkgutil``): the module ``architectures/<name>.py`` registers the
 family ``<name>``, so a lookup by name (or by a config's ``model_type``) imports that module alone (and the families it
 builds on), keeping a worker that loads one checkpoint from importing every architecture's transformers classes;
 listing the families imports them all. A new family is one new file. A duplicate name is a ValueError; an unknown one
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from promprune.suggest import did_you_mean
 
-PACKAGE = "promprune.models.families"
+PACKAGE = "promprune.models.architectures"
 
 
 def one_view(config) -> int:

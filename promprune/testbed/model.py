@@ -27,7 +27,7 @@ from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, Lla
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from promprune.dtypes import compute_dtype
-from promprune.models.families.llava import LLAVA_TEMPLATE
+from promprune.models.architectures.llava import LLAVA_TEMPLATE
 from promprune.testbed import scenes
 
 IMAGE_SIZE = scenes.CANVAS

@@ -1,7 +1,7 @@
 """The architecture registry: one module per family, registered by a decorator, and nobody else names a family.
 
 Checked on the registry itself (duplicates refused, unknown names answered with did-you-mean and the options) and on
-the source: outside ``promprune/models/families/`` no module of the library holds a family's name as a string or
+the source: outside ``promprune/models/architectures/`` no module of the library holds a family's name as a string or
 imports a transformers VLM class, so a family's facts cannot drift into a second place.
 """
 import ast
@@ -19,7 +19,7 @@ from promprune.models.video import video_families
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ROOT / "promprune"
-FAMILIES = LIBRARY / "models" / "families"
+FAMILIES = LIBRARY / "models" / "architectures"
 # packages about one particular model, which they build for their own use: the prominence testbed's LLaVA and the
 # recipe that trains it (they choose a family, as a sweep spec does; they decide nothing per architecture)
 ONE_MODEL = (LIBRARY / "testbed", LIBRARY / "training")
@@ -30,7 +30,7 @@ def test_every_family_is_one_module_named_after_it():
     assert names == sorted(p.stem for p in FAMILIES.glob("*.py") if p.stem != "__init__")
     for name in names:
         fam = family(name)
-        assert fam.module == f"promprune.models.families.{name}"
+        assert fam.module == f"promprune.models.architectures.{name}"
         assert issubclass(fam.adapter, Adapter)
         assert isinstance(fam.transformers_class(), type) and fam.transformers_class() is getattr(
             transformers, fam.model_class)
@@ -45,7 +45,7 @@ def test_tiny_models_and_shapes_resolve_through_the_registry():
 
 def test_a_duplicate_name_is_refused():
     before = families()
-    with pytest.raises(ValueError, match="model family 'llava' is already registered .*families.llava"):
+    with pytest.raises(ValueError, match="model family 'llava' is already registered .*architectures.llava"):
         @register_family("llava", model_class="LlavaForConditionalGeneration", default_mu=0.42)
         class Again(Adapter):
             pass
@@ -114,3 +114,15 @@ def test_a_family_whose_factories_build_another_model_type_is_refused():
         tiny._cached.cache_clear()
     for name in archs():  # every shipped family builds its own type
         assert tiny.tiny_vlm(name)[0].config.model_type == name
+
+
+def test_families_stays_callable_after_a_family_module_is_imported():
+    """The documented ``promprune.models.families()`` is the function even after a family's module was imported (the
+    modules' package had been named ``families``, and importing one of them bound that name to the package)."""
+    import importlib
+
+    import promprune.models as pm
+
+    importlib.import_module("promprune.models.architectures.llava")
+    pm.family("qwen2_5_vl")
+    assert callable(pm.families) and "llava" in pm.families() and pm.families() == families()
