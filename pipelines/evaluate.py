@@ -30,6 +30,7 @@ from pipelines.run import resources as planning
 from pipelines.run import trial as trials
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.spec.schema import DEFAULT_TASKS
+from pipelines.weights import prepare_model
 
 SOURCE = "pipelines/evaluate.py"
 # a spec field -> the flag that sets it (how a problem is named on this command line)
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in preflight.judge_notes(spec.tasks):
         print(note)
     (trial,) = specs.expand(spec)
+    prepare_model(spec.model.pretrained)  # first-use work (training tiny-easyvqa:llava) here, with its bar
     try:
         connect(args.address)
     except RayUnreachable as exc:

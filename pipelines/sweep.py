@@ -97,7 +97,7 @@ from pipelines.run.requests import Requests, build_requests_dataset, built_on_dr
 from pipelines.run.state import DriverLock, driver_lock, fingerprint, outbox_dir, resume_command, \
     load_state, resumed_state, save_state, storage_root
 from pipelines.run.workers import Failover, WorkerPool
-from pipelines.weights import share
+from pipelines.weights import prepare_model, share
 
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address, disk space), 3 a nightly
 # regression, 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
@@ -535,16 +535,6 @@ def generation_plan(spec: specs.SweepSpec) -> str:
         shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         lines.append(f"  {task}: {shown}" + (f", stop at {until}" if until else ""))
     return "\n".join(lines)
-
-
-def prepare_model(name: str) -> None:
-    """First-use work of a factory-built model (e.g. training tiny-easyvqa:llava), here in the driver with its
-    progress bar on the terminal, before Ray starts; nothing for checkpoints."""
-    from promprune.models.factories import find_model_factory
-
-    found = find_model_factory(name)
-    if found is not None and hasattr(found[0], "prepare"):
-        found[0].prepare(found[1])
 
 
 def main(argv: list[str] | None = None) -> int:

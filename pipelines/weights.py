@@ -43,6 +43,17 @@ Dtype = one_of(*DTYPES)
 AttnImplementation = one_of(*ATTN_IMPLEMENTATIONS)
 
 
+def prepare_model(name: str) -> None:
+    """First-use work of a factory-built model (e.g. training tiny-easyvqa:llava), in the driver with its progress
+    bar on the terminal, before Ray starts (in a Ray worker it ran niced, its bar relayed a line now and then);
+    nothing for checkpoints. `pipelines/sweep.py` and `pipelines/evaluate.py` call it."""
+    from promprune.models.factories import find_model_factory
+
+    found = find_model_factory(name)
+    if found is not None and hasattr(found[0], "prepare"):
+        found[0].prepare(found[1])
+
+
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:
     """'auto' -> bfloat16 on GPU (the 7B checkpoints' training dtype), float32 on CPU (no fast bf16 matmul)."""
     from promprune.dtypes import AUTO, dtype_name

@@ -517,3 +517,23 @@ def test_tunes_callback_tag_is_rays_without_importing_wandb():
     assert light == rays == {"air_callbacks": '{"CustomCallback": 2}'}
     assert not wandb_light and restored == "ray.air._internal.usage"
     assert wandb_rays == (importlib.util.find_spec("wandb") is not None)  # what the light path saves
+
+
+def test_evaluate_does_first_use_work_before_ray(monkeypatch, tmp_path):
+    """`pipelines/evaluate.py` prepares a factory-built model (training tiny-easyvqa:llava on first use) in the
+    driver before it connects to Ray, as the sweep does: in a Ray worker the training ran niced, its bar relayed
+    a line now and then (~4x slower on a shared machine)."""
+    from pipelines import evaluate
+    from pipelines.run.ray_connect import RayUnreachable
+
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    monkeypatch.setattr(evaluate, "prepare_model", lambda name: calls.append(("prepare", name)))
+
+    def no_ray(address):
+        calls.append(("connect", address))
+        raise RayUnreachable("stop here")
+
+    monkeypatch.setattr(evaluate, "connect", no_ray)
+    assert evaluate.main(["--method", "promprune", "--budget", "8", "--limit", "2", "--no-mlflow"]) == 2
+    assert [c[0] for c in calls] == ["prepare", "connect"] and calls[0][1] == "tiny-easyvqa:llava"
