@@ -136,7 +136,7 @@ def model_config(name_or_path: str):
         pass
     if hub_offline():
         raise NotCachedError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and HF_HUB_OFFLINE "
-                             f"is set; download it once with `huggingface-cli download {name_or_path}` where there "
+                             f"is set; download it once with `hf download {name_or_path}` where there "
                              "is network access, or give a local path")
     if not hub_reachable():
         raise NotCachedError(f"model {name_or_path!r}: it is not in the local Hugging Face cache and the hub "

@@ -440,9 +440,11 @@ def _dtype(dtype):
 
 
 def _load(name_or_path, dtype, device_map, attn_implementation, max_memory=None):
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoProcessor
 
-    config = AutoConfig.from_pretrained(name_or_path)
+    from .factories import model_config
+
+    config = model_config(name_or_path)  # not cached while offline, a missing path: a message saying what to do
     try:
         model_cls = family_of(config).transformers_class()
     except ValueError as err:

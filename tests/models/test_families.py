@@ -126,3 +126,21 @@ def test_families_stays_callable_after_a_family_module_is_imported():
     importlib.import_module("promprune.models.architectures.llava")
     pm.family("qwen2_5_vl")
     assert callable(pm.families) and "llava" in pm.families() and pm.families() == families()
+
+
+def test_a_checkpoint_not_cached_offline_says_so_when_loaded(monkeypatch, tmp_path):
+    """`PrunedVLM.from_pretrained` of a hub checkpoint this machine lacks, with HF_HUB_OFFLINE set (lmms-eval's
+    `--model promprune` plugin loads this way), is the preflight's one-line message, not transformers' traceback about
+    connecting to huggingface.co."""
+    from promprune.models import PrunedVLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr("transformers.utils.hub.HF_HUB_CACHE", str(tmp_path / "empty-cache"), raising=False)
+    with pytest.raises(ValueError, match=r"model 'llava-hf/llava-1.5-7b-hf': it is not in the local Hugging Face "
+                                         r"cache and HF_HUB_OFFLINE is set; download it once with `hf download "
+                                         r"llava-hf/llava-1.5-7b-hf`"):
+        PrunedVLM.from_pretrained("llava-hf/llava-1.5-7b-hf", method=None)
+    with pytest.raises(ValueError, match="the local path does not exist"):
+        PrunedVLM.from_pretrained(str(tmp_path / "no-such-checkpoint"), method=None)
