@@ -121,8 +121,15 @@ def _write_parquet(columns: dict, path: Path) -> None:
         return datasets.Value("string")
 
     features = datasets.Features({name: feature(name, values) for name, values in columns.items()})
-    with atomic_path(path) as tmp:  # concurrent preparers never see half a file
-        datasets.Dataset.from_dict(columns, features=features).to_parquet(str(tmp))
+    quiet = not datasets.are_progress_bars_disabled()
+    if quiet:  # a few ms of writing: its "Creating parquet" bars would lead the sweep's console, before its own lines
+        datasets.disable_progress_bars()
+    try:
+        with atomic_path(path) as tmp:  # concurrent preparers never see half a file
+            datasets.Dataset.from_dict(columns, features=features).to_parquet(str(tmp))
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
 
 
 def _task_yaml(suite: str, task: str, parquet: Path) -> str:

@@ -125,3 +125,16 @@ def test_every_testbed_tasks_primary_metric_is_one_its_yaml_declares():
         declared = set(re.findall(r"- metric: (\w+)", (folder / f"_{task}_yaml").read_text()))
         assert set(PRIMARY_METRICS[task]) <= declared, (task, PRIMARY_METRICS[task], declared)
     assert PRIMARY_METRICS["testbed_relation"] == ("accuracy",)
+
+
+def test_writing_a_task_file_prints_no_progress_bar(tmp_path, capsys):
+    """A fresh machine's first sweep writes the offline tasks' parquet files before its console starts: datasets'
+    "Creating parquet from Arrow format" bars led the documented output. The caller's setting is kept."""
+    import datasets
+
+    from promprune.eval.tasks import _write_parquet
+
+    _write_parquet({"question": ["q"], "answer": ["a"]}, tmp_path / "t.parquet")
+    captured = capsys.readouterr()
+    assert "Creating parquet" not in captured.err + captured.out and (tmp_path / "t.parquet").is_file()
+    assert not datasets.are_progress_bars_disabled()  # enabled before, enabled after
