@@ -95,15 +95,23 @@ def ordered_trials(sweep: Sweep) -> pd.DataFrame:
     trials["_is_base"] = (trials["method"] != BASELINE_METHOD).astype(int)
     trials["_budget"] = -trials["budget"].fillna(np.inf)
     trials["_rank"] = trials["method"].map(lambda m: rank.get(m, len(rank)))
-    trials["_opts"] = [tuple(_sort_key(row[o]) for o in vary.get(row["method"], [])) for _, row in trials.iterrows()]
+    # a word option (Table 5's `diversity`) in the order the sweep ran it (its spec's), oldest trial first
+    spoken = {v: i for i, v in enumerate(dict.fromkeys(
+        v for o in sorted({o for opts in vary.values() for o in opts}) if o in trials
+        for v in trials[o].iloc[::-1] if isinstance(v, str)))}
+    trials["_opts"] = [tuple(_sort_key(row[o], spoken) for o in vary.get(row["method"], []))
+                       for _, row in trials.iterrows()]
     trials = trials.sort_values(["_is_base", "_budget", "_rank", "_opts", "label"], kind="stable")
     return trials.drop(columns=["_is_base", "_budget", "_rank", "_opts"])
 
 
-def _sort_key(v):
+def _sort_key(v, spoken: dict | None = None):
+    """Unset first, then numbers ascending, then words in ``spoken``'s order (else alphabetical)."""
     if v is None or _isnan(v):
         return (0, 0.0, "")
-    return (1, v, "") if isinstance(v, (int, float)) else (2, 0.0, str(v))
+    if isinstance(v, (int, float)):
+        return (1, v, "")
+    return (2, float((spoken or {}).get(v, len(spoken or {}))), str(v))
 
 
 # ---------------------------------------------------------------------------------------------------------------

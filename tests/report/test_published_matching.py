@@ -92,3 +92,11 @@ def test_table4_fixed_split_and_t_sal_are_compared(store, tmp_path):
     assert ours["fixed_ratio", "rel"] == pytest.approx(rel)
     assert ours["promprune", "rel"] == pytest.approx(95.0)
     assert "↳ paper" in report.markdown
+
+
+def test_table5_rows_follow_the_spec_order(store):
+    """Table 5 lists FPS, FL, DPP (its spec's order); a word option sorted alphabetically put DPP first."""
+    del store
+    _log("table5_diversity")
+    labels = tables.ordered_trials(load_sweep("table5_diversity"))["label"].tolist()
+    assert [label.split("diversity=")[1].rstrip(")") for label in labels] == ["fps", "facility_location", "dpp"]
