@@ -94,8 +94,8 @@ from pipelines.run import checkpoints
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
-from pipelines.run.state import DriverLock, driver_lock, fingerprint, outbox_dir, resume_command, \
-    load_state, resumed_state, save_state, storage_root
+from pipelines.run.state import DriverLock, driver_lock, fingerprint, launch_command, outbox_dir, resume_command, \
+    load_state, restore_options, resumed_state, save_state, storage_root
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import prepare_model, share
 
@@ -121,10 +121,11 @@ def _threshold(text: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = add_spec_args(argparse.ArgumentParser(description="Run a sweep spec on Ray Tune and log it to MLflow."))
-    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--address", default=None,
+                   help="Ray address (default: RAY_ADDRESS, else a local Ray; a --resume without it keeps the run's)")
     p.add_argument("--regression-threshold", type=_threshold, default=None,
                    help="nightly: fail (exit 3) and tag the run when a trial's Rel. drops more than this "
-                        "below the previous finished run of the same spec")
+                        "below the previous finished run of the same spec (a --resume without it keeps the run's)")
     p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")
     p.add_argument("--verbose", action="store_true",
                    help="show Ray, Tune and lmms-eval output here instead of in outputs/logs/<experiment>.log")
@@ -157,9 +158,10 @@ def run_sweep(spec: specs.SweepSpec, *, resume: str | dict | None = None, run_fn
               command: dict | None = None, lock: DriverLock | None = None) -> SweepOutcome:
     """Setup -> Tune -> MLflow; Ray must already be initialized. `run_fn`/`rows` replace the model call/rows.
 
-    `command`: the spec file and --set overrides the sweep was started with (what the printed resume command
-    repeats). `resume`: the run to continue, as the state `pipelines.run.state.resumed_state` loaded and checked
-    (what `main` passes), or its experiment name / 'latest' (checked here: it must resolve to exactly the spec it
+    `command`: the command line the sweep was started (or is resumed) with, as `state.launch_command` keeps it (the
+    spec file, --set overrides, --regression-threshold, --address: what the printed resume command repeats).
+    `resume`: the run to continue, as the state `pipelines.run.state.resumed_state` loaded and checked (what `main`
+    passes), or its experiment name / 'latest' (checked here: it must resolve to exactly the spec it
     started with, SpecError otherwise). `lock`: the run's `DriverLock`, held by the caller (`main` takes it before
     Ray starts); without one, the sweep takes it here (SpecError when the run's driver is alive)."""
     began = time.time()  # the parent run spans the whole sweep, setup (rows, weights, first-use training) included
@@ -293,6 +295,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     else:
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id)
+        if command:  # how this attempt was started (its spec checked to be the run's): what a later resume repeats
+            state = {**state, "command": command}
     if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
         try:
             state["calibrated"] = calibrate(spec, trials, pool, client, parent_id)
@@ -554,14 +558,16 @@ def main(argv: list[str] | None = None) -> int:
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
         if resumed is not None and (problems := preflight.check_resumed_run(resumed)):
             raise specs.SpecError(problems, f"--resume {resumed['experiment']}")
+        restored = [] if resumed is None else restore_options(args, resumed)  # its --regression-threshold, ...
         if not args.validate_only and (problem := paths.logs_problem()):
             raise specs.SpecError([problem], "outputs")
         lock = None if args.validate_only else driver_lock(spec, resumed)  # refused while its driver is alive
     except specs.SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    for note in preflight.judge_notes(spec.tasks):
-        print(note, flush=True)  # on the console, not only in the log: the task is left out of every trial
+    # on the console, not only in the log: the options a resume restored, a task left out of every trial
+    for note in [*restored, *preflight.judge_notes(spec.tasks)]:
+        print(note, flush=True)
     for problem in lacking:
         print(f"warning: {problem} (not on this machine: a run here refuses it; where it is, the spec runs)",
               file=sys.stderr, flush=True)
@@ -585,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.verbose:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
         with contextlib.nullcontext() if args.verbose else quiet(log_path):
-            command = {"config": args.config, "overrides": args.overrides, "ray_job": paths.in_ray_job()}
+            command = launch_command(args.config, args.overrides, regression_threshold=args.regression_threshold,
+                                     address=args.address)
             try:
                 store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
                 store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts

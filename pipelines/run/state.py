@@ -189,13 +189,50 @@ def _flat(d, prefix: str = "") -> dict:
     return out
 
 
+# the options of pipelines/sweep.py that change what a run does beyond its spec, as (option, the state's key): the
+# state keeps them and `--resume` restores them (a resumed nightly without its threshold exited 0 unchecked and, ending
+# FINISHED, became the next night's baseline). --verbose and --validate-only change only what is shown.
+RUN_OPTIONS = (("--address", "address"), ("--regression-threshold", "regression_threshold"))
+
+
+def launch_command(config: str, overrides: list[str], *, regression_threshold: float | None = None,
+                   address: str | None = None) -> dict:
+    """What a run's state keeps of the command that started (or last resumed) it: the spec file, the --set overrides,
+    the `RUN_OPTIONS` given, and whether it ran as a Ray job. `resume_command` prints it back; `restore_options`
+    gives a `--resume` the options it leaves out."""
+    return {"config": config, "overrides": list(overrides), "ray_job": paths.in_ray_job(),
+            "regression_threshold": regression_threshold, "address": address}
+
+
+def restore_options(args, state: dict) -> list[str]:
+    """Give ``args`` (the sweep's parsed command line) the `RUN_OPTIONS` the run of ``state`` started with that the
+    `--resume` leaves out; returns one note per option restored or given otherwise."""
+    saved = state.get("command") or {}
+    notes = []
+    for option, key in RUN_OPTIONS:
+        was, now = saved.get(key), getattr(args, key)
+        if was is None or now == was:
+            continue
+        if now is None:
+            setattr(args, key, was)
+            notes.append(f"note: --resume {state['experiment']}: the run started with {option} {was}, which applies "
+                         f"again (give {option} to change it)")
+        else:
+            notes.append(f"note: --resume {state['experiment']}: the run started with {option} {was}; this resume "
+                         f"uses {option} {now}")
+    return notes
+
+
 def resume_command(state: dict) -> str:
-    """The command that resumes the run of `state`, with the spec file and every --set override it started with (as
-    a Ray job when it ran as one: its state is on the head, `pipelines.paths`)."""
+    """The command that resumes the run of `state`: the spec file, every --set override and every `RUN_OPTIONS` it
+    started with (as a Ray job when it ran as one: its state is on the head, `pipelines.paths`)."""
     cmd = state.get("command") or {}
     parts = ["python", "pipelines/sweep.py", "--config", cmd.get("config", "<spec.yaml>")]
     for item in cmd.get("overrides", []):
         parts += ["--set", item]
+    for option, key in RUN_OPTIONS:
+        if cmd.get(key) is not None:
+            parts += [option, str(cmd[key])]
     command = " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
     return paths.submit_command(command) if cmd.get("ray_job") else command
 

@@ -206,7 +206,8 @@ def test_a_stopped_sweep_ends_its_open_trial_runs_killed_and_a_resume_opens_them
 def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):
     """SIGTERM (`ray job stop`, a scheduler's preemption) ended the driver in Ray's own handler: an abort (exit 134),
     no resume line, and the trial in flight RUNNING in MLflow for ever. Now: exit 130, the resume command, the parent
-    and that trial's run KILLED and tagged with it."""
+    and that trial's run KILLED and tagged with it. The command repeats the nightly's --regression-threshold (it had
+    dropped it: the resumed night ran unchecked)."""
     gate = tmp_path / "gate"  # never opened: the trial stays in flight
     (tmp_path / "gated.py").write_text(textwrap.dedent(GATED.format(gate=str(gate))))
     spec_path = tmp_path / "term.yaml"
@@ -214,13 +215,14 @@ def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):
         "name": "term", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
         "limit": 2, "plugins": ["gated.py"], "baseline": False, "grid": {"method": ["gated"], "budget": [8]},
         "generation": {"max_new_tokens": 2}}))
-    proc = spawn_sweep(spec_path, tmp_path)
+    proc = spawn_sweep(spec_path, tmp_path, "--regression-threshold", "0.02")
     head = read_until(proc, "[start] gated-b8", timeout=300)
     time.sleep(2)  # its block at the gate
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=180)
     assert proc.returncode == sweep.EXIT_INTERRUPTED, head + rest
-    assert "finish it with:" in rest and "--resume term-" in rest and "Traceback" not in rest, rest
+    assert "finish it with:" in rest and "--regression-threshold 0.02 --resume term-" in rest, rest
+    assert "Traceback" not in rest, rest
 
     from mlflow.tracking import MlflowClient
 
@@ -229,7 +231,7 @@ def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):
                               filter_string="tags.`promprune.role` = 'sweep'")
     run = tracking.latest_trial_runs(c, parent.info.run_id)["gated-b8"]
     assert parent.info.status == run.info.status == "KILLED"
-    assert "--resume term-" in run.data.tags[mlflow_layout.INTERRUPTED]
+    assert "--regression-threshold 0.02 --resume term-" in run.data.tags[mlflow_layout.INTERRUPTED]
 
 
 @pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -228,3 +229,61 @@ def test_a_driver_killed_after_a_trial_finished_resumes_with_every_metric(tmp_pa
         assert mlflow_layout.INTERRUPTED not in run.data.tags, (run.info.run_name, run.data.tags)
     assert all(r.info.status == "FINISHED" for r in children)
     assert sorted(tracking.rel_by_trial(c, parents[0].info.run_id)) == ["baseline", "divprune-b8"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the options beyond the spec: kept in the state, repeated by the resume command, restored by --resume
+
+
+def test_the_resume_command_repeats_the_options_that_change_the_run(scratch, tmp_path):
+    """The printed command held only the spec file and the overrides: a nightly stopped by SIGTERM and resumed with it
+    ran without its regression check, and (ending FINISHED) became the next night's baseline. Read back by the CLI's
+    own parser, the command gives the run's options again."""
+    spec = specs.load(scratch())
+    command = states.launch_command("sweeps/nightly.yaml", ["limit=20"], regression_threshold=0.02,
+                                    address="10.0.0.5:6379")
+    _state_for(spec, tmp_path / "store", "rel-7", command=command)
+    saved = states.load_state(str(tmp_path / "store"), "rel", "rel-7")
+    printed = shlex.split(states.resume_command(saved))
+    assert printed[:2] == ["python", "pipelines/sweep.py"]
+    args = sweep.parse_args(printed[2:])
+    assert (args.config, args.overrides, args.resume) == ("sweeps/nightly.yaml", ["limit=20"], "rel-7")
+    assert (args.regression_threshold, args.address) == (0.02, "10.0.0.5:6379")
+    plain = states.launch_command("sweeps/nightly.yaml", [])  # none given: none printed
+    assert states.resume_command({"experiment": "rel-7", "command": plain}) == \
+        "python pipelines/sweep.py --config sweeps/nightly.yaml --resume rel-7"
+
+
+def test_a_resume_restores_the_options_the_run_started_with():
+    """`--resume` alone (the command a user retypes, or an older printed one) gets the run's threshold and address
+    back, with a note; an option given anew wins, also with a note."""
+    state = {"experiment": "nightly-1", "command": states.launch_command(
+        "sweeps/nightly.yaml", [], regression_threshold=0.02, address="10.0.0.5:6379")}
+    args = sweep.parse_args(["--config", "sweeps/nightly.yaml", "--resume"])
+    notes = states.restore_options(args, state)
+    assert (args.regression_threshold, args.address) == (0.02, "10.0.0.5:6379")
+    assert notes == ["note: --resume nightly-1: the run started with --address 10.0.0.5:6379, which applies again "
+                     "(give --address to change it)",
+                     "note: --resume nightly-1: the run started with --regression-threshold 0.02, which applies "
+                     "again (give --regression-threshold to change it)"]
+    args = sweep.parse_args(["--config", "sweeps/nightly.yaml", "--resume", "--regression-threshold", "0.05"])
+    notes = states.restore_options(args, state)
+    assert args.regression_threshold == 0.05 and args.address == "10.0.0.5:6379"
+    assert notes[1] == ("note: --resume nightly-1: the run started with --regression-threshold 0.02; this resume "
+                        "uses --regression-threshold 0.05")
+    old = {"experiment": "nightly-0", "command": {"config": "sweeps/nightly.yaml", "overrides": []}}  # before this
+    args = sweep.parse_args(["--config", "sweeps/nightly.yaml", "--resume"])
+    assert states.restore_options(args, old) == [] and args.regression_threshold is None
+
+
+def test_the_cli_restores_a_runs_threshold_on_resume(scratch, tmp_path, run_main):
+    """Through `main`: the note is printed before anything runs (here --validate-only, which stops after it)."""
+    path = scratch()
+    spec = specs.load(path)
+    parent = tracking.start_sweep(tracking.client(), spec.name, spec.version, specs.dump_resolved(spec), {})
+    _state_for(spec, tmp_path / "outputs" / "tune", "rel-20261122-000002", parent,
+               command=states.launch_command(str(path), [], regression_threshold=0.02))
+    proc, _ = run_main("--config", str(path), "--resume", "rel-20261122-000002", "--validate-only")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("note: --resume rel-20261122-000002: the run started with --regression-threshold 0.02, which applies "
+            "again") in proc.stdout
