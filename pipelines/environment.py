@@ -55,6 +55,20 @@ VARIABLES: dict[str, tuple[str, Callable[[str], bool]] | None] = {
     "PROMPRUNE_CANARY_VENV": _ANY,
     "PROMPRUNE_CI_VENV": _ANY,
 }
+SCRIPTS_ONLY = frozenset(name for name in VARIABLES if name.startswith(("PROMPRUNE_CANARY_", "PROMPRUNE_CI_")))
+# beyond PROMPRUNE_*: MLflow's store and experiment, read by `pipelines.mlflow_layout`
+MLFLOW_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
+
+
+def run_settings(environ=None) -> dict[str, str]:
+    """The variables set in ``environ`` (default ``os.environ``) that a sweep's run depends on: MLflow's store and
+    experiment and each ``PROMPRUNE_*`` variable the pipeline reads (`VARIABLES`, the scripts' left out). A Ray job
+    that stopped passes them again in its resume command's ``--runtime-env-json`` (`pipelines.run.state`): without
+    its ``PROMPRUNE_STORAGE`` the resume looked for the run's state elsewhere and was refused. Names and values
+    only; nothing here holds a secret (an API key's variable is not one of them)."""
+    environ = os.environ if environ is None else environ
+    names = [*MLFLOW_VARIABLES, *sorted(n for n in VARIABLES if n not in SCRIPTS_ONLY)]
+    return {name: environ[name] for name in names if name in environ}
 
 
 def check_environment(environ=None) -> tuple[list[str], list[str]]:

@@ -83,11 +83,16 @@ def job_defaults_line() -> str | None:
             "choose others)")
 
 
-def submit_command(entrypoint: str) -> str:
-    """``entrypoint`` (``python pipelines/sweep.py ...``) as a Ray job from the checkout: Ray 2.60 enforces its token
-    once ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one), and its CLI sends it only with
+def submit_command(entrypoint: str, env: dict[str, str] | None = None) -> str:
+    """``entrypoint`` (``python pipelines/sweep.py ...``) as a Ray job from the checkout, with ``env`` (variables the
+    job's runtime env sets: its MLflow store, its Tune storage) in ``--runtime-env-json``: Ray 2.60 enforces its
+    token once ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one), and its CLI sends it only with
     ``RAY_AUTH_MODE=token``."""
-    return f"RAY_AUTH_MODE=token ray job submit --working-dir . -- {entrypoint}"
+    import json
+    import shlex
+
+    runtime_env = f"--runtime-env-json {shlex.quote(json.dumps({'env_vars': env}))} " if env else ""
+    return f"RAY_AUTH_MODE=token ray job submit --working-dir . {runtime_env}-- {entrypoint}"
 
 
 def local_storage(storage: str) -> Path | None:

@@ -545,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     timeline.mark("process_start", "driver", t=timeline.process_started())
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    environ = dict(os.environ)  # as started: the spec's plugins are added to it below (a resume adds them itself)
     args = parse_args(argv)
     where = paths.job_defaults_line()  # a Ray job: its records go where they outlive Ray's package copy of the checkout
     if where:
@@ -592,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
         with contextlib.nullcontext() if args.verbose else quiet(log_path):
             command = launch_command(args.config, args.overrides, regression_threshold=args.regression_threshold,
-                                     address=args.address)
+                                     address=args.address, environ=environ)
             try:
                 store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
                 store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts

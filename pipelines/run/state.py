@@ -89,11 +89,12 @@ def _read_state(storage: str, experiment: str) -> dict:
                                "sweep anew"], "--resume") from None
 
 
-def load_state(storage: str, name: str, resume: str) -> dict:
+def load_state(storage: str, name: str, resume: str, origin: str | None = None) -> dict:
     """The saved state of run `resume` (an experiment name like quickstart-20261121-080000), or with 'latest' the
     newest run of spec `name`. Kept beside Tune's state, so a resumed `ray job` finds it too. 'latest' while a newer
     run of the spec is still setting up (its driver holds its lock, it has saved no state yet) is that run: refused
-    as busy (SpecError), never the older one."""
+    as busy (SpecError), never the older one. ``origin``: what chose ``storage`` (`storage_origin`), for the
+    refusal of a run not there."""
     found = _state_names(storage, name)
     if resume == "latest":
         for experiment in _state_names(storage, name, LOCK_SUFFIX):
@@ -101,9 +102,35 @@ def load_state(storage: str, name: str, resume: str) -> dict:
                 DriverLock(storage, experiment).raise_if_held()
     experiment = found[-1] if resume == "latest" and found else resume
     if experiment not in found:
-        raise specs.SpecError([f"no run {experiment!r} of sweep {name!r} under {storage}/{STATE_DIR} (found: "
-                               f"{', '.join(found) or 'none'}); start it without --resume"], "--resume")
+        raise specs.SpecError([missing_run(storage, name, None if resume == "latest" else resume, found, origin)],
+                              "--resume")
     return _read_state(storage, experiment)
+
+
+def storage_origin(spec: specs.SweepSpec) -> str:
+    """What chose the sweep's Tune storage (`storage_root`), in words."""
+    if spec.tune.storage_path:
+        return "the spec's tune.storage_path"
+    if os.environ.get(STORAGE_ENV):
+        return f"${STORAGE_ENV}"
+    if paths.in_ray_job():
+        return f"a Ray job's default: outputs/tune in ${paths.HOME_ENV}, default ~/promprune"
+    return "the default: outputs/tune in the working directory"
+
+
+def missing_run(storage: str, name: str, experiment: str | None, found: list[str], origin: str | None) -> str:
+    """The refusal of a `--resume` whose run has no state in ``storage`` (``experiment`` None: 'latest'). Nothing
+    here can tell where the run's state is, if anywhere: a run started with another Tune storage keeps it there, so
+    say where this one looked and which settings move it. Starting without --resume, the one fix it used to give,
+    runs the whole sweep again and leaves the interrupted run unfinished."""
+    what = f"no run {experiment!r}" if experiment else "no run"
+    chosen = f", chosen by {origin}" if origin else ""
+    return (f"{what} of sweep {name!r} in the Tune storage {storage}{chosen} (its runs' states are in "
+            f"{storage}/{STATE_DIR}; found: {', '.join(found) or 'none'}). A run keeps its state in the storage it "
+            f"started with: one started with ${STORAGE_ENV} or tune.storage_path set otherwise (for a Ray job, in "
+            f"its --runtime-env-json's env_vars), from another working directory, or as a Ray job with another "
+            f"${paths.HOME_ENV}, resumes only with the same setting, so give it as that run had it (a stopped run "
+            "printed its resume command with them); to run the sweep anew instead, leave out --resume")
 
 
 def check_trusted_storage(storage: str, experiment: str) -> None:
@@ -155,7 +182,7 @@ def resumed_state(spec: specs.SweepSpec, resume: str) -> dict:
     is trusted (`check_trusted_storage`) and the spec is the one the run started with (`check_resume`). Raises
     SpecError otherwise, before anything expensive starts."""
     storage = storage_root(spec)
-    state = load_state(storage, spec.name, resume)
+    state = load_state(storage, spec.name, resume, storage_origin(spec))
     check_trusted_storage(storage, state["experiment"])
     check_resume(spec, state)
     return state
@@ -196,12 +223,19 @@ RUN_OPTIONS = (("--address", "address"), ("--regression-threshold", "regression_
 
 
 def launch_command(config: str, overrides: list[str], *, regression_threshold: float | None = None,
-                   address: str | None = None) -> dict:
+                   address: str | None = None, environ=None) -> dict:
     """What a run's state keeps of the command that started (or last resumed) it: the spec file, the --set overrides,
-    the `RUN_OPTIONS` given, and whether it ran as a Ray job. `resume_command` prints it back; `restore_options`
-    gives a `--resume` the options it leaves out."""
-    return {"config": config, "overrides": list(overrides), "ray_job": paths.in_ray_job(),
-            "regression_threshold": regression_threshold, "address": address}
+    the `RUN_OPTIONS` given, whether it ran as a Ray job and then the variables of ``environ`` (default
+    ``os.environ``, as the process started: before the spec's plugins are added to it) the run depends on
+    (`pipelines.environment.run_settings`: its runtime env's MLflow store and Tune storage, which a resumed job needs
+    again). `resume_command` prints it back; `restore_options` gives a `--resume` the options it leaves out."""
+    from pipelines.environment import run_settings
+
+    environ = os.environ if environ is None else environ
+    ray_job = bool(environ.get(paths.JOB_ENV))
+    return {"config": config, "overrides": list(overrides), "ray_job": ray_job,
+            "regression_threshold": regression_threshold, "address": address,
+            "env": run_settings(environ) if ray_job else {}}
 
 
 def restore_options(args, state: dict) -> list[str]:
@@ -225,7 +259,8 @@ def restore_options(args, state: dict) -> list[str]:
 
 def resume_command(state: dict) -> str:
     """The command that resumes the run of `state`: the spec file, every --set override and every `RUN_OPTIONS` it
-    started with (as a Ray job when it ran as one: its state is on the head, `pipelines.paths`)."""
+    started with (as a Ray job when it ran as one, its state being on the head: with the variables its runtime env
+    set, `pipelines.paths.submit_command`)."""
     cmd = state.get("command") or {}
     parts = ["python", "pipelines/sweep.py", "--config", cmd.get("config", "<spec.yaml>")]
     for item in cmd.get("overrides", []):
@@ -234,7 +269,7 @@ def resume_command(state: dict) -> str:
         if cmd.get(key) is not None:
             parts += [option, str(cmd[key])]
     command = " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
-    return paths.submit_command(command) if cmd.get("ray_job") else command
+    return paths.submit_command(command, cmd.get("env")) if cmd.get("ray_job") else command
 
 
 def _driver_alive(driver: dict | None) -> bool | None:

@@ -119,3 +119,74 @@ def test_a_tracking_server_is_opened_at_its_own_address(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/x/mlflow.db")
     assert mlflow_layout.open_results("http://127.0.0.1:5000/#/e") == (
         "Open the results:\n  mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db\n  then http://127.0.0.1:5000/#/e")
+
+
+def _submitted(command: str) -> tuple[dict, list[str]]:
+    """A printed ``ray job submit`` command as Ray's own CLI reads it: (its options, the entrypoint's words)."""
+    import shlex
+
+    from ray.dashboard.modules.job.cli import submit
+
+    words = shlex.split(command)
+    prefix = [w for w in words[:words.index("ray")] if "=" in w]  # VAR=value before the command
+    params = submit.make_context("submit", words[words.index("submit") + 1:]).params
+    return {"env": dict(p.split("=", 1) for p in prefix), **params}, list(params["entrypoint"])
+
+
+def test_a_jobs_resume_command_carries_the_variables_its_run_depended_on():
+    """deploy/nightly.cron submits with --runtime-env-json naming the MLflow server and an s3:// Tune storage; the
+    printed resume command dropped them, and running it looked for the run's state in ~/promprune and refused it.
+    Read by Ray's CLI, the command sets them again: the store, the experiment and each PROMPRUNE_* variable the
+    pipeline reads, not the scripts' variables nor anything else of the environment (an API key)."""
+    import json
+
+    from pipelines import sweep
+
+    environ = {paths.JOB_ENV: "{}", "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000", "MLFLOW_EXPERIMENT_NAME": "n",
+               "PROMPRUNE_STORAGE": "s3://bucket/promprune/tune", "PROMPRUNE_ENTROPY": "exact",
+               "PROMPRUNE_CANARY_VENV": "/venv", "OPENAI_API_KEY": "sk-secret", "PATH": "/usr/bin", "HOME": "/root"}
+    command = state.launch_command("sweeps/nightly.yaml", [], regression_threshold=0.02, environ=environ)
+    options, entrypoint = _submitted(state.resume_command({"experiment": "nightly-1", "command": command}))
+    assert json.loads(options["runtime_env_json"]) == {"env_vars": {
+        "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000", "MLFLOW_EXPERIMENT_NAME": "n",
+        "PROMPRUNE_STORAGE": "s3://bucket/promprune/tune", "PROMPRUNE_ENTROPY": "exact"}}
+    assert options["working_dir"] == "."
+    args = sweep.parse_args(entrypoint[2:])
+    assert entrypoint[:2] == ["python", "pipelines/sweep.py"] and args.resume == "nightly-1"
+    assert args.config == "sweeps/nightly.yaml" and args.regression_threshold == 0.02
+    local = state.launch_command("sweeps/nightly.yaml", [], environ={k: v for k, v in environ.items()
+                                                                     if k != paths.JOB_ENV})
+    assert local["env"] == {} and not local["ray_job"]  # a local run's command is typed where its variables are
+
+
+def test_a_resume_that_finds_no_state_says_where_it_looked_and_what_moves_it(tmp_path, monkeypatch):
+    """A run started with PROMPRUNE_STORAGE (a job's runtime env), resumed without it: the refusal said "start it
+    without --resume", which reruns the whole sweep. It names the storage it looked in, what chose it, and that the
+    run's setting is needed; with that setting the same resume finds the run."""
+    from pipelines import spec as specs
+
+    monkeypatch.chdir(tmp_path)
+    for name in (paths.JOB_ENV, paths.STORAGE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text("name: rel\nversion: 1\nmodel: {pretrained: 'tiny:llava'}\ntasks: [easyvqa_yesno]\n"
+                         "grid: {method: [promprune], budget: [8]}\n")
+    spec = specs.load(spec_path)
+    elsewhere = tmp_path / "shared" / "tune"
+    state.save_state(str(elsewhere), {"experiment": "rel-20261122-000000", "parent_run_id": "r0",
+                                      "storage_path": str(elsewhere), "fingerprint": state.fingerprint(spec),
+                                      "spec_yaml": specs.dump_resolved(spec), "command": {}})
+    for resume, what in (("rel-20261122-000000", "no run 'rel-20261122-000000'"), ("latest", "no run")):
+        with pytest.raises(specs.SpecError) as refused:
+            state.resumed_state(spec, resume)
+        message = str(refused.value)
+        assert f"{what} of sweep 'rel' in the Tune storage {tmp_path / 'outputs' / 'tune'}, chosen by the default: " \
+               "outputs/tune in the working directory" in message, message
+        assert "$PROMPRUNE_STORAGE" in message and "--runtime-env-json" in message and "$PROMPRUNE_HOME" in message
+        assert "to run the sweep anew instead, leave out --resume" in message
+    monkeypatch.setenv(paths.JOB_ENV, "{}")  # a Ray job looks in $PROMPRUNE_HOME, and says so
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(specs.SpecError, match=r"chosen by a Ray job's default: outputs/tune in \$PROMPRUNE_HOME"):
+        state.resumed_state(spec, "latest")
+    monkeypatch.setenv(paths.STORAGE_ENV, str(elsewhere))  # the run's setting: found
+    assert state.resumed_state(spec, "latest")["experiment"] == "rel-20261122-000000"
