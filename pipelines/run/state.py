@@ -224,18 +224,30 @@ RUN_OPTIONS = (("--address", "address"), ("--regression-threshold", "regression_
 
 def launch_command(config: str, overrides: list[str], *, regression_threshold: float | None = None,
                    address: str | None = None, environ=None) -> dict:
-    """What a run's state keeps of the command that started (or last resumed) it: the spec file, the --set overrides,
-    the `RUN_OPTIONS` given, whether it ran as a Ray job and then the variables of ``environ`` (default
-    ``os.environ``, as the process started: before the spec's plugins are added to it) the run depends on
-    (`pipelines.environment.run_settings`: its runtime env's MLflow store and Tune storage, which a resumed job needs
-    again). `resume_command` prints it back; `restore_options` gives a `--resume` the options it leaves out."""
+    """What a run's state keeps of the command that started (or last resumed) it: the spec file (relative to the
+    working directory when it lies under it, `spec_path`), the --set overrides, the `RUN_OPTIONS` given, whether it
+    ran as a Ray job and then the variables of ``environ`` (default ``os.environ``, as the process started: before
+    the spec's plugins are added to it) the run depends on (`pipelines.environment.run_settings`: its runtime env's
+    MLflow store and Tune storage, which a resumed job needs again). `resume_command` prints it back;
+    `restore_options` gives a `--resume` the options it leaves out."""
     from pipelines.environment import run_settings
 
     environ = os.environ if environ is None else environ
     ray_job = bool(environ.get(paths.JOB_ENV))
-    return {"config": config, "overrides": list(overrides), "ray_job": ray_job,
+    return {"config": spec_path(config), "overrides": list(overrides), "ray_job": ray_job,
             "regression_threshold": regression_threshold, "address": address,
             "env": run_settings(environ) if ray_job else {}}
+
+
+def spec_path(config: str) -> str:
+    """``config`` as the resume command names it: relative to the working directory when it lies under it (a Ray
+    job's default spec was the absolute path of Ray's package copy of the checkout, ``<ray temp>/session_*/.../
+    _ray_pkg_*/sweeps/quickstart.yaml``, where a resumed job's new copy is not), else as given."""
+    here = os.getcwd()
+    for path, root in ((Path(os.path.abspath(config)), Path(here)), (Path(config).resolve(), Path(here).resolve())):
+        if path.is_relative_to(root):
+            return str(path.relative_to(root))
+    return config
 
 
 def restore_options(args, state: dict) -> list[str]:

@@ -190,3 +190,28 @@ def test_a_resume_that_finds_no_state_says_where_it_looked_and_what_moves_it(tmp
         state.resumed_state(spec, "latest")
     monkeypatch.setenv(paths.STORAGE_ENV, str(elsewhere))  # the run's setting: found
     assert state.resumed_state(spec, "latest")["experiment"] == "rel-20261122-000000"
+
+
+def test_the_resume_command_names_the_spec_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """A Ray job run with the default spec printed --config <ray temp>/session_*/.../_ray_pkg_*/sweeps/quickstart.yaml:
+    Ray's package copy of the checkout, which the resumed job's upload does not recreate there. A spec under the
+    working directory (the package copy, the checkout) is named relative to it, as `--working-dir .` uploads it; one
+    elsewhere keeps the path it was given."""
+    from pipelines import frontdoor
+
+    package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
+    (package / "sweeps").mkdir(parents=True)
+    monkeypatch.chdir(package)
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    command = state.launch_command(str(package / "sweeps" / "quickstart.yaml"), [])
+    assert command["config"] == "sweeps/quickstart.yaml"
+    assert "--config sweeps/quickstart.yaml --resume" in state.resume_command({"experiment": "q-1", "command": command})
+    (tmp_path / "link").symlink_to(package)  # a working directory reached through a link
+    monkeypatch.chdir(tmp_path / "link")
+    assert state.launch_command(str(package / "sweeps" / "quickstart.yaml"), [])["config"] == "sweeps/quickstart.yaml"
+    assert state.launch_command("./sweeps/nightly.yaml", [])["config"] == "sweeps/nightly.yaml"
+    assert state.launch_command("../elsewhere.yaml", [])["config"] == "../elsewhere.yaml"  # not under it: as given
+    monkeypatch.chdir(frontdoor.REPO)  # the checkout, the default spec as the CLI fills it in
+    assert state.launch_command(str(frontdoor.DEFAULT_CONFIG), [])["config"] == "sweeps/quickstart.yaml"
+    monkeypatch.chdir(tmp_path)  # a local run elsewhere: the checkout's spec by its absolute path
+    assert state.launch_command(str(frontdoor.DEFAULT_CONFIG), [])["config"] == str(frontdoor.DEFAULT_CONFIG)
