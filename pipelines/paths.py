@@ -83,16 +83,29 @@ def job_defaults_line() -> str | None:
             "choose others)")
 
 
-def submit_command(entrypoint: str, env: dict[str, str] | None = None) -> str:
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # `token` where the head enforces Ray's token; its CLI sends the token only then
+
+
+def token_auth(environ=None) -> bool:
+    """Whether the Ray head of this job enforces its token: a job's entrypoint inherits the head's ``RAY_AUTH_MODE``
+    (``token`` once Ray turned token auth on, explicitly or by itself because ``~/.ray/auth_token`` existed when the
+    head started; ``disabled`` or unset otherwise)."""
+    environ = os.environ if environ is None else environ
+    return environ.get(AUTH_MODE_ENV, "").strip().lower() == "token"
+
+
+def submit_command(entrypoint: str, env: dict[str, str] | None = None, token: bool = True) -> str:
     """``entrypoint`` (``python pipelines/sweep.py ...``) as a Ray job from the checkout, with ``env`` (variables the
-    job's runtime env sets: its MLflow store, its Tune storage) in ``--runtime-env-json``: Ray 2.60 enforces its
-    token once ``~/.ray/auth_token`` exists (any local ``ray.init()`` writes one), and its CLI sends it only with
-    ``RAY_AUTH_MODE=token``."""
+    job's runtime env sets: its MLflow store, its Tune storage) in ``--runtime-env-json``, and ``RAY_AUTH_MODE=token``
+    in front when ``token`` (`token_auth`): Ray 2.60 enforces its token once ``~/.ray/auth_token`` exists (any local
+    ``ray.init()`` writes one), and its CLI sends it only with that; where there is no token, the CLI refuses to
+    start with it."""
     import json
     import shlex
 
     runtime_env = f"--runtime-env-json {shlex.quote(json.dumps({'env_vars': env}))} " if env else ""
-    return f"RAY_AUTH_MODE=token ray job submit --working-dir . {runtime_env}-- {entrypoint}"
+    prefix = f"{AUTH_MODE_ENV}=token " if token else ""
+    return f"{prefix}ray job submit --working-dir . {runtime_env}-- {entrypoint}"
 
 
 def local_storage(storage: str) -> Path | None:

@@ -226,17 +226,18 @@ def launch_command(config: str, overrides: list[str], *, regression_threshold: f
                    address: str | None = None, environ=None) -> dict:
     """What a run's state keeps of the command that started (or last resumed) it: the spec file (relative to the
     working directory when it lies under it, `spec_path`), the --set overrides, the `RUN_OPTIONS` given, whether it
-    ran as a Ray job and then the variables of ``environ`` (default ``os.environ``, as the process started: before
-    the spec's plugins are added to it) the run depends on (`pipelines.environment.run_settings`: its runtime env's
-    MLflow store and Tune storage, which a resumed job needs again). `resume_command` prints it back;
-    `restore_options` gives a `--resume` the options it leaves out."""
+    ran as a Ray job, and then whether its head enforced Ray's token (`pipelines.paths.token_auth`) and the variables
+    of ``environ`` (default ``os.environ``, as the process started: before the spec's plugins are added to it) the
+    run depends on (`pipelines.environment.run_settings`: its runtime env's MLflow store and Tune storage, which a
+    resumed job needs again). `resume_command` prints it back; `restore_options` gives a `--resume` the options it
+    leaves out."""
     from pipelines.environment import run_settings
 
     environ = os.environ if environ is None else environ
     ray_job = bool(environ.get(paths.JOB_ENV))
     return {"config": spec_path(config), "overrides": list(overrides), "ray_job": ray_job,
             "regression_threshold": regression_threshold, "address": address,
-            "env": run_settings(environ) if ray_job else {}}
+            "env": run_settings(environ) if ray_job else {}, "token_auth": ray_job and paths.token_auth(environ)}
 
 
 def spec_path(config: str) -> str:
@@ -281,7 +282,9 @@ def resume_command(state: dict) -> str:
         if cmd.get(key) is not None:
             parts += [option, str(cmd[key])]
     command = " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
-    return paths.submit_command(command, cmd.get("env")) if cmd.get("ray_job") else command
+    if not cmd.get("ray_job"):
+        return command
+    return paths.submit_command(command, cmd.get("env"), token=cmd.get("token_auth", True))  # older states: token
 
 
 def _driver_alive(driver: dict | None) -> bool | None:

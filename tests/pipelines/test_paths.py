@@ -215,3 +215,18 @@ def test_the_resume_command_names_the_spec_relative_to_the_working_directory(tmp
     assert state.launch_command(str(frontdoor.DEFAULT_CONFIG), [])["config"] == "sweeps/quickstart.yaml"
     monkeypatch.chdir(tmp_path)  # a local run elsewhere: the checkout's spec by its absolute path
     assert state.launch_command(str(frontdoor.DEFAULT_CONFIG), [])["config"] == str(frontdoor.DEFAULT_CONFIG)
+
+
+@pytest.mark.parametrize("mode, token", [("token", True), ("TOKEN", True), ("disabled", False), (None, False)])
+def test_a_jobs_resume_command_sends_the_token_only_where_its_head_enforces_one(mode, token):
+    """The printed job command always began with RAY_AUTH_MODE=token, with which Ray's CLI refuses to start where it
+    finds no token (a head without token auth). A job's entrypoint inherits its head's RAY_AUTH_MODE (checked on
+    Ray 2.60: `token` for a head started with it or with ~/.ray/auth_token present, `disabled` for one started
+    so), and the command sets it exactly then. A state from before this says nothing: the prefix stays."""
+    environ = {paths.JOB_ENV: "{}", **({paths.AUTH_MODE_ENV: mode} if mode else {})}
+    command = state.launch_command("sweeps/quickstart.yaml", [], environ=environ)
+    options, _ = _submitted(state.resume_command({"experiment": "q-1", "command": command}))
+    assert options["env"] == ({"RAY_AUTH_MODE": "token"} if token else {})
+    older = {k: v for k, v in command.items() if k != "token_auth"}
+    assert _submitted(state.resume_command({"experiment": "q-1", "command": older}))[0]["env"] == \
+        {"RAY_AUTH_MODE": "token"}
