@@ -4,7 +4,11 @@
   Ray job's is `~/promprune/mlflow.db`, `pipelines.paths`), its artifacts in `mlruns/` beside the database file;
   experiment `promprune`, or `MLFLOW_EXPERIMENT_NAME`.
 - **Parent run per sweep:** run name = spec name; tags `promprune.role=sweep`, `promprune.sweep=<name>`,
-  `promprune.spec_version=<version>`; artifact `spec.yaml` (the resolved spec); the report under `report/`.
+  `promprune.spec_version=<version>`, `promprune.spec_fingerprint` (the hash of the resolved spec: the nightly
+  regression check compares runs of the same one only, `pipelines.run.state.spec_fingerprint`); artifact `spec.yaml`
+  (the resolved spec); the report under `report/`; after a regression check `promprune.regression` (`true`, `false`
+  or `no-previous`) with `.previous_run`, `.threshold`, `.detail` and `.note` (what it compared with, or why with
+  nothing).
 - **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
   parent), created when the trial starts (RUNNING, then FINISHED / KILLED / FAILED): tags `mlflow.parentRunId`,
   `promprune.sweep`, `promprune.trial=<id>`, `mlflow.note.content` (the spec's description); params model, method
@@ -43,6 +47,7 @@ DEFAULT_EXPERIMENT = "promprune"  # one experiment for every sweep; the sweep ta
 PARENT = "mlflow.parentRunId"
 RUN_NAME = "mlflow.runName"
 ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
+SPEC_FINGERPRINT = "promprune.spec_fingerprint"  # on a parent run: the hash of its resolved spec
 SWEEP_RUN = "promprune.sweep_run"  # the parent run's id, on the parent and on each of its trials: one run of a sweep
 ERROR = "promprune.error"
 NOTE = "mlflow.note.content"  # a run's description in the UI: the spec's description; the parent's, what it found

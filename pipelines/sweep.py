@@ -95,7 +95,7 @@ from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
 from pipelines.run.state import DriverLock, driver_lock, fingerprint, launch_command, outbox_dir, resume_command, \
-    load_state, restore_options, resumed_state, save_state, storage_root
+    load_state, restore_options, resumed_state, save_state, spec_fingerprint, storage_root
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import prepare_model, share
 
@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Ray address (default: RAY_ADDRESS, else a local Ray; a --resume without it keeps the run's)")
     p.add_argument("--regression-threshold", type=_threshold, default=None,
                    help="nightly: fail (exit 3) and tag the run when a trial's Rel. drops more than this "
-                        "below the previous finished run of the same spec (a --resume without it keeps the run's)")
+                        "below the previous finished run of the same resolved spec (a --resume without it keeps the "
+                        "run's)")
     p.add_argument("--validate-only", action="store_true", help="check the spec and list its trials, run nothing")
     p.add_argument("--verbose", action="store_true",
                    help="show Ray, Tune and lmms-eval output here instead of in outputs/logs/<experiment>.log")
@@ -147,6 +148,7 @@ class SweepOutcome:
     unlogged: list = field(default_factory=list)  # trials whose writes are not in MLflow yet (the store is down)
     resume: str = ""  # the command that continues the sweep (and sends what is not in MLflow yet)
     best: str | None = None  # the console's last line: the best (mu, tau) with its interval (`best_line`)
+    regression_note: str | None = None  # what the regression check compared with, or why with nothing (None: no check)
 
     @property
     def failed(self) -> list[str]:
@@ -343,10 +345,12 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         recorder.count_generated()
         paired = paired_lines(spec, recorder.records)  # here: lmms-eval's output goes to the log
         best = best_trial(spec, recorder.records)
-        regressions = []
+        regressions, regression_note = [], None
         unlogged = recorder.unlogged(store_wait_s())  # the trials' runs in before the regression check reads them
-        if regression_threshold is not None and not unlogged:
-            regressions = tracking.regression_check(client, parent_id, spec.name, spec.version, regression_threshold)
+        if regression_threshold is not None and not unlogged:  # against the previous run of this resolved spec
+            regressions, regression_note = tracking.regression_check(
+                client, parent_id, spec.name, spec.version, regression_threshold,
+                spec_fingerprint(specs.dump_resolved(spec)))
         summary = [line for line in [best_line(spec, recorder.records, recorder.generated, best)] if line]
         recorder.parent(metrics={"trials/total": len(recorder.records),
                                  "trials/failed": sum(r["error"] is not None for r in recorder.records.values()),
@@ -365,7 +369,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     if not unlogged:
         checkpoints.remove(blocks)  # every trial is in MLflow and in its Tune checkpoint now
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired,
-                        unlogged=unlogged, resume=resume_command(state), best=summary[0] if summary else None)
+                        unlogged=unlogged, resume=resume_command(state), best=summary[0] if summary else None,
+                        regression_note=regression_note)
 
 
 def store_wait_s() -> float:
@@ -638,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNLOGGED
     url = tracking.ui_url(spec.name)
     print("\n" + mlflow_layout.open_results(url))
+    if outcome.regression_note:
+        print(f"\nregression check: {outcome.regression_note}")
     if outcome.regressions:
         print("\nREGRESSION (Rel. fell beyond the threshold):\n  " + "\n  ".join(outcome.regressions))
         return EXIT_REGRESSION

@@ -16,7 +16,7 @@ from typing import Any
 from pipelines import mlflow_layout
 from pipelines.mlflow_layout import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
 from pipelines.recording.view import SweepView, save_sweep_view
-from pipelines.run.state import dead_runs, resume_command
+from pipelines.run.state import dead_runs, resume_command, spec_changes, spec_fingerprint
 
 
 def client():
@@ -53,9 +53,11 @@ def experiment_id(c) -> str:
 def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, started: float | None = None,
                 view: SweepView | None = None) -> str:
     """The sweep's parent run and its saved view (``view``: what the view shows beyond the headline metrics);
-    ``started`` (epoch seconds): when the sweep began (setup included)."""
+    ``started`` (epoch seconds): when the sweep began (setup included). Tagged with the resolved spec's fingerprint
+    (`spec_fingerprint`), which the nightly regression check matches."""
     run = c.create_run(experiment_id(c), run_name=name, start_time=_ms(started),
                        tags={ROLE: mlflow_layout.ROLE_SWEEP, SWEEP: name, VERSION: str(version),
+                             mlflow_layout.SPEC_FINGERPRINT: spec_fingerprint(resolved_yaml),
                              mlflow_layout.STARTED_AT: iso(started or time.time())})
     run_id = run.info.run_id
     c.set_tag(run_id, mlflow_layout.SWEEP_RUN, run_id)  # the saved view's filter: this run and its trials
@@ -222,19 +224,56 @@ def _param(v: Any) -> str:
 # nightly regression check
 
 
-def previous_sweep(c, name: str, version: int, current_id: str):
-    """The latest FINISHED parent run of the same sweep name and spec version before `current_id`, or None."""
+def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str):
+    """The latest FINISHED parent run of sweep ``name`` started before ``current_id`` that ran the same resolved spec
+    (its `promprune.spec_fingerprint` tag is ``fingerprint``), or None; with the line saying what the check compares
+    with, or why it compares with nothing. Matching the name and version alone made a ``--set limit=20`` quick check
+    (which sweeps/nightly.yaml suggests) the baseline of the next 500-question night: false regressions, or masked
+    ones. A parent run logged before runs carried the tag does not match (said in the line)."""
     current = c.get_run(current_id)
-    runs = c.search_runs([current.info.experiment_id],
-                         filter_string=" and ".join([mlflow_layout.tag_filter(ROLE, mlflow_layout.ROLE_SWEEP),
-                                                     mlflow_layout.tag_filter(SWEEP, name),
-                                                     mlflow_layout.tag_filter(VERSION, str(version))]),
-                         order_by=["attributes.start_time DESC"], max_results=200)
-    for run in runs:
-        if run.info.run_id != current_id and run.info.status == "FINISHED" \
-                and run.info.start_time < current.info.start_time:
-            return run
-    return None
+    same = [mlflow_layout.tag_filter(ROLE, mlflow_layout.ROLE_SWEEP), mlflow_layout.tag_filter(SWEEP, name),
+            mlflow_layout.tag_filter(VERSION, str(version)), "attributes.status = 'FINISHED'",
+            f"attributes.start_time < {current.info.start_time}"]
+    exp = [current.info.experiment_id]
+    found = c.search_runs(exp, " and ".join([*same, mlflow_layout.tag_filter(mlflow_layout.SPEC_FINGERPRINT,
+                                                                             fingerprint)]),
+                          order_by=["attributes.start_time DESC"], max_results=1)
+    if found:
+        prev = found[0]
+        return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
+                      f"earlier FINISHED run of the same resolved spec of sweep {name} v{version}")
+    earlier = c.search_runs(exp, " and ".join(same), order_by=["attributes.start_time DESC"], max_results=1000)
+    if not earlier:
+        return None, f"no earlier FINISHED run of sweep {name} v{version} in this experiment"
+    untagged = [r for r in earlier if mlflow_layout.SPEC_FINGERPRINT not in r.data.tags]
+    other = [r for r in earlier if mlflow_layout.SPEC_FINGERPRINT in r.data.tags]
+    parts = []
+    if other:
+        changes = _spec_changes(c, other[0].info.run_id, current_id)
+        parts.append(f"{len(other)} ran another resolved spec (the latest, {other[0].info.run_id}"
+                     + (f": {'; '.join(changes[:3])}{' ...' if len(changes) > 3 else ''}" if changes else "") + ")")
+    if untagged:
+        parts.append(f"{len(untagged)} logged before parent runs recorded their spec's fingerprint, so they cannot "
+                     "be told to be the same spec")
+    return None, (f"none of the {len(earlier)} earlier FINISHED run(s) of sweep {name} v{version} ran this resolved "
+                  f"spec: {'; '.join(parts)}")
+
+
+def _spec_changes(c, before_id: str, now_id: str) -> list[str]:
+    """The fields in which two parent runs' resolved specs (their `spec.yaml` artifacts) differ; [] when either
+    cannot be read (the line then only says that they differ)."""
+    from mlflow.exceptions import MlflowException
+
+    texts = []
+    with tempfile.TemporaryDirectory() as d:
+        for i, run_id in enumerate((before_id, now_id)):
+            try:
+                Path(d, str(i)).mkdir()
+                path = c.download_artifacts(run_id, mlflow_layout.SPEC_ARTIFACT, f"{d}/{i}")
+                texts.append(Path(path).read_text())
+            except (MlflowException, OSError):
+                return []
+    return spec_changes(*texts)
 
 
 def rel_by_trial(c, parent_id: str) -> dict[str, float]:
@@ -242,25 +281,32 @@ def rel_by_trial(c, parent_id: str) -> dict[str, float]:
             if mlflow_layout.REL in r.data.metrics}
 
 
-def regression_check(c, parent_id: str, name: str, version: int, threshold: float) -> list[str]:
-    """Compare every trial's Rel. with the previous night's; tag the parent run; return the regressions.
+def regression_check(c, parent_id: str, name: str, version: int, threshold: float,
+                     fingerprint: str) -> tuple[list[str], str]:
+    """Compare every trial's Rel. with the previous night's run of the same resolved spec (``fingerprint``,
+    `previous_sweep`); tag the parent run; return the regressions and the line saying what was compared with (or
+    why nothing was).
 
     A regression is a trial whose Rel. fell by more than `threshold` (absolute, e.g. 0.02 = 2 points of Rel.).
-    Tags: promprune.regression = true/false/no-previous, promprune.regression.previous_run, ...detail.
+    Tags: promprune.regression = true/false/no-previous, promprune.regression.previous_run, ...threshold,
+    ...detail (the regressions), ...note (the line); the parent's promprune.spec_fingerprint when it had none (a run
+    started before runs carried it, resumed).
     """
-    prev = previous_sweep(c, name, version, parent_id)
+    c.set_tag(parent_id, mlflow_layout.SPEC_FINGERPRINT, fingerprint)
+    prev, note = previous_sweep(c, name, version, parent_id, fingerprint)
+    c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.note", note[:4000])
+    c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.threshold", str(threshold))
     if prev is None:
         c.set_tag(parent_id, mlflow_layout.REGRESSION, "no-previous")
-        return []
+        return [], note
     now, before = rel_by_trial(c, parent_id), rel_by_trial(c, prev.info.run_id)
     found = [f"{tid}: rel {before[tid]:.4f} -> {now[tid]:.4f} ({now[tid] - before[tid]:+.4f})"
              for tid in sorted(set(now) & set(before)) if before[tid] - now[tid] > threshold]
     c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.previous_run", prev.info.run_id)
-    c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.threshold", str(threshold))
     c.set_tag(parent_id, mlflow_layout.REGRESSION, "true" if found else "false")
     if found:
         c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.detail", "; ".join(found)[:4000])
-    return found
+    return found, note
 
 
 # ----------------------------------------------------------------------------------------------------------------

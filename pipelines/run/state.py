@@ -193,15 +193,32 @@ def fingerprint(spec: specs.SweepSpec) -> str:
     return hashlib.sha256(specs.dump_resolved(spec).encode()).hexdigest()
 
 
+def spec_fingerprint(resolved_yaml: str) -> str:
+    """What the nightly regression check compares runs by (tag `promprune.spec_fingerprint` on a sweep's parent run,
+    `pipelines.recording.tracking.previous_sweep`): the hash of the resolved spec (``specs.dump_resolved``), its
+    `plugins` and `include_path` under the working directory named relative to it (`relative_path`), since a Ray
+    job's working directory is a new package copy of the checkout whenever a file of it changed. The same as
+    `fingerprint` for a spec naming neither."""
+    data = yaml.safe_load(resolved_yaml) or {}
+    for key in ("plugins", "include_path"):
+        if isinstance(data.get(key), list):
+            data[key] = [relative_path(p) if isinstance(p, str) and os.path.isabs(p) else p for p in data[key]]
+    return hashlib.sha256(yaml.safe_dump(data, sort_keys=False).encode()).hexdigest()
+
+
+def spec_changes(before_yaml: str | None, now_yaml: str | None) -> list[str]:
+    """Each field two resolved specs (YAML) set differently, as ``field: before -> now``, sorted by field."""
+    before, now = _flat(yaml.safe_load(before_yaml or "{}")), _flat(yaml.safe_load(now_yaml or "{}"))
+    return [f"{k}: {before.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
+            for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+
+
 def check_resume(spec: specs.SweepSpec, state: dict) -> None:
     """A resumed sweep must be the sweep it resumes: any difference in the resolved spec would mix two experiments
     in one parent run. Raises SpecError naming every changed field and the command that resumes the original."""
     if state.get("fingerprint") == fingerprint(spec):
         return
-    before = _flat(yaml.safe_load(state.get("spec_yaml") or "{}"))
-    now = _flat(yaml.safe_load(specs.dump_resolved(spec)))
-    changed = [f"{k}: {before.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
-               for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    changed = spec_changes(state.get("spec_yaml"), specs.dump_resolved(spec))
     raise specs.SpecError(changed, f"--resume {state['experiment']}: the spec differs from the one that run started "
                           "with", fix=f"resume the original with: {resume_command(state)}")
 
@@ -244,11 +261,17 @@ def spec_path(config: str) -> str:
     """``config`` as the resume command names it: relative to the working directory when it lies under it (a Ray
     job's default spec was the absolute path of Ray's package copy of the checkout, ``<ray temp>/session_*/.../
     _ray_pkg_*/sweeps/quickstart.yaml``, where a resumed job's new copy is not), else as given."""
+    return relative_path(config)
+
+
+def relative_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies under it (directly or through links), else as
+    given."""
     here = os.getcwd()
-    for path, root in ((Path(os.path.abspath(config)), Path(here)), (Path(config).resolve(), Path(here).resolve())):
-        if path.is_relative_to(root):
-            return str(path.relative_to(root))
-    return config
+    for full, root in ((Path(os.path.abspath(path)), Path(here)), (Path(path).resolve(), Path(here).resolve())):
+        if full.is_relative_to(root):
+            return str(full.relative_to(root))
+    return path
 
 
 def restore_options(args, state: dict) -> list[str]:

@@ -3,6 +3,7 @@ predictions equal plain (non-Ray) generation, Rel. is computed against the basel
 resumes without redoing finished trials."""
 from __future__ import annotations
 
+import hashlib
 import re
 import signal
 import textwrap
@@ -67,6 +68,9 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
     assert parent.info.run_name == "e2e" and parent.info.status == "FINISHED"
     assert {k: parent.data.tags[k] for k in (mlflow_layout.ROLE, mlflow_layout.SWEEP, mlflow_layout.VERSION)} == \
         {mlflow_layout.ROLE: "sweep", mlflow_layout.SWEEP: "e2e", mlflow_layout.VERSION: "2"}
+    # what the nightly regression check matches: the resolved spec's hash, as the run's state keeps it for --resume
+    assert parent.data.tags[mlflow_layout.SPEC_FINGERPRINT] == hashlib.sha256(specs.dump_resolved(spec).encode()) \
+        .hexdigest()
     spec_yaml = Path(c.download_artifacts(outcome.parent_run_id, "spec.yaml", str(workdir)))
     assert yaml.safe_load(spec_yaml.read_text()) == yaml.safe_load(specs.dump_resolved(spec))
 

@@ -14,7 +14,7 @@ from promprune.records import Prediction, from_arrow
 
 from pipelines import mlflow_layout, spec as specs, weights
 from pipelines.recording import tracking
-from pipelines.run import result, search
+from pipelines.run import result, search, state as run_state
 from pipelines.config import Resources
 from pipelines.run import resources as planning
 
@@ -244,26 +244,95 @@ def mlflow_store(tmp_path, monkeypatch, mlflow_db):
     return tracking.client()
 
 
-def _night(c, rels: dict, version: int = 1, name: str = "nightly") -> str:
-    parent = tracking.start_sweep(c, name, version, "name: nightly\n", {})
+def _night(c, rels: dict, version: int = 1, name: str = "nightly", spec_yaml: str = "name: nightly\n") -> str:
+    parent = tracking.start_sweep(c, name, version, spec_yaml, {})
     for tid, rel in rels.items():
         trial = {"trial_id": tid, "method": tid.split("-")[0], "budget": 8, "options": {}}
         tracking.log_trial(c, parent, name, version, trial, {"method": trial["method"]}, {"rel": rel}, None)
     return parent
 
 
+def _check(c, run_id: str, spec_yaml: str = "name: nightly\n", version: int = 1) -> tuple[list[str], str]:
+    return tracking.regression_check(c, run_id, "nightly", version, 0.02, run_state.spec_fingerprint(spec_yaml))
+
+
 def test_regression_check_against_the_previous_night(mlflow_store):
     c = mlflow_store
     first = _night(c, {"promprune-b8": 0.95, "divprune-b8": 0.90})
-    assert tracking.regression_check(c, first, "nightly", 1, 0.02) == []
+    assert _check(c, first) == ([], "no earlier FINISHED run of sweep nightly v1 in this experiment")
     assert c.get_run(first).data.tags[mlflow_layout.REGRESSION] == "no-previous"
     tracking.finish(c, first)
     _night(c, {"promprune-b8": 0.10}, version=2)  # another spec version: not comparable, must be skipped
     second = _night(c, {"promprune-b8": 0.94, "divprune-b8": 0.85})  # -0.01 ok, -0.05 regression
-    found = tracking.regression_check(c, second, "nightly", 1, 0.02)
+    found, note = _check(c, second)
     assert len(found) == 1 and found[0].startswith("divprune-b8: rel 0.9000 -> 0.8500")
+    assert note.startswith(f"compared with {first} (started ")
     tags = c.get_run(second).data.tags
     assert tags[mlflow_layout.REGRESSION] == "true" and tags[f"{mlflow_layout.REGRESSION}.previous_run"] == first
+    assert tags[f"{mlflow_layout.REGRESSION}.note"] == note
+
+
+def _nightly_yaml(*overrides: str) -> str:
+    """sweeps/nightly.yaml resolved, with ``--set`` overrides, as a sweep logs it."""
+    from pipelines.frontdoor import REPO
+
+    return specs.dump_resolved(specs.load(REPO / "sweeps" / "nightly.yaml", list(overrides)))
+
+
+def test_the_regression_check_compares_only_runs_of_the_same_resolved_spec(mlflow_store):
+    """A `--set limit=20` quick check of the nightly (which sweeps/nightly.yaml suggests) had the same name and
+    version, and became the next 500-question night's baseline: a false regression (exit 3), or one masked. Each
+    run is compared with the latest earlier FINISHED run logged from the same spec file and overrides."""
+    c = mlflow_store
+    full, quick = _nightly_yaml(), _nightly_yaml("limit=20")
+    assert run_state.spec_fingerprint(full) != run_state.spec_fingerprint(quick)
+    night = _night(c, {"promprune-b64": 0.95}, version=2, spec_yaml=full)
+    tracking.finish(c, night)
+    check = _night(c, {"promprune-b64": 0.80}, version=2, spec_yaml=quick)  # 20 questions: a noisy Rel.
+    tracking.finish(c, check)
+    steady = _night(c, {"promprune-b64": 0.94}, version=2, spec_yaml=full)  # -0.01 from the last night: fine
+    assert _check(c, steady, full, 2)[0] == []  # against the quick check it would have been +0.14, also fine ...
+    assert c.get_run(steady).data.tags[f"{mlflow_layout.REGRESSION}.previous_run"] == night
+    fallen = _night(c, {"promprune-b64": 0.85}, version=2, spec_yaml=full)  # -0.10: a real regression ...
+    found, note = _check(c, fallen, full, 2)
+    assert found == ["promprune-b64: rel 0.9500 -> 0.8500 (-0.1000)"]  # ... the quick check's 0.80 masked
+    assert note.startswith(f"compared with {night} ") and c.get_run(fallen).data.tags[
+        f"{mlflow_layout.REGRESSION}.previous_run"] == night
+    again = _night(c, {"promprune-b64": 0.79}, version=2, spec_yaml=quick)  # quick checks among themselves
+    assert _check(c, again, quick, 2)[0] == []
+    assert c.get_run(again).data.tags[f"{mlflow_layout.REGRESSION}.previous_run"] == check
+
+
+def test_with_no_earlier_run_of_the_same_spec_the_check_says_why(mlflow_store):
+    """Only a quick check and a parent run logged before runs carried the spec's fingerprint came before: nothing
+    to compare with (`no-previous`, exit 0), said in one line naming the differing field and the older run."""
+    c = mlflow_store
+    full, quick = _nightly_yaml(), _nightly_yaml("limit=20")
+    older = _night(c, {"promprune-b64": 0.95}, version=2, spec_yaml=full)
+    c.delete_tag(older, mlflow_layout.SPEC_FINGERPRINT)  # as a run logged before the tag existed
+    tracking.finish(c, older)
+    check = _night(c, {"promprune-b64": 0.80}, version=2, spec_yaml=quick)
+    tracking.finish(c, check)
+    night = _night(c, {"promprune-b64": 0.50}, version=2, spec_yaml=full)
+    found, note = _check(c, night, full, 2)
+    assert found == [] and c.get_run(night).data.tags[mlflow_layout.REGRESSION] == "no-previous"
+    assert note == (f"none of the 2 earlier FINISHED run(s) of sweep nightly v2 ran this resolved spec: 1 ran another "
+                    f"resolved spec (the latest, {check}: limit: 20 -> 500); 1 logged before parent runs recorded "
+                    "their spec's fingerprint, so they cannot be told to be the same spec")
+    assert "\n" not in note and c.get_run(night).data.tags[f"{mlflow_layout.REGRESSION}.note"] == note
+
+
+def test_a_spec_fingerprint_ignores_where_the_checkout_lies(tmp_path, monkeypatch):
+    """A Ray job's working directory is a new package copy of the checkout whenever a file changed: a spec's plugins
+    resolved under it must not make two nights' specs differ. A plugin elsewhere still counts."""
+    spec = "name: n\nplugins: [{}/plugins/m.py, /opt/shared/p.py, my_module]\ninclude_path: [{}/tasks]\n"
+    fingerprints = set()
+    for package in ("_ray_pkg_aaa", "_ray_pkg_bbb"):
+        (tmp_path / package).mkdir()
+        monkeypatch.chdir(tmp_path / package)
+        fingerprints.add(run_state.spec_fingerprint(spec.format(tmp_path / package, tmp_path / package)))
+    assert len(fingerprints) == 1
+    assert run_state.spec_fingerprint(spec.format(tmp_path / "x", tmp_path / "x")) not in fingerprints
 
 
 def test_trial_run_schema(mlflow_store):
