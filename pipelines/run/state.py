@@ -129,8 +129,8 @@ def missing_run(storage: str, name: str, experiment: str | None, found: list[str
             f"{storage}/{STATE_DIR}; found: {', '.join(found) or 'none'}). A run keeps its state in the storage it "
             f"started with: one started with ${STORAGE_ENV} or tune.storage_path set otherwise (for a Ray job, in "
             f"its --runtime-env-json's env_vars), from another working directory, or as a Ray job with another "
-            f"${paths.HOME_ENV}, resumes only with the same setting, so give it as that run had it (a stopped run "
-            "printed its resume command with them); to run the sweep anew instead, leave out --resume")
+            f"${paths.HOME_ENV}, resumes only with the same setting, so give it as that run had it (a stopped Ray "
+            "job printed its resume command with them); to run the sweep anew instead, leave out --resume")
 
 
 def check_trusted_storage(storage: str, experiment: str) -> None:
