@@ -6,6 +6,7 @@ logits, hand-worked per-frame shares, a numpy SVD spectral entropy with the spli
 transformers' own ``get_rope_index`` / ``get_video_features``.
 """
 import copy
+import importlib.util
 import math
 
 import numpy as np
@@ -322,6 +323,8 @@ def test_qwen_one_frame_clip_is_its_image(arch, tmp_path):
         with torch.inference_mode():
             out = model.generate(**ref, max_new_tokens=3, do_sample=False)
         assert got.token_ids == out[0, ref["input_ids"].shape[1]:].tolist()
+    if importlib.util.find_spec("av") is None:  # the GPU machine's batches leave PyAV out: the file part needs it
+        return
     gif = tmp_path / "one.gif"  # a 1-frame video file: its decoded frame, the same clip
     image.save(gif)
     from_file = vlm_for(arch).generate_video([gif], ["q"], max_new_tokens=3)[0]
@@ -453,6 +456,15 @@ def test_beam_search_over_clips_in_a_batch_equals_each_clip_alone(arch):
     vlm = vlm_for(arch, "promprune", 8)
     clips = [scene_clip(index=2, frames=2), scene_clip(index=7, frames=2)]  # the tiny OneVision's answers differ
     prompts = ["What is in the picture? Please describe it.", "Colour?"]
-    batched = [g.token_ids for g in vlm.generate_video(clips, prompts, max_new_tokens=6, num_beams=2)]
-    alone = [vlm.generate_video([c], [p], max_new_tokens=6, num_beams=2)[0].token_ids for c, p in zip(clips, prompts)]
+    pad = vlm.processor.tokenizer.pad_token_id
+    batched = [_unpadded(g.token_ids, pad) for g in vlm.generate_video(clips, prompts, max_new_tokens=6, num_beams=2)]
+    alone = [_unpadded(vlm.generate_video([c], [p], max_new_tokens=6, num_beams=2)[0].token_ids, pad)
+             for c, p in zip(clips, prompts)]
     assert batched == alone
+
+
+def _unpadded(ids: list[int], pad: int) -> list[int]:
+    """A row's tokens without the padding a batch adds after its end (a row alone has none)."""
+    while ids and ids[-1] == pad:
+        ids = ids[:-1]
+    return ids
