@@ -278,8 +278,12 @@ def _count(layer, tokens: int, add: bool = True) -> None:
     is one, and generate then feeds only the uncached tokens). Its restore counts the conv window's width instead
     (4), so generate fed the whole prompt again over the cached prefix."""
     counter = getattr(layer, "cumulative_length_linear", None)
-    if isinstance(counter, torch.Tensor):
-        counter.add_(tokens) if add else counter.fill_(tokens)
+    if not isinstance(counter, torch.Tensor):
+        return
+    if add:
+        counter.add_(tokens)
+    else:
+        counter.fill_(tokens)
 
 
 def _mixers(model) -> list:
