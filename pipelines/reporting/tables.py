@@ -95,10 +95,11 @@ def ordered_trials(sweep: Sweep) -> pd.DataFrame:
     trials["_is_base"] = (trials["method"] != BASELINE_METHOD).astype(int)
     trials["_budget"] = -trials["budget"].fillna(np.inf)
     trials["_rank"] = trials["method"].map(lambda m: rank.get(m, len(rank)))
-    # a word option (Table 5's `diversity`) in the order the sweep ran it (its spec's), oldest trial first
-    spoken = {v: i for i, v in enumerate(dict.fromkeys(
-        v for o in sorted({o for opts in vary.values() for o in opts}) if o in trials
-        for v in trials[o].iloc[::-1] if isinstance(v, str)))}
+    spoken: dict[str, int] = {}  # a word option's values (Table 5's `diversity`) in the order the sweep ran them
+    for option in sorted({o for opts in vary.values() for o in opts if o in trials}):
+        for value in trials[option].iloc[::-1]:  # rows come newest first
+            if isinstance(value, str):
+                spoken.setdefault(value, len(spoken))
     trials["_opts"] = [tuple(_sort_key(row[o], spoken) for o in vary.get(row["method"], []))
                        for _, row in trials.iterrows()]
     trials = trials.sort_values(["_is_base", "_budget", "_rank", "_opts", "label"], kind="stable")

@@ -242,7 +242,7 @@ RUN_OPTIONS = (("--address", "address"), ("--regression-threshold", "regression_
 def launch_command(config: str, overrides: list[str], *, regression_threshold: float | None = None,
                    address: str | None = None, environ=None) -> dict:
     """What a run's state keeps of the command that started (or last resumed) it: the spec file (relative to the
-    working directory when it lies under it, `spec_path`), the --set overrides, the `RUN_OPTIONS` given, whether it
+    working directory when it lies under it, `relative_path`), the --set overrides, the `RUN_OPTIONS` given, whether it
     ran as a Ray job, and then whether its head enforced Ray's token (`pipelines.paths.token_auth`) and the variables
     of ``environ`` (default ``os.environ``, as the process started: before the spec's plugins are added to it) the
     run depends on (`pipelines.environment.run_settings`: its runtime env's MLflow store and Tune storage, which a
@@ -252,16 +252,11 @@ def launch_command(config: str, overrides: list[str], *, regression_threshold: f
 
     environ = os.environ if environ is None else environ
     ray_job = bool(environ.get(paths.JOB_ENV))
-    return {"config": spec_path(config), "overrides": list(overrides), "ray_job": ray_job,
+    # relative: a Ray job's default spec was the absolute path of Ray's package copy of the checkout
+    # (<ray temp>/session_*/.../_ray_pkg_*/sweeps/quickstart.yaml), which a resumed job's new copy is not
+    return {"config": relative_path(config), "overrides": list(overrides), "ray_job": ray_job,
             "regression_threshold": regression_threshold, "address": address,
             "env": run_settings(environ) if ray_job else {}, "token_auth": ray_job and paths.token_auth(environ)}
-
-
-def spec_path(config: str) -> str:
-    """``config`` as the resume command names it: relative to the working directory when it lies under it (a Ray
-    job's default spec was the absolute path of Ray's package copy of the checkout, ``<ray temp>/session_*/.../
-    _ray_pkg_*/sweeps/quickstart.yaml``, where a resumed job's new copy is not), else as given."""
-    return relative_path(config)
 
 
 def relative_path(path: str) -> str:

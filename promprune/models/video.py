@@ -104,23 +104,29 @@ def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarra
     try:
         if isinstance(clip, (str, os.PathLike)):
             return decode_video(clip, frames)
-        if isinstance(clip, np.ndarray):
-            array = clip
-        else:
-            frames_ = [np.asarray(f) if isinstance(f, np.ndarray) else np.asarray(load_image(f, index)) for f in clip]
+        array = clip if isinstance(clip, np.ndarray) else _stacked(
+            [np.asarray(f) if isinstance(f, np.ndarray) else np.asarray(load_image(f, index)) for f in clip], index)
+    except ClipFramesDiffer:
+        raise
     except Exception as err:  # PyAV / PIL / numpy raise many types for bad data
         raise ValueError(f"clip {index} is unreadable: {type(err).__name__}: {err}") from err
-    if not isinstance(clip, np.ndarray):
-        sizes = [f.shape for f in frames_]
-        odd = next((k for k, size in enumerate(sizes) if size != sizes[0]), None)
-        if odd is not None:
-            raise ValueError(f"clip {index}: its frames differ in size (frame 0 is {_size(sizes[0])}, frame {odd} is "
-                             f"{_size(sizes[odd])}); a clip's frames share one size: resize them to one before passing "
-                             "the clip")
-        array = np.stack(frames_) if frames_ else np.zeros((0, 0, 0, 3), np.uint8)
     if array.ndim != 4 or array.shape[-1] != 3 or array.shape[0] < 1:
         raise ValueError(f"clip {index}: expected frames [F, H, W, 3] (RGB, F >= 1), got shape {tuple(array.shape)}")
     return array.astype(np.uint8, copy=False), None
+
+
+class ClipFramesDiffer(ValueError):
+    """A clip given as frames of different sizes."""
+
+
+def _stacked(frames: list[np.ndarray], index: int) -> np.ndarray:
+    """The frames of clip ``index`` as one array; `ClipFramesDiffer` naming the first frame of another size."""
+    odd = next((k for k, f in enumerate(frames) if f.shape != frames[0].shape), None)
+    if odd is not None:
+        raise ClipFramesDiffer(f"clip {index}: its frames differ in size (frame 0 is {_size(frames[0].shape)}, frame "
+                               f"{odd} is {_size(frames[odd].shape)}); a clip's frames share one size: resize them "
+                               "to one before passing the clip")
+    return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)
 
 
 def _size(shape: tuple) -> str:

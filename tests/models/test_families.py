@@ -108,7 +108,7 @@ def test_a_family_whose_factories_build_another_model_type_is_refused():
             tiny.tiny_vlm("t_misnamed")
         spec = dict(shape_spec("llava_1_5_7b"), model_type="t_misnamed")
         with pytest.raises(ValueError, match=r"'t_misnamed''s shape factory .* model_type 'llava'"):
-            shapes._builder(spec)(spec, 1, 1)
+            shapes._build(spec, 1, 1)
     finally:
         registry._FAMILIES.pop("t_misnamed", None)
         tiny._cached.cache_clear()

@@ -53,18 +53,15 @@ def section(spec: dict, name: str, layers: int | None, key: str = "num_hidden_la
     return out
 
 
-def _builder(spec: dict):
-    """The ``shape`` factory of the family ``spec["model_type"]`` names, checked to build that family's own config."""
+def _build(spec: dict, text_layers: int | None, vision_layers: int | None) -> tuple:
+    """``(model class, config, processor)`` from the ``shape`` factory of the family ``spec["model_type"]`` names,
+    checked to build that family's own config."""
     found = family(spec["model_type"])
     if found.shape is None:
         raise ValueError(f"model family {found.name!r} has no shape factory ({found.module})")
-
-    def build(spec: dict, text_layers, vision_layers):
-        built = found.shape(spec, text_layers, vision_layers)
-        check_builds_own(found, built[1], "shape")
-        return built
-
-    return build
+    built = found.shape(spec, text_layers, vision_layers)
+    check_builds_own(found, built[1], "shape")
+    return built
 
 
 # the width fields of each tower's config that ``width_divisor`` divides (head_dim, where given, stays)
@@ -96,7 +93,7 @@ def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int 
     ``device="meta"`` builds the module tree without memory (shapes, configs, placeholder counts).
     """
     spec = narrowed(shape_spec(name), width_divisor)
-    model_cls, config, processor = _builder(spec)(spec, text_layers, vision_layers)
+    model_cls, config, processor = _build(spec, text_layers, vision_layers)
     torch.manual_seed(SEED)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -125,7 +122,7 @@ def load(name: str, *, dtype=None, device_map=None, attn_implementation=None, ma
 
 def _config(name: str):
     spec = shape_spec(name)
-    return _builder(spec)(spec, None, None)[1]
+    return _build(spec, None, None)[1]
 
 
 load.config = _config
