@@ -12,6 +12,7 @@ from PIL import Image
 from promprune.eval import build_requests, relative_score, score
 from promprune.records import Answer, Prediction
 from promprune.eval.tasks import load_task
+from tests.own_task import write_task
 
 LMMS_TASKS = Path(lmms_eval.__file__).parent / "tasks"
 
@@ -229,44 +230,16 @@ def test_bootstrap_of_a_constant_is_a_point():
 
 # a benchmark of one's own whose scoring code is wrong (issue: a misnamed metric scored nothing, an exception in
 # process_results was lost in tenacity's RetryError after 5 tries)
-OWN_TASK = """
-task: {name}
-dataset_path: parquet
-dataset_kwargs: {{data_files: {{test: data.parquet}}}}
-test_split: test
-output_type: generate_until
-doc_to_visual: !function utils.doc_to_visual
-doc_to_text: !function utils.doc_to_text
-doc_to_target: answer
-process_results: !function utils.process_results
-metric_list:
-{metrics}
-"""
-OWN_UTILS = """
-from pathlib import Path
-def doc_to_visual(doc):
-    return []
-def doc_to_text(doc, lmms_eval_specific_kwargs=None):
-    return doc["question"]
-def process_results(doc, results):
-    with open(Path(__file__).with_name("calls"), "a") as calls:
+COUNT_CALL = """    with open(Path(__file__).with_name("calls"), "a") as calls:
         calls.write("x")
-{body}
 """
 
 
 def _own_task(root: Path, name: str, metrics: list[str], body: str) -> str:
     """A task directory of one's own with 3 documents; ``body``: process_results' code after it counts its call."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    d = root / name
-    d.mkdir()
-    listed = "\n".join(f"  - {{metric: {m}, aggregation: mean, higher_is_better: true}}" for m in metrics)
-    (d / f"{name}.yaml").write_text(OWN_TASK.format(name=name, metrics=listed))
-    (d / "utils.py").write_text(OWN_UTILS.format(body=body))
-    pq.write_table(pa.table({"question": ["q0", "q1", "q2"], "answer": ["yes", "no", "yes"]}), d / "data.parquet")
-    return str(d)
+    write_task(root / name, name, metrics=tuple(metrics), process_results=COUNT_CALL + body,
+               questions=["q0", "q1", "q2"], answers=["yes", "no", "yes"])
+    return str(root / name)
 
 
 def test_an_exception_in_process_results_is_named_with_its_line_and_not_retried(tmp_path):

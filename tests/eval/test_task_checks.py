@@ -3,51 +3,22 @@ the check finds a task's data, lmms-eval loads the task from that file; where it
 lmms-eval and `datasets` would try; an unreadable task YAML is named with its line (issue 49)."""
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from promprune.eval import task_checks, tasks
-
-TASK = """
-task: {name}
-dataset_path: parquet
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
-output_type: generate_until
-doc_to_visual: !function utils.doc_to_visual
-doc_to_text: !function utils.doc_to_text
-doc_to_target: answer
-process_results: !function utils.process_results
-metric_list:
-  - {{metric: accuracy, aggregation: mean, higher_is_better: true}}
-"""
-
-UTILS = """
-def doc_to_visual(doc):
-    return []
-def doc_to_text(doc, lmms_eval_specific_kwargs=None):
-    return doc["question"]
-def process_results(doc, results):
-    return {"accuracy": 1.0}
-"""
+from tests.own_task import task_yaml, write_documents, write_task
 
 
-def task_dir(root: Path, name: str, data: str, utils: str = UTILS) -> Path:
+def task_dir(root: Path, name: str, data: str, utils: str | None = None) -> Path:
     d = root / name
-    d.mkdir(parents=True)
-    (d / f"{name}.yaml").write_text(textwrap.dedent(TASK.format(name=name, data=data)))
-    (d / "utils.py").write_text(textwrap.dedent(utils))
+    write_task(d, name, data=data, utils=utils)
     return d
 
 
-def parquet(path: Path, questions: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"question": questions, "answer": ["yes"] * len(questions)}), path)
+parquet = write_documents
 
 
 def problems(name: str, d: Path) -> list[str]:
@@ -103,7 +74,7 @@ def test_a_task_whose_code_does_not_import_is_named(tmp_path):
 def test_an_unreadable_task_file_is_named_with_its_line(tmp_path):
     d = tmp_path / "tasks"
     d.mkdir()
-    (d / "good.yaml").write_text(textwrap.dedent(TASK.format(name="own_good", data="q.parquet")))
+    (d / "good.yaml").write_text(task_yaml("own_good", data="q.parquet"))
     (d / "bad.yaml").write_text("task: own_bad\ndataset_kwargs: {data_files: {test: q.parquet}\ntest_split: test\n")
     (d / "half.yaml").write_text("include: _missing_template.yaml\ntask: own_half\n")
     with pytest.raises(task_checks.TaskFileError) as raised:

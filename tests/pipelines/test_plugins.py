@@ -17,6 +17,7 @@ from pipelines import spec as specs
 from promprune import plugins as library
 from promprune.eval import tasks
 from promprune.selection import registry
+from tests.own_task import task_yaml, write_task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,29 +33,7 @@ def fn(tokens, budget, *, p):
                                salient=torch.zeros_like(kept, dtype=torch.bool))
 '''
 
-TASK = """
-task: {name}
-dataset_path: parquet
-dataset_kwargs: {{data_files: {{test: data.parquet}}}}
-test_split: test
-output_type: generate_until
-doc_to_visual: !function utils.doc_to_visual
-doc_to_text: !function utils.doc_to_text
-doc_to_target: answer
-process_results: !function utils.process_results
-metric_list:
-  - {{metric: hits, aggregation: mean, higher_is_better: true}}
-  - {{metric: accuracy, aggregation: mean, higher_is_better: true}}
-"""
-
-UTILS = """
-def doc_to_visual(doc):
-    return []
-def doc_to_text(doc, lmms_eval_specific_kwargs=None):
-    return doc["question"]
-def process_results(doc, results):
-    return {"hits": 1.0, "accuracy": 1.0}
-"""
+HITS = "    return {'hits': 1.0, 'accuracy': 1.0}"
 
 
 def write(path: Path, text: str) -> Path:
@@ -65,12 +44,8 @@ def write(path: Path, text: str) -> Path:
 
 def own_task(directory: Path, name: str) -> Path:
     """A task directory whose task loads: its YAML, its utils.py and its data (data.parquet beside the YAML)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    write(directory / "utils.py", UTILS)
-    pq.write_table(pa.table({"question": ["Is it red?"], "answer": ["yes"]}), directory / "data.parquet")
-    return write(directory / "own_task.yaml", TASK.format(name=name))
+    return write_task(directory, name, yaml_name="own_task.yaml", metrics=("hits", "accuracy"),
+                      process_results=HITS, questions=["Is it red?"])
 
 
 @pytest.fixture
@@ -260,8 +235,8 @@ def test_a_shipped_copy_is_imported_by_its_name_when_the_path_is_not_here(tmp_pa
 
 
 def test_include_path_variable_finds_tasks_and_their_shipped_copies(tmp_path, monkeypatch):
-    write(tmp_path / "mine" / "own_task.yaml", TASK.format(name="own_task_a"))
-    write(tmp_path / "mine" / "utils.py", UTILS)
+    write_task(tmp_path / "mine", "own_task_a", yaml_name="own_task.yaml", metrics=("hits", "accuracy"),
+               process_results=HITS)
     with pytest.raises(ValueError, match="unknown lmms-eval task"):
         tasks.task_manager(["own_task_a"])
     monkeypatch.setenv(tasks.INCLUDE_PATH_ENV, str(tmp_path / "mine"))
@@ -269,7 +244,7 @@ def test_include_path_variable_finds_tasks_and_their_shipped_copies(tmp_path, mo
     assert tasks.primary_metrics("own_task_a") == ("hits",)  # a task of one's own: its first metric
     assert tasks.primary_metrics("pope") == ("pope_f1_score",)
     # the driver's path is not on this node; Ray's copy of the directory is on sys.path
-    write(tmp_path / "shipped" / "theirs" / "own_task.yaml", TASK.format(name="own_task_b"))
+    write(tmp_path / "shipped" / "theirs" / "own_task.yaml", task_yaml("own_task_b", metrics=("hits", "accuracy")))
     monkeypatch.setenv(tasks.INCLUDE_PATH_ENV, "/driver/only/theirs")
     with pytest.raises(ValueError, match="'/driver/only/theirs' .* is not on this machine"):
         tasks.task_manager(["own_task_b"])

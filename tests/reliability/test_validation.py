@@ -8,6 +8,8 @@ import pytest
 
 from pipelines import spec as specs
 
+from tests.own_task import write_task
+
 from .conftest import SPEC, assert_clean_error, run_cli
 
 
@@ -165,23 +167,6 @@ test_split: test
 output_type: generate_until
 """
 
-MISSING_DATA = """
-task: own_missing
-dataset_path: parquet
-dataset_kwargs:
-  data_files:
-    test: data/own.parquet
-test_split: test
-output_type: generate_until
-doc_to_visual: !function utils.doc_to_visual
-doc_to_text: !function utils.doc_to_text
-doc_to_target: answer
-process_results: !function utils.process_results
-metric_list:
-  - {metric: accuracy, aggregation: mean, higher_is_better: true}
-"""
-
-
 def _no_ray_started(tmp_path) -> None:
     """No Ray in this process, and no Ray session under the scratch RAY_TMPDIR (a child's included); decisive where
     wall time on a shared 2-core machine is not."""
@@ -221,11 +206,7 @@ def test_a_task_whose_data_is_missing_stops_the_sweep_before_ray(scratch, tmp_pa
     path is named where lmms-eval looks (beside the YAML) and where `datasets` then reads it (the working
     directory)."""
     own = tmp_path / "missing_data"
-    own.mkdir()
-    (own / "own.yaml").write_text(MISSING_DATA.lstrip())
-    (own / "utils.py").write_text("def doc_to_visual(doc):\n    return []\ndef doc_to_text(doc, k=None):\n"
-                                  "    return doc['question']\ndef process_results(doc, results):\n"
-                                  "    return {'accuracy': 1.0}\n")
+    write_task(own, "own_missing", yaml_name="own.yaml", data="data/own.parquet")
     spec = scratch(SPEC.replace("easyvqa_yesno", "own_missing") + "include_path: [missing_data]\n")
     proc, _ = run_main("--config", str(spec))
     assert_clean_error(proc, f"task 'own_missing' ({own / 'own.yaml'}): dataset_kwargs.data_files.test "
