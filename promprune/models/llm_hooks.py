@@ -7,8 +7,9 @@ The language model is not forked: forward pre-hooks on its decoder layers shrink
   embedding, so the LLM keeps SDPA everywhere; for DART it takes the L1 norms of that layer's keys instead.
   PyramidDrop ranks inside layer ``l``'s own hook, with layer ``l``'s projections on its input-normed states.
 - A hook on layer ``l`` drops visual tokens from the hidden states, gathers the rotary embeddings at the kept
-  columns (positions stay the original ones, as FastV's code does), and hands every later layer a mask built for
-  the kept columns. The KV cache of layers ``>= l`` therefore holds only kept tokens; during decoding the same
+  columns (positions stay the original ones, as FastV's and DART's code does; PyramidDrop's and SparseVLM's released
+  code renumbers the kept sequence contiguously, their option ``positions``), and hands every later layer a mask built
+  for the kept columns. The KV cache of layers ``>= l`` therefore holds only kept tokens; during decoding the same
   hooks give those layers masks over their own kept columns plus the generated tokens.
 
 Qwen3-VL's DeepStack adds visual features to the image positions' hidden states after its first LLM layers; once
@@ -33,15 +34,19 @@ Rows of a batch may hold different numbers of visual tokens (LLaVA-NeXT, Qwen2.5
 sequence length, padded with masked "dead" tokens that nobody attends to.
 In-LLM methods see the unpruned sequence, LLaVA-NeXT's ``image_newline`` tokens included, as visual tokens.
 
-SparseVLM, as implemented here (simplifications of its paper and released code, documented): pruning at the configured
-layers (default: LLaMA-32's 2, 6, 15 as fractions of the depth) to a geometric schedule ending at ``budget`` (option
-``schedule="released"``: the released code's per-layer counts, where a budget is a layer-averaged count, e.g.
-64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to the visual tokens is at least
-their mean; a visual token's score is its attention from the raters (head and rater mean), computed from the layer
-before each pruning layer. Recycling: of each stage's deleted tokens the top ``recycle_ratio`` by score are grouped
-around the ``ceil(merge_ratio * n)`` best of them by cosine similarity of hidden states, and each group's mean replaces
-its centre token's hidden state (the centre keeps its position); recycled tokens count toward the stage's budget. Its
-paper clusters with density-peak kNN; we use best-score centres.
+SparseVLM, as implemented here (next to its released code, Gumpest/SparseVLMs@26a5f48 with its default USE_VERSION
+1_0): as released, each ranking layer (LLaMA-32's 2, 6, 15, as fractions of the depth) runs on every token and its
+own attention ranks, so the cuts are before the layers after them (3, 7, 16: ``sparsevlm_layers``; option ``layers``
+names the layers cut before), and the kept sequence is renumbered contiguously and decoded from each layer's cache
+length (option ``positions``, as PyramidDrop's; M-RoPE models keep their positions). Ours: a geometric schedule ending
+at ``budget`` by default (option ``schedule="released"``: the released code's per-layer counts, where a budget is a
+layer-averaged count, e.g. 64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to
+the visual tokens at the ranking layer is at least their mean (released: chosen once, by the similarity of the input
+embeddings); a visual token's score is its attention from the raters (head and rater mean). Recycling: of each
+stage's deleted tokens the top ``recycle_ratio`` by score are grouped around the ``ceil(merge_ratio * n)`` best of
+them by cosine similarity of hidden states, and each group's mean replaces its centre token's hidden state (the centre
+keeps its place); recycled tokens count toward the stage's budget (released: int(merge_ratio * n) + 1 merged tokens
+on top of it). Its paper clusters with density-peak kNN; we use best-score centres.
 """
 from __future__ import annotations
 
@@ -61,7 +66,8 @@ from promprune.selection.in_llm import SPARSEVLM_RELEASED
 from .registry import find_family
 
 # Pruning layers of SparseVLM's / PyramidDrop's released code on LLaMA-based LLaVA (32 layers), kept as fractions of
-# the depth.
+# the depth. SparseVLM's (`pruning_loc`) are the layers whose own attention ranks, each run on every token: the cuts
+# are after them, before layers 3, 7 and 16 (`sparsevlm_layers`). PyramidDrop's are the layers cut before.
 SPARSEVLM_LAYERS_OF_32 = (2, 6, 15)
 PYRAMIDDROP_LAYERS_OF_32 = (8, 16, 24)
 # What the hooks read from the language model's forward: the KV cache (to tell the prefill from a decoding step), under
@@ -88,10 +94,11 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
     elif method == "pyramiddrop":
         stages = [Stage(layer, None, kind="pdrop") for layer in at]
-        compact = opts["positions"] == "released" and not _mrope(model)
     else:
         stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
+    if method in ("pyramiddrop", "sparsevlm"):  # their released code renumbers (LLaMA's 1D RoPE only)
+        compact = opts["positions"] == "released" and not _mrope(model)
     pruner = InLLMPruner(model, layers, input_ids, budget, stages, eager=impl == "eager", plan=plan, compact=compact,
                          method=method)
     pruner.layer_map = layer_map
@@ -166,8 +173,8 @@ def requested_layers(method: str, opts: dict, depth: int) -> tuple[list[int], bo
         if not 1 <= at[0] < depth:
             raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {at[0]}")
         return at, explicit
-    scaled = PYRAMIDDROP_LAYERS_OF_32 if method == "pyramiddrop" else SPARSEVLM_LAYERS_OF_32
-    at = sorted(set(opts["layers"] or scaled_layers(depth, scaled)))
+    default = scaled_layers(depth, PYRAMIDDROP_LAYERS_OF_32) if method == "pyramiddrop" else sparsevlm_layers(depth)
+    at = sorted(set(opts["layers"] or default))
     if max(at) >= depth:
         raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
     return at, bool(opts["layers"])
@@ -221,8 +228,8 @@ def hybrid_stages(types: list[str], method: str, requested: list[int], explicit:
 
     Requested (default) stages move to the first rankable layer at or after their ranking layer
     (:func:`ranking_layer`) and after the previous stage's, so each stage keeps its own layer: the 32-layer Qwen3.5's
-    every-4th full attention takes FastV / DART's K = 2 (ranked at layer 1) to K = 4 (ranked at 3), SparseVLM's 2, 6,
-    15 to 4, 8, 16 and PyramidDrop's 8, 16, 24 to 11, 19, 27. A later stage with no such layer left joins the previous
+    every-4th full attention takes FastV / DART's K = 2 (ranked at layer 1) to K = 4 (ranked at 3), SparseVLM's 3, 7,
+    16 to 4, 8, 16 and PyramidDrop's 8, 16, 24 to 11, 19, 27. A later stage with no such layer left joins the previous
     stage's layer (tiny:gemma4's PyramidDrop 2, 3, 4 -> 3, 5, 5); a first stage with none is refused. Explicit options
     (``layer`` / ``layers``) are used as given, and refused when one ranks elsewhere. A ValueError (one paragraph,
     naming ``method``, ``model`` and the valid values) on refusal; ``window``: the sliding window, for the message.
@@ -424,8 +431,11 @@ def fastv_layer(depth: int) -> int:
 
 
 def sparsevlm_layers(depth: int) -> list[int]:
-    """SparseVLM's pruning layers scaled from 32 to ``depth`` layers (each >= 1, unique, ascending)."""
-    return scaled_layers(depth, SPARSEVLM_LAYERS_OF_32)
+    """The layers SparseVLM cuts before on ``depth`` layers: its released ranking layers (:data:`SPARSEVLM_LAYERS_OF_32`,
+    each run on every token) scaled from 32 to ``depth`` as :func:`scaled_layers` does but left a layer after them,
+    plus one: 3, 7, 16 on 32 layers, 3, 6, 14 on 28, 2, 3 on 4."""
+    ranks = {min(max(1, round(layer * depth / 32)), depth - 2) for layer in SPARSEVLM_LAYERS_OF_32}
+    return sorted(rank + 1 for rank in ranks)
 
 
 def check_llm(model, method: str) -> None:

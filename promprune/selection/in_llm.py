@@ -20,7 +20,7 @@ def _check_fastv(opts: dict, budget: int | None = None) -> None:
 
 
 # SparseVLM's released schedule (Gumpest/SparseVLMs, score.py): visual tokens kept after each of its three pruning
-# layers (2, 6, 15 of LLaMA's 32) for each budget it ships. A budget is the layer-averaged token count, not the count
+# layers (2, 6, 15 of LLaMA's 32: cuts before 3, 7, 16) for each budget it ships. A budget is the layer-averaged token count, not the count
 # after the last layer (64 ends at 17 tokens). There is no 32-token schedule.
 SPARSEVLM_RELEASED = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
 
@@ -49,14 +49,21 @@ def _check_sparsevlm(opts: dict, budget: int | None = None) -> None:
 register_in_llm_method("fastv", options={"layer": None}, check=_check_fastv,
                        description="FastV: drop visual tokens after layer K by the last token's attention")
 
-# SparseVLM (Zhang et al., ICML 2025): the released code prunes at LLaMA layers 2, 6 and 15 of 32; on other depths
-# we keep those fractions (layers=None). 30% of each stage's deleted tokens are recycled into merged tokens, one
+# SparseVLM (Zhang et al., ICML 2025; Gumpest/SparseVLMs@26a5f48, USE_VERSION 1_0, its default): at each of its
+# pruning layers 2, 6 and 15 of LLaMA's 32 (`pruning_loc`) the layer runs on every token, its own attention from the
+# raters ranks the visual tokens, and its output is pruned: the cuts are before layers 3, 7 and 16. Option 'layers'
+# names the layers cut before, as PyramidDrop's does (the released pruning_loc is layers=[3, 7, 16]); layers=None
+# scales the released ones to the depth. 30% of each stage's deleted tokens are recycled into merged tokens, one
 # merged token per 10 recycled (its paper's tau and theta).
 # schedule "geometric" (ours): from all tokens to exactly `budget` after the last pruning layer, geometric in between
 # (a stronger baseline than the released one at equal budget); "released": SPARSEVLM_RELEASED.
+# positions "released": the released code renumbers the kept sequence contiguously at every cut and decodes from each
+# layer's cache length (LLaMA's 1D RoPE); on M-RoPE (no released path) tokens keep their positions; "original": keep
+# them everywhere (its USE_VERSION 2_0 "keep position id").
 register_in_llm_method("sparsevlm", options={"layers": None, "recycle_ratio": 0.3, "merge_ratio": 0.1,
-                                             "schedule": "geometric"},
-                       choices={"schedule": ("geometric", "released")}, check=_check_sparsevlm,
+                                             "schedule": "geometric", "positions": "released"},
+                       choices={"schedule": ("geometric", "released"), "positions": ("released", "original")},
+                       check=_check_sparsevlm,
                        description="SparseVLM: text-guided pruning at several layers with token recycling")
 
 

@@ -75,15 +75,18 @@ def test_fastv_explicit_layer_is_absolute(images, prompts):
 
 
 def test_sparsevlm_layers_scale_with_depth():
-    assert sparsevlm_layers(32) == [2, 6, 15]
-    assert sparsevlm_layers(4) == [1, 2]
-    assert sparsevlm_layers(28) == [2, 5, 13]
+    """The layers cut before: the released code (Gumpest/SparseVLMs@26a5f48, pruning_loc [2, 6, 15]) runs each of its
+    pruning layers on every token, ranks with that layer's own attention and prunes its output."""
+    assert sparsevlm_layers(32) == [3, 7, 16]
+    assert sparsevlm_layers(4) == [2, 3]  # ranks 0.25, 0.75, 1.875 -> 1, 1, 2
+    assert sparsevlm_layers(28) == [3, 6, 14]  # ranks 1.75, 5.25, 13.1 -> 2, 5, 13
+    assert sparsevlm_layers(2) == [1]  # a layer must follow the ranking layer
 
 
 @pytest.mark.parametrize("method, layers_32, kept_32", [
     ("fastv", [2], [64]),  # FastV's K = 2 of LLaMA's 32 layers, then the budget
     ("dart", [2], [64]),  # DART prunes where FastV does; budget_semantics "exact"
-    ("sparsevlm", [2, 6, 15], [66, 30, 17]),  # the released layers and counts for a budget of 64
+    ("sparsevlm", [3, 7, 16], [66, 30, 17]),  # cut after the released layers 2, 6, 15; its counts for 64
     ("pyramiddrop", [8, 16, 24], [256, 128, 64]),  # 64 / 0.5^(3 - s), "exact"
 ])
 def test_schedule_at_32_layers_and_make_agree(method, layers_32, kept_32, images, prompts):

@@ -1,5 +1,5 @@
-"""DART and PyramidDrop inside the LLM: pivots, stage counts and positions, worked by hand and against plain
-transformers forwards."""
+"""DART, PyramidDrop and SparseVLM inside the LLM: pivots, stage counts, ranking layers and positions, worked by hand
+and against plain transformers forwards."""
 import copy
 
 import pytest
@@ -176,3 +176,78 @@ def test_pyramiddrop_positions(positions, images, prompts):
                 torch.testing.assert_close(cos_step, rope(cos, torch.tensor([[length + step]]))[0])
         elif i > 0:
             assert not torch.allclose(cos, rope(cos, torch.arange(length)[None])[0])
+
+
+def test_sparsevlm_cuts_after_its_ranking_layer_by_that_layers_raters(images, prompts):
+    """SparseVLM's released code (Gumpest/SparseVLMs@26a5f48, USE_VERSION 1_0) runs its pruning layer l on every token,
+    ranks with l's own attention and prunes l's output: ``layers=[3]`` (the cut before layer 3) is its pruning_loc 2.
+    Layers 0-2 see every token, layer 3 the kept ones: the top 5 by the raters' attention in the unpruned eager
+    forward's ``attentions[2]`` (raters: the text rows after the image whose attention to the image is at least their
+    mean, head-averaged; a visual token's score: its head and rater mean)."""
+    model, processor = tiny_vlm("llava")
+    layers = model.model.language_model.layers
+    seen = {}
+
+    def recorder(i):
+        def hook(module, args, kwargs):
+            seen.setdefault(i, kwargs["hidden_states"].shape[1])
+        return hook
+
+    vlm = PrunedVLM(model, processor, method="sparsevlm", budget=5, layers=[3], recycle_ratio=0.0)
+    prep = vlm.prepare(images[:1], prompts[:1])
+    hooks = [layers[i].self_attn.register_forward_pre_hook(recorder(i), with_kwargs=True) for i in range(4)]
+    try:
+        with torch.inference_mode(), vlm.pruning(prep) as pruner:
+            vlm.model(**prep.model_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    full = seen[0]
+    assert [seen[i] for i in range(4)] == [full, full, full, full - N_VISUAL + 5]
+    keep, alive, _ = pruner.layer_cols[3]
+    ids = prep.model_kwargs["input_ids"][0]
+    run = (ids == model.config.image_token_id).nonzero().flatten()
+    kept = sorted(run.tolist().index(c) for c in keep[0][alive[0]].tolist() if c in run.tolist())
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    with torch.inference_mode():
+        att = twin(**vlm.inputs(images[:1], prompts[:1]), output_attentions=True).attentions[2][0]  # [H, L, L]
+    text = torch.arange(int(run.max()) + 1, len(ids))
+    to_image = att[:, text][:, :, run].sum(-1).mean(0)  # [R] each text row's attention to the image
+    raters = text[to_image >= to_image.mean()]
+    scores = att[:, raters][:, :, run].mean(dim=(0, 1))
+    assert kept == sorted(scores.topk(5).indices.tolist())
+
+
+@pytest.mark.parametrize("positions", ["released", "original"])
+def test_sparsevlm_positions(positions, images, prompts):
+    """Released (USE_VERSION 1_0): position_ids[:, :len(kept)] after the cut and, decoding, each layer's cache length;
+    original (its 2_0 "keep position id"): the kept tokens keep their prompt positions."""
+    model, processor = tiny_vlm("llava")
+    layers = model.model.language_model.layers
+    rope = model.model.language_model.rotary_emb
+    seen = {}
+
+    def recorder(i):
+        def hook(module, args, kwargs):
+            seen.setdefault(i, []).append((kwargs["hidden_states"].shape[1], kwargs["position_embeddings"][0]))
+        return hook
+
+    hooks = [layers[i].self_attn.register_forward_pre_hook(recorder(i), with_kwargs=True) for i in range(4)]
+    try:
+        PrunedVLM(model, processor, method="sparsevlm", budget=5, layers=[2], recycle_ratio=0.0,
+                  positions=positions).generate(images[:1], prompts[:1], max_new_tokens=3)
+    finally:
+        for h in hooks:
+            h.remove()
+    full = seen[0][0][0]
+    for i in range(4):
+        length, cos = seen[i][0]
+        assert length == (full if i < 2 else full - N_VISUAL + 5)
+        contiguous = rope(cos, torch.arange(length)[None])[0]
+        if positions == "released" or i < 2:
+            torch.testing.assert_close(cos, contiguous)
+            for step, (_, cos_step) in enumerate(seen[i][1:]):  # decoding: position L_i + step
+                torch.testing.assert_close(cos_step, rope(cos, torch.tensor([[length + step]]))[0])
+        else:
+            assert not torch.allclose(cos, contiguous)

@@ -327,10 +327,10 @@ def test_every_in_llm_method_prunes_to_its_budget(method, images, prompts):
 # cut's own layer), which must be full attention: tiny 1, 3, 5, 7; Qwen3.5-4B 3, 7, ..., 31
 LAYER_MAPS = {
     ("tiny", "fastv"): [(1, 2)], ("tiny", "dart"): [(1, 2)],
-    ("tiny", "sparsevlm"): [(1, 2), (2, 4), (4, 6)],  # scaled 1, 2, 4 rank at 0, 1, 3 -> 1, 3 (after 1), 5 (after 3)
+    ("tiny", "sparsevlm"): [(2, 2), (3, 4), (5, 6)],  # cuts 2, 3, 5 (ranks 1, 2, 4 scaled, + 1) rank at 1, 3, 5
     ("tiny", "pyramiddrop"): [(2, 3), (4, 5), (6, 7)],
     ("4b", "fastv"): [(2, 4)], ("4b", "dart"): [(2, 4)],
-    ("4b", "sparsevlm"): [(2, 4), (6, 8), (15, 16)],
+    ("4b", "sparsevlm"): [(3, 4), (7, 8), (16, 16)],  # released ranks 2, 6, 15 (cuts 3, 7, 16) -> ranks 3, 7, 15
     ("4b", "pyramiddrop"): [(8, 11), (16, 19), (24, 27)],
 }
 
@@ -392,7 +392,7 @@ def test_plain_transformers_keep_their_layers():
     """An LLM without linear-attention layers keeps the scaled layers as they were."""
     config = tiny_vlm("qwen3_vl")[0].config
     assert stage_layers(config, "sparsevlm", promprune.method_spec("sparsevlm").resolve({}, budget=8))[1] == \
-        [(1, 1), (2, 2)]
+        [(2, 2), (3, 3)]  # 4 layers: ranks 1, 2 (2, 6, 15 of 32, left a layer after them), cuts before 2, 3
 
 
 def test_fastv_ranks_by_the_gated_attentions_own_weights(images, prompts):

@@ -91,8 +91,9 @@ def test_in_llm_deepstack_goes_to_the_kept_columns(method, images, prompts):
     """After an in-LLM pruning layer, each DeepStack addition lands on the surviving image columns with their own
     rows (recorded at transformers' ``_deepstack_process``; compared with plain ``get_image_features``)."""
     model, processor = tiny_vlm("qwen3_vl")
-    vlm = PrunedVLM(model, processor, method=method, budget=5, recycle_ratio=0.0) if method == "sparsevlm" else \
-        PrunedVLM(model, processor, method=method, budget=5)
+    # SparseVLM cut before layers 1 and 2: DeepStack's last addition (after layer 2) then meets the final 5 tokens
+    vlm = PrunedVLM(model, processor, method=method, budget=5, recycle_ratio=0.0, layers=[1, 2]) \
+        if method == "sparsevlm" else PrunedVLM(model, processor, method=method, budget=5)
     prep = vlm.prepare(images, prompts)
     lm = model.model.language_model
     calls = []
