@@ -58,7 +58,11 @@ class Item:
 def decode_image(data: Any, name: str) -> Image.Image:
     """PNG/JPEG bytes (or a PIL image) -> RGB PIL image, fully decoded; ValueError naming ``name`` if unreadable."""
     if isinstance(data, Image.Image):
-        return data.convert("RGB")
+        try:
+            with strict_decoding():  # a lazily opened image decodes here: a cut-off file fails
+                return data.convert("RGB")
+        except Exception as exc:  # noqa: BLE001 - PIL raises several types for bad data
+            raise ValueError(f"{name}: unreadable image ({type(exc).__name__}: {exc})") from exc
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"{name}: image must be PNG/JPEG bytes or a PIL image, got {type(data).__name__}")
     try:

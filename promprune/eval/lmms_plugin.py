@@ -9,12 +9,14 @@ is a ``ModelManifest`` (or an iterable of them, or a callable returning one). Th
 ``--model_args`` keys: ``pretrained`` (checkpoint path/name or ``tiny:llava`` / ``tiny:llava_next`` /
 ``tiny:qwen2_5_vl``), ``method`` (a registered method; ``none`` for the unpruned model), ``budget``, ``dtype``
 (auto / float16 / bfloat16 / float32), ``device`` (cpu, cuda, cuda:1; default: cuda when available),
-``attn_implementation``, ``batch_size``, ``vision_once`` / ``prefix_cache`` (true / false, default false: each
+``attn_implementation``, ``vision_once`` / ``prefix_cache`` (true / false, default false: each
 request is answered by itself, as lmms-eval's own models answer it; true shares an image's encoding / prompt prefix
 between its questions, ``promprune.eval.generation``); ``enable_thinking`` (true / false; default: the chat
 template's own, Qwen3.5-4B thinks first as lmms-eval's qwen3_5 model does; its reasoning is dropped from the answer
 up to ``</think>``); any other key is a method option (``mu=0.42,tau=0.02``). The prompt is the model's own chat
-template around lmms-eval's context (Qwen3.5 / Qwen3-VL: ChatML with the vision markers, no system turn).
+template around lmms-eval's context (Qwen3.5 / Qwen3-VL: ChatML with the vision markers, no system turn). The batch
+size is lmms-eval's ``--batch_size`` (it passes ``batch_size`` to the model itself; ``batch_size`` in
+``--model_args`` is refused, naming that option).
 """
 
 from __future__ import annotations
@@ -94,6 +96,18 @@ class PromPruneLMM(lmms):
     """
 
     is_simple = True
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lmms-eval's constructor from ``--model_args``, with ``batch_size`` there refused in one line: lmms-eval
+        passes its own ``--batch_size`` (default 1) beside them, which Python would refuse as given twice."""
+        from lmms_eval import utils
+
+        if "batch_size" in utils.simple_parse_args_string(arg_string) and \
+                (additional_config or {}).get("batch_size") is not None:
+            raise ValueError("batch_size is lmms-eval's own option: pass --batch_size N instead of batch_size=N in "
+                             "--model_args")
+        return super().create_from_arg_string(arg_string, additional_config)
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ import warnings
 
 from promprune.eval.generation import Item, decode_image, generate_items, image_to_png
 from promprune.eval.tasks import check_limit, judge_skip_reason, load_task
+from promprune.models.images import strict_decoding
 from promprune.models.video import DEFAULT_FRAMES
 from promprune.records import Prediction, Request
 
@@ -38,10 +39,22 @@ def _image_of(doc_to_visual, doc, name: str, pngs: dict[str, bytes]) -> tuple[by
     return pngs[key], key, None
 
 
+def _document(task, split: str, doc_id, name: str) -> tuple[dict | None, str | None]:
+    """(the document, None), or (None, reason) when it cannot be read. `datasets` decodes a document's image columns
+    as it reads the row, and under lmms-eval's process-wide ``LOAD_TRUNCATED_IMAGES`` a cut-off file would decode
+    partly grey: the row is read with strict decoding, so undecodable or truncated bytes fail here, as one sample."""
+    try:
+        with strict_decoding():
+            return task.dataset[split][doc_id], None
+    except Exception as exc:  # noqa: BLE001 - PIL and datasets raise many types for bad bytes
+        return None, f"{name}: unreadable document ({type(exc).__name__}: {exc})"
+
+
 def _visuals(doc_to_visual, doc, name: str) -> tuple[list | None, str | None]:
     """(the doc's single visual in a list, None), or (None, reason)."""
     try:
-        visuals = doc_to_visual(doc)
+        with strict_decoding():  # a task's doc_to_visual may decode a lazily opened image (``convert``)
+            visuals = doc_to_visual(doc)
     except Exception as exc:  # noqa: BLE001 - a broken doc becomes a failed sample, reported
         return None, f"{name}: doc_to_visual failed ({type(exc).__name__}: {exc})"
     if len(visuals) != 1:
@@ -64,15 +77,21 @@ def _clip_of(doc_to_visual, doc, name: str, frames: int) -> tuple[bytes | None, 
     return Clip(sampled, fps).to_bytes(), None
 
 
-def _is_video_task(doc_to_visual, doc) -> bool:
-    """Whether a task's documents are clips: its first document's visual names a video file."""
+def _is_video_task(task, instances) -> bool:
+    """Whether a task's documents are clips: the first readable document's visual names a video file."""
     from promprune.models.video import is_video_path
 
-    try:
-        visuals = doc_to_visual(doc)
-    except Exception:  # noqa: BLE001 - a broken doc is reported by _image_of for its own row
-        return False
-    return len(visuals) == 1 and is_video_path(visuals[0])
+    for inst in instances:
+        _, _, doc_to_visual, doc_id, _, split = inst.args
+        doc, error = _document(task, split, doc_id, "")
+        if error:  # an unreadable row (its image's bytes) is reported for itself
+            continue
+        try:
+            visuals = doc_to_visual(doc)
+        except Exception:  # noqa: BLE001 - a broken doc is reported by _image_of for its own row
+            return False
+        return len(visuals) == 1 and is_video_path(visuals[0])
+    return False
 
 
 def image_key(image) -> str:
@@ -94,11 +113,14 @@ def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int
     else:
         mine = instances[index::count]
     rows = []
-    video = bool(mine) and _is_video_task(mine[0].args[2], task.dataset[mine[0].args[5]][mine[0].args[3]])
+    video = _is_video_task(task, mine)
     for inst in mine:
         context, gen_kwargs, doc_to_visual, doc_id, task_name, split = inst.args
-        doc, name = task.dataset[split][doc_id], f"{task_name} doc {doc_id}"
-        if video:  # the sampled frames travel in the row (each clip once: no shared key)
+        name = f"{task_name} doc {doc_id}"
+        doc, error = _document(task, split, doc_id, name)
+        if error:
+            clip, image, key = None, None, None
+        elif video:  # the sampled frames travel in the row (each clip once: no shared key)
             clip, error = _clip_of(doc_to_visual, doc, name, video_frames)
             image, key = None, None
         else:

@@ -3,7 +3,9 @@
 ``score`` validates the prediction rows (every (task, doc_id) exactly once, none missing), then, per task, runs
 lmms-eval's ``evaluator.evaluate`` with a replay model that answers each request with the recorded prediction. So
 filters, ``process_results`` and the aggregations are exactly lmms-eval's (MME pairs both answers of a question
-inside its aggregation), and everything is aggregated once, over all shards together.
+inside its aggregation; reasoning blocks stripped first, as its command line does), and everything is aggregated once,
+over all shards together. A partial score (``partial``) aggregates the answered documents only, by whole groups where
+a task scores groups (MME's pairs, MMBench's circular copies).
 
 Failed samples (``error`` set) are replayed as the empty answer "" and never dropped. Accuracy-style metrics
 (exact match, MME, MMBench, POPE's accuracy) count "" as wrong; lmms-eval's POPE precision, recall and F1 count only
@@ -50,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # characters openpyxl refuses in a cell (C0 controls except tab, newline, carriage return): openpyxl's own rule
 SPREADSHEET_ILLEGAL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+# the reasoning blocks lmms-eval's command line strips from every answer before its filters (its --reasoning_tags
+# default): an answer "<think>...</think>Yes" scores as "Yes" here as there
+LMMS_EVAL_REASONING_TAGS = '[["<think>", "</think>"], ["<analysis>", "</analysis>"]]'
 
 
 class ScoringError(RuntimeError):
@@ -269,7 +274,7 @@ def _intervals(task, samples: list[dict], metrics: dict[str, float], iters: int)
         items = [s[metric] for s in samples if metric in s]
         if metric not in aggregations or metric not in metrics or not items:
             continue
-        grouping = _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
+        grouping = _grouping(name)
         if grouping:
             low, high = _grouped_bootstrap(items, aggregations[metric], iters, *grouping,
                                            args=getattr(task, "args", None))
@@ -317,12 +322,18 @@ _GROUPED = {
 }
 
 
+def _grouping(name: str):
+    """``_GROUPED``'s entry of task ``name`` (by its name or its family prefix: ``mmbench_en_dev_static``), or None."""
+    return _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
+
+
 def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir: str, log_samples: bool) -> dict:
     """lmms-eval's ``evaluate`` over one task, the replay model answering ``answers`` ({(task, doc_id): text}); a
     `ScoringError` when the task's ``process_results`` raises or returns none of a metric it declares."""
     from lmms_eval.evaluator import evaluate
 
-    cli_args = argparse.Namespace(process_with_media=False, output_path=output_dir)
+    cli_args = argparse.Namespace(process_with_media=False, output_path=output_dir,
+                                  reasoning_tags=LMMS_EVAL_REASONING_TAGS)
     with single_process(), _watched(task, name) as returned:
         results = evaluate(
             lm=_replay_model(answers),
@@ -366,14 +377,24 @@ def _judge_failures(name: str, samples: list[dict]) -> set[int]:
 
 
 def _aggregate_without(task, samples: list[dict], skip: set[int], metrics: dict[str, float]) -> dict[str, float]:
-    """The task's metrics aggregated again over the samples not in ``skip`` (NaN when none is left)."""
-    kept = [s for s in samples if int(s["doc_id"]) not in skip]
+    """The task's metrics aggregated again over the samples not in ``skip`` that carry each (MME: a perception or a
+    cognition score per document), NaN when none is left. A task scored by groups of documents (`_grouping`: MME's
+    question pairs, MMBench's circular copies) loses every group with a skipped member: its aggregation scores
+    whole groups only (MME's asserts pairs)."""
+    grouping = _grouping(task.config.task)
     out = dict(metrics)
     for metric, aggregate in task.aggregation().items():
-        if metric in out and kept and all(metric in s for s in kept):
-            out[metric] = float(aggregate_with(aggregate, [s[metric] for s in kept], getattr(task, "args", None)))
-        elif metric in out:
-            out[metric] = float("nan")
+        if metric not in out:
+            continue
+        carried = [(int(s["doc_id"]), s[metric]) for s in samples if metric in s]
+        if grouping is not None:
+            group_of, _, stratum_of = grouping
+            broken = {(stratum_of(v), group_of(v)) for d, v in carried if d in skip}
+            values = [v for d, v in carried if d not in skip and (stratum_of(v), group_of(v)) not in broken]
+        else:
+            values = [v for d, v in carried if d not in skip]
+        out[metric] = float(aggregate_with(aggregate, values, getattr(task, "args", None))) if values \
+            else float("nan")
     return out
 
 
@@ -491,7 +512,7 @@ class TaskItems:
 
     def __init__(self, name: str, items: dict[str, dict[int, Any]], aggregations: dict, args=None):
         self.name, self.items, self.aggregations, self.args = name, items, aggregations, args
-        self.grouping = _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
+        self.grouping = _grouping(name)
 
     @property
     def doc_ids(self) -> list[int]:

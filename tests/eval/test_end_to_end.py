@@ -73,6 +73,11 @@ def test_plugin_resolves_through_lmms_eval_registry():
     assert cls is PromPruneLMM
     lm = cls.create_from_arg_string("pretrained=tiny:llava,method=none,budget=none", {"batch_size": 2})
     assert lm.vlm.method is None and lm.vlm.budget is None and lm.batch_size == 2
+    # lmms-eval's command line always passes its --batch_size (default 1): batch_size in --model_args too was a
+    # TypeError ("got multiple values for keyword argument 'batch_size'")
+    with pytest.raises(ValueError, match=r"pass --batch_size N instead of batch_size=N in --model_args"):
+        cls.create_from_arg_string("pretrained=tiny:llava,method=none,batch_size=4", {"batch_size": 1})
+    assert cls.create_from_arg_string("pretrained=tiny:llava,method=none,batch_size=4").batch_size == 4
     lm = cls.create_from_arg_string("pretrained=tiny:llava,method=promprune,budget=8,tau=0.05")
     assert lm.vlm.budget == 8 and lm.vlm.method_options["tau"] == 0.05
     with pytest.raises(ValueError, match="budget"):

@@ -374,3 +374,63 @@ def test_the_command_line_writes_them_and_a_fresh_process_loads_them(tmp_path):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LMMS_EVAL"))}
     got = subprocess.run([sys.executable, "-c", load], env={**clean, **env}, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "3"
+
+
+def test_a_documents_unreadable_or_cut_off_image_is_one_failed_request(tmp_path, monkeypatch):
+    """A hub document whose image bytes do not decode (it crashed the whole build) or stop a third of the way (under
+    lmms-eval's LOAD_TRUNCATED_IMAGES it decoded partly grey and was answered) is one request with its error, beside
+    the others, as lmms-eval's own command line records it."""
+    from promprune.eval import standins
+
+    def corrupted(painter, n, **kw):
+        (table,) = standins.pope(painter, n, **kw)
+        images = table.columns["image"]
+        images[2] = {"bytes": b"not an image at all", "path": None}
+        images[4] = {"bytes": images[4]["bytes"][: len(images[4]["bytes"]) // 3], "path": None}
+        return [table]
+
+    monkeypatch.setitem(standins.TASK_BUILDERS, "pope", corrupted)
+    with serving(standins.build_standins(tmp_path / "hf", tasks=["pope"], docs_per_task=6)):
+        rows = build_requests(["pope"])
+    assert [r.doc_id for r in rows] == list(range(6))
+    assert [r.doc_id for r in rows if r.error] == [2, 4]
+    assert rows[2].error.startswith("pope doc 2: unreadable document (UnidentifiedImageError: ")
+    assert rows[4].error.startswith("pope doc 4: unreadable document (OSError: ") and "truncated" in rows[4].error
+    assert all(r.image is None for r in rows if r.error) and all(r.image for r in rows if not r.error)
+
+
+@pytest.mark.parametrize("answered", [[0, 1, 2, 4, 5], [0, 4, 5], [0, 1, 2]])
+def test_a_partial_mme_score_aggregates_the_answered_pairs_as_lmms_eval_does(answered):
+    """Running scores and a search's rungs score the documents answered so far (``partial``): MME's perception and
+    cognition scores are lmms-eval's own aggregation over the whole pairs among them (a half-answered pair waits for
+    its partner). They came back NaN once both kinds were answered, and a half pair alone raised MME's pairwise
+    assert. The stand-in's pairs: existence (0, 1), color (2, 3), commonsense reasoning (4, 5: cognition)."""
+    import importlib
+
+    mme = importlib.import_module("lmms_eval.tasks.mme.utils")
+    docs, rows = _replayed("mme")
+    assert [d["category"] for d in docs] == ["existence"] * 2 + ["color"] * 2 + ["commonsense_reasoning"] * 2
+    whole = [i for i in answered if i ^ 1 in answered]
+    results = [mme.mme_process_results(docs[i], [rows[i]["prediction"]]) for i in whole]
+    expected = {m: mme.mme_aggregate_results([x[m] for x in results if m in x])
+                for m in ("mme_perception_score", "mme_cognition_score") if any(m in x for x in results)}
+    got = score([rows[i] for i in answered], partial=True)["mme"]
+    assert {m: got[m] for m in expected} == expected and got["n_samples"] == len(answered)
+
+
+def test_reasoning_blocks_are_stripped_as_lmms_evals_command_line_does(monkeypatch):
+    """lmms-eval's command line strips <think> / <analysis> blocks before its filters (``--reasoning_tags``, its
+    default); the pipeline's scoring scored "<think>...</think>Yes" as wrong."""
+    import sys
+
+    from promprune.eval.scoring import LMMS_EVAL_REASONING_TAGS
+
+    monkeypatch.setattr(sys, "argv", ["lmms-eval"])
+    from lmms_eval.__main__ import parse_eval_args
+
+    assert parse_eval_args()[1].reasoning_tags == LMMS_EVAL_REASONING_TAGS
+    _, rows = _replayed("pope")
+    plain = score(rows)["pope"]
+    for row in rows:
+        row["prediction"] = "<think>Something round, near the top.</think>" + row["prediction"]
+    assert score(rows)["pope"] == plain and plain["pope_f1_score"] == 1.0
