@@ -431,9 +431,9 @@ def fastv_layer(depth: int) -> int:
 
 
 def sparsevlm_layers(depth: int) -> list[int]:
-    """The layers SparseVLM cuts before on ``depth`` layers: its released ranking layers (:data:`SPARSEVLM_LAYERS_OF_32`,
-    each run on every token) scaled from 32 to ``depth`` as :func:`scaled_layers` does but left a layer after them,
-    plus one: 3, 7, 16 on 32 layers, 3, 6, 14 on 28, 2, 3 on 4."""
+    """The layers SparseVLM cuts before on ``depth`` layers: its released ranking layers
+    (:data:`SPARSEVLM_LAYERS_OF_32`, each run on every token) scaled from 32 to ``depth`` as :func:`scaled_layers`
+    does but left a layer after them, plus one: 3, 7, 16 on 32 layers, 3, 6, 14 on 28, 2, 3 on 4."""
     ranks = {min(max(1, round(layer * depth / 32)), depth - 2) for layer in SPARSEVLM_LAYERS_OF_32}
     return sorted(rank + 1 for rank in ranks)
 

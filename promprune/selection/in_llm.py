@@ -20,8 +20,8 @@ def _check_fastv(opts: dict, budget: int | None = None) -> None:
 
 
 # SparseVLM's released schedule (Gumpest/SparseVLMs, score.py): visual tokens kept after each of its three pruning
-# layers (2, 6, 15 of LLaMA's 32: cuts before 3, 7, 16) for each budget it ships. A budget is the layer-averaged token count, not the count
-# after the last layer (64 ends at 17 tokens). There is no 32-token schedule.
+# layers (2, 6, 15 of LLaMA's 32: cuts before 3, 7, 16) for each budget it ships. A budget is the layer-averaged token
+# count, not the count after the last layer (64 ends at 17 tokens). There is no 32-token schedule.
 SPARSEVLM_RELEASED = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
 
 

@@ -180,8 +180,9 @@ def test_max_soft_tokens_option(images, prompts):
 
 def test_stage_layers_on_the_tiny_llm():
     """Layers S F S F S F. FastV's scaled K = 1 ranks at layer 0 (sliding) -> full layer 1, K = 2; SparseVLM's scaled
-    ranks 1, 3 (2, 6, 15 of 32) are full: cuts before 2 and 4, as requested; PyramidDrop's 2, 3, 4 rank at themselves -> 3, then 5 (after 3),
-    then none after 5 is left: the third stage joins the second, [3, 5]; DART ranks by key norms: its K = 1 stays."""
+    ranks 1, 3 (2, 6, 15 of 32) are full: cuts before 2 and 4, as requested; PyramidDrop's 2, 3, 4 rank at themselves
+    -> 3, then 5 (after 3), then none after 5 is left: the third stage joins the second, [3, 5]; DART ranks by key
+    norms: its K = 1 stays."""
     config = tiny_vlm("gemma4")[0].config
     opts = {m: promprune.method_spec(m).resolve({}, budget=8) for m in IN_LLM}
     assert {m: stage_layers(config, m, opts[m]) for m in IN_LLM} == \
@@ -190,9 +191,9 @@ def test_stage_layers_on_the_tiny_llm():
 
 
 def test_stage_layers_on_the_31b():
-    """60 layers, full attention at 5, 11, ..., 59. FastV 2/32 -> 4, rank 3 -> 5: K = 6; SparseVLM's ranks 2, 6, 15 of 32 ->
-    4, 11, 28 (cuts 5, 12, 29) -> full 5, 11, 29: K = 6, 12, 30; PyramidDrop 8, 16, 24 of 32 -> 15, 30, 45 -> 17, 35, 47;
-    DART's K = 4 stays."""
+    """60 layers, full attention at 5, 11, ..., 59. FastV 2/32 -> 4, rank 3 -> 5: K = 6; SparseVLM's ranks 2, 6, 15 of
+    32 -> 4, 11, 28 (cuts 5, 12, 29) -> full 5, 11, 29: K = 6, 12, 30; PyramidDrop 8, 16, 24 of 32 -> 15, 30, 45 -> 17,
+    35, 47; DART's K = 4 stays."""
     from promprune.models.shapes import load
 
     config = load.config("gemma4_31b")
