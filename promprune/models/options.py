@@ -75,13 +75,19 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # "You are a helpful assistant." (sweeps/extended_models_gemma4.yaml sets it); None: no system turn, as lmms-eval's
     # conversations for the other models.
     "system_prompt": None,
+    # LLaVA-1.5: pad each image to a square of the image processor's mean colour, centred, before the processor
+    # (LLaVA's own `image_aspect_ratio: pad`, which lmms-eval's llava model and the paper's runs apply), so the
+    # processor's centre crop keeps the whole image; False: the Hugging Face processor's centre crop of the shorter
+    # side (llava-hf's default). Other families ignore it.
+    "pad_to_square": False,
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
                    "token_order": ("raster", "selection", "stages", "released"),
                    "video_budget": ("per_frame", "clip", "adaptive_frames"),
                    "video_split": ("unit", "per_frame", "clip"),
-                   "enable_thinking": (None, True, False)}
+                   "enable_thinking": (None, True, False),
+                   "pad_to_square": (False, True)}
 
 # The token order of each method's released code (read in the authors' repositories; docs/methods.md: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip

@@ -35,14 +35,34 @@ from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
 
-# LLaVA-1.5's conversation ("USER: <image>\n... ASSISTANT:")
+# LLaVA-1.5's conversation ("USER: <image>\n... ASSISTANT:"); a system turn is its text and a space, no role, as
+# llava-hf's template renders it (so "<system> USER: <image>\n... ASSISTANT:" is LLaVA's vicuna_v1 conversation)
 LLAVA_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}USER: "
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %} "
+    "{% elif m['role'] == 'user' %}USER: "
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}"
     "{% endfor %} {% else %}ASSISTANT: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}</s>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+# LLaVA's vicuna_v1 system prompt (haotian-liu/LLaVA, llava/conversation.py): what lmms-eval's llava model sends with
+# conv_template=vicuna_v1, as the paper's released evaluation script runs LLaVA-1.5 (sweeps/base_llava15.yaml)
+VICUNA_V1_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                    "helpful, detailed, and polite answers to the user's questions.")
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def pad_to_square(image, colour: tuple):
+    """``image`` centred on a square canvas of ``colour`` whose side is its longer side (the offset floored); a
+    square image as it is."""
+    from PIL import Image
+
+    width, height = image.size
+    if width == height:
+        return image
+    side = max(width, height)
+    canvas = Image.new(image.mode, (side, side), colour)
+    canvas.paste(image, ((side - width) // 2, (side - height) // 2))
+    return canvas
 
 
 def llava_tokenizer():
@@ -135,6 +155,16 @@ def llava_capacity(config, options: dict) -> int:
                  shape=shape_llava, capacity=llava_capacity)
 class LlavaAdapter(Adapter):
     """LLaVA-1.5: CLS + patch grid; saliency = CLS attention at the layer ``vision_feature_layer`` reads."""
+
+    pads_to_square = True  # the adapter option pad_to_square applies (LLaVA-NeXT's anyres does not pad)
+
+    def prepare_images(self, images):
+        """With the adapter option ``pad_to_square``, each image centred on a square of the image processor's mean
+        colour (its longer side; LLaVA's ``expand2square``), so the processor's centre crop keeps all of it."""
+        if not (self.pads_to_square and self.options.get("pad_to_square")):
+            return images
+        colour = tuple(int(x * 255) for x in self.processor.image_processor.image_mean)
+        return [pad_to_square(image, colour) for image in images]
 
     def _attn_module(self):
         layer = self.model.config.vision_feature_layer

@@ -91,6 +91,7 @@ class LlavaNextAdapter(LlavaAdapter):
     """LLaVA-NeXT anyres: base view + crops, unpadding and ``image_newline`` (see the module docstring)."""
 
     host_inputs = ("image_sizes",)  # get_image_features reads them with .tolist(): no sync on the host
+    pads_to_square = False  # anyres views, not a padded square (LLaVA's own image_aspect_ratio: anyres)
 
     def encode(self, inputs, need_saliency, need_vision=False):
         core = self.model.model
