@@ -12,7 +12,9 @@ import ray
 from pipelines import plugins
 from pipelines.run.ray_connect import patient_start, worker_env
 
-from .test_plugins import METHOD, TASK, UTILS, isolated, write  # noqa: F401 - `isolated` is a fixture
+from tests.own_task import write_task
+
+from .test_plugins import METHOD, isolated, write  # noqa: F401 - `isolated` is a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +34,7 @@ def test_plugins_and_task_directories_are_shipped_to_the_workers(tmp_path, isola
     driver = tmp_path / "driver"
     plugin = write(driver / "norm_ship.py", METHOD.format(name="norm_ship"))
     task_dir = driver / "shiptasks"
-    write(task_dir / "ship_task.yaml", TASK.format(name="ship_task"))
-    write(task_dir / "utils.py", UTILS)
+    write_task(task_dir, "ship_task")
     plugins.activate([str(plugin)], [str(task_dir)])
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
     with patient_start():  # a busy machine's slow node registration is waited for
