@@ -29,6 +29,7 @@ from lmms_eval.api.model import lmms
 from lmms_eval.models.registry_v2 import ModelManifest
 
 from promprune.eval.generation import Item, decode_image, generate_items
+from promprune.models.images import strict_decoding
 from promprune.eval.requests import image_key
 from promprune.dtypes import AUTO, parse_dtype
 
@@ -156,7 +157,8 @@ class PromPruneLMM(lmms):
         context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
         name = f"{task} doc {doc_id}"
         try:
-            visuals = doc_to_visual(self.task_dict[task][split][doc_id])
+            with strict_decoding():  # a cut-off image fails (lmms-eval turns PIL's LOAD_TRUNCATED_IMAGES on)
+                visuals = doc_to_visual(self.task_dict[task][split][doc_id])
             if len(visuals) != 1:
                 raise ValueError(f"{name}: expected exactly one image, the task gives {len(visuals)}")
             if is_video_path(visuals[0]):  # a video task: frames sampled from the file (PrunedVLM.generate_video)

@@ -129,3 +129,28 @@ def test_plugin_sharing_flags_are_checked_before_loading():
         PromPruneLMM(pretrained="tiny:llava", method="none", vision_once="maybe")
     with pytest.raises(ValueError, match="prefix_cache=true needs vision_once=true"):
         PromPruneLMM(pretrained="tiny:llava", method="none", prefix_cache="true")
+
+
+def test_the_plugin_fails_a_cut_off_image_instead_of_answering_it(monkeypatch):
+    """Under lmms-eval's process-wide LOAD_TRUNCATED_IMAGES a JPEG cut to a third decoded partly grey, and the model
+    answered a picture nobody asked about; as in the pipeline's requests, it is one failed sample."""
+    import io
+
+    import numpy as np
+    from lmms_eval.api.instance import Instance
+    from PIL import Image, ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # what importing lmms-eval's tasks sets
+    jpeg = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)).save(jpeg, "JPEG")
+    whole, cut = jpeg.getvalue(), jpeg.getvalue()[: len(jpeg.getvalue()) // 3]
+    lm = PromPruneLMM(pretrained="tiny:llava", method="promprune", budget=8)
+    lm.task_dict = {"toy": {"test": [{"image": Image.open(io.BytesIO(data))} for data in (whole, cut)]}}
+    def doc_to_visual(doc):  # as lmms-eval's tasks write it
+        return [doc["image"].convert("RGB")]
+
+    requests = [Instance("generate_until", ("Is it red?", {"max_new_tokens": 2}, doc_to_visual, i, "toy", "test"),
+                         idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 1}) for i in range(2)]
+    answers = lm.generate_until(requests)
+    assert len(answers) == 2 and answers[1] == ""
+    assert [(task, doc) for task, doc, _ in lm.failures] == [("toy", 1)] and "truncated" in lm.failures[0][2]
