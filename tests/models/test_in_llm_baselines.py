@@ -132,50 +132,23 @@ def test_pyramiddrop_ranks_by_the_last_tokens_attention_with_the_next_layers_pro
     prep = vlm.prepare(images[:1], prompts[:1])
     with torch.inference_mode(), vlm.pruning(prep) as pruner:
         vlm.model(**prep.model_kwargs)
-    keep, alive, _ = pruner.layer_cols[1]
-    ids = prep.model_kwargs["input_ids"][0]
-    run = (ids == model.config.image_token_id).nonzero().flatten()
-    kept = sorted(run.tolist().index(c) for c in keep[0][alive[0]].tolist() if c in run.tolist())
-    twin = copy.deepcopy(model)
-    twin.set_attn_implementation("eager")
-    with torch.inference_mode():
-        att = twin(**vlm.inputs(images[:1], prompts[:1]), output_attentions=True).attentions[1]
-    scores = att[0, :, -1, run].mean(0)
+    kept, run, att = _kept_and_attention(vlm, prep, pruner, 1, 1, images, prompts)
+    scores = att[:, -1, run].mean(0)
     assert kept == sorted(scores.topk(20).indices.tolist())
 
 
-@pytest.mark.parametrize("positions", ["released", "original"])
-def test_pyramiddrop_positions(positions, images, prompts):
-    """Released: the kept sequence is renumbered 0..L_l - 1 at every layer and decoding continues from L_l;
-    original: kept tokens keep their prompt positions (FastV's rule)."""
-    model, processor = tiny_vlm("llava")
-    layers = model.model.language_model.layers
-    rope = model.model.language_model.rotary_emb
-    seen = {}
-
-    def recorder(i):
-        def hook(module, args, kwargs):
-            seen.setdefault(i, []).append((kwargs["hidden_states"].shape[1], kwargs["position_embeddings"][0]))
-        return hook
-
-    hooks = [layers[i].self_attn.register_forward_pre_hook(recorder(i), with_kwargs=True) for i in range(4)]
-    try:
-        PrunedVLM(model, processor, method="pyramiddrop", budget=5, positions=positions).generate(
-            images[:1], prompts[:1], max_new_tokens=3)
-    finally:
-        for h in hooks:
-            h.remove()
-    full = seen[0][0][0]
-    for i in range(4):
-        length, cos = seen[i][0]
-        assert length == full - N_VISUAL + [36, 20, 10, 5][i]
-        if positions == "released":
-            want = rope(cos, torch.arange(length)[None])[0]
-            torch.testing.assert_close(cos, want)
-            for step, (_, cos_step) in enumerate(seen[i][1:]):  # decoding: position L_i + step
-                torch.testing.assert_close(cos_step, rope(cos, torch.tensor([[length + step]]))[0])
-        elif i > 0:
-            assert not torch.allclose(cos, rope(cos, torch.arange(length)[None])[0])
+def _kept_and_attention(vlm, prep, pruner, layer: int, attention: int, images, prompts):
+    """``(kept grid indices at decoder layer ``layer``, the image's columns, the unpruned eager forward's attention
+    at layer ``attention`` [H, L, L])``: the first row's, from the pruner's record and a plain transformers twin."""
+    keep, alive, _ = pruner.layer_cols[layer]
+    ids = prep.model_kwargs["input_ids"][0]
+    run = (ids == vlm.model.config.image_token_id).nonzero().flatten()
+    kept = sorted(run.tolist().index(c) for c in keep[0][alive[0]].tolist() if c in run.tolist())
+    twin = copy.deepcopy(vlm.model)
+    twin.set_attn_implementation("eager")
+    with torch.inference_mode():
+        att = twin(**vlm.inputs(images[:1], prompts[:1]), output_attentions=True).attentions[attention]
+    return kept, run, att[0]
 
 
 def test_sparsevlm_cuts_after_its_ranking_layer_by_that_layers_raters(images, prompts):
@@ -204,28 +177,30 @@ def test_sparsevlm_cuts_after_its_ranking_layer_by_that_layers_raters(images, pr
             h.remove()
     full = seen[0]
     assert [seen[i] for i in range(4)] == [full, full, full, full - N_VISUAL + 5]
-    keep, alive, _ = pruner.layer_cols[3]
-    ids = prep.model_kwargs["input_ids"][0]
-    run = (ids == model.config.image_token_id).nonzero().flatten()
-    kept = sorted(run.tolist().index(c) for c in keep[0][alive[0]].tolist() if c in run.tolist())
-    twin = copy.deepcopy(model)
-    twin.set_attn_implementation("eager")
-    with torch.inference_mode():
-        att = twin(**vlm.inputs(images[:1], prompts[:1]), output_attentions=True).attentions[2][0]  # [H, L, L]
-    text = torch.arange(int(run.max()) + 1, len(ids))
+    kept, run, att = _kept_and_attention(vlm, prep, pruner, 3, 2, images, prompts)
+    text = torch.arange(int(run.max()) + 1, att.shape[-1])
     to_image = att[:, text][:, :, run].sum(-1).mean(0)  # [R] each text row's attention to the image
     raters = text[to_image >= to_image.mean()]
     scores = att[:, raters][:, :, run].mean(dim=(0, 1))
     assert kept == sorted(scores.topk(5).indices.tolist())
 
 
+# visual tokens each of the tiny LLaVA's 4 layers sees at budget 5: PyramidDrop's stages before layers 1, 2, 3;
+# SparseVLM cut before layer 2 (ranked at layer 1, which runs on every token)
+SEEN_VISUAL = {"pyramiddrop": ({}, [36, 20, 10, 5]),
+               "sparsevlm": ({"layers": [2], "recycle_ratio": 0.0}, [36, 36, 5, 5])}
+
+
+@pytest.mark.parametrize("method", sorted(SEEN_VISUAL))
 @pytest.mark.parametrize("positions", ["released", "original"])
-def test_sparsevlm_positions(positions, images, prompts):
-    """Released (USE_VERSION 1_0): position_ids[:, :len(kept)] after the cut and, decoding, each layer's cache length;
-    original (its 2_0 "keep position id"): the kept tokens keep their prompt positions."""
+def test_released_positions_renumber_the_kept_sequence(method, positions, images, prompts):
+    """Released (PyramidDrop's code; SparseVLM's USE_VERSION 1_0: position_ids[:, :len(kept)]): the kept sequence is
+    renumbered 0..L_l - 1 at every layer and decoding continues from L_l, each layer's cache length; original (FastV's
+    rule; SparseVLM's 2_0 "keep position id"): kept tokens keep their prompt positions."""
     model, processor = tiny_vlm("llava")
     layers = model.model.language_model.layers
     rope = model.model.language_model.rotary_emb
+    options, visual = SEEN_VISUAL[method]
     seen = {}
 
     def recorder(i):
@@ -235,17 +210,17 @@ def test_sparsevlm_positions(positions, images, prompts):
 
     hooks = [layers[i].self_attn.register_forward_pre_hook(recorder(i), with_kwargs=True) for i in range(4)]
     try:
-        PrunedVLM(model, processor, method="sparsevlm", budget=5, layers=[2], recycle_ratio=0.0,
-                  positions=positions).generate(images[:1], prompts[:1], max_new_tokens=3)
+        PrunedVLM(model, processor, method=method, budget=5, positions=positions, **options).generate(
+            images[:1], prompts[:1], max_new_tokens=3)
     finally:
         for h in hooks:
             h.remove()
     full = seen[0][0][0]
     for i in range(4):
         length, cos = seen[i][0]
-        assert length == (full if i < 2 else full - N_VISUAL + 5)
+        assert length == full - N_VISUAL + visual[i]
         contiguous = rope(cos, torch.arange(length)[None])[0]
-        if positions == "released" or i < 2:
+        if positions == "released" or visual[i] == N_VISUAL:  # (before any cut the two agree)
             torch.testing.assert_close(cos, contiguous)
             for step, (_, cos_step) in enumerate(seen[i][1:]):  # decoding: position L_i + step
                 torch.testing.assert_close(cos_step, rope(cos, torch.tensor([[length + step]]))[0])
