@@ -12,7 +12,11 @@ _ARTICLES = {"a", "an", "the"}
 
 
 def doc_to_visual(doc):
-    return [doc["image"].convert("RGB")]
+    """The document's image as RGB, fully decoded: a 16-bit or float image scaled to 8 bits first (PIL's own
+    ``convert("RGB")`` clips it, a 16-bit photo nearly all white), a cut-off one an error (one failed sample)."""
+    from promprune.models.images import load_image
+
+    return [load_image(doc["image"], 0)]
 
 
 def doc_to_text(doc, lmms_eval_specific_kwargs=None):

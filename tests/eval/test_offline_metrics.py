@@ -25,3 +25,17 @@ def test_precision_recall_f1_accuracy_and_yes_ratio_by_hand():
 def test_no_yes_at_all_scores_zero_rather_than_dividing_by_zero():
     nothing = records([("no", "no"), ("other", "no")])
     assert (m.yesno_precision(nothing), m.yesno_recall(nothing), m.yesno_f1(nothing)) == (0.0, 0.0, 0.0)
+
+
+def test_the_offline_tasks_scale_a_16_bit_image_instead_of_clipping_it():
+    """PIL's convert("RGB") clips a 16-bit grey image ("I;16" / "I") at 255: a photo came out all white. The offline
+    tasks' doc_to_visual scales it over its 16-bit range, as every image PrunedVLM is given is."""
+    import numpy as np
+    from PIL import Image
+
+    from promprune.eval.offline_metrics import doc_to_visual
+
+    grey = np.arange(0, 65536, 257, dtype=np.uint16).reshape(16, 16)  # 0, 257, ..., 65535: 8-bit 0..255 times 257
+    (rgb,) = doc_to_visual({"image": Image.fromarray(grey)})
+    assert rgb.mode == "RGB" and np.array_equal(np.asarray(rgb)[..., 0], np.arange(256).reshape(16, 16))
+    assert (np.asarray(Image.fromarray(grey).convert("RGB")) == 255).mean() > 0.99  # what the tasks did before
