@@ -373,6 +373,14 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                         regression_note=regression_note)
 
 
+def failed_note(outcome: SweepOutcome) -> str:
+    """What the console says of the trials that failed: which, and the command that runs them again (a resumed
+    sweep runs its errored trials again, its finished ones not: a worker or the pool killed, a node lost)."""
+    failed = outcome.failed
+    return (f"{len(failed)} trial(s) failed: {', '.join(failed)} (the error of each above, and in MLflow). Once the "
+            f"cause is fixed, run them again, the finished trials kept, with:\n  {outcome.resume}")
+
+
 def store_wait_s() -> float:
     """How long the end of a sweep waits for a store that does not answer before it says which trials are not in
     MLflow yet (``PROMPRUNE_STORE_WAIT_S``, default 60 s; the writes stay in the outbox for `--resume`)."""
@@ -641,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
               f"results are kept (the Tune checkpoints and the outbox beside them). Once the store answers, send them "
               f"with:\n  {outcome.resume}")
         return EXIT_UNLOGGED
+    if outcome.failed:
+        print("\n" + failed_note(outcome))
     url = tracking.ui_url(spec.name)
     print("\n" + mlflow_layout.open_results(url))
     if outcome.regression_note:

@@ -287,3 +287,16 @@ def test_the_cli_restores_a_runs_threshold_on_resume(scratch, tmp_path, run_main
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("note: --resume rel-20261122-000002: the run started with --regression-threshold 0.02, which applies "
             "again") in proc.stdout
+
+
+def test_a_sweep_with_failed_trials_names_them_and_the_command_that_runs_them_again():
+    """A trial that failed (its pool or worker killed, a node lost) ended the sweep with exit 1 and no resume line,
+    though --resume runs the errored trials again and keeps the finished ones."""
+    records = {"baseline": {"error": None}, "promprune-b8": {"error": "RuntimeError: the actor died"},
+               "random-b8": {"error": "RuntimeError: the actor died"}}
+    outcome = sweep.SweepOutcome("run0", records, [], "/tmp/x", resume="python pipelines/sweep.py --config "
+                                                                      "sweeps/rel.yaml --resume rel-1")
+    assert sweep.failed_note(outcome) == (
+        "2 trial(s) failed: promprune-b8, random-b8 (the error of each above, and in MLflow). Once the cause is fixed, "
+        "run them again, the finished trials kept, with:\n  python pipelines/sweep.py --config sweeps/rel.yaml "
+        "--resume rel-1")
