@@ -608,11 +608,14 @@ def main(argv: list[str] | None = None) -> int:
             command = launch_command(args.config, args.overrides, regression_threshold=args.regression_threshold,
                                      address=args.address, environ=environ)
             try:
+                _TERMINATED.clear()  # (a test's earlier sweep in this process may have had one)
+                stop_on_sigterm()  # before the store's thread: a SIGTERM while Ray starts is an interruption too
                 store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
                 store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts
-                connect(args.address, log_to_driver=args.verbose)
-                stop_on_sigterm()  # after ray.init, which set its own (an abort, exit 134, and no resume line)
-                store.join()
+                with keeping_our_sigterm():  # ray.init sets its own (sys.exit: exit 15, or a hang; no resume line)
+                    connect(args.address, log_to_driver=args.verbose)
+                stop_on_sigterm()  # after ray.init, in case it set its own anyway
+                wait_interruptibly(store)
                 timeline.mark("ray_up", "driver")
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                     command=command, lock=lock)
@@ -661,14 +664,25 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_TRIALS_FAILED if outcome.failed else 0
 
 
+_TERMINATED = threading.Event()  # a SIGTERM came (stop_on_sigterm): waits that its interruption may miss look here
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (``ray job stop``, a scheduler's preemption, ``kill``) stops the sweep as Ctrl-C does: the handler of
     SIGINT at that moment runs (Tune's while trials run: it saves the experiment and stops; else KeyboardInterrupt),
     so the sweep ends with exit 130 and the command that resumes it. Ray's own handler (``sys.exit`` inside the
-    driver) ended it with an abort, exit 134, and no resume line."""
+    driver) ended it with an abort, exit 134, and no resume line.
+
+    A signal's handler runs between two bytecodes of the main thread, wherever it is: inside importlib's
+    module-lock bookkeeping an exception is swallowed ("Exception ignored") and the lock is left held, so the store's
+    thread, importing MLflow meanwhile, waited on it forever and the driver with it. There the handler only marks
+    the signal (`_TERMINATED`), which `wait_interruptibly` turns into the interruption once out of it."""
     import signal
 
     def interrupt(signum, frame):
+        _TERMINATED.set()
+        if frame is not None and "importlib" in frame.f_code.co_filename:
+            return  # not here: see above
         handler = signal.getsignal(signal.SIGINT)
         if callable(handler):
             handler(signal.SIGINT, frame)
@@ -677,6 +691,36 @@ def stop_on_sigterm() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)
+
+
+def wait_interruptibly(thread: threading.Thread, poll_s: float = 0.2) -> None:
+    """Join ``thread``; a SIGTERM that came meanwhile (its KeyboardInterrupt swallowed where it landed, or only
+    marked) ends the wait as a KeyboardInterrupt."""
+    while thread.is_alive():
+        if _TERMINATED.is_set():
+            raise KeyboardInterrupt
+        thread.join(poll_s)
+    if _TERMINATED.is_set():
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def keeping_our_sigterm():
+    """Inside the block, Ray's ``ray.init`` leaves the SIGTERM handler as it is (`stop_on_sigterm`'s) instead of
+    setting its own, which ends the driver with ``sys.exit`` (exit 15 and no resume line, or, landing inside an import
+    as the store's thread imports MLflow, a driver that never ends). Ray sets it through one function of its utils; a
+    Ray without it is left as it is."""
+    from ray._private import utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
 
 
 def exit_now(code: int) -> None:

@@ -238,6 +238,61 @@ def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):
     assert "--regression-threshold 0.02 --resume term-" in run.data.tags[mlflow_layout.INTERRUPTED]
 
 
+def test_a_sigterm_landing_inside_an_import_ends_the_startup_wait():
+    """A driver SIGTERMed while Ray started hung for ever (a probe: 2 of ~30 tries): the handler's exception, raised
+    inside importlib's module-lock bookkeeping, was swallowed and left the lock held, so the MLflow store's thread,
+    importing meanwhile, never ended and the driver waited on it. There the handler now only marks the signal, and
+    the wait turns the mark into the interruption (exit 130 with its resume line)."""
+    import threading
+    from types import SimpleNamespace
+
+    previous = signal.getsignal(signal.SIGTERM)
+    stuck = threading.Event()
+    store = threading.Thread(target=stuck.wait, daemon=True)  # an importer waiting on a lock nobody frees
+    store.start()
+    try:
+        sweep._TERMINATED.clear()
+        sweep.stop_on_sigterm()
+        handler = signal.getsignal(signal.SIGTERM)
+        in_import = SimpleNamespace(f_code=SimpleNamespace(co_filename="<frozen importlib._bootstrap>"))
+        assert handler(signal.SIGTERM, in_import) is None and sweep._TERMINATED.is_set()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            sweep.wait_interruptibly(store)
+        assert time.monotonic() - started < 5
+        with pytest.raises(KeyboardInterrupt):  # anywhere else: the interruption at once, as before
+            handler(signal.SIGTERM, None)
+    finally:
+        stuck.set()
+        sweep._TERMINATED.clear()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_ray_init_leaves_our_sigterm_handler_in_place():
+    """ray.init sets its own SIGTERM handler (sys.exit: exit 15 and no resume line, or the hang above) through
+    ``ray._private.utils.set_sigterm_handler``, which the sweep's start suspends meanwhile."""
+    import inspect
+
+    from ray._private import utils as ray_utils
+    from ray._private import worker
+
+    assert "ray._private.utils.set_sigterm_handler(" in inspect.getsource(worker.init)  # Ray's own call, this Ray
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def ours(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, ours)
+    try:
+        with sweep.keeping_our_sigterm():
+            ray_utils.set_sigterm_handler(lambda signum, frame: None)
+        assert signal.getsignal(signal.SIGTERM) is ours
+        ray_utils.set_sigterm_handler(signal.SIG_DFL)  # restored: Ray's function again
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's
 # killed driver, tests/reliability/test_resume.py's)
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
