@@ -9,11 +9,16 @@ named by the block's id (a hash of its sample keys):
 A trial that Tune retries, or that `--resume` restarts after the driver died, reads them back and generates only the
 blocks that have no file. Files are written under a temporary name and moved into place, so a file that exists is
 whole; writing the same block twice writes the same name (a block is never counted twice).
+
+A block file that cannot be read back (damaged on disk, cut short by hand) is set aside, renamed
+``<block id>.parquet.unreadable`` (never deleted: kept for a look, also when the sweep removes its blocks), with one
+line naming it; its samples count as not answered, so the trial answers them again.
 """
 from __future__ import annotations
 
 import re
 import uuid
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.fs
@@ -22,6 +27,7 @@ import pyarrow.parquet as pq
 from pipelines.run.result import PREDICTION_SCHEMA
 
 BLOCKS_DIR = "_promprune_blocks"
+UNREADABLE = ".unreadable"  # the suffix of a block file set aside because it could not be read
 
 
 def sweep_dir(storage: str, experiment: str) -> str:
@@ -40,18 +46,27 @@ def saved_samples(sweep: str, trial_id: str) -> int:
 
 
 def remove(uri: str) -> None:
-    """Delete a folder of blocks (a trial's, or a whole sweep's), if it exists."""
+    """Delete a folder of blocks (a trial's, or a whole sweep's), if it exists; block files set aside as unreadable
+    (and the folders that hold them) are kept."""
     fs, root = pyarrow.fs.FileSystem.from_uri(uri)
-    if fs.get_file_info(root).type == pyarrow.fs.FileType.Directory:
+    if fs.get_file_info(root).type != pyarrow.fs.FileType.Directory:
+        return
+    found = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
+    if not any(info.path.endswith(UNREADABLE) for info in found):
         fs.delete_dir(root)
+        return
+    for info in found:
+        if info.type == pyarrow.fs.FileType.File and not info.path.endswith(UNREADABLE):
+            fs.delete_file(info.path)
 
 
 class BlockStore:
     """The answered blocks of one trial (``uri``: `trial_dir`)."""
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, say: Callable[[str], None] | None = None):
         self.fs, self.root = pyarrow.fs.FileSystem.from_uri(uri)
         self.uri = uri
+        self.say = say  # where the line about a block set aside goes (None: `pipelines.console.say`)
 
     def _files(self) -> list[str]:
         selector = pyarrow.fs.FileSelector(self.root, allow_not_found=True)
@@ -60,8 +75,38 @@ class BlockStore:
 
     def load(self) -> pa.Table:
         """Every saved prediction (`arrow_schema(Prediction)`); an empty table when nothing is saved."""
-        tables = [pq.read_table(path, filesystem=self.fs, schema=PREDICTION_SCHEMA) for path in self._files()]
+        tables = [table for table in map(self._read, self._files()) if table is not None]
         return pa.concat_tables(tables) if tables else PREDICTION_SCHEMA.empty_table()
+
+    def _read(self, path: str) -> pa.Table | None:
+        """One block file; None when it cannot be read (it is then set aside: `_set_aside`)."""
+        try:
+            return pq.read_table(path, filesystem=self.fs, schema=PREDICTION_SCHEMA)
+        except FileNotFoundError:  # set aside meanwhile by another reader (the driver's console, the trial)
+            return None
+        except (pa.ArrowException, OSError) as exc:  # not parquet, cut short, damaged, another schema
+            if isinstance(exc, OSError) and exc.errno is not None:  # the file system's error, not the file's content
+                raise
+            self._set_aside(path, exc)
+            return None
+
+    def _set_aside(self, path: str, exc: Exception) -> None:
+        """Rename an unreadable block file ``<name>.unreadable`` (``<name>.<n>.unreadable`` if taken) and say so."""
+        aside = f"{path}{UNREADABLE}"
+        n = 1
+        while self.fs.get_file_info(aside).type != pyarrow.fs.FileType.NotFound:
+            aside, n = f"{path}.{n}{UNREADABLE}", n + 1
+        try:
+            self.fs.move(path, aside)
+        except FileNotFoundError:  # another reader set it aside first, and said so
+            return
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = reason.split(f"{path}': ", 1)[-1][:200]  # (pyarrow's "Could not open ... '<path>': " said once)
+        say = self.say
+        if say is None:
+            from pipelines.console import say
+        say(f"note: the saved block {path} could not be read ({type(exc).__name__}: {reason}); it is set aside as "
+            f"{aside} and its samples are answered again")
 
     def save(self, block_id: str, predictions: pa.Table) -> None:
         """Write one block's predictions (atomically: a temporary file moved into place)."""
