@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -94,8 +95,9 @@ from pipelines.run import checkpoints
 from pipelines.run.checkpoints import sweep_dir
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
 from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
-from pipelines.run.state import DriverLock, driver_lock, fingerprint, launch_command, outbox_dir, resume_command, \
-    load_state, restore_options, resumed_state, save_state, spec_fingerprint, storage_root
+from pipelines.run.state import TUNE_STATE, DriverLock, check_tune_state, driver_lock, fingerprint, launch_command, \
+    load_state, outbox_dir, restore_options, resume_command, resumed_state, save_state, spec_fingerprint, \
+    storage_root, unreadable_tune_state
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import prepare_model, share
 
@@ -472,9 +474,13 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     if resume and tune.Tuner.can_restore(f"{path}/{name}", storage_filesystem=files):
         say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
         # the same param_space: Tune keeps the `Trial`s of its config as placeholders, resolved from it
-        return tune.Tuner.restore(f"{path}/{name}", trainable, resume_unfinished=True, resume_errored=True,
-                                  storage_filesystem=files,
-                                  param_space=search.param_space(spec, phase, state["calibrated"]))
+        try:
+            return tune.Tuner.restore(f"{path}/{name}", trainable, resume_unfinished=True, resume_errored=True,
+                                      storage_filesystem=files,
+                                      param_space=search.param_space(spec, phase, state["calibrated"]))
+        except (pickle.UnpicklingError, EOFError) as exc:  # (a pickle cut short is refused before Ray starts)
+            raise specs.SpecError([unreadable_tune_state(f"{storage}/{name}/{TUNE_STATE}", None,
+                                                         f"{type(exc).__name__}: {exc}", state)], "--resume") from None
     watch = disk.DiskWatch(state["experiment"], _writes_to(spec))
     callbacks = [RecorderHook(), watch]
     scheduler = search.scheduler(spec, recorder.console.per_trial) if phase.searched else None
@@ -570,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal
         lacking = preflight.check_or_raise(spec, args.config, spec_only=args.validate_only)
         resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
-        if resumed is not None and (problems := preflight.check_resumed_run(resumed)):
+        if resumed is not None and (problems := preflight.check_resumed_run(resumed) or check_tune_state(resumed)):
             raise specs.SpecError(problems, f"--resume {resumed['experiment']}")
         restored = [] if resumed is None else restore_options(args, resumed)  # its --regression-threshold, ...
         if not args.validate_only and (problem := paths.logs_problem()):

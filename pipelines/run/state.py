@@ -177,6 +177,57 @@ def resume_reads(root: Path, experiment: str):
             yield from (Path(folder) / name for name in sorted(dirs + files))
 
 
+TUNE_STATE = "tuner.pkl"  # Tune's experiment state in each of its experiment folders: what `Tuner.restore` reads
+
+
+def tune_experiments(storage: str, experiment: str) -> list[str]:
+    """The Tune experiment folders of run ``experiment`` in ``storage`` (``<experiment>`` and the search's
+    ``<experiment>-<word>``; ``-2`` is another run), as the storage's file system names them."""
+    import pyarrow.fs
+
+    fs, root = pyarrow.fs.FileSystem.from_uri(storage)
+    return sorted(info.path for info in fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
+                  if info.type == pyarrow.fs.FileType.Directory and (info.base_name == experiment or (
+                      info.base_name.startswith(f"{experiment}-")
+                      and not info.base_name[len(experiment) + 1:][:1].isdigit())))
+
+
+def unreadable_tune_state(path: str, size: int | None, why: str, state: dict) -> str:
+    """The paragraph refusing the resume of a run whose Tune state ``path`` cannot be read."""
+    bytes_ = f", {size} bytes" if size is not None else ""
+    return (f"--resume {state['experiment']}: Tune's experiment state {path} cannot be read ({why}{bytes_}: a write "
+            "cut short or the file damaged), so Tune cannot restore the run's trials and the run cannot be resumed. "
+            "Run the sweep afresh: the same command without --resume (a new run answers every trial again: this "
+            f"run's saved blocks are not reused); the trials this run finished stay in MLflow under its parent run "
+            f"{state['parent_run_id']}")
+
+
+def check_tune_state(state: dict) -> list[str]:
+    """Each of the run's Tune experiments has a `tuner.pkl` that is a whole pickle (checked without running it:
+    `pickletools` walks its opcodes to the final STOP), else one refusal naming the file (Tune's restore ended in
+    "pickle data was truncated", a traceback after Ray started). A folder without the file is left to Tune (it
+    starts that experiment anew)."""
+    import pickletools
+
+    import pyarrow.fs
+
+    storage = state["storage_path"]
+    fs, _ = pyarrow.fs.FileSystem.from_uri(storage)
+    for folder in tune_experiments(storage, state["experiment"]):
+        path = f"{folder}/{TUNE_STATE}"
+        try:
+            with fs.open_input_stream(path) as f:
+                raw = f.read()
+        except FileNotFoundError:
+            continue
+        try:
+            for _ in pickletools.genops(raw):
+                pass
+        except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways: ValueError, EOF, unknown ops
+            return [unreadable_tune_state(path, len(raw), f"{type(exc).__name__}: {exc}", state)]
+    return []
+
+
 def resumed_state(spec: specs.SweepSpec, resume: str) -> dict:
     """The saved state of the run `--resume` names ('latest': the newest of this spec), checked once: the storage
     is trusted (`check_trusted_storage`) and the spec is the one the run started with (`check_resume`). Raises

@@ -67,6 +67,35 @@ def test_a_resume_whose_parent_run_is_not_in_the_store_is_refused_before_ray(scr
     assert preflight.check_resumed_run({"parent_run_id": parent, "experiment": "rel-20261122-000001"}) == []
 
 
+def test_a_resume_whose_tune_state_is_cut_short_is_refused_before_ray(scratch, tmp_path, run_main):
+    """The probe's case: a `tuner.pkl` cut short (Tune's experiment state) ended the resume in
+    `_pickle.UnpicklingError: pickle data was truncated`, a traceback after Ray started. Now exit 2 before Ray,
+    naming the file and the way on (the sweep afresh, without --resume), and the file is left as it was."""
+    import pickle
+
+    path = scratch()
+    spec = specs.load(path)
+    parent = tracking.start_sweep(tracking.client(), spec.name, spec.version, specs.dump_resolved(spec), {})
+    storage = tmp_path / "outputs" / "tune"
+    _state_for(spec, storage, "rel-20261122-000002", parent_id=parent)
+    whole = pickle.dumps({"trials": [{"id": n, "config": {"budget": 8}} for n in range(20)]})
+    tuner = storage / "rel-20261122-000002" / "tuner.pkl"
+    tuner.parent.mkdir(parents=True)
+    tuner.write_bytes(whole)
+    (storage / "rel-20261122-000002-search").mkdir()  # the search's experiment, its state cut short
+    cut = storage / "rel-20261122-000002-search" / "tuner.pkl"
+    cut.write_bytes(whole[:100])
+    (storage / "rel-20261122-000002-2").mkdir()  # another run's: not read
+    (storage / "rel-20261122-000002-2" / "tuner.pkl").write_bytes(b"")
+    proc, _ = run_main("--config", str(path), "--resume", "rel-20261122-000002")
+    assert_clean_error(proc, f"Tune's experiment state {cut} cannot be read (ValueError: ", "100 bytes",
+                       "the run cannot be resumed", "the same command without --resume",
+                       f"stay in MLflow under its parent run {parent}")
+    assert str(tuner) not in proc.stderr and cut.read_bytes() == whole[:100]
+    cut.write_bytes(whole)  # whole again: the check passes
+    assert states.check_tune_state(states.load_state(str(storage), "rel", "rel-20261122-000002")) == []
+
+
 def test_the_same_spec_resumes(scratch, tmp_path):
     spec = specs.load(scratch())
     state = _state_for(spec, tmp_path / "store", "rel-1")
