@@ -289,12 +289,35 @@ class Outbox:
         path = self.folder / "outbox.json"
         if not path.is_file():
             return
-        saved = json.loads(path.read_text())
+        raw = path.read_bytes()
+        try:
+            saved = json.loads(raw.decode())
+            if not _well_formed(saved):
+                raise ValueError("not the outbox's {ids, pending} of ops")
+        except ValueError as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors) cut short or damaged
+            self._set_aside(path, len(raw), exc)
+            return
         self.ids = {**saved.get("ids", {}), **self.ids}
         self.queue.extend(saved.get("pending", []))
         self.on_disk = True
         if self.queue:
             self.say(f"[mlflow] {len(self.queue)} write(s) an earlier run kept in {self.folder} go in first")
+
+    def _set_aside(self, path: Path, size: int, exc: Exception) -> None:
+        """An outbox.json that cannot be read: its folder (with the copies of the files its writes upload) renamed
+        ``<folder>.unreadable`` (``.unreadable-<n>`` if taken), never deleted, and one paragraph saying so; this
+        driver starts with an empty outbox."""
+        aside = self.folder.with_name(f"{self.folder.name}.unreadable")
+        n = 1
+        while aside.exists():
+            aside, n = self.folder.with_name(f"{self.folder.name}.unreadable-{n}"), n + 1
+        os.replace(self.folder, aside)
+        self.say(f"[mlflow] note: the MLflow writes an earlier driver of this run kept for a store that did not "
+                 f"answer ({path}, {size} bytes) cannot be read ({_short(exc)}: a write cut short or the file "
+                 f"damaged). The folder is set aside as {aside}, kept as it was, and the sweep goes on without those "
+                 "writes: a resumed sweep writes each trial's end again from Tune (a finished trial's final metrics "
+                 "and predictions from its checkpoint), but the rest of what was kept there (trials' running scores "
+                 "as their blocks came back, the driver's system metrics) is not in MLflow")
 
     def _keep(self, path: Path) -> str:
         """A copy of ``path`` in the outbox's files (its name kept: the artifact's name)."""
@@ -302,6 +325,15 @@ class Outbox:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, dest)
         return str(dest)
+
+
+def _well_formed(saved) -> bool:
+    """Whether ``saved`` (outbox.json read) is what `Outbox._save` writes: its ids, and its pending ops, each with
+    an op and a key."""
+    return (isinstance(saved, dict) and isinstance(saved.get("ids", {}), dict)
+            and isinstance(saved.get("pending", []), list)
+            and all(isinstance(op, dict) and op.get("op") in OPS and isinstance(op.get("key"), str)
+                    for op in saved.get("pending", [])))
 
 
 def _refused(exc: Exception) -> bool:

@@ -144,3 +144,38 @@ def test_a_write_for_a_run_not_created_yet_waits_for_it(tmp_path):
     box.submit("tags", "never", tags={"a": 1})  # a run this driver never creates
     assert box.close() == ["never"]  # named as pending, and kept for the next driver, which may know the run
     assert (tmp_path / "outbox" / "outbox.json").is_file()
+
+
+@pytest.mark.parametrize("damage", ["cut", "not_ops"])
+def test_an_outbox_that_cannot_be_read_is_set_aside_whole_and_said(tmp_path, damage):
+    """The probe's case: an outbox.json cut short ended `--resume` in json's JSONDecodeError, a traceback, the runs
+    left RUNNING. Now its folder (the file and the copies of the files it uploads) is renamed
+    `<folder>.unreadable` with its bytes as they were, one paragraph names the file and the folder set aside, and
+    this driver's writes go as usual (its own outbox removed once empty; the folder set aside stays)."""
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = c.create_experiment("damaged")
+    folder = tmp_path / "rel-1.outbox"
+    whole = '{"ids": {"__parent__": "abc"}, "pending": [{"op": "end", "key": "t1", "status": "KILLED"}]}'
+    bad = {"cut": whole[:40], "not_ops": '{"ids": {}, "pending": [["end", "t1"]]}'}[damage]
+    (folder / "files" / "f1").mkdir(parents=True)
+    (folder / "files" / "f1" / "predictions.parquet").write_bytes(b"kept predictions")
+    (folder / "outbox.json").write_text(bad)
+    said = []
+    box = Outbox(c, folder, said.append, ids={"__parent__": "p"}, retry_s=1.0)
+    aside = tmp_path / "rel-1.outbox.unreadable"
+    assert (aside / "outbox.json").read_text() == bad
+    assert (aside / "files" / "f1" / "predictions.parquet").read_bytes() == b"kept predictions"
+    assert len(said) == 1 and str(folder / "outbox.json") in said[0] and str(aside) in said[0], said
+    assert "cannot be read" in said[0] and "not in MLflow" in said[0]
+    assert box.pending_ops() == [] and box.run_id("t1") is None and box.run_id("__parent__") == "p"
+    _create(box, exp, "t2")
+    box.submit("end", "t2", status="FINISHED")
+    assert box.flush(30) == [] and box.close() == []
+    assert c.get_run(box.run_id("t2")).info.status == "FINISHED"
+    assert not folder.exists() and (aside / "outbox.json").read_text() == bad
+
+    (folder).mkdir()  # damaged again later: the first folder set aside is not replaced
+    (folder / "outbox.json").write_text("{")
+    Outbox(c, folder, lambda _: None, retry_s=1.0).close()
+    assert (aside / "outbox.json").read_text() == bad
+    assert (tmp_path / "rel-1.outbox.unreadable-1" / "outbox.json").read_text() == "{"
