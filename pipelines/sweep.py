@@ -338,9 +338,10 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 try:
                     _reconcile(recorder, grid, phase.trials, spec.tune.num_samples if not phase.trials else None)
                 except SweepInterrupted as e:
-                    full = disk.tripped(state["experiment"])  # the watch stopped it: a disk ran low
+                    full = disk.tripped(state["experiment"])  # the watch stopped it: a disk ran low, or unwritable
                     if full:
-                        raise disk.DiskFull(disk.full_message(full, resume_command(state))) from None
+                        raise disk.DiskFull(disk.full_message(full, resume_command(state),
+                                                              disk.tripped_cause(state["experiment"]))) from None
                     raise SweepInterrupted(str(e), resume_command(state)) from None
             timeline.mark("tune_end", "driver")
         recorder.finalize_rel()
@@ -641,10 +642,16 @@ def main(argv: list[str] | None = None) -> int:
                         + resume_command({"experiment": lock.experiment, "command": command}))
                 return EXIT_INTERRUPTED
             except Exception as e:  # a write the watch did not see coming (the driver's own, Tune's) met a full disk
-                if not disk.is_disk_full(e):
+                # or a place that refuses writes
+                refused = None if disk.is_disk_full(e) or not disk.is_unwritable(e) else disk.unwritable_place(
+                    _writes_to(spec), str(e))
+                if not disk.is_disk_full(e) and refused is None:
                     raise
                 resume = resume_command({"experiment": lock.experiment, "command": command})
-                say("error: " + disk.full_message(f"a write failed ({type(e).__name__}: {e})", resume))
+                why = f"a write failed ({type(e).__name__}: {e})"
+                if refused is not None:
+                    why = f"a write to {refused[0]} failed ({type(e).__name__}: {e})"
+                say("error: " + disk.full_message(why, resume, disk.FULL if refused is None else disk.UNWRITABLE))
                 return EXIT_BAD_INPUT
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")

@@ -11,7 +11,10 @@ truncated experiment state made `--resume` fail even after space was freed.
 - `DiskWatch`: a Tune callback in the driver. It stops the sweep (as Ctrl-C does: its unfinished trials stay
   unfinished) when a watched file system has less than `RESERVE_BYTES` free, or when a trial fails on ENOSPC (the
   first time, not after its retries); the sweep then ends with one paragraph (`DiskFull`) and the command that
-  resumes it once space is freed.
+  resumes it once space is freed. A place that became unwritable (EPERM, EACCES, EROFS: its permissions changed, an
+  immutable flag, a file system remounted read-only) is a full disk's twin: every trial failed on it after its
+  retries. A trial that fails on such an error stops the sweep the same way when one of the watched places (or the
+  path its error names) refuses a test write, and the paragraph names that path and says to make it writable.
 - `tune_storage`: Tune's storage through `AtomicLocalFiles`, a local file system whose files are written under a
   temporary name and moved into place when complete, so a write cut short by a full disk leaves the previous file
   (Tune's experiment state, its searcher's, a trial's result or error) whole. Remote storage (s3://, gs://) writes
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import time
@@ -47,23 +51,74 @@ class DiskFull(RuntimeError):
 
 
 FULL_TEXTS = ("No space left on device", "Disk quota exceeded")  # ENOSPC's and EDQUOT's text, as errors carry it
+# EPERM's, EACCES's and EROFS's text (pyarrow's errors carry it lower-case after "[errno N]")
+UNWRITABLE_TEXTS = ("operation not permitted", "permission denied", "read-only file system")
+FULL, UNWRITABLE = "full", "unwritable"  # why the watch stopped a sweep (`full_message`)
 
 
 def _says_full(text: str) -> bool:
     return any(full in text for full in FULL_TEXTS)
 
 
-def is_disk_full(error: BaseException | None) -> bool:
-    """Whether ``error`` (or what caused it, or the text of a Ray-wrapped one) is "No space left on device"."""
+def _says_unwritable(text: str) -> bool:
+    return any(refusal in text.lower() for refusal in UNWRITABLE_TEXTS)
+
+
+def _errors(error: BaseException | None):
+    """``error`` and what caused it."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if _says_full(str(error)):
-            return True
+        yield error
         error = error.__cause__ or error.__context__
-    return False
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it, or the text of a Ray-wrapped one) is "No space left on device"."""
+    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or _says_full(str(e))
+               for e in _errors(error))
+
+
+def is_unwritable(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it, or the text of a Ray-wrapped one) is a write refused for want of
+    permission: EPERM, EACCES or EROFS (an error that says so; where the refusal was is `unwritable_place`'s
+    question)."""
+    return any((isinstance(e, OSError) and e.errno in (errno.EPERM, errno.EACCES, errno.EROFS))
+               or _says_unwritable(str(e)) for e in _errors(error))
+
+
+def refuses_writes(place: str | Path) -> str | None:
+    """Why a test write in the folder ``place`` (or, before it exists, its nearest existing parent) fails for want of
+    permission (``"Operation not permitted"``, ...), None when it succeeds or fails otherwise."""
+    folder = _existing(Path(place).absolute())
+    if not folder.is_dir():
+        folder = folder.parent
+    probe = folder / f".promprune-write-test.{uuid.uuid4().hex[:8]}"
+    try:
+        with open(probe, "wb"):
+            pass
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES, errno.EROFS):
+            return os.strerror(exc.errno)
+        return None
+    with contextlib.suppress(OSError):
+        os.remove(probe)
+    return None
+
+
+def unwritable_place(places: list[str], text: str = "") -> tuple[str, str] | None:
+    """(path, why) of the first place a write is refused for want of permission: the paths named in ``text`` (an
+    error's, quoted) under one of the local ``places`` (paths or URIs, as `local_dir` reads them), then the places
+    themselves; None when each takes a test
+    write (the error was about something else, e.g. a file the trial reads)."""
+    roots = [p.absolute() for p in map(local_dir, places) if p is not None]
+    named = [Path(m) for m in re.findall(r"'(/[^']+)'", text)]
+    candidates = [p for p in named if any(p == r or r in p.parents for r in roots)] + roots
+    for place in dict.fromkeys(candidates):
+        why = refuses_writes(place)
+        if why:
+            return str(place), why
+    return None
 
 
 def local_dir(place: str | None) -> Path | None:
@@ -122,7 +177,8 @@ def check_free(places: list[str | None], samples: int | None, trials: int) -> st
 # ----------------------------------------------------------------------------------------------------------------
 # the watch
 
-_TRIPPED: dict[str, str] = {}  # the watch's key -> why it stopped the sweep (this driver process only)
+_TRIPPED: dict[str, tuple[str, str]] = {}  # the watch's key -> (FULL or UNWRITABLE, why it stopped the sweep) (this
+# driver process only)
 
 
 class DiskWatch(tune.Callback, tune.Stopper):
@@ -145,10 +201,10 @@ class DiskWatch(tune.Callback, tune.Stopper):
     def __getstate__(self):
         return {"key": self.key, "places": self.places, "_last": 0.0, "_stop": False}
 
-    def _trip(self, why: str) -> None:
+    def _trip(self, why: str, cause: str = FULL) -> None:
         if self.key in _TRIPPED:
             return
-        _TRIPPED[self.key] = why
+        _TRIPPED[self.key] = (cause, why)
         handler = signal.getsignal(signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else None
         if getattr(handler, "__qualname__", "").endswith("signal_interrupt_tune_run"):
             os.kill(os.getpid(), signal.SIGUSR1)  # Tune's "stop signal received": state saved, trials unfinished
@@ -186,8 +242,13 @@ class DiskWatch(tune.Callback, tune.Stopper):
             pass
         if _says_full(text):
             self._trip(f"a trial ({trial}) failed writing its results: No space left on device")
-        else:
-            self._look(force=True)
+            return
+        if _says_unwritable(text):
+            refused = unwritable_place(self.places, text)
+            if refused:
+                self._trip(f"a trial ({trial}) failed writing to {refused[0]}: {refused[1]}", UNWRITABLE)
+                return
+        self._look(force=True)
 
     # tune.Stopper
     def __call__(self, trial_id, result) -> bool:
@@ -199,11 +260,25 @@ class DiskWatch(tune.Callback, tune.Stopper):
 
 def tripped(key: str) -> str | None:
     """Why the watch of ``key`` stopped the sweep in this process (None: it did not)."""
-    return _TRIPPED.get(key)
+    found = _TRIPPED.get(key)
+    return None if found is None else found[1]
 
 
-def full_message(why: str, resume: str) -> str:
-    """The one paragraph a sweep stopped by a full disk ends with."""
+def tripped_cause(key: str) -> str | None:
+    """`FULL` or `UNWRITABLE`: what the watch of ``key`` found (None: it did not stop the sweep)."""
+    found = _TRIPPED.get(key)
+    return None if found is None else found[0]
+
+
+def full_message(why: str, resume: str, cause: str = FULL) -> str:
+    """The one paragraph a sweep stopped by a full disk (``cause`` `FULL`) or by a place that refuses writes
+    (`UNWRITABLE`) ends with."""
+    if cause == UNWRITABLE:
+        return (f"storage not writable: {why}. The sweep stopped there: its finished trials are in MLflow, its state "
+                "is the last one written whole (a write that failed leaves the previous file), and no trial was "
+                "retried into the path that refuses writes. Make that path writable again (its owner and "
+                "permissions, an immutable flag: chattr -i, a file system remounted read-only), then finish it "
+                f"with:\n  {resume}")
     return (f"disk full: {why}. The sweep stopped there: its finished trials are in MLflow and its state is saved "
             "(written whole: a temporary file moved into place), and no trial was retried into the full disk. Free "
             f"space there, then finish it with:\n  {resume}")

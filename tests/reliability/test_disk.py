@@ -12,6 +12,7 @@ import tempfile
 import textwrap
 from collections import namedtuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.fs
 import pytest
@@ -140,6 +141,60 @@ def test_the_watch_stops_below_its_reserve_and_forgets_it_when_pickled(tmpfs, mo
     disk._TRIPPED.clear()  # a new driver process
     filler.unlink()
     assert not restored.stop_all()
+
+
+def test_a_storage_that_refuses_writes_stops_the_sweep_at_the_first_failure(tmpfs, tmp_path, monkeypatch):
+    """The probe's case: Tune's storage made unwritable mid-sweep (an immutable flag, a remount read-only) failed
+    every trial after its retries, exit 1, no resume line. Now a trial's first failure on a write the storage refuses
+    stops the sweep as a full disk does, with a paragraph naming the path, the cause and the resume command (not a
+    full disk's "free space"). A permission error about something the sweep does not write to (its places take a
+    test write) leaves the sweep going."""
+    import signal
+
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_DFL)  # outside Tune's fit (as above)
+    where = tmpfs(disk.RESERVE_BYTES + (8 << 20))
+    (where / "tune").mkdir()
+    error = tmp_path / "error.txt"
+    trial = SimpleNamespace(error_file=str(error))
+    error.write_text("PermissionError: [Errno 13] Permission denied: '/etc/promprune-model/weights.bin'")
+    watch = disk.DiskWatch("rel-unwritable", [str(where / "tune")])
+    watch.on_trial_error(0, [], trial)  # writable storage: not the storage's refusal
+    assert not watch.stop_all() and disk.tripped("rel-unwritable") is None
+
+    blocks = where / "tune" / "_promprune_blocks"
+    error.write_text(f"PermissionError: [Errno 30] Cannot create directory '{blocks}'. Detail: [errno 30] Read-only "
+                     "file system")
+    subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+    try:
+        watch.on_trial_recover(0, [], trial)  # the first failure, before Tune retries it
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(where)], check=True)
+    assert watch.stop_all() and disk.tripped_cause("rel-unwritable") == disk.UNWRITABLE
+    why = disk.tripped("rel-unwritable")
+    assert f"failed writing to {blocks}: Read-only file system" in why
+    said = disk.full_message(why, "python pipelines/sweep.py --config s.yaml --resume r-1", disk.UNWRITABLE)
+    assert said.startswith("storage not writable: ") and "Make that path writable again" in said
+    assert "disk full" not in said and "Free space" not in said
+    assert said.endswith("finish it with:\n  python pipelines/sweep.py --config s.yaml --resume r-1")
+    assert disk.full_message("x", "r").startswith("disk full: x.")  # a full disk's paragraph as it was
+    disk._TRIPPED.clear()
+
+
+def test_a_write_refusal_names_the_place_that_refuses(tmpfs):
+    """`unwritable_place` names a path quoted in the error under a watched place (or the place), by a test write;
+    None while every place takes one."""
+    where = tmpfs(1 << 20)
+    (where / "tune").mkdir()
+    text = f"[Errno 1] Operation not permitted: '{where / 'tune' / 'x' / 'y.parquet'}'"
+    assert disk.is_unwritable(PermissionError(text)) and not disk.is_disk_full(PermissionError(text))
+    assert disk.unwritable_place([str(where / "tune")], text) is None
+    subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+    try:
+        found = disk.unwritable_place([str(where / "tune"), "sqlite:///" + str(where / "mlflow.db")], text)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(where)], check=True)
+    assert found == (str(where / "tune" / "x" / "y.parquet"), "Read-only file system")
+    assert not list(where.rglob(".promprune-write-test*"))
 
 
 SWEEP = """
