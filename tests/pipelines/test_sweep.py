@@ -246,7 +246,8 @@ def test_a_sigterm_landing_inside_an_import_ends_the_startup_wait():
     import threading
     from types import SimpleNamespace
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous, interrupt = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C's own (an earlier test may have left Tune's)
     stuck = threading.Event()
     store = threading.Thread(target=stuck.wait, daemon=True)  # an importer waiting on a lock nobody frees
     store.start()
@@ -266,6 +267,7 @@ def test_a_sigterm_landing_inside_an_import_ends_the_startup_wait():
         stuck.set()
         sweep._TERMINATED.clear()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def test_ray_init_leaves_our_sigterm_handler_in_place():
