@@ -643,15 +643,14 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_INTERRUPTED
             except Exception as e:  # a write the watch did not see coming (the driver's own, Tune's) met a full disk
                 # or a place that refuses writes
-                refused = None if disk.is_disk_full(e) or not disk.is_unwritable(e) else disk.unwritable_place(
-                    _writes_to(spec), str(e))
-                if not disk.is_disk_full(e) and refused is None:
+                full = disk.is_disk_full(e)
+                refused = None if full or not disk.is_unwritable(e) else disk.unwritable_place(_writes_to(spec), str(e))
+                if not full and refused is None:
                     raise
                 resume = resume_command({"experiment": lock.experiment, "command": command})
-                why = f"a write failed ({type(e).__name__}: {e})"
-                if refused is not None:
-                    why = f"a write to {refused[0]} failed ({type(e).__name__}: {e})"
-                say("error: " + disk.full_message(why, resume, disk.FULL if refused is None else disk.UNWRITABLE))
+                where = f"a write to {refused[0]}" if refused else "a write"
+                say("error: " + disk.full_message(f"{where} failed ({type(e).__name__}: {e})", resume,
+                                                  disk.UNWRITABLE if refused else disk.FULL))
                 return EXIT_BAD_INPUT
     print(f"\nsweep {spec.name} finished in {time.perf_counter() - t0:.0f}s "
           f"(MLflow parent run {outcome.parent_run_id})\n")
@@ -709,12 +708,11 @@ def stop_on_sigterm() -> None:
 def wait_interruptibly(thread: threading.Thread, poll_s: float = 0.2) -> None:
     """Join ``thread``; a SIGTERM that came meanwhile (its KeyboardInterrupt swallowed where it landed, or only
     marked) ends the wait as a KeyboardInterrupt."""
-    while thread.is_alive():
-        if _TERMINATED.is_set():
-            raise KeyboardInterrupt
+    while not _TERMINATED.is_set():
+        if not thread.is_alive():
+            return
         thread.join(poll_s)
-    if _TERMINATED.is_set():
-        raise KeyboardInterrupt
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
