@@ -54,7 +54,8 @@ cp -r "$ROOT"/.whl[0-9]* "$TREE"/
 cd "$TREE"
 export PATH="$VENV/bin:$PATH" RAY_TMPDIR="${RAY_TMPDIR:-$(mktemp -d /tmp/devsim-ray-XXXX)}" CALL_BUDGET_S=3600
 export SWEEP_SET="--set resources.device=cpu" TABLE6_LIMIT=8
-export TABLE6_SET="--set model.pretrained=tiny:llava_next --set model.dtype=float32 --set resources.device=cpu --set grid.budget=[32]"
+export TABLE6_MODEL_SET="--set model.pretrained=tiny:llava_next --set model.dtype=float32"
+export TABLE6_SET="--set resources.device=cpu --set grid.budget=[32]"
 export SCALING_GPUS=2 SCALING_ARGS="--samples-per-task 4 --sample-s 0.02 --load-s 0.1"
 batches=()  # every batch the build made (three since the image's versions were pinned), at once: no 64 MiB limit here
 for d in .whl[0-9]*; do batches+=(--install-batch "${d#.whl}"); done

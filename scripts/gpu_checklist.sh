@@ -269,8 +269,10 @@ PY
     sweep)  # the quickstart (testbed) sweep, its actors on the GPU
       pipeline_sweep quickstart --config sweeps/quickstart.yaml ${SWEEP_SET:-} ;;
     table6-pipeline)  # Table 6 through the pipeline: random LLaVA-NeXT-7B weights, easy-vqa yes/no for POPE
-      pipeline_sweep table6 --config sweeps/table6_efficiency.yaml --set model.pretrained=shape:llava_next_7b \
-        --set model.dtype=float16 --set "tasks=[easyvqa_yesno]" --set limit="${TABLE6_LIMIT:-50}" \
+      # TABLE6_MODEL_SET replaces the model's two fields (a field given twice is refused); TABLE6_SET adds others
+      pipeline_sweep table6 --config sweeps/table6_efficiency.yaml \
+        ${TABLE6_MODEL_SET:---set model.pretrained=shape:llava_next_7b --set model.dtype=float16} \
+        --set "tasks=[easyvqa_yesno]" --set limit="${TABLE6_LIMIT:-50}" \
         --set resources.share_weights=false ${TABLE6_SET:-} ;;
     scaling)  # CPU only: simulated GPU nodes on this machine's cores; the timeline says where the time went
       need_pipeline || return 1

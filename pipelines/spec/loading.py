@@ -44,6 +44,7 @@ def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
     if not path.is_file():
         raise SpecError([f"spec file not found: {path}"], str(path))
     raw = _load_with_includes(path, seen=())
+    _refuse_overlapping_overrides(overrides or [], str(path))
     for item in overrides or []:
         _apply_override(raw, item, str(path))
     return resolve_paths(raw, Path.cwd())  # what --set gave, relative to where the command runs
@@ -95,6 +96,25 @@ def deep_merge(base: dict, top: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def _refuse_overlapping_overrides(overrides: list[str], source: str) -> None:
+    """Two `--set` for one field (or for a field and one inside it): applied in order, the later would silently undo
+    the earlier (`limit=8 --set limit=80` ran 80), so both are named instead. Items without `=` are left to
+    `_apply_override`'s own message."""
+    seen: dict[tuple, str] = {}
+    for item in overrides:
+        if "=" not in item:
+            continue
+        keys = tuple(k.strip() for k in item.split("=", 1)[0].strip().split("."))
+        for other_keys, other in seen.items():
+            shorter = min(len(keys), len(other_keys))
+            if keys[:shorter] == other_keys[:shorter]:
+                what = ("set the same field" if keys == other_keys else
+                        f"overlap ({'.'.join(keys[:shorter])} holds the other)")
+                raise SpecError([f"overrides {other!r} and {item!r} {what}: the later would silently replace the "
+                                 "earlier; give each field once"], source)
+        seen[keys] = item
 
 
 def _apply_override(raw: dict, item: str, source: str) -> None:

@@ -176,6 +176,17 @@ def test_include_deep_merges_and_overrides_apply(tmp_path):
         specs.load(path, ["include=base.yaml"])
 
 
+def test_an_override_given_twice_is_refused_naming_both(tmp_path):
+    """Applied in order, `--set limit=8 --set limit=80` ran 80 without a word; a field and one inside it the same."""
+    path = write(tmp_path, MINIMAL)
+    assert specs.load(path, ["limit=8", "grid.mu=[0.5]", "grid.tau=[0.01]"]).limit == 8  # siblings are fine
+    with pytest.raises(specs.SpecError, match=r"overrides 'limit=8' and ' limit =80' set the same field"):
+        specs.load(path, ["limit=8", "grid.mu=[0.5]", " limit =80"])
+    with pytest.raises(specs.SpecError, match=r"overrides 'grid.mu=\[0.5\]' and 'grid=\{budget: \[8\]\}' overlap "
+                                              r"\(grid holds the other\)"):
+        specs.load(path, ["grid.mu=[0.5]", "grid={budget: [8]}"])
+
+
 def test_include_cycle_and_missing_file(tmp_path):
     write(tmp_path, "name: a\nversion: 1\ninclude: b.yaml\n", "a.yaml")
     write(tmp_path, "name: b\nversion: 1\ninclude: a.yaml\n", "b.yaml")
