@@ -52,11 +52,14 @@ def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) 
     catalog = MethodCatalog() if check_methods else None
     spec, errors = validate(raw, catalog)
     if spec is not None:  # the checks of a whole spec, reported with the fields' problems, not after they are fixed
-        if not spec.grid and not spec.trials and not spec.baseline:
+        grid_or_trials_bad = any(e.startswith(("grid", "trials")) for e in errors)  # repaired away: not "nothing"
+        if not spec.grid and not spec.trials and not spec.baseline and not grid_or_trials_bad:
             errors.append("grid/trials: the spec runs nothing (empty grid, no trials, baseline: false)")
         elif catalog is not None:  # a field left at its default by `validate` was reported already
             reported = {e.split(": ", 1)[0] for e in errors}
-            errors += [e for e in check_trials(spec, catalog) if e.split(": ", 1)[0] not in reported]
+            grid_dropped = bool(reported & {"grid", "grid.method", "grid.budget"})  # `validate`'s repair: no grid
+            errors += [e for e in check_trials(spec, catalog) if e.split(": ", 1)[0] not in reported
+                       and not (grid_dropped and e.endswith("the grid is empty"))]
     if errors:
         raise SpecError(errors, source)
     return spec

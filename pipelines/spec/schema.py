@@ -339,8 +339,9 @@ def _spec_tasks(raw: dict) -> list[str] | None:
 
 def validate(raw: dict, catalog=None) -> tuple[SweepSpec | None, list[str]]:
     """(the spec, every schema problem in our words). With problems, the spec is the raw one with each bad field
-    left at its default, so the checks that need a whole spec (option values) still run and report with the
-    others; None when the grid or the trials themselves are bad (nothing to expand)."""
+    left at its default (a bad grid axis dropped, the whole grid where its method or budget is bad, a bad trial
+    dropped), so the checks that need a whole spec (option values) still run on what is left and report with the
+    others; None when no repair validates."""
     raw = {k: v for k, v in raw.items() if k != "include"}
     context = {"catalog": catalog, "tasks": _spec_tasks(raw)}
     try:
@@ -348,15 +349,20 @@ def validate(raw: dict, catalog=None) -> tuple[SweepSpec | None, list[str]]:
     except ValidationError as exc:
         errors = reword(exc, VALID_KEYS)
         bad = [tuple(e["loc"]) for e in exc.errors()]
-    if any(loc[0] in ("grid", "trials") for loc in bad):
-        return None, errors
     repaired = dict(raw)
+    bad_trials = {loc[1] for loc in bad if loc[0] == "trials" and len(loc) > 1 and isinstance(loc[1], int)}
     for loc in bad:
         section = repaired.get(loc[0])
-        if len(loc) > 1 and isinstance(section, dict):
+        if loc[0] == "grid" and (len(loc) < 2 or loc[1] in ("method", "budget")):
+            repaired.pop("grid", None)  # nothing left to expand; the trials are still checked
+        elif loc[0] == "trials" and isinstance(loc[1:2] and loc[1], int) and isinstance(section, list):
+            continue  # the bad trials leave together, below, so the indices stay those of the file
+        elif len(loc) > 1 and isinstance(section, dict):
             repaired[loc[0]] = {k: v for k, v in section.items() if k != loc[1]}
         else:
             repaired.pop(loc[0], None)
+    if bad_trials and isinstance(repaired.get("trials"), list):
+        repaired["trials"] = [t for i, t in enumerate(repaired["trials"]) if i not in bad_trials]
     repaired = {**PLACEHOLDERS, **repaired}
     try:
         return SCHEMA.validate_python(repaired, context=context), errors

@@ -187,6 +187,48 @@ def test_an_override_given_twice_is_refused_naming_both(tmp_path):
         specs.load(path, ["grid.mu=[0.5]", "grid={budget: [8]}"])
 
 
+def test_a_bad_grid_axis_or_trial_hides_no_other_problem(tmp_path):
+    """A schema problem in the grid or the trials stopped the checks of option values: an inherited grid.mu
+    mistake hid a saliency_ratio out of range until it was fixed. Each is reported in the first run now."""
+    write(tmp_path, """
+    name: base
+    version: 1
+    model: {pretrained: tiny:llava}
+    tasks: [easyvqa_yesno]
+    grid: {method: [promprune], budget: [16], mu: {uniform: [0.6, 0.4]}}
+    """, "base.yaml")
+    path = write(tmp_path, """
+    include: base.yaml
+    name: child
+    version: 1
+    trials:
+      - {method: fixed_ratio, budget: 8, saliency_ratio: 1.7}
+      - {method: promprune, budget: 8, saliency_ratio: 0.5}
+    """)
+    with pytest.raises(specs.SpecError) as info:
+        specs.load(path)
+    assert info.value.errors == [
+        "grid.mu: uniform: expected two finite numbers lo < hi, got [0.6, 0.4]",
+        "trials[1].saliency_ratio: promprune takes no option 'saliency_ratio' (did you mean 'saliency_ratio_range'?); "
+        "valid: conditional, diversity, metric, mu, order, rounding, saliency_ratio_range, tau",
+        "trial fixed_ratio-b8-saliency_ratio=1.7: option 'saliency_ratio' must be in [0, 1], got 1.7"]
+    # a grid without a usable method or budget leaves nothing of it to expand: the trials are still checked, and
+    # "the spec runs nothing" is not said of a grid that is there
+    path = write(tmp_path, """
+    name: t
+    version: 1
+    grid: {method: [nosuch], budget: [16]}
+    trials: [{method: fixed_ratio, budget: 8, saliency_ratio: 1.7}]
+    """, "t.yaml")
+    with pytest.raises(specs.SpecError) as info:
+        specs.load(path)
+    assert [e.split(":")[0] for e in info.value.errors] == ["grid.method", "trial fixed_ratio-b8-saliency_ratio=1.7"]
+    path = write(tmp_path, "name: t\nversion: 1\nbaseline: false\ntrials: [{method: nosuch, budget: 8}]\n", "u.yaml")
+    with pytest.raises(specs.SpecError) as info:
+        specs.load(path)
+    assert len(info.value.errors) == 1 and info.value.errors[0].startswith("trials[0].method: unknown method 'nosuch'")
+
+
 def test_include_cycle_and_missing_file(tmp_path):
     write(tmp_path, "name: a\nversion: 1\ninclude: b.yaml\n", "a.yaml")
     write(tmp_path, "name: b\nversion: 1\ninclude: a.yaml\n", "b.yaml")
