@@ -203,10 +203,13 @@ def unreadable_tune_state(path: str, size: int | None, why: str, state: dict) ->
 
 
 def check_tune_state(state: dict) -> list[str]:
-    """Each of the run's Tune experiments has a `tuner.pkl` that is a whole pickle (checked without running it:
-    `pickletools` walks its opcodes to the final STOP), else one refusal naming the file (Tune's restore ended in
-    "pickle data was truncated", a traceback after Ray started). A folder without the file is left to Tune (it
-    starts that experiment anew)."""
+    """Each of the run's Tune experiments has a `tuner.pkl` that is a whole pickle (`pickletools` walks its opcodes
+    to the final STOP) and loads as Tune's saved state (a mapping with the `__trainable_name` Tune writes), else one
+    refusal naming the file: Tune's restore ended in "pickle data was truncated", or a class it could not find,
+    as a traceback after Ray started. Loading runs after `check_trusted_storage` (a pickle runs code), as Tune's
+    own restore would; it imports the Tune classes the state names, not Ray's runtime. A folder without the file is
+    left to Tune (it starts that experiment anew)."""
+    import pickle
     import pickletools
 
     import pyarrow.fs
@@ -223,8 +226,14 @@ def check_tune_state(state: dict) -> list[str]:
         try:
             for _ in pickletools.genops(raw):
                 pass
-        except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways: ValueError, EOF, unknown ops
+            saved = pickle.loads(raw)
+        except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways: ValueError, EOF, unknown ops,
+            # a class that moved or is gone (ModuleNotFoundError, AttributeError)
             return [unreadable_tune_state(path, len(raw), f"{type(exc).__name__}: {exc}", state)]
+        if not isinstance(saved, dict) or "__trainable_name" not in saved:
+            what = f"a {type(saved).__name__}" + (" without the __trainable_name Tune writes"
+                                                  if isinstance(saved, dict) else "")
+            return [unreadable_tune_state(path, len(raw), f"not Tune's saved state: {what}", state)]
     return []
 
 

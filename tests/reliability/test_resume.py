@@ -78,7 +78,7 @@ def test_a_resume_whose_tune_state_is_cut_short_is_refused_before_ray(scratch, t
     parent = tracking.start_sweep(tracking.client(), spec.name, spec.version, specs.dump_resolved(spec), {})
     storage = tmp_path / "outputs" / "tune"
     _state_for(spec, storage, "rel-20261122-000002", parent_id=parent)
-    whole = pickle.dumps({"trials": [{"id": n, "config": {"budget": 8}} for n in range(20)]})
+    whole = pickle.dumps({"__trainable_name": "trial", "trials": [{"id": n, "config": {"budget": 8}} for n in range(20)]})
     tuner = storage / "rel-20261122-000002" / "tuner.pkl"
     tuner.parent.mkdir(parents=True)
     tuner.write_bytes(whole)
@@ -93,7 +93,26 @@ def test_a_resume_whose_tune_state_is_cut_short_is_refused_before_ray(scratch, t
                        f"stay in MLflow under its parent run {parent}")
     assert str(tuner) not in proc.stderr and cut.read_bytes() == whole[:100]
     cut.write_bytes(whole)  # whole again: the check passes
-    assert states.check_tune_state(states.load_state(str(storage), "rel", "rel-20261122-000002")) == []
+    saved = states.load_state(str(storage), "rel", "rel-20261122-000002")
+    assert states.check_tune_state(saved) == []
+    # whole pickles that are not Tune's state failed at Tune.restore, after Ray started: a class that is gone (the
+    # state of another Ray version), another object
+    import sys
+    import types
+
+    gone = types.ModuleType("promprune_gone_module")
+    gone.Thing = type("Thing", (), {"__module__": "promprune_gone_module"})
+    sys.modules["promprune_gone_module"] = gone
+    try:
+        cut.write_bytes(pickle.dumps({"__trainable_name": "trial", "_tune_config": gone.Thing()}))
+    finally:
+        del sys.modules["promprune_gone_module"]
+    [problem] = states.check_tune_state(saved)
+    assert f"{cut} cannot be read (ModuleNotFoundError: No module named 'promprune_gone_module'" in problem
+    for other, what in (([1, 2], "a list"), ({"trials": []}, "a dict without the __trainable_name Tune writes")):
+        cut.write_bytes(pickle.dumps(other))
+        [problem] = states.check_tune_state(saved)
+        assert f"{cut} cannot be read (not Tune's saved state: {what}" in problem and "without --resume" in problem
 
 
 def test_the_same_spec_resumes(scratch, tmp_path):
