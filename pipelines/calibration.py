@@ -96,15 +96,17 @@ def check_source(images: str | None) -> str | None:
 
 
 def load_images(cal: Calibration) -> list:
-    """``cal.n`` PIL images from the source, chosen reproducibly by ``cal.seed``."""
-    from PIL import Image
+    """``cal.n`` PIL images from the source, chosen reproducibly by ``cal.seed``, converted to RGB as the evaluation
+    converts its images (``promprune.models.images``: transparency onto white, 16-bit scaled, files upright by their
+    EXIF orientation). A file that does not decode is a ValueError naming it."""
+    from promprune.models.images import as_rgb, load_image
 
     if cal.images.startswith("hf:"):
         import datasets
 
         name, split, column = (cal.images[3:].split(":") + ["train", "image"])[:3]
         stream = datasets.load_dataset(name, split=split, streaming=True).shuffle(seed=cal.seed, buffer_size=10_000)
-        return [row[column].convert("RGB") for row in stream.take(cal.n)]
+        return [as_rgb(row[column]) for row in stream.take(cal.n)]
     if cal.images.startswith("testbed:"):
         from promprune.testbed import scenes
 
@@ -114,7 +116,13 @@ def load_images(cal: Calibration) -> list:
     paths = sorted(p for p in Path(cal.images).expanduser().rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if len(paths) > cal.n:
         paths = sorted(random.Random(cal.seed).sample(paths, cal.n))
-    return [Image.open(p).convert("RGB") for p in paths]
+    images = []
+    for i, p in enumerate(paths):
+        try:
+            images.append(load_image(p, i))
+        except ValueError as err:
+            raise ValueError(f"calibration.images: {p}: {err.__cause__ or err} (remove or replace the file)") from None
+    return images
 
 
 def image_entropies(vlm_factory, metrics: list[str], images: list, batch_size: int = 8) -> dict[str, list[float]]:

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from promprune.efficiency import peak_memory_mb, reset_peak_memory
-from promprune.models.images import strict_decoding
+from promprune.models.images import as_rgb, opened, strict_decoding
 from promprune.models.sharing import ImageCache
 from promprune.records import Answer, SampleStats, values
 
@@ -56,28 +56,25 @@ class Item:
 
 
 def decode_image(data: Any, name: str) -> Image.Image:
-    """PNG/JPEG bytes (or a PIL image) -> RGB PIL image, fully decoded; ValueError naming ``name`` if unreadable."""
-    if isinstance(data, Image.Image):
-        try:
-            with strict_decoding():  # a lazily opened image decodes here: a cut-off file fails
-                return data.convert("RGB")
-        except Exception as exc:  # noqa: BLE001 - PIL raises several types for bad data
-            raise ValueError(f"{name}: unreadable image ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(data, (bytes, bytearray, memoryview)):
+    """PNG/JPEG bytes (or a PIL image) -> RGB PIL image, fully decoded; ValueError naming ``name`` if unreadable.
+    The same conversion as the library's ``load_image`` (``as_rgb``: transparency onto white as the processors do,
+    16-bit scaled, not clipped; bytes turned upright by their EXIF orientation, as ``datasets`` decodes them)."""
+    if not isinstance(data, (Image.Image, bytes, bytearray, memoryview)):
         raise ValueError(f"{name}: image must be PNG/JPEG bytes or a PIL image, got {type(data).__name__}")
     try:
-        with strict_decoding():
-            image = Image.open(io.BytesIO(bytes(data)))
-            image.load()  # decode now: a truncated file fails here, not inside the model
-        return image.convert("RGB")
+        with strict_decoding():  # a lazily opened image decodes here: a cut-off file fails
+            if isinstance(data, Image.Image):
+                data.load()
+                return as_rgb(data)
+            return as_rgb(opened(data))  # decoded now: a truncated file fails here, not inside the model
     except Exception as exc:  # noqa: BLE001 - PIL raises several types for bad data
         raise ValueError(f"{name}: unreadable image ({type(exc).__name__}: {exc})") from exc
 
 
 def image_to_png(image: Image.Image) -> bytes:
-    """Lossless PNG bytes of an image (what request rows carry across Ray)."""
+    """Lossless PNG bytes of an image (what request rows carry across Ray), converted as ``decode_image`` does."""
     buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, format="PNG")
+    as_rgb(image).save(buffer, format="PNG")
     return buffer.getvalue()
 
 

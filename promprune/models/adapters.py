@@ -118,7 +118,8 @@ class VisualItem:
         """LLM features for candidates ``kept [M]`` in that order: ``(features [M', d], run positions [M'])``.
 
         ``merged [M, d]`` replaces the kept candidates' features (token-merging methods). ``newline`` "rows": the
-        newline of every row holding a kept token is inserted at its place; "all": every newline (M' >= M).
+        newline of every row holding a kept token, and of every row holding no token at all, is inserted at its
+        place; "all": every newline (M' >= M).
         ``prefix [K, d]``: tokens fed first that have no place in the run (VisionZip's CLS tokens); each takes a
         run position no kept token uses, which only sets the placeholder count (LLaVA numbers the sequence itself).
         One image's :func:`assemble_all`: ``kept`` on the host (a CPU tensor or an array) or read from the device.
@@ -137,8 +138,10 @@ class VisualItem:
             raise ValueError("kept tokens the model's unpadding drops cannot be fed")
         gather, where = pos, np.arange(pos.shape[0])
         if newline != "drop" and host.newline is not None:
-            if newline == "rows":
-                extra = np.flatnonzero(host.newline & np.isin(host.row_of_run, np.unique(host.row_of_run[pos])))
+            if newline == "rows":  # a row of no token at all (the unpadding left it no column) keeps its own
+                rows = np.isin(host.row_of_run, host.row_of_run[pos]) | ~np.isin(host.row_of_run,
+                                                                                 host.row_of_run[~host.newline])
+                extra = np.flatnonzero(host.newline & rows)
             else:  # "all"
                 extra = np.flatnonzero(host.newline)
             gather = np.unique(np.concatenate([pos, extra]))  # ascending

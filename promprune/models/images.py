@@ -6,7 +6,7 @@ import hashlib
 import io
 import os
 
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, ImageOps
 
 
 @contextlib.contextmanager
@@ -25,29 +25,51 @@ def strict_decoding():
 
 
 def load_image(image, index: int) -> Image.Image:
-    """One image (PIL image, path, or encoded bytes) as a fully decoded RGB PIL image.
+    """One image (PIL image, path, or encoded bytes) as a fully decoded RGB PIL image (:func:`as_rgb`).
 
-    A corrupt, truncated or unreadable image is a ValueError naming batch item ``index``. 16-bit and float images are
-    scaled to 8 bits first (``_eight_bit``), where PIL's ``convert("RGB")`` clips them (a 16-bit photo came out
-    nearly all white, a float one in [0, 1] black).
+    A corrupt, truncated or unreadable image is a ValueError naming batch item ``index``. A file or bytes is turned
+    upright by its EXIF orientation (:func:`opened`), as transformers' ``load_image`` and ``datasets`` do; a PIL
+    image is taken as it is, as the processor takes it.
     """
     try:
         if isinstance(image, Image.Image):
             img = image
-        elif isinstance(image, (str, os.PathLike)):
-            img = Image.open(image)
-        elif isinstance(image, (bytes, bytearray)):
-            img = Image.open(io.BytesIO(image))
+        elif isinstance(image, (str, os.PathLike, bytes, bytearray)):
+            img = opened(image)
         else:
             raise TypeError(f"expected a PIL image, a path or bytes, got {type(image).__name__}")
         with strict_decoding():
             img.load()  # decode now: truncated data fails here, not deep inside the processor
-        rgb = _eight_bit(img).convert("RGB")
+        rgb = as_rgb(img)
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError... for bad data
         raise ValueError(f"image {index} is corrupt or unreadable: {type(err).__name__}: {err}") from err
     if min(rgb.size) < 1:
         raise ValueError(f"image {index} is empty (size {rgb.size})")
     return rgb
+
+
+def opened(source) -> Image.Image:
+    """An image file (path) or encoded bytes, decoded and turned upright by its EXIF orientation, as transformers'
+    ``load_image`` and ``datasets``' image feature turn it (a phone photo saved sideways with a rotation tag reached
+    the model sideways). Truncated data fails here under :func:`strict_decoding`."""
+    img = Image.open(io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview)) else source)
+    img.load()
+    if img.getexif().get(0x0112) not in (None, 1):  # 0x0112: Orientation; 1 is upright
+        img = ImageOps.exif_transpose(img)
+    return img
+
+
+def as_rgb(img: Image.Image) -> Image.Image:
+    """An image as 8-bit RGB the way the models' processors make it: transparency composited onto white, as
+    transformers' ``convert_to_rgb`` does (PIL's ``convert("RGB")`` drops the alpha, so a transparent diagram came
+    out on black and unpruned answers differed from plain transformers'); 16-bit and float images scaled to 8 bits
+    first (:func:`_eight_bit`), where ``convert("RGB")`` clips them (a 16-bit photo came out nearly all white, a float
+    one in [0, 1] black)."""
+    img = _eight_bit(img)
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return img.convert("RGB")
 
 
 def _eight_bit(img: Image.Image) -> Image.Image:

@@ -79,16 +79,45 @@ def is_video_path(value) -> bool:
 
 def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]:
     """``(frames [F, H, W, 3] uint8, fps of the sampled frames)``: ``frames`` frames at uniformly spaced indices
-    (first to last, rounded) of a video file, decoded with PyAV."""
+    (first to last, rounded down: ``np.linspace(..., dtype=int)``, lmms-eval's own sampling in its video loader and
+    its LLaVA-OneVision and Qwen2.5-VL models) of a video file, decoded with PyAV. Where the stream states its frame
+    count, only the picked frames are kept in memory (a long clip held every decoded frame); where the count is
+    missing or wrong, every frame is decoded and the picks made from what was decoded."""
     import av
 
     with av.open(os.fspath(path)) as container:
         stream = container.streams.video[0]
-        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        stated = int(stream.frames or 0)
         rate = float(stream.average_rate) if stream.average_rate else None
-    if not decoded:
+        wanted = set(_frame_picks(stated, frames).tolist()) if stated > 0 else None
+        kept, count = {}, 0
+        for i, frame in enumerate(container.decode(stream)):
+            count = i + 1
+            if wanted is None or i in wanted:
+                kept[i] = frame.to_ndarray(format="rgb24")
+    if not count:
         raise ValueError(f"{path}: no video frames decoded")
-    picks = np.linspace(0, len(decoded) - 1, min(frames, len(decoded))).round().astype(int)
+    if wanted is not None and count != stated:  # the stated count was wrong: pick again from every frame
+        return _decoded_all(path, frames)
+    picks = _frame_picks(count, frames)
+    fps = DEFAULT_FPS if rate is None or len(picks) < 2 else rate * (len(picks) - 1) / max(picks[-1] - picks[0], 1)
+    return np.stack([kept[i] for i in picks]), fps
+
+
+def _frame_picks(total: int, frames: int) -> np.ndarray:
+    """``min(frames, total)`` uniformly spaced frame indices of ``total``, first to last, rounded down as lmms-eval."""
+    return np.linspace(0, total - 1, min(frames, total), dtype=int)
+
+
+def _decoded_all(path, frames: int) -> tuple[np.ndarray, float]:
+    """:func:`decode_video` for a stream whose stated frame count is missing or wrong: every frame decoded."""
+    import av
+
+    with av.open(os.fspath(path)) as container:
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate) if stream.average_rate else None
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    picks = _frame_picks(len(decoded), frames)
     fps = DEFAULT_FPS if rate is None or len(picks) < 2 else rate * (len(picks) - 1) / max(picks[-1] - picks[0], 1)
     return np.stack([decoded[i] for i in picks]), fps
 

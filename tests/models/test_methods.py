@@ -185,3 +185,38 @@ def test_sixteen_bit_and_float_images_are_scaled_not_clipped():
     np.testing.assert_array_equal(np.asarray(load_image(Image.fromarray(unit), 0))[..., 0],
                                   np.round(unit.astype(np.float64) * 255).astype(np.uint8))
     assert np.asarray(load_image(Image.new("I", (4, 4), 200), 0)).max() == 200  # 8-bit values in a 32-bit image
+
+
+def test_files_are_turned_upright_by_exif_and_the_request_path_converts_as_the_library():
+    """A JPEG saved sideways with an EXIF rotation reached the model sideways; transformers' ``load_image`` (and
+    ``datasets``) turn it upright. The request path (``decode_image``, ``image_to_png``) converts as ``load_image``:
+    it clipped a 16-bit image to white and put transparency on black."""
+    import numpy as np
+    from PIL import Image
+    from transformers.image_utils import load_image as hf_load_image
+
+    from promprune.eval.generation import decode_image, image_to_png
+    from promprune.models.images import load_image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 60, 3), dtype=np.uint8)
+    sideways = Image.fromarray(pixels)
+    exif = sideways.getexif()
+    exif[0x0112] = 6  # "rotate 90 CW to view"
+    jpeg = io.BytesIO()
+    sideways.save(jpeg, format="JPEG", exif=exif.tobytes())
+    reference = np.asarray(hf_load_image(Image.open(io.BytesIO(jpeg.getvalue()))))
+    assert reference.shape == (60, 30, 3)
+    np.testing.assert_array_equal(np.asarray(load_image(jpeg.getvalue(), 0)), reference)
+    np.testing.assert_array_equal(np.asarray(decode_image(jpeg.getvalue(), "x")), reference)
+    ramp = Image.fromarray((np.arange(32 * 64).reshape(32, 64) * 30).astype(np.uint16))
+    rgba = Image.fromarray(np.dstack([pixels, np.tile(np.arange(60, dtype=np.uint8) * 4, (30, 1))]), "RGBA")
+    for image in (ramp, rgba):
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        expected = np.asarray(load_image(image, 0))
+        for got in (decode_image(png.getvalue(), "x"), decode_image(image, "x"),
+                    Image.open(io.BytesIO(image_to_png(image)))):
+            np.testing.assert_array_equal(np.asarray(got), expected)
+    # the transparency onto white, by a hand-worked pixel: alpha 4 * 59 = 236 of 255 at the last column
+    white = np.asarray(load_image(rgba, 0))[0, 59].astype(int)
+    np.testing.assert_allclose(white, np.round(pixels[0, 59].astype(float) * 236 / 255 + 255 * 19 / 255), atol=1)

@@ -78,7 +78,8 @@ def test_a_resume_whose_tune_state_is_cut_short_is_refused_before_ray(scratch, t
     parent = tracking.start_sweep(tracking.client(), spec.name, spec.version, specs.dump_resolved(spec), {})
     storage = tmp_path / "outputs" / "tune"
     _state_for(spec, storage, "rel-20261122-000002", parent_id=parent)
-    whole = pickle.dumps({"__trainable_name": "trial", "trials": [{"id": n, "config": {"budget": 8}} for n in range(20)]})
+    whole = pickle.dumps({"__trainable_name": "trial",
+                          "trials": [{"id": n, "config": {"budget": 8}} for n in range(20)]})
     tuner = storage / "rel-20261122-000002" / "tuner.pkl"
     tuner.parent.mkdir(parents=True)
     tuner.write_bytes(whole)
