@@ -312,16 +312,23 @@ def _group_images(panel: Panel) -> None:
 
 
 def _pooled(panels: list[Panel]) -> Panel | None:
-    """The tasks whose per-sample score is a percentage, pooled (a population of mixed images, the premise's case)."""
+    """The tasks whose per-sample score is a percentage, pooled (a population of mixed images, the premise's case),
+    over the fixed ratios every one of them answered (>= 2, else no pooled panel)."""
     parts = [p for p in panels if p.kind in ("item", "correct")
              and (KNOWN_COLUMNS.get(p.task) is None or KNOWN_COLUMNS[p.task].scale == 100.0)]
     if len(parts) < 2:
         return None
+    # the ratios every task answered (a trial on a subset of the tasks gives one task a ratio the others lack)
+    ratios = [r for r in parts[0].ratios if all(r in p.ratios for p in parts)]
+    if len(ratios) < 2:
+        return None
+    columns = [[p.ratios.index(r) for r in ratios] for p in parts]
     methods = [m for m in parts[0].methods if all(m in p.methods for p in parts)]
     units = pd.concat([p.units.drop(columns=["cluster", "fold"]) for p in parts], ignore_index=True)
     panel = Panel(POOLED, f"pooled: {len(parts)} tasks", parts[0].budget,
-                  "+".join(dict.fromkeys(p.kind for p in parts)), units, parts[0].ratios,
-                  np.mean([p.shares for p in parts], axis=0), np.vstack([p.fixed for p in parts]))
+                  "+".join(dict.fromkeys(p.kind for p in parts)), units, ratios,
+                  np.mean([p.shares[c] for p, c in zip(parts, columns)], axis=0),
+                  np.vstack([p.fixed[:, c] for p, c in zip(parts, columns)]))
     for m in methods:
         panel.methods[m] = np.concatenate([p.methods[m] for p in parts])
         panel.method_shares[m] = np.concatenate([p.method_shares[m] for p in parts])

@@ -248,3 +248,25 @@ def test_fixed_trials_on_different_benchmarks_make_no_panel(store, tmp_path):
     text = build_report(load_sweep("table4_like"), tmp_path / "out", truth_source=lambda task: None).markdown
     assert f"## Split headroom\n\n- {TASK} at 8 tokens: fewer than two fixed ratios answered its documents" in text
     assert "Oracle" not in text and not (tmp_path / "out" / "split_headroom.csv").exists()
+
+
+def test_pooling_keeps_the_ratios_every_task_answered():
+    """A fixed ratio run on one task only (a trial with `tasks:`) gave that task three ratios and the other two, and
+    the pooled panel's mean over the tasks' shares raised "inhomogeneous shape": the report was not written. The
+    pool now keeps the ratios both answered, columns matched by ratio (worked by hand)."""
+    def panel(task, ratios, shares, fixed):
+        n = len(fixed)
+        units = pd.DataFrame({"task": [task] * n, "docs": [(d,) for d in range(n)], "entropy": np.linspace(.1, .4, n),
+                              "image": [f"{task}{d}" for d in range(n)], "cluster": 0, "fold": 0})
+        return hs.Panel(task, task, 8.0, "correct", units, ratios, np.array(shares), np.array(fixed, dtype=float),
+                        methods={"PromPrune": np.ones(n)}, method_shares={"PromPrune": np.full(n, .5)})
+
+    a = panel("a", [0.0, 0.5, 1.0], [0.0, 0.5, 1.0], [[1, 0, 0], [0, 1, 1]])
+    b = panel("b", [0.0, 1.0], [0.1, 0.9], [[0, 1], [1, 1], [1, 0]])
+    pooled = hs._pooled([a, b])
+    assert pooled.ratios == [0.0, 1.0]
+    np.testing.assert_allclose(pooled.shares, [0.05, 0.95])
+    np.testing.assert_array_equal(pooled.fixed, [[1, 0], [0, 1], [0, 1], [1, 1], [1, 0]])
+    assert pooled.methods["PromPrune"].shape == (5,) and len(pooled.units) == 5
+    c = panel("c", [0.5, 1.0], [0.5, 1.0], [[1, 0]])
+    assert hs._pooled([b, c]) is None  # one ratio in common: nothing to compare
