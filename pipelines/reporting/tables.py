@@ -37,6 +37,7 @@ EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
 
 CI_LOW, CI_HIGH = ":ci_low", ":ci_high"  # ScoreTable.frame columns of a task's bootstrap bounds (raw units)
 FAILED = ":n_failed"  # ScoreTable.frame column of a task's failed samples (scored as the empty answer)
+REL_OF = ":rel_of"  # ScoreTable.frame column: how many benchmarks a row's Rel. averages (NaN: all, or not known)
 
 
 @dataclass
@@ -136,7 +137,21 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
         if interval is not None:
             frame[f"{col.task}{CI_LOW}"], frame[f"{col.task}{CI_HIGH}"] = interval
     frame["rel"] = relative_scores(frame[[c.task for c in columns]], sweep.baseline_id, metrics.get("rel"))
+    frame[REL_OF] = rel_counts(frame[[c.task for c in columns]], sweep.baseline_id)
     return ScoreTable(frame, columns)
+
+
+def rel_counts(scores: pd.DataFrame, baseline_id: str | None) -> pd.Series:
+    """How many benchmarks each row's Rel. averages, where that is fewer than the baseline's (a trial run on a
+    subset of the tasks); NaN where it is all of them, or where Rel. was not computed here (no baseline trial)."""
+    if baseline_id is None or scores.empty:
+        return pd.Series(np.nan, index=scores.index)
+    from promprune.eval.scoring import ratio_tasks
+
+    base = scores.loc[baseline_id].to_dict()
+    full = len(ratio_tasks(base, base))
+    counts = scores.apply(lambda row: len(ratio_tasks(row.to_dict(), base)), axis=1).astype(float)
+    return counts.where(counts < full)
 
 
 def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: pd.Series | None) -> pd.Series:
@@ -161,7 +176,8 @@ def best_per_budget(table: ScoreTable, decimals: dict[str, int]) -> set[tuple[st
     """(run id, column) cells that are the best (highest, at display precision) among their budget's trials.
 
     The baseline is not a competitor; a budget with a single trial, or where all trials tie, has no best; ties
-    for the best among different values are all best.
+    for the best among different values are all best. A Rel. over fewer benchmarks than the table's (a trial on a
+    subset of the tasks) is not compared with the others' (the paper's Rel. is over the table's benchmarks).
     """
     frame = table.frame[table.frame["method"] != BASELINE_METHOD]
     best = set()
@@ -169,7 +185,8 @@ def best_per_budget(table: ScoreTable, decimals: dict[str, int]) -> set[tuple[st
         if len(group) < 2:
             continue
         for col, dec in decimals.items():
-            shown = _display_series(table, group, col).round(dec)
+            rows = group if col != "rel" or REL_OF not in group else group[group[REL_OF].isna()]
+            shown = _display_series(table, rows, col).round(dec)
             if shown.notna().sum() < 2 or shown.nunique() < 2:
                 continue  # one value, or all equal: nothing stands out
             best |= {(rid, col) for rid in shown.index[shown == shown.max()]}
@@ -191,6 +208,8 @@ def score_table_csv(table: ScoreTable) -> pd.DataFrame:
         if f"{col.task}{FAILED}" in table.frame:
             out[f"{col.label} failed samples"] = table.frame[f"{col.task}{FAILED}"]
     out["Rel. (%)"] = table.frame["rel"]
+    if REL_OF in table.frame and table.frame[REL_OF].notna().any():
+        out["Rel. over benchmarks"] = table.frame[REL_OF]  # set where fewer than the table's
     out.index.name = "run_id"
     return out.reset_index()
 
@@ -213,7 +232,10 @@ def score_table_markdown(table: ScoreTable, full_tokens: float | None = None,
                 cell += f" ({low * col.scale:.{col.decimals}f}–{high * col.scale:.{col.decimals}f})"
             cell += failed_note(row.get(f"{col.task}{FAILED}"))
             cells.append(cell)
-        cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%"))
+        rel_of = row.get(REL_OF)
+        over = "" if rel_of is None or _isnan(rel_of) or _isnan(float(row["rel"])) else \
+            f" (over {int(rel_of)} of {len(table.columns)} benchmarks)"
+        cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%") + over)
         rows.append(cells)
         paper = _paper_row(table, rid, comparison, decimals)
         if paper:

@@ -497,9 +497,13 @@ def mean_ratio(ours: dict[str, float], base: dict[str, float]) -> float:
     """The mean over tasks of ``ours[task] / base[task]``, over the tasks where that ratio is defined (both scores
     present and not NaN, the baseline's not 0); NaN when none is. The one rule of Rel.: ``relative_score`` checks
     its inputs first and raises instead; the report's tables leave undefined tasks out of a row's average."""
-    ratios = [ours[t] / base[t] for t in ours
-              if t in base and base[t] == base[t] and ours[t] == ours[t] and base[t] != 0]
+    ratios = [ours[t] / base[t] for t in ratio_tasks(ours, base)]
     return sum(ratios) / len(ratios) if ratios else float("nan")
+
+
+def ratio_tasks(ours: dict[str, float], base: dict[str, float]) -> list[str]:
+    """The tasks :func:`mean_ratio` averages over: both scores present and not NaN, the baseline's not 0."""
+    return [t for t in ours if t in base and base[t] == base[t] and ours[t] == ours[t] and base[t] != 0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

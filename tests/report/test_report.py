@@ -111,6 +111,26 @@ def test_markdown_bolds_the_best_per_budget(table_sweep, tmp_path):
     assert csv.loc[csv["label"] == "PromPrune", "POPE"].tolist() == pytest.approx([80.0, 72.0])
 
 
+def test_a_rel_over_fewer_benchmarks_is_marked_and_not_the_budgets_best(store, tmp_path):
+    """A trial run on a subset of the tasks (`tasks:` in its entry): its Rel. averages fewer benchmarks, and was
+    bolded as its budget's best over rows averaged over all three. By hand: random@64 on POPE alone is 0.78/0.80 =
+    97.5 %; promprune@64 (.90 + 1 + .95) / 3 = 95.0 %; divprune@64 (.95, .95, 1) = 96.7 %, the best over all three."""
+    client, exp = store
+    subset = trial("random", 64, {"pope/pope_f1_score": 0.78}, tid="random-b64-on=pope")
+    subset["metrics"] = {"pope/pope_f1_score": 0.78}
+    parent = log_sweep(client, exp, "subset_demo", [
+        trial("none", None, scores(1800, 300, 0.80, 0.60)),
+        trial("promprune", 64, scores(1620, 270, 0.80, 0.57)),
+        trial("divprune", 64, scores(1710, 290, 0.76, 0.60)), subset], tasks=TASKS, tmp=tmp_path)
+    table = tables.build_score_table(load_sweep(parent))
+    rows = {line.split("|")[1].strip(): line for line in tables.score_table_markdown(table).splitlines()[2:]}
+    assert rows["Random"] == "| Random | 64 | – | 78.0 | – | 97.5% (over 1 of 3 benchmarks) |"
+    assert rows["DivPrune"] == "| DivPrune | 64 | **1710.0** | 76.0 | **60.0** | **96.7%** |"
+    csv = tables.score_table_csv(table)
+    assert csv.set_index("method")["Rel. over benchmarks"].to_dict() == pytest.approx(
+        {"none": math.nan, "promprune": math.nan, "divprune": math.nan, "random": 1.0}, nan_ok=True)
+
+
 def test_a_trial_that_sets_an_option_others_leave_at_default_is_named(store, tmp_path):
     """fastv beside fastv with layer: 2 (the testbed spec): two rows that must not share a label."""
     client, exp = store
