@@ -286,7 +286,7 @@ def _lanczos_finish(W, NORM_IN, COEF, N2, PARTS, CHUNK, STEPS, *, TILE, PARTS_P2
     COEF[:, 2 * STEPS - 1] = beta[:, 0]
 
 
-def _front(S, T_SAL, K, out, salient, anchor, free, first, N, T, *, FIRST, BLOCK_N, ROWS):
+def _front(S, T_SAL, K, out, salient, anchor, free, first, N, T, *, FIRST, BLOCK_N, ROWS, GAIN_EPS):
     """``greedy_triton._front_kernel``'s work in torch: ``two_stage``'s own ops."""
     from promprune.selection.diversity import _first_from_anchor
     from promprune.selection.kernels import ranks_to_mask, stable_descending_order

@@ -29,6 +29,11 @@ from .kernels import masked_argmax, near_tie_argmax
 # the Triton kernel alike: duplicated tokens have distances that agree mathematically but differ by float32 rounding
 # (~1e-7), which would otherwise pick among them by the last bits of a device's matmul.
 FPS_TIE_EPS = 1e-6
+# Facility location counts gains within this share of the best (of 1, for gains below 1) as tied, the lowest index
+# winning, in the torch loop and the Triton kernel alike: once two clients remain under-covered their gains agree
+# mathematically (1 + s_ab - c_a - c_b) and differ by rounding, and a gain sums N clients in an order each device
+# picks; the same inputs in float32 and float64 picked differently in 23 of 600 random cases without it.
+FL_TIE_EPS = 1e-5
 # Residual DPP gains at or below this are numerically zero: the kernel's rank is exhausted. Dividing by the square
 # root of such a gain would amplify float32 noise, so those steps fall back to the deterministic order instead.
 GAIN_EPS = 1e-6
@@ -64,9 +69,14 @@ def _argmax_tiebreak(score: torch.Tensor, mask: torch.Tensor, order: torch.Tenso
 
 
 def _first_from_anchor(similarity: torch.Tensor, available: torch.Tensor, anchor: torch.Tensor):
-    """The available token whose largest similarity to any anchor token is smallest:
-    ``-> (index [B], has_anchor [B])``."""
+    """The available token whose largest similarity to any anchor token is smallest, among those with a gain to give
+    (a zero token, an fp16 feature that underflowed, has similarity 0 to everything and no gain: as the first pick it
+    sent the step to the fallback order while other gains were positive): ``-> (index [B], has_anchor [B])``. Where
+    no available token has a gain, any available one (the step falls back as every later one would)."""
     max_sim = similarity.masked_fill(~anchor[:, None, :], float("-inf")).amax(dim=2)  # [B, N]
+    # no gain: ranked below every other available token (the largest finite value, not inf: an available token
+    # stays above the unavailable ones' -inf)
+    max_sim = max_sim.masked_fill(similarity.diagonal(dim1=1, dim2=2) <= GAIN_EPS, torch.finfo(max_sim.dtype).max)
     index, _ = masked_argmax(-max_sim, available)
     return index, anchor.any(dim=1)
 
@@ -222,7 +232,8 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
     ``similarity [B, N, N]`` must lie in [0, 1] (here ``clip((cos + 1) / 2, 0, 1)``); the clients ``i`` and the
     candidates ``j`` are the available tokens. The marginal gain of j is ``sum_i max(0, s_ij - cover_i)``; a token
     outside ``R`` starts covered (``cover_i = 1``), so it adds nothing. ``conditional=True`` starts ``cover`` from
-    the anchor tokens. Once every gain is 0 the rest is filled by ``fallback`` (else raster order).
+    the anchor tokens. Gains within ``FL_TIE_EPS`` of the best (relative, of 1 below 1) tie, the lowest index
+    winning. Once every gain is 0 the rest is filled by ``fallback`` (else raster order).
     """
     B, N, _ = similarity.shape
     cover = similarity.new_zeros(B, N)
@@ -234,13 +245,14 @@ def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts:
         from . import greedy_triton
 
         out = accel.kernel("fl", lambda: greedy_triton.facility_location(
-            similarity, available, counts, cover, order_fb, _width(counts, steps)))
+            similarity, available, counts, cover, order_fb, _width(counts, steps), FL_TIE_EPS))
         if out is not None:
             return out
     picks = _Picks(available, counts, steps)
     for k in range(picks.steps):
         gain = (similarity - cover[:, :, None]).clamp_min(0).sum(dim=1)  # [B, N]: column j's gain
-        j, best = masked_argmax(gain, picks.free)
+        _, best = masked_argmax(gain, picks.free)
+        j = near_tie_argmax(gain, picks.free, FL_TIE_EPS * best.clamp_min(1.0)[:, None])
         j = torch.where(best <= 0, masked_argmax(order_fb, picks.free)[0], j)  # exhausted rows: fallback order
         picks.take(k, j)
         cover = torch.maximum(cover, _row(similarity, j))

@@ -154,7 +154,7 @@ def _dpp_kernel(K, avail, anchor, order, first, counts, F, out, N, OUT_W, S_ROWS
 
 @triton.jit
 def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
-                  ROWS: tl.constexpr):
+                  ROWS: tl.constexpr, GAIN_EPS: tl.constexpr):
     """One view of ``two_stage``'s saliency stage, before its DPP (``_dpp_kernel`` with ``AT``): the saliency ``S [B,
     N]`` min-max normalized as ``two_stage.minmax`` does (float32, IEEE division), its stable descending order (ties:
     the lower index) by one sort of (value, index) keys, and the first ``T_SAL[b]`` tokens of that order written to
@@ -162,8 +162,8 @@ def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: t
     its complement) and ``salient`` (``[B, T]`` int8: the ranks below ``T_SAL[b]``). ``FIRST``: ``first [B]`` gets the
     unconditional DPP's first pick (``diversity._first_from_anchor``) on ``K [B, N, N]``, exactly symmetric (as
     ``TokenSet.cosine`` is), so that each token's largest similarity to an anchor token is the running max of the
-    anchor tokens' rows (``ROWS`` at a time): the free token where that is smallest, the lowest index on ties; -1
-    without anchor tokens."""
+    anchor tokens' rows (``ROWS`` at a time): the free token where that is smallest, the lowest index on ties, among
+    those whose diagonal passes ``GAIN_EPS`` where any does; -1 without anchor tokens."""
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     inb = offs < N
@@ -191,6 +191,9 @@ def _front_kernel(S, T_SAL, K, out, salient, anchor, free, first, N, T, FIRST: t
             rows = tl.load(K + b * N * N + js[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :],
                            other=float("-inf"))
             near = tl.maximum(near, tl.max(rows, axis=0))
+        # a token with no gain to give (its diagonal at most GAIN_EPS) ranks below every other free token
+        diag = tl.load(K + b * N * N + offs * N + offs, mask=inb, other=0.0)
+        near = tl.where(diag > GAIN_EPS, near, 3.4028234663852886e38)  # float32's largest finite value
         score = tl.where(inb & (held == 0), -near, float("-inf"))
         top = tl.max(score, axis=0)
         pick = tl.min(tl.where(score == top, offs, BLOCK_N), axis=0)
@@ -296,9 +299,11 @@ def _divprune_kernel(C, out, N, OUT_W, TOL: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, TIE: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_I: tl.constexpr):
     """One view of ``diversity.facility_location``: ``S [B, N, N]`` in [0, 1], ``cover [B, N]`` (updated in place),
-    ``avail [B, N]`` int8, fallback ``order [B, N]``, ``counts [B]``, ``out`` (-1)."""
+    ``avail [B, N]`` int8, fallback ``order [B, N]``, ``counts [B]``, ``out`` (-1); gains within ``TIE`` of the best
+    (relative, of 1 below 1) tie, the lowest index winning."""
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     inb = offs < N
@@ -315,7 +320,9 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, BLOCK_N: tl.conste
             tile = tl.load(Sb + rows[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :], other=0.0)
             c = tl.load(Cb + rows, mask=live, other=0.0)
             gain += tl.sum(tl.maximum(tile - c[:, None], 0.0), axis=0)
-        j, best = _masked_argmax(gain, free, offs, BLOCK_N)
+        masked = tl.where(free, gain, float("-inf"))
+        best = tl.max(masked, axis=0)
+        j = tl.min(tl.where(masked >= best - TIE * tl.maximum(best, 1.0), offs, BLOCK_N), axis=0)
         j_fb, _fb = _masked_argmax(fb, free, offs, BLOCK_N)
         j = tl.where(best <= 0, j_fb, j)
         tl.store(out + b * OUT_W + k, j.to(tl.int64))
@@ -596,11 +603,12 @@ FRONT_MAX = VIS_SORT_MAX  # tokens one program sorts at once (``salient_front``)
 
 
 def salient_front(saliency: torch.Tensor, t_sal: torch.Tensor, budget: int,
-                  kernel: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                  kernel: torch.Tensor | None, gain_eps: float) -> tuple[torch.Tensor, ...]:
     """``two_stage``'s saliency stage in one launch (``_front_kernel``), for its DPP to follow (``dpp_after_front``):
     ``saliency [B, N]`` float32, ``t_sal [B]`` long on the device, ``budget`` <= N <= `FRONT_MAX`; ``kernel [B, N,
     N]``: the unconditional DPP's, exactly symmetric (``TokenSet.cosine``), whose first pick is found here (None:
-    conditional or no coverage stage, no first pick). Returns ``(indices [B, budget] long, salient [B, budget] bool,
+    conditional or no coverage stage, no first pick), the first pick among the tokens whose diagonal passes
+    ``gain_eps`` (``diversity.GAIN_EPS``) where any does. Returns ``(indices [B, budget] long, salient [B, budget] bool,
     anchor [B, N] int8, free [B, N] int8, first [B] or None)``: ``indices`` holds the salient tokens, then -1 where
     the DPP's picks go."""
     B, N = saliency.shape
@@ -613,8 +621,8 @@ def salient_front(saliency: torch.Tensor, t_sal: torch.Tensor, budget: int,
     first = torch.empty(B, dtype=torch.long, device=device)
     _front_kernel[(B,)](saliency.contiguous(), t_sal.contiguous(), saliency if kernel is None else kernel.contiguous(),
                         indices, salient, anchor, free, first, N, budget, FIRST=kernel is not None, BLOCK_N=block_n,
-                        ROWS=max(1, _TILE_ELEMENTS // block_n), num_warps=8 if block_n >= 1024 else 4,
-                        enable_fp_fusion=False)
+                        ROWS=max(1, _TILE_ELEMENTS // block_n), GAIN_EPS=gain_eps, num_warps=8 if block_n >= 1024
+                        else 4, enable_fp_fusion=False)
     return indices, salient.view(torch.bool), anchor, free, first if kernel is not None else None
 
 
@@ -654,15 +662,16 @@ def divprune_picks(cosine: torch.Tensor, budget: int, tie_eps: float) -> torch.T
 
 
 def facility_location(similarity: torch.Tensor, available: torch.Tensor, counts: torch.Tensor, cover: torch.Tensor,
-                      order: torch.Tensor, width: int) -> torch.Tensor:
+                      order: torch.Tensor, width: int, tie_eps: float) -> torch.Tensor:
     """``diversity.facility_location``'s loop in one launch: ``similarity [B, N, N]`` in [0, 1], the initial
-    ``cover [B, N]``, fallback ``order [B, N]``; ``width`` >= counts.max(). Returns picks ``[B, width]``."""
+    ``cover [B, N]``, fallback ``order [B, N]``; ``width`` >= counts.max(); gains within ``tie_eps`` of the best
+    (relative, of 1 below 1) tie. Returns picks ``[B, width]``."""
     B, N, _ = similarity.shape
     block_n, block_i, warps = _blocks(N)
     out = _picks(B, width, similarity.device)
     _fl_kernel[(B,)](similarity.contiguous(), cover.float().clone().contiguous(), _flags(available),
                      order.float().contiguous(), counts.to(torch.int32).contiguous(), out, N, width,
-                     BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps, enable_fp_fusion=False)
+                     TIE=tie_eps, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=warps, enable_fp_fusion=False)
     return out
 
 

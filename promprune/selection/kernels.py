@@ -92,9 +92,10 @@ def masked_argmax(score: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     return index, value
 
 
-def near_tie_argmax(score: torch.Tensor, mask: torch.Tensor, tol: float) -> torch.Tensor:
-    """Row-wise argmax of ``score [B, N]`` over ``mask [B, N]`` where every admissible score within ``tol`` of the
-    row's max counts as tied and the lowest index wins -> ``index [B]`` (0 for a row with no admissible entry)."""
+def near_tie_argmax(score: torch.Tensor, mask: torch.Tensor, tol) -> torch.Tensor:
+    """Row-wise argmax of ``score [B, N]`` over ``mask [B, N]`` where every admissible score within ``tol`` (a float,
+    or a ``[B, 1]`` tensor: one per row) of the row's max counts as tied and the lowest index wins -> ``index [B]``
+    (0 for a row with no admissible entry)."""
     N = score.shape[1]
     masked = score.masked_fill(~mask, float("-inf"))
     best = masked.amax(dim=1, keepdim=True)  # [B, 1]

@@ -117,7 +117,7 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
 
     def launch_front():
         order.append(fallback_score(None, tokens.x[:, :, 0]) if raster else saliency)  # [B, N]: -0, -1, -2, ...
-        return greedy_triton.salient_front(order[0], t_sal, budget, None if conditional else kernel)
+        return greedy_triton.salient_front(order[0], t_sal, budget, None if conditional else kernel, GAIN_EPS)
 
     front = accel.kernel("front", launch_front)
     if front is None:

@@ -175,3 +175,48 @@ def test_dpp_without_anchor_starts_from_the_most_salient_token():
     assert sel.indices[:, 0].tolist() == s.argmax(dim=1).tolist()
     # without saliency: the lowest index
     assert promprune.select(x, budget=6, method="coverage_only", order="selection").indices[:, 0].tolist() == [0] * 3
+
+
+def test_facility_location_picks_the_same_in_float32_and_float64():
+    """Once two clients remain under-covered, their gains agree mathematically (1 + s_ab - c_a - c_b) and differ in
+    the last bits, so float32 and float64 picked differently in 23 of 600 random cases (a probe's count). Near ties
+    (FL_TIE_EPS) go to the lowest index in both."""
+    differ = 0
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, 10, 8, generator=g, dtype=torch.float64)
+        if seed % 3 == 0:
+            x[0, 5] = x[0, 2] * 3.0  # a scaled duplicate: the same cosine row
+        S = ((cosine(x) + 1) / 2).clamp(0, 1)
+        for budget in (3, 5):
+            args = (torch.ones(1, 10, dtype=torch.bool), torch.tensor([budget]))
+            differ += facility_location(S, *args).tolist() != facility_location(S.float(), *args).tolist()
+    assert differ == 0
+
+
+def test_facility_location_breaks_an_exact_tie_by_the_lowest_index():
+    """Hand-worked: two identical candidates (columns 1 and 2 equal) after token 0 is picked; the next gain is the same
+    for both up to rounding: index 1 is taken in either order of its rounding."""
+    S = torch.tensor([[1.0, 0.2, 0.2], [0.2, 1.0, 1.0], [0.2, 1.0, 1.0]], dtype=torch.float64)
+    for nudge in (1e-15, -1e-15):  # column 2's gain a hair above, then below, column 1's
+        T = S.clone()
+        T[1, 2] += nudge
+        got = facility_location(T[None], torch.ones(1, 3, dtype=torch.bool), torch.tensor([2]))
+        assert got[0].tolist() == [1, 0]  # first: a duplicate pair's gain 1 + 1 + .2 = 2.2 beats token 0's 1.4
+
+
+def test_dpp_first_pick_skips_a_token_with_no_gain():
+    """An fp16 feature that underflowed to zero has cosine 0 to everything: least similar to the anchor, it was the
+    first pick, whose zero gain sent the step to the fallback (the most salient token) while the other gains were
+    positive. methods.md: the fallback only once every residual gain is 0. By hand: anchor at 0 deg; the nonzero
+    token least similar to it is at 80 deg (index 3, cosine 0.17: above the zero token's 0)."""
+    ang = torch.tensor([0.0, 30.0, 60.0, 80.0, 0.0]) * torch.pi / 180
+    x = torch.stack([ang.cos(), ang.sin()], dim=-1)[None].double()
+    x[0, 4] = 0.0  # the zero token
+    norms = x.norm(dim=-1, keepdim=True)
+    K = (x / norms.clamp_min(1e-12)) @ (x / norms.clamp_min(1e-12)).transpose(1, 2)
+    anchor = torch.zeros(1, 5, dtype=torch.bool)
+    anchor[0, 0] = True
+    saliency = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    picks = dpp_greedy(K.float(), ~anchor, torch.tensor([1]), anchor=anchor, fallback=saliency)
+    assert picks[0, 0].item() == 3  # not 4 (the zero token), nor 1 (the fallback's most salient free token)

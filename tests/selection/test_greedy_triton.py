@@ -130,7 +130,7 @@ def test_cuda_vispruner_kernel_at_the_papers_sizes(B, N, keep, rank):
 def _kernels():
     """Each kernel specialization ``select`` can launch: (kernel, signature, constexprs)."""
     from promprune.selection import greedy_triton as g
-    from promprune.selection.diversity import FPS_TIE_EPS
+    from promprune.selection.diversity import FL_TIE_EPS, FPS_TIE_EPS
 
     dpp = {"K": "*fp32", "avail": "*i8", "anchor": "*i8", "order": "*fp32", "first": "*i64", "counts": "*i32",
            "F": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32", "S_ROWS": "i32", "OUT_AT": "*i32"}
@@ -151,14 +151,15 @@ def _kernels():
     for ratio in (True, False):  # the cosine from the unit Gram; the unit Gram from the half tokens' product
         out.append((g._scaled_gram_kernel, scaled, {"RATIO": ratio, "DIAG": ratio, "BLOCK": g.GRAM_BLOCK}))
     for first, block_n in ((True, 2048), (False, 2048), (True, g.FRONT_MAX)):  # Qwen2.5-VL's 1296 tokens; the most
-        out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n, "ROWS": max(1, 16384 // block_n)}))
+        out.append((g._front_kernel, front, {"FIRST": first, "BLOCK_N": block_n, "ROWS": max(1, 16384 // block_n),
+                                             "GAIN_EPS": 1e-6}))
     out.append((g._fps_kernel, fps, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048}))
     ascending = {"IDX": "*i64", "SAL": "*u8", "out_idx": "*i64", "out_sal": "*u8", "T": "i32"}
     for has_sal, block_t in ((True, 64), (False, 1024), (True, g.ASCENDING_MAX)):  # LLaVA-1.5's budget; the most
         out.append((g._ascending_kernel, ascending, {"HAS_SAL": has_sal, "BLOCK_T": block_t}))
     divprune = {"C": "*fp32", "out": "*i64", "N": "i32", "OUT_W": "i32"}
     out.append((g._divprune_kernel, divprune, {"TOL": FPS_TIE_EPS, "BLOCK_N": 2048, "ROWS": 8}))
-    out.append((g._fl_kernel, fl, {"BLOCK_N": 1024, "BLOCK_I": 16}))
+    out.append((g._fl_kernel, fl, {"TIE": FL_TIE_EPS, "BLOCK_N": 1024, "BLOCK_I": 16}))
     vis = {"C": "*fp32", "SI": "*i32", "lists": "*i32", "odd": "*i32", "match": "*fp32", "out": "*i64", "R0": "i32",
            "KEEP": "i32", "ROUNDS": "i32"}
     block_e, block_p, _ = g.vispruner_blocks(1232)  # Qwen2.5-VL's candidates at T = 128
