@@ -60,6 +60,7 @@ EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_deve
 # sets it, so `ui_url` opens the runs table in any browser
 SAVED_VIEW = "mlflow.sharedViewState."  # experiment tag prefix of the runs page's saved views (its "Views" menu)
 REGRESSION = "promprune.regression"
+TRIALS_FAILED = "trials/failed"  # parent metric: its trials that failed (a run with any is no baseline of a later one)
 STOPPED = "promprune.stopped"  # on a trial run a scheduler stopped early (status KILLED): where, and why
 CALIBRATED_MU = "promprune.calibrated_mu"
 ROLE_SWEEP, ROLE_TRIAL, ROLE_EVALUATION = "sweep", "trial", "evaluation"

@@ -356,7 +356,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 spec_fingerprint(specs.dump_resolved(spec)))
         summary = [line for line in [best_line(spec, recorder.records, recorder.generated, best)] if line]
         recorder.parent(metrics={"trials/total": len(recorder.records),
-                                 "trials/failed": sum(r["error"] is not None for r in recorder.records.values()),
+                                 mlflow_layout.TRIALS_FAILED: sum(r["error"] is not None
+                                                                  for r in recorder.records.values()),
                                  "trials/stopped": len(recorder.stopped), mlflow_layout.GENERATED: recorder.generated,
                                  **best_metrics(best)},
                         tags={mlflow_layout.NOTE: "\n\n".join([spec.description, *paired, *summary]).strip(),
@@ -563,6 +564,8 @@ def generation_plan(spec: specs.SweepSpec) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     timeline.mark("process_start", "driver", t=timeline.process_started())
+    _TERMINATED.clear()  # (a test's earlier sweep in this process may have had one)
+    stop_on_sigterm()  # from the start: a SIGTERM while the spec is checked stops as Ctrl-C does, exit 130
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     environ = dict(os.environ)  # as started: the spec's plugins are added to it below (a resume adds them itself)
@@ -586,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     except specs.SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while the spec was checked: a traceback and exit 1 before
+        print(f"\n{NOT_STARTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     # on the console, not only in the log: the options a resume restored, a task left out of every trial
     for note in [*restored, *preflight.judge_notes(spec.tasks)]:
         print(note, flush=True)
@@ -604,19 +610,24 @@ def main(argv: list[str] | None = None) -> int:
     preflight.random_weights_note(spec.model.pretrained)
     log_path = paths.outputs_dir() / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
     with lock:  # held until the sweep ends; the kernel drops it if this process is killed
-        short = disk.check_free(_writes_to(spec), spec.limit and spec.limit * len(spec.tasks), planned_trials(spec))
-        if short:
-            print(f"error: {short}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
+        try:
+            short = disk.check_free(_writes_to(spec), spec.limit and spec.limit * len(spec.tasks),
+                                    planned_trials(spec))
+            if short:
+                print(f"error: {short}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            prepare_model(spec.model.pretrained)  # first-use work (training the tiny-easyvqa model) with its own bar
+        except KeyboardInterrupt:
+            print(f"\n{NOT_STARTED}", file=sys.stderr)
+            return EXIT_INTERRUPTED
         if not args.verbose:
             print(f"Ray, Tune and lmms-eval output goes to {log_path} (--verbose shows it here)", flush=True)
         with contextlib.nullcontext() if args.verbose else quiet(log_path):
             command = launch_command(args.config, args.overrides, regression_threshold=args.regression_threshold,
                                      address=args.address, environ=environ)
             try:
-                _TERMINATED.clear()  # (a test's earlier sweep in this process may have had one)
-                stop_on_sigterm()  # before the store's thread: a SIGTERM while Ray starts is an interruption too
+                stop_on_sigterm()  # again: an earlier import may have set another (a SIGTERM marked while the spec
+                # was checked, `_TERMINATED`, interrupts the wait for the store below)
                 store = threading.Thread(target=tracking.client, name="mlflow-store", daemon=True)
                 store.start()  # a new store's tables (MLflow's migrations: seconds) are made while Ray starts
                 with keeping_our_sigterm():  # ray.init sets its own (sys.exit: exit 15, or a hang; no resume line)
@@ -636,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     load_state(storage_root(spec), spec.name, lock.experiment)
                 except specs.SpecError:  # stopped before the run saved its state: nothing to resume
-                    say("\ninterrupted before the sweep started; run the same command again")
+                    say(f"\n{NOT_STARTED}")
                 else:
                     say("\ninterrupted; finish it with:\n  "
                         + resume_command({"experiment": lock.experiment, "command": command}))
@@ -676,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_TRIALS_FAILED if outcome.failed else 0
 
 
+NOT_STARTED = "interrupted before the sweep started; run the same command again"
 _TERMINATED = threading.Event()  # a SIGTERM came (stop_on_sigterm): waits that its interruption may miss look here
 
 

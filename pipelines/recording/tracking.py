@@ -37,10 +37,20 @@ def experiment_id(c) -> str:
     """The experiment's id (created on first use, a SQLite store's with its artifacts beside the database file),
     marked as a model-development experiment so MLflow 3's UI opens it on its runs rather than on the GenAI
     overview."""
+    from mlflow.exceptions import MlflowException
+
     name = mlflow_layout.experiment_name()
     exp = c.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp is not None else \
-        c.create_experiment(name, artifact_location=mlflow_layout.artifact_location(c.tracking_uri))
+    if exp is not None:
+        exp_id = exp.experiment_id
+    else:
+        try:
+            exp_id = c.create_experiment(name, artifact_location=mlflow_layout.artifact_location(c.tracking_uri))
+        except MlflowException:  # another run made it since the lookup (two starting at once on a new store)
+            exp = c.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            exp_id = exp.experiment_id
     if exp is None or exp.tags.get(mlflow_layout.EXPERIMENT_KIND) != mlflow_layout.MODEL_DEVELOPMENT:
         c.set_experiment_tag(exp_id, mlflow_layout.EXPERIMENT_KIND, mlflow_layout.MODEL_DEVELOPMENT)
     return exp_id
@@ -226,7 +236,8 @@ def _param(v: Any) -> str:
 
 def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str):
     """The latest FINISHED parent run of sweep ``name`` started before ``current_id`` that ran the same resolved spec
-    (its `promprune.spec_fingerprint` tag is ``fingerprint``), or None; with the line saying what the check compares
+    (its `promprune.spec_fingerprint` tag is ``fingerprint``) and whose trials all finished (no `trials/failed`), or
+    None; with the line saying what the check compares
     with, or why it compares with nothing. Matching the name and version alone made a ``--set limit=20`` quick check
     (which sweeps/nightly.yaml suggests) the baseline of the next 500-question night: false regressions, or masked
     ones. A parent run logged before runs carried the tag does not match (said in the line)."""
@@ -237,11 +248,20 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     exp = [current.info.experiment_id]
     found = c.search_runs(exp, " and ".join([*same, mlflow_layout.tag_filter(mlflow_layout.SPEC_FINGERPRINT,
                                                                              fingerprint)]),
-                          order_by=["attributes.start_time DESC"], max_results=1)
-    if found:
-        prev = found[0]
+                          order_by=["attributes.start_time DESC"], max_results=1000)
+    # a run whose trials failed ends FINISHED too (exit 1), without their Rel.: as the next one's baseline, it
+    # compared nothing for them (a failed night let the following night's regression pass)
+    whole = [r for r in found if not r.data.metrics.get(mlflow_layout.TRIALS_FAILED)]
+    passed = len(found) - len(whole) if not whole else found.index(whole[0])
+    over = (f"; {passed} later run(s) of it had failed trials and are not compared with" if passed else "")
+    if whole:
+        prev = whole[0]
         return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
-                      f"earlier FINISHED run of the same resolved spec of sweep {name} v{version}")
+                      f"earlier FINISHED run of the same resolved spec of sweep {name} v{version} whose trials all "
+                      f"finished{over}")
+    if found:
+        return None, (f"the {len(found)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
+                      f"v{version} all had failed trials: nothing to compare with")
     earlier = c.search_runs(exp, " and ".join(same), order_by=["attributes.start_time DESC"], max_results=1000)
     if not earlier:
         return None, f"no earlier FINISHED run of sweep {name} v{version} in this experiment"
@@ -288,7 +308,8 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     why nothing was).
 
     A regression is a trial whose Rel. fell by more than `threshold` (absolute, e.g. 0.02 = 2 points of Rel.).
-    Tags: promprune.regression = true/false/no-previous, promprune.regression.previous_run, ...threshold,
+    Tags: promprune.regression = true/false/no-previous, or incomplete (no regression among the trials compared, and
+    some of the previous run's have no Rel. in this one), promprune.regression.previous_run, ...threshold,
     ...detail (the regressions), ...note (the line); the parent's promprune.spec_fingerprint when it had none (a run
     started before runs carried it, resumed).
     """
@@ -302,8 +323,13 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     now, before = rel_by_trial(c, parent_id), rel_by_trial(c, prev.info.run_id)
     found = [f"{tid}: rel {before[tid]:.4f} -> {now[tid]:.4f} ({now[tid] - before[tid]:+.4f})"
              for tid in sorted(set(now) & set(before)) if before[tid] - now[tid] > threshold]
+    lost = sorted(set(before) - set(now))  # failed (or not run) this time: not compared, and said
+    if lost:
+        note += (f"; {len(lost)} trial(s) of that run have no Rel. in this one, so were not compared: "
+                 f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}")
+        c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.note", note[:4000])
     c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.previous_run", prev.info.run_id)
-    c.set_tag(parent_id, mlflow_layout.REGRESSION, "true" if found else "false")
+    c.set_tag(parent_id, mlflow_layout.REGRESSION, "true" if found else "incomplete" if lost else "false")
     if found:
         c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.detail", "; ".join(found)[:4000])
     return found, note

@@ -19,7 +19,7 @@ import yaml
 
 from pipelines import paths
 from pipelines import spec as specs
-from pipelines.frontdoor import LOCK_SUFFIX, STATE_DIR, busy_message, local_holder, parse_holder, runs_of
+from pipelines.frontdoor import LOCK_SUFFIX, REPO, STATE_DIR, busy_message, local_holder, parse_holder, runs_of
 from pipelines.paths import STORAGE_ENV
 
 
@@ -299,22 +299,28 @@ def _flat(d, prefix: str = "") -> dict:
 RUN_OPTIONS = (("--address", "address"), ("--regression-threshold", "regression_threshold"))
 
 
+SWEEP_SCRIPT = "pipelines/sweep.py"  # the driver, from the checkout's root (a Ray job's working directory)
+
+
 def launch_command(config: str, overrides: list[str], *, regression_threshold: float | None = None,
                    address: str | None = None, environ=None) -> dict:
-    """What a run's state keeps of the command that started (or last resumed) it: the spec file (relative to the
-    working directory when it lies under it, `relative_path`), the --set overrides, the `RUN_OPTIONS` given, whether it
-    ran as a Ray job, and then whether its head enforced Ray's token (`pipelines.paths.token_auth`) and the variables
-    of ``environ`` (default ``os.environ``, as the process started: before the spec's plugins are added to it) the
-    run depends on (`pipelines.environment.run_settings`: its runtime env's MLflow store and Tune storage, which a
-    resumed job needs again). `resume_command` prints it back; `restore_options` gives a `--resume` the options it
-    leaves out."""
+    """What a run's state keeps of the command that started (or last resumed) it: the spec file and the sweep's
+    script (each relative to the working directory when it lies under it, `relative_path`), the --set overrides, the
+    `RUN_OPTIONS` given, whether it ran as a Ray job, and then whether its head enforced Ray's token
+    (`pipelines.paths.token_auth`) and the variables of ``environ`` (default ``os.environ``, as the process started:
+    before the spec's plugins are added to it) the run depends on (`pipelines.environment.run_settings`: its
+    runtime env's MLflow store and Tune storage, which a resumed job needs again). `resume_command` prints it back;
+    `restore_options` gives a `--resume` the options it leaves out."""
     from pipelines.environment import run_settings
 
     environ = os.environ if environ is None else environ
     ray_job = bool(environ.get(paths.JOB_ENV))
     # relative: a Ray job's default spec was the absolute path of Ray's package copy of the checkout
     # (<ray temp>/session_*/.../_ray_pkg_*/sweeps/quickstart.yaml), which a resumed job's new copy is not
-    return {"config": relative_path(config), "overrides": list(overrides), "ray_job": ray_job,
+    # the script as this folder reaches it: a sweep started from elsewhere (`python <clone>/pipelines/sweep.py`) was
+    # told to resume with `python pipelines/sweep.py`, which no folder holding its records could run
+    script = SWEEP_SCRIPT if ray_job else relative_path(str(REPO / SWEEP_SCRIPT))
+    return {"config": relative_path(config), "overrides": list(overrides), "ray_job": ray_job, "script": script,
             "regression_threshold": regression_threshold, "address": address,
             "env": run_settings(environ) if ray_job else {}, "token_auth": ray_job and paths.token_auth(environ)}
 
@@ -353,7 +359,7 @@ def resume_command(state: dict) -> str:
     started with (as a Ray job when it ran as one, its state being on the head: with the variables its runtime env
     set, `pipelines.paths.submit_command`)."""
     cmd = state.get("command") or {}
-    parts = ["python", "pipelines/sweep.py", "--config", cmd.get("config", "<spec.yaml>")]
+    parts = ["python", cmd.get("script", SWEEP_SCRIPT), "--config", cmd.get("config", "<spec.yaml>")]
     for item in cmd.get("overrides", []):
         parts += ["--set", item]
     for option, key in RUN_OPTIONS:

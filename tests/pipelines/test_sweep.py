@@ -238,6 +238,26 @@ def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):
     assert "--regression-threshold 0.02 --resume term-" in run.data.tags[mlflow_layout.INTERRUPTED]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_while_the_spec_is_checked_stops_with_exit_130_and_no_traceback(tmp_path, sig):
+    """A probe's case: Ctrl-C while the spec was checked (seconds on a busy machine: the plugins imported, the
+    preflight) gave a KeyboardInterrupt traceback and exit 1, which the documented codes read as "a trial failed";
+    a SIGTERM there killed the driver (exit -15). Both now say the sweep did not start, exit 130. The spec's
+    plugin sleeps at its import: the signal lands inside the spec check."""
+    (tmp_path / "slow.py").write_text("import sys, time\nprint('plugin importing', flush=True)\ntime.sleep(60)\n")
+    spec_path = tmp_path / "slow.yaml"
+    spec_path.write_text(yaml.safe_dump({"name": "slow", "version": 1, "model": {"pretrained": "tiny:llava"},
+                                         "tasks": ["easyvqa_yesno"], "limit": 2, "plugins": ["slow.py"],
+                                         "grid": {"method": ["random"], "budget": [8]}}))
+    proc = spawn_sweep(spec_path, tmp_path)
+    head = read_until(proc, "plugin importing", timeout=120)
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == sweep.EXIT_INTERRUPTED, head + rest
+    assert sweep.NOT_STARTED in rest and "Traceback" not in rest, rest
+    assert not (tmp_path / "mlflow.db").exists()  # nothing started: no store made
+
+
 def test_a_sigterm_landing_inside_an_import_ends_the_startup_wait():
     """A driver SIGTERMed while Ray started hung for ever (a probe: 2 of ~30 tries): the handler's exception, raised
     inside importlib's module-lock bookkeeping, was swallowed and left the lock held, so the MLflow store's thread,

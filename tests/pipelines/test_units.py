@@ -272,6 +272,35 @@ def test_regression_check_against_the_previous_night(mlflow_store):
     assert tags[f"{mlflow_layout.REGRESSION}.note"] == note
 
 
+def test_a_night_whose_trials_failed_is_no_baseline_and_says_what_it_did_not_compare(mlflow_store):
+    """A probe's case: a night whose baseline trial failed ended FINISHED with no Rel., tagged regression=false
+    "compared with" the night before though it compared nothing; the next night took it as its baseline, and
+    PromPrune falling from 0.80 to 0.00 exited 0. A night with failed trials says which trials it did not compare
+    (`incomplete`), and the next compares with the last night whose trials all finished."""
+    c = mlflow_store
+    good = _night(c, {"promprune-b8": 0.80, "none": 1.0})
+    tracking.finish(c, good)
+    failed = _night(c, {})  # every trial failed: no Rel. anywhere
+    found, note = _check(c, failed)
+    assert found == [] and c.get_run(failed).data.tags[mlflow_layout.REGRESSION] == "incomplete"
+    assert note.endswith("; 2 trial(s) of that run have no Rel. in this one, so were not compared: none, promprune-b8")
+    c.log_metric(failed, mlflow_layout.TRIALS_FAILED, 2)  # as the sweep logs it at its end
+    tracking.finish(c, failed)
+    fallen = _night(c, {"promprune-b8": 0.0, "none": 1.0})
+    found, note = _check(c, fallen)
+    assert found == ["promprune-b8: rel 0.8000 -> 0.0000 (-0.8000)"]
+    assert note.startswith(f"compared with {good} (started ") and note.endswith(
+        "whose trials all finished; 1 later run(s) of it had failed trials and are not compared with")
+    assert c.get_run(fallen).data.tags[mlflow_layout.REGRESSION] == "true"
+    c.log_metric(good, mlflow_layout.TRIALS_FAILED, 1)  # no run whose trials all finished: nothing to compare with
+    again = _night(c, {"promprune-b8": 0.0, "none": 1.0})
+    c.log_metric(fallen, mlflow_layout.TRIALS_FAILED, 1)
+    tracking.finish(c, fallen)
+    assert _check(c, again) == ([], "the 3 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 all "
+                                    "had failed trials: nothing to compare with")
+    assert c.get_run(again).data.tags[mlflow_layout.REGRESSION] == "no-previous"
+
+
 def _nightly_yaml(*overrides: str) -> str:
     """sweeps/nightly.yaml resolved, with ``--set`` overrides, as a sweep logs it."""
     from pipelines.frontdoor import REPO
@@ -606,3 +635,19 @@ def test_evaluate_does_first_use_work_before_ray(monkeypatch, tmp_path):
     monkeypatch.setattr(evaluate, "connect", no_ray)
     assert evaluate.main(["--method", "promprune", "--budget", "8", "--limit", "2", "--no-mlflow"]) == 2
     assert [c[0] for c in calls] == ["prepare", "connect"] and calls[0][1] == "tiny-easyvqa:llava"
+
+
+def test_two_runs_making_the_experiment_at_once_both_get_it(mlflow_store, monkeypatch):
+    """A probe's case: two processes on a new store both looked the experiment up, found none, and created it; one
+    raised "already exists" (UNIQUE constraint), after Ray had started. Here the other process's creation lands
+    between this one's lookup and its creation: it takes the experiment that is there."""
+    c = mlflow_store
+    other = tracking.experiment_id(c)  # the other process made it
+    real, calls = c.get_experiment_by_name, []
+
+    def stale_then_real(name):  # this process's lookup came before the other's creation
+        calls.append(name)
+        return None if len(calls) == 1 else real(name)
+
+    monkeypatch.setattr(c, "get_experiment_by_name", stale_then_real)
+    assert tracking.experiment_id(c) == other and len(calls) == 2

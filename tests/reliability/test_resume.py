@@ -294,13 +294,30 @@ def test_the_resume_command_repeats_the_options_that_change_the_run(scratch, tmp
     _state_for(spec, tmp_path / "store", "rel-7", command=command)
     saved = states.load_state(str(tmp_path / "store"), "rel", "rel-7")
     printed = shlex.split(states.resume_command(saved))
-    assert printed[:2] == ["python", "pipelines/sweep.py"]
+    assert printed[0] == "python" and printed[1] == command["script"] and printed[1].endswith("pipelines/sweep.py")
     args = sweep.parse_args(printed[2:])
     assert (args.config, args.overrides, args.resume) == ("sweeps/nightly.yaml", ["limit=20"], "rel-7")
     assert (args.regression_threshold, args.address) == (0.02, "10.0.0.5:6379")
     plain = states.launch_command("sweeps/nightly.yaml", [])  # none given: none printed
     assert states.resume_command({"experiment": "rel-7", "command": plain}) == \
-        "python pipelines/sweep.py --config sweeps/nightly.yaml --resume rel-7"
+        f"python {shlex.quote(plain['script'])} --config sweeps/nightly.yaml --resume rel-7"
+
+
+def test_a_sweep_started_outside_the_checkout_is_told_its_own_script(tmp_path, monkeypatch):
+    """A probe's case: `python <clone>/pipelines/sweep.py` run in another folder (its records there) printed
+    `python pipelines/sweep.py ... --resume`, which that folder cannot run. The script now as that folder reaches
+    it; a state written before kept no script and prints the checkout's relative path, as before."""
+    from pathlib import Path
+
+    from pipelines.frontdoor import REPO
+
+    monkeypatch.chdir(tmp_path)
+    command = states.launch_command(str(tmp_path / "my.yaml"), ["limit=3"])
+    printed = shlex.split(states.resume_command({"experiment": "q-1", "command": command}))
+    assert printed[:2] == ["python", str(REPO / "pipelines" / "sweep.py")] and Path(printed[1]).is_file()
+    assert printed[2:] == ["--config", "my.yaml", "--set", "limit=3", "--resume", "q-1"]
+    old = {k: v for k, v in command.items() if k != "script"}
+    assert states.resume_command({"experiment": "q-1", "command": old}).startswith("python pipelines/sweep.py ")
 
 
 def test_a_resume_restores_the_options_the_run_started_with():
