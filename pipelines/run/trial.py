@@ -126,8 +126,10 @@ class TrialProgress:
 
     A searched trial (``objective``: `search.Objective`) scores itself instead at each rung ``r`` of the scheduler,
     once the first ``r`` samples of the sweep's block order are all answered, and reports the search's metric over
-    exactly those samples with ``samples/scored = r`` (the scheduler's time attribute); between rungs its reports
-    carry the last value (NaN before the first), which Tune requires of every result."""
+    exactly those samples with ``samples/scored = r`` (the scheduler's time attribute): one report per rung, in
+    order, also when one block completes the prefix of several (blocks come back in any order), so the scheduler
+    judges the trial at every rung and a stop at the first ends it there, whatever the order of the blocks. Between
+    rungs its reports carry the last value (NaN before the first), which Tune requires of every result."""
 
     def __init__(self, total: int, score_at: list[int] | None = None, score_every_s: float = SCORE_EVERY_S,
                  objective: search.Objective | None = None):
@@ -140,27 +142,30 @@ class TrialProgress:
     def __call__(self, done: int, tables: list) -> None:
         metrics = {"samples/done": float(done), "samples/total": float(self.total)}
         if self.objective is not None:
-            metrics.update(self._at_rung(tables))
-        else:
-            due = [m for m in self.score_at if m <= done]
-            if done < self.total and (due or time.monotonic() - self.last >= self.every):
-                self.score_at = [m for m in self.score_at if m > done]
-                metrics.update(running_scores(tables))
-                self.last = time.monotonic()
+            for at_rung in self._at_rungs(tables):  # each a report of its own: Tune's scheduler judges each
+                tune.report({**metrics, **at_rung})
+            return
+        due = [m for m in self.score_at if m <= done]
+        if done < self.total and (due or time.monotonic() - self.last >= self.every):
+            self.score_at = [m for m in self.score_at if m > done]
+            metrics.update(running_scores(tables))
+            self.last = time.monotonic()
         tune.report(metrics)
 
-    def _at_rung(self, tables: list) -> dict:
-        """The search's metric: fresh (with ``samples/scored``) when the answered prefix has reached a rung not yet
-        scored (the highest such), else the last value."""
+    def _at_rungs(self, tables: list) -> list[dict]:
+        """The search's metric: fresh (with ``samples/scored``) at each rung not yet scored that the answered prefix
+        has reached, lowest first, each over exactly that rung's samples; else the last value (one report)."""
         answered = self.prefix.update(tables)
         due = [r for r in self.rungs if r <= answered]
         if not due:
-            return {self.objective.metric: self.value}
-        rung = due[-1]
-        self.rungs = [r for r in self.rungs if r > rung]
-        scores = score_table(pa.concat_tables(tables), partial=True, only=set(self.objective.keys[:rung]))
-        self.value = self.objective.value(scores, rung)
-        return {**flat_scores(scores), self.objective.metric: self.value, search.TIME_ATTR: float(rung)}
+            return [{self.objective.metric: self.value}]
+        self.rungs = [r for r in self.rungs if r > answered]
+        predictions, reports = pa.concat_tables(tables), []
+        for rung in due:
+            scores = score_table(predictions, partial=True, only=set(self.objective.keys[:rung]))
+            self.value = self.objective.value(scores, rung)
+            reports.append({**flat_scores(scores), self.objective.metric: self.value, search.TIME_ATTR: float(rung)})
+        return reports
 
 
 def running_scores(tables: list) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Search spaces in a spec: their checks (one problem per field, named, with the fix), random search without
 replacement and seeded, optuna's param space, ASHA's rungs against Ray's own scheduler, the trial a sampled config
-runs, and the prefix of answered samples a rung is scored on (no Ray cluster, no model)."""
+runs, the prefix of answered samples a rung is scored on, and a trial's reports at every rung, in order, judged by
+Tune's ASHA (no Ray cluster, no model)."""
 from __future__ import annotations
 
 import math
@@ -244,3 +245,73 @@ def test_space_helpers():
     assert space.parse({"uniform": [0.1, 0.3]}).middle == 0.2
     assert space.parse({"loguniform": [0.01, 1.0]}).middle == 0.1
     assert space.parse({"loguniform": [0.01, 1.0]}).size == math.inf
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a searched trial's reports at the rungs, as blocks come back in any order
+
+KEYS = [f"t/{i}" for i in range(9)]  # a trial's 9 samples in the sweep's block order
+RIGHT = {2, 3, 4, 5}  # the samples it answers right: 0 of the first 2, 4 of the first 6
+
+
+def _rung_reports(monkeypatch, order: list[tuple]) -> list[dict]:
+    """What `TrialProgress` reports to Tune for blocks coming back in ``order``, rungs at 2 and 6 of 9 samples; the
+    score of a set of samples: the fraction of them in RIGHT (a stand-in for lmms-eval)."""
+    from promprune.records import table_keys
+    from pipelines.run import trial
+
+    def score(predictions, partial=False, only=None):
+        ids = [int(k.split("/")[1]) for k in table_keys(predictions) if only is None or k in only]
+        return {"t": {"m": sum(i in RIGHT for i in ids) / len(ids)}}
+
+    reports = []
+    monkeypatch.setattr(trial, "score_table", score)
+    monkeypatch.setattr(trial.tune, "report", lambda metrics, **kw: reports.append(dict(metrics)))
+    progress = trial.TrialProgress(len(KEYS), objective=search.Objective("t/m", KEYS, [2, 6]))
+    tables, done = [], 0
+    for ids in order:
+        tables.append(pa.table({"task": ["t"] * len(ids), "doc_id": list(ids)}))
+        done += len(ids)
+        progress(done, tables)
+    return [r for r in reports if search.TIME_ATTR in r]
+
+
+def test_a_trial_reports_every_rung_in_order_whatever_order_its_blocks_come_back(monkeypatch):
+    # hand-worked: rung 2 holds samples 0 and 1 (none right), rung 6 samples 0-5 (4 of 6 right)
+    expected = [(2.0, 0.0), (6.0, 4 / 6)]
+    in_order = _rung_reports(monkeypatch, [(0, 1, 2), (3, 4, 5), (6, 7, 8)])
+    assert [(r[search.TIME_ATTR], r["t/m"]) for r in in_order] == expected
+    # the first block comes back last: both rungs come due with it, and each is still reported, lowest first, over
+    # exactly its own samples (the old code reported the highest alone, so ASHA never judged the trial at 2)
+    jumped = _rung_reports(monkeypatch, [(3, 4, 5), (6, 7, 8), (0, 1, 2)])
+    assert [(r[search.TIME_ATTR], r["t/m"]) for r in jumped] == expected
+    assert [r["samples/done"] for r in in_order] == [3.0, 6.0] and [r["samples/done"] for r in jumped] == [9.0] * 2
+
+
+def test_tunes_asha_stops_a_trial_at_the_first_rung_it_fails_though_the_next_came_due_at_once(monkeypatch):
+    """Tune's own ASHA, given the reports of a trial under the cutoff at rung 2 and above it at rung 6 whose blocks
+    made both rungs due at once, as Tune's controller hands them over (one at a time, none after a STOP: a function
+    trainable's report waits for the next step, `TuneController._process_trial_results` drops what follows a STOP):
+    it stops the trial at rung 2, and rung 6 never records it."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    asha = ASHAScheduler(time_attr=search.TIME_ATTR, metric="t/m", mode="max", max_t=len(KEYS), grace_period=2,
+                         reduction_factor=3)
+    assert sorted(m for m, _ in asha._brackets[0]._rungs) == [2, 6]  # the rungs `_rung_reports` scores at
+    for tid, (at2, at6) in {"a": (0.5, 0.1), "b": (0.5, 0.2), "c": (1.0, 0.3)}.items():  # the trials before it
+        before = SimpleNamespace(trial_id=tid)
+        asha.on_trial_add(None, before)
+        for rung, value in [(2, at2), (6, at6)]:
+            assert asha.on_trial_result(None, before, {search.TIME_ATTR: rung, "t/m": value}) == TrialScheduler.CONTINUE
+    late = SimpleNamespace(trial_id="late")
+    asha.on_trial_add(None, late)
+    decisions = []
+    for report in _rung_reports(monkeypatch, [(3, 4, 5), (6, 7, 8), (0, 1, 2)]):
+        decisions.append((report[search.TIME_ATTR], asha.on_trial_result(None, late, report)))
+        if decisions[-1][1] == TrialScheduler.STOP:
+            break
+    assert decisions == [(2.0, TrialScheduler.STOP)]
+    rungs = dict(asha._brackets[0]._rungs)
+    assert rungs[2]["late"] == 0.0 and "late" not in rungs[6]
