@@ -485,7 +485,8 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
                                                          f"{type(exc).__name__}: {exc}", state)], "--resume") from None
     watch = disk.DiskWatch(state["experiment"], _writes_to(spec))
     callbacks = [RecorderHook(), watch]
-    scheduler = search.scheduler(spec, recorder.console.per_trial) if phase.searched else None
+    journal = f"{sweep_dir(storage, state['experiment'])}/{search.JOURNAL}{phase.suffix}.json"
+    scheduler = search.scheduler(spec, recorder.console.per_trial, journal) if phase.searched else None
     if scheduler is not None:
         callbacks.append(search.SchedulerState(scheduler))
     run_config = tune.RunConfig(

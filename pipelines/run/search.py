@@ -11,7 +11,9 @@ A sweep runs one or two Tune experiments under its state (`pipelines/run/state.p
    finishes first (experiment 1) and each searched trial gets its answers.
 
 Each experiment is restored by `--resume` on its own (Tune keeps optuna's state; `SchedulerState` keeps ASHA's,
-which Tune does not).
+which Tune does not). ASHA's decisions are kept as it makes them (`KeptASHA`): Tune saves its experiment every so
+often, so a driver killed after a stop was decided (and logged) would otherwise resume that trial as unfinished and
+run it again.
 
 **Running values at rungs, paired.** A searched trial scores itself when the first ``r`` samples of the sweep's
 block order (`Requests.keys`: interleaved over the tasks, so every prefix covers every task) are all answered, for
@@ -22,10 +24,15 @@ scheduled. Reports between rungs carry the last value and no ``samples/scored``,
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field
 
+import pyarrow.fs
 from ray import tune
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
 
 from promprune.records import table_keys
 
@@ -35,6 +42,7 @@ from pipelines.spec import space
 
 TIME_ATTR = mlflow_layout.SCORED  # the samples a reported running value was computed over: ASHA's time attribute
 SEARCH_SUFFIX = "-search"  # the search experiment's name: <the sweep's experiment><SEARCH_SUFFIX>
+JOURNAL = "_asha"  # ASHA's decisions as it makes them (`KeptASHA`): <the sweep's blocks folder>/_asha<suffix>.json
 BASELINE_ID = specs.trial_id(None, None, {})  # the unpruned trial whose scores Rel. divides by
 
 
@@ -130,14 +138,14 @@ def stopped_by_scheduler(result: dict) -> bool:
     return bool(result.get("done")) and TIME_ATTR in result and result[TIME_ATTR] < result.get("samples/total", 0)
 
 
-def scheduler(spec: specs.SweepSpec, total: int):
-    """Tune's ASHA over samples scored (`TIME_ATTR`), or None."""
+def scheduler(spec: specs.SweepSpec, total: int, journal: str | None = None):
+    """Tune's ASHA over samples scored (`TIME_ATTR`), its decisions kept in the file ``journal`` (`KeptASHA`), or
+    None."""
     if spec.tune.scheduler == "none":
         return None
-    from ray.tune.schedulers import ASHAScheduler
-
-    return ASHAScheduler(time_attr=TIME_ATTR, metric=spec.tune.metric, mode=spec.tune.mode, max_t=total,
-                         grace_period=grace_period(spec, total), reduction_factor=spec.tune.reduction_factor)
+    return KeptASHA(time_attr=TIME_ATTR, metric=spec.tune.metric, mode=spec.tune.mode, max_t=total,
+                    grace_period=grace_period(spec, total), reduction_factor=spec.tune.reduction_factor,
+                    journal=journal)
 
 
 def searcher(spec: specs.SweepSpec):
@@ -174,18 +182,120 @@ class SchedulerState(tune.Callback):
     """Keeps ASHA's rungs (the values recorded at each) with the experiment's state: Tune saves its callbacks' states
     and its searcher's, not its scheduler's, so a resumed search would start ASHA with empty rungs and let run what
     it would have stopped. The scheduler and this callback are pickled together in Tune's ``tuner.pkl``, so the
-    restored callback holds the restored scheduler, and sets its rungs before the trials are added back."""
+    restored callback holds the restored scheduler, and sets its rungs before the trials are added back, with what
+    the scheduler's journal (`KeptASHA`) holds beyond them: the experiment's state is saved every so often, the
+    journal at each decision."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
 
     def get_state(self) -> dict:
-        return {"rungs": [[(m, dict(recorded)) for m, recorded in bracket._rungs]
-                          for bracket in self.scheduler._brackets]}
+        return {"rungs": rung_values(self.scheduler)}
 
     def set_state(self, state: dict) -> None:
         for bracket, rungs in zip(self.scheduler._brackets, state["rungs"]):
             bracket._rungs = [(m, dict(recorded)) for m, recorded in rungs]
+        if isinstance(self.scheduler, KeptASHA):  # (an ASHAScheduler in a state saved before KeptASHA: no journal)
+            self.scheduler.load()
+
+
+def rung_values(asha) -> list:
+    """ASHA's rungs, each bracket's ``[(milestone, {trial id: value recorded there})]`` (copies)."""
+    return [[(m, dict(recorded)) for m, recorded in bracket._rungs] for bracket in asha._brackets]
+
+
+class KeptASHA(AsyncHyperBandScheduler):
+    """Tune's ASHA whose decisions outlive its driver: each time it records a trial at a rung, it writes its rungs
+    and the trials it stopped (each with the result it stopped it on) to ``journal`` (a file in the sweep's storage,
+    written whole), before Tune acts on the decision, so before the console and MLflow say it. Tune saves its
+    experiment only every so often: a driver killed after a stop, before that save, left the trial unfinished in
+    Tune's state (or, optuna's state restored from before it, not there at all) and the rungs without it, and
+    ``--resume`` ran it again and judged it anew.
+
+    Its trials are known by the sweep's trial ids (`trial_of`), not Tune's: a trial optuna proposes again after a
+    resume (its state restored from before the proposal) is a new Tune trial of the same config. Resumed
+    (`SchedulerState.set_state` calls `load`), it has the rungs as they were at the last decision, and a trial it
+    had stopped is not run again: it ends as Tune ends a trial it stops (`stop_trial` with the result it was stopped
+    on: the scheduler, the searcher and the callbacks are told, as then), before Tune picks a trial to run."""
+
+    def __init__(self, *args, journal: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.journal = journal
+        self.stopped: dict[str, dict] = {}  # trial id -> the result this scheduler stopped it on
+
+    def on_trial_add(self, tune_controller, trial) -> None:
+        super().on_trial_add(tune_controller, _Named(trial))
+
+    def on_trial_result(self, tune_controller, trial, result: dict) -> str:
+        named, before = _Named(trial), _recorded(self)
+        action = super().on_trial_result(tune_controller, named, result)
+        stopped = action == TrialScheduler.STOP and result.get(TIME_ATTR, math.inf) < self._max_t  # not its end
+        if stopped:
+            self.stopped[named.trial_id] = _json_result({**result, "done": True})
+        if stopped or _recorded(self) != before:
+            self.save()
+        return action
+
+    def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
+        super().on_trial_complete(tune_controller, _Named(trial), result)
+
+    def on_trial_remove(self, tune_controller, trial) -> None:
+        super().on_trial_remove(tune_controller, _Named(trial))
+
+    def choose_trial_to_run(self, tune_controller):
+        for trial in tune_controller.get_trials():
+            result = self.stopped.get(_Named(trial).trial_id) if trial.status == Trial.PENDING else None
+            if result is not None:  # stopped before the driver died
+                trial.init_local_path()  # its folder, as Tune makes it for a trial it starts (the results read it)
+                trial.update_last_result({**result, "config": trial.config})  # (a result carries its config)
+                tune_controller._set_trial_status(trial, Trial.RUNNING)  # stop_trial's path for a trial it stops
+                tune_controller.stop_trial(trial)
+        return super().choose_trial_to_run(tune_controller)
+
+    def save(self) -> None:
+        """The journal, written whole (a temporary file moved into place)."""
+        if self.journal is None:
+            return
+        fs, path = pyarrow.fs.FileSystem.from_uri(self.journal)
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        tmp = f"{path}.{os.getpid()}.part"
+        with fs.open_output_stream(tmp) as f:
+            f.write(json.dumps({"rungs": rung_values(self), "stopped": self.stopped}).encode())
+        fs.move(tmp, path)
+
+    def load(self) -> None:
+        """The journal's rungs and stopped trials added to what this scheduler holds (nothing when there is none)."""
+        if self.journal is None:
+            return
+        fs, path = pyarrow.fs.FileSystem.from_uri(self.journal)
+        if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+            return
+        with fs.open_input_stream(path) as f:
+            kept = json.loads(f.read())
+        for bracket, rungs in zip(self._brackets, kept["rungs"]):
+            for (milestone, recorded), (kept_milestone, values) in zip(bracket._rungs, rungs):
+                if milestone == kept_milestone:
+                    recorded.update(values)
+        self.stopped.update(kept["stopped"])
+
+
+class _Named:
+    """What ASHA reads of a Tune trial (its ``trial_id``), as the sweep's trial id."""
+
+    __slots__ = ("trial_id",)
+
+    def __init__(self, trial):
+        self.trial_id = trial_of(trial.config).trial_id
+
+
+def _recorded(asha) -> int:
+    return sum(len(recorded) for bracket in asha._brackets for _, recorded in bracket._rungs)
+
+
+def _json_result(result: dict) -> dict:
+    """A Tune result's numbers and strings (what `stopped_by_scheduler` and the recorder read), not its config."""
+    return {k: v for k, v in result.items()
+            if not k.startswith("config/") and k != "config" and isinstance(v, (int, float, str, bool, type(None)))}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """A search end to end on a local Ray: optuna proposes (mu, tau), ASHA stops weak trials at rungs of samples scored
 (on the same first samples for every trial, paired with the baseline), stopped trials land in MLflow as stopped,
-and a search interrupted and resumed runs the same trials to the same best (the testbed model: real scores)."""
+and a search interrupted and resumed (Ctrl-C, or its driver SIGKILLed right after a stop) runs the same trials
+to the same stops and best (the testbed model: real scores)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -203,6 +205,44 @@ def test_an_interrupted_search_resumes_to_the_same_trials_and_best(searched, tmp
     stopped_now = {line.split("] ", 1)[1].split(":")[0] for line in (head + rest + out).splitlines()
                    if "stopped by ASHA" in line and line.startswith("[")}
     assert stopped_now == {tid for tid, rec in outcome.records.items() if rec.get("stopped")}
+
+
+@pytest.mark.long  # the long tier: a search run twice more from the command line (about two minutes on 2 cores)
+def test_a_search_whose_driver_is_killed_after_a_stop_resumes_without_running_the_stopped_trial(searched, tmp_path):
+    """The driver SIGKILLed as soon as it has said that ASHA stopped a trial (Tune saves its experiment only every so
+    often, so its state may still hold the trial unfinished), its Ray processes killed, then `--resume`: the stopped
+    trial is not run again (no `[resume]` line for it), and the search ends with the uninterrupted search's trials,
+    the same stops at the same rungs, and the same best (`searched`, run in one go)."""
+    import re
+
+    spec, outcome, _ = searched
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(RAW))
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PYTHONUNBUFFERED": "1",
+           "RAY_ADDRESS": "local"}
+    first = subprocess.Popen([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(path)],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)  # its group: the Ray processes it starts, killed after it
+    try:
+        head = read_until(first, re.compile(r"^\[\d+/5\] .*stopped by ASHA"), timeout=600)
+        os.kill(first.pid, signal.SIGKILL)  # the driver alone, at once: nothing of it runs after the line
+        first.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    killed_at = head.strip().splitlines()[-1].split("] ", 1)[1].split(":")[0]
+    second = spawn_sweep(path, tmp_path, "--resume", ray_address="local")
+    out, _ = second.communicate(timeout=900)
+    assert second.returncode == 0, out[-3000:]
+    assert f"[resume] {killed_at}:" not in out, out[-3000:]  # not run again
+    lines = (head + out).splitlines()
+    ran = {line.split("] ", 1)[1].split(":")[0] for line in lines if re.match(r"\[\d+/5\] ", line)}
+    assert ran == set(outcome.records)
+    stops = {line.split("] ", 1)[1].split(":")[0]: int(line.split("stopped by ASHA at ")[1].split()[0])
+             for line in lines if re.match(r"\[\d+/5\] .*stopped by ASHA", line)}
+    assert stops == {tid: int(rec["stopped"]["scored"]) for tid, rec in outcome.records.items() if rec.get("stopped")}
+    expected = best_line(spec, outcome.records, outcome.generated).split(";")[0]
+    assert expected in out, out[-2000:]
 
 
 @needs_browser
