@@ -237,7 +237,16 @@ def _check_tokens(n_tokens: int) -> int:
     return n_tokens
 
 
-def prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> float:
+def _tokens_per_layer(n_tokens, layers: list) -> list[int]:
+    """``n_tokens`` for every layer (an int), or one count per layer (a sequence: in-LLM pruning's layers)."""
+    if isinstance(n_tokens, (list, tuple)):
+        if len(n_tokens) != len(layers):
+            raise ValueError(f"one token count per layer: got {len(n_tokens)} for {len(layers)} layers")
+        return [_check_tokens(n) for n in n_tokens]
+    return [_check_tokens(n_tokens)] * len(layers)
+
+
+def prefill_flops(text_config: Any, n_tokens: int | list[int], past_tokens: int = 0) -> float:
     """FLOPs of one prefill pass over ``n_tokens`` tokens (visual + text), Table 6's convention.
 
     Per layer, with n tokens, hidden d, query width d_q = heads * head_dim, key/value width d_kv, MLP width m:
@@ -250,10 +259,13 @@ def prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0) -> floa
     the n new tokens attend to past + n keys, so the attention term is 2*n*(past + n)*d_q (0: Table 6's prefill).
     The layers are summed one by one (:func:`layer_shapes`): a sliding layer's queries attend to at most
     ``sliding_window`` keys each, a linear-attention layer costs :func:`linear_mixer_macs` (no n x n term).
+    ``n_tokens`` one count per layer: each layer on its own (in-LLM pruning runs its first layers on every token).
     """
-    n, past = _check_tokens(n_tokens), _check_tokens(past_tokens)
+    past = _check_tokens(past_tokens)
+    layers = layer_shapes(text_config)
     d = text_shape(text_config).hidden_size
-    return float(sum(2 * _layer_macs(d, layer, n, past) for layer in layer_shapes(text_config)))
+    return float(sum(2 * _layer_macs(d, layer, n, past) for layer, n in zip(layers, _tokens_per_layer(n_tokens,
+                                                                                                        layers))))
 
 
 def layer_prefill_flops(text_config: Any, n_tokens: int, past_tokens: int = 0, layer: int | None = None) -> float:
@@ -343,18 +355,19 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
     return torch.empty((), dtype=parse_dtype(dtype)).element_size()
 
 
-def kv_cache_bytes(text_config: Any, n_tokens: int, dtype: torch.dtype | str = torch.float16) -> int:
+def kv_cache_bytes(text_config: Any, n_tokens: int | list[int], dtype: torch.dtype | str = torch.float16) -> int:
     """Bytes of the KV cache for ``n_tokens`` tokens: K and V of every layer with a KV cache, num_kv_heads * head_dim
     each (:func:`layer_shapes`: each layer its own width).
 
     Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16). A hybrid LLM's
     linear-attention layers keep a state of constant size instead (:func:`recurrent_state_bytes`); a sliding layer
     holds at most ``sliding_window - 1`` tokens (what transformers keeps between forwards); a layer borrowing another's
-    keys and values none.
+    keys and values none. ``n_tokens`` one count per layer: each layer's own (in-LLM pruning caches every token in
+    the layers before its cut).
     """
-    n = _check_tokens(n_tokens)
     layers = layer_shapes(text_config)
-    kept = [n if lay.window is None else min(n, lay.window - 1) for lay in layers]
+    kept = [n if lay.window is None else min(n, lay.window - 1) for lay, n in zip(layers, _tokens_per_layer(n_tokens,
+                                                                                                            layers))]
     return sum(2 * k * lay.d_kv * dtype_bytes(dtype) for k, lay in zip(kept, layers) if lay.caches)
 
 

@@ -26,6 +26,9 @@ class SampleStats:
     """What the model reports about one sample. Timings are milliseconds of the whole batch the sample ran in."""
 
     visual_tokens: int | None = None  # visual tokens the LLM received (in-LLM methods: after their last layer)
+    # in-LLM methods: the visual tokens each decoder layer ran on (and cached), first layer first; None where every
+    # layer ran on ``visual_tokens``
+    layer_visual_tokens: list[int] | None = None
     saliency_count: int | None = None  # of those, chosen by a saliency stage (0 unpruned / pure-diversity methods)
     entropy: float | None = None  # prominence metric of the split (NeXT per-view modes: mean over views)
     # how far ``entropy`` may lie from the exact metric: PromPrune's certified split on a GPU reports its bracket's

@@ -243,3 +243,38 @@ def test_windowed_prefill_flops_equal_torch_flop_counter_on_a_real_gemma4():
 
     cfg = _gemma4_text()
     assert prefill_flops(cfg, 37) == eager_flops(Gemma4TextModel(cfg), 37)
+
+
+@pytest.mark.parametrize("method", ["fastv", "pyramiddrop"])
+def test_an_in_llm_methods_flops_and_cache_count_each_layer_on_its_own_tokens(method):
+    """A probe's case: FastV's trials logged the FLOPs and KV cache of a pre-LLM pruner at its budget, though its
+    first layers run on (and cache) every visual token: its "(-x%)" against unpruned was inflated. Each layer's
+    visual tokens, seen by a hook on the layer's MLP (one row: the cut columns leave the sequence), are what the
+    generation reports and what the worker's accounting sums layer by layer."""
+    import numpy as np
+    from PIL import Image
+
+    from pipelines.run.workers import add_efficiency
+    from promprune.models import PrunedVLM
+    from promprune.records import Prediction
+
+    image = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method=method, budget=4)
+    layers = vlm.model.model.language_model.layers
+    seen = []
+    # the MLP's input: the sequence the layer ran on, after the pruner's own hook on the layer cut it
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1])) for layer in layers]
+    try:
+        g = vlm.generate([image], ["What is in the image?"], max_new_tokens=1)[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    observed = [n - g.text_tokens for n in seen[:len(layers)]]  # the prefill's pass
+    assert g.layer_visual_tokens == observed and observed[0] > observed[-1] == g.visual_tokens == 4
+    config = vlm.model.config.get_text_config()
+    pred = add_efficiency(vlm, Prediction(task="t", doc_id=0, n_docs=1, prompt="q", visual_tokens=g.visual_tokens,
+                                          text_tokens=g.text_tokens, layer_visual_tokens=g.layer_visual_tokens))
+    per_layer = [prefill_flops(config, n) / len(layers) for n in seen[:len(layers)]]  # every layer the same shape
+    assert pred.prefill_flops == pytest.approx(sum(per_layer), rel=1e-12)
+    assert pred.prefill_flops > prefill_flops(config, g.visual_tokens + g.text_tokens)  # what it logged before
+    assert pred.kv_cache_bytes == sum(kv_cache_bytes(config, n, vlm.model.dtype) for n in observed) / len(layers)

@@ -242,16 +242,19 @@ def add_efficiency(vlm, pred: Prediction) -> Prediction:
     FLOPs count the whole prefill: the visual tokens the LLM received plus the prompt's text tokens as the model
     read them (``Prediction.text_tokens``: the processor's prompt without its visual placeholders, so a video's
     per-frame timestamps count). The KV cache counts the visual tokens only, as Table 6 does (1440.0 MB for
-    LLaVA-NeXT-7B's 2880 tokens in fp16).
+    LLaVA-NeXT-7B's 2880 tokens in fp16). An in-LLM method's layers each count the visual tokens they ran on and
+    cached (``layer_visual_tokens``: every one before its cut), not the count after its last cut.
     """
     from promprune import efficiency
 
     if pred.visual_tokens is None or pred.text_tokens is None or pred.failed:
         return pred
     text_config = vlm.model.config.get_text_config()
+    visual = [int(v) for v in pred.layer_visual_tokens] if pred.layer_visual_tokens else int(pred.visual_tokens)
+    tokens = [v + pred.text_tokens for v in visual] if isinstance(visual, list) else visual + pred.text_tokens
     return dataclasses.replace(
-        pred, prefill_flops=float(efficiency.prefill_flops(text_config, int(pred.visual_tokens) + pred.text_tokens)),
-        kv_cache_bytes=float(efficiency.kv_cache_bytes(text_config, int(pred.visual_tokens), vlm.model.dtype)))
+        pred, prefill_flops=float(efficiency.prefill_flops(text_config, tokens)),
+        kv_cache_bytes=float(efficiency.kv_cache_bytes(text_config, visual, vlm.model.dtype)))
 
 
 def new_worker(source: ModelSource, plan: Plan, batch_size: int, failover: Failover, run_fn: Callable | None, pool):

@@ -875,9 +875,13 @@ class InLLMPruner:
 
     # ---- results -------------------------------------------------------------------------------------
     def stats(self, items) -> list[dict]:
-        """Per-row Generation fields after the last pruning layer."""
+        """Per-row Generation fields after the last pruning layer, and the visual tokens each decoder layer ran on
+        (``layer_visual_tokens``: every one before the first hooked layer, then the row's live visual columns)."""
         out = []
         final_keep, final_alive, _ = self.layer_cols[max(self.layer_cols)]
+        live = {idx: (alive & self.vis.gather(1, keep)).sum(1).tolist() for idx, (keep, alive, _) in
+                self.layer_cols.items()}
+        full = self.visual.sum(1).tolist()
         for b, item in enumerate(items):
             run = self.visual[b].nonzero().flatten().to(final_keep.device)
             kept_cols = final_keep[b][final_alive[b] & self.vis[b, final_keep[b]]]
@@ -888,5 +892,7 @@ class InLLMPruner:
             out.append(dict(visual_tokens=int(kept_cols.numel()),
                             saliency_count=int(kept_cols.numel()) - len(self.merged[b] & set(kept_cols.tolist())),
                             entropy=None,
-                            kept=sorted(grid[grid >= 0].tolist())))
+                            kept=sorted(grid[grid >= 0].tolist()),
+                            layer_visual_tokens=[int(live[i][b]) if i in live else int(full[b])
+                                                 for i in range(len(self.layers))]))
         return out
