@@ -170,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     for note in preflight.judge_notes(spec.tasks):
         print(note)
     (trial,) = specs.expand(spec)
-    prepare_model(spec.model.pretrained)  # first-use work (training tiny-easyvqa:llava) here, with its bar
-    try:
+    try:  # before the model's first-use work: an address that does not answer is refused in seconds
         connect(args.address)
     except RayUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    prepare_model(spec.model.pretrained)  # first-use work (training tiny-easyvqa:llava) here, with its bar
     t0 = time.perf_counter()
     try:
         with trials.alone(spec) as shared:

@@ -6,7 +6,9 @@
 #
 # Stages: install (every .whlN here) | parity | library | lanczos | selection | vispruner-tiles | speed | table6 |
 #         shapes | deps | sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.
-# --install-batch N installs .whlN only (one batch travels per call).
+# --install-batch N installs .whlN only (one batch travels per call). Every stage runs even when one before it
+# failed; exit 1 when any failed (the last line names them), exit 2 for a stage name it does not know (before any
+# install runs).
 #
 # The machine (Python 3.12, torch 2.11 CUDA 13, transformers 5.17) has no network and no Ray, MLflow or lmms-eval;
 # a call sends at most 64 MiB, runs at most 10 min (2,000-character command), 30 device-minutes in all, and the
@@ -174,8 +176,14 @@ run_stage() {
   # each stage runs in its own bash under `timeout`, so the call ends inside its limit with every log written
   STAGE_LEFT="$left" timeout --signal=INT --kill-after=20 "$left" bash "$0" --stage-only "$stage" 2>&1 \
     | tee "$OUT/$stage.log"
-  echo "=== $stage done (exit ${PIPESTATUS[0]}, $((SECONDS - START))s into the call)"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $stage done (exit $rc, $((SECONDS - START))s into the call)"
+  if [ "$rc" -ne 0 ]; then FAILED_STAGES+=("$stage"); fi
 }
+
+KNOWN_STAGES="install|parity|library|selection|lanczos|vispruner-tiles|speed|table6|shapes|deps|sweep|table6-pipeline"
+KNOWN_STAGES+="|scaling|gemma4|two-gpus|plan"
+FAILED_STAGES=()
 
 stage() {
   case "$1" in
@@ -279,13 +287,22 @@ PY
       nproc; python3 -c "import ray; print('ray', ray.__version__)"
       OMP_NUM_THREADS=1 python3 benchmarks/sweep_scaling.py --gpus ${SCALING_GPUS:-4 8} \
         --shell "${SCALING_SHELL:-measured}" --timeline "$OUT/scaling-timeline.csv" ${SCALING_ARGS:-} ;;
-    *) echo "unknown stage $1 (install|parity|library|selection|lanczos|vispruner-tiles|speed|table6|shapes|deps|sweep|" \
-            "table6-pipeline|scaling|gemma4|two-gpus|plan)"; return 2 ;;
+    *) echo "unknown stage $1 ($KNOWN_STAGES)"; return 2 ;;
   esac
 }
 
 set_path
 if [ "${1:-}" = "--stage-only" ]; then stage "$2"; exit $?; fi
+# every stage named before anything runs: a mistyped one on a device call is refused at once (exit 2), not found in
+# the logs after the installs and the other stages spent the call
+skip_next=0
+for arg in "$@"; do
+  if [ "$skip_next" = 1 ]; then skip_next=0; continue; fi
+  case "$arg" in
+    --install-batch) skip_next=1 ;;
+    *) if ! [[ "|$KNOWN_STAGES|" == *"|$arg|"* ]]; then echo "unknown stage $arg ($KNOWN_STAGES)"; exit 2; fi ;;
+  esac
+done
 stages=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -296,3 +313,7 @@ while [ $# -gt 0 ]; do
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "call done in $((SECONDS - START)) s; logs in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+if [ "${#FAILED_STAGES[@]}" -gt 0 ]; then  # every stage ran; the call's exit says whether one failed
+  echo "FAILED stages: ${FAILED_STAGES[*]}"
+  exit 1
+fi

@@ -91,8 +91,13 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
         ray.init(address=address, log_to_driver=log_to_driver, **({"runtime_env": extra} if extra else {}))
         return
     named = address or os.environ.get("RAY_ADDRESS")
+    source = "--address" if address else "RAY_ADDRESS"
+    if named and named.startswith(("http://", "https://")):  # what `ray job submit` reads from RAY_ADDRESS
+        raise RayUnreachable(f"{named} ({source}) is a Ray dashboard's URL, which `ray job submit` takes; a sweep "
+                             "joins the head's GCS address (host:6379 unless `ray start --port` chose another) or Ray "
+                             f"Client's ray://host:10001. Set {source} to one of those, or submit the sweep as a job "
+                             "(`ray job submit -- python pipelines/sweep.py`), or leave it unset to run a local Ray")
     if named and named not in ("auto", "local") and not named.startswith("ray://"):
-        source = "--address" if address else "RAY_ADDRESS"
         if not _answers(named):
             raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
                                  f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
@@ -111,8 +116,20 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
                                  "default)") from None
     elif named == "local":  # a new local Ray, as named
         init_local(log_to_driver=log_to_driver)
-    elif named:
-        ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
+    elif named:  # auto (a running cluster on this machine) or Ray Client (ray://host:port)
+        client = named[len("ray://"):] if named.startswith("ray://") else None
+        if client is not None and not _answers(client):  # Ray Client waits ~40 s on a port that does not answer
+            raise RayUnreachable(f"the Ray Client server at {named} ({source}) does not answer. Start the head with "
+                                 "its client server (`ray start --head`, port 10001), point it at a live one, or leave "
+                                 f"{source} unset to run a local Ray")
+        try:
+            ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
+        except ConnectionError as exc:  # auto: no running Ray found; a client port that is not Ray Client's
+            what = ("no running Ray cluster was found on this machine" if client is None else
+                    f"the server at {named} answers but the Ray Client connection failed")
+            raise RayUnreachable(f"{what} ({source}={named}: {exc}). Start one (`ray start --head`), name its address "
+                                 f"(host:6379, or ray://host:10001 for Ray Client), or leave {source} unset to run a "
+                                 "local Ray") from None
     else:
         recorded = _recorded_head()
         if recorded and _answers(recorded):

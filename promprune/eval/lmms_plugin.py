@@ -66,6 +66,25 @@ def _budget(value):
     return int(number)
 
 
+def _check_capacity(pretrained: str, budget: int | None, options: dict) -> None:
+    """A budget at or above the visual tokens the model gives one image prunes nothing, and the run would be reported
+    as the method's: refused as the pipeline's entry points refuse it (from the model's config, before its weights
+    load; a model not on this machine is left to its loading)."""
+    from promprune.models.adapters import visual_token_capacity
+    from promprune.models.factories import NotCachedError, model_config
+
+    if budget is None:
+        return
+    try:
+        config = model_config(pretrained)
+    except (NotCachedError, ValueError):
+        return
+    capacity = None if config is None else visual_token_capacity(config, options)
+    if capacity is not None and budget >= capacity:
+        raise ValueError(f"model_args budget={budget} keeps all {capacity} visual tokens {pretrained} gives an image, "
+                         f"so the run would be unpruned; use a budget below {capacity}")
+
+
 def _flag(name: str, value) -> bool:
     """A true/false model_arg (lmms-eval's CLI gives strings; its own parser may give bools)."""
     if isinstance(value, bool):
@@ -140,6 +159,7 @@ class PromPruneLMM(lmms):
             from promprune.models import PrunedVLM
 
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            _check_capacity(pretrained, _budget(budget), method_options)
             vlm = PrunedVLM.from_pretrained(
                 pretrained, method=_method(method), budget=_budget(budget), dtype=_dtype(dtype), device_map=device,
                 attn_implementation=attn_implementation, **method_options,

@@ -131,6 +131,25 @@ def test_plugin_sharing_flags_are_checked_before_loading():
         PromPruneLMM(pretrained="tiny:llava", method="none", prefix_cache="true")
 
 
+def test_the_plugin_refuses_a_budget_that_prunes_nothing_before_loading(monkeypatch):
+    """A probe's case: budget=100000 ran unpruned through the plugin, reported as PromPrune; the sweep and
+    evaluate.py refuse it. tiny:llava gives an image 36 visual tokens (a 6 x 6 grid: counted by hand from its
+    config, image 96 / patch 16)."""
+    from promprune.models import PrunedVLM
+    from promprune.models.factories import model_config
+
+    config = model_config("tiny:llava")
+    assert (config.vision_config.image_size // config.vision_config.patch_size) ** 2 == 36
+    loads = []
+    monkeypatch.setattr(PrunedVLM, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a)))
+    for budget in (36, "100000"):
+        with pytest.raises(ValueError, match=rf"budget={budget} keeps all 36 visual tokens tiny:llava gives"):
+            PromPruneLMM(pretrained="tiny:llava", method="promprune", budget=budget)
+    assert loads == []
+    PromPruneLMM(pretrained="tiny:llava", method="promprune", budget=35)  # below: loads
+    assert len(loads) == 1
+
+
 def test_the_plugin_fails_a_cut_off_image_instead_of_answering_it(monkeypatch):
     """Under lmms-eval's process-wide LOAD_TRUNCATED_IMAGES a JPEG cut to a third decoded partly grey, and the model
     answered a picture nobody asked about; as in the pipeline's requests, it is one failed sample."""

@@ -207,6 +207,23 @@ def test_stale_ray_address_fails_in_seconds(monkeypatch, tmp_path):
     assert ray_connect._recorded_head() == "127.0.0.1:1" and not ray_connect._answers("127.0.0.1:1")
 
 
+def test_auto_a_ray_client_address_and_a_dashboard_url_are_refused_in_seconds(monkeypatch, tmp_path):
+    """A probe's cases: `--address auto` with no Ray running and `ray://` at a port that does not answer ended in
+    Ray's ConnectionError traceback, exit 1 (the Ray Client one after ~40 s); the dashboard's URL, which `ray job
+    submit` users keep in RAY_ADDRESS, was called "does not answer"."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no recorded head here: auto finds none
+    cases = [("auto", r"no running Ray cluster was found on this machine \(--address=auto: "),
+             ("ray://127.0.0.1:1", r"the Ray Client server at ray://127.0.0.1:1 \(--address\) does not answer"),
+             ("http://127.0.0.1:8265", r"http://127.0.0.1:8265 \(--address\) is a Ray dashboard's URL, which `ray "
+                                       r"job submit` takes")]
+    for address, message in cases:
+        start = time.monotonic()
+        with pytest.raises(ray_connect.RayUnreachable, match=message):
+            ray_connect.connect(address)
+        assert time.monotonic() - start < 20 and not ray.is_initialized()
+
+
 KILLED = {"name": "killed", "version": 1, "model": {"pretrained": "testbed:llava"},
           "tasks": ["testbed_exist_concentrated"], "limit": 2, "baseline": True,
           "grid": {"method": ["divprune"], "budget": [8]},
