@@ -223,11 +223,14 @@ def lmms_eval_silenced():
 
 
 def sample_requests(task: str, n: int, seed: int) -> list:
-    """``n`` documents of ``task``: every k-th (k = documents // n) from a start drawn with ``seed``, in doc order.
+    """``n`` documents of ``task`` about ``n`` distinct images (App. B rates images: a benchmark asks several questions
+    about one image, and a repeated one was rated and averaged again): every k-th document (k = documents // n) from
+    a start drawn with ``seed``, in doc order, the first of each image kept; where that leaves fewer than ``n``
+    images, k is halved until it does not (or every document is read).
 
-    A one-document shard tells the task's size without decoding its images; the second call decodes only the
-    chosen ones. The paper's sample was "random" with no seed or list published, so the exact 700 cannot be
-    matched; a systematic sample spans each benchmark's parts evenly."""
+    A one-document shard tells the task's size without decoding its images; the next calls decode only the chosen
+    ones. The paper's sample was "random" with no seed or list published, so the exact 700 cannot be matched; a
+    systematic sample spans each benchmark's parts evenly."""
     from promprune.eval import build_requests
 
     with lmms_eval_silenced():
@@ -236,7 +239,23 @@ def sample_requests(task: str, n: int, seed: int) -> list:
             return []
         k = max(1, probe[0].n_docs // n)
         start = random.Random(f"{seed}/{task}").randrange(k)
-        return build_requests([task], shard=(start, k))[:n]
+        while True:
+            chosen = distinct_images(build_requests([task], shard=(start, k)))
+            if len(chosen) >= n or k == 1:
+                return chosen[:n]
+            k //= 2
+            start %= k
+
+
+def distinct_images(requests: list) -> list:
+    """The first request about each image (its ``image_key``; a request without one counts as its own image)."""
+    seen, out = set(), []
+    for r in requests:
+        key = r.image_key or (r.task, r.doc_id)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
 
 
 def entropies(spec, budget: int, images: list) -> dict[str, list[float]]:

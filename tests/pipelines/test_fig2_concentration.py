@@ -187,3 +187,26 @@ def test_samples_span_the_task_and_follow_the_seed():
     assert ids != [q.doc_id for q in c] and len(set(ids)) == 4 and ids == sorted(ids)
     assert ids[-1] > a[0].n_docs // 2  # spread over the task, not its first documents
     assert rating_of(a[0].image) in range(1, 6)
+
+
+def test_samples_are_distinct_images(monkeypatch):
+    """A probe's case: 30 documents of a 60-document task over 20 images rated and averaged some images twice; App. B
+    rates images. Here (by hand) 12 documents ask 3 questions each about 4 images (doc d shows image d // 3): every
+    3rd document from start 0 would be docs 0, 3, 6, 9 (four images); asked for 6, k halves to 1 and the first
+    question of each image is kept, only 4 exist."""
+    from types import SimpleNamespace
+
+    from promprune.eval import requests as eval_requests
+
+    docs = [SimpleNamespace(task="t", doc_id=d, n_docs=12, image_key=f"img{d // 3}") for d in range(12)]
+    monkeypatch.setattr(eval_requests, "build_requests",
+                        lambda tasks, shard: [q for q in docs if q.doc_id % shard[1] == shard[0]][:1]
+                        if shard[1] == 2 ** 31 else [q for q in docs if q.doc_id % shard[1] == shard[0]])
+    import promprune.eval
+
+    monkeypatch.setattr(promprune.eval, "build_requests", eval_requests.build_requests)
+    monkeypatch.setattr(fig2.random, "Random", lambda seed: SimpleNamespace(randrange=lambda k: 0))
+    got = fig2.sample_requests("t", 3, seed=0)  # k = 12 // 3 = 4: docs 0, 4, 8 (images 0, 1, 2)
+    assert [q.doc_id for q in got] == [0, 4, 8]
+    got = fig2.sample_requests("t", 6, seed=0)  # k = 2: docs 0, 2, 4, .. (images 0, 0, 1, 2, 2, 3): 4 < 6 -> k = 1
+    assert [q.doc_id for q in got] == [0, 3, 6, 9]
