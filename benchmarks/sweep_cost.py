@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from pipelines import spec as specs
 
-    spec = specs.load(args.spec, args.set)
+    try:
+        spec = specs.load(args.spec, args.set)
+    except specs.SpecError as exc:  # as the other spec readers: the spec's paragraph, exit 2, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     config = model_config(spec.model.pretrained)
     flops = LayerFlops(config.text_config.to_dict())  # a dict: its reads are cheap
     trials = specs.expand(spec)

@@ -7,6 +7,7 @@ Ray, clusters or lmms-eval, or build several models, are marked slow, like the s
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -528,3 +529,21 @@ def test_boundary_mu_puts_the_first_view_just_above_a_count_boundary():
     h0 = entropy_of_matrix(spectral_matrix(x[:1])).double()
     count = [int(split_budget(h, 16, mu=mu, tau=DEFAULT_TAU)) for h in (h0 + offset / 4, h0 - 2 * offset)]
     assert count == [8, 9] and int(exact.saliency_count[0]) == 8, count
+
+
+@pytest.mark.parametrize("argv", [["--spec", "nosuch.yaml"], ["--spec", "sweeps/table1_llava15.yaml", "--set", "x"]])
+def test_sweep_cost_bad_spec_exits_2_with_the_spec_error(argv, capsys, monkeypatch):
+    """A spec that cannot be read or overridden: the SpecError's paragraph on stderr and exit 2, as sweep.py's and
+    the other spec readers' (no traceback)."""
+    import importlib.util
+
+    from pipelines import spec as specs
+
+    spec = importlib.util.spec_from_file_location("sweep_cost", REPO / "benchmarks" / "sweep_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "sweep_cost", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    with pytest.raises(specs.SpecError) as expected:
+        specs.load(*argv[1:2], argv[3:])
+    assert module.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {expected.value}\n"
