@@ -26,6 +26,21 @@ def _standins(out: Path, tasks: list[str], docs: int, seed: int) -> None:
         print(f"export {name}={value}")
 
 
+def _positive_int(text: str) -> int:
+    """argparse's type for --docs: an int >= 1 (an argparse error otherwise, not build_standins' ValueError)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+# the flags only standins reads (dest -> flag): given to prepare, an error rather than silently ignored
+STANDINS_ONLY = {"out": "--out", "tasks": "--tasks", "docs": "--docs", "seed": "--seed"}
+
+
 def main(argv=None) -> None:
     from promprune.eval.standins import STANDIN_TASKS
 
@@ -35,18 +50,24 @@ def main(argv=None) -> None:
                         help="prepare: write the offline tasks once, print include paths; "
                              "standins: write hub-dataset stand-ins into --out (an HF_HOME)")
     parser.add_argument("--out", type=Path, help="standins: the HF_HOME to write (a fresh directory)")
-    parser.add_argument("--tasks", nargs="+", default=list(STANDIN_TASKS), choices=STANDIN_TASKS, metavar="TASK",
+    parser.add_argument("--tasks", nargs="+", default=None, choices=STANDIN_TASKS, metavar="TASK",
                         help="standins: lmms-eval tasks whose data to write "
                              f"(default: all of {', '.join(STANDIN_TASKS)})")
-    parser.add_argument("--docs", type=int, default=8, help="standins: documents per task (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="standins: seed of the drawn images and questions")
+    parser.add_argument("--docs", type=_positive_int, default=None, help="standins: documents per task, >= 1 "
+                        "(default 8)")
+    parser.add_argument("--seed", type=int, default=None, help="standins: seed of the drawn images and questions "
+                        "(default 0)")
     args = parser.parse_args(argv)
     if args.command == "prepare":
+        given = [flag for dest, flag in STANDINS_ONLY.items() if getattr(args, dest) is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: only for standins (prepare takes no options)")
         _prepare()
     elif args.out is None:
         parser.error("standins needs --out DIR")
     else:
-        _standins(args.out, args.tasks, args.docs, args.seed)
+        _standins(args.out, args.tasks or list(STANDIN_TASKS), 8 if args.docs is None else args.docs,
+                  0 if args.seed is None else args.seed)
 
 
 if __name__ == "__main__":

@@ -434,3 +434,52 @@ def test_reasoning_blocks_are_stripped_as_lmms_evals_command_line_does(monkeypat
     for row in rows:
         row["prediction"] = "<think>Something round, near the top.</think>" + row["prediction"]
     assert score(rows)["pope"] == plain and plain["pope_f1_score"] == 1.0
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["prepare", "--out", "x", "--docs", "3"], "--out, --docs"),
+    (["prepare", "--tasks", "pope"], "--tasks"),
+    (["prepare", "--seed", "1"], "--seed"),
+])
+def test_cli_prepare_rejects_standins_flags(argv, named, monkeypatch, capsys):
+    """A flag only `standins` reads, given to `prepare`: an argparse error (exit 2) naming it, nothing prepared (it
+    was silently ignored)."""
+    from promprune.eval import __main__ as cli
+
+    monkeypatch.setattr(cli, "_prepare", lambda: pytest.fail("prepare ran"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert f"error: {named}: only for standins" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("docs", ["0", "-2", "x"])
+def test_cli_standins_docs_must_be_positive(docs, tmp_path, monkeypatch, capsys):
+    """--docs below 1 (which build_standins refuses with a ValueError) is an argparse error, exit 2, no traceback."""
+    from promprune.eval import __main__ as cli
+    from promprune.eval.standins import build_standins
+
+    if docs != "x":
+        with pytest.raises(ValueError, match="docs_per_task"):
+            build_standins(tmp_path / "hf", tasks=["pope"], docs_per_task=int(docs))
+    monkeypatch.setattr(cli, "_standins", lambda *a: pytest.fail("standins ran"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["standins", "--out", str(tmp_path / "s"), "--tasks", "pope", "--docs", docs])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --docs: expected an int >= 1" in err and "Traceback" not in err
+
+
+def test_cli_standins_defaults(tmp_path, monkeypatch):
+    """Without --tasks/--docs/--seed, standins writes every stand-in task, 8 documents each, seed 0; prepare alone
+    still prepares."""
+    from promprune.eval import __main__ as cli
+    from promprune.eval.standins import STANDIN_TASKS
+
+    calls = []
+    monkeypatch.setattr(cli, "_standins", lambda *a: calls.append(a))
+    monkeypatch.setattr(cli, "_prepare", lambda: calls.append("prepare"))
+    cli.main(["standins", "--out", str(tmp_path)])
+    cli.main(["standins", "--out", str(tmp_path), "--tasks", "pope", "--docs", "3", "--seed", "5"])
+    cli.main(["prepare"])
+    assert calls == [(tmp_path, list(STANDIN_TASKS), 8, 0), (tmp_path, ["pope"], 3, 5), "prepare"]
