@@ -43,6 +43,28 @@ FLAGS = {"model.pretrained": "--model", "model.dtype": "--dtype", "model.options
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 
+FULL_BENCHMARK = ("all", "null")  # --limit's words for the spec's ``limit: null``: every sample of each task
+
+
+def limit_value(text: str) -> int | None:
+    """--limit: an int (the spec checks it is >= 1), or ``all``/``null`` for the full benchmark (``None``)."""
+    if text.strip().lower() in FULL_BENCHMARK:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or all (null), got {text!r}") from None
+
+
+def workers_value(text: str) -> int | str:
+    """--workers: an int (the spec checks it is >= 1), or ``auto`` (as many as the blocks and the cluster allow)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {text!r}") from None
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -61,11 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
                    help="a module, .py file or package directory that registers methods (repeatable; a relative "
                         "path is from the working directory)")
-    p.add_argument("--limit", type=int, default=8, help="samples per task (default 8: a smoke run)")
+    p.add_argument("--limit", type=limit_value, default=8, help="samples per task, or all (also: null) for the full "
+                   "benchmark (default 8: a smoke run)")
     p.add_argument("--video-frames", type=int, default=8,
                    help="frames sampled uniformly from each clip of a video task (default 8)")
-    p.add_argument("--workers", type=int, default=None, help="most workers (default: as many as the blocks and the "
-                   "cluster allow)")
+    p.add_argument("--workers", type=workers_value, default="auto", help="most workers, or auto (default: as many "
+                   "as the blocks and the cluster allow)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-new-tokens", type=int, default=None,
@@ -123,7 +146,7 @@ def spec_of(args: argparse.Namespace) -> dict:
            "model": {"pretrained": args.model, "dtype": args.dtype, "options": adapter},
            "video_frames": args.video_frames, "plugins": args.plugin, "include_path": args.include_path,
            "generation": {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens},
-           "resources": {"workers": "auto" if args.workers is None else args.workers, "batch_size": args.batch_size},
+           "resources": {"workers": args.workers, "batch_size": args.batch_size},
            "baseline": args.method is None,
            "trials": [] if args.method is None else [{"method": args.method, "budget": args.budget, **method}]}
     return plugins.resolve_paths(raw, Path.cwd())

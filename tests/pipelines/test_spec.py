@@ -374,3 +374,45 @@ def test_evaluate_cli_refuses_a_budget_without_a_method_and_a_bad_option_before_
     assert "  - --option 'mu=[0.4': the value is not valid YAML" in proc.stderr
     assert "  - --budget 16: needs --method" in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv, limit, workers", [
+    ([], 8, "auto"),  # the defaults: a smoke run, as many workers as the blocks and the cluster allow
+    (["--limit", "all"], None, "auto"),
+    (["--limit", "null", "--workers", "2"], None, 2),
+    (["--limit", "32", "--workers", "auto"], 32, "auto"),
+])
+def test_evaluate_limit_takes_the_full_benchmark_and_workers_auto(argv, limit, workers):
+    """--limit all/null is the spec's ``limit: null`` (the full benchmark) and --workers auto the spec's
+    ``resources.workers: auto``: the words the spec's own messages offer ("an int >= 1 or null", "or 'auto'")."""
+    from pipelines import evaluate
+
+    spec = specs.parse(evaluate.spec_of(evaluate.parse_args(argv)), source=evaluate.SOURCE)
+    assert (spec.limit, spec.resources.workers) == (limit, workers)
+    written = specs.parse({"name": "s", "version": 1, "limit": None, "resources": {"workers": "auto"}}, source="s")
+    assert (written.limit, written.resources.workers) == (None, "auto")  # what a spec file means by them
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--limit", "0"], "--limit: expected an int >= 1 or null, got 0"),
+    (["--workers", "0"], "--workers: expected an int >= 1 or 'auto', got 0"),
+])
+def test_evaluate_limit_and_workers_out_of_range_named_by_flag(argv, problem):
+    from pipelines import evaluate
+
+    args = evaluate.parse_args(argv)
+    with pytest.raises(specs.SpecError) as e:
+        specs.parse(evaluate.spec_of(args), source=evaluate.SOURCE)
+    assert evaluate.in_flags(str(e.value), args).splitlines()[1:] == [f"  - {problem}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--limit", "some"], "argument --limit: expected an int >= 1 or all (null), got 'some'"),
+    (["--workers", "many"], "argument --workers: expected an int >= 1 or 'auto', got 'many'"),
+])
+def test_evaluate_limit_and_workers_words_argparse_refuses(argv, message, capsys):
+    from pipelines import evaluate
+
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
