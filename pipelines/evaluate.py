@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a method option (with --method) or a model adapter option, value parsed as YAML "
                         "(repeatable), e.g. --option mu=0.4")
-    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK",
+                   help="lmms-eval tasks, space- or comma-separated (default: " + " ".join(DEFAULT_TASKS) + ")")
     p.add_argument("--include-path", action="append", default=[], metavar="DIR",
                    help="an lmms-eval task directory of your own, searched for --tasks (repeatable; a relative "
                         "path is from the working directory)")
@@ -95,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cap on generated tokens (default: each task's own, as lmms-eval runs it)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a local Ray)")
     p.add_argument("--no-mlflow", action="store_true", help="print the results only")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.tasks = preflight.task_names(args.tasks)
+    return args
 
 
 def spec_of(args: argparse.Namespace) -> dict:

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override a spec field, value parsed as YAML (repeatable)")
     p.add_argument("--model", help="model.pretrained, e.g. tiny-easyvqa:llava")
-    p.add_argument("--tasks", help="comma-separated lmms-eval tasks, e.g. easyvqa_yesno")
+    p.add_argument("--tasks", nargs="+", metavar="TASK", help="lmms-eval tasks, space- or comma-separated (as "
+                   "pipelines/evaluate.py takes them), e.g. easyvqa_yesno")
     p.add_argument("--n", type=int, help="images per task (the spec's limit; the paper: 100)")
     p.add_argument("--seed", type=int, help="which documents (the spec's calibration.seed)")
     p.add_argument("--judge-model", default=judging.DEFAULT_MODEL, help="model name sent to the endpoint "
@@ -93,7 +94,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     if args.model:
         extra.append(f"model.pretrained={json.dumps(args.model)}")
     if args.tasks:
-        extra.append(f"tasks={json.dumps([t.strip() for t in args.tasks.split(',') if t.strip()])}")
+        extra.append(f"tasks={json.dumps(preflight.task_names(args.tasks))}")
     if args.n is not None:
         extra.append(f"limit={args.n}")
     if args.seed is not None:

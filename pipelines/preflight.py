@@ -71,6 +71,12 @@ def _labelled(label: str, problem: str) -> str:
     return type(problem)(f"{label}: {problem}")
 
 
+def task_names(typed: list[str]) -> list[str]:
+    """A command line's ``--tasks``: space- and/or comma-separated names (``a b``, ``a,b`` as lmms-eval takes them,
+    ``a, b``), in order, blanks dropped."""
+    return [name.strip() for item in typed for name in item.split(",") if name.strip()]
+
+
 def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[str] | None = None) -> list[str]:
     """Every task is lmms-eval's, an offline one or in a directory of ``include_path`` (each must exist, and every
     task YAML there must be readable: lmms-eval reads them all), ``limit`` can score it, and it would load here: its

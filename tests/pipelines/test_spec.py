@@ -416,3 +416,16 @@ def test_evaluate_limit_and_workers_words_argparse_refuses(argv, message, capsys
     with pytest.raises(SystemExit) as exit_:
         evaluate.parse_args(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("typed", [["easyvqa_yesno", "easyvqa_open"], ["easyvqa_yesno,easyvqa_open"],
+                                   ["easyvqa_yesno,", "easyvqa_open"], ["easyvqa_yesno, easyvqa_open"]])
+def test_evaluate_and_fig2_take_tasks_space_or_comma_separated(typed):
+    """--tasks a,b (lmms-eval's form) is the same spec as --tasks a b, in evaluate.py and fig2_concentration.py (the
+    comma list was one unknown task 'a,b' in evaluate.py; fig2 took only the comma list)."""
+    from pipelines import evaluate
+    from pipelines import fig2_concentration as fig2
+
+    spec = specs.parse(evaluate.spec_of(evaluate.parse_args(["--tasks", *typed])), source=evaluate.SOURCE)
+    assert spec.tasks == ["easyvqa_yesno", "easyvqa_open"]
+    assert 'tasks=["easyvqa_yesno", "easyvqa_open"]' in fig2.overrides(fig2.parse_args(["--tasks", *typed]))
