@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", default=None, help="sweep name (its latest run) or parent run id; default: latest")
     parser.add_argument("--grid", default=None,
                         help="a grid sweep over the same (mu, tau) (name or parent run id): drawn beside a search, "
-                             "which is compared with its best point and its samples")
+                             "which is compared with its best point and its samples (beside a sweep that is not a (mu, "
+                             "tau) search, a one-line note says it was not drawn)")
     parser.add_argument("--out", default=None, help="output folder; default: reports/<sweep name>")
     parser.add_argument("--tracking-uri", default=None, help="MLflow store; default: $MLFLOW_TRACKING_URI or "
                                                              "sqlite:///mlflow.db")

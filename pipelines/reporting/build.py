@@ -252,8 +252,12 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     the best (mu, tau) with its interval and the samples generated; with a grid sweep to compare with, whether the
     best lies in the grid best's interval and the share of its samples."""
     points = _plane_points(sweep, table)
-    if len(points.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False)) < 2:
-        return ""
+    scored = len(points.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False))
+    if scored < 2:
+        if grid is None:
+            return ""
+        return (f"Note: --grid `{grid.name}` was not drawn: sweep `{sweep.name}` is not a (mu, tau) search ({scored} "
+                "scored (mu, tau) point(s); the grid is drawn beside a search of two or more).\n")
     best, interval = _best_with_interval(sweep, points, preds)
     grid_points = _plane_points(grid.ran_to_end(), tables.build_score_table(grid.ran_to_end())) if grid else None
     pivot = _grid_pivot(grid_points if grid_points is not None else points)

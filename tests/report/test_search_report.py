@@ -175,3 +175,23 @@ def test_a_grid_needs_two_mu_and_two_tau_with_all_four_cells():
     assert figures.is_grid(grid)
     assert not figures.is_grid(ell) and not figures.is_grid(diagonal) and not figures.is_grid(None)
     assert not figures.is_grid(pd.DataFrame([[1.0, 2.0, 3.0]]))  # one mu
+
+
+def test_a_grid_beside_a_sweep_that_is_no_search_is_a_note(store, tmp_path, capsys):
+    """--grid with a sweep of fewer than two (mu, tau) points (a method comparison): one line in report.md and on
+    the console of pipelines/report.py saying the grid was not drawn, and why (it was silently ignored)."""
+    from pipelines import report as report_cli
+
+    client, exp = store
+    log_sweep(client, exp, "methods_demo", [SEARCH[0], SEARCH[6]], tasks=[TASK], tmp=tmp_path)
+    log_sweep(client, exp, "grid_demo", [SEARCH[0], pp(0.2, 0.01, 20), pp(0.3, 0.03, 24)], tasks=[TASK],
+              tmp=tmp_path)
+    note = ("Note: --grid `grid_demo` was not drawn: sweep `methods_demo` is not a (mu, tau) search (0 scored (mu, "
+            "tau) point(s); the grid is drawn beside a search of two or more).")
+    assert report_cli.main(["--sweep", "methods_demo", "--grid", "grid_demo", "--no-log",
+                            "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines().count(note) == 1
+    assert (tmp_path / "out" / "report.md").read_text().splitlines().count(note) == 1
+    assert not (tmp_path / "out" / "mu_tau_search.png").exists()
+    assert note not in build_report(load_sweep("methods_demo"), tmp_path / "alone").markdown  # no --grid: no note
