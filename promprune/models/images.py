@@ -32,14 +32,11 @@ def load_image(image, index: int) -> Image.Image:
     image is taken as it is, as the processor takes it.
     """
     try:
-        if isinstance(image, Image.Image):
-            img = image
-        elif isinstance(image, (str, os.PathLike, bytes, bytearray)):
-            img = opened(image)
-        else:
+        if not isinstance(image, (Image.Image, str, os.PathLike, bytes, bytearray)):
             raise TypeError(f"expected a PIL image, a path or bytes, got {type(image).__name__}")
-        with strict_decoding():
-            img.load()  # decode now: truncated data fails here, not deep inside the processor
+        with strict_decoding():  # decode now: truncated data fails here, not deep inside the processor
+            img = image if isinstance(image, Image.Image) else opened(image)
+            img.load()
         rgb = as_rgb(img)
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError... for bad data
         raise ValueError(f"image {index} is corrupt or unreadable: {type(err).__name__}: {err}") from err
