@@ -355,7 +355,7 @@ def validate(raw: dict, catalog=None) -> tuple[SweepSpec | None, list[str]]:
         section = repaired.get(loc[0])
         if loc[0] == "grid" and (len(loc) < 2 or loc[1] in ("method", "budget")):
             repaired.pop("grid", None)  # nothing left to expand; the trials are still checked
-        elif loc[0] == "trials" and isinstance(loc[1:2] and loc[1], int) and isinstance(section, list):
+        elif loc[0] == "trials" and len(loc) > 1 and isinstance(loc[1], int) and isinstance(section, list):
             continue  # the bad trials leave together, below, so the indices stay those of the file
         elif len(loc) > 1 and isinstance(section, dict):
             repaired[loc[0]] = {k: v for k, v in section.items() if k != loc[1]}
