@@ -20,7 +20,7 @@ import pytest
 from pipelines import mlflow_layout
 from pipelines.run import disk
 from pipelines.run import state as states
-from tests.pipelines.sweep_cli import GATED, read_until, spawn_sweep
+from tests.pipelines.sweep_cli import GATED, REPO, read_until, spawn_sweep
 
 from .conftest import assert_clean_error
 
@@ -231,7 +231,8 @@ def test_a_disk_filled_mid_sweep_stops_it_and_resume_finishes_it(tmpfs, tmp_path
         out, _ = first.communicate(timeout=600)
         assert first.returncode == 2, out[-4000:]
         assert "error: disk full: " in out and "Traceback" not in out, out[-4000:]
-        assert "finish it with:\n  python pipelines/sweep.py --config" in out
+        # the sweep runs in tmp_path, outside the checkout: its resume command names the script as reached from there
+        assert f"finish it with:\n  python {REPO / 'pipelines' / 'sweep.py'} --config" in out
         filler.unlink()
         gate.touch()
         second = spawn_sweep(spec, tmp_path, "--resume")
