@@ -28,7 +28,7 @@ from pipelines import spec as specs
 from pipelines.recording import tracking
 from pipelines.run import resources as planning
 from pipelines.run import trial as trials
-from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
+from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, check_address, connect
 from pipelines.spec.schema import DEFAULT_TASKS
 from pipelines.weights import prepare_model
 
@@ -196,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     for note in preflight.judge_notes(spec.tasks):
         print(note)
     (trial,) = specs.expand(spec)
-    try:  # before the model's first-use work: an address that does not answer is refused in seconds
+    try:
+        check_address(args.address)  # before the model's first-use work: refused in seconds, nothing loaded
+        prepare_model(spec.model.pretrained)  # first-use work (training tiny-easyvqa:llava) here, with its bar
         connect(args.address)
     except RayUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    prepare_model(spec.model.pretrained)  # first-use work (training tiny-easyvqa:llava) here, with its bar
     t0 = time.perf_counter()
     try:
         with trials.alone(spec) as shared:

@@ -77,6 +77,36 @@ def _recorded_head() -> str | None:
         return None
 
 
+def check_address(address: str | None) -> None:
+    """What can be told of ``address`` (or ``RAY_ADDRESS``) without joining it, in seconds: RayUnreachable for a
+    dashboard URL, a head whose port does not answer or answers but not as a Ray GCS, and a Ray Client port that does
+    not answer (Ray itself waits for minutes, or ~40 s for Ray Client). `connect` asks it first; an entry point that
+    has work to do before joining Ray (`pipelines/evaluate.py`: a model's first-use training) asks it before that."""
+    named = address or os.environ.get("RAY_ADDRESS")
+    source = "--address" if address else "RAY_ADDRESS"
+    if not named or named in ("auto", "local"):
+        return
+    if named.startswith(("http://", "https://")):  # what `ray job submit` reads from RAY_ADDRESS
+        raise RayUnreachable(f"{named} ({source}) is a Ray dashboard's URL, which `ray job submit` takes; a sweep "
+                             "joins the head's GCS address (host:6379 unless `ray start --port` chose another) or Ray "
+                             f"Client's ray://host:10001. Set {source} to one of those, or submit the sweep as a job "
+                             "(`ray job submit -- python pipelines/sweep.py`), or leave it unset to run a local Ray")
+    if named.startswith("ray://"):
+        if not _answers(named[len("ray://"):]):
+            raise RayUnreachable(f"the Ray Client server at {named} ({source}) does not answer. Start the head with "
+                                 "its client server (`ray start --head`, port 10001), point it at a live one, or leave "
+                                 f"{source} unset to run a local Ray")
+        return
+    if not _answers(named):
+        raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
+                             f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
+    if not _speaks_grpc(named):  # Ray itself would wait for minutes, saying nothing
+        raise RayUnreachable(f"something answers at {named} ({source}), but not a Ray head's GCS: point {source} "
+                             "at the head's GCS address (host:6379 unless `ray start --port` chose another; `ray "
+                             "status` on the head prints it), not the dashboard's port (8265), or use "
+                             "ray://host:10001 for Ray Client")
+
+
 def connect(address: str | None, *, log_to_driver: bool = True) -> None:
     """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else the head `ray start` recorded, else start a
     local Ray whose services listen on loopback only (`loopback_only`). A named head that does not answer is a
@@ -92,20 +122,8 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
         return
     named = address or os.environ.get("RAY_ADDRESS")
     source = "--address" if address else "RAY_ADDRESS"
-    if named and named.startswith(("http://", "https://")):  # what `ray job submit` reads from RAY_ADDRESS
-        raise RayUnreachable(f"{named} ({source}) is a Ray dashboard's URL, which `ray job submit` takes; a sweep "
-                             "joins the head's GCS address (host:6379 unless `ray start --port` chose another) or Ray "
-                             f"Client's ray://host:10001. Set {source} to one of those, or submit the sweep as a job "
-                             "(`ray job submit -- python pipelines/sweep.py`), or leave it unset to run a local Ray")
+    check_address(address)
     if named and named not in ("auto", "local") and not named.startswith("ray://"):
-        if not _answers(named):
-            raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
-                                 f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
-        if not _speaks_grpc(named):  # Ray itself would wait for minutes, saying nothing
-            raise RayUnreachable(f"something answers at {named} ({source}), but not a Ray head's GCS: point {source} "
-                                 "at the head's GCS address (host:6379 unless `ray start --port` chose another; `ray "
-                                 "status` on the head prints it), not the dashboard's port (8265), or use "
-                                 "ray://host:10001 for Ray Client")
         try:
             ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
         except ConnectionError as exc:  # a head with token auth, or another gRPC server (Ray Client's port)
@@ -118,10 +136,6 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
         init_local(log_to_driver=log_to_driver)
     elif named:  # auto (a running cluster on this machine) or Ray Client (ray://host:port)
         client = named[len("ray://"):] if named.startswith("ray://") else None
-        if client is not None and not _answers(client):  # Ray Client waits ~40 s on a port that does not answer
-            raise RayUnreachable(f"the Ray Client server at {named} ({source}) does not answer. Start the head with "
-                                 "its client server (`ray start --head`, port 10001), point it at a live one, or leave "
-                                 f"{source} unset to run a local Ray")
         try:
             ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
         except ConnectionError as exc:  # auto: no running Ray found; a client port that is not Ray Client's

@@ -635,6 +635,11 @@ def test_evaluate_does_first_use_work_before_ray(monkeypatch, tmp_path):
     monkeypatch.setattr(evaluate, "connect", no_ray)
     assert evaluate.main(["--method", "promprune", "--budget", "8", "--limit", "2", "--no-mlflow"]) == 2
     assert [c[0] for c in calls] == ["prepare", "connect"] and calls[0][1] == "tiny-easyvqa:llava"
+    # an address that cannot answer is refused before that work (a probe: the weights loaded, then the refusal)
+    calls.clear()
+    assert evaluate.main(["--method", "promprune", "--budget", "8", "--limit", "2", "--no-mlflow",
+                          "--address", "127.0.0.1:1"]) == 2
+    assert calls == []
 
 
 def test_two_runs_making_the_experiment_at_once_both_get_it(mlflow_store, monkeypatch):

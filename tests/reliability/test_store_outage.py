@@ -141,8 +141,8 @@ def test_a_store_that_never_comes_back_fails_the_sweep_naming_the_trials(tmp_pat
         command = tail.split("send them with:\n", 1)[1].split("\n")[0].split()
         server.start()
         env = {**os.environ, mlflow_layout.TRACKING_URI_ENV: server.uri}
-        assert command[1] == "pipelines/sweep.py"  # (relative to the checkout)
-        again = subprocess.run([sys.executable, str(REPO / command[1]), *command[2:]], cwd=tmp_path, env=env,
+        assert command[1] == str(REPO / "pipelines" / "sweep.py")  # run in tmp_path: the script as reached from there
+        again = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=env,
                                capture_output=True, text=True, timeout=600)
         assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
         runs = _trial_runs(MlflowClient(server.uri))
