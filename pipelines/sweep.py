@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     except specs.SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while the spec was checked: a traceback and exit 1 before
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while the spec was checked (it was a traceback and exit 1)
         print(f"\n{NOT_STARTED}", file=sys.stderr)
         return EXIT_INTERRUPTED
     # on the console, not only in the log: the options a resume restored, a task left out of every trial

@@ -237,10 +237,10 @@ def _param(v: Any) -> str:
 def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str):
     """The latest FINISHED parent run of sweep ``name`` started before ``current_id`` that ran the same resolved spec
     (its `promprune.spec_fingerprint` tag is ``fingerprint``) and whose trials all finished (no `trials/failed`), or
-    None; with the line saying what the check compares
-    with, or why it compares with nothing. Matching the name and version alone made a ``--set limit=20`` quick check
-    (which sweeps/nightly.yaml suggests) the baseline of the next 500-question night: false regressions, or masked
-    ones. A parent run logged before runs carried the tag does not match (said in the line)."""
+    None; with the line saying what the check compares with, or why it compares with nothing. Matching the name and
+    version alone made a ``--set limit=20`` quick check (which sweeps/nightly.yaml suggests) the baseline of the next
+    500-question night: false regressions, or masked ones. A parent run logged before runs carried the tag does not
+    match (said in the line)."""
     current = c.get_run(current_id)
     same = [mlflow_layout.tag_filter(ROLE, mlflow_layout.ROLE_SWEEP), mlflow_layout.tag_filter(SWEEP, name),
             mlflow_layout.tag_filter(VERSION, str(version)), "attributes.status = 'FINISHED'",
@@ -252,9 +252,9 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     # a run whose trials failed ends FINISHED too (exit 1), without their Rel.: as the next one's baseline, it
     # compared nothing for them (a failed night let the following night's regression pass)
     whole = [r for r in found if not r.data.metrics.get(mlflow_layout.TRIALS_FAILED)]
-    passed = len(found) - len(whole) if not whole else found.index(whole[0])
-    over = (f"; {passed} later run(s) of it had failed trials and are not compared with" if passed else "")
     if whole:
+        passed = found.index(whole[0])
+        over = f"; {passed} later run(s) of it had failed trials and are not compared with" if passed else ""
         prev = whole[0]
         return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
                       f"earlier FINISHED run of the same resolved spec of sweep {name} v{version} whose trials all "
