@@ -43,27 +43,23 @@ FLAGS = {"model.pretrained": "--model", "model.dtype": "--dtype", "model.options
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 
-FULL_BENCHMARK = ("all", "null")  # --limit's words for the spec's ``limit: null``: every sample of each task
+def int_or(words: dict, shown: str):
+    """An argparse type: an int (the spec checks it is >= 1), or one of ``words`` (lowercase word -> the spec's
+    value); otherwise an argparse error that names the forms as ``shown``."""
+    def parse(text: str):
+        if text.strip().lower() in words:
+            return words[text.strip().lower()]
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= 1 or {shown}, got {text!r}") from None
+    return parse
 
 
-def limit_value(text: str) -> int | None:
-    """--limit: an int (the spec checks it is >= 1), or ``all``/``null`` for the full benchmark (``None``)."""
-    if text.strip().lower() in FULL_BENCHMARK:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 or all (null), got {text!r}") from None
-
-
-def workers_value(text: str) -> int | str:
-    """--workers: an int (the spec checks it is >= 1), or ``auto`` (as many as the blocks and the cluster allow)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {text!r}") from None
+# --limit: all (or null) is the spec's ``limit: null``, every sample of each task; --workers: auto, as many as the
+# blocks and the cluster allow
+limit_value = int_or({"all": None, "null": None}, "all (null)")
+workers_value = int_or({"auto": "auto"}, "'auto'")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

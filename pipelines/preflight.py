@@ -205,16 +205,15 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
     """The model resolves, and every budget (by trial id) is below the visual tokens it gives one image (one problem
     per budget that is not, naming its trials)."""
     from promprune.eval.task_checks import NotOnThisMachine
-    from promprune.models.adapters import visual_token_capacity
-    from promprune.models.factories import NotCachedError, model_config
+    from promprune.models.adapters import model_capacity
+    from promprune.models.factories import NotCachedError
 
     try:
-        config = model_config(pretrained)
+        capacity = model_capacity(pretrained, adapter_options)
     except NotCachedError as exc:  # the budgets are checked where the model is
         return [NotOnThisMachine(f"model.pretrained: {exc}")]
     except ValueError as exc:
         return [f"model.pretrained: {exc}"]
-    capacity = None if config is None else visual_token_capacity(config, adapter_options)
     if capacity is None:
         return []
     over: dict[int, list[str]] = {}

@@ -70,16 +70,15 @@ def _check_capacity(pretrained: str, budget: int | None, options: dict) -> None:
     """A budget at or above the visual tokens the model gives one image prunes nothing, and the run would be reported
     as the method's: refused as the pipeline's entry points refuse it (from the model's config, before its weights
     load; a model not on this machine is left to its loading)."""
-    from promprune.models.adapters import visual_token_capacity
-    from promprune.models.factories import NotCachedError, model_config
+    from promprune.models.adapters import model_capacity
+    from promprune.models.factories import NotCachedError
 
     if budget is None:
         return
     try:
-        config = model_config(pretrained)
+        capacity = model_capacity(pretrained, options)
     except (NotCachedError, ValueError):
         return
-    capacity = None if config is None else visual_token_capacity(config, options)
     if capacity is not None and budget >= capacity:
         raise ValueError(f"model_args budget={budget} keeps all {capacity} visual tokens {pretrained} gives an image, "
                          f"so the run would be unpruned; use a budget below {capacity}")

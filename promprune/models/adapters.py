@@ -356,6 +356,16 @@ def max_views(config) -> int:
     return 1 if found is None else found.max_views(config)
 
 
+def model_capacity(pretrained: str, adapter_options: dict | None = None) -> int | None:
+    """:func:`visual_token_capacity` of a model by name (a factory name, hub id or path), from its config alone:
+    no weights load. Raises what ``factories.model_config`` raises (NotCachedError: not on this machine; ValueError:
+    a name that names nothing)."""
+    from .factories import model_config
+
+    config = model_config(pretrained)
+    return None if config is None else visual_token_capacity(config, adapter_options)
+
+
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
     """The most visual tokens one image gives the LLM under this config (what a budget must stay below to prune), as
     its family counts them (LLaVA-1.5: the patch grid; LLaVA-NeXT: that per view times the most views; Qwen: the

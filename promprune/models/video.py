@@ -83,22 +83,11 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
     its LLaVA-OneVision and Qwen2.5-VL models) of a video file, decoded with PyAV. Where the stream states its frame
     count, only the picked frames are kept in memory (a long clip held every decoded frame); where the count is
     missing or wrong, every frame is decoded and the picks made from what was decoded."""
-    import av
-
-    with av.open(os.fspath(path)) as container:
-        stream = container.streams.video[0]
-        stated = int(stream.frames or 0)
-        rate = float(stream.average_rate) if stream.average_rate else None
-        wanted = set(_frame_picks(stated, frames).tolist()) if stated > 0 else None
-        kept, count = {}, 0
-        for i, frame in enumerate(container.decode(stream)):
-            count = i + 1
-            if wanted is None or i in wanted:
-                kept[i] = frame.to_ndarray(format="rgb24")
+    kept, count, stated, rate = _decode(path, frames, by_stated=True)
+    if stated > 0 and count != stated:  # the stated count was wrong: pick again from every frame
+        kept, count, _, rate = _decode(path, frames, by_stated=False)
     if not count:
         raise ValueError(f"{path}: no video frames decoded")
-    if wanted is not None and count != stated:  # the stated count was wrong: pick again from every frame
-        return _decoded_all(path, frames)
     picks = _frame_picks(count, frames)
     fps = DEFAULT_FPS if rate is None or len(picks) < 2 else rate * (len(picks) - 1) / max(picks[-1] - picks[0], 1)
     return np.stack([kept[i] for i in picks]), fps
@@ -109,17 +98,23 @@ def _frame_picks(total: int, frames: int) -> np.ndarray:
     return np.linspace(0, total - 1, min(frames, total), dtype=int)
 
 
-def _decoded_all(path, frames: int) -> tuple[np.ndarray, float]:
-    """:func:`decode_video` for a stream whose stated frame count is missing or wrong: every frame decoded."""
+def _decode(path, frames: int, by_stated: bool) -> tuple[dict, int, int, float | None]:
+    """One pass over a video file's frames: ``(kept {index: [H, W, 3]}, frames decoded, frame count the stream
+    states (0: none), its average rate)``. ``by_stated``: keep only the picks of the stated count (every frame where
+    it states none); else every frame."""
     import av
 
     with av.open(os.fspath(path)) as container:
         stream = container.streams.video[0]
+        stated = int(stream.frames or 0)
         rate = float(stream.average_rate) if stream.average_rate else None
-        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
-    picks = _frame_picks(len(decoded), frames)
-    fps = DEFAULT_FPS if rate is None or len(picks) < 2 else rate * (len(picks) - 1) / max(picks[-1] - picks[0], 1)
-    return np.stack([decoded[i] for i in picks]), fps
+        wanted = set(_frame_picks(stated, frames).tolist()) if by_stated and stated > 0 else None
+        kept, count = {}, 0
+        for i, frame in enumerate(container.decode(stream)):
+            count = i + 1
+            if wanted is None or i in wanted:
+                kept[i] = frame.to_ndarray(format="rgb24")
+    return kept, count, stated, rate
 
 
 def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float | None]:
