@@ -577,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         print(where, flush=True)
     try:  # everything a user can get wrong, in seconds, before Ray starts and before any MLflow run exists
         spec = specs.load(args.config, args.overrides)  # imports the spec's plugins (their methods are checked)
+        specs.check_command(spec, "sweep", args.config)  # a spec for another entry point (fig2_concentration.py)
         plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
         # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal
         lacking = preflight.check_or_raise(spec, args.config, spec_only=args.validate_only)

@@ -23,16 +23,16 @@ from pipelines import plugins
 from pipelines.config import AUTO
 from pipelines.spec.errors import SpecError
 from pipelines.spec.loading import deep_merge, load_raw
-from pipelines.spec.schema import GENERATION_KEYS, SCHEDULERS, SEARCHES, SECTIONS, TOP_LEVEL, SweepSpec, TuneSpec, \
-    validate
+from pipelines.spec.schema import COMMANDS, GENERATION_KEYS, SCHEDULERS, SEARCHES, SECTIONS, TOP_LEVEL, SweepSpec, \
+    TuneSpec, validate
 from pipelines.spec.trials import MethodCatalog, SearchSpaceError, Trial, check_trials, expand, metric_in_trials, \
     parts, trial_id
 from pipelines.weights import ATTN_IMPLEMENTATIONS, DTYPES
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "AUTO", "DTYPES", "GENERATION_KEYS", "SCHEDULERS", "SEARCHES", "SECTIONS",
-           "TOP_LEVEL", "MethodCatalog", "SearchSpaceError", "SpecError", "SweepSpec", "Trial", "TuneSpec",
-           "check_trials", "deep_merge", "dump_resolved", "expand", "load", "load_raw", "metric_in_trials", "parse",
-           "parts", "trial_id"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "AUTO", "COMMANDS", "DTYPES", "GENERATION_KEYS", "SCHEDULERS", "SEARCHES",
+           "SECTIONS", "TOP_LEVEL", "MethodCatalog", "SearchSpaceError", "SpecError", "SweepSpec", "Trial", "TuneSpec",
+           "check_command", "check_trials", "deep_merge", "dump_resolved", "expand", "load", "load_raw",
+           "metric_in_trials", "parse", "parts", "trial_id"]
 
 
 def load(path: str | Path, overrides: list[str] | None = None, *, check_methods: bool = True) -> SweepSpec:
@@ -63,6 +63,15 @@ def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) 
     if errors:
         raise SpecError(errors, source)
     return spec
+
+
+def check_command(spec: SweepSpec, command: str, source: str) -> None:
+    """Raises SpecError when the spec is written for another entry point than ``command`` (its `command` field): a
+    spec for pipelines/fig2_concentration.py run as a sweep would spend hours on the wrong thing without a word."""
+    if spec.command != command:
+        raise SpecError([f"command: {spec.command}: this spec is for {COMMANDS[spec.command]}, not "
+                         f"{COMMANDS[command]}"], source,
+                        fix=f"run it with: python {COMMANDS[spec.command]} --config {source}")
 
 
 def dump_resolved(spec: SweepSpec) -> str:

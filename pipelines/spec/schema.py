@@ -260,6 +260,8 @@ def _paths(what: str):
 
 
 MAX_NAME = 100  # characters: with a run's timestamp and suffixes, a file name of 255 bytes holds an ASCII one
+# the entry points a spec can be written for (its `command`), each with the script that runs it
+COMMANDS = {"sweep": "pipelines/sweep.py", "fig2_concentration": "pipelines/fig2_concentration.py"}
 
 
 @with_config(SECTION)
@@ -275,6 +277,9 @@ class SweepSpec:
                            "(NUL, newline, tab)")]
     version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
     description: Annotated[StrictStr, expect("str")] = ""
+    # the entry point the spec is written for (`COMMANDS`): sweep.py refuses a spec for another one. Not part of the
+    # resolved spec (`to_dict`): it names who runs the spec, not what a run does, so a run's fingerprint is unchanged
+    command: one_of(*COMMANDS) = "sweep"
     # modules that register methods (promprune.register_method), imported before the methods are checked and in
     # every Ray worker: module names, .py files or package directories (relative paths: from the spec's directory)
     plugins: _paths("a list of module names, .py files or package directories") = field(default_factory=list)
@@ -309,8 +314,9 @@ class SweepSpec:
 
     def to_dict(self) -> dict:
         """The spec as plain data (what `dump_resolved` writes): component fields that are not spec fields, such as
-        a ModelSource's published weights, are left out."""
+        a ModelSource's published weights, are left out, and so is `command`."""
         out = dataclasses.asdict(self)
+        out.pop("command")
         for section, cls in SECTIONS.items():
             for f in dataclasses.fields(cls):
                 if not f.metadata.get("spec", True):

@@ -298,6 +298,25 @@ def test_cli_rejects_a_bad_spec_before_starting_ray(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def test_sweep_refuses_a_spec_for_another_command_naming_it(tmp_path):
+    """sweeps/fig2_concentration.yaml is run by pipelines/fig2_concentration.py; sweep.py ran it as a sweep (hours of
+    the wrong work) without a word."""
+    shipped = REPO / "sweeps" / "fig2_concentration.yaml"
+    proc = subprocess.run([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(shipped),
+                           "--validate-only"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "command: fig2_concentration: this spec is for pipelines/fig2_concentration.py" in proc.stderr
+    assert f"run it with: python pipelines/fig2_concentration.py --config {shipped}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(specs.SpecError, match="command: 'fig3' is not one of sweep, fig2_concentration"):
+        load_text(tmp_path, MINIMAL + "command: fig3\n")
+    # who runs a spec is not what a run does: the resolved spec (a run's fingerprint, the nightly's) leaves it out
+    marked = load_text(tmp_path, MINIMAL + "command: fig2_concentration\n")
+    assert marked.command == "fig2_concentration"
+    assert specs.dump_resolved(marked) == specs.dump_resolved(load_text(tmp_path, MINIMAL))
+    assert "command" not in specs.dump_resolved(marked)
+
+
 def test_evaluate_cli_refuses_a_bad_video_frames_before_starting_ray(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "pipelines" / "evaluate.py"), "--video-frames", "0",
                            "--no-mlflow"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
