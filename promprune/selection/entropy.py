@@ -1,8 +1,8 @@
 """Prominence metrics: how spread out an image's visual tokens are, each normalized to [0, 1] and shaped ``[B]``.
 
 - ``spectral_entropy``: entropy of the spectrum of the centered, L2-normalized tokens (the paper's metric).
-- ``feature_norm_entropy``: entropy of the distribution of token L2 norms (Fig. 5 ablation).
-- ``attention_entropy``: entropy of the saliency (attention) distribution (Fig. 5 ablation).
+- ``feature_norm_entropy``: entropy of the distribution of token L2 norms (Fig. 4 ablation).
+- ``attention_entropy``: entropy of the saliency (attention) distribution (Fig. 4 ablation).
 """
 from __future__ import annotations
 
