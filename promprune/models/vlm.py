@@ -214,7 +214,10 @@ class PrunedVLM:
 
         ``Prepared.model_kwargs`` are the kwargs for ``model.generate`` or a plain ``model(...)`` forward:
         ``input_ids`` / ``attention_mask`` with shrunk placeholder runs, ``mm_encoder_outputs`` holding the kept
-        features, and the adapter's extra kwargs (Qwen's gathered 3D ``position_ids``).
+        features, and the adapter's extra kwargs (Qwen's gathered 3D ``position_ids``). Where the adapter gives no
+        ``position_ids``, ``generate`` numbers a left-padded row from its mask; a plain forward of a padded batch
+        should pass ``position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)`` the same way (without them the
+        model numbers padding too, which DART's key norms after the rotary embedding see).
 
         ``keys`` (one per row: the image's identity, e.g. ``Request.image_key``; None: a row without one, whose image
         is its own): rows with one key are one image, and
