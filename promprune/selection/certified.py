@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import accel, graphed
-from .entropy import centered_gram, entropy_of_matrix, noise_trace
+from .entropy import cancels, centered_gram, entropy_of_matrix, noise_trace, spectral_matrix
 from .kernels import start_basis
 
 # Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
@@ -106,22 +106,27 @@ STAGE_DECIDES = 0.5
 
 @dataclass
 class SplitReport:
-    """How one ``split`` call decided: images per stage (``decided[i]`` by stage i's bounds) and by the exact
-    eigensolve (``exact``; ``refused`` of them sent there at the stage whose bounds refused them: a recurrence that ran
-    out or failed, which no later stage mends; ``costly`` of them, undecided, sent there instead of a later stage whose
-    float64 products would cost the device more than it may save, ``stage_pays``), and the bracket widths
-    (normalized H) the decided images had."""
+    """How one ``split`` call decided: images per stage (``decided[i]`` by stage i's bounds) and by the exact eigensolve
+    (``exact``; ``refused`` of them sent there at the stage whose bounds refused them: a recurrence that ran out or
+    failed, which no later stage mends; ``cancelled`` of them at the first stage, tokens so alike that their
+    centering in Gram space cancels, ``entropy.cancels``; ``costly`` of them, undecided, sent there instead of a
+    later stage whose float64 products would cost the device more than it may save, ``stage_pays``), and the bracket
+    widths (normalized H) the decided images had."""
 
     decided: list[int] = field(default_factory=list)
     exact: int = 0
     refused: int = 0
+    cancelled: int = 0
     costly: int = 0
     widths: list[float] = field(default_factory=list)
 
     @property
     def exact_note(self) -> str:
-        """``exact`` for a benchmark's line, with how many of them a costlier stage sent there, if any."""
-        return f"{self.exact}" + (f" ({self.costly} instead of a costlier stage)" if self.costly else "")
+        """``exact`` for a benchmark's line, with how many of them a costlier stage or tokens too alike
+        (``cancelled``) sent there, if any."""
+        why = [f"{self.costly} instead of a costlier stage"] if self.costly else []
+        why += [f"{self.cancelled} of tokens too alike for the bounds"] if self.cancelled else []
+        return f"{self.exact}" + (f" ({'; '.join(why)})" if why else "")
 
 
 LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call
@@ -147,16 +152,25 @@ class Lanczos:
 
     @classmethod
     def open(cls, fn: Callable[..., tuple[torch.Tensor, ...]], args: tuple[torch.Tensor | None, ...],
-             steps: int, size: int) -> "Lanczos":
+             steps: int, size: int, tokens: torch.Tensor | None = None) -> tuple["Lanczos", torch.Tensor | None]:
         """The first stage, ``fn(*args, steps) -> (packed, rho, v, v_prev)`` (``opening`` of the spectral matrix,
         ``opening_from_gram`` of the unit Gram, or a caller's own from the tokens): with ``accel.graphs()`` on and its
         ``[B, n, n]`` matrices of at most ``graphed.MAX_ELEMENTS`` (``size``) elements (``graphed.fits``), all of it
         replays as one CUDA graph, and the state's matrices are then the graph's own buffers (borrowed), valid until
         its next replay. ``split`` reads them before that: the next stage's replay copies them into its own graph's
         inputs first (an input that is one of that graph's own buffers among them too, ``graphed._Capture``), an eager
-        stage reads them as they are, and where some images decided, ``rows`` copies the others'."""
-        packed, rho, v, v_prev = graphed.run(fn, args, steps, size, fresh=(0,))
-        return cls(rho, v, v_prev, packed[:, -1], (packed,))
+        stage reads them as they are, and where some images decided, ``rows`` copies the others'.
+
+        With ``tokens [B, N, d]``, the same call (the same graph) also gives ``entropy.cancels`` of them as float64
+        ``[B, 1]`` (else None): the rows whose centering in Gram space cancels."""
+        if tokens is None:
+            packed, rho, v, v_prev = graphed.run(fn, args, steps, size, fresh=(0,))
+            flags = None
+        else:
+            at = next((i for i, a in enumerate(args) if a is tokens), None)  # tokens already an input: not twice
+            packed, rho, v, v_prev, flags = graphed.run(_flagged, args if at is not None else (*args, tokens),
+                                                        (fn, steps, at), size, fresh=(0,))
+        return cls(rho, v, v_prev, packed[:, -1], (packed,)), flags
 
     def run(self, steps: int, borrow: bool = False) -> "Lanczos":
         """``steps`` more steps (each: one batched product and a few fused updates; nothing waits), replayed as one
@@ -186,6 +200,14 @@ class Lanczos:
             return None if t is None else t[index]
 
         return Lanczos(pick(self.rho), pick(self.v), pick(self.v_prev), pick(self.b_prev))
+
+
+def _flagged(*args) -> tuple[torch.Tensor, ...]:
+    """``Lanczos.open``'s first stage with the rows' ``cancels`` flags: ``args`` are the stage's inputs (the tokens
+    last, unless ``at`` says which they are) and ``(fn, steps, at)``; ``fn``'s four outputs, then the flags."""
+    *inputs, (fn, steps, at) = args
+    tokens = inputs[at] if at is not None else inputs.pop()
+    return (*fn(*inputs, steps), cancels(tokens).to(torch.float64)[:, None])
 
 
 def opening(matrix: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
@@ -328,14 +350,17 @@ def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch
 
 
 def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[torch.Tensor], torch.Tensor],
-          steps: tuple[int, ...] | None = None, gram: bool = False,
+          steps: tuple[int, ...] | None = None, tokens: torch.Tensor | None = None,
           opening_with: tuple[Callable, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
 
-    ``matrix``: the spectral matrix (``entropy.spectral_matrix``), or with ``gram`` the tokens' unit Gram, whose
-    centered form (``entropy.centered_gram``) is the spectral matrix when N <= d: it is then centered inside the first
+    ``matrix``: the spectral matrix (``entropy.spectral_matrix``), or with ``tokens [B, N, d]`` (N <= d) their unit
+    Gram, whose centered form (``entropy.centered_gram``) is the spectral matrix: it is then centered inside the first
     stage (one CUDA graph with it, ``Lanczos.open``) and, for the images the bounds leave undecided, again as the exact
-    path centers it (the whole batch, then their rows). ``opening_with``: ``(fn, args)``, the first stage computed as
+    path centers it (``entropy.spectral_matrix`` of their rows). The images whose centering in Gram space cancels
+    (``entropy.cancels``: tokens nearly alike, where the bounds' argument fails) go to the eigensolve at the first
+    stage, their matrix made from the tokens as on the exact path; the flags are read with the first stage's
+    coefficients (no read of their own). ``opening_with``: ``(fn, args)``, the first stage computed as
     ``fn(*args, k)`` (the outputs of ``opening``) instead of from ``matrix``, e.g. from the tokens with their Gram
     formed inside the same graph; ``matrix`` may then be a function that makes it, called only if the exact eigensolve
     runs. ``steps``: the Lanczos steps by the end of each stage (None: ``schedule`` for the batch's size, eager or
@@ -346,11 +371,12 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     float32)`` on the CPU: the entropy is exact where the eigensolve ran (half-width 0), else its bracket's midpoint,
     within the half-width (half the bracket's width) of the exact entropy.
     """
+    gram = tokens is not None
     if opening_with is None:
         opening_with = (opening_from_gram if gram else opening, (matrix,))
     views, n = _views(opening_with[1])
     steps = steps or schedule(views, n, eager=not graphed.replays(opening_with[1], views * n * n))  # as ``open`` runs
-    state = Lanczos.open(*opening_with, steps[0], views * n * n)
+    state, cancelling = Lanczos.open(*opening_with, steps[0], views * n * n, tokens)  # flags: read at stage 0
     B, n, _ = state.rho.shape
     device = state.rho.device
     t_sal = np.zeros(B, dtype=np.int64)
@@ -358,6 +384,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     halfwidth = np.zeros(B)  # 0 where the eigensolve ran
     todo = np.arange(B)
     to_exact: list[int] = []  # images whose bounds were refused (``bounds``), for the eigensolve
+    cancelled = np.zeros(0, dtype=np.int64)  # images whose centering in Gram space cancels, for the eigensolve
     report = SplitReport()
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
     done_steps = 0
@@ -370,10 +397,17 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
                 break
             state = state.run(k, borrow=True)
         done_steps = stage_steps
-        coeffs = host_read(state.history[-1])  # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide)
+        coeffs = host_read(state.history[-1] if cancelling is None or stage else
+                           torch.cat([state.history[-1], cancelling], 1))  # one read per stage: [len(todo), 2k]
+        flagged = np.zeros(len(todo), dtype=bool)
+        if coeffs.shape[1] > 2 * k:  # the first stage's read carries the rows whose centering cancels: the eigensolve
+            flagged, coeffs = coeffs[:, -1] > 0, coeffs[:, :-1]
+            cancelled = todo[flagged]
+            report.cancelled = len(cancelled)
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
         lo, hi = bounds(alpha, beta, n)
         decided, counts = decide(lo, hi, count)
+        decided &= ~flagged
         t_sal[todo[decided]] = counts[decided]
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         halfwidth[todo[decided]] = (hi[decided] - lo[decided]) / 2
@@ -381,21 +415,23 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         report.widths += (hi - lo)[decided].tolist()
         # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN) stay refused at every
         # later stage: such images go to the eigensolve now instead of running the remaining stages' steps
-        refused = ~(np.isfinite(lo) & np.isfinite(hi))
-        to_exact += todo[refused].tolist()
-        going = ~decided & ~refused
+        refused = ~(np.isfinite(lo) & np.isfinite(hi)) & ~flagged
+        to_exact += todo[refused | flagged].tolist()
+        going = ~decided & ~refused & ~flagged
         todo, alpha, beta = todo[going], alpha[going], beta[going]
         if not len(todo):
             break
         if not going.all():  # a copy of the rows that go on; when all do, the state goes on as it is (four launches
             # fewer a stage): the next stage reads its borrowed buffers before a replay could overwrite them (``open``)
             state = state.rows(torch.from_numpy(np.flatnonzero(going)).to(device, non_blocking=True))
-    report.refused = len(to_exact)
+    report.refused = len(to_exact) - report.cancelled
     exact_rows = np.array(sorted(to_exact + todo.tolist()), dtype=np.int64)
     if len(exact_rows):
         rows = torch.from_numpy(exact_rows).to(device, non_blocking=True)  # no wait: the copy is staged at once
-        spectral = matrix() if callable(matrix) else matrix
-        exact = host_read(entropy_of_matrix((centered_gram(spectral) if gram else spectral)[rows]).double())
+        spectral = (matrix() if callable(matrix) else matrix)[rows]
+        if gram:
+            spectral = spectral_matrix(tokens[rows], spectral, np.isin(exact_rows, cancelled))
+        exact = host_read(entropy_of_matrix(spectral).double())
         t_sal[exact_rows] = count(torch.from_numpy(exact)).numpy()
         entropy[exact_rows] = exact
         report.exact = len(exact_rows)

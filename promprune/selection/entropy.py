@@ -12,7 +12,7 @@ import torch
 
 from ..dtypes import upcast
 from . import accel
-from .kernels import ENTROPY_EPS, exactly_symmetric, token_norms, unit_tokens
+from .kernels import ENTROPY_EPS, exactly_symmetric, nonfinite, token_norms, unit_tokens
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
 EIGEN_FLOOR = 1e-12
@@ -24,6 +24,39 @@ EIGEN_FLOOR = 1e-12
 # reach the same rule). Real tokens lie orders of magnitude above it (64 float32 ulps a token: an RMS angle of 2.8e-3
 # between the tokens and their mean).
 NOISE_ULPS = 64
+
+
+# Centering in Gram space (``centered_gram``) subtracts terms of size ~1 to leave entries of the size of the tokens'
+# spread about their mean (``spread``: 1 - |mean unit token|^2, the centered Gram's trace over N): the float32 Gram's
+# rounding then moves H by ~2e-6 / spread (measured 2026-12-07, N=576 d=4096 and N=1296 d=3584, against float64:
+# 3e-6 at spread 0.5, 2-3e-5 at 0.08, 1e-2 at 1e-4), and its negative rounding eigenvalues grow to where the certified
+# bounds' argument (a measure on [0, inf)) fails. Tokens centered before their product keep 1.3e-6 at every spread
+# down to 1e-4. Below this spread (tokens whose mean cosine is above ~0.75) the spectral matrix is the centered tokens'
+# own product, on every route (``spectral_matrix``, the certified split's eigensolve), so the routes agree.
+SPREAD_FLOOR = 0.25
+
+
+def spread(features: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B]``: 1 - |mean L2-normalized token|^2 of ``features [B, N, d]`` (``norms``: their L2 norms, when known), in
+    float32 (float64 for float64 tokens): the centered unit Gram's trace over N for tokens of nonzero norm. Tensor
+    operations only, no host read."""
+    x = upcast(features)
+    n = token_norms(x) if norms is None else norms
+    mean = (x / n.clamp_min(ENTROPY_EPS)[..., None]).mean(dim=1)  # [B, d]
+    return 1.0 - (mean * mean).sum(dim=-1)
+
+
+def cancels(features: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B]`` bool: the rows whose centering in Gram space would cancel (``spread`` below ``SPREAD_FLOOR``)."""
+    return spread(features, norms) < SPREAD_FLOOR
+
+
+def centered_unit_gram(features: torch.Tensor) -> torch.Tensor:
+    """The centered Gram ``[B, N, N]`` of the L2-normalized tokens ``[B, N, d]`` centered before their product (the
+    accurate form at any spread), exactly symmetric, float32 (float64 tokens stay float64)."""
+    xn = unit_tokens(upcast(features), ENTROPY_EPS)
+    xc = xn - xn.mean(dim=1, keepdim=True)
+    return exactly_symmetric(xc @ xc.transpose(1, 2))
 
 
 def noise_trace(n: int, dtype: torch.dtype) -> float:
@@ -64,17 +97,25 @@ def covariance(features: torch.Tensor) -> torch.Tensor:
     return exactly_symmetric(xc.transpose(1, 2) @ xc)  # [B, d, d]
 
 
-def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
+def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None,
+                    cancelling: torch.Tensor | None = None) -> torch.Tensor:
     """The symmetric matrix ``[B, K, K]``, K = min(N, d), whose eigenvalues the spectral entropy reads: the centered
-    Gram of the L2-normalized tokens (N <= d; ``gram``, their uncentered Gram, when already computed) or their
-    covariance (N > d)."""
+    Gram of the L2-normalized tokens (N <= d) or their covariance (N > d).
+
+    ``gram``: their uncentered Gram, when already computed: it is centered in Gram space (``centered_gram``), except
+    in the rows whose centering cancels (``cancelling [B]`` bool on the host where known, else ``cancels``, read here:
+    a host read), which are the tokens centered before their product (``centered_unit_gram``, ``SPREAD_FLOOR``)."""
     B, N, d = features.shape
     if N > d:
         return covariance(features)
     if gram is None:
-        xn = unit_tokens(upcast(features), ENTROPY_EPS)
-        gram = xn @ xn.transpose(1, 2)
-    return centered_gram(gram)
+        return centered_unit_gram(features)
+    out = centered_gram(gram)
+    rows = torch.as_tensor(cancels(features) if cancelling is None else cancelling).cpu().nonzero().flatten()
+    if len(rows):
+        rows = rows.to(out.device)
+        out[rows] = centered_unit_gram(features[rows]).to(out.dtype)
+    return out
 
 
 def entropy_of_matrix(mat: torch.Tensor) -> torch.Tensor:
@@ -93,11 +134,14 @@ def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:
 
 
 def _batched(t, dims: int, shape: str, fn: str) -> None:
-    """The public entropies take a batch: a tensor of ``dims`` dimensions (``shape``), else a ValueError."""
+    """The public entropies take a finite batch: a tensor of ``dims`` dimensions (``shape``) without NaN or Inf, else
+    a ValueError (a NaN made LAPACK fail, or the entropy 1.0 or NaN, without a word)."""
+    one = "features" if dims == 3 else "saliency"
     if not isinstance(t, torch.Tensor) or t.dim() != dims:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        one = "features[None]" if dims == 3 else "saliency[None]"
-        raise ValueError(f"{fn} takes a batch {shape}, got {got} (one image: {one})")
+        raise ValueError(f"{fn} takes a batch {shape}, got {got} (one image: {one}[None])")
+    if t.numel() and (problem := nonfinite(one, t)) is not None:
+        raise ValueError(f"{fn}: {problem}")
 
 
 def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
@@ -118,10 +162,10 @@ def spectral_entropy(features: torch.Tensor) -> torch.Tensor:
 def feature_norm_entropy(features: torch.Tensor) -> torch.Tensor:
     """Normalized entropy of the token L2-norm distribution ``n_i / sum n``: ``[B, N, d] -> [B]``."""
     _batched(features, 3, "[B, N, d]", "feature_norm_entropy")
-    norms = token_norms(features.float())  # [B, N]
+    norms = token_norms(upcast(features))  # [B, N], float64 tokens' in float64 (float32 made those past it inf)
     total = norms.sum(dim=1, keepdim=True)
     p = torch.where(total > 0, norms / total.clamp_min(torch.finfo(norms.dtype).tiny), 1.0 / norms.shape[1])
-    return _normalized_entropy(p, norms.shape[1])
+    return _normalized_entropy(p, norms.shape[1]).float()
 
 
 def attention_entropy(saliency: torch.Tensor) -> torch.Tensor:

@@ -21,19 +21,36 @@ def token_norms(x: torch.Tensor) -> torch.Tensor:
     ``x.norm`` sums the squares in ``x``'s dtype, which overflows long before the norm does (float32 from entries of
     ~1e19): the norm came out inf, the unit tokens 0, and selections repeated token 0. Tokens whose norm overflowed
     are measured again with the squares summed in float64 (where the square of any float32 fits) and the norm cast
-    back; every other norm is ``x.norm``'s, bit for bit (one read of a ``[B, N]`` test). float64 tokens keep
-    ``x.norm``. On the GPU fast path (``accel.active``), which never waits on the device, this is ``x.norm`` alone:
-    ``registry.select`` sends features whose squares overflow to the plain path (its finiteness total, the inputs'
-    whole norms, overflows first), so the fast path pays nothing for them.
+    back; float64 tokens whose squares overflow are measured again scaled by their largest entry. Every other norm is
+    ``x.norm``'s, bit for bit (one read of a ``[B, N]`` test). On the GPU fast path (``accel.active``), which never
+    waits on the device, this is ``x.norm`` alone: ``registry.select`` sends features whose squares overflow to the
+    plain path (its finiteness total, the inputs' whole norms, overflows first), so the fast path pays nothing for
+    them.
     """
     norms = x.norm(dim=-1)
-    if x.dtype == torch.float64 or accel.active(x):
+    if accel.active(x):
         return norms
     over = torch.isinf(norms)
     if bool(over.any()):
-        wide = torch.linalg.vector_norm(x[over], dim=-1, dtype=torch.float64)  # [K] the overflowed tokens only
+        rows = x[over]  # [K, d] the overflowed tokens only
+        if x.dtype == torch.float64:  # no wider type: scaled by the largest entry (a norm past float64's range stays
+            top = rows.abs().amax(dim=-1, keepdim=True)  # inf, and ``select`` refuses it)
+            wide = top[:, 0] * (rows / top).norm(dim=-1)
+        else:
+            wide = torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64)
         norms = norms.masked_scatter(over, wide.to(norms.dtype))
     return norms
+
+
+def nonfinite(name: str, t: torch.Tensor) -> str | None:
+    """What is wrong with ``t [B, ...]`` named ``name`` if it holds NaN or Inf ("features contain NaN values (batch
+    items [1])"), else None. One read of the device."""
+    bad = ~torch.isfinite(t).flatten(1).all(dim=1)
+    if not bool(bad.any()):
+        return None
+    kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+    verb = "contain" if name.endswith(("features", "keys", "tokens")) else "contains"  # saliency contains
+    return f"{name} {verb} {kind} values (batch items {bad.nonzero().flatten().tolist()})"
 
 
 def unit_tokens(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:

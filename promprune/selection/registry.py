@@ -28,6 +28,7 @@ from .kernels import (
     KERNEL_EPS,
     cosine_from_unit_gram,
     exactly_symmetric,
+    nonfinite,
     token_norms,
     unit_gram_from_product,
     unit_tokens,
@@ -540,19 +541,18 @@ def _check_finite(named: dict[str, torch.Tensor]) -> bool:
     if math.isfinite(float(finite_total(named.values()))):
         return False
     for name, t in named.items():
-        bad = ~torch.isfinite(t).flatten(1).all(dim=1)
-        if bool(bad.any()):
-            kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-            verb = "contain" if name.endswith(("features", "keys", "tokens")) else "contains"  # saliency contains
-            raise ValueError(f"{name} {verb} {kind} values (batch items {bad.nonzero().flatten().tolist()})")
-    top = torch.finfo(torch.float32).max
-    for name, t in named.items():  # finite, but huge: a token whose norm itself passes float32's range
-        if t.dtype != torch.float64 and t.dim() >= 2 and name != "saliency":  # saliency: scores, min-max normalized
-            norm = float(torch.linalg.vector_norm(t.double(), dim=-1).max())
+        if (problem := nonfinite(name, t)) is not None:
+            raise ValueError(problem)
+    for name, t in named.items():  # finite, but huge: a token whose norm itself passes its compute dtype's range
+        if t.dim() >= 2 and name != "saliency":  # saliency: scores, min-max normalized
+            wide = t.dtype == torch.float64
+            top = torch.finfo(torch.float64 if wide else torch.float32).max
+            norm = float(token_norms(t).max()) if wide else float(torch.linalg.vector_norm(t.double(), dim=-1).max())
             if norm > top:
-                raise ValueError(f"{name} hold a token of norm {norm:.3g}, past float32's range ({top:.3g}): its "
-                                 "direction cannot be compared in float32. Divide the features by a constant (every "
-                                 "method's picks are scale-free) or pass them as float64.")
+                kind = "float64" if wide else "float32"
+                raise ValueError(f"{name} hold a token of norm {norm:.3g}, past {kind}'s range ({top:.3g}): its "
+                                 f"direction cannot be compared in {kind}. Divide the features by a constant (every "
+                                 "method's picks are scale-free)" + ("." if wide else " or pass them as float64."))
     return True
 
 

@@ -135,9 +135,9 @@ def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor
     stage replays as a graph (``graphed.fits``), the graph forms the Gram itself from the tokens (``_opening``)."""
     if tokens.n <= tokens.dim:
         if _graphs_fit(tokens):
-            return certified.split(lambda: tokens.unit_gram, count, gram=True,
+            return certified.split(lambda: tokens.unit_gram, count, tokens=tokens.x,
                                    opening_with=(_opening, (tokens.x, tokens.half_source)))
-        return certified.split(tokens.unit_gram, count, gram=True)
+        return certified.split(tokens.unit_gram, count, tokens=tokens.x)
     return certified.split(tokens.spectral_matrix, count)
 
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import promprune
-from promprune.selection import accel, certified
+from promprune.selection import accel, certified, entropy
 from promprune.selection.budget import split_budget
 from promprune.selection.entropy import spectral_matrix
+from promprune.selection.registry import TokenSet
 
 
 def spectrum(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -188,6 +189,60 @@ def test_promprune_keeps_the_exact_algorithms_tokens_next_to_boundaries():
             got = promprune.select(x, s, **kw)
         assert torch.equal(got.saliency_count, want.saliency_count), mu
         assert torch.equal(got.indices, want.indices), mu
+
+
+def alike_tokens(seed: int, n: int = 576, d: int = 640, spread: float = 0.1, rank: int = 50) -> torch.Tensor:
+    """``[1, n, d]`` float32 tokens sharing one direction, varying in a ``rank``-dim subspace by ``spread`` (mean cosine
+    ~0.99 at 0.1: a near-blank image or page)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(1, 1, d, generator=g)
+    vary = torch.randn(1, n, rank, generator=g) @ torch.randn(1, rank, d, generator=g) / math.sqrt(rank)
+    return common + spread * vary
+
+
+def reference_entropy(x: torch.Tensor) -> float:
+    """The spectral entropy of one image's tokens in float64 numpy (unit tokens centered before their product)."""
+    t = x[0].double().numpy()
+    t = t / np.linalg.norm(t, axis=1, keepdims=True)
+    t = t - t.mean(0)
+    lam = np.clip(np.linalg.eigvalsh(t @ t.T), 1e-12, None)
+    return entropy_of(lam / lam.sum())
+
+
+@pytest.mark.parametrize("spread", [0.1, 0.01])
+def test_tokens_nearly_alike_get_their_float64_entropy_on_every_route(spread):
+    """Centering the float32 Gram cancels for tokens nearly alike (mean cosine 0.99-0.9999): H moved by 2e-4 to 1e-2
+    and the certified bounds, whose argument needs a matrix without negative eigenvalues, missed the exact H by more
+    than their margin (T_sal 21 against 20). Such rows take the tokens centered before their product, on both routes."""
+    x = alike_tokens(0, spread=spread)
+    want = reference_entropy(x)
+    assert float(promprune.spectral_entropy(x)) == pytest.approx(want, abs=5e-6)
+    s = torch.rand(1, x.shape[1], generator=torch.Generator().manual_seed(1))
+    budget, tau = 64, 0.02
+    for mu in boundary_mus(want, budget, tau, (0.0, 3e-5, -3e-5, 1e-4, -1e-4)):
+        kw = dict(budget=budget, method="promprune", mu=mu, tau=tau)
+        with accel.entropy("exact"):
+            exact = promprune.select(x, s, **kw)
+        with accel.entropy("certified"):
+            got = promprune.select(x, s, **kw)
+        assert certified.LAST_REPORT[0].cancelled == 1 and certified.LAST_REPORT[0].exact == 1
+        assert torch.equal(got.saliency_count, exact.saliency_count), mu
+        assert torch.equal(got.indices, exact.indices), mu
+        assert float(got.entropy[0]) == pytest.approx(want, abs=5e-6)
+
+
+def test_the_flags_of_tokens_nearly_alike_cost_no_read_of_their_own():
+    """A batch with one image of tokens nearly alike beside three ordinary ones: the flags come with the first
+    stage's read (one read), the alike image goes to the eigensolve, the others decide by their bounds."""
+    x = torch.cat([alike_tokens(2), torch.randn(3, 576, 640, generator=torch.Generator().manual_seed(3))])
+    assert entropy.cancels(x).tolist() == [True, False, False, False]
+    tokens = TokenSet(x, None)
+    before = accel.syncs()
+    t_sal, h, half = certified.split(tokens.unit_gram, lambda e: split_budget(e, 64, mu=0.9, tau=0.02), tokens=x)
+    report = certified.LAST_REPORT[0]
+    assert (report.decided, report.cancelled, report.refused, report.exact) == ([3], 1, 0, 1), report
+    assert accel.syncs() - before == 2  # the first stage's read (with the flags) and the eigensolve's
+    assert float(h[0]) == pytest.approx(reference_entropy(x[:1]), abs=5e-6) and float(half[0]) == 0.0
 
 
 def test_one_host_read_when_the_first_stage_decides():

@@ -77,6 +77,19 @@ def test_the_public_entropies_say_they_take_a_batch():
         promprune.attention_entropy(torch.rand(6))
 
 
+def test_the_public_entropies_refuse_nan_and_inf_naming_the_rows():
+    """A NaN made LAPACK fail inside spectral_entropy, feature_norm_entropy said 1.0 and attention_entropy NaN."""
+    x = torch.randn(3, 8, 4)
+    x[1, 2, 0] = float("nan")
+    for fn in (promprune.spectral_entropy, promprune.feature_norm_entropy):
+        with pytest.raises(ValueError, match=rf"{fn.__name__}: features contain NaN values \(batch items \[1\]\)"):
+            fn(x)
+    s = torch.rand(2, 5)
+    s[0, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"attention_entropy: saliency contains Inf values \(batch items \[0\]\)"):
+        promprune.attention_entropy(s)
+
+
 @pytest.mark.parametrize("N,d", [(36, 16), (80, 96), (576, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_one_token_repeated_has_the_entropy_of_a_zero_spectrum_and_keeps_valid_tokens(N, d, dtype):

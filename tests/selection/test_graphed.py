@@ -257,11 +257,11 @@ def test_cuda_split_with_graphs_equals_the_eager_split_through_every_stage(graph
     def count(h):
         return split_budget(h, 16, mu=mu, tau=0.02)
 
-    want = certified.split(tokens.unit_gram, count, gram=True)
+    want = certified.split(tokens.unit_gram, count, tokens=tokens.x)
     stages = len(certified.LAST_REPORT[0].decided)
     assert stages >= 2, certified.LAST_REPORT
     with accel.graphs(True):
         for _ in range(graphed.SIGHTINGS + 1):  # eager, the captures and their first replays, replays
-            got = certified.split(tokens.unit_gram, count, gram=True)
+            got = certified.split(tokens.unit_gram, count, tokens=tokens.x)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(graphed._CAPTURES) == stages

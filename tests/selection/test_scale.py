@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import promprune
+from promprune.dtypes import upcast
 from promprune.selection import accel
 from promprune.selection.registry import TokenSet
 
@@ -28,11 +29,13 @@ VARIANTS = [(m, {}) for m in promprune.methods()] + [
     ("cdpruner", {"text_source": "clip"}), ("cdpruner", {"theta": 0.9}),
 ]
 # (dtype, scale): float32 far past where its squares overflow (1e20) and near the top of its range; half dtypes by
-# a power of two, which scales them exactly: float16 past 256 (its squares overflow), bfloat16 past 2^64.
+# a power of two, which scales them exactly: float16 past 256 (its squares overflow), bfloat16 past 2^64; float64 past
+# 1e154 (it repeated token 0 or picked an index past N).
 SCALES = [pytest.param(torch.float32, 1e20, id="float32-1e20"),
           pytest.param(torch.float32, 1e35, id="float32-1e35"),
           pytest.param(torch.float16, 2.0 ** 9, id="float16-2^9"),
-          pytest.param(torch.bfloat16, 2.0 ** 66, id="bf16-2^66")]
+          pytest.param(torch.bfloat16, 2.0 ** 66, id="bf16-2^66"),
+          pytest.param(torch.float64, 1e160, id="float64-1e160")]  # float64's squares overflow: no wider type
 
 
 def _inputs(shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +101,7 @@ def test_promprune_certified_split_is_scale_free(dtype, scale, device):
 def test_norms_and_unit_gram_are_finite_and_scale_free(dtype, scale, device):
     x, _ = _inputs(SHAPES["N<=d"])
     x = x.to(device, dtype)
-    small, big = (TokenSet(t.float(), None, source=t) for t in (x, x * scale))
+    small, big = (TokenSet(upcast(t), None, source=t) for t in (x, x * scale))
     assert bool(torch.isfinite(big.norms).all())
     torch.testing.assert_close(big.norms / scale, small.norms, rtol=1e-6, atol=0)
     torch.testing.assert_close(big.unit_gram, small.unit_gram, rtol=0, atol=1e-6)
@@ -112,7 +115,8 @@ def test_norms_of_normal_magnitudes_are_torch_norms_bit_for_bit():
         assert torch.equal(TokenSet(t, None).norms, t.norm(dim=-1))
 
 
-@pytest.mark.parametrize("dtype,scale", [p for p in SCALES if p.id != "float16-2^9"])  # fp16 stays: fp32 norms fit
+# fp16 stays: fp32 norms fit; float64 never takes the fast path
+@pytest.mark.parametrize("dtype,scale", [p for p in SCALES if p.id not in ("float16-2^9", "float64-1e160")])
 def test_features_whose_squares_overflow_leave_the_fast_path(dtype, scale, monkeypatch):
     """On the GPU fast path (emulated on the CPU: ``benchmarks.launches.fast_path_on_cpu``, its Triton kernels
     stubbed and counted, and the half tokens' ``bmm(out_dtype=float32)``, CUDA's only, as a float32 product) features
@@ -148,3 +152,6 @@ def test_tokens_whose_norm_passes_float32s_range_are_a_clear_error():
         with pytest.raises(ValueError, match=r"features hold a token of norm .*past float32's range.*scale-free"):
             promprune.select(big, s, budget=4, method=method)
     assert promprune.select(big.double(), s, budget=4, method="divprune").indices.shape == (1, 4)  # float64 holds it
+    huge = torch.sign(x).double() * 1e307  # float64's turn: the norm (6.4e308) passes its range
+    with pytest.raises(ValueError, match=r"features hold a token of norm inf, past float64's range.*scale-free\)\.$"):
+        promprune.select(huge, s.double(), budget=4, method="divprune")

@@ -106,7 +106,7 @@ def test_errors_name_the_problem():
     # saliency is min-max normalized: scores of 1e38 (whose squares overflow) pick what the same scores scaled down do
     assert torch.equal(select(x, s * 1e38, budget=8).indices, select(x, s, budget=8).indices)
     huge = x.double().clone()
-    huge[0] = 1e308  # finite, but any sum of them overflows: the check goes the long way and passes
+    huge[0] = 1e300  # finite, but any sum of their squares overflows: the check goes the long way and passes
     assert select(huge, s, budget=8, method="saliency_only").indices.shape == (3, 8)
     huge[2, 5, 1] = float("nan")
     with pytest.raises(ValueError, match=r"features contain NaN.*\[2\]"):

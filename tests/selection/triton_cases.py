@@ -505,7 +505,7 @@ def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: b
     boundary between 8 and 9 salient tokens of T = 16: at 1e-5 it runs every stage and ends in the eigensolve (the
     other images fall where they fall; low-rank tokens' recurrences run out and go there too). ``got``: the counts,
     then the stages' decided numbers and the eigensolve's. ``gram``: the split from the tokens' float32 unit Gram
-    (``gram=True``, as PromPrune calls it), centered by ``lanczos_triton.density_from_gram`` on the fast path.
+    (with its ``tokens``, as PromPrune calls it), centered by ``lanczos_triton.density_from_gram`` on the fast path.
     ``fused``: the recurrence in ``lanczos_triton._fused_kernel`` (else a product, the dot and the update a step).
     ``mu``: given instead of placed (a first image without an entropy of its own: "identical" tokens)."""
     import math
@@ -530,10 +530,11 @@ def split_case(kind: str, B: int, N: int, d: int, seed: int, gap: float, gram: b
         def count(h: torch.Tensor) -> torch.Tensor:
             return split_budget(h, 16, mu=mu, tau=0.02)
 
-        matrix = TokenSet(_tokens(kind, B, N, d, seed), None).unit_gram if gram else rho
-        want = outcome(certified.split(matrix, count, gram=gram)[0])
+        x = _tokens(kind, B, N, d, seed)
+        matrix = TokenSet(x, None).unit_gram if gram else rho
+        want = outcome(certified.split(matrix, count, tokens=x if gram else None)[0])
         with _fast(device), lanczos_triton.fusing(fused):
-            got = outcome(certified.split(matrix.to(device), count, gram=gram)[0])
+            got = outcome(certified.split(matrix.to(device), count, tokens=x.to(device) if gram else None)[0])
         return got, want
     return run
 
