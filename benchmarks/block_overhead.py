@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help=f"a check of the script: {SMOKE_IMAGES} images, "
                    f"{SMOKE_PASSES} pass")
     args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's benchmarks (its Flags)
+    from benchmarks import Flags
+
+    flags = Flags(__file__)
+    flags.existing("--checkout", args.checkout, "directory", inside="promprune/__init__.py")
+    flags.refuse()
     images, passes = (SMOKE_IMAGES, SMOKE_PASSES) if args.smoke else (IMAGES, PASSES)
     sys.path.insert(0, str(args.checkout))
     import promprune

@@ -39,6 +39,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from benchmarks import Flags, comma_list  # noqa: E402
 from promprune.efficiency import (  # noqa: E402
     MIB,
     kv_cache_bytes,
@@ -94,6 +95,36 @@ def sample_images(n: int) -> list[Image.Image]:
 
 def _budget(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
+
+
+def check_flags(args) -> None:
+    """Refuse the command line's mistakes (exit 2, `benchmarks.Flags`) before the model loads."""
+    flags = Flags(__file__)
+    if args.skip_measured and args.skip_analytic:
+        flags.add("--skip-measured --skip-analytic", "together they leave nothing to print; drop one of them")
+    if args.analytic_shape:
+        from promprune.models.shapes import shapes
+
+        flags.choice("--analytic-shape", [args.analytic_shape], shapes(), "shape")
+        if args.skip_measured:  # the measured arms' check below says it otherwise
+            flags.at_least("--budgets", [b for b in args.budgets if b is not None], 1, "visual tokens")
+    if not args.skip_measured:
+        flags.methods("--methods", args.methods)
+        options = {}
+        if args.model.startswith("shape:"):
+            from promprune.models.shapes import default_options, shapes
+
+            name = args.model.split(":", 1)[1]
+            options = default_options(name) if name in shapes() else {}
+        capacity = flags.model("--model", args.model, options)
+        flags.budgets("--budgets", args.budgets, capacity, args.model)
+        flags.dtype("--dtype", args.dtype, allow_auto=True)
+        flags.device("--device", args.device, words=("auto",))
+        flags.at_least("--batch", args.batch, 1, "images per generate call", 1)
+        flags.at_least("--repeats", args.repeats, 1, "timed generate calls", 5)
+        flags.at_least("--max-new-tokens", args.max_new_tokens, 1, "tokens generated per call", 16)
+        flags.at_least("--graph-pairs", args.graph_pairs, 0, "0: none", 6)
+    flags.refuse()
 
 
 def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
@@ -235,9 +266,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny:llava_next",
                         help="checkpoint, tiny:<arch> or shape:<name> (offline; promprune.models.shapes.shapes())")
-    parser.add_argument("--methods", default="promprune", type=lambda s: s.split(","),
+    parser.add_argument("--methods", default="promprune", type=comma_list(example="vispruner,divprune,promprune"),
                         help="comma list of methods measured at every budget (Table 6: vispruner,divprune,promprune)")
-    parser.add_argument("--budgets", default=None, type=lambda s: [_budget(b) for b in s.split(",")],
+    parser.add_argument("--budgets", default=None, type=comma_list(_budget, "none,640,320,160"),
                         help="comma list, 'none' = unpruned (default: none,640,320,160; tiny models none,40,20,10)")
     parser.add_argument("--dtype", default=None, help="float16 / bfloat16 / float32 (default: the checkpoint's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -254,6 +285,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.budgets is None:
         args.budgets = [None, 40, 20, 10] if args.model.startswith("tiny:") else [None, 640, 320, 160]
+    check_flags(args)
     torch.manual_seed(0)
     if not args.skip_analytic:
         table6_analytic()

@@ -47,9 +47,11 @@ import ray
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks import pythonpath  # noqa: E402
+from benchmarks import Flags, pythonpath  # noqa: E402
 
 TASK = "testbed_exist_concentrated"
+BUDGETS = (64, 48, 32, 16, 8, 4, 2)  # the in-process trials' budgets, one a trial
+DESIGNS = ("pool", "serve", "data")
 MODEL = "testbed:llava"
 
 
@@ -194,7 +196,7 @@ def in_process(trials: int, designs: list[str]) -> None:
         ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=worker_env(), log_to_driver=False,
                  _temp_dir=ray_tmp)
     rows = build_requests_dataset([TASK], 16, {"max_new_tokens": 4}, 16)
-    budgets = [64, 48, 32, 16, 8, 4, 2][:trials]
+    budgets = list(BUDGETS[:trials])
     log = tempfile.mktemp(prefix="engine-work-")
     print(f"{trials} trials of {len(rows.keys)} samples ({len(rows.blocks)} blocks) of {TASK} on {MODEL}, "
           "local Ray on this machine's CPU\n")
@@ -271,8 +273,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=8, help="samples per trial of --cli's specs")
     ap.add_argument("--cli-repo", type=Path, default=None, help="another checkout whose sweep command to time as well")
     args = ap.parse_args(argv)
-    if args.trials < 2 or (args.cli and args.cli < 2):
-        ap.error("--trials and --cli need at least 2: the per-trial cost is measured beyond the first trial")
+    flags = Flags(__file__)
+    flags.at_least("--trials", args.trials, 2, "the per-trial cost is measured beyond the first trial", 5)
+    if args.trials > len(BUDGETS):
+        flags.add(f"--trials {args.trials}", f"at most {len(BUDGETS)} (one budget a trial: "
+                  f"{', '.join(map(str, BUDGETS))}), e.g. --trials 5")
+    flags.choice("--designs", args.designs, DESIGNS, "design")
+    if args.cli:
+        flags.at_least("--cli", args.cli, 2, "the slope is measured from 1 trial to N; 0: no sweep command", 20)
+        flags.at_least("--samples", args.samples, 1, "samples per trial", 8)
+        flags.existing("--cli-repo", args.cli_repo, "directory", inside="pipelines/sweep.py")
+    elif args.cli_repo is not None:
+        flags.add(f"--cli-repo {args.cli_repo}", "needs --cli N (the sweep command is timed only with it), e.g. "
+                  "--cli 20")
+    flags.refuse()
     if args.designs:
         in_process(args.trials, args.designs)
     if args.cli:

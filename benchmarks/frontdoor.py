@@ -83,6 +83,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args(argv)
+    from benchmarks import Flags
+
+    flags = Flags(__file__)
+    flags.at_least("--runs", args.runs, 1, "runs of each case", 5)
+    flags.refuse()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)}
     with tempfile.TemporaryDirectory(prefix="frontdoor-") as tmp:
         work = Path(tmp)

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import Flags  # noqa: E402
 from benchmarks.selection import median_ms  # noqa: E402
 
 # views x tokens: LLaVA-1.5 and LLaVA-NeXT (five views of 576) and Qwen2.5-VL (1296) at batch 1, then batches of them
@@ -103,6 +104,33 @@ def measure(views: int, n: int, steps: int, repeats: int, device: str, blocks: l
     return out
 
 
+def check_flags(args) -> list[tuple[int, int]]:
+    """Refuse the command line's mistakes (exit 2, `benchmarks.Flags`) before a kernel compiles; the shapes as
+    (views, tokens)."""
+    import os
+
+    flags = Flags(__file__)
+    flags.device("--device", args.device, indexed=False)
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        flags.add("--device cpu", "on the CPU the kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                  "(TRITON_INTERPRET=1 python benchmarks/lanczos_steps.py --device cpu ...)")
+    shapes = []
+    for shape in args.shapes:
+        parts = shape.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            flags.add(f"--shapes {shape}", "expected VIEWSxTOKENS, two positive ints, e.g. --shapes 1x576 5x576")
+        else:
+            shapes.append((int(parts[0]), int(parts[1])))
+    flags.at_least("--steps", args.steps, 1, "Lanczos steps a stage", 6)
+    bad = [b for b in args.blocks if b < 16 or b & (b - 1)]
+    if bad:
+        flags.add(f"--blocks {' '.join(map(str, bad))}", "a block edge is a power of two, at least 16 (Triton's "
+                  "tiles), e.g. --blocks 64 32")
+    flags.at_least("--repeats", args.repeats, 1, "timed calls", 15)
+    flags.refuse()
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -112,13 +140,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="the fused product's block edges to time (default: %(default)s; the shipped one first)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
+    args.shapes = check_flags(args)
     from promprune.selection import accel, certified, lanczos_triton
 
     if args.device == "cpu":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("lanczos_steps.py on the CPU needs TRITON_INTERPRET=1 (the kernels in Triton's interpreter)")
         accel.active = lambda t: True  # the fast path on CPU tensors: a check of the values
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter: times mean nothing)"
     print(f"Lanczos stages of {args.steps} steps, fused or not (lanczos_triton.steps), median ms of {args.repeats}; "
@@ -133,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
           + f"{'check':>10}")
     faster_at = {}  # views x n^3 -> whether the shipped fused block's first stage was faster eagerly
     for shape in args.shapes:
-        views, n = (int(v) for v in shape.split("x"))
+        views, n = shape
+        shape = f"{views}x{n}"
         r = measure(views, n, args.steps, args.repeats, args.device, args.blocks)
         shipped = f"fused {args.blocks[0]}x{args.blocks[0]}"
         faster_at[views * n ** 3] = r[shipped, "first", "eager"] < r["unfused", "first", "eager"]

@@ -665,6 +665,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
     import promprune
+    from benchmarks import Flags
     from benchmarks.inputs import instruction_for, make_inputs
 
     ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
@@ -672,7 +673,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default="1x576x4096", help="B x N x d of the features (default: LLaVA-1.5's)")
     ap.add_argument("--budget", type=int, default=64)
     args = ap.parse_args(argv)
-    B, N, d = (int(v) for v in args.shape.split("x"))
+    flags = Flags(__file__)
+    flags.methods("--method", args.method or [], stage=promprune.PRE_LLM)
+    parts = args.shape.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        flags.add(f"--shape {args.shape}", "expected BxNxd, three positive ints (images, tokens, feature width), "
+                  "e.g. --shape 1x576x4096")
+        parts = ["1", "0", "1"]
+    B, N, d = (int(v) for v in parts)
+    flags.budgets("--budget", [args.budget], N or None, f"--shape {args.shape}")
+    flags.refuse()
     x, s = make_inputs(B, N, d, "cpu")
     print(f"one call at {args.shape}, T={args.budget}, on the GPU fast path counted on the CPU")
     print("| method | launches | syncs | matmul GFLOP | projected ms |\n|---|---:|---:|---:|---:|")

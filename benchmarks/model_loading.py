@@ -28,6 +28,7 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from benchmarks import Flags  # noqa: E402
 
 
 def build_checkpoint(path: Path, layers: int, hidden: int) -> float:
@@ -109,6 +110,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="dtype the actors run in; the checkpoint is fp32 (bfloat16: a conversion on every load, "
                         "as for fp16 hub checkpoints run in bf16)")
     args = p.parse_args(argv)
+    flags = Flags(__file__)
+    flags.at_least("--layers", args.layers, 1, "LLM layers", 8)
+    flags.at_least("--hidden", args.hidden, 2, "LLM width", 1024)
+    heads = max(1, args.hidden // 64)
+    if args.hidden >= 2 and (args.hidden % heads or args.hidden // heads % 2):
+        flags.add(f"--hidden {args.hidden}", f"its {heads} attention head(s) of 64 would not split it into even "
+                  "head widths; use a multiple of 64 (or an even width below 64), e.g. --hidden 1024")
+    flags.at_least("--actors", args.actors, 1, "actors measured per path", 2)
+    flags.at_least("--trials", args.trials, 1, "trials of the sweep estimate", 19)
+    flags.refuse()
 
     from pipelines.run.ray_connect import patient_start, worker_env
 

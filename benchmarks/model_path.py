@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
 import promprune  # noqa: E402
+from benchmarks import Flags, comma_list  # noqa: E402
 from benchmarks.launches import Costs, count_model, fast_path_on_cpu, on_host, project_ms  # noqa: E402
 
 # images whose LLaVA-NeXT anyres grids differ: a square one (2 x 2 crops, 5 views) and a wide one (1 x 2, 3 views)
@@ -85,12 +86,28 @@ def row(model_name: str, method: str | None, batch: int, budget: int) -> str:
             f"{c.syncs} | {bare.launches} | {bare.syncs} | {project_ms(c):.2f} | {sites} |")
 
 
+def check_flags(args) -> None:
+    """Refuse the command line's mistakes (exit 2, `benchmarks.Flags`) before a model is built: every method and
+    model known, the budget each model is run at (8 for tiny:llava, else 20) within what it gives an image."""
+    flags = Flags(__file__)
+    flags.methods("--methods", args.methods)
+    for name in args.models:
+        capacity = flags.model("--models", name)
+        if capacity is not None and (8 if name == "tiny:llava" else 20) > capacity:
+            flags.add(f"--models {name}", f"it gives an image {capacity} visual tokens, fewer than the budget this "
+                      "benchmark keeps (8 for tiny:llava, else 20); use a larger model, e.g. tiny:llava_next")
+    flags.at_least("--batch", args.batch, 1, "images per call", 1)
+    flags.refuse()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--methods", default="divprune,vispruner,promprune", type=lambda s: s.split(","))
+    ap.add_argument("--methods", default="divprune,vispruner,promprune", type=comma_list(example="divprune,promprune"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--models", default="tiny:llava,tiny:llava_next", type=lambda s: s.split(","))
+    ap.add_argument("--models", default="tiny:llava,tiny:llava_next",
+                    type=comma_list(example="tiny:llava,tiny:llava_next"))
     args = ap.parse_args(argv)
+    check_flags(args)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     print("| model | method | images (views) | launches | syncs | bare select: launches | syncs | proj. ms "

@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from benchmarks import Flags  # noqa: E402
 from promprune.models import PrunedVLM, all_methods  # noqa: E402
 
 
@@ -37,6 +38,21 @@ def measure(vlm: PrunedVLM, images, prompts, repeats: int, new_tokens: int) -> d
     return row
 
 
+def check_flags(args) -> None:
+    """Refuse the command line's mistakes (exit 2, `benchmarks.Flags`) before the model loads."""
+    flags = Flags(__file__)
+    flags.methods("--methods", args.methods or [])
+    flags.budgets("--budget", [args.budget], flags.model("--model", args.model), args.model)
+    flags.at_least("--batch", args.batch, 1, "images per call", 1)
+    flags.at_least("--image-size", args.image_size, 1, "image side in px", 336)
+    flags.at_least("--repeats", args.repeats, 1, "timed runs", 5)
+    flags.at_least("--max-new-tokens", args.max_new_tokens, 1, "tokens generated per run", 8)
+    flags.dtype("--dtype", args.dtype, allow_auto=True)
+    if args.device_map is not None:
+        flags.device("--device-map", args.device_map, words=("auto", "balanced", "balanced_low_0", "sequential"))
+    flags.refuse()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny:llava")
@@ -49,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--device-map", default=None)
     args = ap.parse_args(argv)
+    check_flags(args)
 
     images = demo_images(args.batch, args.image_size)
     prompts = ["Describe the image."] * args.batch

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import Flags  # noqa: E402
 
 TASKS = ["testbed_exist", "testbed_count", "testbed_attribute", "testbed_relation"]
 CONFIGS = [(None, None), ("promprune", 16)]  # unpruned, and the testbed's PromPrune budget (16 of 144 tokens)
@@ -46,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args(argv)
+    flags = Flags(__file__)
+    flags.at_least("--limit", args.limit, 1, "questions per task", 100)
+    for dtype in args.dtypes:
+        flags.dtype("--dtypes", dtype)
+    flags.device("--device", args.device)
+    flags.at_least("--batch-size", args.batch_size, 1, "rows per block", 8)
+    flags.refuse()
     import torch
 
     from promprune.eval import build_requests, run_requests, score

@@ -24,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from benchmarks import Flags  # noqa: E402
 from benchmarks.efficiency import sample_images  # noqa: E402
 from promprune.models import PrunedVLM  # noqa: E402
 from promprune.selection import accel, certified, graphed  # noqa: E402
@@ -32,10 +33,11 @@ from promprune.selection import accel, certified, graphed  # noqa: E402
 def build(model: str, dtype: str, device: str, text_layers: int) -> tuple:
     """``(model, processor, PrunedVLM options)``: a checkpoint, ``tiny:<arch>`` or ``shape:<name>``."""
     if model.startswith("shape:"):
+        from promprune.dtypes import parse_dtype
         from promprune.models.shapes import default_options, shape_vlm
 
         name = model.split(":", 1)[1]
-        net, processor = shape_vlm(name, dtype=getattr(torch, dtype), device=device, text_layers=text_layers)
+        net, processor = shape_vlm(name, dtype=parse_dtype(dtype), device=device, text_layers=text_layers)
         return net, processor, default_options(name)
     base = PrunedVLM.from_pretrained(model, method=None, dtype=dtype, device_map=device)
     return base.model, base.processor, {}
@@ -44,6 +46,25 @@ def build(model: str, dtype: str, device: str, text_layers: int) -> tuple:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def check_flags(args) -> None:
+    """Refuse the command line's mistakes (exit 2, `benchmarks.Flags`) before the model is built."""
+    flags = Flags(__file__)
+    flags.methods("--method", [args.method])
+    options = {}
+    if args.model.startswith("shape:"):
+        from promprune.models.shapes import default_options, shapes
+
+        name = args.model.split(":", 1)[1]
+        options = default_options(name) if name in shapes() else {}
+    flags.budgets("--budget", [args.budget], flags.model("--model", args.model, options), args.model)
+    flags.dtype("--dtype", args.dtype)
+    flags.device("--device", args.device)
+    flags.at_least("--text-layers", args.text_layers, 1, "decoder layers of a shape: model", 2)
+    flags.at_least("--repeats", args.repeats, 1, "timed selections", 9)
+    flags.at_least("--rows", args.rows, 1, "operators per table", 18)
+    flags.refuse()
 
 
 def main(argv=None) -> None:
@@ -59,6 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--entropy", default="auto", choices=accel.ENTROPY_MODES,
                         help="how PromPrune's split reads the entropy (certified: the bounds on the CPU too)")
     args = parser.parse_args(argv)
+    check_flags(args)
 
     net, processor, options = build(args.model, args.dtype, args.device, args.text_layers)
     vlm = PrunedVLM(net, processor, method=args.method, budget=args.budget, **options)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks import Flags  # noqa: E402
 from promprune.selection.baselines import feature_key  # noqa: E402
 
 ULPS = 4  # a drift of up to 4 ulps per value: more than CPU types / devices differ at the end of a vision tower
@@ -36,6 +36,11 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=576)
     p.add_argument("--dim", type=int, default=64)
     args = p.parse_args(argv)
+    flags = Flags(__file__)
+    flags.at_least("--sets", args.sets, 1, "feature sets", 300)
+    flags.at_least("--tokens", args.tokens, 1, "tokens a set", 576)
+    flags.at_least("--dim", args.dim, 1, "feature width", 64)
+    flags.refuse()
     gen = torch.Generator().manual_seed(0)
     changed: dict[str, int] = {}
     keys = set()

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import Flags  # noqa: E402
 
 
 def measure(tasks: list[str], limit: int | None, batch_size: int, shards: int | None) -> dict:
@@ -58,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="parallel build tasks (default: as a sweep decides: the driver up to 2,000 rows, else one per "
                         "CPU)")
     args = p.parse_args(argv)
+    flags = Flags(__file__)
+    flags.at_least("--limit", args.limit, 1, "documents per task; leave it out for all", 100)
+    flags.at_least("--batch-size", args.batch_size, 1, "rows per block", 8)
+    flags.at_least("--shards", args.shards, 1, "parallel build tasks; leave it out for a sweep's choice", 2)
+    if not flags.problems:
+        flags.tasks("--tasks", args.tasks, args.limit)
+    flags.refuse()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 

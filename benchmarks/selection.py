@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
 import promprune  # noqa: E402
+from benchmarks import Flags  # noqa: E402
 from benchmarks.inputs import instruction_for, make_inputs  # noqa: E402
 from benchmarks.launches import count, fast_path_on_cpu, project_ms  # noqa: E402
 from promprune.selection import accel, certified  # noqa: E402
@@ -233,6 +234,9 @@ def time_stages(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> 
     return {name: median_ms(fn, arg, repeats) for name, (fn, arg) in promprune_stages(x, s, budget).items()}
 
 
+TABLES = ("timing", "costs", "split", "schedules", "routes", "traffic", "bounds")  # --tables
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -257,15 +261,21 @@ def main(argv: list[str] | None = None) -> None:
     tables = set(args.tables.split(","))
     if args.smoke:
         args.repeats = 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    flags = Flags(__file__)
+    flags.at_least("--repeats", args.repeats, 1, "timed calls", 7)
+    flags.device("--device", args.device)
+    flags.at_least("--threads", args.threads, 1, "torch CPU threads", 2)
+    flags.at_least("--batch", args.batch, 1, "images per call", 1)
+    flags.at_least("--split-images", args.split_images, 0, "0: leave the split's table out", 12)
+    flags.choice("--tables", sorted(tables), TABLES, "table")
     if args.shapes:
         named = args.shapes.split(",")
-        unknown = sorted(set(named) - set(shapes))
-        if unknown:
-            ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(shapes)}")
+        flags.choice("--shapes", named, shapes, "shape")
         shapes = {name: shape for name, shape in shapes.items() if name in named}
+    flags.refuse()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if "timing" in tables:
         for batch in args.batch:
             run_batch(args, batch, shapes)

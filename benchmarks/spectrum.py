@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from benchmarks import Flags  # noqa: E402
 from benchmarks.selection import centered_gram, make_inputs, median_ms  # noqa: E402
 from promprune.selection import certified  # noqa: E402
 
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.repeats = 1
+    flags = Flags(__file__)
+    flags.device("--device", args.device)
+    flags.at_least("--repeats", args.repeats, 1, "timed calls per route", 9)
+    flags.refuse()
     print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.device.startswith("cuda"):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import Flags  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -180,12 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     except specs.SpecError as exc:  # as the other spec readers: the spec's paragraph, exit 2, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    flags = Flags(__file__)
+    if spec.model.pretrained not in SHAPES:
+        flags.add(f"--spec {args.spec}", f"its model is {spec.model.pretrained!r}, and sweep_cost models "
+                  f"{', '.join(SHAPES)} (LLaVA-1.5: one view of 576 tokens per image); give a spec of one of them")
+    missing = [t for t in spec.tasks if t not in BENCHMARKS]
+    if missing:
+        flags.add(f"--spec {args.spec}", f"its tasks {', '.join(missing)} have no published size here; sweep_cost "
+                  f"knows {', '.join(sorted(BENCHMARKS))}; give a spec of those tasks, or --set tasks=[...] to them")
+    flags.refuse()
     config = model_config(spec.model.pretrained)
     flops = LayerFlops(config.text_config.to_dict())  # a dict: its reads are cheap
     trials = specs.expand(spec)
-    missing = [t for t in spec.tasks if t not in BENCHMARKS]
-    if missing:
-        raise SystemExit(f"no published size for {missing}; sweep_cost knows {sorted(BENCHMARKS)}")
     vision_once = spec.generation.get("vision_once", True)
     prefix_cache = spec.generation.get("prefix_cache", True)
     print(f"# {spec.name}: {len(trials)} configurations x {len(spec.tasks)} benchmarks at full size, "

@@ -49,7 +49,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import pythonpath  # noqa: E402
+from benchmarks import Flags, pythonpath  # noqa: E402
 from pipelines import timeline  # noqa: E402
 
 METHODS = ["promprune", "fastv", "sparsevlm", "visionzip", "vispruner", "divprune"]
@@ -314,7 +314,7 @@ def run_autoscaled(max_nodes: int, costs: Costs, samples_per_task: int, batch_si
             "trials": len(outcome.records)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--samples-per-task", type=int, default=32,
@@ -332,7 +332,17 @@ def main() -> None:
                     "4 samples per task, 0.02 s per sample, 0.1 s per load, the shell loop computed")
     ap.add_argument("--autoscale", type=int, nargs="?", const=3, default=None, metavar="MAX_NODES",
                     help="instead: the sweep on Ray's fake autoscaler, GPU nodes from 0 up to MAX_NODES (default 3)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    flags = Flags(__file__)
+    flags.at_least("--gpus", args.gpus, 1, "simulated GPUs of each run", 4)
+    flags.at_least("--samples-per-task", args.samples_per_task, 1, "samples per task", 32)
+    flags.at_least("--batch-size", args.batch_size, 1, "rows per block", 8)
+    flags.at_least("--sample-s", args.sample_s, 0, "seconds", 0.25)
+    flags.at_least("--load-s", args.load_s, 0, "seconds", 1.0)
+    flags.at_least("--startup-s", args.startup_s, 0, "seconds", 1.0)
+    flags.at_least("--autoscale", args.autoscale, 1, "most GPU nodes", 3)
+    flags.writable("--timeline", args.timeline)
+    flags.refuse()
     if args.autoscale is not None:
         autoscale_main(args)
         return

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
 import promprune  # noqa: E402
+from benchmarks import Flags  # noqa: E402
 from benchmarks.inputs import instruction_for, make_inputs  # noqa: E402
 from promprune.selection import accel  # noqa: E402
 
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=3, help="stand-in inputs per shape")
     ap.add_argument("--smoke", action="store_true", help="small shapes, one seed")
     args = ap.parse_args(argv)
+    flags = Flags(__file__)
+    flags.at_least("--seeds", args.seeds, 1, "stand-in inputs per shape", 3)
+    flags.refuse()
     shapes, seeds = (SMOKE_SHAPES, 1) if args.smoke else (SHAPES, args.seeds)
     methods = promprune.methods(stage="pre_llm")
     counts = {m: {name: [0, 0, 0] for name in shapes} for m in methods}  # [without guard, with guard, kept]

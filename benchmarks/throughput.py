@@ -56,7 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import pythonpath  # noqa: E402
+from benchmarks import Flags, pythonpath  # noqa: E402
 
 # LLaVA-1.5-7B shrunk alike in both towers: 24 -> 3 CLIP layers and 32 -> 4 LLM layers (1/8), widths / 4
 VISION_LAYERS, TEXT_LAYERS, WIDTH_DIVISOR = 3, 4, 4
@@ -376,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads of every path, lmms-eval's processes included (default 1: on a shared machine "
                         "two threads wait on each other's barriers whenever another job holds a core)")
     args = p.parse_args(argv)
+    flags = Flags(__file__)
+    flags.writable("--workdir", args.workdir, "directory")
+    flags.at_least("--threads", args.threads, 1, "torch threads of every path", 1)
+    flags.refuse()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # lmms-eval's processes inherit it
     import torch

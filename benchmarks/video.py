@@ -19,12 +19,35 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first, installed or not
+from benchmarks import Flags  # noqa: E402
 from promprune.models import PrunedVLM  # noqa: E402
 from promprune.models.shapes import shape_vlm  # noqa: E402
 from promprune.testbed.clips import scene_clip  # noqa: E402
 
 SHAPES = ("llava_onevision_7b", "qwen2_5_vl_7b", "qwen3_vl_8b")
 MODES = (("per_frame", "unit"), ("clip", "unit"), ("per_frame", "clip"), ("clip", "per_frame"))
+
+
+def check_flags(args) -> None:
+    """Refuse the command line's mistakes (exit 2, `benchmarks.Flags`) before a model is built."""
+    flags = Flags(__file__)
+    flags.at_least("--frames", args.frames, 1, "frames of the clip", 8)
+    flags.at_least("--size", args.size, 1, "frame side in px", 384)
+    flags.at_least("--budget", args.budget, 1, "visual tokens kept", 196)
+    flags.at_least("--repeats", args.repeats, 1, "timed calls per mode", 3)
+    flags.at_least("--width-divisor", args.width_divisor, 1, "1: full width", 4)
+    if args.width_divisor > 1:
+        from promprune.models.shapes import narrowed, shape_spec
+
+        for name in SHAPES:
+            try:
+                narrowed(shape_spec(name), args.width_divisor)
+            except ValueError as exc:
+                flags.add(f"--width-divisor {args.width_divisor}", f"{name}: {exc} (heads stay whole); use a "
+                          "divisor of every shape's widths, e.g. 2 or 4")
+                break
+    flags.device("--device", args.device)
+    flags.refuse()
 
 
 def main(argv=None) -> None:
@@ -42,6 +65,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.frames, args.size, args.budget, args.repeats, args.width_divisor = 2, 112, 16, 1, 4
+    check_flags(args)
     clip = [f.resize((args.size, args.size)) for f in scene_clip(index=3, frames=args.frames)]
     layers = {} if args.full else {"text_layers": 1, "vision_layers": 2}
     dtype = torch.float16 if args.device.startswith("cuda") else torch.bfloat16

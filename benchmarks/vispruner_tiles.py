@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import Flags  # noqa: E402
 
 # Each block size changed alone from the default (``greedy_triton.VIS_TILES``).
 VARIANTS = {"tile": (4096, 16384), "evens": (32, 128, 256), "chunk": (16, 64), "warps": (4, 16), "rank": ("sort",)}
@@ -145,6 +146,33 @@ def time_call(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+def check_flags(args) -> tuple[list[tuple[int, int]], list[int]]:
+    """Refuse the command line's mistakes (exit 2, `benchmarks.Flags`) before a kernel compiles; the sizes as
+    (candidates, kept) and the batches."""
+    flags = Flags(__file__)
+    sizes, batches = [], []
+    for pair in args.sizes.split(","):
+        parts = pair.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or not 0 < int(parts[1]) < int(parts[0]):
+            flags.add(f"--sizes {pair}", "expected CANDIDATES:KEPT, ints with 0 < KEPT < CANDIDATES, "
+                      "comma-separated, e.g. --sizes 544:32,1232:64")
+        else:
+            sizes.append((int(parts[0]), int(parts[1])))
+    for batch in args.batch.split(","):
+        if not batch.strip().isdigit() or int(batch) < 1:
+            flags.add(f"--batch {batch}", "expected views per call, positive ints, comma-separated, e.g. --batch 1,8")
+        else:
+            batches.append(int(batch))
+    if not args.chain:
+        flags.device("--device", args.device, indexed=False)
+        if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            flags.add("--device cpu", "on the CPU the kernel runs only under Triton's interpreter: set "
+                      "TRITON_INTERPRET=1 (or --chain: the counts, no kernel)")
+        flags.at_least("--repeats", args.repeats, 1, "timed calls", 9)
+    flags.refuse()
+    return sizes, batches
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -155,17 +183,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="print each configuration's steps in sequence instead of its time (counted on the CPU: no "
                          "kernel runs, no GPU needed; the same on every machine)")
     args = ap.parse_args(argv)
+    sizes, batches = check_flags(args)
     if args.chain:
-        return print_chain([tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")],
-                           [int(b) for b in args.batch.split(",")])
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("on the CPU the kernel runs only under Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
+        return print_chain(sizes, batches)
     from promprune.selection import greedy_triton
     from promprune.selection.baselines import VISPRUNER_ROUND, vispruner_diverse, vispruner_round_count
 
-    sizes = [tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")]
-    batches = [int(b) for b in args.batch.split(",")]
     columns = [(R0, keep, B) for B in batches for R0, keep in sizes]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter: times mean nothing)"
     print(f"VisPruner's kernel, median ms of {args.repeats} on {name}, torch {torch.__version__}; "

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -99,13 +100,19 @@ def busy_message(experiment: str, holder: dict) -> str:
 # the early refusals
 
 
+def refuse(problem: str) -> NoReturn:
+    """End the process as the entry points refuse a user's mistake: ``error: <problem>`` on stderr (the one
+    paragraph that names what is wrong and the fix), exit 2 (`EXIT_BAD_INPUT`), no traceback."""
+    print(f"error: {problem}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
 def refuse_early(argv: list[str]) -> None:
     """Exit 2 with the one-paragraph message `pipelines/sweep.py` would print later, when the command can already
     be refused; return otherwise (the full checks run next)."""
     problem = early_problem(argv)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        refuse(problem)
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -161,7 +168,13 @@ def early_problem(argv: list[str]) -> str | None:
 
 def one_problem(where: str, what: str) -> str:
     """A refusal of one problem, worded as ``pipelines.spec.SpecError`` words its lists."""
-    return f"{where}: 1 problem(s):\n  - {what}"
+    return problems_at(where, [what])
+
+
+def problems_at(where: str, whats: list[str]) -> str:
+    """A refusal of every problem in ``whats`` at once, worded as ``pipelines.spec.SpecError`` words its lists."""
+    lines = "\n".join(f"  - {what}" for what in whats)
+    return f"{where}: {len(whats)} problem(s):\n{lines}"
 
 
 def reading_problems(config: str, overrides: list[str]) -> str | None:

@@ -20,9 +20,27 @@ def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:
     """stdout of ``python benchmarks/<script> <args>`` (this checkout first on the path, Ray's files in a temp dir of
     its own, short enough for Ray's socket paths); fails with the output's tail when it exits non-zero. The script runs
     in a process group of its own, ended afterwards (whatever it left behind, such as Ray's daemons)."""
+    code, out, err = _run(script, args, timeout)
+    assert code == 0, f"benchmarks/{script} {' '.join(args)} exited {code}:\n{out[-3000:]}\n{err[-3000:]}"
+    return out
+
+
+def refused(script: str, *args: str, timeout: float = 600, unset: tuple[str, ...] = ()) -> str:
+    """stderr of ``python benchmarks/<script> <args>``, run as `run_benchmark` runs it (without the environment
+    variables ``unset``), which must refuse the command line as the entry points refuse a user's mistake: exit 2, no
+    traceback, nothing on stdout (refused before the script's work); fails with the output's tail otherwise."""
+    code, out, err = _run(script, args, timeout, unset)
+    said = f"benchmarks/{script} {' '.join(args)} exited {code}:\n{out[-3000:]}\n{err[-3000:]}"
+    assert code == 2 and "Traceback" not in out + err and not out.strip(), said
+    return err
+
+
+def _run(script: str, args, timeout: float, unset: tuple[str, ...] = ()) -> tuple[int, str, str]:
     ray_tmp = tempfile.mkdtemp(prefix="pb-", dir="/tmp")
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    for name in unset:
+        env.pop(name, None)
     proc = subprocess.Popen([sys.executable, str(Path("benchmarks", script)), *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -37,9 +55,7 @@ def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:
         except ProcessLookupError:
             pass
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, f"benchmarks/{script} {' '.join(args)} exited {proc.returncode}:\n{out[-3000:]}\n" \
-                                 f"{err[-3000:]}"
-    return out
+    return proc.returncode, out, err
 
 
 def figure(out: str, pattern: str) -> re.Match:

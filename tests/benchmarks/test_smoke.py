@@ -222,9 +222,11 @@ def test_selection_runs_the_shapes_asked_for(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^ +llava-next$", out, re.M) and "llava-1.5" not in out and "qwen2.5-vl" not in out
     assert re.search(r"counts equal exact +yes$", out, re.M)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as refused:
         main(["--shapes", "llava-1.5,llava15"])
-    assert "--shapes: unknown llava15; known: llava-1.5, llava-next, qwen2.5-vl" in capsys.readouterr().err
+    assert refused.value.code == 2
+    assert ("--shapes llava15: unknown shape 'llava15' (did you mean 'llava-1.5'?); valid: llava-1.5, llava-next, "
+            "qwen2.5-vl") in capsys.readouterr().err
 
 
 def test_vispruner_tiles_keep_the_loops_picks(monkeypatch):
