@@ -106,7 +106,7 @@ class Flags:
     def tasks(self, flag: str, tasks: list[str], limit: int | None = None, limit_flag: str = "--limit") -> None:
         """Every task is known and would load here with ``limit`` (`pipelines.preflight.check_tasks`, a sweep's
         check: lmms-eval's task index is read only for a task that is not an offline one)."""
-        from pipelines.fig2_concentration import lmms_eval_silenced
+        from promprune.eval.tasks import lmms_eval_silenced
         from pipelines.preflight import check_tasks
 
         with lmms_eval_silenced():  # its DEBUG lines while it indexes its task files read like a crash

@@ -40,7 +40,6 @@ bad spec, task, model or store).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -207,22 +206,6 @@ def previous_cache(client, experiment: str, name: str) -> tuple[judging.RatingCa
 # run
 
 
-@contextlib.contextmanager
-def lmms_eval_silenced():
-    """lmms-eval's loguru messages off while tasks build (with LOGURU_LEVEL unset it logs a traceback at DEBUG for
-    every request cache miss, which reads like a crash); its exceptions still propagate."""
-    try:
-        from loguru import logger
-    except ImportError:  # lmms-eval without loguru: nothing to silence
-        yield
-        return
-    logger.disable("lmms_eval")
-    try:
-        yield
-    finally:
-        logger.enable("lmms_eval")
-
-
 def sample_requests(task: str, n: int, seed: int) -> list:
     """``n`` documents of ``task`` about ``n`` distinct images (App. B rates images: a benchmark asks several questions
     about one image, and a repeated one was rated and averaged again): every k-th document (k = documents // n) from
@@ -233,6 +216,7 @@ def sample_requests(task: str, n: int, seed: int) -> list:
     ones. The paper's sample was "random" with no seed or list published, so the exact 700 cannot be matched; a
     systematic sample spans each benchmark's parts evenly."""
     from promprune.eval import build_requests
+    from promprune.eval.tasks import lmms_eval_silenced
 
     with lmms_eval_silenced():
         probe = build_requests([task], shard=(0, 2 ** 31))

@@ -14,6 +14,7 @@ Hub tasks (MME, POPE, ...) are lmms-eval's own definitions, unchanged; their dat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -351,6 +352,47 @@ def single_process():
     return temporary_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
+@contextlib.contextmanager
+def lmms_eval_silenced():
+    """lmms-eval's loguru messages off while tasks build (with LOGURU_LEVEL unset it logs a traceback at DEBUG for
+    every request cache miss, which reads like a crash); its exceptions still propagate."""
+    try:
+        from loguru import logger
+    except ImportError:  # lmms-eval without loguru: nothing to silence
+        yield
+        return
+    logger.disable("lmms_eval")
+    try:
+        yield
+    finally:
+        logger.enable("lmms_eval")
+
+
+@contextlib.contextmanager
+def first_document_undecoded():
+    """While lmms-eval builds a task it reads the task's first document as a test (``ConfigurableTask.__init__``:
+    ``task_docs[0]``, its text, target and choices), and ``datasets`` decodes that row's images: one unreadable image
+    there failed the whole task, and a sweep with it, where the same image at any other document is one failed sample.
+    Inside this block an image that does not decode reads as a 1 x 1 placeholder; the rows themselves are read later
+    with strict decoding (``promprune.eval.requests``), so that document is one failed sample too."""
+    from datasets.features import Image as ImageFeature
+    from PIL import Image
+
+    original = ImageFeature.decode_example
+
+    def decode(self, value, token_per_repo_id=None):
+        try:
+            return original(self, value, token_per_repo_id=token_per_repo_id)
+        except Exception:  # noqa: BLE001 - PIL and datasets raise many types for bad bytes; read strictly later
+            return Image.new("RGB", (1, 1))
+
+    ImageFeature.decode_example = decode
+    try:
+        yield
+    finally:
+        ImageFeature.decode_example = original
+
+
 def load_task(name: str, include_path: str | list[str] | None = None):
     """The lmms-eval Task object for ``name`` with its data loaded; TaskUnavailableError when the data is not here."""
     from lmms_eval.tasks import get_task_dict
@@ -361,7 +403,7 @@ def load_task(name: str, include_path: str | list[str] | None = None):
         if problem:
             raise TaskUnavailableError(problem)
     try:
-        with single_process():
+        with single_process(), first_document_undecoded():
             task_dict = get_task_dict([name], manager)
     except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its cause
         raise TaskUnavailableError(_load_failure(name, manager._task_index.get(name, {}).get("yaml_path"), exc)

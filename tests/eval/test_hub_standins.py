@@ -377,7 +377,8 @@ def test_the_command_line_writes_them_and_a_fresh_process_loads_them(tmp_path):
 
 
 def test_a_documents_unreadable_or_cut_off_image_is_one_failed_request(tmp_path, monkeypatch):
-    """A hub document whose image bytes do not decode (it crashed the whole build) or stop a third of the way (under
+    """A hub document whose image bytes do not decode (it crashed the whole build; at the first document the task's
+    own build, which reads it as a test) or stop a third of the way (under
     lmms-eval's LOAD_TRUNCATED_IMAGES it decoded partly grey and was answered) is one request with its error, beside
     the others, as lmms-eval's own command line records it."""
     from promprune.eval import standins
@@ -385,6 +386,7 @@ def test_a_documents_unreadable_or_cut_off_image_is_one_failed_request(tmp_path,
     def corrupted(painter, n, **kw):
         (table,) = standins.pope(painter, n, **kw)
         images = table.columns["image"]
+        images[0] = {"bytes": b"", "path": None}  # lmms-eval decodes the first document while it builds the task
         images[2] = {"bytes": b"not an image at all", "path": None}
         images[4] = {"bytes": images[4]["bytes"][: len(images[4]["bytes"]) // 3], "path": None}
         return [table]
@@ -393,7 +395,8 @@ def test_a_documents_unreadable_or_cut_off_image_is_one_failed_request(tmp_path,
     with serving(standins.build_standins(tmp_path / "hf", tasks=["pope"], docs_per_task=6)):
         rows = build_requests(["pope"])
     assert [r.doc_id for r in rows] == list(range(6))
-    assert [r.doc_id for r in rows if r.error] == [2, 4]
+    assert [r.doc_id for r in rows if r.error] == [0, 2, 4]
+    assert rows[0].error.startswith("pope doc 0: unreadable document (UnidentifiedImageError: ")
     assert rows[2].error.startswith("pope doc 2: unreadable document (UnidentifiedImageError: ")
     assert rows[4].error.startswith("pope doc 4: unreadable document (OSError: ") and "truncated" in rows[4].error
     assert all(r.image is None for r in rows if r.error) and all(r.image for r in rows if not r.error)
