@@ -309,7 +309,8 @@ def launch_command(config: str, overrides: list[str], *, regression_threshold: f
     `RUN_OPTIONS` given, whether it ran as a Ray job, and then whether its head enforced Ray's token
     (`pipelines.paths.token_auth`) and the variables of ``environ`` (default ``os.environ``, as the process started:
     before the spec's plugins are added to it) the run depends on (`pipelines.environment.run_settings`: its
-    runtime env's MLflow store and Tune storage, which a resumed job needs again). `resume_command` prints it back;
+    runtime env's MLflow store and Tune storage, which a resumed run needs again: a job's and a local run's, whose
+    command may be typed in another shell). `resume_command` prints it back;
     `restore_options` gives a `--resume` the options it leaves out."""
     from pipelines.environment import run_settings
 
@@ -322,7 +323,7 @@ def launch_command(config: str, overrides: list[str], *, regression_threshold: f
     script = SWEEP_SCRIPT if ray_job else relative_path(str(REPO / SWEEP_SCRIPT))
     return {"config": relative_path(config), "overrides": list(overrides), "ray_job": ray_job, "script": script,
             "regression_threshold": regression_threshold, "address": address,
-            "env": run_settings(environ) if ray_job else {}, "token_auth": ray_job and paths.token_auth(environ)}
+            "env": run_settings(environ), "token_auth": ray_job and paths.token_auth(environ)}
 
 
 def relative_path(path: str) -> str:
@@ -356,8 +357,10 @@ def restore_options(args, state: dict) -> list[str]:
 
 def resume_command(state: dict) -> str:
     """The command that resumes the run of `state`: the spec file, every --set override and every `RUN_OPTIONS` it
-    started with (as a Ray job when it ran as one, its state being on the head: with the variables its runtime env
-    set, `pipelines.paths.submit_command`)."""
+    started with, and the variables it depended on (`pipelines.environment.run_settings`): as a Ray job when it ran
+    as one, its state being on the head, with them in its runtime env (`pipelines.paths.submit_command`); else with
+    them set in front (``PROMPRUNE_STORAGE=/x python ...``: without it a resume in another shell looked for the run's
+    state elsewhere and was refused)."""
     cmd = state.get("command") or {}
     parts = ["python", cmd.get("script", SWEEP_SCRIPT), "--config", cmd.get("config", "<spec.yaml>")]
     for item in cmd.get("overrides", []):
@@ -367,7 +370,7 @@ def resume_command(state: dict) -> str:
             parts += [option, str(cmd[key])]
     command = " ".join(shlex.quote(p) for p in parts + ["--resume", state["experiment"]])
     if not cmd.get("ray_job"):
-        return command
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (cmd.get("env") or {}).items()), command])
     return paths.submit_command(command, cmd.get("env"), token=cmd.get("token_auth", True))  # older states: token
 
 

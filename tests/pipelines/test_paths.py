@@ -4,6 +4,8 @@ end-to-end check (a job on a loopback head, the head stopped, its temp dir delet
 `scripts/job_submit_smoke.sh`, run by tests/pipelines/test_deploy.py."""
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from pipelines import mlflow_layout, paths
@@ -156,7 +158,15 @@ def test_a_jobs_resume_command_carries_the_variables_its_run_depended_on():
     assert args.config == "sweeps/nightly.yaml" and args.regression_threshold == 0.02
     local = state.launch_command("sweeps/nightly.yaml", [], environ={k: v for k, v in environ.items()
                                                                      if k != paths.JOB_ENV})
-    assert local["env"] == {} and not local["ray_job"]  # a local run's command is typed where its variables are
+    assert not local["ray_job"]
+    # a local run's command may be typed in another shell: the variables go in front of it (its state was looked
+    # for in ~/promprune without PROMPRUNE_STORAGE, and the resume refused)
+    printed = state.resume_command({"experiment": "nightly-1", "command": local})
+    assert printed.startswith("MLFLOW_TRACKING_URI=http://127.0.0.1:5000 MLFLOW_EXPERIMENT_NAME=n "
+                              "PROMPRUNE_ENTROPY=exact PROMPRUNE_STORAGE=s3://bucket/promprune/tune python ")
+    assert "sk-secret" not in printed and "CANARY" not in printed
+    words = shlex.split(printed)
+    assert sweep.parse_args(words[6:]).resume == "nightly-1" and words[4:6] == ["python", "pipelines/sweep.py"]
 
 
 def test_a_resume_that_finds_no_state_says_where_it_looked_and_what_moves_it(tmp_path, monkeypatch):

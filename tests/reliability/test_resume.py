@@ -309,6 +309,17 @@ def test_a_driver_killed_after_a_trial_finished_resumes_with_every_metric(tmp_pa
 # the options beyond the spec: kept in the state, repeated by the resume command, restored by --resume
 
 
+def _command(printed: str) -> list[str]:
+    """The words of a printed resume command after the variables set in front of it (the run's MLflow store here:
+    ``pipelines.environment.run_settings``), which must be the test process's own."""
+    from pipelines.environment import run_settings
+
+    words = shlex.split(printed)
+    n = len(run_settings())
+    assert dict(w.split("=", 1) for w in words[:n]) == run_settings()
+    return words[n:]
+
+
 def test_the_resume_command_repeats_the_options_that_change_the_run(scratch, tmp_path):
     """The printed command held only the spec file and the overrides: a nightly stopped by SIGTERM and resumed with it
     ran without its regression check, and (ending FINISHED) became the next night's baseline. Read back by the CLI's
@@ -318,14 +329,14 @@ def test_the_resume_command_repeats_the_options_that_change_the_run(scratch, tmp
                                     address="10.0.0.5:6379")
     _state_for(spec, tmp_path / "store", "rel-7", command=command)
     saved = states.load_state(str(tmp_path / "store"), "rel", "rel-7")
-    printed = shlex.split(states.resume_command(saved))
+    printed = _command(states.resume_command(saved))
     assert printed[0] == "python" and printed[1] == command["script"] and printed[1].endswith("pipelines/sweep.py")
     args = sweep.parse_args(printed[2:])
     assert (args.config, args.overrides, args.resume) == ("sweeps/nightly.yaml", ["limit=20"], "rel-7")
     assert (args.regression_threshold, args.address) == (0.02, "10.0.0.5:6379")
     plain = states.launch_command("sweeps/nightly.yaml", [])  # none given: none printed
-    assert states.resume_command({"experiment": "rel-7", "command": plain}) == \
-        f"python {shlex.quote(plain['script'])} --config sweeps/nightly.yaml --resume rel-7"
+    assert _command(states.resume_command({"experiment": "rel-7", "command": plain})) == \
+        ["python", plain["script"], "--config", "sweeps/nightly.yaml", "--resume", "rel-7"]
 
 
 def test_a_sweep_started_outside_the_checkout_is_told_its_own_script(tmp_path, monkeypatch):
@@ -338,11 +349,12 @@ def test_a_sweep_started_outside_the_checkout_is_told_its_own_script(tmp_path, m
 
     monkeypatch.chdir(tmp_path)
     command = states.launch_command(str(tmp_path / "my.yaml"), ["limit=3"])
-    printed = shlex.split(states.resume_command({"experiment": "q-1", "command": command}))
+    printed = _command(states.resume_command({"experiment": "q-1", "command": command}))
     assert printed[:2] == ["python", str(REPO / "pipelines" / "sweep.py")] and Path(printed[1]).is_file()
     assert printed[2:] == ["--config", "my.yaml", "--set", "limit=3", "--resume", "q-1"]
     old = {k: v for k, v in command.items() if k != "script"}
-    assert states.resume_command({"experiment": "q-1", "command": old}).startswith("python pipelines/sweep.py ")
+    assert _command(states.resume_command({"experiment": "q-1", "command": old}))[:2] == ["python",
+                                                                                       "pipelines/sweep.py"]
 
 
 def test_a_resume_restores_the_options_the_run_started_with():
