@@ -161,15 +161,16 @@ class Lanczos:
         inputs first (an input that is one of that graph's own buffers among them too, ``graphed._Capture``), an eager
         stage reads them as they are, and where some images decided, ``rows`` copies the others'.
 
-        With ``tokens [B, N, d]``, the same call (the same graph) also gives ``entropy.cancels`` of them as float64
-        ``[B, 1]`` (else None): the rows whose centering in Gram space cancels."""
+        With ``tokens [B, N, d]``, the same call (the same graph) also gives what ``split`` reads of it (else None):
+        the coefficients with ``entropy.cancels`` of the tokens as a last column ``[B, 2 steps + 1]``, 1.0 where a
+        row's centering in Gram space cancels."""
         if tokens is None:
             packed, rho, v, v_prev = graphed.run(fn, args, steps, size, fresh=(0,))
             flags = None
         else:
             at = next((i for i, a in enumerate(args) if a is tokens), None)  # tokens already an input: not twice
             packed, rho, v, v_prev, flags = graphed.run(_flagged, args if at is not None else (*args, tokens),
-                                                        (fn, steps, at), size, fresh=(0,))
+                                                        (fn, steps, at), size, fresh=(0,))  # flags: read at once
         return cls(rho, v, v_prev, packed[:, -1], (packed,)), flags
 
     def run(self, steps: int, borrow: bool = False) -> "Lanczos":
@@ -204,10 +205,13 @@ class Lanczos:
 
 def _flagged(*args) -> tuple[torch.Tensor, ...]:
     """``Lanczos.open``'s first stage with the rows' ``cancels`` flags: ``args`` are the stage's inputs (the tokens
-    last, unless ``at`` says which they are) and ``(fn, steps, at)``; ``fn``'s four outputs, then the flags."""
+    last, unless ``at`` says which they are) and ``(fn, steps, at)``; ``fn``'s four outputs, then its coefficients
+    with the flags as a last column (joined inside the graph: the split reads them in one read, no launch of its
+    own)."""
     *inputs, (fn, steps, at) = args
     tokens = inputs[at] if at is not None else inputs.pop()
-    return (*fn(*inputs, steps), cancels(tokens).to(torch.float64)[:, None])
+    packed, rho, v, v_prev = fn(*inputs, steps)
+    return packed, rho, v, v_prev, torch.cat([packed, cancels(tokens).to(packed.dtype)[:, None]], 1)
 
 
 def opening(matrix: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
@@ -376,7 +380,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         opening_with = (opening_from_gram if gram else opening, (matrix,))
     views, n = _views(opening_with[1])
     steps = steps or schedule(views, n, eager=not graphed.replays(opening_with[1], views * n * n))  # as ``open`` runs
-    state, cancelling = Lanczos.open(*opening_with, steps[0], views * n * n, tokens)  # flags: read at stage 0
+    state, with_flags = Lanczos.open(*opening_with, steps[0], views * n * n, tokens)  # read at stage 0
     B, n, _ = state.rho.shape
     device = state.rho.device
     t_sal = np.zeros(B, dtype=np.int64)
@@ -397,8 +401,8 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
                 break
             state = state.run(k, borrow=True)
         done_steps = stage_steps
-        coeffs = host_read(state.history[-1] if cancelling is None or stage else
-                           torch.cat([state.history[-1], cancelling], 1))  # one read per stage: [len(todo), 2k]
+        # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide), the first with the rows' flags
+        coeffs = host_read(state.history[-1] if with_flags is None or stage else with_flags)
         flagged = np.zeros(len(todo), dtype=bool)
         if coeffs.shape[1] > 2 * k:  # the first stage's read carries the rows whose centering cancels: the eigensolve
             flagged, coeffs = coeffs[:, -1] > 0, coeffs[:, :-1]

@@ -251,18 +251,18 @@ def _count_of(mu: float, budget: int = 16):
     return lambda h: split_budget(h, budget, mu=mu, tau=0.02)
 
 
-def test_with_graphs_the_first_stage_costs_five_launches(views):
+def test_with_graphs_the_first_stage_costs_four_launches(views):
     """PromPrune's split from the unit Gram with its stages as CUDA graphs (``PROMPRUNE_GRAPHS=1``, each replay
     stood for on the CPU): the centering, the density, the start, the first stage's steps and the rows' flags
-    (``entropy.cancels``) are one graph; around it only the Gram's and the tokens' copies into the graph's inputs, the
-    coefficients' copy out (the state is borrowed), and the flags joined to them for the one read."""
+    (``entropy.cancels``, joined to the coefficients for the one read) are one graph; around it only the Gram's and
+    the tokens' copies into the graph's inputs and the coefficients' copy out (the state is borrowed)."""
     x, _ = views
     gram = TokenSet(x, None).unit_gram
     with fast_path_on_cpu(graphs=True):
         costs = count(certified.split, gram, _count_of(0.95), tokens=x)
     assert certified.LAST_REPORT[0].decided == [5]
-    assert (costs.launches, costs.syncs) == (5, 1), costs.ops
-    assert (costs.ops["cuda_graph"], costs.ops["copy"], costs.ops["clone"], costs.ops["cat"]) == (1, 2, 1, 1), costs.ops
+    assert (costs.launches, costs.syncs) == (4, 1), costs.ops
+    assert (costs.ops["cuda_graph"], costs.ops["copy"], costs.ops["clone"]) == (1, 2, 1), costs.ops
     # the graph's products still count as device work: one per step but the first
     assert costs.flops == 2 * (certified.STEPS[0] - 1) * 5 * 96 ** 3
 
@@ -270,11 +270,12 @@ def test_with_graphs_the_first_stage_costs_five_launches(views):
 def test_with_graphs_promprune_is_two_graphs_around_one_read(views, graphs_schedule):
     """PromPrune's whole ``select`` on the fast path with graphs, for images its first stage decides: the input guard
     (one sum per input and their total, one read), the first stage's graph (the tokens' copy in, the coefficients'
-    copy out), one read of them with the rows' flags (``entropy.cancels``, made in the graph; one join), the picking
-    stages' graph (the tokens' and saliency's copies in, the indices' and salient flags' copies out; the counts come
-    from the host, a transfer ``count`` does not see, on a GPU two copies more, as eagerly), and the ascending order
-    (one kernel): 14 launches, where the same call eagerly launches every kernel of the Gram, the cosine, the
-    saliency order and the DPP's set-up, and at least one a Lanczos step (one fused, three not). Same picks."""
+    copy out), one read of them with the rows' flags (``entropy.cancels``, made and joined to them in the graph), the
+    picking stages' graph (the tokens' and saliency's copies in, the indices' and salient flags' copies out; the
+    counts come from the host, a transfer ``count`` does not see, on a GPU two copies more, as eagerly), and the
+    ascending order (one kernel): 13 launches, where the same call eagerly launches every kernel of the Gram, the
+    cosine, the saliency order and the DPP's set-up, and at least one a Lanczos step (one fused, three not). Same
+    picks."""
     x, s = views
     with fast_path_on_cpu():
         want = promprune.select(x, s, budget=16, method="promprune", mu=0.95)
@@ -285,7 +286,7 @@ def test_with_graphs_promprune_is_two_graphs_around_one_read(views, graphs_sched
     assert certified.LAST_REPORT[0].decided == [5]
     assert torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
     assert torch.equal(got.saliency_count, want.saliency_count) and torch.equal(got.entropy, want.entropy)
-    assert (graphs.launches, graphs.syncs) == (14, 2), graphs.ops
+    assert (graphs.launches, graphs.syncs) == (13, 2), graphs.ops
     assert (graphs.ops["cuda_graph"], graphs.ops["copy"], graphs.ops["clone"]) == (2, 3, 3), graphs.ops
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
     assert eager.launches - graphs.launches > certified.STEPS[0] and eager.syncs == graphs.syncs
