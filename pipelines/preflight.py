@@ -43,6 +43,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
     errors += check_in_llm_layers(spec)
+    errors += check_clip_text(spec)
     errors += check_metric(spec.tune.metric, spec.tasks)
     errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) + check_experiment_name() if store else []
@@ -225,6 +226,44 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
         who, keep, it = ("trial", "keeps", "it") if len(tids) == 1 else ("trials", "keep", "they")
         out.append(f"budget: {who} {', '.join(tids)} {keep} {budget} of the {capacity} visual tokens {pretrained} "
                    f"gives an image, so {it} would run unpruned; use budgets below {capacity}")
+    return out
+
+
+def check_clip_text(spec: SweepSpec) -> list[str]:
+    """CDPruner's trials that embed the question with a CLIP text tower (``text_source`` released on a CLIP-based
+    model, or clip) can load that tower: adapter option ``clip_text``, else the model config's
+    ``promprune_clip_text``, else the released openai/clip-vit-large-patch14-336. A tower this machine cannot load
+    offline is a `NotOnThisMachine` problem naming the trials (a warning for ``--validate-only``, refused by a run),
+    as the model itself is: every such sample failed, the run exiting 0."""
+    from promprune.eval.task_checks import NotOnThisMachine
+    from promprune.models.clip_text import RELEASED_CLIP
+    from promprune.models.factories import NotCachedError, model_config
+    from promprune.models.registry import find_family
+
+    trials = [t for t in expand(spec) if t.method == "cdpruner"]
+    try:
+        config = model_config(spec.model.pretrained) if trials else None
+    except ValueError:
+        return []  # check_model says why
+    family = None if config is None else find_family(config)
+    if family is None:
+        return []
+    towers: dict[str, list[str]] = {}
+    for trial in trials:
+        source = {**spec.model.options, **trial.options}.get("text_source", "released")
+        if source == "clip" or (source == "released" and family.adapter.encoder == "clip"):
+            name = spec.model.options.get("clip_text") or getattr(config, "promprune_clip_text", None) or RELEASED_CLIP
+            if name != "tiny":
+                towers.setdefault(name, []).append(trial.trial_id)
+    out = []
+    for name, ids in towers.items():
+        who = f"trial{'s' if len(ids) > 1 else ''} {', '.join(ids)}"
+        try:
+            model_config(name)
+        except NotCachedError as exc:
+            out.append(NotOnThisMachine(f"model.options.clip_text: CDPruner's CLIP text tower for {who}: {exc}"))
+        except ValueError as exc:
+            out.append(f"model.options.clip_text: CDPruner's CLIP text tower for {who}: {exc}")
     return out
 
 

@@ -144,3 +144,37 @@ def test_a_checkpoint_not_cached_offline_says_so_when_loaded(monkeypatch, tmp_pa
         PrunedVLM.from_pretrained("llava-hf/llava-1.5-7b-hf", method=None)
     with pytest.raises(ValueError, match="the local path does not exist"):
         PrunedVLM.from_pretrained(str(tmp_path / "no-such-checkpoint"), method=None)
+
+
+def test_cdpruner_trials_need_their_clip_text_tower_on_this_machine(monkeypatch, tmp_path):
+    """A saved LLaVA checkpoint (its config without the tiny models' ``promprune_clip_text``, as a hub checkpoint's)
+    with CDPruner trials embeds the question with the released CLIP text tower; offline and not cached, every such
+    sample failed while the run exited 0. The preflight names the tower and the trials (a warning for --validate-only,
+    refused by a run); trials that embed with the LLM, or a tower this machine has, pass."""
+    from pipelines import preflight
+    from pipelines import spec as specs
+    from promprune.eval.task_checks import NotOnThisMachine
+    from promprune.models.tiny import tiny_vlm
+
+    model, processor = tiny_vlm("llava")
+    del model.config.promprune_clip_text
+    model.save_pretrained(tmp_path / "llava")
+    processor.save_pretrained(tmp_path / "llava")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr("transformers.utils.hub.HF_HUB_CACHE", str(tmp_path / "empty-cache"), raising=False)
+
+    def problems(**extra):
+        raw = {"name": "t", "version": 1, "model": {"pretrained": str(tmp_path / "llava"), **extra.pop("model", {})},
+               "tasks": ["easyvqa_yesno"], "baseline": False,
+               "grid": {"method": ["cdpruner", "divprune"], "budget": [8, 4], **extra}}
+        return preflight.check_clip_text(specs.parse(raw))
+
+    (found,) = problems()
+    assert isinstance(found, NotOnThisMachine)
+    assert found.startswith("model.options.clip_text: CDPruner's CLIP text tower for trials cdpruner-b8, cdpruner-b4: "
+                            "model 'openai/clip-vit-large-patch14-336': it is not in the local Hugging Face cache")
+    assert problems(text_source=["llm"]) == []
+    assert problems(model={"options": {"clip_text": "tiny"}}) == []
+
