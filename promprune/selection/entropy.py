@@ -27,7 +27,7 @@ NOISE_ULPS = 64
 
 
 # Centering in Gram space (``centered_gram``) subtracts terms of size ~1 to leave entries of the size of the tokens'
-# spread about their mean (``spread``: 1 - |mean unit token|^2, the centered Gram's trace over N): the float32 Gram's
+# spread about their mean (1 - |mean unit token|^2, the centered Gram's trace over N): the float32 Gram's
 # rounding then moves H by ~2e-6 / spread (measured 2026-12-07, N=576 d=4096 and N=1296 d=3584, against float64:
 # 3e-6 at spread 0.5, 2-3e-5 at 0.08, 1e-2 at 1e-4), and its negative rounding eigenvalues grow to where the certified
 # bounds' argument (a measure on [0, inf)) fails. Tokens centered before their product keep 1.3e-6 at every spread
@@ -36,19 +36,15 @@ NOISE_ULPS = 64
 SPREAD_FLOOR = 0.25
 
 
-def spread(features: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B]``: 1 - |mean L2-normalized token|^2 of ``features [B, N, d]`` (``norms``: their L2 norms, when known), in
-    float32 (float64 for float64 tokens): the centered unit Gram's trace over N for tokens of nonzero norm. Tensor
-    operations only, no host read."""
+def cancels(features: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B]`` bool: the rows of ``features [B, N, d]`` (``norms``: their L2 norms, when known) whose centering in
+    Gram space would cancel, their spread 1 - |mean unit token|^2 (the centered unit Gram's trace over N for tokens
+    of nonzero norm) below ``SPREAD_FLOOR``: |mean unit token| above sqrt(1 - SPREAD_FLOOR). Tensor operations only
+    (six launches), no host read."""
     x = upcast(features)
     n = token_norms(x) if norms is None else norms
     mean = (x / n.clamp_min(ENTROPY_EPS)[..., None]).mean(dim=1)  # [B, d]
-    return 1.0 - (mean * mean).sum(dim=-1)
-
-
-def cancels(features: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B]`` bool: the rows whose centering in Gram space would cancel (``spread`` below ``SPREAD_FLOOR``)."""
-    return spread(features, norms) < SPREAD_FLOOR
+    return torch.linalg.vector_norm(mean, dim=-1) > math.sqrt(1.0 - SPREAD_FLOOR)
 
 
 def centered_unit_gram(features: torch.Tensor) -> torch.Tensor:

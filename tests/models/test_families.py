@@ -156,8 +156,8 @@ def test_cdpruner_trials_need_their_clip_text_tower_on_this_machine(monkeypatch,
     from promprune.eval.task_checks import NotOnThisMachine
     from promprune.models.tiny import tiny_vlm
 
-    model, processor = tiny_vlm("llava")
-    del model.config.promprune_clip_text
+    model, processor = tiny_vlm("llava")  # the process's cached model: the attribute is back after the test
+    monkeypatch.delattr(model.config, "promprune_clip_text")
     model.save_pretrained(tmp_path / "llava")
     processor.save_pretrained(tmp_path / "llava")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
