@@ -4,7 +4,8 @@
 the spec names: that every task exists (lmms-eval's, an offline one, or in a directory of the spec's
 `include_path`, whose task files must all be readable) and would load (its data found where lmms-eval will look,
 local data files holding the split it evaluates, a task of one's own importing its code), that the model resolves
-(a factory name, a local checkpoint directory, a hub id in the cache or on a reachable hub), that every budget
+(a factory name, a local checkpoint directory, a hub id in the cache or on a reachable hub) to one the adapters run
+(a registered family's config, with the family's processor and a chat template), that every budget
 prunes (stays below the visual tokens the model gives an image), that every in-LLM trial can prune this model's LLM
 at its layers (``promprune.models.llm_hooks.stage_layers``: a stage ranks at a full-attention layer, not a hybrid
 LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B / E4B are refused), that the MLflow store
@@ -203,14 +204,18 @@ def check_metric(metric: str, tasks: list[str]) -> list[str]:
 
 
 def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int]) -> list[str]:
-    """The model resolves, and every budget (by trial id) is below the visual tokens it gives one image (one problem
-    per budget that is not, naming its trials)."""
+    """The model resolves to a config a registered family runs (``registry.family_of``: its ``model_type``, and for
+    LLaVA a CLIP vision tower), a checkpoint's processor loads, is its family's and has a chat template
+    (``adapters.checkpoint_processor``, as ``PrunedVLM.from_pretrained`` loads it), and every budget (by trial id) is
+    below the visual tokens it gives one image (one problem per budget that is not, naming its trials)."""
     from promprune.eval.task_checks import NotOnThisMachine
-    from promprune.models.adapters import model_capacity
-    from promprune.models.factories import NotCachedError
+    from promprune.models.adapters import checkpoint_processor, model_capacity
+    from promprune.models.factories import NotCachedError, find_model_factory, model_config
 
     try:
         capacity = model_capacity(pretrained, adapter_options)
+        if find_model_factory(pretrained) is None:  # a checkpoint (a factory builds its processor in code)
+            checkpoint_processor(pretrained, model_config(pretrained))
     except NotCachedError as exc:  # the budgets are checked where the model is
         return [NotOnThisMachine(f"model.pretrained: {exc}")]
     except ValueError as exc:

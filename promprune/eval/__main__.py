@@ -5,6 +5,8 @@ lmms-eval ``--include_path`` of each suite.
 (an HF_HOME) and print the environment under which lmms-eval's own tasks load them offline."""
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 
@@ -13,8 +15,18 @@ def _prepare() -> None:
 
     for suite, (tasks, _) in SUITES.items():
         path = prepare_offline_tasks(suite)
-        print(path)
-        print(f"# {suite} tasks {', '.join(tasks)}: lmms-eval ... --tasks {tasks[0]} --include_path {path}")
+        _say(str(path))
+        _say(f"# {suite} tasks {', '.join(tasks)}: lmms-eval ... --tasks {tasks[0]} --include_path {path}")
+
+
+def _say(line: str) -> None:
+    """Print ``line`` to a reader that may stop reading (``prepare | head -1``, as docs/pipeline.md uses it): once it
+    has closed the pipe, stdout goes to the null device, so the rest is still prepared and nothing is printed as a
+    BrokenPipeError traceback (Python's advice: https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _standins(out: Path, tasks: list[str], docs: int, seed: int) -> None:

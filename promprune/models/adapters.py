@@ -236,7 +236,13 @@ class Adapter:
 
     def __init__(self, model, processor, options: dict):
         self.model, self.processor, self.options = model, processor, options
-        self.family = family_of(model.config)
+        self.family = family_of(model.config)  # check_config: a config of the family this adapter cannot run
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """ValueError when ``config``, of this adapter's family, is one the adapter cannot run (LLaVA: a vision tower
+        without CLIP's CLS token), from the config alone: :func:`~promprune.models.registry.family_of` calls it, so
+        construction, loading and the pipeline's preflight all refuse it. Default: every config of the family."""
 
     @property
     def default_mu(self) -> float:
@@ -346,8 +352,46 @@ class Adapter:
 
 def adapter_for(model, processor, options) -> Adapter:
     """The adapter of ``model``'s family (by ``config.model_type``); an unsupported type is a ValueError naming the
-    supported ones."""
-    return family_of(model.config).adapter(model, processor, options)
+    supported ones, as is a processor of another family or one without a chat template (:func:`check_processor`)."""
+    found = family_of(model.config)
+    check_processor(found, processor)
+    return found.adapter(model, processor, options)
+
+
+def check_processor(family, processor) -> None:
+    """ValueError unless ``processor`` is of the class ``family``'s checkpoints ship (``Family.processor_class``, or
+    a subclass) and has a chat template (``PrunedVLM.conversation`` builds every prompt with it): another family's
+    processor (a LLaVA model with LLaVA-NeXT's, a Qwen model with LLaVA's) made every sample fail deep in the model's
+    code, and the run exited 0."""
+    expected = family.processor_class
+    names = [cls.__name__ for cls in type(processor).__mro__]
+    have = type(processor).__name__
+    if expected is not None and expected not in names:
+        raise ValueError(f"the processor is of class {have}, but a {family.name} model takes its {expected} (their "
+                         "placeholders, image preprocessing and prompts differ, so every sample would fail): load the "
+                         "processor saved with the checkpoint (AutoProcessor.from_pretrained on the checkpoint, or "
+                         "processor.save_pretrained(<dir>) beside the weights)")
+    template = getattr(processor, "chat_template", None)
+    if not (isinstance(template, str) and template.strip()
+            or isinstance(template, dict) and template.get("default")):
+        raise ValueError(f"the processor ({have}) has no chat template, and every prompt is built with it "
+                         "(apply_chat_template): save the processor with its chat template (chat_template.jinja "
+                         "beside the weights) or set processor.chat_template")
+
+
+def checkpoint_processor(name_or_path: str, config):
+    """The processor saved with a checkpoint (``factories.model_processor``), checked against ``config``'s family
+    (:func:`check_processor`): what ``PrunedVLM.from_pretrained`` loads, and what the pipeline's preflight checks
+    before Ray starts. ValueError (NotCachedError: not on this machine) naming the checkpoint."""
+    from .factories import model_processor
+
+    found = family_of(config)
+    processor = model_processor(name_or_path)
+    try:
+        check_processor(found, processor)
+    except ValueError as exc:
+        raise ValueError(f"model {name_or_path!r}: {exc}") from None
+    return processor
 
 
 def max_views(config) -> int:
@@ -359,11 +403,18 @@ def max_views(config) -> int:
 def model_capacity(pretrained: str, adapter_options: dict | None = None) -> int | None:
     """:func:`visual_token_capacity` of a model by name (a factory name, hub id or path), from its config alone:
     no weights load. Raises what ``factories.model_config`` raises (NotCachedError: not on this machine; ValueError:
-    a name that names nothing)."""
+    a name that names nothing, a config that does not load), and ValueError for a config no registered family runs
+    (``registry.family_of``: an unsupported model type, a LLaVA whose vision tower is not CLIP)."""
     from .factories import model_config
 
     config = model_config(pretrained)
-    return None if config is None else visual_token_capacity(config, adapter_options)
+    if config is None:
+        return None
+    try:
+        family_of(config)
+    except ValueError as exc:
+        raise ValueError(f"model {pretrained!r}: {exc}") from None
+    return visual_token_capacity(config, adapter_options)
 
 
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:

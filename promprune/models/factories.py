@@ -114,8 +114,9 @@ def model_config(name_or_path: str):
     """The transformers config of a model name, factory name or path, without loading weights.
 
     ValueError with a message saying what is wrong and how to fix it: an unknown factory or name, a local path
-    that does not exist or holds no ``config.json``, a hub id that is not in the local cache while offline
-    (`NotCachedError`) or does not exist. None when a factory cannot say.
+    that does not exist or holds no ``config.json``, or whose ``config.json`` does not load (not JSON, unreadable),
+    a hub id that is not in the local cache while offline (`NotCachedError`) or does not exist. None when a factory
+    cannot say.
     """
     found = find_model_factory(name_or_path)
     if found is not None:
@@ -129,7 +130,12 @@ def model_config(name_or_path: str):
             what = "does not exist" if not path.exists() else "holds no config.json"
             raise ValueError(f"model {name_or_path!r}: the local path {what}; give the directory a checkpoint was "
                              "saved to (save_pretrained), a hub id such as llava-hf/llava-1.5-7b-hf, or tiny:llava")
-        return AutoConfig.from_pretrained(path)
+        try:
+            return AutoConfig.from_pretrained(path)
+        except Exception as exc:  # noqa: BLE001 - OSError (not JSON, unreadable), ValueError, ...: the cause goes in
+            raise ValueError(f"model {name_or_path!r}: its {path / 'config.json'} does not load "  # the message
+                             f"({_first_line(exc)}); save the checkpoint again (save_pretrained) or fix the file"
+                             ) from None
     try:  # the local cache first: no network, and enough when the model was downloaded before
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     except OSError:  # not cached (transformers raises OSError for a missing file): decide below
@@ -146,7 +152,44 @@ def model_config(name_or_path: str):
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as exc:  # noqa: BLE001 - transformers raises several types; the cause goes in the message
         raise ValueError(f"model {name_or_path!r}: the hub has no such model or refused it "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+                         f"({_first_line(exc)})") from None
+
+
+def model_processor(name_or_path: str):
+    """The processor saved with a checkpoint (a local directory or a hub id), as ``AutoProcessor`` loads it: from the
+    local cache first, as :func:`model_config`. ValueError naming the checkpoint when it does not load (a directory
+    saved without its processor); `NotCachedError` for a hub id whose processor is not in the cache while offline.
+    Call it where :func:`model_config` has resolved the name (a factory builds its own processor)."""
+    from transformers import AutoProcessor
+
+    fix = ("save the processor beside the weights (processor.save_pretrained(<dir>): its processor / preprocessor "
+           "config, the tokenizer's files and the chat template)")
+    if _looks_like_path(name_or_path):
+        try:
+            return AutoProcessor.from_pretrained(Path(name_or_path).expanduser())
+        except Exception as exc:  # noqa: BLE001 - transformers raises several types; the cause goes in the message
+            raise ValueError(f"model {name_or_path!r}: its processor does not load ({_first_line(exc)}); {fix}"
+                             ) from None
+    try:
+        return AutoProcessor.from_pretrained(name_or_path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not (wholly) cached: decide below
+        pass
+    if hub_offline() or not hub_reachable():
+        raise NotCachedError(f"model {name_or_path!r}: its processor is not in the local Hugging Face cache and the "
+                             f"hub cannot be reached from here (HF_HUB_OFFLINE, or {hub_endpoint()} does not answer); "
+                             f"download it once with `hf download {name_or_path}` where there is network access")
+    try:
+        return AutoProcessor.from_pretrained(name_or_path)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"model {name_or_path!r}: its processor does not load ({_first_line(exc)}); a checkpoint "
+                         "without processor files cannot be run: load one that ships them") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: the first line of the message``, cut to whole words within 200 characters."""
+    first = (str(exc).splitlines() or [""])[0]
+    first = first if len(first) <= 200 else first[:200].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {first}"
 
 
 def parameter_count(name_or_path: str) -> int | None:

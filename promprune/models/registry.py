@@ -50,7 +50,8 @@ class Family:
 
     - ``name``: ``config.model_type`` of its checkpoints; ``model_class``: the transformers class that loads them.
     - ``adapter``: the :class:`promprune.models.adapters.Adapter` subclass; it handles clips when it defines
-      ``encode_video`` (:attr:`video`).
+      ``encode_video`` (:attr:`video`); its ``check_config(config)`` refuses a config of the family it cannot run
+      (:func:`family_of` calls it). Its processor is :attr:`processor_class`, with a chat template.
     - ``default_mu``: PromPrune's prominence threshold unless given (why that value: a comment at the registration).
     - ``tiny() -> (model, processor)``: the seeded random-weight tiny model (``tiny:<name>``); ``shape(spec,
       text_layers, vision_layers) -> (model class, config, processor)``: a published size from its JSON in
@@ -71,6 +72,14 @@ class Family:
     capacity: Callable[..., int | None] = no_fixed_capacity
     max_views: Callable[..., int] = one_view
     mrope: bool = False
+
+    @property
+    def processor_class(self) -> str | None:
+        """The processor class its checkpoints ship: transformers' ``AutoProcessor`` mapping of ``name`` (None: a
+        family transformers does not map); ``adapters.check_processor`` refuses a processor of another class."""
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+        return PROCESSOR_MAPPING_NAMES.get(self.name)
 
     @property
     def video(self) -> bool:
@@ -165,10 +174,14 @@ def find_family(config) -> Family | None:
 
 
 def family_of(config) -> Family:
-    """The family of a model config (by ``model_type``); ValueError with did-you-mean and the supported types."""
+    """The family of a model config (by ``model_type``) whose adapter runs it; ValueError with did-you-mean and the
+    supported types, or the adapter's own reason (``check_config``: a LLaVA whose vision tower is not CLIP)."""
     found = find_family(config)
     if found is None:
         kind = getattr(config, "model_type", None)
         names = families()
         raise ValueError(f"unsupported model type {kind!r}{did_you_mean(kind, names)}; supported: {', '.join(names)}")
+    check = getattr(found.adapter, "check_config", None)
+    if check is not None:
+        check(config)
     return found

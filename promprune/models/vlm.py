@@ -443,8 +443,7 @@ def _dtype(dtype):
 
 
 def _load(name_or_path, dtype, device_map, attn_implementation, max_memory=None):
-    from transformers import AutoProcessor
-
+    from .adapters import checkpoint_processor
     from .factories import model_config
 
     config = model_config(name_or_path)  # not cached while offline, a missing path: a message saying what to do
@@ -452,7 +451,7 @@ def _load(name_or_path, dtype, device_map, attn_implementation, max_memory=None)
         model_cls = family_of(config).transformers_class()
     except ValueError as err:
         raise ValueError(f"{name_or_path}: {err}") from None
+    processor = checkpoint_processor(name_or_path, config)  # a missing or wrong processor: before the weights load
     kwargs = {k: v for k, v in dict(dtype=_dtype(dtype), device_map=device_map, max_memory=max_memory,
                                     attn_implementation=attn_implementation).items() if v is not None}
-    model = model_cls.from_pretrained(name_or_path, **kwargs)
-    return model, AutoProcessor.from_pretrained(name_or_path)
+    return model_cls.from_pretrained(name_or_path, **kwargs), processor

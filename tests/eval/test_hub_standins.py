@@ -486,3 +486,20 @@ def test_cli_standins_defaults(tmp_path, monkeypatch):
     cli.main(["standins", "--out", str(tmp_path), "--tasks", "pope", "--docs", "3", "--seed", "5"])
     cli.main(["prepare"])
     assert calls == [(tmp_path, list(STANDIN_TASKS), 8, 0), (tmp_path, ["pope"], 3, 5), "prepare"]
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_prepare_to_a_reader_that_stops_reading_exits_quietly(unbuffered):
+    """`python -m promprune.eval prepare | head -1` (docs/pipeline.md) printed a BrokenPipeError traceback once head
+    had its line (or "Exception ignored ... BrokenPipeError" when stdout was flushed at exit): here the reader closes
+    the pipe before the first line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    proc = subprocess.Popen([sys.executable, "-m", "promprune.eval", "prepare"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0 and "BrokenPipe" not in err and "Traceback" not in err, err

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import transformers
 
 from promprune.models.adapters import Adapter
@@ -178,3 +179,86 @@ def test_cdpruner_trials_need_their_clip_text_tower_on_this_machine(monkeypatch,
     assert problems(text_source=["llm"]) == []
     assert problems(model={"options": {"clip_text": "tiny"}}) == []
 
+
+def _siglip_llava(kind: str):
+    """A tiny ``kind`` ("llava" / "llava_next") config of the tiny model's text side with a SigLIP vision tower, as
+    llava-hf/llava-interleave-qwen-*-hf (model_type llava, vision_config siglip_vision_model, strategy "full")."""
+    from transformers import SiglipVisionConfig
+
+    from promprune.models.tiny import tiny_vlm
+
+    config = tiny_vlm(kind)[0].config.to_dict()
+    config["vision_config"] = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                                 num_attention_heads=4, image_size=48, patch_size=8).to_dict()
+    config["vision_feature_select_strategy"] = "full"
+    return transformers.AutoConfig.for_model(**config)
+
+
+@pytest.mark.parametrize("kind", ["llava", "llava_next"])
+def test_a_llava_with_a_siglip_tower_is_refused_from_its_config(kind):
+    """The LLaVA adapters rank by the CLS token's attention row and drop token 0 as the CLS; SigLIP has no CLS (its
+    sequence is the patches alone), so such a checkpoint's saliency was patch 0's attention row, silently. It is
+    refused from the config alone (what preflight reads) and when a model is wrapped."""
+    from promprune.models import PrunedVLM
+    from promprune.models.tiny import tiny_vlm
+
+    config = _siglip_llava(kind)
+    vision = transformers.SiglipVisionModel(config.vision_config).eval()
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    out = vision(pixel_values=torch.zeros(1, 3, 48, 48))
+    assert out.last_hidden_state.shape[1] == side * side  # no CLS position: every token is a patch
+    refused = rf"a {kind} checkpoint with a 'siglip_vision_model' vision tower .* no CLS token.* llava_onevision"
+    with pytest.raises(ValueError, match=refused):
+        family_of(config)
+    model = family(kind).transformers_class()(config)
+    with pytest.raises(ValueError, match=refused):
+        PrunedVLM(model, tiny_vlm(kind)[1], method="vispruner", budget=8)
+    family_of(tiny_vlm(kind)[0].config)  # the CLIP tower of the tiny model (and of LLaVA-1.5 / NeXT) is taken
+
+
+def test_each_family_takes_its_own_processor_with_a_chat_template():
+    """A processor of another family (a LLaVA model with LLaVA-NeXT's, InternVL's or Gemma 4's; Qwen2.5-VL with
+    LLaVA's) made every sample fail deep in the model's code while the run exited 0; so did one without a chat
+    template. Both are refused at construction, naming the classes. The class a family takes is transformers' own
+    AutoProcessor mapping, the one its tiny model's (hand-built) processor has."""
+    import copy
+
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    from promprune.models import PrunedVLM
+    from promprune.models.tiny import tiny_vlm
+
+    llava, processor = tiny_vlm("llava")
+    for other in ("llava_next", "internvl", "gemma4"):
+        wrong = type(tiny_vlm(other)[1]).__name__
+        with pytest.raises(ValueError, match=f"the processor is of class {wrong}, but a llava model takes its "
+                                             "LlavaProcessor"):
+            PrunedVLM(llava, tiny_vlm(other)[1], method="promprune", budget=8)
+    with pytest.raises(ValueError, match="is of class LlavaProcessor, but a qwen2_5_vl model takes its "
+                                         "Qwen2_5_VLProcessor"):
+        PrunedVLM(tiny_vlm("qwen2_5_vl")[0], processor, method=None)
+    bare = copy.deepcopy(processor)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match=r"the processor \(LlavaProcessor\) has no chat template"):
+        PrunedVLM(llava, bare, method=None)
+    PrunedVLM(llava, processor, method="promprune", budget=8)
+    for name in families():
+        assert family(name).processor_class == type(tiny_vlm(name)[1]).__name__ == PROCESSOR_MAPPING_NAMES[name]
+
+
+def test_a_checkpoint_directory_without_its_processor_or_with_another_is_refused_before_its_weights(tmp_path):
+    """`PrunedVLM.from_pretrained` of a directory saved without processor files, or with another family's, says so
+    before any weight is read (transformers' "Can't load image processor" came after the weights loaded)."""
+    from promprune.models import PrunedVLM
+    from promprune.models.tiny import tiny_vlm
+
+    bare, other = tmp_path / "bare", tmp_path / "other"
+    for directory in (bare, other):
+        tiny_vlm("llava")[0].config.save_pretrained(directory)  # no weights: refused before they would load
+    tiny_vlm("qwen2_5_vl")[1].save_pretrained(other)
+    with pytest.raises(ValueError, match=rf"model '{bare}': its processor does not load \(OSError: .*\); save the "
+                                         r"processor beside the weights"):
+        PrunedVLM.from_pretrained(str(bare), method=None)
+    with pytest.raises(ValueError, match=rf"model '{other}': the processor is of class Qwen2_5_VLProcessor, but a "
+                                         "llava model takes its LlavaProcessor"):
+        PrunedVLM.from_pretrained(str(other), method=None)

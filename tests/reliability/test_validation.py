@@ -344,3 +344,76 @@ def test_what_this_machine_lacks_is_a_warning_of_validate_only_and_refuses_a_run
     proc, _ = run_main("--config", str(table1), "--set", "limit=2")
     assert_clean_error(proc, "tasks: task 'pope' (", "model.pretrained: model 'llava-hf/llava-1.5-7b-hf'")
     assert "warning:" not in proc.stderr
+
+
+def _checkpoints(root: Path) -> dict[str, Path]:
+    """Checkpoint directories as a user saves them (a config and processor files; no weights, which the checks never
+    read): a LLaVA as it should be, a text-only Llama, a LLaVA without processor files, one with Qwen2.5-VL's
+    processor, one with a SigLIP tower (llava-hf/llava-interleave-qwen-*), and one whose config.json is no JSON."""
+    from transformers import LlamaConfig, SiglipVisionConfig
+
+    from promprune.models.tiny import tiny_vlm
+
+    llava, processor = tiny_vlm("llava")
+    dirs = {name: root / name for name in ("good", "textonly", "noproc", "otherproc", "siglip", "garbage")}
+    for name in ("good", "noproc", "otherproc"):
+        llava.config.save_pretrained(dirs[name])
+    processor.save_pretrained(dirs["good"])
+    tiny_vlm("qwen2_5_vl")[1].save_pretrained(dirs["otherproc"])
+    LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4).save_pretrained(dirs["textonly"])
+    processor.tokenizer.save_pretrained(dirs["textonly"])
+    siglip = llava.config.to_dict() | {"vision_feature_select_strategy": "full"}
+    siglip["vision_config"] = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                                 num_attention_heads=4, image_size=48, patch_size=8).to_dict()
+    type(llava.config)(**siglip).save_pretrained(dirs["siglip"])
+    processor.save_pretrained(dirs["siglip"])
+    dirs["garbage"].mkdir()
+    (dirs["garbage"] / "config.json").write_text("{not json")
+    return dirs
+
+
+def test_a_checkpoint_the_adapters_cannot_run_is_refused_before_ray(scratch, tmp_path, run_main):
+    """Each passed --validate-only and failed after Ray started: an unsupported model type ('llama', text-only) with
+    "unsupported model type", a directory without processor files with "Can't load image processor", a processor of
+    another family and a SigLIP LLaVA in every sample (the run exited 0), a config.json that is no JSON with an
+    OSError traceback before Ray (exit 1). Each is one problem line now, exit 2, naming what is supported."""
+    dirs = _checkpoints(tmp_path / "ck")
+    expected = {
+        "textonly": ["unsupported model type 'llama'", "supported: gemma4, glm46v, internvl, llava, llava_next"],
+        "noproc": ["its processor does not load (OSError: Can't load image processor",
+                   "save the processor beside the weights"],
+        "otherproc": ["the processor is of class Qwen2_5_VLProcessor, but a llava model takes its LlavaProcessor"],
+        "siglip": ["a llava checkpoint with a 'siglip_vision_model' vision tower", "no CLS token",
+                   "LLaVA-OneVision checkpoints (model_type llava_onevision"],
+        "garbage": [f"{dirs['garbage'] / 'config.json'} does not load (OSError:", "not a valid JSON file"],
+    }
+    for name, needles in expected.items():
+        spec = scratch(SPEC.replace('"tiny:llava"', f'"{dirs[name]}"'))
+        proc, _ = run_main("--config", str(spec), "--validate-only")
+        assert_clean_error(proc, f"model.pretrained: model '{dirs[name]}': ", *needles)
+        assert proc.stderr.count("\n  - ") == 1, proc.stderr
+    proc, _ = run_main("--config", str(scratch(SPEC.replace('"tiny:llava"', f'"{dirs["good"]}"'))), "--validate-only")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_cached_hub_checkpoint_goes_through_the_same_checks(scratch, tmp_path, run_main, monkeypatch):
+    """A hub id found in the local cache offline is checked as a directory is (its config, its processor)."""
+    dirs = _checkpoints(tmp_path / "ck")
+    cache = tmp_path / "hub"
+    for name in ("textonly", "otherproc", "good"):
+        repo = cache / f"models--acme--{name}"  # the hub cache's layout: refs/main names the snapshot
+        (repo / "refs").mkdir(parents=True)
+        (repo / "snapshots").mkdir()
+        (repo / "refs" / "main").write_text("0" * 40)
+        dirs[name].rename(repo / "snapshots" / ("0" * 40))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("transformers.utils.hub.HF_HUB_CACHE", str(cache), raising=False)
+    for name, needle in [("textonly", "unsupported model type 'llama'"),
+                         ("otherproc", "the processor is of class Qwen2_5_VLProcessor")]:
+        proc, _ = run_main("--config", str(scratch(SPEC.replace('"tiny:llava"', f'"acme/{name}"'))), "--validate-only")
+        assert_clean_error(proc, f"model.pretrained: model 'acme/{name}': {needle}")
+    proc, _ = run_main("--config", str(scratch(SPEC.replace('"tiny:llava"', '"acme/good"'))), "--validate-only")
+    assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,9 @@ attention keys (head mean) and the CLS token's hidden state, for the methods who
 (VisionZip's merged tokens, its CLS token) into the LLM's. The CLS reaches the LLM only through VisionZip: the
 "default" strategy drops it from the placeholder run, so a kept CLS is projected by the model's own
 ``multi_modal_projector`` and fed first, in a slot the pruning freed (LLaVA numbers the sequence itself, so the slot
-carries no position of its own). CDPruner's instruction: CLIP's text tower (``clip_text``).
+carries no position of its own). CDPruner's instruction: CLIP's text tower (``clip_text``). A LLaVA checkpoint with
+another tower (SigLIP, as llava-hf/llava-interleave-qwen-*; Pixtral) has no CLS token and is refused
+(``LlavaAdapter.check_config``), from its config alone.
 
 Tiny (``tiny:llava``): the same structure at 48 px, 8 px patches (6 x 6 = 36 tokens), a 3-layer CLIP (so -2 is a
 middle layer) and a 4-layer Llama. Shape: ``shape:llava_1_5_7b``.
@@ -157,6 +159,22 @@ class LlavaAdapter(Adapter):
     """LLaVA-1.5: CLS + patch grid; saliency = CLS attention at the layer ``vision_feature_layer`` reads."""
 
     pads_to_square = True  # the adapter option pad_to_square applies (LLaVA-NeXT's anyres does not pad)
+    towers = ("clip_vision_model",)  # vision_config.model_type of the towers with a CLS token it reads
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse a tower other than CLIP's (SigLIP: llava-hf/llava-interleave-qwen-*; Pixtral): saliency is the CLS
+        query's attention row and the "default" strategy drops token 0 as the CLS, so on a tower without one the
+        saliency was patch 0's attention row, silently."""
+        tower = getattr(getattr(config, "vision_config", None), "model_type", None)
+        if isinstance(tower, str) and tower not in cls.towers:
+            kind = getattr(config, "model_type", "?")
+            raise ValueError(f"a {kind} checkpoint with a {tower!r} vision tower (vision_config.model_type) is not "
+                             f"supported: the {kind} adapter ranks tokens by the CLS token's attention of a CLIP tower "
+                             f"({', '.join(repr(t) for t in cls.towers)}), and a {tower} tower has no CLS token. "
+                             "Supported: LLaVA-1.5 (llava) and LLaVA-NeXT (llava_next) with their CLIP tower; for a "
+                             "SigLIP tower, LLaVA-OneVision checkpoints (model_type llava_onevision, e.g. "
+                             "llava-hf/llava-onevision-qwen2-7b-ov-hf)")
 
     def prepare_images(self, images):
         """With the adapter option ``pad_to_square``, each image centred on a square of the image processor's mean
