@@ -298,7 +298,9 @@ def test_help_is_printed_whatever_the_spec(tmp_path, flag):
         assert proc.stdout.startswith("usage: sweep.py") and "--regression-threshold" in proc.stdout
 
 
-SHIPPED = sorted((Path(__file__).resolve().parents[2] / "sweeps").glob("*.yaml"))
+# the sweeps (sweeps/fig2_concentration.yaml is pipelines/fig2_concentration.py's: sweep.py refuses it, test_spec)
+SHIPPED = [p for p in sorted((Path(__file__).resolve().parents[2] / "sweeps").glob("*.yaml"))
+           if specs.load(p, check_methods=False).command == "sweep"]
 
 
 @pytest.fixture
