@@ -27,6 +27,7 @@ on the host in float64.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from . import accel, graphed
-from .entropy import cancels, centered_gram, entropy_of_matrix, noise_trace, spectral_matrix
+from .entropy import cancels, centered_gram, centered_unit_gram, entropy_of_matrix, noise_trace, spectral_matrix
 from .kernels import start_basis
 
 # Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
@@ -108,10 +109,11 @@ STAGE_DECIDES = 0.5
 class SplitReport:
     """How one ``split`` call decided: images per stage (``decided[i]`` by stage i's bounds) and by the exact eigensolve
     (``exact``; ``refused`` of them sent there at the stage whose bounds refused them: a recurrence that ran out or
-    failed, which no later stage mends; ``cancelled`` of them at the first stage, tokens so alike that their
-    centering in Gram space cancels, ``entropy.cancels``; ``costly`` of them, undecided, sent there instead of a
-    later stage whose float64 products would cost the device more than it may save, ``stage_pays``), and the bracket
-    widths (normalized H) the decided images had."""
+    failed, which no later stage mends; ``costly`` of them, undecided, sent there instead of a later stage whose
+    float64 products would cost the device more than it may save, ``stage_pays``), and the bracket widths (normalized
+    H) the decided images had. ``cancelled``: images whose tokens are so alike that their centering in Gram space
+    cancels (``entropy.cancels``), split again from the first stage on their tokens centered first; their stages and
+    eigensolve are counted with the others'."""
 
     decided: list[int] = field(default_factory=list)
     exact: int = 0
@@ -120,13 +122,20 @@ class SplitReport:
     costly: int = 0
     widths: list[float] = field(default_factory=list)
 
+    def merge(self, other: "SplitReport") -> None:
+        """Add ``other``'s images (a split of some of this call's images on their own) to this report's."""
+        self.decided = [a + b for a, b in itertools.zip_longest(self.decided, other.decided, fillvalue=0)]
+        self.exact, self.refused, self.costly = self.exact + other.exact, self.refused + other.refused, \
+            self.costly + other.costly
+        self.widths += other.widths
+
     @property
     def exact_note(self) -> str:
-        """``exact`` for a benchmark's line, with how many of them a costlier stage or tokens too alike
-        (``cancelled``) sent there, if any."""
-        why = [f"{self.costly} instead of a costlier stage"] if self.costly else []
-        why += [f"{self.cancelled} of tokens too alike for the bounds"] if self.cancelled else []
-        return f"{self.exact}" + (f" ({'; '.join(why)})" if why else "")
+        """``exact`` for a benchmark's line, with how many of them a costlier stage sent there, if any, and how many
+        images were split on their tokens centered first (``cancelled``)."""
+        costly = f" ({self.costly} instead of a costlier stage)" if self.costly else ""
+        alike = f"; {self.cancelled} split on their centered tokens (alike)" if self.cancelled else ""
+        return f"{self.exact}{costly}{alike}"
 
 
 LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call
@@ -359,16 +368,17 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
 
     ``matrix``: the spectral matrix (``entropy.spectral_matrix``), or with ``tokens [B, N, d]`` (N <= d) their unit
-    Gram, whose centered form (``entropy.centered_gram``) is the spectral matrix: it is then centered inside the first
-    stage (one CUDA graph with it, ``Lanczos.open``) and, for the images the bounds leave undecided, again as the exact
-    path centers it (``entropy.spectral_matrix`` of their rows). The images whose centering in Gram space cancels
-    (``entropy.cancels``: tokens nearly alike, where the bounds' argument fails) go to the eigensolve at the first
-    stage, their matrix made from the tokens as on the exact path; the flags are read with the first stage's
-    coefficients (no read of their own). ``opening_with``: ``(fn, args)``, the first stage computed as
-    ``fn(*args, k)`` (the outputs of ``opening``) instead of from ``matrix``, e.g. from the tokens with their Gram
-    formed inside the same graph; ``matrix`` may then be a function that makes it, called only if the exact eigensolve
-    runs. ``steps``: the Lanczos steps by the end of each stage (None: ``schedule`` for the batch's size, eager or
-    replayed as CUDA graphs).
+    Gram, whose centered form (``entropy.centered_gram``) is the spectral matrix: it is then centered inside the
+    first stage (one CUDA graph with it, ``Lanczos.open``) and, for the images the bounds leave undecided, again as
+    the exact path centers it (``entropy.spectral_matrix`` of their rows). The images whose centering in Gram space
+    cancels (``entropy.cancels``: tokens nearly alike, where the float32 Gram's rounding moves H and the bounds'
+    argument fails) are split again on their own, on their tokens centered before the product
+    (``entropy.centered_unit_gram``, the exact path's matrix for them): the flags come with the first stage's read
+    (no read of their own), and only such a batch pays the second split's stages (not an eigensolve).
+    ``opening_with``: ``(fn, args)``, the first stage computed as ``fn(*args, k)`` (the outputs of ``opening``)
+    instead of from ``matrix``, e.g. from the tokens with their Gram formed inside the same graph; ``matrix`` may
+    then be a function that makes it, called only if the exact eigensolve runs. ``steps``: the Lanczos steps by the
+    end of each stage (None: ``schedule`` for the batch's size, eager or replayed as CUDA graphs).
 
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32, halfwidth [B]
@@ -388,7 +398,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     halfwidth = np.zeros(B)  # 0 where the eigensolve ran
     todo = np.arange(B)
     to_exact: list[int] = []  # images whose bounds were refused (``bounds``), for the eigensolve
-    cancelled = np.zeros(0, dtype=np.int64)  # images whose centering in Gram space cancels, for the eigensolve
+    cancelled = np.zeros(0, dtype=np.int64)  # images whose centering in Gram space cancels: a split of their own
     report = SplitReport()
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
     done_steps = 0
@@ -404,7 +414,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide), the first with the rows' flags
         coeffs = host_read(state.history[-1] if with_flags is None or stage else with_flags)
         flagged = np.zeros(len(todo), dtype=bool)
-        if coeffs.shape[1] > 2 * k:  # the first stage's read carries the rows whose centering cancels: the eigensolve
+        if coeffs.shape[1] > 2 * k:  # the first stage's read carries the rows whose centering cancels (below)
             flagged, coeffs = coeffs[:, -1] > 0, coeffs[:, :-1]
             cancelled = todo[flagged]
             report.cancelled = len(cancelled)
@@ -420,7 +430,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN) stay refused at every
         # later stage: such images go to the eigensolve now instead of running the remaining stages' steps
         refused = ~(np.isfinite(lo) & np.isfinite(hi)) & ~flagged
-        to_exact += todo[refused | flagged].tolist()
+        to_exact += todo[refused].tolist()
         going = ~decided & ~refused & ~flagged
         todo, alpha, beta = todo[going], alpha[going], beta[going]
         if not len(todo):
@@ -428,17 +438,23 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         if not going.all():  # a copy of the rows that go on; when all do, the state goes on as it is (four launches
             # fewer a stage): the next stage reads its borrowed buffers before a replay could overwrite them (``open``)
             state = state.rows(torch.from_numpy(np.flatnonzero(going)).to(device, non_blocking=True))
-    report.refused = len(to_exact) - report.cancelled
+    report.refused = len(to_exact)
     exact_rows = np.array(sorted(to_exact + todo.tolist()), dtype=np.int64)
     if len(exact_rows):
         rows = torch.from_numpy(exact_rows).to(device, non_blocking=True)  # no wait: the copy is staged at once
         spectral = (matrix() if callable(matrix) else matrix)[rows]
-        if gram:
-            spectral = spectral_matrix(tokens[rows], spectral, np.isin(exact_rows, cancelled))
+        if gram:  # as the exact path makes it (no row here cancels: those split on their own, below)
+            spectral = spectral_matrix(tokens[rows], spectral, np.zeros(len(exact_rows), dtype=bool))
         exact = host_read(entropy_of_matrix(spectral).double())
         t_sal[exact_rows] = count(torch.from_numpy(exact)).numpy()
         entropy[exact_rows] = exact
         report.exact = len(exact_rows)
+    if len(cancelled):  # their spectral matrix made from the tokens centered first (the exact path's for them), split
+        # as any: its own stages, and the eigensolve for what they leave undecided (one read a stage more)
+        rows = torch.from_numpy(cancelled).to(device, non_blocking=True)
+        own = split(centered_unit_gram(tokens[rows]), count)
+        t_sal[cancelled], entropy[cancelled], halfwidth[cancelled] = (t.numpy() for t in own)
+        report.merge(LAST_REPORT[0])
     LAST_REPORT[:] = [report]
     return torch.from_numpy(t_sal), torch.from_numpy(entropy).float(), torch.from_numpy(halfwidth).float()
 

@@ -138,7 +138,10 @@ def test_a_store_that_never_comes_back_fails_the_sweep_naming_the_trials(tmp_pat
         tail = out.split("NOT IN MLFLOW YET", 1)[1]
         assert "divprune-b8" in tail and "promprune-b8" in tail and "--resume" in tail
         assert "Traceback" not in out
-        command = tail.split("send them with:\n", 1)[1].split("\n")[0].split()
+        words = tail.split("send them with:\n", 1)[1].split("\n")[0].split()
+        at = next(i for i, w in enumerate(words) if w == "python")  # after the variables the run depended on
+        assert f"{mlflow_layout.TRACKING_URI_ENV}={server.uri}" in words[:at] and "PROMPRUNE_STORE_WAIT_S=5" in words
+        command = words[at:]
         server.start()
         env = {**os.environ, mlflow_layout.TRACKING_URI_ENV: server.uri}
         assert command[1] == str(REPO / "pipelines" / "sweep.py")  # run in tmp_path: the script as reached from there
