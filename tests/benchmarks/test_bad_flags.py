@@ -49,6 +49,7 @@ CASES = {
     "random_fingerprint.py": (["--sets", "0", "--dim", "-1"],
                               ["--sets 0: must be at least 1", "--dim -1: must be at least 1"]),
     "tf32_picks.py": (["--seeds", "0"], ["--seeds 0: must be at least 1"]),
+    "alike_tokens.py": (["--ranks", "20", "0"], ["--ranks 0: must be at least 1"]),
     "frontdoor.py": (["--runs", "0"], ["--runs 0: must be at least 1"]),
     "block_overhead.py": (["--smoke", "--checkout", "/nonexistent/promprune-checkout"],
                           ["--checkout /nonexistent/promprune-checkout: no such directory"]),

@@ -361,6 +361,18 @@ def test_entropy_routes():
         assert margins == pytest.approx(miss / 2e-5, rel=0.1, abs=1e-3)  # in margins (two digits)
 
 
+def test_alike_tokens():
+    """The float32 entropy against float64 as tokens grow alike: centered in Gram space it drifts (~2e-6 / spread),
+    centered first it does not, and the library's exact route takes the second below SPREAD_FLOOR."""
+    out = run_benchmark("alike_tokens.py", "--smoke")
+    rows = table_rows(out, r"144")
+    assert len(rows) == 6
+    for *_, spread, _gram, tokens, library, route in rows:
+        assert route == ("tokens" if float(spread) < 0.25 else "gram")
+        assert float(tokens) < 5e-6 and float(library) < 1e-5
+    assert float(rows[-1][4]) > 100 * float(rows[-1][6])  # spread 1e-4: the Gram's centering is far off
+
+
 def test_spectrum():
     out = run_benchmark("spectrum.py", "--smoke")
     header = table_rows(out, "shape")[0]
