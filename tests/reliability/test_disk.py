@@ -232,7 +232,9 @@ def test_a_disk_filled_mid_sweep_stops_it_and_resume_finishes_it(tmpfs, tmp_path
         assert first.returncode == 2, out[-4000:]
         assert "error: disk full: " in out and "Traceback" not in out, out[-4000:]
         # the sweep runs in tmp_path, outside the checkout: its resume command names the script as reached from there
-        assert f"finish it with:\n  python {REPO / 'pipelines' / 'sweep.py'} --config" in out
+        # (after the variables the run depended on, set in front of it: this test's MLflow store)
+        said = out.split("finish it with:\n  ", 1)[1].split("\n")[0]
+        assert f" python {REPO / 'pipelines' / 'sweep.py'} --config" in f" {said}", out[-4000:]
         filler.unlink()
         gate.touch()
         second = spawn_sweep(spec, tmp_path, "--resume")
