@@ -22,7 +22,7 @@ import torch
 from ..dtypes import upcast
 from ..suggest import did_you_mean
 from . import accel
-from .entropy import entropy_of_matrix, spectral_matrix
+from .entropy import cancels, entropy_of_matrix, spectral_matrix
 from .kernels import (
     ENTROPY_EPS,
     KERNEL_EPS,
@@ -182,8 +182,11 @@ class TokenSet:
     @cached_property
     def spectral_matrix(self) -> torch.Tensor:
         """The matrix ``[B, K, K]`` (K = min(N, d)) whose spectrum the spectral entropy reads
-        (``entropy.spectral_matrix``), from the shared Gram when N <= d."""
-        return spectral_matrix(self.x, self.unit_gram if self.n <= self.dim else None)
+        (``entropy.spectral_matrix``), from the shared Gram when N <= d (its rows that cancel found with the norms
+        already here)."""
+        if self.n > self.dim:
+            return spectral_matrix(self.x)
+        return spectral_matrix(self.x, self.unit_gram, cancels(self.x, self.norms))
 
     @cached_property
     def spectral_entropy(self) -> torch.Tensor:  # [B], exact
