@@ -7,7 +7,7 @@
 """
 from .options import ADAPTER_OPTIONS, all_methods, is_in_llm, validate_method
 from .registry import families, family, register_family
-from .vlm import Generation, Prepared, PrunedVLM
+from .vlm import FullBudgetWarning, Generation, Prepared, PrunedVLM
 
 __all__ = ["PrunedVLM", "Generation", "Prepared", "all_methods", "validate_method", "is_in_llm", "ADAPTER_OPTIONS",
-           "families", "family", "register_family"]
+           "families", "family", "register_family", "FullBudgetWarning"]

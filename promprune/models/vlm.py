@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +16,7 @@ from promprune.dtypes import parse_dtype
 from promprune.records import SampleStats
 
 from . import llm_hooks
-from .adapters import adapter_for, assemble_all, attach_keys, host_index
+from .adapters import adapter_for, assemble_all, attach_keys, host_index, visual_token_capacity
 from .factories import find_model_factory
 from .images import load_images, pixel_key
 from .options import is_in_llm, next_layout, token_order, validate_method
@@ -62,6 +63,20 @@ class Prepared:
     keys: list | None = None
 
 
+class FullBudgetWarning(UserWarning):
+    """A :class:`PrunedVLM` whose budget keeps every visual token of an image."""
+
+
+def _warn_full_budget(config, adapter_options: dict, method: str | None, budget: int | None) -> None:
+    if method is None or budget is None:
+        return
+    capacity = visual_token_capacity(config, adapter_options)
+    if capacity is not None and budget >= capacity:
+        warnings.warn(f"budget {budget} keeps all {capacity} visual tokens this model gives an image, so images run "
+                      f"unpruned under method {method!r} (clips of several frames still prune); use a budget below "
+                      f"{capacity} to prune images", FullBudgetWarning, stacklevel=3)
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -75,6 +90,11 @@ class PrunedVLM:
     image before the LLM; ``fastv`` / ``sparsevlm`` / ``dart`` / ``pyramiddrop`` prune inside it. ``method_options`` are
     the method's options plus the adapter options of :data:`promprune.models.options.ADAPTER_OPTIONS`. ``mu`` defaults
     per family (0.42 CLIP, 0.5744 Qwen2.5-VL; ``Family.default_mu``) unless given.
+
+    A budget at or above the visual tokens the model gives one image (``adapters.visual_token_capacity``, where the
+    family fixes it) keeps every token of every image: the model then runs images unpruned under the method's name.
+    The pipeline's entry points refuse such a budget; here it is a :class:`FullBudgetWarning` at construction, since
+    a clip of several frames has more tokens than an image and such a budget still prunes it.
     """
 
     def __init__(self, model, processor, method: str | None = "promprune", budget: int | None = None,
@@ -88,6 +108,7 @@ class PrunedVLM:
         self.budget_mode, self.image_newline = next_layout(method, adapter_options["budget_mode"],
                                                            adapter_options["image_newline"])
         self.view_budget = None
+        _warn_full_budget(model.config, adapter_options, method, self.budget)
         if is_in_llm(method):
             llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
             # fail now on layers this LLM cannot rank or prune at (a linear-attention or sliding-window layer), or an

@@ -105,3 +105,22 @@ def test_merging_method_feeds_merged_features(images, prompts):
     for b in range(len(items)):
         torch.testing.assert_close(feats[b], torch.cat([sel.cls[b][None], sel.features[b]]))
         assert prep.stats[b]["kept"] == sel.indices[b].tolist() and prep.stats[b]["visual_tokens"] == 8
+
+
+def test_a_budget_that_keeps_every_token_of_an_image_warns(images, prompts):
+    """LLaVA-1.5 gives every image one fixed grid: a budget at or above it prunes nothing (the LLM gets the unpruned
+    count, counted here from the processor's placeholders) and says so; one token fewer prunes and is silent."""
+    import warnings
+
+    from promprune.models import FullBudgetWarning
+
+    model, processor = tiny_vlm("llava")
+    grid = llm_visual_counts(model, PrunedVLM(model, processor, method=None).prepare(images, prompts))[0]
+    with pytest.warns(FullBudgetWarning, match=f"budget {grid} keeps all {grid} visual tokens"):
+        full = PrunedVLM(model, processor, method="promprune", budget=grid)
+    assert llm_visual_counts(model, full.prepare(images, prompts)) == [grid, grid]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FullBudgetWarning)
+        pruned = PrunedVLM(model, processor, method="promprune", budget=grid - 1)
+        PrunedVLM(model, processor, method=None)
+    assert llm_visual_counts(model, pruned.prepare(images, prompts)) == [grid - 1, grid - 1]
