@@ -17,7 +17,8 @@ Setup -> run -> cleanup:
 2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list), or searches
    (`pipelines/run/search.py`: seeded random draws, optuna's TPE, ASHA stopping weak trials at rungs of samples;
    then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
-   time, retrying failed trials (`FailureConfig`).
+   time, retrying failed trials (`FailureConfig`; a scoring error that is the same on every try is scored again only
+   by `--resume`: `trial.run_trial`).
    A trial (`pipelines/run/trial.py`) is a light coordinator (`pipelines/run/engine.py`): it takes its `Trial` from
    Tune's config and sends its blocks to the idle workers the sweep's pool grants (the pool grows with what trials
    lease; pending workers are the autoscaler's demand), predictions streamed back and saved block by block beside

@@ -13,9 +13,15 @@ whole; writing the same block twice writes the same name (a block is never count
 A block file that cannot be read back (damaged on disk, cut short by hand) is set aside, renamed
 ``<block id>.parquet.unreadable`` (never deleted: kept for a look, also when the sweep removes its blocks), with one
 line naming it; its samples count as not answered, so the trial answers them again.
+
+A trial whose scoring failed the way that fails on every try (`promprune.eval.scoring.ScoringError`) leaves a note
+beside its blocks (`FAILED`: the driver's session and the error); a retry of it by Tune in the same session raises the
+noted error at once instead of scoring again (an LLM judge's requests sent again, for the same error). A `--resume`
+is another session: it scores the trial again.
 """
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Callable
@@ -28,6 +34,7 @@ from pipelines.run.result import PREDICTION_SCHEMA
 
 BLOCKS_DIR = "_promprune_blocks"
 UNREADABLE = ".unreadable"  # the suffix of a block file set aside because it could not be read
+FAILED = "scoring_failed.json"  # a trial's note of its deterministic scoring error (`BlockStore.note_failure`)
 
 
 def sweep_dir(storage: str, experiment: str) -> str:
@@ -115,3 +122,18 @@ class BlockStore:
         partial = f"{self.root}/.{block_id}.{uuid.uuid4().hex[:8]}.tmp"
         pq.write_table(predictions.cast(PREDICTION_SCHEMA), partial, filesystem=self.fs)
         self.fs.move(partial, final)
+
+    def note_failure(self, session: str, error: str) -> None:
+        """Note that the trial's scoring failed with ``error`` in the driver's ``session`` (`Shared.session`)."""
+        self.fs.create_dir(self.root, recursive=True)
+        with self.fs.open_output_stream(f"{self.root}/{FAILED}") as out:
+            out.write(json.dumps({"session": session, "error": error}).encode())
+
+    def failure(self, session: str) -> str | None:
+        """The error `note_failure` noted in ``session``; None when none was (or in another session: a `--resume`)."""
+        try:
+            with self.fs.open_input_stream(f"{self.root}/{FAILED}") as f:
+                noted = json.loads(f.read())
+        except (FileNotFoundError, ValueError):
+            return None
+        return noted.get("error") if noted.get("session") == session else None

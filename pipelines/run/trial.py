@@ -19,13 +19,15 @@ import math
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pyarrow as pa
 from ray import tune
 
+from promprune.eval.scoring import ScoringError
 from promprune.records import Request
 
 from pipelines import mlflow_layout, timeline
@@ -48,13 +50,15 @@ SCORE_EVERY_S = 30.0
 @dataclass
 class Shared:
     """What every trial of a sweep shares, built once by the driver: the requests (sealed blocks in the object store),
-    the plan (device, workers per trial), the handle of the sweep's pool of model workers (`pool.Pool`), and where
-    trials save their answered blocks (`checkpoints.sweep_dir`; None: nowhere)."""
+    the plan (device, workers per trial), the handle of the sweep's pool of model workers (`pool.Pool`), where
+    trials save their answered blocks (`checkpoints.sweep_dir`; None: nowhere), and the driver's session (a new one
+    per start or `--resume`: what a trial's note of a deterministic scoring error is kept for, `run_trial`)."""
 
     rows: Requests
     plan: planning.Plan
     pool: object
     blocks: str | None = None
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def store(self, trial_id: str) -> BlockStore | None:
         """The saved blocks of one trial (None when this evaluation saves none)."""
@@ -183,17 +187,31 @@ def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
               objective: search.Objective | None = None) -> None:
     """The Tune function: evaluate the trial Tune's config carries (`search.trial_of`), saving its blocks
     (`Shared.store`) and resuming from them, reporting progress (a searched trial: the search's metric at each rung,
-    ``objective``), and finally its metrics with the `TrialResult` file as the checkpoint."""
-    warm_scoring()
+    ``objective``), and finally its metrics with the `TrialResult` file as the checkpoint.
+
+    A `ScoringError` (a task's scoring that fails the same way on every try) is noted beside the trial's blocks for
+    the driver's session (`Shared.session`): Tune's retries of the trial (`tune.max_failures`) in that session raise
+    it again at once, neither scoring again nor sending an LLM judge's requests again; a `--resume` scores it
+    again. Other failures (a lost worker or node, the trial's process killed) are retried as they come."""
     trial = search.trial_of(config)
     tid = trial.trial_id
+    store = shared.store(tid)
+    noted = None if store is None else store.failure(shared.session)
+    if noted is not None:  # this trial's scoring failed so in this session already: the same error, not retried
+        raise ScoringError(noted)
+    warm_scoring()
     if trial.tasks:  # an explicit trial on a subset of the sweep's tasks
         shared = shared.only(trial.tasks)
     started = time.time()
     timeline.tag(trial=tid)
     timeline.mark("trial_begin", "trial")
     progress = TrialProgress(len(shared.rows.keys), objective=objective)
-    result = evaluate(trial, spec, shared, store=shared.store(tid), on_block=progress)
+    try:
+        result = evaluate(trial, spec, shared, store=store, on_block=progress)
+    except ScoringError as exc:
+        if store is not None:
+            store.note_failure(shared.session, str(exc))
+        raise
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
                            "samples/done": float(result.predictions.num_rows)})
     final = dict(result.metrics)

@@ -71,3 +71,21 @@ def test_a_sweep_without_unreadable_blocks_is_removed_whole(tmp_path):
     checkpoints.BlockStore(checkpoints.trial_dir(sweep, "x")).save("a", _block("t", range(2)))
     checkpoints.remove(sweep)
     assert not (tmp_path / "blocks" / "rel-1").exists()
+
+
+def test_a_scoring_failure_is_noted_for_its_session_only(tmp_path):
+    """A trial's note of its deterministic scoring error (`BlockStore.note_failure`): read back in the session that
+    wrote it (a Tune retry raises it at once), not in another (a `--resume` scores again), not counted as a block;
+    the sweep's clean-up removes it with the blocks."""
+    sweep = str(tmp_path / checkpoints.BLOCKS_DIR / "rel-1")
+    store = checkpoints.BlockStore(checkpoints.trial_dir(sweep, "promprune-b8"))
+    assert store.failure("s1") is None
+    store.note_failure("s1", "task 'own': its process_results raised ValueError: no grade")
+    assert store.failure("s1") == "task 'own': its process_results raised ValueError: no grade"
+    assert store.failure("s2") is None and store.load().num_rows == 0
+    store.save("a", _block("t", range(0, 2)))
+    assert checkpoints.saved_samples(sweep, "promprune-b8") == 2
+    store.note_failure("s2", "again")  # the resumed session's own failure replaces the note
+    assert store.failure("s1") is None and store.failure("s2") == "again"
+    checkpoints.remove(sweep)
+    assert not (tmp_path / checkpoints.BLOCKS_DIR / "rel-1").exists()
