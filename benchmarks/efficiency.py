@@ -128,7 +128,8 @@ def check_flags(args) -> None:
 
 
 def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
-    """Median timings over ``repeats`` generations of a batch (after one warm-up) and the peak memory."""
+    """Median timings over ``repeats`` generations of a batch (after one warm-up), the peak memory, and how the last
+    timed call's certified splits decided (``split``: all of them merged; None where none took the bounds)."""
     prompts = [prompt] * len(images)
     # warm-up: kernels, allocator, caches; with CUDA graphs on, a shape is captured at its second call
     for _ in range(graphed.SIGHTINGS if accel.graphs_on() else 1):
@@ -141,7 +142,8 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        gens = vlm.generate(images, prompts, max_new_tokens=max_new_tokens)
+        with certified.collected() as splits:  # every split of the call (one per budget bucket)
+            gens = vlm.generate(images, prompts, max_new_tokens=max_new_tokens)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         runs.append((gens, (time.perf_counter() - start) * 1e3))
@@ -157,6 +159,7 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
         "total_ms": median([ms for _, ms in runs]),
         "peak_mem_mb": peak_memory_mb(device),
         "captures_timed": graphed.tally()["captures"] - tally["captures"],  # shapes captured in the timed calls
+        "split": certified.SplitReport.total(splits),  # how the last timed call's certified splits decided (None: none)
     }
 
 
@@ -230,15 +233,14 @@ def measured(args) -> None:
     splits, paired = [], []
     for method, budget, graphs in _arms(args, graphs=device.type == "cuda"):
         vlm = PrunedVLM(base.model, base.processor, method=method, budget=budget, **options)
-        certified.LAST_REPORT.clear()  # filled again only where the split takes the bounds
         with accel.graphs(graphs):
             m = measure(vlm, images, prompt, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
-        if method == "promprune" and certified.LAST_REPORT:
+        if method == "promprune" and m["split"] is not None:  # where the split took the bounds
             graph_state = (f"; graphs kept {len(graphed._CAPTURES)}, captured in the timed calls "
                            f"{m['captures_timed']}, failed {graphed._FAILED or 'none'}" if graphs else "")
-            splits.append((budget, graphs, certified.LAST_REPORT[0],
+            splits.append((budget, graphs, m["split"],
                            " ".join(f"{ms:.1f}" for ms in m["select_each"]) + graph_state))
-        if graphs and args.graph_pairs > 0:  # after the arm's own report: the pairs' calls replace LAST_REPORT
+        if graphs and args.graph_pairs > 0:
             paired.append((budget, paired_graphs(vlm, images, prompt, pairs=args.graph_pairs,
                                                  max_new_tokens=args.max_new_tokens)))
         n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read

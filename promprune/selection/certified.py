@@ -27,6 +27,7 @@ on the host in float64.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -127,7 +128,18 @@ class SplitReport:
         self.decided = [a + b for a, b in itertools.zip_longest(self.decided, other.decided, fillvalue=0)]
         self.exact, self.refused, self.costly = self.exact + other.exact, self.refused + other.refused, \
             self.costly + other.costly
+        self.cancelled += other.cancelled
         self.widths += other.widths
+
+    @classmethod
+    def total(cls, reports: list["SplitReport"]) -> "SplitReport | None":
+        """One report of ``reports`` merged (None: there are none)."""
+        if not reports:
+            return None
+        out = cls()
+        for one in reports:
+            out.merge(one)
+        return out
 
     @property
     def exact_note(self) -> str:
@@ -139,6 +151,22 @@ class SplitReport:
 
 
 LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call
+_SINKS: list[list[SplitReport]] = []  # the open `collected` blocks
+_NESTED = [0]  # > 0 while a split splits some of its images again (their report is merged into the outer one's)
+
+
+@contextlib.contextmanager
+def collected():
+    """Every ``split`` call's report inside the block, in a list (``SplitReport.total`` merges them): a model's
+    selection of one batch may split several times (one ``select`` per budget bucket: LLaVA-NeXT's views under
+    ``per_crop`` when the budget does not divide evenly, views of different counts), and `LAST_REPORT` holds only the
+    newest call's."""
+    sink: list[SplitReport] = []
+    _SINKS.append(sink)
+    try:
+        yield sink
+    finally:
+        _SINKS.remove(sink)
 
 
 @dataclass
@@ -452,10 +480,17 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     if len(cancelled):  # their spectral matrix made from the tokens centered first (the exact path's for them), split
         # as any: its own stages, and the eigensolve for what they leave undecided (one read a stage more)
         rows = torch.from_numpy(cancelled).to(device, non_blocking=True)
-        own = split(centered_unit_gram(tokens[rows]), count)
+        _NESTED[0] += 1
+        try:
+            own = split(centered_unit_gram(tokens[rows]), count)
+        finally:
+            _NESTED[0] -= 1
         t_sal[cancelled], entropy[cancelled], halfwidth[cancelled] = (t.numpy() for t in own)
         report.merge(LAST_REPORT[0])
     LAST_REPORT[:] = [report]
+    if not _NESTED[0]:
+        for sink in _SINKS:
+            sink.append(report)
     return torch.from_numpy(t_sal), torch.from_numpy(entropy).float(), torch.from_numpy(halfwidth).float()
 
 

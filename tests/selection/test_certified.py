@@ -373,3 +373,21 @@ def test_the_benchmarks_header_names_the_route_at_each_size(monkeypatch):
     assert "n = 576: eigensolve (projected 3.95 against 5.46 ms)" in line  # more than half of it
     assert "n = 1296: eigensolve (projected 45.04 against 13.91 ms)" in line
     assert line.endswith("(bounds where at most 0.5 of it)")
+
+
+def test_collected_holds_every_split_of_a_block_once():
+    """A model's call may split once per budget bucket (LLaVA-NeXT's views under ``per_crop`` with a budget that does
+    not divide evenly) and LAST_REPORT holds the newest split's alone: ``collected`` holds each top-level split once,
+    an alike image's second split (merged into its caller's report) not again, so the total counts every image."""
+    rng = np.random.default_rng(7)
+    ordinary = torch.stack([matrix_with(spectrum("lowrank_floor", 128, rng), rng) for _ in range(2)]).float()
+    x = torch.cat([alike_tokens(2), torch.randn(3, 576, 640, generator=torch.Generator().manual_seed(3))])
+    far = lambda h: split_budget(h, 64, mu=0.9, tau=0.02)  # noqa: E731
+    with certified.collected() as reports:
+        certified.split(ordinary, far)
+        certified.split(TokenSet(x, None).unit_gram, far, tokens=x)
+    certified.split(ordinary, far)  # outside the block: not collected
+    assert len(reports) == 2
+    total = certified.SplitReport.total(reports)
+    assert sum(total.decided) + total.exact == 2 + 4 and total.cancelled == 1, total
+    assert certified.SplitReport.total([]) is None
