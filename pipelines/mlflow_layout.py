@@ -23,11 +23,13 @@
 - **The parent run** also holds the search's params (`search`, `scheduler`, `space.<field>`), the driver's
   `system/...` metrics, and for a sweep varying mu or tau the best trial (`promprune.best_trial`, `best/<metric>`
   with `_ci_low` / `_ci_high`, `best/mu`, `best/tau`).
-- **A saved view per sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>`, the runs page's "Views"
-  menu; the latest run of the sweep): the parent run above its trials (rows of runs tagged `promprune.sweep_run` =
-  the parent's id), columns run name, Rel. (a search's running value too), visual tokens, params method, budget and
-  the varied options, each task's primary metric; line charts against `samples/scored`; `ui_url` links to it
-  (`pipelines.recording.view.save_sweep_view` says what MLflow 3.17's UI can and cannot keep in a view).
+- **A saved view per run of a sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>-<parent run id>`,
+  the runs page's "Views" menu, named `<sweep> <started, UTC> <id's first 8>`; each sweep's latest 10 kept
+  (`pipelines.recording.view.VIEWS_KEPT`) and those of its running runs; a `--resume` saves its run's again): the
+  parent run above its trials (rows of runs tagged `promprune.sweep_run` = the parent's id), columns run name,
+  Rel. (a search's running value too), visual tokens, params method, budget and the varied options, each task's
+  primary metric; line charts against `samples/scored`; `ui_url` links to it (`save_sweep_view` in
+  pipelines/recording/view.py says what MLflow 3.17's UI can and cannot keep in a view).
 - **Rel.** is a fraction everywhere data is stored or compared (1.0 = the unpruned model's scores; the nightly
   regression threshold is in the same unit); tables and figures show it as a percent through `rel_percent`.
 """
@@ -140,9 +142,12 @@ def open_results(url: str | None = None, uri: str | None = None) -> str:
     return f"Open the results:\n  {command}" + (f"\n  then {url}" if url else "")
 
 
-def view_key(sweep: str) -> str:
-    """The id of a sweep's saved runs-page view (tag ``SAVED_VIEW + key``, URL parameter ``viewStateShareKey``)."""
-    return "promprune-" + (re.sub(r"[^A-Za-z0-9_.-]+", "_", sweep)[:100] or "sweep")
+def view_key(sweep: str, run_id: str | None = None) -> str:
+    """The id of the saved runs-page view of one run of a sweep, its parent run ``run_id`` (tag ``SAVED_VIEW + key``,
+    URL parameter ``viewStateShareKey``): ``promprune-<sweep>-<run_id>``. Without ``run_id``: the one key per sweep
+    that earlier versions saved (two runs of a sweep at once overwrote each other's view there)."""
+    key = "promprune-" + (re.sub(r"[^A-Za-z0-9_.-]+", "_", sweep)[:100] or "sweep")
+    return key if run_id is None else f"{key}-{run_id}"
 
 
 def ui_url(experiment_id: str, view: str | None = None, base: str | None = None) -> str:

@@ -299,7 +299,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                  "command": command or {}, "tracking_uri": tracking.tracking_uri()}
     else:
         parent_id = state["parent_run_id"]
-        tracking.reopen(client, parent_id)
+        tracking.reopen(client, parent_id, spec.name, SweepView.of(spec, trials))  # its own view, saved again
         if command:  # how this attempt was started (its spec checked to be the run's): what a later resume repeats
             state = {**state, "command": command}
     if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNLOGGED
     if outcome.failed:
         print("\n" + failed_note(outcome))
-    url = tracking.ui_url(spec.name)
+    url = tracking.ui_url(spec.name, outcome.parent_run_id)  # this run's view, not a concurrent run's of the spec
     print("\n" + mlflow_layout.open_results(url))
     if outcome.regression_note:
         print(f"\nregression check: {outcome.regression_note}")

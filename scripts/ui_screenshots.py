@@ -95,9 +95,11 @@ def find_runs(uri: str, sweep: str | None) -> dict:
         raise Problem(f"sweep {parent.info.run_name!r} ({parent.info.run_id}) has no finished trial run")
     shown = next((r for r in finished if r.data.params.get("method") == "promprune"), None) or finished[-1]
     report = {a.path for a in c.list_artifacts(parent.info.run_id, mlflow_layout.REPORT_DIR)}
-    key = mlflow_layout.view_key(parent.data.tags.get(mlflow_layout.SWEEP, parent.info.run_name))
+    sweep_name = parent.data.tags.get(mlflow_layout.SWEEP, parent.info.run_name)
+    # this run's own view (the link its sweep printed), else the one view per sweep that earlier versions saved
+    keys = [mlflow_layout.view_key(sweep_name, parent.info.run_id), mlflow_layout.view_key(sweep_name)]
     return {"experiment": exp.experiment_id, "parent": parent, "trials": trials, "shown": shown,
-            "report": report, "view": key if mlflow_layout.SAVED_VIEW + key in exp.tags else None,
+            "report": report, "view": next((k for k in keys if mlflow_layout.SAVED_VIEW + k in exp.tags), None),
             "lines": any(_has_line(c, r) for r in trials)}
 
 

@@ -62,7 +62,7 @@ def experiment_id(c) -> str:
 
 def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, started: float | None = None,
                 view: SweepView | None = None) -> str:
-    """The sweep's parent run and its saved view (``view``: what the view shows beyond the headline metrics);
+    """The sweep's parent run and its own saved view (``view``: what the view shows beyond the headline metrics);
     ``started`` (epoch seconds): when the sweep began (setup included). Tagged with the resolved spec's fingerprint
     (`spec_fingerprint`), which the nightly regression check matches."""
     run = c.create_run(experiment_id(c), run_name=name, start_time=_ms(started),
@@ -80,8 +80,9 @@ def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, st
     return run_id
 
 
-def ui_url(sweep: str | None = None) -> str | None:
-    """The page to open in `mlflow ui`: the experiment's runs (the sweep's saved view when given); None when the
+def ui_url(sweep: str | None = None, run_id: str | None = None) -> str | None:
+    """The page to open in `mlflow ui`: the experiment's runs (the saved view of the run ``run_id``, a parent run, of
+    sweep ``sweep`` when both are given and the view is there: not another run's of the same sweep); None when the
     store has no such experiment (or does not answer)."""
     from mlflow.exceptions import MlflowException
 
@@ -91,9 +92,8 @@ def ui_url(sweep: str | None = None) -> str | None:
         return None
     if exp is None:
         return None
-    saved = sweep and mlflow_layout.SAVED_VIEW + mlflow_layout.view_key(sweep) in exp.tags
-    view = mlflow_layout.view_key(sweep) if saved else None
-    return mlflow_layout.ui_url(exp.experiment_id, view)
+    key = mlflow_layout.view_key(sweep, run_id) if sweep and run_id else None
+    return mlflow_layout.ui_url(exp.experiment_id, key if key and mlflow_layout.SAVED_VIEW + key in exp.tags else None)
 
 
 def finish(c, run_id: str, status: str = "FINISHED") -> None:
@@ -112,12 +112,17 @@ def iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds")
 
 
-def reopen(c, run_id: str) -> None:
+def reopen(c, run_id: str, sweep: str | None = None, view: SweepView | None = None) -> None:
     """A resumed sweep keeps its parent run: mark it running again, without the `promprune.interrupted` tag that the
-    start of another run of the sweep may have set while its driver was dead (`mark_dead_runs`)."""
+    start of another run of the sweep may have set while its driver was dead (`mark_dead_runs`); with ``sweep`` and
+    ``view``, save its view again (`save_sweep_view`: the same key, back if later runs of the sweep removed it, and
+    there for a run started before views were saved per run)."""
     c.update_run(run_id, status="RUNNING")
-    if mlflow_layout.INTERRUPTED in c.get_run(run_id).data.tags:
+    run = c.get_run(run_id)
+    if mlflow_layout.INTERRUPTED in run.data.tags:
         c.delete_tag(run_id, mlflow_layout.INTERRUPTED)
+    if sweep is not None and view is not None:
+        save_sweep_view(c, run.info.experiment_id, sweep, run_id, view)
 
 
 def mark_dead_runs(client, storage: str, name: str, keep: str | None = None) -> list[str]:

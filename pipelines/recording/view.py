@@ -1,8 +1,11 @@
 """A sweep's saved view of the MLflow runs page (`SweepView`, `save_sweep_view`): which columns, widths and charts
-the UI opens on for the runs of one sweep; `pipelines.recording.tracking.start_sweep` saves it with the parent run."""
+the UI opens on for the runs of one run of a sweep; `pipelines.recording.tracking.start_sweep` saves it with the
+parent run (`tracking.reopen` again on a resume), one view per parent run, so two runs of a sweep at once (the
+nightly and a manual run) each keep their own; `prune_views` keeps the latest `VIEWS_KEPT` of a sweep."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +27,8 @@ CHAR_PX, CELL_PX = 8, 24  # MLflow's table: up to 8 px a character of its 13 px 
 NAME_CHAR_PX = 6.5  # a run name's characters (mostly narrow ones: digits, '-', '='), beside its colour dot
 MAX_OPTION_COLUMNS = 8  # options shown as columns (mu and tau first); more make the table unreadable
 SEARCHED_VALUE_CHARS = space.SIGNIFICANT + 3  # a sampled float in a trial name, e.g. 0.06509 (its id's digits)
+VIEWS_KEPT = 10  # a sweep's saved views kept (its latest runs'; a running run's is never removed): a nightly's
+# one-a-day views would fill the "Views" menu
 
 
 @dataclass
@@ -70,12 +75,16 @@ def _width(header: str, lo: int, hi: int = 220) -> int:
 
 
 def save_sweep_view(c, exp_id: str, sweep: str, run_id: str, view: SweepView) -> str:
-    """Save the runs-page view of one run of a sweep in the experiment (MLflow 3's "Views" menu; ``ui_url`` opens
-    it). Returns the view's key. Rows: the parent run ``run_id`` first, then its trials, newest first. Columns: run
-    name (wide enough for the trials' ids) and created (with the run's status), then Rel., visual tokens, method,
-    budget and the options (all on a 1400 px screen for ids up to ~40 characters), the scheduler's running value,
-    the parent's best, each task's primary metric, duration. Line charts: against ``samples/scored`` (the samples a
-    running value was computed over), so the axis says so instead of MLflow's "Step".
+    """Save the runs-page view of one run of a sweep, its parent run ``run_id``, in the experiment (MLflow 3's
+    "Views" menu, named ``<sweep> <run's start, UTC> <run id's first 8>``; ``ui_url`` opens it), then remove the
+    sweep's views beyond its latest `VIEWS_KEPT` (`prune_views`). Returns the view's key (`mlflow_layout.view_key`:
+    the sweep's name and ``run_id``, so another run of the sweep saving its own at the same time leaves this one as
+    it is). Saving it again (a resume) keeps its creation time, which orders the pruning. Rows: the parent run
+    ``run_id`` first, then its trials, newest first. Columns: run name (wide enough for the trials' ids) and created
+    (with the run's status), then Rel., visual tokens, method, budget and the options (all on a 1400 px screen for
+    ids up to ~40 characters), the scheduler's running value, the parent's best, each task's primary metric,
+    duration. Line charts: against ``samples/scored`` (the samples a running value was computed over), so the axis
+    says so instead of MLflow's "Step".
 
     What MLflow 3.17's UI allows, read from its bundle (`mlflow/server/js/build`): the state holds the search facets
     and the table's columns, order and widths, grouping and chart settings, not expanded rows (a nested parent
@@ -97,8 +106,55 @@ def save_sweep_view(c, exp_id: str, sweep: str, run_id: str, view: SweepView) ->
              "groupBy": None, "groupsExpanded": {},
              "globalLineChartConfig": {"xAxisKey": "metric", "selectedXAxisMetricKey": mlflow_layout.SCORED,
                                        "lineSmoothness": 0}}
-    key = mlflow_layout.view_key(sweep)
+    key = mlflow_layout.view_key(sweep, run_id)
     now = int(time.time() * 1000)
+    created = _envelope(c.get_experiment(exp_id).tags.get(mlflow_layout.SAVED_VIEW + key)).get("createdAt", now)
+    started = c.get_run(run_id).info.start_time or now
+    name = f"{sweep} {time.strftime('%Y-%m-%d %H:%M', time.gmtime(started / 1000))} {run_id[:8]}"
     c.set_experiment_tag(exp_id, mlflow_layout.SAVED_VIEW + key, json.dumps(
-        {"name": sweep, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
+        {"name": name, "createdAt": created, "updatedAt": now, "state": json.dumps(state)}))
+    prune_views(c, exp_id, sweep, keep=run_id)
     return key
+
+
+def sweep_views(tags: dict, sweep: str) -> dict[str, str]:
+    """{parent run id: view key} of the saved views of sweep ``sweep`` among an experiment's ``tags`` (one per run;
+    not the one key per sweep of earlier versions, nor another sweep's: a run id has no '-')."""
+    own = re.compile(re.escape(mlflow_layout.SAVED_VIEW + mlflow_layout.view_key(sweep)) + r"-([A-Za-z0-9]+)")
+    return {m[1]: tag[len(mlflow_layout.SAVED_VIEW):] for tag in tags if (m := own.fullmatch(tag))}
+
+
+def prune_views(c, exp_id: str, sweep: str, keep: str | None = None, kept: int = VIEWS_KEPT) -> list[str]:
+    """Remove the saved views of sweep ``sweep`` beyond its ``kept`` latest (by when first saved), except those of
+    runs still RUNNING and of ``keep`` (a parent run id); returns the keys removed. A link printed by a run whose view
+    was removed names a view no longer there; a resume of that run saves its view again."""
+    from mlflow.exceptions import MlflowException
+
+    tags = c.get_experiment(exp_id).tags
+    views = sweep_views(tags, sweep)
+    newest = sorted(views, key=lambda r: _envelope(tags[mlflow_layout.SAVED_VIEW + views[r]]).get("createdAt", 0),
+                    reverse=True)
+    removed = []
+    for run_id in newest[kept:]:
+        if run_id == keep:
+            continue
+        try:
+            if c.get_run(run_id).info.status == "RUNNING":
+                continue
+        except MlflowException:  # the run was deleted from the store: its view shows nothing
+            pass
+        try:
+            c.delete_experiment_tag(exp_id, mlflow_layout.SAVED_VIEW + views[run_id])
+        except MlflowException:  # another run of the sweep pruning at the same time removed it first
+            continue
+        removed.append(views[run_id])
+    return removed
+
+
+def _envelope(value: str | None) -> dict:
+    """A saved view's tag value as a dict ({} when absent or not MLflow's JSON)."""
+    try:
+        envelope = json.loads(value) if value else {}
+    except ValueError:
+        return {}
+    return envelope if isinstance(envelope, dict) else {}

@@ -252,8 +252,9 @@ def test_the_printed_link_shows_each_trials_method_mu_tau_and_rel_in_a_browser(s
     tau and Rel. (a stopped one's running Rel.) in its row as MLflow holds them, on a 1400 px screen; the charts of
     running values against samples/scored."""
     spec, outcome, client = searched
-    printed = tracking.ui_url(spec.name)  # what `pipelines/sweep.py` prints last
-    assert "workflowType=machine_learning" in printed and "viewStateShareKey=promprune-search" in printed
+    printed = tracking.ui_url(spec.name, outcome.parent_run_id)  # what `pipelines/sweep.py` prints last
+    assert "workflowType=machine_learning" in printed
+    assert f"viewStateShareKey=promprune-search-{outcome.parent_run_id}" in printed
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "ui_screenshots.py"), "--sweep", spec.name,
                            "--tracking-uri", tracking.tracking_uri(), "--out", str(tmp_path / "shots")],
                           capture_output=True, text=True, timeout=300)

@@ -347,6 +347,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(tmp_path):
     parents = c.search_runs([c.get_experiment_by_name(mlflow_layout.DEFAULT_EXPERIMENT).experiment_id],
                             filter_string="tags.`promprune.role` = 'sweep'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"  # the same parent run continued
+    assert f"viewStateShareKey=promprune-resume-{parents[0].info.run_id}" in out  # its own view (the resume saved it)
     children = c.search_runs([parents[0].info.experiment_id],
                              filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     ids = sorted(r.data.tags[mlflow_layout.TRIAL] for r in children)

@@ -75,9 +75,9 @@ def test_a_sweep_saves_its_runs_view(store, tmp_path):
     earlier, _ = _sweep(client, tmp_path)
     parent, names = _sweep(client, tmp_path)
     tags = client.get_experiment(exp).tags
-    envelope = json.loads(tags[mlflow_layout.SAVED_VIEW + "promprune-ui_demo"])
+    envelope = json.loads(tags[mlflow_layout.SAVED_VIEW + f"promprune-ui_demo-{parent}"])
     state = json.loads(envelope["state"])
-    assert envelope["name"] == "ui_demo"
+    assert envelope["name"].startswith("ui_demo ") and envelope["name"].endswith(f" {parent[:8]}")
     assert state["searchFilter"] == f"tags.`promprune.sweep_run` = '{parent}'"
     assert (state["orderByKey"], state["orderByAsc"], state["groupBy"]) == ("tags.`promprune.role`", True, None)
     assert state["columnOrder"][:5] == ["attributes.`Run Name`", "metrics.`rel`", "metrics.`efficiency/visual_tokens`",
@@ -90,9 +90,68 @@ def test_a_sweep_saves_its_runs_view(store, tmp_path):
     shown = client.search_runs([exp], state["searchFilter"], order_by=[f"{state['orderByKey']} ASC"])
     assert [r.info.run_name for r in shown] == ["ui_demo"] + names[::-1]  # the parent, then its trials newest first
     assert earlier not in {r.info.run_id for r in shown}
-    assert tracking.ui_url("ui_demo") == (f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
-                                          "?workflowType=machine_learning&viewStateShareKey=promprune-ui_demo")
-    assert tracking.ui_url("no_such_sweep").endswith("?workflowType=machine_learning")
+    assert tracking.ui_url("ui_demo", parent) == (f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
+                                                  f"?workflowType=machine_learning&viewStateShareKey=promprune-ui_demo-"
+                                                  f"{parent}")
+    assert tracking.ui_url("ui_demo", earlier).endswith(f"&viewStateShareKey=promprune-ui_demo-{earlier}")
+    assert tracking.ui_url("no_such_sweep", parent).endswith("?workflowType=machine_learning")
+
+
+def _shows(client, exp, url: str) -> set[str]:
+    """The runs a printed link's saved view shows (MLflow's search with the view's filter)."""
+    key = url.split("viewStateShareKey=")[1]
+    state = json.loads(json.loads(client.get_experiment(exp).tags[mlflow_layout.SAVED_VIEW + key])["state"])
+    return {r.info.run_id for r in client.search_runs([exp], state["searchFilter"])}
+
+
+def test_two_runs_of_a_sweep_at_once_each_link_their_own_view(store, tmp_path):
+    """The nightly and a manual run of the same spec in one experiment at the same time: each saved its view under
+    the sweep's one key, so the later start overwrote the earlier's and the earlier's printed link opened the other
+    run's rows. Now each run's link opens its own parent and trials, whichever started or finished first, each view
+    named apart; a sweep keeps its latest VIEWS_KEPT views and those of its running runs; a resume saves its run's
+    view again (the same name, and creation time when still there; back when later runs removed it)."""
+    from pipelines.recording import view as views
+
+    client, exp = store
+    nightly = tracking.start_sweep(client, "nightly", 1, "name: nightly\n", {"tasks": ",".join(TASKS)})
+    manual = tracking.start_sweep(client, "nightly", 1, "name: nightly\n", {"tasks": ",".join(TASKS)})
+    for parent in (nightly, manual):
+        trial = {"method": "promprune", "budget": 8, "options": {}, "trial_id": f"promprune-b8-{parent[:4]}"}
+        tracking.log_trial(client, parent, "nightly", 1, trial, tracking.trial_params("tiny:llava", trial, TASKS, {}),
+                           {"rel": 0.9}, None)
+    own = {p: {p, *(r.info.run_id for r in tracking.latest_trial_runs(client, p).values())} for p in (nightly, manual)}
+    filters = [json.loads(json.loads(v)["state"])["searchFilter"] for k, v in client.get_experiment(exp).tags.items()
+               if k.startswith(mlflow_layout.SAVED_VIEW)]
+    assert [p for p in (nightly, manual) if not any(p in f for f in filters)] == []  # (the nightly's was overwritten)
+    tracking.finish(client, manual)
+    tracking.finish(client, nightly)  # the one started first ends last: its printed link
+    for parent in (nightly, manual):
+        url = tracking.ui_url("nightly", parent)
+        assert url.endswith(f"viewStateShareKey=promprune-nightly-{parent}")
+        assert _shows(client, exp, url) == own[parent]
+    saved = {p: json.loads(client.get_experiment(exp).tags[mlflow_layout.SAVED_VIEW + f"promprune-nightly-{p}"])
+             for p in (nightly, manual)}
+    assert saved[nightly]["name"] != saved[manual]["name"]  # told apart in the Views menu too
+
+    # later runs of the sweep: the oldest finished views go, a running one stays; the resume saves its own again
+    tracking.reopen(client, manual, "nightly", views.SweepView(TASKS))  # `--resume` of the manual one: RUNNING
+    again = json.loads(client.get_experiment(exp).tags[mlflow_layout.SAVED_VIEW + f"promprune-nightly-{manual}"])
+    assert (again["name"], again["createdAt"]) == (saved[manual]["name"], saved[manual]["createdAt"])
+    later = [tracking.start_sweep(client, "nightly", 1, "name: nightly\n", {}) for _ in range(views.VIEWS_KEPT)]
+    for parent in later:
+        tracking.finish(client, parent)
+    kept = views.sweep_views(client.get_experiment(exp).tags, "nightly")
+    assert set(kept) == {manual, *later} and nightly not in kept
+    assert tracking.ui_url("nightly", nightly).endswith("?workflowType=machine_learning")  # no other run's view
+    tracking.reopen(client, nightly, "nightly", views.SweepView(TASKS))  # `--resume` of the nightly
+    again = json.loads(client.get_experiment(exp).tags[mlflow_layout.SAVED_VIEW + f"promprune-nightly-{nightly}"])
+    assert again["name"] == saved[nightly]["name"]
+    assert _shows(client, exp, tracking.ui_url("nightly", nightly)) == own[nightly]
+    kept = views.sweep_views(client.get_experiment(exp).tags, "nightly")  # the latest, and the running one
+    assert set(kept) == {nightly, *later[1:], manual} and len(kept) == views.VIEWS_KEPT + 1
+    # another sweep's views, whose name starts with this one's, are not this sweep's
+    other = tracking.start_sweep(client, "nightly-b", 1, "name: nightly-b\n", {})
+    assert other not in views.sweep_views(client.get_experiment(exp).tags, "nightly")
 
 
 @pytest.mark.parametrize("name, options, running, best, longest", [
@@ -160,7 +219,7 @@ def test_screenshots_show_the_runs(store, tmp_path):
     proc = _run("--tracking-uri", os.environ[mlflow_layout.TRACKING_URI_ENV], "--out", str(out), "--timeout", "120")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"(parent run {parent}), 2 trial runs shown in the runs table" in proc.stdout
-    assert "saved view: promprune-ui_demo" in proc.stdout
+    assert f"saved view: promprune-ui_demo-{parent}" in proc.stdout
     assert "each trial's method, mu, rel in its row as MLflow holds them, at 1400 px" in proc.stdout
     assert "opens on #/experiments/" in proc.stdout
     shots = sorted(p.name for p in out.glob("*.png"))
