@@ -6,6 +6,8 @@ images' (``select_items`` over views). What a frame is, how the clip is dated in
 the LLM are the adapter's (``video_kwargs``, ``encode_video``, ``video_encoder_outputs``; each family's module says):
 a LLaVA-OneVision frame is one SigLIP view pooled 2x, a Qwen frame one temporal patch of 2 frames whose tokens keep
 their 3D M-RoPE positions (computed on the unpruned sequence with ``video_grid_thw``, gathered at the kept columns).
+A Qwen clip is dated at its own rate (one ``VideoMetadata`` per clip: Qwen2.5-VL's temporal position step, Qwen3-VL's
+timestamps), so a batch's clips may differ in rate; OneVision's clips carry no time.
 The placeholders of a clip may come in several runs (Qwen3-VL's processor writes a timestamp before each temporal
 patch's run). A clip has one frame or more (a Qwen 1-frame clip: one temporal patch of that frame twice); a batch's
 clips may differ in frame count (OneVision's, whose processor stacks them, are processed by frame count).

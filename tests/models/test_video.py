@@ -30,6 +30,16 @@ FRAMES = 4
 PER_FRAME = {"llava_onevision": 4, "qwen2_5_vl": 36, "qwen3_vl": 64, "qwen3_5": 64}
 VIEWS = {"llava_onevision": FRAMES, "qwen2_5_vl": FRAMES // 2, "qwen3_vl": FRAMES // 2, "qwen3_5": FRAMES // 2}
 TIMESTAMPED = ("qwen3_vl", "qwen3_5")  # processors that write each temporal patch's timestamp into the prompt
+DATED = ("qwen2_5_vl", *TIMESTAMPED)  # processors that date frames (Qwen2.5-VL: its temporal M-RoPE positions)
+
+
+def dated(videos, rates):
+    """transformers' way of dating frames it does not sample: per clip a ``VideoMetadata`` of every frame's index at
+    its rate (lmms-eval's Qwen chat models pass the same from their decoder's metadata)."""
+    from transformers.video_utils import VideoMetadata
+
+    return [VideoMetadata(total_num_frames=len(v), fps=rate, frames_indices=list(range(len(v))))
+            for v, rate in zip(videos, rates)]
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +58,8 @@ def plain_generate(arch, clips, prompts, new_tokens):
                                            add_generation_prompt=True, tokenize=False) for p in prompts]
     videos = [np.stack([np.asarray(f) for f in clip]) for clip in clips]
     kwargs = {"do_sample_frames": False}
-    if arch in TIMESTAMPED:
-        from transformers.video_utils import VideoMetadata
-
-        kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v), fps=1.0, frames_indices=list(range(len(v))))
-                                    for v in videos]
-    if arch == "qwen2_5_vl":
-        kwargs["fps"] = 1.0
+    if arch in DATED:  # frames fed as given are dated by their metadata (a bare fps= is not read: 24 fps assumed)
+        kwargs["video_metadata"] = dated(videos, [1.0] * len(videos))
     processor.tokenizer.padding_side = "left"
     inputs = processor(text=texts, videos=videos, return_tensors="pt", padding=True, **kwargs)
     with torch.inference_mode():
@@ -376,6 +381,61 @@ def test_qwen_kept_tokens_keep_their_3d_positions(arch, order, clips):
             assert torch.equal(got, expected)
         else:  # the same positions, in the selection's order
             assert sorted(map(tuple, got.T.tolist())) == sorted(map(tuple, expected.T.tolist()))
+
+
+def _video_positions(model, prep, b: int = 0):
+    """The (t, h, w) positions ``[3, N]`` of row ``b``'s video tokens as a prepared batch feeds them."""
+    ids, pos = prep.model_kwargs["input_ids"][b], prep.model_kwargs["position_ids"][1:, b]
+    return pos[:, ids == model.config.video_token_id]
+
+
+@pytest.mark.parametrize("fps,step", [(0.5, 16), (8.0, 1)])
+def test_qwen2_5_clip_rate_sets_its_temporal_positions(fps, step):
+    """A Qwen2.5-VL clip's temporal positions advance by ``tokens_per_second * 2 / fps`` a temporal patch (tiny: 4
+    tokens a second): transformers' own ``get_rope_index`` on its processor's output for the clip dated by
+    ``video_metadata``. The rate was passed as an ``fps`` kwarg the processor does not read with frames fed as given,
+    so every clip was dated at 24 fps (t = 7, 7, 7, 8 at either rate)."""
+    from promprune.models.video import Clip
+
+    frames = np.stack([np.asarray(f) for f in scene_clip(index=3, frames=8)])
+    model, processor = tiny_vlm("qwen2_5_vl")
+    vlm = PrunedVLM(model, processor, method=None)
+    text = vlm.conversation("What moves?", media="video")
+    ref = processor(text=[text], videos=[frames], do_sample_frames=False, return_tensors="pt",
+                    video_metadata=dated([frames], [fps]))
+    assert ref["second_per_grid_ts"].tolist() == [2 / fps]
+    full, _ = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
+                                         video_grid_thw=ref["video_grid_thw"],
+                                         second_per_grid_ts=ref["second_per_grid_ts"],
+                                         attention_mask=ref["attention_mask"])
+    expected = full[:, 0, ref["input_ids"][0] == model.config.video_token_id]
+    t = expected[0].view(4, -1)[:, 0]  # 8 frames: 4 temporal patches
+    assert (t - t[0]).tolist() == [0, step, 2 * step, 3 * step]
+    prep = vlm.prepare_video([Clip(frames, fps)], ["What moves?"])
+    assert torch.equal(_video_positions(model, prep), expected)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("method,budget", [(None, None), ("promprune", 8)])
+def test_qwen_batch_of_different_rates_is_each_clip_alone(arch, method, budget):
+    """Clips of different rates in one batch (MVBench's files differ) are each dated at their own rate: each row's
+    video positions and answer are those of the clip alone (Qwen2.5-VL refused such a batch, so every batch failed
+    and was retried item by item)."""
+    from promprune.models.video import Clip
+
+    clips = [Clip(np.stack([np.asarray(f) for f in scene_clip(index=i, frames=8)]), fps)
+             for i, fps in ((3, 0.5), (4, 8.0))]
+    prompts = ["What moves?", "How many objects?"]
+    vlm = vlm_for(arch, method, budget)
+    batch = vlm.prepare_video(clips, prompts)
+    answers = vlm.generate_video(clips, prompts, max_new_tokens=3)
+    for b, (clip, prompt) in enumerate(zip(clips, prompts)):
+        alone = vlm.prepare_video([clip], [prompt])
+        assert torch.equal(_video_positions(vlm.model, batch, b), _video_positions(vlm.model, alone))
+        assert answers[b].token_ids == vlm.generate_video([clip], [prompt], max_new_tokens=3)[0].token_ids
+    if arch == "qwen2_5_vl":  # the two rates give different temporal steps
+        steps = [_video_positions(vlm.model, batch, b)[0].unique().diff().tolist() for b in range(2)]
+        assert steps == [[16] * 3, [1] * 3]
 
 
 def test_qwen3_deepstack_rows_follow_the_kept_tokens(clips):

@@ -12,7 +12,8 @@ VisionZip / CDPruner work on the projected tokens (CDPruner's instruction: the L
 
 Clips (:mod:`promprune.models.video`): the tower joins 2 frames per temporal patch; a "frame" is one temporal patch
 (its merged grid), encoded by the image path (``get_video_features`` is ``get_image_features`` on the clip's patches),
-its tokens keeping their 3D positions; one frame rate per batch (``second_per_grid_ts``).
+its tokens keeping their 3D positions; each clip dated at its own frame rate (``video_metadata``: the processor's
+``second_per_grid_ts``, the temporal position step), so a batch's clips may differ in rate.
 
 This module also holds what the Qwen families share: the tokenizer with Qwen's special tokens, the ChatML template
 with vision markers and the processor builder. Tiny (``tiny:qwen2_5_vl``): 4 px patches, windowed attention with
@@ -30,6 +31,7 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
 )
+from transformers.video_utils import VideoMetadata
 
 from .. import saliency as sal
 from ..adapters import Adapter, VisualItem
@@ -222,11 +224,24 @@ class QwenAdapter(Adapter):
     # ---- clips (promprune.models.video) -------------------------------------------------------------------------
 
     def video_kwargs(self, frames: list, rates: list[float]) -> dict:
-        """Processor kwargs dating clips of ``frames`` (``[F, H, W, 3]`` each) at ``rates``: Qwen2.5-VL takes one
-        frame rate per batch (``second_per_grid_ts = temporal_patch_size / fps``)."""
-        if len(set(rates)) > 1:
-            raise ValueError(f"Qwen2.5-VL takes one frame rate per batch; the clips have {sorted(set(rates))}")
-        return {"fps": rates[0]}
+        """Processor kwargs dating clips of ``frames`` (``[F, H, W, 3]`` each) at ``rates``: one ``VideoMetadata`` per
+        clip (its frame indices and rate), as transformers dates frames it does not sample itself. Qwen2.5-VL's
+        processor reads each clip's ``sampled_fps`` for its ``second_per_grid_ts = temporal_patch_size / fps`` (the
+        temporal M-RoPE step); without metadata it assumes 24 fps whatever the clip's rate, and a bare ``fps=`` kwarg
+        is not read when frames are fed as given. Qwen3-VL's processor writes the timestamps of the same indices into
+        the prompt. Per clip, so a batch's clips may differ in rate. A clip shorter than :meth:`_clip_frames` is dated
+        as :meth:`prepare_clips` pads it, its repeated frame at its own index (as the processor dates the frame it
+        repeats to fill an odd count's last patch)."""
+        metadata = []
+        for f, rate in zip(frames, rates):
+            indices = list(range(len(f)))
+            indices += indices[-1:] * (self._clip_frames() - len(indices))  # nothing unless shorter than the minimum
+            metadata.append(VideoMetadata(total_num_frames=len(indices), fps=rate, frames_indices=indices))
+        return {"video_metadata": metadata}
+
+    def _clip_frames(self) -> int:
+        """The fewest frames the video processor takes in a clip: 1 (Qwen2.5-VL's repeats a lone frame to a patch)."""
+        return 1
 
     def encode_video(self, batch, need_saliency: bool) -> list[VisualItem]:
         """One item per clip: the image path on the clip's patches (``get_video_features`` is ``get_image_features``

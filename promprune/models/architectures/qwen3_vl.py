@@ -101,19 +101,8 @@ class Qwen3Adapter(QwenAdapter):
         return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=tuple(feats),
                                                               deepstack_features=deepstack)}
 
-    def video_kwargs(self, frames: list, rates: list[float]) -> dict:
-        """Processor kwargs dating clips: each clip's frame indices and rate (its processor writes a timestamp before
-        each temporal patch's placeholder run); a clip shorter than one temporal patch is dated as
-        :meth:`prepare_clips` pads it, its repeated frame at its own index (as the processor dates the frame it
-        repeats to fill an odd count's last patch)."""
-        from transformers.video_utils import VideoMetadata
-
-        metadata = []
-        for f, rate in zip(frames, rates):
-            indices = list(range(len(f)))
-            indices += indices[-1:] * (self._patch_frames() - len(indices))  # nothing unless shorter than a patch
-            metadata.append(VideoMetadata(total_num_frames=len(indices), fps=rate, frames_indices=indices))
-        return {"video_metadata": metadata}
+    # video_kwargs: QwenAdapter's (each clip's frame indices and rate; its processor writes a timestamp before each
+    # temporal patch's placeholder run), a clip shorter than a temporal patch dated as prepare_clips pads it
 
     def prepare_clips(self, clips: list) -> list:
         """Each clip at least one temporal patch (2 frames) long: a shorter one (a single frame) repeats its last
@@ -122,9 +111,9 @@ class Qwen3Adapter(QwenAdapter):
         is one temporal patch of that frame twice, what Qwen's image path feeds for an image. Its pixel limit is then
         that of one temporal patch, 2 frames: the processor's ``smart_resize`` counts a clip's frames rounded to whole
         patches (``t_bar``) against ``max_pixels``, so a 3-frame clip's limit is also that of 2."""
-        need = self._patch_frames()
+        need = self._clip_frames()
         return [np.concatenate([c, np.repeat(c[-1:], need - len(c), axis=0)]) if len(c) < need else c for c in clips]
 
-    def _patch_frames(self) -> int:
-        """Frames per temporal patch of the video processor."""
+    def _clip_frames(self) -> int:
+        """The fewest frames the video processor takes in a clip: one temporal patch's."""
         return int(self.processor.video_processor.temporal_patch_size)
