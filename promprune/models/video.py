@@ -10,7 +10,9 @@ A Qwen clip is dated at its own rate (one ``VideoMetadata`` per clip: Qwen2.5-VL
 timestamps), so a batch's clips may differ in rate; OneVision's clips carry no time.
 The placeholders of a clip may come in several runs (Qwen3-VL's processor writes a timestamp before each temporal
 patch's run). A clip has one frame or more (a Qwen 1-frame clip: one temporal patch of that frame twice); a batch's
-clips may differ in frame count (OneVision's, whose processor stacks them, are processed by frame count).
+clips may differ in frame count (OneVision's, whose processor stacks them, are processed by frame count). A video
+file cut off (decoding materially short of its stated frame count, or failing after its first frame) is refused, not
+answered on what decodes (:func:`decode_video`).
 
 Budget over a clip (adapter options ``video_budget`` / ``video_split``;
 :data:`promprune.models.options.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
@@ -84,15 +86,38 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
     (first to last, rounded down: ``np.linspace(..., dtype=int)``, lmms-eval's own sampling in its video loader and
     its LLaVA-OneVision and Qwen2.5-VL models) of a video file, decoded with PyAV. Where the stream states its frame
     count, only the picked frames are kept in memory (a long clip held every decoded frame); where the count is
-    missing or wrong, every frame is decoded and the picks made from what was decoded."""
+    missing or a little off, every frame is decoded and the picks made from what was decoded.
+
+    A cut-off file is refused (:class:`TruncatedVideo`, a ValueError; the request path records it as one failed
+    sample, as it records an image's truncated bytes) rather than answered on what decodes: a decode error after
+    the first frame, or fewer decoded frames than the stream states by more than :func:`count_slack` (the larger of
+    2 frames and 5% of the count). The slack is for containers whose count is only approximate: an mp4 edit list
+    trims an encoder's priming / reordering frames (one or two) from what decodes but not from the count, an AVI
+    counts its dropped (empty) frames, and counts derived from duration x rate are rounded; a cut-off file loses the
+    share of its frames that its lost bytes held (the probe's faststart mp4 cut at 60% of its bytes: 1 of 40). A
+    file stating no count (most mkv / webm / mpeg-ts) is not checked; one whose decoded frames outnumber the count
+    is taken as decoded. (A file that lost under the slack decodes, its picks spread over what remains.)"""
     kept, count, stated, rate = _decode(path, frames, by_stated=True)
-    if stated > 0 and count != stated:  # the stated count was wrong: pick again from every frame
+    if stated > 0 and count < stated - count_slack(stated):
+        raise TruncatedVideo(f"{path}: truncated video: {count} of {stated} frames decoded (the stream states "
+                             f"{stated}; at most {count_slack(stated)} fewer are taken as an approximate count)")
+    if stated > 0 and count != stated:  # the stated count was a little off: pick again from every frame
         kept, count, _, rate = _decode(path, frames, by_stated=False)
     if not count:
         raise ValueError(f"{path}: no video frames decoded")
     picks = _frame_picks(count, frames)
     fps = DEFAULT_FPS if rate is None or len(picks) < 2 else rate * (len(picks) - 1) / max(picks[-1] - picks[0], 1)
     return np.stack([kept[i] for i in picks]), fps
+
+
+class TruncatedVideo(ValueError):
+    """A video file that decodes materially short of its stated frame count, or fails after its first frame."""
+
+
+def count_slack(stated: int) -> int:
+    """How many frames fewer than a stream's stated count may decode before the file is taken as cut off: the larger
+    of 2 and 5% of the count (rounded up); :func:`decode_video` says why."""
+    return max(2, math.ceil(0.05 * stated))
 
 
 def _frame_picks(total: int, frames: int) -> np.ndarray:
@@ -112,10 +137,17 @@ def _decode(path, frames: int, by_stated: bool) -> tuple[dict, int, int, float |
         rate = float(stream.average_rate) if stream.average_rate else None
         wanted = set(_frame_picks(stated, frames).tolist()) if by_stated and stated > 0 else None
         kept, count = {}, 0
-        for i, frame in enumerate(container.decode(stream)):
-            count = i + 1
-            if wanted is None or i in wanted:
-                kept[i] = frame.to_ndarray(format="rgb24")
+        try:
+            for i, frame in enumerate(container.decode(stream)):
+                count = i + 1
+                if wanted is None or i in wanted:
+                    kept[i] = frame.to_ndarray(format="rgb24")
+        except av.error.FFmpegError as err:
+            if not count:
+                raise  # nothing decoded: the file's own error (unreadable), as before
+            of = f" of {stated}" if stated > 0 else ""
+            raise TruncatedVideo(f"{path}: truncated video: {count}{of} frames decoded, then "
+                                 f"{type(err).__name__}: {err}") from err
     return kept, count, stated, rate
 
 

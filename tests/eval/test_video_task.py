@@ -93,3 +93,34 @@ def test_video_task_matches_lmms_eval_evaluator(arch, rows):
     mine = score(ours)[TASK]
     assert mine["mvbench_accuracy"] == reference["results"][TASK]["mvbench_accuracy,none"]
     assert mine["n_samples"] == LIMIT and mine["n_failed"] == 0
+
+
+def test_a_cut_off_clip_is_one_failed_request(tmp_path, monkeypatch):
+    """A document whose mp4 is cut off (a faststart mp4, as streamed files are, losing the last 40% of its bytes:
+    40 frames stated, 1 decodes) is one request with its error, beside the others, as a cut-off image is; it was
+    sampled from the one frame that decoded and answered as a clip."""
+    av = pytest.importorskip("av", reason="PyAV writes the clip")
+    from promprune.eval import requests
+    from promprune.testbed.clips import scene_clip
+
+    whole = tmp_path / "whole.mp4"
+    with av.open(str(whole), "w", options={"movflags": "faststart"}) as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 96, "yuv420p"
+        for image in scene_clip(index=3, frames=40, step=1):
+            out.mux(stream.encode(av.VideoFrame.from_image(image)))
+        out.mux(stream.encode())
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(whole.read_bytes()[: int(whole.stat().st_size * 0.6)])
+    read = requests._document
+
+    def document(task, split, doc_id, name):  # document 1's visual is the cut-off file
+        doc, error = read(task, split, doc_id, name)
+        return ({**doc, "video": str(cut)} if doc is not None and doc_id == 1 else doc), error
+
+    monkeypatch.setattr(requests, "_document", document)
+    rows = build_requests([TASK], limit=LIMIT)
+    assert [r.doc_id for r in rows if r.error] == [1]
+    assert rows[1].error.startswith(f"{TASK} doc 1: unreadable video {cut} (TruncatedVideo: ")
+    assert "truncated video: 1 of 40 frames decoded" in rows[1].error
+    assert rows[1].video is None and all(r.video for r in rows if not r.error)

@@ -113,15 +113,7 @@ def test_decode_video_samples_frames_uniformly(tmp_path):
     av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
 
     clip = scene_clip(index=3, frames=8, step=3)
-    path = tmp_path / "clip.mp4"
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=8)
-        stream.width, stream.height, stream.pix_fmt = 96, 96, "yuv420p"
-        for img in clip:
-            for packet in stream.encode(av.VideoFrame.from_image(img)):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+    path = write_mp4(av, clip, tmp_path / "clip.mp4")
     frames, fps = decode_video(path, frames=4)
     picks = [0, 2, 4, 7]  # linspace(0, 7, 4) = 0, 2.33, 4.67, 7 rounded down, as lmms-eval samples (dtype=int)
     assert frames.shape == (4, 96, 96, 3)
@@ -129,6 +121,71 @@ def test_decode_video_samples_frames_uniformly(tmp_path):
     for got, i in zip(frames, picks):
         error = {j: np.abs(got.astype(float) - np.asarray(clip[j], dtype=float)).mean() for j in range(8)}
         assert error[i] < 12 and min(error, key=error.get) == i  # the frame it is, not a neighbour
+
+
+def write_mp4(av, clip, path, **options):
+    """``clip`` (PIL frames) as an 8 fps mpeg4 mp4 at ``path`` (muxer ``options``, e.g. ``movflags=faststart``)."""
+    with av.open(str(path), "w", options=options) as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = clip[0].size[0], clip[0].size[1], "yuv420p"
+        for img in clip:
+            for packet in stream.encode(av.VideoFrame.from_image(img)):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def test_decode_video_refuses_a_cut_off_file(tmp_path):
+    """A file cut off (a faststart mp4, its index first as streamed files are, losing the last 40% of its bytes:
+    the stream still states 40 frames, 1 decodes) or corrupt past its first frame is a TruncatedVideo naming how
+    many frames decoded, not a clip sampled from what decoded (it was 1 frame, answered at 1 fps)."""
+    av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
+    from promprune.models.video import TruncatedVideo, _decode, load_clip
+
+    whole = write_mp4(av, scene_clip(index=3, frames=40, step=1), tmp_path / "whole.mp4", movflags="faststart")
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(data[: int(len(data) * 0.6)])
+    assert _decode(cut, 8, by_stated=False)[1:3] == (1, 40)  # the probe's file: 1 of the 40 stated frames decodes
+    with pytest.raises(TruncatedVideo, match=r"cut\.mp4: truncated video: 1 of 40 frames decoded"):
+        decode_video(cut)
+    with pytest.raises(ValueError, match=r"clip 0 is unreadable: TruncatedVideo: .*truncated video: 1 of 40"):
+        load_clip(cut, 0)
+    third = len(data) // 3  # the middle third zeroed: a decode error after the first frame(s)
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(data[:third] + bytes(third) + data[2 * third:])
+    with pytest.raises(TruncatedVideo, match=r"truncated video: \d+ of 40 frames decoded, then InvalidDataError"):
+        decode_video(broken)
+    assert decode_video(whole)[0].shape == (8, 96, 96, 3)
+
+
+@pytest.mark.parametrize("stated", [38, 41, 42, 43, 44])
+def test_decode_video_takes_a_frame_count_a_little_off(tmp_path, stated):
+    """A container whose stated count is a little off what decodes (an mp4's time-to-sample table rewritten to state
+    ``stated`` of its 40 frames; edit lists, dropped AVI frames and rounded duration x rate counts do the same) is
+    decoded, its picks made from the frames decoded: the clip of the exact file. Within the slack (the larger of 2
+    frames and 5%, rounded up: 3 of 43 or 44); 4 short of 44 is refused as cut off."""
+    av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
+    import struct
+
+    from promprune.models.video import TruncatedVideo, _decode, count_slack
+
+    exact = write_mp4(av, scene_clip(index=3, frames=40, step=1), tmp_path / "exact.mp4")
+    data = bytearray(exact.read_bytes())
+    at = data.index(b"stts") + 4  # version / flags, entry count, then (sample count, delta): one entry, 40 frames
+    assert struct.unpack(">III", data[at:at + 12]) == (0, 1, 40)
+    data[at + 8:at + 12] = struct.pack(">I", stated)
+    off = tmp_path / "off.mp4"
+    off.write_bytes(bytes(data))
+    assert _decode(off, 8, by_stated=False)[1:3] == (40, stated)
+    if stated - 40 > count_slack(stated):
+        with pytest.raises(TruncatedVideo, match="truncated video: 40 of 44 frames decoded"):
+            decode_video(off)
+        return
+    (got, got_fps), (ref, ref_fps) = decode_video(off), decode_video(exact)
+    assert np.array_equal(got, ref) and got_fps == pytest.approx(ref_fps)
+    assert count_slack(40) == 2 and count_slack(100) == 5 and count_slack(10) == 2
 
 
 # ---- unpruned and full budget --------------------------------------------------------------------------------------
