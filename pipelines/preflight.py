@@ -5,13 +5,13 @@ the spec names: that every task exists (lmms-eval's, an offline one, or in a dir
 `include_path`, whose task files must all be readable) and would load (its data found where lmms-eval will look,
 local data files holding the split it evaluates, a task of one's own importing its code), that the model resolves
 (a factory name, a local checkpoint directory, a hub id in the cache or on a reachable hub) to one the adapters run
-(a registered family's config, with the family's processor and a chat template), that every budget
-prunes (stays below the visual tokens the model gives an image), that every in-LLM trial can prune this model's LLM
-at its layers (``promprune.models.llm_hooks.stage_layers``: a stage ranks at a full-attention layer, not a hybrid
-LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B / E4B are refused), that the MLflow store
-answers and can be written, and that every ``PROMPRUNE_*`` environment variable is one PromPrune reads, with a
-value it takes (``environment``). All problems come back together, in seconds; the entry scripts print them as one
-message without a traceback.
+(a registered family's config, with the family's processor and a chat template), that every budget prunes (stays
+below the visual tokens the model gives an image), that a video task's model answers about clips (``check_video``),
+that every in-LLM trial can prune this model's LLM at its layers (``promprune.models.llm_hooks.stage_layers``: a stage
+ranks at a full-attention layer, not a hybrid LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B /
+E4B are refused), that the MLflow store answers and can be written, and that every ``PROMPRUNE_*`` environment
+variable is one PromPrune reads, with a value it takes (``environment``). All problems come back together, in seconds;
+the entry scripts print them as one message without a traceback.
 
 Some problems are this machine's, not the spec's (`NotOnThisMachine`): a hub dataset or model that is not in this
 machine's cache while it is offline, task data or calibration images not where they are named. A sweep refuses
@@ -43,6 +43,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
     errors += check_tasks(spec.tasks, spec.limit, spec.include_path)
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
+    errors += check_video(spec)
     errors += check_in_llm_layers(spec)
     errors += check_clip_text(spec)
     errors += check_metric(spec.tune.metric, spec.tasks)
@@ -232,6 +233,37 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
         out.append(f"budget: {who} {', '.join(tids)} {keep} {budget} of the {capacity} visual tokens {pretrained} "
                    f"gives an image, so {it} would run unpruned; use budgets below {capacity}")
     return out
+
+
+def check_video(spec: SweepSpec) -> list[str]:
+    """The spec's video tasks (``tasks.is_video_task``: from their YAML, no data loaded) run on a model whose family
+    answers about clips (``Family.video``, ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed
+    every sample of such a task, and the sweep exited 0. One problem naming the tasks and the model."""
+    from promprune.eval.tasks import is_video_task
+    from promprune.models.factories import model_config
+    from promprune.models.video import check_video_config
+
+    video = []
+    for task in spec.tasks:
+        try:
+            if is_video_task(task, spec.include_path):
+                video.append(task)
+        except ValueError:
+            pass  # check_tasks says why
+    try:
+        config = model_config(spec.model.pretrained) if video else None
+    except ValueError:
+        return []  # check_model says why
+    if config is None:
+        return []
+    try:
+        check_video_config(config)
+    except ValueError as exc:
+        which = f"task {video[0]} gives" if len(video) == 1 else f"tasks {', '.join(video)} give"
+        return [f"tasks: {which} clips, and model.pretrained {spec.model.pretrained!r} is a model whose adapter "
+                f"answers about images only ({exc}): every sample would fail. Run the video tasks on a model of one "
+                "of those families, or drop them from tasks"]
+    return []
 
 
 def check_clip_text(spec: SweepSpec) -> list[str]:

@@ -277,6 +277,31 @@ def task_config(name: str, include_path: str | list[str] | None = None) -> dict:
     return _yaml_config(Path(path))
 
 
+def is_video_task(name: str, include_path: str | list[str] | None = None, _seen: frozenset = frozenset()) -> bool:
+    """Whether ``name``'s documents are clips, from its YAML alone (no data, no code): an offline video task
+    (``VIDEO_TASKS``), a task whose ``dataset_kwargs`` set ``video`` (lmms-eval's own video tasks, MVBench's,
+    Video-MME's and the rest, say so: lmms-eval fetches their clips), or a group with such a member. ValueError for
+    a task lmms-eval does not know here. A task of one's own that gives clips without ``video: true`` in its
+    ``dataset_kwargs`` is known for one only when its requests are built (``requests._is_video_task``), so the
+    preflight cannot refuse it."""
+    if name in VIDEO_TASKS:
+        return True
+    config = task_config(name, include_path)
+    kwargs = config.get("dataset_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("video"):
+        return True
+    members = config.get("task") if "group" in config else None
+    members = [members] if isinstance(members, str) else members if isinstance(members, list) else []
+    names = [m if isinstance(m, str) else m.get("task") if isinstance(m, dict) else None for m in members]
+    for member in (m for m in names if isinstance(m, str) and m not in _seen and m != name):
+        try:
+            if is_video_task(member, include_path, _seen | {name}):
+                return True
+        except ValueError:  # a member lmms-eval does not index by itself (defined inline in the group)
+            continue
+    return False
+
+
 def primary_metrics(task: str, include_path: str | list[str] | None = None) -> tuple[str, ...]:
     """What ``task`` is compared by (Rel., the headline columns, bootstrap intervals): ``PRIMARY_METRICS``'s choice,
     else the first metric of the task's own ``metric_list`` (a benchmark of one's own); () when there is none."""

@@ -268,11 +268,17 @@ def video_families() -> list[str]:
 
 
 def check_video_model(model) -> None:
-    """A ValueError naming the families that handle clips unless ``model``'s does."""
-    found = find_family(model.config)
+    """A ValueError naming the families that handle clips unless ``model``'s does (:func:`check_video_config`)."""
+    check_video_config(model.config)
+
+
+def check_video_config(config) -> None:
+    """A ValueError naming the families that handle clips unless ``config``'s family does: what a model refuses a
+    clip with, and what the pipeline's preflight refuses a video task on a model with (from the config alone)."""
+    found = find_family(config)
     if found is None or not found.video:
         raise ValueError(f"video needs one of {', '.join(video_families())}; this model is "
-                         f"{model.config.model_type!r}")
+                         f"{getattr(config, 'model_type', None)!r}")
 
 
 # ---- candidates ----------------------------------------------------------------------------------------------------

@@ -124,3 +124,16 @@ def test_a_cut_off_clip_is_one_failed_request(tmp_path, monkeypatch):
     assert rows[1].error.startswith(f"{TASK} doc 1: unreadable video {cut} (TruncatedVideo: ")
     assert "truncated video: 1 of 40 frames decoded" in rows[1].error
     assert rows[1].video is None and all(r.video for r in rows if not r.error)
+
+
+def test_video_tasks_are_known_from_their_yaml_alone():
+    """What the pipeline's preflight refuses a video task on an image-only model by: the offline stand-in, lmms-eval's
+    own video tasks (``dataset_kwargs.video``), a group of them; image tasks are not video tasks."""
+    from promprune.eval.tasks import is_video_task
+
+    for name in ("testbed_video_direction", "mvbench_moving_direction", "mvbench", "videomme"):
+        assert is_video_task(name), name
+    for name in ("easyvqa_yesno", "testbed_exist", "mme", "pope"):
+        assert not is_video_task(name), name
+    with pytest.raises(ValueError, match="unknown lmms-eval task"):
+        is_video_task("mvbench_moving_directoin")

@@ -419,3 +419,23 @@ def test_a_cached_hub_checkpoint_goes_through_the_same_checks(scratch, tmp_path,
         assert_clean_error(proc, f"model.pretrained: model 'acme/{name}': {needle}")
     proc, _ = run_main("--config", str(scratch(SPEC.replace('"tiny:llava"', '"acme/good"'))), "--validate-only")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_video_task_on_a_model_without_clips_is_refused_before_ray(scratch, run_main, capsys):
+    """A video task on LLaVA or GLM-4.6V (no ``encode_video``) passed --validate-only; every sample of a run failed
+    ("video needs one of ...") and the sweep exited 0. evaluate.py runs the same preflight (``check_or_raise``)."""
+    video = SPEC.replace("tasks: [easyvqa_yesno]", "tasks: [easyvqa_yesno, testbed_video_direction]")
+    for model in ("tiny:llava", "tiny:glm46v"):
+        proc, _ = run_main("--config", str(scratch(video.replace('"tiny:llava"', f'"{model}"'))), "--validate-only")
+        kind = model.split(":")[1]
+        assert_clean_error(proc, f"tasks: task testbed_video_direction gives clips, and model.pretrained '{model}' is "
+                                 "a model whose adapter answers about images only (video needs one of llava_onevision,"
+                                 f" qwen2_5_vl, qwen3_5, qwen3_vl; this model is '{kind}')")
+        assert proc.stderr.count("\n  - ") == 1, proc.stderr
+    proc, _ = run_main("--config", str(scratch(video.replace('"tiny:llava"', '"tiny:qwen2_5_vl"'))), "--validate-only")
+    assert proc.returncode == 0, proc.stderr
+    from pipelines import evaluate
+
+    assert evaluate.main(["--model", "tiny:llava", "--tasks", "testbed_video_direction", "--limit", "1",
+                          "--no-mlflow"]) == 2
+    assert "task testbed_video_direction gives clips" in capsys.readouterr().err
