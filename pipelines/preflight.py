@@ -44,6 +44,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
     errors += check_judges(spec.tasks)
     errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
     errors += check_video(spec)
+    errors += check_construction(spec)
     errors += check_in_llm_layers(spec)
     errors += check_clip_text(spec)
     errors += check_metric(spec.tune.metric, spec.tasks)
@@ -264,6 +265,69 @@ def check_video(spec: SweepSpec) -> list[str]:
                 f"answers about images only ({exc}): every sample would fail. Run the video tasks on a model of one "
                 "of those families, or drop them from tasks"]
     return []
+
+
+def check_construction(spec: SweepSpec) -> list[str]:
+    """What the model's construction would refuse in every worker, after Ray started (a traceback, exit 1), found from
+    the model's config and each trial's options alone (``vlm.construction_problems``, the code ``PrunedVLM`` runs):
+    an adapter option the family cannot run this config with (a ``saliency_block`` that is no full-attention block of
+    Qwen2.5-VL's tower, or past the tower's last layer), CDPruner's ``text_source: clip`` on a model without a CLIP
+    tower, a ``view_quota`` budget (LLaVA-NeXT's released VisPruner / VisionZip / CDPruner layout) that gives each
+    view nothing. One problem per distinct problem, under the field that set it, naming the trials unless every
+    trial has it."""
+    from pipelines.calibration import CALIBRATE
+    from promprune.models.factories import model_config
+    from promprune.models.options import validate_method
+    from promprune.models.vlm import construction_problems
+
+    trials = expand(spec)
+    try:
+        config = model_config(spec.model.pretrained) if trials else None
+    except ValueError:
+        return []  # check_model says why
+    if config is None:
+        return []
+    views = _views(spec.model.pretrained, config)
+    found: dict[tuple[str, str], list[str]] = {}
+    for trial in trials:
+        given = {k: v for k, v in {**spec.model.options, **trial.options}.items() if v != CALIBRATE}
+        try:
+            method_options, adapter_options = validate_method(trial.method, trial.budget, **given)
+            refused = construction_problems(config, trial.method, trial.budget, method_options, adapter_options,
+                                            views)
+        except ValueError:
+            continue  # specs.parse (the options) or check_model (a config no family runs) says why
+        for problem in refused:
+            found.setdefault((_field(getattr(problem, "option", None), trial, spec), str(problem)),
+                             []).append(trial.trial_id)
+    out = []
+    for (field, problem), ids in found.items():
+        who = "" if len(ids) == len(trials) else f" (trial{'s' if len(ids) > 1 else ''} {', '.join(ids)})"
+        out.append(f"{field}: {problem}{who}")
+    return out
+
+
+def _views(pretrained: str, config) -> int | None:
+    """The most views one image of the model gives (``Adapter.views``): a checkpoint's from its processor, a
+    factory's from its config where the family's count is the config's (None where it is the processor's)."""
+    from promprune.models.factories import find_model_factory, model_processor
+    from promprune.models.registry import family_of
+
+    try:
+        processor = None if find_model_factory(pretrained) is not None else model_processor(pretrained)
+        return family_of(config).adapter.views(config, processor)
+    except ValueError:
+        return None  # check_model says why
+
+
+def _field(option: str | None, trial, spec: SweepSpec) -> str:
+    """The spec's field that gave ``trial`` its ``option`` (a trial's own: the grid's or the listed trials'; else the
+    model's adapter options); ``budget`` is the trial's budget."""
+    if option == "budget":
+        return "budget"
+    if option in trial.options:
+        return f"grid.{option}" if option in spec.grid else f"trials.{option}"
+    return "model.options" if option is None else f"model.options.{option}"
 
 
 def check_clip_text(spec: SweepSpec) -> list[str]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from .options import OptionError
 from .registry import family_of, find_family
 from .transfer import to_device, to_host
 
@@ -218,6 +219,17 @@ def token_rows(features: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(features)[:, None, :]
 
 
+def saliency_layer(options: dict, depth: int, default: int, unit: str = "layer of the vision encoder") -> int:
+    """The vision layer (0 .. ``depth`` - 1) whose attention gives saliency: the adapter option ``saliency_block``,
+    else ``default``; anything else is an OptionError naming the valid range (``unit``: what a layer is called)."""
+    block = options.get("saliency_block")
+    if block is None:
+        return default
+    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
+        raise OptionError("saliency_block", f"saliency_block must be a {unit} (0 .. {depth - 1}), got {block!r}")
+    return block
+
+
 class Adapter:
     """Base: the conversation, processor call and generate kwargs shared by the architectures.
 
@@ -237,6 +249,7 @@ class Adapter:
     def __init__(self, model, processor, options: dict):
         self.model, self.processor, self.options = model, processor, options
         self.family = family_of(model.config)  # check_config: a config of the family this adapter cannot run
+        self.check_options(model.config, options)  # options it cannot run this config with: fail at construction
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -256,19 +269,44 @@ class Adapter:
         them (Qwen3-VL pads a clip shorter than one temporal patch)."""
         return clips
 
-    def saliency_layer(self, depth: int, default: int, unit: str = "layer of the vision encoder") -> int:
-        """The vision layer (0 .. ``depth`` - 1) whose attention gives saliency: the adapter option ``saliency_block``,
-        else ``default``; anything else is a ValueError naming the valid range (``unit``: what a layer is called)."""
-        block = self.options.get("saliency_block")
-        if block is None:
-            return default
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < depth:
-            raise ValueError(f"saliency_block must be a {unit} (0 .. {depth - 1}), got {block!r}")
-        return block
+    @classmethod
+    def check_options(cls, config, options: dict) -> None:
+        """ValueError (an :class:`~promprune.models.options.OptionError` naming the option) when the adapter
+        ``options`` (defaults filled in) are ones this adapter cannot run ``config`` with, from the config alone (no
+        weights): the constructor calls it, and so does the pipeline's preflight (``vlm.construction_problems``).
+        Default: the ``saliency_block`` (:meth:`saliency_index`)."""
+        cls.saliency_index(config, options)
+
+    @classmethod
+    def saliency_index(cls, config, options: dict) -> int | None:
+        """The vision layer (block) whose attention gives saliency under ``config``: the adapter option
+        ``saliency_block`` where the family reads it (:func:`saliency_layer`), else the family's default; an
+        invalid one is an OptionError naming the valid ones. None: the family reads no such option."""
+        return None
+
+    @classmethod
+    def instruction_source(cls, option: str) -> str:
+        """CDPruner's text source for option ``text_source``: "released" is "clip" on CLIP-based models (LLaVA,
+        LLaVA-NeXT), "llm" else (Qwen2.5-VL, Qwen3-VL; LLaVA-OneVision, whose checkpoints ship no SigLIP text
+        tower); "clip" on a non-CLIP model is an OptionError, at construction (``PrunedVLM``) and in the pipeline's
+        preflight (``vlm.construction_problems``)."""
+        if option == "released":
+            return "clip" if cls.encoder == "clip" else "llm"
+        if option == "clip" and cls.encoder != "clip":
+            raise OptionError("text_source", f"text_source 'clip' needs a CLIP vision tower; this {cls.encoder} model "
+                              "has none: use text_source 'llm' (or 'released')")
+        return option
 
     def max_views(self) -> int:
         """The most views (crops, tiles) one image gives under this model and processor: ``view_quota``'s divisor."""
-        return self.family.max_views(self.model.config)
+        return self.views(self.model.config, self.processor)
+
+    @classmethod
+    def views(cls, config, processor=None) -> int | None:
+        """The most views one image gives under ``config`` and ``processor`` (None: not at hand, as for a factory's
+        model in the pipeline's preflight). Default: the family's ``max_views(config)``; a family whose count is its
+        processor's (InternVL's ``max_patches``, MiniCPM-V's ``max_slice_nums``) reads it, None without one."""
+        return family_of(config).max_views(config)
 
     def processor_kwargs(self) -> dict:
         return {}
@@ -286,17 +324,6 @@ class Adapter:
         """Candidate tokens of every image; ``need_vision``: with the vision tower's own features where the
         architecture has them (``VisualItem.vision``)."""
         raise NotImplementedError
-
-    def instruction_source(self, option: str) -> str:
-        """CDPruner's text source for option ``text_source``: "released" is "clip" on CLIP-based models (LLaVA,
-        LLaVA-NeXT), "llm" else (Qwen2.5-VL, Qwen3-VL; LLaVA-OneVision, whose checkpoints ship no SigLIP text
-        tower); "clip" on a non-CLIP model is a ValueError at construction."""
-        if option == "released":
-            return "clip" if self.encoder == "clip" else "llm"
-        if option == "clip" and self.encoder != "clip":
-            raise ValueError(f"text_source 'clip' needs a CLIP vision tower; this {self.encoder} model has none: "
-                             "use text_source 'llm' (or 'released')")
-        return option
 
     def attach_instruction(self, items: list[VisualItem], prompts: list[str], source: str) -> None:
         """Set ``text_query`` / ``text_tokens`` of every item (and its ``full`` twin) from its prompt's question.

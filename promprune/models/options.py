@@ -15,6 +15,14 @@ from typing import Any
 import promprune
 from promprune.selection.registry import as_budget
 
+class OptionError(ValueError):
+    """A ValueError about one option (``option``: its name), so a caller can say which field of a spec set it."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
 # Adapter options, valid with every method (ignored by architectures they do not concern).
 ADAPTER_OPTIONS: dict[str, Any] = {
     # Families whose image gives several views (``VisualItem.groups``): how the budget meets them (LLaVA-NeXT's and

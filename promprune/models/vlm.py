@@ -19,7 +19,7 @@ from . import llm_hooks
 from .adapters import adapter_for, assemble_all, attach_keys, host_index, visual_token_capacity
 from .factories import find_model_factory
 from .images import load_images, pixel_key
-from .options import is_in_llm, next_layout, token_order, validate_method
+from .options import OptionError, is_in_llm, next_layout, token_order, validate_method
 from .registry import family_of
 from .batched_select import select_items
 from .sequence import shrink_placeholders
@@ -77,6 +77,48 @@ def _warn_full_budget(config, adapter_options: dict, method: str | None, budget:
                       f"{capacity} to prune images", FullBudgetWarning, stacklevel=3)
 
 
+def view_budget(budget: int, views: int) -> int:
+    """Each view's tokens under budget_mode 'view_quota': ``budget // views``, ``views`` the most one image gives;
+    an OptionError (of ``budget``) when that is none."""
+    if budget // views < 1:
+        raise OptionError("budget", f"budget_mode 'view_quota' gives each of up to {views} views budget // {views} "
+                          f"tokens: budget {budget} gives none; use a budget of at least {views}")
+    return budget // views
+
+
+def construction_problems(config, method: str | None, budget: int | None, method_options: dict,
+                          adapter_options: dict, views: int | None) -> list[ValueError]:
+    """What constructing a :class:`PrunedVLM` of ``config`` with this method, budget and (validated:
+    ``options.validate_method``) options refuses, from the config alone (no weights, no processor), one
+    :class:`~promprune.models.options.OptionError` per problem, naming its option: adapter options the family cannot
+    run this config with (``Adapter.check_options``: a ``saliency_block`` outside the tower), a text source the
+    model has no tower for (``Adapter.instruction_source``), a ``view_quota`` budget that gives a view nothing
+    (:func:`view_budget`; ``views``: the most views one image gives, ``Adapter.views``; None, not known without the
+    processor: unchecked). ``PrunedVLM`` refuses the first; the pipeline's preflight names them all, before Ray
+    starts.
+    ValueError for a config no registered family runs (``registry.family_of``)."""
+    found = family_of(config)
+    problems: list[ValueError] = []
+    try:
+        found.adapter.check_options(config, adapter_options)
+    except ValueError as exc:
+        problems.append(exc)
+    if method is None or is_in_llm(method):
+        return problems
+    if promprune.method_spec(method).needs_instruction:
+        try:
+            found.adapter.instruction_source(method_options.get("text_source", "released"))
+        except ValueError as exc:
+            problems.append(exc)
+    mode, _ = next_layout(method, adapter_options["budget_mode"], adapter_options["image_newline"])
+    if mode == "view_quota" and budget is not None and views is not None:
+        try:
+            view_budget(int(budget), views)
+        except ValueError as exc:
+            problems.append(exc)
+    return problems
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -116,17 +158,18 @@ class PrunedVLM:
             llm_hooks.stage_layers(self.model.config, method,
                                    promprune.method_spec(method).resolve(dict(self.method_options), budget=budget),
                                    llm_hooks.model_name(self.model))
+        # fail now on a text source the model has no tower for, a view_quota budget that gives a view nothing (the
+        # same checks as the pipeline's preflight, from this adapter's own processor's most views)
+        problems = construction_problems(model.config, method, self.budget, self.method_options, adapter_options,
+                                         views=self.adapter.max_views())
+        if problems:
+            raise problems[0]
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
-            self._text_source()  # fail now on a text source the model has no tower for
             if "mu" in self.spec.options and "mu" not in self.method_options:
                 self.method_options["mu"] = self.adapter.default_mu
             if self.budget_mode == "view_quota":
-                views = self.adapter.max_views()
-                self.view_budget = budget // views
-                if self.view_budget < 1:
-                    raise ValueError(f"budget_mode 'view_quota' gives each of up to {views} views budget // {views} "
-                                     f"tokens: budget {budget} gives none; use a budget of at least {views}")
+                self.view_budget = view_budget(self.budget, self.adapter.max_views())
         self.processor.tokenizer.padding_side = "left"  # batched generation appends on the right
 
     @classmethod

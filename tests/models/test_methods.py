@@ -133,6 +133,47 @@ def test_qwen3_saliency_block_is_any_vision_block():
         PrunedVLM(model, processor, budget=4, saliency_block=4)
 
 
+@pytest.mark.parametrize("arch, method, budget, options", [
+    ("qwen2_5_vl", "promprune", 4, {"saliency_block": 0}),
+    ("qwen3_vl", "promprune", 4, {"saliency_block": 99}),
+    ("internvl", None, None, {"saliency_block": 99}),
+    ("gemma4", "divprune", 4, {"saliency_block": -1}),
+    ("llava_next", "promprune", 3, {"budget_mode": "view_quota"}),
+    ("qwen2_5_vl", "cdpruner", 4, {"text_source": "clip"}),
+])
+def test_what_construction_refuses_is_known_from_the_config_alone(arch, method, budget, options):
+    """``vlm.construction_problems`` (what the pipeline's preflight runs, no weights) names the same problem, in the
+    same words, as the constructor raises: one piece of code, so the two cannot drift."""
+    from promprune.models.registry import family_of
+    from promprune.models.vlm import construction_problems
+
+    model, processor = tiny_vlm(arch)
+    with pytest.raises(ValueError) as raised:
+        PrunedVLM(model, processor, method=method, budget=budget, **options)
+    views = family_of(model.config).adapter.views(model.config, processor)
+    method_options, adapter_options = validate_method(method, budget, **options)
+    problems = construction_problems(model.config, method, budget, method_options, adapter_options, views)
+    assert [str(p) for p in problems] == [str(raised.value)]
+    assert problems[0].option == ("budget" if "budget_mode" in options else next(iter(options)))
+    fine = {k: v for k, v in options.items() if k != "saliency_block"} if "saliency_block" in options else {}
+    assert not construction_problems(model.config, method, budget and 8,
+                                     *validate_method(method, budget and 8, **fine), views)
+
+
+def test_view_counts_read_from_a_processor_are_unknown_without_one():
+    """InternVL's and MiniCPM-V's most views are their processor's (tiny MiniCPM-V: 4 slices, not the released 9):
+    without one (a factory's model in the preflight) the count is None and view_quota's budget goes unchecked there,
+    not refused by the released count."""
+    from promprune.models.registry import family_of
+
+    for arch, count in [("minicpmv4_6", 5), ("internvl", 13), ("llava_next", 5)]:
+        model, processor = tiny_vlm(arch)
+        adapter = family_of(model.config).adapter
+        assert adapter.views(model.config, processor) == count
+        assert PrunedVLM(model, processor, method=None).adapter.max_views() == count
+        assert adapter.views(model.config) == (count if arch == "llava_next" else None)
+
+
 def test_several_return_sequences_are_refused(images, prompts):
     # one Generation per item: several sequences per prompt would mislabel answers across items
     vlm = PrunedVLM.from_pretrained("tiny:llava", method=None)

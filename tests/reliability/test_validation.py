@@ -439,3 +439,28 @@ def test_a_video_task_on_a_model_without_clips_is_refused_before_ray(scratch, ru
     assert evaluate.main(["--model", "tiny:llava", "--tasks", "testbed_video_direction", "--limit", "1",
                           "--no-mlflow"]) == 2
     assert "task testbed_video_direction gives clips" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model, sets, line", [
+    ("tiny:qwen2_5_vl", ["model.options.saliency_block=0"], "model.options.saliency_block: saliency_block must be a "
+                                                            "full-attention block of the vision tower [1, 3], got 0"),
+    ("tiny:qwen3_vl", ["model.options.saliency_block=99"], "model.options.saliency_block: saliency_block must be a "
+                                                           "block of the vision tower (0 .. 3), got 99"),
+    ("tiny:internvl", ["model.options.saliency_block=99"], "model.options.saliency_block: saliency_block must be a "
+                                                           "layer of the vision tower (0 .. 2), got 99"),
+    ("tiny:gemma4", ["model.options.saliency_block=99"], "model.options.saliency_block: saliency_block must be a "
+                                                         "layer of the vision encoder (0 .. 1), got 99"),
+    ("tiny:llava_next", ["model.options.budget_mode=view_quota", "grid.budget=[3,8]"],
+     "budget: budget_mode 'view_quota' gives each of up to 5 views budget // 5 tokens: budget 3 gives none; use a "
+     "budget of at least 5 (trial promprune-b3)"),
+    ("tiny:qwen2_5_vl", ["grid={method: [cdpruner, divprune], budget: [8], text_source: [clip, llm]}"],
+     "grid.text_source: text_source 'clip' needs a CLIP vision tower; this qwen2_5_vl model has none: use "
+     "text_source 'llm' (or 'released') (trial cdpruner-b8-text_source=clip)"),
+], ids=["qwen2_5_vl-block", "qwen3_vl-block", "internvl-block", "gemma4-block", "next-view-quota", "clip-text"])
+def test_options_the_model_construction_refuses_are_refused_before_ray(scratch, run_main, model, sets, line):
+    """Each passed --validate-only and failed in every worker after Ray started, with a traceback (exit 1): the
+    checks lived in the adapters' constructors only. Now the preflight runs the same code from the config."""
+    spec = scratch(SPEC.replace('"tiny:llava"', f'"{model}"'))
+    proc, _ = run_main("--config", str(spec), *[a for s in sets for a in ("--set", s)], "--validate-only")
+    assert_clean_error(proc, f"  - {line}\n")
+    assert proc.stderr.count("\n  - ") == 1, proc.stderr

@@ -48,7 +48,7 @@ from transformers import (
     Gemma4VideoProcessor,
 )
 
-from ..adapters import Adapter, VisualItem
+from ..adapters import Adapter, VisualItem, saliency_layer
 from ..registry import register_family
 from ..saliency import capture
 from ..shapes import section
@@ -191,11 +191,12 @@ class Gemma4Adapter(Adapter):
 
     def __init__(self, model, processor, options: dict):
         super().__init__(model, processor, options)
-        self.layer = self._layer()  # fail at construction, not at the first batch
+        self.layer = self.saliency_index(model.config, options)  # checked at construction (check_options)
 
-    def _layer(self) -> int:
-        depth = self.model.config.vision_config.num_hidden_layers
-        return self.saliency_layer(depth, depth - 1)  # default: the last layer, whose output the pooler averages
+    @classmethod
+    def saliency_index(cls, config, options: dict) -> int:
+        depth = config.vision_config.num_hidden_layers
+        return saliency_layer(options, depth, depth - 1)  # default: the last layer, whose output the pooler averages
 
     def prepare_images(self, images):
         return [[image] for image in images]  # Gemma4Processor takes one list of images per prompt

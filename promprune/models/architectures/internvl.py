@@ -47,7 +47,7 @@ from transformers import (
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .. import saliency as sal
-from ..adapters import Adapter, VisualItem, token_rows
+from ..adapters import Adapter, VisualItem, saliency_layer, token_rows
 from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
@@ -155,17 +155,18 @@ class InternVLAdapter(Adapter):
         if cfg.vision_feature_select_strategy != "default":
             raise ValueError("the InternVL adapter needs vision_feature_select_strategy 'default' (the CLS dropped, "
                              f"as the released checkpoints); got {cfg.vision_feature_select_strategy!r}")
-        self.layer = self._layer()  # fail at construction, not at the first batch
+        self.layer = self.saliency_index(cfg, options)  # checked at construction (check_options)
         self.members = self._shuffle_members()  # [n, 4]: the patches merged into each token
 
-    def _layer(self) -> int:
+    @classmethod
+    def saliency_index(cls, config, options: dict) -> int:
         """Index of the encoder layer whose attention gives saliency: ``saliency_block``, else the one whose output
         ``vision_feature_layer`` reads (several: the deepest)."""
-        depth = self.model.config.vision_config.num_hidden_layers
-        layer = self.model.config.vision_feature_layer
+        depth = config.vision_config.num_hidden_layers
+        layer = config.vision_feature_layer
         layer = layer if isinstance(layer, int) else layer[-1]
         read = (layer if layer >= 0 else layer + depth + 1) - 1  # hidden_states[h] is layer h - 1's output
-        return self.saliency_layer(depth, read, "layer of the vision tower")
+        return saliency_layer(options, depth, read, "layer of the vision tower")
 
     def _side(self) -> int:
         """Patches per side of one tile."""
@@ -183,9 +184,12 @@ class InternVLAdapter(Adapter):
         shuffled = self.model.model.pixel_shuffle(grid, scale_factor=self.model.config.downsample_ratio)
         return shuffled.reshape(-1, shuffled.shape[-1]).round().long()
 
-    def max_views(self) -> int:
+    @classmethod
+    def views(cls, config, processor=None) -> int | None:
         """The most tiles one image gives: ``max_patches`` of the processor's tiling plus the thumbnail."""
-        return 1 + int(getattr(self.processor.image_processor, "max_patches", INTERNVL_MAX_TILES))
+        if processor is None:
+            return None
+        return 1 + int(getattr(processor.image_processor, "max_patches", INTERNVL_MAX_TILES))
 
     def encode(self, inputs, need_saliency, need_vision=False):
         """One item per image: all its tiles' tokens, tile by tile (``groups``: the tile; thumbnail last)."""

@@ -46,7 +46,7 @@ from transformers import (
     MiniCPMV4_6VideoProcessor,
 )
 
-from ..adapters import Adapter, VisualItem, as_encoder_outputs
+from ..adapters import Adapter, VisualItem, as_encoder_outputs, saliency_layer
 from ..registry import register_family
 from ..saliency import capture, segment_received
 from ..shapes import section
@@ -154,15 +154,19 @@ class MiniCPMV46Adapter(Adapter):
 
     def __init__(self, model, processor, options: dict):
         super().__init__(model, processor, options)
-        self.layer = self._layer()  # fail at construction, not at the first batch
+        self.layer = self.saliency_index(model.config, options)  # checked at construction (check_options)
 
-    def _layer(self) -> int:
-        depth = self.model.config.vision_config.num_hidden_layers
-        return self.saliency_layer(depth, depth - 1)  # default: the last, whose output the final merger reads
+    @classmethod
+    def saliency_index(cls, config, options: dict) -> int:
+        depth = config.vision_config.num_hidden_layers
+        return saliency_layer(options, depth, depth - 1)  # default: the last, whose output the final merger reads
 
-    def max_views(self) -> int:
+    @classmethod
+    def views(cls, config, processor=None) -> int | None:
         """The source plus the processor's ``max_slice_nums`` slices (1 when it does not slice)."""
-        image_processor = self.processor.image_processor
+        if processor is None:
+            return None
+        image_processor = processor.image_processor
         return 1 + int(image_processor.max_slice_nums) if image_processor.slice_mode else 1
 
     def _strides(self) -> tuple[int, int]:

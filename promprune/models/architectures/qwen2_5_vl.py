@@ -35,6 +35,7 @@ from transformers.video_utils import VideoMetadata
 
 from .. import saliency as sal
 from ..adapters import Adapter, VisualItem
+from ..options import OptionError
 from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
@@ -144,15 +145,17 @@ class QwenAdapter(Adapter):
 
     def __init__(self, model, processor, options: dict):
         super().__init__(model, processor, options)
-        self.block = self._block()  # fail at construction, not at the first batch
+        self.block = self.saliency_index(model.config, options)  # checked at construction (check_options)
 
-    def _block(self) -> int:
-        vc = self.model.config.vision_config
-        full = list(vc.fullatt_block_indexes)
-        block = self.options.get("saliency_block")
+    @classmethod
+    def saliency_index(cls, config, options: dict) -> int:
+        """A full-attention block of the vision tower: ``saliency_block``, default the last."""
+        full = list(config.vision_config.fullatt_block_indexes)
+        block = options.get("saliency_block")
         block = full[-1] if block is None else block
-        if block not in full:
-            raise ValueError(f"saliency_block must be a full-attention block of the vision tower {full}, got {block}")
+        if isinstance(block, bool) or block not in full:
+            raise OptionError("saliency_block", f"saliency_block must be a full-attention block of the vision tower "
+                              f"{full}, got {block!r}")
         return block
 
     def prepare_images(self, images):

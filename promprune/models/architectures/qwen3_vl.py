@@ -18,6 +18,7 @@ import numpy as np
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
 from .. import saliency as sal
+from ..adapters import saliency_layer
 from ..registry import register_family
 from ..tiny import seeded, text_sizes
 from .qwen2_5_vl import QwenAdapter, fixed_tokens, qwen_parts, qwen_processor, qwen_token_ids, qwen_tokenizer
@@ -79,9 +80,10 @@ class Qwen3Adapter(QwenAdapter):
 
     encoder = "qwen3_vl"
 
-    def _block(self) -> int:
-        depth = self.model.config.vision_config.depth  # default: the last block, whose output the merger projects
-        return self.saliency_layer(depth, depth - 1, "block of the vision tower")
+    @classmethod
+    def saliency_index(cls, config, options: dict) -> int:
+        depth = config.vision_config.depth  # default: the last block, whose output the merger projects
+        return saliency_layer(options, depth, depth - 1, "block of the vision tower")
 
     # encode: QwenAdapter's; no ``vision`` for Qwen3-VL either, and every item carries its DeepStack features
 
