@@ -17,9 +17,11 @@ tokens an image gives, the most views (crops, tiles) an image gives, and whether
 and the capacity checks of the pipeline's preflight all ask the registry.
 
 The family modules are found by listing the package (``pkgutil``): the module ``architectures/<name>.py`` registers the
-family ``<name>``, so a lookup by name (or by a config's ``model_type``) imports that module alone (and the families it
-builds on), keeping a worker that loads one checkpoint from importing every architecture's transformers classes;
-listing the families imports them all. A new family is one new file. A duplicate name is a ValueError; an unknown one
+family ``<name>`` (every shipped family's module is so named), so a lookup by name (or by a config's ``model_type``)
+imports that module alone (and the families it builds on), keeping a worker that loads one checkpoint from importing
+every architecture's transformers classes; a name no module of its own registers is looked up in every family module
+(a family registered from a module named otherwise is found, at the cost of importing them all); listing the
+families imports them all. A new family is one new file. A duplicate name is a ValueError; an unknown one
 says "did you mean" and lists the registered names.
 """
 from __future__ import annotations
@@ -121,13 +123,15 @@ def _module_names() -> list[str]:
 
 
 def _load(name: str | None = None) -> None:
-    """Import the family module ``name`` (when the package has one and it is not registered yet), or, ``name`` None,
-    every family module once: a lookup by name imports only that family's module and the ones it builds on."""
+    """Import what registers the family ``name``: its module ``<name>.py`` when the package has one, so a lookup by
+    name imports only that family's module and the ones it builds on; when that registers no family ``name`` (no such
+    module, or a module named otherwise registers it), every family module once, as ``name`` None does."""
     global _LOADED
     if name is not None:
         if name not in _FAMILIES and name in _module_names():
             importlib.import_module(f"{PACKAGE}.{name}")
-        return
+        if name in _FAMILIES:
+            return
     if not _LOADED:
         for module in _module_names():
             importlib.import_module(f"{PACKAGE}.{module}")

@@ -117,6 +117,34 @@ def test_a_family_whose_factories_build_another_model_type_is_refused():
         assert tiny.tiny_vlm(name)[0].config.model_type == name
 
 
+def test_a_family_registered_by_a_module_named_otherwise_is_found_by_its_model_type(tmp_path, monkeypatch):
+    """``find_family`` imported only the module named after the ``model_type`` and answered None, so ``family_of``
+    said "unsupported model type 't_renamed' (did you mean 't_renamed'?); supported: ..., t_renamed" (its error
+    listing loads every module). A lookup now falls back to every family module, as ``family`` does."""
+    import importlib
+    import sys
+
+    import promprune.models.registry as registry
+    from promprune.models.registry import find_family
+
+    (tmp_path / "t_other_file.py").write_text(
+        "from promprune.models.adapters import Adapter\n"
+        "from promprune.models.registry import register_family\n\n\n"
+        "@register_family('t_renamed', model_class='LlavaForConditionalGeneration', default_mu=0.42)\n"
+        "class Renamed(Adapter):\n"
+        "    pass\n")
+    package = importlib.import_module(registry.PACKAGE)
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    monkeypatch.setattr(registry, "_LOADED", False)
+    try:
+        config = SimpleNamespace(model_type="t_renamed")
+        assert find_family(config) is not None and find_family(config).module.endswith(".t_other_file")
+        assert family_of(config).name == "t_renamed" and family("t_renamed").adapter.__name__ == "Renamed"
+    finally:
+        registry._FAMILIES.pop("t_renamed", None)
+        sys.modules.pop(f"{registry.PACKAGE}.t_other_file", None)
+
+
 def test_families_stays_callable_after_a_family_module_is_imported():
     """The documented ``promprune.models.families()`` is the function even after a family's module was imported (the
     modules' package had been named ``families``, and importing one of them bound that name to the package)."""
