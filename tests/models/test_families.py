@@ -244,6 +244,30 @@ def test_a_llava_with_a_siglip_tower_is_refused_from_its_config(kind):
     family_of(tiny_vlm(kind)[0].config)  # the CLIP tower of the tiny model (and of LLaVA-1.5 / NeXT) is taken
 
 
+@pytest.mark.parametrize("kind", ["llava", "llava_next"])
+def test_a_clip_llava_that_feeds_the_cls_is_refused_from_its_config(kind, tmp_path):
+    """vision_feature_select_strategy "full" on a CLIP tower feeds the CLS as one more token per view (the tiny
+    LLaVA: 37, not its 36-token capacity and 6 x 6 grid; VisPruner returned index 36, off the grid, and downsample
+    failed with a misleading message). Refused from the config (what preflight reads) and when a model is wrapped."""
+    from pipelines.preflight import check_model
+    from promprune.models import PrunedVLM
+    from promprune.models.tiny import tiny_vlm
+
+    model, processor = tiny_vlm(kind)
+    config = transformers.AutoConfig.for_model(**(model.config.to_dict()
+                                                  | {"vision_feature_select_strategy": "full"}))
+    message = f"a {kind} checkpoint with vision_feature_select_strategy 'full' is not supported"
+    with pytest.raises(ValueError, match=message):
+        family_of(config)
+    full = type(model)(config).eval()
+    with pytest.raises(ValueError, match=message):
+        PrunedVLM(full, processor, method="vispruner", budget=8)
+    config.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    (problem,) = check_model(str(tmp_path), {}, {"vispruner-b8": 8})
+    assert problem.startswith(f"model.pretrained: model '{tmp_path}': {message}") and "'default'" in problem
+
+
 def test_each_family_takes_its_own_processor_with_a_chat_template():
     """A processor of another family (a LLaVA model with LLaVA-NeXT's, InternVL's or Gemma 4's; Qwen2.5-VL with
     LLaVA's) made every sample fail deep in the model's code while the run exited 0; so did one without a chat

@@ -11,7 +11,8 @@ attention keys (head mean) and the CLS token's hidden state, for the methods who
 ``multi_modal_projector`` and fed first, in a slot the pruning freed (LLaVA numbers the sequence itself, so the slot
 carries no position of its own). CDPruner's instruction: CLIP's text tower (``clip_text``). A LLaVA checkpoint with
 another tower (SigLIP, as llava-hf/llava-interleave-qwen-*; Pixtral) has no CLS token and is refused
-(``LlavaAdapter.check_config``), from its config alone.
+(``LlavaAdapter.check_config``), from its config alone, as is one whose ``vision_feature_select_strategy`` is not
+"default" ("full" feeds the CLS too, one token more than the patch grid).
 
 Tiny (``tiny:llava``): the same structure at 48 px, 8 px patches (6 x 6 = 36 tokens), a 3-layer CLIP (so -2 is a
 middle layer) and a 4-layer Llama. Shape: ``shape:llava_1_5_7b``.
@@ -165,16 +166,26 @@ class LlavaAdapter(Adapter):
     def check_config(cls, config) -> None:
         """Refuse a tower other than CLIP's (SigLIP: llava-hf/llava-interleave-qwen-*; Pixtral): saliency is the CLS
         query's attention row and the "default" strategy drops token 0 as the CLS, so on a tower without one the
-        saliency was patch 0's attention row, silently."""
+        saliency was patch 0's attention row, silently. Refuse a ``vision_feature_select_strategy`` other than
+        "default" (every released LLaVA-1.5 / LLaVA-NeXT checkpoint's): "full" feeds the CLS as one more token of
+        each view, which the capacity, the token grid and the grid methods do not count (the tiny model: 37 tokens,
+        a 6 x 6 grid; VisPruner picked index 36, off the grid)."""
         tower = getattr(getattr(config, "vision_config", None), "model_type", None)
+        kind = getattr(config, "model_type", "?")
         if isinstance(tower, str) and tower not in cls.towers:
-            kind = getattr(config, "model_type", "?")
             raise ValueError(f"a {kind} checkpoint with a {tower!r} vision tower (vision_config.model_type) is not "
                              f"supported: the {kind} adapter ranks tokens by the CLS token's attention of a CLIP tower "
                              f"({', '.join(repr(t) for t in cls.towers)}), and a {tower} tower has no CLS token. "
                              "Supported: LLaVA-1.5 (llava) and LLaVA-NeXT (llava_next) with their CLIP tower; for a "
                              "SigLIP tower, LLaVA-OneVision checkpoints (model_type llava_onevision, e.g. "
                              "llava-hf/llava-onevision-qwen2-7b-ov-hf)")
+        strategy = getattr(config, "vision_feature_select_strategy", "default")
+        if strategy != "default":
+            raise ValueError(f"a {kind} checkpoint with vision_feature_select_strategy {strategy!r} is not supported: "
+                             f"the {kind} adapter counts, places and ranks each view's patch tokens with the CLS "
+                             f"dropped ('default', as every released {kind} checkpoint), and {strategy!r} feeds the "
+                             "CLS as one more token, off the patch grid. Set vision_feature_select_strategy "
+                             "'default' in its config")
 
     def prepare_images(self, images):
         """With the adapter option ``pad_to_square``, each image centred on a square of the image processor's mean
@@ -191,8 +202,9 @@ class LlavaAdapter(Adapter):
         return sal.clip_attention_module(self.model.model.vision_tower, layer)
 
     def _cls_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """CLS attention rows ``[V, S]`` -> per-token saliency ``[V, n]`` (drops the CLS column when it is dropped)."""
-        return rows[:, 1:] if self.model.config.vision_feature_select_strategy == "default" else rows
+        """CLS attention rows ``[V, S]`` -> per-token saliency ``[V, n]``: the CLS column dropped, as the "default"
+        strategy (``check_config``) drops the CLS."""
+        return rows[:, 1:]
 
     @contextlib.contextmanager
     def _captures(self, need_saliency: bool, need_vision: bool):
@@ -208,15 +220,13 @@ class LlavaAdapter(Adapter):
     def _vision(self, out, keys: list):
         """``(hidden [V, n, dv], keys [V, n, dk], cls [V, dv] or None)`` of every view: the hidden states the
         projector reads (several feature layers concatenated, as ``get_image_features`` does) and the CLS, which
-        the "default" strategy drops (with "full" it is one of the tokens)."""
+        the "default" strategy (``check_config``) drops."""
         cfg = self.model.config
         if out.hidden_states is None:
             raise RuntimeError("the vision tower returned no hidden states")
         layers = [cfg.vision_feature_layer] if isinstance(cfg.vision_feature_layer, int) else cfg.vision_feature_layer
         hidden = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)  # [V, S, dv]
-        if cfg.vision_feature_select_strategy == "default":
-            return hidden[:, 1:], keys[0][:, 1:], hidden[:, 0]
-        return hidden, keys[0], None
+        return hidden[:, 1:], keys[0][:, 1:], hidden[:, 0]
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's projector on vision-space rows ``[..., dv]`` -> ``[..., d]`` float32 (float64 for a float64
