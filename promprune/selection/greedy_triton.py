@@ -9,7 +9,10 @@ per LLaVA-1.5 call). Here one launch does the whole greedy loop of every view in
 fallback orders are read on the device, so the host never waits. Each kernel follows its torch counterpart step for
 step (the same masked argmax, tie rule, GAIN_EPS test and fallback), in float32, with IEEE division and square root
 and no fused multiply-add, so float32 selections match the CPU reference; what can differ is the summation order of
-the DPP's dot products (ulps), which moves a pick only at a near-tie.
+the long sums (the DPP's dot products, facility location's gains), which moves a pick only at a near-tie. Those add a
+tile of rows a step, as few as 2 past 4096 tokens (``_blocks``), so they are compensated (``_add_compensated``): as
+close to the exact sums as torch's (plainly summed, facility location's gains at 4100 tokens were 10x further and
+moved a pick past ``FL_TIE_EPS``).
 
 Callers (``diversity``) prepare the inputs in torch (the first pick's scores, the fallback order) and pass host-known
 widths, so nothing here syncs. Tested on the CPU under ``TRITON_INTERPRET=1``.
@@ -76,6 +79,18 @@ def _at(vec, offs, j):
 
 
 @triton.jit
+def _add_compensated(total, comp, x):
+    """One step of Neumaier's compensated sum: ``total + x`` and the running correction ``comp`` (the low bits each
+    addition rounded off; the sum is ``total + comp`` at the end). The kernels' long sums add a few rows a step at
+    large N (``_blocks``: 2 rows at 8192 lanes), thousands of float32 additions in a row: plainly summed, that was
+    10x torch's rounding error (its reductions are cascaded) on facility location's gains at 4100 tokens;
+    compensated, it is below torch's (tests/selection/triton_cases.py, "long-sum")."""
+    t = total + x
+    comp += tl.where(tl.abs(total) >= tl.abs(x), (total - t) + x, (x - t) + total)
+    return t, comp
+
+
+@triton.jit
 def _descending(value):
     """The high half of int64 sort keys that an ascending ``tl.sort`` puts in the descending order of the float32
     ``value`` (the low half: what breaks ties, lower first); -0.0 ties +0.0, as the comparisons say."""
@@ -89,12 +104,14 @@ def _dpp_extend(Kb, Fb, gains, offs, inb, j, upd, step, N, GAIN_EPS: tl.constexp
     """Add token ``j``'s row ``e = (K_j - c_j^T F) / sqrt(d2_j)`` to the Cholesky rows ``Fb`` (when ``upd``) and
     lower the residual gains ``d2 -= e^2``. Returns ``(gains, step)``; rows that would be zero are not kept."""
     acc = tl.zeros_like(gains)
+    comp = tl.zeros_like(gains)  # compensated: `step` terms, BLOCK_S at a time (2 at 8192 lanes)
     for s0 in range(0, step, BLOCK_S):
         rows = s0 + tl.arange(0, BLOCK_S)
         live = rows < step
         tile = tl.load(Fb + rows[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :], other=0.0)
         c_j = tl.load(Fb + rows * N + j, mask=live, other=0.0)  # column j of the rows so far
-        acc += tl.sum(c_j[:, None] * tile, axis=0)
+        acc, comp = _add_compensated(acc, comp, tl.sum(c_j[:, None] * tile, axis=0))
+    acc += comp
     k_j = tl.load(Kb + j * N + offs, mask=inb, other=0.0)
     d2_j = tl.maximum(_at(gains, offs, j), GAIN_EPS)
     e = tl.div_rn(k_j - acc, tl.sqrt_rn(d2_j))
@@ -299,6 +316,21 @@ def _divprune_kernel(C, out, N, OUT_W, TOL: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _fl_gains(Sb, Cb, offs, inb, N, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Facility location's gains ``[BLOCK_N]``, column j: ``sum_i max(0, s_ij - cover_i)`` over the ``N`` rows of
+    ``Sb`` and ``cover`` ``Cb``, BLOCK_I rows a step (2 at 8192 lanes), compensated (``_add_compensated``)."""
+    gain = tl.zeros([BLOCK_N], dtype=tl.float32)
+    comp = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i0 in range(0, N, BLOCK_I):
+        rows = i0 + tl.arange(0, BLOCK_I)
+        live = rows < N
+        tile = tl.load(Sb + rows[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :], other=0.0)
+        c = tl.load(Cb + rows, mask=live, other=0.0)
+        gain, comp = _add_compensated(gain, comp, tl.sum(tl.maximum(tile - c[:, None], 0.0), axis=0))
+    return gain + comp
+
+
+@triton.jit
 def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, TIE: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_I: tl.constexpr):
     """One view of ``diversity.facility_location``: ``S [B, N, N]`` in [0, 1], ``cover [B, N]`` (updated in place),
@@ -313,13 +345,7 @@ def _fl_kernel(S, cover, avail, order, counts, out, N, OUT_W, TIE: tl.constexpr,
     fb = tl.load(order + b * N + offs, mask=inb, other=float("-inf"))
     count = tl.minimum(tl.load(counts + b), OUT_W)
     for k in range(count):
-        gain = tl.zeros([BLOCK_N], dtype=tl.float32)  # column j: sum_i max(0, s_ij - cover_i)
-        for i0 in range(0, N, BLOCK_I):
-            rows = i0 + tl.arange(0, BLOCK_I)
-            live = rows < N
-            tile = tl.load(Sb + rows[:, None] * N + offs[None, :], mask=live[:, None] & inb[None, :], other=0.0)
-            c = tl.load(Cb + rows, mask=live, other=0.0)
-            gain += tl.sum(tl.maximum(tile - c[:, None], 0.0), axis=0)
+        gain = _fl_gains(Sb, Cb, offs, inb, N, BLOCK_N, BLOCK_I)
         masked = tl.where(free, gain, float("-inf"))
         best = tl.max(masked, axis=0)
         j = tl.min(tl.where(masked >= best - TIE * tl.maximum(best, 1.0), offs, BLOCK_N), axis=0)

@@ -142,6 +142,58 @@ def fl_case(kind, B, N, d, seed, *, conditional: bool) -> Case:
     return run
 
 
+def fl_long_sum_case(N: int, seed: int) -> Case:
+    """Facility location past 4096 tokens, where ``_fl_kernel`` adds its gains 2 rows a step (``_blocks``): the first
+    pick is the float64 reference's (its best gain exceeds the one plain float32 steps picked, 2948, by 0.0232, out
+    of ``FL_TIE_EPS``' window, 0.0207), and the kernel's gains (``triton_probes.fl_gains``) are no further from the
+    float64 gains than twice the torch loop's float32 sum is (summed plainly, 10x: 4.7e-3 on gains of ~2074).
+    ``got``: the pick, then the bound held (1); ``want``: float64's pick, then 1."""
+    def run(device):
+        from tests.selection import triton_probes
+
+        x = torch.randn(1, N, 6, generator=torch.Generator().manual_seed(seed))
+        sim = ((TokenSet(x, None).cosine + 1.0) / 2.0).clamp(0.0, 1.0)
+        every, one = torch.ones(1, N, dtype=torch.bool), torch.tensor([1])
+        want = diversity.facility_location(sim.double(), every, one, steps=1)
+        exact = sim.double().sum(1)  # cover 0: every s_ij >= 0 counts
+        torch_err = (sim.sum(1).double() - exact).abs().max()
+        with _fast(device):
+            sd, ad, cd = _on(device, sim, every, one)
+            got = diversity.facility_location(sd, ad, cd, steps=1).cpu()
+            gains = triton_probes.fl_gains(sd, torch.zeros(1, N, device=sd.device)).cpu()
+        held = (gains.double() - exact).abs().max() <= 2 * torch_err
+        return torch.cat([got[0], torch.tensor([int(held)])]), torch.cat([want[0], torch.tensor([1])])
+    return run
+
+
+def dpp_long_sum_case(N: int, S: int, d: int, seed: int) -> Case:
+    """The DPP's Cholesky row past 4096 tokens, where ``_dpp_extend`` adds ``c_j^T F`` 2 rows of F a step
+    (``_blocks``), after ``S`` rows (the exact factor of the first S tokens, rounded to float32): the kernel's row
+    (``triton_probes.dpp_row``) within 4 float32 ulps of 1 (the dot product's scale), over ``sqrt(d2_j)``, of the
+    float64 row from the same float32 inputs (compensated: 5.3e-7, a tenth of the bound; summed plainly: 1.6e-5, 3x
+    it; torch's ``bmm`` on the CPU: 7.8e-6). ``got``: the bound held."""
+    def run(device):
+        from tests.selection import triton_probes
+
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, N, 16, generator=g) @ torch.randn(1, 16, d, generator=g) + 0.5 * torch.randn(1, N, d,
+                                                                                                        generator=g)
+        K = TokenSet(x, None).cosine
+        K64 = K[0].double()
+        rows = torch.linalg.solve_triangular(torch.linalg.cholesky(K64[:S, :S]), K64[:S], upper=False).float()
+        gains = (K[0].diagonal().double() - (rows.double() ** 2).sum(0)).clamp_min(0).float()
+        j = S + 7
+        F = rows.double()
+        want = (K64[j] - F[:, j] @ F) / gains[j].double().sqrt()
+        with _fast(device):
+            Kd, Fd, gd, jd = _on(device, K, rows[None], gains[None], torch.tensor([j]))
+            got = triton_probes.dpp_row(Kd, Fd, gd, jd, diversity.GAIN_EPS)[0].cpu()
+        bound = 4 * torch.finfo(torch.float32).eps / gains[j].double().sqrt()
+        held = torch.tensor([bool((got.double() - want).abs().max() <= bound)])
+        return held, torch.ones_like(held)
+    return run
+
+
 def _vispruner_inputs(kind, B, N, d, seed) -> tuple[torch.Tensor, torch.Tensor]:
     """The token kernel ``[B, N, N]`` and VisPruner's candidates ``[B, N - 2]`` (a random order of all but two
     tokens)."""
@@ -554,6 +606,9 @@ def cases() -> dict[str, Case]:
         out[f"fl/{tag}"] = fl_case(kind, B, N, d, i, conditional=False)
         out[f"fl-conditional/{tag}"] = fl_case(kind, B, N, d, i, conditional=True)
         out[f"vispruner/{tag}"] = vispruner_case(kind, B, N, d, i)
+    # past 4096 tokens: the kernels' long sums (2 rows a step) compensated, as close to float64 as torch's
+    out["fl-long-sum/random-1x4100x6"] = fl_long_sum_case(4100, 11)
+    out["dpp-long-sum/random-1x4100x2048-after-1500"] = dpp_long_sum_case(4100, 1500, 2048, 5)
     # past one tile of VisPruner's kernel: 298 candidates are 5 tiles of evens by 2 of columns in the first rounds
     out["vispruner/random-1x300x24"] = vispruner_case("random", 1, 300, 24, 6)
     out["vispruner/duplicates-2x300x16"] = vispruner_case("duplicates", 2, 300, 16, 7)
