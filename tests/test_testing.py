@@ -9,6 +9,7 @@ import promprune
 from promprune.selection import registry
 from promprune.selection.registry import Selection
 from promprune.testing import CHECKS, CUDA_ONLY, check_method
+from tests.selection.triton_cases import _fast
 
 
 def _norm_top(tokens, budget: int) -> torch.Tensor:
@@ -152,11 +153,27 @@ def _wraps_around(tokens, budget):
     return _selection(idx)
 
 
+def _flagged(kind, extra: int = 0):
+    """A method whose ``salient`` flags are ``kind`` (a dtype, or ``list``), ``extra`` columns wider than its indices;
+    the first two tokens of each row salient."""
+    def method(tokens, budget):
+        idx = _norm_top(tokens, budget)
+        flags = torch.arange(budget + extra).expand(tokens.batch, -1) < 2
+        return Selection(idx, torch.full((tokens.batch,), min(2, budget)),
+                         salient=flags.tolist() if kind is list else flags.to(kind))
+    return method
+
+
 @pytest.mark.parametrize("fn,message", [
     (_wraps_around, r"returned an index out of \[0, 24\) \(-1\)"),  # it wrapped to the last token, silently
     (one_short, r"returned indices of shape \(2, 7\) where the budget of 8 makes it \(2, 8\)"),  # ran on 7
     (lambda tokens, budget: _selection(_norm_top(tokens, budget).float()), "returned indices of dtype torch.float32"),
     (lambda tokens, budget: _norm_top(tokens, budget), "returned a Tensor, not a promprune.Selection"),
+    # flags not bool: the GPU's ascending order read them a byte each and returned unwritten memory, the CPU gathered
+    (_flagged(torch.long), "returned salient of dtype torch.int64, not torch.bool"),
+    (_flagged(torch.float32), "returned salient of dtype torch.float32, not torch.bool"),
+    (_flagged(list), "returned salient of dtype list, not torch.bool"),
+    (_flagged(torch.bool, 1), r"returned salient of shape \(2, 9\), not the indices' \(2, 8\)"),
 ])
 def test_select_refuses_what_a_method_of_ones_own_returns_wrong(fn, message):
     """A negative index wrapped to the last token and a short row ran a trial on fewer tokens than its budget, both
@@ -164,6 +181,8 @@ def test_select_refuses_what_a_method_of_ones_own_returns_wrong(fn, message):
     promprune.register_method("t_wrong", replace=True)(fn)
     try:
         with pytest.raises(ValueError, match=f"method 't_wrong' {message}"):
+            promprune.select(torch.randn(2, 24, 8), budget=8, method="t_wrong")
+        with _fast("cpu"), pytest.raises(ValueError, match=f"method 't_wrong' {message}"):  # the GPU's path
             promprune.select(torch.randn(2, 24, 8), budget=8, method="t_wrong")
     finally:
         registry._REGISTRY.pop("t_wrong", None)
@@ -173,6 +192,12 @@ def test_select_refuses_what_a_method_of_ones_own_returns_wrong(fn, message):
         assert promprune.select(torch.randn(2, 24, 8), budget=8, method="t_int32").indices.dtype == torch.long
     finally:
         registry._REGISTRY.pop("t_int32", None)
+    promprune.register_method("t_bool_flags")(_flagged(torch.bool))
+    try:
+        sel = promprune.select(torch.randn(2, 24, 8), budget=8, method="t_bool_flags", order="selection")
+        assert sel.salient.tolist() == [[True, True] + [False] * 6] * 2
+    finally:
+        registry._REGISTRY.pop("t_bool_flags", None)
 
 
 def test_registration_refuses_what_would_fail_every_call():

@@ -612,8 +612,13 @@ ASCENDING_MAX = VIS_SORT_MAX  # kept tokens one program sorts at once (``ascendi
 def ascending(indices: torch.Tensor, salient: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``registry._sorted``'s reorder in one launch (``_ascending_kernel``) instead of a sort and a gather: the kept
     ``indices [B, T]`` (int64, distinct per row but for -1; T <= `ASCENDING_MAX`) in ascending order and the
-    ``salient [B, T]`` bool flags (or None) in the same order."""
+    ``salient [B, T]`` bool flags (or None) in the same order. Flags of another dtype or shape are a TypeError (the
+    kernel reads them as one byte each: int64 flags came back mostly unwritten); ``select`` refuses them from a
+    method of one's own (``registry._check_output``)."""
     B, T = indices.shape
+    if salient is not None and (salient.dtype != torch.bool or salient.shape != indices.shape):
+        raise TypeError(f"ascending: salient must be a bool tensor of the indices' shape {tuple(indices.shape)}, got "
+                        f"{salient.dtype} {tuple(salient.shape)}")
     idx = indices.contiguous()
     out_idx = torch.empty_like(idx)
     flags = None if salient is None else salient.contiguous()

@@ -613,13 +613,15 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
 def _check_output(name: str, sel, batch: int, n: int, budget: int) -> None:
     """A method of one's own returned a selection ``select`` can use: a :class:`Selection` whose ``indices`` are
     ``[B, T]`` integers, distinct in each row and in ``[0, N)`` (``T`` = the budget, one less with a ``cls``), its
-    ``saliency_count`` ``[B]``. A negative index wrapped to the last tokens, a short row ran a trial on fewer tokens
-    than its budget, both silently; a duplicate or an index past N failed deep in the model without the method's
-    name. One read of the device (``promprune.testing.check_method`` checks more, once)."""
+    ``saliency_count`` ``[B]``, its ``salient`` None or a bool tensor of the indices' shape. A negative index wrapped
+    to the last tokens, a short row ran a trial on fewer tokens than its budget, both silently; a duplicate or an
+    index past N failed deep in the model without the method's name; integer or float flags came back from the GPU
+    fast path's ascending order (``greedy_triton.ascending``, which carries bool flags) as unwritten memory, where the
+    CPU gathered them. One read of the device (``promprune.testing.check_method`` checks more, once)."""
     def refuse(what: str) -> None:
         raise ValueError(f"method {name!r} returned {what}; a method returns promprune.Selection(indices [B, T] "
-                         "long: distinct token indices in [0, N) per image, saliency_count [B]) "
-                         "(promprune.testing.check_method(name) checks a method's outputs and more)")
+                         "long: distinct token indices in [0, N) per image, saliency_count [B], salient [B, T] bool "
+                         "or None) (promprune.testing.check_method(name) checks a method's outputs and more)")
 
     if not isinstance(sel, Selection):
         refuse(f"a {type(sel).__name__}, not a promprune.Selection")
@@ -632,6 +634,12 @@ def _check_output(name: str, sel, batch: int, n: int, budget: int) -> None:
     count = sel.saliency_count
     if not isinstance(count, torch.Tensor) or tuple(count.shape) != (batch,):
         refuse(f"saliency_count of shape {tuple(getattr(count, 'shape', ()))}, not ({batch},)")
+    flags = sel.salient
+    if flags is not None:
+        if not isinstance(flags, torch.Tensor) or flags.dtype != torch.bool:
+            refuse(f"salient of dtype {getattr(flags, 'dtype', type(flags).__name__)}, not torch.bool")
+        if flags.shape != idx.shape:
+            refuse(f"salient of shape {tuple(flags.shape)}, not the indices' {tuple(idx.shape)}")
     if want:
         ordered = idx.sort(dim=1).values
         low, high, repeated = (int(v) for v in torch.stack([ordered[:, 0].min(), ordered[:, -1].max(),

@@ -279,6 +279,19 @@ def test_the_wide_vispruner_kernel_compiles_without_spills(tmp_path):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype,extra", [(torch.long, 0), (torch.float32, 0), (torch.uint8, 0), (torch.bool, 1)])
+def test_the_ascending_order_refuses_flags_it_would_misread(dtype, extra):
+    """``ascending`` carries the salient flags as one byte each: int64 or float flags (a view of 8 or 4 bytes a flag)
+    came back mostly unwritten, so flags other than bool of the indices' shape are refused before the launch
+    (``select`` refuses them from a method of one's own first, on every path: ``registry._check_output``)."""
+    from promprune.selection import greedy_triton
+
+    idx = torch.tensor([[4, 1, 3]])
+    with pytest.raises(TypeError, match="salient must be a bool tensor of the indices' shape"):
+        greedy_triton.ascending(idx, torch.zeros(1, 3 + extra, dtype=dtype))
+
+
+@needs_triton
 def test_the_cosine_and_the_saliency_stage_divide_as_torch_does():
     """The Gram's and the cosine's scaling and the saliency's min-max divide in IEEE round-to-nearest float32
     (``div.rn.f32``; Triton's plain ``/`` is an approximate division, 2 ulp), with no fused multiply-add: the same bits

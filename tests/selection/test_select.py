@@ -36,6 +36,21 @@ def test_invariants(method, check):
     assert check_method(method, only=[check]) == [check]
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_builtin_methods_return_what_select_asks_of_a_method_of_ones_own(method):
+    """``select`` checks the outputs of methods from outside only (``registry._check_output``: indices, counts, bool
+    ``salient`` of the indices' shape, which the GPU's ascending order needs); its own methods, with their variants,
+    pass the same check."""
+    from promprune.selection.registry import _check_output
+
+    x, s = inputs()
+    variants = {"promprune": [{}, {"conditional": True}, {"diversity": "fps"}, {"diversity": "facility_location"}]}
+    for options in variants.get(method, [{}]):
+        for budget in (1, 7, 16):
+            sel = select(x, s, budget=budget, method=method, order="selection", **options)
+            _check_output(method, sel, x.shape[0], x.shape[1], budget)
+
+
 def test_promprune_split_differs_per_image_in_a_batch():
     x, s = inputs(B=2, seed=2)
     x[1] = x[1, :1] + 0.01 * torch.randn_like(x[1])  # nearly one direction: concentrated meaning
