@@ -14,6 +14,12 @@ bounds come from Gauss quadrature (Golub and Meurant, "Matrices, Moments and Qua
   overestimates ``int f dmu`` and the (k + 1)-node Gauss-Radau rule with a node fixed at 0 (below every eigenvalue)
   underestimates it: ``lo <= H <= hi``.
 
+The exact route clamps ``C``'s eigenvalues at the absolute ``entropy.EIGEN_FLOOR`` (1e-12, the released code's and
+mu's), which ``rho``'s measure does not see: ``density`` refuses a ``C`` whose trace is at most ``refusal_trace``
+(``n`` `FLOOR_PER_ROW`: tokens nearly alike, where the floor moves H by more than the bounds' width; those rows take the
+eigensolve), and ``split`` widens every bracket by ``floor_allowance(n)`` (a bound on the floor's move above that
+trace, ``floor_shift``: ~1e-8), so a bracket holds the exact route's H.
+
 ``split`` runs the first stage's steps for every image (``schedule``: `STEPS`, after a `LEAD`-step stage where the
 batch's steps cost the device or the host more than a stage costs the host), decides every image whose bracket
 (widened by ``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and
@@ -37,7 +43,8 @@ import numpy as np
 import torch
 
 from . import accel, graphed
-from .entropy import cancels, centered_gram, centered_unit_gram, entropy_of_matrix, noise_trace, spectral_matrix
+from .entropy import (EIGEN_FLOOR, cancels, centered_gram, centered_unit_gram, entropy_of_matrix, noise_trace,
+                      spectral_matrix)
 from .kernels import start_basis
 
 # Lanczos steps by the end of each stage: every image runs the first; an image whose bracket still straddles a count
@@ -84,6 +91,16 @@ def schedule(views: int, n: int, eager: bool = True) -> tuple[int, ...]:
 # rounding (its eigenvalues near 0 carry ~1e-8 absolute error; measured <= 1.6e-6 on near-low-rank inputs at n = 1296)
 # and the float64 Lanczos' (~1e-12); an image within it of a boundary goes to the exact eigensolve.
 DECISION_MARGIN = 2e-5
+# The exact route clamps C's eigenvalues at the absolute ``entropy.EIGEN_FLOOR`` (1e-12, as the released code does and
+# as mu was calibrated); the bounds read rho = C / tr(C), where the floor is EIGEN_FLOOR / tr(C) and moves H by up to
+# ``floor_shift(n, tr(C))``: ~1e-11 for ordinary tokens (tr(C) = N x spread, O(N)), more than DECISION_MARGIN for a
+# tr(C) below ~1e-5 (float64 tokens nearly alike). ``density`` refuses (NaN rho: the eigensolve) a C whose trace is
+# at most this per row (``refusal_trace``; for unit tokens a spread 1 - |mean unit token|^2 below ~1e-3 when N <= d,
+# a mean cosine above ~0.999), and ``split`` widens every bracket by ``floor_allowance(n)`` (the shift at half that
+# trace: 8.8e-9 at n = 576, 8.1e-9 at 1296, below 1e-7 at any n), so the bracket holds the exact route's H. A power
+# of 2, so that the Triton centering's literal (``lanczos_triton.REFUSE_PER_ROW``) is the same number; above
+# float32's noise per row (``entropy.noise_trace``: 7.6e-6), which it therefore includes.
+FLOOR_PER_ROW = 2.0 ** -10
 # A residual norm below this fraction of the largest recurrence coefficient means the Krylov space ran out (a spectrum
 # of few distinct eigenvalues: numerically low-rank tokens). There the exact algorithm's float32 eigenvalues near 0 are
 # rounding noise that moves its entropy by up to ~1e-5, so such images go to the exact eigensolve.
@@ -110,11 +127,12 @@ STAGE_DECIDES = 0.5
 class SplitReport:
     """How one ``split`` call decided: images per stage (``decided[i]`` by stage i's bounds) and by the exact eigensolve
     (``exact``; ``refused`` of them sent there at the stage whose bounds refused them: a recurrence that ran out or
-    failed, which no later stage mends; ``costly`` of them, undecided, sent there instead of a later stage whose
-    float64 products would cost the device more than it may save, ``stage_pays``), and the bracket widths (normalized
-    H) the decided images had. ``cancelled``: images whose tokens are so alike that their centering in Gram space
-    cancels (``entropy.cancels``), split again from the first stage on their tokens centered first; their stages and
-    eigensolve are counted with the others'."""
+    failed, or a trace at most ``refusal_trace`` (``density``), which no later stage mends; ``costly`` of them,
+    undecided, sent there instead of a later stage whose float64 products would cost the device more than it may save,
+    ``stage_pays``), and the bracket widths (normalized H, widened by ``floor_allowance``) the decided images had.
+    ``cancelled``: images whose tokens are so alike that their centering in Gram space cancels (``entropy.cancels``),
+    split again from the first stage on their tokens centered first; their stages and eigensolve are counted with the
+    others'."""
 
     decided: list[int] = field(default_factory=list)
     exact: int = 0
@@ -327,12 +345,50 @@ def lanczos_steps(rho: torch.Tensor, v: torch.Tensor | None, v_prev: torch.Tenso
 
 def density(matrix: torch.Tensor) -> torch.Tensor:
     """``rho = C / tr(C)`` in float64 for the symmetric PSD ``matrix [B, n, n]`` whose spectrum the entropy reads; NaN
-    for a ``C`` that is rounding noise (``entropy.degenerate``: its trace at most ``noise_trace``), which ``bounds``
-    refuses, so such rows reach the exact path's rule."""
+    for a ``C`` whose trace is at most ``refusal_trace``: rounding noise (``entropy.degenerate``: its trace at most
+    ``noise_trace``) or a trace so small that the exact route's eigenvalue floor moves H by more than
+    ``floor_allowance`` (``floor_shift``). ``bounds`` refuses such rows, so they reach the exact path's eigensolve
+    and its rule (no host read: the threshold is folded into the division)."""
     c = matrix.double()
     trace = c.diagonal(dim1=1, dim2=2).sum(-1)
-    trace = torch.where(trace > noise_trace(c.shape[-1], matrix.dtype), trace, math.nan)
+    trace = torch.where(trace > refusal_trace(c.shape[-1], matrix.dtype), trace, math.nan)
     return c / trace[:, None, None]
+
+
+def refusal_trace(n: int, dtype: torch.dtype) -> float:
+    """The largest trace of an ``n x n`` spectral matrix of ``dtype`` whose bounds ``density`` refuses: ``n``
+    `FLOOR_PER_ROW`, or its rounding noise (``entropy.noise_trace``) where that is larger (float16)."""
+    return max(noise_trace(n, dtype), n * FLOOR_PER_ROW)
+
+
+def floor_shift(n: int, trace: float) -> float:
+    """An upper bound on how far the exact route's floor moves the normalized entropy of an ``n x n`` matrix ``C``
+    whose eigenvalues ``l_i`` (as computed, negatives from rounding included) have positive parts summing to at least
+    ``trace``: ``|H_F - H_0| <= floor_shift``, ``H_F`` the entropy of ``max(l_i, F) / sum`` (``F =
+    entropy.EIGEN_FLOOR``, the exact route's) and ``H_0`` that of ``max(l_i, 0) / sum`` (zero and negative
+    eigenvalues count 0, as in the bounds' measure, which divides by the trace instead: with negative eigenvalues the
+    two differ by their rounding, which ``DECISION_MARGIN`` covers). inf where ``F / trace > 1 / e``.
+
+    With ``x_i = max(l_i, 0) / A`` (``A`` the positive parts' sum, ``A >= trace``), ``s = F / A``, the ``k <= n``
+    eigenvalues with ``x_i < s`` raised to ``s`` (``y_i = max(x_i, s)``), ``D = sum (y_i - x_i) <= k s`` and ``b = 1 +
+    D`` the raised sum, ``f(x) = -x log x``: ``H_F log n = sum f(y_i) / b + log b``, so ``(H_F - H_0) log n = -(D / b)
+    Phi + (k / b) f(s) - sum_{x_i < s} f(x_i) + log b`` with ``0 <= Phi = sum_{x_i >= s} f(x_i) <= log n``. For
+    ``s <= 1 / e`` (where ``f`` increases, so ``f(x_i) <= f(s)``): at most ``k f(s) + D <= k (f(s) + s)``, and at
+    least ``-D log n - k f(s) D / b >= -k s (log n + k f(s))``. Both grow with ``s`` and ``k``, so ``k = n`` and
+    ``s = F / trace`` bound them: ``n max(f(s) + s, s (log n + n f(s))) / log n``."""
+    s = EIGEN_FLOOR / trace
+    if not s <= 1 / math.e or n < 2:
+        return math.inf if n >= 2 else 0.0
+    f = -s * math.log(s)
+    return n * max(f + s, s * (math.log(n) + n * f)) / math.log(n)
+
+
+def floor_allowance(n: int) -> float:
+    """How much ``split`` widens each bracket of an ``n x n`` spectral matrix for the exact route's eigenvalue floor:
+    ``floor_shift`` at half the smallest trace ``density`` does not refuse (``n`` `FLOOR_PER_ROW`; the half covers
+    the computed eigenvalues' sum against the float64 trace, which differ by rounding, ~n eps relative). ~1e-8 at the
+    models' sizes (8.8e-9 at n = 576), 1e-11 for ordinary tokens' own traces (not known on the host)."""
+    return floor_shift(n, n * FLOOR_PER_ROW / 2)
 
 
 def _f(x: np.ndarray) -> np.ndarray:
@@ -411,7 +467,8 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32, halfwidth [B]
     float32)`` on the CPU: the entropy is exact where the eigensolve ran (half-width 0), else its bracket's midpoint,
-    within the half-width (half the bracket's width) of the exact entropy.
+    within the half-width (half the bracket's width, widened by ``floor_allowance`` for the exact route's eigenvalue
+    floor) of the exact entropy (up to the exact route's own float32 rounding, which ``DECISION_MARGIN`` covers).
     """
     gram = tokens is not None
     if opening_with is None:
@@ -428,6 +485,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     to_exact: list[int] = []  # images whose bounds were refused (``bounds``), for the eigensolve
     cancelled = np.zeros(0, dtype=np.int64)  # images whose centering in Gram space cancels: a split of their own
     report = SplitReport()
+    allowance = floor_allowance(n)
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
     done_steps = 0
     tflops = accel.float64_tflops(device) if accel.entropy_mode() == "auto" else math.inf  # "certified": every stage
@@ -448,6 +506,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
             report.cancelled = len(cancelled)
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
         lo, hi = bounds(alpha, beta, n)
+        lo, hi = lo - allowance, hi + allowance  # the exact route's eigenvalue floor (``floor_allowance``)
         decided, counts = decide(lo, hi, count)
         decided &= ~flagged
         t_sal[todo[decided]] = counts[decided]
@@ -455,8 +514,9 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
         halfwidth[todo[decided]] = (hi[decided] - lo[decided]) / 2
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
-        # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN) stay refused at every
-        # later stage: such images go to the eigensolve now instead of running the remaining stages' steps
+        # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN: a trace ``density``
+        # refuses) stay refused at every later stage: such images go to the eigensolve now instead of running the
+        # remaining stages' steps
         refused = ~(np.isfinite(lo) & np.isfinite(hi)) & ~flagged
         to_exact += todo[refused].tolist()
         going = ~decided & ~refused & ~flagged

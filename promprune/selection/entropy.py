@@ -14,7 +14,8 @@ from ..dtypes import upcast
 from . import accel
 from .kernels import ENTROPY_EPS, exactly_symmetric, nonfinite, token_norms, unit_tokens
 
-# Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here.
+# Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here. Absolute: for
+# tokens nearly alike (a tiny trace) it moves H, which the certified split allows for (``certified.FLOOR_PER_ROW``).
 EIGEN_FLOOR = 1e-12
 # Tokens that coincide up to rounding (the same token repeated, all-zero tokens): their spectral matrix is zero in exact
 # arithmetic, where the reference's clamp makes every eigenvalue 1e-12 and H = 1; computed, it is rounding noise (a

@@ -46,8 +46,9 @@ from .kernels import start_basis
 TILE = 1024  # entries a program's loop takes at once (float64 at 8 warps: four a thread per state)
 TARGET_PROGRAMS = 512  # programs a launch aims at (a few per SM of an H100/H200): the chunk per program follows
 MAX_PARTS = 1024  # programs per view at most (each update program sums its view's shares)
-# ``entropy.noise_trace(1, torch.float32)``, the literal ``_centering`` compares a float32 Gram's centered trace with
-NOISE_PER_ROW = 7.62939453125e-06
+# ``certified.refusal_trace(1, torch.float32)`` (``certified.FLOOR_PER_ROW``), the literal ``_centering`` compares a
+# float32 Gram's centered trace with (per row)
+REFUSE_PER_ROW = 0.0009765625
 WARPS = 8
 
 
@@ -305,14 +306,15 @@ def _row_means_kernel(G, R, DG, N, ROWS: tl.constexpr, COLS: tl.constexpr):
 def _centering(R, DG, rbase, N, N_P2: tl.constexpr):
     """``(g, diagonal, trace)`` of a view's centered Gram ``C = G - (r_i + r_j) + g`` from its row means ``R`` and
     ``G``'s diagonal ``DG`` (``N_P2`` entries at once): ``g`` the means' mean (float32), ``C``'s diagonal (float32),
-    its trace summed in float64 as ``certified.density`` does, NaN where it is rounding noise (at most
-    ``entropy.noise_trace(N, torch.float32)``: ``NOISE_PER_ROW`` a row), as there."""
+    its trace summed in float64 as ``certified.density`` does, NaN where ``density`` refuses it (at most
+    ``certified.refusal_trace(N, torch.float32)``: ``REFUSE_PER_ROW`` a row; rounding noise, or a trace where the
+    exact route's eigenvalue floor moves H), as there."""
     ks = tl.arange(0, N_P2)
     r_all = tl.load(R + rbase + ks, mask=ks < N, other=0.0)
     g = tl.sum(r_all, axis=0) / N
     c_diag = (tl.load(DG + rbase + ks, mask=ks < N, other=0.0) - (r_all + r_all)) + g
     trace = tl.sum(tl.where(ks < N, c_diag.to(tl.float64), 0.0), axis=0)
-    return g, c_diag, tl.where(trace > N.to(tl.float64) * 7.62939453125e-06, trace, float("nan"))  # NOISE_PER_ROW
+    return g, c_diag, tl.where(trace > N.to(tl.float64) * 0.0009765625, trace, float("nan"))  # REFUSE_PER_ROW
 
 
 @triton.jit
@@ -326,8 +328,8 @@ def _density_entry(gram, ri, rj, g, trace):
 def _density_kernel(G, R, DG, RHO, N, N2, CHUNK, TILE: tl.constexpr, N_P2: tl.constexpr):
     """``RHO[b] = C / tr(C)`` in float64, ``C = G - (r_i + r_j) + g`` the centered Gram in float32 (``r``: the row
     means, ``g`` their mean): ``r_i + r_j`` is the same float both ways round, so ``C`` is exactly symmetric where
-    ``G`` is. ``tr(C)`` sums ``C``'s diagonal in float64, as ``certified.density`` does, NaN where it is rounding
-    noise (``_centering``)."""
+    ``G`` is. ``tr(C)`` sums ``C``'s diagonal in float64, as ``certified.density`` does, NaN where that refuses it
+    (``_centering``)."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     g, _, trace = _centering(R, DG, b * N, N, N_P2)

@@ -250,6 +250,133 @@ def test_the_flags_of_tokens_nearly_alike_cost_no_read_of_their_own():
     assert torch.equal(t_sal, split_budget(exact.double(), 64, mu=0.9, tau=0.02))
 
 
+def tiny_trace_tokens(n: int, d: int, scale: float, dtype: torch.dtype, seed: int = 0):
+    """``(x [1, n, d], s [1, n])`` of ``dtype``: one common vector plus ``scale`` times a rank-min(60, d) variation,
+    so that the spectral matrix's trace is tiny (~n (scale / 1.4)^2: 5.9e-6 at 576 x 640 and 1e-4), and the
+    normalized entropy of its spectrum with zero eigenvalues counted 0 (float64 numpy: what the certified bounds
+    read, without the exact route's floor)."""
+    g = torch.Generator().manual_seed(seed)
+    r = min(60, d)
+    f64 = dict(generator=g, dtype=torch.float64)
+    x = torch.randn(1, 1, d, **f64) + scale * torch.randn(1, n, r, **f64) @ torch.randn(1, r, d, **f64) / math.sqrt(r)
+    s = torch.rand(1, n, generator=g, dtype=torch.float64)
+    t = x[0].numpy().copy()
+    t /= np.linalg.norm(t, axis=1, keepdims=True)
+    t -= t.mean(0)
+    lam = np.clip(np.linalg.eigvalsh(t @ t.T if n <= d else t.T @ t), 0.0, None)
+    return x.to(dtype), s.to(dtype), entropy_of(lam / lam.sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("n, d, scale, budget", [(576, 640, 1e-4, 64), (100, 80, 1e-6, 32), (576, 640, 1e-2, 64),
+                                                 (100, 80, 1e-2, 32)], ids=["gram", "covariance", "gram-1e-2",
+                                                                            "covariance-1e-2"])
+def test_a_tiny_trace_keeps_the_exact_routes_tokens_despite_its_eigenvalue_floor(n, d, scale, budget, dtype):
+    """The exact route clamps the eigenvalues at the absolute 1e-12 (``entropy.EIGEN_FLOOR``), which the bounds on
+    ``rho = C / tr C`` do not see: for tokens nearly alike in float64 (tr C ~ 6e-6 at 576 x 640, 8e-11 at 100 x 80)
+    each zero eigenvalue adds ~ -q log q / log n to H (q = 1e-12 / tr C), and the bracket decided a count the exact
+    route does not give (t_sal 32 against 31, 18 against 0 of 32) with a half-width (7e-9) that missed the exact H by
+    1.7e-4. Such rows are refused (``certified.refusal_trace``) and go to the eigensolve: the same counts, tokens and
+    H, N <= d (the Gram) and N > d (the covariance); in float32 the 1e-4 / 1e-6 cases are rounding noise on both
+    routes (H = 1) and the 1e-2 ones lie between that and the refusal threshold (tr C ~ 1e-4 a row). The float64
+    cases fail on the old code, and the float32 Gram at 1e-2 too, not by the floor (~4e-8 there) but by its bracket's
+    half-width (7.3e-7) missing the exact route's float32 H by 8.3e-7 (that eigensolve's rounding, which the margin
+    covers for the counts; refused, the row now takes the eigensolve's H itself)."""
+    x, s, h_nofloor = tiny_trace_tokens(n, d, scale, dtype)
+    tau = 0.02
+    with accel.entropy("exact"):
+        h_exact = float(promprune.spectral_entropy(x)[0])
+    mus = [h_nofloor + 1e-4 + tau * math.log((1 - 32.5 / 64) / (32.5 / 64)), h_nofloor + 0.005]
+    mus += boundary_mus(h_exact, budget, tau, (0.0, 1e-4, -1e-4))
+    for mu in mus:
+        kw = dict(budget=budget, method="promprune", mu=mu, tau=tau, order="selection")
+        with accel.entropy("exact"):
+            exact = promprune.select(x, s, **kw)
+        with accel.entropy("certified"):
+            got = promprune.select(x, s, **kw)
+        assert torch.equal(got.saliency_count, exact.saliency_count), (mu, certified.LAST_REPORT[0])
+        assert torch.equal(got.indices, exact.indices), mu
+        half = float(got.entropy_halfwidth[0])
+        assert abs(float(got.entropy[0]) - float(exact.entropy[0])) <= half, (mu, half)
+
+
+def test_the_floor_shift_bounds_the_floors_effect_and_is_nothing_for_ordinary_traces():
+    """``certified.floor_shift`` bounds how far the exact route's floor (eigenvalues raised to 1e-12, then the
+    spectrum renormalized) moves H, negative rounding eigenvalues included, on random spectra with tiny traces; it
+    is ~1e-11 at an ordinary trace (unit tokens: tr C = N x spread, O(N)) and the split's allowance (at half the
+    refusal threshold) stays below 1e-7 at every size, 1e-8 at the models' (576, 1296 tokens)."""
+    rng = np.random.default_rng(0)
+    floor = entropy.EIGEN_FLOOR
+    worst = 0.0
+    for _ in range(3000):
+        n = int(rng.choice([2, 3, 7, 40, 200]))
+        k = int(rng.integers(0, n))  # eigenvalues near or below the floor, of either sign
+        lam = np.concatenate([rng.exponential(size=n - k) * 10 ** rng.uniform(-12, 0),
+                              rng.uniform(-1, 1, size=k) * 10 ** rng.uniform(-14, -11.5)])
+        if lam.sum() <= 0:
+            continue
+        bound = certified.floor_shift(n, float(lam.sum()))  # the trace: at most the positive parts' sum
+        if not math.isfinite(bound):
+            continue
+        h_floor = entropy_of(np.clip(lam, floor, None) / np.clip(lam, floor, None).sum())
+        h_zero = entropy_of(np.clip(lam, 0, None) / np.clip(lam, 0, None).sum())
+        worst = max(worst, abs(h_floor - h_zero) / bound)
+    assert 0.5 < worst <= 1.0  # holds, and not by much: k near n eigenvalues at the floor reach it
+    assert certified.floor_shift(576, 0.5 * 576) < 2e-11  # unit tokens of spread 0.5
+    assert certified.floor_shift(576, 1e-5) > 5 * certified.DECISION_MARGIN  # float64 tokens nearly alike
+    assert all(certified.floor_allowance(n) < 1e-8 for n in (576, 1296, 2880))
+    assert all(certified.floor_allowance(n) < 1e-7 for n in range(2, 300))
+    assert certified.refusal_trace(576, torch.float32) == 576 * certified.FLOOR_PER_ROW > entropy.noise_trace(
+        576, torch.float32)
+
+
+def test_a_bracket_just_above_the_refusal_trace_holds_the_floored_entropy_with_the_allowance():
+    """A float64 matrix of rank 30 at n = 96 whose trace is just above the refusal threshold: the exact route raises
+    its 66 zero eigenvalues to the floor (H moved by 3.5e-9), and 12 steps bracket the unfloored entropy tighter than
+    that, so the bracket alone misses the exact route's H; widened by ``floor_allowance`` (1.1e-8, as ``split``
+    widens it) it holds it. (Through ``split`` the move is below the float32 entropy's resolution.)"""
+    rng = np.random.default_rng(3)
+    n = 96
+    lam = np.concatenate([rng.uniform(1, 2, 30), np.zeros(n - 30)])
+    matrix = matrix_with(lam / lam.sum(), rng, scale=1.01 * certified.refusal_trace(n, torch.float64))[None]
+    h_exact = float(entropy._entropy_of_spectrum(torch.linalg.eigvalsh(matrix))[0])  # float64, floored
+    state = certified.Lanczos.start(certified.density(matrix)).run(12)
+    lo, hi = certified.bounds(state.alpha.numpy(), state.beta.numpy(), n)
+    allowance = certified.floor_allowance(n)
+    assert not lo[0] <= h_exact <= hi[0]
+    assert lo[0] - allowance <= h_exact <= hi[0] + allowance
+    t_sal, h, half = certified.split(matrix, lambda e: split_budget(e, 64, mu=0.9, tau=0.02))
+    assert certified.LAST_REPORT[0].decided == [1] and float(half[0]) >= allowance * 0.99
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_ordinary_inputs_decide_as_without_the_floor_allowance(seed, monkeypatch):
+    """On ordinary tokens (the boundary cases' spectra, traces O(N)) the refusal threshold and the allowance for the
+    floor (~1e-8) change nothing but the half-widths, by the allowance: the same counts, the same stages, the same
+    eigensolves, the same midpoints, next to the count boundaries too."""
+    x, _, exact_h = boundary_case(seed)
+    matrix = spectral_matrix(x)
+    budget, tau = 32, 0.02
+    mus = boundary_mus(float(exact_h[seed]), budget, tau, (0.0, 1e-5, -1e-5, 3e-5, -3e-5, 1e-4)) + [0.42]
+
+    def run(mu):
+        out = certified.split(matrix, lambda h: split_budget(h, budget, mu=mu, tau=tau))
+        report = certified.LAST_REPORT[0]
+        return out, (report.decided, report.exact, report.refused)
+
+    allowance = certified.floor_allowance(matrix.shape[-1])
+    for mu in mus:
+        (t_sal, h, half), how = run(mu)
+        with monkeypatch.context() as m:
+            m.setattr(certified, "FLOOR_PER_ROW", 0.0)  # the old threshold: rounding noise only
+            m.setattr(certified, "floor_allowance", lambda n: 0.0)
+            (t_old, h_old, half_old), how_old = run(mu)
+        assert torch.equal(t_sal, t_old) and how == how_old and torch.equal(h, h_old), mu
+        widened = half > 0
+        assert torch.equal(widened, half_old > 0)
+        assert torch.allclose(half[widened].double(), half_old[widened].double() + allowance, rtol=1e-6, atol=0), mu
+
+
 def test_one_host_read_when_the_first_stage_decides():
     rng = np.random.default_rng(7)
     n = 128

@@ -116,13 +116,17 @@ def test_one_token_repeated_has_the_entropy_of_a_zero_spectrum_and_keeps_valid_t
                 assert len(set(row)) == 16 and all(0 <= i < N for i in row), (mode, row)
 
 
-def test_the_kernels_noise_threshold_is_the_exact_paths():
-    """The Triton centering (``lanczos_triton._centering``) compares with a literal, which must be the exact path's
-    ``noise_trace`` per row, or the certified split and the eigensolve would disagree on near-identical tokens."""
+def test_the_kernels_refusal_threshold_is_the_torch_paths():
+    """The Triton centering (``lanczos_triton._centering``) compares with a literal, which must be
+    ``certified.density``'s threshold per row (``refusal_trace``): at least the exact path's ``noise_trace``, or the
+    certified split and the eigensolve would disagree on near-identical tokens, and the trace the bracket's
+    allowance for the eigenvalue floor (``certified.floor_allowance``) assumes, or a row below it would decide by a
+    bracket that misses the exact H."""
     pytest.importorskip("triton")
     import inspect
 
-    from promprune.selection import entropy, lanczos_triton
+    from promprune.selection import certified, entropy, lanczos_triton
 
-    assert lanczos_triton.NOISE_PER_ROW == entropy.noise_trace(1, torch.float32)
-    assert repr(lanczos_triton.NOISE_PER_ROW) in inspect.getsource(lanczos_triton._centering.fn)
+    assert lanczos_triton.REFUSE_PER_ROW == certified.refusal_trace(1, torch.float32) >= entropy.noise_trace(
+        1, torch.float32)
+    assert repr(lanczos_triton.REFUSE_PER_ROW) in inspect.getsource(lanczos_triton._centering.fn)

@@ -52,6 +52,12 @@ def _tokens(kind: str, B: int, N: int, d: int, seed: int) -> torch.Tensor:
         x = torch.randn(B, N, d, generator=g)
         x[0] = x[0, :1]
         return x
+    if kind == "alike":  # the first image's tokens nearly alike: its centered trace ~1e-4 a row, above float32's
+        # rounding noise and below the certified split's refusal threshold (``certified.refusal_trace``: the exact
+        # route's eigenvalue floor), so both paths refuse its bounds (NaN rho)
+        x = torch.randn(B, N, d, generator=g)
+        x[0] = torch.randn(1, d, generator=g) + 0.01 * torch.randn(N, d, generator=g)
+        return x
     if kind == "orthonormal":  # identity kernel: every gain is 1 until the end
         return torch.eye(N, d).expand(B, N, d).clone()
     raise ValueError(kind)
@@ -680,6 +686,9 @@ def cases() -> dict[str, Case]:
     out["split-gram/random-3x80x96-gap0.001"] = split_case("random", 3, 80, 96, 43, 1e-3, gram=True)
     # one token repeated: its Gram's centering is rounding noise, refused (NaN rho) on both paths, H = 1 in the exact
     out["split-gram/identical-2x80x96"] = split_case("identical", 2, 80, 96, 44, 0.0, gram=True, mu=0.42)
+    # tokens nearly alike: a centered trace below the refusal threshold (the exact route's eigenvalue floor), refused
+    # on both paths; the exact route's eigensolve gives its count
+    out["split-gram/alike-2x80x96"] = split_case("alike", 2, 80, 96, 45, 0.0, gram=True, mu=0.42)
     # the fused recurrence (a launch a step: the update and the next product, ``_fused_kernel``): one 64 x 64 block
     # (40), blocks cut at the view's edge (70, 100: the product's columns summed 16 at a time, the last 6 or 4 masked),
     # 3 x 3 blocks (130); the start's one step (unfused) then steps from its state; a stage of one step from a state
@@ -694,12 +703,13 @@ def cases() -> dict[str, Case]:
     out["split-gram-fused/random-3x80x96-gap0.001"] = split_case("random", 3, 80, 96, 43, 1e-3, gram=True, fused=True)
     out["split-gram-fused/identical-2x80x96"] = split_case("identical", 2, 80, 96, 44, 0.0, gram=True, fused=True,
                                                            mu=0.42)
+    out["split-gram-fused/alike-2x80x96"] = split_case("alike", 2, 80, 96, 45, 0.0, gram=True, fused=True, mu=0.42)
     # the first stage fused from the Gram: rho made where the first step reads it (one block, blocks cut at the edge)
     for i, (kind, B, N, d, k) in enumerate([("random", 2, 40, 64, 6), ("random", 1, 70, 96, 2),
                                             ("lowrank", 2, 48, 24, 6), ("random", 2, 130, 150, 3)]):
         out[f"opening-fused/{kind}-{B}x{N}x{d}-steps{k}"] = opening_case(kind, B, N, d, 80 + i, k)
     for i, (kind, B, N, d) in enumerate([("random", 2, 70, 96), ("duplicates", 2, 40, 16), ("zeros", 1, 33, 20),
-                                         ("orthonormal", 2, 24, 32), ("identical", 2, 70, 96)]):
+                                         ("orthonormal", 2, 24, 32), ("identical", 2, 70, 96), ("alike", 2, 70, 96)]):
         out[f"density/{kind}-{B}x{N}x{d}"] = density_case(kind, B, N, d, 50 + i)
     return out
 
