@@ -9,9 +9,10 @@ local data files holding the split it evaluates, a task of one's own importing i
 below the visual tokens the model gives an image), that a video task's model answers about clips (``check_video``),
 that every in-LLM trial can prune this model's LLM at its layers (``promprune.models.llm_hooks.stage_layers``: a stage
 ranks at a full-attention layer, not a hybrid LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B /
-E4B are refused), that the MLflow store answers and can be written, and that every ``PROMPRUNE_*`` environment
-variable is one PromPrune reads, with a value it takes (``environment``). All problems come back together, in seconds;
-the entry scripts print them as one message without a traceback.
+E4B are refused) and at its budget where the model's image gives a known count (``check_construction``), that the
+MLflow store answers and can be written, and that every ``PROMPRUNE_*`` environment variable is one PromPrune reads,
+with a value it takes (``environment``). All problems come back together, in seconds; the entry scripts print them
+as one message without a traceback.
 
 Some problems are this machine's, not the spec's (`NotOnThisMachine`): a hub dataset or model that is not in this
 machine's cache while it is offline, task data or calibration images not where they are named. A sweep refuses
@@ -273,8 +274,10 @@ def check_construction(spec: SweepSpec) -> list[str]:
     an adapter option the family cannot run this config with (a ``saliency_block`` that is no full-attention block of
     Qwen2.5-VL's tower, or past the tower's last layer), CDPruner's ``text_source: clip`` on a model without a CLIP
     tower, a ``view_quota`` budget (LLaVA-NeXT's released VisPruner / VisionZip / CDPruner layout) that gives each
-    view nothing. One problem per distinct problem, under the field that set it, naming the trials unless every
-    trial has it."""
+    view nothing, an in-LLM budget whose schedule cannot prune the most visual tokens the model gives an image
+    (PyramidDrop's ``budget_semantics: released`` below the layer-averaged count of the layers before its first stage;
+    a model whose count depends on the image is left to run time). One problem per distinct problem, under the field
+    that set it, naming the trials unless every trial has it."""
     from pipelines.calibration import CALIBRATE
     from promprune.models.factories import model_config
     from promprune.models.options import validate_method

@@ -135,6 +135,28 @@ def schedule(method: str, config, budget: int, options: dict, name: str | None =
     return opts, at, plan, layer_map
 
 
+def plan_problem(config, method: str, budget: int, options: dict, n: int) -> str | None:
+    """Why ``method``'s schedule (:func:`schedule`) at ``budget`` cannot prune a row of ``n`` visual tokens, in the
+    words its plan raises with at run time, on every such row (PyramidDrop's ``budget_semantics="released"``: a budget
+    below the layer-averaged count the layers before its first stage already see, :func:`pyramid_ratio_for_average`);
+    None when it can. From the config alone (``options``: the method's validated options), so where the config fixes
+    the most tokens an image gives (``adapters.visual_token_capacity``; every image's count on LLaVA-1.5) construction
+    and the pipeline's preflight refuse it (``vlm.construction_problems``). Layers this LLM cannot prune at are
+    :func:`stage_layers`' to refuse: None here. The plan's warnings (a released stage left no token) are not repeated
+    here; the run gives them."""
+    try:
+        plan = schedule(method, config, budget, options)[2]
+    except ValueError:
+        return None  # stage_layers' refusal, raised where it is checked
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan(n)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tuple[list[int], list[tuple[int, int]]]:
     """The decoder layers an in-LLM ``method`` prunes before (ascending), and per requested stage ``(requested,
     used)``, from the config alone.

@@ -94,7 +94,10 @@ def construction_problems(config, method: str | None, budget: int | None, method
     run this config with (``Adapter.check_options``: a ``saliency_block`` outside the tower), a text source the
     model has no tower for (``Adapter.instruction_source``), a ``view_quota`` budget that gives a view nothing
     (:func:`view_budget`; ``views``: the most views one image gives, ``Adapter.views``; None, not known without the
-    processor: unchecked). ``PrunedVLM`` refuses the first; the pipeline's preflight names them all, before Ray
+    processor: unchecked), an in-LLM method's budget its schedule cannot prune the model's images with
+    (``llm_hooks.plan_problem`` at the most visual tokens one image gives, ``adapters.visual_token_capacity``:
+    PyramidDrop's released budget semantics below the layer-averaged floor; where the count depends on the image,
+    None, the run refuses it). ``PrunedVLM`` refuses the first; the pipeline's preflight names them all, before Ray
     starts.
     ValueError for a config no registered family runs (``registry.family_of``)."""
     found = family_of(config)
@@ -103,7 +106,15 @@ def construction_problems(config, method: str | None, budget: int | None, method
         found.adapter.check_options(config, adapter_options)
     except ValueError as exc:
         problems.append(exc)
-    if method is None or is_in_llm(method):
+    if method is None:
+        return problems
+    if is_in_llm(method):
+        capacity = visual_token_capacity(config, adapter_options)
+        if budget is not None and capacity is not None:
+            problem = llm_hooks.plan_problem(config, method, int(budget), method_options, capacity)
+            if problem is not None:
+                problems.append(OptionError("budget", f"on an image of {capacity} visual tokens (the most this "
+                                                      f"model gives one), {problem}"))
         return problems
     if promprune.method_spec(method).needs_instruction:
         try:
@@ -158,8 +169,9 @@ class PrunedVLM:
             llm_hooks.stage_layers(self.model.config, method,
                                    promprune.method_spec(method).resolve(dict(self.method_options), budget=budget),
                                    llm_hooks.model_name(self.model))
-        # fail now on a text source the model has no tower for, a view_quota budget that gives a view nothing (the
-        # same checks as the pipeline's preflight, from this adapter's own processor's most views)
+        # fail now on a text source the model has no tower for, a view_quota budget that gives a view nothing, an
+        # in-LLM budget its schedule cannot prune this model's images with (the same checks as the pipeline's
+        # preflight, from this adapter's own processor's most views)
         problems = construction_problems(model.config, method, self.budget, self.method_options, adapter_options,
                                          views=self.adapter.max_views())
         if problems:

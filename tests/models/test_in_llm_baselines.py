@@ -124,6 +124,35 @@ def test_pyramiddrop_released_floors_a_late_stage_to_no_token_and_says_so():
     assert [s.targets[0] for s in released.stages] == [10, 2, 0]
 
 
+def test_a_pyramiddrop_released_budget_no_image_can_run_is_refused_at_construction(images, prompts):
+    """The tiny LLaVA's every image gives 36 tokens; its first stage at layer 1 of 4 already averages 36 / 4 = 9 of
+    them, so a released budget below 9 failed every sample at generate (construction passed). It is refused at
+    construction now, by ``vlm.construction_problems`` (what the preflight runs), naming the budget. Where the count
+    depends on the image (Qwen2.5-VL without ``image_tokens``: no capacity) it is still each sample's, at run time."""
+    from promprune.models.options import OptionError, validate_method
+    from promprune.models.vlm import construction_problems
+
+    model, processor = tiny_vlm("llava")
+    want = ("on an image of 36 visual tokens (the most this model gives one), pyramiddrop's released budget semantics "
+            "average the visual tokens over the LLM's layers: with 36 tokens and the first stage at layer 1 of 4 the "
+            "average is at least 9, above the budget 8; use budget_semantics='exact' or earlier 'layers'")
+    with pytest.raises(OptionError) as raised:
+        PrunedVLM(model, processor, method="pyramiddrop", budget=8, budget_semantics="released")
+    assert raised.value.option == "budget" and str(raised.value) == want
+    problems = construction_problems(model.config, "pyramiddrop", 8,
+                                     *validate_method("pyramiddrop", 8, budget_semantics="released"), views=1)
+    assert [str(p) for p in problems] == [want]
+    for budget, options in [(12, {"budget_semantics": "released"}), (8, {}), (1, {})]:  # at the floor; exact
+        assert not construction_problems(model.config, "pyramiddrop", budget,
+                                         *validate_method("pyramiddrop", budget, **options), views=1)
+    for method in ("fastv", "sparsevlm", "dart"):  # no schedule of theirs refuses a budget by the token count
+        assert not construction_problems(model.config, method, 4, *validate_method(method, 4), views=1)
+    qwen, qwen_processor = tiny_vlm("qwen2_5_vl")
+    vlm = PrunedVLM(qwen, qwen_processor, method="pyramiddrop", budget=2, budget_semantics="released")
+    with pytest.raises(ValueError, match="above the budget 2"):
+        vlm.generate(images, prompts, max_new_tokens=2)
+
+
 def test_pyramiddrop_ranks_by_the_last_tokens_attention_with_the_next_layers_projections(images, prompts):
     """Stage 1 (before layer 1) keeps the top 20 by layer 1's own attention of the last token (head mean): the
     unpruned eager forward's ``attentions[1]``."""

@@ -456,10 +456,17 @@ def test_a_video_task_on_a_model_without_clips_is_refused_before_ray(scratch, ru
     ("tiny:qwen2_5_vl", ["grid={method: [cdpruner, divprune], budget: [8], text_source: [clip, llm]}"],
      "grid.text_source: text_source 'clip' needs a CLIP vision tower; this qwen2_5_vl model has none: use "
      "text_source 'llm' (or 'released') (trial cdpruner-b8-text_source=clip)"),
-], ids=["qwen2_5_vl-block", "qwen3_vl-block", "internvl-block", "gemma4-block", "next-view-quota", "clip-text"])
+    ("tiny:llava", ["grid={method: [pyramiddrop], budget: [8, 12], budget_semantics: [released]}"],
+     "budget: on an image of 36 visual tokens (the most this model gives one), pyramiddrop's released budget "
+     "semantics average the visual tokens over the LLM's layers: with 36 tokens and the first stage at layer 1 of 4 "
+     "the average is at least 9, above the budget 8; use budget_semantics='exact' or earlier 'layers' (trial "
+     "pyramiddrop-b8-budget_semantics=released)"),
+], ids=["qwen2_5_vl-block", "qwen3_vl-block", "internvl-block", "gemma4-block", "next-view-quota", "clip-text",
+        "pyramiddrop-released-budget"])
 def test_options_the_model_construction_refuses_are_refused_before_ray(scratch, run_main, model, sets, line):
     """Each passed --validate-only and failed in every worker after Ray started, with a traceback (exit 1): the
-    checks lived in the adapters' constructors only. Now the preflight runs the same code from the config."""
+    checks lived in the adapters' constructors only (PyramidDrop's released budget below its floor built fine and
+    failed every sample at generate). Now the preflight runs the same code from the config."""
     spec = scratch(SPEC.replace('"tiny:llava"', f'"{model}"'))
     proc, _ = run_main("--config", str(spec), *[a for s in sets for a in ("--set", s)], "--validate-only")
     assert_clean_error(proc, f"  - {line}\n")
