@@ -641,8 +641,10 @@ class InLLMPruner:
         self.prefill = past == 0
         if self.prefill and self.q_len != self.prompt_len:  # a decoding step whose cache the hook did not find
             raise RuntimeError(f"the language model ran {self.q_len} new tokens without a cache the hooks can read "
-                               f"(the prompt has {self.prompt_len}): it was passed under a name other than "
-                               f"{' or '.join(CACHE_ARGUMENTS)}; see promprune.models.llm_hooks.check_llm")
+                               f"(the prompt has {self.prompt_len}): generate ran without a KV cache (use_cache=False, "
+                               "e.g. in the model's generation_config; PrunedVLM.generate refuses the kwarg) or passed "
+                               f"it under a name other than {' or '.join(CACHE_ARGUMENTS)}; see "
+                               "promprune.models.llm_hooks.check_llm")
         mask2d = kwargs.get("attention_mask")
         B = embeds.shape[0]
         total = past + self.q_len

@@ -349,14 +349,16 @@ class PrunedVLM:
     @torch.inference_mode()
     def generate(self, images, prompts, *, keys=None, cache=None, prefix_cache: bool = False,
                  **generation_kwargs) -> list[Generation]:
-        """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise.
+        """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise (an in-LLM
+        method refuses beam search, ``use_cache=False`` and a static ``cache_implementation`` before anything runs:
+        :func:`_check_generation`).
 
         ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
         :attr:`shares_prefix` and one beam): the prompt up to the end of an image's visual tokens is prefilled once
         and its KV cache reused by every question about that image, here and in later calls with the same ``cache``
         (:mod:`promprune.models.prefix`); otherwise ignored.
         """
-        _one_sequence(generation_kwargs)
+        _check_generation(self.method, generation_kwargs)
         prep = self.prepare(images, prompts, keys=keys, cache=cache)
         out = self._generate(prep, generation_kwargs, cache=cache if prefix_cache else None, prefix_cache=prefix_cache)
         if cache is not None and prep.keys is not None:  # the prefixes of rows without a key: no later call asks
@@ -376,7 +378,7 @@ class PrunedVLM:
     @torch.inference_mode()
     def generate_video(self, clips, prompts, fps: float | None = None, **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about clip ``clips[i]`` (see :meth:`prepare_video`); greedy unless told otherwise."""
-        _one_sequence(generation_kwargs)
+        _check_generation(self.method, generation_kwargs)
         return self._generate(self.prepare_video(clips, prompts, fps), generation_kwargs)
 
     def _generate(self, prep: "Prepared", generation_kwargs: dict, cache=None,
@@ -477,6 +479,46 @@ def _one_sequence(generation_kwargs: dict) -> None:
     if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
         raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
                          f"{generation_kwargs['num_return_sequences']!r}")
+
+
+# The KV caches an in-LLM method's hooks run with: transformers' dynamic ones, where each layer's cache grows by what
+# the layer is given, so a layer after a cut holds its kept columns only (None: transformers' default, dynamic;
+# "hybrid": transformers 5.23 runs it as the default). The static ones ("static", "sliding_window", ...) preallocate
+# every layer at the unpruned length.
+IN_LLM_CACHES = (None, "dynamic", "offloaded", "quantized", "hybrid")
+
+
+def _check_generation(method: str | None, generation_kwargs: dict) -> None:
+    """Refuse, before anything runs, ``generate`` kwargs the run would fail on, each naming the kwarg (given as
+    itself or in a ``generation_config`` kwarg): ``num_return_sequences`` other than 1 (:func:`_one_sequence`), and
+    with an in-LLM method (``llm_hooks``) beam search, ``use_cache=False`` and a ``cache_implementation`` other than
+    a dynamic one (:data:`IN_LLM_CACHES`; "paged", transformers' continuous batching, too). The hooks read the KV
+    cache to tell the prefill from a decoding step and leave each layer after a cut its kept columns only: without a
+    cache every step reruns the whole sequence (which the hooks took for a prefill of the wrong length, "ran N new
+    tokens without a cache the hooks can read"), and a static cache failed with a bare size mismatch in the
+    attention. Pre-LLM methods and the unpruned model run with either."""
+    _one_sequence(generation_kwargs)
+    if not is_in_llm(method):
+        return
+    config = generation_kwargs.get("generation_config")
+
+    def given(name):
+        return generation_kwargs[name] if name in generation_kwargs else getattr(config, name, None)
+
+    where = f"in-LLM method {method!r} prunes inside the language model and"
+    if int(given("num_beams") or 1) != 1:
+        raise ValueError(f"{where} runs one sequence per prompt: num_beams must be 1, got {given('num_beams')!r} "
+                         "(use num_beams=1 and num_return_sequences=1)")
+    if given("use_cache") is not None and not given("use_cache"):
+        raise ValueError(f"{where} reads the KV cache to tell the prefill from each decoding step: use_cache="
+                         f"{given('use_cache')!r} is refused (without a cache every step reruns the whole sequence); "
+                         "leave use_cache unset or True, or run a pre-LLM method")
+    cache = given("cache_implementation")
+    if cache not in IN_LLM_CACHES:
+        raise ValueError(f"{where} needs a dynamic KV cache (each layer after its cut caches its kept tokens only): "
+                         f"cache_implementation={cache!r} is refused (a static cache preallocates every layer at the "
+                         f"unpruned length); leave cache_implementation unset or use one of "
+                         f"{[c for c in IN_LLM_CACHES if c]}, or run a pre-LLM method")
 
 
 class _Timer:

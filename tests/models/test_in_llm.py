@@ -117,6 +117,34 @@ def test_in_llm_rejects_beam_search(images, prompts):
                                                                        num_beams=2)
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"use_cache": False}, "use_cache=False is refused"),
+    ({"cache_implementation": "static"}, "cache_implementation='static' is refused"),
+    ({"cache_implementation": "sliding_window"}, "cache_implementation='sliding_window' is refused"),
+    ({"generation_config": transformers.GenerationConfig(use_cache=False)}, "use_cache=False is refused"),
+    ({"num_beams": 2}, "num_beams must be 1, got 2"),
+])
+def test_in_llm_refuses_generate_without_a_dynamic_cache_up_front(kwargs, needle, images, prompts, monkeypatch):
+    """use_cache=False failed at the first decoding step with a misleading "ran 56 new tokens without a cache the
+    hooks can read ... passed under a name other than cache or past_key_values", a static cache with a bare "The
+    size of tensor a (58) must match the size of tensor b (27)". Now a plain refusal naming the kwarg, before the
+    images are even prepared. Pre-LLM methods and the unpruned model answer the same with either."""
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method="fastv", budget=4)
+    monkeypatch.setattr(vlm, "prepare", lambda *a, **k: pytest.fail("prepared before the refusal"))
+    with pytest.raises(ValueError, match=rf"in-LLM method 'fastv' prunes inside the language model .*{needle}"):
+        vlm.generate(images, prompts, max_new_tokens=2, **kwargs)
+    monkeypatch.undo()
+    assert [g.visual_tokens for g in vlm.generate(images, prompts, max_new_tokens=2,
+                                                  cache_implementation="dynamic")] == [4, 4]
+    if "num_beams" in kwargs or "generation_config" in kwargs:
+        return
+    for method, budget in [("divprune", 4), (None, None)]:
+        plain = PrunedVLM(model, processor, method=method, budget=budget)
+        want = [g.token_ids for g in plain.generate(images, prompts, max_new_tokens=3)]
+        assert [g.token_ids for g in plain.generate(images, prompts, max_new_tokens=3, **kwargs)] == want
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 @pytest.mark.parametrize("method", ["fastv", "sparsevlm"])
 def test_eager_llm_full_budget_and_pruned_match_sdpa(arch, method, images, prompts):
