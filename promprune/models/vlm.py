@@ -354,9 +354,10 @@ class PrunedVLM:
         :func:`_check_generation`).
 
         ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
-        :attr:`shares_prefix` and one beam): the prompt up to the end of an image's visual tokens is prefilled once
-        and its KV cache reused by every question about that image, here and in later calls with the same ``cache``
-        (:mod:`promprune.models.prefix`); otherwise ignored.
+        :attr:`shares_prefix`, one beam and the default KV cache: no ``use_cache=False`` nor ``cache_implementation``
+        given): the prompt up to the end of an image's visual tokens is prefilled once and its KV cache reused by every
+        question about that image, here and in later calls with the same ``cache`` (:mod:`promprune.models.prefix`);
+        otherwise ignored.
         """
         _check_generation(self.method, generation_kwargs)
         prep = self.prepare(images, prompts, keys=keys, cache=cache)
@@ -385,7 +386,8 @@ class PrunedVLM:
                   prefix_cache: bool = False) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
         inputs, prefix_ms, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
-        if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1:
+        if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1 \
+                and _default_cache(kwargs):
             from . import prefix, sharing
 
             with Stopwatch(self.device) as prefilling:
@@ -475,6 +477,23 @@ class PrunedVLM:
         return dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
 
 
+def _generation_value(generation_kwargs: dict, name: str):
+    """A ``generate`` setting as given: the kwarg, else the ``generation_config`` kwarg's (None: not given)."""
+    if name in generation_kwargs:
+        return generation_kwargs[name]
+    return getattr(generation_kwargs.get("generation_config"), name, None)
+
+
+def _default_cache(generation_kwargs: dict) -> bool:
+    """Whether ``generate`` runs with transformers' default KV cache: neither ``use_cache=False`` nor a
+    ``cache_implementation`` given. The prefix cache (:mod:`promprune.models.prefix`) hands ``generate`` a filled
+    dynamic cache, so it runs only then: with use_cache=False generate read none of it (wrong answers, silently), with
+    a cache_implementation transformers refused the pair."""
+    use_cache = _generation_value(generation_kwargs, "use_cache")
+    return (use_cache is None or bool(use_cache)) and _generation_value(generation_kwargs,
+                                                                        "cache_implementation") is None
+
+
 def _one_sequence(generation_kwargs: dict) -> None:
     if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
         raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
@@ -500,10 +519,8 @@ def _check_generation(method: str | None, generation_kwargs: dict) -> None:
     _one_sequence(generation_kwargs)
     if not is_in_llm(method):
         return
-    config = generation_kwargs.get("generation_config")
-
     def given(name):
-        return generation_kwargs[name] if name in generation_kwargs else getattr(config, name, None)
+        return _generation_value(generation_kwargs, name)
 
     where = f"in-LLM method {method!r} prunes inside the language model and"
     if int(given("num_beams") or 1) != 1:

@@ -252,6 +252,21 @@ def test_prefix_once_passes_the_cache_under_the_name_this_release_takes(rows):
     assert tokens(shared) == tokens(vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS))
 
 
+@pytest.mark.parametrize("kwargs", [{"use_cache": False}, {"cache_implementation": "static"},
+                                    {"cache_implementation": "dynamic"}])
+def test_prefix_once_gives_way_to_a_cache_setting_of_the_callers(kwargs, rows):
+    """The prefix cache hands generate a filled dynamic cache: with use_cache=False generate read none of it and
+    answered wrongly, silently; with a cache_implementation transformers refused the pair ("Passing both
+    `cache_implementation` ... and `past_key_values`"). Then the usual way runs: the answers of the unshared path,
+    no prefix cached."""
+    vlm = vlm_for("llava", "divprune", 6)
+    reference = vlm.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS)
+    cache = ImageCache()
+    shared = vlm.generate(rows, PROMPTS, keys=KEYS, cache=cache, prefix_cache=True, max_new_tokens=NEW_TOKENS,
+                          **kwargs)
+    assert tokens(shared) == tokens(reference) and not cache.prefixes
+
+
 def test_cache_argument_follows_the_forward_signature():
     """Hand-made forwards: the 5.24 name when declared, else the old one."""
     from promprune.models.llm_hooks import cache_argument
