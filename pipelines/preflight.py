@@ -237,12 +237,24 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
     return out
 
 
+def _config_for(spec: SweepSpec, needed) -> object | None:
+    """The spec's model config for a check that has something to check (``needed``); None where it has nothing, or
+    the config does not load (`check_model` says why) or is a factory's without one."""
+    from promprune.models.factories import model_config
+
+    if not needed:
+        return None
+    try:
+        return model_config(spec.model.pretrained)
+    except ValueError:
+        return None
+
+
 def check_video(spec: SweepSpec) -> list[str]:
     """The spec's video tasks (``tasks.is_video_task``: from their YAML, no data loaded) run on a model whose family
     answers about clips (``Family.video``, ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed
     every sample of such a task, and the sweep exited 0. One problem naming the tasks and the model."""
     from promprune.eval.tasks import is_video_task
-    from promprune.models.factories import model_config
     from promprune.models.video import check_video_config
 
     video = []
@@ -252,10 +264,7 @@ def check_video(spec: SweepSpec) -> list[str]:
                 video.append(task)
         except ValueError:
             pass  # check_tasks says why
-    try:
-        config = model_config(spec.model.pretrained) if video else None
-    except ValueError:
-        return []  # check_model says why
+    config = _config_for(spec, video)
     if config is None:
         return []
     try:
@@ -279,15 +288,11 @@ def check_construction(spec: SweepSpec) -> list[str]:
     a model whose count depends on the image is left to run time). One problem per distinct problem, under the field
     that set it, naming the trials unless every trial has it."""
     from pipelines.calibration import CALIBRATE
-    from promprune.models.factories import model_config
     from promprune.models.options import validate_method
     from promprune.models.vlm import construction_problems
 
     trials = expand(spec)
-    try:
-        config = model_config(spec.model.pretrained) if trials else None
-    except ValueError:
-        return []  # check_model says why
+    config = _config_for(spec, trials)
     if config is None:
         return []
     views = _views(spec.model.pretrained, config)
@@ -345,10 +350,7 @@ def check_clip_text(spec: SweepSpec) -> list[str]:
     from promprune.models.registry import find_family
 
     trials = [t for t in expand(spec) if t.method == "cdpruner"]
-    try:
-        config = model_config(spec.model.pretrained) if trials else None
-    except ValueError:
-        return []  # check_model says why
+    config = _config_for(spec, trials)
     family = None if config is None else find_family(config)
     if family is None:
         return []
@@ -377,15 +379,11 @@ def check_in_llm_layers(spec: SweepSpec) -> list[str]:
     and the LLM is one the hooks can prune), so a method the model cannot run is refused here, not in a Ray actor: one
     paragraph per distinct problem, naming the model, the method and the trials."""
     import promprune
-    from promprune.models.factories import model_config
     from promprune.models.llm_hooks import stage_layers
     from promprune.models.options import is_in_llm, validate_method
 
     trials = [t for t in expand(spec) if is_in_llm(t.method)]
-    try:
-        config = model_config(spec.model.pretrained) if trials else None
-    except ValueError:
-        return []  # check_model says why
+    config = _config_for(spec, trials)
     problems: dict[str, list[str]] = {}
     for trial in [] if config is None else trials:
         try:
