@@ -119,8 +119,9 @@ def save_sweep_view(c, exp_id: str, sweep: str, run_id: str, view: SweepView) ->
 
 def sweep_views(tags: dict, sweep: str) -> dict[str, str]:
     """{parent run id: view key} of the saved views of sweep ``sweep`` among an experiment's ``tags`` (one per run;
-    not the one key per sweep of earlier versions, nor another sweep's: a run id has no '-')."""
-    own = re.compile(re.escape(mlflow_layout.SAVED_VIEW + mlflow_layout.view_key(sweep)) + r"-([A-Za-z0-9]+)")
+    not the one key per sweep of earlier versions, nor another sweep's: a run id is MLflow's 32 hex digits, so the
+    per-sweep key of a sweep named ``<sweep>-gpu`` is not read as run "gpu" of ``sweep``)."""
+    own = re.compile(re.escape(mlflow_layout.SAVED_VIEW + mlflow_layout.view_key(sweep)) + r"-([0-9a-f]{32})")
     return {m[1]: tag[len(mlflow_layout.SAVED_VIEW):] for tag in tags if (m := own.fullmatch(tag))}
 
 

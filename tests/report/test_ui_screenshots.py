@@ -152,6 +152,12 @@ def test_two_runs_of_a_sweep_at_once_each_link_their_own_view(store, tmp_path):
     # another sweep's views, whose name starts with this one's, are not this sweep's
     other = tracking.start_sweep(client, "nightly-b", 1, "name: nightly-b\n", {})
     assert other not in views.sweep_views(client.get_experiment(exp).tags, "nightly")
+    # nor is the one per-sweep key an earlier version saved for sweep "nightly-gpu" (read as run "gpu", it was pruned)
+    old_key = mlflow_layout.SAVED_VIEW + mlflow_layout.view_key("nightly-gpu")
+    client.set_experiment_tag(exp, old_key, json.dumps({"name": "nightly-gpu", "createdAt": 1, "state": "{}"}))
+    assert views.sweep_views(client.get_experiment(exp).tags, "nightly") == kept
+    views.prune_views(client, exp, "nightly", kept=0)
+    assert old_key in client.get_experiment(exp).tags
 
 
 @pytest.mark.parametrize("name, options, running, best, longest", [
