@@ -11,8 +11,8 @@ timestamps), so a batch's clips may differ in rate; OneVision's clips carry no t
 The placeholders of a clip may come in several runs (Qwen3-VL's processor writes a timestamp before each temporal
 patch's run). A clip has one frame or more (a Qwen 1-frame clip: one temporal patch of that frame twice); a batch's
 clips may differ in frame count (OneVision's, whose processor stacks them, are processed by frame count). A video
-file cut off (decoding materially short of its stated frame count, or failing after its first frame) is refused, not
-answered on what decodes (:func:`decode_video`).
+file cut off (its decoded frames stopping materially short of its stated duration, or failing after its first frame)
+is refused, not answered on what decodes (:func:`decode_video`).
 
 Budget over a clip (adapter options ``video_budget`` / ``video_split``;
 :data:`promprune.models.options.ADAPTER_OPTIONS`): ``per_frame`` splits the budget evenly over the frames (largest
@@ -28,7 +28,9 @@ import hashlib
 import io
 import math
 import os
+import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -86,23 +88,38 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
     (first to last, rounded down: ``np.linspace(..., dtype=int)``, lmms-eval's own sampling in its video loader and
     its LLaVA-OneVision and Qwen2.5-VL models) of a video file, decoded with PyAV. Where the stream states its frame
     count, only the picked frames are kept in memory (a long clip held every decoded frame); where the count is
-    missing or a little off, every frame is decoded and the picks made from what was decoded.
+    missing or off what decodes, every frame is decoded and the picks made from what was decoded.
 
     A cut-off file is refused (:class:`TruncatedVideo`, a ValueError; the request path records it as one failed
     sample, as it records an image's truncated bytes) rather than answered on what decodes: a decode error after
-    the first frame, or fewer decoded frames than the stream states by more than :func:`count_slack` (the larger of
-    2 frames and 5% of the count). The slack is for containers whose count is only approximate: an mp4 edit list
-    trims an encoder's priming / reordering frames (one or two) from what decodes but not from the count, an AVI
-    counts its dropped (empty) frames, and counts derived from duration x rate are rounded; a cut-off file loses the
-    share of its frames that its lost bytes held (the probe's faststart mp4 cut at 60% of its bytes: 1 of 40). A
-    file stating no count (most mkv / webm / mpeg-ts) is not checked; one whose decoded frames outnumber the count
-    is taken as decoded. (A file that lost under the slack decodes, its picks spread over what remains.)"""
-    kept, count, stated, rate = _decode(path, frames, by_stated=True)
-    if stated > 0 and count < stated - count_slack(stated):
-        raise TruncatedVideo(f"{path}: truncated video: {count} of {stated} frames decoded (the stream states "
-                             f"{stated}; at most {count_slack(stated)} fewer are taken as an approximate count)")
-    if stated > 0 and count != stated:  # the stated count was a little off: pick again from every frame
-        kept, count, _, rate = _decode(path, frames, by_stated=False)
+    the first frame, or decoded frames that stop short of the stream's stated end by more than :func:`time_slack`
+    (the larger of 2 frame intervals and 5% of the stated duration). The decoded frames' end is the last one's
+    timestamp plus its duration (one frame interval where the container gives none); the stated end is the video
+    stream's start plus its duration, else its Matroska / WebM ``DURATION`` tag, else the container's duration
+    where the video is its only stream (a container's duration spans its audio too). A cut-off file loses the time
+    its lost bytes held (the probe's faststart mp4 cut at 60% of its bytes: 1 frame, ending at 0.125 of its 5 s);
+    a whole file's frames reach its end however many they are. The frame count a container states is not what tells
+    them apart: it counts the frames an mp4 cut by stream copy holds but its edit list hides (70 of 100 decode,
+    0-2.8 s of the stream's 2.8 s) and an AVI's dropped (empty) frames (40 of 59 decode, to its end).
+
+    The slack: where a container leaves the last frame's display duration implicit (AVI, or a variable rate) it is
+    taken as one average interval, which may be off by about one, and timestamps are rounded; the 5% keeps a long
+    clip from being refused over a short tail, the uniform picks of what remains lying within 5% of the clip of the
+    whole file's (8 picks are 14% apart). A file stating no duration, or one whose duration ffmpeg estimates from
+    the file itself (MPEG-TS / PS: from the last timestamps there are, which a cut moves), is refused only on a
+    decode error, never on how many frames decoded. (A file that lost under the slack decodes, its picks spread
+    over what remains.)"""
+    got = _decode(path, frames, by_stated=True)
+    short = _short_by(got)
+    if short is not None:
+        of = f" of {got.stated}" if got.stated > 0 else ""
+        raise TruncatedVideo(f"{path}: truncated video: {got.count}{of} frames decoded, ending at {got.end:.3f} s of "
+                             f"the {got.stated_end:.3f} s the stream states ({short:.3f} s short; at most "
+                             f"{time_slack(got.stated_end - got.start, got.interval):.3f} s, the larger of 2 frame "
+                             "intervals and 5%, is taken as a sound file's)")
+    kept, count, stated, rate = got[:4]
+    if stated > 0 and count != stated:  # the stated count is off what decodes: pick again from every frame
+        kept, count, _, rate = _decode(path, frames, by_stated=False)[:4]
     if not count:
         raise ValueError(f"{path}: no video frames decoded")
     picks = _frame_picks(count, frames)
@@ -111,13 +128,22 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
 
 
 class TruncatedVideo(ValueError):
-    """A video file that decodes materially short of its stated frame count, or fails after its first frame."""
+    """A video file whose decoded frames stop materially short of its stated end, or fail after its first frame."""
 
 
-def count_slack(stated: int) -> int:
-    """How many frames fewer than a stream's stated count may decode before the file is taken as cut off: the larger
-    of 2 and 5% of the count (rounded up); :func:`decode_video` says why."""
-    return max(2, math.ceil(0.05 * stated))
+def time_slack(duration: float, interval: float) -> float:
+    """How many seconds short of a stream's stated end its decoded frames may stop before the file is taken as cut
+    off: the larger of 2 frame intervals and 5% of the stated ``duration``; :func:`decode_video` says why."""
+    return max(2 * interval, 0.05 * duration)
+
+
+def _short_by(got: "_Decoded") -> float | None:
+    """Seconds by which the decoded frames stop short of the stated end, where that is more than :func:`time_slack`;
+    else None (also where the stream states no duration or its frames no timestamps)."""
+    if got.end is None or got.stated_end is None:
+        return None
+    short = got.stated_end - got.end
+    return short if short > time_slack(got.stated_end - got.start, got.interval) + 1e-6 else None
 
 
 def _frame_picks(total: int, frames: int) -> np.ndarray:
@@ -125,21 +151,36 @@ def _frame_picks(total: int, frames: int) -> np.ndarray:
     return np.linspace(0, total - 1, min(frames, total), dtype=int)
 
 
-def _decode(path, frames: int, by_stated: bool) -> tuple[dict, int, int, float | None]:
-    """One pass over a video file's frames: ``(kept {index: [H, W, 3]}, frames decoded, frame count the stream
-    states (0: none), its average rate)``. ``by_stated``: keep only the picks of the stated count (every frame where
-    it states none); else every frame."""
+class _Decoded(NamedTuple):
+    """What one pass over a video file gives (:func:`_decode`)."""
+
+    kept: dict  # {index: [H, W, 3] uint8}
+    count: int  # frames decoded
+    stated: int  # frame count the stream states (0: none)
+    rate: float | None  # the stream's average rate
+    end: float | None  # seconds: the last decoded frame's timestamp plus its duration (None: no timestamps)
+    start: float  # seconds: where the stated span starts
+    stated_end: float | None  # seconds: start plus the stated duration (None: none stated)
+    interval: float  # seconds: one frame interval (0: unknown)
+
+
+def _decode(path, frames: int, by_stated: bool) -> _Decoded:
+    """One pass over a video file's frames (:class:`_Decoded`). ``by_stated``: keep only the picks of the stated
+    count (every frame where it states none); else every frame."""
     import av
 
     with av.open(os.fspath(path)) as container:
         stream = container.streams.video[0]
         stated = int(stream.frames or 0)
         rate = float(stream.average_rate) if stream.average_rate else None
+        guessed = rate or (float(stream.guessed_rate) if stream.guessed_rate else None)
+        interval = 1.0 / guessed if guessed else 0.0
+        start, stated_end = _stated_span(container, stream)
         wanted = set(_frame_picks(stated, frames).tolist()) if by_stated and stated > 0 else None
-        kept, count = {}, 0
+        kept, count, last = {}, 0, None
         try:
             for i, frame in enumerate(container.decode(stream)):
-                count = i + 1
+                count, last = i + 1, frame
                 if wanted is None or i in wanted:
                     kept[i] = frame.to_ndarray(format="rgb24")
         except av.error.FFmpegError as err:
@@ -148,7 +189,29 @@ def _decode(path, frames: int, by_stated: bool) -> tuple[dict, int, int, float |
             of = f" of {stated}" if stated > 0 else ""
             raise TruncatedVideo(f"{path}: truncated video: {count}{of} frames decoded, then "
                                  f"{type(err).__name__}: {err}") from err
-    return kept, count, stated, rate
+        end = None
+        if last is not None and last.time is not None:
+            time_base = last.time_base or stream.time_base
+            own = float(last.duration * time_base) if last.duration and time_base else 0.0
+            end = float(last.time) + (own or interval)
+    return _Decoded(kept, count, stated, rate, end, start, stated_end, interval)
+
+
+def _stated_span(container, stream) -> tuple[float, float | None]:
+    """``(start, end)`` in seconds of what a video stream states it spans (end None: no duration stated): its own
+    duration, else its ``DURATION`` tag (Matroska / WebM state one per track), else the container's where the video
+    is its only stream."""
+    start = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+    if stream.duration and stream.time_base:
+        return start, start + float(stream.duration * stream.time_base)
+    tag = (stream.metadata or {}).get("DURATION") or (stream.metadata or {}).get("duration")
+    match = re.fullmatch(r"(\d+):(\d+):(\d+(?:\.\d*)?)", tag.strip()) if isinstance(tag, str) else None
+    if match:
+        return start, start + int(match[1]) * 3600 + int(match[2]) * 60 + float(match[3])
+    if container.duration and len(container.streams) == 1:
+        start = container.start_time / 1e6 if container.start_time is not None else 0.0
+        return start, start + container.duration / 1e6
+    return start, None
 
 
 def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float | None]:

@@ -148,7 +148,8 @@ def test_decode_video_refuses_a_cut_off_file(tmp_path):
     cut = tmp_path / "cut.mp4"
     cut.write_bytes(data[: int(len(data) * 0.6)])
     assert _decode(cut, 8, by_stated=False)[1:3] == (1, 40)  # the probe's file: 1 of the 40 stated frames decodes
-    with pytest.raises(TruncatedVideo, match=r"cut\.mp4: truncated video: 1 of 40 frames decoded"):
+    with pytest.raises(TruncatedVideo, match=r"cut\.mp4: truncated video: 1 of 40 frames decoded, ending at 0\.125 s "
+                                             r"of the 5\.000 s the stream states"):
         decode_video(cut)
     with pytest.raises(ValueError, match=r"clip 0 is unreadable: TruncatedVideo: .*truncated video: 1 of 40"):
         load_clip(cut, 0)
@@ -160,16 +161,17 @@ def test_decode_video_refuses_a_cut_off_file(tmp_path):
     assert decode_video(whole)[0].shape == (8, 96, 96, 3)
 
 
-@pytest.mark.parametrize("stated", [38, 41, 42, 43, 44])
-def test_decode_video_takes_a_frame_count_a_little_off(tmp_path, stated):
-    """A container whose stated count is a little off what decodes (an mp4's time-to-sample table rewritten to state
-    ``stated`` of its 40 frames; edit lists, dropped AVI frames and rounded duration x rate counts do the same) is
-    decoded, its picks made from the frames decoded: the clip of the exact file. Within the slack (the larger of 2
-    frames and 5%, rounded up: 3 of 43 or 44); 4 short of 44 is refused as cut off."""
+@pytest.mark.parametrize("stated", [30, 38, 41, 44, 80])
+def test_decode_video_takes_a_frame_count_off_what_decodes(tmp_path, stated):
+    """A container whose stated count is off what decodes (an mp4's time-to-sample table rewritten to state
+    ``stated`` of its 40 frames; edit lists and dropped AVI frames do the same) is decoded, its picks made from the
+    frames decoded: the clip of the exact file. The count is not what tells a cut-off file: its 40 frames reach the
+    end of the duration the stream states (5 s, or 3.75 s where the table states 30), so no count is refused (the
+    earlier rule refused 44, 4 over its slack of 3)."""
     av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
     import struct
 
-    from promprune.models.video import TruncatedVideo, _decode, count_slack
+    from promprune.models.video import _decode
 
     exact = write_mp4(av, scene_clip(index=3, frames=40, step=1), tmp_path / "exact.mp4")
     data = bytearray(exact.read_bytes())
@@ -178,14 +180,110 @@ def test_decode_video_takes_a_frame_count_a_little_off(tmp_path, stated):
     data[at + 8:at + 12] = struct.pack(">I", stated)
     off = tmp_path / "off.mp4"
     off.write_bytes(bytes(data))
-    assert _decode(off, 8, by_stated=False)[1:3] == (40, stated)
-    if stated - 40 > count_slack(stated):
-        with pytest.raises(TruncatedVideo, match="truncated video: 40 of 44 frames decoded"):
-            decode_video(off)
-        return
+    got = _decode(off, 8, by_stated=False)
+    assert got[1:3] == (40, stated) and got.end == 5.0 and got.stated_end == min(5.0, stated / 8)
     (got, got_fps), (ref, ref_fps) = decode_video(off), decode_video(exact)
     assert np.array_equal(got, ref) and got_fps == pytest.approx(ref_fps)
-    assert count_slack(40) == 2 and count_slack(100) == 5 and count_slack(10) == 2
+
+
+def test_decode_video_takes_an_mp4_cut_by_stream_copy(tmp_path):
+    """An mp4 cut by stream copy (``ffmpeg -ss 1.2 -c copy``: the packets from the keyframe before the cut, an edit
+    list hiding the frames before it) states the 100 frames it holds and decodes the 70 it shows, 0-2.76 s of its
+    2.8 s: a whole file, decoded (it was refused as '70 of 100 frames decoded'), its picks those of the source's
+    frames 30-99."""
+    av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
+    try:
+        av.codec.Codec("libx264", "w")
+    except Exception:
+        pytest.skip("this PyAV has no libx264 encoder")
+    from promprune.models.video import _decode, _frame_picks
+
+    source = tmp_path / "source.mp4"
+    with av.open(str(source), "w") as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"g": "50", "keyint_min": "50", "sc_threshold": "0", "bf": "0"}  # keyframes at 0 and 2 s
+        for i in range(100):
+            image = np.random.RandomState(i).randint(0, 255, (64, 64, 3), dtype=np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        out.mux(stream.encode())
+    cut = tmp_path / "cut.mp4"
+    with av.open(str(source)) as src, av.open(str(cut), "w") as out:
+        copy_stream = out.add_stream_from_template(src.streams.video[0])
+        shift = int(1.2 / src.streams.video[0].time_base)
+        for packet in src.demux(src.streams.video[0]):
+            if packet.dts is None:
+                continue
+            packet.pts -= shift
+            packet.dts -= shift
+            packet.stream = copy_stream
+            out.mux(packet)
+    got = _decode(cut, 8, by_stated=False)
+    assert got[1:3] == (70, 100) and got.end == pytest.approx(2.8) and got.stated_end == pytest.approx(2.8)
+    frames, fps = decode_video(cut)
+    with av.open(str(source)) as src:
+        whole = [f.to_ndarray(format="rgb24") for f in src.decode(video=0)]
+    assert np.array_equal(frames, np.stack([whole[30 + i] for i in _frame_picks(70, 8)]))
+    assert fps == pytest.approx(25 * 7 / 69)
+
+
+def test_decode_video_takes_an_avi_with_dropped_frames(tmp_path):
+    """An AVI muxed from frames with timestamp gaps (a capture's dropped frames: the muxer writes an empty chunk for
+    each missing frame) states 59 frames and decodes its 40, 0-7.375 s of the 7.375 s stated: a whole file, decoded
+    (it was refused as '40 of 59 frames decoded'), its picks those of the 40."""
+    av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
+    from fractions import Fraction
+
+    from promprune.models.video import _decode, _frame_picks
+
+    clip = scene_clip(index=3, frames=40, step=1)
+    path = tmp_path / "gaps.avi"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 96, "yuv420p"
+        for i, image in enumerate(clip):
+            frame = av.VideoFrame.from_image(image)
+            frame.pts, frame.time_base = i + i // 2, Fraction(1, 8)  # a frame dropped after every second one
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    got = _decode(path, 8, by_stated=False)
+    assert got[1:3] == (40, 59) and got.end == got.stated_end == 59 / 8
+    with av.open(str(path)) as src:
+        decoded = [f.to_ndarray(format="rgb24") for f in src.decode(video=0)]
+    assert np.array_equal(decode_video(path)[0], np.stack([decoded[i] for i in _frame_picks(40, 8)]))
+
+
+def test_decode_video_refuses_frames_stopping_short_of_the_stated_end(tmp_path):
+    """The slack: a Matroska file (its video's duration a DURATION tag, 5 s) cut before its last 1 or 2 frames'
+    packets ends 0.125 / 0.25 s short, within the larger of 2 frame intervals (0.25 s) and 5% (0.25 s), and decodes;
+    cut before its last 3 it is 0.375 s short, refused."""
+    av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
+    from promprune.models.video import TruncatedVideo, _decode, time_slack
+
+    whole = tmp_path / "whole.mkv"
+    with av.open(str(whole), "w") as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 96, "yuv420p"
+        for image in scene_clip(index=3, frames=40, step=1):
+            out.mux(stream.encode(av.VideoFrame.from_image(image)))
+        out.mux(stream.encode())
+    with av.open(str(whole)) as src:
+        starts = [p.pos for p in src.demux(video=0) if p.size]
+    data = whole.read_bytes()
+    assert len(starts) == 40 and _decode(whole, 8, by_stated=False)[1:3] == (40, 0)  # no stated count
+    for lost in (1, 2, 3):
+        cut = tmp_path / f"lost{lost}.mkv"
+        cut.write_bytes(data[:starts[-lost]])
+        got = _decode(cut, 8, by_stated=False)
+        assert got.count == 40 - lost and got.end == 5 - lost / 8 and got.stated_end == 5.0
+        if lost < 3:
+            assert decode_video(cut)[0].shape == (8, 96, 96, 3)
+            continue
+        with pytest.raises(TruncatedVideo, match=r"lost3\.mkv: truncated video: 37 frames decoded, ending at "
+                                                 r"4\.625 s of the 5\.000 s the stream states \(0\.375 s short"):
+            decode_video(cut)
+    assert time_slack(5.0, 1 / 8) == 0.25 and time_slack(100.0, 1 / 8) == 5.0 and time_slack(1.0, 1 / 25) == 0.08
 
 
 # ---- unpruned and full budget --------------------------------------------------------------------------------------
