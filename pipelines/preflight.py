@@ -1,18 +1,18 @@
 """Checks of a sweep against the world it will run in, before Ray starts and before any MLflow run exists.
 
-`specs.parse` checks a spec by itself (fields, types, methods and option values). `preflight(spec)` checks what
-the spec names: that every task exists (lmms-eval's, an offline one, or in a directory of the spec's
-`include_path`, whose task files must all be readable) and would load (its data found where lmms-eval will look,
-local data files holding the split it evaluates, a task of one's own importing its code), that the model resolves
-(a factory name, a local checkpoint directory, a hub id in the cache or on a reachable hub) to one the adapters run
-(a registered family's config, with the family's processor and a chat template), that every budget prunes (stays
-below the visual tokens the model gives an image), that a video task's model answers about clips (``check_video``),
-that every in-LLM trial can prune this model's LLM at its layers (``promprune.models.llm_hooks.stage_layers``: a stage
-ranks at a full-attention layer, not a hybrid LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B /
-E4B are refused) and at its budget where the model's image gives a known count (``check_construction``), that the
-MLflow store answers and can be written, and that every ``PROMPRUNE_*`` environment variable is one PromPrune reads,
-with a value it takes (``environment``). All problems come back together, in seconds; the entry scripts print them
-as one message without a traceback.
+`specs.parse` checks a spec by itself (fields, types, methods and option values). `preflight(spec)` checks what the spec
+names: that every task exists (lmms-eval's, an offline one, or in a directory of the spec's `include_path`, whose task
+files must all be readable) and would load (its data found where lmms-eval will look, local data files holding the split
+it evaluates, a task of one's own importing its code), that the model resolves (a factory name, a local checkpoint
+directory, a hub id in the cache or on a reachable hub) to one the adapters run (a registered family's config, with the
+family's processor and a chat template), that every budget prunes (stays below the visual tokens the model gives an
+image), that a task certain to give clips has a model that takes them (``check_video``), that every in-LLM trial can
+prune this model's LLM at its layers (``promprune.models.llm_hooks.stage_layers``: a stage ranks at a full-attention
+layer, not a hybrid LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B / E4B are refused) and at its
+budget where the model's image gives a known count (``check_construction``), that the MLflow store answers and can be
+written, and that every ``PROMPRUNE_*`` environment variable is one PromPrune reads, with a value it takes
+(``environment``). All problems come back together, in seconds; the entry scripts print them as one message without a
+traceback.
 
 Some problems are this machine's, not the spec's (`NotOnThisMachine`): a hub dataset or model that is not in this
 machine's cache while it is offline, task data or calibration images not where they are named. A sweep refuses
@@ -251,29 +251,45 @@ def _config_for(spec: SweepSpec, needed) -> object | None:
 
 
 def check_video(spec: SweepSpec) -> list[str]:
-    """The spec's video tasks (``tasks.is_video_task``: from their YAML, no data loaded) run on a model whose family
-    answers about clips (``Family.video``, ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed
-    every sample of such a task, and the sweep exited 0. One problem naming the tasks and the model."""
-    from promprune.eval.tasks import is_video_task
+    """The spec's video tasks run on a model whose family answers about clips (``Family.video``,
+    ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed every sample of such a task, and the sweep
+    exited 0. Judged from the tasks' YAML alone (``tasks.video_task_kind``, no data loaded). A task certain to give
+    clips (an offline video task, or a group with one) is one problem naming the tasks and the model. A task that
+    only sets lmms-eval's ``dataset_kwargs.video`` may give images (MixEval-X's image2text tasks, site_bench_image),
+    so it is not refused: one console note names it, the model and what happens if its documents are clips. A false
+    refusal would block valid work; a miss only records failed samples."""
+    from promprune.eval.tasks import video_task_kind
     from promprune.models.video import check_video_config
 
-    video = []
+    kinds = {}
     for task in spec.tasks:
         try:
-            if is_video_task(task, spec.include_path):
-                video.append(task)
+            kind = video_task_kind(task, spec.include_path)
         except ValueError:
-            pass  # check_tasks says why
-    config = _config_for(spec, video)
+            continue  # check_tasks says why
+        if kind:
+            kinds[task] = kind
+    config = _config_for(spec, kinds)
     if config is None:
         return []
     try:
         check_video_config(config)
     except ValueError as exc:
-        which = f"task {video[0]} gives" if len(video) == 1 else f"tasks {', '.join(video)} give"
-        return [f"tasks: {which} clips, and model.pretrained {spec.model.pretrained!r} is a model whose adapter "
-                f"answers about images only ({exc}): every sample would fail. Run the video tasks on a model of one "
-                "of those families, or drop them from tasks"]
+        video = [t for t, kind in kinds.items() if kind == "clips"]
+        flagged = [t for t, kind in kinds.items() if kind == "flagged"]
+        model = spec.model.pretrained
+        if flagged:
+            which = f"task {flagged[0]} sets" if len(flagged) == 1 else f"tasks {', '.join(flagged)} set"
+            say(f"note: {which} lmms-eval's dataset_kwargs.video, and model.pretrained {model!r} answers about images "
+                f"only ({exc}). The flag only makes lmms-eval download its data archives: if the documents are "
+                "images (MixEval-X's image2text tasks, site_bench_image) the task runs as any image task; if they "
+                "are clips (MVBench, Video-MME), every sample fails (counted in n_failed). This is decided at run "
+                "time from the first document")
+        if video:
+            which = f"task {video[0]} gives" if len(video) == 1 else f"tasks {', '.join(video)} give"
+            return [f"tasks: {which} clips, and model.pretrained {model!r} is a model whose adapter answers about "
+                    f"images only ({exc}): every sample would fail. Run the video tasks on a model of one of those "
+                    "families, or drop them from tasks"]
     return []
 
 

@@ -277,29 +277,36 @@ def task_config(name: str, include_path: str | list[str] | None = None) -> dict:
     return _yaml_config(Path(path))
 
 
-def is_video_task(name: str, include_path: str | list[str] | None = None, _seen: frozenset = frozenset()) -> bool:
-    """Whether ``name``'s documents are clips, from its YAML alone (no data, no code): an offline video task
-    (``VIDEO_TASKS``), a task whose ``dataset_kwargs`` set ``video`` (lmms-eval's own video tasks, MVBench's,
-    Video-MME's and the rest, say so: lmms-eval fetches their clips), or a group with such a member. ValueError for
-    a task lmms-eval does not know here. A task of one's own that gives clips without ``video: true`` in its
-    ``dataset_kwargs`` is known for one only when its requests are built (``requests._is_video_task``), so the
-    preflight cannot refuse it."""
+def video_task_kind(name: str, include_path: str | list[str] | None = None,
+                    _seen: frozenset = frozenset()) -> str | None:
+    """What ``name``'s YAML alone (no data, no code) says of whether its documents are clips: ``"clips"`` for an
+    offline video task (``VIDEO_TASKS``, whose documents are clips) or a group with one; ``"flagged"`` for a task
+    whose ``dataset_kwargs`` set ``video`` (or a group with one), which may give clips or images: in lmms-eval
+    the flag only makes the loader download and unpack the dataset's archives. MVBench and Video-MME set it and give
+    clips; MixEval-X's image2text tasks (``mix_evals_image2text_mc``) and ``site_bench_image`` set it and give PIL
+    images. None otherwise. ValueError for a task lmms-eval does not know here.
+
+    Only ``"clips"`` is certain. The request builder decides at run time from the first readable document's visual
+    (``requests._is_video_task``); loading a flagged task's data to look would run that archive download and
+    extraction (gigabytes for a video benchmark), so the preflight does not do it. The same holds for a task of one's
+    own that gives clips without the flag."""
     if name in VIDEO_TASKS:
-        return True
+        return "clips"
     config = task_config(name, include_path)
     kwargs = config.get("dataset_kwargs")
-    if isinstance(kwargs, dict) and kwargs.get("video"):
-        return True
+    kind = "flagged" if isinstance(kwargs, dict) and kwargs.get("video") else None
     members = config.get("task") if "group" in config else None
     members = [members] if isinstance(members, str) else members if isinstance(members, list) else []
     names = [m if isinstance(m, str) else m.get("task") if isinstance(m, dict) else None for m in members]
     for member in (m for m in names if isinstance(m, str) and m not in _seen and m != name):
         try:
-            if is_video_task(member, include_path, _seen | {name}):
-                return True
+            found = video_task_kind(member, include_path, _seen | {name})
         except ValueError:  # a member lmms-eval does not index by itself (defined inline in the group)
             continue
-    return False
+        if found == "clips":
+            return "clips"
+        kind = kind or found
+    return kind
 
 
 def primary_metrics(task: str, include_path: str | list[str] | None = None) -> tuple[str, ...]:

@@ -127,13 +127,18 @@ def test_a_cut_off_clip_is_one_failed_request(tmp_path, monkeypatch):
 
 
 def test_video_tasks_are_known_from_their_yaml_alone():
-    """What the pipeline's preflight refuses a video task on an image-only model by: the offline stand-in, lmms-eval's
-    own video tasks (``dataset_kwargs.video``), a group of them; image tasks are not video tasks."""
-    from promprune.eval.tasks import is_video_task
+    """What the pipeline's preflight refuses a video task on an image-only model by: the offline stand-in (and a
+    group with it) is certain to give clips. A task that only sets lmms-eval's ``dataset_kwargs.video`` is flagged,
+    not certain, because the flag only makes lmms-eval download data archives: MVBench and Video-MME give clips,
+    while MixEval-X's image2text tasks and site_bench_image give images. A group of such tasks is flagged too.
+    Image tasks are neither."""
+    from promprune.eval.tasks import video_task_kind
 
-    for name in ("testbed_video_direction", "mvbench_moving_direction", "mvbench", "videomme"):
-        assert is_video_task(name), name
+    assert video_task_kind("testbed_video_direction") == "clips"
+    for name in ("mvbench_moving_direction", "mvbench", "videomme", "mix_evals_image2text_mc", "mix_evals_image2text",
+                 "site_bench_image"):
+        assert video_task_kind(name) == "flagged", name
     for name in ("easyvqa_yesno", "testbed_exist", "mme", "pope"):
-        assert not is_video_task(name), name
+        assert video_task_kind(name) is None, name
     with pytest.raises(ValueError, match="unknown lmms-eval task"):
-        is_video_task("mvbench_moving_directoin")
+        video_task_kind("mvbench_moving_directoin")

@@ -441,6 +441,24 @@ def test_a_video_task_on_a_model_without_clips_is_refused_before_ray(scratch, ru
     assert "task testbed_video_direction gives clips" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("task", ["mix_evals_image2text_mc", "site_bench_image", "mvbench_moving_direction"])
+def test_a_task_that_only_sets_lmms_evals_video_flag_is_not_refused(scratch, run_main, task):
+    """lmms-eval's ``dataset_kwargs.video`` only makes its loader download data archives: MixEval-X's image2text
+    tasks and site_bench_image set it and give images. They were refused on an image-only model ('gives clips',
+    exit 2), which blocked valid work. Whether a flagged task gives clips (MVBench's do) is decided at run time from
+    its first document, so --validate-only passes (its data is not on this machine: a warning) with one console
+    note naming the task, the model and what happens if the documents are clips."""
+    spec = SPEC.replace("tasks: [easyvqa_yesno]", f"tasks: [{task}]").replace("limit: 4", "limit: 2")
+    proc, _ = run_main("--config", str(scratch(spec)), "--validate-only")
+    assert proc.returncode == 0, proc.stderr
+    assert "gives clips" not in proc.stdout + proc.stderr
+    assert (f"note: task {task} sets lmms-eval's dataset_kwargs.video, and model.pretrained 'tiny:llava' answers about "
+            "images only") in proc.stdout
+    assert "every sample fails (counted in n_failed)" in proc.stdout
+    proc, _ = run_main("--config", str(scratch(spec.replace('"tiny:llava"', '"tiny:qwen2_5_vl"'))), "--validate-only")
+    assert proc.returncode == 0 and "dataset_kwargs.video" not in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("model, sets, line", [
     ("tiny:qwen2_5_vl", ["model.options.saliency_block=0"], "model.options.saliency_block: saliency_block must be a "
                                                             "full-attention block of the vision tower [1, 3], got 0"),
