@@ -334,11 +334,15 @@ def test_a_bracket_just_above_the_refusal_trace_holds_the_floored_entropy_with_t
     """A float64 matrix of rank 30 at n = 96 whose trace is just above the refusal threshold: the exact route raises
     its 66 zero eigenvalues to the floor (H moved by 3.5e-9), and 12 steps bracket the unfloored entropy tighter than
     that, so the bracket alone misses the exact route's H; widened by ``floor_allowance`` (1.1e-8, as ``split``
-    widens it) it holds it. (Through ``split`` the move is below the float32 entropy's resolution.)"""
+    widens it) it holds it. (Through ``split`` the move is below the float32 entropy's resolution.) The 66 are 1e-12
+    of the trace (~1e-13, still below the floor), not 0: 12 steps find a Ritz value at zero, whose sign to rounding
+    differs between LAPACK builds (numpy 2.5.2's negative), and a non-positive one sends the row to the eigensolve."""
     rng = np.random.default_rng(3)
     n = 96
     lam = np.concatenate([rng.uniform(1, 2, 30), np.zeros(n - 30)])
-    matrix = matrix_with(lam / lam.sum(), rng, scale=1.01 * certified.refusal_trace(n, torch.float64))[None]
+    lam = lam / lam.sum()
+    lam[30:] = 1e-12
+    matrix = matrix_with(lam, rng, scale=1.01 * certified.refusal_trace(n, torch.float64))[None]
     h_exact = float(entropy._entropy_of_spectrum(torch.linalg.eigvalsh(matrix))[0])  # float64, floored
     state = certified.Lanczos.start(certified.density(matrix)).run(12)
     lo, hi = certified.bounds(state.alpha.numpy(), state.beta.numpy(), n)
