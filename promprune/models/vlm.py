@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -494,12 +495,6 @@ def _default_cache(generation_kwargs: dict) -> bool:
                                                                         "cache_implementation") is None
 
 
-def _one_sequence(generation_kwargs: dict) -> None:
-    if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
-        raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
-                         f"{generation_kwargs['num_return_sequences']!r}")
-
-
 # The KV caches an in-LLM method's hooks run with: transformers' dynamic ones, where each layer's cache grows by what
 # the layer is given, so a layer after a cut holds its kept columns only (None: transformers' default, dynamic;
 # "hybrid": transformers 5.23 runs it as the default). The static ones ("static", "sliding_window", ...) preallocate
@@ -509,19 +504,19 @@ IN_LLM_CACHES = (None, "dynamic", "offloaded", "quantized", "hybrid")
 
 def _check_generation(method: str | None, generation_kwargs: dict) -> None:
     """Refuse, before anything runs, ``generate`` kwargs the run would fail on, each naming the kwarg (given as
-    itself or in a ``generation_config`` kwarg): ``num_return_sequences`` other than 1 (:func:`_one_sequence`), and
+    itself or in a ``generation_config`` kwarg): ``num_return_sequences`` other than 1 (one Generation per item), and
     with an in-LLM method (``llm_hooks``) beam search, ``use_cache=False`` and a ``cache_implementation`` other than
     a dynamic one (:data:`IN_LLM_CACHES`; "paged", transformers' continuous batching, too). The hooks read the KV
     cache to tell the prefill from a decoding step and leave each layer after a cut its kept columns only: without a
     cache every step reruns the whole sequence (which the hooks took for a prefill of the wrong length, "ran N new
     tokens without a cache the hooks can read"), and a static cache failed with a bare size mismatch in the
     attention. Pre-LLM methods and the unpruned model run with either."""
-    _one_sequence(generation_kwargs)
+    if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
+        raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
+                         f"{generation_kwargs['num_return_sequences']!r}")
     if not is_in_llm(method):
         return
-    def given(name):
-        return _generation_value(generation_kwargs, name)
-
+    given = functools.partial(_generation_value, generation_kwargs)
     where = f"in-LLM method {method!r} prunes inside the language model and"
     if int(given("num_beams") or 1) != 1:
         raise ValueError(f"{where} runs one sequence per prompt: num_beams must be 1, got {given('num_beams')!r} "

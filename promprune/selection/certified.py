@@ -170,7 +170,6 @@ class SplitReport:
 
 LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call
 _SINKS: list[list[SplitReport]] = []  # the open `collected` blocks
-_NESTED = [0]  # > 0 while a split splits some of its images again (their report is merged into the outer one's)
 
 
 @contextlib.contextmanager
@@ -470,6 +469,16 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     within the half-width (half the bracket's width, widened by ``floor_allowance`` for the exact route's eigenvalue
     floor) of the exact entropy (up to the exact route's own float32 rounding, which ``DECISION_MARGIN`` covers).
     """
+    t_sal, entropy, halfwidth, report = _split(matrix, count, steps, tokens, opening_with)
+    LAST_REPORT[:] = [report]
+    for sink in _SINKS:
+        sink.append(report)
+    return t_sal, entropy, halfwidth
+
+
+def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SplitReport]:
+    """``split``'s work, and its report (``split`` publishes it: a split of some of its images again, the cancelled
+    rows', merges its report into its caller's instead)."""
     gram = tokens is not None
     if opening_with is None:
         opening_with = (opening_from_gram if gram else opening, (matrix,))
@@ -540,18 +549,10 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     if len(cancelled):  # their spectral matrix made from the tokens centered first (the exact path's for them), split
         # as any: its own stages, and the eigensolve for what they leave undecided (one read a stage more)
         rows = torch.from_numpy(cancelled).to(device, non_blocking=True)
-        _NESTED[0] += 1
-        try:
-            own = split(centered_unit_gram(tokens[rows]), count)
-        finally:
-            _NESTED[0] -= 1
+        *own, theirs = _split(centered_unit_gram(tokens[rows]), count, None, None, None)
         t_sal[cancelled], entropy[cancelled], halfwidth[cancelled] = (t.numpy() for t in own)
-        report.merge(LAST_REPORT[0])
-    LAST_REPORT[:] = [report]
-    if not _NESTED[0]:
-        for sink in _SINKS:
-            sink.append(report)
-    return torch.from_numpy(t_sal), torch.from_numpy(entropy).float(), torch.from_numpy(halfwidth).float()
+        report.merge(theirs)
+    return torch.from_numpy(t_sal), torch.from_numpy(entropy).float(), torch.from_numpy(halfwidth).float(), report
 
 
 def _views(args: tuple[torch.Tensor | None, ...]) -> tuple[int, int]:
