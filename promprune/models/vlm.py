@@ -351,8 +351,8 @@ class PrunedVLM:
     def generate(self, images, prompts, *, keys=None, cache=None, prefix_cache: bool = False,
                  **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise (an in-LLM
-        method refuses beam search, ``use_cache=False`` and a static ``cache_implementation`` before anything runs:
-        :func:`_check_generation`).
+        method refuses beam search, ``use_cache=False`` and a static ``cache_implementation``, every method the
+        "paged" one, before anything runs: :func:`_check_generation`).
 
         ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
         :attr:`shares_prefix`, one beam and the default KV cache: no ``use_cache=False`` nor ``cache_implementation``
@@ -500,23 +500,38 @@ def _default_cache(generation_kwargs: dict) -> bool:
 # "hybrid": transformers 5.23 runs it as the default). The static ones ("static", "sliding_window", ...) preallocate
 # every layer at the unpruned length.
 IN_LLM_CACHES = (None, "dynamic", "offloaded", "quantized", "hybrid")
+# The caches that make transformers' generate run continuous batching on the token ids alone (no pixel values, no
+# encoder outputs): refused for every method (:func:`_check_generation`).
+TEXT_ONLY_CACHES = ("paged",)
 
 
 def _check_generation(method: str | None, generation_kwargs: dict) -> None:
     """Refuse, before anything runs, ``generate`` kwargs the run would fail on, each naming the kwarg (given as
     itself or in a ``generation_config`` kwarg): ``num_return_sequences`` other than 1 (one Generation per item), and
     with an in-LLM method (``llm_hooks``) beam search, ``use_cache=False`` and a ``cache_implementation`` other than
-    a dynamic one (:data:`IN_LLM_CACHES`; "paged", transformers' continuous batching, too). The hooks read the KV
+    a dynamic one (:data:`IN_LLM_CACHES`). The hooks read the KV
     cache to tell the prefill from a decoding step and leave each layer after a cut its kept columns only: without a
     cache every step reruns the whole sequence (which the hooks took for a prefill of the wrong length, "ran N new
     tokens without a cache the hooks can read"), and a static cache failed with a bare size mismatch in the
-    attention. Pre-LLM methods and the unpruned model run with either."""
+    attention. Pre-LLM methods and the unpruned model run with either.
+
+    ``cache_implementation="paged"`` is refused for every method, the unpruned model included
+    (:data:`TEXT_ONLY_CACHES`): transformers' ``generate`` then hands the prompt to continuous batching
+    (``generate_batch``), which reads only the token ids, so no image's features (pruned or not) would reach the LLM;
+    it returned no tokens, silently. In a ``generation_config`` transformers ignores it (the dynamic cache runs, not
+    the paged one asked for): refused the same way."""
     if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
         raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
                          f"{generation_kwargs['num_return_sequences']!r}")
+    given = functools.partial(_generation_value, generation_kwargs)
+    if given("cache_implementation") in TEXT_ONLY_CACHES:
+        raise ValueError(f"cache_implementation={given('cache_implementation')!r} is refused: transformers' generate "
+                         "then switches to continuous batching (generate_batch), which reads only the prompt's token "
+                         "ids, so the image's visual tokens (pruned or not) would never reach the language model (in a "
+                         "generation_config it is ignored and the dynamic cache runs instead). Leave "
+                         "cache_implementation unset (the dynamic KV cache) or name another cache")
     if not is_in_llm(method):
         return
-    given = functools.partial(_generation_value, generation_kwargs)
     where = f"in-LLM method {method!r} prunes inside the language model and"
     if int(given("num_beams") or 1) != 1:
         raise ValueError(f"{where} runs one sequence per prompt: num_beams must be 1, got {given('num_beams')!r} "

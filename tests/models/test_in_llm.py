@@ -145,6 +145,25 @@ def test_in_llm_refuses_generate_without_a_dynamic_cache_up_front(kwargs, needle
         assert [g.token_ids for g in plain.generate(images, prompts, max_new_tokens=3, **kwargs)] == want
 
 
+@pytest.mark.parametrize("method, budget", [("divprune", 4), (None, None), ("fastv", 4)])
+@pytest.mark.parametrize("given", ["kwarg", "generation_config"])
+def test_a_paged_cache_is_refused_by_name_for_every_method(method, budget, given, images, prompts, monkeypatch):
+    """cache_implementation="paged" makes transformers' generate switch to continuous batching (generate_batch),
+    which takes the prompts' token ids only: pixel values and the pruned encoder outputs never reached the LLM, and
+    the tiny model's run returned no token at all (an inference-mode error logged by the batching thread), so a
+    pre-LLM method or the unpruned model answered "" silently (in a generation_config transformers ignores it and
+    runs the dynamic cache: not the cache asked for). Refused by name now, either way, before the images are
+    prepared, by the one check every method shares (an in-LLM method was refused as if paged were a static cache)."""
+    model, processor = tiny_vlm("llava")
+    vlm = PrunedVLM(model, processor, method=method, budget=budget)
+    kwargs = {"cache_implementation": "paged"} if given == "kwarg" else \
+        {"generation_config": transformers.GenerationConfig(cache_implementation="paged", max_new_tokens=2)}
+    monkeypatch.setattr(vlm, "prepare", lambda *a, **k: pytest.fail("prepared before the refusal"))
+    with pytest.raises(ValueError, match=r"^cache_implementation='paged' is refused: .*continuous batching "
+                                         r"\(generate_batch\), which reads only the prompt's token ids"):
+        vlm.generate(images, prompts, max_new_tokens=2, **kwargs)
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 @pytest.mark.parametrize("method", ["fastv", "sparsevlm"])
 def test_eager_llm_full_budget_and_pruned_match_sdpa(arch, method, images, prompts):
