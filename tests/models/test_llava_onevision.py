@@ -96,3 +96,60 @@ def test_budget_modes(mode, images, prompts):
         elif mode == "view_quota":  # budget // (1 + 4 crops) = 1 per view
             assert per_view == [1] * views
         assert prep.stats[b]["visual_tokens"] == (views if mode == "view_quota" else budget)
+
+
+def packed_counts(config, sizes) -> list[tuple[int, int]]:
+    """``(candidates, newlines)`` per image size (H, W): transformers' own ``pack_image_features`` (it reads only
+    ``self.config``) run on zero features of each image's views with a newline of ones."""
+    from types import SimpleNamespace
+
+    from transformers.models.llava_onevision.modeling_llava_onevision import (
+        LlavaOnevisionModel,
+        image_size_to_num_patches,
+    )
+
+    n = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    views = [image_size_to_num_patches(s, config.image_grid_pinpoints, config.vision_config.image_size) for s in sizes]
+    packed, _ = LlavaOnevisionModel.pack_image_features(
+        SimpleNamespace(config=config), [torch.zeros(v, n, 1) for v in views], torch.tensor(sizes),
+        image_newline=torch.ones(1), vision_aspect_ratio=config.vision_aspect_ratio)
+    return [(int((p == 0).sum()), int((p == 1).sum())) for p in packed]
+
+
+def test_capacity_is_the_most_candidates_transformers_packs_for_any_image():
+    """The declared capacity was one view's patches times the most views (tiny: 16 x 5 = 80; released 7B: 729 x 37 =
+    26973), the crops counted before anyres-max resizing. Now it is the most non-newline tokens any image gives.
+    Tiny, hand-worked: anyres_max_2 resizes a crop grid above 2 x 16 x 1.21 = 38.7 tokens to about 32, so the most is
+    an unresized 4 x 8 (1x2 crops) or 8 x 4 (2x1) grid: 16 + 32 = 48, which the real model packs for the portrait
+    64 x 30 image and which none of ~500 sizes (extreme aspect ratios included) exceeds, by the model's own count.
+    Released 7B, hand-worked: 27 x 27 patches, anyres_max_9: an unresized grid holds at most 9 x 729 x 1.21 = 7938.8
+    tokens; 3 x 4 crops (81 x 108) unpadded to 81 x 98 = 7938 reach it (an 1100 x 1331 image, which the processor
+    gives 3 x 4 crops: it is too small for 4 x 4 to see more of it), so 729 + 7938 = 8667."""
+    from promprune.models.adapters import model_capacity, visual_token_capacity
+    from promprune.models.factories import model_config
+
+    model, processor = tiny_vlm("llava_onevision")
+    assert visual_token_capacity(model.config) == 48
+    grid = [4, 7, 12, 20, 30, 33, 40, 56, 64, 65, 90, 128, 200, 300, 517, 1000, 2500]
+    sizes = [(h, w) for h in grid for w in grid]
+    counts = packed_counts(model.config, sizes)
+    assert max(c for c, _ in counts) == 48
+    batch = processor(images=[make_image(h, w, 0) for h, w in [(64, 30), (30, 64), (40, 56), (4, 2500), (2500, 7)]],
+                      text=["<image>"] * 5, return_tensors="pt", padding=True)
+    with torch.inference_mode():  # the real model: the same counts, the portrait at the capacity
+        runs = model.model.get_image_features(pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"],
+                                              return_dict=True).pooler_output
+    newline = model.model.image_newline
+    real = [(int((~(r == newline).all(-1)).sum()), int((r == newline).all(-1).sum())) for r in runs]
+    assert real == packed_counts(model.config, batch["image_sizes"].tolist())
+    assert real[0] == (48, 8) and max(c for c, _ in real) == 48
+    placeholders = (batch["input_ids"] == model.config.image_token_id).sum(1).tolist()
+    assert placeholders == [c + n for c, n in real]  # the processor's count agrees
+
+    config = model_config("shape:llava_onevision_7b")
+    assert config.vision_aspect_ratio == "anyres_max_9" and model_capacity("shape:llava_onevision_7b") == 729 + 7938
+    from transformers.models.llava_onevision.modeling_llava_onevision import get_anyres_image_grid_shape
+    assert get_anyres_image_grid_shape((1100, 1331), config.image_grid_pinpoints, 384) == (3, 4)
+    grid = [64, 300, 384, 500, 768, 1000, 1100, 1331, 1536, 2000, 2304, 3000, 5000]
+    counts = packed_counts(config, [(1100, 1331), *((h, w) for h in grid for w in grid)])
+    assert counts[0] == (7938 + 729, 81) and max(c for c, _ in counts) == 8667

@@ -80,7 +80,7 @@ def anyres_views(config) -> int:
 
 def anyres_capacity(config, options: dict) -> int:
     """The most visual tokens an image gives: one view's patches times :func:`anyres_views`, newlines not counted
-    (LLaVA-OneVision: an upper bound, as anyres-max resizes large crop grids down)."""
+    (LLaVA-OneVision's anyres-max resizing counts its own: ``llava_onevision.onevision_capacity``)."""
     return view_tokens(config) * anyres_views(config)
 
 

@@ -16,7 +16,9 @@ views, up to 6 x 6 crops). Shape: ``shape:llava_onevision_7b``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from types import SimpleNamespace
 
 import torch
 from transformers import (
@@ -35,7 +37,8 @@ from ..adapters import Adapter, VisualItem, token_rows
 from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
-from .llava_next import anyres_capacity, anyres_views
+from .llava import view_tokens
+from .llava_next import anyres_views
 
 ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 ONEVISION_TEMPLATE = (  # ChatML with LLaVA's <image> placeholder, as llava-onevision-qwen2's template
@@ -107,9 +110,31 @@ def shape_llava_onevision(spec: dict, text_layers, vision_layers):
     return LlavaOnevisionForConditionalGeneration, config, processor
 
 
+def onevision_capacity(config, options: dict) -> int:
+    """The most visual tokens an image gives, newlines not counted (as LLaVA-NeXT's): the base view's patches plus the
+    most any pinpoint's crop grid keeps after unpadding and anyres-max resizing. Per pinpoint (``rows x cols`` patches
+    of stitched crops) every unpadded extent an image can give, ``h x cols`` (a wider image, unpadded to ``h`` rows)
+    or ``rows x w``, is counted by transformers' own rule (``LlavaOnevisionProcessor._get_unpadded_features``, the
+    count the processor writes placeholders for and ``pack_image_features`` packs): a grid above ``max x 1.1^2``
+    views' worth is resized down to about ``max`` views' worth, so the most is an unresized grid just under that
+    bound. The released 7B config (27 x 27 patches, anyres_max_9, 3 x 4 crops unpadded to 81 x 98): 729 + 7938 =
+    8667, where one view's patches times the 37 views (26973) counted the crops before resizing."""
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    size = config.vision_config.image_size
+    count = functools.partial(LlavaOnevisionProcessor._get_unpadded_features,
+                              SimpleNamespace(vision_aspect_ratio=config.vision_aspect_ratio))
+    most = 0
+    for height, width in config.image_grid_pinpoints:
+        a, b = height // size, width // size  # the pinpoint's crop rows and columns
+        rows, cols = a * side, b * side
+        extents = [(h, cols) for h in range(1, rows + 1)] + [(rows, w) for w in range(1, cols + 1)]
+        most = max(most, *(count(h, w, side, side, a, b)[0] for h, w in extents))
+    return view_tokens(config) + most
+
+
 # mu 0.42: borrowed from CLIP, uncalibrated for SigLIP
 @register_family("llava_onevision", model_class="LlavaOnevisionForConditionalGeneration", default_mu=0.42,
-                 tiny=tiny_llava_onevision, shape=shape_llava_onevision, capacity=anyres_capacity,
+                 tiny=tiny_llava_onevision, shape=shape_llava_onevision, capacity=onevision_capacity,
                  max_views=anyres_views)
 class OnevisionAdapter(Adapter):
     """LLaVA-OneVision (images): SigLIP views (base + anyres crops), unpadding, anyres-max resizing, newlines.
