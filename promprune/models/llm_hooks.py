@@ -139,9 +139,12 @@ def plan_problem(config, method: str, budget: int, options: dict, n: int) -> str
     """Why ``method``'s schedule (:func:`schedule`) at ``budget`` cannot prune a row of ``n`` visual tokens, in the
     words its plan raises with at run time, on every such row (PyramidDrop's ``budget_semantics="released"``: a budget
     below the layer-averaged count the layers before its first stage already see, :func:`pyramid_ratio_for_average`);
-    None when it can. From the config alone (``options``: the method's validated options), so where the config fixes
-    the most tokens an image gives (``adapters.visual_token_capacity``; every image's count on LLaVA-1.5) construction
-    and the pipeline's preflight refuse it (``vlm.construction_problems``). Layers this LLM cannot prune at are
+    None when it can. From the config alone (``options``: the method's validated options). The only refusal, the
+    released floor ``n x first stage / depth``, rises with ``n``: a budget refused at some ``n`` is refused at every
+    larger one, so construction and the pipeline's preflight ask at the fewest tokens every image gives
+    (``adapters.visual_token_floor``; every image's count on LLaVA-1.5) and refuse only what no image can run
+    (``vlm.construction_problems``); a larger image the budget cannot prune fails as its own sample at run time
+    (:class:`InLLMPruner` raises this message, naming its count). Layers this LLM cannot prune at are
     :func:`stage_layers`' to refuse: None here. The plan's warnings (a released stage left no token) are not repeated
     here; the run gives them."""
     try:

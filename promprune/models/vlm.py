@@ -17,7 +17,7 @@ from promprune.dtypes import parse_dtype
 from promprune.records import SampleStats
 
 from . import llm_hooks
-from .adapters import adapter_for, assemble_all, attach_keys, host_index, visual_token_capacity
+from .adapters import adapter_for, assemble_all, attach_keys, host_index, visual_token_capacity, visual_token_floor
 from .factories import find_model_factory
 from .images import load_images, pixel_key
 from .options import OptionError, is_in_llm, next_layout, token_order, validate_method
@@ -95,11 +95,13 @@ def construction_problems(config, method: str | None, budget: int | None, method
     run this config with (``Adapter.check_options``: a ``saliency_block`` outside the tower), a text source the
     model has no tower for (``Adapter.instruction_source``), a ``view_quota`` budget that gives a view nothing
     (:func:`view_budget`; ``views``: the most views one image gives, ``Adapter.views``; None, not known without the
-    processor: unchecked), an in-LLM method's budget its schedule cannot prune the model's images with
-    (``llm_hooks.plan_problem`` at the most visual tokens one image gives, ``adapters.visual_token_capacity``:
-    PyramidDrop's released budget semantics below the layer-averaged floor; where the count depends on the image,
-    None, the run refuses it). ``PrunedVLM`` refuses the first; the pipeline's preflight names them all, before Ray
-    starts.
+    processor: unchecked), an in-LLM method's budget its schedule cannot prune any of the model's images with
+    (``llm_hooks.plan_problem`` at the fewest visual tokens every image gives, ``adapters.visual_token_floor``:
+    PyramidDrop's released budget semantics below the layer-averaged floor, which only rises with the token count, so
+    a budget that fails there fails on every image). A budget that fails only on larger images (LLaVA-NeXT's, InternVL's
+    many tiles, Gemma 4's) is not refused here: the run refuses each such image, one failed sample
+    (``eval.generation``'s isolation), and the rest run; so is every failing image where no floor is known (None).
+    ``PrunedVLM`` refuses the first; the pipeline's preflight names them all, before Ray starts.
     ValueError for a config no registered family runs (``registry.family_of``)."""
     found = family_of(config)
     problems: list[ValueError] = []
@@ -110,12 +112,12 @@ def construction_problems(config, method: str | None, budget: int | None, method
     if method is None:
         return problems
     if is_in_llm(method):
-        capacity = visual_token_capacity(config, adapter_options)
-        if budget is not None and capacity is not None:
-            problem = llm_hooks.plan_problem(config, method, int(budget), method_options, capacity)
+        fewest = visual_token_floor(config, adapter_options)
+        if budget is not None and fewest is not None:
+            problem = llm_hooks.plan_problem(config, method, int(budget), method_options, fewest)
             if problem is not None:
-                problems.append(OptionError("budget", f"on an image of {capacity} visual tokens (the most this "
-                                                      f"model gives one), {problem}"))
+                problems.append(OptionError("budget", f"no image can run: each gives this model at least {fewest} "
+                                                      f"visual tokens, and {problem}"))
         return problems
     if promprune.method_spec(method).needs_instruction:
         try:

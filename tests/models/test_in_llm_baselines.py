@@ -128,14 +128,15 @@ def test_a_pyramiddrop_released_budget_no_image_can_run_is_refused_at_constructi
     """The tiny LLaVA's every image gives 36 tokens; its first stage at layer 1 of 4 already averages 36 / 4 = 9 of
     them, so a released budget below 9 failed every sample at generate (construction passed). It is refused at
     construction now, by ``vlm.construction_problems`` (what the preflight runs), naming the budget. Where the count
-    depends on the image (Qwen2.5-VL without ``image_tokens``: no capacity) it is still each sample's, at run time."""
+    depends on the image (Qwen2.5-VL without ``image_tokens``: no known floor) it is still each sample's, at run
+    time."""
     from promprune.models.options import OptionError, validate_method
     from promprune.models.vlm import construction_problems
 
     model, processor = tiny_vlm("llava")
-    want = ("on an image of 36 visual tokens (the most this model gives one), pyramiddrop's released budget semantics "
-            "average the visual tokens over the LLM's layers: with 36 tokens and the first stage at layer 1 of 4 the "
-            "average is at least 9, above the budget 8; use budget_semantics='exact' or earlier 'layers'")
+    want = ("no image can run: each gives this model at least 36 visual tokens, and pyramiddrop's released budget "
+            "semantics average the visual tokens over the LLM's layers: with 36 tokens and the first stage at layer 1 "
+            "of 4 the average is at least 9, above the budget 8; use budget_semantics='exact' or earlier 'layers'")
     with pytest.raises(OptionError) as raised:
         PrunedVLM(model, processor, method="pyramiddrop", budget=8, budget_semantics="released")
     assert raised.value.option == "budget" and str(raised.value) == want
@@ -151,6 +152,56 @@ def test_a_pyramiddrop_released_budget_no_image_can_run_is_refused_at_constructi
     vlm = PrunedVLM(qwen, qwen_processor, method="pyramiddrop", budget=2, budget_semantics="released")
     with pytest.raises(ValueError, match="above the budget 2"):
         vlm.generate(images, prompts, max_new_tokens=2)
+
+
+@pytest.mark.filterwarnings("ignore:pyramiddrop with budget_semantics='released' keeps no visual token")
+def test_pyramiddrop_released_refuses_at_construction_only_what_every_image_fails_and_the_rest_per_sample():
+    """Released semantics refuse a budget below n x 1 / 4 (first stage at layer 1 of the tiny LLM's 4), and n varies
+    with the image on LLaVA-NeXT: the tiny model's placeholders (newlines included) are 16 for an 8 x 200 image (the
+    base view, its crops unpadded to nothing), 56 for 64 x 30, 70 for 40 x 56 and 88 for 64 x 64. Construction used
+    the capacity, 80 (newlines not counted): it refused budget 15, which the first two images run (4, 14 <= 15), and
+    passed 21, which the 64 x 64 image fails (22). Now construction refuses only below the base view's floor (16 / 4 =
+    4: budget 3, every image), and a budget some images fail runs the others, each failing image one failed sample
+    naming its count (``generate_items``' isolation, as the pipeline runs), not a refusal of the trial."""
+    from promprune.eval.generation import Item, generate_items
+    from promprune.models.options import validate_method
+    from promprune.models.vlm import construction_problems
+
+    from .conftest import make_image
+
+    model, processor = tiny_vlm("llava_next")
+    sizes = [(8, 200), (64, 30), (40, 56), (64, 64)]
+    counts = [int((processor(images=[make_image(*s, 0)], text=["<image>"], return_tensors="pt")["input_ids"]
+                   == model.config.image_token_id).sum()) for s in sizes]
+    assert counts == [16, 56, 70, 88]
+
+    def problems(budget):
+        return [str(p) for p in construction_problems(
+            model.config, "pyramiddrop", budget, *validate_method("pyramiddrop", budget, budget_semantics="released"),
+            views=5)]
+
+    assert problems(3) == ["no image can run: each gives this model at least 16 visual tokens, and pyramiddrop's "
+                           "released budget semantics average the visual tokens over the LLM's layers: with 16 tokens "
+                           "and the first stage at layer 1 of 4 the average is at least 4, above the budget 3; use "
+                           "budget_semantics='exact' or earlier 'layers'"]
+    assert problems(4) == problems(15) == problems(21) == []
+    from promprune.models.adapters import visual_token_floor
+
+    internvl, internvl_processor = tiny_vlm("internvl")  # a one-tile image has no thumbnail: one tile's 16 tokens
+    ids = internvl_processor(images=[make_image(20, 20, 0)], text=["<IMG_CONTEXT>"], return_tensors="pt")["input_ids"]
+    assert visual_token_floor(internvl.config) == int((ids == internvl.config.image_token_id).sum()) == 16
+    assert visual_token_floor(tiny_vlm("qwen2_5_vl")[0].config) is None  # no known floor: every image per sample
+    items = [Item(prompt="Colour?", image=make_image(*s, 0), gen_kwargs={"max_new_tokens": 2}) for s in sizes]
+    for budget, fails in [(15, [False, False, True, True]), (21, [False, False, False, True])]:
+        vlm = PrunedVLM(model, processor, method="pyramiddrop", budget=budget, budget_semantics="released")
+        answers = generate_items(vlm, items, batch_size=4)
+        assert [a.failed for a in answers] == fails
+        for answer, n in zip(answers, counts):
+            if answer.failed:
+                assert answer.prediction == "" and f"with {n} tokens and the first stage at layer 1 of 4 the average " \
+                    f"is at least {n / 4:g}, above the budget {budget}" in answer.error
+            else:  # ran, its own count at the first layer
+                assert answer.layer_visual_tokens[0] == n
 
 
 def test_pyramiddrop_ranks_by_the_last_tokens_attention_with_the_next_layers_projections(images, prompts):

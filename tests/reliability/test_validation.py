@@ -475,7 +475,7 @@ def test_a_task_that_only_sets_lmms_evals_video_flag_is_not_refused(scratch, run
      "grid.text_source: text_source 'clip' needs a CLIP vision tower; this qwen2_5_vl model has none: use "
      "text_source 'llm' (or 'released') (trial cdpruner-b8-text_source=clip)"),
     ("tiny:llava", ["grid={method: [pyramiddrop], budget: [8, 12], budget_semantics: [released]}"],
-     "budget: on an image of 36 visual tokens (the most this model gives one), pyramiddrop's released budget "
+     "budget: no image can run: each gives this model at least 36 visual tokens, and pyramiddrop's released budget "
      "semantics average the visual tokens over the LLM's layers: with 36 tokens and the first stage at layer 1 of 4 "
      "the average is at least 9, above the budget 8; use budget_semantics='exact' or earlier 'layers' (trial "
      "pyramiddrop-b8-budget_semantics=released)"),

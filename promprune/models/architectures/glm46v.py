@@ -107,7 +107,8 @@ def shape_glm46v(spec: dict, text_layers, vision_layers):
 # mu 0.5744: borrowed from Qwen2.5-VL (the same native-resolution, 2x2-merged token design), uncalibrated: recalibrate
 # with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there
 @register_family("glm46v", model_class="Glm46VForConditionalGeneration", default_mu=0.5744, tiny=tiny_glm46v,
-                 shape=shape_glm46v, capacity=fixed_tokens, mrope=True)
+                 shape=shape_glm46v, capacity=fixed_tokens, fewest=fixed_tokens,
+                 mrope=True)
 class Glm46VAdapter(Qwen3Adapter):
     """GLM-4.6V: 2x2 merged tokens, 3D M-RoPE positions; saliency = received attention at one vision block, pooled
     per merge group (see the module docstring)."""

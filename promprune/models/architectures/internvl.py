@@ -129,6 +129,11 @@ def tiled_capacity(config, options: dict) -> int:
     return config.image_seq_length * released_tiles(config)
 
 
+def one_tile(config, options: dict) -> int:
+    """The fewest visual tokens an image gives: one tile's ``image_seq_length`` (a one-tile image has no thumbnail)."""
+    return config.image_seq_length
+
+
 def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """CLS-to-all attention of an ``InternVLVisionAttention`` (its q / k norms applied), head mean:
     ``hidden [T, S, C] -> [T, S]`` float32, one row per tile."""
@@ -142,7 +147,8 @@ def cls_attention(attn: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 # mu 0.42: borrowed from CLIP, uncalibrated for InternViT
 @register_family("internvl", model_class="InternVLForConditionalGeneration", default_mu=0.42, tiny=tiny_internvl,
-                 shape=shape_internvl, capacity=tiled_capacity, max_views=released_tiles)
+                 shape=shape_internvl, capacity=tiled_capacity, fewest=one_tile,
+                 max_views=released_tiles)
 class InternVLAdapter(Adapter):
     """InternVL3: tiles + thumbnail, 2x2 pixel shuffle; saliency = CLS attention summed over each token's 4 patches
     (see the module docstring)."""

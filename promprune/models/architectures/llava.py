@@ -155,7 +155,7 @@ def llava_capacity(config, options: dict) -> int:
 
 # mu 0.42: the paper's threshold, calibrated on CLIP ViT-L/14 features
 @register_family("llava", model_class="LlavaForConditionalGeneration", default_mu=0.42, tiny=tiny_llava,
-                 shape=shape_llava, capacity=llava_capacity)
+                 shape=shape_llava, capacity=llava_capacity, fewest=llava_capacity)
 class LlavaAdapter(Adapter):
     """LLaVA-1.5: CLS + patch grid; saliency = CLS attention at the layer ``vision_feature_layer`` reads."""
 

@@ -84,9 +84,16 @@ def anyres_capacity(config, options: dict) -> int:
     return view_tokens(config) * anyres_views(config)
 
 
+def base_view_floor(config, options: dict) -> int:
+    """A floor on the visual tokens every image gives: its base view's patches (an image much wider or taller than
+    every pinpoint unpads its crop grid to almost nothing)."""
+    return view_tokens(config)
+
+
 # mu 0.42: CLIP ViT-L/14's, as LLaVA-1.5 (the same tower)
 @register_family("llava_next", model_class="LlavaNextForConditionalGeneration", default_mu=0.42,
-                 tiny=tiny_llava_next, shape=shape_llava_next, capacity=anyres_capacity, max_views=anyres_views)
+                 tiny=tiny_llava_next, shape=shape_llava_next, capacity=anyres_capacity, fewest=base_view_floor,
+                 max_views=anyres_views)
 class LlavaNextAdapter(LlavaAdapter):
     """LLaVA-NeXT anyres: base view + crops, unpadding and ``image_newline`` (see the module docstring)."""
 

@@ -38,7 +38,7 @@ from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
 from .llava import view_tokens
-from .llava_next import anyres_views
+from .llava_next import anyres_views, base_view_floor
 
 ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 ONEVISION_TEMPLATE = (  # ChatML with LLaVA's <image> placeholder, as llava-onevision-qwen2's template
@@ -135,7 +135,7 @@ def onevision_capacity(config, options: dict) -> int:
 # mu 0.42: borrowed from CLIP, uncalibrated for SigLIP
 @register_family("llava_onevision", model_class="LlavaOnevisionForConditionalGeneration", default_mu=0.42,
                  tiny=tiny_llava_onevision, shape=shape_llava_onevision, capacity=onevision_capacity,
-                 max_views=anyres_views)
+                 fewest=base_view_floor, max_views=anyres_views)
 class OnevisionAdapter(Adapter):
     """LLaVA-OneVision (images): SigLIP views (base + anyres crops), unpadding, anyres-max resizing, newlines.
 

@@ -130,14 +130,15 @@ def shape_qwen2_5_vl(spec: dict, text_layers, vision_layers):
 
 
 def fixed_tokens(config, options: dict) -> int | None:
-    """The most visual tokens an image gives: the adapter option ``image_tokens`` when set, else None (it depends on
-    the image's resolution)."""
+    """The most (and fewest: the adapter resizes every image to that grid) visual tokens an image gives: the adapter
+    option ``image_tokens`` when set, else None (it depends on the image's resolution)."""
     return options.get("image_tokens")
 
 
 # mu 0.5744: the paper's threshold calibrated on Qwen2.5-VL's encoder
 @register_family("qwen2_5_vl", model_class="Qwen2_5_VLForConditionalGeneration", default_mu=0.5744,
-                 tiny=tiny_qwen2_5_vl, shape=shape_qwen2_5_vl, capacity=fixed_tokens, mrope=True)
+                 tiny=tiny_qwen2_5_vl, shape=shape_qwen2_5_vl, capacity=fixed_tokens, fewest=fixed_tokens,
+                 mrope=True)
 class QwenAdapter(Adapter):
     """Qwen2.5-VL: merged 2x2 tokens; saliency = received attention at a full-attention block, pooled per group."""
 

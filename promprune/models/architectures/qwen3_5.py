@@ -75,7 +75,8 @@ def shape_qwen3_5(spec: dict, text_layers, vision_layers):
 # mu 0.5744: borrowed from Qwen2.5-VL (the same merged-token design), uncalibrated; sweeps/mu_tau_search_qwen35.yaml
 # searches its own
 @register_family("qwen3_5", model_class="Qwen3_5ForConditionalGeneration", default_mu=0.5744, tiny=tiny_qwen3_5,
-                 shape=shape_qwen3_5, capacity=fixed_tokens, mrope=True)
+                 shape=shape_qwen3_5, capacity=fixed_tokens, fewest=fixed_tokens,
+                 mrope=True)
 class Qwen35Adapter(Qwen3Adapter):
     """Qwen3.5: Qwen3-VL's vision tower without DeepStack, a hybrid LLM; saliency = received attention at one block.
 

@@ -62,7 +62,8 @@ def shape_qwen3_vl(spec: dict, text_layers, vision_layers):
 # mu 0.5744: borrowed from Qwen2.5-VL (the same merged-token design), uncalibrated; sweeps/mu_tau_search_qwen3vl.yaml
 # searches its own (recalibrate with sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune there)
 @register_family("qwen3_vl", model_class="Qwen3VLForConditionalGeneration", default_mu=0.5744, tiny=tiny_qwen3_vl,
-                 shape=shape_qwen3_vl, capacity=fixed_tokens, mrope=True)
+                 shape=shape_qwen3_vl, capacity=fixed_tokens, fewest=fixed_tokens,
+                 mrope=True)
 class Qwen3Adapter(QwenAdapter):
     """Qwen3-VL: merged 2x2 tokens plus DeepStack features; saliency = received attention at one vision block.
 
