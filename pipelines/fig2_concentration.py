@@ -6,9 +6,11 @@ prompt of its Fig. B1, and plotted, per rating, the mean of three normalized ent
 visual tokens: spectral (the method's), feature-norm and attention entropy. This script does the same:
 
 1. setup: the spec (``sweeps/fig2_concentration.yaml``), the judge's key and endpoint (a missing key or a URL without
-   http(s) exits 2 in seconds, nothing loaded), ``--cache`` and ``--judge-workers``, the tasks, model and MLflow store
-   (``pipelines.preflight``); the ratings cached by earlier runs (the latest ``fig2_concentration`` run's
-   ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
+   http(s) exits 2 in seconds, nothing loaded), ``--cache`` and ``--judge-workers``, and what a sweep's preflight
+   checks of what this script runs (``pipelines.preflight.preflight`` with ``evaluates=False``: the ``PROMPRUNE_*``
+   environment, the tasks, the model and its budget, what its construction with PromPrune and the spec's adapter
+   options would refuse, the MLflow store and experiment name); the ratings cached by earlier runs (the latest
+   ``fig2_concentration`` run's ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
 2. images: ``limit`` documents of each task, every k-th from a seeded start (``calibration.seed``), so they span
    the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``); where
    the cache lacks a rating of one, the judge answers one test request about a small image, no retries (a refused
@@ -108,6 +110,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
 def setup(args: argparse.Namespace):
     """(spec, judge, budget), or raises SpecError listing every problem found, the judge's with the spec's; nothing
     is loaded."""
+    from promprune.models.factories import loads_once
+
     judge, problems = None, []
     if args.judge_workers < 1:
         problems.append(f"--judge-workers: expected an int >= 1 (judge requests in flight at once), got "
@@ -128,11 +132,13 @@ def setup(args: argparse.Namespace):
     plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
     if not spec.limit or spec.limit < 1:
         problems.append("limit: images per task; must be a positive int (the paper: 100)")
-    budget, note = pick_budget(spec)
-    problems += [note] if note else []
-    problems += preflight.check_tasks(spec.tasks, include_path=spec.include_path)
-    problems += preflight.check_model(spec.model.pretrained, spec.model.options, {"fig2": budget})
-    problems += preflight.check_store(mlflow_layout.tracking_uri())
+    with loads_once():  # the model's config: once for pick_budget and every check
+        budget, note = pick_budget(spec)
+        problems += [note] if note else []
+        # the sweep's checks of what this script runs (the model, its construction with the promprune trial, the
+        # tasks, the store, the environment), not those of scoring (`preflight.preflight`'s ``evaluates``)
+        problems += preflight.preflight(spec, trials=[specs.Trial("promprune", budget, {})],
+                                        budgets_of={"fig2": budget}, evaluates=False)
     if problems:
         raise specs.SpecError(problems, args.config)
     return spec, judge, budget

@@ -12,7 +12,10 @@ layer, not a hybrid LLM's linear-attention layers nor a sliding-window one; Gemm
 budget where the model's image gives a known count (``check_construction``), that the MLflow store answers and can be
 written, and that every ``PROMPRUNE_*`` environment variable is one PromPrune reads, with a value it takes
 (``environment``). All problems come back together, in seconds; the entry scripts print them as one message without a
-traceback.
+traceback. The model checks try every trial known before the sweep and, with ``tune.search: optuna``, the corners of
+its search spaces (every listed value, each end of a range: ``specs.search_corners``), which it may sample; they load
+the model's config and processor once (``factories.loads_once``). pipelines/fig2_concentration.py runs the same
+`preflight` on the one trial it runs, less the checks of scoring (``evaluates=False``).
 
 Some problems are this machine's, not the spec's (`NotOnThisMachine`): a hub dataset or model that is not in this
 machine's cache while it is offline, task data or calibration images not where they are named. A sweep refuses
@@ -31,30 +34,60 @@ from pipelines import mlflow_layout
 from pipelines.console import say
 from pipelines.calibration import check_source, metrics_to_calibrate
 from pipelines.environment import check_environment
-from pipelines.spec import SpecError, SweepSpec, expand, space
+from pipelines.spec import SpecError, SweepSpec, expand, search_corners, space
 from pipelines.spec.errors import unknown
 
 
-def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool = True) -> list[str]:
+def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool = True, trials: list | None = None,
+              budgets_of: dict[str, int] | None = None, evaluates: bool = True) -> list[str]:
     """Every problem found, one message each (empty: good to go); ``store``: check the MLflow store too (an
-    evaluation printing its results only needs none)."""
+    evaluation printing its results only needs none). ``trials`` / ``budgets_of``: what runs on the spec's model
+    (default: the spec's trials, `spec_trials`, and their budgets, `budgets`); ``evaluates``: the trials answer the
+    tasks and are scored as lmms-eval scores them (the limit's question pairs, the tasks' LLM judges, clips the model
+    must take, ``tune.metric``, the search's package, the calibration images); pipelines/fig2_concentration.py
+    measures entropies on the tasks' images and scores nothing, so it runs the other checks (``False``). The model's
+    config and processor are loaded once for all the checks (``factories.loads_once``)."""
+    from promprune.models.factories import loads_once
+
     errors, notes = check_environment()
     for note in notes:
         say(note)
-    errors += check_tasks(spec.tasks, spec.limit, spec.include_path)
-    errors += check_judges(spec.tasks)
-    errors += check_model(spec.model.pretrained, spec.model.options, budgets(spec))
-    errors += check_video(spec)
-    errors += check_construction(spec)
-    errors += check_in_llm_layers(spec)
-    errors += check_clip_text(spec)
-    errors += check_metric(spec.tune.metric, spec.tasks)
-    errors += check_search_package(spec.tune.search)
+    trials = spec_trials(spec) if trials is None else trials
+    with loads_once():
+        errors += check_tasks(spec.tasks, spec.limit if evaluates else None, spec.include_path)
+        errors += check_judges(spec.tasks) if evaluates else []
+        errors += check_model(spec.model.pretrained, spec.model.options,
+                              budgets(spec) if budgets_of is None else budgets_of)
+        errors += check_video(spec) if evaluates else []
+        errors += check_construction(spec, trials)
+        errors += check_in_llm_layers(spec, trials)
+        errors += check_clip_text(spec, trials)
+    if evaluates:
+        errors += check_metric(spec.tune.metric, spec.tasks)
+        errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) + check_experiment_name() if store else []
-    if metrics_to_calibrate(expand(spec)):
+    if evaluates and metrics_to_calibrate(expand(spec)):
         problem = check_source(spec.calibration.images)
         errors += [problem] if problem else []
     return errors
+
+
+def spec_trials(spec: SweepSpec) -> list:
+    """The trials the model's checks try: every trial known before the sweep (`expand`) and, for ``tune.search:
+    optuna``, the trials at the corners of its search spaces (`specs.search_corners`), which it may sample."""
+    known = expand(spec)
+    ids = {t.trial_id for t in known}
+    return known + [t for t in search_corners(spec) if t.trial_id not in ids]
+
+
+def _who(ids: list[str], spec: SweepSpec) -> str:
+    """`` (trials a, b)`` naming ``ids``, those optuna may sample (`specs.search_corners`) as such."""
+    drawn = {t.trial_id for t in search_corners(spec)} - {t.trial_id for t in expand(spec)}
+    listed, sampled = [i for i in ids if i not in drawn], [i for i in ids if i in drawn]
+    parts = [f"trial{'s' if len(listed) > 1 else ''} {', '.join(listed)}"] if listed else []
+    if sampled:
+        parts.append(f"optuna may sample {', '.join(sampled)}, at a corner of the grid's search spaces")
+    return f" ({'; '.join(parts)})"
 
 
 def check_or_raise(spec: SweepSpec, source: str, *, tracking_uri: str | None = None, store: bool = True,
@@ -293,7 +326,7 @@ def check_video(spec: SweepSpec) -> list[str]:
     return []
 
 
-def check_construction(spec: SweepSpec) -> list[str]:
+def check_construction(spec: SweepSpec, trials: list | None = None) -> list[str]:
     """What the model's construction would refuse in every worker, after Ray started (a traceback, exit 1), found from
     the model's config and each trial's options alone (``vlm.construction_problems``, the code ``PrunedVLM`` runs):
     an adapter option the family cannot run this config with (a ``saliency_block`` that is no full-attention block of
@@ -302,12 +335,13 @@ def check_construction(spec: SweepSpec) -> list[str]:
     view nothing, an in-LLM budget whose schedule cannot prune the most visual tokens the model gives an image
     (PyramidDrop's ``budget_semantics: released`` below the layer-averaged count of the layers before its first stage;
     a model whose count depends on the image is left to run time). One problem per distinct problem, under the field
-    that set it, naming the trials unless every trial has it."""
+    that set it, naming the trials unless every trial has it. ``trials``: default the spec's (`spec_trials`: with
+    optuna, the corners of its search spaces, so a sampled budget below a view's token is refused too)."""
     from pipelines.calibration import CALIBRATE
     from promprune.models.options import validate_method
     from promprune.models.vlm import construction_problems
 
-    trials = expand(spec)
+    trials = spec_trials(spec) if trials is None else trials
     config = _config_for(spec, trials)
     if config is None:
         return []
@@ -326,8 +360,7 @@ def check_construction(spec: SweepSpec) -> list[str]:
                              []).append(trial.trial_id)
     out = []
     for (field, problem), ids in found.items():
-        who = "" if len(ids) == len(trials) else f" (trial{'s' if len(ids) > 1 else ''} {', '.join(ids)})"
-        out.append(f"{field}: {problem}{who}")
+        out.append(f"{field}: {problem}{'' if len(ids) == len(trials) else _who(ids, spec)}")
     return out
 
 
@@ -354,18 +387,19 @@ def _field(option: str | None, trial, spec: SweepSpec) -> str:
     return "model.options" if option is None else f"model.options.{option}"
 
 
-def check_clip_text(spec: SweepSpec) -> list[str]:
+def check_clip_text(spec: SweepSpec, trials: list | None = None) -> list[str]:
     """CDPruner's trials that embed the question with a CLIP text tower (``text_source`` released on a CLIP-based
     model, or clip) can load that tower: adapter option ``clip_text``, else the model config's
     ``promprune_clip_text``, else the released openai/clip-vit-large-patch14-336. A tower this machine cannot load
     offline is a `NotOnThisMachine` problem naming the trials (a warning for ``--validate-only``, refused by a run),
-    as the model itself is: every such sample failed, the run exiting 0."""
+    as the model itself is: every such sample failed, the run exiting 0. ``trials``: default the spec's
+    (`spec_trials`)."""
     from promprune.eval.task_checks import NotOnThisMachine
     from promprune.models.clip_text import RELEASED_CLIP
     from promprune.models.factories import NotCachedError, model_config
     from promprune.models.registry import find_family
 
-    trials = [t for t in expand(spec) if t.method == "cdpruner"]
+    trials = [t for t in (spec_trials(spec) if trials is None else trials) if t.method == "cdpruner"]
     config = _config_for(spec, trials)
     family = None if config is None else find_family(config)
     if family is None:
@@ -379,7 +413,7 @@ def check_clip_text(spec: SweepSpec) -> list[str]:
                 towers.setdefault(name, []).append(trial.trial_id)
     out = []
     for name, ids in towers.items():
-        who = f"trial{'s' if len(ids) > 1 else ''} {', '.join(ids)}"
+        who = _who(ids, spec)[2:-1]
         try:
             model_config(name)
         except NotCachedError as exc:
@@ -389,16 +423,17 @@ def check_clip_text(spec: SweepSpec) -> list[str]:
     return out
 
 
-def check_in_llm_layers(spec: SweepSpec) -> list[str]:
+def check_in_llm_layers(spec: SweepSpec, trials: list | None = None) -> list[str]:
     """Every in-LLM trial can prune the spec's model at its layers (``llm_hooks.stage_layers`` on the model's config:
     a stage ranks at a full-attention layer of a hybrid LLM such as Qwen3.5 or a sliding-window one such as Gemma 4,
     and the LLM is one the hooks can prune), so a method the model cannot run is refused here, not in a Ray actor: one
-    paragraph per distinct problem, naming the model, the method and the trials."""
+    paragraph per distinct problem, naming the model, the method and the trials (``trials``: default the spec's,
+    `spec_trials`)."""
     import promprune
     from promprune.models.llm_hooks import stage_layers
     from promprune.models.options import is_in_llm, validate_method
 
-    trials = [t for t in expand(spec) if is_in_llm(t.method)]
+    trials = [t for t in (spec_trials(spec) if trials is None else trials) if is_in_llm(t.method)]
     config = _config_for(spec, trials)
     problems: dict[str, list[str]] = {}
     for trial in [] if config is None else trials:
@@ -408,7 +443,7 @@ def check_in_llm_layers(spec: SweepSpec) -> list[str]:
             stage_layers(config, trial.method, resolved, spec.model.pretrained)
         except ValueError as exc:
             problems.setdefault(str(exc), []).append(trial.trial_id)
-    return [f"{problem} (trial{'s' if len(ids) > 1 else ''} {', '.join(ids)})" for problem, ids in problems.items()]
+    return [f"{problem}{_who(ids, spec)}" for problem, ids in problems.items()]
 
 
 def _fail_fast_http():

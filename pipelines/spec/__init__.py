@@ -26,13 +26,13 @@ from pipelines.spec.loading import deep_merge, load_raw
 from pipelines.spec.schema import COMMANDS, GENERATION_KEYS, SCHEDULERS, SEARCHES, SECTIONS, TOP_LEVEL, SweepSpec, \
     TuneSpec, validate
 from pipelines.spec.trials import MethodCatalog, SearchSpaceError, Trial, check_trials, expand, metric_in_trials, \
-    parts, trial_id
+    parts, search_corners, trial_id
 from pipelines.weights import ATTN_IMPLEMENTATIONS, DTYPES
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "AUTO", "COMMANDS", "DTYPES", "GENERATION_KEYS", "SCHEDULERS", "SEARCHES",
            "SECTIONS", "TOP_LEVEL", "MethodCatalog", "SearchSpaceError", "SpecError", "SweepSpec", "Trial", "TuneSpec",
            "check_command", "check_trials", "deep_merge", "dump_resolved", "expand", "load", "load_raw",
-           "metric_in_trials", "parse", "parts", "trial_id"]
+           "metric_in_trials", "parse", "parts", "search_corners", "trial_id"]
 
 
 def load(path: str | Path, overrides: list[str] | None = None, *, check_methods: bool = True) -> SweepSpec:

@@ -297,6 +297,19 @@ def parts(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> tuple[lis
     return baseline, searched, explicit
 
 
+def search_corners(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> list[Trial]:
+    """With ``tune.search: optuna``, the trials at the corners of the grid's spaces, crossed (every value of a list or
+    choice, both ends of a range, as `Space.corners`): what a check of the trials optuna may sample while the sweep
+    runs tries before it (`expand` lists none of them). A problem that only grows as a value moves one way (a budget
+    too small to give each view a token, below an in-LLM schedule's floor; too large to prune) is at a range's end if
+    it is anywhere in the range, so the corners find it exactly. Empty for the other searches: `expand` lists the
+    trials they run."""
+    if spec.tune.search != "optuna" or not spec.grid:
+        return []
+    corners = {k: space.parse(v).corners for k, v in spec.grid.items()}
+    return _trials_of(_grid_combos(corners), catalog or MethodCatalog())
+
+
 MAX_DRAWS_PER_TRIAL = 100  # a random search gives up on distinct draws after this many draws per trial asked for
 
 

@@ -281,7 +281,19 @@ class Adapter:
     def saliency_index(cls, config, options: dict) -> int | None:
         """The vision layer (block) whose attention gives saliency under ``config``: the adapter option
         ``saliency_block`` where the family reads it (:func:`saliency_layer`), else the family's default; an
-        invalid one is an OptionError naming the valid ones. None: the family reads no such option."""
+        invalid one is an OptionError naming the valid ones. Default (LLaVA, LLaVA-NeXT, LLaVA-OneVision): None, the
+        family reads saliency at a layer of its own (LLaVA's: the one ``vision_feature_layer`` names, whose output
+        the projector reads, the paper's protocol; VisPruner and VisionZip read that layer's keys too), so a
+        ``saliency_block`` set is an OptionError (it was ignored, and the run measured another layer than asked)."""
+        block = options.get("saliency_block")
+        if block is not None:
+            kind = getattr(config, "model_type", "?")
+            layer = getattr(config, "vision_feature_layer", None)
+            at = "a layer of its own" if layer is None else \
+                f"the vision layer whose output the projector reads (vision_feature_layer, {layer})"
+            raise OptionError("saliency_block", f"saliency_block {block!r} is not taken by a {kind} model: its "
+                              f"adapter reads saliency at {at}, as the paper's protocol does, and would ignore it; "
+                              "remove saliency_block from the adapter options")
         return None
 
     @classmethod

@@ -10,7 +10,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from contextvars import ContextVar
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
@@ -110,14 +112,57 @@ class NotCachedError(ValueError):
     answer): the machine that runs the sweep may have it."""
 
 
+# name -> the config or processor loaded (or the ValueError raised) inside `loads_once`; None outside it
+_LOADED: ContextVar[dict | None] = ContextVar("promprune_models_loaded", default=None)
+
+
+@contextlib.contextmanager
+def loads_once():
+    """Within it, :func:`model_config` and :func:`model_processor` load each model once: the first call's answer (or
+    ValueError, a `NotCachedError` included) is kept, by what is loaded and the model (a hub id by its name, a local
+    path by its resolved directory), and every later call returns (raises) it. One spec check (the pipeline's
+    preflight) reads the same config in each of its checks and the processor twice; a hub id that is not cached
+    would also have probed the hub each time. Nested: the outermost one's cache. The objects are shared: a caller
+    inside must not change them."""
+    token = _LOADED.set({}) if _LOADED.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _LOADED.reset(token)
+
+
+def _once(kind: str, name_or_path: str, load: Callable):
+    """``load()``, or inside :func:`loads_once` its kept answer (or error) for ``(kind, the model)``."""
+    cache = _LOADED.get()
+    if cache is None:
+        return load()
+    name = str(name_or_path)
+    key = (kind, str(Path(name).expanduser().resolve()) if _looks_like_path(name) else name)
+    if key not in cache:
+        try:
+            cache[key] = (True, load())
+        except ValueError as exc:
+            cache[key] = (False, exc)
+    ok, value = cache[key]
+    if not ok:
+        raise value
+    return value
+
+
 def model_config(name_or_path: str):
-    """The transformers config of a model name, factory name or path, without loading weights.
+    """The transformers config of a model name, factory name or path, without loading weights (once inside
+    :func:`loads_once`).
 
     ValueError with a message saying what is wrong and how to fix it: an unknown factory or name, a local path
     that does not exist or holds no ``config.json``, or whose ``config.json`` does not load (not JSON, unreadable),
     a hub id that is not in the local cache while offline (`NotCachedError`) or does not exist. None when a factory
     cannot say.
     """
+    return _once("config", name_or_path, lambda: _load_config(name_or_path))
+
+
+def _load_config(name_or_path: str):
     found = find_model_factory(name_or_path)
     if found is not None:
         factory, name = found
@@ -159,7 +204,12 @@ def model_processor(name_or_path: str):
     """The processor saved with a checkpoint (a local directory or a hub id), as ``AutoProcessor`` loads it: from the
     local cache first, as :func:`model_config`. ValueError naming the checkpoint when it does not load (a directory
     saved without its processor); `NotCachedError` for a hub id whose processor is not in the cache while offline.
-    Call it where :func:`model_config` has resolved the name (a factory builds its own processor)."""
+    Call it where :func:`model_config` has resolved the name (a factory builds its own processor). Once inside
+    :func:`loads_once`."""
+    return _once("processor", name_or_path, lambda: _load_processor(name_or_path))
+
+
+def _load_processor(name_or_path: str):
     from transformers import AutoProcessor
 
     fix = ("save the processor beside the weights (processor.save_pretrained(<dir>): its processor / preprocessor "

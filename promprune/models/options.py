@@ -45,7 +45,8 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     "image_newline": "drop",
     # The vision layer whose attention gives saliency, on families that take one (each family's module says which
     # layers it accepts; e.g. Qwen2.5-VL a full-attention block, Qwen3-VL any block, InternVL any InternViT layer);
-    # None = the family's default (the layer whose output the LLM reads, or the last).
+    # None = the family's default (the layer whose output the LLM reads, or the last). LLaVA, LLaVA-NeXT and
+    # LLaVA-OneVision take none (saliency at `vision_feature_layer`, the paper's protocol) and refuse one set.
     "saliency_block": None,
     # CDPruner on CLIP-based models (LLaVA, LLaVA-NeXT): the CLIP checkpoint whose text tower and visual projection
     # embed the question; None: the model config's `promprune_clip_text` (the tiny models: "tiny", a seeded random

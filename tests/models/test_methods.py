@@ -140,6 +140,9 @@ def test_qwen3_saliency_block_is_any_vision_block():
     ("gemma4", "divprune", 4, {"saliency_block": -1}),
     ("llava_next", "promprune", 3, {"budget_mode": "view_quota"}),
     ("qwen2_5_vl", "cdpruner", 4, {"text_source": "clip"}),
+    ("llava", "promprune", 4, {"saliency_block": 0}),
+    ("llava_next", "vispruner", 4, {"saliency_block": 1}),
+    ("llava_onevision", "promprune", 4, {"saliency_block": 0}),
 ])
 def test_what_construction_refuses_is_known_from_the_config_alone(arch, method, budget, options):
     """``vlm.construction_problems`` (what the pipeline's preflight runs, no weights) names the same problem, in the
@@ -158,6 +161,25 @@ def test_what_construction_refuses_is_known_from_the_config_alone(arch, method, 
     fine = {k: v for k, v in options.items() if k != "saliency_block"} if "saliency_block" in options else {}
     assert not construction_problems(model.config, method, budget and 8,
                                      *validate_method(method, budget and 8, **fine), views)
+
+
+@pytest.mark.parametrize("arch, layer", [("llava", -2), ("llava_next", -2), ("llava_onevision", -1)])
+def test_llava_families_refuse_a_saliency_block_they_would_ignore(arch, layer):
+    """The LLaVA families read saliency at the layer the projector reads (``vision_feature_layer``: -2 on LLaVA-1.5
+    and LLaVA-NeXT, -1 on OneVision, docs/methods.md), the paper's protocol; ``saliency_block`` was accepted and
+    ignored, so a run measured another layer than it asked for. Refused by name, at construction and (the same
+    ``check_options``) in the preflight; unset, the family's layer as before."""
+    from promprune.models.options import OptionError
+
+    model, processor = tiny_vlm(arch)
+    assert model.config.vision_feature_layer == layer
+    with pytest.raises(OptionError) as raised:
+        PrunedVLM(model, processor, method="promprune", budget=4, saliency_block=0)
+    assert raised.value.option == "saliency_block"
+    assert f"saliency_block 0 is not taken by a {arch} model" in str(raised.value)
+    assert f"(vision_feature_layer, {layer})" in str(raised.value)
+    assert "remove saliency_block" in str(raised.value)
+    assert PrunedVLM(model, processor, method="promprune", budget=4, saliency_block=None).adapter is not None
 
 
 def test_view_counts_read_from_a_processor_are_unknown_without_one():

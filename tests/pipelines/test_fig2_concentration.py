@@ -127,6 +127,29 @@ def test_an_endpoint_that_does_not_answer_is_refused_in_seconds(cli, monkeypatch
     assert_clean_error(cli(), "judge: OPENAI_BASE_URL 'localhost:8000' is not an http(s) URL")
 
 
+@pytest.mark.parametrize("args, env, needle", [
+    (("--model", "tiny:qwen2_5_vl", "--set", "model.options.saliency_block=0"), {},
+     "model.options.saliency_block: saliency_block must be a full-attention block of the vision tower [1, 3], got 0"),
+    (("--model", "tiny:llava", "--set", "model.options.saliency_block=0"), {},
+     "model.options.saliency_block: saliency_block 0 is not taken by a llava model"),
+    (("--model", "tiny:llava_next", "--set", "model.options.budget_mode=view_quota", "--set", "grid.budget=[3]"), {},
+     "budget: budget_mode 'view_quota' gives each of up to 5 views budget // 5 tokens: budget 3 gives none; use a "
+     "budget of at least 5"),
+    ((), {"PROMPRUNE_ENTROPY": "exakt"}, "environment variable PROMPRUNE_ENTROPY='exakt': it takes"),
+    ((), {"MLFLOW_EXPERIMENT_NAME": "  "}, "MLFLOW_EXPERIMENT_NAME='  ': MLflow takes an experiment name of 1 to 500"),
+], ids=["construction", "llava-saliency-block", "view-quota", "environment", "experiment-name"])
+def test_the_sweeps_checks_of_what_the_figure_runs_refuse_it_in_setup(cli, monkeypatch, args, env, needle):
+    """The script ran only part of a sweep's preflight (the tasks, the model's capacity, the store): what PrunedVLM
+    refuses of the spec's adapter options with PromPrune (built after the judge was paid and the model loaded), a
+    PROMPRUNE_* value the code does not take, an experiment name MLflow refuses passed setup. Now it runs the same
+    `preflight.preflight`, less what scoring needs: exit 2 in setup, the model not loaded, the judge not asked."""
+    nothing_loaded(monkeypatch)
+    monkeypatch.setenv("OPENAI_API_KEY", "k")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert_clean_error(cli("--judge-base-url", "http://127.0.0.1:9/v1", *args), "1 problem(s)", f"  - {needle}")
+
+
 def test_a_bad_cache_or_worker_count_is_refused_up_front(cli, tmp_path, monkeypatch):
     """``--cache`` a directory or a file that is no rating cache, ``--judge-workers`` below 1: refused in setup (they
     were a traceback after the judge was paid, and silently taken)."""

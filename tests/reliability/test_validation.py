@@ -399,6 +399,45 @@ def test_a_checkpoint_the_adapters_cannot_run_is_refused_before_ray(scratch, tmp
     assert proc.returncode == 0, proc.stderr
 
 
+def test_the_preflight_loads_a_checkpoints_config_and_processor_once(scratch, tmp_path, monkeypatch):
+    """Each check loaded the model's config itself (the capacity, the processor's family, the construction, the in-LLM
+    layers: 4 loads for this spec) and the processor twice (its family, the views). One spec check now loads each
+    once (``factories.loads_once``): as many ``from_pretrained`` calls as loading the config and the processor once
+    by hand, and the checks run outside it still load per check."""
+    from collections import Counter
+
+    from transformers import AutoConfig, AutoProcessor
+
+    from pipelines import preflight
+    from promprune.models.factories import model_config, model_processor
+
+    good = _checkpoints(tmp_path / "ck")["good"]
+    calls: Counter = Counter()
+
+    def counting(cls):
+        real = cls.from_pretrained
+
+        def load(*args, **kwargs):
+            calls[cls.__name__] += 1
+            return real(*args, **kwargs)
+        return load
+
+    for cls in (AutoConfig, AutoProcessor):
+        monkeypatch.setattr(cls, "from_pretrained", counting(cls))
+    model_config(str(good)), model_processor(str(good))
+    once = dict(calls)
+    assert once["AutoConfig"] >= 1 and once["AutoProcessor"] == 1, once
+    spec = specs.load(scratch(SPEC.replace('"tiny:llava"', f'"{good}"').replace("[promprune]", "[promprune, fastv]")))
+    calls.clear()
+    assert preflight.preflight(spec, store=False) == []
+    assert dict(calls) == once
+    calls.clear()
+    preflight.check_model(spec.model.pretrained, spec.model.options, preflight.budgets(spec))
+    preflight.check_construction(spec), preflight.check_in_llm_layers(spec)
+    inner = once["AutoConfig"] - 1  # the config AutoProcessor loads itself, if it does
+    assert dict(calls) == {"AutoConfig": 4 + 2 * inner, "AutoProcessor": 2}  # the old preflight's count
+
+
 def test_a_cached_hub_checkpoint_goes_through_the_same_checks(scratch, tmp_path, run_main, monkeypatch):
     """A hub id found in the local cache offline is checked as a directory is (its config, its processor)."""
     dirs = _checkpoints(tmp_path / "ck")
@@ -479,8 +518,25 @@ def test_a_task_that_only_sets_lmms_evals_video_flag_is_not_refused(scratch, run
      "semantics average the visual tokens over the LLM's layers: with 36 tokens and the first stage at layer 1 of 4 "
      "the average is at least 9, above the budget 8; use budget_semantics='exact' or earlier 'layers' (trial "
      "pyramiddrop-b8-budget_semantics=released)"),
+    ("tiny:llava", ["model.options.saliency_block=0"], "model.options.saliency_block: saliency_block 0 is not "
+     "taken by a llava model: its adapter reads saliency at the vision layer whose output the projector reads "
+     "(vision_feature_layer, -2), as the paper's protocol does, and would ignore it; remove saliency_block from the "
+     "adapter options"),
+    ("tiny:llava_onevision", ["model.options.saliency_block=1"], "model.options.saliency_block: saliency_block 1 is "
+     "not taken by a llava_onevision model: its adapter reads saliency at the vision layer whose output the projector "
+     "reads (vision_feature_layer, -1), as the paper's protocol does, and would ignore it; remove saliency_block from "
+     "the adapter options"),
+    ("tiny:llava_next", ["model.options.budget_mode=view_quota", "tune.search=optuna", "grid.budget={randint: [3, 8]}"],
+     "budget: budget_mode 'view_quota' gives each of up to 5 views budget // 5 tokens: budget 3 gives none; use a "
+     "budget of at least 5 (optuna may sample promprune-b3, at a corner of the grid's search spaces)"),
+    ("tiny:llava_next", ["model.options.budget_mode=view_quota", "tune.search=optuna", "grid.budget={choice: [9, 4]}",
+                         "trials=[{method: promprune, budget: 4, mu: 0.5}]"],
+     "budget: budget_mode 'view_quota' gives each of up to 5 views budget // 5 tokens: budget 4 gives none; use a "
+     "budget of at least 5 (trial promprune-b4-mu=0.5; optuna may sample promprune-b4, at a corner of the grid's "
+     "search spaces)"),
 ], ids=["qwen2_5_vl-block", "qwen3_vl-block", "internvl-block", "gemma4-block", "next-view-quota", "clip-text",
-        "pyramiddrop-released-budget"])
+        "pyramiddrop-released-budget", "llava-block", "onevision-block", "optuna-randint-view-quota",
+        "optuna-choice-view-quota"])
 def test_options_the_model_construction_refuses_are_refused_before_ray(scratch, run_main, model, sets, line):
     """Each passed --validate-only and failed in every worker after Ray started, with a traceback (exit 1): the
     checks lived in the adapters' constructors only (PyramidDrop's released budget below its floor built fine and
@@ -489,3 +545,15 @@ def test_options_the_model_construction_refuses_are_refused_before_ray(scratch, 
     proc, _ = run_main("--config", str(spec), *[a for s in sets for a in ("--set", s)], "--validate-only")
     assert_clean_error(proc, f"  - {line}\n")
     assert proc.stderr.count("\n  - ") == 1, proc.stderr
+
+
+def test_a_sampled_budget_range_whose_every_value_gives_each_view_a_token_passes(scratch, run_main):
+    """The other side of the optuna cases above: randint [5, 8] under view_quota on 5 views gives every value optuna
+    can draw 1 token a view or more (5 // 5 = 1 at the low end), so the spec passes; the corners are exact because a
+    view's share only grows with the budget."""
+    spec = scratch(SPEC.replace('"tiny:llava"', '"tiny:llava_next"'))
+    sets = ["model.options.budget_mode=view_quota", "tune.search=optuna", "grid.budget={randint: [5, 8]}"]
+    proc, _ = run_main("--config", str(spec), *[a for s in sets for a in ("--set", s)], "--validate-only")
+    assert proc.returncode == 0, proc.stderr
+    assert "trial(s) chosen by optuna while the sweep runs, over method=['promprune'], budget=randint[5, 8]" \
+        in proc.stdout
