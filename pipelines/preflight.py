@@ -332,14 +332,16 @@ def check_construction(spec: SweepSpec, trials: list | None = None) -> list[str]
     an adapter option the family cannot run this config with (a ``saliency_block`` that is no full-attention block of
     Qwen2.5-VL's tower, or past the tower's last layer), CDPruner's ``text_source: clip`` on a model without a CLIP
     tower, a ``view_quota`` budget (LLaVA-NeXT's released VisPruner / VisionZip / CDPruner layout) that gives each
-    view nothing, an in-LLM budget whose schedule cannot prune the most visual tokens the model gives an image
-    (PyramidDrop's ``budget_semantics: released`` below the layer-averaged count of the layers before its first stage;
-    a model whose count depends on the image is left to run time). One problem per distinct problem, under the field
-    that set it, naming the trials unless every trial has it. ``trials``: default the spec's (`spec_trials`: with
+    view nothing, an in-LLM budget whose schedule cannot prune any image the model takes (PyramidDrop's
+    ``budget_semantics: released`` below the layer-averaged count of the layers before its first stage, at the fewest
+    visual tokens every image gives; a model with no known floor is left to run time). One problem per distinct
+    problem, under the field that set it, naming the trials unless every trial has it. A budget only the larger
+    images fail (``vlm.larger_images_problem``) is one console note naming the trials: those images are failed
+    samples. ``trials``: default the spec's (`spec_trials`: with
     optuna, the corners of its search spaces, so a sampled budget below a view's token is refused too)."""
     from pipelines.calibration import CALIBRATE
     from promprune.models.options import validate_method
-    from promprune.models.vlm import construction_problems
+    from promprune.models.vlm import construction_problems, larger_images_problem
 
     trials = spec_trials(spec) if trials is None else trials
     config = _config_for(spec, trials)
@@ -347,17 +349,24 @@ def check_construction(spec: SweepSpec, trials: list | None = None) -> list[str]
         return []
     views = _views(spec.model.pretrained, config)
     found: dict[tuple[str, str], list[str]] = {}
+    noted: dict[str, list[str]] = {}
     for trial in trials:
         given = {k: v for k, v in {**spec.model.options, **trial.options}.items() if v != CALIBRATE}
         try:
             method_options, adapter_options = validate_method(trial.method, trial.budget, **given)
             refused = construction_problems(config, trial.method, trial.budget, method_options, adapter_options,
                                             views)
+            larger = None if refused else larger_images_problem(config, trial.method, trial.budget,
+                                                                 method_options, adapter_options)
         except ValueError:
             continue  # specs.parse (the options) or check_model (a config no family runs) says why
         for problem in refused:
             found.setdefault((_field(getattr(problem, "option", None), trial, spec), str(problem)),
                              []).append(trial.trial_id)
+        if larger is not None:
+            noted.setdefault(larger, []).append(trial.trial_id)
+    for larger, ids in noted.items():
+        say(f"note: {larger}{'' if len(ids) == len(trials) else _who(ids, spec)}")
     out = []
     for (field, problem), ids in found.items():
         out.append(f"{field}: {problem}{'' if len(ids) == len(trials) else _who(ids, spec)}")

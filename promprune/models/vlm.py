@@ -138,6 +138,33 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def larger_images_problem(config, method: str | None, budget: int | None, method_options: dict,
+                          adapter_options: dict) -> str | None:
+    """Why an in-LLM ``budget`` that some images can run (``construction_problems`` passes it) fails on the larger
+    ones, or None: ``llm_hooks.plan_problem`` fails at the most visual tokens one image gives
+    (``adapters.visual_token_capacity``) but not at the fewest (``adapters.visual_token_floor``). Such images are
+    each a failed sample at run time; ``PrunedVLM`` warns at construction and the pipeline's preflight says it once,
+    with the first token count that fails (the refusal only rises with the count: found by bisection)."""
+    if not is_in_llm(method) or budget is None:
+        return None
+    capacity = visual_token_capacity(config, adapter_options)
+    if capacity is None or llm_hooks.plan_problem(config, method, int(budget), method_options, capacity) is None:
+        return None
+    runs = visual_token_floor(config, adapter_options) or 0  # the most tokens known to run (0: none known)
+    if runs and llm_hooks.plan_problem(config, method, int(budget), method_options, runs) is not None:
+        return None  # no image runs it: construction_problems refuses it
+    fails = capacity
+    while fails - runs > 1:
+        mid = (runs + fails) // 2
+        if llm_hooks.plan_problem(config, method, int(budget), method_options, mid) is None:
+            runs = mid
+        else:
+            fails = mid
+    return (f"{method} at budget {budget} cannot prune an image of {fails} or more visual tokens (this model gives "
+            f"one up to {capacity}, newline tokens not counted): each such image is a failed sample, the others run. "
+            f"{llm_hooks.plan_problem(config, method, int(budget), method_options, capacity)}")
+
+
 class PrunedVLM:
     """A transformers VLM of a registered family (:func:`promprune.models.registry.families`: LLaVA, LLaVA-NeXT,
     Qwen2.5-VL, ...) that prunes visual tokens with a registered method.
@@ -179,6 +206,9 @@ class PrunedVLM:
                                          views=self.adapter.max_views())
         if problems:
             raise problems[0]
+        larger = larger_images_problem(model.config, method, self.budget, self.method_options, adapter_options)
+        if larger is not None:
+            warnings.warn(larger, UserWarning, stacklevel=2)
         if method is not None and not is_in_llm(method):
             self.spec = promprune.method_spec(method)
             if "mu" in self.spec.options and "mu" not in self.method_options:

@@ -204,6 +204,35 @@ def test_pyramiddrop_released_refuses_at_construction_only_what_every_image_fail
                 assert answer.layer_visual_tokens[0] == n
 
 
+@pytest.mark.filterwarnings("ignore:pyramiddrop with budget_semantics='released' keeps no visual token")
+def test_a_released_budget_only_larger_images_fail_is_said_at_construction_with_the_first_count_that_fails():
+    """Released semantics fail an image of n tokens when n x 1 / 4 (the tiny LLM's first stage at layer 1 of 4)
+    exceeds the budget: at budget 15 every n from 61 (61 / 4 = 15.25), which the tiny LLaVA-NeXT's 64 x 64 image (88)
+    and 40 x 56 one (70) reach, while its floor (16) and 64 x 30 (56) run. Construction passes it (some images run)
+    and says, once, which images will be failed samples; exact semantics and a budget no image runs (refused) say
+    nothing here."""
+    import warnings
+
+    from promprune.models.options import validate_method
+    from promprune.models.vlm import larger_images_problem
+
+    model, processor = tiny_vlm("llava_next")
+
+    def larger(budget, **options):
+        return larger_images_problem(model.config, "pyramiddrop", budget,
+                                     *validate_method("pyramiddrop", budget, **options))
+
+    said = larger(15, budget_semantics="released")
+    assert said.startswith("pyramiddrop at budget 15 cannot prune an image of 61 or more visual tokens (")
+    assert larger(19, budget_semantics="released").startswith("pyramiddrop at budget 19 cannot prune an image of 77 ")
+    assert larger(3, budget_semantics="released") is None  # no image runs it: construction refuses it
+    assert larger(15) is None  # exact semantics prune any count
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PrunedVLM(model, processor, method="pyramiddrop", budget=15, budget_semantics="released")
+    assert [str(w.message) for w in caught if str(w.message).startswith("pyramiddrop at budget")] == [said]
+
+
 def test_pyramiddrop_ranks_by_the_last_tokens_attention_with_the_next_layers_projections(images, prompts):
     """Stage 1 (before layer 1) keeps the top 20 by layer 1's own attention of the last token (head mean): the
     unpruned eager forward's ``attentions[1]``."""

@@ -557,3 +557,17 @@ def test_a_sampled_budget_range_whose_every_value_gives_each_view_a_token_passes
     assert proc.returncode == 0, proc.stderr
     assert "trial(s) chosen by optuna while the sweep runs, over method=['promprune'], budget=randint[5, 8]" \
         in proc.stdout
+
+
+def test_a_released_budget_only_larger_images_fail_passes_with_a_note_naming_the_trials(scratch, run_main):
+    """On the tiny LLaVA-NeXT (an image gives 16 to 80 visual tokens, newlines not counted; the first stage at layer
+    1 of 4) released budget 15 fails each image of 61 tokens or more (61 / 4 > 15) and runs the others, so the spec
+    passes; the console says so once, naming the trial (budget 30 runs every image: no note for it)."""
+    spec = scratch(SPEC.replace('"tiny:llava"', '"tiny:llava_next"'))
+    grid = "grid={method: [pyramiddrop], budget: [15, 30], budget_semantics: [released]}"
+    proc, _ = run_main("--config", str(spec), "--set", grid, "--validate-only")
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("note: pyramiddrop at budget")]
+    assert len(notes) == 1, proc.stdout
+    assert notes[0].startswith("note: pyramiddrop at budget 15 cannot prune an image of 61 or more visual tokens")
+    assert notes[0].endswith("(trial pyramiddrop-b15-budget_semantics=released)")
