@@ -46,7 +46,7 @@ from urllib.parse import urlparse
 
 import openai
 
-from promprune.atomic import atomic_path
+from promprune.atomic import atomic_path, locked
 from promprune.eval.tasks import ENDPOINT_ENVS, api_key_env, api_type, is_azure
 
 # The prompt of the paper's Fig. B1 ("Prompt Used for GPT-4o-based Semantic Prominence Annotation"), word for word.
@@ -153,30 +153,43 @@ def url_problem(url: str, where: str) -> str | None:
 
 
 _SCORE_PATTERNS = (  # an explicit score in a longer reply; the last match wins (a conclusion follows reasoning)
-    re.compile(r"(?:score|rating|rated|rate|answer)\s*(?:is|of|=|:)?\s*\**\s*([1-5])(?![\d.])", re.IGNORECASE),
+    # whole words: "rate" inside "Concentrated" or "moderate" is no score keyword
+    re.compile(r"\b(?:score|rating|rated|rate|answer)\b\s*(?:is|of|=|:)?\s*\**\s*([1-5])(?![\d.])", re.IGNORECASE),
     re.compile(r"(?<![\d.])([1-5])\s*(?:/\s*5|out of 5)(?![\d.])", re.IGNORECASE),
 )
+# the prompt's rubric lines ("5 = Highly Concentrated: ..."): label -> its score, read from PROMPT itself
+RUBRIC = {label.lower(): int(score) for score, label in re.findall(r"(?m)^([1-5]) = ([^:\n]+):", PROMPT)}
+_RUBRIC_LINE = re.compile(  # a score, then a rubric label: "5 = Highly Concentrated", "3 - Balanced", "**4**: ..."
+    r"(?<![\w.])([1-5])\**\s*(?:=|:|-|\u2013|\u2014|\.|\))\s*\**\s*("
+    + "|".join(re.escape(label) for label in sorted(RUBRIC, key=len, reverse=True)) + r")(?![a-z])", re.IGNORECASE)
+# a number, a leading minus sign its part ("-3"; the "-" of a range "1-2" is not)
+_NUMBER = re.compile(r"(?<![\d.])(?:(?<![\w.])-)?\d+(?:\.\d+)?(?![\d.])")
 
 
 def parse_rating(text: str | None) -> int | None:
     """The 1-5 rating in a judge's reply, or None when there is none or it is ambiguous.
 
-    ``"4"``, ``"4."``, ``"**4**"``, ``"Score: 4"``, ``"I'd rate it 2/5"`` give the number; ``"0"``, ``"7"``,
+    ``"4"``, ``"4."``, ``"**4**"``, ``"Score: 4"``, ``"I'd rate it 2/5"`` give the number; ``"0"``, ``"7"``, ``"-3"``,
     ``"3.5"``, ``"3 or 4"``, ``""`` and prose without a number give None. Formatting is ignored; a reply that lists
-    several numbers counts only when one of them is marked as the score ("score: 3", "3/5", "3 out of 5")."""
+    several numbers counts only when one of them is marked as the score ("score: 3", "3/5", "3 out of 5"), or when
+    it repeats the rubric line of one score (``"4 = Mostly Concentrated: 1-2 units ..."``, ``"3 - Balanced"``:
+    the number with its label in :data:`PROMPT`); rubric lines of different scores, or a number beside another
+    score's label, give None unless a marked score follows."""
     if not text:
         return None
     clean = text.strip().strip("*_`'\" \n").strip()
     if re.fullmatch(r"[1-5]\.?", clean):
         return int(clean[0])
-    numbers = re.findall(r"(?<![\d.])\d+(?:\.\d+)?(?![\d.])", text)
+    numbers = _NUMBER.findall(text)
     if len(numbers) == 1 and numbers[0] in ("1", "2", "3", "4", "5"):
         return int(numbers[0])
     for pattern in _SCORE_PATTERNS:
         found = pattern.findall(text)
         if found:
             return int(found[-1])
-    return None
+    said = {int(score) for score, _ in _RUBRIC_LINE.findall(text)}
+    said |= {RUBRIC[label.lower()] for _, label in _RUBRIC_LINE.findall(text)}
+    return said.pop() if len(said) == 1 else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -308,6 +321,9 @@ class ConcentrationJudge:
                              f"attempt{'s' if attempts != 1 else ''} ({type(reason).__name__}: {reason})") from None
         except openai.APIError as exc:  # a 2xx body the SDK could not read
             raise JudgeError(f"the judge endpoint {self.url} did not return a Chat Completion: {exc}") from None
+        except ValueError as exc:  # a 2xx JSON body cut short or malformed: the SDK's json.loads raises it as is
+            raise JudgeError(f"the judge endpoint {self.url} did not return a Chat Completion (its body is not "
+                             f"valid JSON: {type(exc).__name__}: {exc})") from None
         text, answered_by = _completion_text(completion, self.url)
         return Reply(text=text, rating=parse_rating(text), model=answered_by or self.model,
                      attempts=self._local.attempts)
@@ -394,7 +410,9 @@ def cache_key(task: str, doc_id: int, model: str, prompt_hash: str) -> str:
 class RatingCache:
     """Ratings by (task, doc_id, model, prompt hash), in a JSON file; an entry also keeps its image's sha256, and
     one whose image changed (the dataset moved on) is not a hit. Failed requests are never stored (a rerun asks
-    again); unparsable replies are (temperature 0: asking again would give the same text), with rating None."""
+    again); unparsable replies are (temperature 0: asking again would give the same text), with rating None. Each
+    entry keeps the reply's text, which :func:`rate_images` parses again on every hit (the stored rating is what the
+    parser of its day read). Several processes may share one file: :meth:`save` merges with what is there."""
 
     def __init__(self, entries: Iterable[dict] = ()):
         self.entries: dict[str, dict] = {}
@@ -445,10 +463,15 @@ class RatingCache:
         return cls.from_json(path.read_text(encoding="utf-8")) if path.exists() else cls()
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically (a temporary file, then a rename): a kill never leaves half a cache."""
+        """Write atomically (a temporary file, then a rename): a kill never leaves half a cache. What the file holds
+        already is merged in first, under a lock beside it (``.<name>.lock``): two runs sharing the file (Fig. 2 with
+        different ``--tasks``) keep each other's ratings; for a key both hold, this cache's entry wins."""
         path = Path(path)
-        with atomic_path(path) as tmp:
-            tmp.write_text(self.to_json(), encoding="utf-8")
+        with locked(path.with_name(f".{path.name}.lock")):
+            if path.exists():
+                self.merge(RatingCache.load(path))
+            with atomic_path(path) as tmp:
+                tmp.write_text(self.to_json(), encoding="utf-8")
         return path
 
 
@@ -470,7 +493,9 @@ def rate_images(judge: ConcentrationJudge, cache: RatingCache, items: Iterable[t
                 on_new: Callable[[Rating], None] | None = None) -> list[Rating]:
     """A :class:`Rating` per ``(task, doc_id, png)`` item, in order: from ``cache`` when it holds one (or holds the
     same image under the same model and prompt), else from ``judge`` (``workers`` requests at a time); each new
-    rating goes into ``cache`` and to ``on_new`` (e.g. to save the cache as it grows).
+    rating goes into ``cache`` and to ``on_new`` (e.g. to save the cache as it grows). A cached rating is the
+    cached reply parsed again (:func:`parse_rating`), so a cache written by an older parser gives today's rating
+    (and ``cache`` is corrected).
 
     A request that fails for good gives rating None with ``error`` set, and is not cached; ``max_consecutive_failures``
     of them in a row stop the run with :class:`JudgeError` (the endpoint is down: no point asking 700 times).
@@ -484,7 +509,11 @@ def rate_images(judge: ConcentrationJudge, cache: RatingCache, items: Iterable[t
         i_sha = image_sha(png)
         hit = cache.get(task, doc_id, model, p_sha, i_sha) or cache.same_image(model, p_sha, i_sha)
         if hit is not None:
-            out[i] = Rating(task, int(doc_id), hit["rating"], hit["reply"], model, p_sha, i_sha,
+            # the stored reply read again: a parser fix mends an old cache (an entry without its reply keeps its rating)
+            rating = hit["rating"] if hit.get("reply") is None else parse_rating(hit["reply"])
+            if rating != hit["rating"]:
+                cache.put({**hit, "rating": rating})
+            out[i] = Rating(task, int(doc_id), rating, hit["reply"], model, p_sha, i_sha,
                             hit.get("answered_by"), cached=True)
             if cache.get(task, doc_id, model, p_sha, i_sha) is None:
                 cache.put(out[i].entry())

@@ -5,6 +5,7 @@ never half of one, and a writer killed midway leaves the target as it was.
         tmp.write_text(text)            # or: model.save_pretrained(tmp), frame.to_parquet(tmp), ...
 
 Used by the library (offline task data, trained-model caches) and the pipeline (the judge's rating cache).
+:func:`locked` serializes writers that read what is there first (a read-merge-replace), across processes.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+from filelock import FileLock
 
 
 @contextlib.contextmanager
@@ -35,6 +38,14 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+def locked(path: str | Path) -> FileLock:
+    """An exclusive lock on ``path`` across processes and threads (``filelock``: ``flock`` on POSIX, ``msvcrt`` on
+    Windows); use as ``with locked(path):``. Waits as long as the holder needs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(path)
 
 
 def _remove(path: Path) -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from filelock import FileLock
 
-from promprune.atomic import atomic_path
+from promprune.atomic import atomic_path, locked
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +106,6 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def locked(path: Path) -> FileLock:
-    """An exclusive lock on ``path`` across processes and threads (``filelock``: ``flock`` on POSIX, ``msvcrt`` on
-    Windows); use as ``with locked(path):``. Waits as long as the holder needs (training takes minutes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(path)
 
 
 def complete(directory: Path) -> bool:

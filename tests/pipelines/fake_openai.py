@@ -21,7 +21,8 @@ class FakeOpenAI:
     """``with FakeOpenAI(key="k", model="gpt-4o") as server:`` -> ``server.base_url`` (``http://127.0.0.1:PORT/v1``).
 
     ``script``: a list of ``(status, reply text or error message, headers)`` served first, in order; afterwards
-    every valid request gets 200 with ``reply(png)`` (default: the digit of :func:`rating_of`). ``azure=True``
+    every valid request gets 200 with ``reply(png)`` (default: the digit of :func:`rating_of`); a scripted reply
+    given as bytes is the whole response body, sent as it is (``b'{"choices": ['``: JSON cut short). ``azure=True``
     expects the key in an ``api-key`` header instead of ``Authorization: Bearer``."""
 
     def __init__(self, key: str = "test-key", model: str = "gpt-4o", reply=None, azure: bool = False,
@@ -62,7 +63,7 @@ class FakeOpenAI:
                     fake.requests.append({"path": self.path, "headers": headers, "body": raw, "time": time.monotonic()})
                     scripted = fake.script.pop(0) if fake.script else None
                 status, payload, headers = fake._answer(self.path, self.headers, raw, scripted)
-                data = json.dumps(payload).encode()
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -104,6 +105,8 @@ class FakeOpenAI:
             status, content, extra = scripted
             if status != 200:
                 return status, _error(content), extra
+            if isinstance(content, bytes):  # a raw body, sent as it is (e.g. JSON cut short)
+                return status, content, extra
         else:
             content = self.reply(png)
         return 200, {"id": "chatcmpl-1", "object": "chat.completion", "model": f"{self.model}-2024-11-20",

@@ -175,7 +175,9 @@ def test_a_bad_cache_or_worker_count_is_refused_up_front(cli, tmp_path, monkeypa
 
 @pytest.mark.parametrize("answer,needle", [
     ((400, "the image could not be read", {}), "4 judge request(s) failed (the last: the judge endpoint"),
-    ((200, "It is hard to say.", {}), "4 replies held no 1-5 score (e.g. 'It is hard to say.'")])
+    ((200, "It is hard to say.", {}), "4 replies held no 1-5 score (e.g. 'It is hard to say.'"),
+    # HTTP 200 with JSON cut short: a failed request each (it escaped as json.JSONDecodeError, a traceback, exit 1)
+    ((200, b'{"choices": [', {}), "4 judge request(s) failed (the last: the judge endpoint")])
 def test_no_image_rated_fails_the_run_before_the_model_loads(cli, store, monkeypatch, answer, needle):  # noqa: F811
     """The endpoint answers the test request but rates no image (every request fails, or no reply holds a score):
     exit 1 and a FAILED run before the model loads (it used to exit 0 with an empty table, rho nan)."""

@@ -61,9 +61,39 @@ def test_the_prompt_is_the_papers_fig_b1():
     ("4", 4), ("4.", 4), ("**2**", 2), ("Score: 5", 5), ("I would rate it 3/5.", 3), ("1 out of 5", 1),
     ("Many units spread out (more than 10). Score: 1", 1), ("0", None), ("7", None), ("3.5", None),
     ("3 or 4", None), ("", None), ("I cannot see the image.", None),
+    # a reply repeating the prompt's rubric line of its score (a probe's cases: "rate" inside "Concentrated" and
+    # "moderate" was read as the score keyword, and "-3" as 3)
+    ("5 = Highly Concentrated: 1 main semantic unit occupying a small region.", 5),
+    ("4 = Mostly Concentrated: 1-2 units", 4), ("3 - Balanced (moderate: 2 units)", 3), ("-3", None),
+    ("**4 = Mostly Concentrated**: 1-2 units with little surrounding information.", 4),
+    ("1 = Highly Distributed: complex natural scene with many objects/interactions spread across the entire image.",
+     1),
+    ("The image is moderately concentrated. Score: 4", 4), ("Concentrated: 5 = Highly Concentrated (1 unit)", 5),
+    ("4 = Highly Concentrated: 1 unit", None),  # the number and the label disagree
+    (judging.PROMPT, None), (judging.PROMPT + "\nAnswer: 2", 2),  # the whole rubric is no answer; a marked one is
 ])
 def test_ratings_are_parsed_or_none(reply, rating):
     assert judging.parse_rating(reply) == rating
+
+
+def test_the_rubric_labels_are_the_prompts():
+    assert judging.RUBRIC == {"highly concentrated": 5, "mostly concentrated": 4, "balanced": 3, "distributed": 2,
+                              "highly distributed": 1}
+
+
+def test_a_cached_reply_is_parsed_again_so_a_parser_fix_mends_an_old_cache(server, tmp_path):
+    """The cache stored the rating the parser of its day read (1, from "rate" inside "Concentrated"); a hit parses
+    the stored reply again, asks nothing, and the saved cache carries the corrected rating."""
+    judge, image = make_judge(), png((7, 7, 7))
+    reply = "5 = Highly Concentrated: 1 main semantic unit occupying a small region."
+    old = judging.Rating("pope", 0, 1, reply, judge.model, judge.prompt_sha, judging.image_sha(image), "gpt-4o-x")
+    judging.RatingCache([old.entry()]).save(tmp_path / "old.json")
+    cache = judging.RatingCache.load(tmp_path / "old.json")
+    [rating] = judging.rate_images(judge, cache, [("pope", 0, image)])
+    [same] = judging.rate_images(judge, cache, [("gqa", 3, image)])  # the same image under another document
+    assert rating.rating == same.rating == 5 and rating.cached and same.cached and server.count == 0
+    cache.save(tmp_path / "new.json")
+    assert {e["rating"] for e in judging.RatingCache.load(tmp_path / "new.json").entries.values()} == {5}
 
 
 def test_a_rating_comes_back_and_the_request_is_what_the_api_expects(server):
@@ -288,3 +318,60 @@ def test_the_probe_asks_once_without_retries_and_is_not_counted(server):
     assert "answered HTTP 500: overloaded" in str(error) and server.count == 2  # no retry
     server.script = [(401, "no", {})]
     assert isinstance(judge.probe(timeout=5), judging.JudgeAuthError)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a 200 whose body is not JSON; the cache file shared by two processes
+
+
+BROKEN_JSON = (200, b'{"choices": [', {})  # HTTP 200, application/json, cut short
+
+
+def test_a_body_that_is_not_json_is_a_failed_request_not_a_crash(server):
+    """A probe's case: one truncated JSON body escaped ``ask`` as json.JSONDecodeError and ended the whole run. It
+    is a JudgeError (``ask``'s docstring): that image gets rating None with the error, the others are asked."""
+    server.script = [(200, "4", {}), BROKEN_JSON]
+    items = [("pope", i, png((i, 9, 9))) for i in range(3)]
+    cache = judging.RatingCache()
+    ratings = judging.rate_images(make_judge(), cache, items, workers=1)
+    assert [r.rating for r in ratings] == [4, None, rating_of(items[2][2])] and server.count == 3
+    assert "did not return a Chat Completion (its body is not valid JSON: JSONDecodeError" in ratings[1].error
+    assert ratings[0].error is None and len(cache) == 2  # the failed one is not cached: a rerun asks again
+    server.script = [BROKEN_JSON] * 3
+    with pytest.raises(judging.JudgeError, match="2 judge requests in a row failed; the last: .*not valid JSON"):
+        judging.rate_images(make_judge(), judging.RatingCache(), items, workers=1, max_consecutive_failures=2)
+
+
+def test_the_preflight_probe_reports_a_body_that_is_not_json(server):
+    from pipelines.preflight import check_concentration_judge
+
+    server.script = [BROKEN_JSON]
+    (problem,) = check_concentration_judge(make_judge())
+    assert problem.startswith("judge: a test request failed: the judge endpoint") and "not valid JSON" in problem
+
+
+SAVER = """
+import sys
+from pipelines import judge as judging
+path, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cache = judging.RatingCache()
+for i in range(n):
+    cache.put({"task": who, "doc_id": i, "rating": 3, "reply": "3", "model": "m", "prompt_sha": "p",
+               "image_sha": f"{who}{i}"})
+    cache.save(path)
+"""
+
+
+def test_two_processes_saving_one_cache_keep_each_others_ratings(tmp_path):
+    """Two Fig. 2 runs with different --tasks share outputs/fig2_concentration/judge_ratings.json and save after
+    every rating; each save wrote its own cache whole, so the last writer dropped the other's paid ratings."""
+    import os
+    import subprocess
+    import sys
+
+    path, n = tmp_path / "judge_ratings.json", 25
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(path), who, str(n)], env=env) for who in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    entries = judging.RatingCache.load(path).entries.values()
+    assert sorted((e["task"], e["doc_id"]) for e in entries) == sorted((w, i) for w in "ab" for i in range(n))
