@@ -4,7 +4,8 @@ A trial option ``mu: calibrate`` means: before the trials run, take ``calibratio
 ``calibration.images`` (pretraining-style images, never the evaluation benchmarks' documents), compute the trial's
 prominence metric (spectral entropy by default; feature-norm or attention entropy for the Fig. 4 ablation) on each
 with the sweep's own model, and use the median as that trial's mu. The value actually used is logged as the trial's
-``mu`` param (with ``mu_source: calibration``) and as ``calibration/median_<metric>`` on the sweep's parent run.
+``mu`` param (with ``mu_source: calibration``) and as ``calibration/median_<metric>`` on the sweep's parent run,
+with ``calibration/images``, the images measured (the param ``calibration_images`` names the source).
 
 ``calibration.images`` is a local folder of images (searched recursively; the paper used 1,000 images of LLaVA's
 pretraining data: download e.g. ``liuhaotian/LLaVA-Pretrain``'s images once and point here), or
@@ -15,10 +16,12 @@ the evaluation ones).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -30,6 +33,9 @@ from pipelines.config import SECTION, expect
 CALIBRATE = "calibrate"  # the option value that asks for a calibrated mu
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 DEFAULT_METRIC = "spectral"
+# on the sweep's parent run: the median of each metric measured (calibration/median_spectral, ...), and the images
+# measured (fewer than calibration.n when the folder holds fewer)
+MEDIAN_PREFIX, IMAGES_METRIC = "calibration/median_", "calibration/images"
 
 
 @with_config(SECTION)
@@ -64,8 +70,15 @@ def apply(options: dict, calibrated: dict[str, float]) -> dict:
     return {**options, "mu": calibrated[metric]}
 
 
-def check_source(images: str | None) -> str | None:
-    """A problem with the calibration image source, or None."""
+def image_files(folder: str | Path) -> Iterator[Path]:
+    """The image files under ``folder`` (recursively, by suffix: :data:`IMAGE_SUFFIXES`), none of them opened."""
+    return (p for p in Path(folder).expanduser().rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def check_source(images: str | None, n: int | None = None) -> str | None:
+    """A problem with the calibration image source, or None. With ``n`` (``calibration.n``), a local folder that
+    holds fewer images than ``n`` is no problem (the calibration uses them all) but gets a console note naming how
+    many it holds: files counted up to ``n``, none decoded."""
     if not images:
         return ("calibration.images: required when a trial sets mu: calibrate (a folder of images, hf:<dataset> or "
                 "testbed:<split>)")
@@ -90,8 +103,15 @@ def check_source(images: str | None) -> str | None:
 
         return NotOnThisMachine(f"calibration.images: {images!r} is not a folder here (give a folder of images, "
                                 "hf:<dataset id> or testbed:<split>)")
-    if not any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.rglob("*")):
+    held = sum(1 for _ in itertools.islice(image_files(folder), n or 1))
+    if not held:
         return f"calibration.images: {images!r} holds no image ({', '.join(IMAGE_SUFFIXES)})"
+    if n is not None and held < n:
+        from pipelines.console import say
+
+        say(f"note: calibration.images: {images!r} holds {held} image{'s' if held != 1 else ''}, fewer than "
+            f"calibration.n = {n}, so mu is calibrated on those {held} (the paper used 1,000 pretraining images): add "
+            f"images to the folder, or set calibration.n to {held} to say what is used")
     return None
 
 
@@ -113,7 +133,7 @@ def load_images(cal: Calibration) -> list:
         rng = random.Random(cal.seed)
         return [scenes.render(scenes.make_scene(cal.images.split(":", 1)[1], rng.randrange(10 ** 9)))
                 for _ in range(cal.n)]
-    paths = sorted(p for p in Path(cal.images).expanduser().rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    paths = sorted(image_files(cal.images))
     if len(paths) > cal.n:
         paths = sorted(random.Random(cal.seed).sample(paths, cal.n))
     images = []
@@ -229,7 +249,7 @@ def ship(spec_path: str, overrides: list[str] | None = None) -> str:
     if not metrics:
         raise specs.SpecError(["trials: no trial sets mu: calibrate, so there is no calibration to ship (add one, "
                                "e.g. --set 'trials=[{method: promprune, budget: 16, mu: calibrate}]')"], spec_path)
-    problem = check_source(spec.calibration.images)
+    problem = check_source(spec.calibration.images, spec.calibration.n)
     if problem:
         raise specs.SpecError([problem], spec_path)
     budget = budget_of(trials)

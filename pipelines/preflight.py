@@ -67,7 +67,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
         errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) + check_experiment_name() if store else []
     if evaluates and metrics_to_calibrate(expand(spec)):
-        problem = check_source(spec.calibration.images)
+        problem = check_source(spec.calibration.images, spec.calibration.n)
         errors += [problem] if problem else []
     return errors
 

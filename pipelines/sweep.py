@@ -455,14 +455,17 @@ def calibrate(spec: specs.SweepSpec, trials: list, pool: WorkerPool, client, par
     if found is None:
         found = pool.calibrate(spec.calibration, metrics, budget)
     medians = {m: round(float(r["median"]), 4) for m, r in found.items()}
-    tracking.log_metrics(client, parent_id, {f"calibration/median_{m}": v for m, v in medians.items()})
-    client.log_param(parent_id, "calibration_images", f"{spec.calibration.images} (n={spec.calibration.n}, "
+    used = found[metrics[0]]["n"]  # the images measured: all of a folder holding fewer than calibration.n
+    tracking.log_metrics(client, parent_id, {**{calibration.MEDIAN_PREFIX + m: v for m, v in medians.items()},
+                                             calibration.IMAGES_METRIC: used})
+    asked = "" if used == spec.calibration.n else f" of calibration.n={spec.calibration.n}"
+    client.log_param(parent_id, "calibration_images", f"{spec.calibration.images} (n={used}{asked}, "
                                                       f"seed={spec.calibration.seed})")
     client.log_param(parent_id, "calibration_source", origin)
     client.log_dict(parent_id, {m: r["values"] for m, r in found.items()}, "calibration_values.json")
     how = (f"{time.perf_counter() - t0:.1f}s" if origin == "measured" else
            f"read from {calibration.SHIPPED.name}: measured once with these weights and settings")
-    say(f"mu calibrated on {found[metrics[0]]['n']} images ({how}): "
+    say(f"mu calibrated on {used} images ({how}): "
         + ", ".join(f"{m} median {v:.4f}" for m, v in medians.items()))
     return medians
 

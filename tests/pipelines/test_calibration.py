@@ -82,6 +82,43 @@ def test_spec_needs_images_when_a_trial_calibrates(image_folder, tmp_path):
     assert "holds no image" in calibration.check_source(str(tmp_path / "empty"))
 
 
+def test_a_folder_with_fewer_images_than_n_is_a_note_not_a_refusal(image_folder, capsys, monkeypatch):
+    """A probe's case: calibration.n 1000 on a folder of 3 images calibrated on 3 while the run said n=1000. The
+    checks count the image files by their suffix (none decoded) and say so."""
+    monkeypatch.setattr("PIL.Image.open", lambda *a, **k: pytest.fail("an image was decoded"))
+    assert calibration.check_source(str(image_folder), 1000) is None
+    note = capsys.readouterr().out
+    assert note.startswith(f"note: calibration.images: {str(image_folder)!r} holds 5 images, fewer than "
+                           "calibration.n = 1000, so mu is calibrated on those 5") and "set calibration.n to 5" in note
+    assert calibration.check_source(str(image_folder), 5) is None
+    assert calibration.check_source(str(image_folder)) is None
+    assert capsys.readouterr().out == ""  # enough images, or no n: nothing said
+
+
+def test_the_parent_run_records_how_many_images_the_calibration_used(image_folder, tmp_path, monkeypatch):
+    """The parent run said ``calibration_images: <folder> (n=1000, seed=0)`` for a calibration of 5 images, and no
+    param or metric held 5: the param now gives the count used (with the n asked) and ``calibration/images`` is 5."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from pipelines import sweep
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    parent = client.create_run(client.create_experiment("c")).info.run_id
+    spec = specs.parse({"name": "c", "version": 1, "model": {"pretrained": "tiny:llava"},
+                        "grid": {"method": "promprune", "budget": 8, "mu": "calibrate"},
+                        "calibration": {"images": str(image_folder), "n": 1000}})
+    source = ModelSource("tiny:llava")
+    pool = SimpleNamespace(source=source, plan=SimpleNamespace(on_gpu=False),
+                           calibrate=lambda cal, metrics, budget: calibration.run(source, cal, metrics, budget))
+    medians = sweep.calibrate(spec, specs.expand(spec), pool, client, parent)
+    run = client.get_run(parent)
+    assert run.data.metrics["calibration/images"] == 5
+    assert run.data.metrics["calibration/median_spectral"] == medians["spectral"]
+    assert run.data.params["calibration_images"] == f"{image_folder} (n=5 of calibration.n=1000, seed=0)"
+
+
 def test_a_hub_calibration_source_not_here_is_refused_before_ray(tmp_path, monkeypatch):
     # it used to pass the checks and fail ~45 s later inside the sweep, its MLflow run left RUNNING
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
