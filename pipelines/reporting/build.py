@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from pipelines import mlflow_layout
+from pipelines import calibration, mlflow_layout
 from pipelines.mlflow_layout import MU_TAU
 
 from . import figures, ground_truth, headroom_figure, headroom_section, overlay, paired, side_by_side, tables
@@ -39,7 +39,7 @@ class Report:
     out_dir: Path
     files: list = field(default_factory=list)  # every file written, report.md first
     markdown: str = ""
-    calibration: dict = field(default_factory=dict)  # metrics for the parent run: calibration/median_entropy, ...
+    calibration: dict = field(default_factory=dict)  # metrics for the parent run: calibration/chosen_mu
 
 
 def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DIR,
@@ -66,7 +66,7 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     sections.append(_matched_split_section(sweep, table, preds, out_dir, report))
     sections.append(_headroom_section(sweep, table, preds, out_dir, report, truth_source or ground_truth.testbed_truth))
     entropy_id = _entropy_trial(table, preds)
-    sections.append(_calibration_section(sweep, table, preds, entropy_id, report))
+    sections.append(_calibration_section(sweep, table, report))
     sections.append(_figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report,
                                      image_source or task_image))
     sections.append(_side_by_side_section(sweep, table, preds, full_tokens, out_dir, report,
@@ -374,29 +374,65 @@ def _headroom_section(sweep, table, preds, out_dir, report, truth_source) -> str
             + "\n".join(figures_md))
 
 
-def _calibration_section(sweep, table, preds, entropy_id, report) -> str:
-    """mu calibration: the median spectral entropy, and (with a mu grid) the mu of the best Rel."""
+def _calibration_section(sweep, table, report) -> str:
+    """mu calibration: the median of each prominence metric over the calibration images (the parent run's
+    ``calibration/median_<metric>``, the mu its ``mu: calibrate`` trials used), and (with a mu grid) the mu of the
+    best Rel., ties going to the mu closest to the spectral median."""
     if CALIBRATION_MARK not in sweep.name:
         return ""
-    median, widest = np.nan, 0.0
-    if entropy_id is not None:
-        ok = _ok(preds.get(entropy_id))
-        median, widest = float(ok["entropy"].median()), figures.entropy_halfwidth(ok)
-    elif "entropy/median" in sweep.metrics:
-        median = float(sweep.metrics["entropy/median"].dropna().median())
+    medians, images, where = calibration_medians(sweep)
     lines = ["## mu calibration", ""]
-    if not np.isnan(median):
-        report.calibration["calibration/median_entropy"] = median
-        lines.append(f"- median spectral entropy over the calibration images: **{median:.4f}**")
-        if widest:
-            lines.append(f"  (of the certified split's bracket midpoints, each within {widest:.1e} of the exact "
-                         "entropy: for exact ones run the sweep with `PROMPRUNE_ENTROPY=exact`; "
-                         "`calibration/median_spectral`, from `mu: calibrate`, is always exact)")
+    for metric, median in medians.items():
+        lines.append(f"- median {metric.replace('_', '-')} entropy over the calibration images"
+                     f"{'' if images is None else f' ({images:.0f})'}: **{median:.4f}** "
+                     f"(`{calibration.MEDIAN_PREFIX}{metric}`, {where})")
+    if not medians:
+        lines.append("- no calibration median: neither this sweep (no `mu: calibrate` trial) nor an earlier sweep on "
+                     "its model measured one (run `sweeps/mu_calibration.yaml`)")
+    median = medians.get(calibration.DEFAULT_METRIC, np.nan)
     chosen = choose_mu(table.frame.join(sweep.trials[["mu"]]) if "mu" in sweep.option_names else None, median)
     if chosen is not None:
         report.calibration["calibration/chosen_mu"] = chosen
-        lines.append(f"- mu with the best Rel. on the local grid: **{chosen:g}** (the paper: 0.42 for CLIP encoders)")
+        lines.append(f"- mu with the best Rel. on the local grid: **{chosen:g}** (the paper: 0.42 for CLIP encoders; "
+                     + ("ties: the mu closest to the spectral median)" if medians else "ties: the smaller mu)"))
     return "\n".join(lines) + "\n"
+
+
+# what reports before 2026-12-08 logged on the parent run: the median entropy of a PromPrune trial's benchmark
+# documents, not of the calibration images; never read
+REPORTED_MEDIAN = "calibration/median_entropy"
+
+
+def calibration_medians(sweep: Sweep) -> tuple[dict[str, float], float | None, str]:
+    """(``{metric: median}`` over the calibration images, how many images, where they come from): the sweep's own
+    parent run when a ``mu: calibrate`` trial measured them; else (a grid given its mu, as ``mu_calibration_grid``)
+    the latest other sweep on the same model that measured them (``mu_calibration``); ``({}, None, "")`` when
+    none did."""
+    def medians_of(metrics: dict) -> dict[str, float]:
+        return {k[len(calibration.MEDIAN_PREFIX):]: float(v) for k, v in sorted(metrics.items())
+                if k.startswith(calibration.MEDIAN_PREFIX) and k != REPORTED_MEDIAN and not pd.isna(v)}
+
+    own = medians_of(sweep.parent_metrics)
+    if own:
+        return own, sweep.parent_metrics.get(calibration.IMAGES_METRIC), "measured by this sweep's `mu: calibrate`"
+    models = sweep.trials["model"].dropna().unique() if "model" in sweep.trials else []
+    if len(models) != 1:
+        return {}, None, ""
+    import mlflow
+
+    runs = mlflow.search_runs(search_all_experiments=True, order_by=["attributes.start_time DESC"],
+                              filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, mlflow_layout.ROLE_SWEEP)
+                              + f" and params.model = '{models[0]}'", output_format="pandas")
+    key = f"metrics.{calibration.MEDIAN_PREFIX}{calibration.DEFAULT_METRIC}"
+    if runs.empty or key not in runs:
+        return {}, None, ""
+    for _, run in runs[(runs["run_id"] != sweep.run_id) & runs[key].notna()].iterrows():
+        metrics = {c[len("metrics."):]: v for c, v in run.items() if c.startswith("metrics.")}
+        name = run.get(mlflow_layout.tag_column(mlflow_layout.SWEEP)) or run["run_id"]
+        images = metrics.get(calibration.IMAGES_METRIC)
+        return (medians_of(metrics), None if pd.isna(images) else images,
+                f"measured by sweep {name}, run {run['run_id']}, on the same model")
+    return {}, None, ""
 
 
 def choose_mu(frame: pd.DataFrame | None, median: float) -> float | None:

@@ -73,12 +73,22 @@ def test_table4_matched_split_interpolates_at_each_benchmarks_mean_t_sal(store, 
 
 def test_mu_tau_heatmap_and_calibration_logged_on_the_parent(store, tmp_path):
     client, exp = store
-    # Rel. per (mu, tau): the best, 100 %, is reached at mu 0.40 and 0.44; the median entropy is 0.43, so 0.44 wins
+    # Rel. per (mu, tau): the best, 100 %, is reached at mu 0.40 and 0.44; the calibration images' median (logged by
+    # an earlier mu_calibration sweep on the same model) is 0.43, so 0.44 wins. The benchmark documents' median
+    # entropy, 0.41, which the tie-break used to take, would pick 0.40.
+    calibrated = log_sweep(client, exp, "mu_calibration", [trial("promprune", 64, {"pope/pope_f1_score": 0.8},
+                                                                  options={"mu": 0.43})], tasks=["pope"], tmp=tmp_path,
+                           parent_metrics={"calibration/median_spectral": 0.43, "calibration/images": 1000})
+    other = log_sweep(client, exp, "mu_calibration", [trial("promprune", 64, {"pope/pope_f1_score": 0.8},
+                                                             options={"mu": 0.39})], tasks=["pope"], tmp=tmp_path,
+                      model="another:model", parent_metrics={"calibration/median_spectral": 0.39})
+    client.log_param(calibrated, "model", "tiny:llava")
+    client.log_param(other, "model", "another:model")  # the latest, but another model's encoder
     rel = {(0.40, 0.01): 1.00, (0.40, 0.02): 0.90, (0.42, 0.01): 0.95, (0.42, 0.02): 0.95,
            (0.44, 0.01): 0.90, (0.44, 0.02): 1.00}
     trials = [trial("none", None, {"pope/pope_f1_score": 0.80})]
     for (mu, tau), r in rel.items():
-        preds = [pred("pope", d, e, 30) for d, e in enumerate([0.41, 0.43, 0.45])]
+        preds = [pred("pope", d, e, 30) for d, e in enumerate([0.39, 0.41, 0.43])]
         trials.append(trial("promprune", 64, {"pope/pope_f1_score": 0.80 * r},
                             options={"mu": mu, "tau": tau}, predictions=preds))
     trials.append(trial("vispruner", 64, {"pope/pope_f1_score": 0.76}))  # Rel. 95 %: the heatmap's reference
@@ -86,29 +96,41 @@ def test_mu_tau_heatmap_and_calibration_logged_on_the_parent(store, tmp_path):
     sweep = load_sweep(parent)
     report = build_report(sweep, tmp_path / "out", image_source=grey_image)
     assert {"mu_tau_heatmap.png", "entropy_histograms.png"} <= {p.name for p in report.files}
-    assert report.calibration["calibration/median_entropy"] == pytest.approx(0.43)
-    assert report.calibration["calibration/chosen_mu"] == pytest.approx(0.44)
+    assert report.calibration == {"calibration/chosen_mu": pytest.approx(0.44)}  # no median of its own to log
+    assert (f"- median spectral entropy over the calibration images (1000): **0.4300** (`calibration/median_spectral`"
+            f", measured by sweep mu_calibration, run {calibrated}, on the same model)") in report.markdown
     log_report(sweep, report, client)
     run = client.get_run(parent)
     assert run.data.metrics["calibration/chosen_mu"] == pytest.approx(0.44)
     assert run.data.tags["promprune.calibrated_mu"] == "0.44"
+    assert "calibration/median_entropy" not in run.data.metrics
+
+
+def test_the_calibration_median_is_the_calibration_images_not_the_benchmark_documents(store, tmp_path):
+    """A probe's case: a `mu: calibrate` sweep's report gave "median spectral entropy over the calibration images:
+    0.1712", the median over the benchmark documents a PromPrune trial answered; the calibration images' median, the
+    mu the trials ran with, was the parent run's calibration/median_spectral, 0.2419. An old store's
+    calibration/median_entropy (what reports logged) is not read."""
+    client, exp = store
+    trials = [trial("none", None, {"pope/pope_f1_score": 0.80})]
+    for budget in (16, 32):
+        preds = [pred("pope", d, e, 30) for d, e in enumerate([0.15, 0.1712, 0.20])]
+        trials.append(trial("promprune", budget, {"pope/pope_f1_score": 0.80}, options={"mu": 0.2419},
+                            predictions=preds))
+    parent = log_sweep(client, exp, "probe_calibration", trials, tasks=["pope"], tmp=tmp_path,
+                       parent_metrics={"calibration/median_spectral": 0.2419, "calibration/images": 3,
+                                       "calibration/median_entropy": 0.1712})
+    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
+    section = report.markdown.split("## mu calibration")[1].split("##")[0]
+    assert section.strip() == ("- median spectral entropy over the calibration images (3): **0.2419** "
+                               "(`calibration/median_spectral`, measured by this sweep's `mu: calibrate`)")
+    assert report.calibration == {}  # nothing to log: the medians are the sweep's own
 
 
 @pytest.mark.parametrize("halfwidths", [(None, None, None), (0.0, 4e-4, 1.5e-3)], ids=["exact", "bracketed"])
-def test_the_calibration_median_says_when_its_entropies_are_bracket_midpoints(store, tmp_path, halfwidths):
+def test_the_widest_entropy_bracket_of_a_trial(halfwidths):
     from pipelines.reporting import figures
 
-    client, exp = store
-    trials = [trial("none", None, {"pope/pope_f1_score": 0.80})]
-    for mu in (0.40, 0.44):
-        preds = [pred("pope", d, e, 30) | {"entropy_halfwidth": w}
-                 for d, (e, w) in enumerate(zip([0.41, 0.43, 0.45], halfwidths))]
-        trials.append(trial("promprune", 64, {"pope/pope_f1_score": 0.80}, options={"mu": mu}, predictions=preds))
-    parent = log_sweep(client, exp, "mu_calibration_grid", trials, tasks=["pope"], tmp=tmp_path)
-    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
-    assert report.calibration["calibration/median_entropy"] == pytest.approx(0.43)
-    said = "bracket midpoints, each within 1.5e-03 of the exact entropy"
-    assert (said in report.markdown) == (halfwidths[-1] is not None)
     frame = pd.DataFrame({"entropy_halfwidth": list(halfwidths)}, dtype=float)
     assert figures.entropy_halfwidth(frame) == (halfwidths[-1] or 0.0)  # the widest, NaN (exact) as 0
     assert figures.entropy_halfwidth(pd.DataFrame({"entropy": [0.4]})) == 0.0  # a run before the column
