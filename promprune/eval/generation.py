@@ -40,6 +40,10 @@ _SAMPLING_KEYS = ("temperature", "top_p")
 DEFAULT_MAX_NEW_TOKENS = 1024
 # generation kwargs that choose how an image's questions share work (see the module docstring), not generate()'s
 SHARING_KEYS = ("vision_once", "prefix_cache")
+# the stop string lmms-eval gives every task whose YAML sets no `until` (its few-shot delimiter, api/task.py): a blank
+# line. lmms-eval's own models never stop there: qwen2_5_vl, qwen3_vl and gemma4 drop it from `until` ("to prevent
+# truncation"), llava and llava_hf never apply `until`. Cutting there lost MM-Vet's step-by-step conclusions.
+BLANK_LINE = "\n\n"
 
 
 @dataclass
@@ -81,10 +85,14 @@ def image_to_png(image: Image.Image) -> bytes:
 def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
     """lmms-eval generation_kwargs -> (kwargs for ``vlm.generate``, stop strings).
 
-    Greedy unless ``do_sample`` is true (then temperature / top_p pass through); ``max_new_tokens`` defaults to
-    lmms-eval's (:data:`DEFAULT_MAX_NEW_TOKENS`) when the task sets none. lmms-eval's ``until`` strings are
-    applied to the decoded text afterwards (cut at the first occurrence), as lmms-eval's own HF models do.
-    Keys whose value is None are ignored (rows read back from Arrow carry None for keys another task had).
+    Greedy unless ``do_sample`` is true (then temperature / top_p pass through; a temperature alone does not
+    sample, whereas lmms-eval's llava / llava_hf / qwen models sample whenever temperature > 0); ``max_new_tokens``
+    defaults to lmms-eval's (:data:`DEFAULT_MAX_NEW_TOKENS`) when the task sets none. The stop strings are
+    lmms-eval's ``until`` without the blank line ``"\\n\\n"`` (:data:`BLANK_LINE`, the default lmms-eval gives a
+    task that sets none), dropped as lmms-eval's qwen2_5_vl / qwen3_vl / gemma4 models drop it, so an answer is never
+    cut at its first blank line; the others cut the decoded text at their first occurrence (:func:`cut_at_stop`),
+    as those models do. Keys whose value is None are ignored (rows read back from Arrow carry None for keys another
+    task had).
     """
     gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
     kwargs: dict[str, Any] = {"max_new_tokens": int(gen_kwargs.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))}
@@ -95,7 +103,7 @@ def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
         kwargs.update({k: float(gen_kwargs[k]) for k in _SAMPLING_KEYS if k in gen_kwargs})
     until = gen_kwargs.get("until") or []
     until = [until] if isinstance(until, str) else list(until)
-    return kwargs, until
+    return kwargs, [stop for stop in until if stop != BLANK_LINE]
 
 
 def cut_at_stop(text: str, until: list[str]) -> str:

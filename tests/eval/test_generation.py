@@ -46,12 +46,43 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
     kwargs, until = generate_kwargs({"max_new_tokens": 16, "temperature": 0.2, "top_p": 1.0, "num_beams": 1,
                                      "do_sample": False, "until": "\n\n", "image_aspect_ratio": "pad"})
     assert kwargs == {"max_new_tokens": 16, "num_beams": 1, "do_sample": False}  # greedy: no sampling knobs
-    assert until == ["\n\n"]
+    # the blank line (lmms-eval's default `until` for a task that sets none) is dropped, as lmms-eval's qwen2_5_vl /
+    # qwen3_vl / gemma4 models drop it: it used to cut MM-Vet's step-by-step answers at their first paragraph
+    assert until == []
+    assert generate_kwargs({"until": ["\n\n", "ASSISTANT:", "\n"]})[1] == ["ASSISTANT:", "\n"]  # the others apply
     kwargs, until = generate_kwargs({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "until": None})
     # a task without max_new_tokens (TextVQA, VizWiz) gets lmms-eval's HF LLaVA default, not transformers' 20
     assert kwargs == {"max_new_tokens": 1024, "do_sample": True, "temperature": 0.7, "top_p": 0.9} and until == []
-    assert cut_at_stop("yes\n\nUSER: more", ["\n\n"]) == "yes"
+    assert cut_at_stop("yes\nUSER: more", ["\n"]) == "yes"
     assert cut_at_stop("a.b;c", [";", "."]) == "a"
+
+
+# MM-Vet's generation kwargs as lmms-eval builds them: no `until` in mmvet.yaml, so the task's default ["\n\n"]
+MMVET_KWARGS = {"max_new_tokens": 4, "temperature": 0.2, "top_p": 1.0, "num_beams": 1, "do_sample": False,
+                "until": ["\n\n"]}
+STEP_BY_STEP = "First, the image shows a sign.\n\nThe sign reads 'STOP', so the answer is STOP."
+
+
+def test_answers_are_not_cut_at_a_blank_line_on_either_path(monkeypatch):
+    """The sweep's requests and the lmms-eval plugin keep a step-by-step answer whole, as lmms-eval's own models do
+    (llava / llava_hf never apply `until`, qwen2_5_vl / qwen3_vl / gemma4 drop "\n\n"); the decoded text stands in
+    for what the model generated. Before, both cut it to its first paragraph."""
+    from lmms_eval.api.instance import Instance
+
+    from promprune.eval.lmms_plugin import PromPruneLMM
+
+    vlm = PrunedVLM.from_pretrained("tiny:llava", method=None)
+    monkeypatch.setattr(vlm.processor, "batch_decode", lambda ids, **kw: [STEP_BY_STEP] * len(ids))
+    row = dataclasses.replace(_rows(1)[0], gen_kwargs=dict(MMVET_KWARGS))
+    assert run_requests(vlm, [row])[0].prediction == STEP_BY_STEP
+    lm = PromPruneLMM(vlm=vlm)
+    lm.task_dict = {"mmvet": {"test": [{"image": Image.new("RGB", (32, 32), "red")}]}}
+    args = ("What does the sign say?", dict(MMVET_KWARGS), lambda d: [d["image"]], 0, "mmvet", "test")
+    request = Instance("generate_until", args, idx=0, metadata={"task": "mmvet", "doc_id": 0, "repeats": 1})
+    assert lm.generate_until([request]) == [STEP_BY_STEP] and not lm.failures
+    # a task's own stop strings still cut (TextVQA's and MMBench's "ASSISTANT:")
+    row = dataclasses.replace(row, gen_kwargs={**MMVET_KWARGS, "until": ["\n\n", "so the answer"]})
+    assert run_requests(vlm, [row])[0].prediction == "First, the image shows a sign.\n\nThe sign reads 'STOP', "
 
 
 def test_decode_image_names_the_item():
