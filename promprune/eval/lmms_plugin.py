@@ -1,7 +1,8 @@
 """lmms-eval model plugin: ``lmms-eval --model promprune --model_args pretrained=...,method=promprune,budget=64``.
 
 lmms-eval 0.7 discovers external models through the Python entry-point group ``lmms_eval.models``; each entry point
-is a ``ModelManifest`` (or an iterable of them, or a callable returning one). This package's is ``MANIFEST`` below:
+is a ``ModelManifest`` (or an iterable of them, or a callable returning one). This package's is ``MANIFEST`` below, a
+callable returning the manifest:
 
     [project.entry-points."lmms_eval.models"]
     promprune = "promprune.eval.lmms_plugin:MANIFEST"
@@ -23,20 +24,29 @@ from __future__ import annotations
 
 import logging
 
-import torch
-from lmms_eval.api.instance import Instance
-from lmms_eval.api.model import lmms
-from lmms_eval.models.registry_v2 import ModelManifest
+MODEL_ID = "promprune"
 
-from promprune.eval.generation import Item, decode_image, generate_items
-from promprune.models.images import strict_decoding
-from promprune.eval.requests import image_key
-from promprune.dtypes import AUTO, parse_dtype
+
+def MANIFEST():  # noqa: N802 - the entry point's name (pyproject.toml), kept from when it was the manifest itself
+    """This plugin's ``ModelManifest``, built when lmms-eval loads its entry points. A callable, defined before this
+    module imports anything of lmms-eval, since importing ``lmms_eval.models`` (where ``ModelManifest`` lives) loads
+    every entry point's manifest: a manifest built at import time was looked up in this half-imported module
+    ("has no attribute 'MANIFEST'") and lmms-eval dropped promprune from its registry."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return ModelManifest(model_id=MODEL_ID, simple_class_path="promprune.eval.lmms_plugin.PromPruneLMM")
+
+
+import torch  # noqa: E402 - after MANIFEST (see there)
+from lmms_eval.api.instance import Instance  # noqa: E402
+from lmms_eval.api.model import lmms  # noqa: E402
+
+from promprune.eval.generation import Item, decode_image, generate_items  # noqa: E402
+from promprune.models.images import strict_decoding  # noqa: E402
+from promprune.eval.requests import image_key  # noqa: E402
+from promprune.dtypes import AUTO, parse_dtype  # noqa: E402
 
 log = logging.getLogger(__name__)
-
-MODEL_ID = "promprune"
-MANIFEST = ModelManifest(model_id=MODEL_ID, simple_class_path="promprune.eval.lmms_plugin.PromPruneLMM")
 
 _UNPRUNED = {"none", "null", "", "unpruned"}
 

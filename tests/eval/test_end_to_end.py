@@ -98,7 +98,23 @@ def _installed_entry_point():
 def test_installed_entry_point_is_a_manifest_lmms_eval_accepts():
     """lmms-eval calls a callable payload with no arguments: the entry point must name MANIFEST, not the class."""
     payload = _installed_entry_point().load()
-    assert ModelRegistryV2()._coerce_payload_to_manifests(payload) == [MANIFEST]
+    assert ModelRegistryV2()._coerce_payload_to_manifests(payload) == [MANIFEST()]
+
+
+@pytest.mark.parametrize("first", ["from promprune.eval import PromPruneLMM", "import promprune.eval.lmms_plugin", ""])
+def test_lmms_evals_registry_finds_the_plugin_whatever_is_imported_first(first):
+    """A fresh process: lmms-eval's registry holds promprune whether the plugin or lmms-eval's models are imported
+    first. Importing ``lmms_eval.models`` loads every entry point's manifest; the plugin imported it at its top, before
+    MANIFEST existed, so with the plugin imported first lmms-eval read MANIFEST from the half-imported module, logged
+    "has no attribute 'MANIFEST'" and left promprune (and any later plugin) out of its registry."""
+    import subprocess
+    import sys
+
+    _installed_entry_point()
+    code = f"{first}\nfrom lmms_eval.models import get_model\nprint(get_model('promprune').__qualname__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "PromPruneLMM" and "MANIFEST" not in out.stderr
 
 
 @pytest.mark.slow
