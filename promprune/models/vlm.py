@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -254,7 +255,13 @@ class PrunedVLM:
     def conversation(self, prompt: str, media: str = "image") -> str:
         """The chat-templated text of one user turn with one image (``media="video"``: one clip), after the adapter
         option ``system_prompt``'s system turn when set, ready for generation (with the adapter option
-        ``enable_thinking`` where set: Qwen3.5's template switch)."""
+        ``enable_thinking`` where set: Qwen3.5's template switch).
+
+        ``<image>`` tags in ``prompt`` (lmms-eval contexts that place the image themselves: the ``egothink_*`` tasks'
+        ``USER: <image>\\n...``) are removed, each with the newline or space after it, in every family: the image
+        goes where the family's chat template puts it, once. lmms-eval's qwen2_5_vl / qwen3_vl / gemma4 models remove
+        the tag too; on the LLaVA families it was a second image placeholder, and every such request failed."""
+        prompt = re.sub(r"<image>(\r?\n| )?", "", prompt)
         conv = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": prompt}]}]
         system = self.adapter.options.get("system_prompt")
         if system:

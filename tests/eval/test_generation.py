@@ -228,3 +228,27 @@ def test_the_plugins_items_are_grouped_by_image():
     alone = generate_items(vlm, items, batch_size=1)
     shared = generate_items(vlm, items, batch_size=1, vision_once=True, prefix_cache=True)
     assert [a.prediction for a in shared] == [a.prediction for a in alone]
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+def test_a_context_holding_the_image_tag_is_answered_as_the_plain_question(arch):
+    """lmms-eval's egothink_* contexts place the image themselves (``USER: <image>\\n...``): the tag is removed, so the
+    image goes where the family's chat template puts it, once, and the answer is the plain question's. On LLaVA
+    every such request failed ("Found total 2 <image> tokens and 1 images"); Qwen read the tag as text."""
+    from lmms_eval.api.instance import Instance
+
+    from promprune.eval.lmms_plugin import PromPruneLMM
+
+    lm = PromPruneLMM(pretrained=f"tiny:{arch}", method="promprune", budget=8, batch_size=2)
+    lm.task_dict = {"toy": {"test": [{"image": Image.new("RGB", (32, 32), "red")}]}}
+    contexts = ["USER: <image>\nIs it red? ASSISTANT:", "USER: Is it red? ASSISTANT:", "<image>\nIs it red?",
+                "Is it red?"]
+    requests = [Instance("generate_until", (c, {"max_new_tokens": 6}, lambda d: [d["image"]], 0, "toy", "test"),
+                         idx=0, metadata={"task": "toy", "doc_id": 0, "repeats": 1}) for c in contexts]
+    answers = lm.generate_until(requests)
+    assert not lm.failures
+    assert answers[0] == answers[1] and answers[2] == answers[3]
+    plain = lm.vlm.generate([Image.new("RGB", (32, 32), "red")] * 2, contexts[1::2], max_new_tokens=6)
+    assert answers[1::2] == [g.text for g in plain]  # the plain questions' answers are PrunedVLM's own
+    assert lm.vlm.conversation(contexts[0]) == lm.vlm.conversation(contexts[1])
+    assert lm.vlm.conversation(contexts[2]) == lm.vlm.conversation(contexts[3])
