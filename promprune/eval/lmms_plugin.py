@@ -17,7 +17,8 @@ template's own, Qwen3.5-4B thinks first as lmms-eval's qwen3_5 model does; its r
 up to ``</think>``); any other key is a method option (``mu=0.42,tau=0.02``). The prompt is the model's own chat
 template around lmms-eval's context, with any ``<image>`` tag in the context removed (``PrunedVLM.conversation``:
 the image goes where the template puts it, as lmms-eval's Qwen and Gemma models do) (Qwen3.5 / Qwen3-VL: ChatML with
-the vision markers, no system turn). The batch
+the vision markers, and a system turn only with ``system_prompt=...``: lmms-eval's qwen3_vl / qwen3_5 models send
+"You are a helpful assistant.", which the project's Qwen3 sweeps set). The batch
 size is lmms-eval's ``--batch_size`` (it passes ``batch_size`` to the model itself; ``batch_size`` in
 ``--model_args`` is refused, naming that option).
 """

@@ -80,9 +80,11 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # Gemma 4: the most soft tokens per image, one of 70 / 140 / 280 / 560 / 1120 (Gemma4ImageProcessor's
     # max_soft_tokens); None keeps the processor's own (the released processor and lmms-eval's gemma4 model: 280).
     "max_soft_tokens": None,
-    # A system turn before the user's, rendered by the model's own chat template: lmms-eval's gemma4 model sends
-    # "You are a helpful assistant." (sweeps/extended_models_gemma4.yaml sets it); None: no system turn, as lmms-eval's
-    # conversations for the other models.
+    # A system turn before the user's, rendered by the model's own chat template; None: none given (a template may
+    # add its own: Qwen2.5-VL's adds "You are a helpful assistant.", as lmms-eval's qwen2_5_vl model sends). lmms-eval's
+    # gemma4, qwen3_vl and qwen3_5 models send "You are a helpful assistant." and those families' templates add none,
+    # so the sweeps of those models set it (sweeps/extended_models.yaml, extended_models_gemma4.yaml); lmms-eval's
+    # llava_hf and internvl_hf models send none.
     "system_prompt": None,
     # LLaVA-1.5: pad each image to a square of the image processor's mean colour, centred, before the processor
     # (LLaVA's own `image_aspect_ratio: pad`, which lmms-eval's llava model and the paper's runs apply), so the
