@@ -16,14 +16,16 @@ Part 1 prints prefill TFLOPs and KV-cache MiB of LLaVA-NeXT-7B's text model (Vic
 ``promprune.efficiency`` next to the published Table 6 numbers; ``--analytic-shape`` adds the same rows for a shipped
 shape's LLM at ``--budgets`` (Gemma 4 31B: its sliding-window layers attend to and cache at most 1024 tokens, its full
 layers' own head widths; ``promprune.efficiency.layer_shapes``), 62 text tokens, bfloat16. Part 2 loads ``--model``
-once, wraps it with each method and budget, and reports per arm: visual tokens the LLM received, the analytic FLOPs /
-KV for that model's own text config (a hybrid LLM such as Qwen3.5 as it is: KV only for its full-attention layers, and
-beside it the constant recurrent state of its linear-attention layers, which no token adds to:
-``promprune.efficiency``), and the measured median vision, selection and LLM prefill time, their sum (Table 6's
-"prefill"), the full generate time and peak memory (synchronized wall clock; the CUDA allocator's high-water mark on a
-GPU, the process's peak RSS on CPU). On a GPU, PromPrune is measured once more with CUDA graphs (``accel.graphs``),
-and then eager and graphed calls are timed interleaved (``--graph-pairs``, ``paired_graphs``) for its select ms. A
-printed table, never an assertion: timings depend on the machine.
+once, wraps it with each method and budget, and reports per arm: visual tokens the LLM received (an in-LLM method's:
+after its last cut), the analytic FLOPs / KV for that model's own text config as the pipeline logs them
+(``promprune.efficiency.generation_cost``: an in-LLM method's layers each on the visual tokens it ran on and cached,
+every one before its cut; a hybrid LLM such as Qwen3.5 as it is: KV only for its full-attention layers, and beside it
+the constant recurrent state of its linear-attention layers, which no token adds to), and the measured median vision,
+selection and LLM prefill time, their sum (Table 6's "prefill"), the full generate time and peak memory (synchronized
+wall clock; the CUDA allocator's high-water mark on a GPU, the process's peak RSS on CPU). On a GPU, PromPrune is
+measured once more with CUDA graphs (``accel.graphs``), and then eager and graphed calls are timed interleaved
+(``--graph-pairs``, ``paired_graphs``) for its select ms. A printed table, never an assertion: timings depend on the
+machine.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout fi
 from benchmarks import Flags, comma_list  # noqa: E402
 from promprune.efficiency import (  # noqa: E402
     MIB,
+    generation_cost,
     kv_cache_bytes,
     peak_memory_mb,
     prefill_flops,
@@ -149,8 +152,11 @@ def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:
         runs.append((gens, (time.perf_counter() - start) * 1e3))
     median = lambda values: statistics.median(values)  # noqa: E731
     select_each = [gens[0].select_ms for gens, _ in runs]
+    every = [g for gens, _ in runs for g in gens]
+    layers = [g.layer_visual_tokens for g in every]  # an in-LLM method's: each decoder layer's visual tokens
     return {
-        "visual_tokens": median([g.visual_tokens for gens, _ in runs for g in gens]),
+        "visual_tokens": median([g.visual_tokens for g in every]),
+        "layer_visual_tokens": [median(per_layer) for per_layer in zip(*layers)] if all(layers) else None,
         "text_tokens": median([g.text_tokens for gens, _ in runs for g in gens]),
         "vision_ms": median([gens[0].vision_ms for gens, _ in runs]),
         "select_ms": median(select_each),
@@ -219,7 +225,7 @@ def measured(args) -> None:
         from promprune.models.shapes import default_options
 
         options = default_options(args.model.split(":", 1)[1])
-    text_config = base.model.config.text_config
+    text_config = base.model.config.get_text_config()
     images = sample_images(args.batch)
     prompt = "Describe the image briefly."
     device = base.model.device
@@ -244,8 +250,9 @@ def measured(args) -> None:
             paired.append((budget, paired_graphs(vlm, images, prompt, pairs=args.graph_pairs,
                                                  max_new_tokens=args.max_new_tokens)))
         n_vis, n_text = int(m["visual_tokens"]), int(m["text_tokens"])  # text: the prompt the LLM read
-        tflops = prefill_flops(text_config, n_vis + n_text) / 1e12
-        kv = kv_cache_bytes(text_config, n_vis, base.model.dtype) / MIB
+        layer_vis = [int(v) for v in m["layer_visual_tokens"]] if m["layer_visual_tokens"] else None
+        flops, kv = generation_cost(text_config, n_vis, n_text, layer_vis, base.model.dtype)  # as the pipeline logs
+        tflops, kv = flops / 1e12, kv / MIB
         total = m["vision_ms"] + m["select_ms"] + m["prefill_ms"]  # Table 6's prefill: vision + selection + LLM
         label = (method or "unpruned") + ("+graphs" if graphs else "")
         print(f"| {label} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | {state:.4g} | "

@@ -16,8 +16,10 @@ config: hidden 4096, 32 layers, intermediate 11008, 32 heads):
   (:func:`layer_shapes`): each layer's own query / key widths (Gemma 4's full layers: wider heads, fewer KV heads,
   keys used as values, so no value projection), attention over at most ``sliding_window`` keys per query in a
   sliding layer, and a sliding layer's KV cache capped as transformers' ``DynamicSlidingWindowLayer`` keeps it
-  (``sliding_window - 1`` tokens); layers that borrow an earlier layer's keys and values (``num_kv_shared_layers``)
-  project none and cache none, and their MLP may be double width; per-layer token embeddings add their projections.
+  (``sliding_window - 1`` tokens; not under an in-LLM method, whose hooks keep every kept column: ``windowed=False``);
+  layers that borrow an earlier layer's keys and values (``num_kv_shared_layers``) project none and cache none, and
+  their MLP may be double width; per-layer token embeddings add their projections. ``generation_cost``: one
+  generation's FLOPs and visual KV bytes as the pipeline logs them (an in-LLM method's layers each on their own).
 
 Hybrid LLMs (Qwen3.5: ``layer_types`` with Gated DeltaNet ``linear_attention`` layers between full-attention ones) are
 counted as they are. A full-attention layer is the formula above, its query projection twice as wide where it also
@@ -355,20 +357,41 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
     return torch.empty((), dtype=parse_dtype(dtype)).element_size()
 
 
-def kv_cache_bytes(text_config: Any, n_tokens: int | list[int], dtype: torch.dtype | str = torch.float16) -> int:
+def kv_cache_bytes(text_config: Any, n_tokens: int | list[int], dtype: torch.dtype | str = torch.float16,
+                   windowed: bool = True) -> int:
     """Bytes of the KV cache for ``n_tokens`` tokens: K and V of every layer with a KV cache, num_kv_heads * head_dim
     each (:func:`layer_shapes`: each layer its own width).
 
     Table 6 passes the visual-token count only (1440.0 MiB for 2880 tokens of Vicuna-7B in fp16). A hybrid LLM's
     linear-attention layers keep a state of constant size instead (:func:`recurrent_state_bytes`); a sliding layer
-    holds at most ``sliding_window - 1`` tokens (what transformers keeps between forwards); a layer borrowing another's
-    keys and values none. ``n_tokens`` one count per layer: each layer's own (in-LLM pruning caches every token in
-    the layers before its cut).
+    holds at most ``sliding_window - 1`` tokens (what transformers' ``DynamicSlidingWindowLayer`` keeps between
+    forwards), or with ``windowed=False`` every token it was given (an in-LLM method's run: its hooks give the sliding
+    layers plain ``DynamicLayer`` caches, ``llm_hooks.InLLMPruner._full_cache``); a layer borrowing another's keys and
+    values none. ``n_tokens`` one count per layer: each layer's own (in-LLM pruning caches every token in the layers
+    before its cut).
     """
     layers = layer_shapes(text_config)
-    kept = [n if lay.window is None else min(n, lay.window - 1) for lay, n in zip(layers, _tokens_per_layer(n_tokens,
-                                                                                                            layers))]
+    kept = [n if lay.window is None or not windowed else min(n, lay.window - 1)
+            for lay, n in zip(layers, _tokens_per_layer(n_tokens, layers))]
     return sum(2 * k * lay.d_kv * dtype_bytes(dtype) for k, lay in zip(kept, layers) if lay.caches)
+
+
+def generation_cost(text_config: Any, visual_tokens: int, text_tokens: int,
+                    layer_visual_tokens: list[int] | None = None,
+                    dtype: torch.dtype | str = torch.float16) -> tuple[float, int]:
+    """``(prefill FLOPs, visual KV-cache bytes)`` of one generation under Table 6's convention: the FLOPs of the
+    visual tokens the LLM received plus the prompt's ``text_tokens``, the KV cache of the visual tokens only.
+
+    ``layer_visual_tokens`` (an in-LLM method's generation: the visual tokens each decoder layer ran on and cached,
+    every one before its cut) counts each layer on its own, and its cache as that run holds it (``windowed=False``: the
+    in-LLM hooks' sliding layers keep every column); without it every layer counts ``visual_tokens``. What the
+    pipeline logs per sample (``pipelines.run.workers.add_efficiency``) and ``benchmarks/efficiency.py`` prints.
+    """
+    in_llm = bool(layer_visual_tokens)
+    visual = [int(v) for v in layer_visual_tokens] if in_llm else int(visual_tokens)
+    tokens = [v + int(text_tokens) for v in visual] if in_llm else visual + int(text_tokens)
+    return (prefill_flops(text_config, tokens),
+            kv_cache_bytes(text_config, visual, dtype, windowed=not in_llm))
 
 
 def recurrent_state_bytes(text_config: Any, dtype: torch.dtype | str = torch.float16,

@@ -237,6 +237,56 @@ def test_windowed_kv_cache_bytes_equal_a_real_gemma4_cache():
     assert kv_cache_bytes(cfg, 11, torch.float32) == held
 
 
+@pytest.mark.parametrize("method", [None, "fastv"])
+def test_kv_cache_bytes_equal_what_a_gemma4_generate_holds(method):
+    """A probe's case: under an in-LLM method the sliding-window layers' caches are plain DynamicLayers that keep every
+    kept column (the hooks' ``_full_cache``), so a sliding layer's window no longer caps what it holds, and the logged
+    KV bytes under-reported once a layer held more than the window (103936 bytes held, 81920 counted here). Measured:
+    the key and value tensors transformers' cache holds after ``generate`` on the tiny Gemma 4 with a 40-token window
+    (the prompt: 39 text tokens and 64 visual; 3 new tokens, the last never fed back, so 2 more cached)."""
+    import copy
+
+    import numpy as np
+    from PIL import Image
+
+    from pipelines.run.workers import add_efficiency
+    from promprune.models import PrunedVLM
+    from promprune.models.tiny import tiny_vlm
+    from promprune.records import Prediction
+
+    model, processor = tiny_vlm("gemma4")
+    model = copy.deepcopy(model)
+    model.config.text_config.sliding_window = 40
+    vlm = PrunedVLM(model, processor, method=method, budget=8 if method else None)
+    image = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
+    caches = []  # the cache each forward of the LLM is given: after generate, the last one holds the whole run
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda m, a, kw: caches.append(kw.get("past_key_values")), with_kwargs=True)
+    try:
+        g = vlm.generate([image], ["What is in the image?"], max_new_tokens=3)[0]
+    finally:
+        hook.remove()
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in caches[-1].layers)
+    config = model.config.get_text_config()
+    n_layers = config.num_hidden_layers
+    visual = g.layer_visual_tokens or [g.visual_tokens] * n_layers
+    cached = [layer.keys.shape[-2] for layer in caches[-1].layers]
+    if method is None:  # transformers' own sliding layers keep the last window - 1 tokens
+        assert cached == [39, 105] * 3 and g.visual_tokens == 64
+        assert kv_cache_bytes(config, g.visual_tokens + g.text_tokens + 2, model.dtype) == held
+    else:  # every column each layer kept: FastV cuts after layer 2
+        assert [n - g.text_tokens - 2 for n in cached] == visual == [64, 64, 8, 8, 8, 8]
+        assert kv_cache_bytes(config, [v + g.text_tokens + 2 for v in visual], model.dtype, windowed=False) == held
+        assert kv_cache_bytes(config, [v + g.text_tokens + 2 for v in visual], model.dtype) < held  # the old count
+    # the pipeline's per-sample count, the visual columns only (Table 6): each layer's visual tokens at its width in
+    # the cache above; an unpruned sliding layer at most window - 1 = 39 of them, FastV's layer 0 all 64
+    pred = add_efficiency(vlm, Prediction(task="t", doc_id=0, n_docs=1, prompt="q", visual_tokens=g.visual_tokens,
+                                          text_tokens=g.text_tokens, layer_visual_tokens=g.layer_visual_tokens))
+    widths = [2 * layer.keys.shape[1] * layer.keys.shape[-1] * layer.keys.element_size() for layer in caches[-1].layers]
+    kept = [v if method or i % 2 else min(v, 39) for i, v in enumerate(visual)]
+    assert pred.kv_cache_bytes == sum(k * w for k, w in zip(kept, widths))
+
+
 def test_windowed_prefill_flops_equal_torch_flop_counter_on_a_real_gemma4():
     """Eager Gemma 4 text layers (window wider than the prompt: the eager kernel computes every score it masks)."""
     from transformers import Gemma4TextModel

@@ -243,18 +243,17 @@ def add_efficiency(vlm, pred: Prediction) -> Prediction:
     read them (``Prediction.text_tokens``: the processor's prompt without its visual placeholders, so a video's
     per-frame timestamps count). The KV cache counts the visual tokens only, as Table 6 does (1440.0 MB for
     LLaVA-NeXT-7B's 2880 tokens in fp16). An in-LLM method's layers each count the visual tokens they ran on and
-    cached (``layer_visual_tokens``: every one before its cut), not the count after its last cut.
+    cached (``layer_visual_tokens``: every one before its cut), not the count after its last cut, and a sliding-window
+    layer's cache as the in-LLM hooks hold it (every kept column). ``promprune.efficiency.generation_cost``, which
+    ``benchmarks/efficiency.py`` prints too.
     """
-    from promprune import efficiency
+    from promprune.efficiency import generation_cost
 
     if pred.visual_tokens is None or pred.text_tokens is None or pred.failed:
         return pred
-    text_config = vlm.model.config.get_text_config()
-    visual = [int(v) for v in pred.layer_visual_tokens] if pred.layer_visual_tokens else int(pred.visual_tokens)
-    tokens = [v + pred.text_tokens for v in visual] if isinstance(visual, list) else visual + pred.text_tokens
-    return dataclasses.replace(
-        pred, prefill_flops=float(efficiency.prefill_flops(text_config, tokens)),
-        kv_cache_bytes=float(efficiency.kv_cache_bytes(text_config, visual, vlm.model.dtype)))
+    flops, kv = generation_cost(vlm.model.config.get_text_config(), pred.visual_tokens, pred.text_tokens,
+                                pred.layer_visual_tokens, vlm.model.dtype)
+    return dataclasses.replace(pred, prefill_flops=float(flops), kv_cache_bytes=float(kv))
 
 
 def new_worker(source: ModelSource, plan: Plan, batch_size: int, failover: Failover, run_fn: Callable | None, pool):

@@ -49,6 +49,32 @@ def test_efficiency(monkeypatch):
     assert float(measured["promprune"][7]) == pytest.approx((float(each[2]) + float(each[3])) / 2, abs=0.11)
 
 
+def test_efficiency_counts_in_llm_methods_as_the_pipeline_does():
+    """A probe's case: the measured table gave FastV and PyramidDrop DivPrune's FLOPs and KV cache (the count after
+    their last cut in every layer), where the pipeline counts each layer on its own visual tokens. The script's rows
+    equal the pipeline's ``add_efficiency`` on a generation of the same image and prompt (PyramidDrop's first layers
+    run on more tokens than FastV's: 36 / 16 / 8 / 4 to FastV's 36 / 4 / 4 / 4 on tiny:llava's four layers)."""
+    from benchmarks.efficiency import sample_images
+    from pipelines.run.workers import add_efficiency
+    from promprune.efficiency import MIB
+    from promprune.models import PrunedVLM
+    from promprune.records import Prediction
+
+    out = run_benchmark("efficiency.py", "--model", "tiny:llava", "--methods", "fastv,pyramiddrop,divprune",
+                        "--budgets", "4", "--skip-analytic", "--repeats", "1", "--max-new-tokens", "2")
+    rows = {row[0]: row for row in table_rows(out, "fastv|pyramiddrop|divprune")}
+    layers = {"fastv": [36, 4, 4, 4], "pyramiddrop": [36, 16, 8, 4], "divprune": None}
+    for method, per_layer in layers.items():
+        vlm = PrunedVLM.from_pretrained("tiny:llava", method=method, budget=4)
+        g = vlm.generate(sample_images(1), ["Describe the image briefly."], max_new_tokens=2)[0]
+        assert g.layer_visual_tokens == per_layer
+        pred = add_efficiency(vlm, Prediction(task="t", doc_id=0, n_docs=1, prompt="q", visual_tokens=g.visual_tokens,
+                                              text_tokens=g.text_tokens, layer_visual_tokens=g.layer_visual_tokens))
+        # budget, visual tokens, TFLOPs, KV MiB as the script prints them
+        assert rows[method][1:5] == ["4", "4", f"{pred.prefill_flops / 1e12:.3g}", f"{pred.kv_cache_bytes / MIB:.4g}"]
+    assert rows["divprune"][3] < rows["fastv"][3] < rows["pyramiddrop"][3]  # 1.69e-05 < 2.03e-05 < 2.2e-05
+
+
 def test_efficiency_interleaves_eager_and_graphs():
     """Table 6's eager / graphs pairs (``paired_graphs``), on the CPU: the selection's fast path with each capture
     stood for by ``benchmarks.launches.CaptureStub`` (it runs the captured call on its static inputs). The warm-up
