@@ -25,7 +25,8 @@ selection and LLM prefill time, their sum (Table 6's "prefill"), the full genera
 wall clock; the CUDA allocator's high-water mark on a GPU, the process's peak RSS on CPU). On a GPU, PromPrune is
 measured once more with CUDA graphs (``accel.graphs``), and then eager and graphed calls are timed interleaved
 (``--graph-pairs``, ``paired_graphs``) for its select ms. A printed table, never an assertion: timings depend on the
-machine.
+machine. An ``--analytic-shape`` whose visual-token count depends on the image (MiniCPM-V 4.6) has no unpruned row:
+give its ``--budgets`` as counts.
 """
 
 from __future__ import annotations
@@ -105,12 +106,11 @@ def check_flags(args) -> None:
     flags = Flags(__file__)
     if args.skip_measured and args.skip_analytic:
         flags.add("--skip-measured --skip-analytic", "together they leave nothing to print; drop one of them")
-    if args.analytic_shape:
+    if args.analytic_shape and not args.skip_analytic:
         from promprune.models.shapes import shapes
 
-        flags.choice("--analytic-shape", [args.analytic_shape], shapes(), "shape")
-        if args.skip_measured:  # the measured arms' check below says it otherwise
-            flags.at_least("--budgets", [b for b in args.budgets if b is not None], 1, "visual tokens")
+        if flags.choice("--analytic-shape", [args.analytic_shape], shapes(), "shape"):
+            _check_analytic_budgets(flags, args.analytic_shape, args.budgets, args.skip_measured)
     if not args.skip_measured:
         flags.methods("--methods", args.methods)
         options = {}
@@ -128,6 +128,29 @@ def check_flags(args) -> None:
         flags.at_least("--max-new-tokens", args.max_new_tokens, 1, "tokens generated per call", 16)
         flags.at_least("--graph-pairs", args.graph_pairs, 0, "0: none", 6)
     flags.refuse()
+
+
+def _check_analytic_budgets(flags: Flags, name: str, budgets, skip_measured: bool) -> None:
+    """``--budgets`` against the analytic shape ``name``'s capacity (`shape_analytic`'s rows): each count at most what
+    one image gives its LLM, and "none" (unpruned: that capacity) only where the capacity does not depend on the
+    image."""
+    from promprune.models.adapters import visual_token_capacity
+    from promprune.models.shapes import default_options, load
+
+    capacity = visual_token_capacity(load.config(name), default_options(name))
+    counts = [b for b in budgets if b is not None]
+    if skip_measured:  # the measured arms' check says it otherwise
+        flags.at_least("--budgets", counts, 1, "visual tokens")
+    over = [b for b in counts if capacity is not None and b > capacity]
+    if over:
+        flags.add(f"--budgets {' '.join(map(str, over))}", f"--analytic-shape {name} gives an image at most {capacity} "
+                  f"visual tokens, so its analytic row would count tokens the model never receives; use counts from "
+                  f"1 to {capacity}")
+    if capacity is None and None in budgets:
+        example = ",".join(map(str, counts)) or "64,32"
+        flags.add("--budgets none", f"--analytic-shape {name}'s visual-token count depends on the image (no fixed "
+                  f"capacity for the unpruned row), so 'none' has no count to print; give --budgets as counts only, "
+                  f"e.g. --budgets {example}, or pick another --analytic-shape")
 
 
 def measure(vlm, images, prompt, *, repeats: int, max_new_tokens: int) -> dict:

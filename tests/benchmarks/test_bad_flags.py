@@ -93,6 +93,19 @@ def test_sweep_scaling_refuses_before_ray(tmp_path):
         assert words in err, f"{words!r} not in:\n{err}"
 
 
+@pytest.mark.parametrize("budgets", [None, "none,64"])
+def test_efficiency_checks_the_analytic_shapes_capacity(budgets):
+    """A probe's case: MiniCPM-V 4.6's visual-token count depends on the image (no capacity), so its unpruned
+    analytic row had no count and the script crashed with a TypeError; a budget above Gemma 4 31B's capacity (280)
+    printed a row of tokens the model never receives. Both refused; counts alone print (the smoke test's rows)."""
+    extra = [] if budgets is None else ["--budgets", budgets]
+    err = refused("efficiency.py", "--skip-measured", "--analytic-shape", "minicpm_v_4_6", *extra)
+    assert "--budgets none: --analytic-shape minicpm_v_4_6's visual-token count depends on the image" in err, err
+    assert "give --budgets as counts only" in err, err
+    err = refused("efficiency.py", "--skip-measured", "--analytic-shape", "gemma4_31b", "--budgets", "none,300,62")
+    assert "--budgets 300: --analytic-shape gemma4_31b gives an image at most 280 visual tokens" in err, err
+
+
 def test_lanczos_steps_refuses_the_cpu_without_the_interpreter():
     """On the CPU the kernels need Triton's interpreter: said with the fix, exit 2, as any other mistake."""
     err = refused("lanczos_steps.py", "--device", "cpu", "--shapes", "1x40", "2by70", "--blocks", "48",

@@ -75,6 +75,16 @@ def test_efficiency_counts_in_llm_methods_as_the_pipeline_does():
     assert rows["divprune"][3] < rows["fastv"][3] < rows["pyramiddrop"][3]  # 1.69e-05 < 2.03e-05 < 2.2e-05
 
 
+def test_efficiency_analytic_shape_rows():
+    """``--analytic-shape`` at counts alone, for a shape whose capacity depends on the image (MiniCPM-V 4.6) and one
+    with a capacity (Gemma 4 31B, 280: the unpruned row; 62 tokens: 50 sliding and 10 full layers by hand in
+    tests/test_efficiency.py)."""
+    out = run_benchmark("efficiency.py", "--skip-measured", "--analytic-shape", "minicpm_v_4_6", "--budgets", "64,32")
+    assert [row[0] for row in table_rows(out, r"\d+")][-2:] == ["64", "32"]
+    out = run_benchmark("efficiency.py", "--skip-measured", "--analytic-shape", "gemma4_31b", "--budgets", "none,62")
+    assert [row[0] for row in table_rows(out, r"\d+")][-2:] == ["280", "62"]
+
+
 def test_efficiency_interleaves_eager_and_graphs():
     """Table 6's eager / graphs pairs (``paired_graphs``), on the CPU: the selection's fast path with each capture
     stood for by ``benchmarks.launches.CaptureStub`` (it runs the captured call on its static inputs). The warm-up
