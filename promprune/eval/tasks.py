@@ -35,7 +35,7 @@ VIDEO_TASKS = ("testbed_video_direction",)
 OFFLINE_TASKS = EASYVQA_TASKS + TESTBED_TASKS + VIDEO_TASKS
 _LMMS_TASKS = Path(__file__).parent / "lmms_tasks"
 # suite -> (its tasks, cache version: bump when the data changes, so stale caches are rebuilt instead of reused)
-SUITES = {"easyvqa": (EASYVQA_TASKS, "v1"), "testbed": (TESTBED_TASKS, "v1"), "testbed_video": (VIDEO_TASKS, "v1")}
+SUITES = {"easyvqa": (EASYVQA_TASKS, "v1"), "testbed": (TESTBED_TASKS, "v2"), "testbed_video": (VIDEO_TASKS, "v2")}
 _YESNO = ("yes", "no")
 
 # The paper's benchmarks -> lmms-eval task names, and the metric each one reports (Rel. averages their ratios).

@@ -6,7 +6,8 @@ Tasks (``promprune.eval.tasks.TESTBED_TASKS``):
   ``testbed_attribute``, ``testbed_relation``: scenes with k uniform in 1..12, plain and cluttered backgrounds.
 - ``testbed_{exist,count}_{concentrated,spread}``: the same questions on scenes of 1-3 objects (meaning
   concentrated in a few tokens) and of 9-12 objects (spread over the image): the axis the paper's adaptive split is
-  about (its Fig. 1a).
+  about (its Fig. 1a). Each object count comes equally often, and on the existence tasks with each of POPE's three
+  negative categories equally often.
 
 Each document carries its scene's ground truth: ``num_objects``, ``spread``, ``coverage``, ``background`` and the
 object list, so any per-sample statistic can be related to the known prominence.
@@ -29,10 +30,14 @@ def task_scenes(family: str, regime: str = "", n: int = IMAGES) -> list[scenes.S
     base = _OFFSETS[family] + _REGIME_OFFSETS[regime]
     bounds = REGIMES[regime]
     out = []
+    cycle = len(scenes.POPE_CATEGORIES)  # an existence question's negatives follow the scene index modulo this
     for i in range(n):
         k = None
-        if bounds is not None:  # cycle through the regime's object counts
-            k = bounds[0] + i % (bounds[1] - bounds[0] + 1)
+        if bounds is not None:
+            # cycle through the regime's object counts, one step per full cycle of the negative categories, so that
+            # every (count, category) pair comes equally often: stepping k with i, 1-3 objects moved in lockstep
+            # with the category (1 object: always "popular")
+            k = bounds[0] + (i // cycle) % (bounds[1] - bounds[0] + 1)
         out.append(scenes.make_scene("test", base + i, num_objects=k))
     return out
 

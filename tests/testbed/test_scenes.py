@@ -1,5 +1,6 @@
 """The testbed's scenes and questions: deterministic, ground truth consistent with the pixels, questions answerable."""
 import collections
+import itertools
 import math
 
 import numpy as np
@@ -83,6 +84,32 @@ def test_task_tables_balanced_and_regimes_hold():
     assert not math.isnan(sum(spread["coverage"]))
 
 
+
+def test_every_tasks_design_factors_are_crossed():
+    """On every testbed task the design factors a document carries (object count, question category, background) are
+    independent of each other: counted per scene (per question where the category is, as attribute's colour / shape),
+    no pair's contingency table departs from independence (chi-square p > 0.01; the smallest on these tables is
+    0.18). On the regime tasks, which cycle their object counts, every (count, category) pair comes equally often
+    (within one scene): with the count stepped by the scene index, 1-3 objects moved in lockstep with POPE's negative
+    category (1 object: always "popular"; p ~ 1e-171)."""
+    from scipy.stats import chi2_contingency
+
+    for name, table in tasks.tables().items():
+        for a, b in itertools.combinations(("num_objects", "category", "background"), 2):
+            levels_a, levels_b = sorted(set(table[a])), sorted(set(table[b]))
+            if len(levels_a) < 2 or len(levels_b) < 2:  # count has no category
+                continue
+            cells = collections.Counter((x, y) for _, x, y in set(zip(table["image_id"], table[a], table[b])))
+            grid = [[cells[(x, y)] for y in levels_b] for x in levels_a]
+            assert chi2_contingency(grid).pvalue > 0.01, (name, a, b, grid)
+            if name.endswith(("_concentrated", "_spread")) and (a, b) == ("num_objects", "category"):
+                assert max(map(max, grid)) - min(map(min, grid)) <= 1, (name, grid)
+    concentrated = tasks.table("exist", "_concentrated")
+    negatives = collections.Counter((k, c) for k, c, answer in zip(concentrated["num_objects"],
+                                                                    concentrated["category"], concentrated["answer"])
+                                    if answer == "no")
+    assert set(negatives) == {(k, c) for k in (1, 2, 3) for c in scenes.POPE_CATEGORIES}
+
 def test_questions_name_the_objects_they_are_about():
     for index in range(40):
         scene = scenes.make_scene("test", index)
@@ -100,3 +127,24 @@ def test_questions_name_the_objects_they_are_about():
                 else:
                     a, b = named
                     assert q.question.startswith(f"Is the {a.name} ") and q.question.endswith(f" the {b.name}?")
+
+
+def _digest(rows) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(list(rows)).encode()).hexdigest()[:16]
+
+
+def test_the_task_cache_version_moves_with_the_documents():
+    """The offline task parquet is cached under ``<suite>_<version>`` (``promprune.eval.tasks.SUITES``) and never
+    rebuilt while it exists, so a change to the documents must bump the version, or a machine that built the old
+    ones keeps serving them. The documents' text (not their images) is pinned here against the version: when this
+    fails, bump the suite's version in SUITES and record the new digest beside it."""
+    from promprune.eval.tasks import SUITES
+    from promprune.testbed import video_tasks
+
+    columns = ("question", "answer", "category", "num_objects", "background", "objects")
+    testbed = _digest((name, [table[c] for c in columns]) for name, table in tasks.tables().items())
+    video = _digest((scene.index, obj, answer, options) for scene, obj, answer, options in video_tasks.documents())
+    assert {"testbed": (SUITES["testbed"][1], testbed), "testbed_video": (SUITES["testbed_video"][1], video)} == {
+        "testbed": ("v2", "b8442d7cf5472289"), "testbed_video": ("v2", "41a99bc1c69a4530")}
