@@ -35,6 +35,41 @@ def test_prepare_is_idempotent_and_writes_both_tasks():
         prepare_offline_tasks("nope")
 
 
+def test_the_prepared_folder_holds_its_definitions_and_outlives_the_checkout(tmp_path, monkeypatch):
+    """The cache folder copies the packaged definitions it includes: prepared by another checkout (a copy of the
+    package's task folder) that is then deleted, lmms-eval still loads its tasks, with no path into that checkout.
+    Before, each YAML said ``include: <that checkout>/...`` and loading failed with FileNotFoundError."""
+    import shutil
+
+    from lmms_eval.tasks import TaskManager, get_task_dict
+
+    from promprune.eval import tasks as tasks_module
+
+    ours = prepare_offline_tasks()
+    checkout = tmp_path / "other_checkout"
+    shutil.copytree(tasks_module._LMMS_TASKS, checkout / "lmms_tasks")
+    root = tmp_path / "cache" / ours.relative_to(ours.parents[1])
+    root.mkdir(parents=True)
+    for parquet in ours.glob("*.parquet"):  # the data is the same; only the definitions' source differs
+        shutil.copy(parquet, root / parquet.name)
+    monkeypatch.setenv("PROMPRUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tasks_module, "_LMMS_TASKS", checkout / "lmms_tasks")
+    assert prepare_offline_tasks() == root
+    shutil.rmtree(checkout)
+    written = [p for p in root.iterdir() if p.is_file() and p.suffix != ".parquet"]
+    names = {p.name for p in written}
+    assert {"easyvqa_yesno.yaml", "_easyvqa_yesno_yaml", "_easyvqa_common_yaml", "utils.py"} <= names
+    assert not [p.name for p in written if str(checkout) in p.read_text()]
+    manager = TaskManager("WARNING", include_path=[str(root)], include_defaults=False)
+    with tasks_module.single_process():
+        task = get_task_dict(["easyvqa_yesno"], manager)["easyvqa_yesno"]
+    doc = task.test_docs()[0]
+    assert task.config.generation_kwargs["max_new_tokens"] > 0
+    assert task.process_results(doc, ["Yes, it is."])["accuracy"]["prediction"] == "yes"
+    monkeypatch.undo()  # this checkout prepares its own cache as before
+    assert prepare_offline_tasks() == ours
+
+
 def test_tasks_partition_the_test_split(easyvqa_questions):
     questions, _ = easyvqa_questions
     yesno, open_ = load_task("easyvqa_yesno"), load_task("easyvqa_open")
