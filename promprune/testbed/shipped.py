@@ -2,9 +2,11 @@
 committed (``promprune/testbed/weights/``), as a model zoo ships its checkpoints, so nobody waits for a training.
 
 ``weights/`` holds ``model.safetensors`` and ``config.json`` (``LlavaForConditionalGeneration.save_pretrained``) and
-``testbed-llava.json``: the recipe version, seed, hyper-parameters, the exact command that reproduces the file, its
-sha256, the per-family scores (with chance levels) unpruned and pruned, and a few fixed questions with the greedy
-answers the weights gave when they were made (the tests check both the checksum and the answers).
+``testbed-llava.json``: the recipe version, seed, hyper-parameters, the exact command that reproduces the file, the
+sha256 of both files (``files``; ``sha256``: the weights'), the per-family scores (with chance levels) unpruned and
+pruned, and a few fixed questions with the greedy answers the weights gave when they were made (the tests check the
+checksums and the answers). Loading verifies both files: an edited ``config.json`` (``vision_feature_layer: -1``)
+would load the same weights into another model, silently worse.
 
 Reproduce (about 1.5 hours of one CPU thread; one thread gives the same weights on one CPU type, not across them)::
 
@@ -30,6 +32,11 @@ log = logging.getLogger(__name__)
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 MANIFEST = "testbed-llava.json"
 WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+VERIFIED_FILES = (WEIGHTS_FILE, CONFIG_FILE)  # every file of the folder the load reads; the manifest's ``files``
+# read by from_pretrained when present (the generation defaults), but never saved with the weights: refused unless the
+# manifest records it
+UNSAVED_READ = ("generation_config.json",)
 FIXED_PER_FAMILY = 2  # the manifest records the answers to the first 2 test questions of each family
 
 
@@ -50,12 +57,12 @@ def manifest(directory: Path = WEIGHTS_DIR) -> dict:
 
 def available(directory: Path = WEIGHTS_DIR) -> bool:
     directory = Path(directory)
-    return all((directory / name).exists() for name in (MANIFEST, WEIGHTS_FILE, "config.json"))
+    return all((directory / name).exists() for name in (MANIFEST, *VERIFIED_FILES))
 
 
 def load(directory: Path = WEIGHTS_DIR, *, verify: bool = True):
-    """The ``LlavaForConditionalGeneration`` in ``directory`` (float32, eval), its sha256 checked against the
-    manifest (a mismatch names both digests) and its recipe version against the code's."""
+    """The ``LlavaForConditionalGeneration`` in ``directory`` (float32, eval), the sha256 of its weights and its
+    config checked against the manifest (:func:`check`) and its recipe version against the code's."""
     from transformers import LlavaForConditionalGeneration
 
     directory = Path(directory)
@@ -64,19 +71,41 @@ def load(directory: Path = WEIGHTS_DIR, *, verify: bool = True):
 
 
 def check(directory: Path, *, checksum: bool) -> None:
-    """ValueError unless the manifest's recipe is the code's and (``checksum``) the weights file's sha256 is the
-    manifest's."""
+    """ValueError unless the manifest's recipe is the code's and (``checksum``) the sha256 of each file the load reads
+    (:data:`VERIFIED_FILES`) is the manifest's: a mismatch names the file and both digests. A manifest made before
+    it recorded ``config.json``'s digest (``files``) has that file unverified, with a warning; a
+    ``generation_config.json`` the manifest does not record is refused (the load would read it)."""
     from promprune.testbed import RECIPE
 
+    directory = Path(directory)
     meta = manifest(directory)
     if meta.get("recipe") != RECIPE:
         raise ValueError(f"{directory / MANIFEST}: recipe {meta.get('recipe')!r}, but this code trains recipe "
                          f"{RECIPE!r}: retrain (python -m promprune.testbed.shipped --out {directory})")
-    if checksum:
-        found = sha256(directory / WEIGHTS_FILE)
-        if found != meta["sha256"]:
-            raise ValueError(f"{directory / WEIGHTS_FILE}: sha256 {found} does not match the manifest's "
-                             f"{meta['sha256']} (a corrupted or replaced file)")
+    if not checksum:
+        return
+    recorded = {WEIGHTS_FILE: meta.get("sha256"), **(meta.get("files") or {})}
+    for name in (*VERIFIED_FILES, *(n for n in UNSAVED_READ if n not in recorded and (directory / n).exists())):
+        if name not in recorded:
+            if name in UNSAVED_READ:
+                raise ValueError(f"{directory / name}: the load would read this file (transformers' generation "
+                                 f"defaults), but it is not one of the files the manifest {MANIFEST} records "
+                                 f"({', '.join(VERIFIED_FILES)}): remove it")
+            log.warning("%s: the manifest records no sha256 of %s (made before it did), so that file is not verified;"
+                        " remake the folder (python -m promprune.testbed.shipped --out %s) to verify it", directory,
+                        name, directory)
+            continue
+        found = sha256(directory / name)
+        if found != recorded[name]:
+            raise ValueError(f"{directory / name}: sha256 {found} does not match the manifest's {recorded[name]} (a "
+                             f"corrupted, edited or replaced file: the load reads it with the weights, so another "
+                             f"one would give another model); restore the file that came with the weights, or remake "
+                             f"the folder (python -m promprune.testbed.shipped --out {directory})")
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """{name: sha256} of the files the load reads (:data:`VERIFIED_FILES`): the manifest's ``files``."""
+    return {name: sha256(Path(directory) / name) for name in VERIFIED_FILES}
 
 
 def fixed_questions() -> list[tuple]:
@@ -153,14 +182,15 @@ def make(out: Path, *, eval_n: int = 200, budget: int = 16, report_every: int = 
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # model.safetensors + config.json (+ generation_config.json, not needed)
     for extra in tmp.iterdir():
-        if extra.name not in (WEIGHTS_FILE, "config.json"):
+        if extra.name not in VERIFIED_FILES:
             extra.unlink()
     processor = testbed_model.untrained()[1]
     hyper = {**training.recipe(), **train_kwargs}
     tail = losses[-50:]
     meta = {"model": "testbed:llava", "recipe": training.RECIPE, "seed": hyper["seed"], "hyperparameters": hyper,
             "command": command or f"python -m promprune.testbed.shipped --out {out}",
-            "sha256": sha256(tmp / WEIGHTS_FILE), "bytes": (tmp / WEIGHTS_FILE).stat().st_size,
+            "sha256": sha256(tmp / WEIGHTS_FILE), "files": file_digests(tmp),
+            "bytes": (tmp / WEIGHTS_FILE).stat().st_size,
             "train_seconds": round(seconds), "final_llm_loss": round(sum(tail) / max(len(tail), 1), 4),
             "made_with": {"torch": torch.__version__, "python": platform.python_version(),
                           "machine": platform.machine(), "processor": platform.processor() or "unknown"}}
@@ -187,9 +217,6 @@ def main(argv=None) -> None:
                         help=f"train into {training.CACHE_NAME} under $PROMPRUNE_CACHE (used with "
                              "PROMPRUNE_TESTBED_RETRAIN=1) instead of shipping")
     parser.add_argument("--eval-n", type=int, default=200, help="test questions per family for the manifest")
-    parser.add_argument("--report-every", type=int, default=0, help="log per-family scores every N LLM steps")
-    parser.add_argument("--init", type=Path, default=None,
-                        help="a directory saved by stages 1-3 of this recipe (--relation-steps 0): run stage 4 on it")
     for name in ("steps", "vision_steps", "align_steps", "relation_steps", "batch_size", "vision_batch_size", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--relation-answer", action=argparse.BooleanOptionalAction, default=None,

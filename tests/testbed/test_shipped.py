@@ -15,6 +15,8 @@ def test_shipped_file_matches_its_manifest():
     meta = shipped.manifest()
     assert shipped.sha256(shipped.WEIGHTS_DIR / shipped.WEIGHTS_FILE) == meta["sha256"]
     assert (shipped.WEIGHTS_DIR / shipped.WEIGHTS_FILE).stat().st_size == meta["bytes"] <= 25 * 2 ** 20
+    assert meta["files"] == {name: shipped.sha256(shipped.WEIGHTS_DIR / name)
+                             for name in ("model.safetensors", "config.json")}
     assert meta["recipe"] == training.RECIPE and meta["hyperparameters"]["seed"] == meta["seed"]
     assert meta["command"].startswith("python -m promprune.testbed.shipped --out")
     for family in scenes.FAMILIES:  # every score is recorded with its chance level
@@ -47,11 +49,33 @@ def test_a_corrupted_or_stale_file_is_refused(tmp_path):
         shipped.load(tmp_path)
 
 
+def test_an_edited_config_is_refused_by_name(tmp_path, monkeypatch):
+    """config.json is read with the weights: vision_feature_layer -1 (the tower's last layer, not the one it was
+    trained for) would load silently and answer worse. testbed:llava from a folder (PROMPRUNE_TESTBED_WEIGHTS) with it
+    edited is refused, naming the file; so is a generation_config.json the manifest does not record."""
+    for name in (shipped.WEIGHTS_FILE, "config.json", shipped.MANIFEST):
+        (tmp_path / name).write_bytes((shipped.WEIGHTS_DIR / name).read_bytes())
+    monkeypatch.delenv(zoo.RETRAIN_ENV, raising=False)
+    monkeypatch.setenv(zoo.WEIGHTS_ENV, str(tmp_path))
+    monkeypatch.setattr(training, "train", lambda **kw: pytest.fail("testbed:llava must not train"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["vision_feature_layer"] == -2
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vision_feature_layer": -1}, indent=2))
+    with pytest.raises(ValueError, match=r"config\.json: sha256 [0-9a-f]{64} does not match the manifest's"):
+        PrunedVLM.from_pretrained("testbed:llava", method=None)
+    (tmp_path / "config.json").write_bytes((shipped.WEIGHTS_DIR / "config.json").read_bytes())
+    shipped.check(tmp_path, checksum=True)  # restored: accepted
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 1}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: the load would read this file"):
+        shipped.load(tmp_path)
+
+
 def test_the_recipe_shrunken_makes_a_loadable_verified_model(tmp_path, monkeypatch):
     out = tmp_path / "weights"
     meta = shipped.make(out, eval_n=4, vision_steps=2, align_steps=2, steps=3, relation_steps=2, batch_size=4,
                         vision_batch_size=4, progress=False)
-    assert meta["sha256"] == shipped.sha256(out / shipped.WEIGHTS_FILE)
+    assert meta["sha256"] == shipped.sha256(out / shipped.WEIGHTS_FILE) == meta["files"][shipped.WEIGHTS_FILE]
+    assert meta["files"]["config.json"] == shipped.sha256(out / "config.json")
     assert meta["hyperparameters"]["steps"] == 3 and len(meta["fixed_answers"]) == 2 * len(scenes.FAMILIES)
     assert set(meta["scores"]) == {"n_per_family", "budget", "unpruned", "random@16", "divprune@16",
                                    "vispruner@16", "promprune@16"}
