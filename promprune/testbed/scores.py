@@ -1,17 +1,27 @@
-"""Per-family accuracy of a testbed model on TEST scenes, with each family's chance level beside it.
+"""Per-family scores of a testbed model on TEST scenes, each family scored as its lmms-eval task scores it, with
+the family's chance level beside it.
 
-- ``exist``: F1 of "yes" (POPE's headline metric); chance: a coin flip scores F1 0.5, answering "yes" always 0.667;
-- ``attribute``: exact match; chance 0.267 (a uniform guess: 1/5 for a colour, 1/3 for a shape, asked equally);
-- ``relation``: exact match, balanced yes/no; chance 0.5;
-- ``count``: exact match; chance 1/12 (k uniform in 1..12).
+:func:`family_scores` runs the first ``n`` documents of task ``testbed_<family>`` through the sweep's own path
+(``promprune.eval``: the task's prompt and ``generation_kwargs``, ``run_requests``, then lmms-eval's evaluation with
+the task's ``process_results`` and aggregation) and reports the task's primary metric
+(``promprune.eval.tasks.PRIMARY_METRICS``):
+
+- ``exist``: ``f1``, F1 of "yes" (POPE's headline metric) on the first word of the answer (``normalize_yesno``);
+  chance: a coin flip scores F1 0.5, answering "yes" always 0.667;
+- ``attribute``: ``exact_match`` after normalization (``normalize_open``); chance 0.267 (a uniform guess: 1/5 for a
+  colour, 1/3 for a shape, asked equally);
+- ``relation``: ``accuracy`` of the first word's yes/no, balanced yes/no; chance 0.5;
+- ``count``: ``exact_match`` after normalization; chance 1/12 (k uniform in 1..12).
 """
 from __future__ import annotations
 
 from promprune.testbed import scenes, tasks
 
 CHANCE = {"exist": 0.5, "attribute": (1 / 5 + 1 / 3) / 2, "relation": 0.5, "count": 1 / scenes.MAX_OBJECTS}
-POST_PROMPTS = {"exist": "\nAnswer with yes or no.", "relation": "\nAnswer with yes or no.",
-                "count": "\nAnswer with a number.", "attribute": "\nAnswer with one word."}
+
+
+def task_name(family: str) -> str:
+    return f"testbed_{family}"
 
 
 def family_questions(family: str, n: int) -> list[tuple[scenes.Scene, scenes.Question]]:
@@ -24,34 +34,38 @@ def family_questions(family: str, n: int) -> list[tuple[scenes.Scene, scenes.Que
     return out[:n]
 
 
-def f1_yes(predictions: list[str], answers: list[str]) -> float:
-    tp = sum(p == "yes" and a == "yes" for p, a in zip(predictions, answers))
-    fp = sum(p == "yes" and a != "yes" for p, a in zip(predictions, answers))
-    fn = sum(p != "yes" and a == "yes" for p, a in zip(predictions, answers))
-    return 2 * tp / max(2 * tp + fp + fn, 1)
-
-
 def answers(vlm, drawn, batch_size: int = 32) -> list[str]:
-    """Greedy answers of ``vlm`` (a PrunedVLM) to ``drawn`` [(scene, question)], lower-cased."""
-    out = []
-    for i in range(0, len(drawn), batch_size):
-        chunk = drawn[i:i + batch_size]
-        gens = vlm.generate([scenes.render(s) for s, _ in chunk],
-                            [q.question + POST_PROMPTS[q.family] for _, q in chunk], max_new_tokens=3)
-        out += [g.text.strip().lower() for g in gens]
+    """Greedy answers of ``vlm`` (a PrunedVLM) to ``drawn`` [(scene, question)], lower-cased, prompted and
+    generated as each question's task does (its ``post_prompt`` and ``max_new_tokens``), the text not normalized."""
+    from promprune.eval.tasks import task_config
+
+    configs = {q.family: task_config(task_name(q.family)) for _, q in drawn}
+    out: list[str] = [""] * len(drawn)
+    for family, config in configs.items():  # one generate per family: its task's own max_new_tokens
+        post = config["lmms_eval_specific_kwargs"]["default"]["post_prompt"]
+        mine = [i for i, (_, q) in enumerate(drawn) if q.family == family]
+        for start in range(0, len(mine), batch_size):
+            chunk = mine[start:start + batch_size]
+            gens = vlm.generate([scenes.render(drawn[i][0]) for i in chunk],
+                                [drawn[i][1].question + post for i in chunk],
+                                max_new_tokens=config["generation_kwargs"]["max_new_tokens"])
+            for i, g in zip(chunk, gens):
+                out[i] = g.text.strip().lower()
     return out
 
 
-def family_scores(vlm, n: int = 96, families=scenes.FAMILIES) -> dict[str, dict]:
-    """{family: {"score", "metric", "chance", "n"}} on the first ``n`` test questions of each family."""
+def family_scores(vlm, n: int = 96, families=scenes.FAMILIES, batch_size: int = 32) -> dict[str, dict]:
+    """{family: {"score", "metric", "chance", "n"}} on the first ``n`` documents of each family's task, scored as
+    a sweep scores them: ``score`` is the task's primary metric (``metric``: its lmms-eval name)."""
+    from promprune.eval.requests import build_requests, run_requests
+    from promprune.eval.scoring import score
+    from promprune.eval.tasks import primary_metrics
+
+    names = {family: task_name(family) for family in families}
+    scored = score(run_requests(vlm, build_requests(list(names.values()), limit=n), batch_size=batch_size))
     result = {}
-    for family in families:
-        drawn = family_questions(family, n)
-        pred, gold = answers(vlm, drawn), [q.answer for _, q in drawn]
-        if family == "exist":
-            score, metric = f1_yes(pred, gold), "F1"
-        else:
-            score, metric = sum(p == g for p, g in zip(pred, gold)) / len(gold), "accuracy"
-        result[family] = {"score": round(score, 4), "metric": metric, "chance": round(CHANCE[family], 4),
-                          "n": len(gold)}
+    for family, name in names.items():
+        metric = primary_metrics(name)[0]
+        result[family] = {"score": round(scored[name][metric], 4), "metric": metric,
+                          "chance": round(CHANCE[family], 4), "n": int(scored[name]["n_samples"])}
     return result

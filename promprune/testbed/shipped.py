@@ -8,6 +8,10 @@ pruned, and a few fixed questions with the greedy answers the weights gave when 
 checksums and the answers). Loading verifies both files: an edited ``config.json`` (``vision_feature_layer: -1``)
 would load the same weights into another model, silently worse.
 
+Score weights without writing anything (the manifest's ``scores``, as the tasks score them today)::
+
+    python -m promprune.testbed.shipped --evaluate promprune/testbed/weights
+
 Reproduce (about 1.5 hours of one CPU thread; one thread gives the same weights on one CPU type, not across them)::
 
     python -m promprune.testbed.shipped --out promprune/testbed/weights
@@ -217,6 +221,12 @@ def main(argv=None) -> None:
                         help=f"train into {training.CACHE_NAME} under $PROMPRUNE_CACHE (used with "
                              "PROMPRUNE_TESTBED_RETRAIN=1) instead of shipping")
     parser.add_argument("--eval-n", type=int, default=200, help="test questions per family for the manifest")
+    parser.add_argument("--evaluate", type=Path, default=None, metavar="DIR",
+                        help="train nothing: print the per-family scores of the weights in DIR (verified), unpruned "
+                             "and at 16 tokens per method, as the manifest's scores (--eval-n questions per family)")
+    parser.add_argument("--report-every", type=int, default=0, help="log per-family scores every N LLM steps")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="a directory saved by stages 1-3 of this recipe (--relation-steps 0): run stage 4 on it")
     for name in ("steps", "vision_steps", "align_steps", "relation_steps", "batch_size", "vision_batch_size", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--relation-answer", action=argparse.BooleanOptionalAction, default=None,
@@ -225,6 +235,14 @@ def main(argv=None) -> None:
     parser.add_argument("--sink-after", type=float, default=None,
                         help="share of the LLM steps before an existence 'no' is taught to look at the sink")
     args = parser.parse_args(argv)
+    if args.evaluate is not None:
+        from promprune.testbed import model as testbed_model
+
+        model, processor = load(args.evaluate), testbed_model.untrained()[1]
+        with torch.inference_mode():
+            found = {"n_per_family": args.eval_n, "budget": 16, **evaluate(model, processor, args.eval_n, 16)}
+        print(json.dumps(found, indent=1))
+        return
     out = args.out or (training.cache_path() if args.retrain else None)
     if out is None:
         parser.error("give --out DIR (promprune/testbed/weights to remake the shipped file) or --retrain")
