@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 
 from pipelines.paths import default_tracking_uri
@@ -125,8 +126,9 @@ def is_server(uri: str | None = None) -> bool:
 
 
 def ui_command(uri: str | None = None) -> str | None:
-    """The command that serves the UI over a local store; None for a tracking server (it serves its own: `ui_base`)."""
-    return None if is_server(uri) else f"mlflow ui --backend-store-uri {tracking_uri(uri)}"
+    """The command that serves the UI over a local store, the URI shell-quoted (a path with a space pastes as one
+    argument); None for a tracking server (it serves its own: `ui_base`)."""
+    return None if is_server(uri) else f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri(uri))}"
 
 
 def ui_base(uri: str | None = None) -> str:

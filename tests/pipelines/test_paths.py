@@ -123,6 +123,17 @@ def test_a_tracking_server_is_opened_at_its_own_address(monkeypatch):
         "Open the results:\n  mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db\n  then http://127.0.0.1:5000/#/e")
 
 
+def test_the_ui_command_pastes_as_one_argument_for_a_store_whose_path_has_a_space(monkeypatch):
+    """`mlflow ui --backend-store-uri sqlite:////tmp/x y/mlflow.db`, printed unquoted, failed when pasted (the shell
+    split the URI at the space); the shell now reads back the URI whole."""
+    import shlex
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/x y/mlflow.db")
+    command = mlflow_layout.ui_command()
+    assert shlex.split(command) == ["mlflow", "ui", "--backend-store-uri", "sqlite:////tmp/x y/mlflow.db"]
+    assert command in mlflow_layout.open_results()
+
+
 def _submitted(command: str) -> tuple[dict, list[str]]:
     """A printed ``ray job submit`` command as Ray's own CLI reads it: (its options, the entrypoint's words)."""
     import shlex
