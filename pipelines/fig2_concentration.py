@@ -54,7 +54,7 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "pyproject.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: its packages first
 
 from pipelines import judge as judging
-from pipelines import mlflow_layout, plugins, preflight
+from pipelines import mlflow_layout, paths, plugins, preflight
 from pipelines import spec as specs
 from promprune.selection.two_stage import METRICS  # the prominence metrics, named once
 
@@ -163,9 +163,9 @@ def check_cache(path: Path, named: str) -> list[str]:
             why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
             return [f"{named} is not a readable rating cache ({type(exc).__name__}: {why}); {fix}"]
     folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
-    if path.exists() and not os.access(path, os.W_OK):
+    if path.exists() and paths.refuses_file_writes(path):  # test writes: os.access says yes to root
         return [f"{named} is not writable, and every new rating is saved to it; pass another --cache path"]
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+    if not folder.is_dir() or paths.refuses_writes(folder):
         return [f"{named} cannot be created: {folder} is not a writable folder; pass another --cache path"]
     return []
 

@@ -14,7 +14,10 @@ Imports nothing heavy: the front door (`pipelines.frontdoor`) reads it before Ra
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import uuid
 from pathlib import Path
 
 HOME_ENV = "PROMPRUNE_HOME"  # a Ray job's records when nothing else names a place (default ~/promprune)
@@ -113,3 +116,46 @@ def local_storage(storage: str) -> Path | None:
     if "://" in storage and not storage.startswith("file://"):
         return None
     return Path(storage.removeprefix("file://"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# whether a place takes writes: a real write, not os.access (which says yes to root whatever the mode bits, and
+# cannot tell a read-only mount's or a network file system's refusal ahead)
+
+REFUSED_ERRNOS = (errno.EPERM, errno.EACCES, errno.EROFS)
+
+
+def existing_parent(path: Path) -> Path:
+    """``path``, or its nearest parent that exists."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def refuses_writes(place: str | Path) -> str | None:
+    """Why a test write in the folder ``place`` (or, before it exists, its nearest existing parent; a file's folder)
+    fails for want of permission (``"Operation not permitted"``, ...): a file created and removed there. None when it
+    succeeds or fails otherwise."""
+    folder = existing_parent(Path(place).absolute())
+    if not folder.is_dir():
+        folder = folder.parent
+    probe = folder / f".promprune-write-test.{uuid.uuid4().hex[:8]}"
+    try:
+        with open(probe, "wb"):
+            pass
+    except OSError as exc:
+        return os.strerror(exc.errno) if exc.errno in REFUSED_ERRNOS else None
+    with contextlib.suppress(OSError):
+        os.remove(probe)
+    return None
+
+
+def refuses_file_writes(path: str | Path) -> str | None:
+    """Why the existing file ``path`` cannot be opened for writing for want of permission (opened to append, nothing
+    written); None when it can, or fails otherwise."""
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        return os.strerror(exc.errno) if exc.errno in REFUSED_ERRNOS else None
+    return None

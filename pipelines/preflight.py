@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 from promprune.env import temporary_env
 
-from pipelines import mlflow_layout
+from pipelines import mlflow_layout, paths
 from pipelines.console import say
 from pipelines.calibration import check_source, metrics_to_calibrate
 from pipelines.environment import check_environment
@@ -475,11 +475,18 @@ def check_store(uri: str) -> list[str]:
                         f"{fix}"]
             if path.parent.exists() and not path.parent.is_dir():  # passed os.access, then failed in MLflow's mkdir
                 return [f"MLflow store {uri}: {path.parent} is a file, not a directory; {fix}"]
-            target = path if path.exists() else path.parent
-            if not target.exists():
+            if not path.parent.exists():
                 return [f"MLflow store {uri}: the directory {path.parent} does not exist; {fix}"]
-            if not os.access(target, os.W_OK):
-                return [f"MLflow store {uri}: {target} is not writable; {fix}"]
+            # a test write (os.access says yes to root whatever the mode bits): the folder too, for an existing store
+            # as for a new one, as SQLite makes its journal beside the database file (an existing store in a
+            # read-only folder passed and the sweep failed after Ray started, a sqlite3 traceback)
+            refused = paths.refuses_writes(path.parent)
+            if refused:
+                return [f"MLflow store {uri}: {path.parent} is not writable ({refused}: SQLite writes its journal "
+                        f"beside the database file); {fix}"]
+            refused = paths.refuses_file_writes(path) if path.exists() else None
+            if refused:
+                return [f"MLflow store {uri}: {path} is not writable ({refused}); {fix}"]
             if not path.exists():
                 return []  # a new store: the directory takes it; checking by opening would create the file
     elif parsed.scheme in ("", "file"):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "pyproject.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: its packages first
 
 from pipelines.mlflow_layout import sqlite_path, tracking_uri
+from pipelines.paths import refuses_file_writes, refuses_writes
 
 PROBE_TIMEOUT_S = 5.0  # one request: a server that is down refuses at once, one that never answers times out
 
@@ -80,7 +80,8 @@ def store_problem(uri: str, *, write: bool = True) -> str | None:
                     "its server (`mlflow server ...`, or cluster.yaml's on the head, reached through `ray attach "
                     f"cluster.yaml -p 5000`) or {fix}")
         return None
-    read_only = path is not None and not os.access(path, os.W_OK)
+    # a test write (os.access says yes to root): the file, and its folder, where SQLite writes its journal
+    read_only = path is not None and bool(refuses_file_writes(path) or refuses_writes(path.parent))
     if read_only and not write:
         return _unreadable_sqlite(uri, path, fix)  # check_store would refuse it for the writes a sweep makes
     from pipelines.preflight import check_store
@@ -115,8 +116,9 @@ def _unreadable_sqlite(uri: str, path: Path, fix: str) -> str | None:
 
 def out_problem(out: Path, *, default: bool = False) -> str | None:
     """Why ``out`` cannot be the report's folder (None: it is a folder the report can write, or one it can make): it
-    is a file, a file stands where one of its parents would be, or the folder it would go in cannot be written.
-    Checked without creating anything; ``default``: ``out`` is the default, not one given as --out."""
+    is a file, a file stands where one of its parents would be, or the folder it would go in refuses a test write.
+    Checked without leaving anything (the test write removes its file); ``default``: ``out`` is the default, not one
+    given as --out."""
     name = f"{'the default ' if default else ''}--out {out}"
     fix = "give --out a folder you can write (it is made with its parents if missing)"
     existing = out.absolute()
@@ -125,7 +127,7 @@ def out_problem(out: Path, *, default: bool = False) -> str | None:
     if not existing.is_dir():
         what = "is a file" if existing == out.absolute() else f"cannot be made: {existing} is a file"
         return f"{name} {what}, not a folder; {fix}"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if refuses_writes(existing):
         where = "" if existing == out.absolute() else f" in {existing}"
         return f"{name}: the report cannot write{where} (permission denied); {fix}"
     return None

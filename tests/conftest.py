@@ -1,6 +1,7 @@
 """Shared test setup: offline, deterministic, gentle on a 2-core machine."""
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -74,3 +75,29 @@ def mlflow_db(tmp_path, mlflow_template, monkeypatch) -> str:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+@pytest.fixture
+def read_only():
+    """``read_only(path)``: make the folder or file ``path`` refuse writes for real, as this user: its mode bits
+    (0o500 / 0o400) for a user they bind, the immutable flag (`chattr +i`) for root, whom mode bits do not stop; undone
+    at the end of the test. Skips where neither works (root on a file system without the flag)."""
+    import subprocess
+
+    undo = []
+
+    def lock(path):
+        path = Path(path)
+        if os.geteuid() != 0:
+            mode = path.stat().st_mode & 0o777
+            path.chmod(0o500 if path.is_dir() else 0o400)
+            undo.append(lambda: path.chmod(mode))
+        elif subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0:
+            undo.append(lambda: subprocess.run(["chattr", "-i", str(path)], check=True))
+        else:
+            pytest.skip("root, on a file system without chattr's immutable flag: nothing here refuses root's writes")
+        return path
+
+    yield lock
+    for step in reversed(undo):
+        step()

@@ -37,6 +37,7 @@ import pyarrow.fs
 from ray import tune
 
 from pipelines import mlflow_layout, paths
+from pipelines.paths import existing_parent, refuses_writes  # noqa: F401 - re-exported
 
 RESERVE_BYTES = 64 << 20  # the watch stops a sweep below this: room for Tune's last state, the log and MLflow's writes
 BYTES_PER_SAMPLE = 1024  # one trial's prediction of one sample, kept three times (saved block, Tune's result, MLflow
@@ -83,27 +84,8 @@ def is_unwritable(error: BaseException | None) -> bool:
     """Whether ``error`` (or what caused it, or the text of a Ray-wrapped one) is a write refused for want of
     permission: EPERM, EACCES or EROFS (an error that says so; where the refusal was is `unwritable_place`'s
     question)."""
-    return any((isinstance(e, OSError) and e.errno in (errno.EPERM, errno.EACCES, errno.EROFS))
+    return any((isinstance(e, OSError) and e.errno in paths.REFUSED_ERRNOS)
                or _says_unwritable(str(e)) for e in _errors(error))
-
-
-def refuses_writes(place: str | Path) -> str | None:
-    """Why a test write in the folder ``place`` (or, before it exists, its nearest existing parent) fails for want of
-    permission (``"Operation not permitted"``, ...), None when it succeeds or fails otherwise."""
-    folder = _existing(Path(place).absolute())
-    if not folder.is_dir():
-        folder = folder.parent
-    probe = folder / f".promprune-write-test.{uuid.uuid4().hex[:8]}"
-    try:
-        with open(probe, "wb"):
-            pass
-    except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.EACCES, errno.EROFS):
-            return os.strerror(exc.errno)
-        return None
-    with contextlib.suppress(OSError):
-        os.remove(probe)
-    return None
 
 
 def unwritable_place(places: list[str], text: str = "") -> tuple[str, str] | None:
@@ -133,21 +115,14 @@ def local_dir(place: str | None) -> Path | None:
 def free_bytes(path: Path) -> int:
     """Free bytes for this user on the file system that holds ``path`` (or, before it exists, its nearest existing
     parent)."""
-    return shutil.disk_usage(_existing(Path(path).absolute())).free
-
-
-def _existing(path: Path) -> Path:
-    """``path``, or its nearest parent that exists."""
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
+    return shutil.disk_usage(existing_parent(Path(path).absolute())).free
 
 
 def _by_device(places: list[Path]) -> list[Path]:
     """One place per file system (the first named), so that one shortage is said once."""
     seen, out = set(), []
     for place in places:
-        device = _existing(place).stat().st_dev
+        device = existing_parent(place).stat().st_dev
         if device not in seen:
             seen.add(device)
             out.append(place)

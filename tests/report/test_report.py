@@ -425,18 +425,17 @@ def test_a_store_file_that_is_not_a_database_is_refused(tmp_path, monkeypatch, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
 
 
-def test_a_read_only_store_is_read_with_no_log_and_refused_for_logging(mlflow_db, tmp_path, monkeypatch):
+def test_a_read_only_store_is_read_with_no_log_and_refused_for_logging(mlflow_db, tmp_path, read_only):
     """A store the user cannot write: with --no-log the report only reads it (and says so if it is no database);
-    without, `check_store` refuses it for the writes logging makes, and the report adds --no-log to the fix."""
-    import os
+    without, `check_store` refuses it for the writes logging makes, and the report adds --no-log to the fix. Made
+    read-only for real (root's writes pass `os.access` whatever the mode bits: a test write tells)."""
     from pathlib import Path
 
-    junk = tmp_path / "junk.db"
+    junk = tmp_path / "junk" / "junk.db"
+    junk.parent.mkdir()
     junk.write_text("junk\n")
-    read_only = {Path(mlflow_db[len("sqlite:///"):]), junk}
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: not (Path(p) in read_only and mode & os.W_OK)
-                        and access(p, mode))
+    read_only(Path(mlflow_db[len("sqlite:///"):]))
+    read_only(junk)
     assert report_cli.store_problem(mlflow_db, write=False) is None
     problem = report_cli.store_problem(mlflow_db)
     assert "is not writable" in problem and "pass --no-log" in problem
@@ -444,13 +443,20 @@ def test_a_read_only_store_is_read_with_no_log_and_refused_for_logging(mlflow_db
     assert f"cannot be read ({junk}: DatabaseError: file is not a database)" in problem
 
 
-def test_an_out_that_cannot_be_a_folder_is_refused_before_the_sweep_loads(mlflow_db, tmp_path, monkeypatch, capsys):
+def test_a_store_in_a_read_only_folder_is_read_with_no_log_and_refused_for_logging(mlflow_db, tmp_path, read_only):
+    """The database file writable, its folder not: SQLite cannot make its journal there, so logging the report
+    would fail in MLflow; refused up front like a read-only file, and read with --no-log."""
+    read_only(tmp_path)
+    problem = report_cli.store_problem(mlflow_db)
+    assert f"{tmp_path} is not writable" in problem and "journal" in problem and "pass --no-log" in problem
+    assert report_cli.store_problem(mlflow_db, write=False) is None
+
+
+def test_an_out_that_cannot_be_a_folder_is_refused_before_the_sweep_loads(mlflow_db, tmp_path, monkeypatch, capsys,
+                                                                          read_only):
     """Audit: `--out` an existing file, below one, or in a folder that cannot be written ended in an OSError from
     `build_report`'s mkdir after the sweep loaded; it is refused in one paragraph naming --out, exit 2, before the
     sweep loads, and nothing is created (the default, reports/, likewise)."""
-    import os
-    from pathlib import Path
-
     from pipelines.reporting import store as store_module
 
     def no_load(*args, **kwargs):
@@ -459,17 +465,16 @@ def test_an_out_that_cannot_be_a_folder_is_refused_before_the_sweep_loads(mlflow
     monkeypatch.setattr(store_module, "load_sweep", no_load)
     afile = tmp_path / "afile"
     afile.write_text("")
-    read_only = tmp_path / "ro"
-    read_only.mkdir()
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: Path(p) != read_only and access(p, mode))
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    read_only(locked)
     for out, said in [(afile, f"--out {afile} is a file, not a folder"),
                       (afile / "sub", f"--out {afile / 'sub'} cannot be made: {afile} is a file, not a folder"),
-                      (read_only / "sub", f"--out {read_only / 'sub'}: the report cannot write in {read_only}")]:
+                      (locked / "sub", f"--out {locked / 'sub'}: the report cannot write in {locked}")]:
         assert report_cli.main(["--out", str(out), "--no-log"]) == 2
         err = capsys.readouterr().err
         assert said in err and "give --out a folder you can write" in err and err.count("\n") == 1, err
-    assert list(read_only.iterdir()) == []
+    assert list(locked.iterdir()) == []
     monkeypatch.chdir(tmp_path)
     (tmp_path / "reports").write_text("")
     assert report_cli.main(["--no-log"]) == 2
