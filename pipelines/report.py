@@ -4,14 +4,16 @@
                                [--no-log]
 
 Reads the sweep's runs with `mlflow.search_runs` (default: the latest sweep in the store at
-`MLFLOW_TRACKING_URI`, else sqlite:///mlflow.db), writes `report.md`, CSV tables and PNG figures to DIR
+`MLFLOW_TRACKING_URI`, else sqlite:///mlflow.db, in the sweeps' experiment: `promprune`, or
+`MLFLOW_EXPERIMENT_NAME`), writes `report.md`, CSV tables and PNG figures to DIR
 (default `reports/<sweep name>/`), logs them as artifacts of the sweep's parent run (folder `report/`), and prints
 where they are. Published numbers shipped under `pipelines/paper_results/` appear beside ours with deltas.
 
 A mistake is said in one paragraph, exit 2, without a traceback: in seconds and before the sweep loads, an --out that
 cannot be a folder (a file, or below one; a folder that cannot be written) and a store that cannot be read (a
 tracking server that is down or unreachable, a SQLite file that does not exist or is not a database, a plain path,
-which MLflow 3 refuses as a file store); then a --sweep or --grid that names no sweep in the store. A sweep that did
+which MLflow 3 refuses as a file store); then a --sweep or --grid that names no sweep in the experiment (naming
+the other experiments that hold one). A sweep that did
 not finish (killed, interrupted, still running) is reported with what it has, its first line saying so and how many
 of its trials never started.
 """
@@ -35,7 +37,8 @@ PROBE_TIMEOUT_S = 5.0  # one request: a server that is down refuses at once, one
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sweep", default=None, help="sweep name (its latest run) or parent run id; default: latest")
+    parser.add_argument("--sweep", default=None, help="sweep name (its latest run) or parent run id, in the experiment "
+                        "$MLFLOW_EXPERIMENT_NAME (default promprune); default: the latest")
     parser.add_argument("--grid", default=None,
                         help="a grid sweep over the same (mu, tau) (name or parent run id): drawn beside a search, "
                              "which is compared with its best point and its samples (beside a sweep that is not a (mu, "

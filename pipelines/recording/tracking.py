@@ -81,13 +81,16 @@ def start_sweep(c, name: str, version: int, resolved_yaml: str, params: dict, st
 
 
 def ui_url(sweep: str | None = None, run_id: str | None = None) -> str | None:
-    """The page to open in `mlflow ui`: the experiment's runs (the saved view of the run ``run_id``, a parent run, of
-    sweep ``sweep`` when both are given and the view is there: not another run's of the same sweep); None when the
-    store has no such experiment (or does not answer)."""
+    """The page to open in `mlflow ui`: the experiment's runs (``run_id``'s experiment, else `experiment_name`'s; the
+    saved view of the run ``run_id``, a parent run, of sweep ``sweep`` when both are given and the view is there: not
+    another run's of the same sweep); None when the store has no such experiment or run (or does not answer)."""
     from mlflow.exceptions import MlflowException
 
     try:
-        exp = client().get_experiment_by_name(mlflow_layout.experiment_name())
+        c = client()
+        # the run's own experiment (a --resume under another MLFLOW_EXPERIMENT_NAME continues the run where it is)
+        exp = (c.get_experiment(c.get_run(run_id).info.experiment_id) if run_id else
+               c.get_experiment_by_name(mlflow_layout.experiment_name()))
     except (MlflowException, OSError):  # a hint to print, never a reason to fail
         return None
     if exp is None:

@@ -406,8 +406,8 @@ REPORTED_MEDIAN = "calibration/median_entropy"
 def calibration_medians(sweep: Sweep) -> tuple[dict[str, float], float | None, str]:
     """(``{metric: median}`` over the calibration images, how many images, where they come from): the sweep's own
     parent run when a ``mu: calibrate`` trial measured them; else (a grid given its mu, as ``mu_calibration_grid``)
-    the latest other sweep on the same model that measured them (``mu_calibration``); ``({}, None, "")`` when
-    none did."""
+    the latest other sweep of its experiment on the same model that measured them (``mu_calibration``);
+    ``({}, None, "")`` when none did."""
     def medians_of(metrics: dict) -> dict[str, float]:
         return {k[len(calibration.MEDIAN_PREFIX):]: float(v) for k, v in sorted(metrics.items())
                 if k.startswith(calibration.MEDIAN_PREFIX) and k != REPORTED_MEDIAN and not pd.isna(v)}
@@ -420,7 +420,10 @@ def calibration_medians(sweep: Sweep) -> tuple[dict[str, float], float | None, s
         return {}, None, ""
     import mlflow
 
-    runs = mlflow.search_runs(search_all_experiments=True, order_by=["attributes.start_time DESC"],
+    # the sweep's own experiment: a sweep of another (another MLFLOW_EXPERIMENT_NAME) is not this one's history
+    experiments = [sweep.experiment_id] if sweep.experiment_id is not None else None
+    runs = mlflow.search_runs(experiment_ids=experiments, search_all_experiments=experiments is None,
+                              order_by=["attributes.start_time DESC"],
                               filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, mlflow_layout.ROLE_SWEEP)
                               + f" and params.model = '{models[0]}'", output_format="pandas")
     key = f"metrics.{calibration.MEDIAN_PREFIX}{calibration.DEFAULT_METRIC}"

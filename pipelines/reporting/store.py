@@ -4,6 +4,8 @@ The schema is `pipelines.mlflow_layout`, the one `pipelines/sweep.py` writes thr
 """
 from __future__ import annotations
 
+import os
+import shlex
 import tempfile
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +34,7 @@ class Sweep:
     planned: int | None = None  # the trials the sweep set out to run (its `trials` param; None in older stores)
     bootstrap: int | None = None  # the spec's `bootstrap` resamples (its param; 0: none set; None in older stores)
     sweep_tasks: list = field(default_factory=list)  # the spec's tasks (the parent's `tasks` param), in its order
+    experiment_id: str | None = None  # the parent run's experiment (an earlier sweep's calibration is read there)
 
     def unfinished(self) -> str | None:
         """What a report of an unfinished sweep lacks, in one sentence (None: the sweep finished)."""
@@ -91,30 +94,78 @@ def parse_task_list(value) -> list[str]:
 
 
 def find_sweep_run(ref: str | None = None, flag: str = "--sweep") -> pd.Series:
-    """The parent run of sweep `ref` (a run id, or a sweep name: its latest run), or the latest sweep; ``flag``: the
-    option that gave `ref` (``--sweep``, ``--grid``), named when no sweep matches."""
-    runs = mlflow.search_runs(search_all_experiments=True,
+    """The parent run of sweep `ref` (a run id, or a sweep name: its latest run), or the latest sweep, in the sweeps'
+    experiment (`mlflow_layout.experiment_name`: ``promprune``, or ``MLFLOW_EXPERIMENT_NAME``), where the sweep
+    wrote it; ``flag``: the option that gave `ref` (``--sweep``, ``--grid``), named when no sweep matches. A sweep of
+    another experiment is never taken: when only another has one, the refusal names that experiment and how to
+    select it."""
+    experiment = mlflow_layout.experiment_name()
+    exp = MlflowClient().get_experiment_by_name(experiment)
+    runs = _sweep_runs([exp.experiment_id] if exp is not None else [])
+    found = _match(runs, ref)
+    if found is not None:
+        return found
+    how = (f"{mlflow_layout.EXPERIMENT_ENV}" if os.environ.get(mlflow_layout.EXPERIMENT_ENV) is not None else
+           f"the default; {mlflow_layout.EXPERIMENT_ENV} selects another")
+    where = f"experiment {experiment!r} ({how}) of the MLflow store {mlflow.get_tracking_uri()}"
+    if ref is None:
+        what = f"no sweep runs (tag {mlflow_layout.ROLE}={mlflow_layout.ROLE_SWEEP}) in {where}"
+    else:
+        known = ", ".join(_names(runs).dropna().drop_duplicates().sort_values()) or "none"
+        what = f"{flag} {ref!r}: no sweep run with that name or run id in {where} (its sweeps: {known})"
+    others = _elsewhere(ref, exp.experiment_id if exp is not None else None)
+    if not others:
+        raise LookupError(what + ("; run `python pipelines/sweep.py` first" if ref is None else ""))
+    shown = ", ".join(repr(name) for name in others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    has = ("s " + shown + " have") if len(others) > 1 else (" " + shown + " has")
+    raise LookupError(f"{what}; experiment{has} {'one' if ref is None else 'it'}: to read it, select that "
+                      f"experiment with `{mlflow_layout.EXPERIMENT_ENV}={shlex.quote(others[0])}` in front of "
+                      "the command (the report reads, and logs to, the one experiment the sweeps write to)")
+
+
+def _sweep_runs(experiment_ids: list[str] | None) -> pd.DataFrame:
+    """The sweeps' parent runs, newest first, in these experiments (None: every experiment)."""
+    if experiment_ids is not None and not experiment_ids:
+        return pd.DataFrame(columns=["run_id", "experiment_id"])
+    return mlflow.search_runs(experiment_ids=experiment_ids, search_all_experiments=experiment_ids is None,
                               filter_string=mlflow_layout.tag_filter(mlflow_layout.ROLE, mlflow_layout.ROLE_SWEEP),
                               order_by=["attributes.start_time DESC"], output_format="pandas")
-    if runs.empty:
-        raise LookupError(f"no sweep runs (tag {mlflow_layout.ROLE}={mlflow_layout.ROLE_SWEEP}) in the MLflow store "
-                          f"{mlflow.get_tracking_uri()}; "
-                          "run `python pipelines/sweep.py` first")
-    if ref is None:
-        return runs.iloc[0]
-    by_id = runs[runs["run_id"] == ref]
-    if len(by_id):
-        return by_id.iloc[0]
+
+
+def _names(runs: pd.DataFrame) -> pd.Series:
+    """Each run's sweep name: its sweep tag, else its run name."""
     names = pd.Series(pd.NA, index=runs.index, dtype=object)
-    # the sweep tag, else the name
     for tag in (mlflow_layout.tag_column(mlflow_layout.SWEEP), mlflow_layout.tag_column(mlflow_layout.RUN_NAME)):
         if tag in runs.columns:
             names = names.fillna(runs[tag])
-    by_name = runs[names == ref]
-    if len(by_name):
-        return by_name.iloc[0]
-    known = ", ".join(sorted(set(names.dropna())))
-    raise LookupError(f"{flag} {ref!r}: no sweep run with that name or run id; sweeps in the store: {known}")
+    return names
+
+
+def _match(runs: pd.DataFrame, ref: str | None) -> pd.Series | None:
+    """The run of ``runs`` (newest first) that ``ref`` names (a run id, else a sweep name: its newest run; None: the
+    newest run), None when none does."""
+    if runs.empty:
+        return None
+    if ref is None:
+        return runs.iloc[0]
+    for matches in (runs["run_id"] == ref, _names(runs) == ref):
+        matches = matches.fillna(False).astype(bool)
+        if matches.any():
+            return runs[matches].iloc[0]
+    return None
+
+
+def _elsewhere(ref: str | None, experiment_id: str | None) -> list[str]:
+    """The names of the other experiments holding the sweep ``ref`` (None: any sweep), the one with the newest such
+    run first."""
+    runs = _sweep_runs(None)
+    if runs.empty:
+        return []
+    runs = runs[runs["experiment_id"] != experiment_id]
+    if ref is not None:
+        runs = runs[(runs["run_id"] == ref) | (_names(runs) == ref).fillna(False).astype(bool)]
+    client = MlflowClient()
+    return [client.get_experiment(e).name for e in dict.fromkeys(runs["experiment_id"])]
 
 
 def load_sweep(ref: str | None = None, flag: str = "--sweep") -> Sweep:
@@ -140,7 +191,7 @@ def load_sweep(ref: str | None = None, flag: str = "--sweep") -> Sweep:
                       if k.startswith("metrics.") and v is not None and v == v}
     bootstrap = pd.to_numeric(pd.Series([parent.get("params.bootstrap")]), errors="coerce").iloc[0]
     return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned,
-                 None if pd.isna(bootstrap) else int(bootstrap), _parent_tasks(parent))
+                 None if pd.isna(bootstrap) else int(bootstrap), _parent_tasks(parent), parent["experiment_id"])
 
 
 def _parent_tasks(parent: pd.Series) -> list[str]:

@@ -487,5 +487,6 @@ def test_a_grid_that_names_no_sweep_is_said_as_grid(store, tmp_path, capsys):
     log_sweep(client, exp, "grid_demo", TABLE_TRIALS[:2], tasks=TASKS, tmp=tmp_path)
     assert report_cli.main(["--grid", "nonexist", "--out", str(tmp_path / "out"), "--no-log"]) == 2
     err = capsys.readouterr().err
-    assert "--grid 'nonexist': no sweep run with that name or run id; sweeps in the store: grid_demo" in err
+    assert "--grid 'nonexist': no sweep run with that name or run id in experiment 'promprune'" in err
+    assert err.endswith("(its sweeps: grid_demo)\n") and err.count("\n") == 1, err
     assert "--sweep" not in err and not (tmp_path / "out").exists()
