@@ -34,7 +34,9 @@ Setup -> run -> cleanup:
 
 `--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
 from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
-continues. One driver per sweep: `main` takes the run's `DriverLock` (pipelines/run/state.py) before Ray starts, so
+continues; a `--resume` of a sweep that finished (every trial finished, nothing waiting for the store) says so and
+exits 0 without starting Ray (`finished_run`). One driver per sweep: `main` takes the run's `DriverLock`
+(pipelines/run/state.py) before Ray starts, so
 a `--resume` of a run whose driver is alive exits 2 naming it; a new run gets its own experiment name
 (`<sweep>-<UTC time>`, `-2` ... within the same second) and log (`outputs/logs/<experiment>.log`).
 
@@ -378,6 +380,31 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                         regression_note=regression_note)
 
 
+def finished_run(state: dict) -> str | None:
+    """What a ``--resume`` of a run that finished says (None: there is something to resume): its MLflow parent run
+    FINISHED with every trial finished (`trials/failed` 0) and no write waiting for the store (an outbox). A resume
+    runs again a finished sweep's failed trials only, and sends what its outbox kept; one that finished cleanly
+    restarted Ray and appended its trial counts to the parent run a second time."""
+    from mlflow.exceptions import MlflowException
+
+    if (outbox_dir(state["storage_path"], state["experiment"]) / "outbox.json").is_file():
+        return None
+    try:
+        run = tracking.client().get_run(state["parent_run_id"])
+    except (MlflowException, OSError):  # a store that does not answer: the resume sends what it can
+        return None
+    failed = run.data.metrics.get(mlflow_layout.TRIALS_FAILED)
+    if run.info.status != "FINISHED" or failed is None or failed > 0:
+        return None
+    total = run.data.metrics.get("trials/total")
+    when = run.data.tags.get(mlflow_layout.FINISHED_AT, "")
+    url = tracking.ui_url(run.data.tags.get(mlflow_layout.SWEEP), run.info.run_id)
+    return (f"--resume {state['experiment']}: the sweep finished{f' at {when}' if when else ''} (MLflow parent run "
+            f"{run.info.run_id} FINISHED, {'its' if total is None else f'{total:.0f}'} trials all finished): "
+            "nothing to resume, nothing run or written. To run the sweep again, leave out --resume.\n\n"
+            + mlflow_layout.open_results(url))
+
+
 def failed_note(outcome: SweepOutcome) -> str:
     """What the console says of the trials that failed: which, and the command that runs them again (a resumed
     sweep runs its errored trials again, its finished ones not: a worker or the pool killed, a node lost)."""
@@ -613,9 +640,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     timeline.mark("spec_checked", "driver")
     t0 = time.perf_counter()
-    preflight.random_weights_note(spec.model.pretrained)
     log_path = paths.outputs_dir() / "logs" / f"{lock.experiment}.log"  # a resume appends to its run's log
     with lock:  # held until the sweep ends; the kernel drops it if this process is killed
+        done = None if resumed is None else finished_run(resumed)
+        if done:  # nothing to resume: Ray not started, no trial replayed, the parent run not written again
+            print(done)
+            return 0
+        preflight.random_weights_note(spec.model.pretrained)
         try:
             short = disk.check_free(_writes_to(spec), spec.limit and spec.limit * len(spec.tasks),
                                     planned_trials(spec))

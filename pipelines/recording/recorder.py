@@ -11,7 +11,8 @@ blocks Tune and loses nothing when the store is down:
 - Rel. as soon as the baseline is known (`pipelines.recording.results`), the console's lines as trials start and end
   (`pipelines.recording.console`), the parent run's writes.
 
-A resumed sweep continues the runs its earlier driver made: a run that ended (FINISHED, or KILLED by a scheduler) is
+A resumed sweep continues the runs its earlier driver made, writing no final metric a run already has with the same
+value (read once per run as the recorder starts): a run that ended (FINISHED, or KILLED by a scheduler) is
 written again only for what it lacks (its Rel.: a trial that finished before the baseline, its driver killed before
 the baseline did); one left RUNNING, FAILED, or marked KILLED by `pipelines.recording.tracking.mark_dead_runs` is
 opened again, without its `promprune.interrupted` tag."""
@@ -54,6 +55,14 @@ class SweepRecorder:
         self.ended = {tid for tid, r in earlier.items() if _ended(r)} | {op["key"] for op in kept if op["op"] == "end"}
         self.has_rel = {tid for tid, r in earlier.items() if REL in r.data.metrics} | {
             op["key"] for op in kept if op["op"] == "metrics" and REL in op["metrics"]}
+        # each run's latest metrics as an earlier driver left them (in MLflow, or kept for it): a final metric a run
+        # already has with the same value is not written again (the outbox stamps each write when made, so MLflow
+        # never takes the second for the first: a resume doubled every final metric of a run left RUNNING)
+        self.logged = {PARENT: dict(self.client.get_run(parent_id).data.metrics),
+                       **{tid: dict(r.data.metrics) for tid, r in earlier.items()}}
+        for op in kept:
+            if op["op"] == "metrics":
+                self.logged.setdefault(op["key"], {}).update(op["metrics"])
         self.interrupted = {tid for tid, r in earlier.items() if INTERRUPTED in r.data.tags}
         self.errored = {tid for tid, r in earlier.items() if mlflow_layout.ERROR in r.data.tags}  # FAILED before
         self.began: dict[str, float] = {}  # trial id -> when it (last) started, epoch seconds
@@ -147,7 +156,7 @@ class SweepRecorder:
                 if tid not in self.began:  # finished before an interruption, restored by --resume: never opened
                     self._open(trial, start=started)
                 # step: the samples they were computed over, as the running values' (all of them, at the end)
-                self.out.submit("metrics", tid, metrics=metrics, step=int(metrics.get("samples/total", 0)))
+                self._final(tid, metrics, step=int(metrics.get("samples/total", 0)))
                 self.out.submit("artifact", tid, path=str(path))
                 self._end(tid, "FINISHED", started + float(metrics.get("trial/wall_s", 0)))
                 if REL in metrics:
@@ -200,8 +209,17 @@ class SweepRecorder:
 
     def _log_rel(self, tid: str, value: float) -> None:
         if tid not in self.has_rel:
-            self.out.submit("metrics", tid, metrics={REL: value})
+            self._final(tid, {REL: value})
             self.has_rel.add(tid)
+
+    def _final(self, key: str, metrics: dict, step: int = 0) -> None:
+        """A run's final metrics (a trial's, or `PARENT`'s), less those it already has with the same value (an
+        earlier driver's, before a resume): each written once."""
+        had = self.logged.setdefault(key, {})
+        new = {k: v for k, v in metrics.items() if not _same(had.get(k), v)}
+        if new:
+            self.out.submit("metrics", key, metrics=new, step=step)
+            had.update(new)
 
     def _end(self, tid: str, status: str, at: float | None = None, tags: dict | None = None) -> None:
         self._close(tid, status, at, tags)
@@ -221,7 +239,7 @@ class SweepRecorder:
         if params:
             self.out.submit("params", PARENT, params=params)
         if metrics:
-            self.out.submit("metrics", PARENT, metrics=metrics)
+            self._final(PARENT, metrics)
         if tags:
             self.out.submit("tags", PARENT, tags=tags)
 
@@ -262,6 +280,14 @@ def trial_run_params(sweep: specs.SweepSpec, trial: dict) -> dict:
 def _ended(run) -> bool:
     """A run this sweep ended: FINISHED, or KILLED by a scheduler (not by `mark_dead_runs`: that one continues)."""
     return run.info.status == "FINISHED" or (run.info.status == "KILLED" and mlflow_layout.STOPPED in run.data.tags)
+
+
+def _same(had, value) -> bool:
+    """Whether a run's logged value ``had`` (None: none) is ``value`` as MLflow keeps it (a float)."""
+    try:
+        return had is not None and float(had) == float(value)
+    except (TypeError, ValueError):
+        return False
 
 
 def _named(keys: list[str]) -> list[str]:

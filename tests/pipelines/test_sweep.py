@@ -172,6 +172,46 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     assert runs["baseline"].data.metrics["rel"] == pytest.approx(1.0)
 
 
+def test_a_resume_writes_no_final_metric_a_run_already_has(workdir, tmp_path):
+    """A probe's case: a driver killed after a trial's final metrics reached MLflow but before its run ended left it
+    RUNNING, and `--resume` logged every final metric again (the outbox stamps each write when made, so MLflow's
+    dedupe of an identical (key, timestamp, step, value) never applied): two values in each history. Now each final
+    metric, and the parent's counts, stay one value; a value that changed is written."""
+    from ray import tune
+
+    spec = small_spec(tasks=["pope"])
+    c = tracking.client()
+    parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {})
+    d = tmp_path / "p"
+    d.mkdir()
+    table = predictions_table([Prediction(task="pope", doc_id=0, n_docs=1, prompt="q?", prediction="yes")])
+    TrialResult(table, {"pope": {"pope_f1_score": 0.6}}, {"pope/pope_f1_score": 0.6, "samples/total": 1.0}).write(
+        d / "predictions.parquet")
+    pruned = specs.Trial("promprune", 8, {}).to_dict()
+    first = SweepRecorder(spec, parent, SweepConsole(2))
+    first.record(pruned, tune.Checkpoint.from_directory(str(d)))
+    first.parent(metrics={"trials/total": 1, "trials/failed": 0})
+    assert first.unlogged(60) == []
+    first.close()
+    run_id = tracking.trial_runs(c, parent)["promprune-b8"].info.run_id
+    c.update_run(run_id, status="RUNNING")  # its metrics in, its end not: the driver died in between
+    keys = [k for k in c.get_run(run_id).data.metrics]
+    assert "pope/pope_f1_score" in keys and "samples/total" in keys
+
+    again = SweepRecorder(spec, parent, SweepConsole(2))  # the resumed driver's
+    again.record(pruned, tune.Checkpoint.from_directory(str(d)))
+    again.parent(metrics={"trials/total": 1, "trials/failed": 0, "trials/stopped": 0})
+    again.parent(metrics={"trials/total": 2})  # a changed value is written
+    assert again.unlogged(60) == []
+    again.close()
+    run = c.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert {k: len(c.get_metric_history(run_id, k)) for k in keys} == {k: 1 for k in keys}
+    assert [m.value for m in c.get_metric_history(parent, "trials/total")] == [1.0, 2.0]
+    assert len(c.get_metric_history(parent, "trials/failed")) == 1
+    assert len(c.get_metric_history(parent, "trials/stopped")) == 1
+
+
 def test_a_stopped_sweep_ends_its_open_trial_runs_killed_and_a_resume_opens_them_clean(workdir):
     """Ctrl-C, SIGTERM or a full disk ended the parent run KILLED and left the trial in flight RUNNING for ever (no
     later start marks it: only a dead driver's parent is looked at); a failed attempt's error tag stayed on the run

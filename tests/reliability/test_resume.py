@@ -67,6 +67,43 @@ def test_a_resume_whose_parent_run_is_not_in_the_store_is_refused_before_ray(scr
     assert preflight.check_resumed_run({"parent_run_id": parent, "experiment": "rel-20261122-000001"}) == []
 
 
+def test_a_resume_of_a_sweep_that_finished_says_so_and_runs_nothing(scratch, tmp_path, run_main, monkeypatch):
+    """A probe's case: `--resume` of a sweep that finished cleanly restarted Ray, replayed every trial without
+    saying the sweep had finished, appended a second samples/generated and trials/* to the parent run and moved its
+    end. Now it says so and exits 0, nothing started or written; one whose trials failed (docs: a resume runs them
+    again), or that ended unfinished, still resumes."""
+    from pipelines import preflight
+
+    path = scratch()
+    spec = specs.load(path)
+    client = tracking.client()
+    parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
+    tracking.log_metrics(client, parent, {"trials/total": 2, mlflow_layout.TRIALS_FAILED: 0, "samples/generated": 8})
+    tracking.finish(client, parent)
+    ended = client.get_run(parent)
+    storage = tmp_path / "outputs" / "tune"
+    _state_for(spec, storage, "rel-20261122-000002", parent_id=parent)
+    started = []
+    monkeypatch.setattr(sweep, "connect", lambda *a, **k: started.append("ray") or (_ for _ in ()).throw(
+        RuntimeError("Ray started")))
+    monkeypatch.setattr(preflight, "check_or_raise", lambda *a, **k: [])  # the spec's model and data: not needed
+    proc, _ = run_main("--config", str(path), "--resume", "rel-20261122-000002")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"--resume rel-20261122-000002: the sweep finished at "
+                                  f"{ended.data.tags[mlflow_layout.FINISHED_AT]} (MLflow parent run {parent} "
+                                  "FINISHED, 2 trials all finished): nothing to resume"), proc.stdout
+    assert "leave out --resume" in proc.stdout and "mlflow ui --backend-store-uri" in proc.stdout
+    assert started == []
+    after = client.get_run(parent)
+    assert after.info.end_time == ended.info.end_time and after.info.status == "FINISHED"
+    assert [len(client.get_metric_history(parent, k)) for k in ("trials/total", "samples/generated")] == [1, 1]
+    # failed trials: the resume goes on to run them again (here: as far as Ray's start)
+    tracking.log_metrics(client, parent, {mlflow_layout.TRIALS_FAILED: 1})
+    with pytest.raises(RuntimeError, match="Ray started"):
+        run_main("--config", str(path), "--resume", "rel-20261122-000002")
+    assert started == ["ray"]
+
+
 def test_a_resume_whose_tune_state_is_cut_short_is_refused_before_ray(scratch, tmp_path, run_main):
     """The probe's case: a `tuner.pkl` cut short (Tune's experiment state) ended the resume in
     `_pickle.UnpicklingError: pickle data was truncated`, a traceback after Ray started. Now exit 2 before Ray,
