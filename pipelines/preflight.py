@@ -62,6 +62,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
         errors += check_construction(spec, trials)
         errors += check_in_llm_layers(spec, trials)
         errors += check_clip_text(spec, trials)
+        errors += check_attention(spec, trials)
     if evaluates:
         errors += check_metric(spec.tune.metric, spec.tasks)
         errors += check_search_package(spec.tune.search)
@@ -453,6 +454,64 @@ def check_in_llm_layers(spec: SweepSpec, trials: list | None = None) -> list[str
         except ValueError as exc:
             problems.setdefault(str(exc), []).append(trial.trial_id)
     return [f"{problem}{_who(ids, spec)}" for problem, ids in problems.items()]
+
+
+def check_attention(spec: SweepSpec, trials: list | None = None) -> list[str]:
+    """The model's dtype and LLM attention can run every trial on the plan's device, the checks ``PrunedVLM`` runs on
+    the built model (`promprune.models.attention`), from the spec alone: float64 (``dtype: auto`` resolved as the
+    run resolves it, `weights.resolve_dtype`: bfloat16 on GPU, float32 on CPU, so never refused) under ``eager``
+    attention (NaN answers for the padded rows of a batch, recorded as empty successes); an in-LLM trial under an
+    attention whose masks its hooks cannot write (every sample failed); ``flash_attention_2`` where it cannot run
+    (`check_flash_attention`). ``trials``: default the spec's (`spec_trials`)."""
+    from promprune.models.attention import in_llm_attention_problem, precision_problem
+
+    from pipelines.weights import resolve_dtype
+
+    attn = spec.model.attn_implementation
+    out = []
+    precision = precision_problem(resolve_dtype(spec.model.dtype, spec.resources.device == "gpu"), attn)
+    if precision is not None:
+        out.append(f"model.dtype / model.attn_implementation: {precision}")
+    found: dict[str, list[str]] = {}
+    for trial in spec_trials(spec) if trials is None else trials:
+        problem = in_llm_attention_problem(trial.method, attn)
+        if problem is not None:
+            found.setdefault(problem, []).append(trial.trial_id)
+    out += [f"model.attn_implementation: {problem}{_who(ids, spec)}" for problem, ids in found.items()]
+    return out + check_flash_attention(attn, spec.resources.device)
+
+
+def check_flash_attention(attn: str, device: str) -> list[str]:
+    """``flash_attention_2`` runs: not on a CPU plan (``resources.device: cpu``), and where transformers finds
+    flash-attn usable (``transformers.utils.is_flash_attn_2_available``: the package on a CUDA GPU). Without it, the
+    sweep crashed after Ray started, each worker's load an ImportError traceback. A driver with a GPU tells for
+    itself; one without cannot tell for the cluster's GPU workers: a `NotOnThisMachine` problem (a warning of
+    ``--validate-only``)."""
+    import importlib.util
+
+    import torch
+    from transformers.utils import is_flash_attn_2_available
+
+    from promprune.eval.task_checks import NotOnThisMachine
+
+    if attn != "flash_attention_2":
+        return []
+    fix = "or set model.attn_implementation: sdpa (the default)"
+    if device == "cpu":
+        return [f"model.attn_implementation: flash_attention_2 runs on CUDA GPUs only, and resources.device is cpu, "
+                f"so every worker would fail to load the model; run on GPUs (resources.device: gpu) {fix}"]
+    if is_flash_attn_2_available():
+        return []
+    package = "installed" if importlib.util.find_spec("flash_attn") is not None else "not installed"
+    if torch.cuda.is_available():
+        return [f"model.attn_implementation: flash_attention_2 needs the flash-attn package, which transformers "
+                f"cannot use on this machine's GPU (is_flash_attn_2_available() is False; flash_attn is {package}), "
+                f"so every worker would fail to load the model with an ImportError; install flash-attn "
+                f"(pip install flash-attn --no-build-isolation) {fix}"]
+    return [NotOnThisMachine(
+        f"model.attn_implementation: flash_attention_2 needs a CUDA GPU with the flash-attn package; this machine has "
+        f"no GPU (flash_attn is {package} here), so it cannot tell whether the GPU workers that run the sweep have "
+        f"it. Without it every worker fails to load the model; install flash-attn there {fix}")]
 
 
 def _fail_fast_http():

@@ -29,17 +29,30 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import AfterValidator, Field, StrictStr, with_config
+from pydantic import AfterValidator, Field, PlainValidator, StrictStr, with_config
 from pydantic_core import PydanticCustomError
 
 from promprune.dtypes import AUTO as AUTO_DTYPE
-from promprune.dtypes import CANONICAL_DTYPES
+from promprune.dtypes import CANONICAL_DTYPES, canonical_dtype
 
-from pipelines.config import SECTION, expect, one_of
+from pipelines.config import SECTION, expect, one_of, problem
 
 DTYPES = (AUTO_DTYPE, *CANONICAL_DTYPES)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-Dtype = one_of(*DTYPES)
+
+
+def _dtype_name(value: Any) -> str:
+    """A spec's / CLI's dtype as its canonical name (`DTYPES`): every alias the library takes (fp16, bf16, half,
+    double; `promprune.dtypes.canonical_dtype`, the one parser), a typo refused with a did-you-mean."""
+    if not isinstance(value, str):
+        raise problem(f"expected a dtype name ({', '.join(DTYPES)}), got {value!r}")
+    try:
+        return canonical_dtype(value, allow_auto=True)
+    except ValueError as exc:
+        raise problem(str(exc)) from None
+
+
+Dtype = Annotated[str, PlainValidator(_dtype_name)]
 AttnImplementation = one_of(*ATTN_IMPLEMENTATIONS)
 
 

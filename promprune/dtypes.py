@@ -23,6 +23,19 @@ CANONICAL_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what specs a
 AUTO = "auto"  # the checkpoint's own dtype (from_pretrained); pipelines: bfloat16 on GPU, float32 on CPU
 
 
+def canonical_dtype(name, *, allow_auto: bool = False) -> str:
+    """The canonical name (:data:`CANONICAL_DTYPES`) of a name in ``DTYPES`` (``"torch.float16"`` too, any case), or
+    "auto" for None / "auto" when ``allow_auto``; no torch import (specs, CLI flags). An unknown name is a ValueError
+    with a did-you-mean, listing the valid ones. :func:`parse_dtype` reads names through it."""
+    if allow_auto and name in (None, AUTO):
+        return AUTO
+    key = str(name).lower().removeprefix("torch.")
+    if isinstance(name, bool) or key not in DTYPES:
+        valid = ([AUTO] if allow_auto else []) + sorted(DTYPES)
+        raise ValueError(f"unknown dtype {name!r}{did_you_mean(key, DTYPES)}; use one of {', '.join(valid)}")
+    return DTYPES[key]
+
+
 def parse_dtype(name, *, allow_auto: bool = False):
     """A torch dtype from a dtype or a name in ``DTYPES`` (``"torch.float16"`` too); ``None``/``"auto"`` stay as they
     are when ``allow_auto``. An unknown name is a ValueError listing the valid ones."""
@@ -32,11 +45,7 @@ def parse_dtype(name, *, allow_auto: bool = False):
         return name
     if allow_auto and name in (None, AUTO):
         return name
-    key = str(name).lower().removeprefix("torch.")
-    if key not in DTYPES:
-        valid = ([AUTO] if allow_auto else []) + sorted(DTYPES)
-        raise ValueError(f"unknown dtype {name!r}{did_you_mean(key, DTYPES)}; use one of {', '.join(valid)}")
-    return getattr(torch, DTYPES[key])
+    return getattr(torch, canonical_dtype(name))
 
 
 def dtype_name(dtype) -> str:

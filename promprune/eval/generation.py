@@ -3,7 +3,8 @@
 Both the Ray path (``run_requests`` on ``Request``s) and the lmms-eval plugin (``PromPruneLMM.generate_until``) turn
 their inputs into ``Item``s and call ``generate_items``. Every item yields exactly one ``Answer``, in input order:
 a batch that raises is retried item by item, so one corrupt image or one failing generation becomes one failed
-answer with its error message, never a crash and never a dropped sample.
+answer with its error message, never a crash and never a dropped sample; so does a row whose logits went non-finite
+(NaN: ``Generation.error``), which would otherwise pass as an empty answer.
 
 Two options share the work of an image's questions (items with one ``key``) where the method allows:
 ``vision_once`` preprocesses, encodes and selects each image once (``PrunedVLM.shares_vision``: all but CDPruner, which
@@ -163,8 +164,12 @@ def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | Non
     if len(generations) != len(items):
         raise RuntimeError(f"vlm.generate returned {len(generations)} generations for {len(items)} items")
     peak = peak_memory_mb(device)
+    for gen in generations:
+        if getattr(gen, "error", None):  # non-finite logits (PrunedVLM's NONFINITE): a failed sample, not ""
+            log.warning("generation failed: %s", gen.error)
     return [Answer(**{k: _plain(v) for k, v in values(gen, SampleStats).items()},
-                   prediction=cut_at_stop(gen.text, until), peak_mem_mb=peak) for gen in generations]
+                   prediction="" if getattr(gen, "error", None) else cut_at_stop(gen.text, until),
+                   error=getattr(gen, "error", None), peak_mem_mb=peak) for gen in generations]
 
 
 def _run_isolated(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,

@@ -8,19 +8,20 @@ callable returning the manifest:
     promprune = "promprune.eval.lmms_plugin:MANIFEST"
 
 ``--model_args`` keys: ``pretrained`` (checkpoint path/name or ``tiny:llava`` / ``tiny:llava_next`` /
-``tiny:qwen2_5_vl``), ``method`` (a registered method; ``none`` for the unpruned model), ``budget``, ``dtype``
-(auto / float16 / bfloat16 / float32), ``device`` (cpu, cuda, cuda:1; default: cuda when available),
-``attn_implementation``, ``vision_once`` / ``prefix_cache`` (true / false, default false: each
-request is answered by itself, as lmms-eval's own models answer it; true shares an image's encoding / prompt prefix
-between its questions, ``promprune.eval.generation``); ``enable_thinking`` (true / false; default: the chat
-template's own, Qwen3.5-4B thinks first as lmms-eval's qwen3_5 model does; its reasoning is dropped from the answer
-up to ``</think>``); any other key is a method option (``mu=0.42,tau=0.02``). The prompt is the model's own chat
-template around lmms-eval's context, with any ``<image>`` tag in the context removed (``PrunedVLM.conversation``:
-the image goes where the template puts it, as lmms-eval's Qwen and Gemma models do) (Qwen3.5 / Qwen3-VL: ChatML with
-the vision markers, and a system turn only with ``system_prompt=...``: lmms-eval's qwen3_vl / qwen3_5 models send
-"You are a helpful assistant.", which the project's Qwen3 sweeps set). The batch
-size is lmms-eval's ``--batch_size`` (it passes ``batch_size`` to the model itself; ``batch_size`` in
-``--model_args`` is refused, naming that option).
+``tiny:qwen2_5_vl``), ``method`` (a registered method; ``none`` for the unpruned model), ``budget``, ``dtype`` (auto
+/ float16 / bfloat16 / float32 / float64 or an alias of ``promprune.dtypes.DTYPES``), ``device`` (cpu, cuda, cuda:1;
+default: cuda when available; one this machine lacks is refused), ``attn_implementation`` (float64 needs ``sdpa``,
+an in-LLM method ``sdpa`` or ``eager``: refused before loading, ``promprune.models.attention``), ``vision_once`` /
+``prefix_cache`` (true / false, default false: each request is answered by itself, as lmms-eval's own models answer
+it; true shares an image's encoding / prompt prefix between its questions, ``promprune.eval.generation``);
+``enable_thinking`` (true / false; default: the chat template's own, Qwen3.5-4B thinks first as lmms-eval's qwen3_5
+model does; its reasoning is dropped from the answer up to ``</think>``); any other key is a method option
+(``mu=0.42,tau=0.02``). The prompt is the model's own chat template around lmms-eval's context, with any ``<image>``
+tag in the context removed (``PrunedVLM.conversation``: the image goes where the template puts it, as lmms-eval's
+Qwen and Gemma models do) (Qwen3.5 / Qwen3-VL: ChatML with the vision markers, and a system turn only with
+``system_prompt=...``: lmms-eval's qwen3_vl / qwen3_5 models send "You are a helpful assistant.", which the
+project's Qwen3 sweeps set). The batch size is lmms-eval's ``--batch_size`` (it passes ``batch_size`` to the model
+itself; ``batch_size`` in ``--model_args`` is refused, naming that option).
 """
 
 from __future__ import annotations
@@ -169,8 +170,13 @@ class PromPruneLMM(lmms):
                 raise ValueError("model_args needs "
                                  "pretrained=<checkpoint or tiny:llava|tiny:llava_next|tiny:qwen2_5_vl>")
             from promprune.models import PrunedVLM
+            from promprune.models.attention import device_problem, in_llm_attention_problem, precision_problem
 
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            problem = precision_problem(_dtype(dtype), attn_implementation) or \
+                in_llm_attention_problem(_method(method), attn_implementation) or device_problem(device)
+            if problem is not None:  # before anything loads (the built model is checked again by PrunedVLM)
+                raise ValueError(f"model_args: {problem}")
             _check_capacity(pretrained, _budget(budget), method_options)
             vlm = PrunedVLM.from_pretrained(
                 pretrained, method=_method(method), budget=_budget(budget), dtype=_dtype(dtype), device_map=device,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import LogitsProcessorList
 
 import promprune
 from promprune.efficiency import Stopwatch
@@ -18,6 +19,7 @@ from promprune.dtypes import parse_dtype
 from promprune.records import SampleStats
 
 from . import llm_hooks
+from .attention import device_problem, in_llm_attention_problem, model_attention_problems, precision_problem
 from .adapters import adapter_for, assemble_all, attach_keys, host_index, visual_token_capacity, visual_token_floor
 from .factories import find_model_factory
 from .images import load_images, pixel_key
@@ -34,6 +36,31 @@ class Generation(SampleStats):
 
     text: str
     token_ids: list[int] = field(default_factory=list)  # generated token ids (padding after EOS included)
+    # why the answer is no answer: the row's next-token logits held a NaN or +inf at some step (``NonFiniteLogits``);
+    # None when they did not. ``eval.generation`` records such a sample as failed with this reason
+    error: str | None = None
+
+
+NONFINITE = ("generation produced non-finite logits (NaN or +inf) for this sample, so its answer is meaningless: the "
+             "model's computation overflowed or divided by zero (float16 overflow, a fully masked attention row)")
+
+
+def nonfinite_flagger():
+    """A transformers ``LogitsProcessor`` that marks, on the device, the rows whose next-token logits hold a NaN or
+    +inf at any step (``.rows``, a bool tensor, None before the first step): no host sync per step; ``PrunedVLM``
+    reads it once after ``generate``. It runs after transformers' own processors (custom ones come last), whose
+    ``-inf`` (a suppressed token) it leaves alone."""
+    from transformers import LogitsProcessor
+
+    class NonFiniteLogits(LogitsProcessor):
+        rows = None
+
+        def __call__(self, input_ids, scores):
+            bad = (torch.isnan(scores) | torch.isposinf(scores)).any(-1)
+            self.rows = bad if self.rows is None else self.rows | bad
+            return scores
+
+    return NonFiniteLogits()
 
 
 @dataclass
@@ -192,6 +219,11 @@ class PrunedVLM:
         self.budget_mode, self.image_newline = next_layout(method, adapter_options["budget_mode"],
                                                            adapter_options["image_newline"])
         self.view_budget = None
+        # fail now on a dtype the LLM's attention computes wrongly (float64 under eager) or an in-LLM method under an
+        # attention whose masks its hooks cannot write (flash_attention_2, flex_attention)
+        attention = model_attention_problems(model, method)
+        if attention:
+            raise ValueError(attention[0])
         _warn_full_budget(model.config, adapter_options, method, self.budget)
         if is_in_llm(method):
             llm_hooks.check_llm(self.model, method)  # fail now on a transformers release whose LLM the hooks misread
@@ -235,8 +267,17 @@ class PrunedVLM:
         A factory may bring default adapter options (the paper's settings of that model); given options win.
         ``device_map`` "balanced" (or "balanced_low_0", "sequential", an explicit mapping) with ``max_memory`` (GPU
         index -> bytes) spreads one model over several GPUs (:mod:`promprune.models.placement`).
+
+        Refused before anything loads (:mod:`promprune.models.attention`), and checked again on the built model:
+        ``dtype`` float64 with ``attn_implementation="eager"`` (NaN in left-padded rows), an in-LLM method with an
+        attention other than "sdpa" / "eager", and a ``device_map`` this machine has no such device for ("cuda"
+        without a GPU, "mps", a typo).
         """
         validate_method(method, budget, **dict(method_options))  # fail before loading anything
+        problem = precision_problem(dtype, attn_implementation) or device_problem(device_map) or \
+            in_llm_attention_problem(method, attn_implementation)
+        if problem is not None:
+            raise ValueError(problem)
         found = find_model_factory(name_or_path)
         if found is not None:
             factory, name = found
@@ -437,6 +478,8 @@ class PrunedVLM:
                 inputs, prefix_ms = cached, prefilling.ms
                 continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
         pruner = self.pruning(prep)
+        flag = nonfinite_flagger()
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), flag])
         with _Timer(self.model, self.device) as timer, pruner, continuing:
             out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
@@ -445,8 +488,10 @@ class PrunedVLM:
         texts = self.processor.batch_decode(new, skip_special_tokens=True)
         times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=prefix_ms + timer.prefill_ms,
                      decode_ms=timer.decode_ms)
-        return [Generation(text=self.answer_text(t), **s, **times, token_ids=row.tolist())
-                for t, s, row in zip(texts, stats, new)]
+        bad = [False] * len(texts) if flag.rows is None else flag.rows.view(len(texts), -1).any(-1).tolist()
+        return [Generation(text=self.answer_text(t), **s, **times, token_ids=row.tolist(),
+                           error=NONFINITE if nan else None)
+                for t, s, row, nan in zip(texts, stats, new, bad)]
 
     def _text_tokens(self, model_kwargs: dict) -> list[int]:
         """Per row, the prompt tokens the LLM reads that are not visual placeholders: what the processor built (chat

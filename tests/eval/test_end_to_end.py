@@ -166,6 +166,30 @@ def test_the_plugin_refuses_a_budget_that_prunes_nothing_before_loading(monkeypa
     assert len(loads) == 1
 
 
+def test_the_plugin_refuses_what_the_model_cannot_run_before_loading(monkeypatch):
+    """float64 with eager attention (NaN in padded rows: the plugin returned '' as a success), an in-LLM method under
+    flash attention (every sample failed at generate), a device this machine lacks: refused before loading."""
+    import torch
+
+    from promprune.models import PrunedVLM
+
+    loads = []
+    monkeypatch.setattr(PrunedVLM, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a)))
+    with pytest.raises(ValueError, match=r"model_args: dtype float64 with attn_implementation 'eager'.*'sdpa'"):
+        PromPruneLMM(pretrained="tiny:llava", method="none", dtype="double", attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"'fastv'.*'flash_attention_2'"):
+        PromPruneLMM(pretrained="tiny:llava", method="fastv", budget=8, attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match=r"device_map 'cpuu'.*did you mean 'cpu'"):
+        PromPruneLMM(pretrained="tiny:llava", method="none", device="cpuu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device_map 'cuda:3'"):
+            PromPruneLMM(pretrained="tiny:llava", method="none", device="cuda:3")
+    assert loads == []
+    PromPruneLMM(pretrained="tiny:llava", method="none", dtype="float64", attn_implementation="sdpa")
+    PromPruneLMM(pretrained="tiny:llava", method="none", dtype="auto", attn_implementation="eager")
+    assert len(loads) == 2
+
+
 def test_the_plugin_fails_a_cut_off_image_instead_of_answering_it(monkeypatch):
     """Under lmms-eval's process-wide LOAD_TRUNCATED_IMAGES a JPEG cut to a third decoded partly grey, and the model
     answered a picture nobody asked about; as in the pipeline's requests, it is one failed sample."""

@@ -581,3 +581,75 @@ def test_a_released_budget_only_larger_images_fail_passes_with_a_note_naming_the
     assert len(notes) == 1, proc.stdout
     assert notes[0].startswith("note: pyramiddrop at budget 15 cannot prune an image of 61 or more visual tokens")
     assert notes[0].endswith("(trial pyramiddrop-b15-budget_semantics=released)")
+
+
+def test_float64_under_eager_attention_is_refused_before_ray(scratch, run_main):
+    """float64 + eager gave the padded rows of every batch NaN logits, recorded as empty successes; ``dtype: auto``
+    resolves as the run does (float32 on CPU, bfloat16 on GPU), so auto + eager passes."""
+    spec = scratch()
+    proc, _ = run_main("--config", str(spec), "--set", "model.dtype=float64", "--set",
+                       "model.attn_implementation=eager", "--validate-only")
+    assert_clean_error(proc, "model.dtype / model.attn_implementation: dtype float64 with attn_implementation "
+                             "'eager' gives wrong answers", "Use attn_implementation 'sdpa'")
+    for dtype in ("auto", "float32"):
+        proc, _ = run_main("--config", str(spec), "--set", f"model.dtype={dtype}", "--set",
+                           "model.attn_implementation=eager", "--validate-only")
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_in_llm_trials_under_flash_attention_and_flash_attention_on_cpu_are_refused(scratch, run_main):
+    """fastv under flash_attention_2 built fine and failed every sample at generate; flash_attention_2 on a CPU plan
+    crashed after Ray started (an ImportError traceback from each worker's load)."""
+    spec = scratch(SPEC.replace("grid: {method: [promprune], budget: [8]}",
+                                "grid: {method: [promprune, fastv], budget: [8]}"))
+    proc, _ = run_main("--config", str(spec), "--set", "model.attn_implementation=flash_attention_2", "--set",
+                       "resources.device=cpu", "--validate-only")
+    assert_clean_error(proc, "model.attn_implementation: in-LLM method 'fastv' prunes inside the LLM",
+                       "(trial fastv-b8)", "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only, "
+                                           "and resources.device is cpu")
+
+
+def test_flash_attention_a_gpu_less_driver_cannot_check_is_a_warning_of_validate_only(scratch, run_main,
+                                                                                       monkeypatch):
+    """A driver without a GPU cannot tell whether the cluster's GPU workers have flash-attn: --validate-only warns
+    (as for a model this machine lacks); a driver with a GPU that cannot use it refuses."""
+    import torch
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = scratch()
+    args = ("--config", str(spec), "--set", "model.attn_implementation=flash_attention_2", "--set",
+            "resources.device=gpu", "--validate-only")
+    proc, _ = run_main(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: model.attn_implementation: flash_attention_2 needs a CUDA GPU with the flash-attn package; " \
+           "this machine has no GPU" in proc.stderr
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    proc, _ = run_main(*args)
+    assert_clean_error(proc, "model.attn_implementation: flash_attention_2 needs the flash-attn package, which "
+                             "transformers cannot use on this machine's GPU")
+
+
+def test_dtype_aliases_the_library_takes_are_taken_and_a_typo_gets_a_suggestion():
+    """The spec and evaluate.py --dtype take what PrunedVLM.from_pretrained and the plugin take (fp16, bf16, half,
+    double: `promprune.dtypes.DTYPES`), stored under the canonical name; a typo is refused with a did-you-mean."""
+    from promprune.dtypes import DTYPES
+
+    base = {"name": "x", "version": 1}
+    for alias, name in DTYPES.items():
+        assert specs.parse({**base, "model": {"dtype": alias}}).model.dtype == name
+    assert specs.parse({**base, "model": {"dtype": "BF16"}}).model.dtype == "bfloat16"
+    with pytest.raises(specs.SpecError, match=r"model.dtype: unknown dtype 'flaot16' \(did you mean 'float16'\?\)"):
+        specs.parse({**base, "model": {"dtype": "flaot16"}})
+
+
+def test_evaluate_takes_fp16(scratch, capsys):
+    """`evaluate.py --dtype fp16` was refused ("'fp16' is not one of auto, float32, ..."); a typo names the flag."""
+    from pipelines import evaluate
+
+    args = ["--model", "tiny:llava", "--tasks", "easyvqa_yesno", "--limit", "2", "--no-mlflow"]
+    spec = specs.parse(evaluate.spec_of(evaluate.parse_args([*args, "--dtype", "fp16"])))
+    assert spec.model.dtype == "float16"
+    assert evaluate.main([*args, "--dtype", "flaot16"]) == 2
+    assert "--dtype: unknown dtype 'flaot16' (did you mean 'float16'?)" in capsys.readouterr().err
