@@ -20,9 +20,11 @@
   A trial a scheduler stopped early is a KILLED run with tag `promprune.stopped` (where and why), metrics
   `samples/done` (answered when stopped), `samples/scored`, `samples/total` and its running scores as
   `running/<task>/<metric>` and `running/rel` (over the first `samples/scored` samples), and no predictions.
-- **The parent run** also holds the search's params (`search`, `scheduler`, `space.<field>`), the driver's
-  `system/...` metrics, and for a sweep varying mu or tau the best trial (`promprune.best_trial`, `best/<metric>`
-  with `_ci_low` / `_ci_high`, `best/mu`, `best/tau`).
+- **The parent run** also holds params model, tasks, limit, trials, bootstrap, `dtype` (what the workers run in:
+  `dtype: auto` resolved for the plan's device, bfloat16 on GPU, float32 on CPU; the regression check compares
+  runs of one dtype only) and `attn_implementation`, the search's params (`search`, `scheduler`, `space.<field>`),
+  the driver's `system/...` metrics, and for a sweep varying mu or tau the best trial (`promprune.best_trial`,
+  `best/<metric>` with `_ci_low` / `_ci_high`, `best/mu`, `best/tau`).
 - **A saved view per run of a sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>-<parent run id>`,
   the runs page's "Views" menu, named `<sweep> <started, UTC> <id's first 8>`; each sweep's latest 10 kept
   (`pipelines.recording.view.VIEWS_KEPT`) and those of its running runs; a `--resume` saves its run's again): the
@@ -51,6 +53,8 @@ PARENT = "mlflow.parentRunId"
 RUN_NAME = "mlflow.runName"
 ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
 SPEC_FINGERPRINT = "promprune.spec_fingerprint"  # on a parent run: the hash of its resolved spec
+# params of a parent run: the dtype the workers run in (`dtype: auto` resolved for the plan's device) and the attention
+DTYPE_PARAM, ATTENTION_PARAM = "dtype", "attn_implementation"
 SWEEP_RUN = "promprune.sweep_run"  # the parent run's id, on the parent and on each of its trials: one run of a sweep
 ERROR = "promprune.error"
 NOTE = "mlflow.note.content"  # a run's description in the UI: the spec's description; the parent's, what it found

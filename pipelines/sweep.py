@@ -281,6 +281,15 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
     return how + (f", after {fixed} fixed trial(s)" if fixed else "")
 
 
+def model_params(spec: specs.SweepSpec, on_gpu: bool) -> dict[str, str]:
+    """The parent run's params saying what the workers run: the dtype (``dtype: auto`` resolved as the workers
+    resolve it for the plan's device, `weights.resolve_dtype`) and the LLM attention."""
+    from pipelines.weights import resolve_dtype
+
+    return {mlflow_layout.DTYPE_PARAM: resolve_dtype(spec.model.dtype, on_gpu),
+            mlflow_layout.ATTENTION_PARAM: spec.model.attn_implementation}
+
+
 def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: WorkerPool, regression_threshold,
               command, experiment: str) -> SweepOutcome:
     client = tracking.client()
@@ -293,7 +302,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
-                                          "limit": spec.limit, "trials": n_trials, "bootstrap": spec.bootstrap},
+                                          "limit": spec.limit, "trials": n_trials, "bootstrap": spec.bootstrap,
+                                          **model_params(spec, plan.on_gpu)},
                                          started=began,
                                          view=SweepView.of(spec, trials))
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,

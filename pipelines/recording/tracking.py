@@ -248,7 +248,8 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     None; with the line saying what the check compares with, or why it compares with nothing. Matching the name and
     version alone made a ``--set limit=20`` quick check (which sweeps/nightly.yaml suggests) the baseline of the next
     500-question night: false regressions, or masked ones. A parent run logged before runs carried the tag does not
-    match (said in the line)."""
+    match (said in the line). Nor does one that ran in another dtype (param ``dtype``: ``dtype: auto`` resolved,
+    float32 on CPU workers, bfloat16 on GPU ones, under the same fingerprint), said in the line too."""
     current = c.get_run(current_id)
     same = [mlflow_layout.tag_filter(ROLE, mlflow_layout.ROLE_SWEEP), mlflow_layout.tag_filter(SWEEP, name),
             mlflow_layout.tag_filter(VERSION, str(version)), "attributes.status = 'FINISHED'",
@@ -257,19 +258,33 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     found = c.search_runs(exp, " and ".join([*same, mlflow_layout.tag_filter(mlflow_layout.SPEC_FINGERPRINT,
                                                                              fingerprint)]),
                           order_by=["attributes.start_time DESC"], max_results=1000)
+    # `dtype: auto` resolves by device (bfloat16 on GPU, float32 on CPU) under one fingerprint: a run in another
+    # dtype is no baseline (a run that did not record its dtype, logged before parent runs did, is not told apart)
+    dtype = current.data.params.get(mlflow_layout.DTYPE_PARAM)
+    other_dtype = [r for r in found
+                   if dtype is not None and r.data.params.get(mlflow_layout.DTYPE_PARAM, dtype) != dtype]
+    found = [r for r in found if r not in other_dtype]
+    others = f"{', '.join(sorted({r.data.params[mlflow_layout.DTYPE_PARAM] for r in other_dtype}))}, this one {dtype}"
+    in_other = f"; {len(other_dtype)} run(s) of it ran in another dtype ({others}) and are not compared with" \
+        if other_dtype else ""
     # a run whose trials failed ends FINISHED too (exit 1), without their Rel.: as the next one's baseline, it
     # compared nothing for them (a failed night let the following night's regression pass)
     whole = [r for r in found if not r.data.metrics.get(mlflow_layout.TRIALS_FAILED)]
     if whole:
         passed = found.index(whole[0])
         over = f"; {passed} later run(s) of it had failed trials and are not compared with" if passed else ""
+        over += in_other
         prev = whole[0]
         return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
                       f"earlier FINISHED run of the same resolved spec of sweep {name} v{version} whose trials all "
                       f"finished{over}")
     if found:
         return None, (f"the {len(found)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
-                      f"v{version} all had failed trials: nothing to compare with")
+                      f"v{version} all had failed trials: nothing to compare with{in_other}")
+    if other_dtype:
+        return None, (f"the {len(other_dtype)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
+                      f"v{version} ran in another dtype ({others}; dtype auto resolves by the device the workers run "
+                      "on): nothing to compare with")
     earlier = c.search_runs(exp, " and ".join(same), order_by=["attributes.start_time DESC"], max_results=1000)
     if not earlier:
         return None, f"no earlier FINISHED run of sweep {name} v{version} in this experiment"

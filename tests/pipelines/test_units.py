@@ -244,8 +244,9 @@ def mlflow_store(tmp_path, monkeypatch, mlflow_db):
     return tracking.client()
 
 
-def _night(c, rels: dict, version: int = 1, name: str = "nightly", spec_yaml: str = "name: nightly\n") -> str:
-    parent = tracking.start_sweep(c, name, version, spec_yaml, {})
+def _night(c, rels: dict, version: int = 1, name: str = "nightly", spec_yaml: str = "name: nightly\n",
+           params: dict | None = None) -> str:
+    parent = tracking.start_sweep(c, name, version, spec_yaml, params or {})
     for tid, rel in rels.items():
         trial = {"trial_id": tid, "method": tid.split("-")[0], "budget": 8, "options": {}}
         tracking.log_trial(c, parent, name, version, trial, {"method": trial["method"]}, {"rel": rel}, None)
@@ -299,6 +300,33 @@ def test_a_night_whose_trials_failed_is_no_baseline_and_says_what_it_did_not_com
     assert _check(c, again) == ([], "the 3 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 all "
                                     "had failed trials: nothing to compare with")
     assert c.get_run(again).data.tags[mlflow_layout.REGRESSION] == "no-previous"
+
+
+def test_the_regression_check_compares_only_runs_of_the_same_resolved_dtype(mlflow_store):
+    """``dtype: auto`` resolves to float32 on CPU workers and bfloat16 on GPU ones under one spec fingerprint: a GPU
+    night was compared with a CPU night. The parent run records the resolved dtype (`sweep.model_params`, as the
+    workers resolve it) and the check compares runs of one dtype only, saying which it passed over."""
+    from pipelines import sweep
+
+    c = mlflow_store
+    spec = specs.SweepSpec(name="nightly", version=1)
+    assert spec.model.dtype == "auto"
+    cpu, gpu = sweep.model_params(spec, on_gpu=False), sweep.model_params(spec, on_gpu=True)
+    assert cpu == {"dtype": "float32", "attn_implementation": "sdpa"} and gpu["dtype"] == "bfloat16"
+    first = _night(c, {"promprune-b8": 0.95}, params=cpu)
+    tracking.finish(c, first)
+    on_gpu = _night(c, {"promprune-b8": 0.80}, params=gpu)  # -0.15 against a CPU night: not a regression of it
+    found, note = _check(c, on_gpu)
+    assert found == [] and c.get_run(on_gpu).data.tags[mlflow_layout.REGRESSION] == "no-previous"
+    assert note == ("the 1 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 ran in another dtype "
+                    "(float32, this one bfloat16; dtype auto resolves by the device the workers run on): nothing to "
+                    "compare with")
+    tracking.finish(c, on_gpu)
+    again = _night(c, {"promprune-b8": 0.90}, params=cpu)
+    found, note = _check(c, again)
+    assert found == ["promprune-b8: rel 0.9500 -> 0.9000 (-0.0500)"]
+    assert note.startswith(f"compared with {first} ") and note.endswith(
+        "; 1 run(s) of it ran in another dtype (bfloat16, this one float32) and are not compared with")
 
 
 def _nightly_yaml(*overrides: str) -> str:
