@@ -485,14 +485,13 @@ def check_flash_attention(attn: str, device: str) -> list[str]:
     """``flash_attention_2`` runs: not on a CPU plan (``resources.device: cpu``), and where transformers finds
     flash-attn usable (``transformers.utils.is_flash_attn_2_available``: the package on a CUDA GPU). Without it, the
     sweep crashed after Ray started, each worker's load an ImportError traceback. A driver with a GPU tells for
-    itself; one without cannot tell for the cluster's GPU workers: a `NotOnThisMachine` problem (a warning of
-    ``--validate-only``)."""
+    itself; one without (a cluster's CPU head node, where ``ray job submit`` runs the driver) cannot tell for the
+    GPU workers: one console note, not a refusal, so a cluster whose workers have it runs."""
     import importlib.util
 
     import torch
     from transformers.utils import is_flash_attn_2_available
 
-    from promprune.eval.task_checks import NotOnThisMachine
 
     if attn != "flash_attention_2":
         return []
@@ -508,10 +507,10 @@ def check_flash_attention(attn: str, device: str) -> list[str]:
                 f"cannot use on this machine's GPU (is_flash_attn_2_available() is False; flash_attn is {package}), "
                 f"so every worker would fail to load the model with an ImportError; install flash-attn "
                 f"(pip install flash-attn --no-build-isolation) {fix}"]
-    return [NotOnThisMachine(
-        f"model.attn_implementation: flash_attention_2 needs a CUDA GPU with the flash-attn package; this machine has "
-        f"no GPU (flash_attn is {package} here), so it cannot tell whether the GPU workers that run the sweep have "
-        f"it. Without it every worker fails to load the model; install flash-attn there {fix}")]
+    say(f"note: model.attn_implementation: flash_attention_2 needs a CUDA GPU with the flash-attn package; this "
+        f"machine has no GPU (flash_attn is {package} here), so it cannot tell whether the GPU workers that run the "
+        f"sweep have it. Without it every worker fails to load the model; install flash-attn there {fix}")
+    return []
 
 
 def _fail_fast_http():
