@@ -57,7 +57,8 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
         errors += check_tasks(spec.tasks, spec.limit if evaluates else None, spec.include_path)
         errors += check_judges(spec.tasks) if evaluates else []
         errors += check_model(spec.model.pretrained, spec.model.options,
-                              budgets(spec) if budgets_of is None else budgets_of)
+                              budgets(spec) if budgets_of is None else budgets_of,
+                              clips=evaluates and bool(_video_kinds(spec)))
         errors += check_video(spec) if evaluates else []
         errors += check_construction(spec, trials)
         errors += check_in_llm_layers(spec, trials)
@@ -240,11 +241,14 @@ def check_metric(metric: str, tasks: list[str]) -> list[str]:
     return []
 
 
-def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int]) -> list[str]:
+def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int], clips: bool = False) -> list[str]:
     """The model resolves to a config a registered family runs (``registry.family_of``: its ``model_type``, and for
     LLaVA a CLIP vision tower), a checkpoint's processor loads, is its family's and has a chat template
     (``adapters.checkpoint_processor``, as ``PrunedVLM.from_pretrained`` loads it), and every budget (by trial id) is
-    below the visual tokens it gives one image (one problem per budget that is not, naming its trials)."""
+    below the visual tokens it gives one image (one problem per budget that is not, naming its trials). ``clips``:
+    some task may give clips (`_video_kinds`), which a budget above one image's tokens still prunes (a clip of
+    several frames gives more): such a budget is then one console note (an image of those tasks runs unpruned), not
+    a refusal."""
     from promprune.eval.task_checks import NotOnThisMachine
     from promprune.models.adapters import checkpoint_processor, model_capacity
     from promprune.models.factories import NotCachedError, find_model_factory, model_config
@@ -266,6 +270,11 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int])
     out = []
     for budget, tids in over.items():
         who, keep, it = ("trial", "keeps", "it") if len(tids) == 1 else ("trials", "keep", "they")
+        if clips:
+            say(f"note: budget: {who} {', '.join(tids)} {keep} {budget} of the {capacity} visual tokens {pretrained} "
+                f"gives an image: clips of several frames still prune, but any image among the tasks' documents runs "
+                f"unpruned")
+            continue
         out.append(f"budget: {who} {', '.join(tids)} {keep} {budget} of the {capacity} visual tokens {pretrained} "
                    f"gives an image, so {it} would run unpruned; use budgets below {capacity}")
     return out
@@ -284,16 +293,10 @@ def _config_for(spec: SweepSpec, needed) -> object | None:
         return None
 
 
-def check_video(spec: SweepSpec) -> list[str]:
-    """The spec's video tasks run on a model whose family answers about clips (``Family.video``,
-    ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed every sample of such a task, and the sweep
-    exited 0. Judged from the tasks' YAML alone (``tasks.video_task_kind``, no data loaded). A task certain to give
-    clips (an offline video task, or a group with one) is one problem naming the tasks and the model. A task that
-    only sets lmms-eval's ``dataset_kwargs.video`` may give images (MixEval-X's image2text tasks, site_bench_image),
-    so it is not refused: one console note names it, the model and what happens if its documents are clips. A false
-    refusal would block valid work; a miss only records failed samples."""
+def _video_kinds(spec: SweepSpec) -> dict[str, str]:
+    """The spec's tasks that may give clips, each with its ``tasks.video_task_kind`` ("clips": certain; "flagged":
+    lmms-eval's ``dataset_kwargs.video``, decided at run time), from the tasks' YAML alone."""
     from promprune.eval.tasks import video_task_kind
-    from promprune.models.video import check_video_config
 
     kinds = {}
     for task in spec.tasks:
@@ -303,6 +306,20 @@ def check_video(spec: SweepSpec) -> list[str]:
             continue  # check_tasks says why
         if kind:
             kinds[task] = kind
+    return kinds
+
+
+def check_video(spec: SweepSpec) -> list[str]:
+    """The spec's video tasks run on a model whose family answers about clips (``Family.video``,
+    ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed every sample of such a task, and the sweep
+    exited 0. Judged from the tasks' YAML alone (``tasks.video_task_kind``, no data loaded). A task certain to give
+    clips (an offline video task, or a group with one) is one problem naming the tasks and the model. A task that
+    only sets lmms-eval's ``dataset_kwargs.video`` may give images (MixEval-X's image2text tasks, site_bench_image),
+    so it is not refused: one console note names it, the model and what happens if its documents are clips. A false
+    refusal would block valid work; a miss only records failed samples."""
+    from promprune.models.video import check_video_config
+
+    kinds = _video_kinds(spec)
     config = _config_for(spec, kinds)
     if config is None:
         return []
@@ -487,14 +504,13 @@ def check_flash_attention(attn: str, device: str) -> list[str]:
     sweep crashed after Ray started, each worker's load an ImportError traceback. A driver with a GPU tells for
     itself; one without (a cluster's CPU head node, where ``ray job submit`` runs the driver) cannot tell for the
     GPU workers: one console note, not a refusal, so a cluster whose workers have it runs."""
+    if attn != "flash_attention_2":
+        return []
     import importlib.util
 
     import torch
     from transformers.utils import is_flash_attn_2_available
 
-
-    if attn != "flash_attention_2":
-        return []
     fix = "or set model.attn_implementation: sdpa (the default)"
     if device == "cpu":
         return [f"model.attn_implementation: flash_attention_2 runs on CUDA GPUs only, and resources.device is cpu, "

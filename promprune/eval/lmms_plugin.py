@@ -80,10 +80,12 @@ def _budget(value):
     return int(number)
 
 
-def _check_capacity(pretrained: str, budget: int | None, options: dict) -> None:
+def _check_capacity(pretrained: str, budget: int | None, options: dict, clips: bool = False) -> None:
     """A budget at or above the visual tokens the model gives one image prunes nothing, and the run would be reported
     as the method's: refused as the pipeline's entry points refuse it (from the model's config, before its weights
-    load; a model not on this machine is left to its loading)."""
+    load; a model not on this machine is left to its loading). ``clips`` (model_args ``video_frames`` given: a video
+    run): a clip of several frames gives more tokens than an image and such a budget still prunes it, so it is not
+    refused (``PrunedVLM`` warns, ``FullBudgetWarning``)."""
     from promprune.models.adapters import model_capacity
     from promprune.models.factories import NotCachedError
 
@@ -93,7 +95,7 @@ def _check_capacity(pretrained: str, budget: int | None, options: dict) -> None:
         capacity = model_capacity(pretrained, options)
     except (NotCachedError, ValueError):
         return
-    if capacity is not None and budget >= capacity:
+    if capacity is not None and budget >= capacity and not clips:
         raise ValueError(f"model_args budget={budget} keeps all {capacity} visual tokens {pretrained} gives an image, "
                          f"so the run would be unpruned; use a budget below {capacity}")
 
@@ -177,7 +179,7 @@ class PromPruneLMM(lmms):
                 in_llm_attention_problem(_method(method), attn_implementation) or device_problem(device)
             if problem is not None:  # before anything loads (the built model is checked again by PrunedVLM)
                 raise ValueError(f"model_args: {problem}")
-            _check_capacity(pretrained, _budget(budget), method_options)
+            _check_capacity(pretrained, _budget(budget), method_options, clips=video_frames is not None)
             vlm = PrunedVLM.from_pretrained(
                 pretrained, method=_method(method), budget=_budget(budget), dtype=_dtype(dtype), device_map=device,
                 attn_implementation=attn_implementation, **method_options,

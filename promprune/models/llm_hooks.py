@@ -63,6 +63,7 @@ import promprune
 from promprune.selection import accel
 from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
+from .attention import in_llm_attention_problem
 from .registry import find_family
 
 # Pruning layers of SparseVLM's / PyramidDrop's released code on LLaMA-based LLaVA (32 layers), kept as fractions of
@@ -85,8 +86,9 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
     opts, at, plan, layer_map = schedule(method, model.config, budget, options, model_name(model))
     check_llm(model, method)
     impl = model.config.text_config._attn_implementation or "sdpa"
-    if impl not in ("sdpa", "eager"):
-        raise ValueError(f"{method} needs the LLM's attention as 'sdpa' or 'eager', got {impl!r}")
+    problem = in_llm_attention_problem(method, impl)
+    if problem is not None:  # PrunedVLM refuses it at construction; a pruner made by hand, here
+        raise ValueError(problem)
     compact = False
     if method in ("fastv", "dart"):
         stages = [Stage(at[0], None, kind=method)]

@@ -164,6 +164,12 @@ def test_the_plugin_refuses_a_budget_that_prunes_nothing_before_loading(monkeypa
     assert loads == []
     PromPruneLMM(pretrained="tiny:llava", method="promprune", budget=35)  # below: loads
     assert len(loads) == 1
+    # a video run (video_frames given): a clip of several frames gives more tokens than an image, so the budget
+    # still prunes it and is not refused (tiny LLaVA-OneVision: 48 a single image, 8 frames of its pooled grid more)
+    with pytest.raises(ValueError, match="budget=64 keeps all 48 visual tokens tiny:llava_onevision gives"):
+        PromPruneLMM(pretrained="tiny:llava_onevision", method="promprune", budget=64)
+    PromPruneLMM(pretrained="tiny:llava_onevision", method="promprune", budget=64, video_frames=8)
+    assert len(loads) == 2
 
 
 def test_the_plugin_refuses_what_the_model_cannot_run_before_loading(monkeypatch):

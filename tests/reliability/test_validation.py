@@ -655,3 +655,20 @@ def test_evaluate_takes_fp16(scratch, capsys):
     assert spec.model.dtype == "float16"
     assert evaluate.main([*args, "--dtype", "flaot16"]) == 2
     assert "--dtype: unknown dtype 'flaot16' (did you mean 'float16'?)" in capsys.readouterr().err
+
+
+def test_a_clip_budget_above_one_images_tokens_is_a_note_not_a_refusal(scratch, run_main):
+    """A review's case: LLaVA-OneVision's capacity became exact (8667 an image), and a video sweep's budgets scaled
+    with its clips (128 frames: 12544) were refused as 'would run unpruned', though a clip of 128 frames gives far
+    more tokens and the budget prunes it. With a task that gives clips the budget is one console note; the same
+    budget on image tasks alone is still refused."""
+    video = SPEC.replace('"tiny:llava"', '"tiny:llava_onevision"').replace("tasks: [easyvqa_yesno]",
+                                                                           "tasks: [testbed_video_direction]")
+    proc, _ = run_main("--config", str(scratch(video)), "--set", "grid.budget=[64]", "--validate-only")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: budget: trial promprune-b64 keeps 64 of the 48 visual tokens tiny:llava_onevision gives an image: " \
+           "clips of several frames still prune, but any image" in proc.stdout
+    images = SPEC.replace('"tiny:llava"', '"tiny:llava_onevision"')
+    proc, _ = run_main("--config", str(scratch(images)), "--set", "grid.budget=[64]", "--validate-only")
+    assert_clean_error(proc, "budget: trial promprune-b64 keeps 64 of the 48 visual tokens tiny:llava_onevision "
+                             "gives an image, so it would run unpruned")
