@@ -53,8 +53,9 @@ PARENT = "mlflow.parentRunId"
 RUN_NAME = "mlflow.runName"
 ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
 SPEC_FINGERPRINT = "promprune.spec_fingerprint"  # on a parent run: the hash of its resolved spec
-# params of a parent run: the dtype the workers run in (`dtype: auto` resolved for the plan's device) and the attention
-DTYPE_PARAM, ATTENTION_PARAM = "dtype", "attn_implementation"
+# params of a parent run: the dtype the workers run in (`dtype: auto` resolved for the plan's device), the attention
+# and the spec's adapter options (`model.options`, JSON with sorted keys)
+DTYPE_PARAM, ATTENTION_PARAM, MODEL_OPTIONS_PARAM = "dtype", "attn_implementation", "model_options"
 SWEEP_RUN = "promprune.sweep_run"  # the parent run's id, on the parent and on each of its trials: one run of a sweep
 ERROR = "promprune.error"
 NOTE = "mlflow.note.content"  # a run's description in the UI: the spec's description; the parent's, what it found

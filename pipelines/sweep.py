@@ -283,11 +283,15 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
 
 def model_params(spec: specs.SweepSpec, on_gpu: bool) -> dict[str, str]:
     """The parent run's params saying what the workers run: the dtype (``dtype: auto`` resolved as the workers
-    resolve it for the plan's device, `weights.resolve_dtype`) and the LLM attention."""
+    resolve it for the plan's device, `weights.resolve_dtype`), the LLM attention and the spec's adapter options
+    (``model.options``, JSON: the report matches an earlier sweep's mu calibration on them)."""
     from pipelines.weights import resolve_dtype
 
+    import json
+
     return {mlflow_layout.DTYPE_PARAM: resolve_dtype(spec.model.dtype, on_gpu),
-            mlflow_layout.ATTENTION_PARAM: spec.model.attn_implementation}
+            mlflow_layout.ATTENTION_PARAM: spec.model.attn_implementation,
+            mlflow_layout.MODEL_OPTIONS_PARAM: json.dumps(spec.model.options, sort_keys=True)}
 
 
 def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: WorkerPool, regression_threshold,

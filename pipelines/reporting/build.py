@@ -406,8 +406,9 @@ REPORTED_MEDIAN = "calibration/median_entropy"
 def calibration_medians(sweep: Sweep) -> tuple[dict[str, float], float | None, str]:
     """(``{metric: median}`` over the calibration images, how many images, where they come from): the sweep's own
     parent run when a ``mu: calibrate`` trial measured them; else (a grid given its mu, as ``mu_calibration_grid``)
-    the latest other sweep of its experiment on the same model that measured them (``mu_calibration``);
-    ``({}, None, "")`` when none did."""
+    the latest other sweep of its experiment on the same model and adapter options (parent param ``model_options``;
+    a sweep that did not record them is taken, saying so) that measured them (``mu_calibration``); ``({}, None, "")``
+    when none did."""
     def medians_of(metrics: dict) -> dict[str, float]:
         return {k[len(calibration.MEDIAN_PREFIX):]: float(v) for k, v in sorted(metrics.items())
                 if k.startswith(calibration.MEDIAN_PREFIX) and k != REPORTED_MEDIAN and not pd.isna(v)}
@@ -429,12 +430,20 @@ def calibration_medians(sweep: Sweep) -> tuple[dict[str, float], float | None, s
     key = f"metrics.{calibration.MEDIAN_PREFIX}{calibration.DEFAULT_METRIC}"
     if runs.empty or key not in runs:
         return {}, None, ""
+    column = f"params.{mlflow_layout.MODEL_OPTIONS_PARAM}"
+    mine = MlflowClient().get_run(sweep.run_id).data.params.get(mlflow_layout.MODEL_OPTIONS_PARAM)
     for _, run in runs[(runs["run_id"] != sweep.run_id) & runs[key].notna()].iterrows():
+        theirs = run.get(column)
+        theirs = theirs if isinstance(theirs, str) else None
+        if mine is not None and theirs is not None and theirs != mine:
+            continue  # calibrated with other adapter options (another image_tokens: another token grid)
         metrics = {c[len("metrics."):]: v for c, v in run.items() if c.startswith("metrics.")}
         name = run.get(mlflow_layout.tag_column(mlflow_layout.SWEEP)) or run["run_id"]
         images = metrics.get(calibration.IMAGES_METRIC)
+        same = "on the same model and adapter options" if mine is not None and theirs is not None else \
+            "on the same model (adapter options not recorded by one of the two sweeps: check they match)"
         return (medians_of(metrics), None if pd.isna(images) else images,
-                f"measured by sweep {name}, run {run['run_id']}, on the same model")
+                f"measured by sweep {name}, run {run['run_id']}, {same}")
     return {}, None, ""
 
 

@@ -312,7 +312,8 @@ def test_the_regression_check_compares_only_runs_of_the_same_resolved_dtype(mlfl
     spec = specs.SweepSpec(name="nightly", version=1)
     assert spec.model.dtype == "auto"
     cpu, gpu = sweep.model_params(spec, on_gpu=False), sweep.model_params(spec, on_gpu=True)
-    assert cpu == {"dtype": "float32", "attn_implementation": "sdpa"} and gpu["dtype"] == "bfloat16"
+    assert cpu == {"dtype": "float32", "attn_implementation": "sdpa", "model_options": "{}"}
+    assert gpu["dtype"] == "bfloat16"
     first = _night(c, {"promprune-b8": 0.95}, params=cpu)
     tracking.finish(c, first)
     on_gpu = _night(c, {"promprune-b8": 0.80}, params=gpu)  # -0.15 against a CPU night: not a regression of it

@@ -80,7 +80,8 @@ def test_an_earlier_calibration_is_read_from_the_sweeps_experiment_only(store, t
     grid = _sweep(client, "alice", 0.4, tmp_path, name="mu_calibration_grid")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "alice")
     assert calibration_medians(load_sweep(grid)) == (
-        {"spectral": 0.43}, 100, f"measured by sweep mu_calibration, run {measured}, on the same model")
+        {"spectral": 0.43}, 100, f"measured by sweep mu_calibration, run {measured}, on the same model (adapter "
+                                 "options not recorded by one of the two sweeps: check they match)")
 
 
 def test_the_closing_link_opens_the_runs_own_experiment(store, tmp_path, monkeypatch):

@@ -84,6 +84,13 @@ def test_mu_tau_heatmap_and_calibration_logged_on_the_parent(store, tmp_path):
                       model="another:model", parent_metrics={"calibration/median_spectral": 0.39})
     client.log_param(calibrated, "model", "tiny:llava")
     client.log_param(other, "model", "another:model")  # the latest, but another model's encoder
+    # the latest on this model, but calibrated on another token grid (adapter options differ): passed over
+    regridded = log_sweep(client, exp, "mu_calibration", [trial("promprune", 64, {"pope/pope_f1_score": 0.8},
+                                                                 options={"mu": 0.41})], tasks=["pope"], tmp=tmp_path,
+                          parent_metrics={"calibration/median_spectral": 0.41})
+    client.log_param(regridded, "model", "tiny:llava")
+    client.log_param(regridded, "model_options", '{"image_tokens": 64}')
+    client.log_param(calibrated, "model_options", "{}")
     rel = {(0.40, 0.01): 1.00, (0.40, 0.02): 0.90, (0.42, 0.01): 0.95, (0.42, 0.02): 0.95,
            (0.44, 0.01): 0.90, (0.44, 0.02): 1.00}
     trials = [trial("none", None, {"pope/pope_f1_score": 0.80})]
@@ -93,12 +100,14 @@ def test_mu_tau_heatmap_and_calibration_logged_on_the_parent(store, tmp_path):
                             options={"mu": mu, "tau": tau}, predictions=preds))
     trials.append(trial("vispruner", 64, {"pope/pope_f1_score": 0.76}))  # Rel. 95 %: the heatmap's reference
     parent = log_sweep(client, exp, "mu_calibration_grid", trials, tasks=["pope"], tmp=tmp_path)
+    client.log_param(parent, "model_options", "{}")  # as the sweep logs it on its parent run
     sweep = load_sweep(parent)
     report = build_report(sweep, tmp_path / "out", image_source=grey_image)
     assert {"mu_tau_heatmap.png", "entropy_histograms.png"} <= {p.name for p in report.files}
     assert report.calibration == {"calibration/chosen_mu": pytest.approx(0.44)}  # no median of its own to log
     assert (f"- median spectral entropy over the calibration images (1000): **0.4300** (`calibration/median_spectral`"
-            f", measured by sweep mu_calibration, run {calibrated}, on the same model)") in report.markdown
+            f", measured by sweep mu_calibration, run {calibrated}, on the same model and adapter options)") \
+        in report.markdown
     log_report(sweep, report, client)
     run = client.get_run(parent)
     assert run.data.metrics["calibration/chosen_mu"] == pytest.approx(0.44)
