@@ -2,6 +2,8 @@
 whose logits went non-finite is a failed sample, not an empty answer.
 
 References: plain transformers (the float64 eager model's own forward on a padded batch) and each row run alone."""
+import copy
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from promprune.models.vlm import NONFINITE
 
 def _double(arch="llava", attn="sdpa"):
     model, processor = tiny_vlm(arch)
-    model = model.to(torch.float64)
+    model = copy.deepcopy(model).to(torch.float64)  # the tiny model is cached for the process: never mutate it
     model.set_attn_implementation(attn)
     return model, processor
 
@@ -57,6 +59,7 @@ def test_in_llm_method_needs_sdpa_or_eager(method):
     """An in-LLM method under flex_attention constructed fine and failed every sample at generate; now the
     constructor refuses it (and from_pretrained before loading), naming the method and the attention."""
     model, processor = tiny_vlm("llava")
+    model = copy.deepcopy(model)  # the tiny model is cached for the process: never mutate it
     model.set_attn_implementation("flex_attention")
     with pytest.raises(ValueError, match=rf"'{method}'.*'flex_attention'"):
         PrunedVLM(model, processor, method=method, budget=8)
