@@ -259,9 +259,8 @@ def test_kv_cache_bytes_equal_what_a_gemma4_generate_holds(method):
     model.config.text_config.sliding_window = 40
     vlm = PrunedVLM(model, processor, method=method, budget=8 if method else None)
     image = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
-    caches = []  # the cache each forward of the LLM is given: after generate, the last one holds the whole run
-    hook = model.model.language_model.register_forward_pre_hook(
-        lambda m, a, kw: caches.append(kw.get("past_key_values")), with_kwargs=True)
+    caches = []  # the cache each forward of the LLM returns: after generate, the last one holds the whole run
+    hook = model.model.language_model.register_forward_hook(lambda m, a, out: caches.append(out.past_key_values))
     try:
         g = vlm.generate([image], ["What is in the image?"], max_new_tokens=3)[0]
     finally:
