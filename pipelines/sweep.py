@@ -387,8 +387,9 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         raise
     finally:
         unlogged = recorder.close()  # what is not in MLflow once the write in flight, if any, has ended
-    if not unlogged:
-        checkpoints.remove(blocks)  # every trial is in MLflow and in its Tune checkpoint now
+    if not unlogged and not any(r["error"] is not None for r in recorder.records.values()):
+        checkpoints.remove(blocks)  # every trial finished, in MLflow and in its Tune checkpoint: a failed trial's
+        # blocks are kept, so that `--resume` runs it again from them (generating only the blocks with no file)
     return SweepOutcome(parent_id, recorder.records, regressions, exp_path, recorder.generated, paired,
                         unlogged=unlogged, resume=resume_command(state), best=summary[0] if summary else None,
                         regression_note=regression_note)

@@ -4,12 +4,17 @@ not scored again within the sweep, so the judge's requests are not sent again; a
 retried; a `--resume` scores the failed trial again."""
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import ray
 
 from pipelines import mlflow_layout, sweep
 from pipelines import spec as specs
 from pipelines.recording import tracking
+from pipelines.run import checkpoints
+from pipelines.run.state import storage_root
 from pipelines.run.ray_connect import init_local
 from promprune.eval.tasks import INCLUDE_PATH_ENV
 from tests.own_task import write_task
@@ -28,6 +33,15 @@ CRASH_ONCE = """    import os
         os._exit(1)
     return {{'accuracy': 1.0}}
 """
+
+
+def counted_run(vlm, rows, batch_size, *, log: str):
+    """The real model, writing one line per sample it generates (its task): what each session generated."""
+    from promprune.eval import run_requests
+
+    with open(log, "a") as f:
+        f.writelines(f"{r.task}\n" for r in rows)
+    return run_requests(vlm, rows, batch_size=batch_size)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +73,10 @@ def test_a_deterministic_scoring_error_is_not_retried_but_a_lost_process_is_and_
         "generation": {"max_new_tokens": 2}, "resources": {"batch_size": 2},
         "tune": {"max_failures": 2, "max_concurrent_trials": 1}})
     judged, crash = "divprune-b4-on=own_judged", "divprune-b4-on=own_crash"
-    outcome = sweep.run_sweep(spec)
+    generated = tmp_path / "generated"
+    run_fn = functools.partial(counted_run, log=str(generated))
+    outcome = sweep.run_sweep(spec, run_fn=run_fn)
+    assert sorted(generated.read_text().split()) == ["own_crash"] * 2 + ["own_judged"] * 2
     assert (tasks_ray / "crashed").exists() and crash not in outcome.failed  # the lost process: retried, finished
     assert outcome.failed == [judged]
     assert calls.read_text() == "x"  # scored once: Tune's 2 retries did not send the judge's requests again
@@ -68,7 +85,14 @@ def test_a_deterministic_scoring_error_is_not_retried_but_a_lost_process_is_and_
     run = tracking.latest_trial_runs(tracking.client(), outcome.parent_run_id)[judged]
     assert run.info.status == "FAILED" and "the judge gave no grade" in run.data.tags[mlflow_layout.ERROR]
 
-    resumed = sweep.run_sweep(spec, resume="latest")  # another driver session: the failed trial is scored again
+    # the failed trial's saved blocks are kept (the sweep exits 1): its resume generates only blocks with no file
+    blocks = checkpoints.sweep_dir(storage_root(spec), Path(outcome.experiment_path).name)
+    assert checkpoints.saved_samples(blocks, judged) == 2
+
+    generated.unlink()
+    resumed = sweep.run_sweep(spec, resume="latest", run_fn=run_fn)  # another session: the failed trial scored again
+    assert not generated.exists()  # nothing generated again: its blocks were read back
+    assert checkpoints.saved_samples(blocks, judged) == 2  # still failed: still kept
     assert resumed.failed == [judged] and resumed.parent_run_id == outcome.parent_run_id
     assert calls.read_text() == "xx"  # once more, and again not retried within the resumed session
     assert "the judge gave no grade" in resumed.records[judged]["error"]
