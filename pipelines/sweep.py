@@ -87,7 +87,7 @@ from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
 from pipelines import timeline
-from pipelines.run import disk, search, trial
+from pipelines.run import disk, pool_watch, search, trial
 from pipelines.run import resources as planning
 from pipelines.recording import tracking
 from pipelines.recording.callback import RecorderHook, attached, callbacks_counted_without_integrations
@@ -104,7 +104,8 @@ from pipelines.run.state import TUNE_STATE, DriverLock, check_tune_state, driver
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import prepare_model, share
 
-# exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address, disk space), 3 a nightly
+# exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address, disk space) or the worker
+# pool lost (stopped, resumable), 3 a nightly
 # regression, 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
 EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
@@ -344,6 +345,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 attached(recorder), callbacks_counted_without_integrations():
             console.bar = bar
             timeline.mark("tune_start", "driver")
+            pool_watch.watch(state["experiment"], pool.handle)
             for phase in search.phases(spec):
                 objective = _objective(spec, phase, rows, recorder)
                 if phase.searched and objective is None:
@@ -355,6 +357,9 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 try:
                     _reconcile(recorder, grid, phase.trials, spec.tune.num_samples if not phase.trials else None)
                 except SweepInterrupted as e:
+                    dead = pool_watch.lost(state["experiment"])
+                    if dead:
+                        raise pool_watch.PoolLost(pool_watch.message(dead, resume_command(state))) from None
                     full = disk.tripped(state["experiment"])  # the watch stopped it: a disk ran low, or unwritable
                     if full:
                         raise disk.DiskFull(disk.full_message(full, resume_command(state),
@@ -530,13 +535,15 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
             raise specs.SpecError([unreadable_tune_state(f"{storage}/{name}/{TUNE_STATE}", None,
                                                          f"{type(exc).__name__}: {exc}", state)], "--resume") from None
     watch = disk.DiskWatch(state["experiment"], _writes_to(spec))
-    callbacks = [RecorderHook(), watch]
+    lost = pool_watch.PoolWatch(state["experiment"])  # the sweep's Pool actor dead: stopped as a full disk stops it
+    callbacks = [RecorderHook(), watch, lost]
     journal = f"{sweep_dir(storage, state['experiment'])}/{search.JOURNAL}{phase.suffix}.json"
     scheduler = search.scheduler(spec, recorder.console.per_trial, journal) if phase.searched else None
     if scheduler is not None:
         callbacks.append(search.SchedulerState(scheduler))
     run_config = tune.RunConfig(
-        name=name, storage_path=path, storage_filesystem=files, callbacks=callbacks, stop=watch,
+        name=name, storage_path=path, storage_filesystem=files, callbacks=callbacks,
+        stop=tune.stopper.CombinedStopper(watch, lost),
         verbose=0,  # Tune's tables are wide; RecorderHook prints one line per trial start and end instead
         failure_config=tune.FailureConfig(max_failures=spec.tune.max_failures),
     )
@@ -689,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeline.mark("ray_up", "driver")
                 outcome = run_sweep(spec, resume=resumed, regression_threshold=args.regression_threshold,
                                     command=command, lock=lock)
-            except (RayUnreachable, planning.NoCapacity, specs.SpecError, disk.DiskFull) as e:
+            except (RayUnreachable, planning.NoCapacity, specs.SpecError, disk.DiskFull, pool_watch.PoolLost) as e:
                 say(f"error: {e}")
                 return EXIT_BAD_INPUT
             except SweepInterrupted as e:

@@ -180,10 +180,7 @@ class DiskWatch(tune.Callback, tune.Stopper):
         if self.key in _TRIPPED:
             return
         _TRIPPED[self.key] = (cause, why)
-        handler = signal.getsignal(signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else None
-        if getattr(handler, "__qualname__", "").endswith("signal_interrupt_tune_run"):
-            os.kill(os.getpid(), signal.SIGUSR1)  # Tune's "stop signal received": state saved, trials unfinished
-        else:
+        if not interrupt_tune():
             self._stop = True
 
     def _look(self, force: bool = False) -> None:
@@ -231,6 +228,17 @@ class DiskWatch(tune.Callback, tune.Stopper):
 
     def stop_all(self) -> bool:
         return self._stop
+
+
+def interrupt_tune() -> bool:
+    """Stop the Tune experiment running in this process as Ctrl-C does (Tune's own SIGUSR1 handler, installed while
+    `Tuner.fit` runs in the main thread: its state saved with the unfinished trials unfinished, so `--resume` runs
+    them); False where that handler is not installed (the caller's stopper is the fallback)."""
+    handler = signal.getsignal(signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else None
+    if getattr(handler, "__qualname__", "").endswith("signal_interrupt_tune_run"):
+        os.kill(os.getpid(), signal.SIGUSR1)  # Tune's "stop signal received": state saved, trials unfinished
+        return True
+    return False
 
 
 def tripped(key: str) -> str | None:

@@ -9,9 +9,10 @@ A trial is a light coordinator: the workers hold the model and outlive it; it on
 they come up (a GPU node the autoscaler adds mid-trial). What happens when a worker dies or hangs is the workers'
 (`workers.py`: Ray restarts it and resends the call, the pool counts a block's attempts, the last one returns failed
 samples); what is left here is a worker that is gone for good (retired by the pool, its pool ended), whose block goes
-to another worker, uncharged. When the trial ends, however it ends (a scheduler stopping it raises out of its next
-progress report), the blocks it queued and no worker started are cancelled and its lease released: a stopped trial
-sends no more work.
+to another worker, uncharged, and the pool itself dead, which the driver's `pool_watch` turns into a stopped, resumable
+sweep: the trial waits for that stop instead of failing. When the trial ends, however it ends (a scheduler stopping it
+raises out of its next progress report), the blocks it queued and no worker started are cancelled and its lease
+released: a stopped trial sends no more work.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pipelines.run.requests import Requests, block_id
 from pipelines.spec.trials import Trial
 
 POLL_S = 0.25  # how often a trial with blocks left and no worker free asks the pool again
+POOL_LOST_WAIT_S = 60.0  # how long a trial that found the sweep's pool dead waits for the driver to stop the sweep
 HEARTBEAT_S = 10.0  # a trial tells the pool it is alive at least this often (`pool.HOLDER_TIMEOUT_S`)
 
 
@@ -55,7 +57,10 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
         while todo or inflight:
             wanted, now = min(len(todo), max_workers - len(inflight)), time.monotonic()
             if wanted > 0 and now - asked >= POLL_S:
-                granted, error = ray.get(pool.acquire.remote(holder, wanted))
+                try:
+                    granted, error = ray.get(pool.acquire.remote(holder, wanted))
+                except ray.exceptions.RayActorError as e:  # the pool died: the driver stops the sweep (`pool_watch`)
+                    _await_stop(e)
                 if error:
                     raise WorkersFailed(f"the sweep's model workers could not start, so no trial can run: {error}")
                 asked = heard = now
@@ -86,6 +91,16 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
         for call in inflight:
             ray.cancel(call)  # queued at a worker: dropped; already running: finishes, unread
         pool.release.remote(holder)
+
+
+def _await_stop(error: Exception) -> None:
+    """The sweep's pool died: wait for the driver's `pool_watch.PoolWatch` to stop the sweep (Tune ends this trial
+    unfinished, uncharged, its saved blocks kept for `--resume`); past `POOL_LOST_WAIT_S` (no driver watching: an
+    evaluation alone), raise `pool_watch.PoolLost`."""
+    from pipelines.run.pool_watch import PoolLost
+
+    time.sleep(POOL_LOST_WAIT_S)
+    raise PoolLost(f"the sweep's worker pool died, so no model worker can be granted: {error}")
 
 
 def run(requests: Requests, trial: Trial, pool, max_workers: int, store: BlockStore | None = None,

@@ -182,6 +182,61 @@ def test_a_block_that_kills_or_hangs_its_actor_becomes_failed_samples(local_ray,
     assert run.data.metrics["samples/failed"] == 1
 
 
+def pool_killing_run(vlm, rows, batch_size, *, marker: str, log: str):
+    """The real model, writing one line per sample it generates; the block with doc_id 1 kills the sweep's `Pool`
+    actor (`ray.kill` on its named handle), once (``marker``), after answering."""
+    from promprune.eval import run_requests
+
+    preds = run_requests(vlm, rows, batch_size=batch_size)
+    with open(log, "a") as f:
+        f.writelines(f"{r.doc_id}\n" for r in rows)
+    if any(r.doc_id == 1 for r in rows) and not os.path.exists(marker):
+        Path(marker).touch()
+        pools = [n for n in ray.util.list_named_actors() if n.startswith("promprune-pool/")]
+        assert len(pools) == 1, pools
+        ray.kill(ray.get_actor(pools[0]))
+    return preds
+
+
+def test_a_dead_pool_stops_the_sweep_resumable_and_charges_no_trial(local_ray, workdir):
+    """The sweep's `Pool` actor killed mid-trial: the sweep stops with one paragraph naming it and the resume command
+    (`PoolLost`: exit 2 from the CLI), the trial is not failed (no FAILED run in MLflow, its saved blocks kept), and
+    the resume answers only the samples with no saved block. (It failed every remaining trial and retry with Ray's
+    generic "The actor is dead" error, exit 1.)"""
+    from pipelines.run import checkpoints
+    from pipelines.run.pool_watch import PoolLost
+    from pipelines.run.state import load_state, storage_root
+
+    spec = specs.parse({
+        "name": "poolkill", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 6, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1}, "tune": {"max_failures": 0}})
+    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+    log = workdir / "generated"
+    run_fn = functools.partial(pool_killing_run, marker=str(workdir / "killed"), log=str(log))
+    with pytest.raises(PoolLost) as stopped:
+        sweep.run_sweep(spec, rows=rows, run_fn=run_fn)
+    text = str(stopped.value)
+    assert "worker pool lost: the sweep's Pool actor" in text and "died" in text, text
+    assert "no trial was charged" in text and "--resume" in text, text
+    first = [int(x) for x in log.read_text().split()]
+    assert 1 in first and len(first) < 6  # killed mid-trial: some blocks were never asked for
+    state = load_state(storage_root(spec), spec.name, "latest")
+    runs = tracking.latest_trial_runs(tracking.client(), state["parent_run_id"])
+    assert {tid: r.info.status for tid, r in runs.items()} in ({}, {"divprune-b4": "KILLED"})  # not FAILED
+    experiment = state["experiment"]
+    assert checkpoints.saved_samples(checkpoints.sweep_dir(storage_root(spec), experiment), "divprune-b4") > 0
+
+    log.unlink()
+    outcome = sweep.run_sweep(spec, rows=rows, run_fn=run_fn, resume="latest")
+    assert outcome.failed == []
+    frame = outcome.records["divprune-b4"]["predictions"].to_pandas()
+    assert sorted(frame["doc_id"]) == list(range(6)) and frame["error"].isna().all()
+    again = [int(x) for x in log.read_text().split()]
+    assert len(first) + len(again) <= 6 + 2  # at most the blocks in flight at the kill (two workers) answered twice
+    assert set(first) | set(again) == set(range(6))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # nothing finished is lost: SIGKILL of the driver, then --resume
 
