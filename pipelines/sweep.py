@@ -338,7 +338,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     recorder.parent(params=search_params(spec))
     try:
         # what every trial shares: the requests, the plan, the pool of model workers (both experiments)
-        shared = trial.Shared(rows, plan, pool.handle, blocks)
+        shared = trial.Shared(rows, plan, pool.handle, blocks, block_timeout_s=spec.resources.block_timeout_s)
         # Tune's callbacks (RecorderHook) hand the trials' events to this recorder; Tune's usage tag of those
         # callbacks is recorded without importing Ray's logger integrations (wandb: seconds)
         with progress(sum(console.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar, \

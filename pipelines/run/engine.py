@@ -33,6 +33,7 @@ from pipelines.run.requests import Requests, block_id
 from pipelines.spec.trials import Trial
 
 POLL_S = 0.25  # how often a trial with blocks left and no worker free asks the pool again
+FROZEN_MARGIN_S = 30.0  # past resources.block_timeout_s plus this, a block's worker is killed from here (`stream`)
 POOL_LOST_WAIT_S = 60.0  # how long a trial that found the sweep's pool dead waits for the driver to stop the sweep
 HEARTBEAT_S = 10.0  # a trial tells the pool it is alive at least this often (`pool.HOLDER_TIMEOUT_S`)
 
@@ -42,16 +43,21 @@ class WorkersFailed(RuntimeError):
 
 
 def stream(requests: Requests, trial: Trial, pool, max_workers: int,
-           skip: set[str] | frozenset = frozenset()) -> Iterator[tuple[str, pa.Table]]:
+           skip: set[str] | frozenset = frozenset(), block_timeout_s: float | None = None
+           ) -> Iterator[tuple[str, pa.Table]]:
     """Answer every block of ``requests`` with a sample not in ``skip`` on the workers of ``pool`` (a `Pool` actor),
     at most ``max_workers`` at once, each granted by the pool for one block; yields ``(block id, predictions)`` as
-    blocks come back, in no particular order. Close it (`run` does) to cancel what is still queued."""
+    blocks come back, in no particular order. Close it (`run` does) to cancel what is still queued.
+
+    ``block_timeout_s`` (`resources.block_timeout_s`): a block outstanding longer than it plus `FROZEN_MARGIN_S` gets
+    its worker killed from here (Ray restarts it and sends the block again; the pool counts the attempt): the
+    worker's own watchdog cannot end a frozen process (SIGSTOP, a stopped container), a thread of it."""
     todo = collections.deque((ref, keys) for ref, keys in zip(requests.blocks, requests.block_keys)
                              if not set(keys) <= skip)
     evaluation = uuid.uuid4().hex  # this run's attempts in the pool (a retried trial starts afresh)
     holder, leased = f"{trial.trial_id}/{evaluation}", min(len(todo), max_workers)
     pool.lease.remote(holder, leased)
-    inflight: dict = {}  # call -> (block ref, keys, worker id)
+    inflight: dict = {}  # call -> (block ref, keys, worker id, worker, when sent or its worker last killed)
     asked = heard = 0.0
     try:
         while todo or inflight:
@@ -66,7 +72,7 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
                 asked = heard = now
                 for wid, worker in granted:
                     ref, keys = todo.popleft()
-                    inflight[worker.answer.remote(trial, ref, evaluation)] = (ref, keys, wid)
+                    inflight[worker.answer.remote(trial, ref, evaluation)] = (ref, keys, wid, worker, now)
             elif now - heard >= HEARTBEAT_S:
                 pool.lease.remote(holder, leased)
                 heard = now
@@ -76,7 +82,7 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=POLL_S)
             for call in ready:
                 asked = 0.0  # a worker is free: ask again at once
-                ref, keys, wid = inflight.pop(call)
+                ref, keys, wid, _, _ = inflight.pop(call)
                 pool.free.remote(holder, wid)
                 try:
                     table = ray.get(call)
@@ -84,6 +90,8 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
                     todo.appendleft((ref, keys))
                     continue
                 yield block_id(keys), table
+            if block_timeout_s is not None:
+                _kill_frozen(inflight, trial, block_timeout_s + FROZEN_MARGIN_S)
             if min(len(todo) + len(inflight), max_workers) < leased:  # the other workers may go to other trials
                 leased = min(len(todo) + len(inflight), max_workers)
                 pool.lease.remote(holder, leased)
@@ -91,6 +99,21 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
         for call in inflight:
             ray.cancel(call)  # queued at a worker: dropped; already running: finishes, unread
         pool.release.remote(holder)
+
+
+def _kill_frozen(inflight: dict, trial: Trial, limit_s: float) -> None:
+    """Kill the worker of each call of ``inflight`` outstanding longer than ``limit_s`` (Ray restarts it and sends the
+    call again), with a line saying so; its clock starts again."""
+    from pipelines.console import say
+
+    now = time.monotonic()
+    for call, (ref, keys, wid, worker, since) in list(inflight.items()):
+        if now - since > limit_s:
+            say(f"[hung] {trial.trial_id}: block {block_id(keys)} has had no answer for {now - since:.0f}s (past "
+                f"resources.block_timeout_s + {FROZEN_MARGIN_S:g}s: its worker frozen or stuck); its worker {wid} is "
+                "killed, so that Ray restarts it and sends the block again")
+            ray.kill(worker, no_restart=False)
+            inflight[call] = (ref, keys, wid, worker, now)
 
 
 def _await_stop(error: Exception) -> None:
@@ -104,11 +127,13 @@ def _await_stop(error: Exception) -> None:
 
 
 def run(requests: Requests, trial: Trial, pool, max_workers: int, store: BlockStore | None = None,
-        on_block: Callable[[int, list[pa.Table]], None] | None = None) -> pa.Table:
+        on_block: Callable[[int, list[pa.Table]], None] | None = None, block_timeout_s: float | None = None
+        ) -> pa.Table:
     """One trial's evaluation: every block answered, as one predictions table (sorted, each sample exactly once).
 
     ``store``: the trial's saved blocks; blocks already there are not generated again, and each new block is saved
     as it comes back. ``on_block(samples done, all predictions so far)`` runs after each block (progress reports).
+    ``block_timeout_s``: see `stream`.
     """
     from pipelines.run.result import assemble_predictions
 
@@ -116,7 +141,8 @@ def run(requests: Requests, trial: Trial, pool, max_workers: int, store: BlockSt
     wanted = set(requests.keys)
     tables = [] if store is None else [_only(store.load(), wanted)]
     done = sum(t.num_rows for t in tables)
-    with contextlib.closing(stream(requests, trial, pool, max_workers, skip=_keys_of(tables))) as blocks:
+    with contextlib.closing(stream(requests, trial, pool, max_workers, skip=_keys_of(tables),
+                                           block_timeout_s=block_timeout_s)) as blocks:
         for bid, table in blocks:  # (closed however this ends: a scheduler's stop raises out of `on_block`)
             if store is not None:
                 store.save(bid, table)

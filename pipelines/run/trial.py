@@ -59,6 +59,7 @@ class Shared:
     pool: object
     blocks: str | None = None
     session: str = field(default_factory=lambda: uuid.uuid4().hex)
+    block_timeout_s: float | None = None  # resources.block_timeout_s: the engine's deadline for a frozen worker
 
     def store(self, trial_id: str) -> BlockStore | None:
         """The saved blocks of one trial (None when this evaluation saves none)."""
@@ -78,7 +79,8 @@ def predict(trial: specs.Trial, shared: Shared, *, store: BlockStore | None = No
     """The trial's blocks through the engine: the predictions table (`PREDICTION_SCHEMA`), one row per request,
     sorted by (task, doc_id). ``store`` / ``on_block``: see `engine.run`."""
     timeline.mark("first_request", "trial")
-    return engine.run(shared.rows, trial, shared.pool, shared.plan.max_actors, store=store, on_block=on_block)
+    return engine.run(shared.rows, trial, shared.pool, shared.plan.max_actors, store=store, on_block=on_block,
+                      block_timeout_s=shared.block_timeout_s)
 
 
 def evaluate(trial: specs.Trial, spec: specs.SweepSpec, shared: Shared, *, store: BlockStore | None = None,
@@ -112,7 +114,7 @@ def alone(spec: specs.SweepSpec, rows: list[Request] | Requests | None = None,
     try:
         capacity.wait(spec.resources.actor_wait_s)
         pool = WorkerPool(spec.model, plan, spec.resources.batch_size, Failover.of(spec.resources), run_fn)
-        yield Shared(rows, plan, pool.handle)
+        yield Shared(rows, plan, pool.handle, block_timeout_s=spec.resources.block_timeout_s)
     finally:
         if pool is not None:
             pool.close()

@@ -23,8 +23,9 @@ sweep's experiment), so two sweeps never share a worker, and nothing of one mode
   attempts of each block that actually started (`Pool.begin`), over every worker; the attempt after
   `resources.block_attempts` returns the block's requests as failed samples, named, instead of running it. One
   block per call, so a block that kills its worker is the only one charged. A `Watchdog` makes a worker whose block
-  hangs past `resources.block_timeout_s` exit, which is the same case. A block whose call raises as a whole is
-  retried in the worker, then recorded with its error (`Worker.answer`).
+  hangs past `resources.block_timeout_s` exit, which is the same case; a worker frozen whole (SIGSTOP: its watchdog
+  thread frozen with it) is killed by its trial past that plus `engine.FROZEN_MARGIN_S`. A block whose call raises
+  as a whole is retried in the worker, then recorded with its error (`Worker.answer`).
 """
 from __future__ import annotations
 

@@ -237,6 +237,43 @@ def test_a_dead_pool_stops_the_sweep_resumable_and_charges_no_trial(local_ray, w
     assert set(first) | set(again) == set(range(6))
 
 
+def freezing_run(vlm, rows, batch_size, *, poison: int, marker: str):
+    """The real model, except that the request with doc_id ``poison`` freezes its worker (SIGSTOP: its watchdog
+    thread frozen with it), once (``marker``)."""
+    from promprune.eval import run_requests
+
+    if any(r.doc_id == poison for r in rows) and not os.path.exists(marker):
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+def test_a_frozen_worker_is_killed_by_the_trial_and_its_block_retried(local_ray, workdir):
+    """A worker frozen mid-block (SIGSTOP) cannot end itself: its watchdog is a thread of it. The trial kills it
+    once the block is outstanding past resources.block_timeout_s plus `engine.FROZEN_MARGIN_S`, with a line saying
+    so; Ray restarts it and sends the block again, and the trial finishes with every sample answered (it hung for
+    ever)."""
+    from pipelines.run.engine import FROZEN_MARGIN_S
+
+    marker = workdir / "frozen"
+    spec = specs.parse({
+        "name": "frozen", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 3, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1, "block_timeout_s": 8}})
+    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+    started = time.monotonic()
+    outcome = sweep.run_sweep(spec, rows=rows, run_fn=functools.partial(freezing_run, poison=1, marker=str(marker)))
+    assert marker.exists()  # the worker did freeze
+    assert time.monotonic() - started > 8 + FROZEN_MARGIN_S  # ended by the trial's deadline, not before
+    assert outcome.failed == []
+    frame = outcome.records["divprune-b4"]["predictions"].to_pandas()
+    assert sorted(frame["doc_id"]) == [0, 1, 2] and frame["error"].isna().all()
+    # the line is the trial's output: the sweep's log (the console with --verbose); here, Ray's log of the trial
+    logs = Path(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    said = "".join(p.read_text(errors="replace") for p in logs.glob("worker-*.out"))
+    assert "[hung] divprune-b4: block " in said and "its worker frozen or stuck" in said
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # nothing finished is lost: SIGKILL of the driver, then --resume
 
