@@ -223,11 +223,13 @@ def test_testbed_split_headroom_runs_every_distinct_split():
 def test_qwen35_sweep_is_valid_offline_and_its_in_llm_trials_find_full_attention():
     """extended_models_qwen35.yaml on the 4B's shape: every budget prunes, every in-LLM trial ranks at a
     full-attention layer (preflight, before Ray); an explicit FastV K that ranks at a linear layer is refused there in
-    one paragraph naming the model type and the method. The sweep answers without thinking, at 1296 tokens."""
+    one paragraph naming the model type and the method. The sweep answers without thinking, at 1296 tokens,
+    after lmms-eval's qwen3_5 system turn."""
     from pipelines import preflight
 
     offline = spec.load(SWEEPS / "extended_models_qwen35.yaml", ["model.pretrained=shape:qwen3_5_4b"])
-    assert offline.model.options == {"image_tokens": 1296, "token_order": "released", "enable_thinking": False}
+    assert offline.model.options == {"image_tokens": 1296, "token_order": "released", "enable_thinking": False,
+                                     "system_prompt": "You are a helpful assistant."}  # lmms-eval's qwen3_5 turn
     assert preflight.check_model(offline.model.pretrained, offline.model.options, preflight.budgets(offline)) == []
     assert preflight.check_in_llm_layers(offline) == []
     refused = spec.load(SWEEPS / "extended_models_qwen35.yaml", ["model.pretrained=shape:qwen3_5_4b",
