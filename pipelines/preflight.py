@@ -53,13 +53,14 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
     for note in notes:
         say(note)
     trials = spec_trials(spec) if trials is None else trials
+    kinds = _video_kinds(spec) if evaluates else {}
     with loads_once():
         errors += check_tasks(spec.tasks, spec.limit if evaluates else None, spec.include_path)
         errors += check_judges(spec.tasks) if evaluates else []
         errors += check_model(spec.model.pretrained, spec.model.options,
                               budgets(spec) if budgets_of is None else budgets_of,
-                              clips=evaluates and bool(_video_kinds(spec)))
-        errors += check_video(spec) if evaluates else []
+                              clips=bool(kinds))
+        errors += check_video(spec, kinds) if evaluates else []
         errors += check_construction(spec, trials)
         errors += check_in_llm_layers(spec, trials)
         errors += check_clip_text(spec, trials)
@@ -309,7 +310,7 @@ def _video_kinds(spec: SweepSpec) -> dict[str, str]:
     return kinds
 
 
-def check_video(spec: SweepSpec) -> list[str]:
+def check_video(spec: SweepSpec, kinds: dict[str, str] | None = None) -> list[str]:
     """The spec's video tasks run on a model whose family answers about clips (``Family.video``,
     ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed every sample of such a task, and the sweep
     exited 0. Judged from the tasks' YAML alone (``tasks.video_task_kind``, no data loaded). A task certain to give
@@ -319,7 +320,7 @@ def check_video(spec: SweepSpec) -> list[str]:
     refusal would block valid work; a miss only records failed samples."""
     from promprune.models.video import check_video_config
 
-    kinds = _video_kinds(spec)
+    kinds = _video_kinds(spec) if kinds is None else kinds  # ``kinds``: the caller's `_video_kinds`, read once
     config = _config_for(spec, kinds)
     if config is None:
         return []
