@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from pathlib import Path
 
 from promprune.atomic import atomic_path
@@ -408,29 +409,52 @@ def lmms_eval_silenced():
         logger.enable("lmms_eval")
 
 
+_LENIENT = threading.local()  # set inside `first_document_undecoded`, on the thread that entered it
+_LENIENT_INSTALL = threading.Lock()
+
+
 @contextlib.contextmanager
 def first_document_undecoded():
     """While lmms-eval builds a task it reads the task's first document as a test (``ConfigurableTask.__init__``:
     ``task_docs[0]``, its text, target and choices), and ``datasets`` decodes that row's images: one unreadable image
     there failed the whole task, and a sweep with it, where the same image at any other document is one failed sample.
     Inside this block an image that does not decode reads as a 1 x 1 placeholder; the rows themselves are read later
-    with strict decoding (``promprune.eval.requests``), so that document is one failed sample too."""
-    from datasets.features import Image as ImageFeature
-    from PIL import Image
+    with strict decoding (``promprune.eval.requests``), so that document is one failed sample too.
 
-    original = ImageFeature.decode_example
-
-    def decode(self, value, token_per_repo_id=None):
-        try:
-            return original(self, value, token_per_repo_id=token_per_repo_id)
-        except Exception:  # noqa: BLE001 - PIL and datasets raise many types for bad bytes; read strictly later
-            return Image.new("RGB", (1, 1))
-
-    ImageFeature.decode_example = decode
+    Only the thread inside the block decodes leniently: ``datasets``' image decoder is wrapped once per process, and
+    the wrapper substitutes the placeholder only where the calling thread set the flag, so another thread decoding
+    at the same time (a worker's requests while a task is built beside them) still fails on a bad image, and blocks
+    entered by several threads at once neither undo each other nor leave the decoder lenient behind them."""
+    _install_lenient_decode()
+    depth = getattr(_LENIENT, "depth", 0)
+    _LENIENT.depth = depth + 1
     try:
         yield
     finally:
-        ImageFeature.decode_example = original
+        _LENIENT.depth = depth
+
+
+def _install_lenient_decode() -> None:
+    """Wraps ``datasets``' ``Image.decode_example`` once: a thread inside `first_document_undecoded` gets a 1 x 1
+    placeholder for an image that does not decode, every other caller the decoder's own behaviour."""
+    from datasets.features import Image as ImageFeature
+    from PIL import Image
+
+    with _LENIENT_INSTALL:
+        original = ImageFeature.decode_example
+        if getattr(original, "_promprune_lenient", False):
+            return
+
+        def decode(self, value, token_per_repo_id=None):
+            try:
+                return original(self, value, token_per_repo_id=token_per_repo_id)
+            except Exception:  # noqa: BLE001 - PIL and datasets raise many types for bad bytes; read strictly later
+                if getattr(_LENIENT, "depth", 0) > 0:
+                    return Image.new("RGB", (1, 1))
+                raise
+
+        decode._promprune_lenient = True
+        ImageFeature.decode_example = decode
 
 
 def load_task(name: str, include_path: str | list[str] | None = None):

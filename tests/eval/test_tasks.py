@@ -173,3 +173,48 @@ def test_writing_a_task_file_prints_no_progress_bar(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "Creating parquet" not in captured.err + captured.out and (tmp_path / "t.parquet").is_file()
     assert not datasets.are_progress_bars_disabled()  # enabled before, enabled after
+
+
+def test_first_document_placeholder_is_scoped_to_the_thread_inside_the_block():
+    """Only the thread building a task decodes a bad image as a placeholder: another thread decoding at the same time
+    still gets the decoder's error, blocks on two threads at once do not undo each other, and after every block the
+    decoder is strict again (the old code swapped ``datasets``' class method for the whole process)."""
+    import threading
+
+    from datasets.features import Image as ImageFeature
+
+    from promprune.eval.tasks import first_document_undecoded
+
+    feature = ImageFeature()
+    bad = {"bytes": b"not an image", "path": None}
+
+    def strict_fails() -> bool:
+        try:
+            feature.decode_example(bad)
+        except Exception:  # noqa: BLE001 - PIL's own error type
+            return True
+        return False
+
+    inside, release, outcome = threading.Event(), threading.Event(), {}
+
+    def builder():
+        with first_document_undecoded():
+            outcome["builder"] = feature.decode_example(bad).size
+            inside.set()
+            release.wait(10)
+            outcome["builder_after_other"] = feature.decode_example(bad).size
+
+    t = threading.Thread(target=builder)
+    t.start()
+    assert inside.wait(10)
+    outcome["other_thread_strict"] = strict_fails()  # this thread is outside any block
+    with first_document_undecoded():  # a second block, entered and left while the first is still open
+        outcome["second_block"] = feature.decode_example(bad).size
+    release.set()
+    t.join(10)
+    assert outcome == {"builder": (1, 1), "other_thread_strict": True, "second_block": (1, 1),
+                       "builder_after_other": (1, 1)}
+    assert strict_fails()  # every block left: strict again
+    with first_document_undecoded(), first_document_undecoded():
+        pass
+    assert strict_fails()
