@@ -120,10 +120,12 @@ def saliency_ratio_curves(table: ScoreTable, ratios: pd.Series, t_sal_mean: pd.D
 
 
 def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path | None:
-    """Fig. 6: Rel. (or mean score) of PromPrune over the mu x tau grid, VisPruner at the same budget as reference.
+    """Fig. 5: PromPrune over the mu x tau grid, VisPruner at the same budget as reference: one row of panels per
+    budget, the first Rel. (or the mean score), then one per benchmark (the paper's figure shows SQA, POPE and GQA
+    each, and says the method beats VisPruner on all of them), each task as % of the unpruned model where it ran.
 
-    options: `mu` and `tau` per trial (index: run id). Cells that beat the reference are outlined; a budget whose
-    trials form no grid (`is_grid`) gets no panel.
+    options: `mu` and `tau` per trial (index: run id). Cells that beat the reference on that panel's measure are
+    outlined; a budget whose trials form no grid (`is_grid`) gets no row.
     """
     if not set(MU_TAU) <= set(options.columns):
         return None
@@ -133,37 +135,55 @@ def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path
         return None
     use_rel = grid["rel"].notna().any()
     tasks = [c.task for c in table.columns]
-    frame = frame.assign(_y=frame["rel"] if use_rel else frame[tasks].mean(axis=1))
-    pivots = {b: frame.loc[grid.index][grid["budget"] == b].pivot_table(index="mu", columns="tau", values="_y",
-                                                                          aggfunc="mean")
-              for b in sorted(grid["budget"].dropna().unique(), reverse=True)}
-    budgets = [b for b, pivot in pivots.items() if is_grid(pivot)][:MAX_PANELS]  # a search's scatter is no grid
+    measures = [("Rel. (%)" if use_rel else "mean score", frame["rel"] if use_rel else frame[tasks].mean(axis=1))]
+    if len(tasks) > 1 or not use_rel:  # one benchmark's panel would repeat the Rel. panel
+        for col in table.columns:
+            values, unit = _relative(table, frame, col.task)
+            measures.append((f"{col.label} ({unit})", values))
+    budgets = []
+    for b in sorted(grid["budget"].dropna().unique(), reverse=True):
+        rows = grid.index[grid["budget"] == b]
+        if is_grid(_mu_tau_pivot(frame.loc[rows], measures[0][1].loc[rows])):  # a search's scatter is no grid
+            budgets.append(b)
+    budgets = budgets[:MAX_PANELS]
     if not budgets:
         return None
-    fig, axes = plt.subplots(1, len(budgets), figsize=(5.6 * len(budgets), 4.4), squeeze=False)
-    for ax, budget in zip(axes[0], budgets):
-        pivot = pivots[budget]
-        ref = frame[(frame["method"] == "vispruner") & (frame["budget"] == budget)]["_y"]
-        ref_value = float(ref.iloc[0]) if len(ref) else np.nan
-        image = ax.imshow(pivot.to_numpy(), cmap="viridis", aspect="auto", origin="lower")
-        fig.colorbar(image, ax=ax, label="Rel. (%)" if use_rel else "mean score")
-        ax.set_xticks(range(pivot.shape[1]), [f"{t:g}" for t in pivot.columns])
-        ax.set_yticks(range(pivot.shape[0]), [f"{m:g}" for m in pivot.index])
-        for (i, j), value in np.ndenumerate(pivot.to_numpy()):
-            if np.isnan(value):
-                continue
-            ax.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=7, color="white")
-            if not np.isnan(ref_value) and value > ref_value:
-                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
-        ax.set_xlabel("tau")
-        ax.set_ylabel("mu")
-        ref_text = f"VisPruner {ref_value:.1f} (red: better)" if not np.isnan(ref_value) else "no VisPruner trial"
-        ax.set_title(f"{budget:.0f} tokens; {ref_text}", fontsize=9)
+    fig, axes = plt.subplots(len(budgets), len(measures), figsize=(5.0 * len(measures), 4.2 * len(budgets)),
+                             squeeze=False)
+    for row, budget in zip(axes, budgets):
+        rows = grid.index[grid["budget"] == budget]
+        ref_rows = frame.index[(frame["method"] == "vispruner") & (frame["budget"] == budget)]
+        for ax, (label, values) in zip(row, measures):
+            ref_value = float(values.loc[ref_rows[0]]) if len(ref_rows) else np.nan
+            _heatmap_panel(fig, ax, _mu_tau_pivot(frame.loc[rows], values.loc[rows]), ref_value, label)
+            ref_text = f"VisPruner {ref_value:.1f} (red: better)" if not np.isnan(ref_value) else "no VisPruner trial"
+            ax.set_title(f"{budget:.0f} tokens, {label}; {ref_text}", fontsize=8)
     return _save(fig, path)
 
 
+def _mu_tau_pivot(rows: pd.DataFrame, values: pd.Series) -> pd.DataFrame:
+    """mu (rows) x tau (columns) of ``values`` over PromPrune's trials ``rows`` (the mean where a cell repeats)."""
+    return rows.assign(_y=values).pivot_table(index="mu", columns="tau", values="_y", aggfunc="mean")
+
+
+def _heatmap_panel(fig, ax, pivot: pd.DataFrame, ref_value: float, label: str) -> None:
+    """One mu x tau heatmap, each cell's value written in it, cells above ``ref_value`` outlined in red."""
+    image = ax.imshow(pivot.to_numpy(), cmap="viridis", aspect="auto", origin="lower")
+    fig.colorbar(image, ax=ax, label=label)
+    ax.set_xticks(range(pivot.shape[1]), [f"{t:g}" for t in pivot.columns])
+    ax.set_yticks(range(pivot.shape[0]), [f"{m:g}" for m in pivot.index])
+    for (i, j), value in np.ndenumerate(pivot.to_numpy()):
+        if np.isnan(value):
+            continue
+        ax.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=7, color="white")
+        if not np.isnan(ref_value) and value > ref_value:
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
+    ax.set_xlabel("tau")
+    ax.set_ylabel("mu")
+
+
 def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
-    """Grouped bars per benchmark (and Rel.), one bar per trial, one panel per budget (Fig. 5, Tables 4-6)."""
+    """Grouped bars per benchmark (and Rel.), one bar per trial, one panel per budget (Fig. 4, Tables 4-6)."""
     pruned = _pruned(table)
     budgets = [b for b, rows in pruned.groupby("budget") if 2 <= len(rows) <= MAX_BARS]
     budgets = sorted(budgets, reverse=True)[:MAX_PANELS]

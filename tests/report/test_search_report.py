@@ -156,7 +156,7 @@ def test_stopped_trials_are_hollow_grey_and_off_the_colour_scale(searched, tmp_p
 
 def test_a_sparse_search_gets_no_heatmap(store, tmp_path, monkeypatch):
     """Three finished points in an L, (0.2, 0.01), (0.3, 0.01), (0.3, 0.03), make no grid: the plane alone, and no
-    Fig. 6 heatmap of three cells."""
+    Fig. 5 heatmap of three cells."""
     client, exp = store
     sparse = [SEARCH[0], pp(0.2, 0.01, 20), pp(0.3, 0.01, 21), pp(0.3, 0.03, 24), SEARCH[5]]
     log_sweep(client, exp, "sparse_demo", sparse, tasks=[TASK], tmp=tmp_path)

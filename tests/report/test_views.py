@@ -1,4 +1,4 @@
-"""Sweep-shape-specific parts: Table 4's matched split, Fig. 1a's ratio curves, Fig. 6's heatmap, mu calibration,
+"""Sweep-shape-specific parts: Table 4's matched split, Fig. 1a's ratio curves, Fig. 5's heatmap, mu calibration,
 Table 6 against the shipped published numbers."""
 from __future__ import annotations
 
@@ -187,3 +187,35 @@ def test_categorical_ablation_rows_are_named_and_compared_per_budget(store, tmp_
     assert "| PromPrune (diversity=fps) | 32 | **75.0** | **88.2%** |" in report.markdown
     assert "| PromPrune (diversity=fps) | 64 | 78.0 | 91.8% |" in report.markdown
     assert {"tradeoff.png", "ablation_bars.png"} <= {p.name for p in report.files}
+
+
+def test_mu_tau_heatmap_has_a_panel_per_benchmark(store, tmp_path, monkeypatch):
+    """Fig. 5 shows each benchmark (the paper: SQA, POPE, GQA, and PromPrune above VisPruner on all of them), not only
+    the mean: a cell can beat VisPruner on Rel. and lose on one benchmark, or the reverse. Scores as % of unpruned
+    (pope 0.80, gqa 0.60); VisPruner 95 % on both, so Rel. 95."""
+    from matplotlib.patches import Rectangle
+
+    from pipelines.reporting import figures
+
+    panels, save = {}, figures._save
+
+    def outlines_then_save(fig, path):  # each titled panel: its title and how many cells it outlines
+        panels[path.name] = [(ax.get_title(), sum(isinstance(p, Rectangle) for p in ax.patches))
+                             for ax in fig.axes if ax.get_title()]
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "_save", outlines_then_save)
+    client, exp = store
+    cells = {(0.40, 0.01): (0.80, 0.51), (0.40, 0.02): (0.68, 0.60),  # pope 100 / gqa 85; pope 85 / gqa 100
+             (0.44, 0.01): (0.80, 0.60), (0.44, 0.02): (0.70, 0.51)}  # both 100 (Rel. 100); 87.5 / 85
+    trials = [trial("none", None, {"pope/pope_f1_score": 0.80, "gqa/exact_match": 0.60}),
+              trial("vispruner", 64, {"pope/pope_f1_score": 0.76, "gqa/exact_match": 0.57})]
+    trials += [trial("promprune", 64, {"pope/pope_f1_score": p, "gqa/exact_match": g}, options={"mu": mu, "tau": tau})
+               for (mu, tau), (p, g) in cells.items()]
+    parent = log_sweep(client, exp, "fig5_demo", trials, tasks=["pope", "gqa"], tmp=tmp_path)
+    report = build_report(load_sweep(parent), tmp_path / "out", image_source=grey_image)
+    assert "mu_tau_heatmap.png" in {p.name for p in report.files}
+    drawn = panels["mu_tau_heatmap.png"]
+    assert [n for _, n in drawn] == [1, 2, 2]  # Rel.: only (0.44, 0.01); POPE: 2 cells at 100; GQA: 2 cells at 100
+    assert "Rel. (%)" in drawn[0][0] and all("% of unpruned" in t for t, _ in drawn[1:])
+    assert all("VisPruner 95.0" in t for t, _ in drawn)
