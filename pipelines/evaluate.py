@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with trials.alone(spec) as shared:
             result = trials.evaluate(trial, spec, shared)
+            on_gpu = shared.plan.on_gpu  # the dtype `dtype: auto` resolved to, for its run's params
     except planning.NoCapacity as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in sorted(result.metrics.items()):
         print(f"  {key:32s} {value:.4g}")
     if not args.no_mlflow:
-        run_id = tracking.log_evaluation(spec, trial, result)
+        run_id = tracking.log_evaluation(spec, trial, result, on_gpu)
         print(f"MLflow run {run_id}. " + mlflow_layout.open_results())
     return 0
 

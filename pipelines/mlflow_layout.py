@@ -12,7 +12,8 @@
 - **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
   parent), created when the trial starts (RUNNING, then FINISHED / KILLED / FAILED): tags `mlflow.parentRunId`,
   `promprune.sweep`, `promprune.trial=<id>`, `mlflow.note.content` (the spec's description); params model, method
-  (`none` = unpruned), budget, tasks and every option of the trial; while it runs `samples/done` and
+  (`none` = unpruned), budget, tasks, every option of the trial, and `dtype`, `attn_implementation` and
+  `model_options` as on the parent run (`pipelines.recording.tracking.model_params`); while it runs `samples/done` and
   `running/<task>/<metric>` (step: the samples they cover); metrics `<task>/<metric>`, `rel`, `samples/*`,
   `efficiency/*`, `entropy/*`, `t_sal/*`; artifact `predictions.parquet` (schema:
   `promprune.records.arrow_schema(Prediction)`, `pipelines.run.result.PREDICTION_SCHEMA`; the file is the trial's
@@ -53,8 +54,9 @@ PARENT = "mlflow.parentRunId"
 RUN_NAME = "mlflow.runName"
 ROLE, SWEEP, TRIAL, VERSION = "promprune.role", "promprune.sweep", "promprune.trial", "promprune.spec_version"
 SPEC_FINGERPRINT = "promprune.spec_fingerprint"  # on a parent run: the hash of its resolved spec
-# params of a parent run: the dtype the workers run in (`dtype: auto` resolved for the plan's device), the attention
-# and the spec's adapter options (`model.options`, JSON with sorted keys)
+# params of a parent run and of each of its trial runs (`pipelines.recording.tracking.model_params`): the dtype the
+# workers run in (`dtype: auto` resolved for the plan's device), the attention and the spec's adapter options
+# (`model.options`, JSON with sorted keys)
 DTYPE_PARAM, ATTENTION_PARAM, MODEL_OPTIONS_PARAM = "dtype", "attn_implementation", "model_options"
 SWEEP_RUN = "promprune.sweep_run"  # the parent run's id, on the parent and on each of its trials: one run of a sweep
 ERROR = "promprune.error"
@@ -78,7 +80,8 @@ BASELINE_METHOD = "none"  # the `method` param of the unpruned trial
 # a trial run's params that are not method options (`pipelines.recording.tracking.trial_params`; `mu_source` says
 # where a calibrated mu came from); every other param is one of its method's options, whichever module registered it
 MU_TAU = ("mu", "tau")  # the split's options a search varies: the console's best line, the report's (mu, tau) views
-NON_OPTION_PARAMS = ("model", "method", "budget", "tasks", "repeat", "model_options", "mu_source")
+NON_OPTION_PARAMS = ("model", "method", "budget", "tasks", "repeat", "mu_source", DTYPE_PARAM, ATTENTION_PARAM,
+                     MODEL_OPTIONS_PARAM)
 
 
 def varies_mu_tau(options) -> bool:

@@ -282,19 +282,6 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
     return how + (f", after {fixed} fixed trial(s)" if fixed else "")
 
 
-def model_params(spec: specs.SweepSpec, on_gpu: bool) -> dict[str, str]:
-    """The parent run's params saying what the workers run: the dtype (``dtype: auto`` resolved as the workers
-    resolve it for the plan's device, `weights.resolve_dtype`), the LLM attention and the spec's adapter options
-    (``model.options``, JSON: the report matches an earlier sweep's mu calibration on them)."""
-    from pipelines.weights import resolve_dtype
-
-    import json
-
-    return {mlflow_layout.DTYPE_PARAM: resolve_dtype(spec.model.dtype, on_gpu),
-            mlflow_layout.ATTENTION_PARAM: spec.model.attn_implementation,
-            mlflow_layout.MODEL_OPTIONS_PARAM: json.dumps(spec.model.options, sort_keys=True)}
-
-
 def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: WorkerPool, regression_threshold,
               command, experiment: str) -> SweepOutcome:
     client = tracking.client()
@@ -304,11 +291,12 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
     n_trials = planned_trials(spec, trials)
+    resolved = tracking.model_params(spec, plan.on_gpu)  # what the workers run: on the parent and on every trial run
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
                                           "limit": spec.limit, "trials": n_trials, "bootstrap": spec.bootstrap,
-                                          **model_params(spec, plan.on_gpu)},
+                                          **resolved},
                                          started=began,
                                          view=SweepView.of(spec, trials))
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,
@@ -332,8 +320,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     console = SweepConsole(n_trials, _samples_per_trial(rows, trials), per_trial,
                            saved=lambda tid: checkpoints.saved_samples(blocks, tid),
                            workers=lambda: pool.state(timeout_s=5.0))
-    recorder = SweepRecorder(spec, parent_id, console, outbox=outbox_dir(storage, state["experiment"]),
-                             datasets=task_datasets(spec, rows.keys))
+    recorder = SweepRecorder(spec, parent_id, console, model_params=resolved,
+                             outbox=outbox_dir(storage, state["experiment"]), datasets=task_datasets(spec, rows.keys))
     exp_path = f"{state['storage_path']}/{state['experiment']}"
     recorder.parent(params=search_params(spec))
     try:

@@ -2,8 +2,9 @@
 (Tune's callbacks run there: `pipelines.recording.callback`) through one `Outbox`, the only MLflow writer, which never
 blocks Tune and loses nothing when the store is down:
 
-- a trial starts: its run is created RUNNING, with its params, tags, the spec's description and its tasks as dataset
-  inputs (a trial Tune retries, or `--resume` continues, keeps its run);
+- a trial starts: its run is created RUNNING, with its params (the resolved dtype, attention and adapter options as
+  on the parent run among them), tags, the spec's description and its tasks as dataset inputs (a trial Tune retries,
+  or `--resume` continues, keeps its run; one made before trial runs carried those three params gets them);
 - its blocks come back: ``samples/done`` and its running scores (``running/<task>/<metric>``, the search's
   ``running/<metric>`` at each rung) with step = the samples they were computed over;
 - it ends: FINISHED (final metrics, the `TrialResult` file as ``predictions.parquet``, at the trial's own end), KILLED
@@ -36,14 +37,17 @@ from pipelines.run.result import TrialResult
 
 
 class SweepRecorder:
-    """``SweepRecorder(sweep, parent_id, console)``: the Tune callback's ``started``, ``progress``, ``record``,
-    ``record_stopped`` and ``record_error``; the driver's ``finalize_rel``, ``count_generated``, ``parent``,
-    ``end_parent``, ``unlogged`` and ``close``. ``outbox``: the folder where writes wait while the store does not
-    answer (`pipelines.run.state.outbox_dir`); ``datasets``: the tasks as MLflow dataset inputs of each trial run."""
+    """``SweepRecorder(sweep, parent_id, console, model_params=...)``: the Tune callback's ``started``, ``progress``,
+    ``record``, ``record_stopped`` and ``record_error``; the driver's ``finalize_rel``, ``count_generated``,
+    ``parent``, ``end_parent``, ``unlogged`` and ``close``. ``model_params``: what the workers run
+    (`tracking.model_params`: dtype, attention, adapter options), the parent run's params, logged on each trial run
+    too; ``outbox``: the folder where writes wait while the store does not answer (`pipelines.run.state.outbox_dir`);
+    ``datasets``: the tasks as MLflow dataset inputs of each trial run."""
 
-    def __init__(self, sweep: specs.SweepSpec, parent_id: str, console: SweepConsole,
+    def __init__(self, sweep: specs.SweepSpec, parent_id: str, console: SweepConsole, *, model_params: dict,
                  outbox: str | Path | None = None, datasets: list[dict] | None = None):
         self.sweep, self.parent_id, self.console = sweep, parent_id, console
+        self.model_params = dict(model_params)
         self.results = SweepResults(sweep.tasks, sweep.tune.metric)
         self.datasets = datasets or []
         self.client = tracking.client()
@@ -65,6 +69,9 @@ class SweepRecorder:
                 self.logged.setdefault(op["key"], {}).update(op["metrics"])
         self.interrupted = {tid for tid, r in earlier.items() if INTERRUPTED in r.data.tags}
         self.errored = {tid for tid, r in earlier.items() if mlflow_layout.ERROR in r.data.tags}  # FAILED before
+        # the model params each earlier run lacks (one made before trial runs carried them): given when it reopens
+        self.lacking = {tid: missing for tid, r in earlier.items()
+                        if (missing := {k: v for k, v in self.model_params.items() if k not in r.data.params})}
         self.began: dict[str, float] = {}  # trial id -> when it (last) started, epoch seconds
         self.system = DriverMetrics(self.out)  # the driver's CPU and memory on the parent run
 
@@ -102,6 +109,8 @@ class SweepRecorder:
             if tid in self.errored:  # an earlier attempt's error: this one starts clean (a pass kept it)
                 self.out.submit("untag", tid, tag=mlflow_layout.ERROR)
                 self.errored.discard(tid)
+            if tid in self.lacking:
+                self.out.submit("params", tid, params=self.lacking.pop(tid))
             return
         start = time.time() if start is None else start
         tags = {mlflow_layout.PARENT: self.parent_id, mlflow_layout.SWEEP_RUN: self.parent_id,
@@ -111,7 +120,7 @@ class SweepRecorder:
         if self.sweep.description:
             tags[mlflow_layout.NOTE] = self.sweep.description
         self.out.submit("create", tid, experiment_id=self.experiment_id, name=tid, tags=tags,
-                        params=trial_run_params(self.sweep, trial), start_ms=int(start * 1000))
+                        params=trial_run_params(self.sweep, trial, self.model_params), start_ms=int(start * 1000))
         wanted = trial.get("tasks") or self.sweep.tasks
         datasets = [d for d in self.datasets if d["name"] in wanted]
         if datasets:
@@ -269,12 +278,12 @@ class SweepRecorder:
         return _named(self.out.close())
 
 
-def trial_run_params(sweep: specs.SweepSpec, trial: dict) -> dict:
+def trial_run_params(sweep: specs.SweepSpec, trial: dict, model_params: dict) -> dict:
     """A trial run's params: the trial's options as it ran them (a calibrated mu, with `mu_source`, see
-    `Trial.to_dict`)."""
+    `Trial.to_dict`) and ``model_params``, what the workers ran (`tracking.model_params`, as on the parent run)."""
     if "mu_source" in trial:
         trial = {**trial, "options": {**trial["options"], "mu_source": trial["mu_source"]}}
-    return tracking.trial_params(sweep.model.pretrained, trial, trial.get("tasks") or sweep.tasks, sweep.model.options)
+    return tracking.trial_params(sweep.model.pretrained, trial, trial.get("tasks") or sweep.tasks, model_params)
 
 
 def _ended(run) -> bool:

@@ -173,13 +173,26 @@ def latest_trial_runs(c, parent_id: str) -> dict[str, Any]:
     return {r.data.tags.get(TRIAL): r for r in runs}
 
 
-def trial_params(model: str, trial: dict, tasks: list[str], model_options: dict) -> dict[str, str]:
+def model_params(spec, on_gpu: bool) -> dict[str, str]:
+    """What the workers of ``spec`` (a `SweepSpec`) run, as params: the dtype (``dtype: auto`` resolved as the workers
+    resolve it for the plan's device, `weights.resolve_dtype`), the LLM attention and the spec's adapter options
+    (``model.options``, JSON with sorted keys: the report matches an earlier sweep's mu calibration on them). The
+    same values on a sweep's parent run and on each of its trial runs (`trial_params`)."""
+    from pipelines.weights import resolve_dtype
+
+    return {mlflow_layout.DTYPE_PARAM: resolve_dtype(spec.model.dtype, on_gpu),
+            mlflow_layout.ATTENTION_PARAM: spec.model.attn_implementation,
+            mlflow_layout.MODEL_OPTIONS_PARAM: json.dumps(spec.model.options, sort_keys=True)}
+
+
+def trial_params(model: str, trial: dict, tasks: list[str], resolved: dict[str, str]) -> dict[str, str]:
+    """A trial run's params: the model, method (`none` = unpruned), budget, tasks, repeat, every option of the trial
+    and ``resolved``, what the workers ran (`model_params`: dtype, attention, adapter options)."""
     params = {"model": model, "method": trial["method"] or mlflow_layout.BASELINE_METHOD,
               "budget": "none" if trial["budget"] is None else trial["budget"], "tasks": ",".join(tasks),
               "repeat": trial.get("repeat", 0)}
     params.update(trial.get("options") or {})
-    if model_options:
-        params["model_options"] = json.dumps(model_options, sort_keys=True)
+    params.update(resolved)
     return {k: _param(v) for k, v in params.items()}
 
 
@@ -362,12 +375,13 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
 # standalone evaluations (pipelines/evaluate.py)
 
 
-def log_evaluation(spec, trial, result) -> str:
+def log_evaluation(spec, trial, result, on_gpu: bool) -> str:
     """One run (role `evaluation`, no parent) for a single `pipelines/evaluate.py` call: ``trial`` (the one `Trial` of
-    its one-trial ``spec``) and its `TrialResult`, written to `predictions.parquet` once and uploaded."""
+    its one-trial ``spec``) and its `TrialResult`, written to `predictions.parquet` once and uploaded; ``on_gpu``:
+    whether its workers ran on GPUs (the dtype `dtype: auto` resolved to, `model_params`)."""
     c = client()
     tid = trial.trial_id
-    params = trial_params(spec.model.pretrained, trial.to_dict(), spec.tasks, spec.model.options)
+    params = trial_params(spec.model.pretrained, trial.to_dict(), spec.tasks, model_params(spec, on_gpu))
     with tempfile.TemporaryDirectory() as d:
         path = result.write(Path(d) / mlflow_layout.PREDICTIONS_ARTIFACT)
         return log_run(c, experiment_id(c), tid, {ROLE: mlflow_layout.ROLE_EVALUATION, TRIAL: tid}, params,

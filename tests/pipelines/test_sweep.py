@@ -57,6 +57,11 @@ def small_spec(**overrides) -> specs.SweepSpec:
     return specs.parse(raw)
 
 
+def on_cpu(spec: specs.SweepSpec) -> dict[str, str]:
+    """The model params of ``spec``'s workers on the CPU (what `sweep` hands its `SweepRecorder` there)."""
+    return tracking.model_params(spec, on_gpu=False)
+
+
 def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
     spec = small_spec()
     outcome = sweep.run_sweep(spec)
@@ -74,6 +79,10 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
     spec_yaml = Path(c.download_artifacts(outcome.parent_run_id, "spec.yaml", str(workdir)))
     assert yaml.safe_load(spec_yaml.read_text()) == yaml.safe_load(specs.dump_resolved(spec))
 
+    # what the workers ran: `dtype: auto` on this CPU-only machine is float32, transformers' default attention sdpa
+    model = {"dtype": "float32", "attn_implementation": "sdpa", "model_options": "{}"}
+    assert {k: parent.data.params[k] for k in model} == model
+
     children = tracking.trial_runs(c, outcome.parent_run_id)
     assert sorted(children) == ["baseline", "divprune-b8", "promprune-b8"]
     checkpoints = {p.read_bytes() for p in Path(outcome.experiment_path).rglob(mlflow_layout.PREDICTIONS_ARTIFACT)}
@@ -83,6 +92,7 @@ def test_sweep_lands_in_mlflow_and_matches_plain_generation(local_ray, workdir):
         assert tags[mlflow_layout.ROLE] == "trial" and tags[mlflow_layout.SWEEP] == "e2e"
         assert tags[mlflow_layout.TRIAL] == tid
         assert params["model"] == "tiny:llava" and params["tasks"] == "easyvqa_yesno,easyvqa_open"
+        assert {k: params[k] for k in model} == model, tid  # as on the parent: a trial run says what it ran in
         method = None if tid == "baseline" else params["method"]
         assert params["method"] == (method or "none") and params["budget"] == ("none" if method is None else "8")
         assert metrics["samples/total"] == 2 * LIMIT and metrics["samples/failed"] == 0
@@ -148,7 +158,7 @@ def test_rel_is_logged_against_the_baseline(workdir, tmp_path):
     spec = small_spec(tasks=["pope", "mme"])
     c = tracking.client()
     parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {})
-    recorder = SweepRecorder(spec, parent, SweepConsole(2))
+    recorder = SweepRecorder(spec, parent, SweepConsole(2), model_params=on_cpu(spec))
 
     def checkpoint(name: str, scores: dict):
         d = tmp_path / name
@@ -188,7 +198,7 @@ def test_a_resume_writes_no_final_metric_a_run_already_has(workdir, tmp_path):
     TrialResult(table, {"pope": {"pope_f1_score": 0.6}}, {"pope/pope_f1_score": 0.6, "samples/total": 1.0}).write(
         d / "predictions.parquet")
     pruned = specs.Trial("promprune", 8, {}).to_dict()
-    first = SweepRecorder(spec, parent, SweepConsole(2))
+    first = SweepRecorder(spec, parent, SweepConsole(2), model_params=on_cpu(spec))
     first.record(pruned, tune.Checkpoint.from_directory(str(d)))
     first.parent(metrics={"trials/total": 1, "trials/failed": 0})
     assert first.unlogged(60) == []
@@ -198,7 +208,7 @@ def test_a_resume_writes_no_final_metric_a_run_already_has(workdir, tmp_path):
     keys = [k for k in c.get_run(run_id).data.metrics]
     assert "pope/pope_f1_score" in keys and "samples/total" in keys
 
-    again = SweepRecorder(spec, parent, SweepConsole(2))  # the resumed driver's
+    again = SweepRecorder(spec, parent, SweepConsole(2), model_params=on_cpu(spec))  # the resumed driver's
     again.record(pruned, tune.Checkpoint.from_directory(str(d)))
     again.parent(metrics={"trials/total": 1, "trials/failed": 0, "trials/stopped": 0})
     again.parent(metrics={"trials/total": 2})  # a changed value is written
@@ -219,7 +229,7 @@ def test_a_stopped_sweep_ends_its_open_trial_runs_killed_and_a_resume_opens_them
     spec = small_spec()
     c = tracking.client()
     parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {})
-    recorder = SweepRecorder(spec, parent, SweepConsole(3))
+    recorder = SweepRecorder(spec, parent, SweepConsole(3), model_params=on_cpu(spec))
     done, open_, failed = (specs.Trial(m, 8, {}).to_dict() for m in ("divprune", "promprune", "vispruner"))
     for trial in (done, open_, failed):
         recorder.started(trial)
@@ -236,7 +246,7 @@ def test_a_stopped_sweep_ends_its_open_trial_runs_killed_and_a_resume_opens_them
     assert c.get_run(parent).info.status == "KILLED" and mlflow_layout.INTERRUPTED in c.get_run(parent).data.tags
 
     tracking.reopen(c, parent)  # the resume
-    again = SweepRecorder(spec, parent, SweepConsole(3))
+    again = SweepRecorder(spec, parent, SweepConsole(3), model_params=on_cpu(spec))
     for trial in (open_, failed):
         again.started(trial)
     assert again.unlogged(60) == []
@@ -245,6 +255,41 @@ def test_a_stopped_sweep_ends_its_open_trial_runs_killed_and_a_resume_opens_them
     assert runs["promprune-b8"].info.status == runs["vispruner-b8"].info.status == "RUNNING"
     assert mlflow_layout.INTERRUPTED not in runs["promprune-b8"].data.tags
     assert mlflow_layout.ERROR not in runs["vispruner-b8"].data.tags
+
+
+def test_every_trial_run_records_the_model_params_of_its_parent_also_after_a_resume(workdir):
+    """The parent run recorded the resolved dtype, attention and adapter options, its trial runs did not: filtering
+    trials in the UI, or comparing trials of two sweeps, could not tell what they ran in. Now each trial run has the
+    parent's values: a run opened by the first driver, one a resumed driver creates, and one an earlier driver made
+    before trial runs carried them (marked KILLED by `mark_dead_runs`), which the resumed driver gives them."""
+    spec = small_spec(model={"pretrained": "tiny:llava", "dtype": "float16", "attn_implementation": "eager",
+                             "options": {"image_tokens": 16, "pad_to_square": True}})
+    model = {"dtype": "float16", "attn_implementation": "eager",
+             "model_options": '{"image_tokens": 16, "pad_to_square": true}'}
+    assert tracking.model_params(spec, on_gpu=True) == model  # a dtype given is the same on CPU and GPU
+    c = tracking.client()
+    parent = tracking.start_sweep(c, spec.name, spec.version, "name: e2e\n", {"model": "tiny:llava", **model})
+    first, later, old = (specs.Trial(m, 8, {}).to_dict() for m in ("divprune", "promprune", "vispruner"))
+    old_params = tracking.trial_params(spec.model.pretrained, old, spec.tasks, {})  # as logged before the change
+    tracking.log_trial(c, parent, spec.name, spec.version, old, old_params, {}, None, status="KILLED")
+    recorder = SweepRecorder(spec, parent, SweepConsole(3), model_params=tracking.model_params(spec, on_gpu=True))
+    recorder.started(first)
+    recorder.end_interrupted("python pipelines/sweep.py --resume e2e-1")
+    assert recorder.unlogged(60) == []
+    recorder.close()
+
+    tracking.reopen(c, parent)  # the resume
+    again = SweepRecorder(spec, parent, SweepConsole(3), model_params=tracking.model_params(spec, on_gpu=True))
+    for trial in (first, later, old):
+        again.started(trial)
+    assert again.unlogged(60) == []
+    again.close()
+    runs = tracking.latest_trial_runs(c, parent)
+    assert sorted(runs) == ["divprune-b8", "promprune-b8", "vispruner-b8"]
+    assert {k: c.get_run(parent).data.params[k] for k in model} == model
+    for tid, run in runs.items():
+        assert {k: run.data.params.get(k) for k in model} == model, tid
+        assert run.data.params["method"] == tid.split("-")[0] and "image_tokens" not in run.data.params
 
 
 def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):

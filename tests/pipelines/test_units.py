@@ -230,7 +230,7 @@ def test_calibrated_mu_is_applied_once_on_the_driver():
     assert record["options"] == {"mu": 0.81, "metric": "attention"} and record["mu_source"] == "calibration"
     plain = specs.Trial("promprune", 8, {"mu": 0.4})
     assert plain.with_calibration({"attention": 0.81}) is plain and "mu_source" not in plain.to_dict()
-    params = trial_run_params(specs.SweepSpec(name="t", version=1), record)
+    params = trial_run_params(specs.SweepSpec(name="t", version=1), record, {})
     assert params["mu"] == "0.81" and params["mu_source"] == "calibration" and params["metric"] == "attention"
 
 
@@ -304,14 +304,12 @@ def test_a_night_whose_trials_failed_is_no_baseline_and_says_what_it_did_not_com
 
 def test_the_regression_check_compares_only_runs_of_the_same_resolved_dtype(mlflow_store):
     """``dtype: auto`` resolves to float32 on CPU workers and bfloat16 on GPU ones under one spec fingerprint: a GPU
-    night was compared with a CPU night. The parent run records the resolved dtype (`sweep.model_params`, as the
+    night was compared with a CPU night. The parent run records the resolved dtype (`tracking.model_params`, as the
     workers resolve it) and the check compares runs of one dtype only, saying which it passed over."""
-    from pipelines import sweep
-
     c = mlflow_store
     spec = specs.SweepSpec(name="nightly", version=1)
     assert spec.model.dtype == "auto"
-    cpu, gpu = sweep.model_params(spec, on_gpu=False), sweep.model_params(spec, on_gpu=True)
+    cpu, gpu = tracking.model_params(spec, on_gpu=False), tracking.model_params(spec, on_gpu=True)
     assert cpu == {"dtype": "float32", "attn_implementation": "sdpa", "model_options": "{}"}
     assert gpu["dtype"] == "bfloat16"
     first = _night(c, {"promprune-b8": 0.95}, params=cpu)
@@ -416,10 +414,13 @@ def test_a_standalone_evaluation_logs_its_trial_result(mlflow_store, tmp_path):
     table = result.predictions_table([_pred("a", 0, prediction="yes")])
     done = result.TrialResult(table, {"a": {"accuracy": 1.0}}, {"a/accuracy": 1.0, "entropy/mean": float("nan")})
     spec = specs.SweepSpec(name="evaluate", version=1, model=weights.ModelSource("tiny:llava"), tasks=["a"])
-    run = c.get_run(tracking.log_evaluation(spec, specs.Trial("promprune", 8, {"mu": 0.4}), done))
+    run = c.get_run(tracking.log_evaluation(spec, specs.Trial("promprune", 8, {"mu": 0.4}), done, on_gpu=False))
     assert run.data.tags[mlflow_layout.ROLE] == "evaluation"
     assert run.data.tags[mlflow_layout.TRIAL] == "promprune-b8-mu=0.4"
     assert run.data.params["mu"] == "0.4" and run.data.metrics == {"a/accuracy": 1.0}
+    # what its workers ran: `dtype: auto` on CPU workers is float32
+    assert {k: run.data.params[k] for k in ("dtype", "attn_implementation", "model_options")} == \
+        {"dtype": "float32", "attn_implementation": "sdpa", "model_options": "{}"}
     path = c.download_artifacts(run.info.run_id, mlflow_layout.PREDICTIONS_ARTIFACT, str(tmp_path))
     back = result.TrialResult.read(path)
     assert back.predictions.equals(table) and back.scores == done.scores

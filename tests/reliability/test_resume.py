@@ -166,7 +166,7 @@ def test_a_failed_trial_is_logged_once(scratch):
     spec = specs.load(scratch())
     client = tracking.client()
     parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
-    recorder = SweepRecorder(spec, parent, SweepConsole(1))
+    recorder = SweepRecorder(spec, parent, SweepConsole(1), model_params=tracking.model_params(spec, on_gpu=False))
     trial = specs.expand(spec)[1].to_dict()
     recorder.record_error(trial, "RuntimeError: boom")  # Tune's callback ...
     recorder.record_error(trial, "RuntimeError: boom")  # ... and the final reconcile

@@ -31,7 +31,8 @@ def _log(name: str, metrics_of=lambda trial: {}, folder_of=lambda trial: None) -
     parent = tracking.start_sweep(c, name, spec.version, f"name: {name}\n", {"tasks": ",".join(spec.tasks)})
     for trial in expand(spec):
         t = trial.to_dict()
-        params = tracking.trial_params(spec.model.pretrained, t, t.get("tasks") or spec.tasks, spec.model.options)
+        params = tracking.trial_params(spec.model.pretrained, t, t.get("tasks") or spec.tasks,
+                                        tracking.model_params(spec, on_gpu=True))
         tracking.log_trial(c, parent, name, spec.version, t, params, metrics_of(t), folder_of(t))
     tracking.finish(c, parent)
 
