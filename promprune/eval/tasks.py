@@ -2,9 +2,12 @@
 
 Offline tasks. The task definitions ship in this package (``lmms_tasks/easyvqa/``: YAML and ``utils.py``); the data
 is the ``easy-vqa`` package's test split (1,000 images of coloured shapes, 9,673 questions), converted once into
-parquet under the cache directory (``$PROMPRUNE_CACHE``, default ``~/.cache/promprune``) next to a copy of the
-packaged definitions and two small YAML files that ``include:`` that copy and name the parquet. That directory is
-what lmms-eval's ``include_path`` gets, so the same tasks also work with the ``lmms-eval`` command line::
+parquet under the cache directory (``$PROMPRUNE_CACHE``, default ``~/.cache/promprune``:
+``lmms_tasks/<suite>_<version>/``). Beside it, a folder named by a hash of what it holds
+(``lmms_tasks/<suite>_<version>-<hash>/``) holds a copy of the packaged definitions and two small YAML files that
+``include:`` that copy and name the parquet: checkouts (or versions) whose definitions differ each get their own, so
+none overwrites another's. That folder is what lmms-eval's ``include_path`` gets, so the same tasks also work with
+the ``lmms-eval`` command line::
 
     python -m promprune.eval prepare          # prints the include path
     lmms-eval --model promprune --model_args pretrained=tiny:llava --tasks easyvqa_yesno --include_path <it>
@@ -16,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import logging
 import os
 import threading
 from pathlib import Path
 
-from promprune.atomic import atomic_path
+from promprune.atomic import atomic_path, locked
 from promprune.env import cache_dir, temporary_env
 
 log = logging.getLogger(__name__)
@@ -146,12 +151,6 @@ def _task_yaml(task: str, parquet: Path) -> str:
     )
 
 
-def _write_if_changed(target: Path, text: str) -> None:
-    if not target.exists() or target.read_text() != text:
-        with atomic_path(target) as tmp:
-            tmp.write_text(text)
-
-
 def _tables(suite: str, root: Path) -> dict:
     if suite == "easyvqa":
         return _easyvqa_tables()
@@ -165,26 +164,59 @@ def _tables(suite: str, root: Path) -> dict:
 
 
 def prepare_offline_tasks(suite: str = "easyvqa") -> Path:
-    """Build a suite's parquet files once and (re)write its task YAMLs and the packaged definitions they include;
-    returns its lmms-eval include path, a folder that holds every file its tasks load (none in this checkout)."""
+    """Build a suite's parquet files once (`offline_data_dir`) and its task folder once per content: the task YAMLs
+    and the packaged definitions they include, in a folder named by their hash; returns that folder, the suite's
+    lmms-eval include path, which holds every file its tasks load but the data (named by absolute path) and none in
+    this checkout.
+
+    Each checkout (or version) whose definitions differ prepares its own folder, and a folder, once written, never
+    changes: what one checkout loads is never overwritten by another's preparing (the last to prepare won, for all
+    of them, when the suite had one folder). Both are written under a lock, the folder whole at once
+    (`promprune.atomic`): a concurrent preparer waits, then finds it there."""
     if suite not in SUITES:
         raise ValueError(f"unknown offline task suite {suite!r}; valid: {', '.join(SUITES)}")
-    tasks, version = SUITES[suite]
-    root = cache_dir() / "lmms_tasks" / f"{suite}_{version}"
-    root.mkdir(parents=True, exist_ok=True)
-    parquets = {task: root / f"{task}.parquet" for task in tasks}
+    tasks = SUITES[suite][0]
+    data = offline_data_dir(suite)
+    parquets = {task: data / f"{task}.parquet" for task in tasks}
     if not all(p.exists() for p in parquets.values()):
-        log.info("writing the %s tasks' data as parquet under %s (once)", suite, root)
-        for task, columns in _tables(suite, root).items():
-            _write_parquet(columns, parquets[task])
-    # the packaged definitions (`_<task>_yaml`, their common part, utils.py) copied beside the task YAMLs, which
-    # include them by relative name: the folder needs no checkout (one deleted, or another's, never loads here)
-    for source in sorted((_LMMS_TASKS / suite).iterdir()):
-        if source.is_file() and (source.name.endswith("_yaml") or source.suffix == ".py"):
-            _write_if_changed(root / source.name, source.read_text())
-    for task in tasks:
-        _write_if_changed(root / f"{task}.yaml", _task_yaml(task, parquets[task]))
+        with locked(data.parent / f".{data.name}.lock"):
+            if not all(p.exists() for p in parquets.values()):  # another preparer's, while this one waited
+                log.info("writing the %s tasks' data as parquet under %s (once)", suite, data)
+                data.mkdir(parents=True, exist_ok=True)
+                for task, columns in _tables(suite, data).items():
+                    _write_parquet(columns, parquets[task])
+    files = _task_files(suite, parquets)
+    digest = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:12]
+    root = data.parent / f"{data.name}-{digest}"
+    if not _holds(root, files):  # (a file deleted by hand: written again)
+        with locked(data.parent / f".{root.name}.lock"):
+            if not _holds(root, files):
+                with atomic_path(root) as tmp:
+                    tmp.mkdir()
+                    for name, text in files.items():
+                        (tmp / name).write_text(text)
     return root
+
+
+def _holds(folder: Path, files: dict[str, str]) -> bool:
+    return all((folder / name).is_file() for name in files)
+
+
+def offline_data_dir(suite: str) -> Path:
+    """Where a suite's data lives (parquet files; the video suite's clips): one folder per suite and data version
+    (`SUITES`), shared by every checkout using this cache."""
+    version = SUITES[suite][1]
+    return cache_dir() / "lmms_tasks" / f"{suite}_{version}"
+
+
+def _task_files(suite: str, parquets: dict[str, Path]) -> dict[str, str]:
+    """{file name: text} of a suite's task folder: the packaged definitions (`_<task>_yaml`, their common part,
+    utils.py), copied so the folder needs no checkout (one deleted, or another's, never loads here), and each task's
+    YAML, which includes its definition by relative name and names its parquet."""
+    files = {source.name: source.read_text() for source in sorted((_LMMS_TASKS / suite).iterdir())
+             if source.is_file() and (source.name.endswith("_yaml") or source.suffix == ".py")}
+    files.update({f"{task}.yaml": _task_yaml(task, parquet) for task, parquet in parquets.items()})
+    return files
 
 
 @functools.lru_cache(maxsize=8)  # an index without lmms-eval's own tasks and one with them, per set of paths

@@ -24,50 +24,102 @@ def easyvqa_questions():
 
 
 def test_prepare_is_idempotent_and_writes_both_tasks():
+    from promprune.eval.tasks import offline_data_dir
+
     first = prepare_offline_tasks()
-    stamps = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
+    data = offline_data_dir("easyvqa")
+    stamps = {p: p.stat().st_mtime_ns for folder in (first, data) for p in folder.iterdir()}
     assert prepare_offline_tasks() == first
-    assert {p.name: p.stat().st_mtime_ns for p in first.iterdir()} == stamps  # nothing rebuilt or rewritten
-    assert {f"{t}.yaml" for t in EASYVQA_TASKS} | {f"{t}.parquet" for t in EASYVQA_TASKS} <= set(stamps)
+    assert {p: p.stat().st_mtime_ns for folder in (first, data) for p in folder.iterdir()} == stamps  # none rewritten
+    assert {f"{t}.yaml" for t in EASYVQA_TASKS} <= {p.name for p in first.iterdir()}
+    assert {f"{t}.parquet" for t in EASYVQA_TASKS} <= {p.name for p in data.iterdir()}
+    assert first.parent == data.parent and first.name.startswith(f"{data.name}-")  # easyvqa_v1-<hash>
     testbed = prepare_offline_tasks("testbed")
     assert testbed != first and {f"{t}.yaml" for t in TESTBED_TASKS} <= {p.name for p in testbed.iterdir()}
     with pytest.raises(ValueError, match="unknown offline task suite 'nope'; valid: easyvqa, testbed"):
         prepare_offline_tasks("nope")
 
 
-def test_the_prepared_folder_holds_its_definitions_and_outlives_the_checkout(tmp_path, monkeypatch):
-    """The cache folder copies the packaged definitions it includes: prepared by another checkout (a copy of the
-    package's task folder) that is then deleted, lmms-eval still loads its tasks, with no path into that checkout.
-    Before, each YAML said ``include: <that checkout>/...`` and loading failed with FileNotFoundError."""
+def _other_checkout(tmp_path, monkeypatch, name: str, post_prompt: str | None = None) -> Path:
+    """This cache's easy-vqa data copied under ``tmp_path / "cache"`` (the data is the same: only the definitions'
+    source differs) and a copy of the package's task folder at ``tmp_path / name`` in use, its prompt's suffix
+    changed to ``post_prompt`` when given: another checkout, of another version of the definitions."""
     import shutil
 
+    import yaml
+
+    from promprune.eval import tasks as tasks_module
+
+    named = yaml.safe_load((prepare_offline_tasks() / "easyvqa_yesno.yaml").read_text())
+    ours = Path(named["dataset_kwargs"]["data_files"]["test"]).parent  # where this cache's data is
+    checkout = tmp_path / name / "lmms_tasks"
+    shutil.copytree(Path(tasks_module.__file__).parent / "lmms_tasks", checkout)  # the package's own
+    if post_prompt is not None:
+        common = checkout / "easyvqa" / "_easyvqa_common_yaml"
+        text = common.read_text()
+        assert POST_PROMPT.replace("\n", "\\n") in text
+        common.write_text(text.replace(POST_PROMPT.replace("\n", "\\n"), post_prompt.replace("\n", "\\n")))
+    monkeypatch.setenv("PROMPRUNE_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "cache" / "lmms_tasks" / ours.name
+    if not data.exists():
+        data.mkdir(parents=True)
+        for parquet in ours.glob("*.parquet"):
+            shutil.copy(parquet, data / parquet.name)
+    monkeypatch.setattr(tasks_module, "_LMMS_TASKS", checkout)
+    return checkout
+
+
+def _loaded(root: Path) -> tuple[str, str]:
+    """(the post prompt, the answer read from "Yes, it is.") of easyvqa_yesno as lmms-eval loads it from ``root``
+    alone."""
     from lmms_eval.tasks import TaskManager, get_task_dict
 
     from promprune.eval import tasks as tasks_module
 
-    ours = prepare_offline_tasks()
-    checkout = tmp_path / "other_checkout"
-    shutil.copytree(tasks_module._LMMS_TASKS, checkout / "lmms_tasks")
-    root = tmp_path / "cache" / ours.relative_to(ours.parents[1])
-    root.mkdir(parents=True)
-    for parquet in ours.glob("*.parquet"):  # the data is the same; only the definitions' source differs
-        shutil.copy(parquet, root / parquet.name)
-    monkeypatch.setenv("PROMPRUNE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(tasks_module, "_LMMS_TASKS", checkout / "lmms_tasks")
-    assert prepare_offline_tasks() == root
-    shutil.rmtree(checkout)
-    written = [p for p in root.iterdir() if p.is_file() and p.suffix != ".parquet"]
-    names = {p.name for p in written}
-    assert {"easyvqa_yesno.yaml", "_easyvqa_yesno_yaml", "_easyvqa_common_yaml", "utils.py"} <= names
-    assert not [p.name for p in written if str(checkout) in p.read_text()]
     manager = TaskManager("WARNING", include_path=[str(root)], include_defaults=False)
     with tasks_module.single_process():
         task = get_task_dict(["easyvqa_yesno"], manager)["easyvqa_yesno"]
     doc = task.test_docs()[0]
     assert task.config.generation_kwargs["max_new_tokens"] > 0
-    assert task.process_results(doc, ["Yes, it is."])["accuracy"]["prediction"] == "yes"
+    prompt = task.config.lmms_eval_specific_kwargs["default"]["post_prompt"]
+    return prompt, task.process_results(doc, ["Yes, it is."])["accuracy"]["prediction"]
+
+
+def test_the_prepared_folder_holds_its_definitions_and_outlives_the_checkout(tmp_path, monkeypatch):
+    """The task folder copies the packaged definitions it includes: prepared by another checkout (a copy of the
+    package's task folder) that is then deleted, lmms-eval still loads its tasks, with no path into that checkout.
+    Before, each YAML said ``include: <that checkout>/...`` and loading failed with FileNotFoundError."""
+    import shutil
+
+    ours = prepare_offline_tasks()
+    checkout = _other_checkout(tmp_path, monkeypatch, "other_checkout")
+    root = prepare_offline_tasks()
+    assert root.parent == tmp_path / "cache" / "lmms_tasks"
+    shutil.rmtree(checkout)
+    written = [p for p in root.iterdir() if p.is_file() and p.suffix != ".parquet"]
+    names = {p.name for p in written}
+    assert {"easyvqa_yesno.yaml", "_easyvqa_yesno_yaml", "_easyvqa_common_yaml", "utils.py"} <= names
+    assert not [p.name for p in written if str(checkout) in p.read_text()]
+    assert _loaded(root) == (POST_PROMPT, "yes")
     monkeypatch.undo()  # this checkout prepares its own cache as before
     assert prepare_offline_tasks() == ours
+
+
+def test_two_versions_of_the_definitions_prepared_in_turn_each_keep_their_own_folder(tmp_path, monkeypatch):
+    """Two checkouts (or versions of the task definitions) share a machine's cache: each prepared the one folder of
+    the suite, and the last to prepare won: the first then loaded the second's definitions. Now each content gets
+    its own folder (named by its hash), and preparing one never changes the other's."""
+    _other_checkout(tmp_path, monkeypatch, "a")
+    a = prepare_offline_tasks()
+    a_files = {p.name: p.read_bytes() for p in a.iterdir()}
+    asked = "\nAnswer yes or no."
+    _other_checkout(tmp_path, monkeypatch, "b", post_prompt=asked)
+    b = prepare_offline_tasks()
+    assert b != a and b.parent == a.parent
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == a_files  # the first's folder as it wrote it
+    assert _loaded(a) == (POST_PROMPT, "yes") and _loaded(b) == (asked, "yes")
+    _other_checkout(tmp_path, monkeypatch, "a2")  # the first version again (another copy of it): its own folder
+    assert prepare_offline_tasks() == a
 
 
 def test_tasks_partition_the_test_split(easyvqa_questions):
