@@ -464,6 +464,19 @@ def visual_token_capacity(config, adapter_options: dict | None = None) -> int | 
     return None if found is None else found.capacity(config, adapter_options or {})
 
 
+def visual_token_ceiling(config, adapter_options: dict | None = None) -> int | None:
+    """The most visual tokens one image gives the LLM under this config, counted as the in-LLM methods count them (the
+    prompt's image placeholders, ``image_newline`` included): the family's ``most`` where the prompt holds tokens that
+    are no candidates (LLaVA-NeXT: one newline per row of the unpadded crop grid), else its
+    :func:`visual_token_capacity` (LLaVA-OneVision: newlines not counted yet); None where it depends on the image (no
+    fixed most) or for an unregistered type."""
+    found = find_family(config)
+    if found is None:
+        return None
+    options = adapter_options or {}
+    return (found.capacity if found.most is None else found.most)(config, options)
+
+
 def visual_token_floor(config, adapter_options: dict | None = None) -> int | None:
     """At most the fewest visual tokens any image gives the LLM under this config, counted as the in-LLM methods count
     them (the prompt's image placeholders, ``image_newline`` included): the family's ``fewest`` (LLaVA-1.5 and a Qwen

@@ -11,10 +11,11 @@ A family is one module of :mod:`promprune.models.architectures` whose adapter cl
 The decorator records a :class:`Family`: the name (the checkpoint's ``config.model_type``, also ``tiny:<name>``), the
 transformers class that loads it, the adapter (how its images become candidate tokens, and, where it defines
 ``encode_video``, its clips), the default prominence threshold ``mu``, the tiny and shape factories, the most visual
-tokens an image gives, the fewest every image gives, the most views (crops, tiles) an image gives, and whether the
-LLM keeps 3D M-RoPE positions (the in-LLM methods then never renumber). Nothing outside a family's module names the
-architecture (``tests/models/test_families.py`` scans the source): ``PrunedVLM``, ``tiny:`` / ``shape:``, video, the
-in-LLM hooks and the capacity checks of the pipeline's preflight all ask the registry.
+tokens an image gives (and, where the prompt holds more, the most placeholders), the fewest every image gives, the
+most views (crops, tiles) an image gives, and whether the LLM keeps 3D M-RoPE positions (the in-LLM methods then never
+renumber). Nothing outside a family's module names the architecture (``tests/models/test_families.py`` scans the
+source): ``PrunedVLM``, ``tiny:`` / ``shape:``, video, the in-LLM hooks and the capacity checks of the pipeline's
+preflight all ask the registry.
 
 The family modules are found by listing the package (``pkgutil``): the module ``architectures/<name>.py`` registers the
 family ``<name>`` (every shipped family's module is so named), so a lookup by name (or by a config's ``model_type``)
@@ -60,6 +61,10 @@ class Family:
       ``promprune/models/shapes`` (``shape:<checkpoint>``); either may be None.
     - ``capacity(config, adapter_options) -> int | None``: the most visual tokens one image gives the LLM (None: it
       depends on the image); ``max_views(config) -> int``: the most views one image gives.
+    - ``most(config, adapter_options) -> int | None``: the most visual tokens one image gives counted as the in-LLM
+      methods count them (the image placeholders in the prompt, ``image_newline`` tokens included), where that exceeds
+      ``capacity`` (LLaVA-NeXT: the newlines); None (the default): ``capacity`` counts them all. What
+      ``vlm.larger_images_problem`` tries an in-LLM budget at.
     - ``fewest(config, adapter_options) -> int | None``: a floor on the visual tokens every image gives, counted as the
       in-LLM methods count them (the image placeholders in the prompt, ``image_newline`` tokens included), at most the
       fewest any image gives (None: none known). An in-LLM budget whose schedule fails at this count fails on every
@@ -77,6 +82,7 @@ class Family:
     shape: Callable[..., tuple] | None = None
     capacity: Callable[..., int | None] = no_fixed_capacity
     fewest: Callable[..., int | None] = no_fixed_capacity
+    most: Callable[..., int | None] | None = None
     max_views: Callable[..., int] = one_view
     mrope: bool = False
 
@@ -105,7 +111,8 @@ _LOADED = False
 
 
 def register_family(name: str, *, model_class: str, default_mu: float, tiny=None, shape=None,
-                    capacity=no_fixed_capacity, fewest=no_fixed_capacity, max_views=one_view, mrope: bool = False):
+                    capacity=no_fixed_capacity, fewest=no_fixed_capacity, most=None, max_views=one_view,
+                    mrope: bool = False):
     """Class decorator of a family's adapter: register the family ``name`` (see :class:`Family` for the fields).
     A name registered twice is a ValueError naming both modules."""
 
@@ -115,7 +122,7 @@ def register_family(name: str, *, model_class: str, default_mu: float, tiny=None
                              f"{adapter.__module__} registers it again: one module per family")
         _FAMILIES[name] = Family(name=name, model_class=model_class, adapter=adapter, default_mu=float(default_mu),
                                  module=adapter.__module__, tiny=tiny, shape=shape, capacity=capacity,
-                                 fewest=fewest, max_views=max_views, mrope=mrope)
+                                 fewest=fewest, most=most, max_views=max_views, mrope=mrope)
         return adapter
 
     return register

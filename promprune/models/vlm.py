@@ -20,7 +20,15 @@ from promprune.records import SampleStats
 
 from . import llm_hooks
 from .attention import device_problem, in_llm_attention_problem, model_attention_problems, precision_problem
-from .adapters import adapter_for, assemble_all, attach_keys, host_index, visual_token_capacity, visual_token_floor
+from .adapters import (
+    adapter_for,
+    assemble_all,
+    attach_keys,
+    host_index,
+    visual_token_capacity,
+    visual_token_ceiling,
+    visual_token_floor,
+)
 from .factories import find_model_factory
 from .images import load_images, pixel_key
 from .options import OptionError, is_in_llm, next_layout, token_order, validate_method
@@ -169,13 +177,16 @@ def _sync(device) -> None:
 def larger_images_problem(config, method: str | None, budget: int | None, method_options: dict,
                           adapter_options: dict) -> str | None:
     """Why an in-LLM ``budget`` that some images can run (``construction_problems`` passes it) fails on the larger
-    ones, or None: ``llm_hooks.plan_problem`` fails at the most visual tokens one image gives
-    (``adapters.visual_token_capacity``) but not at the fewest (``adapters.visual_token_floor``). Such images are
-    each a failed sample at run time; ``PrunedVLM`` warns at construction and the pipeline's preflight says it once,
-    with the first token count that fails (the refusal only rises with the count: found by bisection)."""
+    ones, or None: ``llm_hooks.plan_problem`` fails at the most visual tokens one image gives, counted as the in-LLM
+    methods count them (``adapters.visual_token_ceiling``: LLaVA-NeXT's newline tokens included), but
+    not at the fewest (``adapters.visual_token_floor``). Such images are each a failed sample at run time;
+    ``PrunedVLM`` warns at construction and the pipeline's preflight says it once, with the first token count that
+    fails (the refusal only rises with the count: found by bisection). None too where the most depends on the image
+    without a fixed bound (a Qwen without ``image_tokens``, MiniCPM-V 4.6): its failing images are only failed
+    samples."""
     if not is_in_llm(method) or budget is None:
         return None
-    capacity = visual_token_capacity(config, adapter_options)
+    capacity = visual_token_ceiling(config, adapter_options)
     if capacity is None or llm_hooks.plan_problem(config, method, int(budget), method_options, capacity) is None:
         return None
     runs = visual_token_floor(config, adapter_options) or 0  # the most tokens known to run (0: none known)
@@ -189,7 +200,7 @@ def larger_images_problem(config, method: str | None, budget: int | None, method
         else:
             fails = mid
     return (f"{method} at budget {budget} cannot prune an image of {fails} or more visual tokens (this model gives "
-            f"one up to {capacity}, newline tokens not counted): each such image is a failed sample, the others run. "
+            f"one up to {capacity}): each such image is a failed sample, the others run. "
             f"{llm_hooks.plan_problem(config, method, int(budget), method_options, capacity)}")
 
 

@@ -204,13 +204,51 @@ def test_pyramiddrop_released_refuses_at_construction_only_what_every_image_fail
                 assert answer.layer_visual_tokens[0] == n
 
 
+def test_the_most_visual_tokens_an_image_gives_count_llava_next_newlines_as_the_processor_writes_them():
+    """The in-LLM methods prune the prompt's placeholders, one ``image_newline`` per row of the unpadded crop grid
+    included, so the most an image gives them is more than the capacity (80 on the tiny LLaVA-NeXT: 16 x 5 views).
+    Plain transformers, the processor's ``<image>`` placeholders: an image of a pinpoint's own aspect ratio keeps its
+    whole crop grid, 16 + 64 + 8 rows = 88 for 2 x 2 crops (64 x 64), 16 + 32 + 8 = 56 for 2 x 1 (64 x 32), 16 + 32 +
+    4 = 52 for 1 x 2 (32 x 64), and no size of a grid of aspect ratios gives more than 88; llava-v1.6 (336 px, 2 x 2
+    crops at most): 576 + 2304 + 48 = 2928 for a 672 x 672 image, which no other size exceeds."""
+    from promprune.models.adapters import visual_token_capacity, visual_token_ceiling
+    from promprune.models.shapes import shape_vlm
+
+    from .conftest import make_image
+
+    model, processor = tiny_vlm("llava_next")
+
+    def placeholders(sizes):
+        batch = processor(images=[make_image(h, w, 0) for h, w in sizes], text=["<image>"] * len(sizes),
+                          return_tensors="pt", padding=True)
+        return (batch["input_ids"] == model.config.image_token_id).sum(1).tolist()
+
+    assert placeholders([(64, 64), (64, 32), (32, 64)]) == [88, 56, 52]
+    side = [4, 9, 16, 30, 32, 33, 47, 64, 65, 100, 128, 200, 640]
+    assert max(placeholders([(h, w) for h in side for w in side])) == 88
+    assert visual_token_capacity(model.config) == 80 and visual_token_ceiling(model.config) == 88
+
+    shape, processor = shape_vlm("llava_next_7b", device="meta")
+    config = shape.config
+    ids = processor(images=[make_image(672, 672, 0)], text=["<image>"], return_tensors="pt")["input_ids"]
+    assert int((ids == config.image_token_id).sum()) == 2928 == visual_token_ceiling(config)
+
+    def count(h, w):  # what the processor writes for an h x w image: its count, less the CLS "default" drops
+        return processor._get_number_of_features(h, w, 336, 336) - (processor.vision_feature_select_strategy ==
+                                                                     "default")
+
+    side = [100, 336, 500, 672, 700, 1008, 1300, 2000, 4000]
+    assert count(672, 672) == 2928 and max(count(h, w) for h in side for w in side) == 2928
+
+
 @pytest.mark.filterwarnings("ignore:pyramiddrop with budget_semantics='released' keeps no visual token")
 def test_a_released_budget_only_larger_images_fail_is_said_at_construction_with_the_first_count_that_fails():
     """Released semantics fail an image of n tokens when n x 1 / 4 (the tiny LLM's first stage at layer 1 of 4)
     exceeds the budget: at budget 15 every n from 61 (61 / 4 = 15.25), which the tiny LLaVA-NeXT's 64 x 64 image (88)
     and 40 x 56 one (70) reach, while its floor (16) and 64 x 30 (56) run. Construction passes it (some images run)
     and says, once, which images will be failed samples; exact semantics and a budget no image runs (refused) say
-    nothing here."""
+    nothing here. Budget 21 fails from 85 on, which only the newline tokens reach (the 64 x 64 image: 80 candidates
+    and 8 newlines): counted without them (up to 80), it was not said."""
     import warnings
 
     from promprune.models.options import validate_method
@@ -225,6 +263,9 @@ def test_a_released_budget_only_larger_images_fail_is_said_at_construction_with_
     said = larger(15, budget_semantics="released")
     assert said.startswith("pyramiddrop at budget 15 cannot prune an image of 61 or more visual tokens (")
     assert larger(19, budget_semantics="released").startswith("pyramiddrop at budget 19 cannot prune an image of 77 ")
+    assert larger(21, budget_semantics="released").startswith(
+        "pyramiddrop at budget 21 cannot prune an image of 85 or more visual tokens (this model gives one up to 88)")
+    assert larger(22, budget_semantics="released") is None  # 88 / 4 = 22: every image runs
     assert larger(3, budget_semantics="released") is None  # no image runs it: construction refuses it
     assert larger(15) is None  # exact semantics prune any count
     with warnings.catch_warnings(record=True) as caught:

@@ -570,7 +570,7 @@ def test_a_sampled_budget_range_whose_every_value_gives_each_view_a_token_passes
 
 
 def test_a_released_budget_only_larger_images_fail_passes_with_a_note_naming_the_trials(scratch, run_main):
-    """On the tiny LLaVA-NeXT (an image gives 16 to 80 visual tokens, newlines not counted; the first stage at layer
+    """On the tiny LLaVA-NeXT (an image gives 16 to 88 visual tokens, newlines included; the first stage at layer
     1 of 4) released budget 15 fails each image of 61 tokens or more (61 / 4 > 15) and runs the others, so the spec
     passes; the console says so once, naming the trial (budget 30 runs every image: no note for it)."""
     spec = scratch(SPEC.replace('"tiny:llava"', '"tiny:llava_next"'))

@@ -2,9 +2,10 @@
 
 An image is the base view plus a grid of crops (the pinpoint nearest its aspect ratio), each a CLIP view with LLaVA's
 CLS-attention saliency; the model unpads the stitched crop grid to the image's aspect ratio and ends every row with an
-``image_newline`` token (llava-v1.6 at 336 px: 576 + 4 x 576 unpadded, 2880 tokens and up to 48 newlines). Candidates
-are the packed tokens that are not newlines, laid out by running the model's own ``pack_image_features`` on index
-tensors; ``full`` holds every view's whole grid, padding included (``budget_mode="view_quota"``).
+``image_newline`` token (llava-v1.6 at 336 px: 576 + 4 x 576 unpadded, 2880 tokens and up to 48 newlines, so up to
+2928 placeholders in the prompt: ``anyres_most``). Candidates are the packed tokens that are not newlines, laid out
+by running the model's own ``pack_image_features`` on index tensors; ``full`` holds every view's whole grid, padding
+included (``budget_mode="view_quota"``).
 
 ``image_newline`` treatment: the newline tokens are no candidates (they carry no image content) except under
 ``budget_mode="packed"`` (DivPrune's released code selects over the whole packed sequence). With
@@ -84,6 +85,18 @@ def anyres_capacity(config, options: dict) -> int:
     return view_tokens(config) * anyres_views(config)
 
 
+def anyres_most(config, options: dict) -> int:
+    """The most visual tokens an image gives counted as the prompt holds them, newlines included (what the in-LLM
+    methods prune): the base view's patches plus, over the grid pinpoints, the most a pinpoint's stitched crop grid of
+    ``rows x cols`` patches gives with one ``image_newline`` per row, ``rows x cols + rows`` (an image of the
+    pinpoint's own aspect ratio selects it and is unpadded to the whole grid; unpadding only removes rows or columns).
+    llava-v1.6 at 336 px: 576 + 4 x 576 + 48 = 2928 (a 672 x 672 image), where :func:`anyres_capacity` counts 2880."""
+    size = config.vision_config.image_size
+    side = size // config.vision_config.patch_size  # patch rows of one crop
+    crop = view_tokens(config)
+    return crop + max(h // size * (w // size) * crop + h // size * side for h, w in config.image_grid_pinpoints)
+
+
 def base_view_floor(config, options: dict) -> int:
     """A floor on the visual tokens every image gives: its base view's patches (an image much wider or taller than
     every pinpoint unpads its crop grid to almost nothing)."""
@@ -93,7 +106,7 @@ def base_view_floor(config, options: dict) -> int:
 # mu 0.42: CLIP ViT-L/14's, as LLaVA-1.5 (the same tower)
 @register_family("llava_next", model_class="LlavaNextForConditionalGeneration", default_mu=0.42,
                  tiny=tiny_llava_next, shape=shape_llava_next, capacity=anyres_capacity, fewest=base_view_floor,
-                 max_views=anyres_views)
+                 most=anyres_most, max_views=anyres_views)
 class LlavaNextAdapter(LlavaAdapter):
     """LLaVA-NeXT anyres: base view + crops, unpadding and ``image_newline`` (see the module docstring)."""
 
