@@ -480,7 +480,8 @@ def visual_token_ceiling(config, adapter_options: dict | None = None) -> int | N
 def visual_token_floor(config, adapter_options: dict | None = None) -> int | None:
     """At most the fewest visual tokens any image gives the LLM under this config, counted as the in-LLM methods count
     them (the prompt's image placeholders, ``image_newline`` included): the family's ``fewest`` (LLaVA-1.5 and a Qwen
-    with ``image_tokens``: every image's count; LLaVA-NeXT / OneVision: the base view; InternVL: one tile); None when
-    none is known or for an unregistered type."""
+    with ``image_tokens``: every image's count; LLaVA-NeXT / OneVision: the base view; InternVL: one tile; Gemma 4:
+    the fewest soft tokens any aspect ratio gives; MiniCPM-V 4.6: an ultra-wide image's one token per view); None
+    when none is known or for an unregistered type."""
     found = find_family(config)
     return None if found is None else found.fewest(config, adapter_options or {})

@@ -405,3 +405,48 @@ def test_system_prompt_gives_lmms_evals_gemma4_conversation(images, prompts):
     assert [g.token_ids for g in vlm.generate(images, prompts, max_new_tokens=4)] == plain.tolist()
     with pytest.raises(ValueError, match="'system_prompt' must be a non-empty string or None"):
         PrunedVLM(model, processor, method=None, system_prompt=" ")
+
+
+def test_the_floor_is_the_fewest_soft_tokens_the_processor_gives_any_image_whatever_its_size():
+    """Gemma 4 had no floor, so a PyramidDrop released budget no image can run was not refused. The count depends on
+    the aspect ratio alone (save for the float rounding of a side that lands exactly on a whole cell): the
+    processor's own placeholder counts for one shape at two sizes agree; the fewest is
+    an image 17.5 times wider than tall (34 x 595 px: ``a`` = 2 exactly, floored on both sides to 1 x 34), which no
+    other aspect ratio of a dense sweep beats (the processor's own resize rule); released 280: 139 (17 x 1190)."""
+    from transformers.models.gemma4.image_processing_gemma4 import get_aspect_ratio_preserving_size
+
+    from promprune.models.adapters import visual_token_floor
+    from promprune.models.factories import model_config
+    from promprune.models.options import validate_method
+    from promprune.models.vlm import construction_problems
+
+    from .conftest import make_image
+
+    model, processor = tiny_vlm("gemma4")
+    token = model.config.image_token_id
+
+    def placeholders(h, w):
+        ids = processor(images=[[make_image(h, w, 0)]], text=["<|image|>"], return_tensors="pt")["input_ids"]
+        return int((ids == token).sum())
+
+    assert placeholders(34, 595) == placeholders(68, 1190) == 34 and placeholders(340, 5950) == 70  # float, on the edge
+    assert placeholders(40, 56) == placeholders(400, 560) == 63 and placeholders(8, 8) == placeholders(800, 800) == 64
+    assert visual_token_floor(model.config) == 34
+
+    def fewest(patch, most):
+        counts = []
+        for h in range(1, 60):
+            for w in range(1, 4500):
+                for a, b in ((h, w), (w, h)):
+                    th, tw = get_aspect_ratio_preserving_size(a, b, patch, most * 9, 3)
+                    counts.append(th // (3 * patch) * (tw // (3 * patch)))
+        return min(counts)
+
+    assert fewest(4, 70) == 34
+    assert fewest(16, 280) == 139 == visual_token_floor(model_config("shape:gemma4_31b"))
+    # a released PyramidDrop budget below 34 x 3 / 6 (first stage at layer 3 of 6) = 17 runs no image: refused now
+    refused = construction_problems(model.config, "pyramiddrop", 16,
+                                    *validate_method("pyramiddrop", 16, budget_semantics="released"), views=1)
+    assert [str(p) for p in refused][0].startswith("no image can run: each gives this model at least 34 visual tokens")
+    assert not construction_problems(model.config, "pyramiddrop", 17,
+                                     *validate_method("pyramiddrop", 17, budget_semantics="released"), views=1)

@@ -188,3 +188,34 @@ def test_the_published_shape_offline():
     assert batch["target_sizes"].tolist() == [[28, 36], [40, 28], [40, 28]]
     assert [r.numel() for r in runs(batch["input_ids"][0], model.config.image_token_id)] == [63, 70, 70]
     assert vlm.adapter.max_views() == 10 and model.config.vision_config.insert_layer_id == 6
+
+
+def test_the_floor_is_the_fewest_placeholders_the_processor_writes_for_any_image():
+    """MiniCPM-V 4.6 had no floor, so a PyramidDrop released budget no image can run was not refused. Its count varies
+    with the image's size (a larger image is sliced) and aspect ratio. The processor's own placeholders: small images
+    give their source view alone (at least 10 tokens over a grid of shapes), large ones a source and slices; the
+    fewest is an ultra-wide image (1 x 4100 px: more than 4 slices x 32^2 times wider than tall), a one-token source
+    and four one-token slices, 5 = the floor (released: 1 + 9)."""
+    from promprune.models.adapters import visual_token_floor
+    from promprune.models.options import validate_method
+    from promprune.models.vlm import construction_problems
+
+    model, processor = tiny_vlm("minicpmv4_6")
+    token = model.config.image_token_id
+
+    def placeholders(h, w):
+        image = Image.new("RGB", (w, h), (120, 60, 30))
+        ids = processor(images=[image], text=["<|image_pad|>"], return_tensors="pt")["input_ids"]
+        return int((ids == token).sum())
+
+    side = [1, 2, 3, 5, 8, 13, 15, 20, 31, 32]
+    small = [placeholders(h, w) for h in side for w in side]
+    assert min(small) == 10 and placeholders(32, 32) == 16  # no slices: the source view alone
+    assert placeholders(64, 64) == 16 + 4 * 16 and placeholders(300, 40) > 16  # sliced
+    assert placeholders(1, 4100) == 5 == visual_token_floor(model.config)
+    assert placeholders(1, 4000) > 5  # not yet wide enough: its slices are many tokens each
+    released, _ = shape_vlm("minicpm_v_4_6", device="meta")
+    assert visual_token_floor(released.config) == 10
+    refused = construction_problems(model.config, "pyramiddrop", 1,
+                                    *validate_method("pyramiddrop", 1, budget_semantics="released"), views=5)
+    assert [str(p) for p in refused][0].startswith("no image can run: each gives this model at least 5 visual tokens")

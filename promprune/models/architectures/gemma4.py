@@ -141,6 +141,21 @@ def soft_token_capacity(config, options: dict) -> int:
         or RELEASED_SOFT_TOKENS
 
 
+def soft_token_floor(config, options: dict) -> int:
+    """The fewest soft tokens any image gives under :func:`soft_token_capacity` ``T``. The count does not depend on
+    the image's size, only on its aspect ratio (save for the float rounding of a side that lands exactly on a whole
+    cell: 34 x 595 px gives the tiny model 1 x 34, 340 x 5950 px 2 x 35): the processor
+    (``get_aspect_ratio_preserving_size``) scales every image, up or down, to about ``T`` pooled cells, ``a x T / a``
+    with ``a = sqrt(T x height / width)``, and floors each side to whole cells, ``floor(a) x floor(T / a)`` soft
+    tokens (an image more than ``T`` times wider than tall, or taller than wide, is one cell thick and ``T`` long).
+    For ``a`` in ``[m, m + 1)`` that is at least ``m x floor(T / (m + 1))``, and one less per side where ``a`` falls
+    on ``m + 1`` exactly, which the float arithmetic floors on both sides: ``m x floor((T - 1) / (m + 1))``. The
+    least over ``m`` is ``floor((T - 1) / 2)``, m = 1: an image 17.5 times wider than tall (34 x 595 px) gives the
+    tiny model's ``T`` 70 1 x 34 tokens, one 70 times wider (17 x 1190) 1 x 139 of the released 280."""
+    most = soft_token_capacity(config, options)
+    return min([most, *(m * ((most - 1) // (m + 1)) for m in range(1, most - 1))])
+
+
 def received_attention(attn, hidden: torch.Tensor, position_embeddings, position_ids: torch.Tensor) -> torch.Tensor:
     """Mean attention each patch receives within its image (non-padding queries and heads averaged) of a
     ``Gemma4VisionAttention``: ``hidden [B, S, C] -> [B, S]`` float32, 0 at padding patches (``position_ids`` -1)."""
@@ -182,7 +197,7 @@ def pooled_layout(positions: torch.Tensor, k: int) -> tuple[int, int, torch.Tens
 
 # mu 0.42: borrowed from CLIP, uncalibrated (sweeps/mu_tau_search_gemma4.yaml searches its own)
 @register_family("gemma4", model_class="Gemma4ForConditionalGeneration", default_mu=0.42, tiny=tiny_gemma4,
-                 shape=shape_gemma4, capacity=soft_token_capacity)
+                 shape=shape_gemma4, capacity=soft_token_capacity, fewest=soft_token_floor)
 class Gemma4Adapter(Adapter):
     """Gemma 4: variable resolution, 3x3 pooled soft tokens; saliency = received attention summed over each soft token's
     patches (see the module docstring)."""

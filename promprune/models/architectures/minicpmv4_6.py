@@ -99,8 +99,9 @@ def tiny_minicpmv4_6():
                   patch_size=patch)
     config = MiniCPMV4_6Config(text_config=text, vision_config=vision, insert_layer_id=0, image_size=32,
                                image_token_id=tok.image_token_id, video_token_id=tok.video_token_id)
+    config.promprune_max_slice_nums = 4  # its processor's, which fewest_tokens reads from the config
     model = seeded(lambda: MiniCPMV4_6ForConditionalGeneration(config))
-    return model, minicpm_processor(tok, patch, scale_resolution=32, max_slices=4)
+    return model, minicpm_processor(tok, patch, scale_resolution=32, max_slices=config.promprune_max_slice_nums)
 
 
 def shape_minicpmv4_6(spec: dict, text_layers, vision_layers):
@@ -124,6 +125,31 @@ def released_views(config) -> int:
     return 1 + RELEASED_SLICES
 
 
+def fewest_tokens(config, options: dict) -> int:
+    """The fewest visual tokens any image gives (16x or 4x tokens, as the prompt's placeholders count them), with the
+    released slicing (``slice_mode`` on) into up to ``config.promprune_max_slice_nums`` slices (the tiny model's 4;
+    else the released 9). The count varies with the image's size (a larger one is sliced) and its aspect ratio. The
+    source view is the whole image resized to about ``S^2`` px (``S`` = ``image_size``) at its aspect ratio ``r``
+    (``MiniCPMV4_6ImageProcessor.find_best_resize``: ``h = int(S / sqrt(r))``, ``w = int(h x r)``, each side rounded
+    to whole tokens of ``d`` px, at least one): its fewest, over each ``h``, is at the narrowest ``w`` that ``h``
+    allows, just above ``h x S^2 / (h + 1)^2`` (42 tokens released, 10 tiny). An image more than ``S^2`` times wider
+    than tall has ``h = 0``, a one-token source, and sliced (it is larger than ``S^2``) into slices that are one token
+    each once it is about ``slices x S^2`` times wider: ``1 + slices`` in all (1 x 1806345 px: 10 released; 1 x 4100
+    px: 5 tiny). The least of the two."""
+    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import ensure_divide
+
+    side = config.image_size  # the processor's scale_resolution
+    d = config.vision_config.patch_size * (2 if config.downsample_mode == "4x" else 4)  # px per token side
+    slices = int(getattr(config, "promprune_max_slice_nums", RELEASED_SLICES))
+    fewest = 1 + (slices if slices > 1 else 0)  # max_slice_nums 1 slices nothing: a one-token source alone
+    h = 1
+    while ensure_divide(h, d) // d < fewest:  # rows only grow with h
+        narrowest = (h * side * side - 1) // (h + 1) ** 2  # one less where exact: float may floor it so
+        fewest = min(fewest, ensure_divide(h, d) // d * (ensure_divide(narrowest, d) // d))
+        h += 1
+    return fewest
+
+
 def received_attention(attn, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Mean attention each token receives within its view (queries and heads averaged) of a
     ``MiniCPMV4_6VisionAttention``: packed views ``hidden [1, S, C] -> [S]`` float32 (no rotary: the tower adds
@@ -144,7 +170,7 @@ def block_mean(scores: torch.Tensor, rows: int, cols: int, k: int) -> torch.Tens
 # mu 0.42: borrowed from CLIP (a SigLIP tower, as LLaVA-OneVision's), uncalibrated: recalibrate with
 # sweeps/mu_calibration.yaml on the real checkpoint before reading PromPrune's numbers there
 @register_family("minicpmv4_6", model_class="MiniCPMV4_6ForConditionalGeneration", default_mu=0.42,
-                 tiny=tiny_minicpmv4_6, shape=shape_minicpmv4_6, max_views=released_views)
+                 tiny=tiny_minicpmv4_6, shape=shape_minicpmv4_6, fewest=fewest_tokens, max_views=released_views)
 class MiniCPMV46Adapter(Adapter):
     """MiniCPM-V 4.6: a source view and slices, each a run of 16x-merged tokens; saliency = received attention at one
     encoder layer, averaged over each token's block (see the module docstring)."""
