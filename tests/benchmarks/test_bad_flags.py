@@ -57,6 +57,8 @@ CASES = {
                           ["--designs nosuch: unknown design 'nosuch'", "--trials 9: at most 7"]),
     "model_loading.py": (["--actors", "0", "--layers", "1", "--hidden", "65"],
                          ["--actors 0: must be at least 1", "--hidden 65:"]),
+    "decision_margins.py": (["--limit", "0", "--calibration-n", "0"],
+                            ["--limit 0: must be at least 1", "--calibration-n 0: must be at least 1"]),
     "prefix_agreement.py": (["--limit", "1", "--dtypes", "float32", "fp17", "--batch-size", "0"],
                             ["--dtypes fp17: unknown dtype", "--batch-size 0: must be at least 1"]),
     "request_bytes.py": (["--tasks", "nosuch", "--limit", "4"], ["--tasks: unknown lmms-eval task(s) ['nosuch']"]),
@@ -81,6 +83,16 @@ def test_a_bad_command_line_is_refused(script):
     assert err.startswith(f"error: benchmarks/{script}: "), err
     for words in says:
         assert words in err, f"{words!r} not in:\n{err}"
+
+
+def test_decision_margins_refuses_methods_it_does_not_replay():
+    """A spec whose trials run a method (or PromPrune options) the script does not replay is refused before the
+    model loads, naming the trial; a spec that does not load, with its SpecError's paragraph."""
+    err = refused("decision_margins.py", "--spec", "sweeps/testbed_methods.yaml")
+    assert "--spec sweeps/testbed_methods.yaml: trial visionzip-b16 runs visionzip, whose decisions this script " \
+           "does not replay" in err, err
+    err = refused("decision_margins.py", "--spec", "nosuch.yaml")
+    assert err.startswith("error: ") and "nosuch.yaml" in err, err
 
 
 def test_sweep_scaling_refuses_before_ray(tmp_path):

@@ -6,6 +6,7 @@ The scripts run as RESULTS.md runs them (``python benchmarks/<script>``, a fresh
 Ray, clusters or lmms-eval, or build several models, are marked slow, like the suite's other end-to-end tests."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 
@@ -120,6 +121,101 @@ def test_prefix_agreement():
     assert len(rows) == 2 and all(int(r[4]) > 0 for r in rows)  # some questions went through a cached prefix
     # float32: the shared prefix gives the whole prompt's tokens (tests/models/test_sharing.py), so every answer agrees
     assert figure(out, r"prefix cache agreement: (.+)")[1] == "float32 1.000"
+
+
+@pytest.mark.slow  # lmms-eval's task index, the testbed model, a calibration and four trials
+def test_decision_margins():
+    out = run_benchmark("decision_margins.py", "--limit", "4", "--calibration-n", "8")
+    answers = figure(out, r"answers \(each task's primary metric, as the sweep's table\): (.+)")[1].split("; ")
+    assert [a.split()[0] for a in answers] == ["baseline", "divprune-b16", "vispruner-b16",
+                                               "promprune-b16-mu=calibrate-tau=0.03"]
+    rows = {r[0]: r for r in table_rows(out, r"[A-Za-z].*") if r[0] != "decision"}
+    assert len(rows) == 14
+    for what, row in rows.items():
+        if row[1] == "0":  # a decision this small run did not meet (the DPP's exact ties)
+            assert what.startswith("DPP exact ties"), row
+            continue
+        assert int(row[1]) > 0 and float(row[2]) > 0, row  # every replay kept the library's tokens (else exit 1)
+    # 8 questions, about 4 images: PromPrune's split of each image, the mu calibrated once
+    assert rows["PromPrune ratio x T: distance to a rounding boundary"][1] == "4"
+    assert rows["calibrated median: distance to its 4-decimal boundary"][1] == "1"
+    figure(out, rf"closest decision: .+, {NUMBER}(e-?\d+)? \({NUMBER} orders of magnitude above 1e-14\); wall \d+ s")
+
+
+def test_decision_margins_by_hand():
+    """The margins the script measures, on cases worked by hand, and its replays against the library's picks."""
+    import math
+
+    import torch
+
+    import promprune
+    from benchmarks import decision_margins as dm
+    from promprune.selection.diversity import dpp_greedy
+    from promprune.selection.registry import TokenSet
+
+    assert dm.rounding_margin(5.7231) == pytest.approx(0.2231) and dm.rounding_margin(7.5) == 0
+    assert dm.decimal_margin(0.24193329) == pytest.approx(0.24195 - 0.24193329, rel=1e-9)  # 1.671e-5
+    margins = dm.Margins()
+    dm.ranking_margins(margins, "vis_sal", "vis_sal_all", [2.0, 1.8, 0.6], range(1, 2), lambda at: at)
+    assert margins.rows["vis_sal"].value == pytest.approx(0.6) and margins.rows["vis_sal_all"].value == \
+        pytest.approx(0.1)
+    assert margins.rows["vis_sal"].where == "positions 1, 2"
+
+    # DivPrune on four unit tokens: cosine distances d01 = 1, d02 = 2, d03 = d13 = 1 - 1/sqrt(2), d12 = 1,
+    # d23 = 1 + 1/sqrt(2). Step 0 picks token 2 (nearest other at 1, the others at 1 - 1/sqrt(2)); step 1 token 0
+    # (2 from token 2), token 3 at 1 + 1/sqrt(2): (2 - 1e-6 - (1 + 1/sqrt(2))) / 2 from the near-tie line
+    x = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 1.0]]], dtype=torch.float64)
+    margins = dm.Margins()
+    kept = dm.replay_divprune(margins, TokenSet(x, None), 2, 0, lambda at: at)
+    assert kept == {0, 2} == set(promprune.select(x, budget=2, method="divprune").indices[0].tolist())
+    assert margins.rows["divprune"].value == pytest.approx((1 - 1 / math.sqrt(2) - 1e-6) / 2, rel=1e-9)
+
+    # the DPP after one salient token e1: its first pick is token 2, orthogonal to it (runner-up: 0.6 in cosine);
+    # then gains 1 - 0.48^2 = 0.7696 (token 1) and 1 - 0.64^2 = 0.5904 (token 3)
+    t = torch.tensor([[1.0, 0, 0], [0.6, 0.8, 0], [0, 0.6, 0.8], [0.6, 0, 0.8]], dtype=torch.float64)
+    kernel = t @ t.T
+    anchor = torch.tensor([True, False, False, False])
+    saliency = torch.tensor([0.4, 0.1, 0.2, 0.3], dtype=torch.float64)
+    margins = dm.Margins()
+    picks = dm.replay_dpp(margins, kernel, ~anchor, 2, anchor, saliency, lambda at: at)
+    assert picks == [2, 1] == dpp_greedy(kernel[None], ~anchor[None], torch.tensor([2]), anchor=anchor[None],
+                                         fallback=saliency[None])[0].tolist()
+    assert margins.rows["dpp_first"].value == pytest.approx(0.6)
+    assert margins.rows["dpp"].value == pytest.approx((0.7696 - 0.5904) / 0.7696)
+    assert margins.rows["dpp_floor"].value == pytest.approx(0.7696e6)
+
+
+def test_decision_margins_replays_the_library():
+    """Each replayed method keeps the library's tokens on float64 features (the script's own check), and a
+    selection the replay does not reproduce is an error, not a margin."""
+    import torch
+
+    import promprune
+    from benchmarks import decision_margins as dm
+    from promprune.selection.registry import TokenSet, VisionFeatures
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 48, 4, generator=g) @ torch.randn(3, 4, 64, generator=g)
+         + 0.5 * torch.randn(3, 48, 64, generator=g)).double()  # a low-rank structure: entropies apart
+    s = torch.rand(3, 48, generator=g).double().softmax(dim=1)
+    hidden = torch.randn(3, 48, 32, generator=g).double()
+    mu = float(TokenSet(x, s).spectral_entropy.median())  # the middle image splits its budget
+    cases = {"promprune": {"mu": mu, "tau": 0.03}, "divprune": {}, "vispruner": {}}
+    for method, options in cases.items():
+        spec = promprune.method_spec(method)
+        vision = VisionFeatures(hidden) if spec.reads_vision else None
+        sel = promprune.select(x, s, budget=12, method=method, vision=vision, **options)
+        opts = spec.resolve(options, budget=12)
+        opts.pop("order")
+        tokens = TokenSet(x, s if spec.needs_saliency else None, vision)
+        recorder = dm.Recorder()
+        recorder.trial = method
+        recorder.selected(method, tokens, 12, opts, sel)  # raises where a replay keeps other tokens
+        assert recorder.margins.rows[{"promprune": "dpp", "divprune": "divprune",
+                                      "vispruner": "vis_match"}[method]].count > 0
+        wrong = dataclasses.replace(sel, indices=sel.indices.roll(1, dims=0))
+        with pytest.raises(RuntimeError, match="the replay kept"):
+            recorder.selected(method, tokens, 12, opts, wrong)
 
 
 def test_model_path():
