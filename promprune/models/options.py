@@ -83,8 +83,10 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # A system turn before the user's, rendered by the model's own chat template; None: none given (a template may
     # add its own: Qwen2.5-VL's adds "You are a helpful assistant.", as lmms-eval's qwen2_5_vl model sends). lmms-eval's
     # gemma4, qwen3_vl and qwen3_5 models send "You are a helpful assistant." and those families' templates add none,
-    # so the sweeps of those models set it (sweeps/extended_models.yaml, extended_models_gemma4.yaml); lmms-eval's
-    # llava_hf and internvl_hf models send none.
+    # so the sweeps of those models set it (sweeps/extended_models.yaml, extended_models_gemma4.yaml); so does its
+    # llava_onevision model (LLaVA's qwen_1_5 conversation), whose numbers the OneVision sweeps follow
+    # (extended_models_llava_onevision.yaml, extended_models_video.yaml: llava-hf's OneVision template adds none);
+    # lmms-eval's llava_hf and internvl_hf models send none.
     "system_prompt": None,
     # LLaVA-1.5: pad each image to a square of the image processor's mean colour, centred, before the processor
     # (LLaVA's own `image_aspect_ratio: pad`, which lmms-eval's llava model and the paper's runs apply), so the
