@@ -17,8 +17,8 @@ Setup -> run -> cleanup:
 2. run: Ray Tune runs one trial per grid point (`tune.grid_search` over the expanded trial list), or searches
    (`pipelines/run/search.py`: seeded random draws, optuna's TPE, ASHA stopping weak trials at rungs of samples;
    then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
-   time, retrying failed trials (`FailureConfig`; a scoring error that is the same on every try is scored again only
-   by `--resume`: `trial.run_trial`).
+   time, retrying failed trials (`FailureConfig`; a scoring error that is the same on every try is not retried, and
+   scored again only by `--resume`: `trial.run_trial`, `trial.ScoringErrorsNotRetried`).
    A trial (`pipelines/run/trial.py`) is a light coordinator (`pipelines/run/engine.py`): it takes its `Trial` from
    Tune's config and sends its blocks to the idle workers the sweep's pool grants (the pool grows with what trials
    lease; pending workers are the autoscaler's demand), predictions streamed back and saved block by block beside
@@ -524,7 +524,7 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
                                                          f"{type(exc).__name__}: {exc}", state)], "--resume") from None
     watch = disk.DiskWatch(state["experiment"], _writes_to(spec))
     lost = pool_watch.PoolWatch(state["experiment"])  # the sweep's Pool actor dead: stopped as a full disk stops it
-    callbacks = [RecorderHook(), watch, lost]
+    callbacks = [RecorderHook(), watch, lost, trial.ScoringErrorsNotRetried()]  # a ScoringError: no Tune retry
     journal = f"{sweep_dir(storage, state['experiment'])}/{search.JOURNAL}{phase.suffix}.json"
     scheduler = search.scheduler(spec, recorder.console.per_trial, journal) if phase.searched else None
     if scheduler is not None:

@@ -45,6 +45,8 @@ from pipelines.run.workers import Failover, WorkerPool
 TRIAL_RESOURCES = {"cpu": 0, "memory": 256 * 2 ** 20}
 # a running score (lmms-eval over the samples answered so far) at most this often, besides the scheduler's milestones
 SCORE_EVERY_S = 30.0
+# a trial's last report before it raises a `ScoringError`: the driver gives it no retry (`ScoringErrorsNotRetried`)
+SCORING_FAILED = "trial/scoring_failed"
 
 
 @dataclass
@@ -174,6 +176,44 @@ class TrialProgress:
         return reports
 
 
+    def scoring_failed(self) -> None:
+        """The trial's last report, just before it raises its `ScoringError`: `SCORING_FAILED` (no ``samples/done``:
+        nothing for the recorder's progress), with the search's last value where there is one (Tune requires the
+        searcher's metric in every result; the scheduler skips a report without ``samples/scored``)."""
+        report = {SCORING_FAILED: 1.0}
+        if self.objective is not None:
+            report[self.objective.metric] = self.value
+        tune.report(report)
+
+
+class ScoringErrorsNotRetried(tune.Callback):
+    """On the driver: a trial whose report says its scoring failed the way that fails on every try
+    (`SCORING_FAILED`, `run_trial`'s last report before it raises the `ScoringError`) is not retried by Tune.
+
+    Ray Tune 2.60 has no retry rule per exception: `FailureConfig(max_failures)` counts every error of a trial alike
+    (the trial's exception reaches the driver as a `RayTaskError`; `Trial.handle_error` counts it and
+    `Trial.should_recover` compares the count with the trial's `max_failures`), raising no exception type skips that,
+    and a callback hears of an error only once the retry is decided (`on_trial_recover`, after the trial is requeued).
+    A function trainable's report waits until the driver has taken it, so the report arrives before the error: this
+    callback then sets that trial's `max_failures` (the public attribute of Tune's `Trial` that `should_recover`
+    reads) to 0, the error ends the trial at once (ERROR: `on_trial_error`, its MLflow run FAILED and the summary's
+    failed trials, as after the retries before), and there the trial's own `max_failures` is put back, so the state
+    Tune saves (and a `--resume` restores) keeps the spec's retries for the trial's next session. No trial actor is
+    started for it again."""
+
+    def __init__(self):
+        self._kept: dict[str, int] = {}  # trial id -> its max_failures, while its scoring error is on its way
+
+    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
+        if result.get(SCORING_FAILED) and trial.trial_id not in self._kept:
+            self._kept[trial.trial_id] = trial.max_failures
+            trial.max_failures = 0
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info):
+        if trial.trial_id in self._kept:
+            trial.max_failures = self._kept.pop(trial.trial_id)
+
+
 def running_scores(tables: list) -> dict[str, float]:
     """lmms-eval's metrics over the predictions so far, flat (``<task>/<metric>``)."""
     return flat_scores(score_table(pa.concat_tables(tables), partial=True))
@@ -191,10 +231,13 @@ def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
     (`Shared.store`) and resuming from them, reporting progress (a searched trial: the search's metric at each rung,
     ``objective``), and finally its metrics with the `TrialResult` file as the checkpoint.
 
-    A `ScoringError` (a task's scoring that fails the same way on every try) is noted beside the trial's blocks for
-    the driver's session (`Shared.session`): Tune's retries of the trial (`tune.max_failures`) in that session raise
-    it again at once, neither scoring again nor sending an LLM judge's requests again; a `--resume` scores it
-    again. Other failures (a lost worker or node, the trial's process killed) are retried as they come."""
+    A `ScoringError` (a task's scoring that fails the same way on every try) is not retried by Tune: the trial says
+    so in a last report (`SCORING_FAILED`) before it raises, and the driver's `ScoringErrorsNotRetried` takes the
+    trial's retries away, so the error ends it at once (ERROR, recorded as every failed trial is). It is also noted
+    beside the trial's blocks for the driver's session (`Shared.session`): a retry that happens all the same (an
+    experiment restored from a Tune state saved without that callback) raises it again at once, neither scoring
+    again nor sending an LLM judge's requests again; a `--resume` scores it again. Other failures (a lost worker or
+    node, the trial's process killed) are retried as they come (`tune.max_failures`)."""
     trial = search.trial_of(config)
     tid = trial.trial_id
     store = shared.store(tid)
@@ -213,6 +256,7 @@ def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
     except ScoringError as exc:
         if store is not None:
             store.note_failure(shared.session, str(exc))
+        progress.scoring_failed()  # the driver takes the trial's retries away before the error reaches it
         raise
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
                            "samples/done": float(result.predictions.num_rows)})

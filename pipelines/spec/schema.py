@@ -119,7 +119,7 @@ class TuneSpec:
     reduction_factor: Annotated[Number, Field(gt=1), expect("a number > 1")] = 3
     max_concurrent_trials: PositiveOrAuto = AUTO  # auto: enough for the GPUs, or one per core on a CPU (at most 8)
     # Tune retries of a failed trial (node loss, OOM) before the trial counts as errored; a `ScoringError` (the same
-    # on every try) is not scored again by them, only by a --resume (pipelines/run/trial.py `run_trial`)
+    # on every try) is not retried, only scored again by a --resume (pipelines/run/trial.py `run_trial`)
     max_failures: Annotated[StrictInt, Field(ge=-1), expect("an int >= 0 (or -1: unlimited)")] = 2
     seed: Annotated[StrictInt, expect("an int")] = 0  # random draws and optuna's sampler
     # Tune's experiment dir; None: $PROMPRUNE_STORAGE, else ./outputs/tune (needs shared storage on clusters)

@@ -1,7 +1,7 @@
 """Tune's retries of a failed trial (`tune.max_failures`) on a local Ray: a scoring error that is the same on every
 try (`ScoringError`: a task's process_results raising, as an LLM-judged task's does when its judge cannot grade) is
-not scored again within the sweep, so the judge's requests are not sent again; a trial whose process died is
-retried; a `--resume` scores the failed trial again."""
+not retried within the sweep (Tune starts the trial once), so the judge's requests are not sent again; a trial whose
+process died is retried; a `--resume` scores the failed trial again."""
 from __future__ import annotations
 
 import functools
@@ -33,6 +33,13 @@ CRASH_ONCE = """    import os
         os._exit(1)
     return {{'accuracy': 1.0}}
 """
+
+
+def tries(experiment_path: str, text: str) -> int:
+    """How many times Tune ran the trial whose error file (Tune's, one "Failure # n" entry per failed try, kept
+    across a --resume) holds ``text``."""
+    [found] = [f for f in Path(experiment_path).rglob("error.txt") if text in f.read_text()]
+    return found.read_text().count("Failure # ")
 
 
 def counted_run(vlm, rows, batch_size, *, log: str):
@@ -79,7 +86,9 @@ def test_a_deterministic_scoring_error_is_not_retried_but_a_lost_process_is_and_
     assert sorted(generated.read_text().split()) == ["own_crash"] * 2 + ["own_judged"] * 2
     assert (tasks_ray / "crashed").exists() and crash not in outcome.failed  # the lost process: retried, finished
     assert outcome.failed == [judged]
-    assert calls.read_text() == "x"  # scored once: Tune's 2 retries did not send the judge's requests again
+    assert calls.read_text() == "x"  # scored once
+    assert tries(outcome.experiment_path, "the judge gave no grade") == 1  # not retried (was 3: 2 retries, each
+    # raising the noted error at once in a freshly started trial)
     error = outcome.records[judged]["error"]
     assert "ScoringError: task 'own_judged': its process_results raised ValueError: the judge gave no grade" in error
     run = tracking.latest_trial_runs(tracking.client(), outcome.parent_run_id)[judged]
@@ -95,4 +104,5 @@ def test_a_deterministic_scoring_error_is_not_retried_but_a_lost_process_is_and_
     assert checkpoints.saved_samples(blocks, judged) == 2  # still failed: still kept
     assert resumed.failed == [judged] and resumed.parent_run_id == outcome.parent_run_id
     assert calls.read_text() == "xx"  # once more, and again not retried within the resumed session
+    assert tries(outcome.experiment_path, "the judge gave no grade") == 2
     assert "the judge gave no grade" in resumed.records[judged]["error"]
