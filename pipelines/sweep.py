@@ -77,6 +77,7 @@ if __name__ == "__main__":
 
     refuse_early(sys.argv[1:])
 
+import ray
 from ray import tune
 
 from promprune.records import Request, key_task
@@ -231,8 +232,9 @@ def _run_sweep(spec: specs.SweepSpec, began: float, *, resume, run_fn, regressio
             pool = _start_workers(spec, plan, run_fn, experiment)
         else:
             pool.replan(plan)  # the pool's size for the blocks there are
-        return _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool, regression_threshold,
-                         command, experiment)
+        with pool_watch.Watch(experiment, pool.handle):  # its death stops the sweep, resumable (calibration, Tune)
+            return _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool, regression_threshold,
+                             command, experiment)
     finally:
         if pool is not None:
             pool.close()  # the workers end with the sweep: their GPUs are free, nothing asks the autoscaler for more
@@ -310,6 +312,18 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
     if "calibrated" not in state:  # mu: calibrate trials: measured once per sweep (a resume reuses the values)
         try:
             state["calibrated"] = calibrate(spec, trials, pool, client, parent_id)
+        except ray.exceptions.RayActorError as e:
+            dead = pool_watch.dead(experiment, pool.handle)
+            if not dead:
+                if resume is None:
+                    tracking.finish(client, parent_id, "FAILED")
+                raise
+            # the pool died: the state saved without `calibrated`, so that the resume calibrates again
+            save_state(storage, {**state, "driver": driver})
+            stopped = pool_watch.message(dead, resume_command(state))
+            client.set_tag(parent_id, mlflow_layout.INTERRUPTED, tracking.interrupted_note(resume_command(state)))
+            tracking.finish(client, parent_id, "KILLED")
+            raise pool_watch.PoolLost(stopped) from e
         except BaseException:  # nothing saved yet to resume: the parent run ends FAILED, not RUNNING for ever
             if resume is None:
                 tracking.finish(client, parent_id, "FAILED")
@@ -333,8 +347,10 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 attached(recorder), callbacks_counted_without_integrations():
             console.bar = bar
             timeline.mark("tune_start", "driver")
-            pool_watch.watch(state["experiment"], pool.handle)
             for phase in search.phases(spec):
+                dead = pool_watch.lost(experiment)  # (the calibration ran while it died, or the experiment before)
+                if dead:
+                    raise pool_watch.PoolLost(pool_watch.message(dead, resume_command(state)))
                 objective = _objective(spec, phase, rows, recorder)
                 if phase.searched and objective is None:
                     break  # the baseline failed: said, and the sweep exits 1
@@ -345,7 +361,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 try:
                     _reconcile(recorder, grid, phase.trials, spec.tune.num_samples if not phase.trials else None)
                 except SweepInterrupted as e:
-                    dead = pool_watch.lost(state["experiment"])
+                    dead = pool_watch.lost(experiment)
                     if dead:
                         raise pool_watch.PoolLost(pool_watch.message(dead, resume_command(state))) from None
                     full = disk.tripped(state["experiment"])  # the watch stopped it: a disk ran low, or unwritable
@@ -523,7 +539,9 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
             raise specs.SpecError([unreadable_tune_state(f"{storage}/{name}/{TUNE_STATE}", None,
                                                          f"{type(exc).__name__}: {exc}", state)], "--resume") from None
     watch = disk.DiskWatch(state["experiment"], _writes_to(spec))
-    lost = pool_watch.PoolWatch(state["experiment"])  # the sweep's Pool actor dead: stopped as a full disk stops it
+    # the sweep's Pool actor dead: stopped as a full disk stops it (by `pool_watch.Watch`, a thread of the driver,
+    # which also watches a restored experiment; this stopper is its fallback where Tune's stop handler is not installed)
+    lost = pool_watch.PoolWatch(state["experiment"])
     callbacks = [RecorderHook(), watch, lost, trial.ScoringErrorsNotRetried()]  # a ScoringError: no Tune retry
     journal = f"{sweep_dir(storage, state['experiment'])}/{search.JOURNAL}{phase.suffix}.json"
     scheduler = search.scheduler(spec, recorder.console.per_trial, journal) if phase.searched else None

@@ -259,7 +259,7 @@ class SweepRecorder:
         """The sweep stops before its end (Ctrl-C, SIGTERM, a full disk, an error): the parent and every trial run it
         left open end KILLED, tagged with the command that resumes them (they stayed RUNNING for ever, and no later
         start marked them); a ``--resume`` opens them again, untagged, as after a dead driver."""
-        tags = {INTERRUPTED: f"the sweep stopped before its end; resume with: {resume}"} if resume else {}
+        tags = {INTERRUPTED: tracking.interrupted_note(resume)} if resume else {}
         for tid in self.began:
             if tid not in self.ended:
                 self._close(tid, "KILLED", tags=tags)  # not ended: a resume continues it

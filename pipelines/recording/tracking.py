@@ -99,6 +99,11 @@ def ui_url(sweep: str | None = None, run_id: str | None = None) -> str | None:
     return mlflow_layout.ui_url(exp.experiment_id, key if key and mlflow_layout.SAVED_VIEW + key in exp.tags else None)
 
 
+def interrupted_note(resume: str) -> str:
+    """The `mlflow_layout.INTERRUPTED` tag of a run the sweep left unfinished when it stopped before its end."""
+    return f"the sweep stopped before its end; resume with: {resume}"
+
+
 def finish(c, run_id: str, status: str = "FINISHED") -> None:
     c.set_tag(run_id, mlflow_layout.FINISHED_AT, iso(time.time()))
     c.set_terminated(run_id, status=status)

@@ -49,9 +49,11 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
     at most ``max_workers`` at once, each granted by the pool for one block; yields ``(block id, predictions)`` as
     blocks come back, in no particular order. Close it (`run` does) to cancel what is still queued.
 
-    ``block_timeout_s`` (`resources.block_timeout_s`): a block outstanding longer than it plus `FROZEN_MARGIN_S` gets
-    its worker killed from here (Ray restarts it and sends the block again; the pool counts the attempt): the
-    worker's own watchdog cannot end a frozen process (SIGSTOP, a stopped container), a thread of it."""
+    ``block_timeout_s`` (`resources.block_timeout_s`): a block outstanding longer than it plus `FROZEN_MARGIN_S`,
+    counted from when it was sent or its worker was last ready to work (its model loaded again after Ray restarted
+    it; never while it loads), gets its worker killed from here (Ray restarts it and sends the block again; the pool
+    counts the attempt): the worker's own watchdog cannot end a frozen process (SIGSTOP, a stopped container), a
+    thread of it."""
     todo = collections.deque((ref, keys) for ref, keys in zip(requests.blocks, requests.block_keys)
                              if not set(keys) <= skip)
     evaluation = uuid.uuid4().hex  # this run's attempts in the pool (a retried trial starts afresh)
@@ -91,7 +93,7 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
                     continue
                 yield block_id(keys), table
             if block_timeout_s is not None:
-                _kill_frozen(inflight, trial, block_timeout_s + FROZEN_MARGIN_S)
+                _kill_frozen(inflight, trial, block_timeout_s + FROZEN_MARGIN_S, pool)
             if min(len(todo) + len(inflight), max_workers) < leased:  # the other workers may go to other trials
                 leased = min(len(todo) + len(inflight), max_workers)
                 pool.lease.remote(holder, leased)
@@ -101,23 +103,38 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
         pool.release.remote(holder)
 
 
-def _kill_frozen(inflight: dict, trial: Trial, limit_s: float) -> None:
-    """Kill the worker of each call of ``inflight`` outstanding longer than ``limit_s`` (Ray restarts it and sends the
-    call again), with a line saying so; its clock starts again."""
+def _kill_frozen(inflight: dict, trial: Trial, limit_s: float, pool) -> None:
+    """Kill the worker of each call of ``inflight`` that has worked longer than ``limit_s`` without an answer (Ray
+    restarts it and sends the call again), with a line saying so; its clock starts again.
+
+    A call's clock runs from when it was sent (or its worker last killed from here), and only while its worker is
+    ready to work: past ``limit_s`` on that clock, the pool says how long ago the worker last finished loading its
+    model (`Pool.ready_for`: 0 while it loads, after Ray restarted it), and the shorter of the two is what counts. A
+    worker that died on its own (its watchdog, a segfault) and reloads its model, however slowly, is not mistaken for
+    a frozen one; a worker the pool knows nothing of (the pool out of reach) is judged on the call's clock alone."""
     from pipelines.console import say
 
     now = time.monotonic()
     for call, (ref, keys, wid, worker, since) in list(inflight.items()):
-        if now - since > limit_s:
-            say(f"[hung] {trial.trial_id}: block {block_id(keys)} has had no answer for {now - since:.0f}s (past "
-                f"resources.block_timeout_s + {FROZEN_MARGIN_S:g}s: its worker frozen or stuck); its worker {wid} is "
-                "killed, so that Ray restarts it and sends the block again")
-            ray.kill(worker, no_restart=False)
-            inflight[call] = (ref, keys, wid, worker, now)
+        if now - since <= limit_s:
+            continue
+        try:
+            ready = ray.get(pool.ready_for.remote(wid), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            ready = None
+        worked = now - since if ready is None else min(now - since, ready)
+        if worked <= limit_s:  # loading, or ready again since: its clock starts when it was
+            inflight[call] = (ref, keys, wid, worker, now - worked)
+            continue
+        say(f"[hung] {trial.trial_id}: block {block_id(keys)} has had no answer for {worked:.0f}s of its worker's work "
+            f"(past resources.block_timeout_s + {FROZEN_MARGIN_S:g}s: its worker frozen or stuck); its worker {wid} is "
+            "killed, so that Ray restarts it and sends the block again")
+        ray.kill(worker, no_restart=False)
+        inflight[call] = (ref, keys, wid, worker, now)
 
 
 def _await_stop(error: Exception) -> None:
-    """The sweep's pool died: wait for the driver's `pool_watch.PoolWatch` to stop the sweep (Tune ends this trial
+    """The sweep's pool died: wait for the driver's `pool_watch.Watch` to stop the sweep (Tune ends this trial
     unfinished, uncharged, its saved blocks kept for `--resume`); past `POOL_LOST_WAIT_S` (no driver watching: an
     evaluation alone), raise `pool_watch.PoolLost`."""
     from pipelines.run.pool_watch import PoolLost

@@ -74,6 +74,8 @@ class Pool:
         self.heard: dict[str, float] = {}  # holder -> when it last called
         self.grants: dict[int, str] = {}  # worker id -> the holder whose block it answers
         self.started: dict[str, int] = {}  # block key (evaluation/block) -> attempts started
+        self.ids: dict[int, str] = {}  # worker id -> its Ray actor id (what its `ready` answered)
+        self.loads: dict[str, tuple[float, float | None]] = {}  # actor id -> (its last load began, ended or None)
         self.next_id, self.surplus_since = 0, None
         self.error: str | None = None  # why a worker could not start (its model did not load): every trial fails
         self.me = ray.get_runtime_context().current_actor
@@ -134,6 +136,24 @@ class Pool:
         self.started[key] = self.started.get(key, 0) + 1
         return self.started[key]
 
+    def loading(self, actor: str) -> None:
+        """The worker of Ray actor id ``actor`` begins loading its model (its process started, or restarted by Ray)."""
+        self.loads[actor] = (time.monotonic(), None)
+
+    def loaded(self, actor: str) -> None:
+        """The worker of Ray actor id ``actor`` has its model loaded: ready to answer blocks."""
+        began = self.loads.get(actor, (time.monotonic(), None))[0]
+        self.loads[actor] = (began, time.monotonic())
+
+    def ready_for(self, wid: int) -> float | None:
+        """Seconds since worker ``wid`` last finished loading its model (its first start or Ray's last restart of
+        it), 0.0 while it is loading, None where it never said (`engine._kill_frozen`: a block's clock counts only
+        the time its worker was ready to work)."""
+        load = self.loads.get(self.ids.get(wid, ""))
+        if load is None:
+            return None
+        return 0.0 if load[1] is None else time.monotonic() - load[1]
+
     def state(self) -> dict:
         """What the pool holds now: workers alive, up, granted, and the leases (for tests and the console)."""
         with self.lock:
@@ -175,7 +195,7 @@ class Pool:
         for wid in [w for w, ref in self.loading.items() if ref in done]:
             ref = self.loading.pop(wid)
             try:
-                ray.get(ref)
+                self.ids[wid] = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 self.error = self.error or f"{type(exc).__name__}: {exc}"[:4000]
                 self.workers.pop(wid, None)

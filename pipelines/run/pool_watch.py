@@ -1,16 +1,22 @@
 """The driver's watch on the sweep's `Pool` actor (`pipelines/run/pool.py`): the one process that grants the model
 workers to the trials. Ray does not restart it (its roster, leases and block attempts would need rebuilding), so when
-it dies (its process killed, a crash) no trial can get a worker. The watch asks the pool for its state every
-`CHECK_EVERY_S` from Tune's loop; once the pool is dead it stops the sweep as a full disk does (`disk.interrupt_tune`:
-Tune's state saved with the unfinished trials unfinished), and the driver ends with one paragraph (`PoolLost`) and
-the command that resumes the sweep. A trial that finds the pool dead waits for that stop (`engine.stream`) instead of
+it dies (its process killed, a crash) no trial can get a worker.
+
+The watch is a thread of the driver (`Watch`), running from the mu calibration to the end of Tune: it asks the pool
+for its state every `CHECK_EVERY_S`, and once the pool is dead it stops the Tune experiment running as a full disk
+does (`disk.interrupt_tune`: Tune's state saved with the unfinished trials unfinished; sent again each check, so an
+experiment that starts after the death is stopped too), and the driver ends with one paragraph (`PoolLost`) and the
+command that resumes the sweep. Being no Tune callback, it watches a resumed sweep whatever callbacks Tune restored
+from its saved state (`Tuner.restore` takes no callbacks: a sweep started before the watch existed restores none).
+The calibration, which runs before Tune, stops the same way when its call to the pool or to a worker finds the pool
+dead (`sweep._run_tune`, `dead`). A trial that finds the pool dead waits for that stop (`engine.stream`) instead of
 failing, so no trial is charged with the pool's death and its saved blocks are kept for the resume.
 
 What the watch found lives in this process (`lost`, by ``key``), never in Tune's pickle of its callbacks, so a
 resumed sweep starts unstopped."""
 from __future__ import annotations
 
-import time
+import threading
 
 import ray
 from ray import tune
@@ -18,18 +24,13 @@ from ray import tune
 from pipelines.run import disk
 
 CHECK_EVERY_S = 1.0
-_WATCHED: dict[str, object] = {}  # key (the sweep's experiment) -> its pool's handle
-_LOST: dict[str, str] = {}  # key -> what died, once the watch found it dead
+PING_TIMEOUT_S = 30.0  # `dead`: how long a pool that neither answers nor is known dead is waited for
+_LOST: dict[str, str] = {}  # key (the sweep's experiment) -> what died, once the watch found it dead
+_SIGNALLED: set[str] = set()  # keys whose watch reached Tune's stop handler (`PoolWatch`'s fallback not needed)
 
 
 class PoolLost(RuntimeError):
     """The sweep's `Pool` actor died: the sweep stopped, resumable (`message`)."""
-
-
-def watch(key: str, handle) -> None:
-    """The pool (``handle``: `WorkerPool.handle`) the `PoolWatch` of ``key`` watches in this process."""
-    _WATCHED[key] = handle
-    _LOST.pop(key, None)
 
 
 def lost(key: str) -> str | None:
@@ -44,46 +45,85 @@ def message(what: str, resume: str) -> str:
             "blocks kept). Finish it with:\n  " + resume)
 
 
+def _what(error: Exception) -> str:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    return f"the sweep's Pool actor, which grants the model workers to the trials, died ({first})"
+
+
+def dead(key: str, handle, timeout_s: float = PING_TIMEOUT_S) -> str | None:
+    """What died if the pool (``handle``) of ``key`` is dead, asked now and recorded as the watch records it (`lost`);
+    None while it answers (or has not answered within ``timeout_s``: not known dead)."""
+    if key in _LOST:
+        return _LOST[key]
+    try:
+        ray.get(handle.state.remote(), timeout=timeout_s)
+    except ray.exceptions.RayActorError as e:
+        _LOST[key] = _what(e)
+        return _LOST[key]
+    except ray.exceptions.GetTimeoutError:
+        return None
+    return None
+
+
+class Watch:
+    """``with Watch(key, handle):`` a thread of the driver asking the pool (``handle``: `WorkerPool.handle`) for its
+    state every `CHECK_EVERY_S`; once it is dead, `lost` says what died and Tune's experiment running (or the next to
+    start) is stopped as Ctrl-C stops it (see the module's docstring)."""
+
+    def __init__(self, key: str, handle, every_s: float = CHECK_EVERY_S):
+        self.key, self.handle, self.every_s = key, handle, every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pool-watch-{key}", daemon=True)
+
+    def __enter__(self) -> "Watch":
+        _LOST.pop(self.key, None)
+        _SIGNALLED.discard(self.key)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._done.set()
+        self._thread.join(timeout=5.0)
+        return False
+
+    def _run(self) -> None:
+        ping = None
+        while not self._done.wait(self.every_s):
+            if self.key in _LOST:
+                self._stop_tune()  # again: a Tune experiment started since (or Tune's handler installed since)
+                continue
+            if ping is None:
+                ping = self.handle.state.remote()
+            ready, _ = ray.wait([ping], timeout=0)
+            if not ready:
+                continue
+            ping, answered = None, ping
+            try:
+                ray.get(answered)
+            except ray.exceptions.RayActorError as e:
+                self._stop_tune()  # before `lost` says so: `PoolWatch`'s stopper stops Tune only where this did not
+                _LOST[self.key] = _what(e)
+
+    def _stop_tune(self) -> None:
+        if disk.interrupt_tune():
+            _SIGNALLED.add(self.key)
+
+
 class PoolWatch(tune.Callback, tune.Stopper):
-    """Stops the Tune experiment when the watched pool's actor is dead (see the module's docstring)."""
+    """The watch's fallback inside Tune (in the callbacks and stoppers of a sweep's experiments): it stops the
+    experiment with a stopper's ``stop_all`` once `Watch` found the pool dead, only where Tune's stop handler could not
+    be reached (Tune not run in the main thread). The watching is `Watch`'s; an experiment saved by a sweep started
+    before the watch existed restores none of this, and is watched all the same."""
 
     def __init__(self, key: str):
         self.key = key
-        self._ping = None  # the pool's `state` call in flight
-        self._last = 0.0
-        self._stop = False
 
     def __getstate__(self):
-        return {"key": self.key, "_ping": None, "_last": 0.0, "_stop": False}
-
-    def on_step_begin(self, iteration, trials, **info):
-        self._look()
-
-    def _look(self) -> None:
-        handle = _WATCHED.get(self.key)
-        if handle is None or self.key in _LOST:
-            return
-        now = time.monotonic()
-        if self._ping is None:
-            if now - self._last >= CHECK_EVERY_S:
-                self._ping, self._last = handle.state.remote(), now
-            return
-        ready, _ = ray.wait([self._ping], timeout=0)
-        if not ready:
-            return
-        ping, self._ping = self._ping, None
-        try:
-            ray.get(ping)
-        except ray.exceptions.RayActorError as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            _LOST[self.key] = (f"the sweep's Pool actor, which grants the model workers to the trials, died "
-                               f"({first})")
-            if not disk.interrupt_tune():
-                self._stop = True
+        return {"key": self.key}
 
     # tune.Stopper
     def __call__(self, trial_id, result) -> bool:
-        return self._stop
+        return self.stop_all()
 
     def stop_all(self) -> bool:
-        return self._stop
+        return self.key in _LOST and self.key not in _SIGNALLED

@@ -24,8 +24,9 @@ sweep's experiment), so two sweeps never share a worker, and nothing of one mode
   `resources.block_attempts` returns the block's requests as failed samples, named, instead of running it. One
   block per call, so a block that kills its worker is the only one charged. A `Watchdog` makes a worker whose block
   hangs past `resources.block_timeout_s` exit, which is the same case; a worker frozen whole (SIGSTOP: its watchdog
-  thread frozen with it) is killed by its trial past that plus `engine.FROZEN_MARGIN_S`. A block whose call raises
-  as a whole is retried in the worker, then recorded with its error (`Worker.answer`).
+  thread frozen with it) is killed by its trial past that plus `engine.FROZEN_MARGIN_S` of work (the time a
+  restarted worker spends loading its model is not counted: `Pool.ready_for`). A block whose call raises as a whole
+  is retried in the worker, then recorded with its error (`Worker.answer`).
 """
 from __future__ import annotations
 
@@ -135,6 +136,9 @@ class Worker:
 
     def __init__(self, source: ModelSource, batch_size: int, failover: Failover, pool=None,
                  run_fn: Callable | None = None):
+        me = ray.get_runtime_context().get_actor_id()
+        if pool is not None:  # (again at each restart by Ray: the trials' clock of a block skips the load)
+            pool.loading.remote(me)
         import torch
 
         if timeline.enabled():
@@ -146,12 +150,14 @@ class Worker:
         self.base = source.load(method=None, budget=None)  # the model, unpruned; each trial wraps it (`_vlm`)
         self.wrapped: dict[str, object] = {}
         self.run_fn = run_fn or default_run_requests
-        self.node = ray.get_runtime_context().get_node_id()
+        self.node, self.actor = ray.get_runtime_context().get_node_id(), me
+        if pool is not None:
+            pool.loaded.remote(me)
         timeline.mark("actor_ready", "actor")
 
     def ready(self) -> str:
-        """This worker's node (answered once the model is loaded)."""
-        return self.node
+        """This worker's Ray actor id (answered once the model is loaded: `Pool.ready_for` keys its loads by it)."""
+        return self.actor
 
     def holds(self) -> tuple[str, str]:
         """(the checkpoint, the dtype its weights are in) of the model this worker holds."""

@@ -182,15 +182,15 @@ def test_a_block_that_kills_or_hangs_its_actor_becomes_failed_samples(local_ray,
     assert run.data.metrics["samples/failed"] == 1
 
 
-def pool_killing_run(vlm, rows, batch_size, *, marker: str, log: str):
-    """The real model, writing one line per sample it generates; the block with doc_id 1 kills the sweep's `Pool`
-    actor (`ray.kill` on its named handle), once (``marker``), after answering."""
+def pool_killing_run(vlm, rows, batch_size, *, marker: str, log: str, doc: int | None = 1):
+    """The real model, writing one line per sample it generates; the block with doc_id ``doc`` (None: the first
+    block) kills the sweep's `Pool` actor (`ray.kill` on its named handle), once (``marker``), after answering."""
     from promprune.eval import run_requests
 
     preds = run_requests(vlm, rows, batch_size=batch_size)
     with open(log, "a") as f:
         f.writelines(f"{r.doc_id}\n" for r in rows)
-    if any(r.doc_id == 1 for r in rows) and not os.path.exists(marker):
+    if (doc is None or any(r.doc_id == doc for r in rows)) and not os.path.exists(marker):
         Path(marker).touch()
         pools = [n for n in ray.util.list_named_actors() if n.startswith("promprune-pool/")]
         assert len(pools) == 1, pools
@@ -237,6 +237,81 @@ def test_a_dead_pool_stops_the_sweep_resumable_and_charges_no_trial(local_ray, w
     assert set(first) | set(again) == set(range(6))
 
 
+def stalling_run(vlm, rows, batch_size, *, marker: str):
+    """The real model for doc_ids 0 and 1; a block with a later one leaves ``marker`` and never answers (the test
+    stops the sweep meanwhile, so that it stops with blocks saved and blocks to do)."""
+    from promprune.eval import run_requests
+
+    if any(r.doc_id >= 2 for r in rows):
+        Path(marker).touch()
+        time.sleep(3600)
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+def _as_saved_before_the_watch(storage: Path) -> None:
+    """Rewrite each Tune experiment's saved state under ``storage`` as a sweep started before the pool watch existed
+    saved it: its callbacks and stopper without `pool_watch.PoolWatch` (`Tuner.restore` takes its callbacks from
+    there)."""
+    import pickle
+
+    from pipelines.run.disk import DiskWatch
+    from pipelines.run.pool_watch import PoolWatch
+
+    pickles = list(storage.rglob("tuner.pkl"))
+    assert pickles
+    for path in pickles:
+        state = pickle.loads(path.read_bytes())
+        config = state["_run_config"]
+        assert any(isinstance(s, PoolWatch) for s in config.stop._stoppers)
+        config.callbacks = [c for c in config.callbacks if not isinstance(c, PoolWatch)]
+        config.stop = next(c for c in config.callbacks if isinstance(c, DiskWatch))
+        path.write_bytes(pickle.dumps(state))
+
+
+def test_a_resumed_sweep_saved_without_the_watch_is_watched(local_ray, workdir):
+    """A sweep whose saved Tune state has no pool watch among its callbacks (started before the watch existed;
+    `Tuner.restore` restores the saved callbacks, and takes none) is resumed, and its `Pool` actor is killed
+    mid-trial: the resume stops as a fresh sweep does (`PoolLost`, the resume command), the trial not failed. (The
+    resumed sweep ran unwatched: the trial waited for a stop that never came, then failed on the dead pool.)"""
+    import threading
+
+    from pipelines.run import disk
+    from pipelines.run.pool_watch import PoolLost
+    from pipelines.run.state import load_state, storage_root
+
+    spec = specs.parse({
+        "name": "poolresume", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 6, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1}, "tune": {"max_failures": 0}})
+    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+    stalled = workdir / "stalled"
+
+    def stop_tune():  # Ctrl-C's stop, once a block stalls (Tune's handler, in this process's main thread)
+        while not stalled.exists():
+            time.sleep(0.2)
+        while not disk.interrupt_tune():
+            time.sleep(0.2)
+
+    stopper = threading.Thread(target=stop_tune, daemon=True)
+    stopper.start()
+    with pytest.raises(sweep.SweepInterrupted):
+        sweep.run_sweep(spec, rows=rows, run_fn=functools.partial(stalling_run, marker=str(stalled)))
+    stopper.join(timeout=10)
+    _as_saved_before_the_watch(Path(storage_root(spec)))
+
+    log = workdir / "generated"
+    run_fn = functools.partial(pool_killing_run, marker=str(workdir / "killed"), log=str(log), doc=None)
+    started = time.monotonic()
+    with pytest.raises(PoolLost) as lost:
+        sweep.run_sweep(spec, rows=rows, run_fn=run_fn, resume="latest")
+    assert time.monotonic() - started < 300
+    text = str(lost.value)
+    assert "worker pool lost: the sweep's Pool actor" in text and "--resume" in text, text
+    state = load_state(storage_root(spec), spec.name, "latest")
+    runs = tracking.latest_trial_runs(tracking.client(), state["parent_run_id"])
+    assert {tid: r.info.status for tid, r in runs.items()} in ({}, {"divprune-b4": "KILLED"})  # not FAILED
+
+
 def freezing_run(vlm, rows, batch_size, *, poison: int, marker: str):
     """The real model, except that the request with doc_id ``poison`` freezes its worker (SIGSTOP: its watchdog
     thread frozen with it), once (``marker``)."""
@@ -272,6 +347,71 @@ def test_a_frozen_worker_is_killed_by_the_trial_and_its_block_retried(local_ray,
     logs = Path(ray._private.worker._global_node.get_session_dir_path(), "logs")
     said = "".join(p.read_text(errors="replace") for p in logs.glob("worker-*.out"))
     assert "[hung] divprune-b4: block " in said and "its worker frozen or stuck" in said
+
+
+def slow_reload_source(loads: str, slow_s: float):
+    """tiny:llava, each load leaving a file in ``loads``; the first two (the pool's first workers) load at once, the
+    next two (Ray's restarts of them) after ``slow_s`` (a 7B model read again from a slow disk), any later at once.
+    Defined here so cloudpickle ships it by value."""
+    from dataclasses import dataclass
+
+    from pipelines.weights import ModelSource
+
+    @dataclass
+    class SlowReload(ModelSource):
+        loads: str = ""
+        slow_s: float = 0.0
+
+        def load(self, **kwargs):
+            n = len(os.listdir(self.loads)) + 1
+            Path(self.loads, f"{n}-{os.getpid()}").touch()
+            if n in (3, 4):
+                time.sleep(self.slow_s)
+            return super().load(**kwargs)
+
+    return SlowReload("tiny:llava", loads=loads, slow_s=slow_s)
+
+
+def dying_or_freezing_run(vlm, rows, batch_size, *, markers: str):
+    """The real model, except that on its first attempt the block of doc_id 1 exits its worker (a segfault) and the
+    block of doc_id 2 freezes it (SIGSTOP)."""
+    from promprune.eval import run_requests
+
+    for doc, how in ((1, "exit"), (2, "stop")):
+        marker = Path(markers, how)
+        if any(r.doc_id == doc for r in rows) and not marker.exists():
+            marker.touch()
+            if how == "exit":
+                os._exit(11)
+            os.kill(os.getpid(), signal.SIGSTOP)
+    return run_requests(vlm, rows, batch_size=batch_size)
+
+
+def test_a_restarted_worker_loading_slowly_is_not_taken_for_a_frozen_one(local_ray, workdir, monkeypatch):
+    """The trial's frozen-worker clock (block_timeout_s + `engine.FROZEN_MARGIN_S`, here 20 + 2 s) counts only the
+    time a worker is ready to work. A worker that died on a block (doc 1) and whose restart loads its model for 40 s is
+    left to load, and so is the restart of the worker frozen on doc 2 (SIGSTOP), which is killed once, past 22 s: four
+    loads in all (two workers, two restarts), every sample answered. (The clock counted the reloads: each slow restart
+    was killed mid-load as frozen and loaded again, six loads.)"""
+    from pipelines.run import engine
+    from pipelines.run.trial import alone, predict
+
+    monkeypatch.setattr(engine, "FROZEN_MARGIN_S", 2.0)  # the trial's loop runs here, in this process
+    loads, markers = workdir / "loads", workdir / "markers"
+    loads.mkdir()
+    markers.mkdir()
+    spec = specs.parse({
+        "name": "reload", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 3, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1, "block_timeout_s": 20}})
+    spec.model = slow_reload_source(str(loads), slow_s=40.0)
+    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+    with alone(spec, rows, run_fn=functools.partial(dying_or_freezing_run, markers=str(markers))) as shared:
+        assert shared.plan.max_actors == 2
+        preds = predict(specs.Trial("divprune", 4), shared).to_pandas()
+    assert sorted(os.listdir(markers)) == ["exit", "stop"]  # the worker did die, and the other froze
+    assert sorted(preds["doc_id"]) == [0, 1, 2] and preds["error"].isna().all()
+    assert len(os.listdir(loads)) == 4, sorted(os.listdir(loads))
 
 
 # ----------------------------------------------------------------------------------------------------------------
