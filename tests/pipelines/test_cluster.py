@@ -138,6 +138,44 @@ def test_killing_a_worker_node_mid_evaluation(cluster, tmp_path, monkeypatch, ml
     cluster.wait_for_nodes(300)
 
 
+def test_a_pool_that_dies_during_the_calibration_stops_the_sweep_resumable(cluster, tmp_path, monkeypatch, mlflow_db):
+    """mu: calibrate on a cluster this process joined runs on one of the sweep's workers, which the driver asks the
+    pool for. The pool's actor killed as the calibration starts: the sweep stops with the pool's paragraph and the
+    resume command (`PoolLost`: exit 2 from the CLI), its parent run KILLED, not FAILED; the resume calibrates and
+    finishes. (The calibration's call raised Ray's "actor died" error out of the sweep: exit 1, a traceback, the
+    parent run FAILED, nothing saved to resume.)"""
+    from pipelines import calibration
+    from pipelines.run.pool_watch import PoolLost
+
+    monkeypatch.chdir(tmp_path)
+    spec = specs.parse({
+        "name": "calpool", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 2, "baseline": False, "grid": {}, "trials": [{"method": "promprune", "budget": 8, "mu": "calibrate"}],
+        "calibration": {"images": "testbed:train", "n": 4}, "generation": {"max_new_tokens": 1},
+        "resources": {"workers": 1, "gpus_per_worker": 1, "batch_size": 1, "actor_wait_s": 180},
+        "tune": {"max_failures": 0}})
+    shipped = calibration.shipped_results
+
+    def killing_the_pool(*args, **kwargs):  # the calibration stage begins: the pool's actor dies
+        (name,) = [n for n in ray.util.list_named_actors() if n.startswith("promprune-pool/")]
+        ray.kill(ray.get_actor(name))
+        return shipped(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "shipped_results", killing_the_pool)
+    with pytest.raises(PoolLost) as lost:
+        sweep.run_sweep(spec)
+    text = str(lost.value)
+    assert "worker pool lost: the sweep's Pool actor" in text and "--resume" in text, text
+    c = tracking.client()
+    (parent,) = c.search_runs([tracking.experiment_id(c)], "tags.`promprune.sweep` = 'calpool'")
+    assert parent.info.status == "KILLED"
+
+    monkeypatch.setattr(calibration, "shipped_results", shipped)
+    outcome = sweep.run_sweep(spec, resume="latest")
+    assert outcome.failed == [] and outcome.parent_run_id == parent.info.run_id
+    assert "calibration/median_spectral" in c.get_run(parent.info.run_id).data.metrics
+
+
 @pytest.mark.parametrize("prebuilt", [False, True], ids=["rows", "sweep-dataset"])
 def test_unplaceable_actors_fail_instead_of_hanging(cluster, prebuilt):
     """Also when the rows arrive as the sweep's prebuilt dataset."""
