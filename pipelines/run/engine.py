@@ -109,9 +109,11 @@ def _kill_frozen(inflight: dict, trial: Trial, limit_s: float, pool) -> None:
 
     A call's clock runs from when it was sent (or its worker last killed from here), and only while its worker is
     ready to work: past ``limit_s`` on that clock, the pool says how long ago the worker last finished loading its
-    model (`Pool.ready_for`: 0 while it loads, after Ray restarted it), and the shorter of the two is what counts. A
-    worker that died on its own (its watchdog, a segfault) and reloads its model, however slowly, is not mistaken for
-    a frozen one; a worker the pool knows nothing of (the pool out of reach) is judged on the call's clock alone."""
+    model (`Pool.ready_for`: 0 while it loads, after Ray restarted it, for up to `pool.LOAD_ALLOWANCE_S`), and the
+    shorter of the two is what counts. A worker that died on its own (its watchdog, a segfault) and reloads its
+    model within that allowance, however slowly, is not mistaken for a frozen one, while a load that hangs past it is
+    killed as a frozen block is; a worker the pool knows nothing of (the pool out of reach) is judged on the call's
+    clock alone."""
     from pipelines.console import say
 
     now = time.monotonic()

@@ -16,6 +16,9 @@ TRIM_EVERY_S = 1.0  # how often the pool compares its workers with what its leas
 # a holder not heard from for this long (its trial's process died without releasing) loses its lease and grants; a
 # live trial is heard from at least every `engine.HEARTBEAT_S`
 HOLDER_TIMEOUT_S = 60.0
+# a worker's model load longer than this counts toward its block's frozen-worker clock (`Pool.ready_for`): a slow
+# reload is not taken for a frozen worker, a load that hangs (a stuck file system, a worker frozen while loading) is
+LOAD_ALLOWANCE_S = 1800.0
 WARM = "__warm__"  # the driver's lease while it sets the sweep up: dropped when the first trial leases
 
 
@@ -136,23 +139,25 @@ class Pool:
         self.started[key] = self.started.get(key, 0) + 1
         return self.started[key]
 
-    def loading(self, actor: str) -> None:
+    def load_began(self, actor: str) -> None:
         """The worker of Ray actor id ``actor`` begins loading its model (its process started, or restarted by Ray)."""
         self.loads[actor] = (time.monotonic(), None)
 
-    def loaded(self, actor: str) -> None:
+    def load_ended(self, actor: str) -> None:
         """The worker of Ray actor id ``actor`` has its model loaded: ready to answer blocks."""
         began = self.loads.get(actor, (time.monotonic(), None))[0]
         self.loads[actor] = (began, time.monotonic())
 
-    def ready_for(self, wid: int) -> float | None:
+    def ready_for(self, wid: int, load_allowance_s: float = LOAD_ALLOWANCE_S) -> float | None:
         """Seconds since worker ``wid`` last finished loading its model (its first start or Ray's last restart of
-        it), 0.0 while it is loading, None where it never said (`engine._kill_frozen`: a block's clock counts only
-        the time its worker was ready to work)."""
+        it), None where it never said (`engine._kill_frozen`: a block's clock counts only the time its worker was
+        ready to work). While it loads: 0.0 for its first ``load_allowance_s``, then the time past them, so a load
+        that hangs reaches the frozen-worker limit too."""
         load = self.loads.get(self.ids.get(wid, ""))
         if load is None:
             return None
-        return 0.0 if load[1] is None else time.monotonic() - load[1]
+        now = time.monotonic()
+        return max(0.0, now - load[0] - load_allowance_s) if load[1] is None else now - load[1]
 
     def state(self) -> dict:
         """What the pool holds now: workers alive, up, granted, and the leases (for tests and the console)."""

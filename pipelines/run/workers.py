@@ -25,8 +25,8 @@ sweep's experiment), so two sweeps never share a worker, and nothing of one mode
   block per call, so a block that kills its worker is the only one charged. A `Watchdog` makes a worker whose block
   hangs past `resources.block_timeout_s` exit, which is the same case; a worker frozen whole (SIGSTOP: its watchdog
   thread frozen with it) is killed by its trial past that plus `engine.FROZEN_MARGIN_S` of work (the time a
-  restarted worker spends loading its model is not counted: `Pool.ready_for`). A block whose call raises as a whole
-  is retried in the worker, then recorded with its error (`Worker.answer`).
+  restarted worker spends loading its model is not counted, up to `pool.LOAD_ALLOWANCE_S`: `Pool.ready_for`). A
+  block whose call raises as a whole is retried in the worker, then recorded with its error (`Worker.answer`).
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ class Worker:
                  run_fn: Callable | None = None):
         me = ray.get_runtime_context().get_actor_id()
         if pool is not None:  # (again at each restart by Ray: the trials' clock of a block skips the load)
-            pool.loading.remote(me)
+            pool.load_began.remote(me)
         import torch
 
         if timeline.enabled():
@@ -152,7 +152,7 @@ class Worker:
         self.run_fn = run_fn or default_run_requests
         self.node, self.actor = ray.get_runtime_context().get_node_id(), me
         if pool is not None:
-            pool.loaded.remote(me)
+            pool.load_ended.remote(me)
         timeline.mark("actor_ready", "actor")
 
     def ready(self) -> str:

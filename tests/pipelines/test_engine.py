@@ -483,3 +483,22 @@ def test_a_killed_driver_resumes_from_its_saved_blocks(workdir):
 
     frame = pd.read_parquet(artifact)
     assert sorted(frame["doc_id"]) == list(range(limit)) and frame["error"].isna().all()  # every sample once
+
+
+def test_a_load_that_hangs_past_the_allowance_counts_toward_the_frozen_clock():
+    """`Pool.ready_for` hides a worker's model load from the frozen-worker clock only for `LOAD_ALLOWANCE_S`: a worker
+    100 s into its load with a 60 s allowance has been 'ready' 40 s (so a load stuck for good is killed in the end);
+    within the allowance it reads 0; once loaded, the time since. The plain class, no actor: the arithmetic alone."""
+    import time
+
+    from pipelines.run import pool as pool_module
+
+    pool = pool_module.Pool.__new__(pool_module.Pool)
+    pool.ids, pool.loads = {0: "actor-a", 1: "actor-b"}, {}
+    pool.loads["actor-a"] = (time.monotonic() - 100.0, None)  # loading for 100 s
+    assert pool.ready_for(0, load_allowance_s=60.0) == pytest.approx(40.0, abs=1.0)
+    assert pool.ready_for(0, load_allowance_s=1800.0) == 0.0
+    assert pool.ready_for(0) == 0.0 and pool_module.LOAD_ALLOWANCE_S >= 600  # a real checkpoint's load fits
+    pool.load_ended("actor-a")
+    assert pool.ready_for(0, load_allowance_s=60.0) == pytest.approx(0.0, abs=1.0)
+    assert pool.ready_for(1) is None and pool.ready_for(7) is None  # never said: the block's own clock decides
