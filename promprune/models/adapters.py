@@ -467,9 +467,9 @@ def visual_token_capacity(config, adapter_options: dict | None = None) -> int | 
 def visual_token_ceiling(config, adapter_options: dict | None = None) -> int | None:
     """The most visual tokens one image gives the LLM under this config, counted as the in-LLM methods count them (the
     prompt's image placeholders, ``image_newline`` included): the family's ``most`` where the prompt holds tokens that
-    are no candidates (LLaVA-NeXT: one newline per row of the unpadded crop grid), else its
-    :func:`visual_token_capacity` (LLaVA-OneVision: newlines not counted yet); None where it depends on the image (no
-    fixed most) or for an unregistered type."""
+    are no candidates (LLaVA-NeXT / LLaVA-OneVision: one newline per row of the unpadded, or anyres-max resized, crop
+    grid), else its :func:`visual_token_capacity`; None where it depends on the image (no fixed most) or for an
+    unregistered type."""
     found = find_family(config)
     if found is None:
         return None
@@ -480,7 +480,8 @@ def visual_token_ceiling(config, adapter_options: dict | None = None) -> int | N
 def visual_token_floor(config, adapter_options: dict | None = None) -> int | None:
     """At most the fewest visual tokens any image gives the LLM under this config, counted as the in-LLM methods count
     them (the prompt's image placeholders, ``image_newline`` included): the family's ``fewest`` (LLaVA-1.5 and a Qwen
-    with ``image_tokens``: every image's count; LLaVA-NeXT / OneVision: the base view; InternVL: one tile; Gemma 4:
+    with ``image_tokens``: every image's count; LLaVA-NeXT: the base view; LLaVA-OneVision: the fewest placeholders
+    any image gives, its crop grid's newlines included; InternVL: one tile; Gemma 4:
     the fewest soft tokens any aspect ratio gives; MiniCPM-V 4.6: an ultra-wide image's one token per view); None
     when none is known or for an unregistered type."""
     found = find_family(config)

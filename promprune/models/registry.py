@@ -63,7 +63,7 @@ class Family:
       depends on the image); ``max_views(config) -> int``: the most views one image gives.
     - ``most(config, adapter_options) -> int | None``: the most visual tokens one image gives counted as the in-LLM
       methods count them (the image placeholders in the prompt, ``image_newline`` tokens included), where that exceeds
-      ``capacity`` (LLaVA-NeXT: the newlines); None (the default): ``capacity`` counts them all. What
+      ``capacity`` (LLaVA-NeXT, LLaVA-OneVision: the newlines); None (the default): ``capacity`` counts them all. What
       ``vlm.larger_images_problem`` tries an in-LLM budget at.
     - ``fewest(config, adapter_options) -> int | None``: a floor on the visual tokens every image gives, counted as the
       in-LLM methods count them (the image placeholders in the prompt, ``image_newline`` tokens included), at most the

@@ -178,7 +178,7 @@ def larger_images_problem(config, method: str | None, budget: int | None, method
                           adapter_options: dict) -> str | None:
     """Why an in-LLM ``budget`` that some images can run (``construction_problems`` passes it) fails on the larger
     ones, or None: ``llm_hooks.plan_problem`` fails at the most visual tokens one image gives, counted as the in-LLM
-    methods count them (``adapters.visual_token_ceiling``: LLaVA-NeXT's newline tokens included), but
+    methods count them (``adapters.visual_token_ceiling``: LLaVA-NeXT's / OneVision's newline tokens included), but
     not at the fewest (``adapters.visual_token_floor``). Such images are each a failed sample at run time;
     ``PrunedVLM`` warns at construction and the pipeline's preflight says it once, with the first token count that
     fails (the refusal only rises with the count: found by bisection). None too where the most depends on the image

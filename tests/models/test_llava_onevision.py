@@ -153,3 +153,66 @@ def test_capacity_is_the_most_candidates_transformers_packs_for_any_image():
     grid = [64, 300, 384, 500, 768, 1000, 1100, 1331, 1536, 2000, 2304, 3000, 5000]
     counts = packed_counts(config, [(1100, 1331), *((h, w) for h in grid for w in grid)])
     assert counts[0] == (7938 + 729, 81) and max(c for c, _ in counts) == 8667
+
+
+def test_the_capacity_counts_no_crop_grid_no_image_is_given():
+    """Counting every unpadded extent of every pinpoint's grid over-counts where the even cut of the padding or the
+    pinpoint transformers picks leaves that extent to no image: the released 7B config at anyres_max_8 (an unresized
+    grid holds at most 8 x 729 x 1.21 = 7056.7 tokens) was given 729 + 7047, 3 x 4 crops (81 x 108) unpadded to 81 x
+    87, but 108 - 87 columns of padding are not cut evenly: an image keeps 86 or 88 of them (81 x 88 = 7128 is
+    resized down). The most the model's own pack_image_features gives is 729 + 7020 (a 739 x 1920 image), which no
+    size of a grid of aspect ratios exceeds."""
+    from promprune.models.adapters import visual_token_capacity
+    from promprune.models.factories import model_config
+
+    config = model_config("shape:llava_onevision_7b")
+    config.vision_aspect_ratio = "anyres_max_8"
+    assert visual_token_capacity(config) == 729 + 7020
+    grid = [300, 384, 500, 739, 768, 1000, 1100, 1331, 1536, 1920, 2304, 3000]
+    counts = packed_counts(config, [(739, 1920), *((h, w) for h in grid for w in grid)])
+    assert counts[0][0] == 729 + 7020 and max(c for c, _ in counts) == 729 + 7020
+
+
+def test_the_most_and_fewest_placeholders_an_image_gives_are_the_processors_newlines_included():
+    """The in-LLM methods prune the prompt's ``<image>`` placeholders, ``image_newline`` tokens included, so the most
+    an image gives them (``visual_token_ceiling``) is more than the capacity, and the fewest (``visual_token_floor``)
+    may be more than the base view. Plain transformers, the processor's own placeholder counts over a grid of sizes
+    and aspect ratios (extreme ones included). Tiny: the most is 16 + 32 + 8 newlines = 56 (the 64 x 30 portrait,
+    an unresized 8 x 4 grid), the capacity 48; the fewest 16, the base view alone (a 7 x 64 image keeps no row of its
+    1 x 2 crops' 4 patch rows). Released 7B: 729 + 7938 + 98 = 8765 (a 1200 x 988 image: 4 x 3 crops, 108 x 81
+    unpadded to 98 x 81, under the anyres_max_9 resize), where the capacity, newlines not counted, is 8667; the
+    fewest 729 + 27 + 1 = 757 (a 14 x 384 image keeps 1 row of a one-crop-high grid of 27 patch rows), where the
+    base view counted 729."""
+    from promprune.models.adapters import visual_token_capacity, visual_token_ceiling, visual_token_floor
+    from promprune.models.shapes import shape_vlm
+
+    model, processor = tiny_vlm("llava_onevision")
+
+    def placeholders(sizes):
+        batch = processor(images=[make_image(h, w, 0) for h, w in sizes], text=["<image>"] * len(sizes),
+                          return_tensors="pt", padding=True)
+        return (batch["input_ids"] == model.config.image_token_id).sum(1).tolist()
+
+    assert placeholders([(64, 30), (7, 64)]) == [56, 16]
+    side = [1, 4, 7, 9, 16, 30, 32, 33, 47, 64, 65, 100, 200, 640]
+    counts = placeholders([(h, w) for h in side for w in side])
+    assert max(counts) == 56 and min(counts) == 16
+    config = model.config
+    assert (visual_token_capacity(config), visual_token_ceiling(config), visual_token_floor(config)) == (48, 56, 16)
+
+    shape, processor = shape_vlm("llava_onevision_7b", device="meta")
+    config = shape.config
+    assert processor.vision_feature_select_strategy == "full"  # no CLS: the processor's count is the placeholders
+    ids = processor(images=[make_image(1200, 988, 0)], text=["<image>"], return_tensors="pt")["input_ids"]
+    assert int((ids == config.image_token_id).sum()) == 8765 == visual_token_ceiling(config)
+    assert packed_counts(config, [(1200, 988)]) == [(729 + 7938, 98)]  # the model packs as many
+
+    def count(h, w):  # what the processor writes for an h x w image
+        return processor._get_number_of_features(h, w, 384, 384)
+
+    side = [1, 2, 5, 14, 27, 50, 100, 200, 300, 384, 500, 700, 768, 900, 988, 1000, 1100, 1200, 1331, 1393, 1536,
+            1800, 2000, 2304, 3000, 5000, 10000]
+    sizes = [(1200, 988), (14, 384), *((h, w) for h in side for w in side)]
+    counts = [count(h, w) for h, w in sizes]
+    assert counts[:2] == [8765, 757] and max(counts) == 8765 and min(counts) == 757
+    assert (visual_token_capacity(config), visual_token_floor(config)) == (8667, 757)

@@ -81,7 +81,8 @@ def anyres_views(config) -> int:
 
 def anyres_capacity(config, options: dict) -> int:
     """The most visual tokens an image gives: one view's patches times :func:`anyres_views`, newlines not counted
-    (LLaVA-OneVision's anyres-max resizing counts its own: ``llava_onevision.onevision_capacity``)."""
+    (LLaVA-OneVision's anyres-max resizing counts its own from transformers' pinpoint pick and unpadding:
+    ``llava_onevision.onevision_counts``)."""
     return view_tokens(config) * anyres_views(config)
 
 

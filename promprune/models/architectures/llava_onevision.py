@@ -7,7 +7,9 @@ tokens after unpadding and anyres-max resizing; the budget modes are LLaVA-NeXT'
 ``ceil(side / 2)^2`` tokens by the model's own ``apply_pooling`` (the released model: 27 x 27 -> 14 x 14 = 196 per
 frame), one ``image_newline`` closing the clip; a frame's saliency is its patches' received attention pooled the same
 way. Its processor stacks a batch's frames, so a batch of clips with different frame counts is processed and encoded
-one frame count at a time (``uniform_clips``), each clip getting what it gets alone.
+one frame count at a time (``uniform_clips``), each clip getting what it gets alone. The most candidates an image
+gives (the capacity), the most and fewest placeholders with the newlines (``Family.most`` / ``fewest``) follow
+transformers' own pinpoint pick and unpadding (:func:`onevision_counts`): released 7B 8667, 8765 and 757.
 
 Tiny (``tiny:llava_onevision``): 32 px SigLIP views of 8 px patches (16 tokens), crops up to 2 x 2 with newlines and
 anyres_max_2, so a 2 x 2 crop grid is resized down to 5 x 5 tokens (the released model: anyres_max_9 over 384 px
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from fractions import Fraction
 from types import SimpleNamespace
 
 import torch
@@ -30,6 +33,7 @@ from transformers import (
     Qwen2Config,
     SiglipVisionConfig,
 )
+from transformers.image_processing_utils import select_best_resolution
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .. import saliency as sal
@@ -38,7 +42,7 @@ from ..registry import register_family
 from ..shapes import section
 from ..tiny import byte_level_tokenizer, seeded, text_sizes
 from .llava import view_tokens
-from .llava_next import anyres_views, base_view_floor
+from .llava_next import anyres_views
 
 ONEVISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 ONEVISION_TEMPLATE = (  # ChatML with LLaVA's <image> placeholder, as llava-onevision-qwen2's template
@@ -110,32 +114,144 @@ def shape_llava_onevision(spec: dict, text_layers, vision_layers):
     return LlavaOnevisionForConditionalGeneration, config, processor
 
 
+def _crop_grid_counter(size: int, side: int, pinpoints: tuple, aspect: str):
+    """``count(h, w, pinpoint=None) -> (candidates, newlines)`` of an ``h x w`` image's crop grid, by transformers' own
+    code: ``select_best_resolution`` picks the pinpoint (unless one is given) and
+    ``LlavaOnevisionProcessor._get_unpadded_features`` unpads / resizes its stitched grid (the count the processor
+    writes ``<image>`` placeholders for, the base view's aside, and ``pack_image_features`` packs)."""
+    features = functools.partial(LlavaOnevisionProcessor._get_unpadded_features,
+                                 SimpleNamespace(vision_aspect_ratio=aspect))
+
+    def count(h: int, w: int, pinpoint=None) -> tuple[int, int]:
+        height, width = pinpoint or select_best_resolution([h, w], [list(p) for p in pinpoints])
+        return features(h, w, side, side, height // size, width // size)
+
+    return count
+
+
+# An image's unpadded extent is set by int(round(x * B, 7)) (transformers' unpadding): the class n of a ratio x holds
+# x * B in [n - 5e-8, n + 1 - 5e-8); these points lie just inside its ends.
+_CLASS_LOW, _CLASS_HIGH = Fraction(4, 10**8), Fraction(6, 10**8)
+
+
+def _class_is_reached(count, cls: tuple, size: int, side: int, pinpoints: tuple) -> bool:
+    """Whether some image gives the crop-grid count of ``cls = (counts, pinpoint, wide, n)``: the images that
+    ``pinpoint`` unpads to the same extent (see :func:`onevision_counts`), tried where they can pick it.
+
+    In the frame where the image is wider than the pinpoint (``wide``; else transposed: the rule is symmetric), an
+    ``h x w`` image is of class ``n`` when ``int(round(h / w * B, 7)) == n``, ``B`` the pinpoint's patch columns.
+    ``select_best_resolution`` picks, among the pinpoints that contain the image, the first of least area; where none
+    contains it, the one of most ``int(w s) x int(h s)``, ``s = min(W / w, H / h)``, which depends on ``h / w`` alone.
+    So (a) an image inside the pinpoint: the largest of its class, ``w = W`` and the tallest ``h`` (it fits in no
+    pinpoint the others of the class inside the pinpoint do not, so if one of them picks the pinpoint, so does it);
+    (b) one no pinpoint contains: the ratios ``h / w`` of the class where a pinpoint's ``floor(W h / w)`` or
+    ``floor(H w / h)`` steps or its limiting side changes, and one ratio between each two, which cover every pick
+    (floating-point ties aside), each as an image wider than every pinpoint."""
+    counts, pinpoint, wide, n = cls
+    frame = [tuple(p) if wide else tuple(p[::-1]) for p in pinpoints]
+    height, width = pinpoint if wide else pinpoint[::-1]
+    cols = width // size * side
+
+    def gives(h, w) -> bool:
+        return (count(h, w) if wide else count(w, h)) == counts
+
+    h = min(height, math.ceil((n + 1) * width / cols))  # (a): the tallest h of class n at w = W
+    while h > 0 and int(round(h * (cols / width), 7)) > n:
+        h -= 1
+    if h > 0 and gives(h, width):
+        return True
+    rows = height // size * side
+    low = max(Fraction(0), (n - _CLASS_LOW) / cols)
+    high = Fraction(rows, cols) if n == rows else (n + 1 - _CLASS_HIGH) / cols
+    points = {high} | ({low} if low > 0 else set())
+    for h_q, w_q in frame:  # (b): where a pinpoint's pick score steps inside the class
+        points.update(Fraction(k, w_q) for k in range(max(1, math.ceil(low * w_q)),
+                                                      min(h_q, math.floor(high * w_q)) + 1))
+        points.update(Fraction(h_q, k) for k in range(max(1, math.ceil(h_q / high)), w_q + 1)
+                      if Fraction(h_q, k) >= low)
+        if low <= Fraction(h_q, w_q) <= high:
+            points.add(Fraction(h_q, w_q))
+    points = sorted(points)
+    biggest = max(max(p) for p in pinpoints)
+    for x in points + [(a + b) / 2 for a, b in zip([low, *points], points)]:
+        if x > 0:
+            scale = biggest // x.denominator + 1  # wider than every pinpoint: none contains it
+            if gives(x.numerator * scale, x.denominator * scale):
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def onevision_counts(size: int, patch: int, pinpoints: tuple, aspect: str) -> tuple[int, int, int]:
+    """``(most candidates, most placeholders, fewest placeholders)`` one image's crop grid gives (the base view's
+    ``(size // patch)^2`` aside; placeholders count the ``image_newline`` tokens), exact for these processor
+    settings: the image sizes are not swept. transformers' count depends on the pinpoint ``select_best_resolution``
+    picks and on the extent the unpadding keeps of its grid, which depends on the image's aspect ratio alone: per
+    pinpoint and direction, ``n`` rows (an image wider than it) or columns (taller) of its grid, kept as the
+    pinpoint's own count when ``n`` has its parity (the padding is cut evenly off both sides), then resized by
+    anyres-max. Each extent's count is transformers' own (:func:`_crop_grid_counter`, on an image of that extent);
+    the extents are tried in order of the count sought, and the first one an image reaches
+    (:func:`_class_is_reached`: some image picks that pinpoint, or another giving the same count) is the answer. So a
+    pinpoint's grid that no image is given counts for nothing, where every extent of every grid over-counts: the
+    released 7B's 8829 placeholders (a 6 x 2 crop grid unpadded to 162 x 49, which even cuts to 162 x 50 and resizes
+    down), or its capacity at anyres_max_8, 729 + 7047 (3 x 4 crops unpadded to 81 x 87: 81 x 86 or 88 are kept)."""
+    side = size // patch
+    count = _crop_grid_counter(size, side, pinpoints, aspect)
+    classes = []
+    for pinpoint in pinpoints:
+        rows, cols = pinpoint[0] // size * side, pinpoint[1] // size * side
+        for wide in (True, False):
+            along, across = (rows, cols) if wide else (cols, rows)
+            for n in range(along + 1):  # an image of class n: ratio (2n + 1) / (2 across), or the pinpoint's own
+                h, w = (2 * n + 1, 2 * across) if n < along else (along, across)
+                classes.append((count(*((h, w) if wide else (w, h)), pinpoint), tuple(pinpoint), wide, n))
+
+    def first(key, descending: bool) -> int:
+        for cls in sorted(classes, key=lambda c: key(c[0]), reverse=descending):
+            if _class_is_reached(count, cls, size, side, pinpoints):
+                return key(cls[0])
+        raise AssertionError("no image size gives any of the grid's counts")  # the pinpoint's own aspect always does
+
+    return first(lambda c: c[0], True), first(sum, True), first(sum, False)  # sum: candidates + newlines
+
+
+def _counts(config) -> tuple[int, int, int]:
+    vision = config.vision_config
+    return onevision_counts(vision.image_size, vision.patch_size,
+                            tuple(tuple(p) for p in config.image_grid_pinpoints), config.vision_aspect_ratio)
+
+
 def onevision_capacity(config, options: dict) -> int:
-    """The most visual tokens an image gives, newlines not counted (as LLaVA-NeXT's): the base view's patches plus the
-    most any pinpoint's crop grid keeps after unpadding and anyres-max resizing. Per pinpoint (``rows x cols`` patches
-    of stitched crops) every unpadded extent an image can give, ``h x cols`` (a wider image, unpadded to ``h`` rows)
-    or ``rows x w``, is counted by transformers' own rule (``LlavaOnevisionProcessor._get_unpadded_features``, the
-    count the processor writes placeholders for and ``pack_image_features`` packs): a grid above ``max x 1.1^2``
-    views' worth is resized down to about ``max`` views' worth, so the most is an unresized grid just under that
-    bound. The released 7B config (27 x 27 patches, anyres_max_9, 3 x 4 crops unpadded to 81 x 98): 729 + 7938 =
-    8667, where one view's patches times the 37 views (26973) counted the crops before resizing."""
-    side = config.vision_config.image_size // config.vision_config.patch_size
-    size = config.vision_config.image_size
-    count = functools.partial(LlavaOnevisionProcessor._get_unpadded_features,
-                              SimpleNamespace(vision_aspect_ratio=config.vision_aspect_ratio))
-    most = 0
-    for height, width in config.image_grid_pinpoints:
-        a, b = height // size, width // size  # the pinpoint's crop rows and columns
-        rows, cols = a * side, b * side
-        extents = [(h, cols) for h in range(1, rows + 1)] + [(rows, w) for w in range(1, cols + 1)]
-        most = max(most, *(count(h, w, side, side, a, b)[0] for h, w in extents))
-    return view_tokens(config) + most
+    """The most visual tokens an image gives, newlines not counted (the candidates, as LLaVA-NeXT's): the base view's
+    patches plus the most non-newline tokens transformers' processor and ``pack_image_features`` give any image's
+    crop grid after its pinpoint's unpadding and anyres-max resizing (:func:`onevision_counts`). The released 7B
+    config (27 x 27 patches, anyres_max_9): 729 + 7938 = 8667 (3 x 4 crops, 81 x 108 unpadded to 81 x 98, just under
+    the 9 x 729 x 1.1^2 tokens anyres-max resizes above; an 1100 x 1331 image), where one view's patches times the 37
+    views (26973) counted the crops before resizing. Tiny: 16 + 32 = 48."""
+    return view_tokens(config) + _counts(config)[0]
+
+
+def onevision_most(config, options: dict) -> int:
+    """The most placeholders an image gives in the prompt, ``image_newline`` tokens included (what the in-LLM methods
+    prune): the base view plus the most a crop grid gives with one newline per kept (or resized) row
+    (:func:`onevision_counts`). Released 7B: 729 + 7938 + 98 = 8765 (4 x 3 crops, 108 x 81 unpadded to 98 x 81; a
+    1200 x 988 image); tiny: 16 + 32 + 8 = 56 (a 64 x 30 image)."""
+    return view_tokens(config) + _counts(config)[1]
+
+
+def onevision_fewest(config, options: dict) -> int:
+    """The fewest placeholders any image gives, newlines included: the base view plus the fewest a crop grid keeps
+    (:func:`onevision_counts`). A very wide image keeps no row of a grid of an even number of patch rows but one of an
+    odd number (a very tall one keeps no column, but each row's newline): the released 7B (27 patches a crop) picks
+    a one-crop-high pinpoint for it, so 729 + 27 + 1 newline = 757 (a 14 x 384 image), where its base view counted
+    729; tiny (4 patches a crop, a 1 x 2 crop pinpoint): the base view's 16 (a 7 x 64 image)."""
+    return view_tokens(config) + _counts(config)[2]
 
 
 # mu 0.42: borrowed from CLIP, uncalibrated for SigLIP
 @register_family("llava_onevision", model_class="LlavaOnevisionForConditionalGeneration", default_mu=0.42,
                  tiny=tiny_llava_onevision, shape=shape_llava_onevision, capacity=onevision_capacity,
-                 fewest=base_view_floor, max_views=anyres_views)
+                 fewest=onevision_fewest, most=onevision_most, max_views=anyres_views)
 class OnevisionAdapter(Adapter):
     """LLaVA-OneVision (images): SigLIP views (base + anyres crops), unpadding, anyres-max resizing, newlines.
 
