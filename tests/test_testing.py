@@ -223,6 +223,36 @@ def test_registration_refuses_what_would_fail_every_call():
     assert promprune.testing.check_method is check_method  # `import promprune` is enough for the docs' one-liner
 
 
+def test_registration_refuses_choices_that_fail_every_call_and_names_meaning_unpruned():
+    """Choices of an option that does not exist made every later select a bare KeyError; a default outside its own
+    choices made every call leaving the option out a ValueError; a method named "none", "null" or "unpruned" (any
+    case) was one the lmms-eval plugin's method= and the sweeps' baseline read as the unpruned model. All refused as
+    the method registers, naming the option or the name."""
+    def fn(tokens, budget, *, p=1.0):
+        return good(tokens, budget)
+
+    with pytest.raises(ValueError, match=r"method 't_z': choices name option 'z', which options does not declare"):
+        promprune.register_method("t_z", options={"p": 1.0}, choices={"z": (1,)})(fn)
+    with pytest.raises(ValueError, match=r"the default of option 'p', 1.0, is not one of its choices \[2.0, 3.0\]"):
+        promprune.register_method("t_d", options={"p": 1.0}, choices={"p": (2.0, 3.0)})(fn)
+    with pytest.raises(ValueError, match=r"choices of option 'p' must be a tuple"):
+        promprune.register_method("t_s", options={"p": 1.0}, choices={"p": 1.0})(fn)
+    with pytest.raises(ValueError, match=r"option\(s\) \['order'\] are select\(\)'s own arguments"):
+        promprune.register_method("t_o", choices={"order": ("selection",)})(good)
+    for name in ("none", "null", "unpruned", "None", "NULL", "Unpruned"):
+        with pytest.raises(ValueError, match=f"{name!r} names the unpruned model.*pick another name"):
+            promprune.register_method(name)(good)
+    assert not {"t_z", "t_d", "t_s", "t_o", "none", "None"} & set(promprune.methods())
+    promprune.register_method("t_c", options={"p": 1.0}, choices={"p": (1.0, 2.0)})(fn)  # the default among them
+    try:
+        assert promprune.select(torch.randn(1, 5, 4), budget=2, method="t_c").indices.shape == (1, 2)
+    finally:
+        registry._REGISTRY.pop("t_c", None)
+    from pipelines import mlflow_layout
+
+    assert mlflow_layout.BASELINE_METHOD in registry.UNPRUNED_NAMES  # the sweeps' unpruned trial
+
+
 def test_options_and_bad_calls():
     assert check_method("promprune", options={"diversity": "fps"}, only=["deterministic"]) == ["deterministic"]
     with pytest.raises(ValueError, match="did you mean 'tau'"):

@@ -49,10 +49,9 @@ from promprune.eval.generation import Item, decode_image, generate_items  # noqa
 from promprune.models.images import strict_decoding  # noqa: E402
 from promprune.eval.requests import image_key  # noqa: E402
 from promprune.dtypes import AUTO, parse_dtype  # noqa: E402
+from promprune.selection.registry import UNPRUNED_NAMES as _UNPRUNED  # noqa: E402 - no method registers one of them
 
 log = logging.getLogger(__name__)
-
-_UNPRUNED = {"none", "null", "", "unpruned"}
 
 
 def _dtype(value):

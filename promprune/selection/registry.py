@@ -327,6 +327,11 @@ def in_range(key: str, low: float, high: float, *, low_open: bool = False):
 COMMON_OPTIONS = {"order": "ascending"}
 COMMON_CHOICES = {"order": ("ascending", "selection")}
 
+# Method names that mean "no pruning" wherever a method is named as text (compared lowercased): the lmms-eval plugin's
+# ``method=`` model_arg, the pipeline's baseline trial (``mlflow_layout.BASELINE_METHOD``). No method is registered
+# under one of them, or that text would name two things.
+UNPRUNED_NAMES = frozenset({"", "none", "null", "unpruned"})
+
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
@@ -335,15 +340,39 @@ def _builtin(spec: MethodSpec) -> bool:
     return spec.fn is None or getattr(spec.fn, "__module__", "").startswith("promprune.")
 
 
-def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any], replace: bool) -> None:
+def _check_choices(name: str, options: Mapping[str, Any], choices: Mapping[str, Any]) -> None:
+    """A method's ``choices`` as ``resolve`` can use them: each names one of its ``options`` (else every call failed
+    with a bare KeyError), lists its values in a tuple, list or set, and holds the option's default (else every call
+    leaving the option out was refused)."""
+    for key, allowed in choices.items():
+        if key not in options:
+            raise ValueError(f"method {name!r}: choices name option {key!r}, which options does not declare "
+                             f"(options: {', '.join(map(repr, options)) or 'none'}); add {key!r} with its default to "
+                             "options, or drop it from choices")
+        if not isinstance(allowed, (tuple, list, set, frozenset)):
+            raise ValueError(f"method {name!r}: choices of option {key!r} must be a tuple of its allowed values, got "
+                             f"{allowed!r}")
+        if options[key] not in allowed:
+            raise ValueError(f"method {name!r}: the default of option {key!r}, {options[key]!r}, is not one of its "
+                             f"choices {list(allowed)}; every call leaving {key!r} out would be refused. Make the "
+                             "default one of the choices, or add it to them")
+
+
+def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any], replace: bool,
+                        choices: Mapping[str, Any] | None = None) -> None:
     """What ``register_method`` refuses at once, where it used to fail at every later call (or break
-    ``methods()``): a name that is no string, one taken (a built-in always; another unless ``replace``), an option
-    named like ``select``'s own arguments, an option ``fn`` does not take."""
+    ``methods()``): a name that is no string, one taken (a built-in always; another unless ``replace``), one that
+    means "unpruned" (:data:`UNPRUNED_NAMES`), an option named like ``select``'s own arguments, an option ``fn`` does
+    not take, choices of an option not declared or not holding its default (:func:`_check_choices`)."""
     import inspect
 
     if not isinstance(name, str) or not name.strip() or name != name.strip():
         raise ValueError(f"register_method: the method's name must be a non-empty string without surrounding "
                          f"spaces, got {name!r}")
+    if name.lower() in UNPRUNED_NAMES:
+        raise ValueError(f"register_method: {name!r} names the unpruned model (the lmms-eval plugin's method= and "
+                         f"the sweeps' baseline read {', '.join(repr(n) for n in sorted(UNPRUNED_NAMES) if n)} as "
+                         "no pruning): pick another name")
     taken = _REGISTRY.get(name)
     if taken is not None and (_builtin(taken) or not replace):
         whose = "one of promprune's own methods" if _builtin(taken) else \
@@ -351,7 +380,7 @@ def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any]
         fix = "pick another name" if _builtin(taken) else ("pick another name, or pass replace=True to "
                                                            "register_method (e.g. a notebook cell run again)")
         raise ValueError(f"method {name!r} is already registered ({whose}): {fix}")
-    reserved = sorted(set(options) & ({"budget", "tokens"} | set(COMMON_OPTIONS)))
+    reserved = sorted((set(options) | set(choices or {})) & ({"budget", "tokens"} | set(COMMON_OPTIONS)))
     if reserved:
         raise ValueError(f"method {name!r}: option(s) {reserved} are select()'s own arguments ('order' is every "
                          "method's, 'budget' and 'tokens' are the function's first two): name them otherwise")
@@ -362,6 +391,7 @@ def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any]
         if missing:
             raise ValueError(f"method {name!r}: {fn.__qualname__} takes no parameter for option(s) {missing}; add "
                              "them as keyword parameters (e.g. `*, p: float`) or drop them from options")
+    _check_choices(name, options, choices or {})
 
 
 def register_method(name: str, *, needs_saliency: bool = False, merges: bool = False,
@@ -374,7 +404,7 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
     method of one's own already holds (a module imported again), never one of this package's."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _check_registration(name, fn, options or {}, replace)
+        _check_registration(name, fn, options or {}, replace, choices)
         _REGISTRY[name] = MethodSpec(
             name=name, fn=fn, needs_saliency=needs_saliency, merges=merges,
             options={**COMMON_OPTIONS, **(options or {})}, choices={**COMMON_CHOICES, **(choices or {})},
@@ -391,6 +421,7 @@ def register_in_llm_method(name: str, *, description: str, options: Mapping[str,
     """Register an in-LLM method's options and checks (its hooks live in ``promprune.models.llm_hooks``)."""
     if name in _REGISTRY:
         raise ValueError(f"method {name!r} is already registered")
+    _check_choices(name, options or {}, choices or {})
     _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), choices=dict(choices or {}),
                                  description=description, stage=IN_LLM, check=check)
 
