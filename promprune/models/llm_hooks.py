@@ -193,7 +193,8 @@ def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tu
 
 def requested_layers(method: str, opts: dict, depth: int) -> tuple[list[int], bool]:
     """``(layers, explicit)``: the layers ``method``'s options give (explicit), else the released ones scaled to
-    ``depth``, ascending and checked against the depth."""
+    ``depth``, ascending and checked against the depth (given layers are ascending and distinct: the registry's
+    check; the scaled ones may coincide on a shallow LLM and are taken once)."""
     if method in ("fastv", "dart"):
         explicit = opts["layer"] is not None
         at = [opts["layer"] if explicit else fastv_layer(depth)]
@@ -201,7 +202,7 @@ def requested_layers(method: str, opts: dict, depth: int) -> tuple[list[int], bo
             raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {at[0]}")
         return at, explicit
     default = scaled_layers(depth, PYRAMIDDROP_LAYERS_OF_32) if method == "pyramiddrop" else sparsevlm_layers(depth)
-    at = sorted(set(opts["layers"] or default))
+    at = list(opts["layers"]) if opts["layers"] else sorted(set(default))
     if max(at) >= depth:
         raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
     return at, bool(opts["layers"])

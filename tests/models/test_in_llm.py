@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from promprune.models import PrunedVLM
+import promprune
+from promprune.models import PrunedVLM, llm_hooks
 from promprune.models.llm_hooks import CACHE_ARGUMENTS, fastv_layer, sparsevlm_layers
 from promprune.models.tiny import tiny_vlm
 
@@ -81,6 +82,23 @@ def test_sparsevlm_layers_scale_with_depth():
     assert sparsevlm_layers(4) == [2, 3]  # ranks 0.25, 0.75, 1.875 -> 1, 1, 2
     assert sparsevlm_layers(28) == [3, 6, 14]  # ranks 1.75, 5.25, 13.1 -> 2, 5, 13
     assert sparsevlm_layers(2) == [1]  # a layer must follow the ranking layer
+
+
+@pytest.mark.parametrize("method", ["sparsevlm", "pyramiddrop"])
+def test_layers_must_be_ascending_and_distinct(method):
+    """Option 'layers' names one stage per layer: [3, 2] ran as [2, 3] and [2, 2] collapsed two stages into one cut,
+    without a word. Refused as [0, 1] and [1.5] are, with the ascending list it may have meant."""
+    spec = promprune.method_spec(method)
+    for layers, hint in (([3, 2], r"\[2, 3\]"), ([2, 2], r"\[2\]"), ((2, 4, 3), r"\[2, 3, 4\]")):
+        with pytest.raises(ValueError, match=rf"option 'layers' of {method} must list each pruning layer once in "
+                                             rf"ascending order .* got \[.*\]; did you mean {hint}\?"):
+            spec.resolve({"layers": layers}, budget=8)
+    for layers in ([0, 1], [1.5]):
+        with pytest.raises(ValueError, match=f"option 'layers' of {method} must be None or a list of ints >= 1"):
+            spec.resolve({"layers": layers}, budget=8)
+    _, at, _, layer_map = llm_hooks.schedule(method, 8, 8, {"layers": [2, 5]})  # an 8-layer LLM
+    assert at == [2, 5] and layer_map == [(2, 2), (5, 5)]
+    assert llm_hooks.schedule(method, 4, 8, {})[1] == sorted(set(llm_hooks.schedule(method, 4, 8, {})[1]))
 
 
 @pytest.mark.parametrize("method, layers_32, kept_32", [
