@@ -456,9 +456,11 @@ def _validate(features, saliency, spec: MethodSpec) -> tuple[torch.Tensor, torch
     if not features.is_floating_point():
         raise ValueError(f"features must be a float tensor, got dtype {features.dtype}")
     x = upcast(features)  # float32; float64 stays float64
-    B, N, _ = x.shape
-    if N == 0 or B == 0:
-        raise ValueError(f"features have no {'tokens (N = 0)' if N == 0 else 'images (B = 0)'}")
+    B, N, d = x.shape
+    if N == 0 or B == 0 or d == 0:
+        empty = "tokens (N = 0)" if N == 0 else "images (B = 0)" if B == 0 else \
+            "feature channels (d = 0): every token needs a feature vector"
+        raise ValueError(f"features have no {empty}")
     if saliency is None:
         if spec.needs_saliency:
             raise ValueError(f"method {spec.name!r} needs saliency scores [B, N] = [{B}, {N}]; got saliency=None")

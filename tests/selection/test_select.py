@@ -134,6 +134,11 @@ def test_errors_name_the_problem():
         select(x[0], s, budget=8)
     with pytest.raises(ValueError, match=r"features have no images \(B = 0\)"):
         select(x[:0], s[:0], budget=8)
+    with pytest.raises(ValueError, match=r"features have no tokens \(N = 0\)"):
+        select(x[:, :0], s[:, :0], budget=8)
+    for method in ("promprune", "divprune", "saliency_only"):  # d = 0 gave entropy 0 and every token by saliency
+        with pytest.raises(ValueError, match=r"features have no feature channels \(d = 0\)"):
+            select(x[..., :0], s, budget=8, method=method)
     with pytest.raises(ValueError, match="tau"):
         select(x, s, budget=8, tau=0.0)
     # methods that need no saliency accept None
