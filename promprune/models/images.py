@@ -87,9 +87,38 @@ def _eight_bit(img: Image.Image) -> Image.Image:
     return Image.fromarray(np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8))  # "L"
 
 
+# What one image is (a PIL image, a path, encoded bytes): passed bare where a batch (a list) is expected, it is refused
+# rather than iterated (a path's characters, an image's "not iterable").
+ONE_IMAGE = (Image.Image, str, os.PathLike, bytes, bytearray, memoryview)
+
+
+def as_batch(value, name: str, one: str, single: tuple[type, ...]) -> list:
+    """Argument ``name`` of a batch call (``images``, ``clips``, ``prompts``) as a list. One ``one`` passed bare (an
+    instance of ``single``: a prompt string, an image or its path) or anything that is no sequence is a ValueError
+    naming the argument: a prompt string was iterated as one prompt per character ("got 1 images but 5 prompts"),
+    a bare image failed with a TypeError that named neither."""
+    if isinstance(value, single) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list with one {one} per batch row (e.g. [{one}]), got "
+                         f"{type(value).__name__} {_short(value)}: wrap a single {one} in a list")
+    return list(value)
+
+
+def _short(value) -> str:
+    text = " ".join(repr(value).split())  # one line (an array's repr spans several)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def batch_lists(items, prompts, name: str = "images", one: str = "image",
+                single: tuple[type, ...] = ONE_IMAGE) -> tuple[list, list]:
+    """``(items, prompts)`` of a batch call as lists (:func:`as_batch`), prompts checked first (the common slip);
+    ``items`` are images unless told otherwise (clips: ``promprune.models.video``)."""
+    prompts = as_batch(prompts, "prompts", "prompt", (str, bytes, bytearray))
+    return as_batch(items, name, one, single), prompts
+
+
 def load_images(images, prompts) -> list[Image.Image]:
-    """Validate a batch: one image per prompt; returns RGB PIL images."""
-    images, prompts = list(images), list(prompts)
+    """Validate a batch: one image per prompt (both lists, :func:`batch_lists`); returns RGB PIL images."""
+    images, prompts = batch_lists(images, prompts)
     if len(images) != len(prompts):
         raise ValueError(f"got {len(images)} images but {len(prompts)} prompts; pass one image per prompt")
     if not images:

@@ -45,7 +45,7 @@ from promprune.selection.two_stage import prominence
 from .adapters import VisualItem, attach_keys, host_index
 from .batched_select import select_items
 from .batched_select import split_budget as split_shares
-from .images import load_image
+from .images import batch_lists, load_image
 from .registry import families, family, find_family
 from .sequence import shrink_placeholders
 # video_budget -> the batched_select.py budget mode over views (a clip's frames are its views)
@@ -272,9 +272,13 @@ def conversation(vlm, prompt: str) -> str:
     return vlm.conversation(prompt, media="video")
 
 
-def _check_batch(clips: list, prompts: list) -> None:
+def _batch(clips, prompts) -> tuple[list, list]:
+    """``(clips, prompts)`` as lists of one length (at least one); a bare clip (a path, a :class:`Clip`) or prompt
+    string is refused naming the argument (:func:`~promprune.models.images.batch_lists`)."""
+    clips, prompts = batch_lists(clips, prompts, "clips", "clip", (str, os.PathLike, Clip))
     if len(clips) != len(prompts) or not clips:
         raise ValueError(f"got {len(clips)} clips and {len(prompts)} prompts; pass one clip per prompt (at least one)")
+    return clips, prompts
 
 
 def processed(vlm, clips, prompts, fps: float | None = None):
@@ -283,8 +287,7 @@ def processed(vlm, clips, prompts, fps: float | None = None):
     ``fps`` (else the decoded file's, else 1) dates them for Qwen's timestamps / temporal positions. One processor
     call: on an adapter with ``uniform_clips`` (OneVision) the clips need one frame count (:func:`frame_groups`)."""
     check_video_model(vlm.model)
-    clips, prompts = list(clips), list(prompts)
-    _check_batch(clips, prompts)
+    clips, prompts = _batch(clips, prompts)
     loaded = [load_clip(c, i) for i, c in enumerate(clips)]
     arrays = [a for a, _ in loaded]
     rates = [fps or rate or DEFAULT_FPS for _, rate in loaded]
@@ -446,8 +449,7 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
     from .options import is_in_llm
 
     check_video_model(vlm.model)  # before decoding: a family without clips is refused as such, whatever the clip
-    clips, prompts = list(clips), list(prompts)
-    _check_batch(clips, prompts)
+    clips, prompts = _batch(clips, prompts)
     clips = [Clip(*load_clip(c, i)) for i, c in enumerate(clips)]  # decoded once: the processor and the keys
     groups = frame_groups(vlm, clips)
     batches = [inputs(vlm, [clips[i] for i in rows], [prompts[i] for i in rows], fps) for rows in groups]

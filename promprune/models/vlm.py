@@ -30,7 +30,7 @@ from .adapters import (
     visual_token_floor,
 )
 from .factories import find_model_factory
-from .images import load_images, pixel_key
+from .images import batch_lists, load_images, pixel_key
 from .options import OptionError, is_in_llm, next_layout, token_order, validate_method
 from .registry import family_of
 from .batched_select import select_items
@@ -393,7 +393,7 @@ class PrunedVLM:
         ``cache`` (a :class:`promprune.models.sharing.ImageCache`; None: for this call only) for later calls. The
         model kwargs are the same as without keys (:mod:`promprune.models.sharing`).
         """
-        prompts = list(prompts)
+        images, prompts = batch_lists(images, prompts)
         images = load_images(images, prompts)  # decoded once: the processor and the images' keys read these pixels
         if keys is not None and self.shares_vision:
             from . import sharing

@@ -103,6 +103,26 @@ def test_corrupt_image_names_the_item(images, prompts):
         vlm.generate(images, prompts[:1])
 
 
+def test_a_bare_prompt_or_image_is_refused_naming_the_argument(images, prompts, tmp_path):
+    """A prompt string was iterated as one prompt per character ("got 1 images but 5 prompts"); a bare image was a
+    raw TypeError ('Image' object is not iterable), a bare path a list of its characters. Refused before anything is
+    processed, naming the argument and the list it expects."""
+    vlm = PrunedVLM(*tiny_vlm("llava"), method="divprune", budget=4)
+    path = tmp_path / "a.png"
+    images[0].save(path)
+    for call in (vlm.generate, vlm.prepare, vlm.inputs):
+        with pytest.raises(ValueError, match=r"^prompts must be a list with one prompt per batch row \(e\.g\. "
+                                             r"\[prompt\]\), got str 'hello': wrap a single prompt in a list$"):
+            call([images[0]], "hello")
+        for bare, kind in ((images[0], "Image"), (str(path), "str"), (path, "PosixPath"), (b"png", "bytes")):
+            with pytest.raises(ValueError, match=rf"^images must be a list with one image per batch row \(e\.g\. "
+                                                 rf"\[image\]\), got {kind} .*: wrap a single image in a list$"):
+                call(bare, ["hello"])
+        with pytest.raises(ValueError, match=r"^images must be a list .*, got int 3"):
+            call(3, ["hello"])
+    assert len(vlm.generate((images[0],), ("hello",), max_new_tokens=1)) == 1  # a tuple is a batch
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", ["promprune", "fastv"])
 def test_half_precision(dtype, method, images, prompts):

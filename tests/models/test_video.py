@@ -434,6 +434,26 @@ def test_video_needs_a_video_model(tmp_path):
         vlm_for("qwen2_5_vl").generate_video([bad], ["q"])
 
 
+def test_a_bare_clip_or_prompt_is_refused_naming_the_argument(tmp_path):
+    """A clip's path or a prompt string passed bare was iterated a character at a time (a clip per character, or
+    "got 1 clips and 5 prompts"); refused naming the argument, before any clip is decoded."""
+    from promprune.models.video import Clip
+
+    vlm = vlm_for("qwen2_5_vl")
+    clip = scene_clip(frames=2)
+    for call in (vlm.prepare_video, vlm.generate_video):
+        with pytest.raises(ValueError, match=r"^prompts must be a list with one prompt per batch row .*got str "
+                                             r"'hello': wrap a single prompt in a list$"):
+            call([clip], "hello")
+        for bare, kind in ((str(tmp_path / "a.mp4"), "str"), (tmp_path / "a.mp4", "PosixPath"),
+                           (Clip(np.zeros((2, 8, 8, 3), np.uint8), None), "Clip")):
+            with pytest.raises(ValueError, match=rf"^clips must be a list with one clip per batch row \(e\.g\. "
+                                                 rf"\[clip\]\), got {kind} .*: wrap a single clip in a list$"):
+                call(bare, ["hello"])
+    with pytest.raises(ValueError, match="got 1 clips and 2 prompts"):
+        vlm.prepare_video([clip], ["a", "b"])
+
+
 def test_frames_of_different_sizes_are_named():
     """A clip given as frames of different sizes says which frame and both sizes (numpy's stack error was reported
     as an unreadable clip); an empty frame list says what a clip must hold."""
