@@ -8,7 +8,7 @@ import torch
 
 from . import accel
 from .diversity import FPS_TIE_EPS, farthest_point
-from .kernels import stable_descending_order, unit_tokens
+from .kernels import per_image, stable_descending_order, unit_tokens
 from .registry import Selection, TokenSet, in_range, register_method
 
 # VisPruner removes at most this many near-duplicate tokens per round (its released code).
@@ -155,11 +155,13 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cl
         sim = _gather_rows(unit, others) @ _gather_rows(unit, targets).transpose(1, 2)  # [B, R - n_ctx, n_ctx]
         assign = sim.new_zeros(sim.shape).scatter_(2, sim.argmax(dim=2, keepdim=True), 1.0)  # [B, R - n_ctx, n_ctx]
         assign = assign.to(merged.dtype)  # one-hot rows (one_hot itself would read the indices' range on the host)
-        joined = assign.transpose(1, 2) @ _gather_rows(space, others)  # [B, n_ctx, .] sums
-        merged = merged + joined / assign.sum(dim=1).clamp_min(1)[..., None]
-    if vision is not None:
-        merged = _project(tokens, merged)
-    cls = _project(tokens, vision.cls[:, None])[:, 0] if with_cls else None
+        joined = per_image(lambda a, o: a.transpose(1, 2) @ o, assign, _gather_rows(space, others))  # [B, n_ctx, .]
+        merged = merged + joined / assign.sum(dim=1).clamp_min(1)[..., None]  # sums, per image: bits batch-free
+    cls = None
+    if vision is not None:  # the projector on each image's rows (merged tokens, then the CLS): batch-free bits
+        rows = torch.cat([merged, vision.cls[:, None]], dim=1) if with_cls else merged
+        rows = per_image(lambda r: _project(tokens, r), rows)
+        merged, cls = (rows[:, :-1], rows[:, -1]) if with_cls else (rows, None)
     indices = torch.cat([dominant, targets], dim=1)
     features = torch.cat([_gather_rows(tokens.x, dominant), merged], dim=1)
     kept = indices.shape[1]

@@ -25,6 +25,7 @@ from functools import lru_cache
 
 import torch
 
+from .kernels import per_image
 from .registry import Selection, TokenSet, register_method
 
 
@@ -66,7 +67,9 @@ def downsample(tokens: TokenSet, budget: int) -> Selection:
     """Downsampling control: the token grid average-pooled to exactly T cells (no selection)."""
     rows, cols = tokens.grid
     weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device, tokens.x.dtype)
-    features = torch.einsum("tn,bnd->btd", weights, tokens.x)  # [B, T, d]
+    # one [T, N] x [N, d] product per image: its cells are the same bits alone as in a batch (einsum's one
+    # [T, N] x [N, B d] product summed float64 tokens in an order that depended on B, ~1 ulp)
+    features = per_image(lambda x: weights @ x, tokens.x)  # [B, T, d]
     indices = centres[None].expand(tokens.batch, -1).clone()  # [B, T], ascending
     zeros = torch.zeros(tokens.batch, dtype=torch.long, device=indices.device)
     return Selection(indices, zeros, None, features, torch.zeros_like(indices, dtype=torch.bool))

@@ -59,6 +59,16 @@ def unit_tokens(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:
     return x / token_norms(x)[..., None].clamp_min(eps)
 
 
+def per_image(fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each batch row of ``tensors`` (``[1, ...]`` slices), the results joined along dim 0: a product whose
+    shape has the batch in it (one GEMM over ``[N, B d]``, a projector's ``[B M, dv]`` rows, a batched product of a
+    few rows) sums in an order that may depend on B, and merged features then differed by an ulp between an image
+    alone and in a batch (float64 and float32, CPU). One call of ``fn`` per row, each the same whatever the batch."""
+    if tensors[0].shape[0] == 1:
+        return fn(*tensors)
+    return torch.cat([fn(*(t[b:b + 1] for t in tensors)) for b in range(tensors[0].shape[0])])
+
+
 def exactly_symmetric(gram: torch.Tensor) -> torch.Tensor:
     """``(G + G^T) / 2`` of a Gram ``[B, N, N]``: symmetric bit for bit. A BLAS product ``X X^T`` need not be: some
     kernels (MKL's AVX2 path for ``[145, 64]`` tokens, for one) sum ``(i, j)`` and ``(j, i)`` in different orders,
