@@ -58,16 +58,23 @@ VARIABLES: dict[str, tuple[str, Callable[[str], bool]] | None] = {
 SCRIPTS_ONLY = frozenset(name for name in VARIABLES if name.startswith(("PROMPRUNE_CANARY_", "PROMPRUNE_CI_")))
 # beyond PROMPRUNE_*: MLflow's store and experiment, read by `pipelines.mlflow_layout`
 MLFLOW_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
+# where the Hugging Face hub, datasets and transformers (and lmms-eval's dataset cache) find their files, and whether
+# they may go online: an offline cluster's jobs set them (docs/pipeline.md), and a resume without them went online
+# or looked in ~/.cache. Switches and folders only: a token (HF_TOKEN) is never one of them.
+OFFLINE_VARIABLES = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+                     "LMMS_EVAL_DATASETS_CACHE")
 
 
 def run_settings(environ=None) -> dict[str, str]:
     """The variables set in ``environ`` (default ``os.environ``) that a sweep's run depends on: MLflow's store and
-    experiment and each ``PROMPRUNE_*`` variable the pipeline reads (`VARIABLES`, the scripts' left out). A Ray job
+    experiment, each ``PROMPRUNE_*`` variable the pipeline reads (`VARIABLES`, the scripts' left out) and where the
+    hub's files are and whether it may go online (`OFFLINE_VARIABLES`: an offline cluster's ``HF_HOME``,
+    ``HF_HUB_OFFLINE``, ...). A Ray job
     that stopped passes them again in its resume command's ``--runtime-env-json`` (`pipelines.run.state`): without
     its ``PROMPRUNE_STORAGE`` the resume looked for the run's state elsewhere and was refused. Names and values
-    only; nothing here holds a secret (an API key's variable is not one of them)."""
+    only; nothing here holds a secret (an API key's variable is not one of them, nor ``HF_TOKEN``)."""
     environ = os.environ if environ is None else environ
-    names = [*MLFLOW_VARIABLES, *sorted(n for n in VARIABLES if n not in SCRIPTS_ONLY)]
+    names = [*MLFLOW_VARIABLES, *sorted(n for n in VARIABLES if n not in SCRIPTS_ONLY), *OFFLINE_VARIABLES]
     return {name: environ[name] for name in names if name in environ}
 
 

@@ -180,6 +180,23 @@ def test_a_jobs_resume_command_carries_the_variables_its_run_depended_on():
     assert sweep.parse_args(words[6:]).resume == "nightly-1" and words[4:6] == ["python", "pipelines/sweep.py"]
 
 
+def test_a_jobs_resume_command_keeps_an_offline_clusters_hub_settings():
+    """docs/pipeline.md has an offline cluster's jobs set HF_HOME and the *_OFFLINE switches; the resume printed after
+    `ray job stop` dropped them, so the resumed job went online (or looked in ~/.cache) for its model and data. They
+    come back in its runtime env; a token (HF_TOKEN) does not."""
+    import json
+
+    offline = {"HF_HOME": "/data/hf", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "LMMS_EVAL_DATASETS_CACHE": "/data/lmms"}
+    environ = {paths.JOB_ENV: "{}", "PROMPRUNE_STORAGE": "/shared/tune", **offline, "HF_TOKEN": "hf_secret",
+               "HUGGING_FACE_HUB_TOKEN": "hf_secret2"}
+    command = state.launch_command("sweeps/nightly.yaml", [], environ=environ)
+    printed = state.resume_command({"experiment": "nightly-1", "command": command})
+    options, _ = _submitted(printed)
+    assert json.loads(options["runtime_env_json"]) == {"env_vars": {"PROMPRUNE_STORAGE": "/shared/tune", **offline}}
+    assert "hf_secret" not in printed
+
+
 def test_a_resume_that_finds_no_state_says_where_it_looked_and_what_moves_it(tmp_path, monkeypatch):
     """A run started with PROMPRUNE_STORAGE (a job's runtime env), resumed without it: the refusal said "start it
     without --resume", which reruns the whole sweep. It names the storage it looked in, what chose it, and that the
