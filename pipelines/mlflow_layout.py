@@ -7,8 +7,8 @@
   `promprune.spec_version=<version>`, `promprune.spec_fingerprint` (the hash of the resolved spec: the nightly
   regression check compares runs of the same one only, `pipelines.run.state.spec_fingerprint`); artifact `spec.yaml`
   (the resolved spec); the report under `report/`; after a regression check `promprune.regression` (`true`, `false`
-  or `no-previous`) with `.previous_run`, `.threshold`, `.detail` and `.note` (what it compared with, or why with
-  nothing).
+  or `no-previous`, `incomplete`) with `.previous_run`, `.threshold`, `.detail` and `.note` (what it compared with,
+  or why with nothing); a run tagged `true` is no later run's baseline (set it to `accepted` to make it one).
 - **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
   parent), created when the trial starts (RUNNING, then FINISHED / KILLED / FAILED): tags `mlflow.parentRunId`,
   `promprune.sweep`, `promprune.trial=<id>`, `mlflow.note.content` (the spec's description); params model, method

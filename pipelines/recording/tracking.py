@@ -262,7 +262,8 @@ def _param(v: Any) -> str:
 
 def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str):
     """The latest FINISHED parent run of sweep ``name`` started before ``current_id`` that ran the same resolved spec
-    (its `promprune.spec_fingerprint` tag is ``fingerprint``) and whose trials all finished (no `trials/failed`), or
+    (its `promprune.spec_fingerprint` tag is ``fingerprint``), whose trials all finished (no `trials/failed`) and
+    that did not regress (its `promprune.regression` tag is not ``true``: the baseline stays the last good night), or
     None; with the line saying what the check compares with, or why it compares with nothing. Matching the name and
     version alone made a ``--set limit=20`` quick check (which sweeps/nightly.yaml suggests) the baseline of the next
     500-question night: false regressions, or masked ones. A parent run logged before runs carried the tag does not
@@ -286,19 +287,28 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     in_other = f"; {len(other_dtype)} run(s) of it ran in another dtype ({others}) and are not compared with" \
         if other_dtype else ""
     # a run whose trials failed ends FINISHED too (exit 1), without their Rel.: as the next one's baseline, it
-    # compared nothing for them (a failed night let the following night's regression pass)
-    whole = [r for r in found if not r.data.metrics.get(mlflow_layout.TRIALS_FAILED)]
+    # compared nothing for them (a failed night let the following night's regression pass). A run that regressed
+    # (exit 3, tagged promprune.regression=true) is no baseline either: as one, its fallen Rel. let the next night
+    # pass, so a regression failed one night only. Its tag set to anything else (`accepted`) makes it one again.
+    failed = [r for r in found if r.data.metrics.get(mlflow_layout.TRIALS_FAILED)]
+    regressed = [r for r in found if r not in failed and r.data.tags.get(mlflow_layout.REGRESSION) == "true"]
+    whole = [r for r in found if r not in failed and r not in regressed]
     if whole:
-        passed = found.index(whole[0])
-        over = f"; {passed} later run(s) of it had failed trials and are not compared with" if passed else ""
+        passed = found[:found.index(whole[0])]
+        over = "".join(f"; {n} later run(s) of it {what} and are not compared with" for n, what in (
+            (sum(r in failed for r in passed), "had failed trials"),
+            (sum(r in regressed for r in passed), f"regressed (tag {mlflow_layout.REGRESSION}=true)")) if n)
         over += in_other
         prev = whole[0]
         return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
                       f"earlier FINISHED run of the same resolved spec of sweep {name} v{version} whose trials all "
-                      f"finished{over}")
+                      f"finished{' and that did not regress' if regressed else ''}{over}")
     if found:
+        why = "had failed trials" if not regressed else \
+            f"had failed trials or regressed (tag {mlflow_layout.REGRESSION}=true)" if failed else \
+            f"regressed (tag {mlflow_layout.REGRESSION}=true)"
         return None, (f"the {len(found)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
-                      f"v{version} all had failed trials: nothing to compare with{in_other}")
+                      f"v{version} all {why}: nothing to compare with{in_other}")
     if other_dtype:
         return None, (f"the {len(other_dtype)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
                       f"v{version} ran in another dtype ({others}; dtype auto resolves by the device the workers run "

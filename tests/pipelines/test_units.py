@@ -302,6 +302,36 @@ def test_a_night_whose_trials_failed_is_no_baseline_and_says_what_it_did_not_com
     assert c.get_run(again).data.tags[mlflow_layout.REGRESSION] == "no-previous"
 
 
+def test_a_night_that_regressed_is_no_baseline_so_the_regression_fails_every_night_until_fixed(mlflow_store):
+    """A probe's case: a night whose PromPrune Rel. fell 0.80 -> 0.70 exited 3, and became the next night's baseline,
+    which then compared 0.70 with 0.70 and exited 0: a regression failed one night only. A night tagged
+    promprune.regression=true is passed over (said in the line) and the baseline stays the last good night; its tag
+    set to anything else (accepting the drop) makes it a baseline again."""
+    c = mlflow_store
+    good = _night(c, {"promprune-b8": 0.80, "none": 1.0})
+    assert _check(c, good)[0] == []
+    tracking.finish(c, good)
+    fell = _night(c, {"promprune-b8": 0.70, "none": 1.0})
+    assert _check(c, fell)[0] == ["promprune-b8: rel 0.8000 -> 0.7000 (-0.1000)"]
+    assert c.get_run(fell).data.tags[mlflow_layout.REGRESSION] == "true"
+    tracking.finish(c, fell)
+    still = _night(c, {"promprune-b8": 0.70, "none": 1.0})  # not fixed: still a regression of the good night
+    found, note = _check(c, still)
+    assert found == ["promprune-b8: rel 0.8000 -> 0.7000 (-0.1000)"]
+    assert note.startswith(f"compared with {good} (started ") and note.endswith(
+        "whose trials all finished and that did not regress; 1 later run(s) of it regressed (tag "
+        "promprune.regression=true) and are not compared with")
+    tracking.finish(c, still)
+    c.set_tag(good, mlflow_layout.REGRESSION, "true")  # every earlier night regressed: nothing to compare with
+    assert _check(c, _night(c, {"promprune-b8": 0.70}))[1] == (
+        "the 3 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 all regressed (tag "
+        "promprune.regression=true): nothing to compare with")
+    c.set_tag(good, mlflow_layout.REGRESSION, "no-previous")
+    c.set_tag(still, mlflow_layout.REGRESSION, "accepted")  # the drop accepted: that night is the baseline now
+    found, note = _check(c, _night(c, {"promprune-b8": 0.70, "none": 1.0}))
+    assert found == [] and note.startswith(f"compared with {still} (started ")
+
+
 def test_the_regression_check_compares_only_runs_of_the_same_resolved_dtype(mlflow_store):
     """``dtype: auto`` resolves to float32 on CPU workers and bfloat16 on GPU ones under one spec fingerprint: a GPU
     night was compared with a CPU night. The parent run records the resolved dtype (`tracking.model_params`, as the
