@@ -97,7 +97,7 @@ from pipelines.recording.recorder import SweepRecorder
 from pipelines.recording.view import SweepView
 from pipelines.run import checkpoints
 from pipelines.run.checkpoints import sweep_dir
-from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, connect
+from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, client_address_problem, connect
 from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
 from pipelines.run.state import TUNE_STATE, DriverLock, check_tune_state, driver_lock, fingerprint, launch_command, \
     load_state, outbox_dir, restore_options, resume_command, resumed_state, save_state, spec_fingerprint, \
@@ -644,10 +644,12 @@ def main(argv: list[str] | None = None) -> int:
         if resumed is not None and (problems := preflight.check_resumed_run(resumed) or check_tune_state(resumed)):
             raise specs.SpecError(problems, f"--resume {resumed['experiment']}")
         restored = [] if resumed is None else restore_options(args, resumed)  # its --regression-threshold, ...
+        if not args.validate_only and (problem := client_address_problem(args.address)):  # the run's, restored
+            raise RayUnreachable(problem)  # ray://: Tune under Ray Client never reports to this driver
         if not args.validate_only and (problem := paths.logs_problem()):
             raise specs.SpecError([problem], "outputs")
         lock = None if args.validate_only else driver_lock(spec, resumed)  # refused while its driver is alive
-    except specs.SpecError as e:
+    except (specs.SpecError, RayUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while the spec was checked (it was a traceback and exit 1)

@@ -77,34 +77,50 @@ def _recorded_head() -> str | None:
         return None
 
 
+def client_address_problem(address: str | None) -> str | None:
+    """Why a sweep or an evaluation cannot run through ``address`` (or ``RAY_ADDRESS``) when it is a Ray Client
+    address (``ray://host:10001``), as one paragraph; None otherwise. Asked before any work: under Ray Client the
+    sweep's state API calls ran before its ``ray.init`` (a traceback) and Tune's run went to a remote task whose
+    events never reached the sweep's recorder, so the sweep crashed after it had started."""
+    named = address or os.environ.get("RAY_ADDRESS")
+    if not named or not named.startswith("ray://"):
+        return None
+    source = "--address" if address else "RAY_ADDRESS"
+    host = named[len("ray://"):].rpartition(":")[0] or "HEAD"
+    return (f"{source}={named} is a Ray Client address, which PromPrune does not run through (Tune and the sweep's "
+            "recording need the driver on the cluster: under Ray Client Tune runs in a remote task whose events the "
+            "sweep never sees). Submit it to the cluster as a job instead, with the dashboard's address: `ray job "
+            f"submit --address http://{host}:8265 --working-dir . -- python pipelines/sweep.py --config <spec>` "
+            "(RAY_AUTH_MODE=token in front where the head enforces its token; docs/pipeline.md, \"On a cluster\"); "
+            f"on a machine of the cluster, set {source} to the head's GCS address (host:6379); or unset it to run a "
+            "local Ray")
+
+
 def check_address(address: str | None) -> None:
     """What can be told of ``address`` (or ``RAY_ADDRESS``) without joining it, in seconds: RayUnreachable for a
-    dashboard URL, a head whose port does not answer or answers but not as a Ray GCS, and a Ray Client port that does
-    not answer (Ray itself waits for minutes, or ~40 s for Ray Client). `connect` asks it first; an entry point that
+    Ray Client address (`client_address_problem`: refused), a dashboard URL, and a head whose port does not answer or
+    answers but not as a Ray GCS (Ray itself waits for minutes). `connect` asks it first; an entry point that
     has work to do before joining Ray (`pipelines/evaluate.py`: a model's first-use training) asks it before that."""
     named = address or os.environ.get("RAY_ADDRESS")
     source = "--address" if address else "RAY_ADDRESS"
     if not named or named in ("auto", "local"):
         return
+    if problem := client_address_problem(address):
+        raise RayUnreachable(problem)
     if named.startswith(("http://", "https://")):  # what `ray job submit` reads from RAY_ADDRESS
         raise RayUnreachable(f"{named} ({source}) is a Ray dashboard's URL, which `ray job submit` takes; a sweep "
-                             "joins the head's GCS address (host:6379 unless `ray start --port` chose another) or Ray "
-                             f"Client's ray://host:10001. Set {source} to one of those, or submit the sweep as a job "
-                             "(`ray job submit -- python pipelines/sweep.py`), or leave it unset to run a local Ray")
-    if named.startswith("ray://"):
-        if not _answers(named[len("ray://"):]):
-            raise RayUnreachable(f"the Ray Client server at {named} ({source}) does not answer. Start the head with "
-                                 "its client server (`ray start --head`, port 10001), point it at a live one, or leave "
-                                 f"{source} unset to run a local Ray")
-        return
+                             "joins the head's GCS address (host:6379 unless `ray start --port` chose another). Set "
+                             f"{source} to that on a machine of the cluster, or submit the sweep as a job (`ray job "
+                             f"submit --address {named} --working-dir . -- python pipelines/sweep.py`), or leave it "
+                             "unset to run a local Ray")
     if not _answers(named):
         raise RayUnreachable(f"the Ray cluster at {named} ({source}) does not answer. Start it (`ray start "
                              f"--head`), point {source} at a live head, or leave it unset to run a local Ray")
     if not _speaks_grpc(named):  # Ray itself would wait for minutes, saying nothing
         raise RayUnreachable(f"something answers at {named} ({source}), but not a Ray head's GCS: point {source} "
                              "at the head's GCS address (host:6379 unless `ray start --port` chose another; `ray "
-                             "status` on the head prints it), not the dashboard's port (8265), or use "
-                             "ray://host:10001 for Ray Client")
+                             "status` on the head prints it), not the dashboard's port (8265) nor Ray Client's "
+                             "(10001); or submit the sweep as a job (`ray job submit --address http://HEAD:8265`)")
 
 
 def connect(address: str | None, *, log_to_driver: bool = True) -> None:
@@ -116,6 +132,8 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
 
     if ray.is_initialized():
         return
+    if problem := client_address_problem(address):  # a job's own RAY_ADDRESS is its head's GCS, not ray://
+        raise RayUnreachable(problem)
     if os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR):  # inside `ray job submit`: the job's runtime_env, plus plugins
         extra = plugins.runtime_env({})  # Ray merges it into the job's (a field set in both is refused)
         ray.init(address=address, log_to_driver=log_to_driver, **({"runtime_env": extra} if extra else {}))
@@ -123,27 +141,23 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> None:
     named = address or os.environ.get("RAY_ADDRESS")
     source = "--address" if address else "RAY_ADDRESS"
     check_address(address)
-    if named and named not in ("auto", "local") and not named.startswith("ray://"):
+    if named and named not in ("auto", "local"):
         try:
             ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
         except ConnectionError as exc:  # a head with token auth, or another gRPC server (Ray Client's port)
             raise RayUnreachable(f"the Ray head at {named} ({source}) answers but the connection failed ({exc}). A "
                                  "head started with token authentication (Ray 2.60 turns it on once ~/.ray/auth_token "
-                                 "exists) needs RAY_AUTH_MODE=token here too; Ray Client's port (10001) takes "
-                                 "ray://host:10001; else point it at the head's GCS address (host:6379 by "
-                                 "default)") from None
+                                 "exists) needs RAY_AUTH_MODE=token here too; else point it at the head's GCS "
+                                 "address (host:6379 by default), not Ray Client's port (10001)") from None
     elif named == "local":  # a new local Ray, as named
         init_local(log_to_driver=log_to_driver)
-    elif named:  # auto (a running cluster on this machine) or Ray Client (ray://host:port)
-        client = named[len("ray://"):] if named.startswith("ray://") else None
+    elif named:  # auto: a running cluster on this machine
         try:
             ray.init(address=named, runtime_env=worker_env(), log_to_driver=log_to_driver)
-        except ConnectionError as exc:  # auto: no running Ray found; a client port that is not Ray Client's
-            what = ("no running Ray cluster was found on this machine" if client is None else
-                    f"the server at {named} answers but the Ray Client connection failed")
-            raise RayUnreachable(f"{what} ({source}={named}: {exc}). Start one (`ray start --head`), name its address "
-                                 f"(host:6379, or ray://host:10001 for Ray Client), or leave {source} unset to run a "
-                                 "local Ray") from None
+        except ConnectionError as exc:  # no running Ray found
+            raise RayUnreachable(f"no running Ray cluster was found on this machine ({source}={named}: {exc}). Start "
+                                 f"one (`ray start --head`), name its GCS address (host:6379), or leave {source} "
+                                 "unset to run a local Ray") from None
     else:
         recorded = _recorded_head()
         if recorded and _answers(recorded):

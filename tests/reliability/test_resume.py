@@ -259,7 +259,8 @@ def test_auto_a_ray_client_address_and_a_dashboard_url_are_refused_in_seconds(mo
 
     monkeypatch.setattr(ray, "init", no_ray_running)
     cases = [("auto", r"no running Ray cluster was found on this machine \(--address=auto: Could not find any "),
-             ("ray://127.0.0.1:1", r"the Ray Client server at ray://127.0.0.1:1 \(--address\) does not answer"),
+             ("ray://127.0.0.1:1", r"--address=ray://127.0.0.1:1 is a Ray Client address, which PromPrune does "
+                                   r"not run through"),
              ("http://127.0.0.1:8265", r"http://127.0.0.1:8265 \(--address\) is a Ray dashboard's URL, which `ray "
                                        r"job submit` takes")]
     for address, message in cases:
@@ -267,6 +268,51 @@ def test_auto_a_ray_client_address_and_a_dashboard_url_are_refused_in_seconds(mo
         with pytest.raises(ray_connect.RayUnreachable, match=message):
             ray_connect.connect(address)
         assert time.monotonic() - start < 20 and not ray.is_initialized()
+
+
+def test_a_ray_client_address_is_refused_before_any_work_with_the_job_to_submit(monkeypatch, tmp_path, capsys):
+    """A probe's case: RAY_ADDRESS=ray://host:10001, which Ray's own error messages here recommended, was accepted;
+    the sweep then crashed: the pool's state API called before ray.init, and Tune's fit ran in a remote task under
+    Ray Client, so its events reached the recorder outside the sweep. It is refused before Ray starts (exit 2, one
+    paragraph, no traceback) with the `ray job submit` that runs the sweep; evaluate.py refuses it too."""
+    from pipelines import evaluate, sweep
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("ray.init reached: a Ray Client address should have been refused before")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    from pipelines.frontdoor import DEFAULT_CONFIG
+
+    spec = str(DEFAULT_CONFIG)
+    for env, argv in (("ray://10.0.0.5:10001", []), (None, ["--address", "ray://10.0.0.5:10001"])):
+        if env:
+            monkeypatch.setenv("RAY_ADDRESS", env)
+        else:
+            monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        assert sweep.main(["--config", spec, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert "is a Ray Client address, which PromPrune does not run through" in err
+        assert "ray job submit --address http://10.0.0.5:8265 --working-dir ." in err
+        assert ("RAY_ADDRESS=ray://" if env else "--address=ray://") in err
+        assert not (tmp_path / "mlflow.db").exists()  # refused before the store was made
+    assert sweep.main(["--config", spec, "--address", "ray://10.0.0.5:10001", "--validate-only"]) == 0  # no Ray
+    capsys.readouterr()
+    assert evaluate.main(["--method", "promprune", "--budget", "8", "--limit", "2", "--no-mlflow", "--address",
+                          "ray://10.0.0.5:10001"]) == 2
+    assert "is a Ray Client address" in capsys.readouterr().err
+
+
+def test_no_message_recommends_a_ray_client_address():
+    """The refusals of a dashboard URL, a port that is not a GCS, a failed join pointed users at ray://host:10001,
+    which is refused."""
+    import inspect
+
+    source = inspect.getsource(ray_connect)
+    assert "ray://host" not in source.replace(ray_connect.client_address_problem.__doc__, "")
 
 
 KILLED = {"name": "killed", "version": 1, "model": {"pretrained": "testbed:llava"},
