@@ -8,7 +8,8 @@ per-job copy of the package (``<ray temp>/session_*/runtime_resources/working_di
 deletes with the session or when it trims its package cache: nothing may be kept there. A job's records go to one
 durable directory on the head instead, ``$PROMPRUNE_HOME`` (default ``~/promprune``): ``mlflow.db`` (its artifacts
 beside it, ``mlruns/``), ``outputs/tune``, ``outputs/logs``. ``MLFLOW_TRACKING_URI`` (the server ``cluster.yaml``
-starts, for one), ``PROMPRUNE_STORAGE`` and the spec's ``tune.storage_path`` still win.
+starts, for one), ``PROMPRUNE_STORAGE`` and the spec's ``tune.storage_path`` still win; a job names them, and
+``PROMPRUNE_HOME``, by absolute path (a relative one is refused, `relative_in_job`).
 
 Imports nothing heavy: the front door (`pipelines.frontdoor`) reads it before Ray and torch load.
 """
@@ -65,9 +66,11 @@ def logs_problem() -> str | None:
         with tempfile.TemporaryFile(dir=logs):
             pass
     except OSError as exc:
+        fix = (f"set {HOME_ENV} in the job's --runtime-env-json to an absolute folder the head can write (a Ray "
+               "job's records go there: outputs/, mlflow.db)") if in_ray_job() else \
+            "run it from a folder you can write (its records go under the working directory: outputs/, mlflow.db)"
         return (f"the sweep writes its log to {logs}, which cannot be written here ({type(exc).__name__}: "
-                f"{exc.strerror or exc}); run it from a folder you can write (its records go under the working "
-                "directory: outputs/, mlflow.db)")
+                f"{exc.strerror or exc}); {fix}")
     return None
 
 
@@ -84,6 +87,56 @@ def job_defaults_line() -> str | None:
             f"{os.environ.get(STORAGE_ENV) or default_storage()} (unless the spec sets tune.storage_path), logs in "
             f"{outputs_dir() / 'logs'} (${HOME_ENV}, default ~/promprune; set {TRACKING_URI_ENV} / {STORAGE_ENV} to "
             "choose others)")
+
+
+def relative_in_job(environ=None) -> list[str]:
+    """Inside a Ray job, each of ``MLFLOW_TRACKING_URI`` (a ``sqlite:///`` file), ``PROMPRUNE_HOME`` and
+    ``PROMPRUNE_STORAGE`` (a local path) that names a relative path, as one paragraph naming the variable and the fix
+    (an absolute path); [] outside a job. The job's working directory is Ray's package copy, which Ray deletes: a
+    relative store or home landed there silently (and the closing `mlflow ui` line named it relatively), and a
+    relative Tune storage was refused as "not a path"."""
+    environ = os.environ if environ is None else environ
+    if not environ.get(JOB_ENV):
+        return []
+    relative = []
+    uri = environ.get(TRACKING_URI_ENV, "")
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).expanduser().is_absolute():
+        relative.append((TRACKING_URI_ENV, uri, "sqlite:////<absolute folder>/mlflow.db (four slashes)"))
+    home = environ.get(HOME_ENV)
+    if home and not Path(home).expanduser().is_absolute():
+        relative.append((HOME_ENV, home, "/<absolute folder> or ~/<folder>"))
+    storage = environ.get(STORAGE_ENV)
+    local = local_storage(storage) if storage else None
+    if local is not None and not local.expanduser().is_absolute():
+        relative.append((STORAGE_ENV, storage, "/<folder every node reaches> or s3://<bucket>/<prefix>"))
+    return [f"environment variable {name}={value} is a relative path, which in a Ray job is relative to Ray's copy "
+            "of the working directory (<ray temp>/session_*/runtime_resources/working_dir_files/_ray_pkg_*), deleted "
+            f"by Ray with the session: nothing kept there lasts. Set it in the job's --runtime-env-json to an absolute "
+            f"path, e.g. {example}" + ("" if name == STORAGE_ENV else ", or leave it unset (the job's records then go "
+                                       f"to ${HOME_ENV}, default ~/promprune)")
+            for name, value, example in relative]
+
+
+def home_problem() -> str | None:
+    """Inside a Ray job, why its records folder (`records_root`: ``$PROMPRUNE_HOME``, default ``~/promprune``) cannot
+    be made or written, as one paragraph naming the variable; None when it can, or outside a job (the working
+    directory is `logs_problem`'s to check). An uncreatable one (``PROMPRUNE_HOME=/proc/pp``) was a traceback."""
+    if not in_ray_job():
+        return None
+    root = records_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    else:
+        why = refuses_writes(root)
+    if why is None:
+        return None
+    named = f"${HOME_ENV}={os.environ[HOME_ENV]}" if os.environ.get(HOME_ENV) else f"${HOME_ENV} unset: ~/promprune"
+    return (f"a Ray job keeps its records (logs; MLflow store and Tune state unless named elsewhere) in {root} "
+            f"({named}), which cannot be made or written on this node ({why}); set {HOME_ENV} in the job's "
+            "--runtime-env-json to an absolute folder the head can write (`--runtime-env-json '{\"env_vars\": "
+            "{\"PROMPRUNE_HOME\": \"/<absolute folder>\"}}'`)")
 
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"  # `token` where the head enforces Ray's token; its CLI sends the token only then

@@ -541,6 +541,10 @@ def check_store(uri: str) -> list[str]:
     store that exists (a new SQLite store is the directory's to take: the driver opens it while Ray starts)."""
     fix = ("set MLFLOW_TRACKING_URI to a store you can write (e.g. sqlite:///mlflow.db in a writable directory) or "
            "start the server it names (`mlflow server --backend-store-uri sqlite:///mlflow.db`)")
+    if paths.in_ray_job():  # a relative store lands in Ray's package copy of the working directory, deleted by Ray
+        fix = (f"set MLFLOW_TRACKING_URI in the job's --runtime-env-json to a store the head can write, by absolute "
+               f"path (sqlite:////<absolute folder>/mlflow.db), or leave it unset (mlflow.db in ${paths.HOME_ENV}, "
+               "default ~/promprune), or start the server it names")
     parsed = urlparse(uri)
     if parsed.scheme == "sqlite":
         path = mlflow_layout.sqlite_path(uri)

@@ -630,11 +630,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     environ = dict(os.environ)  # as started: the spec's plugins are added to it below (a resume adds them itself)
     args = parse_args(argv)
-    where = paths.job_defaults_line()  # a Ray job: its records go where they outlive Ray's package copy of the checkout
-    if where:
-        paths.records_root().mkdir(parents=True, exist_ok=True)
-        print(where, flush=True)
     try:  # everything a user can get wrong, in seconds, before Ray starts and before any MLflow run exists
+        # a Ray job: its records go where they outlive Ray's package copy of the checkout, named by absolute paths
+        if problems := paths.relative_in_job() or [p for p in [paths.home_problem()] if p]:
+            raise specs.SpecError(problems, "the Ray job's environment")
+        if where := paths.job_defaults_line():
+            print(where, flush=True)
         spec = specs.load(args.config, args.overrides)  # imports the spec's plugins (their methods are checked)
         specs.check_command(spec, "sweep", args.config)  # a spec for another entry point (fig2_concentration.py)
         plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this

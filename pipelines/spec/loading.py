@@ -42,12 +42,28 @@ def load_raw(path: str | Path, overrides: list[str] | None = None) -> dict:
     if path.is_dir():
         raise SpecError([f"{path} is a directory: give a spec file in it (e.g. sweeps/quickstart.yaml)"], str(path))
     if not path.is_file():
-        raise SpecError([f"spec file not found: {path}"], str(path))
+        raise SpecError([f"spec file not found: {path}{_in_job_note(path)}"], str(path))
     raw = _load_with_includes(path, seen=())
     _refuse_overlapping_overrides(overrides or [], str(path))
     for item in overrides or []:
         _apply_override(raw, item, str(path))
     return resolve_paths(raw, Path.cwd())  # what --set gave, relative to where the command runs
+
+
+def _in_job_note(path: Path) -> str:
+    """For a Ray job (`pipelines.paths.in_ray_job`), what a spec path that is not found is relative to: Ray's copy
+    of the job's working directory (what `--working-dir` uploaded), and the spec of that name under ``sweeps/`` if
+    there is one (a spec named without its folder)."""
+    from pipelines import paths
+
+    if not paths.in_ray_job():
+        return ""
+    note = (f" (in a Ray job, a relative path is relative to Ray's copy of the --working-dir it uploaded, "
+            f"{Path.cwd()}: name the spec as it lies in that folder")
+    guess = Path("sweeps") / path.name
+    if not path.is_absolute() and path != guess and guess.is_file():
+        return f"{note}; did you mean {guess}?)"
+    return f"{note}, e.g. sweeps/<spec>.yaml, and submit from the checkout's root)"
 
 
 def _load_with_includes(path: Path, seen: tuple) -> dict:

@@ -268,3 +268,96 @@ def test_a_jobs_resume_command_sends_the_token_only_where_its_head_enforces_one(
     older = {k: v for k, v in command.items() if k != "token_auth"}
     assert _submitted(state.resume_command({"experiment": "q-1", "command": older}))[0]["env"] == \
         {"RAY_AUTH_MODE": "token"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# places a Ray job names: absolute, or refused before any work (its working directory is Ray's package copy)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
+    ("PROMPRUNE_HOME", "records"),
+    ("PROMPRUNE_STORAGE", "outputs/tune"),
+    ("PROMPRUNE_STORAGE", "file://outputs/tune"),
+])
+def test_a_ray_job_refuses_a_relative_store_home_or_storage(elsewhere, monkeypatch, capsys, name, value):
+    """A probe's case: in `ray job submit --working-dir .`, MLFLOW_TRACKING_URI=sqlite:///mlflow.db and a relative
+    PROMPRUNE_HOME landed silently in Ray's package copy (deleted by Ray), the closing `mlflow ui` line naming a
+    relative path; a relative PROMPRUNE_STORAGE was refused as "not a path". Each is refused before Ray starts, in
+    one paragraph naming the variable and the fix (an absolute path); the same value outside a job is left alone."""
+    monkeypatch.setenv(name, value)
+    assert paths.relative_in_job() == []  # a local run: relative to the working directory, as the README says
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    (problem,) = paths.relative_in_job()
+    assert problem.startswith(f"environment variable {name}={value} is a relative path, which in a Ray job is "
+                              "relative to Ray's copy of the working directory")
+    assert "--runtime-env-json to an absolute path" in problem and "\n" not in problem
+    from pipelines import sweep
+
+    assert sweep.main(["--config", "sweeps/none.yaml"]) == 2  # refused before the spec is read
+    err = capsys.readouterr().err
+    assert err == f"error: the Ray job's environment: 1 problem(s):\n  - {problem}\n"
+    assert not any((elsewhere / "pkg").iterdir())  # nothing made in the package copy
+
+
+@pytest.mark.parametrize("absolute", [
+    {"MLFLOW_TRACKING_URI": "sqlite:////data/mlflow.db"}, {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"},
+    {"PROMPRUNE_HOME": "~/records"}, {"PROMPRUNE_HOME": "/data/records"},
+    {"PROMPRUNE_STORAGE": "s3://bucket/tune"}, {"PROMPRUNE_STORAGE": "/shared/tune"},
+    {"PROMPRUNE_STORAGE": "file:///shared/tune"}])
+def test_a_ray_job_takes_absolute_places(elsewhere, monkeypatch, absolute):
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    for name, value in absolute.items():
+        monkeypatch.setenv(name, value)
+    assert paths.relative_in_job() == []
+
+
+def test_an_uncreatable_promprune_home_is_one_paragraph_and_exit_2(elsewhere, monkeypatch, capsys):
+    """A probe's case: PROMPRUNE_HOME=/proc/pp in a job was a FileNotFoundError traceback, exit 1 (the records folder
+    was made before the checks that turn problems into exit-2 messages)."""
+    from pipelines import sweep
+
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    monkeypatch.setenv(paths.HOME_ENV, "/proc/pp")
+    assert sweep.main(["--config", "sweeps/none.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 2, err
+    assert "a Ray job keeps its records (logs; MLflow store and Tune state unless named elsewhere) in /proc/pp " \
+           "($PROMPRUNE_HOME=/proc/pp), which cannot be made or written on this node (No such file or directory); " \
+           "set PROMPRUNE_HOME in the job's --runtime-env-json to an absolute folder the head can write" in err
+    monkeypatch.delenv(paths.JOB_ENV)  # a local run does not use it
+    assert paths.home_problem() is None
+
+
+def test_a_jobs_unwritable_store_is_told_the_absolute_fix(elsewhere, monkeypatch):
+    """The refusal of a store that cannot be written suggested sqlite:///mlflow.db, which in a job lands in Ray's
+    package copy; in a job it gives an absolute path, or the job's default."""
+    from pipelines import preflight
+
+    uri = f"sqlite:///{elsewhere / 'missing' / 'mlflow.db'}"
+    assert "sqlite:///mlflow.db in a writable directory" in preflight.check_store(uri)[0]
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    (problem,) = preflight.check_store(uri)
+    assert "sqlite:///mlflow.db" not in problem and "sqlite:////<absolute folder>/mlflow.db" in problem
+    assert "or leave it unset (mlflow.db in $PROMPRUNE_HOME" in problem
+
+
+def test_a_spec_not_found_in_a_ray_job_says_where_paths_resolve(elsewhere, monkeypatch):
+    """Inside a job, "spec file not found: quickstart.yaml" said nothing of where the job looked: Ray's copy of the
+    working directory. The message says so, and names sweeps/<file> where the copy has it."""
+    from pipelines import spec as specs
+
+    (elsewhere / "pkg" / "sweeps").mkdir()
+    (elsewhere / "pkg" / "sweeps" / "quickstart.yaml").write_text("name: q\nversion: 1\n")
+    with pytest.raises(specs.SpecError) as local:
+        specs.load("quickstart.yaml")
+    assert str(local.value).endswith("spec file not found: quickstart.yaml")
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    with pytest.raises(specs.SpecError) as job:
+        specs.load("quickstart.yaml")
+    assert str(job.value).endswith(
+        f"spec file not found: quickstart.yaml (in a Ray job, a relative path is relative to Ray's copy of the "
+        f"--working-dir it uploaded, {elsewhere / 'pkg'}: name the spec as it lies in that folder; did you mean "
+        "sweeps/quickstart.yaml?)")
+    with pytest.raises(specs.SpecError, match=r"e\.g\. sweeps/<spec>\.yaml, and submit from the checkout's root\)$"):
+        specs.load("nowhere.yaml")
