@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -37,6 +38,57 @@ def test_cluster_yaml_passes_rays_validator():
     assert any("mlflow server" in cmd for cmd in config["head_start_ray_commands"])
 
 
+# python3 of each Ubuntu release (packages.ubuntu.com, package python3): an image's system Python
+UBUNTU_PYTHON3 = {"20.04": "3.8", "22.04": "3.10", "24.04": "3.12"}
+VENV = re.compile(r'uv"? venv (?:--seed )?--python (\d+\.\d+) "?([^"\s]+)"?')
+
+
+def _install_python(config: dict, text: str) -> tuple[str, str]:
+    """(the X.Y of the Python that cluster.yaml's setup_commands install the project with, how that is known): a
+    virtualenv's, from the `uv venv --python X.Y` that makes it; the image's python3, from the Ubuntu release its
+    ImageId comment names (every image of the config must name one, and the same one)."""
+    install = next(cmd for cmd in config["setup_commands"] if "[pipeline]" in cmd)
+    interpreter = shlex.split(install)[0]
+    for cmd in config["setup_commands"]:
+        made = VENV.search(cmd)
+        if made and interpreter.startswith(made.group(2).rstrip("/") + "/bin/"):
+            return made.group(1), f"the virtualenv {made.group(2)}"
+    assert interpreter in ("python3", "python"), f"{interpreter}: neither the image's python3 nor a uv virtualenv"
+    images = {n["node_config"]["ImageId"] for n in config["available_node_types"].values()}
+    releases = {release for image in images for release in re.findall(
+        rf"ImageId: {image}\s+#[^\n]*Ubuntu (\d\d\.\d\d)", text)}
+    assert len(releases) == 1, f"the images {images} name no one Ubuntu release in their comments: {releases}"
+    (release,) = releases
+    return UBUNTU_PYTHON3[release], f"the image's python3 (Ubuntu {release})"
+
+
+def test_cluster_yaml_installs_with_a_python_the_project_and_its_pins_take():
+    """A probe's case: cluster.yaml booted the Ubuntu 22.04 Deep Learning AMI, whose python3 is 3.10, and pip-installed
+    the project into it: pyproject requires Python >= 3.11 and constraints.txt (resolved on 3.11) pins numpy 2.4.6,
+    which needs 3.11, so `ray up` never started Ray. The Python the setup commands install with must satisfy
+    requires-python and be the one the pins were resolved on; Ray and MLflow start from it, and the nightly cron
+    finds its `ray`."""
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    text = (REPO / "cluster.yaml").read_text()
+    config = yaml.safe_load(text)
+    version, what = _install_python(config, text)
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert version in SpecifierSet(requires), f"{what} is Python {version}; pyproject requires {requires}"
+    resolved = re.search(r"resolved on \S+ \(Python (\d+\.\d+)\.\d+", (REPO / "constraints.txt").read_text())
+    assert resolved and resolved.group(1) == version, \
+        f"{what} is Python {version}; constraints.txt was resolved on {resolved and resolved.group(1)}"
+    venv = VENV.search(" ".join(config["setup_commands"])).group(2)
+    for cmd in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
+        for tool in ("ray", "mlflow"):
+            for word in re.findall(rf"(?:^|\s)([^\s\"]*\b{tool}) (?:start|stop|server)", cmd):  # not pgrep's
+                assert word == f"{venv}/bin/{tool}", (word, cmd)
+    cron = (REPO / "deploy" / "nightly.cron").read_text()
+    assert f'export PATH="{venv}/bin:' in cron
+
+
 @pytest.mark.parametrize("mutate", [
     lambda c: c.update(max_worker=3),  # a typo
     lambda c: c["available_node_types"]["gpu_worker"].update(min_worker=1),
@@ -62,8 +114,10 @@ def test_nightly_cron_line():
     fields = lines[0].split(maxsplit=5)
     assert len(fields) == 6 and all(f.replace("*", "").replace(",", "").isdigit() or f == "*" for f in fields[:5])
     command = fields[5]
-    # cron runs /bin/sh with PATH=/usr/bin:/bin; a user-level pip install puts `ray` in ~/.local/bin
-    assert command.startswith('export PATH="$HOME/.local/bin:') and command.index("export PATH") < command.index("ray ")
+    # cron runs /bin/sh with PATH=/usr/bin:/bin; cluster.yaml puts `ray` in ~/venv/bin, a user-level pip install in
+    # ~/.local/bin
+    assert command.startswith('export PATH="$HOME/venv/bin:$HOME/.local/bin:')
+    assert command.index("export PATH") < command.index("ray ")
     assert "ray job submit --no-wait --submission-id nightly-$(date +\\%F)" in command  # % escaped for cron
     args = sweep.parse_args(_sweep_args(command.split(">>")[0]))
     assert args.regression_threshold is not None and args.regression_threshold > 0
