@@ -63,6 +63,7 @@ import promprune
 from promprune.selection import accel
 from promprune.selection.in_llm import SPARSEVLM_RELEASED
 
+from .adapters import host_index
 from .attention import in_llm_attention_problem
 from .registry import find_family
 
@@ -402,22 +403,41 @@ def dart_keep(key_norms: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor,
     the largest key norm. The pivots, in column order, each take the remaining candidates least cosine-similar to
     them, ``n_keep - n_img`` picks shared out as evenly as possible (earlier pivots take the remainder). Returns the
     image pivots, then each pivot's picks.
+
+    Every size here follows from the shapes of ``cand`` and ``text`` and the picks made, so the host never reads the
+    device (no ``nonzero``, no ``tolist``): the remaining candidates are read with :func:`true_positions`.
     """
     img = cand[key_norms[cand].topk(min(n_img, n_keep, cand.numel())).indices]
     txt = text[key_norms[text].topk(min(n_txt, text.numel())).indices]
     pivots = torch.cat([img, txt]).sort().values
     left = torch.zeros(hidden.shape[0], dtype=torch.bool, device=cand.device)
-    left[cand] = True
-    left[img] = False
+    left.index_fill_(0, cand, True)
+    left.index_fill_(0, img, False)
+    n_left = cand.numel() - img.numel()
     unit = torch.nn.functional.normalize(hidden.float(), dim=-1)
-    picks, need = [img], n_keep - img.numel()
-    for p, pivot in enumerate(pivots.tolist()):
-        share = need // len(pivots) + (1 if p < need % len(pivots) else 0)
-        pool = left.nonzero().flatten()
-        take = pool[(-(unit[pool] @ unit[pivot])).topk(min(share, pool.numel())).indices]
-        left[take] = False
+    picks, need, n_pivots = [img], n_keep - img.numel(), pivots.numel()
+    for p in range(n_pivots):
+        share = need // n_pivots + (1 if p < need % n_pivots else 0)
+        pool = true_positions(left[None], n_left)[0]  # the remaining candidates, ascending
+        pivot = unit.index_select(0, pivots[p:p + 1])[0]  # [D]
+        take = pool[(-(unit[pool] @ pivot)).topk(min(share, n_left)).indices]
+        left.index_fill_(0, take, False)
+        n_left -= take.numel()
         picks.append(take)
     return torch.cat(picks)
+
+
+def true_positions(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """``[..., width]``: the positions of the True entries along ``mask``'s last dimension, ascending (a row with
+    fewer than ``width`` gives positions of False entries after them). ``nonzero`` without its host read: the caller
+    knows ``width`` (a count read once for the whole batch, or one it kept)."""
+    return (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
+
+
+def _sent(values: list, device) -> torch.Tensor:
+    """Host integers as a long tensor on ``device``, copied without making the host wait for the device (the copy is
+    staged at once; a blocking one would wait for the stream)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _mrope(model) -> bool:
@@ -527,7 +547,7 @@ class _Unwrap:
 class Stage:
     """Prune before decoder layer ``layer``; ``kind`` says how tokens are ranked: "fastv" (the last token's attention
     at layer - 1), "sparsevlm" (the raters' attention at layer - 1, with recycling), "pdrop" (the last token's
-    attention with layer ``layer``'s own projections), "dart" (pivots; see :meth:`InLLMPruner._dart_keep`).
+    attention with layer ``layer``'s own projections), "dart" (pivots; see :meth:`InLLMPruner._dart_kept`).
     ``targets`` (per row) come from the method's plan."""
 
     def __init__(self, layer, target, kind, recycle=0.0, merge=0.0):
@@ -669,7 +689,8 @@ class InLLMPruner:
             vis[:, :self.prompt_len] = self.visual.to(embeds.device)[:, :L]
             self.vis = vis
             self.layer_cols = {}  # layer idx -> (keep [B, L_l], alive [B, L_l]) for decoding
-            self.merged = [set() for _ in range(B)]  # absolute columns holding a recycled (merged) group
+            # [B, L] absolute columns holding a recycled (merged) group
+            self.merged = torch.zeros(B, L, dtype=torch.bool, device=embeds.device)
 
     def _scorer(self, stage: Stage):
         def hook(attn, args, kwargs):
@@ -691,37 +712,52 @@ class InLLMPruner:
         return k.float().abs().sum(dim=(1, 3))
 
     def _received(self, attn, hidden, rope, queries):
-        """Attention each current column receives from the method's queries, ``[B, L_cur]`` (float32)."""
+        """Attention each current column receives from the method's queries, ``[B, L_cur]`` (float32).
+
+        "last" (FastV, PyramidDrop): every row's last column, one batched product. "raters" (SparseVLM): each row's
+        query rows and raters have their own count, read for the whole batch at once (two reads of the device per
+        call, whatever the batch size or token count); each row's rows are then reduced in its own shapes, so the
+        sums (and the ranking) are those of one row alone."""
         B, L, _ = hidden.shape
         q, k = _queries_keys(attn, hidden, rope)  # [B, H, L, hd], [B, Hkv, L, hd]
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
-        allowed = self.alive[:, None, :] & (self.keep[:, None, :] <= self.keep[:, :, None])  # [B, L, L] causal
-        allowed = allowed.to(q.device)  # the layer's device (a model spread over GPUs)
+        keep, alive = self.keep.to(q.device), self.alive.to(q.device)  # the layer's device (a model spread over GPUs)
+        if queries == "last":
+            logits = (q[:, :, -1:].float() @ k.transpose(-1, -2)) * attn.scaling  # [B, H, 1, L]
+            allowed = alive & (keep <= keep[:, -1:])  # [B, L]: live columns up to the last (causal)
+            logits = logits.masked_fill(~allowed[:, None, None], float("-inf"))
+            return torch.softmax(logits, dim=-1).mean(dim=(1, 2)).to(hidden.device)
+        vis_cols = self.vis.gather(1, self.keep).to(q.device)  # [B, L]
+        mask = self._query_mask(vis_cols)
+        seen = vis_cols & alive
+        n_rows, n_seen = torch.stack([mask.sum(1), seen.sum(1)]).tolist()  # one read for the batch
+        rows, cols = true_positions(mask, max(n_rows)), true_positions(seen, max(n_seen))
+        probs, raters = [], []
+        for b in range(B):
+            r = rows[b, :n_rows[b]]
+            logits = (q[b][:, r].float() @ k[b].transpose(-1, -2)) * attn.scaling  # [H, R, L]
+            allowed = alive[b][None, :] & (keep[b][None, :] <= keep[b, r][:, None])  # [R, L] causal
+            probs.append(torch.softmax(logits.masked_fill(~allowed[None], float("-inf")), dim=-1))
+            raters.append(self._raters(probs[b], cols[b, :n_seen[b]]))
+        n_raters = torch.stack([m.sum() for m in raters]).tolist()  # one read for the batch
         out = torch.zeros(B, L, device=hidden.device)
         for b in range(B):
-            rows = self._query_rows(b, queries).to(q.device)
-            logits = (q[b][:, rows].float() @ k[b].transpose(-1, -2)) * attn.scaling  # [H, R, L]
-            logits = logits.masked_fill(~allowed[b, rows][None], float("-inf"))
-            probs = torch.softmax(logits, dim=-1)  # [H, R, L]
-            if queries == "raters":
-                probs = probs[:, self._raters(b, probs, rows)]
-            out[b] = probs.mean(dim=(0, 1))
+            out[b] = probs[b][:, true_positions(raters[b], n_raters[b])].mean(dim=(0, 1))
         return out
 
-    def _query_rows(self, b, queries) -> torch.Tensor:
-        """Current-column rows used as queries: the last token, or the live text tokens after the image."""
-        if queries == "last":
-            return torch.tensor([self.keep.shape[1] - 1], device=self.keep.device)
-        vis_cols = self.vis[b, self.keep[b]]
-        last_vis = int(vis_cols.nonzero().max())
-        after = torch.arange(self.keep.shape[1], device=self.keep.device) > last_vis
-        return (after & self.alive[b] & ~vis_cols).nonzero().flatten()
+    def _query_mask(self, vis_cols: torch.Tensor) -> torch.Tensor:
+        """``[B, L_cur]`` bool: the live text columns after each row's last visual column (``vis_cols [B, L_cur]``:
+        the current columns that are visual, live or dead): SparseVLM's query rows, DART's text."""
+        pos = torch.arange(vis_cols.shape[1], device=vis_cols.device)
+        last_vis = torch.where(vis_cols, pos, -1).amax(dim=1)  # [B]
+        return (pos > last_vis[:, None]) & self.alive.to(vis_cols.device) & ~vis_cols
 
-    def _raters(self, b, probs, rows) -> torch.Tensor:
-        """SparseVLM raters: query rows whose total attention to visual tokens is at least the mean."""
-        vis_cols = (self.vis[b, self.keep[b]] & self.alive[b]).to(probs.device)
+    @staticmethod
+    def _raters(probs, vis_cols) -> torch.Tensor:
+        """SparseVLM raters, ``[R]`` bool: the query rows of ``probs [H, R, L]`` whose total attention to the live
+        visual columns ``vis_cols`` (ascending) is at least the mean."""
         relevance = probs[:, :, vis_cols].sum(-1).mean(0)  # [R]
-        return (relevance >= relevance.mean()).nonzero().flatten()
+        return relevance >= relevance.mean()
 
     def _on_layer(self, idx):
         stage = next((s for s in self.stages if s.layer == idx), None)
@@ -751,69 +787,103 @@ class InLLMPruner:
 
     # ---- pruning ---------------------------------------------------------------------------------------
     def _prune(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
-        """Keep ``stage.target`` visual columns per row (+ recycling); returns the gathered hidden states."""
+        """Keep ``stage.target`` visual columns per row (+ recycling); returns the gathered hidden states.
+
+        Batched over the rows: the host reads the device once per stage (each row's live visual columns, and DART's
+        text columns); every other count follows from those and the targets, and the columns are chosen by masks
+        and sorts over ``[B, L]``. The rows keep one length: a row that keeps fewer columns than the longest is
+        filled with its first dropped columns (the method's order: by score, DART's by column), dead."""
         B, L, D = hidden.shape
-        scores = None if stage.scores is None else stage.scores.to(hidden.device)  # ranked on the layer's device
+        dev = hidden.device
         if stage.keys is not None:
-            stage.keys = stage.keys.to(hidden.device)
-        vis_alive = self.vis.gather(1, self.keep) & self.alive  # [B, L]
-        keep_rel, hidden = [], hidden.clone()
-        normed = self._final_norm(hidden) if stage.kind == "dart" else None
-        for b in range(B):
-            cand = vis_alive[b].nonzero().flatten()
-            n_keep = min(stage.targets[b], cand.numel())
-            if stage.kind == "dart":
-                kept = self._dart_keep(stage, b, normed[b], cand, n_keep)
-                dropped = cand[~torch.isin(cand, kept)]
-            else:
-                ranked = cand[scores[b, cand].argsort(descending=True, stable=True)]
-                kept, dropped = self._recycle(stage, hidden[b], ranked, n_keep, b)
-            others = (~vis_alive[b]).nonzero().flatten()
-            keep_rel.append((torch.cat([others, kept]), dropped))
-        width = max(k.numel() for k, _ in keep_rel)
-        rel = torch.empty(B, width, dtype=torch.long, device=hidden.device)
-        alive = torch.empty(B, width, dtype=torch.bool, device=hidden.device)
-        for b, (k, dropped) in enumerate(keep_rel):
-            extra = dropped[:width - k.numel()]  # dead fillers so all rows have the same length
-            cols = torch.cat([k, extra])
-            live = torch.cat([self.alive[b, k], torch.zeros_like(extra, dtype=torch.bool)])
-            # column order; on a hybrid LLM every dead column first (like left padding), so a linear-attention
-            # layer's scan meets the kept tokens alone, in order, after a zero prefix that leaves its state zero
-            order = (cols + L * live.long()).argsort() if self.recurrent is not None else cols.argsort()
-            rel[b] = cols[order]
-            alive[b] = live[order]
+            stage.keys = stage.keys.to(dev)
+        vis_cols = self.vis.gather(1, self.keep)
+        vis_alive = vis_cols & self.alive  # [B, L]: the candidates
+        text = self._query_mask(vis_cols) if stage.kind == "dart" else None
+        counts = torch.stack([vis_alive.sum(1)] + ([] if text is None else [text.sum(1)])).tolist()  # the one read
+        n_cand = counts[0]
+        n_keep = [min(t, n) for t, n in zip(stage.targets, n_cand)]
+        hidden = hidden.clone()
+        pos = torch.arange(L, device=dev).expand(B, L)
+        if stage.kind == "dart":
+            kept, order = self._dart_kept(stage, hidden, vis_alive, text, n_cand, counts[1], n_keep), pos
+        else:
+            kept, order = self._ranked_kept(stage, hidden, vis_alive, n_cand, n_keep)
+        dropped = vis_alive & ~kept
+        sizes = [L - n + k for n, k in zip(n_cand, n_keep)]  # each row's other columns and kept ones
+        width = max(sizes)
+        fill = _sent([width - n for n in sizes], dev)  # dead fillers so all rows have the same length
+        filler = order.masked_fill(~dropped, 2 * L).argsort(dim=1, stable=True)  # dropped columns first, in order
+        nth = torch.empty_like(filler).scatter_(1, filler, pos)  # each dropped column's place among them
+        extra = dropped & (nth < fill[:, None])
+        chosen = ~vis_alive | kept | extra
+        live = chosen & self.alive & ~extra
+        # column order; on a hybrid LLM every dead column first (like left padding), so a linear-attention
+        # layer's scan meets the kept tokens alone, in order, after a zero prefix that leaves its state zero
+        key = pos + L * live.long() if self.recurrent is not None else pos
+        rel = key.masked_fill(~chosen, 3 * L).argsort(dim=1)[:, :width]
         self.keep = self.keep.gather(1, rel)
-        self.alive = alive
+        self.alive = live.gather(1, rel)
         return hidden.gather(1, rel[..., None].expand(-1, -1, D))
+
+    def _ranked_kept(self, stage, hidden, vis_alive, n_cand, n_keep):
+        """``(kept [B, L] bool, rank [B, L])`` for the ranking methods: each row's candidates ranked by ``stage.scores``
+        (descending; a tie to the earlier column), the first ``n_keep`` kept. With recycling (SparseVLM) the top
+        ``recycle`` of each row's deleted columns are merged around the first ``ceil(merge * n)`` of them
+        (:meth:`_merge`, into ``hidden``), which stay in place of as many of the lowest-ranked kept columns."""
+        B, L = vis_alive.shape
+        scores = stage.scores.to(hidden.device)  # ranked on the layer's device
+        order = scores.masked_fill(~vis_alive, float("-inf")).argsort(dim=1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=order.device).expand(B, L))
+        centres = [0] * B
+        for b in range(B):
+            deleted = n_cand[b] - n_keep[b]
+            if stage.recycle <= 0 or deleted <= 0:
+                continue
+            pool = math.ceil(stage.recycle * deleted)
+            centres[b] = min(math.ceil(stage.merge * pool), n_keep[b]) if pool else 0
+            if centres[b]:
+                self._merge(hidden[b], order[b, n_keep[b]:n_keep[b] + pool], centres[b], b)
+        sent = _sent([n_keep, centres], rank.device)
+        keep_n, c = sent[0, :, None], sent[1, :, None]
+        kept = (rank < keep_n - c) | ((rank >= keep_n) & (rank < keep_n + c))
+        return kept & vis_alive, rank
+
+    def _merge(self, hidden_b, pool, n_centres, b):
+        """SparseVLM's recycling in row ``b``: each column of ``pool`` (relative columns, best first) joins the most
+        cosine-similar of its first ``n_centres`` (the centres, each its own group), and each centre's hidden state
+        becomes its group's mean. The groups are summed as a padded ``[centres, members, D]`` tensor, each member
+        in pool order and zeros after, so each mean is the sum ``hidden_b[group].mean(0)`` makes, without reading
+        the groups' sizes on the host (bit for bit on the CPU at hidden sizes that are multiples of 32, every
+        model's here; a GPU orders a reduction's sums by its shape, so there a mean may differ from the per-group
+        one in the last bit)."""
+        feats = torch.nn.functional.normalize(hidden_b[pool].float(), dim=-1)
+        assign = (feats @ feats[:n_centres].T).argmax(dim=1)  # [|pool|] -> centre
+        assign[:n_centres] = torch.arange(n_centres, device=assign.device)
+        members = assign[:, None] == torch.arange(n_centres, device=assign.device)  # [|pool|, centres]
+        slot = (members.long().cumsum(0) - 1).gather(1, assign[:, None])[:, 0]  # place in its group
+        groups = hidden_b.new_zeros(n_centres, pool.numel() - n_centres + 1, hidden_b.shape[-1])
+        groups[assign, slot] = hidden_b[pool]
+        half = hidden_b.dtype in (torch.float16, torch.bfloat16)  # mean's own float32 sum for these
+        total = groups.sum(dim=1, dtype=torch.float32 if half else None)
+        hidden_b[pool[:n_centres]] = (total / members.sum(0)[:, None]).to(hidden_b.dtype)
+        self.merged[b].index_fill_(0, self.keep[b, pool[:n_centres]], True)  # relative -> absolute columns
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LLM's final norm applied to ``hidden`` (DART compares tokens on these states), on ``hidden``'s device."""
         norm = self.model.model.language_model.norm
         return norm(hidden.to(norm.weight.device)).float().to(hidden.device)
 
-    def _dart_keep(self, stage, b, normed_b, cand, n_keep) -> torch.Tensor:
-        """DART's kept visual columns of row ``b`` (:func:`dart_keep` on the current columns)."""
-        return dart_keep(stage.keys[b], normed_b, cand, self._query_rows(b, "raters"), *stage.pivots, n_keep)
-
-    def _recycle(self, stage, hidden_b, ranked, n_keep, b):
-        """``(kept, dropped)`` relative columns; recycled groups are merged into their centre's hidden state."""
-        if stage.recycle <= 0 or n_keep >= ranked.numel():
-            return ranked[:n_keep], ranked[n_keep:]
-        deleted = ranked[n_keep:]
-        pool = deleted[:math.ceil(stage.recycle * deleted.numel())]
-        n_centres = min(math.ceil(stage.merge * pool.numel()), n_keep) if pool.numel() else 0
-        if n_centres == 0:
-            return ranked[:n_keep], deleted
-        centres = pool[:n_centres]
-        feats = torch.nn.functional.normalize(hidden_b[pool].float(), dim=-1)
-        assign = (feats @ feats[:n_centres].T).argmax(dim=1)  # [|pool|] -> centre
-        assign[:n_centres] = torch.arange(n_centres, device=assign.device)
-        for c in range(n_centres):
-            hidden_b[centres[c]] = hidden_b[pool[assign == c]].mean(dim=0)
-        self.merged[b].update(self.keep[b, centres].tolist())  # relative -> absolute columns
-        kept = torch.cat([ranked[:n_keep - n_centres], centres])
-        dropped = torch.cat([ranked[n_keep - n_centres:n_keep], pool[n_centres:], deleted[pool.numel():]])
-        return kept, dropped
+    def _dart_kept(self, stage, hidden, vis_alive, text, n_cand, n_text, n_keep) -> torch.Tensor:
+        """``[B, L]`` bool: DART's kept visual columns (:func:`dart_keep` on each row's current columns)."""
+        normed = self._final_norm(hidden)
+        cand, txt = true_positions(vis_alive, max(n_cand)), true_positions(text, max(n_text))
+        kept = torch.zeros_like(vis_alive)
+        for b in range(hidden.shape[0]):
+            picks = dart_keep(stage.keys[b], normed[b], cand[b, :n_cand[b]], txt[b, :n_text[b]], *stage.pivots,
+                              n_keep[b])
+            kept[b].index_fill_(0, picks, True)
+        return kept
 
     # ---- masks and rotary embeddings ------------------------------------------------------------------
     def _as_mask(self, allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -906,21 +976,27 @@ class InLLMPruner:
     # ---- results -------------------------------------------------------------------------------------
     def stats(self, items) -> list[dict]:
         """Per-row Generation fields after the last pruning layer, and the visual tokens each decoder layer ran on
-        (``layer_visual_tokens``: every one before the first hooked layer, then the row's live visual columns)."""
+        (``layer_visual_tokens``: every one before the first hooked layer, then the row's live visual columns). The
+        host reads the device twice for the whole batch (the counts, then the prompt's visual, kept and merged
+        columns), whatever the batch size."""
         out = []
         final_keep, final_alive, _ = self.layer_cols[max(self.layer_cols)]
-        live = {idx: (alive & self.vis.gather(1, keep)).sum(1).tolist() for idx, (keep, alive, _) in
-                self.layer_cols.items()}
-        full = self.visual.sum(1).tolist()
-        for b, item in enumerate(items):
-            run = self.visual[b].nonzero().flatten().to(final_keep.device)
-            kept_cols = final_keep[b][final_alive[b] & self.vis[b, final_keep[b]]]
+        layers = sorted(self.layer_cols)
+        counts = torch.stack([self.visual.sum(1).to(final_keep.device)]
+                             + [(alive & self.vis.gather(1, keep)).sum(1).to(final_keep.device)
+                                for keep, alive, _ in (self.layer_cols[i] for i in layers)]).tolist()
+        full, live = counts[0], dict(zip(layers, counts[1:]))
+        kept = torch.zeros_like(self.vis).scatter_(1, final_keep, final_alive & self.vis.gather(1, final_keep))
+        visual, kept, merged = torch.stack([self.visual.to(kept.device), kept, self.merged & kept]).cpu()
+        for b, host in enumerate(host_index(items)):
+            run = visual[b].nonzero().flatten()
+            kept_cols = kept[b].nonzero().flatten()  # the live visual columns, ascending
             run_pos = torch.searchsorted(run, kept_cols)
-            grid_of_run = torch.full((run.numel(),), -1, dtype=torch.long, device=run.device)
-            grid_of_run[item.run_pos.to(run.device)] = item.grid_index.to(run.device)
+            grid_of_run = torch.full((run.numel(),), -1, dtype=torch.long)
+            grid_of_run[torch.from_numpy(host.run_pos)] = torch.from_numpy(host.grid_index)
             grid = grid_of_run[run_pos]
             out.append(dict(visual_tokens=int(kept_cols.numel()),
-                            saliency_count=int(kept_cols.numel()) - len(self.merged[b] & set(kept_cols.tolist())),
+                            saliency_count=int(kept_cols.numel()) - int(merged[b].sum()),
                             entropy=None,
                             kept=sorted(grid[grid >= 0].tolist()),
                             layer_visual_tokens=[int(live[i][b]) if i in live else int(full[b])

@@ -8,7 +8,7 @@ from .conftest import ARCHS
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("method", [None, "promprune", "vispruner", "fastv", "sparsevlm"])
+@pytest.mark.parametrize("method", [None, "promprune", "vispruner", "fastv", "sparsevlm", "dart", "pyramiddrop"])
 def test_batch_equals_single_items(arch, method, images, prompts):
     model, processor = tiny_vlm(arch)
     vlm = PrunedVLM(model, processor, method=method, budget=None if method is None else 6)
