@@ -142,14 +142,16 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
 
 
 def rel_counts(scores: pd.DataFrame, baseline_id: str | None) -> pd.Series:
-    """How many benchmarks each row's Rel. averages, where that is fewer than the baseline's (a trial run on a
-    subset of the tasks); NaN where it is all of them, or where Rel. was not computed here (no baseline trial)."""
+    """How many benchmarks each row's Rel. averages, where that is fewer than the table's (a trial run on a subset
+    of the tasks; every row where the baseline scored 0 on a benchmark, whose ratio is undefined: the sweep's own Rel.
+    is undefined then, and logged for no trial); NaN where it is all of them, or where Rel. was not computed here (no
+    baseline trial)."""
     if baseline_id is None or scores.empty:
         return pd.Series(np.nan, index=scores.index)
     from promprune.eval.scoring import ratio_tasks
 
     base = scores.loc[baseline_id].to_dict()
-    full = len(ratio_tasks(base, base))
+    full = scores.shape[1]  # the table's benchmarks: those the baseline's ratio leaves out are not "all" of them
     counts = scores.apply(lambda row: len(ratio_tasks(row.to_dict(), base)), axis=1).astype(float)
     return counts.where(counts < full)
 

@@ -490,3 +490,20 @@ def test_a_grid_that_names_no_sweep_is_said_as_grid(store, tmp_path, capsys):
     assert "--grid 'nonexist': no sweep run with that name or run id in experiment 'promprune'" in err
     assert err.endswith("(its sweeps: grid_demo)\n") and err.count("\n") == 1, err
     assert "--sweep" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_benchmark_the_baseline_scored_0_on_marks_every_rel(store, tmp_path):
+    """The baseline scores 0 on POPE (every sample failed): the sweep calls Rel. undefined and logs none; the report's
+    Rel. leaves POPE out of every row's average, so each says it is over 2 of 3 benchmarks and none is bolded as a
+    budget's best against a full Rel. By hand: promprune (1620/1800 + 0.57/0.60) / 2 = 92.5 %; divprune (0.95 + 1) / 2
+    = 97.5 %."""
+    client, exp = store
+    parent = log_sweep(client, exp, "zero_base", [
+        trial("none", None, scores(1800, 300, 0.0, 0.60)),
+        trial("promprune", 64, scores(1620, 270, 0.80, 0.57)),
+        trial("divprune", 64, scores(1710, 290, 0.76, 0.60))], tasks=TASKS, tmp=tmp_path)
+    table = tables.build_score_table(load_sweep(parent))
+    rows = {line.split("|")[1].strip(): line for line in tables.score_table_markdown(table).splitlines()[2:]}
+    assert rows["PromPrune"].endswith("| 92.5% (over 2 of 3 benchmarks) |")
+    assert rows["DivPrune"].endswith("| 97.5% (over 2 of 3 benchmarks) |")
+    assert "**9" not in rows["DivPrune"] and "**9" not in rows["PromPrune"]

@@ -219,3 +219,17 @@ def test_mu_tau_heatmap_has_a_panel_per_benchmark(store, tmp_path, monkeypatch):
     assert [n for _, n in drawn] == [1, 2, 2]  # Rel.: only (0.44, 0.01); POPE: 2 cells at 100; GQA: 2 cells at 100
     assert "Rel. (%)" in drawn[0][0] and all("% of unpruned" in t for t, _ in drawn[1:])
     assert all("VisPruner 95.0" in t for t, _ in drawn)
+
+
+def test_a_paired_interval_that_excludes_0_never_prints_as_holding_it():
+    """The quickstart's DivPrune - PromPrune: lower bound +0.0488 points, resolved; printed at one decimal it read
+    "[+0.0, +3.0] (resolved)", and on the console (no verdict there) as holding 0. Bounds that round to 0 but are not
+    0 get two significant digits; other values stay at one decimal; an exact 0 is +0.0."""
+    from pipelines.reporting.paired import Difference
+
+    d = Difference(16, "DivPrune", "PromPrune", "a", "b", 1.5, 0.0488, 3.0)
+    assert d.resolved and d.text() == "DivPrune - PromPrune: +1.5 [+0.049, +3.0] points"
+    d = Difference(16, "PromPrune", "DivPrune", "b", "a", -1.5, -3.0, -0.0488)
+    assert d.resolved and d.text() == "PromPrune - DivPrune: -1.5 [-3.0, -0.049] points"
+    d = Difference(16, "A", "B", "a", "b", -3.1, -6.3, 0.0)
+    assert not d.resolved and d.text() == "A - B: -3.1 [-6.3, +0.0] points"
