@@ -6,22 +6,27 @@ count one launch each and fill their output with valid picks; those whose output
 split's, the Gram's and the cosine's, PromPrune's saliency stage's) by stubs that do their work with torch ops,
 uncounted) under a dispatch mode that counts every ATen op that would launch a kernel (view and metadata ops excluded),
 the ops that make the host wait on the device (``item``/``int``/``bool`` of a tensor, ``nonzero``, boolean indexing,
-``tolist``, ``equal``) and the selection's own deliberate reads (``accel.syncs``). ``fast_path_on_cpu(graphs=True)``
+``tolist``, ``equal``, ``bincount``, ``repeat_interleave`` of a tensor of repeats without ``output_size``, and the
+linear algebra whose error codes the host checks on CUDA: ``eigh`` / ``eigvalsh``, ``svd``, ``cholesky`` / ``solve`` /
+``inv`` without ``_ex``, ``eig``) and the copies between host and device, as :func:`count_model` counts them (the
+selection's own deliberate reads, ``accel.count_sync``, are such copies). ``fast_path_on_cpu(graphs=True)``
 also replays the certified split's stages as CUDA graphs would (``CaptureStub`` stands for each capture: a replay counts
 its input copies, one launch and its output clones; a host read inside a graph's body is listed as ``breaks
 capture:<op>``).
 Only ops on the device's tensors count (the call's tensor arguments and what device ops made from them, plus
-factories): the host's arithmetic on values it has read does not.
+factories given the device): the host's arithmetic on values it has read does not.
 What the counts are for: a change that adds launches or syncs shows here without a GPU; a GPU time can be projected
 from them (``project_ms``), and the GPU run says how good the projection was.
 
 ``count_model(model, fn, ...)`` counts a whole model path (``PrunedVLM.prepare``), where host and device tensors
-meet. The device is played by ``cpu:0``: a device tensor (the model's parameters and buffers, the call's tensor
+meet, ``model``'s parameters and buffers on the device; ``count`` counts alike with only the call's tensor arguments
+there. The device is played by ``cpu:0``: a device tensor (the model's parameters and buffers, the call's tensor
 arguments, what device ops make) says ``t.device == cpu:0``, a host tensor ``cpu``, so code that asks a tensor for its
 device gets the answer it would get on a GPU. A factory given ``device=cpu:0`` makes a device tensor, given none (or
-``cpu``) a host one; ``.to`` of a host tensor to the device is a copy (one launch, and one sync unless
-``non_blocking=True``: torch's blocking copy waits for the stream); ``.cpu()``, ``.numpy()``, ``.to(<host>)`` of a
-device tensor are reads (syncs) and return host tensors; an op that meets a device tensor and a host tensor of one
+``cpu``) a host one; ``.to`` of a host tensor to the device (``copy=True`` or not) and ``torch.tensor`` /
+``torch.as_tensor`` given the device are a copy (one launch, and one sync unless ``non_blocking=True``: torch's
+blocking copy waits for the stream); ``.cpu()``, ``.numpy()``, ``.to(<host>)`` of a device tensor are reads (syncs)
+and return host tensors; an op that meets a device tensor and a host tensor of one
 or more dimensions (indexing with host indices: torch moves them with a blocking copy; elementwise ops fail on a
 GPU) counts as a sync, listed as ``implicit:<op>``.
 """
@@ -34,7 +39,7 @@ import time
 import traceback
 import weakref
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +58,24 @@ NO_LAUNCH = {"view", "_unsafe_view", "expand", "t", "transpose", "unsqueeze", "s
 # ops whose result the host needs before it can go on (a device-to-host wait on CUDA); ``item`` / ``is_nonzero`` are
 # what ``float(t)`` / ``bool(t)`` dispatch under inference mode (``_local_scalar_dense`` outside it), never both
 SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal", "_unique2", "unique_dim",
-            "unique_consecutive", "nonzero_static"}
+            "unique_consecutive", "nonzero_static",
+            # a histogram as long as its largest value: the host reads the maximum first
+            "bincount",
+            # linear algebra that checks LAPACK / cuSOLVER's error codes on the host (``_linalg_check_errors``:
+            # ``infos.any().item()``): inside the kernel for eigh / eigvalsh and svd, as an op of its own after
+            # cholesky / solve / inv and their kind (their ``_ex`` forms without ``check_errors`` skip it); eig runs
+            # on the host on CUDA (MAGMA's geev): a copy there and back
+            "_linalg_eigh", "linalg_eigh", "_linalg_svd", "_linalg_check_errors", "linalg_eig",
+            # the same under inference mode, where the dispatch mode sees the composite ops whole
+            "linalg_eigvalsh", "linalg_eigvals", "linalg_svd", "linalg_svdvals", "linalg_cholesky", "linalg_solve",
+            "linalg_inv"}
+
+
+def _sized_by_host(func, kwargs) -> bool:
+    """``repeat_interleave`` with a tensor of repeats and no ``output_size``: the host reads their sum to size the
+    output (a sync); with ``output_size``, or repeats given as an int, none."""
+    return func.overloadpacket.__name__ == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor") \
+        and (kwargs or {}).get("output_size") is None
 MASK_INDEXING = {"index", "index_put"}  # with a boolean mask among the indices: a nonzero inside, a sync
 MATMUL = {"bmm", "mm", "matmul", "baddbmm", "addmm", "addbmm"}
 
@@ -100,18 +122,25 @@ def _tensors(tree) -> list[torch.Tensor]:
     return []
 
 
+# The device's tensors, id -> weak reference (tensors compare by value, not identity): what the calls' arguments were
+# and what device ops made, kept from one count to the next, so that what a process keeps on the device (a warm-up's
+# cached matrices, a graph's inputs) is still the device's when a later counted call uses it.
+_MARKED: dict[int, weakref.ref] = {}
+
+
 class _Counter(TorchDispatchMode):
     """Counts the ops of the device: those with a device tensor among their inputs (the call's arguments and what
     device ops made from them) or with no tensor input (factories); an op on host tensors only (the host's own
     arithmetic on values it read, e.g. ``torch.from_numpy`` results) launches nothing and waits for nothing."""
 
-    def __init__(self, costs: Costs, inputs, transfers: bool = False):
+    def __init__(self, costs: Costs, inputs):
         super().__init__()
         self.costs = costs
         self.paused = False
         self.in_graph = False  # inside a replayed CUDA graph: its kernels are the graph's one launch
-        self.transfers = transfers
-        self.device: dict[int, weakref.ref] = {}  # id -> weak reference (tensors compare by value, not identity)
+        self.device = _MARKED
+        for key in [k for k, ref in _MARKED.items() if ref() is None]:  # what died since the last count
+            del _MARKED[key]
         self.mark(_tensors(inputs))
 
     def mark(self, tensors) -> None:
@@ -133,13 +162,15 @@ class _Counter(TorchDispatchMode):
             inner = args[0].shape[-1] if name in ("bmm", "mm", "matmul") else args[1].shape[-1]  # the summed dim
             self.costs.flops += 2.0 * out.numel() * inner
         if self.in_graph:  # a read of the device here would break the capture: counted apart, never as a launch
-            if name in SYNC_OPS or any(not self.on_device(t) and t.dim() > 0 for t in ins):
+            if name in SYNC_OPS or _sized_by_host(func, kwargs) \
+                    or any(not self.on_device(t) and t.dim() > 0 for t in ins):
                 self.costs.ops["breaks capture:" + name] += 1
             return out
-        if self.transfers and any(t.dim() > 0 and not self.on_device(t) for t in ins):
+        if any(t.dim() > 0 and not self.on_device(t) for t in ins):
             self.costs.sync()  # host tensors meet device ones: torch copies them over, blocking (or fails)
             self.costs.ops["implicit:" + name] += 1
-        if name in SYNC_OPS or name in MASK_INDEXING and any(t.dtype in (torch.bool, torch.uint8) for t in ins):
+        if name in SYNC_OPS or name in MASK_INDEXING and any(t.dtype in (torch.bool, torch.uint8) for t in ins) \
+                or _sized_by_host(func, kwargs):
             self.costs.sync()
         if name not in NO_LAUNCH:
             self.costs.launches += 1
@@ -460,10 +491,13 @@ def host_ms(fn, *args, graphs: bool = False, calls: int = 30, **kwargs) -> float
 
 def count(fn, *args, warmup: bool = True, **kwargs) -> Costs:
     """The launches, syncs and matmul FLOPs of ``fn(*args, **kwargs)`` (``Tensor.tolist`` counts as a sync), after one
-    uncounted call (``warmup``) that fills what a process builds once (cached pooling matrices, compiled kernels)."""
+    uncounted call (``warmup``) that fills what a process builds once (cached pooling matrices, compiled kernels).
+    The call's tensor arguments are the device's, played by ``cpu:0`` as in :func:`count_model`: copies between host
+    and device count where they happen (a blocking copy to the device a sync, ``.cpu()`` / ``.numpy()`` of a device
+    tensor a read). The warm-up runs as the device too (what a process keys by device is made there)."""
     if warmup:
-        fn(*args, **kwargs)
-    return _count(fn, args, kwargs, transfers=False, resident=())
+        _count(fn, args, kwargs, resident=())
+    return _count(fn, args, kwargs, resident=())
 
 
 def count_model(model: torch.nn.Module, fn, *args, warmup: bool = True, **kwargs) -> Costs:
@@ -472,14 +506,13 @@ def count_model(model: torch.nn.Module, fn, *args, warmup: bool = True, **kwargs
     call runs as the device (``cpu:0``) too, so what a process keys by device (a graph's capture) is made there."""
     resident = list(model.parameters()) + list(model.buffers())
     if warmup:
-        _count(fn, args, kwargs, transfers=True, resident=resident)
-    return _count(fn, args, kwargs, transfers=True, resident=resident)
+        _count(fn, args, kwargs, resident=resident)
+    return _count(fn, args, kwargs, resident=resident)
 
 
-def _count(fn, args, kwargs, transfers: bool, resident) -> Costs:
+def _count(fn, args, kwargs, resident) -> Costs:
     costs = Costs()
     real_tolist = torch.Tensor.tolist
-    syncs_before = accel.syncs()
 
     def tolist(t):
         if _ACTIVE and not _ACTIVE[-1].paused and _ACTIVE[-1].on_device(t):
@@ -487,17 +520,15 @@ def _count(fn, args, kwargs, transfers: bool, resident) -> Costs:
         return real_tolist(t)
 
     torch.Tensor.tolist = tolist
-    counter = _Counter(costs, (args, kwargs, resident), transfers=transfers)
+    counter = _Counter(costs, (args, kwargs, resident))
     _ACTIVE.append(counter)
     try:
-        with counter, (_Transfers(counter) if transfers else nullcontext()):
+        with counter, _Transfers(counter):
             fn(*args, **kwargs)
     finally:
         _ACTIVE.pop()
         torch.Tensor.tolist = real_tolist
-    if not transfers:  # with transfers the deliberate reads (``.cpu()``) are counted where they happen
-        costs.syncs += accel.syncs() - syncs_before  # the deliberate reads: not in sync_sites
-    return costs
+    return costs  # the selection's deliberate reads (``accel.count_sync``: a ``.cpu()``) are counted where they happen
 
 
 @contextmanager
@@ -539,6 +570,17 @@ def _is_device(device) -> bool:
     return device is not None and torch.device(device) == DEVICE
 
 
+def _without_copy(args: tuple, kwargs: dict) -> tuple[tuple, bool]:
+    """``Tensor.to``'s arguments less ``copy`` (a keyword, or the second bool after the target: ``to(device, dtype,
+    non_blocking, copy)``), which ``kwargs`` loses, and its value."""
+    copy = bool(kwargs.pop("copy", False))
+    flags = [i for i, a in enumerate(args) if isinstance(a, bool)]
+    if len(flags) == 2:
+        copy = copy or args[flags[1]]
+        args = args[:flags[1]] + args[flags[1] + 1:]
+    return args, copy
+
+
 class _Transfers:
     """While active: device tensors report ``cpu:0``; factories, ``.to`` / ``.cpu`` / ``.numpy`` between host and
     device counted (the module docstring)."""
@@ -568,10 +610,11 @@ class _Transfers:
         c, real_to = self.counter, self.saved[("Tensor", "to")]
 
         def to(t, *args, **kwargs):
-            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            args, copy = _without_copy(args, kwargs)  # torch's parser takes no ``copy`` (transformers' generate
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)  # passes it)
             if c.paused or device is None:
-                return real_to(t, *args, **kwargs)
-            same = dict(dtype=dtype, non_blocking=non_blocking, copy=bool(kwargs.get("copy", False)))
+                return real_to(t, *args, **kwargs, copy=copy)
+            same = dict(dtype=dtype, non_blocking=non_blocking, copy=copy)
             if memory_format is not None:
                 same["memory_format"] = memory_format
             if c.on_device(t) == _is_device(device):  # stays where it is

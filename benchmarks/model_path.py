@@ -7,7 +7,8 @@ the LLM's inputs; no LLM forward; the processor itself runs on the host and is n
 view per image) and the tiny LLaVA-NeXT (up to five views per image: the images here give 5, 3, 5 and 3), with the
 selection's GPU fast path switched on for CPU tensors and counted by ``benchmarks.launches.count_model``: launches
 (ATen ops that launch a kernel, copies to the device, Triton launches), syncs (reads of device values by the host,
-blocking copies, host indices meeting device tensors) and where they happen. Beside each method, the counts of the
+blocking copies, host indices meeting device tensors, waits inside ops: an eigensolve's error check) and where they
+happen. Beside each method, the counts of the
 bare ``promprune.select`` calls the path makes (one per bucket of equal token count and budget), so what goes around
 the selection is the difference. A projection of the GPU time (``launches.project_ms``) is an assumption, not a
 measurement.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,14 +91,18 @@ def test_promprune_waits_once_when_the_first_stage_decides(views, fused, monkeyp
 HALF = {"saliency_ratio_range": (0.5, 0.5)}  # PromPrune's split pinned at 8 of 16: both stages pick
 
 
-@pytest.mark.parametrize("method,options,dpp,fewer", [("promprune", HALF, 1, 31),
-                                                      ("promprune", {**HALF, "conditional": True}, 1, 20),
+# PromPrune's 31 / 20 became 33 / 22 when ``count`` began to see copies to the device (2026-12, issue 53): the counts
+# t_sal the host worked out now reach the device by a counted copy, and the torch ops that turn them into the coverage
+# stage's counts and dtype (a subtraction, a cast: the front kernel's work) are device ops, which ``count`` had taken
+# for the host's arithmetic
+@pytest.mark.parametrize("method,options,dpp,fewer", [("promprune", HALF, 1, 33),
+                                                      ("promprune", {**HALF, "conditional": True}, 1, 22),
                                                       ("fixed_ratio", {}, 1, 33), ("saliency_only", {}, 0, 16),
                                                       ("coverage_only", {}, 1, 24)])
 def test_the_stages_after_the_split_are_two_kernels(method, options, dpp, fewer, views):
     """With a DPP coverage stage, the saliency stage (min-max, sort, masks, the DPP's first pick, the indices' layout)
     and the DPP are two launches (``greedy_triton.salient_front``, then the DPP into its indices), against their torch
-    ops (which run only where Triton cannot build that kernel): 31 launches fewer for PromPrune (20 for its
+    ops (which run only where Triton cannot build that kernel): 33 launches fewer for PromPrune (22 for its
     conditional DPP, which has no first pick), the syncs the same. Saliency-only runs the first kernel alone, with no
     cosine (no Gram) to compute. Coverage alone (no saliency: ``select`` passes none to it) takes the same two kernels
     with the DPP's raster fallback order for a saliency (two launches to make it): 24 fewer. (The first pick's
@@ -239,10 +244,61 @@ def test_a_sync_on_host_values_is_not_counted():
     x = torch.ones(4)
 
     def host_work(t):
-        host = torch.from_numpy(t.numpy().copy())  # values the host already holds
+        host = torch.from_numpy(np.ones(4))  # values the host already holds
         return int(host.sum()) + int(t.sum())  # only the second reads the device
 
     assert count(host_work, x).syncs == 1
+
+
+@pytest.mark.parametrize("read", [lambda t: t.cpu(), lambda t: t.numpy(), lambda t: t.to("cpu"),
+                                  lambda t: t.to("cpu", torch.float64, copy=True), lambda t: t.tolist(),
+                                  lambda t: np.asarray(t.detach().cpu())])
+def test_count_sees_every_read_of_the_device(read):
+    """``.cpu()``, ``.numpy()``, ``.to(<host>)`` of a call's tensor are reads of the device: one sync each (``count``
+    saw none of them: it ran the call on CPU tensors, where they are no-ops), and what they return is the host's, its
+    arithmetic uncounted."""
+    def work(t):
+        host = torch.as_tensor(read(t))
+        return host * 2 + 1
+
+    c = count(work, torch.ones(4))
+    assert (c.syncs, c.launches) == (1, 0), (c.ops, c.sync_sites)
+
+
+@pytest.mark.parametrize("to_device, syncs", [
+    (lambda h, x: h.to(x.device), 1), (lambda h, x: h.to(x.device, torch.float32, copy=True), 1),
+    (lambda h, x: h.to(x.device, non_blocking=True), 0), (lambda h, x: torch.tensor([1.0, 2.0], device=x.device), 1),
+    (lambda h, x: torch.as_tensor(np.ones(2), device=x.device), 1)])
+def test_count_sees_copies_to_the_device(to_device, syncs):
+    """Host data copied to the device: one launch, and a sync unless non-blocking (torch's blocking copy waits for the
+    stream); ``count`` saw neither (the copy of a CPU tensor to the CPU launches nothing). The copy is the device's:
+    what is made from it counts."""
+    def work(x):
+        return to_device(torch.ones(2, dtype=torch.float64), x) * x[:2]
+
+    c = count(work, torch.ones(4))
+    assert (c.syncs, c.launches, c.ops["to_device"], c.ops["mul"]) == (syncs, 2, 1, 1), (c.ops, c.sync_sites)
+
+
+@pytest.mark.parametrize("name, op, syncs", [
+    ("eigvalsh", lambda a: torch.linalg.eigvalsh(a), 1), ("eigh", lambda a: torch.linalg.eigh(a), 1),
+    ("cholesky", lambda a: torch.linalg.cholesky(a), 1), ("cholesky_ex", lambda a: torch.linalg.cholesky_ex(a), 0),
+    ("solve", lambda a: torch.linalg.solve(a, a[..., :1]), 1), ("inv", lambda a: torch.linalg.inv(a), 1),
+    ("inv_ex", lambda a: torch.linalg.inv_ex(a), 0),
+    ("repeat_interleave", lambda a: a.repeat_interleave(a.diagonal().long(), dim=0), 1),  # repeats 2, 2, 2, 2
+    ("repeat_interleave sized", lambda a: a.repeat_interleave(a.diagonal().long(), dim=0, output_size=8), 0),
+    ("repeat_interleave int", lambda a: a.repeat_interleave(2, dim=0), 0),
+    ("bincount", lambda a: torch.bincount(a[0].long().clamp_min(0)), 1)])
+@pytest.mark.parametrize("inference", [False, True])
+def test_count_sees_the_waits_inside_ops(name, op, syncs, inference):
+    """Ops whose host waits on CUDA are inside them: the linear algebra that checks cuSOLVER's error codes on the host
+    (``_linalg_check_errors``; none for the ``_ex`` forms), ``repeat_interleave`` sized by its repeats' sum,
+    ``bincount`` sized by its largest value; under inference mode too (the model path's), where the dispatch mode
+    sees the composite ops whole."""
+    a = torch.eye(4) * 2 + 0.1
+    with torch.inference_mode(inference):
+        c = count(op, a)
+    assert c.syncs == syncs, (name, c.ops, c.sync_sites)
 
 
 def _count_of(mu: float, budget: int = 16):
@@ -271,9 +327,10 @@ def test_with_graphs_promprune_is_two_graphs_around_one_read(views, graphs_sched
     """PromPrune's whole ``select`` on the fast path with graphs, for images its first stage decides: the input guard
     (one sum per input and their total, one read), the first stage's graph (the tokens' copy in, the coefficients'
     copy out), one read of them with the rows' flags (``entropy.cancels``, made and joined to them in the graph), the
-    picking stages' graph (the tokens' and saliency's copies in, the indices' and salient flags' copies out; the
-    counts come from the host, a transfer ``count`` does not see, on a GPU two copies more, as eagerly), and the
-    ascending order (one kernel): 13 launches, where the same call eagerly launches every kernel of the Gram, the
+    picking stages' graph (the tokens', saliency's and the counts' copies in, the indices' and salient flags' copies
+    out; the counts and entropies come from the host: two non-blocking copies to the device, as eagerly), and the
+    ascending order (one kernel): 16 launches (13 before ``count`` saw copies to the device: the two copies from the
+    host and the counts' copy into the graph), where the same call eagerly launches every kernel of the Gram, the
     cosine, the saliency order and the DPP's set-up, and at least one a Lanczos step (one fused, three not). Same
     picks."""
     x, s = views
@@ -286,8 +343,9 @@ def test_with_graphs_promprune_is_two_graphs_around_one_read(views, graphs_sched
     assert certified.LAST_REPORT[0].decided == [5]
     assert torch.equal(got.indices, want.indices) and torch.equal(got.salient, want.salient)
     assert torch.equal(got.saliency_count, want.saliency_count) and torch.equal(got.entropy, want.entropy)
-    assert (graphs.launches, graphs.syncs) == (13, 2), graphs.ops
-    assert (graphs.ops["cuda_graph"], graphs.ops["copy"], graphs.ops["clone"]) == (2, 3, 3), graphs.ops
+    assert (graphs.launches, graphs.syncs) == (16, 2), graphs.ops
+    assert (graphs.ops["cuda_graph"], graphs.ops["copy"], graphs.ops["clone"], graphs.ops["to_device"]) \
+        == (2, 4, 3, 2), graphs.ops
     assert not [op for op in graphs.ops if op.startswith("breaks capture")], graphs.ops
     assert eager.launches - graphs.launches > certified.STEPS[0] and eager.syncs == graphs.syncs
 
