@@ -418,11 +418,16 @@ class Stopwatch:
     >>> with Stopwatch("cpu") as sw:
     ...     work()
     >>> sw.ms
+
+    On CUDA the region's end is an event recorded on the stream, and the host waits for it only when ``ms`` is first
+    read: a model path that times its stages and reads the times after ``generate`` (which ends in a wait for the
+    device anyway) adds no wait of its own. ``ms`` is NaN before the region has ended.
     """
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else None
-        self.ms: float = float("nan")
+        self._ms: float | None = float("nan")
+        self._end = None
 
     def __enter__(self) -> "Stopwatch":
         if _is_cuda(self.device):
@@ -436,10 +441,17 @@ class Stopwatch:
     def __exit__(self, *exc) -> None:
         if _is_cuda(self.device):
             self._end.record(torch.cuda.current_stream(self.device))
-            self._end.synchronize()
-            self.ms = float(self._start.elapsed_time(self._end))
+            self._ms = None  # read from the events when asked
         else:
-            self.ms = (time.perf_counter() - self._t0) * 1e3
+            self._ms = (time.perf_counter() - self._t0) * 1e3
+
+    @property
+    def ms(self) -> float:
+        """The region's milliseconds (on CUDA, the first read waits for the region's end on the device)."""
+        if self._ms is None:
+            self._end.synchronize()
+            self._ms = float(self._start.elapsed_time(self._end))
+        return self._ms
 
 
 def measure_ms(fn, *, device: torch.device | str | None = None, warmup: int = 1, repeats: int = 5) -> list[float]:

@@ -327,3 +327,76 @@ def test_an_in_llm_methods_flops_and_cache_count_each_layer_on_its_own_tokens(me
     assert pred.prefill_flops == pytest.approx(sum(per_layer), rel=1e-12)
     assert pred.prefill_flops > prefill_flops(config, g.visual_tokens + g.text_tokens)  # what it logged before
     assert pred.kv_cache_bytes == sum(kv_cache_bytes(config, n, vlm.model.dtype) for n in observed) / len(layers)
+
+
+def test_stopwatch_on_cuda_waits_only_when_read(monkeypatch):
+    """On CUDA the region's end is an event recorded without a wait (``PrunedVLM.prepare`` times its vision and
+    selection stages this way: a wait there stalled the host twice a batch); ``ms`` waits for it at its first read
+    (after ``generate``, which ends in a wait anyway). Played without a GPU by events that log what the host does."""
+    import promprune.efficiency as efficiency
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self, stream=None):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("wait")
+
+        def elapsed_time(self, end):
+            log.append("elapsed")
+            return 2.5
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(efficiency, "_is_cuda", lambda device: True)
+    with Stopwatch("cuda") as sw:
+        pass
+    assert log == ["record", "record"]  # no wait when the region ends
+    assert sw.ms == 2.5 and sw.ms == 2.5 and log == ["record", "record", "wait", "elapsed"]  # one wait, at the read
+
+
+def test_prepare_never_waits_to_time_its_stages(monkeypatch):
+    """``PrunedVLM.prepare`` on a CUDA device (played: events that log) records its stages' ends and waits for none;
+    ``generate`` reads them after the LLM."""
+    import promprune.efficiency as efficiency
+    from promprune.models import PrunedVLM
+    from promprune.models import vlm as vlm_module
+
+    waits = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            waits.append(len(generated))
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    generated = []
+    model = PrunedVLM.from_pretrained("tiny:llava", method="divprune", budget=8)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(efficiency, "_is_cuda", lambda device: True)
+    real_generate = model.model.generate
+    monkeypatch.setattr(model.model, "generate", lambda *a, **k: generated.append(1) or real_generate(*a, **k))
+    monkeypatch.setattr(vlm_module, "_sync", lambda device: None)
+    from PIL import Image
+
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    prepared = model.prepare([image], ["What?"])
+    assert waits == []  # prepare timed vision and selection without a wait
+    assert prepared.vision_ms == 1.0 and prepared.select_ms == 1.0 and waits == [0, 0]
+    waits.clear()
+    out = model.generate([image], ["What?"], max_new_tokens=2)
+    assert out[0].vision_ms == 1.0 and out[0].select_ms == 1.0
+    assert waits == [1, 1]  # read after the LLM

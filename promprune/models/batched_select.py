@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 import promprune
+from promprune.selection import accel
+from promprune.selection.entropy import entropy_of_matrix, spectral_matrix
 from promprune.selection.registry import checked_inputs, finite_total
 
 from .adapters import HostIndex, VisualItem, host_index
@@ -139,11 +141,22 @@ def _place(items: list[VisualItem], units: list[Unit]) -> None:
 
 
 def _view_entropies(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> dict[int, list[float]]:
-    """Each view's spectral entropy (``adaptive_views``' weights), item -> [V] floats: one read for the batch."""
-    entropies = [promprune.spectral_entropy(u.take(items[b].features)[None].float())[0]
-                 for b, units in per_view.items() for u in units]
-    values = iter(to_host(entropies))
-    return {b: [float(next(values)) for _ in units] for b, units in per_view.items()}
+    """Each view's exact spectral entropy (``adaptive_views``' weights), item -> [V] floats: one batched eigensolve
+    per view size (``promprune.spectral_entropy``'s, without its finiteness read per call: a view with NaN / Inf gets
+    some weight here and the buckets' one finiteness check refuses it after) and one read for the batch."""
+    units = [(b, u) for b, group in per_view.items() for u in group]
+    by_size: dict[int, list[int]] = {}
+    for i, (_b, u) in enumerate(units):
+        by_size.setdefault(u.idx.shape[0], []).append(i)
+    groups = list(by_size.values())
+    with accel.full_float32():
+        entropies = [entropy_of_matrix(torch.nan_to_num(spectral_matrix(
+            torch.stack([units[i][1].take(items[units[i][0]].features) for i in group]).float()), 0.0, 0.0, 0.0))
+            for group in groups]
+    place = {i: (g, j) for g, group in enumerate(groups) for j, i in enumerate(group)}
+    read = to_host(entropies)
+    values = iter(float(read[g][j]) for g, j in (place[i] for i in range(len(units))))
+    return {b: [next(values) for _ in group] for b, group in per_view.items()}
 
 
 def _vision(items: list[VisualItem], group: list[Unit]) -> promprune.VisionFeatures | None:

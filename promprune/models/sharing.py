@@ -87,11 +87,11 @@ def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache) -> d
     for row, key in enumerate(keys):
         first.setdefault(key, row)
     missing = [key for key in first if key not in cache.images]
-    vision_ms = select_ms = 0.0
+    vision = selecting = 0.0
     if missing:
         rows = [first[k] for k in missing]
         host = vlm.processed([images[r] for r in rows], [prompts[r] for r in rows])
-        items, candidates, plan, vision_ms, select_ms = vlm._encode_select(vlm.on_device(host),
+        items, candidates, plan, vision, selecting = vlm._encode_select(vlm.on_device(host),
                                                                            [prompts[r] for r in rows],
                                                                            [images[r] for r in rows])
         for j, (key, fed) in enumerate(zip(missing, vlm._fed(items, candidates, plan))):
@@ -109,7 +109,7 @@ def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache) -> d
     kwargs = vlm._llm_inputs(vlm.on_device(host), fed, pruned=vlm.method is not None and not is_in_llm(vlm.method),
                              host=host)
     return dict(model_kwargs=kwargs, stats=[dict(f.stats) for f in fed], items=[s.item for s in shared],
-                vision_ms=vision_ms, select_ms=select_ms, fed=fed, keys=list(keys))
+                vision_time=vision, select_time=selecting, fed=fed, keys=list(keys))
 
 
 def placeholder_id(vlm) -> int:

@@ -471,4 +471,4 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
         chosen = plan(vlm, items, budget_option, split) if pre_llm else None
     ids, mask, encoded, extra, stats = _llm_inputs(vlm, batch, items, chosen)
     kwargs = dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
-    return dict(model_kwargs=kwargs, stats=stats, items=items, vision_ms=vision.ms, select_ms=selecting.ms)
+    return dict(model_kwargs=kwargs, stats=stats, items=items, vision_time=vision, select_time=selecting)

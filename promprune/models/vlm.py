@@ -89,15 +89,30 @@ class Prepared:
     """A batch ready for the LLM: ``model_kwargs`` for ``generate`` / forward, per-item stats and timings.
 
     ``fed`` (per row, images only) and ``keys`` (per row, when the rows' images were shared: ``vision_once``) are
-    what the prefix cache (:mod:`promprune.models.prefix`) needs to prefill each image's prompt prefix once."""
+    what the prefix cache (:mod:`promprune.models.prefix`) needs to prefill each image's prompt prefix once.
+    ``vision_time`` / ``select_time``: the stages' :class:`~promprune.efficiency.Stopwatch` (or a float of ms where
+    nothing ran), read by ``vision_ms`` / ``select_ms``: on CUDA the first read waits for the stage's end on the
+    device, so ``prepare`` itself never waits to time."""
 
     model_kwargs: dict
     stats: list[dict]
     items: list
-    vision_ms: float
-    select_ms: float
+    vision_time: Stopwatch | float
+    select_time: Stopwatch | float
     fed: list[Fed] | None = None
     keys: list | None = None
+
+    @property
+    def vision_ms(self) -> float:
+        return _ms(self.vision_time)
+
+    @property
+    def select_ms(self) -> float:
+        return _ms(self.select_time)
+
+
+def _ms(timed: Stopwatch | float) -> float:
+    return timed.ms if isinstance(timed, Stopwatch) else float(timed)
 
 
 class FullBudgetWarning(UserWarning):
@@ -402,15 +417,15 @@ class PrunedVLM:
                                               else sharing.ImageCache()))
         host = self.processed(images, prompts)
         batch = self.on_device(host)
-        items, candidates, plan, vision_ms, select_ms = self._encode_select(batch, prompts, images)
+        items, candidates, plan, vision, selecting = self._encode_select(batch, prompts, images)
         fed = self._fed(items, candidates, plan)
         return Prepared(model_kwargs=self._llm_inputs(batch, fed, pruned=plan is not None, host=host),
-                        stats=[f.stats for f in fed], items=items, vision_ms=vision_ms, select_ms=select_ms, fed=fed)
+                        stats=[f.stats for f in fed], items=items, vision_time=vision, select_time=selecting, fed=fed)
 
     def _encode_select(self, batch, prompts, images):
-        """``(items, candidates, plan, vision ms, selection ms)`` of a processed batch (of decoded ``images``): the
-        adapter's items, what the budget mode selects among, and the selections (None: unpruned or an in-LLM
-        method)."""
+        """``(items, candidates, plan, vision, selection)`` of a processed batch (of decoded ``images``): the
+        adapter's items, what the budget mode selects among, the selections (None: unpruned or an in-LLM method),
+        and the two stages' stopwatches (read after the LLM: reading one on CUDA waits for the device)."""
         pre_llm = self.method is not None and not is_in_llm(self.method)
         text_source = self._text_source() if pre_llm else None
         with Stopwatch(self.device) as vision:
@@ -423,7 +438,7 @@ class PrunedVLM:
         with Stopwatch(self.device) as selecting:
             candidates = [self._candidates(it) for it in items] if pre_llm else None
             plan = self._plan(candidates) if pre_llm else None
-        return items, candidates, plan, vision.ms, selecting.ms
+        return items, candidates, plan, vision, selecting
 
     def _text_source(self) -> str | None:
         """Where the instruction's embedding comes from ("clip" / "llm"), for methods that need one, else None."""
@@ -477,7 +492,7 @@ class PrunedVLM:
     def _generate(self, prep: "Prepared", generation_kwargs: dict, cache=None,
                   prefix_cache: bool = False) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
-        inputs, prefix_ms, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
+        inputs, prefix_time, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
         if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1 \
                 and _default_cache(kwargs):
             from . import prefix, sharing
@@ -486,7 +501,7 @@ class PrunedVLM:
                 cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache(),
                                        new_tokens=kwargs.get("max_new_tokens"))
             if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
-                inputs, prefix_ms = cached, prefilling.ms
+                inputs, prefix_time = cached, prefilling  # read after generate: no wait here
                 continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
         pruner = self.pruning(prep)
         flag = nonfinite_flagger()
@@ -494,25 +509,31 @@ class PrunedVLM:
         with _Timer(self.model, self.device) as timer, pruner, continuing:
             out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
-        stats = [{**s, "text_tokens": n} for s, n in zip(stats, self._text_tokens(prep.model_kwargs))]
         new = out[:, inputs["input_ids"].shape[1]:]
+        flagged = [] if flag.rows is None else [flag.rows.view(len(new), -1).any(-1)]
+        # one read of the answers, their text tokens and their flags
+        new, text_tokens, *flagged = to_host([new, self._text_tokens(prep.model_kwargs), *flagged])
+        stats = [{**s, "text_tokens": int(n)} for s, n in zip(stats, text_tokens)]
+        bad = flagged[0] if flagged else [False] * len(new)
         texts = self.processor.batch_decode(new, skip_special_tokens=True)
-        times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=prefix_ms + timer.prefill_ms,
+        times = dict(vision_ms=prep.vision_ms, select_ms=prep.select_ms, prefill_ms=_ms(prefix_time) + timer.prefill_ms,
                      decode_ms=timer.decode_ms)
-        bad = [False] * len(texts) if flag.rows is None else flag.rows.view(len(texts), -1).any(-1).tolist()
         return [Generation(text=self.answer_text(t), **s, **times, token_ids=row.tolist(),
                            error=NONFINITE if nan else None)
                 for t, s, row, nan in zip(texts, stats, new, bad)]
 
-    def _text_tokens(self, model_kwargs: dict) -> list[int]:
-        """Per row, the prompt tokens the LLM reads that are not visual placeholders: what the processor built (chat
-        template, question, and anything it inserts around images or frames), padding excluded."""
+    def _text_tokens(self, model_kwargs: dict) -> torch.Tensor:
+        """Per row ``[B]`` (on the device, unread), the prompt tokens the LLM reads that are not visual placeholders:
+        what the processor built (chat template, question, and anything it inserts around images or frames), padding
+        excluded."""
         ids, mask = model_kwargs["input_ids"], model_kwargs["attention_mask"]
         config = self.model.config
         placeholders = {getattr(config, name, None)
                         for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index")}
-        visual = torch.isin(ids, torch.tensor(sorted(p for p in placeholders if p is not None), device=ids.device))
-        return (mask.bool() & ~visual).sum(dim=1).tolist()
+        visual = torch.zeros_like(ids, dtype=torch.bool)
+        for p in sorted(p for p in placeholders if p is not None):  # compared as scalars: no copy of them over
+            visual |= ids == p
+        return (mask.bool() & ~visual).sum(dim=1)
 
     def _candidates(self, item):
         """The tokens the budget mode selects among: LLaVA-NeXT's whole view grids ("view_quota"), its packed

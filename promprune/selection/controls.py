@@ -44,10 +44,21 @@ def pooled_cells(rows: int, cols: int, budget: int) -> list[tuple[int, int, int,
 def pooling_matrix(rows: int, cols: int, budget: int, device=None,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, N], centres [T])``: cell t is ``weights[t] @ tokens``; ``centres[t]`` its bin's centre token.
-    Built once per grid and budget on the host (float64: each weight 1/k rounds to ``dtype`` as if set there); a call
-    copies it to ``device`` (one copy each, no launch per cell)."""
+    Built once per grid and budget on the host (float64: each weight 1/k rounds to ``dtype`` as if set there) and
+    copied once per device and dtype, then kept there (`DEVICE_COPIES` of them): a call copies nothing, and the host
+    never waits (a blocking copy per call synchronized the stream twice). The tensors are shared: read them only."""
+    return _device_pooling(rows, cols, budget, torch.device("cpu") if device is None else torch.device(device), dtype)
+
+
+DEVICE_COPIES = 64  # (grid, budget, device, dtype) kept on their device; a LLaVA-NeXT run uses a few per budget
+
+
+@lru_cache(maxsize=DEVICE_COPIES)
+def _device_pooling(rows: int, cols: int, budget: int, device: torch.device,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     weights, centres = _host_pooling(rows, cols, budget)
-    return weights.to(device, dtype, copy=True), centres.to(device, copy=True)
+    # non-blocking: the host's tensors are staged at once and stay alive in their own cache
+    return weights.to(device, dtype, non_blocking=True), centres.to(device, non_blocking=True)
 
 
 @lru_cache(maxsize=256)

@@ -1,6 +1,8 @@
 """A batch of differently sized images gives each item what it gets alone."""
 import pytest
+import torch
 
+import promprune
 from promprune.models import PrunedVLM
 from promprune.models.tiny import tiny_vlm
 
@@ -69,3 +71,32 @@ def _unpadded(ids: list[int], pad: int) -> list[int]:
     while ids and ids[-1] == pad:
         ids = ids[:-1]
     return ids
+
+
+def test_view_entropies_are_each_views_exact_entropy_in_one_batch():
+    """``adaptive_views``' weights (``batched_select._view_entropies``): views of several sizes (N <= d: the Gram;
+    N > d: the covariance) batched by size give each view's ``promprune.spectral_entropy`` alone (the values the loop
+    per view gave); a view with NaN does not stop the others (the buckets' finiteness check refuses the batch after)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from promprune.models.batched_select import Unit, _view_entropies
+
+    gen = torch.Generator().manual_seed(0)
+    feats = [torch.randn(40, 32, generator=gen) @ torch.randn(32, 32, generator=gen),
+             torch.randn(50, 16, generator=gen, dtype=torch.float64).float()]
+    items = [SimpleNamespace(features=f) for f in feats]
+    sizes = {0: [(0, 10), (10, 34), (34, 40)], 1: [(0, 30), (30, 50)]}  # 10, 24, 6 of d 32; 30 (> d 16), 20
+    per_view = {b: [Unit(b, np.arange(lo, hi), 0, v, whole=False, dev=torch.arange(lo, hi))
+                    for v, (lo, hi) in enumerate(spans)] for b, spans in sizes.items()}
+    want = {b: [float(promprune.spectral_entropy(u.take(feats[b])[None])[0]) for u in units]
+            for b, units in per_view.items()}
+    got = _view_entropies(items, per_view)
+    assert got.keys() == want.keys()
+    for b in want:
+        assert got[b] == pytest.approx(want[b], rel=1e-6, abs=1e-7), (b, got[b], want[b])
+    feats[0][12, 3] = float("nan")  # in the second view of item 0
+    with_nan = _view_entropies(items, per_view)
+    assert with_nan[1] == got[1] and with_nan[0][0] == got[0][0] and with_nan[0][2] == got[0][2]
+    assert all(np.isfinite(with_nan[0]))

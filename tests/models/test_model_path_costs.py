@@ -119,3 +119,45 @@ def _same(a, b) -> bool:
     if dataclasses.is_dataclass(a):
         return type(a) is type(b) and _same(dataclasses.asdict(a), dataclasses.asdict(b))
     return a == b
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:llava_next"])
+def test_downsample_copies_nothing_to_the_device_per_call(name):
+    """The pooling matrices stay on the device (``controls.pooling_matrix``): downsample's path reads the device as
+    often as DivPrune's, and no copy of them waits (two blocking copies a call before; the counter crashed on their
+    ``.to(copy=True)``)."""
+    for batch in (1, 2):
+        *_, c, _views = costs(name, "downsample", batch, 12)
+        assert ours(c) == 2, c.sync_sites
+        assert not [site for site in c.sync_sites if "controls.py" in site], c.sync_sites
+
+
+def test_adaptive_views_weighs_the_views_with_one_eigensolve():
+    """``adaptive_views``' entropies: one batched eigensolve for the batch's views of one size (its error check one
+    wait on CUDA) and one read, whatever the views (an eigensolve and a finiteness read per view before)."""
+    for batch in (1, 2, 3):
+        *_, c, views = costs("tiny:llava_next", "divprune", batch, 12, budget_mode="adaptive_views")
+        assert ours(c) == 4, (views, c.sync_sites)  # the entropies' eigensolve and read, the buckets' check and read
+
+
+def _generate_costs(name, method, batch):
+    from benchmarks.launches import count_model, fast_path_on_cpu, on_host
+
+    vlm = PrunedVLM.from_pretrained(name, method=method, budget=12 if method else None)
+    shots, prompts = images(batch), [PROMPT] * batch
+    with fast_path_on_cpu(), on_host(vlm, "processed"):
+        return count_model(vlm.model, vlm.generate, shots, prompts, max_new_tokens=3, min_new_tokens=3)
+
+
+@pytest.mark.parametrize("method,reads", [(None, 1), ("divprune", 3), ("fastv", 2)])
+def test_generate_reads_its_answers_once(method, reads):
+    """``generate`` counted whole (transformers' ``generate`` moves tensors with ``.to(copy=True)`` every step, which
+    the counter refused): after ``prepare``'s reads, the answers, their text tokens and their NaN flags come back in
+    one read (a read per row and two more before), and an in-LLM method's stats in one more (a read per row and per
+    hooked layer before), whatever the rows. (FastV's prefill reads per row are counted apart: its loops.)"""
+    for batch in (1, 3):
+        c = _generate_costs("tiny:llava", method, batch)
+        assert sum(n for site, n in c.sync_sites.items() if "transfer.py" in site) == reads, c.sync_sites
+        assert not [site for site in c.sync_sites if site.startswith("promprune/") and "transfer.py" not in site
+                    and "llm_hooks.py" not in site], c.sync_sites
+        assert not [site for site in c.sync_sites if " stats" in site], c.sync_sites
