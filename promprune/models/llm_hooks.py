@@ -976,27 +976,29 @@ class InLLMPruner:
     # ---- results -------------------------------------------------------------------------------------
     def stats(self, items) -> list[dict]:
         """Per-row Generation fields after the last pruning layer, and the visual tokens each decoder layer ran on
-        (``layer_visual_tokens``: every one before the first hooked layer, then the row's live visual columns). The
-        host reads the device twice for the whole batch (the counts, then the prompt's visual, kept and merged
-        columns), whatever the batch size."""
+        (``layer_visual_tokens``: every one before the first hooked layer, then the row's live visual columns).
+        Worked out on the host from one read of the batch's counts and masks (`transfer.to_host`), whatever the
+        batch size (none per row or layer)."""
+        import numpy as np
+
+        from .transfer import to_host
+
         out = []
-        final_keep, final_alive, _ = self.layer_cols[max(self.layer_cols)]
-        layers = sorted(self.layer_cols)
-        counts = torch.stack([self.visual.sum(1).to(final_keep.device)]
-                             + [(alive & self.vis.gather(1, keep)).sum(1).to(final_keep.device)
-                                for keep, alive, _ in (self.layer_cols[i] for i in layers)]).tolist()
-        full, live = counts[0], dict(zip(layers, counts[1:]))
+        hooked = sorted(self.layer_cols)
+        final_keep, final_alive, _ = self.layer_cols[hooked[-1]]
+        live = torch.stack([(alive & self.vis.gather(1, keep)).sum(1) for keep, alive, _ in
+                            (self.layer_cols[i] for i in hooked)])  # [hooked layers, B]
         kept = torch.zeros_like(self.vis).scatter_(1, final_keep, final_alive & self.vis.gather(1, final_keep))
-        visual, kept, merged = torch.stack([self.visual.to(kept.device), kept, self.merged & kept]).cpu()
+        live, full, visual, kept, merged = to_host([live, self.visual.sum(1), self.visual, kept, self.merged & kept])
+        live = dict(zip(hooked, live))
         for b, host in enumerate(host_index(items)):
-            run = visual[b].nonzero().flatten()
-            kept_cols = kept[b].nonzero().flatten()  # the live visual columns, ascending
-            run_pos = torch.searchsorted(run, kept_cols)
-            grid_of_run = torch.full((run.numel(),), -1, dtype=torch.long)
-            grid_of_run[torch.from_numpy(host.run_pos)] = torch.from_numpy(host.grid_index)
-            grid = grid_of_run[run_pos]
-            out.append(dict(visual_tokens=int(kept_cols.numel()),
-                            saliency_count=int(kept_cols.numel()) - int(merged[b].sum()),
+            run = np.flatnonzero(visual[b])
+            kept_cols = np.flatnonzero(kept[b])  # the live visual columns, ascending
+            grid_of_run = np.full(run.shape[0], -1, dtype=np.int64)
+            grid_of_run[host.run_pos] = host.grid_index
+            grid = grid_of_run[np.searchsorted(run, kept_cols)]
+            out.append(dict(visual_tokens=int(kept_cols.shape[0]),
+                            saliency_count=int(kept_cols.shape[0]) - int(merged[b].sum()),
                             entropy=None,
                             kept=sorted(grid[grid >= 0].tolist()),
                             layer_visual_tokens=[int(live[i][b]) if i in live else int(full[b])
