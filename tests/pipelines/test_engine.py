@@ -207,11 +207,7 @@ def test_a_dead_pool_stops_the_sweep_resumable_and_charges_no_trial(local_ray, w
     from pipelines.run.pool_watch import PoolLost
     from pipelines.run.state import load_state, storage_root
 
-    spec = specs.parse({
-        "name": "poolkill", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
-        "limit": 6, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
-        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1}, "tune": {"max_failures": 0}})
-    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+    spec, rows = _one_divprune_trial("poolkill")
     log = workdir / "generated"
     run_fn = functools.partial(pool_killing_run, marker=str(workdir / "killed"), log=str(log))
     with pytest.raises(PoolLost) as stopped:
@@ -279,11 +275,7 @@ def test_a_resumed_sweep_saved_without_the_watch_is_watched(local_ray, workdir):
     from pipelines.run.pool_watch import PoolLost
     from pipelines.run.state import load_state, storage_root
 
-    spec = specs.parse({
-        "name": "poolresume", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
-        "limit": 6, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
-        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1}, "tune": {"max_failures": 0}})
-    rows = [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+    spec, rows = _one_divprune_trial("poolresume")
     stalled = workdir / "stalled"
 
     def stop_tune():  # Ctrl-C's stop, once a block stalls (Tune's handler, in this process's main thread)
@@ -502,3 +494,12 @@ def test_a_load_that_hangs_past_the_allowance_counts_toward_the_frozen_clock():
     pool.load_ended("actor-a")
     assert pool.ready_for(0, load_allowance_s=60.0) == pytest.approx(0.0, abs=1.0)
     assert pool.ready_for(1) is None and pool.ready_for(7) is None  # never said: the block's own clock decides
+
+
+def _one_divprune_trial(name: str):
+    """A one-trial sweep (DivPrune at 4 tokens, 6 easy-vqa questions, one token each, no retries) and its rows."""
+    spec = specs.parse({
+        "name": name, "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 6, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1}, "tune": {"max_failures": 0}})
+    return spec, [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
