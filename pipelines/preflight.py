@@ -59,7 +59,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
         errors += check_judges(spec.tasks) if evaluates else []
         errors += check_model(spec.model.pretrained, spec.model.options,
                               budgets(spec) if budgets_of is None else budgets_of,
-                              clips=bool(kinds))
+                              clips=bool(kinds), in_llm=in_llm_budgets(spec))
         errors += check_video(spec, kinds) if evaluates else []
         errors += check_construction(spec, trials)
         errors += check_in_llm_layers(spec, trials)
@@ -217,6 +217,18 @@ def budgets(spec: SweepSpec) -> dict[str, int]:
     return out
 
 
+def in_llm_budgets(spec: SweepSpec) -> frozenset[str]:
+    """The keys of `budgets` an in-LLM method runs (whose budget counts the prompt's image placeholders, newline
+    tokens included): its trials, and a search's grid budgets where every method of the grid is one."""
+    from promprune.models.options import is_in_llm
+
+    out = {t.trial_id for t in expand(spec) if t.budget is not None and is_in_llm(t.method)}
+    methods = spec.grid.get("method")
+    if isinstance(methods, list) and methods and all(is_in_llm(m) for m in methods):
+        out |= {key for key in budgets(spec) if key.startswith("grid.budget=")}
+    return frozenset(out)
+
+
 def check_search_package(search: str) -> list[str]:
     """``tune.search: optuna`` needs the optuna package (the `pipeline` extra pins it)."""
     if search != "optuna":
@@ -242,11 +254,14 @@ def check_metric(metric: str, tasks: list[str]) -> list[str]:
     return []
 
 
-def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int], clips: bool = False) -> list[str]:
+def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int], clips: bool = False,
+                in_llm: frozenset[str] = frozenset()) -> list[str]:
     """The model resolves to a config a registered family runs (``registry.family_of``: its ``model_type``, and for
     LLaVA a CLIP vision tower), a checkpoint's processor loads, is its family's and has a chat template
     (``adapters.checkpoint_processor``, as ``PrunedVLM.from_pretrained`` loads it), and every budget (by trial id) is
-    below the visual tokens it gives one image (one problem per budget that is not, naming its trials). ``clips``:
+    below the visual tokens it gives one image (one problem per budget that is not, naming its trials): for the
+    trials in ``in_llm`` (an in-LLM method's), the prompt's image placeholders, LLaVA-NeXT's / OneVision's newline
+    tokens included (``adapters.visual_token_ceiling``), since those methods prune them too. ``clips``:
     some task may give clips (`_video_kinds`), which a budget above one image's tokens still prunes (a clip of
     several frames gives more): such a budget is then one console note (an image of those tasks runs unpruned), not
     a refusal."""
@@ -255,29 +270,32 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int],
     from promprune.models.factories import NotCachedError, find_model_factory, model_config
 
     try:
-        capacity = model_capacity(pretrained, adapter_options)
+        capacities = {False: model_capacity(pretrained, adapter_options),
+                      True: model_capacity(pretrained, adapter_options, in_llm=True)}
         if find_model_factory(pretrained) is None:  # a checkpoint (a factory builds its processor in code)
             checkpoint_processor(pretrained, model_config(pretrained))
     except NotCachedError as exc:  # the budgets are checked where the model is
         return [NotOnThisMachine(f"model.pretrained: {exc}")]
     except ValueError as exc:
         return [f"model.pretrained: {exc}"]
-    if capacity is None:
-        return []
-    over: dict[int, list[str]] = {}
+    over: dict[tuple[int, int], list[str]] = {}
     for tid, budget in budgets.items():
-        if budget >= capacity:
-            over.setdefault(budget, []).append(tid)
+        capacity = capacities[tid in in_llm]
+        if capacity is not None and budget >= capacity:
+            over.setdefault((budget, capacity), []).append(tid)
     out = []
-    for budget, tids in over.items():
+    for (budget, capacity), tids in over.items():
         who, keep, it = ("trial", "keeps", "it") if len(tids) == 1 else ("trials", "keep", "they")
+        image = "an image"
+        if capacities[False] is not None and capacity != capacities[False]:  # an in-LLM method's count
+            image += f" (its {capacity - capacities[False]} newline tokens included: in-LLM methods prune them too)"
         if clips:
             say(f"note: budget: {who} {', '.join(tids)} {keep} {budget} of the {capacity} visual tokens {pretrained} "
-                f"gives an image: clips of several frames still prune, but any image among the tasks' documents runs "
+                f"gives {image}: clips of several frames still prune, but any image among the tasks' documents runs "
                 f"unpruned")
             continue
         out.append(f"budget: {who} {', '.join(tids)} {keep} {budget} of the {capacity} visual tokens {pretrained} "
-                   f"gives an image, so {it} would run unpruned; use budgets below {capacity}")
+                   f"gives {image}, so {it} would run unpruned; use budgets below {capacity}")
     return out
 
 

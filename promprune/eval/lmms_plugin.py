@@ -79,19 +79,22 @@ def _budget(value):
     return int(number)
 
 
-def _check_capacity(pretrained: str, budget: int | None, options: dict, clips: bool = False) -> None:
+def _check_capacity(pretrained: str, budget: int | None, options: dict, clips: bool = False,
+                    method: str | None = None) -> None:
     """A budget at or above the visual tokens the model gives one image prunes nothing, and the run would be reported
     as the method's: refused as the pipeline's entry points refuse it (from the model's config, before its weights
-    load; a model not on this machine is left to its loading). ``clips`` (model_args ``video_frames`` given: a video
-    run): a clip of several frames gives more tokens than an image and such a budget still prunes it, so it is not
-    refused (``PrunedVLM`` warns, ``FullBudgetWarning``)."""
+    load; a model not on this machine is left to its loading). An in-LLM ``method`` counts the prompt's image
+    placeholders, newline tokens included (``adapters.visual_token_ceiling``). ``clips`` (model_args
+    ``video_frames`` given: a video run): a clip of several frames gives more tokens than an image and such a budget
+    still prunes it, so it is not refused (``PrunedVLM`` warns, ``FullBudgetWarning``)."""
     from promprune.models.adapters import model_capacity
     from promprune.models.factories import NotCachedError
+    from promprune.models.options import is_in_llm
 
     if budget is None:
         return
     try:
-        capacity = model_capacity(pretrained, options)
+        capacity = model_capacity(pretrained, options, in_llm=is_in_llm(method))
     except (NotCachedError, ValueError):
         return
     if capacity is not None and budget >= capacity and not clips:
@@ -178,7 +181,8 @@ class PromPruneLMM(lmms):
                 in_llm_attention_problem(_method(method), attn_implementation) or device_problem(device)
             if problem is not None:  # before anything loads (the built model is checked again by PrunedVLM)
                 raise ValueError(f"model_args: {problem}")
-            _check_capacity(pretrained, _budget(budget), method_options, clips=video_frames is not None)
+            _check_capacity(pretrained, _budget(budget), method_options, clips=video_frames is not None,
+                            method=_method(method))
             vlm = PrunedVLM.from_pretrained(
                 pretrained, method=_method(method), budget=_budget(budget), dtype=_dtype(dtype), device_map=device,
                 attn_implementation=attn_implementation, **method_options,

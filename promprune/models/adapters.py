@@ -439,10 +439,11 @@ def max_views(config) -> int:
     return 1 if found is None else found.max_views(config)
 
 
-def model_capacity(pretrained: str, adapter_options: dict | None = None) -> int | None:
+def model_capacity(pretrained: str, adapter_options: dict | None = None, in_llm: bool = False) -> int | None:
     """:func:`visual_token_capacity` of a model by name (a factory name, hub id or path), from its config alone:
-    no weights load. Raises what ``factories.model_config`` raises (NotCachedError: not on this machine; ValueError:
-    a name that names nothing, a config that does not load), and ValueError for a config no registered family runs
+    no weights load; ``in_llm``: :func:`visual_token_ceiling` instead (the tokens an in-LLM method counts). Raises
+    what ``factories.model_config`` raises (NotCachedError: not on this machine; ValueError: a name that names
+    nothing, a config that does not load), and ValueError for a config no registered family runs
     (``registry.family_of``: an unsupported model type, a LLaVA whose vision tower is not CLIP)."""
     from .factories import model_config
 
@@ -453,7 +454,7 @@ def model_capacity(pretrained: str, adapter_options: dict | None = None) -> int 
         family_of(config)
     except ValueError as exc:
         raise ValueError(f"model {pretrained!r}: {exc}") from None
-    return visual_token_capacity(config, adapter_options)
+    return (visual_token_ceiling if in_llm else visual_token_capacity)(config, adapter_options)
 
 
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:

@@ -122,7 +122,8 @@ class FullBudgetWarning(UserWarning):
 def _warn_full_budget(config, adapter_options: dict, method: str | None, budget: int | None) -> None:
     if method is None or budget is None:
         return
-    capacity = visual_token_capacity(config, adapter_options)
+    # an in-LLM method prunes the prompt's image placeholders, LLaVA-NeXT's / OneVision's newline tokens included
+    capacity = (visual_token_ceiling if is_in_llm(method) else visual_token_capacity)(config, adapter_options)
     if capacity is not None and budget >= capacity:
         warnings.warn(f"budget {budget} keeps all {capacity} visual tokens this model gives an image, so images run "
                       f"unpruned under method {method!r} (clips of several frames still prune); use a budget below "
@@ -229,7 +230,8 @@ class PrunedVLM:
     per family (0.42 CLIP, 0.5744 Qwen2.5-VL; ``Family.default_mu``) unless given.
 
     A budget at or above the visual tokens the model gives one image (``adapters.visual_token_capacity``, where the
-    family fixes it) keeps every token of every image: the model then runs images unpruned under the method's name.
+    family fixes it; for an in-LLM method ``adapters.visual_token_ceiling``, the newline tokens it also prunes
+    included) keeps every token of every image: the model then runs images unpruned under the method's name.
     The pipeline's entry points refuse such a budget; here it is a :class:`FullBudgetWarning` at construction, since
     a clip of several frames has more tokens than an image and such a budget still prunes it.
     """

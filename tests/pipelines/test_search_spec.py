@@ -315,3 +315,53 @@ def test_tunes_asha_stops_a_trial_at_the_first_rung_it_fails_though_the_next_cam
     assert decisions == [(2.0, TrialScheduler.STOP)]
     rungs = dict(asha._brackets[0]._rungs)
     assert rungs[2]["late"] == 0.0 and "late" not in rungs[6]
+
+
+def test_an_in_llm_budget_is_checked_against_the_placeholders_it_prunes():
+    """FastV / DART prune LLaVA-NeXT's newline tokens too: tiny:llava_next gives 80 candidate tokens and 88
+    placeholders (one newline per row of the unpadded 2 x 2 grid's 8 rows), so FastV at 84 prunes (the library runs
+    it on 84 of 88: layer_visual_tokens [88, 84, 84, 84]) and was refused as 'keeps 84 of 80'; DivPrune at 84 keeps
+    every candidate and is refused; FastV at 88 keeps every placeholder and is refused."""
+    from pipelines import preflight
+    from pipelines.spec import parse
+
+    spec = parse({"name": "nl", "version": 1, "model": {"pretrained": "tiny:llava_next"}, "tasks": ["easyvqa_yesno"],
+                  "baseline": False, "grid": {"method": ["fastv", "divprune"], "budget": [84, 88]}})
+    in_llm = preflight.in_llm_budgets(spec)
+    assert in_llm == {"fastv-b84", "fastv-b88"}
+    assert preflight.check_model("tiny:llava_next", {}, preflight.budgets(spec), in_llm=in_llm) == [
+        "budget: trial fastv-b88 keeps 88 of the 88 visual tokens tiny:llava_next gives an image (its 8 newline tokens "
+        "included: in-LLM methods prune them too), so it would run unpruned; use budgets below 88",
+        "budget: trial divprune-b84 keeps 84 of the 80 visual tokens tiny:llava_next gives an image, so it would run "
+        "unpruned; use budgets below 80",
+        "budget: trial divprune-b88 keeps 88 of the 80 visual tokens tiny:llava_next gives an image, so it would run "
+        "unpruned; use budgets below 80"]
+
+
+def test_the_library_warns_of_a_full_budget_by_what_the_method_prunes():
+    """The same counts at construction: FastV at 84 on tiny:llava_next prunes (no FullBudgetWarning; it said 'images
+    run unpruned'), at 88 it does not; DivPrune at 80 does not."""
+    import warnings
+
+    from promprune.models import PrunedVLM
+    from promprune.models.vlm import FullBudgetWarning
+
+    def warned(method, budget):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PrunedVLM.from_pretrained("tiny:llava_next", method=method, budget=budget, dtype="float32")
+        return any(issubclass(w.category, FullBudgetWarning) for w in caught)
+
+    assert (warned("fastv", 84), warned("fastv", 88), warned("divprune", 80)) == (False, True, True)
+
+
+def test_the_lmms_eval_plugin_checks_a_budget_by_what_the_method_prunes():
+    """The plugin's refusal before the weights load counts as the spec check does: FastV at 84 on tiny:llava_next
+    prunes (84 of its 88 placeholders), DivPrune at 84 keeps all 80 candidates."""
+    from promprune.eval.lmms_plugin import _check_capacity
+
+    _check_capacity("tiny:llava_next", 84, {}, method="fastv")
+    with pytest.raises(ValueError, match="keeps all 80 visual tokens"):
+        _check_capacity("tiny:llava_next", 84, {}, method="divprune")
+    with pytest.raises(ValueError, match="keeps all 88 visual tokens"):
+        _check_capacity("tiny:llava_next", 88, {}, method="fastv")
