@@ -100,7 +100,8 @@ def relative_in_job(environ=None) -> list[str]:
         return []
     relative = []
     uri = environ.get(TRACKING_URI_ENV, "")
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).expanduser().is_absolute():
+    # no expanduser: neither MLflow nor SQLAlchemy expands "~" (sqlite:///~/mlflow.db is ./~/mlflow.db)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_absolute():
         relative.append((TRACKING_URI_ENV, uri, "sqlite:////<absolute folder>/mlflow.db (four slashes)"))
     home = environ.get(HOME_ENV)
     if home and not Path(home).expanduser().is_absolute():

@@ -200,6 +200,14 @@ def interval(samples: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def points(x: float, signed: bool = True) -> str:
+    """An interval's number at one decimal; one that is not 0 but rounds to it gets two significant digits, so an
+    interval that excludes 0 (``resolved``) never reads as one that holds it ("[+0.0, +3.0]")."""
+    sign = "+" if signed else ""
+    text = f"{x:{sign}.1f}"
+    return f"{x:{sign}.2g}" if x != 0 and float(text) == 0 else text
+
+
 @dataclass
 class Estimate:
     """A point value with its paired 95% interval."""
@@ -209,8 +217,7 @@ class Estimate:
     high: float
 
     def text(self, unit: str = "", signed: bool = True) -> str:
-        fmt = "{:+.1f}" if signed else "{:.1f}"
-        return f"{fmt.format(self.value)}{unit} [{fmt.format(self.low)}, {fmt.format(self.high)}]"
+        return (f"{points(self.value, signed)}{unit} [{points(self.low, signed)}, {points(self.high, signed)}]")
 
     @property
     def resolved(self) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from .headroom import points
 from .store import BASELINE_METHOD
 from .tables import METHOD_LABELS
 
@@ -35,19 +36,12 @@ class Difference:
     high: float
 
     def text(self) -> str:
-        return (f"{self.a} - {self.b}: {_points(self.value)} [{_points(self.low)}, {_points(self.high)}] points")
+        return (f"{self.a} - {self.b}: {points(self.value)} [{points(self.low)}, {points(self.high)}] points")
 
     @property
     def resolved(self) -> bool:
         """The interval excludes 0: the gap is not resampling noise."""
         return self.low > 0 or self.high < 0
-
-
-def _points(x: float) -> str:
-    """Points of Rel. at one decimal; a value that is not 0 but rounds to it gets two significant digits, so an
-    interval that excludes 0 (`Difference.resolved`) never reads as one that holds it ("[+0.0, +3.0]")."""
-    text = f"{x:+.1f}"
-    return f"{x:+.2g}" if x != 0 and float(text) == 0 else text
 
 
 def label(method: str) -> str:

@@ -56,13 +56,17 @@ DEVICE_COPIES = 64  # (grid, budget, device, dtype) kept on their device; a LLaV
 @lru_cache(maxsize=DEVICE_COPIES)
 def _device_pooling(rows: int, cols: int, budget: int, device: torch.device,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    weights, centres = _host_pooling(rows, cols, budget)
-    # non-blocking: the host's tensors are staged at once and stay alive in their own cache
-    return weights.to(device, dtype, non_blocking=True), centres.to(device, non_blocking=True)
+    # built as normal tensors whatever mode the first call runs in: an inference tensor (a first call under
+    # torch.inference_mode, as PrunedVLM.generate runs) cached here would fail every later call under autograd
+    with torch.inference_mode(False):
+        weights, centres = _host_pooling(rows, cols, budget)
+        # non-blocking: the host's tensors are staged at once and stay alive in their own cache
+        return weights.to(device, dtype, non_blocking=True), centres.to(device, non_blocking=True)
 
 
 @lru_cache(maxsize=256)
 def _host_pooling(rows: int, cols: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host's float64 weights and centres (`_device_pooling` calls it outside inference mode)."""
     cells = pooled_cells(rows, cols, budget)
     weights = torch.zeros(len(cells), rows * cols, dtype=torch.float64)
     centres = torch.empty(len(cells), dtype=torch.long)

@@ -276,6 +276,7 @@ def test_a_jobs_resume_command_sends_the_token_only_where_its_head_enforces_one(
 
 @pytest.mark.parametrize("name, value", [
     ("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
+    ("MLFLOW_TRACKING_URI", "sqlite:///~/mlflow.db"),  # SQLAlchemy does not expand "~": ./~/mlflow.db
     ("PROMPRUNE_HOME", "records"),
     ("PROMPRUNE_STORAGE", "outputs/tune"),
     ("PROMPRUNE_STORAGE", "file://outputs/tune"),

@@ -233,3 +233,12 @@ def test_a_paired_interval_that_excludes_0_never_prints_as_holding_it():
     assert d.resolved and d.text() == "PromPrune - DivPrune: -1.5 [-3.0, -0.049] points"
     d = Difference(16, "A", "B", "a", "b", -3.1, -6.3, 0.0)
     assert not d.resolved and d.text() == "A - B: -3.1 [-6.3, +0.0] points"
+
+
+def test_a_headroom_interval_that_excludes_0_never_prints_as_holding_it():
+    """The headroom table's intervals share the paired differences' rule (`headroom.points`)."""
+    from pipelines.reporting.headroom import Estimate
+
+    assert Estimate(1.2, 0.04, 2.5).text(" points") == "+1.2 points [+0.04, +2.5]"
+    assert Estimate(40.0, 0.04, 71.0).text("%", signed=False) == "40.0% [0.04, 71.0]"
+    assert Estimate(-1.0, -2.0, 0.0).text() == "-1.0 [-2.0, +0.0]"

@@ -69,3 +69,16 @@ def test_an_image_pools_to_the_same_bits_alone_as_in_a_batch(dtype, grid, budget
     for lo, hi in ((1, 2), (0, 1), (4, 5), (1, 3), (2, 5)):
         part = promprune.select(x[lo:hi], budget=budget, method="downsample", grid=grid).features
         assert torch.equal(part, batched[lo:hi]), (lo, hi, (part - batched[lo:hi]).abs().max().item())
+
+
+def test_a_first_call_under_inference_mode_leaves_later_calls_differentiable():
+    """The pooling matrix is cached per grid, budget, device and dtype: a first call under ``torch.inference_mode``
+    (as ``PrunedVLM.generate`` runs) cached inference tensors, and every later call under autograd failed ('Inference
+    tensors cannot be saved for backward'). The gradient of the pooled sum is each token's count of cells / its
+    cell's size: on a 4 x 4 grid pooled to 4 cells, 1/4 everywhere. Fresh shapes, so no earlier test cached them."""
+    for dtype in (torch.float32, torch.float64):
+        with torch.inference_mode():
+            promprune.select(torch.randn(1, 16, 3, dtype=dtype), method="downsample", budget=4, grid=(4, 4))
+        x = torch.randn(1, 16, 3, dtype=dtype, requires_grad=True)
+        promprune.select(x, method="downsample", budget=4, grid=(4, 4)).features.sum().backward()
+        assert torch.equal(x.grad, torch.full_like(x, 0.25))
