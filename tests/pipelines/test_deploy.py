@@ -38,6 +38,23 @@ def test_cluster_yaml_passes_rays_validator():
     assert any("mlflow server" in cmd for cmd in config["head_start_ray_commands"])
 
 
+
+def test_the_heads_mlflow_line_starts_the_server_from_rays_runner():
+    """Ray's command runner (2.60) runs each start command as ``bash --login -c -i 'source ~/.bashrc; export ... &&
+    (<command>)'``: that shell's own command line holds the command's text, so a guard `pgrep -f "mlflow server"`
+    always found the shell itself and never started the server (a probe ran the line so: no process, no log). The
+    guard's pattern (pgrep -f: an extended regex over each process's whole command line) must miss that shell and
+    find a running server (its python running the venv's mlflow script); and the server alone goes to the background
+    (``A || B > log &`` put the whole list there, holding the runner's output open)."""
+    line = next(cmd for cmd in _cluster()["head_start_ray_commands"] if "mlflow server" in cmd)
+    pattern = re.search(r'pgrep -f "([^"]+)"', line).group(1)
+    runner = f"bash --login -c -i source ~/.bashrc; export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore && ({line})"
+    server = ("/home/ubuntu/venv/bin/python3.11 /home/ubuntu/venv/bin/mlflow server --host 127.0.0.1 --port 5000 "
+              "--backend-store-uri sqlite:////home/ubuntu/mlflow/mlflow.db")
+    assert not re.search(pattern, runner), "the guard finds the runner's own shell: the server never starts"
+    assert re.search(pattern, server), "the guard misses a running server: a second start would start another"
+    assert re.search(r"\|\| \(nohup [^()]*&\)$", line), "only the server goes to the background"
+
 # python3 of each Ubuntu release (packages.ubuntu.com, package python3): an image's system Python
 UBUNTU_PYTHON3 = {"20.04": "3.8", "22.04": "3.10", "24.04": "3.12"}
 VENV = re.compile(r'uv"? venv (?:--seed )?--python (\d+\.\d+) "?([^"\s]+)"?')
