@@ -266,12 +266,11 @@ def check_model(pretrained: str, adapter_options: dict, budgets: dict[str, int],
     several frames gives more): such a budget is then one console note (an image of those tasks runs unpruned), not
     a refusal."""
     from promprune.eval.task_checks import NotOnThisMachine
-    from promprune.models.adapters import checkpoint_processor, model_capacity
+    from promprune.models.adapters import checkpoint_processor, model_capacities
     from promprune.models.factories import NotCachedError, find_model_factory, model_config
 
     try:
-        capacities = {False: model_capacity(pretrained, adapter_options),
-                      True: model_capacity(pretrained, adapter_options, in_llm=True)}
+        capacities = dict(enumerate(model_capacities(pretrained, adapter_options)))  # {in-LLM?: its count}
         if find_model_factory(pretrained) is None:  # a checkpoint (a factory builds its processor in code)
             checkpoint_processor(pretrained, model_config(pretrained))
     except NotCachedError as exc:  # the budgets are checked where the model is

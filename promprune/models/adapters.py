@@ -442,19 +442,26 @@ def max_views(config) -> int:
 def model_capacity(pretrained: str, adapter_options: dict | None = None, in_llm: bool = False) -> int | None:
     """:func:`visual_token_capacity` of a model by name (a factory name, hub id or path), from its config alone:
     no weights load; ``in_llm``: :func:`visual_token_ceiling` instead (the tokens an in-LLM method counts). Raises
-    what ``factories.model_config`` raises (NotCachedError: not on this machine; ValueError: a name that names
-    nothing, a config that does not load), and ValueError for a config no registered family runs
-    (``registry.family_of``: an unsupported model type, a LLaVA whose vision tower is not CLIP)."""
+    what :func:`model_capacities` raises."""
+    return model_capacities(pretrained, adapter_options)[in_llm]
+
+
+def model_capacities(pretrained: str, adapter_options: dict | None = None) -> tuple[int | None, int | None]:
+    """``(visual_token_capacity, visual_token_ceiling)`` of a model by name (a factory name, hub id or path), from one
+    load of its config: no weights load. Raises what ``factories.model_config`` raises (NotCachedError: not on this
+    machine; ValueError: a name that names nothing, a config that does not load), and ValueError for a config no
+    registered family runs (``registry.family_of``: an unsupported model type, a LLaVA whose vision tower is not
+    CLIP)."""
     from .factories import model_config
 
     config = model_config(pretrained)
     if config is None:
-        return None
+        return None, None
     try:
         family_of(config)
     except ValueError as exc:
         raise ValueError(f"model {pretrained!r}: {exc}") from None
-    return (visual_token_ceiling if in_llm else visual_token_capacity)(config, adapter_options)
+    return visual_token_capacity(config, adapter_options), visual_token_ceiling(config, adapter_options)
 
 
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
