@@ -99,8 +99,9 @@ def test_cluster_yaml_installs_with_a_python_the_project_and_its_pins_take():
         f"{what} is Python {version}; constraints.txt was resolved on {resolved and resolved.group(1)}"
     venv = VENV.search(" ".join(config["setup_commands"])).group(2)
     for cmd in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
+        unquoted = re.sub(r'"[^"]*"', '""', cmd)  # not pgrep's pattern
         for tool in ("ray", "mlflow"):
-            for word in re.findall(rf"(?:^|\s)([^\s\"]*\b{tool}) (?:start|stop|server)", cmd):  # not pgrep's
+            for word in re.findall(rf"(?:^|\s)([^\s\"]*\b{tool}) (?:start|stop|server)", unquoted):
                 assert word == f"{venv}/bin/{tool}", (word, cmd)
     cron = (REPO / "deploy" / "nightly.cron").read_text()
     assert f'export PATH="{venv}/bin:' in cron
