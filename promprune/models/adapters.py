@@ -443,7 +443,9 @@ def model_capacity(pretrained: str, adapter_options: dict | None = None, in_llm:
     """:func:`visual_token_capacity` of a model by name (a factory name, hub id or path), from its config alone:
     no weights load; ``in_llm``: :func:`visual_token_ceiling` instead (the tokens an in-LLM method counts). Raises
     what :func:`model_capacities` raises."""
-    return model_capacities(pretrained, adapter_options)[in_llm]
+    config = _family_config(pretrained)
+    count = visual_token_ceiling if in_llm else visual_token_capacity
+    return None if config is None else count(config, adapter_options)
 
 
 def model_capacities(pretrained: str, adapter_options: dict | None = None) -> tuple[int | None, int | None]:
@@ -452,16 +454,23 @@ def model_capacities(pretrained: str, adapter_options: dict | None = None) -> tu
     machine; ValueError: a name that names nothing, a config that does not load), and ValueError for a config no
     registered family runs (``registry.family_of``: an unsupported model type, a LLaVA whose vision tower is not
     CLIP)."""
+    config = _family_config(pretrained)
+    if config is None:
+        return None, None
+    return visual_token_capacity(config, adapter_options), visual_token_ceiling(config, adapter_options)
+
+
+def _family_config(pretrained: str):
+    """The config of ``pretrained`` (None where its factory has none), checked to be a registered family's."""
     from .factories import model_config
 
     config = model_config(pretrained)
-    if config is None:
-        return None, None
-    try:
-        family_of(config)
-    except ValueError as exc:
-        raise ValueError(f"model {pretrained!r}: {exc}") from None
-    return visual_token_capacity(config, adapter_options), visual_token_ceiling(config, adapter_options)
+    if config is not None:
+        try:
+            family_of(config)
+        except ValueError as exc:
+            raise ValueError(f"model {pretrained!r}: {exc}") from None
+    return config
 
 
 def visual_token_capacity(config, adapter_options: dict | None = None) -> int | None:
