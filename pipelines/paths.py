@@ -9,7 +9,8 @@ deletes with the session or when it trims its package cache: nothing may be kept
 durable directory on the head instead, ``$PROMPRUNE_HOME`` (default ``~/promprune``): ``mlflow.db`` (its artifacts
 beside it, ``mlruns/``), ``outputs/tune``, ``outputs/logs``. ``MLFLOW_TRACKING_URI`` (the server ``cluster.yaml``
 starts, for one), ``PROMPRUNE_STORAGE`` and the spec's ``tune.storage_path`` still win; a job names them, and
-``PROMPRUNE_HOME``, by absolute path (a relative one is refused, `relative_in_job`).
+``PROMPRUNE_HOME``, by absolute path (a relative one is refused: the variables by `relative_in_job`, the spec's
+field by `relative_storage_in_job`).
 
 Imports nothing heavy: the front door (`pipelines.frontdoor`) reads it before Ray and torch load.
 """
@@ -25,6 +26,7 @@ HOME_ENV = "PROMPRUNE_HOME"  # a Ray job's records when nothing else names a pla
 JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray in the entrypoint of `ray job submit`
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 STORAGE_ENV = "PROMPRUNE_STORAGE"  # Tune storage every node reaches (s3://..., NFS) when the spec sets none
+STORAGE_EXAMPLE = "/<folder every node reaches> or s3://<bucket>/<prefix>"  # a Tune storage a job may name
 
 
 def in_ray_job() -> bool:
@@ -107,15 +109,38 @@ def relative_in_job(environ=None) -> list[str]:
     if home and not Path(home).expanduser().is_absolute():
         relative.append((HOME_ENV, home, "/<absolute folder> or ~/<folder>"))
     storage = environ.get(STORAGE_ENV)
-    local = local_storage(storage) if storage else None
-    if local is not None and not local.expanduser().is_absolute():
-        relative.append((STORAGE_ENV, storage, "/<folder every node reaches> or s3://<bucket>/<prefix>"))
-    return [f"environment variable {name}={value} is a relative path, which in a Ray job is relative to Ray's copy "
-            "of the working directory (<ray temp>/session_*/runtime_resources/working_dir_files/_ray_pkg_*), deleted "
-            f"by Ray with the session: nothing kept there lasts. Set it in the job's --runtime-env-json to an absolute "
-            f"path, e.g. {example}" + ("" if name == STORAGE_ENV else ", or leave it unset (the job's records then go "
-                                       f"to ${HOME_ENV}, default ~/promprune)")
+    if _relative_storage(storage):
+        relative.append((STORAGE_ENV, storage, STORAGE_EXAMPLE))
+    return [_in_package_copy(f"environment variable {name}={value}") + " Set it in the job's --runtime-env-json to an "
+            f"absolute path, e.g. {example}" + ("" if name == STORAGE_ENV else ", or leave it unset (the job's "
+                                                f"records then go to ${HOME_ENV}, default ~/promprune)")
             for name, value, example in relative]
+
+
+def relative_storage_in_job(storage_path: str | None, environ=None) -> list[str]:
+    """Inside a Ray job, the spec's ``tune.storage_path`` (from its file or ``--set``) when it names a relative local
+    path, as one paragraph naming the field and the fix; [] outside a job (a local run's is its working directory's).
+    A job's Tune storage, like its variables' (`relative_in_job`), would be Ray's package copy: Tune's results and the
+    sweep's state kept there vanish with Ray's session."""
+    environ = os.environ if environ is None else environ
+    if not environ.get(JOB_ENV) or not _relative_storage(storage_path):
+        return []
+    return [_in_package_copy(f"tune.storage_path: {storage_path}") + " Set tune.storage_path (in the spec, or "
+            f"--set tune.storage_path=...) to an absolute path, e.g. {STORAGE_EXAMPLE}, or leave it unset (the job's "
+            f"Tune storage is then ${STORAGE_ENV}, else outputs/tune in ${HOME_ENV}, default ~/promprune)"]
+
+
+def _relative_storage(storage: str | None) -> bool:
+    """Whether ``storage`` (a Tune storage: a path, file:// or a remote URI) is a local path that is relative."""
+    local = local_storage(storage) if storage else None
+    return local is not None and not local.is_absolute()
+
+
+def _in_package_copy(what: str) -> str:
+    """The refusal's first sentence: ``what`` (``<name>=<value>``) is relative, so in a job it is Ray's package copy."""
+    return (f"{what} is a relative path, which in a Ray job is relative to Ray's copy of the working directory "
+            "(<ray temp>/session_*/runtime_resources/working_dir_files/_ray_pkg_*), deleted by Ray with the session: "
+            "nothing kept there lasts.")
 
 
 def home_problem() -> str | None:
@@ -166,10 +191,12 @@ def submit_command(entrypoint: str, env: dict[str, str] | None = None, token: bo
 
 
 def local_storage(storage: str) -> Path | None:
-    """The local folder behind a storage path or ``file://`` URI; None for remote storage (s3://, gs://, ...)."""
+    """The local folder behind a storage path or ``file://`` URI, ``~`` expanded as pyarrow expands it for the
+    sweep's state (Tune's experiments, the outbox and the free-space check use this; ``~/tune`` was ``./~/tune`` for
+    them, in a Ray job Ray's package copy); None for remote storage (s3://, gs://, ...)."""
     if "://" in storage and not storage.startswith("file://"):
         return None
-    return Path(storage.removeprefix("file://"))
+    return Path(storage.removeprefix("file://")).expanduser()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -637,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         if where := paths.job_defaults_line():
             print(where, flush=True)
         spec = specs.load(args.config, args.overrides)  # imports the spec's plugins (their methods are checked)
+        if problems := paths.relative_storage_in_job(spec.tune.storage_path):  # a job's, from its file or --set
+            raise specs.SpecError(problems, args.config)
         specs.check_command(spec, "sweep", args.config)  # a spec for another entry point (fig2_concentration.py)
         plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
         # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal

@@ -122,7 +122,8 @@ class TuneSpec:
     # on every try) is not retried, only scored again by a --resume (pipelines/run/trial.py `run_trial`)
     max_failures: Annotated[StrictInt, Field(ge=-1), expect("an int >= 0 (or -1: unlimited)")] = 2
     seed: Annotated[StrictInt, expect("an int")] = 0  # random draws and optuna's sampler
-    # Tune's experiment dir; None: $PROMPRUNE_STORAGE, else ./outputs/tune (needs shared storage on clusters)
+    # Tune's experiment dir; None: $PROMPRUNE_STORAGE, else ./outputs/tune (needs shared storage on clusters); a Ray
+    # job names it by absolute path or URI (a relative one is refused: `pipelines.paths.relative_storage_in_job`)
     storage_path: Annotated[StrictStr | None, expect("a path or URI string")] = None
 
 

@@ -313,6 +313,55 @@ def test_a_ray_job_takes_absolute_places(elsewhere, monkeypatch, absolute):
     assert paths.relative_in_job() == []
 
 
+@pytest.mark.parametrize("storage", ["outputs/tune", "./tune", "file://outputs/tune"])
+@pytest.mark.parametrize("given", ["spec", "set"])
+def test_a_ray_job_refuses_a_relative_tune_storage_path(elsewhere, monkeypatch, capsys, storage, given):
+    """A probe's case: the env variables were refused relative in a job, the spec's tune.storage_path (its file or
+    --set) was not, so Tune's results went to Ray's package copy (deleted by Ray). Refused like the variables, in
+    one paragraph naming the field and the fix, exit 2, before the spec's plugins, the preflight or Ray; outside a
+    job the helper says nothing (a local run's is its working directory's)."""
+    from pipelines import sweep
+
+    spec = elsewhere / "pkg" / "q.yaml"
+    tune = f"tune:\n  storage_path: {storage}\n" if given == "spec" else ""
+    spec.write_text(f"name: q\nversion: 1\n{tune}")
+    overrides = ["--set", f"tune.storage_path={storage}"] if given == "set" else []
+    assert paths.relative_storage_in_job(storage) == []
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    (problem,) = paths.relative_storage_in_job(storage)
+    assert problem == (
+        f"tune.storage_path: {storage} is a relative path, which in a Ray job is relative to Ray's copy of the working "
+        "directory (<ray temp>/session_*/runtime_resources/working_dir_files/_ray_pkg_*), deleted by Ray with the "
+        "session: nothing kept there lasts. Set tune.storage_path (in the spec, or --set tune.storage_path=...) to an "
+        "absolute path, e.g. /<folder every node reaches> or s3://<bucket>/<prefix>, or leave it unset (the job's Tune "
+        "storage is then $PROMPRUNE_STORAGE, else outputs/tune in $PROMPRUNE_HOME, default ~/promprune)")
+    assert sweep.main(["--config", "q.yaml", *overrides]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: q.yaml: 1 problem(s):\n  - {problem}\n" and "Traceback" not in out + err
+    assert sorted(p.name for p in (elsewhere / "pkg").iterdir()) == ["q.yaml"]  # nothing made in the package copy
+
+
+@pytest.mark.parametrize("storage", ["/shared/tune", "file:///shared/tune", "~/tune", "s3://bucket/tune", None])
+def test_a_ray_job_takes_an_absolute_or_remote_tune_storage_path(elsewhere, monkeypatch, storage):
+    monkeypatch.setenv(paths.JOB_ENV, "{}")
+    assert paths.relative_storage_in_job(storage) == []
+
+
+def test_a_home_relative_tune_storage_is_the_home_folder_everywhere(elsewhere, monkeypatch):
+    """tune.storage_path: ~/tune put the sweep's state in ~/tune (pyarrow expands "~") but Tune's experiments, the
+    outbox and the free-space check in ./~/tune: in a Ray job, Ray's package copy, deleted with its session."""
+    from pipelines.run import disk
+
+    home = elsewhere / "home"
+    for job in (False, True):
+        if job:
+            monkeypatch.setenv(paths.JOB_ENV, "{}")
+        assert disk.tune_storage("~/tune")[0] == str(home / "tune")
+        assert disk.local_dir("~/tune") == home / "tune"  # (the free-space check)
+        assert state.outbox_dir("~/tune", "q-1") == home / "tune" / "_promprune_state" / "q-1.outbox"
+        assert state._state_fs("~/tune")[1] == f"{home / 'tune'}/_promprune_state"  # where the state always was
+
+
 def test_an_uncreatable_promprune_home_is_one_paragraph_and_exit_2(elsewhere, monkeypatch, capsys):
     """A probe's case: PROMPRUNE_HOME=/proc/pp in a job was a FileNotFoundError traceback, exit 1 (the records folder
     was made before the checks that turn problems into exit-2 messages)."""
