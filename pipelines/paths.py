@@ -130,6 +130,16 @@ def relative_storage_in_job(storage_path: str | None, environ=None) -> list[str]
             f"Tune storage is then ${STORAGE_ENV}, else outputs/tune in ${HOME_ENV}, default ~/promprune)"]
 
 
+def absolute_storage(storage: str) -> str:
+    """``storage`` with a relative local path (``outputs/tune``, ``./tune``; not ``file://`` or a remote URI) made
+    absolute against `records_root` (outside a Ray job the working directory), ``~`` expanded; anything else as
+    given."""
+    if "://" in storage:
+        return storage
+    path = Path(storage).expanduser()
+    return str(path if path.is_absolute() else records_root() / path)
+
+
 def _relative_storage(storage: str | None) -> bool:
     """Whether ``storage`` (a Tune storage: a path, file:// or a remote URI) is a local path that is relative."""
     local = local_storage(storage) if storage else None

@@ -25,8 +25,9 @@ from pipelines.paths import STORAGE_ENV
 
 def storage_root(spec: specs.SweepSpec) -> str:
     """Tune's storage: the spec's tune.storage_path, else $PROMPRUNE_STORAGE, else ./outputs/tune (a Ray job's:
-    ~/promprune/outputs/tune, `pipelines.paths`)."""
-    return spec.tune.storage_path or os.environ.get(STORAGE_ENV) or paths.default_storage()
+    ~/promprune/outputs/tune, `pipelines.paths`). A relative local path (refused in a Ray job) is made absolute against
+    the working directory here: pyarrow, which opens the sweep's state, takes no relative path."""
+    return paths.absolute_storage(spec.tune.storage_path or os.environ.get(STORAGE_ENV) or paths.default_storage())
 
 
 def outbox_dir(storage: str, experiment: str) -> Path:

@@ -411,3 +411,23 @@ def test_a_spec_not_found_in_a_ray_job_says_where_paths_resolve(elsewhere, monke
         "sweeps/quickstart.yaml?)")
     with pytest.raises(specs.SpecError, match=r"e\.g\. sweeps/<spec>\.yaml, and submit from the checkout's root\)$"):
         specs.load("nowhere.yaml")
+
+
+@pytest.mark.parametrize("storage", ["outputs/tune", "./tune", "~/tune"])
+def test_a_local_run_takes_a_relative_tune_storage_path_in_its_working_directory(elsewhere, storage):
+    """Outside a job a relative tune.storage_path is the working directory's: the sweep's state opened with pyarrow,
+    which takes no relative path, so a run with ``storage_path: outputs/tune`` stopped at its driver lock with "not a
+    path or a URI pyarrow can open" (exit 2)."""
+    from pipelines import spec as specs
+
+    spec_path = elsewhere / "pkg" / "spec.yaml"
+    spec_path.write_text("name: rel\nversion: 1\nmodel: {pretrained: 'tiny:llava'}\ntasks: [easyvqa_yesno]\n"
+                         f"grid: {{method: [promprune], budget: [8]}}\ntune: {{storage_path: '{storage}'}}\n")
+    spec = specs.load(spec_path)
+    expected = {"outputs/tune": elsewhere / "pkg" / "outputs" / "tune", "./tune": elsewhere / "pkg" / "tune",
+                "~/tune": elsewhere / "home" / "tune"}[storage]
+    root = state.storage_root(spec)
+    assert root == str(expected)
+    state.save_state(root, {"experiment": "rel-20261122-000000", "parent_run_id": "r0", "storage_path": root})
+    assert (expected / "_promprune_state").is_dir()
+    assert state.load_state(root, "rel", "latest")["parent_run_id"] == "r0"
