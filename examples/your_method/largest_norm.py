@@ -1,9 +1,9 @@
 """A pruning method of your own, from outside promprune: keep the tokens of largest feature norm.
 
 A pre-LLM method is one function, ``fn(tokens, budget, **options) -> promprune.Selection``, registered under a
-name; importing this file registers it. ``tokens.x [B, N, d]`` holds the projected visual tokens (float32; also
-``tokens.saliency [B, N]`` when registered with ``needs_saliency=True``); the function returns, for each image,
-``budget`` distinct token indices. A sweep imports it with ``plugins: [largest_norm.py]``.
+name; importing this file registers it. ``tokens.x [B, N, d]`` holds the projected visual tokens (float32; float64
+features stay float64; also ``tokens.saliency [B, N]`` when registered with ``needs_saliency=True``); the function
+returns, for each image, ``budget`` distinct token indices. A sweep imports it with ``plugins: [largest_norm.py]``.
 """
 import torch
 

@@ -115,6 +115,16 @@ def test_mu_is_calibrated_on_pretraining_images_not_benchmarks():
     assert loaded.calibration.images and loaded.calibration.n == 1000
 
 
+def test_table6_extended_measures_every_implemented_method():
+    """Its header, the README and docs/reproducing.md say "every implemented method": it listed 6 of them."""
+    from promprune import selection
+
+    loaded, trials = trials_of("table6_efficiency_extended")
+    ablations = {"fixed_ratio", "saliency_only", "coverage_only"}  # PromPrune's own stages: Tables 4 and 5
+    assert {t.method for t in trials if t.method} == set(selection.methods(None)) - ablations
+    assert {t.budget for t in trials if t.method} == {320} and sum(t.method is None for t in trials) == 1
+
+
 def test_table6_measures_latency_one_sample_at_a_time():
     loaded, _ = trials_of("table6_efficiency")
     assert loaded.resources.batch_size == 1 and loaded.model.options["budget_mode"] == "released"
