@@ -427,6 +427,16 @@ def dart_keep(key_norms: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor,
     return torch.cat(picks)
 
 
+def _top(values: torch.Tensor, allowed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``[B, L]`` bool: in each row the ``counts[b]`` largest ``values`` among the ``allowed`` columns (no more than
+    a row allows), one ``topk`` for the batch."""
+    k = min(max(counts), values.shape[1])
+    top = values.masked_fill(~allowed, float("-inf")).topk(k, dim=1).indices  # [B, k]
+    n = _sent(counts, values.device)
+    picked = (torch.arange(k, device=values.device) < n[:, None]) & allowed.gather(1, top)
+    return torch.zeros_like(allowed).scatter_(1, top, picked)
+
+
 def true_positions(mask: torch.Tensor, width: int) -> torch.Tensor:
     """``[..., width]``: the positions of the True entries along ``mask``'s last dimension, ascending (a row with
     fewer than ``width`` gives positions of False entries after them). ``nonzero`` without its host read: the caller
@@ -621,16 +631,26 @@ class InLLMPruner:
         return False
 
     def _deepstack(self, original):
-        """Qwen3-VL's DeepStack addition on the current (maybe pruned) columns: ``visual_pos_masks [B, L]`` and
-        ``embeds [V, d]`` (one row per image column, row-major) are cut to the kept, live image columns."""
+        """Qwen3-VL's DeepStack addition on the current (maybe pruned) columns. ``visual_pos_masks [B, L]`` and
+        ``embeds [V, d]`` (one row per image column, row-major): each kept, live image column gets its own row added,
+        as transformers' ``_deepstack_process`` adds them, but by a gather and a ``where`` over ``[B, L_cur]`` instead
+        of its boolean indexing (a host read per DeepStack layer). Each image column's row is worked out once per
+        prefill. Decoding steps carry no image columns: transformers' own."""
 
         def process(hidden, visual_pos_masks, embeds):
-            if not self.prefill:  # decoding steps carry no image columns
+            if not self.prefill:
                 return original(hidden, visual_pos_masks, embeds)
-            masks = visual_pos_masks.to(self.keep.device)
-            row = (masks.flatten().long().cumsum(0) - 1).view_as(masks)  # [B, L]: each image column's embeds row
-            kept = masks.gather(1, self.keep) & self.alive  # [B, L_cur]: kept, live image columns
-            return original(hidden, kept, embeds[row.gather(1, self.keep)[kept].to(embeds.device)])
+            if embeds.shape[0] == 0:  # no image column in the batch
+                return hidden
+            if self.deepstack_rows is None:
+                masks = visual_pos_masks.to(self.keep.device)
+                row = (masks.flatten().long().cumsum(0) - 1).view_as(masks).clamp(min=0)  # [B, L]: embeds row
+                self.deepstack_rows = (masks, row)
+            masks, row = self.deepstack_rows
+            kept = (masks.gather(1, self.keep) & self.alive).to(hidden.device)  # [B, L_cur]: kept, live image columns
+            rows = row.gather(1, self.keep).to(embeds.device)
+            add = embeds.index_select(0, rows.flatten()).view(*rows.shape, -1).to(hidden.device, hidden.dtype)
+            return torch.where(kept[..., None], hidden + add, hidden)
 
         return process
 
@@ -691,6 +711,7 @@ class InLLMPruner:
             self.layer_cols = {}  # layer idx -> (keep [B, L_l], alive [B, L_l]) for decoding
             # [B, L] absolute columns holding a recycled (merged) group
             self.merged = torch.zeros(B, L, dtype=torch.bool, device=embeds.device)
+            self.deepstack_rows = None  # Qwen3-VL: (image columns, their DeepStack rows), set at the first addition
 
     def _scorer(self, stage: Stage):
         def hook(attn, args, kwargs):
@@ -716,8 +737,10 @@ class InLLMPruner:
 
         "last" (FastV, PyramidDrop): every row's last column, one batched product. "raters" (SparseVLM): each row's
         query rows and raters have their own count, read for the whole batch at once (two reads of the device per
-        call, whatever the batch size or token count); each row's rows are then reduced in its own shapes, so the
-        sums (and the ranking) are those of one row alone."""
+        call, whatever the batch size or token count); the rows are padded to the batch's most, and a score sums
+        each row's raters first and zeros after them (a sum over rows that zeros end adds exactly what one row's own
+        sum adds, on the CPU). The raters' relevance, a sum along a padded last dimension, may order its sums
+        otherwise than one row alone (the last bit of a value compared with the mean)."""
         B, L, _ = hidden.shape
         q, k = _queries_keys(attn, hidden, rope)  # [B, H, L, hd], [B, Hkv, L, hd]
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
@@ -731,19 +754,25 @@ class InLLMPruner:
         mask = self._query_mask(vis_cols)
         seen = vis_cols & alive
         n_rows, n_seen = torch.stack([mask.sum(1), seen.sum(1)]).tolist()  # one read for the batch
-        rows, cols = true_positions(mask, max(n_rows)), true_positions(seen, max(n_seen))
-        probs, raters = [], []
-        for b in range(B):
-            r = rows[b, :n_rows[b]]
-            logits = (q[b][:, r].float() @ k[b].transpose(-1, -2)) * attn.scaling  # [H, R, L]
-            allowed = alive[b][None, :] & (keep[b][None, :] <= keep[b, r][:, None])  # [R, L] causal
-            probs.append(torch.softmax(logits.masked_fill(~allowed[None], float("-inf")), dim=-1))
-            raters.append(self._raters(probs[b], cols[b, :n_seen[b]]))
-        n_raters = torch.stack([m.sum() for m in raters]).tolist()  # one read for the batch
-        out = torch.zeros(B, L, device=hidden.device)
-        for b in range(B):
-            out[b] = probs[b][:, true_positions(raters[b], n_raters[b])].mean(dim=(0, 1))
-        return out
+        R, S = max(n_rows), max(n_seen)
+        rows, cols = true_positions(mask, R), true_positions(seen, S)  # [B, R], [B, S]
+        H, hd = q.shape[1], q.shape[-1]
+        qr = q.gather(2, rows[:, None, :, None].expand(B, H, R, hd)).float()
+        logits = (qr @ k.transpose(-1, -2)) * attn.scaling  # [B, H, R, L]
+        allowed = alive[:, None, :] & (keep[:, None, :] <= keep.gather(1, rows)[:, :, None])  # [B, R, L] causal
+        probs = torch.softmax(logits.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+        raters = self._raters(probs, cols, _sent([n_rows, n_seen], q.device))  # [B, R]
+        n_raters = raters.sum(1).tolist()  # one read for the batch
+        # each row's raters, head by head, first in one [B, H x R, L] stack, zeros after: summed over it as a row's
+        # own [H, raters, L] rows are (a sum's rows after the last real one add zeros, exactly)
+        nr = _sent(n_raters, q.device)
+        slot = torch.arange(H * R, device=q.device)
+        per = nr.clamp(min=1)[:, None]
+        head, nth = (slot // per).clamp(max=H - 1), slot % per  # [B, H x R]; past a row's raters: masked below
+        src = head * R + true_positions(raters, R).gather(1, nth.clamp(max=R - 1))
+        picked = probs.reshape(B, H * R, L).gather(1, src[..., None].expand(-1, -1, L))
+        picked = picked.masked_fill(~(slot < H * nr[:, None])[..., None], 0)
+        return (picked.sum(1) / (H * nr)[:, None]).to(hidden.device)
 
     def _query_mask(self, vis_cols: torch.Tensor) -> torch.Tensor:
         """``[B, L_cur]`` bool: the live text columns after each row's last visual column (``vis_cols [B, L_cur]``:
@@ -753,11 +782,18 @@ class InLLMPruner:
         return (pos > last_vis[:, None]) & self.alive.to(vis_cols.device) & ~vis_cols
 
     @staticmethod
-    def _raters(probs, vis_cols) -> torch.Tensor:
-        """SparseVLM raters, ``[R]`` bool: the query rows of ``probs [H, R, L]`` whose total attention to the live
-        visual columns ``vis_cols`` (ascending) is at least the mean."""
-        relevance = probs[:, :, vis_cols].sum(-1).mean(0)  # [R]
-        return relevance >= relevance.mean()
+    def _raters(probs, vis_cols, counts) -> torch.Tensor:
+        """SparseVLM raters, ``[B, R]`` bool: each row's query rows of ``probs [B, H, R, L]`` whose total attention to
+        its live visual columns ``vis_cols [B, S]`` (ascending) is at least the mean over its query rows (``counts
+        [2, B]``: each row's query rows and live visual columns; the padding after them is never a rater)."""
+        B, H, R, _ = probs.shape
+        n_rows, n_seen = counts
+        seen = torch.arange(vis_cols.shape[1], device=probs.device) < n_seen[:, None]  # [B, S]
+        attn = probs.gather(3, vis_cols[:, None, None, :].expand(B, H, R, -1))
+        relevance = attn.masked_fill(~seen[:, None, None], 0).sum(-1).mean(1)  # [B, R]
+        real = torch.arange(R, device=probs.device) < n_rows[:, None]
+        mean = relevance.masked_fill(~real, 0).sum(1) / n_rows.clamp(min=1)
+        return real & (relevance >= mean[:, None])
 
     def _on_layer(self, idx):
         stage = next((s for s in self.stages if s.layer == idx), None)
@@ -835,39 +871,57 @@ class InLLMPruner:
         scores = stage.scores.to(hidden.device)  # ranked on the layer's device
         order = scores.masked_fill(~vis_alive, float("-inf")).argsort(dim=1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=order.device).expand(B, L))
-        centres = [0] * B
-        for b in range(B):
+        pools, centres = [0] * B, [0] * B
+        for b in range(B):  # host arithmetic on the counts already read
             deleted = n_cand[b] - n_keep[b]
-            if stage.recycle <= 0 or deleted <= 0:
-                continue
-            pool = math.ceil(stage.recycle * deleted)
-            centres[b] = min(math.ceil(stage.merge * pool), n_keep[b]) if pool else 0
-            if centres[b]:
-                self._merge(hidden[b], order[b, n_keep[b]:n_keep[b] + pool], centres[b], b)
-        sent = _sent([n_keep, centres], rank.device)
+            if stage.recycle > 0 and deleted > 0:
+                pools[b] = math.ceil(stage.recycle * deleted)
+                centres[b] = min(math.ceil(stage.merge * pools[b]), n_keep[b]) if pools[b] else 0
+        sent = _sent([n_keep, centres, pools], rank.device)
+        if max(centres):
+            self._merge(hidden, order, sent, max(pools), max(centres),
+                        max(p - c for p, c in zip(pools, centres)) + 1)
         keep_n, c = sent[0, :, None], sent[1, :, None]
         kept = (rank < keep_n - c) | ((rank >= keep_n) & (rank < keep_n + c))
         return kept & vis_alive, rank
 
-    def _merge(self, hidden_b, pool, n_centres, b):
-        """SparseVLM's recycling in row ``b``: each column of ``pool`` (relative columns, best first) joins the most
-        cosine-similar of its first ``n_centres`` (the centres, each its own group), and each centre's hidden state
-        becomes its group's mean. The groups are summed as a padded ``[centres, members, D]`` tensor, each member
-        in pool order and zeros after, so each mean is the sum ``hidden_b[group].mean(0)`` makes, without reading
-        the groups' sizes on the host (bit for bit on the CPU at hidden sizes that are multiples of 32, every
-        model's here; a GPU orders a reduction's sums by its shape, so there a mean may differ from the per-group
-        one in the last bit)."""
-        feats = torch.nn.functional.normalize(hidden_b[pool].float(), dim=-1)
-        assign = (feats @ feats[:n_centres].T).argmax(dim=1)  # [|pool|] -> centre
-        assign[:n_centres] = torch.arange(n_centres, device=assign.device)
-        members = assign[:, None] == torch.arange(n_centres, device=assign.device)  # [|pool|, centres]
-        slot = (members.long().cumsum(0) - 1).gather(1, assign[:, None])[:, 0]  # place in its group
-        groups = hidden_b.new_zeros(n_centres, pool.numel() - n_centres + 1, hidden_b.shape[-1])
-        groups[assign, slot] = hidden_b[pool]
-        half = hidden_b.dtype in (torch.float16, torch.bfloat16)  # mean's own float32 sum for these
-        total = groups.sum(dim=1, dtype=torch.float32 if half else None)
-        hidden_b[pool[:n_centres]] = (total / members.sum(0)[:, None]).to(hidden_b.dtype)
-        self.merged[b].index_fill_(0, self.keep[b, pool[:n_centres]], True)  # relative -> absolute columns
+    def _merge(self, hidden, order, sent, P, C, M):
+        """SparseVLM's recycling, for the whole batch (into ``hidden [B, L, D]``): row ``b``'s pool is its deleted
+        columns ranked ``n_keep .. n_keep + pool`` in ``order [B, L]`` (relative columns, best first; ``sent [3, B]``:
+        ``n_keep``, centres, pool sizes; ``P``, ``C``, ``M``: the batch's largest pool, centre count and group). Each
+        pool column joins the most cosine-similar of the pool's first ``centres`` (the centres, each its own group),
+        and each centre's hidden state becomes its group's mean. The groups are summed as a padded ``[B, C, M, D]``
+        tensor, each member in pool order and zeros after, so each mean is the sum ``hidden[b][group].mean(0)``
+        makes, without reading the groups' sizes on the host (bit for bit on the CPU at hidden sizes that are
+        multiples of 32, every model's here; a GPU orders a reduction's sums by its shape, so there a mean may differ
+        from the per-group one in the last bit)."""
+        B, L, D = hidden.shape
+        dev = hidden.device
+        n_keep, n_centres, n_pool = sent[0, :, None], sent[1, :, None], sent[2, :, None]
+        p = torch.arange(P, device=dev)
+        pool = order.gather(1, (n_keep + p) % L)  # [B, P] distinct columns; those past a row's pool are not members
+        member = p < n_pool  # [B, P]
+        centre = torch.arange(C, device=dev) < n_centres  # [B, C]
+        states = hidden.gather(1, pool[..., None].expand(-1, -1, D))  # [B, P, D]
+        feats = torch.nn.functional.normalize(states.float(), dim=-1)
+        sims = (feats @ feats[:, :C].transpose(1, 2)).masked_fill(~centre[:, None], float("-inf"))
+        assign = sims.argmax(dim=2)  # [B, P] -> centre
+        assign[:, :C] = torch.where(centre, torch.arange(C, device=dev), assign[:, :C])
+        members = (assign[..., None] == torch.arange(C, device=dev)) & member[..., None]  # [B, P, C]
+        slot = (members.long().cumsum(1) - 1).gather(2, assign[..., None])[..., 0]  # [B, P] place in its group
+        # a non-member goes to a group of its own past the centres (C), never summed
+        group = torch.where(member, assign, C)
+        groups = hidden.new_zeros(B, C + 1, M, D)
+        batch = torch.arange(B, device=dev)[:, None].expand(B, P)
+        groups[batch, group, slot.clamp(min=0, max=M - 1)] = states
+        half = hidden.dtype in (torch.float16, torch.bfloat16)  # mean's own float32 sum for these
+        total = groups[:, :C].sum(dim=2, dtype=torch.float32 if half else None)  # [B, C, D]
+        means = (total / members.sum(1)[..., None]).to(hidden.dtype)
+        target = pool[:, :C]  # the centres (and, past a row's centres, pool columns left as they are)
+        means = torch.where(centre[..., None], means, states[:, :C])
+        hidden.scatter_(1, target[..., None].expand(-1, -1, D), means)
+        absolute = self.keep.gather(1, target)  # relative -> absolute columns
+        self.merged.scatter_(1, absolute, self.merged.gather(1, absolute) | centre)
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LLM's final norm applied to ``hidden`` (DART compares tokens on these states), on ``hidden``'s device."""
@@ -875,14 +929,29 @@ class InLLMPruner:
         return norm(hidden.to(norm.weight.device)).float().to(hidden.device)
 
     def _dart_kept(self, stage, hidden, vis_alive, text, n_cand, n_text, n_keep) -> torch.Tensor:
-        """``[B, L]`` bool: DART's kept visual columns (:func:`dart_keep` on each row's current columns)."""
-        normed = self._final_norm(hidden)
-        cand, txt = true_positions(vis_alive, max(n_cand)), true_positions(text, max(n_text))
-        kept = torch.zeros_like(vis_alive)
-        for b in range(hidden.shape[0]):
-            picks = dart_keep(stage.keys[b], normed[b], cand[b, :n_cand[b]], txt[b, :n_text[b]], *stage.pivots,
-                              n_keep[b])
-            kept[b].index_fill_(0, picks, True)
+        """``[B, L]`` bool: DART's kept visual columns, :func:`dart_keep`'s rule on every row at once (each pivot
+        step one set of batched ops; each row's counts are host arithmetic on the counts read once)."""
+        B = vis_alive.shape[0]
+        unit = torch.nn.functional.normalize(self._final_norm(hidden), dim=-1)  # [B, L, D]
+        n_img, n_txt = stage.pivots
+        img_k = [min(n_img, k, n) for k, n in zip(n_keep, n_cand)]
+        txt_k = [min(n_txt, t) for t in n_text]
+        img, txt = _top(stage.keys, vis_alive, img_k), _top(stage.keys, text, txt_k)
+        pivots = true_positions(img | txt, max(1, n_img + n_txt))  # [B, P] each row's pivots in column order
+        kept, left = img.clone(), vis_alive & ~img
+        need = [k - i for k, i in zip(n_keep, img_k)]
+        n_left = [n - i for n, i in zip(n_cand, img_k)]
+        n_piv = [i + t for i, t in zip(img_k, txt_k)]
+        for p in range(n_img + n_txt):  # as many steps as the most pivots a row can have, whatever the batch
+            share = [need[b] // n_piv[b] + (1 if p < need[b] % n_piv[b] else 0) if p < n_piv[b] else 0
+                     for b in range(B)]
+            take = [min(s, n) for s, n in zip(share, n_left)]
+            n_left = [n - t for n, t in zip(n_left, take)]
+            pivot = unit.gather(1, pivots[:, p, None, None].expand(-1, 1, unit.shape[-1]))  # [B, 1, D]
+            sims = (unit @ pivot.transpose(1, 2))[..., 0]  # [B, L]
+            took = _top(-sims, left, take)  # each row's least similar remaining candidates
+            kept |= took
+            left &= ~took
         return kept
 
     # ---- masks and rotary embeddings ------------------------------------------------------------------
@@ -942,7 +1011,7 @@ class InLLMPruner:
 
     def _prefill_kwargs(self, kwargs, hidden, idx: int):
         if self.recurrent is not None and self.recurrent[idx]:  # linear attention: the 2D mask of live columns
-            kwargs["attention_mask"] = None if bool(self.alive.all()) else self.alive.to(hidden.dtype)
+            kwargs["attention_mask"] = self.alive.to(hidden.dtype)  # all ones: x * 1 is x (no read to skip it)
             return kwargs
         allowed = self._prefill_allowed(idx)  # [B, q, kv]
         kwargs["attention_mask"] = self._as_mask(allowed[:, None], hidden.dtype)

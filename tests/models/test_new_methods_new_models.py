@@ -18,7 +18,7 @@ from promprune.models.tiny import tiny_vlm
 from promprune.selection.controls import pooling_matrix
 
 from .conftest import make_image
-from .test_qwen3_vl import plain_image_features
+from .test_qwen3_vl import plain_image_features, recording_deepstack
 
 ONEVISION_SIDE = 4  # tiny LLaVA-OneVision: 4 x 4 tokens per view
 
@@ -81,23 +81,15 @@ def test_dart_key_norms_are_the_models_own_keys(arch, images, prompts):
 @pytest.mark.parametrize("method", ["dart", "pyramiddrop"])
 def test_in_llm_deepstack_follows_the_surviving_columns(method, images, prompts):
     """DART / PyramidDrop on Qwen3-VL: every DeepStack addition lands on the image columns alive at that layer, each
-    with its own rows of plain ``get_image_features``."""
+    with its own rows of plain ``get_image_features`` (recorded around the pruner's addition,
+    ``recording_deepstack``)."""
     model, processor = tiny_vlm("qwen3_vl")
     vlm = PrunedVLM(model, processor, method=method, budget=5)
     prep = vlm.prepare(images, prompts)
-    lm = model.model.language_model
-    calls = []
-    original = type(lm)._deepstack_process
-
-    def recording(self, hidden, masks, embeds):
-        calls.append((hidden.shape[1], masks.clone(), embeds.clone()))
-        return original(self, hidden, masks, embeds)
-
-    type(lm)._deepstack_process = recording
-    try:
-        pruner = _run(vlm, prep)
-    finally:
-        type(lm)._deepstack_process = original
+    pruner, calls = vlm.pruning(prep), []
+    with torch.inference_mode(), pruner:
+        recording_deepstack(model, calls)
+        model(**prep.model_kwargs)
     _, deepstack = plain_image_features(model, vlm.inputs(images, prompts))
     ids = prep.model_kwargs["input_ids"]
     runs = [(row == model.config.image_token_id).nonzero().flatten() for row in ids]

@@ -86,30 +86,36 @@ def test_deepstack_rows_are_the_kept_tokens(order, images, prompts):
         torch.testing.assert_close(got, expected)
 
 
+def recording_deepstack(model, calls: list) -> None:
+    """Inside a pruner's ``with``: record each DeepStack addition the pruner makes on ``model`` as ``(columns,
+    added [B, L_cur] bool, rows [added, d])``: the columns whose states it changed and what it added to them (the
+    pruner's wrapper is an instance attribute, removed with the pruner's hooks, and so is this one over it)."""
+    lm = model.model.language_model
+    inner = lm._deepstack_process
+
+    def recording(hidden, masks, embeds):
+        out = inner(hidden, masks, embeds)
+        added = (out != hidden).any(-1)
+        calls.append((hidden.shape[1], added, (out - hidden)[added]))
+        return out
+
+    lm._deepstack_process = recording
+
+
 @pytest.mark.parametrize("method", ["fastv", "sparsevlm"])
 def test_in_llm_deepstack_goes_to_the_kept_columns(method, images, prompts):
     """After an in-LLM pruning layer, each DeepStack addition lands on the surviving image columns with their own
-    rows (recorded at transformers' ``_deepstack_process``; compared with plain ``get_image_features``)."""
+    rows (recorded around the pruner's addition, ``recording_deepstack``; compared with plain
+    ``get_image_features``)."""
     model, processor = tiny_vlm("qwen3_vl")
     # SparseVLM cut before layers 1 and 2: DeepStack's last addition (after layer 2) then meets the final 5 tokens
     vlm = PrunedVLM(model, processor, method=method, budget=5, recycle_ratio=0.0, layers=[1, 2]) \
         if method == "sparsevlm" else PrunedVLM(model, processor, method=method, budget=5)
     prep = vlm.prepare(images, prompts)
-    lm = model.model.language_model
-    calls = []
-    original = type(lm)._deepstack_process
-
-    def recording(self, hidden, masks, embeds):
-        calls.append((hidden.shape[1], masks.clone(), embeds.clone()))
-        return original(self, hidden, masks, embeds)
-
-    pruner = vlm.pruning(prep)
-    type(lm)._deepstack_process = recording
-    try:
-        with torch.inference_mode(), pruner:
-            model(**prep.model_kwargs)
-    finally:
-        type(lm)._deepstack_process = original
+    pruner, calls = vlm.pruning(prep), []
+    with torch.inference_mode(), pruner:
+        recording_deepstack(model, calls)
+        model(**prep.model_kwargs)
     _, deepstack = plain_image_features(model, vlm.inputs(images, prompts))
     full_len = prep.model_kwargs["input_ids"].shape[1]
     assert len(calls) == 3 and calls[0][0] == full_len and calls[-1][0] < full_len  # the last after pruning
