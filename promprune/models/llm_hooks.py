@@ -43,10 +43,11 @@ at ``budget`` by default (option ``schedule="released"``: the released code's pe
 layer-averaged count, e.g. 64 -> 66 / 30 / 17 tokens); raters are the text tokens after the image whose attention to
 the visual tokens at the ranking layer is at least their mean (released: chosen once, by the similarity of the input
 embeddings); a visual token's score is its attention from the raters (head and rater mean). Recycling: of each
-stage's deleted tokens the top ``recycle_ratio`` by score are grouped around the ``ceil(merge_ratio * n)`` best of
-them by cosine similarity of hidden states, and each group's mean replaces its centre token's hidden state (the centre
-keeps its place); recycled tokens count toward the stage's budget (released: int(merge_ratio * n) + 1 merged tokens
-on top of it). Its paper clusters with density-peak kNN; we use best-score centres.
+stage's deleted tokens the top ``ceil(recycle_ratio * deleted)`` by score (released: ``int(0.3 * deleted) + 1``) are
+grouped around the ``ceil(merge_ratio * n)`` best of them by cosine similarity of hidden states, and each group's mean
+replaces its centre token's hidden state (the centre keeps its place); recycled tokens count toward the stage's
+budget (released: int(merge_ratio * n) + 1 merged tokens on top of it). Its paper clusters with density-peak kNN; we
+use best-score centres.
 """
 from __future__ import annotations
 
