@@ -10,7 +10,7 @@ placeholder run in the prompt shrinks to match (``sequence.py``) and the kept fe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -26,7 +26,7 @@ from .transfer import to_device, to_host
 class HostIndex:
     """Host copies (numpy) of a :class:`VisualItem`'s index tensors, what the host plans the selection and the LLM's
     input with: ``run_pos`` / ``grid_index`` / ``groups`` ``[N]`` int64, ``cells`` ``[N, 2]`` or None, ``newline``
-    ``[P]`` bool / ``row_of_run`` ``[P]`` int64 or None."""
+    ``[P]`` bool / ``row_of_run`` ``[P]`` int64 or None, ``spatial_pos`` ``[N]`` int64 or None."""
 
     run_pos: np.ndarray
     grid_index: np.ndarray
@@ -34,6 +34,7 @@ class HostIndex:
     cells: np.ndarray | None = None
     newline: np.ndarray | None = None
     row_of_run: np.ndarray | None = None
+    spatial_pos: np.ndarray | None = None
 
     @classmethod
     def identity(cls, n: int) -> "HostIndex":
@@ -42,7 +43,7 @@ class HostIndex:
         return cls(run_pos=idx, grid_index=idx, groups=np.zeros(n, dtype=np.int64))
 
 
-_HOST_FIELDS = ("run_pos", "grid_index", "groups", "cells", "newline", "row_of_run")
+_HOST_FIELDS = ("run_pos", "grid_index", "groups", "cells", "newline", "row_of_run", "spatial_pos")
 
 
 @dataclass
@@ -58,7 +59,9 @@ class VisualItem:
     - ``vision [N, dv]`` / ``keys [N, dk]`` or None: the vision tower's hidden states of the candidates before the
       projector, and the attention keys (head mean) of that layer; ``cls [V, dv]`` or None: each view's CLS hidden
       state; ``project``: the model's projector (vision space -> ``d``, float32 out).
-    - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included.
+    - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included; its
+      ``spatial_pos [N]``: each candidate's place in LLaVA's "spatial" packing without unpadding (the base view, then
+      the crops' stitched grid in raster order, no newline), what :meth:`spatial` feeds.
     - ``grid_shape``: ``(rows, cols)`` of one view's whole token grid (Qwen2.5-VL / Qwen3-VL: the merged-patch
       grid); a candidate's place in it is ``grid_index % (rows * cols)`` in raster order.
     - ``cells [N, 2]`` or None: each candidate's (row, col) in the grid its view is FED as, where that is not its
@@ -95,6 +98,22 @@ class VisualItem:
     deepstack: list[torch.Tensor] | None = None
     key: int | None = None
     host: HostIndex | None = None
+    spatial_pos: torch.Tensor | None = None
+
+    def spatial(self) -> VisualItem:
+        """The same candidates (LLaVA-NeXT's ``full``: every view's whole grid) fed as LLaVA's "spatial" merge
+        without "_unpad" packs them (adapter option ``unpad=False``): the run is every candidate at its
+        ``spatial_pos`` (the base view, then the crops' stitched grid in raster order, padding included, no newline
+        token), so every pick is fed, in that order."""
+        if self.spatial_pos is None:
+            raise ValueError("this item has no spatial packing: only LLaVA-NeXT's whole view grids (VisualItem.full) "
+                             "have one")
+        run = torch.empty_like(self.features)
+        run[self.spatial_pos] = self.features
+        host = None
+        if self.host is not None:
+            host = replace(self.host, run_pos=self.host.spatial_pos, newline=None, row_of_run=None)
+        return replace(self, run=run, run_pos=self.spatial_pos, row_of_run=None, newline=None, host=host)
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision

@@ -8,7 +8,8 @@ the image's views; ``global`` selects once over all views; ``adaptive_views`` gi
 to its spectral entropy (spread-out views get more tokens), then selects per view. In these three a view never gets
 more than it has; what it cannot take goes to the others, so every image keeps ``min(budget, N)`` tokens.
 ``view_quota`` gives every view the same ``view_budget`` whatever the image's view count, and the adapter passes
-each view's whole grid (``VisualItem.full``): picks the model's unpadding drops are not fed. ``packed`` is
+each view's whole grid (``VisualItem.full``): picks the model's unpadding drops are not fed; with the adapter option
+``unpad=False`` the whole grids come packed without unpadding (``VisualItem.spatial``), so every pick is. ``packed`` is
 ``global`` over ``VisualItem.packed()``, newline tokens included.
 
 On a GPU the host plans: it reads the batch's index tensors once (``adapters.host_index``; none where the adapter

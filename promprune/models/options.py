@@ -3,14 +3,14 @@
 Methods and their options come from one registry (``promprune.methods(None)``, ``promprune.method_spec``): the pre-LLM
 methods ``select`` runs and the in-LLM ones (``fastv``, ``sparsevlm``, ``dart``, ``pyramiddrop``) that prune inside the
 language model. Beside them, the adapter options are valid with every method: how LLaVA-NeXT spreads the budget over
-views, what happens to its ``image_newline`` tokens, which Qwen2.5-VL vision block gives saliency, and a fixed Qwen
-token count.
+views, what happens to its ``image_newline`` tokens and to the picks in its padding, which Qwen2.5-VL vision block
+gives saliency, and a fixed Qwen token count.
 """
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import promprune
 from promprune.selection.registry import as_budget
@@ -32,17 +32,26 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     #   NeXT path); "global": one selection over every view; "adaptive_views": shares by each view's entropy;
     # "view_quota": every view gets budget // (1 + the most crops of any grid pinpoint), budget 160 -> 32 per view
     #   on llava-v1.6 (5 views), whatever the image's view count, selected on the view's full grid, padding
-    #   included, then the model's unpadding drops the picks in the padding (VisPruner's released code: its
-    #   `visual_token_num` is per view; VisionZip's also counts per view but feeds the padding, unpadding nothing);
+    #   included; with "unpad" True the model's unpadding then drops the picks in the padding, with False they are
+    #   fed (VisPruner's, CDPruner's and VisionZip's released code: `visual_token_num` per view, nothing unpadded);
     # "packed": one selection over the whole packed sequence, image_newline tokens included as candidates
     #   (DivPrune's released code; for methods that need neither saliency nor the vision tower's features);
     # "released": each method's released NeXT layout (RELEASED_NEXT), "per_crop" for methods without one.
     "budget_mode": "per_crop",
     # LLaVA-NeXT: "drop" feeds no image_newline tokens once pruned (so the LLM gets exactly `budget` visual tokens);
     # "rows" keeps a row's newline when any token of that row is kept; "all" keeps every newline token, as the
-    # unpruned sequence has them (VisPruner's released code); both extra tokens, not counted by the budget.
+    # unpruned sequence has them; both extra tokens, not counted by the budget.
     # budget_mode "packed" selects among the newline tokens instead, and "released" sets this per method.
     "image_newline": "drop",
+    # LLaVA-NeXT, pre-LLM methods under budget_mode "view_quota": True: the model's own packing (transformers'
+    # `pack_image_features`) unpads the stitched crop grid to the image's aspect ratio, so the picks in its padding
+    # are not fed. False: LLaVA's "spatial" merge without "_unpad", as VisPruner's, CDPruner's and VisionZip's released
+    # code runs llava-v1.6 (each strips "_unpad" from `mm_patch_merge_type`): every pick on every view's whole grid is
+    # fed, padding included, no image_newline token, the base view's picks first, then the crops' in the raster order
+    # of their stitched grid; the placeholder run grows where that feeds more tokens than the unpadded prompt holds.
+    # False needs budget_mode "view_quota" and image_newline "drop"; budget_mode "released" sets it per method. The
+    # unpruned model, the in-LLM methods and the other families feed their model's own packing whatever it says.
+    "unpad": True,
     # The vision layer whose attention gives saliency, on families that take one (each family's module says which
     # layers it accepts; e.g. Qwen2.5-VL a full-attention block, Qwen3-VL any block, InternVL any InternViT layer);
     # None = the family's default (the layer whose output the LLM reads, or the last). LLaVA, LLaVA-NeXT and
@@ -96,6 +105,7 @@ ADAPTER_OPTIONS: dict[str, Any] = {
 }
 ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view_quota", "packed", "released"),
                    "image_newline": ("drop", "rows", "all"),
+                   "unpad": (True, False),
                    "token_order": ("raster", "selection", "stages", "released"),
                    "video_budget": ("per_frame", "clip", "adaptive_frames"),
                    "video_split": ("unit", "per_frame", "clip"),
@@ -119,23 +129,33 @@ def token_order(method: str | None, option: str) -> str:
     return RELEASED_ORDER.get(method, "raster")
 
 
-# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline; docs/methods.md: "What each method
-# feeds the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the
-# sequence's length; we keep the budget). VisPruner gives every view `visual_token_num` tokens on its full grid, unpads,
-# and keeps every newline; so does CDPruner (its `visual_token_num` is per view; one DPP per view on the full grid).
-# VisionZip gives every view its dominant + contextual counts and feeds no newline. PromPrune's released code has no
-# working NeXT path, so PromPrune (and every method not listed) splits the budget per view: "per_crop", our choice, with
-# the image_newline option as given.
-RELEASED_NEXT = {"divprune": ("packed", "drop"), "vispruner": ("view_quota", "all"),
-                 "visionzip": ("view_quota", "drop"), "cdpruner": ("view_quota", "all")}
+# The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline, unpad; docs/methods.md: "What each
+# method feeds the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the
+# sequence's length; we keep the budget). VisPruner, CDPruner and VisionZip run llava-v1.6 with "_unpad" stripped
+# from its `mm_patch_merge_type` (LLaVA's "spatial" merge): every view gets `visual_token_num` tokens (VisionZip: its
+# dominant + contextual counts) on its whole grid, the picks in the padding are fed, no newline token, the base view
+# first, then the crops' stitched grid in raster order: exactly `visual_token_num` x views tokens (VisPruner's README:
+# 32 x 5 = 160). PromPrune's released code has no working NeXT path, so PromPrune (and every method not listed) splits
+# the budget per view: "per_crop", our choice, with the image_newline and unpad options as given.
+RELEASED_NEXT = {"divprune": ("packed", "drop", True), "vispruner": ("view_quota", "drop", False),
+                 "visionzip": ("view_quota", "drop", False), "cdpruner": ("view_quota", "drop", False)}
 
 
-def next_layout(method: str | None, budget_mode: str, image_newline: str) -> tuple[str, str]:
-    """``(budget_mode, image_newline)`` the adapter uses: the options, with budget_mode "released" resolved for
-    ``method`` (it then sets image_newline too where the method's released code has a NeXT path)."""
+class NextLayout(NamedTuple):
+    """How LLaVA-NeXT's views and newline tokens meet the budget: the adapter options ``budget_mode``,
+    ``image_newline`` and ``unpad`` (:data:`ADAPTER_OPTIONS`), "released" resolved."""
+
+    budget_mode: str
+    image_newline: str
+    unpad: bool
+
+
+def next_layout(method: str | None, budget_mode: str, image_newline: str, unpad: bool = True) -> NextLayout:
+    """The :class:`NextLayout` the adapter uses: the options, with budget_mode "released" resolved for ``method``
+    (it then sets image_newline and unpad too where the method's released code has a NeXT path)."""
     if budget_mode != "released":
-        return budget_mode, image_newline
-    return RELEASED_NEXT.get(method, ("per_crop", image_newline))
+        return NextLayout(budget_mode, image_newline, bool(unpad))
+    return NextLayout(*RELEASED_NEXT.get(method, ("per_crop", image_newline, bool(unpad))))
 
 
 def all_methods() -> list[str]:
@@ -166,11 +186,16 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     if adapter["system_prompt"] is not None and not (isinstance(adapter["system_prompt"], str)
                                                      and adapter["system_prompt"].strip()):
         raise ValueError(f"option 'system_prompt' must be a non-empty string or None, got {adapter['system_prompt']!r}")
-    mode, newline = next_layout(method, adapter["budget_mode"], adapter["image_newline"])
+    mode, newline, unpad = next_layout(method, adapter["budget_mode"], adapter["image_newline"], adapter["unpad"])
     order = token_order(method, adapter["token_order"])
     if newline in ("rows", "all") and mode != "packed" and order != "raster":
         raise ValueError(f"option image_newline={newline!r} places each row's newline after the row's kept tokens, "
                          "which needs token_order 'raster'; use image_newline='drop' with another token order")
+    if not unpad and method is not None and not is_in_llm(method) and (mode != "view_quota" or newline != "drop"):
+        raise ValueError(f"option unpad=False feeds the picks on LLaVA-NeXT's whole view grids, padding included, as "
+                         f"LLaVA's 'spatial' merge does (no unpadding, no newline token): it needs budget_mode "
+                         f"'view_quota' and image_newline 'drop', got budget_mode={mode!r}, image_newline={newline!r}; "
+                         "set those, or leave unpad True (budget_mode 'released' sets all three per method)")
     if method is None:
         if budget is not None or options:
             raise ValueError(f"method=None (unpruned) takes no budget or method options; got budget={budget!r}, "

@@ -30,15 +30,24 @@ def shrink_placeholders(input_ids: torch.Tensor, attention_mask: torch.Tensor, i
     placeholders stay where the run was; with ``keep_order`` the i-th of them maps to the column of the i-th kept
     position as given (the features fill the run in that order, so each keeps its own original position, e.g.
     Qwen2.5-VL's 3D M-RoPE), else in ascending column order. ``contiguous``: as :func:`placeholder_columns`.
+    A position at or past the run's length adds a placeholder after the run's last one, its ``col_map`` that column
+    (LLaVA-NeXT's ``unpad=False`` layout can feed more tokens than the unpadded prompt holds; LLaVA numbers the
+    sequence itself, so only the count matters there).
     """
     runs = placeholder_columns(input_ids, image_token_id, contiguous)
     kept_cols = []
     for b, (run, pos) in enumerate(zip(runs, kept_run_pos)):
         real = attention_mask[b].bool().clone()
         real[run] = False
-        chosen = run[pos if pos.device == run.device else pos.to(run.device)]
-        real[chosen] = True
+        pos = pos if pos.device == run.device else pos.to(run.device)
+        chosen = run[pos.clamp(max=run.numel() - 1)]  # past the run: its last column, repeated
+        inside = pos < run.numel()
+        real[chosen[inside]] = True
         cols = real.nonzero().flatten()
+        added = int((~inside).sum())
+        if added:
+            at = int(torch.searchsorted(cols, run[-1], right=True))
+            cols = torch.cat([cols[:at], run[-1:].repeat(added), cols[at:]])
         if keep_order:
             cols[torch.isin(cols, run)] = chosen  # the run's slots are contiguous: reorder within them
         kept_cols.append(cols)

@@ -176,7 +176,7 @@ def construction_problems(config, method: str | None, budget: int | None, method
             found.adapter.instruction_source(method_options.get("text_source", "released"))
         except ValueError as exc:
             problems.append(exc)
-    mode, _ = next_layout(method, adapter_options["budget_mode"], adapter_options["image_newline"])
+    mode = next_layout(method, adapter_options["budget_mode"], adapter_options["image_newline"]).budget_mode
     if mode == "view_quota" and budget is not None and views is not None:
         try:
             view_budget(int(budget), views)
@@ -243,9 +243,10 @@ class PrunedVLM:
         self.method, self.budget = method, (None if budget is None else int(budget))  # numpy's ints as Python's
         self.adapter = adapter_for(model, processor, adapter_options)
         self.token_order = token_order(method, adapter_options["token_order"])  # "released" resolved per method
-        # LLaVA-NeXT: how the budget meets the views and the newline tokens ("released" resolved per method)
-        self.budget_mode, self.image_newline = next_layout(method, adapter_options["budget_mode"],
-                                                           adapter_options["image_newline"])
+        # LLaVA-NeXT: how the budget meets the views, the newline tokens and the padding ("released" resolved per
+        # method)
+        self.budget_mode, self.image_newline, self.unpad = next_layout(
+            method, adapter_options["budget_mode"], adapter_options["image_newline"], adapter_options["unpad"])
         self.view_budget = None
         # fail now on a dtype the LLM's attention computes wrongly (float64 under eager) or an in-LLM method under an
         # attention whose masks its hooks cannot write (flash_attention_2, flex_attention)
@@ -538,10 +539,11 @@ class PrunedVLM:
         return (mask.bool() & ~visual).sum(dim=1)
 
     def _candidates(self, item):
-        """The tokens the budget mode selects among: LLaVA-NeXT's whole view grids ("view_quota"), its packed
+        """The tokens the budget mode selects among: LLaVA-NeXT's whole view grids ("view_quota"; with ``unpad``
+        False fed as LLaVA's "spatial" merge without unpadding, padding included: ``VisualItem.spatial``), its packed
         sequence with the newline tokens ("packed"), else the item's own candidates."""
         if self.budget_mode == "view_quota" and item.full is not None:
-            return item.full
+            return item.full if self.unpad else item.full.spatial()
         if self.budget_mode == "packed":
             return item.packed()
         return item

@@ -182,19 +182,128 @@ def next_setup(method, budget, images, prompts, **options):
 
 
 def test_released_next_layouts():
-    assert next_layout("divprune", "released", "drop") == ("packed", "drop")
-    assert next_layout("vispruner", "released", "drop") == ("view_quota", "all")
-    assert next_layout("visionzip", "released", "rows") == ("view_quota", "drop")
-    assert next_layout("promprune", "released", "rows") == ("per_crop", "rows")  # ours: no released NeXT path
-    assert next_layout("vispruner", "global", "drop") == ("global", "drop")  # an explicit mode wins
+    assert next_layout("divprune", "released", "drop") == ("packed", "drop", True)
+    # VisPruner / CDPruner / VisionZip strip "_unpad": the padding's picks fed, no newline
+    assert next_layout("vispruner", "released", "all") == ("view_quota", "drop", False)
+    assert next_layout("cdpruner", "released", "all") == ("view_quota", "drop", False)
+    assert next_layout("visionzip", "released", "rows") == ("view_quota", "drop", False)
+    assert next_layout("promprune", "released", "rows") == ("per_crop", "rows", True)  # ours: no released NeXT path
+    assert next_layout("vispruner", "global", "drop") == ("global", "drop", True)  # an explicit mode wins
+    assert next_layout("vispruner", "view_quota", "drop", False) == ("view_quota", "drop", False)
     assert max_views(tiny_vlm("llava_next")[0].config) == 5 and max_views(tiny_vlm("llava")[0].config) == 1
 
 
-def test_next_vispruner_released_quota_per_view_padding_unpadded_and_every_newline(images, prompts):
-    """Every view gets budget // 5 tokens on its whole grid (padding included); the unpadding drops the picks in
-    the padding; every image_newline token stays, in the packed order."""
+def released_spatial_packing(mask, feats, grid):
+    """LLaVA's "spatial" merge without "_unpad", as VisPruner's / CDPruner's released ``prepare_inputs_labels_for_
+    multimodal`` runs it on llava-v1.6, transcribed: ``mask [V, n]`` the picks of every view on its whole grid,
+    ``feats [V, n, d]``, ``grid`` the crops' (rows, cols). The base view's picks in index order, then the crops viewed
+    as ``[rows, cols, h, w]``, permuted to ``[rows, h, cols, w]`` (the stitched grid, padding kept) and flattened:
+    their picks in its raster order. No newline."""
+    rows, cols = grid
+    side = int(mask.shape[1] ** 0.5)
+    crop_feats = feats[1:].view(rows, cols, side, side, -1).permute(0, 2, 1, 3, 4).flatten(0, 3)
+    crop_mask = mask[1:].view(rows, cols, side, side).permute(0, 2, 1, 3).flatten(0, 3)
+    return torch.cat([feats[0][mask[0]], crop_feats[crop_mask]])
+
+
+# (image, its crop grid (rows, cols) worked by hand from the tiny pinpoints (h, w) 32x64, 64x32, 64x64 and
+# transformers' rule (the largest effective resolution, then the least waste), whether the unpadding drops rows)
+NEXT_IMAGES = [((200, 700), (1, 2), True),   # 700 x 200: 1x2 and 2x2 both fit 64 x 18.3; 1x2 wastes less
+               ((300, 500), (2, 2), True),   # 500 x 300: 2x2 fits 64 x 38.4, the most pixels
+               ((64, 64), (2, 2), False)]    # square: the 2x2 grid, no padding
+
+
+@pytest.mark.parametrize("shape,grid,padded", NEXT_IMAGES)
+def test_next_vispruner_released_feeds_the_spatial_merge_without_unpadding(shape, grid, padded):
+    """budget_mode released (VisPruner's llava-v1.6 code strips "_unpad"): every view's budget // 5 picks on its whole
+    grid, the padding's included, no image_newline, base view first then the crops' stitched grid in raster order:
+    exactly budget // 5 x views tokens (the budget on a 5-view image; the old layout fed 16 + 4 newlines at 20 on
+    500 x 300). The LLM's input embeddings are the transcribed released packing of a naive VisPruner's picks."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
+
+    from .conftest import make_image
+
+    budget, per_view = 20, 4
+    image = make_image(*shape, seed=7)
+    t = next_setup("vispruner", budget, [image], ["What is in the picture?"], budget_mode="released")
+    model, n, views = t.model, t.n, t.views[0]
+    assert tuple(get_anyres_image_grid_shape(t.batch["image_sizes"][0], model.config.image_grid_pinpoints,
+                                             model.config.vision_config.image_size)) == grid
+    assert views == 1 + grid[0] * grid[1]
+    hidden, _, saliency = tower(model, t.batch["pixel_values"][0, :views])
+    mask = torch.zeros(views, n, dtype=torch.bool)
+    for v in range(views):
+        mask[v, naive_vispruner(saliency[v], hidden[v, 1:], per_view)] = True
+    want = released_spatial_packing(mask, projector(model, hidden[:, 1:]), grid)
+    stats = t.prep.stats[0]
+    assert stats["visual_tokens"] == per_view * views == want.shape[0]
+    if views == 5:
+        assert stats["visual_tokens"] == budget
+    assert sorted(stats["kept"]) == mask.flatten().nonzero().flatten().tolist()
+    assert padded == any(g not in t.layouts[0] for g in stats["kept"])  # picks the unpadding would drop: fed
+    got = image_rows(model, t.prep, 0)
+    assert got.shape[0] == want.shape[0]  # the placeholders: what is fed, no newline
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_next_cdpruner_released_feeds_the_spatial_merge_without_unpadding(images, prompts):
+    """CDPruner's released NeXT path is VisPruner's: its picks on every view's whole grid, fed in the transcribed
+    spatial packing, exactly budget // 5 x views tokens."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
+
+    budget = 10
+    t = next_setup("cdpruner", budget, images, prompts, budget_mode="released")
+    model, n = t.model, t.n
+    hidden, _, _ = tower(model, t.batch["pixel_values"].flatten(0, 1))
+    for b, stats in enumerate(t.prep.stats):
+        views = t.views[b]
+        grid = tuple(get_anyres_image_grid_shape(t.batch["image_sizes"][b], model.config.image_grid_pinpoints,
+                                                 model.config.vision_config.image_size))  # transformers' pick
+        assert stats["visual_tokens"] == 2 * views
+        mask = torch.zeros(views * n, dtype=torch.bool)
+        mask[stats["kept"]] = True
+        per_view = mask.view(views, n).sum(1).tolist()
+        assert per_view == [2] * views
+        start = b * t.batch["pixel_values"].shape[1]
+        want = released_spatial_packing(mask.view(views, n), projector(model, hidden[start:start + views, 1:]), grid)
+        torch.testing.assert_close(image_rows(model, t.prep, b), want, rtol=1e-5, atol=1e-5)
+
+
+def test_next_unpad_false_grows_the_placeholder_run_where_it_feeds_more():
+    """At 15 per view the 500 x 300 image's released layout feeds 75 tokens; its unpadded prompt holds 52
+    placeholders (16 + 32 unpadded + 4 newlines): the run grows to 75, and generation runs."""
+    from .conftest import make_image
+
+    image = make_image(300, 500, seed=7)
+    vlm = PrunedVLM.from_pretrained("tiny:llava_next", method="vispruner", budget=75, budget_mode="released")
+    image_token = vlm.model.config.image_token_id
+    assert int((vlm.processed([image], ["Hi?"])["input_ids"] == image_token).sum()) == 52
+    prep = vlm.prepare([image], ["Hi?"])
+    assert prep.stats[0]["visual_tokens"] == 75
+    assert int((prep.model_kwargs["input_ids"] == image_token).sum()) == 75
+    assert image_rows(vlm.model, prep, 0).shape[0] == 75
+    assert vlm.generate([image], ["Hi?"], max_new_tokens=2)[0].visual_tokens == 75
+
+
+def test_unpad_false_needs_view_quota_and_no_newline():
+    from promprune.models import validate_method
+
+    for bad in (dict(budget_mode="per_crop"), dict(budget_mode="view_quota", image_newline="all")):
+        with pytest.raises(ValueError, match="unpad=False .* needs budget_mode 'view_quota' and image_newline 'drop'"):
+            validate_method("vispruner", 10, unpad=False, **bad)
+    with pytest.raises(ValueError, match="option 'unpad' must be one of"):
+        validate_method("vispruner", 10, unpad="no")
+    validate_method("vispruner", 10, unpad=False, budget_mode="view_quota")
+    validate_method("fastv", 10, unpad=False)  # in-LLM: the model's own packing, whatever it says
+    validate_method(None, None, unpad=False)
+
+
+def test_next_vispruner_view_quota_unpads_and_keeps_every_newline_when_asked(images, prompts):
+    """view_quota with unpad True and image_newline "all" (our explicit options, no longer VisPruner's released
+    layout): every view gets budget // 5 tokens on its whole grid (padding included); the unpadding drops the picks
+    in the padding; every image_newline token stays, in the packed order."""
     budget = 15  # 3 per view
-    t = next_setup("vispruner", budget, images, prompts, budget_mode="released")
+    t = next_setup("vispruner", budget, images, prompts, budget_mode="view_quota", image_newline="all")
     model, n = t.model, t.n
     assert t.vlm.view_budget == 3
     dropped_any = False
@@ -222,6 +331,8 @@ def test_next_divprune_released_selects_over_the_packed_sequence(images, prompts
 
 
 def test_next_visionzip_released_per_view_cls_and_quota(images, prompts):
+    """Every view's CLS first, then each view's dominant and contextual tokens, the padding's picks fed (its released
+    code does not unpad; it orders the crops' tokens otherwise: docs/methods.md)."""
     budget = 20  # 4 per view: the view's CLS + 3 patches (n_ctx = round(4 * 10 / 64) = 1)
     t = next_setup("visionzip", budget, images, prompts, budget_mode="released")
     model, n = t.model, t.n
@@ -234,9 +345,8 @@ def test_next_visionzip_released_per_view_cls_and_quota(images, prompts):
         rows, kept = [], []
         for v in range(views):
             r, k = naive_visionzip(saliency[v], hidden[v], keys[v], 4)
-            fed = [i for i, g in enumerate(k) if v * n + g in t.layouts[b]]  # unpadding drops the padding's picks
-            rows.append(r[1:][fed])
-            kept += [v * n + k[i] for i in fed]
+            rows.append(r[1:])  # no unpadding: the padding's picks are fed
+            kept += [v * n + g for g in k]
         assert stats["kept"] == kept and stats["visual_tokens"] == views + len(kept)
         torch.testing.assert_close(got[views:], projector(model, torch.cat(rows)), rtol=1e-5, atol=1e-5)
 

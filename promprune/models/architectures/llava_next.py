@@ -5,19 +5,23 @@ CLS-attention saliency; the model unpads the stitched crop grid to the image's a
 ``image_newline`` token (llava-v1.6 at 336 px: 576 + 4 x 576 unpadded, 2880 tokens and up to 48 newlines, so up to
 2928 placeholders in the prompt: ``anyres_most``). Candidates are the packed tokens that are not newlines, laid out
 by running the model's own ``pack_image_features`` on index tensors; ``full`` holds every view's whole grid, padding
-included (``budget_mode="view_quota"``).
+included (``budget_mode="view_quota"``), and ``full.spatial()`` feeds them as LLaVA's "spatial" merge without
+unpadding does (``unpad=False``: VisPruner's, CDPruner's and VisionZip's released layout; the base view, then the crops'
+stitched grid in raster order, padding included, no newline).
 
 ``image_newline`` treatment: the newline tokens are no candidates (they carry no image content) except under
 ``budget_mode="packed"`` (DivPrune's released code selects over the whole packed sequence). With
 ``image_newline="drop"`` (default) a pruned sequence has no newline tokens, so the LLM receives exactly the budget;
 with ``"rows"`` a row's newline is kept when any token of that row is kept, which restores the unpruned sequence at
-full budget; ``"all"`` keeps every newline token (VisPruner's released code). Unpruned (``method=None``) the model's
+full budget; ``"all"`` keeps every newline token. Unpruned (``method=None``) the model's
 own packed sequence is used unchanged. The vision-tower features and VisionZip's CLS are LLaVA-1.5's, per view.
 
 Tiny (``tiny:llava_next``): 32 px views of 8 px patches (16 tokens), pinpoints up to 2 x 2 crops. Shape:
 ``shape:llava_next_7b`` (Vicuna, which chats like LLaVA-1.5).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -132,9 +136,10 @@ class LlavaNextAdapter(LlavaAdapter):
             hidden, key, cls = self._vision(out, keys)
             vision = (hidden.reshape(-1, hidden.shape[-1]), key.reshape(-1, key.shape[-1]), cls)
         layouts, num_views = self._packed_layout(inputs["image_sizes"], [p.shape[0] for p in out.pooler_output], n)
+        crops = self._crop_grids(inputs["image_sizes"])
         plans, offset = [], 0
-        for ids, views in zip(layouts, num_views):
-            plans.append(_host_layout(ids, n, views, offset))
+        for ids, views, crop_grid in zip(layouts, num_views, crops):
+            plans.append(_host_layout(ids, n, views, offset, crop_grid))
             offset += views * n  # scores hold every view's full grid, unpadding or not
         device = out.pooler_output[0].device
         moved = iter(to_device([a for plan in plans for a in plan.values()], device))  # one copy for the batch
@@ -166,6 +171,15 @@ class LlavaNextAdapter(LlavaAdapter):
             assert lay.shape[0] == length, "packed layout does not match the model's packed features"
         return layouts, num_views
 
+    def _crop_grids(self, image_sizes) -> list[tuple[int, int]]:
+        """Each image's crop grid ``(rows, cols)``: transformers' pick of the grid pinpoint (the grid its
+        ``pack_image_features`` stitches the crops into)."""
+        from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
+
+        cfg = self.model.config
+        return [get_anyres_image_grid_shape(s, cfg.image_grid_pinpoints, cfg.vision_config.image_size)
+                for s in image_sizes.tolist()]
+
     def _item(self, run, plan: dict, dev: dict, n, views, flat, scores, vision, first) -> VisualItem:
         """One image's item from its packed layout, ``plan`` on the host (:func:`_host_layout`) and ``dev`` the same
         on the device; ``flat`` / ``scores`` / ``vision`` hold every view's whole grid (views from ``first``);
@@ -184,9 +198,10 @@ class LlavaNextAdapter(LlavaAdapter):
                       project=self.project if hidden is not None else None, grid_shape=self._grid_shape())
         full = VisualItem(features=span(flat), run_pos=dev["run_of_grid"], grid_index=dev["whole"],
                           saliency=span(scores), groups=dev["whole_groups"], vision=span(hidden), keys=span(key),
+                          spatial_pos=dev["spatial"],
                           host=HostIndex(run_pos=plan["run_of_grid"], grid_index=plan["whole"],
                                          groups=plan["whole_groups"], newline=plan["newline"] != 0,
-                                         row_of_run=plan["row"]), **shared)
+                                         row_of_run=plan["row"], spatial_pos=plan["spatial"]), **shared)
         return VisualItem(features=run[dev["run_pos"]], run_pos=dev["run_pos"], grid_index=dev["grid"],
                           saliency=at(scores, dev["flat_grid"]), groups=dev["groups"],
                           vision=at(hidden, dev["flat_grid"]), keys=at(key, dev["flat_grid"]), full=full,
@@ -194,11 +209,13 @@ class LlavaNextAdapter(LlavaAdapter):
                                          newline=plan["newline"] != 0, row_of_run=plan["row"]), **shared)
 
 
-def _host_layout(ids: np.ndarray, n: int, views: int, offset: int) -> dict[str, np.ndarray]:
+def _host_layout(ids: np.ndarray, n: int, views: int, offset: int, crop_grid: tuple[int, int]) -> dict[str, np.ndarray]:
     """An image's index arrays (int64, on the host) from its packed layout ``ids [P]`` (view * n + patch, -1 for a
     newline): candidates' ``run_pos`` / ``grid`` / ``groups`` and ``flat_grid`` (their rows in the batch's flattened
-    grids, from ``offset``), ``newline`` (0/1) and ``row`` per run position, and the whole grids' ``whole`` /
-    ``whole_groups`` / ``run_of_grid`` (-1: dropped by the model's unpadding)."""
+    grids, from ``offset``), ``newline`` (0/1) and ``row`` per run position, the whole grids' ``whole`` /
+    ``whole_groups`` / ``run_of_grid`` (-1: dropped by the model's unpadding), and ``spatial``: each whole-grid token's
+    place in LLaVA's "spatial" packing without unpadding (:func:`spatial_positions`; ``crop_grid``: the crops'
+    ``(rows, cols)``)."""
     newline = ids < 0
     run_pos = np.flatnonzero(~newline)
     grid = ids[run_pos]
@@ -210,4 +227,20 @@ def _host_layout(ids: np.ndarray, n: int, views: int, offset: int) -> dict[str, 
     run_of_grid[grid] = run_pos
     return dict(run_pos=run_pos, grid=grid, groups=grid // n, flat_grid=offset + grid,
                 newline=newline.astype(np.int64), row=row.astype(np.int64), whole=whole, whole_groups=whole // n,
-                run_of_grid=run_of_grid)
+                run_of_grid=run_of_grid, spatial=spatial_positions(n, views, crop_grid))
+
+
+def spatial_positions(n: int, views: int, crop_grid: tuple[int, int]) -> np.ndarray:
+    """``[views * n]``: where each whole-grid token (view * n + patch) sits in LLaVA's "spatial" packing without
+    "_unpad" (``mm_patch_merge_type`` with "_unpad" stripped, as VisPruner's / CDPruner's / VisionZip's released code
+    run llava-v1.6): the base view's n patches first, then the ``rows x cols`` crops (view 1 + i * cols + j) stitched
+    into one grid of ``rows * side`` x ``cols * side`` patches read in raster order; padding kept, no newline."""
+    if views == 1:
+        return np.arange(n, dtype=np.int64)
+    rows, cols = crop_grid
+    side = math.isqrt(n)
+    if rows * cols != views - 1 or side * side != n:
+        raise ValueError(f"{views - 1} crops of {n} patches do not fill a {rows} x {cols} grid of square views")
+    i, j, r, c = np.meshgrid(np.arange(rows), np.arange(cols), np.arange(side), np.arange(side), indexing="ij")
+    stitched = (i * side + r) * (cols * side) + j * side + c  # [rows, cols, side, side]: crop (i, j), patch (r, c)
+    return np.concatenate([np.arange(n), n + stitched.reshape(-1)]).astype(np.int64)
