@@ -85,6 +85,9 @@ class Resources:
     # one block's generation past this is a hung worker: it is restarted and the block retried; a block of 8
     # long answers (1024 tokens) of a 7B model takes about a minute on an A100
     block_timeout_s: Annotated[Number, Field(gt=0), expect("a number of seconds > 0 (finite)")] = 1800
+    # a worker's model load past this is stuck (a file system or hub that does not answer, a deadlocked load): a first
+    # load ends the worker and fails the sweep's trials, saying so; a reload after a restart counts as frozen time
+    load_timeout_s: Annotated[Number, Field(gt=0), expect("a number of seconds > 0 (finite)")] = 1800
     # publish the weights to the object store once per sweep (see docs/pipeline.md: weight loading)
     share_weights: Annotated[bool, Field(strict=True), expect("true/false")] = True
 

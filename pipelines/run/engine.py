@@ -51,9 +51,10 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
 
     ``block_timeout_s`` (`resources.block_timeout_s`): a block outstanding longer than it plus `FROZEN_MARGIN_S`,
     counted from when it was sent or its worker was last ready to work (its model loaded again after Ray restarted
-    it; never while it loads), gets its worker killed from here (Ray restarts it and sends the block again; the pool
-    counts the attempt): the worker's own watchdog cannot end a frozen process (SIGSTOP, a stopped container), a
-    thread of it."""
+    it; not while it loads, for up to `resources.load_timeout_s`: `_kill_frozen`), gets its worker killed from here
+    (Ray restarts it and sends the block again; the pool counts the attempt): the worker's own watchdog cannot end a
+    frozen process (SIGSTOP, a stopped container), a thread of it. A worker that hangs in its first load has no
+    block in flight: the pool ends it and `acquire` says why (`Pool._judge_loads`), raised here as `WorkersFailed`."""
     todo = collections.deque((ref, keys) for ref, keys in zip(requests.blocks, requests.block_keys)
                              if not set(keys) <= skip)
     evaluation = uuid.uuid4().hex  # this run's attempts in the pool (a retried trial starts afresh)
@@ -109,11 +110,13 @@ def _kill_frozen(inflight: dict, trial: Trial, limit_s: float, pool) -> None:
 
     A call's clock runs from when it was sent (or its worker last killed from here), and only while its worker is
     ready to work: past ``limit_s`` on that clock, the pool says how long ago the worker last finished loading its
-    model (`Pool.ready_for`: 0 while it loads, after Ray restarted it, for up to `pool.LOAD_ALLOWANCE_S`), and the
-    shorter of the two is what counts. A worker that died on its own (its watchdog, a segfault) and reloads its
-    model within that allowance, however slowly, is not mistaken for a frozen one, while a load that hangs past it is
-    killed as a frozen block is; a worker the pool knows nothing of (the pool out of reach) is judged on the call's
-    clock alone."""
+    model (`Pool.ready_for`: 0 while it loads, after Ray restarted it, for up to `resources.load_timeout_s`, then the
+    time past it), and the shorter of the two is what counts. A worker that died on its own (its watchdog, a
+    segfault) and reloads its model within that allowance, however slowly, is not mistaken for a frozen one, while a
+    reload that hangs past it is killed as a frozen block is: since the pool is asked only once a call's clock passes
+    ``limit_s``, and a load's time counts only past the allowance, that is about load_timeout_s + ``limit_s``
+    (block_timeout_s + `FROZEN_MARGIN_S`) after the reload began. A worker the pool knows nothing of (the pool out of
+    reach) is judged on the call's clock alone."""
     from pipelines.console import say
 
     now = time.monotonic()

@@ -16,8 +16,10 @@ TRIM_EVERY_S = 1.0  # how often the pool compares its workers with what its leas
 # a holder not heard from for this long (its trial's process died without releasing) loses its lease and grants; a
 # live trial is heard from at least every `engine.HEARTBEAT_S`
 HOLDER_TIMEOUT_S = 60.0
-# a worker's model load longer than this counts toward its block's frozen-worker clock (`Pool.ready_for`): a slow
-# reload is not taken for a frozen worker, a load that hangs (a stuck file system, a worker frozen while loading) is
+# how long a worker's model load may last (the default of `resources.load_timeout_s`): a first load that lasts longer
+# ends the worker and fails the sweep's trials (`Pool._judge_loads`); a reload after Ray restarted a worker mid-block
+# counts toward its block's frozen-worker clock past it (`Pool.ready_for`): a slow load is not taken for a frozen
+# worker, a load that hangs (a stuck file system, a worker frozen while loading) is
 LOAD_ALLOWANCE_S = 1800.0
 WARM = "__warm__"  # the driver's lease while it sets the sweep up: dropped when the first trial leases
 
@@ -64,10 +66,17 @@ class Pool:
     - A grant is one block's worth of a worker: `acquire` grants idle workers (up, no block of any trial on them),
       `free` ends a grant. So each worker has at most one block in flight, whichever trial sent it: a block never
       waits at a busy worker while another is idle, and a block that kills its worker is the only one charged.
-    - A holder that stops calling (its process died) loses its lease and grants after `HOLDER_TIMEOUT_S`."""
+    - A holder that stops calling (its process died) loses its lease and grants after `HOLDER_TIMEOUT_S`.
+    - A worker whose first model load lasts longer than ``load_allowance_s`` (`resources.load_timeout_s`, counted from
+      its last `load_began`) is killed and every trial fails with `error` (`_judge_loads`): no block is in flight on
+      it, so no trial's frozen-worker clock (`engine._kill_frozen`) would ever end it, and the sweep waited for ever."""
 
-    def __init__(self, pool_size: int, spawn: bytes, keep_s: float = KEEP_S, refs: list | None = None):
+    load_allowance_s = LOAD_ALLOWANCE_S  # (an instance's own: the constructor's argument)
+
+    def __init__(self, pool_size: int, spawn: bytes, keep_s: float = KEEP_S, refs: list | None = None,
+                 load_allowance_s: float = LOAD_ALLOWANCE_S):
         self.pool_size, self.spawn, self.keep_s, self.refs = pool_size, spawn, keep_s, refs or []
+        self.load_allowance_s = float(load_allowance_s)
         self._spawn_fn = None  # `spawn` unpickled (`_new_worker`)
         self.lock = threading.Lock()
         self.workers: dict[int, object] = {}  # worker id -> handle
@@ -148,16 +157,20 @@ class Pool:
         began = self.loads.get(actor, (time.monotonic(), None))[0]
         self.loads[actor] = (began, time.monotonic())
 
-    def ready_for(self, wid: int, load_allowance_s: float = LOAD_ALLOWANCE_S) -> float | None:
+    def ready_for(self, wid: int, load_allowance_s: float | None = None) -> float | None:
         """Seconds since worker ``wid`` last finished loading its model (its first start or Ray's last restart of
         it), None where it never said (`engine._kill_frozen`: a block's clock counts only the time its worker was
-        ready to work). While it loads: 0.0 for its first ``load_allowance_s``, then the time past them, so a load
-        that hangs reaches the frozen-worker limit too."""
+        ready to work). While it loads: 0.0 for its first ``load_allowance_s`` (None: the pool's,
+        `resources.load_timeout_s`), then the time past them, so a reload that hangs reaches the frozen-worker limit
+        too (its trial kills it once that time passes `resources.block_timeout_s` + `engine.FROZEN_MARGIN_S`: about
+        ``load_allowance_s`` + block_timeout_s + 30 s after the reload began). A worker's first load is judged by the
+        pool itself (`_judge_loads`)."""
         load = self.loads.get(self.ids.get(wid, ""))
         if load is None:
             return None
+        allowance = self.load_allowance_s if load_allowance_s is None else load_allowance_s
         now = time.monotonic()
-        return max(0.0, now - load[0] - load_allowance_s) if load[1] is None else now - load[1]
+        return max(0.0, now - load[0] - allowance) if load[1] is None else now - load[1]
 
     def state(self) -> dict:
         """What the pool holds now: workers alive, up, granted, and the leases (for tests and the console)."""
@@ -215,7 +228,31 @@ class Pool:
                 for holder in [h for h, t in self.heard.items() if h != WARM and now - t > HOLDER_TIMEOUT_S]:
                     self._drop(holder)  # its trial's process died without releasing
                 self._poll()
+                self._judge_loads()
                 self._trim()
+
+    def _judge_loads(self) -> None:
+        """End a worker whose first model load (its `ready` call unanswered) has lasted more than ``load_allowance_s``
+        since it last said it began (`load_began`: its process started, or Ray restarted it), and fail every trial
+        with a paragraph saying why (`error`). A worker that has not said so yet is waiting for a node (pending: the
+        autoscaler's demand, which `_trim` retires when no lease needs it) or starting its process, and is not
+        judged; nor is one that said it has loaded (its `ready` answers at once)."""
+        now = time.monotonic()
+        for wid in list(self.loading):
+            worker = self.workers[wid]
+            began, ended = self.loads.get(worker._actor_id.hex(), (None, None))
+            if began is None or ended is not None or now - began <= self.load_allowance_s:
+                continue
+            self.loading.pop(wid)
+            self.workers.pop(wid)
+            ray.kill(worker, no_restart=True)
+            self.error = self.error or (
+                f"model worker {wid} has been loading its model for {now - began:.0f}s, past "
+                f"resources.load_timeout_s={self.load_allowance_s:g}s, and was ended: its load is stuck (a file "
+                "system or model hub that does not answer, or is very slow: a network mount, a full or failing disk, "
+                "a download that stalled) or frozen (a deadlock in the model's loading code). Check that the model "
+                "path and its storage can be read from the worker's node (its Ray log says where the load stopped); "
+                "if this checkpoint really takes longer to load, raise resources.load_timeout_s.")
 
     def _trim(self) -> None:
         """Retire the workers beyond what the leases need once the surplus has lasted `keep_s`: pending ones first

@@ -25,8 +25,12 @@ sweep's experiment), so two sweeps never share a worker, and nothing of one mode
   block per call, so a block that kills its worker is the only one charged. A `Watchdog` makes a worker whose block
   hangs past `resources.block_timeout_s` exit, which is the same case; a worker frozen whole (SIGSTOP: its watchdog
   thread frozen with it) is killed by its trial past that plus `engine.FROZEN_MARGIN_S` of work (the time a
-  restarted worker spends loading its model is not counted, up to `pool.LOAD_ALLOWANCE_S`: `Pool.ready_for`). A
+  restarted worker spends loading its model is not counted, up to `resources.load_timeout_s`: `Pool.ready_for`; a
+  reload that hangs is killed about block_timeout_s + `engine.FROZEN_MARGIN_S` after that allowance ran out). A
   block whose call raises as a whole is retried in the worker, then recorded with its error (`Worker.answer`).
+- *A first load that hangs.* A worker whose first model load lasts longer than `resources.load_timeout_s` (a stuck
+  file system, a deadlocked load: no block is in flight on it, so no trial's clock judges it) is ended by the pool,
+  and every trial fails with one paragraph saying why and what to check (`Pool._judge_loads`).
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ import ray
 from promprune.records import Prediction, Request, from_arrow, to_arrow
 
 from pipelines import timeline
-from pipelines.run.pool import KEEP_S, WARM, Pool, pack_spawn
+from pipelines.run.pool import KEEP_S, LOAD_ALLOWANCE_S, WARM, Pool, pack_spawn
 from pipelines.run.requests import unseal
 from pipelines.run.resources import Plan
 from pipelines.spec.trials import Trial
@@ -59,15 +63,17 @@ WRAPPED_PER_WORKER = 8  # trials' wrappers a worker keeps (a PrunedVLM over the 
 
 @dataclass
 class Failover:
-    """A block's attempts (its worker died or hung on it) and the time after which a block counts as hung."""
+    """A block's attempts (its worker died or hung on it), the time after which a block counts as hung, and how long
+    a worker's model load may last (`Pool`: past it a first load ends the worker and fails the trials)."""
 
     attempts: int = 3
     timeout_s: float = 1800.0
+    load_timeout_s: float = LOAD_ALLOWANCE_S
 
     @classmethod
     def of(cls, resources) -> "Failover":
-        """A spec's ``resources.block_attempts`` and ``resources.block_timeout_s``."""
-        return cls(resources.block_attempts, resources.block_timeout_s)
+        """A spec's ``resources.block_attempts``, ``resources.block_timeout_s`` and ``resources.load_timeout_s``."""
+        return cls(resources.block_attempts, resources.block_timeout_s, resources.load_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -289,7 +295,8 @@ class WorkerPool:
         # the references in a list: Ray hands them to the pool as references (borrowed, kept alive while it holds
         # them), not as their values
         self.handle = ray.remote(Pool).options(name=self.name, num_cpus=0, scheduling_strategy=here,
-                                               max_concurrency=1).remote(plan.pool_size, spawn, keep_s, refs)
+                                               max_concurrency=1).remote(plan.pool_size, spawn, keep_s, refs,
+                                                                         failover.load_timeout_s)
 
     @property
     def source(self) -> ModelSource:

@@ -491,9 +491,134 @@ def test_a_load_that_hangs_past_the_allowance_counts_toward_the_frozen_clock():
     assert pool.ready_for(0, load_allowance_s=60.0) == pytest.approx(40.0, abs=1.0)
     assert pool.ready_for(0, load_allowance_s=1800.0) == 0.0
     assert pool.ready_for(0) == 0.0 and pool_module.LOAD_ALLOWANCE_S >= 600  # a real checkpoint's load fits
+    pool.load_allowance_s = 60.0  # resources.load_timeout_s, the pool's own allowance: what a trial's call gets
+    assert pool.ready_for(0) == pytest.approx(40.0, abs=1.0)
     pool.load_ended("actor-a")
     assert pool.ready_for(0, load_allowance_s=60.0) == pytest.approx(0.0, abs=1.0)
     assert pool.ready_for(1) is None and pool.ready_for(7) is None  # never said: the block's own clock decides
+
+
+class _Handle:
+    """A stand-in for a worker's actor handle: its Ray actor id is what `Pool.load_began` keys a load by."""
+
+    def __init__(self, actor: str):
+        self._actor_id = type("ActorID", (), {"hex": lambda _: actor})()
+
+
+def test_a_first_load_is_judged_from_when_it_began_and_only_while_it_lasts(monkeypatch):
+    """`Pool._judge_loads` on the plain class (no actor, the arithmetic alone), allowance 60 s: a worker 100 s into
+    its first load is killed (no restart) and the pool's error names it, how long, the causes and
+    resources.load_timeout_s; one 30 s in, one that said it has loaded (its `ready` not read yet) and one that never
+    said it began (waiting for a node: the autoscaler's demand) are kept."""
+    from pipelines.run import pool as pool_module
+
+    killed = []
+    monkeypatch.setattr(pool_module.ray, "kill", lambda worker, no_restart=True: killed.append((worker, no_restart)))
+    pool = pool_module.Pool.__new__(pool_module.Pool)
+    pool.load_allowance_s, pool.error, pool.loads = 60.0, None, {}
+    pool.workers = {w: _Handle(f"actor-{w}") for w in range(4)}
+    pool.loading = {w: f"ready-{w}" for w in range(4)}
+    now = time.monotonic()
+    pool.loads["actor-0"] = (now - 100.0, None)  # stuck
+    pool.loads["actor-1"] = (now - 30.0, None)  # loading, within the allowance
+    pool.loads["actor-2"] = (now - 100.0, now - 1.0)  # loaded slowly, its `ready` on its way
+    # actor-3: pending, never began
+    stuck = pool.workers[0]
+    pool._judge_loads()
+    assert killed == [(stuck, True)]
+    assert sorted(pool.workers) == sorted(pool.loading) == [1, 2, 3]
+    assert pool.error.startswith("model worker 0 has been loading its model for 100s, past "
+                                 "resources.load_timeout_s=60s"), pool.error
+    assert "file system" in pool.error and "raise resources.load_timeout_s" in pool.error
+    pool.loads["actor-1"] = (now - 61.0, None)  # a second stuck one: killed, the first reason kept
+    pool._judge_loads()
+    assert len(killed) == 2 and sorted(pool.workers) == [2, 3] and pool.error.startswith("model worker 0 ")
+
+
+def stuck_load_source(load_s: float):
+    """tiny:llava whose load first sleeps ``load_s`` (a stuck file system: for ever, in effect; a slow disk: a
+    while). Defined here so cloudpickle ships it by value."""
+    from dataclasses import dataclass
+
+    from pipelines.weights import ModelSource
+
+    @dataclass
+    class Stuck(ModelSource):
+        load_s: float = 0.0
+
+        def load(self, **kwargs):
+            time.sleep(self.load_s)
+            return super().load(**kwargs)
+
+    return Stuck("tiny:llava", load_s=load_s)
+
+
+def _stuck_spec(name: str, load_timeout_s: float):
+    spec = specs.parse({
+        "name": name, "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 2, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
+        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1, "workers": 1,
+                                                           "load_timeout_s": load_timeout_s}})
+    return spec, [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
+
+
+def test_a_worker_stuck_in_its_first_load_fails_the_trial_instead_of_hanging(local_ray, workdir):
+    """A worker whose first model load never ends (a stuck file system) with resources.load_timeout_s: 3: the pool
+    ends it once its load has lasted 3 s and the trial fails with the pool's paragraph (`engine.WorkersFailed`),
+    within seconds. (Before: the worker stayed in the pool's loading set, no worker was granted and no block was in
+    flight for the trial's frozen-worker clock: the trial waited for ever.)"""
+    from pipelines.run.engine import WorkersFailed
+    from pipelines.run.trial import alone, predict
+
+    spec, rows = _stuck_spec("stuck", 3)
+    spec.model = stuck_load_source(3600.0)  # (3 s may end it still importing torch: loading, as far as it said)
+    outcome: dict = {}
+
+    def trial():
+        try:
+            with alone(spec, rows) as shared:
+                outcome["shared"] = shared
+                predict(specs.Trial("divprune", 4), shared)
+        except Exception as e:  # noqa: BLE001 - what the trial raised, read below
+            outcome["error"] = e
+
+    import threading
+
+    started = time.monotonic()
+    thread = threading.Thread(target=trial, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the trial still waits for a worker stuck in its first load"
+    error = outcome.get("error")
+    assert isinstance(error, WorkersFailed), repr(error)
+    assert "model worker 0 has been loading its model for " in str(error), str(error)
+    assert "resources.load_timeout_s=3s" in str(error) and "raise resources.load_timeout_s" in str(error)
+    assert time.monotonic() - started < 60
+
+
+def test_a_warm_worker_loading_slowly_within_the_allowance_is_kept(local_ray):
+    """The driver's warm worker (`WorkerPool.warm`, adopted by the pool) whose load takes 8 s, with an allowance of
+    40 s: it comes up and the pool reports no error; the same worker stuck (allowance 3 s) is ended and the pool says
+    why (the adopted path of `Pool._judge_loads`)."""
+    from pipelines.run.workers import Failover, WorkerPool
+
+    plan = planning.plan(Resources(device="cpu", workers=1, batch_size=1), 1, 1)
+    for load_s, allowance, up in ((8.0, 40.0, True), (3600.0, 3.0, False)):
+        pool = WorkerPool(stuck_load_source(load_s), plan, 1, Failover(load_timeout_s=allowance))
+        try:
+            pool.warm(1)
+            deadline, members, error = time.monotonic() + 60, [], None
+            while time.monotonic() < deadline and not members and not error:
+                members, error = ray.get(pool.handle.roster.remote())
+                time.sleep(0.5)
+            if up:
+                assert len(members) == 1 and error is None, error
+                assert ray.get(members[0][1].holds.remote())[0] == "tiny:llava"
+            else:
+                assert members == [] and error and f"resources.load_timeout_s={allowance:g}s" in error, error
+                assert pool.state()["workers"] == 0
+        finally:
+            pool.close()
 
 
 def _one_divprune_trial(name: str):

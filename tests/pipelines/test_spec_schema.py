@@ -102,6 +102,16 @@ def test_numbers_stay_as_written_and_must_be_finite():
         assert error == f"resources.actor_wait_s: expected a number of seconds > 0 (finite), got {bad!r}"
 
 
+def test_the_load_allowance_is_a_positive_number_of_seconds():
+    """resources.load_timeout_s (how long a worker's model load may last): 1800 s unless set; 0, a negative or
+    non-finite number, a bool or a string is refused naming the field (the field's own rule, as block_timeout_s)."""
+    assert specs.parse(BASE).resources.load_timeout_s == 1800
+    assert specs.parse({**BASE, "resources": {"load_timeout_s": 7200}}).resources.load_timeout_s == 7200
+    for bad in (0, -5, float("nan"), float("inf"), True, "1h"):
+        (error,) = problems(resources={"load_timeout_s": bad})
+        assert error == f"resources.load_timeout_s: expected a number of seconds > 0 (finite), got {bad!r}", error
+
+
 def test_sections_are_the_components_own_objects():
     from pipelines.calibration import Calibration
     from pipelines.config import Resources
