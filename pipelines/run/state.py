@@ -4,6 +4,7 @@ find the runs whose driver died; and `DriverLock`, one driver per sweep experime
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -276,12 +277,39 @@ def spec_changes(before_yaml: str | None, now_yaml: str | None) -> list[str]:
 
 def check_resume(spec: specs.SweepSpec, state: dict) -> None:
     """A resumed sweep must be the sweep it resumes: any difference in the resolved spec would mix two experiments
-    in one parent run. Raises SpecError naming every changed field and the command that resumes the original."""
+    in one parent run. Raises SpecError naming every changed field and the command that resumes the original. A field
+    the code has gained since the run started (absent from its saved spec) that holds its default is no difference:
+    a new field's default is what the code did before it (a run started before ``resources.load_timeout_s`` existed
+    resumes)."""
     if state.get("fingerprint") == fingerprint(spec):
+        return
+    before = _flat(yaml.safe_load(state.get("spec_yaml") or "{}"))
+    now = _flat(yaml.safe_load(specs.dump_resolved(spec)))
+    if all(key not in before and _new_at_default(spec, key) for key in set(before) | set(now)
+           if before.get(key) != now.get(key)):
         return
     changed = spec_changes(state.get("spec_yaml"), specs.dump_resolved(spec))
     raise specs.SpecError(changed, f"--resume {state['experiment']}: the spec differs from the one that run started "
                           "with", fix=f"resume the original with: {resume_command(state)}")
+
+
+def _new_at_default(spec, key: str) -> bool:
+    """Whether field ``key`` (dotted, as `_flat` names it) of ``spec`` is a declared field of one of its sections
+    (dataclasses: `Resources`, `ModelSource`, ...) holding its declared default; False for keys of free mappings
+    (``grid``, options), whose absence is no default."""
+    *parents, name = key.split(".")
+    section = spec
+    for part in parents:
+        section = getattr(section, part, None) if dataclasses.is_dataclass(section) else None
+    if not dataclasses.is_dataclass(section):
+        return False
+    for declared in dataclasses.fields(section):
+        if declared.name == name:
+            if declared.default is not dataclasses.MISSING:
+                return getattr(section, name) == declared.default
+            if declared.default_factory is not dataclasses.MISSING:
+                return getattr(section, name) == declared.default_factory()
+    return False
 
 
 def _flat(d, prefix: str = "") -> dict:

@@ -4,6 +4,7 @@ logged once, an interrupted Tune result without a config does not crash, a dead 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shlex
 import socket
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import yaml
 
 from pipelines import mlflow_layout, sweep
 from pipelines.recording import tracking
@@ -486,3 +488,20 @@ def test_a_sweep_with_failed_trials_names_them_and_the_command_that_runs_them_ag
         "2 trial(s) failed: promprune-b8, random-b8 (the error of each above, and in MLflow). Once the cause is fixed, "
         "run them again, the finished trials kept, with:\n  python pipelines/sweep.py --config sweeps/rel.yaml "
         "--resume rel-1")
+
+
+def test_a_run_from_before_a_new_field_resumes_at_its_default(scratch, tmp_path):
+    """A field the code gained since the run started (resources.load_timeout_s) is absent from the run's saved spec:
+    at its default it is no change (the resume was refused, '(unset) -> 1800'); set otherwise it is one."""
+    spec = specs.load(scratch())
+    state = _state_for(spec, tmp_path / "store", "rel-1")
+    old = yaml.safe_load(state["spec_yaml"])
+    del old["resources"]["load_timeout_s"]  # the spec as the code before the field resolved it
+    state["spec_yaml"] = yaml.safe_dump(old, sort_keys=False)
+    state["fingerprint"] = hashlib.sha256(state["spec_yaml"].encode()).hexdigest()
+    states.check_resume(spec, state)  # no error
+    changed = specs.load(scratch(), ["resources.load_timeout_s=600"])
+    with pytest.raises(specs.SpecError, match=r"resources.load_timeout_s: '\(unset\)' -> 600"):
+        states.check_resume(changed, state)
+    with pytest.raises(specs.SpecError, match=r"grid.mu: '\(unset\)' -> \[0.3\]"):  # a free mapping's key: a change
+        states.check_resume(specs.load(scratch(), ["grid.mu=[0.3]"]), state)
