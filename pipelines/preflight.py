@@ -353,7 +353,7 @@ def check_video(spec: SweepSpec, kinds: dict[str, str] | None = None) -> list[st
                 f"only ({exc}). The flag only makes lmms-eval download its data archives: if the documents are "
                 "images (MixEval-X's image2text tasks, site_bench_image) the task runs as any image task; if they "
                 "are clips (MVBench, Video-MME), every sample fails (counted in n_failed). This is decided at run "
-                "time from the first document")
+                "time, for each document from its visual")
         if video:
             which = f"task {video[0]} gives" if len(video) == 1 else f"tasks {', '.join(video)} give"
             return [f"tasks: {which} clips, and model.pretrained {model!r} is a model whose adapter answers about "

@@ -98,7 +98,7 @@ class SweepConsole:
         self.ended(tid)
         shown = " ".join(f"{k}={m[k]:.3f}" for k in headline_keys(tasks, m) + [REL] if k in m)
         failed = int(m.get("samples/failed", 0))
-        shown += f" FAILED SAMPLES={failed} (scored as the empty answer)" if failed else ""
+        shown += f" FAILED SAMPLES={failed} (scored as wrong answers)" if failed else ""
         say(f"[{count}/{self.n_trials}] {tid}: {shown} ({m.get('trial/wall_s', float('nan')):.1f}s)")
         self.advanced(tid, int(m.get("samples/total", 0)))
         if self.bar is not None:

@@ -7,8 +7,8 @@ so each document (or, for MME, each question pair) gets a score under every rati
 `pipelines.reporting.headroom` are computed from.
 
 **Per-sample scores** (`unit_scores`): lmms-eval's own ``process_results`` items of the task's primary metric
-(`promprune.eval.scoring.sample_items`, failed samples scored as the empty answer), turned into one number per unit
-in the benchmark's unit (percent, MME points):
+(`promprune.eval.scoring.sample_items`, failed samples replayed as `FAILED_ANSWER`, a wrong answer), turned into one
+number per unit in the benchmark's unit (percent, MME points):
 
 - a metric that averages its items (exact match, accuracy, ANLS, ...): the document's item;
 - a yes/no F1 (POPE, the testbed's existence): whether the answer is right (1 / 0). F1 does not split into

@@ -36,7 +36,7 @@ EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
 
 
 CI_LOW, CI_HIGH = ":ci_low", ":ci_high"  # ScoreTable.frame columns of a task's bootstrap bounds (raw units)
-FAILED = ":n_failed"  # ScoreTable.frame column of a task's failed samples (scored as the empty answer)
+FAILED = ":n_failed"  # ScoreTable.frame column of a task's failed samples (scored as wrong answers)
 REL_OF = ":rel_of"  # ScoreTable.frame column: how many benchmarks a row's Rel. averages (NaN: all, or not known)
 
 
@@ -273,7 +273,7 @@ def _tokens_cell(row: pd.Series, full_tokens: float | None) -> str:
 
 
 def failed_note(count) -> str:
-    """" [3 failed]" after a score some of whose samples failed (they were scored as the empty answer)."""
+    """" [3 failed]" after a score some of whose samples failed (they were scored as wrong answers)."""
     if count is None or _isnan(float(count)) or int(count) == 0:
         return ""
     return f" [{int(count)} failed]"

@@ -238,7 +238,7 @@ class Worker:
 
 
 def failed(rows: list[Request], error: str, node: str | None = None) -> list[Prediction]:
-    """Failed predictions for ``rows`` (scored as the empty answer, counted in ``n_failed``)."""
+    """Failed predictions for ``rows`` (scored as wrong answers, counted in ``n_failed``)."""
     from promprune.records import Answer
 
     return [Prediction.answering(r, Answer(error=error), node=node) for r in rows]

@@ -46,8 +46,9 @@ from lmms_eval.api.instance import Instance  # noqa: E402
 from lmms_eval.api.model import lmms  # noqa: E402
 
 from promprune.eval.generation import Item, decode_image, generate_items  # noqa: E402
+from promprune.eval.scoring import FAILED_ANSWER  # noqa: E402
 from promprune.models.images import strict_decoding  # noqa: E402
-from promprune.eval.requests import image_key  # noqa: E402
+from promprune.eval.requests import document_visual, image_key  # noqa: E402
 from promprune.dtypes import AUTO, parse_dtype  # noqa: E402
 from promprune.selection.registry import UNPRUNED_NAMES as _UNPRUNED  # noqa: E402 - no method registers one of them
 
@@ -128,8 +129,10 @@ class PromPruneLMM(lmms):
     per request).
 
     Pass ``vlm=`` (an existing PrunedVLM) to wrap a loaded model instead of loading ``pretrained``. A request whose
-    image is unreadable or whose generation fails gets the empty answer (which lmms-eval's tasks score as wrong) and a
-    warning; ``self.failures`` lists them as (task, doc_id, error).
+    image or video is unreadable, whose document gives no usable visual (each document is taken as a clip or an image
+    by itself: ``requests.document_visual``), or whose generation fails gets ``scoring.FAILED_ANSWER`` (which
+    every shipped task scores as wrong, as the pipeline's scoring replays a failed sample) and a warning;
+    ``self.failures`` lists them as (task, doc_id, error).
     """
 
     is_simple = True
@@ -195,18 +198,19 @@ class PromPruneLMM(lmms):
         self.failures: list[tuple[str, int, str]] = []
 
     def _item(self, request: Instance) -> Item:
-        from promprune.models.video import Clip, decode_video, is_video_path
+        from promprune.models.video import Clip, decode_video
 
         context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
         name = f"{task} doc {doc_id}"
         try:
             with strict_decoding():  # a cut-off image fails (lmms-eval turns PIL's LOAD_TRUNCATED_IMAGES on)
-                visuals = doc_to_visual(self.task_dict[task][split][doc_id])
-            if len(visuals) != 1:
-                raise ValueError(f"{name}: expected exactly one image, the task gives {len(visuals)}")
-            if is_video_path(visuals[0]):  # a video task: frames sampled from the file (PrunedVLM.generate_video)
-                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visuals[0], self.video_frames)))
-            image = decode_image(visuals[0], name)
+                doc = self.task_dict[task][split][doc_id]
+            visual, video, error = document_visual(doc_to_visual, doc, name)  # clip or image: this doc's visual
+            if error:
+                return Item(context, None, dict(gen_kwargs), error=error)
+            if video:  # frames sampled from the file (PrunedVLM.generate_video)
+                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visual, self.video_frames)))
+            image = decode_image(visual, name)
             return Item(context, image, dict(gen_kwargs), key=image_key(image) if self.vision_once else None)
         except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
             return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}")
@@ -218,7 +222,9 @@ class PromPruneLMM(lmms):
             if result.failed:
                 self.failures.append((request.task_name, request.doc_id, result.error))
                 log.warning("%s doc %s failed: %s", request.task_name, request.doc_id, result.error)
-        return [result.prediction for result in results]
+        # a failed request's answer: scoring's FAILED_ANSWER, which every shipped task scores wrong (an empty answer
+        # would drop out of MVBench's accuracy, which counts only answers other than "")
+        return [FAILED_ANSWER if result.failed else result.prediction for result in results]
 
     def loglikelihood(self, requests):
         raise NotImplementedError("promprune answers generate_until tasks only (no loglikelihood scoring)")

@@ -2,7 +2,8 @@
 
 The tasks' ``utils.py`` files (which lmms-eval imports by path, through ``!function utils.<name>``) take these by
 absolute import. Docs have at least the columns question and image (decoded to PIL by ``datasets``) and answer.
-An empty prediction (what a failed sample is scored as) never matches an answer, so it counts as wrong.
+A prediction with no word in it (the empty one, or ``scoring.FAILED_ANSWER``, what a failed sample is replayed as)
+never matches an answer, so it counts as wrong (the yes/no tasks' precision, as POPE's, counts only "yes" answers).
 """
 
 import re

@@ -21,16 +21,13 @@ from promprune.records import Prediction, Request
 
 log = logging.getLogger(__name__)
 
-def _image_of(doc_to_visual, doc, name: str, pngs: dict[str, bytes]) -> tuple[bytes | None, str | None, str | None]:
-    """(PNG bytes, image key, None) of the doc's single image, or (None, None, reason).
+def _image_of(visual, name: str, pngs: dict[str, bytes]) -> tuple[bytes | None, str | None, str | None]:
+    """(PNG bytes, image key, None) of a doc's image (its ``visual``), or (None, None, reason).
 
     ``pngs`` maps image keys to the PNG already encoded: a benchmark asks several questions about one image
     (VQAv2 ~5, POPE 18, GQA ~30), and each distinct image is encoded, and later stored, once."""
-    visuals, error = _visuals(doc_to_visual, doc, name)
-    if error:
-        return None, None, error
     try:
-        image = decode_image(visuals[0], name)
+        image = decode_image(visual, name)
     except ValueError as exc:
         return None, None, str(exc)
     key = image_key(image)
@@ -50,48 +47,38 @@ def _document(task, split: str, doc_id, name: str) -> tuple[dict | None, str | N
         return None, f"{name}: unreadable document ({type(exc).__name__}: {exc})"
 
 
-def _visuals(doc_to_visual, doc, name: str) -> tuple[list | None, str | None]:
-    """(the doc's single visual in a list, None), or (None, reason)."""
+def document_visual(doc_to_visual, doc, name: str) -> tuple[object, bool, str | None]:
+    """(the doc's single visual, whether it is a clip, None), or (None, False, reason): what a request is built from,
+    decided for each document by itself (here and in the lmms-eval plugin, ``PromPruneLMM``). A clip is a visual
+    that names a video file (``is_video_path``: lmms-eval's video tasks give the file's path); anything else is
+    taken as an image. So a document whose ``doc_to_visual`` raises, or gives no usable visual, is one failed
+    sample, and the task's other documents are answered as what they are."""
+    from promprune.models.video import is_video_path
+
     try:
         with strict_decoding():  # a task's doc_to_visual may decode a lazily opened image (``convert``)
             visuals = doc_to_visual(doc)
     except Exception as exc:  # noqa: BLE001 - a broken doc becomes a failed sample, reported
-        return None, f"{name}: doc_to_visual failed ({type(exc).__name__}: {exc})"
-    if len(visuals) != 1:
-        return None, f"{name}: expected exactly one image, the task gives {len(visuals)}"
-    return visuals, None
+        return None, False, f"{name}: doc_to_visual failed ({type(exc).__name__}: {exc})"
+    try:
+        count = len(visuals)
+    except TypeError:
+        return None, False, f"{name}: doc_to_visual must give a list of one image, got {type(visuals).__name__}"
+    if count != 1:
+        return None, False, f"{name}: expected exactly one image, the task gives {count}"
+    return visuals[0], is_video_path(visuals[0]), None
 
 
-def _clip_of(doc_to_visual, doc, name: str, frames: int) -> tuple[bytes | None, str | None]:
-    """(the clip's bytes, None) of a video task's doc (its visual a video file's path: ``frames`` frames sampled
-    uniformly, :func:`promprune.models.video.decode_video`), or (None, reason)."""
+def _clip_of(path, name: str, frames: int) -> tuple[bytes | None, str | None]:
+    """(the clip's bytes, None) of a video file (``path``, a doc's visual: ``frames`` frames sampled uniformly,
+    :func:`promprune.models.video.decode_video`), or (None, reason)."""
     from promprune.models.video import Clip, decode_video
 
-    visuals, error = _visuals(doc_to_visual, doc, name)
-    if error:
-        return None, error
     try:
-        sampled, fps = decode_video(visuals[0], frames)
+        sampled, fps = decode_video(path, frames)
     except Exception as exc:  # noqa: BLE001 - PyAV raises many types for missing / broken files
-        return None, f"{name}: unreadable video {visuals[0]} ({type(exc).__name__}: {exc})"
+        return None, f"{name}: unreadable video {path} ({type(exc).__name__}: {exc})"
     return Clip(sampled, fps).to_bytes(), None
-
-
-def _is_video_task(task, instances) -> bool:
-    """Whether a task's documents are clips: the first readable document's visual names a video file."""
-    from promprune.models.video import is_video_path
-
-    for inst in instances:
-        _, _, doc_to_visual, doc_id, _, split = inst.args
-        doc, error = _document(task, split, doc_id, "")
-        if error:  # an unreadable row (its image's bytes) is reported for itself
-            continue
-        try:
-            visuals = doc_to_visual(doc)
-        except Exception:  # noqa: BLE001 - a broken doc is reported by _image_of for its own row
-            return False
-        return len(visuals) == 1 and is_video_path(visuals[0])
-    return False
 
 
 def image_key(image) -> str:
@@ -113,18 +100,17 @@ def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int
     else:
         mine = instances[index::count]
     rows = []
-    video = _is_video_task(task, mine)
     for inst in mine:
         context, gen_kwargs, doc_to_visual, doc_id, task_name, split = inst.args
         name = f"{task_name} doc {doc_id}"
+        clip, image, key, video = None, None, None, False
         doc, error = _document(task, split, doc_id, name)
-        if error:
-            clip, image, key = None, None, None
-        elif video:  # the sampled frames travel in the row (each clip once: no shared key)
-            clip, error = _clip_of(doc_to_visual, doc, name, video_frames)
-            image, key = None, None
-        else:
-            clip, (image, key, error) = None, _image_of(doc_to_visual, doc, name, pngs)
+        if not error:  # clip or image: this document's own visual says (document_visual)
+            visual, video, error = document_visual(doc_to_visual, doc, name)
+        if not error and video:  # the sampled frames travel in the row (each clip once: no shared key)
+            clip, error = _clip_of(visual, name, video_frames)
+        elif not error:
+            image, key, error = _image_of(visual, name, pngs)
         rows.append(Request(task=task_name, doc_id=int(doc_id), n_docs=len(instances), prompt=context, image=image,
                             image_key=key, gen_kwargs=dict(gen_kwargs), error=error, video=clip))
     return rows

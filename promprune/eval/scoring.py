@@ -7,10 +7,13 @@ inside its aggregation; reasoning blocks stripped first, as its command line doe
 over all shards together. A partial score (``partial``) aggregates the answered documents only, by whole groups where
 a task scores groups (MME's pairs, MMBench's circular copies).
 
-Failed samples (``error`` set) are replayed as the empty answer "" and never dropped. Accuracy-style metrics
-(exact match, MME, MMBench, POPE's accuracy) count "" as wrong; lmms-eval's POPE precision, recall and F1 count only
-answers that are yes or no, so there a failed sample drops out of the ratio instead. Each task's result therefore
-carries ``n_samples`` and ``n_failed`` (which every score shown to a person prints beside it).
+Failed samples (``error`` set) are replayed as :data:`FAILED_ANSWER` ("∅", the empty-set sign) and never dropped:
+every accuracy metric of the tasks this project ships or runs (exact match, MME, MMBench, MVBench, the offline
+tasks, POPE's accuracy) counts it wrong. lmms-eval's POPE precision, recall and F1 (and the offline yes/no tasks'
+precision) count only answers that are yes or no, as they leave out a model's "maybe", so there a failed sample
+drops out of the ratio instead. Each task's result therefore carries ``n_samples`` and ``n_failed`` (which every
+score shown to a person prints beside it). Why not the empty answer, nor a correction by the failed count: see
+:data:`FAILED_ANSWER`.
 
 Two things lmms-eval's own loop would turn into a lost trial or a silent number are handled here:
 
@@ -191,10 +194,22 @@ def failed(row: dict) -> bool:
     return isinstance(error, str) and error != ""
 
 
+# What a failed sample is replayed as. Not "": that is lmms-eval's "no answer given", and some aggregations leave
+# such rows out of their denominator (MVBench's, on its tasks and the offline stand-in: 100 x right / answers other
+# than "", so 2 right and 2 failed of 4 scored 100.0, not 50.0). Not a correction of the aggregate by the failed
+# count either: that needs each aggregation's formula (a rate over the answered, MME's pairs, MMBench's circular
+# groups) and a rule written per task, which a task of one's own would lack. A replayed answer instead goes through
+# each task's own process_results and aggregation, which score it as any unusable answer: wrong. The empty-set sign
+# is not empty after stripping, and holds no letter, digit, word or punctuation that a task's parser reads as an
+# answer (a yes / no, an option letter, a number, an option's text), so it is right on none of the shipped tasks
+# (tests/eval/test_failed_samples.py pins it on each). The lmms-eval plugin answers a failed request with it too.
+FAILED_ANSWER = "\u2205"
+
+
 def _answer(row: dict) -> str:
-    """The text scored for a row: its prediction, or "" (a wrong answer) when it failed."""
+    """The text scored for a row: its prediction, or :data:`FAILED_ANSWER` (a wrong answer) when it failed."""
     prediction = row["prediction"]
-    return "" if failed(row) or not isinstance(prediction, str) else prediction
+    return FAILED_ANSWER if failed(row) or not isinstance(prediction, str) else prediction
 
 
 def _metrics(task_results: dict) -> dict[str, float]:
@@ -551,7 +566,7 @@ class TaskItems:
 def sample_items(predictions: list[dict], *, include_path: str | list[str] | None = None,
                  output_dir: str | None = None) -> dict[str, TaskItems]:
     """Per task, the per-document items of its primary metrics (lmms-eval's own ``process_results`` over the
-    predictions, as `score` replays them; failed samples as the empty answer). Rows as `score` takes them."""
+    predictions, as `score` replays them; failed samples as :data:`FAILED_ANSWER`). Rows as `score` takes them."""
     if not isinstance(predictions, list) or not predictions:
         raise ValueError("predictions must be a non-empty list of prediction rows")
     by_task = _group([values(p) if isinstance(p, Prediction) else p for p in predictions], partial=True)

@@ -327,8 +327,8 @@ def video_task_kind(name: str, include_path: str | list[str] | None = None,
     clips; MixEval-X's image2text tasks (``mix_evals_image2text_mc``) and ``site_bench_image`` set it and give PIL
     images. None otherwise. ValueError for a task lmms-eval does not know here.
 
-    Only ``"clips"`` is certain. The request builder decides at run time from the first readable document's visual
-    (``requests._is_video_task``); loading a flagged task's data to look would run that archive download and
+    Only ``"clips"`` is certain. The request builder decides at run time, for each document from its own visual
+    (``requests.document_visual``); loading a flagged task's data to look would run that archive download and
     extraction (gigabytes for a video benchmark), so the preflight does not do it. The same holds for a task of one's
     own that gives clips without the flag."""
     if name in VIDEO_TASKS:

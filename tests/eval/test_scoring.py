@@ -37,7 +37,7 @@ def _local_copy(root: Path, name: str, base_yaml: Path, docs: dict, split: str =
 
 
 # POPE: ground truth and predictions; the last one is a failed sample on a "no" question: its text would be right,
-# but a failed sample is scored as the empty answer, i.e. wrong
+# but a failed sample is scored as scoring.FAILED_ANSWER, i.e. wrong
 POPE_GT = ["yes", "yes", "yes", "no", "no", "no"]
 POPE_PRED = ["yes", "Yes", "no", "yes", "no", "no"]
 # MME: (question_id, category, answer, prediction); each image has a yes and a no question

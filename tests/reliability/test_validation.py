@@ -494,9 +494,9 @@ def test_a_video_task_on_a_model_without_clips_is_refused_before_ray(scratch, ru
 def test_a_task_that_only_sets_lmms_evals_video_flag_is_not_refused(scratch, run_main, task):
     """lmms-eval's ``dataset_kwargs.video`` only makes its loader download data archives: MixEval-X's image2text
     tasks and site_bench_image set it and give images. They were refused on an image-only model ('gives clips',
-    exit 2), which blocked valid work. Whether a flagged task gives clips (MVBench's do) is decided at run time from
-    its first document, so --validate-only passes (its data is not on this machine: a warning) with one console
-    note naming the task, the model and what happens if the documents are clips."""
+    exit 2), which blocked valid work. Whether a flagged task gives clips (MVBench's do) is decided at run time for
+    each document from its visual, so --validate-only passes (its data is not on this machine: a warning) with one
+    console note naming the task, the model and what happens if the documents are clips."""
     spec = SPEC.replace("tasks: [easyvqa_yesno]", f"tasks: [{task}]").replace("limit: 4", "limit: 2")
     proc, _ = run_main("--config", str(scratch(spec)), "--validate-only")
     assert proc.returncode == 0, proc.stderr

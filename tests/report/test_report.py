@@ -270,7 +270,7 @@ def test_runs_as_a_script_from_any_directory(table_sweep, tmp_path):
 
 
 def test_a_score_with_failed_samples_carries_their_count(store, tmp_path):
-    """A failed sample is replayed as the empty answer, which POPE's F1 leaves out: every score shown to a person
+    """A failed sample is replayed as a wrong answer, which POPE's F1 leaves out: every score shown to a person
     says how many of its samples failed (issue 21)."""
     client, exp = store
     trials = [trial("none", None, scores(1800, 300, 0.80, 0.60)),
