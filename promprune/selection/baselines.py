@@ -8,7 +8,7 @@ import torch
 
 from . import accel
 from .diversity import FPS_TIE_EPS, farthest_point
-from .kernels import per_image, stable_descending_order, unit_tokens
+from .kernels import per_image, segment_sums, stable_descending_order, unit_tokens
 from .registry import Selection, TokenSet, in_range, register_method
 
 # VisPruner removes at most this many near-duplicate tokens per round (its released code).
@@ -153,12 +153,17 @@ def visionzip(tokens: TokenSet, budget: int, *, contextual_ratio: float, keep_cl
     if others.shape[1] and n_ctx:
         unit = unit_tokens(metric)
         sim = _gather_rows(unit, others) @ _gather_rows(unit, targets).transpose(1, 2)  # [B, R - n_ctx, n_ctx]
-        assign = sim.new_zeros(sim.shape).scatter_(2, sim.argmax(dim=2, keepdim=True), 1.0)  # [B, R - n_ctx, n_ctx]
-        assign = assign.to(merged.dtype)  # one-hot rows (one_hot itself would read the indices' range on the host)
-        joined = per_image(lambda a, o: a.transpose(1, 2) @ o, assign, _gather_rows(space, others))  # [B, n_ctx, .]
-        merged = merged + joined / assign.sum(dim=1).clamp_min(1)[..., None]  # sums, per image: bits batch-free
+        target = sim.argmax(dim=2)  # [B, R - n_ctx]: the target each other token joins
+        # the others grouped by target, each group in raster order (a stable sort), then each group summed from 0 in
+        # that order (kernels.segment_sums): one call whatever the batch, each sum's order its own image's alone
+        # (a one-hot product per image was batch-free too, a launch per image; a batched one is not, on CUDA)
+        by_target = target.sort(dim=1, stable=True).indices
+        counts = target.new_zeros(B, n_ctx).scatter_add_(1, target, torch.ones_like(target))  # [B, n_ctx]
+        joined = segment_sums(_gather_rows(space, others.gather(1, by_target)), counts)  # [B, n_ctx, d or dv]
+        merged = merged + joined / counts.clamp_min(1).to(merged.dtype)[..., None]
     cls = None
-    if vision is not None:  # the projector on each image's rows (merged tokens, then the CLS): batch-free bits
+    if vision is not None:  # the projector on each image's rows (merged tokens, then the CLS): batch-free bits, a
+        # call per image (the model's module: one call over every image's rows sums in an order that depends on B)
         rows = torch.cat([merged, vision.cls[:, None]], dim=1) if with_cls else merged
         rows = per_image(lambda r: _project(tokens, r), rows)
         merged, cls = (rows[:, :-1], rows[:, -1]) if with_cls else (rows, None)

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from .kernels import per_image
+from .kernels import segment_sums
 from .registry import Selection, TokenSet, register_method
 
 
@@ -77,14 +77,39 @@ def _host_pooling(rows: int, cols: int, budget: int) -> tuple[torch.Tensor, torc
     return weights, centres
 
 
+def pooling_runs(rows: int, cols: int, budget: int, device=None,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(members [L], weights [L], lengths [T], centres [T])``: the nonzero entries of :func:`pooling_matrix` cell by
+    cell (each cell's tokens in raster order, ``lengths[t]`` of them; ``L`` sums them, more than N where adaptive bins
+    overlap) and each cell's centre token: cell t is the sum of ``weights[i] * tokens[members[i]]`` over its run.
+    Kept on the device per grid, budget and dtype as :func:`pooling_matrix` is (read them only)."""
+    return _device_runs(rows, cols, budget, torch.device("cpu") if device is None else torch.device(device), dtype)
+
+
+@lru_cache(maxsize=DEVICE_COPIES)
+def _device_runs(rows: int, cols: int, budget: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.inference_mode(False):  # normal tensors whatever mode the first call runs in (_device_pooling)
+        weights, centres = _host_pooling(rows, cols, budget)
+        cell, members = weights.nonzero(as_tuple=True)  # row-major: cell by cell, each cell's tokens ascending
+        lengths = torch.bincount(cell, minlength=weights.shape[0])
+        return (members.to(device, non_blocking=True), weights[cell, members].to(device, dtype, non_blocking=True),
+                lengths.to(device, non_blocking=True), centres.to(device, non_blocking=True))
+
+
 @register_method("downsample", merges=True, needs_grid=True)
 def downsample(tokens: TokenSet, budget: int) -> Selection:
-    """Downsampling control: the token grid average-pooled to exactly T cells (no selection)."""
+    """Downsampling control: the token grid average-pooled to exactly T cells (no selection).
+
+    Each cell is its tokens times their weights (:func:`pooling_matrix`'s 1/k, rounded to the features' dtype),
+    summed from 0 in raster order (:func:`kernels.segment_sums`): one gather, one product and one segmented sum
+    whatever the batch, and each cell's sum runs in the same order alone as in a batch, on the CPU and on CUDA (a
+    GEMM per image was batch-free too, but a launch per image; one ``[T, N] x [N, B d]`` product summed float64
+    tokens in an order that depended on B, ~1 ulp)."""
     rows, cols = tokens.grid
-    weights, centres = pooling_matrix(rows, cols, budget, tokens.x.device, tokens.x.dtype)
-    # one [T, N] x [N, d] product per image: its cells are the same bits alone as in a batch (einsum's one
-    # [T, N] x [N, B d] product summed float64 tokens in an order that depended on B, ~1 ulp)
-    features = per_image(lambda x: weights @ x, tokens.x)  # [B, T, d]
+    members, weights, lengths, centres = pooling_runs(rows, cols, budget, tokens.x.device, tokens.x.dtype)
+    products = tokens.x.index_select(1, members) * weights[:, None]  # [B, L, d], each token times its weight
+    features = segment_sums(products, lengths.expand(tokens.batch, -1))  # [B, T, d]
     indices = centres[None].expand(tokens.batch, -1).clone()  # [B, T], ascending
     zeros = torch.zeros(tokens.batch, dtype=torch.long, device=indices.device)
     return Selection(indices, zeros, None, features, torch.zeros_like(indices, dtype=torch.bool))

@@ -59,11 +59,39 @@ def unit_tokens(x: torch.Tensor, eps: float = KERNEL_EPS) -> torch.Tensor:
     return x / token_norms(x)[..., None].clamp_min(eps)
 
 
+def segment_sums(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sums of consecutive runs of rows: ``rows [B, L, d]`` cut into S runs of ``lengths [B, S]`` rows (int64, each
+    image's summing to L) -> ``[B, S, d]`` in ``rows``' dtype, an empty run 0. One call whatever B: a launch count
+    constant in the batch (one ATen op; on CUDA a few kernels inside it, the lengths' running sum among them).
+
+    Each entry is summed in a fixed order: 0, then its run's rows first to last, one rounded add at a time in
+    ``rows``' dtype (``torch.segment_reduce``: its CPU kernel and its CUDA kernel both give each output entry one
+    loop over its run, started from 0; no split of the loop, no tree, no blocking). So an entry depends on its own
+    run's values only, never on the batch, the other runs, the thread count or the device's occupancy: an image gets
+    the same bits alone as in any batch. A matmul sums in its library's order instead, which the library picks by
+    the problem's shape: MKL blocks the reduction (MKL 2024.2 on an AMD EPYC sums a float32 ``[64, 576] x [576, d]``
+    product's tokens in blocks of 192, each an FMA chain), cuBLAS picks a kernel, split-K or not, by the sizes, the
+    batch's among them; ``torch.sum`` over an axis picks its order from the shape too (the CUDA reduction's block
+    layout, the CPU's cascade). What this rests on: the two kernels as torch writes them
+    (``aten/src/ATen/native/SegmentReduce.cpp``, ``native/cuda/SegmentReduce.cu``), not a documented guarantee;
+    ``tests/selection/test_kernels.py`` pins the CPU's order against a Python loop, and
+    ``tests/selection/test_gpu_selection.py`` the GPU's sums against the CPU's, bit for bit, alone and in a batch
+    (needs a GPU; not yet run on one). ``lengths`` must sum to L: on CUDA torch's check of that is a read of the
+    device, so it is skipped there (``unsafe``) and the callers build the lengths so; their shape is checked here (a
+    mismatch crashes torch's kernel)."""
+    if lengths.shape != (rows.shape[0], lengths.shape[-1]) or lengths.dtype != torch.long:
+        raise ValueError(f"segment_sums: lengths {tuple(lengths.shape)} {lengths.dtype} for rows "
+                         f"{tuple(rows.shape)}: expected [B, S] int64 with B = {rows.shape[0]}")
+    return torch.segment_reduce(rows, "sum", lengths=lengths, axis=1, unsafe=rows.device.type != "cpu")
+
+
 def per_image(fn, *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn`` on each batch row of ``tensors`` (``[1, ...]`` slices), the results joined along dim 0: a product whose
-    shape has the batch in it (one GEMM over ``[N, B d]``, a projector's ``[B M, dv]`` rows, a batched product of a
-    few rows) sums in an order that may depend on B, and merged features then differed by an ulp between an image
-    alone and in a batch (float64 and float32, CPU). One call of ``fn`` per row, each the same whatever the batch."""
+    """``fn`` on each batch row of ``tensors`` (``[1, ...]`` slices), the results joined along dim 0: for a function
+    the selection cannot reformulate whose products' shapes have the batch in them (VisionZip's projector, the
+    model's module: one GEMM over every image's ``[B M, dv]`` rows sums in an order that depends on B, and merged
+    features then differed by an ulp between an image alone and in a batch; float64 and float32, CPU). One call of
+    ``fn`` per row, each the same whatever the batch, so its launches grow with the batch: the selection's own sums
+    take :func:`segment_sums` instead, one call whatever the batch."""
     if tensors[0].shape[0] == 1:
         return fn(*tensors)
     return torch.cat([fn(*(t[b:b + 1] for t in tensors)) for b in range(tensors[0].shape[0])])

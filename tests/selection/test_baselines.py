@@ -76,18 +76,20 @@ def test_visionzip_merges_the_vision_space_by_keys_and_keeps_cls():
     assert no_cls.cls is None and no_cls.indices.shape[1] == 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_vision", [True, False])
 def test_visionzip_merges_an_image_to_the_same_bits_alone_as_in_a_batch(dtype, with_vision):
     """The merge's batched product of a few target rows and the projector's one product over every image's merged
     rows summed in orders that depended on the batch: an image's merged tokens and CLS moved by an ulp or more
-    (float64 2e-15, float32 5e-7) between alone and in a batch. Per image, the same bits whatever the batch."""
+    (float64 2e-15, float32 5e-7) between alone and in a batch. The merge is now one segmented sum from 0 in raster
+    order (``kernels.segment_sums``) and the projector runs per image: the same bits whatever the batch."""
     torch.manual_seed(1)
     B, N, d, dv = 5, 576, 256, 128
-    x, s = torch.randn(B, N, d, dtype=dtype), torch.rand(B, N, dtype=dtype)
-    hidden, keys, cls = (torch.randn(B, N, dv, dtype=dtype), torch.randn(B, N, 64, dtype=dtype),
-                         torch.randn(B, dv, dtype=dtype))
-    mlp = torch.nn.Sequential(torch.nn.Linear(dv, d), torch.nn.GELU(), torch.nn.Linear(d, d)).to(dtype)
+    x, s = torch.randn(B, N, d).to(dtype), torch.rand(B, N).to(dtype)
+    hidden, keys, cls = (torch.randn(B, N, dv).to(dtype), torch.randn(B, N, 64).to(dtype),
+                         torch.randn(B, dv).to(dtype))
+    mlp = torch.nn.Sequential(torch.nn.Linear(dv, d), torch.nn.GELU(), torch.nn.Linear(d, d))  # float32 in and out
+    mlp = mlp.to(torch.float64 if dtype == torch.float64 else torch.float32)  # (VisionFeatures.project)
 
     def run(lo, hi):
         vision = promprune.VisionFeatures(hidden[lo:hi], keys[lo:hi], cls[lo:hi], mlp) if with_vision else None

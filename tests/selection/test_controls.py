@@ -57,18 +57,32 @@ def test_regular_grid_when_the_budget_allows():
     assert len({(r0, r1) for r0, r1, _, _ in pooled_cells(24, 24, 144)}) == 12  # 12 x 12
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grid, budget, d", [((12, 12), 16, 64), ((12, 12), 5, 64), ((24, 24), 64, 512)])
 def test_an_image_pools_to_the_same_bits_alone_as_in_a_batch(dtype, grid, budget, d):
     """einsum's one [T, N] x [N, B d] product summed the tokens in an order that depended on B: in float64 an image's
-    cells moved by an ulp (2.2e-16) between alone and in a batch. Each image's own product gives the same bits
-    whatever the batch (and the means worked by hand above still hold)."""
+    cells moved by an ulp (2.2e-16) between alone and in a batch. Each cell is now one segmented sum from 0 in raster
+    order (``kernels.segment_sums``), the same bits whatever the batch (and the means worked by hand above still
+    hold); half features are pooled in float32 and rounded once."""
     torch.manual_seed(1)
-    x = torch.randn(5, grid[0] * grid[1], d, dtype=dtype)
+    x = torch.randn(5, grid[0] * grid[1], d).to(dtype)
     batched = promprune.select(x, budget=budget, method="downsample", grid=grid).features
     for lo, hi in ((1, 2), (0, 1), (4, 5), (1, 3), (2, 5)):
         part = promprune.select(x[lo:hi], budget=budget, method="downsample", grid=grid).features
         assert torch.equal(part, batched[lo:hi]), (lo, hi, (part - batched[lo:hi]).abs().max().item())
+
+
+def test_a_cell_sums_its_weighted_tokens_from_zero_in_raster_order():
+    """A 2 x 2 grid pooled to one cell: weight 1/4 (exact), products 2^24, 1, 1, -2^24 in raster order, exact mean
+    2. Summed from 0 in that order in float32, 2^24 + 1 rounds back to 2^24 (ties to even) twice and the cell is 0;
+    another grouping gives another value ((2^24 + 1) + (1 - 2^24) = 1), float64 the exact 2, and the same tokens
+    in another raster order 2 as well (1 + 1 - 2^24 is exact). A fixed order, worked by hand: what makes a cell's
+    bits its own whatever the batch."""
+    x = torch.tensor([2.0 ** 26, 4.0, 4.0, -2.0 ** 26])[None, :, None]
+    assert promprune.select(x, budget=1, method="downsample", grid=(2, 2)).features.item() == 0.0
+    assert promprune.select(x.double(), budget=1, method="downsample", grid=(2, 2)).features.item() == 2.0
+    rotated = x[:, [1, 2, 3, 0]]  # 1, 1, -2^24, 2^24
+    assert promprune.select(rotated, budget=1, method="downsample", grid=(2, 2)).features.item() == 2.0
 
 
 def test_a_first_call_under_inference_mode_leaves_later_calls_differentiable():

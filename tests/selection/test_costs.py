@@ -38,6 +38,47 @@ def test_these_methods_never_wait_on_the_device(method, views):
     assert costs.syncs == 0, costs.ops
 
 
+def _merge_inputs(B: int):
+    """Eight views of 96 tokens (an 8 x 12 grid) with vision-tower states, keys, a CLS and a projector."""
+    torch.manual_seed(2)
+    N, d, dv = 96, 128, 64
+    projector = torch.nn.Sequential(torch.nn.Linear(dv, d), torch.nn.GELU(), torch.nn.Linear(d, d))
+    vision = promprune.VisionFeatures(torch.randn(B, N, dv), torch.randn(B, N, 32), torch.randn(B, dv), projector)
+    return torch.randn(B, N, d), torch.rand(B, N), vision
+
+
+def _views(vision, b: int):
+    return promprune.VisionFeatures(vision.hidden[:b], vision.keys[:b], vision.cls[:b], vision.project)
+
+
+@pytest.mark.parametrize("method", ["visionzip", "downsample"])
+def test_one_view_and_eight_launch_as_often(method):
+    """The merges ran a product per image (``kernels.per_image``): 8 views launched 7 products and a join more than
+    one (the cost model at LLaVA-NeXT's batch 8, 40 views: ~1 ms a call). One segmented sum for the batch now
+    (``kernels.segment_sums``): the same launches at 1 view and at 8."""
+    x, s, _ = _merge_inputs(8)
+    with fast_path_on_cpu():
+        one, eight = (count(promprune.select, x[:b], s[:b], budget=16, method=method, grid=(8, 12)) for b in (1, 8))
+    assert one.launches == eight.launches, (one.ops, eight.ops)
+    assert one.syncs == eight.syncs
+
+
+def test_visionzip_with_a_projector_launches_more_per_view_only_by_the_projector():
+    """The model's projector still runs once per image (``kernels.per_image``): one call over every image's rows sums
+    in an order that depends on the batch (its GEMMs are the library's, not the selection's), so it alone grows
+    with the views: by its own launches a view and the join of the results; the merge does not."""
+    from benchmarks.launches import count_model
+
+    x, s, vision = _merge_inputs(8)
+    mlp = vision.project  # its weights on the device
+    with fast_path_on_cpu(), torch.no_grad():
+        one, eight = (count_model(mlp, promprune.select, x[:b], s[:b], budget=16, method="visionzip",
+                                  vision=_views(vision, b)) for b in (1, 8))
+        projector = count_model(mlp, mlp, torch.randn(1, 3, 64))  # one image's rows: its merged tokens and its CLS
+    assert eight.launches - one.launches == 7 * projector.launches + 1, (one.ops, eight.ops, projector.ops)
+    assert one.syncs == eight.syncs
+
+
 def test_without_float64_tensor_cores_the_steps_take_cublas_product(views, monkeypatch):
     """On a GPU without float64 MMA (an A40, sm_86: ``accel.float64_mma``) the Lanczos steps are not fused: the fused
     product would be scalar FMAs there (``test_greedy_triton``), so cuBLAS' product, the dot and the update a step."""

@@ -138,3 +138,20 @@ def test_cuda_tf32_turned_on_by_the_process_changes_no_pick(method, options):
     finally:
         matmul.allow_tf32 = False
     assert torch.equal(picked.indices, reference.indices) and torch.equal(picked.salient, reference.salient)
+
+
+@pytest.mark.parametrize("method", ["downsample", "visionzip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_merges_the_cpus_bits_alone_and_in_a_batch(method, dtype):
+    """The merges' sums run in a fixed order (``kernels.segment_sums``: one loop a run, from 0, in raster order; the
+    products before them elementwise), so the GPU's merged features are the CPU's bit for bit, and an image's the
+    same alone as among eight images of LLaVA-NeXT's five views (40 views a call). Not yet run on a GPU."""
+    _, N, d, T = SHAPES["llava-next"]
+    x, s = make_inputs(40, N, d, "cpu", dtype=dtype)
+    cpu = promprune.select(x, s, budget=T, method=method)
+    gpu = promprune.select(x.cuda(), s.cuda(), budget=T, method=method)
+    assert torch.equal(gpu.indices.cpu(), cpu.indices)
+    assert torch.equal(gpu.features.cpu(), cpu.features)
+    for lo, hi in ((0, 1), (17, 18), (5, 10)):
+        alone = promprune.select(x[lo:hi].cuda(), s[lo:hi].cuda(), budget=T, method=method)
+        assert torch.equal(alone.features, gpu.features[lo:hi])
