@@ -22,13 +22,13 @@ for a real image near mu). Targets (issue 53, H100, fp16): PromPrune <= 2.5 ms
 DivPrune.
 
 Every run also prints a cost model counted on the CPU (``benchmarks/launches.py``): each method's kernel launches,
-host syncs and matmul GFLOPs of one call on the fast path, and a GPU time projected from them; the host's share of a
-call measured on this CPU (``launches.host_ms``: kernels stubbed, graph bodies skipped, at stand-in sizes
-``HOST_SHAPES``), which the projection prices only on average (both with PromPrune's ``boundary`` rows too: the cost of
-one Lanczos stage more); and the certified
-split's decisions (``--split-images`` images per shape whose entropy lies in the sigmoid's steep part, mu placed
-around it): the share decided by each stage's bounds and by the exact eigensolve, the brackets' widths, and whether
-every count equals the exact algorithm's.
+host syncs and matmul GFLOPs of one call on the fast path at each ``--batch``, and a GPU time projected from them;
+the host's share of a call measured on this CPU (``launches.host_ms``: kernels stubbed, graph bodies skipped, at
+stand-in sizes ``HOST_SHAPES``, batch 1), which the projection prices only on average (both with PromPrune's
+``boundary`` rows too: the cost of one Lanczos stage more); and the certified split's decisions (``--split-images``
+images per shape whose entropy lies in the sigmoid's steep part, mu placed around it): the share decided by each
+stage's bounds and by the exact eigensolve, the brackets' widths, and whether every count equals the exact
+algorithm's.
 """
 from __future__ import annotations
 
@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
             run_batch(args, batch, shapes)
             print()
     if "costs" in tables:
-        print_costs(shapes)
-        print()
+        for i, batch in enumerate(args.batch):
+            print_costs(shapes, batch, host=i == 0)
+            print()
     if "split" in tables and args.split_images:
         print_split_decisions(shapes, args.split_images, args.device)
     if "schedules" in tables and args.split_images:
@@ -433,17 +434,19 @@ def print_exact_entropy(results, exact_ms, shapes) -> None:
           "DivPrune + the exact entropy)")
 
 
-def print_costs(shapes) -> None:
-    """Each method's launches / host syncs / matmul GFLOPs of one batch-1 call on the fast path, counted on the CPU,
-    and a GPU time projected from them (``launches.project_ms``: an assumption, not a measurement)."""
+def print_costs(shapes, batch: int = 1, host: bool = True) -> None:
+    """Each method's launches / host syncs / matmul GFLOPs of one call of ``batch`` images (``--batch``; NeXT: 5 views
+    each) on the fast path, counted on the CPU, and a GPU time projected from them (``launches.project_ms``: an
+    assumption, not a measurement); with ``host``, then the host's share at batch-1 stand-ins (:func:`print_host`)."""
     from benchmarks import launches
 
-    print(f"Cost model of one call on the GPU fast path, counted on the CPU (batch 1; projection: "
+    print(f"Cost model of one call on the GPU fast path, counted on the CPU (batch {batch}; projection: "
           f"{launches.LAUNCH_US:g} us per launch, {launches.SYNC_US:g} us per sync, {launches.MATMUL_TFLOPS:g} "
           "TFLOP/s matmul)")
     print(f"{'method':<16}" + "".join(f"{shape:>30}" for shape in shapes))
     print(f"{'':<16}" + "".join(f"{'launches syncs GFLOP proj.ms':>30}" for _ in shapes))
-    for label, graphs, calls in _cost_rows(shapes):
+    scaled = {name: (B * batch, N, d, T) for name, (B, N, d, T) in shapes.items()}
+    for label, graphs, calls in _cost_rows(scaled):
         cells = ""
         for x, s, kwargs in calls:
             if kwargs is None:
@@ -457,8 +460,9 @@ def print_costs(shapes) -> None:
           "replay counted as its input copies, one launch and its output clones. boundary: PromPrune with mu placed "
           "so that the first view's entropy lies just above a count boundary, which a later Lanczos stage decides: "
           "a real image near mu)")
-    full = all(SHAPES.get(name) == shape for name, shape in shapes.items())  # the paper's (or some): stand-ins
-    print_host({name: HOST_SHAPES[name] for name in shapes} if full else shapes)
+    if host:
+        full = all(SHAPES.get(name) == shape for name, shape in shapes.items())  # the paper's (or some): stand-ins
+        print_host({name: HOST_SHAPES[name] for name in shapes} if full else shapes)
 
 
 # print_host's stand-ins for the paper's shapes: the same layouts (views, budget share, N <= d) at a size where each

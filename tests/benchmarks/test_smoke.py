@@ -693,3 +693,22 @@ def test_sweep_cost_bad_spec_exits_2_with_the_spec_error(argv, capsys, monkeypat
         specs.load(*argv[1:2], argv[3:])
     assert module.main(argv) == 2
     assert capsys.readouterr().err == f"error: {expected.value}\n"
+
+
+def test_selection_costs_at_each_batch(capsys):
+    """``--tables costs`` prints a cost table per ``--batch`` (it printed batch 1 only): the calls hold ``batch`` times
+    the shape's images (DivPrune's Gram FLOPs three times at batch 3), and the merges' launches are the same at batch 1
+    and 3 (``kernels.segment_sums``)."""
+    from benchmarks.selection import print_costs
+
+    shapes = {"llava-next": (5, 64, 2048, 8)}  # wide enough for DivPrune's GFLOPs to show in two decimals
+    rows = {}
+    for batch in (1, 3):
+        print_costs(shapes, batch, host=False)
+        out = capsys.readouterr().out
+        assert f"(batch {batch};" in out and "Host time" not in out
+        rows[batch] = {line.split()[0]: [float(v) for v in line.split()[1:4]] for line in out.splitlines()
+                       if line.split() and line.split()[0] in ("downsample", "visionzip", "divprune")}
+    for method in ("downsample", "visionzip"):
+        assert rows[1][method][:2] == rows[3][method][:2], rows  # launches, syncs
+    assert rows[3]["divprune"][2] == pytest.approx(3 * rows[1]["divprune"][2], rel=0.2), rows  # GFLOP (2 decimals)
