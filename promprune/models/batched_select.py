@@ -201,19 +201,31 @@ def _keys(items: list[VisualItem], group: list[Unit]) -> list[int] | None:
 
 
 NOT_A_RECTANGLE = ("this method pools one view's token grid: the candidates of a selection unit must fill one "
-                   "rectangle of one view (LLaVA-NeXT / LLaVA-OneVision: use budget_mode 'per_crop', "
-                   "'adaptive_views' or 'view_quota', not 'global' or 'packed')")
+                   "rectangle of one view ")
+# what makes each selection unit one view, by what the items are (an image's views; a clip's views are its frames)
+RECTANGLE_FIX = {"image": "(LLaVA-NeXT / LLaVA-OneVision: use budget_mode 'per_crop', 'adaptive_views' or "
+                          "'view_quota', not 'global' or 'packed')",
+                 "clip": "(a clip's frames: use video_budget 'per_frame' or 'adaptive_frames', each frame its own "
+                         "selection, not 'clip', one selection over every frame's tokens)"}
 
 
-def unit_grid(item: VisualItem, idx) -> tuple[int, int]:
+def not_a_rectangle(media: str = "image") -> str:
+    """Why a grid method cannot run on a unit that is no one view's rectangle, and the option that fixes it for
+    ``media`` ("image": ``budget_mode``; "clip": ``video_budget``)."""
+    return NOT_A_RECTANGLE + RECTANGLE_FIX[media]
+
+
+def unit_grid(item: VisualItem, idx, media: str = "image") -> tuple[int, int]:
     """``(rows, cols)`` of the candidates ``idx`` (host indices) of one unit, which must fill a rectangle of one view's
     grid in raster order (LLaVA's image, a LLaVA-NeXT view after unpadding, Qwen2.5-VL's / Qwen3-VL's merged grid, a
-    LLaVA-OneVision view as fed: ``VisualItem.cells``). Reads the item's host index (:func:`host_index`)."""
+    LLaVA-OneVision view as fed: ``VisualItem.cells``; a clip's frame). Reads the item's host index
+    (:func:`host_index`). Otherwise a ValueError naming the option that fixes it for ``media``
+    (:func:`not_a_rectangle`)."""
     host = host_index([item])[0]
     idx = np.asarray(idx)
     grid = host.grid_index[idx]
     if not (grid >= 0).all():  # newline tokens (packed) have no place in a view
-        raise ValueError(NOT_A_RECTANGLE)
+        raise ValueError(not_a_rectangle(media))
     if host.cells is not None:  # (row, col) in the grid the view is fed as
         r, c = host.cells[idx, 0], host.cells[idx, 1]
         same_view = bool((host.groups[idx] == host.groups[idx[0]]).all())
@@ -227,7 +239,7 @@ def unit_grid(item: VisualItem, idx) -> tuple[int, int]:
     height, width = int(r.max() - r.min()) + 1, int(c.max() - c.min()) + 1
     raster = (r - r.min()) * width + (c - c.min())
     if not same_view or height * width != idx.shape[0] or not np.array_equal(raster, np.arange(idx.shape[0])):
-        raise ValueError(NOT_A_RECTANGLE)
+        raise ValueError(not_a_rectangle(media))
     return height, width
 
 
@@ -247,17 +259,19 @@ class _Part:
 
 
 def select_items(items: list[VisualItem], budget: int, method: str, options: dict,
-                 mode: str = "per_crop", order: str = "raster", view_budget: int | None = None) -> list[ItemSelection]:
+                 mode: str = "per_crop", order: str = "raster", view_budget: int | None = None,
+                 media: str = "image") -> list[ItemSelection]:
     """Run ``method`` on every image; returns one :class:`ItemSelection` per item, its ``kept`` in ``order``
     ("raster": ascending; "selection": as picked; "stages": salient ascending, then the rest ascending; the views
     of LLaVA-NeXT follow each other in view order). ``view_budget``: each view's tokens under "view_quota".
-    Kept candidates outside the run (``run_pos < 0``: padding the model's unpadding drops) are left out."""
+    Kept candidates outside the run (``run_pos < 0``: padding the model's unpadding drops) are left out. ``media``
+    ("image" or "clip": the items' views are a clip's frames) picks the option a grid method's refusal names."""
     spec = promprune.method_spec(method)
     options = {**options, "order": "ascending" if order == "raster" else "selection"}
     hosts = host_index(items)
     buckets: dict[tuple, list[Unit]] = {}
     for unit in _units(items, hosts, budget, mode, view_budget):
-        grid = unit_grid(items[unit.item], unit.idx) if spec.needs_grid else None
+        grid = unit_grid(items[unit.item], unit.idx, media) if spec.needs_grid else None
         buckets.setdefault((unit.idx.shape[0], unit.budget, grid), []).append(unit)
     calls = [_inputs(items, group, spec) for group in buckets.values()]
     checked = _all_finite([t for call in calls for t in checked_inputs(call["features"], call["saliency"],

@@ -72,8 +72,8 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     "token_order": "raster",
     # Video (the families whose adapter handles clips, promprune.models.video.video_families()): how the budget meets
     # a clip's frames (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame
-    # one selection); "clip": one selection over every frame's tokens; "adaptive_frames": shares by each frame's
-    # spectral entropy.
+    # one selection); "clip": one selection over every frame's tokens (refused with a grid method, one that pools a
+    # view's token grid: downsample; validate_method); "adaptive_frames": shares by each frame's spectral entropy.
     "video_budget": "per_frame",
     # Video, PromPrune: where its entropy and saliency/coverage split come from. "unit": each selection of
     # video_budget (per frame, or over the clip); "clip": the clip's entropy splits every frame's share (with
@@ -207,6 +207,12 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
     spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
     budget = as_budget(budget, method)
     resolved = spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's checks
+    if spec.needs_grid and adapter["video_budget"] == "clip":  # a grid method (downsample) pools one view's rectangle
+        raise OptionError("video_budget", f"option video_budget='clip' makes one selection over every frame of a clip, "
+                          f"and method {method!r} pools one view's token grid (a rectangle of one frame), which that "
+                          "selection's tokens are not: every clip would fail. Use video_budget='per_frame' (the "
+                          "default: the budget split evenly over the frames) or 'adaptive_frames' (shares by each "
+                          f"frame's entropy), each frame its own selection; or leave {method!r} out of this run")
     if mode == "packed" and spec.stage == promprune.PRE_LLM and (spec.needs_saliency or spec.reads_vision
                                                                  or spec.needs_instruction or spec.needs_grid):
         raise ValueError(f"budget_mode 'packed' makes one selection over the image's whole packed sequence (on "

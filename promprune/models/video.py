@@ -369,7 +369,8 @@ def plan(vlm, items: list[VisualItem], budget_option: str, split: str):
     mode = FRAME_MODES[budget_option]
     natural = split == "unit" or (split == "clip") == (budget_option == "clip")
     if natural:  # the method's own entropy / split on each selection unit
-        return select_items(items, vlm.budget, vlm.method, vlm.method_options, mode=mode, order=vlm.token_order)
+        return select_items(items, vlm.budget, vlm.method, vlm.method_options, mode=mode, order=vlm.token_order,
+                            media="clip")
     return [_split_across(vlm, item, mode, split) for item in items]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import promprune
 from promprune.models import PrunedVLM
 from promprune.models.options import all_methods, is_in_llm, validate_method
 from promprune.models.tiny import tiny_vlm
@@ -421,6 +422,38 @@ def test_video_split_needs_promprune(method, split):
     assert unpruned[0].visual_tokens == PER_FRAME["qwen2_5_vl"]
     with pytest.raises(ValueError, match="video_budget"):
         vlm_for("qwen2_5_vl", "divprune", 6, video_budget="frames")
+
+
+GRID_METHODS = [m for m in all_methods() if promprune.method_spec(m).needs_grid]  # methods that pool a view's grid
+
+
+@pytest.mark.parametrize("method", GRID_METHODS)
+def test_grid_method_refuses_a_clip_budget(method):
+    """A grid method (``needs_grid``: downsample) pools one view's token grid, and video_budget "clip" selects over
+    every frame at once: every clip failed at run time (the sweep exited 0 with every sample failed). Refused when
+    built and when options are checked (no model), naming the option and its fix; per-frame budgets run."""
+    match = (f"video_budget='clip'.*{method!r} pools one view's token grid.*video_budget='per_frame'.*"
+             "'adaptive_frames'")
+    with pytest.raises(ValueError, match=match) as refused:
+        validate_method(method, 8, video_budget="clip")
+    assert getattr(refused.value, "option", None) == "video_budget"
+    with pytest.raises(ValueError, match=match):
+        vlm_for("llava_onevision", method, 8, video_budget="clip")
+    clip = [scene_clip(index=3, frames=FRAMES)]
+    for video_budget in ("per_frame", "adaptive_frames"):
+        out = vlm_for("llava_onevision", method, 8, video_budget=video_budget).generate_video(clip, ["q"],
+                                                                                              max_new_tokens=1)
+        assert out[0].visual_tokens == 8
+
+
+def test_grid_method_runtime_refusal_names_the_clip_option():
+    """Past the up-front check (options changed after building), a clip whose selection is no one frame's rectangle
+    is refused naming video_budget, a clip's option (it named the image option budget_mode, which a clip ignores)."""
+    vlm = vlm_for("llava_onevision", "downsample", 8)
+    vlm.adapter.options["video_budget"] = "clip"
+    with pytest.raises(ValueError, match=r"use video_budget 'per_frame' or 'adaptive_frames'.*not 'clip'") as refused:
+        vlm.prepare_video([scene_clip(index=3, frames=FRAMES)], ["q"])
+    assert "budget_mode" not in str(refused.value)
 
 
 def test_video_needs_a_video_model(tmp_path):

@@ -317,6 +317,36 @@ def test_sweep_refuses_a_spec_for_another_command_naming_it(tmp_path):
     assert "command" not in specs.dump_resolved(marked)
 
 
+GRID_CLIP_PROBLEM = ("option video_budget='clip' makes one selection over every frame of a clip, and method "
+                     "'downsample' pools one view's token grid")
+
+
+def test_cli_refuses_a_grid_method_with_a_clip_budget_before_starting_ray(tmp_path):
+    """downsample (a grid method) under model.options.video_budget: clip failed every clip while the check passed and
+    the sweep exited 0 (sweeps/extended_models_video_clip.yaml v2's three downsample trials). Refused per trial,
+    exit 2, naming the option and its fix, whether the grid, an explicit trial or --set brings the pair together."""
+    text = MINIMAL.replace("[promprune, divprune]", "[promprune, downsample]")
+    clip = write(tmp_path, text + "model: {pretrained: tiny:llava_onevision, options: {video_budget: clip}}\n")
+    proc = subprocess.run([sys.executable, str(REPO / "pipelines" / "sweep.py"), "--config", str(clip),
+                           "--validate-only"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "2 problem(s)" in proc.stderr
+    for budget in (16, 8):
+        assert f"  - trial downsample-b{budget}: {GRID_CLIP_PROBLEM}" in proc.stderr
+    assert "Use video_budget='per_frame' (the default: the budget split evenly over the frames) or 'adaptive_frames'" \
+        in proc.stderr
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+    per_frame = write(tmp_path, text + "model: {pretrained: tiny:llava_onevision}\n", "per_frame.yaml")
+    assert len(specs.expand(specs.load(per_frame))) == 5  # 4 trials + the baseline: per frame, downsample runs
+    with pytest.raises(specs.SpecError) as e:
+        specs.load(per_frame, ["model.options.video_budget=clip"])
+    assert sorted(m.split(":")[0] for m in e.value.errors) == ["trial downsample-b16", "trial downsample-b8"]
+    listed = write(tmp_path, "name: t\nversion: 1\nmodel: {options: {video_budget: clip}}\ntrials:\n"
+                             "  - {method: downsample, budget: 4}\n", "listed.yaml")
+    with pytest.raises(specs.SpecError, match="trial downsample-b4: option video_budget='clip'"):
+        specs.load(listed)
+
+
 def test_evaluate_cli_refuses_a_bad_video_frames_before_starting_ray(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "pipelines" / "evaluate.py"), "--video-frames", "0",
                            "--no-mlflow"], capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -125,6 +125,24 @@ def test_table6_extended_measures_every_implemented_method():
     assert {t.budget for t in trials if t.method} == {320} and sum(t.method is None for t in trials) == 1
 
 
+def test_video_clip_spec_runs_the_video_methods_but_the_grid_ones():
+    """extended_models_video_clip.yaml (one budget over the clip) listed downsample, which pools one frame's token grid
+    (``needs_grid``): its 3 trials failed every clip while the spec passed its check. It runs the per-frame spec's
+    methods but the grid ones, at its budgets, every trial one its check and the library accept."""
+    import promprune
+    from promprune.models.options import validate_method
+
+    per_frame, frame_trials = trials_of("extended_models_video")
+    clip, clip_trials = trials_of("extended_models_video_clip")
+    assert per_frame.model.options["video_budget"] == "per_frame" and clip.model.options["video_budget"] == "clip"
+    grid_methods = {m for m in promprune.methods(None) if promprune.method_spec(m).needs_grid}
+    assert grid_methods == {"downsample"} and grid_methods <= {t.method for t in frame_trials}  # the control runs
+    assert {t.method for t in clip_trials if t.method} == {t.method for t in frame_trials if t.method} - grid_methods
+    assert {t.budget for t in clip_trials if t.method} == {784, 392, 196} and len(clip_trials) == 10 * 3 + 1
+    for trial in clip_trials:
+        validate_method(trial.method, trial.budget, **{**clip.model.options, **trial.options})
+
+
 def test_table6_measures_latency_one_sample_at_a_time():
     loaded, _ = trials_of("table6_efficiency")
     assert loaded.resources.batch_size == 1 and loaded.model.options["budget_mode"] == "released"
