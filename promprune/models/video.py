@@ -86,9 +86,12 @@ def is_video_path(value) -> bool:
 def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]:
     """``(frames [F, H, W, 3] uint8, fps of the sampled frames)``: ``frames`` frames at uniformly spaced indices
     (first to last, rounded down: ``np.linspace(..., dtype=int)``, lmms-eval's own sampling in its video loader and
-    its LLaVA-OneVision and Qwen2.5-VL models) of a video file, decoded with PyAV. Where the stream states its frame
-    count, only the picked frames are kept in memory (a long clip held every decoded frame); where the count is
-    missing or off what decodes, every frame is decoded and the picks made from what was decoded.
+    its LLaVA-OneVision and Qwen2.5-VL models) of a video file, decoded with PyAV. The picks are those of the frames
+    that decode, and only picked frames are ever converted to RGB and held (at most ``frames`` at once, whatever the
+    clip's length): one pass keeps the picks of the count the stream states (else, Matroska / WebM stating none, of
+    its stated duration times its rate); where what decodes is another count whose picks that pass did not keep, a
+    second pass decodes again and keeps the missing ones (a pass that kept every frame held a 10-minute 1080p WebM
+    whole, ~110 GB).
 
     A cut-off file is refused (:class:`TruncatedVideo`, a ValueError; the request path records it as one failed
     sample, as it records an image's truncated bytes) rather than answered on what decodes: a decode error after
@@ -109,7 +112,7 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
     the file itself (MPEG-TS / PS: from the last timestamps there are, which a cut moves), is refused only on a
     decode error, never on how many frames decoded. (A file that lost under the slack decodes, its picks spread
     over what remains.)"""
-    got = _decode(path, frames, by_stated=True)
+    got = _decode(path, frames)
     short = _short_by(got)
     if short is not None:
         of = f" of {got.stated}" if got.stated > 0 else ""
@@ -117,12 +120,16 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
                              f"the {got.stated_end:.3f} s the stream states ({short:.3f} s short; at most "
                              f"{time_slack(got.stated_end - got.start, got.interval):.3f} s, the larger of 2 frame "
                              "intervals and 5%, is taken as a sound file's)")
-    kept, count, stated, rate = got[:4]
-    if stated > 0 and count != stated:  # the stated count is off what decodes: pick again from every frame
-        kept, count, _, rate = _decode(path, frames, by_stated=False)[:4]
+    kept, count, rate = got.kept, got.count, got.rate
     if not count:
         raise ValueError(f"{path}: no video frames decoded")
     picks = _frame_picks(count, frames)
+    if not set(picks.tolist()) <= kept.keys():  # the count that decodes is not the one picked from: pick again
+        reuse = {i: kept[i] for i in picks.tolist() if i in kept}
+        del got, kept  # the first pass's other frames, freed before the second (at most `frames` held at once)
+        kept = _decode(path, frames, total=count, reuse=reuse).kept
+        if not set(picks.tolist()) <= kept.keys():
+            raise ValueError(f"{path}: {count} frames decoded, then fewer on a second pass over the file")
     fps = DEFAULT_FPS if rate is None or len(picks) < 2 else rate * (len(picks) - 1) / max(picks[-1] - picks[0], 1)
     return np.stack([kept[i] for i in picks]), fps
 
@@ -154,7 +161,7 @@ def _frame_picks(total: int, frames: int) -> np.ndarray:
 class _Decoded(NamedTuple):
     """What one pass over a video file gives (:func:`_decode`)."""
 
-    kept: dict  # {index: [H, W, 3] uint8}
+    kept: dict  # {index: [H, W, 3] uint8}: the picks the pass kept
     count: int  # frames decoded
     stated: int  # frame count the stream states (0: none)
     rate: float | None  # the stream's average rate
@@ -164,9 +171,10 @@ class _Decoded(NamedTuple):
     interval: float  # seconds: one frame interval (0: unknown)
 
 
-def _decode(path, frames: int, by_stated: bool) -> _Decoded:
-    """One pass over a video file's frames (:class:`_Decoded`). ``by_stated``: keep only the picks of the stated
-    count (every frame where it states none); else every frame."""
+def _decode(path, frames: int, total: int | None = None, reuse: dict | None = None) -> _Decoded:
+    """One pass over a video file's frames (:class:`_Decoded`), converting to RGB and keeping only the ``frames``
+    picks of ``total`` frames (None: the count the stream states, else its stated duration times its average rate,
+    else none); ``reuse``: frames ``{index: [H, W, 3]}`` a previous pass kept, taken where they are picks."""
     import av
 
     with av.open(os.fspath(path)) as container:
@@ -176,12 +184,15 @@ def _decode(path, frames: int, by_stated: bool) -> _Decoded:
         guessed = rate or (float(stream.guessed_rate) if stream.guessed_rate else None)
         interval = 1.0 / guessed if guessed else 0.0
         start, stated_end = _stated_span(container, stream)
-        wanted = set(_frame_picks(stated, frames).tolist()) if by_stated and stated > 0 else None
-        kept, count, last = {}, 0, None
+        if total is None:
+            total = stated or (round((stated_end - start) * rate) if stated_end is not None and rate else 0)
+        wanted = set(_frame_picks(total, frames).tolist()) if total > 0 else set()
+        kept = {i: array for i, array in (reuse or {}).items() if i in wanted}
+        count, last = 0, None
         try:
             for i, frame in enumerate(container.decode(stream)):
                 count, last = i + 1, frame
-                if wanted is None or i in wanted:
+                if i in wanted and i not in kept:
                     kept[i] = frame.to_ndarray(format="rgb24")
         except av.error.FFmpegError as err:
             if not count:
