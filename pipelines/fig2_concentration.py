@@ -5,12 +5,14 @@ GPT-4o rate each image's semantic concentration from 1 (highly distributed) to 5
 prompt of its Fig. B1, and plotted, per rating, the mean of three normalized entropies of LLaVA-1.5-7B's projected
 visual tokens: spectral (the method's), feature-norm and attention entropy. This script does the same:
 
-1. setup: the spec (``sweeps/fig2_concentration.yaml``), the judge's key and endpoint (a missing key or a URL without
-   http(s) exits 2 in seconds, nothing loaded), ``--cache`` and ``--judge-workers``, and what a sweep's preflight
-   checks of what this script runs (``pipelines.preflight.preflight`` with ``evaluates=False``: the ``PROMPRUNE_*``
-   environment, the tasks, the model and its budget, what its construction with PromPrune and the spec's adapter
-   options would refuse, the MLflow store and experiment name); the ratings cached by earlier runs (the latest
-   ``fig2_concentration`` run's ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
+1. setup: the spec (``sweeps/fig2_concentration.yaml``; one whose ``command`` is not ``fig2_concentration``, a
+   sweep's, is refused naming the command that runs it), the judge's key and endpoint (a missing key or a URL
+   without http(s) exits 2 in seconds, nothing loaded), ``--cache``, ``--out`` (a folder the files can go in) and
+   ``--judge-workers``, and what a sweep's preflight checks of what this script runs
+   (``pipelines.preflight.preflight`` with ``evaluates=False``: the ``PROMPRUNE_*`` environment, the tasks, the
+   model and its budget, what its construction with PromPrune and the spec's adapter options would refuse, the
+   MLflow store and experiment name); the ratings cached by earlier runs (the latest ``fig2_concentration`` run's
+   ``judge/ratings.json`` artifact, plus the local ``--cache`` file);
 2. images: ``limit`` documents of each task, every k-th from a seeded start (``calibration.seed``), so they span
    the whole benchmark (POPE's three splits, MME's subtasks) and only they are decoded (``build_requests``); where
    the cache lacks a rating of one, the judge answers one test request about a small image, no retries (a refused
@@ -36,8 +38,8 @@ visual tokens: spectral (the method's), feature-norm and attention entropy. This
 Key and endpoint as for MM-Vet's judge: ``API_TYPE`` (openai | azure...) picks ``OPENAI_API_KEY`` or
 ``AZURE_API_KEY``; ``OPENAI_BASE_URL`` (or ``--judge-base-url``) the endpoint (``pipelines/judge.py``).
 Exit codes: 0 done; 1 the judge failed for good midway, or rated no image (what was rated is cached); 2 bad input
-(no key, a key the endpoint refuses, an endpoint that does not answer, a bad ``--cache`` or ``--judge-workers``, a
-bad spec, task, model or store).
+(no key, a key the endpoint refuses, an endpoint that does not answer, a bad ``--cache``, ``--out`` or
+``--judge-workers``, a spec for another command, a bad spec, task, model or store).
 """
 from __future__ import annotations
 
@@ -126,9 +128,13 @@ def setup(args: argparse.Namespace):
         spec = specs.load(args.config, overrides(args))
     except specs.SpecError as exc:
         raise specs.SpecError(problems + exc.errors, args.config) from None
+    # a sweep's spec (sweeps/quickstart.yaml) ran here silently, a figure of nothing; refused naming its command
+    specs.check_command(spec, "fig2_concentration", args.config)
     if not args.cache:
         default = rating_cache_path(args, spec)
         problems += check_cache(default, f"the rating cache {default} (the default of --cache)")
+    # the files are written after the judge was paid and the model ran: a folder they cannot go in was an OSError then
+    problems += [p for p in [paths.out_problem(out_dir(args, spec), "the figure", default=not args.out)] if p]
     plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
     if not spec.limit or spec.limit < 1:
         problems.append("limit: images per task; must be a positive int (the paper: 100)")
@@ -142,6 +148,11 @@ def setup(args: argparse.Namespace):
     if problems:
         raise specs.SpecError(problems, args.config)
     return spec, judge, budget
+
+
+def out_dir(args: argparse.Namespace, spec) -> Path:
+    """``--out``, else ``reports/<spec name>``."""
+    return Path(args.out or Path("reports") / spec.name)
 
 
 def rating_cache_path(args: argparse.Namespace, spec) -> Path:
@@ -355,7 +366,7 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
         images = [decode_image(q.image, f"{q.task} doc {q.doc_id}") for q in requests]
         values = entropies(spec, budget, images)
         frame = table(requests, ratings, values)
-        out = Path(args.out or Path("reports") / spec.name)
+        out = out_dir(args, spec)
         figure = log_outputs(client, run_id, frame, out, spec, judge)
         counts = {"judge/cached": sum(r.cached for r in ratings),
                   "judge/unparsable": sum(r.rating is None and r.error is None for r in ratings),

@@ -250,3 +250,22 @@ def refuses_file_writes(path: str | Path) -> str | None:
     except OSError as exc:
         return os.strerror(exc.errno) if exc.errno in REFUSED_ERRNOS else None
     return None
+
+
+def out_problem(out: Path, writer: str, *, default: bool = False) -> str | None:
+    """Why ``out`` cannot be the ``--out`` folder ``writer`` (``"the report"``) writes into, as one paragraph naming
+    --out and the fix (None: a folder it can write, or one it can make): it is a file, a file stands where one of its
+    parents would be, or the folder it would go in refuses a test write (`refuses_writes`). Checked without leaving
+    anything; ``default``: ``out`` is the default, not one given as --out."""
+    name = f"{'the default ' if default else ''}--out {out}"
+    fix = "give --out a folder you can write (it is made with its parents if missing)"
+    existing = out.absolute()
+    while not (existing.exists() or existing.is_symlink()):
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == out.absolute() else f"cannot be made: {existing} is a file"
+        return f"{name} {what}, not a folder; {fix}"
+    if refuses_writes(existing):
+        where = "" if existing == out.absolute() else f" in {existing}"
+        return f"{name}: {writer} cannot write{where} (permission denied); {fix}"
+    return None

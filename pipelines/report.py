@@ -30,7 +30,7 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "pyproject.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: its packages first
 
 from pipelines.mlflow_layout import sqlite_path, tracking_uri
-from pipelines.paths import refuses_file_writes, refuses_writes
+from pipelines.paths import out_problem, refuses_file_writes, refuses_writes
 
 PROBE_TIMEOUT_S = 5.0  # one request: a server that is down refuses at once, one that never answers times out
 
@@ -117,30 +117,11 @@ def _unreadable_sqlite(uri: str, path: Path, fix: str) -> str | None:
     return None
 
 
-def out_problem(out: Path, *, default: bool = False) -> str | None:
-    """Why ``out`` cannot be the report's folder (None: it is a folder the report can write, or one it can make): it
-    is a file, a file stands where one of its parents would be, or the folder it would go in refuses a test write.
-    Checked without leaving anything (the test write removes its file); ``default``: ``out`` is the default, not one
-    given as --out."""
-    name = f"{'the default ' if default else ''}--out {out}"
-    fix = "give --out a folder you can write (it is made with its parents if missing)"
-    existing = out.absolute()
-    while not (existing.exists() or existing.is_symlink()):
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "is a file" if existing == out.absolute() else f"cannot be made: {existing} is a file"
-        return f"{name} {what}, not a folder; {fix}"
-    if refuses_writes(existing):
-        where = "" if existing == out.absolute() else f" in {existing}"
-        return f"{name}: the report cannot write{where} (permission denied); {fix}"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     uri = tracking_uri(args.tracking_uri)
     # before the report's imports (pandas, matplotlib), MLflow's minutes of retries and loading the sweep
-    problem = (out_problem(Path(args.out or "reports"), default=not args.out)
+    problem = (out_problem(Path(args.out or "reports"), "the report", default=not args.out)
                or store_problem(uri, write=not args.no_log))
     if problem:
         print(f"report: {problem}", file=sys.stderr)
@@ -158,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {err}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / safe_dir_name(sweep.name)
-    problem = None if args.out else out_problem(out, default=True)  # the default's folder, now the sweep names it
+    # the default's folder, now the sweep names it
+    problem = None if args.out else out_problem(out, "the report", default=True)
     if problem:
         print(f"report: {problem}", file=sys.stderr)
         return 2

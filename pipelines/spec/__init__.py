@@ -67,7 +67,8 @@ def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) 
 
 def check_command(spec: SweepSpec, command: str, source: str) -> None:
     """Raises SpecError when the spec is written for another entry point than ``command`` (its `command` field): a
-    spec for pipelines/fig2_concentration.py run as a sweep would spend hours on the wrong thing without a word."""
+    spec for pipelines/fig2_concentration.py run as a sweep would spend hours on the wrong thing without a word, and a
+    sweep's spec run by fig2_concentration.py drew a figure of nothing (Spearman nan)."""
     if spec.command != command:
         raise SpecError([f"command: {spec.command}: this spec is for {COMMANDS[spec.command]}, not "
                          f"{COMMANDS[command]}"], source,

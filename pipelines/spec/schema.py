@@ -279,7 +279,7 @@ class SweepSpec:
                            "(NUL, newline, tab)")]
     version: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
     description: Annotated[StrictStr, expect("str")] = ""
-    # the entry point the spec is written for (`COMMANDS`): sweep.py refuses a spec for another one. Not part of the
+    # the entry point the spec is written for (`COMMANDS`): each refuses a spec for another one. Not part of the
     # resolved spec (`to_dict`): it names who runs the spec, not what a run does, so a run's fingerprint is unchanged
     command: one_of(*COMMANDS) = "sweep"
     # modules that register methods (promprune.register_method), imported before the methods are checked and in

@@ -173,6 +173,42 @@ def test_a_bad_cache_or_worker_count_is_refused_up_front(cli, tmp_path, monkeypa
                                f"{workers}")
 
 
+def test_an_out_folder_that_cannot_be_written_is_refused_up_front(cli, tmp_path, monkeypatch, read_only):
+    """``--out`` a file, below a file, or in a folder that refuses writes: refused in setup, exit 2, before the judge
+    is asked or the model loads (it was an OSError traceback from ``out.mkdir``, exit 1, after both). The default
+    (``reports/<spec name>`` in the working directory) is checked the same way."""
+    nothing_loaded(monkeypatch)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    read_only(locked)
+    with FakeOpenAI(key="k") as server:
+        monkeypatch.setenv("OPENAI_API_KEY", "k")
+        for out, said in [(afile, f"--out {afile} is a file, not a folder"),
+                          (afile / "sub", f"--out {afile / 'sub'} cannot be made: {afile} is a file, not a folder"),
+                          (locked / "sub", f"--out {locked / 'sub'}: the figure cannot write in {locked} (permission "
+                                           "denied); give --out a folder you can write")]:
+            assert_clean_error(cli("--judge-base-url", server.base_url, "--out", str(out)), "1 problem(s)", said)
+        monkeypatch.chdir(locked)  # the default, reports/fig2_concentration, in a working directory that refuses it
+        code = fig2.main(["--model", "tiny:llava", "--tasks", "easyvqa_yesno", "--n", "4", "--cache",
+                          str(tmp_path / "cache.json"), "--judge-base-url", server.base_url])
+        assert code == 2
+        assert server.count == 0  # the judge was not asked
+
+
+def test_a_spec_for_another_command_is_refused_naming_it(cli, monkeypatch):
+    """A sweep's spec (``command: sweep``, the default) given to this script ran silently: exit 0, a figure of the
+    sweep's tasks, Spearman nan. Refused as sweep.py refuses this script's spec (`specs.check_command`), naming the
+    command that runs it, before the judge or the model."""
+    nothing_loaded(monkeypatch)
+    quickstart = str(fig2.REPO / "sweeps" / "quickstart.yaml")
+    proc = cli("--config", quickstart, "--judge-base-url", "http://127.0.0.1:9/v1")
+    assert_clean_error(proc, "1 problem(s)",
+                       "command: sweep: this spec is for pipelines/sweep.py, not pipelines/fig2_concentration.py",
+                       f"run it with: python pipelines/sweep.py --config {quickstart}")
+
+
 @pytest.mark.parametrize("answer,needle", [
     ((400, "the image could not be read", {}), "4 judge request(s) failed (the last: the judge endpoint"),
     ((200, "It is hard to say.", {}), "4 replies held no 1-5 score (e.g. 'It is hard to say.'"),
