@@ -2,7 +2,8 @@
 of imports): a spec file too large to be a spec, one that cannot be read (missing, malformed YAML, a bad ``--set``),
 and a ``--resume`` of a run whose driver is alive.
 
-`pipelines/sweep.py` run as a script calls `refuse_early` before its own imports; the full checks after them
+`pipelines/sweep.py` run as a script calls `refuse_early` before its own imports (and `not_started_on_interrupt`,
+so a Ctrl-C during them ends it as one before the sweep starts, exit 130); the full checks after them
 (`pipelines.spec`, `pipelines.preflight`, `pipelines.run.state`) say the same things, so this only ever refuses
 sooner, never accepts: what it cannot judge here (the fields of a spec that reads, whose problems come in one message
 with the methods' and the plugins', remote storage) it leaves to them.
@@ -29,6 +30,8 @@ MAX_SPEC_BYTES = 4 << 20  # a spec is a few KB of YAML; more than this is read n
 STATE_DIR = "_promprune_state"  # beside Tune's experiments: each run's state, lock and outbox
 LOCK_SUFFIX = ".lock"
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM
+NOT_STARTED = "interrupted before the sweep started; run the same command again"
 
 
 def too_large(path: str | Path) -> str | None:
@@ -222,3 +225,24 @@ def peek(config: str, overrides: list[str]) -> tuple[str | None, str]:
     if not isinstance(name, str) or not (storage is None or isinstance(storage, str)):
         return None, ""
     return name, storage or os.environ.get(paths.STORAGE_ENV) or paths.default_storage()
+
+
+def not_started_on_interrupt(on: bool = True) -> None:
+    """``on``: from now on Ctrl-C or SIGTERM ends the process as `pipelines/sweep.py`'s ``main`` ends it before the
+    sweep starts: `NOT_STARTED` on stderr, exit 130 (`EXIT_INTERRUPTED`). For the script's module-level imports
+    (Ray, Tune, torch: 10 s and more), where a Ctrl-C was a 40-line KeyboardInterrupt traceback from inside an
+    import, exit 1. ``on=False`` (before ``main``) gives both signals back to Python's defaults, SIGINT's
+    KeyboardInterrupt for ``main``'s own handling.
+
+    The handler ends the process with ``os._exit``: nothing has started that needs stopping, and an exception
+    raised where the signal may land, importlib's module-lock bookkeeping, is swallowed there ("Exception
+    ignored") and the import goes on (``pipelines.sweep.stop_on_sigterm``)."""
+    import signal
+
+    def not_started(signum, frame):
+        sys.stdout.flush()
+        print(f"\n{NOT_STARTED}", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    signal.signal(signal.SIGINT, not_started if on else signal.default_int_handler)
+    signal.signal(signal.SIGTERM, not_started if on else signal.SIG_DFL)

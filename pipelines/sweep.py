@@ -50,18 +50,8 @@ driver: setup, the Tune run, the summary, the CLI.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import math
 import os
-import pickle
-import socket
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 if __name__ == "__main__":
     # run from a checkout: its packages first, whichever checkout pip installed (an editable install of another clone
@@ -73,9 +63,21 @@ if __name__ == "__main__":
     # run as a script: refused in about a second, before the imports below load Ray and torch (10 s and more): a
     # spec file too large to be one or that cannot be read, a --resume whose run's driver is alive
     # (pipelines/frontdoor.py)
-    from pipelines.frontdoor import refuse_early
+    from pipelines.frontdoor import not_started_on_interrupt, refuse_early
 
+    not_started_on_interrupt()  # a Ctrl-C during these checks and the imports: NOT_STARTED, exit 130 (a traceback)
     refuse_early(sys.argv[1:])
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import pickle
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import ray
 from ray import tune
@@ -83,7 +85,7 @@ from ray import tune
 from promprune.records import Request, key_task
 
 from pipelines import calibration, mlflow_layout, paths, plugins, preflight
-from pipelines.frontdoor import add_spec_args
+from pipelines.frontdoor import EXIT_INTERRUPTED, NOT_STARTED, add_spec_args
 from pipelines.console import progress, quiet, say
 from pipelines import spec as specs
 from pipelines.spec import space
@@ -108,7 +110,7 @@ from pipelines.weights import prepare_model, share
 # exit codes: 1 some trial failed, 2 bad input (spec, model, tasks, store, Ray address, disk space) or the worker
 # pool lost (stopped, resumable), 3 a nightly
 # regression, 4 every trial ran but some are not in MLflow yet (the store did not answer), 130 interrupted (Ctrl-C)
-EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+EXIT_TRIALS_FAILED, EXIT_BAD_INPUT, EXIT_REGRESSION, EXIT_UNLOGGED = 1, 2, 3, 4  # EXIT_INTERRUPTED: frontdoor's
 
 # ----------------------------------------------------------------------------------------------------------------
 # setup
@@ -757,7 +759,6 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_TRIALS_FAILED if outcome.failed else 0
 
 
-NOT_STARTED = "interrupted before the sweep started; run the same command again"
 _TERMINATED = threading.Event()  # a SIGTERM came (stop_on_sigterm): waits that its interruption may miss look here
 
 
@@ -839,4 +840,5 @@ def exit_now(code: int) -> None:
 if __name__ == "__main__":
     from pipelines.sweep import exit_now, main as _main  # classes pickled by Tune must live in `pipelines.sweep`
 
+    not_started_on_interrupt(False)  # the imports are done: Ctrl-C is main's to handle
     exit_now(_main())

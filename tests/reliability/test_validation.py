@@ -2,6 +2,7 @@
 message without a traceback (issue: reliability scenarios 2, 4, 6 and 7)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,53 @@ def test_a_spec_that_cannot_be_read_is_refused_before_ray_and_torch(scratch, tmp
             specs.load_raw(config, extra[1:])
         assert (proc.returncode, refusal) == (2, f"error: {raised.value}"), refusal
         assert not {"torch", "ray"} & imported
+
+
+# runs sweep.py as a script (argv: the marker file, sweep.py, its arguments) with its first `import ray` held until
+# the test interrupts it: the signal lands in the module-level imports, after the early checks
+PAUSED_AT_IMPORT = """
+import runpy, sys, time
+from pathlib import Path
+
+class PauseAtRay:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray":
+            sys.meta_path.remove(self)
+            Path(MARKER).write_text("importing ray")
+            time.sleep(60)
+        return None
+
+MARKER, sys.argv = sys.argv[1], sys.argv[2:]
+sys.meta_path.insert(0, PauseAtRay())
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_the_sweep_imports_says_it_did_not_start(scratch, tmp_path):
+    """A probe's case: Ctrl-C in the first seconds of ``python pipelines/sweep.py`` (its imports of Ray, Tune and
+    torch after the early checks) printed a 40-line KeyboardInterrupt traceback from inside an import. It now ends as
+    a Ctrl-C while the spec is checked does (``test_a_signal_while_the_spec_is_checked_stops...``): the sweep did
+    not start, run the same command again, exit 130, no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipelines.frontdoor import NOT_STARTED
+
+    from .conftest import REPO
+
+    hook, marker = scratch(PAUSED_AT_IMPORT, "hook.py"), tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, str(hook), str(marker), str(REPO / "pipelines" / "sweep.py"),
+                             "--config", str(scratch())], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err.strip()) == (130, NOT_STARTED), out + err
+    assert not (tmp_path / "mlflow.db").exists()
 
 
 @pytest.mark.parametrize("flag", ["--help", "--he", "-h"])
