@@ -12,7 +12,8 @@ A plugin is a module that registers methods when it is imported (``@promprune.re
   environment shipped to this node), else from the path. A sweep's ``plugins:`` reach every Ray worker this way
   (``pipelines/plugins.py``).
 
-A plugin that fails to import is a :class:`PluginError` naming the plugin and the error.
+A plugin that fails to import (raises, or calls ``sys.exit()``) is a :class:`PluginError` naming the plugin and the
+error.
 """
 from __future__ import annotations
 
@@ -121,7 +122,9 @@ def _guarded(entry: str, load):
         return load()
     except PluginError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure of the plugin's own code is reported with its cause
+    # any failure of the plugin's own code is reported with its cause, a sys.exit() too (it ended the sweep
+    # silently, with the plugin's exit code); a Ctrl-C stays one
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         raise PluginError(f"plugin {entry!r} could not be imported: {describe(exc)}") from exc
 
 
@@ -132,7 +135,11 @@ def describe(exc: BaseException) -> str:
         return text
     frames = traceback.extract_tb(exc.__traceback__)
     own = [f for f in frames if "importlib" not in f.filename and f.filename != __file__]
-    return f"{text} ({own[-1].filename}:{own[-1].lineno})" if own else text
+    text = f"{text} ({own[-1].filename}:{own[-1].lineno})" if own else text
+    if isinstance(exc, SystemExit):
+        text += ("; a plugin is imported into the process that uses it (a sweep's driver, its workers) and must not "
+                 "end it: remove the sys.exit() / exit() call, or raise an exception that says what is wrong")
+    return text
 
 
 def load_entry_points() -> list[str]:
@@ -143,7 +150,7 @@ def load_entry_points() -> list[str]:
         package = getattr(ep.dist, "name", None) or "?"
         try:
             ep.load()
-        except Exception as exc:  # noqa: BLE001 - reported with its cause and where it comes from
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported with its cause and where it comes from
             raise PluginError(f"entry point {ep.name!r} = {ep.value!r} (group {GROUP}, package {package!r}) could "
                               f"not be imported: {describe(exc)}; fix or uninstall {package!r}") from exc
         names.append(ep.value.split(":")[0])

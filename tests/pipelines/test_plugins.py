@@ -124,6 +124,9 @@ def test_a_plugins_method_is_checked_like_ours(tmp_path, isolated):
     ("import not_a_module_anywhere\n", "ModuleNotFoundError: No module named 'not_a_module_anywhere' ("),
     ("def broken(:\n", "SyntaxError"),
     ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here ("),
+    # sys.exit() ended the sweep silently with the plugin's code (3: a nightly regression's)
+    ("import sys\nsys.exit(3)\n", "SystemExit: 3 ("),
+    ("exit('bye')\n", "SystemExit: bye ("),
 ])
 def test_a_plugin_that_fails_to_import_is_the_one_problem(tmp_path, isolated, source, needle):
     write(tmp_path / "failing.py", source)
@@ -155,6 +158,24 @@ def test_a_broken_plugin_named_by_the_environment_is_a_problem_too(tmp_path, iso
     problems = plugins.load([])
     assert problems == [f"$PROMPRUNE_PLUGINS: plugin '{tmp_path / 'env_broken.py'}' could not be imported: "
                         f"ZeroDivisionError: division by zero ({tmp_path / 'env_broken.py'}:1)"]
+
+
+def test_an_entry_point_that_calls_sys_exit_is_a_problem_not_the_end(monkeypatch):
+    """An installed package's ``promprune.methods`` entry point whose module calls sys.exit() at import: one problem
+    naming the entry point and its package, as one that raises (the process ended with its exit code)."""
+    from types import SimpleNamespace
+
+    def load():
+        raise SystemExit(3)
+
+    ep = SimpleNamespace(name="norm", value="exiting.methods", dist=SimpleNamespace(name="exiting"), load=load)
+    monkeypatch.setattr(library, "entry_points", lambda group: [ep])
+    assert plugins.load([]) == ["plugins: entry point 'norm' = 'exiting.methods' (group promprune.methods, package "
+                                "'exiting') could not be imported: SystemExit: 3 (" + __file__ + ":" +
+                                str(load.__code__.co_firstlineno + 1) + "); a plugin is imported into the process "
+                                "that uses it (a sweep's driver, its workers) and must not end it: remove the "
+                                "sys.exit() / exit() call, or raise an exception that says what is wrong; fix or "
+                                "uninstall 'exiting'"]
 
 
 def test_a_module_name_that_is_not_importable_says_how_to_name_a_file(isolated):
