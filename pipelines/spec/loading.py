@@ -83,7 +83,9 @@ def _load_with_includes(path: Path, seen: tuple) -> dict:
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f"line {where.line + 1}, column {where.column + 1}: " if where is not None else ""
-        raise SpecError([f"malformed YAML: {line}{getattr(exc, 'problem', None) or exc}"], str(path)) from None
+        problem = str(getattr(exc, "problem", None) or exc)
+        fix = "; YAML indents with spaces only: replace the tab with spaces" if "'\\t'" in problem else ""
+        raise SpecError([f"malformed YAML: {line}{problem}{fix}"], str(path)) from None
     except OSError as exc:
         raise SpecError([f"cannot read the spec ({exc.strerror})"], str(path)) from None
     if not isinstance(data, dict):
@@ -152,8 +154,27 @@ def _apply_override(raw: dict, item: str, source: str) -> None:
         raise SpecError([f"override {item!r}: the value is not valid YAML; quote strings with special characters"],
                         source) from None
     node = raw
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise SpecError([f"override {item!r}: {k} is not a mapping"], source)
+            raise SpecError([f"override {item!r}: {not_a_mapping('.'.join(keys[:i + 1]), node)}"], source)
     node[keys[-1]] = parsed
+
+
+MAX_SHOWN_VALUE = 300  # characters of a field's value shown in `not_a_mapping`'s fix; a longer one is elided
+
+
+def not_a_mapping(field: str, value) -> str:
+    """Why ``--set <field>.<key>=...`` cannot reach into ``field`` (its ``value`` is a list or a scalar: --set walks
+    mappings only), and the fix: set the whole field, its value now shown to edit when short."""
+    if isinstance(value, list):
+        what = (f"a list ({len(value)} entr{'y' if len(value) == 1 else 'ies'}), and a dotted key reaches into "
+                "mappings only (it cannot index a list)")
+    else:
+        what = f"{value!r}, not a mapping with fields to set"
+    now = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10 ** 6).strip()
+    now = now.removesuffix("...").strip()  # a plain scalar's document end marker
+    shown = len(now) <= MAX_SHOWN_VALUE and "'" not in now
+    example = f"--set '{field}={now}' (its value now) with your change made in it" if shown else \
+        f"--set '{field}=[...]' with every entry written out" if isinstance(value, list) else f"--set '{field}=...'"
+    return f"{field} is {what}; set the whole field instead, e.g. {example}"

@@ -187,6 +187,32 @@ def test_an_override_given_twice_is_refused_naming_both(tmp_path):
         specs.load(path, ["grid.mu=[0.5]", "grid={budget: [8]}"])
 
 
+def test_a_dotted_override_into_a_list_or_a_value_says_to_set_the_whole_field(tmp_path):
+    """``--set trials.0.tau=0.5`` said "trials is not a mapping" and no fix: the message now says a dotted key cannot
+    index a list and shows the whole field to set, its value now (then the edited list is taken)."""
+    path = write(tmp_path, MINIMAL + "trials: [{method: promprune, budget: 16, tau: 0.03}]\n")
+    with pytest.raises(specs.SpecError) as err:
+        specs.load(path, ["trials.0.tau=0.5"])
+    assert err.value.errors == [
+        "override 'trials.0.tau=0.5': trials is a list (1 entry), and a dotted key reaches into mappings only (it "
+        "cannot index a list); set the whole field instead, e.g. --set 'trials=[{method: promprune, budget: 16, tau: "
+        "0.03}]' (its value now) with your change made in it"]
+    [trial] = specs.load(path, ["trials=[{method: promprune, budget: 16, tau: 0.5}]"]).trials
+    assert trial["tau"] == 0.5
+    with pytest.raises(specs.SpecError) as err:
+        specs.load(path, ["name.x=1"])
+    assert err.value.errors == ["override 'name.x=1': name is 't', not a mapping with fields to set; set the whole "
+                                "field instead, e.g. --set 'name=t' (its value now) with your change made in it"]
+
+
+def test_a_tab_that_indents_a_spec_says_to_indent_with_spaces(tmp_path):
+    path = write(tmp_path, "name: t\nversion: 1\ngrid:\n\tmethod: [random]\n")
+    with pytest.raises(specs.SpecError) as err:
+        specs.load(path)
+    assert err.value.errors == ["malformed YAML: line 4, column 1: found character '\\t' that cannot start any token; "
+                                "YAML indents with spaces only: replace the tab with spaces"]
+
+
 def test_a_bad_grid_axis_or_trial_hides_no_other_problem(tmp_path):
     """A schema problem in the grid or the trials stopped the checks of option values: an inherited grid.mu
     mistake hid a saliency_ratio out of range until it was fixed. Each is reported in the first run now."""
