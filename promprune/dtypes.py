@@ -36,6 +36,17 @@ def canonical_dtype(name, *, allow_auto: bool = False) -> str:
     return DTYPES[key]
 
 
+def dtype_problem(dtype) -> str | None:
+    """Why ``dtype`` (a name, a torch dtype; None / "auto": the checkpoint's own) cannot be a model's dtype, as
+    :func:`canonical_dtype` words it (naming the valid ones), or None. No torch import: a torch dtype is read by its
+    name (``torch.int8``: none of :data:`CANONICAL_DTYPES`, refused; it failed in torch once the model was built)."""
+    try:
+        canonical_dtype(dtype, allow_auto=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def parse_dtype(name, *, allow_auto: bool = False):
     """A torch dtype from a dtype or a name in ``DTYPES`` (``"torch.float16"`` too); ``None``/``"auto"`` stay as they
     are when ``allow_auto``. An unknown name is a ValueError listing the valid ones."""

@@ -67,9 +67,17 @@ def model_attention_problems(model, method: str | None) -> list[str]:
 
 def device_problem(device_map) -> str | None:
     """Why the device string ``device_map`` cannot hold a model on this machine, or None (None, a mapping, a
-    strategy of :data:`DEVICE_STRATEGIES`, ``cpu``, a CUDA device this machine has, ``mps`` where torch has it)."""
+    strategy of :data:`DEVICE_STRATEGIES`, ``cpu``, a CUDA device this machine has, by name or by index as
+    transformers takes it (``3``: ``cuda:3``), ``mps`` where torch has it)."""
     import torch
 
+    if isinstance(device_map, bool) or (isinstance(device_map, int) and device_map < 0):
+        return (f"device_map {device_map!r} is not a device; use 'cpu', 'cuda' (or 'cuda:N', or the GPU's index N), "
+                "'auto' (CUDA when there is one), or a strategy spreading the model over GPUs ('balanced', "
+                "'balanced_low_0', 'sequential')")
+    if isinstance(device_map, int):  # transformers' GPU index: as 'cuda:N' (it was torch's "Found no NVIDIA driver")
+        problem = device_problem(f"cuda:{device_map}")
+        return problem and problem.replace(f"{f'cuda:{device_map}'!r}", f"{device_map} (GPU cuda:{device_map})", 1)
     if device_map is None or not isinstance(device_map, (str, torch.device)) or device_map in DEVICE_STRATEGIES:
         return None
     text = str(device_map)

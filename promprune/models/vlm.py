@@ -15,7 +15,7 @@ from transformers import LogitsProcessorList
 
 import promprune
 from promprune.efficiency import Stopwatch
-from promprune.dtypes import parse_dtype
+from promprune.dtypes import dtype_problem, parse_dtype
 from promprune.records import SampleStats
 
 from . import llm_hooks
@@ -300,11 +300,12 @@ class PrunedVLM:
         Refused before anything loads (:mod:`promprune.models.attention`), and checked again on the built model:
         ``dtype`` float64 with ``attn_implementation="eager"`` (NaN in left-padded rows), an in-LLM method with an
         attention other than "sdpa" / "eager", and a ``device_map`` this machine has no such device for ("cuda"
-        without a GPU, "mps", a typo).
+        or a GPU index without a GPU, "mps", a typo). Refused before anything loads too: a ``dtype`` that is none of
+        :data:`promprune.dtypes.DTYPES` (a typo, ``torch.int8``).
         """
         validate_method(method, budget, **dict(method_options))  # fail before loading anything
-        problem = precision_problem(dtype, attn_implementation) or device_problem(device_map) or \
-            in_llm_attention_problem(method, attn_implementation)
+        problem = dtype_problem(dtype) or precision_problem(dtype, attn_implementation) or \
+            device_problem(device_map) or in_llm_attention_problem(method, attn_implementation)
         if problem is not None:
             raise ValueError(problem)
         found = find_model_factory(name_or_path)

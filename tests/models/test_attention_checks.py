@@ -109,3 +109,31 @@ def test_devices_refused_before_loading():
         assert "MPS" in device_problem("mps")
     with pytest.raises(ValueError, match="device_map 'cpuu'"):
         PrunedVLM.from_pretrained("/no/such/checkpoint", method=None, device_map="cpuu")
+
+
+def test_a_gpu_index_is_a_device_map_checked_as_cuda_n(monkeypatch):
+    """transformers takes an int device_map as a GPU index: without that GPU it was torch's bare "Found no NVIDIA
+    driver" RuntimeError while the weights loaded; now refused up front naming device_map, as 'cuda:N' is."""
+    monkeypatch.setattr("promprune.models.vlm.find_model_factory", lambda name: pytest.fail("the model was built"))
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert device_problem(count) == device_problem(f"cuda:{count}").replace(f"'cuda:{count}'",
+                                                                             f"{count} (GPU cuda:{count})")
+    assert device_problem(count).startswith(f"device_map {count} (GPU cuda:{count}): this machine has ")
+    assert "is not a device" in device_problem(True) and "is not a device" in device_problem(-1)
+    with pytest.raises(ValueError, match=rf"^device_map {count} \(GPU cuda:{count}\): this machine has"):
+        PrunedVLM.from_pretrained("tiny:llava", method=None, device_map=count)
+
+
+@pytest.mark.parametrize("dtype,said", [
+    (torch.int8, "unknown dtype torch.int8; use one of auto, bf16, bfloat16, double, float, float16, float32, "
+                 "float64, fp16, fp32, fp64, half"),
+    ("flaot32", "unknown dtype 'flaot32' (did you mean 'float32'?); use one of auto, bf16"),
+])
+@pytest.mark.parametrize("name", ["tiny:llava", "testbed:llava"])
+def test_a_dtype_that_is_no_models_is_refused_before_loading(monkeypatch, name, dtype, said):
+    """dtype=torch.int8 was a torch TypeError once the model was built; a mistyped name was refused by testbed:llava
+    only after its weights loaded. Both now before any model work, naming the dtype and the valid ones."""
+    monkeypatch.setattr("promprune.models.vlm.find_model_factory", lambda name: pytest.fail("the model was built"))
+    with pytest.raises(ValueError) as err:
+        PrunedVLM.from_pretrained(name, method=None, dtype=dtype)
+    assert str(err.value).startswith(said)
