@@ -12,7 +12,7 @@ import torch
 
 from ..dtypes import upcast
 from . import accel
-from .kernels import ENTROPY_EPS, exactly_symmetric, nonfinite, token_norms, unit_tokens
+from .kernels import ENTROPY_EPS, batch_free, exactly_symmetric, nonfinite, token_norms, unit_tokens
 
 # Eigenvalues below this are numerical noise of a rank-deficient Gram; the reference clamps them here. Absolute: for
 # tokens nearly alike (a tiny trace) it moves H, which the certified split allows for (``certified.FLOOR_PER_ROW``).
@@ -50,10 +50,11 @@ def cancels(features: torch.Tensor, norms: torch.Tensor | None = None) -> torch.
 
 def centered_unit_gram(features: torch.Tensor) -> torch.Tensor:
     """The centered Gram ``[B, N, N]`` of the L2-normalized tokens ``[B, N, d]`` centered before their product (the
-    accurate form at any spread), exactly symmetric, float32 (float64 tokens stay float64)."""
+    accurate form at any spread), exactly symmetric, float32 (float64 tokens stay float64); each row's the same
+    bits alone as in any batch on the CPU (``kernels.batch_free``)."""
     xn = unit_tokens(upcast(features), ENTROPY_EPS)
     xc = xn - xn.mean(dim=1, keepdim=True)
-    return exactly_symmetric(xc @ xc.transpose(1, 2))
+    return exactly_symmetric(batch_free(lambda t: t @ t.transpose(1, 2), xc))
 
 
 def noise_trace(n: int, dtype: torch.dtype) -> float:
@@ -88,10 +89,11 @@ def centered_gram(gram: torch.Tensor) -> torch.Tensor:
 
 def covariance(features: torch.Tensor) -> torch.Tensor:
     """The ``[B, d, d]`` covariance of the centered, L2-normalized tokens ``[B, N, d]`` (for N > d), symmetric, in
-    float32 (float64 tokens stay float64)."""
+    float32 (float64 tokens stay float64); each row's the same bits alone as in any batch on the CPU
+    (``kernels.batch_free``: the batched product summed a row's entries by its place in the batch)."""
     xn = unit_tokens(upcast(features), ENTROPY_EPS)
     xc = xn - xn.mean(dim=1, keepdim=True)
-    return exactly_symmetric(xc.transpose(1, 2) @ xc)  # [B, d, d]
+    return exactly_symmetric(batch_free(lambda t: t.transpose(1, 2) @ t, xc))  # [B, d, d]
 
 
 def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None,
@@ -118,10 +120,13 @@ def spectral_matrix(features: torch.Tensor, gram: torch.Tensor | None = None,
 def entropy_of_matrix(mat: torch.Tensor) -> torch.Tensor:
     """The exact normalized entropy of the spectrum of the symmetric ``mat [B, K, K]`` -> ``[B]`` float32: eigenvalues
     by ``torch.linalg.eigvalsh`` in ``mat``'s dtype, clamped at 1e-12, read as a distribution. A matrix that is zero
-    up to rounding (``degenerate``: tokens that coincide) has H = 1, its value in exact arithmetic."""
+    up to rounding (``degenerate``: tokens that coincide) has H = 1, its value in exact arithmetic. On the CPU each
+    matrix is eigensolved on its own (``kernels.batch_free``): MKL's batched eigensolve gave a matrix other
+    eigenvalues by its place in the batch, so H moved by an ulp between an image alone and in a batch, and between the
+    exact route and the certified split's eigensolve of its undecided rows."""
     zero = degenerate(mat)
     mat = mat.masked_fill(zero[:, None, None], 0.0)  # no eigensolve of rounding noise (NaN or a LAPACK failure)
-    return torch.where(zero, 1.0, _entropy_of_spectrum(torch.linalg.eigvalsh(mat)).float())
+    return torch.where(zero, 1.0, _entropy_of_spectrum(batch_free(torch.linalg.eigvalsh, mat)).float())
 
 
 def _entropy_of_spectrum(eig: torch.Tensor) -> torch.Tensor:

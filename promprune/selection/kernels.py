@@ -105,6 +105,27 @@ def exactly_symmetric(gram: torch.Tensor) -> torch.Tensor:
     return 0.5 * (gram + gram.transpose(1, 2))
 
 
+def batch_free(fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on ``tensors [B, ...]`` where each row's result has the bits it has alone, whatever the batch: on the CPU
+    off the fast path, ``fn`` on each row (:func:`per_image`), its inputs in storage aligned to 64 bytes (a slice
+    that is not, copied), since MKL's results depend on both. Measured (MKL 2024.2, AVX-512, 2026-12-08): a batched
+    ``eigvalsh`` gives a matrix other eigenvalues at offsets of 8 mod 16 bytes in its batch (its LAPACK call per
+    matrix is the same, the matrix's storage is not), a batched product other sums by its position and by the batch
+    size (the covariance ``X^T X`` of ``[100, 7]`` tokens, the Gram of ``[33, 64]`` float64 ones), and a batch-1
+    product other sums for float64 inputs at 8 mod 16 bytes; an H within an ulp of a rounding boundary of T_sal then
+    kept other tokens alone than in a batch. Elsewhere (CUDA, the fast path's cost model on the CPU) ``fn`` on the
+    whole batch: one launch."""
+    if tensors[0].device.type != "cpu" or accel.active(tensors[0]):
+        return fn(*tensors)
+    return per_image(lambda *rows: fn(*(aligned(r) for r in rows)), *tensors)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is contiguous and starts at a multiple of 64 bytes (every fresh CPU allocation of torch does), else
+    a copy that does."""
+    return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def rescale_gram(gram: torch.Tensor, norms: torch.Tensor, eps_from: float, eps_to: float) -> torch.Tensor:
     """Turn a Gram of tokens normalized with ``eps_from`` into the Gram with ``eps_to``, exactly.
 

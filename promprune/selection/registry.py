@@ -26,6 +26,7 @@ from .entropy import cancels, entropy_of_matrix, spectral_matrix
 from .kernels import (
     ENTROPY_EPS,
     KERNEL_EPS,
+    batch_free,
     cosine_from_unit_gram,
     exactly_symmetric,
     nonfinite,
@@ -152,7 +153,7 @@ class TokenSet:
                     return fused
             return unit_gram_from_product(raw, self.norms, ENTROPY_EPS)
         xn = self.x / self.norms[..., None].clamp_min(ENTROPY_EPS)
-        return exactly_symmetric(xn @ xn.transpose(1, 2))
+        return exactly_symmetric(batch_free(lambda t: t @ t.transpose(1, 2), xn))  # an image's bits whatever the batch
 
     @cached_property
     def cosine(self) -> torch.Tensor:
