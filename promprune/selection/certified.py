@@ -89,7 +89,14 @@ def schedule(views: int, n: int, eager: bool = True) -> tuple[int, ...]:
 
 # The bracket is widened by this much (normalized H) before it decides: it covers the exact algorithm's own float32
 # rounding (its eigenvalues near 0 carry ~1e-8 absolute error; measured <= 1.6e-6 on near-low-rank inputs at n = 1296)
-# and the float64 Lanczos' (~1e-12); an image within it of a boundary goes to the exact eigensolve.
+# and the float64 Lanczos' (~1e-12); an image within it of a boundary goes to the exact eigensolve. It also covers
+# what the bracket itself misses: a float32 spectral matrix of near-low-rank tokens has negative rounding eigenvalues
+# (their sum 1.7-3.1e-6 of the trace at n = 1296), where the Gauss-Radau rule's node at 0 no longer lies below the
+# spectrum, and the exact route clamps them: brackets of ~1e-7 missed the float64 entropy of their own float32 matrix
+# by up to 9e-6 at n = 1296 (5.9e-6 at 256; a probe of 2026-12-07, adversarial near-low-rank inputs), growing with the
+# negative mass (~2.8x its share of the trace). So ``split`` reports it in the half-width. Measured up to n = 1296
+# (Qwen2.5-VL at image_tokens 1296, the paper's largest view); larger views (an image_tokens above 1296, Qwen3-VL's
+# native grids) are not measured: the headroom, 2.2x at 1296, shrinks as the negative mass grows with n.
 DECISION_MARGIN = 2e-5
 # The exact route clamps C's eigenvalues at the absolute ``entropy.EIGEN_FLOOR`` (1e-12, as the released code does and
 # as mu was calibrated); the bounds read rho = C / tr(C), where the floor is EIGEN_FLOOR / tr(C) and moves H by up to
@@ -466,9 +473,9 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     ``count``: maps normalized entropies ``[B]`` (float64, CPU) to ``t_sal [B]`` (long, CPU), non-increasing in H
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32, halfwidth [B]
     float32)`` on the CPU: the entropy is exact where the eigensolve ran (half-width 0), else its bracket's midpoint,
-    within the half-width (half the bracket's width, widened by ``floor_allowance`` for the exact route's eigenvalue
-    floor) of the exact entropy (up to the exact route's own float32 rounding, which ``DECISION_MARGIN`` covers).
-    """
+    within the half-width of the exact entropy: half the bracket's width (widened by ``floor_allowance`` for the exact
+    route's eigenvalue floor) plus ``DECISION_MARGIN``, which covers what the bracket does not hold, the float32
+    matrix's rounding (a bracket of 3e-8 missed the float64 entropy of its own float32 matrix by 5.9e-6)."""
     t_sal, entropy, halfwidth, report = _split(matrix, count, steps, tokens, opening_with)
     LAST_REPORT[:] = [report]
     for sink in _SINKS:
@@ -520,7 +527,9 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
         decided &= ~flagged
         t_sal[todo[decided]] = counts[decided]
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
-        halfwidth[todo[decided]] = (hi[decided] - lo[decided]) / 2
+        # how far the exact metric may lie: the bracket's half-width and the margin its decision took for what the
+        # bracket does not hold (``DECISION_MARGIN``: the float32 matrix's rounding, up to 9e-6 at n = 1296)
+        halfwidth[todo[decided]] = (hi[decided] - lo[decided]) / 2 + DECISION_MARGIN
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
         # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN: a trace ``density``

@@ -1,0 +1,38 @@
+"""``Selection.entropy_halfwidth`` holds the exact metric: the certified bracket of a float32 spectral matrix with
+negative rounding eigenvalues misses that matrix's float64 entropy by more than the bracket's own half-width, which
+``certified.DECISION_MARGIN`` covers and the reported half-width now includes."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import promprune
+from promprune.selection import accel, certified
+from promprune.selection.registry import TokenSet
+
+
+def float64_entropy(matrix: np.ndarray) -> float:
+    """The entropy of ``matrix``'s spectrum by numpy's float64 eigensolve (clamped at 1e-12, as the reference)."""
+    lam = np.maximum(np.linalg.eigvalsh(matrix.astype(np.float64)), 1e-12)
+    p = lam / lam.sum()
+    return float(-(p * np.log(p)).sum() / math.log(len(lam)))
+
+
+def test_the_halfwidth_holds_the_float64_entropy_of_a_near_low_rank_float32_matrix():
+    rng = np.random.default_rng(3)
+    n, d, rank = 256, 512, 4
+    tokens = rng.standard_normal((n, rank)) @ rng.standard_normal((rank, d)) / math.sqrt(d) * 0.6 \
+        + 1.7 * rng.standard_normal(d) / math.sqrt(d) + 1e-4 * rng.standard_normal((n, d)) / math.sqrt(d)
+    x = torch.tensor(tokens, dtype=torch.float32)[None]
+    with accel.entropy("certified"):
+        sel = promprune.select(x, torch.rand(1, n, generator=torch.Generator().manual_seed(0)), budget=64,
+                               method="promprune", mu=0.9)
+    assert certified.LAST_REPORT[0].exact == 0  # the bracket decided it
+    bracket = certified.LAST_REPORT[0].widths[0] / 2
+    miss = abs(float64_entropy(TokenSet(x, None).spectral_matrix[0].numpy()) - float(sel.entropy[0]))
+    assert miss > 10 * bracket  # 5.9e-6 against a bracket of 3e-8: the float32 matrix's rounding
+    assert miss <= float(sel.entropy_halfwidth[0])
+    assert float(sel.entropy_halfwidth[0]) == pytest.approx(bracket + certified.DECISION_MARGIN, rel=1e-6)  # float32
