@@ -2,6 +2,8 @@
 fails exactly that check, with a message saying what was seen; a correct method passes every check."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -198,6 +200,84 @@ def test_select_refuses_what_a_method_of_ones_own_returns_wrong(fn, message):
         assert sel.salient.tolist() == [[True, True] + [False] * 6] * 2
     finally:
         registry._REGISTRY.pop("t_bool_flags", None)
+
+
+def _returning(**fields):
+    """A method keeping the 8 tokens of largest norm (of 24, 8 channels, batch 2) whose Selection's ``fields`` are
+    replaced: each a value, or a function of ``(tokens, kept indices)``."""
+    def method(tokens, budget):
+        sel = _selection(_norm_top(tokens, budget))
+        for key, value in fields.items():
+            setattr(sel, key, value(tokens, sel.indices) if callable(value) else value)
+        return sel
+    return method
+
+
+def _merged(tokens, idx):
+    return tokens.x.gather(1, idx[..., None].expand(-1, -1, tokens.dim))
+
+
+def _with_cls(width):
+    """Keeps budget - 1 tokens and a CLS of ``width`` channels."""
+    def method(tokens, budget):
+        return _selection(_norm_top(tokens, budget - 1), cls=torch.zeros(tokens.batch, width))
+    return method
+
+
+@pytest.mark.parametrize("fn,merges,message", [
+    # merged features of another shape: the ascending order's gather cut them to the indices' (silently)
+    (_returning(features=lambda t, i: torch.cat([_merged(t, i), t.x.new_zeros(t.batch, 3, t.dim)], 1)), True,
+     r"returned features of shape \(2, 11, 8\) and dtype torch.float32, not floats \(2, 8, 8\)"),
+    (_returning(features=lambda t, i: _merged(t, i)[..., :-1]), True, r"returned features of shape \(2, 8, 7\)"),
+    (_returning(features=lambda t, i: _merged(t, i).long()), True,
+     r"returned features of shape \(2, 8, 8\) and dtype torch.int64, not floats"),
+    (_returning(features=lambda t, i: torch.full_like(_merged(t, i), float("nan"))), True,
+     "returned a NaN or infinite value in features"),
+    (_returning(features=_merged), False, "returned merged features, but it was registered without merges=True"),
+    (_with_cls(13), False, r"returned cls of shape \(2, 13\) and dtype torch.float32, not floats \(2, 8\)"),
+    (_with_cls(8), False, None),  # the shape VisionZip returns: [B, d], the indices one fewer
+    # a count past T, or fractional: recorded as the trial's saliency_count and t_sal metrics (silently)
+    (_returning(saliency_count=torch.full((2,), 80)), False, r"returned saliency_count 80, outside \[0, 8\]"),
+    (_returning(saliency_count=torch.tensor([2, -1])), False, r"returned saliency_count -1, outside \[0, 8\]"),
+    (_returning(saliency_count=torch.zeros(2)), False, "returned saliency_count of dtype torch.float32, not integers"),
+    (_returning(saliency_count=torch.zeros(2, dtype=torch.bool)), False, "returned saliency_count of dtype torch.bool"),
+    # an entropy of another shape: every sample then failed in PrunedVLM with a TypeError not naming the method
+    (_returning(entropy=torch.zeros(3, 7)), False, r"returned entropy of shape \(3, 7\) and dtype torch.float32, "
+                                                   r"not floats \(2,\)"),
+    (_returning(entropy=torch.zeros(2, dtype=torch.long)), False, "returned entropy of shape .* dtype torch.int64"),
+    (_returning(entropy=torch.tensor([0.5, float("inf")])), False, "returned a NaN or infinite value in entropy"),
+])
+def test_select_refuses_the_fields_a_method_of_ones_own_returns_wrong(fn, merges, message):
+    """Merged features, the CLS, the count and the entropy are checked as returned, before the ascending order
+    reorders them, naming the method and the field; on the GPU's path too. None: the selection is fine."""
+    promprune.register_method("t_wrong", merges=merges, replace=True)(fn)
+    try:
+        if message is None:
+            assert promprune.select(torch.randn(2, 24, 8), budget=8, method="t_wrong").cls.shape == (2, 8)
+            return
+        for path in (contextlib.nullcontext(), _fast("cpu")):
+            with path, pytest.raises(ValueError, match=f"method 't_wrong' {message}"):
+                promprune.select(torch.randn(2, 24, 8), budget=8, method="t_wrong")
+    finally:
+        registry._REGISTRY.pop("t_wrong", None)
+
+
+def test_check_method_refuses_merged_features_and_an_entropy_of_another_shape():
+    """check_method's "merged features [B, T, d] exactly" held for features with 3 rows too many: the ascending order
+    cut them before the check saw them; an entropy [3, 7] for 3 images passed every check."""
+    long = _returning(features=lambda t, i: torch.cat([_merged(t, i), t.x.new_zeros(t.batch, 3, t.dim)], 1))
+    promprune.register_method("t_long_features", merges=True)(long)
+    promprune.register_method("t_entropy_2d")(_returning(entropy=lambda t, i: torch.zeros(t.batch, 7)))
+    try:
+        with pytest.raises(AssertionError, match=r"exact_budget: raised ValueError: method 't_long_features' "
+                                                 r"returned features of shape \(3, 4, 24\)"):
+            check_method("t_long_features", only=["exact_budget"])
+        with pytest.raises(AssertionError, match=r"exact_budget: raised ValueError: method 't_entropy_2d' "
+                                                 r"returned entropy of shape \(3, 7\)"):
+            check_method("t_entropy_2d", only=["exact_budget"])
+    finally:
+        registry._REGISTRY.pop("t_long_features", None)
+        registry._REGISTRY.pop("t_entropy_2d", None)
 
 
 def test_registration_refuses_what_would_fail_every_call():

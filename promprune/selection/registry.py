@@ -636,7 +636,7 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     with accel.disabled() if huge else contextlib.nullcontext(), accel.full_float32():
         sel = spec.fn(tokens, min(budget, tokens.n), **opts)
     if not _builtin(spec):
-        _check_output(spec.name, sel, tokens.batch, tokens.n, min(budget, tokens.n))
+        _check_output(spec, sel, tokens.batch, tokens.n, tokens.dim, min(budget, tokens.n))
     if sel.features is not None:
         sel.features = sel.features.to(features.dtype)
     if sel.cls is not None:
@@ -644,18 +644,33 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     return _sorted(sel) if order == "ascending" else sel
 
 
-def _check_output(name: str, sel, batch: int, n: int, budget: int) -> None:
-    """A method of one's own returned a selection ``select`` can use: a :class:`Selection` whose ``indices`` are
-    ``[B, T]`` integers, distinct in each row and in ``[0, N)`` (``T`` = the budget, one less with a ``cls``), its
-    ``saliency_count`` ``[B]``, its ``salient`` None or a bool tensor of the indices' shape. A negative index wrapped
-    to the last tokens, a short row ran a trial on fewer tokens than its budget, both silently; a duplicate or an
-    index past N failed deep in the model without the method's name; integer or float flags came back from the GPU
-    fast path's ascending order (``greedy_triton.ascending``, which carries bool flags) as unwritten memory, where the
-    CPU gathered them. One read of the device (``promprune.testing.check_method`` checks more, once)."""
+def _check_output(spec: MethodSpec, sel, batch: int, n: int, dim: int, budget: int) -> None:
+    """A method of one's own returned a selection ``select`` can use, as it returned it (before any reordering): a
+    :class:`Selection` whose ``indices`` are ``[B, T]`` integers, distinct in each row and in ``[0, N)`` (``T`` = the
+    budget, one less with a ``cls``), its ``saliency_count`` ``[B]`` integers in ``[0, T]``, its ``salient`` None or a
+    bool tensor of the indices' shape, its ``entropy`` None or ``[B]`` finite floats, its ``features`` None or finite
+    floats ``[B, T, d]`` aligned with the indices (``d`` the tokens'; only from a method registered with
+    ``merges=True``), its ``cls`` None or finite floats ``[B, d]``. A negative index wrapped to the last tokens, a short
+    row ran a trial on fewer tokens than its budget, merged features of another shape were cut to the indices' by the
+    ascending order's gather, a count past T or an entropy of another shape were recorded as the trial's metrics, all
+    silently; a duplicate or an index past N failed deep in the model without the method's name; integer or float flags
+    came back from the GPU fast path's ascending order (``greedy_triton.ascending``, which carries bool flags) as
+    unwritten memory, where the CPU gathered them. One read of the device (``promprune.testing.check_method`` checks
+    more, once)."""
+    name = spec.name
+
     def refuse(what: str) -> None:
         raise ValueError(f"method {name!r} returned {what}; a method returns promprune.Selection(indices [B, T] "
-                         "long: distinct token indices in [0, N) per image, saliency_count [B], salient [B, T] bool "
-                         "or None) (promprune.testing.check_method(name) checks a method's outputs and more)")
+                         "long: distinct token indices in [0, N) per image, saliency_count [B] integers in [0, T], "
+                         "salient [B, T] bool or None, entropy [B] finite floats or None, features [B, T, d] floats "
+                         "(merged, with merges=True) or None, cls [B, d] floats or None) "
+                         "(promprune.testing.check_method(name) checks a method's outputs and more)")
+
+    def shape(t) -> str:
+        return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+    def is_float(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point()
 
     if not isinstance(sel, Selection):
         refuse(f"a {type(sel).__name__}, not a promprune.Selection")
@@ -667,21 +682,48 @@ def _check_output(name: str, sel, batch: int, n: int, budget: int) -> None:
         refuse(f"indices of shape {tuple(idx.shape)} where the budget of {budget} makes it ({batch}, {want})")
     count = sel.saliency_count
     if not isinstance(count, torch.Tensor) or tuple(count.shape) != (batch,):
-        refuse(f"saliency_count of shape {tuple(getattr(count, 'shape', ()))}, not ({batch},)")
+        refuse(f"saliency_count of shape {shape(count)}, not ({batch},)")
+    if count.is_floating_point() or count.is_complex() or count.dtype == torch.bool:
+        refuse(f"saliency_count of dtype {count.dtype}, not integers (how many kept tokens the saliency stage chose)")
     flags = sel.salient
     if flags is not None:
         if not isinstance(flags, torch.Tensor) or flags.dtype != torch.bool:
             refuse(f"salient of dtype {getattr(flags, 'dtype', type(flags).__name__)}, not torch.bool")
         if flags.shape != idx.shape:
             refuse(f"salient of shape {tuple(flags.shape)}, not the indices' {tuple(idx.shape)}")
+    if sel.entropy is not None and (not is_float(sel.entropy) or tuple(sel.entropy.shape) != (batch,)):
+        refuse(f"entropy of shape {shape(sel.entropy)} and dtype {getattr(sel.entropy, 'dtype', None)}, not floats "
+               f"({batch},): one prominence value per image")
+    if sel.features is not None:
+        if not spec.merges:
+            refuse("merged features, but it was registered without merges=True (the model would feed them in place "
+                   "of the kept tokens): declare merges=True in register_method, or return features=None")
+        if not is_float(sel.features) or tuple(sel.features.shape) != (batch, want, dim):
+            refuse(f"features of shape {shape(sel.features)} and dtype {getattr(sel.features, 'dtype', None)}, not "
+                   f"floats ({batch}, {want}, {dim}): one merged token of the tokens' {dim} channels per kept index")
+    if sel.cls is not None and (not is_float(sel.cls) or tuple(sel.cls.shape) != (batch, dim)):
+        refuse(f"cls of shape {shape(sel.cls)} and dtype {getattr(sel.cls, 'dtype', None)}, not floats ({batch}, "
+               f"{dim}): one token of the tokens' {dim} channels per image")
+    stats = [count.min(), count.max()]  # [low, high, repeated] of the indices follow; then one flag per float field
     if want:
         ordered = idx.sort(dim=1).values
-        low, high, repeated = (int(v) for v in torch.stack([ordered[:, 0].min(), ordered[:, -1].max(),
-                                                              (ordered[:, 1:] == ordered[:, :-1]).sum()]).cpu())
+        stats += [ordered[:, 0].min(), ordered[:, -1].max(), (ordered[:, 1:] == ordered[:, :-1]).sum()]
+    floats = {key: t for key, t in (("entropy", sel.entropy), ("features", sel.features), ("cls", sel.cls))
+              if t is not None}
+    stats += [torch.isfinite(t).all() for t in floats.values()]
+    read = [int(v) for v in torch.stack([v.to(device=idx.device, dtype=torch.long) for v in stats]).cpu()]
+    if read[0] < 0 or read[1] > budget:
+        refuse(f"saliency_count {read[0] if read[0] < 0 else read[1]}, outside [0, {budget}] (the kept tokens "
+               "the saliency stage chose, 0 for none)")
+    if want:
+        low, high, repeated = read[2:5]
         if low < 0 or high >= n:
             refuse(f"an index out of [0, {n}) ({low if low < 0 else high})")
         if repeated:
             refuse(f"a token twice in a row of indices ({repeated} repeat(s))")
+    for key, finite in zip(floats, read[-len(floats):] if floats else []):
+        if not finite:
+            refuse(f"a NaN or infinite value in {key}")
     if idx.dtype != torch.long:
         sel.indices = idx.long()
 

@@ -38,17 +38,33 @@ def test_invariants(method, check):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_builtin_methods_return_what_select_asks_of_a_method_of_ones_own(method):
-    """``select`` checks the outputs of methods from outside only (``registry._check_output``: indices, counts, bool
-    ``salient`` of the indices' shape, which the GPU's ascending order needs); its own methods, with their variants,
-    pass the same check."""
+    """``select`` checks the outputs of methods from outside only (``registry._check_output``: indices, counts in
+    [0, T], bool ``salient`` of the indices' shape, which the GPU's ascending order needs, entropy ``[B]``, merged
+    features ``[B, T, d]`` from a method declaring ``merges``, ``cls [B, d]``, all finite); its own methods, with their
+    variants, pass the same check, on degenerate images too (zero and repeated tokens, an image of zeros) and with
+    the vision tower's features (VisionZip's CLS)."""
     from promprune.selection.registry import _check_output
 
+    spec = promprune.method_spec(method)
     x, s = inputs()
+    degenerate = x.clone()
+    degenerate[0, :5] = 0.0
+    degenerate[1] = degenerate[1, :1]
+    degenerate[2] = 0.0
+    g = torch.Generator().manual_seed(3)
+    hidden, keys, cls = torch.randn(3, 48, 10, generator=g), torch.randn(3, 48, 6, generator=g), torch.randn(3, 10)
+    weight = torch.randn(10, x.shape[2], generator=g)
+    vision = promprune.VisionFeatures(hidden, keys, cls, project=lambda h: h @ weight)
     variants = {"promprune": [{}, {"conditional": True}, {"diversity": "fps"}, {"diversity": "facility_location"}]}
+    seen = [{}, {"vision": vision}] if spec.reads_vision else [{}]
     for options in variants.get(method, [{}]):
-        for budget in (1, 7, 16):
-            sel = select(x, s, budget=budget, method=method, order="selection", **options)
-            _check_output(method, sel, x.shape[0], x.shape[1], budget)
+        for extra in seen:
+            for feats in (x, degenerate):
+                for budget in (1, 7, 16):
+                    sel = select(feats, s, budget=budget, method=method, order="selection", **options, **extra)
+                    _check_output(spec, sel, *x.shape, budget)
+    if method == "visionzip":  # the CLS path was taken: indices T - 1, cls [B, d]
+        assert select(x, s, budget=7, method=method, vision=vision).cls.shape == (3, x.shape[2])
 
 
 def test_promprune_split_differs_per_image_in_a_batch():
