@@ -63,6 +63,7 @@ import torch
 import promprune
 from promprune.selection import accel
 from promprune.selection.in_llm import SPARSEVLM_RELEASED
+from promprune.selection.registry import in_llm_hooks_problem
 
 from .adapters import host_index
 from .attention import in_llm_attention_problem
@@ -82,8 +83,28 @@ LM_ARGUMENTS = ("inputs_embeds", "attention_mask")
 FASTV_LAYER_OF_32 = (2,)
 
 
+# The in-LLM methods these hooks implement, each with the kind of :class:`Stage` it prunes with: every dispatch on a
+# method's name below reads this table, and any other name is refused (:func:`hooks_problem`), where it used to fall
+# through to SparseVLM's branch. ``registry.IN_LLM_HOOKED`` names the same methods for ``register_in_llm_method``.
+STAGE_KINDS = {"fastv": "fastv", "sparsevlm": "sparsevlm", "dart": "dart", "pyramiddrop": "pdrop"}
+
+
+def hooks_problem(method: str) -> str | None:
+    """Why these hooks cannot prune with the in-LLM ``method`` (none of :data:`STAGE_KINDS`), or None."""
+    return in_llm_hooks_problem(method, tuple(STAGE_KINDS))
+
+
+def _stage_kind(method: str) -> str:
+    """``method``'s :class:`Stage` kind; a method the hooks do not implement is a ValueError (:func:`hooks_problem`)."""
+    problem = hooks_problem(method)
+    if problem is not None:
+        raise ValueError(problem)
+    return STAGE_KINDS[method]
+
+
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
     """A context manager that prunes inside ``model``'s LLM during ``generate`` on ``input_ids [B, L]``."""
+    kind = _stage_kind(method)
     layers = _decoder_layers(model)
     opts, at, plan, layer_map = schedule(method, model.config, budget, options, model_name(model))
     check_llm(model, method)
@@ -92,14 +113,14 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
     if problem is not None:  # PrunedVLM refuses it at construction; a pruner made by hand, here
         raise ValueError(problem)
     compact = False
-    if method in ("fastv", "dart"):
-        stages = [Stage(at[0], None, kind=method)]
-        if method == "dart":
+    if kind in ("fastv", "dart"):
+        stages = [Stage(at[0], None, kind=kind)]
+        if kind == "dart":
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
-    elif method == "pyramiddrop":
-        stages = [Stage(layer, None, kind="pdrop") for layer in at]
-    else:
-        stages = [Stage(layer, None, kind="sparsevlm", recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
+    elif kind == "pdrop":
+        stages = [Stage(layer, None, kind=kind) for layer in at]
+    else:  # "sparsevlm"
+        stages = [Stage(layer, None, kind=kind, recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
     if method in ("pyramiddrop", "sparsevlm"):  # their released code renumbers (LLaMA's 1D RoPE only)
         compact = opts["positions"] == "released" and not _mrope(model)
@@ -120,6 +141,7 @@ def schedule(method: str, config, budget: int, options: dict, name: str | None =
     """
     if isinstance(config, int):
         config = SimpleNamespace(num_hidden_layers=config, model_type=None)
+    _stage_kind(method)  # a method the hooks do not implement: refused before its options
     opts = promprune.method_spec(method).resolve(options, budget=budget)
     at, layer_map = stage_layers(config, method, opts, name)
     if method == "fastv":
@@ -130,7 +152,7 @@ def schedule(method: str, config, budget: int, options: dict, name: str | None =
     elif method == "pyramiddrop":
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         plan = _pyramid_plan(budget, opts, at, int(text.num_hidden_layers))
-    elif opts["schedule"] == "released":  # the budget is one of the released ones (the registry's check)
+    elif opts["schedule"] == "released":  # sparsevlm (_stage_kind above); the budget one of the released ones
         def plan(n):
             return list(SPARSEVLM_RELEASED[budget])
     else:
@@ -175,6 +197,7 @@ def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tu
     forward, explicit ones that rank elsewhere are refused. A ValueError in one paragraph names the method, the model
     and the fix; so does an LLM the hooks cannot prune (:func:`unsupported`).
     """
+    _stage_kind(method)  # a method the hooks do not implement: its problem, whatever the model
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = name or getattr(config, "_name_or_path", "") or "this model"
     problem = unsupported(text, method, name)
@@ -197,7 +220,7 @@ def requested_layers(method: str, opts: dict, depth: int) -> tuple[list[int], bo
     """``(layers, explicit)``: the layers ``method``'s options give (explicit), else the released ones scaled to
     ``depth``, ascending and checked against the depth (given layers are ascending and distinct: the registry's
     check; the scaled ones may coincide on a shallow LLM and are taken once)."""
-    if method in ("fastv", "dart"):
+    if _stage_kind(method) in ("fastv", "dart"):
         explicit = opts["layer"] is not None
         at = [opts["layer"] if explicit else fastv_layer(depth)]
         if not 1 <= at[0] < depth:

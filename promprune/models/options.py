@@ -205,6 +205,12 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         raise ValueError(f"option video_split={adapter['video_split']!r} sets PromPrune's entropy / split over a clip; "
                          f"method {method!r} has none: use video_split='unit' (the default)")
     spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
+    if spec.stage == promprune.IN_LLM:  # one the hooks do not implement: no model runs it (llm_hooks.STAGE_KINDS)
+        from .llm_hooks import hooks_problem
+
+        problem = hooks_problem(method)
+        if problem is not None:
+            raise ValueError(problem)
     budget = as_budget(budget, method)
     resolved = spec.resolve(options, also_valid=ADAPTER_OPTIONS, budget=budget)  # names, choices, the method's checks
     if spec.needs_grid and adapter["video_budget"] == "clip":  # a grid method (downsample) pools one view's rectangle

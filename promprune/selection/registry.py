@@ -3,7 +3,8 @@
 A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
 ``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
 (``stage="in_llm"``: FastV, SparseVLM, DART, PyramidDrop) registers its options and checks with
-``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.llm_hooks``'s.
+``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.llm_hooks``'s, which
+implement those four only (:data:`IN_LLM_HOOKED`: another name is refused as it registers).
 The tests parametrize over ``methods()``. Methods registered outside this package (a ``promprune.methods`` entry
 point, ``$PROMPRUNE_PLUGINS``: ``promprune.plugins``) are imported the first time the registry is asked.
 """
@@ -416,12 +417,34 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
     return wrap
 
 
+# The in-LLM methods whose decoder-layer hooks ``promprune.models.llm_hooks`` implements (its ``STAGE_KINDS``, a test
+# pins the two equal): the only names ``register_in_llm_method`` takes, and the only in-LLM names a model runs.
+IN_LLM_HOOKED = ("fastv", "sparsevlm", "dart", "pyramiddrop")
+
+
+def in_llm_hooks_problem(name: str, hooked=IN_LLM_HOOKED) -> str | None:
+    """Why no model can run the in-LLM method ``name`` (``hooked``: the methods the hooks implement), or None."""
+    if name in hooked:
+        return None
+    return (f"in-LLM method {name!r} has no hooks to prune with: register_in_llm_method registers an in-LLM method's "
+            "options and checks, and the hooks that prune inside the language model, promprune.models.llm_hooks's, "
+            f"implement {', '.join(hooked)} only. An in-LLM method of your own needs a change in "
+            "promprune/models/llm_hooks.py today (make: which layers prune, how tokens are ranked, the masks and "
+            "rotary positions of the kept ones; its name in STAGE_KINDS there and in IN_LLM_HOOKED in "
+            "promprune/selection/registry.py); a method that picks the kept tokens before the LLM registers with "
+            "promprune.register_method instead (docs/methods.md, 'Adding your own method')")
+
+
 def register_in_llm_method(name: str, *, description: str, options: Mapping[str, Any] | None = None,
                            choices: Mapping[str, tuple] | None = None,
                            check: Callable[[dict], None] | None = None) -> None:
-    """Register an in-LLM method's options and checks (its hooks live in ``promprune.models.llm_hooks``)."""
+    """Register the options and checks of an in-LLM method whose hooks ``promprune.models.llm_hooks`` implements
+    (:data:`IN_LLM_HOOKED`); any other name is refused (:func:`in_llm_hooks_problem`): no model could run it."""
     if name in _REGISTRY:
         raise ValueError(f"method {name!r} is already registered")
+    problem = in_llm_hooks_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
     _check_choices(name, options or {}, choices or {})
     _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), choices=dict(choices or {}),
                                  description=description, stage=IN_LLM, check=check)

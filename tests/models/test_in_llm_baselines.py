@@ -376,3 +376,51 @@ def test_released_positions_renumber_the_kept_sequence(method, positions, images
                 torch.testing.assert_close(cos_step, rope(cos, torch.tensor([[length + step]]))[0])
         else:
             assert not torch.allclose(cos, contiguous)
+
+
+def test_an_in_llm_method_the_hooks_do_not_implement_is_refused_by_name():
+    """``register_in_llm_method`` is documented for in-LLM methods, but the hooks implement the four built-ins only:
+    a fifth name with FastV's options failed in PrunedVLM with a bare KeyError 'layers' (and the sweep's
+    --validate-only with a traceback through its preflight); one with SparseVLM's options ran SparseVLM's hooks under
+    its own name, without a word. Refused as it registers; one in the registry all the same (written into it) is
+    refused by ``validate_method`` (PrunedVLM before any weight loads, the sweep spec's check as the trial's problem)
+    and by each entry point of the hooks, before any option of it is read."""
+    from types import SimpleNamespace
+
+    import promprune
+    from pipelines import spec as specs
+    from promprune.models import llm_hooks
+    from promprune.models.options import validate_method
+    from promprune.selection import registry
+
+    assert set(llm_hooks.STAGE_KINDS) == set(registry.IN_LLM_HOOKED) == set(promprune.methods("in_llm"))
+    refused = (r"in-LLM method 'mine' has no hooks to prune with: .*promprune.models.llm_hooks's, implement fastv, "
+               r"sparsevlm, dart, pyramiddrop only\. An in-LLM method of your own needs a change in "
+               r"promprune/models/llm_hooks.py today .*registers with promprune.register_method instead")
+    with pytest.raises(ValueError, match=refused):
+        registry.register_in_llm_method("mine", description="my FastV variant", options={"layer": 2})
+    assert "mine" not in promprune.methods(None)
+    sparse = promprune.method_spec("sparsevlm")
+    for options, choices in (({"layer": 2}, {}), (dict(sparse.options), dict(sparse.choices))):
+        registry._REGISTRY["mine"] = registry.MethodSpec("mine", None, options=options, choices=choices,
+                                                         stage=registry.IN_LLM)
+        try:
+            with pytest.raises(ValueError, match=refused):
+                validate_method("mine", 8)
+            with pytest.raises(ValueError, match=refused):
+                PrunedVLM.from_pretrained("tiny:llava", method="mine", budget=8)
+            with pytest.raises(ValueError, match=refused):
+                llm_hooks.schedule("mine", 4, 8, {})
+            with pytest.raises(ValueError, match=refused):
+                llm_hooks.stage_layers(SimpleNamespace(num_hidden_layers=4, model_type="llama"), "mine", options)
+            with pytest.raises(ValueError, match=refused):
+                llm_hooks.make("mine", None, torch.zeros(1, 4, dtype=torch.long), 8, {})
+            with pytest.raises(specs.SpecError) as info:
+                specs.parse({"name": "s", "version": 1, "model": {"pretrained": "tiny:llava"}, "baseline": False,
+                             "trials": [{"method": "mine", "budget": 8}]})
+            assert any(e.startswith("trial mine-b8: in-LLM method 'mine' has no hooks to prune with: ")
+                       for e in info.value.errors), info.value.errors
+        finally:
+            registry._REGISTRY.pop("mine", None)
+    for method in promprune.methods("in_llm"):  # the built-ins keep their hooks
+        assert llm_hooks.hooks_problem(method) is None and validate_method(method, 64)
