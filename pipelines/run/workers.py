@@ -58,7 +58,8 @@ from pipelines.spec.trials import Trial
 from pipelines.weights import ModelSource, resolve_dtype
 
 EXIT_HUNG = 70  # the exit status of a worker whose watchdog fired (a block past block_timeout_s)
-WRAPPED_PER_WORKER = 8  # trials' wrappers a worker keeps (a PrunedVLM over the shared model: cheap to rebuild)
+WRAPPED_PER_WORKER = 8  # trials' wrappers a worker keeps (a PrunedVLM over the shared model: cheap to rebuild; the
+# ones not serving hold nothing on the device: `Worker._vlm`)
 
 
 @dataclass
@@ -194,15 +195,22 @@ class Worker:
         ray.actor.exit_actor()
 
     def _vlm(self, trial: Trial):
-        """The model wrapped for ``trial`` (kept for the next blocks of the same trial)."""
+        """The model wrapped for ``trial`` (kept for the next blocks of the same trial). The wrappers kept for other
+        trials release what they hold on the device beside the shared model (CDPruner's CLIP text tower:
+        `PrunedVLM.release_extras`) before this one is built or served, so the peak memory of ``trial``'s samples
+        holds its own method's only; this one's come back first (not in a timed sample)."""
         from promprune.models import PrunedVLM
 
         key = json.dumps([trial.method, trial.budget, trial.run_options], sort_keys=True, default=str)
+        for other, vlm in self.wrapped.items():
+            if other != key:
+                vlm.release_extras()
         if key not in self.wrapped:
             if len(self.wrapped) >= WRAPPED_PER_WORKER:
                 self.wrapped.pop(next(iter(self.wrapped)))
             self.wrapped[key] = PrunedVLM(self.base.model, self.base.processor, method=trial.method,
                                           budget=trial.budget, **self.source.options, **trial.run_options)
+        self.wrapped[key].restore_extras()
         return self.wrapped[key]
 
     def _attempt(self, key: str) -> int:

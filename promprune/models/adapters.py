@@ -375,17 +375,62 @@ class Adapter:
                     it.text_tokens = it.features.float()
                 it.text_query, it.text_source = query.to(it.text_tokens.device), source
 
+    def load_instruction(self, source: str | None) -> None:
+        """Load now what :meth:`attach_instruction` needs for ``source`` ("clip": CDPruner's CLIP text tower, a
+        checkpoint load that would otherwise fall in the first sample's timed vision stage); ``PrunedVLM`` calls it
+        at construction. None or "llm": nothing to load."""
+        if source == "clip":
+            self._clip()
+
+    def extras(self) -> dict:
+        """What this adapter holds beside the model's weights, by name: ``clip_text``, CDPruner's CLIP text tower
+        (:class:`~promprune.models.clip_text.ClipText`), once loaded."""
+        return {} if getattr(self, "_clip_text", None) is None else {"clip_text": self._clip_text}
+
+    def device_extras(self) -> list[str]:
+        """The names of the :meth:`extras` that sit on the model's device now (none after :meth:`release_extras`)."""
+        return [] if getattr(self, "_extras_released", False) else list(self.extras())
+
+    def release_extras(self) -> None:
+        """Move the :meth:`extras` to host memory, freeing their device memory (the model's weights, which every
+        wrapper of the model shares, stay): a worker does so for the wrappers it keeps but does not serve, so that
+        a trial's peak memory holds only its own method's. :meth:`restore_extras`, or the next instruction that needs
+        them, brings them back."""
+        for extra in self.extras().values():
+            extra.to("cpu")
+        self._extras_released = True
+
+    def restore_extras(self) -> None:
+        """Move the :meth:`extras` back to the model's device (undoes :meth:`release_extras`; else nothing)."""
+        if getattr(self, "_extras_released", False):
+            for extra in self.extras().values():
+                extra.to(*self._extras_home())
+        self._extras_released = False
+
+    def _extras_home(self) -> tuple:
+        """(device, dtype) the extras run on: the vision tower's."""
+        param = next(self.model.model.vision_tower.parameters())
+        return param.device, param.dtype
+
     def _clip(self):
         """CDPruner's CLIP text tower, loaded once (adapter option ``clip_text``; None: the model's own setting,
-        else the released openai/clip-vit-large-patch14-336)."""
+        else the released openai/clip-vit-large-patch14-336); back on the model's device if released. A tower that
+        does not load is an OptionError naming ``clip_text`` and the ways out."""
         if getattr(self, "_clip_text", None) is None:
             from . import clip_text
 
             name = self.options.get("clip_text") or getattr(self.model.config, "promprune_clip_text", None) \
                 or clip_text.RELEASED_CLIP
-            tower = self.model.model.vision_tower
-            param = next(tower.parameters())
-            self._clip_text = clip_text.load(name, self.model.config.vision_config).to(param.device, param.dtype)
+            try:
+                tower = clip_text.load(name, self.model.config.vision_config)
+            except (OSError, ValueError) as exc:
+                raise OptionError("clip_text", f"CDPruner's CLIP text tower {name!r} (adapter option clip_text) does "
+                                  f"not load: {exc}. Download it once (`hf download {name}`), set clip_text to a CLIP "
+                                  "checkpoint this machine has, or embed the question with the LLM (text_source "
+                                  "'llm')") from exc
+            self._clip_text = tower.to(*self._extras_home())
+            self._extras_released = False
+        self.restore_extras()
         return self._clip_text
 
     @torch.inference_mode()

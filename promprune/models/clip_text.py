@@ -26,7 +26,8 @@ class ClipText:
     def __init__(self, tokenizer, text_model, visual_projection):
         self.tokenizer, self.text_model, self.visual_projection = tokenizer, text_model.eval(), visual_projection
 
-    def to(self, device, dtype):
+    def to(self, device, dtype=None):
+        """Both modules on ``device`` (in ``dtype``; None: as they are)."""
         self.text_model.to(device=device, dtype=dtype)
         self.visual_projection.to(device=device, dtype=dtype)
         return self

@@ -277,6 +277,8 @@ class PrunedVLM:
                 self.method_options["mu"] = self.adapter.default_mu
             if self.budget_mode == "view_quota":
                 self.view_budget = view_budget(self.budget, self.adapter.max_views())
+            # CDPruner's CLIP text tower loaded now: no sample's timed vision stage pays a checkpoint load
+            self.adapter.load_instruction(self._text_source())
         self.processor.tokenizer.padding_side = "left"  # batched generation appends on the right
 
     @classmethod
@@ -318,6 +320,17 @@ class PrunedVLM:
         else:
             model, processor = _load(name_or_path, dtype, device_map, attn_implementation, max_memory)
         return cls(model, processor, method=method, budget=budget, **method_options)
+
+    def release_extras(self) -> None:
+        """Free the device memory of what this wrapper holds beside the model's weights (CDPruner's CLIP text tower,
+        moved to host memory; ``Adapter.release_extras``); the model, which other wrappers may share, stays. A worker
+        does so for the wrappers it keeps but does not serve, so that a trial's peak memory is its own method's.
+        :meth:`restore_extras` (or the next sample that needs them) moves them back."""
+        self.adapter.release_extras()
+
+    def restore_extras(self) -> None:
+        """Move what :meth:`release_extras` moved back to the model's device (nothing if it was not released)."""
+        self.adapter.restore_extras()
 
     @property
     def device(self):

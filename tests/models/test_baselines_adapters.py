@@ -35,6 +35,48 @@ def test_cdpruner_on_llava_uses_clips_text_tower_as_released(images, prompts):
     assert other.kept != got.kept  # the same image, another question
 
 
+def test_cdpruner_loads_its_clip_text_tower_at_construction_not_in_a_timed_sample(monkeypatch, images, prompts):
+    """The tower was loaded lazily by the first sample's ``attach_instruction``, inside its vision Stopwatch: the
+    first sample's vision_ms held a checkpoint load (CLIP-L/14-336 from disk). It is loaded when the wrapper is built,
+    once; no generate loads it again (the other wrapper of the same model too: a text source of the LLM loads none)."""
+    from promprune.models import clip_text, vlm as vlm_module
+
+    model, processor = tiny_vlm("llava")
+    calls = []
+    real_load = clip_text.load
+    monkeypatch.setattr(clip_text, "load", lambda *a, **k: calls.append(a[0]) or real_load(*a, **k))
+    timed = []
+    real_stopwatch = vlm_module.Stopwatch
+
+    class Watched(real_stopwatch):  # the loads made while a timed stage runs
+        def __enter__(self):
+            self.before = len(calls)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            timed.append(len(calls) - self.before)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(vlm_module, "Stopwatch", Watched)
+    vlm = PrunedVLM(model, processor, method="cdpruner", budget=7)
+    assert calls == ["tiny"]
+    vlm.generate(images[:1], prompts[:1], max_new_tokens=1)
+    vlm.generate(images[1:], prompts[1:], max_new_tokens=1)
+    assert calls == ["tiny"] and timed and not any(timed)
+    PrunedVLM(model, processor, method="cdpruner", budget=7, text_source="llm")
+    assert calls == ["tiny"]
+
+
+def test_a_clip_text_tower_that_does_not_load_is_refused_at_construction_naming_the_option(tmp_path):
+    from promprune.models.options import OptionError
+
+    model, processor = tiny_vlm("llava")
+    with pytest.raises(OptionError, match=r"CDPruner's CLIP text tower '.*no-clip' \(adapter option clip_text\) does "
+                                          r"not load: .*text_source 'llm'") as caught:
+        PrunedVLM(model, processor, method="cdpruner", budget=7, clip_text=str(tmp_path / "no-clip"))
+    assert caught.value.option == "clip_text"
+
+
 def test_question_text_strips_the_short_answer_suffix():
     assert question_text("Is it red?\nAnswer the question using a single word or phrase.") == "Is it red?"
 

@@ -744,3 +744,43 @@ def test_a_trial_that_reports_its_scoring_failed_gets_no_tune_retry(monkeypatch)
     assert not failing.should_recover() and other.should_recover()  # the old code retried both
     hook.on_trial_error(0, [failing, other], failing)
     assert failing.max_failures == 2 and other.max_failures == 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a worker's wrappers
+
+
+def test_a_workers_kept_wrappers_hold_nothing_on_the_device_but_the_one_serving():
+    """A worker keeps the wrappers of the trials it served (`WRAPPED_PER_WORKER`); CDPruner's loads CLIP's text tower
+    onto the model's device (CLIP-L/14-336's: ~124M parameters, ~0.23 GiB in fp16). Kept there, it sat in the peak
+    memory of every later trial the worker served (Table 6's extended grid: DART, PyramidDrop, downsample, random
+    after CDPruner; the paper's memory column separates methods by 0.1-0.4 GB). Serving another trial releases it
+    (host memory); serving CDPruner again brings it back, with the same selections."""
+    import numpy as np
+    from PIL import Image
+
+    from promprune.models import PrunedVLM
+    from promprune.models.tiny import tiny_vlm
+
+    from pipelines.run.workers import Worker
+    from pipelines.spec.trials import Trial
+
+    torch.set_num_threads(1)
+    model, processor = tiny_vlm("llava")
+    worker = Worker.__new__(Worker)  # no Ray: the state `Worker.__init__` gives it
+    worker.source, worker.wrapped = weights.ModelSource(pretrained="tiny:llava"), {}
+    worker.base = PrunedVLM(model, processor, method=None)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (4, 4, 3), dtype=np.uint8)).resize((56, 40))
+    prompt = "What is in the picture?"
+    cdpruner = worker._vlm(Trial("cdpruner", 8))
+    assert cdpruner.adapter.device_extras() == ["clip_text"]
+    kept = cdpruner.generate([image], [prompt], max_new_tokens=1)[0].kept
+    divprune = worker._vlm(Trial("divprune", 8))
+    divprune.generate([image], [prompt], max_new_tokens=1)
+    assert [vlm.adapter.device_extras() for vlm in worker.wrapped.values()] == [[], []]
+    tower = cdpruner.adapter.extras()["clip_text"]
+    assert {p.device.type for p in tower.text_model.parameters()} == {"cpu"}
+    assert worker.base.model is cdpruner.model is divprune.model  # the weights stay shared
+    assert worker._vlm(Trial("cdpruner", 8)) is cdpruner
+    assert cdpruner.adapter.device_extras() == ["clip_text"] and divprune.adapter.device_extras() == []
+    assert cdpruner.generate([image], [prompt], max_new_tokens=1)[0].kept == kept
