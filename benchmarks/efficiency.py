@@ -56,7 +56,9 @@ from promprune.selection import accel, certified, graphed  # noqa: E402
 
 # Vicuna-7B (the text model of llava-v1.6-vicuna-7b), the dimensions Table 6 uses
 VICUNA_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32)
-TABLE6_TEXT_TOKENS = 62  # "about 60" in the paper; the count that reproduces both published FLOPs
+# derived, not stated in the paper: the one text-token count whose prefill FLOPs round to both published numbers
+# (42.6 T at 2880 visual tokens: 57 to 62; 5.02 T at 320: 62 only; promprune.efficiency's convention)
+TABLE6_TEXT_TOKENS = 62
 TABLE6_PUBLISHED = {2880: (42.6, 1440.0), 320: (5.02, 160.0)}  # visual tokens -> (TFLOPs, KV MB)
 
 

@@ -5,8 +5,9 @@ config: hidden 4096, 32 layers, intermediate 11008, 32 heads):
 
 - ``prefill_flops``: per decoder layer, multiply-accumulates of the q/k/v/o projections, the two attention
   products over the full (non-causal) n x n score matrix, and the three SwiGLU matrices; FLOPs = 2 x MACs.
-  With the Vicuna-7B config and 62 text tokens this gives 42.6 TFLOPs with 2880 visual tokens and 5.02 T with 320
-  (the paper says "about 60" text tokens; 62 is the count that hits both published numbers after rounding).
+  With the Vicuna-7B config and 62 text tokens this gives 42.6 TFLOPs with 2880 visual tokens and 5.02 T with 320.
+  The paper states no text-token count; 62 is derived from its two published numbers: under this convention 57 to
+  62 text tokens round to 42.6 T at 2880 visual tokens, and only 62 rounds to 5.02 T at 320 (61: 5.01, 63: 5.04).
   Embedding lookup, norms, softmax, rotary embeddings and the LM head are not counted.
 - ``decode_flops`` / ``lm_head_flops`` / ``vision_flops``: the rest of a sample's compute, for whole-sweep costs
   (``benchmarks/sweep_cost.py``): the generated tokens' forwards, the logits, the vision tower and projector.
