@@ -23,7 +23,7 @@ from pipelines import calibration, mlflow_layout
 from pipelines.mlflow_layout import MU_TAU
 
 from . import figures, ground_truth, headroom_figure, headroom_section, overlay, paired, side_by_side, tables
-from .published import PAPER_DIR, load_published
+from .published import PAPER_DIR, load_published, published_name
 from .store import BASELINE_METHOD, Sweep, load_predictions
 
 ARTIFACT_DIR = mlflow_layout.REPORT_DIR  # the report's folder among the parent run's artifacts
@@ -62,7 +62,8 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     sections.append(_paired_section(sweep, table, preds))
     sections.append(_search_section(searched, table, preds, out_dir, report, grid))
     sections.append(_efficiency_section(sweep, table, out_dir, report))
-    sections.append(_published_section(sweep, table, published, comparison, out_dir, report))
+    sections.append(_published_section(sweep, table, published, comparison, out_dir, report,
+                                       published_name(sweep.name, published_root)))
     sections.append(_matched_split_section(sweep, table, preds, out_dir, report))
     sections.append(_headroom_section(sweep, table, preds, out_dir, report, truth_source or ground_truth.testbed_truth))
     entropy_id = _entropy_trial(table, preds)
@@ -317,15 +318,19 @@ def _efficiency_section(sweep, table, out_dir, report) -> str:
     return f"## Efficiency\n\n{tables.efficiency_markdown(eff, sweep.baseline_id)}"
 
 
-def _published_section(sweep, table, published, comp, out_dir, report) -> str:
+def _published_section(sweep, table, published, comp, out_dir, report, name: str | None) -> str:
+    """``name``: the CSV the published numbers came from (`published.published_name`)."""
     if published is None:
         return (f"## Against the published numbers\n\nNo published numbers are shipped for `{sweep.name}` "
                 f"(see `pipelines/paper_results/README.md`).\n")
     if comp.empty:
-        return (f"## Against the published numbers\n\n`{sweep.name}.csv` ships the paper's table structure, but "
+        return (f"## Against the published numbers\n\n`{name}.csv` ships the paper's table structure, but "
                 "none of its numbers could be found (see `pipelines/paper_results/README.md`).\n")
     _write_csv(comp, out_dir / "published_comparison.csv", report)
-    return f"## Against the published numbers\n\n{tables.comparison_markdown(comp, table)}"
+    wider = "" if name == sweep.name else (
+        f"`{sweep.name}` widens the paper's `{name}`: the paper's rows (`pipelines/paper_results/{name}.csv`) "
+        "against our trials of the same method and budget; the trials the paper does not have are not compared.\n\n")
+    return f"## Against the published numbers\n\n{wider}{tables.comparison_markdown(comp, table)}"
 
 
 def _matched_split_section(sweep, table, preds, out_dir, report) -> str:

@@ -15,13 +15,14 @@ from pipelines.recording import tracking
 from pipelines.reporting import tables
 from pipelines.reporting.build import build_report
 from pipelines.reporting.columns import KNOWN_COLUMNS
-from pipelines.reporting.published import PAPER_DIR, load_published
+from pipelines.reporting.published import PAPER_DIR, load_published, published_name
 from pipelines.reporting.store import load_sweep
 from pipelines.run import result
 from pipelines.spec.trials import expand
 
 ROOT = PAPER_DIR.parents[1]
 SHIPPED = sorted(p.stem for p in PAPER_DIR.glob("*.csv"))
+EXTENDED = sorted(p.stem for p in (ROOT / "sweeps").glob("*_extended.yaml"))  # specs widening a table of the paper
 
 
 def _log(name: str, metrics_of=lambda trial: {}, folder_of=lambda trial: None) -> None:
@@ -42,7 +43,14 @@ def test_every_shipped_table_has_its_spec():
                        "table5_diversity", "table6_efficiency"]
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+def test_every_extended_spec_widens_a_shipped_table():
+    assert EXTENDED == ["table1_llava15_extended", "table2_llava_next_extended", "table3_qwen25vl_extended",
+                        "table5_diversity_extended", "table6_efficiency_extended"]
+    assert [published_name(name) for name in EXTENDED] == [name.removesuffix("_extended") for name in EXTENDED]
+    assert published_name("table6_efficiency") == "table6_efficiency" and published_name("extended_models") is None
+
+
+@pytest.mark.parametrize("name", SHIPPED + EXTENDED)
 def test_every_published_row_finds_its_trials(store, name):
     del store
     _log(name)
@@ -101,3 +109,31 @@ def test_table5_rows_follow_the_spec_order(store):
     _log("table5_diversity")
     labels = tables.ordered_trials(load_sweep("table5_diversity"))["label"].tolist()
     assert [label.split("diversity=")[1].rstrip(")") for label in labels] == ["fps", "facility_location", "dpp"]
+
+
+def test_an_extended_report_compares_the_papers_rows_only(store, tmp_path):
+    """table6_efficiency_extended (Table 6's 320 tokens with every implemented method) said "No published numbers are
+    shipped", though it runs Table 6's rows: its report compares those (`table6_efficiency.csv`, each cell with its
+    delta) and no other trial."""
+    del store
+    import pandas as pd
+
+    published = load_published("table6_efficiency")
+    columns = [c for c in published.columns if c.startswith("efficiency/")]
+
+    def metrics_of(t):  # every trial logs every column: the paper's value + 1 where it has the row, else 7
+        if t["method"] is None:
+            row = published[published["method"] == "none"]
+        else:
+            row = published[(published["method"] == t["method"]) & (published["budget"] == t["budget"])]
+        values = {c: (float(row[c].iloc[0]) + 1 if len(row) else 7.0) for c in columns}
+        return {**values, f"pope/{KNOWN_COLUMNS['pope'].metrics[0]}": 0.5}
+
+    _log("table6_efficiency_extended", metrics_of)
+    report = build_report(load_sweep("table6_efficiency_extended"), tmp_path / "out")
+    assert "No published numbers" not in report.markdown
+    assert "`table6_efficiency_extended` widens the paper's `table6_efficiency`" in report.markdown
+    comp = pd.read_csv(tmp_path / "out" / "published_comparison.csv", keep_default_na=False)
+    assert sorted(set(comp["method"])) == ["divprune", "none", "promprune", "vispruner"]  # Table 6's rows alone
+    effs = comp[comp["column"].isin(columns)]
+    assert len(effs) == published[columns].notna().sum().sum() and (effs["delta"].astype(float) == 1.0).all()
