@@ -13,7 +13,7 @@ import numbers
 from typing import Any, NamedTuple
 
 import promprune
-from promprune.selection.registry import as_budget
+from promprune.selection.registry import as_budget, in_llm_hooks_problem
 
 class OptionError(ValueError):
     """A ValueError about one option (``option``: its name), so a caller can say which field of a spec set it."""
@@ -205,10 +205,8 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         raise ValueError(f"option video_split={adapter['video_split']!r} sets PromPrune's entropy / split over a clip; "
                          f"method {method!r} has none: use video_split='unit' (the default)")
     spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
-    if spec.stage == promprune.IN_LLM:  # one the hooks do not implement: no model runs it (llm_hooks.STAGE_KINDS)
-        from .llm_hooks import hooks_problem
-
-        problem = hooks_problem(method)
+    if spec.stage == promprune.IN_LLM:  # one the hooks do not implement: no model runs it (registry.IN_LLM_HOOKED,
+        problem = in_llm_hooks_problem(method)  # a test pins it equal to llm_hooks.STAGE_KINDS)
         if problem is not None:
             raise ValueError(problem)
     budget = as_budget(budget, method)
