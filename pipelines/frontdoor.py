@@ -231,8 +231,9 @@ def not_started_on_interrupt(on: bool = True) -> None:
     """``on``: from now on Ctrl-C or SIGTERM ends the process as `pipelines/sweep.py`'s ``main`` ends it before the
     sweep starts: `NOT_STARTED` on stderr, exit 130 (`EXIT_INTERRUPTED`). For the script's module-level imports
     (Ray, Tune, torch: 10 s and more), where a Ctrl-C was a 40-line KeyboardInterrupt traceback from inside an
-    import, exit 1. ``on=False`` (before ``main``) gives both signals back to Python's defaults, SIGINT's
-    KeyboardInterrupt for ``main``'s own handling.
+    import, exit 1. ``on=False`` (before ``main``) gives both signals back the handlers they had before, SIGINT's
+    KeyboardInterrupt for ``main``'s own handling. A signal the process inherited as ignored (a background job of a
+    non-interactive shell starts with SIGINT ignored) stays ignored: it is not made to end the process.
 
     The handler ends the process with ``os._exit``: nothing has started that needs stopping, and an exception
     raised where the signal may land, importlib's module-lock bookkeeping, is swallowed there ("Exception
@@ -244,5 +245,14 @@ def not_started_on_interrupt(on: bool = True) -> None:
         print(f"\n{NOT_STARTED}", file=sys.stderr, flush=True)
         os._exit(EXIT_INTERRUPTED)
 
-    signal.signal(signal.SIGINT, not_started if on else signal.default_int_handler)
-    signal.signal(signal.SIGTERM, not_started if on else signal.SIG_DFL)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if on:
+            before = signal.getsignal(signum)
+            if before is not signal.SIG_IGN:
+                _HANDLERS_BEFORE.setdefault(signum, before)
+                signal.signal(signum, not_started)
+        elif signum in _HANDLERS_BEFORE:
+            signal.signal(signum, _HANDLERS_BEFORE.pop(signum))
+
+
+_HANDLERS_BEFORE: dict = {}  # signal -> its handler before `not_started_on_interrupt` replaced it

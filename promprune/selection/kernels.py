@@ -92,7 +92,7 @@ def per_image(fn, *tensors: torch.Tensor) -> torch.Tensor:
     features then differed by an ulp between an image alone and in a batch; float64 and float32, CPU). One call of
     ``fn`` per row, each the same whatever the batch, so its launches grow with the batch: the selection's own sums
     take :func:`segment_sums` instead, one call whatever the batch."""
-    if tensors[0].shape[0] == 1:
+    if tensors[0].shape[0] <= 1:  # one row, or none (an empty batch: ``fn``'s own empty result)
         return fn(*tensors)
     return torch.cat([fn(*(t[b:b + 1] for t in tensors)) for b in range(tensors[0].shape[0])])
 

@@ -720,3 +720,45 @@ def test_a_clip_budget_above_one_images_tokens_is_a_note_not_a_refusal(scratch, 
     proc, _ = run_main("--config", str(scratch(images)), "--set", "grid.budget=[64]", "--validate-only")
     assert_clean_error(proc, "budget: trial promprune-b64 keeps 64 of the 48 visual tokens tiny:llava_onevision "
                              "gives an image, so it would run unpruned")
+
+
+def test_an_inherited_ignored_sigint_stays_ignored(scratch, tmp_path):
+    """A review's case: the early handler replaced whatever SIGINT was, so a sweep started as a background job of a
+    non-interactive shell (SIGINT ignored, as POSIX starts those) ended at a Ctrl-C meant for the shell (exit 130),
+    and once ``main`` began a stray SIGINT raised KeyboardInterrupt where it used to be ignored."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipelines.frontdoor import not_started_on_interrupt
+
+    from .conftest import REPO
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        not_started_on_interrupt()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        not_started_on_interrupt(False)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    not_started_on_interrupt()  # not ignored: replaced, and given back as it was
+    assert signal.getsignal(signal.SIGINT) is not before
+    not_started_on_interrupt(False)
+    assert signal.getsignal(signal.SIGINT) is before
+    hook, marker = scratch(PAUSED_AT_IMPORT, "hook.py"), tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, str(hook), str(marker), str(REPO / "pipelines" / "sweep.py"),
+                             "--config", str(scratch())], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), proc.communicate(timeout=60)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert proc.poll() is None, proc.communicate()  # ignored, as the shell asked: still importing
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)

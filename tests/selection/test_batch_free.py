@@ -140,3 +140,12 @@ def test_boundary_cases_keep_the_same_tokens_on_both_routes_alone_and_in_a_batch
     for _ in range(12):
         x, s, budget = random_case(rng)
         check_case(x, s, int(rng.integers(len(x))), budget, int(rng.integers(1, budget - 1)), int(rng.choice([-1, 1])))
+
+
+def test_an_empty_batch_has_an_empty_entropy():
+    """A review's case: the batch-free path joined its rows with torch.cat, which refuses an empty list: an empty batch
+    raised where it gave an empty result (as ``feature_norm_entropy`` still does)."""
+    for dtype in (torch.float32, torch.float64):
+        for shape in ((0, 16, 8), (0, 4, 32)):  # covariance (N > d) and Gram (N <= d)
+            out = promprune.spectral_entropy(torch.randn(*shape, dtype=dtype))
+            assert out.shape == (0,)
