@@ -67,8 +67,9 @@ class Space:
 
     @property
     def middle(self) -> Any:
-        """A value inside the space (a range's middle, on the log scale for loguniform; a list's first): what the
-        other options take while one option's corners are checked."""
+        """A value inside the space (a range's middle, on the log scale for loguniform; a list's first): the spec
+        check tries it with the corners, and the other options take it while one option's values are checked, unless
+        the method refuses it there (`trials._corner_problems`)."""
         if self.kind == "uniform":
             return rounded((self.args[0] + self.args[1]) / 2)
         if self.kind == "loguniform":

@@ -138,27 +138,32 @@ class MethodCatalog:
 
 
 def check_trials(spec: SweepSpec, catalog: MethodCatalog | None = None) -> list[str]:
-    """Budgets and option values of every trial the spec expands to (and of the corners of the grid's search
-    spaces: every listed value and the bounds of each range), the search's settings, and the calibration the trials
-    need (all errors). Method and option names were checked by the schema."""
+    """Budgets and option values of every trial the spec expands to (and of the grid's search spaces: the middle and
+    bounds of each range, every value of a choice, each problem under its own entry, `_corner_problems`; a drawn
+    trial refused for such a problem alone is not reported again), the search's settings, and the calibration the
+    trials need (all errors). Method and option names were checked by the schema."""
     catalog = catalog or MethodCatalog()
     adapter_options, errors = catalog.check_adapter_options(spec.model.options)
     said = catalog.validate(None, None, {}, adapter_options)  # the adapter options' own problem: once, as model.options
     errors += check_search(spec)
     try:
-        trials = expand(spec, catalog=catalog)
+        baseline, searched, explicit = parts(spec, catalog=catalog)
     except SearchSpaceError as e:
         errors.append(str(e))
-        trials = []
+        baseline, searched, explicit = [], [], []
+    ids = {t.trial_id for t in searched}
+    trials = baseline + searched + [t for t in explicit if t.trial_id not in ids]  # as `expand`
+    corner_errors, culprits = _corner_problems(spec, catalog, adapter_options, said)
     for trial in [t for t in trials if t.repeat == 0]:  # a repeat has its first run's config
         problem = _trial_problem(trial, catalog, adapter_options)
-        if problem == said:
+        if problem == said or (problem and trial.trial_id in ids
+                               and _explained(trial, culprits, catalog, adapter_options, said)):
             continue
         if problem and problem.startswith("budget: "):
             errors.append(f"{problem} (trial {trial.trial_id})")
         elif problem:
             errors.append(f"trial {trial.trial_id}: {problem}")
-    errors += _corner_problems(spec, catalog, adapter_options, said)
+    errors += corner_errors
     if metrics_to_calibrate(trials) and not spec.calibration.images:
         errors.append("calibration.images: required when a trial sets mu: calibrate (a folder of images, or "
                       "hf:<dataset id>)")
@@ -200,22 +205,116 @@ def _choices(grid: dict) -> dict[str, list]:
 
 
 def _corner_problems(spec: SweepSpec, catalog: MethodCatalog, adapter_options: dict,
-                     said: str | None = None) -> list[str]:
-    """Each search space's corners (a range's bounds, every value of a choice) tried with the grid's other entries
-    inside their own spaces, so that a value a method refuses is named, with its option, before anything runs
-    (``said``: a problem already reported, which is left out)."""
-    firsts = {k: space.parse(v).middle for k, v in spec.grid.items()}
-    errors = []
-    for key, value in spec.grid.items():
-        if not space.is_distribution(value):
+                     said: str | None = None) -> tuple[list[str], dict[str, dict]]:
+    """Each search space's values worth a check (its middle, a range's bounds, every value of a choice), for every
+    method of the grid that takes the option, so that a value a method refuses is named, with its option, before
+    anything runs (``said``: a problem already reported, which is left out).
+
+    A value is tried with the grid's other entries at a reference the method accepts (`_reference`: values of their
+    own, an option with none the method accepts left at its default), so that each problem is filed once, under the
+    entry that causes it, and not under every other entry's corners. A float range on an option that takes ints
+    (``layer: {uniform: [1, 3]}``: its middle 2.0 refused, 2 accepted) is one problem saying to draw ints.
+
+    Also returns, for each method, the entries with a problem here, each with the value the method takes in the
+    reference (`_explained`: a drawn trial refused for them alone is not another problem)."""
+    spaces = {k: space.parse(v) for k, v in spec.grid.items()}
+    methods = spaces["method"].finite if "method" in spaces and "budget" in spaces else None
+    errors, culprits = [], {}
+    for method in methods or []:
+        accepted = catalog.options(method) if isinstance(method, str) else None
+        if accepted is None:  # not a method: the schema says so
             continue
-        described = space.parse(value).describe()
-        for corner in space.parse(value).corners:
-            for trial in _trials_of([{**firsts, key: corner}], catalog):
-                problem = _trial_problem(trial, catalog, adapter_options)
-                if problem and problem != said:
-                    errors.append(f"grid.{key}: {corner!r} of {described}: {problem}")
-    return errors
+        found, culprits[method] = _method_corner_problems(method, spaces, accepted, catalog, adapter_options, said)
+        errors += found
+    return errors, culprits
+
+
+def _method_corner_problems(method: str, spaces: dict[str, space.Space], accepted: set[str],
+                            catalog: MethodCatalog, adapter_options: dict,
+                            said: str | None) -> tuple[list[str], dict]:
+    """`_corner_problems` for one method of the grid (``accepted``: its options)."""
+    keys = [k for k in spaces if k == "budget" or k in accepted]
+    rest = {k: s.middle for k, s in spaces.items() if k not in keys} | {"method": method}
+
+    def problem(combo: dict) -> str | None:
+        values = {k: v for k, v in combo.items() if v is not _DEFAULT}
+        (trial,) = _trials_of([rest | values], catalog)
+        found = _trial_problem(trial, catalog, adapter_options)
+        return None if found == said else found
+
+    candidates = {k: _distinct([spaces[k].middle, *spaces[k].corners]) + ([] if k == "budget" else [_DEFAULT])
+                  for k in keys}
+    reference = _reference(candidates, problem)
+    if reference is None:  # nothing in the grid runs with this method: the trials' checks say why
+        return [], {}
+    errors, culprits = [], {}
+    for key in keys:
+        if spaces[key].searched:
+            found = _space_problems(key, spaces[key], lambda v, key=key: problem(reference | {key: v}))
+            if found:
+                errors += found
+                culprits[key] = reference[key]
+    return errors, culprits
+
+
+def _explained(trial: Trial, culprits: dict[str, dict], catalog: MethodCatalog, adapter_options: dict,
+               said: str | None) -> bool:
+    """Whether a trial drawn from the grid is refused only for entries whose problem `_corner_problems` names (it is
+    accepted with them at their reference values): then it is that problem again, not one of its own."""
+    references = {k: v for k, v in culprits.get(trial.method, {}).items()
+                  if k in trial.options or (k == "budget" and v != trial.budget)}
+    if not references:
+        return False
+    budget = references.pop("budget", trial.budget)
+    options = {k: v for k, v in (trial.options | references).items() if v is not _DEFAULT}
+    return _trial_problem(dataclasses.replace(trial, budget=budget, options=options), catalog,
+                          adapter_options) in (None, said)
+
+
+_DEFAULT = object()  # an option left out of a reference combination: the method's default
+MAX_REFERENCE_TRIES = 1000  # combinations `_reference` tries before giving up
+
+
+def _distinct(values: list) -> list:
+    """``values`` without repeats, in order (1 and 1.0 kept apart: a float range's middle is not its int bound)."""
+    out = []
+    for v in values:
+        if not any(type(v) is type(w) and v == w for w in out):
+            out.append(v)
+    return out
+
+
+def _reference(candidates: dict[str, list], problem) -> dict | None:
+    """A combination of the candidates (each entry's first, its middle, unless the method refuses it) for which
+    ``problem`` finds nothing, moving as few entries off their first candidate as it can; None if there is none in
+    `MAX_REFERENCE_TRIES` tries."""
+    first = {k: c[0] for k, c in candidates.items()}
+    tries = 0
+    for n in range(len(candidates) + 1):
+        for moved in itertools.combinations(candidates, n):
+            for others in itertools.product(*(candidates[k][1:] for k in moved)):
+                combo = first | dict(zip(moved, others))
+                if problem(combo) is None:
+                    return combo
+                tries += 1
+                if tries >= MAX_REFERENCE_TRIES:
+                    return None
+    return None
+
+
+def _space_problems(key: str, searched: space.Space, problem) -> list[str]:
+    """What the method refuses among a search space's middle and corners, each with the value (``problem``: that of
+    the reference with ``key`` at a value), or one problem when a float range is given for an int option."""
+    described, middle = searched.describe(), searched.middle
+    found = [(v, p) for v in _distinct([middle, *searched.corners]) if (p := problem(v))]
+    if not found:
+        return []
+    if searched.kind in ("uniform", "loguniform") and found[0][0] is middle and problem(round(middle)) is None:
+        lo, hi = math.ceil(searched.args[0]), math.floor(searched.args[1])
+        ints = f"{{randint: [{lo}, {hi}]}} or " if lo <= hi else ""
+        return [f"grid.{key}: {described} draws floats (here {middle!r}), and the method takes ints: {found[0][1]}; "
+                f"search it with {ints}{{choice: [...]}} of ints"]
+    return [f"grid.{key}: {v!r} of {described}: {p}" for v, p in found]
 
 
 def _trial_problem(trial: Trial, catalog: MethodCatalog, adapter_options: dict) -> str | None:

@@ -57,6 +57,57 @@ def test_a_range_whose_bound_the_method_refuses_is_named_with_its_option():
         "grid.tau: 0 of uniform[0, 0.1]: option 'tau' must be in (0, inf), got 0"]
 
 
+def test_a_float_range_on_an_int_option_is_one_problem_under_its_own_field():
+    # FastV's layer takes ints; uniform[1, 3] draws floats (its bounds, ints as written, pass; its middle 2.0 does
+    # not): the problem was filed under grid.mu and grid.tau, whose corners were tried with layer at 2.0, 4 times
+    grid = {"method": ["fastv", "promprune"], "budget": [8], "layer": {"uniform": [1, 3]},
+            "mu": {"uniform": [0.2, 0.3]}, "tau": {"loguniform": [0.01, 0.1]}}
+    (found,) = problems(grid, num_samples=2)
+    assert found.startswith("grid.layer: uniform[1, 3] draws floats (here 2.0), and the method takes ints: option "
+                            "'layer' of fastv must be None") and found.endswith(
+        "got 2.0; search it with {randint: [1, 3]} or {choice: [...]} of ints"), found
+    assert problems({**grid, "layer": {"randint": [1, 3]}, "mu": {"uniform": [0.2, 1.3]}}, num_samples=2) == [
+        f"grid.mu: 1.3 of uniform[0.2, 1.3]: option 'mu' is 1.3, outside [0, 1], {MU_OUTSIDE}"]
+
+
+MU_OUTSIDE = ("where every prominence metric lies (a normalized entropy), so every image would get the same split; mu "
+              "is the metric's value where the split is even (0.42 for CLIP encoders, 0.5744 for Qwen2.5-VL's; "
+              "`calibrate` measures it); a fixed split is method fixed_ratio")
+
+
+@pytest.fixture
+def int_option_method():
+    """A method of one's own, ``t_first``, whose option ``k`` takes ints (its default 1); gone after the test."""
+    import promprune
+    from promprune.selection import registry
+
+    @promprune.register_method("t_first", options={"k": 1})
+    def first(tokens, budget, *, k):
+        """The first tokens."""
+        raise AssertionError("a spec check runs no method")
+
+    yield "t_first"
+    registry._REGISTRY.pop("t_first")
+
+
+def test_each_entry_is_tried_with_the_others_at_values_the_method_takes(int_option_method):
+    # one mistake (a float range on an int option) was 10 problems, 6 of them under the other entries, whose
+    # corners were tried with k at its middle 1.5
+    grid = {"method": [int_option_method, "promprune"], "budget": {"randint": [8, 16]}, "k": {"uniform": [0.5, 2.5]},
+            "mu": {"uniform": [0.2, 0.3]}, "tau": {"loguniform": [0.01, 0.1]}}
+    assert problems(grid, num_samples=1, seed=1) == [
+        "grid.k: uniform[0.5, 2.5] draws floats (here 1.5), and the method takes ints: option 'k' of method "
+        "'t_first' must be an int, got 1.5; search it with {randint: [1, 2]} or {choice: [...]} of ints"]
+    # no int inside the range: no randint to suggest
+    (found,) = problems({**grid, "k": {"uniform": [0.2, 0.4]}}, num_samples=1, seed=1)
+    assert found.startswith("grid.k: uniform[0.2, 0.4] draws floats (here 0.3)") and found.endswith(
+        "got 0.3; search it with {choice: [...]} of ints"), found
+    # two entries wrong at once: each under its own field, tried with the other at a value the method takes
+    found = problems({**grid, "k": {"uniform": [0.5, 2.5]}, "mu": {"uniform": [0.5, 1.5]}}, num_samples=1, seed=1)
+    assert [p.split(": ")[0] for p in found] == ["grid.k", "grid.mu"], found
+    assert found[1] == f"grid.mu: 1.5 of uniform[0.5, 1.5]: option 'mu' is 1.5, outside [0, 1], {MU_OUTSIDE}"
+
+
 def test_the_search_settings_are_checked_against_the_grid_and_the_spec():
     assert problems(search="grid") == [
         "grid.mu: uniform[0.2, 0.3] is a search space, and tune.search: grid runs the grid's lists only (set "
