@@ -9,6 +9,8 @@ A one-trial sweep spec run through the trial a sweep runs (`pipelines/run/trial.
 goes through the same requests (sealed blocks in the object store), the same engine (model workers that hold the
 pruned VLM) and the same `TrialResult`; what differs is only that the evaluation plans for itself (`trial.alone`)
 and is logged from here instead of a sweep's driver. Problems are named by their flags (`--budget`, `--option mu`).
+A task whose own scoring code fails (`promprune.eval.scoring.ScoringError`: its process_results or an aggregation
+raising) is one paragraph naming the task, exit 2, as a problem of the command line is.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pipelines.run import trial as trials
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, check_address, connect
 from pipelines.spec.schema import DEFAULT_TASKS
 from pipelines.weights import prepare_model
+from promprune.eval.scoring import ScoringError
 
 SOURCE = "pipelines/evaluate.py"
 # a spec field -> the flag that sets it (how a problem is named on this command line)
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         with trials.alone(spec) as shared:
             result = trials.evaluate(trial, spec, shared)
             on_gpu = shared.plan.on_gpu  # the dtype `dtype: auto` resolved to, for its run's params
-    except planning.NoCapacity as exc:
+    except (planning.NoCapacity, ScoringError) as exc:  # a ScoringError: the task's own scoring code, named
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"evaluated {result.predictions.num_rows} samples in {time.perf_counter() - t0:.1f}s")

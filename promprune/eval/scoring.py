@@ -22,15 +22,18 @@ Two things lmms-eval's own loop would turn into a lost trial or a silent number 
 - an LLM judge (MM-Vet) that gave no grade: lmms-eval records 0.0; here the sample counts as failed
   (``n_judge_failed``, included in ``n_failed``) and the task's metrics are aggregated over the graded samples only.
 
-Two mistakes in a task's own scoring end its scoring with a `ScoringError` naming the task and the cause, where
-lmms-eval's loop would hide them:
+Three mistakes in a task's own scoring end its scoring with a `ScoringError` naming the task and the cause, where
+lmms-eval's loop would hide them (or end in a long traceback through its own code):
 
 - ``process_results`` raising: lmms-eval retries it 5 times, 2 s apart, and ends in a ``tenacity.RetryError`` that
   names only the exception's type. Here it is called once (lmms-eval's own tasks keep the retries: their
   ``process_results`` may call an LLM judge over the network), and the error says the exception, its message and
   the line of the task's code that raised it;
 - a ``metric_list`` metric that ``process_results`` never returns while it returns keys no metric declares (a
-  misnamed metric): lmms-eval aggregates only the declared metrics that came back, so the task would have no score.
+  misnamed metric): lmms-eval aggregates only the declared metrics that came back, so the task would have no score;
+- an aggregation raising (lmms-eval's ``mean`` over a metric process_results returned as a string, or the task's
+  own aggregation): the error names the metric, the aggregation, the exception with its line, and the types of the
+  values process_results returned for the metric.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ LMMS_EVAL_REASONING_TAGS = '[["<think>", "</think>"], ["<analysis>", "</analysis
 
 class ScoringError(RuntimeError):
     """A task's own scoring failed, the same way on every try: its ``process_results`` raised, or returned none of
-    a metric its ``metric_list`` declares. The message names the task and the cause."""
+    a metric its ``metric_list`` declares, or an aggregation of its metrics raised. The message names the task and
+    the cause."""
 
 
 def _lmms_eval_code(fn) -> bool:
@@ -77,7 +81,9 @@ def _lmms_eval_code(fn) -> bool:
 def _watched(task, name: str):
     """``task.process_results`` while lmms-eval scores: called once (lmms-eval's retries kept for its own tasks'
     code), an exception it raises turned into a `ScoringError` that names it (`_raised`); yields the set that
-    collects the keys it returned."""
+    collects the keys it returned. The aggregations of a task of one's own likewise: one that raises (lmms-eval's
+    ``mean`` over a metric whose process_results returned strings) is a `ScoringError` naming the task, the metric
+    and the function (`_aggregation_raised`)."""
     import tenacity
 
     method = type(task).process_results
@@ -96,22 +102,68 @@ def _watched(task, name: str):
             returned.update(out)
         return out
 
+    aggregations = {metric: fn if _lmms_eval_code(fn) and _lmms_eval_code(user)  # a task lmms-eval ships
+                    else _aggregation_watched(name, metric, fn, user) for metric, fn in task.aggregation().items()}
+    own = {k: task.__dict__[k] for k in ("process_results", "aggregation") if k in task.__dict__}  # put back after
     task.process_results = process_results  # the instance's: lmms-eval calls task.process_results(doc, results)
+    task.aggregation = lambda: aggregations  # and task.aggregation()[metric](items)
     try:
         yield returned
     finally:
-        del task.process_results
+        del task.process_results, task.aggregation
+        task.__dict__.update(own)
+
+
+def _aggregation_watched(name: str, metric: str, aggregate, user):
+    """``aggregate`` (metric ``metric``'s aggregation) as lmms-eval calls it, an exception it raises a `ScoringError`
+    (`_aggregation_raised`; a spreadsheet writer's refusal passes, for `_evaluate_answers`); its signature is the
+    function's (lmms-eval passes ``args=`` to one that takes it). A task lmms-eval ships keeps its own."""
+
+    from openpyxl.utils.exceptions import IllegalCharacterError
+
+    @functools.wraps(aggregate)
+    def watched(items, *args, **kwargs):
+        try:
+            return aggregate(items, *args, **kwargs)
+        except IllegalCharacterError:  # a spreadsheet writer's: `_evaluate_answers` cleans the answers, scores again
+            raise
+        except Exception as exc:  # noqa: BLE001 - the task's code, or lmms-eval's over the task's values: named
+            raise ScoringError(_aggregation_raised(name, metric, aggregate, user, items, exc)) from exc
+
+    return watched
 
 
 def _raised(name: str, user, exc: BaseException) -> str:
     """The error of a task whose ``process_results`` (``user``: the task's function) raised ``exc``: its type,
-    message and the line that raised it (the last frame in the function's file, else the last frame)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    own = getattr(getattr(user, "__code__", None), "co_filename", None)
-    at = ([f for f in frames if f.filename == own] or frames or [None])[-1]
-    where = "" if at is None else f", at {at.filename}, line {at.lineno}" + (f": {at.line}" if at.line else "")
-    return (f"task {name!r}: its process_results raised {type(exc).__name__}: {exc}{where}. Fix the "
+    message and the line that raised it (`_where`)."""
+    return (f"task {name!r}: its process_results raised {type(exc).__name__}: {exc}{_where(user, exc)}. Fix the "
             "task's code there")
+
+
+def _where(fn, exc: BaseException) -> str:
+    """``, at <file>, line <n>: <code>``: the line that raised ``exc`` (the last frame in ``fn``'s file, else the
+    last frame); empty without a traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    at = ([f for f in frames if f.filename == own] or frames or [None])[-1]
+    return "" if at is None else f", at {at.filename}, line {at.lineno}" + (f": {at.line}" if at.line else "")
+
+
+def _aggregation_raised(name: str, metric: str, aggregate, user, items: list, exc: BaseException) -> str:
+    """The error of a task whose aggregation ``aggregate`` of ``metric`` raised ``exc`` over ``items`` (what its
+    process_results, ``user``, returned for the metric): the function, the exception and its line, and the values'
+    types, with one value that is not a number (the usual cause: lmms-eval's mean over strings)."""
+    fn = getattr(aggregate, "__qualname__", repr(aggregate))
+    whose = "lmms-eval's " if _lmms_eval_code(aggregate) else ""
+    types = sorted({type(v).__name__ for v in items})
+    odd = next((v for v in items if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
+    code = getattr(user, "__code__", None)
+    source = "" if code is None else f" ({code.co_filename}, line {code.co_firstlineno})"
+    returned = (f"; its process_results{source} returned {', '.join(types)} values for {metric!r}"
+                + (f" (e.g. {odd!r})" if odd is not None else ""))
+    return (f"task {name!r}: the aggregation of metric {metric!r}, {whose}{fn}, raised {type(exc).__name__}: "
+            f"{exc}{_where(aggregate, exc)}{returned}. Fix process_results to return what the aggregation takes "
+            "(numbers, for mean), or the metric's aggregation in the task's metric_list")
 
 
 def _check_metrics(task, name: str, returned: set[str]) -> None:

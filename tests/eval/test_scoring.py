@@ -256,6 +256,41 @@ def test_an_exception_in_process_results_is_named_with_its_line_and_not_retried(
     assert (Path(d) / "calls").read_text() == "x"  # called once: lmms-eval's tenacity retries it 5 times, 2 s apart
 
 
+def test_an_aggregation_that_raises_is_named_with_the_task_metric_and_values(tmp_path):
+    # lmms-eval's mean over a metric process_results returns as a string: a TypeError traceback through lmms-eval's
+    # metrics.mean, naming neither the task nor the metric (issue)
+    from promprune.eval.scoring import ScoringError
+
+    d = _own_task(tmp_path, "own_str", ["accuracy", "length"],
+                  "    return {'accuracy': float(results[0] == doc['answer']), 'length': 'long'}")
+    with pytest.raises(ScoringError) as raised:
+        score(_rows("own_str", ["yes", "no", "no"]), include_path=d)
+    first = next(i for i, text in enumerate((Path(d) / "utils.py").read_text().splitlines(), 1)
+                 if "def process_results" in text)
+    message = str(raised.value)
+    assert message.startswith("task 'own_str': the aggregation of metric 'length', lmms-eval's mean, raised "
+                              "TypeError: unsupported operand type(s) for +: 'int' and 'str', at "
+                              f"{Path(lmms_eval.__file__).parent}/api/metrics.py, line "), message
+    assert message.endswith(f"; its process_results ({d}/utils.py, line {first}) returned str values for 'length' "
+                            "(e.g. 'long'). Fix process_results to return what the aggregation takes (numbers, for "
+                            "mean), or the metric's aggregation in the task's metric_list"), message
+    assert isinstance(raised.value.__cause__, TypeError)
+    # the task's own aggregation: the line of its code that raised
+    utils = (Path(d) / "utils.py").read_text() + "def agg_first(items):\n    return items[0] / 0\n"
+    (Path(d) / "utils.py").write_text(utils.replace("'length': 'long'", "'length': 1.0"))
+    yaml = Path(d) / "own_str.yaml"
+    yaml.write_text(yaml.read_text().replace("{metric: length, aggregation: mean",
+                                             "{metric: length, aggregation: !function utils.agg_first"))
+    with pytest.raises(ScoringError) as raised:
+        score(_rows("own_str", ["yes", "no", "no"]), include_path=d)
+    line = len(utils.splitlines())
+    assert str(raised.value) == (
+        f"task 'own_str': the aggregation of metric 'length', agg_first, raised ZeroDivisionError: float division by "
+        f"zero, at {d}/utils.py, line {line}: return items[0] / 0; its process_results ({d}/utils.py, line {first}) "
+        "returned float values for 'length'. Fix process_results to return what the aggregation takes (numbers, for "
+        "mean), or the metric's aggregation in the task's metric_list")
+
+
 def test_a_declared_metric_process_results_never_returns_is_an_error(tmp_path):
     from promprune.eval.scoring import ScoringError
 

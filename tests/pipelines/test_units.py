@@ -702,6 +702,33 @@ def test_evaluate_does_first_use_work_before_ray(monkeypatch, tmp_path):
     assert calls == []
 
 
+def test_evaluate_names_a_task_whose_scoring_fails_in_one_paragraph(monkeypatch, tmp_path, capsys):
+    """A task of one's own whose process_results returns a string for a metric lmms-eval's mean aggregates: one
+    paragraph naming the task and the metric, exit 2 (was a ~40-line TypeError traceback through lmms-eval's
+    metrics.mean, exit 1). The scoring is the real one, over this task's documents; Ray and the model are not."""
+    import contextlib
+
+    from pipelines import evaluate
+    from promprune.eval import score
+    from tests.own_task import write_task
+
+    monkeypatch.chdir(tmp_path)
+    write_task(tmp_path / "own", "own_str", metrics=("accuracy", "length"), questions=["q0", "q1"],
+               process_results="    return {'accuracy': 1.0, 'length': 'long'}")
+    monkeypatch.setattr(evaluate, "prepare_model", lambda name: None)
+    monkeypatch.setattr(evaluate, "connect", lambda address: None)
+    monkeypatch.setattr(evaluate.trials, "alone", lambda spec: contextlib.nullcontext(None))
+    rows = [{"task": "own_str", "doc_id": i, "n_docs": 2, "prediction": "yes"} for i in range(2)]
+    monkeypatch.setattr(evaluate.trials, "evaluate",
+                        lambda trial, spec, shared: score(rows, include_path=spec.include_path))
+    assert evaluate.main(["--include-path", "own", "--tasks", "own_str", "--limit", "2", "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    (message,) = [line for line in err.splitlines() if line.startswith("error: ")]  # beside lmms-eval's bars
+    assert message.startswith("error: task 'own_str': the aggregation of metric 'length', lmms-eval's mean, raised "
+                              "TypeError: ") and "returned str values for 'length' (e.g. 'long')" in message, err
+    assert "Traceback" not in err
+
+
 def test_two_runs_making_the_experiment_at_once_both_get_it(mlflow_store, monkeypatch):
     """A probe's case: two processes on a new store both looked the experiment up, found none, and created it; one
     raised "already exists" (UNIQUE constraint), after Ray had started. Here the other process's creation lands
