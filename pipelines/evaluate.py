@@ -28,6 +28,7 @@ if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "pyproject.
 from pipelines import mlflow_layout, plugins, preflight
 from pipelines import spec as specs
 from pipelines.recording import tracking
+from pipelines.recording.console import nan_note
 from pipelines.run import resources as planning
 from pipelines.run import trial as trials
 from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, check_address, connect
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"evaluated {result.predictions.num_rows} samples in {time.perf_counter() - t0:.1f}s")
     for key, value in sorted(result.metrics.items()):
         print(f"  {key:32s} {value:.4g}")
+    if note := nan_note(result.metrics):
+        print(f"note:{note}")
     if not args.no_mlflow:
         run_id = tracking.log_evaluation(spec, trial, result, on_gpu)
         print(f"MLflow run {run_id}. " + mlflow_layout.open_results())

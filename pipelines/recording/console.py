@@ -99,6 +99,7 @@ class SweepConsole:
         shown = " ".join(f"{k}={m[k]:.3f}" for k in headline_keys(tasks, m) + [REL] if k in m)
         failed = int(m.get("samples/failed", 0))
         shown += f" FAILED SAMPLES={failed} (scored as wrong answers)" if failed else ""
+        shown += nan_note(m)
         say(f"[{count}/{self.n_trials}] {tid}: {shown} ({m.get('trial/wall_s', float('nan')):.1f}s)")
         self.advanced(tid, int(m.get("samples/total", 0)))
         if self.bar is not None:
@@ -128,6 +129,16 @@ def quiet_line(quiet_s: float, running: int, state: dict | None) -> str:
                 "workers at nice 15 unless RAY_worker_niceness says otherwise: other busy processes on a node slow "
                 "them)")
     return f"{head}: {granted} of {workers} model worker(s) answering a block"
+
+
+def nan_note(metrics: dict) -> str:
+    """`` NaN SCORES: <task>/<metric> on <n> sample(s)`` for every metric a task's process_results returned NaN for
+    (`promprune.eval.scoring.NAN_SUFFIX`: the score is what its aggregation made of them); empty when none."""
+    from promprune.eval.scoring import NAN_SUFFIX
+
+    nans = [f"{k.removesuffix(NAN_SUFFIX)} on {int(v)} sample(s)" for k, v in metrics.items()
+            if k.endswith(NAN_SUFFIX) and v]
+    return f" NaN SCORES: {', '.join(nans)} (the task's process_results returned NaN)" if nans else ""
 
 
 def headline_keys(tasks: list[str], metrics: dict) -> list[str]:

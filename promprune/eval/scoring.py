@@ -45,6 +45,8 @@ import functools
 import inspect
 import io
 import logging
+import math
+import numbers
 import os
 import re
 import tempfile
@@ -81,15 +83,16 @@ def _lmms_eval_code(fn) -> bool:
 def _watched(task, name: str):
     """``task.process_results`` while lmms-eval scores: called once (lmms-eval's retries kept for its own tasks'
     code), an exception it raises turned into a `ScoringError` that names it (`_raised`); yields the set that
-    collects the keys it returned. The aggregations of a task of one's own likewise: one that raises (lmms-eval's
-    ``mean`` over a metric whose process_results returned strings) is a `ScoringError` naming the task, the metric
-    and the function (`_aggregation_raised`)."""
+    collects the keys it returned and the count of the documents it returned NaN for, by key. The aggregations of a
+    task of one's own likewise: one that raises (lmms-eval's ``mean`` over a metric whose process_results returned
+    strings) is a `ScoringError` naming the task, the metric and the function (`_aggregation_raised`)."""
     import tenacity
 
     method = type(task).process_results
     user = getattr(task.config, "process_results", None)
     once = method if _lmms_eval_code(user) else getattr(method, "__wrapped__", method)  # tenacity keeps the function
     returned: set[str] = set()
+    nans: collections.Counter = collections.Counter()
 
     def process_results(doc, results, **kwargs):
         try:
@@ -100,6 +103,7 @@ def _watched(task, name: str):
             raise ScoringError(_raised(name, user, exc)) from exc
         if isinstance(out, dict):
             returned.update(out)
+            nans.update(k for k, v in out.items() if _is_nan(v))
         return out
 
     aggregations = {metric: fn if _lmms_eval_code(fn) and _lmms_eval_code(user)  # a task lmms-eval ships
@@ -108,10 +112,15 @@ def _watched(task, name: str):
     task.process_results = process_results  # the instance's: lmms-eval calls task.process_results(doc, results)
     task.aggregation = lambda: aggregations  # and task.aggregation()[metric](items)
     try:
-        yield returned
+        yield returned, nans
     finally:
         del task.process_results, task.aggregation
         task.__dict__.update(own)
+
+
+def _is_nan(value: Any) -> bool:
+    """A real number that is NaN (a float, numpy's floats; not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isnan(value)
 
 
 def _aggregation_watched(name: str, metric: str, aggregate, user):
@@ -278,11 +287,13 @@ def _metrics(task_results: dict) -> dict[str, float]:
 CI_LEVEL = 0.95
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 COUNTS = ("n_samples", "n_failed", "n_judge_failed", "n_cleaned")  # what `score` adds beside a task's metrics
+NAN_SUFFIX = "_n_nan"  # <metric>_n_nan: the documents process_results returned NaN for (`_nan_counts`)
 
 
 def is_count(name: str) -> bool:
-    """Whether a task's score ``name`` is one of `score`'s sample counts or a bound of an interval, not a metric."""
-    return name in COUNTS or name.endswith(CI_SUFFIXES)
+    """Whether a task's score ``name`` is one of `score`'s sample counts (a metric's NaN documents included) or a
+    bound of an interval, not a metric."""
+    return name in COUNTS or name.endswith(CI_SUFFIXES + (NAN_SUFFIX,))
 
 
 def aggregate_with(aggregate, items: list, args=None) -> float:
@@ -394,14 +405,16 @@ def _grouping(name: str):
     return _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
 
 
-def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir: str, log_samples: bool) -> dict:
-    """lmms-eval's ``evaluate`` over one task, the replay model answering ``answers`` ({(task, doc_id): text}); a
-    `ScoringError` when the task's ``process_results`` raises or returns none of a metric it declares."""
+def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir: str,
+                   log_samples: bool) -> tuple[dict, collections.Counter]:
+    """(lmms-eval's ``evaluate`` over one task, the replay model answering ``answers`` ({(task, doc_id): text}); the
+    documents process_results returned NaN for, by metric); a `ScoringError` when the task's ``process_results`` or
+    an aggregation raises, or process_results returns none of a metric it declares."""
     from lmms_eval.evaluator import evaluate
 
     cli_args = argparse.Namespace(process_with_media=False, output_path=output_dir,
                                   reasoning_tags=LMMS_EVAL_REASONING_TAGS)
-    with single_process(), _watched(task, name) as returned:
+    with single_process(), _watched(task, name) as (returned, nans):
         results = evaluate(
             lm=_replay_model(answers),
             task_dict={name: task},
@@ -414,24 +427,27 @@ def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir
             verbosity="WARNING",
         )
     _check_metrics(task, name, returned)
-    return results
+    return results, nans
 
 
-def _evaluate_answers(task, name: str, answers: dict, limit, output_dir: str, log_samples: bool) -> tuple[dict, int]:
-    """(lmms-eval's results, answers cleaned): when the task's spreadsheet writer refuses a control character, the
-    answers holding one lose those characters and the task is scored again (one stray byte costs at most its own
-    sample, never the trial)."""
+def _evaluate_answers(task, name: str, answers: dict, limit, output_dir: str,
+                      log_samples: bool) -> tuple[dict, int, collections.Counter]:
+    """(lmms-eval's results, answers cleaned, NaN documents by metric: `_run_lmms_eval`): when the task's
+    spreadsheet writer refuses a control character, the answers holding one lose those characters and the task is
+    scored again (one stray byte costs at most its own sample, never the trial)."""
     from openpyxl.utils.exceptions import IllegalCharacterError  # lmms-eval's xlsx writer (MMBench) uses openpyxl
 
     try:
-        return _run_lmms_eval(task, name, answers, limit, output_dir, log_samples), 0
+        results, nans = _run_lmms_eval(task, name, answers, limit, output_dir, log_samples)
+        return results, 0, nans
     except IllegalCharacterError:
         pass
     dirty = {key for key, text in answers.items() if SPREADSHEET_ILLEGAL.search(text)}
     log.warning("%s: the task's spreadsheet writer refused control characters in %d answer(s); scoring them "
                 "without those characters", name, len(dirty))
     cleaned = {key: SPREADSHEET_ILLEGAL.sub("", text) if key in dirty else text for key, text in answers.items()}
-    return _run_lmms_eval(task, name, cleaned, limit, output_dir, log_samples), len(dirty)
+    results, nans = _run_lmms_eval(task, name, cleaned, limit, output_dir, log_samples)
+    return results, len(dirty), nans
 
 
 def _judge_failures(name: str, samples: list[dict]) -> set[int]:
@@ -476,8 +492,8 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
     absent = set(range(covered)) - set(rows)  # a partial score: the documents not answered yet
     answers = {(name, doc_id): _answer(rows[doc_id]) if doc_id in rows else "" for doc_id in range(covered)}
     judged = name in JUDGE_GRADES
-    results, n_cleaned = _evaluate_answers(task, name, answers, limit, output_dir,
-                                           bootstrap > 0 or judged or bool(absent))
+    results, n_cleaned, nans = _evaluate_answers(task, name, answers, limit, output_dir,
+                                                 bootstrap > 0 or judged or bool(absent))
     metrics = _metrics(results["results"][name])
     samples = results.get("samples", {}).get(name, [])
     if absent:
@@ -497,7 +513,23 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
         metrics["n_judge_failed"] = len(unjudged)
     if n_cleaned:
         metrics["n_cleaned"] = n_cleaned
+    if not absent:  # (a running score replays the documents not answered yet as "": their NaNs are not counted)
+        metrics.update(_nan_counts(name, nans, task.aggregation(), len(rows)))
     return metrics
+
+
+def _nan_counts(name: str, nans: collections.Counter, declared, n: int) -> dict[str, int]:
+    """``<metric>_n_nan``: how many of the ``n`` documents the task's process_results returned NaN for, for each
+    metric of its ``metric_list`` (``declared``) it did, each said in a warning. The metric stays what its
+    aggregation makes of them (lmms-eval's mean: NaN), as lmms-eval reports it; the count says why."""
+    out = {}
+    for metric in declared:
+        if nans[metric]:
+            log.warning("%s: process_results returned NaN for metric %r on %d of %d sample(s); its score is what the "
+                        "aggregation makes of them (a mean: NaN), so check the task's process_results", name, metric,
+                        nans[metric], n)
+            out[metric + NAN_SUFFIX] = nans[metric]
+    return out
 
 
 def score(
@@ -629,7 +661,7 @@ def sample_items(predictions: list[dict], *, include_path: str | list[str] | Non
             covered = int(next(iter(rows.values()))["n_docs"])
             limit = None if covered == len(task.eval_docs) else covered
             answers = {(name, d): _answer(rows[d]) if d in rows else "" for d in range(covered)}
-            results, _ = _evaluate_answers(task, name, answers, limit, output_dir or tmp, True)
+            results, _, _ = _evaluate_answers(task, name, answers, limit, output_dir or tmp, True)
             samples = [s for s in results.get("samples", {}).get(name, []) if int(s["doc_id"]) in rows]
             aggregations = task.aggregation()
             items = {m: {int(s["doc_id"]): s[m] for s in samples if m in s}

@@ -1,6 +1,7 @@
 """Scoring: lmms-eval's own POPE / MME / easy-vqa scoring, fed from shards, against hand-worked values."""
 
 import io
+import math
 import random
 from pathlib import Path
 
@@ -289,6 +290,28 @@ def test_an_aggregation_that_raises_is_named_with_the_task_metric_and_values(tmp
         f"zero, at {d}/utils.py, line {line}: return items[0] / 0; its process_results ({d}/utils.py, line {first}) "
         "returned float values for 'length'. Fix process_results to return what the aggregation takes (numbers, for "
         "mean), or the metric's aggregation in the task's metric_list")
+
+
+def test_nan_scores_are_counted_and_said_and_the_score_is_left_as_it_is(tmp_path, caplog):
+    # a process_results returning NaN for some documents gave a silent NaN headline, n_failed 0 (issue)
+    from pipelines.recording.console import headline_keys, nan_note
+
+    d = _own_task(tmp_path, "own_nan", ["accuracy", "length"],
+                  "    return {'accuracy': float('nan') if doc['answer'] == 'yes' else 1.0, 'length': 2.0}")
+    with caplog.at_level("WARNING", logger="promprune.eval.scoring"):
+        scores = score(_rows("own_nan", ["yes", "no", "no"]), include_path=d)["own_nan"]
+    assert math.isnan(scores.pop("accuracy"))  # lmms-eval's mean over [nan, 1.0, nan]: the number is not changed
+    assert scores == {"length": 2.0, "accuracy_n_nan": 2, "n_samples": 3, "n_failed": 0}  # documents 0 and 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "own_nan: process_results returned NaN for metric 'accuracy' on 2 of 3 sample(s); its score is what the "
+        "aggregation makes of them (a mean: NaN), so check the task's process_results"]
+    flat = {f"own_nan/{k}": v for k, v in scores.items()} | {"own_nan/accuracy": math.nan}
+    assert nan_note(flat) == " NaN SCORES: own_nan/accuracy on 2 sample(s) (the task's process_results returned NaN)"
+    assert nan_note({"own_nan/accuracy": 0.5, "own_nan/n_failed": 0}) == ""
+    assert headline_keys(["own_nan"], {"own_nan/accuracy_n_nan": 2.0, "own_nan/length": 2.0}) == ["own_nan/length"]
+    # a running score (documents not answered yet, replayed as "") counts nothing
+    partial = score(_rows("own_nan", ["yes", "no", "no"])[1:], include_path=d, partial=True)["own_nan"]
+    assert "accuracy_n_nan" not in partial
 
 
 def test_a_declared_metric_process_results_never_returns_is_an_error(tmp_path):
