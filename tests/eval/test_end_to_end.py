@@ -205,6 +205,8 @@ def test_the_plugin_fails_a_cut_off_image_instead_of_answering_it(monkeypatch):
     from lmms_eval.api.instance import Instance
     from PIL import Image, ImageFile
 
+    from promprune.eval.scoring import FAILED_ANSWER
+
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # what importing lmms-eval's tasks sets
     jpeg = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)).save(jpeg, "JPEG")
@@ -217,5 +219,5 @@ def test_the_plugin_fails_a_cut_off_image_instead_of_answering_it(monkeypatch):
     requests = [Instance("generate_until", ("Is it red?", {"max_new_tokens": 2}, doc_to_visual, i, "toy", "test"),
                          idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 1}) for i in range(2)]
     answers = lm.generate_until(requests)
-    assert len(answers) == 2 and answers[1] == ""
+    assert len(answers) == 2 and answers[1] == FAILED_ANSWER  # the answer every task scores wrong (not "")
     assert [(task, doc) for task, doc, _ in lm.failures] == [("toy", 1)] and "truncated" in lm.failures[0][2]
