@@ -704,6 +704,9 @@ class InLLMPruner:
         embeds = kwargs.get("inputs_embeds")
         cache = _cache_of(kwargs)
         past = cache.get_seq_length() if cache is not None else 0
+        # transformers 5.25's hybrid cache (Qwen3.5) gives its length as a 0-d tensor: read it once here, where every
+        # later test of it (``self.prefill`` in each layer's hook, the mask's length) read the device again
+        past = int(past) if isinstance(past, torch.Tensor) else past
         if embeds.shape[0] != self.visual.shape[0]:
             raise ValueError("in-LLM methods run one sequence per prompt: use num_beams=1 and "
                              "num_return_sequences=1")

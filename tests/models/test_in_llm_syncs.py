@@ -129,9 +129,10 @@ def test_each_stage_launches_as_many_kernels_at_any_batch_size(method, options, 
 
 
 def _hook_reads(monkeypatch, vlm, images, prompts) -> Counter:
-    """The reads of the device inside every hook of the pruner during ``vlm.generate`` (the LLM's, the layers', the
-    scorers' and the DeepStack wrapper, transformers' own addition within it), under "hooks", and those of the
-    stages (``_prune``, ``_received``) among them, under "stages"."""
+    """The reads of the device inside every per-layer hook of the pruner during ``vlm.generate`` (the layers', the
+    scorers' and the DeepStack wrapper, transformers' own addition within it), under "hooks", those of the stages
+    (``_prune``, ``_received``) among them, under "stages", and those of the LLM's hook (once per forward) under
+    "lm"."""
     counts = Counter()
     with monkeypatch.context() as patch:
         real_tolist = torch.Tensor.tolist
@@ -139,7 +140,7 @@ def _hook_reads(monkeypatch, vlm, images, prompts) -> Counter:
 
         def tolist(t):
             if active:
-                counts["hooks"] += 1
+                counts["lm" if active[-1] == "lm" else "hooks"] += 1
                 counts["stages"] += active[-1] == "stages"
             return real_tolist(t)
 
@@ -158,7 +159,7 @@ def _hook_reads(monkeypatch, vlm, images, prompts) -> Counter:
         for name in ("_on_layer", "_scorer", "_deepstack"):  # hook factories: count inside what they return
             real = getattr(InLLMPruner, name)
             patch.setattr(InLLMPruner, name, lambda self, *a, _real=real: counted(_real(self, *a), "hooks"))
-        patch.setattr(InLLMPruner, "_on_lm", counted(InLLMPruner._on_lm, "hooks"))
+        patch.setattr(InLLMPruner, "_on_lm", counted(InLLMPruner._on_lm, "lm"))  # once per forward, not per layer
         for name in ("_prune", "_received"):
             patch.setattr(InLLMPruner, name, counted(getattr(InLLMPruner, name), "stages"))
         vlm.generate(images, prompts, max_new_tokens=2)
@@ -180,3 +181,6 @@ def test_the_per_layer_hooks_read_nothing(arch, method, monkeypatch):
     for batch in (1, 3):
         counts = _hook_reads(monkeypatch, vlm, images[:batch], prompts[:batch])
         assert counts["stages"] == stages and counts["hooks"] == counts["stages"], (batch, counts)
+        # the LLM's own hook, once per forward: at most one read there (transformers 5.25's hybrid cache gives its
+        # length as a tensor; read once, where each layer's hook read it again)
+        assert counts["lm"] <= 2, (batch, counts)  # two forwards: the prefill and one decoding step
