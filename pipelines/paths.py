@@ -134,10 +134,8 @@ def absolute_storage(storage: str) -> str:
     """``storage`` with a relative local path (``outputs/tune``, ``./tune``; not ``file://`` or a remote URI) made
     absolute against `records_root` (outside a Ray job the working directory), ``~`` expanded; anything else as
     given."""
-    if "://" in storage:
-        return storage
-    path = Path(storage).expanduser()
-    return str(path if path.is_absolute() else records_root() / path)
+    local = None if "://" in storage else local_storage(storage)  # local_storage: the one parse of a storage
+    return storage if local is None else str(local if local.is_absolute() else records_root() / local)
 
 
 def _relative_storage(storage: str | None) -> bool:
