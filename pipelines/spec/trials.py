@@ -304,16 +304,24 @@ def _reference(candidates: dict[str, list], problem) -> dict | None:
 
 def _space_problems(key: str, searched: space.Space, problem) -> list[str]:
     """What the method refuses among a search space's middle and corners, each with the value (``problem``: that of
-    the reference with ``key`` at a value), or one problem when a float range is given for an int option."""
+    the reference with ``key`` at a value); a float range given for an int option is one problem, with those of its
+    values refused for more than being floats."""
     described, middle = searched.describe(), searched.middle
-    found = [(v, p) for v in _distinct([middle, *searched.corners]) if (p := problem(v))]
+    tried = [(v, problem(v)) for v in _distinct([middle, *searched.corners])]
+    found = [(v, p) for v, p in tried if p]
     if not found:
         return []
-    if searched.kind in ("uniform", "loguniform") and found[0][0] is middle and problem(round(middle)) is None:
+    # the method takes ints here when the range's middle is refused and its int is not, and no value off the ints
+    # that was tried is accepted (mu: uniform[0.2, 2.4] is refused at 1.3 and not at 1, but 0.2 is accepted)
+    if searched.kind in ("uniform", "loguniform") and found[0][0] is middle and problem(round(middle)) is None \
+            and not any(isinstance(v, float) and v != round(v) and not p for v, p in tried):
         lo, hi = math.ceil(searched.args[0]), math.floor(searched.args[1])
-        ints = f"{{randint: [{lo}, {hi}]}} or " if lo <= hi else ""
+        ints = f"{{randint: [{lo}, {hi}]}} or " if lo <= hi and problem(lo) is None and problem(hi) is None else ""
+        # the values refused for more than being floats (a bound outside what the method takes) are named too
+        others = [(v, p) for v, p in found[1:] if not isinstance(v, float) or problem(round(v)) is not None]
         return [f"grid.{key}: {described} draws floats (here {middle!r}), and the method takes ints: {found[0][1]}; "
-                f"search it with {ints}{{choice: [...]}} of ints"]
+                f"search it with {ints}{{choice: [...]}} of ints"] + [f"grid.{key}: {v!r} of {described}: {p}"
+                                                                    for v, p in others]
     return [f"grid.{key}: {v!r} of {described}: {p}" for v, p in found]
 
 

@@ -49,8 +49,9 @@ class Selection:
     - ``cls [B, d]`` or None: a kept token that is none of the ``N`` (VisionZip keeps the vision tower's CLS token,
       projected into the features' space); it counts in the budget, so ``indices`` then holds ``T - 1`` tokens.
     - ``entropy_halfwidth [B]`` (on the host) or None: how far ``entropy`` may lie from the exact metric.
-      PromPrune's certified split on a GPU reports its bracket's midpoint, within half the bracket's width (0 where
-      the exact eigensolve ran); None: ``entropy`` is exact (or there is none).
+      PromPrune's certified split reports its bracket's midpoint, within half the bracket's width plus
+      ``certified.DECISION_MARGIN`` (the float32 matrix's rounding, which the bracket does not hold; 0 where the exact
+      eigensolve ran); None: ``entropy`` is exact (or there is none).
     """
 
     indices: torch.Tensor

@@ -416,3 +416,25 @@ def test_the_lmms_eval_plugin_checks_a_budget_by_what_the_method_prunes():
         _check_capacity("tiny:llava_next", 84, {}, method="divprune")
     with pytest.raises(ValueError, match="keeps all 88 visual tokens"):
         _check_capacity("tiny:llava_next", 88, {}, method="fastv")
+
+
+def test_a_float_option_out_of_range_is_not_taken_for_an_int_option():
+    # mu's middle 1.3 is refused and mu = 1 is not, but mu takes floats (0.2 is accepted): the range's bound 2.4 is
+    # what is wrong, and a randint[1, 2] would draw the refused mu = 2 (it said "the method takes ints")
+    found = problems({**GRID, "mu": {"uniform": [0.2, 2.4]}})
+    assert [p.split(": option")[0] for p in found] == ["grid.mu: 1.3 of uniform[0.2, 2.4]",
+                                                       "grid.mu: 2.4 of uniform[0.2, 2.4]"], found
+    found = problems({"method": ["fixed_ratio"], "budget": [16], "saliency_ratio": {"uniform": [0.5, 2.0]}})
+    assert found == ["grid.saliency_ratio: 1.25 of uniform[0.5, 2]: option 'saliency_ratio' must be in [0, 1], got "
+                     "1.25", "grid.saliency_ratio: 2.0 of uniform[0.5, 2]: option 'saliency_ratio' must be in [0, 1], "
+                     "got 2.0"]
+
+
+def test_an_int_options_range_with_a_refused_bound_names_the_bound_and_suggests_no_refused_randint():
+    # layer >= 1: uniform[0, 3] draws floats and its bound 0 is refused as an int too; randint[0, 3] would draw 0
+    found = problems({"method": ["fastv"], "budget": [16], "layer": {"uniform": [0, 3]}})
+    assert len(found) == 2, found
+    assert found[0].startswith("grid.layer: uniform[0, 3] draws floats (here 1.5), and the method takes ints: ")
+    assert found[0].endswith("got 1.5; search it with {choice: [...]} of ints"), found[0]
+    assert found[1].startswith("grid.layer: 0 of uniform[0, 3]: option 'layer' of fastv must be None") \
+        and found[1].endswith("got 0"), found[1]
