@@ -61,7 +61,8 @@ class VisualItem:
       state; ``project``: the model's projector (vision space -> ``d``, float32 out).
     - ``full`` (NeXT only): the same image with every view's whole grid as candidates, padding included; its
       ``spatial_pos [N]``: each candidate's place in LLaVA's "spatial" packing without unpadding (the base view, then
-      the crops' stitched grid in raster order, no newline), what :meth:`spatial` feeds.
+      the crops' stitched grid in raster order, no newline), what :meth:`spatial` feeds; ``stitched``: True on what
+      :meth:`spatial` returns (its views are the base view and the crops of one stitched grid).
     - ``grid_shape``: ``(rows, cols)`` of one view's whole token grid (Qwen2.5-VL / Qwen3-VL: the merged-patch
       grid); a candidate's place in it is ``grid_index % (rows * cols)`` in raster order.
     - ``cells [N, 2]`` or None: each candidate's (row, col) in the grid its view is FED as, where that is not its
@@ -99,12 +100,14 @@ class VisualItem:
     key: int | None = None
     host: HostIndex | None = None
     spatial_pos: torch.Tensor | None = None
+    stitched: bool = False
 
     def spatial(self) -> VisualItem:
         """The same candidates (LLaVA-NeXT's ``full``: every view's whole grid) fed as LLaVA's "spatial" merge
         without "_unpad" packs them (adapter option ``unpad=False``): the run is every candidate at its
         ``spatial_pos`` (the base view, then the crops' stitched grid in raster order, padding included, no newline
-        token), so every pick is fed, in that order."""
+        token), so every pick is fed, in that order; ``stitched`` set (token order "stages" then follows
+        VisionZip's released NeXT layout: ``batched_select.select_items``)."""
         if self.spatial_pos is None:
             raise ValueError("this item has no spatial packing: only LLaVA-NeXT's whole view grids (VisualItem.full) "
                              "have one")
@@ -113,7 +116,8 @@ class VisualItem:
         host = None
         if self.host is not None:
             host = replace(self.host, run_pos=self.host.spatial_pos, newline=None, row_of_run=None)
-        return replace(self, run=run, run_pos=self.spatial_pos, row_of_run=None, newline=None, host=host)
+        return replace(self, run=run, run_pos=self.spatial_pos, row_of_run=None, newline=None, host=host,
+                       stitched=True)
 
     def packed(self) -> VisualItem:
         """The same image with every run position a candidate, newline tokens included (no saliency, no vision
@@ -134,24 +138,26 @@ class VisualItem:
                           grid_shape=self.grid_shape, key=self.key, host=host)
 
     def assemble(self, kept, merged: torch.Tensor | None = None, newline: str = "drop",
-                 prefix: torch.Tensor | None = None):
+                 prefix: torch.Tensor | None = None, prefix_at=None):
         """LLM features for candidates ``kept [M]`` in that order: ``(features [M', d], run positions [M'])``.
 
         ``merged [M, d]`` replaces the kept candidates' features (token-merging methods). ``newline`` "rows": the
         newline of every row holding a kept token, and of every row holding no token at all, is inserted at its
         place; "all": every newline (M' >= M).
-        ``prefix [K, d]``: tokens fed first that have no place in the run (VisionZip's CLS tokens); each takes a
-        run position no kept token uses, which only sets the placeholder count (LLaVA numbers the sequence itself).
+        ``prefix [K, d]``: tokens that have no place in the run (VisionZip's CLS tokens), fed first, or (``prefix_at
+        [K]``, host, non-decreasing) each after that many of the kept tokens; each takes a run position no kept token
+        uses, which only sets the placeholder count (LLaVA numbers the sequence itself).
         One image's :func:`assemble_all`: ``kept`` on the host (a CPU tensor or an array) or read from the device.
         """
         kept = kept.cpu().numpy() if isinstance(kept, torch.Tensor) else np.asarray(kept)
-        feats, pos, _ = assemble_all([self], [kept], [merged], [prefix], newline)[0]
+        feats, pos, _ = assemble_all([self], [kept], [merged], [prefix], newline, [prefix_at])[0]
         return feats, pos
 
-    def layout(self, kept: np.ndarray, newline: str = "drop", prefix: int = 0):
-        """The host's plan of :meth:`assemble` (numpy, no device values): ``(gather [G]`` run positions fed in
-        order after the prefix, ``where [M]`` the place in ``gather`` of each kept candidate, ``pos [prefix + G]``
-        every fed token's run position, the prefix's slots first)."""
+    def layout(self, kept: np.ndarray, newline: str = "drop", prefix: int = 0, prefix_at=None):
+        """The host's plan of :meth:`assemble` (numpy, no device values): ``(gather [G]`` run positions of the
+        kept tokens (and newlines) in the order fed, ``where [M]`` the place in ``gather`` of each kept candidate,
+        ``pos [prefix + G]`` every fed token's run position, ``at [prefix]`` where each prefix token goes among
+        ``gather`` (before its ``at``-th entry; 0: first, as without ``prefix_at``))."""
         host = host_index([self])[0]
         pos = host.run_pos[kept]  # [M]
         if (pos < 0).any():
@@ -174,7 +180,11 @@ class VisualItem:
             if slots.shape[0] < prefix:
                 raise ValueError(f"{prefix} CLS tokens need as many placeholder slots beside the "
                                  f"{gather.shape[0]} kept tokens; the run has {self.run.shape[0]}: lower the budget")
-        return gather, where, np.concatenate([slots, gather])
+        at = np.zeros(slots.shape[0], dtype=np.int64)
+        if prefix_at is not None and prefix:  # after that many kept tokens: before the next one's place in gather
+            after = np.asarray(prefix_at, dtype=np.int64)
+            at = np.append(where, gather.shape[0])[after]
+        return gather, where, np.insert(gather, at, slots), at
 
 
 def host_index(items: list[VisualItem]) -> list[HostIndex]:
@@ -189,16 +199,20 @@ def host_index(items: list[VisualItem]) -> list[HostIndex]:
     return [it.host for it in items]
 
 
-def assemble_all(items: list[VisualItem], kept: list[np.ndarray], merged: list, prefix: list, newline: str = "drop"):
+def assemble_all(items: list[VisualItem], kept: list[np.ndarray], merged: list, prefix: list, newline: str = "drop",
+                 prefix_at: list | None = None):
     """:meth:`VisualItem.assemble` of every item with one copy of the batch's indices to the device: per item
     ``(features [M', d], run positions [M'] on the device, the same [M'] on the host)``. ``kept[i]`` host indices,
-    ``merged[i]`` ``[M, d]`` or None, ``prefix[i]`` ``[K, d]`` or None."""
+    ``merged[i]`` ``[M, d]`` or None, ``prefix[i]`` ``[K, d]`` or None, ``prefix_at[i]`` ``[K]`` (host) or None:
+    how many kept tokens go before each prefix token (None: the prefix first)."""
     host_index(items)  # one read for the items whose adapter left none
-    plans = [it.layout(k, newline, 0 if p is None else p.shape[0]) for it, k, p in zip(items, kept, prefix)]
+    prefix_at = prefix_at if prefix_at is not None else [None] * len(items)
+    plans = [it.layout(k, newline, 0 if p is None else p.shape[0], a)
+             for it, k, p, a in zip(items, kept, prefix, prefix_at)]
     moved: dict[int, list[torch.Tensor]] = {}
     for device in dict.fromkeys(it.run.device for it in items):  # one copy per device (one in practice)
         members = [i for i, it in enumerate(items) if it.run.device == device]
-        arrays = [a for i in members for a in plans[i]]
+        arrays = [a for i in members for a in plans[i][:3]]
         for i, three in zip(members, zip(*[iter(to_device(arrays, device))] * 3)):
             moved[i] = list(three)
     out = []
@@ -208,9 +222,22 @@ def assemble_all(items: list[VisualItem], kept: list[np.ndarray], merged: list, 
         if merged[i] is not None:
             feats[where] = merged[i].to(feats.dtype)
         if prefix[i] is not None and prefix[i].shape[0]:
-            feats = torch.cat([prefix[i].to(feats.dtype), feats])
+            feats = _interleave(feats, prefix[i].to(feats.dtype), plans[i][3])
         out.append((feats, pos, plans[i][2]))
     return out
+
+
+def _interleave(rows: torch.Tensor, extra: torch.Tensor, at: np.ndarray) -> torch.Tensor:
+    """``rows [G, d]`` with ``extra[k]`` placed before ``rows[at[k]]`` (``at`` host, non-decreasing; ``G``: after
+    them all): slices of both, no index on the device."""
+    pieces, prev = [], 0
+    cuts = np.flatnonzero(np.diff(at, prepend=-1))  # first extra row of each run of equal places
+    for lo, hi in zip(cuts, np.append(cuts[1:], at.shape[0])):
+        place = int(at[lo])
+        pieces += [rows[prev:place], extra[lo:hi]]
+        prev = place
+    pieces.append(rows[prev:])
+    return torch.cat(pieces)
 
 
 def attach_keys(items: list[VisualItem], keys: list[int]) -> list[VisualItem]:

@@ -42,10 +42,11 @@ from .transfer import to_device, to_host
 class ItemSelection:
     """``kept [M]`` candidate indices (in the LLM's order; a host tensor), ``merged [M, d]`` or None,
     ``saliency_count``, ``entropy``, ``salient [S]`` (host): the kept candidates the saliency stage chose (ascending;
-    ``S == saliency_count``); ``cls [K, d]`` or None: kept tokens that are no candidate, fed first (VisionZip's CLS,
-    one per view). ``merged`` and ``cls`` live on the features' device. ``entropy_halfwidth``: how far ``entropy``
-    may lie from the exact metric (``Selection.entropy_halfwidth``; the mean over views where the entropy is), None
-    where it is exact."""
+    ``S == saliency_count``); ``cls [K, d]`` or None: kept tokens that are no candidate (VisionZip's CLS, one per
+    view), fed first, or (``cls_at [K]``, host) each after that many of the ``kept`` tokens (VisionZip's released
+    LLaVA-NeXT layout: :func:`_combine`). ``merged`` and ``cls`` live on the features' device.
+    ``entropy_halfwidth``: how far ``entropy`` may lie from the exact metric (``Selection.entropy_halfwidth``; the
+    mean over views where the entropy is), None where it is exact."""
 
     kept: torch.Tensor
     merged: torch.Tensor | None
@@ -54,6 +55,7 @@ class ItemSelection:
     salient: torch.Tensor | None = None
     cls: torch.Tensor | None = None
     entropy_halfwidth: float | None = None
+    cls_at: np.ndarray | None = None
 
 
 def split_budget(budget: int, counts: list[int], weights: list[float] | None = None) -> list[int]:
@@ -263,9 +265,11 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
                  media: str = "image") -> list[ItemSelection]:
     """Run ``method`` on every image; returns one :class:`ItemSelection` per item, its ``kept`` in ``order``
     ("raster": ascending; "selection": as picked; "stages": salient ascending, then the rest ascending; the views
-    of LLaVA-NeXT follow each other in view order). ``view_budget``: each view's tokens under "view_quota".
-    Kept candidates outside the run (``run_pos < 0``: padding the model's unpadding drops) are left out. ``media``
-    ("image" or "clip": the items' views are a clip's frames) picks the option a grid method's refusal names."""
+    of LLaVA-NeXT follow each other in view order, each view's CLS first, except on a ``stitched`` item with
+    "stages": VisionZip's released NeXT layout, :func:`_combine`). ``view_budget``: each view's tokens under
+    "view_quota". Kept candidates outside the run (``run_pos < 0``: padding the model's unpadding drops) are left
+    out. ``media`` ("image" or "clip": the items' views are a clip's frames) picks the option a grid method's refusal
+    names."""
     spec = promprune.method_spec(method)
     options = {**options, "order": "ascending" if order == "raster" else "selection"}
     hosts = host_index(items)
@@ -280,7 +284,8 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
                              checked=checked, **call, **options)
             for (_n, share, grid), call in zip(buckets, calls)]
     parts = _parts(items, hosts, list(buckets.values()), sels, order)
-    combined = [_combine(parts[b], hosts[b].run_pos, keep_order=order != "raster") for b in range(len(items))]
+    combined = [_combine(parts[b], hosts[b].run_pos, keep_order=order != "raster",
+                         stitched=order == "stages" and items[b].stitched) for b in range(len(items))]
     return _attach_merged(combined, sels)
 
 
@@ -342,10 +347,15 @@ def _part(unit: Unit, host: HostIndex, chosen: np.ndarray, is_salient: np.ndarra
                  salient=unit.idx[chosen[is_salient]], cls=cls, halfwidth=halfwidth)
 
 
-def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False) -> tuple[ItemSelection, np.ndarray]:
+def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False,
+             stitched: bool = False) -> tuple[ItemSelection, np.ndarray]:
     """Merge the units of one image into one kept list: in run order (the sequence the model packs), or
     (``keep_order``) the units' own orders one after the other (entropy: mean over views; CLS tokens in view
-    order). Returns the selection (``merged`` not yet set) and the merged rows of its kept tokens, in its order."""
+    order, fed first). ``stitched`` (units: the base view, then the crops of a stitched grid, ``run_pos`` their
+    places in it; "stages" order) feeds VisionZip's released LLaVA-NeXT layout (``restore_image_features_sorted``):
+    the base view's CLS, salient and other tokens, then every crop's salient tokens in the stitched grid's raster
+    order, the crops' CLS tokens in view order, and each crop's other tokens, crop after crop. Returns the
+    selection (``merged`` not yet set) and the merged rows of its kept tokens, in its order."""
     kept = np.concatenate([p.kept for p in parts])
     order = np.arange(kept.shape[0]) if keep_order else np.argsort(run_pos[kept], kind="stable")
     ents = [p.entropy for p in parts if p.entropy is not None]
@@ -355,12 +365,36 @@ def _combine(parts: list[_Part], run_pos: np.ndarray, keep_order: bool = False) 
     # (torch.cat met its None when the others had one; a first unit without one dropped the others')
     carried = [p.cls for p in parts if p.cls is not None]
     cls = torch.cat(carried) if carried else None
+    cls_at = None
+    if stitched and len(parts) > 1:
+        order, cls_at = _stitched_order(parts, run_pos)
     sel = ItemSelection(kept=torch.from_numpy(kept[order]), merged=None, saliency_count=sum(p.count for p in parts),
                         entropy=sum(ents) / len(ents) if ents else None,
                         salient=torch.from_numpy(np.sort(np.concatenate([p.salient for p in parts]))), cls=cls,
                         entropy_halfwidth=(sum(w or 0.0 for w in widths) / len(widths)
-                                           if any(w is not None for w in widths) else None))
+                                           if any(w is not None for w in widths) else None), cls_at=cls_at)
     return sel, np.concatenate([p.rows for p in parts])[order]
+
+
+def _stitched_order(parts: list[_Part], run_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """VisionZip's released LLaVA-NeXT order over the units' concatenated kept tokens (each unit in "stages" order,
+    its salient tokens first): ``(order``, ``cls_at [K]``: how many of the ordered tokens precede each carried CLS;
+    None without one). The base view (``parts[0]``) as it is, its CLS first; then the crops' salient tokens sorted
+    by ``run_pos`` (their places in the stitched grid), the crops' CLS tokens, the crops' other tokens unit by
+    unit."""
+    starts = np.cumsum([0] + [p.kept.shape[0] for p in parts])
+    n_salient = [p.salient.shape[0] for p in parts]  # "stages": a unit's salient tokens lead its kept list
+    kept = np.concatenate([p.kept for p in parts])
+    crop_salient = np.concatenate([np.arange(starts[u], starts[u] + n_salient[u]) for u in range(1, len(parts))])
+    crop_salient = crop_salient[np.argsort(run_pos[kept[crop_salient]], kind="stable")]
+    crop_rest = [np.arange(starts[u] + n_salient[u], starts[u + 1]) for u in range(1, len(parts))]
+    order = np.concatenate([np.arange(starts[1]), crop_salient, *crop_rest]).astype(np.int64)
+    has_cls = [p.cls is not None for p in parts]
+    if not any(has_cls):
+        return order, None
+    at = [0] if has_cls[0] else []
+    at += [starts[1] + crop_salient.shape[0]] * sum(has_cls[1:])
+    return order, np.asarray(at, dtype=np.int64)
 
 
 def _attach_merged(combined: list[tuple[ItemSelection, np.ndarray]], sels) -> list[ItemSelection]:

@@ -45,10 +45,12 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     "image_newline": "drop",
     # LLaVA-NeXT, pre-LLM methods under budget_mode "view_quota": True: the model's own packing (transformers'
     # `pack_image_features`) unpads the stitched crop grid to the image's aspect ratio, so the picks in its padding
-    # are not fed. False: LLaVA's "spatial" merge without "_unpad", as VisPruner's, CDPruner's and VisionZip's released
-    # code runs llava-v1.6 (each strips "_unpad" from `mm_patch_merge_type`): every pick on every view's whole grid is
-    # fed, padding included, no image_newline token, the base view's picks first, then the crops' in the raster order
-    # of their stitched grid; the placeholder run grows where that feeds more tokens than the unpadded prompt holds.
+    # are not fed. False: LLaVA's "spatial" merge without "_unpad", as VisPruner's and CDPruner's released code runs
+    # llava-v1.6 (each strips "_unpad" from `mm_patch_merge_type`; VisionZip's replaces the unpadding with its own
+    # restore_image_features_sorted, which neither unpads nor adds a newline): every pick on every view's whole grid
+    # is fed, padding included, no image_newline token, the base view's picks first, then the crops' in the raster
+    # order of their stitched grid (with token_order "stages": VisionZip's released layout, see token_order); the
+    # placeholder run grows where that feeds more tokens than the unpadded prompt holds.
     # False needs budget_mode "view_quota" and image_newline "drop"; budget_mode "released" sets it per method. The
     # unpruned model, the in-LLM methods and the other families feed their model's own packing whatever it says.
     "unpad": True,
@@ -68,7 +70,10 @@ ADAPTER_OPTIONS: dict[str, Any] = {
     # The order of the kept tokens in the LLM's input (pre-LLM methods; each token keeps its own position embedding
     # on Qwen2.5-VL, its place in the sequence on LLaVA): "raster" (ascending grid index: spatial order), "selection"
     # (as picked: salient by descending saliency, then coverage in pick order), "stages" (salient tokens ascending,
-    # then the rest ascending), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
+    # then the rest ascending; several views one after the other, every view's CLS first, except LLaVA-NeXT with
+    # unpad False: VisionZip's released layout, the base view's CLS, salient and other tokens, then the crops'
+    # salient tokens in their stitched grid's raster order, the crops' CLS tokens, each crop's other tokens crop
+    # after crop), or "released": what each method's released code feeds its LLM (RELEASED_ORDER).
     "token_order": "raster",
     # Video (the families whose adapter handles clips, promprune.models.video.video_families()): how the budget meets
     # a clip's frames (Qwen: its temporal patches of 2 frames). "per_frame": split evenly over the frames (each frame
@@ -114,7 +119,8 @@ ADAPTER_CHOICES = {"budget_mode": ("per_crop", "global", "adaptive_views", "view
 
 # The token order of each method's released code (read in the authors' repositories; docs/methods.md: "What each method
 # feeds the LLM"). PromPrune concatenates its stage-1 top-k and its stage-2 DPP picks without re-sorting; VisionZip
-# emits its dominant tokens in index order, then its contextual ones; DivPrune, VisPruner, FastV and SparseVLM
+# emits its CLS, its dominant tokens in index order, then its contextual ones (on LLaVA-NeXT's released layout the
+# crops' dominant tokens stitched: "stages" above); DivPrune, VisPruner, FastV and SparseVLM
 # re-sort to index order, and so does CDPruner; the downsampling control feeds its cells in raster order. Methods not
 # listed (our ablations of PromPrune's stages) follow PromPrune.
 RELEASED_ORDER = {"promprune": "selection", "fixed_ratio": "selection", "saliency_only": "selection",
@@ -131,12 +137,15 @@ def token_order(method: str | None, option: str) -> str:
 
 # The LLaVA-NeXT layout of each method's released code (budget_mode, image_newline, unpad; docs/methods.md: "What each
 # method feeds the LLM"). DivPrune selects over the packed sequence, newline tokens included (it keeps a ratio of the
-# sequence's length; we keep the budget). VisPruner, CDPruner and VisionZip run llava-v1.6 with "_unpad" stripped
-# from its `mm_patch_merge_type` (LLaVA's "spatial" merge): every view gets `visual_token_num` tokens (VisionZip: its
-# dominant + contextual counts) on its whole grid, the picks in the padding are fed, no newline token, the base view
-# first, then the crops' stitched grid in raster order: exactly `visual_token_num` x views tokens (VisPruner's README:
-# 32 x 5 = 160). PromPrune's released code has no working NeXT path, so PromPrune (and every method not listed) splits
-# the budget per view: "per_crop", our choice, with the image_newline and unpad options as given.
+# sequence's length; we keep the budget). VisPruner and CDPruner run llava-v1.6 with "_unpad" stripped from its
+# `mm_patch_merge_type` (LLaVA's "spatial" merge), VisionZip with its own restore_image_features_sorted in the unpad
+# branch, which neither unpads nor adds a newline: every view gets `visual_token_num` tokens (VisionZip: its dominant
+# + contextual counts) on its whole grid, the picks in the padding are fed, no newline token, the base view first,
+# then the crops' stitched grid in raster order (VisionZip: its crops' dominant tokens so, then their CLS and
+# contextual tokens; its token order "stages" does that on this layout): exactly `visual_token_num` x views tokens
+# (VisPruner's README: 32 x 5 = 160). PromPrune's released code has no working NeXT path, so PromPrune (and every
+# method not listed) splits the budget per view: "per_crop", our choice, with the image_newline and unpad options as
+# given.
 RELEASED_NEXT = {"divprune": ("packed", "drop", True), "vispruner": ("view_quota", "drop", False),
                  "visionzip": ("view_quota", "drop", False), "cdpruner": ("view_quota", "drop", False)}
 

@@ -439,7 +439,8 @@ def _llm_inputs(vlm, batch, items, plan_):
         col_map = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # every column stays
     else:
         newline = vlm.adapter.options["image_newline"]  # OneVision's closing newline; Qwen has none
-        assembled = [it.assemble(p.kept, p.merged, newline=newline, prefix=p.cls) for it, p in zip(items, plan_)]
+        assembled = [it.assemble(p.kept, p.merged, newline=newline, prefix=p.cls, prefix_at=p.cls_at)
+                     for it, p in zip(items, plan_)]
         feats, run_pos = [a[0] for a in assembled], [a[1] for a in assembled]
         ids, mask, col_map = shrink_placeholders(ids, mask, vlm.model.config.video_token_id, run_pos,
                                                  vlm.processor.tokenizer.pad_token_id,

@@ -577,7 +577,7 @@ class PrunedVLM:
                         host_pos=np.arange(it.run.shape[0])) for it, host in zip(items, host_index(items))]
         newline = "drop" if self.budget_mode == "packed" else self.image_newline  # packed: newlines were candidates
         built = assemble_all(candidates, [p.kept.numpy() for p in plan], [p.merged for p in plan],
-                             [p.cls for p in plan], newline=newline)
+                             [p.cls for p in plan], newline=newline, prefix_at=[p.cls_at for p in plan])
         fed = []
         for it, p, (feats, run_pos, host_pos) in zip(candidates, plan, built):
             grid = it.host.grid_index

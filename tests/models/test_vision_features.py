@@ -330,25 +330,115 @@ def test_next_divprune_released_selects_over_the_packed_sequence(images, prompts
         torch.testing.assert_close(image_rows(t.model, t.prep, b), t.runs[b][picks], rtol=1e-5, atol=1e-5)
 
 
-def test_next_visionzip_released_per_view_cls_and_quota(images, prompts):
-    """Every view's CLS first, then each view's dominant and contextual tokens, the padding's picks fed (its released
-    code does not unpad; it orders the crops' tokens otherwise: docs/methods.md)."""
-    budget = 20  # 4 per view: the view's CLS + 3 patches (n_ctx = round(4 * 10 / 64) = 1)
-    t = next_setup("visionzip", budget, images, prompts, budget_mode="released")
-    model, n = t.model, t.n
-    for b, stats in enumerate(t.prep.stats):
-        views = t.views[b]
-        hidden, keys, saliency = tower(model, t.batch["pixel_values"][b, :views])
-        got = image_rows(model, t.prep, b)
-        cls = projector(model, hidden[:, 0])  # [V, d]: every view's CLS, fed first in view order
-        torch.testing.assert_close(got[:views], cls, rtol=1e-5, atol=1e-5)
-        rows, kept = [], []
-        for v in range(views):
-            r, k = naive_visionzip(saliency[v], hidden[v], keys[v], 4)
-            rows.append(r[1:])  # no unpadding: the padding's picks are fed
-            kept += [v * n + g for g in k]
-        assert stats["kept"] == kept and stats["visual_tokens"] == views + len(kept)
-        torch.testing.assert_close(got[views:], projector(model, torch.cat(rows)), rtol=1e-5, atol=1e-5)
+SIDE = 4  # the tiny LLaVA-NeXT's view: 32 px of 8 px patches, 4 x 4
+
+
+def released_visionzip_next(views_rows, dominant, grid, side=SIDE):
+    """VisionZip's released llava-v1.6 packing (``prepare_inputs_labels_for_multimodal_visionzip`` with its
+    ``restore_image_features_sorted``; llava-v1.6's "spatial_unpad" takes that branch, which neither unpads nor adds
+    a newline), transcribed: ``views_rows [V, D + C, d]`` every view's tokens as its tower gives them (CLS, the
+    D - 1 dominant patches ascending, the C contextual tokens), ``dominant [V, D - 1]`` those patches' indices,
+    ``grid`` the crops' (rows, cols), ``side`` a view's patch rows. The base view as it is; then the crops' dominant
+    tokens scattered into [crops, side * side] grids, viewed as [rows, cols, side, side], permuted to
+    [rows, side, cols, side] (the stitched grid) and read where a token was kept; then the crops' CLS tokens
+    (``image_feature[:, 0]``); then their contextual tokens crop by crop (``image_feature[:, -num_extra:]``)."""
+    rows, cols = grid
+    crops, num_keep = views_rows[1:], dominant.shape[1] + 1
+    dim = views_rows.shape[-1]
+    restored = views_rows.new_zeros(crops.shape[0], side * side, dim)
+    mask = torch.zeros(crops.shape[0], side * side, dtype=torch.bool)
+    mask.scatter_(1, dominant[1:].sort(dim=1).values, True)
+    restored[mask] = crops[:, 1:num_keep].reshape(-1, dim)
+    restored = restored.view(rows, cols, side, side, dim).permute(0, 2, 1, 3, 4).reshape(rows * side, cols * side, dim)
+    mask = mask.view(rows, cols, side, side).permute(0, 2, 1, 3).reshape(rows * side, cols * side)
+    return torch.cat([views_rows[0], restored[mask], crops[:, 0], crops[:, num_keep:].reshape(-1, dim)])
+
+
+def test_released_visionzip_next_transcription_by_hand():
+    """The transcription above on a hand-worked image of 2 x 2 patch views, base + 1 x 2 crops, 2 dominant patches
+    (with the CLS: D = 3) and 1 contextual token per view. Base: dominant {1, 3}, target 0; crop 1: {1, 2}, target
+    0; crop 2: {0, 3}, target 1. The stitched crop grid (2 x 4 patches) reads c1p0 c1p1 c2p0 c2p1 / c1p2 c1p3 c2p2
+    c2p3, so the crops' dominant tokens come as c1p1, c2p0, c1p2, c2p3. Tokens named by grid index (view * 4 +
+    patch), CLS of view v as -(v + 1)."""
+    dominant = torch.tensor([[1, 3], [1, 2], [0, 3]])
+    targets = [0, 0, 1]
+    rows = torch.tensor([[-(v + 1.0)] + [v * 4.0 + p for p in dominant[v].tolist()] + [v * 4.0 + targets[v]]
+                         for v in range(3)])[..., None]  # [3, 4, 1]
+    got = released_visionzip_next(rows, dominant, (1, 2), side=2)[:, 0].tolist()
+    assert got == [-1, 1, 3, 0,  5, 8, 6, 11,  -2, -3,  4, 9]
+
+
+def test_next_visionzip_released_order_by_hand():
+    """Our released NeXT order (``token_order`` "stages" on the stitched views of ``unpad=False``) on the
+    hand-worked selection of the test above: the same 12 tokens in the same order, CLS tokens after 0 and after 7
+    kept tokens."""
+    import numpy as np
+
+    from promprune.models.batched_select import _combine, _Part
+    from promprune.models.architectures.llava_next import spatial_positions
+
+    run_pos = spatial_positions(4, 3, (1, 2))  # grid index -> place in the spatial packing
+    kept = [[1, 3, 0], [5, 6, 4], [8, 11, 9]]  # "stages": dominant ascending, then the target
+    cls = torch.tensor([[-1.0], [-2.0], [-3.0]])
+    parts = [_Part(kept=np.array(k), rows=np.arange(3) + 3 * v, count=2, entropy=None, salient=np.array(k[:2]),
+                   cls=cls[v][None]) for v, k in enumerate(kept)]
+    sel, rows = _combine(parts, run_pos, keep_order=True, stitched=True)
+    assert sel.kept.tolist() == [1, 3, 0, 5, 8, 6, 11, 4, 9]
+    assert sel.cls_at.tolist() == [0, 7, 7] and sel.cls[:, 0].tolist() == [-1, -2, -3]
+    assert rows.tolist() == [0, 1, 2, 3, 6, 4, 7, 5, 8]  # each kept token's merged row goes with it
+    fed = []
+    for i, g in enumerate(sel.kept.tolist() + [None]):  # the fed order: each CLS before the kept token at its place
+        fed += [float(c) for c, at in zip(sel.cls[:, 0].tolist(), sel.cls_at.tolist()) if at == i]
+        fed += [] if g is None else [g]
+    assert fed == [-1, 1, 3, 0, 5, 8, 6, 11, -2, -3, 4, 9]  # the transcription's, by hand above
+    plain, _ = _combine(parts, run_pos, keep_order=True)  # not stitched: CLS first, view after view
+    assert plain.kept.tolist() == [1, 3, 0, 5, 6, 4, 8, 11, 9] and plain.cls_at is None
+
+
+@pytest.mark.parametrize("shape,grid,padded", NEXT_IMAGES)
+def test_next_visionzip_released_feeds_its_released_layout(shape, grid, padded):
+    """budget_mode and token_order released: every view budget // 5 tokens (its CLS, dominant patches on its whole
+    grid, contextual tokens), fed as VisionZip's released llava-v1.6 code packs them (the transcription above):
+    the base view's CLS, dominant and contextual tokens; the crops' dominant tokens in the stitched grid's raster
+    order; the crops' CLS tokens; their contextual tokens crop by crop. No unpadding (the padding's picks fed), no
+    newline: exactly budget // 5 x views tokens."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape
+
+    from .conftest import make_image
+
+    budget, per_view = 20, 4  # the view's CLS + 2 dominant + 1 contextual (n_ctx = round(4 * 10 / 64) = 1)
+    image = make_image(*shape, seed=7)
+    t = next_setup("visionzip", budget, [image], ["What is in the picture?"], budget_mode="released")
+    model, n, views = t.model, t.n, t.views[0]
+    assert n == SIDE * SIDE
+    assert tuple(get_anyres_image_grid_shape(t.batch["image_sizes"][0], model.config.image_grid_pinpoints,
+                                             model.config.vision_config.image_size)) == grid
+    hidden, keys, saliency = tower(model, t.batch["pixel_values"][0, :views])
+    rows, dominant, ids = [], [], []
+    for v in range(views):
+        r, k = naive_visionzip(saliency[v], hidden[v], keys[v], per_view)
+        rows.append(r)
+        dominant.append(k[:2])
+        ids.append([-1] + [v * n + g for g in k])  # what each row is: CLS (-1) or its grid index
+    dominant = torch.tensor(dominant)
+    want = released_visionzip_next(projector(model, torch.stack(rows)), dominant, grid)
+    order = released_visionzip_next(torch.tensor(ids, dtype=torch.float64)[..., None], dominant, grid)[:, 0]
+    stats = t.prep.stats[0]
+    assert stats["visual_tokens"] == per_view * views == want.shape[0]
+    assert stats["kept"] == [int(g) for g in order.tolist() if g >= 0]  # the CLS is fed but has no grid index
+    assert padded == any(g not in t.layouts[0] for g in stats["kept"])  # picks the unpadding would drop: fed
+    got = image_rows(model, t.prep, 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[:views], projector(model, hidden[:, 0]), atol=1e-3)  # not every CLS first
+
+
+def test_next_visionzip_released_layout_alone_and_in_a_batch(images, prompts):
+    """The released layout of each image does not depend on the batch: the same fed tokens alone."""
+    t = next_setup("visionzip", 20, images, prompts, budget_mode="released")
+    for b, (image, prompt) in enumerate(zip(images, prompts)):
+        alone = t.vlm.prepare([image], [prompt])
+        assert alone.stats[0]["kept"] == t.prep.stats[b]["kept"]
+        torch.testing.assert_close(alone.fed[0].features, t.prep.fed[b].features, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode,newline", [("view_quota", "drop"), ("view_quota", "all"), ("packed", "drop")])

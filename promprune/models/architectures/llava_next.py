@@ -7,7 +7,8 @@ CLS-attention saliency; the model unpads the stitched crop grid to the image's a
 by running the model's own ``pack_image_features`` on index tensors; ``full`` holds every view's whole grid, padding
 included (``budget_mode="view_quota"``), and ``full.spatial()`` feeds them as LLaVA's "spatial" merge without
 unpadding does (``unpad=False``: VisPruner's, CDPruner's and VisionZip's released layout; the base view, then the crops'
-stitched grid in raster order, padding included, no newline).
+stitched grid in raster order, padding included, no newline; VisionZip's token order "stages" then feeds its released
+order, the crops' CLS and contextual tokens after their stitched dominant ones: ``batched_select._combine``).
 
 ``image_newline`` treatment: the newline tokens are no candidates (they carry no image content) except under
 ``budget_mode="packed"`` (DivPrune's released code selects over the whole packed sequence). With
@@ -232,9 +233,10 @@ def _host_layout(ids: np.ndarray, n: int, views: int, offset: int, crop_grid: tu
 
 def spatial_positions(n: int, views: int, crop_grid: tuple[int, int]) -> np.ndarray:
     """``[views * n]``: where each whole-grid token (view * n + patch) sits in LLaVA's "spatial" packing without
-    "_unpad" (``mm_patch_merge_type`` with "_unpad" stripped, as VisPruner's / CDPruner's / VisionZip's released code
-    run llava-v1.6): the base view's n patches first, then the ``rows x cols`` crops (view 1 + i * cols + j) stitched
-    into one grid of ``rows * side`` x ``cols * side`` patches read in raster order; padding kept, no newline."""
+    "_unpad" (``mm_patch_merge_type`` with "_unpad" stripped, as VisPruner's / CDPruner's released code run llava-v1.6;
+    VisionZip's ``restore_image_features_sorted`` stitches its crops' dominant tokens the same way): the base view's
+    n patches first, then the ``rows x cols`` crops (view 1 + i * cols + j) stitched into one grid of ``rows * side``
+    x ``cols * side`` patches read in raster order; padding kept, no newline."""
     if views == 1:
         return np.arange(n, dtype=np.int64)
     rows, cols = crop_grid
