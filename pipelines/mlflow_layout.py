@@ -5,9 +5,10 @@
   experiment `promprune`, or `MLFLOW_EXPERIMENT_NAME`.
 - **Parent run per sweep:** run name = spec name; tags `promprune.role=sweep`, `promprune.sweep=<name>`,
   `promprune.spec_version=<version>`, `promprune.spec_fingerprint` (the hash of the resolved spec: the nightly
-  regression check compares runs of the same one only, `pipelines.run.state.spec_fingerprint`); artifact `spec.yaml`
-  (the resolved spec); the report under `report/`; after a regression check `promprune.regression` (`true`, `false`
-  or `no-previous`, `incomplete`) with `.previous_run`, `.threshold`, `.detail` and `.note` (what it compared with,
+  regression check compares runs of the same one only, `pipelines.run.state.spec_fingerprint`, or of it before the
+  code gained fields now at their defaults, read from `spec.yaml`); artifact `spec.yaml` (the resolved spec); the
+  report under `report/`; after a regression check `promprune.regression` (`true`, `false` or `no-previous`,
+  `incomplete`) with `.previous_run`, `.threshold`, `.detail` and `.note` (what it compared with,
   or why with nothing); a run tagged `true` is no later run's baseline (set it to `accepted` to make it one).
 - **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
   parent), created when the trial starts (RUNNING, then FINISHED / KILLED / FAILED): tags `mlflow.parentRunId`,

@@ -381,7 +381,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         if regression_threshold is not None and not unlogged:  # against the previous run of this resolved spec
             regressions, regression_note = tracking.regression_check(
                 client, parent_id, spec.name, spec.version, regression_threshold,
-                spec_fingerprint(specs.dump_resolved(spec)))
+                spec_fingerprint(specs.dump_resolved(spec)), spec)
         summary = [line for line in [best_line(spec, recorder.records, recorder.generated, best)] if line]
         recorder.parent(metrics={"trials/total": len(recorder.records),
                                  mlflow_layout.TRIALS_FAILED: sum(r["error"] is not None

@@ -16,7 +16,7 @@ from typing import Any
 from pipelines import mlflow_layout
 from pipelines.mlflow_layout import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
 from pipelines.recording.view import SweepView, save_sweep_view
-from pipelines.run.state import dead_runs, resume_command, spec_changes, spec_fingerprint
+from pipelines.run.state import dead_runs, resume_command, spec_changes, spec_fingerprint, without_gained_defaults
 
 
 def client():
@@ -260,11 +260,14 @@ def _param(v: Any) -> str:
 # nightly regression check
 
 
-def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str):
+def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str, spec=None):
     """The latest FINISHED parent run of sweep ``name`` started before ``current_id`` that ran the same resolved spec
-    (its `promprune.spec_fingerprint` tag is ``fingerprint``), whose trials all finished (no `trials/failed`) and
-    that did not regress (its `promprune.regression` tag is not ``true``: the baseline stays the last good night), or
-    None; with the line saying what the check compares with, or why it compares with nothing. Matching the name and
+    (its `promprune.spec_fingerprint` tag is ``fingerprint``; or, given the current ``spec``, its `spec.yaml` is
+    ``spec`` as the code resolved it before gaining fields that ``spec`` holds at their defaults,
+    `state.without_gained_defaults`: a night recorded before ``resources.load_timeout_s`` existed, said in the line;
+    any other difference is another spec), whose trials all finished (no `trials/failed`) and that did not regress
+    (its `promprune.regression` tag is not ``true``: the baseline stays the last good night), or None; with the line
+    saying what the check compares with, or why it compares with nothing. Matching the name and
     version alone made a ``--set limit=20`` quick check (which sweeps/nightly.yaml suggests) the baseline of the next
     500-question night: false regressions, or masked ones. A parent run logged before runs carried the tag does not
     match (said in the line). Nor does one that ran in another dtype (param ``dtype``: ``dtype: auto`` resolved,
@@ -274,9 +277,10 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
             mlflow_layout.tag_filter(VERSION, str(version)), "attributes.status = 'FINISHED'",
             f"attributes.start_time < {current.info.start_time}"]
     exp = [current.info.experiment_id]
-    found = c.search_runs(exp, " and ".join([*same, mlflow_layout.tag_filter(mlflow_layout.SPEC_FINGERPRINT,
-                                                                             fingerprint)]),
-                          order_by=["attributes.start_time DESC"], max_results=1000)
+    earlier = c.search_runs(exp, " and ".join(same), order_by=["attributes.start_time DESC"], max_results=1000)
+    # fingerprint -> the fields the code gained since, at their defaults in this run: the same experiment
+    gained = {fingerprint: []} | (_gained_since(c, spec, earlier, fingerprint) if spec is not None else {})
+    found = [r for r in earlier if r.data.tags.get(mlflow_layout.SPEC_FINGERPRINT) in gained]
     # `dtype: auto` resolves by device (bfloat16 on GPU, float32 on CPU) under one fingerprint: a run in another
     # dtype is no baseline (a run that did not record its dtype, logged before parent runs did, is not told apart)
     dtype = current.data.params.get(mlflow_layout.DTYPE_PARAM)
@@ -300,6 +304,10 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
             (sum(r in regressed for r in passed), f"regressed (tag {mlflow_layout.REGRESSION}=true)")) if n)
         over += in_other
         prev = whole[0]
+        since = gained[prev.data.tags[mlflow_layout.SPEC_FINGERPRINT]]
+        if since:
+            over += (f"; it was recorded before the code had {', '.join(since)}, which this run holds at the default "
+                     "(what the code did before)")
         return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
                       f"earlier FINISHED run of the same resolved spec of sweep {name} v{version} whose trials all "
                       f"finished{' and that did not regress' if regressed else ''}{over}")
@@ -313,7 +321,6 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
         return None, (f"the {len(other_dtype)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
                       f"v{version} ran in another dtype ({others}; dtype auto resolves by the device the workers run "
                       "on): nothing to compare with")
-    earlier = c.search_runs(exp, " and ".join(same), order_by=["attributes.start_time DESC"], max_results=1000)
     if not earlier:
         return None, f"no earlier FINISHED run of sweep {name} v{version} in this experiment"
     untagged = [r for r in earlier if mlflow_layout.SPEC_FINGERPRINT not in r.data.tags]
@@ -330,21 +337,38 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
                   f"spec: {'; '.join(parts)}")
 
 
+def _gained_since(c, spec, runs: list, fingerprint: str) -> dict[str, list[str]]:
+    """The fingerprints of ``runs`` (parent runs) other than ``fingerprint`` under which ``spec`` ran before the code
+    gained fields it holds at their defaults (`without_gained_defaults`), each with those fields. One `spec.yaml` read
+    per fingerprint (its latest run's); one that cannot be read matches nothing."""
+    out = {}
+    for tag in dict.fromkeys(r.data.tags.get(mlflow_layout.SPEC_FINGERPRINT) for r in runs):
+        if tag is None or tag == fingerprint:
+            continue
+        run = next(r for r in runs if r.data.tags.get(mlflow_layout.SPEC_FINGERPRINT) == tag)
+        text = _spec_text(c, run.info.run_id)
+        older = without_gained_defaults(spec, text) if text is not None else None
+        if older is not None and spec_fingerprint(older[0]) == tag:
+            out[tag] = older[1]
+    return out
+
+
+def _spec_text(c, run_id: str) -> str | None:
+    """A parent run's resolved spec (its `spec.yaml` artifact); None when it cannot be read."""
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            return Path(c.download_artifacts(run_id, mlflow_layout.SPEC_ARTIFACT, d)).read_text()
+        except (MlflowException, OSError):
+            return None
+
+
 def _spec_changes(c, before_id: str, now_id: str) -> list[str]:
     """The fields in which two parent runs' resolved specs (their `spec.yaml` artifacts) differ; [] when either
     cannot be read (the line then only says that they differ)."""
-    from mlflow.exceptions import MlflowException
-
-    texts = []
-    with tempfile.TemporaryDirectory() as d:
-        for i, run_id in enumerate((before_id, now_id)):
-            try:
-                Path(d, str(i)).mkdir()
-                path = c.download_artifacts(run_id, mlflow_layout.SPEC_ARTIFACT, f"{d}/{i}")
-                texts.append(Path(path).read_text())
-            except (MlflowException, OSError):
-                return []
-    return spec_changes(*texts)
+    texts = [_spec_text(c, run_id) for run_id in (before_id, now_id)]
+    return [] if None in texts else spec_changes(*texts)
 
 
 def rel_by_trial(c, parent_id: str) -> dict[str, float]:
@@ -353,10 +377,10 @@ def rel_by_trial(c, parent_id: str) -> dict[str, float]:
 
 
 def regression_check(c, parent_id: str, name: str, version: int, threshold: float,
-                     fingerprint: str) -> tuple[list[str], str]:
-    """Compare every trial's Rel. with the previous night's run of the same resolved spec (``fingerprint``,
-    `previous_sweep`); tag the parent run; return the regressions and the line saying what was compared with (or
-    why nothing was).
+                     fingerprint: str, spec=None) -> tuple[list[str], str]:
+    """Compare every trial's Rel. with the previous night's run of the same resolved spec (``fingerprint``; given
+    ``spec``, also one recorded before the code gained fields ``spec`` holds at their defaults: `previous_sweep`); tag
+    the parent run; return the regressions and the line saying what was compared with (or why nothing was).
 
     A regression is a trial whose Rel. fell by more than `threshold` (absolute, e.g. 0.02 = 2 points of Rel.).
     Tags: promprune.regression = true/false/no-previous, or incomplete (no regression among the trials compared, and
@@ -365,7 +389,7 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     started before runs carried it, resumed).
     """
     c.set_tag(parent_id, mlflow_layout.SPEC_FINGERPRINT, fingerprint)
-    prev, note = previous_sweep(c, name, version, parent_id, fingerprint)
+    prev, note = previous_sweep(c, name, version, parent_id, fingerprint, spec)
     c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.note", note[:4000])
     c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.threshold", str(threshold))
     if prev is None:

@@ -312,6 +312,32 @@ def _new_at_default(spec, key: str) -> bool:
     return False
 
 
+def without_gained_defaults(spec, before_yaml: str | None) -> tuple[str, list[str]] | None:
+    """``spec`` resolved (``specs.dump_resolved``) as the code resolved it when an earlier run saved ``before_yaml``
+    (that run's resolved spec), with the fields the code has gained since: the YAML without them, and their dotted
+    names. Only when there are such fields (absent from ``before_yaml``) and each is a declared field holding its
+    declared default (`_new_at_default`, as `check_resume` decides: a new field's default is what the code did before
+    it, so the run is the same experiment; a free mapping's new key, ``grid.mu``, is no default). None otherwise.
+    The nightly regression check hashes the YAML (`spec_fingerprint`) to find a night recorded before a field
+    existed (`pipelines.recording.tracking.previous_sweep`); every other field must match for the hashes to."""
+    before = _flat(yaml.safe_load(before_yaml or "{}"))
+    now = yaml.safe_load(specs.dump_resolved(spec))
+    gained = [key for key in _flat(now) if key not in before]
+    if not gained or not all(_new_at_default(spec, key) for key in gained):
+        return None
+    for key in gained:  # a section that is new as a whole goes too; one the earlier spec had stays, even emptied
+        *parents, name = key.split(".")
+        sections = [now]
+        for part in parents:
+            sections.append(sections[-1][part])
+        del sections[-1][name]
+        for depth in range(len(parents), 0, -1):
+            if sections[depth] or ".".join(parents[:depth]) in before:
+                break
+            del sections[depth - 1][parents[depth - 1]]
+    return yaml.safe_dump(now, sort_keys=False), gained
+
+
 def _flat(d, prefix: str = "") -> dict:
     out = {}
     for key, value in (d or {}).items():

@@ -408,6 +408,71 @@ def test_with_no_earlier_run_of_the_same_spec_the_check_says_why(mlflow_store):
     assert "\n" not in note and c.get_run(night).data.tags[f"{mlflow_layout.REGRESSION}.note"] == note
 
 
+def test_a_night_recorded_before_a_field_existed_is_the_baseline_while_the_field_holds_its_default(mlflow_store):
+    """A field the code gains with a default (resources.load_timeout_s) changes the resolved spec's fingerprint: the
+    first night after it compared with nothing ("ran another resolved spec: resources.load_timeout_s: '(unset)' ->
+    1800") though it ran the same experiment, which --resume already tolerates (`state.check_resume`). A night whose
+    spec lacks only fields this run holds at their default is its baseline, and the line says so; one lacking it and
+    differing in anything else is not, nor is any earlier night when this run sets the new field to another value."""
+    import yaml
+
+    from pipelines.frontdoor import REPO
+
+    c = mlflow_store
+
+    def as_before_the_field(resolved: str) -> str:  # the spec as the code resolved it before load_timeout_s existed
+        data = yaml.safe_load(resolved)
+        assert data["resources"].pop("load_timeout_s") == 1800
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def check(run_id, *overrides):
+        spec = specs.load(REPO / "sweeps" / "nightly.yaml", list(overrides))
+        return tracking.regression_check(c, run_id, "nightly", spec.version, 0.02,
+                                         run_state.spec_fingerprint(specs.dump_resolved(spec)), spec)
+
+    version = specs.load(REPO / "sweeps" / "nightly.yaml", []).version
+    good = _night(c, {"promprune-b64": 0.95}, version=version, spec_yaml=as_before_the_field(_nightly_yaml()))
+    tracking.finish(c, good)
+    quick = _night(c, {"promprune-b64": 0.50}, version=version,
+                   spec_yaml=as_before_the_field(_nightly_yaml("limit=20")))  # lacks the field, and a real difference
+    tracking.finish(c, quick)
+    fallen = _night(c, {"promprune-b64": 0.85}, version=version, spec_yaml=_nightly_yaml())
+    found, note = check(fallen)
+    assert found == ["promprune-b64: rel 0.9500 -> 0.8500 (-0.1000)"]  # the old code: no-previous, exit 0
+    assert note.startswith(f"compared with {good} (started ") and note.endswith(
+        "whose trials all finished; it was recorded before the code had resources.load_timeout_s, which this run "
+        "holds at the default (what the code did before)")
+    assert c.get_run(fallen).data.tags[f"{mlflow_layout.REGRESSION}.previous_run"] == good
+    longer = _night(c, {"promprune-b64": 0.85}, version=version,
+                    spec_yaml=_nightly_yaml("resources.load_timeout_s=7200"))
+    found, note = check(longer, "resources.load_timeout_s=7200")
+    assert found == [] and c.get_run(longer).data.tags[mlflow_layout.REGRESSION] == "no-previous"
+    assert note.startswith(f"none of the 2 earlier FINISHED run(s) of sweep nightly v{version} ran this resolved "
+                           f"spec: 2 ran another resolved spec (the latest, {quick}: ") and \
+        "resources.load_timeout_s: '(unset)' -> 7200" in note
+
+
+def test_a_spec_without_the_fields_it_gained_is_the_one_the_earlier_code_resolved():
+    """`state.without_gained_defaults`: the current spec, resolved, less the fields an earlier spec lacks, when each
+    holds its declared default; a section new as a whole goes with its fields. A new key of a free mapping (grid) or
+    a new field set to another value is a real difference: None. So is no difference at all."""
+    import yaml
+
+    spec = specs.parse({"name": "n", "version": 1, "grid": {"method": "promprune", "budget": 8, "mu": [0.4]}})
+    now = yaml.safe_load(specs.dump_resolved(spec))
+    before = {k: v for k, v in now.items() if k != "calibration"}  # calibration: a section the code gained
+    del before["resources"]["load_timeout_s"]
+    older, gained = run_state.without_gained_defaults(spec, yaml.safe_dump(before, sort_keys=False))
+    assert older == yaml.safe_dump(before, sort_keys=False)
+    assert sorted(gained) == sorted(["resources.load_timeout_s"] + [f"calibration.{k}" for k in now["calibration"]])
+    assert run_state.without_gained_defaults(spec, specs.dump_resolved(spec)) is None
+    del before["grid"]["mu"]
+    assert run_state.without_gained_defaults(spec, yaml.safe_dump(before, sort_keys=False)) is None
+    longer = specs.parse({"name": "n", "version": 1, "resources": {"load_timeout_s": 60}})
+    assert run_state.without_gained_defaults(longer, yaml.safe_dump(
+        {k: v for k, v in yaml.safe_load(specs.dump_resolved(longer)).items() if k != "resources"})) is None
+
+
 def test_a_spec_fingerprint_ignores_where_the_checkout_lies(tmp_path, monkeypatch):
     """A Ray job's working directory is a new package copy of the checkout whenever a file changed: a spec's plugins
     resolved under it must not make two nights' specs differ. A plugin elsewhere still counts."""
