@@ -52,14 +52,18 @@ def parse(raw: dict, *, source: str = "sweep spec", check_methods: bool = True) 
     catalog = MethodCatalog() if check_methods else None
     spec, errors = validate(raw, catalog)
     if spec is not None:  # the checks of a whole spec, reported with the fields' problems, not after they are fixed
-        grid_or_trials_bad = any(e.startswith(("grid", "trials")) for e in errors)  # repaired away: not "nothing"
-        if not spec.grid and not spec.trials and not spec.baseline and not grid_or_trials_bad:
+        # a grid or trials that `validate` set aside for a problem it reported is not empty: nothing more said of it
+        grid_empty = not spec.grid and not any(e.startswith("grid") for e in errors)
+        if grid_empty and not spec.trials and not spec.baseline and not any(e.startswith("trials") for e in errors):
             errors.append("grid/trials: the spec runs nothing (empty grid, no trials, baseline: false)")
-        elif catalog is not None:  # a field left at its default by `validate` was reported already
-            reported = {e.split(": ", 1)[0] for e in errors}
-            grid_dropped = bool(reported & {"grid", "grid.method", "grid.budget"})  # `validate`'s repair: no grid
-            errors += [e for e in check_trials(spec, catalog) if e.split(": ", 1)[0] not in reported
-                       and not (grid_dropped and e.endswith("the grid is empty"))]
+        else:
+            if grid_empty and spec.tune.search != "grid":
+                errors.append(f"tune.search: {spec.tune.search} draws its trials from the grid, and the grid is empty "
+                              "(give grid: a method, a budget and the values or ranges to search, or set tune.search: "
+                              "grid to run the baseline and the listed trials as they are)")
+            if catalog is not None:  # a field left at its default by `validate` was reported already
+                reported = {e.split(": ", 1)[0] for e in errors}
+                errors += [e for e in check_trials(spec, catalog) if e.split(": ", 1)[0] not in reported]
     if errors:
         raise SpecError(errors, source)
     return spec

@@ -171,14 +171,13 @@ def check_trials(spec: SweepSpec, catalog: MethodCatalog | None = None) -> list[
 
 
 def check_search(spec: SweepSpec) -> list[str]:
-    """The search's settings against the grid and the rest of the spec (`tune.search`, `tune.metric`)."""
+    """The search's settings against the grid and the rest of the spec (`tune.search`, `tune.metric`); a search with
+    no grid at all is refused with the spec's other emptiness check (`pipelines.spec.parse`)."""
     tune, errors = spec.tune, []
     drawn = [k for k, v in spec.grid.items() if space.is_distribution(v)]
     if tune.search == "grid" and drawn:
         errors += [f"grid.{k}: {space.parse(spec.grid[k]).describe()} is a search space, and tune.search: grid runs "
                    "the grid's lists only (set tune.search: random or optuna, or give a list)" for k in drawn]
-    if tune.search != "grid" and not spec.grid:
-        errors.append(f"tune.search: {tune.search} searches the grid's lists and spaces, and the grid is empty")
     if tune.search == "optuna":
         errors += [f"grid.{k}: optuna chooses among numbers, strings, bools and null, not {v!r} (make it a fixed "
                    "value, or search it with tune.search: random)"

@@ -127,8 +127,28 @@ def test_the_search_settings_are_checked_against_the_grid_and_the_spec():
     found = problems({**GRID, "saliency_ratio_range": [[0.1, 0.9], [0.2, 0.8]]}, search="optuna")
     assert any(p.startswith("grid.saliency_ratio_range: optuna chooses among numbers, strings, bools and null, "
                             "not [0.1, 0.9]") for p in found), found
-    assert problems({}, search="random") == ["tune.search: random searches the grid's lists and spaces, and the "
-                                             "grid is empty"]
+
+
+EMPTY_GRID = ("tune.search: {} draws its trials from the grid, and the grid is empty (give grid: a method, a budget "
+              "and the values or ranges to search, or set tune.search: grid to run the baseline and the listed trials "
+              "as they are)")
+
+
+def test_a_search_without_a_grid_is_refused_once_naming_the_fix():
+    """A search draws its trials from the grid: with none (a spec of explicit trials set to tune.search: random) it
+    is refused, naming the field and both ways on; also without the method check (`check_methods=False`), which
+    skipped it. A grid that `validate` set aside for its own problem is not called empty: that problem alone."""
+    assert problems({}, search="random") == [EMPTY_GRID.format("random")]
+    trials = {"name": "t", "version": 1, "trials": [{"method": "promprune", "budget": 8}],
+              "tune": {"search": "optuna", "num_samples": 2}}
+    for check_methods in (True, False):
+        with pytest.raises(specs.SpecError) as info:
+            specs.parse(trials, check_methods=check_methods)
+        assert info.value.errors == [EMPTY_GRID.format("optuna")]
+    for grid in ({"method": ["nosuch"], "budget": [8]}, {"budget": [8]}, ["promprune"]):
+        found = problems(grid, search="random")
+        assert len(found) == 1 and found[0].startswith("grid") and "grid is empty" not in found[0], found
+    assert specs.parse({**trials, "tune": {"search": "grid"}}).trials  # the first way on: the trials as listed
 
 
 # ---------------------------------------------------------------------------------------------------------------
