@@ -21,10 +21,12 @@ METHOD_LABELS = {
     "none": "Upper bound", "promprune": "PromPrune", "fastv": "FastV", "sparsevlm": "SparseVLM",
     "visionzip": "VisionZip", "vispruner": "VisPruner", "divprune": "DivPrune", "fixed_ratio": "Fixed split",
     "saliency_only": "Saliency only", "coverage_only": "Coverage only", "random": "Random",
+    "downsample": "Downsample", "pyramiddrop": "PyramidDrop", "dart": "DART", "cdpruner": "CDPruner",
 }
-# the paper's row order: the unpruned model, the baselines, ours last
-METHOD_ORDER = ["none", "random", "fastv", "sparsevlm", "visionzip", "vispruner", "divprune",
-                "saliency_only", "coverage_only", "fixed_ratio", "promprune"]
+# the paper's row order: the unpruned model, the baselines (the extended ones beside their kind: in-LLM after FastV,
+# before the LLM after DivPrune), the ablations, ours last; every built-in method (`promprune.methods(None)`) is here
+METHOD_ORDER = ["none", "random", "downsample", "fastv", "pyramiddrop", "sparsevlm", "dart", "visionzip",
+                "vispruner", "divprune", "cdpruner", "saliency_only", "coverage_only", "fixed_ratio", "promprune"]
 
 EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
     ("efficiency/visual_tokens", "Visual tokens", 0),

@@ -507,3 +507,21 @@ def test_a_benchmark_the_baseline_scored_0_on_marks_every_rel(store, tmp_path):
     assert rows["PromPrune"].endswith("| 92.5% (over 2 of 3 benchmarks) |")
     assert rows["DivPrune"].endswith("| 97.5% (over 2 of 3 benchmarks) |")
     assert "**9" not in rows["DivPrune"] and "**9" not in rows["PromPrune"]
+
+
+def test_every_built_in_method_has_a_label_and_a_place_before_promprune():
+    """Every method the package registers (in a fresh interpreter: no test's or plugin's method) is named in the
+    tables and ordered among the baselines, PromPrune last (an extended table printed `cdpruner` raw, after
+    PromPrune)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PROMPRUNE_PLUGINS"}
+    out = subprocess.run([sys.executable, "-c", "import promprune; print(' '.join(promprune.methods(None)))"],
+                         capture_output=True, text=True, check=True, env=env).stdout.split()
+    assert {"cdpruner", "dart", "pyramiddrop", "downsample", "promprune"} <= set(out)
+    assert not [m for m in out if m not in tables.METHOD_LABELS or m not in tables.METHOD_ORDER]
+    assert tables.METHOD_ORDER[-1] == "promprune" and tables.METHOD_ORDER[0] == "none"
+    assert len(set(tables.METHOD_ORDER)) == len(tables.METHOD_ORDER)
+    assert tables.METHOD_LABELS["cdpruner"] == "CDPruner" and tables.METHOD_LABELS["pyramiddrop"] == "PyramidDrop"
