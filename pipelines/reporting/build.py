@@ -247,25 +247,97 @@ def _where(points: pd.DataFrame, rid: str) -> str:
                      if points.loc[rid, o] == points.loc[rid, o])
 
 
+def _search_key(sweep: Sweep, rid: str) -> tuple:
+    """What a trial's Rel. depends on besides mu and tau: its method, budget, tasks and every other option, an unset
+    option read as the method's registered default (trials log only the options their spec sets: the grid's
+    ``metric: [spectral]`` beside a trial that leaves it unset is one metric). Two trials are points of one (mu, tau)
+    search only when their keys are equal (mu calibrated for feature-norm entropy is on another scale than
+    attention entropy's)."""
+    row = sweep.trials.loc[rid]
+    defaults = _option_defaults(row["method"])
+    options = []
+    for name in sweep.option_names:
+        value = row.get(name)
+        if value is None or (isinstance(value, float) and np.isnan(value)):
+            value = defaults.get(name)
+        if name not in MU_TAU and value is not None:
+            options.append((name, tables.fmt_value(value)))
+    tasks = row.get("tasks") if "tasks" in sweep.trials else None
+    return row["method"], tables.fmt_value(row["budget"]), str(tasks), tuple(options)
+
+
+def _option_defaults(method: str) -> dict:
+    """The registered option defaults of ``method`` (empty for a method this process does not know: a plugin's)."""
+    from promprune.selection.registry import method_spec
+
+    try:
+        return dict(method_spec(method).options)
+    except ValueError:
+        return {}
+
+
+def _describe_key(key: tuple) -> str:
+    """``PromPrune, 64 tokens, metric=attention`` from a `_search_key`."""
+    method, budget, _, options = key
+    parts = [tables.METHOD_LABELS.get(method, method)] + ([f"{budget} tokens"] if budget != "nan" else [])
+    return ", ".join(parts + [f"{name}={value}" for name, value in options])
+
+
+def _searches(sweep: Sweep, points: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
+    """The (mu, tau) searches among ``points``: per `_search_key`, the points of trials alike in all else, where they
+    score two or more distinct (mu, tau); in the trials' order."""
+    if points.empty:
+        return []
+    keys = pd.Series([_search_key(sweep, rid) for rid in points.index], index=points.index)
+    out = []
+    for key in dict.fromkeys(keys):
+        group = points[keys == key]
+        if len(group.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False)) >= 2:
+            out.append((key, group))
+    return out
+
+
 def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) -> str:
-    """A sweep whose trials vary mu or tau: the trials in the (mu, tau) plane (stopped ones hollow and grey, off the
-    colour scale; the best starred), a heatmap beside it where the grid sweep or the finished trials form a grid,
-    the best (mu, tau) with its interval and the samples generated; with a grid sweep to compare with, whether the
-    best lies in the grid best's interval and the share of its samples."""
+    """A sweep whose trials vary mu or tau, among trials alike in everything else (`_search_key`: the same method,
+    budget, tasks and other options): per such search, the trials in the (mu, tau) plane (stopped ones hollow and
+    grey, off the colour scale; the best starred), a heatmap beside it where the grid sweep or the finished trials
+    form a grid, the best (mu, tau) with its interval and the samples generated; with a grid sweep to compare with,
+    whether the best lies in the grid best's interval and the share of its samples. Trials that set mu or tau with
+    different other options (Fig. 4's per-metric calibrated mu) are no search: their mu values are on different
+    metrics' scales."""
     points = _plane_points(sweep, table)
-    scored = len(points.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False))
-    if scored < 2:
+    searches = _searches(sweep, points)
+    if not searches:
         if grid is None:
             return ""
-        return (f"Note: --grid `{grid.name}` was not drawn: sweep `{sweep.name}` is not a (mu, tau) search ({scored} "
-                "scored (mu, tau) point(s); the grid is drawn beside a search of two or more).\n")
+        scored = len(points.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False))
+        why = (f"{scored} scored (mu, tau) point(s)" if scored < 2 else
+               f"its {scored} scored (mu, tau) points differ in more than mu and tau")
+        return (f"Note: --grid `{grid.name}` was not drawn: sweep `{sweep.name}` is not a (mu, tau) search ({why}; "
+                "the grid is drawn beside a search of two or more).\n")
+    parts = []
+    for k, (key, group) in enumerate(searches):
+        title = "## The (mu, tau) plane" + (f": {_describe_key(key)}" if len(searches) > 1 else "")
+        name = "mu_tau_search" if len(searches) == 1 else f"mu_tau_search_{k + 1}"
+        left_out = len(points) - len(group)
+        scope = (f"- among {_describe_key(key)}: {left_out} other trial(s) that set mu or tau with other options "
+                 "are not in this plane (their mu is not on its scale)") if left_out else None
+        parts.append(_one_search(sweep, group, key, title, name, scope, preds, out_dir, report, grid))
+    return "\n".join(parts)
+
+
+def _one_search(sweep, points, key, title, name, scope, preds, out_dir, report, grid: Sweep | None) -> str:
     best, interval = _best_with_interval(sweep, points, preds)
-    grid_points = _plane_points(grid.ran_to_end(), tables.build_score_table(grid.ran_to_end())) if grid else None
+    grid_points = None
+    if grid is not None:
+        ran = grid.ran_to_end()
+        every = _plane_points(ran, tables.build_score_table(ran))
+        grid_points = every[[_search_key(ran, rid) == key for rid in every.index]]
     pivot = _grid_pivot(grid_points if grid_points is not None else points)
-    path = figures.search_plane(points, best, pivot, out_dir / "mu_tau_search.png",
+    path = figures.search_plane(points, best, pivot, out_dir / f"{name}.png",
                                 f"grid `{grid.name}`" if grid else "this sweep's grid")
     generated = _generated(sweep)
-    lines = ["## The (mu, tau) plane", ""]
+    lines = [title, ""] + ([scope] if scope else [])
     n_stopped = int(points["stopped"].sum())
     lines.append(f"- trials: {len(points)}" + (f", {n_stopped} stopped early by ASHA (hollow grey circles, off the "
                                                 "colour scale: their running Rel. at the rung that stopped them is "
@@ -285,7 +357,7 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
         lines += _against_grid(grid, grid_points, points, best, generated, preds)
     if path is not None:
         report.files.append(path)
-        lines += ["", f"![mu_tau_search]({path.name})"]
+        lines += ["", f"![{name}]({path.name})"]
     return "\n".join(lines) + "\n"
 
 

@@ -195,3 +195,41 @@ def test_a_grid_beside_a_sweep_that_is_no_search_is_a_note(store, tmp_path, caps
     assert (tmp_path / "out" / "report.md").read_text().splitlines().count(note) == 1
     assert not (tmp_path / "out" / "mu_tau_search.png").exists()
     assert note not in build_report(load_sweep("methods_demo"), tmp_path / "alone").markdown  # no --grid: no note
+
+
+def arm(metric, mu, right: int, tau=None):
+    options = {"metric": metric} | ({} if mu is None else {"mu": mu}) | ({} if tau is None else {"tau": tau})
+    return trial("promprune", 16, {f"{TASK}/exact_match": right / N, "samples/total": N}, options=options)
+
+
+def test_per_metric_calibrated_mus_are_no_search(store, tmp_path):
+    """Fig. 4: one trial per prominence metric, each with its own calibrated mu (feature-norm 0.9978, attention
+    0.9818; spectral at its default). Those mus lie on different metrics' scales: no (mu, tau) plane and no "best
+    (mu, tau)" (the report named attention's mu the best against feature-norm's)."""
+    client, exp = store
+    log_sweep(client, exp, "fig4_demo", [SEARCH[0], arm("spectral", None, 24), arm("feature_norm", 0.9978, 20),
+                                         arm("attention", 0.9818, 22)], tasks=[TASK], tmp=tmp_path)
+    report = build_report(load_sweep("fig4_demo"), tmp_path / "out")
+    assert "(mu, tau) plane" not in report.markdown and "best (mu, tau)" not in report.markdown
+    assert not (tmp_path / "out" / "mu_tau_search.png").exists()
+    log_sweep(client, exp, "grid_demo", [SEARCH[0], pp(0.2, 0.01, 20), pp(0.3, 0.03, 24)], tasks=[TASK], tmp=tmp_path)
+    noted = build_report(load_sweep("fig4_demo"), tmp_path / "vs", grid=load_sweep("grid_demo")).markdown
+    assert ("Note: --grid `grid_demo` was not drawn: sweep `fig4_demo` is not a (mu, tau) search (its 2 scored "
+            "(mu, tau) points differ in more than mu and tau;") in noted
+
+
+def test_a_search_per_metric_and_an_unset_metric_is_the_default(store, tmp_path):
+    """Two metrics each searched over two mu: one plane each, its best among its own metric's trials. A trial that
+    leaves `metric` unset runs the default (spectral) and is a point of the spectral search. By hand: spectral best
+    mu=0.4 (24/30 = 80.0%), attention best mu=0.9 (27/30 = 90.0%)."""
+    client, exp = store
+    log_sweep(client, exp, "two_searches", [
+        SEARCH[0], arm("spectral", 0.3, 21, tau=0.02), pp(0.4, 0.02, 24), arm("attention", 0.8, 20, tau=0.02),
+        arm("attention", 0.9, 27, tau=0.02)], tasks=[TASK], tmp=tmp_path)
+    md = build_report(load_sweep("two_searches"), tmp_path / "out").markdown
+    spectral = section(md, "The (mu, tau) plane: PromPrune, 16 tokens, metric=spectral")
+    attention = section(md, "The (mu, tau) plane: PromPrune, 16 tokens, metric=attention")
+    assert "- best (mu, tau): **mu=0.4, tau=0.02**, Rel. 80.0%" in spectral and "- trials: 2" in spectral
+    assert "- best (mu, tau): **mu=0.9, tau=0.02**, Rel. 90.0%" in attention and "- trials: 2" in attention
+    assert "2 other trial(s) that set mu or tau with other options are not in this plane" in spectral
+    assert (tmp_path / "out" / "mu_tau_search_1.png").exists() and (tmp_path / "out" / "mu_tau_search_2.png").exists()
