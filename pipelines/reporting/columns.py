@@ -22,12 +22,13 @@ class TaskColumn:
     metrics: tuple  # logged metric names (without the task prefix), summed (one for every paper benchmark)
     scale: float = 100.0  # to the paper's unit: lmms-eval reports fractions for most tasks, the paper percent
     decimals: int = 1
+    unit: str = "%"  # the paper's unit once scaled: percent, or MME's points (a mean over both means nothing)
 
 
 # The paper's column header, unit scale and decimals per benchmark (lmms-eval 0.7 names, and the offline ones).
 # Which metric stands for a benchmark comes from promprune.eval's PRIMARY_METRICS, the same choice its Rel. uses.
 _DISPLAY = {
-    "mme": ("MME", 1.0, 1),  # the paper prints one decimal (1507.0)
+    "mme": ("MME", 1.0, 1, "points"),  # the paper prints one decimal (1507.0); perception points, up to 2000
     "pope": ("POPE", 100.0, 1),
     "mmbench_en_dev_static": ("MMB", 1.0, 1),  # aggregation already in %
     "mmbench_en_dev": ("MMB", 1.0, 1),
@@ -49,8 +50,9 @@ _DISPLAY = {
     "testbed_count_concentrated": ("Count (1-3 obj.)", 100.0, 1),
     "testbed_count_spread": ("Count (9-12 obj.)", 100.0, 1),
 }
-KNOWN_COLUMNS = {task: TaskColumn(task, label, PRIMARY_METRICS[task], scale=scale, decimals=decimals)
-                 for task, (label, scale, decimals) in _DISPLAY.items()}
+KNOWN_COLUMNS = {task: TaskColumn(task, label, PRIMARY_METRICS[task], scale=shown[0], decimals=shown[1],
+                                  unit=(shown[2:] or ("%",))[0])
+                 for task, (label, *shown) in _DISPLAY.items()}
 
 # for a task we do not know: the first of these that was logged (accuracy-like first), in percent
 FALLBACK_METRICS = ("accuracy", "exact_match", "f1", "anls", "relaxed_overall", "gpt_eval_score")

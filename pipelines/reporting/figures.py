@@ -50,34 +50,56 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def cross_benchmark_mean(table: ScoreTable, rows: pd.DataFrame) -> tuple[pd.Series, str] | None:
+    """Without Rel. (no unpruned trial): the mean over benchmarks of each row's scores in the paper's units (each
+    column times its scale, as the tables show them) and its axis label, when every benchmark is in one unit; None
+    when they mix units (MME's points beside percentages: their mean is no score of anything)."""
+    units = {c.unit for c in table.columns}
+    if len(units) != 1:
+        return None
+    scaled = pd.DataFrame({c.task: rows[c.task] * c.scale for c in table.columns}, index=rows.index)
+    return scaled.mean(axis=1), f"mean score over {len(table.columns)} benchmarks ({units.pop()}; no unpruned trial)"
+
+
+REL_TITLE = "Rel. (mean over benchmarks of score / unpruned score)"  # the paper's Rel., as the tables compute it
+
+
 def tradeoff_curves(table: ScoreTable, path: Path) -> Path | None:
-    """Rel. (or mean score) against the token budget, one line per method/variant (Tables 1-3 at a glance)."""
+    """Rel. against the token budget, one line per method/variant (Tables 1-3 at a glance). Without an unpruned
+    trial (no Rel.): the mean score over benchmarks in the paper's units where they share one, else one panel per
+    benchmark in its own unit (a mean of MME's points and percentages would be MME's alone, halved)."""
     pruned = _pruned(table).dropna(subset=["budget"])
     if pruned["budget"].nunique() < 2:
         return None
     use_rel = pruned["rel"].notna().any()
-    tasks = [c.task for c in table.columns]
-    y_all = pruned["rel"] if use_rel else pruned[tasks].mean(axis=1)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    groups = list(pruned.assign(_y=y_all).groupby(["method", "variant"], sort=False))
-    for k, ((method, variant), rows) in enumerate(groups):
-        rows = rows.sort_values("budget")
-        name = METHOD_LABELS.get(method, method) + (f" ({variant})" if variant else "")
-        style = {"lw": 2.4, "zorder": 3} if method == "promprune" else {"lw": 1.4}
-        shift = 2 ** ((k - (len(groups) - 1) / 2) * DODGE)  # multiplicative: the x axis is log2
-        ax.plot(rows["budget"] * shift, rows["_y"], marker=MARKERS[k % len(MARKERS)], ms=7, mfc="none", label=name,
-                **style)
+    mean = None if use_rel else cross_benchmark_mean(table, pruned)
     if use_rel:
-        ax.axhline(100.0, color="grey", ls=":", lw=1, label="unpruned")
+        panels = [(pruned["rel"], "Rel. (%)", REL_TITLE)]
+    elif mean is not None:
+        panels = [(mean[0], mean[1], "mean benchmark score")]
+    else:
+        panels = [(pruned[c.task] * c.scale, f"{c.label} ({c.unit})", f"{c.label}, no unpruned trial for Rel.")
+                  for c in table.columns]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), squeeze=False)
     budgets = sorted(pruned["budget"].unique())
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(budgets, [f"{b:.0f}" for b in budgets])
-    ax.set_xlabel("visual tokens kept")
-    ax.set_ylabel("Rel. (%)" if use_rel else "mean score")
-    what = "Rel. (mean score / unpruned's)" if use_rel else "mean benchmark score"
-    ax.set_title(f"{what} against the token budget", fontsize=10)
-    ax.legend(fontsize=8, title="markers offset slightly so ties stay visible", title_fontsize=7)
-    ax.grid(alpha=0.3)
+    for ax, (y_all, ylabel, what) in zip(axes[0], panels):
+        groups = list(pruned.assign(_y=y_all).groupby(["method", "variant"], sort=False))
+        for k, ((method, variant), rows) in enumerate(groups):
+            rows = rows.sort_values("budget")
+            name = METHOD_LABELS.get(method, method) + (f" ({variant})" if variant else "")
+            style = {"lw": 2.4, "zorder": 3} if method == "promprune" else {"lw": 1.4}
+            shift = 2 ** ((k - (len(groups) - 1) / 2) * DODGE)  # multiplicative: the x axis is log2
+            ax.plot(rows["budget"] * shift, rows["_y"], marker=MARKERS[k % len(MARKERS)], ms=7, mfc="none",
+                    label=name, **style)
+        if use_rel:
+            ax.axhline(100.0, color="grey", ls=":", lw=1, label="unpruned")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [f"{b:.0f}" for b in budgets])
+        ax.set_xlabel("visual tokens kept")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{what} against the token budget", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8, title="markers offset slightly so ties stay visible", title_fontsize=7)
     return _save(fig, path)
 
 
@@ -121,7 +143,8 @@ def saliency_ratio_curves(table: ScoreTable, ratios: pd.Series, t_sal_mean: pd.D
 
 def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path | None:
     """Fig. 5: PromPrune over the mu x tau grid, VisPruner at the same budget as reference: one row of panels per
-    budget, the first Rel. (or the mean score), then one per benchmark (the paper's figure shows SQA, POPE and GQA
+    budget, the first Rel. (without an unpruned trial: `cross_benchmark_mean`, none where the benchmarks mix
+    units), then one per benchmark (the paper's figure shows SQA, POPE and GQA
     each, and says the method beats VisPruner on all of them), each task as % of the unpruned model where it ran.
 
     options: `mu` and `tau` per trial (index: run id). Cells that beat the reference on that panel's measure are
@@ -134,12 +157,12 @@ def mu_tau_heatmap(table: ScoreTable, options: pd.DataFrame, path: Path) -> Path
     if grid["mu"].nunique() < 2 or grid["tau"].nunique() < 2:
         return None
     use_rel = grid["rel"].notna().any()
-    tasks = [c.task for c in table.columns]
-    measures = [("Rel. (%)" if use_rel else "mean score", frame["rel"] if use_rel else frame[tasks].mean(axis=1))]
-    if len(tasks) > 1 or not use_rel:  # one benchmark's panel would repeat the Rel. panel
+    mean = None if use_rel else cross_benchmark_mean(table, frame)
+    measures = [("Rel. (%)", frame["rel"])] if use_rel else [] if mean is None else [(mean[1], mean[0])]
+    if len(table.columns) > 1 or not use_rel:  # one benchmark's panel would repeat the Rel. panel
         for col in table.columns:
             values, unit = _relative(table, frame, col.task)
-            measures.append((f"{col.label} ({unit})", values))
+            measures.append((f"{col.label} ({unit if use_rel else col.unit})", values))
     budgets = []
     for b in sorted(grid["budget"].dropna().unique(), reverse=True):
         rows = grid.index[grid["budget"] == b]

@@ -525,3 +525,66 @@ def test_every_built_in_method_has_a_label_and_a_place_before_promprune():
     assert tables.METHOD_ORDER[-1] == "promprune" and tables.METHOD_ORDER[0] == "none"
     assert len(set(tables.METHOD_ORDER)) == len(tables.METHOD_ORDER)
     assert tables.METHOD_LABELS["cdpruner"] == "CDPruner" and tables.METHOD_LABELS["pyramiddrop"] == "PyramidDrop"
+
+
+def _figures_made(monkeypatch) -> dict:
+    """{file name: matplotlib figure} of every figure the report saves (saved as well)."""
+    from pipelines.reporting import figures
+
+    made, save = {}, figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, path: made.setdefault(path.name, fig) and save(fig, path))
+    return made
+
+
+def _lines(ax) -> dict:
+    """{legend label: y values} of an axis' plotted lines."""
+    return {line.get_label(): [float(y) for y in line.get_ydata()] for line in ax.get_lines()}
+
+
+def test_no_cross_benchmark_mean_of_mixed_units_without_rel(store, tmp_path, monkeypatch):
+    """No unpruned trial, so no Rel.: the trade-off curve and the mu x tau heatmap averaged raw lmms-eval scores,
+    MME's points (1620) with POPE's fraction (0.80): (1620 + 0.80) / 2 = 810.4, no score of anything. Mixed units: one
+    panel per benchmark in the paper's units (MME 1620 points, POPE 80.0 %), and no mean panel in the heatmap."""
+    client, exp = store
+    mp = ["mme", "pope"]
+
+    def two(perception, pope, budget, **options):
+        return trial("promprune", budget, {"mme/mme_perception_score": perception, "pope/pope_f1_score": pope},
+                     options=options)
+    log_sweep(client, exp, "mixed_units", [
+        two(1620, 0.80, 64), two(1530, 0.72, 32),
+        two(1600, 0.70, 16, mu=0.3, tau=0.01), two(1610, 0.71, 16, mu=0.3, tau=0.02),
+        two(1500, 0.74, 16, mu=0.4, tau=0.01), two(1550, 0.76, 16, mu=0.4, tau=0.02)], tasks=mp, tmp=tmp_path)
+    made = _figures_made(monkeypatch)
+    build_report(load_sweep("mixed_units"), tmp_path / "out", image_source=grey_image)
+    mme, pope = made["tradeoff.png"].axes[:2]
+    assert (mme.get_ylabel(), pope.get_ylabel()) == ("MME (points)", "POPE (%)")
+    assert _lines(mme)["PromPrune"][-2:] == pytest.approx([1530, 1620])  # budgets 32, 64 (the grid's 16 apart)
+    assert _lines(pope)["PromPrune"][-2:] == pytest.approx([72.0, 80.0])
+    titles = [ax.get_title() for ax in made["mu_tau_heatmap.png"].axes if ax.get_title()]
+    assert len(titles) == 2 and titles[0].startswith("16 tokens, MME (points)")
+    assert titles[1].startswith("16 tokens, POPE (%)") and not any("mean" in t for t in titles)
+
+
+def test_one_units_mean_is_in_the_papers_units_and_rel_is_titled_as_the_paper_defines_it(store, tmp_path,
+                                                                                         monkeypatch):
+    """POPE and GQA both in percent: without a baseline, their mean in percent ((80 + 57) / 2 = 68.5 at 64 tokens),
+    labelled so; with one, Rel. titled as the mean over benchmarks of each score over the unpruned one (it was
+    "mean score / unpruned's", a ratio of means)."""
+    client, exp = store
+
+    def two(pope, gqa, budget):
+        return trial("promprune", budget, {"pope/pope_f1_score": pope, "gqa/exact_match": gqa})
+    log_sweep(client, exp, "percent_only", [two(0.80, 0.57, 64), two(0.72, 0.54, 32)], tasks=["pope", "gqa"],
+              tmp=tmp_path)
+    made = _figures_made(monkeypatch)
+    build_report(load_sweep("percent_only"), tmp_path / "out", image_source=grey_image)
+    (ax,) = [a for a in made["tradeoff.png"].axes]
+    assert ax.get_ylabel() == "mean score over 2 benchmarks (%; no unpruned trial)"
+    assert _lines(ax)["PromPrune"] == pytest.approx([63.0, 68.5])
+    made.clear()
+    log_sweep(client, exp, "table_demo", TABLE_TRIALS, tasks=TASKS, tmp=tmp_path)
+    build_report(load_sweep("table_demo"), tmp_path / "rel", image_source=grey_image)
+    (ax,) = made["tradeoff.png"].axes
+    assert ax.get_title() == "Rel. (mean over benchmarks of score / unpruned score) against the token budget"
+    assert _lines(ax)["PromPrune"] == pytest.approx([265 / 3, 95.0])  # the tables' Rel., hand-worked above
