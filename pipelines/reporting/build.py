@@ -51,10 +51,14 @@ def build_report(sweep: Sweep, out_dir: Path, *, published_root: Path = PAPER_DI
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir)
     preds = _PredictionCache()
-    searched, sweep = sweep, sweep.ran_to_end()  # tables and figures of finished trials never see a stopped one
+    runs = sweep
+    # one row per configuration: a grid's repeats (tune.num_samples > 1) as the mean of their runs
+    searched = sweep.mean_over_repeats()
+    grid = None if grid is None else grid.mean_over_repeats()
+    sweep = searched.ran_to_end()  # tables and figures of finished trials never see a stopped one
     table = tables.build_score_table(sweep)
     full_tokens = _full_tokens(sweep, preds)
-    sections = [_header(searched, table)]
+    sections = [_header(runs, table)]
     published = load_published(sweep.name, published_root)
     comparison = None if published is None else tables.compare_published(
         sweep, table, published, lambda rid: _t_sal_by_task(preds, rid))
@@ -160,6 +164,10 @@ def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
     if any(col.endswith(tables.CI_LOW) for col in table.frame.columns):
         note += (" In parentheses: the 95% percentile-bootstrap interval over the benchmark's documents"
                  " (the spec's `bootstrap` resamples).")
+    if any(col.endswith(tables.RUNS) for col in table.frame.columns):
+        note += (" ± sd, n: a configuration the sweep ran n times (`tune.num_samples`): the row is the mean of its "
+                 "runs, ± their standard deviation; its Rel. is the mean scores over the unpruned row's (itself the "
+                 "mean of its runs), ± the sd of each run's Rel.")
     if comparison is not None and not comparison.empty:
         note += " Rows marked ↳ paper: the published numbers, with our delta."
     return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"
@@ -184,7 +192,9 @@ def _paired_section(sweep, table, preds) -> str:
     return ("## Paired differences\n\nEach method's best trial against the best other method at its budget, in "
             "points of Rel., with a 95% paired bootstrap interval: the documents of every benchmark resampled "
             f"{_resamples(sweep)} times, both trials and the unpruned baseline scored on the same resample (an "
-            "interval that holds 0 is a gap the benchmarks cannot tell from noise).\n\n" + paired.markdown(diffs))
+            "interval that holds 0 is a gap the benchmarks cannot tell from noise)."
+            + (" A configuration run several times is paired by the answers of its first run." if sweep.repeat_metrics
+               else "") + "\n\n" + paired.markdown(diffs))
 
 
 

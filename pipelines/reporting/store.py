@@ -35,6 +35,8 @@ class Sweep:
     bootstrap: int | None = None  # the spec's `bootstrap` resamples (its param; 0: none set; None in older stores)
     sweep_tasks: list = field(default_factory=list)  # the spec's tasks (the parent's `tasks` param), in its order
     experiment_id: str | None = None  # the parent run's experiment (an earlier sweep's calibration is read there)
+    # after `mean_over_repeats`: per row that is the mean of several runs, those runs' own metrics
+    repeat_metrics: dict = field(default_factory=dict)
 
     def unfinished(self) -> str | None:
         """What a report of an unfinished sweep lacks, in one sentence (None: the sweep finished)."""
@@ -52,6 +54,24 @@ class Sweep:
         reads, so a stopped trial is never taken for a finished one."""
         keep = ~self.stopped
         return replace(self, trials=self.trials[keep], metrics=self.metrics[keep])
+
+    def mean_over_repeats(self) -> "Sweep":
+        """One row per configuration: the finished runs of a configuration that a grid with ``tune.num_samples`` > 1
+        ran several times (param ``repeat``) become one row, under the run id (and trial id) of its lowest repeat,
+        whose metrics are the mean over them (NaN skipped); ``repeat_metrics`` keeps those runs' own metrics (the
+        tables' spread and count). A trial a scheduler stopped stays a row of its own."""
+        if "repeat" not in self.trials or not (self.trials["repeat"] > 0).any():
+            return self
+        config = [c for c in self.trials.columns if c not in ("trial", "status", "stopped", "repeat")]
+        keys = pd.Series(["\x1f".join(map(str, row)) for row in self.trials[config].itertuples(index=False)],
+                         index=self.trials.index)
+        keys = keys.where(~self.stopped.astype(bool), "\x1e" + self.trials.index.to_series())
+        lowest = keys.loc[self.trials.sort_values("repeat", kind="stable").index].drop_duplicates()
+        row_of = keys.map(pd.Series(lowest.index, index=lowest.to_numpy()))  # each run -> its configuration's row
+        keep = self.trials.index[self.trials.index.isin(lowest.index)]  # in the sweep's order
+        metrics = self.metrics.groupby(row_of, sort=False).mean().reindex(keep)
+        repeats = {rid: self.metrics[row_of == rid] for rid in keep if int((row_of == rid).sum()) > 1}
+        return replace(self, trials=self.trials.loc[keep], metrics=metrics, repeat_metrics=repeats)
 
     @property
     def baseline_id(self) -> str | None:
@@ -227,6 +247,8 @@ def _split_columns(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list
     trials["stopped"] = runs[stopped].notna() if stopped in runs.columns else False
     trials["method"] = params["method"].fillna(BASELINE_METHOD)
     trials["budget"] = pd.to_numeric(params.get("budget", pd.Series(np.nan, index=runs.index)), errors="coerce")
+    repeat = pd.to_numeric(params.get("repeat", pd.Series(np.nan, index=runs.index)), errors="coerce")
+    trials["repeat"] = repeat.fillna(0).astype(int)  # a grid's num_samples > 1: the same configuration run again
     for key in ("model", "tasks"):
         if key in params:
             trials[key] = params[key]

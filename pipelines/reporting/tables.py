@@ -40,6 +40,7 @@ EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
 CI_LOW, CI_HIGH = ":ci_low", ":ci_high"  # ScoreTable.frame columns of a task's bootstrap bounds (raw units)
 FAILED = ":n_failed"  # ScoreTable.frame column of a task's failed samples (scored as wrong answers)
 REL_OF = ":rel_of"  # ScoreTable.frame column: how many benchmarks a row's Rel. averages (NaN: all, or not known)
+SD, RUNS = ":sd", ":n"  # ScoreTable.frame columns of a repeated configuration: per task and `rel`, sd and run count
 
 
 @dataclass
@@ -140,7 +141,35 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
             frame[f"{col.task}{CI_LOW}"], frame[f"{col.task}{CI_HIGH}"] = interval
     frame["rel"] = relative_scores(frame[[c.task for c in columns]], sweep.baseline_id, metrics.get("rel"))
     frame[REL_OF] = rel_counts(frame[[c.task for c in columns]], sweep.baseline_id)
+    _add_spread(frame, columns, sweep)
     return ScoreTable(frame, columns)
+
+
+def _add_spread(frame: pd.DataFrame, columns: list, sweep: Sweep) -> None:
+    """For each row that is the mean of repeated runs (`Sweep.mean_over_repeats`): per task and for Rel., the
+    standard deviation over the runs (raw units; Rel. in points, each run's against the unpruned row, the mean of
+    its runs) and how many ran it. Such a row's bootstrap bounds are dropped: the mean of the runs' bounds is no
+    interval of their mean."""
+    from promprune.eval.scoring import mean_ratio
+
+    tasks = [c.task for c in columns]
+    bid = sweep.baseline_id
+    base = frame.loc[bid, tasks].to_dict() if bid is not None and bid in frame.index else None
+    for rid, runs in sweep.repeat_metrics.items():
+        if rid not in frame.index:
+            continue
+        per_run = pd.DataFrame({c.task: task_score(runs, c) for c in columns}, index=runs.index)
+        for task in tasks:
+            values = per_run[task].dropna()
+            frame.loc[rid, [f"{task}{SD}", f"{task}{RUNS}"]] = [values.std() if len(values) > 1 else np.nan,
+                                                                 len(values)]
+            frame.loc[rid, [f"{task}{CI_LOW}", f"{task}{CI_HIGH}"]] = np.nan
+        if base is not None:
+            rel = pd.Series([mean_ratio(scores, base) for scores in per_run.to_dict("records")], index=per_run.index)
+        else:
+            rel = runs.get("rel", pd.Series(np.nan, index=runs.index))
+        rel = mlflow_layout.rel_percent(rel).dropna()
+        frame.loc[rid, [f"rel{SD}", f"rel{RUNS}"]] = [rel.std() if len(rel) > 1 else np.nan, len(rel)]
 
 
 def rel_counts(scores: pd.DataFrame, baseline_id: str | None) -> pd.Series:
@@ -202,7 +231,8 @@ def _display_series(table: ScoreTable, rows: pd.DataFrame, col: str) -> pd.Serie
 
 
 def score_table_csv(table: ScoreTable) -> pd.DataFrame:
-    """The score table in the paper's units (MME points, percent), unrounded, with the run ids."""
+    """The score table in the paper's units (MME points, percent), unrounded, with the run ids (a row that is the mean
+    of repeated runs: its first run's id, and each column's sd over the runs and their count)."""
     out = table.frame[["method", "budget", "variant", "label"]].copy()
     for col in table.columns:
         out[col.label] = table.frame[col.task] * col.scale
@@ -211,7 +241,12 @@ def score_table_csv(table: ScoreTable) -> pd.DataFrame:
                 out[f"{col.label} {name}"] = table.frame[f"{col.task}{suffix}"] * col.scale
         if f"{col.task}{FAILED}" in table.frame:
             out[f"{col.label} failed samples"] = table.frame[f"{col.task}{FAILED}"]
+        if f"{col.task}{RUNS}" in table.frame:
+            out[f"{col.label} sd over runs"] = table.frame[f"{col.task}{SD}"] * col.scale
+            out[f"{col.label} runs"] = table.frame[f"{col.task}{RUNS}"]
     out["Rel. (%)"] = table.frame["rel"]
+    if f"rel{RUNS}" in table.frame:
+        out["Rel. sd over runs"], out["Rel. runs"] = table.frame[f"rel{SD}"], table.frame[f"rel{RUNS}"]
     if REL_OF in table.frame and table.frame[REL_OF].notna().any():
         out["Rel. over benchmarks"] = table.frame[REL_OF]  # set where fewer than the table's
     out.index.name = "run_id"
@@ -234,12 +269,12 @@ def score_table_markdown(table: ScoreTable, full_tokens: float | None = None,
             low, high = row.get(f"{col.task}{CI_LOW}"), row.get(f"{col.task}{CI_HIGH}")
             if low is not None and high is not None and not _isnan(low) and not _isnan(high):
                 cell += f" ({low * col.scale:.{col.decimals}f}–{high * col.scale:.{col.decimals}f})"
-            cell += failed_note(row.get(f"{col.task}{FAILED}"))
+            cell += spread_note(row, col.task, col.scale, col.decimals) + failed_note(row.get(f"{col.task}{FAILED}"))
             cells.append(cell)
         rel_of = row.get(REL_OF)
         over = "" if rel_of is None or _isnan(rel_of) or _isnan(float(row["rel"])) else \
             f" (over {int(rel_of)} of {len(table.columns)} benchmarks)"
-        cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%") + over)
+        cells.append(_cell(row["rel"], 1, (rid, "rel") in best, suffix="%") + spread_note(row, "rel", 1.0, 1) + over)
         rows.append(cells)
         paper = _paper_row(table, rid, comparison, decimals)
         if paper:
@@ -272,6 +307,17 @@ def _tokens_cell(row: pd.Series, full_tokens: float | None) -> str:
     if row["method"] == BASELINE_METHOD:
         return f"all ({full_tokens:.0f})" if full_tokens and not _isnan(full_tokens) else "all"
     return "" if _isnan(row["budget"]) else f"{row['budget']:.0f}"
+
+
+def spread_note(row: pd.Series, key: str, scale: float, decimals: int) -> str:
+    """" ± 1.4, n=2" after the mean of a configuration's repeated runs (``key``: a task or ``rel``): their standard
+    deviation in the cell's unit and their count (only the count where one run has the number)."""
+    n = row.get(f"{key}{RUNS}")
+    if n is None or _isnan(float(n)) or int(n) == 0:
+        return ""
+    sd = row.get(f"{key}{SD}")
+    spread = "" if sd is None or _isnan(float(sd)) else f" ± {sd * scale:.{decimals}f},"
+    return f"{spread} n={int(n)}" if spread else f", n={int(n)}"
 
 
 def failed_note(count) -> str:

@@ -588,3 +588,36 @@ def test_one_units_mean_is_in_the_papers_units_and_rel_is_titled_as_the_paper_de
     (ax,) = made["tradeoff.png"].axes
     assert ax.get_title() == "Rel. (mean over benchmarks of score / unpruned score) against the token budget"
     assert _lines(ax)["PromPrune"] == pytest.approx([265 / 3, 95.0])  # the tables' Rel., hand-worked above
+
+
+def test_repeated_runs_are_one_row_their_mean_with_sd_and_count(store, tmp_path, monkeypatch):
+    """`tune.num_samples: 2` on a grid runs every configuration twice (param `repeat`): one row per configuration,
+    the mean of its runs ± their sd, n=2, Rel. against the mean baseline, one line point per budget. By hand
+    (POPE, GQA): baseline (.80, .60), (.82, .60) -> mean (.81, .60), POPE sd = 2 / sqrt 2 = 1.4 points; DivPrune@16
+    (.70, .50), (.74, .52) -> (72.0, 51.0), sd 2.8 and 1.4, Rel. (.72 / .81 + .51 / .60) / 2 = 86.9 %, its runs' Rel.
+    against the mean baseline 84.88 and 89.01: sd 2.9; PromPrune@16 twice (.76, .55): 92.7 %, sd 0."""
+    client, exp = store
+
+    def run(method, budget, pope, gqa, r):
+        tid = ("baseline" if method == "none" else f"{method}-b{budget}") + (f"-r{r}" if r else "")
+        return trial(method, budget, {"pope/pope_f1_score": pope, "gqa/exact_match": gqa}, options={"repeat": r},
+                     tid=tid)
+    log_sweep(client, exp, "repeats", [
+        run("none", None, 0.80, 0.60, 0), run("none", None, 0.82, 0.60, 1),
+        run("divprune", 16, 0.70, 0.50, 0), run("divprune", 16, 0.74, 0.52, 1),
+        run("promprune", 16, 0.76, 0.55, 0), run("promprune", 16, 0.76, 0.55, 1),
+        run("divprune", 8, 0.60, 0.40, 0), run("divprune", 8, 0.64, 0.40, 1),
+        run("promprune", 8, 0.66, 0.45, 0), run("promprune", 8, 0.70, 0.47, 1)], tasks=["pope", "gqa"], tmp=tmp_path)
+    made = _figures_made(monkeypatch)
+    md = build_report(load_sweep("repeats"), tmp_path / "out", image_source=grey_image).markdown
+    rows = [line for line in md.split("## Scores", 1)[1].split("\n## ", 1)[0].splitlines() if line.startswith("| ")]
+    assert rows[1] == "| Upper bound | all | 81.0 ± 1.4, n=2 | 60.0 ± 0.0, n=2 | 100.0% ± 0.9, n=2 |"
+    assert rows[2] == "| DivPrune | 16 | 72.0 ± 2.8, n=2 | 51.0 ± 1.4, n=2 | 86.9% ± 2.9, n=2 |"
+    assert rows[3] == ("| PromPrune | 16 | **76.0** ± 0.0, n=2 | **55.0** ± 0.0, n=2 | **92.7%** ± 0.0, n=2 |")
+    assert len(rows) == 6  # the header and five configurations
+    assert "± sd, n: a configuration the sweep ran n times" in md and "- model: `tiny:llava`; trials: 10;" in md
+    (ax,) = made["tradeoff.png"].axes
+    assert _lines(ax)["PromPrune"] == pytest.approx([(0.68 / 0.81 + 0.46 / 0.60) * 50,  # one point per budget
+                                                     (0.76 / 0.81 + 0.55 / 0.60) * 50])
+    csv = pd.read_csv(tmp_path / "out" / "scores.csv").set_index("label")
+    assert csv.loc["DivPrune", "POPE runs"].tolist() == [2, 2] and csv.loc["Upper bound", "Rel. (%)"] == 100.0
