@@ -2,7 +2,9 @@
 
 The pipeline logs every lmms-eval metric as `<task>/<metric>`. A paper table shows one number per benchmark,
 in the paper's unit: MME as its perception score (points, up to 2000), the rest in percent. Rel. divides by
-the unpruned model's number, so the unit cancels there.
+the unpruned model's number, so the unit cancels there. Every task this project ships has its entry (label, scale,
+decimals) in `_DISPLAY`, where its scale is read off lmms-eval's aggregation (MMBench, MM-Vet and MVBench already
+report percent); a task of one's own falls back to `column_for`'s rule.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from promprune.eval.scoring import CI_SUFFIXES  # how scoring names a metric's bootstrap bounds
+from promprune.eval.scoring import CI_SUFFIXES, is_count  # how scoring names a metric's bounds, its counts
 from promprune.eval.tasks import PRIMARY_METRICS
 
 
@@ -49,26 +51,42 @@ _DISPLAY = {
     "testbed_exist_spread": ("Exist (9-12 obj.)", 100.0, 1),
     "testbed_count_concentrated": ("Count (1-3 obj.)", 100.0, 1),
     "testbed_count_spread": ("Count (9-12 obj.)", 100.0, 1),
+    # held-out benchmarks (sweeps/mu_calibration_grid.yaml): lmms-eval's exact match, a fraction
+    "ok_vqa_val2014": ("OK-VQA", 100.0, 1),
+    "realworldqa": ("RealWorldQA", 100.0, 1),
+    # video: lmms-eval's MVBench aggregation (mvbench_aggregate_results), on its tasks and the offline stand-in,
+    # already in %
+    "testbed_video_direction": ("Direction (video)", 1.0, 1),
+    "mvbench_moving_direction": ("MVBench moving direction", 1.0, 1),
+    "mvbench_action_sequence": ("MVBench action sequence", 1.0, 1),
+    "mvbench_object_interaction": ("MVBench object interaction", 1.0, 1),
 }
 KNOWN_COLUMNS = {task: TaskColumn(task, label, PRIMARY_METRICS[task], scale=shown[0], decimals=shown[1],
                                   unit=(shown[2:] or ("%",))[0])
                  for task, (label, *shown) in _DISPLAY.items()}
 
-# for a task we do not know: the first of these that was logged (accuracy-like first), in percent
-FALLBACK_METRICS = ("accuracy", "exact_match", "f1", "anls", "relaxed_overall", "gpt_eval_score")
+# for a task we do not know: the first of these that was logged (accuracy-like first), with its scale: lmms-eval's
+# shared metrics of these names are means of 0/1 (fractions, shown in percent); gpt_eval_score's unit is each task's
+# own (MMBench and MM-Vet percent, others a 0-5 or 0-10 rating), shown as logged
+FALLBACK_METRICS = (("accuracy", 100.0), ("exact_match", 100.0), ("f1", 100.0), ("anls", 100.0),
+                    ("relaxed_overall", 100.0), ("gpt_eval_score", 1.0))
 
 
 def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
-    """The column of `task`; `logged_metrics` are the metric names seen for it (without the `task/` prefix)."""
+    """The column of `task`; `logged_metrics` are the metric names seen for it (without the `task/` prefix). A task
+    without a `_DISPLAY` entry (every task this project ships has one) is shown by `FALLBACK_METRICS`, else by the
+    first of its logged metrics (not a count or a bound) as logged: its unit is not known here, and a wrong scale
+    would print a number x100 off (Rel. is a ratio, the same either way)."""
     known = KNOWN_COLUMNS.get(task)
     if known is not None:
         return known
-    for name in FALLBACK_METRICS:
+    for name, scale in FALLBACK_METRICS:
         if name in logged_metrics:
-            return TaskColumn(task, task, (name,))
-    if not logged_metrics:
+            return TaskColumn(task, task, (name,), scale=scale)
+    metrics = sorted(m for m in logged_metrics if not is_count(m))
+    if not metrics:
         raise ValueError(f"task {task!r}: no metric `{task}/...` was logged by any trial of this sweep")
-    return TaskColumn(task, task, (min(logged_metrics),))
+    return TaskColumn(task, task, (metrics[0],), scale=1.0)
 
 
 def task_interval(metrics: pd.DataFrame, column: TaskColumn) -> tuple[pd.Series, pd.Series] | None:
