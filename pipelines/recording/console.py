@@ -240,7 +240,7 @@ def best_trial(spec: specs.SweepSpec, records: dict) -> dict | None:
         try:
             boot = paired.bootstrap([tid], search.BASELINE_ID, lambda t: paired.rows_from(rows[t]),
                                     iters=spec.bootstrap or paired.ITERS)
-        except ValueError:  # the best trial ran on other documents than the baseline
+        except ValueError:  # the best trial ran on other documents than the baseline, or Rel. is undefined
             boot = None
         if boot is not None:
             _, best["low"], best["high"] = (float(x) for x in boot.rel(tid))

@@ -81,7 +81,7 @@ class SweepResults:
         return total
 
     def _add_rel(self, rec: dict) -> bool:
-        """Rel. vs the baseline; undefined (not logged, said once) when a baseline score is 0."""
+        """Rel. vs the baseline; undefined (not logged, said once) when a baseline score is 0 or a score NaN."""
         if self.baseline_scores is None:
             return False
         value = rel(rec["scores"], self.baseline_scores, self._rel_undefined)

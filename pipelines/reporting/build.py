@@ -246,7 +246,8 @@ def _best_with_interval(sweep: Sweep, points: pd.DataFrame, preds) -> tuple[str 
     try:
         boot = paired.bootstrap([best], sweep.baseline_id, lambda rid: paired.rows_from(preds.get(rid)),
                                 iters=_resamples(sweep))
-    except ValueError:  # the best trial ran on other documents than the baseline (a subset of the tasks)
+    except ValueError:  # the best trial ran on other documents than the baseline (a subset of the tasks), or a
+        # baseline score of 0 makes Rel. undefined
         return best, None
     return best, None if boot is None else tuple(100 * x for x in boot.rel(best))
 

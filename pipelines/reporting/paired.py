@@ -63,7 +63,7 @@ def best_per_method(frame: pd.DataFrame) -> dict[float, dict[str, str]]:
 def bootstrap(trial_ids: list[str], baseline_id: str, rows_of: RowsOf, iters: int = ITERS, seed: int = SEED):
     """The `PairedBootstrap` of ``trial_ids`` and the baseline (each trial's items from lmms-eval, once); None when
     a trial's predictions are missing or its tasks' data cannot be loaded here (a hub task offline). Trials on
-    other documents than the baseline's are a ValueError."""
+    other documents than the baseline's, or a task whose baseline score is 0, are a ValueError."""
     from promprune.eval.scoring import PairedBootstrap, sample_items
     from promprune.eval.tasks import TaskUnavailableError
 
@@ -90,7 +90,7 @@ def differences(frame: pd.DataFrame, baseline_id: str, rows_of: RowsOf, iters: i
     for budget, best in sorted(best_per_method(frame).items(), key=lambda kv: -kv[0]):
         try:
             boot = bootstrap(list(best.values()), baseline_id, rows_of, iters, seed)
-        except ValueError:  # trials on different documents (a subset of the tasks): no pairing
+        except ValueError:  # trials on different documents (a subset of the tasks): no pairing; or Rel. undefined
             continue
         if boot is None:
             continue

@@ -192,13 +192,18 @@ def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: p
 
     scores: [trials x tasks] raw scores. Without a baseline trial in the sweep, the pipeline's logged `rel` (a
     fraction, see `pipelines.mlflow_layout`).
-    Benchmarks the baseline or the trial lacks are left out of that trial's average.
+    Benchmarks the baseline or the trial lacks (or where the baseline scored 0) are left out of that trial's
+    average, and `rel_counts` says so beside it.
     """
     if baseline_id is not None and not scores.empty:
-        from promprune.eval.scoring import mean_ratio
+        from promprune.eval.scoring import mean_ratio, ratio_tasks
 
         base = scores.loc[baseline_id].to_dict()
-        rel = scores.apply(lambda row: mean_ratio(row.to_dict(), base), axis=1)
+
+        def defined(row: pd.Series) -> dict:  # the row's benchmarks with a defined ratio (`rel_counts` says how many)
+            return {t: row[t] for t in ratio_tasks(row.to_dict(), base)}
+
+        rel = scores.apply(lambda row: mean_ratio(defined(row), base), axis=1)
         return mlflow_layout.rel_percent(rel)
     if logged_rel is None:
         return pd.Series(np.nan, index=scores.index)

@@ -84,7 +84,7 @@ def score_table(predictions: pa.Table, score_fn: Callable | None = None, *, part
 
 def rel(scores: dict, baseline: dict, on_undefined: Callable[[ValueError], None] | None = None) -> float:
     """The paper's Rel. of ``scores`` against the unpruned ``baseline`` (`promprune.eval.relative_score`, a fraction);
-    NaN where it is undefined (a baseline score of 0), after telling ``on_undefined`` why."""
+    NaN where it is undefined (a baseline score of 0, a task's score NaN), after telling ``on_undefined`` why."""
     from promprune.eval import relative_score
 
     try:

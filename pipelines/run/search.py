@@ -320,7 +320,7 @@ class Objective:
             return float(scores.get(task, {}).get(name, math.nan))
         from pipelines.run.result import rel
 
-        return rel(scores, self.baseline[at])  # NaN: a baseline score of 0 on these samples
+        return rel(scores, self.baseline[at])  # NaN: a baseline score of 0 or NaN on these samples
 
 
 def baseline_scores(keys: list[str], rungs: list[int], predictions) -> dict[int, dict]:

@@ -19,8 +19,10 @@ Two things lmms-eval's own loop would turn into a lost trial or a silent number 
 
 - a spreadsheet writer (MMBench's xlsx submission) refusing an answer's control character: the answers the writer
   cannot hold are cleaned of those characters, the task is scored again, and ``n_cleaned`` counts them;
-- an LLM judge (MM-Vet) that gave no grade: lmms-eval records 0.0; here the sample counts as failed
-  (``n_judge_failed``, included in ``n_failed``) and the task's metrics are aggregated over the graded samples only.
+- an LLM judge (MM-Vet) that gave no grade: lmms-eval records 0.0 (no reply, or its loop giving up on replies it
+  cannot read) or asks forever (a number outside [0, 1]); here the judge is asked at most `JUDGE_CALLS` times per
+  answer, the sample counts as failed (``n_judge_failed``, included in ``n_failed``) and the task's metrics are
+  aggregated over the graded samples only.
 
 Three mistakes in a task's own scoring end its scoring with a `ScoringError` naming the task and the cause, where
 lmms-eval's loop would hide them (or end in a long traceback through its own code):
@@ -91,12 +93,14 @@ def _watched(task, name: str):
     method = type(task).process_results
     user = getattr(task.config, "process_results", None)
     once = method if _lmms_eval_code(user) else getattr(method, "__wrapped__", method)  # tenacity keeps the function
+    judge = _JudgeWatch.of(name, user)
     returned: set[str] = set()
     nans: collections.Counter = collections.Counter()
 
     def process_results(doc, results, **kwargs):
         try:
-            out = once(task, doc, results, **kwargs)
+            out = once(task, doc, results, **kwargs) if judge is None else judge.grade(once, task, doc, results,
+                                                                                     **kwargs)
         except Exception as exc:  # noqa: BLE001 - the task's code: any error is named, with where it was raised
             if isinstance(exc, tenacity.RetryError) and exc.last_attempt.failed:
                 exc = exc.last_attempt.exception()
@@ -112,10 +116,75 @@ def _watched(task, name: str):
     task.process_results = process_results  # the instance's: lmms-eval calls task.process_results(doc, results)
     task.aggregation = lambda: aggregations  # and task.aggregation()[metric](items)
     try:
-        yield returned, nans
+        with judge or contextlib.nullcontext():
+            yield returned, nans
     finally:
         del task.process_results, task.aggregation
         task.__dict__.update(own)
+
+
+JUDGE_CALLS = 8  # judge calls per answer: as many as lmms-eval's MM-Vet makes before it gives up on unparsable replies
+
+
+class _JudgeWatch:
+    """An LLM-judged task's judge while it scores (lmms-eval's MM-Vet: ``get_chat_response`` in its utils, looked
+    up when its ``process_results`` runs): each document's replies seen, and at most `JUDGE_CALLS` calls per
+    document. lmms-eval's grading loop asks again, without end, while the judge replies with a number outside
+    [0, 1], and after 8 unparsable replies records 0.0 with the judge's model named: neither is a grade. Past the
+    bound the judge "gives no answer" ("", as a silent judge: lmms-eval records 0.0 and no ``eval_model``), and a
+    document whose judge gave no grade gets its record's ``eval_model`` emptied, so `_judge_failures` counts it
+    failed, not as 0."""
+
+    def __init__(self, grade: str, module: dict, ask):
+        import threading
+
+        self.metric, self.module, self.ask = grade, module, ask
+        self.local = threading.local()  # this document's replies: (text, temperature)
+
+    @classmethod
+    def of(cls, name: str, user) -> "_JudgeWatch | None":
+        """The watch of task ``name`` (``user``: its process_results), None for a task no judge grades."""
+        module = getattr(user, "__globals__", None)
+        grade = JUDGE_GRADES.get(name)
+        if grade is None or module is None or not callable(module.get("get_chat_response")):
+            return None
+        return cls(grade, module, module["get_chat_response"])
+
+    def __enter__(self):
+        self.module["get_chat_response"] = self._bounded
+        return self
+
+    def __exit__(self, *exc):
+        self.module["get_chat_response"] = self.ask
+
+    def _bounded(self, prompt, *args, **kwargs):
+        replies = self.local.replies
+        if len(replies) >= JUDGE_CALLS:
+            return "", ""  # lmms-eval's "the judge gave no answer": its loop ends
+        content, model = self.ask(prompt, *args, **kwargs)
+        replies.append((content, kwargs.get("temperature", args[1] if len(args) > 1 else 0.0)))
+        return content, model
+
+    def grade(self, process_results, *args, **kwargs):
+        """``process_results(*args, **kwargs)``, its grade record's ``eval_model`` emptied when the judge's last
+        reply was no grade lmms-eval takes: its loop ends on a grade it parsed (the reply's first word, a number in
+        [0, 1]), on an empty reply, or, giving up, right after a reply asked for at temperature 2."""
+        self.local.replies = []
+        out = process_results(*args, **kwargs)
+        record = out.get(self.metric) if isinstance(out, dict) else None
+        last = self.local.replies[-1] if self.local.replies else ("", 0.0)
+        if isinstance(record, dict) and record.get("eval_model") and (_judge_grade(last[0]) is None or last[1] >= 2):
+            out = {**out, self.metric: {**record, "eval_model": ""}}
+        return out
+
+
+def _judge_grade(reply: str) -> float | None:
+    """The grade in an MM-Vet judge's reply as lmms-eval's loop reads it (its first word, a number in [0, 1])."""
+    try:
+        grade = float(reply.split(" ")[0].strip())
+    except ValueError:
+        return None
+    return grade if 0.0 <= grade <= 1.0 else None
 
 
 def _is_nan(value: Any) -> bool:
@@ -342,17 +411,18 @@ def aggregate_is_mean(fn) -> bool:
     return fn is mean
 
 
-def _intervals(task, samples: list[dict], metrics: dict[str, float], iters: int) -> dict[str, float]:
-    """``<metric>_ci_low`` / ``_ci_high`` for every primary metric of the task (``primary_metrics``), resampling the
-    documents that carry it (MME: perception documents only), and for paired tasks whole question pairs."""
+def _intervals(task, samples: list[dict], metrics: dict[str, float], iters: int,
+               include_path: str | list[str] | None = None) -> dict[str, float]:
+    """``<metric>_ci_low`` / ``_ci_high`` for every primary metric of the task (``primary_metrics``; a task of one's
+    own found on ``include_path``), resampling the documents that carry it (MME: perception documents only), and for
+    tasks scored by groups whole groups (`_grouping`: MME's question pairs, MMBench's circular copies)."""
     out = {}
     aggregations = task.aggregation()
-    name = task.config.task
-    for metric in primary_metrics(name):
+    grouping = _grouping(task)
+    for metric in primary_metrics(task.config.task, include_path):
         items = [s[metric] for s in samples if metric in s]
         if metric not in aggregations or metric not in metrics or not items:
             continue
-        grouping = _grouping(name)
         if grouping:
             low, high = _grouped_bootstrap(items, aggregations[metric], iters, *grouping,
                                            args=getattr(task, "args", None))
@@ -389,20 +459,33 @@ def _grouped_bootstrap(records: list[dict], aggregate, iters: int, group_of, rel
 
 
 _CIRCULAR = 1_000_000  # MMBench: the circular copies of question i have index i + c * 1e6
-# task (or family prefix) -> (group of a record, relabel a record for its k-th draw, stratum of a record)
+# (group of a record, relabel a record for its k-th draw, stratum of a record)
+_MME_GROUPS = (  # MME: the two questions about one image (shared question_id), within each subtask (its score sums
+    lambda r: r["question_id"], lambda r, k: {**r, "question_id": f"{r['question_id']}#{k}"},  # subtasks)
+    lambda r: r["category"])
+_MMBENCH_GROUPS = (  # MMBench: a question with its circular copies (scored together), one stratum
+    lambda r: int(r["index"]) % _CIRCULAR, lambda r, k: {**r, "index": k + int(r["index"]) // _CIRCULAR * _CIRCULAR},
+    lambda r: 0)
+# lmms-eval's process_results (its file under lmms_eval/tasks, its name) whose records a task scores by groups: the
+# record shapes the functions above read. By the function, not the task's name: lmms-eval's mme_cc, mme_sci or
+# mme_cot_* (other records) and a task of one's own named mme_* are scored document by document; a copy of MME's
+# or MMBench's YAML under another name (its process_results lmms-eval's) is grouped
 _GROUPED = {
-    # MME: the two questions about one image (shared question_id), within each subtask (its score sums subtasks)
-    "mme": (lambda r: r["question_id"], lambda r, k: {**r, "question_id": f"{r['question_id']}#{k}"},
-            lambda r: r["category"]),
-    # MMBench: a question with its circular copies (scored together), one stratum
-    "mmbench": (lambda r: int(r["index"]) % _CIRCULAR,
-                lambda r, k: {**r, "index": k + int(r["index"]) // _CIRCULAR * _CIRCULAR}, lambda r: 0),
+    ("mme/utils.py", "mme_process_results"): _MME_GROUPS,
+    **{(f"mmbench/{lang}_utils.py", "mmbench_process_results"): _MMBENCH_GROUPS for lang in ("en", "cn", "ru", "ko")},
 }
 
 
-def _grouping(name: str):
-    """``_GROUPED``'s entry of task ``name`` (by its name or its family prefix: ``mmbench_en_dev_static``), or None."""
-    return _GROUPED.get(name) or _GROUPED.get(name.split("_")[0])
+def _grouping(task):
+    """``_GROUPED``'s entry of ``task`` (a loaded lmms-eval task) by its ``process_results``, or None."""
+    import lmms_eval
+
+    fn = getattr(task.config, "process_results", None)
+    if not _lmms_eval_code(fn):
+        return None
+    tasks_dir = os.path.join(os.path.dirname(os.path.abspath(lmms_eval.__file__)), "tasks")
+    where = os.path.relpath(os.path.abspath(fn.__code__.co_filename), tasks_dir).replace(os.sep, "/")
+    return _GROUPED.get((where, fn.__code__.co_name))
 
 
 def _run_lmms_eval(task, name: str, answers: dict, limit: int | None, output_dir: str,
@@ -452,30 +535,40 @@ def _evaluate_answers(task, name: str, answers: dict, limit, output_dir: str,
 
 def _judge_failures(name: str, samples: list[dict]) -> set[int]:
     """doc_ids whose LLM-judge grade is missing: lmms-eval's MM-Vet records score 0.0 with no ``eval_model`` when
-    its judge never answered."""
+    its judge never answered (and `_JudgeWatch` empties it where the judge gave no grade)."""
     grade = JUDGE_GRADES.get(name)
     if grade is None:
         return set()
     return {int(s["doc_id"]) for s in samples if isinstance(s.get(grade), dict) and not s[grade].get("eval_model")}
 
 
+def _kept(task, samples: list[dict], skip: set[int]) -> list[dict]:
+    """The samples not in ``skip``; for a task scored by groups of documents (`_grouping`: MME's question pairs,
+    MMBench's circular copies), less every group with a skipped member: its aggregation scores whole groups only
+    (MME's asserts pairs)."""
+    kept = [s for s in samples if int(s["doc_id"]) not in skip]
+    grouping = _grouping(task)
+    if grouping is None:
+        return kept
+    group_of, _, stratum_of = grouping
+    metrics = list(task.aggregation())
+
+    def groups(sample: dict) -> set:
+        return {(m, stratum_of(sample[m]), group_of(sample[m])) for m in metrics if m in sample}
+
+    broken = set().union(*(groups(s) for s in samples if int(s["doc_id"]) in skip))
+    return [s for s in kept if not groups(s) & broken]
+
+
 def _aggregate_without(task, samples: list[dict], skip: set[int], metrics: dict[str, float]) -> dict[str, float]:
-    """The task's metrics aggregated again over the samples not in ``skip`` that carry each (MME: a perception or a
-    cognition score per document), NaN when none is left. A task scored by groups of documents (`_grouping`: MME's
-    question pairs, MMBench's circular copies) loses every group with a skipped member: its aggregation scores
-    whole groups only (MME's asserts pairs)."""
-    grouping = _grouping(task.config.task)
+    """The task's metrics aggregated again over the samples `_kept` without ``skip`` that carry each (MME: a
+    perception or a cognition score per document), NaN when none is left."""
+    kept = _kept(task, samples, skip)
     out = dict(metrics)
     for metric, aggregate in task.aggregation().items():
         if metric not in out:
             continue
-        carried = [(int(s["doc_id"]), s[metric]) for s in samples if metric in s]
-        if grouping is not None:
-            group_of, _, stratum_of = grouping
-            broken = {(stratum_of(v), group_of(v)) for d, v in carried if d in skip}
-            values = [v for d, v in carried if d not in skip and (stratum_of(v), group_of(v)) not in broken]
-        else:
-            values = [v for d, v in carried if d not in skip]
+        values = [s[metric] for s in kept if metric in s]
         out[metric] = float(aggregate_with(aggregate, values, getattr(task, "args", None))) if values \
             else float("nan")
     return out
@@ -498,15 +591,15 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
     samples = results.get("samples", {}).get(name, [])
     if absent:
         metrics = _aggregate_without(task, samples, absent, metrics)
-        samples = [s for s in samples if int(s["doc_id"]) not in absent]
+        samples = _kept(task, samples, absent)  # (the intervals resample what the point estimate aggregated)
     unjudged = _judge_failures(name, samples) - {d for d, r in rows.items() if failed(r)}
     if unjudged:
         log.warning("%s: the LLM judge gave no grade for %d sample(s); they count as failed, not as 0", name,
                     len(unjudged))
         metrics = _aggregate_without(task, samples, unjudged, metrics)
-        samples = [s for s in samples if int(s["doc_id"]) not in unjudged]
+        samples = _kept(task, samples, unjudged)
     if bootstrap and samples:
-        metrics.update(_intervals(task, samples, metrics, bootstrap))
+        metrics.update(_intervals(task, samples, metrics, bootstrap, include_path))
     metrics["n_samples"] = len(rows)
     metrics["n_failed"] = sum(failed(r) for r in rows.values()) + len(unjudged)
     if judged:
@@ -557,11 +650,12 @@ def score(
                 for name, rows in by_task.items()}
 
 
-def primary_score(task: str, metrics: dict[str, float], primary: dict | None = None) -> float:
+def primary_score(task: str, metrics: dict[str, float], primary: dict | None = None, *,
+                  include_path: str | list[str] | None = None) -> float:
     """The number a paper table shows for ``task``: the sum of its primary metrics (``primary``, else
     ``promprune.eval.tasks.primary_metrics``: one metric for every paper task, MME its perception score; a task of
-    one's own, the first metric of its ``metric_list``)."""
-    names = primary.get(task) if primary else (primary_metrics(task) or None)
+    one's own, the first metric of its ``metric_list``, found on ``include_path`` as `score` found it)."""
+    names = primary.get(task) if primary else (primary_metrics(task, include_path) or None)
     if names is None:
         raise ValueError(f"no primary metric known for task {task!r}; pass primary={{{task!r}: (metric,)}}")
     names = (names,) if isinstance(names, str) else tuple(names)
@@ -572,20 +666,29 @@ def primary_score(task: str, metrics: dict[str, float], primary: dict | None = N
 
 
 def relative_score(
-    scores: dict[str, dict[str, float]], baseline_scores: dict[str, dict[str, float]], *, primary: dict | None = None
+    scores: dict[str, dict[str, float]], baseline_scores: dict[str, dict[str, float]], *, primary: dict | None = None,
+    include_path: str | list[str] | None = None,
 ) -> float:
     """Rel. as the paper computes it: per task, primary score / the unpruned baseline's, averaged over tasks.
 
     Returns a fraction (1.0 = the baseline's accuracy; the paper prints it x100 as a percentage). Every task in
-    ``scores`` must be in ``baseline_scores``. ``primary`` overrides ``primary_metrics`` ({task: (metric, ...)}).
+    ``scores`` must be in ``baseline_scores``; a ValueError names a task whose ratio is undefined (a primary score
+    NaN on either side, e.g. a partial MME score before any whole question pair, or the baseline's 0) instead of
+    averaging over the others. ``primary`` overrides ``primary_metrics`` ({task: (metric, ...)}); ``include_path``:
+    where a task of one's own is found (as `score` took it).
     """
     if not scores:
         raise ValueError("scores is empty")
     missing = sorted(set(scores) - set(baseline_scores))
     if missing:
         raise ValueError(f"baseline_scores lacks task(s) {missing}")
-    ours = {task: primary_score(task, metrics, primary) for task, metrics in scores.items()}
-    base = {task: primary_score(task, baseline_scores[task], primary) for task in scores}
+    ours = {task: primary_score(task, metrics, primary, include_path=include_path) for task, metrics in scores.items()}
+    base = {task: primary_score(task, baseline_scores[task], primary, include_path=include_path) for task in scores}
+    for task in scores:
+        for whose, value in (("the scores'", ours[task]), ("the baseline's", base[task])):
+            if value != value:
+                raise ValueError(f"task {task!r}: {whose} primary score is NaN (no document it could aggregate), Rel. "
+                                 "is undefined")
     zero = [task for task, value in base.items() if value == 0]
     if zero:
         raise ValueError(f"task {zero[0]!r}: the baseline's primary score is 0, Rel. is undefined")
@@ -593,15 +696,18 @@ def relative_score(
 
 
 def mean_ratio(ours: dict[str, float], base: dict[str, float]) -> float:
-    """The mean over tasks of ``ours[task] / base[task]``, over the tasks where that ratio is defined (both scores
-    present and not NaN, the baseline's not 0); NaN when none is. The one rule of Rel.: ``relative_score`` checks
-    its inputs first and raises instead; the report's tables leave undefined tasks out of a row's average."""
-    ratios = [ours[t] / base[t] for t in ratio_tasks(ours, base)]
-    return sum(ratios) / len(ratios) if ratios else float("nan")
+    """The mean over the tasks of ``ours`` of ``ours[task] / base[task]``; NaN when any of these ratios is undefined
+    (`ratio_tasks`: a score absent or NaN, the baseline's 0) or ``ours`` is empty: a task is never left out of the
+    average silently. The one rule of Rel.: ``relative_score`` checks its inputs first and raises instead; the
+    report's tables average a row over its `ratio_tasks` explicitly and say how many (``rel_counts``)."""
+    if not ours or len(ratio_tasks(ours, base)) < len(ours):
+        return float("nan")
+    return sum(ours[t] / base[t] for t in ours) / len(ours)
 
 
 def ratio_tasks(ours: dict[str, float], base: dict[str, float]) -> list[str]:
-    """The tasks :func:`mean_ratio` averages over: both scores present and not NaN, the baseline's not 0."""
+    """The tasks of ``ours`` whose ratio to ``base`` is defined: both scores present and not NaN, the baseline's not
+    0 (:func:`mean_ratio` is NaN unless every task of ``ours`` is among them)."""
     return [t for t in ours if t in base and base[t] == base[t] and ours[t] == ours[t] and base[t] != 0]
 
 
@@ -613,9 +719,10 @@ class TaskItems:
     """One task's per-document items (what lmms-eval's ``process_results`` produced) for its primary metrics, with
     the task's own aggregations: what a paired bootstrap resamples. Built by `sample_items`."""
 
-    def __init__(self, name: str, items: dict[str, dict[int, Any]], aggregations: dict, args=None):
+    def __init__(self, name: str, items: dict[str, dict[int, Any]], aggregations: dict, args=None, grouping=None):
+        """``grouping``: the task's `_grouping` (None: each document scored alone)."""
         self.name, self.items, self.aggregations, self.args = name, items, aggregations, args
-        self.grouping = _grouping(name)
+        self.grouping = grouping
 
     @property
     def doc_ids(self) -> list[int]:
@@ -633,9 +740,20 @@ class TaskItems:
             strata.setdefault(stratum_of(record), {}).setdefault(group_of(record), []).append(doc)
         return [list(groups.values()) for groups in strata.values()]
 
+    def draw(self, picks: list, units: list | None = None) -> list[tuple[int, int]]:
+        """The documents of the units ``picks[i]`` (indices into stratum i's `units`; ``units``: those, when already
+        at hand) as `score` takes them: each ``(doc id, k)``, k numbering the units drawn (a group drawn twice enters
+        as two groups; every unit drawn once, as the task's own groups)."""
+        drawn, k = [], 0
+        for stratum, chosen in zip(self.units() if units is None else units, picks):
+            for i in chosen:
+                drawn += [(d, k) for d in stratum[i]]
+                k += 1
+        return drawn
+
     def score(self, drawn: list[tuple[int, int]]) -> float:
-        """The task's primary score (the sum of its primary metrics, as `primary_score`) over the drawn documents:
-        ``(doc id, k)``, k numbering the draws of grouped tasks (a group drawn twice enters as two groups)."""
+        """The task's primary score (the sum of its primary metrics, as `primary_score`) over the drawn documents
+        (`draw`): ``(doc id, k)``, k numbering the units drawn, by which a grouped task's records are relabelled."""
         total = 0.0
         for metric, by_doc in self.items.items():
             if self.grouping is None:
@@ -667,7 +785,7 @@ def sample_items(predictions: list[dict], *, include_path: str | list[str] | Non
             items = {m: {int(s["doc_id"]): s[m] for s in samples if m in s}
                      for m in primary_metrics(name, include_path) if m in aggregations}
             out[name] = TaskItems(name, {m: v for m, v in items.items() if v}, aggregations,
-                                  getattr(task, "args", None))
+                                  getattr(task, "args", None), _grouping(task))
     return out
 
 
@@ -676,7 +794,9 @@ class PairedBootstrap:
     for MME and MMBench, within their strata) with replacement, once, and every trial and the baseline are scored
     on that same draw. So a difference between two trials is resampled as a difference (paired): documents both
     answer alike cancel, and the interval says whether a gap is noise. Rel. per resample is `mean_ratio` of each
-    task's primary score over the baseline's.
+    task's primary score over the baseline's (NaN on a resample where a ratio is undefined, e.g. the baseline's F1
+    0 on a draw without a "yes" question; the percentiles leave such resamples out). On all the documents it is
+    `relative_score` of the same predictions; a task whose baseline score is 0 or NaN there is a ValueError.
 
     ``items``: {trial: `sample_items`(its predictions)}, every trial on the same documents; ``baseline``: the key of
     the unpruned trial. `rel` / `difference` give (point, low, high) as fractions of the baseline (x100: points)."""
@@ -695,17 +815,21 @@ class PairedBootstrap:
                                      "paired bootstrap needs the same documents")
         self.items, self.baseline, self.level, self.tasks = items, baseline, level, tasks
         rng = np.random.default_rng(seed)
-        full = {t: [(d, 0) for d in items[baseline][t].doc_ids] for t in tasks}
+        units = {t: items[baseline][t].units() for t in tasks}
+        sizes = {t: [len(stratum) for stratum in units[t]] for t in tasks}
+        # all the documents: every unit once, numbered as a resample numbers its draws (a grouped task's records are
+        # relabelled by that number: MMBench's index, so one number for all would make its questions one group)
+        full = {t: items[baseline][t].draw([range(n) for n in sizes[t]], units[t]) for t in tasks}
+        base = {t: items[baseline][t].score(full[t]) for t in tasks}
+        undefined = [t for t in tasks if t not in ratio_tasks(base, base)]
+        if undefined:  # as `relative_score`: Rel. over the other tasks would be another number than the sweep's
+            raise ValueError(f"task {undefined[0]!r}: the baseline's primary score on all the documents is "
+                             f"{base[undefined[0]]}, Rel. is undefined")
         self.point = self._rels(full)
         draws = {t: [] for t in tasks}
         for _ in range(iters):
             for t in tasks:
-                drawn, k = [], 0
-                for units in items[baseline][t].units():
-                    for i in rng.integers(0, len(units), size=len(units)):
-                        drawn += [(d, k) for d in units[i]]
-                        k += 1
-                draws[t].append(drawn)
+                draws[t].append(items[baseline][t].draw([rng.integers(0, n, size=n) for n in sizes[t]], units[t]))
         per_draw = [self._rels({t: draws[t][i] for t in tasks}) for i in range(iters)]
         self.samples = {trial: np.array([rels[trial] for rels in per_draw]) for trial in items}
 

@@ -86,7 +86,8 @@ PRIMARY_METRICS: dict[str, tuple[str, ...]] = {
 # picks the provider: openai -> OPENAI_API_KEY, azure -> AZURE_API_KEY)
 JUDGE_TASKS = ("mmvet",)
 # judge-scored task -> its per-document grade record (lmms-eval leaves ``eval_model`` empty when the judge never
-# answered and records 0.0: scoring counts such a sample as failed instead)
+# answered and records 0.0, and scoring empties it where the judge's replies held no grade: scoring counts such a
+# sample as failed instead)
 JUDGE_GRADES = {"mmvet": "gpt_eval_score"}
 # tasks whose aggregation needs both documents of each question pair (MME: the "+" accuracy of each image)
 PAIRED_TASKS = ("mme",)

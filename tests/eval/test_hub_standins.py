@@ -503,3 +503,83 @@ def test_prepare_to_a_reader_that_stops_reading_exits_quietly(unbuffered):
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 0 and "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+def test_the_paired_bootstrap_on_all_documents_is_rel_of_the_same_predictions():
+    """`PairedBootstrap`'s point (the report's paired differences, the best trial's Rel. with its interval) is
+    `relative_score` of the same predictions, MMBench included: on all the documents its circular groups are numbered
+    as a resample numbers them (all had one number: one group, the baseline's score 0, MMBench left out)."""
+    from promprune.eval.scoring import PairedBootstrap, relative_score, sample_items
+
+    base, pruned = [], []
+    for name in ("pope", "mmbench_en_dev_static"):
+        docs, rows = _replayed(name)
+        base += rows
+        wrong = {"yes": "no", "no": "yes"}.get(rows[0]["prediction"], "D" if rows[0]["prediction"] != "D" else "A")
+        pruned += [{**rows[0], "prediction": wrong}] + [dict(r) for r in rows[1:]]
+    scores, baseline = score(pruned), score(base)
+    items = {"base": sample_items(base), "pruned": sample_items(pruned)}
+    boot = PairedBootstrap(items, "base", 50)
+    assert boot.rel("pruned")[0] == pytest.approx(relative_score(scores, baseline))
+    mmbench = items["pruned"]["mmbench_en_dev_static"]
+    every = mmbench.draw([range(len(stratum)) for stratum in mmbench.units()])
+    assert mmbench.score(every) == pytest.approx(scores["mmbench_en_dev_static"]["gpt_eval_score"])
+    assert scores["mmbench_en_dev_static"]["gpt_eval_score"] < 100.0  # the wrong answer costs its circular group
+
+
+class StubJudge:
+    """MM-Vet's judge replaced where lmms-eval's utils call it (``get_chat_response``): ``reply`` for the answers
+    in ``odd`` (by their text in the prompt), a right grade ("1.0") for the rest. Counts the calls per answer, and
+    raises past ``limit`` calls for one answer (lmms-eval's loop asks forever for a number outside [0, 1])."""
+
+    def __init__(self, odd: set[str], reply: str, limit: int = 50):
+        self.odd, self.reply, self.limit = odd, reply, limit
+        self.calls = collections.Counter()
+
+    def __call__(self, prompt, model=None, temperature=0.0, **kwargs):
+        answer = next((a for a in self.odd if f"| {a} |" in prompt), None)
+        self.calls[answer] += 1
+        if self.calls[answer] > self.limit:
+            raise RuntimeError(f"the judge was asked {self.calls[answer]} times about {answer!r}")
+        return (self.reply if answer is not None else "1.0"), "judge-model"
+
+
+@pytest.fixture
+def stub_judge(monkeypatch):
+    """Install a `StubJudge` (the fixture's function takes it) in lmms-eval's MM-Vet utils as scoring loads them (a
+    fresh module per load), their 5 s sleeps between retries skipped."""
+    import types
+
+    from promprune.eval import scoring
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-dummy")  # lmms-eval's mmvet utils build their client at import
+    load = scoring.load_task
+
+    def install(judge: StubJudge) -> StubJudge:
+        def load_task(name, include_path=None):
+            task = load(name, include_path)
+            module = task.config.process_results.__globals__
+            module["get_chat_response"], module["time"] = judge, types.SimpleNamespace(sleep=lambda s: None)
+            return task
+
+        monkeypatch.setattr(scoring, "load_task", load_task)
+        return judge
+
+    return install
+
+
+@pytest.mark.parametrize("reply", ["Score: 0.5", "2"])
+def test_a_judge_reply_that_is_no_grade_fails_the_sample(reply, stub_judge):
+    """lmms-eval's MM-Vet gives up after 8 unparsable replies ("Score: 0.5": its first word is no number) and records
+    0.0 with the judge's model named; a number outside [0, 1] ("2") makes it ask again without end. Either way the
+    sample has no grade: failed (n_judge_failed), the judge asked at most 8 times, the score the graded ones'."""
+    from promprune.eval.scoring import JUDGE_CALLS
+
+    docs, rows = _replayed("mmvet")
+    rows[0]["prediction"] = "a reply the judge cannot grade"
+    judge = stub_judge(StubJudge({rows[0]["prediction"]}, reply))
+    result = score(rows)["mmvet"]
+    assert result["n_judge_failed"] == 1 and result["n_failed"] == 1
+    assert result["gpt_eval_score"] == 100.0  # every graded answer right; the ungraded one is not a 0
+    assert judge.calls[rows[0]["prediction"]] == JUDGE_CALLS == 8
+    assert judge.calls[None] == len(docs) - 1  # one call per graded answer

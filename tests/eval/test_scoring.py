@@ -330,3 +330,93 @@ def test_a_declared_metric_process_results_never_returns_is_an_error(tmp_path):
                                                                  "doc['answer'])}")
     scores = score(_rows("own_some", ["yes", "no", "no"]), include_path=some)["own_some"]
     assert scores == {"accuracy": 2 / 3, "n_samples": 3, "n_failed": 0}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which tasks are scored by groups, a task of one's own on an include path, a partial paired score's interval
+
+EXACT = "    return {'accuracy': float(results[0].strip().lower() == doc['answer'])}"
+
+
+def _exact_task(root: Path, name: str) -> str:
+    """A task of one's own scored by exact match, 4 documents (answers yes, no, yes, yes), in its own directory."""
+    write_task(root / name, name, process_results=EXACT, questions=["q0", "q1", "q2", "q3"],
+               answers=["yes", "no", "yes", "yes"])
+    return str(root / name)
+
+
+def test_a_task_of_ones_own_named_mme_is_scored_by_its_own_records(tmp_path):
+    """Grouping (MME's question pairs) follows lmms-eval's MME process_results, not the name: a task ``mme_*`` of
+    one's own is scored as its twin under another name (it raised TypeError: its records are numbers). Predictions
+    yes, no, no, yes: 3 of 4 right; the first 3 answered: 2 of 3."""
+    dirs = [_exact_task(tmp_path, "mme_own"), _exact_task(tmp_path, "plain_own")]
+    got = {}
+    for name in ("mme_own", "plain_own"):
+        rows = _rows(name, ["yes", "no", "no", "yes"])
+        got[name] = (score(rows, include_path=dirs, bootstrap=40)[name],
+                     score(rows[:3], include_path=dirs, partial=True)[name])
+    assert got["mme_own"] == got["plain_own"]
+    whole, partial = got["mme_own"]
+    assert whole["accuracy"] == 0.75 and partial["accuracy"] == pytest.approx(2 / 3)
+
+
+def test_only_lmms_evals_mme_and_mmbench_records_are_grouped():
+    """lmms-eval's other mme_* tasks (mme_cc, mme_sci: other records) are scored document by document."""
+    import importlib
+    from types import SimpleNamespace
+
+    from promprune.eval.scoring import _grouping
+
+    def grouping(module: str, fn: str):
+        task = SimpleNamespace(config=SimpleNamespace(process_results=getattr(importlib.import_module(module), fn)))
+        return _grouping(task)
+
+    assert grouping("lmms_eval.tasks.mme_cc.utils", "mme_cc_process_results") is None
+    assert grouping("lmms_eval.tasks.mme_sci.utils", "process_results") is None
+    mme = grouping("lmms_eval.tasks.mme.utils", "mme_process_results")
+    assert mme[0]({"question_id": "a.jpg", "category": "color"}) == "a.jpg"
+    mmbench = grouping("lmms_eval.tasks.mmbench.en_utils", "mmbench_process_results")
+    assert mmbench[0]({"index": 2_000_007}) == 7  # a question with its circular copies
+
+
+def test_a_task_of_ones_own_on_the_include_path_gets_intervals_and_its_primary_score(tmp_path):
+    """``include_path`` reaches the primary metric (the first of the task's metric_list) everywhere: the bootstrap
+    intervals (none came back) and `primary_score` / `relative_score` (no primary metric was known)."""
+    from promprune.eval.scoring import primary_score
+
+    d = _exact_task(tmp_path, "own_exact")
+    ours = score(_rows("own_exact", ["yes", "no", "no", "yes"]), include_path=d, bootstrap=200)
+    base = score(_rows("own_exact", ["yes", "no", "yes", "yes"]), include_path=d)
+    result = ours["own_exact"]
+    assert result["accuracy_ci_low"] <= 0.75 <= result["accuracy_ci_high"]
+    assert result["accuracy_ci_low"] < result["accuracy_ci_high"]
+    assert primary_score("own_exact", result, include_path=d) == 0.75
+    assert relative_score(ours, base, include_path=d) == 0.75
+
+
+def test_a_partial_mme_score_with_intervals_resamples_the_whole_pairs_only(handmade_tasks):
+    """Document 3 not answered yet: its pair (existence/2) waits, and the interval resamples what the point
+    estimate aggregated (it raised MME's 'pairwise evaluation' assert): perception is pair 1 alone, acc 100 +
+    acc+ 100 = 200 on every resample; cognition 50 (the code pair, one of two right)."""
+    rows = _rows("mme_handmade", [m[3] for m in MME])
+    got = score(rows[:3] + rows[4:], include_path=handmade_tasks, partial=True, bootstrap=30)["mme_handmade"]
+    assert got["mme_perception_score"] == 200.0
+    assert (got["mme_perception_score_ci_low"], got["mme_perception_score_ci_high"]) == (200.0, 200.0)
+    assert got["mme_cognition_score"] == 50.0 and got["n_samples"] == 5
+
+
+def test_an_undefined_ratio_is_never_averaged_away():
+    """`mean_ratio` is NaN when a task's ratio is undefined (it averaged over the others, silently); `relative_score`
+    names the task."""
+    from promprune.eval.scoring import mean_ratio
+
+    assert mean_ratio({"a": 0.9, "b": 0.5}, {"a": 1.0, "b": 1.0}) == pytest.approx(0.7)
+    for ours, base in (({"a": 0.9, "b": math.nan}, {"a": 1.0, "b": 1.0}), ({"a": 0.9, "b": 0.5}, {"a": 1.0}),
+                       ({"a": 0.9, "b": 0.5}, {"a": 1.0, "b": 0.0})):
+        assert math.isnan(mean_ratio(ours, base))
+    scores = {"mme": {"mme_perception_score": math.nan}, "pope": {"pope_f1_score": 0.8}}
+    base = {"mme": {"mme_perception_score": 150.0}, "pope": {"pope_f1_score": 0.9}}
+    with pytest.raises(ValueError, match="task 'mme': the scores' primary score is NaN"):
+        relative_score(scores, base)
+    with pytest.raises(ValueError, match="task 'mme': the baseline's primary score is NaN"):
+        relative_score(base, scores)
