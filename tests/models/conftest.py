@@ -90,3 +90,42 @@ def sdpa_keys(model, layer: int, model_kwargs: dict) -> torch.Tensor:
     with torch.inference_mode():
         twin(**model_kwargs)
     return keys[0]
+
+
+def lm_inputs(model, kwargs):
+    """The language model's inputs (embeddings with the image features in) of a plain forward."""
+    seen = {}
+    lm = model.model.language_model
+    handle = lm.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            model(**kwargs)
+    finally:
+        handle.remove()
+    return seen
+
+
+def naive_greedy(model, embeds, pos3, segments, steps):
+    """Greedy decoding without a cache: each step re-runs the whole sequence; decoder layers ``[lo, hi)`` of a segment
+    see only its prompt columns ``cols`` (ascending) and every generated token, with their own positions (``pos3
+    [3, P]``: M-RoPE's; ``[1, P]``: a 1D RoPE's), a generated token's one past the prompt's largest. ``embeds [P, D]``:
+    the LLM's input embeddings of one row's prompt (no padding). Returns the logits of each step ``[steps, V]``."""
+    lm = model.model.language_model
+    embed = model.get_input_embeddings()
+    gen, logits = [], []
+    P, top = embeds.shape[0], int(pos3.max())
+    for _ in range(steps):
+        h = torch.cat([embeds, embed(torch.tensor(gen, dtype=torch.long))])
+        pos = torch.cat([pos3, (top + 1 + torch.arange(len(gen)))[None].expand(pos3.shape[0], -1)], dim=1)
+        cur = torch.arange(P + len(gen))
+        for lo, hi, cols in segments:
+            keep = torch.cat([cols, torch.arange(P, P + len(gen))])
+            h, cur = h[torch.searchsorted(cur, keep)], keep
+            x = h[None]
+            rope = lm.rotary_emb(x, pos[:, cur][:, None] if pos.shape[0] > 1 else pos[:, cur])  # [3, 1, L] or [1, L]
+            for layer in lm.layers[lo:hi]:
+                x = layer(x, position_embeddings=rope, attention_mask=None, position_ids=None)  # no cache
+            h = x[0]
+        logits.append(model.lm_head(lm.norm(h[-1:]))[0])
+        gen.append(int(logits[-1].argmax()))
+    return torch.stack(logits)

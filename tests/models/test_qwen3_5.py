@@ -33,7 +33,7 @@ from promprune.models.shapes import _config as shape_config
 from promprune.models.sharing import ImageCache
 from promprune.models.tiny import tiny_vlm
 
-from .conftest import make_image, sdpa_keys
+from .conftest import lm_inputs, make_image, naive_greedy, sdpa_keys
 from .test_qwen_positions import hand_positions
 
 PRE_LLM = [m for m in all_methods() if not is_in_llm(m)]
@@ -200,44 +200,6 @@ def test_full_budget_equals_unpruned_logits(method, images, prompts):
 
 
 # ---- in-LLM methods on the hybrid LLM ------------------------------------------------------------------------------
-
-
-def lm_inputs(model, kwargs):
-    """The language model's inputs (embeddings with the image features in) of a plain forward."""
-    seen = {}
-    lm = model.model.language_model
-    handle = lm.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            model(**kwargs)
-    finally:
-        handle.remove()
-    return seen
-
-
-def naive_greedy(model, embeds, pos3, segments, steps):
-    """Greedy decoding without a cache: each step re-runs the whole sequence; decoder layers ``[lo, hi)`` of a segment
-    see only its prompt columns ``cols`` (ascending) and every generated token, with their own 3D positions. Returns
-    the logits of each step ``[steps, V]``."""
-    lm = model.model.language_model
-    embed = model.get_input_embeddings()
-    gen, logits = [], []
-    P, top = embeds.shape[0], int(pos3.max())
-    for _ in range(steps):
-        h = torch.cat([embeds, embed(torch.tensor(gen, dtype=torch.long))])
-        pos = torch.cat([pos3, (top + 1 + torch.arange(len(gen)))[None].expand(3, -1)], dim=1)
-        cur = torch.arange(P + len(gen))
-        for lo, hi, cols in segments:
-            keep = torch.cat([cols, torch.arange(P, P + len(gen))])
-            h, cur = h[torch.searchsorted(cur, keep)], keep
-            x = h[None]
-            rope = lm.rotary_emb(x, pos[:, cur][:, None])
-            for layer in lm.layers[lo:hi]:
-                x = layer(x, position_embeddings=rope, attention_mask=None, position_ids=None)  # no cache
-            h = x[0]
-        logits.append(model.lm_head(lm.norm(h[-1:]))[0])
-        gen.append(int(logits[-1].argmax()))
-    return torch.stack(logits)
 
 
 @pytest.mark.parametrize("rows", [1, 2])
