@@ -11,7 +11,8 @@ import importlib
 
 __version__ = "0.1.0"
 __all__ = ["select", "Selection", "VisionFeatures", "Instruction", "methods", "method_spec", "MethodSpec",
-           "register_method", "PRE_LLM", "IN_LLM", "spectral_entropy", "feature_norm_entropy", "attention_entropy",
+           "register_method", "register_in_llm_method", "PRE_LLM", "IN_LLM", "spectral_entropy",
+           "feature_norm_entropy", "attention_entropy",
            "__version__"]
 _FROM_SELECTION = frozenset(__all__) - {"__version__"}
 # subpackages the docs reach as attributes after `import promprune` (`promprune.testing.check_method(...)`,

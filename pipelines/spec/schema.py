@@ -282,8 +282,9 @@ class SweepSpec:
     # the entry point the spec is written for (`COMMANDS`): each refuses a spec for another one. Not part of the
     # resolved spec (`to_dict`): it names who runs the spec, not what a run does, so a run's fingerprint is unchanged
     command: one_of(*COMMANDS) = "sweep"
-    # modules that register methods (promprune.register_method), imported before the methods are checked and in
-    # every Ray worker: module names, .py files or package directories (relative paths: from the spec's directory)
+    # modules that register methods (promprune.register_method, promprune.register_in_llm_method), imported before the
+    # methods are checked and in every Ray worker: module names, .py files or package directories (relative paths:
+    # from the spec's directory)
     plugins: _paths("a list of module names, .py files or package directories") = field(default_factory=list)
     # lmms-eval task directories of one's own, searched for `tasks` here and in every Ray worker (relative paths:
     # from the spec's directory)

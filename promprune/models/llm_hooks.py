@@ -1,11 +1,15 @@
-"""In-LLM pruning baselines, FastV, SparseVLM, DART and PyramidDrop, as hooks on the language model's decoder layers.
+"""In-LLM pruning baselines, FastV, SparseVLM, DART and PyramidDrop, and in-LLM methods of one's own that score the
+visual tokens at their layers, as hooks on the language model's decoder layers.
 
 The language model is not forked: forward pre-hooks on its decoder layers shrink the sequence between layers.
 
 - A hook on the self-attention of layer ``l - 1`` recomputes the attention rows the method ranks by (queries:
   FastV the last token; SparseVLM the text raters after the image) with the module's own projections and rotary
   embedding, so the LLM keeps SDPA everywhere; for DART it takes the L1 norms of that layer's keys instead.
-  PyramidDrop ranks inside layer ``l``'s own hook, with layer ``l``'s projections on its input-normed states.
+  PyramidDrop ranks inside layer ``l``'s own hook, with layer ``l``'s projections on its input-normed states; so does
+  an in-LLM method of one's own (``registry.register_in_llm_method(name, score=fn, layers=...)``), by the scores ``fn``
+  gives for layer ``l``'s input (:class:`ScoreInputs`: the hidden states, the candidates, on demand the layer's own
+  last-token attention and key norms), checked for shape and finite values within the stage's one read.
 - A hook on layer ``l`` drops visual tokens from the hidden states, gathers the rotary embeddings at the kept
   columns (positions stay the original ones, as FastV's and DART's code does; PyramidDrop's and SparseVLM's released
   code renumbers the kept sequence contiguously, their option ``positions``), and hands every later layer a mask built
@@ -83,14 +87,19 @@ LM_ARGUMENTS = ("inputs_embeds", "attention_mask")
 FASTV_LAYER_OF_32 = (2,)
 
 
-# The in-LLM methods these hooks implement, each with the kind of :class:`Stage` it prunes with: every dispatch on a
-# method's name below reads this table, and any other name is refused (:func:`hooks_problem`), where it used to fall
-# through to SparseVLM's branch. ``registry.IN_LLM_HOOKED`` names the same methods for ``register_in_llm_method``.
+# The in-LLM methods these hooks implement by name, each with the kind of :class:`Stage` it prunes with: every dispatch
+# on a method's name below reads this table or :data:`SCORED`, and any other name is refused (:func:`hooks_problem`),
+# where it used to fall through to SparseVLM's branch. ``registry.IN_LLM_HOOKED`` names the same methods for
+# ``register_in_llm_method``.
 STAGE_KINDS = {"fastv": "fastv", "sparsevlm": "sparsevlm", "dart": "dart", "pyramiddrop": "pdrop"}
+# The kind of an in-LLM method of one's own (registered with a ``score``): ranked at each of its layers by its score of
+# the layer's input, like PyramidDrop by the layer's own attention (its stages, its hybrid-layer rules).
+SCORED = "scored"
 
 
 def hooks_problem(method: str) -> str | None:
-    """Why these hooks cannot prune with the in-LLM ``method`` (none of :data:`STAGE_KINDS`), or None."""
+    """Why these hooks cannot prune with the in-LLM ``method`` (none of :data:`STAGE_KINDS`, nor registered with a
+    score), or None."""
     return in_llm_hooks_problem(method, tuple(STAGE_KINDS))
 
 
@@ -99,7 +108,13 @@ def _stage_kind(method: str) -> str:
     problem = hooks_problem(method)
     if problem is not None:
         raise ValueError(problem)
-    return STAGE_KINDS[method]
+    return STAGE_KINDS.get(method, SCORED)
+
+
+def _ranks_own_layer(method: str) -> bool:
+    """Whether ``method`` ranks at the layer it cuts before, on that layer's input (PyramidDrop; a scored method of
+    one's own), rather than at the layer before it (FastV, SparseVLM, DART)."""
+    return _stage_kind(method) in ("pdrop", SCORED)
 
 
 def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict) -> "InLLMPruner":
@@ -117,8 +132,12 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
         stages = [Stage(at[0], None, kind=kind)]
         if kind == "dart":
             stages[0].pivots = (opts["pivot_image"], opts["pivot_text"])
-    elif kind == "pdrop":
+    elif kind in ("pdrop", SCORED):
         stages = [Stage(layer, None, kind=kind) for layer in at]
+        if kind == SCORED:  # the method's own options, as its score takes them
+            own = {key: value for key, value in opts.items() if key != "layers"}
+            for stage in stages:
+                stage.score, stage.options = promprune.method_spec(method).score, own
     else:  # "sparsevlm"
         stages = [Stage(layer, None, kind=kind, recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]
@@ -141,7 +160,7 @@ def schedule(method: str, config, budget: int, options: dict, name: str | None =
     """
     if isinstance(config, int):
         config = SimpleNamespace(num_hidden_layers=config, model_type=None)
-    _stage_kind(method)  # a method the hooks do not implement: refused before its options
+    kind = _stage_kind(method)  # a method the hooks do not implement: refused before its options
     opts = promprune.method_spec(method).resolve(options, budget=budget)
     at, layer_map = stage_layers(config, method, opts, name)
     if method == "fastv":
@@ -152,10 +171,10 @@ def schedule(method: str, config, budget: int, options: dict, name: str | None =
     elif method == "pyramiddrop":
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         plan = _pyramid_plan(budget, opts, at, int(text.num_hidden_layers))
-    elif opts["schedule"] == "released":  # sparsevlm (_stage_kind above); the budget one of the released ones
+    elif kind == "sparsevlm" and opts["schedule"] == "released":  # the budget one of the released ones
         def plan(n):
             return list(SPARSEVLM_RELEASED[budget])
-    else:
+    else:  # sparsevlm's geometric schedule; a scored method of one's own (one stage: the budget)
         def plan(n):
             return [geometric(budget, n, s, len(at)) for s in range(1, len(at) + 1)]
     return opts, at, plan, layer_map
@@ -220,13 +239,17 @@ def requested_layers(method: str, opts: dict, depth: int) -> tuple[list[int], bo
     """``(layers, explicit)``: the layers ``method``'s options give (explicit), else the released ones scaled to
     ``depth``, ascending and checked against the depth (given layers are ascending and distinct: the registry's
     check; the scaled ones may coincide on a shallow LLM and are taken once)."""
-    if _stage_kind(method) in ("fastv", "dart"):
+    kind = _stage_kind(method)
+    if kind in ("fastv", "dart"):
         explicit = opts["layer"] is not None
         at = [opts["layer"] if explicit else fastv_layer(depth)]
         if not 1 <= at[0] < depth:
             raise ValueError(f"{method} option 'layer' must be in [1, {depth - 1}], got {at[0]}")
         return at, explicit
-    default = scaled_layers(depth, PYRAMIDDROP_LAYERS_OF_32) if method == "pyramiddrop" else sparsevlm_layers(depth)
+    if kind == SCORED:  # the layers it registered, for 32 layers
+        default = scaled_layers(depth, promprune.method_spec(method).score_layers)
+    else:
+        default = scaled_layers(depth, PYRAMIDDROP_LAYERS_OF_32) if kind == "pdrop" else sparsevlm_layers(depth)
     at = list(opts["layers"]) if opts["layers"] else sorted(set(default))
     if max(at) >= depth:
         raise ValueError(f"{method} option 'layers' must be < {depth} (LLM depth), got {at}")
@@ -253,8 +276,8 @@ def hybrid_layer_types(text_config) -> list[str] | None:
 def ranking_layer(method: str, stage: int) -> int:
     """The layer whose attention ranks the tokens pruned before decoder layer ``stage``: ``stage - 1`` (FastV,
     SparseVLM: the layer before the cut; DART: that layer's keys), ``stage`` itself for PyramidDrop (the layer's own
-    projections)."""
-    return stage if method == "pyramiddrop" else stage - 1
+    projections) and a scored method of one's own (the layer's input, its own attention on demand)."""
+    return stage if _ranks_own_layer(method) else stage - 1
 
 
 def rankable_layers(types: list[str], method: str) -> list[int]:
@@ -288,7 +311,7 @@ def hybrid_stages(types: list[str], method: str, requested: list[int], explicit:
     naming ``method``, ``model`` and the valid values) on refusal; ``window``: the sliding window, for the message.
     """
     attention = rankable_layers(types, method)
-    shift = 0 if method == "pyramiddrop" else 1
+    shift = 0 if _ranks_own_layer(method) else 1
     if explicit:
         for stage in requested:
             if ranking_layer(method, stage) not in attention:
@@ -313,8 +336,8 @@ def _refusal(types: list[str], method: str, model: str, stage: int, window: int 
     default one that found no layer to move to), naming the model, the full-attention layers and the valid values."""
     rank = ranking_layer(method, stage)
     full = [i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES + SLIDING_LAYER_TYPES]
-    shift = 0 if method == "pyramiddrop" else 1
-    option = "layers" if method in ("sparsevlm", "pyramiddrop") else "layer"
+    shift = 0 if _ranks_own_layer(method) else 1
+    option = "layer" if _stage_kind(method) in ("fastv", "dart") else "layers"
     valid = [a + shift for a in rankable_layers(types, method) if 1 <= a + shift < len(types)]
     where = f"in-LLM method {method!r} on {model}: this LLM attends in full only at layers {full}"
     if moved:
@@ -581,7 +604,8 @@ class _Unwrap:
 class Stage:
     """Prune before decoder layer ``layer``; ``kind`` says how tokens are ranked: "fastv" (the last token's attention
     at layer - 1), "sparsevlm" (the raters' attention at layer - 1, with recycling), "pdrop" (the last token's
-    attention with layer ``layer``'s own projections), "dart" (pivots; see :meth:`InLLMPruner._dart_kept`).
+    attention with layer ``layer``'s own projections), "dart" (pivots; see :meth:`InLLMPruner._dart_kept`),
+    :data:`SCORED` (the method's ``score`` of layer ``layer``'s input, :class:`ScoreInputs`).
     ``targets`` (per row) come from the method's plan."""
 
     def __init__(self, layer, target, kind, recycle=0.0, merge=0.0):
@@ -590,6 +614,44 @@ class Stage:
         self.scores = None  # [B, L_cur] attention received by each current column (set by the hook at layer-1)
         self.keys = None  # DART: [B, L_cur] L1 norm of layer-1's keys per current column
         self.pivots = (0, 0)  # DART: (image pivots, text pivots)
+        self.score, self.options = None, {}  # SCORED: the method's score function and its own options
+
+
+class ScoreInputs:
+    """What an in-LLM method of one's own scores (``registry.register_in_llm_method(name, score=fn)``): what the
+    pre-hook of decoder layer ``layer`` has in the prefill, before it cuts. ``fn(inputs, **options)`` returns a float
+    tensor ``[B, L]``, one score per current column (the top-scored candidates of each row are kept; only the
+    candidates' scores are read, and they must be finite).
+
+    - ``hidden [B, L, D]``: the layer's input hidden states (the previous layer's output) of the current columns: the
+      prompt's columns kept so far, padding and dead filler columns included, in the model's dtype.
+    - ``visual [B, L]`` bool: the candidates, the live visual columns still in the sequence.
+    - ``alive [B, L]`` bool: the live columns (False: padding, dead fillers).
+    - ``columns [B, L]`` long: each current column's column in the prompt (``input_ids``).
+    - ``layer``: the decoder layer's index; ``stage``: the stage's (0 for the first of the method's layers).
+    - ``attention()``: ``[B, L]`` float32, the attention each column receives from the row's last token, head mean, with
+      this layer's own projections on its input-normed states (PyramidDrop's ranking); ``key_norms()``: ``[B, L]``
+      float32, the L1 norm of this layer's keys after the rotary embedding, all KV heads (DART's pivots'). Each is
+      computed on first use, once.
+
+    Everything is on the device of ``hidden`` and covers the whole batch: a score made of batched tensor ops keeps the
+    stage at one read of the device, whatever the batch size (a ``.item()`` / ``.tolist()`` / boolean indexing in it
+    would make a GPU's host wait every call). The tensors are the hooks' own: read them, never write them in place."""
+
+    def __init__(self, hidden, visual, alive, columns, layer: int, stage: int, own: Callable):
+        self.hidden, self.visual, self.alive, self.columns = hidden, visual, alive, columns
+        self.layer, self.stage = layer, stage
+        self._own, self._made = own, {}
+
+    def attention(self) -> torch.Tensor:
+        if "attention" not in self._made:
+            self._made["attention"] = self._own("attention")
+        return self._made["attention"]
+
+    def key_norms(self) -> torch.Tensor:
+        if "key_norms" not in self._made:
+            self._made["key_norms"] = self._own("key_norms")
+        return self._made["key_norms"]
 
 
 class InLLMPruner:
@@ -637,7 +699,7 @@ class InLLMPruner:
         self.handles.append(self.model.model.register_forward_pre_hook(self._on_outer, with_kwargs=True))
         self.handles.append(lm.register_forward_pre_hook(self._on_lm, with_kwargs=True))
         for stage in self.stages:
-            if stage.kind == "pdrop":  # scored inside the layer's own hook
+            if stage.kind in ("pdrop", SCORED):  # scored inside the layer's own hook
                 continue
             attn = self.layers[stage.layer - 1].self_attn
             self.handles.append(attn.register_forward_pre_hook(self._scorer(stage), with_kwargs=True))
@@ -830,11 +892,10 @@ class InLLMPruner:
             if self.prefill:
                 if stage is not None:
                     with accel.full_float32():  # the ranking's float32 products at full precision, as in select
-                        if stage.kind == "pdrop":  # on the layer's own device (a model spread over GPUs)
-                            dev = layer.input_layernorm.weight.device
-                            normed = layer.input_layernorm(hidden.to(dev))
-                            rope = tuple(t.to(dev) for t in self._rope(kwargs, hidden, idx))
-                            stage.scores = self._received(layer.self_attn, normed, rope, "last")
+                        if stage.kind == "pdrop":
+                            stage.scores = self._own_ranking(layer, hidden, kwargs, idx)("attention")
+                        elif stage.kind == SCORED:
+                            stage.scores = self._scored(stage, layer, hidden, kwargs, idx)
                         hidden = self._prune(stage, hidden.to(self.keep.device))
                 self.layer_cols[idx] = (self.keep, self.alive, self._gone().sum(1))
                 kwargs = self._prefill_kwargs(kwargs, hidden, idx)
@@ -847,6 +908,43 @@ class InLLMPruner:
                 return (), kwargs
             return (hidden, *args[1:]), kwargs
         return hook
+
+    def _own_ranking(self, layer, hidden, kwargs, idx: int) -> Callable[[str], torch.Tensor]:
+        """``get(what)``: decoder layer ``idx``'s own ranking of its input ``hidden`` (the current columns), on the
+        layer's own device (a model spread over GPUs): "attention", the last token's attention with the layer's
+        projections on its input-normed states (PyramidDrop's), or "key_norms", the L1 norms of its keys (DART's
+        kind). The normed states and rotary embeddings are made once, at the first call."""
+        made = {}
+
+        def get(what: str) -> torch.Tensor:
+            if not made:
+                dev = layer.input_layernorm.weight.device
+                made["normed"] = layer.input_layernorm(hidden.to(dev))
+                made["rope"] = tuple(t.to(dev) for t in self._rope(kwargs, hidden, idx))
+            if what == "attention":
+                return self._received(layer.self_attn, made["normed"], made["rope"], "last")
+            return self._key_norms(layer.self_attn, made["normed"], made["rope"])
+        return get
+
+    def _scored(self, stage: Stage, layer, hidden, kwargs, idx: int) -> torch.Tensor:
+        """A scored stage's scores ``[B, L_cur]``: the method's ``score`` of layer ``idx``'s input
+        (:class:`ScoreInputs`), called once for the batch; a score that is no float tensor of the columns' shape is a
+        ValueError naming the method (its values are checked in :meth:`_prune`'s read)."""
+        dev = hidden.device
+        alive, keep = self.alive.to(dev), self.keep.to(dev)
+        own = self._own_ranking(layer, hidden, kwargs, idx)
+        inputs = ScoreInputs(hidden, self.vis.to(dev).gather(1, keep) & alive, alive, keep, idx,
+                             self.stages.index(stage), lambda what: own(what).to(dev))
+        scores = stage.score(inputs, **stage.options)
+        B, L = hidden.shape[:2]
+        if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or tuple(scores.shape) != (B, L):
+            got = (f"a {scores.dtype} tensor of shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
+                   else f"a {type(scores).__name__}")
+            raise ValueError(f"in-LLM method {self.method!r}: its score returned {got} at layer {idx}; a score is a "
+                             f"float tensor [B, L] = [{B}, {L}], one value per column of the layer's input "
+                             "(inputs.hidden's first two dimensions; the candidates inputs.visual are ranked, the "
+                             "highest kept), e.g. inputs.hidden.float().norm(dim=-1)")
+        return scores
 
     # ---- pruning ---------------------------------------------------------------------------------------
     def _prune(self, stage: Stage, hidden: torch.Tensor) -> torch.Tensor:
@@ -863,7 +961,16 @@ class InLLMPruner:
         vis_cols = self.vis.gather(1, self.keep)
         vis_alive = vis_cols & self.alive  # [B, L]: the candidates
         text = self._query_mask(vis_cols) if stage.kind == "dart" else None
-        counts = torch.stack([vis_alive.sum(1)] + ([] if text is None else [text.sum(1)])).tolist()  # the one read
+        extra = [] if text is None else [text.sum(1)]
+        if stage.kind == SCORED:  # a method of one's own: its candidates' non-finite scores, in the same read
+            extra.append((~torch.isfinite(stage.scores.to(dev)) & vis_alive).sum(1))
+        counts = torch.stack([vis_alive.sum(1)] + extra).tolist()  # the one read
+        if stage.kind == SCORED and any(counts[-1]):
+            rows = [b for b, n in enumerate(counts[-1]) if n]
+            raise ValueError(f"in-LLM method {self.method!r}: its score gave NaN or infinite values to visual tokens "
+                             f"at layer {stage.layer} (batch rows {rows}: {[counts[-1][b] for b in rows]} tokens); "
+                             "the hooks rank the visual tokens by it, so every candidate's score must be finite "
+                             "(mask what the score cannot rate with a finite low value, e.g. torch.nan_to_num)")
         n_cand = counts[0]
         n_keep = [min(t, n) for t, n in zip(stage.targets, n_cand)]
         hidden = hidden.clone()

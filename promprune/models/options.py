@@ -214,8 +214,8 @@ def validate_method(method: str | None, budget: int | None = None, **options) ->
         raise ValueError(f"option video_split={adapter['video_split']!r} sets PromPrune's entropy / split over a clip; "
                          f"method {method!r} has none: use video_split='unit' (the default)")
     spec = promprune.method_spec(method)  # an unknown name: ValueError with did-you-mean and every method
-    if spec.stage == promprune.IN_LLM:  # one the hooks do not implement: no model runs it (registry.IN_LLM_HOOKED,
-        problem = in_llm_hooks_problem(method)  # a test pins it equal to llm_hooks.STAGE_KINDS)
+    if spec.stage == promprune.IN_LLM:  # one the hooks do not implement (not registry.IN_LLM_HOOKED, which a test
+        problem = in_llm_hooks_problem(method)  # pins equal to llm_hooks.STAGE_KINDS, nor scored): no model runs it
         if problem is not None:
             raise ValueError(problem)
     budget = as_budget(budget, method)

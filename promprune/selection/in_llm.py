@@ -15,17 +15,19 @@ def _check_layer(method: str, layer) -> None:
                          f"LLM's depth) or an int >= 1 (an absolute K), got {layer!r}")
 
 
-def _check_layers(method: str, layers) -> None:
-    """SparseVLM's and PyramidDrop's option 'layers': None (the released layers scaled to the LLM's depth) or the
-    layers cut before, ints >= 1 in ascending order, each once: a stage per layer (``[3, 2]`` ran as [2, 3] and
-    ``[2, 2]`` as one cut, without a word)."""
+def check_layers(method: str, layers, what: str | None = None) -> None:
+    """Option 'layers' of SparseVLM, PyramidDrop and an in-LLM method of one's own (``registry.
+    register_in_llm_method``): None (the default layers scaled to the LLM's depth) or the layers cut before, ints >= 1
+    in ascending order, each once: a stage per layer (``[3, 2]`` ran as [2, 3] and ``[2, 2]`` as one cut, without a
+    word). ``what``: how errors name the value (default: the option of ``method``)."""
     if layers is None:
         return
+    what = what or f"option 'layers' of {method}"
     if (not isinstance(layers, (list, tuple)) or not layers
             or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in layers)):
-        raise ValueError(f"option 'layers' of {method} must be None or a list of ints >= 1, got {layers!r}")
+        raise ValueError(f"{what} must be None or a list of ints >= 1, got {layers!r}")
     if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise ValueError(f"option 'layers' of {method} must list each pruning layer once in ascending order (one "
+        raise ValueError(f"{what} must list each pruning layer once in ascending order (one "
                          f"stage per layer), got {list(layers)!r}; did you mean {sorted(set(layers))!r}?")
 
 
@@ -41,7 +43,7 @@ SPARSEVLM_RELEASED = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 2
 
 def _check_sparsevlm(opts: dict, budget: int | None = None) -> None:
     layers = opts["layers"]
-    _check_layers("sparsevlm", layers)
+    check_layers("sparsevlm", layers)
     if opts["schedule"] == "released":
         if layers is not None and len(layers) != 3:
             raise ValueError(f"sparsevlm's released schedule prunes at three layers; option 'layers' has {layers!r}")
@@ -111,7 +113,7 @@ register_in_llm_method("dart", options={"layer": None, "pivot_image": 4, "pivot_
 
 def _check_pyramiddrop(opts: dict, budget: int | None = None) -> None:
     ratio = opts["ratio"]
-    _check_layers("pyramiddrop", opts["layers"])
+    check_layers("pyramiddrop", opts["layers"])
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
         raise ValueError(f"option 'ratio' of pyramiddrop (lambda) must be a number in (0, 1), got {ratio!r}")
 

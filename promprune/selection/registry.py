@@ -2,9 +2,10 @@
 
 A pre-LLM method is a function ``fn(tokens: TokenSet, budget: int, **options) -> Selection`` registered with
 ``@register_method(name, needs_saliency=..., options={...defaults}, choices=..., check=...)``. An in-LLM method
-(``stage="in_llm"``: FastV, SparseVLM, DART, PyramidDrop) registers its options and checks with
-``register_in_llm_method``; the hooks that prune inside the language model are ``promprune.models.llm_hooks``'s, which
-implement those four only (:data:`IN_LLM_HOOKED`: another name is refused as it registers).
+(``stage="in_llm"``) registers its options and checks with ``register_in_llm_method``; the hooks that prune inside the
+language model are ``promprune.models.llm_hooks``'s: the built-ins' (FastV, SparseVLM, DART, PyramidDrop:
+:data:`IN_LLM_HOOKED`), and one of your own that scores the visual tokens at its layers and keeps the top ones
+(``register_in_llm_method(name, score=fn, layers=...)``; any other in-LLM name is refused as it registers).
 The tests parametrize over ``methods()``. Methods registered outside this package (a ``promprune.methods`` entry
 point, ``$PROMPRUNE_PLUGINS``: ``promprune.plugins``) are imported the first time the registry is asked.
 """
@@ -235,14 +236,19 @@ class MethodSpec:
     needs_instruction: bool = False  # needs select(..., instruction=Instruction) (CDPruner): one selection per question
     needs_grid: bool = False  # reads select(..., grid=(rows, cols)): the tokens must form one raster grid (downsample)
     draws_at_random: bool = False  # seeds its draw from select(..., keys=...): PrunedVLM hashes the images only then
+    # an in-LLM method of one's own (register_in_llm_method(score=...)): score(inputs, **options) -> [B, L] per current
+    # column at each layer it cuts before (llm_hooks.ScoreInputs), and those layers' defaults on a 32-layer LLM
+    score: Callable[..., Any] | None = None
+    score_layers: tuple[int, ...] = ()
 
     @property
     def question_dependent(self) -> bool:
         """Whether the tokens the LLM keeps depend on the question: an in-LLM method ranks by the text tokens'
-        attention, a pre-LLM method by the instruction it declares it needs (``needs_instruction``; CDPruner). The
-        rest keep the same tokens of an image whatever it is asked, so ``PrunedVLM`` encodes, selects and prefills
-        an image once for all its questions (``vision_once`` / ``prefix_cache``). A pre-LLM method sees nothing of
-        the question but ``select(..., instruction=)``, so declaring ``needs_instruction`` is declaring this."""
+        attention (a score of one's own ranks in the prompt's prefill, where it may read them), a pre-LLM method by
+        the instruction it declares it needs (``needs_instruction``; CDPruner). The rest keep the same tokens of an
+        image whatever it is asked, so ``PrunedVLM`` encodes, selects and prefills an image once for all its questions
+        (``vision_once`` / ``prefix_cache``). A pre-LLM method sees nothing of the question but
+        ``select(..., instruction=)``, so declaring ``needs_instruction`` is declaring this."""
         return self.stage == IN_LLM or self.needs_instruction
 
     def resolve(self, given: Mapping[str, Any], *, also_valid=(), budget: int | None = None) -> dict[str, Any]:
@@ -338,9 +344,16 @@ UNPRUNED_NAMES = frozenset({"", "none", "null", "unpruned"})
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
+def _own_function(spec: MethodSpec) -> Callable[..., Any] | None:
+    """The function a method registered: its selection (pre-LLM) or its score (an in-LLM method of one's own); None
+    for the built-in in-LLM methods (their hooks are ``llm_hooks``')."""
+    return spec.fn if spec.fn is not None else spec.score
+
+
 def _builtin(spec: MethodSpec) -> bool:
     """A method of this package's own (its outputs are pinned by its tests; another's are checked as they come)."""
-    return spec.fn is None or getattr(spec.fn, "__module__", "").startswith("promprune.")
+    fn = _own_function(spec)
+    return fn is None or getattr(fn, "__module__", "").startswith("promprune.")
 
 
 def _check_choices(name: str, options: Mapping[str, Any], choices: Mapping[str, Any]) -> None:
@@ -362,31 +375,40 @@ def _check_choices(name: str, options: Mapping[str, Any], choices: Mapping[str, 
 
 
 def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any], replace: bool,
-                        choices: Mapping[str, Any] | None = None) -> None:
-    """What ``register_method`` refuses at once, where it used to fail at every later call (or break
-    ``methods()``): a name that is no string, one taken (a built-in always; another unless ``replace``), one that
-    means "unpruned" (:data:`UNPRUNED_NAMES`), an option named like ``select``'s own arguments, an option ``fn`` does
-    not take, choices of an option not declared or not holding its default (:func:`_check_choices`)."""
+                        choices: Mapping[str, Any] | None = None, caller: str = "register_method") -> None:
+    """What ``register_method`` (or ``caller``: ``register_in_llm_method`` for a score of one's own) refuses at once,
+    where it used to fail at every later call (or break ``methods()``): a name that is no string, one taken (a
+    built-in always; another unless ``replace``), one that means "unpruned" (:data:`UNPRUNED_NAMES`), an option named
+    like ``select``'s own arguments (an in-LLM one: like the hooks' option 'layers'), an option ``fn`` does not take,
+    choices of an option not declared or not holding its default (:func:`_check_choices`)."""
     import inspect
 
     if not isinstance(name, str) or not name.strip() or name != name.strip():
-        raise ValueError(f"register_method: the method's name must be a non-empty string without surrounding "
+        raise ValueError(f"{caller}: the method's name must be a non-empty string without surrounding "
                          f"spaces, got {name!r}")
     if name.lower() in UNPRUNED_NAMES:
-        raise ValueError(f"register_method: {name!r} names the unpruned model (the lmms-eval plugin's method= and "
+        raise ValueError(f"{caller}: {name!r} names the unpruned model (the lmms-eval plugin's method= and "
                          f"the sweeps' baseline read {', '.join(repr(n) for n in sorted(UNPRUNED_NAMES) if n)} as "
                          "no pruning): pick another name")
     taken = _REGISTRY.get(name)
     if taken is not None and (_builtin(taken) or not replace):
+        own = _own_function(taken)
         whose = "one of promprune's own methods" if _builtin(taken) else \
-            f"registered by {getattr(taken.fn, '__module__', '?')}.{getattr(taken.fn, '__qualname__', '?')}"
-        fix = "pick another name" if _builtin(taken) else ("pick another name, or pass replace=True to "
-                                                           "register_method (e.g. a notebook cell run again)")
+            f"registered by {getattr(own, '__module__', '?')}.{getattr(own, '__qualname__', '?')}"
+        fix = "pick another name" if _builtin(taken) else (f"pick another name, or pass replace=True to {caller} "
+                                                           "(e.g. a notebook cell run again)")
         raise ValueError(f"method {name!r} is already registered ({whose}): {fix}")
-    reserved = sorted((set(options) | set(choices or {})) & ({"budget", "tokens"} | set(COMMON_OPTIONS)))
-    if reserved:
-        raise ValueError(f"method {name!r}: option(s) {reserved} are select()'s own arguments ('order' is every "
-                         "method's, 'budget' and 'tokens' are the function's first two): name them otherwise")
+    if caller == "register_in_llm_method":
+        reserved = sorted((set(options) | set(choices or {})) & {"layers", "inputs"})
+        if reserved:
+            raise ValueError(f"method {name!r}: option(s) {reserved} are the hooks' own ('layers': the layers it cuts "
+                             "before, which every in-LLM method of one's own takes, its default the registration's "
+                             "layers=; 'inputs': the score function's first argument): name them otherwise")
+    else:
+        reserved = sorted((set(options) | set(choices or {})) & ({"budget", "tokens"} | set(COMMON_OPTIONS)))
+        if reserved:
+            raise ValueError(f"method {name!r}: option(s) {reserved} are select()'s own arguments ('order' is every "
+                             "method's, 'budget' and 'tokens' are the function's first two): name them otherwise")
     params = inspect.signature(fn).parameters.values()
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         taken_by_fn = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
@@ -418,37 +440,89 @@ def register_method(name: str, *, needs_saliency: bool = False, merges: bool = F
     return wrap
 
 
-# The in-LLM methods whose decoder-layer hooks ``promprune.models.llm_hooks`` implements (its ``STAGE_KINDS``, a test
-# pins the two equal): the only names ``register_in_llm_method`` takes, and the only in-LLM names a model runs.
+# The in-LLM methods whose decoder-layer hooks ``promprune.models.llm_hooks`` implements by name (its ``STAGE_KINDS``, a
+# test pins the two equal). ``register_in_llm_method`` takes these names without a score; any other in-LLM method is
+# one of one's own, registered with a ``score`` the hooks rank by.
 IN_LLM_HOOKED = ("fastv", "sparsevlm", "dart", "pyramiddrop")
+# The layers an in-LLM method of one's own cuts before by default, given for a 32-layer LLM and scaled to the depth
+# (FastV's K = 2 of 32: layers 0 and 1 see every token; 1 on the testbed's 4 layers, 2 on every 7B LLM here).
+SCORE_LAYERS_OF_32 = (2,)
 
 
 def in_llm_hooks_problem(name: str, hooked=IN_LLM_HOOKED) -> str | None:
-    """Why no model can run the in-LLM method ``name`` (``hooked``: the methods the hooks implement), or None."""
+    """Why no model can run the in-LLM method ``name`` (``hooked``: the methods the hooks implement by name; one
+    registered with a ``score`` runs on the hooks' scored stages), or None."""
     if name in hooked:
         return None
-    return (f"in-LLM method {name!r} has no hooks to prune with: register_in_llm_method registers an in-LLM method's "
-            "options and checks, and the hooks that prune inside the language model, promprune.models.llm_hooks's, "
-            f"implement {', '.join(hooked)} only. An in-LLM method of your own needs a change in "
-            "promprune/models/llm_hooks.py today (make: which layers prune, how tokens are ranked, the masks and "
-            "rotary positions of the kept ones; its name in STAGE_KINDS there and in IN_LLM_HOOKED in "
-            "promprune/selection/registry.py); a method that picks the kept tokens before the LLM registers with "
-            "promprune.register_method instead (docs/methods.md, 'Adding your own method')")
+    _load_plugins()
+    spec = _REGISTRY.get(name)
+    if spec is not None and spec.score is not None:
+        return None
+    return (f"in-LLM method {name!r} has no hooks to prune with: the hooks that prune inside the language model, "
+            f"promprune.models.llm_hooks's, implement {', '.join(hooked)} by name, and any other in-LLM method by the "
+            "score it registers. Register yours with register_in_llm_method(name, score=fn, layers=..., options=...): "
+            "fn(inputs, **options) returns a score [B, L] for each column of the layer's input, and the hooks keep the "
+            "top-scored visual tokens before each of its layers, with the built-ins' masks, positions, KV cache and "
+            "batching (docs/methods.md, 'Adding your own method'); a method that picks the kept tokens before the LLM "
+            "registers with promprune.register_method instead")
 
 
-def register_in_llm_method(name: str, *, description: str, options: Mapping[str, Any] | None = None,
+def register_in_llm_method(name: str, *, description: str = "", options: Mapping[str, Any] | None = None,
                            choices: Mapping[str, tuple] | None = None,
-                           check: Callable[[dict], None] | None = None) -> None:
-    """Register the options and checks of an in-LLM method whose hooks ``promprune.models.llm_hooks`` implements
-    (:data:`IN_LLM_HOOKED`); any other name is refused (:func:`in_llm_hooks_problem`): no model could run it."""
-    if name in _REGISTRY:
-        raise ValueError(f"method {name!r} is already registered")
-    problem = in_llm_hooks_problem(name)
-    if problem is not None:
-        raise ValueError(problem)
-    _check_choices(name, options or {}, choices or {})
-    _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), choices=dict(choices or {}),
-                                 description=description, stage=IN_LLM, check=check)
+                           check: Callable[[dict, int | None], None] | None = None,
+                           score: Callable[..., Any] | None = None, layers=SCORE_LAYERS_OF_32,
+                           replace: bool = False) -> None:
+    """Register an in-LLM method: its options, their choices and ``check(options, budget)``.
+
+    Without ``score``: one of the built-ins whose hooks ``promprune.models.llm_hooks`` implements by name
+    (:data:`IN_LLM_HOOKED`); any other name is refused (:func:`in_llm_hooks_problem`): no model could run it.
+
+    With ``score``, an in-LLM method of one's own: before each of its layers the hooks call ``score(inputs,
+    **options)`` once for the batch (``inputs``: ``llm_hooks.ScoreInputs``, what the layer's pre-hook has: its input
+    hidden states ``[B, L, D]``, the candidate visual columns ``[B, L]``, and on demand the layer's own last-token
+    attention and key norms) and keep each row's top-scored visual tokens (ties to the earlier column), as FastV /
+    PyramidDrop keep theirs, with every rule the built-ins' hooks follow (masks, original positions, KV cache, dead
+    filler columns, batching, hybrid layer types). A score is a float tensor ``[B, L]``, one value per column of the
+    layer's input, finite at every candidate (only those are read); the hooks refuse another shape or a NaN / inf one
+    naming the method. ``layers``: the layers it cuts before (and scores at), ascending ints in [1, 31] given for a
+    32-layer LLM and scaled to the depth (default :data:`SCORE_LAYERS_OF_32`: FastV's K = 2); the method takes option
+    ``layers`` (absolute layers; None: the scaled default) besides its own ``options``, each of which ``score`` takes
+    as a keyword. One stage keeps the budget; several keep a geometric schedule from all the visual tokens to the
+    budget after the last (``llm_hooks.geometric``). ``replace``: take over a name a method of one's own already
+    holds, never one of this package's. ``description``: default the first line of ``score``'s docstring."""
+    if score is None:
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is already registered")
+        problem = in_llm_hooks_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        _check_choices(name, options or {}, choices or {})
+        _REGISTRY[name] = MethodSpec(name=name, fn=None, options=dict(options or {}), choices=dict(choices or {}),
+                                     description=description, stage=IN_LLM, check=check)
+        return
+    if not callable(score):
+        raise ValueError(f"register_in_llm_method: score of method {name!r} must be a function "
+                         f"score(inputs, **options) -> [B, L] scores, got {type(score).__name__}")
+    if name in IN_LLM_HOOKED:
+        raise ValueError(f"method {name!r} is already registered (one of promprune's own methods): pick another name")
+    _check_registration(name, score, options or {}, replace, choices, caller="register_in_llm_method")
+    from .in_llm import check_layers
+
+    given = list(layers) if isinstance(layers, (list, tuple)) else layers
+    check_layers(name, given, what="argument 'layers' of register_in_llm_method")
+    if given is None or max(given) > 31:
+        raise ValueError(f"register_in_llm_method: layers of method {name!r} are given for a 32-layer LLM (scaled to "
+                         f"the depth), ints in [1, 31], got {layers!r}")
+
+    def checked(opts: dict, budget: int | None = None) -> None:
+        check_layers(name, opts["layers"])
+        if check is not None:
+            check(opts, budget)
+
+    _REGISTRY[name] = MethodSpec(
+        name=name, fn=None, options={"layers": None, **(options or {})}, choices=dict(choices or {}),
+        description=description or (score.__doc__ or "").strip().split("\n")[0], stage=IN_LLM, check=checked,
+        score=score, score_layers=tuple(given))
 
 
 def _load_plugins() -> None:

@@ -379,12 +379,13 @@ def test_released_positions_renumber_the_kept_sequence(method, positions, images
 
 
 def test_an_in_llm_method_the_hooks_do_not_implement_is_refused_by_name():
-    """``register_in_llm_method`` is documented for in-LLM methods, but the hooks implement the four built-ins only:
-    a fifth name with FastV's options failed in PrunedVLM with a bare KeyError 'layers' (and the sweep's
-    --validate-only with a traceback through its preflight); one with SparseVLM's options ran SparseVLM's hooks under
-    its own name, without a word. Refused as it registers; one in the registry all the same (written into it) is
-    refused by ``validate_method`` (PrunedVLM before any weight loads, the sweep spec's check as the trial's problem)
-    and by each entry point of the hooks, before any option of it is read."""
+    """``register_in_llm_method`` is documented for in-LLM methods, but the hooks implement the four built-ins by name
+    and others only by a score they register (``test_in_llm_scored``): a fifth name with FastV's options and no score
+    failed in PrunedVLM with a bare KeyError 'layers' (and the sweep's --validate-only with a traceback through its
+    preflight); one with SparseVLM's options ran SparseVLM's hooks under its own name, without a word. Refused as it
+    registers, saying how to register a score; one in the registry all the same (written into it) is refused by
+    ``validate_method`` (PrunedVLM before any weight loads, the sweep spec's check as the trial's problem) and by each
+    entry point of the hooks, before any option of it is read."""
     from types import SimpleNamespace
 
     import promprune
@@ -393,10 +394,12 @@ def test_an_in_llm_method_the_hooks_do_not_implement_is_refused_by_name():
     from promprune.models.options import validate_method
     from promprune.selection import registry
 
-    assert set(llm_hooks.STAGE_KINDS) == set(registry.IN_LLM_HOOKED) == set(promprune.methods("in_llm"))
+    builtin = {m for m in promprune.methods("in_llm") if promprune.method_spec(m).score is None}
+    assert set(llm_hooks.STAGE_KINDS) == set(registry.IN_LLM_HOOKED) == builtin
     refused = (r"in-LLM method 'mine' has no hooks to prune with: .*promprune.models.llm_hooks's, implement fastv, "
-               r"sparsevlm, dart, pyramiddrop only\. An in-LLM method of your own needs a change in "
-               r"promprune/models/llm_hooks.py today .*registers with promprune.register_method instead")
+               r"sparsevlm, dart, pyramiddrop by name, and any other in-LLM method by the score it registers\. "
+               r"Register yours with register_in_llm_method\(name, score=fn, layers=\.\.\., options=\.\.\.\): .*"
+               r"registers with promprune.register_method instead")
     with pytest.raises(ValueError, match=refused):
         registry.register_in_llm_method("mine", description="my FastV variant", options={"layer": 2})
     assert "mine" not in promprune.methods(None)

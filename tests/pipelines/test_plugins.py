@@ -5,6 +5,7 @@ naming themselves, the runtime environment ships them, and promprune itself find
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -118,6 +119,64 @@ def test_a_plugins_method_is_checked_like_ours(tmp_path, isolated):
         specs.load(bad)
     with pytest.raises(specs.SpecError, match="unknown method 'norm_b'"):
         specs.load(write(tmp_path / "c.yaml", spec_text("s", "norm_b")))
+
+
+IN_LLM_EXAMPLE = REPO / "examples" / "your_method" / "hidden_norm.py"  # an in-LLM method of one's own (a score)
+
+
+def in_llm_spec(trials: str) -> str:
+    return f"""
+    name: s
+    version: 1
+    model: {{pretrained: "tiny:llava"}}
+    plugins: [hidden_norm.py]
+    baseline: false
+    tasks: [testbed_exist_concentrated]
+    grid: {{method: [hidden_norm, fastv], budget: [8]}}
+    trials: {trials}
+    """
+
+
+def test_a_plugins_in_llm_method_is_checked_like_ours(tmp_path, isolated):
+    """A plugin registering an in-LLM score (``register_in_llm_method(name, score=...)``): the spec takes it and its
+    options (its own and the hooks' ``layers``) as it takes FastV's, refuses a misspelled or bad one as it refuses a
+    built-in's, and the preflight checks its layers against the model's depth."""
+    from pipelines import preflight
+
+    shutil.copy(IN_LLM_EXAMPLE, tmp_path / "hidden_norm.py")
+    trials = "[{method: hidden_norm, budget: 8, layers: [2], p: 1.0}]"
+    spec = specs.load(write(tmp_path / "s.yaml", in_llm_spec(trials)))
+    assert {t.trial_id: (t.method, t.options) for t in specs.expand(spec)} == {
+        "hidden_norm-b8": ("hidden_norm", {}), "fastv-b8": ("fastv", {}),
+        "hidden_norm-b8-layers=2-p=1.0": ("hidden_norm", {"layers": [2], "p": 1.0})}
+    assert preflight.check_in_llm_layers(spec) == []
+    for trial, needle in [
+        ("{method: hidden_norm, budget: 8, pp: 1.0}", r"trials\[0\]\.pp: hidden_norm takes no option 'pp' \(did you "
+                                                     r"mean 'p'\?\)"),
+        ("{method: hidden_norm, budget: 8, p: 0.5}", r"trial hidden_norm-b8-p=0.5: option 'p' of hidden_norm must be "
+                                                    r">= 1"),
+        ("{method: hidden_norm, budget: 8, layers: [3, 2]}", r"option 'layers' of hidden_norm must list each pruning "
+                                                            r"layer once in ascending order"),
+    ]:
+        with pytest.raises(specs.SpecError, match=needle):
+            specs.load(write(tmp_path / "bad.yaml", in_llm_spec(f"[{trial}]")))
+    deep = specs.load(write(tmp_path / "deep.yaml", in_llm_spec("[{method: hidden_norm, budget: 8, layers: [4]}]")))
+    assert preflight.check_in_llm_layers(deep) == [
+        "hidden_norm option 'layers' must be < 4 (LLM depth), got [4] (trial hidden_norm-b8-layers=4)"]
+
+
+def test_a_fresh_process_runs_a_plugins_in_llm_method(tmp_path):
+    """What a Ray worker does with the spec's plugin: ``$PROMPRUNE_PLUGINS`` names it, and PrunedVLM prunes with it
+    inside the LLM (the default K = 2 of 32 is layer 1 of the testbed's 4)."""
+    code = """
+        from PIL import Image
+        from promprune.models import PrunedVLM
+        vlm = PrunedVLM.from_pretrained("tiny:llava", method="hidden_norm", budget=5, p=1.0)
+        print(vlm.generate([Image.new("RGB", (40, 56), "red")], ["Colour?"], max_new_tokens=1)[0].layer_visual_tokens)
+        """
+    proc = _python(code, {library.ENV: str(IN_LLM_EXAMPLE), "HF_HUB_OFFLINE": "1"}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[36, 5, 5, 5]"
 
 
 @pytest.mark.parametrize("source,needle", [
