@@ -22,7 +22,7 @@ trace, ``floor_shift``: ~1e-8), so a bracket holds the exact route's H.
 
 ``split`` runs the first stage's steps for every image (``schedule``: `STEPS`, after a `LEAD`-step stage where the
 batch's steps cost the device or the host more than a stage costs the host), decides every image whose bracket
-(widened by ``DECISION_MARGIN``) gives one count, continues the rest to the next stage, decides again, and so on, and
+(widened by ``decision_margin``) gives one count, continues the rest to the next stage, decides again, and so on, and
 computes the exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided, and for
 images whose bounds a stage refuses (a Krylov space that ran out: spectra of few distinct values) without running the
 later stages. In "auto" a stage runs only where its float64 products cost the device at most half the eigensolve
@@ -94,10 +94,20 @@ def schedule(views: int, n: int, eager: bool = True) -> tuple[int, ...]:
 # (their sum 1.7-3.1e-6 of the trace at n = 1296), where the Gauss-Radau rule's node at 0 no longer lies below the
 # spectrum, and the exact route clamps them: brackets of ~1e-7 missed the float64 entropy of their own float32 matrix
 # by up to 9e-6 at n = 1296 (5.9e-6 at 256; a probe of 2026-12-07, adversarial near-low-rank inputs), growing with the
-# negative mass (~2.8x its share of the trace). So ``split`` reports it in the half-width. Measured up to n = 1296
-# (Qwen2.5-VL at image_tokens 1296, the paper's largest view); larger views (an image_tokens above 1296, Qwen3-VL's
-# native grids) are not measured: the headroom, 2.2x at 1296, shrinks as the negative mass grows with n.
+# negative mass (~2.8x its share of the trace). So ``split`` reports it in the half-width. The miss grows with the
+# matrix's size, slowly (~n^0.4): the worst over 40 adversarial inputs per size (benchmarks/margin_by_size.py, d = 4096)
+# was 7.9e-6 at n = 1296, 1.0e-5 at 2304, 1.2e-5 at 3600, so the margin grows as sqrt(n / MARGIN_FROM) above
+# MARGIN_FROM (``decision_margin``): 2e-5 up to the paper's largest view, 3.3e-5 at 3600 (headroom 2.5x and more at
+# every measured size, where a fixed 2e-5 left 1.7x at 3600, shrinking).
 DECISION_MARGIN = 2e-5
+MARGIN_FROM = 1296
+
+
+def decision_margin(n: int) -> float:
+    """The margin (normalized H) by which a bracket of an ``n x n`` spectral matrix is widened before it decides and
+    which its reported half-width includes: ``DECISION_MARGIN`` up to ``MARGIN_FROM``, growing as ``sqrt(n /
+    MARGIN_FROM)`` above (the float32 matrix's rounding the bracket does not hold grows with n)."""
+    return DECISION_MARGIN * max(1.0, n / MARGIN_FROM) ** 0.5
 # The exact route clamps C's eigenvalues at the absolute ``entropy.EIGEN_FLOOR`` (1e-12, as the released code does and
 # as mu was calibrated); the bounds read rho = C / tr(C), where the floor is EIGEN_FLOOR / tr(C) and moves H by up to
 # ``floor_shift(n, tr(C))``: ~1e-11 for ordinary tokens (tr(C) = N x spread, O(N)), more than DECISION_MARGIN for a
@@ -444,10 +454,12 @@ def host_read(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, ...]:
-    """``(decided [B] bool, t_sal [B])`` where the widened bracket gives one count (``count`` is non-increasing)."""
+def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor],
+           margin: float = DECISION_MARGIN) -> tuple[np.ndarray, ...]:
+    """``(decided [B] bool, t_sal [B])`` where the bracket widened by ``margin`` (``decision_margin`` of the matrices'
+    size) gives one count (``count`` is non-increasing)."""
     finite = np.isfinite(lo) & np.isfinite(hi)
-    ends = np.where(finite, np.stack([hi + DECISION_MARGIN, lo - DECISION_MARGIN]), 0.0)  # [2, B]: both in one call
+    ends = np.where(finite, np.stack([hi + margin, lo - margin]), 0.0)  # [2, B]: both in one call
     top, bottom = count(torch.from_numpy(ends.reshape(-1))).numpy().reshape(2, -1)  # fewest / most salient tokens
     return finite & (top == bottom), top
 
@@ -474,7 +486,7 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     (``budget.split_budget`` with its options). Returns ``(t_sal [B] long, entropy [B] float32, halfwidth [B]
     float32)`` on the CPU: the entropy is exact where the eigensolve ran (half-width 0), else its bracket's midpoint,
     within the half-width of the exact entropy: half the bracket's width (widened by ``floor_allowance`` for the exact
-    route's eigenvalue floor) plus ``DECISION_MARGIN``, which covers what the bracket does not hold, the float32
+    route's eigenvalue floor) plus ``decision_margin(n)``, which covers what the bracket does not hold, the float32
     matrix's rounding (a bracket of 3e-8 missed the float64 entropy of its own float32 matrix by 5.9e-6)."""
     t_sal, entropy, halfwidth, report = _split(matrix, count, steps, tokens, opening_with)
     LAST_REPORT[:] = [report]
@@ -502,6 +514,7 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
     cancelled = np.zeros(0, dtype=np.int64)  # images whose centering in Gram space cancels: a split of their own
     report = SplitReport()
     allowance = floor_allowance(n)
+    margin = decision_margin(n)
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
     done_steps = 0
     tflops = accel.float64_tflops(device) if accel.entropy_mode() == "auto" else math.inf  # "certified": every stage
@@ -523,13 +536,13 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
         lo, hi = bounds(alpha, beta, n)
         lo, hi = lo - allowance, hi + allowance  # the exact route's eigenvalue floor (``floor_allowance``)
-        decided, counts = decide(lo, hi, count)
+        decided, counts = decide(lo, hi, count, margin)
         decided &= ~flagged
         t_sal[todo[decided]] = counts[decided]
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         # how far the exact metric may lie: the bracket's half-width and the margin its decision took for what the
-        # bracket does not hold (``DECISION_MARGIN``: the float32 matrix's rounding, up to 9e-6 at n = 1296)
-        halfwidth[todo[decided]] = (hi[decided] - lo[decided]) / 2 + DECISION_MARGIN
+        # bracket does not hold (``decision_margin``: the float32 matrix's rounding, up to 9e-6 at n = 1296)
+        halfwidth[todo[decided]] = (hi[decided] - lo[decided]) / 2 + margin
         report.decided.append(int(decided.sum()))
         report.widths += (hi - lo)[decided].tolist()
         # refused bounds (a recurrence that ran out: its betas stay below BREAKDOWN; or NaN: a trace ``density``

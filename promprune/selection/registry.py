@@ -51,8 +51,8 @@ class Selection:
       projected into the features' space); it counts in the budget, so ``indices`` then holds ``T - 1`` tokens.
     - ``entropy_halfwidth [B]`` (on the host) or None: how far ``entropy`` may lie from the exact metric.
       PromPrune's certified split reports its bracket's midpoint, within half the bracket's width plus
-      ``certified.DECISION_MARGIN`` (the float32 matrix's rounding, which the bracket does not hold; 0 where the exact
-      eigensolve ran); None: ``entropy`` is exact (or there is none).
+      ``certified.decision_margin`` of its size (the float32 matrix's rounding, which the bracket does not hold; 0
+      where the exact eigensolve ran); None: ``entropy`` is exact (or there is none).
     """
 
     indices: torch.Tensor

@@ -59,6 +59,8 @@ CASES = {
                          ["--actors 0: must be at least 1", "--hidden 65:"]),
     "decision_margins.py": (["--limit", "0", "--calibration-n", "0"],
                             ["--limit 0: must be at least 1", "--calibration-n 0: must be at least 1"]),
+    "margin_by_size.py": (["--sizes", "576,1", "--seeds", "0"],
+                          ["--sizes 1: must be at least 2", "--seeds 0: must be at least 1"]),
     "prefix_agreement.py": (["--limit", "1", "--dtypes", "float32", "fp17", "--batch-size", "0"],
                             ["--dtypes fp17: unknown dtype", "--batch-size 0: must be at least 1"]),
     "request_bytes.py": (["--tasks", "nosuch", "--limit", "4"], ["--tasks: unknown lmms-eval task(s) ['nosuch']"]),

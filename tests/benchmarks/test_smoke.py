@@ -473,6 +473,19 @@ def test_launches():
     assert int(rows["promprune"][0]) > int(rows["divprune"][0]) > 0
 
 
+def test_margin_by_size():
+    """The smoke row: adversarial near-low-rank tokens at n = 128; every decided input's float64 entropy (numpy's
+    eigensolve of the float32 matrix, independent of the split) and the exact route's lie within the bracket widened
+    by the margin (headroom above 1), and some input was decided by the bracket."""
+    out = run_benchmark("margin_by_size.py", "--smoke")
+    (row,) = [line.split() for line in out.splitlines() if re.match(r" +128 +128 ", line)]
+    decided, total = int(row[2]), int(row[4])
+    assert 0 < decided <= total == 20, row
+    float64_miss, exact_miss, margin = float(row[6]), float(row[7]), float(row[9])
+    assert margin == 2e-5 and max(float64_miss, exact_miss) < margin, row
+    assert float(row[10].rstrip("x")) > 1, row
+
+
 def test_entropy_routes():
     """The two cheaper routes stay closed: moments in the Chebyshev basis lose the Jacobi matrix before the 12 steps
     the split's first stage needs; the O(n^2) bracket is wider than any count boundary's spacing. The float32 table

@@ -36,3 +36,25 @@ def test_the_halfwidth_holds_the_float64_entropy_of_a_near_low_rank_float32_matr
     assert miss > 10 * bracket  # 5.9e-6 against a bracket of 3e-8: the float32 matrix's rounding
     assert miss <= float(sel.entropy_halfwidth[0])
     assert float(sel.entropy_halfwidth[0]) == pytest.approx(bracket + certified.DECISION_MARGIN, rel=1e-6)  # float32
+
+
+def test_the_margin_grows_with_the_matrix_above_the_papers_largest_view():
+    # the float32 matrix's rounding the bracket misses grows with n (~n^0.4; benchmarks/margin_by_size.py): 2e-5 up
+    # to 1296, sqrt(n / 1296) times that above, by hand
+    assert certified.decision_margin(576) == certified.decision_margin(1296) == 2e-5
+    assert certified.decision_margin(5184) == pytest.approx(4e-5)
+    n = 1600  # margin 2e-5 * sqrt(1600 / 1296) = 2.222e-5
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    lam = np.arange(1, n + 1) ** -1.3
+    rho = torch.tensor((q * (n * lam / lam.sum())) @ q.T, dtype=torch.float32)[None]  # trace n: no refusal
+    with accel.entropy("certified"):
+        _, mid, half = certified.split(rho, lambda h: torch.zeros(h.shape, dtype=torch.long), steps=(24,))
+        assert certified.LAST_REPORT[0].exact == 0
+        bracket = certified.LAST_REPORT[0].widths[0] / 2
+        assert float(half[0]) == pytest.approx(bracket + 2e-5 * (n / 1296) ** 0.5, rel=1e-6)
+        # a count boundary 2.1e-5 above the bracket: outside the fixed 2e-5, inside this size's margin: the
+        # exact eigensolve decides
+        boundary = float(mid[0]) + bracket + 2.1e-5
+        certified.split(rho, lambda h: (h < boundary).long(), steps=(24,))  # the same one stage
+        assert certified.LAST_REPORT[0].exact == 1
