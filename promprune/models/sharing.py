@@ -42,14 +42,32 @@ class SharedImage:
 class ImageCache:
     """Per-image results reused across batches: ``images`` (key -> :class:`SharedImage`) and ``prefixes`` (key ->
     the prompt prefixes prefilled for that image, :class:`promprune.models.prefix.Prefix`). ``release(key)`` frees
-    an image once its last question is answered (``promprune.eval.generation.generate_items`` does)."""
+    an image once its last question is answered (``promprune.eval.generation.generate_items`` does).
+
+    What a key holds was made by one wrapper (``owners``: key -> its ``PrunedVLM.cache_owner``): the selection, the
+    features and the prefixes depend on the model, the method, the budget and every option, not on the image alone.
+    A wrapper that asks for a key another wrapper filled (``claim``) drops that one's results and makes its own, so
+    its answers with any cache are those with a fresh one; a cache passed around between wrappers is correct, and
+    saves work only while one wrapper answers an image's questions."""
 
     images: dict = field(default_factory=dict)
     prefixes: dict = field(default_factory=dict)
+    owners: dict = field(default_factory=dict)
+
+    def claim(self, keys, owner) -> None:
+        """Make what ``keys`` hold ``owner``'s: the results another wrapper left under them are dropped."""
+        for key in keys:
+            if self.owners.get(key, owner) != owner or (key not in self.owners and self._holds(key)):
+                self.release(key)
+            self.owners[key] = owner
+
+    def _holds(self, key) -> bool:
+        return key in self.images or key in self.prefixes
 
     def release(self, key) -> None:
         self.images.pop(key, None)
         self.prefixes.pop(key, None)
+        self.owners.pop(key, None)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -83,6 +101,7 @@ def prepare(vlm, images, prompts: list[str], keys: list, cache: ImageCache) -> d
         raise ValueError(f"keys, images and prompts must have one entry per row: {len(keys)} keys, {len(images)} "
                          f"images, {len(prompts)} prompts")
     keys = [Unkeyed() if key is None else key for key in keys]
+    cache.claim(keys, vlm.cache_owner)  # another wrapper's results for these images are not this one's
     first = {}
     for row, key in enumerate(keys):
         first.setdefault(key, row)

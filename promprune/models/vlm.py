@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import re
 import time
 import warnings
@@ -48,6 +49,8 @@ class Generation(SampleStats):
     # None when they did not. ``eval.generation`` records such a sample as failed with this reason
     error: str | None = None
 
+
+_WRAPPERS = itertools.count()  # each PrunedVLM's `cache_owner`: never reused in a process
 
 NONFINITE = ("generation produced non-finite logits (NaN or +inf) for this sample, so its answer is meaningless: the "
              "model's computation overflowed or divided by zero (float16 overflow, a fully masked attention row)")
@@ -240,6 +243,8 @@ class PrunedVLM:
                  **method_options):
         self.method_options, adapter_options = validate_method(method, budget, **method_options)
         self.model, self.processor = model.eval(), processor
+        # what this wrapper's results in an ImageCache are filed under (never another wrapper's: `ImageCache.claim`)
+        self.cache_owner = next(_WRAPPERS)
         self.method, self.budget = method, (None if budget is None else int(budget))  # numpy's ints as Python's
         self.adapter = adapter_for(model, processor, adapter_options)
         self.token_order = token_order(method, adapter_options["token_order"])  # "released" resolved per method
@@ -422,8 +427,10 @@ class PrunedVLM:
         ``keys`` (one per row: the image's identity, e.g. ``Request.image_key``; None: a row without one, whose image
         is its own): rows with one key are one image, and
         when :attr:`shares_vision` it is preprocessed, encoded and selected once (vision once), its results kept in
-        ``cache`` (a :class:`promprune.models.sharing.ImageCache`; None: for this call only) for later calls. The
-        model kwargs are the same as without keys (:mod:`promprune.models.sharing`).
+        ``cache`` (a :class:`promprune.models.sharing.ImageCache`; None: for this call only) for later calls of this
+        wrapper. The model kwargs are the same as without keys (:mod:`promprune.models.sharing`). A cache holds one
+        wrapper's results per image: given results another wrapper (another method, budget, option or model) left
+        under a key, this one drops them and makes its own (``ImageCache.claim``), never reads them.
         """
         images, prompts = batch_lists(images, prompts)
         images = load_images(images, prompts)  # decoded once: the processor and the images' keys read these pixels
@@ -480,8 +487,9 @@ class PrunedVLM:
         ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
         :attr:`shares_prefix`, one beam and the default KV cache: no ``use_cache=False`` nor ``cache_implementation``
         given): the prompt up to the end of an image's visual tokens is prefilled once and its KV cache reused by every
-        question about that image, here and in later calls with the same ``cache`` (:mod:`promprune.models.prefix`);
-        otherwise ignored.
+        question about that image, here and in later calls of this wrapper with the same ``cache``
+        (:mod:`promprune.models.prefix`); otherwise ignored. What another wrapper left in ``cache`` is never read: the
+        answers with any cache are those with a fresh one.
         """
         _check_generation(self.method, generation_kwargs)
         prep = self.prepare(images, prompts, keys=keys, cache=cache)

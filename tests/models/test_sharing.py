@@ -296,3 +296,26 @@ def test_a_none_key_is_no_key(rows):
                        max_new_tokens=NEW_TOKENS)
     assert tokens(got) == tokens(reference) and [g.kept for g in got] == [g.kept for g in reference]
     assert list(cache.images) == ["a"] and list(cache.prefixes) == ["a"]
+
+
+def test_a_cache_another_wrapper_filled_never_answers_for_this_one(rows):
+    """One ImageCache passed to a second wrapper of the same model used to hand it the first wrapper's pruned tokens
+    (entries were found by the image's key alone): its answers and `kept` were the first method's under its own
+    name, and at another budget it failed inside transformers ("Image features and image tokens do not match").
+    Each wrapper's answers with a cache another filled are now its own unshared answers; it reuses its own results."""
+    base = vlm_for("llava")
+    first = PrunedVLM(base.model, base.processor, method="downsample", budget=8)
+    second = PrunedVLM(base.model, base.processor, method="promprune", budget=8)
+    smaller = PrunedVLM(base.model, base.processor, method="downsample", budget=4)
+    references = {id(v): v.generate(rows, PROMPTS, max_new_tokens=NEW_TOKENS) for v in (first, second, smaller)}
+    cache = ImageCache()
+    for vlm in (first, second, smaller, first):
+        got = vlm.generate(rows, PROMPTS, keys=KEYS, cache=cache, prefix_cache=True, max_new_tokens=NEW_TOKENS)
+        reference = references[id(vlm)]
+        assert tokens(got) == tokens(reference) and [g.kept for g in got] == [g.kept for g in reference]
+        assert [g.visual_tokens for g in got] == [g.visual_tokens for g in reference]
+    with TowerCalls(first) as tower:  # the images' entries are its own now: nothing encoded again
+        first.generate(rows, PROMPTS, keys=KEYS, cache=cache, prefix_cache=True, max_new_tokens=NEW_TOKENS)
+    assert not tower.calls and sorted(cache.images) == ["a", "b"] and sorted(cache.prefixes) == ["a", "b"]
+    cache.release("a")
+    assert "a" not in cache.owners and "b" in cache.owners
