@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import os
 import threading
@@ -99,10 +100,19 @@ class PoolKey:
         return hashlib.sha256(f"{self.model}|{self.dtype}|{self.placement}".encode()).hexdigest()[:12]
 
 
-def default_run_requests(vlm, rows: list[Request], batch_size: int) -> list[Prediction]:
+def takes_seed(run_fn: Callable) -> bool:
+    """Whether ``run_fn`` takes a ``seed`` keyword (a ``seed`` parameter or ``**kwargs``)."""
+    params = inspect.signature(run_fn).parameters.values()
+    return any(p.name == "seed" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def default_run_requests(vlm, rows: list[Request], batch_size: int, seed: str | None = None) -> list[Prediction]:
+    """`run_requests`, ``seed`` the trial's id: it seeds the trial's sampled batches with the spec's
+    ``generation.seed`` and each batch's sample keys. A sweep's ``run_fn`` (tests) replaces it, called with
+    ``(vlm, rows, batch_size)``, and ``seed=`` too where its signature takes it (`takes_seed`)."""
     from promprune.eval import run_requests
 
-    return run_requests(vlm, rows, batch_size=batch_size)
+    return run_requests(vlm, rows, batch_size=batch_size, seed=seed)
 
 
 class Watchdog:
@@ -157,6 +167,7 @@ class Worker:
         self.base = source.load(method=None, budget=None)  # the model, unpruned; each trial wraps it (`_vlm`)
         self.wrapped: dict[str, object] = {}
         self.run_fn = run_fn or default_run_requests
+        self.seeds = takes_seed(self.run_fn)
         self.node, self.actor = ray.get_runtime_context().get_node_id(), me
         if pool is not None:
             pool.load_ended.remote(me)
@@ -180,7 +191,7 @@ class Worker:
                 continue
             timeline.mark("predict_start", "actor", call=bid, rows=block.num_rows, trial=trial.trial_id)
             with Watchdog(self.failover.timeout_s, f"block {bid} ({block.num_rows} requests)"):
-                out += self._answer(self._vlm(trial), block)
+                out += self._answer(self._vlm(trial), block, trial.trial_id)
             timeline.mark("predict_end", "actor", call=bid, rows=block.num_rows, trial=trial.trial_id)
         return to_arrow(out, Prediction)
 
@@ -222,10 +233,12 @@ class Worker:
         except ray.exceptions.RayActorError:  # the pool's node is gone: run the block uncounted
             return 1
 
-    def _answer(self, vlm, block: pa.Table) -> list[Prediction]:
+    def _answer(self, vlm, block: pa.Table, seed: str | None = None) -> list[Prediction]:
         """One block's predictions, one per request. The model isolates failing samples itself; an exception out of
         the whole block (an out-of-memory error, say) is retried here, up to `Failover.attempts` tries in all, and
-        then fails the block's requests with its message."""
+        then fails the block's requests with its message. ``seed`` (the trial's id) seeds the block's sampled
+        batches (`promprune.eval.generation.sampling_seed`), so that a trial's sampled answers never depend on the
+        blocks, of its own or of other trials, this worker answered before."""
         import torch
 
         from promprune.eval.requests import share_images
@@ -234,7 +247,7 @@ class Worker:
         for attempt in range(1, self.failover.attempts + 1):
             try:
                 with torch.inference_mode():
-                    preds = self.run_fn(vlm, rows, self.batch_size)
+                    preds = self.run_fn(vlm, rows, self.batch_size, **({"seed": seed} if self.seeds else {}))
                 if len(preds) != len(rows):
                     raise RuntimeError(f"run_requests returned {len(preds)} predictions for {len(rows)} rows")
                 return [dataclasses.replace(add_efficiency(vlm, p), node=self.node) for p in preds]

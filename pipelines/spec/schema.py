@@ -62,10 +62,12 @@ def _bootstrap(n: int) -> int:
 
 class Generation(TypedDict, total=False):
     """generate() kwargs a spec may set over each task's own: a typo such as `max_new_token` must fail before any
-    model loads (only max_new_tokens has a rule here; generate() checks the rest). Beside them, how an image's
+    model loads (only max_new_tokens and seed have a rule here; generate() checks the rest). Beside them, how an image's
     questions share work (promprune.eval.generation; never passed to generate()): `vision_once` encodes and selects
     each image once, `prefix_cache` also prefills its prompt prefix once; both default to true (accuracy sweeps),
-    efficiency trials set both false (Table 6 measures each sample's own latency)."""
+    efficiency trials set both false (Table 6 measures each sample's own latency). `seed` (default 0) seeds sampled
+    generation (do_sample: true) with the trial's id and each batch's samples (promprune.eval.generation.sampling_seed);
+    greedy decoding draws nothing."""
 
     __pydantic_config__ = SECTION
     max_new_tokens: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]
@@ -77,6 +79,7 @@ class Generation(TypedDict, total=False):
     repetition_penalty: Any
     vision_once: Annotated[bool, Field(strict=True), expect("true or false")]
     prefix_cache: Annotated[bool, Field(strict=True), expect("true or false")]
+    seed: Annotated[StrictInt, expect("an int")]
 
 
 def _prefix_needs_vision(generation: dict) -> dict:

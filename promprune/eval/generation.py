@@ -12,10 +12,17 @@ selects per question), ``prefix_cache`` also prefills the prompt up to the end o
 (``PrunedVLM.shares_prefix``: not the question-dependent methods, the in-LLM ones and CDPruner); see
 ``promprune.models.sharing`` and ``promprune.models.prefix``. They are arguments, and an item's generation kwargs may
 set them (a sweep spec's ``generation.vision_once`` / ``generation.prefix_cache``); they never reach ``generate``.
+
+Sampled generation (``do_sample: true``) draws from torch's RNG. With a ``seed`` (``generate_items``; the sweep's
+workers pass the trial's id) or a ``seed`` generation kwarg (a spec's ``generation.seed``), each sampled batch runs
+on the RNG seeded from them and its items' ids (:func:`sampling_seed`), the process's RNG state restored after: a
+batch's draws depend on what it holds, not on what the process ran before. Greedy batches never touch the RNG.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -41,6 +48,9 @@ _SAMPLING_KEYS = ("temperature", "top_p")
 DEFAULT_MAX_NEW_TOKENS = 1024
 # generation kwargs that choose how an image's questions share work (see the module docstring), not generate()'s
 SHARING_KEYS = ("vision_once", "prefix_cache")
+# the generation kwarg (a spec's generation.seed) that seeds sampled batches with generate_items' own seed (see the
+# module docstring); never passed to generate()
+SEED_KEY = "seed"
 # the stop string lmms-eval gives every task whose YAML sets no `until` (its few-shot delimiter, api/task.py): a blank
 # line. lmms-eval's own models never stop there: qwen2_5_vl, qwen3_vl and gemma4 drop it from `until` ("to prevent
 # truncation"), llava and llava_hf never apply `until`. Cutting there lost MM-Vet's step-by-step conclusions.
@@ -58,6 +68,7 @@ class Item:
     error: str | None = None
     video: Any = None
     key: str | None = None  # the image's identity (``Request.image_key``): items with one key share their image
+    id: str | None = None  # the sample's identity (``Request.key``): what a sampled batch's seed is drawn from
 
 
 def decode_image(data: Any, name: str) -> Image.Image:
@@ -145,15 +156,45 @@ def sharing_options(gen_kwargs: dict, vision_once: bool, prefix_cache: bool) -> 
     return chosen[0], chosen[1]
 
 
+def sampling_seed(seed: Any, gen_kwargs: dict, items: list[Item]) -> int | None:
+    """The seed of a sampled batch of ``items``: a hash of ``seed`` (the caller's: a sweep's trial id), the items'
+    ``seed`` generation kwarg (a spec's ``generation.seed``, 0 unset) and the items' ids in batch order (an item
+    without an id: its image key and prompt). None when neither seed is given: the batch draws from the process's
+    RNG as it stands (the lmms-eval plugin: lmms-eval seeds torch itself)."""
+    own = gen_kwargs.get(SEED_KEY)
+    if seed is None and own is None:
+        return None
+    ids = [it.id if it.id is not None else [it.key, it.prompt] for it in items]
+    text = json.dumps([seed, 0 if own is None else own, ids], default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1  # torch takes < 2**63
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None):
+    """Torch's RNG (CPU and every initialized CUDA device) seeded with ``seed`` inside, its state before restored
+    after (nothing leaks into the code that runs next); nothing at all when ``seed`` is None."""
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:  # (an uninitialized CUDA is not seeded: torch.manual_seed would seed it later, past the restore)
+            torch.cuda.manual_seed_all(seed)
+        yield
+
+
 def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,
-               prefix_cache: bool = False, keys: list | None = None) -> list[Answer]:
+               prefix_cache: bool = False, keys: list | None = None, seed: Any = None) -> list[Answer]:
     """Generate one batch (raises on failure); results carry the batch's peak memory. ``cache``: the images'
-    shared work (vision once; ``keys`` their keys), ``prefix_cache``: their prefixes too."""
+    shared work (vision once; ``keys`` their keys), ``prefix_cache``: their prefixes too. A sampled batch runs on
+    the RNG seeded by :func:`sampling_seed` (``seed``: the caller's part of it)."""
     kwargs, until = generate_kwargs(gen_kwargs)
     device = _model_device(vlm)
     reset_peak_memory(device)
     prompts = [it.prompt for it in items]
-    with torch.inference_mode():
+    draws = sampling_seed(seed, gen_kwargs, items) if kwargs["do_sample"] else None
+    with torch.inference_mode(), seeded(draws):
         if items[0].video is not None:  # generate_items never mixes clips and images in a batch
             generations = vlm.generate_video([it.video for it in items], prompts, **kwargs)
         elif cache is not None:
@@ -173,10 +214,10 @@ def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | Non
 
 
 def _run_isolated(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,
-                  prefix_cache: bool = False, keys: list | None = None) -> list[Answer]:
+                  prefix_cache: bool = False, keys: list | None = None, seed: Any = None) -> list[Answer]:
     """Run a batch; if it fails, run its items one by one so only the failing ones fail."""
     try:
-        return _run_batch(vlm, items, gen_kwargs, cache, prefix_cache, keys)
+        return _run_batch(vlm, items, gen_kwargs, cache, prefix_cache, keys, seed)
     except Exception as exc:  # noqa: BLE001 - isolation: the failure is recorded per item below
         if len(items) == 1:
             log.warning("generation failed: %s: %s", type(exc).__name__, exc)
@@ -184,7 +225,7 @@ def _run_isolated(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | 
         log.warning("batch of %d failed (%s: %s); retrying item by item", len(items), type(exc).__name__, exc)
         return [result for i, item in enumerate(items)
                 for result in _run_isolated(vlm, [item], gen_kwargs, cache, prefix_cache,
-                                            None if keys is None else [keys[i]])]
+                                            None if keys is None else [keys[i]], seed)]
 
 
 def _by_image(indices: list[int], keys: list) -> list[int]:
@@ -197,7 +238,7 @@ def _by_image(indices: list[int], keys: list) -> list[int]:
 
 
 def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: bool = False,
-                   prefix_cache: bool = False) -> list[Answer]:
+                   prefix_cache: bool = False, seed: Any = None) -> list[Answer]:
     """One :class:`~promprune.records.Answer` per item, in input order.
 
     Items are batched with others of identical generation kwargs (lmms-eval tasks may differ) and of the same kind
@@ -205,6 +246,10 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
     carries that error. ``vision_once`` / ``prefix_cache`` (an item's generation kwargs may override them:
     :func:`sharing_options`): image items are batched by their ``key`` (an item without one is an image of its own)
     and each image's shared work is kept until its last question is answered.
+
+    ``seed`` (any JSON-able value; None: none): with the items' own ``seed`` generation kwarg, what each sampled
+    batch's RNG is seeded from (:func:`sampling_seed`), with the batch's item ids: the same items, batch size and
+    seeds give the same sampled answers (on the same hardware and software), whatever ran before in the process.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -229,7 +274,7 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
             answers = _run_isolated(vlm, [items[i] for i in chunk], gen_kwargs, cache if share else None, prefix,
-                                    [keys[i] for i in chunk] if share else None)
+                                    [keys[i] for i in chunk] if share else None, seed)
             for i, result in zip(chunk, answers):
                 results[i] = result
                 if share:

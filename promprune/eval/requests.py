@@ -221,25 +221,25 @@ def _item(request: Request, last: dict) -> Item:
     ``last``: the previous request's decoded image by key (the questions about one image are neighbours in a packed
     block, so each image is decoded once while memory holds one decoded image at a time)."""
     if request.error:
-        return Item(request.prompt, None, request.gen_kwargs, error=request.error)
+        return Item(request.prompt, None, request.gen_kwargs, error=request.error, id=request.key)
     if request.video is not None:
         from promprune.models.video import Clip
 
-        return Item(request.prompt, None, request.gen_kwargs, video=Clip.from_bytes(request.video))
+        return Item(request.prompt, None, request.gen_kwargs, video=Clip.from_bytes(request.video), id=request.key)
     key = request.image_key
     try:
         image = last[key] if key and key in last else decode_image(request.image,
                                                                    f"{request.task} doc {request.doc_id}")
     except ValueError as exc:
-        return Item(request.prompt, None, request.gen_kwargs, error=str(exc))
+        return Item(request.prompt, None, request.gen_kwargs, error=str(exc), id=request.key)
     if key and key not in last:
         last.clear()
         last[key] = image
-    return Item(request.prompt, image, request.gen_kwargs, key=key)
+    return Item(request.prompt, image, request.gen_kwargs, key=key, id=request.key)
 
 
 def run_requests(vlm, requests: list[Request], *, batch_size: int = 8, vision_once: bool = True,
-                 prefix_cache: bool | None = None) -> list[Prediction]:
+                 prefix_cache: bool | None = None, seed=None) -> list[Prediction]:
     """Answer every request with ``vlm`` (a ``PrunedVLM``): one prediction per request, in order.
 
     A corrupt image or a failing generation gives ``prediction=""`` and ``error`` set; the other requests of its
@@ -251,6 +251,10 @@ def run_requests(vlm, requests: list[Request], *, batch_size: int = 8, vision_on
     also prefills its prompt prefix once (:func:`promprune.eval.generation.generate_items`). Both are on, as in
     accuracy sweeps (``prefix_cache`` None: as ``vision_once``, which it needs); a request's ``gen_kwargs`` may set
     either (a sweep spec's ``generation``: efficiency trials measure each sample's own latency with both off).
+
+    ``seed`` (None: none) and the requests' ``seed`` generation kwarg seed each sampled batch from the keys of its
+    requests (:func:`promprune.eval.generation.sampling_seed`): the same requests, ``batch_size`` and seeds give the
+    same sampled answers, whatever the process ran before. The sweep's workers pass the trial's id.
     """
     bad = [i for i, r in enumerate(requests) if not isinstance(r, Request)]
     if bad:
@@ -259,5 +263,5 @@ def run_requests(vlm, requests: list[Request], *, batch_size: int = 8, vision_on
     last: dict = {}
     prefix_cache = vision_once if prefix_cache is None else prefix_cache
     answers = generate_items(vlm, [_item(r, last) for r in share_images(requests)], batch_size=batch_size,
-                             vision_once=vision_once, prefix_cache=prefix_cache)
+                             vision_once=vision_once, prefix_cache=prefix_cache, seed=seed)
     return [Prediction.answering(r, a) for r, a in zip(requests, answers)]

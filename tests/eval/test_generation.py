@@ -252,3 +252,53 @@ def test_a_context_holding_the_image_tag_is_answered_as_the_plain_question(arch)
     assert answers[1::2] == [g.text for g in plain]  # the plain questions' answers are PrunedVLM's own
     assert lm.vlm.conversation(contexts[0]) == lm.vlm.conversation(contexts[1])
     assert lm.vlm.conversation(contexts[2]) == lm.vlm.conversation(contexts[3])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampled generation, seeded
+
+
+def _sampled(rows, **extra):
+    return [dataclasses.replace(r, gen_kwargs={"max_new_tokens": 4, "do_sample": True, "temperature": 30.0,
+                                               "until": ["\n\n"], **extra}) for r in rows]
+
+
+def test_sampled_answers_depend_on_the_seeds_and_samples_not_on_what_the_process_drew_before(tiny_llava):
+    """A sampled batch used to draw from the process's torch RNG as it stood: two runs of one spec gave different
+    answers, and a trial answered after another on the same worker got other answers than alone. Seeded, a batch's
+    draws come from (the caller's seed, the spec's generation.seed, its sample keys) and the process's RNG state is
+    restored after."""
+    import torch
+
+    rows = _sampled(_rows(4))
+    torch.manual_seed(1)
+    first = _answers(run_requests(tiny_llava, rows, batch_size=2, seed="fastv-b16"))
+    torch.manual_seed(2)
+    torch.rand(1000)  # another trial's draws on the same worker
+    state = torch.get_rng_state()
+    again = _answers(run_requests(tiny_llava, rows, batch_size=2, seed="fastv-b16"))
+    assert again == first
+    assert torch.equal(torch.get_rng_state(), state)  # nothing leaks into what runs next
+    # another trial (a repeat: its id differs) or another generation.seed draws other answers (temperature 30: the
+    # tiny model's 4 tokens drawn near uniformly from its vocabulary, so equal answers would be a seeding bug)
+    assert _answers(run_requests(tiny_llava, rows, batch_size=2, seed="fastv-b16-r1")) != first
+    assert _answers(run_requests(tiny_llava, _sampled(_rows(4), seed=1), batch_size=2, seed="fastv-b16")) != first
+    # without any seed (the lmms-eval plugin: lmms-eval seeds torch itself) a batch draws from the process's RNG
+    torch.manual_seed(3)
+    unseeded = _answers(run_requests(tiny_llava, rows, batch_size=2))
+    torch.manual_seed(3)
+    assert _answers(run_requests(tiny_llava, rows, batch_size=2)) == unseeded
+
+
+def test_greedy_answers_are_untouched_by_the_seed(tiny_llava):
+    """Greedy decoding draws nothing: a seed changes neither its tokens nor the process's RNG."""
+    import torch
+
+    rows = _rows(4)
+    plain = run_requests(tiny_llava, rows, batch_size=2)
+    state = torch.get_rng_state()
+    seeded = run_requests(tiny_llava, [dataclasses.replace(r, gen_kwargs={**r.gen_kwargs, "seed": 5}) for r in rows],
+                          batch_size=2, seed="t")
+    assert _answers(seeded) == _answers(plain)
+    assert torch.equal(torch.get_rng_state(), state)
+

@@ -164,3 +164,11 @@ def test_sharing_options_are_flags_and_prefix_needs_vision():
         "false set prefix_cache: false too"]
     (error,) = problems(generation={"prefix_cach": True})
     assert error.startswith("generation.prefix_cach: unknown field (did you mean 'prefix_cache'?)")
+
+
+def test_generation_seed_is_an_int():
+    """generation.seed (promprune.eval.generation.sampling_seed: seeds sampled batches with the trial's id): an int,
+    checked before any model loads; before, the key was unknown."""
+    assert specs.parse({**BASE, "generation": {"do_sample": True, "seed": 3}}).generation == {"do_sample": True,
+                                                                                             "seed": 3}
+    assert problems(generation={"seed": "3"}) == ["generation.seed: expected an int, got '3'"]

@@ -876,3 +876,56 @@ def test_a_workers_kept_wrappers_hold_nothing_on_the_device_but_the_one_serving(
     assert worker._vlm(Trial("cdpruner", 8)) is cdpruner
     assert cdpruner.adapter.device_extras() == ["clip_text"] and divprune.adapter.device_extras() == []
     assert cdpruner.generate([image], [prompt], max_new_tokens=1)[0].kept == kept
+
+
+def test_a_trials_sampled_answers_do_not_depend_on_the_blocks_its_worker_answered_before():
+    """Sampled generation (generation: {do_sample: true}) drew from the worker process's torch RNG: a `random` trial's
+    block answered first changed a later fastv trial's answers, and two runs of one spec differed. Each block is now
+    seeded from the trial's id (with the spec's generation.seed and the batch's samples): the fastv trial's answers
+    are the same alone, after another trial's block, and after the process drew anything else; its repeat (r1)
+    draws its own. Run functions that take no seed (the tests' stand-ins) are still called as before."""
+    import functools
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from promprune.models import PrunedVLM
+    from promprune.models.tiny import tiny_vlm
+    from promprune.records import Request, to_arrow
+
+    from pipelines.run.requests import seal
+    from pipelines.run.workers import Failover, Worker, default_run_requests, takes_seed
+    from pipelines.spec.trials import Trial
+
+    torch.set_num_threads(1)
+    model, processor = tiny_vlm("llava")
+    worker = Worker.__new__(Worker)  # no Ray: the state `Worker.__init__` gives it
+    worker.source, worker.wrapped = weights.ModelSource(pretrained="tiny:llava"), {}
+    worker.pool = worker.node = None
+    worker.base = PrunedVLM(model, processor, method=None)
+    worker.batch_size, worker.failover = 2, Failover()
+    worker.run_fn, worker.seeds = default_run_requests, True
+    rows = []
+    for i in range(4):
+        buffer = io.BytesIO()
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (56, 40, 3), dtype=np.uint8)).save(buffer, "PNG")
+        rows.append(Request(task="t", doc_id=i, n_docs=4, prompt="What is in the picture?", image=buffer.getvalue(),
+                            image_key=f"img{i}", gen_kwargs={"max_new_tokens": 4, "do_sample": True,
+                                                             "temperature": 30.0}))
+    block = seal(to_arrow(rows, Request))
+
+    def answers(trial):
+        out = from_arrow(worker.answer(trial, block, "run"), Prediction)
+        assert not any(p.error for p in out)
+        return [p.prediction for p in out]
+
+    fastv = Trial("fastv", 8)
+    alone = answers(fastv)
+    answers(Trial("random", 8))  # another trial's sampled block on this worker
+    torch.rand(1000)
+    assert answers(fastv) == alone
+    assert answers(Trial("fastv", 8, repeat=1)) != alone
+    assert takes_seed(default_run_requests) and takes_seed(lambda vlm, rows, batch_size, **kw: None)
+    assert not takes_seed(functools.partial(lambda vlm, rows, batch_size, *, log: None, log="x"))
+    assert not takes_seed(lambda *a: None)
