@@ -22,7 +22,8 @@ after its last cut), the analytic FLOPs / KV for that model's own text config as
 every one before its cut; a hybrid LLM such as Qwen3.5 as it is: KV only for its full-attention layers, and beside it
 the constant recurrent state of its linear-attention layers, which no token adds to), and the measured median vision,
 selection and LLM prefill time, their sum (Table 6's "prefill"), the full generate time and peak memory (synchronized
-wall clock; the CUDA allocator's high-water mark on a GPU, the process's peak RSS on CPU). On a GPU, PromPrune is
+wall clock; the CUDA allocator's high-water mark on a GPU, the process's peak RSS during the timed calls on CPU, on
+Linux only). On a GPU, PromPrune is
 measured once more with CUDA graphs (``accel.graphs``), and then eager and graphed calls are timed interleaved
 (``--graph-pairs``, ``paired_graphs``) for its select ms. A printed table, never an assertion: timings depend on the
 machine. An ``--analytic-shape`` whose visual-token count depends on the image (MiniCPM-V 4.6) has no unpruned row:
@@ -220,6 +221,11 @@ def paired_graphs(vlm, images, prompt, *, pairs: int, max_new_tokens: int) -> di
             "captures": graphed.tally()["captures"] - before, "same_answers": len(answers) == 1}
 
 
+def _gib(mib: float | None) -> str:
+    """A peak in MiB as GiB with two decimals, '-' where none was measured (CPU off Linux)."""
+    return "-" if mib is None else f"{mib / 1024:.2f}"
+
+
 def print_paired(budget: int, paired: dict) -> None:
     """One line of ``paired_graphs``' outcome."""
     med = statistics.median
@@ -282,7 +288,7 @@ def measured(args) -> None:
         label = (method or "unpruned") + ("+graphs" if graphs else "")
         print(f"| {label} | {budget or 'full'} | {n_vis} | {tflops:.3g} | {kv:.4g} | {state:.4g} | "
               f"{m['vision_ms']:.1f} | {m['select_ms']:.1f} | {m['prefill_ms']:.1f} | {total:.1f} | "
-              f"{m['total_ms']:.1f} | {m['peak_mem_mb'] / 1024:.2f} |", flush=True)
+              f"{m['total_ms']:.1f} | {_gib(m['peak_mem_mb'])} |", flush=True)
     for budget, graphs, report, each in splits:  # how PromPrune's certified split decided in the last timed call
         print(f"\npromprune{'+graphs' if graphs else ''} at {budget}: views decided by the bounds per stage "
               f"{report.decided}, by the exact eigensolve {report.exact_note}; select ms per timed call: {each}",
@@ -292,7 +298,7 @@ def measured(args) -> None:
     print(f"\ntext tokens per prompt: {n_text} (the processor's prompt without its visual placeholders); state MiB: "
           "the linear-attention layers' recurrent state per sequence, the same at every budget; "
           f"timings are medians per batch of {args.batch}; peak GB is the allocator's high-water mark (GiB) on a "
-          "GPU, peak RSS on CPU")
+          "GPU, the peak RSS during the timed calls on CPU (Linux; '-' elsewhere)")
     print()
 
 

@@ -35,13 +35,13 @@ dtype and the delta rule's state in float32, as transformers keeps them), which 
 
 Measured numbers: ``Stopwatch`` times a region with CUDA events on a GPU (kernels are asynchronous, so a host clock
 would time the launch, not the work) and ``time.perf_counter`` on CPU; ``peak_memory_mb`` reads the CUDA allocator's
-high-water mark on a GPU and the process's peak resident set size on CPU.
+high-water mark since ``reset_peak_memory`` on a GPU, and on CPU the process's peak resident set since it (Linux's
+VmHWM, which writing 5 to /proc/self/clear_refs resets), or None where that cannot be reset (not the process's
+lifetime high-water mark: model load and all earlier work, no window's peak).
 """
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -473,16 +473,37 @@ def measure_ms(fn, *, device: torch.device | str | None = None, warmup: int = 1,
     return times
 
 
+_RSS_WINDOW = {"open": False}  # whether this process's peak resident set was reset (a CPU window is open)
+CLEAR_REFS, STATUS = "/proc/self/clear_refs", "/proc/self/status"
+
+
 def reset_peak_memory(device: torch.device | str | None = None) -> None:
-    """Start a new peak-memory window on a CUDA device (no-op on CPU: the process peak RSS cannot be reset)."""
+    """Start a new peak-memory window: the CUDA allocator's on a GPU; on CPU this process's peak resident set
+    (Linux: 5 written to /proc/self/clear_refs resets VmHWM to the current resident set; elsewhere, or where it
+    cannot be written, no window opens and ``peak_memory_mb`` says None)."""
     if _is_cuda(device) and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open(CLEAR_REFS, "w") as f:
+            f.write("5")
+        _RSS_WINDOW["open"] = True
+    except OSError:
+        _RSS_WINDOW["open"] = False
 
 
-def peak_memory_mb(device: torch.device | str | None = None) -> float:
-    """Peak memory in MiB: CUDA allocator high-water mark since the last reset, or the process peak RSS on CPU."""
+def peak_memory_mb(device: torch.device | str | None = None) -> float | None:
+    """Peak memory in MiB since the last ``reset_peak_memory``: the CUDA allocator's high-water mark, or on CPU the
+    process's peak resident set (VmHWM: the model's resident weights and everything else the process holds). None
+    on CPU where no window is open: the process's lifetime high-water mark (``ru_maxrss``: its model load and every
+    earlier, hungrier batch) is nobody's peak."""
     if _is_cuda(device) and torch.cuda.is_available():
         return torch.cuda.max_memory_allocated(device) / MIB
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # ru_maxrss is in KiB on Linux and in bytes on macOS
-    return peak / MIB if sys.platform == "darwin" else peak / 1024
+    if not _RSS_WINDOW["open"]:
+        return None
+    try:
+        with open(STATUS) as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib / 1024

@@ -54,7 +54,9 @@ class Answer(SampleStats):
 
     prediction: str = ""  # the text after lmms-eval's stop strings; "" when the sample failed
     error: str | None = None  # why the sample failed (unreadable image, failed generation); None when it did not
-    peak_mem_mb: float | None = None  # peak memory of the sample's batch (CUDA allocator or process RSS)
+    # peak memory of the sample's batch: the CUDA allocator's, or on CPU the process's peak resident set during the
+    # batch (Linux; None elsewhere): promprune.efficiency.peak_memory_mb
+    peak_mem_mb: float | None = None
 
     @property
     def failed(self) -> bool:

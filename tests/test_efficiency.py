@@ -1,5 +1,6 @@
 """Efficiency formulas against the paper's Table 6 and against independent counts on a real transformers model."""
 
+import os
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from promprune.efficiency import (
     measure_ms,
     peak_memory_mb,
     prefill_flops,
+    reset_peak_memory,
     text_shape,
     vision_flops,
 )
@@ -124,13 +126,36 @@ def test_stopwatch_and_measure_on_cpu():
     calls = []
     times = measure_ms(lambda: calls.append(1), device="cpu", warmup=2, repeats=3)
     assert len(times) == 3 and len(calls) == 5 and all(t >= 0 for t in times)
-    assert peak_memory_mb("cpu") > 10  # a Python process with torch loaded holds far more than 10 MiB
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+def test_cpu_peak_memory_is_the_windows_not_the_processs_lifetime_high_water_mark():
+    """On CPU the peak was the process's ru_maxrss, which reset_peak_memory could not reset: on a warm worker every
+    later trial's peak_mem_gb was the high-water mark of the model load and of the hungriest trial before it. Now a
+    window after a 512 MiB array was freed reports less than the window that held it (the array's pages, touched:
+    resident), and both at least what the process holds now."""
+    reset_peak_memory("cpu")
+    held = bytearray(512 * MIB)
+    held[::4096] = b"\1" * len(held[::4096])  # every page touched: resident
+    hungry = peak_memory_mb("cpu")
+    del held
+    reset_peak_memory("cpu")
+    light = peak_memory_mb("cpu")
+    assert hungry >= light + 400 and light > 10  # torch loaded: far more than 10 MiB resident
+
+
+def test_cpu_peak_memory_is_none_without_a_window(monkeypatch):
+    """Where the peak cannot be reset (not Linux, /proc/self/clear_refs not writable) there is no CPU peak to give:
+    None, not the process's lifetime high-water mark."""
+    from promprune import efficiency
+
+    monkeypatch.setattr(efficiency, "CLEAR_REFS", "/nonexistent/clear_refs")
+    reset_peak_memory("cpu")
+    assert peak_memory_mb("cpu") is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_stopwatch_and_peak_memory_on_cuda():
-    from promprune.efficiency import reset_peak_memory
-
     reset_peak_memory("cuda")
     with Stopwatch("cuda") as sw:
         x = torch.empty(256 * MIB // 4, device="cuda")

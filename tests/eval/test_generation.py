@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import os
 
 import pytest
 from PIL import Image
@@ -302,3 +303,18 @@ def test_greedy_answers_are_untouched_by_the_seed(tiny_llava):
     assert _answers(seeded) == _answers(plain)
     assert torch.equal(torch.get_rng_state(), state)
 
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+def test_a_batchs_cpu_peak_memory_is_its_own_not_what_the_process_held_before(tiny_llava):
+    """On CPU a sample's peak_mem_mb was the process's lifetime high-water mark: on a warm worker a light trial after
+    a hungry one reported the hungry one's peak (and the model load's). A 512 MiB array held and freed before the
+    batch no longer shows in it."""
+    from promprune.efficiency import MIB, peak_memory_mb, reset_peak_memory
+
+    reset_peak_memory("cpu")
+    held = bytearray(512 * MIB)
+    held[::4096] = b"\1" * len(held[::4096])  # every page touched: resident
+    hungry = peak_memory_mb("cpu")
+    del held
+    peaks = [p.peak_mem_mb for p in run_requests(tiny_llava, _rows(2), batch_size=2)]
+    assert all(10 < peak < hungry - 400 for peak in peaks)
