@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_checklist.sh [--install-batch N]... STAGE...
 #
-# Stages: install (every .whlN here) | parity | library | lanczos | selection | vispruner-tiles | speed | table6 |
+# Stages: install (every .whlN here) | parity | library | lanczos | margin | selection | vispruner-tiles | speed | table6 |
 #         shapes | deps | sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.
 # --install-batch N installs .whlN only (one batch travels per call). Every stage runs even when one before it
 # failed; exit 1 when any failed (the last line names them), exit 2 for a stage name it does not know (before any
@@ -28,9 +28,10 @@
 # The shortest way to the selection stages (2026-11-26 evening: two calls, 416 s and 262 s; 2026-11-28 on an H200:
 # 273 s and 274 s, each on a fresh machine, ~35 s of start around each): a .whl1 of one wheel,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl1 transformers==5.23.0
-#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 lanczos selection table6 parity vispruner-tiles
+#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 lanczos margin selection table6 parity vispruner-tiles
 # (lanczos, ~1-2 min expected: the certified split's steps fused or not by size, the line that sets
-# lanczos_triton.FUSED_UP_TO; selection times PromPrune with and without CUDA graphs, fused and unfused; table6 times
+# lanczos_triton.FUSED_UP_TO; margin, ~1 min expected: the bracket against the GPU's own eigensolve on adversarial
+# near-low-rank tokens, the headroom of certified.decision_margin there; selection times PromPrune with and without CUDA graphs, fused and unfused; table6 times
 # its model path eager and with graphs interleaved, `--graph-pairs`: the line that decides PROMPRUNE_GRAPHS, and ends
 # with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
@@ -181,7 +182,7 @@ run_stage() {
   if [ "$rc" -ne 0 ]; then FAILED_STAGES+=("$stage"); fi
 }
 
-KNOWN_STAGES="install|parity|library|selection|lanczos|vispruner-tiles|speed|table6|shapes|deps|sweep|table6-pipeline"
+KNOWN_STAGES="install|parity|library|selection|lanczos|margin|vispruner-tiles|speed|table6|shapes|deps|sweep|table6-pipeline"
 KNOWN_STAGES+="|scaling|gemma4|two-gpus|plan"
 FAILED_STAGES=()
 
@@ -204,6 +205,8 @@ stage() {
       python3 benchmarks/selection.py --device cuda --dtype float32 --batch 1 8 --repeats 9 --tables timing ;;
     lanczos)  # issue 53: the certified split's steps fused (a launch a step) or not, by size: lanczos_triton.FUSED_UP_TO
       env_line; python3 benchmarks/lanczos_steps.py --repeats 15 ;;
+    margin)  # issue 53: the certified split's decision margin against the GPU's own eigensolve (the exact route there)
+      env_line; python3 benchmarks/margin_by_size.py --device cuda --sizes 576,1296 ;;
     vispruner-tiles)  # issue 53: which chain of VisPruner's kernel its time follows (ranking tiles or the row scan)
       env_line; python3 benchmarks/vispruner_tiles.py --repeats 9 ;;
     speed)
