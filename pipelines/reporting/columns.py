@@ -27,6 +27,10 @@ class TaskColumn:
     unit: str = "%"  # the paper's unit once scaled: percent, or MME's points (a mean over both means nothing)
 
 
+# the unit of a task of one's own shown as logged (`column_for`): not known, so never averaged with another's
+AS_LOGGED = "as logged"
+
+
 # The paper's column header, unit scale and decimals per benchmark (lmms-eval 0.7 names, and the offline ones).
 # Which metric stands for a benchmark comes from promprune.eval's PRIMARY_METRICS, the same choice its Rel. uses.
 _DISPLAY = {
@@ -82,11 +86,11 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
         return known
     for name, scale in FALLBACK_METRICS:
         if name in logged_metrics:
-            return TaskColumn(task, task, (name,), scale=scale)
+            return TaskColumn(task, task, (name,), scale=scale, unit="%" if scale == 100.0 else AS_LOGGED)
     metrics = sorted(m for m in logged_metrics if not is_count(m))
     if not metrics:
         raise ValueError(f"task {task!r}: no metric `{task}/...` was logged by any trial of this sweep")
-    return TaskColumn(task, task, (metrics[0],), scale=1.0)
+    return TaskColumn(task, task, (metrics[0],), scale=1.0, unit=AS_LOGGED)
 
 
 def task_interval(metrics: pd.DataFrame, column: TaskColumn) -> tuple[pd.Series, pd.Series] | None:

@@ -16,6 +16,7 @@ import pandas as pd  # noqa: E402
 
 from pipelines.mlflow_layout import MU_TAU  # noqa: E402
 
+from .columns import AS_LOGGED  # noqa: E402
 from .store import BASELINE_METHOD  # noqa: E402
 from .tables import METHOD_LABELS, ScoreTable  # noqa: E402
 
@@ -53,9 +54,10 @@ def _save(fig, path: Path) -> Path:
 def cross_benchmark_mean(table: ScoreTable, rows: pd.DataFrame) -> tuple[pd.Series, str] | None:
     """Without Rel. (no unpruned trial): the mean over benchmarks of each row's scores in the paper's units (each
     column times its scale, as the tables show them) and its axis label, when every benchmark is in one unit; None
-    when they mix units (MME's points beside percentages: their mean is no score of anything)."""
+    when they mix units (MME's points beside percentages: their mean is no score of anything) or one is not known (a
+    task of one's own shown as logged, a 0-10 rating say)."""
     units = {c.unit for c in table.columns}
-    if len(units) != 1:
+    if len(units) != 1 or AS_LOGGED in units:  # (a task of one's own shown as logged: its unit is not known)
         return None
     scaled = pd.DataFrame({c.task: rows[c.task] * c.scale for c in table.columns}, index=rows.index)
     return scaled.mean(axis=1), f"mean score over {len(table.columns)} benchmarks ({units.pop()}; no unpruned trial)"

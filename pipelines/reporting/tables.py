@@ -150,8 +150,6 @@ def _add_spread(frame: pd.DataFrame, columns: list, sweep: Sweep) -> None:
     standard deviation over the runs (raw units; Rel. in points, each run's against the unpruned row, the mean of
     its runs) and how many ran it. Such a row's bootstrap bounds are dropped: the mean of the runs' bounds is no
     interval of their mean."""
-    from promprune.eval.scoring import mean_ratio
-
     tasks = [c.task for c in columns]
     bid = sweep.baseline_id
     base = frame.loc[bid, tasks].to_dict() if bid is not None and bid in frame.index else None
@@ -165,7 +163,7 @@ def _add_spread(frame: pd.DataFrame, columns: list, sweep: Sweep) -> None:
                                                                  len(values)]
             frame.loc[rid, [f"{task}{CI_LOW}", f"{task}{CI_HIGH}"]] = np.nan
         if base is not None:
-            rel = pd.Series([mean_ratio(scores, base) for scores in per_run.to_dict("records")], index=per_run.index)
+            rel = pd.Series([defined_rel(scores, base) for scores in per_run.to_dict("records")], index=per_run.index)
         else:
             rel = runs.get("rel", pd.Series(np.nan, index=runs.index))
         rel = mlflow_layout.rel_percent(rel).dropna()
@@ -187,6 +185,15 @@ def rel_counts(scores: pd.DataFrame, baseline_id: str | None) -> pd.Series:
     return counts.where(counts < full)
 
 
+def defined_rel(scores: dict, base: dict) -> float:
+    """Rel. (a fraction) of one row's ``scores`` over the benchmarks whose ratio to ``base`` is defined
+    (``scoring.ratio_tasks``; `rel_counts` says how many where that is fewer than the table's): the table's rule, for
+    a row and for each run of a repeated row alike."""
+    from promprune.eval.scoring import mean_ratio, ratio_tasks
+
+    return mean_ratio({t: scores[t] for t in ratio_tasks(scores, base)}, base)
+
+
 def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: pd.Series | None) -> pd.Series:
     """Rel. in percent: each benchmark's score over the unpruned model's, averaged over benchmarks (the paper's).
 
@@ -196,14 +203,8 @@ def relative_scores(scores: pd.DataFrame, baseline_id: str | None, logged_rel: p
     average, and `rel_counts` says so beside it.
     """
     if baseline_id is not None and not scores.empty:
-        from promprune.eval.scoring import mean_ratio, ratio_tasks
-
         base = scores.loc[baseline_id].to_dict()
-
-        def defined(row: pd.Series) -> dict:  # the row's benchmarks with a defined ratio (`rel_counts` says how many)
-            return {t: row[t] for t in ratio_tasks(row.to_dict(), base)}
-
-        rel = scores.apply(lambda row: mean_ratio(defined(row), base), axis=1)
+        rel = scores.apply(lambda row: defined_rel(row.to_dict(), base), axis=1)
         return mlflow_layout.rel_percent(rel)
     if logged_rel is None:
         return pd.Series(np.nan, index=scores.index)

@@ -50,3 +50,20 @@ def test_a_task_of_ones_own_is_shown_as_logged_unless_its_metric_is_a_known_frac
     assert (gpt.metrics, gpt.scale) == (("gpt_eval_score",), 1.0)
     other = column_for("own", ["n_failed", "n_samples", "zz_score", "zz_score_ci_low"])
     assert (other.metrics, other.scale) == (("zz_score",), 1.0)
+
+
+def test_a_task_shown_as_logged_is_never_averaged_with_another_without_rel():
+    """Without an unpruned trial the figures average benchmarks only in one known unit: a 0-10 judge rating of a task
+    of one's own (shown as logged) beside POPE's percent averaged to (80 + 7.5) / 2 = 43.75 "%"; now no mean (one
+    panel per benchmark). Two fraction metrics of one's own tasks, both shown in percent, still average."""
+    from pipelines.reporting import figures
+    from pipelines.reporting.tables import ScoreTable
+
+    rating = column_for("my_llava_bench", ["gpt_eval_score", "n_failed"])
+    assert rating.unit != "%" and column_for("own", ["zz_score"]).unit != "%"
+    frame = pd.DataFrame({"pope": [0.80, 0.70], "my_llava_bench": [7.5, 6.0]})
+    assert figures.cross_benchmark_mean(ScoreTable(frame, [KNOWN_COLUMNS["pope"], rating]), frame) is None
+    both = pd.DataFrame({"pope": [0.80, 0.70], "own": [0.5, 0.3]})
+    mean, label = figures.cross_benchmark_mean(
+        ScoreTable(both, [KNOWN_COLUMNS["pope"], column_for("own", ["exact_match"])]), both)
+    assert mean.tolist() == [65.0, 50.0] and "(%;" in label

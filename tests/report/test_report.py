@@ -621,3 +621,21 @@ def test_repeated_runs_are_one_row_their_mean_with_sd_and_count(store, tmp_path,
                                                      (0.76 / 0.81 + 0.55 / 0.60) * 50])
     csv = pd.read_csv(tmp_path / "out" / "scores.csv").set_index("label")
     assert csv.loc["DivPrune", "POPE runs"].tolist() == [2, 2] and csv.loc["Upper bound", "Rel. (%)"] == 100.0
+
+
+def test_a_repeated_rows_rel_spread_leaves_out_what_its_rel_leaves_out(store, tmp_path):
+    """A baseline scoring 0 on POPE leaves POPE out of every Rel. (the row's, "over 1 of 2 benchmarks"), and so out
+    of each run's Rel. behind the row's ± (each run's Rel. was NaN, n=0). By hand, over GQA alone against the mean
+    baseline .61: .50 / .61 = 81.97 %, .56 / .61 = 91.80 %: mean 86.9, sd 6.95."""
+    client, exp = store
+
+    def run(method, budget, pope, gqa, r):
+        tid = ("baseline" if method == "none" else f"{method}-b{budget}") + (f"-r{r}" if r else "")
+        return trial(method, budget, {"pope/pope_f1_score": pope, "gqa/exact_match": gqa}, options={"repeat": r},
+                     tid=tid)
+    log_sweep(client, exp, "repeats0", [
+        run("none", None, 0.0, 0.60, 0), run("none", None, 0.0, 0.62, 1),
+        run("divprune", 16, 0.70, 0.50, 0), run("divprune", 16, 0.74, 0.56, 1)], tasks=["pope", "gqa"], tmp=tmp_path)
+    md = tables.score_table_markdown(tables.build_score_table(load_sweep("repeats0").mean_over_repeats()))
+    (row,) = [line for line in md.splitlines() if line.startswith("| DivPrune")]
+    assert row.endswith("| 86.9% ± 7.0, n=2 (over 1 of 2 benchmarks) |"), row
