@@ -25,8 +25,9 @@
 - **The parent run** also holds params model, tasks, limit, trials, bootstrap, `dtype` (what the workers run in:
   `dtype: auto` resolved for the plan's device, bfloat16 on GPU, float32 on CPU; the regression check compares
   runs of one dtype only) and `attn_implementation`, the search's params (`search`, `scheduler`, `space.<field>`),
-  the driver's `system/...` metrics, and for a sweep varying mu or tau the best trial (`promprune.best_trial`,
-  `best/<metric>` with `_ci_low` / `_ci_high`, `best/mu`, `best/tau`).
+  the driver's `system/...` metrics, and for a sweep whose trials make exactly one (mu, tau) search (`search_key`:
+  trials alike in all else) its best trial (`promprune.best_trial`, `best/<metric>` with `_ci_low` / `_ci_high`,
+  `best/mu`, `best/tau`); a sweep of several searches has none (each one's best is a line of its description).
 - **A saved view per run of a sweep** (experiment tag `mlflow.sharedViewState.promprune-<sweep>-<parent run id>`,
   the runs page's "Views" menu, named `<sweep> <started, UTC> <id's first 8>`; each sweep's latest 10 kept
   (`pipelines.recording.view.VIEWS_KEPT`) and those of its running runs; a `--resume` saves its run's again): the
@@ -39,10 +40,13 @@
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shlex
 from pathlib import Path
+from typing import Hashable, Iterable, Mapping, NamedTuple
 
 from pipelines.paths import default_tracking_uri
 
@@ -62,7 +66,7 @@ DTYPE_PARAM, ATTENTION_PARAM, MODEL_OPTIONS_PARAM = "dtype", "attn_implementatio
 SWEEP_RUN = "promprune.sweep_run"  # the parent run's id, on the parent and on each of its trials: one run of a sweep
 ERROR = "promprune.error"
 NOTE = "mlflow.note.content"  # a run's description in the UI: the spec's description; the parent's, what it found
-BEST_TRIAL = "promprune.best_trial"  # on a parent run whose trials vary mu or tau: the best finished trial's id
+BEST_TRIAL = "promprune.best_trial"  # on a parent run of one (mu, tau) search: its best finished trial's id
 INTERRUPTED = "promprune.interrupted"  # on a parent run whose driver died: what happened, how to resume
 STARTED_AT, FINISHED_AT = "promprune.started_at", "promprune.finished_at"  # ISO 8601 UTC, as tags (not metrics)
 EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"  # what the experiment is;
@@ -85,10 +89,111 @@ NON_OPTION_PARAMS = ("model", "method", "budget", "tasks", "repeat", "mu_source"
                      MODEL_OPTIONS_PARAM)
 
 
-def varies_mu_tau(options) -> bool:
-    """Whether trials with these method options (an iterable of option dicts) vary mu or tau: at least two distinct
-    (mu, tau) points among the trials that set either (the sweeps that get a best trial, its line and its view)."""
-    return len({tuple(o.get(k) for k in MU_TAU) for o in options if any(k in o for k in MU_TAU)}) >= 2
+class SearchKey(NamedTuple):
+    """What a trial's search metric depends on besides mu and tau (`search_key`): two trials are points of one
+    (mu, tau) search only when their keys are equal. ``budget``, ``tasks`` and the option values as `option_text`
+    writes them (``tasks`` joined by commas; None where unknown); ``options``: (name, value) pairs, by name."""
+
+    method: str
+    budget: str | None
+    tasks: str | None
+    options: tuple
+
+    def parts(self) -> dict[str, str | None]:
+        """``{method, budget, tasks, <option>: value}``: what tells one search from another (`search_labels`)."""
+        return {"method": self.method, "budget": self.budget, "tasks": self.tasks, **dict(self.options)}
+
+
+def option_text(value) -> str:
+    """A param's value as one text, the same for the spec's value and for its logged param read back
+    (`pipelines.reporting.store.parse_param`): 64 and 64.0 -> ``64``, 0.9818 -> ``0.9818``, a list or dict as its
+    logged JSON (`pipelines.recording.tracking.trial_params`), anything else as ``str`` writes it."""
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _unset(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _value(options: Mapping, defaults: dict, name: str) -> str | None:
+    """Option ``name`` of a trial as `option_text` writes it: its own value, else (unset, or NaN as a frame of
+    params holds an unset one) the method's default, else None."""
+    value = options.get(name)
+    value = defaults.get(name) if _unset(value) else value
+    return None if _unset(value) else option_text(value)
+
+
+def option_defaults(method: str | None) -> dict:
+    """The registered option defaults of ``method`` (empty for the baseline and for a method this process does not
+    know: a plugin's)."""
+    if method in (None, BASELINE_METHOD):
+        return {}
+    from promprune.selection.registry import method_spec
+
+    try:
+        return dict(method_spec(method).options)
+    except ValueError:
+        return {}
+
+
+def search_key(method: str | None, budget, tasks, options: Mapping, option_names: Iterable[str] = ()) -> SearchKey:
+    """A trial's `SearchKey`: its method, budget, tasks (a sequence of names) and every other option than mu and tau
+    among ``option_names`` (the options any trial of the sweep sets) and its own, an unset option read as the
+    method's registered default (trials set, and log, only the options their spec gives: the grid's
+    ``metric: [spectral]`` beside a trial that leaves it unset is one metric). The one definition of "trials alike in
+    all else" that the report's (mu, tau) planes (`pipelines.reporting.build`) and the console's best lines with the
+    parent run's ``best/*`` (`pipelines.recording.console`) both group by: a mu calibrated for feature-norm entropy
+    is on another scale than attention entropy's, and one searched at 64 tokens is no point of a search at 128."""
+    defaults = option_defaults(method)
+    values = {name: _value(options, defaults, name) for name in sorted(set(option_names) | set(options))
+              if name not in MU_TAU}
+    return SearchKey(method or BASELINE_METHOD, None if _unset(budget) else option_text(budget),
+                     None if tasks is None else ",".join(map(str, tasks)),
+                     tuple((n, v) for n, v in values.items() if v is not None))
+
+
+def mu_tau_point(key: SearchKey, options: Mapping) -> tuple:
+    """A trial's (mu, tau) as `option_text` writes them, an unset one read as its method's default."""
+    defaults = option_defaults(key.method)
+    return tuple(_value(options, defaults, name) for name in MU_TAU)
+
+
+def mu_tau_searches(keys: Mapping[Hashable, SearchKey], options: Mapping[Hashable, Mapping]
+                    ) -> list[tuple[SearchKey, list]]:
+    """The (mu, tau) searches among trials that set mu or tau: per `SearchKey` (``keys``: trial -> its key), in the
+    order the keys first come, the trials alike in all else, where the trials among them in ``options`` (trial -> its
+    options: the ones that count, e.g. those with a score) hold two or more distinct (mu, tau) (`mu_tau_point`).
+    Trials that set mu or tau with different other options (Fig. 4's per-metric calibrated mu) are no search."""
+    groups: dict[SearchKey, list] = {}
+    for trial, key in keys.items():
+        groups.setdefault(key, []).append(trial)
+    return [(key, trials) for key, trials in groups.items()
+            if len({mu_tau_point(key, options[t]) for t in trials if t in options}) >= 2]
+
+
+def trial_searches(trials: Mapping[Hashable, tuple]) -> list[tuple[SearchKey, list]]:
+    """`mu_tau_searches` among trials as a sweep configures them, every one counted (what the console's best lines
+    and the saved view's best column go by): ``trials``: trial -> (method, budget, tasks, options)."""
+    names = {name for *_, options in trials.values() for name in options}
+    setting = {t: config for t, config in trials.items() if any(k in config[3] for k in MU_TAU)}
+    return mu_tau_searches({t: search_key(*config, names) for t, config in setting.items()},
+                           {t: config[3] for t, config in setting.items()})
+
+
+def search_labels(keys: list[SearchKey]) -> list[str]:
+    """What tells each of several searches from the others: ``budget=128, metric=attention`` (the key's parts whose
+    values differ among ``keys``; ``<name> unset`` where a key lacks one); empty for a single search."""
+    parts = [key.parts() for key in keys]
+    names = list(dict.fromkeys(n for p in parts for n in p))
+    differ = [n for n in names if len({p.get(n) for p in parts}) > 1]
+    return [", ".join(f"{n}={p[n]}" if p.get(n) is not None else f"{n} unset" for n in differ) for p in parts]
+
 
 # artifacts
 SPEC_ARTIFACT = "spec.yaml"

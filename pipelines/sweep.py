@@ -28,9 +28,9 @@ Setup -> run -> cleanup:
    checkpoint; the driver (and only the driver) logs each finished trial as an MLflow child run, uploading that file
    as it is.
 3. cleanup: Rel. against the unpruned baseline, the optional nightly regression check, a summary table (with each
-   method's paired difference to the best other, and for a sweep varying mu or tau the line `best rel <v> at mu=<m>
-   tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the workers end (their GPUs free) and
-   the autoscaler request is withdrawn.
+   method's paired difference to the best other, and per (mu, tau) search, among trials alike in all else, the line
+   `best rel <v> at mu=<m> tau=<t>; <S> samples generated`) and the command that opens the MLflow UI; the workers
+   end (their GPUs free) and the autoscaler request is withdrawn.
 
 `--resume` restores the Tune experiment(s): finished trials are not run again, unfinished and errored ones continue
 from their saved blocks, a search keeps its searcher's and its scheduler's state, and the same MLflow parent run
@@ -94,7 +94,8 @@ from pipelines.run import disk, pool_watch, search, trial
 from pipelines.run import resources as planning
 from pipelines.recording import tracking
 from pipelines.recording.callback import RecorderHook, attached, callbacks_counted_without_integrations
-from pipelines.recording.console import SweepConsole, best_line, best_metrics, best_trial, paired_lines, summary_table
+from pipelines.recording.console import (SweepConsole, best_line, best_metrics, best_trials, paired_lines, parent_best,
+                                         summary_table)
 from pipelines.recording.recorder import SweepRecorder
 from pipelines.recording.view import SweepView
 from pipelines.run import checkpoints
@@ -156,7 +157,7 @@ class SweepOutcome:
     paired: list = field(default_factory=list)  # console lines: methods' Rel. differences with paired intervals
     unlogged: list = field(default_factory=list)  # trials whose writes are not in MLflow yet (the store is down)
     resume: str = ""  # the command that continues the sweep (and sends what is not in MLflow yet)
-    best: str | None = None  # the console's last line: the best (mu, tau) with its interval (`best_line`)
+    best: str | None = None  # the console's last line(s): each (mu, tau) search's best (`best_line`)
     regression_note: str | None = None  # what the regression check compared with, or why with nothing (None: no check)
 
     @property
@@ -375,14 +376,15 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         recorder.finalize_rel()
         recorder.count_generated()
         paired = paired_lines(spec, recorder.records)  # here: lmms-eval's output goes to the log
-        best = best_trial(spec, recorder.records)
+        bests = best_trials(spec, recorder.records)  # one per (mu, tau) search
+        best = parent_best(bests)  # the parent's best/*: a sweep's only search's
         regressions, regression_note = [], None
         unlogged = recorder.unlogged(store_wait_s())  # the trials' runs in before the regression check reads them
         if regression_threshold is not None and not unlogged:  # against the previous run of this resolved spec
             regressions, regression_note = tracking.regression_check(
                 client, parent_id, spec.name, spec.version, regression_threshold,
                 spec_fingerprint(specs.dump_resolved(spec)), spec)
-        summary = [line for line in [best_line(spec, recorder.records, recorder.generated, best)] if line]
+        summary = [line for line in [best_line(spec, recorder.records, recorder.generated, bests)] if line]
         recorder.parent(metrics={"trials/total": len(recorder.records),
                                  mlflow_layout.TRIALS_FAILED: sum(r["error"] is not None
                                                                   for r in recorder.records.values()),

@@ -1,7 +1,7 @@
 """What the console shows of a sweep's trials: a line as each starts and ends, the progress bar in samples
 (`SweepConsole`), and at the end the summary table, each method's paired difference to the best other, and the best
-(mu, tau) with the samples generated (`summary_table`, `paired_lines`, `best_line`; `best_trial` and `best_metrics`
-give the same best trial to the parent run).
+(mu, tau) of each (mu, tau) search with the samples generated (`summary_table`, `paired_lines`, `best_line`;
+`best_trial` and `best_metrics` give a sweep's only search's best trial to the parent run).
 
 A trial's *record* is the dict `pipelines.recording.results.SweepResults` keeps: ``trial`` (its config), ``metrics``,
 ``scores``, ``predictions`` (a pyarrow table or None), ``error`` (None, or the failure's text) and, for a trial a
@@ -210,46 +210,75 @@ def _fmt_cell(v: Any) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.1f}"
 
 
-def _varies_mu_tau(records: dict) -> bool:
-    """Whether the records' trials vary mu or tau (`mlflow_layout.varies_mu_tau`)."""
-    return mlflow_layout.varies_mu_tau(rec["trial"]["options"] for rec in records.values())
+def searches(spec: specs.SweepSpec, records: dict) -> list[tuple[mlflow_layout.SearchKey, list[str]]]:
+    """The (mu, tau) searches among the records' trials (`mlflow_layout.mu_tau_searches`, as the report's planes):
+    per `mlflow_layout.search_key`, the trials that set mu or tau alike in all else (method, budget, tasks and every
+    other option, an unset one read as the method's default) where they hold two or more distinct (mu, tau); in the
+    spec's trial order (`in_spec_order`: trials it does not list, by id). Fig. 4's per-metric calibrated mus, one
+    trial per metric, are none."""
+    trials = {tid: rec["trial"] for tid, rec in in_spec_order(spec, records).items()}
+    return mlflow_layout.trial_searches({tid: (t["method"], t["budget"], t.get("tasks") or spec.tasks, t["options"])
+                                         for tid, t in trials.items()})
+
+
+def best_trials(spec: specs.SweepSpec, records: dict) -> list[dict]:
+    """Per (mu, tau) search (`searches`), its finished trial of the best search metric (a tie goes to the first trial
+    id, whatever order the trials finished in): ``{search, trial_id, metric, value, mu, tau}``, and for Rel. its 95%
+    paired bootstrap interval (``low``, ``high``: the documents resampled, the baseline on the same draw; the spec's
+    `bootstrap` resamples, else `pipelines.reporting.paired.ITERS`). ``search``: what tells it from the sweep's
+    other searches (`mlflow_layout.search_labels`; empty for a sweep's only search). A search with no finished trial:
+    ``trial_id`` None. Empty for a sweep with no search."""
+    metric, sign = spec.tune.metric, (1 if spec.tune.mode == "max" else -1)
+    found = searches(spec, records)
+    out = []
+    for (_, tids), label in zip(found, mlflow_layout.search_labels([key for key, _ in found])):
+        done = [records[tid] for tid in tids if not records[tid].get("stopped") and records[tid]["error"] is None
+                and metric in records[tid]["metrics"]]
+        if not done:
+            out.append({"search": label, "trial_id": None, "metric": metric})
+            continue
+        rec = min(done, key=lambda r: (-sign * r["metrics"][metric], r["trial"]["trial_id"]))
+        tid = rec["trial"]["trial_id"]
+        out.append({"search": label, "trial_id": tid, "metric": metric, "value": float(rec["metrics"][metric]),
+                    **{k: rec["trial"]["options"].get(k) for k in MU_TAU}, **_interval(spec, records, tid, metric)})
+    return out
+
+
+def _interval(spec: specs.SweepSpec, records: dict, tid: str, metric: str) -> dict[str, float]:
+    """``{low, high}``: the trial's Rel. 95% paired bootstrap interval against the baseline; empty for another
+    metric, without the baseline's or the trial's answers, or on other documents than the baseline's."""
+    base, rec = records.get(search.BASELINE_ID), records[tid]
+    if metric != REL or base is None or base.get("predictions") is None or rec["predictions"] is None:
+        return {}
+    from pipelines.reporting import paired
+
+    rows = {tid: rec["predictions"], search.BASELINE_ID: base["predictions"]}
+    try:
+        boot = paired.bootstrap([tid], search.BASELINE_ID, lambda t: paired.rows_from(rows[t]),
+                                iters=spec.bootstrap or paired.ITERS)
+    except ValueError:  # the best trial ran on other documents than the baseline, or Rel. is undefined
+        return {}
+    if boot is None:
+        return {}
+    _, low, high = (float(x) for x in boot.rel(tid))
+    return {"low": low, "high": high}
+
+
+def parent_best(bests: list[dict]) -> dict | None:
+    """The best trial the parent run holds (`best_metrics`, tag `promprune.best_trial`): the sweep's one search's,
+    when it has one finished; None for no search, or several (each one's best is a line of the console and of the
+    parent's description, `best_line`; no ``best/*`` metric names one of them the sweep's)."""
+    return bests[0] if len(bests) == 1 and bests[0]["trial_id"] is not None else None
 
 
 def best_trial(spec: specs.SweepSpec, records: dict) -> dict | None:
-    """For a sweep whose trials vary mu or tau, the finished trial of the best search metric (a tie goes to the first
-    trial id, whatever order the trials finished in): ``{trial_id, metric, value, mu, tau}``, and for Rel. its 95%
-    paired bootstrap interval (``low``, ``high``: the documents resampled, the baseline on the same draw; the spec's
-    `bootstrap` resamples, else `pipelines.reporting.paired.ITERS`). None without mu / tau varied or a finished
-    trial."""
-    if not _varies_mu_tau(records):
-        return None
-    metric, sign = spec.tune.metric, (1 if spec.tune.mode == "max" else -1)
-    done = [rec for rec in records.values() if not rec.get("stopped") and rec["error"] is None
-            and any(k in rec["trial"]["options"] for k in MU_TAU) and metric in rec["metrics"]]
-    if not done:
-        return None
-    rec = min(done, key=lambda r: (-sign * r["metrics"][metric], r["trial"]["trial_id"]))
-    tid = rec["trial"]["trial_id"]
-    best = {"trial_id": tid, "metric": metric, "value": float(rec["metrics"][metric]),
-            **{k: rec["trial"]["options"].get(k) for k in MU_TAU}}
-    base = records.get(search.BASELINE_ID)
-    if metric == REL and base is not None and base.get("predictions") is not None and rec["predictions"] is not None:
-        from pipelines.reporting import paired
-
-        rows = {tid: rec["predictions"], search.BASELINE_ID: base["predictions"]}
-        try:
-            boot = paired.bootstrap([tid], search.BASELINE_ID, lambda t: paired.rows_from(rows[t]),
-                                    iters=spec.bootstrap or paired.ITERS)
-        except ValueError:  # the best trial ran on other documents than the baseline, or Rel. is undefined
-            boot = None
-        if boot is not None:
-            _, best["low"], best["high"] = (float(x) for x in boot.rel(tid))
-    return best
+    """The parent run's best trial (`parent_best` of `best_trials`)."""
+    return parent_best(best_trials(spec, records))
 
 
 def best_metrics(best: dict | None) -> dict[str, float]:
-    """The parent run's metrics of the best trial: ``best/<metric>`` (with ``_ci_low`` / ``_ci_high``), ``best/mu``,
-    ``best/tau`` (the options it sets)."""
+    """The parent run's metrics of its best trial (`parent_best`): ``best/<metric>`` (with ``_ci_low`` /
+    ``_ci_high``), ``best/mu``, ``best/tau`` (the options it sets); none without one."""
     if best is None:
         return {}
     name = f"best/{best['metric']}"
@@ -259,18 +288,26 @@ def best_metrics(best: dict | None) -> dict[str, float]:
     return out
 
 
-def best_line(spec: specs.SweepSpec, records: dict, generated: int, best: dict | None = None) -> str | None:
-    """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` (`best_trial`), for a sweep whose trials vary mu or
-    tau (None otherwise). S counts every sample any trial generated, those of trials a scheduler stopped
-    included."""
-    if not _varies_mu_tau(records):
+def best_line(spec: specs.SweepSpec, records: dict, generated: int, bests: list[dict] | None = None) -> str | None:
+    """``best rel <v> at mu=<m> tau=<t>; <S> samples generated`` for a sweep with one (mu, tau) search
+    (`best_trials`); with several, one line per search, ``best rel <v> at mu=<m> tau=<t> (budget=128)`` naming what
+    tells it from the others, the last one ending ``; <S> samples generated (all searches)``. None for a sweep with
+    no search (Fig. 4's per-metric mus). S counts every sample any trial generated, those of trials a scheduler
+    stopped included."""
+    bests = best_trials(spec, records) if bests is None else bests
+    if not bests:
         return None
-    best = best if best is not None else best_trial(spec, records)
-    if best is None:
-        return f"no trial varying mu or tau finished with {spec.tune.metric}; {generated} samples generated"
-    value = records[best["trial_id"]]["metrics"][best["metric"]]  # the trial's own value (the interval's centre too)
-    where = " ".join(f"{k}={best.get(k) if best.get(k) is not None else 'default'}" for k in MU_TAU)
-    return f"best {best['metric']} {value:.4f} at {where}; {generated} samples generated"
+    lines = []
+    for best in bests:
+        among = f" ({best['search']})" if best["search"] else ""
+        if best["trial_id"] is None:
+            lines.append(f"no trial varying mu or tau{among} finished with {best['metric']}")
+            continue
+        value = records[best["trial_id"]]["metrics"][best["metric"]]  # the trial's own (the interval's centre too)
+        where = " ".join(f"{k}={best.get(k) if best.get(k) is not None else 'default'}" for k in MU_TAU)
+        lines.append(f"best {best['metric']} {value:.4f} at {where}{among}")
+    lines[-1] += f"; {generated} samples generated" + (" (all searches)" if len(bests) > 1 else "")
+    return "\n".join(lines)
 
 
 def paired_lines(spec: specs.SweepSpec, records: dict) -> list[str]:

@@ -38,7 +38,7 @@ class SweepView:
     - ``options``: the method options its trials set or its search varies (params, as columns after method and
       budget; mu and tau first);
     - ``running``: a scheduler's metric, whose running value (``running/<metric>``) stopped trials carry;
-    - ``best``: the metric whose best trial the parent holds (``best/<metric>``: a search over mu or tau);
+    - ``best``: the metric whose best trial the parent holds (``best/<metric>``: a sweep's only (mu, tau) search);
     - ``name_chars``: the longest trial name expected (the run-name column is sized to show it whole)."""
 
     tasks: list[str]
@@ -60,9 +60,11 @@ class SweepView:
             methods = methods or ["promprune"]
             longest = max(longest, max(map(len, methods)) + 5 + sum(len(k) + 2 + SEARCHED_VALUE_CHARS
                                                                      for k in searched))
-        # the parent's best (`console.best_trial`)
-        varies_split = mlflow_layout.varies_mu_tau(t.options for t in trials) or any(k in mlflow_layout.MU_TAU
-                                                                                    for k in searched)
+        # the parent's best (`console.parent_best`): a sweep's only (mu, tau) search, among trials alike in all else
+        # (Fig. 4's per-metric calibrated mus are none), or one optuna searches
+        one_search = len(mlflow_layout.trial_searches({i: (t.method, t.budget, t.tasks or spec.tasks, t.options)
+                                                       for i, t in enumerate(trials)})) == 1
+        varies_split = one_search or any(k in mlflow_layout.MU_TAU for k in searched)
         return cls(list(spec.tasks), options[:MAX_OPTION_COLUMNS],
                    running=spec.tune.metric if spec.tune.scheduler != "none" else None,
                    best=spec.tune.metric if varies_split else None, name_chars=min(longest, 80))

@@ -24,7 +24,7 @@ from pipelines.mlflow_layout import MU_TAU
 
 from . import figures, ground_truth, headroom_figure, headroom_section, overlay, paired, side_by_side, tables
 from .published import PAPER_DIR, load_published, published_name
-from .store import BASELINE_METHOD, Sweep, load_predictions
+from .store import BASELINE_METHOD, Sweep, load_predictions, parse_task_list
 
 ARTIFACT_DIR = mlflow_layout.REPORT_DIR  # the report's folder among the parent run's artifacts
 MAX_OVERLAYS = 4  # token-selection overlays per report: one per benchmark, at most this many
@@ -258,54 +258,28 @@ def _where(points: pd.DataFrame, rid: str) -> str:
                      if points.loc[rid, o] == points.loc[rid, o])
 
 
-def _search_key(sweep: Sweep, rid: str) -> tuple:
-    """What a trial's Rel. depends on besides mu and tau: its method, budget, tasks and every other option, an unset
-    option read as the method's registered default (trials log only the options their spec sets: the grid's
-    ``metric: [spectral]`` beside a trial that leaves it unset is one metric). Two trials are points of one (mu, tau)
-    search only when their keys are equal (mu calibrated for feature-norm entropy is on another scale than
-    attention entropy's)."""
+def _search_key(sweep: Sweep, rid: str) -> mlflow_layout.SearchKey:
+    """A trial's `mlflow_layout.search_key` (what its Rel. depends on besides mu and tau, an unset option read as its
+    method's default), from its logged params."""
     row = sweep.trials.loc[rid]
-    defaults = _option_defaults(row["method"])
-    options = []
-    for name in sweep.option_names:
-        value = row.get(name)
-        if value is None or (isinstance(value, float) and np.isnan(value)):
-            value = defaults.get(name)
-        if name not in MU_TAU and value is not None:
-            options.append((name, tables.fmt_value(value)))
     tasks = row.get("tasks") if "tasks" in sweep.trials else None
-    return row["method"], tables.fmt_value(row["budget"]), str(tasks), tuple(options)
+    return mlflow_layout.search_key(row["method"], row["budget"],
+                                    parse_task_list(tasks) if isinstance(tasks, str) else None,
+                                    {name: row.get(name) for name in sweep.option_names})
 
 
-def _option_defaults(method: str) -> dict:
-    """The registered option defaults of ``method`` (empty for a method this process does not know: a plugin's)."""
-    from promprune.selection.registry import method_spec
-
-    try:
-        return dict(method_spec(method).options)
-    except ValueError:
-        return {}
-
-
-def _describe_key(key: tuple) -> str:
+def _describe_key(key: mlflow_layout.SearchKey) -> str:
     """``PromPrune, 64 tokens, metric=attention`` from a `_search_key`."""
-    method, budget, _, options = key
-    parts = [tables.METHOD_LABELS.get(method, method)] + ([f"{budget} tokens"] if budget != "nan" else [])
-    return ", ".join(parts + [f"{name}={value}" for name, value in options])
+    parts = [tables.METHOD_LABELS.get(key.method, key.method)] + ([f"{key.budget} tokens"] if key.budget else [])
+    return ", ".join(parts + [f"{name}={value}" for name, value in key.options])
 
 
-def _searches(sweep: Sweep, points: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
-    """The (mu, tau) searches among ``points``: per `_search_key`, the points of trials alike in all else, where they
-    score two or more distinct (mu, tau); in the trials' order."""
-    if points.empty:
-        return []
-    keys = pd.Series([_search_key(sweep, rid) for rid in points.index], index=points.index)
-    out = []
-    for key in dict.fromkeys(keys):
-        group = points[keys == key]
-        if len(group.dropna(subset=["value"]).groupby(list(MU_TAU), dropna=False)) >= 2:
-            out.append((key, group))
-    return out
+def _searches(sweep: Sweep, points: pd.DataFrame) -> list[tuple[mlflow_layout.SearchKey, pd.DataFrame]]:
+    """The (mu, tau) searches among ``points`` (`mlflow_layout.mu_tau_searches`): per `_search_key`, the points of
+    trials alike in all else, where they score two or more distinct (mu, tau); in the trials' order."""
+    keys = {rid: _search_key(sweep, rid) for rid in points.index}
+    scored = {rid: points.loc[rid, list(MU_TAU)].to_dict() for rid in points.dropna(subset=["value"]).index}
+    return [(key, points.loc[rids]) for key, rids in mlflow_layout.mu_tau_searches(keys, scored)]
 
 
 def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) -> str:

@@ -70,12 +70,7 @@ def varying_options(sweep: Sweep) -> dict[str, list[str]]:
     return out
 
 
-def fmt_value(v) -> str:
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
+fmt_value = mlflow_layout.option_text  # an option's value in a label: 64 (not 64.0), 0.9818
 
 
 def variant_of(row: pd.Series, options: list[str]) -> str:

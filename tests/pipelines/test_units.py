@@ -678,6 +678,101 @@ def test_a_task_without_its_metric_has_no_headline_rather_than_a_count():
     assert headline_keys(["own"], {**counts, "own/accuracy": 0.75}) == ["own/accuracy"]
 
 
+# the console's best (mu, tau) per search, and the parent run's best/*
+
+
+def _rec(method, budget, options, rel, **trial):
+    """A finished trial's record (no predictions: no interval), its id as the spec's."""
+    t = {"method": method, "budget": budget, "options": options, "tasks": None, **trial}
+    t["trial_id"] = specs.trial_id(method, budget, {**options, **trial.pop("spec_options", {})})
+    return t["trial_id"], {"trial": t, "metrics": {"rel": rel}, "scores": {}, "predictions": None, "error": None}
+
+
+def _search_spec():
+    spec = _spec()
+    spec.tasks = ["mme", "pope", "gqa"]
+    return spec
+
+
+def test_per_metric_calibrated_mus_are_no_search_on_the_console_or_the_parent():
+    """Fig. 4 (sweeps/fig4_entropy_metric.yaml): the spectral trial at its default mu, feature-norm and attention
+    entropy each with their own calibrated mu (0.9978, 0.9818: other metrics' scales). No best line and no best/*
+    (the console printed "best rel 0.9100 at mu=0.9818" and the parent logged it as the sweep's best)."""
+    from pipelines.recording.console import best_line, best_metrics, best_trial
+
+    records = dict([
+        _rec(None, None, {}, 1.0),
+        _rec("promprune", 64, {"metric": "spectral"}, 0.95),
+        _rec("promprune", 64, {"metric": "feature_norm", "mu": 0.9978}, 0.88, mu_source="calibration",
+             spec_options={"mu": "calibrate"}),
+        _rec("promprune", 64, {"metric": "attention", "mu": 0.9818}, 0.91, mu_source="calibration",
+             spec_options={"mu": "calibrate"}),
+    ])
+    spec = _search_spec()
+    assert best_line(spec, records, 400) is None
+    assert best_trial(spec, records) is None and best_metrics(best_trial(spec, records)) == {}
+
+
+def test_two_searches_get_a_best_line_each_and_no_best_metrics_on_the_parent():
+    """Two budgets, each searched over mu (and a trial at 64 tokens leaving tau at its default 0.02, a point of the
+    same search as tau=0.02 set). By hand: at 64 tokens mu=0.4 (Rel. 0.80 > 0.75), at 128 mu=0.3 (0.90 > 0.85; the
+    sweep's overall best, which the old console named alone). Neither is the sweep's best: no best/*."""
+    from pipelines.recording.console import best_line, best_metrics, best_trial
+
+    records = dict([
+        _rec(None, None, {}, 1.0),
+        _rec("promprune", 64, {"mu": 0.3, "tau": 0.02}, 0.75),
+        _rec("promprune", 64, {"mu": 0.4}, 0.80),
+        _rec("promprune", 128, {"mu": 0.3, "tau": 0.02}, 0.90),
+        _rec("promprune", 128, {"mu": 0.4, "tau": 0.02}, 0.85),
+    ])
+    spec = _search_spec()
+    assert best_line(spec, records, 500).splitlines() == [
+        # in the spec's trial order; trials it does not list (these), by id
+        "best rel 0.9000 at mu=0.3 tau=0.02 (budget=128)",
+        "best rel 0.8000 at mu=0.4 tau=default (budget=64); 500 samples generated (all searches)",
+    ]
+    assert best_trial(spec, records) is None and best_metrics(best_trial(spec, records)) == {}
+
+
+def test_a_search_per_metric_names_its_metric_and_an_unset_metric_is_the_default():
+    """Spectral and attention entropy each searched over two mu; a trial leaving `metric` unset runs spectral (the
+    registered default) and is a point of the spectral search. By hand: spectral best mu=0.4 (0.80), attention best
+    mu=0.9 (0.90)."""
+    from pipelines.recording.console import best_line
+
+    records = dict([
+        _rec(None, None, {}, 1.0),
+        _rec("promprune", 64, {"metric": "spectral", "mu": 0.3}, 0.70),
+        _rec("promprune", 64, {"mu": 0.4}, 0.80),
+        _rec("promprune", 64, {"metric": "attention", "mu": 0.8}, 0.67),
+        _rec("promprune", 64, {"metric": "attention", "mu": 0.9}, 0.90),
+    ])
+    assert best_line(_search_spec(), records, 500).splitlines() == [
+        "best rel 0.9000 at mu=0.9 tau=default (metric=attention)",
+        "best rel 0.8000 at mu=0.4 tau=default (metric=spectral); 500 samples generated (all searches)",
+    ]
+
+
+def test_one_search_beside_other_methods_is_the_parents_best():
+    """One search (PromPrune at 64 tokens over mu x tau) beside VisPruner: its best line and best/* as before, the
+    best by hand mu=0.3, tau=0.03 (Rel. 0.84); a tie at 0.80 would go to the first trial id."""
+    from pipelines.recording.console import best_line, best_metrics, best_trial
+
+    records = dict([
+        _rec(None, None, {}, 1.0),
+        _rec("promprune", 64, {"mu": 0.2, "tau": 0.01}, 0.80),
+        _rec("promprune", 64, {"mu": 0.3, "tau": 0.03}, 0.84),
+        _rec("promprune", 64, {"mu": 0.2, "tau": 0.03}, 0.80),
+        _rec("vispruner", 64, {}, 0.86),
+    ])
+    spec = _search_spec()
+    assert best_line(spec, records, 300) == "best rel 0.8400 at mu=0.3 tau=0.03; 300 samples generated"
+    best = best_trial(spec, records)
+    assert best["trial_id"] == "promprune-b64-mu=0.3-tau=0.03"
+    assert best_metrics(best) == {"best/rel": 0.84, "best/mu": 0.3, "best/tau": 0.03}
+
+
 def test_a_failed_trial_says_the_exception_that_ended_it_not_a_cut_of_its_traceback(tmp_path):
     """Tune's error file holds a traceback per failure of the trial (a chained one: the user's exception, then the
     one it caused); the console and the run's tag get the last exception's own lines and the file's path."""

@@ -165,10 +165,14 @@ def test_two_runs_of_a_sweep_at_once_each_link_their_own_view(store, tmp_path):
     ("testbed_mu_tau_grid", ["mu", "tau"], None, "rel", "promprune-b16-mu=0.14-tau=0.005"),
     ("testbed_mu_tau_search", ["mu", "tau"], "rel", "rel", "promprune-b16-mu=0.1234-tau=0.01234"),
     ("fig1a_saliency_ratio", ["saliency_ratio"], None, None, "fixed_ratio-b64-saliency_ratio=0.1"),
+    # Fig. 4 on the testbed: one trial per metric, each its own calibrated mu and tau: no search, no best/*
+    ("testbed_prominence", ["mu", "tau", "metric"], None, None,
+     "promprune-b16-metric=feature_norm-mu=calibrate-tau=0.0006"),
 ])
 def test_a_specs_view_shows_what_tells_its_trials_apart(name, options, running, best, longest):
     """The options its trials set or its search varies (mu and tau first), a scheduler's running value, the parent's
-    best where mu or tau vary, and room for the longest name (a searched one: its sampled values' digits)."""
+    best where the trials make one (mu, tau) search (alike in all else: `mlflow_layout.trial_searches`), and room
+    for the longest name (a searched one: its sampled values' digits)."""
     from pipelines import spec as specs
 
     spec = specs.load(REPO / "sweeps" / f"{name}.yaml")
