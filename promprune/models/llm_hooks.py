@@ -30,7 +30,8 @@ per-layer embeddings) are refused (:func:`unsupported`).
 The cut reaches every layer after it. A linear layer gets the 2D mask of the live columns instead of a 4D one, and
 the dead columns (padding, fillers) come first in every row, so its scan reads zeros from a zero state and then only
 the kept tokens, in order; decoding steps leave it transformers' mask (a new token is never padding). The cache's
-sequence length (its first full-attention layer, which ranks before any cut) stays the unpruned prompt's. A sliding
+sequence length (its first layer with keys, :func:`cache_length_layer`, which every stage cuts after) stays the
+unpruned prompt's. A sliding
 layer gets a mask with the window counted in the live columns it holds and each vision run bidirectional, and the
 sliding layers' cache keeps every column for the generation (the window is in the masks).
 
@@ -212,9 +213,9 @@ def stage_layers(config, method: str, opts: dict, name: str | None = None) -> tu
     ``config``: the VLM's config (or its text config); ``opts``: the method's resolved options; ``name``: how errors
     name the model (default: its checkpoint name, else "this model"). Requested layers are the options' or the released
     ones scaled to the depth. On an LLM that mixes layer types (:func:`hybrid_layer_types`: linear-attention or
-    sliding-window layers) a stage must rank at a full-attention layer (:func:`hybrid_stages`): default layers move
-    forward, explicit ones that rank elsewhere are refused. A ValueError in one paragraph names the method, the model
-    and the fix; so does an LLM the hooks cannot prune (:func:`unsupported`).
+    sliding-window layers) a stage must rank at a full-attention layer and cut after the cache's first layer with keys
+    (:func:`hybrid_stages`): default layers move forward, explicit ones that do not are refused. A ValueError in one
+    paragraph names the method, the model and the fix; so does an LLM the hooks cannot prune (:func:`unsupported`).
     """
     _stage_kind(method)  # a method the hooks do not implement: its problem, whatever the model
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -287,6 +288,24 @@ def rankable_layers(types: list[str], method: str) -> list[int]:
     return [i for i, t in enumerate(types) if t not in barred]
 
 
+def cache_length_layer(types: list[str]) -> int:
+    """The layer whose KV cache gives the cache's sequence length (transformers' ``Cache.get_seq_length()``: its first
+    layer with keys, not a linear-attention one; Qwen3.5-4B's layer 3, tiny:qwen3_5's 1). The hooks read the prompt's
+    length there during decoding (and Qwen3.5 its decode positions), so every stage must cut after it: a cut at or
+    before it left it holding only the kept columns, and the first decoding step failed. Layer 0 where no layer is
+    recurrent (every stage cuts after it)."""
+    return next((i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES), 0)
+
+
+def stage_range(types: list[str], method: str) -> list[int]:
+    """The layers ``method``'s stages may cut before on an LLM of ``types``: each ranks at one of
+    :func:`rankable_layers` (the cut layer itself, or the one before it) and cuts after :func:`cache_length_layer`
+    and before the last layer's end."""
+    shift = 0 if _ranks_own_layer(method) else 1
+    first = cache_length_layer(types)
+    return [a + shift for a in rankable_layers(types, method) if first < a + shift < len(types)]
+
+
 def _why_not(kind: str, window: int | None) -> str:
     """Why a layer of type ``kind`` cannot rank visual tokens, for errors."""
     if kind in RECURRENT_LAYER_TYPES:
@@ -302,32 +321,35 @@ def hybrid_stages(types: list[str], method: str, requested: list[int], explicit:
     the kept tokens only, so their recurrent state sees no dropped token from the cut on) and sliding ones (masks with
     the window over the live columns).
 
-    Requested (default) stages move to the first rankable layer at or after their ranking layer
-    (:func:`ranking_layer`) and after the previous stage's, so each stage keeps its own layer: the 32-layer Qwen3.5's
+    Every stage cuts after :func:`cache_length_layer` (the layer whose cache the decoding steps read the prompt's
+    length from), which matters to the methods ranking at the layer they cut before (PyramidDrop, a scored method of
+    one's own): they may not cut before Qwen3.5's first full-attention layer (:func:`stage_range`).
+    Requested (default) stages move to the first such stage whose ranking layer (:func:`ranking_layer`) is at or
+    after theirs and after the previous stage's, so each stage keeps its own layer: the 32-layer Qwen3.5's
     every-4th full attention takes FastV / DART's K = 2 (ranked at layer 1) to K = 4 (ranked at 3), SparseVLM's 3, 7,
-    16 to 4, 8, 16 and PyramidDrop's 8, 16, 24 to 11, 19, 27. A later stage with no such layer left joins the previous
-    stage's layer (tiny:gemma4's PyramidDrop 2, 3, 4 -> 3, 5, 5); a first stage with none is refused. Explicit options
-    (``layer`` / ``layers``) are used as given, and refused when one ranks elsewhere. A ValueError (one paragraph,
+    16 to 4, 8, 16, PyramidDrop's 8, 16, 24 to 11, 19, 27 and a scored method's 2 to 7 (3 is the cache's length
+    layer). A later stage with no such layer left joins the previous stage's layer (tiny:gemma4's PyramidDrop 2, 3, 4
+    -> 3, 5, 5); a first stage with none is refused. Explicit options (``layer`` / ``layers``) are used as given, and
+    refused when one ranks elsewhere or cuts at or before the cache's length layer. A ValueError (one paragraph,
     naming ``method``, ``model`` and the valid values) on refusal; ``window``: the sliding window, for the message.
     """
-    attention = rankable_layers(types, method)
-    shift = 0 if _ranks_own_layer(method) else 1
+    valid = stage_range(types, method)
     if explicit:
         for stage in requested:
-            if ranking_layer(method, stage) not in attention:
+            if stage not in valid:
                 raise ValueError(_refusal(types, method, model, stage, window))
         return list(requested)
     used, previous = [], -1
     for stage in requested:
         rank = ranking_layer(method, stage)
-        found = next((a for a in attention if a >= max(rank, previous + 1) and a + shift < len(types)), None)
+        found = next((cut for cut in valid if ranking_layer(method, cut) >= max(rank, previous + 1)), None)
         if found is None and used:  # no layer left for this stage: it joins the previous one
             used.append(used[-1])
             continue
-        if found is None or found + shift < 1:
+        if found is None:
             raise ValueError(_refusal(types, method, model, stage, window, moved=True))
-        previous = found
-        used.append(found + shift)
+        previous = ranking_layer(method, found)
+        used.append(found)
     return used
 
 
@@ -336,17 +358,23 @@ def _refusal(types: list[str], method: str, model: str, stage: int, window: int 
     default one that found no layer to move to), naming the model, the full-attention layers and the valid values."""
     rank = ranking_layer(method, stage)
     full = [i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES + SLIDING_LAYER_TYPES]
-    shift = 0 if _ranks_own_layer(method) else 1
     option = "layer" if _stage_kind(method) in ("fastv", "dart") else "layers"
-    valid = [a + shift for a in rankable_layers(types, method) if 1 <= a + shift < len(types)]
+    valid = stage_range(types, method)
+    first = cache_length_layer(types)
     where = f"in-LLM method {method!r} on {model}: this LLM attends in full only at layers {full}"
     if moved:
         return (f"{where}; its stage at layer {stage} finds no full-attention layer at or after layer {rank} to rank "
                 f"at with a layer left to prune before, so {method} is refused on this model. Give option {option!r} "
                 f"from {valid}, or run a pre-LLM method")
-    return (f"{where}; option {option!r} gives layer {stage}, which ranks the visual tokens at layer {rank}, "
-            f"{_why_not(types[rank], window)}. Give {option!r} from {valid} (each ranks at a full-attention layer), or "
-            "leave it unset (the scaled default moves to the first full-attention layer at or after it)")
+    if rank in rankable_layers(types, method):  # ranks at a layer it may, but cuts before the cache's length layer
+        why = (f"cuts before layer {first}, the first with a KV cache, whose length the decoding steps read as the "
+               f"prompt's (a cut at or before it leaves it only the kept tokens); {method} ranks at the layer it cuts "
+               f"before, so its stages must cut after layer {first}")
+    else:
+        why = f"ranks the visual tokens at layer {rank}, {_why_not(types[rank], window)}"
+    return (f"{where}; option {option!r} gives layer {stage}, which {why}. Give {option!r} from {valid} (each ranks "
+            "at a full-attention layer), or leave it unset (the scaled default moves to the first of them at or after "
+            "it)")
 
 
 def unsupported(config, method: str, name: str = "this model") -> str | None:

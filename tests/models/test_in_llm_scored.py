@@ -234,7 +234,7 @@ def test_hybrid_layers_are_ruled_as_pyramiddrops():
                                  layer_types=["linear_attention", "full_attention"] * 4)
         assert llm_hooks.stage_layers(config, "hybrid_norm", {"layers": None}) == ([3], [(2, 3)])
         with pytest.raises(ValueError, match=r"option 'layers' gives layer 2, which ranks the visual tokens at layer "
-                                             r"2, a linear-attention layer .* Give 'layers' from \[1, 3, 5, 7\]"):
+                                             r"2, a linear-attention layer .* Give 'layers' from \[3, 5, 7\]"):
             llm_hooks.stage_layers(config, "hybrid_norm", {"layers": [2]}, "m")
     finally:
         registry._REGISTRY.pop("hybrid_norm")

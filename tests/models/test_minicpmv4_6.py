@@ -22,6 +22,8 @@ from promprune.models.shapes import shape_vlm
 from promprune.models.tiny import tiny_vlm
 from promprune.selection.controls import pooling_matrix
 
+from .test_qwen3_5 import OWN, registered
+
 # the conftest images under the tiny processor (32 px views, 2 px patches, 16x): the 56 x 40 landscape is a 12 x 20
 # patch source (3 x 5 tokens) and a 2 x 2 grid of 12 x 20 slices; the 30 x 64 portrait a 24 x 12 source (6 x 3) and
 # 2 x 1 slices of 16 x 16 (4 x 4)
@@ -160,10 +162,19 @@ def test_downsample_pools_each_views_grid(images, prompts):
     assert prep.stats[0]["kept"] == kept
 
 
-@pytest.mark.parametrize("method", ["fastv", "sparsevlm", "dart", "pyramiddrop"])
+@pytest.mark.parametrize("method", ["fastv", "sparsevlm", "dart", "pyramiddrop", OWN])
 def test_in_llm_methods_run_on_the_hybrid_llm(method, images, prompts):
-    out = vlm_for(method, 6).generate(images, prompts, max_new_tokens=2)
+    """A scored method of one's own at its default layer cuts before layer 3, after the cache's first layer with keys
+    (it cut before 1, and the first decoding step failed); PyramidDrop given layer 1 is refused as on Qwen3.5."""
+    with registered(method):
+        vlm = vlm_for(method, 6)
+        assert vlm.pruning(vlm.prepare(images[:1], prompts[:1])).stages[0].layer > 1  # after layer 1, full attention
+        out = vlm.generate(images, prompts, max_new_tokens=2)
     assert [g.visual_tokens for g in out] == [6, 6] and all(len(set(g.kept)) == 6 for g in out)
+    if method == "pyramiddrop":
+        with pytest.raises(ValueError, match=r"option 'layers' gives layer 1, which cuts before layer 1.* Give "
+                                             r"'layers' from \[3, 5, 7\]"):
+            vlm_for(method, 6, layers=[1, 3])
 
 
 def test_an_in_llm_layer_ranking_at_a_linear_layer_is_refused_by_name():

@@ -26,12 +26,13 @@ from promprune.efficiency import (
     text_shape,
 )
 from promprune.models import PrunedVLM, prefix
-from promprune.models.llm_hooks import cache_argument, hybrid_stages, stage_layers
+from promprune.models.llm_hooks import cache_argument, cache_length_layer, hybrid_stages, stage_layers
 from promprune.models.options import all_methods, is_in_llm
 from promprune.models.shapes import shape_spec
 from promprune.models.shapes import _config as shape_config
 from promprune.models.sharing import ImageCache
 from promprune.models.tiny import tiny_vlm
+from promprune.selection import registry
 
 from .conftest import lm_inputs, make_image, naive_greedy, sdpa_keys
 from .test_qwen_positions import hand_positions
@@ -54,6 +55,24 @@ def tiny():
 def vlm_for(method=None, budget=None, **options):
     model, processor = tiny()
     return PrunedVLM(model, processor, method=method, budget=budget, **options)
+
+
+# a scored in-LLM method of one's own (the hidden states' norm), registered by the tests that run it: its default
+# layer 2 of 32 ranks at the layer it cuts before, like PyramidDrop
+OWN = "own_hidden_norm"
+
+
+@contextlib.contextmanager
+def registered(method):
+    """``method`` registered while active when it is :data:`OWN` (the built-ins always are)."""
+    if method != OWN:
+        yield
+        return
+    registry.register_in_llm_method(OWN, score=lambda inputs: inputs.hidden.float().norm(dim=-1))
+    try:
+        yield
+    finally:
+        registry._REGISTRY.pop(OWN, None)
 
 
 def in_llm_options(method):
@@ -203,11 +222,18 @@ def test_full_budget_equals_unpruned_logits(method, images, prompts):
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("method", IN_LLM)
+@pytest.mark.parametrize("method", IN_LLM + [OWN])
 def test_in_llm_generation_is_the_kept_columns_run_alone(method, rows, images, prompts):
     """``generate`` under the hooks (SDPA masks, the linear layers' 2D masks and recurrent / conv states, the KV caches
     of the kept columns) gives, step by step, the logits of a naive loop that runs the layers after each cut on the
-    kept columns only. Two rows: different visual token counts, so one row carries dead filler columns."""
+    kept columns only. Two rows: different visual token counts, so one row carries dead filler columns. A scored
+    method of one's own at its default layer cuts before layer 3 (it cut before 1, the cache's first layer with
+    keys, and the first decoding step failed)."""
+    with registered(method):
+        _generation_is_the_kept_columns_run_alone(method, rows, images, prompts)
+
+
+def _generation_is_the_kept_columns_run_alone(method, rows, images, prompts):
     steps = 3
     vlm = vlm_for(method, 5, **in_llm_options(method))
     prep = vlm.prepare(images[:rows], prompts[:rows])
@@ -294,17 +320,53 @@ LAYER_MAPS = {
     ("4b", "fastv"): [(2, 4)], ("4b", "dart"): [(2, 4)],
     ("4b", "sparsevlm"): [(3, 4), (7, 8), (16, 16)],  # released ranks 2, 6, 15 (cuts 3, 7, 16) -> ranks 3, 7, 15
     ("4b", "pyramiddrop"): [(8, 11), (16, 19), (24, 27)],
+    # ranked at the cut layer, which must follow the cache's first layer with keys (tiny 1, 4B 3): 1 -> 3, 2 -> 7
+    ("tiny", OWN): [(1, 3)], ("4b", OWN): [(2, 7)],
 }
 
 
 @pytest.mark.parametrize("model,method", sorted(LAYER_MAPS))
 def test_stage_layers_move_to_full_attention(model, method):
     config = tiny()[0].config if model == "tiny" else shape_config("qwen3_5_4b")
-    at, mapping = stage_layers(config, method, promprune.method_spec(method).resolve({}, budget=64))
+    with registered(method):
+        at, mapping = stage_layers(config, method, promprune.method_spec(method).resolve({}, budget=64))
     assert mapping == LAYER_MAPS[(model, method)] and at == [used for _, used in mapping]
     types = config.text_config.layer_types
     for layer in at:
-        assert types[layer if method == "pyramiddrop" else layer - 1] == "full_attention"
+        assert types[layer if method in ("pyramiddrop", OWN) else layer - 1] == "full_attention"
+        assert layer > types.index("full_attention")  # every cut after the cache's first layer with keys
+
+
+def test_the_cache_length_layer_is_the_one_transformers_measures(images, prompts):
+    """``cache_length_layer`` names the layer whose length ``Cache.get_seq_length()`` reports (its first attention
+    layer: 1 on tiny:qwen3_5, 3 on the 4B's every-4th pattern, 0 where no layer is linear): after a prefill with that
+    layer's cache cut short by hand, the cache's length is the cut one."""
+    assert (cache_length_layer(TINY_TYPES), cache_length_layer(FOUR_B_TYPES)) == (1, 3)
+    assert cache_length_layer(["sliding_attention", "full_attention"]) == 0
+    vlm = vlm_for()
+    prep = vlm.prepare(images[:1], prompts[:1])
+    cache = DynamicCache(config=vlm.model.config)
+    with torch.inference_mode():
+        vlm.model(**prep.model_kwargs, **{cache_argument(vlm.model): cache})
+    L = prep.model_kwargs["input_ids"].shape[1]
+    assert cache.get_seq_length() == L
+    for i, layer in enumerate(cache.layers):
+        if hasattr(layer, "keys") and layer.keys is not None:
+            layer.keys = layer.keys[..., : L - 1 - i, :]
+    assert cache.get_seq_length() == L - 1 - cache_length_layer(TINY_TYPES)
+
+
+@pytest.mark.parametrize("method,options", [("pyramiddrop", {"layers": [1, 3]}), (OWN, {"layers": [1]})])
+def test_a_cut_at_the_cache_length_layer_is_refused_before_any_work(method, options):
+    """PyramidDrop and a scored method rank at the layer they cut before: layer 1 ranks at a full-attention layer but
+    cuts before the cache's first layer with keys, whose length the decoding steps read (the first one failed with
+    "upper bound and lower bound inconsistent with step sign"). Refused naming the valid layers, 1 not among them."""
+    model, processor = tiny()
+    with registered(method), pytest.raises(ValueError, match=rf"in-LLM method '{method}' on .*model type 'qwen3_5'.*"
+                                           r"option 'layers' gives layer 1, which cuts before layer 1, the first with "
+                                           r"a KV cache.* Give 'layers' from \[3, 5, 7\]") as e:
+        PrunedVLM(model, processor, method=method, budget=5, **options)
+    assert "attends in full only at layers [1, 3, 5, 7]" in str(e.value)
 
 
 @pytest.mark.parametrize("method", IN_LLM)
@@ -342,11 +404,15 @@ def test_an_explicit_layer_ranking_at_full_attention_is_used(method, options, im
 
 
 def test_a_method_without_an_attention_layer_left_is_refused():
-    """A stage needs a full-attention layer to rank at with a layer after it to prune before."""
+    """A stage needs a full-attention layer to rank at with a layer after it to prune before, and (PyramidDrop) one
+    after the cache's first layer with keys."""
     types = ["linear_attention", "linear_attention", "full_attention"]
     with pytest.raises(ValueError, match="finds no full-attention layer at or after layer 0.*so fastv is refused"):
         hybrid_stages(types, "fastv", [1], explicit=False, model="toy")
-    assert hybrid_stages(types, "pyramiddrop", [1], explicit=False, model="toy") == [2]
+    with pytest.raises(ValueError, match="finds no full-attention layer at or after layer 1.*so pyramiddrop is "
+                                         "refused.*Give option 'layers' from \\[\\]"):
+        hybrid_stages(types, "pyramiddrop", [1], explicit=False, model="toy")  # 2 would cut before the cache's layer
+    assert hybrid_stages(types + types[1:], "pyramiddrop", [1], explicit=False, model="toy") == [4]
     assert hybrid_stages(FOUR_B_TYPES, "sparsevlm", [1, 2, 3], explicit=False, model="toy") == [4, 8, 12]
 
 
