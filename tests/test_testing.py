@@ -280,6 +280,9 @@ def test_check_method_refuses_merged_features_and_an_entropy_of_another_shape():
         registry._REGISTRY.pop("t_entropy_2d", None)
 
 
+ORDER_TAKEN = r"names option\(s\) \['order'\], which are taken before the method sees them \('order': every pre-LLM"
+
+
 def test_registration_refuses_what_would_fail_every_call():
     """A name taken, an option named like select's own arguments or one the function does not take, a name that is
     no string: refused as the method registers (they failed at every later call, or broke promprune.methods())."""
@@ -293,13 +296,31 @@ def test_registration_refuses_what_would_fail_every_call():
         assert registry._REGISTRY["t_twice"].fn is one_short
     finally:
         registry._REGISTRY.pop("t_twice", None)
-    with pytest.raises(ValueError, match=r"option\(s\) \['order'\] are select\(\)'s own arguments"):
+    with pytest.raises(ValueError, match=ORDER_TAKEN):
         promprune.register_method("t_order", options={"order": "x"})(lambda tokens, budget, *, order: None)
     with pytest.raises(ValueError, match=r"takes no parameter for option\(s\) \['p'\]"):
         promprune.register_method("t_p", options={"p": 2.0})(good)
     with pytest.raises(ValueError, match="must be a non-empty string"):
         promprune.register_method(None)(good)
     assert "t_order" not in promprune.methods() and "t_p" not in promprune.methods()
+    # an adapter option or PrunedVLM's argument: PrunedVLM(..., pad_to_square=True) padded the image and the method
+    # got its own default, silently; a case variant of a name: the report labelled both "PromPrune"
+    for option, taker in (("pad_to_square", "an adapter option of promprune.models"), ("video_split", "an adapter"),
+                          ("dtype", "an argument of PrunedVLM"), ("budget", "the budget")):
+        with pytest.raises(ValueError, match=rf"register_method: method 't_a' names option\(s\) \['{option}'\], "
+                                             rf"which are taken before the method sees them \('{option}': {taker}"):
+            promprune.register_method("t_a", options={option: False})(lambda tokens, budget, **options: None)
+    for name in ("PromPrune", "DIVPRUNE", "Random"):
+        with pytest.raises(ValueError, match=rf"register_method: method '{name}' differs only in case from "
+                                             rf"'{name.lower()}' \(one of promprune's own methods\)"):
+            promprune.register_method(name)(good)
+    promprune.register_method("t_Mine")(good)
+    try:
+        with pytest.raises(ValueError, match=r"'t_mine' differs only in case from 't_Mine' \(a method of one's own"):
+            promprune.register_method("t_mine", replace=True)(good)
+    finally:
+        registry._REGISTRY.pop("t_Mine", None)
+    assert not {"t_a", "PromPrune", "DIVPRUNE", "Random", "t_mine"} & set(promprune.methods())
     assert promprune.testing.check_method is check_method  # `import promprune` is enough for the docs' one-liner
 
 
@@ -317,7 +338,7 @@ def test_registration_refuses_choices_that_fail_every_call_and_names_meaning_unp
         promprune.register_method("t_d", options={"p": 1.0}, choices={"p": (2.0, 3.0)})(fn)
     with pytest.raises(ValueError, match=r"choices of option 'p' must be a tuple"):
         promprune.register_method("t_s", options={"p": 1.0}, choices={"p": 1.0})(fn)
-    with pytest.raises(ValueError, match=r"option\(s\) \['order'\] are select\(\)'s own arguments"):
+    with pytest.raises(ValueError, match=ORDER_TAKEN):
         promprune.register_method("t_o", choices={"order": ("selection",)})(good)
     for name in ("none", "null", "unpruned", "None", "NULL", "Unpruned"):
         with pytest.raises(ValueError, match=f"{name!r} names the unpruned model.*pick another name"):

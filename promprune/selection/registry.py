@@ -341,6 +341,17 @@ COMMON_CHOICES = {"order": ("ascending", "selection")}
 # under one of them, or that text would name two things.
 UNPRUNED_NAMES = frozenset({"", "none", "null", "unpruned"})
 
+# Names a method's option may not take because ``promprune.models`` takes them first from the keyword arguments of
+# ``PrunedVLM(...)`` / ``PrunedVLM.from_pretrained(...)``, where a method's options are given too: the adapter options
+# (``promprune.models.options.ADAPTER_OPTIONS``, valid with every method) and the wrapper's own arguments. Listed here,
+# not imported, so registering needs no ``promprune.models`` (transformers); ``tests/models/test_methods.py`` pins
+# both equal to theirs.
+ADAPTER_OPTION_NAMES = frozenset({
+    "budget_mode", "image_newline", "unpad", "saliency_block", "clip_text", "image_tokens", "token_order",
+    "video_budget", "video_split", "enable_thinking", "max_soft_tokens", "system_prompt", "pad_to_square"})
+WRAPPER_ARGUMENTS = frozenset({"model", "processor", "name_or_path", "method", "budget", "dtype", "device_map",
+                               "attn_implementation", "max_memory"})
+
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
@@ -374,13 +385,32 @@ def _check_choices(name: str, options: Mapping[str, Any], choices: Mapping[str, 
                              "default one of the choices, or add it to them")
 
 
+def _reserved_options(caller: str) -> dict[str, str]:
+    """The option names a method registered by ``caller`` may not take, each with what takes it: ``select``'s own
+    arguments (every method's, as the docs promise), the hooks' (an in-LLM method of one's own), the adapter options
+    and ``PrunedVLM``'s arguments (:data:`ADAPTER_OPTION_NAMES`, :data:`WRAPPER_ARGUMENTS`)."""
+    names = {key: "an adapter option of promprune.models (ADAPTER_OPTIONS), valid with every method and taken by the "
+                  "adapter" for key in ADAPTER_OPTION_NAMES}
+    names |= {key: "an argument of PrunedVLM / PrunedVLM.from_pretrained" for key in WRAPPER_ARGUMENTS}
+    names |= {"budget": "the budget, select()'s and PrunedVLM's own argument",
+              "tokens": "a pre-LLM method's first argument, the TokenSet",
+              "order": "every pre-LLM method's option, the kept tokens' order"}
+    if caller == "register_in_llm_method":
+        names |= {"layers": "the layers it cuts before, which every in-LLM method of one's own takes, its default the "
+                            "registration's layers=",
+                  "inputs": "the score function's first argument"}
+    return names
+
+
 def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any], replace: bool,
                         choices: Mapping[str, Any] | None = None, caller: str = "register_method") -> None:
     """What ``register_method`` (or ``caller``: ``register_in_llm_method`` for a score of one's own) refuses at once,
     where it used to fail at every later call (or break ``methods()``): a name that is no string, one taken (a
-    built-in always; another unless ``replace``), one that means "unpruned" (:data:`UNPRUNED_NAMES`), an option named
-    like ``select``'s own arguments (an in-LLM one: like the hooks' option 'layers'), an option ``fn`` does not take,
-    choices of an option not declared or not holding its default (:func:`_check_choices`)."""
+    built-in always; another unless ``replace``), one that differs from a registered one only in case (the report would
+    label both alike), one that means "unpruned" (:data:`UNPRUNED_NAMES`), an option named like ``select``'s own
+    arguments, an adapter option or ``PrunedVLM``'s (an in-LLM one also like the hooks' option 'layers':
+    :func:`_reserved_options`; the adapter took such an option silently), an option ``fn`` does not take, choices of an
+    option not declared or not holding its default (:func:`_check_choices`)."""
     import inspect
 
     if not isinstance(name, str) or not name.strip() or name != name.strip():
@@ -390,6 +420,12 @@ def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any]
         raise ValueError(f"{caller}: {name!r} names the unpruned model (the lmms-eval plugin's method= and "
                          f"the sweeps' baseline read {', '.join(repr(n) for n in sorted(UNPRUNED_NAMES) if n)} as "
                          "no pruning): pick another name")
+    twin = next((n for n in _REGISTRY if n.lower() == name.lower() and n != name), None)
+    if twin is not None:  # one name in the report's tables, the sweeps' specs and MLflow's params would name two
+        whose = "one of promprune's own methods" if _builtin(_REGISTRY[twin]) else "a method of one's own"
+        raise ValueError(f"{caller}: method {name!r} differs only in case from {twin!r} ({whose}), and the report "
+                         f"labels both alike: pick a name no registered method has in any case (methods(None) lists "
+                         "them)")
     taken = _REGISTRY.get(name)
     if taken is not None and (_builtin(taken) or not replace):
         own = _own_function(taken)
@@ -398,17 +434,11 @@ def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any]
         fix = "pick another name" if _builtin(taken) else (f"pick another name, or pass replace=True to {caller} "
                                                            "(e.g. a notebook cell run again)")
         raise ValueError(f"method {name!r} is already registered ({whose}): {fix}")
-    if caller == "register_in_llm_method":
-        reserved = sorted((set(options) | set(choices or {})) & {"layers", "inputs"})
-        if reserved:
-            raise ValueError(f"method {name!r}: option(s) {reserved} are the hooks' own ('layers': the layers it cuts "
-                             "before, which every in-LLM method of one's own takes, its default the registration's "
-                             "layers=; 'inputs': the score function's first argument): name them otherwise")
-    else:
-        reserved = sorted((set(options) | set(choices or {})) & ({"budget", "tokens"} | set(COMMON_OPTIONS)))
-        if reserved:
-            raise ValueError(f"method {name!r}: option(s) {reserved} are select()'s own arguments ('order' is every "
-                             "method's, 'budget' and 'tokens' are the function's first two): name them otherwise")
+    reserved = sorted((set(options) | set(choices or {})) & set(_reserved_options(caller)))
+    if reserved:
+        whose = "; ".join(f"{key!r}: {_reserved_options(caller)[key]}" for key in reserved)
+        raise ValueError(f"{caller}: method {name!r} names option(s) {reserved}, which are taken before the method "
+                         f"sees them ({whose}): name them otherwise")
     params = inspect.signature(fn).parameters.values()
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         taken_by_fn = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}

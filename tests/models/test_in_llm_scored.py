@@ -203,7 +203,21 @@ def test_a_scored_method_registers_its_options_beside_the_hooks_layers(own):
     (dict(name="fastv", score=hidden_norm), "method 'fastv' is already registered (one of promprune's own methods)"),
     (dict(name="divprune", score=hidden_norm), "method 'divprune' is already registered (one of promprune's own"),
     (dict(name="None", score=hidden_norm), "register_in_llm_method: 'None' names the unpruned model"),
-    (dict(name="m", score=hidden_norm, options={"layers": [2]}), "option(s) ['layers'] are the hooks' own"),
+    (dict(name="m", score=hidden_norm, options={"layers": [2]}), "option(s) ['layers'], which are taken before the "
+                                                                 "method sees them ('layers': the layers it cuts"),
+    # taken by PrunedVLM before the score: the adapter's options and the wrapper's arguments (the score got its own
+    # default, silently), and the names the docs reserve for every method
+    (dict(name="m", score=hidden_norm, options={"pad_to_square": False}), "names option(s) ['pad_to_square'], which "
+                                                                          "are taken before the method sees them"),
+    (dict(name="m", score=hidden_norm, options={"image_newline": "x"}), "('image_newline': an adapter option"),
+    (dict(name="m", score=hidden_norm, options={"dtype": None}), "('dtype': an argument of PrunedVLM"),
+    (dict(name="m", score=hidden_norm, options={"budget": 1}), "names option(s) ['budget']"),
+    (dict(name="m", score=hidden_norm, options={"order": "a"}, choices={"order": ("a",)}),
+     "names option(s) ['order']"),
+    (dict(name="m", score=hidden_norm, options={"tokens": 1}), "names option(s) ['tokens']"),
+    # a case variant of a registered name: the report labelled both "FastV"
+    (dict(name="FastV", score=hidden_norm), "method 'FastV' differs only in case from 'fastv' (one of promprune's"),
+    (dict(name="PromPrune", score=hidden_norm), "method 'PromPrune' differs only in case from 'promprune'"),
     (dict(name="m", score=hidden_norm, options={"q": 1.0}), "hidden_norm takes no parameter for option(s) ['q']"),
     (dict(name="m", score=hidden_norm, layers=(0,)), "argument 'layers' of register_in_llm_method must be None or a"),
     (dict(name="m", score=hidden_norm, layers=(2, 40)), "layers of method 'm' are given for a 32-layer LLM"),

@@ -39,6 +39,23 @@ def test_every_method_runs_through_every_adapter(arch, method, images, prompts):
         assert min(g.vision_ms, g.select_ms, g.prefill_ms, g.decode_ms) >= 0
 
 
+def test_the_registry_reserves_the_adapter_options_and_the_wrappers_arguments():
+    """The registry lists, without importing promprune.models, the names PrunedVLM takes before a method's options
+    (a method option so named went to the adapter or the wrapper, silently): exactly the adapter options and the
+    keyword arguments of PrunedVLM and PrunedVLM.from_pretrained."""
+    import inspect
+
+    from promprune.models import ADAPTER_OPTIONS
+    from promprune.selection import registry
+
+    assert registry.ADAPTER_OPTION_NAMES == set(ADAPTER_OPTIONS)
+    params = {p.name for f in (PrunedVLM.__init__, PrunedVLM.from_pretrained)
+              for p in inspect.signature(f).parameters.values() if p.kind is not p.VAR_KEYWORD}
+    assert registry.WRAPPER_ARGUMENTS == params - {"self", "cls"}
+    for name in (*registry.ADAPTER_OPTION_NAMES, *registry.WRAPPER_ARGUMENTS):
+        assert not any(name in promprune.method_spec(m).options for m in all_methods()), name
+
+
 def test_mu_defaults_per_encoder_unless_given():
     llava, p1 = tiny_vlm("llava")
     qwen, p2 = tiny_vlm("qwen2_5_vl")
