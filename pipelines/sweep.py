@@ -350,7 +350,9 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 attached(recorder), callbacks_counted_without_integrations():
             console.bar = bar
             timeline.mark("tune_start", "driver")
+            _INTERRUPTED.clear()  # (a test's earlier sweep in this process may have had one)
             for phase in search.phases(spec):
+                _stop_if_signalled(spec, phase, state)  # a stop during the experiment before: not the next one
                 dead = pool_watch.lost(experiment)  # (the calibration ran while it died, or the experiment before)
                 if dead:
                     raise pool_watch.PoolLost(pool_watch.message(dead, resume_command(state)))
@@ -372,6 +374,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                         raise disk.DiskFull(disk.full_message(full, resume_command(state),
                                                               disk.tripped_cause(state["experiment"]))) from None
                     raise SweepInterrupted(str(e), resume_command(state)) from None
+            _stop_if_signalled(spec, None, state)  # during the last experiment, its trials all finished
             timeline.mark("tune_end", "driver")
         recorder.finalize_rel()
         recorder.count_generated()
@@ -546,7 +549,8 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     # the sweep's Pool actor dead: stopped as a full disk stops it (by `pool_watch.Watch`, a thread of the driver,
     # which also watches a restored experiment; this stopper is its fallback where Tune's stop handler is not installed)
     lost = pool_watch.PoolWatch(state["experiment"])
-    callbacks = [RecorderHook(), watch, lost, trial.ScoringErrorsNotRetried()]  # a ScoringError: no Tune retry
+    # a ScoringError: no Tune retry; a Ctrl-C marked (Tune takes it, `StopMarker`)
+    callbacks = [RecorderHook(), watch, lost, trial.ScoringErrorsNotRetried(), StopMarker()]
     journal = f"{sweep_dir(storage, state['experiment'])}/{search.JOURNAL}{phase.suffix}.json"
     scheduler = search.scheduler(spec, recorder.console.per_trial, journal) if phase.searched else None
     if scheduler is not None:
@@ -762,6 +766,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _TERMINATED = threading.Event()  # a SIGTERM came (stop_on_sigterm): waits that its interruption may miss look here
+_INTERRUPTED = threading.Event()  # a Ctrl-C came while Tune's handler held SIGINT (`StopMarker`)
+
+
+class StopMarker(tune.Callback):
+    """Marks a Ctrl-C (`_INTERRUPTED`) that Tune's own SIGINT handler takes: Tune installs it as each experiment
+    starts, and it only ends that experiment's run (its state saved); ``tuner.fit()`` returns as after a finished run,
+    and a sweep of two experiments started the search anyway when the signal came after the fixed trials had all
+    finished (a SIGTERM is marked by `stop_on_sigterm`). Set up by Tune after its handler, this callback wraps it:
+    the handler runs as before, and `_stop_if_signalled` ends the sweep before the next experiment."""
+
+    def setup(self, **info):
+        import signal
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        tunes = signal.getsignal(signal.SIGINT)
+
+        def marked(signum, frame):
+            _INTERRUPTED.set()
+            if callable(tunes):
+                tunes(signum, frame)
+            elif tunes != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, marked)
+
+
+def _stop_if_signalled(spec: specs.SweepSpec, phase: search.Phase | None, state: dict) -> None:
+    """End the sweep as Ctrl-C does (`SweepInterrupted`: exit 130 and the command that resumes it) when a Ctrl-C or a
+    SIGTERM came while Tune ran an experiment, or between two: before ``phase`` (None: after the last)."""
+    if not (_TERMINATED.is_set() or _INTERRUPTED.is_set()):
+        return
+    where = (f"before the experiment {state['experiment']}{phase.suffix} started" if phase is not None else
+             "after the last experiment, before the summary")
+    raise SweepInterrupted(f"stopped (Ctrl-C or SIGTERM) {where}", resume_command(state))
 
 
 def stop_on_sigterm() -> None:

@@ -4,6 +4,7 @@ resumes without redoing finished trials."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import signal
 import textwrap
@@ -398,6 +399,38 @@ def test_ray_init_leaves_our_sigterm_handler_in_place():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_after_the_fixed_trials_ends_the_sweep_before_its_search(local_ray, workdir, monkeypatch, sig):
+    """A probe's case: a search of two Tune experiments (the baseline's, then the search's: here ASHA's) stopped by
+    Ctrl-C or SIGTERM right after the baseline finished. Tune logged "Stop signal received ... ending Ray Tune run",
+    its fit returned as after a finished run, and the sweep started its search anyway (the signal lost). Now it
+    ends as a stop does: SweepInterrupted (exit 130 in `main`) with the command that resumes it, before the search
+    ran any trial. The signal is sent for real, to this process, once the baseline's experiment is reconciled."""
+    spec = small_spec(grid={"method": ["promprune"], "budget": [8]},
+                      tune={"search": "random", "num_samples": 1, "scheduler": "asha", "grace_period": 1})
+    reconcile, phases = sweep._reconcile, []
+
+    def then_signalled(recorder, grid, trials, searched=None):
+        reconcile(recorder, grid, trials, searched)
+        phases.append([t.trial_id for t in trials])
+        if len(phases) == 1:
+            os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(sweep, "_reconcile", then_signalled)
+    previous, interrupt = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    sweep.stop_on_sigterm()  # as `main` installs it
+    try:
+        with pytest.raises(sweep.SweepInterrupted) as stopped:
+            sweep.run_sweep(spec)
+    finally:
+        sweep._TERMINATED.clear()
+        sweep._INTERRUPTED.clear()
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, interrupt)
+    assert phases == [["baseline"]]  # the search's experiment never started
+    assert "-search started" in str(stopped.value) and "--resume e2e-" in stopped.value.resume
 
 
 @pytest.mark.long  # the long tier (pyproject's markers): resumes run in CI (test_engine's
