@@ -89,12 +89,15 @@ def _catalog() -> specs.MethodCatalog:
 
 def trial_of(config: dict) -> specs.Trial:
     """The trial a Tune config runs: ``config["trial"]`` as the sweep listed it (`param_space`), or, for a trial
-    optuna chose, the one conversion at the Tune boundary: its sampled grid values (``config["sampled"]``: floats to
-    `space.SIGNIFICANT` digits, options only for the method that takes them) as a `Trial` with the sweep's calibrated
-    values, so its id names what it runs, on the driver and in the trial alike."""
+    optuna chose, the one conversion at the Tune boundary: its sampled grid values (``config["sampled"]``: a float
+    range's values to `space.SIGNIFICANT` digits within its bounds, ``config["ranges"]``; options only for the method
+    that takes them) as a `Trial` with the sweep's calibrated values, so its id names what it runs, on the driver and
+    in the trial alike. (A config saved before ``ranges`` existed has every float rounded, unbounded.)"""
     if "trial" in config:
         return config["trial"]
-    sampled = {k: space.rounded(v) if isinstance(v, float) else v for k, v in config["sampled"].items()}
+    ranges = config.get("ranges")
+    sampled = {k: (space.rounded(v) if ranges is None else space.rounded(v, *ranges[k]) if k in ranges else v)
+               if isinstance(v, float) else v for k, v in config["sampled"].items()}
     method, budget = sampled.pop("method"), sampled.pop("budget")
     accepted = _catalog().options(method)
     options = {k: v for k, v in sampled.items() if accepted is None or k in accepted}
@@ -160,9 +163,11 @@ def searcher(spec: specs.SweepSpec):
 def param_space(spec: specs.SweepSpec, phase: Phase, calibrated: dict) -> dict:
     """Tune's param_space for an experiment: its listed `Trial`s (with the calibrated values) as a grid, or, for the
     search of ``tune.search: optuna``, the grid's spaces as Tune's domains (a list: a choice; a one-value list:
-    fixed) with the calibrated mu a sampled trial needs (`trial_of`)."""
+    fixed) with the calibrated mu a sampled trial needs and the bounds of its float ranges (`trial_of`)."""
     if phase.searched and spec.tune.search == "optuna":
-        return {"sampled": {k: _domain(space.parse(v)) for k, v in spec.grid.items()}, "calibrated": calibrated}
+        spaces = {k: space.parse(v) for k, v in spec.grid.items()}
+        return {"sampled": {k: _domain(s) for k, s in spaces.items()}, "calibrated": calibrated,
+                "ranges": {k: list(s.args) for k, s in spaces.items() if s.kind in ("uniform", "loguniform")}}
     return {"trial": tune.grid_search([t.with_calibration(calibrated) for t in phase.trials])}
 
 

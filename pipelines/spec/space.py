@@ -8,8 +8,8 @@ A grid value is one of
 - a distribution, searched by ``random`` and ``optuna`` only: ``{uniform: [lo, hi]}``, ``{loguniform: [lo, hi]}``
   (0 < lo), ``{randint: [lo, hi]}`` (integers, both ends included), ``{choice: [a, b, ...]}``.
 
-A sampled float keeps `SIGNIFICANT` significant digits, so that a trial's id is readable and the trial runs exactly
-the value its id names (``promprune-b16-mu=0.2431-tau=0.01873``).
+A sampled float keeps `SIGNIFICANT` significant digits (a bound where rounding would cross it), so that a trial's id
+is readable and the trial runs exactly the value its id names (``promprune-b16-mu=0.2431-tau=0.01873``).
 """
 from __future__ import annotations
 
@@ -71,13 +71,13 @@ class Space:
         check tries it with the corners, and the other options take it while one option's values are checked, unless
         the method refuses it there (`trials._corner_problems`)."""
         if self.kind == "uniform":
-            return rounded((self.args[0] + self.args[1]) / 2)
+            return rounded((self.args[0] + self.args[1]) / 2, *self.args)
         if self.kind == "loguniform":
-            return rounded(math.sqrt(self.args[0] * self.args[1]))
+            return rounded(math.sqrt(self.args[0] * self.args[1]), *self.args)
         return self.corners[0]
 
     def sample(self, rng: random.Random) -> Any:
-        """One value drawn with ``rng`` (a float rounded to `SIGNIFICANT` digits)."""
+        """One value drawn with ``rng`` (a float rounded to `SIGNIFICANT` digits, within the range: `rounded`)."""
         if self.kind == FIXED:
             return self.args[0]
         if self.kind in (AXIS, "choice"):
@@ -86,8 +86,8 @@ class Space:
         if self.kind == "randint":
             return rng.randint(lo, hi)
         if self.kind == "uniform":
-            return rounded(rng.uniform(lo, hi))
-        return rounded(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+            return rounded(rng.uniform(lo, hi), lo, hi)
+        return rounded(math.exp(rng.uniform(math.log(lo), math.log(hi))), lo, hi)
 
     def describe(self) -> str:
         """``uniform[0.2, 0.3]``, ``choice of 3``, ``[0.1, 0.2]``."""
@@ -100,9 +100,12 @@ class Space:
         return f"{self.kind}[{self.args[0]:g}, {self.args[1]:g}]"
 
 
-def rounded(x: float) -> float:
-    """``x`` to `SIGNIFICANT` significant digits (0.243117 -> 0.2431)."""
-    return float(f"{x:.{SIGNIFICANT}g}")
+def rounded(x: float, lo: float | None = None, hi: float | None = None) -> float:
+    """``x`` to `SIGNIFICANT` significant digits (0.243117 -> 0.2431), kept within ``[lo, hi]`` when given (a
+    range's value): one rounded past a bound is that bound (``uniform: [0.12341, 0.12349]``: 0.123412 -> 0.12341, not
+    0.1234, which is outside the range)."""
+    value = float(f"{x:.{SIGNIFICANT}g}")
+    return value if lo is None else min(max(value, lo), hi)
 
 
 def is_distribution(value: Any) -> bool:

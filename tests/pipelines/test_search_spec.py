@@ -254,6 +254,24 @@ def test_a_sampled_config_runs_the_rounded_values_its_id_names():
     assert search.trial_of({"trial": listed}) is listed  # a listed trial crosses Tune as it is
 
 
+def test_a_value_rounded_past_its_ranges_bound_is_the_bound_in_random_and_optuna_alike():
+    """A probe's case: four significant digits put a draw of ``uniform: [0.12341, 0.12349]`` at 0.1234, below the
+    range (random's draws, optuna's trials and a range's middle alike). A value rounded past a bound is now the
+    bound; a float optuna chose from a list is the listed value, unrounded."""
+    lo, hi = 0.12341, 0.12349
+    narrow = {**GRID, "mu": {"uniform": [lo, hi]}}
+    mus = [t.options["mu"] for t in specs.expand(parse(narrow, num_samples=30, seed=1)) if t.method]
+    assert mus and all(lo <= m <= hi for m in mus)
+    assert space.parse({"uniform": [0.123449, 0.12346]}).middle == 0.12346  # 0.1234545 rounds to 0.1235 > hi
+    assert space.parse({"loguniform": [lo, hi]}).sample(__import__("random").Random(0)) in (lo, hi)
+    spec = parse({"method": ["promprune"], "budget": [16], "mu": {"uniform": [lo, hi]}, "tau": [0.12341, 0.2]},
+                 search="optuna")
+    config = search.param_space(spec, search.Phase("-search", [], searched=True), {})
+    assert config["ranges"] == {"mu": [lo, hi]}
+    config["sampled"] = {"method": "promprune", "budget": 16, "mu": 0.1234123, "tau": 0.12341}
+    assert search.trial_of(config).run_options == {"mu": lo, "tau": 0.12341}  # (was mu 0.1234, tau 0.1234)
+
+
 def test_optunas_param_space_is_the_grids_spaces_as_tunes_domains():
     from ray.tune.search.sample import Categorical, Float, Integer
 
