@@ -71,6 +71,7 @@ if __name__ == "__main__":
 import argparse
 import contextlib
 import dataclasses
+import functools
 import math
 import pickle
 import socket
@@ -538,10 +539,16 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     if resume and tune.Tuner.can_restore(f"{path}/{name}", storage_filesystem=files):
         say(f"resuming {storage}/{name}: finished trials are kept, the others continue from their saved blocks")
         # the same param_space: Tune keeps the `Trial`s of its config as placeholders, resolved from it
+        space = search.param_space(spec, phase, state["calibrated"])
+        restore = functools.partial(tune.Tuner.restore, f"{path}/{name}", trainable, resume_unfinished=True,
+                                    resume_errored=True, storage_filesystem=files)
         try:
-            return tune.Tuner.restore(f"{path}/{name}", trainable, resume_unfinished=True, resume_errored=True,
-                                      storage_filesystem=files,
-                                      param_space=search.param_space(spec, phase, state["calibrated"]))
+            try:
+                return restore(param_space=space)
+            except ValueError as exc:  # an optuna search saved before its config carried its ranges' bounds
+                if "ranges" not in space or "param_space" not in str(exc):
+                    raise
+                return restore(param_space={k: v for k, v in space.items() if k != "ranges"})
         except (pickle.UnpicklingError, EOFError) as exc:  # (a pickle cut short is refused before Ray starts)
             raise specs.SpecError([unreadable_tune_state(f"{storage}/{name}/{TUNE_STATE}", None,
                                                          f"{type(exc).__name__}: {exc}", state)], "--resume") from None
