@@ -67,10 +67,11 @@ def phases(spec: specs.SweepSpec) -> list[Phase]:
 
 
 def searched_trials(spec: specs.SweepSpec) -> int:
-    """How many trials the search runs (optuna: num_samples; the others: the trials drawn or listed)."""
+    """How many trials the search runs (optuna: num_samples; the others: the grid's trials, drawn or listed, whether
+    they run as an experiment of their own or, with no scheduler, in one with the fixed trials)."""
     if spec.tune.search == "optuna":
         return spec.tune.num_samples
-    return sum(len(p.trials) for p in phases(spec) if p.searched)
+    return len(specs.parts(spec)[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------

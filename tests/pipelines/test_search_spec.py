@@ -243,6 +243,19 @@ def test_the_first_rung_must_come_before_the_end():
     assert search.check_rungs(spec, 201) is None
 
 
+def test_the_sweeps_first_line_counts_the_drawn_trials_with_or_without_a_scheduler():
+    """A probe's case: a random search with no scheduler (one Tune experiment) said "random search of 0 trial(s)
+    for the max rel, after 4 fixed trial(s)" for 3 draws and the baseline."""
+    from pipelines import sweep
+
+    for scheduler in ("none", "asha"):
+        spec = parse(num_samples=3, seed=3, scheduler=scheduler)
+        assert search.searched_trials(spec) == 3
+        line = sweep._trials_line(spec, len(specs.expand(spec)), 40)
+        assert line.startswith("random search of 3 trial(s) for the max rel") and line.endswith(
+            ", after 1 fixed trial(s)"), line
+
+
 def test_a_sampled_config_runs_the_rounded_values_its_id_names():
     config = {"sampled": {"method": "divprune", "budget": 16, "mu": 0.243117, "tau": 0.0187349}, "calibrated": {}}
     assert search.trial_of(config).trial_id == "divprune-b16"  # divprune takes neither option
