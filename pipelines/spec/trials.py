@@ -373,7 +373,7 @@ def _as_list(v: Any) -> list:
 
 
 class SearchSpaceError(ValueError):
-    """A random search asks for more distinct trials than its space holds."""
+    """A random or optuna search asks for more distinct trials than its space holds."""
 
 
 def expand(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> list[Trial]:
@@ -394,6 +394,10 @@ def parts(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> tuple[lis
     repeats = spec.tune.num_samples if spec.tune.search == "grid" else 1
     if spec.tune.search == "random" and spec.grid:
         searched = draws(spec.grid, spec.tune.num_samples, spec.tune.seed, catalog)
+    elif spec.tune.search == "optuna" and spec.grid:
+        _check_distinct(distinct_trials(spec.grid, catalog), spec.tune.num_samples,
+                        "optuna proposes a trial per sample, and a trial proposed again is not run again")
+        searched = []
     elif spec.tune.search == "grid" and not any(space.is_distribution(v) for v in spec.grid.values()):
         searched = _trials_of(_grid_combos(spec.grid), catalog, repeats)  # (distributions: `check_search` says)
     else:
@@ -428,13 +432,9 @@ def draws(grid: dict, n: int, seed: int, catalog: MethodCatalog) -> list[Trial]:
     a trial already drawn drawn again (`MAX_DRAWS_PER_TRIAL` draws per trial at most)."""
     rng = random.Random(seed)
     spaces = {k: space.parse(v) for k, v in grid.items()}
-    if all(s.finite is not None for s in spaces.values()) and math.prod(s.size for s in spaces.values()) <= \
-            MAX_ENUMERATED:
-        distinct = _trials_of(_grid_combos({k: s.finite for k, s in spaces.items()}), catalog)
-        if n > len(distinct):
-            raise SearchSpaceError(f"tune.num_samples: {n} trials asked, and the grid holds {len(distinct)} distinct "
-                                   f"ones (a random search draws without replacement; use num_samples <= "
-                                   f"{len(distinct)}, or tune.search: grid to run them all)")
+    distinct = distinct_trials(grid, catalog)
+    if distinct is not None:
+        _check_distinct(distinct, n, "a random search draws without replacement")
         return rng.sample(distinct, n)
     out: list[Trial] = []
     seen: set[str] = set()
@@ -451,6 +451,22 @@ def draws(grid: dict, n: int, seed: int, catalog: MethodCatalog) -> list[Trial]:
 
 
 MAX_ENUMERATED = 100_000  # a finite space larger than this is drawn like a continuous one (no full listing)
+
+
+def distinct_trials(grid: dict, catalog: MethodCatalog) -> list[Trial] | None:
+    """Every distinct trial of a finite grid (lists, choices, randints; options a method does not take dropped
+    first), or None for a space with a continuous range or larger than `MAX_ENUMERATED`."""
+    spaces = {k: space.parse(v) for k, v in grid.items()}
+    if any(s.finite is None for s in spaces.values()) or math.prod(s.size for s in spaces.values()) > MAX_ENUMERATED:
+        return None
+    return _trials_of(_grid_combos({k: s.finite for k, s in spaces.items()}), catalog)
+
+
+def _check_distinct(distinct: list[Trial] | None, n: int, why: str) -> None:
+    """`SearchSpaceError` when a search asks for ``n`` trials of a finite grid holding fewer distinct ones."""
+    if distinct is not None and n > len(distinct):
+        raise SearchSpaceError(f"tune.num_samples: {n} trials asked, and the grid holds {len(distinct)} distinct ones "
+                               f"({why}; use num_samples <= {len(distinct)}, or tune.search: grid to run them all)")
 
 
 def _grid_combos(grid: dict) -> list[dict]:

@@ -174,6 +174,20 @@ def test_random_search_draws_exactly_num_samples_distinct_trials_from_a_finite_g
         "replacement; use num_samples <= 8, or tune.search: grid to run them all)"]
 
 
+def test_optuna_is_refused_more_samples_than_a_finite_grid_holds_as_random_is():
+    """A probe's case: optuna with num_samples 5 over a grid of 2 distinct trials ran 2, the other proposals
+    repeats (the counts disagreeing), and --validate-only accepted num_samples 50 over 4."""
+    grid = {"method": ["fastv"], "budget": [16], "layer": {"randint": [1, 2]}}
+    assert problems(grid, search="optuna", num_samples=5) == [
+        "tune.num_samples: 5 trials asked, and the grid holds 2 distinct ones (optuna proposes a trial per sample, "
+        "and a trial proposed again is not run again; use num_samples <= 2, or tune.search: grid to run them all)"]
+    assert search.searched_trials(parse(grid, search="optuna", num_samples=2)) == 2
+    # options a method does not take are dropped before counting: divprune's two mus are one trial (3 in all)
+    assert "holds 3 distinct" in problems({"method": ["promprune", "divprune"], "budget": [16], "mu": [0.2, 0.3]},
+                                          search="optuna", num_samples=4)[0]
+    parse(GRID, search="optuna", num_samples=500)  # a continuous range: no bound
+
+
 def test_random_search_is_seeded_and_draws_inside_the_ranges():
     ids = lambda seed: [t.trial_id for t in specs.expand(parse(num_samples=40, seed=seed))]  # noqa: E731
     assert ids(7) == ids(7) and ids(7) != ids(8)
