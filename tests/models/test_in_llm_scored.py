@@ -6,7 +6,6 @@ References, each independent of the hooks: the kept set worked out from a plain 
 columns alone with their original positions and no cache (``conftest.naive_greedy``, Qwen3.5's reference, here on a
 LLaVA (1D RoPE) and a Qwen2.5-VL (M-RoPE)); the schedule's counts worked by hand; each batch row against itself
 alone."""
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -18,8 +17,8 @@ from promprune.models.options import validate_method
 from promprune.models.tiny import tiny_vlm
 from promprune.selection import registry
 
-from .conftest import lm_inputs, make_image, naive_greedy
-from .test_in_llm_syncs import _counted, _hook_reads
+from .conftest import lm_inputs, naive_greedy
+from .test_in_llm_syncs import _hook_reads, counted_generate, next_rows
 
 BUDGET = 5
 
@@ -135,14 +134,10 @@ def test_the_stage_reads_the_device_once_at_any_batch_size_and_the_hooks_nowhere
     hooks, the score included, read nothing more."""
     name = own("att_keys", attention_and_keys, options={"weight": 0.5})
     model, processor = tiny_vlm("llava_next")
-    images = [make_image(40, 56, 0), make_image(64, 30, 1), make_image(64, 64, 5), make_image(50, 80, 3)]
-    prompts = ["What is in the picture? Please describe it in detail.", "Colour?", "Why?", "A cat?"]
+    images, prompts = next_rows()
     vlm = PrunedVLM(model, processor, method=name, budget=12)
     for batch in (1, 4):
-        counts = Counter()
-        with monkeypatch.context() as patch:
-            _counted(patch, counts)
-            got = vlm.generate(images[:batch], prompts[:batch], max_new_tokens=2)
+        counts, got = counted_generate(monkeypatch, vlm, batch)
         assert all(g.visual_tokens == 12 for g in got)
         assert counts["calls _prune"] == 1 and counts["_prune"] == 1, counts
         assert counts["calls _received"] == 1 and counts["_received"] == 0, counts

@@ -36,6 +36,23 @@ class _Reads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def next_rows() -> tuple[list, list[str]]:
+    """Four LLaVA-NeXT rows: images of different visual token counts, prompts of different lengths (left-padded)."""
+    images = [make_image(40, 56, 0), make_image(64, 30, 1), make_image(64, 64, 5), make_image(50, 80, 3)]
+    return images, ["What is in the picture? Please describe it in detail.", "Colour?", "Why?", "A cat?"]
+
+
+def counted_generate(monkeypatch, vlm, batch: int) -> tuple[Counter, list]:
+    """``(counts, answers)``: the reads of ``vlm.generate`` (two new tokens) on the first ``batch`` of
+    :func:`next_rows`, counted by :func:`_counted`."""
+    images, prompts = next_rows()
+    counts = Counter()
+    with monkeypatch.context() as patch:
+        _counted(patch, counts)
+        got = vlm.generate(images[:batch], prompts[:batch], max_new_tokens=2)
+    return counts, got
+
+
 def _counted(monkeypatch, counts: Counter):
     """Count the reads of every ``_prune`` and ``_received`` call (and the calls)."""
     real_tolist = torch.Tensor.tolist
@@ -71,16 +88,11 @@ def _counted(monkeypatch, counts: Counter):
 ])
 def test_each_stage_reads_the_device_a_fixed_number_of_times_at_any_batch_size(method, options, reads,
                                                                                 monkeypatch):
-    model, processor = tiny_vlm("llava_next")  # rows of different visual token counts, left-padded prompts
-    images = [make_image(40, 56, 0), make_image(64, 30, 1), make_image(64, 64, 5), make_image(50, 80, 3)]
-    prompts = ["What is in the picture? Please describe it in detail.", "Colour?", "Why?", "A cat?"]
+    model, processor = tiny_vlm("llava_next")
     vlm = PrunedVLM(model, processor, method=method, budget=12, **options)
     per_call = {}
     for batch in (1, 4):
-        counts = Counter()
-        with monkeypatch.context() as patch:
-            _counted(patch, counts)
-            got = vlm.generate(images[:batch], prompts[:batch], max_new_tokens=2)
+        counts, got = counted_generate(monkeypatch, vlm, batch)
         assert all(g.visual_tokens == 12 for g in got)
         for key in reads:
             assert counts["calls " + key] >= 1

@@ -590,6 +590,12 @@ def test_one_units_mean_is_in_the_papers_units_and_rel_is_titled_as_the_paper_de
     assert _lines(ax)["PromPrune"] == pytest.approx([265 / 3, 95.0])  # the tables' Rel., hand-worked above
 
 
+def _repeat_run(method, budget, pope, gqa, r):
+    """Run ``r`` of a configuration a grid repeated (param ``repeat``), scored on POPE and GQA."""
+    tid = ("baseline" if method == "none" else f"{method}-b{budget}") + (f"-r{r}" if r else "")
+    return trial(method, budget, {"pope/pope_f1_score": pope, "gqa/exact_match": gqa}, options={"repeat": r}, tid=tid)
+
+
 def test_repeated_runs_are_one_row_their_mean_with_sd_and_count(store, tmp_path, monkeypatch):
     """`tune.num_samples: 2` on a grid runs every configuration twice (param `repeat`): one row per configuration,
     the mean of its runs ± their sd, n=2, Rel. against the mean baseline, one line point per budget. By hand
@@ -597,11 +603,7 @@ def test_repeated_runs_are_one_row_their_mean_with_sd_and_count(store, tmp_path,
     (.70, .50), (.74, .52) -> (72.0, 51.0), sd 2.8 and 1.4, Rel. (.72 / .81 + .51 / .60) / 2 = 86.9 %, its runs' Rel.
     against the mean baseline 84.88 and 89.01: sd 2.9; PromPrune@16 twice (.76, .55): 92.7 %, sd 0."""
     client, exp = store
-
-    def run(method, budget, pope, gqa, r):
-        tid = ("baseline" if method == "none" else f"{method}-b{budget}") + (f"-r{r}" if r else "")
-        return trial(method, budget, {"pope/pope_f1_score": pope, "gqa/exact_match": gqa}, options={"repeat": r},
-                     tid=tid)
+    run = _repeat_run
     log_sweep(client, exp, "repeats", [
         run("none", None, 0.80, 0.60, 0), run("none", None, 0.82, 0.60, 1),
         run("divprune", 16, 0.70, 0.50, 0), run("divprune", 16, 0.74, 0.52, 1),
@@ -628,11 +630,7 @@ def test_a_repeated_rows_rel_spread_leaves_out_what_its_rel_leaves_out(store, tm
     of each run's Rel. behind the row's ± (each run's Rel. was NaN, n=0). By hand, over GQA alone against the mean
     baseline .61: .50 / .61 = 81.97 %, .56 / .61 = 91.80 %: mean 86.9, sd 6.95."""
     client, exp = store
-
-    def run(method, budget, pope, gqa, r):
-        tid = ("baseline" if method == "none" else f"{method}-b{budget}") + (f"-r{r}" if r else "")
-        return trial(method, budget, {"pope/pope_f1_score": pope, "gqa/exact_match": gqa}, options={"repeat": r},
-                     tid=tid)
+    run = _repeat_run
     log_sweep(client, exp, "repeats0", [
         run("none", None, 0.0, 0.60, 0), run("none", None, 0.0, 0.62, 1),
         run("divprune", 16, 0.70, 0.50, 0), run("divprune", 16, 0.74, 0.56, 1)], tasks=["pope", "gqa"], tmp=tmp_path)
