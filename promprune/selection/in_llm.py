@@ -5,7 +5,7 @@ They prune inside the language model, so ``select`` does not run them; their dec
 """
 from __future__ import annotations
 
-from .registry import register_in_llm_method
+from .registry import check_layers, register_in_llm_method
 
 
 def _check_layer(method: str, layer) -> None:
@@ -13,22 +13,6 @@ def _check_layer(method: str, layer) -> None:
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
         raise ValueError(f"option 'layer' of {method} must be None (the paper's K = 2 of 32 layers scaled to the "
                          f"LLM's depth) or an int >= 1 (an absolute K), got {layer!r}")
-
-
-def check_layers(method: str, layers, what: str | None = None) -> None:
-    """Option 'layers' of SparseVLM, PyramidDrop and an in-LLM method of one's own (``registry.
-    register_in_llm_method``): None (the default layers scaled to the LLM's depth) or the layers cut before, ints >= 1
-    in ascending order, each once: a stage per layer (``[3, 2]`` ran as [2, 3] and ``[2, 2]`` as one cut, without a
-    word). ``what``: how errors name the value (default: the option of ``method``)."""
-    if layers is None:
-        return
-    what = what or f"option 'layers' of {method}"
-    if (not isinstance(layers, (list, tuple)) or not layers
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in layers)):
-        raise ValueError(f"{what} must be None or a list of ints >= 1, got {layers!r}")
-    if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise ValueError(f"{what} must list each pruning layer once in ascending order (one "
-                         f"stage per layer), got {list(layers)!r}; did you mean {sorted(set(layers))!r}?")
 
 
 def _check_fastv(opts: dict, budget: int | None = None) -> None:

@@ -497,6 +497,22 @@ def in_llm_hooks_problem(name: str, hooked=IN_LLM_HOOKED) -> str | None:
             "registers with promprune.register_method instead")
 
 
+def check_layers(method: str, layers, what: str | None = None) -> None:
+    """Option 'layers' of SparseVLM, PyramidDrop and an in-LLM method of one's own (:func:`register_in_llm_method`):
+    None (the default layers scaled to the LLM's depth) or the layers cut before, ints >= 1 in ascending order, each
+    once: a stage per layer (``[3, 2]`` ran as [2, 3] and ``[2, 2]`` as one cut, without a word). ``what``: how errors
+    name the value (default: the option of ``method``)."""
+    if layers is None:
+        return
+    what = what or f"option 'layers' of {method}"
+    if (not isinstance(layers, (list, tuple)) or not layers
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in layers)):
+        raise ValueError(f"{what} must be None or a list of ints >= 1, got {layers!r}")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise ValueError(f"{what} must list each pruning layer once in ascending order (one "
+                         f"stage per layer), got {list(layers)!r}; did you mean {sorted(set(layers))!r}?")
+
+
 def register_in_llm_method(name: str, *, description: str = "", options: Mapping[str, Any] | None = None,
                            choices: Mapping[str, tuple] | None = None,
                            check: Callable[[dict, int | None], None] | None = None,
@@ -536,8 +552,6 @@ def register_in_llm_method(name: str, *, description: str = "", options: Mapping
     if name in IN_LLM_HOOKED:
         raise ValueError(f"method {name!r} is already registered (one of promprune's own methods): pick another name")
     _check_registration(name, score, options or {}, replace, choices, caller="register_in_llm_method")
-    from .in_llm import check_layers
-
     given = list(layers) if isinstance(layers, (list, tuple)) else layers
     check_layers(name, given, what="argument 'layers' of register_in_llm_method")
     if given is None or max(given) > 31:
