@@ -75,6 +75,9 @@ EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_deve
 # sets it, so `ui_url` opens the runs table in any browser
 SAVED_VIEW = "mlflow.sharedViewState."  # experiment tag prefix of the runs page's saved views (its "Views" menu)
 REGRESSION = "promprune.regression"
+TRIALS_TOTAL = "trials/total"  # parent metric: the distinct trials the sweep ran (its param `trials` too)
+TRIALS_PROPOSED = "trials/proposed"  # parent metric of an optuna search: its proposals (num_samples once it ended)
+TRIALS_REPEATED = "trials/repeated"  # ... those naming a trial the sweep had run or was running: none run again
 TRIALS_FAILED = "trials/failed"  # parent metric: its trials that failed (a run with any is no baseline of a later one)
 STOPPED = "promprune.stopped"  # on a trial run a scheduler stopped early (status KILLED): where, and why
 CALIBRATED_MU = "promprune.calibrated_mu"

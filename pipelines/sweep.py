@@ -263,9 +263,31 @@ def _start_workers(spec: specs.SweepSpec, plan: planning.Plan, run_fn: Callable 
 
 def planned_trials(spec: specs.SweepSpec, listed: list | None = None) -> int:
     """The trials a sweep runs: its listed ones (``listed``: `specs.expand` already called), and for an optuna search
-    the ones optuna will choose."""
+    its proposals (``num_samples``): the most it runs, as a proposal of a trial already run runs none."""
     listed = specs.expand(spec) if listed is None else listed
     return len(listed) + (spec.tune.num_samples if spec.tune.search == "optuna" else 0)
+
+
+def trial_counts(spec: specs.SweepSpec, listed: int, ran: int, proposed: int) -> dict[str, int]:
+    """The parent run's trial counts: ``trials/total``, the distinct trials the sweep ran (``ran``: its records, the
+    param ``trials`` and the console's ``[k/N]`` count the same), and for an optuna search ``trials/proposed``, its
+    proposals (``proposed``; ``num_samples`` once it ended), and ``trials/repeated``, those that named a trial the
+    sweep already ran or was running (the same values after rounding, or options the method drops: none run again),
+    so that ``trials/total`` = the ``listed`` trials + ``trials/proposed`` - ``trials/repeated``."""
+    counts = {mlflow_layout.TRIALS_TOTAL: ran}
+    if spec.tune.search == "optuna":
+        counts.update({mlflow_layout.TRIALS_PROPOSED: proposed,
+                       mlflow_layout.TRIALS_REPEATED: max(0, listed + proposed - ran)})
+    return counts
+
+
+def repeats_line(counts: dict[str, int]) -> str:
+    """The console's (and the parent run's description's) line on an optuna search's repeated proposals."""
+    repeated, proposed = counts[mlflow_layout.TRIALS_REPEATED], counts[mlflow_layout.TRIALS_PROPOSED]
+    return (f"optuna proposed {proposed} trial(s), {repeated} of them one the sweep had already run (the same values "
+            "after rounding, or options the method drops): not run again (each said above). The sweep ran "
+            f"{counts[mlflow_layout.TRIALS_TOTAL]} distinct trial(s) (the parent run's trials/total and param trials; "
+            "trials/proposed and trials/repeated beside them)")
 
 
 def _writes_to(spec: specs.SweepSpec) -> list[str]:
@@ -279,7 +301,8 @@ def _trials_line(spec: specs.SweepSpec, known: int, samples: int) -> str:
     if not specs.metric_in_trials(spec) and tune_spec.search == "grid":
         return f"{known} trials"
     searched = search.searched_trials(spec)
-    how = f"{tune_spec.search} search of {searched} trial(s) for the {tune_spec.mode} {tune_spec.metric}"
+    what = "proposal(s)" if tune_spec.search == "optuna" else "trial(s)"  # (a repeated proposal runs no trial)
+    how = f"{tune_spec.search} search of {searched} {what} for the {tune_spec.mode} {tune_spec.metric}"
     rungs = search.rungs(spec, samples)
     if rungs:
         how += (f", ASHA stopping the weakest at {', '.join(map(str, rungs))} of {samples} samples "
@@ -297,12 +320,13 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
             "now marked KILLED")
     driver = {"host": socket.gethostname(), "pid": os.getpid()}
     n_trials = planned_trials(spec, trials)
+    optuna = spec.tune.search == "optuna"  # its distinct trials are known at its end: the param `trials` then
     resolved = tracking.model_params(spec, plan.on_gpu)  # what the workers run: on the parent and on every trial run
     if resume is None:
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
-                                          "limit": spec.limit, "trials": n_trials, "bootstrap": spec.bootstrap,
-                                          **resolved},
+                                          "limit": spec.limit, **({} if optuna else {"trials": n_trials}),
+                                          "bootstrap": spec.bootstrap, **resolved},
                                          started=began,
                                          view=SweepView.of(spec, trials))
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,
@@ -347,6 +371,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         shared = trial.Shared(rows, plan, pool.handle, blocks, block_timeout_s=spec.resources.block_timeout_s)
         # Tune's callbacks (RecorderHook) hand the trials' events to this recorder; Tune's usage tag of those
         # callbacks is recorded without importing Ray's logger integrations (wandb: seconds)
+        proposed = 0  # optuna's proposals this driver saw end (a resumed search: those of the earlier drivers too)
         with progress(sum(console.samples_of.values()) + per_trial * (n_trials - len(trials)), spec.name) as bar, \
                 attached(recorder), callbacks_counted_without_integrations():
             console.bar = bar
@@ -365,7 +390,9 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
                 grid = tuner.fit()
                 try:
-                    _reconcile(recorder, grid, phase.trials, spec.tune.num_samples if not phase.trials else None)
+                    seen = _reconcile(recorder, grid, phase.trials,
+                                      spec.tune.num_samples if not phase.trials else None)
+                    proposed += len(seen) if phase.searched and optuna else 0
                 except SweepInterrupted as e:
                     dead = pool_watch.lost(experiment)
                     if dead:
@@ -389,12 +416,18 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 client, parent_id, spec.name, spec.version, regression_threshold,
                 spec_fingerprint(specs.dump_resolved(spec)), spec)
         summary = [line for line in [best_line(spec, recorder.records, recorder.generated, bests)] if line]
-        recorder.parent(metrics={"trials/total": len(recorder.records),
+        counts = trial_counts(spec, len(trials), len(recorder.records), proposed)
+        repeats = [repeats_line(counts)] if counts.get(mlflow_layout.TRIALS_REPEATED) else []
+        for line in repeats:
+            say(line)
+        recorder.parent(params={"trials": len(recorder.records)} if optuna else None,
+                        metrics={**counts,
                                  mlflow_layout.TRIALS_FAILED: sum(r["error"] is not None
                                                                   for r in recorder.records.values()),
                                  "trials/stopped": len(recorder.stopped), mlflow_layout.GENERATED: recorder.generated,
                                  **best_metrics(best)},
-                        tags={mlflow_layout.NOTE: "\n\n".join([spec.description, *paired, *summary]).strip(),
+                        tags={mlflow_layout.NOTE: "\n\n".join([spec.description, *paired, *summary,
+                                                                *repeats]).strip(),
                               **({mlflow_layout.BEST_TRIAL: best["trial_id"]} if best else {})})
         recorder.end_parent("FINISHED")
         recorder.unlogged(store_wait_s())
@@ -428,7 +461,7 @@ def finished_run(state: dict) -> str | None:
     failed = run.data.metrics.get(mlflow_layout.TRIALS_FAILED)
     if run.info.status != "FINISHED" or failed is None or failed > 0:
         return None
-    total = run.data.metrics.get("trials/total")
+    total = run.data.metrics.get(mlflow_layout.TRIALS_TOTAL)
     when = run.data.tags.get(mlflow_layout.FINISHED_AT, "")
     url = tracking.ui_url(run.data.tags.get(mlflow_layout.SWEEP), run.info.run_id)
     return (f"--resume {state['experiment']}: the sweep finished{f' at {when}' if when else ''} (MLflow parent run "
@@ -585,9 +618,10 @@ class SweepInterrupted(RuntimeError):
         self.resume = resume  # the command that finishes the sweep
 
 
-def _reconcile(recorder: SweepRecorder, grid, trials: list, searched: int | None = None) -> None:
+def _reconcile(recorder: SweepRecorder, grid, trials: list, searched: int | None = None) -> list[str]:
     """Log any trial the callback did not see (finished before an interruption, restored by --resume): from its
-    checkpoint, its error, or, stopped by the scheduler, its last result.
+    checkpoint, its error, or, stopped by the scheduler, its last result. Returns the trial id of each Tune trial
+    that ended (for an optuna search: one per proposal, a repeated proposal's id again).
 
     A trial without a result (never started, or stopped without error, checkpoint or the scheduler's stop) means
     Tune was interrupted. ``trials``: the experiment's listed trials; ``searched``: for an optuna search, how many
@@ -616,6 +650,7 @@ def _reconcile(recorder: SweepRecorder, grid, trials: list, searched: int | None
         unfinished.append(f"{searched - len(seen)} searched trial(s)")
     if unfinished:
         raise SweepInterrupted(f"{len(unfinished)} trial(s) did not finish: {', '.join(unfinished)}")
+    return seen
 
 
 # ----------------------------------------------------------------------------------------------------------------

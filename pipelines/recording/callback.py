@@ -83,7 +83,7 @@ class RecorderHook(tune.Callback):
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
         config = search.trial_of(trial.config).to_dict()  # the recorder's view of the trial
         timeline.mark("trial_start", "driver", trial=config["trial_id"])
-        self._recorder().started(config)
+        self._recorder().started(config, trial.trial_id)
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
         self._recorder().progress(search.trial_of(trial.config).trial_id, result)
@@ -93,13 +93,14 @@ class RecorderHook(tune.Callback):
         last result is the rung it was stopped at)."""
         config = search.trial_of(trial.config).to_dict()
         if trial.checkpoint is None and search.stopped_by_scheduler(trial.last_result):
-            self._recorder().record_stopped(config, trial.last_result)
+            self._recorder().record_stopped(config, trial.last_result, trial.trial_id)
         else:
-            self._recorder().record(config, trial.checkpoint)
+            self._recorder().record(config, trial.checkpoint, trial.trial_id)
         timeline.mark("trial_recorded", "driver", trial=config["trial_id"])
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
-        self._recorder().record_error(search.trial_of(trial.config).to_dict(), error_text(trial))
+        self._recorder().record_error(search.trial_of(trial.config).to_dict(), error_text(trial),
+                                        trial.trial_id)
 
 
 def error_text(trial) -> str:

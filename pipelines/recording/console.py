@@ -83,6 +83,18 @@ class SweepConsole:
         else:
             say(f"[start] {tid}")
 
+    def repeated(self, tid: str, earlier: dict | None, count: int) -> None:
+        """Optuna proposed trial ``tid`` again: ``earlier`` is its record (it finished, was stopped, or failed), None
+        while it still runs under the earlier proposal; ``count``: the trials ended so far. One line, ``[count/N]``,
+        saying what becomes of the proposal, with one trial and its samples fewer to come: the counter's total and the
+        bar's count the distinct trials the sweep runs (as the parent run's ``trials`` and ``trials/total`` do)."""
+        self._heard()
+        self.n_trials -= 1
+        if self.bar is not None:
+            self.bar.total -= self.per_trial or 0
+            self.bar.refresh()
+        say(f"[{count}/{self.n_trials}] {tid}: optuna proposed it again, {repeat_fate(earlier)}")
+
     def advanced(self, tid: str, done: int) -> None:
         """A trial's samples done so far (its progress reports): the bar moves by the new ones."""
         self._heard()
@@ -114,6 +126,21 @@ class SweepConsole:
         if self.bar is not None and stop["total"] > stop["done"]:
             self.bar.total -= stop["total"] - max(stop["done"], self.shown.get(tid, 0))
             self.bar.refresh()
+
+
+def repeat_fate(earlier: dict | None) -> str:
+    """What becomes of an optuna proposal of a trial the sweep has (``earlier``: its record) or is running (None)."""
+    if earlier is None:
+        return ("while it runs under the earlier proposal: counted once (this proposal answers beside it the samples "
+                "not saved yet, and its result goes to optuna too)")
+    if earlier.get("stopped"):
+        return ("a trial ASHA stopped: not run again (ASHA ends it at once with the result it stopped it on, which "
+                "goes to optuna)")
+    if earlier["error"] is not None:
+        return ("a trial that failed: tried again from its saved answers, counted once (its record stays the "
+                "failure; --resume runs failed trials again)")
+    return ("a trial that already ran: not run again (no sample generated: its saved answers are scored again and "
+            "the same result goes to optuna)")
 
 
 def quiet_line(quiet_s: float, running: int, state: dict | None) -> str:

@@ -73,6 +73,8 @@ class SweepRecorder:
         self.lacking = {tid: missing for tid, r in earlier.items()
                         if (missing := {k: v for k, v in self.model_params.items() if k not in r.data.params})}
         self.began: dict[str, float] = {}  # trial id -> when it (last) started, epoch seconds
+        self.tune_ids: dict[str, str] = {}  # trial id -> the Tune trial that first ran it under this driver
+        self.repeats: set[str] = set()  # Tune trials of a trial another Tune trial ran: optuna's repeated proposals
         self.system = DriverMetrics(self.out)  # the driver's CPU and memory on the parent run
 
     @property
@@ -90,9 +92,26 @@ class SweepRecorder:
     # ------------------------------------------------------------------------------------------------------------
     # a trial's run from its start
 
-    def started(self, trial: dict) -> None:
-        """A trial (re)started: its run opened (created, or an earlier attempt's run RUNNING again) and its line."""
+    def repeated(self, tid: str, tune_id: str | None) -> bool:
+        """Whether Tune trial ``tune_id`` runs trial ``tid``, which another Tune trial ran or runs under this driver:
+        a proposal optuna repeated (the same values after rounding, or options the method drops), said once (the
+        console's `SweepConsole.repeated`), counted in `repeats`, its run and record left as the first made them."""
+        if tune_id is None:
+            return False
+        first = self.tune_ids.setdefault(tid, tune_id)
+        if first == tune_id:
+            return False
+        if tune_id not in self.repeats:
+            self.repeats.add(tune_id)
+            self.console.repeated(tid, self.records.get(tid), len(self.records))
+        return True
+
+    def started(self, trial: dict, tune_id: str | None = None) -> None:
+        """A trial (re)started: its run opened (created, or an earlier attempt's run RUNNING again) and its line; a
+        repeated proposal (`repeated`): its line only."""
         tid = trial["trial_id"]
+        if self.repeated(tid, tune_id):
+            return
         self.began[tid] = time.time()
         if tid not in self.ended:
             self._open(trial)
@@ -149,10 +168,12 @@ class SweepRecorder:
     # ------------------------------------------------------------------------------------------------------------
     # a trial's end
 
-    def record(self, trial: dict, checkpoint) -> dict:
+    def record(self, trial: dict, checkpoint, tune_id: str | None = None) -> dict:
         """A finished trial from its checkpoint: the `TrialResult` file read for the metrics and scores, its run
         given them and the same file as `predictions.parquet`, then ended FINISHED (at the trial's own end)."""
         tid = trial["trial_id"]
+        if self.repeated(tid, tune_id) and tid in self.records:
+            return self.records[tid]
         if tid in self.records:
             return self.records[tid]
         with checkpoint.as_directory() as d:
@@ -175,11 +196,14 @@ class SweepRecorder:
         self.console.finished(rec, len(self.records), self.sweep.tasks)
         return rec
 
-    def record_stopped(self, trial: dict, result: dict) -> dict:
+    def record_stopped(self, trial: dict, result: dict, tune_id: str | None = None) -> dict:
         """A trial a scheduler stopped (once): its run ended KILLED now (its true duration), tagged
         `promprune.stopped`, with the samples it had answered and its running scores at the rung it was stopped on,
-        under `running/` (never a finished trial's keys), and no predictions."""
+        under `running/` (never a finished trial's keys), and no predictions. (A repeated proposal of a trial ASHA
+        stopped is ended so without starting: said here, `repeated`.)"""
         tid = trial["trial_id"]
+        if self.repeated(tid, tune_id) and tid in self.records:
+            return self.records[tid]
         if tid in self.records:
             return self.records[tid]
         rec = self.results.stopped_early(trial, result)
@@ -195,10 +219,13 @@ class SweepRecorder:
         self.console.stopped(rec, len(self.records))
         return rec
 
-    def record_error(self, trial: dict, error: str) -> None:
+    def record_error(self, trial: dict, error: str, tune_id: str | None = None) -> None:
         """A failed trial: its run ended FAILED with the error (once: the Tune callback and the final reconcile both
-        report a failure)."""
+        report a failure). A repeated proposal (`repeated`) that fails leaves a trial that finished as it was."""
         tid = trial["trial_id"]
+        if self.repeated(tid, tune_id) and tid in self.records and self.records[tid]["error"] is None:
+            say(f"[trial failed] {tid}, proposed again by optuna: {error} (the result of its first run stands)")
+            return
         self.results.failed(trial, error)
         self.console.ended(tid)
         if tid not in self.ended:

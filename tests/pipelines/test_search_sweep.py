@@ -263,3 +263,35 @@ def test_the_printed_link_shows_each_trials_method_mu_tau_and_rel_in_a_browser(s
     assert f"(parent run {outcome.parent_run_id}), {len(outcome.records)} trial runs shown" in proc.stdout
     assert "each trial's method, mu, rel, running/rel, tau in its row as MLflow holds them" in proc.stdout
     assert "line charts of running values against samples/scored" in proc.stdout  # not MLflow's "Step"
+
+
+def test_an_optuna_proposal_of_a_trial_already_run_is_said_and_every_count_is_of_distinct_trials(
+        local_ray, tmp_path, monkeypatch, mlflow_db, capsys):
+    """A probe's case: FastV takes no mu, so every proposal of fastv after the first names the trial ``fastv-b16``
+    again, which is not run again. The console's ``[k/N]`` stopped at ``[3/6]`` before "finished", and the parent run
+    had param ``trials=6`` beside ``trials/total=3``, with nothing saying why. Now each repeat is said, ``N`` counts
+    the distinct trials, and the param, ``trials/total`` and the records agree; ``trials/proposed`` counts optuna's
+    proposals."""
+    monkeypatch.chdir(tmp_path)
+    proposals = 6
+    spec = specs.parse({**RAW, "name": "repeats", "tasks": ["testbed_exist"], "limit": 2,
+                        "grid": {"method": ["fastv", "promprune"], "budget": [16], "mu": {"uniform": [0.2, 0.6]}},
+                        "tune": {"search": "optuna", "num_samples": proposals, "scheduler": "none",
+                                 "max_concurrent_trials": 1, "seed": 0}})
+    outcome = sweep.run_sweep(spec)
+    out = capsys.readouterr().out
+    ran = set(outcome.records)  # the distinct trials: the baseline and optuna's distinct picks
+    repeats = [line for line in out.splitlines() if ": optuna proposed it again, " in line]
+    assert len(repeats) == 1 + proposals - len(ran) >= 1, out[-3000:]  # (seed 0: fastv proposed twice or more)
+    assert all(line.endswith(" fastv-b16: optuna proposed it again, a trial that already ran: not run again (no "
+                             "sample generated: its saved answers are scored again and the same result goes to "
+                             "optuna)") for line in repeats), repeats
+    counted = [line.split("]", 1)[0] for line in out.splitlines() if line.startswith("[") and "/" in line.split("]")[0]]
+    assert counted[-1] == f"[{len(ran)}/{len(ran)}", out[-3000:]  # the counter ends at its total
+    run = tracking.client().get_run(outcome.parent_run_id)
+    assert run.data.params["trials"] == str(len(ran))
+    assert run.data.metrics[mlflow_layout.TRIALS_TOTAL] == len(ran)
+    assert run.data.metrics[mlflow_layout.TRIALS_PROPOSED] == proposals
+    assert run.data.metrics[mlflow_layout.TRIALS_REPEATED] == len(repeats)
+    assert f"optuna proposed {proposals} trial(s), {len(repeats)} of them one the sweep had already run" in (
+        run.data.tags[mlflow_layout.NOTE])
