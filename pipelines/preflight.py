@@ -55,7 +55,8 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
     trials = spec_trials(spec) if trials is None else trials
     kinds = _video_kinds(spec) if evaluates else {}
     with loads_once():
-        errors += check_tasks(spec.tasks, spec.limit if evaluates else None, spec.include_path)
+        task_errors = check_tasks(spec.tasks, spec.limit if evaluates else None, spec.include_path)
+        errors += task_errors
         errors += check_judges(spec.tasks) if evaluates else []
         errors += check_model(spec.model.pretrained, spec.model.options,
                               budgets(spec) if budgets_of is None else budgets_of,
@@ -66,6 +67,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
         errors += check_clip_text(spec, trials)
         errors += check_attention(spec, trials)
     if evaluates:
+        errors += [] if task_errors else check_generation(spec)  # (the tasks' own kwargs: the tasks must load)
         errors += check_metric(spec.tune.metric, spec.tasks)
         errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) + check_experiment_name() if store else []
@@ -140,6 +142,21 @@ def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[s
     problems = [f"limit: {problem}" for problem in (check_limit(t, limit) for t in tasks) if problem]
     own = [*(include_path or []), *env_include_paths()]
     return problems + [_labelled("tasks", problem) for problem in task_problems(manager, list(tasks), own)]
+
+
+def check_generation(spec: SweepSpec) -> list[str]:
+    """The spec's `generation` laid over each task's own lmms-eval generation_kwargs can be generated with
+    (`promprune.eval.generation.sampling_problem`: do_sample over a task's temperature 0 failed every sample)."""
+    from promprune.eval.generation import sampling_problem
+    from promprune.eval.tasks import task_config
+
+    found: dict[str, list[str]] = {}
+    for task in spec.tasks:
+        own = task_config(task).get("generation_kwargs") or {}
+        problem = sampling_problem({k: v for k, v in {**own, **spec.generation}.items() if v is not None})
+        if problem:
+            found.setdefault(problem, []).append(task)
+    return [f"generation: {problem} (tasks {', '.join(tasks)})" for problem, tasks in found.items()]
 
 
 JUDGE_PROBE_TIMEOUT_S = 15.0  # one short request; lmms-eval's own judge would retry for minutes per document

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # lmms-eval generation_kwargs keys that map onto transformers' generate(); anything else (e.g. llava's
 # image_aspect_ratio) is a model-specific hint our adapters do not take, and is ignored.
-_SAMPLING_KEYS = ("temperature", "top_p")
+_SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int}  # passed when do_sample is true
 # a task that sets no max_new_tokens (TextVQA, VizWiz) gets what lmms-eval's own HF LLaVA model gives it, not
 # transformers' default of 20 (which would cut long answers)
 DEFAULT_MAX_NEW_TOKENS = 1024
@@ -97,8 +97,9 @@ def image_to_png(image: Image.Image) -> bytes:
 def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
     """lmms-eval generation_kwargs -> (kwargs for ``vlm.generate``, stop strings).
 
-    Greedy unless ``do_sample`` is true (then temperature / top_p pass through; a temperature alone does not
-    sample, whereas lmms-eval's llava / llava_hf / qwen models sample whenever temperature > 0); ``max_new_tokens``
+    Greedy unless ``do_sample`` is true (then temperature / top_p / top_k pass through; a temperature alone does not
+    sample, whereas lmms-eval's llava / llava_hf / qwen models sample whenever temperature > 0; do_sample with a
+    temperature of 0 is :func:`sampling_problem`'s); ``repetition_penalty`` passes either way; ``max_new_tokens``
     defaults to lmms-eval's (:data:`DEFAULT_MAX_NEW_TOKENS`) when the task sets none. The stop strings are
     lmms-eval's ``until`` without the blank line ``"\\n\\n"`` (:data:`BLANK_LINE`, the default lmms-eval gives a
     task that sets none), dropped as lmms-eval's qwen2_5_vl / qwen3_vl / gemma4 models drop it, so an answer is never
@@ -110,12 +111,28 @@ def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
     kwargs: dict[str, Any] = {"max_new_tokens": int(gen_kwargs.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))}
     if "num_beams" in gen_kwargs:
         kwargs["num_beams"] = int(gen_kwargs["num_beams"])
+    if "repetition_penalty" in gen_kwargs:  # greedy or sampled alike
+        kwargs["repetition_penalty"] = float(gen_kwargs["repetition_penalty"])
     kwargs["do_sample"] = bool(gen_kwargs.get("do_sample", False))
     if kwargs["do_sample"]:
-        kwargs.update({k: float(gen_kwargs[k]) for k in _SAMPLING_KEYS if k in gen_kwargs})
+        kwargs.update({k: kind(gen_kwargs[k]) for k, kind in _SAMPLING_KEYS.items() if k in gen_kwargs})
     until = gen_kwargs.get("until") or []
     until = [until] if isinstance(until, str) else list(until)
     return kwargs, [stop for stop in until if stop != BLANK_LINE]
+
+
+def sampling_problem(gen_kwargs: dict) -> str | None:
+    """Why ``generate`` cannot sample with these generation kwargs (a task's own with a spec's ``generation`` over
+    them), or None: ``do_sample`` true with a temperature of 0 or below, lmms-eval's greedy setting (its own models
+    decode greedily at temperature 0 whatever do_sample says; transformers refuses the pair, so every sample failed)."""
+    if not gen_kwargs.get("do_sample"):
+        return None
+    temperature = gen_kwargs.get("temperature")
+    if temperature is not None and float(temperature) <= 0:
+        return (f"do_sample: true with temperature {temperature} (lmms-eval's greedy setting; transformers samples "
+                "only at a temperature above 0): set generation.temperature above 0 (e.g. 0.7) to sample, or leave "
+                "do_sample out for greedy answers")
+    return None
 
 
 def cut_at_stop(text: str, until: list[str]) -> str:

@@ -54,6 +54,12 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
     kwargs, until = generate_kwargs({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "until": None})
     # a task without max_new_tokens (TextVQA, VizWiz) gets lmms-eval's HF LLaVA default, not transformers' 20
     assert kwargs == {"max_new_tokens": 1024, "do_sample": True, "temperature": 0.7, "top_p": 0.9} and until == []
+    # top_k with sampling, repetition_penalty either way: the spec's `generation` takes them (they were dropped)
+    kwargs, _ = generate_kwargs({"do_sample": True, "temperature": 0.5, "top_k": 5, "repetition_penalty": 1.3})
+    assert kwargs == {"max_new_tokens": 1024, "repetition_penalty": 1.3, "do_sample": True, "temperature": 0.5,
+                      "top_k": 5}
+    assert generate_kwargs({"top_k": 5, "repetition_penalty": 1.3})[0] == {
+        "max_new_tokens": 1024, "repetition_penalty": 1.3, "do_sample": False}
     assert cut_at_stop("yes\nUSER: more", ["\n"]) == "yes"
     assert cut_at_stop("a.b;c", [";", "."]) == "a"
 

@@ -111,6 +111,18 @@ def test_a_regression_threshold_that_cannot_judge_is_refused(scratch, run_main, 
         in proc.stderr
 
 
+def test_sampling_over_a_tasks_temperature_0_is_refused_before_ray(scratch, run_main):
+    """easyvqa_yesno sets temperature 0 (lmms-eval's greedy setting), as POPE, MME and GQA do: generation {do_sample:
+    true} passed --validate-only and every sample failed (transformers refuses do_sample at temperature 0); with a
+    temperature above 0 it passes."""
+    proc, _ = run_main("--config", str(scratch()), "--set", "generation={do_sample: true}", "--validate-only")
+    assert_clean_error(proc, "generation: do_sample: true with temperature 0 (lmms-eval's greedy setting")
+    assert "(tasks easyvqa_yesno)" in proc.stderr
+    proc, _ = run_main("--config", str(scratch()), "--set", "generation={do_sample: true, temperature: 0.7}",
+                       "--validate-only")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_unknown_task_missing_path_and_a_budget_that_prunes_nothing(scratch, run_main):
     spec = scratch(SPEC.replace("tasks: [easyvqa_yesno]", "tasks: [easyvqa_yesnoo]"))
     proc, _ = run_main("--config", str(spec), "--validate-only")
