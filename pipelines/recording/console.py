@@ -328,7 +328,11 @@ def best_line(spec: specs.SweepSpec, records: dict, generated: int, bests: list[
     for best in bests:
         among = f" ({best['search']})" if best["search"] else ""
         if best["trial_id"] is None:
-            lines.append(f"no trial varying mu or tau{among} finished with {best['metric']}")
+            if best["metric"] == REL and search.BASELINE_ID not in records:  # (a spec with `baseline: false`)
+                lines.append(f"no Rel. to rank the (mu, tau) search{among} by: the sweep has no unpruned trial "
+                             "(baseline: false); its scores are in the table above")
+            else:
+                lines.append(f"no trial varying mu or tau{among} finished with {best['metric']}")
             continue
         value = records[best["trial_id"]]["metrics"][best["metric"]]  # the trial's own (the interval's centre too)
         where = " ".join(f"{k}={best.get(k) if best.get(k) is not None else 'default'}" for k in MU_TAU)

@@ -292,6 +292,9 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     metrics' scales."""
     points = _plane_points(sweep, table)
     searches = _searches(sweep, points)
+    if not searches and sweep.baseline_id is None and _searches(sweep, points.assign(value=0.0)):
+        return ("## The (mu, tau) plane\n\nNot drawn: the sweep has no unpruned trial (`baseline: false`), so no "
+                "Rel. to place its (mu, tau) points by; their scores are in the table above.\n")
     if not searches:
         if grid is None:
             return ""

@@ -1024,3 +1024,16 @@ def test_a_trials_sampled_answers_do_not_depend_on_the_blocks_its_worker_answere
     assert takes_seed(default_run_requests) and takes_seed(lambda vlm, rows, batch_size, **kw: None)
     assert not takes_seed(functools.partial(lambda vlm, rows, batch_size, *, log: None, log="x"))
     assert not takes_seed(lambda *a: None)
+
+
+def test_a_search_without_an_unpruned_trial_says_there_is_no_rel():
+    """`baseline: false` with a (mu, tau) grid: every trial finished, none has Rel. (no unpruned trial to divide
+    by); the console said "no trial varying mu or tau finished with rel", as if the trials had failed."""
+    from pipelines.recording.console import best_line
+
+    records = dict(_rec("promprune", 64, {"mu": mu, "tau": 0.02}, None) for mu in (0.3, 0.4))
+    for rec in records.values():
+        rec["metrics"] = {}
+    assert best_line(_search_spec(), records, 200) == (
+        "no Rel. to rank the (mu, tau) search by: the sweep has no unpruned trial (baseline: false); its scores are "
+        "in the table above; 200 samples generated")

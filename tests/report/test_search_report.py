@@ -167,6 +167,15 @@ def test_a_sparse_search_gets_no_heatmap(store, tmp_path, monkeypatch):
     assert "- best (mu, tau): **mu=0.3, tau=0.03**, Rel. 80.0%" in report.markdown
 
 
+def test_a_search_without_an_unpruned_trial_says_why_it_has_no_plane(store, tmp_path):
+    """`baseline: false` over a (mu, tau) grid: no Rel. to place the points by; the section was silently missing."""
+    client, exp = store
+    log_sweep(client, exp, "no_base", [pp(0.2, 0.01, 20), pp(0.3, 0.01, 21), pp(0.3, 0.03, 24)], tasks=[TASK],
+              tmp=tmp_path)
+    md = build_report(load_sweep("no_base"), tmp_path / "out").markdown
+    assert "Not drawn: the sweep has no unpruned trial (`baseline: false`)" in section(md, "The (mu, tau) plane")
+
+
 def test_a_grid_needs_two_mu_and_two_tau_with_all_four_cells():
     nan = float("nan")
     grid = pd.DataFrame([[1.0, 2.0, nan], [3.0, 4.0, nan]], index=[0.2, 0.3], columns=[0.01, 0.02, 0.03])
