@@ -95,10 +95,11 @@ def schedule(views: int, n: int, eager: bool = True) -> tuple[int, ...]:
 # spectrum, and the exact route clamps them: brackets of ~1e-7 missed the float64 entropy of their own float32 matrix
 # by up to 9e-6 at n = 1296 (5.9e-6 at 256; a probe of 2026-12-07, adversarial near-low-rank inputs), growing with the
 # negative mass (~2.8x its share of the trace). So ``split`` reports it in the half-width. The miss grows with the
-# matrix's size, slowly (~n^0.4): the worst over 40 adversarial inputs per size (benchmarks/margin_by_size.py, d = 4096)
-# was 7.9e-6 at n = 1296, 1.0e-5 at 2304, 1.2e-5 at 3600, so the margin grows as sqrt(n / MARGIN_FROM) above
-# MARGIN_FROM (``decision_margin``): 2e-5 up to the paper's largest view, 3.3e-5 at 3600 (headroom 2.5x and more at
-# every measured size, where a fixed 2e-5 left 1.7x at 3600, shrinking).
+# matrix's size, slowly (~n^0.4): the worst distance from a decided bracket to the exact route's entropy over 40
+# adversarial inputs per size (benchmarks/margin_by_size.py, d = 4096, 2026-12-07) was 6.2e-6 at n = 576, 8.5e-6 at
+# 1296, 1.07e-5 at 2304, 1.27e-5 at 3600 (the float64 entropy's slightly less), so the margin grows as sqrt(n /
+# MARGIN_FROM) above MARGIN_FROM (``decision_margin``): 2e-5 up to the paper's largest view, 2.67e-5 at 2304 and
+# 3.33e-5 at 3600, a headroom of 3.2x / 2.3x / 2.5x / 2.6x, where a fixed 2e-5 left 1.9x at 2304 and 1.6x at 3600.
 DECISION_MARGIN = 2e-5
 MARGIN_FROM = 1296
 
