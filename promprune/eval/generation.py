@@ -128,7 +128,13 @@ def sampling_problem(gen_kwargs: dict) -> str | None:
     if not gen_kwargs.get("do_sample"):
         return None
     temperature = gen_kwargs.get("temperature")
-    if temperature is not None and float(temperature) <= 0:
+    if temperature is None:
+        return None
+    try:
+        value = float(temperature)
+    except (TypeError, ValueError):
+        return f"temperature {temperature!r} is not a number: give a number above 0 (e.g. 0.7) to sample"
+    if value <= 0:
         return (f"do_sample: true with temperature {temperature} (lmms-eval's greedy setting; transformers samples "
                 "only at a temperature above 0): set generation.temperature above 0 (e.g. 0.7) to sample, or leave "
                 "do_sample out for greedy answers")

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from promprune.eval import run_requests
-from promprune.eval.generation import cut_at_stop, decode_image, generate_kwargs, sharing_options
+from promprune.eval.generation import cut_at_stop, decode_image, generate_kwargs, sampling_problem, sharing_options
 from promprune.models import PrunedVLM
 from promprune.models.sharing import ImageCache
 from promprune.records import Prediction, Request
@@ -60,6 +60,9 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
                       "top_k": 5}
     assert generate_kwargs({"top_k": 5, "repetition_penalty": 1.3})[0] == {
         "max_new_tokens": 1024, "repetition_penalty": 1.3, "do_sample": False}
+    assert sampling_problem({"do_sample": True, "temperature": "hot"}).startswith("temperature 'hot' is not a number")
+    assert sampling_problem({"do_sample": True, "temperature": 0}).startswith("do_sample: true with temperature 0")
+    assert sampling_problem({"do_sample": False, "temperature": 0}) is None
     assert cut_at_stop("yes\nUSER: more", ["\n"]) == "yes"
     assert cut_at_stop("a.b;c", [";", "."]) == "a"
 
