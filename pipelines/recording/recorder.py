@@ -172,8 +172,7 @@ class SweepRecorder:
         """A finished trial from its checkpoint: the `TrialResult` file read for the metrics and scores, its run
         given them and the same file as `predictions.parquet`, then ended FINISHED (at the trial's own end)."""
         tid = trial["trial_id"]
-        if self.repeated(tid, tune_id) and tid in self.records:
-            return self.records[tid]
+        self.repeated(tid, tune_id)  # (a repeated proposal: said once; its first run's record stands, below)
         if tid in self.records:
             return self.records[tid]
         with checkpoint.as_directory() as d:
@@ -202,8 +201,7 @@ class SweepRecorder:
         under `running/` (never a finished trial's keys), and no predictions. (A repeated proposal of a trial ASHA
         stopped is ended so without starting: said here, `repeated`.)"""
         tid = trial["trial_id"]
-        if self.repeated(tid, tune_id) and tid in self.records:
-            return self.records[tid]
+        self.repeated(tid, tune_id)  # (a repeated proposal: said once; its first run's record stands, below)
         if tid in self.records:
             return self.records[tid]
         rec = self.results.stopped_early(trial, result)

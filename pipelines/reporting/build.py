@@ -274,12 +274,14 @@ def _describe_key(key: mlflow_layout.SearchKey) -> str:
     return ", ".join(parts + [f"{name}={value}" for name, value in key.options])
 
 
-def _searches(sweep: Sweep, points: pd.DataFrame) -> list[tuple[mlflow_layout.SearchKey, pd.DataFrame]]:
-    """The (mu, tau) searches among ``points`` (`mlflow_layout.mu_tau_searches`): per `_search_key`, the points of
-    trials alike in all else, where they score two or more distinct (mu, tau); in the trials' order."""
-    keys = {rid: _search_key(sweep, rid) for rid in points.index}
-    scored = {rid: points.loc[rid, list(MU_TAU)].to_dict() for rid in points.dropna(subset=["value"]).index}
-    return [(key, points.loc[rids]) for key, rids in mlflow_layout.mu_tau_searches(keys, scored)]
+def _searches(points: pd.DataFrame, keys: dict, scored: bool = True) -> list[tuple[mlflow_layout.SearchKey,
+                                                                                  pd.DataFrame]]:
+    """The (mu, tau) searches among ``points`` (`mlflow_layout.mu_tau_searches`; ``keys``: each point's
+    `_search_key`): the points of trials alike in all else, where they score (``scored``; else: set) two or more
+    distinct (mu, tau); in the trials' order."""
+    counted = points.dropna(subset=["value"]) if scored else points
+    options = {rid: points.loc[rid, list(MU_TAU)].to_dict() for rid in counted.index}
+    return [(key, points.loc[rids]) for key, rids in mlflow_layout.mu_tau_searches(keys, options)]
 
 
 def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) -> str:
@@ -291,8 +293,9 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
     different other options (Fig. 4's per-metric calibrated mu) are no search: their mu values are on different
     metrics' scales."""
     points = _plane_points(sweep, table)
-    searches = _searches(sweep, points)
-    if not searches and sweep.baseline_id is None and _searches(sweep, points.assign(value=0.0)):
+    keys = {rid: _search_key(sweep, rid) for rid in points.index}
+    searches = _searches(points, keys)
+    if not searches and sweep.baseline_id is None and _searches(points, keys, scored=False):
         return ("## The (mu, tau) plane\n\nNot drawn: the sweep has no unpruned trial (`baseline: false`), so no "
                 "Rel. to place its (mu, tau) points by; their scores are in the table above.\n")
     if not searches:

@@ -560,10 +560,9 @@ def _kept(task, samples: list[dict], skip: set[int]) -> list[dict]:
     return [s for s in kept if not groups(s) & broken]
 
 
-def _aggregate_without(task, samples: list[dict], skip: set[int], metrics: dict[str, float]) -> dict[str, float]:
-    """The task's metrics aggregated again over the samples `_kept` without ``skip`` that carry each (MME: a
-    perception or a cognition score per document), NaN when none is left."""
-    kept = _kept(task, samples, skip)
+def _aggregate_over(task, kept: list[dict], metrics: dict[str, float]) -> dict[str, float]:
+    """The task's metrics aggregated again over ``kept`` (the samples `_kept` leaves), each over those that carry it
+    (MME: a perception or a cognition score per document), NaN when none is left."""
     out = dict(metrics)
     for metric, aggregate in task.aggregation().items():
         if metric not in out:
@@ -590,14 +589,14 @@ def _score_task(name: str, rows: dict[int, dict], include_path, output_dir: str,
     metrics = _metrics(results["results"][name])
     samples = results.get("samples", {}).get(name, [])
     if absent:
-        metrics = _aggregate_without(task, samples, absent, metrics)
-        samples = _kept(task, samples, absent)  # (the intervals resample what the point estimate aggregated)
+        samples = _kept(task, samples, absent)  # (the intervals resample what the point estimate aggregates)
+        metrics = _aggregate_over(task, samples, metrics)
     unjudged = _judge_failures(name, samples) - {d for d, r in rows.items() if failed(r)}
     if unjudged:
         log.warning("%s: the LLM judge gave no grade for %d sample(s); they count as failed, not as 0", name,
                     len(unjudged))
-        metrics = _aggregate_without(task, samples, unjudged, metrics)
         samples = _kept(task, samples, unjudged)
+        metrics = _aggregate_over(task, samples, metrics)
     if bootstrap and samples:
         metrics.update(_intervals(task, samples, metrics, bootstrap, include_path))
     metrics["n_samples"] = len(rows)

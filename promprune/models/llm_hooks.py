@@ -137,8 +137,9 @@ def make(method: str, model, input_ids: torch.Tensor, budget: int, options: dict
         stages = [Stage(layer, None, kind=kind) for layer in at]
         if kind == SCORED:  # the method's own options, as its score takes them
             own = {key: value for key, value in opts.items() if key != "layers"}
+            score = promprune.method_spec(method).score
             for stage in stages:
-                stage.score, stage.options = promprune.method_spec(method).score, own
+                stage.score, stage.options = score, own
     else:  # "sparsevlm"
         stages = [Stage(layer, None, kind=kind, recycle=opts["recycle_ratio"], merge=opts["merge_ratio"])
                   for layer in at]

@@ -131,7 +131,6 @@ def inputs(vlm, prep, cache, new_tokens: int | None = None) -> dict | None:
     sliding window could cut the layout (:func:`fits_window`; ``new_tokens``: ``generate``'s ``max_new_tokens``):
     then the batch runs without the prefix cache."""
     kwargs = prep.model_kwargs
-    cache.claim(prep.keys, vlm.cache_owner)  # another wrapper's prefixes for these images are not this one's
     if len(set(prep.keys)) == len(prep.keys) and not any(k in cache.prefixes for k in prep.keys):
         return None  # every image asked once here and none cached: a prefix would be prefilled for nothing
     ids, mask = kwargs["input_ids"], kwargs["attention_mask"]

@@ -549,7 +549,7 @@ def register_in_llm_method(name: str, *, description: str = "", options: Mapping
     if not callable(score):
         raise ValueError(f"register_in_llm_method: score of method {name!r} must be a function "
                          f"score(inputs, **options) -> [B, L] scores, got {type(score).__name__}")
-    if name in IN_LLM_HOOKED:
+    if name in IN_LLM_HOOKED:  # (whether or not the built-ins' module registered them yet)
         raise ValueError(f"method {name!r} is already registered (one of promprune's own methods): pick another name")
     _check_registration(name, score, options or {}, replace, choices, caller="register_in_llm_method")
     given = list(layers) if isinstance(layers, (list, tuple)) else layers
