@@ -57,9 +57,12 @@ class ImageCache:
     def claim(self, keys, owner) -> None:
         """Make what ``keys`` hold ``owner``'s: the results another wrapper left under them are dropped."""
         for key in keys:
-            if self.owners.get(key) != owner:
-                self.release(key)
+            if self.owners.get(key, owner) != owner or (key not in self.owners and self._holds(key)):
+                self.release(key)  # a key no wrapper filled is not released: release is the free of a last question
             self.owners[key] = owner
+
+    def _holds(self, key) -> bool:
+        return key in self.images or key in self.prefixes
 
     def release(self, key) -> None:
         self.images.pop(key, None)
