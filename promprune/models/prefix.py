@@ -129,8 +129,11 @@ def inputs(vlm, prep, cache, new_tokens: int | None = None) -> dict | None:
     when a row cannot be split (:func:`split`), or when every row is about another image and none is cached (one
     question per image, as VizWiz or ScienceQA: a stored prefix would only double the batch's KV memory), or when a
     sliding window could cut the layout (:func:`fits_window`; ``new_tokens``: ``generate``'s ``max_new_tokens``):
-    then the batch runs without the prefix cache."""
+    then the batch runs without the prefix cache. Prefixes another wrapper left in ``cache`` under ``prep``'s keys
+    are dropped (``ImageCache.claim``; a no-op where ``sharing.prepare`` claimed them in the same cache), never
+    continued: ``prep`` may have been prepared with another cache, or none."""
     kwargs = prep.model_kwargs
+    cache.claim(prep.keys, vlm.cache_owner)  # another wrapper's prefixes for these images are not this one's
     if len(set(prep.keys)) == len(prep.keys) and not any(k in cache.prefixes for k in prep.keys):
         return None  # every image asked once here and none cached: a prefix would be prefilled for nothing
     ids, mask = kwargs["input_ids"], kwargs["attention_mask"]

@@ -319,3 +319,31 @@ def test_a_cache_another_wrapper_filled_never_answers_for_this_one(rows):
     assert not tower.calls and sorted(cache.images) == ["a", "b"] and sorted(cache.prefixes) == ["a", "b"]
     cache.release("a")
     assert "a" not in cache.owners and "b" in cache.owners
+
+
+def test_the_prefix_cache_never_continues_another_wrappers_prefix(rows):
+    """`prefix.inputs` given a cache another wrapper filled (its prefixes' tokens alike: another method at the same
+    budget) prefills this wrapper's own prefixes: the first answer token's logits are those of a plain forward of this
+    wrapper's whole prompt. It claimed the keys itself until 9d5fc6d left that to `sharing.prepare`, whose cache a
+    caller of `prefix.inputs` need not pass it: then it continued the other method's keys and values."""
+    from promprune.models import prefix
+    from promprune.models.llm_hooks import cache_argument
+
+    base = vlm_for("llava")
+    first = PrunedVLM(base.model, base.processor, method="downsample", budget=8)
+    second = PrunedVLM(base.model, base.processor, method="promprune", budget=8)
+    cache = ImageCache()
+    first.generate(rows, PROMPTS, keys=KEYS, cache=cache, prefix_cache=True, max_new_tokens=1)
+    assert sorted(cache.prefixes) == ["a", "b"]
+    prep = second.prepare(rows, PROMPTS, keys=KEYS)  # a cache of its own: this call's only
+    with torch.inference_mode():
+        whole = second.model(**numbered(prep.model_kwargs)).logits[:, -1]
+        cached = numbered(prefix.inputs(second, prep, cache))
+        length = cached[cache_argument(second.model)].get_seq_length()
+        suffix = {k: v[..., length:] if k in ("input_ids", "position_ids") else v for k, v in cached.items()}
+        continued = second.model(**suffix).logits[:, -1]
+        # the test can tell the methods apart: the first wrapper's own prompt ends elsewhere
+        other = first.model(**numbered(first.prepare(rows, PROMPTS).model_kwargs)).logits[:, -1]
+    assert (other - whole).abs().max() > 1e-3
+    torch.testing.assert_close(continued, whole, rtol=1e-4, atol=1e-4)
+    assert all(cache.owners[k] == second.cache_owner for k in ("a", "b"))
