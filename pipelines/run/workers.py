@@ -107,8 +107,8 @@ def takes_seed(run_fn: Callable) -> bool:
 
 
 def default_run_requests(vlm, rows: list[Request], batch_size: int, seed: str | None = None) -> list[Prediction]:
-    """`run_requests`, ``seed`` the trial's id: it seeds the trial's sampled batches with the spec's
-    ``generation.seed`` and each batch's sample keys. A sweep's ``run_fn`` (tests) replaces it, called with
+    """`run_requests`, ``seed`` the trial's id: with the spec's ``generation.seed`` and each sample's key,
+    it seeds the trial's sampled answers, one stream per sample. A sweep's ``run_fn`` (tests) replaces it, called with
     ``(vlm, rows, batch_size)``, and ``seed=`` too where its signature takes it (`takes_seed`)."""
     from promprune.eval import run_requests
 
@@ -237,8 +237,8 @@ class Worker:
         """One block's predictions, one per request. The model isolates failing samples itself; an exception out of
         the whole block (an out-of-memory error, say) is retried here, up to `Failover.attempts` tries in all, and
         then fails the block's requests with its message. ``seed`` (the trial's id) seeds the block's sampled
-        batches (`promprune.eval.generation.sampling_seed`), so that a trial's sampled answers never depend on the
-        blocks, of its own or of other trials, this worker answered before."""
+        answers (`promprune.eval.generation.sample_seeds`), so that a trial's sampled answers never depend on the
+        blocks, of its own or of other trials, this worker answered before, nor on the batches."""
         import torch
 
         from promprune.eval.requests import share_images

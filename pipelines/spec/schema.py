@@ -66,8 +66,8 @@ class Generation(TypedDict, total=False):
     questions share work (promprune.eval.generation; never passed to generate()): `vision_once` encodes and selects
     each image once, `prefix_cache` also prefills its prompt prefix once; both default to true (accuracy sweeps),
     efficiency trials set both false (Table 6 measures each sample's own latency). `seed` (default 0) seeds sampled
-    generation (do_sample: true) with the trial's id and each batch's samples (promprune.eval.generation.sampling_seed);
-    greedy decoding draws nothing."""
+    generation (do_sample: true) with the trial's id and each sample's key, one stream per sample whatever its batch
+    (promprune.eval.generation.sample_seeds); greedy decoding draws nothing."""
 
     __pydantic_config__ = SECTION
     max_new_tokens: Annotated[StrictInt, Field(ge=1), expect("an int >= 1")]

@@ -13,15 +13,17 @@ selects per question), ``prefix_cache`` also prefills the prompt up to the end o
 ``promprune.models.sharing`` and ``promprune.models.prefix``. They are arguments, and an item's generation kwargs may
 set them (a sweep spec's ``generation.vision_once`` / ``generation.prefix_cache``); they never reach ``generate``.
 
-Sampled generation (``do_sample: true``) draws from torch's RNG. With a ``seed`` (``generate_items``; the sweep's
-workers pass the trial's id) or a ``seed`` generation kwarg (a spec's ``generation.seed``), each sampled batch runs
-on the RNG seeded from them and its items' ids (:func:`sampling_seed`), the process's RNG state restored after: a
-batch's draws depend on what it holds, not on what the process ran before. Greedy batches never touch the RNG.
+Sampled generation (``do_sample: true``): with a ``seed`` (``generate_items``; the sweep's workers pass the trial's
+id) or a ``seed`` generation kwarg (a spec's ``generation.seed``), each item samples from its own random stream,
+seeded from them and the item's identity (:func:`sample_seeds`; ``PrunedVLM.generate``'s ``sample_seeds``,
+:mod:`promprune.models.sampling`): an item's answer depends on the seeds and the item, not on the batch size, the
+items beside it in its batch, their order, or what the process ran before, and the process's RNG is never touched.
+Without either seed (the lmms-eval plugin, where lmms-eval seeds torch) transformers samples each batch from the
+process's RNG, so answers then depend on the batches. Greedy batches never draw.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -48,7 +50,7 @@ _SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int}  # passed 
 DEFAULT_MAX_NEW_TOKENS = 1024
 # generation kwargs that choose how an image's questions share work (see the module docstring), not generate()'s
 SHARING_KEYS = ("vision_once", "prefix_cache")
-# the generation kwarg (a spec's generation.seed) that seeds sampled batches with generate_items' own seed (see the
+# the generation kwarg (a spec's generation.seed) that seeds sampled items with generate_items' own seed (see the
 # module docstring); never passed to generate()
 SEED_KEY = "seed"
 # the stop string lmms-eval gives every task whose YAML sets no `until` (its few-shot delimiter, api/task.py): a blank
@@ -68,7 +70,7 @@ class Item:
     error: str | None = None
     video: Any = None
     key: str | None = None  # the image's identity (``Request.image_key``): items with one key share their image
-    id: str | None = None  # the sample's identity (``Request.key``): what a sampled batch's seed is drawn from
+    id: str | None = None  # the sample's identity (``Request.key``): what a sampled item's seed is drawn from
 
 
 def decode_image(data: Any, name: str) -> Image.Image:
@@ -124,9 +126,19 @@ def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
 def sampling_problem(gen_kwargs: dict) -> str | None:
     """Why ``generate`` cannot sample with these generation kwargs (a task's own with a spec's ``generation`` over
     them), or None: ``do_sample`` true with a temperature of 0 or below, lmms-eval's greedy setting (its own models
-    decode greedily at temperature 0 whatever do_sample says; transformers refuses the pair, so every sample failed)."""
+    decode greedily at temperature 0 whatever do_sample says; transformers refuses the pair, so every sample failed),
+    or with ``num_beams`` over 1 (seeded sampling draws one sequence per sample from its own seed:
+    :mod:`promprune.models.sampling` refuses beams, so every sample would fail)."""
     if not gen_kwargs.get("do_sample"):
         return None
+    try:  # as generate_kwargs reads it (what it cannot read fails there)
+        beams = int(gen_kwargs.get("num_beams") or 1)
+    except (TypeError, ValueError):
+        beams = 1
+    if beams > 1:
+        return (f"do_sample: true with num_beams {beams}: a sampled answer is drawn as one sequence from its own "
+                "seed, so sampled beam search is refused: set num_beams 1 to sample, or leave do_sample out for "
+                "beam search")
     temperature = gen_kwargs.get("temperature")
     if temperature is None:
         return None
@@ -179,45 +191,40 @@ def sharing_options(gen_kwargs: dict, vision_once: bool, prefix_cache: bool) -> 
     return chosen[0], chosen[1]
 
 
-def sampling_seed(seed: Any, gen_kwargs: dict, items: list[Item]) -> int | None:
-    """The seed of a sampled batch of ``items``: a hash of ``seed`` (the caller's: a sweep's trial id), the items'
-    ``seed`` generation kwarg (a spec's ``generation.seed``, 0 unset) and the items' ids in batch order (an item
-    without an id: its image key and prompt). None when neither seed is given: the batch draws from the process's
-    RNG as it stands (the lmms-eval plugin: lmms-eval seeds torch itself)."""
-    own = gen_kwargs.get(SEED_KEY)
-    if seed is None and own is None:
-        return None
-    ids = [it.id if it.id is not None else [it.key, it.prompt] for it in items]
-    text = json.dumps([seed, 0 if own is None else own, ids], default=str)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1  # torch takes < 2**63
-
-
-@contextlib.contextmanager
-def seeded(seed: int | None):
-    """Torch's RNG (CPU and every initialized CUDA device) seeded with ``seed`` inside, its state before restored
-    after (nothing leaks into the code that runs next); nothing at all when ``seed`` is None."""
-    if seed is None:
-        yield
-        return
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        if devices:  # (an uninitialized CUDA is not seeded: torch.manual_seed would seed it later, past the restore)
-            torch.cuda.manual_seed_all(seed)
-        yield
+def sample_seeds(seed: Any, items: list[Item]) -> list[int | None]:
+    """Each item's sampling seed, that of its own random stream (``PrunedVLM.generate``'s ``sample_seeds``): a hash
+    of ``seed`` (the caller's: a sweep's trial id), the item's ``seed`` generation kwarg (a spec's
+    ``generation.seed``, 0 unset), its identity (its ``id``; an item without one: its image key and prompt) and its
+    repeat, how many items before it in ``items`` have that identity (a request asked twice, as lmms-eval asks a
+    task's repeats, draws twice). None for an item with neither seed: transformers samples its batch from the
+    process's RNG as it stands (the lmms-eval plugin: lmms-eval seeds torch itself). Greedy items ignore theirs."""
+    seen: Counter = Counter()
+    seeds: list[int | None] = []
+    for item in items:
+        identity = json.dumps(item.id if item.id is not None else [item.key, item.prompt], default=str)
+        repeat, seen[identity] = seen[identity], seen[identity] + 1
+        own = item.gen_kwargs.get(SEED_KEY)
+        if seed is None and own is None:
+            seeds.append(None)
+            continue
+        text = json.dumps([seed, 0 if own is None else own, identity, repeat], default=str)
+        seeds.append(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1)  # torch takes < 2**63
+    return seeds
 
 
 def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,
-               prefix_cache: bool = False, keys: list | None = None, seed: Any = None) -> list[Answer]:
+               prefix_cache: bool = False, keys: list | None = None, seeds: list | None = None) -> list[Answer]:
     """Generate one batch (raises on failure); results carry the batch's peak memory. ``cache``: the images'
-    shared work (vision once; ``keys`` their keys), ``prefix_cache``: their prefixes too. A sampled batch runs on
-    the RNG seeded by :func:`sampling_seed` (``seed``: the caller's part of it)."""
+    shared work (vision once; ``keys`` their keys), ``prefix_cache``: their prefixes too. ``seeds``: the items'
+    :func:`sample_seeds`; a sampled batch whose items have them samples each from its own (``sample_seeds`` of
+    ``vlm.generate``)."""
     kwargs, until = generate_kwargs(gen_kwargs)
+    if kwargs["do_sample"] and seeds is not None and all(s is not None for s in seeds):
+        kwargs["sample_seeds"] = list(seeds)
     device = _model_device(vlm)
     reset_peak_memory(device)
     prompts = [it.prompt for it in items]
-    draws = sampling_seed(seed, gen_kwargs, items) if kwargs["do_sample"] else None
-    with torch.inference_mode(), seeded(draws):
+    with torch.inference_mode():
         if items[0].video is not None:  # generate_items never mixes clips and images in a batch
             generations = vlm.generate_video([it.video for it in items], prompts, **kwargs)
         elif cache is not None:
@@ -237,10 +244,10 @@ def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | Non
 
 
 def _run_isolated(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,
-                  prefix_cache: bool = False, keys: list | None = None, seed: Any = None) -> list[Answer]:
+                  prefix_cache: bool = False, keys: list | None = None, seeds: list | None = None) -> list[Answer]:
     """Run a batch; if it fails, run its items one by one so only the failing ones fail."""
     try:
-        return _run_batch(vlm, items, gen_kwargs, cache, prefix_cache, keys, seed)
+        return _run_batch(vlm, items, gen_kwargs, cache, prefix_cache, keys, seeds)
     except Exception as exc:  # noqa: BLE001 - isolation: the failure is recorded per item below
         if len(items) == 1:
             log.warning("generation failed: %s: %s", type(exc).__name__, exc)
@@ -248,7 +255,7 @@ def _run_isolated(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | 
         log.warning("batch of %d failed (%s: %s); retrying item by item", len(items), type(exc).__name__, exc)
         return [result for i, item in enumerate(items)
                 for result in _run_isolated(vlm, [item], gen_kwargs, cache, prefix_cache,
-                                            None if keys is None else [keys[i]], seed)]
+                                            None if keys is None else [keys[i]], None if seeds is None else [seeds[i]])]
 
 
 def _by_image(indices: list[int], keys: list) -> list[int]:
@@ -270,9 +277,10 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
     :func:`sharing_options`): image items are batched by their ``key`` (an item without one is an image of its own)
     and each image's shared work is kept until its last question is answered.
 
-    ``seed`` (any JSON-able value; None: none): with the items' own ``seed`` generation kwarg, what each sampled
-    batch's RNG is seeded from (:func:`sampling_seed`), with the batch's item ids: the same items, batch size and
-    seeds give the same sampled answers (on the same hardware and software), whatever ran before in the process.
+    ``seed`` (any JSON-able value; None: none): with the items' own ``seed`` generation kwarg and each item's
+    identity, what each sampled item's own random stream is seeded from (:func:`sample_seeds`): an item's sampled
+    answer depends on the seeds and the item (on the same hardware and software), not on ``batch_size``, the order
+    of ``items``, the items batched with it, or whatever ran before in the process.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -290,6 +298,7 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
         share, prefix = sharing_options(items[indices[0]].gen_kwargs, vision_once, prefix_cache)
         share = share and items[indices[0]].video is None  # a clip is asked once: nothing to share
         plans.append((_by_image(indices, keys) if share else indices, share, prefix))
+    seeds = sample_seeds(seed, items)
     cache = ImageCache()
     left = Counter(keys[i] for indices, share, _ in plans if share for i in indices)  # questions still to answer
     for indices, share, prefix in plans:
@@ -297,7 +306,7 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
             answers = _run_isolated(vlm, [items[i] for i in chunk], gen_kwargs, cache if share else None, prefix,
-                                    [keys[i] for i in chunk] if share else None, seed)
+                                    [keys[i] for i in chunk] if share else None, [seeds[i] for i in chunk])
             for i, result in zip(chunk, answers):
                 results[i] = result
                 if share:

@@ -252,9 +252,10 @@ def run_requests(vlm, requests: list[Request], *, batch_size: int = 8, vision_on
     accuracy sweeps (``prefix_cache`` None: as ``vision_once``, which it needs); a request's ``gen_kwargs`` may set
     either (a sweep spec's ``generation``: efficiency trials measure each sample's own latency with both off).
 
-    ``seed`` (None: none) and the requests' ``seed`` generation kwarg seed each sampled batch from the keys of its
-    requests (:func:`promprune.eval.generation.sampling_seed`): the same requests, ``batch_size`` and seeds give the
-    same sampled answers, whatever the process ran before. The sweep's workers pass the trial's id.
+    ``seed`` (None: none) and the requests' ``seed`` generation kwarg seed each sampled request from its key
+    (:func:`promprune.eval.generation.sample_seeds`): a request's sampled answer depends on the seeds and the
+    request, not on ``batch_size``, the other requests or their order, nor on what the process ran before. The
+    sweep's workers pass the trial's id.
     """
     bad = [i for i, r in enumerate(requests) if not isinstance(r, Request)]
     if bad:

@@ -31,7 +31,7 @@ from .adapters import (
     visual_token_floor,
 )
 from .factories import find_model_factory
-from .images import batch_lists, load_images, pixel_key
+from .images import as_batch, batch_lists, load_images, pixel_key
 from .options import OptionError, is_in_llm, next_layout, token_order, validate_method
 from .registry import family_of
 from .batched_select import select_items
@@ -479,10 +479,15 @@ class PrunedVLM:
 
     @torch.inference_mode()
     def generate(self, images, prompts, *, keys=None, cache=None, prefix_cache: bool = False,
-                 **generation_kwargs) -> list[Generation]:
+                 sample_seeds=None, **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise (an in-LLM
         method refuses beam search, ``use_cache=False`` and a static ``cache_implementation``, every method the
         "paged" one, before anything runs: :func:`_check_generation`).
+
+        ``sample_seeds`` (one int per row; None: none): with ``do_sample``, row ``i`` samples from its own random
+        stream seeded from ``sample_seeds[i]`` (:mod:`promprune.models.sampling`: the distribution
+        ``generate(do_sample=True)`` samples, drawn per row), so its answer does not depend on the other rows of the
+        batch; without them, transformers samples every row from the process's RNG. Greedy decoding ignores them.
 
         ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
         :attr:`shares_prefix`, one beam and the default KV cache: no ``use_cache=False`` nor ``cache_implementation``
@@ -492,8 +497,10 @@ class PrunedVLM:
         answers with any cache are those with a fresh one.
         """
         _check_generation(self.method, generation_kwargs)
+        _check_seeds(sample_seeds, prompts)
         prep = self.prepare(images, prompts, keys=keys, cache=cache)
-        out = self._generate(prep, generation_kwargs, cache=cache if prefix_cache else None, prefix_cache=prefix_cache)
+        out = self._generate(prep, generation_kwargs, cache=cache if prefix_cache else None, prefix_cache=prefix_cache,
+                             sample_seeds=sample_seeds)
         if cache is not None and prep.keys is not None:  # the prefixes of rows without a key: no later call asks
             from .sharing import forget_unkeyed
 
@@ -509,14 +516,22 @@ class PrunedVLM:
         return Prepared(**video.prepare(self, clips, prompts, fps))
 
     @torch.inference_mode()
-    def generate_video(self, clips, prompts, fps: float | None = None, **generation_kwargs) -> list[Generation]:
-        """Answer ``prompts[i]`` about clip ``clips[i]`` (see :meth:`prepare_video`); greedy unless told otherwise."""
+    def generate_video(self, clips, prompts, fps: float | None = None, sample_seeds=None,
+                       **generation_kwargs) -> list[Generation]:
+        """Answer ``prompts[i]`` about clip ``clips[i]`` (see :meth:`prepare_video`); greedy unless told otherwise
+        (``sample_seeds``: as :meth:`generate`'s)."""
         _check_generation(self.method, generation_kwargs)
-        return self._generate(self.prepare_video(clips, prompts, fps), generation_kwargs)
+        _check_seeds(sample_seeds, prompts)
+        return self._generate(self.prepare_video(clips, prompts, fps), generation_kwargs, sample_seeds=sample_seeds)
 
     def _generate(self, prep: "Prepared", generation_kwargs: dict, cache=None,
-                  prefix_cache: bool = False) -> list[Generation]:
+                  prefix_cache: bool = False, sample_seeds=None) -> list[Generation]:
         kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
+        sampling = []  # per-row sampling's warpers and noise, after the caller's processors and the NaN flag
+        if sample_seeds is not None and kwargs["do_sample"]:
+            from .sampling import per_row_sampling
+
+            kwargs, sampling = per_row_sampling(self.model, kwargs, sample_seeds)
         inputs, prefix_time, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
         if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1 \
                 and _default_cache(kwargs):
@@ -530,7 +545,7 @@ class PrunedVLM:
                 continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
         pruner = self.pruning(prep)
         flag = nonfinite_flagger()
-        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), flag])
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), flag, *sampling])
         with _Timer(self.model, self.device) as timer, pruner, continuing:
             out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats
@@ -618,6 +633,16 @@ class PrunedVLM:
         encoded = self.adapter.encoder_outputs([f.item for f in fed], [f.features for f in fed],
                                                [f.run_pos for f in fed])
         return dict(input_ids=ids, attention_mask=mask, mm_encoder_outputs=encoded, **extra)
+
+
+def _check_seeds(sample_seeds, prompts) -> None:
+    """``sample_seeds``: None, or one int per prompt (row)."""
+    if sample_seeds is None:
+        return
+    rows = len(as_batch(prompts, "prompts", "prompt", (str, bytes, bytearray)))
+    if isinstance(sample_seeds, (str, bytes)) or not hasattr(sample_seeds, "__len__") or len(sample_seeds) != rows \
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in sample_seeds):
+        raise ValueError(f"sample_seeds must be one int per row ({rows}), got {sample_seeds!r}")
 
 
 def _generation_value(generation_kwargs: dict, name: str):

@@ -63,6 +63,11 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
     assert sampling_problem({"do_sample": True, "temperature": "hot"}).startswith("temperature 'hot' is not a number")
     assert sampling_problem({"do_sample": True, "temperature": 0}).startswith("do_sample: true with temperature 0")
     assert sampling_problem({"do_sample": False, "temperature": 0}) is None
+    # seeded sampling draws one sequence per sample: sampled beam search fails every sample, so the spec check says so
+    assert sampling_problem({"do_sample": True, "temperature": 0.7, "num_beams": 3}).startswith(
+        "do_sample: true with num_beams 3")
+    assert sampling_problem({"do_sample": True, "temperature": 0.7, "num_beams": 1}) is None
+    assert sampling_problem({"do_sample": False, "num_beams": 3}) is None
     assert cut_at_stop("yes\nUSER: more", ["\n"]) == "yes"
     assert cut_at_stop("a.b;c", [";", "."]) == "a"
 
@@ -275,9 +280,9 @@ def _sampled(rows, **extra):
 
 def test_sampled_answers_depend_on_the_seeds_and_samples_not_on_what_the_process_drew_before(tiny_llava):
     """A sampled batch used to draw from the process's torch RNG as it stood: two runs of one spec gave different
-    answers, and a trial answered after another on the same worker got other answers than alone. Seeded, a batch's
-    draws come from (the caller's seed, the spec's generation.seed, its sample keys) and the process's RNG state is
-    restored after."""
+    answers, and a trial answered after another on the same worker got other answers than alone. Seeded, each
+    sample's draws come from (the caller's seed, the spec's generation.seed, its sample key) and the process's RNG is
+    left as it was."""
     import torch
 
     rows = _sampled(_rows(4))
@@ -298,6 +303,57 @@ def test_sampled_answers_depend_on_the_seeds_and_samples_not_on_what_the_process
     unseeded = _answers(run_requests(tiny_llava, rows, batch_size=2))
     torch.manual_seed(3)
     assert _answers(run_requests(tiny_llava, rows, batch_size=2)) == unseeded
+
+
+def test_a_sampled_answer_does_not_depend_on_the_batch_size_the_order_or_the_batch_mates(tiny_llava):
+    """Sampled batches were seeded per batch (from the trial's id and the batch's sample keys): a question's sampled
+    answer changed with the batch size, the order the requests came in (the by-image grouping) and which questions
+    shared its batch, a worker's shard. Each sample now draws from its own stream (the seeds and its key): the same
+    answers at batch sizes 1, 2 and 4, shuffled, without the image sharing, and with a subset of the requests; another
+    trial id or generation.seed draws others. Prompts of several lengths (left padding) and two questions per image."""
+    import random
+
+    rows = _rows(6)
+    rows = [dataclasses.replace(r, prompt=r.prompt + " Please answer." * (i % 3), image=rows[i // 2 * 2].image,
+                                image_key=f"img{i // 2}") for i, r in enumerate(rows)]
+    rows = _sampled(rows, top_k=60, top_p=0.95)
+
+    def by_key(preds):
+        assert not any(p.error for p in preds)
+        return {p.key: p.prediction for p in preds}
+
+    first = by_key(run_requests(tiny_llava, rows, batch_size=1, seed="fastv-b16"))
+    assert len(set(first.values())) == 6
+    for batch_size in (2, 4):
+        assert by_key(run_requests(tiny_llava, rows, batch_size=batch_size, seed="fastv-b16")) == first
+    shuffled = rows[:]
+    random.Random(0).shuffle(shuffled)
+    assert by_key(run_requests(tiny_llava, shuffled, batch_size=4, seed="fastv-b16")) == first
+    assert by_key(run_requests(tiny_llava, shuffled, batch_size=3, seed="fastv-b16", vision_once=False)) == first
+    part = by_key(run_requests(tiny_llava, shuffled[1:4], batch_size=2, seed="fastv-b16"))
+    assert part == {k: first[k] for k in part}
+    # other seeds: other answers somewhere (temperature 30: 4 tokens near uniform over the top 60 of each step)
+    other = by_key(run_requests(tiny_llava, rows, batch_size=2, seed="fastv-b16-r1"))
+    assert sum(other[k] != first[k] for k in first) >= 5
+    spec_seed = by_key(run_requests(tiny_llava, _sampled(rows, top_k=60, top_p=0.95, seed=1), batch_size=2,
+                                   seed="fastv-b16"))
+    assert sum(spec_seed[k] != first[k] for k in first) >= 5
+
+
+def test_a_request_asked_twice_draws_twice_the_same_way_in_any_batch(tiny_llava):
+    """Two items with one identity (lmms-eval asks a task's repeats as copies of one request) draw from streams of
+    their own, told apart by their repeat (the first, the second), not by the batch they land in."""
+    from promprune.eval.generation import Item, generate_items
+
+    image = Image.new("RGB", (32, 32), "red")
+    kwargs = {"max_new_tokens": 4, "do_sample": True, "temperature": 30.0}
+    items = [Item("What colour?", image, kwargs, id="t/0"), Item("Any shape?", image, kwargs, id="t/1"),
+             Item("What colour?", image, kwargs, id="t/0")]
+    answers = [a.prediction for a in generate_items(tiny_llava, items, batch_size=3, seed="s")]
+    assert answers[0] != answers[2]
+    assert [a.prediction for a in generate_items(tiny_llava, items, batch_size=1, seed="s")] == answers
+    swapped = [a.prediction for a in generate_items(tiny_llava, items[1:] + items[:1], batch_size=2, seed="s")]
+    assert swapped == [answers[1], answers[0], answers[2]]  # copies are interchangeable: the first asked draws first
 
 
 def test_greedy_answers_are_untouched_by_the_seed(tiny_llava):

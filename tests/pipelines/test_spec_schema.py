@@ -167,8 +167,8 @@ def test_sharing_options_are_flags_and_prefix_needs_vision():
 
 
 def test_generation_seed_is_an_int():
-    """generation.seed (promprune.eval.generation.sampling_seed: seeds sampled batches with the trial's id): an int,
-    checked before any model loads; before, the key was unknown."""
+    """generation.seed (promprune.eval.generation.sample_seeds: seeds each sampled answer with the trial's id and the
+    sample's key): an int, checked before any model loads; before, the key was unknown."""
     assert specs.parse({**BASE, "generation": {"do_sample": True, "seed": 3}}).generation == {"do_sample": True,
                                                                                              "seed": 3}
     assert problems(generation={"seed": "3"}) == ["generation.seed: expected an int, got '3'"]

@@ -975,8 +975,8 @@ def test_a_workers_kept_wrappers_hold_nothing_on_the_device_but_the_one_serving(
 
 def test_a_trials_sampled_answers_do_not_depend_on_the_blocks_its_worker_answered_before():
     """Sampled generation (generation: {do_sample: true}) drew from the worker process's torch RNG: a `random` trial's
-    block answered first changed a later fastv trial's answers, and two runs of one spec differed. Each block is now
-    seeded from the trial's id (with the spec's generation.seed and the batch's samples): the fastv trial's answers
+    block answered first changed a later fastv trial's answers, and two runs of one spec differed. Each sample is now
+    seeded from the trial's id (with the spec's generation.seed and the sample's key): the fastv trial's answers
     are the same alone, after another trial's block, and after the process drew anything else; its repeat (r1)
     draws its own. Run functions that take no seed (the tests' stand-ins) are still called as before."""
     import functools
