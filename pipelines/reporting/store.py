@@ -69,8 +69,10 @@ class Sweep:
         lowest = keys.loc[self.trials.sort_values("repeat", kind="stable").index].drop_duplicates()
         row_of = keys.map(pd.Series(lowest.index, index=lowest.to_numpy()))  # each run -> its configuration's row
         keep = self.trials.index[self.trials.index.isin(lowest.index)]  # in the sweep's order
-        metrics = self.metrics.groupby(row_of, sort=False).mean().reindex(keep)
-        repeats = {rid: self.metrics[row_of == rid] for rid in keep if int((row_of == rid).sum()) > 1}
+        groups = self.metrics.groupby(row_of, sort=False)
+        metrics = groups.mean().reindex(keep)
+        at = groups.indices  # each row -> its runs' positions, in the sweep's order: one pass over the runs
+        repeats = {rid: self.metrics.iloc[at[rid]] for rid in keep if len(at[rid]) > 1}
         return replace(self, trials=self.trials.loc[keep], metrics=metrics, repeat_metrics=repeats)
 
     @property
