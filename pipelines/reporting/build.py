@@ -202,7 +202,9 @@ def _paired_section(sweep, table, preds) -> str:
 def _plane_points(sweep: Sweep, table: tables.ScoreTable | None = None) -> pd.DataFrame:
     """The trials that set mu or tau: their (mu, tau), Rel. in % (a stopped trial's running Rel.), stopped."""
     if not any(o in sweep.option_names for o in MU_TAU):
-        return pd.DataFrame(columns=["mu", "tau", "value", "stopped"])
+        return pd.DataFrame({"mu": [], "tau": [], "value": [], "stopped": []}).astype(
+            {"mu": float, "tau": float, "value": float, "stopped": bool})  # typed: an object "stopped" of no
+        # trial, as a mask, was read as a list of column names (a --grid of no (mu, tau) trial raised KeyError)
     trials = sweep.trials
     opts = pd.DataFrame({o: pd.to_numeric(trials[o], errors="coerce") if o in trials else np.nan for o in MU_TAU},
                         index=trials.index)
@@ -306,6 +308,7 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
                f"its {scored} scored (mu, tau) points differ in more than mu and tau")
         return (f"Note: --grid `{grid.name}` was not drawn: sweep `{sweep.name}` is not a (mu, tau) search ({why}; "
                 "the grid is drawn beside a search of two or more).\n")
+    grid_planes = None if grid is None else _GridPlanes.of_grid(grid)  # once, whatever the number of searches
     parts = []
     for k, (key, group) in enumerate(searches):
         title = "## The (mu, tau) plane" + (f": {_describe_key(key)}" if len(searches) > 1 else "")
@@ -313,17 +316,38 @@ def _search_section(sweep, table, preds, out_dir, report, grid: Sweep | None) ->
         left_out = len(points) - len(group)
         scope = (f"- among {_describe_key(key)}: {left_out} other trial(s) that set mu or tau with other options "
                  "are not in this plane (their mu is not on its scale)") if left_out else None
-        parts.append(_one_search(sweep, group, key, title, name, scope, preds, out_dir, report, grid))
+        parts.append(_one_search(sweep, group, key, title, name, scope, preds, out_dir, report, grid_planes))
     return "\n".join(parts)
 
 
-def _one_search(sweep, points, key, title, name, scope, preds, out_dir, report, grid: Sweep | None) -> str:
-    best, interval = _best_with_interval(sweep, points, preds)
-    grid_points = None
-    if grid is not None:
+@dataclass
+class _GridPlanes:
+    """A grid sweep's (mu, tau) points per search key, computed once for all of a sweep's searches (its score table,
+    each trial's `_search_key`): ``of(key)`` is the points of the grid's finished trials with that key, in its
+    trials' order."""
+
+    sweep: Sweep  # the grid sweep, as given (its samples generated: `_generated`)
+    ran: Sweep  # its trials that ran to their end
+    points: pd.DataFrame  # `_plane_points` of ``ran``
+    at: dict  # SearchKey -> positions in ``points``
+
+    @classmethod
+    def of_grid(cls, grid: Sweep) -> "_GridPlanes":
         ran = grid.ran_to_end()
-        every = _plane_points(ran, tables.build_score_table(ran))
-        grid_points = every[[_search_key(ran, rid) == key for rid in every.index]]
+        points = _plane_points(ran, tables.build_score_table(ran))
+        at: dict = {}
+        for i, rid in enumerate(points.index):
+            at.setdefault(_search_key(ran, rid), []).append(i)
+        return cls(grid, ran, points, at)
+
+    def of(self, key: mlflow_layout.SearchKey) -> pd.DataFrame:
+        return self.points.iloc[self.at.get(key, [])]
+
+
+def _one_search(sweep, points, key, title, name, scope, preds, out_dir, report, planes: _GridPlanes | None) -> str:
+    best, interval = _best_with_interval(sweep, points, preds)
+    grid = None if planes is None else planes.sweep
+    grid_points = None if planes is None else planes.of(key)
     pivot = _grid_pivot(grid_points if grid_points is not None else points)
     path = figures.search_plane(points, best, pivot, out_dir / f"{name}.png",
                                 f"grid `{grid.name}`" if grid else "this sweep's grid")
@@ -345,18 +369,19 @@ def _one_search(sweep, points, key, title, name, scope, preds, out_dir, report, 
         lines.append(text + f" (`{sweep.trials.loc[best, 'trial']}`)")
     lines.append(f"- samples generated: {generated:.0f}")
     if grid is not None:
-        lines += _against_grid(grid, grid_points, points, best, generated, preds)
+        lines += _against_grid(planes, grid_points, points, best, generated, preds)
     if path is not None:
         report.files.append(path)
         lines += ["", f"![{name}]({path.name})"]
     return "\n".join(lines) + "\n"
 
 
-def _against_grid(grid: Sweep, grid_points: pd.DataFrame, points: pd.DataFrame, best: str | None,
+def _against_grid(planes: _GridPlanes, grid_points: pd.DataFrame, points: pd.DataFrame, best: str | None,
                   generated: float, preds) -> list[str]:
     """The search against a full grid: the grid's best with its interval, whether the search's best lies in it,
     how many grid points do, and the samples each generated."""
-    gbest, ginterval = _best_with_interval(grid.ran_to_end(), grid_points, preds)
+    grid = planes.sweep
+    gbest, ginterval = _best_with_interval(planes.ran, grid_points, preds)
     if gbest is None:
         return [f"- grid `{grid.name}`: no finished trial with Rel."]
     gen = _generated(grid)
