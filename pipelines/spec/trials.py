@@ -147,6 +147,7 @@ def check_trials(spec: SweepSpec, catalog: MethodCatalog | None = None) -> list[
     said = catalog.validate(None, None, {}, adapter_options)  # the adapter options' own problem: once, as model.options
     errors += check_search(spec)
     try:
+        check_optuna_space(spec, catalog)
         baseline, searched, explicit = parts(spec, catalog=catalog)
     except SearchSpaceError as e:
         errors.append(str(e))
@@ -386,18 +387,24 @@ def expand(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> list[Tri
     return baseline + searched + [t for t in explicit if t.trial_id not in ids]
 
 
+def check_optuna_space(spec: SweepSpec, catalog: MethodCatalog | None = None) -> None:
+    """`SearchSpaceError` when an optuna search asks for more samples than its finite grid holds distinct trials: the
+    spec's check (`check_trials`, once as the spec is parsed), not `parts`'s, which a sweep calls a dozen times and
+    for optuna lists no grid trial (a grid of up to `MAX_ENUMERATED` combinations was listed on every call)."""
+    if spec.tune.search == "optuna" and spec.grid:
+        _check_distinct(distinct_trials(spec.grid, catalog or MethodCatalog()), spec.tune.num_samples,
+                        "optuna proposes a trial per sample, and a trial proposed again is not run again")
+
+
 def parts(spec: SweepSpec, *, catalog: MethodCatalog | None = None) -> tuple[list[Trial], list[Trial], list[Trial]]:
     """(the baseline's trials, the grid's trials, the explicit `trials`), each as `expand` runs them: grid options
     only go to methods that accept them, and combinations that become identical run once. The grid's trials are
-    empty for optuna, which chooses them while the sweep runs."""
+    empty for optuna, which chooses them while the sweep runs (whether its num_samples fit a finite grid is the
+    spec's check, `check_optuna_space`)."""
     catalog = catalog or MethodCatalog()
     repeats = spec.tune.num_samples if spec.tune.search == "grid" else 1
     if spec.tune.search == "random" and spec.grid:
         searched = draws(spec.grid, spec.tune.num_samples, spec.tune.seed, catalog)
-    elif spec.tune.search == "optuna" and spec.grid:
-        _check_distinct(distinct_trials(spec.grid, catalog), spec.tune.num_samples,
-                        "optuna proposes a trial per sample, and a trial proposed again is not run again")
-        searched = []
     elif spec.tune.search == "grid" and not any(space.is_distribution(v) for v in spec.grid.values()):
         searched = _trials_of(_grid_combos(spec.grid), catalog, repeats)  # (distributions: `check_search` says)
     else:

@@ -188,6 +188,26 @@ def test_optuna_is_refused_more_samples_than_a_finite_grid_holds_as_random_is():
     parse(GRID, search="optuna", num_samples=500)  # a continuous range: no bound
 
 
+def test_an_optuna_specs_trials_are_listed_without_its_grid(monkeypatch):
+    """Whether num_samples fits a finite grid is checked once, as the spec is parsed: `parts` (a sweep calls it a
+    dozen times, through `expand`, `search.phases` and the console) lists no combination of the grid, which it
+    did on every call (0.87 s each for 97,200 combinations)."""
+    from pipelines.spec import trials as spec_trials
+
+    spec = parse({"method": ["fastv"], "budget": [16, 8], "layer": {"randint": [1, 3]}}, search="optuna",
+                 num_samples=6)
+
+    def listed(*args, **kwargs):
+        raise AssertionError("the grid was listed again")
+
+    monkeypatch.setattr(spec_trials, "distinct_trials", listed)
+    assert specs.parts(spec) == ([specs.Trial(None, None, {})], [], [])
+    assert [t.trial_id for t in specs.expand(spec)] == ["baseline"]
+    assert [p.suffix for p in search.phases(spec)] == ["", search.SEARCH_SUFFIX]
+    with pytest.raises(AssertionError, match="listed again"):  # the spec's check is what lists it
+        specs.check_trials(spec)
+
+
 def test_random_search_is_seeded_and_draws_inside_the_ranges():
     ids = lambda seed: [t.trial_id for t in specs.expand(parse(num_samples=40, seed=seed))]  # noqa: E731
     assert ids(7) == ids(7) and ids(7) != ids(8)
