@@ -3,22 +3,24 @@
 Each image (or, for LLaVA-NeXT per-view modes, each view) is one *unit*; units with equal token count and
 budget are stacked into one batched ``select`` call.
 
-LLaVA-NeXT budget modes (``promprune.models.options.ADAPTER_OPTIONS``): ``per_crop`` splits the budget evenly over
-the image's views; ``global`` selects once over all views; ``adaptive_views`` gives each view a share proportional
-to its spectral entropy (spread-out views get more tokens), then selects per view. In these three a view never gets
-more than it has; what it cannot take goes to the others, so every image keeps ``min(budget, N)`` tokens.
+LLaVA-NeXT budget modes (``promprune.models.options.ADAPTER_OPTIONS``): ``per_crop`` splits the budget evenly over the
+image's views; ``global`` selects once over all views; ``adaptive_views`` gives each view a share proportional to its
+spectral entropy (spread-out views get more tokens), then selects per view: the exact entropies' shares on every route,
+from certified entropy brackets where the bounds apply and prove them (``_view_shares``). In these three a view never
+gets more than it has; what it cannot take goes to the others, so every image keeps ``min(budget, N)`` tokens.
 ``view_quota`` gives every view the same ``view_budget`` whatever the image's view count, and the adapter passes
 each view's whole grid (``VisualItem.full``): picks the model's unpadding drops are not fed; with the adapter option
 ``unpad=False`` the whole grids come packed without unpadding (``VisualItem.spatial``), so every pick is. ``packed`` is
 ``global`` over ``VisualItem.packed()``, newline tokens included.
 
-On a GPU the host plans: it reads the batch's index tensors once (``adapters.host_index``; none where the adapter
-built them on the host), forms the units and buckets from host arrays, sends every unit's candidate indices to the
-device in one copy, checks all buckets' inputs for NaN / Inf with one read (``select(..., checked=True)`` then skips
-its own), runs the buckets' ``select`` calls back to back, and reads all their results in one copy: what the host
-waits for does not grow with views, units or tokens (the methods' own reads aside: PromPrune's certified split reads
-its bounds once per call). ``ItemSelection.kept`` / ``salient`` are host tensors; ``merged`` / ``cls`` stay on the
-device.
+On a GPU the host plans: it reads the batch's index tensors once (``adapters.host_index``; none where the adapter built
+them on the host), forms the units and buckets from host arrays, sends every unit's candidate indices to the device in
+one copy, checks all buckets' inputs for NaN / Inf with one read (``select(..., checked=True)`` then skips its own),
+runs the buckets' ``select`` calls back to back, and reads all their results in one copy: what the host waits for does
+not grow with views, units or tokens (the methods' own reads aside: PromPrune's certified split reads its bounds once
+per call; ``adaptive_views``' shares, where they take certified brackets, read them once per Lanczos stage, and once
+more where an eigensolve decides what the brackets leave undecided). ``ItemSelection.kept`` / ``salient`` are host
+tensors; ``merged`` / ``cls`` stay on the device.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 import promprune
-from promprune.selection import accel
+from promprune.selection import accel, certified
 from promprune.selection.entropy import entropy_of_matrix, spectral_matrix
 from promprune.selection.registry import checked_inputs, finite_total
 
@@ -68,20 +70,107 @@ def split_budget(budget: int, counts: list[int], weights: list[float] | None = N
     open_ = [i for i, c in enumerate(counts) if c > 0]
     left = min(budget, sum(counts))
     while left > 0 and open_:
-        w = [max(float(weights[i]), 0.0) if weights is not None else 1.0 for i in open_]
-        w = w if sum(w) > 0 else [1.0] * len(open_)
-        total = sum(w)
-        exact = [left * wi / total for wi in w]
-        give = [int(e) for e in exact]
-        order = sorted(range(len(open_)), key=lambda j: (-(exact[j] - give[j]), j))
-        for j in order[:left - sum(give)]:
-            give[j] += 1
-        for j, i in enumerate(open_):
-            take = min(give[j], counts[i] - shares[i])
-            shares[i] += take
-            left -= take
+        give = _largest_remainder(left, [max(float(weights[i]), 0.0) if weights is not None else 1.0 for i in open_])
+        left = _take(give, open_, counts, shares, left)
         open_ = [i for i in open_ if shares[i] < counts[i]]
     return shares
+
+
+def _largest_remainder(left: int, w: list[float]) -> list[int]:
+    """One round of ``split_budget``: ``left`` tokens over the open views' weights ``w`` (>= 0; all 0: even), each
+    the floor of its quota, then one more for the largest remainders (ties: the first view)."""
+    w = w if sum(w) > 0 else [1.0] * len(w)
+    total = sum(w)
+    exact = [left * wi / total for wi in w]
+    give = [int(e) for e in exact]
+    order = sorted(range(len(w)), key=lambda j: (-(exact[j] - give[j]), j))
+    for j in order[:left - sum(give)]:
+        give[j] += 1
+    return give
+
+
+def _take(give: list[int], open_: list[int], counts: list[int], shares: list[int], left: int) -> int:
+    """Add a round's ``give`` to the open views' ``shares`` (in place), capped at their ``counts``: what is left."""
+    for j, i in enumerate(open_):
+        take = min(give[j], counts[i] - shares[i])
+        shares[i] += take
+        left -= take
+    return left
+
+
+# How far (in tokens, per token left to split) a quota's every possible value must stay from a rounding boundary, and
+# two remainders apart, for ``certain_shares`` to decide: it covers ``split_budget``'s float arithmetic (a few ulps of
+# the quotas, ~1e-15 per token) with room to spare; a box that comes nearer goes to the eigensolve.
+SHARE_SLACK = 1e-9
+
+
+def certain_shares(budget: int, counts: list[int], lo, hi) -> list[int] | None:
+    """``split_budget(budget, counts, w)``'s shares where they are the same for every ``w`` with ``lo <= w <= hi``
+    (each view's interval: a point, ``lo == hi``, where the weight is known), else None: a sufficient condition, so
+    None also where they may be the same but the intervals cannot show it.
+
+    Each round of ``split_budget`` is followed with the weights as intervals (``max(w, 0)`` of their ends): each
+    open view's quota ``left w_j / sum w`` grows with ``w_j`` and shrinks with the others, so it lies between its
+    value at its own lowest weight with the others at their highest and the reverse. The round is certain where every
+    quota's range keeps one floor, at least ``SHARE_SLACK`` per token left from its ends (a view whose weight is 0
+    at both ends has quota 0 exactly), and the views that get one more by their remainders are the same at every
+    point: each of them has a remainder above every other's by ``SHARE_SLACK`` (or both are exactly 0 and it comes
+    first: the exact ties' order). Then the round's shares, its capping at the counts and the next round's open views
+    are the exact weights' too. A round whose open weights are all points, or which has one open view, is computed
+    as ``split_budget`` computes it; one whose total weight may be 0 (``split_budget`` then splits evenly) is not
+    certain."""
+    lo = [max(float(x), 0.0) for x in lo]
+    hi = [max(float(x), 0.0) for x in hi]
+    if not all(math.isfinite(a) and math.isfinite(b) and a <= b for a, b in zip(lo, hi)):
+        return None
+    shares = [0] * len(counts)
+    open_ = [i for i, c in enumerate(counts) if c > 0]
+    left = min(budget, sum(counts))
+    while left > 0 and open_:
+        low, high = [lo[i] for i in open_], [hi[i] for i in open_]
+        if len(open_) == 1 or low == high:  # one view takes all that is left whatever its weight; points: as exact
+            give = _largest_remainder(left, low)
+        else:
+            give = _certain_round(left, low, high)
+            if give is None:
+                return None
+        left = _take(give, open_, counts, shares, left)
+        open_ = [i for i in open_ if shares[i] < counts[i]]
+    return shares
+
+
+def _certain_round(left: int, low: list[float], high: list[float]) -> list[int] | None:
+    """``_largest_remainder(left, w)`` if it is the same for every ``w`` between ``low`` and ``high`` (>= 0, not all
+    points), else None (``certain_shares``)."""
+    views = len(low)
+    if not sum(low) > 0:  # the total may be 0 at the low ends: an even split there, proportional elsewhere
+        return None
+    slack = SHARE_SLACK * max(left, 1)
+    zero = [b == 0.0 for b in high]  # weight 0 at every point: quota 0 exactly, remainder 0
+    quota_lo, quota_hi = [], []
+    for j in range(views):
+        others_hi = math.fsum(high[:j] + high[j + 1:])
+        others_lo = math.fsum(low[:j] + low[j + 1:])
+        if not (low[j] + others_hi > 0 and high[j] + others_lo > 0):
+            return None
+        quota_lo.append(left * low[j] / (low[j] + others_hi))
+        quota_hi.append(left * high[j] / (high[j] + others_lo))
+    floor = [math.floor(q) for q in quota_lo]
+    for j in range(views):
+        # a float quota is never below 0: a floor of 0 needs no room below
+        if not zero[j] and (math.floor(quota_hi[j]) != floor[j] or floor[j] > 0 and quota_lo[j] - floor[j] < slack
+                            or floor[j] + 1 - quota_hi[j] < slack):
+            return None
+    extra = left - sum(floor)
+    if not 0 <= extra <= views:
+        return None
+    rem_lo = [0.0 if zero[j] else quota_lo[j] - floor[j] for j in range(views)]
+    rem_hi = [0.0 if zero[j] else quota_hi[j] - floor[j] for j in range(views)]
+    order = sorted(range(views), key=lambda j: (-(rem_lo[j] + rem_hi[j]), j))
+    more, rest = order[:extra], order[extra:]
+    if not all(rem_lo[j] - rem_hi[k] > slack or (zero[j] and zero[k] and j < k) for j in more for k in rest):
+        return None
+    return [f + (j in more) for j, f in enumerate(floor)]
 
 
 @dataclass
@@ -116,7 +205,7 @@ def _units(items: list[VisualItem], hosts: list[HostIndex], budget: int, mode: s
         members = [np.flatnonzero(host.groups == v) for v in views]
         per_view[b] = [Unit(b, m, 0, int(v), whole=m.shape[0] == n) for v, m in zip(views, members)]
     _place(items, [u for units in per_view.values() for u in units])
-    weights = _view_entropies(items, per_view) if mode == "adaptive_views" else {}
+    by_entropy = _view_shares(items, per_view, budget) if mode == "adaptive_views" else {}
     out = []
     for b in range(len(items)):
         if b in whole:
@@ -126,7 +215,7 @@ def _units(items: list[VisualItem], hosts: list[HostIndex], budget: int, mode: s
         if mode == "view_quota":
             shares = [min(view_budget if view_budget is not None else budget, c) for c in counts]
         else:
-            shares = split_budget(budget, counts, weights.get(b))
+            shares = by_entropy[b] if b in by_entropy else split_budget(budget, counts)
         for unit, share in zip(per_view[b], shares):
             if share > 0:
                 unit.budget = share
@@ -143,23 +232,91 @@ def _place(items: list[VisualItem], units: list[Unit]) -> None:
             unit.dev = moved
 
 
-def _view_entropies(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> dict[int, list[float]]:
-    """Each view's exact spectral entropy (``adaptive_views``' weights), item -> [V] floats: one batched eigensolve
-    per view size (``promprune.spectral_entropy``'s, without its finiteness read per call: a view with NaN / Inf gets
-    some weight here and the buckets' one finiteness check refuses it after) and one read for the batch."""
+def _view_matrices(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> tuple[list[torch.Tensor],
+                                                                                 dict[int, list[int]]]:
+    """Every view's spectral matrix, stacked by view size (``[V_s, n_s, n_s]`` each; NaN / Inf set to 0: such a view
+    gets some weight here and the buckets' one finiteness check refuses it after), and each item's views' rows
+    (numbered over the stacks in order). Full float32 products (``accel.full_float32``)."""
     units = [(b, u) for b, group in per_view.items() for u in group]
     by_size: dict[int, list[int]] = {}
     for i, (_b, u) in enumerate(units):
         by_size.setdefault(u.idx.shape[0], []).append(i)
     groups = list(by_size.values())
     with accel.full_float32():
-        entropies = [entropy_of_matrix(torch.nan_to_num(spectral_matrix(
-            torch.stack([units[i][1].take(items[units[i][0]].features) for i in group]).float()), 0.0, 0.0, 0.0))
+        matrices = [torch.nan_to_num(spectral_matrix(
+            torch.stack([units[i][1].take(items[units[i][0]].features) for i in group]).float()), 0.0, 0.0, 0.0)
             for group in groups]
-    place = {i: (g, j) for g, group in enumerate(groups) for j, i in enumerate(group)}
-    read = to_host(entropies)
-    values = iter(float(read[g][j]) for g, j in (place[i] for i in range(len(units))))
-    return {b: [next(values) for _ in group] for b, group in per_view.items()}
+    row = {i: r for r, i in enumerate(i for group in groups for i in group)}
+    numbered = iter(range(len(units)))
+    return matrices, {b: [row[next(numbered)] for _ in group] for b, group in per_view.items()}
+
+
+def _view_entropies(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> dict[int, list[float]]:
+    """Each view's exact spectral entropy (``adaptive_views``' weights on the exact route), item -> [V] floats: one
+    batched eigensolve per view size (``promprune.spectral_entropy``'s, without its finiteness read per call:
+    ``_view_matrices``) and one read for the batch."""
+    return _exact_entropies(*_view_matrices(items, per_view))
+
+
+def _exact_entropies(matrices: list[torch.Tensor], rows: dict[int, list[int]]) -> dict[int, list[float]]:
+    """``_view_entropies`` of ``_view_matrices``' outputs."""
+    with accel.full_float32():
+        entropies = [entropy_of_matrix(m) for m in matrices]
+    values = np.concatenate([np.zeros(0)] + [r.reshape(-1) for r in to_host(entropies)])
+    return {b: [float(values[r]) for r in group] for b, group in rows.items()}
+
+
+# The newest ``adaptive_views`` call's report where its shares took certified brackets (``certified.settle``: views
+# decided at each stage without an eigensolve, views eigensolved), one entry, replaced per call; emptied by a call on
+# the exact route.
+LAST_SHARES: list[certified.SplitReport] = []
+
+
+def _view_shares(items: list[VisualItem], per_view: dict[int, list[Unit]], budget: int) -> dict[int, list[int]]:
+    """``adaptive_views``' shares, item -> [V]: ``split_budget`` of ``budget`` over each item's views, weighed by
+    their exact spectral entropies (``_view_entropies``), the exact route's shares on every route.
+
+    Where the certified bounds apply (``accel.entropy_mode``, ``certified.applies`` per view size, as PromPrune's
+    split takes them) the entropies are bracketed instead (``certified.settle``: ``split``'s Lanczos stages, one read
+    a stage): an item whose brackets prove its shares (``certain_shares``: the same integer shares for every
+    entropy in them, the largest-remainder rounding's ties and capping included) takes them after that stage, its
+    views no more steps; an item with a view whose bounds are refused, or undecided after the last stage, takes its
+    views' exact entropies (one eigensolve for all of them, one read). ``LAST_SHARES`` says how they went."""
+    counts = {b: [u.idx.shape[0] for u in group] for b, group in per_view.items()}
+    return shares_by_entropy(*_view_matrices(items, per_view), counts, budget)
+
+
+def shares_by_entropy(matrices: list[torch.Tensor], rows: dict[int, list[int]], counts: dict[int, list[int]],
+                      budget: int) -> dict[int, list[int]]:
+    """``_view_shares`` from the views' spectral matrices (``_view_matrices``: stacks by size, each item's rows) and
+    each item's views' token ``counts``."""
+    with accel.full_float32():
+        if not any(certified.applies(m.shape[-1], m) for m in matrices if m.shape[0]):
+            LAST_SHARES.clear()
+            weights = _exact_entropies(matrices, rows)
+            return {b: split_budget(budget, counts[b], weights[b]) for b in rows}
+        decided: dict[int, list[int]] = {}
+
+        def settled(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            done, exact = np.zeros(lo.shape, dtype=bool), np.zeros(lo.shape, dtype=bool)
+            for b, group in rows.items():
+                if b not in decided:
+                    if not (np.isfinite(lo[group]).all() and np.isfinite(hi[group]).all()):
+                        exact[group] = True  # a refused bracket: the item's views take the eigensolve
+                        continue
+                    shares = certain_shares(budget, counts[b], lo[group], hi[group])
+                    if shares is None:
+                        continue
+                    decided[b] = shares
+                done[group] = True
+            return done, exact
+
+        lo, _hi, point, report = certified.settle(matrices, settled)
+    LAST_SHARES[:] = [report]
+    for b, group in rows.items():
+        if b not in decided:  # every view eigensolved (``certified.settle``): the exact route's weights
+            decided[b] = split_budget(budget, counts[b], lo[group].tolist())
+    return decided
 
 
 def _vision(items: list[VisualItem], group: list[Unit]) -> promprune.VisionFeatures | None:

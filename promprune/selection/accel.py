@@ -7,7 +7,8 @@ fp32 accumulation, and the host waits on the device only where a stage needs a v
 On the CPU nothing changes. ``PROMPRUNE_ACCEL=0`` in the environment, or ``with accel.disabled():``, restores the
 plain torch path on CUDA too (the benchmark times both).
 
-``PROMPRUNE_ENTROPY`` (or ``with accel.entropy("...")``) picks how PromPrune's split reads the spectral entropy:
+``PROMPRUNE_ENTROPY`` (or ``with accel.entropy("...")``) picks how PromPrune's split (and ``adaptive_views``' shares
+over an image's views, ``batched_select._view_shares``) reads the spectral entropy:
 ``auto`` (default: certified bounds on the CUDA fast path where their float64 products cost the device at most half
 the eigensolve they may save, ``certified.bracket_pays`` and per stage ``certified.stage_pays``; the exact
 eigensolve elsewhere), ``certified`` (bounds on every device and every stage; the tests use it on the CPU) or

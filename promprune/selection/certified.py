@@ -30,6 +30,10 @@ they may save (``stage_pays``): on GPUs whose float64 runs at 1/64 rate the view
 eigensolve early. The device work is enqueued without waiting; the host reads the recurrence coefficients once per
 stage (``host_read``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved
 on the host in float64.
+
+``settle`` runs the same stages for a caller whose decision reads several entropies at once (``adaptive_views``'
+shares over an image's views, ``batched_select.certain_shares``): views of several sizes, one read a stage for all,
+the caller saying after each stage which views it needs no more, the eigensolve for the rest.
 """
 from __future__ import annotations
 
@@ -274,6 +278,14 @@ class Lanczos:
 
         return Lanczos(pick(self.rho), pick(self.v), pick(self.v_prev), pick(self.b_prev))
 
+    def going(self, going: np.ndarray) -> "Lanczos":
+        """The recurrence of the images where ``going [B]`` (host bool) is true: a copy of their rows (``rows``; the
+        indices sent without a wait), or, when all go on, the state as it is (four launches fewer a stage: the next
+        stage reads its borrowed buffers before a replay could overwrite them, ``open``)."""
+        if going.all():
+            return self
+        return self.rows(torch.from_numpy(np.flatnonzero(going)).to(self.rho.device, non_blocking=True))
+
 
 def _flagged(*args) -> tuple[torch.Tensor, ...]:
     """``Lanczos.open``'s first stage with the rows' ``cancels`` flags: ``args`` are the stage's inputs (the tokens
@@ -449,6 +461,14 @@ def bounds(alpha: np.ndarray, beta: np.ndarray, n: int) -> tuple[np.ndarray, np.
     return np.where(ok, lower, -np.inf), np.where(ok, upper, np.inf)
 
 
+def floored_bounds(alpha: np.ndarray, beta: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``bounds`` widened by ``floor_allowance(n)``: a bracket that holds the exact route's entropy, its eigenvalue
+    floor included (the float32 matrix's rounding aside, which ``decision_margin`` covers)."""
+    lo, hi = bounds(alpha, beta, n)
+    allowance = floor_allowance(n)
+    return lo - allowance, hi + allowance
+
+
 def host_read(t: torch.Tensor) -> np.ndarray:
     """The one way this module reads device values on the host (a sync on CUDA; ``accel.count_sync`` counts it)."""
     accel.count_sync()
@@ -514,7 +534,6 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
     to_exact: list[int] = []  # images whose bounds were refused (``bounds``), for the eigensolve
     cancelled = np.zeros(0, dtype=np.int64)  # images whose centering in Gram space cancels: a split of their own
     report = SplitReport()
-    allowance = floor_allowance(n)
     margin = decision_margin(n)
     alpha, beta = np.zeros((B, 0)), np.zeros((B, 0))  # the recurrence's coefficients of the rows in todo, on the host
     done_steps = 0
@@ -535,8 +554,7 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
             cancelled = todo[flagged]
             report.cancelled = len(cancelled)
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
-        lo, hi = bounds(alpha, beta, n)
-        lo, hi = lo - allowance, hi + allowance  # the exact route's eigenvalue floor (``floor_allowance``)
+        lo, hi = floored_bounds(alpha, beta, n)
         decided, counts = decide(lo, hi, count, margin)
         decided &= ~flagged
         t_sal[todo[decided]] = counts[decided]
@@ -555,9 +573,7 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
         todo, alpha, beta = todo[going], alpha[going], beta[going]
         if not len(todo):
             break
-        if not going.all():  # a copy of the rows that go on; when all do, the state goes on as it is (four launches
-            # fewer a stage): the next stage reads its borrowed buffers before a replay could overwrite them (``open``)
-            state = state.rows(torch.from_numpy(np.flatnonzero(going)).to(device, non_blocking=True))
+        state = state.going(going)
     report.refused = len(to_exact)
     exact_rows = np.array(sorted(to_exact + todo.tolist()), dtype=np.int64)
     if len(exact_rows):
@@ -576,6 +592,116 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
         t_sal[cancelled], entropy[cancelled], halfwidth[cancelled] = (t.numpy() for t in own)
         report.merge(theirs)
     return torch.from_numpy(t_sal), torch.from_numpy(entropy).float(), torch.from_numpy(halfwidth).float(), report
+
+
+def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+           steps: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, SplitReport]:
+    """Intervals that hold the exact route's entropy (``entropy_of_matrix``) of every matrix of ``matrices`` (spectral
+    matrices ``[B_g, n_g, n_g]``, one tensor per size; their rows numbered in order over the list, ``R`` in all),
+    narrowed stage by stage as ``split`` narrows its brackets until ``settled`` needs no more of them, for a caller
+    whose decision reads several entropies at once (``batched_select``'s ``adaptive_views`` shares: every view of an
+    image), where ``split`` decides each matrix by its own.
+
+    The matrices of a size the bounds do not take (``applies``: in "auto" below `MIN_SIZE`, off the CUDA fast path or
+    where their float64 products cost more than the eigensolve; "exact"; one row) are eigensolved at once and read with
+    the first stage. The others run ``split``'s stages (``schedule`` for all their views at the largest size, one
+    ``Lanczos`` per size, the stage's coefficients of every size in one read; in "auto" a size whose next stage does
+    not pay, ``stage_pays``, keeps its brackets as they are from then on). After each stage ``settled(lo, hi)`` sees
+    every row's interval ``[lo, hi]`` (``[R]`` each): a point where the eigensolve gave it, else the bracket
+    (``floored_bounds``) widened by ``decision_margin(n)`` (what it may miss of the float32 matrix's rounding), or
+    ``(-inf, inf)`` where the stage's bounds were refused (a recurrence that ran out, a trace ``density`` refuses);
+    it returns ``(done, exact) [R]`` bool: the rows whose entropy it needs no more, and those it wants eigensolved
+    (no more steps for them). A refused row not done is eigensolved too. After the last stage every row not done is
+    eigensolved (one batched eigensolve per size, one read); nothing else is. Returns ``(lo, hi, eigensolved [R]
+    bool, report)``: the last intervals (points where ``eigensolved``) and how the rows went (``decided[i]``: rows
+    first done at stage i without an eigensolve, ``widths`` their intervals' widths; ``exact``: rows eigensolved,
+    ``refused`` of them for refused bounds, ``costly``: rows whose size stopped narrowing, ``stage_pays``). Reads: one
+    per stage, one more for the eigensolve where it runs."""
+    sizes = [int(m.shape[-1]) for m in matrices]
+    starts = np.cumsum([0] + [int(m.shape[0]) for m in matrices])
+    R = int(starts[-1])
+    lo, hi = np.full(R, -np.inf), np.full(R, np.inf)
+    point = np.zeros(R, dtype=bool)  # the eigensolve's value
+    done, stopped = np.zeros(R, dtype=bool), np.zeros(R, dtype=bool)  # settled; no more steps (going to eigensolve)
+    report = SplitReport()
+    rows = {g: np.arange(starts[g], starts[g + 1]) for g, m in enumerate(matrices)
+            if m.shape[0] and applies(sizes[g], m)}  # each bracketed size's rows still stepping
+    early = [g for g, m in enumerate(matrices) if m.shape[0] and g not in rows] if rows else []
+    first = [entropy_of_matrix(matrices[g]) for g in early]  # enqueued; read with the first stage
+    states: dict[int, Lanczos] = {}
+    coeffs: dict[int, tuple[np.ndarray, np.ndarray]] = {g: (np.zeros((len(r), 0)),) * 2 for g, r in rows.items()}
+    if rows:
+        device = matrices[next(iter(rows))].device
+        views, n = sum(len(r) for r in rows.values()), max(sizes[g] for g in rows)
+        eager = not all(graphed.replays((matrices[g],), matrices[g].numel()) for g in rows)
+        steps = steps or schedule(views, n, eager=eager)
+        tflops = accel.float64_tflops(device) if accel.entropy_mode() == "auto" else math.inf
+        states = {g: Lanczos.open(opening, (matrices[g],), steps[0], matrices[g].numel())[0] for g in rows}
+        done_steps = 0
+        for stage, stage_steps in enumerate(steps):
+            k = stage_steps - done_steps
+            if stage:
+                for g in list(states):
+                    if not stage_pays(k, sizes[g], tflops):  # a slow float64 device: these brackets stay as they are
+                        report.costly += len(rows[g])
+                        del states[g]
+                    else:
+                        states[g] = states[g].run(k, borrow=True)
+                if not states:
+                    break
+            done_steps = stage_steps
+            # one read a stage: every size's coefficients [B_g, 2k], the first with the early eigensolves' values
+            read = _read_joined([states[g].history[-1] for g in states] + (first if not stage else []))
+            for g, stage_coeffs in zip(states, read):
+                alpha, beta = (np.concatenate([c, part], 1) for c, part in zip(coeffs[g], np.split(stage_coeffs, 2, 1)))
+                coeffs[g] = alpha, beta
+                low, high = floored_bounds(alpha, beta, sizes[g])
+                margin = decision_margin(sizes[g])
+                lo[rows[g]], hi[rows[g]] = low - margin, high + margin
+            for g, values in zip(early if not stage else (), read[len(states):]):
+                lo[starts[g]:starts[g + 1]] = hi[starts[g]:starts[g + 1]] = values
+                point[starts[g]:starts[g + 1]] = True
+            refused = ~(np.isfinite(lo) & np.isfinite(hi)) & ~point & ~stopped
+            now_done, exact = settled(lo.copy(), hi.copy())
+            first_done = now_done & ~done & ~point
+            report.decided.append(int(first_done.sum()))
+            report.widths += (hi - lo)[first_done].tolist()
+            done |= now_done
+            report.refused += int((refused & ~done).sum())
+            stopped |= (exact | refused) & ~done
+            for g in list(states):
+                going = ~done[rows[g]] & ~stopped[rows[g]]
+                if not going.any():
+                    del states[g]
+                    continue
+                states[g] = states[g].going(going)
+                rows[g], coeffs[g] = rows[g][going], (coeffs[g][0][going], coeffs[g][1][going])
+            if not states:
+                break
+    need = ~done & ~point  # what the stages left: one batched eigensolve per size, one read
+    groups = [g for g in range(len(matrices)) if need[starts[g]:starts[g + 1]].any()]
+    if groups:
+        picked = [np.flatnonzero(need[starts[g]:starts[g + 1]]) for g in groups]
+        device = matrices[groups[0]].device
+        exact = [entropy_of_matrix(matrices[g][torch.from_numpy(p).to(device, non_blocking=True)])
+                 for g, p in zip(groups, picked)]
+        for g, p, values in zip(groups, picked, _read_joined(exact)):
+            lo[starts[g] + p] = hi[starts[g] + p] = values
+            point[starts[g] + p] = True
+    report.exact = int(point.sum())
+    return lo, hi, point, report
+
+
+def _read_joined(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """``tensors`` (one device) read in one ``host_read``, as float64 arrays of their shapes."""
+    if not tensors:
+        return []
+    flat = host_read(torch.cat([t.detach().reshape(-1).double() for t in tensors]))
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start:start + t.numel()].reshape(tuple(t.shape)))
+        start += t.numel()
+    return out
 
 
 def _views(args: tuple[torch.Tensor | None, ...]) -> tuple[int, int]:

@@ -140,6 +140,34 @@ def test_adaptive_views_weighs_the_views_with_one_eigensolve():
         assert ours(c) == 4, (views, c.sync_sites)  # the entropies' eigensolve and read, the buckets' check and read
 
 
+def test_adaptive_views_with_certified_brackets_runs_no_eigensolve():
+    """With the bounds taken (forced: the tiny views are below the size "auto" takes them at), ``adaptive_views``'
+    shares come from certified brackets (``batched_select.certain_shares``): where they decide every image, no
+    eigensolve runs and the host reads once a Lanczos stage, and the LLM gets the exact route's inputs."""
+    import promprune.models.batched_select as batched_select
+    from benchmarks.launches import fast_path_on_cpu, on_host
+    from promprune.selection import accel
+
+    for batch in (1, 3):
+        prepared = {}
+        for route in ("exact", "certified"):
+            with accel.entropy(route):
+                vlm, shots, prompts, c, _views = costs("tiny:llava_next", "divprune", batch, 12,
+                                                       budget_mode="adaptive_views")
+                with fast_path_on_cpu(), on_host(vlm, "processed"):
+                    prepared[route] = vlm.prepare(shots, prompts).model_kwargs
+            eigensolves = sum(n for op, n in c.ops.items() if "eigvalsh" in op)
+            if route == "exact":
+                assert eigensolves == 1 and batched_select.LAST_SHARES == [], c.ops
+                continue
+            report = batched_select.LAST_SHARES[0]
+            assert report.exact == 0 and sum(report.decided) == sum(_views), report  # every view by its brackets
+            assert eigensolves == 0, c.ops
+            reads = sum(n for site, n in c.sync_sites.items() if "certified.py" in site)
+            assert reads == len(report.decided), c.sync_sites
+        assert _same(prepared["exact"], prepared["certified"])
+
+
 def _generate_costs(name, method, batch):
     from benchmarks.launches import count_model, fast_path_on_cpu, on_host
 

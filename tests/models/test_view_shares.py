@@ -1,0 +1,220 @@
+"""``adaptive_views``' shares from certified entropy brackets (``batched_select.certain_shares`` over
+``certified.settle``'s stages): the exact route's integer shares for every image, also where a view's entropy sits
+next to a share's rounding boundary, a tie of remainders or a cap on purpose, with the eigensolve only for the images
+the brackets leave undecided."""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from promprune.models.batched_select import (LAST_SHARES, _exact_entropies, certain_shares, shares_by_entropy,
+                                             split_budget)
+from promprune.selection import accel, certified
+from promprune.selection.entropy import entropy_of_matrix
+
+from ..selection.test_certified import entropy_of
+
+
+def points_of(lo: list[float], hi: list[float], rng: np.random.Generator, sweep: int = 40) -> list[list[float]]:
+    """Weight vectors of the box ``[lo, hi]``: its corners, random points, and each weight swept across its interval
+    with the others at a random point."""
+    out = [list(c) for c in itertools.product(*zip(lo, hi))]
+    out += [list(rng.uniform(lo, hi)) for _ in range(40)]
+    for j in range(len(lo)):
+        base = rng.uniform(lo, hi)
+        for x in np.linspace(lo[j], hi[j], sweep):
+            out.append([*base[:j], x, *base[j + 1:]])
+    return out
+
+
+def test_certain_shares_are_split_budgets_at_every_point_of_their_box():
+    """Boxes of every width around random weights, ties of equal weights, zero weights and small counts (the capping
+    rounds): where ``certain_shares`` decides, ``split_budget`` gives its shares at every point tried; where the box
+    holds points of two shares it does not decide; and it decides most narrow boxes (not those reaching weight 0,
+    where a quota may sit at an integer: entropies of real views lie far above 0)."""
+    rng = np.random.default_rng(0)
+    decided = undecided = narrow = narrow_decided = 0
+    for case in range(400):
+        views = int(rng.integers(2, 6))
+        counts = [int(c) for c in rng.choice([3, 8, 40, 576], views)]
+        budget = int(rng.integers(1, 200))
+        w = rng.uniform(0.2, 0.9, views)
+        if case % 5 == 0:
+            w[1] = w[0]  # a tie of remainders: the first view wins it
+        if case % 7 == 0:
+            w[-1] = 0.0
+        width = [0.0, 1e-7, 1e-5, 1e-3, 3e-2][case % 5]
+        lo = list(w - rng.uniform(0, width, views))
+        hi = list(w + rng.uniform(0, width, views))
+        if case % 3 == 0:  # some views known exactly (eigensolved)
+            lo[0] = hi[0] = w[0]
+        got = certain_shares(budget, counts, lo, hi)
+        seen = {tuple(split_budget(budget, counts, p)) for p in points_of(lo, hi, rng)}
+        if got is None:
+            undecided += 1
+        else:
+            decided += 1
+            assert seen == {tuple(got)}, (budget, counts, lo, hi, got, seen)
+        if len(seen) > 1:
+            assert got is None
+        if width <= 1e-5 and case % 5 != 0 and case % 7 != 0:  # neither a tie nor a weight whose interval reaches 0
+            narrow += 1
+            narrow_decided += got is not None
+    assert decided > 150 and undecided > 50, (decided, undecided)
+    assert narrow_decided > 0.9 * narrow, (narrow_decided, narrow)
+
+
+def test_certain_shares_hand_worked():
+    # 6 tokens over weights 0.75 / 0.25 (split_budget's own hand case): quotas 4.5 / 1.5, a tie the first view wins
+    assert certain_shares(6, [16, 16], [0.75, 0.25], [0.75, 0.25]) == [5, 1]  # points: as split_budget computes
+    # around it, the first view's quota 6 w0 / (w0 + w1) moves across 4.5 either way: undecided
+    assert certain_shares(6, [16, 16], [0.7499, 0.25], [0.7501, 0.25]) is None
+    # quotas 4.8 / 1.2 at most +-0.0004: floors 4 / 1, the first's remainder (>= 0.7996) above the second's: 5 / 1
+    assert certain_shares(6, [16, 16], [0.7999, 0.1999], [0.8001, 0.2001]) == [5, 1]
+    # the same with the first view capped at 2 tokens: the 3 it cannot take go to the second (one view open: all)
+    assert certain_shares(6, [2, 16], [0.7999, 0.1999], [0.8001, 0.2001]) == [2, 4]
+    # all weights possibly 0: an even split there, proportional elsewhere
+    assert certain_shares(6, [16, 16], [0.0, 0.0], [0.1, 0.1]) is None
+    assert certain_shares(6, [16, 16], [0.0, 0.0], [0.0, 0.0]) == [3, 3]
+    # views of weight 0 exactly (one token: H = 0): quota 0; quotas 3.125 / 1.875 +-0.0004 for the others
+    assert certain_shares(5, [16, 16, 1, 1], [0.5, 0.3, 0.0, 0.0], [0.5001, 0.3001, 0.0, 0.0]) == [3, 2, 0, 0]
+    assert certain_shares(3, [1, 16, 16], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]) == split_budget(3, [1, 16, 16], [0, 0, 0])
+    assert certain_shares(5, [16, 16], [-0.1, 0.5], [math.inf, 0.6]) is None
+
+
+def power_with_entropy(n: int, target: float) -> np.ndarray:
+    """Eigenvalues ``[n]`` of a power law ``i^-a`` whose normalized entropy is ``target`` (bisection on ``a``)."""
+    i = np.arange(1, n + 1, dtype=np.float64)
+    low, high = 0.0, 8.0
+    for _ in range(80):
+        a = (low + high) / 2
+        lam = i ** -a
+        if entropy_of(lam / lam.sum()) > target:
+            low = a
+        else:
+            high = a
+    lam = i ** -((low + high) / 2)
+    return lam / lam.sum()
+
+
+@functools.cache
+def basis(n: int, seed: int) -> np.ndarray:
+    """A random orthonormal basis ``[n, n]`` (one QR per size and seed: the boundary batches' views share it)."""
+    q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((n, n)))
+    return q
+
+
+def matrix_with(lam: np.ndarray, q: np.ndarray) -> torch.Tensor:
+    """The symmetric matrix ``[n, n]`` with eigenvalues ``lam`` in the basis ``q`` (float64)."""
+    return torch.from_numpy((q * lam) @ q.T)
+
+
+OFFSETS = (0.0, 1e-7, -1e-7, 1e-6, -1e-6, 1e-5, -1e-5, 3e-5, -3e-5, 1e-4, -1e-3)
+
+
+def boundary_batch(seed: int, budget: int):
+    """Images of 3-5 views (spectral matrices of 48 or 64 rows, float32), each with its first view's entropy placed
+    at an offset of `OFFSETS` from a boundary of the shares: a quota at an integer, or a tie with the second view's
+    entropy (and eight images placed nowhere in particular); some views with few tokens (the capping rounds); one
+    image with a view of one token (H = 0, no bracket: its eigensolve runs with the first stage), one with a
+    spectrum of three distinct values (its bounds refused). Returns ``(matrices, rows, counts)`` as
+    ``shares_by_entropy`` takes them."""
+    rng = np.random.default_rng(seed)
+    views: list[tuple[np.ndarray, int]] = []  # (eigenvalues, token count) of every view
+    rows: dict[int, list[int]] = {}
+    image = 0
+    for offset in OFFSETS + (None,) * 4:  # None: an image placed nowhere in particular
+        for kind in ("floor", "tie"):
+            count = int(rng.integers(3, 6))
+            sizes = [int(rng.choice([48, 64])) for _ in range(count)]
+            tokens = [int(rng.choice([5, 200])) if j > 1 and rng.random() < 0.3 else 200 for j in range(count)]
+            others = [power_with_entropy(n, rng.uniform(0.35, 0.85)) for n in sizes[1:]]
+            h = [float(entropy_of_matrix(matrix_with(lam, basis(len(lam), seed))[None].float())[0]) for lam in others]
+            left = min(budget, sum(tokens))
+            if kind == "floor":  # the first view's quota left h0 / (h0 + S) at an integer k
+                k = int(rng.integers(1, max(2, left // count)))
+                target = k * sum(h) / (left - k)
+            else:  # equal to the second view's: their remainders tie
+                target = h[0]
+            target = min(max(target + offset, 0.05), 0.97) if offset is not None else rng.uniform(0.35, 0.85)
+            lams = [power_with_entropy(sizes[0], target), *others]
+            rows[image] = list(range(len(views), len(views) + count))
+            views += list(zip(lams, tokens))
+            image += 1
+    rows[image] = list(range(len(views), len(views) + 3))  # a view of one token among two
+    views += [(power_with_entropy(64, 0.6), 200), (np.ones(1), 1), (power_with_entropy(48, 0.5), 200)]
+    image += 1
+    rows[image] = list(range(len(views), len(views) + 2))  # a spectrum of few values: the bounds refused
+    views += [(np.repeat([0.5, 0.3, 0.2], 16) / 16, 200), (power_with_entropy(64, 0.7), 200)]
+    return _stacked(views, rows, seed)
+
+
+def _stacked(views, rows, seed):
+    """The views' matrices stacked by size (as ``_view_matrices`` stacks them), the images' rows renumbered."""
+    by_size: dict[int, list[int]] = {}
+    for v, (lam, _t) in enumerate(views):
+        by_size.setdefault(len(lam), []).append(v)
+    order = [v for group in by_size.values() for v in group]
+    place = {v: r for r, v in enumerate(order)}
+    matrices = [torch.stack([matrix_with(views[v][0], basis(n, seed)) for v in group]).float()
+                for n, group in by_size.items()]
+    counts = {b: [views[v][1] for v in group] for b, group in rows.items()}
+    return matrices, {b: [place[v] for v in group] for b, group in rows.items()}, counts
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 64), (1, 320), (2, 23)])
+def test_shares_equal_the_exact_routes_next_to_share_boundaries(seed, budget):
+    matrices, rows, counts = boundary_batch(seed, budget)
+    weights = _exact_entropies(matrices, rows)  # the exact route's entropies
+    want = {b: split_budget(budget, counts[b], weights[b]) for b in rows}
+    with accel.entropy("exact"):
+        assert shares_by_entropy(matrices, rows, counts, budget) == want and LAST_SHARES == []
+    before = accel.syncs()
+    with accel.entropy("certified"):
+        got = shares_by_entropy(matrices, rows, counts, budget)
+    reads = accel.syncs() - before
+    assert got == want
+    report = LAST_SHARES[0]
+    views = sum(len(group) for group in rows.values())
+    assert sum(report.decided) + report.exact == views  # every view decided by its image's brackets or eigensolved
+    assert sum(report.decided) > views / 2, report  # most images decide without an eigensolve
+    assert report.exact > 1 + 2 and report.refused == 1  # some near a boundary: eigensolved; the one-token view
+    assert reads == len(report.decided) + 1  # one read a stage (the one-token view's eigensolve with the first), one
+    # for the eigensolve of what the stages left
+
+
+def test_far_from_boundaries_no_eigensolve():
+    """Images whose shares lie far from a boundary decide by their brackets: no eigensolve, one read a stage."""
+    views, rows = [], {}
+    for b, hs in enumerate([(0.4, 0.6, 0.8), (0.5, 0.7), (0.45, 0.55, 0.65, 0.75)]):
+        rows[b] = list(range(len(views), len(views) + len(hs)))
+        views += [(power_with_entropy(96, h), 200) for h in hs]
+    matrices, rows, counts = _stacked(views, rows, 3)
+    # budget 91, quotas 91 h_j / sum h: 20.22 / 30.33 / 40.44 (one more: the third), 37.92 / 53.08 (the first),
+    # 17.06 / 20.85 / 24.65 / 28.44 (two: the second and third); a bracket's 4e-5 moves a quota by ~2e-3
+    weights = _exact_entropies(matrices, rows)
+    want = {0: [20, 30, 41], 1: [38, 53], 2: [17, 21, 25, 28]}
+    assert {b: split_budget(91, counts[b], weights[b]) for b in rows} == want
+    before = accel.syncs()
+    with accel.entropy("certified"):
+        got = shares_by_entropy(matrices, rows, counts, 91)
+    assert got == want
+    report = LAST_SHARES[0]
+    assert sum(report.decided) == 9 and report.exact == 0, report  # no eigensolve at all
+    assert accel.syncs() - before == len(report.decided)  # one read a stage
+
+
+def test_auto_takes_the_eigensolve_on_the_cpu():
+    """``auto`` on the CPU (no fast path): the exact route, as PromPrune's split there."""
+    matrices, rows, counts = _stacked([(power_with_entropy(96, 0.5), 200), (power_with_entropy(96, 0.6), 200)],
+                                      {0: [0, 1]}, 4)
+    assert not certified.applies(96, matrices[0])
+    LAST_SHARES[:] = ["stale"]
+    with accel.entropy("auto"):
+        shares_by_entropy(matrices, rows, counts, 64)
+    assert LAST_SHARES == []
