@@ -290,11 +290,12 @@ def rankable_layers(types: list[str], method: str) -> list[int]:
 
 
 def cache_length_layer(types: list[str]) -> int:
-    """The layer whose KV cache gives the cache's sequence length (transformers' ``Cache.get_seq_length()``: its first
-    layer with keys, not a linear-attention one; Qwen3.5-4B's layer 3, tiny:qwen3_5's 1). The hooks read the prompt's
-    length there during decoding (and Qwen3.5 its decode positions), so every stage must cut after it: a cut at or
-    before it left it holding only the kept columns, and the first decoding step failed. Layer 0 where no layer is
-    recurrent (every stage cuts after it)."""
+    """The layer whose KV cache gives the cache's sequence length (transformers 5.23's ``Cache.get_seq_length()``: its
+    first layer with keys, not a linear-attention one; Qwen3.5-4B's layer 3, tiny:qwen3_5's 1; from 5.25 a linear
+    layer counts the tokens it saw and ``get_seq_length()`` reads layer 0, before this one, so a cut after this layer
+    leaves both whole). The hooks read the prompt's length there during decoding (and Qwen3.5 its decode positions),
+    so every stage must cut after it: a cut at or before it left it holding only the kept columns, and the first
+    decoding step failed. Layer 0 where no layer is recurrent (every stage cuts after it)."""
     return next((i for i, t in enumerate(types) if t not in RECURRENT_LAYER_TYPES), 0)
 
 

@@ -338,9 +338,11 @@ def test_stage_layers_move_to_full_attention(model, method):
 
 
 def test_the_cache_length_layer_is_the_one_transformers_measures(images, prompts):
-    """``cache_length_layer`` names the layer whose length ``Cache.get_seq_length()`` reports (its first attention
-    layer: 1 on tiny:qwen3_5, 3 on the 4B's every-4th pattern, 0 where no layer is linear): after a prefill with that
-    layer's cache cut short by hand, the cache's length is the cut one."""
+    """``cache_length_layer`` names the layer whose length ``Cache.get_seq_length()`` reports on transformers 5.23 (its
+    first attention layer: 1 on tiny:qwen3_5, 3 on the 4B's every-4th pattern, 0 where no layer is linear): after a
+    prefill with the layers' caches cut short by hand, the cache's length is that layer's. From 5.25 a linear layer
+    counts its own tokens and the length is layer 0's: cutting every layer after ``cache_length_layer`` (what the
+    stages do) leaves it the prompt's on both."""
     assert (cache_length_layer(TINY_TYPES), cache_length_layer(FOUR_B_TYPES)) == (1, 3)
     assert cache_length_layer(["sliding_attention", "full_attention"]) == 0
     vlm = vlm_for()
@@ -350,10 +352,16 @@ def test_the_cache_length_layer_is_the_one_transformers_measures(images, prompts
         vlm.model(**prep.model_kwargs, **{cache_argument(vlm.model): cache})
     L = prep.model_kwargs["input_ids"].shape[1]
     assert cache.get_seq_length() == L
+    first = cache_length_layer(TINY_TYPES)
     for i, layer in enumerate(cache.layers):
-        if hasattr(layer, "keys") and layer.keys is not None:
+        if i > first and getattr(layer, "keys", None) is not None:
             layer.keys = layer.keys[..., : L - 1 - i, :]
-    assert cache.get_seq_length() == L - 1 - cache_length_layer(TINY_TYPES)
+    assert cache.get_seq_length() == L  # what every stage cuts leaves the length decoding reads whole
+    if hasattr(cache.layers[0], "cumulative_length_linear"):  # transformers >= 5.25: layer 0 counts its own tokens
+        assert not hasattr(cache.layers[0], "keys") and int(cache.get_seq_length()) == L
+        return
+    cache.layers[first].keys = cache.layers[first].keys[..., : L - 1 - first, :]
+    assert cache.get_seq_length() == L - 1 - first  # the length is that layer's, and no earlier layer's
 
 
 @pytest.mark.parametrize("method,options", [("pyramiddrop", {"layers": [1, 3]}), (OWN, {"layers": [1]})])
