@@ -165,9 +165,10 @@ def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
         note += (" In parentheses: the 95% percentile-bootstrap interval over the benchmark's documents"
                  " (the spec's `bootstrap` resamples).")
     if any(col.endswith(tables.RUNS) for col in table.frame.columns):
-        note += (" ± sd, n: a configuration the sweep ran n times (`tune.num_samples`): the row is the mean of its "
-                 "runs, ± their standard deviation; its Rel. is the mean scores over the unpruned row's (itself the "
-                 "mean of its runs), ± the sd of each run's Rel.")
+        note += (" ± sd, n: a configuration the sweep ran n times (`tune.num_samples`; n counts the runs that "
+                 "finished with that score): the row is the mean of its finished runs, ± their standard deviation; "
+                 "its Rel. is the mean scores over the unpruned row's (itself the mean of its runs), ± the sd of "
+                 "each run's Rel.")
     if comparison is not None and not comparison.empty:
         note += " Rows marked ↳ paper: the published numbers, with our delta."
     return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"
@@ -193,8 +194,8 @@ def _paired_section(sweep, table, preds) -> str:
             "points of Rel., with a 95% paired bootstrap interval: the documents of every benchmark resampled "
             f"{_resamples(sweep)} times, both trials and the unpruned baseline scored on the same resample (an "
             "interval that holds 0 is a gap the benchmarks cannot tell from noise)."
-            + (" A configuration run several times is paired by the answers of its first run." if sweep.repeat_metrics
-               else "") + "\n\n" + paired.markdown(diffs))
+            + (" A configuration run several times is paired by the answers of its first finished run."
+               if sweep.repeat_metrics else "") + "\n\n" + paired.markdown(diffs))
 
 
 

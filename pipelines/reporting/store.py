@@ -56,23 +56,32 @@ class Sweep:
         return replace(self, trials=self.trials[keep], metrics=self.metrics[keep])
 
     def mean_over_repeats(self) -> "Sweep":
-        """One row per configuration: the finished runs of a configuration that a grid with ``tune.num_samples`` > 1
-        ran several times (param ``repeat``) become one row, under the run id (and trial id) of its lowest repeat,
-        whose metrics are the mean over them (NaN skipped); ``repeat_metrics`` keeps those runs' own metrics (the
-        tables' spread and count). A trial a scheduler stopped stays a row of its own."""
+        """One row per configuration: the runs of a configuration that a grid with ``tune.num_samples`` > 1 ran
+        several times (param ``repeat``) become one row, under the run id, trial id and status of its first FINISHED
+        repeat (the lowest ``repeat`` among them; its predictions are the row's, what the paired intervals and the
+        figures read, and its id the one the CSV tables give), whose metrics are the mean over its FINISHED runs (NaN
+        skipped); ``repeat_metrics`` keeps those runs' own metrics (the tables' spread and count: a repeat that
+        failed is not counted). A configuration none of whose runs finished stays a row that is not FINISHED, under
+        its lowest repeat (its metrics the mean of what its runs logged: no scores, so dashes and no paired
+        interval). A trial a scheduler stopped stays a row of its own."""
         if "repeat" not in self.trials or not (self.trials["repeat"] > 0).any():
             return self
         config = [c for c in self.trials.columns if c not in ("trial", "status", "stopped", "repeat")]
         keys = pd.Series(["\x1f".join(map(str, row)) for row in self.trials[config].itertuples(index=False)],
                          index=self.trials.index)
         keys = keys.where(~self.stopped.astype(bool), "\x1e" + self.trials.index.to_series())
-        lowest = keys.loc[self.trials.sort_values("repeat", kind="stable").index].drop_duplicates()
-        row_of = keys.map(pd.Series(lowest.index, index=lowest.to_numpy()))  # each run -> its configuration's row
-        keep = self.trials.index[self.trials.index.isin(lowest.index)]  # in the sweep's order
-        groups = self.metrics.groupby(row_of, sort=False)
+        finished = self.trials["status"] == "FINISHED"
+        first = self.trials.assign(_unfinished=~finished).sort_values(["_unfinished", "repeat"], kind="stable").index
+        row = keys.loc[first].drop_duplicates()  # per configuration: its first finished repeat, else its lowest
+        row_of = keys.map(pd.Series(row.index, index=row.to_numpy()))  # each run -> its configuration's row
+        keep = self.trials.index[self.trials.index.isin(row.index)]  # in the sweep's order
+        counted = finished | ~finished.groupby(row_of).transform("any")  # a configuration's finished runs, if any
+        kept = self.metrics[counted]
+        groups = kept.groupby(row_of[counted], sort=False)
         metrics = groups.mean().reindex(keep)
-        at = groups.indices  # each row -> its runs' positions, in the sweep's order: one pass over the runs
-        repeats = {rid: self.metrics.iloc[at[rid]] for rid in keep if len(at[rid]) > 1}
+        at = groups.indices  # each row -> its counted runs' positions, in the sweep's order: one pass over the runs
+        runs = row_of.value_counts()
+        repeats = {rid: kept.iloc[at[rid]] for rid in keep if runs[rid] > 1}
         return replace(self, trials=self.trials.loc[keep], metrics=metrics, repeat_metrics=repeats)
 
     @property

@@ -233,7 +233,7 @@ def _display_series(table: ScoreTable, rows: pd.DataFrame, col: str) -> pd.Serie
 
 def score_table_csv(table: ScoreTable) -> pd.DataFrame:
     """The score table in the paper's units (MME points, percent), unrounded, with the run ids (a row that is the mean
-    of repeated runs: its first run's id, and each column's sd over the runs and their count)."""
+    of repeated runs: its first finished run's id, and each column's sd over the runs and their count)."""
     out = table.frame[["method", "budget", "variant", "label"]].copy()
     for col in table.columns:
         out[col.label] = table.frame[col.task] * col.scale

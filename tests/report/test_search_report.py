@@ -242,3 +242,54 @@ def test_a_search_per_metric_and_an_unset_metric_is_the_default(store, tmp_path)
     assert "- best (mu, tau): **mu=0.9, tau=0.02**, Rel. 90.0%" in attention and "- trials: 2" in attention
     assert "2 other trial(s) that set mu or tau with other options are not in this plane" in spectral
     assert (tmp_path / "out" / "mu_tau_search_1.png").exists() and (tmp_path / "out" / "mu_tau_search_2.png").exists()
+
+
+def _repeat(method, budget, right: int | None, r: int, status="FINISHED", **kw):
+    """Run ``r`` of a configuration a grid ran twice (param ``repeat``): ``right`` of N right (None: no score, as a
+    run that failed logs), its answers the first ``N - right`` wrong."""
+    tid = ("baseline" if method == "none" else f"{method}-b{budget}") + (f"-r{r}" if r else "")
+    metrics = {"samples/done": 10} if right is None else {f"{TASK}/exact_match": right / N, "samples/total": N}
+    preds = None if right is None else answers(N - right)
+    return trial(method, budget, metrics, options={"repeat": r}, tid=tid, status=status, predictions=preds, **kw)
+
+
+def test_a_repeated_configuration_is_its_first_finished_run_when_an_earlier_repeat_failed(store, tmp_path):
+    """A grid run twice (`tune.num_samples: 2`). PromPrune@16: repeat 0 FAILED (no score, no predictions, 10 samples
+    done), repeat 1 finished 24 of 30 right. Its row is repeat 1's: its id, status and answers, so the paired
+    interval pairs by them (PromPrune wrong on documents 0-5, DivPrune on 0-9 in both its runs: +4/30 = +13.3
+    points, as in the search above); its numbers are the mean of its finished runs only (80.0, n=1; not the failed
+    run's samples/done). DivPrune@8 failed both times: a row not FINISHED, dashes, and no paired interval at 8."""
+    client, exp = store
+    run = _repeat
+    log_sweep(client, exp, "repeat_failed", [
+        run("none", None, N, 0), run("none", None, N, 1),
+        run("promprune", 16, None, 0, status="FAILED"), run("promprune", 16, 24, 1),
+        run("divprune", 16, 20, 0), run("divprune", 16, 20, 1),
+        run("promprune", 8, 15, 0), run("promprune", 8, 15, 1),
+        run("divprune", 8, None, 0, status="FAILED"), run("divprune", 8, None, 1, status="FAILED")],
+        tasks=[TASK], tmp=tmp_path)
+    ids = {r.data.tags["promprune.trial"]: r.info.run_id for r in client.search_runs([exp])
+           if "promprune.trial" in r.data.tags}
+    sweep = load_sweep("repeat_failed")
+    merged = sweep.mean_over_repeats()
+    rows = merged.trials.set_index("trial")
+    assert sorted(rows.index) == ["baseline", "divprune-b16", "divprune-b8", "promprune-b16-r1", "promprune-b8"]
+    assert merged.trials.loc[ids["promprune-b16-r1"], "status"] == "FINISHED"
+    assert merged.trials.loc[ids["divprune-b8"], "status"] == "FAILED"  # none finished: its lowest repeat
+    assert merged.metrics.loc[ids["promprune-b16-r1"], f"{TASK}/exact_match"] == pytest.approx(0.8)
+    assert pd.isna(merged.metrics.loc[ids["promprune-b16-r1"], "samples/done"])  # the failed run's not averaged in
+    assert list(merged.repeat_metrics[ids["promprune-b16-r1"]].index) == [ids["promprune-b16-r1"]]
+
+    out = tmp_path / "out"
+    md = build_report(sweep, out).markdown
+    pairs = [line for line in section(md, "Paired differences").splitlines() if line.startswith("- ")]
+    assert len(pairs) == 2 and all(p.startswith("- 16 tokens: ") for p in pairs)  # nothing at 8: DivPrune failed
+    ours = next(p for p in pairs if p.startswith("- 16 tokens: PromPrune - DivPrune: +13.3 ["))
+    assert 0 <= float(ours.split("[")[1].split(",")[0]) and ours.endswith("(resolved)")
+    assert "paired by the answers of its first finished run" in md
+    scores = section(md, "Scores")
+    assert "| PromPrune | 16 | **80.0**, n=1 | **80.0%**, n=1 |" in scores, scores
+    assert "| DivPrune | 8 | – | – |" in scores, scores
+    csv = pd.read_csv(out / "scores.csv").set_index("run_id")
+    assert ids["promprune-b16-r1"] in csv.index and ids["promprune-b16"] not in csv.index
+    assert ids["divprune-b8"] in csv.index
