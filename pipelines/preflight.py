@@ -68,7 +68,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
         errors += check_attention(spec, trials)
     if evaluates:
         errors += [] if task_errors else check_generation(spec)  # (the tasks' own kwargs: the tasks must load)
-        errors += check_metric(spec.tune.metric, spec.tasks)
+        errors += check_metric(spec.tune.metric, spec.tasks, spec.include_path)
         errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) + check_experiment_name() if store else []
     if evaluates and metrics_to_calibrate(expand(spec)):
@@ -152,7 +152,7 @@ def check_generation(spec: SweepSpec) -> list[str]:
 
     found: dict[str, list[str]] = {}
     for task in spec.tasks:
-        own = task_config(task).get("generation_kwargs") or {}
+        own = task_config(task, spec.include_path).get("generation_kwargs") or {}
         problem = sampling_problem({k: v for k, v in {**own, **spec.generation}.items() if v is not None})
         if problem:
             found.setdefault(problem, []).append(task)
@@ -258,14 +258,20 @@ def check_search_package(search: str) -> list[str]:
     return []
 
 
-def check_metric(metric: str, tasks: list[str]) -> list[str]:
-    """``tune.metric``: rel, or a metric its task reports (its lmms-eval ``metric_list``)."""
+def check_metric(metric: str, tasks: list[str], include_path: list[str] | None = None) -> list[str]:
+    """``tune.metric``: rel, or a metric its task reports (its lmms-eval ``metric_list``; ``include_path``: the
+    spec's task directories, where a task of one's own is). A task that is not found here is `check_tasks`'s problem,
+    not one more here."""
     from promprune.eval.tasks import task_config
 
     if metric == "rel" or metric.split("/")[0] not in tasks:  # a task not in the spec: `specs.parse` said so
         return []
     task, name = metric.split("/")
-    names = [m["metric"] for m in task_config(task).get("metric_list") or [] if isinstance(m, dict)]
+    try:
+        config = task_config(task, include_path)
+    except ValueError:  # an unknown task (check_tasks names it) or one without a YAML: no metric_list to read
+        return []
+    names = [m["metric"] for m in config.get("metric_list") or [] if isinstance(m, dict)]
     if names and name not in names:
         return [f"tune.metric: {task} reports no metric {name!r}{unknown(name, names)}"]
     return []

@@ -665,7 +665,7 @@ def generation_plan(spec: specs.SweepSpec) -> str:
 
     lines = ["generation per task (the task's lmms-eval generation_kwargs, the spec's `generation` over them):"]
     for task in spec.tasks:
-        own = task_config(task).get("generation_kwargs") or {}
+        own = task_config(task, spec.include_path).get("generation_kwargs") or {}
         kwargs, until = generate_kwargs({**own, **spec.generation})
         shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         lines.append(f"  {task}: {shown}" + (f", stop at {until}" if until else ""))

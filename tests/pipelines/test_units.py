@@ -4,7 +4,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import pickle
+import textwrap
 
 import pyarrow.parquet as pq
 import pytest
@@ -595,6 +597,46 @@ def test_validate_only_shows_what_each_task_generates_with():
     assert lines[2].startswith("  mme: max_new_tokens=16,")
     spec.generation = {"max_new_tokens": 3}
     assert all("max_new_tokens=3," in line for line in generation_plan(spec).splitlines()[1:])
+
+
+def test_preflight_reads_a_task_of_ones_own_from_the_specs_include_path(tmp_path, monkeypatch):
+    """`preflight.preflight(spec)` called directly (no `plugins.activate`, so no $PROMPRUNE_INCLUDE_PATH): the
+    checks that read a task's YAML (its generation_kwargs, its metric_list) and the --validate-only generation plan
+    find a task of one's own in the spec's `include_path` (they raised "unknown lmms-eval task(s)"). Its YAML says
+    temperature 0, the spec do_sample: true, and tune.metric names a metric it does not report: both are problems. A
+    tune.metric on a task that is not found is the tasks' one problem, not a traceback."""
+    from pipelines import preflight
+    from pipelines.sweep import generation_plan
+    from promprune.eval import tasks
+    from tests.own_task import write_task
+
+    monkeypatch.delenv(tasks.INCLUDE_PATH_ENV, raising=False)
+    yaml = write_task(tmp_path / "mine", "own_task_g", metrics=("hits", "accuracy"),
+                      process_results="    return {'hits': 1.0, 'accuracy': 1.0}", questions=["Is it red?"])
+    yaml.write_text(yaml.read_text() + "generation_kwargs: {temperature: 0, max_new_tokens: 4}\n")
+    text = """
+        name: s
+        version: 1
+        model: {pretrained: "tiny:llava"}
+        include_path: [mine]
+        tasks: [own_task_g]
+        generation: {do_sample: true}
+        tune: {metric: own_task_g/hitz}
+        grid: {method: [divprune], budget: [8]}
+        """
+    (tmp_path / "s.yaml").write_text(textwrap.dedent(text))
+    spec = specs.load(tmp_path / "s.yaml")
+    assert tasks.INCLUDE_PATH_ENV not in os.environ
+    assert preflight.preflight(spec, store=False) == [
+        "generation: do_sample: true with temperature 0 (lmms-eval's greedy setting; transformers samples only at a "
+        "temperature above 0): set generation.temperature above 0 (e.g. 0.7) to sample, or leave do_sample out for "
+        "greedy answers (tasks own_task_g)",
+        "tune.metric: own_task_g reports no metric 'hitz' (did you mean 'hits'?); valid: accuracy, hits"]
+    assert generation_plan(spec).splitlines()[1] == "  own_task_g: max_new_tokens=4, do_sample=True, temperature=0.0"
+    (tmp_path / "t.yaml").write_text(textwrap.dedent(text.replace("own_task_g", "own_task_gg")))
+    typo = specs.load(tmp_path / "t.yaml")
+    (problem,) = preflight.preflight(typo, store=False)
+    assert problem.startswith("tasks: unknown lmms-eval task(s) ['own_task_gg'] (did you mean 'own_task_g'")
 
 
 # ----------------------------------------------------------------------------------------------------------------
