@@ -17,13 +17,14 @@ METRICS = ["pope/pope_f1_score", "gqa/exact_match", "rel"]
 
 def repeated_sweep(seed: int, configs: int = 40) -> Sweep:
     """``configs`` configurations run 1-4 times each (param ``repeat``), the runs in a shuffled order (a lowest
-    repeat is not always first), some stopped, metric values drawn from few (ties), NaN, one metric missing from
-    whole configurations."""
+    repeat is not always first), some failed, some stopped, metric values drawn from few (ties), NaN, one metric
+    missing from whole configurations."""
     rng = np.random.default_rng(seed)
     rows = []
     for c in range(configs):
         for r in range(int(rng.integers(1, 5))):
-            rows.append({"trial": f"c{c}-r{r}", "status": "FINISHED", "stopped": bool(rng.random() < 0.1),
+            status = "FAILED" if rng.random() < 0.25 else "FINISHED"  # some configurations' every repeat
+            rows.append({"trial": f"c{c}-r{r}", "status": status, "stopped": bool(rng.random() < 0.1),
                          "method": str(rng.choice(["promprune", "divprune"])) if c % 7 == 0 else "promprune",
                          "budget": float(16 * (1 + c % 3)), "repeat": r, "model": "tiny:llava", "tasks": "pope,gqa",
                          "mu": [0.2, 0.3, None][c % 3], "tau": float(c // 3) / 100})
@@ -45,14 +46,22 @@ def naive_mean_over_repeats(sweep: Sweep) -> tuple[pd.DataFrame, pd.DataFrame, d
     for rid, row in trials.iterrows():
         key = ("stopped", rid) if row["stopped"] else tuple(str(row[c]) for c in config)
         groups.setdefault(key, []).append(rid)
-    row_of = {}
+    row_of, counted = {}, {}
     for runs in groups.values():
-        lowest = min(runs, key=lambda rid: (trials.loc[rid, "repeat"], trials.index.get_loc(rid)))
-        row_of[lowest] = runs
+        done = [rid for rid in runs if trials.loc[rid, "status"] == "FINISHED"]
+        first = min(done or runs, key=lambda rid: (trials.loc[rid, "repeat"], trials.index.get_loc(rid)))
+        row_of[first], counted[first] = runs, done or runs
     keep = [rid for rid in trials.index if rid in row_of]
-    means = pd.DataFrame([metrics.loc[row_of[rid]].mean() for rid in keep], index=keep)
-    repeats = {rid: metrics.loc[row_of[rid]] for rid in keep if len(row_of[rid]) > 1}
+    means = pd.DataFrame([metrics.loc[counted[rid]].mean() for rid in keep], index=keep)
+    repeats = {rid: metrics.loc[counted[rid]] for rid in keep if len(row_of[rid]) > 1}
     return trials.loc[keep], means, repeats
+
+
+def mixed_rows(sweep: Sweep) -> list:
+    """The configurations with a failed and a finished repeat (by their trial names' configuration)."""
+    config = sweep.trials["trial"].str.rsplit("-r", n=1).str[0]
+    status = sweep.trials.groupby(config)["status"].agg(set)
+    return [c for c, seen in status.items() if seen == {"FAILED", "FINISHED"}]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -67,6 +76,8 @@ def test_mean_over_repeats_is_the_naive_grouping(seed):
         pd.testing.assert_frame_equal(got.repeat_metrics[rid], runs, check_exact=True)
     # the input has what the rule must get right: single runs and stopped ones beside repeated rows, all-NaN means
     assert repeats and len(repeats) < len(trials) and sweep.trials["stopped"].any()
+    assert (got.trials["status"] == "FAILED").any()  # a configuration none of whose repeats finished
+    assert mixed_rows(sweep)  # and a row whose failed repeat sits beside finished ones (its mean leaves it out)
     assert means["gqa/exact_match"].isna().any() and means["gqa/exact_match"].notna().any()
 
 
