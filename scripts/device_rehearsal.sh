@@ -11,8 +11,8 @@
 #    gpu_checklist.sh installs them on the machine (PYTHONPATH over .site/whlN, the image's packages below).
 # 3. The stages that need no CUDA, on the CPU: `library` (the library's tests on the image's torch), `sweep` (the
 #    quickstart with resources.device=cpu), `table6-pipeline` (on tiny:llava_next at 32 tokens, 8 samples) and
-#    `scaling` (2 simulated GPUs, 4 samples per task). parity / lanczos / selection / table6 / shapes / speed
-#    need CUDA.
+#    `scaling` (2 simulated GPUs, 4 samples per task). parity / lanczos / margin / view-shares / selection /
+#    vispruner-tiles / table6 / shapes / speed need CUDA.
 #
 # Logs go to $OUT (default ./devsim-logs), one per stage, as on the machine. Needs PyPI and a CPython 3.12 (PY312;
 # default: python3.12 on PATH, else pyenv's newest 3.12). ~3 min for the virtualenv the first time, then ~12 min for

@@ -4,8 +4,8 @@
 #
 #   bash scripts/gpu_checklist.sh [--install-batch N]... STAGE...
 #
-# Stages: install (every .whlN here) | parity | library | lanczos | margin | selection | vispruner-tiles | speed | table6 |
-#         shapes | deps | sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.
+# Stages: install (every .whlN here) | parity | library | lanczos | margin | view-shares | selection | vispruner-tiles |
+#         speed | table6 | shapes | deps | sweep | table6-pipeline | scaling | gemma4 | two-gpus | plan.
 # --install-batch N installs .whlN only (one batch travels per call). Every stage runs even when one before it
 # failed; exit 1 when any failed (the last line names them), exit 2 for a stage name it does not know (before any
 # install runs).
@@ -28,10 +28,14 @@
 # The shortest way to the selection stages (2026-11-26 evening: two calls, 416 s and 262 s; 2026-11-28 on an H200:
 # 273 s and 274 s, each on a fresh machine, ~35 s of start around each): a .whl1 of one wheel,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl1 transformers==5.23.0
-#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 lanczos margin selection table6 parity vispruner-tiles
+#   carry [".whl1"]  bash scripts/gpu_checklist.sh --install-batch 1 lanczos margin view-shares selection table6 parity vispruner-tiles
 # (lanczos, ~1-2 min expected: the certified split's steps fused or not by size, the line that sets
 # lanczos_triton.FUSED_UP_TO; margin, ~1 min expected: the bracket against the GPU's own eigensolve on adversarial
-# near-low-rank tokens, the headroom of certified.decision_margin there; selection times PromPrune with and without CUDA graphs, fused and unfused; table6 times
+# near-low-rank tokens, the headroom of certified.decision_margin there; view-shares, under ~1 min expected:
+# adaptive_views' share decision per image from certified brackets against one eigensolve per view, LLaVA-NeXT's
+# 5 x 576 x 4096 and OneVision clips of 8 / 16 frames x 196 x 3584 in float16, batches 1 and 8, with the share of
+# views decided without an eigensolve and whether every image's shares were the exact route's;
+# selection times PromPrune with and without CUDA graphs, fused and unfused; table6 times
 # its model path eager and with graphs interleaved, `--graph-pairs`: the line that decides PROMPRUNE_GRAPHS, and ends
 # with benchmarks/profile_select.py).
 # Then three device calls, back to back (each line: run's carry, then its command):
@@ -182,8 +186,8 @@ run_stage() {
   if [ "$rc" -ne 0 ]; then FAILED_STAGES+=("$stage"); fi
 }
 
-KNOWN_STAGES="install|parity|library|selection|lanczos|margin|vispruner-tiles|speed|table6|shapes|deps|sweep|table6-pipeline"
-KNOWN_STAGES+="|scaling|gemma4|two-gpus|plan"
+KNOWN_STAGES="install|parity|library|selection|lanczos|margin|view-shares|vispruner-tiles|speed|table6|shapes|deps"
+KNOWN_STAGES+="|sweep|table6-pipeline|scaling|gemma4|two-gpus|plan"
 FAILED_STAGES=()
 
 stage() {
@@ -207,6 +211,8 @@ stage() {
       env_line; python3 benchmarks/lanczos_steps.py --repeats 15 ;;
     margin)  # issue 53: the certified split's decision margin against the GPU's own eigensolve (the exact route there)
       env_line; python3 benchmarks/margin_by_size.py --device cuda --sizes 576,1296 ;;
+    view-shares)  # issue 53: adaptive_views' shares from certified brackets against one eigensolve per view
+      env_line; python3 benchmarks/view_shares.py --device cuda --dtype float16 --batch 1 8 --repeats 9 ;;
     vispruner-tiles)  # issue 53: which chain of VisPruner's kernel its time follows (ranking tiles or the row scan)
       env_line; python3 benchmarks/vispruner_tiles.py --repeats 9 ;;
     speed)

@@ -506,6 +506,51 @@ def test_entropy_routes():
         assert margins == pytest.approx(miss / 2e-5, rel=0.1, abs=1e-3)  # in margins (two digits)
 
 
+
+def test_view_shares():
+    """The smoke rows (the CPU, both routes forced): every call's certified shares were the exact route's, every view
+    decided by its image's brackets or eigensolved, the exact route reads once and the certified one once a stage
+    (once more where it eigensolved). Image 0's printed entropies are within float32's rounding of numpy's float64
+    eigensolve of each view's centered unit Gram, and its shares are the largest-remainder split of the budget over
+    those entropies, worked here (no view reaches its token count, no remainders near a tie)."""
+    import numpy as np
+    import torch
+
+    from benchmarks.view_shares import SMOKE_SHAPES, items_for
+
+    out = run_benchmark("view_shares.py", "--smoke")
+    rows = table_rows(out, "llava-next|ov-video-8")
+    assert [(r[0], int(r[1]), int(r[2])) for r in rows] == [
+        (shape, batch, views * batch) for shape, (views, *_rest) in SMOKE_SHAPES.items() for batch in (1, 2)], out
+    for _shape, _batch, views, exact_ms, certified_ms, _ratio, decided, stages, eigensolved, reads_exact, \
+            reads_certified, identical in rows:
+        assert float(exact_ms) > 0 and float(certified_ms) > 0
+        stages = [int(v) for v in stages.strip("[]").split(",")]
+        assert decided.startswith(f"{sum(stages)} / {views} ")
+        assert sum(stages) + int(eigensolved) == int(views), rows
+        assert int(reads_exact) == 1 and int(reads_certified) == len(stages) + (int(eigensolved) > 0), rows
+        assert identical == "yes", rows
+    for shape, (views, n, d, kept) in SMOKE_SHAPES.items():
+        line = figure(out, rf"image 0 of {shape} \(budget (\d+)\): entropies \[([\d., ]+)\]; "
+                      r"shares exact \[([\d, ]+)\], certified \[([\d, ]+)\]")
+        budget, printed = int(line[1]), [float(v) for v in line[2].split(",")]
+        x = items_for(views, n, d, 1, "cpu", torch.float32, 2.0)[0].features.double().numpy().reshape(views, n, d)
+        unit = x / np.linalg.norm(x, axis=-1, keepdims=True)
+        centered = unit - unit.mean(axis=1, keepdims=True)
+        lam = np.maximum(np.linalg.eigvalsh(centered @ centered.transpose(0, 2, 1)), 1e-12)
+        p = lam / lam.sum(-1, keepdims=True)
+        h = -(p * np.log(p)).sum(-1) / np.log(n)
+        assert budget == views * kept and np.abs(h - printed).max() < 1e-5, (h, printed)
+        quotas = budget * h / h.sum()
+        floors = np.floor(quotas).astype(int)
+        rest = quotas - floors
+        extra = np.argsort(-rest, kind="stable")[:budget - floors.sum()]
+        want = [int(f) + (j in extra) for j, f in enumerate(floors)]
+        ordered = np.sort(rest)[::-1]
+        gap = ordered[len(extra) - 1] - ordered[len(extra)] if 0 < len(extra) < views else 1.0
+        assert gap > 1e-3 and (np.abs(rest - np.round(rest)) > 1e-3).all(), quotas  # clear of a boundary
+        assert [int(v) for v in line[3].split(",")] == [int(v) for v in line[4].split(",")] == want, (quotas, out)
+
 def test_alike_tokens():
     """The float32 entropy against float64 as tokens grow alike: centered in Gram space it drifts (~2e-6 / spread),
     centered first it does not, and the library's exact route takes the second below SPREAD_FLOOR."""
