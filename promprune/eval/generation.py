@@ -32,11 +32,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
 from promprune.efficiency import peak_memory_mb, reset_peak_memory
-from promprune.models.images import as_rgb, opened, strict_decoding
+from promprune.models.images import as_rgb, opened, pixel_key, strict_decoding
 from promprune.models.sharing import ImageCache
 from promprune.records import Answer, SampleStats, values
 
@@ -194,22 +195,41 @@ def sharing_options(gen_kwargs: dict, vision_once: bool, prefix_cache: bool) -> 
 def sample_seeds(seed: Any, items: list[Item]) -> list[int | None]:
     """Each item's sampling seed, that of its own random stream (``PrunedVLM.generate``'s ``sample_seeds``): a hash
     of ``seed`` (the caller's: a sweep's trial id), the item's ``seed`` generation kwarg (a spec's
-    ``generation.seed``, 0 unset), its identity (its ``id``; an item without one: its image key and prompt) and its
-    repeat, how many items before it in ``items`` have that identity (a request asked twice, as lmms-eval asks a
-    task's repeats, draws twice). None for an item with neither seed: transformers samples its batch from the
-    process's RNG as it stands (the lmms-eval plugin: lmms-eval seeds torch itself). Greedy items ignore theirs."""
+    ``generation.seed``, 0 unset), its identity (its ``id``; an item without one: its image key and prompt, the
+    image's or clip's pixels standing for a key it lacks: :func:`_content`) and its repeat, how many seeded items
+    before it in ``items`` have that identity (a request asked twice, as lmms-eval asks a task's repeats, draws
+    twice). None for an item with neither seed: transformers samples its batch from the process's RNG as it stands
+    (the lmms-eval plugin: lmms-eval seeds torch itself). Greedy items ignore theirs."""
     seen: Counter = Counter()
     seeds: list[int | None] = []
     for item in items:
-        identity = json.dumps(item.id if item.id is not None else [item.key, item.prompt], default=str)
-        repeat, seen[identity] = seen[identity], seen[identity] + 1
         own = item.gen_kwargs.get(SEED_KEY)
-        if seed is None and own is None:
+        if seed is None and own is None:  # (no identity: an item without a key is hashed only when it is seeded)
             seeds.append(None)
             continue
+        identity = json.dumps(item.id if item.id is not None else
+                              [item.key if item.key is not None else _content(item), item.prompt], default=str)
+        repeat, seen[identity] = seen[identity], seen[identity] + 1
         text = json.dumps([seed, 0 if own is None else own, identity, repeat], default=str)
         seeds.append(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1)  # torch takes < 2**63
     return seeds
+
+
+def _content(item: Item) -> str | None:
+    """What stands for the key of an item that has neither ``id`` nor ``key`` in its :func:`sample_seeds` identity:
+    a hash of its clip's frames and rate, or of its image's pixels (``pixel_key``), so that two such items with one
+    prompt about different pictures are two items, not one asked twice whose draws would follow their order. None
+    where the picture cannot be read (the item fails in its batch, as it would have)."""
+    try:
+        if item.video is not None:
+            frames = np.ascontiguousarray(np.asarray(getattr(item.video, "frames", item.video)))
+            digest = hashlib.blake2b(f"{frames.dtype}:{frames.shape}:{getattr(item.video, 'fps', None)}:".encode(),
+                                     digest_size=8)
+            digest.update(frames.tobytes())
+            return f"clip:{digest.hexdigest()}"
+        return None if item.image is None else f"pixels:{pixel_key(item.image)}"
+    except Exception:  # noqa: BLE001 - an unreadable picture fails where it is generated, item by item
+        return None
 
 
 def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,

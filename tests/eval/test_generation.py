@@ -356,6 +356,36 @@ def test_a_request_asked_twice_draws_twice_the_same_way_in_any_batch(tiny_llava)
     assert swapped == [answers[1], answers[0], answers[2]]  # copies are interchangeable: the first asked draws first
 
 
+def test_items_without_an_id_or_key_are_told_apart_by_their_pictures(tiny_llava):
+    """An item with neither id nor key (generate_items called directly, seed given) was known by its prompt alone:
+    two such questions about different images were one request asked twice, so each one's draws followed the order
+    of the items (the first asked drew the first stream). Their pictures now tell them apart: an image's (and a
+    clip's) sampled answer is the same in either order and alone; one picture asked twice still draws twice."""
+    import numpy as np
+
+    from promprune.eval.generation import Item, generate_items, sample_seeds
+    from promprune.models.video import Clip
+
+    kwargs = {"max_new_tokens": 4, "do_sample": True, "temperature": 30.0}
+    red, blue = Image.new("RGB", (32, 32), "red"), Image.new("RGB", (32, 32), "blue")
+
+    def answers(*images):
+        return [a.prediction for a in generate_items(tiny_llava, [Item("What colour?", im, kwargs) for im in images],
+                                                     batch_size=2, seed="s")]
+
+    first = answers(red, blue)
+    assert answers(blue, red) == first[::-1]
+    assert answers(red) == first[:1]
+    twice = answers(red, red)
+    assert twice[0] == first[0] and twice[1] != twice[0]
+    # clips (seeds alone: no model needed), and an image given as a copy of equal pixels
+    clips = [Clip(np.full((2, 8, 8, 3), value, np.uint8), 2.0) for value in (0, 255)]
+    clip_items = [Item("What moves?", None, kwargs, video=clip) for clip in clips]
+    assert sample_seeds("s", clip_items) == sample_seeds("s", clip_items[::-1])[::-1]
+    assert sample_seeds("s", [Item("What colour?", red.copy(), kwargs)]) == \
+        sample_seeds("s", [Item("What colour?", red, kwargs)])
+
+
 def test_greedy_answers_are_untouched_by_the_seed(tiny_llava):
     """Greedy decoding draws nothing: a seed changes neither its tokens nor the process's RNG."""
     import torch
