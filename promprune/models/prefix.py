@@ -10,7 +10,8 @@ Layout of a batch. Rows have prefixes of different lengths (images of different 
 lengths (questions), so a row is laid out as ``[pad][prefix][pad][suffix]``: the prefix KV caches are left-padded
 to the batch's longest, the suffixes left-padded to theirs, and the attention mask covers both; ``generate`` numbers
 the tokens from the mask (cumsum), so every real token keeps the position it has in the unpadded prompt; Qwen's 3D
-M-RoPE positions (computed on the whole prompt as without the cache) are moved with their columns. The prefixes
+M-RoPE positions (computed on the whole prompt as without the cache) are moved with their columns; a repetition
+penalty counts a row's tokens, not the padding inside its layout (:func:`repetition_penalty`). The prefixes
 missing from the cache are prefilled together, left-padded, in one forward of the language model (with the image
 features; Qwen3-VL's DeepStack rows enter there), and stored unpadded per image until its last question is answered
 (``ImageCache.release``). Memory: the stored prefixes of a batch's images beside the batch's own cache, which holds
@@ -41,6 +42,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from promprune.models.llm_hooks import cache_argument, cache_in
 
@@ -153,6 +155,49 @@ def inputs(vlm, prep, cache, new_tokens: int | None = None) -> dict | None:
         _prefill(vlm, prep, parts, list(missing), cache)
         rows = [_find(cache, key, ids[b, parts.prefix[b]]) for b, key in enumerate(prep.keys)]
     return _continuation(vlm, kwargs, parts, rows)
+
+
+class AttendedRepetitionPenalty(LogitsProcessor):
+    """transformers' repetition penalty (its own ``RepetitionPenaltyLogitsProcessor``, so its arithmetic) over the
+    tokens each row attends to: the prompt's columns the attention mask leaves out are not counted. transformers
+    leaves out only a row's leading padding (``prompt_ignore_length``), which is all of it in the unshared layout;
+    in the ``[pad][prefix][pad][suffix]`` one it counted the padding between a row's prefix and its suffix, whose
+    width its batch mates decide, so a row's pad token was penalised or not by the batch it was in (Qwen's pad,
+    ``<|endoftext|>``, is one of its end tokens)."""
+
+    def __init__(self, penalty: float, attention_mask: torch.Tensor):
+        self.penalty = RepetitionPenaltyLogitsProcessor(float(penalty))
+        self.ignored = attention_mask == 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        ignored = torch.nn.functional.pad(self.ignored.to(input_ids.device),
+                                          (0, input_ids.shape[1] - self.ignored.shape[1]), value=False)
+        # an id of the vocabulary's size is clamped to transformers' dropped extra column: never penalised
+        return self.penalty(input_ids.masked_fill(ignored, scores.shape[-1]), scores)
+
+
+# generate's processors that run between its repetition penalty and the caller's processors and do not commute with
+# the penalty (the others there only set scores to -inf, or to 0 beside -inf, which it leaves as they are)
+_NOT_COMMUTING = ("exponential_decay_length_penalty", "remove_invalid_values")
+
+
+def repetition_penalty(model, generation_kwargs: dict, attention_mask: torch.Tensor) -> tuple[dict, list]:
+    """``(kwargs, processors)`` for a batch laid out with padding inside its rows (the prefix layout): where the
+    repetition penalty ``generate`` would apply (``generation_kwargs`` over the model's generation config) is on,
+    ``repetition_penalty=1.0`` in ``kwargs`` (generate builds none) and :class:`AttendedRepetitionPenalty` to put
+    first among the caller's processors (after generate's own, as its penalty's only followers there only mask:
+    the same scores). Else, or where the caller passes a penalty processor of its own (which replaces generate's),
+    or sets a knob of :data:`_NOT_COMMUTING`: ``generation_kwargs`` as they are and no processor."""
+    given = dict(generation_kwargs)
+    merged, _ = model._prepare_generation_config(given.pop("generation_config", None), **given)
+    penalty = merged.repetition_penalty
+    own = any(isinstance(p, RepetitionPenaltyLogitsProcessor) for p in generation_kwargs.get("logits_processor") or ())
+    if penalty is None or penalty == 1.0 or own or any(getattr(merged, k, None) for k in _NOT_COMMUTING):
+        return generation_kwargs, []
+    started = attention_mask.cumsum(-1) > 0
+    if not bool(((attention_mask == 0) & started).any()):  # padding only in front: transformers' own leaves it out
+        return generation_kwargs, []
+    return {**generation_kwargs, "repetition_penalty": 1.0}, [AttendedRepetitionPenalty(penalty, attention_mask)]
 
 
 def _find(cache, key, ids: torch.Tensor) -> Prefix | None:

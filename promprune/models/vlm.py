@@ -533,6 +533,7 @@ class PrunedVLM:
 
             kwargs, sampling = per_row_sampling(self.model, kwargs, sample_seeds)
         inputs, prefix_time, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
+        penalty = []  # the prefix layout's repetition penalty (prefix.repetition_penalty), before the caller's
         if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1 \
                 and _default_cache(kwargs):
             from . import prefix, sharing
@@ -543,9 +544,12 @@ class PrunedVLM:
             if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
                 inputs, prefix_time = cached, prefilling  # read after generate: no wait here
                 continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
+                # the repetition penalty over each row's own tokens, not the padding inside its layout
+                kwargs, penalty = prefix.repetition_penalty(self.model, kwargs, inputs["attention_mask"])
         pruner = self.pruning(prep)
         flag = nonfinite_flagger()
-        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), flag, *sampling])
+        kwargs["logits_processor"] = LogitsProcessorList([*penalty, *(kwargs.get("logits_processor") or []), flag,
+                                                          *sampling])
         with _Timer(self.model, self.device) as timer, pruner, continuing:
             out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats

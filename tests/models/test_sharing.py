@@ -6,6 +6,7 @@ prompt for the logits the cached prefix continues.
 """
 import pytest
 import torch
+from transformers import LogitsProcessor
 
 import promprune
 from promprune.models import PrunedVLM
@@ -143,6 +144,40 @@ def test_prefix_once_gives_the_same_greedy_answers(arch, method, budget, rows):
     assert tokens(reference) == tokens(first + second)
     assert [g.visual_tokens for g in reference] == [g.visual_tokens for g in first + second]
     assert [g.text_tokens for g in reference] == [g.text_tokens for g in first + second]
+
+
+class FirstScores(LogitsProcessor):
+    """Records the token ids and the scores of the first step as the caller's processors see them (after generate's
+    own: its repetition penalty)."""
+
+    def __init__(self):
+        self.ids = self.scores = None
+
+    def __call__(self, input_ids, scores):
+        if self.scores is None:
+            self.ids, self.scores = input_ids.clone(), scores.clone()
+        return scores
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+def test_the_repetition_penalty_counts_a_rows_own_tokens_not_the_padding_inside_its_layout(arch, rows):
+    """The prefix layout pads inside a row ([pad][prefix][pad][suffix]) and transformers' repetition penalty left out
+    only the leading padding: the pad token counted as a repeated token of every row whose suffix was shorter than
+    its batch mates', so its score was divided by the penalty or not with the batch (Qwen's pad is one of its end
+    tokens). The penalised scores of every row are now the unshared path's (where the padding is in front only), pad
+    token included, and so are the answers."""
+    vlm = vlm_for(arch, "promprune", 8)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, repetition_penalty=1.3)
+    plain, shared = FirstScores(), FirstScores()
+    reference = vlm.generate(rows, PROMPTS, logits_processor=[plain], **kwargs)
+    answers = vlm.generate(rows, PROMPTS, keys=KEYS, cache=ImageCache(), prefix_cache=True, logits_processor=[shared],
+                           **kwargs)
+    pad = vlm.processor.tokenizer.pad_token_id
+    inside = [int((row[int((row != pad).int().argmax()):] == pad).sum()) for row in shared.ids]
+    assert max(inside) > 0  # the layout pads inside some row (else this test could not fail)
+    assert not any(pad in row[int((row != pad).int().argmax()):].tolist() for row in plain.ids)
+    torch.testing.assert_close(shared.scores, plain.scores, rtol=0, atol=1e-5)
+    assert tokens(answers) == tokens(reference)
 
 
 def numbered(kwargs: dict) -> dict:
