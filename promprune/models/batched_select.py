@@ -234,18 +234,26 @@ def _place(items: list[VisualItem], units: list[Unit]) -> None:
 
 def _view_matrices(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> tuple[list[torch.Tensor],
                                                                                  dict[int, list[int]]]:
-    """Every view's spectral matrix, stacked by view size (``[V_s, n_s, n_s]`` each; NaN / Inf set to 0: such a view
-    gets some weight here and the buckets' one finiteness check refuses it after), and each item's views' rows
-    (numbered over the stacks in order). Full float32 products (``accel.full_float32``)."""
+    """Every view's spectral matrix, stacked by matrix size (``[V_s, n_s, n_s]`` each, one tensor per size, as
+    ``certified.settle`` takes them: views of more tokens than feature dimensions, whatever their token count, all
+    give ``d x d`` covariances, stacked together; NaN / Inf set to 0: such a view gets some weight here and the
+    buckets' one finiteness check refuses it after), and each item's views' rows (numbered over the stacks in order).
+    Full float32 products (``accel.full_float32``)."""
     units = [(b, u) for b, group in per_view.items() for u in group]
-    by_size: dict[int, list[int]] = {}
+    by_tokens: dict[int, list[int]] = {}
     for i, (_b, u) in enumerate(units):
-        by_size.setdefault(u.idx.shape[0], []).append(i)
-    groups = list(by_size.values())
+        by_tokens.setdefault(u.idx.shape[0], []).append(i)
     with accel.full_float32():
-        matrices = [torch.nan_to_num(spectral_matrix(
-            torch.stack([units[i][1].take(items[units[i][0]].features) for i in group]).float()), 0.0, 0.0, 0.0)
-            for group in groups]
+        made = [(group, torch.nan_to_num(spectral_matrix(
+            torch.stack([units[i][1].take(items[units[i][0]].features) for i in group]).float()), 0.0, 0.0, 0.0))
+            for group in by_tokens.values()]
+    by_size: dict[int, list[tuple[list[int], torch.Tensor]]] = {}
+    for group, matrix in made:
+        by_size.setdefault(matrix.shape[-1], []).append((group, matrix))
+    # two stacks of one size (``settle`` refuses them): two Lanczos states that, with as many views, are one CUDA
+    # graph's capture under ``accel.graphs()``, whose replay for the second overwrites the first's borrowed state
+    groups = [[i for group, _m in parts for i in group] for parts in by_size.values()]
+    matrices = [parts[0][1] if len(parts) == 1 else torch.cat([m for _g, m in parts]) for parts in by_size.values()]
     row = {i: r for r, i in enumerate(i for group in groups for i in group)}
     numbered = iter(range(len(units)))
     return matrices, {b: [row[next(numbered)] for _ in group] for b, group in per_view.items()}
@@ -253,7 +261,7 @@ def _view_matrices(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> 
 
 def _view_entropies(items: list[VisualItem], per_view: dict[int, list[Unit]]) -> dict[int, list[float]]:
     """Each view's exact spectral entropy (``adaptive_views``' weights on the exact route), item -> [V] floats: one
-    batched eigensolve per view size (``promprune.spectral_entropy``'s, without its finiteness read per call:
+    batched eigensolve per matrix size (``promprune.spectral_entropy``'s, without its finiteness read per call:
     ``_view_matrices``) and one read for the batch."""
     return _exact_entropies(*_view_matrices(items, per_view))
 

@@ -597,10 +597,10 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
 def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
            steps: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, SplitReport]:
     """Intervals that hold the exact route's entropy (``entropy_of_matrix``) of every matrix of ``matrices`` (spectral
-    matrices ``[B_g, n_g, n_g]``, one tensor per size; their rows numbered in order over the list, ``R`` in all),
-    narrowed stage by stage as ``split`` narrows its brackets until ``settled`` needs no more of them, for a caller
-    whose decision reads several entropies at once (``batched_select``'s ``adaptive_views`` shares: every view of an
-    image), where ``split`` decides each matrix by its own.
+    matrices ``[B_g, n_g, n_g]``, one tensor per size, else a ValueError; their rows numbered in order over the list,
+    ``R`` in all), narrowed stage by stage as ``split`` narrows its brackets until ``settled`` needs no more of them,
+    for a caller whose decision reads several entropies at once (``batched_select``'s ``adaptive_views`` shares: every
+    view of an image), where ``split`` decides each matrix by its own.
 
     The matrices of a size the bounds do not take (``applies``: in "auto" below `MIN_SIZE`, off the CUDA fast path or
     where their float64 products cost more than the eigensolve; "exact"; one row) are eigensolved at once and read with
@@ -618,6 +618,9 @@ def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarr
     ``refused`` of them for refused bounds, ``costly``: rows whose size stopped narrowing, ``stage_pays``). Reads: one
     per stage, one more for the eigensolve where it runs."""
     sizes = [int(m.shape[-1]) for m in matrices]
+    if len(set(sizes)) < len(sizes):  # two states of one shape replay one CUDA graph: the second's replay overwrites
+        # the first's borrowed buffers before the stage's read (``Lanczos.open``)
+        raise ValueError(f"settle takes one tensor per matrix size, got sizes {sizes}")
     starts = np.cumsum([0] + [int(m.shape[0]) for m in matrices])
     R = int(starts[-1])
     lo, hi = np.full(R, -np.inf), np.full(R, np.inf)

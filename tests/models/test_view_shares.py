@@ -15,7 +15,7 @@ import torch
 from promprune.models.batched_select import (LAST_SHARES, _exact_entropies, certain_shares, shares_by_entropy,
                                              split_budget)
 from promprune.selection import accel, certified
-from promprune.selection.entropy import entropy_of_matrix
+from promprune.selection.entropy import entropy_of_matrix, spectral_matrix
 
 from ..selection.test_certified import entropy_of
 
@@ -218,3 +218,41 @@ def test_auto_takes_the_eigensolve_on_the_cpu():
     with accel.entropy("auto"):
         shares_by_entropy(matrices, rows, counts, 64)
     assert LAST_SHARES == []
+
+
+def test_views_of_more_tokens_than_dimensions_are_one_stack_per_matrix_size():
+    """Views of 20 and 24 tokens of 16 dimensions both give 16 x 16 covariances: ``_view_matrices`` stacks them as
+    one tensor, ``settle``'s contract (two tensors of one size, one view each, are two Lanczos states of one shape:
+    under CUDA graphs one capture, whose replay for the second overwrote the first's borrowed coefficients before the
+    stage's read), and ``settle`` refuses two. The rows still name each item's views in order, and the shares are the
+    exact route's."""
+    from promprune.models import batched_select
+    from promprune.models.adapters import HostIndex, VisualItem
+
+    g = torch.Generator().manual_seed(5)
+    items = []
+    for counts in ([20, 24, 12], [24, 9]):
+        n = sum(counts)
+        x = torch.randn(n, 16, generator=g) * torch.rand(n, 1, generator=g)
+        idx, groups = np.arange(n), np.repeat(np.arange(len(counts)), counts)
+        items.append(VisualItem(run=x, features=x, run_pos=torch.from_numpy(idx), grid_index=torch.from_numpy(idx),
+                                saliency=None, groups=torch.from_numpy(groups),
+                                host=HostIndex(run_pos=idx, grid_index=idx, groups=groups)))
+    per_view: dict = {}
+    for unit in batched_select._units(items, [it.host for it in items], 40, "per_crop"):
+        per_view.setdefault(unit.item, []).append(unit)
+    matrices, rows = batched_select._view_matrices(items, per_view)
+    assert sorted(m.shape[-1] for m in matrices) == [9, 12, 16]  # one tensor per size (was [9, 12, 16, 16])
+    flat = [m for stack in matrices for m in stack]  # the rows numbered over the stacks in order
+    for b, group in rows.items():  # each row is its view's own spectral matrix
+        for unit, r in zip(per_view[b], group):
+            view = items[b].features[torch.from_numpy(unit.idx)][None]
+            assert torch.equal(flat[r], torch.nan_to_num(spectral_matrix(view.float()))[0]), (b, unit.view)
+    counts = {b: [u.idx.shape[0] for u in group] for b, group in per_view.items()}
+    weights = _exact_entropies(matrices, rows)
+    want = {b: split_budget(40, counts[b], weights[b]) for b in rows}
+    with accel.entropy("certified"):
+        assert shares_by_entropy(matrices, rows, counts, 40) == want
+    big = next(m for m in matrices if m.shape[-1] == 16)
+    with pytest.raises(ValueError, match="one tensor per matrix size"):
+        certified.settle([big[:1], big[1:]], lambda lo, hi: (np.ones(lo.shape, bool), np.zeros(lo.shape, bool)))
