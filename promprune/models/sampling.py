@@ -16,6 +16,7 @@ draws from another's stream, and the process's RNG is never touched.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import torch
@@ -74,7 +75,8 @@ def warpers(model, generation_kwargs: dict) -> list[LogitsProcessor]:
 
 
 def per_row_sampling(model, generation_kwargs: dict, seeds: list[int]) -> tuple[dict, list[LogitsProcessor]]:
-    """``(kwargs, processors)``: ``generate`` kwargs that decode greedily, the sampling ones removed, and the logits
+    """``(kwargs, processors)``: ``generate`` kwargs that decode greedily, the sampling ones removed (from the kwargs
+    and from a copy of a ``generation_config`` kwarg, which ``generation_kwargs`` may sample by), and the logits
     processors to append after the caller's (:func:`warpers`, then :class:`GumbelNoise` of ``seeds``, one per row),
     so that the call samples as ``generation_kwargs`` (with ``do_sample=True``) ask, each row from its own seed.
     One beam only: sampled beam search draws among beams, not per row (a ValueError)."""
@@ -84,7 +86,22 @@ def per_row_sampling(model, generation_kwargs: dict, seeds: list[int]) -> tuple[
     if int(num_beams or 1) != 1:
         raise ValueError(f"seeded sampling draws each answer from its own seed, one sequence per prompt: num_beams "
                          f"must be 1 with do_sample, got {num_beams!r}")
-    processors = [*warpers(model, {**generation_kwargs, "do_sample": True}), GumbelNoise(seeds)]
     kwargs = {k: v for k, v in generation_kwargs.items() if k not in WARPER_FIELDS}
-    kwargs["do_sample"] = False
+    config = kwargs.get("generation_config")
+    if config is None:
+        processors = [*warpers(model, {**generation_kwargs, "do_sample": True}), GumbelNoise(seeds)]
+        kwargs["do_sample"] = False
+        return kwargs, processors
+    # do_sample set where the caller's is: in (copies of) the generation_config, a kwarg do_sample dropped (a kwarg
+    # beside a generation_config makes transformers warn)
+    sampled = copy.deepcopy(config)
+    sampled.do_sample = True
+    given = {k: v for k, v in generation_kwargs.items() if k != "do_sample"}
+    processors = [*warpers(model, {**given, "generation_config": sampled}), GumbelNoise(seeds)]
+    greedy = kwargs["generation_config"] = copy.deepcopy(config)
+    greedy.do_sample = False
+    for name in WARPER_FIELDS:
+        if hasattr(greedy, name):
+            setattr(greedy, name, None)  # unset: transformers' merge fills it, as where a kwarg was removed
+    kwargs.pop("do_sample", None)
     return kwargs, processors

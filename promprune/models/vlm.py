@@ -482,12 +482,16 @@ class PrunedVLM:
                  sample_seeds=None, **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise (an in-LLM
         method refuses beam search, ``use_cache=False`` and a static ``cache_implementation``, every method the
-        "paged" one, before anything runs: :func:`_check_generation`).
+        "paged" one, before anything runs: :func:`_check_generation`). ``generation_kwargs`` are ``generate``'s: its
+        settings as kwargs and / or a ``generation_config``, merged as transformers merges them (the config over the
+        model's own generation config, a kwarg over both where one is passed); where neither sets ``do_sample`` /
+        ``num_beams``, greedy with one beam (:func:`_greedy_by_default`), whatever the model's config says.
 
-        ``sample_seeds`` (one int per row; None: none): with ``do_sample``, row ``i`` samples from its own random
-        stream seeded from ``sample_seeds[i]`` (:mod:`promprune.models.sampling`: the distribution
-        ``generate(do_sample=True)`` samples, drawn per row), so its answer does not depend on the other rows of the
-        batch; without them, transformers samples every row from the process's RNG. Greedy decoding ignores them.
+        ``sample_seeds`` (one int per row; None: none): with ``do_sample`` (a kwarg's or the config's), row ``i``
+        samples from its own random stream seeded from ``sample_seeds[i]`` (:mod:`promprune.models.sampling`: the
+        distribution ``generate(do_sample=True)`` samples, drawn per row), so its answer does not depend on the other
+        rows of the batch; without them, transformers samples every row from the process's RNG. Greedy decoding
+        ignores them.
 
         ``keys`` / ``cache``: each image encoded and selected once (:meth:`prepare`). ``prefix_cache`` (with keys,
         :attr:`shares_prefix`, one beam and the default KV cache: no ``use_cache=False`` nor ``cache_implementation``
@@ -526,21 +530,21 @@ class PrunedVLM:
 
     def _generate(self, prep: "Prepared", generation_kwargs: dict, cache=None,
                   prefix_cache: bool = False, sample_seeds=None) -> list[Generation]:
-        kwargs = {"do_sample": False, "num_beams": 1, **generation_kwargs}
+        kwargs = _greedy_by_default(generation_kwargs)
         sampling = []  # per-row sampling's warpers and noise, after the caller's processors and the NaN flag
-        if sample_seeds is not None and kwargs["do_sample"]:
+        if sample_seeds is not None and _generation_value(kwargs, "do_sample"):
             from .sampling import per_row_sampling
 
             kwargs, sampling = per_row_sampling(self.model, kwargs, sample_seeds)
         inputs, prefix_time, continuing = prep.model_kwargs, 0.0, contextlib.nullcontext()
         penalty = []  # the prefix layout's repetition penalty (prefix.repetition_penalty), before the caller's
-        if prefix_cache and self.shares_prefix and prep.keys is not None and int(kwargs["num_beams"]) == 1 \
-                and _default_cache(kwargs):
+        if prefix_cache and self.shares_prefix and prep.keys is not None \
+                and int(_generation_value(kwargs, "num_beams") or 1) == 1 and _default_cache(kwargs):
             from . import prefix, sharing
 
             with Stopwatch(self.device) as prefilling:
                 cached = prefix.inputs(self, prep, cache if cache is not None else sharing.ImageCache(),
-                                       new_tokens=kwargs.get("max_new_tokens"))
+                                       new_tokens=_generation_value(kwargs, "max_new_tokens"))
             if cached is not None:  # else a prompt the prefix cannot split off (see prefix.split): the usual way
                 inputs, prefix_time = cached, prefilling  # read after generate: no wait here
                 continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
@@ -654,6 +658,30 @@ def _generation_value(generation_kwargs: dict, name: str):
     if name in generation_kwargs:
         return generation_kwargs[name]
     return getattr(generation_kwargs.get("generation_config"), name, None)
+
+
+# what PrunedVLM.generate decodes with where the caller sets neither (as a kwarg or in a generation_config): greedy,
+# one beam, whatever the model's own generation config says (a released Qwen2.5-VL's asks to sample)
+GREEDY_DEFAULTS = (("do_sample", False), ("num_beams", 1))
+
+
+def _greedy_by_default(generation_kwargs: dict) -> dict:
+    """``generation_kwargs`` with :data:`GREEDY_DEFAULTS` where the caller set neither the kwarg nor the field of a
+    ``generation_config`` kwarg: in (a copy of) that config when one is given, else as kwargs. A caller's
+    ``generation_config`` is thus merged as transformers' ``generate`` merges it (over the model's generation config;
+    a kwarg wins only where the caller passes one): its ``do_sample=True`` samples, where a default ``do_sample=False``
+    kwarg used to override it and decode greedily."""
+    kwargs = dict(generation_kwargs)
+    config = kwargs.get("generation_config")
+    unset = [(name, value) for name, value in GREEDY_DEFAULTS if _generation_value(kwargs, name) is None]
+    if config is not None and unset:
+        config = kwargs["generation_config"] = copy.deepcopy(config)
+    for name, value in unset:
+        if config is not None and name not in kwargs:
+            setattr(config, name, value)
+        else:
+            kwargs[name] = value
+    return kwargs
 
 
 def _default_cache(generation_kwargs: dict) -> bool:

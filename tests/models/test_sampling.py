@@ -181,3 +181,48 @@ def test_a_rows_sampled_answer_is_its_seeds_in_any_batch(vlm):
         greedy[0].token_ids
     with pytest.raises(ValueError, match="one int per row"):
         vlm.generate([images[0]], [prompts[0]], sample_seeds=[1, 2], **kw)
+
+
+def test_a_generation_config_samples_as_transformers_merges_it(vlm):
+    """``generate(generation_config=GenerationConfig(do_sample=True, ...))`` decoded greedily: PrunedVLM's default
+    ``do_sample=False`` (and ``num_beams=1``) kwarg overrode the config. The config is now merged as transformers'
+    generate merges it (a kwarg wins only where the caller passes one): with seeds, each row draws as the same settings
+    given as kwargs draw; without, the tokens are plain transformers' generate with that config under one torch seed."""
+    from transformers import GenerationConfig
+
+    images = [make_image(40, 56, 0), make_image(64, 30, 1), Image.new("RGB", (32, 32), "red")]
+    prompts = ["What is in the picture?", "Describe the colours of this image in a few words, please.", "Red?"]
+    settings = dict(do_sample=True, temperature=3.0, top_k=100, max_new_tokens=6)
+    config = GenerationConfig(**settings)
+    before = config.to_dict()
+    seeds = [11, 5, 6]
+
+    def tokens(**kwargs):
+        return [g.token_ids for g in vlm.generate(images, prompts, **kwargs)]
+
+    greedy = tokens(max_new_tokens=6)
+    by_kwargs = tokens(sample_seeds=seeds, **settings)
+    assert by_kwargs != greedy
+    assert tokens(generation_config=config, sample_seeds=seeds) == by_kwargs
+    assert [g.token_ids for g in vlm.generate(images[:1], prompts[:1], generation_config=config,
+                                              sample_seeds=seeds[:1])] == by_kwargs[:1]  # per row: alone too
+    assert tokens(generation_config=config, sample_seeds=seeds, keys=["a", "b", "c"], cache=ImageCache(),
+                  prefix_cache=True) == by_kwargs
+    # a kwarg the caller passes wins over the config's field, as in transformers
+    assert tokens(generation_config=config, do_sample=False) == greedy
+    assert tokens(generation_config=config, sample_seeds=seeds, temperature=0.5) == \
+        tokens(sample_seeds=seeds, **{**settings, "temperature": 0.5})
+    # unseeded: transformers' own sampling of the same config
+    prep = vlm.prepare(images, prompts)
+    torch.manual_seed(3)
+    plain = vlm.model.generate(**prep.model_kwargs, generation_config=config)
+    plain = plain[:, prep.model_kwargs["input_ids"].shape[1]:]
+    torch.manual_seed(3)
+    ours = tokens(generation_config=config)
+    assert ours == plain.tolist() and ours != greedy
+    # a config's num_beams is honoured too (it was overridden by num_beams=1); sampled beams still refused with seeds
+    assert tokens(generation_config=GenerationConfig(num_beams=3, max_new_tokens=6)) == \
+        tokens(num_beams=3, max_new_tokens=6)
+    with pytest.raises(ValueError, match="num_beams must be 1"):
+        tokens(generation_config=GenerationConfig(num_beams=2, **settings), sample_seeds=seeds)
+    assert config.to_dict() == before  # the caller's config is never changed
