@@ -18,8 +18,10 @@ id) or a ``seed`` generation kwarg (a spec's ``generation.seed``), each item sam
 seeded from them and the item's identity (:func:`sample_seeds`; ``PrunedVLM.generate``'s ``sample_seeds``,
 :mod:`promprune.models.sampling`): an item's answer depends on the seeds and the item, not on the batch size, the
 items beside it in its batch, their order, or what the process ran before, and the process's RNG is never touched.
-Without either seed (the lmms-eval plugin, where lmms-eval seeds torch) transformers samples each batch from the
-process's RNG, so answers then depend on the batches. Greedy batches never draw.
+The lmms-eval plugin passes lmms-eval's torch seed (``PromPruneLMM``) and each request's identity. Without either
+seed (``generate_items`` called without one, items without a ``seed`` kwarg), and for sampled beam search,
+transformers samples each batch from the process's RNG, so answers then depend on the batches. Greedy batches never
+draw.
 """
 
 from __future__ import annotations
@@ -198,8 +200,8 @@ def sample_seeds(seed: Any, items: list[Item]) -> list[int | None]:
     ``generation.seed``, 0 unset), its identity (its ``id``; an item without one: its image key and prompt, the
     image's or clip's pixels standing for a key it lacks: :func:`_content`) and its repeat, how many seeded items
     before it in ``items`` have that identity (a request asked twice, as lmms-eval asks a task's repeats, draws
-    twice). None for an item with neither seed: transformers samples its batch from the process's RNG as it stands
-    (the lmms-eval plugin: lmms-eval seeds torch itself). Greedy items ignore theirs."""
+    twice). None for an item with neither seed: transformers samples its batch from the process's RNG as it stands.
+    Greedy items ignore theirs."""
     seen: Counter = Counter()
     seeds: list[int | None] = []
     for item in items:
@@ -232,15 +234,24 @@ def _content(item: Item) -> str | None:
         return None
 
 
+_BEAMS_WARNED: list = []  # whether _run_batch has warned of unseeded sampled beam search (once per process)
+
+
 def _run_batch(vlm, items: list[Item], gen_kwargs: dict, cache: ImageCache | None = None,
                prefix_cache: bool = False, keys: list | None = None, seeds: list | None = None) -> list[Answer]:
     """Generate one batch (raises on failure); results carry the batch's peak memory. ``cache``: the images'
     shared work (vision once; ``keys`` their keys), ``prefix_cache``: their prefixes too. ``seeds``: the items'
     :func:`sample_seeds`; a sampled batch whose items have them samples each from its own (``sample_seeds`` of
-    ``vlm.generate``)."""
+    ``vlm.generate``), except with beams (``num_beams`` over 1, which :func:`sampling_problem` refuses in a spec and
+    an lmms-eval task may ask): transformers samples those from the process's RNG, with a warning."""
     kwargs, until = generate_kwargs(gen_kwargs)
     if kwargs["do_sample"] and seeds is not None and all(s is not None for s in seeds):
-        kwargs["sample_seeds"] = list(seeds)
+        if int(kwargs.get("num_beams", 1)) == 1:
+            kwargs["sample_seeds"] = list(seeds)
+        elif not _BEAMS_WARNED:  # sampling_problem refuses it in a spec: lmms-eval's tasks may still ask it
+            _BEAMS_WARNED.append(True)
+            log.warning("sampled beam search (num_beams %s) cannot draw per sample: transformers samples each batch "
+                        "from the process's RNG, so these answers depend on the batches", kwargs["num_beams"])
     device = _model_device(vlm)
     reset_peak_memory(device)
     prompts = [it.prompt for it in items]

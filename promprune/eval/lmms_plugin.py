@@ -22,10 +22,25 @@ Qwen and Gemma models do) (Qwen3.5 / Qwen3-VL: ChatML with the vision markers, a
 ``system_prompt=...``: lmms-eval's qwen3_vl / qwen3_5 models send "You are a helpful assistant.", which the
 project's Qwen3 sweeps set). The batch size is lmms-eval's ``--batch_size`` (it passes ``batch_size`` to the model
 itself; ``batch_size`` in ``--model_args`` is refused, naming that option).
+
+Sampled answers (a task's or ``--gen_kwargs``' ``do_sample``) are seeded per request as the pipeline seeds them
+(``generation.sample_seeds``): each request draws from its own random stream, seeded from lmms-eval's torch seed and
+the request's identity (task, split, doc_id, the request's index in its document, and its repeat: the ``k``-th copy of
+a request lmms-eval asks ``repeats`` times draws the ``k``-th stream), so its answer does not depend on
+``--batch_size``, on the order lmms-eval hands the requests over, or on which requests share its batch. lmms-eval
+gives a model no seed of its own: ``--seed`` (``simple_evaluate``'s ``torch_random_seed``, default 1234) seeds torch
+just before lmms-eval constructs the model, so the seed is ``torch.initial_seed()`` when the model is constructed
+(read before anything loads). Where lmms-eval leaves torch unseeded (``--seed 0,1234,None,1234``) that is torch's own
+process seed, drawn at random per process: the answers then differ between runs, as transformers' sampling from an
+unseeded torch would, but still not with the batch. A model constructed by the caller (``simple_evaluate(model=
+PromPruneLMM(...))``, which seeds torch after the model exists) takes torch's seed at its construction. Sampled beam
+search (``num_beams`` over 1) cannot draw per request: it keeps transformers' own sampling, which depends on the
+batch (a warning says so). Greedy requests draw nothing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 MODEL_ID = "promprune"
@@ -165,6 +180,9 @@ class PromPruneLMM(lmms):
         prefix_cache: bool | str = False,  # each image's prompt prefix prefilled once (needs vision_once)
         **method_options,
     ) -> None:
+        # the seed of sampled requests (see the module docstring): lmms-eval's --seed seeded torch just before this
+        # constructor; read first, as loading a model may reseed torch (the tiny models are built seeded)
+        self.sample_seed = torch.initial_seed()
         super().__init__()
         self.vision_once, self.prefix_cache = _flag("vision_once", vision_once), _flag("prefix_cache", prefix_cache)
         if method_options.get("enable_thinking") is not None:  # the CLI gives a string: the adapter takes a bool
@@ -202,22 +220,26 @@ class PromPruneLMM(lmms):
 
         context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
         name = f"{task} doc {doc_id}"
+        # the request's identity, which its sampling seed is drawn from (with its repeat: generation.sample_seeds)
+        identity = json.dumps([task, split, doc_id, request.idx], default=str)
         try:
             with strict_decoding():  # a cut-off image fails (lmms-eval turns PIL's LOAD_TRUNCATED_IMAGES on)
                 doc = self.task_dict[task][split][doc_id]
             visual, video, error = document_visual(doc_to_visual, doc, name)  # clip or image: this doc's visual
             if error:
-                return Item(context, None, dict(gen_kwargs), error=error)
+                return Item(context, None, dict(gen_kwargs), error=error, id=identity)
             if video:  # frames sampled from the file (PrunedVLM.generate_video)
-                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visual, self.video_frames)))
+                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visual, self.video_frames)),
+                            id=identity)
             image = decode_image(visual, name)
-            return Item(context, image, dict(gen_kwargs), key=image_key(image) if self.vision_once else None)
+            return Item(context, image, dict(gen_kwargs), key=image_key(image) if self.vision_once else None,
+                        id=identity)
         except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
-            return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}")
+            return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}", id=identity)
 
     def generate_until(self, requests: list[Instance]) -> list[str]:
         results = generate_items(self.vlm, [self._item(r) for r in requests], batch_size=self.batch_size,
-                                 vision_once=self.vision_once, prefix_cache=self.prefix_cache)
+                                 vision_once=self.vision_once, prefix_cache=self.prefix_cache, seed=self.sample_seed)
         for request, result in zip(requests, results):
             if result.failed:
                 self.failures.append((request.task_name, request.doc_id, result.error))

@@ -221,3 +221,96 @@ def test_the_plugin_fails_a_cut_off_image_instead_of_answering_it(monkeypatch):
     answers = lm.generate_until(requests)
     assert len(answers) == 2 and answers[1] == FAILED_ANSWER  # the answer every task scores wrong (not "")
     assert [(task, doc) for task, doc, _ in lm.failures] == [("toy", 1)] and "truncated" in lm.failures[0][2]
+
+
+def _sampled_under_lmms_eval(batch_size, torch_seed, limit=LIMIT):
+    """Each doc's sampled answers (two repeats) from lmms-eval's own evaluator, which builds the plugin by name after
+    seeding torch, as ``lmms-eval --model promprune --seed ... --batch_size N --gen_kwargs ...`` does."""
+    tasks = ["easyvqa_open"]
+    out = simple_evaluate(model="promprune", model_args="pretrained=tiny:llava,method=promprune,budget=8",
+                          tasks=tasks, limit=limit, batch_size=batch_size, torch_random_seed=torch_seed, repeats=2,
+                          gen_kwargs="do_sample=True,temperature=30,max_new_tokens=4", task_manager=task_manager(tasks),
+                          bootstrap_iters=0, log_samples=True)
+    return {s["doc_id"]: tuple(s["resps"][0]) for s in out["samples"]["easyvqa_open"]}
+
+
+@pytest.mark.slow
+def test_sampled_answers_under_lmms_eval_follow_its_seed_not_the_batch():
+    """The plugin passed no seed: sampled requests drew from transformers' multinomial over each batch, so an
+    answer changed with --batch_size. Each request now draws from its own stream, seeded from lmms-eval's torch
+    seed and the request (task, doc, repeat): the same answers at batch sizes 1 and 4; the two repeats of a doc
+    draw apart; another --seed draws others (temperature 30 on the tiny model: 4 tokens near uniform over its top
+    50, so equal answers would be a seeding bug)."""
+    import torch
+
+    first = _sampled_under_lmms_eval(1, 7)
+    assert sorted(first) == list(range(LIMIT)) and all(len(r) == 2 for r in first.values())
+    torch.manual_seed(99)
+    torch.rand(100)  # what the process drew before does not matter either
+    assert _sampled_under_lmms_eval(4, 7) == first
+    assert sum(a != b for a, b in first.values()) >= LIMIT - 1
+    other = _sampled_under_lmms_eval(4, 8)
+    assert sum(other[d][0] != first[d][0] for d in first) >= LIMIT - 1
+
+
+def test_the_plugins_sampled_answers_do_not_depend_on_the_request_order_or_batch(vlm):
+    """generate_until on lmms-eval Instances (a repeated request comes as copies of one Instance, as lmms-eval
+    clones it): the same answers at batch sizes 1 and 4 and with the requests shuffled (a request's copies draw in
+    the order asked: the k-th copy the k-th stream); the seed is torch's when the plugin is constructed."""
+    import torch
+    from lmms_eval.api.instance import Instance
+    from PIL import Image
+
+    colours = ["red", "green", "blue", "yellow", "purple"]
+    kwargs = {"max_new_tokens": 4, "do_sample": True, "temperature": 30.0, "until": ["\n\n"]}
+
+    def requests():
+        made = [Instance("generate_until", (f"Question {i}: what colour?", dict(kwargs), lambda d: [d["image"]], i,
+                                            "toy", "test"), idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 2})
+                for i in range(len(colours))]
+        return [r for r in made for _ in range(2)]  # lmms-eval's [req] * req.repeats
+
+    def answers(batch_size, order=None, seed=7):
+        torch.manual_seed(seed)  # what lmms-eval's --seed does just before it builds the model
+        lm = PromPruneLMM(vlm=vlm, batch_size=batch_size)
+        lm.task_dict = {"toy": {"test": [{"image": Image.new("RGB", (32, 32), c)} for c in colours]}}
+        reqs = requests()
+        order = list(range(len(reqs))) if order is None else order
+        got = lm.generate_until([reqs[i] for i in order])
+        assert not lm.failures
+        by_doc: dict = {}
+        for i, answer in zip(order, got):
+            by_doc.setdefault(reqs[i].doc_id, []).append(answer)
+        return by_doc
+
+    first = answers(1)
+    assert answers(4) == first
+    shuffled = list(range(2 * len(colours)))
+    random.Random(3).shuffle(shuffled)
+    assert answers(4, shuffled) == first
+    assert answers(3, shuffled[::-1]) == first
+    assert sum(a != b for a, b in first.values()) >= len(colours) - 1  # the two copies draw apart
+    other = answers(4, seed=8)
+    assert sum(other[d][0] != first[d][0] for d in first) >= len(colours) - 1
+
+
+def test_the_plugin_still_answers_sampled_beam_search(vlm):
+    """Sampled beam search cannot draw per request (promprune.models.sampling refuses it): under the seeded plugin a
+    task asking for it would fail every request; it keeps transformers' own sampling (and warns), answering what
+    transformers' sampled beam search answers from the same torch state."""
+    import torch
+    from lmms_eval.api.instance import Instance
+    from PIL import Image
+
+    kwargs = {"max_new_tokens": 3, "do_sample": True, "temperature": 2.0, "num_beams": 2, "until": ["\n\n"]}
+    lm = PromPruneLMM(vlm=vlm, batch_size=2)
+    lm.task_dict = {"toy": {"test": [{"image": Image.new("RGB", (32, 32), c)} for c in ("red", "blue")]}}
+    reqs = [Instance("generate_until", ("What colour?", dict(kwargs), lambda d: [d["image"]], i, "toy", "test"),
+                     idx=0, metadata={"task": "toy", "doc_id": i, "repeats": 1}) for i in range(2)]
+    torch.manual_seed(5)
+    answers = lm.generate_until(reqs)
+    assert not lm.failures
+    torch.manual_seed(5)
+    plain = vlm.generate([Image.new("RGB", (32, 32), c) for c in ("red", "blue")], ["What colour?"] * 2,
+                         max_new_tokens=3, do_sample=True, temperature=2.0, num_beams=2)
+    assert answers == [g.text for g in plain]

@@ -298,7 +298,7 @@ def test_sampled_answers_depend_on_the_seeds_and_samples_not_on_what_the_process
     # tiny model's 4 tokens drawn near uniformly from its vocabulary, so equal answers would be a seeding bug)
     assert _answers(run_requests(tiny_llava, rows, batch_size=2, seed="fastv-b16-r1")) != first
     assert _answers(run_requests(tiny_llava, _sampled(_rows(4), seed=1), batch_size=2, seed="fastv-b16")) != first
-    # without any seed (the lmms-eval plugin: lmms-eval seeds torch itself) a batch draws from the process's RNG
+    # without any seed (generate_items / run_requests called without one) a batch draws from the process's RNG
     torch.manual_seed(3)
     unseeded = _answers(run_requests(tiny_llava, rows, batch_size=2))
     torch.manual_seed(3)
