@@ -388,7 +388,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 trainable = trial.trainable(spec, shared, objective)
                 pool.hold(plan.pool_size)  # the workers wait for this experiment's first trial
                 tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
-                grid = tuner.fit()
+                with handlers_kept():  # Tune's SIGINT handler ends with its experiment: a later Ctrl-C stops at once
+                    grid = tuner.fit()
                 try:
                     seen = _reconcile(recorder, grid, phase.trials,
                                       spec.tune.num_samples if not phase.trials else None)
@@ -816,7 +817,8 @@ class StopMarker(tune.Callback):
     starts, and it only ends that experiment's run (its state saved); ``tuner.fit()`` returns as after a finished run,
     and a sweep of two experiments started the search anyway when the signal came after the fixed trials had all
     finished (a SIGTERM is marked by `stop_on_sigterm`). Set up by Tune after its handler, this callback wraps it:
-    the handler runs as before, and `_stop_if_signalled` ends the sweep before the next experiment."""
+    the handler runs as before, and `_stop_if_signalled` ends the sweep before the next experiment. Both handlers
+    end with the experiment (`handlers_kept`)."""
 
     def setup(self, **info):
         import signal
@@ -835,9 +837,31 @@ class StopMarker(tune.Callback):
         signal.signal(signal.SIGINT, marked)
 
 
+@contextlib.contextmanager
+def handlers_kept():
+    """Inside the block (``tuner.fit()``) Tune sets its own SIGINT (and SIGUSR1) handler, which `StopMarker` wraps;
+    after it the handlers are again those from before. Tune leaves its handler installed once ``fit()`` returns, so
+    a Ctrl-C or SIGTERM in the summary, the report or the paired bootstrap that follow was only marked, once, where
+    nothing looked any more (and the next experiment's Tune handler kept the last one's as the one it restores):
+    now it stops the sweep at once, as a Ctrl-C before Tune started does (KeyboardInterrupt: the parent run ends
+    KILLED with the resume command, exit 130). Only the main thread sets handlers; elsewhere nothing changes."""
+    import signal
+
+    kept = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name)]
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = {signum: signal.getsignal(signum) for signum in kept} if main_thread else {}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            if handler is not None:  # (None: a handler set outside Python, which cannot be put back)
+                signal.signal(signum, handler)
+
+
 def _stop_if_signalled(spec: specs.SweepSpec, phase: search.Phase | None, state: dict) -> None:
     """End the sweep as Ctrl-C does (`SweepInterrupted`: exit 130 and the command that resumes it) when a Ctrl-C or a
-    SIGTERM came while Tune ran an experiment, or between two: before ``phase`` (None: after the last)."""
+    SIGTERM came while Tune ran an experiment (its handler took it; after ``tuner.fit()`` the handlers from before
+    are back, `handlers_kept`): before ``phase`` (None: after the last)."""
     if not (_TERMINATED.is_set() or _INTERRUPTED.is_set()):
         return
     where = (f"before the experiment {state['experiment']}{phase.suffix} started" if phase is not None else

@@ -23,6 +23,7 @@ from promprune.records import Prediction, table_keys
 from pipelines import spec as specs
 from pipelines import mlflow_layout, sweep
 from pipelines.recording import tracking
+from pipelines.run import search
 from pipelines.run.ray_connect import init_local
 from pipelines.recording.console import SweepConsole
 from pipelines.recording.recorder import SweepRecorder
@@ -324,6 +325,99 @@ def test_sigterm_stops_the_sweep_as_ctrl_c_does(tmp_path):
     assert "--regression-threshold 0.02 --resume term-" in run.data.tags[mlflow_layout.INTERRUPTED]
 
 
+# a plugin (the spec's `plugins`, imported by the driver as it checks the spec) that holds the driver in the summary:
+# once the sweep's last experiment has returned from Tune, `paired_lines` (the paired bootstrap, the summary's first
+# step on the driver) writes {mark} and waits {hold_s} s before it runs
+HELD = """
+import os, sys, threading, time
+
+sweep = sys.modules.get("pipelines.sweep")
+if (sweep is not None and os.path.basename(sys.argv[0]) == "sweep.py"  # the driver, not a Ray worker
+        and threading.current_thread() is threading.main_thread() and not hasattr(sweep, "_held")):
+    sweep._held = paired = sweep.paired_lines
+
+    def held(spec, records):
+        open({mark!r}, "w").close()
+        deadline = time.time() + {hold_s}
+        while time.time() < deadline:
+            time.sleep(0.1)
+        return paired(spec, records)
+
+    sweep.paired_lines = held
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_in_the_summary_after_the_last_trial_stops_the_sweep(tmp_path, sig):
+    """A review's case: Tune's SIGINT handler (wrapped by `StopMarker`) stayed installed once ``tuner.fit()`` had
+    returned, so a Ctrl-C (or SIGTERM, which runs SIGINT's handler) in the summary, the report or the paired
+    bootstrap after the last trial was only marked, where nothing looked any more: the sweep went on and ended
+    FINISHED, exit 0. Now the handlers from before Tune are back once fit() returns: the signal stops the sweep at
+    once, exit 130 with the command that resumes it, no traceback, the parent run KILLED and tagged with that
+    command, the finished trial's run kept FINISHED. The driver is held in the summary by a plugin (`HELD`), and the
+    signal sent once it is there."""
+    mark = tmp_path / "in-summary"
+    (tmp_path / "held.py").write_text(HELD.format(mark=str(mark), hold_s=25))
+    spec_path = tmp_path / "held.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "held", "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
+        "limit": 2, "plugins": ["held.py"], "baseline": False, "grid": {"method": ["random"], "budget": [8]},
+        "generation": {"max_new_tokens": 2}}))
+    proc = spawn_sweep(spec_path, tmp_path)
+    deadline = time.time() + 300
+    while not mark.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    if not mark.exists():
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"the sweep never reached its summary:\n{out[-3000:]}")
+    proc.send_signal(sig)
+    started = time.monotonic()
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == sweep.EXIT_INTERRUPTED, out[-3000:]
+    assert time.monotonic() - started < 20, out[-3000:]  # at once, not once the 25 s hold is over
+    assert "interrupted; finish it with:" in out and "--resume held-" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (parent,) = c.search_runs([c.get_experiment_by_name(mlflow_layout.DEFAULT_EXPERIMENT).experiment_id],
+                              filter_string="tags.`promprune.role` = 'sweep'")
+    assert parent.info.status == "KILLED"  # as a sweep stopped while its trials ran
+    assert "--resume held-" in parent.data.tags[mlflow_layout.INTERRUPTED]
+    runs = tracking.latest_trial_runs(c, parent.info.run_id)
+    assert sorted(runs) == ["random-b8"] and runs["random-b8"].info.status == "FINISHED"  # what is recorded kept
+    assert mlflow_layout.INTERRUPTED not in runs["random-b8"].data.tags
+
+
+def test_tune_handlers_end_with_the_experiment():
+    """`handlers_kept` gives SIGINT, SIGTERM and SIGUSR1 back the handlers they had before the block (Tune's fit sets
+    its own SIGINT and SIGUSR1 handlers, `StopMarker` wraps the first), whether the block returns or raises."""
+    def ours(signum, frame):
+        pass
+
+    def tunes(signum, frame):
+        pass
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    previous = {s: signal.getsignal(s) for s in signals}
+    try:
+        for s in signals:
+            signal.signal(s, ours)
+        with sweep.handlers_kept():
+            for s in signals:
+                signal.signal(s, tunes)
+        assert {s: signal.getsignal(s) for s in signals} == {s: ours for s in signals}
+        with pytest.raises(KeyboardInterrupt), sweep.handlers_kept():
+            signal.signal(signal.SIGINT, tunes)
+            raise KeyboardInterrupt
+        assert signal.getsignal(signal.SIGINT) is ours
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_while_the_spec_is_checked_stops_with_exit_130_and_no_traceback(tmp_path, sig):
     """A probe's case: Ctrl-C while the spec was checked (seconds on a busy machine: the plugins imported, the
@@ -401,24 +495,40 @@ def test_ray_init_leaves_our_sigterm_handler_in_place():
         signal.signal(signal.SIGTERM, previous)
 
 
+class SignalledAsTheFirstExperimentEnds(sweep.StopMarker):
+    """`StopMarker`, and the signal ``sig`` sent for real to this process as the sweep's first Tune experiment ends
+    (``on_experiment_end``: its trials all finished, inside ``tuner.fit()``, Tune's handler still holding SIGINT)."""
+
+    sig = None
+    ended: list = []
+
+    def on_experiment_end(self, trials, **info):
+        type(self).ended.append(sorted(search.trial_of(t.config).trial_id for t in trials))
+        if len(type(self).ended) == 1:
+            os.kill(os.getpid(), type(self).sig)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_stop_after_the_fixed_trials_ends_the_sweep_before_its_search(local_ray, workdir, monkeypatch, sig):
     """A probe's case: a search of two Tune experiments (the baseline's, then the search's: here ASHA's) stopped by
     Ctrl-C or SIGTERM right after the baseline finished. Tune logged "Stop signal received ... ending Ray Tune run",
     its fit returned as after a finished run, and the sweep started its search anyway (the signal lost). Now it
     ends as a stop does: SweepInterrupted (exit 130 in `main`) with the command that resumes it, before the search
-    ran any trial. The signal is sent for real, to this process, once the baseline's experiment is reconciled."""
+    ran any trial. The signal is sent for real, to this process, as the baseline's experiment ends inside Tune (a
+    signal after its fit returned is a KeyboardInterrupt at once:
+    `test_a_signal_in_the_summary_after_the_last_trial_stops_the_sweep`)."""
     spec = small_spec(grid={"method": ["promprune"], "budget": [8]},
                       tune={"search": "random", "num_samples": 1, "scheduler": "asha", "grace_period": 1})
     reconcile, phases = sweep._reconcile, []
 
-    def then_signalled(recorder, grid, trials, searched=None):
-        reconcile(recorder, grid, trials, searched)
+    def seen(recorder, grid, trials, searched=None):
         phases.append([t.trial_id for t in trials])
-        if len(phases) == 1:
-            os.kill(os.getpid(), sig)
+        return reconcile(recorder, grid, trials, searched)
 
-    monkeypatch.setattr(sweep, "_reconcile", then_signalled)
+    monkeypatch.setattr(sweep, "_reconcile", seen)
+    monkeypatch.setattr(SignalledAsTheFirstExperimentEnds, "sig", sig)
+    monkeypatch.setattr(SignalledAsTheFirstExperimentEnds, "ended", [])
+    monkeypatch.setattr(sweep, "StopMarker", SignalledAsTheFirstExperimentEnds)
     previous, interrupt = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     sweep.stop_on_sigterm()  # as `main` installs it
     try:
@@ -429,6 +539,7 @@ def test_a_stop_after_the_fixed_trials_ends_the_sweep_before_its_search(local_ra
         sweep._INTERRUPTED.clear()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, interrupt)
+    assert SignalledAsTheFirstExperimentEnds.ended == [["baseline"]]  # the signal came as the baseline's ended
     assert phases == [["baseline"]]  # the search's experiment never started
     assert "-search started" in str(stopped.value) and "--resume e2e-" in stopped.value.resume
 
