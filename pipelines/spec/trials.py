@@ -2,12 +2,14 @@
 every trial's method options and values against promprune's registry (no model load)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
 import json
 import math
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,11 +353,17 @@ def _trials_of(combos: list[dict], catalog: MethodCatalog, repeats: int = 1) -> 
     each distinct trial once, in order."""
     out: list[Trial] = []
     seen: set[str] = set()
+    takes: dict[str, set[str] | None] = {}  # each method's options, asked once (the registry's lookup: ~10 us)
     for combo in combos:
         combo = dict(combo)
         method, budget = combo.pop("method"), combo.pop("budget")
         tasks = combo.pop("tasks", None)
-        accepted = catalog.options(method)
+        if not isinstance(method, str):
+            accepted = catalog.options(method)
+        elif method in takes:
+            accepted = takes[method]
+        else:
+            accepted = takes[method] = catalog.options(method)
         options = {k: v for k, v in combo.items() if accepted is None or k in accepted}
         for r in range(repeats):
             trial = Trial(method, budget, options, r, None if tasks is None else tuple(tasks))
@@ -434,9 +442,10 @@ def draws(grid: dict, n: int, seed: int, catalog: MethodCatalog) -> list[Trial]:
     """``n`` distinct trials drawn from the grid's lists and distributions with ``random.Random(seed)``.
 
     A finite space (lists, choices, randints) is drawn without replacement from its distinct trials (options a
-    method does not take dropped first, so `divprune` with `mu: [0.4, 0.5]` is one trial, not two); asking for more
-    than it holds is a `SearchSpaceError`. A space with a continuous range is drawn one combination at a time,
-    a trial already drawn drawn again (`MAX_DRAWS_PER_TRIAL` draws per trial at most)."""
+    method does not take dropped first, so `divprune` with `mu: [0.4, 0.5]` is one trial, not two; listed once per
+    grid, `distinct_trials`); asking for more than it holds is a `SearchSpaceError`. A space with a continuous range
+    is drawn one combination at a time, a trial already drawn drawn again (`MAX_DRAWS_PER_TRIAL` draws per trial at
+    most)."""
     rng = random.Random(seed)
     spaces = {k: space.parse(v) for k, v in grid.items()}
     distinct = distinct_trials(grid, catalog)
@@ -458,15 +467,70 @@ def draws(grid: dict, n: int, seed: int, catalog: MethodCatalog) -> list[Trial]:
 
 
 MAX_ENUMERATED = 100_000  # a finite space larger than this is drawn like a continuous one (no full listing)
+# the grids whose distinct trials a process keeps listed (`distinct_trials`), the latest used: a driver has one
+# spec; a listing holds ~0.4 KB a trial (13 MB for the 32,408 distinct trials of 97,200 combinations)
+LISTINGS_KEPT = 2
 
 
 def distinct_trials(grid: dict, catalog: MethodCatalog) -> list[Trial] | None:
     """Every distinct trial of a finite grid (lists, choices, randints; options a method does not take dropped
-    first), or None for a space with a continuous range or larger than `MAX_ENUMERATED`."""
+    first), or None for a space with a continuous range or larger than `MAX_ENUMERATED`.
+
+    Listed once per grid and catalog in a process (the `LISTINGS_KEPT` latest kept): a random search's `parts`,
+    which a sweep calls about a dozen times (`expand` on the driver, `search.phases`, the console's lines), listed
+    up to `MAX_ENUMERATED` combinations, a `Trial` and its id each, on every call (~1 s each). The key is the
+    grid's content, keys in order (the listing's order, which the seeded draws depend on), types kept (``1`` and
+    ``1.0`` are other ids), and what the listing reads of the catalog: each registered method's option names (a
+    sweep's every call makes its own `MethodCatalog`; a plugin's method registered later is another key). A grid
+    holding a value of another type is listed every time. The `Trial`s are shared between calls (frozen); the list
+    is the caller's."""
+    key = _listing_key(grid, catalog)
+    with _LISTINGS_LOCK:
+        listed = _LISTINGS.get(key, _UNLISTED) if key is not None else _UNLISTED
+        if listed is not _UNLISTED:
+            _LISTINGS.move_to_end(key)
+    if listed is _UNLISTED:
+        listed = _listed(grid, catalog)
+        if key is not None:
+            with _LISTINGS_LOCK:
+                _LISTINGS[key] = listed
+                while len(_LISTINGS) > LISTINGS_KEPT:
+                    _LISTINGS.popitem(last=False)
+    return None if listed is None else list(listed)
+
+
+_LISTINGS: collections.OrderedDict = collections.OrderedDict()  # `_listing_key` -> `_listed`, least recent first
+_LISTINGS_LOCK = threading.Lock()
+_UNLISTED = object()
+
+
+def _listed(grid: dict, catalog: MethodCatalog) -> tuple[Trial, ...] | None:
     spaces = {k: space.parse(v) for k, v in grid.items()}
     if any(s.finite is None for s in spaces.values()) or math.prod(s.size for s in spaces.values()) > MAX_ENUMERATED:
         return None
-    return _trials_of(_grid_combos({k: s.finite for k, s in spaces.items()}), catalog)
+    return tuple(_trials_of(_grid_combos({k: s.finite for k, s in spaces.items()}), catalog))
+
+
+def _listing_key(grid: dict, catalog: MethodCatalog) -> tuple | None:
+    """What `_listed` depends on, hashable (None: a value `_frozen` does not know, or a catalog without names)."""
+    try:
+        names = sorted(catalog.names)
+        return _frozen(grid), tuple((m, tuple(sorted(catalog.options(m)))) for m in names)
+    except (TypeError, AttributeError):
+        return None
+
+
+def _frozen(value: Any) -> tuple:
+    """``value`` (a spec's grid: dicts, lists, scalars) as a hashable key that tells apart what `_trials_of` tells
+    apart: the order of a dict's keys and of a list's items, a value's type (``1``, ``1.0``, ``True``), ``-0.0``.
+    TypeError for anything else."""
+    if isinstance(value, dict):
+        return "dict", tuple((_frozen(k), _frozen(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_frozen(v) for v in value)
+    if value is None or type(value) in (bool, int, float, str):
+        return type(value).__name__, repr(value)
+    raise TypeError(f"{type(value).__name__} in a grid")
 
 
 def _check_distinct(distinct: list[Trial] | None, n: int, why: str) -> None:

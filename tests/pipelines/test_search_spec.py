@@ -208,6 +208,148 @@ def test_an_optuna_specs_trials_are_listed_without_its_grid(monkeypatch):
         specs.check_trials(spec)
 
 
+def _reference_listing(grid: dict) -> list[str]:
+    """A finite grid's distinct trials, worked out independently of `pipelines.spec.trials`: every combination in
+    the grid's order (its keys as given, each list's values as given, a randint's ints ascending), options a method
+    does not take (promprune's registry) dropped, each distinct trial once."""
+    import itertools
+
+    import promprune
+
+    def values(v):
+        if isinstance(v, dict):
+            ((kind, arg),) = v.items()
+            return list(range(arg[0], arg[1] + 1)) if kind == "randint" else list(arg)
+        return v if isinstance(v, list) else [v]
+
+    keys, listed, seen = list(grid), [], set()
+    for combo in itertools.product(*(values(grid[k]) for k in keys)):
+        combo = dict(zip(keys, combo))
+        method, budget = combo.pop("method"), combo.pop("budget")
+        accepted = set(promprune.method_spec(method).options)
+        tid = specs.Trial(method, budget, {k: v for k, v in combo.items() if k in accepted}).trial_id
+        if tid not in seen:
+            seen.add(tid)
+            listed.append(tid)
+    return listed
+
+
+def _reference_draws(grid: dict, n: int, seed: int) -> list[str]:
+    """A random search's draws from a finite grid: ``random.Random(seed).sample`` of `_reference_listing`."""
+    import random
+
+    return random.Random(seed).sample(_reference_listing(grid), n)
+
+
+def _random_grid(rng) -> dict:
+    methods = rng.sample(["promprune", "divprune", "fastv", "random"], rng.randint(1, 4))
+    grid = {"method": methods if rng.random() < 0.7 else {"choice": methods},
+            "budget": rng.sample([4, 8, 16, 32, 64], rng.randint(1, 3))}
+    if "promprune" in methods:
+        grid["mu"] = rng.sample([0, 1] if rng.random() < 0.2 else [0.2, 0.31, 0.4, 0.55, 0.7], rng.randint(1, 3))
+        grid["tau"] = rng.sample([0.005, 0.01, 0.02, 0.04], rng.randint(1, 3))
+    if "fastv" in methods:
+        grid["layer"] = {"randint": [1, rng.randint(1, 4)]} if rng.random() < 0.5 else rng.sample([1, 2, 3], 2)
+    if "random" in methods:
+        grid["seed"] = rng.sample([0, 7, 11], rng.randint(1, 2))
+    keys = list(grid)
+    rng.shuffle(keys)  # the keys' order is the listing's, and so the draws'
+    return {k: grid[k] for k in keys}
+
+
+def test_a_random_search_draws_as_before_however_often_its_trials_are_asked_for():
+    """The listing a random search draws from is made once per grid (`distinct_trials`); the draws are those of
+    ``random.Random(seed).sample`` over the distinct trials in the grid's order, every call, on random grids (the
+    same grid with its keys in another order: other draws, each its own)."""
+    import random
+
+    from pipelines.spec import trials as spec_trials
+
+    rng = random.Random(20261207)
+    for _ in range(40):
+        grid = _random_grid(rng)
+        n, seed = rng.randint(1, len(_reference_listing(grid))), rng.randint(0, 10**6)
+        expected = _reference_draws(grid, n, seed)
+        spec = parse(grid, num_samples=n, seed=seed)
+        for _ in range(3):
+            assert [t.trial_id for t in specs.parts(spec)[1]] == expected, grid
+        reordered = dict(reversed(list(grid.items())))
+        assert [t.trial_id for t in specs.parts(parse(reordered, num_samples=n, seed=seed))[1]] == \
+            _reference_draws(reordered, n, seed), reordered
+        assert [t.trial_id for t in spec_trials.draws(grid, n, seed, specs.MethodCatalog())] == expected
+    # an int and a float are other ids (mu=1, mu=1.0): each grid its own listing
+    ints, floats = parse({**GRID, "mu": [0, 1], "tau": [0.01]}, num_samples=2, seed=1), \
+        parse({**GRID, "mu": [0.0, 1.0], "tau": [0.01]}, num_samples=2, seed=1)
+    assert sorted(t.trial_id for t in specs.parts(ints)[1]) == ["promprune-b16-mu=0-tau=0.01",
+                                                                  "promprune-b16-mu=1-tau=0.01"]
+    assert sorted(t.trial_id for t in specs.parts(floats)[1]) == ["promprune-b16-mu=0.0-tau=0.01",
+                                                                    "promprune-b16-mu=1.0-tau=0.01"]
+
+
+def test_a_random_searchs_grid_is_listed_once_however_often_its_trials_are_asked_for(monkeypatch):
+    """A review's case: `parts` (a sweep calls it about a dozen times: `expand` on the driver, `search.phases`, the
+    console's lines) listed a random search's whole finite grid on every call (up to `MAX_ENUMERATED` combinations,
+    ~1 s each). Now once per grid and catalog; a grid listed `LISTINGS_KEPT` other grids ago is listed again."""
+    import collections
+    import math
+
+    from pipelines.spec import trials as spec_trials
+
+    monkeypatch.setattr(spec_trials, "_LISTINGS", collections.OrderedDict(), raising=False)  # none listed yet
+    listings, trials_of = [], spec_trials._trials_of
+
+    def counted(combos, *args, **kwargs):
+        listings.append((len(combos), combos[0].get("mu") if combos else None))
+        return trials_of(combos, *args, **kwargs)
+
+    monkeypatch.setattr(spec_trials, "_trials_of", counted)
+
+    def grid_of(mu0: float) -> dict:
+        return {"method": ["promprune", "divprune"], "budget": [8, 16, 32],
+                "mu": [round(mu0 + i / 100, 2) for i in range(20)], "tau": [0.005, 0.01, 0.02, 0.04]}
+
+    def times_listed(grid) -> int:
+        return sum(combos == (math.prod(len(v) for v in grid.values()), grid["mu"][0]) for combos in listings)
+
+    grid = grid_of(0.1)
+    spec = parse(grid, num_samples=7, seed=3)  # the spec's check draws them: the one listing
+    first = specs.parts(spec)
+    for _ in range(10):
+        assert specs.parts(spec) == first
+    specs.expand(spec)
+    search.phases(spec)
+    search.searched_trials(spec)
+    assert times_listed(grid) == 1  # 16 on the old code
+    others = [grid_of(0.3 + i / 10) for i in range(spec_trials.LISTINGS_KEPT)]
+    for other in others[:-1]:
+        specs.parts(parse(other, num_samples=2))
+    specs.parts(spec)
+    assert times_listed(grid) == 1  # kept: fewer than LISTINGS_KEPT others since
+    for other in others:
+        specs.parts(parse(other, num_samples=2))
+    assert specs.parts(spec) == first and times_listed(grid) == 2  # the least recent of LISTINGS_KEPT + 1: listed again
+
+
+def test_a_method_registered_anew_is_another_listing(int_option_method):
+    """The listing's key holds what it reads of promprune's registry (each method's option names), not the
+    `MethodCatalog` object (each `parts` call makes its own): a method registered again with other options (a
+    plugin's) lists the grid again."""
+    import promprune
+
+    from pipelines.spec import trials as spec_trials
+
+    grid = {"method": [int_option_method], "budget": [8], "k": [1, 2]}
+    assert len(spec_trials.distinct_trials(grid, specs.MethodCatalog())) == 2
+    assert len(spec_trials.distinct_trials(grid, specs.MethodCatalog())) == 2
+
+    @promprune.register_method(int_option_method, replace=True)
+    def first(tokens, budget):
+        """The first tokens, no option."""
+        raise AssertionError("a spec check runs no method")
+
+    assert len(spec_trials.distinct_trials(grid, specs.MethodCatalog())) == 1  # k dropped: one trial
+
+
 def test_random_search_is_seeded_and_draws_inside_the_ranges():
     ids = lambda seed: [t.trial_id for t in specs.expand(parse(num_samples=40, seed=seed))]  # noqa: E731
     assert ids(7) == ids(7) and ids(7) != ids(8)
