@@ -27,8 +27,8 @@ the host's share of a call measured on this CPU (``launches.host_ms``: kernels s
 stand-in sizes ``HOST_SHAPES``, batch 1), which the projection prices only on average (both with PromPrune's
 ``boundary`` rows too: the cost of one Lanczos stage more); and the certified split's decisions (``--split-images``
 images per shape whose entropy lies in the sigmoid's steep part, mu placed around it): the share decided by each
-stage's bounds and by the exact eigensolve, the brackets' widths, and whether every count equals the exact
-algorithm's.
+stage's bounds and by the exact eigensolve (how many of those before the last stage, no later stage able to decide
+them), the brackets' widths, and whether every count equals the exact algorithm's.
 """
 from __future__ import annotations
 
@@ -645,35 +645,40 @@ def split_images(N: int, d: int, T: int, images: int, device: str):
 
 def print_split_decisions(shapes, images: int, device: str) -> None:
     """The certified split on ``images`` varied images per shape, mu placed so that each image's entropy falls in the
-    sigmoid's steep part (z uniform in [-2, 2]: 12% to 88% coverage, the hardest place to decide): who decided, the
+    sigmoid's steep part (z uniform in [-2, 2]: 12% to 88% coverage, the hardest place to decide): who decided (the
+    eigensolve's images, and of them those sent there before the last stage, ``SplitReport.hopeless``), the
     brackets' widths, and the counts against the exact algorithm's. Each image runs the schedule of an eager call at
     its shape (``certified.schedule``: the leading stage, then `certified.STEPS`)."""
     print(f"Certified split, {images} images per shape, mu within +-2 tau of each entropy (device={device}):")
     print(f"{'':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     schedules = {name: certified.schedule(B, N) for name, (B, N, _d, _T) in shapes.items()}
     stage_rows = [f"stage {i + 1} decided" for i in range(max(map(len, schedules.values())))]
-    rows: dict[str, list[str]] = {k: [] for k in (*stage_rows, "exact eigensolve", "median width", "max width",
-                                                  "counts equal exact")}
+    rows: dict[str, list[str]] = {k: [] for k in (*stage_rows, "exact eigensolve", "of them early", "median width",
+                                                  "max width", "counts equal exact")}
     for name, (_B, N, d, T) in shapes.items():
         matrix, counts, exact_h = split_images(N, d, T, images, device)
-        decided, exact_n, widths, equal = [0] * len(stage_rows), 0, [], True
+        decided, exact_n, early, widths, equal = [0] * len(stage_rows), 0, 0, [], True
         for i, count_of in enumerate(counts):  # one image per call: its own mu
             t_sal, _, _ = certified.split(matrix[i:i + 1], count_of, steps=schedules[name])
             report = certified.LAST_REPORT[0]
             decided = [a + b for a, b in zip(decided, report.decided + [0] * (len(stage_rows) - len(report.decided)))]
             exact_n += report.exact
+            early += report.hopeless
             widths += report.widths
             equal &= bool(torch.equal(t_sal, count_of(exact_h[i:i + 1])))
         for i, (row, n) in enumerate(zip(stage_rows, decided)):
             rows[row].append(f"{n}/{images}" if i < len(schedules[name]) else "-")
         rows["exact eigensolve"].append(f"{exact_n}/{images}")
+        rows["of them early"].append(f"{early}/{exact_n}")
         rows["median width"].append(f"{np.median(widths):.1e}" if widths else "-")
         rows["max width"].append(f"{max(widths):.1e}" if widths else "-")
         rows["counts equal exact"].append("yes" if equal else "NO")
     for name, cells in rows.items():
         print(f"{name:<24}" + "".join(f"{c:>26}" for c in cells))
     print("(stages, Lanczos steps: " + "; ".join(f"{name} {', '.join(map(str, steps))}" for name, steps in
-                                               schedules.items()) + "; widths in normalized H of the decided images)")
+                                               schedules.items()) + "; of them early: eigensolved before the last "
+          "stage, their bracket within the margin of a count boundary (certified.judge); widths in normalized H of "
+          "the decided images)")
 
 
 # Stage schedules compared by print_schedules: the one before 2026-11-26's H100 run, the shipped ones (STEPS, and STEPS
@@ -751,10 +756,12 @@ def print_routes(shapes, images: int, device: str) -> None:
 def print_schedules(shapes, images: int, device: str) -> None:
     """How many Lanczos steps each stage schedule runs over the split table's images (the same images, mu within +-2
     tau): for each image the fewest steps (of ``PROBE_STEPS``) whose bracket decides it; a schedule runs an image to
-    the first stage at or above that (all of them when none decides: the exact eigensolve). Steps are what the device
-    pays per view (each one a float64 n x n product); reads are the host's, one per stage a call runs (its sync and
-    bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it, eagerly and replayed as CUDA graphs
-    (``certified.schedule``: a leading stage where the batch's steps cost the device or the host more than a read)."""
+    the first stage at or above that (all of them when none decides: the exact eigensolve; the split itself stops
+    earlier for an image within the margin of a boundary, ``certified.judge``, which this projection leaves out).
+    Steps are what the device pays per view (each one a float64 n x n product); reads are the host's, one per stage a
+    call runs (its sync and bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it, eagerly and
+    replayed as CUDA graphs (``certified.schedule``: a leading stage where the batch's steps cost the device or the
+    host more than a read)."""
     print(f"Lanczos steps per stage schedule, {images} images per shape, mu within +-2 tau (device={device}):")
     print(f"{'schedule':<24}" + "".join(f"{shape:>26}" for shape in shapes))
     needs = {name: steps_needed(N, d, T, images, device) for name, (_B, N, d, T) in shapes.items()}

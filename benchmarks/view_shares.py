@@ -4,13 +4,15 @@ Under ``budget_mode="adaptive_views"`` (and ``video_budget="adaptive_frames"``, 
 the budget is split over an image's views by their spectral entropies (``batched_select._view_shares``). The exact
 route eigensolves every view; the certified route (``certified.settle`` with ``batched_select.certain_shares``)
 brackets the entropies stage by stage and eigensolves only the views of images whose brackets leave the integer
-shares undecided. This script times ``_view_shares`` itself (from the views' features: their spectral matrices, the
-entropies or brackets, the shares) on both routes, forced (``accel.entropy("exact")`` / ``("certified")``), and
-prints per shape and batch:
+shares undecided (after the last stage, or as soon as no later stage can decide them). This script times
+``_view_shares`` itself (from the views' features: their spectral matrices, the entropies or brackets, the shares)
+on both routes, forced (``accel.entropy("exact")`` / ``("certified")``), and prints per shape and batch:
 
 - the median ms of one call (CUDA events around it on a GPU, the device idle before; wall time on the CPU);
 - the share of views whose image's shares the brackets decided without an eigensolve (``batched_select.LAST_SHARES``)
-  and the views decided at each Lanczos stage;
+  and the views decided at each Lanczos stage; the views eigensolved, and how many of them went there before the last
+  stage because no later stage could prove their image's shares (``certified.settle``'s ``hopeless``: a quota within
+  the margins' reach of an integer);
 - the host's reads of device values in one call: ``certified.host_read`` (counted by ``accel.count_sync``) and
   ``transfer.to_host`` (the exact route's read). The eigensolve's own error check, a wait on CUDA too, is not counted;
 - whether every call's shares, on every image timed, were the exact route's.
@@ -178,8 +180,8 @@ def main(argv: list[str] | None = None) -> None:
           + " here; both routes below are forced")
     print()
     print("| shape | batch | views | exact ms | certified ms | exact / certified | decided w/o eigensolve | "
-          "by stage | eigensolved | reads exact | reads certified | shares identical |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
+          "by stage | eigensolved | of them early | reads exact | reads certified | shares identical |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
     firsts = []
     for shape, (views, n, d, per_view_kept) in shapes.items():
         budget = views * per_view_kept
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
             decided = sum(report.decided)
             print(f"| {shape} | {batch} | {row['views']} | {row['ms exact']:.2f} | {row['ms certified']:.2f} | "
                   f"{row['ms exact'] / row['ms certified']:.2f}x | {decided} / {row['views']} "
-                  f"({100 * decided / row['views']:.0f}%) | {report.decided} | {report.exact} | "
+                  f"({100 * decided / row['views']:.0f}%) | {report.decided} | {report.exact} | {report.hopeless} | "
                   f"{row['reads exact']} | {row['reads certified']} | {'yes' if row['identical'] else 'NO'} |",
                   flush=True)
             if batch == args.batch[0]:
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
               f"certified {row['shares']['certified'][0]}")
     print("(decided w/o eigensolve: views whose image's shares the certified brackets proved, in the first "
           "(untimed) call; by stage: views decided at each Lanczos stage; eigensolved: views of images the brackets "
-          "left undecided; reads: the host's reads of device values in one call; shares identical: every call's "
+          "left undecided; of them early: eigensolved before the last stage, no later stage able to prove their "
+          "image's shares; reads: the host's reads of device values in one call; shares identical: every call's "
           "shares on every image equal the exact route's first call's)")
 
 

@@ -118,7 +118,11 @@ def certain_shares(budget: int, counts: list[int], lo, hi) -> list[int] | None:
     first: the exact ties' order). Then the round's shares, its capping at the counts and the next round's open views
     are the exact weights' too. A round whose open weights are all points, or which has one open view, is computed
     as ``split_budget`` computes it; one whose total weight may be 0 (``split_budget`` then splits evenly) is not
-    certain."""
+    certain.
+
+    Where it fails on a box it fails on every box that holds it (its quotas' and remainders' ranges only widen, and
+    a partition of the remainders that separates them on the larger box separates them on the smaller one too),
+    which ``_view_shares`` relies on to give up on an item early (``certified.settle``'s ``hopeless``)."""
     lo = [max(float(x), 0.0) for x in lo]
     hi = [max(float(x), 0.0) for x in hi]
     if not all(math.isfinite(a) and math.isfinite(b) and a <= b for a, b in zip(lo, hi)):
@@ -289,7 +293,10 @@ def _view_shares(items: list[VisualItem], per_view: dict[int, list[Unit]], budge
     a stage): an item whose brackets prove its shares (``certain_shares``: the same integer shares for every
     entropy in them, the largest-remainder rounding's ties and capping included) takes them after that stage, its
     views no more steps; an item with a view whose bounds are refused, or undecided after the last stage, takes its
-    views' exact entropies (one eigensolve for all of them, one read). ``LAST_SHARES`` says how they went."""
+    views' exact entropies (one eigensolve for all of them, one read), and so, without the remaining stages, does an
+    item whose shares ``certain_shares`` cannot prove even on its views' cores (``certified.settle``'s ``hopeless``:
+    the box every later stage's intervals hold; a quota within the margin's reach of an integer): a rule that moves
+    only cost, never the shares. ``LAST_SHARES`` says how they went."""
     counts = {b: [u.idx.shape[0] for u in group] for b, group in per_view.items()}
     return shares_by_entropy(*_view_matrices(items, per_view), counts, budget)
 
@@ -319,7 +326,17 @@ def shares_by_entropy(matrices: list[torch.Tensor], rows: dict[int, list[int]], 
                 done[group] = True
             return done, exact
 
-        lo, _hi, point, report = certified.settle(matrices, settled)
+        def hopeless(core_lo: np.ndarray, core_hi: np.ndarray) -> np.ndarray:
+            # an item whose shares ``certain_shares`` cannot prove on its views' cores (the box every later stage's
+            # intervals hold) goes to the eigensolve now: it fails on every box holding one where it fails, so no
+            # later stage would prove them (only cost moves: the eigensolve gives the exact route's shares)
+            out = np.zeros(core_lo.shape, dtype=bool)
+            for b, group in rows.items():
+                if b not in decided and np.isfinite(core_lo[group]).all() and np.isfinite(core_hi[group]).all():
+                    out[group] = certain_shares(budget, counts[b], core_lo[group], core_hi[group]) is None
+            return out
+
+        lo, _hi, point, report = certified.settle(matrices, settled, hopeless=hopeless)
     LAST_SHARES[:] = [report]
     for b, group in rows.items():
         if b not in decided:  # every view eigensolved (``certified.settle``): the exact route's weights

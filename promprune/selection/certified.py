@@ -24,16 +24,18 @@ trace, ``floor_shift``: ~1e-8), so a bracket holds the exact route's H.
 batch's steps cost the device or the host more than a stage costs the host), decides every image whose bracket
 (widened by ``decision_margin``) gives one count, continues the rest to the next stage, decides again, and so on, and
 computes the exact entropy (``entropy.entropy_of_matrix``, the reference) only for what is still undecided, and for
-images whose bounds a stage refuses (a Krylov space that ran out: spectra of few distinct values) without running the
-later stages. In "auto" a stage runs only where its float64 products cost the device at most half the eigensolve
-they may save (``stage_pays``): on GPUs whose float64 runs at 1/64 rate the views still undecided go to the
-eigensolve early. The device work is enqueued without waiting; the host reads the recurrence coefficients once per
-stage (``host_read``: one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved
-on the host in float64.
+images whose bounds a stage refuses (a Krylov space that ran out: spectra of few distinct values) or which no later
+stage can decide (``judge``: a bracket within the margin of a count boundary, where even a bracket of width 0 widened
+by the margin straddles it) without running the later stages; where no image goes on, no later stage runs. In "auto"
+a stage runs only where its float64 products cost the device at most half the eigensolve they may save
+(``stage_pays``): on GPUs whose float64 runs at 1/64 rate the views still undecided go to the eigensolve early. The
+device work is enqueued without waiting; the host reads the recurrence coefficients once per stage (``host_read``:
+one sync for a batch the first stage decides). The small tridiagonal eigenproblems are solved on the host in float64.
 
 ``settle`` runs the same stages for a caller whose decision reads several entropies at once (``adaptive_views``'
 shares over an image's views, ``batched_select.certain_shares``): views of several sizes, one read a stage for all,
-the caller saying after each stage which views it needs no more, the eigensolve for the rest.
+the caller saying after each stage which views it needs no more (and, optionally, which no later stage can settle:
+they take the eigensolve at once), the eigensolve for the rest.
 """
 from __future__ import annotations
 
@@ -151,10 +153,11 @@ class SplitReport:
     (``exact``; ``refused`` of them sent there at the stage whose bounds refused them: a recurrence that ran out or
     failed, or a trace at most ``refusal_trace`` (``density``), which no later stage mends; ``costly`` of them,
     undecided, sent there instead of a later stage whose float64 products would cost the device more than it may save,
-    ``stage_pays``), and the bracket widths (normalized H, widened by ``floor_allowance``) the decided images had.
-    ``cancelled``: images whose tokens are so alike that their centering in Gram space cancels (``entropy.cancels``),
-    split again from the first stage on their tokens centered first; their stages and eigensolve are counted with the
-    others'."""
+    ``stage_pays``; ``hopeless`` of them sent there at a stage before the last because no later stage could decide
+    them, ``judge``: their bracket lies within the margin of a count boundary, ``settle``'s ``hopeless``), and the
+    bracket widths (normalized H, widened by ``floor_allowance``) the decided images had. ``cancelled``: images whose
+    tokens are so alike that their centering in Gram space cancels (``entropy.cancels``), split again from the first
+    stage on their tokens centered first; their stages and eigensolve are counted with the others'."""
 
     decided: list[int] = field(default_factory=list)
     exact: int = 0
@@ -162,6 +165,7 @@ class SplitReport:
     cancelled: int = 0
     costly: int = 0
     widths: list[float] = field(default_factory=list)
+    hopeless: int = 0
 
     def merge(self, other: "SplitReport") -> None:
         """Add ``other``'s images (a split of some of this call's images on their own) to this report's."""
@@ -169,6 +173,7 @@ class SplitReport:
         self.exact, self.refused, self.costly = self.exact + other.exact, self.refused + other.refused, \
             self.costly + other.costly
         self.cancelled += other.cancelled
+        self.hopeless += other.hopeless
         self.widths += other.widths
 
     @classmethod
@@ -183,11 +188,13 @@ class SplitReport:
 
     @property
     def exact_note(self) -> str:
-        """``exact`` for a benchmark's line, with how many of them a costlier stage sent there, if any, and how many
-        images were split on their tokens centered first (``cancelled``)."""
-        costly = f" ({self.costly} instead of a costlier stage)" if self.costly else ""
+        """``exact`` for a benchmark's line, with how many of them a costlier stage sent there and how many went
+        there early, no later stage able to decide them (``hopeless``), if any, and how many images were split on
+        their tokens centered first (``cancelled``)."""
+        why = [f"{self.costly} instead of a costlier stage"] * bool(self.costly) \
+            + [f"{self.hopeless} early: no later stage could decide"] * bool(self.hopeless)
         alike = f"; {self.cancelled} split on their centered tokens (alike)" if self.cancelled else ""
-        return f"{self.exact}{costly}{alike}"
+        return f"{self.exact}" + (f" ({', '.join(why)})" if why else "") + alike
 
 
 LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call
@@ -479,10 +486,34 @@ def decide(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch
            margin: float = DECISION_MARGIN) -> tuple[np.ndarray, ...]:
     """``(decided [B] bool, t_sal [B])`` where the bracket widened by ``margin`` (``decision_margin`` of the matrices'
     size) gives one count (``count`` is non-increasing)."""
+    decided, t_sal, _hopeless = judge(lo, hi, count, margin)
+    return decided, t_sal
+
+
+def judge(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor],
+          margin: float = DECISION_MARGIN) -> tuple[np.ndarray, ...]:
+    """``decide``'s ``(decided, t_sal)`` and ``hopeless [B] bool``: the undecided images whose bracket no later
+    stage's can decide, in one ``count`` call (its four points per image).
+
+    A later stage's bracket ``[lo', hi']`` shares a point ``x`` with this one ``[lo, hi]`` (both hold the entropy of
+    rho's measure; in exact arithmetic Gauss and Gauss-Radau bounds are nested, and at 6 / 12 / 24 / 32 / 48 steps on
+    the test families, n = 96 and 257, and on ``benchmarks/margin_by_size.py``'s near-low-rank tokens at n = 128 to 576,
+    those not refused, later brackets never reached outside earlier ones by more than 3e-15), so its widened bracket
+    ``[lo' - margin, hi' + margin]`` holds ``[x - margin, x + margin]``. Where ``hi - lo <= 2 margin`` every such
+    interval holds the core ``[hi - margin, lo + margin]``, and where ``count`` differs at the core's ends (it is
+    non-increasing: a count boundary lies in the core) it differs at the ends of every bracket a later stage can give,
+    which then decides nothing: the image is hopeless, and the eigensolve (exact) is all that can decide it. ``lo``,
+    ``hi`` as ``decide`` takes them (``floored_bounds``: the floor's allowance in them), the margin applied as there
+    (the widened ends decide, the core's ends give up). A bracket wider than ``2 margin`` is never hopeless (a later one
+    may end on either side of a boundary), nor one refused (not finite)."""
     finite = np.isfinite(lo) & np.isfinite(hi)
-    ends = np.where(finite, np.stack([hi + margin, lo - margin]), 0.0)  # [2, B]: both in one call
-    top, bottom = count(torch.from_numpy(ends.reshape(-1))).numpy().reshape(2, -1)  # fewest / most salient tokens
-    return finite & (top == bottom), top
+    # [4, B]: the widened ends decide, the core's ends give up; all four in one call
+    ends = np.where(finite, np.stack([hi + margin, lo - margin, hi - margin, lo + margin]), 0.0)
+    top, bottom, core_top, core_bottom = count(torch.from_numpy(ends.reshape(-1))).numpy().reshape(4, -1)
+    decided = finite & (top == bottom)  # top: fewest salient tokens, bottom: most
+    with np.errstate(invalid="ignore"):  # -inf, inf: refused rows, not finite
+        core = finite & (hi - lo <= 2 * margin)
+    return decided, top, core & ~decided & (core_top != core_bottom)
 
 
 def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[torch.Tensor], torch.Tensor],
@@ -532,6 +563,7 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
     halfwidth = np.zeros(B)  # 0 where the eigensolve ran
     todo = np.arange(B)
     to_exact: list[int] = []  # images whose bounds were refused (``bounds``), for the eigensolve
+    gave_up: list[int] = []  # images no later stage can decide (``judge``), for the eigensolve
     cancelled = np.zeros(0, dtype=np.int64)  # images whose centering in Gram space cancels: a split of their own
     report = SplitReport()
     margin = decision_margin(n)
@@ -555,8 +587,11 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
             report.cancelled = len(cancelled)
         alpha, beta = np.concatenate([alpha, coeffs[:, :k]], 1), np.concatenate([beta, coeffs[:, k:]], 1)
         lo, hi = floored_bounds(alpha, beta, n)
-        decided, counts = decide(lo, hi, count, margin)
+        decided, counts, hopeless = judge(lo, hi, count, margin)
         decided &= ~flagged
+        # undecided images no later stage can decide (their bracket within the margin of a count boundary): the
+        # eigensolve now, not the remaining stages (at the last stage every undecided image takes it anyway)
+        hopeless &= ~flagged & (stage < len(steps) - 1)
         t_sal[todo[decided]] = counts[decided]
         entropy[todo[decided]] = (lo[decided] + hi[decided]) / 2
         # how far the exact metric may lie: the bracket's half-width and the margin its decision took for what the
@@ -569,13 +604,14 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
         # remaining stages' steps
         refused = ~(np.isfinite(lo) & np.isfinite(hi)) & ~flagged
         to_exact += todo[refused].tolist()
-        going = ~decided & ~refused & ~flagged
+        gave_up += todo[hopeless].tolist()
+        going = ~decided & ~refused & ~flagged & ~hopeless
         todo, alpha, beta = todo[going], alpha[going], beta[going]
         if not len(todo):
             break
         state = state.going(going)
-    report.refused = len(to_exact)
-    exact_rows = np.array(sorted(to_exact + todo.tolist()), dtype=np.int64)
+    report.refused, report.hopeless = len(to_exact), len(gave_up)
+    exact_rows = np.array(sorted(to_exact + gave_up + todo.tolist()), dtype=np.int64)
     if len(exact_rows):
         rows = torch.from_numpy(exact_rows).to(device, non_blocking=True)  # no wait: the copy is staged at once
         spectral = (matrix() if callable(matrix) else matrix)[rows]
@@ -595,7 +631,8 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
 
 
 def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
-           steps: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, SplitReport]:
+           steps: tuple[int, ...] | None = None, hopeless: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, SplitReport]:
     """Intervals that hold the exact route's entropy (``entropy_of_matrix``) of every matrix of ``matrices`` (spectral
     matrices ``[B_g, n_g, n_g]``, one tensor per size, else a ValueError; their rows numbered in order over the list,
     ``R`` in all), narrowed stage by stage as ``split`` narrows its brackets until ``settled`` needs no more of them,
@@ -612,11 +649,24 @@ def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarr
     ``(-inf, inf)`` where the stage's bounds were refused (a recurrence that ran out, a trace ``density`` refuses);
     it returns ``(done, exact) [R]`` bool: the rows whose entropy it needs no more, and those it wants eigensolved
     (no more steps for them). A refused row not done is eigensolved too. After the last stage every row not done is
-    eigensolved (one batched eigensolve per size, one read); nothing else is. Returns ``(lo, hi, eigensolved [R]
-    bool, report)``: the last intervals (points where ``eigensolved``) and how the rows went (``decided[i]``: rows
-    first done at stage i without an eigensolve, ``widths`` their intervals' widths; ``exact``: rows eigensolved,
-    ``refused`` of them for refused bounds, ``costly``: rows whose size stopped narrowing, ``stage_pays``). Reads: one
-    per stage, one more for the eigensolve where it runs."""
+    eigensolved (one batched eigensolve per size, one read); nothing else is.
+
+    ``hopeless`` (optional; after every stage but the last): ``hopeless(core_lo, core_hi) -> [R] bool``, the rows the
+    caller gives up on: those not done are eigensolved, no more steps for them (where none goes on, no later stage
+    runs). It sees each row's core, the interval every later stage's interval holds (NaN where there is none):
+    a point where eigensolved; a size that stopped narrowing (``stage_pays``) keeps its interval; a bracket still
+    narrowing gives, if its width before the margin is at most ``2 decision_margin(n)``, ``[hi - 2 m, lo + 2 m]``
+    (``lo``, ``hi`` as ``settled`` sees them, ``m`` the margin: a later bracket shares a point with this one,
+    ``judge``, so its widened interval holds this core), else NaN; NaN also where refused or stopped. A caller whose
+    test passes on any box holding one where it passes (``batched_select.certain_shares``) can give up on the rows
+    whose test fails on their cores: no later stage would settle them. Only cost moves: a row given up on takes the
+    eigensolve, the exact route's value, so a caller's decision is the same either way.
+
+    Returns ``(lo, hi, eigensolved [R] bool, report)``: the last intervals (points where ``eigensolved``) and how the
+    rows went (``decided[i]``: rows first done at stage i without an eigensolve, ``widths`` their intervals' widths;
+    ``exact``: rows eigensolved, ``refused`` of them for refused bounds, ``hopeless`` of them given up on before the
+    last stage, ``costly``: rows whose size stopped narrowing, ``stage_pays``). Reads: one per stage, one more for
+    the eigensolve where it runs."""
     sizes = [int(m.shape[-1]) for m in matrices]
     if len(set(sizes)) < len(sizes):  # two states of one shape replay one CUDA graph: the second's replay overwrites
         # the first's borrowed buffers before the stage's read (``Lanczos.open``)
@@ -629,6 +679,9 @@ def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarr
     report = SplitReport()
     rows = {g: np.arange(starts[g], starts[g + 1]) for g, m in enumerate(matrices)
             if m.shape[0] and applies(sizes[g], m)}  # each bracketed size's rows still stepping
+    margins = np.zeros(R)  # each row's decision margin (0: eigensolved)
+    for g in rows:
+        margins[rows[g]] = decision_margin(sizes[g])
     early = [g for g, m in enumerate(matrices) if m.shape[0] and g not in rows] if rows else []
     first = [entropy_of_matrix(matrices[g]) for g in early]  # enqueued; read with the first stage
     states: dict[int, Lanczos] = {}
@@ -672,6 +725,13 @@ def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarr
             done |= now_done
             report.refused += int((refused & ~done).sum())
             stopped |= (exact | refused) & ~done
+            if hopeless is not None and stage < len(steps) - 1:  # after the last stage the rest is eigensolved anyway
+                stepping = np.zeros(R, dtype=bool)
+                for g in states:
+                    stepping[rows[g]] = True
+                gave_up = hopeless(*_cores(lo, hi, margins, stepping, stopped)) & ~done & ~stopped & ~point
+                report.hopeless += int(gave_up.sum())
+                stopped |= gave_up
             for g in list(states):
                 going = ~done[rows[g]] & ~stopped[rows[g]]
                 if not going.any():
@@ -693,6 +753,19 @@ def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarr
             point[starts[g] + p] = True
     report.exact = int(point.sum())
     return lo, hi, point, report
+
+
+def _cores(lo: np.ndarray, hi: np.ndarray, margins: np.ndarray, stepping: np.ndarray,
+           stopped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``settle``'s cores ``(core_lo, core_hi) [R]``: the interval every later stage's interval of a row holds, NaN
+    where there is none. ``lo``, ``hi``: the intervals ``settled`` saw (brackets widened by ``margins``); ``stepping``:
+    the rows whose brackets narrow on; ``stopped``: rows going to the eigensolve."""
+    with np.errstate(invalid="ignore"):  # -inf, inf: refused
+        narrow = hi - lo <= 4 * margins  # the bracket before the margin at most 2 margins wide
+    core_lo = np.where(stepping, hi - 2 * margins, lo)
+    core_hi = np.where(stepping, lo + 2 * margins, hi)
+    known = np.isfinite(lo) & np.isfinite(hi) & ~stopped & (narrow | ~stepping)
+    return np.where(known, core_lo, np.nan), np.where(known, core_hi, np.nan)
 
 
 def _read_joined(tensors: list[torch.Tensor]) -> list[np.ndarray]:

@@ -509,10 +509,11 @@ def test_entropy_routes():
 
 def test_view_shares():
     """The smoke rows (the CPU, both routes forced): every call's certified shares were the exact route's, every view
-    decided by its image's brackets or eigensolved, the exact route reads once and the certified one once a stage
-    (once more where it eigensolved). Image 0's printed entropies are within float32's rounding of numpy's float64
-    eigensolve of each view's centered unit Gram, and its shares are the largest-remainder split of the budget over
-    those entropies, worked here (no view reaches its token count, no remainders near a tie)."""
+    decided by its image's brackets or eigensolved (some of those early, before the last stage: at most all of
+    them), the exact route reads once and the certified one once a stage (once more where it eigensolved). Image 0's
+    printed entropies are within float32's rounding of numpy's float64 eigensolve of each view's centered unit Gram,
+    and its shares are the largest-remainder split of the budget over those entropies, worked here (no view reaches
+    its token count, no remainders near a tie)."""
     import numpy as np
     import torch
 
@@ -522,12 +523,13 @@ def test_view_shares():
     rows = table_rows(out, "llava-next|ov-video-8")
     assert [(r[0], int(r[1]), int(r[2])) for r in rows] == [
         (shape, batch, views * batch) for shape, (views, *_rest) in SMOKE_SHAPES.items() for batch in (1, 2)], out
-    for _shape, _batch, views, exact_ms, certified_ms, _ratio, decided, stages, eigensolved, reads_exact, \
+    for _shape, _batch, views, exact_ms, certified_ms, _ratio, decided, stages, eigensolved, early, reads_exact, \
             reads_certified, identical in rows:
         assert float(exact_ms) > 0 and float(certified_ms) > 0
         stages = [int(v) for v in stages.strip("[]").split(",")]
         assert decided.startswith(f"{sum(stages)} / {views} ")
         assert sum(stages) + int(eigensolved) == int(views), rows
+        assert 0 <= int(early) <= int(eigensolved), rows
         assert int(reads_exact) == 1 and int(reads_certified) == len(stages) + (int(eigensolved) > 0), rows
         assert identical == "yes", rows
     for shape, (views, n, d, kept) in SMOKE_SHAPES.items():

@@ -3,6 +3,7 @@ eigenvalues, and PromPrune keeps exactly the tokens the exact eigensolve keeps, 
 rounding boundary of ``t_sal`` on purpose."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -523,3 +524,110 @@ def test_collected_holds_every_split_of_a_block_once():
     total = certified.SplitReport.total(reports)
     assert sum(total.decided) + total.exact == 2 + 4 and total.cancelled == 1, total
     assert certified.SplitReport.total([]) is None
+
+
+def test_judge_gives_up_exactly_where_no_narrower_bracket_decides():
+    """``judge``'s hopeless brackets against a sweep of the narrowest brackets a later stage could give (width 0,
+    anywhere in the bracket): next to a boundary of ``split_budget``'s counts (found by bisection) at offsets within
+    and beyond the margin, hopeless where no such bracket decides, and not hopeless where one does (a boundary
+    nearer the bracket's end than the margin: the far end decides). Hand-worked: a boundary at 0.5, margin 2e-5."""
+    def step(h):  # 1 below 0.5, 0 from it: non-increasing
+        return (h < 0.5).long()
+
+    m = 2e-5
+    for lo, hi, want in ((0.49999, 0.50001, True),  # core [0.49999, 0.50001] holds 0.5
+                         (0.50002, 0.50003, False),  # core [0.50001, 0.50004]: a bracket at 0.50003 decides 0
+                         (0.49998, 0.50003, False),  # 5e-5 wide: a later bracket at 0.50003 decides
+                         (0.49999, 0.500015, True),  # 2.5e-5 wide: core [0.499995, 0.50001], 0.5 in it
+                         (0.49999, 0.50002, False),  # core [0.5, 0.50001]: count 0 on it (0 from 0.5 on)
+                         (0.5, 0.5, True), (0.5 + m, 0.5 + m, False), (-np.inf, np.inf, False)):
+        decided, t_sal, hopeless = certified.judge(np.array([lo]), np.array([hi]), step, m)
+        assert (bool(decided[0]), bool(hopeless[0])) == (False if want or lo == -np.inf else lo > 0.5, want), (lo, hi)
+    budget, mu, tau = 32, 0.42, 0.02
+    count = functools.partial(split_budget, budget=budget, mu=mu, tau=tau)
+    low, high = 0.42, 0.46  # a boundary between: the count drops across it
+    assert count(torch.tensor([low], dtype=torch.float64)) != count(torch.tensor([high], dtype=torch.float64))
+    for _ in range(80):
+        mid = (low + high) / 2
+        same = count(torch.tensor([mid], dtype=torch.float64)) == count(torch.tensor([low], dtype=torch.float64))
+        low, high = (mid, high) if bool(same) else (low, mid)
+    b = high  # the boundary, to 1e-17
+    rng = np.random.default_rng(0)
+    centers = b + m * np.concatenate([np.linspace(-1.6, 1.6, 33), rng.uniform(-1.6, 1.6, 40)])
+    widths = m * np.concatenate([[0.0, 0.5, 1.0, 1.999, 2.001, 3.0], rng.uniform(0, 3, 67)])
+    lo, hi = centers - widths / 2, centers + widths / 2
+    decided, _, hopeless = certified.judge(lo, hi, count, m)
+    sweep = np.linspace(0, 1, 201)[:, None]
+    points = (lo + sweep * (hi - lo)).reshape(-1)  # [201 * B] zero-width brackets in each bracket
+    can = certified.decide(points, points, count, m)[0].reshape(201, -1).any(0)
+    assert not (hopeless & can).any(), "gave up on a bracket that a narrower one decides"
+    assert (hopeless | can | decided)[widths <= 2 * m * 0.999].all(), "kept a bracket no narrower one decides"
+    assert 10 < hopeless.sum() < len(lo) - 10 and not (hopeless & decided).any()
+
+
+def test_an_image_within_the_margin_of_a_boundary_takes_one_stage_and_the_eigensolve(monkeypatch):
+    """An image whose exact entropy sits on a count boundary (offset 0, +-2e-6: well within the margin) can be
+    decided by no bracket, however narrow: once its bracket is narrow enough to show it (here after the first of three
+    stages, 32 steps) it takes the eigensolve, one read for the stage and one for the eigensolve, no more steps. Before
+    it ran every stage (48 steps, three reads) and then the eigensolve. Its count and entropy are the exact route's."""
+    x, _, exact_h = boundary_case(0)
+    matrix = spectral_matrix(x[:1])
+    ran, real = [], certified.lanczos_steps
+    monkeypatch.setattr(certified, "lanczos_steps", lambda *args: ran.append(args[-1]) or real(*args))
+    for mu in boundary_mus(float(exact_h[0]), 32, 0.02, (0.0, 2e-6, -2e-6)):
+        def count(h, mu=mu):
+            return split_budget(h, 32, mu=mu, tau=0.02)
+
+        ran.clear()
+        before = accel.syncs()
+        t_sal, h, half = certified.split(matrix, count, steps=(32, 40, 48))
+        report = certified.LAST_REPORT[0]
+        assert (report.decided, report.exact, report.hopeless, report.refused) == ([0], 1, 1, 0), (mu, report)
+        assert accel.syncs() - before == 2 and sum(ran) == 32, (mu, ran)
+        assert report.exact_note == "1 (1 early: no later stage could decide)"
+        assert torch.equal(t_sal, count(exact_h[:1].float().double())) and half.item() == 0
+        assert h.item() == pytest.approx(float(exact_h[0]), abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_giving_up_changes_no_count_or_entropy_and_saves_stages(seed, monkeypatch):
+    """Each of six images placed within and around the margin of a count boundary on purpose (offsets 0 to 3e-5, the
+    two roundings in turn, the default schedule): the counts equal the exact route's, and the whole output (counts,
+    entropies, half-widths) and the images decided at each stage equal a split that never gives up (``judge``'s
+    hopeless set to none: the split as before), so the images given up on are ones no stage decided there, which went
+    to the eigensolve after every stage. Giving up saves stages and reads where a call gave up on all it ran on."""
+    x, _, exact_h = boundary_case(seed)
+    matrix = spectral_matrix(x)
+    budget, tau = 32, 0.02
+    offsets = (0.0, 5e-6, -1.5e-5, 2.1e-5, -3e-5)
+    real = certified.judge
+
+    def never(lo, hi, count, margin):
+        decided, t_sal, hopeless = real(lo, hi, count, margin)
+        return decided, t_sal, np.zeros_like(hopeless)
+
+    gave_up = saved_reads = 0
+    for i in range(len(x)):
+        for j, mu in enumerate(boundary_mus(float(exact_h[i]), budget, tau, offsets)):
+            rounding = ("half_even", "floor")[(i + j) % 2]
+
+            def count(h, mu=mu, rounding=rounding):
+                return split_budget(h, budget, mu=mu, tau=tau, rounding=rounding)
+
+            before = accel.syncs()
+            out = certified.split(matrix, count)
+            reads, report = accel.syncs() - before, certified.LAST_REPORT[0]
+            assert torch.equal(out[0], count(exact_h.float().double())), (i, mu, rounding)
+            with monkeypatch.context() as m:
+                m.setattr(certified, "judge", never)
+                before = accel.syncs()
+                old = certified.split(matrix, count)
+                old_reads, old_report = accel.syncs() - before, certified.LAST_REPORT[0]
+            assert all(torch.equal(a, b) for a, b in zip(out, old)), (i, mu, rounding)
+            assert report.exact == old_report.exact and old_report.hopeless == 0
+            assert report.decided == old_report.decided[:len(report.decided)]
+            assert not any(old_report.decided[len(report.decided):])  # the stages skipped decided nothing
+            assert reads <= old_reads
+            gave_up += report.hopeless
+            saved_reads += old_reads - reads
+    assert gave_up >= 6 and saved_reads >= 6, (gave_up, saved_reads)
