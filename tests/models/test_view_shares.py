@@ -32,6 +32,20 @@ def points_of(lo: list[float], hi: list[float], rng: np.random.Generator, sweep:
     return out
 
 
+def random_case(rng, case: int):
+    """A random share problem: (views, counts, budget, weights), every 5th with a tie of remainders (the first view
+    wins it), every 7th with a view of weight 0."""
+    views = int(rng.integers(2, 6))
+    counts = [int(c) for c in rng.choice([3, 8, 40, 576], views)]
+    budget = int(rng.integers(1, 200))
+    w = rng.uniform(0.2, 0.9, views)
+    if case % 5 == 0:
+        w[1] = w[0]
+    if case % 7 == 0:
+        w[-1] = 0.0
+    return views, counts, budget, w
+
+
 def test_certain_shares_are_split_budgets_at_every_point_of_their_box():
     """Boxes of every width around random weights, ties of equal weights, zero weights and small counts (the capping
     rounds): where ``certain_shares`` decides, ``split_budget`` gives its shares at every point tried; where the box
@@ -40,14 +54,7 @@ def test_certain_shares_are_split_budgets_at_every_point_of_their_box():
     rng = np.random.default_rng(0)
     decided = undecided = narrow = narrow_decided = 0
     for case in range(400):
-        views = int(rng.integers(2, 6))
-        counts = [int(c) for c in rng.choice([3, 8, 40, 576], views)]
-        budget = int(rng.integers(1, 200))
-        w = rng.uniform(0.2, 0.9, views)
-        if case % 5 == 0:
-            w[1] = w[0]  # a tie of remainders: the first view wins it
-        if case % 7 == 0:
-            w[-1] = 0.0
+        views, counts, budget, w = random_case(rng, case)
         width = [0.0, 1e-7, 1e-5, 1e-3, 3e-2][case % 5]
         lo = list(w - rng.uniform(0, width, views))
         hi = list(w + rng.uniform(0, width, views))
@@ -265,14 +272,7 @@ def test_certain_shares_fails_on_every_box_holding_one_where_it_fails():
     rng = np.random.default_rng(3)
     failed = 0
     for case in range(600):
-        views = int(rng.integers(2, 6))
-        counts = [int(c) for c in rng.choice([3, 8, 40, 576], views)]
-        budget = int(rng.integers(1, 200))
-        w = rng.uniform(0.2, 0.9, views)
-        if case % 5 == 0:
-            w[1] = w[0]
-        if case % 7 == 0:
-            w[-1] = 0.0
+        views, counts, budget, w = random_case(rng, case)
         width = [0.0, 1e-6, 1e-5, 1e-4, 1e-3][case % 5]
         lo, hi = w - rng.uniform(0, width, views), w + rng.uniform(0, width, views)
         if case % 3 == 0:
