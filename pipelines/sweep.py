@@ -388,11 +388,11 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                 trainable = trial.trainable(spec, shared, objective)
                 pool.hold(plan.pool_size)  # the workers wait for this experiment's first trial
                 tuner = _tuner(trainable, spec, phase, plan, state, recorder, resume=resume is not None)
-                with handlers_kept():  # Tune's SIGINT handler ends with its experiment: a later Ctrl-C stops at once
-                    grid = tuner.fit()
                 try:
-                    seen = _reconcile(recorder, grid, phase.trials,
-                                      spec.tune.num_samples if not phase.trials else None)
+                    with handlers_kept():  # Tune's SIGINT handler ends with its experiment (and its records'
+                        grid = tuner.fit()  # reconciling): a later Ctrl-C stops at once
+                        seen = _reconcile(recorder, grid, phase.trials,
+                                          spec.tune.num_samples if not phase.trials else None)
                     proposed += len(seen) if phase.searched and optuna else 0
                 except SweepInterrupted as e:
                     dead = pool_watch.lost(experiment)

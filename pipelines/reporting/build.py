@@ -167,8 +167,8 @@ def _scores_section(table, full_tokens, comparison, out_dir, report) -> str:
     if any(col.endswith(tables.RUNS) for col in table.frame.columns):
         note += (" ± sd, n: a configuration the sweep ran n times (`tune.num_samples`; n counts the runs that "
                  "finished with that score): the row is the mean of its finished runs, ± their standard deviation; "
-                 "its Rel. is the mean scores over the unpruned row's (itself the mean of its runs), ± the sd of "
-                 "each run's Rel.")
+                 "its Rel. is the mean scores over the unpruned row's (itself the mean of its finished runs), ± the "
+                 "sd of each run's Rel.")
     if comparison is not None and not comparison.empty:
         note += " Rows marked ↳ paper: the published numbers, with our delta."
     return f"## Scores\n\n{note}\n\n{tables.score_table_markdown(table, full_tokens, comparison)}"
@@ -203,9 +203,10 @@ def _paired_section(sweep, table, preds) -> str:
 def _plane_points(sweep: Sweep, table: tables.ScoreTable | None = None) -> pd.DataFrame:
     """The trials that set mu or tau: their (mu, tau), Rel. in % (a stopped trial's running Rel.), stopped."""
     if not any(o in sweep.option_names for o in MU_TAU):
+        # typed: an object "stopped" of no trial, as a mask, was read as a list of column names (a --grid of no
+        # (mu, tau) trial raised KeyError)
         return pd.DataFrame({"mu": [], "tau": [], "value": [], "stopped": []}).astype(
-            {"mu": float, "tau": float, "value": float, "stopped": bool})  # typed: an object "stopped" of no
-        # trial, as a mask, was read as a list of column names (a --grid of no (mu, tau) trial raised KeyError)
+            {"mu": float, "tau": float, "value": float, "stopped": bool})
     trials = sweep.trials
     opts = pd.DataFrame({o: pd.to_numeric(trials[o], errors="coerce") if o in trials else np.nan for o in MU_TAU},
                         index=trials.index)

@@ -143,8 +143,8 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
 def _add_spread(frame: pd.DataFrame, columns: list, sweep: Sweep) -> None:
     """For each row that is the mean of repeated runs (`Sweep.mean_over_repeats`): per task and for Rel., the
     standard deviation over the runs (raw units; Rel. in points, each run's against the unpruned row, the mean of
-    its runs) and how many ran it. Such a row's bootstrap bounds are dropped: the mean of the runs' bounds is no
-    interval of their mean."""
+    its runs) and how many ran it. Such a row's bootstrap bounds are dropped where two or more runs scored the task:
+    the mean of the runs' bounds is no interval of their mean (one run's are its own)."""
     tasks = [c.task for c in columns]
     bid = sweep.baseline_id
     base = frame.loc[bid, tasks].to_dict() if bid is not None and bid in frame.index else None
@@ -156,7 +156,8 @@ def _add_spread(frame: pd.DataFrame, columns: list, sweep: Sweep) -> None:
             values = per_run[task].dropna()
             frame.loc[rid, [f"{task}{SD}", f"{task}{RUNS}"]] = [values.std() if len(values) > 1 else np.nan,
                                                                  len(values)]
-            frame.loc[rid, [f"{task}{CI_LOW}", f"{task}{CI_HIGH}"]] = np.nan
+            if len(values) > 1:
+                frame.loc[rid, [f"{task}{CI_LOW}", f"{task}{CI_HIGH}"]] = np.nan
         if base is not None:
             rel = pd.Series([defined_rel(scores, base) for scores in per_run.to_dict("records")], index=per_run.index)
         else:

@@ -482,8 +482,8 @@ def distinct_trials(grid: dict, catalog: MethodCatalog) -> list[Trial] | None:
     grid's content, keys in order (the listing's order, which the seeded draws depend on), types kept (``1`` and
     ``1.0`` are other ids), and what the listing reads of the catalog: each registered method's option names (a
     sweep's every call makes its own `MethodCatalog`; a plugin's method registered later is another key). A grid
-    holding a value of another type is listed every time. The `Trial`s are shared between calls (frozen); the list
-    is the caller's."""
+    holding a value of another type is listed every time. The `Trial`s are shared between calls (frozen: never
+    change their option dicts); the list is the caller's."""
     key = _listing_key(grid, catalog)
     with _LISTINGS_LOCK:
         listed = _LISTINGS.get(key, _UNLISTED) if key is not None else _UNLISTED

@@ -38,6 +38,7 @@ only, from that row's own state (rows of one suffix length together), through tr
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from dataclasses import dataclass
 
@@ -184,7 +185,8 @@ _NOT_COMMUTING = ("exponential_decay_length_penalty", "remove_invalid_values")
 def repetition_penalty(model, generation_kwargs: dict, attention_mask: torch.Tensor) -> tuple[dict, list]:
     """``(kwargs, processors)`` for a batch laid out with padding inside its rows (the prefix layout): where the
     repetition penalty ``generate`` would apply (``generation_kwargs`` over the model's generation config) is on,
-    ``repetition_penalty=1.0`` in ``kwargs`` (generate builds none) and :class:`AttendedRepetitionPenalty` to put
+    ``repetition_penalty=1.0`` in ``kwargs`` (in a copy of the caller's ``generation_config`` where one is passed;
+    generate builds none) and :class:`AttendedRepetitionPenalty` to put
     first among the caller's processors (after generate's own, as its penalty's only followers there only mask:
     the same scores). Else, or where the caller passes a penalty processor of its own (which replaces generate's),
     or sets a knob of :data:`_NOT_COMMUTING`: ``generation_kwargs`` as they are and no processor."""
@@ -197,7 +199,12 @@ def repetition_penalty(model, generation_kwargs: dict, attention_mask: torch.Ten
     started = attention_mask.cumsum(-1) > 0
     if not bool(((attention_mask == 0) & started).any()):  # padding only in front: transformers' own leaves it out
         return generation_kwargs, []
-    return {**generation_kwargs, "repetition_penalty": 1.0}, [AttendedRepetitionPenalty(penalty, attention_mask)]
+    processors = [AttendedRepetitionPenalty(penalty, attention_mask)]
+    if generation_kwargs.get("generation_config") is not None and "repetition_penalty" not in generation_kwargs:
+        config = copy.deepcopy(generation_kwargs["generation_config"])  # not a kwarg beside a config (deprecated)
+        config.repetition_penalty = 1.0  # set, not None: the model's own config does not fill it in
+        return {**generation_kwargs, "generation_config": config}, processors
+    return {**generation_kwargs, "repetition_penalty": 1.0}, processors
 
 
 def _find(cache, key, ids: torch.Tensor) -> Prefix | None:

@@ -640,9 +640,9 @@ def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarr
     view of an image), where ``split`` decides each matrix by its own.
 
     The matrices of a size the bounds do not take (``applies``: in "auto" below `MIN_SIZE`, off the CUDA fast path or
-    where their float64 products cost more than the eigensolve; "exact"; one row) are eigensolved at once and read with
-    the first stage. The others run ``split``'s stages (``schedule`` for all their views at the largest size, one
-    ``Lanczos`` per size, the stage's coefficients of every size in one read; in "auto" a size whose next stage does
+    where their float64 products cost more than the eigensolve; "exact"; a 1 x 1 matrix) are eigensolved at once and
+    read with the first stage. The others run ``split``'s stages (``schedule`` for all their views at the largest size,
+    one ``Lanczos`` per size, the stage's coefficients of every size in one read; in "auto" a size whose next stage does
     not pay, ``stage_pays``, keeps its brackets as they are from then on). After each stage ``settled(lo, hi)`` sees
     every row's interval ``[lo, hi]`` (``[R]`` each): a point where the eigensolve gave it, else the bracket
     (``floored_bounds``) widened by ``decision_margin(n)`` (what it may miss of the float32 matrix's rounding), or

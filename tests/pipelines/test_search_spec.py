@@ -295,7 +295,7 @@ def test_a_random_searchs_grid_is_listed_once_however_often_its_trials_are_asked
 
     from pipelines.spec import trials as spec_trials
 
-    monkeypatch.setattr(spec_trials, "_LISTINGS", collections.OrderedDict(), raising=False)  # none listed yet
+    monkeypatch.setattr(spec_trials, "_LISTINGS", collections.OrderedDict())  # none listed yet
     listings, trials_of = [], spec_trials._trials_of
 
     def counted(combos, *args, **kwargs):
