@@ -144,16 +144,23 @@ def check_tasks(tasks: list[str], limit: int | None = None, include_path: list[s
     return problems + [_labelled("tasks", problem) for problem in task_problems(manager, list(tasks), own)]
 
 
+def task_generation(spec: SweepSpec, task: str) -> dict:
+    """The generation settings ``task`` runs with: its lmms-eval ``generation_kwargs`` (from the spec's
+    ``include_path`` too), the spec's ``generation`` over them."""
+    from promprune.eval.tasks import task_config
+
+    own = task_config(task, spec.include_path).get("generation_kwargs") or {}
+    return {**own, **spec.generation}
+
+
 def check_generation(spec: SweepSpec) -> list[str]:
     """The spec's `generation` laid over each task's own lmms-eval generation_kwargs can be generated with
     (`promprune.eval.generation.sampling_problem`: do_sample over a task's temperature 0 failed every sample)."""
     from promprune.eval.generation import sampling_problem
-    from promprune.eval.tasks import task_config
 
     found: dict[str, list[str]] = {}
     for task in spec.tasks:
-        own = task_config(task, spec.include_path).get("generation_kwargs") or {}
-        problem = sampling_problem({k: v for k, v in {**own, **spec.generation}.items() if v is not None})
+        problem = sampling_problem({k: v for k, v in task_generation(spec, task).items() if v is not None})
         if problem:
             found.setdefault(problem, []).append(task)
     return [f"generation: {problem} (tasks {', '.join(tasks)})" for problem, tasks in found.items()]

@@ -378,7 +378,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
             timeline.mark("tune_start", "driver")
             _INTERRUPTED.clear()  # (a test's earlier sweep in this process may have had one)
             for phase in search.phases(spec):
-                _stop_if_signalled(spec, phase, state)  # a stop during the experiment before: not the next one
+                _stop_if_signalled(phase, state)  # a stop during the experiment before: not the next one
                 dead = pool_watch.lost(experiment)  # (the calibration ran while it died, or the experiment before)
                 if dead:
                     raise pool_watch.PoolLost(pool_watch.message(dead, resume_command(state)))
@@ -403,7 +403,7 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
                         raise disk.DiskFull(disk.full_message(full, resume_command(state),
                                                               disk.tripped_cause(state["experiment"]))) from None
                     raise SweepInterrupted(str(e), resume_command(state)) from None
-            _stop_if_signalled(spec, None, state)  # during the last experiment, its trials all finished
+            _stop_if_signalled(None, state)  # during the last experiment, its trials all finished
             timeline.mark("tune_end", "driver")
         recorder.finalize_rel()
         recorder.count_generated()
@@ -662,12 +662,10 @@ def generation_plan(spec: specs.SweepSpec) -> str:
     """What each task will generate with: its lmms-eval generation_kwargs, the spec's `generation` laid over them,
     and the bridge's default for what neither sets (what --validate-only shows)."""
     from promprune.eval.generation import generate_kwargs
-    from promprune.eval.tasks import task_config
 
     lines = ["generation per task (the task's lmms-eval generation_kwargs, the spec's `generation` over them):"]
     for task in spec.tasks:
-        own = task_config(task, spec.include_path).get("generation_kwargs") or {}
-        kwargs, until = generate_kwargs({**own, **spec.generation})
+        kwargs, until = generate_kwargs(preflight.task_generation(spec, task))
         shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
         lines.append(f"  {task}: {shown}" + (f", stop at {until}" if until else ""))
     return "\n".join(lines)
@@ -858,7 +856,7 @@ def handlers_kept():
                 signal.signal(signum, handler)
 
 
-def _stop_if_signalled(spec: specs.SweepSpec, phase: search.Phase | None, state: dict) -> None:
+def _stop_if_signalled(phase: search.Phase | None, state: dict) -> None:
     """End the sweep as Ctrl-C does (`SweepInterrupted`: exit 130 and the command that resumes it) when a Ctrl-C or a
     SIGTERM came while Tune ran an experiment (its handler took it; after ``tuner.fit()`` the handlers from before
     are back, `handlers_kept`): before ``phase`` (None: after the last)."""

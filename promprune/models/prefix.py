@@ -46,6 +46,7 @@ import torch
 from transformers import LogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from promprune.models.llm_hooks import cache_argument, cache_in
+from promprune.models.sampling import merged_config
 
 
 @dataclass
@@ -190,8 +191,7 @@ def repetition_penalty(model, generation_kwargs: dict, attention_mask: torch.Ten
     first among the caller's processors (after generate's own, as its penalty's only followers there only mask:
     the same scores). Else, or where the caller passes a penalty processor of its own (which replaces generate's),
     or sets a knob of :data:`_NOT_COMMUTING`: ``generation_kwargs`` as they are and no processor."""
-    given = dict(generation_kwargs)
-    merged, _ = model._prepare_generation_config(given.pop("generation_config", None), **given)
+    merged = merged_config(model, generation_kwargs)
     penalty = merged.repetition_penalty
     own = any(isinstance(p, RepetitionPenaltyLogitsProcessor) for p in generation_kwargs.get("logits_processor") or ())
     if penalty is None or penalty == 1.0 or own or any(getattr(merged, k, None) for k in _NOT_COMMUTING):

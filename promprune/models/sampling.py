@@ -35,11 +35,29 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def gumbel(n: int, seed: int, device) -> torch.Tensor:
-    """``[n]`` float32 i.i.d. Gumbel(0, 1) draws on ``device``, from a generator of their own seeded with ``seed``."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    uniform = torch.rand(n, generator=generator, device=device, dtype=torch.float32)
+def gumbel(n: int, seeds: list[int], device) -> torch.Tensor:
+    """``[len(seeds), n]`` float32 i.i.d. Gumbel(0, 1) draws on ``device``, row ``i``'s from a generator seeded with
+    ``seeds[i]`` alone (one generator, reseeded per row: the draws of a fresh one), transformed in one pass."""
+    generator = torch.Generator(device=device)
+    uniform = torch.empty(len(seeds), n, device=device, dtype=torch.float32)
+    for row, seed in zip(uniform, seeds):
+        torch.rand(n, generator=generator.manual_seed(seed), out=row)
     return -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+
+
+def generation_value(generation_kwargs: dict, name: str):
+    """A ``generate`` setting as given: the kwarg, else the ``generation_config`` kwarg's (None: not given)."""
+    if name in generation_kwargs:
+        return generation_kwargs[name]
+    return getattr(generation_kwargs.get("generation_config"), name, None)
+
+
+def merged_config(model, generation_kwargs: dict) -> GenerationConfig:
+    """transformers' own merge of ``generation_kwargs`` (a ``generation_config`` among them) over ``model``'s
+    generation config and its defaults: what ``model.generate(**generation_kwargs)`` decodes by."""
+    given = dict(generation_kwargs)
+    merged, _ = model._prepare_generation_config(given.pop("generation_config", None), **given)
+    return merged
 
 
 class GumbelNoise(LogitsProcessor):
@@ -56,7 +74,7 @@ class GumbelNoise(LogitsProcessor):
         if self.start is None:
             self.start = input_ids.shape[1]
         step = input_ids.shape[1] - self.start
-        noise = torch.stack([gumbel(scores.shape[1], step_seed(s, step), scores.device) for s in self.seeds])
+        noise = gumbel(scores.shape[1], [step_seed(s, step) for s in self.seeds], scores.device)
         return scores + noise.to(scores.dtype)
 
 
@@ -64,8 +82,7 @@ def warpers(model, generation_kwargs: dict) -> list[LogitsProcessor]:
     """The sampling warpers ``model.generate(do_sample=True, **generation_kwargs)`` applies, in its order: built by
     transformers from its own merge of ``generation_kwargs`` (and a ``generation_config`` among them) over the
     model's generation config and its defaults (e.g. top-k 50 where nothing sets top_k)."""
-    given = dict(generation_kwargs)
-    merged, _ = model._prepare_generation_config(given.pop("generation_config", None), **given)
+    merged = merged_config(model, generation_kwargs)
     only = GenerationConfig(do_sample=True, num_beams=1, **{f: getattr(merged, f, None) for f in WARPER_FIELDS})
     built = list(model._get_logits_processor(generation_config=only, device=str(model.device)))
     other = [type(p).__name__ for p in built if type(p).__name__ not in _WARPERS]
@@ -80,9 +97,7 @@ def per_row_sampling(model, generation_kwargs: dict, seeds: list[int]) -> tuple[
     processors to append after the caller's (:func:`warpers`, then :class:`GumbelNoise` of ``seeds``, one per row),
     so that the call samples as ``generation_kwargs`` (with ``do_sample=True``) ask, each row from its own seed.
     One beam only: sampled beam search draws among beams, not per row (a ValueError)."""
-    num_beams = generation_kwargs.get("num_beams")
-    if num_beams is None:
-        num_beams = getattr(generation_kwargs.get("generation_config"), "num_beams", None)
+    num_beams = generation_value(generation_kwargs, "num_beams")
     if int(num_beams or 1) != 1:
         raise ValueError(f"seeded sampling draws each answer from its own seed, one sequence per prompt: num_beams "
                          f"must be 1 with do_sample, got {num_beams!r}")

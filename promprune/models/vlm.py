@@ -34,6 +34,7 @@ from .factories import find_model_factory
 from .images import as_batch, batch_lists, load_images, pixel_key
 from .options import OptionError, is_in_llm, next_layout, token_order, validate_method
 from .registry import family_of
+from .sampling import generation_value as _generation_value
 from .batched_select import select_items
 from .sequence import shrink_placeholders
 from .transfer import to_device, to_host
@@ -651,13 +652,6 @@ def _check_seeds(sample_seeds, prompts) -> None:
     if isinstance(sample_seeds, (str, bytes)) or not hasattr(sample_seeds, "__len__") or len(sample_seeds) != rows \
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in sample_seeds):
         raise ValueError(f"sample_seeds must be one int per row ({rows}), got {sample_seeds!r}")
-
-
-def _generation_value(generation_kwargs: dict, name: str):
-    """A ``generate`` setting as given: the kwarg, else the ``generation_config`` kwarg's (None: not given)."""
-    if name in generation_kwargs:
-        return generation_kwargs[name]
-    return getattr(generation_kwargs.get("generation_config"), name, None)
 
 
 # what PrunedVLM.generate decodes with where the caller sets neither (as a kwarg or in a generation_config): greedy,

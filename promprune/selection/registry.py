@@ -434,9 +434,10 @@ def _check_registration(name, fn: Callable[..., Any], options: Mapping[str, Any]
         fix = "pick another name" if _builtin(taken) else (f"pick another name, or pass replace=True to {caller} "
                                                            "(e.g. a notebook cell run again)")
         raise ValueError(f"method {name!r} is already registered ({whose}): {fix}")
-    reserved = sorted((set(options) | set(choices or {})) & set(_reserved_options(caller)))
+    taken_options = _reserved_options(caller)
+    reserved = sorted((set(options) | set(choices or {})) & set(taken_options))
     if reserved:
-        whose = "; ".join(f"{key!r}: {_reserved_options(caller)[key]}" for key in reserved)
+        whose = "; ".join(f"{key!r}: {taken_options[key]}" for key in reserved)
         raise ValueError(f"{caller}: method {name!r} names option(s) {reserved}, which are taken before the method "
                          f"sees them ({whose}): name them otherwise")
     params = inspect.signature(fn).parameters.values()
