@@ -688,26 +688,52 @@ SCHEDULES = ((16, 48), (12, 24, 48), (16, 24, 48), (12, 20, 32, 48), (12, 24, 32
 PROBE_STEPS = (4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48)
 
 
-_NEEDED: dict[tuple, list[int | None]] = {}
+_NEEDED: dict[tuple, list["Need"]] = {}
 
 
-def steps_needed(N: int, d: int, T: int, images: int, device: str) -> list[int | None]:
-    """For each of the split table's images at a shape (``split_images``), the fewest Lanczos steps of
-    ``PROBE_STEPS`` whose bracket decides it (None: none does; the eigensolve). Computed once per shape and process."""
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """What one of the split table's images needs (``steps_needed``): ``steps``, the fewest Lanczos steps of
+    ``PROBE_STEPS`` whose bracket decides it (None: none does, the eigensolve), and ``hopeless``, the probe steps
+    after which ``certified.judge`` gives it up (its bracket within the margin of a count boundary: the split
+    eigensolves it at the first stage that ends there, without the remaining stages)."""
+
+    steps: int | None
+    hopeless: frozenset[int] = frozenset()
+
+    def stage(self, schedule: tuple[int, ...]) -> tuple[int, bool]:
+        """``(i, decided)``: the stage of ``schedule`` after which the split is done with the image, and whether its
+        bracket decided it there (else it goes on to the eigensolve: given up on, or the last stage's undecided)."""
+        for i, end in enumerate(schedule):
+            if self.steps is not None and self.steps <= end:
+                return i, True
+            if end in self.hopeless and i < len(schedule) - 1:  # ``_split`` gives up only before the last stage
+                return i, False
+        return len(schedule) - 1, False
+
+
+def steps_needed(N: int, d: int, T: int, images: int, device: str) -> list[Need]:
+    """For each of the split table's images at a shape (``split_images``), its ``Need``: judged as ``certified.split``
+    judges (``floored_bounds``, ``decision_margin`` of the size) at every step of ``PROBE_STEPS``. Computed once per
+    shape and process."""
     key = (N, d, T, images, device)
     if key not in _NEEDED:
         matrix, counts, _exact_h = split_images(N, d, T, images, device)
+        n = matrix.shape[-1]
+        margin = certified.decision_margin(n)
         need = []
         for i, count_of in enumerate(counts):
-            state, done, first = certified.Lanczos.start(certified.density(matrix[i:i + 1])), 0, None
+            state, done, first, hopeless = certified.Lanczos.start(certified.density(matrix[i:i + 1])), 0, None, set()
             for k in PROBE_STEPS:
                 state, done = state.run(k - done), k
-                lo, hi = certified.bounds(*(certified.host_read(t) for t in (state.alpha, state.beta)), N)
-                decided, _ = certified.decide(lo, hi, count_of)
+                lo, hi = certified.floored_bounds(*(certified.host_read(t) for t in (state.alpha, state.beta)), n)
+                decided, _, gave_up = certified.judge(lo, hi, count_of, margin)
                 if decided[0]:
                     first = k
                     break
-            need.append(first)
+                if gave_up[0]:
+                    hopeless.add(k)
+            need.append(Need(first, frozenset(hopeless)))
         _NEEDED[key] = need
     return _NEEDED[key]
 
@@ -716,19 +742,21 @@ def steps_needed(N: int, d: int, T: int, images: int, device: str) -> list[int |
 ROUTE_RATES = (("A40", 0.58), ("H800", 1.0), ("L40S", 1.35), ("V100", 7.8), ("A100", 19.5), ("H100", 50.0))
 
 
-def route_ms(need: int | None, n: int, tflops: float, schedule: tuple[int, ...], auto: bool) -> float:
-    """Projected device ms of one view whose bracket first decides at ``need`` steps (None: never) on the bracket
-    route with ``schedule``: its stages' steps at ``tflops`` (``certified.step_ms``) and the eigensolve where no stage
-    decides it; with ``auto`` a stage runs only where it pays (``certified.stage_pays``; the first one deciding the
-    route), else the view goes to the eigensolve there."""
+def route_ms(need: "Need | int | None", n: int, tflops: float, schedule: tuple[int, ...], auto: bool) -> float:
+    """Projected device ms of one view on the bracket route with ``schedule``: ``need`` (``Need``; an int or None: the
+    steps whose bracket first decides it, None never, and never given up on) prices its stages' steps at ``tflops``
+    (``certified.step_ms``) and the eigensolve where no stage decides it (given up on after a stage, ``Need.hopeless``,
+    the remaining stages left out); with ``auto`` a stage runs only where it pays (``certified.stage_pays``; the first
+    one deciding the route), else the view goes to the eigensolve there."""
+    need = need if isinstance(need, Need) else Need(need)
+    stage, decided = need.stage(schedule)
     done = 0
-    for end in schedule:
+    for end in schedule[:stage + 1]:
         if auto and not certified.stage_pays(end - done, n, tflops):
+            decided = False
             break
         done = end
-        if need is not None and need <= end:
-            return done * certified.step_ms(n, tflops)
-    return done * certified.step_ms(n, tflops) + certified.eigensolve_ms(n)
+    return done * certified.step_ms(n, tflops) + (0.0 if decided else certified.eigensolve_ms(n))
 
 
 def print_routes(shapes, images: int, device: str) -> None:
@@ -756,8 +784,8 @@ def print_routes(shapes, images: int, device: str) -> None:
 def print_schedules(shapes, images: int, device: str) -> None:
     """How many Lanczos steps each stage schedule runs over the split table's images (the same images, mu within +-2
     tau): for each image the fewest steps (of ``PROBE_STEPS``) whose bracket decides it; a schedule runs an image to
-    the first stage at or above that (all of them when none decides: the exact eigensolve; the split itself stops
-    earlier for an image within the margin of a boundary, ``certified.judge``, which this projection leaves out).
+    the first stage at or above that, or to the first stage before the last after which ``certified.judge`` gives it
+    up (its bracket within the margin of a count boundary), or to the last: then the exact eigensolve (``Need``).
     Steps are what the device pays per view (each one a float64 n x n product); reads are the host's, one per stage a
     call runs (its sync and bounds, ~0.2 ms). A schedule is marked with the shapes whose call takes it, eagerly and
     replayed as CUDA graphs (``certified.schedule``: a leading stage where the batch's steps cost the device or the
@@ -768,10 +796,9 @@ def print_schedules(shapes, images: int, device: str) -> None:
     for schedule in SCHEDULES:
         cells = ""
         for name in shapes:
-            stage = [next((i for i, st in enumerate(schedule) if k is not None and k <= st), len(schedule) - 1)
-                     for k in needs[name]]  # the stage that decides each image (the last: it goes on to the eigensolve)
-            steps, reads = sum(schedule[i] for i in stage), sum(i + 1 for i in stage)
-            exact = sum(k is None or k > schedule[-1] for k in needs[name])
+            went = [need.stage(schedule) for need in needs[name]]  # where each image is done, and whether decided
+            steps, reads = sum(schedule[i] for i, _ in went), sum(i + 1 for i, _ in went)
+            exact = sum(not decided for _, decided in went)
             cells += f"{steps:>5d} steps{reads:>4d} reads{exact:>3d} exact"
         marks = []
         for label, eager in (("eager", True), ("graphs", False)):

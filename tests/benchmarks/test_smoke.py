@@ -345,6 +345,26 @@ def test_selection_prices_the_routes_by_hand():
     assert route_ms(20, 576, 1.35, schedule, auto=False) == pytest.approx(24 * 0.2831, rel=1e-3)
 
 
+def test_selection_prices_an_early_eigensolve_by_hand():
+    """A view ``certified.judge`` gives up on after a stage (``Need.hopeless``) pays the steps up to that stage and
+    the eigensolve, not the remaining stages (as ``certified.split`` runs it); given up on only at the last stage's
+    steps, it pays every stage as before (the split gives up only before the last); ``print_schedules``' stage
+    reads the same."""
+    from benchmarks.selection import Need, route_ms
+
+    schedule = (6, 12, 24, 32, 48)
+    step, eig = 0.007644, 5.46
+    assert route_ms(Need(None, frozenset({12, 24})), 576, 50.0, schedule, auto=False) == pytest.approx(
+        12 * step + eig, rel=1e-3)
+    assert route_ms(Need(None, frozenset({8})), 576, 50.0, schedule, auto=False) == pytest.approx(
+        48 * step + eig, rel=1e-3)  # 8 ends no stage: the split never judges there
+    assert route_ms(Need(None, frozenset({48})), 576, 50.0, schedule, auto=False) == pytest.approx(
+        48 * step + eig, rel=1e-3)
+    assert Need(None, frozenset({12})).stage(schedule) == (1, False)
+    assert Need(20, frozenset()).stage(schedule) == (2, True)
+    assert Need(None, frozenset({48})).stage(schedule) == (4, False)
+
+
 def test_selection_runs_the_shapes_asked_for(capsys):
     """``--shapes`` keeps the tables to the shapes named (the split table at one shape here); an unknown name is
     refused with the known ones, before any work."""
