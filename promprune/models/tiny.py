@@ -20,6 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
+from ..seeding import private_seed
 from .factories import place
 from .registry import check_builds_own, families, family
 
@@ -46,9 +47,10 @@ def text_sizes(vocab_size: int) -> dict:
 
 
 def seeded(build):
-    """``build()`` with torch seeded (:data:`SEED`), in eval mode."""
-    torch.manual_seed(SEED)
-    return build().eval()
+    """``build()`` with torch seeded (:data:`SEED`), in eval mode; the caller's random state is left as it was
+    (:func:`promprune.seeding.private_seed`)."""
+    with private_seed(SEED):
+        return build().eval()
 
 
 def tiny_clip_text(vision_config):
@@ -64,9 +66,9 @@ def tiny_clip_text(vision_config):
                             num_attention_heads=4, max_position_embeddings=16,
                             projection_dim=vision_config.projection_dim,
                             bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
-    torch.manual_seed(SEED)
-    text = CLIPTextModelWithProjection(config).eval()
-    projection = torch.nn.Linear(vision_config.hidden_size, vision_config.projection_dim, bias=False)
+    with private_seed(SEED):
+        text = CLIPTextModelWithProjection(config).eval()
+        projection = torch.nn.Linear(vision_config.hidden_size, vision_config.projection_dim, bias=False)
     return tok, text, projection
 
 

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from promprune.dtypes import compute_dtype
 from promprune.models.architectures.llava import LLAVA_TEMPLATE
+from promprune.seeding import private_seed
 from promprune.testbed import scenes
 
 IMAGE_SIZE = scenes.CANVAS
@@ -92,8 +93,8 @@ def processor(tok=None) -> LlavaProcessor:
 @functools.lru_cache(maxsize=1)
 def _untrained():
     tok = tokenizer()
-    torch.manual_seed(SEED)
-    return LlavaForConditionalGeneration(config(tok)).eval(), processor(tok)
+    with private_seed(SEED):
+        return LlavaForConditionalGeneration(config(tok)).eval(), processor(tok)
 
 
 def untrained():

@@ -53,6 +53,7 @@ import torch
 
 from promprune.env import cache_dir
 from promprune.models import PrunedVLM
+from promprune.seeding import private_seed
 from promprune.testbed import RECIPE  # defined with the package (cheap to import)
 from promprune.testbed import model as testbed_model
 from promprune.testbed import scenes
@@ -414,53 +415,54 @@ def relation_stage(model, processor, steps: int = RELATION_STEPS, *, lr: float =
     batches half relation questions, half the stage-3 mix; stage 3's losses plus :func:`relation_word_targets` and
     :class:`RelationFacts`. Depends only on the weights it is given and ``seed`` (its own generators), so stages
     1-3, a save and a load, then this stage give the same weights as one :func:`train`."""
-    torch.manual_seed(seed + 4)
-    rng = random.Random(seed + 4)
-    vlm = PrunedVLM(model, processor, method=None)
-    width = model.config.text_config.hidden_size
-    probe, facts = QuestionProbe(width), RelationFacts(width)
-    model.set_attn_implementation("eager")
-    model.requires_grad_(True)
-    model.model.vision_tower.eval().requires_grad_(False)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad] + list(probe.parameters()) + list(facts.parameters())
-    told = RelationAnswer(width) if answer else None
-    params += list(told.parameters()) if told is not None else []
-    opt, schedule = common.optimizer(params, max(steps, 1), lr)
-    first = bar.total - steps if bar is not None else 0
-    offset = 10 ** 9  # train scenes far from those stages 1-3 drew
-    try:
-        for step in range(steps):
-            start = offset + step * batch_size * 4
-            half = batch_size // 2
-            drawn = [relation_example(start + 2 * i, rng) for i in range(half)]
-            drawn += [example(start + 2 * batch_size + i, rng) for i in range(batch_size - half)]
-            kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
-            out = model(**kwargs, output_attentions=True, output_hidden_states=True)
-            lm = common.lm_loss(out.logits, labels)
-            positions = answer_positions(labels)
-            targets = attention_targets(kwargs["input_ids"], kwargs["attention_mask"], labels, drawn,
-                                        model.config.image_token_id)
-            looked, mass = attention_loss(out.attentions, targets)
-            word = relation_word_targets(kwargs["input_ids"], labels, drawn)
-            read = -torch.stack([out.attentions[WORD_LAYER][r, h, p, k].sum() for _, r, h, p, k in word]).add(
-                1e-6).log().mean() if word else lm.new_zeros(())
-            extra = (probe.loss(out.hidden_states[FIND_LAYER], positions, drawn)
-                     + facts.loss(out.hidden_states[FACTS_LAYER], positions, drawn))
-            if told is not None:
-                extra = extra + told.loss(out.hidden_states[ANSWER_LAYER], positions, drawn)
-            loss = common.step(lm + looked + read + extra, params, opt, schedule)
-            if bar is not None:
-                bar.update(first + step, loss)
-            if (step + 1) % 100 == 0:
-                log.info("relation step %d: lm %.3f, attention %.3f (mass %s), relation word %.3f, read-outs %.3f",
-                         step + 1, lm.item(), looked.item(), {r: round(m, 2) for r, m in mass.items()},
-                         read.item(), extra.item())
-            if hook is not None:
-                hook("relation", step, model)
-    finally:
-        model.set_attn_implementation("sdpa")
-        model.eval().requires_grad_(True)
+    with private_seed(seed + 4):  # the caller's random state is left as it was
+        rng = random.Random(seed + 4)
+        vlm = PrunedVLM(model, processor, method=None)
+        width = model.config.text_config.hidden_size
+        probe, facts = QuestionProbe(width), RelationFacts(width)
+        model.set_attn_implementation("eager")
+        model.requires_grad_(True)
+        model.model.vision_tower.eval().requires_grad_(False)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        params += list(probe.parameters()) + list(facts.parameters())
+        told = RelationAnswer(width) if answer else None
+        params += list(told.parameters()) if told is not None else []
+        opt, schedule = common.optimizer(params, max(steps, 1), lr)
+        first = bar.total - steps if bar is not None else 0
+        offset = 10 ** 9  # train scenes far from those stages 1-3 drew
+        try:
+            for step in range(steps):
+                start = offset + step * batch_size * 4
+                half = batch_size // 2
+                drawn = [relation_example(start + 2 * i, rng) for i in range(half)]
+                drawn += [example(start + 2 * batch_size + i, rng) for i in range(batch_size - half)]
+                kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
+                out = model(**kwargs, output_attentions=True, output_hidden_states=True)
+                lm = common.lm_loss(out.logits, labels)
+                positions = answer_positions(labels)
+                targets = attention_targets(kwargs["input_ids"], kwargs["attention_mask"], labels, drawn,
+                                            model.config.image_token_id)
+                looked, mass = attention_loss(out.attentions, targets)
+                word = relation_word_targets(kwargs["input_ids"], labels, drawn)
+                read = -torch.stack([out.attentions[WORD_LAYER][r, h, p, k].sum() for _, r, h, p, k in word]).add(
+                    1e-6).log().mean() if word else lm.new_zeros(())
+                extra = (probe.loss(out.hidden_states[FIND_LAYER], positions, drawn)
+                         + facts.loss(out.hidden_states[FACTS_LAYER], positions, drawn))
+                if told is not None:
+                    extra = extra + told.loss(out.hidden_states[ANSWER_LAYER], positions, drawn)
+                loss = common.step(lm + looked + read + extra, params, opt, schedule)
+                if bar is not None:
+                    bar.update(first + step, loss)
+                if (step + 1) % 100 == 0:
+                    log.info("relation step %d: lm %.3f, attention %.3f (mass %s), relation word %.3f, read-outs %.3f",
+                             step + 1, lm.item(), looked.item(), {r: round(m, 2) for r, m in mass.items()},
+                             read.item(), extra.item())
+                if hook is not None:
+                    hook("relation", step, model)
+        finally:
+            model.set_attn_implementation("sdpa")
+            model.eval().requires_grad_(True)
 
 
 def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: int = BATCH_SIZE,
@@ -468,7 +470,8 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
           sink_after: float = SINK_AFTER, relation_steps: int = RELATION_STEPS, relation_lr: float = RELATION_LR,
           relation_answer: bool = RELATION_ANSWER, seed: int = SEED, threads: int | None = THREADS,
           progress: bool = True, on_step=None, init=None):
-    """Train a fresh testbed VLM; returns ``(model, processor, losses)``. Deterministic for given arguments (CPU).
+    """Train a fresh testbed VLM; returns ``(model, processor, losses)``. Deterministic for given arguments (CPU);
+    the caller's torch random state is left as it was (:func:`promprune.seeding.private_seed`).
 
     Four stages, as LLaVA is built on a pretrained CLIP:
 
@@ -499,67 +502,67 @@ def train(steps: int = STEPS, *, vision_steps: int = VISION_STEPS, batch_size: i
     vlm = PrunedVLM(model, processor, method=None)
     tower = model.model.vision_tower
     rng = random.Random(seed)
-    torch.manual_seed(seed)
-    heads = TowerHeads(model.config.vision_config.hidden_size)
-    probe = QuestionProbe(model.config.text_config.hidden_size)
-    t0 = time.perf_counter()
-    bar = common.Progress(vision_steps + align_steps + steps + relation_steps, f"training {CACHE_NAME}", progress)
-    hook = on_step or (lambda stage, step, model: None)
-    pixels = lambda batch: processor.image_processor(  # noqa: E731
-        [scenes.render(s) for s in batch], return_tensors="pt")["pixel_values"]
-    with common.torch_threads(threads):
-        try:
-            # stage 1: the vision tower (what a pretrained CLIP would bring)
-            params = list(tower.parameters()) + list(heads.parameters())
-            opt, schedule = common.optimizer(params, vision_steps, lr)
-            tower.train()
-            for step in range(vision_steps):
-                batch = [train_scene(step * vision_batch_size + i) for i in range(vision_batch_size)]
-                out = tower(pixels(batch), output_hidden_states=True)
-                bar.update(step, common.step(heads.loss(out, batch), params, opt, schedule))
-                hook("vision", step, model)
-            tower.eval().requires_grad_(False)
-            held_out = [scenes.make_scene("test", 10_000 + i) for i in range(TOWER_CHECK_SCENES)]
-            log.info("tower after %d steps, on %d test scenes: %s", vision_steps, len(held_out),
-                     heads.accuracy(tower(pixels(held_out), output_hidden_states=True), held_out))
-            offset = vision_steps * vision_batch_size
-            # stage 2: the projector, aligned to the word embeddings
-            params = list(model.model.multi_modal_projector.parameters())
-            opt, schedule = common.optimizer(params, max(align_steps, 1), lr)
-            for step in range(align_steps):
-                batch = [train_scene(offset + step * vision_batch_size + i) for i in range(vision_batch_size)]
-                with torch.no_grad():
+    with private_seed(seed):  # the caller's random state is left as it was
+        heads = TowerHeads(model.config.vision_config.hidden_size)
+        probe = QuestionProbe(model.config.text_config.hidden_size)
+        t0 = time.perf_counter()
+        bar = common.Progress(vision_steps + align_steps + steps + relation_steps, f"training {CACHE_NAME}", progress)
+        hook = on_step or (lambda stage, step, model: None)
+        pixels = lambda batch: processor.image_processor(  # noqa: E731
+            [scenes.render(s) for s in batch], return_tensors="pt")["pixel_values"]
+        with common.torch_threads(threads):
+            try:
+                # stage 1: the vision tower (what a pretrained CLIP would bring)
+                params = list(tower.parameters()) + list(heads.parameters())
+                opt, schedule = common.optimizer(params, vision_steps, lr)
+                tower.train()
+                for step in range(vision_steps):
+                    batch = [train_scene(step * vision_batch_size + i) for i in range(vision_batch_size)]
                     out = tower(pixels(batch), output_hidden_states=True)
-                bar.update(vision_steps + step, common.step(align_loss(model, out, batch), params, opt, schedule))
-                hook("align", step, model)
-            offset += align_steps * vision_batch_size
-            # stage 3: projector + LLM on the questions, the tower frozen; eager attention, whose weights the
-            # attention supervision needs
-            model.set_attn_implementation("eager")
-            params = [p for p in model.parameters() if p.requires_grad] + list(probe.parameters())
-            opt, schedule = common.optimizer(params, steps, lr)
-            model.train()
-            for step in range(steps):
-                drawn = [example(offset + step * batch_size + i, rng) for i in range(batch_size)]
-                kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
-                out = model(**kwargs, output_attentions=True, output_hidden_states=True)
-                lm = common.lm_loss(out.logits, labels)
-                targets = attention_targets(kwargs["input_ids"], kwargs["attention_mask"], labels, drawn,
-                                            model.config.image_token_id, sink=step >= int(steps * sink_after))
-                looked, mass = attention_loss(out.attentions, targets)
-                probed = probe.loss(out.hidden_states[FIND_LAYER], answer_positions(labels), drawn)
-                loss = common.step(lm + looked + probed, params, opt, schedule)
-                bar.update(vision_steps + align_steps + step, loss)
-                if (step + 1) % 250 == 0:
-                    log.info("LLM step %d: lm %.3f, attention %.3f (mass %s), probe %.3f", step + 1, lm.item(),
-                             looked.item(), {r: round(m, 2) for r, m in mass.items()}, probed.item())
-                hook("llm", step, model)
-            relation_stage(model, processor, relation_steps, lr=relation_lr, batch_size=batch_size, seed=seed,
-                           answer=relation_answer, bar=bar, hook=hook)
-        finally:
-            bar.close()
-            model.set_attn_implementation("sdpa")
-            model.eval().requires_grad_(True)
+                    bar.update(step, common.step(heads.loss(out, batch), params, opt, schedule))
+                    hook("vision", step, model)
+                tower.eval().requires_grad_(False)
+                held_out = [scenes.make_scene("test", 10_000 + i) for i in range(TOWER_CHECK_SCENES)]
+                log.info("tower after %d steps, on %d test scenes: %s", vision_steps, len(held_out),
+                         heads.accuracy(tower(pixels(held_out), output_hidden_states=True), held_out))
+                offset = vision_steps * vision_batch_size
+                # stage 2: the projector, aligned to the word embeddings
+                params = list(model.model.multi_modal_projector.parameters())
+                opt, schedule = common.optimizer(params, max(align_steps, 1), lr)
+                for step in range(align_steps):
+                    batch = [train_scene(offset + step * vision_batch_size + i) for i in range(vision_batch_size)]
+                    with torch.no_grad():
+                        out = tower(pixels(batch), output_hidden_states=True)
+                    bar.update(vision_steps + step, common.step(align_loss(model, out, batch), params, opt, schedule))
+                    hook("align", step, model)
+                offset += align_steps * vision_batch_size
+                # stage 3: projector + LLM on the questions, the tower frozen; eager attention, whose weights the
+                # attention supervision needs
+                model.set_attn_implementation("eager")
+                params = [p for p in model.parameters() if p.requires_grad] + list(probe.parameters())
+                opt, schedule = common.optimizer(params, steps, lr)
+                model.train()
+                for step in range(steps):
+                    drawn = [example(offset + step * batch_size + i, rng) for i in range(batch_size)]
+                    kwargs, labels = common.teacher_forcing(vlm, *_prompts(drawn))
+                    out = model(**kwargs, output_attentions=True, output_hidden_states=True)
+                    lm = common.lm_loss(out.logits, labels)
+                    targets = attention_targets(kwargs["input_ids"], kwargs["attention_mask"], labels, drawn,
+                                                model.config.image_token_id, sink=step >= int(steps * sink_after))
+                    looked, mass = attention_loss(out.attentions, targets)
+                    probed = probe.loss(out.hidden_states[FIND_LAYER], answer_positions(labels), drawn)
+                    loss = common.step(lm + looked + probed, params, opt, schedule)
+                    bar.update(vision_steps + align_steps + step, loss)
+                    if (step + 1) % 250 == 0:
+                        log.info("LLM step %d: lm %.3f, attention %.3f (mass %s), probe %.3f", step + 1, lm.item(),
+                                 looked.item(), {r: round(m, 2) for r, m in mass.items()}, probed.item())
+                    hook("llm", step, model)
+                relation_stage(model, processor, relation_steps, lr=relation_lr, batch_size=batch_size, seed=seed,
+                               answer=relation_answer, bar=bar, hook=hook)
+            finally:
+                bar.close()
+                model.set_attn_implementation("sdpa")
+                model.eval().requires_grad_(True)
     losses = bar.losses
     log.info("trained %s: %d + %d + %d + %d steps in %.0f s, loss %.3f -> %.3f", CACHE_NAME, vision_steps,
              align_steps, steps, relation_steps, time.perf_counter() - t0, losses[0] if losses else float("nan"),

@@ -18,12 +18,11 @@ import random
 import time
 from pathlib import Path
 
-import torch
-
 from promprune.env import cache_dir
 from promprune.models import PrunedVLM
 from promprune.models.factories import place
 from promprune.models.tiny import tiny_vlm
+from promprune.seeding import private_seed
 from promprune.training import common
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,8 @@ def train(steps: int = STEPS, *, batch_size: int = BATCH_SIZE, lr: float = LR, s
           threads: int | None = None, progress: bool = True):
     """Train a fresh copy of the tiny LLaVA on easy-vqa train; returns ``(model, processor, losses)``.
 
-    Deterministic for a given ``(steps, batch_size, lr, seed)``: seeded shuffling and initialisation, CPU only.
+    Deterministic for a given ``(steps, batch_size, lr, seed)``: seeded shuffling and initialisation, CPU only; the
+    caller's torch random state is left as it was (:func:`promprune.seeding.private_seed`).
     ``threads``: torch threads while training (default: the CPUs this process may use), restored afterwards.
     """
 
@@ -92,10 +92,9 @@ def train(steps: int = STEPS, *, batch_size: int = BATCH_SIZE, lr: float = LR, s
     order = list(range(len(examples)))
     rng = random.Random(seed)
     rng.shuffle(order)
-    torch.manual_seed(seed)
 
     bar, cursor, t0 = None, 0, time.perf_counter()
-    with common.torch_threads(threads):
+    with private_seed(seed), common.torch_threads(threads):
         params = list(model.parameters())
         opt, schedule = common.optimizer(params, steps, lr)
         bar = common.Progress(steps, f"training {CACHE_NAME} (once)", progress)

@@ -25,6 +25,7 @@ import torch
 
 from promprune.dtypes import AUTO, parse_dtype
 
+from ...seeding import private_seed
 from ..factories import place
 from ..registry import check_builds_own, family
 
@@ -87,17 +88,17 @@ def narrowed(spec: dict, divisor: int) -> dict:
 
 def shape_vlm(name: str, *, dtype=torch.float16, device="cpu", text_layers: int | None = None,
               vision_layers: int | None = None, width_divisor: int = 1):
-    """``(model, processor)``: ``name``'s published architecture with seeded random weights on ``device``.
+    """``(model, processor)``: ``name``'s published architecture with seeded random weights on ``device`` (the
+    caller's random state is left as it was: :func:`promprune.seeding.private_seed`).
 
     The weights are created directly on ``device`` in ``dtype`` (a 7B model in fp16 needs ~14 GB there);
     ``device="meta"`` builds the module tree without memory (shapes, configs, placeholder counts).
     """
     spec = narrowed(shape_spec(name), width_divisor)
     model_cls, config, processor = _build(spec, text_layers, vision_layers)
-    torch.manual_seed(SEED)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    with torch.device(device):
+    with private_seed(SEED, device), torch.device(device):  # the caller's random state is left as it was
         model = model_cls._from_config(config, dtype=dtype)
     return model.eval(), processor
 
