@@ -11,11 +11,12 @@ lengths (questions), so a row is laid out as ``[pad][prefix][pad][suffix]``: the
 to the batch's longest, the suffixes left-padded to theirs, and the attention mask covers both; ``generate`` numbers
 the tokens from the mask (cumsum), so every real token keeps the position it has in the unpadded prompt; Qwen's 3D
 M-RoPE positions (computed on the whole prompt as without the cache) are moved with their columns; a repetition
-penalty counts a row's tokens, not the padding inside its layout (:func:`repetition_penalty`). The prefixes
-missing from the cache are prefilled together, left-padded, in one forward of the language model (with the image
-features; Qwen3-VL's DeepStack rows enter there), and stored unpadded per image until its last question is answered
-(``ImageCache.release``). Memory: the stored prefixes of a batch's images beside the batch's own cache, which holds
-what the unshared path's does; a batch of images asked once each, none cached, runs the unshared way.
+penalty counts a row's tokens, not the padding inside its layout (:func:`repetition_penalty`), and the
+no-repeat-n-gram ban sees a row's tokens only, in this layout as in a left-padded one (:func:`no_repeat_ngram`).
+The prefixes missing from the cache are prefilled together, left-padded, in one forward of the language model (with
+the image features; Qwen3-VL's DeepStack rows enter there), and stored unpadded per image until its last question is
+answered (``ImageCache.release``). Memory: the stored prefixes of a batch's images beside the batch's own cache,
+which holds what the unshared path's does; a batch of images asked once each, none cached, runs the unshared way.
 
 Sliding-window attention (Gemma 4's sliding layers) counts the window in columns, and the padding between a row's
 prefix and its suffix would widen it: the prefix cache is used only when every row's span in this layout, the tokens
@@ -43,7 +44,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import LogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from promprune.models.llm_hooks import cache_argument, cache_in
 from promprune.models.sampling import merged_config
@@ -200,11 +201,84 @@ def repetition_penalty(model, generation_kwargs: dict, attention_mask: torch.Ten
     if not bool(((attention_mask == 0) & started).any()):  # padding only in front: transformers' own leaves it out
         return generation_kwargs, []
     processors = [AttendedRepetitionPenalty(penalty, attention_mask)]
-    if generation_kwargs.get("generation_config") is not None and "repetition_penalty" not in generation_kwargs:
-        config = copy.deepcopy(generation_kwargs["generation_config"])  # not a kwarg beside a config (deprecated)
-        config.repetition_penalty = 1.0  # set, not None: the model's own config does not fill it in
-        return {**generation_kwargs, "generation_config": config}, processors
-    return {**generation_kwargs, "repetition_penalty": 1.0}, processors
+    # 1.0 set, not None: the model's own config does not fill it in
+    return _switched_off(generation_kwargs, "repetition_penalty", 1.0), processors
+
+
+def _switched_off(generation_kwargs: dict, name: str, value) -> dict:
+    """``generation_kwargs`` with ``generate``'s setting ``name`` at ``value``: in a copy of the caller's
+    ``generation_config`` where one is passed and ``name`` is no kwarg (not a kwarg beside a config: deprecated, and a
+    later transformers would apply the config's setting too), else as a kwarg."""
+    if generation_kwargs.get("generation_config") is not None and name not in generation_kwargs:
+        config = copy.deepcopy(generation_kwargs["generation_config"])
+        setattr(config, name, value)
+        return {**generation_kwargs, "generation_config": config}
+    return {**generation_kwargs, name: value}
+
+
+class AttendedNoRepeatNGram(LogitsProcessor):
+    """transformers' no-repeat-n-gram ban (its own ``NoRepeatNGramLogitsProcessor``, so its matching) over the tokens
+    each row attends to: the prompt's columns the attention mask leaves out are dropped, so each row's n-grams are
+    those of its unpadded prompt and its answer, as a batch of one sees them. transformers' reads every column,
+    padding included: n-grams of pad ids (``no_repeat_ngram_size=1`` banned the pad token in every padded batch) and
+    n-grams across a padding run (its pad ids in place of the neighbours the row has unpadded) banned tokens or
+    failed to, with the padding the row's batch mates decide.
+
+    Each row's attended prompt tokens are packed once (at the first step) to the right of a fill id that no token
+    has (past the vocabulary and every prompt id): a window holding fill matches no row's last tokens unless it is
+    those tokens' own window, which transformers never counts, and a banned fill (every token is, at size 1) lands in
+    transformers' dropped extra column; the generated tokens follow. ``attention_mask`` ``[B, L]``: the prompt's; a
+    batch of ``B * k`` rows (``k`` beams each) repeats each row's ``k`` times, as ``generate`` expands the prompt."""
+
+    def __init__(self, ngram_size: int, attention_mask: torch.Tensor):
+        self.ngrams = NoRepeatNGramLogitsProcessor(int(ngram_size))
+        self.mask = attention_mask != 0
+        self.prompt: torch.Tensor | None = None  # [rows, W]: the packed prompts
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        width = self.mask.shape[1]
+        if self.prompt is None:
+            keep = self.mask.to(input_ids.device).repeat_interleave(input_ids.shape[0] // self.mask.shape[0], 0)
+            fill = max(scores.shape[-1], int(input_ids[:, :width].max()) + 1)
+            self.prompt = _packed(input_ids[:, :width], keep, fill)
+        return self.ngrams(torch.cat([self.prompt, input_ids[:, width:]], dim=1), scores)
+
+
+def _packed(ids: torch.Tensor, keep: torch.Tensor, fill: int) -> torch.Tensor:
+    """``ids [R, L]`` -> ``[R, W]``: each row's kept tokens in order, right-aligned, ``fill`` before them (``W``: the
+    most any row keeps)."""
+    count = keep.sum(1)
+    width = int(count.max())
+    cols = keep.long().cumsum(1) - 1 + (width - count)[:, None]
+    out = ids.new_full((ids.shape[0], width + 1), fill)  # column ``width``: where the dropped columns land
+    out.scatter_(1, torch.where(keep, cols, width), ids)
+    return out[:, :width]
+
+
+# generate's processors that run between its no-repeat-n-gram ban and the caller's processors and do not commute with
+# the ban (it sets scores to -inf; forcing a token, turning -inf finite or adding to -inf, a ban after them differs)
+_NOT_COMMUTING_WITH_BAN = ("forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+                           "exponential_decay_length_penalty")
+
+
+def no_repeat_ngram(model, generation_kwargs: dict, attention_mask: torch.Tensor) -> tuple[dict, list]:
+    """``(kwargs, processors)`` for a padded batch (the prefix layout, or rows left-padded to one length): where the
+    no-repeat-n-gram ban ``generate`` would apply (``no_repeat_ngram_size`` of ``generation_kwargs`` over the model's
+    generation config) is on and some row is padded, ``no_repeat_ngram_size=0`` in ``kwargs`` (in a copy of the
+    caller's ``generation_config`` where one is passed) and :class:`AttendedNoRepeatNGram` to put first among the
+    caller's processors (after :func:`repetition_penalty`'s, as generate's ban follows its penalty; the processors of
+    generate's between them only mask: the same scores). Else, or where the caller passes an n-gram processor of its
+    own (which replaces generate's), or sets a knob of :data:`_NOT_COMMUTING_WITH_BAN`: ``generation_kwargs`` as they
+    are and no processor."""
+    merged = merged_config(model, generation_kwargs)
+    size = merged.no_repeat_ngram_size
+    own = any(isinstance(p, NoRepeatNGramLogitsProcessor) for p in generation_kwargs.get("logits_processor") or ())
+    blocked = [getattr(merged, k, None) for k in _NOT_COMMUTING_WITH_BAN]  # a token id 0 sets its knob
+    if not size or size <= 0 or own or any(v is not None and v is not False for v in blocked):
+        return generation_kwargs, []
+    if bool(attention_mask.all()):  # no padding: transformers' own sees each row's tokens
+        return generation_kwargs, []
+    return _switched_off(generation_kwargs, "no_repeat_ngram_size", 0), [AttendedNoRepeatNGram(size, attention_mask)]
 
 
 def _find(cache, key, ids: torch.Tensor) -> Prefix | None:

@@ -32,6 +32,7 @@ from .adapters import (
 )
 from .factories import find_model_factory
 from .images import as_batch, batch_lists, load_images, pixel_key
+from .prefix import no_repeat_ngram
 from .options import OptionError, is_in_llm, next_layout, token_order, validate_method
 from .registry import family_of
 from .sampling import generation_value as _generation_value
@@ -487,6 +488,8 @@ class PrunedVLM:
         settings as kwargs and / or a ``generation_config``, merged as transformers merges them (the config over the
         model's own generation config, a kwarg over both where one is passed); where neither sets ``do_sample`` /
         ``num_beams``, greedy with one beam (:func:`_greedy_by_default`), whatever the model's config says.
+        ``no_repeat_ngram_size`` bans what transformers' does on each row alone: not the batch's padding
+        (:func:`promprune.models.prefix.no_repeat_ngram`; transformers' own read pad ids as the row's tokens).
 
         ``sample_seeds`` (one int per row; None: none): with ``do_sample`` (a kwarg's or the config's), row ``i``
         samples from its own random stream seeded from ``sample_seeds[i]`` (:mod:`promprune.models.sampling`: the
@@ -551,10 +554,12 @@ class PrunedVLM:
                 continuing = prefix.continuing(self.model)  # hybrid LLMs: each row's state meets its own suffix
                 # the repetition penalty over each row's own tokens, not the padding inside its layout
                 kwargs, penalty = prefix.repetition_penalty(self.model, kwargs, inputs["attention_mask"])
+        # the no-repeat-n-gram ban over each row's own tokens, not the padding of the batch (either layout)
+        kwargs, ngrams = no_repeat_ngram(self.model, kwargs, inputs["attention_mask"])
         pruner = self.pruning(prep)
         flag = nonfinite_flagger()
-        kwargs["logits_processor"] = LogitsProcessorList([*penalty, *(kwargs.get("logits_processor") or []), flag,
-                                                          *sampling])
+        kwargs["logits_processor"] = LogitsProcessorList([*penalty, *ngrams, *(kwargs.get("logits_processor") or []),
+                                                          flag, *sampling])
         with _Timer(self.model, self.device) as timer, pruner, continuing:
             out = self.model.generate(**inputs, **kwargs)
         stats = pruner.stats(prep.items) if isinstance(pruner, llm_hooks.InLLMPruner) else prep.stats

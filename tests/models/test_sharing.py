@@ -180,6 +180,84 @@ def test_the_repetition_penalty_counts_a_rows_own_tokens_not_the_padding_inside_
     assert tokens(answers) == tokens(reference)
 
 
+def until_eos(vlm, ids: list[int]) -> list[int]:
+    """An answer's tokens through its first end token (a batch pads a finished row's tokens after it)."""
+    eos = vlm.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))]
+
+
+def test_no_repeat_ngram_sees_a_rows_own_tokens_not_its_batchs_padding(rows):
+    """transformers' no-repeat-n-gram ban read every column of a padded batch: at size 1 it banned the pad token in
+    every padded row, so a row whose answer (asked alone: no padding) holds the pad token answered otherwise in a
+    batch, in either layout ([pad][prefix][pad][suffix] or left-padded). Each row now answers as it does alone, under
+    transformers' own processor (a batch of one has no padding: nothing is swapped there); the caller's
+    generation_config carries the setting and is left as it was."""
+    from transformers import GenerationConfig
+
+    vlm = vlm_for("llava", "promprune", 8)
+    kwargs = dict(max_new_tokens=40, no_repeat_ngram_size=1)
+    alone = [until_eos(vlm, vlm.generate([r], [p], **kwargs)[0].token_ids) for r, p in zip(rows, PROMPTS)]
+    pad = vlm.processor.tokenizer.pad_token_id
+    lengths = [len(vlm.processor.tokenizer(p).input_ids) for p in PROMPTS]
+    # a row padded in the batch answers the pad token alone (else this test could not fail)
+    assert any(pad in a and n < max(lengths) for a, n in zip(alone, lengths))
+    plain = vlm.generate(rows, PROMPTS, **kwargs)
+    config = GenerationConfig(**kwargs)
+    shared = vlm.generate(rows, PROMPTS, keys=KEYS, cache=ImageCache(), prefix_cache=True, generation_config=config)
+    assert config.no_repeat_ngram_size == 1
+    assert [until_eos(vlm, g.token_ids) for g in plain] == alone
+    assert [until_eos(vlm, g.token_ids) for g in shared] == alone
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("beams", [1, 2])
+def test_the_attended_ngram_ban_is_transformers_ban_on_each_unpadded_row(size, beams):
+    """On hand-made rows over a 6-token vocabulary (pad 0, 'visual' 5), padded in front and inside, whose generated
+    tokens repeat the pad token and the tokens around the padding: the scores equal transformers' processor on each
+    row alone without its padding; transformers' on the padded rows differs for some (non-vacuous)."""
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    from promprune.models.prefix import AttendedNoRepeatNGram
+
+    real = [[1, 5, 5, 2, 3], [5, 4, 3], [1, 2, 5, 5, 5, 3, 4, 2]]  # the prompts unpadded
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1], [0, 0, 0, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    prompt = torch.zeros_like(mask)
+    for b, ids in enumerate(real):
+        prompt[b, mask[b].bool()] = torch.tensor(ids)
+    generated = torch.tensor([[0, 5, 0, 2], [5, 0, 5, 4], [5, 3, 0, 0]])
+    attended = AttendedNoRepeatNGram(size, mask)
+    differs = False
+    for step in range(generated.shape[1] + 1):
+        ids = torch.cat([prompt, generated[:, :step]], 1).repeat_interleave(beams, 0)
+        scores = torch.randn(ids.shape[0], 6)
+        got = attended(ids, scores.clone())
+        for r in range(ids.shape[0]):
+            alone = torch.tensor([real[r // beams] + generated[r // beams, :step].tolist()])
+            want = NoRepeatNGramLogitsProcessor(size)(alone, scores[r:r + 1].clone())
+            assert torch.equal(got[r:r + 1], want), (step, r)
+        differs |= not torch.equal(NoRepeatNGramLogitsProcessor(size)(ids, scores.clone()), got)
+    assert differs
+
+
+def test_the_ngram_ban_is_left_to_transformers_where_it_cannot_move(rows):
+    """Unpadded rows, a processor of the caller's own, or a knob whose processor sits between generate's ban and the
+    caller's (forcing a token, or making -inf finite) and does not commute with a ban: nothing is swapped."""
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    from promprune.models.prefix import AttendedNoRepeatNGram, no_repeat_ngram
+
+    model = vlm_for("llava").model
+    padded, whole = torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.ones(2, 3, dtype=torch.long)
+    swapped, processors = no_repeat_ngram(model, {"no_repeat_ngram_size": 2}, padded)
+    assert swapped["no_repeat_ngram_size"] == 0 and isinstance(processors[0], AttendedNoRepeatNGram)
+    for kwargs, mask in [({"no_repeat_ngram_size": 2}, whole), ({}, padded),
+                         ({"no_repeat_ngram_size": 2, "logits_processor": [NoRepeatNGramLogitsProcessor(2)]}, padded),
+                         ({"no_repeat_ngram_size": 2, "forced_eos_token_id": 0}, padded),
+                         ({"no_repeat_ngram_size": 2, "remove_invalid_values": True}, padded)]:
+        assert no_repeat_ngram(model, kwargs, mask) == (kwargs, [])
+
+
 def numbered(kwargs: dict) -> dict:
     """Model kwargs with the positions ``generate`` gives a plain forward where the adapter gives none: the mask's
     running count (a plain forward would number the padding too)."""
