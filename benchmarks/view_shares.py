@@ -6,7 +6,10 @@ route eigensolves every view; the certified route (``certified.settle`` with ``b
 brackets the entropies stage by stage and eigensolves only the views of images whose brackets leave the integer
 shares undecided (after the last stage, or as soon as no later stage can decide them). This script times
 ``_view_shares`` itself (from the views' features: their spectral matrices, the entropies or brackets, the shares)
-on both routes, forced (``accel.entropy("exact")`` / ``("certified")``), and prints per shape and batch:
+on both routes, forced (``accel.entropy("exact")`` / ``("certified")``), and prints per shape and batch (on the
+certified route PromPrune's split afterwards reuses these intervals, ``Unit.bounds``: a view whose interval decides its
+``t_sal`` runs no second bracket and no eigensolve there, ``two_stage.known_split``; that saving is not in these
+timings, which are ``_view_shares``' alone):
 
 - the median ms of one call (CUDA events around it on a GPU, the device idle before; wall time on the CPU);
 - the share of views whose image's shares the brackets decided without an eigensolve (``batched_select.LAST_SHARES``)

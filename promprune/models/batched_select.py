@@ -18,9 +18,11 @@ them on the host), forms the units and buckets from host arrays, sends every uni
 one copy, checks all buckets' inputs for NaN / Inf with one read (``select(..., checked=True)`` then skips its own),
 runs the buckets' ``select`` calls back to back, and reads all their results in one copy: what the host waits for does
 not grow with views, units or tokens (the methods' own reads aside: PromPrune's certified split reads its bounds once
-per call; ``adaptive_views``' shares, where they take certified brackets, read them once per Lanczos stage, and once
-more where an eigensolve decides what the brackets leave undecided). ``ItemSelection.kept`` / ``salient`` are host
-tensors; ``merged`` / ``cls`` stay on the device.
+per stage of a call; ``adaptive_views``' shares, where they take certified brackets, read them once per Lanczos stage,
+and once more where an eigensolve decides what the brackets leave undecided, and hand each view's last interval to
+its bucket's ``select`` call, whose PromPrune split then brackets none of the views whose ``t_sal`` the intervals
+decide: ``_view_shares``). ``ItemSelection.kept`` / ``salient`` are host tensors; ``merged`` / ``cls`` stay on the
+device.
 """
 from __future__ import annotations
 
@@ -181,7 +183,8 @@ def _certain_round(left: int, low: list[float], high: list[float]) -> list[int] 
 class Unit:
     """One selection unit: candidates ``idx [n]`` (host) of item ``item`` with ``budget`` tokens to keep; ``view``: its
     view (None: the several views of a global mode); ``whole``: ``idx`` is every candidate in order (the item's
-    tensors serve as they are); ``dev``: ``idx`` on the device (None when whole)."""
+    tensors serve as they are); ``dev``: ``idx`` on the device (None when whole); ``bounds``: an interval holding
+    its exact spectral entropy where ``adaptive_views``' shares bracketed it (``_view_shares``), else None."""
 
     item: int
     idx: np.ndarray
@@ -189,6 +192,7 @@ class Unit:
     view: int | None
     whole: bool
     dev: torch.Tensor | None = None
+    bounds: tuple[float, float] | None = None
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The unit's rows of an item's per-candidate tensor ``t [N, ...]`` -> ``[n, ...]``."""
@@ -296,20 +300,39 @@ def _view_shares(items: list[VisualItem], per_view: dict[int, list[Unit]], budge
     views' exact entropies (one eigensolve for all of them, one read), and so, without the remaining stages, does an
     item whose shares ``certain_shares`` cannot prove even on its views' cores (``certified.settle``'s ``hopeless``:
     the box every later stage's intervals hold; a quota within the margin's reach of an integer): a rule that moves
-    only cost, never the shares. ``LAST_SHARES`` says how they went."""
+    only cost, never the shares. ``LAST_SHARES`` says how they went.
+
+    Where the brackets ran, each view's unit keeps its last interval (``Unit.bounds``: ``settle``'s, a bracket widened
+    by the margin or the eigensolve's point, holding the view's exact entropy as ``promprune.spectral_entropy`` gives
+    it), and ``select_items`` hands the intervals of a bucket's units to its ``select`` call (``entropy_bounds``):
+    PromPrune's split (metric "spectral") takes the ``t_sal`` of every view whose interval decides it from there,
+    with no second bracket and no eigensolve of that view (``two_stage.known_split``, ``certified.known_counts``: the
+    exact route's ``t_sal``), and brackets only the others; no read more here."""
     counts = {b: [u.idx.shape[0] for u in group] for b, group in per_view.items()}
-    return shares_by_entropy(*_view_matrices(items, per_view), counts, budget)
+    shares, intervals = _shares_and_intervals(*_view_matrices(items, per_view), counts, budget)
+    if intervals is not None:
+        for b, group in per_view.items():
+            for unit, bounds in zip(group, intervals[b]):
+                unit.bounds = bounds
+    return shares
 
 
 def shares_by_entropy(matrices: list[torch.Tensor], rows: dict[int, list[int]], counts: dict[int, list[int]],
                       budget: int) -> dict[int, list[int]]:
     """``_view_shares`` from the views' spectral matrices (``_view_matrices``: stacks by size, each item's rows) and
     each item's views' token ``counts``."""
+    return _shares_and_intervals(matrices, rows, counts, budget)[0]
+
+
+def _shares_and_intervals(matrices: list[torch.Tensor], rows: dict[int, list[int]], counts: dict[int, list[int]],
+                          budget: int) -> tuple[dict[int, list[int]], dict[int, list[tuple[float, float]]] | None]:
+    """``shares_by_entropy``'s shares and, where ``certified.settle`` ran, each item's views' last intervals
+    (``(lo, hi)``, each holding the view's exact entropy: ``Unit.bounds``); None on the exact route."""
     with accel.full_float32():
         if not any(certified.applies(m.shape[-1], m) for m in matrices if m.shape[0]):
             LAST_SHARES.clear()
             weights = _exact_entropies(matrices, rows)
-            return {b: split_budget(budget, counts[b], weights[b]) for b in rows}
+            return {b: split_budget(budget, counts[b], weights[b]) for b in rows}, None
         decided: dict[int, list[int]] = {}
 
         def settled(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -336,12 +359,12 @@ def shares_by_entropy(matrices: list[torch.Tensor], rows: dict[int, list[int]], 
                     out[group] = certain_shares(budget, counts[b], core_lo[group], core_hi[group]) is None
             return out
 
-        lo, _hi, point, report = certified.settle(matrices, settled, hopeless=hopeless)
+        lo, hi, _point, report = certified.settle(matrices, settled, hopeless=hopeless)
     LAST_SHARES[:] = [report]
     for b, group in rows.items():
         if b not in decided:  # every view eigensolved (``certified.settle``): the exact route's weights
             decided[b] = split_budget(budget, counts[b], lo[group].tolist())
-    return decided
+    return decided, {b: [(float(lo[r]), float(hi[r])) for r in group] for b, group in rows.items()}
 
 
 def _vision(items: list[VisualItem], group: list[Unit]) -> promprune.VisionFeatures | None:
@@ -473,11 +496,20 @@ def select_items(items: list[VisualItem], budget: int, method: str, options: dic
 
 def _inputs(items: list[VisualItem], group: list[Unit], spec) -> dict:
     """``select``'s tensor arguments for a bucket of units: features ``[U, n, d]``, saliency, vision, instruction,
-    keys."""
+    keys, the units' entropy intervals (``_bounds``)."""
     feats = torch.stack([u.take(items[u.item].features) for u in group])  # [U, n, d]
     sal = torch.stack([u.take(items[u.item].saliency) for u in group]) if spec.needs_saliency else None  # [U, n]
     return dict(features=feats, saliency=sal, vision=_vision(items, group) if spec.reads_vision else None,
-                instruction=_instruction(items, group) if spec.needs_instruction else None, keys=_keys(items, group))
+                instruction=_instruction(items, group) if spec.needs_instruction else None, keys=_keys(items, group),
+                entropy_bounds=_bounds(group))
+
+
+def _bounds(group: list[Unit]) -> np.ndarray | None:
+    """The units' entropy intervals ``[U, 2]`` (host; ``Unit.bounds``, ``(-inf, inf)`` for a unit without one), or
+    None where none has one."""
+    if all(u.bounds is None for u in group):
+        return None
+    return np.array([u.bounds if u.bounds is not None else (-math.inf, math.inf) for u in group], dtype=np.float64)
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -35,7 +35,9 @@ one sync for a batch the first stage decides). The small tridiagonal eigenproble
 ``settle`` runs the same stages for a caller whose decision reads several entropies at once (``adaptive_views``'
 shares over an image's views, ``batched_select.certain_shares``): views of several sizes, one read a stage for all,
 the caller saying after each stage which views it needs no more (and, optionally, which no later stage can settle:
-they take the eigensolve at once), the eigensolve for the rest.
+they take the eigensolve at once), the eigensolve for the rest. PromPrune's split then reuses such a caller's
+intervals (``known_counts``, ``select(..., entropy_bounds=)``): a view whose interval, widened by the margin once more
+for the other matrix PromPrune's exact route eigensolves, gives one count runs no stage of its own.
 """
 from __future__ import annotations
 
@@ -157,7 +159,9 @@ class SplitReport:
     them, ``judge``: their bracket lies within the margin of a count boundary, ``settle``'s ``hopeless``), and the
     bracket widths (normalized H, widened by ``floor_allowance``) the decided images had. ``cancelled``: images whose
     tokens are so alike that their centering in Gram space cancels (``entropy.cancels``), split again from the first
-    stage on their tokens centered first; their stages and eigensolve are counted with the others'."""
+    stage on their tokens centered first; their stages and eigensolve are counted with the others'. ``known``: images
+    decided by the intervals their caller handed in (``known_counts``: ``adaptive_views``' brackets of the shares), no
+    stage or eigensolve run for them (not counted in ``decided``)."""
 
     decided: list[int] = field(default_factory=list)
     exact: int = 0
@@ -166,6 +170,7 @@ class SplitReport:
     costly: int = 0
     widths: list[float] = field(default_factory=list)
     hopeless: int = 0
+    known: int = 0
 
     def merge(self, other: "SplitReport") -> None:
         """Add ``other``'s images (a split of some of this call's images on their own) to this report's."""
@@ -174,6 +179,7 @@ class SplitReport:
             self.costly + other.costly
         self.cancelled += other.cancelled
         self.hopeless += other.hopeless
+        self.known += other.known
         self.widths += other.widths
 
     @classmethod
@@ -518,7 +524,8 @@ def judge(lo: np.ndarray, hi: np.ndarray, count: Callable[[torch.Tensor], torch.
 
 def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[torch.Tensor], torch.Tensor],
           steps: tuple[int, ...] | None = None, tokens: torch.Tensor | None = None,
-          opening_with: tuple[Callable, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          opening_with: tuple[Callable, tuple] | None = None,
+          known: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact algorithm's ``count(H)`` for every image of ``matrix [B, n, n]`` and an entropy estimate.
 
     ``matrix``: the spectral matrix (``entropy.spectral_matrix``), or with ``tokens [B, N, d]`` (N <= d) their unit
@@ -539,12 +546,57 @@ def split(matrix: torch.Tensor | Callable[[], torch.Tensor], count: Callable[[to
     float32)`` on the CPU: the entropy is exact where the eigensolve ran (half-width 0), else its bracket's midpoint,
     within the half-width of the exact entropy: half the bracket's width (widened by ``floor_allowance`` for the exact
     route's eigenvalue floor) plus ``decision_margin(n)``, which covers what the bracket does not hold, the float32
-    matrix's rounding (a bracket of 3e-8 missed the float64 entropy of its own float32 matrix by 5.9e-6)."""
+    matrix's rounding (a bracket of 3e-8 missed the float64 entropy of its own float32 matrix by 5.9e-6).
+    ``known``: how many images of the caller's batch its intervals decided (``known_counts``), for the report: these
+    are the others."""
     t_sal, entropy, halfwidth, report = _split(matrix, count, steps, tokens, opening_with)
+    report.known = known
+    publish(report)
+    return t_sal, entropy, halfwidth
+
+
+def publish(report: SplitReport) -> None:
+    """``report`` as the newest split's (`LAST_REPORT`) and in every open `collected` block: ``split``'s, or one of
+    images all decided by their caller's intervals (``known_counts``), where no split ran."""
     LAST_REPORT[:] = [report]
     for sink in _SINKS:
         sink.append(report)
-    return t_sal, entropy, halfwidth
+
+
+def known_counts(bounds: np.ndarray, count: Callable[[torch.Tensor], torch.Tensor],
+                 n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """PromPrune's split of the images whose entropy a caller already bracketed: ``(decided [B] bool, t_sal [B],
+    entropy [B], halfwidth [B])`` (host arrays; the last three read only where ``decided``) from ``bounds [B, 2]``, each
+    row an interval holding the exact route's entropy of its tokens as ``promprune.spectral_entropy`` computes it
+    (``entropy.spectral_matrix(features)``: the tokens centered before their product for N <= d, else their
+    covariance; ``batched_select``'s ``adaptive_views`` shares, ``settle``'s intervals: brackets widened by
+    ``decision_margin(n)``, or the eigensolve's points), ``n x n`` the spectral matrices' size (``min(N, d)``).
+
+    PromPrune's exact route eigensolves another float32 matrix of the same tokens (``TokenSet.spectral_matrix``): for
+    N <= d the shared unit Gram centered in Gram space (``entropy.centered_gram``) where the centering does not
+    cancel, formed on the GPU from fp16 / bf16 tokens' raw product (``TokenSet.unit_gram``), and in its own batch
+    (the select call's bucket, where products' bits depend on the batch off the CPU); float64 features' in float64.
+    The two are roundings of one matrix, not the same bits, and their exact entropies differ: on the CPU by up to
+    5.2e-6 (a probe of 2026-12-07, n = 576, d = 4096, 48 near-low-rank inputs of rank 2-16 at spreads 0.05-0.79; 0 on
+    the rows that cancel, where both center first; most just above ``entropy.SPREAD_FLOOR``, since centering in Gram
+    space loses ~2e-6 / spread against float64, at most ~8e-6 at the floor), a distance the margin in the interval
+    does not hold: it covers the interval's own miss of its matrix's entropy (up to 6.2e-6 at n = 576,
+    ``benchmarks/margin_by_size.py``), and the two together (up to ~1.4e-5) would leave it 1.4x. So an interval
+    decides only widened by ``decision_margin(n)`` once more (2.8x): ``[lo - m, hi + m]`` holds the method's exact
+    entropy wherever the interval holds the view's and the two matrices' entropies lie within ``m`` of each other,
+    and an image decides where ``count`` is the same at both ends (it is non-increasing: then at every point
+    between), the exact route's ``t_sal`` (the fp16 / bf16 Gram of the GPU's fast path was not measured: no GPU).
+    Its entropy is the widened interval's midpoint, within its half-width (``halfwidth``: half the interval's width
+    plus ``m``; an eigensolved view's point too gets ``m``, the distance between the matrices) of the method's exact
+    entropy. A row not finite, or reversed, decides nothing. One ``count`` call; no device work, no read."""
+    bounds = np.asarray(bounds, dtype=np.float64).reshape(-1, 2)
+    margin = decision_margin(n)
+    lo, hi = bounds[:, 0] - margin, bounds[:, 1] + margin
+    with np.errstate(invalid="ignore"):
+        usable = np.isfinite(lo) & np.isfinite(hi) & (lo <= hi)
+    lo, hi = np.where(usable, lo, 0.0), np.where(usable, hi, 0.0)
+    top, bottom = count(torch.from_numpy(np.concatenate([hi, lo]))).numpy().reshape(2, -1)
+    return usable & (top == bottom), top, (lo + hi) / 2, (hi - lo) / 2
 
 
 def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SplitReport]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
 from ..dtypes import upcast
@@ -52,7 +53,9 @@ class Selection:
     - ``entropy_halfwidth [B]`` (on the host) or None: how far ``entropy`` may lie from the exact metric.
       PromPrune's certified split reports its bracket's midpoint, within half the bracket's width plus
       ``certified.decision_margin`` of its size (the float32 matrix's rounding, which the bracket does not hold; 0
-      where the exact eigensolve ran); None: ``entropy`` is exact (or there is none).
+      where the exact eigensolve ran); where the caller's interval decided (``select(..., entropy_bounds=)``,
+      ``certified.known_counts``) its midpoint, within half its width plus that margin; None: ``entropy`` is exact
+      (or there is none).
     """
 
     indices: torch.Tensor
@@ -112,13 +115,18 @@ class TokenSet:
     features as given (any float dtype); on the GPU fast path the Gram of fp16/bf16 tokens is formed from them with fp32
     accumulation (``unit_gram``). ``keys``: one int per row naming what the row's tokens come from (an image, or one
     view of it; ``select(..., keys=...)``), or None; methods that draw at random seed each row's draw from it.
+    ``entropy_bounds``: ``[B, 2]`` float64 host intervals, each holding its row's exact spectral entropy as
+    ``promprune.spectral_entropy`` computes it (``select(..., entropy_bounds=...)``), or None; PromPrune's certified
+    split takes the rows they decide without a bracket of its own (``certified.known_counts``).
     """
 
     def __init__(self, x: torch.Tensor, saliency: torch.Tensor | None, vision: VisionFeatures | None = None,
                  instruction: Instruction | None = None, grid: tuple[int, int] | None = None,
-                 source: torch.Tensor | None = None, keys: tuple[int, ...] | None = None):
+                 source: torch.Tensor | None = None, keys: tuple[int, ...] | None = None,
+                 entropy_bounds=None):
         self.x = x
         self.keys = keys
+        self.entropy_bounds = entropy_bounds
         self.saliency = saliency
         self.vision = vision
         self.instruction = instruction
@@ -394,7 +402,8 @@ def _reserved_options(caller: str) -> dict[str, str]:
     names |= {key: "an argument of PrunedVLM / PrunedVLM.from_pretrained" for key in WRAPPER_ARGUMENTS}
     names |= {"budget": "the budget, select()'s and PrunedVLM's own argument",
               "tokens": "a pre-LLM method's first argument, the TokenSet",
-              "order": "every pre-LLM method's option, the kept tokens' order"}
+              "order": "every pre-LLM method's option, the kept tokens' order",
+              "entropy_bounds": "select()'s own argument, a caller's intervals of the rows' spectral entropies"}
     if caller == "register_in_llm_method":
         names |= {"layers": "the layers it cuts before, which every in-LLM method of one's own takes, its default the "
                             "registration's layers=",
@@ -671,6 +680,26 @@ def _validate_grid(grid, n: int) -> tuple[int, int] | None:
     return int(grid[0]), int(grid[1])
 
 
+def _validate_entropy_bounds(bounds, batch: int):
+    """``entropy_bounds``: None, or ``[B, 2]`` numbers on the host (``select``) -> a float64 numpy array. A tensor on
+    another device is refused (reading it would wait on the device), as is another shape."""
+    if bounds is None:
+        return None
+    if isinstance(bounds, torch.Tensor):
+        if bounds.device.type != "cpu" or bounds.is_complex():
+            raise ValueError(f"entropy_bounds must be real numbers on the host [B, 2] = [{batch}, 2], got a tensor of "
+                             f"dtype {bounds.dtype} on {bounds.device}")
+        bounds = bounds.detach().numpy()
+    try:
+        out = np.asarray(bounds, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"entropy_bounds must be [B, 2] = [{batch}, 2] numbers, got {type(bounds).__name__}") from None
+    if out.shape != (batch, 2):
+        raise ValueError(f"entropy_bounds must be [B, 2] = [{batch}, 2] intervals (one per batch row), got shape "
+                         f"{out.shape}")
+    return out
+
+
 def _validate_keys(keys, batch: int) -> tuple[int, ...] | None:
     """``keys``: None, or one int per batch row (a sequence of ints or a 1-D integer tensor)."""
     if keys is None:
@@ -738,7 +767,8 @@ def _check_finite(named: dict[str, torch.Tensor]) -> bool:
 
 def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budget: int,
            method: str = "promprune", vision: VisionFeatures | None = None, instruction: Instruction | None = None,
-           grid: tuple[int, int] | None = None, keys=None, checked: bool = False, **options) -> Selection:
+           grid: tuple[int, int] | None = None, keys=None, checked: bool = False, entropy_bounds=None,
+           **options) -> Selection:
     """Choose ``budget`` of the ``N`` visual tokens of each image.
 
     ``features [B, N, d]`` (any float dtype; computed in float32, float64 ones in float64), ``saliency [B, N]`` or None
@@ -754,7 +784,12 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     does not read the device for it; by default NaN / Inf inputs are a ValueError naming the batch rows, and finite
     features whose squares overflow float32 (entries of ~1e15 and more) run on the plain torch path, not the GPU fast
     path (the same tokens as at a normal scale); a float32 token whose norm itself passes float32's range is a
-    ValueError naming the tensor.
+    ValueError naming the tensor. ``entropy_bounds``: ``[B, 2]`` intervals on the host (a numpy array, a list or a CPU
+    tensor), each holding its row's exact ``promprune.spectral_entropy``, from a caller that bracketed it already
+    (``PrunedVLM``'s ``adaptive_views`` shares, ``certified.settle``): where PromPrune's certified split takes its
+    bounds, the rows whose interval decides ``t_sal`` run no bracket of their own (``certified.known_counts``); a row
+    of ``(-inf, inf)`` decides nothing. Trusted as ``checked`` is: an interval that misses its row's entropy can give
+    another split than the exact route. Other methods and routes ignore it.
     """
     spec = method_spec(method)
     if spec.stage != PRE_LLM:
@@ -773,7 +808,8 @@ def select(features: torch.Tensor, saliency: torch.Tensor | None = None, *, budg
     seen = _validate_vision(vision, x) if spec.reads_vision else None
     huge = False if checked else _check_finite(checked_inputs(x, s if spec.needs_saliency else None, seen, text))
     tokens = TokenSet(x, s if spec.needs_saliency else None, seen, text, _validate_grid(grid, x.shape[1]),
-                      source=features, keys=_validate_keys(keys, x.shape[0]))
+                      source=features, keys=_validate_keys(keys, x.shape[0]),
+                      entropy_bounds=_validate_entropy_bounds(entropy_bounds, x.shape[0]))
     # features whose squares overflow float32: the plain path, whose norms do not overflow (``kernels.token_norms``);
     # float32 products at full precision where the process turned TF32 on (``accel.full_float32``)
     with accel.disabled() if huge else contextlib.nullcontext(), accel.full_float32():

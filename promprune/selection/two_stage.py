@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from . import accel, certified, graphed
@@ -129,16 +130,51 @@ def _fused_stages(tokens: TokenSet, budget: int, t_sal: torch.Tensor, *, diversi
     return front[0], front[1]
 
 
-def certified_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def known_split(tokens: TokenSet, count) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``certified_split``'s ``(t_sal, entropy, halfwidth)`` (host tensors), where the caller may have bracketed the
+    rows' entropies already (``tokens.entropy_bounds``: ``adaptive_views``' shares, ``batched_select``): the rows
+    whose interval decides (``certified.known_counts``: widened for the other matrix this method's exact route
+    eigensolves) take its ``t_sal``, the exact route's, with no Lanczos stage, no eigensolve and no read; the others
+    go through ``certified_split``: all of the rows (nothing gathered) where none decided, else those alone, gathered
+    (a few launches: their indices, tokens and Gram rows, against stages and perhaps an eigensolve of every decided
+    row), their spectral matrix cut from the bucket's own (``tokens.unit_gram``'s rows: the exact route's bits,
+    whatever the batch). The report (``certified.LAST_REPORT``) counts the decided rows as ``known``."""
+    bounds = tokens.entropy_bounds
+    if bounds is None:
+        return certified_split(tokens, count)
+    decided, t_sal, entropy, halfwidth = certified.known_counts(bounds, count, min(tokens.n, tokens.dim))
+    known = int(decided.sum())
+    if not known:
+        return certified_split(tokens, count)
+    t_sal, entropy, halfwidth = t_sal.astype(np.int64), entropy.astype(np.float32), halfwidth.astype(np.float32)
+    if known < tokens.batch:
+        rows = np.flatnonzero(~decided)
+        rest = certified_split(tokens, count, rows=rows, known=known)
+        for out, part in zip((t_sal, entropy, halfwidth), rest):
+            out[rows] = part.numpy()
+    else:
+        certified.publish(certified.SplitReport(known=known))
+    return torch.from_numpy(t_sal), torch.from_numpy(entropy), torch.from_numpy(halfwidth)
+
+
+def certified_split(tokens: TokenSet, count, rows: np.ndarray | None = None,
+                    known: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``certified.split`` of the tokens' spectral matrix: for N <= d that is their centered unit Gram, so the split
     gets the shared Gram and centers it inside its first stage (one CUDA graph with the Lanczos steps); where that
-    stage replays as a graph (``graphed.fits``), the graph forms the Gram itself from the tokens (``_opening``)."""
+    stage replays as a graph (``graphed.fits``), the graph forms the Gram itself from the tokens (``_opening``).
+    ``rows``: split only these rows (host indices; ``known_split``), their Gram or spectral matrix cut from the whole
+    batch's; ``known``: the rows decided without it, for the report."""
+    x, source, matrix = tokens.x, tokens.half_source, None
+    if rows is not None:
+        index = torch.from_numpy(rows).to(x.device, non_blocking=True)
+        x, source = x[index], None if source is None else source[index]
+        matrix = (lambda: tokens.unit_gram[index]) if tokens.n <= tokens.dim else tokens.spectral_matrix[index]
     if tokens.n <= tokens.dim:
-        if _graphs_fit(tokens):
-            return certified.split(lambda: tokens.unit_gram, count, tokens=tokens.x,
-                                   opening_with=(_opening, (tokens.x, tokens.half_source)))
-        return certified.split(tokens.unit_gram, count, tokens=tokens.x)
-    return certified.split(tokens.spectral_matrix, count)
+        gram = (lambda: tokens.unit_gram) if matrix is None else matrix
+        if graphed.fits(x, x.shape[0] * tokens.n ** 2):
+            return certified.split(gram, count, tokens=x, opening_with=(_opening, (x, source)), known=known)
+        return certified.split(gram(), count, tokens=x, known=known)
+    return certified.split(tokens.spectral_matrix if matrix is None else matrix, count, known=known)
 
 
 def _graphs_fit(tokens: TokenSet) -> bool:
@@ -189,7 +225,7 @@ def promprune(tokens: TokenSet, budget: int, *, mu: float, tau: float, metric: s
         return split_budget(entropy, budget, mu=mu, tau=tau, ratio_range=(kr_min, kr_max), rounding=rounding)
 
     if metric == "spectral" and certified.applies(min(tokens.n, tokens.dim), tokens.x):
-        t_sal, entropy, halfwidth = certified_split(tokens, count)  # host values, the exact algorithm's counts
+        t_sal, entropy, halfwidth = known_split(tokens, count)  # host values, the exact algorithm's counts
         on_device = t_sal.to(tokens.x.device, non_blocking=True)
         entropy = entropy.to(tokens.x.device, non_blocking=True)  # (the half-widths stay on the host: no copy)
         if _graphs_fit(tokens):  # both stages in one graph per shape and options

@@ -189,3 +189,34 @@ def test_generate_reads_its_answers_once(method, reads):
         assert not [site for site in c.sync_sites if site.startswith("promprune/") and "transfer.py" not in site
                     and "llm_hooks.py" not in site], c.sync_sites
         assert not [site for site in c.sync_sites if " stats" in site], c.sync_sites
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_promprune_under_adaptive_views_brackets_each_view_once(batch):
+    """PromPrune under ``adaptive_views`` with the bounds taken (forced): the shares' certified intervals reach its
+    split (``select(..., entropy_bounds=)``), which takes every view's t_sal they decide from them: no second
+    bracket (the host reads only the shares' Lanczos stages, once a stage), no eigensolve, every unit counted as
+    ``known`` in the split's report, and the LLM gets the exact route's inputs. (Before, every bucket's ``select``
+    bracketed its views again: a read a stage more per bucket, the lead's steps and more for every view.)"""
+    import promprune.models.batched_select as batched_select
+    from benchmarks.launches import fast_path_on_cpu, on_host
+    from promprune.selection import accel, certified
+
+    prepared = {}
+    for route in ("exact", "certified"):
+        with accel.entropy(route):
+            vlm, shots, prompts, c, views = costs("tiny:llava_next", "promprune", batch, 12,
+                                                  budget_mode="adaptive_views")
+            with fast_path_on_cpu(), on_host(vlm, "processed"), certified.collected() as reports:
+                prepared[route] = vlm.prepare(shots, prompts).model_kwargs
+        if route == "exact":
+            continue
+        shares = batched_select.LAST_SHARES[0]
+        assert shares.exact == 0 and sum(shares.decided) == sum(views), shares  # the shares by their brackets
+        assert sum(n for op, n in c.ops.items() if "eigvalsh" in op) == 0, c.ops
+        reads = sum(n for site, n in c.sync_sites.items() if "certified.py" in site)
+        assert reads == len(shares.decided), c.sync_sites  # the shares' stages alone
+        report = certified.SplitReport.total(reports)
+        assert sum(report.decided) == 0 and report.exact == 0, report  # no view bracketed or eigensolved again
+        assert report.known == sum(views), report
+    assert _same(prepared["exact"], prepared["certified"])

@@ -340,3 +340,130 @@ def test_giving_up_on_shares_changes_none_and_saves_stages(seed, budget, monkeyp
     assert report.hopeless > report.exact / 2, report  # most eigensolved views were given up on early
     assert len(report.decided) < len(old_report.decided) and reads == old_reads - (len(old_report.decided)
                                                                                     - len(report.decided))
+
+
+# PromPrune's split under ``adaptive_views`` reads the shares' certified intervals (``Unit.bounds``,
+# ``select(..., entropy_bounds=)``, ``two_stage.known_split``): the views whose interval decides t_sal run no bracket
+# of their own; the kept tokens and t_sal stay the exact route's.
+
+def promprune_items(views: int, n: int, d: int, batch: int, seed: int = 0):
+    """``benchmarks/view_shares.items_for``' multi-view items (views of one image with noise of their own scale), with a
+    random saliency per candidate."""
+    import dataclasses
+
+    from benchmarks.view_shares import items_for
+
+    g = torch.Generator().manual_seed(seed)
+    return [dataclasses.replace(item, saliency=torch.rand(item.features.shape[0], generator=g))
+            for item in items_for(views, n, d, batch, "cpu", torch.float32, detail=1.0, seed=seed)]
+
+
+def both_routes(items, budget: int, options: dict):
+    """``select_items`` under ``adaptive_views`` on the exact route and the certified one (forced): each route's
+    selections and the certified route's split reports, merged (``certified.collected``)."""
+    from promprune.models.batched_select import select_items
+
+    out = {}
+    for route in ("exact", "certified"):
+        with accel.entropy(route), certified.collected() as reports:
+            out[route] = select_items(items, budget, "promprune", options, mode="adaptive_views")
+        out[route + " report"] = certified.SplitReport.total(reports)
+    return out
+
+
+def assert_same_selection(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.kept, b.kept) and torch.equal(a.salient, b.salient)
+        assert a.saliency_count == b.saliency_count
+
+
+def unit_entropies(items, budget: int):
+    """Each ``adaptive_views`` unit's share and the exact entropy PromPrune's exact route reads for it
+    (``TokenSet.spectral_entropy``: the unit Gram centered in Gram space, N <= d), in ``_units``' order."""
+    from promprune.models.adapters import host_index
+    from promprune.models.batched_select import _units
+    from promprune.selection.registry import TokenSet
+
+    with accel.entropy("exact"):
+        units = _units(items, host_index(items), budget, "adaptive_views")
+        return [(u.budget, float(TokenSet(u.take(items[u.item].features)[None], None).spectral_entropy[0]))
+                for u in units]
+
+
+def boundary_mu(share: int, entropy: float, offset: float, tau: float = 0.02) -> float:
+    """The mu that puts ``entropy`` ``offset`` above the entropy where PromPrune's t_sal of a ``share`` steps from
+    ``share // 2`` to ``share // 2 - 1`` (half-even rounding, the default range: ratio ``1 - sigmoid((H - mu) /
+    tau)`` crosses ``(share // 2 - 0.5) / share``)."""
+    p = 1.0 - (share // 2 - 0.5) / share  # sigmoid((H_b - mu) / tau)
+    return entropy - offset - tau * math.log(p / (1.0 - p))
+
+
+@pytest.mark.parametrize("n,d", [(64, 128), (48, 24)])  # N <= d: the unit Gram; N > d: the covariance
+def test_promprune_reuses_the_shares_intervals_and_keeps_the_exact_routes_tokens(n, d):
+    """Five views per image, two images: at mu far from every entropy each unit's interval decides its t_sal (no
+    split stage, no eigensolve in the method); at mu placing one unit's entropy 1e-7, 1e-5 or 3e-5 from a count
+    boundary (either side: inside the intervals' widening, where they must not decide) and at 1e-3, and at a few
+    plain mu, the kept tokens, stage flags and counts are the exact route's."""
+    items = promprune_items(5, n, d, 2)
+    budget = 40
+    units = unit_entropies(items, budget)
+    for mu in (-5.0, 5.0):  # every entropy's t_sal the same far into the sigmoid's tails: every interval decides
+        got = both_routes(items, budget, {"mu": mu})
+        assert_same_selection(got["certified"], got["exact"])
+        report = got["certified report"]
+        assert sum(report.decided) == 0 and report.exact == 0, report  # no split stage, no eigensolve in the method
+        assert report.known == len(units), report
+    share, entropy = max(units)  # the largest share: count boundaries closest together
+    for offset in (1e-7, -1e-7, 1e-5, -1e-5, 3e-5, -3e-5, 1e-3):
+        mu = boundary_mu(share, entropy, offset)
+        got = both_routes(items, budget, {"mu": mu})
+        assert_same_selection(got["certified"], got["exact"])
+        report = got["certified report"]
+        if abs(offset) < 4 * certified.decision_margin(min(n, d)):  # within the interval's two margins: no decision
+            assert report.known < len(units) and sum(report.decided) + report.exact >= 1, (offset, report)
+    for mu, rounding in ((0.3, "half_even"), (0.42, "floor"), (0.6, "half_even")):
+        got = both_routes(items, budget, {"mu": mu, "rounding": rounding})
+        assert_same_selection(got["certified"], got["exact"])
+
+
+@pytest.mark.parametrize("arch", ["llava_next", "internvl", "llava_onevision"])
+def test_promprune_under_adaptive_views_keeps_the_exact_routes_tokens_on_the_tiny_models(arch):
+    """LLaVA-NeXT's, InternVL's and LLaVA-OneVision's views (tiny models, two images), PromPrune under
+    ``adaptive_views`` at several mu: the certified route (forced) feeds the exact route's kept tokens and t_sal,
+    and its split takes views' t_sal from the shares' intervals."""
+    from benchmarks.model_path import images
+    from promprune.models import PrunedVLM
+
+    shots = images(2)
+    known = 0
+    for mu in (0.3, 0.42, 0.5, 0.6):
+        vlm = PrunedVLM.from_pretrained(f"tiny:{arch}", method="promprune", budget=12, budget_mode="adaptive_views",
+                                        mu=mu)
+        got = {}
+        for route in ("exact", "certified"):
+            with accel.entropy(route), certified.collected() as reports:
+                stats = vlm.prepare(shots, ["What is in the picture?"] * 2).stats
+            got[route] = [(s["kept"], s["saliency_count"]) for s in stats]
+        assert got["certified"] == got["exact"], (arch, mu)
+        report = certified.SplitReport.total(reports)
+        known += report.known if report is not None else 0
+    assert known > 0
+
+
+def test_promprune_under_adaptive_frames_keeps_the_exact_routes_tokens():
+    """A clip's frames (``video_budget="adaptive_frames"``, which selects as ``adaptive_views``; tiny Qwen2.5-VL):
+    the certified route's kept tokens and t_sal are the exact route's, its split taking the frames' intervals."""
+    from promprune.models import PrunedVLM
+    from promprune.testbed.clips import scene_clip
+
+    clips = [scene_clip(index=3, frames=4), scene_clip(index=8, frames=4)]
+    for mu in (0.42, 0.6):
+        vlm = PrunedVLM.from_pretrained("tiny:qwen2_5_vl", method="promprune", budget=12,
+                                        video_budget="adaptive_frames", mu=mu)
+        got = {}
+        for route in ("exact", "certified"):
+            with accel.entropy(route), certified.collected() as reports:
+                stats = vlm.prepare_video(clips, ["What moves?", "How many?"]).stats
+            got[route] = [(s["kept"], s["saliency_count"]) for s in stats]
+        assert got["certified"] == got["exact"], mu
+        assert certified.SplitReport.total(reports).known > 0

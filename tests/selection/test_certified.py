@@ -631,3 +631,76 @@ def test_giving_up_changes_no_count_or_entropy_and_saves_stages(seed, monkeypatc
             gave_up += report.hopeless
             saved_reads += old_reads - reads
     assert gave_up >= 6 and saved_reads >= 6, (gave_up, saved_reads)
+
+
+def test_known_counts_widen_a_callers_interval_by_a_margin_once_more():
+    """``known_counts`` (intervals from a caller: ``adaptive_views``' shares): an interval decides where ``count`` is
+    the same at its ends widened by ``decision_margin(n)`` (the other matrix PromPrune's exact route eigensolves),
+    with the midpoint and half its widened width; one that ends within the margin of a count boundary does not,
+    though unwidened it would; nor does one not finite or reversed. Hand-placed around one boundary of T = 10."""
+    n, budget, mu, tau = 96, 10, 0.5, 0.02
+
+    def count(h):
+        return split_budget(h, budget, mu=mu, tau=tau)
+
+    p = 1.0 - 4.5 / budget  # t_sal steps from 5 to 4 where ratio * T = 4.5: sigmoid((H - mu) / tau) = p
+    boundary = mu + tau * math.log(p / (1.0 - p))
+    m = certified.decision_margin(n)
+    below, above = (int(count(torch.tensor([boundary + s * 1e-4], dtype=torch.float64))[0]) for s in (-1, 1))
+    assert (below, above) == (5, 4)
+    bounds = np.array([[boundary + 3 * m, boundary + 3.5 * m],  # clear of the boundary, widened too: decides 4
+                       [boundary - 2.5 * m, boundary - 1.5 * m],  # below it, widened too: decides 5
+                       [boundary + 0.4 * m, boundary + 0.6 * m],  # clear of it, but not once widened: undecided
+                       [boundary - 0.6 * m, boundary - 0.4 * m],
+                       [-math.inf, math.inf], [math.nan, 0.5], [0.6, 0.4]])
+    decided, t_sal, mid, half = certified.known_counts(bounds, count, n)
+    assert decided.tolist() == [True, True, False, False, False, False, False]
+    assert t_sal[:2].tolist() == [4, 5]
+    assert mid[:2] == pytest.approx(bounds[:2].mean(1), abs=1e-15)
+    assert half[:2] == pytest.approx((bounds[:2, 1] - bounds[:2, 0]) / 2 + m, abs=1e-15)
+
+
+def test_select_takes_a_callers_entropy_intervals_where_the_bounds_apply():
+    """``select(..., entropy_bounds=)``: on the certified route PromPrune's t_sal comes from a row's interval where it
+    decides (no split stage: the report counts the row ``known``; here deliberately far from the tokens' entropy, so
+    the interval, not a bracket, made it), and rows it does not decide are split as without it; the exact route
+    ignores it; a malformed one is refused."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 20, 32, generator=gen)
+    sal = torch.rand(3, 20, generator=gen)
+    budget, mu = 10, 0.42
+    with accel.entropy("exact"):
+        exact = promprune.select(x, sal, budget=budget, method="promprune", mu=mu)
+        ignored = promprune.select(x, sal, budget=budget, method="promprune", mu=mu,
+                                   entropy_bounds=[[0.0, 0.0]] * 3)
+    assert torch.equal(ignored.indices, exact.indices) and torch.equal(ignored.saliency_count, exact.saliency_count)
+    low = float(split_budget(torch.tensor([0.0], dtype=torch.float64), budget, mu=mu, tau=0.02)[0])
+    assert low == budget and not (exact.saliency_count == budget).all()  # the interval's t_sal is not the tokens'
+    with accel.entropy("certified"):
+        bounds = [[0.0, 0.0], [-math.inf, math.inf], [0.0, 0.0]]  # rows 0 and 2 decided by it, row 1 split
+        got = promprune.select(x, sal, budget=budget, method="promprune", mu=mu, entropy_bounds=bounds)
+        report = certified.LAST_REPORT[0]
+        assert got.saliency_count.tolist() == [budget, int(exact.saliency_count[1]), budget]
+        assert report.known == 2 and sum(report.decided) + report.exact == 1, report
+        every = promprune.select(x, sal, budget=budget, method="promprune", mu=mu,
+                                 entropy_bounds=torch.zeros(3, 2, dtype=torch.float64))
+        assert (every.saliency_count == budget).all() and certified.LAST_REPORT[0].known == 3
+        assert certified.LAST_REPORT[0].decided == [] and certified.LAST_REPORT[0].exact == 0
+    from benchmarks.launches import fast_path_on_cpu
+
+    for graphs in (False, True):  # the rows left split as a gathered sub-batch on the fast path, as CUDA graphs too
+        with fast_path_on_cpu(graphs=graphs), accel.entropy("certified"):
+            got = promprune.select(x.clone(), sal.clone(), budget=budget, method="promprune", mu=mu,
+                                   entropy_bounds=[[-math.inf, math.inf], [0.0, 0.0], [-math.inf, math.inf]])
+        assert got.saliency_count.tolist() == [int(exact.saliency_count[0]), budget, int(exact.saliency_count[2])]
+        report = certified.LAST_REPORT[0]
+        assert report.known == 1 and sum(report.decided) + report.exact == 2, report
+    for bad in ([[0.0, 1.0]] * 2, np.zeros((3, 3)), "x", torch.zeros(3, 2, device="meta")):
+        with pytest.raises(ValueError, match="entropy_bounds"):
+            promprune.select(x, sal, budget=budget, method="promprune", entropy_bounds=bad)
+
+
+def test_no_method_may_name_an_option_entropy_bounds():
+    with pytest.raises(ValueError, match="entropy_bounds"):
+        promprune.register_method("takes_bounds", options={"entropy_bounds": None})(
+            lambda tokens, budget, *, entropy_bounds: None)
