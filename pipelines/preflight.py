@@ -9,7 +9,8 @@ family's processor and a chat template), that every budget prunes (stays below t
 image), that a task certain to give clips has a model that takes them (``check_video``), that every in-LLM trial can
 prune this model's LLM at its layers (``promprune.models.llm_hooks.stage_layers``: a stage ranks at a full-attention
 layer, not a hybrid LLM's linear-attention layers nor a sliding-window one; Gemma 4's E2B / E4B are refused) and at its
-budget where the model's image gives a known count (``check_construction``), that the MLflow store answers and can be
+budget where the model's image gives a known count (``check_construction``) and decode with the generation settings
+each task will use (one beam: ``check_generation``), that the MLflow store answers and can be
 written, and that every ``PROMPRUNE_*`` environment variable is one PromPrune reads, with a value it takes
 (``environment``). All problems come back together, in seconds; the entry scripts print them as one message without a
 traceback. The model checks try every trial known before the sweep and, with ``tune.search: optuna``, the corners of
@@ -67,7 +68,7 @@ def preflight(spec: SweepSpec, *, tracking_uri: str | None = None, store: bool =
         errors += check_clip_text(spec, trials)
         errors += check_attention(spec, trials)
     if evaluates:
-        errors += [] if task_errors else check_generation(spec)  # (the tasks' own kwargs: the tasks must load)
+        errors += [] if task_errors else check_generation(spec, trials)  # (the tasks' own kwargs: they must load)
         errors += check_metric(spec.tune.metric, spec.tasks, spec.include_path)
         errors += check_search_package(spec.tune.search)
     errors += check_store(tracking_uri or mlflow_layout.tracking_uri()) + check_experiment_name() if store else []
@@ -153,17 +154,66 @@ def task_generation(spec: SweepSpec, task: str) -> dict:
     return {**own, **spec.generation}
 
 
-def check_generation(spec: SweepSpec) -> list[str]:
+def check_generation(spec: SweepSpec, trials: list | None = None) -> list[str]:
     """The spec's `generation` laid over each task's own lmms-eval generation_kwargs can be generated with
-    (`promprune.eval.generation.sampling_problem`: do_sample over a task's temperature 0 failed every sample)."""
+    (`promprune.eval.generation.sampling_problem`: do_sample over a task's temperature 0 failed every sample), and by
+    every trial's method (``trials``: default the spec's, `spec_trials`): the kwargs each task hands ``generate``
+    (`promprune.eval.generation.generate_kwargs`) pass `promprune.models.vlm.check_generation_kwargs` for the method,
+    the rule ``PrunedVLM`` refuses every call with (an in-LLM method runs one beam: ``num_beams: 2`` passed
+    --validate-only, then every sample of every in-LLM trial failed). One paragraph per problem, naming the field,
+    where it is set (the spec's `generation` or the task's own generation_kwargs), the fix, the tasks and the
+    trials."""
     from promprune.eval.generation import sampling_problem
 
     found: dict[str, list[str]] = {}
-    for task in spec.tasks:
-        problem = sampling_problem({k: v for k, v in task_generation(spec, task).items() if v is not None})
+    merged = {task: {k: v for k, v in task_generation(spec, task).items() if v is not None} for task in spec.tasks}
+    for task, kwargs in merged.items():
+        problem = sampling_problem(kwargs)
         if problem:
             found.setdefault(problem, []).append(task)
-    return [f"generation: {problem} (tasks {', '.join(tasks)})" for problem, tasks in found.items()]
+    out = [f"generation: {problem} (tasks {', '.join(tasks)})" for problem, tasks in found.items()]
+    refused: dict[str, tuple[list[str], list[str]]] = {}
+    for trial in spec_trials(spec) if trials is None else trials:
+        for task, kwargs in merged.items():
+            problem = _method_generation_problem(trial.method, kwargs, spec.generation)
+            if problem:
+                tasks, ids = refused.setdefault(problem, ([], []))
+                tasks += [task] if task not in tasks else []
+                ids += [trial.trial_id] if trial.trial_id not in ids else []
+    return out + [f"generation: {problem} (tasks {', '.join(tasks)}; {_who(ids, spec)[2:-1]})"
+                  for problem, (tasks, ids) in refused.items()]
+
+
+def _method_generation_problem(method: str | None, gen_kwargs: dict, spec_generation: dict) -> str | None:
+    """Why ``method`` cannot generate with a task's generation kwargs ``gen_kwargs`` (the spec's ``spec_generation``
+    over the task's own), as ``PrunedVLM`` refuses them (`promprune.models.vlm.check_generation_kwargs`, on what
+    `generate_kwargs` hands ``generate``), with where the offending field is set and how to fix it; None if it can.
+    Kwargs `generate_kwargs` cannot read are not judged here (they fail there, every method alike)."""
+    from promprune.eval.generation import generate_kwargs
+    from promprune.models.vlm import check_generation_kwargs
+
+    def refusal(kwargs: dict) -> str | None:
+        try:
+            check_generation_kwargs(method, kwargs)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    try:
+        kwargs, _ = generate_kwargs(gen_kwargs)
+    except (TypeError, ValueError):
+        return None
+    problem = refusal(kwargs)
+    if problem is None:
+        return None
+    fields = [k for k in kwargs if refusal({o: v for o, v in kwargs.items() if o != k}) is None]
+    spec_set = [k for k in fields if k in spec_generation]
+    task_set = [k for k in fields if k not in spec_generation]
+    where = ([f"the spec's generation.{', generation.'.join(spec_set)} sets it: change that"] if spec_set else []) + (
+        [f"the task's own generation_kwargs (its lmms-eval YAML) set {', '.join(task_set)}: set generation."
+         f"{', generation.'.join(task_set)} in the spec, which overrides a task's"] if task_set else [])
+    fix = "; ".join(where) or "change the spec's generation"
+    return f"{problem.rstrip('.')}. {fix[0].upper()}{fix[1:]}, or run these trials with a pre-LLM method"
 
 
 JUDGE_PROBE_TIMEOUT_S = 15.0  # one short request; lmms-eval's own judge would retry for minutes per document

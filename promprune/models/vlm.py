@@ -484,9 +484,9 @@ class PrunedVLM:
                  sample_seeds=None, **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about ``images[i]``; greedy unless ``generation_kwargs`` say otherwise (an in-LLM
         method refuses beam search, ``use_cache=False`` and a static ``cache_implementation``, every method the
-        "paged" one, before anything runs: :func:`_check_generation`). ``generation_kwargs`` are ``generate``'s: its
-        settings as kwargs and / or a ``generation_config``, merged as transformers merges them (the config over the
-        model's own generation config, a kwarg over both where one is passed); where neither sets ``do_sample`` /
+        "paged" one, before anything runs: :func:`check_generation_kwargs`). ``generation_kwargs`` are ``generate``'s:
+        its settings as kwargs and / or a ``generation_config``, merged as transformers merges them (the config over
+        the model's own generation config, a kwarg over both where one is passed); where neither sets ``do_sample`` /
         ``num_beams``, greedy with one beam (:func:`_greedy_by_default`), whatever the model's config says.
         ``no_repeat_ngram_size`` bans what transformers' does on each row alone: not the batch's padding
         (:func:`promprune.models.prefix.no_repeat_ngram`; transformers' own read pad ids as the row's tokens).
@@ -504,7 +504,7 @@ class PrunedVLM:
         (:mod:`promprune.models.prefix`); otherwise ignored. What another wrapper left in ``cache`` is never read: the
         answers with any cache are those with a fresh one.
         """
-        _check_generation(self.method, generation_kwargs)
+        check_generation_kwargs(self.method, generation_kwargs)
         _check_seeds(sample_seeds, prompts)
         prep = self.prepare(images, prompts, keys=keys, cache=cache)
         out = self._generate(prep, generation_kwargs, cache=cache if prefix_cache else None, prefix_cache=prefix_cache,
@@ -528,7 +528,7 @@ class PrunedVLM:
                        **generation_kwargs) -> list[Generation]:
         """Answer ``prompts[i]`` about clip ``clips[i]`` (see :meth:`prepare_video`); greedy unless told otherwise
         (``sample_seeds``: as :meth:`generate`'s)."""
-        _check_generation(self.method, generation_kwargs)
+        check_generation_kwargs(self.method, generation_kwargs)
         _check_seeds(sample_seeds, prompts)
         return self._generate(self.prepare_video(clips, prompts, fps), generation_kwargs, sample_seeds=sample_seeds)
 
@@ -699,11 +699,11 @@ def _default_cache(generation_kwargs: dict) -> bool:
 # every layer at the unpruned length.
 IN_LLM_CACHES = (None, "dynamic", "offloaded", "quantized", "hybrid")
 # The caches that make transformers' generate run continuous batching on the token ids alone (no pixel values, no
-# encoder outputs): refused for every method (:func:`_check_generation`).
+# encoder outputs): refused for every method (:func:`check_generation_kwargs`).
 TEXT_ONLY_CACHES = ("paged",)
 
 
-def _check_generation(method: str | None, generation_kwargs: dict) -> None:
+def check_generation_kwargs(method: str | None, generation_kwargs: dict) -> None:
     """Refuse, before anything runs, ``generate`` kwargs the run would fail on, each naming the kwarg (given as
     itself or in a ``generation_config`` kwarg): ``num_return_sequences`` other than 1 (one Generation per item), and
     with an in-LLM method (``llm_hooks``) beam search, ``use_cache=False`` and a ``cache_implementation`` other than
@@ -717,7 +717,10 @@ def _check_generation(method: str | None, generation_kwargs: dict) -> None:
     (:data:`TEXT_ONLY_CACHES`): transformers' ``generate`` then hands the prompt to continuous batching
     (``generate_batch``), which reads only the token ids, so no image's features (pruned or not) would reach the LLM;
     it returned no tokens, silently. In a ``generation_config`` transformers ignores it (the dynamic cache runs, not
-    the paged one asked for): refused the same way."""
+    the paged one asked for): refused the same way.
+
+    The sweep's preflight applies this rule to each trial's method on the kwargs each task will generate with
+    (``pipelines.preflight.check_generation``), so a spec that breaks it is refused before any work."""
     if int(generation_kwargs.get("num_return_sequences") or 1) != 1:
         raise ValueError("generate returns one Generation per item: num_return_sequences must be 1, got "
                          f"{generation_kwargs['num_return_sequences']!r}")

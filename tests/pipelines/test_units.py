@@ -599,6 +599,42 @@ def test_validate_only_shows_what_each_task_generates_with():
     assert all("max_new_tokens=3," in line for line in generation_plan(spec).splitlines()[1:])
 
 
+def test_preflight_refuses_generation_an_in_llm_trial_cannot_run(tmp_path, monkeypatch):
+    """An in-LLM method runs one beam (``PrunedVLM`` refuses num_beams > 1 on every call): a spec whose `generation`,
+    or a task whose own generation_kwargs, set num_beams 2 passed --validate-only, then every sample of every in-LLM
+    trial failed. Preflight refuses it, naming the field, where it is set and the fix, for the in-LLM trials only; the
+    spec's num_beams: 1 over the task's clears it. What it refuses is what the model refuses on those kwargs."""
+    from pipelines import preflight
+    from promprune.eval import tasks
+    from promprune.eval.generation import generate_kwargs
+    from PIL import Image
+    from promprune.models import PrunedVLM
+    from tests.own_task import write_task
+
+    monkeypatch.delenv(tasks.INCLUDE_PATH_ENV, raising=False)
+    yaml = write_task(tmp_path / "mine", "own_task_b", questions=["Is it red?"])
+    yaml.write_text(yaml.read_text() + "generation_kwargs: {num_beams: 2, max_new_tokens: 4}\n")
+    base = {"name": "s", "version": 1, "model": {"pretrained": "tiny:llava"}, "include_path": [str(tmp_path / "mine")],
+            "tasks": ["own_task_b"], "grid": {"method": ["fastv", "divprune"], "budget": [8]}}
+    rule = ("generation: in-LLM method 'fastv' prunes inside the language model and runs one sequence per prompt: "
+            "num_beams must be 1, got {n} (use num_beams=1 and num_return_sequences=1). ")
+    assert preflight.preflight(specs.parse(base), store=False) == [
+        rule.format(n=2) + "The task's own generation_kwargs (its lmms-eval YAML) set num_beams: set "
+        "generation.num_beams in the spec, which overrides a task's, or run these trials with a pre-LLM method "
+        "(tasks own_task_b; trial fastv-b8)"]
+    assert preflight.preflight(specs.parse({**base, "generation": {"num_beams": 3}}), store=False) == [
+        rule.format(n=3) + "The spec's generation.num_beams sets it: change that, or run these trials with a pre-LLM "
+        "method (tasks own_task_b; trial fastv-b8)"]
+    assert preflight.preflight(specs.parse({**base, "generation": {"num_beams": 1}}), store=False) == []
+    # the model: fastv refuses the task's kwargs on every call, divprune answers with them
+    kwargs, _ = generate_kwargs(preflight.task_generation(specs.parse(base), "own_task_b"))
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    with pytest.raises(ValueError, match=r"num_beams must be 1, got 2 \(use num_beams=1"):
+        PrunedVLM.from_pretrained("tiny:llava", method="fastv", budget=8).generate([image], ["Is it red?"], **kwargs)
+    assert PrunedVLM.from_pretrained("tiny:llava", method="divprune", budget=8).generate(
+        [image], ["Is it red?"], **kwargs)[0].token_ids
+
+
 def test_preflight_reads_a_task_of_ones_own_from_the_specs_include_path(tmp_path, monkeypatch):
     """`preflight.preflight(spec)` called directly (no `plugins.activate`, so no $PROMPRUNE_INCLUDE_PATH): the
     checks that read a task's YAML (its generation_kwargs, its metric_list) and the --validate-only generation plan
