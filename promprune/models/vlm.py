@@ -349,10 +349,17 @@ class PrunedVLM:
         ``enable_thinking`` where set: Qwen3.5's template switch).
 
         ``<image>`` tags in ``prompt`` (lmms-eval contexts that place the image themselves: the ``egothink_*`` tasks'
-        ``USER: <image>\\n...``) are removed, each with the newline or space after it, in every family: the image
+        ``USER: <image>\\n...``) are removed, and in a clip's prompt ``<video>`` tags too (``osi_bench`` appends
+        ``"\\n<video>"`` for models without ``doc_to_messages``; ``mmsi_video`` writes ``<image>`` per frame), each with
+        the newline or space after it, or a tag that ends the prompt with the one before it (``"Q\\n<video>"`` is
+        ``"Q"``, the prompt those tasks give a model that places the media itself), in every family: the image or clip
         goes where the family's chat template puts it, once. lmms-eval's qwen2_5_vl / qwen3_vl / gemma4 models remove
-        the tag too; on the LLaVA families it was a second image placeholder, and every such request failed."""
-        prompt = re.sub(r"<image>(\r?\n| )?", "", prompt)
+        the image tag too; on the LLaVA families it was a second image placeholder, and on LLaVA-OneVision (whose
+        video token is ``<video>``) a ``<video>`` tag a second clip placeholder: every such request failed. An image's
+        prompt keeps a ``<video>`` tag: no lmms-eval image task writes one, so there it is the user's text (plain text
+        to most families; LLaVA-OneVision's processor refuses it, "Found 1 <video> tokens in the text but no videos
+        were passed", one failed sample that names it)."""
+        prompt = strip_media_tags(prompt, media)
         conv = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": prompt}]}]
         system = self.adapter.options.get("system_prompt")
         if system:
@@ -691,6 +698,18 @@ def _default_cache(generation_kwargs: dict) -> bool:
     use_cache = _generation_value(generation_kwargs, "use_cache")
     return (use_cache is None or bool(use_cache)) and _generation_value(generation_kwargs,
                                                                         "cache_implementation") is None
+
+
+# The placeholder tags a prompt may carry that stand for the request's own media (:meth:`PrunedVLM.conversation`).
+MEDIA_TAGS = {"image": ("<image>",), "video": ("<image>", "<video>")}
+
+
+def strip_media_tags(prompt: str, media: str = "image") -> str:
+    """``prompt`` without the tags that stand for its ``media`` (:data:`MEDIA_TAGS`): each tag with the newline or
+    space after it, a tag that ends the prompt with the newline or space before it."""
+    tag = "|".join(MEDIA_TAGS[media])
+    prompt = re.sub(rf"(?:\r?\n| )?(?:{tag})\Z", "", prompt)
+    return re.sub(rf"(?:{tag})(?:\r?\n| )?", "", prompt)
 
 
 # The KV caches an in-LLM method's hooks run with: transformers' dynamic ones, where each layer's cache grows by what

@@ -575,6 +575,23 @@ def test_frames_of_different_sizes_are_named():
     assert load_clip([frame, frame + 1], 0)[0].shape == (2, 48, 64, 3)
 
 
+@pytest.mark.parametrize("arch", ["llava_onevision", "qwen2_5_vl"])
+def test_a_prompt_holding_the_video_tag_is_answered_as_the_plain_question(arch, clips):
+    """lmms-eval's osi_bench appends "\\n<video>" to its prompt for models without doc_to_messages (mmsi_video writes
+    "<image>" per frame): on LLaVA-OneVision, whose video token is "<video>", the tag was a second clip placeholder
+    and every such request failed ("Found total 2 <video> tokens and 1 videos"); Qwen read it as text. Removed as
+    the "<image>" tag is (with the newline after it, or before it at the prompt's end): the answers are the plain
+    questions', plain transformers' (``plain_generate``). An image's prompt keeps the tag: the user's text there."""
+    vlm = vlm_for(arch)
+    tagged = [PROMPTS[0] + "\n<video>", "<video>\n" + PROMPTS[1]]
+    ref, _ = plain_generate(arch, clips, PROMPTS, 4)
+    assert [g.token_ids for g in vlm.generate_video(clips, tagged, max_new_tokens=4)] == ref
+    for prompt in (*tagged, "What <video> moves?", "What moves?<image><image>"):
+        plain = prompt.replace("<video>", "").replace("<image>", "").replace("\n", "").replace("  ", " ")
+        assert vlm.conversation(prompt, media="video") == vlm.conversation(plain, media="video")
+    assert "What moves?\n<video>" in vlm.conversation("What moves?\n<video>")  # media="image"
+
+
 # ---- clips of one frame, batches of different frame counts ---------------------------------------------------------
 
 
