@@ -75,10 +75,10 @@ def _clip_of(path, name: str, frames: int) -> tuple[bytes | None, str | None]:
     from promprune.models.video import Clip, decode_video
 
     try:
-        sampled, fps = decode_video(path, frames)
+        clip = Clip(*decode_video(path, frames))
     except Exception as exc:  # noqa: BLE001 - PyAV raises many types for missing / broken files
         return None, f"{name}: unreadable video {path} ({type(exc).__name__}: {exc})"
-    return Clip(sampled, fps).to_bytes(), None
+    return clip.to_bytes(), None
 
 
 def image_key(image) -> str:
@@ -217,7 +217,7 @@ def share_images(rows: list[Request]) -> list[Request]:
 
 
 def _item(request: Request, last: dict) -> Item:
-    """A request -> Item; an unreadable image or a request that arrived failed becomes a failed item.
+    """A request -> Item; an unreadable image or clip or a request that arrived failed becomes a failed item.
     ``last``: the previous request's decoded image by key (the questions about one image are neighbours in a packed
     block, so each image is decoded once while memory holds one decoded image at a time)."""
     if request.error:
@@ -225,7 +225,12 @@ def _item(request: Request, last: dict) -> Item:
     if request.video is not None:
         from promprune.models.video import Clip
 
-        return Item(request.prompt, None, request.gen_kwargs, video=Clip.from_bytes(request.video), id=request.key)
+        try:
+            clip = Clip.from_bytes(request.video)
+        except Exception as exc:  # noqa: BLE001 - bytes numpy cannot read, a rate Clip refuses: one failed sample
+            return Item(request.prompt, None, request.gen_kwargs, id=request.key,
+                        error=f"{request.task} doc {request.doc_id}: unreadable clip ({type(exc).__name__}: {exc})")
+        return Item(request.prompt, None, request.gen_kwargs, video=clip, id=request.key)
     key = request.image_key
     try:
         image = last[key] if key and key in last else decode_image(request.image,

@@ -24,10 +24,11 @@ def strict_decoding():
         ImageFile.LOAD_TRUNCATED_IMAGES = saved
 
 
-def load_image(image, index: int) -> Image.Image:
+def load_image(image, index: int, name: str = "image") -> Image.Image:
     """One image (PIL image, path, or encoded bytes) as a fully decoded RGB PIL image (:func:`as_rgb`).
 
-    A corrupt, truncated or unreadable image is a ValueError naming batch item ``index``. A file or bytes is turned
+    A corrupt, truncated, unreadable or empty image is a ValueError naming batch item ``index`` (``"image 3 is
+    corrupt ..."``; ``name`` in place of "image": a clip's frame, ``"clip 3: frame"``). A file or bytes is turned
     upright by its EXIF orientation (:func:`opened`), as transformers' ``load_image`` and ``datasets`` do; a PIL
     image is taken as it is, as the processor takes it.
     """
@@ -39,9 +40,9 @@ def load_image(image, index: int) -> Image.Image:
             img.load()
         rgb = as_rgb(img)
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError... for bad data
-        raise ValueError(f"image {index} is corrupt or unreadable: {type(err).__name__}: {err}") from err
+        raise ValueError(f"{name} {index} is corrupt or unreadable: {type(err).__name__}: {err}") from err
     if min(rgb.size) < 1:
-        raise ValueError(f"image {index} is empty (size {rgb.size})")
+        raise ValueError(f"{name} {index} is empty (size {rgb.size})")
     return rgb
 
 
@@ -70,21 +71,40 @@ def as_rgb(img: Image.Image) -> Image.Image:
 
 
 def _eight_bit(img: Image.Image) -> Image.Image:
-    """A 16-bit or float single-band image as 8-bit grey ("L"): "I;16*" over its 16-bit range (v / 257); "I" (what PIL
-    makes of a 16-bit PNG) the same where a value passes 255, else as it is; "F" from [0, 1] where it stays in it,
-    else clipped to [0, 255]. Other modes as they are."""
+    """A 16-bit or float single-band image as 8-bit grey ("L") by :func:`eight_bit`'s rule (the mode's pixel type:
+    "I;16*" 16-bit, "I" 32-bit integers, "F" float). Other modes as they are."""
     import numpy as np
 
     if not (img.mode.startswith("I") or img.mode == "F"):
         return img
-    a = np.asarray(img, dtype=np.float64)
+    return Image.fromarray(eight_bit(np.asarray(img)))  # "L"
+
+
+def eight_bit(pixels):
+    """Pixel values as ``uint8``, the one rule for images (:func:`as_rgb`, by the PIL mode's pixel type) and clips'
+    frames (``promprune.models.video.load_clip``, by the array's dtype, judged over the whole clip): ``uint8`` as it
+    is; ``bool`` as 0 / 255 (PIL's "1"); ``uint16`` over its 16-bit range (v / 257, PIL's "I;16*"); other integers
+    (PIL's "I") the same where a value passes 255, else as they are; floats (PIL's "F") from [0, 1] (v * 255) where
+    every finite value lies in it, else as they are; then clipped to [0, 255] (NaN as 0) and rounded. Casting instead
+    made a float clip in [0, 1] all black, wrapped 16-bit values and -1 to 255."""
+    import numpy as np
+
+    a = np.asarray(pixels)
+    if a.dtype == np.uint8:
+        return a
+    if a.dtype == np.bool_:
+        return a.astype(np.uint8) * np.uint8(255)
+    if a.dtype.kind not in "uif":
+        raise TypeError(f"expected integer or float pixel values, got dtype {a.dtype}")
+    sixteen_bit, is_float = a.dtype.kind == "u" and a.dtype.itemsize == 2, a.dtype.kind == "f"
+    a = a.astype(np.float64)
     finite = a[np.isfinite(a)]
     top = float(finite.max()) if finite.size else 0.0
-    if img.mode == "F":
+    if is_float:
         a = a * 255.0 if finite.size and float(finite.min()) >= 0.0 and top <= 1.0 else a
-    elif img.mode != "I" or top > 255:
+    elif sixteen_bit or top > 255:
         a = a / 257.0
-    return Image.fromarray(np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8))  # "L"
+    return np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8)
 
 
 # What one image is (a PIL image, a path, encoded bytes): passed bare where a batch (a list) is expected, it is refused

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from promprune.selection.two_stage import prominence
 from .adapters import VisualItem, attach_keys, host_index
 from .batched_select import select_items
 from .batched_select import split_budget as split_shares
-from .images import batch_lists, load_image
+from .images import batch_lists, eight_bit, load_image
 from .registry import families, family, find_family
 from .sequence import shrink_placeholders
 # video_budget -> the batched_select.py budget mode over views (a clip's frames are its views)
@@ -57,10 +58,15 @@ VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v", ".mpg", ".mpe
 
 @dataclass
 class Clip:
-    """Decoded frames ``[F, H, W, 3]`` uint8 and their rate (None: unknown)."""
+    """Decoded frames ``[F, H, W, 3]`` (uint8; other pixel types are converted as :func:`load_clip` says) and their
+    rate in frames per second (None: unknown); a rate that is not a finite number above 0 is refused
+    (:func:`check_fps`)."""
 
     frames: np.ndarray
     fps: float | None = None
+
+    def __post_init__(self):
+        self.fps = check_fps(self.fps, "Clip.fps")
 
     def to_bytes(self) -> bytes:
         """Lossless bytes (an ``.npz`` of the frames and the rate): what a request row carries across Ray."""
@@ -73,6 +79,19 @@ class Clip:
         with np.load(io.BytesIO(bytes(data))) as npz:
             fps = float(npz["fps"])
             return cls(frames=npz["frames"], fps=None if math.isnan(fps) else fps)
+
+
+def check_fps(fps, name: str = "fps") -> float | None:
+    """``fps`` as a float, None as None (unknown: the decoded file's rate, else :data:`DEFAULT_FPS`); a ValueError
+    naming ``name`` unless it is a finite number above 0. The rate dates a clip's frames (Qwen2.5-VL's temporal M-RoPE
+    step ``2 / fps``, Qwen3-VL's timestamps): a negative, infinite or NaN one gave negative, zero or NaN positions and
+    an answer, with no error; 0 was taken as 1, silently."""
+    if fps is None:
+        return None
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"{name} must be a frame rate in frames per second, a finite number above 0 (or None: "
+                         f"unknown), got {fps!r}")
+    return float(fps)
 
 
 def is_video_path(value) -> bool:
@@ -111,7 +130,12 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
     whole file's (8 picks are 14% apart). A file stating no duration, or one whose duration ffmpeg estimates from
     the file itself (MPEG-TS / PS: from the last timestamps there are, which a cut moves), is refused only on a
     decode error, never on how many frames decoded. (A file that lost under the slack decodes, its picks spread
-    over what remains.)"""
+    over what remains.)
+
+    The rate is the stream's average rate over the picks' spacing (``rate * (picks - 1) / (last - first)``), or
+    :data:`DEFAULT_FPS` where one frame is picked or the stream states no positive rate (PyAV reports a rate of 0, or
+    0/0, as none; a negative or non-finite one is taken as none too), so a file never dates its frames at 0, NaN or a
+    negative rate. A file without a video stream (audio only) is a ValueError saying so."""
     got = _decode(path, frames)
     short = _short_by(got)
     if short is not None:
@@ -178,9 +202,13 @@ def _decode(path, frames: int, total: int | None = None, reuse: dict | None = No
     import av
 
     with av.open(os.fspath(path)) as container:
+        if not container.streams.video:
+            kinds = sorted({s.type for s in container.streams}) or ["none"]
+            raise ValueError(f"{path}: no video stream (its streams: {', '.join(kinds)})")
         stream = container.streams.video[0]
         stated = int(stream.frames or 0)
         rate = float(stream.average_rate) if stream.average_rate else None
+        rate = rate if rate is not None and math.isfinite(rate) and rate > 0 else None  # none stated: DEFAULT_FPS
         guessed = rate or (float(stream.guessed_rate) if stream.guessed_rate else None)
         interval = 1.0 / guessed if guessed else 0.0
         start, stated_end = _stated_span(container, stream)
@@ -228,36 +256,67 @@ def _stated_span(container, stream) -> tuple[float, float | None]:
 def load_clip(clip, index: int, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float | None]:
     """One clip as ``(frames [F, H, W, 3] uint8, fps or None)``: a :class:`Clip`, a video file's path (``frames``
     sampled), an array ``[F, H, W, 3]``, or a sequence of frames (PIL images, paths, encoded bytes, ``[H, W, 3]``
-    arrays) of one size. A clip that cannot be read is a ValueError naming batch item ``index``."""
+    arrays) of one size and pixel type. Pixels that are not uint8 become 8 bits by the images' one rule
+    (:func:`promprune.models.images.eight_bit`, judged over the whole clip): floats in [0, 1] scaled by 255, 16-bit
+    values by 1/257, anything else clipped to [0, 255] (a cast made a float clip in [0, 1] all black and wrapped 16-bit
+    values). A clip that cannot be read is a ValueError naming batch item ``index``: a corrupt frame by its place in
+    the clip (``"clip 3: frame 2 is corrupt ..."``), a video file with no video stream, frames of size 0 (``"clip 3
+    is empty"``, as an image is), and a :class:`Clip`'s rate that is not a finite number above 0
+    (:func:`check_fps`)."""
     if isinstance(clip, Clip):
-        clip, fps = clip.frames, clip.fps
-        array, _ = load_clip(clip, index, frames)
-        return array, fps
+        array, _ = load_clip(clip.frames, index, frames)
+        return array, check_fps(clip.fps, f"clip {index}'s fps")
     try:
         if isinstance(clip, (str, os.PathLike)):
             return decode_video(clip, frames)
-        array = clip if isinstance(clip, np.ndarray) else _stacked(
-            [np.asarray(f) if isinstance(f, np.ndarray) else np.asarray(load_image(f, index)) for f in clip], index)
-    except ClipFramesDiffer:
+        array = clip if isinstance(clip, np.ndarray) else _stacked([_frame(f, k, index) for k, f in enumerate(clip)],
+                                                                   index)
+    except BadClip:
         raise
     except Exception as err:  # PyAV / PIL / numpy raise many types for bad data
         raise ValueError(f"clip {index} is unreadable: {type(err).__name__}: {err}") from err
     if array.ndim != 4 or array.shape[-1] != 3 or array.shape[0] < 1:
         raise ValueError(f"clip {index}: expected frames [F, H, W, 3] (RGB, F >= 1), got shape {tuple(array.shape)}")
-    return array.astype(np.uint8, copy=False), None
+    if min(array.shape[1:3]) < 1:
+        raise ValueError(f"clip {index} is empty (frames of size {_size(array.shape[1:])})")
+    try:
+        return eight_bit(array), None
+    except TypeError as err:
+        raise ValueError(f"clip {index}: {err}") from err
 
 
-class ClipFramesDiffer(ValueError):
-    """A clip given as frames of different sizes."""
+class BadClip(ValueError):
+    """A clip refused with a message that names it (and its frame)."""
+
+
+class ClipFramesDiffer(BadClip):
+    """A clip given as frames of different sizes or pixel types."""
+
+
+def _frame(frame, k: int, index: int) -> np.ndarray:
+    """Frame ``k`` of clip ``index`` as an array: an array as it is, else an RGB image (:func:`load_image`, whose
+    error names the clip and the frame)."""
+    if isinstance(frame, np.ndarray):
+        return frame
+    try:
+        return np.asarray(load_image(frame, k, name=f"clip {index}: frame"))
+    except ValueError as err:
+        raise BadClip(str(err)) from err.__cause__
 
 
 def _stacked(frames: list[np.ndarray], index: int) -> np.ndarray:
-    """The frames of clip ``index`` as one array; `ClipFramesDiffer` naming the first frame of another size."""
+    """The frames of clip ``index`` as one array; `ClipFramesDiffer` naming the first frame of another size or pixel
+    type (stacked, a float frame in [0, 1] among uint8 ones would be read on their scale: black)."""
     odd = next((k for k, f in enumerate(frames) if f.shape != frames[0].shape), None)
     if odd is not None:
         raise ClipFramesDiffer(f"clip {index}: its frames differ in size (frame 0 is {_size(frames[0].shape)}, frame "
                                f"{odd} is {_size(frames[odd].shape)}); a clip's frames share one size: resize them "
                                "to one before passing the clip")
+    odd = next((k for k, f in enumerate(frames) if f.dtype != frames[0].dtype), None)
+    if odd is not None:
+        raise ClipFramesDiffer(f"clip {index}: its frames differ in pixel type (frame 0 is {frames[0].dtype}, frame "
+                               f"{odd} is {frames[odd].dtype}); a clip's frames share one: convert them to one before "
+                               "passing the clip")
     return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)
 
 
@@ -296,12 +355,14 @@ def processed(vlm, clips, prompts, fps: float | None = None):
     """Processor outputs for a batch of clips (unpruned placeholders), on the CPU. The frames are fed as given (no
     resampling; the adapter's ``prepare_clips`` pads a clip the processor takes no shorter: Qwen3-VL's 1-frame clip);
     ``fps`` (else the decoded file's, else 1) dates them for Qwen's timestamps / temporal positions. One processor
-    call: on an adapter with ``uniform_clips`` (OneVision) the clips need one frame count (:func:`frame_groups`)."""
+    call: on an adapter with ``uniform_clips`` (OneVision) the clips need one frame count (:func:`frame_groups`). A
+    rate that is not a finite number above 0 is refused (:func:`check_fps`)."""
     check_video_model(vlm.model)
+    fps = check_fps(fps)
     clips, prompts = _batch(clips, prompts)
     loaded = [load_clip(c, i) for i, c in enumerate(clips)]
     arrays = [a for a, _ in loaded]
-    rates = [fps or rate or DEFAULT_FPS for _, rate in loaded]
+    rates = [fps if fps is not None else rate if rate is not None else DEFAULT_FPS for _, rate in loaded]
     kwargs = {"do_sample_frames": False, **vlm.adapter.video_kwargs(arrays, rates)}  # how the family dates frames
     texts = [conversation(vlm, p) for p in prompts]
     return vlm.processor(text=texts, videos=vlm.adapter.prepare_clips(arrays), return_tensors="pt", padding=True,
@@ -462,6 +523,7 @@ def prepare(vlm, clips, prompts, fps: float | None = None):
     from .options import is_in_llm
 
     check_video_model(vlm.model)  # before decoding: a family without clips is refused as such, whatever the clip
+    check_fps(fps)  # and a rate no clip can be dated at
     clips, prompts = _batch(clips, prompts)
     clips = [Clip(*load_clip(c, i)) for i, c in enumerate(clips)]  # decoded once: the processor and the keys
     groups = frame_groups(vlm, clips)

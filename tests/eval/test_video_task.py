@@ -126,6 +126,25 @@ def test_a_cut_off_clip_is_one_failed_request(tmp_path, monkeypatch):
     assert rows[1].video is None and all(r.video for r in rows if not r.error)
 
 
+def test_a_request_whose_clip_rate_dates_nothing_is_one_failed_sample(rows):
+    """A request carrying a clip whose rate is no finite number above 0 (its bytes written by hand: ``Clip`` refuses
+    to make one) was answered with nonsense temporal positions on Qwen2.5-VL; it is one failed sample naming the
+    rate, the other requests of its batch answered as alone."""
+    import dataclasses
+    import io
+
+    frames = Clip.from_bytes(rows[1].video).frames
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, frames=frames, fps=np.float64(-2.0))
+    bad = [rows[0], dataclasses.replace(rows[1], video=buffer.getvalue())]
+    vlm = PrunedVLM.from_pretrained("tiny:qwen2_5_vl", method="promprune", budget=8)
+    preds = run_requests(vlm, bad, batch_size=2)
+    assert preds[0].error is None and preds[1].error == (
+        f"{TASK} doc {rows[1].doc_id}: unreadable clip (ValueError: Clip.fps must be a frame rate in frames per "
+        "second, a finite number above 0 (or None: unknown), got -2.0)")
+    assert preds[0].prediction == run_requests(vlm, rows[:1], batch_size=1)[0].prediction
+
+
 def test_video_tasks_are_known_from_their_yaml_alone():
     """What the pipeline's preflight refuses a video task on an image-only model by: the offline stand-in (and a
     group with it) is certain to give clips. A task that only sets lmms-eval's ``dataset_kwargs.video`` is flagged,

@@ -575,6 +575,94 @@ def test_frames_of_different_sizes_are_named():
     assert load_clip([frame, frame + 1], 0)[0].shape == (2, 48, 64, 3)
 
 
+def test_bad_clips_are_named_by_what_is_wrong(tmp_path):
+    """A corrupt frame k of clip i was "image i is corrupt" (the clip's index passed as the frame's); a video file
+    with no video stream (audio only) failed as "IndexError: tuple index out of range"; a clip of zero-size frames
+    passed load_clip and failed in the processor with a ZeroDivisionError (an image of size 0 is refused as empty)."""
+    import av
+    from PIL import Image
+
+    from promprune.models.video import load_clip
+
+    good = Image.new("RGB", (16, 16), (9, 9, 9))
+    with pytest.raises(ValueError, match=r"^clip 3: frame 2 is corrupt or unreadable: UnidentifiedImageError"):
+        load_clip([good, good, b"not an image"], 3)
+    with pytest.raises(ValueError, match=r"^clip 1: frame 0 is empty \(size \(0, 5\)\)$"):
+        load_clip([Image.new("RGB", (0, 5))], 1)
+    audio = tmp_path / "audio_only.mp4"
+    with av.open(str(audio), "w") as out:
+        stream = out.add_stream("aac", rate=16000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 16000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            out.mux(packet)
+    with pytest.raises(ValueError, match=r"no video stream \(its streams: audio\)$"):
+        decode_video(audio)
+    with pytest.raises(ValueError, match=r"^clip 0 is unreadable: ValueError: .*audio_only\.mp4: no video stream"):
+        load_clip(audio, 0)
+    vlm = vlm_for("qwen2_5_vl")
+    for empty in (np.zeros((2, 0, 8, 3), np.uint8), np.zeros((2, 8, 0, 3), np.uint8)):
+        with pytest.raises(ValueError, match=r"^clip 0 is empty \(frames of size (8x0|0x8)\)$"):
+            vlm.generate_video([empty], ["q"], max_new_tokens=1)
+
+
+def test_clip_frames_take_the_images_8_bit_rule():
+    """Frames that are not uint8 were cast (``astype(np.uint8)``): a float clip in [0, 1] came out all black, 16-bit
+    values wrapped to their low byte, -1 became 255. They take the images' one rule (``images.eight_bit``), judged
+    over the clip: hand-worked values, and each float frame as ``load_image`` converts it as a float ("F") image; the
+    model reads a float clip as its 8-bit conversion, not as a black clip."""
+    from PIL import Image
+
+    from promprune.models.images import load_image
+    from promprune.models.video import Clip, load_clip
+
+    unit = np.random.default_rng(0).random((4, 32, 32, 3)).astype(np.float32)  # [F, H, W, 3] in [0, 1]
+    eight = np.round(unit.astype(np.float64) * 255).astype(np.uint8)
+    for given in (unit, list(unit), Clip(unit, 2.0)):
+        got, _ = load_clip(given, 0)
+        assert got.dtype == np.uint8
+        np.testing.assert_array_equal(got, eight)
+    for k in range(2):  # every frame in [0, 1]: the clip's scale is each frame's, as an image is scaled alone
+        as_image = np.asarray(load_image(Image.fromarray(unit[k, ..., 1], mode="F"), 0))[..., 0]
+        np.testing.assert_array_equal(as_image, eight[k, ..., 1])
+    u16 = np.array([0, 257, 1000, 65535], np.uint16).repeat(3).reshape(1, 2, 2, 3)
+    assert load_clip(u16, 0)[0][0, ..., 0].tolist() == [[0, 1], [4, 255]]  # v / 257, rounded
+    i16 = np.array([-1, 0, 128, 255], np.int16).repeat(3).reshape(1, 2, 2, 3)
+    assert load_clip(i16, 0)[0][0, ..., 0].tolist() == [[0, 0], [128, 255]]  # 8-bit values: -1 clipped, not 255
+    wide = np.array([-5.0, 0.5, 200.4, 300.0], np.float32).repeat(3).reshape(1, 2, 2, 3)
+    assert load_clip(wide, 0)[0][0, ..., 0].tolist() == [[0, 0], [200, 255]]  # not in [0, 1]: clipped to [0, 255]
+    with pytest.raises(ValueError, match=r"^clip 2: its frames differ in pixel type \(frame 0 is uint8, frame 1 is "
+                                         r"float32\)"):
+        load_clip([eight[0], unit[1]], 2)  # stacked, the float frame would be read on the uint8 scale: black
+    vlm = vlm_for("qwen2_5_vl", method="promprune", budget=8)
+    features = [vlm.prepare_video([c], ["q"]).items[0].features for c in (unit, eight, np.zeros_like(eight))]
+    assert torch.equal(features[0], features[1]) and not torch.equal(features[0], features[2])
+
+
+def test_a_clip_rate_that_dates_nothing_is_refused():
+    """``fps`` (``generate_video`` / ``prepare_video``) and ``Clip.fps`` were never checked: on Qwen2.5-VL a negative
+    rate gave decreasing temporal positions (7, 3, -1, -5), an infinite one a constant position, NaN int64's minimum,
+    each answered; 0 was taken as 1. Refused by name, before any clip is read; a Clip's rate changed after it was
+    made is refused naming the batch item."""
+    from promprune.models.video import Clip, check_fps
+
+    frames = np.stack([np.asarray(f) for f in scene_clip(index=3, frames=4)])
+    vlm = vlm_for("qwen2_5_vl")
+    rule = r"must be a frame rate in frames per second, a finite number above 0 \(or None: unknown\), got "
+    for bad in (0, 0.0, -2.0, math.inf, math.nan, True, "8"):
+        with pytest.raises(ValueError, match=r"^fps " + rule):
+            vlm.generate_video([Clip(frames)], ["q"], fps=bad, max_new_tokens=1)
+        with pytest.raises(ValueError, match=r"^fps " + rule):
+            vlm.prepare_video(["/nonexistent.mp4"], ["q"], fps=bad)  # before the file is read
+        with pytest.raises(ValueError, match=r"^Clip\.fps " + rule):
+            Clip(frames, bad)
+    clip = Clip(frames, 2.0)
+    clip.fps = -1.0
+    with pytest.raises(ValueError, match=r"^clip 1's fps " + rule + r"-1\.0$"):
+        vlm.prepare_video([Clip(frames), clip], ["q", "q"])
+    assert check_fps(np.float32(0.5)) == 0.5 and check_fps(None) is None and check_fps(24) == 24.0
+
+
 @pytest.mark.parametrize("arch", ["llava_onevision", "qwen2_5_vl"])
 def test_a_prompt_holding_the_video_tag_is_answered_as_the_plain_question(arch, clips):
     """lmms-eval's osi_bench appends "\\n<video>" to its prompt for models without doc_to_messages (mmsi_video writes
