@@ -1,10 +1,11 @@
 """Generation for evaluation items: batching, lmms-eval generation kwargs, and failure isolation.
 
 Both the Ray path (``run_requests`` on ``Request``s) and the lmms-eval plugin (``PromPruneLMM.generate_until``) turn
-their inputs into ``Item``s and call ``generate_items``. Every item yields exactly one ``Answer``, in input order:
-a batch that raises is retried item by item, so one corrupt image or one failing generation becomes one failed
-answer with its error message, never a crash and never a dropped sample; so does a row whose logits went non-finite
-(NaN: ``Generation.error``), which would otherwise pass as an empty answer.
+their inputs into ``Item``s and call ``generate_items`` (the plugin with ``load``: each item's picture read only as its
+batch is formed, as lmms-eval hands over a whole run's requests at once). Every item yields exactly one ``Answer``, in
+input order: a batch that raises is retried item by item, so one corrupt image or one failing generation becomes one
+failed answer with its error message, never a crash and never a dropped sample; so does a row whose logits went
+non-finite (NaN: ``Generation.error``), which would otherwise pass as an empty answer.
 
 Two options share the work of an image's questions (items with one ``key``) where the method allows:
 ``vision_once`` preprocesses, encodes and selects each image once (``PrunedVLM.shares_vision``: all but CDPruner, which
@@ -26,6 +27,7 @@ draw.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -298,8 +300,22 @@ def _by_image(indices: list[int], keys: list) -> list[int]:
     return sorted(indices, key=lambda i: first[keys[i]])  # stable
 
 
+def _loaded(load, i: int, stand_in: Item) -> Item:
+    """Item ``i`` read by ``load`` (see :func:`generate_items`): an error there, or an item of another kind (clip or
+    image) than its stand-in said, is a failed item."""
+    try:
+        item = load(i)
+    except Exception as exc:  # noqa: BLE001 - an unreadable item is one failed answer, as in a batch
+        return dataclasses.replace(stand_in, image=None, video=None, error=f"{type(exc).__name__}: {exc}")
+    if item.error is None and (item.video is None) != (stand_in.video is None):
+        said, read = ("a clip", "an image") if stand_in.video is not None else ("an image", "a clip")
+        return dataclasses.replace(stand_in, image=None, video=None,
+                                   error=f"item {i} was {said} when planned and is {read} when read")
+    return item
+
+
 def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: bool = False,
-                   prefix_cache: bool = False, seed: Any = None) -> list[Answer]:
+                   prefix_cache: bool = False, seed: Any = None, load=None) -> list[Answer]:
     """One :class:`~promprune.records.Answer` per item, in input order.
 
     Items are batched with others of identical generation kwargs (lmms-eval tasks may differ) and of the same kind
@@ -312,6 +328,15 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
     identity, what each sampled item's own random stream is seeded from (:func:`sample_seeds`): an item's sampled
     answer depends on the seeds and the item (on the same hardware and software), not on ``batch_size``, the order
     of ``items``, the items batched with it, or whatever ran before in the process.
+
+    ``load`` (None: ``items`` are the items): each item's picture is read only as its batch is formed, so memory
+    holds at most ``batch_size`` read items, however many ``items`` there are (the lmms-eval plugin: lmms-eval hands
+    over every request of a run at once). ``items`` are then stand-ins, each as its item will be but without its
+    picture: its prompt, generation kwargs, ``key``, ``id`` (or ``key``: a stand-in has no pixels to stand for its
+    identity, :func:`sample_seeds`), ``error`` where it is known to fail, and ``video`` set (to anything, e.g.
+    True) for a clip; ``load(i)`` returns item ``i`` itself. The batches are those the read items would get: an
+    item that fails as it is read (``load`` raises, or gives an item with ``error`` or of the other kind) is one
+    failed answer and takes no place in a batch.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -323,6 +348,12 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
         else:
             kind = json.dumps([item.video is not None, item.gen_kwargs], sort_keys=True, default=str)
             groups.setdefault(kind, []).append(i)
+    if load is not None:
+        nameless = next((i for indices in groups.values() for i in indices
+                         if items[i].id is None and items[i].key is None), None)
+        if nameless is not None:
+            raise ValueError(f"item {nameless} is a stand-in (load given) with neither id nor key: its sampling seed "
+                             "would have no identity to be drawn from")
     keys = [item.key if item.key is not None else ("item", i) for i, item in enumerate(items)]
     plans = []
     for indices in groups.values():
@@ -332,16 +363,29 @@ def generate_items(vlm, items: list[Item], *, batch_size: int = 8, vision_once: 
     seeds = sample_seeds(seed, items)
     cache = ImageCache()
     left = Counter(keys[i] for indices, share, _ in plans if share for i in indices)  # questions still to answer
+
+    def answered(i: int, share: bool) -> None:
+        if share:
+            left[keys[i]] -= 1
+            if not left[keys[i]]:
+                cache.release(keys[i])
+
     for indices, share, prefix in plans:
         gen_kwargs = items[indices[0]].gen_kwargs
-        for start in range(0, len(indices), batch_size):
-            chunk = indices[start : start + batch_size]
-            answers = _run_isolated(vlm, [items[i] for i in chunk], gen_kwargs, cache if share else None, prefix,
-                                    [keys[i] for i in chunk] if share else None, [seeds[i] for i in chunk])
-            for i, result in zip(chunk, answers):
-                results[i] = result
-                if share:
-                    left[keys[i]] -= 1
-                    if not left[keys[i]]:
-                        cache.release(keys[i])
+        batch: list[tuple[int, Item]] = []  # (index, item) read and waiting for its batch to fill
+        for n, i in enumerate(indices):
+            item = items[i] if load is None else _loaded(load, i, items[i])
+            if item.error is not None:  # (only a read item: the others were not grouped)
+                results[i] = Answer(error=item.error)
+                answered(i, share)
+            else:
+                batch.append((i, item))
+            if batch and (len(batch) == batch_size or n == len(indices) - 1):
+                chunk = [j for j, _ in batch]
+                answers = _run_isolated(vlm, [it for _, it in batch], gen_kwargs, cache if share else None, prefix,
+                                        [keys[j] for j in chunk] if share else None, [seeds[j] for j in chunk])
+                batch = []  # the read items go with their batch
+                for j, result in zip(chunk, answers):
+                    results[j] = result
+                    answered(j, share)
     return results  # type: ignore[return-value]

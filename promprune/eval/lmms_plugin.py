@@ -21,7 +21,9 @@ tag in the context removed (``PrunedVLM.conversation``: the image goes where the
 Qwen and Gemma models do) (Qwen3.5 / Qwen3-VL: ChatML with the vision markers, and a system turn only with
 ``system_prompt=...``: lmms-eval's qwen3_vl / qwen3_5 models send "You are a helpful assistant.", which the
 project's Qwen3 sweeps set). The batch size is lmms-eval's ``--batch_size`` (it passes ``batch_size`` to the model
-itself; ``batch_size`` in ``--model_args`` is refused, naming that option).
+itself; ``batch_size`` in ``--model_args`` is refused, naming that option). lmms-eval hands the model every request
+of its run in one call: each request's image or clip is decoded as its batch is formed, so memory holds
+``--batch_size`` of them, not the run's (``generate_until``).
 
 Sampled answers (a task's or ``--gen_kwargs``' ``do_sample``) are seeded per request as the pipeline seeds them
 (``generation.sample_seeds``): each request draws from its own random stream, seeded from lmms-eval's torch seed and
@@ -35,7 +37,9 @@ process seed, drawn at random per process: the answers then differ between runs,
 unseeded torch would, but still not with the batch. A model constructed by the caller (``simple_evaluate(model=
 PromPruneLMM(...))``, which seeds torch after the model exists) takes torch's seed at its construction. Sampled beam
 search (``num_beams`` over 1) cannot draw per request: it keeps transformers' own sampling, which depends on the
-batch (a warning says so). Greedy requests draw nothing.
+batch (a warning says so). Greedy requests draw nothing. ``do_sample`` at a temperature of 0 (lmms-eval's
+``--gen_kwargs do_sample=true`` over a task's ``temperature: 0``), which transformers refuses, is refused before any
+document is read, as is beam search with an in-LLM method (``_check_requests``).
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ import torch  # noqa: E402 - after MANIFEST (see there)
 from lmms_eval.api.instance import Instance  # noqa: E402
 from lmms_eval.api.model import lmms  # noqa: E402
 
-from promprune.eval.generation import Item, decode_image, generate_items  # noqa: E402
+from promprune.eval.generation import Item, decode_image, generate_items, generate_kwargs  # noqa: E402
 from promprune.eval.scoring import FAILED_ANSWER  # noqa: E402
 from promprune.models.images import strict_decoding  # noqa: E402
-from promprune.eval.requests import document_visual, image_key  # noqa: E402
+from promprune.eval.requests import document_visual, image_key, read_clip  # noqa: E402
+from promprune.eval.tasks import frames_are_clips  # noqa: E402
 from promprune.dtypes import AUTO, parse_dtype  # noqa: E402
 from promprune.selection.registry import UNPRUNED_NAMES as _UNPRUNED  # noqa: E402 - no method registers one of them
 
@@ -140,14 +145,16 @@ def _video_frames(value) -> int:
 
 
 class PromPruneLMM(lmms):
-    """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image, or one video file, and one question
-    per request).
+    """A ``PrunedVLM`` answering lmms-eval ``generate_until`` requests (one image, or one clip: a video file, or its
+    frames in a task that gives clips so, ``tasks.frames_are_clips``; and one question per request).
 
     Pass ``vlm=`` (an existing PrunedVLM) to wrap a loaded model instead of loading ``pretrained``. A request whose
     image or video is unreadable, whose document gives no usable visual (each document is taken as a clip or an image
     by itself: ``requests.document_visual``), or whose generation fails gets ``scoring.FAILED_ANSWER`` (which
     every shipped task scores as wrong, as the pipeline's scoring replays a failed sample) and a warning;
-    ``self.failures`` lists them as (task, doc_id, error).
+    ``self.failures`` lists them as (task, doc_id, error). Generation kwargs that every request asking them would
+    fail on are refused before any document is read (:meth:`_check_requests`); images and clips are decoded a batch
+    at a time (:meth:`generate_until`).
     """
 
     is_simple = True
@@ -215,9 +222,12 @@ class PromPruneLMM(lmms):
         self.video_frames = _video_frames(video_frames)
         self.failures: list[tuple[str, int, str]] = []
 
-    def _item(self, request: Instance) -> Item:
-        from promprune.models.video import Clip, decode_video
-
+    def _item(self, request: Instance, pixels: bool = True, key: str | None = None) -> Item:
+        """The request as an :class:`Item`: its document read and its visual decoded (a failed item where that
+        fails). ``pixels`` false: the stand-in :func:`generate_items` plans with (``load``), which keeps no pixels:
+        its kind (a clip's ``video`` is True), its error where the document gives no usable visual and, with
+        ``vision_once``, its image's key (decoded and hashed, then dropped; an image that cannot be decoded fails
+        here). ``key``: the stand-in's, not hashed again."""
         context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
         name = f"{task} doc {doc_id}"
         # the request's identity, which its sampling seed is drawn from (with its repeat: generation.sample_seeds)
@@ -225,21 +235,83 @@ class PromPruneLMM(lmms):
         try:
             with strict_decoding():  # a cut-off image fails (lmms-eval turns PIL's LOAD_TRUNCATED_IMAGES on)
                 doc = self.task_dict[task][split][doc_id]
-            visual, video, error = document_visual(doc_to_visual, doc, name)  # clip or image: this doc's visual
+            # clip or image: this doc's visual (a list of frames is a clip in a task that gives clips as frames)
+            visual, video, error = document_visual(doc_to_visual, doc, name, frames_are_clips(task))
             if error:
                 return Item(context, None, dict(gen_kwargs), error=error, id=identity)
-            if video:  # frames sampled from the file (PrunedVLM.generate_video)
-                return Item(context, None, dict(gen_kwargs), video=Clip(*decode_video(visual, self.video_frames)),
-                            id=identity)
+            if video:  # frames sampled from the file, or picked from the task's (PrunedVLM.generate_video)
+                return Item(context, None, dict(gen_kwargs), id=identity,
+                            video=read_clip(visual, name, self.video_frames) if pixels else True)
+            if not pixels and not self.vision_once:  # an image, decoded when its batch is formed
+                return Item(context, None, dict(gen_kwargs), id=identity)
             image = decode_image(visual, name)
-            return Item(context, image, dict(gen_kwargs), key=image_key(image) if self.vision_once else None,
-                        id=identity)
+            if self.vision_once and key is None:
+                key = image_key(image)
+            return Item(context, image if pixels else None, dict(gen_kwargs), key=key, id=identity)
         except Exception as exc:  # noqa: BLE001 - an unusable doc becomes one failed (wrong) answer
             return Item(context, None, dict(gen_kwargs), error=f"{type(exc).__name__}: {exc}", id=identity)
 
+    def _generation_problem(self, gen_kwargs: dict) -> str | None:
+        """Why every request with these generation kwargs (a task's ``generation_kwargs`` with ``--gen_kwargs`` over
+        them) would fail, naming the kwargs and the fix, or None: kwargs ``generate_kwargs`` cannot read,
+        ``do_sample`` with a temperature of 0 or below (transformers refuses the pair; the pipeline's preflight
+        refuses it too, ``generation.sampling_problem``), or what ``PrunedVLM`` refuses on every call
+        (``vlm.check_generation_kwargs``: beam search with an in-LLM method). Sampled beam search with another method is
+        answered (see the module docstring), not refused."""
+        from promprune.models.vlm import check_generation_kwargs as refused
+
+        try:
+            kwargs, _ = generate_kwargs(gen_kwargs)
+        except (TypeError, ValueError) as exc:
+            return f"generation kwargs it cannot read ({type(exc).__name__}: {exc}): give numbers where numbers go"
+        temperature = kwargs.get("temperature")
+        if kwargs["do_sample"] and temperature is not None and temperature <= 0:
+            return (f"do_sample={gen_kwargs['do_sample']!r} with temperature={gen_kwargs['temperature']!r}: "
+                    "transformers samples only at a temperature above 0 and refuses the pair (temperature 0 is "
+                    "lmms-eval's greedy setting: its own models decode greedily there whatever do_sample says). To "
+                    "sample, give a temperature above 0 with it (--gen_kwargs do_sample=true,temperature=0.7); for "
+                    "greedy answers, leave do_sample out")
+        try:
+            refused(getattr(self.vlm, "method", None), kwargs)
+        except ValueError as exc:
+            if int(kwargs.get("num_beams", 1)) == 1:
+                return f"generation kwargs the model refuses: {exc}"
+            return (f"num_beams={gen_kwargs['num_beams']!r}: {exc}. Pass --gen_kwargs num_beams=1 (lmms-eval lays "
+                    "it over the task's generation_kwargs), or run a method that prunes before the language model")
+        return None
+
+    def _check_requests(self, requests: list[Instance]) -> None:
+        """Refuse, before any document is read, generation kwargs every request asking them would fail on
+        (:meth:`_generation_problem`), checked once per distinct kwargs: one ValueError naming the tasks, the
+        kwargs and the fix, instead of every such request answered as a failed sample."""
+        distinct: dict[str, tuple[dict, list[str]]] = {}
+        for request in requests:
+            gen_kwargs, task = request.args[1], request.args[4]
+            tasks = distinct.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), (gen_kwargs, []))[1]
+            if task not in tasks:
+                tasks.append(task)
+        problems = []
+        for gen_kwargs, tasks in distinct.values():
+            problem = self._generation_problem(gen_kwargs)
+            if problem:
+                which = f"task {tasks[0]}" if len(tasks) == 1 else f"tasks {', '.join(tasks)}"
+                problems.append(f"lmms-eval asks {which} for {problem}. Every request asking it would fail, so none "
+                                f"is answered (the generation kwargs, the task's generation_kwargs with --gen_kwargs "
+                                f"over them: {gen_kwargs})")
+        if problems:
+            raise ValueError(" ".join(f"{p}." for p in problems))
+
     def generate_until(self, requests: list[Instance]) -> list[str]:
-        results = generate_items(self.vlm, [self._item(r) for r in requests], batch_size=self.batch_size,
-                                 vision_once=self.vision_once, prefix_cache=self.prefix_cache, seed=self.sample_seed)
+        """Answers to ``requests`` (lmms-eval hands a model every request of its run at once), in their order. The
+        generation kwargs are checked first (:meth:`_check_requests`); then each request's document is read once
+        to plan the batches (its kind, its error and, with ``vision_once``, its image's key; the pixels dropped) and
+        again as its batch is formed (``generate_items``' ``load``), so memory holds ``--batch_size`` decoded images
+        or clips at a time, not the run's."""
+        self._check_requests(requests)
+        plans = [self._item(r, pixels=False) for r in requests]
+        results = generate_items(self.vlm, plans, batch_size=self.batch_size, vision_once=self.vision_once,
+                                 prefix_cache=self.prefix_cache, seed=self.sample_seed,
+                                 load=lambda i: self._item(requests[i], key=plans[i].key))
         for request, result in zip(requests, results):
             if result.failed:
                 self.failures.append((request.task_name, request.doc_id, result.error))

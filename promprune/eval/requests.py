@@ -14,7 +14,7 @@ import logging
 import warnings
 
 from promprune.eval.generation import Item, decode_image, generate_items, image_to_png
-from promprune.eval.tasks import check_limit, judge_skip_reason, load_task
+from promprune.eval.tasks import check_limit, frames_are_clips, judge_skip_reason, load_task
 from promprune.models.images import strict_decoding
 from promprune.models.video import DEFAULT_FRAMES
 from promprune.records import Prediction, Request
@@ -47,12 +47,18 @@ def _document(task, split: str, doc_id, name: str) -> tuple[dict | None, str | N
         return None, f"{name}: unreadable document ({type(exc).__name__}: {exc})"
 
 
-def document_visual(doc_to_visual, doc, name: str) -> tuple[object, bool, str | None]:
-    """(the doc's single visual, whether it is a clip, None), or (None, False, reason): what a request is built from,
+def document_visual(doc_to_visual, doc, name: str, frames: bool = False) -> tuple[object, bool, str | None]:
+    """(the doc's visual, whether it is a clip, None), or (None, False, reason): what a request is built from,
     decided for each document by itself (here and in the lmms-eval plugin, ``PromPruneLMM``). A clip is a visual
-    that names a video file (``is_video_path``: lmms-eval's video tasks give the file's path); anything else is
-    taken as an image. So a document whose ``doc_to_visual`` raises, or gives no usable visual, is one failed
-    sample, and the task's other documents are answered as what they are."""
+    that names a video file (``is_video_path``: lmms-eval's video tasks give the file's path), or, where ``frames``
+    (the task's: ``tasks.frames_are_clips``), a list of images of one size, the video's frames as the task gave
+    them (lmms-eval's ``mvbench_frames_doc_to_visual``, ``osi_bench_frames``; the visual is then that list); anything
+    else is taken as an image, one per document. So a document whose ``doc_to_visual`` raises, or gives no usable
+    visual, is one failed sample, and the task's other documents are answered as what they are. Several images in
+    another task are refused, the message naming both readings (a multi-image document, or frames of a task not
+    known to give them)."""
+    from PIL import Image
+
     from promprune.models.video import is_video_path
 
     try:
@@ -64,21 +70,48 @@ def document_visual(doc_to_visual, doc, name: str) -> tuple[object, bool, str | 
         count = len(visuals)
     except TypeError:
         return None, False, f"{name}: doc_to_visual must give a list of one image, got {type(visuals).__name__}"
+    images = count > 0 and all(isinstance(v, Image.Image) for v in visuals)
+    if frames and images:
+        sizes = [v.size for v in visuals]
+        odd = next((k for k, size in enumerate(sizes) if size != sizes[0]), None)
+        if odd is not None:
+            return None, False, (f"{name}: the task gives a clip as {count} frames of different sizes (frame 0 is "
+                                 f"{sizes[0][0]}x{sizes[0][1]}, frame {odd} is {sizes[odd][0]}x{sizes[odd][1]}); a "
+                                 "clip's frames share one size")
+        return list(visuals), True, None
     if count != 1:
-        return None, False, f"{name}: expected exactly one image, the task gives {count}"
+        what = (f"{count} images: several images of one document are not answered (one image or one clip per "
+                "request), and only the tasks of promprune.eval.tasks.frames_are_clips are taken to give a clip's "
+                "frames" if images and count > 1 else f"{count}")
+        return None, False, f"{name}: expected exactly one image, the task gives {what}"
     return visuals[0], is_video_path(visuals[0]), None
 
 
-def _clip_of(path, name: str, frames: int) -> tuple[bytes | None, str | None]:
-    """(the clip's bytes, None) of a video file (``path``, a doc's visual: ``frames`` frames sampled uniformly,
-    :func:`promprune.models.video.decode_video`), or (None, reason)."""
-    from promprune.models.video import Clip, decode_video
+def read_clip(visual, name: str, frames: int = DEFAULT_FRAMES):
+    """A document's clip (:func:`document_visual`'s visual where it is a clip) as a
+    :class:`~promprune.models.video.Clip`: a video file's ``frames`` frames sampled uniformly (``decode_video``), or
+    of the frames the task gave (a list of images), ``frames`` picked the same way (first to last, the indices
+    rounded down; all of them where the task gives fewer), converted as images are (``decode_image``), the rate
+    unknown. ValueError naming ``name`` where it cannot be read."""
+    import numpy as np
 
+    from promprune.models.video import Clip, _frame_picks, decode_video
+
+    if not isinstance(visual, list):
+        try:
+            return Clip(*decode_video(visual, frames))
+        except Exception as exc:  # noqa: BLE001 - PyAV raises many types for missing / broken files
+            raise ValueError(f"{name}: unreadable video {visual} ({type(exc).__name__}: {exc})") from exc
+    picks = _frame_picks(len(visual), frames).tolist()
+    return Clip(np.stack([np.asarray(decode_image(visual[k], f"{name} frame {k}")) for k in picks]), None)
+
+
+def _clip_of(visual, name: str, frames: int) -> tuple[bytes | None, str | None]:
+    """(the clip's bytes, None) of a doc's clip (:func:`read_clip`), or (None, reason)."""
     try:
-        clip = Clip(*decode_video(path, frames))
-    except Exception as exc:  # noqa: BLE001 - PyAV raises many types for missing / broken files
-        return None, f"{name}: unreadable video {path} ({type(exc).__name__}: {exc})"
-    return clip.to_bytes(), None
+        return read_clip(visual, name, frames).to_bytes(), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def image_key(image) -> str:
@@ -106,7 +139,7 @@ def _task_rows(name: str, limit: int | None, include_path, shard: tuple[int, int
         clip, image, key, video = None, None, None, False
         doc, error = _document(task, split, doc_id, name)
         if not error:  # clip or image: this document's own visual says (document_visual)
-            visual, video, error = document_visual(doc_to_visual, doc, name)
+            visual, video, error = document_visual(doc_to_visual, doc, name, frames_are_clips(task_name))
         if not error and video:  # the sampled frames travel in the row (each clip once: no shared key)
             clip, error = _clip_of(visual, name, video_frames)
         elif not error:
@@ -146,7 +179,8 @@ def build_requests(
     large benchmarks (VQAv2-val: 214k questions) can be built in parallel pieces instead of all in driver memory;
     the union of the k shards is exactly the unsharded result. ``contiguous=True``: the i-th of k consecutive runs of
     documents instead (the questions of one image, usually neighbours, then land in one shard).
-    ``video_frames``: frames sampled uniformly from each clip of a video task (MVBench, ...); image tasks ignore it.
+    ``video_frames``: frames sampled uniformly from each clip of a video task (MVBench, ...), or picked the same way
+    from the frames a task gives as its clip (``tasks.frames_are_clips``); image tasks ignore it.
 
     Each distinct image is encoded once: requests about the same picture share its PNG bytes (the same object) and
     its ``image_key``, which :func:`pack_requests` uses to store it once per block.

@@ -39,6 +39,15 @@ TESTBED_TASKS = ("testbed_exist", "testbed_count", "testbed_attribute", "testbed
 # short-video multiple choice on procedural clips (promprune.testbed.video_tasks): MVBench's moving_direction offline
 VIDEO_TASKS = ("testbed_video_direction",)
 OFFLINE_TASKS = EASYVQA_TASKS + TESTBED_TASKS + VIDEO_TASKS
+# lmms-eval tasks whose doc_to_visual gives a video's frames, a list of PIL images, instead of the file's path (each
+# read in lmms-eval 0.7.3): such a list is answered as one clip (``frames_are_clips``). Nothing in a task's YAML tells
+# them apart from a multi-image task: lmms-eval's ``dataset_kwargs.video`` is set as well by tasks whose documents
+# are several still images (megabench_*, mix_evals_image2text_*, site_bench_image), which stay refused
+FRAME_TASKS = ("osi_bench_frames", "vsibench_multiimage", "vsibench_debiased_multiimage",
+               "site_bench_video_multiimage", "neptune_full_i", "neptune_mma_i", "neptune_mmh_i")
+# every MVBench task is a video task (mvbench_frames_doc_to_visual gives a clip's frames, mvbench_doc_to_visual its
+# path)
+FRAME_TASK_PREFIXES = ("mvbench_",)
 _LMMS_TASKS = Path(__file__).parent / "lmms_tasks"
 # suite -> (its tasks, cache version: bump when the data changes, so stale caches are rebuilt instead of reused)
 SUITES = {"easyvqa": (EASYVQA_TASKS, "v1"), "testbed": (TESTBED_TASKS, "v2"), "testbed_video": (VIDEO_TASKS, "v2")}
@@ -349,6 +358,16 @@ def video_task_kind(name: str, include_path: str | list[str] | None = None,
             return "clips"
         kind = kind or found
     return kind
+
+
+def frames_are_clips(task: str) -> bool:
+    """Whether a list of images that ``task``'s ``doc_to_visual`` gives is one clip's frames (answered as a clip,
+    ``requests.document_visual``): an offline video task (``VIDEO_TASKS``), an MVBench task (``mvbench_*``) or one of
+    ``FRAME_TASKS``. Any other task's list of several images is a multi-image document, refused per document: the
+    decision goes by name because no signal in a task tells a video's frames from several still images (see
+    ``FRAME_TASKS``; ``video_task_kind``'s "flagged" holds for both), and a multi-view task answered as a video would
+    be scored silently, where a refused one shows its failed samples."""
+    return task in VIDEO_TASKS or task in FRAME_TASKS or task.startswith(FRAME_TASK_PREFIXES)
 
 
 def primary_metrics(task: str, include_path: str | list[str] | None = None) -> tuple[str, ...]:
