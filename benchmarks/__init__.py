@@ -7,7 +7,9 @@ cannot be written) is refused before the script's expensive work, as the pipelin
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 from pathlib import Path
 
 
@@ -16,6 +18,53 @@ def pythonpath(first) -> str:
     packages installed beside the environment reachable (the GPU machine's wheel batches, `pip --target` folders)."""
     return os.pathsep.join(dict.fromkeys(p for p in (str(first), *os.environ.get("PYTHONPATH", "").split(os.pathsep))
                                          if p))
+
+
+# what an lmms-eval run logs where it went wrong and still exits 0: its command line's catch-all, which follows every
+# error while it evaluates (a model that cannot load, a TypeError in a model's call); this package's plugin's warning
+# for a failed sample (scored as a wrong answer, `lmms_plugin.generate_until`); lmms-eval's own llava models' error
+# for a failed generation (they answer "" and go on)
+LMMS_EVAL_FAILURES = {"Error during evaluation": "lmms-eval reported an error",
+                      r"\bdoc \S+ failed: ": "the promprune plugin failed a sample",
+                      "in generating": "lmms-eval's model failed a generation"}
+
+
+def lmms_eval_problem(out: Path, log: str, tasks: list[str], limit: int) -> str | None:
+    """Why one `lmms-eval` run did not answer and score ``limit`` documents of each of ``tasks``, or None where it
+    did. ``out``: its ``--output_path``; ``log``: its stdout and stderr. Its exit status cannot tell: lmms-eval's
+    command line logs an error while it evaluates ("Error during evaluation"), writes no results and exits 0, and a
+    failed sample is logged and scored as a wrong answer. So this reads the log (:data:`LMMS_EVAL_FAILURES`) and the
+    results file the run wrote (``<out>/<model>/<time>_results.json``): each task's ``n-samples`` answered and a
+    numeric metric in its results."""
+    for pattern, what in LMMS_EVAL_FAILURES.items():
+        found = re.search(f"^.*{pattern}.*$", log, re.MULTILINE)
+        if found:
+            return f"{what}: {found.group(0).strip()[-500:]}"
+    results = lmms_eval_results(out)
+    if results is None:
+        return f"lmms-eval wrote no results file under {out}"
+    problems = []
+    for task in tasks:
+        answered = lmms_eval_answered(results, task)
+        scores = {k: v for k, v in results.get("results", {}).get(task, {}).items()
+                  if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if answered != limit:
+            problems.append(f"{task}: {answered} of {limit} documents answered")
+        elif not scores:
+            problems.append(f"{task}: no score")
+    return f"{results['file']}: " + "; ".join(problems) if problems else None
+
+
+def lmms_eval_results(out: Path) -> dict | None:
+    """The results file an `lmms-eval` run with ``--output_path out`` wrote (the newest, its path as ``file``), or
+    None where it wrote none."""
+    written = sorted(Path(out).glob("*/*_results.json"))
+    return {**json.loads(written[-1].read_text()), "file": str(written[-1])} if written else None
+
+
+def lmms_eval_answered(results: dict, task: str) -> int:
+    """Documents of ``task`` that lmms-eval answered and scored, from its results (:func:`lmms_eval_results`)."""
+    return int(results.get("n-samples", {}).get(task, {}).get("effective", 0))
 
 
 def comma_list(item=str, example: str = "a,b"):

@@ -16,7 +16,10 @@ Printed per GPU count: wall time, ideal time (sum of sample costs / GPUs + one m
 ideal / wall, model loads, rows built; and the shell loop under the same costs, run for real (`--shell measured`,
 the default): one `lmms-eval --model promprune` process per (method, budget), `gpus` of them at a time, each
 importing lmms-eval, loading the tasks' data and the model again, answering with the same injected costs and
-scoring (`--shell arithmetic` only computes it, charging `--startup-s` per process). Process starts, imports and
+scoring (the budgets as the same share of the stand-in's visual tokens; `--shell arithmetic` only computes it,
+charging `--startup-s` per process), with the answers each process's results file says it scored: a process that
+logs an error, answers fewer samples or fails one stops the script (lmms-eval exits 0 after an error it logs, so its
+output is read, not its exit status). Process starts, imports and
 scheduling are real for both while the work is scaled down, and up to 8 simulated GPU nodes share this machine's
 cores, so the measured efficiency is a lower bound of a real cluster's. Last line: `efficiency <value> at <max>
 GPUs` (measured, on this machine).
@@ -28,7 +31,8 @@ needs cores for the simulated nodes: `bash scripts/gpu_checklist.sh scaling` on 
 
 `--timeline PATH` (.csv or .json) records every process's events (trial start/end, actor start/ready, first request,
 last answer: `pipelines/timeline.py`) and prints where each run's time went; `--smoke` is a quick check of this
-script (1 GPU, the baseline alone, 4 samples per task, a few ms per sample, the shell loop computed).
+script (1 GPU, the baseline alone, 4 samples per task, a few ms per sample; the shell loop's one lmms-eval process
+run and its answers counted, unless `--shell arithmetic`).
 
 `--autoscale [MAX_NODES]` runs the sweep on Ray's fake autoscaler instead (GPU worker nodes from none up to MAX_NODES,
 default 3; `pipelines/run/fake_cluster.py`) and ends with the line `autoscaled to N of M GPU nodes; predictions from K
@@ -162,29 +166,34 @@ def shell_loop(gpus: int, trials: int, samples: int, costs: Costs, startup_s: fl
 def shell_trial(method: str, budget: str, tasks: str, limit: int, batch_size: int, load_s: float, sample_s: float,
                 include_path: str, output_path: str) -> None:
     """One trial of the shell loop, as a user would run it: the `lmms-eval` command line with this package's plugin
-    (`--model promprune`), which imports lmms-eval, indexes and loads the tasks' data, loads the model, answers and
-    scores. The stand-in costs are injected as in the pipeline: the model load sleeps `load_s` before loading the
-    tiny model, each sample sleeps `sample_s` and answers "yes" without computing."""
+    (`--model promprune`; the baseline `method=none`), which imports lmms-eval, indexes and loads the tasks' data,
+    loads the model, answers and scores. The stand-in costs are injected as in the pipeline: the model load sleeps
+    `load_s` before loading the tiny model, and the loaded model's own `generate` is replaced by one that sleeps
+    `sample_s` per sample and answers "yes" without computing. Everything around it is the plugin's own (its
+    `generate_items` with whatever options it passes, each document read and decoded as its batch forms), so the
+    stand-in cannot fall out of step with the plugin's calls. Exits nonzero where lmms-eval's command line does;
+    lmms-eval also exits 0 after an error it logs, which :func:`run_shell_trial` catches from its output."""
     from lmms_eval.cli.dispatch import main as lmms_eval_main
     from lmms_eval.models import get_model  # noqa: F401 - lmms-eval finds the plugin first; then it is patched
 
-    import promprune.eval.lmms_plugin as plugin
     from promprune.models import PrunedVLM
-    from promprune.records import Answer
+    from promprune.models.vlm import Generation
 
     load = PrunedVLM.from_pretrained.__func__
 
+    def answer(images, prompts, **_):  # PrunedVLM.generate's (and generate_video's) two positional arguments
+        time.sleep(sample_s * len(prompts))
+        return [Generation(text="yes", visual_tokens=8, saliency_count=4, entropy=0.4, kept=list(range(8)),
+                           vision_ms=1.0, select_ms=1.0, prefill_ms=1.0, decode_ms=1.0) for _ in prompts]
+
     def slow_load(cls, *args, **kwargs):
         time.sleep(load_s)
-        return load(cls, *args, **kwargs)
-
-    def stand_in_generate(vlm, items, *, batch_size=8):
-        time.sleep(sample_s * len(items))
-        return [Answer(prediction="yes") for _ in items]
+        vlm = load(cls, *args, **kwargs)
+        vlm.generate = vlm.generate_video = answer  # this instance only: the stand-in model's answers
+        return vlm
 
     PrunedVLM.from_pretrained = classmethod(slow_load)
-    plugin.generate_items = stand_in_generate
-    model_args = "pretrained=tiny:llava" + ("" if method == "none" else f",method={method},budget={budget}")
+    model_args = f"pretrained=tiny:llava,method={method}" + ("" if method == "none" else f",budget={budget}")
     sys.argv = ["lmms-eval", "--model", "promprune", "--model_args", model_args, "--tasks", tasks,
                 "--include_path", include_path, "--limit", str(limit), "--batch_size", str(batch_size),
                 "--output_path", output_path]
@@ -193,41 +202,70 @@ def shell_trial(method: str, budget: str, tasks: str, limit: int, batch_size: in
         raise SystemExit(code)
 
 
+def shell_budget(method: str, budget: int) -> int:
+    """Table 1's ``budget`` of LLaVA-1.5's 576 visual tokens, as the same share of the tokens the stand-in model
+    (tiny:llava) gives an image, at least 1: the plugin refuses a budget that keeps them all (128 of its 36 would
+    run unpruned), and the stand-in's costs do not depend on it."""
+    from promprune.models.adapters import model_capacity
+    from promprune.models.options import is_in_llm
+
+    capacity = model_capacity("tiny:llava", {}, in_llm=is_in_llm(method))
+    return max(1, budget * capacity // LLAVA_TOKENS)
+
+
+def run_shell_trial(method: str, budget: str, samples_per_task: int, batch_size: int, costs: Costs, include: str,
+                    out: Path) -> int:
+    """One shell-loop trial (:func:`shell_trial`) in a process of its own, as the loop runs it; the samples its
+    results file says it answered and scored. A process that exits nonzero, or whose output shows that it did not
+    answer and score every sample of every task (lmms-eval exits 0 after an error it logs:
+    `benchmarks.lmms_eval_problem`), is a RuntimeError naming the trial, the problem and the log's tail."""
+    import subprocess
+
+    from benchmarks import lmms_eval_answered, lmms_eval_problem, lmms_eval_results
+
+    root = Path(__file__).resolve().parent.parent
+    code = (f"from benchmarks.sweep_scaling import shell_trial; shell_trial({method!r}, {budget!r}, "
+            f"{','.join(TASKS)!r}, {samples_per_task}, {batch_size}, {costs.load_s}, {costs.sample_s}, "
+            f"{include!r}, {str(out)!r})")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": pythonpath(root)})
+    log = run.stdout + run.stderr
+    problem = f"exit {run.returncode}" if run.returncode else lmms_eval_problem(out, log, TASKS, samples_per_task)
+    if problem:
+        raise RuntimeError(f"shell-loop trial {method}-{budget} failed ({problem}):\n{log[-3000:]}")
+    return sum(lmms_eval_answered(lmms_eval_results(out), task) for task in TASKS)
+
+
 def shell_loop_measured(gpus: int, samples_per_task: int, batch_size: int, costs: Costs, workdir: Path,
                         grid: tuple[list[str], list[int]] = (METHODS, BUDGETS)) -> dict:
     """The shell loop run for real on this machine: `gpus` lanes, each running its trials' `lmms-eval` processes one
-    after another (a GPU each), trials dealt round-robin (all are equal). Wall time from the first process start to
-    the last exit."""
-    import subprocess
+    after another (a GPU each: :func:`run_shell_trial`, which refuses a trial that did not answer and score every
+    sample), trials dealt round-robin (all are equal; budgets as :func:`shell_budget`). Wall time from the first
+    process start to the last exit; ``answered``: the samples the processes' results files say they scored."""
     from concurrent.futures import ThreadPoolExecutor
 
     from promprune.eval import prepare_offline_tasks
 
     include = str(prepare_offline_tasks())
-    trials = [("none", "0")] + [(m, str(b)) for m in grid[0] for b in grid[1]]
-    root = Path(__file__).resolve().parent.parent
+    trials = [("none", "0")] + [(m, str(shell_budget(m, b))) for m in grid[0] for b in grid[1]]
 
-    def lane(index: int) -> int:
-        done = 0
+    def lane(index: int) -> tuple[int, int]:
+        done = answered = 0
         for method, budget in trials[index::gpus]:
-            out = workdir / f"shell-{gpus}-{method}-{budget}"
-            code = (f"from benchmarks.sweep_scaling import shell_trial; shell_trial({method!r}, {budget!r}, "
-                    f"{','.join(TASKS)!r}, {samples_per_task}, {batch_size}, {costs.load_s}, "
-                    f"{costs.sample_s}, {include!r}, {str(out)!r})")
-            run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": pythonpath(root)})
-            if run.returncode != 0:
-                raise RuntimeError(f"shell-loop trial {method}-{budget} failed:\n{run.stderr[-3000:]}")
+            answered += run_shell_trial(method, budget, samples_per_task, batch_size, costs, include,
+                                        workdir / f"shell-{gpus}-{method}-{budget}")
             done += 1
-        return done
+        return done, answered
 
     start = time.perf_counter()
     with ThreadPoolExecutor(gpus) as pool:
-        ran = sum(pool.map(lane, range(gpus)))
+        lanes = list(pool.map(lane, range(gpus)))
     wall = time.perf_counter() - start
+    ran = sum(done for done, _ in lanes)
     samples = len(TASKS) * samples_per_task
     ideal = ran * samples * costs.sample_s / gpus + costs.load_s
-    return {"wall": wall, "ideal": ideal, "loads": ran, "rows": ran * samples}
+    return {"wall": wall, "ideal": ideal, "loads": ran, "rows": ran * samples,
+            "answered": sum(answered for _, answered in lanes)}
 
 
 # Table 1 at full size: documents per benchmark (lmms-eval's splits) -> samples per trial on LLaVA-1.5-7B
@@ -238,6 +276,7 @@ A100_SAMPLE_S = 0.15  # LLaVA-1.5-7B, bf16, batch 8, short answers: ~1.2 s per b
 A100_LOAD_S = 30.0  # a 7B checkpoint from local disk; from the object store about a third of that
 SHELL_STARTUP_S = 60.0  # one lmms-eval process: imports, task indexing, dataset preparation
 SMOKE_GRID = ([], [])  # --smoke: the baseline alone
+LLAVA_TOKENS = 576  # visual tokens LLaVA-1.5 gives an image, which Table 1's budgets are of
 
 
 def projection(gpus: int, trials: int, overhead_s: float) -> tuple[float, float, float, int]:
@@ -329,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeline", metavar="PATH", help="write every run's events here (.csv or .json) and print "
                     "where the time went")
     ap.add_argument("--smoke", action="store_true", help="a quick check of this script: 1 GPU, 1 trial (the baseline), "
-                    "4 samples per task, 0.02 s per sample, 0.1 s per load, the shell loop computed")
+                    "4 samples per task, 0.02 s per sample, 0.1 s per load; the shell loop as --shell says (its one "
+                    "lmms-eval process by default)")
     ap.add_argument("--autoscale", type=int, nargs="?", const=3, default=None, metavar="MAX_NODES",
                     help="instead: the sweep on Ray's fake autoscaler, GPU nodes from 0 up to MAX_NODES (default 3)")
     args = ap.parse_args(argv)
@@ -348,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     grid = (METHODS, BUDGETS)
     if args.smoke:
-        args.gpus, args.samples_per_task, args.sample_s, args.load_s, args.shell = [1], 4, 0.02, 0.1, "arithmetic"
+        args.gpus, args.samples_per_task, args.sample_s, args.load_s = [1], 4, 0.02, 0.1
         grid = SMOKE_GRID
     costs = Costs(args.load_s, args.sample_s)
     print(f"{'Table-1-shaped' if grid == (METHODS, BUDGETS) else 'A'} sweep: {len(grid[0]) * len(grid[1]) + 1} "
@@ -359,8 +399,8 @@ def main(argv: list[str] | None = None) -> None:
              else f"+{args.startup_s:g} s per process") + ". Ray's and the processes' own overheads are real "
           "(process starts, imports, data loading, scoring), on a 2-core machine for up to 8 simulated GPUs.\n")
     print("| GPUs | actors per trial | pipeline wall s | ideal s | efficiency | model loads | rows built | "
-          "shell-loop wall s | shell-loop efficiency | shell-loop loads |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "shell-loop wall s | shell-loop efficiency | shell-loop loads | shell-loop answers scored |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     last, events, where = None, [], []
     with tempfile.TemporaryDirectory(prefix="sweep-scaling-") as tmp:
         for gpus in args.gpus:
@@ -377,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
             eff = r["ideal"] / r["wall"]
             print(f"| {gpus} | {r['workers']} | {r['wall']:.1f} | {r['ideal']:.1f} | {eff:.2f} | {r['loads']} | "
                   f"{r['rows']} | "
-                  f"{s['wall']:.1f} | {s['ideal'] / s['wall']:.2f} | {s['loads']} |", flush=True)
+                  f"{s['wall']:.1f} | {s['ideal'] / s['wall']:.2f} | {s['loads']} | {s.get('answered', '-')} |",
+                  flush=True)
             last = (gpus, eff)
             if gpus == min(args.gpus):  # per trial, beyond its samples (trials overlap: the sweep's wall time)
                 overhead = (r["wall"] - r["trials"] * r["rows"] * costs.sample_s / gpus) / r["trials"]

@@ -56,7 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import Flags, pythonpath  # noqa: E402
+from benchmarks import Flags, lmms_eval_problem, pythonpath  # noqa: E402
 
 # LLaVA-1.5-7B shrunk alike in both towers: 24 -> 3 CLIP layers and 32 -> 4 LLM layers (1/8), widths / 4
 VISION_LAYERS, TEXT_LAYERS, WIDTH_DIVISOR = 3, 4, 4
@@ -206,21 +206,13 @@ def lmms_eval_run(checkpoint: Path, task: Task, limit: int, method, budget, hf_h
     with Clock() as clock:
         run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     log = run.stdout + run.stderr
-    if run.returncode != 0 or "in generating" in log or answered(out, task.name) != limit:
-        # lmms-eval logs a failed generation and goes on, and may exit 0 after a model that failed to load
+    problem = f"exit {run.returncode}" if run.returncode else lmms_eval_problem(out, log, [task.name], limit)
+    if problem:  # lmms-eval exits 0 after an error it logs, and scores a failed generation as a wrong answer
         hint = ("\nlmms-eval's llava_hf imports decord, which the bench extra installs: "
                 "pip install -c constraints.txt -e '.[dev,bench]'" if "decord" in log else "")
-        raise RuntimeError(f"lmms-eval {model} on {task.name} did not answer {limit} questions (exit "
-                           f"{run.returncode}):\n{log[-3000:]}{hint}")
+        raise RuntimeError(f"lmms-eval {model} on {task.name} did not answer {limit} questions ({problem}):\n"
+                           f"{log[-3000:]}{hint}")
     return clock
-
-
-def answered(out: Path, task: str) -> int:
-    """Questions of ``task`` an lmms-eval run wrote results for (0: none)."""
-    found = sorted(out.glob("*/*_results.json"))
-    if not found:
-        return 0
-    return int(json.loads(found[-1].read_text()).get("n-samples", {}).get(task, {}).get("effective", 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -695,10 +695,27 @@ def test_sweep_scaling():
     figure(out, r"A sweep: 1 trials x 8 samples; .*")  # the baseline, 2 tasks x 4 samples
     row = table_rows(out, "1")[0]  # GPUs, actors per trial, wall, ideal, efficiency, model loads, rows built, ...
     assert row[5] == "1" and row[6] == "8"  # one actor loaded the model; every row built once
+    # the shell loop: its one lmms-eval process (the baseline) ran, and its results file counts all 8 samples
+    # answered and scored (lmms-eval exits 0 after an error it logs: a count, not an exit status)
+    assert row[9:] == ["1", "8"]
     figure(out, r"Table 1 at full size, a projection \(arithmetic, not a measurement\): .*")
     assert len(table_rows(out, "1")) == 2  # the measured row and the projected one
     efficiency = float(figure(out, rf"efficiency ({NUMBER}) at 1 GPUs")[1])
     assert 0 <= efficiency <= 1  # ideal / wall (at this size the fixed costs dwarf the work: about 0)
+
+
+@pytest.mark.slow
+def test_sweep_scaling_shell_trial_refuses_an_lmms_eval_error(tmp_path):
+    """A shell-loop trial lmms-eval fails is an error of the benchmark, though lmms-eval exits 0 after it: a budget
+    the plugin refuses (64 of tiny:llava's 36 tokens would prune nothing: `lmms_plugin._check_capacity`), one
+    lmms-eval process, read by the harness from its log and results."""
+    from benchmarks.sweep_scaling import Costs, run_shell_trial
+    from promprune.eval import prepare_offline_tasks
+
+    with pytest.raises(RuntimeError, match=r"shell-loop trial fastv-64 failed \(lmms-eval reported an error: "
+                                           r".*keeps all 36 visual tokens"):
+        run_shell_trial("fastv", "64", 2, 8, Costs(0.0, 0.0), str(prepare_offline_tasks()), tmp_path / "out")
+    assert not list(tmp_path.glob("out/*/*_results.json"))  # it wrote no results: nothing was scored
 
 
 @pytest.mark.slow
