@@ -393,17 +393,44 @@ def _check_choices(name: str, options: Mapping[str, Any], choices: Mapping[str, 
                              "default one of the choices, or add it to them")
 
 
+# what each of ``select``'s own arguments is, for the message refusing an option named like one
+# (:func:`_reserved_options` reads the names from ``select``'s signature: one it gains is reserved with it)
+_SELECT_ARGUMENTS = {
+    "features": "the tokens' features, select()'s first argument",
+    "saliency": "the tokens' saliency, select()'s second argument (it reaches the methods that declare "
+                "needs_saliency)",
+    "budget": "the budget, select()'s and PrunedVLM's own argument",
+    "method": "the method's name, select()'s and PrunedVLM's own argument",
+    "vision": "select()'s own argument, the vision tower's own features (promprune.VisionFeatures)",
+    "instruction": "select()'s own argument, the instruction's features (promprune.Instruction)",
+    "grid": "select()'s own argument, the tokens' grid (rows, cols)",
+    "keys": "select()'s own argument, the ints naming each row's image",
+    "checked": "select()'s own argument, that the caller found the inputs finite",
+    "entropy_bounds": "select()'s own argument, a caller's intervals of the rows' spectral entropies",
+}
+
+
+def _select_arguments() -> dict[str, str]:
+    """``select``'s named arguments (its signature's, ``**options`` aside), each with what it is: an option of that
+    name would be bound to the argument by ``select`` and never reach the method."""
+    import inspect
+
+    params = inspect.signature(select).parameters.values()
+    return {p.name: _SELECT_ARGUMENTS.get(p.name, "select()'s own argument") for p in params
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
 def _reserved_options(caller: str) -> dict[str, str]:
     """The option names a method registered by ``caller`` may not take, each with what takes it: ``select``'s own
-    arguments (every method's, as the docs promise), the hooks' (an in-LLM method of one's own), the adapter options
-    and ``PrunedVLM``'s arguments (:data:`ADAPTER_OPTION_NAMES`, :data:`WRAPPER_ARGUMENTS`)."""
+    arguments, read from its signature (every method's, as the docs promise), the first argument of a pre-LLM
+    method's function and their common option ``order``, the hooks' (an in-LLM method of one's own), the adapter
+    options and ``PrunedVLM``'s arguments (:data:`ADAPTER_OPTION_NAMES`, :data:`WRAPPER_ARGUMENTS`)."""
     names = {key: "an adapter option of promprune.models (ADAPTER_OPTIONS), valid with every method and taken by the "
                   "adapter" for key in ADAPTER_OPTION_NAMES}
     names |= {key: "an argument of PrunedVLM / PrunedVLM.from_pretrained" for key in WRAPPER_ARGUMENTS}
-    names |= {"budget": "the budget, select()'s and PrunedVLM's own argument",
-              "tokens": "a pre-LLM method's first argument, the TokenSet",
-              "order": "every pre-LLM method's option, the kept tokens' order",
-              "entropy_bounds": "select()'s own argument, a caller's intervals of the rows' spectral entropies"}
+    names |= _select_arguments()
+    names |= {"tokens": "a pre-LLM method's first argument, the TokenSet",
+              "order": "every pre-LLM method's option, the kept tokens' order"}
     if caller == "register_in_llm_method":
         names |= {"layers": "the layers it cuts before, which every in-LLM method of one's own takes, its default the "
                             "registration's layers=",

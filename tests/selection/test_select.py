@@ -108,6 +108,38 @@ def test_promprune_metric_variants_report_their_entropy(metric):
     torch.testing.assert_close(sel.entropy, want)
 
 
+# select()'s named arguments, by hand (a test below pins them to its signature): an option of a method named like one
+# of them would be bound to select()'s argument and never reach the method
+SELECT_ARGUMENTS = ("features", "saliency", "budget", "method", "vision", "instruction", "grid", "keys", "checked",
+                    "entropy_bounds")
+
+
+@pytest.mark.parametrize("option", SELECT_ARGUMENTS)
+def test_registering_an_option_named_like_selects_own_argument_is_refused(option):
+    """`keys`, `grid`, `checked`, `vision`, `instruction`, `features`, `saliency` and `method` were registered as a
+    method's options: `select(..., keys=...)` then took the value as its own argument and the method got its
+    default, silently. Every one of select's named arguments is refused as the method registers, naming it."""
+    import inspect
+
+    from promprune.selection import registry
+
+    params = inspect.signature(promprune.select).parameters
+    assert set(SELECT_ARGUMENTS) == {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
+
+    def fn(tokens, budget, **options):
+        return promprune.Selection(indices=torch.arange(budget).expand(tokens.batch, budget),
+                                   saliency_count=torch.zeros(tokens.batch, dtype=torch.long))
+
+    with pytest.raises(ValueError, match=rf"register_method: method 't_shadow' names option\(s\) \['{option}'\], "
+                                         rf"which are taken before the method sees them \('{option}': .*select\(\)'s"):
+        promprune.register_method("t_shadow", options={option: 0})(fn)
+    with pytest.raises(ValueError, match=rf"register_in_llm_method: method 't_shadow' names option\(s\) "
+                                         rf"\['{option}'\]"):
+        promprune.register_in_llm_method("t_shadow", score=lambda inputs, **options: None, options={option: 0})
+    assert "t_shadow" not in promprune.methods(None)
+    assert set(registry._SELECT_ARGUMENTS) == set(SELECT_ARGUMENTS)  # each one described in the refusal
+
+
 def test_errors_name_the_problem():
     x, s = inputs()
     with pytest.raises(ValueError, match="did you mean 'promprune'"):
