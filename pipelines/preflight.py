@@ -160,15 +160,21 @@ def check_generation(spec: SweepSpec, trials: list | None = None) -> list[str]:
     every trial's method (``trials``: default the spec's, `spec_trials`): the kwargs each task hands ``generate``
     (`promprune.eval.generation.generate_kwargs`) pass `promprune.models.vlm.check_generation_kwargs` for the method,
     the rule ``PrunedVLM`` refuses every call with (an in-LLM method runs one beam: ``num_beams: 2`` passed
-    --validate-only, then every sample of every in-LLM trial failed). One paragraph per problem, naming the field,
-    where it is set (the spec's `generation` or the task's own generation_kwargs), the fix, the tasks and the
-    trials."""
-    from promprune.eval.generation import sampling_problem
+    --validate-only, then every sample of every in-LLM trial failed). A field `generate_kwargs` cannot read
+    (`promprune.eval.generation.unreadable_generation`, the rule the lmms-eval plugin refuses with: ``num_beams: x``,
+    a task's ``max_new_tokens: lots``) is refused too: it passed --validate-only, then failed every sample. One
+    paragraph per problem, naming the field, where it is set (the spec's `generation` or the task's own
+    generation_kwargs), the fix, the tasks and the trials."""
+    from promprune.eval.generation import sampling_problem, unreadable_generation
 
     found: dict[str, list[str]] = {}
     merged = {task: {k: v for k, v in task_generation(spec, task).items() if v is not None} for task in spec.tasks}
-    for task, kwargs in merged.items():
-        problem = sampling_problem(kwargs)
+    for task, kwargs in list(merged.items()):
+        unreadable = unreadable_generation(kwargs)
+        for key, error in unreadable.items():
+            found.setdefault(_unreadable_problem(key, kwargs.get(key), error, spec.generation), []).append(task)
+        merged[task] = {k: v for k, v in kwargs.items() if k not in unreadable}  # the rest, judged below
+        problem = sampling_problem(merged[task])
         if problem:
             found.setdefault(problem, []).append(task)
     out = [f"generation: {problem} (tasks {', '.join(tasks)})" for problem, tasks in found.items()]
@@ -182,6 +188,20 @@ def check_generation(spec: SweepSpec, trials: list | None = None) -> list[str]:
                 ids += [trial.trial_id] if trial.trial_id not in ids else []
     return out + [f"generation: {problem} (tasks {', '.join(tasks)}; {_who(ids, spec)[2:-1]})"
                   for problem, (tasks, ids) in refused.items()]
+
+
+def _unreadable_problem(key: str, value, error: str, spec_generation: dict) -> str:
+    """The paragraph refusing a generation field `generate_kwargs` cannot read (`unreadable_generation`'s ``key``,
+    its ``value`` and ``error``), with where it is set (the spec's `generation` or the task's own generation_kwargs)
+    and the fix."""
+    wanted = "a stop string or a list of them" if key == "until" else "a number"
+    if key in spec_generation:
+        fix = f"the spec's generation.{key} sets it: give it {wanted}"
+    else:
+        fix = (f"the task's own generation_kwargs (its lmms-eval YAML) set it: set generation.{key} in the spec to "
+               f"{wanted} (it overrides a task's), or correct the task's YAML")
+    return (f"{key} {value!r} cannot be read for generate ({error}), so every sample asking it would "
+            f"fail. {fix[0].upper()}{fix[1:]}")
 
 
 def _method_generation_problem(method: str | None, gen_kwargs: dict, spec_generation: dict) -> str | None:

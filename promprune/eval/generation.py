@@ -128,6 +128,35 @@ def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
     return kwargs, [stop for stop in until if stop != BLANK_LINE]
 
 
+def unreadable_generation(gen_kwargs: dict) -> dict[str, str]:
+    """The fields of ``gen_kwargs`` that :func:`generate_kwargs` cannot read, each with the error reading it gives
+    (``{}``: it reads them all), so every sample asking them would fail. Each field is read by :func:`generate_kwargs`
+    itself, alone beside ``do_sample`` (the sampling keys are read only when it is true), so this is its rule, not
+    a copy of it: the pipeline's preflight and the lmms-eval plugin refuse what it names before any work."""
+    gen_kwargs = {k: v for k, v in gen_kwargs.items() if v is not None}
+    found = {}
+    with_sampling = {}
+    if "do_sample" in gen_kwargs:
+        try:
+            generate_kwargs({"do_sample": gen_kwargs["do_sample"]})
+            with_sampling = {"do_sample": gen_kwargs["do_sample"]}
+        except (TypeError, ValueError) as exc:
+            found["do_sample"] = f"{type(exc).__name__}: {exc}"
+    for key, value in gen_kwargs.items():
+        if key == "do_sample":
+            continue
+        try:
+            generate_kwargs({**with_sampling, key: value})
+        except (TypeError, ValueError) as exc:
+            found[key] = f"{type(exc).__name__}: {exc}"
+    if not found:  # each field read alone; should they fail only together, all of them
+        try:
+            generate_kwargs(gen_kwargs)
+        except (TypeError, ValueError) as exc:
+            found[", ".join(gen_kwargs)] = f"{type(exc).__name__}: {exc}"
+    return found
+
+
 def sampling_problem(gen_kwargs: dict) -> str | None:
     """Why ``generate`` cannot sample with these generation kwargs (a task's own with a spec's ``generation`` over
     them), or None: ``do_sample`` true with a temperature of 0 or below, lmms-eval's greedy setting (its own models

@@ -64,7 +64,8 @@ import torch  # noqa: E402 - after MANIFEST (see there)
 from lmms_eval.api.instance import Instance  # noqa: E402
 from lmms_eval.api.model import lmms  # noqa: E402
 
-from promprune.eval.generation import Item, decode_image, generate_items, generate_kwargs  # noqa: E402
+from promprune.eval.generation import (  # noqa: E402
+    Item, decode_image, generate_items, generate_kwargs, unreadable_generation)
 from promprune.eval.scoring import FAILED_ANSWER  # noqa: E402
 from promprune.models.images import strict_decoding  # noqa: E402
 from promprune.eval.requests import document_visual, image_key, read_clip  # noqa: E402
@@ -253,17 +254,19 @@ class PromPruneLMM(lmms):
 
     def _generation_problem(self, gen_kwargs: dict) -> str | None:
         """Why every request with these generation kwargs (a task's ``generation_kwargs`` with ``--gen_kwargs`` over
-        them) would fail, naming the kwargs and the fix, or None: kwargs ``generate_kwargs`` cannot read,
-        ``do_sample`` with a temperature of 0 or below (transformers refuses the pair; the pipeline's preflight
-        refuses it too, ``generation.sampling_problem``), or what ``PrunedVLM`` refuses on every call
+        them) would fail, naming the kwargs and the fix, or None: kwargs ``generate_kwargs`` cannot read
+        (``generation.unreadable_generation``, which the pipeline's preflight refuses too), ``do_sample`` with a
+        temperature of 0 or below (transformers refuses the pair; the pipeline's preflight refuses it too,
+        ``generation.sampling_problem``), or what ``PrunedVLM`` refuses on every call
         (``vlm.check_generation_kwargs``: beam search with an in-LLM method). Sampled beam search with another method is
         answered (see the module docstring), not refused."""
         from promprune.models.vlm import check_generation_kwargs as refused
 
-        try:
-            kwargs, _ = generate_kwargs(gen_kwargs)
-        except (TypeError, ValueError) as exc:
-            return f"generation kwargs it cannot read ({type(exc).__name__}: {exc}): give numbers where numbers go"
+        unreadable = unreadable_generation(gen_kwargs)  # the pipeline's preflight refuses them by the same rule
+        if unreadable:
+            fields = "; ".join(f"{key} {gen_kwargs.get(key)!r}: {error}" for key, error in unreadable.items())
+            return f"generation kwargs it cannot read ({fields}): give numbers where numbers go"
+        kwargs, _ = generate_kwargs(gen_kwargs)
         temperature = kwargs.get("temperature")
         if kwargs["do_sample"] and temperature is not None and temperature <= 0:
             return (f"do_sample={gen_kwargs['do_sample']!r} with temperature={gen_kwargs['temperature']!r}: "

@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from promprune.eval import run_requests
-from promprune.eval.generation import cut_at_stop, decode_image, generate_kwargs, sampling_problem, sharing_options
+from promprune.eval.generation import (
+    cut_at_stop, decode_image, generate_kwargs, sampling_problem, sharing_options, unreadable_generation)
 from promprune.models import PrunedVLM
 from promprune.models.sharing import ImageCache
 from promprune.records import Prediction, Request
@@ -70,6 +71,24 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
     assert sampling_problem({"do_sample": False, "num_beams": 3}) is None
     assert cut_at_stop("yes\nUSER: more", ["\n"]) == "yes"
     assert cut_at_stop("a.b;c", [";", "."]) == "a"
+
+
+@pytest.mark.parametrize("gen_kwargs, fields", [
+    ({"num_beams": "x", "max_new_tokens": 4}, ["num_beams"]),
+    ({"max_new_tokens": "lots", "until": 5}, ["max_new_tokens", "until"]),
+    ({"do_sample": True, "temperature": "hot", "top_k": "a", "top_p": 0.9}, ["temperature", "top_k"]),
+    ({"temperature": "hot"}, []),  # not sampled: generate_kwargs never reads it
+    ({"max_new_tokens": "16", "num_beams": 2, "repetition_penalty": "1.1", "until": ["\n"]}, []),
+])
+def test_unreadable_generation_names_the_fields_generate_kwargs_fails_on(gen_kwargs, fields):
+    """The rule the pipeline's preflight and the lmms-eval plugin refuse generation with: the fields
+    ``generate_kwargs`` cannot read, each named. Without them generate_kwargs reads the rest; with any one of them it
+    fails."""
+    assert list(unreadable_generation(gen_kwargs)) == fields
+    generate_kwargs({k: v for k, v in gen_kwargs.items() if k not in fields})
+    for field in fields:
+        with pytest.raises((TypeError, ValueError)):
+            generate_kwargs({k: v for k, v in gen_kwargs.items() if k not in fields or k == field})
 
 
 # MM-Vet's generation kwargs as lmms-eval builds them: no `until` in mmvet.yaml, so the task's default ["\n\n"]

@@ -124,6 +124,21 @@ def test_sampling_at_temperature_zero_is_refused_before_any_document_is_read():
     assert len(lm.generate_until(requests)) == 2 and not lm.failures
 
 
+def test_generation_kwargs_it_cannot_read_are_refused_naming_the_field_before_any_document_is_read():
+    """``--gen_kwargs max_new_tokens=lots`` (or a task YAML's): every request would fail reading it. Refused once,
+    naming the field and its value (``generation.unreadable_generation``, the rule the pipeline's preflight refuses
+    a spec's with), before a document is read."""
+    read = []
+    requests, data = _instances(["easyvqa_yesno"], 2, max_new_tokens="lots")
+    requests = [_recording(r, read) for r in requests]
+    lm = PromPruneLMM(vlm=PrunedVLM.from_pretrained("tiny:llava", method="promprune", budget=8), batch_size=2)
+    lm.task_dict.update(data)
+    with pytest.raises(ValueError, match=r"lmms-eval asks task easyvqa_yesno for generation kwargs it cannot read "
+                                         r"\(max_new_tokens 'lots': ValueError: invalid literal for int\(\)"):
+        lm.generate_until(requests)
+    assert not read and not lm.failures
+
+
 def test_beam_search_under_an_in_llm_method_is_refused_once_before_any_document_is_read():
     """PrunedVLM refuses beam search for an in-LLM method on every call: a task (or --gen_kwargs) asking num_beams 2
     failed every request. Refused once, naming the tasks sharing the kwargs; a pre-LLM method still answers it."""

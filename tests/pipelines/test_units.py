@@ -635,6 +635,42 @@ def test_preflight_refuses_generation_an_in_llm_trial_cannot_run(tmp_path, monke
         [image], ["Is it red?"], **kwargs)[0].token_ids
 
 
+def test_preflight_refuses_generation_it_cannot_read(tmp_path, monkeypatch):
+    """A generation value `generate_kwargs` cannot read (the spec's ``num_beams: x``, a task YAML's ``max_new_tokens:
+    lots``) passed --validate-only, then failed every sample at run time. Preflight refuses it before any work, one
+    paragraph naming the field, where it is set (the spec or the task) and the fix; the spec's own readable value over
+    the task's clears it. What it refuses is what ``generate_kwargs`` fails on at run time."""
+    from pipelines import preflight
+    from promprune.eval import tasks
+    from promprune.eval.generation import generate_kwargs
+    from tests.own_task import write_task
+
+    monkeypatch.delenv(tasks.INCLUDE_PATH_ENV, raising=False)
+    yaml = write_task(tmp_path / "mine", "own_task_r", questions=["Is it red?"])
+    yaml.write_text(yaml.read_text() + "generation_kwargs: {max_new_tokens: lots}\n")
+    base = {"name": "s", "version": 1, "model": {"pretrained": "tiny:llava"}, "include_path": [str(tmp_path / "mine")],
+            "tasks": ["own_task_r", "easyvqa_yesno"], "grid": {"method": ["divprune"], "budget": [8]}}
+    assert preflight.preflight(specs.parse(base), store=False) == [
+        "generation: max_new_tokens 'lots' cannot be read for generate (ValueError: invalid literal for int() with "
+        "base 10: 'lots'), so every sample asking it would fail. The task's own generation_kwargs (its lmms-eval YAML) "
+        "set it: set generation.max_new_tokens in the spec to a number (it overrides a task's), or correct the task's "
+        "YAML (tasks own_task_r)"]
+    beams = specs.parse({**base, "generation": {"num_beams": "x", "max_new_tokens": 4}})
+    with pytest.raises(specs.SpecError) as refused:  # what --validate-only runs, before the generation plan
+        preflight.check_or_raise(beams, "s.yaml", store=False, spec_only=True)
+    assert refused.value.errors == [
+        "generation: num_beams 'x' cannot be read for generate (ValueError: invalid literal for int() with base 10: "
+        "'x'), so every sample asking it would fail. The spec's generation.num_beams sets it: give it a number (tasks "
+        "own_task_r, easyvqa_yesno)"]
+    fixed = specs.parse({**base, "generation": {"max_new_tokens": 4}})
+    assert preflight.preflight(fixed, store=False) == []
+    # the run time's reading of the same kwargs: it fails where preflight refused, and reads the fixed spec's
+    for spec in (specs.parse(base), beams):
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            generate_kwargs(preflight.task_generation(spec, "own_task_r"))
+    assert generate_kwargs(preflight.task_generation(fixed, "own_task_r"))[0]["max_new_tokens"] == 4
+
+
 def test_preflight_reads_a_task_of_ones_own_from_the_specs_include_path(tmp_path, monkeypatch):
     """`preflight.preflight(spec)` called directly (no `plugins.activate`, so no $PROMPRUNE_INCLUDE_PATH): the
     checks that read a task's YAML (its generation_kwargs, its metric_list) and the --validate-only generation plan
