@@ -120,12 +120,26 @@ def generate_kwargs(gen_kwargs: dict) -> tuple[dict, list[str]]:
         kwargs["num_beams"] = int(gen_kwargs["num_beams"])
     if "repetition_penalty" in gen_kwargs:  # greedy or sampled alike
         kwargs["repetition_penalty"] = float(gen_kwargs["repetition_penalty"])
-    kwargs["do_sample"] = bool(gen_kwargs.get("do_sample", False))
+    kwargs["do_sample"] = read_flag("do_sample", gen_kwargs.get("do_sample", False))
     if kwargs["do_sample"]:
         kwargs.update({k: kind(gen_kwargs[k]) for k, kind in _SAMPLING_KEYS.items() if k in gen_kwargs})
     until = gen_kwargs.get("until") or []
     until = [until] if isinstance(until, str) else list(until)
     return kwargs, [stop for stop in until if stop != BLANK_LINE]
+
+
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def read_flag(name: str, value) -> bool:
+    """A generation flag (``do_sample``) as a bool: a bool, 0 / 1, or a word ("true" / "false", "yes" / "no", "1" /
+    "0", any case: a spec or command line may quote it); anything else a ValueError naming ``name`` (``bool()`` read
+    the string "false" as true, so a quoted ``"false"`` sampled)."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def unreadable_generation(gen_kwargs: dict) -> dict[str, str]:
@@ -163,7 +177,10 @@ def sampling_problem(gen_kwargs: dict) -> str | None:
     decode greedily at temperature 0 whatever do_sample says; transformers refuses the pair, so every sample failed),
     or with ``num_beams`` over 1 (seeded sampling draws one sequence per sample from its own seed:
     :mod:`promprune.models.sampling` refuses beams, so every sample would fail)."""
-    if not gen_kwargs.get("do_sample"):
+    try:  # as generate_kwargs reads it (what it cannot read fails there)
+        if not read_flag("do_sample", gen_kwargs.get("do_sample") or False):
+            return None
+    except ValueError:
         return None
     try:  # as generate_kwargs reads it (what it cannot read fails there)
         beams = int(gen_kwargs.get("num_beams") or 1)

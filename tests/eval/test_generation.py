@@ -79,6 +79,8 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
     ({"do_sample": True, "temperature": "hot", "top_k": "a", "top_p": 0.9}, ["temperature", "top_k"]),
     ({"temperature": "hot"}, []),  # not sampled: generate_kwargs never reads it
     ({"max_new_tokens": "16", "num_beams": 2, "repetition_penalty": "1.1", "until": ["\n"]}, []),
+    ({"do_sample": "maybe", "max_new_tokens": 4}, ["do_sample"]),
+    ({"do_sample": 2}, ["do_sample"]),
 ])
 def test_unreadable_generation_names_the_fields_generate_kwargs_fails_on(gen_kwargs, fields):
     """The rule the pipeline's preflight and the lmms-eval plugin refuse generation with: the fields
@@ -89,6 +91,15 @@ def test_unreadable_generation_names_the_fields_generate_kwargs_fails_on(gen_kwa
     for field in fields:
         with pytest.raises((TypeError, ValueError)):
             generate_kwargs({k: v for k, v in gen_kwargs.items() if k not in fields or k == field})
+
+
+@pytest.mark.parametrize("given, sampled", [("false", False), ("False", False), ("no", False), ("0", False), (0, False),
+                                           (False, False), ("true", True), ("YES", True), (1, True), (True, True)])
+def test_do_sample_is_read_as_a_flag_not_by_truthiness(given, sampled):
+    """A quoted ``do_sample: "false"`` (a spec, a command line) is greedy: ``bool("false")`` is True, and such a
+    spec sampled. ``sampling_problem`` reads it the same way (a temperature of 0 is refused only when sampling)."""
+    assert generate_kwargs({"do_sample": given})[0]["do_sample"] is sampled
+    assert (sampling_problem({"do_sample": given, "temperature": 0}) is not None) is sampled
 
 
 # MM-Vet's generation kwargs as lmms-eval builds them: no `until` in mmvet.yaml, so the task's default ["\n\n"]
