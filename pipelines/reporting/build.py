@@ -141,7 +141,7 @@ def _header(sweep: Sweep, table: tables.ScoreTable) -> str:
     lines = [f"# Report: {sweep.name}", "", *([f"**Unfinished.** {unfinished}", ""] if unfinished else []),
              f"- parent run: `{sweep.run_id}`, spec version {sweep.tags.get(mlflow_layout.VERSION, '?')}",
              f"- model: `{model}`; trials: {len(sweep.trials)}; benchmarks: "
-             + ", ".join(f"{c.label} (`{c.task}`: {'+'.join(c.metrics)})" for c in table.columns),
+             + ", ".join(f"{c.label} (`{c.task}`: {'+'.join(c.metrics) or 'no metric logged'})" for c in table.columns),
              f"- failed samples over all trials: {failed:.0f}"]
     stopped = sweep.stopped
     unfinished = sweep.trials[(sweep.trials["status"] != "FINISHED") & ~stopped]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from promprune.eval.scoring import CI_SUFFIXES, is_count  # how scoring names a metric's bounds, its counts
+from promprune.eval.scoring import CI_SUFFIXES, NAN_SUFFIX, is_count  # how scoring names a metric's bounds, counts
 from promprune.eval.tasks import PRIMARY_METRICS
 
 
@@ -80,17 +80,29 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
     """The column of `task`; `logged_metrics` are the metric names seen for it (without the `task/` prefix). A task
     without a `_DISPLAY` entry (every task this project ships has one) is shown by `FALLBACK_METRICS`, else by the
     first of its logged metrics (not a count or a bound) as logged: its unit is not known here, and a wrong scale
-    would print a number x100 off (Rel. is a ratio, the same either way)."""
+    would print a number x100 off (Rel. is a ratio, the same either way).
+
+    A metric that no trial logged a number for still names the column when its ``<metric>_n_nan`` count was logged
+    (it was NaN in every trial: MLflow keeps no NaN, so only the count is there), and the cells are NaN (the table
+    says how many samples were NaN). A task none of whose metrics was logged (every trial failed) gets a column of
+    no metric, all NaN: shown as dashes, as a task this project ships is in that case."""
     known = KNOWN_COLUMNS.get(task)
     if known is not None:
         return known
+    names = {m for m in logged_metrics if not is_count(m)}
+    names |= {m[:-len(NAN_SUFFIX)] for m in logged_metrics if m.endswith(NAN_SUFFIX)}
     for name, scale in FALLBACK_METRICS:
-        if name in logged_metrics:
+        if name in names:
             return TaskColumn(task, task, (name,), scale=scale, unit="%" if scale == 100.0 else AS_LOGGED)
-    metrics = sorted(m for m in logged_metrics if not is_count(m))
-    if not metrics:
-        raise ValueError(f"task {task!r}: no metric `{task}/...` was logged by any trial of this sweep")
-    return TaskColumn(task, task, (metrics[0],), scale=1.0, unit=AS_LOGGED)
+    return TaskColumn(task, task, tuple(sorted(names))[:1], scale=1.0, unit=AS_LOGGED)
+
+
+def nan_samples(metrics: pd.DataFrame, column: TaskColumn) -> pd.Series:
+    """Per trial, how many samples the task's process_results returned NaN for, over the column's metrics
+    (``<task>/<metric>_n_nan``; 0 where none was logged): a NaN cell with a count was scored NaN, one without was
+    not scored."""
+    cols = [f"{column.task}/{m}{NAN_SUFFIX}" for m in column.metrics if f"{column.task}/{m}{NAN_SUFFIX}" in metrics]
+    return metrics[cols].fillna(0).sum(axis=1) if cols else pd.Series(0.0, index=metrics.index)
 
 
 def task_interval(metrics: pd.DataFrame, column: TaskColumn) -> tuple[pd.Series, pd.Series] | None:
@@ -104,12 +116,12 @@ def task_interval(metrics: pd.DataFrame, column: TaskColumn) -> tuple[pd.Series,
 
 
 def task_score(metrics: pd.DataFrame, column: TaskColumn) -> pd.Series:
-    """Per-trial raw score of one benchmark: the sum of its metrics; NaN where any is missing.
+    """Per-trial raw score of one benchmark: the sum of its metrics; NaN where any is missing (or it has none).
 
     metrics: one row per trial, columns `<task>/<metric>`.
     """
     cols = [f"{column.task}/{m}" for m in column.metrics]
     present = [c for c in cols if c in metrics.columns]
-    if len(present) < len(cols):
+    if not cols or len(present) < len(cols):  # (no metric: a task none of whose metrics was logged)
         return pd.Series(np.nan, index=metrics.index)
     return metrics[present].sum(axis=1, skipna=False)

@@ -14,7 +14,7 @@ import pandas as pd
 
 from pipelines import mlflow_layout
 
-from .columns import column_for, task_interval, task_score
+from .columns import column_for, nan_samples, task_interval, task_score
 from .store import BASELINE_METHOD, Sweep, parse_task_list
 
 METHOD_LABELS = {
@@ -39,6 +39,7 @@ EFFICIENCY_COLUMNS = [  # (metric key, header, decimals, lower is better)
 
 CI_LOW, CI_HIGH = ":ci_low", ":ci_high"  # ScoreTable.frame columns of a task's bootstrap bounds (raw units)
 FAILED = ":n_failed"  # ScoreTable.frame column of a task's failed samples (scored as wrong answers)
+NAN_SAMPLES = ":n_nan"  # ScoreTable.frame column: a task's samples its process_results returned NaN for (if any)
 REL_OF = ":rel_of"  # ScoreTable.frame column: how many benchmarks a row's Rel. averages (NaN: all, or not known)
 SD, RUNS = ":sd", ":n"  # ScoreTable.frame columns of a repeated configuration: per task and `rel`, sd and run count
 
@@ -131,6 +132,9 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
         failed = metrics.get(f"{col.task}/n_failed")
         if failed is not None:
             frame[f"{col.task}{FAILED}"] = failed.fillna(0)
+        nans = nan_samples(metrics, col)
+        if nans.any():
+            frame[f"{col.task}{NAN_SAMPLES}"] = nans
         interval = task_interval(metrics, col)
         if interval is not None:
             frame[f"{col.task}{CI_LOW}"], frame[f"{col.task}{CI_HIGH}"] = interval
@@ -243,6 +247,8 @@ def score_table_csv(table: ScoreTable) -> pd.DataFrame:
                 out[f"{col.label} {name}"] = table.frame[f"{col.task}{suffix}"] * col.scale
         if f"{col.task}{FAILED}" in table.frame:
             out[f"{col.label} failed samples"] = table.frame[f"{col.task}{FAILED}"]
+        if f"{col.task}{NAN_SAMPLES}" in table.frame:
+            out[f"{col.label} NaN samples"] = table.frame[f"{col.task}{NAN_SAMPLES}"]
         if f"{col.task}{RUNS}" in table.frame:
             out[f"{col.label} sd over runs"] = table.frame[f"{col.task}{SD}"] * col.scale
             out[f"{col.label} runs"] = table.frame[f"{col.task}{RUNS}"]
@@ -267,11 +273,14 @@ def score_table_markdown(table: ScoreTable, full_tokens: float | None = None,
         tokens = _tokens_cell(row, full_tokens)
         cells = [row["label"], tokens]
         for col in table.columns:
-            cell = _cell(row[col.task] * col.scale, col.decimals, (rid, col.task) in best)
+            nans = row.get(f"{col.task}{NAN_SAMPLES}")
+            cell = _cell(row[col.task] * col.scale, col.decimals, (rid, col.task) in best,
+                         nan="NaN" if nans is not None and nans > 0 else "–")
             low, high = row.get(f"{col.task}{CI_LOW}"), row.get(f"{col.task}{CI_HIGH}")
             if low is not None and high is not None and not _isnan(low) and not _isnan(high):
                 cell += f" ({low * col.scale:.{col.decimals}f}–{high * col.scale:.{col.decimals}f})"
             cell += spread_note(row, col.task, col.scale, col.decimals) + failed_note(row.get(f"{col.task}{FAILED}"))
+            cell += nan_note(nans)
             cells.append(cell)
         rel_of = row.get(REL_OF)
         over = "" if rel_of is None or _isnan(rel_of) or _isnan(float(row["rel"])) else \
@@ -329,9 +338,18 @@ def failed_note(count) -> str:
     return f" [{int(count)} failed]"
 
 
-def _cell(value, decimals: int, bold: bool = False, suffix: str = "") -> str:
+def nan_note(count) -> str:
+    """" [2 NaN sample(s)]" after a score some of whose samples the task's process_results returned NaN for (its
+    mean is NaN: the cell says "NaN", where a dash is a score that was not had at all)."""
+    if count is None or _isnan(float(count)) or int(count) == 0:
+        return ""
+    return f" [{int(count)} NaN sample(s)]"
+
+
+def _cell(value, decimals: int, bold: bool = False, suffix: str = "", nan: str = "–") -> str:
+    """A number at ``decimals``; ``nan`` (a dash: no number) where there is none."""
     if value is None or _isnan(float(value)):
-        return "–"
+        return nan
     tiny = value != 0 and abs(value) < 0.5 * 10 ** -decimals  # e.g. a tiny test model's TFLOPs: 2 significant digits
     text = f"{value:.2g}{suffix}" if tiny else f"{value:.{decimals}f}{suffix}"
     return f"**{text}**" if bold else text

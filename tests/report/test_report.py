@@ -637,3 +637,31 @@ def test_a_repeated_rows_rel_spread_leaves_out_what_its_rel_leaves_out(store, tm
     md = tables.score_table_markdown(tables.build_score_table(load_sweep("repeats0").mean_over_repeats()))
     (row,) = [line for line in md.splitlines() if line.startswith("| DivPrune")]
     assert row.endswith("| 86.9% ± 7.0, n=2 (over 1 of 2 benchmarks) |"), row
+
+
+def test_a_task_of_ones_own_with_no_number_logged_is_a_column_of_nan_or_dashes(store, tmp_path, capsys):
+    """Probe Q: a task of one's own (include_path) whose process_results returned NaN in every trial has no number
+    in MLflow (it keeps no NaN), only `<task>/<metric>_n_nan`; the report raised "no metric ... was logged" (a
+    traceback, exit 1), and so for such a task in a sweep whose trials all failed. Now its column is there: "NaN"
+    with the NaN samples' count where the count says the score was NaN, a dash where nothing was logged, as for a
+    shipped task."""
+    client, exp = store
+    own = {"pope/pope_f1_score": 0.80, "own_task/n_samples": 6, "own_task/n_failed": 0}
+    nan_trials = [trial("none", None, own | {"own_task/accuracy_n_nan": 1}),
+                  trial("divprune", 64, own | {"pope/pope_f1_score": 0.72, "own_task/accuracy_n_nan": 2})]
+    log_sweep(client, exp, "nan_demo", nan_trials, tasks=["own_task", "pope"], tmp=tmp_path)
+    assert report_cli.main(["--sweep", "nan_demo", "--out", str(tmp_path / "nan"), "--no-log"]) == 0
+    md = (tmp_path / "nan" / "report.md").read_text()
+    assert "| Upper bound | all | NaN [1 NaN sample(s)] | 80.0 |" in md
+    assert "| DivPrune | 64 | NaN [2 NaN sample(s)] | 72.0 |" in md
+    assert "(`own_task`: accuracy)" in md  # the metric the count names, in percent as any `accuracy`
+    csv = pd.read_csv(tmp_path / "nan" / "scores.csv")
+    assert csv["own_task"].isna().all() and list(csv["own_task NaN samples"]) == [1, 2]
+
+    failed = [trial("none", None, {}, status="FAILED"), trial("divprune", 64, {}, status="FAILED")]
+    client.log_param(log_sweep(client, exp, "failed_demo", failed, tasks=["own_task", "pope"], tmp=tmp_path),
+                     "trials", 2)
+    assert report_cli.main(["--sweep", "failed_demo", "--out", str(tmp_path / "failed"), "--no-log"]) == 0
+    md = (tmp_path / "failed" / "report.md").read_text()
+    assert "(`own_task`: no metric logged)" in md and "| Method | Tokens | own_task | POPE | Rel. |" in md
+    assert "Traceback" not in capsys.readouterr().err
