@@ -266,7 +266,9 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     ``spec`` as the code resolved it before gaining fields that ``spec`` holds at their defaults,
     `state.without_gained_defaults`: a night recorded before ``resources.load_timeout_s`` existed, said in the line;
     any other difference is another spec), whose trials all finished (no `trials/failed`) and that did not regress
-    (its `promprune.regression` tag is not ``true``: the baseline stays the last good night), or None; with the line
+    (its `promprune.regression` tag is not ``true``: the baseline stays the last good night) and every finished trial
+    of which has a Rel. (`every_trial_has_rel`: a night whose task scored NaN, or whose baseline scored 0, has none
+    logged, and as a baseline it compared nothing), or None; with the line
     saying what the check compares with, or why it compares with nothing. Matching the name and
     version alone made a ``--set limit=20`` quick check (which sweeps/nightly.yaml suggests) the baseline of the next
     500-question night: false regressions, or masked ones. A parent run logged before runs carried the tag does not
@@ -294,29 +296,38 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     # compared nothing for them (a failed night let the following night's regression pass). A run that regressed
     # (exit 3, tagged promprune.regression=true) is no baseline either: as one, its fallen Rel. let the next night
     # pass, so a regression failed one night only. Its tag set to anything else (`accepted`) makes it one again.
-    failed = [r for r in found if r.data.metrics.get(mlflow_layout.TRIALS_FAILED)]
-    regressed = [r for r in found if r not in failed and r.data.tags.get(mlflow_layout.REGRESSION) == "true"]
-    whole = [r for r in found if r not in failed and r not in regressed]
-    if whole:
-        passed = found[:found.index(whole[0])]
-        over = "".join(f"; {n} later run(s) of it {what} and are not compared with" for n, what in (
-            (sum(r in failed for r in passed), "had failed trials"),
-            (sum(r in regressed for r in passed), f"regressed (tag {mlflow_layout.REGRESSION}=true)")) if n)
+    # A run whose trials finished without Rel. (a task's score NaN, a baseline score of 0: Rel. undefined, not
+    # logged) is no baseline either: as one, it compared no trial, and the next night was tagged false. Looked at
+    # (one search per run) only until the baseline is found.
+    failed, regressed, unscored, prev = [], [], [], None
+    for r in found:
+        if r.data.metrics.get(mlflow_layout.TRIALS_FAILED):
+            failed.append(r)
+        elif r.data.tags.get(mlflow_layout.REGRESSION) == "true":
+            regressed.append(r)
+        elif not every_trial_has_rel(c, r.info.run_id):
+            unscored.append(r)
+        else:
+            prev = r
+            break
+    passed = [(runs, why) for runs, why in ((failed, "had failed trials"),
+                                            (regressed, f"regressed (tag {mlflow_layout.REGRESSION}=true)"),
+                                            (unscored, "had trials without a Rel. (a score NaN, or a baseline score "
+                                                       "of 0)")) if runs]
+    if prev is not None:
+        over = "".join(f"; {len(runs)} later run(s) of it {why} and are not compared with" for runs, why in passed)
         over += in_other
-        prev = whole[0]
         since = gained[prev.data.tags[mlflow_layout.SPEC_FINGERPRINT]]
         if since:
             over += (f"; it was recorded before the code had {', '.join(since)}, which this run holds at the default "
                      "(what the code did before)")
         return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
                       f"earlier FINISHED run of the same resolved spec of sweep {name} v{version} whose trials all "
-                      f"finished{' and that did not regress' if regressed else ''}{over}")
+                      f"finished{' with a Rel.' if unscored else ''}{' and that did not regress' if regressed else ''}"
+                      f"{over}")
     if found:
-        why = "had failed trials" if not regressed else \
-            f"had failed trials or regressed (tag {mlflow_layout.REGRESSION}=true)" if failed else \
-            f"regressed (tag {mlflow_layout.REGRESSION}=true)"
         return None, (f"the {len(found)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
-                      f"v{version} all {why}: nothing to compare with{in_other}")
+                      f"v{version} all {' or '.join(why for _, why in passed)}: nothing to compare with{in_other}")
     if other_dtype:
         return None, (f"the {len(other_dtype)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
                       f"v{version} ran in another dtype ({others}; dtype auto resolves by the device the workers run "
@@ -371,6 +382,12 @@ def _spec_changes(c, before_id: str, now_id: str) -> list[str]:
     return [] if None in texts else spec_changes(*texts)
 
 
+def every_trial_has_rel(c, parent_id: str) -> bool:
+    """Whether a parent run has finished trials and every one of them logged a Rel. (a NaN one is not logged)."""
+    runs = trial_runs(c, parent_id)
+    return bool(runs) and all(mlflow_layout.REL in r.data.metrics for r in runs.values())
+
+
 def rel_by_trial(c, parent_id: str) -> dict[str, float]:
     return {tid: r.data.metrics[mlflow_layout.REL] for tid, r in trial_runs(c, parent_id).items()
             if mlflow_layout.REL in r.data.metrics}
@@ -384,7 +401,8 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
 
     A regression is a trial whose Rel. fell by more than `threshold` (absolute, e.g. 0.02 = 2 points of Rel.).
     Tags: promprune.regression = true/false/no-previous, or incomplete (no regression among the trials compared, and
-    some of the previous run's have no Rel. in this one), promprune.regression.previous_run, ...threshold,
+    some of the previous run's have no Rel. in this one; `previous_sweep` takes no baseline with a trial without Rel.,
+    so a check that compared no trial is this, never false), promprune.regression.previous_run, ...threshold,
     ...detail (the regressions), ...note (the line); the parent's promprune.spec_fingerprint when it had none (a run
     started before runs carried it, resumed).
     """

@@ -251,7 +251,8 @@ def _night(c, rels: dict, version: int = 1, name: str = "nightly", spec_yaml: st
     parent = tracking.start_sweep(c, name, version, spec_yaml, params or {})
     for tid, rel in rels.items():
         trial = {"trial_id": tid, "method": tid.split("-")[0], "budget": 8, "options": {}}
-        tracking.log_trial(c, parent, name, version, trial, {"method": trial["method"]}, {"rel": rel}, None)
+        metrics = {} if rel is None else {"rel": rel}  # None: a trial whose Rel. was NaN (the outbox logs no NaN)
+        tracking.log_trial(c, parent, name, version, trial, {"method": trial["method"]}, metrics, None)
     return parent
 
 
@@ -302,6 +303,42 @@ def test_a_night_whose_trials_failed_is_no_baseline_and_says_what_it_did_not_com
     assert _check(c, again) == ([], "the 3 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 all "
                                     "had failed trials: nothing to compare with")
     assert c.get_run(again).data.tags[mlflow_layout.REGRESSION] == "no-previous"
+
+
+def test_a_night_without_rel_is_no_baseline_and_a_check_that_compared_nothing_is_not_false(mlflow_store):
+    """Probe Q: a night whose task scored NaN (Rel. undefined, not logged, no trial failed) ended FINISHED and became
+    the next night's baseline, which compared no trial and was tagged regression=false "compared with" it, passing
+    over the last night with a Rel.; two NaN nights in a row were tagged false too. Such a night is passed over (said
+    in the line), and a check that compared nothing is `incomplete`, never `false`."""
+    c = mlflow_store
+    good = _night(c, {"none": 1.0, "promprune-b8": 0.80})
+    tracking.finish(c, good)
+    nan = _night(c, {"none": None, "promprune-b8": None})
+    found, note = _check(c, nan)
+    assert found == [] and c.get_run(nan).data.tags[mlflow_layout.REGRESSION] == "incomplete"
+    tracking.finish(c, nan)
+    fallen = _night(c, {"none": 1.0, "promprune-b8": 0.50})  # against the NaN night it compared nothing: "false"
+    found, note = _check(c, fallen)
+    assert found == ["promprune-b8: rel 0.8000 -> 0.5000 (-0.3000)"]
+    assert note.startswith(f"compared with {good} (started ") and note.endswith(
+        "whose trials all finished with a Rel.; 1 later run(s) of it had trials without a Rel. (a score NaN, or a "
+        "baseline score of 0) and are not compared with")
+    c.set_tag(fallen, mlflow_layout.REGRESSION, "accepted")
+    tracking.finish(c, fallen)
+    partial = _night(c, {"none": 1.0, "promprune-b8": None})  # one trial without Rel.: no baseline either
+    assert _check(c, partial)[0] == [] and c.get_run(partial).data.tags[mlflow_layout.REGRESSION] == "incomplete"
+    tracking.finish(c, partial)
+    second_nan = _night(c, {"none": None, "promprune-b8": None})
+    assert _check(c, second_nan)[1].startswith(f"compared with {fallen} (started ")
+    assert c.get_run(second_nan).data.tags[mlflow_layout.REGRESSION] == "incomplete"
+    tracking.finish(c, second_nan)
+    c.set_tag(fallen, mlflow_layout.REGRESSION, "true")
+    c.log_metric(good, mlflow_layout.TRIALS_FAILED, 1)
+    found, note = _check(c, _night(c, {"none": 1.0, "promprune-b8": 0.80}))
+    assert found == [] and note == (
+        "the 5 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 all had failed trials or "
+        "regressed (tag promprune.regression=true) or had trials without a Rel. (a score NaN, or a baseline score of "
+        "0): nothing to compare with")
 
 
 def test_a_night_that_regressed_is_no_baseline_so_the_regression_fails_every_night_until_fixed(mlflow_store):
