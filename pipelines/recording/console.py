@@ -345,8 +345,8 @@ def paired_lines(spec: specs.SweepSpec, records: dict) -> list[str]:
     """Each method's Rel. difference to the best other method at its budget with a paired bootstrap interval
     (`pipelines.reporting.paired`; the spec's `bootstrap` resamples), for the console below the summary table: which
     gaps in it are noise. Budgets descending, then the spec's trial order (the same lines in the same order on every
-    run, whichever trial finished first). Empty without `bootstrap`, a finished baseline, or two methods at a
-    budget."""
+    run, whichever trial finished first); ties of Rel. broken as in the report (`paired.differences`), whatever the
+    rows' order. Empty without `bootstrap`, a finished baseline, or two methods at a budget."""
     base = records.get(search.BASELINE_ID)
     if not spec.bootstrap or base is None or base["predictions"] is None:
         return []

@@ -186,6 +186,7 @@ def _paired_section(sweep, table, preds) -> str:
     if bid is None:
         return ""
     frame = table.frame[["method", "budget", "label"]].assign(rel=table.frame["rel"] / 100)  # label: the trial's
+    frame["trial"] = sweep.trials["trial"].reindex(frame.index)  # its id: ties go to the least, as on the console
     frame = frame[table.frame[tables.REL_OF].isna()]  # a trial on a subset of the tasks pairs with no other
     diffs = paired.differences(frame, bid, lambda rid: paired.rows_from(preds.get(rid)), iters=_resamples(sweep))
     if not diffs:

@@ -14,7 +14,7 @@ import pandas as pd
 
 from .headroom import points
 from .store import BASELINE_METHOD
-from .tables import METHOD_LABELS
+from .tables import METHOD_LABELS, METHOD_ORDER
 
 ITERS = 1000  # resamples when a spec sets no `bootstrap`: the 2.5th / 97.5th percentiles settle to ~0.1 points
 SEED = 0  # the same resamples every time: a report regenerated gives the same intervals
@@ -48,13 +48,31 @@ def label(method: str) -> str:
     return METHOD_LABELS.get(method, method)
 
 
+# Rel. compared at this many decimals (of a fraction): the console's (scoring's) and the report's (from the table's
+# scores) may differ in the last bits, and a tie must be one in both
+REL_DECIMALS = 12
+
+
+def paper_rank(method: str) -> tuple[int, str]:
+    """Ties of Rel. between methods go to the first in the paper's order (`tables.METHOD_ORDER`; other methods after
+    it, by name): one rule for the console and the report, whatever order their rows come in."""
+    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+
+
 def best_per_method(frame: pd.DataFrame) -> dict[float, dict[str, str]]:
-    """{budget: {method: trial id of its best Rel.}} over budgets where at least two methods ran. ``frame``: one
-    row per finished trial (index: trial id) with ``method``, ``budget``, ``rel`` (NaN: undefined)."""
+    """{budget: {method: row of its best Rel.}} over budgets where at least two methods ran. ``frame``: one
+    row per finished trial (index: trial id, or the report's run id) with ``method``, ``budget``, ``rel`` (NaN:
+    undefined) and optionally ``trial`` (the trial id, where the index is not). A method's trials tied for its best
+    go to the least trial id: the same trial whatever order the rows come in."""
     pruned = frame[(frame["method"] != BASELINE_METHOD) & frame["rel"].notna()]
+    ids = pruned["trial"] if "trial" in pruned else pd.Series(pruned.index, index=pruned.index)
+    rel = pruned["rel"].round(REL_DECIMALS)
     out = {}
     for budget, rows in pruned.groupby("budget"):
-        best = {m: g["rel"].idxmax() for m, g in rows.groupby("method", sort=False)}
+        best = {}
+        for method, g in rows.groupby("method", sort=False):
+            top = g.index[rel[g.index] == rel[g.index].max()]
+            best[method] = min(top, key=lambda row: str(ids[row]))
         if len(best) >= 2:
             out[budget] = best
     return out
@@ -82,7 +100,9 @@ def bootstrap(trial_ids: list[str], baseline_id: str, rows_of: RowsOf, iters: in
 def differences(frame: pd.DataFrame, baseline_id: str, rows_of: RowsOf, iters: int = ITERS,
                 seed: int = SEED) -> list[Difference]:
     """Each method's difference to the best other method at the same budget (the methods' best trials), with paired
-    intervals; budgets descending, methods in the order they come. Empty without two methods at a budget.
+    intervals; budgets descending, methods in the order they come. Empty without two methods at a budget. Other
+    methods tied for the best Rel. go to the first in the paper's order (`paper_rank`), so the console (rows in the
+    spec's order) and the report (in the paper's) name the same one.
     ``frame`` as `best_per_method` takes it; with a ``label`` column (a trial's label in the report's tables) the
     trials are named by it, else by their method's label."""
     names = frame["label"] if "label" in frame else frame["method"].map(label)
@@ -95,7 +115,8 @@ def differences(frame: pd.DataFrame, baseline_id: str, rows_of: RowsOf, iters: i
         if boot is None:
             continue
         for method, tid in best.items():
-            other = max((m for m in best if m != method), key=lambda m: frame.loc[best[m], "rel"])
+            others = sorted((m for m in best if m != method), key=paper_rank)  # max: the first of those tied
+            other = max(others, key=lambda m: round(frame.loc[best[m], "rel"], REL_DECIMALS))
             value, low, high = (100 * x for x in boot.difference(tid, best[other]))
             out.append(Difference(budget, names[tid], names[best[other]], tid, best[other], value, low, high))
     return out

@@ -293,3 +293,46 @@ def test_a_repeated_configuration_is_its_first_finished_run_when_an_earlier_repe
     csv = pd.read_csv(out / "scores.csv").set_index("run_id")
     assert ids["promprune-b16-r1"] in csv.index and ids["promprune-b16"] not in csv.index
     assert ids["divprune-b8"] in csv.index
+
+
+def wrong_on(docs: range) -> list[dict]:
+    """Predictions of all N documents, those in ``docs`` answered wrongly."""
+    return [row | {"prediction": "zzz"} if row["doc_id"] in docs else row for row in answers(0)]
+
+
+def test_ties_go_to_the_same_trials_on_the_console_and_in_the_report(store, tmp_path):
+    """Probe Q: with every Rel. tied, the console (rows in the spec's order) said "PromPrune - DivPrune" and the
+    report (the paper's order) "PromPrune - VisPruner": the best other was the first row of those tied. Ties go to
+    the first method in the paper's order, and a method's tied trials to the least trial id, in both."""
+    from pipelines import spec as specs
+    from pipelines.recording.console import paired_lines
+
+    exact = {f"{TASK}/exact_match": 24 / N, "samples/total": N}
+    # each wrong on 6 documents (Rel. 80% for all), different ones: which trial is paired changes the interval
+    logged = {"divprune-b16": wrong_on(range(0, 6)), "vispruner-b16": wrong_on(range(6, 12)),
+              "promprune-b16-mu=0.4": wrong_on(range(12, 18)), "promprune-b16-mu=0.3": wrong_on(range(18, 24))}
+    trials = [trial("none", None, {f"{TASK}/exact_match": 1.0, "samples/total": N}, predictions=answers(0))]
+    for tid, rows in logged.items():
+        method, mu = tid.split("-")[0], (float(tid.split("=")[1]) if "mu=" in tid else None)
+        trials.append(trial(method, 16, exact, options={"mu": mu} if mu else None, predictions=rows, tid=tid))
+    client, exp = store
+    log_sweep(client, exp, "ties_demo", trials, tasks=[TASK], tmp=tmp_path)
+    report = section(build_report(load_sweep("ties_demo"), tmp_path / "out").markdown, "Paired differences")
+    shown = [line.removeprefix("- 16 tokens: ").replace(" (mu=0.3)", "").split(" points")[0]
+             for line in report.splitlines() if line.startswith("- 16 tokens:")]
+    assert [line.split(":")[0] for line in shown] == [
+        "VisPruner - DivPrune", "DivPrune - VisPruner", "PromPrune - VisPruner"]
+    assert "(mu=0.3) - VisPruner" in report  # PromPrune's trials tie: the least id, not the first in the table
+
+    # the console's lines, from the records in the spec's order (DivPrune first, mu=0.4 first); the report's resamples
+    spec = specs.parse({"name": "ties_demo", "version": 1, "tasks": [TASK], "bootstrap": 1000, "trials": [
+        {"method": "divprune", "budget": 16}, {"method": "vispruner", "budget": 16},
+        {"method": "promprune", "budget": 16, "mu": 0.4}, {"method": "promprune", "budget": 16, "mu": 0.3}]})
+    records = {tid: {"trial": {"method": tid.split("-")[0], "budget": 16}, "error": None,
+                     "metrics": {"rel": 0.8}, "predictions": pd.DataFrame(rows)} for tid, rows in logged.items()}
+    records["baseline"] = {"trial": {"method": None, "budget": None}, "error": None, "metrics": {"rel": 1.0},
+                           "predictions": pd.DataFrame(answers(0))}
+    console = [line.removeprefix("  16 tokens: ").split(" points")[0] for line in paired_lines(spec, records)[1:]]
+    assert [line.split(":")[0] for line in console] == [
+        "DivPrune - VisPruner", "VisPruner - DivPrune", "PromPrune - VisPruner"]
+    assert sorted(console) == sorted(shown)  # the same pairs, so the same intervals (mu=0.3's, not mu=0.4's)
