@@ -15,7 +15,8 @@ tracking server that is down or unreachable, a SQLite file that does not exist o
 which MLflow 3 refuses as a file store); then a --sweep or --grid that names no sweep in the experiment (naming
 the other experiments that hold one). A sweep that did
 not finish (killed, interrupted, still running) is reported with what it has, its first line saying so and how many
-of its trials never started.
+of its trials never started; where no pruned trial has a number (all failed or unfinished), its score figures are
+skipped and the report says so (no axes drawn empty).
 """
 from __future__ import annotations
 

@@ -557,17 +557,21 @@ def choose_mu(frame: pd.DataFrame | None, median: float) -> float | None:
 
 
 def _figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, report, image_source) -> str:
-    made = []
+    made, notes = [], []
     options = sweep.trials[sweep.option_names]
-    made.append(figures.tradeoff_curves(table, out_dir / "tradeoff.png"))
-    if "saliency_ratio" in options:
-        adaptive = table.frame.index[table.frame["method"] == "promprune"]
-        t_sal_by_task = pd.DataFrame({rid: _mean_t_sal_per_task(sweep, table, preds, rid)[0] for rid in adaptive}).T
-        made.append(figures.saliency_ratio_curves(table, options["saliency_ratio"].astype(float), t_sal_by_task,
-                                                  out_dir / "saliency_ratio.png"))
-    made.append(figures.mu_tau_heatmap(table, options, out_dir / "mu_tau_heatmap.png"))
-    made.append(figures.ablation_bars(table, out_dir / "ablation_bars.png"))
-    notes = []
+    if figures.scored_rows(table).empty:  # every pruned trial failed or never finished: axes with nothing on them
+        notes.append("Score figures skipped: no pruned trial has a score or a Rel. to draw (their cells above are "
+                     "dashes).")
+    else:
+        made.append(figures.tradeoff_curves(table, out_dir / "tradeoff.png"))
+        if "saliency_ratio" in options:
+            adaptive = table.frame.index[table.frame["method"] == "promprune"]
+            t_sal_by_task = pd.DataFrame({rid: _mean_t_sal_per_task(sweep, table, preds, rid)[0]
+                                          for rid in adaptive}).T
+            made.append(figures.saliency_ratio_curves(table, options["saliency_ratio"].astype(float), t_sal_by_task,
+                                                      out_dir / "saliency_ratio.png"))
+        made.append(figures.mu_tau_heatmap(table, options, out_dir / "mu_tau_heatmap.png"))
+        made.append(figures.ablation_bars(table, out_dir / "ablation_bars.png"))
     if entropy_id is not None:
         row = table.frame.loc[entropy_id]
         ok = _ok(preds.get(entropy_id))

@@ -31,6 +31,13 @@ def _pruned(table: ScoreTable) -> pd.DataFrame:
     return table.frame[table.frame["method"] != BASELINE_METHOD]
 
 
+def scored_rows(table: ScoreTable) -> pd.DataFrame:
+    """The pruned trials with a number to draw: a benchmark's score or Rel. (a trial that failed or never finished
+    has neither: its cells in the table are dashes)."""
+    pruned = _pruned(table)
+    return pruned[pruned[[c.task for c in table.columns] + ["rel"]].notna().any(axis=1)]
+
+
 def _baseline_row(table: ScoreTable) -> pd.Series | None:
     rows = table.frame[table.frame["method"] == BASELINE_METHOD]
     return rows.iloc[0] if len(rows) else None
@@ -208,8 +215,10 @@ def _heatmap_panel(fig, ax, pivot: pd.DataFrame, ref_value: float, label: str) -
 
 
 def ablation_bars(table: ScoreTable, path: Path) -> Path | None:
-    """Grouped bars per benchmark (and Rel.), one bar per trial, one panel per budget (Fig. 4, Tables 4-6)."""
-    pruned = _pruned(table)
+    """Grouped bars per benchmark (and Rel.), one bar per trial, one panel per budget (Fig. 4, Tables 4-6). A trial
+    with no number (no score, no Rel.: it failed, or never finished) has no bar; a budget with fewer than two trials
+    that have one gets no panel, and without a panel there is no figure (None)."""
+    pruned = scored_rows(table)
     budgets = [b for b, rows in pruned.groupby("budget") if 2 <= len(rows) <= MAX_BARS]
     budgets = sorted(budgets, reverse=True)[:MAX_PANELS]
     if not budgets:

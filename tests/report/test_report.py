@@ -665,3 +665,26 @@ def test_a_task_of_ones_own_with_no_number_logged_is_a_column_of_nan_or_dashes(s
     md = (tmp_path / "failed" / "report.md").read_text()
     assert "(`own_task`: no metric logged)" in md and "| Method | Tokens | own_task | POPE | Rel. |" in md
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_no_figure_of_empty_axes_when_no_trial_has_a_number(store, tmp_path, monkeypatch):
+    """Probe Q: a sweep none of whose pruned trials finished drew `ablation_bars.png` with a legend and no bar (and two
+    budgets of them an empty trade-off curve). The score figures are skipped, and the report says so; a trial with no
+    number beside two with one gets no bar of its own."""
+    client, exp = store
+    unfinished = [trial("none", None, scores(1800, 300, 0.80, 0.60)),
+                  trial("divprune", 64, {}, status="FAILED"), trial("promprune", 64, {}, status="FAILED"),
+                  trial("divprune", 32, {}, status="FAILED"), trial("promprune", 32, {}, status="FAILED")]
+    log_sweep(client, exp, "nothing_demo", unfinished, tasks=TASKS, tmp=tmp_path)
+    made = _figures_made(monkeypatch)
+    report = build_report(load_sweep("nothing_demo"), tmp_path / "out", image_source=grey_image)
+    assert made == {} and not list((tmp_path / "out").glob("*.png"))
+    assert "Score figures skipped: no pruned trial has a score or a Rel. to draw" in report.markdown
+
+    some = [trial("none", None, scores(1800, 300, 0.80, 0.60)), trial("divprune", 64, scores(1710, 290, 0.76, 0.60)),
+            trial("promprune", 64, scores(1620, 270, 0.80, 0.57)), trial("random", 64, {}, status="FAILED")]
+    log_sweep(client, exp, "some_demo", some, tasks=TASKS, tmp=tmp_path)
+    report = build_report(load_sweep("some_demo"), tmp_path / "some", image_source=grey_image)
+    (ax,) = made["ablation_bars.png"].axes
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["DivPrune", "PromPrune"]
+    assert "Score figures skipped" not in report.markdown
