@@ -65,6 +65,52 @@ OFFLINE_VARIABLES = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSF
                      "LMMS_EVAL_DATASETS_CACHE")
 
 
+# The variables whose value changes what a sweep's trials compute or record, each with what the code takes when it is
+# unset: a `--resume` is refused when one differs from the value its run started with (`result_changes`), since the
+# finished trials and the resumed ones would be two experiments under one parent run (the state's calibrated mu, too,
+# was measured on the first run's model). PROMPRUNE_TESTBED_WEIGHTS, PROMPRUNE_TESTBED_RETRAIN: which weights
+# testbed:llava loads; PROMPRUNE_ENTROPY: the entropy each PromPrune sample records (the counts are the same on every
+# route); PROMPRUNE_ACCEL: on CUDA the entropy's route and the rounding of fp16/bf16 Grams; PROMPRUNE_PLUGINS,
+# PROMPRUNE_INCLUDE_PATH: what a method's or a task's name runs. The others change where files are (STORAGE, HOME,
+# CACHE, TIMELINE), how long to wait (STORE_WAIT_S, RAY_START_WAIT_S), how a store is made (MLFLOW_TEMPLATE) or how
+# fast the same selection runs (GRAPHS: CUDA graphs of the eager computation), and may differ on a resume.
+RESULT_VARIABLES: dict[str, str] = {
+    "PROMPRUNE_TESTBED_WEIGHTS": "",
+    "PROMPRUNE_TESTBED_RETRAIN": "",
+    "PROMPRUNE_ENTROPY": "auto",
+    "PROMPRUNE_ACCEL": "1",
+    "PROMPRUNE_PLUGINS": "",
+    "PROMPRUNE_INCLUDE_PATH": "",
+}
+
+
+def _as_read(name: str, value: str | None, own=()):
+    """``value`` of variable ``name`` (None: unset) as the code reads it, so that values it takes alike compare
+    equal (unset and its default, ``RETRAIN=no`` and unset, a path list's empty entries; ``own``: the entries of a
+    path list the spec adds itself, `pipelines.plugins.activate`)."""
+    value = RESULT_VARIABLES[name] if value is None else value
+    if name == "PROMPRUNE_TESTBED_RETRAIN":
+        return value.strip().lower() in ("1", "true", "yes")
+    if name == "PROMPRUNE_ACCEL":
+        return value != "0"
+    if name in ("PROMPRUNE_PLUGINS", "PROMPRUNE_INCLUDE_PATH"):
+        return [entry for entry in value.split(os.pathsep) if entry.strip() and entry not in own]
+    return value
+
+
+def result_changes(recorded: dict[str, str], environ=None, own: dict[str, list[str]] | None = None
+                   ) -> list[tuple[str, str | None, str | None]]:
+    """The `RESULT_VARIABLES` whose value in ``environ`` (default ``os.environ``) the code reads otherwise than the
+    value in ``recorded`` (a run's `run_settings`): ``(name, recorded value, current value)``, None for unset.
+    ``own``: per variable, the entries the spec itself adds (its plugins, its include_path), which the spec's own
+    check covers and a process that activated them already holds."""
+    environ = os.environ if environ is None else environ
+    own = own or {}
+    return [(name, recorded.get(name), environ.get(name)) for name in RESULT_VARIABLES
+            if _as_read(name, recorded.get(name), own.get(name, ())) != _as_read(name, environ.get(name),
+                                                                                  own.get(name, ()))]
+
+
 def run_settings(environ=None) -> dict[str, str]:
     """The variables set in ``environ`` (default ``os.environ``) that a sweep's run depends on: MLflow's store and
     experiment, each ``PROMPRUNE_*`` variable the pipeline reads (`VARIABLES`, the scripts' left out) and where the

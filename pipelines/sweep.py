@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         plugins.activate(spec.plugins, spec.include_path)  # here and in every Ray worker started after this
         # --validate-only checks the spec: what this machine lacks (data, a model) is a warning there, not a refusal
         lacking = preflight.check_or_raise(spec, args.config, spec_only=args.validate_only)
-        resumed = None if args.resume is None else resumed_state(spec, args.resume)  # the one resume check
+        resumed = None if args.resume is None else resumed_state(spec, args.resume, environ)  # the one resume check
         if resumed is not None and (problems := preflight.check_resumed_run(resumed) or check_tune_state(resumed)):
             raise specs.SpecError(problems, f"--resume {resumed['experiment']}")
         restored = [] if resumed is None else restore_options(args, resumed)  # its --regression-threshold, ...

@@ -239,14 +239,15 @@ def check_tune_state(state: dict) -> list[str]:
     return []
 
 
-def resumed_state(spec: specs.SweepSpec, resume: str) -> dict:
+def resumed_state(spec: specs.SweepSpec, resume: str, environ=None) -> dict:
     """The saved state of the run `--resume` names ('latest': the newest of this spec), checked once: the storage
-    is trusted (`check_trusted_storage`) and the spec is the one the run started with (`check_resume`). Raises
-    SpecError otherwise, before anything expensive starts."""
+    is trusted (`check_trusted_storage`) and the spec and the result-changing variables of ``environ`` (default
+    ``os.environ``; the sweep passes its environment as started, before the spec's plugins are added to it) are the
+    ones the run started with (`check_resume`). Raises SpecError otherwise, before anything expensive starts."""
     storage = storage_root(spec)
     state = load_state(storage, spec.name, resume, storage_origin(spec))
     check_trusted_storage(storage, state["experiment"])
-    check_resume(spec, state)
+    check_resume(spec, state, environ)
     return state
 
 
@@ -275,12 +276,15 @@ def spec_changes(before_yaml: str | None, now_yaml: str | None) -> list[str]:
             for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
 
 
-def check_resume(spec: specs.SweepSpec, state: dict) -> None:
+def check_resume(spec: specs.SweepSpec, state: dict, environ=None) -> None:
     """A resumed sweep must be the sweep it resumes: any difference in the resolved spec would mix two experiments
     in one parent run. Raises SpecError naming every changed field and the command that resumes the original. A field
     the code has gained since the run started (absent from its saved spec) that holds its default is no difference:
     a new field's default is what the code did before it (a run started before ``resources.load_timeout_s`` existed
-    resumes)."""
+    resumes). So too the variables that change results (`pipelines.environment.RESULT_VARIABLES`: the testbed's
+    weights, the entropy's route, plugins, task directories): ``environ`` (default ``os.environ``) must give each the
+    value the run's state recorded (`check_environment_unchanged`)."""
+    check_environment_unchanged(state, environ, spec)
     if state.get("fingerprint") == fingerprint(spec):
         return
     before = _flat(yaml.safe_load(state.get("spec_yaml") or "{}"))
@@ -291,6 +295,38 @@ def check_resume(spec: specs.SweepSpec, state: dict) -> None:
     changed = spec_changes(state.get("spec_yaml"), specs.dump_resolved(spec))
     raise specs.SpecError(changed, f"--resume {state['experiment']}: the spec differs from the one that run started "
                           "with", fix=f"resume the original with: {resume_command(state)}")
+
+
+def check_environment_unchanged(state: dict, environ=None, spec: specs.SweepSpec | None = None) -> None:
+    """SpecError, one paragraph, when a variable that changes results (`pipelines.environment.result_changes`) has
+    another value in ``environ`` (default ``os.environ``) than in the environment the run of ``state`` recorded
+    (``command.env``, `launch_command`): each named with both values, and the command that resumes with the
+    recorded ones. A bare ``--resume`` from a shell without ``PROMPRUNE_TESTBED_WEIGHTS`` ran the rest of the trials
+    on the shipped weights with the mu calibrated on the other ones, exit 0, and saved the state's command without
+    the variable. A state that recorded no environment (one saved by `pipelines.sweep.run_sweep` called without a
+    command) cannot be checked. ``spec``: its own plugins and include_path are no difference (`pipelines.plugins.
+    activate` adds them to the environment of the process that checks)."""
+    from pipelines.environment import result_changes
+
+    recorded = (state.get("command") or {}).get("env")
+    if recorded is None:
+        return
+    own = {} if spec is None else {"PROMPRUNE_PLUGINS": spec.plugins, "PROMPRUNE_INCLUDE_PATH": spec.include_path}
+    changes = result_changes(recorded, environ, own)  # the spec's own plugins: in the environment once activated
+    if not changes:
+        return
+    shown = "; ".join(f"{name} was {_shown(was)}, now {_shown(now)}" for name, was, now in changes)
+    drop = [name for name, was, now in changes if was is None]
+    unset = f"unset {' '.join(drop)}, then " if drop else ""
+    raise specs.SpecError(
+        [f"the run started with other values of variables that change its results ({shown}): its finished trials "
+         "ran with the recorded values (its calibrated mu was measured with them), so trials resumed with these "
+         "would mix two experiments in one parent run. Resume with the recorded values: "
+         f"{unset}{resume_command(state)}"], f"--resume {state['experiment']}")
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
 
 
 def _new_at_default(spec, key: str) -> bool:

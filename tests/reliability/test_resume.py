@@ -505,3 +505,47 @@ def test_a_run_from_before_a_new_field_resumes_at_its_default(scratch, tmp_path)
         states.check_resume(changed, state)
     with pytest.raises(specs.SpecError, match=r"grid.mu: '\(unset\)' -> \[0.3\]"):  # a free mapping's key: a change
         states.check_resume(specs.load(scratch(), ["grid.mu=[0.3]"]), state)
+
+
+def test_a_resume_whose_result_changing_variables_differ_is_refused_naming_them(scratch, tmp_path, run_main,
+                                                                                monkeypatch):
+    """A probe's case: a sweep started with PROMPRUNE_TESTBED_WEIGHTS (other weights of testbed:llava), then a bare
+    `--resume` from a shell without it, exit 0, no note: the resumed trials ran the shipped weights with the mu
+    calibrated on the other ones, and the state's command lost the variable. Now refused before any work, each
+    variable named with both values and the command that resumes with the recorded ones; the state is not
+    rewritten. Variables that change no result (PROMPRUNE_GRAPHS, a wait) and values the code reads alike
+    (RETRAIN=no and unset) resume."""
+    path = scratch()
+    spec = specs.load(path)
+    for name in ("PROMPRUNE_TESTBED_WEIGHTS", "PROMPRUNE_ENTROPY", "PROMPRUNE_TESTBED_RETRAIN", "PROMPRUNE_GRAPHS"):
+        monkeypatch.delenv(name, raising=False)
+    storage = tmp_path / "outputs" / "tune"
+    started = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PROMPRUNE_TESTBED_WEIGHTS": "/x/w2",
+               "PROMPRUNE_TESTBED_RETRAIN": "no"}
+    parent = tracking.start_sweep(tracking.client(), spec.name, spec.version, specs.dump_resolved(spec), {})
+    _state_for(spec, storage, "rel-20261122-000003", parent,
+               command=states.launch_command(str(path), [], environ=started))
+    saved = (storage / states.STATE_DIR / "rel-20261122-000003.json").read_bytes()
+    proc, _ = run_main("--config", str(path), "--resume")
+    assert_clean_error(proc, "--resume rel-20261122-000003: 1 problem(s)",
+                       "PROMPRUNE_TESTBED_WEIGHTS was '/x/w2', now unset",
+                       "Resume with the recorded values: MLFLOW_TRACKING_URI=",
+                       "PROMPRUNE_TESTBED_RETRAIN=no PROMPRUNE_TESTBED_WEIGHTS=/x/w2 python ")
+    assert "PROMPRUNE_TESTBED_RETRAIN was" not in proc.stderr  # 'no' and unset: the shipped weights alike
+    assert (storage / states.STATE_DIR / "rel-20261122-000003.json").read_bytes() == saved
+    proc, _ = run_main("--config", str(path), "--resume", env={"PROMPRUNE_ENTROPY": "exact"})
+    assert_clean_error(proc, "PROMPRUNE_TESTBED_WEIGHTS was '/x/w2', now unset; PROMPRUNE_ENTROPY was unset, now "
+                             "'exact'", "Resume with the recorded values: unset PROMPRUNE_ENTROPY, then ")
+    monkeypatch.delenv("PROMPRUNE_ENTROPY")
+    proc, _ = run_main("--config", str(path), "--resume", "--validate-only",
+                       env={"PROMPRUNE_TESTBED_WEIGHTS": "/x/w2", "PROMPRUNE_GRAPHS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (storage / states.STATE_DIR / "rel-20261122-000003.json").read_bytes() == saved
+    from pipelines import environment
+
+    # the spec's own plugins, which `plugins.activate` adds to the checking process's environment, are no difference
+    assert environment.result_changes({"PROMPRUNE_PLUGINS": "/a"}, {"PROMPRUNE_PLUGINS": "/a:/s/p.py"},
+                                      {"PROMPRUNE_PLUGINS": ["/s/p.py"]}) == []
+    assert environment.result_changes({}, {"PROMPRUNE_PLUGINS": "/b", "PROMPRUNE_ACCEL": "1"}) == [
+        ("PROMPRUNE_PLUGINS", None, "/b")]
+
