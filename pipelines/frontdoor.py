@@ -126,8 +126,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="override a spec field, value parsed as YAML (repeatable): --set limit=8 "
                         "--set grid.budget=[16,8]")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="EXPERIMENT",
-                   help="resume the latest run of this spec (or the named one, e.g. quickstart-20261121-080000): "
-                        "finished trials are kept, the same MLflow parent run continues")
+                   help="resume the newest run started with this spec, --set overrides included (or the named one, "
+                        "e.g. quickstart-20261121-080000): finished trials are kept, the same MLflow parent run "
+                        "continues")
     return p
 
 

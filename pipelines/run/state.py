@@ -91,22 +91,87 @@ def _read_state(storage: str, experiment: str) -> dict:
                                "sweep anew"], "--resume") from None
 
 
-def load_state(storage: str, name: str, resume: str, origin: str | None = None) -> dict:
+def load_state(storage: str, name: str, resume: str, origin: str | None = None,
+               spec: specs.SweepSpec | None = None) -> dict:
     """The saved state of run `resume` (an experiment name like quickstart-20261121-080000), or with 'latest' the
-    newest run of spec `name`. Kept beside Tune's state, so a resumed `ray job` finds it too. 'latest' while a newer
-    run of the spec is still setting up (its driver holds its lock, it has saved no state yet) is that run: refused
-    as busy (SpecError), never the older one. ``origin``: what chose ``storage`` (`storage_origin`), for the
+    newest run of spec `name`; given ``spec``, the newest run started with that resolved spec (`spec_matches`), so
+    that a quick ``--set limit=1`` check run after an interrupted run of the same spec file does not hide it (when
+    none matches: `no_matching_run`). Kept beside Tune's state, so a resumed `ray job` finds it too. 'latest' while
+    a newer run of the spec is still setting up (its driver holds its lock, it has saved no state yet) is that run:
+    refused as busy (SpecError), never the older one. ``origin``: what chose ``storage`` (`storage_origin`), for the
     refusal of a run not there."""
     found = _state_names(storage, name)
     if resume == "latest":
         for experiment in _state_names(storage, name, LOCK_SUFFIX):
             if not found or experiment > found[-1]:
                 DriverLock(storage, experiment).raise_if_held()
+        if found and spec is not None:
+            return _latest_of_spec(storage, spec, found)
     experiment = found[-1] if resume == "latest" and found else resume
     if experiment not in found:
         raise specs.SpecError([missing_run(storage, name, None if resume == "latest" else resume, found, origin)],
                               "--resume")
     return _read_state(storage, experiment)
+
+
+def _latest_of_spec(storage: str, spec: specs.SweepSpec, found: list[str]) -> dict:
+    """The newest of the runs ``found`` (oldest first) started with ``spec``; SpecError (`no_matching_run`) when
+    none was. A state that cannot be read is passed over, unless it is the newest and no run matches (its own
+    refusal, as before)."""
+    states, damaged = [], None
+    for experiment in reversed(found):
+        try:
+            state = _read_state(storage, experiment)
+        except specs.SpecError as exc:
+            damaged = damaged or (exc if experiment == found[-1] else None)
+            continue
+        if spec_matches(spec, state):
+            return state
+        states.append(state)
+    if damaged is not None:
+        raise damaged
+    raise no_matching_run(spec, states)
+
+
+# at most this many of a spec's unfinished runs are named in the refusal of a `--resume` none of its runs matches
+NAMED_RUNS = 5
+
+
+def no_matching_run(spec: specs.SweepSpec, states: list[dict]) -> specs.SpecError:
+    """The refusal of a bare ``--resume`` (latest) when no run of the spec's name was started with ``spec``
+    (``states``: its runs, newest first): the fields the newest differs in, and each run that did not finish
+    (`run_unfinished`; the newest `NAMED_RUNS`), with its changed fields and the command that resumes it."""
+    newest = states[0]
+    changed = spec_changes(newest.get("spec_yaml"), specs.dump_resolved(spec))
+    unfinished = [state for state in states if run_unfinished(state)][:NAMED_RUNS]
+    if unfinished:
+        fix = "\n".join(["runs of this sweep that did not finish (each with what its spec sets otherwise):"] + [
+            f"  {state['experiment']} ({'; '.join(spec_changes(state.get('spec_yaml'), specs.dump_resolved(spec)))})"
+            f": resume it with: {resume_command(state)}" for state in unfinished])
+    else:
+        fix = ("every run of this sweep finished (or was started with another spec and cannot be told); to run this "
+               "spec, leave out --resume")
+    return specs.SpecError(changed, f"--resume: no run of sweep {spec.name!r} was started with this spec; the newest, "
+                           f"{newest['experiment']}, differs", fix=fix)
+
+
+def run_unfinished(state: dict) -> bool:
+    """Whether the run of ``state`` may have something to resume: writes waiting in its outbox, or its MLflow parent
+    run not FINISHED with every trial finished (`pipelines.sweep.finished_run` says what a resume of a finished
+    one prints); a store that does not answer cannot tell: True."""
+    from mlflow.exceptions import MlflowException
+
+    from pipelines import mlflow_layout
+    from pipelines.recording import tracking
+
+    if (outbox_dir(state["storage_path"], state["experiment"]) / "outbox.json").is_file():
+        return True
+    try:
+        run = tracking.client().get_run(state["parent_run_id"])
+    except (MlflowException, OSError, KeyError):
+        return True
+    failed = run.data.metrics.get(mlflow_layout.TRIALS_FAILED)
+    return run.info.status != "FINISHED" or failed is None or failed > 0
 
 
 def storage_origin(spec: specs.SweepSpec) -> str:
@@ -240,12 +305,13 @@ def check_tune_state(state: dict) -> list[str]:
 
 
 def resumed_state(spec: specs.SweepSpec, resume: str, environ=None) -> dict:
-    """The saved state of the run `--resume` names ('latest': the newest of this spec), checked once: the storage
-    is trusted (`check_trusted_storage`) and the spec and the result-changing variables of ``environ`` (default
-    ``os.environ``; the sweep passes its environment as started, before the spec's plugins are added to it) are the
-    ones the run started with (`check_resume`). Raises SpecError otherwise, before anything expensive starts."""
+    """The saved state of the run `--resume` names ('latest': the newest started with this spec, `load_state`),
+    checked once: the storage is trusted (`check_trusted_storage`) and the spec and the result-changing variables of
+    ``environ`` (default ``os.environ``; the sweep passes its environment as started, before the spec's plugins are
+    added to it) are the ones the run started with (`check_resume`). Raises SpecError otherwise, before anything
+    expensive starts."""
     storage = storage_root(spec)
-    state = load_state(storage, spec.name, resume, storage_origin(spec))
+    state = load_state(storage, spec.name, resume, storage_origin(spec), spec)
     check_trusted_storage(storage, state["experiment"])
     check_resume(spec, state, environ)
     return state
@@ -285,16 +351,22 @@ def check_resume(spec: specs.SweepSpec, state: dict, environ=None) -> None:
     weights, the entropy's route, plugins, task directories): ``environ`` (default ``os.environ``) must give each the
     value the run's state recorded (`check_environment_unchanged`)."""
     check_environment_unchanged(state, environ, spec)
-    if state.get("fingerprint") == fingerprint(spec):
-        return
-    before = _flat(yaml.safe_load(state.get("spec_yaml") or "{}"))
-    now = _flat(yaml.safe_load(specs.dump_resolved(spec)))
-    if all(key not in before and _new_at_default(spec, key) for key in set(before) | set(now)
-           if before.get(key) != now.get(key)):
+    if spec_matches(spec, state):
         return
     changed = spec_changes(state.get("spec_yaml"), specs.dump_resolved(spec))
     raise specs.SpecError(changed, f"--resume {state['experiment']}: the spec differs from the one that run started "
                           "with", fix=f"resume the original with: {resume_command(state)}")
+
+
+def spec_matches(spec: specs.SweepSpec, state: dict) -> bool:
+    """Whether the run of ``state`` was started with ``spec``: the same resolved spec, or one that differs only by
+    fields the code has gained since, each at its default (`check_resume`)."""
+    if state.get("fingerprint") == fingerprint(spec):
+        return True
+    before = _flat(yaml.safe_load(state.get("spec_yaml") or "{}"))
+    now = _flat(yaml.safe_load(specs.dump_resolved(spec)))
+    return all(key not in before and _new_at_default(spec, key) for key in set(before) | set(now)
+               if before.get(key) != now.get(key))
 
 
 def check_environment_unchanged(state: dict, environ=None, spec: specs.SweepSpec | None = None) -> None:

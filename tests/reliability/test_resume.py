@@ -549,3 +549,31 @@ def test_a_resume_whose_result_changing_variables_differ_is_refused_naming_them(
     assert environment.result_changes({}, {"PROMPRUNE_PLUGINS": "/b", "PROMPRUNE_ACCEL": "1"}) == [
         ("PROMPRUNE_PLUGINS", None, "/b")]
 
+
+def test_latest_is_the_newest_run_of_this_spec_not_a_quick_check_of_its_file(scratch, tmp_path, run_main):
+    """A probe's case: a `--set limit=40` run interrupted, then a `--set limit=1` quick check of the same spec file
+    finished, then `--set limit=40 --resume` was refused ("limit: 1 -> 40") with the command resuming the finished
+    quick check, the interrupted run never named. Now 'latest' is the newest run started with this resolved spec;
+    when none was, the refusal names the runs that did not finish and how to resume each."""
+    path = scratch()
+    storage = tmp_path / "outputs" / "tune"
+    client = tracking.client()
+    ran = {}
+    for experiment, limit, finished in [("rel-20261122-000010", 40, False), ("rel-20261122-000011", 1, True)]:
+        spec = specs.load(path, [f"limit={limit}"])
+        parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
+        if finished:
+            client.log_metric(parent, mlflow_layout.TRIALS_FAILED, 0)
+            tracking.finish(client, parent)
+        ran[limit] = _state_for(spec, storage, experiment, parent,
+                                command=states.launch_command(str(path), [f"limit={limit}"], environ={}))
+    assert states.resumed_state(specs.load(path, ["limit=40"]), "latest")["experiment"] == "rel-20261122-000010"
+    assert states.resumed_state(specs.load(path, ["limit=1"]), "latest")["experiment"] == "rel-20261122-000011"
+    proc, _ = run_main("--config", str(path), "--set", "limit=30", "--resume")
+    assert_clean_error(proc, "--resume: no run of sweep 'rel' was started with this spec; the newest, "
+                             "rel-20261122-000011, differs: 1 problem(s)", "limit: 1 -> 30",
+                       "runs of this sweep that did not finish", "rel-20261122-000010 (limit: 40 -> 30): resume it "
+                       "with: python ", "sweep.py --config spec.yaml --set limit=40 --resume rel-20261122-000010\n")
+    assert "rel-20261122-000011 (" not in proc.stderr  # it finished: nothing to resume there
+    proc, _ = run_main("--config", str(path), "--set", "limit=40", "--resume", "--validate-only")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
