@@ -105,7 +105,7 @@ from pipelines.run.ray_connect import QUIET_ENV, RayUnreachable, client_address_
 from pipelines.run.requests import Requests, build_requests_dataset, built_on_driver, requests_dataset
 from pipelines.run.state import TUNE_STATE, DriverLock, check_tune_state, driver_lock, fingerprint, launch_command, \
     load_state, outbox_dir, restore_options, resume_command, resumed_state, save_state, spec_fingerprint, \
-    storage_root, unreadable_tune_state
+    storage_root, unreadable_tune_state, weights_sha256
 from pipelines.run.workers import Failover, WorkerPool
 from pipelines.weights import prepare_model, share
 
@@ -332,6 +332,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,
                  "fingerprint": fingerprint(spec), "spec_yaml": specs.dump_resolved(spec),
                  "command": command or {}, "tracking_uri": tracking.tracking_uri()}
+        if (sha := weights_sha256(spec)) is not None:  # testbed:llava's: its calibrated mu is tied to them
+            state["weights_sha256"] = sha
     else:
         parent_id = state["parent_run_id"]
         tracking.reopen(client, parent_id, spec.name, SweepView.of(spec, trials))  # its own view, saved again

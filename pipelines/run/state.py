@@ -349,8 +349,10 @@ def check_resume(spec: specs.SweepSpec, state: dict, environ=None) -> None:
     a new field's default is what the code did before it (a run started before ``resources.load_timeout_s`` existed
     resumes). So too the variables that change results (`pipelines.environment.RESULT_VARIABLES`: the testbed's
     weights, the entropy's route, plugins, task directories): ``environ`` (default ``os.environ``) must give each the
-    value the run's state recorded (`check_environment_unchanged`)."""
+    value the run's state recorded (`check_environment_unchanged`), and testbed:llava's weights must be those the
+    run recorded (`check_weights_unchanged`)."""
     check_environment_unchanged(state, environ, spec)
+    check_weights_unchanged(spec, state)
     if spec_matches(spec, state):
         return
     changed = spec_changes(state.get("spec_yaml"), specs.dump_resolved(spec))
@@ -367,6 +369,39 @@ def spec_matches(spec: specs.SweepSpec, state: dict) -> bool:
     now = _flat(yaml.safe_load(specs.dump_resolved(spec)))
     return all(key not in before and _new_at_default(spec, key) for key in set(before) | set(now)
                if before.get(key) != now.get(key))
+
+
+TESTBED_MODEL = "testbed:llava"  # the model whose weights a state records by their sha256 (`weights_sha256`)
+
+
+def weights_sha256(spec: specs.SweepSpec) -> str | None:
+    """The sha256 of the weights the spec's model loads here, where there is a cheap handle on it: for
+    ``testbed:llava`` its manifest's (`promprune.testbed.zoo.weights_sha256`); None otherwise (a hub model: its
+    revision is the spec's)."""
+    if spec.model.pretrained != TESTBED_MODEL:
+        return None
+    from promprune.testbed import zoo
+
+    return zoo.weights_sha256()
+
+
+def check_weights_unchanged(spec: specs.SweepSpec, state: dict) -> None:
+    """SpecError when the run of ``state`` recorded the sha256 of its model's weights (``weights_sha256``, with the
+    mu it calibrated on them) and the spec's model loads other weights here (the shipped weights changed since, or a
+    ``$PROMPRUNE_TESTBED_WEIGHTS`` folder rewritten in place): the finished trials and the resumed ones would be two
+    models under one parent run."""
+    recorded = state.get("weights_sha256")
+    if recorded is None:
+        return
+    now = weights_sha256(spec)
+    if now != recorded:
+        other = f"weights with sha256 {now}" if now else "other weights"
+        raise specs.SpecError(
+            [f"the run started on {spec.model.pretrained} weights with sha256 {recorded}, and its finished trials and "
+             f"calibrated mu are theirs; this resume would load {other} (the shipped weights changed since, or the "
+             "folder of $PROMPRUNE_TESTBED_WEIGHTS was rewritten). Put "
+             "those weights back to resume it, or run the sweep afresh without --resume"],
+            f"--resume {state['experiment']}")
 
 
 def check_environment_unchanged(state: dict, environ=None, spec: specs.SweepSpec | None = None) -> None:

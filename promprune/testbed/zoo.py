@@ -30,6 +30,23 @@ def shipped_in_use() -> bool:
     return not _retrain_asked() and not os.environ.get(WEIGHTS_ENV) and shipped.available()
 
 
+def weights_sha256() -> str | None:
+    """The sha256 of the weights :func:`load_or_train` loads here, as their manifest records it (the load verifies
+    the file against it), read without hashing the weights: those of ``$PROMPRUNE_TESTBED_WEIGHTS``, else the shipped
+    ones when in use. None for the recipe's (retrained) weights or a folder without a manifest. A sweep's state keeps
+    it with the mu it calibrated, and a ``--resume`` on other weights is refused (`pipelines.run.state`)."""
+    if os.environ.get(WEIGHTS_ENV):
+        directory = Path(os.environ[WEIGHTS_ENV])
+    elif shipped_in_use():
+        directory = shipped.WEIGHTS_DIR
+    else:
+        return None
+    try:
+        return shipped.manifest(directory).get("sha256")
+    except (OSError, ValueError):
+        return None
+
+
 def load_or_train(directory: str | Path | None = None, **train_kwargs):
     """``(model, processor)`` of ``testbed:llava``.
 

@@ -577,3 +577,25 @@ def test_latest_is_the_newest_run_of_this_spec_not_a_quick_check_of_its_file(scr
     assert "rel-20261122-000011 (" not in proc.stderr  # it finished: nothing to resume there
     proc, _ = run_main("--config", str(path), "--set", "limit=40", "--resume", "--validate-only")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_resume_on_other_testbed_weights_than_the_runs_is_refused(scratch, tmp_path, monkeypatch):
+    """The state keeps the sha256 of testbed:llava's weights (their manifest's) beside the mu it calibrated on them: a
+    resume that would load other weights (the shipped ones changed by a pull, a $PROMPRUNE_TESTBED_WEIGHTS folder
+    rewritten in place; the variable's own change is `check_environment_unchanged`'s) is refused, naming both."""
+    monkeypatch.delenv("PROMPRUNE_TESTBED_WEIGHTS", raising=False)
+    monkeypatch.delenv("PROMPRUNE_TESTBED_RETRAIN", raising=False)
+    spec = specs.load(scratch(), ["model.pretrained=testbed:llava"])
+    shipped_dir = states.REPO / "promprune" / "testbed" / "weights"
+    shipped_sha = json.loads((shipped_dir / "testbed-llava.json").read_text())["sha256"]
+    assert states.weights_sha256(spec) == shipped_sha
+    assert states.weights_sha256(specs.load(scratch())) is None  # tiny:llava: no cheap handle, nothing recorded
+    state = _state_for(spec, tmp_path / "store", "rel-7", weights_sha256=shipped_sha)
+    states.check_resume(spec, state)  # the same weights
+    other = tmp_path / "w2"
+    other.mkdir()
+    (other / "testbed-llava.json").write_text(json.dumps({"sha256": "f" * 64}))  # the manifest is what is read
+    monkeypatch.setenv("PROMPRUNE_TESTBED_WEIGHTS", str(other))  # (the state recorded no environment: not that check)
+    with pytest.raises(specs.SpecError, match=f"testbed:llava weights with sha256 {shipped_sha}, .* this resume "
+                                              f"would load weights with sha256 {'f' * 64}"):
+        states.check_resume(spec, state)
