@@ -10,7 +10,7 @@
   report under `report/`; after a regression check `promprune.regression` (`true`, `false` or `no-previous`,
   `incomplete`) with `.previous_run`, `.threshold`, `.detail` and `.note` (what it compared with,
   or why with nothing; `false` only when some trial was compared); a run tagged `true` is no later run's baseline
-  (set it to `accepted` to make it one), nor is one with failed trials or a finished trial without Rel.
+  (set it to `accepted` to make it one), nor is one with failed trials or whose finished trials have no Rel. at all
 - **Child run per trial** (role `trial`; a standalone `pipelines/evaluate.py` run has role `evaluation` and no
   parent), created when the trial starts (RUNNING, then FINISHED / KILLED / FAILED): tags `mlflow.parentRunId`,
   `promprune.sweep`, `promprune.trial=<id>`, `mlflow.note.content` (the spec's description); params model, method

@@ -266,9 +266,10 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     ``spec`` as the code resolved it before gaining fields that ``spec`` holds at their defaults,
     `state.without_gained_defaults`: a night recorded before ``resources.load_timeout_s`` existed, said in the line;
     any other difference is another spec), whose trials all finished (no `trials/failed`) and that did not regress
-    (its `promprune.regression` tag is not ``true``: the baseline stays the last good night) and every finished trial
-    of which has a Rel. (`every_trial_has_rel`: a night whose task scored NaN, or whose baseline scored 0, has none
-    logged, and as a baseline it compared nothing), or None; with the line
+    (its `promprune.regression` tag is not ``true``: the baseline stays the last good night) and some finished trial
+    of which has a Rel. (`rel_by_trial`: a night whose task scored NaN, or whose baseline scored 0, has none logged,
+    and as a baseline it compared nothing; a night where only some trials lack one stays a baseline for the others,
+    so that a trial that never gets a Rel. does not turn the check off for every trial), or None; with the line
     saying what the check compares with, or why it compares with nothing. Matching the name and
     version alone made a ``--set limit=20`` quick check (which sweeps/nightly.yaml suggests) the baseline of the next
     500-question night: false regressions, or masked ones. A parent run logged before runs carried the tag does not
@@ -296,23 +297,24 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
     # compared nothing for them (a failed night let the following night's regression pass). A run that regressed
     # (exit 3, tagged promprune.regression=true) is no baseline either: as one, its fallen Rel. let the next night
     # pass, so a regression failed one night only. Its tag set to anything else (`accepted`) makes it one again.
-    # A run whose trials finished without Rel. (a task's score NaN, a baseline score of 0: Rel. undefined, not
-    # logged) is no baseline either: as one, it compared no trial, and the next night was tagged false. Looked at
-    # (one search per run) only until the baseline is found.
+    # A run none of whose trials has a Rel. (a task's score NaN, a baseline score of 0: Rel. undefined, not logged)
+    # is no baseline either: as one, it compared no trial, and the next night was tagged false. One with a Rel. for
+    # some trials is (the others are not compared, and said: `regression_check`). Looked at (one search per run) only
+    # until the baseline is found.
     failed, regressed, unscored, prev = [], [], [], None
     for r in found:
         if r.data.metrics.get(mlflow_layout.TRIALS_FAILED):
             failed.append(r)
         elif r.data.tags.get(mlflow_layout.REGRESSION) == "true":
             regressed.append(r)
-        elif not every_trial_has_rel(c, r.info.run_id):
+        elif not rel_by_trial(c, r.info.run_id):
             unscored.append(r)
         else:
             prev = r
             break
     passed = [(runs, why) for runs, why in ((failed, "had failed trials"),
                                             (regressed, f"regressed (tag {mlflow_layout.REGRESSION}=true)"),
-                                            (unscored, "had trials without a Rel. (a score NaN, or a baseline score "
+                                            (unscored, "had no trial with a Rel. (a score NaN, or a baseline score "
                                                        "of 0)")) if runs]
     if prev is not None:
         over = "".join(f"; {len(runs)} later run(s) of it {why} and are not compared with" for runs, why in passed)
@@ -323,7 +325,8 @@ def previous_sweep(c, name: str, version: int, current_id: str, fingerprint: str
                      "(what the code did before)")
         return prev, (f"compared with {prev.info.run_id} (started {iso(prev.info.start_time / 1000)}), the latest "
                       f"earlier FINISHED run of the same resolved spec of sweep {name} v{version} whose trials all "
-                      f"finished{' with a Rel.' if unscored else ''}{' and that did not regress' if regressed else ''}"
+                      f"finished{' with a Rel. for some' if unscored else ''}"
+                      f"{' and that did not regress' if regressed else ''}"
                       f"{over}")
     if found:
         return None, (f"the {len(found)} earlier FINISHED run(s) of the same resolved spec of sweep {name} "
@@ -382,13 +385,8 @@ def _spec_changes(c, before_id: str, now_id: str) -> list[str]:
     return [] if None in texts else spec_changes(*texts)
 
 
-def every_trial_has_rel(c, parent_id: str) -> bool:
-    """Whether a parent run has finished trials and every one of them logged a Rel. (a NaN one is not logged)."""
-    runs = trial_runs(c, parent_id)
-    return bool(runs) and all(mlflow_layout.REL in r.data.metrics for r in runs.values())
-
-
 def rel_by_trial(c, parent_id: str) -> dict[str, float]:
+    """Each finished trial's Rel. by trial id, of the trials that logged one (a NaN one is not logged)."""
     return {tid: r.data.metrics[mlflow_layout.REL] for tid, r in trial_runs(c, parent_id).items()
             if mlflow_layout.REL in r.data.metrics}
 
@@ -401,8 +399,8 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
 
     A regression is a trial whose Rel. fell by more than `threshold` (absolute, e.g. 0.02 = 2 points of Rel.).
     Tags: promprune.regression = true/false/no-previous, or incomplete (no regression among the trials compared, and
-    some of the previous run's have no Rel. in this one; `previous_sweep` takes no baseline with a trial without Rel.,
-    so a check that compared no trial is this, never false), promprune.regression.previous_run, ...threshold,
+    some trial has a Rel. in one of the two runs and not in the other: not compared, and named in the line; so a
+    check that compared no trial is this, never false), promprune.regression.previous_run, ...threshold,
     ...detail (the regressions), ...note (the line); the parent's promprune.spec_fingerprint when it had none (a run
     started before runs carried it, resumed).
     """
@@ -416,13 +414,17 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     now, before = rel_by_trial(c, parent_id), rel_by_trial(c, prev.info.run_id)
     found = [f"{tid}: rel {before[tid]:.4f} -> {now[tid]:.4f} ({now[tid] - before[tid]:+.4f})"
              for tid in sorted(set(now) & set(before)) if before[tid] - now[tid] > threshold]
-    lost = sorted(set(before) - set(now))  # failed (or not run) this time: not compared, and said
-    if lost:
-        note += (f"; {len(lost)} trial(s) of that run have no Rel. in this one, so were not compared: "
-                 f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}")
+    lost = sorted(set(before) - set(now))  # failed (or not run, or NaN) this time: not compared, and said
+    gained = sorted(set(now) - set(before))  # without a Rel. in the baseline: not compared either
+    for trials, how in ((lost, "of that run have no Rel. in this one"),
+                        (gained, "of this run had no Rel. in that one")):
+        if trials:
+            note += (f"; {len(trials)} trial(s) {how}, so were not compared: "
+                     f"{', '.join(trials[:5])}{' ...' if len(trials) > 5 else ''}")
+    if lost or gained:
         c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.note", note[:4000])
     c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.previous_run", prev.info.run_id)
-    c.set_tag(parent_id, mlflow_layout.REGRESSION, "true" if found else "incomplete" if lost else "false")
+    c.set_tag(parent_id, mlflow_layout.REGRESSION, "true" if found else "incomplete" if lost or gained else "false")
     if found:
         c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.detail", "; ".join(found)[:4000])
     return found, note

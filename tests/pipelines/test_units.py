@@ -321,14 +321,11 @@ def test_a_night_without_rel_is_no_baseline_and_a_check_that_compared_nothing_is
     found, note = _check(c, fallen)
     assert found == ["promprune-b8: rel 0.8000 -> 0.5000 (-0.3000)"]
     assert note.startswith(f"compared with {good} (started ") and note.endswith(
-        "whose trials all finished with a Rel.; 1 later run(s) of it had trials without a Rel. (a score NaN, or a "
-        "baseline score of 0) and are not compared with")
+        "whose trials all finished with a Rel. for some; 1 later run(s) of it had no trial with a Rel. (a score NaN, "
+        "or a baseline score of 0) and are not compared with")
     c.set_tag(fallen, mlflow_layout.REGRESSION, "accepted")
     tracking.finish(c, fallen)
-    partial = _night(c, {"none": 1.0, "promprune-b8": None})  # one trial without Rel.: no baseline either
-    assert _check(c, partial)[0] == [] and c.get_run(partial).data.tags[mlflow_layout.REGRESSION] == "incomplete"
-    tracking.finish(c, partial)
-    second_nan = _night(c, {"none": None, "promprune-b8": None})
+    second_nan = _night(c, {"none": None, "promprune-b8": None})  # compared with fallen: nothing, so incomplete
     assert _check(c, second_nan)[1].startswith(f"compared with {fallen} (started ")
     assert c.get_run(second_nan).data.tags[mlflow_layout.REGRESSION] == "incomplete"
     tracking.finish(c, second_nan)
@@ -336,9 +333,38 @@ def test_a_night_without_rel_is_no_baseline_and_a_check_that_compared_nothing_is
     c.log_metric(good, mlflow_layout.TRIALS_FAILED, 1)
     found, note = _check(c, _night(c, {"none": 1.0, "promprune-b8": 0.80}))
     assert found == [] and note == (
-        "the 5 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 all had failed trials or "
-        "regressed (tag promprune.regression=true) or had trials without a Rel. (a score NaN, or a baseline score of "
+        "the 4 earlier FINISHED run(s) of the same resolved spec of sweep nightly v1 all had failed trials or "
+        "regressed (tag promprune.regression=true) or had no trial with a Rel. (a score NaN, or a baseline score of "
         "0): nothing to compare with")
+
+
+def test_a_trial_that_never_gets_a_rel_leaves_the_check_on_for_the_others(mlflow_store):
+    """Reviewer's case: a trial whose score is NaN every night (seeded, greedy nights repeat it) made every night
+    no baseline, so every check was `no-previous` and a fall of the others passed (exit 0). A night with a Rel. for
+    some trials is a baseline for those; the trial without one is named as not compared, and a check with no
+    regression among the compared is `incomplete` where a trial has a Rel. in one night only."""
+    c = mlflow_store
+    first = _night(c, {"none": 1.0, "promprune-b8": 0.90, "fastv-b8": None})
+    tracking.finish(c, first)
+    fallen = _night(c, {"none": 1.0, "promprune-b8": 0.50, "fastv-b8": None})
+    found, note = _check(c, fallen)
+    assert found == ["promprune-b8: rel 0.9000 -> 0.5000 (-0.4000)"]
+    assert note.startswith(f"compared with {first} (started ")
+    assert c.get_run(fallen).data.tags[mlflow_layout.REGRESSION] == "true"
+    c.set_tag(fallen, mlflow_layout.REGRESSION, "accepted")
+    tracking.finish(c, fallen)
+    steady = _night(c, {"none": 1.0, "promprune-b8": 0.50, "fastv-b8": None})  # fastv-b8 in neither: compared all
+    assert _check(c, steady)[0] == [] and c.get_run(steady).data.tags[mlflow_layout.REGRESSION] == "false"
+    tracking.finish(c, steady)
+    scored = _night(c, {"none": 1.0, "promprune-b8": 0.50, "fastv-b8": 0.70})  # fastv-b8's first Rel.
+    found, note = _check(c, scored)
+    assert found == [] and c.get_run(scored).data.tags[mlflow_layout.REGRESSION] == "incomplete"
+    assert note.endswith("; 1 trial(s) of this run had no Rel. in that one, so were not compared: fastv-b8")
+    tracking.finish(c, scored)
+    partial = _night(c, {"none": 1.0, "promprune-b8": None, "fastv-b8": 0.70})
+    found, note = _check(c, partial)
+    assert found == [] and c.get_run(partial).data.tags[mlflow_layout.REGRESSION] == "incomplete"
+    assert note.endswith("; 1 trial(s) of that run have no Rel. in this one, so were not compared: promprune-b8")
 
 
 def test_a_night_that_regressed_is_no_baseline_so_the_regression_fails_every_night_until_fixed(mlflow_store):
