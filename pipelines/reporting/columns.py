@@ -83,14 +83,17 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
     would print a number x100 off (Rel. is a ratio, the same either way).
 
     A metric that no trial logged a number for still names the column when its ``<metric>_n_nan`` count was logged
-    (it was NaN in every trial: MLflow keeps no NaN, so only the count is there), and the cells are NaN (the table
+    and no other metric of the task has a number (it was NaN in every trial: MLflow keeps no NaN, so only the count
+    is there), and the cells are NaN (the table
     says how many samples were NaN). A task none of whose metrics was logged (every trial failed) gets a column of
     no metric, all NaN: shown as dashes, as a task this project ships is in that case."""
     known = KNOWN_COLUMNS.get(task)
     if known is not None:
         return known
-    names = {m for m in logged_metrics if not is_count(m)}
-    names |= {m[:-len(NAN_SUFFIX)] for m in logged_metrics if m.endswith(NAN_SUFFIX)}
+    # a metric known only by its NaN count names the column only where no metric has a number: an always-NaN metric
+    # beside a scored one would take the column (accuracy first) and turn the row's Rel. into a partial one
+    names = {m for m in logged_metrics if not is_count(m)} or {
+        m[:-len(NAN_SUFFIX)] for m in logged_metrics if m.endswith(NAN_SUFFIX)}
     for name, scale in FALLBACK_METRICS:
         if name in names:
             return TaskColumn(task, task, (name,), scale=scale, unit="%" if scale == 100.0 else AS_LOGGED)

@@ -52,6 +52,17 @@ def test_a_task_of_ones_own_is_shown_as_logged_unless_its_metric_is_a_known_frac
     assert (other.metrics, other.scale) == (("zz_score",), 1.0)
 
 
+def test_a_metric_nan_in_every_trial_names_the_column_only_where_no_other_has_a_number():
+    """Reviewer's case: a task of one's own logging exact_match, with accuracy NaN on one document in every trial
+    (only ``accuracy_n_nan`` in MLflow), was shown by accuracy (first of the fallbacks): NaN cells, a partial Rel.
+    over the other benchmarks, and no paired differences. The scored metric names it; the NaN one only where no
+    metric has a number."""
+    scored = column_for("own", ["exact_match", "accuracy_n_nan", "n_samples"])
+    assert (scored.metrics, scored.scale) == (("exact_match",), 100.0)
+    assert column_for("own", ["score", "bleu_n_nan"]).metrics == ("score",)
+    assert column_for("own", ["accuracy_n_nan", "n_samples"]).metrics == ("accuracy",)
+
+
 def test_a_task_shown_as_logged_is_never_averaged_with_another_without_rel():
     """Without an unpruned trial the figures average benchmarks only in one known unit: a 0-10 judge rating of a task
     of one's own (shown as logged) beside POPE's percent averaged to (80 + 7.5) / 2 = 43.75 "%"; now no mean (one
