@@ -431,7 +431,8 @@ def check_video(spec: SweepSpec, kinds: dict[str, str] | None = None) -> list[st
     """The spec's video tasks run on a model whose family answers about clips (``Family.video``,
     ``video.check_video_config``): a model without (LLaVA, GLM-4.6V) failed every sample of such a task, and the sweep
     exited 0. Judged from the tasks' YAML alone (``tasks.video_task_kind``, no data loaded). A task certain to give
-    clips (an offline video task, or a group with one) is one problem naming the tasks and the model. A task that
+    clips (an offline video task, an MVBench task or another answered as clips by name, ``tasks.frames_are_clips``,
+    or a group with one) is one problem naming the tasks and the model. A task that
     only sets lmms-eval's ``dataset_kwargs.video`` may give images (MixEval-X's image2text tasks, site_bench_image),
     so it is not refused: one console note names it, the model and what happens if its documents are clips. A false
     refusal would block valid work; a miss only records failed samples."""
@@ -452,7 +453,7 @@ def check_video(spec: SweepSpec, kinds: dict[str, str] | None = None) -> list[st
             say(f"note: {which} lmms-eval's dataset_kwargs.video, and model.pretrained {model!r} answers about images "
                 f"only ({exc}). The flag only makes lmms-eval download its data archives: if the documents are "
                 "images (MixEval-X's image2text tasks, site_bench_image) the task runs as any image task; if they "
-                "are clips (MVBench, Video-MME), every sample fails (counted in n_failed). This is decided at run "
+                "are clips (Video-MME), every sample fails (counted in n_failed). This is decided at run "
                 "time, for each document from its visual")
         if video:
             which = f"task {video[0]} gives" if len(video) == 1 else f"tasks {', '.join(video)} give"

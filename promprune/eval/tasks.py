@@ -331,7 +331,9 @@ def task_config(name: str, include_path: str | list[str] | None = None) -> dict:
 def video_task_kind(name: str, include_path: str | list[str] | None = None,
                     _seen: frozenset = frozenset()) -> str | None:
     """What ``name``'s YAML alone (no data, no code) says of whether its documents are clips: ``"clips"`` for an
-    offline video task (``VIDEO_TASKS``, whose documents are clips) or a group with one; ``"flagged"`` for a task
+    offline video task (``VIDEO_TASKS``, whose documents are clips), a task whose list of images is a clip's frames
+    (``frames_are_clips``: MVBench's tasks give a clip's path or its frames, ``FRAME_TASKS`` their frames; answered
+    as clips either way) or a group with one; ``"flagged"`` for a task
     whose ``dataset_kwargs`` set ``video`` (or a group with one), which may give clips or images: in lmms-eval
     the flag only makes the loader download and unpack the dataset's archives. MVBench and Video-MME set it and give
     clips; MixEval-X's image2text tasks (``mix_evals_image2text_mc``) and ``site_bench_image`` set it and give PIL
@@ -343,7 +345,9 @@ def video_task_kind(name: str, include_path: str | list[str] | None = None,
     own that gives clips without the flag."""
     if name in VIDEO_TASKS:
         return "clips"
-    config = task_config(name, include_path)
+    config = task_config(name, include_path)  # (an unknown name is refused here, whatever frames_are_clips says)
+    if frames_are_clips(name):
+        return "clips"
     kwargs = config.get("dataset_kwargs")
     kind = "flagged" if isinstance(kwargs, dict) and kwargs.get("video") else None
     members = config.get("task") if "group" in config else None

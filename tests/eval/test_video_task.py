@@ -148,14 +148,17 @@ def test_a_request_whose_clip_rate_dates_nothing_is_one_failed_sample(rows):
 def test_video_tasks_are_known_from_their_yaml_alone():
     """What the pipeline's preflight refuses a video task on an image-only model by: the offline stand-in (and a
     group with it) is certain to give clips. A task that only sets lmms-eval's ``dataset_kwargs.video`` is flagged,
-    not certain, because the flag only makes lmms-eval download data archives: MVBench and Video-MME give clips,
+    not certain, because the flag only makes lmms-eval download data archives: Video-MME gives clips,
     while MixEval-X's image2text tasks and site_bench_image give images. A group of such tasks is flagged too.
     Image tasks are neither."""
     from promprune.eval.tasks import video_task_kind
 
     assert video_task_kind("testbed_video_direction") == "clips"
-    for name in ("mvbench_moving_direction", "mvbench", "videomme", "mix_evals_image2text_mc", "mix_evals_image2text",
-                 "site_bench_image"):
+    # answered as clips by name (frames_are_clips): a path or frames, a clip either way, so an image-only model is
+    # refused up front (a reviewer's case: preflight only noted them, and every sample failed at run time)
+    for name in ("mvbench_moving_direction", "mvbench", "vsibench_multiimage"):
+        assert video_task_kind(name) == "clips", name
+    for name in ("videomme", "mix_evals_image2text_mc", "mix_evals_image2text", "site_bench_image"):
         assert video_task_kind(name) == "flagged", name
     for name in ("easyvqa_yesno", "testbed_exist", "mme", "pope"):
         assert video_task_kind(name) is None, name

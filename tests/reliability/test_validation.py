@@ -550,11 +550,22 @@ def test_a_video_task_on_a_model_without_clips_is_refused_before_ray(scratch, ru
     assert "task testbed_video_direction gives clips" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("task", ["mix_evals_image2text_mc", "site_bench_image", "mvbench_moving_direction"])
+def test_an_mvbench_task_on_a_model_without_clips_is_refused(scratch, run_main):
+    """A reviewer's case: MVBench's tasks are answered as clips by name (``tasks.frames_are_clips``: a clip's path or
+    its frames), yet preflight only noted them as flagged, and on an image-only model every sample failed at run
+    time. They are certain to give clips: refused on LLaVA, passed on a family with clips."""
+    spec = SPEC.replace("tasks: [easyvqa_yesno]", "tasks: [mvbench_moving_direction]").replace("limit: 4", "limit: 2")
+    proc, _ = run_main("--config", str(scratch(spec)), "--validate-only")
+    assert proc.returncode == 2 and "tasks: task mvbench_moving_direction gives clips" in proc.stderr, proc.stderr
+    proc, _ = run_main("--config", str(scratch(spec.replace('"tiny:llava"', '"tiny:qwen2_5_vl"'))), "--validate-only")
+    assert proc.returncode == 0 and "gives clips" not in proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("task", ["mix_evals_image2text_mc", "site_bench_image"])
 def test_a_task_that_only_sets_lmms_evals_video_flag_is_not_refused(scratch, run_main, task):
     """lmms-eval's ``dataset_kwargs.video`` only makes its loader download data archives: MixEval-X's image2text
     tasks and site_bench_image set it and give images. They were refused on an image-only model ('gives clips',
-    exit 2), which blocked valid work. Whether a flagged task gives clips (MVBench's do) is decided at run time for
+    exit 2), which blocked valid work. Whether a flagged task gives clips (Video-MME's do) is decided at run time for
     each document from its visual, so --validate-only passes (its data is not on this machine: a warning) with one
     console note naming the task, the model and what happens if the documents are clips."""
     spec = SPEC.replace("tasks: [easyvqa_yesno]", f"tasks: [{task}]").replace("limit: 4", "limit: 2")
