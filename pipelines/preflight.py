@@ -221,7 +221,7 @@ def _method_generation_problem(method: str | None, gen_kwargs: dict, spec_genera
 
     try:
         kwargs, _ = generate_kwargs(gen_kwargs)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     problem = refusal(kwargs)
     if problem is None:

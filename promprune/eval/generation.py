@@ -154,19 +154,19 @@ def unreadable_generation(gen_kwargs: dict) -> dict[str, str]:
         try:
             generate_kwargs({"do_sample": gen_kwargs["do_sample"]})
             with_sampling = {"do_sample": gen_kwargs["do_sample"]}
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             found["do_sample"] = f"{type(exc).__name__}: {exc}"
     for key, value in gen_kwargs.items():
         if key == "do_sample":
             continue
         try:
             generate_kwargs({**with_sampling, key: value})
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             found[key] = f"{type(exc).__name__}: {exc}"
     if not found:  # each field read alone; should they fail only together, all of them
         try:
             generate_kwargs(gen_kwargs)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             found[", ".join(gen_kwargs)] = f"{type(exc).__name__}: {exc}"
     return found
 
@@ -184,7 +184,7 @@ def sampling_problem(gen_kwargs: dict) -> str | None:
         return None
     try:  # as generate_kwargs reads it (what it cannot read fails there)
         beams = int(gen_kwargs.get("num_beams") or 1)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         beams = 1
     if beams > 1:
         return (f"do_sample: true with num_beams {beams}: a sampled answer is drawn as one sequence from its own "
@@ -195,7 +195,7 @@ def sampling_problem(gen_kwargs: dict) -> str | None:
         return None
     try:
         value = float(temperature)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return f"temperature {temperature!r} is not a number: give a number above 0 (e.g. 0.7) to sample"
     if value <= 0:
         return (f"do_sample: true with temperature {temperature} (lmms-eval's greedy setting; transformers samples "

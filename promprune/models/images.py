@@ -72,7 +72,8 @@ def as_rgb(img: Image.Image) -> Image.Image:
 
 def _eight_bit(img: Image.Image) -> Image.Image:
     """A 16-bit or float single-band image as 8-bit grey ("L") by :func:`eight_bit`'s rule (the mode's pixel type:
-    "I;16*" 16-bit, "I" 32-bit integers, "F" float). Other modes as they are."""
+    unsigned "I;16" / "I;16B" / "I;16L", signed "I;16S" and "I" 32-bit integers, "F" float). Other modes as they
+    are."""
     import numpy as np
 
     if not (img.mode.startswith("I") or img.mode == "F"):
@@ -83,8 +84,9 @@ def _eight_bit(img: Image.Image) -> Image.Image:
 def eight_bit(pixels):
     """Pixel values as ``uint8``, the one rule for images (:func:`as_rgb`, by the PIL mode's pixel type) and clips'
     frames (``promprune.models.video.load_clip``, by the array's dtype, judged over the whole clip): ``uint8`` as it
-    is; ``bool`` as 0 / 255 (PIL's "1"); ``uint16`` over its 16-bit range (v / 257, PIL's "I;16*"); other integers
-    (PIL's "I") the same where a value passes 255, else as they are; floats (PIL's "F") from [0, 1] (v * 255) where
+    is; ``bool`` as 0 / 255 (PIL's "1"); ``uint16`` over its 16-bit range (v / 257, PIL's "I;16", "I;16B",
+    "I;16L"); other integers (PIL's "I", and the signed "I;16S", which before this rule was divided as "I;16"
+    always) the same where a value passes 255, else as they are; floats (PIL's "F") from [0, 1] (v * 255) where
     every finite value lies in it, else as they are; then clipped to [0, 255] (NaN as 0) and rounded. Casting instead
     made a float clip in [0, 1] all black, wrapped 16-bit values and -1 to 255."""
     import numpy as np

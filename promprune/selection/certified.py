@@ -195,12 +195,14 @@ class SplitReport:
     @property
     def exact_note(self) -> str:
         """``exact`` for a benchmark's line, with how many of them a costlier stage sent there and how many went
-        there early, no later stage able to decide them (``hopeless``), if any, and how many images were split on
-        their tokens centered first (``cancelled``)."""
+        there early, no later stage able to decide them (``hopeless``), if any, how many images were split on
+        their tokens centered first (``cancelled``), and how many their caller's intervals decided (``known``: in
+        neither ``decided`` nor ``exact``)."""
         why = [f"{self.costly} instead of a costlier stage"] * bool(self.costly) \
             + [f"{self.hopeless} early: no later stage could decide"] * bool(self.hopeless)
         alike = f"; {self.cancelled} split on their centered tokens (alike)" if self.cancelled else ""
-        return f"{self.exact}" + (f" ({', '.join(why)})" if why else "") + alike
+        known = f"; {self.known} decided by the caller's intervals" if self.known else ""
+        return f"{self.exact}" + (f" ({', '.join(why)})" if why else "") + alike + known
 
 
 LAST_REPORT: list[SplitReport] = []  # the newest call's report (benchmarks read it); one entry, replaced per call

@@ -80,6 +80,8 @@ def test_generate_kwargs_follow_lmms_eval_semantics():
     ({"temperature": "hot"}, []),  # not sampled: generate_kwargs never reads it
     ({"max_new_tokens": "16", "num_beams": 2, "repetition_penalty": "1.1", "until": ["\n"]}, []),
     ({"do_sample": "maybe", "max_new_tokens": 4}, ["do_sample"]),
+    ({"max_new_tokens": float("inf")}, ["max_new_tokens"]),  # int(inf): OverflowError, a refusal, not a crash
+    ({"do_sample": True, "top_k": float("inf"), "num_beams": float("nan")}, ["top_k", "num_beams"]),
     ({"do_sample": 2}, ["do_sample"]),
 ])
 def test_unreadable_generation_names_the_fields_generate_kwargs_fails_on(gen_kwargs, fields):
@@ -89,7 +91,7 @@ def test_unreadable_generation_names_the_fields_generate_kwargs_fails_on(gen_kwa
     assert list(unreadable_generation(gen_kwargs)) == fields
     generate_kwargs({k: v for k, v in gen_kwargs.items() if k not in fields})
     for field in fields:
-        with pytest.raises((TypeError, ValueError)):
+        with pytest.raises((TypeError, ValueError, OverflowError)):
             generate_kwargs({k: v for k, v in gen_kwargs.items() if k not in fields or k == field})
 
 
