@@ -560,8 +560,8 @@ def _figures_section(sweep, table, preds, entropy_id, full_tokens, out_dir, repo
     made, notes = [], []
     options = sweep.trials[sweep.option_names]
     if figures.scored_rows(table).empty:  # every pruned trial failed or never finished: axes with nothing on them
-        notes.append("Score figures skipped: no pruned trial has a score or a Rel. to draw (their cells above are "
-                     "dashes).")
+        notes.append("Score figures skipped: no pruned trial has a score or a Rel. to draw (none ran, or their cells "
+                     "above are dashes or NaN).")
     else:
         made.append(figures.tradeoff_curves(table, out_dir / "tradeoff.png"))
         if "saliency_ratio" in options:
