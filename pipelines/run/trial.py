@@ -47,6 +47,9 @@ TRIAL_RESOURCES = {"cpu": 0, "memory": 256 * 2 ** 20}
 SCORE_EVERY_S = 30.0
 # a trial's last report before it raises a `ScoringError`: the driver gives it no retry (`ScoringErrorsNotRetried`)
 SCORING_FAILED = "trial/scoring_failed"
+# the same before it raises `engine.WorkersFailed` (the sweep's workers cannot load the model: no try can run)
+WORKERS_FAILED = "trial/workers_failed"
+NOT_RETRIED = (SCORING_FAILED, WORKERS_FAILED)  # the reports that end a trial's retries (`ScoringErrorsNotRetried`)
 
 
 @dataclass
@@ -176,19 +179,22 @@ class TrialProgress:
         return reports
 
 
-    def scoring_failed(self) -> None:
-        """The trial's last report, just before it raises its `ScoringError`: `SCORING_FAILED` (no ``samples/done``:
-        nothing for the recorder's progress), with the search's last value where there is one (Tune requires the
-        searcher's metric in every result; the scheduler skips a report without ``samples/scored``)."""
-        report = {SCORING_FAILED: 1.0}
+    def scoring_failed(self, marker: str = SCORING_FAILED) -> None:
+        """The trial's last report, just before it raises its `ScoringError` (``marker``: `SCORING_FAILED`) or
+        `engine.WorkersFailed` (`WORKERS_FAILED`): the marker (no ``samples/done``: nothing for the recorder's
+        progress), with the search's last value where there is one (Tune requires the searcher's metric in every
+        result; the scheduler skips a report without ``samples/scored``)."""
+        report = {marker: 1.0}
         if self.objective is not None:
             report[self.objective.metric] = self.value
         tune.report(report)
 
 
 class ScoringErrorsNotRetried(tune.Callback):
-    """On the driver: a trial whose report says its scoring failed the way that fails on every try
-    (`SCORING_FAILED`, `run_trial`'s last report before it raises the `ScoringError`) is not retried by Tune.
+    """On the driver: a trial whose report says it failed the way that fails on every try is not retried by Tune:
+    its scoring (`SCORING_FAILED`, `run_trial`'s last report before it raises the `ScoringError`), or the sweep's
+    model workers, which could not load the model (`WORKERS_FAILED`, before `engine.WorkersFailed`: the pool keeps
+    its error, so every try of every trial fails on it, after a new trial actor started for nothing).
 
     Ray Tune 2.60 has no retry rule per exception: `FailureConfig(max_failures)` counts every error of a trial alike
     (the trial's exception reaches the driver as a `RayTaskError`; `Trial.handle_error` counts it and
@@ -198,14 +204,14 @@ class ScoringErrorsNotRetried(tune.Callback):
     callback then sets that trial's `max_failures` (the public attribute of Tune's `Trial` that `should_recover`
     reads) to 0, the error ends the trial at once (ERROR: `on_trial_error`, its MLflow run FAILED and the summary's
     failed trials, as after the retries before), and there the trial's own `max_failures` is put back, so the state
-    Tune saves (and a `--resume` restores) keeps the spec's retries for the trial's next session. No trial actor is
-    started for it again."""
+    Tune saves (and a `--resume` restores) keeps the spec's retries for the trial's next session (a resume starts a
+    new pool of workers, whose loads are tried again). No trial actor is started for it again."""
 
     def __init__(self):
-        self._kept: dict[str, int] = {}  # trial id -> its max_failures, while its scoring error is on its way
+        self._kept: dict[str, int] = {}  # trial id -> its max_failures, while its error is on its way
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
-        if result.get(SCORING_FAILED) and trial.trial_id not in self._kept:
+        if any(result.get(m) for m in NOT_RETRIED) and trial.trial_id not in self._kept:
             self._kept[trial.trial_id] = trial.max_failures
             trial.max_failures = 0
 
@@ -236,8 +242,10 @@ def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
     trial's retries away, so the error ends it at once (ERROR, recorded as every failed trial is). It is also noted
     beside the trial's blocks for the driver's session (`Shared.session`): a retry that happens all the same (an
     experiment restored from a Tune state saved without that callback) raises it again at once, neither scoring
-    again nor sending an LLM judge's requests again; a `--resume` scores it again. Other failures (a lost worker or
-    node, the trial's process killed) are retried as they come (`tune.max_failures`)."""
+    again nor sending an LLM judge's requests again; a `--resume` scores it again. `engine.WorkersFailed` (the
+    sweep's workers could not load the model: the pool's error, the same for every try of every trial) is not retried
+    either (`WORKERS_FAILED`, the same way, not noted: a `--resume` starts new workers). Other failures (a lost
+    worker or node, the trial's process killed) are retried as they come (`tune.max_failures`)."""
     trial = search.trial_of(config)
     tid = trial.trial_id
     store = shared.store(tid)
@@ -257,6 +265,9 @@ def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
         if store is not None:
             store.note_failure(shared.session, str(exc))
         progress.scoring_failed()  # the driver takes the trial's retries away before the error reaches it
+        raise
+    except engine.WorkersFailed:
+        progress.scoring_failed(WORKERS_FAILED)  # no try can run (the pool keeps its error): no retry either
         raise
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
                            "samples/done": float(result.predictions.num_rows)})

@@ -553,12 +553,12 @@ def stuck_load_source(load_s: float):
     return Stuck("tiny:llava", load_s=load_s)
 
 
-def _stuck_spec(name: str, load_timeout_s: float):
+def _stuck_spec(name: str, load_timeout_s: float, tune: dict | None = None, **resources):
     spec = specs.parse({
         "name": name, "version": 1, "model": {"pretrained": "tiny:llava"}, "tasks": ["easyvqa_yesno"],
         "limit": 2, "baseline": False, "grid": {"method": ["divprune"], "budget": [4]},
-        "generation": {"max_new_tokens": 1}, "resources": {"batch_size": 1, "workers": 1,
-                                                           "load_timeout_s": load_timeout_s}})
+        "generation": {"max_new_tokens": 1}, "tune": tune or {},
+        "resources": {"batch_size": 1, "workers": 1, "load_timeout_s": load_timeout_s, **resources}})
     return spec, [dataclasses.replace(r, image_key=None) for r in build_rows(spec.tasks, spec.limit, spec.generation)]
 
 
@@ -594,6 +594,31 @@ def test_a_worker_stuck_in_its_first_load_fails_the_trial_instead_of_hanging(loc
     assert "model worker 0 has been loading its model for " in str(error), str(error)
     assert "resources.load_timeout_s=3s" in str(error) and "raise resources.load_timeout_s" in str(error)
     assert time.monotonic() - started < 60
+
+
+def test_a_sweep_whose_workers_cannot_load_fails_each_trial_once_without_tune_retries(local_ray, workdir, capsys):
+    """The same stuck first load in a sweep with tune.max_failures: 2: the trial fails with the pool's paragraph
+    (`engine.WorkersFailed`), which says no trial can run, so Tune does not start it again (`run_trial` reports
+    `WORKERS_FAILED` first and the driver's `ScoringErrorsNotRetried` takes its retries away). Before: Tune started
+    it 3 times (a new trial actor each time, each failing on the pool's same error), 3 "Failure # n" entries in
+    Tune's error file; the paragraph still reaches the record, MLflow and the console."""
+    from pipelines import mlflow_layout
+
+    spec, rows = _stuck_spec("stuck_sweep", 3, share_weights=False,  # (the driver would load published weights)
+                             tune={"max_failures": 2, "max_concurrent_trials": 1})
+    spec.model = stuck_load_source(3600.0)
+    started = time.monotonic()
+    outcome = sweep.run_sweep(spec, rows=rows)
+    [tid] = outcome.failed
+    error = outcome.records[tid]["error"]
+    assert "WorkersFailed: the sweep's model workers could not start, so no trial can run" in error, error
+    assert "resources.load_timeout_s=3s" in error, error
+    [errors] = list(Path(outcome.experiment_path).rglob("error.txt"))
+    assert errors.read_text().count("Failure # ") == 1  # started once: no retry (was 3)
+    run = tracking.latest_trial_runs(tracking.client(), outcome.parent_run_id)[tid]
+    assert run.info.status == "FAILED" and "resources.load_timeout_s=3s" in run.data.tags[mlflow_layout.ERROR]
+    assert f"[trial failed] {tid}: " in capsys.readouterr().out
+    assert time.monotonic() - started < 240
 
 
 def test_a_warm_worker_loading_slowly_within_the_allowance_is_kept(local_ray):

@@ -1109,6 +1109,14 @@ def test_a_trial_that_reports_its_scoring_failed_gets_no_tune_retry(monkeypatch)
     hook.on_trial_error(0, [failing, other], failing)
     assert failing.max_failures == 2 and other.max_failures == 2
 
+    # the sweep's workers could not load the model (`engine.WorkersFailed`): no retry either
+    trial.TrialProgress(4).scoring_failed(trial.WORKERS_FAILED)
+    assert reports[2] == {trial.WORKERS_FAILED: 1.0}
+    hook.on_trial_result(0, [failing, other], failing, reports[2])
+    assert not failing.should_recover() and other.should_recover()
+    hook.on_trial_error(0, [failing, other], failing)
+    assert failing.max_failures == 2
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # a worker's wrappers
