@@ -94,9 +94,12 @@ def _read_state(storage: str, experiment: str) -> dict:
 def load_state(storage: str, name: str, resume: str, origin: str | None = None,
                spec: specs.SweepSpec | None = None) -> dict:
     """The saved state of run `resume` (an experiment name like quickstart-20261121-080000), or with 'latest' the
-    newest run of spec `name`; given ``spec``, the newest run started with that resolved spec (`spec_matches`), so
-    that a quick ``--set limit=1`` check run after an interrupted run of the same spec file does not hide it (when
-    none matches: `no_matching_run`). Kept beside Tune's state, so a resumed `ray job` finds it too. 'latest' while
+    newest run of spec `name`; given ``spec``, the newest run started with that resolved spec (`spec_matches`),
+    passing over newer runs of another spec that finished, so that a quick ``--set limit=1`` check run after an
+    interrupted run of the same spec file does not hide it (when none matches: `no_matching_run`); a newer run of
+    another spec that did not finish is returned (`check_resume` refuses it, naming the fields and the command that
+    resumes it: a bare ``--resume`` that left out the interrupted run's ``--set``). Kept beside Tune's state, so a
+    resumed `ray job` finds it too. 'latest' while
     a newer run of the spec is still setting up (its driver holds its lock, it has saved no state yet) is that run:
     refused as busy (SpecError), never the older one. ``origin``: what chose ``storage`` (`storage_origin`), for the
     refusal of a run not there."""
@@ -115,9 +118,11 @@ def load_state(storage: str, name: str, resume: str, origin: str | None = None,
 
 
 def _latest_of_spec(storage: str, spec: specs.SweepSpec, found: list[str]) -> dict:
-    """The newest of the runs ``found`` (oldest first) started with ``spec``; SpecError (`no_matching_run`) when
-    none was. A state that cannot be read is passed over, unless it is the newest and no run matches (its own
-    refusal, as before)."""
+    """The newest of the runs ``found`` (oldest first) started with ``spec``, or a newer run of another spec that did
+    not finish (`run_unfinished`: the caller's `check_resume` refuses it by its differing fields, with its resume
+    command; passed over, a bare ``--resume`` that left out that run's ``--set`` took an older finished run of
+    ``spec`` and said there was nothing to resume); SpecError (`no_matching_run`) when none was. A state that cannot
+    be read is passed over, unless it is the newest and no run matches (its own refusal, as before)."""
     states, damaged = [], None
     for experiment in reversed(found):
         try:
@@ -125,7 +130,7 @@ def _latest_of_spec(storage: str, spec: specs.SweepSpec, found: list[str]) -> di
         except specs.SpecError as exc:
             damaged = damaged or (exc if experiment == found[-1] else None)
             continue
-        if spec_matches(spec, state):
+        if spec_matches(spec, state) or run_unfinished(state):
             return state
         states.append(state)
     if damaged is not None:
@@ -133,26 +138,15 @@ def _latest_of_spec(storage: str, spec: specs.SweepSpec, found: list[str]) -> di
     raise no_matching_run(spec, states)
 
 
-# at most this many of a spec's unfinished runs are named in the refusal of a `--resume` none of its runs matches
-NAMED_RUNS = 5
-
-
 def no_matching_run(spec: specs.SweepSpec, states: list[dict]) -> specs.SpecError:
-    """The refusal of a bare ``--resume`` (latest) when no run of the spec's name was started with ``spec``
-    (``states``: its runs, newest first): the fields the newest differs in, and each run that did not finish
-    (`run_unfinished`; the newest `NAMED_RUNS`), with its changed fields and the command that resumes it."""
-    newest = states[0]
-    changed = spec_changes(newest.get("spec_yaml"), specs.dump_resolved(spec))
-    unfinished = [state for state in states if run_unfinished(state)][:NAMED_RUNS]
-    if unfinished:
-        fix = "\n".join(["runs of this sweep that did not finish (each with what its spec sets otherwise):"] + [
-            f"  {state['experiment']} ({'; '.join(spec_changes(state.get('spec_yaml'), specs.dump_resolved(spec)))})"
-            f": resume it with: {resume_command(state)}" for state in unfinished])
-    else:
-        fix = ("every run of this sweep finished (or was started with another spec and cannot be told); to run this "
-               "spec, leave out --resume")
+    """The refusal of a bare ``--resume`` (latest) when no run of the spec's name was started with ``spec`` and every
+    one finished (``states``: its runs, newest first; an unfinished one `_latest_of_spec` returns, for
+    `check_resume` to refuse with its own resume command): the fields the newest differs in."""
+    changed = spec_changes(states[0].get("spec_yaml"), specs.dump_resolved(spec))
     return specs.SpecError(changed, f"--resume: no run of sweep {spec.name!r} was started with this spec; the newest, "
-                           f"{newest['experiment']}, differs", fix=fix)
+                           f"{states[0]['experiment']}, differs",
+                           fix="every run of this sweep finished (or was started with another spec and cannot be "
+                               "told); to run this spec, leave out --resume")
 
 
 def run_unfinished(state: dict) -> bool:
@@ -411,12 +405,15 @@ def check_environment_unchanged(state: dict, environ=None, spec: specs.SweepSpec
     recorded ones. A bare ``--resume`` from a shell without ``PROMPRUNE_TESTBED_WEIGHTS`` ran the rest of the trials
     on the shipped weights with the mu calibrated on the other ones, exit 0, and saved the state's command without
     the variable. A state that recorded no environment (one saved by `pipelines.sweep.run_sweep` called without a
-    command) cannot be checked. ``spec``: its own plugins and include_path are no difference (`pipelines.plugins.
+    command, or an empty one for a run not submitted as a ray job, as code of 2026-12-06 / 07 recorded whatever the
+    run had set) cannot be checked. ``spec``: its own plugins and include_path are no difference (`pipelines.plugins.
     activate` adds them to the environment of the process that checks)."""
     from pipelines.environment import result_changes
 
-    recorded = (state.get("command") or {}).get("env")
-    if recorded is None:
+    command = state.get("command") or {}
+    recorded = command.get("env")
+    # code of 2026-12-06/07 recorded {} for a run not submitted as a ray job, whatever it had set: not recorded
+    if recorded is None or not recorded and not command.get("ray_job"):
         return
     own = {} if spec is None else {"PROMPRUNE_PLUGINS": spec.plugins, "PROMPRUNE_INCLUDE_PATH": spec.include_path}
     changes = result_changes(recorded, environ, own)  # the spec's own plugins: in the environment once activated
