@@ -39,6 +39,23 @@ def _seed():
     yield
 
 
+# what `pipelines.plugins.activate` sets in the process running a sweep or an evaluation (`sweep.main`,
+# `evaluate.main`, called in-process by many tests): kept from leaking into later tests, where the resume's check of
+# result-changing variables (`pipelines.environment`) took another test's task folder for the current environment
+_ACTIVATED = ("PROMPRUNE_PLUGINS", "PROMPRUNE_INCLUDE_PATH")
+
+
+@pytest.fixture(autouse=True)
+def _activated_environment_restored():
+    kept = {name: os.environ.get(name) for name in _ACTIVATED}
+    yield
+    for name, value in kept.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 STANDIN_DOCS = 6  # documents per hub-task stand-in: even (MME pairs), a few batches, quick on a 2-core CPU
 
 
