@@ -215,6 +215,22 @@ SCORED = "samples/scored"  # samples a running value was computed over (the sche
 NON_TASK_PREFIXES = ("efficiency", "entropy", "t_sal", "samples", "trial", "calibration", RUNNING, "trials")
 
 
+def client():
+    """A client of the sweep's store (`tracking_uri`); a new SQLite store starts as a copy of MLflow's empty schema
+    (`pipelines.recording.empty_store.seed`: no migrations to run). Here, not in `pipelines.recording.tracking`
+    (which re-exports it), so that `pipelines.run.state` reads a run's status without importing the module that
+    imports it."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.recording import empty_store
+
+    uri = tracking_uri()
+    empty_store.seed(sqlite_path(uri))
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
+
+
 def tracking_uri(uri: str | None = None) -> str:
     """The store to use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db`` of the working directory (of
     ``$PROMPRUNE_HOME`` in a Ray job: `pipelines.paths`)."""

@@ -14,23 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from pipelines import mlflow_layout
-from pipelines.mlflow_layout import ROLE, SWEEP, TRIAL, VERSION, tracking_uri, ui_command  # noqa: F401 - re-exported
+from pipelines.mlflow_layout import (  # noqa: F401 - re-exported
+    ROLE, SWEEP, TRIAL, VERSION, client, tracking_uri, ui_command)
 from pipelines.recording.view import SweepView, save_sweep_view
 from pipelines.run.state import dead_runs, resume_command, spec_changes, spec_fingerprint, without_gained_defaults
 
 
-def client():
-    """A client of the sweep's store; a new SQLite store starts as a copy of MLflow's empty schema
-    (`empty_store.seed`: no migrations to run)."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.recording import empty_store
-
-    uri = tracking_uri()
-    empty_store.seed(mlflow_layout.sqlite_path(uri))
-    mlflow.set_tracking_uri(uri)
-    return MlflowClient(uri)
 
 
 def experiment_id(c) -> str:

@@ -156,12 +156,11 @@ def run_unfinished(state: dict) -> bool:
     from mlflow.exceptions import MlflowException
 
     from pipelines import mlflow_layout
-    from pipelines.recording import tracking
 
     if (outbox_dir(state["storage_path"], state["experiment"]) / "outbox.json").is_file():
         return True
     try:
-        run = tracking.client().get_run(state["parent_run_id"])
+        run = mlflow_layout.client().get_run(state["parent_run_id"])
     except (MlflowException, OSError, KeyError):
         return True
     failed = run.data.metrics.get(mlflow_layout.TRIALS_FAILED)
