@@ -425,9 +425,11 @@ def _vispruner_kernel(C, SI, lists, odd, match, out, R0, KEEP, ROUNDS, ROUND: tl
                                axis=1)
                 found = tl.sum(hit.to(tl.int32), axis=1) > 0
                 best = tl.where(found, value, best)
-                pending = pending & (found == 0) & (c0 + CHUNK < R0)
-                waiting = tl.sum(pending.to(tl.int32), axis=0)
+                pending = pending & (found == 0)
                 c0 += CHUNK
+                # past the rows' end, none waits: that test stays scalar, out of the masks (Triton's interpreter
+                # splats a scalar comparison with its operands' int32, and 3.9's refuses a load mask not bool)
+                waiting = tl.where(c0 < R0, tl.sum(pending.to(tl.int32), axis=0), 0)
             tl.store(Mb + i, best, mask=live)
         tl.debug_barrier()  # every even's match is read below
         if SORT_N > 0:  # the stable descending order of the matches as one sort of (match, place) keys
@@ -488,9 +490,9 @@ def _vis_wide_round(Cb, SIb, Ob, cur, nxt, R0, E, drop, stamp, M: tl.constexpr, 
         hit = here & (tl.load(Ob + col, mask=here, other=0) == stamp)
         found = tl.sum(hit.to(tl.int32), axis=1) > 0
         best = tl.where(found, tl.max(tl.where(hit, value, float("-inf")), axis=1), best)
-        pending = pending & (found == 0) & (c0 + CH < R0)
-        waiting = tl.sum(pending.to(tl.int32), axis=0)
+        pending = pending & (found == 0)
         c0 += CH
+        waiting = tl.where(c0 < R0, tl.sum(pending.to(tl.int32), axis=0), 0)  # as `_vispruner_kernel`'s scan
     # the best match first, then the lower place; the candidate rides in the low bits (places < 2^15, R0 <= 2^16)
     key = _descending(best) | (ms.to(tl.int64) << 16) | ev.to(tl.int64)
     key = tl.where(live, key, 0x7FFFFFFFFFFFFFFF)

@@ -208,14 +208,14 @@ def _vispruner_inputs(kind, B, N, d, seed) -> tuple[torch.Tensor, torch.Tensor]:
     return K, torch.stack([torch.randperm(N, generator=g)[:N - 2] for _ in range(B)])
 
 
-def _kernel_keeps(similarity: torch.Tensor, keep: int, rank: str) -> torch.Tensor:
+def _kernel_keeps(similarity: torch.Tensor, keep: int, rank: str, **tiles) -> torch.Tensor:
     """``greedy_triton.vispruner_rounds`` on ``similarity [B, R0, R0]`` (the candidates' own, in their order) with
-    ``VisTiles(rank=rank)``: the kept positions, on the CPU."""
+    ``VisTiles(rank=rank, **tiles)``: the kept positions, on the CPU."""
     from promprune.selection import baselines, greedy_triton
 
     rounds = baselines.vispruner_round_count(similarity.shape[1], keep)
     return greedy_triton.vispruner_rounds(similarity, keep, rounds, baselines.VISPRUNER_ROUND,
-                                          greedy_triton.VisTiles(rank=rank)).cpu()
+                                          greedy_triton.VisTiles(rank=rank, **tiles)).cpu()
 
 
 def vispruner_case(kind, B, N, d, seed) -> Case:
@@ -258,6 +258,28 @@ def vispruner_signed_zeros_case(rank: str) -> Case:
         C[1, 3, 5] = C[1, 5, 3] = 0.5
         rest = torch.arange(R0).expand(2, R0)
         return _kernel_keeps(C.to(device), keep, rank), baselines.vispruner_diverse(C, rest, keep)
+    return run
+
+
+def vispruner_deep_scan_case(rank: str, **tiles) -> Case:
+    """Every candidate most similar to those of its own parity (0.5 plus noise, 0 plus noise across; 1 on the
+    diagonal): in round 0 an even's sorted row holds every even (50 of 100 candidates) before its first odd, so its
+    scan reads several chunks (``chunk`` 32 or 16; the wide kernel at ``scan`` 2048: its 50 evens at the level of 64,
+    ``[64, 32]`` tiles) before it meets one. Past the first chunk the scan's masks are the ones it narrowed itself:
+    Triton 3.9's interpreter refuses a load mask that is not bool, and the rows' end, tested in the vector, had made
+    them int32 there (a scalar comparison splat with its operands' type)."""
+    from promprune.selection import baselines
+
+    def run(device):
+        R0, keep = 100, 20
+        g = torch.Generator().manual_seed(31)
+        parity = torch.arange(R0) % 2
+        same = (parity[:, None] == parity[None, :]).float()
+        noise = torch.rand(2, R0, R0, generator=g) * 0.01
+        C = 0.5 * same + noise + noise.transpose(1, 2)
+        C[:, torch.arange(R0), torch.arange(R0)] = 1.0
+        rest = torch.arange(R0).expand(2, R0)
+        return _kernel_keeps(C.to(device), keep, rank, **tiles), baselines.vispruner_diverse(C, rest, keep)
     return run
 
 
@@ -631,6 +653,9 @@ def cases() -> dict[str, Case]:
                                          ("lowrank", 1, 42, 8)]):
         out[f"vispruner-wide/{kind}-{B}x{N}x{d}"] = vispruner_sort_case(kind, B, N, d, 40 + i, rank="wide")
     out["vispruner-wide/signed-zeros"] = vispruner_signed_zeros_case("wide")
+    out["vispruner/deep-scan"] = vispruner_deep_scan_case("tiles")
+    out["vispruner/deep-scan-chunk-16"] = vispruner_deep_scan_case("tiles", chunk=16)
+    out["vispruner-wide/deep-scan"] = vispruner_deep_scan_case("wide", scan=2048)
     for kind in ("random", "lowrank", "duplicates"):
         out[f"select-promprune/{kind}"] = select_case("promprune", kind, 7, mu=0.5)
         out[f"select-promprune-conditional/{kind}"] = select_case("promprune", kind, 7, mu=0.5, conditional=True)
