@@ -95,14 +95,14 @@ def read_clip(visual, name: str, frames: int = DEFAULT_FRAMES):
     unknown. ValueError naming ``name`` where it cannot be read."""
     import numpy as np
 
-    from promprune.models.video import Clip, _frame_picks, decode_video
+    from promprune.models.video import Clip, frame_picks, decode_video
 
     if not isinstance(visual, list):
         try:
             return Clip(*decode_video(visual, frames))
         except Exception as exc:  # noqa: BLE001 - PyAV raises many types for missing / broken files
             raise ValueError(f"{name}: unreadable video {visual} ({type(exc).__name__}: {exc})") from exc
-    picks = _frame_picks(len(visual), frames).tolist()
+    picks = frame_picks(len(visual), frames).tolist()
     return Clip(np.stack([np.asarray(decode_image(visual[k], f"{name} frame {k}")) for k in picks]), None)
 
 

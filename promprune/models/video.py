@@ -147,7 +147,7 @@ def decode_video(path, frames: int = DEFAULT_FRAMES) -> tuple[np.ndarray, float]
     kept, count, rate = got.kept, got.count, got.rate
     if not count:
         raise ValueError(f"{path}: no video frames decoded")
-    picks = _frame_picks(count, frames)
+    picks = frame_picks(count, frames)
     if not set(picks.tolist()) <= kept.keys():  # the count that decodes is not the one picked from: pick again
         reuse = {i: kept[i] for i in picks.tolist() if i in kept}
         del got, kept  # the first pass's other frames, freed before the second (at most `frames` held at once)
@@ -177,7 +177,7 @@ def _short_by(got: "_Decoded") -> float | None:
     return short if short > time_slack(got.stated_end - got.start, got.interval) + 1e-6 else None
 
 
-def _frame_picks(total: int, frames: int) -> np.ndarray:
+def frame_picks(total: int, frames: int) -> np.ndarray:
     """``min(frames, total)`` uniformly spaced frame indices of ``total``, first to last, rounded down as lmms-eval."""
     return np.linspace(0, total - 1, min(frames, total), dtype=int)
 
@@ -214,7 +214,7 @@ def _decode(path, frames: int, total: int | None = None, reuse: dict | None = No
         start, stated_end = _stated_span(container, stream)
         if total is None:
             total = stated or (round((stated_end - start) * rate) if stated_end is not None and rate else 0)
-        wanted = set(_frame_picks(total, frames).tolist()) if total > 0 else set()
+        wanted = set(frame_picks(total, frames).tolist()) if total > 0 else set()
         kept = {i: array for i, array in (reuse or {}).items() if i in wanted}
         count, last = 0, None
         try:

@@ -270,7 +270,7 @@ def test_decode_video_takes_an_mp4_cut_by_stream_copy(tmp_path):
         av.codec.Codec("libx264", "w")
     except Exception:
         pytest.skip("this PyAV has no libx264 encoder")
-    from promprune.models.video import _decode, _frame_picks
+    from promprune.models.video import _decode, frame_picks
 
     source = tmp_path / "source.mp4"
     with av.open(str(source), "w") as out:
@@ -298,7 +298,7 @@ def test_decode_video_takes_an_mp4_cut_by_stream_copy(tmp_path):
     frames, fps = decode_video(cut)
     with av.open(str(source)) as src:
         whole = [f.to_ndarray(format="rgb24") for f in src.decode(video=0)]
-    assert np.array_equal(frames, np.stack([whole[30 + i] for i in _frame_picks(70, 8)]))
+    assert np.array_equal(frames, np.stack([whole[30 + i] for i in frame_picks(70, 8)]))
     assert fps == pytest.approx(25 * 7 / 69)
 
 
@@ -309,7 +309,7 @@ def test_decode_video_takes_an_avi_with_dropped_frames(tmp_path):
     av = pytest.importorskip("av", reason="PyAV writes the clip (the GPU machine's batches leave it out)")
     from fractions import Fraction
 
-    from promprune.models.video import _decode, _frame_picks
+    from promprune.models.video import _decode, frame_picks
 
     clip = scene_clip(index=3, frames=40, step=1)
     path = tmp_path / "gaps.avi"
@@ -325,7 +325,7 @@ def test_decode_video_takes_an_avi_with_dropped_frames(tmp_path):
     assert got[1:3] == (40, 59) and got.end == got.stated_end == 59 / 8
     with av.open(str(path)) as src:
         decoded = [f.to_ndarray(format="rgb24") for f in src.decode(video=0)]
-    assert np.array_equal(decode_video(path)[0], np.stack([decoded[i] for i in _frame_picks(40, 8)]))
+    assert np.array_equal(decode_video(path)[0], np.stack([decoded[i] for i in frame_picks(40, 8)]))
 
 
 def test_decode_video_refuses_frames_stopping_short_of_the_stated_end(tmp_path):
