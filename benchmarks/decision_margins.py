@@ -36,6 +36,7 @@ the ~1e-14 by which float64 results differ between CPUs' kernels (docs/testbed.m
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 import time
@@ -360,6 +361,7 @@ def install(recorder: Recorder) -> None:
     from promprune.selection.registry import TokenSet
 
     select, flagger, generate = promprune.select, vlm_module.nonfinite_flagger, vlm_module.PrunedVLM.generate
+    own = set(inspect.signature(select).parameters)
 
     def recorded_select(features, saliency=None, *, budget, method="promprune", vision=None, **options):
         sel = select(features, saliency, budget=budget, method=method, vision=vision, **options)
@@ -368,8 +370,9 @@ def install(recorder: Recorder) -> None:
             from promprune.selection.registry import _validate_vision
 
             spec = promprune.method_spec(method)
-            opts = spec.resolve({k: v for k, v in options.items()
-                                 if k not in ("grid", "keys", "checked", "instruction")}, budget=budget)
+            # select's own arguments (its signature: a hand-kept list missed entropy_bounds, and every pruned
+            # answer of the run failed) are no method options
+            opts = spec.resolve({k: v for k, v in options.items() if k not in own}, budget=budget)
             opts.pop("order")
             x = upcast(features)
             tokens = TokenSet(x, upcast(saliency) if spec.needs_saliency else None,
