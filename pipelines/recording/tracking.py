@@ -376,8 +376,11 @@ def _spec_changes(c, before_id: str, now_id: str) -> list[str]:
 
 def rel_by_trial(c, parent_id: str) -> dict[str, float]:
     """Each finished trial's Rel. by trial id, of the trials that logged one (a NaN one is not logged)."""
-    return {tid: r.data.metrics[mlflow_layout.REL] for tid, r in trial_runs(c, parent_id).items()
-            if mlflow_layout.REL in r.data.metrics}
+    return _rels(trial_runs(c, parent_id))
+
+
+def _rels(runs: dict) -> dict[str, float]:
+    return {tid: r.data.metrics[mlflow_layout.REL] for tid, r in runs.items() if mlflow_layout.REL in r.data.metrics}
 
 
 def regression_check(c, parent_id: str, name: str, version: int, threshold: float,
@@ -389,7 +392,8 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     A regression is a trial whose Rel. fell by more than `threshold` (absolute, e.g. 0.02 = 2 points of Rel.).
     Tags: promprune.regression = true/false/no-previous, or incomplete (no regression among the trials compared, and
     some trial has a Rel. in one of the two runs and not in the other: not compared, and named in the line; so a
-    check that compared no trial is this, never false), promprune.regression.previous_run, ...threshold,
+    check that compared no trial is this, never false; a trial finished in both with a Rel. in neither is named in the
+    line too, and leaves the tag to the others), promprune.regression.previous_run, ...threshold,
     ...detail (the regressions), ...note (the line); the parent's promprune.spec_fingerprint when it had none (a run
     started before runs carried it, resumed).
     """
@@ -400,17 +404,22 @@ def regression_check(c, parent_id: str, name: str, version: int, threshold: floa
     if prev is None:
         c.set_tag(parent_id, mlflow_layout.REGRESSION, "no-previous")
         return [], note
-    now, before = rel_by_trial(c, parent_id), rel_by_trial(c, prev.info.run_id)
+    runs_now, runs_before = trial_runs(c, parent_id), trial_runs(c, prev.info.run_id)
+    now, before = _rels(runs_now), _rels(runs_before)
     found = [f"{tid}: rel {before[tid]:.4f} -> {now[tid]:.4f} ({now[tid] - before[tid]:+.4f})"
              for tid in sorted(set(now) & set(before)) if before[tid] - now[tid] > threshold]
     lost = sorted(set(before) - set(now))  # failed (or not run, or NaN) this time: not compared, and said
     gained = sorted(set(now) - set(before))  # without a Rel. in the baseline: not compared either
+    # finished in both runs with a Rel. in neither (a score NaN both nights): not compared, and said; the tag stays
+    # what the others' comparison makes it (such a trial would otherwise keep every night `incomplete`)
+    neither = sorted((set(runs_now) & set(runs_before)) - set(now) - set(before))
     for trials, how in ((lost, "of that run have no Rel. in this one"),
-                        (gained, "of this run had no Rel. in that one")):
+                        (gained, "of this run had no Rel. in that one"),
+                        (neither, "have a Rel. in neither run")):
         if trials:
             note += (f"; {len(trials)} trial(s) {how}, so were not compared: "
                      f"{', '.join(trials[:5])}{' ...' if len(trials) > 5 else ''}")
-    if lost or gained:
+    if lost or gained or neither:
         c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.note", note[:4000])
     c.set_tag(parent_id, f"{mlflow_layout.REGRESSION}.previous_run", prev.info.run_id)
     c.set_tag(parent_id, mlflow_layout.REGRESSION, "true" if found else "incomplete" if lost or gained else "false")

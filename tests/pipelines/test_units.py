@@ -341,7 +341,8 @@ def test_a_night_without_rel_is_no_baseline_and_a_check_that_compared_nothing_is
 def test_a_trial_that_never_gets_a_rel_leaves_the_check_on_for_the_others(mlflow_store):
     """Reviewer's case: a trial whose score is NaN every night (seeded, greedy nights repeat it) made every night
     no baseline, so every check was `no-previous` and a fall of the others passed (exit 0). A night with a Rel. for
-    some trials is a baseline for those; the trial without one is named as not compared, and a check with no
+    some trials is a baseline for those; the trial without one is named as not compared (in neither night too: it
+    was not named, the tag `false` as if every trial was compared; the tag stays the others'), and a check with no
     regression among the compared is `incomplete` where a trial has a Rel. in one night only."""
     c = mlflow_store
     first = _night(c, {"none": 1.0, "promprune-b8": 0.90, "fastv-b8": None})
@@ -353,8 +354,11 @@ def test_a_trial_that_never_gets_a_rel_leaves_the_check_on_for_the_others(mlflow
     assert c.get_run(fallen).data.tags[mlflow_layout.REGRESSION] == "true"
     c.set_tag(fallen, mlflow_layout.REGRESSION, "accepted")
     tracking.finish(c, fallen)
-    steady = _night(c, {"none": 1.0, "promprune-b8": 0.50, "fastv-b8": None})  # fastv-b8 in neither: compared all
-    assert _check(c, steady)[0] == [] and c.get_run(steady).data.tags[mlflow_layout.REGRESSION] == "false"
+    steady = _night(c, {"none": 1.0, "promprune-b8": 0.50, "fastv-b8": None})  # fastv-b8 in neither: named only
+    found, note = _check(c, steady)
+    assert found == [] and c.get_run(steady).data.tags[mlflow_layout.REGRESSION] == "false"
+    assert note.endswith("; 1 trial(s) have a Rel. in neither run, so were not compared: fastv-b8")
+    assert c.get_run(steady).data.tags[f"{mlflow_layout.REGRESSION}.note"] == note
     tracking.finish(c, steady)
     scored = _night(c, {"none": 1.0, "promprune-b8": 0.50, "fastv-b8": 0.70})  # fastv-b8's first Rel.
     found, note = _check(c, scored)
