@@ -19,7 +19,7 @@ Setup -> run -> cleanup:
    then the baseline and explicit trials run first, as an experiment of their own), `plan.trials_at_once` at a
    time, retrying failed trials (`FailureConfig`; a scoring error that is the same on every try is not retried, and
    scored again only by `--resume`, nor is a trial the workers could not serve, their model not loaded
-   (`engine.WorkersFailed`): `trial.run_trial`, `trial.ScoringErrorsNotRetried`).
+   (`engine.WorkersFailed`): `trial.run_trial`, `trial.NotRetried`).
    A trial (`pipelines/run/trial.py`) is a light coordinator (`pipelines/run/engine.py`): it takes its `Trial` from
    Tune's config and sends its blocks to the idle workers the sweep's pool grants (the pool grows with what trials
    lease; pending workers are the autoscaler's demand), predictions streamed back and saved block by block beside
@@ -594,7 +594,7 @@ def _tuner(trainable, spec: specs.SweepSpec, phase: search.Phase, plan: planning
     # which also watches a restored experiment; this stopper is its fallback where Tune's stop handler is not installed)
     lost = pool_watch.PoolWatch(state["experiment"])
     # a ScoringError or WorkersFailed: no Tune retry; a Ctrl-C marked (Tune takes it, `StopMarker`)
-    callbacks = [RecorderHook(), watch, lost, trial.ScoringErrorsNotRetried(), StopMarker()]
+    callbacks = [RecorderHook(), watch, lost, trial.NotRetried(), StopMarker()]
     journal = f"{sweep_dir(storage, state['experiment'])}/{search.JOURNAL}{phase.suffix}.json"
     scheduler = search.scheduler(spec, recorder.console.per_trial, journal) if phase.searched else None
     if scheduler is not None:

@@ -41,7 +41,7 @@ HEARTBEAT_S = 10.0  # a trial tells the pool it is alive at least this often (`p
 class WorkersFailed(RuntimeError):
     """The sweep's workers could not start (their model did not load): no trial can run, nor a retry of one (the
     pool keeps its error): `run_trial` says so to the driver first, which gives the trial no Tune retry
-    (`trial.WORKERS_FAILED`, `trial.ScoringErrorsNotRetried`)."""
+    (`trial.WORKERS_FAILED`, `trial.NotRetried`)."""
 
 
 def stream(requests: Requests, trial: Trial, pool, max_workers: int,

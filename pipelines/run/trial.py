@@ -45,11 +45,11 @@ from pipelines.run.workers import Failover, WorkerPool
 TRIAL_RESOURCES = {"cpu": 0, "memory": 256 * 2 ** 20}
 # a running score (lmms-eval over the samples answered so far) at most this often, besides the scheduler's milestones
 SCORE_EVERY_S = 30.0
-# a trial's last report before it raises a `ScoringError`: the driver gives it no retry (`ScoringErrorsNotRetried`)
+# a trial's last report before it raises a `ScoringError`: the driver gives it no retry (`NotRetried`)
 SCORING_FAILED = "trial/scoring_failed"
 # the same before it raises `engine.WorkersFailed` (the sweep's workers cannot load the model: no try can run)
 WORKERS_FAILED = "trial/workers_failed"
-NOT_RETRIED = (SCORING_FAILED, WORKERS_FAILED)  # the reports that end a trial's retries (`ScoringErrorsNotRetried`)
+NOT_RETRIED = (SCORING_FAILED, WORKERS_FAILED)  # the reports that end a trial's retries (`NotRetried`)
 
 
 @dataclass
@@ -179,18 +179,19 @@ class TrialProgress:
         return reports
 
 
-    def scoring_failed(self, marker: str = SCORING_FAILED) -> None:
-        """The trial's last report, just before it raises its `ScoringError` (``marker``: `SCORING_FAILED`) or
-        `engine.WorkersFailed` (`WORKERS_FAILED`): the marker (no ``samples/done``: nothing for the recorder's
-        progress), with the search's last value where there is one (Tune requires the searcher's metric in every
-        result; the scheduler skips a report without ``samples/scored``)."""
+    def report_not_retried(self, marker: str) -> None:
+        """The trial's last report, just before it raises an error that no retry would mend (`NOT_RETRIED`, what the
+        driver's `NotRetried` looks for): its `ScoringError` (``marker``: `SCORING_FAILED`) or
+        `engine.WorkersFailed` (`WORKERS_FAILED`). The report holds the marker (no ``samples/done``: nothing for the
+        recorder's progress), with the search's last value where there is one (Tune requires the searcher's metric in
+        every result; the scheduler skips a report without ``samples/scored``)."""
         report = {marker: 1.0}
         if self.objective is not None:
             report[self.objective.metric] = self.value
         tune.report(report)
 
 
-class ScoringErrorsNotRetried(tune.Callback):
+class NotRetried(tune.Callback):
     """On the driver: a trial whose report says it failed the way that fails on every try is not retried by Tune:
     its scoring (`SCORING_FAILED`, `run_trial`'s last report before it raises the `ScoringError`), or the sweep's
     model workers, which could not load the model (`WORKERS_FAILED`, before `engine.WorkersFailed`: the pool keeps
@@ -238,7 +239,7 @@ def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
     ``objective``), and finally its metrics with the `TrialResult` file as the checkpoint.
 
     A `ScoringError` (a task's scoring that fails the same way on every try) is not retried by Tune: the trial says
-    so in a last report (`SCORING_FAILED`) before it raises, and the driver's `ScoringErrorsNotRetried` takes the
+    so in a last report (`SCORING_FAILED`) before it raises, and the driver's `NotRetried` takes the
     trial's retries away, so the error ends it at once (ERROR, recorded as every failed trial is). It is also noted
     beside the trial's blocks for the driver's session (`Shared.session`): a retry that happens all the same (an
     experiment restored from a Tune state saved without that callback) raises it again at once, neither scoring
@@ -264,10 +265,10 @@ def run_trial(config: dict, *, spec: specs.SweepSpec, shared: Shared,
     except ScoringError as exc:
         if store is not None:
             store.note_failure(shared.session, str(exc))
-        progress.scoring_failed()  # the driver takes the trial's retries away before the error reaches it
+        progress.report_not_retried(SCORING_FAILED)  # the driver takes its retries away before the error comes
         raise
     except engine.WorkersFailed:
-        progress.scoring_failed(WORKERS_FAILED)  # no try can run (the pool keeps its error): no retry either
+        progress.report_not_retried(WORKERS_FAILED)  # no try can run (the pool keeps its error): no retry either
         raise
     result.metrics.update({"trial/started_at": started, "trial/wall_s": time.time() - started,
                            "samples/done": float(result.predictions.num_rows)})

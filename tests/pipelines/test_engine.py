@@ -599,7 +599,7 @@ def test_a_worker_stuck_in_its_first_load_fails_the_trial_instead_of_hanging(loc
 def test_a_sweep_whose_workers_cannot_load_fails_each_trial_once_without_tune_retries(local_ray, workdir, capsys):
     """The same stuck first load in a sweep with tune.max_failures: 2: the trial fails with the pool's paragraph
     (`engine.WorkersFailed`), which says no trial can run, so Tune does not start it again (`run_trial` reports
-    `WORKERS_FAILED` first and the driver's `ScoringErrorsNotRetried` takes its retries away). Before: Tune started
+    `WORKERS_FAILED` first and the driver's `NotRetried` takes its retries away). Before: Tune started
     it 3 times (a new trial actor each time, each failing on the pool's same error), 3 "Failure # n" entries in
     Tune's error file; the paragraph still reaches the record, MLflow and the console."""
     from pipelines import mlflow_layout

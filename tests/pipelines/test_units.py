@@ -1086,7 +1086,7 @@ def test_two_runs_making_the_experiment_at_once_both_get_it(mlflow_store, monkey
     assert tracking.experiment_id(c) == other and len(calls) == 2
 
 
-def test_a_trial_that_reports_its_scoring_failed_gets_no_tune_retry(monkeypatch):
+def test_a_trial_that_reports_it_is_not_retried_gets_no_tune_retry(monkeypatch):
     """Tune 2.60 decides a retry with `Trial.should_recover` (failures so far <= the trial's `max_failures`) before
     any callback hears of the error. A trial about to raise its `ScoringError` reports `SCORING_FAILED` first; the
     driver's callback then gives that trial no retry (its first error ends it), and puts its retries back once the
@@ -1097,14 +1097,14 @@ def test_a_trial_that_reports_its_scoring_failed_gets_no_tune_retry(monkeypatch)
 
     reports = []
     monkeypatch.setattr(trial.tune, "report", lambda metrics, **kw: reports.append(dict(metrics)))
-    trial.TrialProgress(4).scoring_failed()
+    trial.TrialProgress(4).report_not_retried(trial.SCORING_FAILED)
     searched = trial.TrialProgress(4, objective=search.Objective("rel", ["t/0"], [1]))
-    searched.scoring_failed()  # with the search's metric, as Tune requires of every result
+    searched.report_not_retried(trial.SCORING_FAILED)  # with the search's metric, as Tune requires of every result
     assert reports[0] == {trial.SCORING_FAILED: 1.0}
     assert set(reports[1]) == {trial.SCORING_FAILED, "rel"} and math.isnan(reports[1]["rel"])
 
     failing, other = Trial("__fake", stub=True, max_failures=2), Trial("__fake", stub=True, max_failures=2)
-    hook = trial.ScoringErrorsNotRetried()
+    hook = trial.NotRetried()
     hook.on_trial_result(0, [failing, other], other, {"samples/done": 1.0})
     hook.on_trial_result(0, [failing, other], failing, reports[0])
     for t in (failing, other):
@@ -1114,7 +1114,7 @@ def test_a_trial_that_reports_its_scoring_failed_gets_no_tune_retry(monkeypatch)
     assert failing.max_failures == 2 and other.max_failures == 2
 
     # the sweep's workers could not load the model (`engine.WorkersFailed`): no retry either
-    trial.TrialProgress(4).scoring_failed(trial.WORKERS_FAILED)
+    trial.TrialProgress(4).report_not_retried(trial.WORKERS_FAILED)
     assert reports[2] == {trial.WORKERS_FAILED: 1.0}
     hook.on_trial_result(0, [failing, other], failing, reports[2])
     assert not failing.should_recover() and other.should_recover()
