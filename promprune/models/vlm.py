@@ -351,14 +351,14 @@ class PrunedVLM:
         ``<image>`` tags in ``prompt`` (lmms-eval contexts that place the image themselves: the ``egothink_*`` tasks'
         ``USER: <image>\\n...``) are removed, and in a clip's prompt ``<video>`` tags too (``osi_bench`` appends
         ``"\\n<video>"`` for models without ``doc_to_messages``; ``mmsi_video`` writes ``<image>`` per frame), each with
-        the newline or space after it, or a tag that ends the prompt with the one before it (``"Q\\n<video>"`` is
-        ``"Q"``, the prompt those tasks give a model that places the media itself), in every family: the image or clip
-        goes where the family's chat template puts it, once. lmms-eval's qwen2_5_vl / qwen3_vl / gemma4 models remove
-        the image tag too; on the LLaVA families it was a second image placeholder, and on LLaVA-OneVision (whose
-        video token is ``<video>``) a ``<video>`` tag a second clip placeholder: every such request failed. An image's
-        prompt keeps a ``<video>`` tag: no lmms-eval image task writes one, so there it is the user's text (plain text
-        to most families; LLaVA-OneVision's processor refuses it, "Found 1 <video> tokens in the text but no videos
-        were passed", one failed sample that names it)."""
+        the newline or space after it, or the tags that end the prompt with the one before them (``"Q\\n<video>"`` and
+        ``osi_bench_frames``' ``"Q\\n<image><image>..."`` are ``"Q"``, the prompt those tasks give a model that places
+        the media itself), in every family: the image or clip goes where the family's chat template puts it, once.
+        lmms-eval's qwen2_5_vl / qwen3_vl / gemma4 models remove the image tag too; on the LLaVA families it was a
+        second image placeholder, and on LLaVA-OneVision (whose video token is ``<video>``) a ``<video>`` tag a second
+        clip placeholder: every such request failed. An image's prompt keeps a ``<video>`` tag: no lmms-eval image
+        task writes one, so there it is the user's text (plain text to most families; LLaVA-OneVision's processor
+        refuses it, "Found 1 <video> tokens in the text but no videos were passed", one failed sample that names it)."""
         prompt = strip_media_tags(prompt, media)
         conv = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": prompt}]}]
         system = self.adapter.options.get("system_prompt")
@@ -705,10 +705,14 @@ MEDIA_TAGS = {"image": ("<image>",), "video": ("<image>", "<video>")}
 
 
 def strip_media_tags(prompt: str, media: str = "image") -> str:
-    """``prompt`` without the tags that stand for its ``media`` (:data:`MEDIA_TAGS`): each tag with the newline or
-    space after it, a tag that ends the prompt with the newline or space before it."""
+    """``prompt`` without the tags that stand for its ``media`` (:data:`MEDIA_TAGS`), every one of them: each tag
+    with the newline or space after it, and the tags that end the prompt (one or several, each after the last with
+    at most a newline or space between: a task's one tag per frame, ``osi_bench_frames``' ``"Q\\n" + "<image>" *
+    32``) with the newline or space before them, so the prompt is the one the task gives a model that places the
+    media itself (``"Q"``; lmms-eval's ``include_visual_token=False``)."""
     tag = "|".join(MEDIA_TAGS[media])
-    prompt = re.sub(rf"(?:\r?\n| )?(?:{tag})\Z", "", prompt)
+    tags = rf"(?:{tag})(?:(?:\r?\n| )?(?:{tag}))*"
+    prompt = re.sub(rf"(?:\r?\n| )?{tags}\Z", "", prompt)
     return re.sub(rf"(?:{tag})(?:\r?\n| )?", "", prompt)
 
 

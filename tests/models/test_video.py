@@ -680,6 +680,32 @@ def test_a_prompt_holding_the_video_tag_is_answered_as_the_plain_question(arch, 
     assert "What moves?\n<video>" in vlm.conversation("What moves?\n<video>")  # media="image"
 
 
+@pytest.mark.parametrize("visual_first", [False, True])
+@pytest.mark.parametrize("category", ["absolute_distance", "relative_distance", "absolute_speed"])
+def test_a_frame_tasks_tags_are_all_removed_as_lmms_eval_leaves_them_out(category, visual_first):
+    """lmms-eval's osi_bench_frames (a clip given as frames, ``tasks.FRAME_TASKS``) writes one "<image>" per frame
+    for models without doc_to_messages: by default ``"Q\\n" + "<image>" * 32`` at the prompt's end. Only the last
+    tag took the newline before it with it ("Q\\n<image>\\n<image>" left "Q\\n"), so the clip's prompt was the
+    task's own plus a trailing newline. Now all of them do: the prompt is the one lmms-eval's own function builds
+    for a model that places the frames itself (``include_visual_token=False``), and the hand-worked cases."""
+    from lmms_eval.tasks.osi_bench.utils import osi_bench_doc_to_text_frames
+
+    from promprune.models.vlm import strip_media_tags
+
+    doc = {"question": "Which object is nearer?", "category": category, "video_length": 12.5,
+           "options": ["A. the cup", "B. the chair"]}
+    kwargs = {"default": {"num_frames": 32, "visual_first": visual_first}}
+    tagged = osi_bench_doc_to_text_frames(doc, kwargs)
+    assert tagged.count("<image>") == 32
+    assert strip_media_tags(tagged, "video") == osi_bench_doc_to_text_frames(doc, kwargs, include_visual_token=False)
+    for prompt, plain in [("Q\n<image>\n<image>", "Q"), ("Q <image> <video>", "Q"), ("Q\r\n<image><image>", "Q"),
+                          ("Q\n<image>", "Q"), ("<image><image>\nQ", "Q"), ("A\n<image><image>\nB", "A\nB"),
+                          ("A <image> B\n<image><image>", "A B"), ("<image>\n<image>", "")]:
+        assert strip_media_tags(prompt, "video") == plain, prompt
+    assert strip_media_tags("Q\n<image>\n<image>") == "Q"  # an image's prompt: its "<image>" tags the same way
+    assert strip_media_tags("Q\n<video>\n<video>") == "Q\n<video>\n<video>"  # the user's text there
+
+
 # ---- clips of one frame, batches of different frame counts ---------------------------------------------------------
 
 
