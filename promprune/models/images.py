@@ -81,6 +81,10 @@ def _eight_bit(img: Image.Image) -> Image.Image:
     return Image.fromarray(eight_bit(np.asarray(img)))  # "L"
 
 
+# What :func:`eight_bit` converts at a time (elements): a float64 copy of this many, not of the whole clip
+EIGHT_BIT_CHUNK = 2 ** 20
+
+
 def eight_bit(pixels):
     """Pixel values as ``uint8``, the one rule for images (:func:`as_rgb`, by the PIL mode's pixel type) and clips'
     frames (``promprune.models.video.load_clip``, by the array's dtype, judged over the whole clip): ``uint8`` as it
@@ -88,7 +92,11 @@ def eight_bit(pixels):
     "I;16L"); other integers (PIL's "I", and the signed "I;16S", which before this rule was divided as "I;16"
     always) the same where a value passes 255, else as they are; floats (PIL's "F") from [0, 1] (v * 255) where
     every finite value lies in it, else as they are; then clipped to [0, 255] (NaN as 0) and rounded. Casting instead
-    made a float clip in [0, 1] all black, wrapped 16-bit values and -1 to 255."""
+    made a float clip in [0, 1] all black, wrapped 16-bit values and -1 to 255.
+
+    Computed in float64, :data:`EIGHT_BIT_CHUNK` elements at a time (whole rows of the first axis: a clip's frames),
+    once for the range and once for the values: the arithmetic is elementwise, so each value is what a float64 copy of
+    the whole array gave (that copy, with its finite values' and the steps' copies, was ~8x a float32 clip's size)."""
     import numpy as np
 
     a = np.asarray(pixels)
@@ -99,14 +107,34 @@ def eight_bit(pixels):
     if a.dtype.kind not in "uif":
         raise TypeError(f"expected integer or float pixel values, got dtype {a.dtype}")
     sixteen_bit, is_float = a.dtype.kind == "u" and a.dtype.itemsize == 2, a.dtype.kind == "f"
-    a = a.astype(np.float64)
-    finite = a[np.isfinite(a)]
-    top = float(finite.max()) if finite.size else 0.0
+    rows = a.reshape(1) if a.ndim == 0 else a  # a view: chunks are slices of its first axis
+    step = max(1, EIGHT_BIT_CHUNK // max(1, rows[0].size)) if len(rows) else 1
+    chunks = [slice(k, k + step) for k in range(0, len(rows), step)]
+    low, top, any_finite = np.inf, -np.inf, False
+    for chunk in chunks:
+        part = rows[chunk].astype(np.float64)
+        finite = part[np.isfinite(part)]
+        if finite.size:
+            any_finite = True
+            low, top = min(low, float(finite.min())), max(top, float(finite.max()))
+    if not any_finite:
+        top = 0.0
     if is_float:
-        a = a * 255.0 if finite.size and float(finite.min()) >= 0.0 and top <= 1.0 else a
-    elif sixteen_bit or top > 255:
-        a = a / 257.0
-    return np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8)
+        scaled = any_finite and low >= 0.0 and top <= 1.0
+    else:
+        scaled = sixteen_bit or top > 255
+    out = np.empty(rows.shape, np.uint8)
+    for chunk in chunks:  # each step in place on the chunk's float64 copy: the same operations as on a whole copy
+        part = rows[chunk].astype(np.float64)
+        if scaled:
+            if is_float:
+                part *= 255.0
+            else:
+                part /= 257.0
+        np.nan_to_num(part, copy=False)
+        np.clip(part, 0, 255, out=part)
+        out[chunk] = np.round(part, out=part)
+    return out.reshape(a.shape)
 
 
 # What one image is (a PIL image, a path, encoded bytes): passed bare where a batch (a list) is expected, it is refused

@@ -639,6 +639,90 @@ def test_clip_frames_take_the_images_8_bit_rule():
     assert torch.equal(features[0], features[1]) and not torch.equal(features[0], features[2])
 
 
+def _eight_bit_before(pixels):
+    """``images.eight_bit`` as it was before it converted in chunks (a float64 copy of the whole array), verbatim:
+    the values the chunked one must keep."""
+    a = np.asarray(pixels)
+    if a.dtype == np.uint8:
+        return a
+    if a.dtype == np.bool_:
+        return a.astype(np.uint8) * np.uint8(255)
+    sixteen_bit, is_float = a.dtype.kind == "u" and a.dtype.itemsize == 2, a.dtype.kind == "f"
+    a = a.astype(np.float64)
+    finite = a[np.isfinite(a)]
+    top = float(finite.max()) if finite.size else 0.0
+    if is_float:
+        a = a * 255.0 if finite.size and float(finite.min()) >= 0.0 and top <= 1.0 else a
+    elif sixteen_bit or top > 255:
+        a = a / 257.0
+    return np.clip(np.nan_to_num(a), 0, 255).round().astype(np.uint8)
+
+
+def _pixel_cases():
+    rng = np.random.default_rng(7)
+    unit, wide = rng.random((6, 5, 7, 3)), rng.random((6, 5, 7, 3)) * 255
+    halves = (np.arange(6 * 5 * 7 * 3) % 511 / 510.0).reshape(6, 5, 7, 3)  # k / 510: every .5 step of 255 * v
+    for dtype in (np.float16, np.float32, np.float64):
+        yield unit.astype(dtype)
+        yield wide.astype(dtype)
+        yield (halves * 255).astype(dtype)  # [0, 255] on the halves: round half to even
+        yield halves.astype(dtype)
+        late = unit.astype(dtype)
+        late[-1, -1, -1, -1] = 1.5  # one value past 1 in the last frame: the whole clip is read as [0, 255]
+        yield late
+        odd = wide.astype(dtype)
+        odd[0, 0, 0] = [np.nan, np.inf, -np.inf]
+        odd[3, 2, 1] = [-3.0, 300.0, 254.5]
+        yield odd
+        edge = unit.astype(dtype)
+        edge[2, 0, 0] = [np.nan, np.inf, 0.0]  # non-finite values do not count towards [0, 1]
+        yield edge
+        yield np.full((3, 2, 2, 3), np.nan, dtype)
+    yield rng.integers(-300, 300, (6, 5, 7, 3)).astype(np.int16)
+    yield rng.integers(-1, 256, (6, 5, 7, 3)).astype(np.int16)  # 8-bit values (-1 clipped)
+    yield rng.integers(0, 65536, (6, 5, 7, 3)).astype(np.uint16)
+    yield rng.integers(0, 256, (6, 5, 7, 3)).astype(np.uint16)  # 16-bit range all the same
+    yield (np.arange(6 * 5 * 7 * 3) % 255).astype(np.uint16).reshape(6, 5, 7, 3) * 257 + 128  # v / 257: k + .498
+    yield rng.random((5, 7)).astype(np.float32)  # an image's one channel
+    yield np.float32(0.5), np.zeros((0, 4, 4, 3), np.float32)
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 105, 2 ** 20])
+def test_eight_bit_in_chunks_gives_the_whole_arrays_values(chunk, monkeypatch):
+    """``images.eight_bit`` converts ``EIGHT_BIT_CHUNK`` elements (whole rows of the first axis) at a time instead of
+    a float64 copy of the whole clip: its output is the old function's (kept verbatim above), value for value and
+    uint8, on float16 / float32 / float64 / int16 / uint16 pixels in [0, 1] and in [0, 255], with NaN, infinities,
+    values out of range and a range that only the clip's last frame decides; chunks of 1 (a row of a frame at a
+    time), 37, 105 (one frame: 5 x 7 x 3) and the default."""
+    from promprune.models import images
+
+    monkeypatch.setattr(images, "EIGHT_BIT_CHUNK", chunk)
+    for case in _pixel_cases():
+        for pixels in case if isinstance(case, tuple) else (case,):
+            got, want = images.eight_bit(pixels), _eight_bit_before(pixels)
+            assert got.dtype == np.uint8 and np.shape(got) == np.shape(want), (pixels.dtype, np.shape(pixels))
+            np.testing.assert_array_equal(got, want, err_msg=f"{pixels.dtype} {np.shape(pixels)}")
+
+
+def test_eight_bit_of_a_float_clip_makes_no_whole_float64_copy():
+    """A 64 x 336 x 336 x 3 float32 clip (82.7 MiB): the old conversion's float64 copies (the clip, its finite values,
+    the product by 255) peaked at 661.5 MiB under tracemalloc, ~8x the clip; in chunks the peak is the uint8 output
+    (20.7 MiB) and a few chunks' copies (38.8 MiB), below the clip's own size. The values are the old ones."""
+    import tracemalloc
+
+    from promprune.models.images import eight_bit
+
+    clip = np.random.default_rng(0).random((64, 336, 336, 3), dtype=np.float32)
+    tracemalloc.start()
+    try:
+        got = eight_bit(clip)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < clip.nbytes, f"peak {peak / 2 ** 20:.1f} MiB for a {clip.nbytes / 2 ** 20:.1f} MiB clip"
+    np.testing.assert_array_equal(got[::7], _eight_bit_before(clip[::7]))
+
+
 def test_a_clip_rate_that_dates_nothing_is_refused():
     """``fps`` (``generate_video`` / ``prepare_video``) and ``Clip.fps`` were never checked: on Qwen2.5-VL a negative
     rate gave decreasing temporal positions (7, 3, -1, -5), an infinite one a constant position, NaN int64's minimum,
