@@ -84,31 +84,54 @@ RESULT_VARIABLES: dict[str, str] = {
 }
 
 
-def _as_read(name: str, value: str | None, own=()):
+def _as_read(name: str, value: str | None, own=(), base: str | None = None):
     """``value`` of variable ``name`` (None: unset) as the code reads it, so that values it takes alike compare
     equal (unset and its default, ``RETRAIN=no`` and unset, a path list's empty entries; ``own``: the entries of a
-    path list the spec adds itself, `pipelines.plugins.activate`)."""
+    path list the spec adds itself, `pipelines.plugins.activate`). ``PROMPRUNE_INCLUDE_PATH``'s entries are the
+    directories they name (`_directory`, a relative one against ``base``), so that ``./tasks``, ``tasks/``,
+    ``a/../tasks`` and its absolute path are one. ``PROMPRUNE_PLUGINS``'s stay as written: an entry may be a module
+    name, which is no path (`promprune.plugins.is_path`)."""
     value = RESULT_VARIABLES[name] if value is None else value
     if name == "PROMPRUNE_TESTBED_RETRAIN":
         return value.strip().lower() in ("1", "true", "yes")
     if name == "PROMPRUNE_ACCEL":
         return value != "0"
-    if name in ("PROMPRUNE_PLUGINS", "PROMPRUNE_INCLUDE_PATH"):
+    if name == "PROMPRUNE_PLUGINS":
         return [entry for entry in value.split(os.pathsep) if entry.strip() and entry not in own]
+    if name == "PROMPRUNE_INCLUDE_PATH":
+        owned = {_directory(entry, None) for entry in own}  # the spec's: absolute (`pipelines.plugins`)
+        named = [_directory(entry, base) for entry in value.split(os.pathsep) if entry.strip()]
+        return [entry for entry in named if entry not in owned]
     return value
 
 
-def result_changes(recorded: dict[str, str], environ=None, own: dict[str, list[str]] | None = None
-                   ) -> list[tuple[str, str | None, str | None]]:
+def _directory(entry: str, base: str | None) -> tuple[bool, str]:
+    """The directory a task-directory entry names, as ``(anchored, real path)``: an absolute entry (after ``~``),
+    or a relative one where ``base`` (the working directory it was given in) is known, by its real path (links
+    resolved, ``..`` and a trailing slash gone: `os.path.realpath`), anchored. A relative one without ``base`` is
+    resolved against this process's working directory but not anchored: it is one with another relative entry that
+    names the same directory from here (the same working directory, as an equal string always was), never with an
+    absolute one, since the working directory it was given in is not known."""
+    path = os.path.expanduser(entry)
+    if os.path.isabs(path) or base is not None:
+        return True, os.path.realpath(os.path.join(base or "", path))
+    return False, os.path.realpath(path)
+
+
+def result_changes(recorded: dict[str, str], environ=None, own: dict[str, list[str]] | None = None,
+                   cwd: str | None = None) -> list[tuple[str, str | None, str | None]]:
     """The `RESULT_VARIABLES` whose value in ``environ`` (default ``os.environ``) the code reads otherwise than the
     value in ``recorded`` (a run's `run_settings`): ``(name, recorded value, current value)``, None for unset.
     ``own``: per variable, the entries the spec itself adds (its plugins, its include_path), which the spec's own
-    check covers and a process that activated them already holds."""
+    check covers and a process that activated them already holds. ``cwd``: the working directory ``recorded`` was
+    read in (`pipelines.run.state.launch_command`; None: not recorded), what a relative task directory of it is
+    relative to, as one of ``environ`` is to this process's (`_directory`)."""
     environ = os.environ if environ is None else environ
     own = own or {}
+    here = None if cwd is None else os.getcwd()
     return [(name, recorded.get(name), environ.get(name)) for name in RESULT_VARIABLES
-            if _as_read(name, recorded.get(name), own.get(name, ())) != _as_read(name, environ.get(name),
-                                                                                  own.get(name, ()))]
+            if _as_read(name, recorded.get(name), own.get(name, ()), cwd)
+            != _as_read(name, environ.get(name), own.get(name, ()), here)]
 
 
 def run_settings(environ=None) -> dict[str, str]:

@@ -403,10 +403,12 @@ def check_environment_unchanged(state: dict, environ=None, spec: specs.SweepSpec
     (``command.env``, `launch_command`): each named with both values, and the command that resumes with the
     recorded ones. A bare ``--resume`` from a shell without ``PROMPRUNE_TESTBED_WEIGHTS`` ran the rest of the trials
     on the shipped weights with the mu calibrated on the other ones, exit 0, and saved the state's command without
-    the variable. A state that recorded no environment (one saved by `pipelines.sweep.run_sweep` called without a
-    command, or an empty one for a run not submitted as a ray job, as code of 2026-12-06 / 07 recorded whatever the
-    run had set) cannot be checked. ``spec``: its own plugins and include_path are no difference (`pipelines.plugins.
-    activate` adds them to the environment of the process that checks)."""
+    the variable. Task directories (``PROMPRUNE_INCLUDE_PATH``) are compared as the directories they name, a relative
+    one against the working directory the state recorded (``command.cwd``; where it recorded none, only with another
+    relative one, both from here). A state that recorded no environment (one saved by `pipelines.sweep.run_sweep`
+    called without a command, or an empty one for a run not submitted as a ray job, as code of 2026-12-06 / 07
+    recorded whatever the run had set) cannot be checked. ``spec``: its own plugins and include_path are no
+    difference (`pipelines.plugins.activate` adds them to the environment of the process that checks)."""
     from pipelines.environment import result_changes
 
     command = state.get("command") or {}
@@ -415,10 +417,13 @@ def check_environment_unchanged(state: dict, environ=None, spec: specs.SweepSpec
     if recorded is None or not recorded and not command.get("ray_job"):
         return
     own = {} if spec is None else {"PROMPRUNE_PLUGINS": spec.plugins, "PROMPRUNE_INCLUDE_PATH": spec.include_path}
-    changes = result_changes(recorded, environ, own)  # the spec's own plugins: in the environment once activated
+    # the spec's own plugins: in the environment once activated; relative task directories: against the run's cwd
+    changes = result_changes(recorded, environ, own, command.get("cwd"))
     if not changes:
         return
-    shown = "; ".join(f"{name} was {_shown(was)}, now {_shown(now)}" for name, was, now in changes)
+    here = os.getcwd()
+    shown = "; ".join(f"{name} was {_shown(was)}{_relative_to(name, was, command.get('cwd'))}, now {_shown(now)}"
+                      f"{_relative_to(name, now, here)}" for name, was, now in changes)
     drop = [name for name, was, now in changes if was is None]
     unset = f"unset {' '.join(drop)}, then " if drop else ""
     raise specs.SpecError(
@@ -430,6 +435,15 @@ def check_environment_unchanged(state: dict, environ=None, spec: specs.SweepSpec
 
 def _shown(value: str | None) -> str:
     return "unset" if value is None else repr(value)
+
+
+def _relative_to(name: str, value: str | None, cwd: str | None) -> str:
+    """Where a task directory list's relative entries are relative to, shown beside it (``./tasks`` from two folders
+    names two directories), when it has one and ``cwd`` is known."""
+    if name != "PROMPRUNE_INCLUDE_PATH" or not value or cwd is None:
+        return ""
+    relative = [e for e in value.split(os.pathsep) if e.strip() and not os.path.isabs(os.path.expanduser(e))]
+    return f" (in {cwd})" if relative else ""
 
 
 def _new_at_default(spec, key: str) -> bool:
@@ -504,7 +518,8 @@ def launch_command(config: str, overrides: list[str], *, regression_threshold: f
     (`pipelines.paths.token_auth`) and the variables of ``environ`` (default ``os.environ``, as the process started:
     before the spec's plugins are added to it) the run depends on (`pipelines.environment.run_settings`: its
     runtime env's MLflow store and Tune storage, which a resumed run needs again: a job's and a local run's, whose
-    command may be typed in another shell). `resume_command` prints it back;
+    command may be typed in another shell), and outside a Ray job the working directory (``cwd``: what a relative
+    ``PROMPRUNE_INCLUDE_PATH`` entry is relative to, `check_environment_unchanged`). `resume_command` prints it back;
     `restore_options` gives a `--resume` the options it leaves out."""
     from pipelines.environment import run_settings
 
@@ -515,9 +530,13 @@ def launch_command(config: str, overrides: list[str], *, regression_threshold: f
     # the script as this folder reaches it: a sweep started from elsewhere (`python <clone>/pipelines/sweep.py`) was
     # told to resume with `python pipelines/sweep.py`, which no folder holding its records could run
     script = SWEEP_SCRIPT if ray_job else relative_path(str(REPO / SWEEP_SCRIPT))
+    # the working directory a relative task directory of the environment names a folder of (a Ray job's is Ray's
+    # package copy of the checkout, which a resumed job gets anew, elsewhere: not kept, its relative entries are
+    # compared as relative ones, `pipelines.environment.result_changes`)
     return {"config": relative_path(config), "overrides": list(overrides), "ray_job": ray_job, "script": script,
             "regression_threshold": regression_threshold, "address": address,
-            "env": run_settings(environ), "token_auth": ray_job and paths.token_auth(environ)}
+            "env": run_settings(environ), "token_auth": ray_job and paths.token_auth(environ),
+            "cwd": None if ray_job else os.getcwd()}
 
 
 def relative_path(path: str) -> str:

@@ -557,6 +557,68 @@ def test_a_resume_whose_result_changing_variables_differ_is_refused_naming_them(
         ("PROMPRUNE_PLUGINS", None, "/b")]
 
 
+def test_a_resume_compares_task_directories_as_the_directories_they_name(tmp_path, monkeypatch):
+    """A probe's case: a run started with PROMPRUNE_INCLUDE_PATH=./tasks was refused on a --resume that named the
+    same directory otherwise (its absolute path, a trailing slash, a/../tasks): the values were compared as strings.
+    Now each entry is the directory it names (os.path.realpath), a relative one against the working directory the
+    run's state records (`launch_command`'s ``cwd``, not kept for a Ray job, whose working directory is Ray's package
+    copy); a state that recorded none compares a relative entry only with another relative one, from here. Another
+    directory, or ./tasks from another folder, is still refused. PROMPRUNE_PLUGINS stays as written: its entries may be
+    module names."""
+    from pipelines import environment, paths
+
+    name = "PROMPRUNE_INCLUDE_PATH"
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "a" / "tasks").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "tasks")
+    monkeypatch.chdir(tmp_path)
+    for key in environment.RESULT_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    tasks = str(tmp_path / "tasks")
+
+    # through the run's state (refused on the old code: the strings differ); the command keeps the working directory
+    # outside a Ray job, not in one
+    started = states.launch_command("sweeps/quickstart.yaml", [], environ={name: "./tasks"})
+    state = {"experiment": "rel-1", "command": started}
+    states.check_environment_unchanged(state, {name: tasks + "/"})
+    states.check_environment_unchanged(state, {name: "a/../tasks"})
+    assert started["cwd"] == str(tmp_path)
+    assert states.launch_command("sweeps/quickstart.yaml", [], environ={paths.JOB_ENV: "{}"})["cwd"] is None
+    monkeypatch.chdir(tmp_path / "a")
+    states.check_environment_unchanged(state, {name: "../tasks"})
+    with pytest.raises(specs.SpecError) as refused:  # ./tasks there and ./tasks here: two directories, named
+        states.check_environment_unchanged(state, {name: "./tasks"})
+    assert f"{name} was './tasks' (in {tmp_path}), now './tasks' (in {tmp_path / 'a'})" in str(refused.value)
+    monkeypatch.chdir(tmp_path)
+
+    def changes(was, now, cwd, own=None):
+        return environment.result_changes({name: was}, {name: now}, own, cwd)
+
+    for now in (tasks, tasks + "/", "tasks/", "./a/../tasks", "link", f"{tmp_path}/a/../tasks", f"::{tasks}:"):
+        assert changes("./tasks", now, str(tmp_path)) == [], now
+    for now in (tasks + "/", f"{tmp_path}/a/../tasks", f"{tmp_path}/link", f"::{tasks}:"):  # absolute: no cwd needed
+        assert changes(tasks, now, None) == [], now
+    for now in ("a/tasks", str(tmp_path / "a" / "tasks"), f"{tasks}:{tmp_path / 'a' / 'tasks'}"):
+        assert changes("./tasks", now, str(tmp_path)) == [(name, "./tasks", now)], now
+    assert changes(f"{tasks}:a/tasks", f"a/tasks:{tasks}", str(tmp_path))  # lmms-eval's order: a difference
+    # no cwd recorded (a Ray job's, or a state of earlier code): relative ones alike from here, never an absolute one
+    assert changes("./tasks", "tasks/", None) == [] and changes("tasks", "a/../link", None) == []
+    assert changes("./tasks", tasks, None) == [(name, "./tasks", tasks)]
+    assert changes(tasks, "./tasks", None) == [(name, tasks, "./tasks")]
+    assert changes(tasks + "/", f"{tmp_path}/link", None) == []
+    # the spec's own include_path (absolute, `pipelines.plugins.activate` adds it): no difference, however written
+    own = {name: [str(tmp_path / "a" / "tasks")]}
+    assert changes("./tasks", f"tasks:{tmp_path}/a/tasks/", str(tmp_path), own) == []
+    # the run's cwd elsewhere: ./tasks there is another directory than ./tasks here
+    monkeypatch.chdir(tmp_path / "a")
+    assert changes("./tasks", "./tasks", str(tmp_path)) == [(name, "./tasks", "./tasks")]
+    assert changes("./tasks", "../tasks", str(tmp_path)) == [] and changes("./tasks", tasks, str(tmp_path)) == []
+    monkeypatch.chdir(tmp_path)
+    # PROMPRUNE_PLUGINS: module names or paths, compared as written
+    assert environment.result_changes({"PROMPRUNE_PLUGINS": "./p.py"}, {"PROMPRUNE_PLUGINS": str(tmp_path / "p.py")},
+                                      None, str(tmp_path)) == [("PROMPRUNE_PLUGINS", "./p.py", str(tmp_path / "p.py"))]
+
+
 def test_latest_is_the_newest_run_of_this_spec_not_a_quick_check_of_its_file(scratch, tmp_path, run_main):
     """A probe's case: a `--set limit=40` run interrupted, then a `--set limit=1` quick check of the same spec file
     finished, then `--set limit=40 --resume` was refused ("limit: 1 -> 40") with the command resuming the finished
