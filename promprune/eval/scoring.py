@@ -381,6 +381,9 @@ def _takes_args(aggregate) -> bool:
     return "args" in inspect.signature(aggregate).parameters
 
 
+DRAWS_AT_ONCE = 2 ** 20  # document indices a bootstrap draws and holds at once (`bootstrap_ci`): 8 MB
+
+
 def bootstrap_ci(items: list, aggregate, iters: int, *, seed: int = 0, level: float = CI_LEVEL,
                  args=None) -> tuple[float, float]:
     """Percentile bootstrap interval of ``aggregate(items)``: ``iters`` resamples of the documents with replacement.
@@ -395,11 +398,19 @@ def bootstrap_ci(items: list, aggregate, iters: int, *, seed: int = 0, level: fl
         raise ValueError("no items to resample")
     rng = np.random.default_rng(seed)
     n = len(items)
-    draws = rng.integers(0, n, size=(iters, n))
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items) and aggregate_is_mean(aggregate):
-        stats = np.asarray(items, dtype=float)[draws].mean(axis=1)
-    else:
-        stats = np.array([float(aggregate_with(aggregate, [items[i] for i in row], args)) for row in draws])
+    means = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items) and aggregate_is_mean(aggregate)
+    values = np.asarray(items, dtype=float) if means else None
+    stats = []
+    # the resamples drawn a chunk of rows at a time (the same draws as all at once: the generator's stream continues
+    # across calls), so memory holds ~DRAWS_AT_ONCE indices, not iters x n of them (and as many values gathered for
+    # a mean): at 1,000 resamples 200 MB for GQA's 12,578 documents, 3.4 GB for VQAv2-val's 214k, in the trial
+    rows = max(1, DRAWS_AT_ONCE // n)
+    for start in range(0, iters, rows):
+        draws = rng.integers(0, n, size=(min(rows, iters - start), n))
+        if means:
+            stats.extend(values[draws].mean(axis=1))
+        else:
+            stats.extend(float(aggregate_with(aggregate, [items[i] for i in row], args)) for row in draws)
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(stats, [tail, 100 - tail])
     return float(low), float(high)
