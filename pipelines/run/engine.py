@@ -49,7 +49,10 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
            ) -> Iterator[tuple[str, pa.Table]]:
     """Answer every block of ``requests`` with a sample not in ``skip`` on the workers of ``pool`` (a `Pool` actor),
     at most ``max_workers`` at once, each granted by the pool for one block; yields ``(block id, predictions)`` as
-    blocks come back, in no particular order. Close it (`run` does) to cancel what is still queued.
+    blocks come back, in no particular order. Close it (`run` does) to cancel what is still queued. A worker whose
+    block came back is sent its next one before the block is yielded, so it answers that one while the trial saves
+    the block, reports to Tune or computes a running score (one that outlasts the worker's block still leaves the
+    worker waiting for the rest of it: one block per worker at a time).
 
     ``block_timeout_s`` (`resources.block_timeout_s`): a block outstanding longer than it plus `FROZEN_MARGIN_S`,
     counted from when it was sent or its worker was last ready to work (its model loaded again after Ray restarted
@@ -64,20 +67,30 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
     pool.lease.remote(holder, leased)
     inflight: dict = {}  # call -> (block ref, keys, worker id, worker, when sent or its worker last killed)
     asked = heard = 0.0
+
+    def dispatch(now: float) -> None:
+        """Ask the pool for idle workers, as many as there are blocks to send (within ``max_workers``), and send each
+        its block."""
+        nonlocal asked, heard
+        wanted = min(len(todo), max_workers - len(inflight))
+        if wanted <= 0:
+            return
+        try:
+            granted, error = ray.get(pool.acquire.remote(holder, wanted))
+        except ray.exceptions.RayActorError as e:  # the pool died: the driver stops the sweep (`pool_watch`)
+            _await_stop(e)
+        if error:
+            raise WorkersFailed(f"the sweep's model workers could not start, so no trial can run: {error}")
+        asked = heard = now
+        for wid, worker in granted:
+            ref, keys = todo.popleft()
+            inflight[worker.answer.remote(trial, ref, evaluation)] = (ref, keys, wid, worker, now)
+
     try:
         while todo or inflight:
-            wanted, now = min(len(todo), max_workers - len(inflight)), time.monotonic()
-            if wanted > 0 and now - asked >= POLL_S:
-                try:
-                    granted, error = ray.get(pool.acquire.remote(holder, wanted))
-                except ray.exceptions.RayActorError as e:  # the pool died: the driver stops the sweep (`pool_watch`)
-                    _await_stop(e)
-                if error:
-                    raise WorkersFailed(f"the sweep's model workers could not start, so no trial can run: {error}")
-                asked = heard = now
-                for wid, worker in granted:
-                    ref, keys = todo.popleft()
-                    inflight[worker.answer.remote(trial, ref, evaluation)] = (ref, keys, wid, worker, now)
+            now = time.monotonic()
+            if min(len(todo), max_workers - len(inflight)) > 0 and now - asked >= POLL_S:
+                dispatch(now)
             elif now - heard >= HEARTBEAT_S:
                 pool.lease.remote(holder, leased)
                 heard = now
@@ -85,8 +98,8 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
                 time.sleep(POLL_S)
                 continue
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=POLL_S)
+            answered = []
             for call in ready:
-                asked = 0.0  # a worker is free: ask again at once
                 ref, keys, wid, _, _ = inflight.pop(call)
                 pool.free.remote(holder, wid)
                 try:
@@ -94,7 +107,10 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
                 except ray.exceptions.RayActorError:  # the worker is gone for good: another one takes the block
                     todo.appendleft((ref, keys))
                     continue
-                yield block_id(keys), table
+                answered.append((block_id(keys), table))
+            if ready:  # a worker is free: it takes its next block before the trial reads this one (saves it,
+                dispatch(time.monotonic())  # reports to Tune, a running score), so it works meanwhile
+            yield from answered
             if block_timeout_s is not None:
                 _kill_frozen(inflight, trial, block_timeout_s + FROZEN_MARGIN_S, pool)
             if min(len(todo) + len(inflight), max_workers) < leased:  # the other workers may go to other trials
