@@ -45,6 +45,10 @@ from pipelines.run.workers import Failover, WorkerPool
 TRIAL_RESOURCES = {"cpu": 0, "memory": 256 * 2 ** 20}
 # a running score (lmms-eval over the samples answered so far) at most this often, besides the scheduler's milestones
 SCORE_EVERY_S = 30.0
+# ... and at most this share of the trial's time: each running score scores every sample answered so far, so it takes
+# longer as they grow (0.3 s at 2,000 samples, 1 s at 8,000, 2.4 s at 16,000 on a 2-core machine), and the trial
+# sends a worker no further block while it scores (`engine.stream`: one block per worker at a time)
+SCORE_SHARE = 0.05
 # a trial's last report before it raises a `ScoringError`: the driver gives it no retry (`NotRetried`)
 SCORING_FAILED = "trial/scoring_failed"
 # the same before it raises `engine.WorkersFailed` (the sweep's workers cannot load the model: no try can run)
@@ -133,7 +137,9 @@ def alone(spec: specs.SweepSpec, rows: list[Request] | Requests | None = None,
 class TrialProgress:
     """What a running trial reports to Tune after each block: ``samples/done`` (of ``samples/total``), and running
     scores (``<task>/<metric>`` over the samples answered so far, the same keys as the final report) when the
-    samples reach one of ``score_at`` or `SCORE_EVERY_S` has passed since the last.
+    samples reach one of ``score_at`` or `SCORE_EVERY_S` has passed since the last, and the last one's duration
+    over `SCORE_SHARE` (scoring then takes at most that share of the trial's time, however many samples it has).
+    ``clock``: seconds, monotonic; ``report``: where the reports go (Tune's).
 
     A searched trial (``objective``: `search.Objective`) scores itself instead at each rung ``r`` of the scheduler,
     once the first ``r`` samples of the sweep's block order are all answered, and reports the search's metric over
@@ -143,9 +149,12 @@ class TrialProgress:
     rungs its reports carry the last value (NaN before the first), which Tune requires of every result."""
 
     def __init__(self, total: int, score_at: list[int] | None = None, score_every_s: float = SCORE_EVERY_S,
-                 objective: search.Objective | None = None):
+                 objective: search.Objective | None = None, clock: Callable[[], float] = time.monotonic,
+                 report: Callable[[dict], None] | None = None):
         self.total, self.score_at = total, sorted(score_at or [])
-        self.every, self.last = score_every_s, time.monotonic()
+        self.clock, self._report = clock, report
+        self.base_every = self.every = score_every_s
+        self.last = clock()
         self.objective, self.value = objective, math.nan
         self.rungs = sorted(objective.rungs) if objective is not None else []
         self.prefix = search.AnsweredPrefix(objective.keys) if objective is not None else None
@@ -154,14 +163,20 @@ class TrialProgress:
         metrics = {"samples/done": float(done), "samples/total": float(self.total)}
         if self.objective is not None:
             for at_rung in self._at_rungs(tables):  # each a report of its own: Tune's scheduler judges each
-                tune.report({**metrics, **at_rung})
+                self.send({**metrics, **at_rung})
             return
         due = [m for m in self.score_at if m <= done]
-        if done < self.total and (due or time.monotonic() - self.last >= self.every):
+        if done < self.total and (due or self.clock() - self.last >= self.every):
             self.score_at = [m for m in self.score_at if m > done]
+            began = self.clock()
             metrics.update(running_scores(tables))
-            self.last = time.monotonic()
-        tune.report(metrics)
+            self.last = self.clock()
+            self.every = max(self.base_every, (self.last - began) / SCORE_SHARE)
+        self.send(metrics)
+
+    def send(self, metrics: dict) -> None:
+        """One report (to Tune unless ``report`` was given)."""
+        (self._report or tune.report)(metrics)
 
     def _at_rungs(self, tables: list) -> list[dict]:
         """The search's metric: fresh (with ``samples/scored``) at each rung not yet scored that the answered prefix
@@ -188,7 +203,7 @@ class TrialProgress:
         report = {marker: 1.0}
         if self.objective is not None:
             report[self.objective.metric] = self.value
-        tune.report(report)
+        self.send(report)
 
 
 class NotRetried(tune.Callback):

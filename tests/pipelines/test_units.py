@@ -1226,3 +1226,35 @@ def test_a_search_without_an_unpruned_trial_says_there_is_no_rel():
     assert best_line(_search_spec(), records, 200) == (
         "no Rel. to rank the (mu, tau) search by: the sweep has no unpruned trial (baseline: false); its scores are "
         "in the table above; 200 samples generated")
+
+
+@pytest.mark.parametrize("score_s", [0.5, 6.0])
+def test_running_scores_take_at_most_their_share_of_a_trial(monkeypatch, score_s):
+    """A running score scores every sample answered so far, so it takes longer as they grow (1 s at 8,000 samples,
+    2.4 s at 16,000), and the trial sends no block meanwhile. Every 30 s, its share of the trial grew with the
+    samples (quadratic over a trial). Now the next one waits at least 30 s and the last one's duration over
+    `SCORE_SHARE`: a block every 5 s of the trial's clock for 2,000 s, each score taking ``score_s`` of it."""
+    import pyarrow as pa
+
+    from pipelines.run import trial
+
+    now, scored = [0.0], []
+
+    def score(predictions, partial=False, only=None):  # (lmms-eval's stand-in: a clock that moves while it scores)
+        scored.append(now[0])
+        now[0] += score_s
+        return {"t": {"m": 1.0}}
+
+    monkeypatch.setattr(trial, "score_table", score)
+    reports = []
+    progress = trial.TrialProgress(10_000, clock=lambda: now[0], report=reports.append)
+    tables = [pa.table({"task": ["t"], "doc_id": [0]})]
+    for done in range(1, 401):
+        now[0] += 5.0
+        progress(done, tables)
+    assert len(reports) == 400 and sum("t/m" in r for r in reports) == len(scored)
+    gaps = [b - a for a, b in zip(scored, scored[1:])]
+    assert min(gaps) >= trial.SCORE_EVERY_S  # never more often than every 30 s
+    assert len(scored) * score_s <= trial.SCORE_SHARE * now[0] + score_s  # at most its share (one score of slack)
+    if score_s < trial.SCORE_EVERY_S * trial.SCORE_SHARE:  # a quick score: every 30-35 s, as before
+        assert max(gaps) <= trial.SCORE_EVERY_S + 5.0 + score_s
