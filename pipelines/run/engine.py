@@ -68,9 +68,10 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
     inflight: dict = {}  # call -> (block ref, keys, worker id, worker, when sent or its worker last killed)
     asked = heard = 0.0
 
-    def dispatch(now: float) -> None:
+    def dispatch(now: float, answered: bool = False) -> None:
         """Ask the pool for idle workers, as many as there are blocks to send (within ``max_workers``), and send each
-        its block."""
+        its block. ``answered``: blocks came back that the trial has not read yet: a dead pool or workers that cannot
+        start are left to the loop's next ask, after the trial has saved them (they were lost with the trial)."""
         nonlocal asked, heard
         wanted = min(len(todo), max_workers - len(inflight))
         if wanted <= 0:
@@ -78,8 +79,12 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
         try:
             granted, error = ray.get(pool.acquire.remote(holder, wanted))
         except ray.exceptions.RayActorError as e:  # the pool died: the driver stops the sweep (`pool_watch`)
+            if answered:
+                return
             _await_stop(e)
         if error:
+            if answered:
+                return
             raise WorkersFailed(f"the sweep's model workers could not start, so no trial can run: {error}")
         asked = heard = now
         for wid, worker in granted:
@@ -109,7 +114,7 @@ def stream(requests: Requests, trial: Trial, pool, max_workers: int,
                     continue
                 answered.append((block_id(keys), table))
             if ready:  # a worker is free: it takes its next block before the trial reads this one (saves it,
-                dispatch(time.monotonic())  # reports to Tune, a running score), so it works meanwhile
+                dispatch(time.monotonic(), answered=bool(answered))  # reports to Tune, a running score): it works
             yield from answered
             if block_timeout_s is not None:
                 _kill_frozen(inflight, trial, block_timeout_s + FROZEN_MARGIN_S, pool)
