@@ -294,12 +294,37 @@ class Lanczos:
         return Lanczos(pick(self.rho), pick(self.v), pick(self.v_prev), pick(self.b_prev))
 
     def going(self, going: np.ndarray) -> "Lanczos":
-        """The recurrence of the images where ``going [B]`` (host bool) is true: a copy of their rows (``rows``; the
-        indices sent without a wait), or, when all go on, the state as it is (four launches fewer a stage: the next
-        stage reads its borrowed buffers before a replay could overwrite them, ``open``)."""
-        if going.all():
+        """The recurrence of the images where ``going [R]`` (host bool) is true, the state's first ``R`` rows (those
+        past them are padding, below): a copy of their rows (``rows``; the indices sent without a wait), or, when all
+        go on, the state as it is (four launches fewer a stage: the next stage reads its borrowed buffers before a
+        replay could overwrite them, ``open``). Where the next stage replays as a CUDA graph, the copy is padded to
+        ``graphed.bucket``'s size (a power of two, at most the state's rows, and no further than the rows' own kernel
+        goes: ``lanczos_triton.fuses``) with copies of its last row, so that the graph's key, which holds the rows,
+        repeats over calls whose undecided views differ in number (one capture per bucket, not per count:
+        ``graphed``); a padding row runs the steps of the row it copies, each row on its own (the batched product
+        and the per-row sums: on the CPU the rows' bits are the unpadded call's, ``tests/selection/test_graphed.py``;
+        a GPU's batched product may pick another kernel for another batch, which would move the coefficients' last
+        bits, ~1e-15 against a decision margin of 2e-5: not measured), and is never read (``split`` and ``settle``
+        read the first ``R`` rows). A state already padded stays as it is where all its ``R`` rows go on and ``R``
+        pads to its size."""
+        index = np.flatnonzero(going)
+        size = min(graphed.bucket(len(index), self.rho, self.rho[0].numel()), self.rho.shape[0])  # never grows
+        while size > len(index) and _fused_steps(size, self.rho) != _fused_steps(len(index), self.rho):
+            size -= 1  # the padding keeps the rows' kernel (``lanczos_steps``: fused up to a size): their bits
+        if len(index) == len(going) and self.rho.shape[0] in (len(going), size):
             return self
-        return self.rows(torch.from_numpy(np.flatnonzero(going)).to(self.rho.device, non_blocking=True))
+        index = np.concatenate([index, np.full(size - len(index), index[-1])])
+        return self.rows(torch.from_numpy(index).to(self.rho.device, non_blocking=True))
+
+
+def _fused_steps(rows: int, rho: torch.Tensor) -> bool:
+    """Whether ``lanczos_steps`` runs ``rows`` views of ``rho``'s size fused (``lanczos_triton.fuses``; on the fast
+    path, Triton there): ``Lanczos.going`` pads a sub-batch only within the kernel its rows take."""
+    if not (accel.active(rho) and accel.has_triton() and "lanczos" not in accel.broken_kernels()):
+        return False
+    from . import lanczos_triton
+
+    return lanczos_triton.fuses(rows, rho.shape[-1], rho.device)
 
 
 def _flagged(*args) -> tuple[torch.Tensor, ...]:
@@ -633,7 +658,7 @@ def _split(matrix, count, steps, tokens, opening_with) -> tuple[torch.Tensor, to
             state = state.run(k, borrow=True)
         done_steps = stage_steps
         # one read per stage: this stage's [len(todo), 2k] (NaN-free rows decide), the first with the rows' flags
-        coeffs = host_read(state.history[-1] if with_flags is None or stage else with_flags)
+        coeffs = host_read(state.history[-1] if with_flags is None or stage else with_flags)[:len(todo)]  # no pad
         flagged = np.zeros(len(todo), dtype=bool)
         if coeffs.shape[1] > 2 * k:  # the first stage's read carries the rows whose centering cancels (below)
             flagged, coeffs = coeffs[:, -1] > 0, coeffs[:, :-1]
@@ -763,6 +788,7 @@ def settle(matrices: list[torch.Tensor], settled: Callable[[np.ndarray, np.ndarr
             # one read a stage: every size's coefficients [B_g, 2k], the first with the early eigensolves' values
             read = _read_joined([states[g].history[-1] for g in states] + (first if not stage else []))
             for g, stage_coeffs in zip(states, read):
+                stage_coeffs = stage_coeffs[:len(rows[g])]  # the padding's rows (``Lanczos.going``) left
                 alpha, beta = (np.concatenate([c, part], 1) for c, part in zip(coeffs[g], np.split(stage_coeffs, 2, 1)))
                 coeffs[g] = alpha, beta
                 low, high = floored_bounds(alpha, beta, sizes[g])

@@ -21,6 +21,18 @@ capture that fails, or whose first replay differs from its warm-up, is said once
 used for the rest of the process. The captures are the process's: one thread replays at a time (a Ray actor's
 default), as two threads replaying one graph would share its buffers.
 
+A key holds its arguments' shapes, so work whose batch varies call to call makes a capture per size: the certified
+split's later stages run on the views the stage before left undecided (any number of a call's), so
+``certified.Lanczos.going`` pads them to ``bucket``'s sizes (powers of two, at most the state's rows; ``PAD``) with
+copies of a row, never read: a key per bucket, not per count. Over a stream of 300 LLaVA-NeXT images at batch 8
+counted on the CPU (`python benchmarks/selection.py --tables captures`, 2026-12-08; 40 views a call: the first stage
+too large to replay, a later one replays from 12 undecided views down), unpadded, the split's and picking stages'
+keys were 25, their captures 18 (2 evicted, 5 never replayed) for 56 replays; padded, 14 keys, 11 captures (none
+evicted or unused), 74 replays. Not mended: where the caller's own batch varies, the first stage's and the picking
+stages' keys vary with it (Qwen2.5-VL at batch 8 over four image sizes, one select per size of 1 to 8 images: 54
+keys, 107 captures of which 60 re-captures of evicted keys, 47 never replayed, for 120 replays; a ``KEEP`` of 64
+held them all: 47 captures, 253 replays).
+
 Only where it pays and fits: ``fits`` asks for the switch (``accel.graphs()``), a CUDA tensor on the fast path, and at
 most ``MAX_ELEMENTS`` elements per ``[B, n, n]`` matrix of the work. A Lanczos stage's capture holds about six such
 float64 states (its inputs, outputs and the graph's pool); the first stage and the picking stages also hold a copy of
@@ -38,8 +50,9 @@ import torch
 
 from . import accel
 
-# Captures kept per process (keys: function, shapes, dtype, device, static). A shape of PromPrune's takes up to five:
-# the first stage, three later stages (images near a count boundary) and the picking stages (one per budget).
+# Captures kept per process (keys: function, shapes, dtype, device, static). A shape of PromPrune's takes the first
+# stage, the picking stages (one per budget) and, for views near a count boundary, a later stage (three or four per
+# schedule) per bucket of undecided views (``bucket``: up to four at LLaVA-NeXT's five views, 1 / 2 / 4 / 5).
 KEEP = 16
 # A shape is captured when it comes for the SIGHTINGS-th time (the calls before run eagerly): a capture costs about two
 # eager calls, so shapes that come once (Qwen2.5-VL's native resolutions: a token count per image size) never pay it.
@@ -53,6 +66,10 @@ AGREE_RTOL = 1e-9
 # Elements of one [B, n, n] float64 state a capture may hold (32 MiB): batch 1 at n = 1296 (1.7M) and LLaVA-NeXT's five
 # views of 576 (1.7M) fit, batch 8 at 1296 (13M) does not, and that is device-bound anyway.
 MAX_ELEMENTS = 2**22
+
+# A sub-batch whose rows vary call to call (the certified split's views still undecided after a stage, some of the
+# call's: ``certified.Lanczos.going``) is padded to ``bucket``'s size where it replays: a key per bucket, not per count.
+PAD = True
 
 _CAPTURES: OrderedDict[tuple, "_Capture"] = OrderedDict()
 _SEEN: OrderedDict[tuple, int] = OrderedDict()  # sightings of shapes not captured yet
@@ -108,6 +125,16 @@ def fits(device_tensor: torch.Tensor, elements: int) -> bool:
     as a graph: the switch on, the CUDA fast path, at most ``MAX_ELEMENTS``, and no earlier capture failure in this
     process."""
     return accel.graphs_on() and accel.active(device_tensor) and elements <= MAX_ELEMENTS and not _FAILED
+
+
+def bucket(rows: int, device_tensor: torch.Tensor, per_row: int) -> int:
+    """The rows a sub-batch of ``rows`` rows of ``per_row`` elements each (of its ``[B, n, n]`` matrix) is padded to
+    (``PAD``) so that its graph's key repeats: the next power of two, at most the rows ``MAX_ELEMENTS`` takes (``rows``
+    itself where more), where the padded work replays as a graph (``fits``); else ``rows``, unpadded."""
+    if not PAD or rows < 1:
+        return rows
+    padded = min(1 << (rows - 1).bit_length(), max(rows, MAX_ELEMENTS // per_row))
+    return padded if fits(device_tensor, padded * per_row) else rows
 
 
 def replays(args: tuple[torch.Tensor | None, ...], elements: int) -> bool:

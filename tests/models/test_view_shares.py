@@ -195,6 +195,28 @@ def test_shares_equal_the_exact_routes_next_to_share_boundaries(seed, budget):
     # for the eigensolve of what the stages left
 
 
+def test_shares_with_graphs_padded_or_not_are_the_exact_routes(monkeypatch):
+    """``settle`` under CUDA graphs (``benchmarks.launches``' stub for each capture, on the CPU) with each size's
+    later stages padded to ``graphed.bucket``'s rows (``Lanczos.going``) and unpadded: the exact route's shares, and
+    the same views decided at each stage with the same intervals' widths; the padding did run (other rows)."""
+    from benchmarks.launches import fast_path_on_cpu
+    from promprune.selection import graphed
+
+    matrices, rows, counts = boundary_batch(0, 64)
+    weights = _exact_entropies(matrices, rows)
+    want = {b: split_budget(64, counts[b], weights[b]) for b in rows}
+    got, stages = {}, {}
+    for pad in (True, False):
+        monkeypatch.setattr(graphed, "PAD", pad)
+        with fast_path_on_cpu(graphs=True), accel.entropy("certified"):
+            got[pad] = shares_by_entropy(matrices, rows, counts, 64), LAST_SHARES[0]
+            stages[pad] = {key[3][0][0] for key in graphed._CAPTURES if key[1] == "lanczos_steps"}
+    (padded, report), (unpadded, plain) = got[True], got[False]
+    assert padded == unpadded == want
+    assert (report.decided, report.exact, report.widths) == (plain.decided, plain.exact, plain.widths)
+    assert stages[True] != stages[False], stages
+
+
 def test_far_from_boundaries_no_eigensolve():
     """Images whose shares lie far from a boundary decide by their brackets: no eigensolve, one read a stage."""
     views, rows = [], {}

@@ -6,7 +6,9 @@ warning, and a CPU tensor never asks for a graph.
 """
 import math
 import warnings
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -265,3 +267,67 @@ def test_cuda_split_with_graphs_equals_the_eager_split_through_every_stage(graph
             got = certified.split(tokens.unit_gram, count, tokens=tokens.x)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(graphed._CAPTURES) == stages
+
+
+def test_later_stages_replay_a_graph_per_bucket_of_undecided_views_not_per_count(monkeypatch):
+    """Capture churn (issue 53): the views a split stage leaves undecided, which the next stage runs on
+    (``Lanczos.going``), number anything from 1 to the call's views, and a graph's key holds their number. Unpadded,
+    each count was a capture of its own: 12 keys per stage here against a ``KEEP`` of 8, and a stream over every
+    count re-captured what it had evicted (a capture costs about two eager calls and saves nothing when evicted
+    before its replays). Padded to ``graphed.bucket``'s sizes (powers of two, at most the state's rows), a stage
+    replays one graph per bucket: at most 1, 2, 4, 8 and the call's 12 rows, each captured once over four rounds of
+    every count; and each undecided view's coefficients are bit for bit those of its rows run on their own (the
+    padding rows are never read). The capture stood for by ``benchmarks.launches``' stub on the CPU, under
+    ``graphed``'s own policy (a key captured at its second sighting)."""
+    from benchmarks.launches import CaptureStub, fast_path_on_cpu
+
+    rho = _rho(12, 16, 5)
+    rng = np.random.default_rng(0)
+    made = []
+
+    class Counted(CaptureStub):
+        def __init__(self, fn, args, static):
+            made.append(graphed._key(fn, args, static))
+            super().__init__(fn, args, static)
+
+    monkeypatch.setattr(graphed, "KEEP", 8)
+    with fast_path_on_cpu(graphs=True):  # (it restores SIGHTINGS and the capture class after)
+        graphed.SIGHTINGS, graphed._Capture = 2, Counted
+        for _ in range(4):  # an evicted key comes back eager at its next sighting, captured again at the one after
+            for count in range(1, 13):
+                going = np.zeros(12, dtype=bool)
+                going[rng.choice(12, count, replace=False)] = True
+                later = certified.Lanczos.start(rho).run(2).going(going).run(3)
+                with accel.graphs(False):  # the same kernels, eagerly, on the going rows alone
+                    alone = certified.Lanczos.start(rho[torch.from_numpy(np.flatnonzero(going))]).run(2).run(3)
+                assert torch.equal(later.alpha[:count, -3:], alone.alpha[:, -3:]), count
+                assert torch.equal(later.beta[:count, -3:], alone.beta[:, -3:]), count
+    stage = Counter(key[3][0][0] for key in made if key[1] == "lanczos_steps" and key[2] == 3)  # rows per capture
+    assert set(stage) <= {1, 2, 4, 8, 12} and set(stage.values()) == {1}, stage
+
+
+def test_padded_stages_keep_promprunes_tokens_and_split_bit_for_bit(monkeypatch):
+    """PromPrune with its graphs, the later stages padded (``graphed.PAD``) and not: the same tokens, salient flags,
+    counts, entropies (brackets' midpoints) and half-widths, and the same views decided at each stage, bit for bit,
+    over 12 views of spread entropies with mu across them and a schedule of short stages, so that views go on in
+    counts no bucket holds (3, 5, 6, 7, 9, ...: asserted, else the comparison would be empty). On the CPU, each
+    capture stood for by ``benchmarks.launches``' stub (the same kernels, run)."""
+    from benchmarks.launches import fast_path_on_cpu
+    from benchmarks.selection import spread_inputs
+
+    x = spread_inputs(12, 96, 128, seed=3)
+    s = torch.rand(12, 96, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(certified, "schedule", lambda views, n, eager=True: (1, 2, 3, 4, 6, 8, 12))
+    rows = {}
+    for mu in (0.42, 0.53, 0.64, 0.75):
+        got = {}
+        for pad in (True, False):
+            monkeypatch.setattr(graphed, "PAD", pad)
+            with fast_path_on_cpu(graphs=True):
+                got[pad] = promprune.select(x, s, budget=48, method="promprune", mu=mu), certified.LAST_REPORT[0]
+                rows[pad] = rows.get(pad, set()) | {key[3][0][0] for key in graphed._CAPTURES
+                                                    if key[1] == "lanczos_steps"}
+        (padded, report), (unpadded, want) = got[True], got[False]
+        assert _same_selection(padded, unpadded) and torch.equal(padded.entropy_halfwidth, unpadded.entropy_halfwidth)
+        assert (report.decided, report.exact, report.widths) == (want.decided, want.exact, want.widths), mu
+    assert rows[True] <= {1, 2, 4, 8, 12} and rows[False] - {1, 2, 4, 8, 12}, rows
