@@ -33,7 +33,9 @@ them), the brackets' widths, and whether every count equals the exact algorithm'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -234,7 +236,7 @@ def time_stages(x: torch.Tensor, s: torch.Tensor, budget: int, repeats: int) -> 
     return {name: median_ms(fn, arg, repeats) for name, (fn, arg) in promprune_stages(x, s, budget).items()}
 
 
-TABLES = ("timing", "costs", "split", "schedules", "routes", "traffic", "bounds")  # --tables
+TABLES = ("timing", "costs", "split", "schedules", "routes", "traffic", "bounds", "captures")  # --tables
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,7 +254,13 @@ def main(argv: list[str] | None = None) -> None:
                     "schedules (Lanczos steps each stage schedule would run; not by default), routes (the split's "
                     "projected device ms by route and float64 rate; not by default), traffic (VisPruner's "
                     "kernel: what it loads of the similarity, modeled from the shapes; not by default), bounds (the "
-                    "host's ms at the end of a split stage, by views and Lanczos steps; not by default)")
+                    "host's ms at the end of a split stage, by views and Lanczos steps; not by default), captures "
+                    "(PromPrune's CUDA graph keys, captures, evictions and replays over streams of calls, STREAMS, "
+                    "counted on the CPU; not by default)")
+    ap.add_argument("--stream-images", type=int, default=None, help="images per stream in the captures table "
+                    "(default 300; 8 with --smoke)")
+    ap.add_argument("--stream-check", type=int, default=None, help="images per stream over which the captures "
+                    "table checks its model against the code (default 0; 8 with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
                     "repeat")
     ap.add_argument("--shapes", default=None, help="which shapes to run (comma-separated, e.g. llava-1.5; default: "
@@ -261,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     tables = set(args.tables.split(","))
     if args.smoke:
         args.repeats = 1
+    stream_images = args.stream_images or (8 if args.smoke else 300)
+    stream_check = (8 if args.smoke else 0) if args.stream_check is None else args.stream_check
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     flags = Flags(__file__)
     flags.at_least("--repeats", args.repeats, 1, "timed calls", 7)
@@ -268,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     flags.at_least("--threads", args.threads, 1, "torch CPU threads", 2)
     flags.at_least("--batch", args.batch, 1, "images per call", 1)
     flags.at_least("--split-images", args.split_images, 0, "0: leave the split's table out", 12)
+    flags.at_least("--stream-images", args.stream_images, 1, "images per stream", 300)
+    flags.at_least("--stream-check", args.stream_check, 0, "0: no check", 8)
     flags.choice("--tables", sorted(tables), TABLES, "table")
     if args.shapes:
         named = args.shapes.split(",")
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         print_vispruner_traffic(shapes)
     if "bounds" in tables:
         print_bounds_host(smoke=args.smoke)
+    if "captures" in tables:
+        print_captures(stream_images, smoke=args.smoke, check=stream_check)
 
 
 # Issue 53's targets for PromPrune's selection on an H100 in fp16: ms per call, by images per call and shape.
@@ -806,6 +820,369 @@ def print_schedules(shapes, images: int, device: str) -> None:
             marks += [f"{label}: {', '.join(shipped)}"] if shipped else []
         mark = f"  (shipped: {'; '.join(marks)})" if marks else ""
         print(f"{', '.join(map(str, schedule)):<24}{cells}{mark}")
+
+
+# --tables captures: streams of ``select`` calls as a model run makes them (one call per image batch; LLaVA-NeXT's
+# views stacked, ``per_crop``; Qwen2.5-VL's images bucketed by token count, as ``batched_select`` stacks them):
+# name -> (the shape of SHAPES whose d and budget share it takes, images per call, the token counts an image may have:
+# Qwen2.5-VL's native resolution at 28 px a token, 448^2 / 672^2 / 896^2 / 1008^2 pixels; one drawn per image)
+STREAMS = {"llava-1.5 b1": ("llava-1.5", 1, (576,)), "llava-1.5 b8": ("llava-1.5", 8, (576,)),
+           "llava-next b1": ("llava-next", 1, (576,)), "llava-next b8": ("llava-next", 8, (576,)),
+           "qwen2.5-vl b1": ("qwen2.5-vl", 1, (256, 576, 1024, 1296)),
+           "qwen2.5-vl b8": ("qwen2.5-vl", 8, (256, 576, 1024, 1296))}
+SMOKE_SIZES = {"qwen2.5-vl": (64, 100, 144)}  # --smoke: Qwen2.5-VL's image sizes at SMOKE_SHAPES' scale
+# the streams' feature width: narrower than the models' (4096, 3584) so that a CPU makes 300 images' features and Grams
+# in minutes, and at least every token count (N <= d: the Gram's route, the models'); a key holds d, the same in
+# every call of a stream, so the keys' count is the models'
+STREAM_DIM = {"llava-1.5": 1024, "llava-next": 1024, "qwen2.5-vl": 1296}
+STREAM_MU = {"qwen2.5-vl": 0.5744}  # the family's mu (``Family.default_mu``); DEFAULT_MU for the CLIP encoders
+
+
+def stream_views(views: int, N: int, d: int, g: torch.Generator) -> torch.Tensor:
+    """``[views, N, d]`` features for one call of a stream: each view drawn from ``spread_inputs``' two families with a
+    continuous parameter (a power law, exponent 0.8..2; low rank 4..40 plus noise 0.1..1.2), so that their entropies
+    spread over the paper's range (~0.2..0.87 at 576 x 4096) and some lie near any mu, near a count boundary."""
+    rows = []
+    for _ in range(views):
+        u, low_rank = float(torch.rand((), generator=g)), bool(torch.rand((), generator=g) < 0.5)
+        if low_rank:
+            rank = 4 + int(36 * u)
+            rows.append(torch.randn(N, rank, generator=g) @ torch.randn(rank, d, generator=g)
+                        + (0.1 + 1.1 * u) * torch.randn(N, d, generator=g))
+        else:
+            scale = torch.arange(1, d + 1, dtype=torch.float32) ** (-(0.8 + 1.2 * u) / 2)
+            rows.append(torch.randn(N, d, generator=g) * scale[torch.randperm(d, generator=g)])
+    return torch.stack(rows)
+
+
+def stream_images(stream: str, images: int, smoke: bool = False, seed: int = 0):
+    """The images of ``stream`` (``STREAMS``): ``(N, features [views, N, d], saliency [views, N])`` each, image ``i``
+    made from its own seed (its token count drawn from the stream's sizes, features ``stream_views``, random
+    saliency): the same images whatever the batch, so a stream at batch 1 and at batch 8 see the same views."""
+    shape, _per_call, sizes = STREAMS[stream]
+    views, N0, d, _T0 = (SMOKE_SHAPES if smoke else SHAPES)[shape]
+    d = d if smoke else STREAM_DIM[shape]
+    sizes = SMOKE_SIZES.get(shape, (N0,)) if smoke else sizes
+    for i in range(images):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        N = sizes[int(torch.randint(len(sizes), (), generator=g))]
+        yield N, stream_views(views, N, d, g), torch.rand(views, N, generator=g)
+
+
+def stream_budget(stream: str, N: int, smoke: bool = False) -> tuple[int, float]:
+    """``(budget, mu)`` of ``stream``'s select calls on images of ``N`` tokens: the shape's budget share of its tokens,
+    the family's mu."""
+    shape = STREAMS[stream][0]
+    _views, N0, _d, T0 = (SMOKE_SHAPES if smoke else SHAPES)[shape]
+    return max(1, round(T0 * N / N0)), STREAM_MU.get(shape, DEFAULT_MU)
+
+
+def stream_calls(stream: str, images: int, smoke: bool = False, seed: int = 0):
+    """The ``select`` calls of ``stream`` over ``images`` images (``stream_images``), as a model run makes them: each
+    batch of the stream's images per call, its images of one token count stacked into one call (their views in
+    order): ``(x, s, keyword arguments)`` each, made as they are consumed."""
+    per_call, batch = STREAMS[stream][1], []
+    for i, image in enumerate(stream_images(stream, images, smoke, seed)):
+        batch.append(image)
+        if len(batch) == per_call or i == images - 1:
+            for N in sorted({n for n, _, _ in batch}):
+                x = torch.cat([f for n, f, _ in batch if n == N])
+                budget, mu = stream_budget(stream, N, smoke)
+                yield x, torch.cat([s for n, _, s in batch if n == N]), {"budget": budget, "method": "promprune",
+                                                                          "mu": mu}
+            batch = []
+
+
+@dataclasses.dataclass
+class GraphChurn:
+    """What ``graphed.replay`` did over a stream of ``selects`` calls (``graph_churn``; ``calls`` of ``replay``):
+    ``keys``, the distinct keys it saw (a function, its arguments' shapes, its static); ``captures`` (``recaptures``
+    of them: a key captured before and evicted since), ``evictions`` (captures dropped for ``graphed.KEEP``),
+    ``replays`` of kept captures, ``eager`` calls (a key's sightings before its capture), ``refused``:
+    ``graphed.run`` calls whose work does not fit (``graphed.fits``: more than ``MAX_ELEMENTS``), eager without a
+    key; ``unused``: captures never replayed (evicted first, or by the stream's end); ``decided``: views per split
+    stage, ``exact`` the eigensolve's."""
+
+    selects: int = 0
+    calls: int = 0
+    keys: int = 0
+    captures: int = 0
+    recaptures: int = 0
+    evictions: int = 0
+    replays: int = 0
+    eager: int = 0
+    refused: int = 0
+    unused: int = 0
+    decided: list[int] = dataclasses.field(default_factory=list)
+    exact: int = 0
+
+    @property
+    def saved(self) -> int:
+        """Eager calls the graphs save, a replay taken as free and a capture as two eager calls (``graphed``):
+        ``replays - captures``; below 0 the graphs cost more than running every call eagerly."""
+        return self.replays - self.captures
+
+
+class _Churn:
+    """Counts what ``graphed.replay`` does (``GraphChurn``) around each of its calls (``replay``: the real one's
+    arguments and the real one)."""
+
+    def __init__(self):
+        self.out, self.seen, self.ever, self.used = GraphChurn(), set(), set(), {}  # used: replays of kept captures
+
+    def replay(self, real, fn, args, static, fresh=None):
+        from promprune.selection import graphed
+
+        key, before, tally = graphed._key(fn, args, static), set(graphed._CAPTURES), graphed.tally()
+        result = real(fn, args, static, fresh)
+        after, now, out = set(graphed._CAPTURES), graphed.tally(), self.out
+        out.calls += 1
+        self.seen.add(key)
+        for name in ("captures", "replays", "eager"):
+            setattr(out, name, getattr(out, name) + now[name] - tally[name])
+        out.evictions += len(before - after)
+        out.recaptures += len((after - before) & self.ever)
+        out.unused += sum(not self.used.pop(gone) for gone in before - after)
+        self.ever.update(after - before)
+        self.used.update(dict.fromkeys(after - before, 0))
+        if key in before and key in after:
+            self.used[key] += 1
+        return result
+
+    def finish(self) -> GraphChurn:
+        self.out.keys = len(self.seen)
+        self.out.unused += sum(not n for n in self.used.values())
+        return self.out
+
+
+@contextlib.contextmanager
+def _policy(churn: _Churn, keep: int | None, sightings: int | None):
+    """``graphed``'s policy (``SIGHTINGS``, ``KEEP``, or ``sightings`` / ``keep``) from no capture, inside
+    ``fast_path_on_cpu(graphs=True)`` (which captures at a first sighting: restored after), ``churn`` counting."""
+    from promprune.selection import graphed
+
+    real_replay, real_keep, policy = graphed.replay, graphed.KEEP, graphed.SIGHTINGS
+    with fast_path_on_cpu(graphs=True):
+        graphed.SIGHTINGS, graphed.KEEP = sightings or policy, keep or real_keep
+        graphed.replay = functools.partial(churn.replay, real_replay)
+        try:
+            yield
+        finally:
+            graphed.replay, graphed.KEEP = real_replay, real_keep
+
+
+def graph_churn(calls, keep: int | None = None, sightings: int | None = None) -> GraphChurn:
+    """Run ``calls`` (``(x, s, select's keyword arguments)`` each) on the GPU fast path counted on the CPU with
+    PromPrune's graphs on (``launches.fast_path_on_cpu(graphs=True)``, each capture stood for by ``CaptureStub``: the
+    same values), under ``graphed``'s policy (``SIGHTINGS``, ``KEEP``; or ``sightings`` / ``keep``), starting with no
+    capture, and count what ``graphed.replay`` did (``GraphChurn``). The calls' selections are dropped."""
+    from promprune.selection import graphed
+
+    churn, real_run = _Churn(), graphed.run
+    out = churn.out
+
+    def run(fn, args, static, elements, fresh=None):
+        out.refused += not graphed.replays(args, elements)
+        return real_run(fn, args, static, elements, fresh)
+
+    with _policy(churn, keep, sightings), certified.collected() as reports:
+        graphed.run = run
+        try:
+            for x, s, kwargs in calls:
+                promprune.select(x, s, **kwargs)
+                out.selects += 1
+        finally:
+            graphed.run = real_run
+    total = certified.SplitReport.total(reports)
+    if total is not None:
+        out.decided, out.exact = total.decided, total.exact
+    return churn.finish()
+
+
+def view_ways(x: torch.Tensor, budget: int, mu: float) -> list[dict[tuple[int, ...], tuple[int, bool]]]:
+    """For each view of ``x [views, N, d]``, its way through PromPrune's certified split under each stage schedule
+    ``certified.schedule`` gives (the lead's and `STEPS`): ``{schedule: (stage, decided)}``, the stage after which
+    the split is done with it and whether its bracket decided it there (else the eigensolve), judged as ``_split``
+    judges (the first stage's kernels of the fast path on the view alone, ``floored_bounds``, ``judge`` at the size's
+    margin: a refused bracket, or one given up on before the last stage, goes to the eigensolve there). Each row of
+    a split is judged on its own, so a view's way does not depend on the views beside it (the rows whose centering
+    cancels, split again on their own, aside)."""
+    N, d = x.shape[1], x.shape[2]
+    n = min(N, d)
+    schedules = ((certified.LEAD, *certified.STEPS), certified.STEPS)
+    ends = sorted({end for schedule in schedules for end in schedule})
+    margin = certified.decision_margin(n)
+
+    def count_of(h):
+        return split_budget(h, budget, mu=mu, tau=DEFAULT_TAU)
+
+    out = []
+    with fast_path_on_cpu():
+        for v in range(x.shape[0]):
+            tokens = TokenSet(x[v:v + 1], None)
+            first = certified.opening_from_gram(tokens.unit_gram, ends[0]) if N <= d else \
+                certified.opening(tokens.spectral_matrix, ends[0])
+            state = certified.Lanczos(first[1], first[2], first[3], first[0][:, -1], (first[0],))
+            judged, done = {}, ends[0]
+            for end in ends:
+                state, done = state.run(end - done), end
+                lo, hi = certified.floored_bounds(state.alpha.numpy(), state.beta.numpy(), n)
+                decided, _, hopeless = certified.judge(lo, hi, count_of, margin)
+                refused = not (np.isfinite(lo[0]) and np.isfinite(hi[0]))
+                judged[end] = bool(decided[0]), refused, bool(hopeless[0])
+                if (decided[0] or refused) and end >= certified.STEPS[0]:  # every schedule's way known
+                    break
+            ways = {}
+            for schedule in schedules:
+                ways[schedule] = (len(schedule) - 1, False)
+                for i, end in enumerate(schedule):
+                    decided, refused, hopeless = judged.get(end, judged[max(judged)])
+                    if decided or refused or (hopeless and i < len(schedule) - 1):
+                        ways[schedule] = (i, decided)
+                        break
+            out.append(ways)
+    return out
+
+
+def stream_keys(stream: str, ways: list[list[dict]], sizes: list[int], smoke: bool = False,
+                into: GraphChurn | None = None):
+    """The calls of ``graphed`` that ``stream``'s select calls make (``stream_calls``' batches), from each image's
+    views' ways (``view_ways``) and token counts ``sizes``, as PromPrune's code makes them on the fast path with
+    graphs: ``(key, fits)`` each, ``key`` naming the work (the split's first stage, a later stage's steps on its
+    rows, the picking stages) and ``fits``: whether it replays (``graphed.fits``; else eager, no key). The later
+    stages' rows are what ``certified.Lanczos.going`` keeps (run on a stand-in state: padded, ``graphed.PAD``, or
+    not); the schedule is ``certified.schedule``'s. A model of ``split``'s control flow (``_split``), checked against
+    the code itself (``graph_churn``) by ``print_captures``. ``into``: a ``GraphChurn`` whose ``selects``,
+    ``decided`` and ``exact`` count the calls and their views' ways. Runs inside ``fast_path_on_cpu(graphs=True)``."""
+    from promprune.selection import graphed
+
+    per_call = STREAMS[stream][1]
+    d = (SMOKE_SHAPES if smoke else SHAPES)[STREAMS[stream][0]][2] if smoke else STREAM_DIM[STREAMS[stream][0]]
+    for start in range(0, len(sizes), per_call):
+        batch = range(start, min(start + per_call, len(sizes)))
+        for N in sorted({sizes[i] for i in batch}):
+            views = [way for i in batch if sizes[i] == N for way in ways[i]]
+            B, n = len(views), min(N, d)
+            fits = graphed.fits(_STAND_IN, B * n * n)
+            schedule = certified.schedule(B, n, eager=not fits)
+            if into is not None:
+                into.selects += 1
+                for stage, decided in (view[schedule] for view in views):
+                    into.decided += [0] * (stage + 1 - len(into.decided))
+                    into.decided[stage] += decided
+                    into.exact += not decided
+            yield ("open", B, N, schedule[0]), fits
+            rows = np.arange(B)  # the views the state holds, in its first rows
+            state = certified.Lanczos(*(_STAND_IN.new_empty(1, n, n).expand(B, n, n),) * 3, _STAND_IN.new_empty(B))
+            for stage, end in enumerate(schedule):
+                if stage:
+                    P = state.rho.shape[0]
+                    yield ("steps", P, N, end - schedule[stage - 1]), graphed.fits(_STAND_IN, P * n * n)
+                going = np.array([views[v][schedule][0] > stage for v in rows])
+                if not going.any():
+                    break
+                state, rows = state.going(going), rows[going]
+            budget, _mu = stream_budget(stream, N, smoke)
+            if graphed.fits(_STAND_IN, B * N * N):  # else ``two_stage``'s eager ops, not through ``graphed``
+                yield ("pick", B, N, budget), True
+
+
+_STAND_IN = torch.empty(1, dtype=torch.float64)  # a device tensor for ``graphed.fits`` under ``fast_path_on_cpu``
+
+
+def policy_churn(keys, keep: int | None = None, sightings: int | None = None) -> GraphChurn:
+    """``graphed.replay``'s policy (``SIGHTINGS``, ``KEEP``, or ``sightings`` / ``keep``) over ``keys``
+    (``stream_keys``' ``(key, fits)``), counted as ``graph_churn`` counts the code's own calls: the real
+    ``replay`` with each key standing for its call's (a capture of nothing, an eager call of nothing)."""
+    from promprune.selection import graphed
+
+    class Nothing:
+        eager = ()
+
+        def __init__(self, fn, args, static):
+            pass
+
+        def __call__(self, args, fresh):
+            return ()
+
+    churn, real_key = _Churn(), graphed._key
+    with _policy(churn, keep, sightings):
+        graphed._key, graphed._Capture = (lambda fn, args, static: static), Nothing
+        try:
+            for key, fits in keys:
+                if fits:
+                    graphed.replay(lambda *args: (), (), key)
+                else:
+                    churn.out.refused += 1
+        finally:
+            graphed._key = real_key
+    return churn.finish()
+
+
+_JUDGED: dict[tuple, tuple[list[int], list]] = {}  # (shape, images, smoke) -> ``judged_images``
+
+
+def judged_images(stream: str, images: int, smoke: bool = False) -> tuple[list[int], list]:
+    """``stream``'s images' token counts and their views' ways (``view_ways``), judged once per shape and process (a
+    stream at batch 1 and at batch 8 share their images: ``stream_images``)."""
+    key = (STREAMS[stream][0], images, smoke)
+    if key not in _JUDGED:
+        sizes, ways = [], []
+        for N, x, _s in stream_images(stream, images, smoke):
+            sizes.append(N)
+            ways.append(view_ways(x, *stream_budget(stream, N, smoke)))
+        _JUDGED[key] = sizes, ways
+    return _JUDGED[key]
+
+
+def print_captures(images: int, smoke: bool = False, check: int = 0) -> None:
+    """What PromPrune's CUDA graphs do over streams of calls (``STREAMS``, ``images`` images each), counted on the CPU:
+    per stream, with the certified split's later stages padded to ``graphed.bucket``'s sizes (``graphed.PAD``,
+    shipped) and unpadded (before 2026-12-08), the distinct keys, the captures (re-captures of evicted keys,
+    evictions, captures never replayed), replays, eager calls (a key's first sighting), calls too large to replay,
+    and what the graphs save in eager calls (replays less captures: a capture costs about two eager calls, a replay
+    taken as free). Each image's views are judged once (``view_ways``), the calls' keys follow from them
+    (``stream_keys``, a model of the split's control flow) and run through ``graphed.replay``'s policy
+    (``policy_churn``); ``check``: the model checked against the code itself (``graph_churn``: every select call on
+    the fast path, captures stood for by ``CaptureStub``) over the first ``check`` images of each stream."""
+    from promprune.selection import graphed
+
+    width = "SMOKE_SHAPES' d" if smoke else ", ".join(f"{shape} {d}" for shape, d in STREAM_DIM.items())
+    print(f"\nCUDA graph captures over streams of {images} images (counted on the CPU; SIGHTINGS {graphed.SIGHTINGS}, "
+          f"KEEP {graphed.KEEP}, MAX_ELEMENTS {graphed.MAX_ELEMENTS}; feature width {width})")
+    heads = ("selects", "graphed", "keys", "captures", "recaptures", "evictions", "unused", "replays", "eager",
+             "too large", "saved")
+    print(f"{'stream':<26}" + "".join(f"{h:>11}" for h in heads) + "  views decided by stage, + eigensolved")
+    fields = ("calls", "keys", "captures", "recaptures", "evictions", "unused", "replays", "eager", "refused")
+    real, differ = graphed.PAD, []
+    try:
+        for stream in STREAMS:
+            sizes, ways = judged_images(stream, images, smoke)
+            for pad in (True, False):
+                graphed.PAD, into = pad, GraphChurn()
+                with fast_path_on_cpu(graphs=True):
+                    keys = list(stream_keys(stream, ways, sizes, smoke, into))
+                c = policy_churn(keys)
+                cells = (into.selects, c.calls, c.keys, c.captures, c.recaptures, c.evictions, c.unused, c.replays,
+                         c.eager, c.refused, c.saved)
+                label = f"{stream}, {'padded' if pad else 'unpadded'}"
+                print(f"{label:<26}" + "".join(f"{v:>11d}" for v in cells)
+                      + f"  {', '.join(map(str, into.decided))} + {into.exact}")
+                if check:
+                    code = graph_churn(stream_calls(stream, check, smoke))
+                    with fast_path_on_cpu(graphs=True):
+                        keys = list(stream_keys(stream, ways[:check], sizes[:check], smoke))
+                    model = policy_churn(keys)
+                    differ += [f"{label} {name}: model {getattr(model, name)}, code {getattr(code, name)}"
+                               for name in fields if getattr(model, name) != getattr(code, name)]
+    finally:
+        graphed.PAD = real
+    print("(selects: select calls, one per image batch and token count; graphed: calls that reach graphed.replay; "
+          "keys: distinct (function, shapes, static) among them; unused: captures evicted or left never replayed; "
+          "too large: graphed.run calls past MAX_ELEMENTS, eager; saved: replays - captures, in eager calls)")
+    if check:
+        print(f"model against the code over the first {check} images of each stream: "
+              + ("; ".join(differ) if differ else "the same counts"))
 
 
 if __name__ == "__main__":

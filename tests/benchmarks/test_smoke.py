@@ -254,6 +254,25 @@ def test_selection_says_which_targets_are_met(capsys):
     assert "at llava-next, batch 8 (float16): promprune 16.00 ms, with graphs 14.50 ms, target <= 15 ms" in lines[3]
 
 
+def test_selection_captures():
+    """The captures table (``--tables captures``): every stream padded and unpadded, each row's counts whole (a call
+    reaching ``graphed.replay`` is an eager call, a capture or a replay; saved = replays - captures), padding never
+    adds keys, and the model of the split's calls gives the code's own counts over the smoke streams."""
+    from benchmarks.selection import STREAMS
+
+    out = run_benchmark("selection.py", "--smoke", "--tables", "captures")
+    table = out.split("CUDA graph captures over streams of 8 images")[1]
+    rows = {line[:26].strip(): [int(v) for v in line[26:].split()[:11]] for line in table.splitlines()
+            if line[:26].strip().endswith(("padded", "unpadded"))}
+    assert set(rows) == {f"{stream}, {pad}" for stream in STREAMS for pad in ("padded", "unpadded")}
+    for label, (selects, graphed, keys, captures, recaptures, evictions, unused, replays, eager, _large,
+                saved) in rows.items():
+        assert graphed == eager + captures + replays and saved == replays - captures, label
+        assert recaptures <= evictions <= captures and unused <= captures and keys <= graphed and selects > 0, label
+    assert all(rows[f"{s}, padded"][2] <= rows[f"{s}, unpadded"][2] for s in STREAMS)
+    assert "model against the code over the first 8 images of each stream: the same counts" in out
+
+
 def test_selection():
     import promprune
     from promprune.selection import certified
