@@ -7,7 +7,10 @@ Reads the sweep's runs with `mlflow.search_runs` (default: the latest sweep in t
 `MLFLOW_TRACKING_URI`, else sqlite:///mlflow.db, in the sweeps' experiment: `promprune`, or
 `MLFLOW_EXPERIMENT_NAME`), writes `report.md`, CSV tables and PNG figures to DIR
 (default `reports/<sweep name>/`), logs them as artifacts of the sweep's parent run (folder `report/`), and prints
-where they are. Published numbers shipped under `pipelines/paper_results/` appear beside ours with deltas.
+where they are. The files are built in a hidden folder of DIR of this report's own and logged from there, then copied
+into DIR while holding its lock (`.report.lock`): two reports into one folder at once (two runs of a sweep name) each
+log their own files, and the folder holds the last to finish whole (an earlier report's other files stay
+beside it). Published numbers shipped under `pipelines/paper_results/` appear beside ours with deltas.
 
 A mistake is said in one paragraph, exit 2, without a traceback: in seconds and before the sweep loads, an --out that
 cannot be a folder (a file, or below one; a folder that cannot be written) and a store that cannot be read (a
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -148,13 +152,58 @@ def main(argv: list[str] | None = None) -> int:
     unfinished = sweep.unfinished()
     if unfinished:
         print(f"report: {unfinished}", file=sys.stderr, flush=True)
-    report = build_report(sweep, out, grid=grid)
-    print(report.markdown)
-    print(f"report for sweep {sweep.name!r} (parent run {sweep.run_id}): {len(report.files)} files in {out.resolve()}")
-    if not args.no_log:
-        uri = log_report(sweep, report)
-        print(f"logged to the parent run as artifacts: {uri}")
+    with staging_folder(out) as staging:  # this report's own files, whatever another report writes to ``out``
+        built = build_report(sweep, staging, grid=grid)
+        report = publish(built, out)
+        print(report.markdown)
+        print(f"report for sweep {sweep.name!r} (parent run {sweep.run_id}): {len(report.files)} files in "
+              f"{out.resolve()}")
+        if not args.no_log:
+            uri = log_report(sweep, built)  # from the staging folder: what this report wrote, never another's
+            print(f"logged to the parent run as artifacts: {uri}")
     return 0
+
+
+LOCK_NAME = ".report.lock"  # in the --out folder: reports publishing there take turns
+
+
+@contextlib.contextmanager
+def staging_folder(out: Path):
+    """A fresh hidden folder in ``out`` (``.building-<pid>-<random>``) that this report alone writes, removed on
+    the way out. Two reports of one sweep name at once (two people, a nightly's report beside a manual one) share the
+    default ``reports/<sweep name>/``: built there directly, one's files (same names: ``scores.csv``, the figures)
+    replaced the other's between its writing and its logging, so a parent run's ``report/`` artifacts held another
+    run's tables."""
+    import shutil
+    import uuid
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(built, out: Path):
+    """Copy the report ``built`` in its staging folder into ``out``, each file replaced whole (`atomic_path`), while
+    holding ``out``'s lock (`LOCK_NAME`: a report publishing there at the same time waits its turn, so the folder holds
+    one report's files, not a mix); returns the report as it now lies in ``out``. Files of an earlier report that
+    this one does not write stay as they were (a folder shared by a sweep name's reports)."""
+    import dataclasses
+    import shutil
+
+    from promprune.atomic import atomic_path, locked
+
+    files = []
+    with locked(out / LOCK_NAME):
+        for path in built.files:
+            target = out / Path(path).relative_to(built.out_dir)
+            with atomic_path(target) as tmp:
+                shutil.copyfile(path, tmp)
+            files.append(target)
+    return dataclasses.replace(built, out_dir=out, files=files)
 
 
 if __name__ == "__main__":
