@@ -90,13 +90,36 @@ def parse_holder(raw: bytes) -> dict:
         return {}
 
 
-def busy_message(experiment: str, holder: dict) -> str:
-    """The refusal of a second driver: who runs the sweep, since when, and how to stop it."""
+def busy_message(experiment: str, holder: dict, earlier: list[str] | None = None) -> str:
+    """The refusal of a second driver: who runs the sweep, since when, and how to stop it. ``earlier``: for a bare
+    ``--resume`` (latest), which found this live run the newest, the spec's earlier runs no live driver holds,
+    newest first (`idle_earlier_runs`): the one the user meant may be among them (an interrupted run, while a
+    colleague's new run of the spec goes on), and stopping the live one, the only way out this said, is not it."""
     pid, host, since = holder.get("pid", "?"), holder.get("host", "?"), holder.get("since", "?")
-    return (f"sweep {experiment} is being run by a live driver (pid {pid} on {host}, since {since}), "
-            "and two drivers of one sweep would run its trials twice and delete each other's saved blocks. Wait for "
-            f"it to finish, or stop it (Ctrl-C in its terminal, `kill -INT {pid}` on {host}, or `ray job stop` for a "
-            "Ray job; it saves its state) and resume then")
+    message = (f"sweep {experiment} is being run by a live driver (pid {pid} on {host}, since {since}), "
+               "and two drivers of one sweep would run its trials twice and delete each other's saved blocks. Wait "
+               f"for it to finish, or stop it (Ctrl-C in its terminal, `kill -INT {pid}` on {host}, or `ray job stop` "
+               "for a Ray job; it saves its state) and resume then")
+    if earlier:
+        message += (f". --resume alone takes the newest run of the spec, this live one; to resume an earlier run "
+                    f"instead, name it, e.g. `--resume {earlier[0]}` (earlier runs no driver holds, newest first: "
+                    f"{', '.join(earlier)}; one that finished says so and starts nothing)")
+    return message
+
+
+MAX_EARLIER = 3  # earlier runs a busy refusal names
+
+
+def idle_earlier_runs(experiment: str, found: list[str], held) -> list[str]:
+    """The runs in ``found`` (a spec's runs with a state, oldest first) older than ``experiment`` whose lock
+    ``held(run)`` says no live driver holds, newest first, at most `MAX_EARLIER`."""
+    earlier = []
+    for run in reversed(found):
+        if len(earlier) == MAX_EARLIER:
+            break
+        if run < experiment and not held(run):
+            earlier.append(run)
+    return earlier
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -166,7 +189,9 @@ def early_problem(argv: list[str]) -> str | None:
     for experiment in candidates:
         holder = local_holder(str(state_dir / f"{experiment}{LOCK_SUFFIX}"))
         if holder is not None:
-            return one_problem(f"--resume {experiment}", busy_message(experiment, holder))
+            earlier = [] if args.resume != "latest" else idle_earlier_runs(
+                experiment, found, lambda run: local_holder(str(state_dir / f"{run}{LOCK_SUFFIX}")) is not None)
+            return one_problem(f"--resume {experiment}", busy_message(experiment, holder, earlier))
     return None
 
 

@@ -20,7 +20,8 @@ import yaml
 
 from pipelines import paths
 from pipelines import spec as specs
-from pipelines.frontdoor import LOCK_SUFFIX, REPO, STATE_DIR, busy_message, local_holder, parse_holder, runs_of
+from pipelines.frontdoor import LOCK_SUFFIX, REPO, STATE_DIR, busy_message, idle_earlier_runs, local_holder, \
+    parse_holder, runs_of
 from pipelines.paths import STORAGE_ENV
 
 
@@ -101,16 +102,19 @@ def load_state(storage: str, name: str, resume: str, origin: str | None = None,
     resumes it: a bare ``--resume`` that left out the interrupted run's ``--set``). Kept beside Tune's state, so a
     resumed `ray job` finds it too. 'latest' while
     a newer run of the spec is still setting up (its driver holds its lock, it has saved no state yet) is that run:
-    refused as busy (SpecError), never the older one. ``origin``: what chose ``storage`` (`storage_origin`), for the
-    refusal of a run not there."""
+    refused as busy (SpecError), never the older one; so is a run 'latest' found whose driver is alive, the refusal
+    naming the spec's earlier runs no driver holds (`frontdoor.busy_message`: the one meant may be among them).
+    ``origin``: what chose ``storage`` (`storage_origin`), for the refusal of a run not there."""
     found = _state_names(storage, name)
     if resume == "latest":
         for experiment in _state_names(storage, name, LOCK_SUFFIX):
             if not found or experiment > found[-1]:
-                DriverLock(storage, experiment).raise_if_held()
-        if found and spec is not None:
-            return _latest_of_spec(storage, spec, found)
-    experiment = found[-1] if resume == "latest" and found else resume
+                _refuse_if_live(storage, found, experiment)
+        if found:
+            state = _latest_of_spec(storage, spec, found) if spec is not None else _read_state(storage, found[-1])
+            _refuse_if_live(storage, found, state["experiment"])  # naming the runs a bare --resume cannot reach
+            return state
+    experiment = resume
     if experiment not in found:
         raise specs.SpecError([missing_run(storage, name, None if resume == "latest" else resume, found, origin)],
                               "--resume")
@@ -793,6 +797,16 @@ def _holder_alive(holder: dict) -> bool:
     return time.time() - float(holder.get("beat") or 0) < STALE_AFTER_S
 
 
-def busy_error(experiment: str, holder: dict) -> specs.SpecError:
-    """The refusal of a second driver (`frontdoor.busy_message`: who runs the sweep, since when, how to stop it)."""
-    return specs.SpecError([busy_message(experiment, holder)], f"--resume {experiment}")
+def busy_error(experiment: str, holder: dict, earlier: list[str] | None = None) -> specs.SpecError:
+    """The refusal of a second driver (`frontdoor.busy_message`: who runs the sweep, since when, how to stop it;
+    ``earlier``: the spec's earlier runs no driver holds, for a bare --resume)."""
+    return specs.SpecError([busy_message(experiment, holder, earlier)], f"--resume {experiment}")
+
+
+def _refuse_if_live(storage: str, found: list[str], experiment: str) -> None:
+    """For a bare ``--resume`` that found ``experiment``: SpecError when a live driver holds it, naming the runs in
+    ``found`` older than it that none holds, newest first (`frontdoor.idle_earlier_runs`)."""
+    holder = DriverLock(storage, experiment)._holder()
+    if holder is not None:
+        held = lambda run: DriverLock(storage, run)._holder() is not None  # noqa: E731
+        raise busy_error(experiment, holder, idle_earlier_runs(experiment, found, held))

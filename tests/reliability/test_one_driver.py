@@ -225,3 +225,32 @@ def test_a_resume_whose_driver_lives_is_refused_before_ray_and_torch_load(scratc
     finally:
         holder.kill()
         holder.communicate()
+
+
+def test_a_bare_resume_that_finds_a_live_run_names_the_earlier_runs_it_could_mean(scratch, tmp_path):
+    """An interrupted run of a spec, then a colleague's new run of it (live): `--resume` alone finds the live one and
+    is refused. The refusal named only that run and said to stop it and resume then: followed, it stopped the
+    colleague's sweep. It now names the earlier runs no driver holds and the --resume that takes the newest of them;
+    both the early check (before Ray and torch) and the full one say so."""
+    from pipelines import frontdoor
+
+    spec_path = scratch()
+    spec = specs.load(spec_path)
+    storage = str(tmp_path / "outputs" / "tune")
+    for experiment in ("rel-20261125-080000", "rel-20261125-090000", "rel-20261125-100000"):
+        states.save_state(storage, {"experiment": experiment, "parent_run_id": "r0", "storage_path": storage,
+                                    "fingerprint": states.fingerprint(spec), "spec_yaml": specs.dump_resolved(spec)})
+    with states.DriverLock.resume(storage, "rel-20261125-100000") as live, \
+            states.DriverLock.resume(storage, "rel-20261125-080000"):  # (this process holds both)
+        early = frontdoor.early_problem(["--config", str(spec_path), "--resume"])
+        with pytest.raises(specs.SpecError) as full:
+            states.resumed_state(spec, "latest")
+        for message in (early, str(full.value)):
+            assert message is not None and f"rel-20261125-100000 is being run by a live driver (pid " \
+                                           f"{live.info['pid']} " in message
+            assert "`--resume rel-20261125-090000`" in message, message  # the newest no driver holds
+            assert "newest first: rel-20261125-090000;" in message  # 080000 is held too: not offered
+        # a named run is the user's choice: no other run offered
+        named = frontdoor.early_problem(["--config", str(spec_path), "--resume", "rel-20261125-100000"])
+        assert "is being run by a live driver" in named and "earlier run" not in named
+    assert states.resumed_state(spec, "latest")["experiment"] == "rel-20261125-100000"  # its driver ended
