@@ -2,7 +2,8 @@
 the answer-only LM loss, the optimiser and schedule, a progress bar, and a once-only, process-safe cache.
 
 A cached model is trained once into a directory under ``$PROMPRUNE_CACHE``: a file lock keeps concurrent processes
-(Ray actors) from training twice, and an atomic rename keeps them from reading half a checkpoint.
+(Ray actors, two sweeps started at once) from training twice, a process that finds it held says once that it waits
+for the other's training, and an atomic rename keeps them from reading half a checkpoint.
 """
 from __future__ import annotations
 
@@ -124,12 +125,22 @@ def load_trained(directory: Path, train: Callable[[], tuple], what: str):
 def train_once(directory: Path, train: Callable[[], tuple], what: str) -> None:
     """Make sure ``directory`` holds a finished checkpoint: ``train()`` -> ``(model, processor)`` saved into it once.
 
-    Concurrent callers wait for the one that trains; a leftover half-written directory is replaced.
+    Concurrent callers wait for the one that trains, saying so once (a second sweep started beside the first waited
+    minutes without a line); a leftover half-written directory is replaced.
     """
+    from filelock import Timeout
+
     directory = Path(directory)
     if complete(directory):
         return
-    with locked(directory.with_name(f".{directory.name}.lock")):
+    lock = locked(directory.with_name(f".{directory.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("%s is being trained by another process (its lock %s is held): waiting for it to finish, then "
+                    "loading it", what, lock.lock_file)
+        lock.acquire()
+    try:
         if complete(directory):  # another process finished while we waited
             return
         log.warning("%s not found: training %s (once)", directory, what)
@@ -137,3 +148,5 @@ def train_once(directory: Path, train: Callable[[], tuple], what: str) -> None:
         with atomic_path(directory) as tmp:  # replaces an incomplete leftover, never a finished one
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
+    finally:
+        lock.release()

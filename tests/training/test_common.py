@@ -73,3 +73,29 @@ def test_an_incomplete_leftover_is_replaced(tmp_path):
     (target / "config.json").write_text("half")  # a killed run: no weights
     train_once(target, lambda: (Saved("model.safetensors"), Saved("config.json")), "a test model")
     assert complete(target) and (target / "config.json").read_text() == "x"
+
+
+def test_a_caller_that_waits_for_another_training_says_so_at_once(tmp_path, caplog):
+    """Two sweeps of tiny-easyvqa:llava started at once on a fresh cache: the second waited on the lock for the
+    whole training (3 minutes on 2 idle cores, 45 under load) without a line. It now says at once whom it waits for,
+    then loads what the other saved."""
+    target = tmp_path / "model-v1"
+    other = locked(tmp_path / ".model-v1.lock")  # another process training (this test holds its lock)
+    other.acquire()
+    calls = []
+    waiter = threading.Thread(target=train_once, args=(target, lambda: calls.append(1), "a test model"), daemon=True)
+    with caplog.at_level("WARNING", logger="promprune.training.common"):
+        try:
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while "being trained by another process" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "a test model is being trained by another process" in caplog.text
+            assert str(tmp_path / ".model-v1.lock") in caplog.text and waiter.is_alive()
+        finally:
+            for saved in (Saved("model.safetensors"), Saved("config.json")):  # the other process's checkpoint lands
+                saved.save_pretrained(target)
+            other.release()
+            waiter.join(30)
+    assert not waiter.is_alive() and calls == []  # loaded, not trained again
+    assert "not found: training" not in caplog.text
