@@ -27,7 +27,8 @@ visual tokens: spectral (the method's), feature-norm and attention entropy. This
    ``judge/ratings.json`` (the cache), ``fig2_concentration.csv`` (task, doc_id, rating, spectral, feature_norm,
    attention, the judge's reply), and ``report/`` (the figure, per-rating means, report.md); metrics
    ``fig2/<metric>/rating_<r>``, ``fig2/n/rating_<r>``, ``fig2/spearman/<metric>``, ``judge/requests``. The same
-   files go to ``--out`` (default ``reports/<spec name>/``).
+   files go to ``--out`` (default ``reports/<spec name>/``): built aside and logged from there, then copied in whole
+   under the folder's lock, so two runs at once each log their own (`log_outputs`).
 
     python pipelines/fig2_concentration.py                       # the paper's setting (needs OPENAI_API_KEY, a GPU)
     RAY_AUTH_MODE=token ray job submit --entrypoint-num-gpus 1 --working-dir . -- python pipelines/fig2_concentration.py
@@ -297,29 +298,34 @@ def no_rating_message(ratings: list) -> str:
     return f"none of the {len(ratings)} images got a rating, so there is no figure to draw: {'; '.join(parts)}"
 
 
-def log_outputs(client, run_id: str, frame, out: Path, spec, judge) -> Path | None:
-    """CSV, per-rating table, figure and report.md into ``out`` and onto the run; the metrics."""
+def log_outputs(client, run_id: str, frame, out: Path, spec, judge) -> tuple[Path | None, str]:
+    """CSV, per-rating table, figure and report.md into ``out`` and onto the run; the metrics. Returns the figure's
+    path in ``out`` (None: no figure) and report.md's text. Written first into a staging folder of this run's own
+    (`paths.staging_folder`) and logged from there, then copied into ``out`` (`paths.publish`): two runs sharing the
+    default ``reports/<spec name>/`` each log their own files (one logged the other's per-rating table and report)."""
     from pipelines.recording import tracking
     from pipelines.reporting import concentration
 
-    out.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(out / TABLE_NAME, index=False)
-    client.log_artifact(run_id, str(out / TABLE_NAME))
-    summary = concentration.summary(frame)
-    summary.to_csv(out / SUMMARY_NAME)
-    figure = concentration.figure(frame, out / FIGURE_NAME,
-                                  title=f"{spec.model.pretrained}, judge {judge.model}, {len(frame)} images")
-    text = concentration.markdown(frame, FIGURE_NAME if figure else None, model=spec.model.pretrained,
-                                  judge=judge.model, tasks=list(spec.tasks))
-    (out / "report.md").write_text(text)
-    for name in [SUMMARY_NAME, "report.md"] + ([FIGURE_NAME] if figure else []):
-        client.log_artifact(run_id, str(out / name), mlflow_layout.REPORT_DIR)
+    with paths.staging_folder(out) as staging:
+        frame.to_csv(staging / TABLE_NAME, index=False)
+        summary = concentration.summary(frame)
+        summary.to_csv(staging / SUMMARY_NAME)
+        figure = concentration.figure(frame, staging / FIGURE_NAME,
+                                      title=f"{spec.model.pretrained}, judge {judge.model}, {len(frame)} images")
+        text = concentration.markdown(frame, FIGURE_NAME if figure else None, model=spec.model.pretrained,
+                                      judge=judge.model, tasks=list(spec.tasks))
+        (staging / "report.md").write_text(text)
+        client.log_artifact(run_id, str(staging / TABLE_NAME))
+        report = [SUMMARY_NAME, "report.md"] + ([FIGURE_NAME] if figure else [])
+        for name in report:
+            client.log_artifact(run_id, str(staging / name), mlflow_layout.REPORT_DIR)
+        paths.publish([staging / name for name in [TABLE_NAME, *report]], staging, out)
     metrics = {f"fig2/spearman/{m}": v for m, v in concentration.correlations(frame).items()}
     for r in summary.index:
         metrics[f"fig2/n/rating_{r}"] = float(summary.loc[r, "n"])  # plain floats: numpy scalars are not logged
         metrics.update({f"fig2/{m}/rating_{r}": float(summary.loc[r, f"{m}_mean"]) for m in METRICS})
     tracking.log_metrics(client, run_id, metrics)
-    return figure
+    return (out / FIGURE_NAME if figure else None), text
 
 
 def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
@@ -367,13 +373,13 @@ def run(spec, judge, budget: int, args: argparse.Namespace) -> int:
         values = entropies(spec, budget, images)
         frame = table(requests, ratings, values)
         out = out_dir(args, spec)
-        figure = log_outputs(client, run_id, frame, out, spec, judge)
+        figure, text = log_outputs(client, run_id, frame, out, spec, judge)
         counts = {"judge/cached": sum(r.cached for r in ratings),
                   "judge/unparsable": sum(r.rating is None and r.error is None for r in ratings),
                   "judge/failed": sum(r.error is not None for r in ratings), "samples/images": len(requests),
                   "samples/skipped": len(broken)}
         tracking.log_metrics(client, run_id, counts)
-        print((out / "report.md").read_text())
+        print(text)  # this run's (another run may have written the folder since)
         print(f"judge requests: {judge.requests_sent} ({counts['judge/cached']} of {len(requests)} ratings from the "
               f"cache); files in {out.resolve()}{' (figure: ' + str(figure) + ')' if figure else ''}; "
               f"MLflow run {run_id}")

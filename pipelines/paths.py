@@ -267,3 +267,45 @@ def out_problem(out: Path, writer: str, *, default: bool = False) -> str | None:
         where = "" if existing == out.absolute() else f" in {existing}"
         return f"{name}: {writer} cannot write{where} (permission denied); {fix}"
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# an output folder several runs may write at once (reports/<sweep name>/: two reports of a sweep name, two runs of
+# fig2_concentration.py): each builds aside, logs from there, then publishes its files whole under the folder's lock
+
+OUT_LOCK = ".report.lock"  # in the --out folder: writers publishing there take turns
+
+
+@contextlib.contextmanager
+def staging_folder(out: Path):
+    """A fresh hidden folder in ``out`` (``.building-<pid>-<random>``, ``out`` made if missing) that this process
+    alone writes, removed on the way out. Written in ``out`` directly, two runs' files of the same names replaced each
+    other's between one's writing and its logging, so a run's MLflow artifacts held another run's tables."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(files, staging: Path, out: Path) -> list[Path]:
+    """Copy ``files`` (paths under ``staging``) to the same places under ``out``, each replaced whole
+    (`promprune.atomic.atomic_path`), while holding ``out``'s lock (`OUT_LOCK`: a writer publishing there at the same
+    time waits its turn, so the folder holds one writer's files, not a mix); returns their paths under ``out``.
+    Files there that this writer does not write stay as they were."""
+    import shutil
+
+    from promprune.atomic import atomic_path, locked
+
+    placed = []
+    with locked(out / OUT_LOCK):
+        for path in files:
+            target = out / Path(path).relative_to(staging)
+            with atomic_path(target) as tmp:
+                shutil.copyfile(path, tmp)
+            placed.append(target)
+    return placed

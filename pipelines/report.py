@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from urllib.parse import urlparse
 if __name__ == "__main__" and (Path(__file__).resolve().parents[1] / "pyproject.toml").is_file():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: its packages first
 
+from pipelines import paths
 from pipelines.mlflow_layout import sqlite_path, tracking_uri
 from pipelines.paths import out_problem, refuses_file_writes, refuses_writes
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     unfinished = sweep.unfinished()
     if unfinished:
         print(f"report: {unfinished}", file=sys.stderr, flush=True)
-    with staging_folder(out) as staging:  # this report's own files, whatever another report writes to ``out``
+    with paths.staging_folder(out) as staging:  # its own files, whatever another report writes to ``out``
         built = build_report(sweep, staging, grid=grid)
         report = publish(built, out)
         print(report.markdown)
@@ -164,47 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-LOCK_NAME = ".report.lock"  # in the --out folder: reports publishing there take turns
-
-
-@contextlib.contextmanager
-def staging_folder(out: Path):
-    """A fresh hidden folder in ``out`` (``.building-<pid>-<random>``) that this report alone writes, removed on
-    the way out. Two reports of one sweep name at once (two people, a nightly's report beside a manual one) share the
-    default ``reports/<sweep name>/``: built there directly, one's files (same names: ``scores.csv``, the figures)
-    replaced the other's between its writing and its logging, so a parent run's ``report/`` artifacts held another
-    run's tables."""
-    import shutil
-    import uuid
-
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / f".building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
 
 def publish(built, out: Path):
-    """Copy the report ``built`` in its staging folder into ``out``, each file replaced whole (`atomic_path`), while
-    holding ``out``'s lock (`LOCK_NAME`: a report publishing there at the same time waits its turn, so the folder holds
-    one report's files, not a mix); returns the report as it now lies in ``out``. Files of an earlier report that
-    this one does not write stay as they were (a folder shared by a sweep name's reports)."""
+    """The report ``built`` in its staging folder copied into ``out`` (`paths.publish`: whole files, under ``out``'s
+    lock), as it now lies there."""
     import dataclasses
-    import shutil
 
-    from promprune.atomic import atomic_path, locked
-
-    files = []
-    with locked(out / LOCK_NAME):
-        for path in built.files:
-            target = out / Path(path).relative_to(built.out_dir)
-            with atomic_path(target) as tmp:
-                shutil.copyfile(path, tmp)
-            files.append(target)
-    return dataclasses.replace(built, out_dir=out, files=files)
-
+    return dataclasses.replace(built, out_dir=out, files=paths.publish(built.files, built.out_dir, out))
 
 if __name__ == "__main__":
     sys.exit(main())

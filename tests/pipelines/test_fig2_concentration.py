@@ -271,3 +271,39 @@ def test_samples_are_distinct_images(monkeypatch):
     assert [q.doc_id for q in got] == [0, 4, 8]
     got = fig2.sample_requests("t", 6, seed=0)  # k = 2: docs 0, 2, 4, .. (images 0, 0, 1, 2, 2, 3): 4 < 6 -> k = 1
     assert [q.doc_id for q in got] == [0, 3, 6, 9]
+
+
+def test_two_runs_writing_one_out_folder_each_log_their_own_files(store, tmp_path, monkeypatch):  # noqa: F811
+    """Two runs of fig2_concentration.py share the default reports/fig2_concentration/: run A finishing its files
+    while run B draws its figure made B log A's per-rating table and report.md (B wrote them, A replaced them, B
+    logged what lay there)."""
+    from types import SimpleNamespace
+
+    from pipelines.reporting import concentration
+
+    client, exp = store
+    spec, judge = SimpleNamespace(model=SimpleNamespace(pretrained="m"), tasks=["a"]), SimpleNamespace(model="j")
+
+    def frame(n):
+        return pd.DataFrame({"task": ["a"] * n, "doc_id": range(n), "rating": pd.array([1 + i % 5 for i in range(n)],
+                                                                                        "Int64"),
+                             "spectral": [0.1 * (i % 9) for i in range(n)], "feature_norm": [0.9] * n,
+                             "attention": [0.5] * n})
+
+    runs = {n: client.create_run(exp).info.run_id for n in (4, 7)}  # A: 4 images, B: 7
+    out, real, other = tmp_path / "reports" / "fig2_concentration", concentration.figure, []
+
+    def figure_after_the_other_run(frame_, path, **kw):
+        if len(frame_) == 7 and not other:  # B's figure: meanwhile A writes and logs everything
+            other.append(fig2.log_outputs(client, runs[4], frame(4), out, spec, judge))
+            assert pd.read_csv(out / fig2.SUMMARY_NAME)["n"].sum() == 4  # A's, whole, in the folder meanwhile
+        return real(frame_, path, **kw)
+
+    monkeypatch.setattr(concentration, "figure", figure_after_the_other_run)
+    fig2.log_outputs(client, runs[7], frame(7), out, spec, judge)
+    for n, run in runs.items():
+        summary = pd.read_csv(client.download_artifacts(run, f"report/{fig2.SUMMARY_NAME}", str(tmp_path / f"{n}")))
+        assert summary["n"].sum() == n, f"the run of {n} images logged another run's per-rating table"
+        table = pd.read_csv(client.download_artifacts(run, fig2.TABLE_NAME, str(tmp_path / f"{n}t")))
+        assert len(table) == n
+    assert pd.read_csv(out / fig2.SUMMARY_NAME)["n"].sum() == 7  # the folder: the last to finish, whole

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 
+from pipelines import paths
 from pipelines import report as report_cli
 from pipelines.reporting import build as build_mod
 
@@ -77,7 +78,7 @@ def test_a_report_publishes_only_once_the_other_report_in_that_folder_has(store,
     folder.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     codes = []
-    with locked(folder / report_cli.LOCK_NAME):
+    with locked(folder / paths.OUT_LOCK):
         worker = threading.Thread(target=lambda: codes.append(report_cli.main(["--sweep", a, "--no-log"])))
         worker.start()
         for _ in range(600):  # its build done aside (report.html is written last), so it is at the lock now
