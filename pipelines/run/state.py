@@ -607,7 +607,9 @@ def _driver_alive(driver: dict | None) -> bool | None:
 def dead_runs(storage: str, name: str, keep: str | None = None) -> list[tuple[str, dict]]:
     """The runs of sweep `name` whose driver on this host died (SIGKILL, a lost node) without finishing and left no
     writes waiting for the store (an outbox: `--resume` sends them): (experiment, its state), oldest first. ``keep``:
-    the experiment being resumed, left out. A damaged state says nothing about its driver and is left out too.
+    the experiment being resumed, left out. A damaged state says nothing about its driver and is left out too, and
+    so is a run whose lock a live driver holds: its resume, setting up, has not yet saved its own pid in the state
+    (a new run of the spec starting meanwhile marked the run it was resuming KILLED).
     `pipelines.recording.tracking.mark_dead_runs` marks their MLflow runs."""
     dead = []
     for experiment in _state_names(storage, name):
@@ -618,6 +620,8 @@ def dead_runs(storage: str, name: str, keep: str | None = None) -> list[tuple[st
         except specs.SpecError:
             continue
         if _driver_alive(state.get("driver")) is not False:
+            continue
+        if DriverLock(storage, experiment)._holder() is not None:
             continue
         if (outbox_dir(storage, experiment) / "outbox.json").is_file():
             continue

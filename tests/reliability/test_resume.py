@@ -208,6 +208,24 @@ def test_a_dead_drivers_run_is_marked_killed_on_the_next_start(scratch, tmp_path
     assert tracking.mark_dead_runs(client, str(storage), spec.name) == []  # once
 
 
+def test_a_run_being_resumed_is_not_marked_dead_by_another_start(scratch, tmp_path):
+    """A killed run's state names its dead driver until its resume, setting up (Ray, the weights: tens of seconds),
+    saves its own. A new run of the spec starting meanwhile marked that run KILLED, "driver died ... resume with",
+    while the resume held its lock and went on running it. The lock, not the pid in the state, says who runs it."""
+    spec = specs.load(scratch())
+    client = tracking.client()
+    parent = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec), {})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    storage = tmp_path / "store"
+    _state_for(spec, storage, "rel-1", parent, driver={"host": socket.gethostname(), "pid": dead.pid})
+    with states.DriverLock.resume(str(storage), "rel-1"):  # its resume, still setting up
+        assert tracking.mark_dead_runs(client, str(storage), spec.name) == []
+        assert client.get_run(parent).info.status == "RUNNING"
+        assert mlflow_layout.INTERRUPTED not in client.get_run(parent).data.tags
+    assert tracking.mark_dead_runs(client, str(storage), spec.name) == ["rel-1"]  # the resume died too: marked
+
+
 def test_state_records_what_resume_needs(scratch, tmp_path):
     spec = specs.load(scratch())
     state = _state_for(spec, tmp_path / "store", "rel-9")
