@@ -206,6 +206,10 @@ REPORT_DIR = "report"
 
 # metrics
 REL = "rel"  # a fraction: 1.0 = the unpruned model
+# parent param: JSON {task: [metric, ...]} for the sweep's tasks promprune.eval has no choice for (a task of one's own:
+# the first metric of its own YAML, `promprune.eval.tasks.primary_metrics`), what its Rel. was computed on; the
+# report takes its columns from it (it cannot read the task folders, `include_path`, where it runs)
+PRIMARY_PARAM = "primary_metrics"
 # a trial a scheduler stopped: its running scores (and Rel.) over the samples it had answered, under this prefix
 # (`running/rel`, `running/<task>/<metric>`), never under a finished trial's keys
 RUNNING = "running"

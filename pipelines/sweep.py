@@ -327,7 +327,8 @@ def _run_tune(spec, began, trials, rows, plan, storage, state, resume, pool: Wor
         parent_id = tracking.start_sweep(client, spec.name, spec.version, specs.dump_resolved(spec),
                                          {"model": spec.model.pretrained, "tasks": ",".join(spec.tasks),
                                           "limit": spec.limit, **({} if optuna else {"trials": n_trials}),
-                                          "bootstrap": spec.bootstrap, **resolved},
+                                          "bootstrap": spec.bootstrap, **resolved,
+                                          **tracking.own_primary_metrics(spec)},
                                          started=began,
                                          view=SweepView.of(spec, trials))
         state = {"parent_run_id": parent_id, "storage_path": storage, "experiment": experiment,

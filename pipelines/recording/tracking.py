@@ -167,6 +167,17 @@ def latest_trial_runs(c, parent_id: str) -> dict[str, Any]:
     return {r.data.tags.get(TRIAL): r for r in runs}
 
 
+def own_primary_metrics(spec) -> dict[str, str]:
+    """The parent param `mlflow_layout.PRIMARY_PARAM` of ``spec`` (a `SweepSpec`): the metric each of its tasks that
+    `promprune.eval.tasks.PRIMARY_METRICS` does not name is scored by (its YAML's first), which the report's columns
+    use; {} where every task is named there."""
+    from promprune.eval.tasks import PRIMARY_METRICS, primary_metrics
+
+    own = {task: list(primary_metrics(task, spec.include_path)) for task in spec.tasks if task not in PRIMARY_METRICS}
+    own = {task: metrics for task, metrics in own.items() if metrics}
+    return {mlflow_layout.PRIMARY_PARAM: json.dumps(own, sort_keys=True)} if own else {}
+
+
 def model_params(spec, on_gpu: bool) -> dict[str, str]:
     """What the workers of ``spec`` (a `SweepSpec`) run, as params: the dtype (``dtype: auto`` resolved as the workers
     resolve it for the plan's device, `weights.resolve_dtype`), the LLM attention and the spec's adapter options

@@ -76,9 +76,12 @@ FALLBACK_METRICS = (("accuracy", 100.0), ("exact_match", 100.0), ("f1", 100.0), 
                     ("relaxed_overall", 100.0), ("gpt_eval_score", 1.0))
 
 
-def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
+def column_for(task: str, logged_metrics: list[str], primary: tuple[str, ...] | None = None) -> TaskColumn:
     """The column of `task`; `logged_metrics` are the metric names seen for it (without the `task/` prefix). A task
-    without a `_DISPLAY` entry (every task this project ships has one) is shown by `FALLBACK_METRICS`, else by the
+    without a `_DISPLAY` entry (every task this project ships has one) is shown by ``primary`` where the sweep logged
+    it (`mlflow_layout.PRIMARY_PARAM`: the metric its own YAML lists first, which the sweep's Rel. used; a report that
+    took accuracy where the task listed f1 first disagreed with the sweep's Rel.), scaled as `FALLBACK_METRICS` scales
+    that name; else by `FALLBACK_METRICS`, else by the
     first of its logged metrics (not a count or a bound) as logged: its unit is not known here, and a wrong scale
     would print a number x100 off (Rel. is a ratio, the same either way).
 
@@ -90,6 +93,9 @@ def column_for(task: str, logged_metrics: list[str]) -> TaskColumn:
     known = KNOWN_COLUMNS.get(task)
     if known is not None:
         return known
+    if primary:
+        scale = dict(FALLBACK_METRICS).get(primary[0], 1.0) if len(primary) == 1 else 1.0
+        return TaskColumn(task, task, tuple(primary), scale=scale, unit="%" if scale == 100.0 else AS_LOGGED)
     # a metric known only by its NaN count names the column only where no metric has a number: an always-NaN metric
     # beside a scored one would take the column (accuracy first) and turn the row's Rel. into a partial one
     names = {m for m in logged_metrics if not is_count(m)} or {

@@ -262,7 +262,7 @@ def _task_panel(ctx: _Budget, task: str) -> Panel | None:
         ctx.notes.append(f"{task} at {ctx.budget:.0f} tokens: fewer than two fixed ratios answered its documents "
                          "(or their per-sample items could not be had here)")
         return None
-    column = KNOWN_COLUMNS.get(task) or column_for(task, _logged(ctx.sweep, task))
+    column = KNOWN_COLUMNS.get(task) or column_for(task, _logged(ctx.sweep, task), ctx.sweep.primary.get(task))
     units, _, kind = unit_scores(first, column.scale)
     fixed = np.column_stack([unit_scores(arms[r], column.scale)[1] for r in same])  # [n, K]
     shares = np.array([_fixed_share(ctx.preds_of(rid), r, ctx.budget) for r, rid in same.items()])

@@ -4,6 +4,7 @@ The schema is `pipelines.mlflow_layout`, the one `pipelines/sweep.py` writes thr
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import tempfile
@@ -37,6 +38,9 @@ class Sweep:
     experiment_id: str | None = None  # the parent run's experiment (an earlier sweep's calibration is read there)
     # after `mean_over_repeats`: per row that is the mean of several runs, those runs' own metrics
     repeat_metrics: dict = field(default_factory=dict)
+    # {task: (metric, ...)}: the metric each task of one's own was scored by (the parent's `PRIMARY_PARAM`; {} in
+    # older stores and where every task is one promprune.eval names), which its column shows
+    primary: dict = field(default_factory=dict)
 
     def unfinished(self) -> str | None:
         """What a report of an unfinished sweep lacks, in one sentence (None: the sweep finished)."""
@@ -222,7 +226,21 @@ def load_sweep(ref: str | None = None, flag: str = "--sweep") -> Sweep:
                       if k.startswith("metrics.") and v is not None and v == v}
     bootstrap = pd.to_numeric(pd.Series([parent.get("params.bootstrap")]), errors="coerce").iloc[0]
     return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned,
-                 None if pd.isna(bootstrap) else int(bootstrap), _parent_tasks(parent), parent["experiment_id"])
+                 None if pd.isna(bootstrap) else int(bootstrap), _parent_tasks(parent), parent["experiment_id"],
+                 primary=_parent_primary(parent))
+
+
+def _parent_primary(parent: pd.Series) -> dict[str, tuple[str, ...]]:
+    """The parent's `mlflow_layout.PRIMARY_PARAM` ({} where it has none, or one this code cannot read)."""
+    value = parent.get(f"params.{mlflow_layout.PRIMARY_PARAM}")
+    try:
+        loaded = json.loads(value) if isinstance(value, str) else {}
+    except ValueError:
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    return {task: tuple(m for m in metrics if isinstance(m, str)) for task, metrics in loaded.items()
+            if isinstance(task, str) and isinstance(metrics, list) and metrics}
 
 
 def _parent_tasks(parent: pd.Series) -> list[str]:

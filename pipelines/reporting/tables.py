@@ -125,7 +125,7 @@ def build_score_table(sweep: Sweep) -> ScoreTable:
     columns = []
     for task in sweep.tasks():
         logged = [c.split("/", 1)[1] for c in metrics.columns if c.startswith(f"{task}/")]
-        columns.append(column_for(task, logged))
+        columns.append(column_for(task, logged, sweep.primary.get(task)))
     frame = trials[["method", "budget", "variant", "label"]].copy()
     for col in columns:
         frame[col.task] = task_score(metrics, col)

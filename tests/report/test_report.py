@@ -667,6 +667,38 @@ def test_a_task_of_ones_own_with_no_number_logged_is_a_column_of_nan_or_dashes(s
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_a_task_of_ones_own_is_shown_by_the_metric_its_yaml_lists_first_as_the_sweeps_rel(store, tmp_path):
+    """Probe S: a task of one's own (include_path) whose YAML lists f1 before accuracy: the sweep's Rel. used f1
+    (`primary_metrics`: the YAML's first), the report its fallback list (accuracy first), so the two disagreed (0.9941
+    against 99.1%). The sweep logs the task's metric on its parent (`tracking.own_primary_metrics`, read from a real
+    task folder here) and the report's column and Rel. use it. By hand: f1 .90 / .80 -> Rel. (.80 / .90 + .72 / .80) / 2
+    = 89.4%; by accuracy (.50 / .60) it would be 86.7%."""
+    from pipelines import mlflow_layout
+    from pipelines.recording import tracking
+    from pipelines import spec as specs
+    from tests.own_task import write_task
+
+    folder = tmp_path / "tasks" / "own_f1"
+    write_task(folder, "own_f1", metrics=("f1", "accuracy"), questions=["q"])
+    spec = specs.parse({"name": "own_f1", "version": 1, "model": {"pretrained": "tiny:llava"},
+                        "tasks": ["own_f1", "pope"], "include_path": [str(folder)], "baseline": True,
+                        "grid": {"method": ["divprune"], "budget": [64]}})
+    params = tracking.own_primary_metrics(spec)
+    assert params == {mlflow_layout.PRIMARY_PARAM: '{"own_f1": ["f1"]}'}  # POPE: promprune.eval names its metric
+    client, exp = store
+    rows = [trial("none", None, {"own_f1/f1": 0.90, "own_f1/accuracy": 0.60, "pope/pope_f1_score": 0.80}),
+            trial("divprune", 64, {"own_f1/f1": 0.80, "own_f1/accuracy": 0.50, "pope/pope_f1_score": 0.72})]
+    for name, logged in (("own_f1_old", {}), ("own_f1_new", params)):
+        parent = log_sweep(client, exp, name, rows, tasks=["own_f1", "pope"], tmp=tmp_path)
+        for key, value in logged.items():
+            client.log_param(parent, key, value)
+    table = tables.build_score_table(load_sweep("own_f1_new"))
+    assert [c.metrics for c in table.columns] == [("f1",), ("pope_f1_score",)]
+    assert table.frame.set_index("method").loc["divprune", "rel"] == pytest.approx((0.80 / 0.90 + 0.72 / 0.80) * 50)
+    old = tables.build_score_table(load_sweep("own_f1_old"))  # a store without the param: the fallback, as before
+    assert old.frame.set_index("method").loc["divprune", "rel"] == pytest.approx((0.50 / 0.60 + 0.72 / 0.80) * 50)
+
+
 def test_no_figure_of_empty_axes_when_no_trial_has_a_number(store, tmp_path, monkeypatch):
     """Probe Q: a sweep none of whose pruned trials finished drew `ablation_bars.png` with a legend and no bar (and two
     budgets of them an empty trade-off curve). The score figures are skipped, and the report says so; a trial with no
