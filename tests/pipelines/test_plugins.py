@@ -51,7 +51,8 @@ def own_task(directory: Path, name: str) -> Path:
 
 @pytest.fixture
 def isolated(monkeypatch):
-    """Methods and modules a test registers or imports are gone afterwards; the plugin variables are restored."""
+    """Methods and modules (new top-level ones) a test registers or imports are gone afterwards; the plugin variables
+    are restored."""
     names, modules = set(registry._REGISTRY), set(sys.modules)
     for variable in (library.ENV, tasks.INCLUDE_PATH_ENV):  # set, then unset: restored after the test either way
         monkeypatch.setenv(variable, "")
@@ -59,8 +60,10 @@ def isolated(monkeypatch):
     yield
     for name in set(registry._REGISTRY) - names:
         registry._REGISTRY.pop(name)
-    for name in set(sys.modules) - modules:
-        sys.modules.pop(name)
+    tops = {name.partition(".")[0] for name in modules}
+    for name in set(sys.modules) - modules:  # the plugins' own modules; a package imported before keeps the
+        if name.partition(".")[0] not in tops:  # submodules imported meanwhile (torch._dynamo's, imported lazily:
+            sys.modules.pop(name)  # popped, its next import registered its torch library twice and failed)
 
 
 def spec_text(name: str, method: str, extra: str = "") -> str:
