@@ -208,7 +208,8 @@ REPORT_DIR = "report"
 REL = "rel"  # a fraction: 1.0 = the unpruned model
 # parent param: JSON {task: [metric, ...]} for the sweep's tasks promprune.eval has no choice for (a task of one's own:
 # the first metric of its own YAML, `promprune.eval.tasks.primary_metrics`), what its Rel. was computed on; the
-# report takes its columns from it (it cannot read the task folders, `include_path`, where it runs)
+# report takes its columns from it (the task folders, `include_path`, may not be where it runs; a run recorded
+# without it: `reporting.store._recorded_primary` resolves them through its `spec.yaml`'s include_path, if still there)
 PRIMARY_PARAM = "primary_metrics"
 # a trial a scheduler stopped: its running scores (and Rel.) over the samples it had answered, under this prefix
 # (`running/rel`, `running/<task>/<metric>`), never under a finished trial's keys

@@ -171,10 +171,9 @@ def own_primary_metrics(spec) -> dict[str, str]:
     """The parent param `mlflow_layout.PRIMARY_PARAM` of ``spec`` (a `SweepSpec`): the metric each of its tasks that
     `promprune.eval.tasks.PRIMARY_METRICS` does not name is scored by (its YAML's first), which the report's columns
     use; {} where every task is named there."""
-    from promprune.eval.tasks import PRIMARY_METRICS, primary_metrics
+    from promprune.eval.tasks import own_primary_metrics as of_tasks
 
-    own = {task: list(primary_metrics(task, spec.include_path)) for task in spec.tasks if task not in PRIMARY_METRICS}
-    own = {task: metrics for task, metrics in own.items() if metrics}
+    own = {task: list(metrics) for task, metrics in of_tasks(spec.tasks, spec.include_path).items()}
     return {mlflow_layout.PRIMARY_PARAM: json.dumps(own, sort_keys=True)} if own else {}
 
 

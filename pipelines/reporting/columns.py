@@ -78,12 +78,13 @@ FALLBACK_METRICS = (("accuracy", 100.0), ("exact_match", 100.0), ("f1", 100.0), 
 
 def column_for(task: str, logged_metrics: list[str], primary: tuple[str, ...] | None = None) -> TaskColumn:
     """The column of `task`; `logged_metrics` are the metric names seen for it (without the `task/` prefix). A task
-    without a `_DISPLAY` entry (every task this project ships has one) is shown by ``primary`` where the sweep logged
-    it (`mlflow_layout.PRIMARY_PARAM`: the metric its own YAML lists first, which the sweep's Rel. used; a report that
-    took accuracy where the task listed f1 first disagreed with the sweep's Rel.), scaled as `FALLBACK_METRICS` scales
-    that name; else by `FALLBACK_METRICS`, else by the
-    first of its logged metrics (not a count or a bound) as logged: its unit is not known here, and a wrong scale
-    would print a number x100 off (Rel. is a ratio, the same either way).
+    without a `_DISPLAY` entry (every task this project ships has one) is shown by ``primary`` where the store has
+    it (`Sweep.primary`: the sweep's `mlflow_layout.PRIMARY_PARAM`, or for an older run the task resolved through
+    the `include_path` its `spec.yaml` records: the metric its own YAML lists first, which the sweep's Rel. used; a
+    report that took accuracy where the task listed f1 first disagreed with the sweep's Rel.), scaled as
+    `FALLBACK_METRICS` scales that name; else by `FALLBACK_METRICS`, else by the first of its logged metrics (not a
+    count or a bound) as logged: its unit is not known here, and a wrong scale would print a number x100 off (Rel. is
+    a ratio, the same either way).
 
     A metric that no trial logged a number for still names the column when its ``<metric>_n_nan`` count was logged
     and no other metric of the task has a number (it was NaN in every trial: MLflow keeps no NaN, so only the count

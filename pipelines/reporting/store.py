@@ -9,6 +9,7 @@ import os
 import shlex
 import tempfile
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -38,8 +39,8 @@ class Sweep:
     experiment_id: str | None = None  # the parent run's experiment (an earlier sweep's calibration is read there)
     # after `mean_over_repeats`: per row that is the mean of several runs, those runs' own metrics
     repeat_metrics: dict = field(default_factory=dict)
-    # {task: (metric, ...)}: the metric each task of one's own was scored by (the parent's `PRIMARY_PARAM`; {} in
-    # older stores and where every task is one promprune.eval names), which its column shows
+    # {task: (metric, ...)}: the metric each task of one's own was scored by (the parent's `PRIMARY_PARAM`; in older
+    # stores `_recorded_primary`; {} where every task is one promprune.eval names), which its column shows
     primary: dict = field(default_factory=dict)
 
     def unfinished(self) -> str | None:
@@ -225,9 +226,12 @@ def load_sweep(ref: str | None = None, flag: str = "--sweep") -> Sweep:
     parent_metrics = {k[len("metrics."):]: float(v) for k, v in parent.items()
                       if k.startswith("metrics.") and v is not None and v == v}
     bootstrap = pd.to_numeric(pd.Series([parent.get("params.bootstrap")]), errors="coerce").iloc[0]
-    return Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned,
-                 None if pd.isna(bootstrap) else int(bootstrap), _parent_tasks(parent), parent["experiment_id"],
-                 primary=_parent_primary(parent))
+    sweep = Sweep(parent["run_id"], name, tags, trials, metrics, options, parent_metrics, parent["status"], planned,
+                  None if pd.isna(bootstrap) else int(bootstrap), _parent_tasks(parent), parent["experiment_id"],
+                  primary=_parent_primary(parent))
+    if not isinstance(parent.get(f"params.{mlflow_layout.PRIMARY_PARAM}"), str):  # a run recorded before the param
+        sweep = replace(sweep, primary=_recorded_primary(parent["run_id"], sweep.tasks()))
+    return sweep
 
 
 def _parent_primary(parent: pd.Series) -> dict[str, tuple[str, ...]]:
@@ -241,6 +245,37 @@ def _parent_primary(parent: pd.Series) -> dict[str, tuple[str, ...]]:
         return {}
     return {task: tuple(m for m in metrics if isinstance(m, str)) for task, metrics in loaded.items()
             if isinstance(task, str) and isinstance(metrics, list) and metrics}
+
+
+def _recorded_primary(run_id: str, tasks: list[str]) -> dict[str, tuple[str, ...]]:
+    """For a parent run recorded without `mlflow_layout.PRIMARY_PARAM` (before 2026-12-08): the metric each of
+    ``tasks`` that promprune.eval does not name was scored by, resolved as the sweep resolved it
+    (`promprune.eval.tasks.own_primary_metrics`) through the task folders its `spec.yaml` records (`include_path`)
+    where they are still here; {} where it records none, none is here or its spec cannot be read (the columns then
+    take `columns.FALLBACK_METRICS`)."""
+    from promprune.eval.tasks import PRIMARY_METRICS, own_primary_metrics
+
+    own = [task for task in tasks if task not in PRIMARY_METRICS]
+    if not own:
+        return {}
+    import yaml
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            text = Path(MlflowClient().download_artifacts(run_id, mlflow_layout.SPEC_ARTIFACT, d)).read_text()
+            recorded = yaml.safe_load(text)
+        except (MlflowException, OSError, yaml.YAMLError):
+            return {}
+    paths = recorded.get("include_path") if isinstance(recorded, dict) else None
+    paths = [paths] if isinstance(paths, str) else paths if isinstance(paths, list) else []
+    paths = [p for p in paths if isinstance(p, str) and Path(p).is_dir()]
+    if not paths:
+        return {}
+    try:
+        return own_primary_metrics(own, paths)
+    except (ValueError, OSError):  # a task folder lmms-eval cannot index (any more): the fallback list
+        return {}
 
 
 def _parent_tasks(parent: pd.Series) -> list[str]:

@@ -387,6 +387,15 @@ def primary_metrics(task: str, include_path: str | list[str] | None = None) -> t
     return (first,) if isinstance(first, str) else ()
 
 
+def own_primary_metrics(tasks: list[str], include_path: str | list[str] | None = None) -> dict[str, tuple[str, ...]]:
+    """``primary_metrics`` of each of ``tasks`` that ``PRIMARY_METRICS`` does not name (a task of one's own: its
+    YAML's first metric), those that have one: what the sweep's Rel. of such a task used. The sweep logs it on its
+    parent run (``pipelines.recording.tracking.own_primary_metrics``) and the report shows the same metric from it,
+    or, for a run recorded without it, from its recorded ``include_path`` (``pipelines.reporting.store``)."""
+    own = {task: primary_metrics(task, include_path) for task in tasks if task not in PRIMARY_METRICS}
+    return {task: metrics for task, metrics in own.items() if metrics}
+
+
 def check_limit(task: str, limit: int | None) -> str | None:
     """Why ``limit`` cannot score ``task`` (None when it can): MME scores question pairs (two questions per image,
     consecutive documents), so an odd limit would cut the last pair and fail only after everything is generated."""

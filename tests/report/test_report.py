@@ -699,6 +699,36 @@ def test_a_task_of_ones_own_is_shown_by_the_metric_its_yaml_lists_first_as_the_s
     assert old.frame.set_index("method").loc["divprune", "rel"] == pytest.approx((0.50 / 0.60 + 0.72 / 0.80) * 50)
 
 
+def test_a_run_recorded_before_the_primary_param_takes_its_metric_from_its_recorded_include_path(store, tmp_path):
+    """A parent run recorded without `mlflow_layout.PRIMARY_PARAM` (before 2026-12-08) of a task of one's own whose
+    YAML lists f1 before accuracy: the report resolves the task through the `include_path` its `spec.yaml` records
+    (the resolved spec the sweep logs), as the sweep did, and shows f1; once that folder is gone, the fallback list
+    (accuracy first), as before. By hand: f1 .90 / .80 -> Rel. (.80 / .90 + .72 / .80) / 2 = 89.4%; by accuracy
+    (.50 / .60) 86.7%."""
+    import shutil
+
+    from pipelines import spec as specs
+    from tests.own_task import write_task
+
+    folder = tmp_path / "tasks" / "own_f1_rec"
+    write_task(folder, "own_f1_rec", metrics=("f1", "accuracy"), questions=["q"])
+    spec = specs.parse({"name": "own_f1_rec", "version": 1, "model": {"pretrained": "tiny:llava"},
+                        "tasks": ["own_f1_rec", "pope"], "include_path": [str(folder)], "baseline": True,
+                        "grid": {"method": ["divprune"], "budget": [64]}})
+    client, exp = store
+    rows = [trial("none", None, {"own_f1_rec/f1": 0.90, "own_f1_rec/accuracy": 0.60, "pope/pope_f1_score": 0.80}),
+            trial("divprune", 64, {"own_f1_rec/f1": 0.80, "own_f1_rec/accuracy": 0.50, "pope/pope_f1_score": 0.72})]
+    parent = log_sweep(client, exp, "own_f1_rec", rows, tasks=["own_f1_rec", "pope"], tmp=tmp_path)
+    client.log_text(parent, specs.dump_resolved(spec), "spec.yaml")  # what tracking.start_sweep records
+    table = tables.build_score_table(load_sweep("own_f1_rec"))
+    assert [c.metrics for c in table.columns] == [("f1",), ("pope_f1_score",)]
+    assert table.frame.set_index("method").loc["divprune", "rel"] == pytest.approx((0.80 / 0.90 + 0.72 / 0.80) * 50)
+    shutil.rmtree(folder)  # the task folder is not where the report runs: its fallback list, as before
+    gone = tables.build_score_table(load_sweep("own_f1_rec"))
+    assert [c.metrics for c in gone.columns] == [("accuracy",), ("pope_f1_score",)]
+    assert gone.frame.set_index("method").loc["divprune", "rel"] == pytest.approx((0.50 / 0.60 + 0.72 / 0.80) * 50)
+
+
 def test_no_figure_of_empty_axes_when_no_trial_has_a_number(store, tmp_path, monkeypatch):
     """Probe Q: a sweep none of whose pruned trials finished drew `ablation_bars.png` with a legend and no bar (and two
     budgets of them an empty trade-off curve). The score figures are skipped, and the report says so; a trial with no
