@@ -236,6 +236,11 @@ class NotRetried(tune.Callback):
             trial.max_failures = self._kept.pop(trial.trial_id)
 
 
+# its name before 2026-12-08: Tune pickles a run's callbacks in its tuner.pkl, so a run started before the rename is
+# resumed (`Tuner.restore`, `pipelines.run.state.check_tune_state`) only while this name unpickles
+ScoringErrorsNotRetried = NotRetried
+
+
 def running_scores(tables: list) -> dict[str, float]:
     """lmms-eval's metrics over the predictions so far, flat (``<task>/<metric>``)."""
     return flat_scores(score_table(pa.concat_tables(tables), partial=True))

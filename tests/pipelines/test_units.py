@@ -1122,6 +1122,21 @@ def test_a_trial_that_reports_it_is_not_retried_gets_no_tune_retry(monkeypatch):
     assert failing.max_failures == 2
 
 
+def test_a_callback_pickled_under_its_old_name_still_unpickles():
+    """Reviewer's case: Tune pickles a run's callbacks in its tuner.pkl; renaming `ScoringErrorsNotRetried` to
+    `NotRetried` made every run started before the rename unresumable (`check_tune_state`: "tuner.pkl cannot be read
+    (AttributeError: Can't get attribute 'ScoringErrorsNotRetried' ...)", its saved blocks thrown away). A pickle
+    naming the old class, as those runs wrote it, loads as the callback."""
+    import pickle
+
+    from pipelines.run import trial
+
+    data = pickle.dumps(trial.NotRetried(), protocol=0)  # protocol 0: the class named as text, as "module\nname"
+    assert b"\nNotRetried\n" in data
+    old = data.replace(b"\nNotRetried\n", b"\nScoringErrorsNotRetried\n")
+    assert isinstance(pickle.loads(old), trial.NotRetried)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # a worker's wrappers
 
