@@ -233,6 +233,13 @@ class Outbox:
             if op["tag"] in c.get_run(run_id).data.tags:  # (a retry after a lost reply finds it gone: done)
                 c.delete_tag(run_id, op["tag"])
         elif kind == "artifact":
+            if self.folder in Path(op["path"]).parents and not Path(op["path"]).is_file():
+                # its kept copy goes once it is uploaded: an op sent before a driver was killed, read again from
+                # the outbox's files (a window between a send and the files' update); retrying it would keep
+                # the outbox "down" for good
+                self.say(f"[mlflow] an artifact write for {op['key']} was sent before (its kept copy is gone): "
+                         "not sent again")
+                return
             c.log_artifact(run_id, op["path"], op.get("artifact_path"))
             _remove_kept(op["path"], self.folder)
         elif kind == "inputs":
@@ -283,7 +290,8 @@ class Outbox:
         """The ids and the pending ops, atomically (called under the lock); the journal's ops are in it now."""
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / f".outbox.{uuid.uuid4().hex[:8]}.tmp"
-        tmp.write_text(json.dumps({"ids": self.ids, "pending": list(self.queue)}))
+        # seq: the last op submitted so far: each journal line up to it is in pending or was sent (`_load`)
+        tmp.write_text(json.dumps({"ids": self.ids, "pending": list(self.queue), "seq": self.seq}))
         os.replace(tmp, self.folder / "outbox.json")
         (self.folder / JOURNAL).unlink(missing_ok=True)  # (a driver killed before this: `_load` skips its repeats)
         self.on_disk = True
@@ -299,8 +307,8 @@ class Outbox:
             f.write(json.dumps(entry) + "\n")
 
     def _clear(self) -> None:
+        (self.folder / JOURNAL).unlink(missing_ok=True)  # first: a journal left alone would be read as new ops
         (self.folder / "outbox.json").unlink(missing_ok=True)
-        (self.folder / JOURNAL).unlink(missing_ok=True)
         self.on_disk = False
 
     def _load(self) -> None:
@@ -323,15 +331,22 @@ class Outbox:
                 appended = [json.loads(line) for line in lines[:-1] if line.strip()]  # (the last: cut, or "")
                 if not _well_formed({"pending": appended}):
                     raise ValueError("not lines of outbox ops")
+                # a line up to the save's seq is in its pending or was sent (a driver killed between the save
+                # and the journal's removal): new are the lines after it
+                last = saved.get("seq") if isinstance(saved.get("seq"), int) else 0
                 have = {op.get("seq") for op in saved.get("pending", [])}
-                saved = {**saved, "pending": [*saved.get("pending", []),
-                                              *(op for op in appended if op.get("seq") not in have)]}
+                saved = {**saved, "pending": [*saved.get("pending", []), *(
+                    op for op in appended if op.get("seq") not in have
+                    and not (isinstance(op.get("seq"), int) and op["seq"] <= last))]}
         except ValueError as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors) cut short or damaged
             self._set_aside(where, len(raw), exc)
             return
         self.ids = {**saved.get("ids", {}), **self.ids}
         self.queue.extend(saved.get("pending", []))
-        self.seq = max((op["seq"] for op in self.queue if isinstance(op.get("seq"), int)), default=0)
+        self.seq = max((op["seq"] for op in self.queue if isinstance(op.get("seq"), int)),
+                       default=0)
+        if isinstance(saved.get("seq"), int):  # never below a save's: its journal lines are judged by it
+            self.seq = max(self.seq, saved["seq"])
         self.on_disk = True
         if self.queue:
             self.say(f"[mlflow] {len(self.queue)} write(s) an earlier run kept in {self.folder} go in first")

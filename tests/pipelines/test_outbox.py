@@ -2,6 +2,7 @@
 again: nothing is lost or written twice, the console is told at once, the writes wait on disk for a later driver."""
 from __future__ import annotations
 
+import json
 import time
 
 import pyarrow as pa
@@ -226,3 +227,47 @@ def test_a_write_kept_while_the_store_is_down_costs_one_line(tmp_path):
     assert kept(third) == list(range(301))  # each once; the cut line (its write in flight) lost
     third.close()
     box.close()
+
+
+def test_writes_sent_before_a_driver_was_killed_are_not_sent_again(tmp_path):
+    """Reviewer's case: a driver killed after a batch went and outbox.json was saved without it, before the journal
+    holding it was removed (or, in `_clear`, between removing outbox.json and the journal), left journal lines of
+    writes already sent; the next driver sent them again, and an artifact's kept copy, removed once uploaded, then
+    failed `log_artifact` as if the store were down: every later start said so and kept the outbox for good. Lines
+    up to the last save's op are taken as in it or sent, and an artifact whose kept copy is gone as sent (said)."""
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = c.create_run(c.create_experiment("sent")).info.run_id
+    folder = tmp_path / "outbox"
+    said = []
+    box = Outbox(c, folder, said.append, ids={"t": run}, retry_s=1.0)
+    (tmp_path / "a.txt").write_text("kept")
+    box.submit("artifact", "t", path=str(tmp_path / "a.txt"))
+    box.submit("metrics", "t", metrics={"m": 1.0}, step=0)
+    assert box.flush(30) == []
+    box.close()
+    artifact_path = next(folder.glob("files/*/a.txt"), None)
+    assert artifact_path is None  # its kept copy went with the upload
+    kept = str(folder / "files" / "gone" / "a.txt")
+    # what a killed driver left: outbox.json saved after the batch (nothing pending, seq 2), its journal still there
+    folder.mkdir(exist_ok=True)
+    (folder / "outbox.json").write_text(json.dumps({"ids": {"t": run}, "pending": [], "seq": 2}))
+    (folder / "outbox.jsonl").write_text(
+        json.dumps({"op": "artifact", "key": "t", "path": kept, "seq": 1}) + "\n"
+        + json.dumps({"op": "metrics", "key": "t", "metrics": {"m": 1.0}, "step": 0, "ms": 1, "seq": 2}) + "\n"
+        + json.dumps({"op": "tags", "key": "t", "tags": {"after": "yes"}, "seq": 3}) + "\n")
+    later = Outbox(c, folder, said.append, ids={"t": run}, retry_s=1.0)
+    assert [op["seq"] for op in later.pending_ops()] == [3]  # the lines after the save's op only
+    assert later.flush(30) == [] and later.close() == []
+    assert c.get_run(run).data.tags["after"] == "yes"
+    assert len(c.get_metric_history(run, "m")) == 1 and not folder.joinpath("outbox.json").exists()
+
+    # an artifact op whose kept copy is gone, pending in an outbox.json of older code (no seq): sent before, skipped
+    folder.mkdir(exist_ok=True)
+    (folder / "outbox.json").write_text(json.dumps({"ids": {"t": run}, "pending": [
+        {"op": "artifact", "key": "t", "path": kept}, {"op": "tags", "key": "t", "tags": {"next": "1"}}]}))
+    said.clear()
+    third = Outbox(c, folder, said.append, ids={"t": run}, retry_s=1.0)
+    assert third.flush(30) == [] and third.close() == []
+    assert c.get_run(run).data.tags["next"] == "1"
+    assert not any("does not answer" in line for line in said)
+    assert any("was sent before (its kept copy is gone)" in line for line in said)
