@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-images", type=int, default=None, help="images per stream in the captures table "
                     "(default 300; 8 with --smoke)")
     ap.add_argument("--stream-check", type=int, default=None, help="images per stream over which the captures "
-                    "table checks its model against the code (default 0; 8 with --smoke)")
+                    "table checks its model against the code (default 0; 8 with --smoke; at most --stream-images)")
     ap.add_argument("--smoke", action="store_true", help="a check of the script: small shapes (SMOKE_SHAPES), one "
                     "repeat")
     ap.add_argument("--shapes", default=None, help="which shapes to run (comma-separated, e.g. llava-1.5; default: "
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats = 1
     stream_images = args.stream_images or (8 if args.smoke else 300)
     stream_check = (8 if args.smoke else 0) if args.stream_check is None else args.stream_check
+    stream_check = min(stream_check, stream_images)  # the model counts the judged images only: no more to compare
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     flags = Flags(__file__)
     flags.at_least("--repeats", args.repeats, 1, "timed calls", 7)
