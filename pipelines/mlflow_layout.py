@@ -236,6 +236,19 @@ def client():
     return MlflowClient(uri)
 
 
+def spec_text(c, run_id: str) -> str | None:
+    """A parent run's resolved spec (its `SPEC_ARTIFACT`) through client ``c``; None when it cannot be read."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            return Path(c.download_artifacts(run_id, SPEC_ARTIFACT, d)).read_text()
+        except (MlflowException, OSError):
+            return None
+
+
 def tracking_uri(uri: str | None = None) -> str:
     """The store to use: ``uri``, else ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db`` of the working directory (of
     ``$PROMPRUNE_HOME`` in a Ray job: `pipelines.paths`)."""

@@ -359,28 +359,17 @@ def _gained_since(c, spec, runs: list, fingerprint: str) -> dict[str, list[str]]
         if tag is None or tag == fingerprint:
             continue
         run = next(r for r in runs if r.data.tags.get(mlflow_layout.SPEC_FINGERPRINT) == tag)
-        text = _spec_text(c, run.info.run_id)
+        text = mlflow_layout.spec_text(c, run.info.run_id)
         older = without_gained_defaults(spec, text) if text is not None else None
         if older is not None and spec_fingerprint(older[0]) == tag:
             out[tag] = older[1]
     return out
 
 
-def _spec_text(c, run_id: str) -> str | None:
-    """A parent run's resolved spec (its `spec.yaml` artifact); None when it cannot be read."""
-    from mlflow.exceptions import MlflowException
-
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            return Path(c.download_artifacts(run_id, mlflow_layout.SPEC_ARTIFACT, d)).read_text()
-        except (MlflowException, OSError):
-            return None
-
-
 def _spec_changes(c, before_id: str, now_id: str) -> list[str]:
     """The fields in which two parent runs' resolved specs (their `spec.yaml` artifacts) differ; [] when either
     cannot be read (the line then only says that they differ)."""
-    texts = [_spec_text(c, run_id) for run_id in (before_id, now_id)]
+    texts = [mlflow_layout.spec_text(c, run_id) for run_id in (before_id, now_id)]
     return [] if None in texts else spec_changes(*texts)
 
 

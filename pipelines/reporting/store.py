@@ -259,14 +259,12 @@ def _recorded_primary(run_id: str, tasks: list[str]) -> dict[str, tuple[str, ...
     if not own:
         return {}
     import yaml
-    from mlflow.exceptions import MlflowException
 
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            text = Path(MlflowClient().download_artifacts(run_id, mlflow_layout.SPEC_ARTIFACT, d)).read_text()
-            recorded = yaml.safe_load(text)
-        except (MlflowException, OSError, yaml.YAMLError):
-            return {}
+    text = mlflow_layout.spec_text(MlflowClient(), run_id)
+    try:
+        recorded = yaml.safe_load(text) if text is not None else None
+    except yaml.YAMLError:
+        return {}
     paths = recorded.get("include_path") if isinstance(recorded, dict) else None
     paths = [paths] if isinstance(paths, str) else paths if isinstance(paths, list) else []
     paths = [p for p in paths if isinstance(p, str) and Path(p).is_dir()]
